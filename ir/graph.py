@@ -1,0 +1,109 @@
+"""The SSA graph: every node produces exactly one value, so a node and its value are one object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+
+import numpy as np
+
+from .types import TensorType
+
+_ids = count()
+
+
+class Value:
+    """One SSA value: the op that makes it, its inputs, attributes, type and the user's line."""
+
+    __slots__ = ("op", "inputs", "attrs", "type", "loc", "role", "uid")
+
+    def __init__(self, op, inputs, attrs, type_, loc=None, role=None):
+        self.op: str = op
+        self.inputs: tuple[Value, ...] = tuple(inputs)
+        self.attrs: dict = dict(attrs)
+        self.type: TensorType = type_
+        self.loc: tuple[str, int] | None = loc
+        self.role: str | None = role  # graph inputs only: "arg", "cotangent" or "saved"
+        self.uid = next(_ids)
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def loc_text(self) -> str:
+        if self.loc is None:
+            return "<unknown>"
+        return f"{self.loc[0]}:{self.loc[1]}"
+
+    def __repr__(self) -> str:
+        return f"<Value {self.op} {self.type} #{self.uid}>"
+
+
+@dataclass
+class Graph:
+    """Inputs, nodes in a valid execution order, outputs, and the constant arrays nodes name."""
+
+    name: str = "main"
+    inputs: list[Value] = field(default_factory=list)
+    nodes: list[Value] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add_input(self, type_: TensorType, role: str = "arg", loc=None) -> Value:
+        value = Value("input", (), {}, type_, loc=loc, role=role)
+        self.inputs.append(value)
+        return value
+
+    def add_constant(self, array: np.ndarray) -> str:
+        name = f"k{len(self.constants)}"
+        while name in self.constants:
+            name += "_"
+        self.constants[name] = array
+        return name
+
+    def __str__(self) -> str:
+        from .text import format_graph
+
+        return format_graph(self)
+
+    def users(self) -> dict[Value, list[Value]]:
+        result: dict[Value, list[Value]] = {v: [] for v in self.inputs + self.nodes}
+        for node in self.nodes:
+            for inp in node.inputs:
+                result.setdefault(inp, []).append(node)
+        return result
+
+
+def copy_graph(graph: Graph, name: str | None = None) -> tuple[Graph, dict[Value, Value]]:
+    """A structural copy with fresh values, so passes never mutate a graph someone else holds."""
+    mapping: dict[Value, Value] = {}
+    new = Graph(name=name or graph.name, constants=dict(graph.constants))
+    for inp in graph.inputs:
+        mapping[inp] = new.add_input(inp.type, role=inp.role or "arg", loc=inp.loc)
+    for node in graph.nodes:
+        mapping[node] = Value(
+            node.op, [mapping[i] for i in node.inputs], node.attrs, node.type, node.loc
+        )
+        new.nodes.append(mapping[node])
+    new.outputs = [mapping[o] for o in graph.outputs]
+    return new, mapping
+
+
+def inline_graph(target: Graph, source: Graph, args: list[Value]) -> list[Value]:
+    """Append source's nodes to target with source's inputs bound to args; returns its outputs."""
+    mapping = dict(zip(source.inputs, args, strict=True))
+    renamed = {}
+    for cname, array in source.constants.items():
+        renamed[cname] = target.add_constant(array)
+    for node in source.nodes:
+        attrs = node.attrs
+        if node.op == "const":
+            attrs = {**attrs, "name": renamed[attrs["name"]]}
+        mapping[node] = Value(node.op, [mapping[i] for i in node.inputs], attrs, node.type, node.loc)
+        target.nodes.append(mapping[node])
+    return [mapping[o] for o in source.outputs]

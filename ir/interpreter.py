@@ -1,0 +1,67 @@
+"""The NumPy reference interpreter: runs any plan with the registry's reference implementations,
+freeing each value at its `free` statement. It is the oracle every compiled result is checked
+against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .errors import ExecutionError
+from .graph import Graph, Value
+from .liveness import INPUT_STEP, Plan
+from .registry import get_op
+from .text import format_loc
+from .types import np_dtype
+
+
+def evaluate(node: Value, arrays: list, constants: dict) -> np.ndarray:
+    if node.op == "const":
+        return constants[node.attrs["name"]]
+    try:
+        result = get_op(node.op).reference(*arrays, **node.attrs)
+    except (IndexError, ValueError) as exc:
+        where = f" at {format_loc(node.loc)}" if node.loc else ""
+        raise ExecutionError(f"{node.op}{where}: {exc}") from None
+    return np.asarray(result, dtype=np_dtype(node.dtype))
+
+
+def run_plan(
+    plan: Plan,
+    args: list,
+    release: Callable[[int], None] | None = None,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> list[np.ndarray]:
+    """Run plan on args. The list is emptied, so the plan holds the only reference it made.
+    release(i) is called when input i is freed: its owner drops its own reference then."""
+    graph = plan.graph
+    env: dict[Value, np.ndarray] = dict(zip(graph.inputs, args, strict=True))
+    args.clear()
+    input_index = {v: i for i, v in enumerate(graph.inputs)}
+
+    def free(step: int) -> None:
+        for value in plan.frees_after.get(step, ()):
+            env.pop(value, None)
+            if release is not None and value in input_index:
+                release(input_index[value])
+
+    with np.errstate(all="ignore"):
+        free(INPUT_STEP)
+        for step, node in enumerate(graph.nodes):
+            env[node] = evaluate(node, [env[i] for i in node.inputs], graph.constants)
+            if on_step is not None:
+                on_step(step, env)
+            free(step)
+    outputs = [env[o] for o in graph.outputs]
+    free(plan.return_step)
+    return outputs
+
+
+def run_graph(graph: Graph, args: list) -> list[np.ndarray]:
+    """Run a bare graph (no plan): the simplest oracle, keeping every value until the end."""
+    env = dict(zip(graph.inputs, args, strict=True))
+    with np.errstate(all="ignore"):
+        for node in graph.nodes:
+            env[node] = evaluate(node, [env[i] for i in node.inputs], graph.constants)
+    return [env[o] for o in graph.outputs]

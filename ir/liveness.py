@@ -1,0 +1,74 @@
+"""Liveness over the linear schedule: for every value the step that writes it and the step that
+reads it last, and the explicit `free` statements that follow from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .graph import Graph, Value
+from .text import format_graph
+
+OWNED_ROLES = ("saved", "cotangent")  # inputs the plan owns and frees; args belong to the caller
+INPUT_STEP = -1
+
+
+@dataclass
+class Plan:
+    """A graph in schedule order plus explicit frees. Steps are node indices; -1 is 'on entry'
+    and len(nodes) is 'at return'."""
+
+    graph: Graph
+    first_write: dict[Value, int] = field(default_factory=dict)
+    last_read: dict[Value, int] = field(default_factory=dict)
+    frees_after: dict[int, list[Value]] = field(default_factory=dict)
+
+    @property
+    def return_step(self) -> int:
+        return len(self.graph.nodes)
+
+    def text(self) -> str:
+        return format_graph(self.graph, self.frees_after)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def live_bytes_by_step(self) -> list[int]:
+        """Bytes held after each node runs (its output allocated, before the frees that follow)."""
+        live = sum(v.type.nbytes for v in self.graph.inputs if v.role in OWNED_ROLES)
+        live -= sum(v.type.nbytes for v in self.frees_after.get(INPUT_STEP, ()))
+        series = []
+        for step, node in enumerate(self.graph.nodes):
+            live += node.type.nbytes
+            series.append(live)
+            live -= sum(v.type.nbytes for v in self.frees_after.get(step, ()))
+        return series
+
+    @property
+    def peak_bytes(self) -> int:
+        """Predicted peak of the bytes this plan holds: owned inputs and values it computes."""
+        series = self.live_bytes_by_step()
+        start = sum(v.type.nbytes for v in self.graph.inputs if v.role in OWNED_ROLES)
+        return max([start, *series])
+
+
+def plan_liveness(graph: Graph) -> Plan:
+    plan = Plan(graph)
+    ret = plan.return_step
+    for value in graph.inputs:
+        plan.first_write[value] = INPUT_STEP
+    for step, node in enumerate(graph.nodes):
+        plan.first_write[node] = step
+        for inp in node.inputs:
+            plan.last_read[inp] = step
+    for out in graph.outputs:
+        plan.last_read[out] = ret
+    outputs = set(graph.outputs)
+    for value, written in plan.first_write.items():
+        is_input = written == INPUT_STEP
+        if is_input and value.role not in OWNED_ROLES:
+            continue
+        last = plan.last_read.get(value, written)
+        if value in outputs and not is_input:
+            continue  # handed to the caller
+        plan.frees_after.setdefault(last, []).append(value)
+    return plan

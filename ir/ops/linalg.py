@@ -1,0 +1,35 @@
+"""Batched, broadcasting matrix multiply; BLAS does the work in every backend."""
+
+import numpy as np
+
+from ..errors import ShapeError
+from ..registry import OpDef, register
+from ..shapes import broadcast_shapes, fmt
+from ..types import TensorType
+from .common import numeric_only, same_dtype
+
+
+def _matmul_infer(types, attrs):
+    a, b = types
+    numeric_only(types, "matmul")
+    dtype = same_dtype(types, "matmul")
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        raise ShapeError("operands need at least 2 dimensions (the tracer handles vectors)")
+    if a.shape[-1] != b.shape[-2]:
+        raise ShapeError(f"inner dimensions differ: {fmt(a.shape)} @ {fmt(b.shape)}")
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return TensorType(dtype, batch + (a.shape[-2], b.shape[-1]))
+
+
+def _matmul_vjp(ctx, g):
+    b = ctx.b
+    ga = gb = None
+    if ctx.needs[0]:
+        ga = b.sum_to(b.matmul(g, b.swap_last2(ctx.input(1))), ctx.in_type(0).shape)
+    if ctx.needs[1]:
+        gb = b.sum_to(b.matmul(b.swap_last2(ctx.input(0)), g), ctx.in_type(1).shape)
+    return [ga, gb]
+
+
+register(OpDef("matmul", (2,), _matmul_infer, np.matmul, "opaque", _matmul_vjp,
+               doc="a @ b; saves b when a needs a gradient and a when b does"))

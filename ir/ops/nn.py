@@ -1,0 +1,171 @@
+"""Composites with their own entries, because numerics or saved bytes demand it."""
+
+import numpy as np
+from scipy import special
+
+from ..errors import DtypeError, ShapeError
+from ..registry import AttrSpec, OpDef, register
+from ..shapes import fmt, normalize_axes, normalize_axis, reduced_shape
+from ..types import TensorType
+from .common import float_only
+
+AXIS = {"axis": AttrSpec("int")}
+
+
+def _axis_infer(types, attrs):
+    (x,) = types
+    float_only(types, "softmax")
+    if attrs["axis"] != normalize_axis(attrs["axis"], len(x.shape)):
+        raise ShapeError(f"axis must be non-negative, got {attrs['axis']}")
+    return x
+
+
+def _softmax_ref(x, axis):
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax_ref(x, axis):
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+def _softmax_vjp(ctx, g):
+    b, y, axis = ctx.b, ctx.output(), ctx.attrs["axis"]
+    dot = b.sum(b.mul(g, y), axes=(axis,), keepdims=True)
+    return [b.mul(y, b.sub(g, dot))]
+
+
+def _log_softmax_vjp(ctx, g):
+    b, y, axis = ctx.b, ctx.output(), ctx.attrs["axis"]
+    total = b.sum(g, axes=(axis,), keepdims=True)
+    return [b.sub(g, b.mul(b.exp(y), total))]
+
+
+register(OpDef("softmax", (1,), _axis_infer, _softmax_ref, "reduction", _softmax_vjp, attrs=AXIS,
+               doc="stable softmax; saves its output"))
+register(OpDef("log_softmax", (1,), _axis_infer, _log_softmax_ref, "reduction", _log_softmax_vjp,
+               attrs=AXIS, doc="stable log-softmax; saves its output"))
+
+
+def _lse_infer(types, attrs):
+    (x,) = types
+    float_only(types, "logsumexp")
+    axes = normalize_axes(attrs["axes"], len(x.shape))
+    if tuple(attrs["axes"]) != axes:
+        raise ShapeError(f"axes must be sorted and non-negative, got {attrs['axes']}")
+    return TensorType(x.dtype, reduced_shape(x.shape, axes, attrs["keepdims"]))
+
+
+def _lse_ref(x, axes, keepdims):
+    return special.logsumexp(x, axis=axes, keepdims=keepdims).astype(x.dtype)
+
+
+def _lse_vjp(ctx, g):
+    b, axes, ndim = ctx.b, ctx.attrs["axes"], len(ctx.in_type(0).shape)
+    out = b.keepdims_like(ctx.output(), axes, ndim)
+    return [b.mul(b.keepdims_like(g, axes, ndim), b.exp(b.sub(ctx.input(0), out)))]
+
+
+register(OpDef("logsumexp", (1,), _lse_infer, _lse_ref, "reduction", _lse_vjp,
+               attrs={"axes": AttrSpec("axes"), "keepdims": AttrSpec("bool", False, required=False)},
+               doc="stable log(sum(exp(x))); saves input and output"))
+
+
+def _ce_infer(types, attrs):
+    logits, labels = types
+    float_only([logits], "cross_entropy")
+    if labels.dtype != "i64":
+        raise DtypeError(f"labels must be i64 class indices, got {labels.dtype}")
+    if len(logits.shape) < 1 or logits.shape[:-1] != labels.shape:
+        raise ShapeError(
+            f"logits {fmt(logits.shape)} need labels of shape {fmt(logits.shape[:-1])}, "
+            f"got {fmt(labels.shape)}"
+        )
+    if attrs["reduction"] == "none":
+        return TensorType(logits.dtype, labels.shape)
+    return TensorType(logits.dtype, ())
+
+
+def _ce_ref(logits, labels, reduction):
+    n_classes = logits.shape[-1]
+    if labels.size and (labels.min() < 0 or labels.max() >= n_classes):
+        bad = labels[(labels < 0) | (labels >= n_classes)].flat[0]
+        raise IndexError(f"label {bad} is out of range for {n_classes} classes")
+    logp = _log_softmax_ref(logits, logits.ndim - 1)
+    picked = -np.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    if reduction == "none":
+        return picked
+    total = np.sum(picked, dtype=logits.dtype)
+    return total / logits.dtype.type(max(labels.size, 1)) if reduction == "mean" else total
+
+
+def _ce_vjp(ctx, g):
+    b, logits_t = ctx.b, ctx.in_type(0)
+    axis = len(logits_t.shape) - 1
+    probs = b.softmax(ctx.input(0), axis=axis)
+    onehot = b.one_hot(ctx.input(1), depth=logits_t.shape[-1], dtype=logits_t.dtype)
+    diff = b.sub(probs, onehot)
+    if ctx.attrs["reduction"] == "none":
+        return [b.mul(diff, b.reshape(g, shape=g.shape + (1,))), None]
+    if ctx.attrs["reduction"] == "mean":
+        count = max(ctx.in_type(1).size, 1)
+        g = b.div(g, b.scalar(count, g.dtype))
+    return [b.mul(diff, g), None]
+
+
+register(OpDef("cross_entropy", (2,), _ce_infer, _ce_ref, "reduction", _ce_vjp,
+               attrs={"reduction": AttrSpec("str", "mean", ("mean", "sum", "none"), required=False)},
+               doc="softmax cross-entropy with integer labels; saves logits and labels"))
+
+
+def _ln_infer(types, attrs):
+    x = types[0]
+    float_only(types, "layer_norm")
+    if len(x.shape) < 1:
+        raise ShapeError("needs at least one dimension")
+    for t in types[1:]:
+        if t.shape != x.shape[-1:] or t.dtype != x.dtype:
+            raise ShapeError(f"weight and bias must be {x.dtype}{fmt(x.shape[-1:])}, got {t}")
+    return x
+
+
+def _ln_ref(x, *affine, eps):
+    mean = np.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    var = np.mean(centered * centered, axis=-1, keepdims=True)
+    y = centered / np.sqrt(var + x.dtype.type(eps))
+    if affine:
+        y = y * affine[0] + affine[1]
+    return y
+
+
+def _ln_vjp(ctx, g):
+    """Saves x (and the weight); mean and 1/std are recomputed, not saved."""
+    b, x_t = ctx.b, ctx.in_type(0)
+    dt, last, n = x_t.dtype, len(x_t.shape) - 1, x_t.shape[-1]
+    inv_n = b.scalar(1.0 / n, dt)
+    x = ctx.input(0)
+    mean = b.mul(b.sum(x, axes=(last,), keepdims=True), inv_n)
+    centered = b.sub(x, mean)
+    var = b.mul(b.sum(b.mul(centered, centered), axes=(last,), keepdims=True), inv_n)
+    rstd = b.div(b.scalar(1, dt), b.sqrt(b.add(var, b.scalar(ctx.attrs["eps"], dt))))
+    xhat = b.mul(centered, rstd)
+    affine = len(ctx.node.inputs) == 3
+    grads = [None] * len(ctx.node.inputs)
+    if ctx.needs[0]:
+        gxhat = b.mul(g, ctx.input(1)) if affine else g
+        mean_g = b.mul(b.sum(gxhat, axes=(last,), keepdims=True), inv_n)
+        mean_gx = b.mul(b.sum(b.mul(gxhat, xhat), axes=(last,), keepdims=True), inv_n)
+        grads[0] = b.mul(rstd, b.sub(b.sub(gxhat, mean_g), b.mul(xhat, mean_gx)))
+    if affine and ctx.needs[1]:
+        grads[1] = b.sum_to(b.mul(g, xhat), x_t.shape[-1:])
+    if affine and ctx.needs[2]:
+        grads[2] = b.sum_to(g, x_t.shape[-1:])
+    return grads
+
+
+register(OpDef("layer_norm", (1, 3), _ln_infer, _ln_ref, "reduction", _ln_vjp,
+               attrs={"eps": AttrSpec("float", 1e-5, required=False)},
+               doc="layer_norm(x[, weight, bias]) over the last axis; saves x (and weight)"))

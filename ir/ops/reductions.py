@@ -1,0 +1,57 @@
+"""Reductions over axes, with keepdims. mean is sum times a constant, built by the tracer."""
+
+import numpy as np
+
+from ..errors import ShapeError
+from ..registry import AttrSpec, OpDef, register
+from ..shapes import normalize_axes, reduced_shape
+from ..types import TensorType
+from .common import numeric_only
+
+REDUCE_ATTRS = {"axes": AttrSpec("axes"), "keepdims": AttrSpec("bool", False, required=False)}
+
+
+def _reduce_infer(name):
+    def infer(types, attrs):
+        (x,) = types
+        numeric_only(types, name)
+        axes = normalize_axes(attrs["axes"], len(x.shape))
+        if tuple(attrs["axes"]) != axes:
+            raise ShapeError(f"axes must be sorted and non-negative, got {attrs['axes']}")
+        if name == "max" and any(x.shape[a] == 0 for a in axes):
+            raise ShapeError(f"max over an empty axis of shape {x.shape}")
+        return TensorType(x.dtype, reduced_shape(x.shape, axes, attrs["keepdims"]))
+
+    return infer
+
+
+def _sum_ref(x, axes, keepdims):
+    return np.sum(x, axis=axes, keepdims=keepdims, dtype=x.dtype)
+
+
+def _max_ref(x, axes, keepdims):
+    return np.max(x, axis=axes, keepdims=keepdims)
+
+
+def _sum_vjp(ctx, g):
+    b, x = ctx.b, ctx.in_type(0)
+    g = b.keepdims_like(g, ctx.attrs["axes"], len(x.shape))
+    return [b.broadcast_to(g, shape=x.shape)]
+
+
+def _max_vjp(ctx, g):
+    """Ties share the gradient evenly, as torch.amax does."""
+    b, x_type, axes = ctx.b, ctx.in_type(0), ctx.attrs["axes"]
+    ndim = len(x_type.shape)
+    x = ctx.input(0)
+    out = b.keepdims_like(ctx.output(), axes, ndim)
+    mask = b.astype(b.eq(x, out), dtype=g.dtype)
+    count = b.sum(mask, axes=axes, keepdims=True)
+    g = b.keepdims_like(g, axes, ndim)
+    return [b.mul(mask, b.div(g, count))]
+
+
+register(OpDef("sum", (1,), _reduce_infer("sum"), _sum_ref, "reduction", _sum_vjp,
+               attrs=REDUCE_ATTRS, doc="saves nothing"))
+register(OpDef("max", (1,), _reduce_infer("max"), _max_ref, "reduction", _max_vjp,
+               attrs=REDUCE_ATTRS, doc="saves input and output to find the maxima"))

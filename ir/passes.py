@@ -1,0 +1,84 @@
+"""Cleanup passes: pure functions Graph -> Graph. Inputs keep their identity; nodes are rebuilt."""
+
+from __future__ import annotations
+
+from .graph import Graph, Value
+
+
+def _rebuild(graph: Graph, nodes: list[Value], outputs: list[Value]) -> Graph:
+    return Graph(graph.name, list(graph.inputs), nodes, outputs, dict(graph.constants))
+
+
+def dead_code_elimination(graph: Graph) -> Graph:
+    live = set(graph.outputs)
+    for node in reversed(graph.nodes):
+        if node in live:
+            live.update(node.inputs)
+    used = {n.attrs["name"] for n in graph.nodes if n in live and n.op == "const"}
+    result = _rebuild(graph, [n for n in graph.nodes if n in live], list(graph.outputs))
+    result.constants = {k: v for k, v in graph.constants.items() if k in used}
+    return result
+
+
+def _attr_key(attrs: dict):
+    return tuple(sorted((k, repr(v)) for k, v in attrs.items()))
+
+
+def common_subexpression_elimination(graph: Graph) -> Graph:
+    seen: dict[tuple, Value] = {}
+    mapping: dict[Value, Value] = {}
+    nodes = []
+    for node in graph.nodes:
+        inputs = tuple(mapping.get(i, i) for i in node.inputs)
+        key = (node.op, tuple(id(i) for i in inputs), _attr_key(node.attrs), node.type)
+        if key in seen:
+            mapping[node] = seen[key]
+            continue
+        new = Value(node.op, inputs, node.attrs, node.type, node.loc)
+        seen[key] = mapping[node] = new
+        nodes.append(new)
+    return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])
+
+
+def _is_scalar_const(value: Value, number) -> bool:
+    return value.op == "full" and value.shape == () and value.attrs["value"] == number
+
+
+def _simplified(node: Value, inputs: tuple[Value, ...]) -> Value | None:
+    """The existing value a node equals, or None. Only rewrites that keep type and exact values."""
+    op = node.op
+    same_type = [i for i in inputs if i.type == node.type]
+    if op in ("mul", "div") and _is_scalar_const(inputs[1], 1) and inputs[0].type == node.type:
+        return inputs[0]
+    if op == "mul" and _is_scalar_const(inputs[0], 1) and inputs[1].type == node.type:
+        return inputs[1]
+    if op in ("add", "sub") and _is_scalar_const(inputs[1], 0) and inputs[0].type == node.type:
+        return inputs[0]
+    if op == "add" and _is_scalar_const(inputs[0], 0) and inputs[1].type == node.type:
+        return inputs[1]
+    if op == "neg" and inputs[0].op == "neg":
+        return inputs[0].inputs[0]
+    if op in ("reshape", "broadcast_to", "astype") and same_type:
+        return inputs[0]
+    if op == "transpose" and node.attrs["perm"] == tuple(range(len(node.shape))):
+        return inputs[0]
+    if op == "sum" and not node.attrs["axes"] and same_type:
+        return inputs[0]
+    return None
+
+
+def algebraic_simplification(graph: Graph) -> Graph:
+    mapping: dict[Value, Value] = {}
+    nodes = []
+    for node in graph.nodes:
+        inputs = tuple(mapping.get(i, i) for i in node.inputs)
+        replacement = _simplified(node, inputs)
+        if replacement is not None:
+            mapping[node] = replacement
+            continue
+        if node.op == "reshape" and inputs[0].op == "reshape":
+            inputs = inputs[0].inputs
+        new = Value(node.op, inputs, node.attrs, node.type, node.loc)
+        mapping[node] = new
+        nodes.append(new)
+    return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])

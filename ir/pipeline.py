@@ -1,0 +1,120 @@
+"""The one pipeline: trace output -> cleanup -> autodiff -> cleanup -> liveness -> plans.
+
+Each step is a named pure function. BACKPLAN_DEBUG_IR=1 prints the IR after every pass;
+BACKPLAN_VERIFY=1 (set by the test suite) runs the verifier after every pass.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .autodiff import append_gradients, backward_graph
+from .graph import Graph, Value
+from .liveness import Plan, plan_liveness
+from .passes import (
+    algebraic_simplification,
+    common_subexpression_elimination,
+    dead_code_elimination,
+)
+from .verify import verify_graph, verify_plan
+
+CLEANUP = (algebraic_simplification, common_subexpression_elimination, dead_code_elimination)
+
+
+@dataclass
+class PassLog:
+    """Which pass produced which IR; filled when debugging or asked for."""
+
+    entries: list[tuple[str, str]] = field(default_factory=list)
+    echo: bool = False
+    verify: bool = False
+
+    def record(self, name: str, graph: Graph) -> Graph:
+        if self.verify:
+            verify_graph(graph)
+        if self.echo:
+            print(f"--- after {name}\n{graph}", file=sys.stderr)
+            self.entries.append((name, str(graph)))
+        return graph
+
+
+def new_log() -> PassLog:
+    return PassLog(
+        echo=os.environ.get("BACKPLAN_DEBUG_IR") == "1",
+        verify=os.environ.get("BACKPLAN_VERIFY") == "1",
+    )
+
+
+def cleanup(graph: Graph, log: PassLog) -> Graph:
+    for pass_fn in CLEANUP:
+        graph = log.record(pass_fn.__name__, pass_fn(graph))
+    return graph
+
+
+@dataclass
+class SavedSlot:
+    """Where a saved buffer comes from when the forward runs: ("input", i) is region input i,
+    ("output", j) is forward-plan output j. `forward` is the forward value, `reason` the rule."""
+
+    source: tuple[str, int]
+    forward: Value
+    reason: str
+
+
+@dataclass
+class RegionPlans:
+    """Everything needed to run a region forward now and backward later."""
+
+    forward: Plan  # outputs: the user's outputs, then the saved values it computes
+    backward: Plan | None  # inputs: one cotangent per float output, then the saved buffers
+    saved: list[SavedSlot]
+    n_outputs: int
+    wrt: list[bool]
+    log: PassLog
+
+
+def build_region_plans(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> RegionPlans:
+    log = log or new_log()
+    graph = cleanup(log.record("trace", graph), log)
+    n_outputs = len(graph.outputs)
+    if not any(wrt):
+        return RegionPlans(_plan(graph, log), None, [], n_outputs, wrt, log)
+    bwd, saved = backward_graph(graph, wrt)
+    bwd = cleanup(log.record("autodiff", bwd), log)
+    used = {i for node in bwd.nodes for i in node.inputs} | set(bwd.outputs)
+    saved = [s for s in saved if s.backward_input in used]
+    bwd.inputs = [v for v in bwd.inputs if v.role != "saved"] + [s.backward_input for s in saved]
+    inputs = {v: i for i, v in enumerate(graph.inputs)}
+    extra = [s.forward for s in saved if s.forward not in inputs]
+    fwd = Graph(graph.name, list(graph.inputs), list(graph.nodes), graph.outputs + extra,
+                dict(graph.constants))
+    slots = []
+    for s in saved:
+        if s.forward in inputs:
+            slots.append(SavedSlot(("input", inputs[s.forward]), s.forward, s.reason))
+        else:
+            slots.append(SavedSlot(("output", fwd.outputs.index(s.forward)), s.forward, s.reason))
+    return RegionPlans(_plan(fwd, log), _plan(bwd, log), slots, n_outputs, wrt, log)
+
+
+def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:
+    """value_and_grad: outputs are the original outputs, then d(outputs[0])/d(wrt inputs)."""
+    log = log or new_log()
+    graph = cleanup(log.record("trace", graph), log)
+    joint = Graph(graph.name, list(graph.inputs), list(graph.nodes), list(graph.outputs),
+                  dict(graph.constants))
+    grads = append_gradients(joint, wrt)
+    joint.outputs = joint.outputs + grads
+    joint = cleanup(log.record("autodiff", joint), log)
+    return _plan(joint, log)
+
+
+def _plan(graph: Graph, log: PassLog) -> Plan:
+    plan = plan_liveness(graph)
+    if log.verify:
+        verify_plan(plan)
+    if log.echo:
+        print(f"--- plan\n{plan.text()}", file=sys.stderr)
+    return plan

@@ -1,0 +1,203 @@
+"""The one text form of graphs and plans: printed for people, parsed back for tests and exports.
+
+    graph @f(%0: f32[16,32] arg, %1: f32[32,8] arg) {
+      %2 = matmul %0, %1 : f32[16,8]  # model.py:14
+      %3 = sum %2 {axes=(0, 1), keepdims=False} : f32[]  # model.py:15
+      free %2
+      return %3
+    }
+
+Parsing never evaluates code: attribute values go through a literal-only reader.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+import re
+
+from .builder import make_value
+from .errors import BackplanError, ParseError
+from .graph import Graph, Value
+from .registry import get_op
+from .types import DTYPES, TensorType
+
+ROLES = ("arg", "cotangent", "saved")
+
+
+def value_names(graph: Graph) -> dict[Value, str]:
+    names = {}
+    for value in graph.inputs + graph.nodes:
+        names[value] = f"%{len(names)}"
+    return names
+
+
+def format_attr(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, tuple | list):
+        inner = ", ".join(format_attr(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    return repr(value)
+
+
+def format_loc(loc) -> str:
+    return f"{os.path.basename(loc[0])}:{loc[1]}" if loc else ""
+
+
+def format_node(node: Value, names: dict[Value, str]) -> str:
+    text = f"{names[node]} = {node.op}"
+    if node.inputs:
+        text += " " + ", ".join(names[i] for i in node.inputs)
+    if node.attrs:
+        text += " {" + ", ".join(f"{k}={format_attr(v)}" for k, v in node.attrs.items()) + "}"
+    text += f" : {node.type}"
+    if node.loc:
+        text += f"  # {format_loc(node.loc)}"
+    return text
+
+
+def format_graph(graph: Graph, frees_after: dict[int, list[Value]] | None = None) -> str:
+    """frees_after maps a step (index into nodes, -1 for 'before the first node', len(nodes) for
+    'after return') to the values freed there."""
+    names = value_names(graph)
+    frees_after = frees_after or {}
+    params = ", ".join(f"{names[v]}: {v.type} {v.role or 'arg'}" for v in graph.inputs)
+    lines = [f"graph @{graph.name}({params}) {{"]
+
+    def add_frees(step):
+        for value in frees_after.get(step, ()):
+            lines.append(f"  free {names[value]}")
+
+    add_frees(-1)
+    for step, node in enumerate(graph.nodes):
+        lines.append("  " + format_node(node, names))
+        add_frees(step)
+    lines.append("  return " + ", ".join(names[o] for o in graph.outputs))
+    add_frees(len(graph.nodes))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+
+_HEADER = re.compile(r"^graph @([\w.]+)\((.*)\) \{$")
+_PARAM = re.compile(r"^%(\d+): (\w+)\[([\d,]*)\] (\w+)$")
+_TYPE = re.compile(r"^(\w+)\[([\d,]*)\]$")
+_NODE = re.compile(r"^(%\d+) = (\w+)(.*?) : (\w+\[[\d,]*\])(?:  # (.+):(\d+))?$")
+
+
+def parse_type(text: str) -> TensorType:
+    match = _TYPE.match(text.strip())
+    if not match or match.group(1) not in DTYPES:
+        raise ParseError(f"bad type {text!r}")
+    dims = match.group(2)
+    return TensorType(match.group(1), tuple(int(d) for d in dims.split(",")) if dims else ())
+
+
+def _literal(node):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float | str | bool | None):
+        return node.value
+    if isinstance(node, ast.Tuple | ast.List):
+        return tuple(_literal(e) for e in node.elts)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _literal(node.operand)
+        if isinstance(inner, int | float) and not isinstance(inner, bool):
+            return -inner
+    if isinstance(node, ast.Name) and node.id in ("inf", "nan"):
+        return float(node.id)
+    raise ParseError(f"attribute value {ast.dump(node)} is not a literal")
+
+
+def parse_attrs(text: str) -> dict:
+    if not text:
+        return {}
+    try:
+        call = ast.parse(f"f({text})", mode="eval").body
+    except SyntaxError as exc:
+        raise ParseError(f"bad attributes {{{text}}}: {exc.msg}") from None
+    if not isinstance(call, ast.Call) or call.args:
+        raise ParseError(f"bad attributes {{{text}}}")
+    return {kw.arg: _literal(kw.value) for kw in call.keywords}
+
+
+def parse_graph(text: str, constants=None) -> tuple[Graph, dict[int, list[Value]]]:
+    """Parse the text form back into a graph and its free statements, re-checking every node
+    against the registry (types are re-derived and must match the printed ones)."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if len(lines) < 3:
+        raise ParseError("graph text is too short")
+    header = _HEADER.match(lines[0].strip())
+    if not header or lines[-1].strip() != "}":
+        raise ParseError(f"bad graph header or footer: {lines[0]!r}")
+    graph = Graph(name=header.group(1), constants=dict(constants or {}))
+    env: dict[str, Value] = {}
+    frees: dict[int, list[Value]] = {}
+    params = header.group(2).strip()
+    for part in re.split(r", (?=%)", params) if params else []:
+        match = _PARAM.match(part.strip())
+        if not match or match.group(4) not in ROLES:
+            raise ParseError(f"bad parameter {part!r}")
+        name = f"%{match.group(1)}"
+        _define(env, name, graph.add_input(parse_type(f"{match.group(2)}[{match.group(3)}]"),
+                                           role=match.group(4)))
+    returned = False
+    for lineno, raw in enumerate(lines[1:-1], start=2):
+        line = raw.strip()
+        try:
+            if line.startswith("free "):
+                step = len(graph.nodes) if returned else len(graph.nodes) - 1
+                frees.setdefault(step, []).append(_lookup(env, line[5:].strip()))
+            elif line.startswith("return"):
+                names = line[6:].strip()
+                graph.outputs = [_lookup(env, n.strip()) for n in names.split(",")] if names else []
+                returned = True
+            else:
+                _parse_node(graph, env, line)
+        except BackplanError as exc:
+            raise ParseError(f"line {lineno}: {exc}") from None
+    if not returned:
+        raise ParseError("graph has no return statement")
+    return graph, frees
+
+
+def _define(env, name, value):
+    if name in env:
+        raise ParseError(f"{name} is defined twice")
+    env[name] = value
+
+
+def _lookup(env, name):
+    if name not in env:
+        raise ParseError(f"{name} is used before it is defined")
+    return env[name]
+
+
+def _parse_node(graph: Graph, env, line: str) -> None:
+    match = _NODE.match(line)
+    if not match:
+        raise ParseError(f"cannot read {line!r}")
+    name, op, rest, type_text, loc_file, loc_line = match.groups()
+    get_op(op)
+    rest = rest.strip()
+    attrs = {}
+    if rest.endswith("}") and "{" in rest:
+        brace = rest.index("{")
+        attrs = parse_attrs(rest[brace + 1 : -1])
+        rest = rest[:brace].strip()
+    inputs = [_lookup(env, n.strip()) for n in rest.split(",")] if rest else []
+    loc = (loc_file, int(loc_line)) if loc_file else None
+    value = make_value(op, inputs, attrs, loc)
+    if value.type != parse_type(type_text):
+        raise ParseError(f"{name}: printed type {type_text} but {op} gives {value.type}")
+    if op == "const" and attrs.get("name") not in graph.constants:
+        raise ParseError(f"{name}: constant {attrs.get('name')!r} is missing")
+    _define(env, name, value)
+    graph.nodes.append(value)
