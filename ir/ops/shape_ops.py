@@ -15,6 +15,12 @@ def _size(shape):
     return n
 
 
+# ---- stop_gradient ----------------------------------------------------------------------------
+
+register(OpDef("stop_gradient", (1,), lambda types, attrs: types[0], lambda x: x, "view",
+               differentiable=False, doc="identity whose gradient is zero: detach() in a trace"))
+
+
 # ---- reshape ----------------------------------------------------------------------------------
 
 def _reshape_infer(types, attrs):

@@ -1,0 +1,1 @@
+"""backplan.codegen: plans to Numba source and compiled, cached kernels. Imports only ir."""

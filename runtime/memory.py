@@ -1,0 +1,24 @@
+"""Accounting of the bytes all live graphs hold in saved buffers."""
+
+import weakref
+
+_live_regions: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track(region) -> None:
+    _live_regions.add(region)
+
+
+def live_regions() -> list:
+    return list(_live_regions)
+
+
+def live_saved_bytes() -> int:
+    """Bytes held in saved buffers by every graph still alive. Drops to 0 once each graph has
+    run backward (without retain_graph) or has been released.
+
+    >>> import backplan as bp
+    >>> bp.live_saved_bytes() >= 0
+    True
+    """
+    return sum(region.saved_bytes for region in list(_live_regions))

@@ -1,0 +1,84 @@
+"""A region program: the forward and backward plans of one traced function or eager op, with the
+static facts about its saved buffers worked out once and shared by every region that runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backplan.ir.interpreter import run_plan
+from backplan.ir.pipeline import RegionPlans
+from backplan.ir.text import format_loc, value_names
+from backplan.ir.types import is_float
+
+
+@dataclass(frozen=True)
+class SavedBufferInfo:
+    """What the plan says about one saved buffer, before anything runs."""
+
+    slot: int
+    name: str
+    op: str
+    produced_at: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    read_by: tuple[str, ...]
+    last_read_step: int
+    reason: str
+    is_region_input: bool
+
+
+class RegionProgram:
+    """Runs plans. The reference interpreter is the default backend; a compiled backend replaces
+    run_forward/run_backward with the same contract."""
+
+    def __init__(self, plans: RegionPlans, name: str):
+        self.plans = plans
+        self.name = name
+        self.n_outputs = plans.n_outputs
+        outputs = plans.forward.graph.outputs[: plans.n_outputs]
+        self.cotangent_slot = {}
+        for i, out in enumerate(outputs):
+            if is_float(out.dtype):
+                self.cotangent_slot[i] = len(self.cotangent_slot)
+        self.differentiable_outputs = frozenset(self._differentiable_outputs())
+        self.saved_info = self._saved_info() if plans.backward else []
+
+    def _differentiable_outputs(self):
+        if self.plans.backward is None:
+            return []
+        from backplan.ir.autodiff import needs_grad
+
+        active = needs_grad(self.plans.forward.graph, self.plans.wrt)
+        outputs = self.plans.forward.graph.outputs[: self.n_outputs]
+        return [i for i, out in enumerate(outputs) if out in active]
+
+    def _saved_info(self) -> list[SavedBufferInfo]:
+        fwd_names = value_names(self.plans.forward.graph)
+        bwd = self.plans.backward
+        n_cot = len(self.cotangent_slot)
+        infos = []
+        for slot, saved in enumerate(self.plans.saved):
+            bwd_input = bwd.graph.inputs[n_cot + slot]
+            readers = [n for n in bwd.graph.nodes if bwd_input in n.inputs]
+            value = saved.forward
+            infos.append(SavedBufferInfo(
+                slot=slot,
+                name=fwd_names[value],
+                op=value.op if value.op != "input" else "input",
+                produced_at=format_loc(value.loc) or "<input>",
+                shape=value.shape,
+                dtype=value.dtype,
+                nbytes=value.type.nbytes,
+                read_by=tuple(f"{n.op} at {format_loc(n.loc)}" for n in readers),
+                last_read_step=bwd.last_read.get(bwd_input, -1),
+                reason=saved.reason,
+                is_region_input=saved.source[0] == "input",
+            ))
+        return infos
+
+    def run_forward(self, args: list) -> list:
+        return run_plan(self.plans.forward, args)
+
+    def run_backward(self, args: list, release) -> list:
+        return run_plan(self.plans.backward, args, release=release)

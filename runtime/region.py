@@ -1,0 +1,114 @@
+"""A region: one forward call's backward plan and the saved buffers it holds until backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from backplan.ir.types import np_dtype
+
+from . import memory
+from .program import RegionProgram, SavedBufferInfo
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Where an input's gradient goes: output `index` of an upstream region, or a leaf tensor."""
+
+    region: Region | None = None
+    index: int = 0
+    leaf: object = None
+
+
+@dataclass(frozen=True)
+class SavedBuffer(SavedBufferInfo):
+    """A saved buffer as it is now: the plan's facts plus whether backward has freed it."""
+
+    freed: bool = False
+
+
+@dataclass(frozen=True)
+class FreedBy:
+    loc: str
+    root: object  # the region whose output backward() started from
+    root_desc: str
+
+
+class Region:
+    """Holds saved buffers until backward. Output tensors point at it; it points only upstream,
+    so it dies when the last tensor that can reach it does."""
+
+    def __init__(self, program: RegionProgram, saved: list, edges: list[Edge], loc: str):
+        self.program = program
+        self.name = program.name
+        self.created_at = loc
+        self.input_edges = edges
+        self._saved: dict[int, np.ndarray] = dict(enumerate(saved))
+        self.freed_by: FreedBy | None = None
+        self.backward_calls = 0
+        memory.track(self)
+
+    @property
+    def freed(self) -> bool:
+        return self.freed_by is not None
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(a.nbytes for a in self._saved.values())
+
+    @property
+    def saved_buffers(self) -> list[SavedBuffer]:
+        """Each saved buffer: name, shape, dtype, nbytes, producer, readers, freed or not."""
+        return [
+            SavedBuffer(**info.__dict__, freed=info.slot not in self._saved)
+            for info in self.program.saved_info
+        ]
+
+    @property
+    def next_regions(self) -> list[Region]:
+        return [e.region for e in self.input_edges if e.region is not None]
+
+    def run_backward(self, cotangents: dict[int, np.ndarray], retain_graph: bool) -> list:
+        """Gradients for the differentiated inputs, in edge order. Frees each saved buffer right
+        after its last read unless retain_graph."""
+        program = self.program
+        args = []
+        for index, slot in program.cotangent_slot.items():
+            ct = cotangents.get(index)
+            if ct is None:
+                out = program.plans.forward.graph.outputs[index]
+                ct = np.zeros(out.shape, dtype=np_dtype(out.dtype))
+            args.append(ct)
+        n_cot = len(args)
+        args.extend(self._saved[i] for i in range(len(program.saved_info)))
+        release = None if retain_graph else (lambda i: self._saved.pop(i - n_cot, None))
+        self.backward_calls += 1
+        return program.run_backward(args, release)
+
+    def mark_freed(self, by: FreedBy) -> None:
+        self._saved.clear()
+        self.freed_by = by
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else "alive"
+        n = len(self.program.saved_info)
+        return (f"<Region {self.name} at {self.created_at}: {n} saved buffer(s), "
+                f"{self.saved_bytes} B held, {state}>")
+
+    def __str__(self) -> str:
+        return saved_table(self)
+
+
+def saved_table(region: Region) -> str:
+    """The live answer to 'which is freed, which is not?'."""
+    lines = [repr(region)]
+    header = ("name", "shape", "dtype", "bytes", "produced by", "read by", "state")
+    rows = [header]
+    for b in region.saved_buffers:
+        rows.append((b.name, str(b.shape), b.dtype, str(b.nbytes), f"{b.op} at {b.produced_at}",
+                     "; ".join(b.read_by), "freed" if b.freed else "alive"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    return "\n".join(lines)

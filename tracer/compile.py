@@ -1,0 +1,158 @@
+"""@compile: trace a function once per signature into a region program, then run the plans."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from backplan.ir.pipeline import build_region_plans
+from backplan.runtime import RegionProgram, is_grad_enabled
+from backplan.runtime.execute import run_forward
+
+from .errors import TracingError
+from .pytree import TreeDef, flatten, unflatten
+from .signature import SignatureKey, bind_call, miss_reason
+from .source import loc_text, user_frame_loc
+from .tensor import Tensor
+from .trace import Trace, current_trace, tracing
+
+
+@dataclass
+class CacheInfo:
+    traces: int
+    hits: int
+    misses: int
+    last_miss_reason: str | None
+    entries: int
+
+
+@dataclass
+class TracedFunction:
+    """One signature's trace: its graph inputs are the call's tensors, then captured tensors."""
+
+    program: RegionProgram
+    out_treedef: TreeDef
+    out_slots: list  # per output leaf: ("tensor", output index) or ("static", value)
+    captured: list[Tensor]
+    captured_flags: tuple[bool, ...]
+
+
+def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
+    """Run fn on tracers; returns the trace, output leaves and output structure."""
+    trace = Trace(name)
+    leaves = list(call.leaves)
+    for pos, key in zip(call.tensor_positions, [call.key.leaves[p] for p in call.tensor_positions],
+                        strict=True):
+        value = trace.graph.add_input(_type_of(leaves[pos]))
+        leaves[pos] = Tensor._traced(value, trace, requires_grad=key.requires_grad)
+    with tracing(trace):
+        result = call.call(fn, leaves)
+    out_leaves, out_treedef = flatten(result)
+    return trace, out_leaves, out_treedef
+
+
+def _type_of(tensor):
+    from backplan.ir.types import TensorType
+
+    return TensorType(tensor._ir_dtype, tensor.shape)
+
+
+class CompiledFunction:
+    """See `compile`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+        self._cache: dict[SignatureKey, TracedFunction] = {}
+        self._traces = self._hits = self._misses = 0
+        self._last_key: SignatureKey | None = None
+        self._last_miss_reason: str | None = None
+
+    def __call__(self, *args, **kwargs):
+        if current_trace() is not None:
+            return self.fn(*args, **kwargs)  # nested compiled functions inline
+        call = bind_call(self.fn, args, kwargs)
+        traced = self.lookup(call)
+        return self._run(traced, call)
+
+    def lookup(self, call) -> TracedFunction:
+        traced = self._cache.get(call.key)
+        if traced is not None:
+            flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in traced.captured)
+            if flags == traced.captured_flags:
+                self._hits += 1
+                return traced
+        self._misses += 1
+        self._last_miss_reason = (
+            miss_reason(self._last_key, call.key) if traced is None
+            else "requires_grad of a captured tensor changed"
+        )
+        traced = self._trace(call)
+        self._cache[call.key] = traced
+        self._last_key = call.key
+        return traced
+
+    def _trace(self, call) -> TracedFunction:
+        name = getattr(self.fn, "__name__", "compiled")
+        trace, out_leaves, out_treedef = trace_function(self.fn, name, call)
+        graph = trace.graph
+        outputs, out_slots = [], []
+        for leaf in out_leaves:
+            if isinstance(leaf, Tensor):
+                out_slots.append(("tensor", len(outputs)))
+                outputs.append(trace.value_of(leaf))
+            else:
+                out_slots.append(("static", leaf))
+        graph.outputs = outputs
+        captured_flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in trace.captured)
+        wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(captured_flags)
+        program = RegionProgram(build_region_plans(graph, wrt), name=name)
+        self._traces += 1
+        return TracedFunction(program, out_treedef, out_slots, trace.captured, captured_flags)
+
+    def _run(self, traced: TracedFunction, call):
+        tensors = [call.leaves[p] for p in call.tensor_positions] + traced.captured
+        wrt = traced.program.plans.wrt
+        loc = loc_text(user_frame_loc())
+        edges = [t._edge() for t, w in zip(tensors, wrt, strict=True) if w] if any(wrt) else None
+        outputs, region = run_forward(traced.program, [t._data for t in tensors], edges, loc)
+        grads = traced.program.differentiable_outputs
+        leaves = []
+        for kind, item in traced.out_slots:
+            if kind == "static":
+                leaves.append(item)
+            elif region is not None and item in grads:
+                leaves.append(Tensor._from_array(outputs[item], grad_fn=region, out_index=item))
+            else:
+                leaves.append(Tensor._from_array(outputs[item]))
+        return unflatten(traced.out_treedef, leaves)
+
+    def trace(self, *args, **kwargs) -> TracedFunction:
+        """Trace (or find in the cache) without running: the plans for this signature."""
+        if current_trace() is not None:
+            raise TracingError("trace() cannot be called inside a traced function")
+        return self.lookup(bind_call(self.fn, args, kwargs))
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(self._traces, self._hits, self._misses, self._last_miss_reason,
+                         len(self._cache))
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+
+def compile(fn=None):  # noqa: A001 - the public name is bp.compile
+    """Trace fn on its first call per signature into static forward and backward plans.
+
+    >>> import backplan as bp
+    >>> @bp.compile
+    ... def loss(w, x):
+    ...     return bp.tanh(x @ w).sum()
+    >>> w = bp.tensor([[0.5], [0.25]], requires_grad=True)
+    >>> loss(w, bp.tensor([[1.0, 2.0]])).backward()
+    >>> w.grad.shape
+    (2, 1)
+    """
+    if fn is None:
+        return compile
+    return CompiledFunction(fn)

@@ -1,0 +1,65 @@
+"""One entry for every op call: record into the active trace, or run it now (eager).
+
+Eager ops whose inputs require grad become one-op regions holding exactly what the op's
+derivative rule saves, through the same pipeline as compiled functions.
+"""
+
+from __future__ import annotations
+
+from backplan.ir.builder import make_value
+from backplan.ir.graph import Graph, Value
+from backplan.ir.interpreter import evaluate
+from backplan.ir.passes import _attr_key
+from backplan.ir.pipeline import build_region_plans
+from backplan.ir.types import TensorType
+from backplan.runtime import Edge, RegionProgram, is_grad_enabled
+from backplan.runtime.execute import run_forward
+
+from .source import loc_text, user_frame_loc
+from .trace import current_trace
+
+_eager_programs: dict[tuple, RegionProgram] = {}
+
+
+def apply(op: str, inputs: list, **attrs):
+    from .tensor import Tensor
+
+    loc = user_frame_loc()
+    trace = current_trace()
+    if trace is not None:
+        values = [trace.value_of(t) for t in inputs]
+        value = make_value(op, values, attrs, loc)
+        trace.graph.nodes.append(value)
+        return Tensor._traced(value, trace)
+    needs = [is_grad_enabled() and t.requires_grad for t in inputs]
+    if not any(needs):
+        probes = [Value("input", (), {}, TensorType(t._ir_dtype, t.shape)) for t in inputs]
+        node = make_value(op, probes, attrs, loc)
+        return Tensor._from_array(evaluate(node, [t._data for t in inputs], {}))
+    return _eager_region(op, inputs, attrs, needs, loc)
+
+
+def _eager_region(op, inputs, attrs, needs, loc):
+    from .tensor import Tensor
+
+    key = (op, _attr_key(attrs), tuple((t._ir_dtype, t.shape) for t in inputs), tuple(needs), loc)
+    program = _eager_programs.get(key)
+    if program is None:
+        program = _build_eager_program(op, inputs, attrs, needs, loc)
+        if len(_eager_programs) > 4096:
+            _eager_programs.clear()
+        _eager_programs[key] = program
+    edges = [t._edge() for t, need in zip(inputs, needs, strict=True) if need]
+    outputs, region = run_forward(program, [t._data for t in inputs], edges, loc_text(loc))
+    (out,) = outputs
+    grad = region is not None and 0 in program.differentiable_outputs
+    return Tensor._from_array(out, grad_fn=region if grad else None)
+
+
+def _build_eager_program(op, inputs, attrs, needs, loc) -> RegionProgram:
+    graph = Graph(name=op)
+    args = [graph.add_input(TensorType(t._ir_dtype, t.shape)) for t in inputs]
+    node = make_value(op, args, attrs, loc)
+    graph.nodes.append(node)
+    graph.outputs = [node]
+    return RegionProgram(build_region_plans(graph, list(needs)), name=op)

@@ -1,0 +1,150 @@
+"""value_and_grad and grad: forward and backward traced into one joint plan."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from backplan.ir.graph import inline_graph
+from backplan.ir.interpreter import run_plan
+from backplan.ir.pipeline import build_joint_plan
+from backplan.ir.types import is_float
+
+from .errors import TracingError
+from .pytree import flatten, unflatten
+from .compile import trace_function
+from .signature import bind_call
+from .tensor import Tensor
+from .trace import current_trace
+
+
+def _argnums_tuple(argnums) -> tuple[int, ...]:
+    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+
+def value_and_grad(fn, argnums=0, has_aux: bool = False):
+    """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
+    Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
+    the result is ((loss, aux), grads). Works inside traces, so grad(grad(f)) works.
+
+    >>> import backplan as bp
+    >>> f = bp.value_and_grad(lambda x: (x ** 3).sum())
+    >>> value, g = f(bp.tensor([2.0]))
+    >>> g.numpy().tolist()
+    [12.0]
+    """
+    nums = _argnums_tuple(argnums)
+    cache: dict = {}
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        args = tuple(_as_diff_arg(a) if i in nums else a for i, a in enumerate(args))
+        for i in nums:
+            if i >= len(args):
+                raise TypeError(f"argnums={argnums} but only {len(args)} positional arguments given")
+        call = bind_call(_positional(fn), args, kwargs)
+        diff_paths = _diff_positions(call, args, nums)
+        key = (call.key, frozenset(diff_paths))
+        entry = cache.get(key)
+        if entry is None:
+            entry = cache[key] = _trace_joint(fn, call, diff_paths, has_aux)
+        plan, captured, out_treedef, n_aux = entry
+        tensors = [call.leaves[p] for p in call.tensor_positions] + captured
+        outer = current_trace()
+        if outer is not None:
+            values = inline_graph(outer.graph, plan.graph, [outer.value_of(t) for t in tensors])
+            results = [Tensor._traced(v, outer) for v in values]
+        else:
+            results = [Tensor._from_array(a) for a in run_plan(plan, [t._data for t in tensors])]
+        value, aux, grads = results[0], results[1 : 1 + n_aux], results[1 + n_aux :]
+        grads = _grads_like(args, nums, diff_paths, grads, single=isinstance(argnums, int))
+        if has_aux:
+            return (value, unflatten(out_treedef, aux)), grads
+        return value, grads
+
+    wrapped.cache = cache
+    return wrapped
+
+
+def grad(fn, argnums=0, has_aux: bool = False):
+    """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
+    vg = value_and_grad(fn, argnums, has_aux)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        (value_aux, grads) = vg(*args, **kwargs)
+        return (grads, value_aux[1]) if has_aux else grads
+
+    return wrapped
+
+
+def _positional(fn):
+    """A stand-in signature (*args, **kwargs) so argnums counts positions, as in JAX."""
+
+    def call_through(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return call_through
+
+
+def _as_diff_arg(arg):
+    if isinstance(arg, float):
+        return Tensor(np.float64(arg))
+    if isinstance(arg, np.ndarray):
+        return Tensor(arg)
+    return arg
+
+
+def _diff_positions(call, args, nums) -> set[int]:
+    """Leaf positions (in the bound call) that belong to differentiated arguments."""
+    positions, start = set(), 0
+    for i, arg in enumerate(args):
+        count = flatten(arg)[1].num_leaves
+        if i in nums:
+            for p in range(start, start + count):
+                leaf = call.leaves[p]
+                if not isinstance(leaf, Tensor) or not is_float(leaf._ir_dtype):
+                    raise TypeError(
+                        f"argument {i} of a differentiated function holds a "
+                        f"{type(leaf).__name__ if not isinstance(leaf, Tensor) else leaf.dtype} "
+                        "leaf; only float tensors can be differentiated"
+                    )
+                positions.add(p)
+        start += count
+    return positions
+
+
+def _trace_joint(fn, call, diff_paths, has_aux):
+    name = getattr(fn, "__name__", "fn")
+    trace, out_leaves, out_treedef = trace_function(_positional(fn), name, call)
+    if has_aux:
+        result = unflatten(out_treedef, out_leaves)
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TracingError("has_aux=True needs the function to return (loss, aux)")
+        loss, aux = result
+        aux_leaves, aux_treedef = flatten(aux)
+    else:
+        if len(out_leaves) != 1:
+            raise TracingError("the differentiated function must return one scalar tensor")
+        loss, aux_leaves, aux_treedef = out_leaves[0], [], None
+    if not isinstance(loss, Tensor) or loss.shape != ():
+        shape = getattr(loss, "shape", type(loss).__name__)
+        raise TracingError(f"grad needs a scalar loss, got {shape}; reduce it with .sum() or .mean()")
+    if any(not isinstance(a, Tensor) for a in aux_leaves):
+        raise TracingError("aux outputs must be tensors")
+    graph = trace.graph
+    graph.outputs = [trace.value_of(loss)] + [trace.value_of(a) for a in aux_leaves]
+    wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
+    return build_joint_plan(graph, wrt), trace.captured, aux_treedef, len(aux_leaves)
+
+
+def _grads_like(args, nums, diff_paths, grads, single: bool):
+    by_position = dict(zip(sorted(diff_paths), grads, strict=True))
+    results, start = [], 0
+    for i, arg in enumerate(args):
+        leaves, treedef = flatten(arg)
+        if i in nums:
+            results.append(unflatten(treedef, [by_position[start + k] for k in range(len(leaves))]))
+        start += len(leaves)
+    return results[0] if single else tuple(results)

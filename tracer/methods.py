@@ -1,0 +1,43 @@
+"""Operators and methods of Tensor, as thin calls into the op functions."""
+
+from . import indexing, ops
+from .tensor import Tensor
+
+
+def _swap(fn):
+    return lambda a, b: fn(b, a)
+
+
+_OPERATORS = {
+    "__add__": ops.add, "__radd__": _swap(ops.add),
+    "__sub__": ops.sub, "__rsub__": _swap(ops.sub),
+    "__mul__": ops.mul, "__rmul__": _swap(ops.mul),
+    "__truediv__": ops.div, "__rtruediv__": _swap(ops.div),
+    "__pow__": ops.pow, "__rpow__": _swap(ops.pow),
+    "__matmul__": ops.matmul, "__rmatmul__": _swap(ops.matmul),
+    "__lt__": ops.less, "__le__": ops.less_equal, "__gt__": ops.greater,
+    "__ge__": ops.greater_equal, "__eq__": ops.equal, "__ne__": ops.not_equal,
+    "__neg__": ops.neg, "__abs__": ops.abs,
+    "__getitem__": indexing.getitem,
+}
+
+_METHODS = {
+    "sum": ops.sum, "mean": ops.mean, "var": ops.var, "max": ops.max, "min": ops.min,
+    "reshape": ops.reshape, "transpose": ops.transpose, "permute": ops.permute,
+    "swapaxes": ops.swapaxes, "broadcast_to": ops.broadcast_to, "expand_dims": ops.expand_dims,
+    "unsqueeze": ops.unsqueeze, "squeeze": ops.squeeze, "flatten": ops.flatten,
+    "astype": ops.astype, "exp": ops.exp, "log": ops.log, "tanh": ops.tanh,
+    "sigmoid": ops.sigmoid, "relu": ops.relu, "sqrt": ops.sqrt, "abs": ops.abs,
+    "softmax": ops.softmax, "log_softmax": ops.log_softmax, "logsumexp": ops.logsumexp,
+    "take": ops.take, "matmul": ops.matmul, "pow": ops.pow,
+}
+
+
+def install() -> None:
+    for name, fn in {**_OPERATORS, **_METHODS}.items():
+        setattr(Tensor, name, fn)
+    Tensor.T = property(lambda self: ops.transpose(self))
+    Tensor.mT = property(lambda self: ops.swapaxes(self, -1, -2))
+
+
+install()

@@ -1,0 +1,106 @@
+"""The signature cache key: pytree structure, shapes, dtypes, requires_grad flags and static
+values, each part named so a miss can say exactly what changed."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backplan.runtime import is_grad_enabled
+
+from .errors import TracingError
+from .pytree import TreeDef, flatten, unflatten
+from .tensor import Tensor
+
+
+@dataclass(frozen=True)
+class LeafKey:
+    path: str
+    kind: str  # "tensor" or "static"
+    shape: tuple | None = None
+    dtype: str | None = None
+    requires_grad: bool = False
+    static: object = None
+
+    def describe(self) -> str:
+        if self.kind == "tensor":
+            rg = ", requires_grad" if self.requires_grad else ""
+            return f"tensor {self.dtype}{list(self.shape)}{rg}"
+        return f"static {self.static!r}"
+
+
+@dataclass(frozen=True)
+class SignatureKey:
+    treedef: TreeDef
+    leaves: tuple[LeafKey, ...]
+
+
+@dataclass
+class BoundCall:
+    """One call split into dynamic tensors and everything else."""
+
+    key: SignatureKey
+    leaves: list
+    tensor_positions: list[int] = field(default_factory=list)
+    signature: inspect.Signature | None = None
+
+    def call(self, fn, leaves):
+        """Call fn with these leaves put back into the original argument structure."""
+        arguments = unflatten(self.key.treedef, leaves)
+        bound = inspect.BoundArguments(self.signature, arguments)
+        return fn(*bound.args, **bound.kwargs)
+
+
+def bind_call(fn, args: tuple, kwargs: dict) -> BoundCall:
+    try:
+        signature = inspect.signature(fn)
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{fn.__qualname__}(): {exc}") from None
+    bound.apply_defaults()
+    leaves, treedef, paths = flatten(dict(bound.arguments), paths=True)
+    keys, positions = [], []
+    for i, (leaf, path) in enumerate(zip(leaves, paths, strict=True)):
+        path = path.strip("[]'")
+        if isinstance(leaf, np.ndarray):
+            leaves[i] = leaf = Tensor(leaf)
+        if isinstance(leaf, Tensor):
+            positions.append(i)
+            rg = bool(leaf.requires_grad and is_grad_enabled())
+            keys.append(LeafKey(path, "tensor", leaf.shape, leaf._ir_dtype, rg))
+        else:
+            keys.append(LeafKey(path, "static", static=_static_key(leaf, path)))
+    return BoundCall(SignatureKey(treedef, tuple(keys)), leaves, positions, signature)
+
+
+def _static_key(value, path):
+    try:
+        hash(value)
+    except TypeError:
+        raise TracingError(
+            f"argument {path} of type {type(value).__name__} is neither a tensor nor hashable; "
+            "static arguments must be hashable (ints, floats, strings, tuples)"
+        ) from None
+    return (type(value).__name__, value)
+
+
+def miss_reason(old: SignatureKey | None, new: SignatureKey) -> str:
+    if old is None:
+        return "first call"
+    if old.treedef != new.treedef:
+        return "the structure of the arguments changed (pytree shape or keyword set)"
+    changes = []
+    for a, b in zip(old.leaves, new.leaves, strict=True):
+        if a == b:
+            continue
+        if a.kind != b.kind:
+            changes.append(f"{b.path}: {a.describe()} -> {b.describe()}")
+        elif a.kind == "static":
+            changes.append(f"{b.path}: static value {a.static[1]!r} -> {b.static[1]!r}")
+        else:
+            for part in ("shape", "dtype", "requires_grad"):
+                if getattr(a, part) != getattr(b, part):
+                    changes.append(f"{b.path}: {part} {getattr(a, part)} -> {getattr(b, part)}")
+    return "; ".join(changes) or "captured tensors changed"

@@ -1,0 +1,240 @@
+"""Tensor: a value that is either concrete (a read-only NumPy array) or a tracer in a graph."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backplan.ir.types import dtype_name, is_float, np_dtype
+from backplan.runtime import BackwardError, Edge
+from backplan.runtime import engine as _engine
+
+from .errors import TracingError
+from .source import loc_text, user_frame_loc
+
+
+class Tensor:
+    """Immutable n-dimensional array with autograd. Outside @compile ops run at once; inside,
+    the same calls record a graph.
+
+    >>> import backplan as bp
+    >>> x = bp.tensor([1.0, 2.0], requires_grad=True)
+    >>> y = (x * x).sum()
+    >>> y.backward()
+    >>> x.grad.numpy().tolist()
+    [2.0, 4.0]
+    """
+
+    __slots__ = ("_data", "_value", "_trace", "_requires_grad", "grad", "_grad_fn", "_out_index",
+                 "__weakref__")
+    __array_priority__ = 1000  # ndarray + Tensor defers to Tensor.__radd__
+
+    def __init__(self, data, dtype=None, requires_grad: bool = False):
+        if dtype is not None:
+            array = np.array(data, dtype=np_dtype(dtype_name(dtype)))
+        elif isinstance(data, np.ndarray | np.generic | Tensor):
+            array = np.array(data)  # arrays keep their dtype
+        else:
+            array = np.array(data)
+            if array.dtype == np.float64:
+                array = array.astype(np.float32)  # Python floats make float32, as torch and JAX
+        if array.dtype == np.float16 or array.dtype.kind not in "biuf":
+            array = array.astype(np.float32)
+        array = array.astype(np_dtype(dtype_name(array.dtype)), copy=False)
+        self._init(array, None, None)
+        self.requires_grad = requires_grad
+
+    def _init(self, data, value, trace, grad_fn=None, out_index=0):
+        self._data = data
+        self._out_index = out_index
+        self._value = value
+        self._trace = trace
+        self._grad_fn = grad_fn
+        self._requires_grad = grad_fn is not None
+        self.grad = None
+        if data is not None:
+            data.flags.writeable = False
+
+    @classmethod
+    def _from_array(cls, array: np.ndarray, grad_fn=None, out_index: int = 0) -> Tensor:
+        tensor = cls.__new__(cls)
+        if array.flags.writeable and not array.flags.owndata:
+            array = array.copy()  # never freeze someone else's buffer
+        tensor._init(array, None, None, grad_fn, out_index)
+        return tensor
+
+    @classmethod
+    def _traced(cls, value, trace, requires_grad: bool = False) -> Tensor:
+        tensor = cls.__new__(cls)
+        tensor._init(None, value, trace)
+        tensor._requires_grad = requires_grad
+        return tensor
+
+    # ---- metadata ------------------------------------------------------------------------------
+
+    @property
+    def _ir_dtype(self) -> str:
+        return self._value.dtype if self._data is None else dtype_name(self._data.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._value.shape if self._data is None else self._data.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np_dtype(self._ir_dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    # ---- autograd ------------------------------------------------------------------------------
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        if self._grad_fn is not None and not flag:
+            raise BackwardError("requires_grad can only be cleared on a leaf; use .detach()")
+        if flag and not is_float(self._ir_dtype):
+            raise BackwardError(f"only float tensors can require grad, this one is {self.dtype}")
+        self._requires_grad = bool(flag)
+
+    @property
+    def grad_fn(self):
+        """The region that made this tensor: its backward plan and saved buffers (None for
+        leaves). `print(t.grad_fn)` shows each saved buffer and whether it has been freed."""
+        return self._grad_fn
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._grad_fn is None
+
+    def _edge(self) -> Edge:
+        if self._grad_fn is not None:
+            return Edge(region=self._grad_fn, index=self._out_index)
+        return Edge(leaf=self)
+
+    def _accumulate_grad(self, array: np.ndarray) -> None:
+        array = np.asarray(array, dtype=self.dtype).reshape(self.shape)
+        self.grad = Tensor._from_array(array if self.grad is None else self.grad._data + array)
+
+    def detach(self) -> Tensor:
+        """Same values, cut from the graph: no gradient flows back through the result."""
+        if self._data is None:
+            from .ops import stop_gradient
+
+            return stop_gradient(self)
+        return Tensor._from_array(self._data)
+
+    def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
+        """Run the backward plans from this tensor and add gradients into leaf .grad.
+        Without retain_graph, every region reached frees its saved buffers as it goes."""
+        loc = loc_text(user_frame_loc())
+        if self._data is None:
+            raise TracingError(f"backward() inside a traced function at {loc}; use bp.grad")
+        if create_graph:
+            raise BackwardError(
+                f"backward(create_graph=True) at {loc} is not supported; for higher derivatives "
+                "use bp.grad(bp.grad(f)), whose backward is itself a differentiable plan"
+            )
+        if not self.requires_grad:
+            raise BackwardError(f"backward() at {loc} on a tensor that does not require grad")
+        if gradient is None:
+            if self.shape != ():
+                raise BackwardError(
+                    f"backward() at {loc} on a non-scalar tensor of shape {self.shape} needs a "
+                    "gradient argument of that shape (or reduce it to a scalar with .sum())"
+                )
+            gradient = np.ones((), dtype=self.dtype)
+        gradient = np.array(gradient.numpy() if isinstance(gradient, Tensor) else gradient,
+                            dtype=self.dtype)
+        if gradient.shape != self.shape:
+            raise BackwardError(
+                f"backward() at {loc}: gradient has shape {gradient.shape}, tensor has {self.shape}"
+            )
+        if self._grad_fn is None:
+            self._accumulate_grad(gradient)
+            return
+        region, index = self._grad_fn, self._out_index
+        desc = f"`{region.name}` output {index} (created at {region.created_at})"
+        _engine.backward(region, index, gradient, retain_graph, loc, desc)
+
+    def zero_grad(self) -> None:
+        self.grad = None
+
+    # ---- conversion ----------------------------------------------------------------------------
+
+    def _concrete(self, what: str) -> np.ndarray:
+        if self._data is None:
+            raise TracingError(
+                f"{what} of a traced tensor at {loc_text(user_frame_loc())}: inside @compile the "
+                "value is not known yet, so Python control flow cannot depend on it. Use "
+                "bp.where(cond, a, b) to choose between values, or move the decision out of the "
+                "compiled function."
+            )
+        return self._data
+
+    def numpy(self) -> np.ndarray:
+        """The values as a read-only NumPy array (no copy)."""
+        return self._concrete("numpy()")
+
+    def __array__(self, dtype=None, copy=None):
+        array = self._concrete("np.asarray()")
+        if dtype is not None:
+            return array.astype(dtype)
+        return array.copy() if copy else array
+
+    def item(self):
+        return self._concrete("item()").item()
+
+    def tolist(self):
+        return self._concrete("tolist()").tolist()
+
+    def __bool__(self) -> bool:
+        return bool(self._concrete("bool()"))
+
+    def __float__(self) -> float:
+        return float(self._concrete("float()"))
+
+    def __int__(self) -> int:
+        return int(self._concrete("int()"))
+
+    def __index__(self) -> int:
+        return self._concrete("index()").__index__()
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        if self._data is None:
+            return f"Tensor(<traced {self._value.type}>)"
+        body = np.array2string(self._data, separator=", ", prefix="tensor(")
+        extra = f", dtype={self.dtype}" if self.dtype != np.float32 else ""
+        if self._grad_fn is not None:
+            extra += f", grad_fn=<{self._grad_fn.name}>"
+        elif self.requires_grad:
+            extra += ", requires_grad=True"
+        return f"tensor({body}{extra})"
+
+    __hash__ = object.__hash__
+
+    def __setitem__(self, key, value):
+        raise TypeError(
+            "backplan tensors are immutable (saved buffers can never be changed behind the "
+            "graph's back); build a new tensor with bp.where or bp.concatenate"
+        )

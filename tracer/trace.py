@@ -1,0 +1,59 @@
+"""The active trace: the graph ops are recorded into while a function is being traced."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+from backplan.ir.graph import Graph, Value
+from backplan.ir.types import TensorType
+
+from .errors import TracingError
+
+_state = threading.local()
+
+
+class Trace:
+    """One function being traced. Tensors from outside it (concrete arrays, or tracers of an
+    enclosing trace) are lifted into extra inputs, recorded in `captured`."""
+
+    def __init__(self, name: str):
+        self.graph = Graph(name=name)
+        self.captured: list = []
+        self._lifted: dict[int, Value] = {}
+
+    def value_of(self, tensor) -> Value:
+        if tensor._trace is self:
+            return tensor._value
+        if tensor._data is None and tensor._trace not in _stack():
+            raise TracingError(
+                "a traced tensor escaped the function that traced it (stored in a global or "
+                "returned through a side channel); return it from the function instead"
+            )
+        key = id(tensor)
+        if key not in self._lifted:
+            value = self.graph.add_input(TensorType(tensor._ir_dtype, tensor.shape))
+            self._lifted[key] = value
+            self.captured.append(tensor)
+        return self._lifted[key]
+
+
+def _stack() -> list[Trace]:
+    if not hasattr(_state, "stack"):
+        _state.stack = []
+    return _state.stack
+
+
+def current_trace() -> Trace | None:
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+@contextmanager
+def tracing(trace: Trace):
+    stack = _stack()
+    stack.append(trace)
+    try:
+        yield trace
+    finally:
+        stack.pop()
