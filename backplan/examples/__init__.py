@@ -1,0 +1,1 @@
+"""Small models used by the demo, the benchmarks and the tests."""
