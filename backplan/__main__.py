@@ -1,22 +1,33 @@
-"""`python -m backplan <command>`: demo, and the commands other parts of backplan add."""
+"""`python -m backplan <command>`. Each command lives in its own module, which defines
+`add_arguments(parser)` and `run(args) -> int`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
+
+COMMANDS = {
+    "demo": ("backplan.demo", "train a small MLP with @compile and print its backward plan"),
+    "bench": ("backplan.bench.cli", "measure backplan against NumPy, PyTorch and JAX"),
+    "explain": ("backplan.explain_cli", "print the plan of a model defined in a file"),
+    "export": ("backplan.export_cli", "write a self-contained artifact of a compiled model"),
+    "inspect": ("backplan.inspect_cli", "print what an exported artifact holds"),
+}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backplan")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a small MLP and print its backward plan")
-    demo.add_argument("--steps", type=int, default=200)
+    modules = {}
+    for name, (module_name, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        modules[name] = importlib.import_module(module_name)
+        modules[name].add_arguments(commands.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .demo import run
-
-        run(steps=args.steps)
-    return 0
+    return modules[args.command].run(args) or 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,16 @@ def sgd_step(params: dict, lr: float) -> None:
         params[name] = bp.tensor(p.numpy() - lr * p.grad.numpy(), requires_grad=True)
 
 
-def run(steps: int = 200, batch: int = 64, lr: float = 0.1, out=sys.stdout) -> list[float]:
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
+
+
+def run(args) -> int:
+    train(steps=args.steps)
+    return 0
+
+
+def train(steps: int = 200, batch: int = 64, lr: float = 0.1, out=sys.stdout) -> list[float]:
     x_all, y_all = synthetic_classification(4096, 32, 10)
     params = init_mlp([32, 64, 64, 10])
     print("Training a 32-64-64-10 MLP on synthetic data with @bp.compile", file=out)

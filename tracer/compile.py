@@ -35,6 +35,7 @@ class TracedFunction:
     out_slots: list  # per output leaf: ("tensor", output index) or ("static", value)
     captured: list[Tensor]
     captured_flags: tuple[bool, ...]
+    input_names: list[str]  # one per graph input: argument paths, then "captured[i]"
 
 
 def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
@@ -108,7 +109,10 @@ class CompiledFunction:
         wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(captured_flags)
         program = RegionProgram(build_region_plans(graph, wrt), name=name)
         self._traces += 1
-        return TracedFunction(program, out_treedef, out_slots, trace.captured, captured_flags)
+        names = [call.key.leaves[p].path for p in call.tensor_positions]
+        names += [f"captured[{i}]" for i in range(len(trace.captured))]
+        return TracedFunction(program, out_treedef, out_slots, trace.captured, captured_flags,
+                              names)
 
     def _run(self, traced: TracedFunction, call):
         tensors = [call.leaves[p] for p in call.tensor_positions] + traced.captured

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
 from backplan.ir.graph import inline_graph
 from backplan.ir.interpreter import run_plan
+from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import is_float
 
@@ -17,6 +19,18 @@ from .compile import trace_function
 from .signature import bind_call
 from .tensor import Tensor
 from .trace import current_trace
+
+
+@dataclass
+class JointTrace:
+    """One signature of value_and_grad: the joint plan (outputs: loss, aux leaves, gradients in
+    input order) and the tensors the function captured (extra inputs after the call's)."""
+
+    plan: Plan
+    captured: list
+    aux_treedef: object
+    n_aux: int
+    wrt: list[bool]
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -37,8 +51,7 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
     nums = _argnums_tuple(argnums)
     cache: dict = {}
 
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
+    def lookup(args, kwargs):
         args = tuple(_as_diff_arg(a) if i in nums else a for i, a in enumerate(args))
         for i in nums:
             if i >= len(args):
@@ -49,21 +62,32 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
         entry = cache.get(key)
         if entry is None:
             entry = cache[key] = _trace_joint(fn, call, diff_paths, has_aux)
-        plan, captured, out_treedef, n_aux = entry
-        tensors = [call.leaves[p] for p in call.tensor_positions] + captured
+        return args, call, diff_paths, entry
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        args, call, diff_paths, entry = lookup(args, kwargs)
+        tensors = [call.leaves[p] for p in call.tensor_positions] + entry.captured
         outer = current_trace()
         if outer is not None:
-            values = inline_graph(outer.graph, plan.graph, [outer.value_of(t) for t in tensors])
+            values = inline_graph(outer.graph, entry.plan.graph, [outer.value_of(t) for t in tensors])
             results = [Tensor._traced(v, outer) for v in values]
         else:
-            results = [Tensor._from_array(a) for a in run_plan(plan, [t._data for t in tensors])]
+            arrays = run_plan(entry.plan, [t._data for t in tensors])
+            results = [Tensor._from_array(a) for a in arrays]
+        n_aux = entry.n_aux
         value, aux, grads = results[0], results[1 : 1 + n_aux], results[1 + n_aux :]
         grads = _grads_like(args, nums, diff_paths, grads, single=isinstance(argnums, int))
         if has_aux:
-            return (value, unflatten(out_treedef, aux)), grads
+            return (value, unflatten(entry.aux_treedef, aux)), grads
         return value, grads
 
+    def trace(*args, **kwargs) -> JointTrace:
+        """The joint plan for this signature, traced (or found in the cache) without running."""
+        return lookup(args, kwargs)[3]
+
     wrapped.cache = cache
+    wrapped.trace = trace
     return wrapped
 
 
@@ -136,7 +160,8 @@ def _trace_joint(fn, call, diff_paths, has_aux):
     graph = trace.graph
     graph.outputs = [trace.value_of(loss)] + [trace.value_of(a) for a in aux_leaves]
     wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
-    return build_joint_plan(graph, wrt), trace.captured, aux_treedef, len(aux_leaves)
+    return JointTrace(build_joint_plan(graph, wrt), trace.captured, aux_treedef, len(aux_leaves),
+                      wrt)
 
 
 def _grads_like(args, nums, diff_paths, grads, single: bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from contextlib import contextmanager
 
@@ -18,7 +19,7 @@ class Trace:
     enclosing trace) are lifted into extra inputs, recorded in `captured`."""
 
     def __init__(self, name: str):
-        self.graph = Graph(name=name)
+        self.graph = Graph(name=re.sub(r"\W", "_", name) or "fn")
         self.captured: list = []
         self._lifted: dict[int, Value] = {}
 
