@@ -35,31 +35,47 @@ def apply(op: str, inputs: list, **attrs):
     if not any(needs):
         probes = [Value("input", (), {}, TensorType(t._ir_dtype, t.shape)) for t in inputs]
         node = make_value(op, probes, attrs, loc)
-        return Tensor._from_array(evaluate(node, [t._data for t in inputs], {}))
+        result = Tensor._from_array(evaluate(node, [t._data for t in inputs], {}))
+        if op == "full" and node.shape == ():
+            result._scalar = attrs["value"]
+        return result
     return _eager_region(op, inputs, attrs, needs, loc)
 
 
 def _eager_region(op, inputs, attrs, needs, loc):
     from .tensor import Tensor
 
-    key = (op, _attr_key(attrs), tuple((t._ir_dtype, t.shape) for t in inputs), tuple(needs), loc)
+    scalars = tuple(t._scalar if not need else None for t, need in zip(inputs, needs, strict=True))
+    types = tuple((t._ir_dtype, t.shape) for t in inputs)
+    key = (op, _attr_key(attrs), types, tuple(needs), scalars, loc)
     program = _eager_programs.get(key)
     if program is None:
-        program = _build_eager_program(op, inputs, attrs, needs, loc)
+        program = _build_eager_program(op, inputs, attrs, needs, scalars, loc)
         if len(_eager_programs) > 4096:
             _eager_programs.clear()
         _eager_programs[key] = program
     edges = [t._edge() for t, need in zip(inputs, needs, strict=True) if need]
-    outputs, region = run_forward(program, [t._data for t in inputs], edges, loc_text(loc))
+    args = [t._data for t, s in zip(inputs, scalars, strict=True) if s is None]
+    outputs, region = run_forward(program, args, edges, loc_text(loc))
     (out,) = outputs
     grad = region is not None and 0 in program.differentiable_outputs
     return Tensor._from_array(out, grad_fn=region if grad else None)
 
 
-def _build_eager_program(op, inputs, attrs, needs, loc) -> RegionProgram:
+def _build_eager_program(op, inputs, attrs, needs, scalars, loc) -> RegionProgram:
+    """A one-op graph. Python-scalar operands become constants inside it, so the derivative
+    rebuilds them instead of saving them (`a * 5` saves nothing)."""
     graph = Graph(name=op)
-    args = [graph.add_input(TensorType(t._ir_dtype, t.shape)) for t in inputs]
-    node = make_value(op, args, attrs, loc)
+    operands, wrt = [], []
+    for t, need, scalar in zip(inputs, needs, scalars, strict=True):
+        if scalar is None:
+            operands.append(graph.add_input(TensorType(t._ir_dtype, t.shape)))
+            wrt.append(need)
+        else:
+            operands.append(make_value("full", [], {"value": scalar, "shape": (),
+                                                    "dtype": t._ir_dtype}, loc))
+            graph.nodes.append(operands[-1])
+    node = make_value(op, operands, attrs, loc)
     graph.nodes.append(node)
     graph.outputs = [node]
-    return RegionProgram(build_region_plans(graph, list(needs)), name=op)
+    return RegionProgram(build_region_plans(graph, wrt), name=op)

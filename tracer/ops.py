@@ -3,6 +3,7 @@ build composites from registry primitives, and hand every primitive to dispatch.
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
 
@@ -156,7 +157,7 @@ def mean(x, axis=None, keepdims: bool = False) -> Tensor:
     x = _float_input(x)
     axes = normalize_axes(axis, x.ndim)
     count = math.prod(x.shape[a] for a in axes)
-    return mul(sum(x, axes, keepdims), 1.0 / max(count, 1))
+    return mul(sum(x, axes, keepdims), 1.0 / builtins.max(count, 1))
 
 
 def var(x, axis=None, keepdims: bool = False) -> Tensor:

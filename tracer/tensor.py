@@ -24,7 +24,7 @@ class Tensor:
     [2.0, 4.0]
     """
 
-    __slots__ = ("_data", "_value", "_trace", "_requires_grad", "grad", "_grad_fn", "_out_index",
+    __slots__ = ("_data", "_value", "_trace", "_requires_grad", "grad", "_grad_fn", "_out_index", "_scalar",
                  "__weakref__")
     __array_priority__ = 1000  # ndarray + Tensor defers to Tensor.__radd__
 
@@ -46,6 +46,7 @@ class Tensor:
     def _init(self, data, value, trace, grad_fn=None, out_index=0):
         self._data = data
         self._out_index = out_index
+        self._scalar = None  # the Python value, for 0-d constants made from Python scalars
         self._value = value
         self._trace = trace
         self._grad_fn = grad_fn
@@ -57,6 +58,7 @@ class Tensor:
     @classmethod
     def _from_array(cls, array: np.ndarray, grad_fn=None, out_index: int = 0) -> Tensor:
         tensor = cls.__new__(cls)
+        array = np.asarray(array)
         if array.flags.writeable and not array.flags.owndata:
             array = array.copy()  # never freeze someone else's buffer
         tensor._init(array, None, None, grad_fn, out_index)

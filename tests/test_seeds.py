@@ -1,0 +1,311 @@
+"""Every scenario from the forum threads backplan exists to answer, as backplan behaviour.
+
+Each test names the question it answers. Eager and compiled variants run the same scenario.
+"""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from helpers import here
+
+RNG = np.random.default_rng(0)
+
+
+def linear_params(n_in=3, n_out=3):
+    w = bp.tensor(RNG.standard_normal((n_in, n_out)).astype(np.float32), requires_grad=True)
+    b = bp.tensor(RNG.standard_normal(n_out).astype(np.float32), requires_grad=True)
+    return w, b
+
+
+def linear(params, x):
+    w, b = params
+    return x @ w + b
+
+
+compiled_linear = bp.compile(linear)
+
+
+@pytest.fixture(params=["eager", "compiled"])
+def layer(request):
+    return linear if request.param == "eager" else compiled_linear
+
+
+def test_graph_rebuilt_each_iteration_allows_backward_every_time(layer):
+    """Seed 0, example 1: the forward inside the loop builds a new graph each time."""
+    params = linear_params()
+    a = bp.tensor(RNG.standard_normal((4, 3)).astype(np.float32))
+    for _ in range(5):
+        y = bp.sum(layer(params, a))
+        y.backward()
+    expected_w = 5 * a.numpy().T @ np.ones((4, 3), np.float32)
+    np.testing.assert_allclose(params[0].grad.numpy(), expected_w, rtol=1e-5)
+    assert bp.live_saved_bytes() == 0
+
+
+def test_backward_twice_on_same_output_raises_and_names_both_lines(layer):
+    """Seed 0, example 2: y built once, backward in a loop: the second call fails, always."""
+    params = linear_params()
+    a = bp.tensor(RNG.standard_normal((4, 3)).astype(np.float32))
+    y = bp.sum(layer(params, a))
+    y.backward(); first = here()  # noqa: E702
+    grad_after_first = params[0].grad.numpy().copy()
+    second = here(offset=2)
+    with pytest.raises(bp.GraphFreedError) as info:
+        y.backward()
+    message = str(info.value)
+    assert first in message and second in message
+    assert "retain_graph=True" in message and "detach()" in message
+    np.testing.assert_array_equal(params[0].grad.numpy(), grad_after_first)  # nothing half-done
+
+
+def test_reused_intermediate_outside_loop_is_a_shared_region(layer):
+    """Seed 0: x_out = x(a) outside the loop, y = sum(x_out) inside: the second backward fails
+    and the message says the region is shared with an earlier graph."""
+    params = linear_params()
+    a = bp.tensor(RNG.standard_normal((4, 3)).astype(np.float32), requires_grad=True)
+    x_out = layer(params, a)
+    y = bp.sum(x_out)
+    y.backward()
+    y = bp.sum(x_out)
+    with pytest.raises(bp.GraphFreedError, match="shared with an earlier graph"):
+        y.backward()
+
+
+def test_region_that_saved_nothing_still_raises_on_second_backward():
+    """Seed 0 and 1: `c = a * 5` saves nothing (the constant is rebuilt, not saved); PyTorch's
+    second backward may or may not fail depending on that. backplan always fails."""
+    a = bp.tensor(2.0, requires_grad=True)
+    c = a * 5
+    assert c.grad_fn.saved_buffers == []
+    c.backward()
+    with pytest.raises(bp.GraphFreedError, match="second backward"):
+        c.backward()
+    assert a.grad.item() == 5.0
+
+
+def test_mean_then_add_graph_fails_deterministically_unlike_torch():
+    """Seed 1, question 1: y = x.mean(1).squeeze() + 3; z = y.pow(2).mean(). After
+    y.backward(), z.backward() goes through y's freed regions: always an error."""
+    x = bp.tensor(np.ones((2, 3), np.float32), requires_grad=True)
+    y = x.mean(axis=1).squeeze() + 3
+    z = (y ** 2).mean()
+    y.backward(np.ones(2, np.float32))
+    with pytest.raises(bp.GraphFreedError):
+        z.backward()
+    with pytest.raises(bp.GraphFreedError):
+        y.backward(np.ones(2, np.float32))
+
+
+def test_retain_graph_keeps_every_saved_buffer_for_later_backwards(layer):
+    """Seed 0, question 3: how do we keep the buffers? retain_graph=True."""
+    params = linear_params()
+    a = bp.tensor(RNG.standard_normal((4, 3)).astype(np.float32), requires_grad=True)
+    y = bp.sum(bp.tanh(layer(params, a)))
+    held = bp.live_saved_bytes()
+    assert held > 0
+    for _ in range(3):
+        y.backward(retain_graph=True)
+        assert bp.live_saved_bytes() == held
+    single = params[0].grad.numpy() / 3
+    y.backward()
+    np.testing.assert_allclose(params[0].grad.numpy(), 4 * single, rtol=1e-5)
+    assert bp.live_saved_bytes() == 0
+
+
+def test_freed_means_the_graph_drops_its_reference_only():
+    """Seed 0, question 1: freeing drops the graph's reference; the user's stays valid, and a
+    buffer nobody else holds really dies."""
+    x = bp.tensor(RNG.standard_normal(5).astype(np.float32), requires_grad=True)
+    w = bp.tensor(RNG.standard_normal(5).astype(np.float32))
+    h = bp.tanh(x * w)
+    out = bp.sum(h * w)
+    tanh_region = h.grad_fn
+    saved_tanh = weakref.ref(tanh_region._saved[0])
+    del h
+    out.backward()
+    gc.collect()
+    assert saved_tanh() is None  # only the graph held tanh's output: gone
+    assert all(b.freed for b in tanh_region.saved_buffers)
+    np.testing.assert_array_equal(w.numpy(), w.numpy())  # the user's w is still valid
+    assert w.numpy().shape == (5,)
+
+
+def test_mul_saves_only_the_operand_the_other_side_needs():
+    """Seed 0: mul's derivative needs `other` for self's gradient: only that is saved."""
+    self_ = bp.tensor(RNG.standard_normal(10).astype(np.float32), requires_grad=True)
+    other = bp.tensor(RNG.standard_normal(10).astype(np.float32))
+    out = self_ * other
+    (saved,) = out.grad_fn.saved_buffers
+    assert saved.shape == (10,) and saved.reason == "mul derivative reads input 1"
+    assert saved.nbytes == 40 and not saved.freed
+    both = bp.tensor(RNG.standard_normal(10).astype(np.float32), requires_grad=True) * self_
+    assert len(both.grad_fn.saved_buffers) == 2
+
+
+def test_saved_buffers_cannot_be_modified_behind_the_graphs_back():
+    """Seed 0: the 'modify it in place and see if backward fails' trick cannot corrupt a graph:
+    tensors are immutable and their arrays read-only."""
+    other = bp.tensor(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="immutable"):
+        other[0] = 5.0
+    with pytest.raises(ValueError):
+        other.numpy()[0] = 5.0
+
+
+def test_which_intermediates_are_freed_linear_times_five():
+    """Seed 0, last question: a -> Linear -> *5 -> sum: which values does backward free?"""
+    a = bp.tensor([[2.0], [3.0]], requires_grad=True)
+    w, b = linear_params(1, 3)
+
+    @bp.compile
+    def model(a, w, b):
+        y = a @ w + b
+        z = y * 5
+        return bp.sum(z)
+
+    o = model(a, w, b)
+    names = {(s.op, s.reason) for s in o.grad_fn.saved_buffers}
+    assert names == {("input", "matmul derivative reads input 0"),
+                     ("input", "matmul derivative reads input 1")}
+    o.backward()
+    assert all(s.freed for s in o.grad_fn.saved_buffers)
+    assert a.numpy().shape == (2, 1)  # the user's tensors remain
+
+
+def test_same_net_twice_on_same_input_builds_two_independent_regions(layer):
+    """Seed 1, question 2: each forward builds its own graph with its own saved buffers."""
+    params = linear_params()
+    inp = bp.tensor(RNG.standard_normal((2, 3)).astype(np.float32))
+    out1 = bp.sum(bp.tanh(layer(params, inp)))
+    out2 = bp.sum(bp.tanh(layer(params, inp)))
+    assert out1.grad_fn is not out2.grad_fn
+    held = bp.live_saved_bytes()
+    out1.backward()
+    assert 0 < bp.live_saved_bytes() < held
+    out2.backward()  # unaffected by out1's backward
+    assert bp.live_saved_bytes() == 0
+
+
+def test_forward_without_backward_holds_buffers_until_outputs_die():
+    """Seed 1: a forward-only pass with grad enabled keeps its state until the output goes out
+    of scope; under no_grad nothing is kept at all."""
+    params = linear_params()
+    inp = bp.tensor(RNG.standard_normal((2, 3)).astype(np.float32))
+    out = bp.tanh(compiled_linear(params, inp))
+    assert bp.live_saved_bytes() > 0
+    region = weakref.ref(out.grad_fn)
+    del out
+    gc.collect()
+    assert region() is None and bp.live_saved_bytes() == 0
+    with bp.no_grad():
+        out = bp.tanh(compiled_linear(params, inp))
+    assert out.grad_fn is None and not out.requires_grad and bp.live_saved_bytes() == 0
+
+
+def test_detach_before_discriminator_stops_gradient_to_generator():
+    """Seed 1, GAN question: D(fake.detach()) trains D only; requires_grad=False on D's
+    parameters still lets the gradient reach G through D."""
+    g_params = linear_params()
+    d_params = linear_params()
+    z = bp.tensor(RNG.standard_normal((4, 3)).astype(np.float32))
+    fake = compiled_linear(g_params, z)
+    bp.sum(compiled_linear(d_params, fake.detach())).backward()
+    assert g_params[0].grad is None and d_params[0].grad is not None
+
+    frozen = tuple(bp.tensor(p.numpy()) for p in d_params)
+    fake = compiled_linear(g_params, z)
+    bp.sum(compiled_linear(frozen, fake)).backward()
+    assert g_params[0].grad is not None and frozen[0].grad is None
+
+
+def shared_subgraph_setup():
+    x = bp.tensor([1.0, 0.0], dtype="float64")
+    t = bp.tensor(np.eye(2), requires_grad=True)
+    a = bp.tensor(np.ones(2), requires_grad=True)
+    return x, t, a
+
+
+def test_shared_subgraph_across_loop_iterations_raises_naming_the_shared_region():
+    """Seed 2: y = t @ a once, reused in every iteration: the second backward raises and says
+    y's region is shared with an earlier graph, naming the line that made it."""
+    x, t, a = shared_subgraph_setup()
+    y = t @ a; y_line = here()  # noqa: E702
+    for i in range(2):
+        x_out = t @ (x + y)
+        loss = bp.mse_loss(x_out, x)
+        if i == 0:
+            loss.backward()
+        else:
+            with pytest.raises(bp.GraphFreedError) as info:
+                loss.backward()
+    message = str(info.value)
+    assert f"created at {y_line}" in message and "shared with an earlier graph" in message
+
+
+def test_shared_subgraph_with_retain_graph_works_and_releases_tails_then_rest():
+    """Seed 2, follow-ups: retain_graph=True works; each iteration's tail is released when its
+    last reference goes; `del y` releases the shared part."""
+    x, t, a = shared_subgraph_setup()
+    y = t @ a
+    shared = weakref.ref(y.grad_fn)
+    tails = []
+    for _ in range(3):
+        x_out = t @ (x + y)
+        loss = bp.mse_loss(x_out, x)
+        loss.backward(retain_graph=True)
+        tails.append(weakref.ref(loss.grad_fn))
+    expected = 3 * bp.grad(lambda t, a: bp.mse_loss(t @ (x + t @ a), x))(t, a).numpy()
+    np.testing.assert_allclose(t.grad.numpy(), expected, rtol=1e-10)
+    del x_out, loss
+    gc.collect()
+    assert all(tail() is None for tail in tails)
+    assert shared() is not None and bp.live_saved_bytes() > 0
+    del y
+    gc.collect()
+    assert shared() is None and bp.live_saved_bytes() == 0
+
+
+def test_tensors_stay_usable_for_new_forward_ops_after_backward():
+    """Seed 2: after c.backward(), b and c can still be used in new forward computations; only
+    backward through the freed regions fails."""
+    a = bp.tensor(1.0, requires_grad=True)
+    b = a * bp.tensor(2.0)
+    c = b * bp.tensor(3.0)
+    c.backward()
+    d = b * bp.tensor(4.0)
+    e = c * bp.tensor(5.0)
+    assert d.item() == 8.0 and e.item() == 30.0
+    with pytest.raises(bp.GraphFreedError):
+        e.backward()
+
+
+def test_deleting_an_operand_does_not_touch_the_graphs_saved_copy():
+    """Seed 2: c = a * b; del b; c.backward(retain_graph=True) three times works: the graph
+    holds its own reference to b."""
+    a = bp.tensor(1.0, requires_grad=True)
+    b = bp.tensor(2.0, requires_grad=True)
+    c = a * b
+    del b
+    for _ in range(3):
+        c.backward(retain_graph=True)
+    assert a.grad.item() == 6.0
+
+
+def test_graph_stays_reachable_after_backward_until_detached():
+    """Seed 3: after k.backward() the freed graph hangs on k (and on m = k); m = k.detach()
+    drops it so it is garbage collected."""
+    x = bp.tensor([3.0], requires_grad=True)
+    k = x * 2
+    k.backward(np.ones(1, np.float32))
+    m = k
+    assert m.requires_grad and m.grad_fn is not None and m.grad_fn.freed
+    region = weakref.ref(k.grad_fn)
+    m = k.detach()
+    del k
+    gc.collect()
+    assert region() is None
+    assert not m.requires_grad and m.grad_fn is None and m.item() == 6.0
