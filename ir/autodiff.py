@@ -40,6 +40,17 @@ def needs_grad(graph: Graph, wrt: list[bool]) -> set[Value]:
     return active
 
 
+def reaching_inputs(graph: Graph, wrt: list[bool]) -> list[bool]:
+    """wrt narrowed to inputs that can reach a float output through differentiable ops, so an
+    input cut off by stop_gradient (detach) gets no gradient at all, not a zero one."""
+    active = needs_grad(graph, wrt)
+    reaches = {o for o in graph.outputs if o in active}
+    for node in reversed(graph.nodes):
+        if node in reaches and get_op(node.op).differentiable:
+            reaches.update(i for i in node.inputs if i in active)
+    return [w and v in reaches for v, w in zip(graph.inputs, wrt, strict=True)]
+
+
 def _walk(graph: Graph, active: set[Value], seeds: dict[Value, Value], target: Graph, lookup):
     cotangents = dict(seeds)
     for node in reversed(graph.nodes):

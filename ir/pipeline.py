@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from .autodiff import append_gradients, backward_graph
+from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .graph import Graph, Value
 from .liveness import Plan, plan_liveness
 from .passes import (
@@ -79,6 +79,7 @@ def build_region_plans(graph: Graph, wrt: list[bool], log: PassLog | None = None
     log = log or new_log()
     graph = cleanup(log.record("trace", graph), log)
     n_outputs = len(graph.outputs)
+    wrt = reaching_inputs(graph, wrt)
     if not any(wrt):
         return RegionPlans(_plan(graph, log), None, [], n_outputs, wrt, log)
     bwd, saved = backward_graph(graph, wrt)

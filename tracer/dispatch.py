@@ -54,8 +54,12 @@ def _eager_region(op, inputs, attrs, needs, loc):
         if len(_eager_programs) > 4096:
             _eager_programs.clear()
         _eager_programs[key] = program
-    edges = [t._edge() for t, need in zip(inputs, needs, strict=True) if need]
-    args = [t._data for t, s in zip(inputs, scalars, strict=True) if s is None]
+    args, edges = [], []
+    region_inputs = [t for t, s in zip(inputs, scalars, strict=True) if s is None]
+    for t, flows in zip(region_inputs, program.plans.wrt, strict=True):
+        args.append(t._data)
+        if flows:
+            edges.append(t._edge())
     outputs, region = run_forward(program, args, edges, loc_text(loc))
     (out,) = outputs
     grad = region is not None and 0 in program.differentiable_outputs

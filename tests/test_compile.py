@@ -1,0 +1,193 @@
+"""@compile: tracing, the signature cache and retrace reasons, tracing errors, nesting, and the
+functional API."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from helpers import here
+
+RNG = np.random.default_rng(2)
+
+
+def f32(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def test_pytrees_in_and_out_and_static_arguments():
+    @bp.compile
+    def step(params, batch, scale):
+        h = batch["x"] @ params["w"][0] + params["w"][1]
+        return {"loss": bp.sum(h * h) * scale, "parts": (h, scale)}
+
+    params = {"w": [bp.tensor(f32(3, 2), requires_grad=True), bp.tensor(f32(2))]}
+    batch = {"x": bp.tensor(f32(4, 3))}
+    out = step(params, batch, 0.5)
+    h = batch["x"].numpy() @ params["w"][0].numpy() + params["w"][1].numpy()
+    np.testing.assert_allclose(out["loss"].numpy(), 0.5 * np.sum(h * h), rtol=1e-5)
+    assert out["parts"][1] == 0.5 and out["parts"][0].shape == (4, 2)
+    out["loss"].backward()
+    np.testing.assert_allclose(params["w"][0].grad.numpy(), batch["x"].numpy().T @ h, rtol=1e-5)
+    assert params["w"][1].grad is None  # it does not require grad
+
+
+def test_cache_hits_and_every_kind_of_miss_is_explained():
+    @bp.compile
+    def fn(x, scale=1.0):
+        return bp.sum(x) * scale
+
+    x = bp.tensor(f32(4, 3))
+    fn(x)
+    fn(bp.tensor(f32(4, 3)))
+    info = fn.cache_info()
+    assert (info.traces, info.hits, info.misses) == (1, 1, 1)
+    assert info.last_miss_reason == "first call"
+    fn(bp.tensor(f32(2, 3)))
+    assert fn.cache_info().last_miss_reason == "x: shape (4, 3) -> (2, 3)"
+    fn(bp.tensor(f32(2, 3).astype(np.float64)))
+    assert fn.cache_info().last_miss_reason == "x: dtype f32 -> f64"
+    fn(bp.tensor(f32(2, 3).astype(np.float64), requires_grad=True))
+    assert fn.cache_info().last_miss_reason == "x: requires_grad False -> True"
+    fn(bp.tensor(f32(2, 3).astype(np.float64), requires_grad=True), scale=2.0)
+    assert fn.cache_info().last_miss_reason == "scale: static value 1.0 -> 2.0"
+    assert fn.cache_info().traces == 5
+
+
+def test_python_control_flow_on_a_traced_value_names_the_users_line():
+    @bp.compile
+    def branchy(x):
+        if bp.sum(x) > 0:
+            return x
+        return -x
+
+    line = here(offset=-4)
+    with pytest.raises(bp.TracingError) as info:
+        branchy(bp.tensor(f32(3)))
+    assert line in str(info.value) and "bp.where" in str(info.value)
+    assert branchy.cache_info().entries == 0  # nothing half-done
+
+
+def test_shape_errors_name_the_op_shapes_and_the_users_line():
+    @bp.compile
+    def bad(a, b):
+        return a @ b
+
+    line = here(offset=-2)
+    with pytest.raises(bp.ShapeError) as info:
+        bad(bp.tensor(f32(4, 3)), bp.tensor(f32(5, 2)))
+    message = str(info.value)
+    assert "matmul" in message and "(4, 3)" in message and "(5, 2)" in message
+    assert line in message
+    with pytest.raises(bp.ShapeError, match="cannot be broadcast"):
+        bp.tensor(f32(3)) + bp.tensor(f32(4))
+
+
+def test_nested_compiled_functions_inline_into_one_region():
+    @bp.compile
+    def inner(x):
+        return bp.tanh(x) * 2
+
+    @bp.compile
+    def outer(x):
+        return bp.sum(inner(x) + inner(x * 3))
+
+    x = bp.tensor(f32(3), requires_grad=True)
+    out = outer(x)
+    assert out.grad_fn.name == "outer" and out.grad_fn.next_regions == []
+    assert inner.cache_info().traces == 0
+    out.backward()
+    xv = x.numpy()
+    expected = 2 * (1 - np.tanh(xv) ** 2) + 6 * (1 - np.tanh(3 * xv) ** 2)
+    np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-5)
+
+
+def test_compiled_regions_chain_with_eager_ops_and_other_regions():
+    @bp.compile
+    def layer(w, x):
+        return bp.tanh(x @ w)
+
+    w1 = bp.tensor(f32(3, 3), requires_grad=True)
+    x = bp.tensor(f32(2, 3), requires_grad=True)
+    h = layer(w1, x * 2)
+    loss = bp.sum(layer(w1, h) ** 2)
+    loss.backward()
+    value, grads = bp.value_and_grad(
+        lambda w, x: bp.sum(bp.tanh(bp.tanh((x * 2) @ w) @ w) ** 2), argnums=(0, 1))(w1, x)
+    np.testing.assert_allclose(loss.numpy(), value.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(w1.grad.numpy(), grads[0].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), grads[1].numpy(), rtol=1e-5)
+
+
+def test_captured_tensors_are_inputs_and_receive_gradients():
+    w = bp.tensor(f32(3), requires_grad=True)
+
+    @bp.compile
+    def uses_global(x):
+        return bp.sum(x * w)
+
+    x = bp.tensor(f32(3))
+    uses_global(x).backward()
+    np.testing.assert_allclose(w.grad.numpy(), x.numpy())
+
+
+def test_value_and_grad_pytrees_has_aux_and_argnums():
+    def loss(params, x):
+        pred = x @ params["w"] + params["b"]
+        return bp.mean(pred ** 2), pred
+
+    params = {"w": bp.tensor(f32(3, 2)), "b": bp.tensor(f32(2))}
+    x = bp.tensor(f32(5, 3))
+    (value, pred), grads = bp.value_and_grad(loss, has_aux=True)(params, x)
+    p = x.numpy() @ params["w"].numpy() + params["b"].numpy()
+    np.testing.assert_allclose(value.numpy(), np.mean(p ** 2), rtol=1e-5)
+    np.testing.assert_allclose(pred.numpy(), p, rtol=1e-5)
+    assert set(grads) == {"w", "b"}
+    np.testing.assert_allclose(grads["w"].numpy(), x.numpy().T @ (2 * p / p.size), rtol=1e-4)
+    np.testing.assert_allclose(grads["b"].numpy(), np.sum(2 * p / p.size, 0), rtol=1e-4)
+    gw, gx = bp.grad(lambda w, x: bp.sum(x @ w), argnums=(0, 1))(params["w"], x)
+    assert gw.shape == (3, 2) and gx.shape == (5, 3)
+    with pytest.raises(bp.TracingError, match="scalar loss"):
+        bp.grad(lambda x: x * 2)(x)
+
+
+def test_grad_of_grad_matches_analytic_second_derivative():
+    x = bp.tensor(np.array([0.3, -1.2, 2.0]))
+    second = bp.grad(lambda x: bp.sum(bp.grad(lambda y: bp.sum(bp.tanh(y) * y ** 2))(x)))(x)
+    xv = x.numpy()
+    t = np.tanh(xv)
+    d1 = lambda v: (1 - np.tanh(v) ** 2) * v ** 2 + 2 * v * np.tanh(v)  # noqa: E731
+    numeric = (d1(xv + 1e-6) - d1(xv - 1e-6)) / 2e-6
+    np.testing.assert_allclose(second.numpy(), numeric, rtol=1e-6)
+    assert t.shape == second.shape
+
+
+def test_type_promotion_follows_numpy_2():
+    a32 = bp.tensor(np.ones(2, np.float32))
+    i64 = bp.tensor(np.array([1, 2]))
+    assert (a32 * 2.0).dtype == np.float32
+    assert (a32 * 2).dtype == np.float32
+    assert (i64 * 2).dtype == np.int64
+    assert (i64 * 2.5).dtype == np.float64
+    assert (i64 / i64).dtype == np.float64
+    assert (a32 + bp.tensor(np.ones(2))).dtype == np.float64
+    assert (a32 > 0).dtype == np.bool_
+    assert bp.tensor([1.5]).dtype == np.float32
+    assert bp.tensor(np.array([1.5])).dtype == np.float64
+
+
+def test_indexing_slicing_and_gather_with_gradients():
+    xv = f32(4, 5, 3)
+    x = bp.tensor(xv, requires_grad=True)
+    idx = np.array([2, 0, 2])
+    rows = np.array([0, 3])
+    cols = np.array([1, 4])
+    pieces = [x[1], x[:, 1:4:2], x[..., -1], x[None, ::-1, 2], x[:, idx], x[rows, cols]]
+    expected = [xv[1], xv[:, 1:4:2], xv[..., -1], xv[None, ::-1, 2], xv[:, idx], xv[rows, cols]]
+    for got, want in zip(pieces, expected, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want)
+    bp.sum(x[:, idx] * 2).backward()
+    grad = np.zeros_like(xv)
+    np.add.at(grad, (slice(None), idx), 2.0)
+    np.testing.assert_array_equal(x.grad.numpy(), grad)
+    with pytest.raises(IndexError, match="out of range"):
+        x[7]
