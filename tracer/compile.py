@@ -58,6 +58,29 @@ def _type_of(tensor):
     return TensorType(tensor._ir_dtype, tensor.shape)
 
 
+def run_traced(traced: TracedFunction, call, record: bool = True):
+    """Run one signature's forward plan on the call's tensors. With record (and some input
+    needing a gradient) outputs point at a Region holding the saved buffers, so .backward()
+    works. Loaded artifacts run through here too, so both paths build regions the same way."""
+    tensors = [call.leaves[p] for p in call.tensor_positions] + traced.captured
+    wrt = traced.program.plans.wrt
+    loc = loc_text(user_frame_loc())
+    edges = None
+    if record and any(wrt):
+        edges = [t._edge() for t, w in zip(tensors, wrt, strict=True) if w]
+    outputs, region = run_forward(traced.program, [t._data for t in tensors], edges, loc)
+    grads = traced.program.differentiable_outputs
+    leaves = []
+    for kind, item in traced.out_slots:
+        if kind == "static":
+            leaves.append(item)
+        elif region is not None and item in grads:
+            leaves.append(Tensor._from_array(outputs[item], grad_fn=region, out_index=item))
+        else:
+            leaves.append(Tensor._from_array(outputs[item]))
+    return unflatten(traced.out_treedef, leaves)
+
+
 class CompiledFunction:
     """See `compile`."""
 
@@ -74,7 +97,7 @@ class CompiledFunction:
             return self.fn(*args, **kwargs)  # nested compiled functions inline
         call = bind_call(self.fn, args, kwargs)
         traced = self.lookup(call)
-        return self._run(traced, call)
+        return run_traced(traced, call)
 
     def lookup(self, call) -> TracedFunction:
         traced = self._cache.get(call.key)
@@ -113,23 +136,6 @@ class CompiledFunction:
         names += [f"captured[{i}]" for i in range(len(trace.captured))]
         return TracedFunction(program, out_treedef, out_slots, trace.captured, captured_flags,
                               names)
-
-    def _run(self, traced: TracedFunction, call):
-        tensors = [call.leaves[p] for p in call.tensor_positions] + traced.captured
-        wrt = traced.program.plans.wrt
-        loc = loc_text(user_frame_loc())
-        edges = [t._edge() for t, w in zip(tensors, wrt, strict=True) if w] if any(wrt) else None
-        outputs, region = run_forward(traced.program, [t._data for t in tensors], edges, loc)
-        grads = traced.program.differentiable_outputs
-        leaves = []
-        for kind, item in traced.out_slots:
-            if kind == "static":
-                leaves.append(item)
-            elif region is not None and item in grads:
-                leaves.append(Tensor._from_array(outputs[item], grad_fn=region, out_index=item))
-            else:
-                leaves.append(Tensor._from_array(outputs[item]))
-        return unflatten(traced.out_treedef, leaves)
 
     def trace(self, *args, **kwargs) -> TracedFunction:
         """Trace (or find in the cache) without running: the plans for this signature."""

@@ -67,20 +67,7 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         args, call, diff_paths, entry = lookup(args, kwargs)
-        tensors = [call.leaves[p] for p in call.tensor_positions] + entry.captured
-        outer = current_trace()
-        if outer is not None:
-            values = inline_graph(outer.graph, entry.plan.graph, [outer.value_of(t) for t in tensors])
-            results = [Tensor._traced(v, outer) for v in values]
-        else:
-            arrays = run_plan(entry.plan, [t._data for t in tensors])
-            results = [Tensor._from_array(a) for a in arrays]
-        n_aux = entry.n_aux
-        value, aux, grads = results[0], results[1 : 1 + n_aux], results[1 + n_aux :]
-        grads = _grads_like(args, nums, diff_paths, grads, single=isinstance(argnums, int))
-        if has_aux:
-            return (value, unflatten(entry.aux_treedef, aux)), grads
-        return value, grads
+        return run_joint(entry, args, call, diff_paths, nums, has_aux, isinstance(argnums, int))
 
     def trace(*args, **kwargs) -> JointTrace:
         """The joint plan for this signature, traced (or found in the cache) without running."""
@@ -88,7 +75,29 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
 
     wrapped.cache = cache
     wrapped.trace = trace
+    wrapped.lookup = lookup  # (args, bound call, differentiated leaf positions, JointTrace)
+    wrapped.argnums = argnums
+    wrapped.has_aux = has_aux
     return wrapped
+
+
+def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, single: bool):
+    """Run (or inline into the active trace) a joint plan; returns (value, grads) with grads
+    shaped like the differentiated arguments. Loaded artifacts run through here too."""
+    tensors = [call.leaves[p] for p in call.tensor_positions] + entry.captured
+    outer = current_trace()
+    if outer is not None:
+        values = inline_graph(outer.graph, entry.plan.graph, [outer.value_of(t) for t in tensors])
+        results = [Tensor._traced(v, outer) for v in values]
+    else:
+        arrays = run_plan(entry.plan, [t._data for t in tensors])
+        results = [Tensor._from_array(a) for a in arrays]
+    n_aux = entry.n_aux
+    value, aux, grads = results[0], results[1 : 1 + n_aux], results[1 + n_aux :]
+    grads = _grads_like(args, nums, diff_paths, grads, single=single)
+    if has_aux:
+        return (value, unflatten(entry.aux_treedef, aux)), grads
+    return value, grads
 
 
 def grad(fn, argnums=0, has_aux: bool = False):
