@@ -63,6 +63,8 @@ class Builder:
 
     def keepdims_like(self, value: Value, axes: tuple[int, ...], ndim: int) -> Value:
         """Reshape a reduced value so it broadcasts against the unreduced operand."""
+        if len(value.shape) == ndim:
+            return value  # reduced with keepdims=True: already broadcasts
         shape, it = [], iter(value.shape)
         for axis in range(ndim):
             shape.append(1 if axis in axes else next(it))
