@@ -432,3 +432,41 @@ def test_grad_of_grad_of_a_scalar_function(fn, x):
     h = 1e-5
     fd = (first(bp.tensor(at + h)).item() - first(bp.tensor(at - h)).item()) / (2 * h)
     assert math.isclose(second(bp.tensor(at)).item(), fd, rel_tol=1e-7, abs_tol=1e-9)
+
+
+# ---- dtype promotion of the public binary ops, against NumPy 2 --------------------------------
+
+PROMOTION_TENSORS = {
+    "bool": np.array([True, False]), "i64": np.array([1, 2]),
+    "f32": np.array([1.0, 2.0], np.float32), "f64": np.array([1.0, 2.0]),
+}
+PROMOTION_OTHERS = {
+    **PROMOTION_TENSORS, "int": 3, "float": 2.5, "True": True, "np.float64": np.float64(2.5),
+    "np.float32": np.float32(2.5), "np.int64": np.int64(3), "0-d f64": np.array(2.5),
+}
+PROMOTION_CASES = [
+    pytest.param(op, a, b, swap, id=f"{op}-{a}-{b}{'-swapped' if swap else ''}")
+    for op in ("mul", "sub", "div", "maximum") for a in PROMOTION_TENSORS
+    for b in PROMOTION_OTHERS for swap in (False, True)
+    if not (a == "bool" and b in ("bool", "True") and op != "div")  # bool arithmetic is refused
+]
+
+
+@pytest.mark.parametrize("op,a,b,swap", PROMOTION_CASES)
+def test_binary_ops_promote_like_numpy2(op, a, b, swap):
+    x, y = PROMOTION_TENSORS[a], PROMOTION_OTHERS[b]
+    if swap:
+        x, y = y, x
+    numpy_fn = {"mul": np.multiply, "sub": np.subtract, "div": np.divide,
+                "maximum": np.maximum}[op]
+    wrap = [bp.tensor(v) if isinstance(v, np.ndarray) else v for v in (x, y)]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = numpy_fn(x, y)
+        result = getattr(bp, op)(*wrap)
+    assert result.dtype == expected.dtype
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6)
+
+
+def test_bool_arithmetic_is_refused_with_a_clear_error():
+    with pytest.raises(bp.DtypeError, match="bool"):
+        bp.mul(bp.tensor([True]), True)

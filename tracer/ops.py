@@ -63,19 +63,25 @@ def astype(x, dtype) -> Tensor:
     return x if x._ir_dtype == name else apply("astype", [x], dtype=name)
 
 
+def _is_weak_scalar(x) -> bool:
+    """Python scalars are weak; NumPy scalars (np.float64 subclasses float) are not, as in
+    NumPy 2."""
+    return isinstance(x, Scalar) and not isinstance(x, np.generic)
+
+
 def _operands(a, b) -> tuple[Tensor, Tensor]:
     """Promote two operands; Python scalars are weak (2.0 * f32 tensor stays f32)."""
-    a_scalar, b_scalar = isinstance(a, Scalar), isinstance(b, Scalar)
+    a_scalar, b_scalar = _is_weak_scalar(a), _is_weak_scalar(b)
     if a_scalar and b_scalar:
         raise TypeError("at least one operand must be a tensor")
     if b_scalar:
         a = as_tensor(a)
         dtype = promote_with_scalar(a._ir_dtype, b)
-        return astype(a, dtype), full((), b, dtype)
+        return astype(a, dtype), full((), int(b) if isinstance(b, bool) else b, dtype)
     if a_scalar:
         b = as_tensor(b)
         dtype = promote_with_scalar(b._ir_dtype, a)
-        return full((), a, dtype), astype(b, dtype)
+        return full((), int(a) if isinstance(a, bool) else a, dtype), astype(b, dtype)
     a, b = as_tensor(a), as_tensor(b)
     dtype = promote_types(a._ir_dtype, b._ir_dtype)
     return astype(a, dtype), astype(b, dtype)
