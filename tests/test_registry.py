@@ -470,3 +470,19 @@ def test_binary_ops_promote_like_numpy2(op, a, b, swap):
 def test_bool_arithmetic_is_refused_with_a_clear_error():
     with pytest.raises(bp.DtypeError, match="bool"):
         bp.mul(bp.tensor([True]), True)
+
+
+@pytest.mark.parametrize("op,types,attrs", [
+    ("take_grad", [("f32", (3,)), ("i64", ())], {"axis": 5, "size": 2}),
+    ("take_grad", [("f32", (3,)), ("i64", ())], {"axis": -1, "size": 2}),
+    ("take_grad", [("f32", (3,)), ("i64", (3,))], {"axis": 0, "size": -2}),
+    ("one_hot", [("i64", (2,))], {"depth": -3, "dtype": "f32"}),
+    ("take", [("f32", (3,)), ("i64", (2,))], {"axis": 1}),
+    ("slice", [("f32", (3,))], {"starts": (0,), "stops": (4,), "steps": (1,)}),
+    ("reshape", [("f32", (3,))], {"shape": (2, 2)}),
+], ids=["take_grad-axis", "take_grad-negative-axis", "take_grad-size", "one_hot-depth",
+        "take-axis", "slice-stop", "reshape-size"])
+def test_shape_rules_refuse_attributes_that_do_not_fit(op, types, attrs):
+    opdef = get_op(op)
+    with pytest.raises(bp.ShapeError):
+        opdef.infer([TensorType(dt, shape) for dt, shape in types], opdef.normalize_attrs(attrs))

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from ..errors import DtypeError
+from ..errors import DtypeError, ShapeError
 from ..registry import AttrSpec, OpDef, register
 from ..types import TensorType, is_float, np_dtype
 
@@ -41,6 +41,8 @@ def _one_hot_infer(types, attrs):
     (labels,) = types
     if labels.dtype != "i64":
         raise DtypeError(f"labels must be i64, got {labels.dtype}")
+    if attrs["depth"] < 0:
+        raise ShapeError(f"depth must be non-negative, got {attrs['depth']}")
     return TensorType(attrs["dtype"], labels.shape + (attrs["depth"],))
 
 

@@ -224,6 +224,8 @@ def _take_grad_infer(types, attrs):
     g, idx = types
     _check_index(idx)
     axis, k = attrs["axis"], len(idx.shape)
+    if not 0 <= axis <= len(g.shape) - k or attrs["size"] < 0:
+        raise ShapeError(f"axis {axis} and size {attrs['size']} do not fit {fmt(g.shape)}")
     if g.shape[axis : axis + k] != idx.shape:
         raise ShapeError(f"take_grad of {fmt(g.shape)} does not match indices {fmt(idx.shape)}")
     return TensorType(g.dtype, g.shape[:axis] + (attrs["size"],) + g.shape[axis + k :])
