@@ -1,0 +1,49 @@
+"""`python -m backplan inspect model.bpz`: what an artifact holds, after the same checks load()
+makes (nothing in it is unpickled or run): signature, members with sizes and hashes, the plans'
+steps and peak bytes, and the saved-buffer table."""
+
+from __future__ import annotations
+
+import sys
+
+import backplan as bp
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("artifact", help="a file written by bp.export or `backplan export`")
+    parser.add_argument("--ir", action="store_true", help="also print each plan's IR text")
+
+
+def run(args) -> int:
+    try:
+        loaded = bp.load(args.artifact)
+    except bp.ExportError as exc:
+        print(f"invalid artifact: {exc}", file=sys.stderr)
+        return 1
+    manifest = loaded.manifest
+    print(f"artifact: {args.artifact}")
+    print(f"format: {manifest['format']} version {manifest['format_version']}, written by "
+          f"backplan {manifest.get('backplan_version', 'unknown')}")
+    print(f"kind: {loaded.kind}")
+    print(f"signature: {loaded.signature}")
+    print(f"members ({sum(loaded.member_sizes.values())} bytes):")
+    entries = manifest["members"]
+    width = max(len(name) for name in loaded.member_sizes)
+    for name, size in sorted(loaded.member_sizes.items()):
+        print(f"  {name.ljust(width)}  {size:>10} B  sha256 {entries[name]['sha256'][:16]}")
+    print()
+    print(loaded.explain())
+    if args.ir:
+        for role, plan in plan_texts(loaded):
+            print(f"\n--- {role} plan\n{plan}")
+    return 0
+
+
+def plan_texts(loaded) -> list[tuple[str, str]]:
+    if loaded.kind == "value_and_grad":
+        return [("joint", loaded.plan.text())]
+    plans = loaded.program.plans
+    texts = [("forward", plans.forward.text())]
+    if plans.backward is not None:
+        texts.append(("backward", plans.backward.text()))
+    return texts

@@ -1,0 +1,76 @@
+"""Matching a call of a loaded artifact against the signature it was exported for.
+
+A loaded artifact cannot retrace, so every argument must have the exported structure, dtype and
+shape, and every static argument the exported value. Dicts may list their keys in any order:
+arguments are rebuilt in the exported order before they are flattened.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .artifact_format import ExportError
+from .artifact_tree import child_path
+from .pytree import TreeDef, flatten
+from .signature import LeafKey
+from .tensor import Tensor
+
+
+def conform(treedef: TreeDef, value, path: str, artifact: str):
+    """value rebuilt with the exported container kinds and dict key order."""
+    kind = treedef.kind
+    if kind == "leaf":
+        if isinstance(value, list | dict | tuple) or value is None:
+            raise _mismatch(artifact, path, "a tensor or static value", type(value).__name__)
+        return value
+    if kind == "none":
+        if value is not None:
+            raise _mismatch(artifact, path, "None", type(value).__name__)
+        return None
+    if kind == "dict":
+        if not isinstance(value, dict) or set(value) != set(treedef.meta):
+            got = sorted(map(repr, value)) if isinstance(value, dict) else type(value).__name__
+            raise _mismatch(artifact, path, f"a dict with keys {sorted(map(repr, treedef.meta))}",
+                            got)
+        return {k: conform(c, value[k], child_path(path, k), artifact)
+                for k, c in zip(treedef.meta, treedef.children, strict=True)}
+    expected_type = tuple if kind == "tuple" else list
+    if not isinstance(value, expected_type) or len(value) != len(treedef.children):
+        got = f"{type(value).__name__} of length {len(value)}" if isinstance(
+            value, tuple | list) else type(value).__name__
+        raise _mismatch(artifact, path, f"a {kind} of length {len(treedef.children)}", got)
+    items = [conform(c, v, child_path(path, i), artifact)
+             for i, (c, v) in enumerate(zip(treedef.children, value, strict=True))]
+    return tuple(items) if kind == "tuple" else items
+
+
+def match_leaves(tree_value, keys: list[LeafKey], artifact: str) -> tuple[list, list[int]]:
+    """Leaves of an already conformed value, checked against the exported leaf keys; ndarrays
+    become tensors. Returns (leaves, positions of the tensor leaves)."""
+    leaves, _ = flatten(tree_value)
+    positions = []
+    for i, (leaf, key) in enumerate(zip(leaves, keys, strict=True)):
+        if isinstance(leaf, np.ndarray):
+            leaves[i] = leaf = Tensor(leaf)
+        if key.kind == "tensor":
+            _check_tensor(leaf, key, artifact)
+            positions.append(i)
+        elif isinstance(leaf, Tensor) or (type(leaf).__name__, leaf) != key.static:
+            shown = "a tensor" if isinstance(leaf, Tensor) else repr(leaf)
+            raise _mismatch(artifact, key.path, f"the static value {key.static[1]!r}", shown)
+    return leaves, positions
+
+
+def _check_tensor(leaf, key: LeafKey, artifact: str) -> None:
+    expected = f"a tensor {key.dtype}{list(key.shape)}"
+    if not isinstance(leaf, Tensor):
+        raise _mismatch(artifact, key.path, expected, f"{leaf!r} of type {type(leaf).__name__}")
+    if leaf._ir_dtype != key.dtype or tuple(leaf.shape) != tuple(key.shape):
+        raise _mismatch(artifact, key.path, expected, f"{leaf._ir_dtype}{list(leaf.shape)}")
+
+
+def _mismatch(artifact: str, path: str, expected: str, got: str) -> ExportError:
+    return ExportError(
+        f"{artifact} was exported for {path} = {expected}, but the call passed {got}; a loaded "
+        "artifact cannot retrace, so re-export it with arguments like these"
+    )

@@ -1,0 +1,112 @@
+"""Plans in an artifact: the IR text (with its free statements) and the facts derived from it
+(schedule, last reads, frees, bytes live after each step, peak bytes).
+
+On load the text is parsed (every type re-derived from the op registry), liveness is recomputed
+and must give exactly the stored frees and facts, and the plan verifier runs, so an edited plan
+is refused at load time rather than misbehaving at the first call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from backplan.ir.errors import BackplanError
+from backplan.ir.liveness import Plan, plan_liveness
+from backplan.ir.shapes import check_size
+from backplan.ir.text import parse_graph, value_names
+from backplan.ir.types import dtype_name
+from backplan.ir.verify import verify_plan
+
+from .artifact_format import ExportError
+
+MAX_LINE_CHARS = 10_000
+MAX_LINES = 2_000_000
+
+
+def plan_facts(plan: Plan) -> dict:
+    """What a reader (or `inspect`) wants without parsing: schedule, liveness, memory."""
+    names = value_names(plan.graph)
+    return {
+        "schedule": [[names[n], n.op, str(n.type)] for n in plan.graph.nodes],
+        "last_read": {names[v]: step for v, step in plan.last_read.items()},
+        "frees_after": {str(step): [names[v] for v in values]
+                        for step, values in sorted(plan.frees_after.items())},
+        "live_bytes_by_step": plan.live_bytes_by_step(),
+        "peak_bytes": plan.peak_bytes,
+    }
+
+
+def read_plan(text: str, facts, constants: dict[str, np.ndarray], member: str,
+              max_bytes: int) -> Plan:
+    """Parse, re-derive and verify one plan; any disagreement is an ExportError naming member."""
+    _check_text_shape(text, member)
+    try:
+        graph, frees = parse_graph(text, constants)
+    except (BackplanError, RecursionError, MemoryError, ValueError) as exc:
+        raise ExportError(f"{member}: {exc}") from None
+    _check_inputs(graph, member)
+    _check_constants(graph, member)
+    plan = plan_liveness(graph)
+    if _as_sets(frees) != _as_sets(plan.frees_after):
+        raise ExportError(f"{member}: the free statements do not match the plan's liveness "
+                          "(a buffer would be freed early, late, or never)")
+    try:
+        verify_plan(plan)
+    except BackplanError as exc:
+        raise ExportError(f"{member}: {exc}") from None
+    if facts != plan_facts(plan):
+        raise ExportError(f"{member}: the stored schedule and memory facts disagree with the IR")
+    _check_bytes(plan, member, max_bytes)
+    return plan
+
+
+def _check_text_shape(text: str, member: str) -> None:
+    lines = text.splitlines()
+    if len(lines) > MAX_LINES:
+        raise ExportError(f"{member}: {len(lines)} lines, more than a plan may have")
+    for number, line in enumerate(lines, start=1):
+        if len(line) > MAX_LINE_CHARS:
+            raise ExportError(f"{member}: line {number} is {len(line)} characters long")
+
+
+def _check_inputs(graph, member: str) -> None:
+    for index, value in enumerate(graph.inputs):
+        try:
+            check_size(value.shape)
+        except BackplanError as exc:
+            raise ExportError(f"{member}: input {index} ({value.type}): {exc}") from None
+
+
+def _check_constants(graph, member: str) -> None:
+    for node in graph.nodes:
+        if node.op != "const":
+            continue
+        array = graph.constants[node.attrs["name"]]
+        if dtype_name(array.dtype) != node.dtype or tuple(array.shape) != node.shape:
+            raise ExportError(f"{member}: constant {node.attrs['name']!r} holds "
+                              f"{dtype_name(array.dtype)}{list(array.shape)}, the IR says "
+                              f"{node.type}")
+
+
+def _as_sets(frees: dict) -> dict:
+    return {step: set(values) for step, values in frees.items() if values}
+
+
+def _check_bytes(plan: Plan, member: str, max_bytes: int) -> None:
+    """A plan that cannot fit in memory is refused now, not after minutes of work."""
+    args = sum(v.type.nbytes for v in plan.graph.inputs if v.role == "arg")
+    needed = args + plan.peak_bytes
+    if needed > max_bytes:
+        raise ExportError(
+            f"{member}: the plan needs {needed} bytes at its peak (inputs included), more than "
+            f"the {max_bytes} bytes allowed; pass max_bytes= to load() if this is intended"
+        )
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine: the default ceiling for a loaded plan's peak."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**40

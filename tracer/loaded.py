@@ -1,0 +1,210 @@
+"""What bp.load returns: callables with the exported signature, running the artifact's plans
+through the same code paths as @compile and value_and_grad (run_traced, run_joint)."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+from backplan.ir.graph import inline_graph
+from backplan.ir.types import np_dtype
+from backplan.runtime import is_grad_enabled
+
+from .artifact_call import conform, match_leaves
+from .artifact_format import ExportError
+from .artifact_report import joint_report, region_report
+from .artifact_tree import render_tree
+from .compile import TracedFunction, run_traced
+from .functional import JointTrace, _as_diff_arg, run_joint
+from .pytree import TreeDef, unflatten
+from .signature import BoundCall, SignatureKey
+from .tensor import Tensor
+from .trace import current_trace
+
+
+class LoadedArtifact:
+    """Shared by both kinds: the exported signature, argument matching and the report."""
+
+    kind = "artifact"
+
+    def __init__(self, path: str, manifest: dict, members: dict[str, bytes], name: str,
+                 signature: inspect.Signature, key: SignatureKey):
+        self.path = path
+        self.name = name
+        self.manifest = manifest
+        self.member_sizes = {n: len(d) for n, d in members.items()}
+        self.__signature__ = signature
+        self._key = key
+
+    @property
+    def format_version(self) -> int:
+        return self.manifest["format_version"]
+
+    def _match(self, args, kwargs) -> tuple[dict, list, list[int]]:
+        try:
+            bound = self.__signature__.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ExportError(f"{self.path}: {self.name}{self.__signature__}: {exc}") from None
+        bound.apply_defaults()
+        arguments = conform(self._key.treedef, dict(bound.arguments), "", self.path)
+        leaves, positions = match_leaves(arguments, list(self._key.leaves), self.path)
+        return arguments, leaves, positions
+
+    def _leaf_texts(self, show_requires_grad: bool = True) -> list[str]:
+        texts = []
+        for key in self._key.leaves:
+            if key.kind == "tensor":
+                flag = " requires_grad" if key.requires_grad and show_requires_grad else ""
+                texts.append(f"{key.dtype}[{','.join(map(str, key.shape))}]{flag}")
+            else:
+                texts.append(repr(key.static[1]))
+        return texts
+
+    def example_args(self) -> tuple[list, dict]:
+        """(args, kwargs) of zero tensors with the exported dtypes, shapes and requires_grad
+        flags (static arguments at their exported values): a template to fill with real data."""
+        leaves = []
+        for key in self._key.leaves:
+            if key.kind == "tensor":
+                zeros = np.zeros(key.shape, dtype=np_dtype(key.dtype))
+                leaves.append(Tensor(zeros, requires_grad=key.requires_grad))
+            else:
+                leaves.append(key.static[1])
+        arguments = unflatten(self._key.treedef, leaves)
+        args, kwargs = [], {}
+        for param in self.__signature__.parameters.values():
+            value = arguments[param.name]
+            if param.kind == param.VAR_POSITIONAL:
+                args.extend(value)
+            elif param.kind == param.VAR_KEYWORD:
+                kwargs.update(value)
+            elif param.kind == param.KEYWORD_ONLY:
+                kwargs[param.name] = value
+            else:
+                args.append(value)
+        return args, kwargs
+
+    def __repr__(self) -> str:
+        return f"<loaded {self.kind} {self.signature} from {self.path}>"
+
+
+class LoadedFunction(LoadedArtifact):
+    """A loaded @compile function: returns tensors whose .backward() runs the stored backward
+    plan, exactly as the original's did."""
+
+    kind = "compiled function"
+
+    def __init__(self, traced: TracedFunction, **common):
+        super().__init__(**common)
+        self._traced = traced
+        self.program = traced.program
+        self.captured = traced.captured
+
+    def __call__(self, *args, **kwargs):
+        _, leaves, positions = self._match(args, kwargs)
+        outer = current_trace()
+        if outer is not None:
+            return self._inline(outer, [leaves[p] for p in positions])
+        record = self._prepare_grads(leaves, positions)
+        return run_traced(self._traced, BoundCall(self._key, leaves, positions), record)
+
+    def _prepare_grads(self, leaves: list, positions: list[int]) -> bool:
+        """Whether to record a region. An input exported with a gradient but passed without
+        requires_grad gets a stand-in leaf, so no .grad lands on a tensor that did not ask."""
+        enabled = is_grad_enabled()
+        wrt = self.program.plans.wrt[: len(positions)]
+        flags = [enabled and leaves[p].requires_grad for p in positions]
+        for p, flag, w in zip(positions, flags, wrt, strict=True):
+            if flag and not w:
+                path = self._key.leaves[p].path
+                raise ExportError(f"{self.path}: {path} requires grad, but the artifact was "
+                                  f"exported with {path} not requiring grad, so it has no "
+                                  "gradient for it; re-export with requires_grad=True")
+        record = any(flags) or (enabled and any(self._traced.captured_flags))
+        if record:
+            for p, flag, w in zip(positions, flags, wrt, strict=True):
+                if w and not flag:
+                    leaves[p] = Tensor(leaves[p].numpy(), requires_grad=True)
+        return record
+
+    def _inline(self, outer, tensors: list):
+        """Called inside another trace: the forward graph becomes part of the outer one."""
+        forward = self.program.plans.forward.graph
+        inputs = [outer.value_of(t) for t in tensors + self.captured]
+        values = inline_graph(outer.graph, forward, inputs)[: self.program.n_outputs]
+        leaves = [item if kind == "static" else Tensor._traced(values[item], outer)
+                  for kind, item in self._traced.out_slots]
+        return unflatten(self._traced.out_treedef, leaves)
+
+    @property
+    def signature(self) -> str:
+        """`name(x: f32[16,32], w: f32[32,8] requires_grad) -> f32[]`"""
+        forward = self.program.plans.forward.graph
+        outputs = [str(forward.outputs[item].type) if kind == "tensor" else repr(item)
+                   for kind, item in self._traced.out_slots]
+        return (f"{self.name}{_params_text(self._key.treedef, self._leaf_texts(), self)} -> "
+                f"{render_tree(self._traced.out_treedef, outputs)}")
+
+    def explain(self) -> str:
+        """The signature, each plan's steps and peak bytes, and the saved-buffer table."""
+        return region_report(self)
+
+
+class LoadedValueAndGrad(LoadedArtifact):
+    """A loaded bp.value_and_grad: returns (value, grads), grads shaped like the differentiated
+    arguments; ((value, aux), grads) when exported with has_aux."""
+
+    kind = "value_and_grad"
+
+    def __init__(self, entry: JointTrace, argnums, has_aux: bool, diff_positions: set[int],
+                 display_names: list[str], **common):
+        super().__init__(**common)
+        self._entry = entry
+        self.plan = entry.plan
+        self.captured = entry.captured
+        self._nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        self._single = isinstance(argnums, int)
+        self.argnums = argnums
+        self.has_aux = has_aux
+        self._diff_positions = diff_positions
+        self._display_names = display_names
+
+    def __call__(self, *args, **kwargs):
+        args = tuple(_as_diff_arg(a) if i in self._nums else a for i, a in enumerate(args))
+        arguments, leaves, positions = self._match(args, kwargs)
+        call = BoundCall(self._key, leaves, positions)
+        return run_joint(self._entry, arguments["args"], call, self._diff_positions, self._nums,
+                         self.has_aux, self._single)
+
+    @property
+    def signature(self) -> str:
+        """`value_and_grad(loss, argnums=0)(params: {...}, x: f32[64,32]) -> (f32[], grads)`"""
+        texts = iter(self._leaf_texts(show_requires_grad=False))
+        args_def, kwargs_def = self._key.treedef.children
+        parts = []
+        for i, child in enumerate(args_def.children):
+            name = self._display_names[i] if i < len(self._display_names) else f"args[{i}]"
+            parts.append(f"{name}: {render_tree(child, texts)}")
+        for key, child in zip(kwargs_def.meta or (), kwargs_def.children, strict=True):
+            parts.append(f"{key}={render_tree(child, texts)}")
+        value = str(self.plan.graph.outputs[0].type)
+        if self.has_aux:
+            value = f"({value}, aux)"
+        return (f"value_and_grad({self.name}, argnums={self.argnums})({', '.join(parts)}) -> "
+                f"({value}, grads of argument(s) {self.argnums})")
+
+    def explain(self) -> str:
+        """The signature, the joint plan's steps and peak bytes, and the forward values the
+        gradient steps read (the joint plan's saved buffers)."""
+        return joint_report(self)
+
+
+def _params_text(treedef: TreeDef, leaf_texts: list[str], loaded: LoadedArtifact) -> str:
+    texts = iter(leaf_texts)
+    parts = []
+    params = loaded.__signature__.parameters
+    for name, child in zip(treedef.meta, treedef.children, strict=True):
+        star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(
+            params[name].kind, "")
+        parts.append(f"{star}{name}: {render_tree(child, texts)}")
+    return "(" + ", ".join(parts) + ")"
