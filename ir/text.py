@@ -18,9 +18,10 @@ import os
 import re
 
 from .builder import make_value
-from .errors import BackplanError, ParseError
+from .errors import BackplanError, ParseError, ShapeError
 from .graph import Graph, Value
 from .registry import get_op
+from .shapes import check_size
 from .types import DTYPES, TensorType
 
 ROLES = ("arg", "cotangent", "saved")
@@ -99,7 +100,12 @@ def parse_type(text: str) -> TensorType:
     if not match or match.group(1) not in DTYPES:
         raise ParseError(f"bad type {text!r}")
     dims = match.group(2)
-    return TensorType(match.group(1), tuple(int(d) for d in dims.split(",")) if dims else ())
+    shape = tuple(int(d) for d in dims.split(",")) if dims else ()
+    try:
+        check_size(shape)
+    except ShapeError as exc:
+        raise ParseError(f"bad type {text!r}: {exc}") from None
+    return TensorType(match.group(1), shape)
 
 
 def _literal(node):
@@ -125,6 +131,9 @@ def parse_attrs(text: str) -> dict:
         raise ParseError(f"bad attributes {{{text}}}: {exc.msg}") from None
     if not isinstance(call, ast.Call) or call.args:
         raise ParseError(f"bad attributes {{{text}}}")
+    names = [kw.arg for kw in call.keywords]
+    if len(set(names)) != len(names):
+        raise ParseError(f"bad attributes {{{text}}}: an attribute is given twice")
     return {kw.arg: _literal(kw.value) for kw in call.keywords}
 
 
@@ -152,6 +161,8 @@ def parse_graph(text: str, constants=None) -> tuple[Graph, dict[int, list[Value]
     for lineno, raw in enumerate(lines[1:-1], start=2):
         line = raw.strip()
         try:
+            if returned and not line.startswith("free "):
+                raise ParseError(f"only free statements may follow return, got {line!r}")
             if line.startswith("free "):
                 step = len(graph.nodes) if returned else len(graph.nodes) - 1
                 frees.setdefault(step, []).append(_lookup(env, line[5:].strip()))
