@@ -28,6 +28,7 @@ from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
 from backplan.tracer.artifact_format import ExportError
 from backplan.tracer.artifact_load import load
 from backplan.tracer.export import export
+from backplan.tracer.explain import explain
 from backplan.tracer.ops import (
     abs,
     add,

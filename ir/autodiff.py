@@ -104,6 +104,8 @@ def backward_graph(graph: Graph, wrt: list[bool]) -> tuple[Graph, list[SavedValu
             return copy
         if value not in saved:
             saved[value] = SavedValue(value, bwd.add_input(value.type, role="saved"), reason)
+        elif reason not in saved[value].reason.split("; "):
+            saved[value].reason += f"; {reason}"  # every rule that needs it, in walk order
         return saved[value].backward_input
 
     cotangents = _walk(graph, active, seeds, bwd, lookup)

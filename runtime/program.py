@@ -26,15 +26,18 @@ class SavedBufferInfo:
     last_read_step: int
     reason: str
     is_region_input: bool
+    written_step: int = -1  # forward step that writes it; -1 for the region's own inputs
+    read_steps: tuple[int, ...] = ()  # backward steps that read it
 
 
 class RegionProgram:
     """Runs plans. The reference interpreter is the default backend; a compiled backend replaces
     run_forward/run_backward with the same contract."""
 
-    def __init__(self, plans: RegionPlans, name: str):
+    def __init__(self, plans: RegionPlans, name: str, input_names: list[str] | None = None):
         self.plans = plans
         self.name = name
+        self.input_names = input_names  # argument paths of the forward inputs, when known
         self.n_outputs = plans.n_outputs
         outputs = plans.forward.graph.outputs[: plans.n_outputs]
         self.cotangent_slot = {}
@@ -60,11 +63,13 @@ class RegionProgram:
         infos = []
         for slot, saved in enumerate(self.plans.saved):
             bwd_input = bwd.graph.inputs[n_cot + slot]
-            readers = [n for n in bwd.graph.nodes if bwd_input in n.inputs]
+            read_steps = [i for i, n in enumerate(bwd.graph.nodes) if bwd_input in n.inputs]
+            readers = [bwd.graph.nodes[i] for i in read_steps]
             value = saved.forward
             infos.append(SavedBufferInfo(
                 slot=slot,
-                name=fwd_names[value],
+                name=self._input_name(saved.source[1]) if saved.source[0] == "input"
+                else fwd_names[value],
                 op=value.op if value.op != "input" else "input",
                 produced_at=format_loc(value.loc) or "<input>",
                 shape=value.shape,
@@ -74,8 +79,16 @@ class RegionProgram:
                 last_read_step=bwd.last_read.get(bwd_input, -1),
                 reason=saved.reason,
                 is_region_input=saved.source[0] == "input",
+                written_step=self.plans.forward.first_write.get(value, -1),
+                read_steps=tuple(read_steps),
             ))
         return infos
+
+    def _input_name(self, index: int) -> str:
+        """How the user calls forward input `index`: its argument path, or `input i`."""
+        if self.input_names and index < len(self.input_names):
+            return self.input_names[index]
+        return f"input {index}"
 
     def run_forward(self, args: list) -> list:
         return run_plan(self.plans.forward, args)

@@ -10,6 +10,7 @@ from backplan.ir.types import np_dtype
 
 from . import memory
 from .program import RegionProgram, SavedBufferInfo
+from .saved_table import format_saved_table
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,7 @@ class Region:
 
 
 def saved_table(region: Region) -> str:
-    """The live answer to 'which is freed, which is not?'."""
-    lines = [repr(region)]
-    header = ("name", "shape", "dtype", "bytes", "produced by", "read by", "state")
-    rows = [header]
-    for b in region.saved_buffers:
-        rows.append((b.name, str(b.shape), b.dtype, str(b.nbytes), f"{b.op} at {b.produced_at}",
-                     "; ".join(b.read_by), "freed" if b.freed else "alive"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for row in rows:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-    return "\n".join(lines)
+    """The live answer to 'which is freed, which is not?': explain()'s table plus a state column."""
+    buffers = region.saved_buffers
+    states = ["freed" if b.freed else "alive" for b in buffers]
+    return repr(region) + "\n" + format_saved_table(buffers, states)

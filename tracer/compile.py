@@ -130,10 +130,10 @@ class CompiledFunction:
         graph.outputs = outputs
         captured_flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in trace.captured)
         wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(captured_flags)
-        program = RegionProgram(build_region_plans(graph, wrt), name=name)
-        self._traces += 1
         names = [call.key.leaves[p].path for p in call.tensor_positions]
         names += [f"captured[{i}]" for i in range(len(trace.captured))]
+        program = RegionProgram(build_region_plans(graph, wrt), name=name, input_names=names)
+        self._traces += 1
         return TracedFunction(program, out_treedef, out_slots, trace.captured, captured_flags,
                               names)
 
@@ -142,6 +142,14 @@ class CompiledFunction:
         if current_trace() is not None:
             raise TracingError("trace() cannot be called inside a traced function")
         return self.lookup(bind_call(self.fn, args, kwargs))
+
+    def explain(self, *args, **kwargs):
+        """The plan for this signature as a report (text, DOT, picture); nothing runs.
+        See `backplan.explain`."""
+        from .explain import explain_traced
+
+        traced = self.trace(*args, **kwargs)
+        return explain_traced(traced, self.cache_info())
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._traces, self._hits, self._misses, self._last_miss_reason,

@@ -73,8 +73,16 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
         """The joint plan for this signature, traced (or found in the cache) without running."""
         return lookup(args, kwargs)[3]
 
+    def explain(*args, **kwargs):
+        """The joint plan for this signature as a report; nothing runs. See backplan.explain."""
+        from .explain import explain_joint
+
+        _, call, _, entry = lookup(args, kwargs)
+        return explain_joint(entry, call, fn, cache)
+
     wrapped.cache = cache
     wrapped.trace = trace
+    wrapped.explain = explain
     wrapped.lookup = lookup  # (args, bound call, differentiated leaf positions, JointTrace)
     wrapped.argnums = argnums
     wrapped.has_aux = has_aux
@@ -109,6 +117,7 @@ def grad(fn, argnums=0, has_aux: bool = False):
         (value_aux, grads) = vg(*args, **kwargs)
         return (grads, value_aux[1]) if has_aux else grads
 
+    wrapped.explain = vg.explain
     return wrapped
 
 

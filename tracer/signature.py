@@ -4,6 +4,7 @@ values, each part named so a miss can say exactly what changed."""
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,7 +64,7 @@ def bind_call(fn, args: tuple, kwargs: dict) -> BoundCall:
     leaves, treedef, paths = flatten(dict(bound.arguments), paths=True)
     keys, positions = [], []
     for i, (leaf, path) in enumerate(zip(leaves, paths, strict=True)):
-        path = path.strip("[]'")
+        path = _argument_path(path)
         if isinstance(leaf, np.ndarray):
             leaves[i] = leaf = Tensor(leaf)
         if isinstance(leaf, Tensor):
@@ -73,6 +74,12 @@ def bind_call(fn, args: tuple, kwargs: dict) -> BoundCall:
         else:
             keys.append(LeafKey(path, "static", static=_static_key(leaf, path)))
     return BoundCall(SignatureKey(treedef, tuple(keys)), leaves, positions, signature)
+
+
+def _argument_path(path: str) -> str:
+    """"['params']['w0']" -> "params['w0']": the argument name, then the path inside it."""
+    match = re.match(r"\['(\w+)'\]", path)
+    return match.group(1) + path[match.end():] if match else path
 
 
 def _static_key(value, path):

@@ -1,0 +1,109 @@
+"""value_and_grad's joint plan seen as a forward and a backward: which nodes compute the outputs
+(forward), which compute gradients (backward), and which forward values the backward reads
+(its saved buffers), each with the derivative rule that needs it."""
+
+from __future__ import annotations
+
+from backplan.ir.autodiff import backward_graph
+from backplan.ir.graph import Graph, Value
+from backplan.ir.liveness import Plan
+from backplan.ir.text import format_loc, format_node, value_names
+
+from .plan_view import BufferInfo, PlanView, StepInfo, free_steps, hand_to_caller, input_label
+from .program import SavedBufferInfo
+
+REBUILT_OPS = ("full", "const")  # constants are rebuilt where needed, never saved
+
+
+def forward_nodes(graph: Graph, n_outputs: int) -> set[Value]:
+    """Nodes the user's outputs depend on; every other node belongs to the gradients."""
+    needed = set(graph.outputs[:n_outputs])
+    for node in reversed(graph.nodes):
+        if node in needed:
+            needed.update(node.inputs)
+    return {n for n in graph.nodes if n in needed}
+
+
+def joint_view(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None,
+               name: str) -> PlanView:
+    graph = plan.graph
+    forward = forward_nodes(graph, n_outputs)
+    names = value_names(graph)
+    view = PlanView(name, [], {}, joint=True)
+    keys = {}
+    for i, value in enumerate(graph.inputs):
+        keys[value] = f"f{names[value]}"
+        view.buffers[keys[value]] = BufferInfo(keys[value], input_label(input_names, i),
+                                               value.type, "input", -1, -1)
+    freed, counts = free_steps(plan), {"forward": 0, "backward": 0}
+    backward_values = {n for n in graph.nodes if n not in forward}
+    for step, node in enumerate(graph.nodes):
+        phase = "forward" if node in forward else "backward"
+        keys[node] = f"{phase[0]}{names[node]}"
+        end = min(freed.get(node, plan.return_step), plan.return_step - 1)
+        view.buffers[keys[node]] = BufferInfo(keys[node], names[node], node.type, "temporary",
+                                              step, end, step)
+        reads = tuple(keys[i] for i in node.inputs)
+        for inp in dict.fromkeys(node.inputs):
+            view.buffers[keys[inp]].readers.append(step)
+            if phase == "backward" and inp not in backward_values and inp.op not in REBUILT_OPS:
+                _mark_saved(view.buffers[keys[inp]], step)
+        label = f"{phase[0]}{counts[phase]}"
+        counts[phase] += 1
+        view.steps.append(StepInfo(step, phase, label, node, format_node(node, names),
+                                   keys[node], reads))
+    last = len(graph.nodes) - 1
+    for out in graph.outputs[:n_outputs]:
+        hand_to_caller(view.buffers[keys[out]], "output", last)
+    wrt_names = [input_label(input_names, i) for i, w in enumerate(wrt) if w]
+    for out, wrt_name in zip(graph.outputs[n_outputs:], wrt_names, strict=True):
+        hand_to_caller(view.buffers[keys[out]], "gradient", last, f"grad {wrt_name}")
+    return view
+
+
+def _mark_saved(buf: BufferInfo, reader_step: int) -> None:
+    """A forward value (or the caller's input) read by a backward node is a saved buffer."""
+    buf.saved = True
+    if buf.kind == "temporary":
+        buf.kind = "saved"
+    if buf.kind == "input":
+        buf.start, buf.end = 0, max(buf.end, reader_step)
+
+
+def joint_saved_info(plan: Plan, view: PlanView, n_outputs: int,
+                     wrt: list[bool]) -> list[SavedBufferInfo]:
+    """The saved-buffer rows of a joint plan, in the order the forward writes them."""
+    graph = plan.graph
+    values = {f"f{name}": v for v, name in value_names(graph).items() if v in graph.inputs}
+    values.update({step.writes: step.node for step in view.steps})
+    reasons = _derivative_reasons(graph, [s.node for s in view.steps if s.phase == "forward"],
+                                  n_outputs, wrt)
+    labels = {step.index: int(step.label[1:]) for step in view.steps}
+    infos = []
+    for buf in view.buffers.values():
+        if not buf.saved:
+            continue
+        value = values[buf.key]
+        readers = [view.steps[i] for i in buf.readers if view.steps[i].phase == "backward"]
+        infos.append(SavedBufferInfo(
+            slot=len(infos), name=buf.name, op=value.op, produced_at=format_loc(value.loc)
+            or "<input>", shape=value.shape, dtype=value.dtype, nbytes=value.type.nbytes,
+            read_by=tuple(f"{r.op} at {format_loc(r.node.loc)}" for r in readers),
+            last_read_step=labels[readers[-1].index],
+            reason=reasons.get(value, "read by the gradient after simplification"),
+            is_region_input=buf.kind == "input",
+            written_step=labels[buf.producer] if buf.producer is not None else -1,
+            read_steps=tuple(labels[r.index] for r in readers),
+        ))
+    return infos
+
+
+def _derivative_reasons(graph: Graph, forward: list[Value], n_outputs: int,
+                        wrt: list[bool]) -> dict[Value, str]:
+    """Which derivative rule asks for each forward value: autodiff is run again on the forward
+    part alone, only to hear which values its rules read and why."""
+    if not any(wrt):
+        return {}
+    sub = Graph(graph.name, list(graph.inputs), forward, graph.outputs[:1], dict(graph.constants))
+    _, saved = backward_graph(sub, wrt)
+    return {s.forward: s.reason for s in saved}

@@ -1,0 +1,80 @@
+"""Which IR steps each kernel covers, for explain(). Until the code generator fuses nodes every
+step is its own kernel; a fusion pass hands its groups in through `kernels_from_groups`.
+
+The groups interface: a dict from plan name ("forward", "backward", or "joint" for
+value_and_grad) to a list of groups in run order. A group is a sequence of node indices of that
+plan, a sequence of the plan's nodes, or an object with `all_nodes` (and optionally `kind`), as
+`backplan.ir.fusion.Kernel` has. Steps no group mentions stay kernels of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from backplan.ir.errors import BackplanError
+
+from .plan_view import PlanView
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    steps: tuple[int, ...]  # global steps of the view, in run order
+    kind: str = "op"
+
+    @property
+    def fused(self) -> bool:
+        return len(self.steps) > 1
+
+
+def one_kernel_per_step(view: PlanView) -> list[KernelInfo]:
+    return [KernelInfo((step.index,), "op") for step in view.steps]
+
+
+def kernels_from_groups(view: PlanView, groups: Mapping[str, Sequence] | None) -> list[KernelInfo]:
+    if not groups:
+        return one_kernel_per_step(view)
+    phases = _steps_by_plan(view)
+    unknown = set(groups) - set(phases)
+    if unknown:
+        raise BackplanError(f"kernel groups name unknown plan(s) {sorted(unknown)}; this report "
+                            f"has {sorted(phases)}")
+    kernels, covered = [], set()
+    for plan_name, plan_groups in groups.items():
+        steps = phases[plan_name]
+        for group in plan_groups:
+            members = tuple(_resolve(member, steps, plan_name) for member in _members(group))
+            if covered.intersection(members):
+                raise BackplanError(f"kernel groups of the {plan_name} plan cover a step twice")
+            covered.update(members)
+            kernels.append(KernelInfo(tuple(sorted(members)), getattr(group, "kind", "op")))
+    kernels += [KernelInfo((s.index,), "op") for s in view.steps if s.index not in covered]
+    return sorted(kernels, key=lambda k: k.steps[0] if k.steps else -1)
+
+
+def _members(group) -> Sequence:
+    return getattr(group, "all_nodes", group)
+
+
+def _steps_by_plan(view: PlanView) -> dict[str, tuple[dict, dict]]:
+    """Per plan name: node index or node -> global step."""
+    if view.joint:
+        return {"joint": _index(view.steps)}
+    forward = [s for s in view.steps if s.phase == "forward"]
+    backward = [s for s in view.steps if s.phase == "backward"]
+    return {"forward": _index(forward), "backward": _index(backward)}
+
+
+def _index(steps) -> tuple[dict[int, int], dict[int, int]]:
+    """(node index -> global step, id(node) -> global step)."""
+    by_position = {i: step.index for i, step in enumerate(steps)}
+    return by_position, {id(step.node): step.index for step in steps}
+
+
+def _resolve(member, steps: tuple[dict, dict], plan_name: str) -> int:
+    by_position, by_node = steps
+    table, key = (by_position, member) if isinstance(member, int) else (by_node, id(member))
+    if key not in table:
+        raise BackplanError(f"kernel group of the {plan_name} plan names {member!r}, which is not "
+                            f"a node of that plan")
+    return table[key]

@@ -1,0 +1,155 @@
+"""The explain() report: what one training step will do, worked out from its plans before
+anything runs. Its numbers are fields (`saved_bytes`, `peak_bytes`, `saved_buffers`, ...); its
+text, Graphviz DOT and picture are renderings of the same facts.
+
+Byte counts follow the plans: every value is its own buffer, held from the step that writes it
+to the `free` after its last read; arrays the caller passes in are held by the caller and are
+not counted (the saved-buffer table still lists those the backward keeps a reference to).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backplan.ir.liveness import Plan
+
+from .joint_view import joint_saved_info, joint_view
+from .kernels import KernelInfo, kernels_from_groups
+from .plan_view import PlanView, StepInfo, region_view
+from .program import RegionProgram, SavedBufferInfo
+
+
+@dataclass
+class ExplainReport:
+    """See `backplan.explain`."""
+
+    name: str
+    view: PlanView
+    plans: dict[str, Plan]  # "forward" and "backward", or "joint" for value_and_grad
+    saved_buffers: list[SavedBufferInfo]
+    kernels: list[KernelInfo]
+    traces: int = 1
+    retrace_reason: str | None = None
+    requires_grad: list[bool] = field(default_factory=list)
+
+    # ---- numbers ------------------------------------------------------------------------------
+
+    @property
+    def forward_ir(self) -> str:
+        """The forward plan in the standard text form (the whole plan for value_and_grad)."""
+        return self.plans.get("forward", self.plans.get("joint")).text()
+
+    @property
+    def backward_ir(self) -> str | None:
+        """The backward plan's text; None when nothing needs a gradient, or for value_and_grad,
+        whose backward is part of the one joint plan in `forward_ir`."""
+        plan = self.plans.get("backward")
+        return plan.text() if plan is not None else None
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of every saved buffer, the caller's own inputs the backward reads included."""
+        return sum(b.nbytes for b in self.saved_buffers)
+
+    @property
+    def saved_input_bytes(self) -> int:
+        return sum(b.nbytes for b in self.saved_buffers if b.is_region_input)
+
+    @property
+    def live_bytes(self) -> list[int]:
+        """Predicted bytes held at each step: forward steps, then backward steps."""
+        return self.view.live_bytes()
+
+    @property
+    def peak_bytes(self) -> int:
+        """Predicted peak over the whole step (forward, saved buffers held, then backward)."""
+        return max(self.live_bytes, default=0)
+
+    @property
+    def forward_peak_bytes(self) -> int:
+        return self._phase_peak("forward")
+
+    @property
+    def backward_peak_bytes(self) -> int:
+        return self._phase_peak("backward")
+
+    @property
+    def peak_step(self) -> StepInfo | None:
+        live = self.live_bytes
+        return self.view.steps[live.index(max(live))] if live else None
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of the arrays passed in, held by the caller and not counted in the peaks."""
+        return sum(b.nbytes for b in self.view.buffers.values() if b.kind == "input")
+
+    @property
+    def n_forward_steps(self) -> int:
+        return self.view.n_forward
+
+    @property
+    def n_backward_steps(self) -> int:
+        return self.view.n_backward
+
+    @property
+    def fused_kernels(self) -> int:
+        return sum(1 for k in self.kernels if k.fused)
+
+    def _phase_peak(self, phase: str) -> int:
+        live = self.live_bytes
+        return max((live[s.index] for s in self.view.steps if s.phase == phase), default=0)
+
+    # ---- renderings ---------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        from .report_text import render_report
+
+        return render_report(self)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT of the forward and backward graphs, saved buffers as their own nodes."""
+        from .dot import report_dot
+
+        return report_dot(self)
+
+    def save_dot(self, path) -> None:
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(self.to_dot())
+
+    def plot(self, path, max_buffers: int = 60) -> None:
+        """Write the memory timeline as PNG or SVG (by the file's suffix). Needs matplotlib:
+        `pip install backplan[plot]`."""
+        from .plot import plot_report
+
+        plot_report(self, path, max_buffers=max_buffers)
+
+
+def region_report(program: RegionProgram, traces: int = 1, retrace_reason: str | None = None,
+                  kernel_groups=None) -> ExplainReport:
+    """The report of a compiled function's region program. kernel_groups: see kernels.py; by
+    default the program's own `kernel_groups()` if it has one, else one kernel per step."""
+    plans = program.plans
+    view = region_view(program)
+    named = {"forward": plans.forward}
+    if plans.backward is not None:
+        named["backward"] = plans.backward
+    groups = kernel_groups if kernel_groups is not None else _program_groups(program)
+    return ExplainReport(program.name, view, named, list(program.saved_info),
+                         kernels_from_groups(view, groups), traces, retrace_reason,
+                         list(plans.wrt))
+
+
+def joint_report(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None,
+                 name: str, traces: int = 1, retrace_reason: str | None = None,
+                 kernel_groups=None) -> ExplainReport:
+    """The report of value_and_grad's joint plan (outputs: loss, aux, then gradients)."""
+    view = joint_view(plan, n_outputs, wrt, input_names, name)
+    return ExplainReport(name, view, {"joint": plan},
+                         joint_saved_info(plan, view, n_outputs, wrt),
+                         kernels_from_groups(view, kernel_groups), traces, retrace_reason,
+                         list(wrt))
+
+
+def _program_groups(program):
+    hook = getattr(program, "kernel_groups", None)
+    return hook() if callable(hook) else None

@@ -1,0 +1,54 @@
+"""The saved-buffer table: one text form shared by `explain()` reports and `print(t.grad_fn)`,
+so the answer to "what is saved, why, and is it freed yet?" reads the same before and after
+backward runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+INPUT_NOTE = (
+    "* your own input: the graph holds a reference to your array, not a copy. Freeing it drops\n"
+    "  the graph's reference; the array itself lives on while you still hold it."
+)
+LEGEND = "fN / bN: forward / backward step N (the N-th op line of that phase's IR, from 0)"
+
+
+def lifetime_text(info) -> str:
+    """'f3 -> b7': written at forward step 3, last read at backward step 7."""
+    start = "input" if info.written_step < 0 else f"f{info.written_step}"
+    return f"{start} -> b{info.last_read_step}"
+
+
+def read_by_text(info) -> str:
+    steps = getattr(info, "read_steps", ())
+    if len(steps) == len(info.read_by):
+        return "; ".join(f"b{s} {r}" for s, r in zip(steps, info.read_by, strict=True))
+    return "; ".join(info.read_by)
+
+
+def saved_rows(infos: Sequence, states: Sequence[str] | None = None) -> list[tuple[str, ...]]:
+    header = ("name", "type", "bytes", "produced by", "read by", "lifetime", "why saved")
+    rows = [header + (("state",) if states is not None else ())]
+    for i, info in enumerate(infos):
+        name = f"{info.name} *" if info.is_region_input else info.name
+        produced = "your input" if info.is_region_input else f"{info.op} at {info.produced_at}"
+        dims = ",".join(str(d) for d in info.shape)
+        row = (name, f"{info.dtype}[{dims}]", f"{info.nbytes:,}", produced, read_by_text(info),
+               lifetime_text(info), info.reason)
+        rows.append(row + ((states[i],) if states is not None else ()))
+    return rows
+
+
+def format_saved_table(infos: Sequence, states: Sequence[str] | None = None,
+                       indent: str = "  ") -> str:
+    """The table with one row per saved buffer; `states` adds the freed/alive column."""
+    if not infos:
+        return f"{indent}(no saved buffers)"
+    rows = saved_rows(infos, states)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    lines.append(indent + LEGEND)
+    if any(info.is_region_input for info in infos):
+        lines.extend(indent + line for line in INPUT_NOTE.splitlines())
+    return "\n".join(lines)
