@@ -29,8 +29,9 @@ def conform(treedef: TreeDef, value, path: str, artifact: str):
         return None
     if kind == "dict":
         if not isinstance(value, dict) or set(value) != set(treedef.meta):
-            got = sorted(map(repr, value)) if isinstance(value, dict) else type(value).__name__
-            raise _mismatch(artifact, path, f"a dict with keys {sorted(map(repr, treedef.meta))}",
+            got = (f"a dict with keys {sorted(value, key=repr)}" if isinstance(value, dict)
+                   else type(value).__name__)
+            raise _mismatch(artifact, path, f"a dict with keys {sorted(treedef.meta, key=repr)}",
                             got)
         return {k: conform(c, value[k], child_path(path, k), artifact)
                 for k, c in zip(treedef.meta, treedef.children, strict=True)}

@@ -114,9 +114,9 @@ def _read_checked(zf: zipfile.ZipFile, where: str) -> tuple[dict, dict[str, byte
             check_member_name(name)
         except ExportError as exc:
             raise ExportError(f"{where}: {exc}") from None
-    _check_sizes(infos, where)
     if MANIFEST not in names:
         raise ExportError(f"{where}: no {MANIFEST}; this is not a backplan artifact")
+    _check_sizes(infos, where)
     manifest = parse_json(_read_member(zf, zf.getinfo(MANIFEST), MAX_JSON_BYTES), MANIFEST)
     listed = check_manifest(manifest, where)
     extra = sorted(set(names) - set(listed) - {MANIFEST})
@@ -138,14 +138,18 @@ def _read_checked(zf: zipfile.ZipFile, where: str) -> tuple[dict, dict[str, byte
     return manifest, members
 
 
+_METHODS = {zipfile.ZIP_STORED: "uncompressed", zipfile.ZIP_DEFLATED: "deflated"}
+
+
 def _check_sizes(infos: list[zipfile.ZipInfo], where: str) -> None:
     """No zip bombs: arrays must be stored as they are, and compressed members are few and small."""
     inflated = 0
     for info in infos:
         method = _compression(info.filename)
         if info.compress_type != method:
-            raise ExportError(f"{where}: member {info.filename} uses compression method "
-                              f"{info.compress_type}, the format uses {method}")
+            found = _METHODS.get(info.compress_type, "compressed an unknown way")
+            raise ExportError(f"{where}: member {info.filename} is {found}, the format stores "
+                              f"it {_METHODS[method]}")
         if method == zipfile.ZIP_STORED and info.file_size != info.compress_size:
             raise ExportError(f"{where}: member {info.filename} is stored but its sizes differ")
         if method == zipfile.ZIP_DEFLATED:
