@@ -1,6 +1,6 @@
 """`python -m backplan inspect model.bpz`: what an artifact holds, after the same checks load()
-makes (nothing in it is unpickled or run): signature, members with sizes and hashes, the plans'
-steps and peak bytes, and the saved-buffer table."""
+makes (nothing in it is unpickled or run): signature, members with sizes and hashes, saved
+bytes, peak bytes, and the explain() report of its plans."""
 
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ def run(args) -> int:
     width = max(len(name) for name in loaded.member_sizes)
     for name, size in sorted(loaded.member_sizes.items()):
         print(f"  {name.ljust(width)}  {size:>10} B  sha256 {entries[name]['sha256'][:16]}")
+    report = loaded.explain()
+    print(f"saved for backward: {len(report.saved_buffers)} buffer(s), {report.saved_bytes} B")
+    print(f"peak bytes: {report.peak_bytes} (the step's own buffers, inputs not counted)")
     print()
-    print(loaded.explain())
+    print(report)
     if args.ir:
         for role, plan in plan_texts(loaded):
             print(f"\n--- {role} plan\n{plan}")

@@ -185,7 +185,7 @@ def test_requires_grad_that_was_not_exported_is_refused(model, data, tmp_path):
     params, x, _ = data
     plain = {k: bp.tensor(v) for k, v in params.items()}
     loaded = bp.load(bp.export(model.predict, plain, x, path=tmp_path / "inference.bpz"))
-    assert "backward plan: none" in loaded.explain()
+    assert loaded.explain().backward_ir is None
     with pytest.raises(bp.ExportError, match=r"params\['w'\] requires grad"):
         loaded(leaf_params(params), x)
 
@@ -204,19 +204,22 @@ def test_loaded_function_inlines_into_an_enclosing_trace(model, data, artifacts)
         np.testing.assert_allclose(grads[name].numpy(), expected[name].numpy(), rtol=1e-5)
 
 
-def test_example_args_signature_and_explain(artifacts, data):
-    params, x, _ = data
+def test_example_args_signature_and_explain(model, artifacts, data):
+    params, x, target = data
     predict = bp.load(artifacts["predict"])
     args, kwargs = predict.example_args()
     assert args[0]["w"].requires_grad and args[1].shape == x.shape and args[2] == 2.0
     assert predict.signature.startswith("predict(params: {'w': f32[6,8] requires_grad")
     report = predict.explain()
-    program = predict.program
-    for info in program.saved_info:
-        assert info.reason in report
-    assert f"peak {program.plans.backward.peak_bytes} B" in report
-    step = bp.load(artifacts["step"])
-    assert f"peak {step.plan.peak_bytes} B" in step.explain()
+    original = bp.explain(model.predict, leaf_params(params), x)
+    assert [b.name for b in report.saved_buffers] == [b.name for b in original.saved_buffers]
+    assert report.saved_bytes == original.saved_bytes > 0
+    assert report.peak_bytes == original.peak_bytes > 0
+    assert "params['w']" in str(report)
+    step = bp.load(artifacts["step"]).explain()
+    original = bp.explain(bp.value_and_grad(model.loss), params, x, target)
+    assert step.peak_bytes == original.peak_bytes > 0
+    assert [b.name for b in step.saved_buffers] == [b.name for b in original.saved_buffers]
 
 
 def test_export_refuses_what_it_cannot_store(tmp_path):
@@ -484,7 +487,9 @@ def test_export_and_inspect_commands(model, tmp_path):
     loaded = bp.load(work / "step.bpz")
     for name, size in loaded.member_sizes.items():
         assert f"{name}" in result.stdout and f"{size} B" in result.stdout
-    assert f"peak {loaded.plan.peak_bytes} B" in result.stdout
+    report = loaded.explain()
+    assert f"peak bytes: {report.peak_bytes}" in result.stdout
+    assert f"saved for backward: {len(report.saved_buffers)} buffer(s)" in result.stdout
     (work / "bad.bpz").write_bytes((work / "step.bpz").read_bytes()[:100])
     result = subprocess.run([sys.executable, "-m", "backplan", "inspect", "bad.bpz"], cwd=work,
                             capture_output=True, text=True, timeout=120)

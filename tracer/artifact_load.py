@@ -9,6 +9,8 @@ the plans fit together and with the signature. Any failure is an ExportError at 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import replace
 
 from backplan.ir.errors import BackplanError
 from backplan.ir.pipeline import PassLog, RegionPlans, SavedSlot
@@ -214,11 +216,11 @@ def _build_compiled(meta: dict, key: SignatureKey, captured: list, plans: dict, 
     if backward is not None:
         _check_backward(forward.graph, backward.graph, n_outputs, saved, wrt)
     plans_obj = RegionPlans(forward, backward, saved, n_outputs, wrt, PassLog())
-    program = RegionProgram(plans_obj, name=common["name"])
-    out_treedef, out_slots = _outputs(meta, n_outputs)
-    tensors = [Tensor(a, requires_grad=f) for a, f in zip(captured, flags, strict=True)]
     names = [k.path for k in key.leaves if k.kind == "tensor"]
     names += [f"captured[{i}]" for i in range(len(captured))]
+    program = RegionProgram(plans_obj, name=common["name"], input_names=names)
+    out_treedef, out_slots = _outputs(meta, n_outputs)
+    tensors = [Tensor(a, requires_grad=f) for a, f in zip(captured, flags, strict=True)]
     traced = TracedFunction(program, out_treedef, out_slots, tensors, tuple(flags), names)
     return LoadedFunction(traced, **common)
 
@@ -295,8 +297,20 @@ def _build_joint(meta: dict, key: SignatureKey, captured: list, plans: dict, com
     names = meta.get("display_parameters", [])
     if not isinstance(names, list) or any(not isinstance(n, str) for n in names):
         raise ExportError("meta.json: display_parameters must be a list of names")
-    return LoadedValueAndGrad(entry, argnums, has_aux, diff_positions,
-                              [n[:MAX_NAME] for n in names], **common)
+    names = [n[:MAX_NAME] for n in names]
+    leaves = tuple(replace(k, path=display_path(k.path, names)) for k in key.leaves)
+    common["key"] = SignatureKey(key.treedef, leaves)
+    return LoadedValueAndGrad(entry, argnums, has_aux, diff_positions, names, **common)
+
+
+def display_path(path: str, names: list[str]) -> str:
+    """value_and_grad binds (*args, **kwargs): show `args[0]['w']` as `params['w']`, as the
+    function names it, and `kwargs['k']` as `k`."""
+    match = re.match(r"args\[(\d+)\]", path)
+    if match and int(match.group(1)) < len(names):
+        return names[int(match.group(1))] + path[match.end():]
+    match = re.match(r"kwargs\['(\w+)'\]", path)
+    return match.group(1) + path[match.end():] if match else path
 
 
 def _argnums(raw):

@@ -9,10 +9,10 @@ import numpy as np
 from backplan.ir.graph import inline_graph
 from backplan.ir.types import np_dtype
 from backplan.runtime import is_grad_enabled
+from backplan.runtime.report import ExplainReport, joint_report, region_report
 
 from .artifact_call import conform, match_leaves
 from .artifact_format import ExportError
-from .artifact_report import joint_report, region_report
 from .artifact_tree import render_tree
 from .compile import TracedFunction, run_traced
 from .functional import JointTrace, _as_diff_arg, run_joint
@@ -46,9 +46,12 @@ class LoadedArtifact:
         except TypeError as exc:
             raise ExportError(f"{self.path}: {self.name}{self.__signature__}: {exc}") from None
         bound.apply_defaults()
-        arguments = conform(self._key.treedef, dict(bound.arguments), "", self.path)
+        arguments = self._conform(dict(bound.arguments))
         leaves, positions = match_leaves(arguments, list(self._key.leaves), self.path)
         return arguments, leaves, positions
+
+    def _conform(self, arguments: dict) -> dict:
+        return conform(self._key.treedef, arguments, "", self.path)
 
     def _leaf_texts(self, show_requires_grad: bool = True) -> list[str]:
         texts = []
@@ -145,9 +148,9 @@ class LoadedFunction(LoadedArtifact):
         return (f"{self.name}{_params_text(self._key.treedef, self._leaf_texts(), self)} -> "
                 f"{render_tree(self._traced.out_treedef, outputs)}")
 
-    def explain(self) -> str:
-        """The signature, each plan's steps and peak bytes, and the saved-buffer table."""
-        return region_report(self)
+    def explain(self) -> ExplainReport:
+        """The same report as bp.explain gives the original: plans, saved buffers, peak bytes."""
+        return region_report(self.program)
 
 
 class LoadedValueAndGrad(LoadedArtifact):
@@ -176,6 +179,20 @@ class LoadedValueAndGrad(LoadedArtifact):
         return run_joint(self._entry, arguments["args"], call, self._diff_positions, self._nums,
                          self.has_aux, self._single)
 
+    def _conform(self, arguments: dict) -> dict:
+        """Each positional argument under the name the function gives it."""
+        args_def, kwargs_def = self._key.treedef.children
+        args = arguments["args"]
+        if len(args) != len(args_def.children):
+            raise ExportError(f"{self.path} was exported for {len(args_def.children)} positional "
+                              f"arguments, but the call passed {len(args)}")
+        conformed = tuple(
+            conform(child, arg, self._display_names[i] if i < len(self._display_names)
+                    else f"args[{i}]", self.path)
+            for i, (child, arg) in enumerate(zip(args_def.children, args, strict=True)))
+        return {"args": conformed, "kwargs": conform(kwargs_def, arguments["kwargs"], "",
+                                                     self.path)}
+
     @property
     def signature(self) -> str:
         """`value_and_grad(loss, argnums=0)(params: {...}, x: f32[64,32]) -> (f32[], grads)`"""
@@ -193,10 +210,13 @@ class LoadedValueAndGrad(LoadedArtifact):
         return (f"value_and_grad({self.name}, argnums={self.argnums})({', '.join(parts)}) -> "
                 f"({value}, grads of argument(s) {self.argnums})")
 
-    def explain(self) -> str:
-        """The signature, the joint plan's steps and peak bytes, and the forward values the
-        gradient steps read (the joint plan's saved buffers)."""
-        return joint_report(self)
+    def explain(self) -> ExplainReport:
+        """The same report as bp.explain gives the original: the joint plan, the forward values
+        its gradient steps read, peak bytes."""
+        entry = self._entry
+        names = [k.path for k in self._key.leaves if k.kind == "tensor"]
+        names += [f"captured[{i}]" for i in range(len(entry.captured))]
+        return joint_report(entry.plan, 1 + entry.n_aux, entry.wrt, names, self.name)
 
 
 def _params_text(treedef: TreeDef, leaf_texts: list[str], loaded: LoadedArtifact) -> str:
