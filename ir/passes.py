@@ -41,7 +41,8 @@ def common_subexpression_elimination(graph: Graph) -> Graph:
 
 
 def _is_scalar_const(value: Value, number) -> bool:
-    return value.op == "full" and value.shape == () and value.attrs["value"] == number
+    """A filled constant of any shape; callers check the result type is unchanged."""
+    return value.op == "full" and value.attrs["value"] == number
 
 
 def _simplified(node: Value, inputs: tuple[Value, ...]) -> Value | None:
@@ -78,6 +79,12 @@ def algebraic_simplification(graph: Graph) -> Graph:
             continue
         if node.op == "reshape" and inputs[0].op == "reshape":
             inputs = inputs[0].inputs
+        if node.op in ("reshape", "broadcast_to") and inputs[0].op == "full":
+            attrs = {**inputs[0].attrs, "shape": node.shape}  # a reshaped constant is a constant
+            new = Value("full", (), attrs, node.type, node.loc)
+            mapping[node] = new
+            nodes.append(new)
+            continue
         new = Value(node.op, inputs, node.attrs, node.type, node.loc)
         mapping[node] = new
         nodes.append(new)

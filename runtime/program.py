@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backplan.ir.interpreter import run_plan
 from backplan.ir.pipeline import RegionPlans
 from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import is_float
+
+from .backend import make_runner
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,15 @@ class SavedBufferInfo:
 
 
 class RegionProgram:
-    """Runs plans. The reference interpreter is the default backend; a compiled backend replaces
-    run_forward/run_backward with the same contract."""
+    """Runs plans through a runner of the chosen backend (runtime/backend.py); compiled and
+    reference runners keep the same contract."""
 
-    def __init__(self, plans: RegionPlans, name: str, input_names: list[str] | None = None):
+    def __init__(self, plans: RegionPlans, name: str, input_names: list[str] | None = None,
+                 backend: str | None = None):
         self.plans = plans
         self.name = name
+        self.backend = backend  # None: the backend current when it first runs
+        self._runners = None
         self.input_names = input_names  # argument paths of the forward inputs, when known
         self.n_outputs = plans.n_outputs
         outputs = plans.forward.graph.outputs[: plans.n_outputs]
@@ -90,8 +94,16 @@ class RegionProgram:
             return self.input_names[index]
         return f"input {index}"
 
+    def runners(self):
+        """(forward, backward) runners, made on first use with the backend chosen then."""
+        if self._runners is None:
+            backward = self.plans.backward
+            self._runners = (make_runner(self.plans.forward, self.backend),
+                             make_runner(backward, self.backend) if backward else None)
+        return self._runners
+
     def run_forward(self, args: list) -> list:
-        return run_plan(self.plans.forward, args)
+        return self.runners()[0](args)
 
     def run_backward(self, args: list, release) -> list:
-        return run_plan(self.plans.backward, args, release=release)
+        return self.runners()[1](args, release)

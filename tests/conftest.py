@@ -2,3 +2,6 @@ import os
 
 # The verifier runs after every pass in tests.
 os.environ.setdefault("BACKPLAN_VERIFY", "1")
+# Semantics tests run plans on the reference interpreter; codegen tests opt into Numba with
+# backplan.runtime.backend.use_backend("numba"), sharing compiled kernels via the disk cache.
+os.environ.setdefault("BACKPLAN_BACKEND", "reference")

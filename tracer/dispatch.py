@@ -82,4 +82,4 @@ def _build_eager_program(op, inputs, attrs, needs, scalars, loc) -> RegionProgra
     node = make_value(op, operands, attrs, loc)
     graph.nodes.append(node)
     graph.outputs = [node]
-    return RegionProgram(build_region_plans(graph, wrt), name=op)
+    return RegionProgram(build_region_plans(graph, wrt), name=op, backend="reference")

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from backplan.ir.graph import inline_graph
-from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import is_float
+from backplan.runtime.backend import make_runner
 
 from .errors import TracingError
 from .pytree import flatten, unflatten
@@ -31,6 +31,12 @@ class JointTrace:
     aux_treedef: object
     n_aux: int
     wrt: list[bool]
+    _runner: object = None
+
+    def runner(self):
+        if self._runner is None:
+            self._runner = make_runner(self.plan)
+        return self._runner
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -98,7 +104,7 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
         values = inline_graph(outer.graph, entry.plan.graph, [outer.value_of(t) for t in tensors])
         results = [Tensor._traced(v, outer) for v in values]
     else:
-        arrays = run_plan(entry.plan, [t._data for t in tensors])
+        arrays = entry.runner()([t._data for t in tensors])
         results = [Tensor._from_array(a) for a in arrays]
     n_aux = entry.n_aux
     value, aux, grads = results[0], results[1 : 1 + n_aux], results[1 + n_aux :]

@@ -1,0 +1,55 @@
+"""GEMM from compiled code: one cached helper calling the BLAS that NumPy and SciPy use, with
+transpose flags instead of transposed copies."""
+
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+from numba.np.linalg import ensure_blas
+
+ensure_blas()
+
+KIND = {"f32": 115, "f64": 100}  # BLAS type letters 's' and 'd'
+
+_XXGEMM = types.ExternalFunction(
+    "numba_xxgemm",
+    types.intc(types.char, types.char, types.char, types.intp, types.intp, types.intp,
+               types.voidptr, types.voidptr, types.intp, types.voidptr, types.intp,
+               types.voidptr, types.voidptr, types.intp),
+)
+
+
+@intrinsic
+def _voidptr(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.intp), codegen
+
+
+@njit(cache=True)
+def gemm(kind, trans_a, trans_b, a, b, out, beta):
+    """out = op(a) @ op(b) + beta * out, for C-contiguous 2-D arrays (op transposes if asked).
+    Row-major data seen as column-major is the transpose, so BLAS computes out^T = b^T a^T."""
+    m, n = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        out[:] = 0
+        return
+    scalars = np.empty(2, out.dtype)
+    scalars[0] = 1.0
+    scalars[1] = beta
+    _XXGEMM(kind, 84 if trans_b else 78, 84 if trans_a else 78, n, m, k,
+            _voidptr(scalars.ctypes.data), _voidptr(b.ctypes.data), max(b.shape[1], 1),
+            _voidptr(a.ctypes.data), max(a.shape[1], 1),
+            _voidptr(scalars.ctypes.data + scalars.itemsize), _voidptr(out.ctypes.data), max(n, 1))
+
+
+@njit(cache=True)
+def batched_gemm(kind, trans_a, trans_b, a, b, out):
+    """Batches of C-contiguous matrices (3-D, batch first); a or b may have batch size 1."""
+    for i in range(out.shape[0]):
+        gemm(kind, trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)],
+             out[i], 0.0)

@@ -1,0 +1,123 @@
+"""The disk cache of generated modules.
+
+Each plan's source is written to `<cache dir>/<key>.py` and imported, so Numba's own
+cache=True keeps the machine code beside it and a second process starts warm. The key is a hash
+of named parts; a sidecar `<key>.json` records them so a miss can say which part changed.
+The source is regenerated from the IR every time and compared with the file: code is only ever
+run if it is exactly what backplan generated now, and a tampered, corrupt or half-written entry
+is simply rewritten (writes go to a temporary file, then rename, so concurrent processes never
+see a partial file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import types
+
+import llvmlite
+import numba
+import numpy as np
+
+CODEGEN_VERSION = "1"
+
+
+def cache_dir() -> str:
+    path = os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "backplan", "kernels")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _cpu() -> str:
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features().flatten()
+    return f"{binding.get_host_cpu_name()}:{hashlib.sha256(features.encode()).hexdigest()[:12]}"
+
+
+def key_parts(ir_text: str, flags: str) -> dict[str, str]:
+    return {
+        "ir": hashlib.sha256(ir_text.encode()).hexdigest()[:24],
+        "codegen": CODEGEN_VERSION,
+        "numba": numba.__version__,
+        "llvmlite": llvmlite.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu(),
+        "flags": hashlib.sha256(flags.encode()).hexdigest()[:12],
+    }
+
+
+def entry_key(parts: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def miss_reason(parts: dict[str, str], directory: str) -> str:
+    """Which named parts differ from the closest entry for the same IR, if there is one."""
+    best = None
+    for name in os.listdir(directory):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                other = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(other, dict) and other.get("ir") == parts["ir"]:
+            changed = sorted(k for k in parts if other.get(k) != parts[k])
+            if best is None or len(changed) < len(best):
+                best = changed
+    if best is None:
+        return "new plan: this IR was never compiled here"
+    return "changed: " + ", ".join(f"{k}" for k in best)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def load_module(source: str, parts: dict[str, str]):
+    """Import the module for this source; returns (module, hit?, miss reason or None)."""
+    directory = cache_dir()
+    key = entry_key(parts)
+    path = os.path.join(directory, f"bp_{key}.py")
+    hit = _read(path) == source
+    reason = None
+    if not hit:
+        reason = miss_reason(parts, directory) if not os.path.exists(path) else "entry rewritten"
+        _write_atomic(path, source)
+        _write_atomic(os.path.join(directory, f"bp_{key}.json"), json.dumps(parts, sort_keys=True))
+    name = f"backplan_kernels_{key}"
+    module = sys.modules.get(name)
+    if module is None or getattr(module, "__source_text__", None) != source:
+        # Run the source we generated (not whatever the file holds) under the file's name, so
+        # Numba's cache, which keys on the file, still works.
+        module = types.ModuleType(name)
+        module.__file__ = path
+        module.__source_text__ = source
+        sys.modules[name] = module
+        exec(compile(source, path, "exec"), module.__dict__)
+    return module, hit, reason

@@ -1,0 +1,172 @@
+"""Hand-written kernels for the ops that are not plain loops: row composites, gather and
+scatter. Compiled once and cached on disk; generated plans call them. Each has a serial and a
+prange version, chosen by the generated code from the sizes (parallel pays above ~32k elements).
+Functions that can fail on data return the first bad index, or -1."""
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .flags import FASTMATH
+
+_opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
+
+
+def _softmax_row(x, out, log):
+    peak = -np.inf
+    for j in range(x.shape[0]):
+        peak = max(peak, x[j])
+    total = 0.0
+    for j in range(x.shape[0]):
+        total += math.exp(x[j] - peak)
+    if log:
+        shift = peak + math.log(total)
+        for j in range(x.shape[0]):
+            out[j] = x[j] - shift
+    else:
+        scale = 1.0 / total
+        for j in range(x.shape[0]):
+            out[j] = math.exp(x[j] - peak) * scale
+
+
+softmax_row = njit(inline="always", **_opts)(_softmax_row)
+
+
+@njit(**_opts)
+def softmax_rows(x, out, log):
+    for r in range(x.shape[0]):
+        softmax_row(x[r], out[r], log)
+
+
+@njit(parallel=True, **_opts)
+def softmax_rows_par(x, out, log):
+    for r in prange(x.shape[0]):
+        softmax_row(x[r], out[r], log)
+
+
+@njit(**_opts)
+def softmax_strided(x, out, log):
+    """Softmax over the middle axis of (pre, n, post) arrays."""
+    for p in range(x.shape[0]):
+        for q in range(x.shape[2]):
+            softmax_row(x[p, :, q], out[p, :, q], log)
+
+
+@njit(**_opts)
+def logsumexp_strided(x, out):
+    """log(sum(exp)) over the middle axis of (pre, n, post) into (pre, post)."""
+    for p in range(x.shape[0]):
+        for q in range(x.shape[2]):
+            peak = -np.inf
+            for j in range(x.shape[1]):
+                peak = max(peak, x[p, j, q])
+            if peak == -np.inf:
+                out[p, q] = peak
+                continue
+            total = 0.0
+            for j in range(x.shape[1]):
+                total += math.exp(x[p, j, q] - peak)
+            out[p, q] = peak + math.log(total)
+
+
+def _layer_norm_row(x, weight, bias, affine, eps, out):
+    n = x.shape[0]
+    total = 0.0
+    for j in range(n):
+        total += x[j]
+    mean = total / n
+    sq = 0.0
+    for j in range(n):
+        d = x[j] - mean
+        sq += d * d
+    rstd = 1.0 / math.sqrt(sq / n + eps)
+    if affine:
+        for j in range(n):
+            out[j] = (x[j] - mean) * rstd * weight[j] + bias[j]
+    else:
+        for j in range(n):
+            out[j] = (x[j] - mean) * rstd
+
+
+layer_norm_row = njit(inline="always", **_opts)(_layer_norm_row)
+
+
+@njit(**_opts)
+def layer_norm_rows(x, weight, bias, affine, eps, out):
+    for r in range(x.shape[0]):
+        layer_norm_row(x[r], weight, bias, affine, eps, out[r])
+
+
+@njit(parallel=True, **_opts)
+def layer_norm_rows_par(x, weight, bias, affine, eps, out):
+    for r in prange(x.shape[0]):
+        layer_norm_row(x[r], weight, bias, affine, eps, out[r])
+
+
+@njit(**_opts)
+def cross_entropy_rows(logits, labels, out):
+    """Per-row -log_softmax(logits)[label]; returns the first bad label or -1."""
+    n_classes = logits.shape[1]
+    for r in range(logits.shape[0]):
+        label = labels[r]
+        if label < 0 or label >= n_classes:
+            return label
+        row = logits[r]
+        peak = -np.inf
+        for j in range(n_classes):
+            peak = max(peak, row[j])
+        total = 0.0
+        for j in range(n_classes):
+            total += math.exp(row[j] - peak)
+        out[r] = peak + math.log(total) - row[label]
+    return -1
+
+
+@njit(**_opts)
+def take_strided(x, indices, out):
+    """out[p, j, q] = x[p, indices[j], q]; negative indices count from the end."""
+    size = x.shape[1]
+    for j in range(indices.shape[0]):
+        index = indices[j]
+        if index < -size or index >= size:
+            return index
+    for p in range(x.shape[0]):
+        for j in range(indices.shape[0]):
+            index = indices[j]
+            if index < 0:
+                index += size
+            for q in range(x.shape[2]):
+                out[p, j, q] = x[p, index, q]
+    return -1
+
+
+@njit(**_opts)
+def take_grad_strided(g, indices, out):
+    """out = zeros; out[p, indices[j], q] += g[p, j, q] (take's adjoint)."""
+    size = out.shape[1]
+    for j in range(indices.shape[0]):
+        index = indices[j]
+        if index < -size or index >= size:
+            return index
+    out[:] = 0
+    for p in range(g.shape[0]):
+        for j in range(indices.shape[0]):
+            index = indices[j]
+            if index < 0:
+                index += size
+            for q in range(g.shape[2]):
+                out[p, index, q] += g[p, j, q]
+    return -1
+
+
+@njit(**_opts)
+def one_hot(labels, out):
+    depth = out.shape[1]
+    out[:] = 0
+    for r in range(labels.shape[0]):
+        label = labels[r]
+        if label < 0 or label >= depth:
+            return label
+        out[r, label] = 1
+    return -1

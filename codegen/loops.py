@@ -1,0 +1,193 @@
+"""Emitting one fused loop nest: index maps through aliases and broadcasting, collapsing of
+dimensions every access treats alike, reduction tails, and the choice of prange."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from backplan.ir.fusion import Kernel, alias_base, is_alias
+from backplan.ir.graph import Value
+
+from .flags import PARALLEL_MIN_ELEMENTS
+from .scalar import expression, literal
+
+
+def internal_shape(shape) -> tuple[int, ...]:
+    """Compiled code keeps 0-d values as 1-element vectors."""
+    return tuple(shape) if shape else (1,)
+
+
+def index_map(value: Value, loop_shape) -> tuple[Value, list[int | None]]:
+    """The array a loop really reads for `value`, and for each of its dimensions the loop
+    dimension that indexes it (None: always index 0)."""
+    offset = len(loop_shape) - len(value.shape)
+    dims = [offset + k if d != 1 else None for k, d in enumerate(value.shape)]
+    while is_alias(value):
+        source = value.inputs[0]
+        if value.op == "broadcast_to":
+            shift = len(value.shape) - len(source.shape)
+            dims = [dims[k + shift] if d != 1 else None for k, d in enumerate(source.shape)]
+        elif value.op == "reshape":
+            kept = iter([dims[k] for k, d in enumerate(value.shape) if d != 1])
+            dims = [next(kept) if d != 1 else None for d in source.shape]
+        value = source
+    return value, dims or [None]
+
+
+@dataclass
+class Access:
+    name: str
+    dims: list[int | None]  # per dimension of the array: loop dimension or None
+    shape: tuple[int, ...]
+
+
+@dataclass
+class LoopEmitter:
+    """Builds the source of one loop kernel. `read(value)` gives the expression for a value
+    outside the loop: an array name (materialised) or a literal."""
+
+    kernel: Kernel
+    local: set  # values computed by this kernel
+    stored: set  # values of this kernel that must be written to their buffers
+    array_name: dict  # value -> variable name ("v3"); locals of the loop use "t3"
+    literal_of: callable  # value -> literal source, or None when not a literal
+    accesses: dict = field(default_factory=dict)
+
+    def emit(self) -> tuple[list[str], list[str], bool]:
+        """(setup lines, loop lines, parallel?). Setup creates reshaped views."""
+        shape = internal_shape(self.kernel.shape)
+        self.active = [d for d, size in enumerate(shape) if size != 1]
+        self._collect_accesses(shape)
+        self.groups = self._collapse(shape)
+        self.sizes = [math.prod(shape[d] for d in group) for group in self.groups]
+        setup = self._views()
+        parallel = self._parallel()
+        body = self._nest(parallel)
+        return setup, body, parallel
+
+    def _collect_accesses(self, shape) -> None:
+        for node in self.kernel.all_nodes:
+            for inp in node.inputs:
+                base, dims = index_map(inp, shape)
+                if base in self.local or self.literal_of(base) is not None:
+                    continue
+                self.accesses.setdefault(base, Access(self.array_name[base], dims,
+                                                      internal_shape(base.shape)))
+        for node in self.kernel.nodes:
+            if node in self.stored:
+                self.accesses[node] = Access(self.array_name[node], list(range(len(shape))),
+                                             shape)
+        self.reduced_dims = {}
+        for red in self.kernel.reductions:
+            axes = set(red.attrs["axes"])
+            kept = [d for d in range(len(shape)) if d not in axes]
+            if red.attrs["keepdims"]:
+                dims = [d if d not in axes else None for d in range(len(shape))]
+            else:
+                dims = kept
+            self.accesses[red] = Access(self.array_name[red], dims or [None],
+                                        internal_shape(red.shape))
+            self.reduced_dims[red] = axes
+
+    def _collapse(self, shape) -> list[list[int]]:
+        def signature(d):
+            present = tuple(d in a.dims for a in self.accesses.values())
+            reduced = tuple(d in axes for axes in self.reduced_dims.values())
+            return present + reduced
+
+        groups: list[list[int]] = []
+        for d in self.active:
+            if groups and signature(groups[-1][-1]) == signature(d) and groups[-1][-1] == d - 1:
+                groups[-1].append(d)
+            else:
+                groups.append([d])
+        return groups or [[0]]
+
+    def _views(self) -> list[str]:
+        lines = []
+        self.view_name, self.view_groups = {}, {}
+        for value, access in self.accesses.items():
+            present = [g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)]
+            view_shape = tuple(self.sizes[g] for g in present) or (1,)
+            name = access.name
+            if view_shape != access.shape:
+                name = f"{access.name}_k"
+                lines.append(f"{name} = {access.name}.reshape({view_shape!r})")
+            self.view_name[value] = name
+            self.view_groups[value] = present
+        return lines
+
+    def _parallel(self) -> bool:
+        if math.prod(self.sizes) < PARALLEL_MIN_ELEMENTS or self.sizes[0] < 2:
+            return False
+        return all(not (set(self.groups[0]) & axes) for axes in self.reduced_dims.values())
+
+    def _index(self, value) -> str:
+        groups = self.view_groups[value]
+        return ", ".join(f"i{g}" for g in groups) if groups else "0"
+
+    def _suffix_depth(self, red) -> int | None:
+        """Depth at which a scalar accumulator works (reduced groups form a suffix), or None."""
+        reduced = [bool(set(group) & self.reduced_dims[red]) for group in self.groups]
+        depth = reduced.index(True) if True in reduced else len(reduced)
+        return depth if all(reduced[depth:]) else None
+
+    def _nest(self, parallel: bool) -> list[str]:
+        lines, depth_of = [], {}
+        for red in self.kernel.reductions:
+            depth_of[red] = self._suffix_depth(red)
+            if depth_of[red] is None:
+                lines.append(f"{self.view_name[red]}[:] = {self._init(red)}")
+        for level, size in enumerate(self.sizes):
+            pad = "    " * level
+            for red in self.kernel.reductions:
+                if depth_of[red] == level:
+                    lines.append(f"{pad}acc_{self.array_name[red]} = {self._init(red)}")
+            loop = "prange" if parallel and level == 0 else "range"
+            lines.append(f"{pad}for i{level} in {loop}({size}):")
+        pad = "    " * len(self.sizes)
+        lines += [pad + line for line in self._body(depth_of)]
+        for level in reversed(range(len(self.sizes))):
+            pad = "    " * level
+            for red in self.kernel.reductions:
+                if depth_of[red] == level:
+                    lines.append(f"{pad}{self.view_name[red]}[{self._index(red)}] = "
+                                 f"acc_{self.array_name[red]}")
+        return lines
+
+    def _init(self, red) -> str:
+        if red.op == "sum":
+            return literal(0, red.dtype)
+        return literal(float("-inf"), red.dtype) if red.dtype != "i64" else "np.iinfo(np.int64).min"
+
+    def operand(self, value) -> str:
+        base = alias_base(value)
+        if base in self.local:
+            return self.local_name(base)
+        lit = self.literal_of(base)
+        if lit is not None:
+            return lit
+        return f"{self.view_name[base]}[{self._index(base)}]"
+
+    def local_name(self, node) -> str:
+        return "t" + self.array_name[node][1:]
+
+    def _body(self, depth_of) -> list[str]:
+        lines = []
+        for node in self.kernel.nodes:
+            expr = expression(node, [self.operand(i) for i in node.inputs])
+            lines.append(f"{self.local_name(node)} = {expr}")
+            if node in self.stored:
+                lines.append(f"{self.view_name[node]}[{self._index(node)}] = {self.local_name(node)}")
+        for red in self.kernel.reductions:
+            value = self.operand(red.inputs[0])
+            target = (f"acc_{self.array_name[red]}" if depth_of[red] is not None
+                      else f"{self.view_name[red]}[{self._index(red)}]")
+            if red.op == "sum":
+                lines.append(f"{target} += {value}")
+            else:
+                lines.append(f"v_ = {value}")
+                lines.append(f"if v_ > {target} or v_ != v_:")
+                lines.append(f"    {target} = v_")
+        return lines

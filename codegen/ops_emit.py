@@ -1,0 +1,215 @@
+"""Source for the kernels that are one node each: views, matmul, gather/scatter, row composites.
+Each emitter returns lines for the body of the plan's run function."""
+
+from __future__ import annotations
+
+import math
+
+from backplan.ir.fusion import alias_base, is_alias
+from backplan.ir.graph import Value
+
+from .blas import KIND
+from .loops import internal_shape
+from .scalar import NP_TYPE, literal
+
+
+class Unsupported(Exception):
+    """A pattern codegen does not compile; the plan then runs on the reference interpreter."""
+
+
+class OpEmitter:
+    def __init__(self, names: dict, literal_of, contiguous: set):
+        self.names = names
+        self.literal_of = literal_of
+        self.contiguous = contiguous  # values whose variable is a C-contiguous array
+
+    # ---- operands -----------------------------------------------------------------------------
+
+    def array(self, value: Value, contiguous: bool = True) -> str:
+        """Expression for value as an array of its internal shape."""
+        lit = self.literal_of(alias_base(value))
+        if lit is not None:
+            shape = internal_shape(value.shape)
+            return f"np.full({shape!r}, {lit}, {NP_TYPE[value.dtype]})"
+        if is_alias(value):
+            source = self.array(value.inputs[0], contiguous=False)
+            shape = internal_shape(value.shape)
+            if value.op == "broadcast_to":
+                expr = f"np.broadcast_to({source}, {shape!r})"
+                return f"np.ascontiguousarray({expr})" if contiguous else expr
+            if value.op == "reshape":
+                return f"np.ascontiguousarray({source}).reshape({shape!r})"
+            return source
+        name = self.names[value]
+        if contiguous and value not in self.contiguous:
+            return f"np.ascontiguousarray({name})"
+        return name
+
+    # ---- views --------------------------------------------------------------------------------
+
+    def view(self, node: Value) -> list[str]:
+        name, src = self.names[node], self.array(node.inputs[0], contiguous=False)
+        if node.op == "reshape":
+            self.contiguous.add(node)
+            return [f"{name} = np.ascontiguousarray({src}).reshape({internal_shape(node.shape)!r})"]
+        if node.op == "transpose":
+            if not node.shape:
+                return [f"{name} = {src}"]
+            perm = ", ".join(str(p) for p in node.attrs["perm"])
+            return [f"{name} = {src}.transpose({perm})"]  # a tuple argument compiles 10x slower
+        slices = ", ".join(
+            f"{a}:{'' if b < 0 else b}:{c}"
+            for a, b, c in zip(node.attrs["starts"], node.attrs["stops"], node.attrs["steps"],
+                               strict=True))
+        return [f"{name} = {src}[{slices}]"]
+
+    # ---- ops ----------------------------------------------------------------------------------
+
+    def op(self, node: Value, out: str) -> list[str]:
+        method = getattr(self, f"op_{node.op}", None)
+        if method is None:
+            raise Unsupported(f"no compiled form for {node.op}")
+        return method(node, out)
+
+    def _raise(self, node, what: str) -> list[str]:
+        """The message names the value; the caller maps it to the user's line."""
+        return ["if bad != -1:", f"    raise IndexError({f'%{self.names[node][1:]} {node.op}: {what}'!r})"]
+
+    @staticmethod
+    def absorbs(value: Value) -> bool:
+        """A transpose of the last two axes that matmul takes as a BLAS flag."""
+        if value.op != "transpose" or len(value.shape) < 2:
+            return False
+        n = len(value.shape)
+        return value.attrs["perm"] == tuple(range(n - 2)) + (n - 1, n - 2)
+
+    def _operand_2d(self, value: Value):
+        """(array expression, transposed?) for a matmul operand; transposes become BLAS flags."""
+        if self.absorbs(value):
+            return self.array(value.inputs[0]), True
+        return self.array(value), False
+
+    def op_matmul(self, node: Value, out: str) -> list[str]:
+        (a, ta), (b, tb) = self._operand_2d(node.inputs[0]), self._operand_2d(node.inputs[1])
+        kind = KIND.get(node.dtype)
+        if kind is None:
+            raise Unsupported("integer matmul")
+        if len(node.shape) == 2:
+            return [f"gemm({kind}, {ta}, {tb}, {a}, {b}, {out}, 0.0)"]
+        return self._batched_matmul(node, out, (a, ta), (b, tb), kind)
+
+    def _batched_matmul(self, node, out, a_op, b_op, kind) -> list[str]:
+        lines, operands = [], []
+        batch = node.shape[:-2]
+        for value, (expr, trans) in zip(node.inputs, (a_op, b_op), strict=True):
+            source = value.inputs[0] if trans else value
+            mat = source.shape[-2:]
+            own_batch = source.shape[:-2]
+            padded = (1,) * (len(batch) - len(own_batch)) + own_batch
+            if math.prod(padded) not in (1, math.prod(batch)) or (
+                    math.prod(padded) != 1 and padded != batch):
+                expr = f"np.ascontiguousarray(np.broadcast_to({expr}, {batch + mat!r}))"
+                padded = batch
+            operands.append(f"{expr}.reshape(({math.prod(padded)}, {mat[0]}, {mat[1]}))")
+        out3 = f"{out}.reshape(({math.prod(batch)}, {node.shape[-2]}, {node.shape[-1]}))"
+        lines.append(f"batched_gemm({kind}, {a_op[1]}, {b_op[1]}, {operands[0]}, {operands[1]}, "
+                     f"{out3})")
+        return lines
+
+    def _split(self, shape, axis: int, count: int = 1):
+        return (math.prod(shape[:axis]), math.prod(shape[axis:axis + count]),
+                math.prod(shape[axis + count:]))
+
+    def op_take(self, node, out) -> list[str]:
+        x, idx = node.inputs
+        axis = node.attrs["axis"]
+        pre, n, post = self._split(x.shape, axis)
+        m = math.prod(idx.shape)
+        return [f"bad = take_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+                f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {m}, {post})))",
+                *self._raise(node, f"index out of range for an axis of size {n}")]
+
+    def op_take_grad(self, node, out) -> list[str]:
+        g, idx = node.inputs
+        axis, size = node.attrs["axis"], node.attrs["size"]
+        m = math.prod(idx.shape)
+        pre, post = math.prod(g.shape[:axis]), math.prod(g.shape[axis + len(idx.shape):])
+        return [f"bad = take_grad_strided({self.array(g)}.reshape(({pre}, {m}, {post})), "
+                f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {size}, {post})))",
+                *self._raise(node, f"index out of range for an axis of size {size}")]
+
+    def op_one_hot(self, node, out) -> list[str]:
+        (labels,) = node.inputs
+        rows, depth = math.prod(labels.shape), node.attrs["depth"]
+        return [f"bad = one_hot({self.array(labels)}.reshape(({rows},)), "
+                f"{out}.reshape(({rows}, {depth})))",
+                *self._raise(node, f"label out of range for {depth} classes")]
+
+    def op_pad_slice(self, node, out) -> list[str]:
+        slices = ", ".join(
+            f"{a}:{'' if b < 0 else b}:{c}"
+            for a, b, c in zip(node.attrs["starts"], node.attrs["stops"], node.attrs["steps"],
+                               strict=True))
+        return [f"{out}[:] = 0", f"{out}[{slices}] = {self.array(node.inputs[0], False)}"]
+
+    def op_concatenate(self, node, out) -> list[str]:
+        parts = ", ".join(self.array(v, contiguous=False) for v in node.inputs)
+        return [f"{out}[:] = np.concatenate(({parts},), axis={node.attrs['axis']})"]
+
+    def _rows(self, fn: str, rows: int, cols: int) -> str:
+        return f"{fn}_par" if rows * cols >= (1 << 15) and rows > 1 else fn
+
+    def _softmax(self, node, out, log: bool) -> list[str]:
+        (x,) = node.inputs
+        pre, n, post = self._split(x.shape, node.attrs["axis"])
+        if post == 1:
+            fn = self._rows("softmax_rows", pre, n)
+            return [f"{fn}({self.array(x)}.reshape(({pre}, {n})), {out}.reshape(({pre}, {n})), "
+                    f"{log})"]
+        return [f"softmax_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+                f"{out}.reshape(({pre}, {n}, {post})), {log})"]
+
+    def op_softmax(self, node, out) -> list[str]:
+        return self._softmax(node, out, False)
+
+    def op_log_softmax(self, node, out) -> list[str]:
+        return self._softmax(node, out, True)
+
+    def op_logsumexp(self, node, out) -> list[str]:
+        (x,) = node.inputs
+        axes = node.attrs["axes"]
+        if not axes:
+            return [f"{out}[:] = {self.array(x)}"]
+        if list(axes) != list(range(axes[0], axes[-1] + 1)):
+            raise Unsupported("logsumexp over non-adjacent axes")
+        pre, n, post = self._split(x.shape, axes[0], len(axes))
+        return [f"logsumexp_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+                f"{out}.reshape(({pre}, {post})))"]
+
+    def op_layer_norm(self, node, out) -> list[str]:
+        x = node.inputs[0]
+        cols = x.shape[-1]
+        rows = math.prod(x.shape[:-1])
+        affine = len(node.inputs) == 3
+        w = self.array(node.inputs[1]) if affine else f"np.empty(1, {NP_TYPE[x.dtype]})"
+        b = self.array(node.inputs[2]) if affine else w
+        fn = self._rows("layer_norm_rows", rows, cols)
+        return [f"{fn}({self.array(x)}.reshape(({rows}, {cols})), {w}, {b}, {affine}, "
+                f"{literal(node.attrs['eps'], x.dtype)}, {out}.reshape(({rows}, {cols})))"]
+
+    def op_cross_entropy(self, node, out) -> list[str]:
+        logits, labels = node.inputs
+        cols = logits.shape[-1]
+        rows = math.prod(logits.shape[:-1])
+        losses = f"{out}.reshape(({rows},))" if node.attrs["reduction"] == "none" else "losses"
+        lines = []
+        if losses == "losses":
+            lines.append(f"losses = np.empty({rows}, {NP_TYPE[node.dtype]})")
+        lines.append(f"bad = cross_entropy_rows({self.array(logits)}.reshape(({rows}, {cols})), "
+                     f"{self.array(labels)}.reshape(({rows},)), {losses})")
+        lines += self._raise(node, f"label out of range for {cols} classes")
+        if node.attrs["reduction"] == "sum":
+            lines.append(f"{out}[0] = losses.sum()")
+        elif node.attrs["reduction"] == "mean":
+            lines.append(f"{out}[0] = losses.sum() / {literal(max(rows, 1), node.dtype)}")
+        return lines

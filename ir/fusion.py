@@ -1,0 +1,131 @@
+"""Fusion grouping: partition a plan's nodes into kernels, before code generation.
+
+- Elementwise nodes of one iteration shape form one loop nest; values used only inside it are
+  never materialised.
+- broadcast_to, reshapes that only add or drop size-1 axes, and stop_gradient are aliases: a
+  loop reads their source through an index transform, so they cost nothing.
+- sum/max reductions join the loop nest that computes their input and accumulate as it runs.
+- `full` nodes are literals, never buffers, when only loops read them.
+- Everything else (matmul, gather, the row composites such as layer_norm) is one kernel each;
+  transposes, slices and other reshapes are views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .graph import Graph, Value
+from .registry import get_op
+
+REDUCTIONS = ("sum", "max")
+VIEW_OPS = ("reshape", "transpose", "slice")
+
+
+def is_unit_reshape(node: Value) -> bool:
+    """A reshape that only inserts or removes axes of size 1."""
+    if node.op != "reshape":
+        return False
+    return [d for d in node.inputs[0].shape if d != 1] == [d for d in node.shape if d != 1]
+
+
+def is_alias(node: Value) -> bool:
+    return node.op in ("broadcast_to", "stop_gradient") or is_unit_reshape(node)
+
+
+def alias_base(value: Value) -> Value:
+    while is_alias(value):
+        value = value.inputs[0]
+    return value
+
+
+def is_loop_op(node: Value) -> bool:
+    return get_op(node.op).fusion == "elementwise" and node.op != "one_hot"
+
+
+@dataclass
+class Kernel:
+    """One step of a compiled plan. kind is "loop" (fused loop nest over `shape`, with optional
+    reduction tails), "literal", "alias", "view" or "op" (one node, one template)."""
+
+    kind: str
+    nodes: list[Value] = field(default_factory=list)
+    shape: tuple[int, ...] = ()
+    reductions: list[Value] = field(default_factory=list)
+
+    @property
+    def all_nodes(self) -> list[Value]:
+        return self.nodes + self.reductions
+
+
+def group_kernels(graph: Graph) -> list[Kernel]:
+    kernels: list[Kernel] = []
+    home: dict[Value, int] = {}
+    for node in graph.nodes:
+        home[node] = _place(node, kernels, home)
+    return kernels
+
+
+def _new(kernels, kernel) -> int:
+    kernels.append(kernel)
+    return len(kernels) - 1
+
+
+def _place(node: Value, kernels: list[Kernel], home) -> int:
+    if node.op == "full" or (is_alias(node) and alias_base(node).op == "full"):
+        return _new(kernels, Kernel("literal", [node], node.shape))
+    if is_alias(node):
+        return _new(kernels, Kernel("alias", [node], node.shape))
+    if is_loop_op(node) or node.op in REDUCTIONS:
+        shape = node.inputs[0].shape if node.op in REDUCTIONS else node.shape
+        target = _joinable_loop(node, shape, kernels, home)
+        if target is None:
+            target = _new(kernels, Kernel("loop", [], shape))
+        (kernels[target].reductions if node.op in REDUCTIONS else kernels[target].nodes).append(node)
+        return target
+    return _new(kernels, Kernel("view" if node.op in VIEW_OPS else "op", [node], node.shape))
+
+
+def _joinable_loop(node, shape, kernels, home) -> int | None:
+    """The latest loop kernel of this iteration shape that computes one of node's inputs,
+    provided every other input is ready before it runs. Reductions end a loop: later
+    elementwise work starts a new one."""
+    sources = [alias_base(i) for i in node.inputs]
+    candidates = [home[s] for s in sources if s in home and kernels[home[s]].kind == "loop"
+                  and kernels[home[s]].shape == shape and s not in kernels[home[s]].reductions]
+    if not candidates:
+        return None
+    target = max(candidates)
+    kernel = kernels[target]
+    if kernel.reductions and node.op not in REDUCTIONS:
+        return None
+    for inp in node.inputs:
+        ready_at = max((home[v] for v in _chain(inp) if v in home), default=-1)
+        source = alias_base(inp)
+        if ready_at > target or (source in kernel.reductions):
+            return None
+    return target
+
+
+def _chain(value: Value) -> list[Value]:
+    chain = [value]
+    while is_alias(chain[-1]):
+        chain.append(chain[-1].inputs[0])
+    return chain
+
+
+def materialized(graph: Graph, kernels: list[Kernel]) -> set[Value]:
+    """Values that need a buffer: outputs, values a loop reads from another kernel (through
+    aliases), and every operand of views and ops. Literals and aliases never need one."""
+    home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
+    needed = {alias_base(o) for o in graph.outputs} | set(graph.outputs)
+    for k, kernel in enumerate(kernels):
+        for node in kernel.all_nodes:
+            for inp in node.inputs:
+                source = alias_base(inp)
+                in_loop = kernel.kind in ("loop", "alias")
+                if in_loop and source in home and home[source] == k:
+                    continue
+                if in_loop and kernels[home[source]].kind == "literal" if source in home else False:
+                    continue
+                needed.add(source)
+    return {v for v in needed if v in home and kernels[home[v]].kind not in ("literal", "alias")}

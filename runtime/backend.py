@@ -1,0 +1,84 @@
+"""Which executor runs compiled functions' plans: Numba-compiled kernels (the default) or the
+NumPy reference interpreter (BACKPLAN_BACKEND=reference, or `use_backend("reference")`).
+Eager one-op regions always use the reference interpreter: one NumPy call is already the best
+kernel for one op, and compiling per op would cost more than it saves."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+
+from backplan.ir.interpreter import run_plan
+from backplan.ir.liveness import OWNED_ROLES, Plan
+
+BACKENDS = ("numba", "reference")
+_override: list[str] = []
+
+
+def current_backend() -> str:
+    if _override:
+        return _override[-1]
+    name = os.environ.get("BACKPLAN_BACKEND", "numba")
+    if name not in BACKENDS:
+        raise ValueError(f"BACKPLAN_BACKEND={name!r}; use one of {BACKENDS}")
+    return name
+
+
+@contextmanager
+def use_backend(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; use one of {BACKENDS}")
+    _override.append(name)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+class ReferenceRunner:
+    backend = "reference"
+
+    def __init__(self, plan: Plan, why: str | None = None):
+        self.plan = plan
+        self.why = why
+        self.kernels = None
+
+    def __call__(self, args: list, release=None) -> list:
+        return run_plan(self.plan, args, release=release)
+
+
+class CompiledRunner:
+    """Runs the compiled plan; owned inputs (saved buffers, cotangents) are released when the
+    call returns: inside it, their storage was already reused after its last read."""
+
+    backend = "numba"
+
+    def __init__(self, plan: Plan):
+        from backplan.codegen.compiled import CompiledPlan
+
+        self.plan = plan
+        self.compiled = CompiledPlan(plan)
+        self.kernels = self.compiled.kernel_count
+        self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
+
+    def __call__(self, args: list, release=None) -> list:
+        outputs = self.compiled(args)
+        if release is not None:
+            for i in self._owned:
+                release(i)
+        return outputs
+
+
+def make_runner(plan: Plan, backend: str | None = None):
+    backend = backend or current_backend()
+    if backend == "reference":
+        return ReferenceRunner(plan)
+    from backplan.codegen.ops_emit import Unsupported
+
+    try:
+        return CompiledRunner(plan)
+    except Unsupported as exc:
+        warnings.warn(f"graph @{plan.graph.name} runs on the reference interpreter: {exc}",
+                      stacklevel=3)
+        return ReferenceRunner(plan, why=str(exc))
