@@ -519,3 +519,18 @@ def test_export_command_argument_spec():
     assert parsed["p"]["w"].shape == (2, 3) and parsed["p"]["w"].requires_grad
     assert not parsed["p"]["b"].requires_grad and parsed["p"]["b"].dtype == np.float32
     assert parsed["n"] == 3 and parsed["mode"] == "sum" and parsed["s"].shape == ()
+
+
+def test_readme_export_commands_train_from_the_copied_file(tmp_path):
+    """The README's Export commands, exactly as written: export the demo step, inspect it, copy
+    the file to another folder and train with it in a fresh interpreter."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("## Export"):]
+    script = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    result = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "elsewhere" / "mlp_step.bpz").exists()
+    losses = [float(line.split()[-1]) for line in result.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 5 and losses[-1] < 0.5 * losses[0]
