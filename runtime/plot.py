@@ -32,6 +32,12 @@ class PlotDependencyError(BackplanError, ImportError):
     """Drawing needs matplotlib, which backplan does not require."""
 
 
+def _rc_context(settings):
+    import matplotlib
+
+    return matplotlib.rc_context(settings)
+
+
 def _load_matplotlib():
     try:
         from matplotlib.figure import Figure
@@ -87,7 +93,8 @@ def plot_report(report, path, max_buffers: int = 60) -> None:
                            label=KIND_LABELS[k]) for k in kinds]
     bars.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9,
                 frameon=False)
-    figure.savefig(path, format=suffix[1:])
+    with _rc_context({"svg.fonttype": "none"}):  # SVG text stays text: searchable, small
+        figure.savefig(path, format=suffix[1:])
 
 
 def _draw_bars(axes, view, buffers) -> None:

@@ -1,0 +1,460 @@
+"""explain(): saved-buffer tables of known programs, predicted bytes against what the reference
+interpreter really holds, the report's text, DOT and picture, and the live grad_fn table."""
+
+import shutil
+import struct
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from backplan.ir.interpreter import run_plan
+from backplan.ir.liveness import OWNED_ROLES
+from backplan.tracer.pytree import flatten
+from dot_parser import label_text, parse_dot
+from helpers import here
+
+import backplan as bp
+from backplan.examples.mlp import init_mlp, mlp_loss
+
+RNG = np.random.default_rng(7)
+
+
+def f32(*shape, requires_grad=False):
+    data = RNG.standard_normal(shape).astype(np.float32)
+    return bp.tensor(data, requires_grad=requires_grad)
+
+
+def mul_sum(a, b):
+    return (a * b).sum()
+
+
+def tanh_sum(x):
+    return bp.tanh(x).sum()
+
+
+def plain_sum(x):
+    return bp.sum(x)
+
+
+def flat(report) -> str:
+    """The report's text with line wrapping undone."""
+    return " ".join(str(report).split())
+
+
+def saved_facts(report):
+    return [(s.name, s.op, s.shape, s.nbytes, s.reason, s.is_region_input)
+            for s in report.saved_buffers]
+
+
+# ---- the saved-buffer table of known programs -----------------------------------------------
+
+
+def test_mul_with_only_a_requiring_grad_saves_b_alone():
+    a, b = f32(3, 4, requires_grad=True), f32(3, 4)
+    report = bp.compile(mul_sum).explain(a, b)
+    assert saved_facts(report) == [("b", "input", (3, 4), 48, "mul derivative reads input 1", True)]
+    assert report.saved_bytes == 48 and report.saved_input_bytes == 48
+
+
+def test_joint_mul_needs_no_saved_buffer_because_the_gradient_is_b_itself():
+    a, b = f32(3, 4, requires_grad=True), f32(3, 4)
+    report = bp.value_and_grad(mul_sum).explain(a, b)
+    joint = report.plans["joint"].graph
+    assert report.saved_buffers == [] and report.n_backward_steps == 0
+    assert joint.outputs[1] is joint.inputs[1]
+
+
+def test_mul_with_both_requiring_grad_saves_both():
+    a, b = f32(3, 4, requires_grad=True), f32(3, 4, requires_grad=True)
+    report = bp.explain(mul_sum, a, b)
+    assert sorted((s.name, s.reason) for s in report.saved_buffers) == [
+        ("a", "mul derivative reads input 0"), ("b", "mul derivative reads input 1")]
+
+
+@pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
+def test_sum_saves_nothing(form):
+    x = f32(5, 2, requires_grad=True)
+    fn = bp.compile(plain_sum) if form == "compiled" else bp.value_and_grad(plain_sum)
+    report = fn.explain(x)
+    assert report.saved_buffers == [] and report.saved_bytes == 0
+    assert report.n_backward_steps > 0
+    assert "nothing is saved" in flat(report)
+
+
+@pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
+def test_tanh_saves_its_output_with_its_lifetime(form):
+    x = f32(3, 4, requires_grad=True)
+    fn = bp.compile(tanh_sum) if form == "compiled" else bp.value_and_grad(tanh_sum)
+    report = fn.explain(x)
+    (saved,) = report.saved_buffers
+    assert (saved.op, saved.shape, saved.nbytes, saved.is_region_input) == ("tanh", (3, 4), 48,
+                                                                              False)
+    assert saved.reason == "tanh derivative reads its output"
+    assert saved.written_step == 0
+    backward = [s for s in report.view.steps if s.phase == "backward"]
+    readers = [i for i, s in enumerate(backward) if report.view.buffers["f%1"].key in s.reads]
+    assert list(saved.read_steps) == readers and saved.last_read_step == readers[-1]
+    assert all(backward[i].op == "mul" for i in readers)
+
+
+def test_a_value_two_rules_need_lists_both_reasons():
+    x, w = f32(4, 3), f32(3, 3, requires_grad=True)
+    report = bp.explain(lambda x, w: (bp.relu(x @ w) @ w).sum(), x, w)
+    relu_out = next(s for s in report.saved_buffers if s.op == "relu")
+    assert relu_out.reason == ("matmul derivative reads input 0; relu derivative reads its output")
+
+
+def test_no_input_requiring_grad_has_no_backward():
+    report = bp.explain(tanh_sum, f32(2, 2))
+    assert report.backward_ir is None and report.saved_buffers == []
+    assert report.n_backward_steps == 0 and "no backward" in flat(report)
+
+
+def test_arguments_are_named_by_their_path_in_the_call():
+    params = init_mlp([6, 5, 3])
+    x, labels = f32(4, 6), bp.tensor(np.array([0, 2, 1, 0]))
+    report = mlp_loss.explain(params, x, labels)
+    names = {s.name for s in report.saved_buffers if s.is_region_input}
+    assert names == {"x", "labels", "params['w1']"}
+    assert "%0 = params['w0']: f32[6,5], requires grad" in str(report)
+
+    vg = bp.value_and_grad(lambda p, inputs: mlp_loss.fn(p, inputs, labels))
+    joint = vg.explain(params, x)
+    assert {s.name for s in joint.saved_buffers if s.is_region_input} == {
+        "inputs", "p['w1']", "captured[0]"}
+    assert "grad p['w0']" in {b.name for b in joint.view.buffers.values()}
+
+
+# ---- predicted bytes against what the interpreter holds -------------------------------------
+
+
+def held_bytes(arrays, caller_ids) -> int:
+    """Bytes of the distinct arrays held, not counting the caller's own."""
+    distinct = {id(a): a.nbytes for a in arrays if id(a) not in caller_ids}
+    return sum(distinct.values())
+
+
+def replay_region(program, arrays):
+    """Run a region program's plans the way the runtime does (forward, the region holding the
+    saved buffers and the caller the outputs, then backward releasing each saved buffer at its
+    free), recording the bytes held after every step."""
+    plans, caller_ids, held = program.plans, {id(a) for a in arrays}, []
+    outputs = run_plan(plans.forward, list(arrays),
+                       on_step=lambda s, env: held.append(held_bytes(env.values(), caller_ids)))
+    user_outputs = outputs[: plans.n_outputs]
+    saved = {slot: arrays[i] if kind == "input" else outputs[i]
+             for slot, (kind, i) in enumerate(s.source for s in plans.saved)}
+    del outputs
+    if plans.backward is None:
+        return held
+    args = []
+    for index in program.cotangent_slot:
+        out = plans.forward.graph.outputs[index]
+        args.append(np.ones(out.shape, dtype=user_outputs[index].dtype))
+    n_cot = len(args)
+    args += [saved[i] for i in range(len(saved))]
+
+    def on_step(step, env):
+        held.append(held_bytes([*env.values(), *user_outputs, *saved.values()], caller_ids))
+
+    run_plan(plans.backward, args, release=lambda i: saved.pop(i - n_cot, None), on_step=on_step)
+    return held
+
+
+def plan_bytes_by_step(plan, arrays):
+    """Bytes the plan's own values hold in the interpreter's environment after every step."""
+    held = []
+
+    def on_step(step, env):
+        held.append(sum(a.nbytes for v, a in env.items() if v.op != "input"
+                        or v.role in OWNED_ROLES))
+
+    run_plan(plan, list(arrays), on_step=on_step)
+    return held
+
+
+def mlp_case():
+    params = init_mlp([12, 16, 16, 5])
+    return mlp_loss, (params, f32(8, 12), bp.tensor(RNG.integers(0, 5, 8)))
+
+
+def returns_saved_output(x, w):
+    h = bp.tanh(x @ w)
+    return (h * h).mean(), h
+
+
+def softmax_layer(x, w):
+    return bp.layer_norm(bp.softmax(x @ w, axis=-1) * 3.0).sum()
+
+
+REGION_CASES = {
+    "mlp": mlp_case,
+    "mul": lambda: (bp.compile(mul_sum), (f32(3, 4, requires_grad=True), f32(3, 4))),
+    "tanh": lambda: (bp.compile(tanh_sum), (f32(6, 5, requires_grad=True),)),
+    "saved_output": lambda: (bp.compile(returns_saved_output),
+                             (f32(4, 3), f32(3, 6, requires_grad=True))),
+    "softmax_layer": lambda: (bp.compile(softmax_layer),
+                              (f32(4, 7, requires_grad=True), f32(7, 9, requires_grad=True))),
+}
+
+
+def call_arrays(fn, args):
+    traced = fn.trace(*args)
+    call_tensors = [leaf for leaf in flatten(args)[0] if isinstance(leaf, bp.Tensor)]
+    return traced, [t.numpy() for t in call_tensors] + [t.numpy() for t in traced.captured]
+
+
+@pytest.mark.parametrize("case", sorted(REGION_CASES))
+def test_predicted_bytes_equal_what_the_reference_path_holds(case):
+    fn, args = REGION_CASES[case]()
+    traced, arrays = call_arrays(fn, args)
+    report = fn.explain(*args)
+    held = replay_region(traced.program, arrays)
+    assert held == report.live_bytes
+    assert report.peak_bytes == max(held)
+    n_fwd = report.n_forward_steps
+    assert report.forward_peak_bytes == max(held[:n_fwd])
+    assert report.backward_peak_bytes == max(held[n_fwd:], default=0)
+    plans = traced.program.plans
+    forward_held = plan_bytes_by_step(plans.forward, arrays)
+    assert forward_held == plans.forward.live_bytes_by_step()
+    assert max(forward_held) == plans.forward.peak_bytes
+
+
+@pytest.mark.parametrize("case", sorted(REGION_CASES))
+def test_each_plans_own_peak_equals_its_interpreter_run(case):
+    fn, args = REGION_CASES[case]()
+    traced, arrays = call_arrays(fn, args)
+    plans = traced.program.plans
+    outputs = run_plan(plans.forward, list(arrays))
+    cotangents = [np.ones(plans.forward.graph.outputs[i].shape, outputs[i].dtype)
+                  for i in traced.program.cotangent_slot]
+    saved = [arrays[i] if kind == "input" else outputs[i] for kind, i in
+             (s.source for s in plans.saved)]
+    held = plan_bytes_by_step(plans.backward, cotangents + saved)
+    assert held == plans.backward.live_bytes_by_step()
+    assert max(held) == plans.backward.peak_bytes
+
+
+@pytest.mark.parametrize("case", ["mlp", "tanh", "softmax_layer"])
+def test_joint_plan_bytes_equal_what_the_interpreter_holds(case):
+    fn, args = REGION_CASES[case]()
+    vg = bp.value_and_grad(fn.fn, argnums=1 if case == "softmax_layer" else 0)
+    entry = vg.trace(*args)
+    arrays = [t.numpy() for t in flatten(args)[0] if isinstance(t, bp.Tensor)]
+    arrays += [t.numpy() for t in entry.captured]
+    caller_ids = {id(a) for a in arrays}
+    held = []
+    run_plan(entry.plan, list(arrays),
+             on_step=lambda s, env: held.append(held_bytes(env.values(), caller_ids)))
+    report = vg.explain(*args)
+    assert held == report.live_bytes and report.peak_bytes == max(held)
+    assert report.peak_bytes == entry.plan.peak_bytes
+
+
+def test_explain_runs_no_arithmetic(monkeypatch):
+    import backplan.ir.interpreter as interpreter
+    import backplan.tracer.dispatch as dispatch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("explain() evaluated an op")
+
+    monkeypatch.setattr(interpreter, "evaluate", refuse)
+    monkeypatch.setattr(dispatch, "evaluate", refuse)
+    fn, args = mlp_case()
+    assert fn.explain(*args).peak_bytes > 0
+    assert bp.value_and_grad(tanh_sum).explain(f32(3, 3)).peak_bytes > 0
+
+
+# ---- the text report ------------------------------------------------------------------------
+
+
+def test_report_text_has_the_sections_in_order_with_user_lines():
+    @bp.compile
+    def model(x, w):
+        return bp.tanh(x @ w).sum()  # the line every op of the report must point at
+
+    line = here(-2)
+    report = model.explain(f32(2, 3), f32(3, 4, requires_grad=True))
+    text = str(report)
+    titles = ["1. Summary", "2. Plans", "3. Saved buffers", "4. Kernels", "5. Retracing"]
+    positions = [text.index(t) for t in titles]
+    assert positions == sorted(positions)
+    assert report.forward_ir in "\n".join(row[8:] for row in text.splitlines())
+    for ir in (report.forward_ir, report.backward_ir):
+        ops = [row for row in ir.splitlines() if row.lstrip().startswith("%")]
+        assert ops and all(row.endswith(f"# {line}") for row in ops)
+    summary = " ".join(text[positions[0]:positions[1]].split())
+    assert f"{report.n_forward_steps} forward and {report.n_backward_steps} backward" in summary
+    assert f"{report.peak_bytes:,} B over the whole step" in summary
+    assert f"{report.saved_bytes:,} B" in summary
+
+
+def test_retrace_reason_names_the_changed_part_of_the_key():
+    fn = bp.compile(tanh_sum)
+    fn(f32(3, 4))
+    report = fn.explain(f32(5, 4))
+    assert report.traces == 2 and report.retrace_reason == "x: shape (3, 4) -> (5, 4)"
+    assert "x: shape (3, 4) -> (5, 4)" in flat(report)
+    assert "Traced once" in flat(bp.compile(tanh_sum).explain(f32(3, 4)))
+
+    vg = bp.value_and_grad(tanh_sum)
+    vg(f32(3, 4))
+    report = vg.explain(f32(3, 4).astype("f64"))
+    assert report.traces == 2 and "dtype f32 -> f64" in report.retrace_reason
+
+
+def test_kernel_groups_from_a_fusion_pass_are_reported():
+    fn = bp.compile(tanh_sum)
+    x = f32(3, 4, requires_grad=True)
+    report = fn.explain(x)
+    assert len(report.kernels) == len(report.view.steps) and report.fused_kernels == 0
+    assert "No fusion yet" in flat(report)
+    from backplan.runtime.report import region_report
+
+    program = fn.trace(x).program
+    backward = program.plans.backward.graph.nodes
+    fused = region_report(program, kernel_groups={"forward": [[0, 1]],
+                                                  "backward": [backward[-3:]]})
+    assert fused.fused_kernels == 2
+    assert len(fused.kernels) == len(report.view.steps) - 3
+    assert "k0 (op): f0 tanh, f1 sum" in flat(fused)
+    with pytest.raises(bp.BackplanError, match="cover a step twice"):
+        region_report(program, kernel_groups={"forward": [[0, 1], [1]]})
+    with pytest.raises(bp.BackplanError, match="unknown plan"):
+        region_report(program, kernel_groups={"middle": [[0]]})
+
+
+def test_explain_of_something_not_callable_is_a_clear_error():
+    with pytest.raises(bp.BackplanError, match="needs a function, got int"):
+        bp.explain(3)
+
+
+def test_grad_wrapper_explains_its_joint_plan():
+    report = bp.grad(tanh_sum).explain(f32(2, 2))
+    assert [s.reason for s in report.saved_buffers] == ["tanh derivative reads its output"]
+    assert report.backward_ir is None and "joint IR" in flat(report)
+
+
+# ---- the live table after backward ----------------------------------------------------------
+
+
+def test_grad_fn_prints_the_same_table_with_a_freed_column():
+    fn = bp.compile(mul_sum)
+    a, b = f32(3, 4, requires_grad=True), f32(3, 4)
+    report = fn.explain(a, b)
+    out = fn(a, b)
+    alive = str(out.grad_fn).splitlines()
+    assert alive[1].split()[-1] == "state" and alive[2].split()[-1] == "alive"
+    table = str(report).split("3. Saved buffers")[1].splitlines()
+    assert alive[2].rsplit("alive", 1)[0].rstrip() == table[2].rstrip()
+    out.backward()
+    freed = str(out.grad_fn).splitlines()
+    assert freed[2].split()[-1] == "freed"
+    assert "lives on while you still hold it" in "\n".join(freed)
+    assert b.numpy().shape == (3, 4)
+
+
+# ---- DOT ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
+def test_dot_parses_and_draws_every_saved_buffer_between_producer_and_readers(form):
+    fn, args = mlp_case()
+    report = fn.explain(*args) if form == "compiled" else bp.value_and_grad(fn.fn).explain(*args)
+    graph = parse_dot(report.to_dot())
+    assert graph.clusters == ["cluster_forward", "cluster_backward"]
+    saved_nodes = {k: v for k, v in graph.nodes.items() if k.startswith("saved:")}
+    assert len(saved_nodes) == len(report.saved_buffers)
+    labels = [label_text(v["label"]).splitlines()[0] for v in saved_nodes.values()]
+    assert sorted(labels) == sorted(f"saved {s.name}" for s in report.saved_buffers)
+    for node in saved_nodes:
+        incoming = [a for a, b, _ in graph.edges if b == node]
+        outgoing = [b for a, b, _ in graph.edges if a == node]
+        assert incoming == [node[len("saved:"):]] and outgoing
+        assert all(report.view.buffers[b].phase == "backward" for b in outgoing)
+    declared = set(graph.nodes)
+    assert all(a in declared and b in declared for a, b, _ in graph.edges)
+
+
+def test_dot_is_accepted_by_graphviz_where_installed(tmp_path):
+    fn, args = mlp_case()
+    path = tmp_path / "step.dot"
+    fn.explain(*args).save_dot(path)
+    try:
+        import pydot
+    except ImportError:
+        pydot = None
+    if pydot is not None:
+        (graph,) = pydot.graph_from_dot_file(str(path))
+        assert any(n.get_name().startswith('"saved:') for n in graph.get_node_list()) or \
+            any(n.get_name().startswith('"saved:') for s in graph.get_subgraph_list()
+                for n in s.get_node_list())
+    if shutil.which("dot") is not None:
+        result = subprocess.run(["dot", "-Tsvg", str(path)], capture_output=True, timeout=60)
+        assert result.returncode == 0, result.stderr.decode()
+        ET.fromstring(result.stdout)
+    if pydot is None and shutil.which("dot") is None:
+        pytest.skip("neither pydot nor Graphviz is installed")
+
+
+def test_dot_quotes_names_with_quotes_and_backslashes():
+    key = 'a"b\\c'
+
+    @bp.compile
+    def quoted(weights):
+        return (weights[key] * weights[key]).sum()
+
+    report = quoted.explain({key: f32(2, 2, requires_grad=True)})
+    name = report.saved_buffers[0].name
+    assert '"' in name and "\\" in name
+    graph = parse_dot(report.to_dot())
+    first_lines = {label_text(v["label"]).splitlines()[0] for v in graph.nodes.values()}
+    assert name in first_lines and f"saved {name}" in first_lines
+
+
+# ---- the picture ----------------------------------------------------------------------------
+
+
+def png_size(path) -> tuple[int, int]:
+    with open(path, "rb") as file:
+        head = file.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_plot_writes_a_readable_png_and_svg(tmp_path):
+    pytest.importorskip("matplotlib")
+    fn, args = mlp_case()
+    report = fn.explain(*args)
+    png, svg = tmp_path / "step.png", tmp_path / "step.svg"
+    report.plot(png)
+    width, height = png_size(png)
+    assert width >= 800 and height >= 500
+    from matplotlib.image import imread
+
+    pixels = imread(png)
+    assert pixels.shape[:2] == (height, width) and pixels.std() > 0.05
+    report.plot(svg)
+    text = svg.read_text()
+    ET.fromstring(text)
+    peak = report.peak_step
+    for expected in ("peak", "bytes held", "step (fN", f"at {peak.label}", "saved for backward"):
+        assert expected in text.replace("&#39;", "'")
+
+
+def test_plot_refuses_other_formats(tmp_path):
+    report = bp.explain(tanh_sum, f32(2, 2, requires_grad=True))
+    with pytest.raises(bp.BackplanError, match=r"\.png or \.svg"):
+        report.plot(tmp_path / "step.jpg")
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    report = bp.explain(tanh_sum, f32(2, 2, requires_grad=True))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(bp.BackplanError, match=r"pip install 'backplan\[plot\]'"):
+        report.plot(tmp_path / "step.png")
+    assert not (tmp_path / "step.png").exists()
