@@ -73,7 +73,7 @@ class RegionProgram:
             infos.append(SavedBufferInfo(
                 slot=slot,
                 name=self._input_name(saved.source[1]) if saved.source[0] == "input"
-                else fwd_names[value],
+                else self._value_name(value, fwd_names),
                 op=value.op if value.op != "input" else "input",
                 produced_at=format_loc(value.loc) or "<input>",
                 shape=value.shape,
@@ -87,6 +87,11 @@ class RegionProgram:
                 read_steps=tuple(read_steps),
             ))
         return infos
+
+    def _value_name(self, value, names) -> str:
+        """A compiled function's values go by their IR names; a one-op eager region's only
+        value is the tensor the op returned."""
+        return names[value] if self.input_names is not None else "output"
 
     def _input_name(self, index: int) -> str:
         """How the user calls forward input `index`: its argument path, or `input i`."""

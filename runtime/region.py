@@ -105,4 +105,10 @@ def saved_table(region: Region) -> str:
     """The live answer to 'which is freed, which is not?': explain()'s table plus a state column."""
     buffers = region.saved_buffers
     states = ["freed" if b.freed else "alive" for b in buffers]
-    return repr(region) + "\n" + format_saved_table(buffers, states)
+    lines = [repr(region), format_saved_table(buffers, states)]
+    if region.freed_by is not None:
+        lines += [f"  freed by the backward() at {region.freed_by.loc}; a second backward() "
+                  "through it raises GraphFreedError.",
+                  "  The plan itself stays (it holds no arrays) while a tensor points at it "
+                  "through .grad_fn;", "  .detach() makes a tensor that does not."]
+    return "\n".join(lines)

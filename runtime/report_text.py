@@ -82,16 +82,18 @@ def _peak_sentence(report) -> str:
 
 
 def _freeing_sentence(report) -> str:
-    if not report.saved_buffers:
+    if not any(report.requires_grad):
         return ""
     if report.view.joint:
         return ("value_and_grad runs forward and backward as one plan: saved buffers live only "
                 "inside the call, each freed after its last read; nothing is held afterwards, "
                 "so there is no graph to free or retain.")
-    return ("Each call builds a new graph holding its own saved buffers until backward(), which "
-            "frees each right after its last read (the lifetime column); a second backward() "
-            "through the same graph then raises GraphFreedError unless the first passed "
-            "retain_graph=True. print(out.grad_fn) shows which are freed.")
+    return ("Each call builds a new graph that holds its own saved buffers until backward(), "
+            "which frees each right after its last read (the lifetime column); graphs built "
+            "later on its outputs share it, so the first backward() through any of them frees "
+            "it. A second backward() through a freed graph always raises GraphFreedError, "
+            "saved buffers or not, unless the first passed retain_graph=True. "
+            "print(out.grad_fn) shows which buffers are freed.")
 
 
 def plans_text(report) -> str:
