@@ -1,5 +1,6 @@
-"""Which IR steps each kernel covers, for explain(). Until the code generator fuses nodes every
-step is its own kernel; a fusion pass hands its groups in through `kernels_from_groups`.
+"""Which IR steps each kernel covers, for explain(). On the reference interpreter every step is
+its own kernel; the numba backend groups steps as `backplan.ir.fusion.group_kernels` says (fused
+loops; views, aliases and literals that cost no kernel), and `planned_groups` asks it the same.
 
 The groups interface: a dict from plan name ("forward", "backward", or "joint" for
 value_and_grad) to a list of groups in run order. A group is a sequence of node indices of that
@@ -13,8 +14,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from backplan.ir.errors import BackplanError
+from backplan.ir.fusion import group_kernels
+from backplan.ir.liveness import Plan
 
 from .plan_view import PlanView
+
+RUN_KINDS = ("loop", "op")  # kinds that run code; views, aliases and literals cost nothing
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,18 @@ class KernelInfo:
     @property
     def fused(self) -> bool:
         return len(self.steps) > 1
+
+    @property
+    def runs_code(self) -> bool:
+        return self.kind in RUN_KINDS
+
+
+def planned_groups(plans: Mapping[str, Plan], backend: str) -> dict | None:
+    """The groups the backend will run: fusion's for numba, none (one step each) for the
+    reference interpreter. Nothing is compiled to find out."""
+    if backend != "numba":
+        return None
+    return {name: group_kernels(plan.graph) for name, plan in plans.items()}
 
 
 def one_kernel_per_step(view: PlanView) -> list[KernelInfo]:

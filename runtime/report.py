@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from backplan.ir.liveness import Plan
 
+from .backend import current_backend
 from .joint_view import joint_saved_info, joint_view
-from .kernels import KernelInfo, kernels_from_groups
+from .kernels import KernelInfo, kernels_from_groups, planned_groups
 from .plan_view import PlanView, StepInfo, region_view
 from .program import RegionProgram, SavedBufferInfo
 
@@ -31,6 +32,7 @@ class ExplainReport:
     traces: int = 1
     retrace_reason: str | None = None
     requires_grad: list[bool] = field(default_factory=list)
+    backend: str = "reference"  # the executor the kernels section describes
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -93,7 +95,13 @@ class ExplainReport:
 
     @property
     def fused_kernels(self) -> int:
-        return sum(1 for k in self.kernels if k.fused)
+        """Kernels that run several IR steps as one."""
+        return sum(1 for k in self.kernels if k.fused and k.runs_code)
+
+    @property
+    def n_kernels(self) -> int:
+        """Kernels that run code (views, aliases and literals cost none)."""
+        return sum(1 for k in self.kernels if k.runs_code)
 
     def _phase_peak(self, phase: str) -> int:
         live = self.live_bytes
@@ -127,29 +135,28 @@ class ExplainReport:
 def region_report(program: RegionProgram, traces: int = 1, retrace_reason: str | None = None,
                   kernel_groups=None) -> ExplainReport:
     """The report of a compiled function's region program. kernel_groups: see kernels.py; by
-    default the program's own `kernel_groups()` if it has one, else one kernel per step."""
+    default, the groups of the backend the program runs on."""
     plans = program.plans
     view = region_view(program)
     named = {"forward": plans.forward}
     if plans.backward is not None:
         named["backward"] = plans.backward
-    groups = kernel_groups if kernel_groups is not None else _program_groups(program)
+    backend = program.backend or current_backend()
+    groups = kernel_groups if kernel_groups is not None else planned_groups(named, backend)
     return ExplainReport(program.name, view, named, list(program.saved_info),
                          kernels_from_groups(view, groups), traces, retrace_reason,
-                         list(plans.wrt))
+                         list(plans.wrt), backend)
 
 
 def joint_report(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None,
                  name: str, traces: int = 1, retrace_reason: str | None = None,
-                 kernel_groups=None) -> ExplainReport:
+                 kernel_groups=None, backend: str | None = None) -> ExplainReport:
     """The report of value_and_grad's joint plan (outputs: loss, aux, then gradients)."""
     view = joint_view(plan, n_outputs, wrt, input_names, name)
+    backend = backend or current_backend()
+    groups = kernel_groups if kernel_groups is not None else planned_groups({"joint": plan},
+                                                                            backend)
     return ExplainReport(name, view, {"joint": plan},
                          joint_saved_info(plan, view, n_outputs, wrt),
-                         kernels_from_groups(view, kernel_groups), traces, retrace_reason,
-                         list(wrt))
-
-
-def _program_groups(program):
-    hook = getattr(program, "kernel_groups", None)
-    return hook() if callable(hook) else None
+                         kernels_from_groups(view, groups), traces, retrace_reason,
+                         list(wrt), backend)

@@ -40,15 +40,22 @@ def _wrap(text: str) -> str:
 
 
 def summary_text(report) -> str:
-    n_kernels = len(report.kernels)
     fused = report.fused_kernels
-    fusion = (f"{fused} of them fused" if fused else
-              "none fused: each IR node is its own step until the code generator fuses them")
+    fusion = f"{fused} of them fused" if fused else "none fused"
+    if report.backend == "reference" and not fused:
+        fusion = "the reference interpreter runs each IR node on its own"
     parts = [f"{report.name} has {report.n_forward_steps} forward and "
-             f"{report.n_backward_steps} backward steps, run as {n_kernels} kernels ({fusion})."]
+             f"{report.n_backward_steps} backward steps, run as {report.n_kernels} kernels on the "
+             f"{report.backend} backend ({fusion})."]
     parts.append(_saved_sentence(report))
     parts.append(_peak_sentence(report))
     parts.append(_freeing_sentence(report))
+    if report.backend != "reference":
+        parts.append(
+            "Bytes and lifetimes follow the plan as the reference interpreter runs it, every IR "
+            f"value its own buffer; the {report.backend} backend allocates only values that "
+            "leave a fused loop, and holds saved buffers and incoming gradients until its "
+            "backward call returns.")
     return " ".join(p for p in parts if p)
 
 
@@ -143,14 +150,24 @@ def _input_legend(report, plan_name: str, plan) -> list[str]:
 
 def kernels_text(report) -> str:
     steps = report.view.steps
-    if not report.fused_kernels:
-        return (f"No fusion yet: each of the {len(steps)} steps is its own kernel, in the order "
-                "of the IR above.")
-    lines = [f"{len(report.kernels)} kernels, {report.fused_kernels} fused:"]
+    if len(report.kernels) == len(steps):
+        text = (f"The {report.backend} backend runs each of the {len(steps)} steps as its own "
+                "kernel, in the order of the IR above.")
+        if report.backend == "reference":
+            text += (" The numba backend (BACKPLAN_BACKEND=numba) fuses them into fewer kernels; "
+                     "explain() under it lists which.")
+        return text
+    free = [k for k in report.kernels if not k.runs_code]
+    lines = [f"{report.n_kernels} kernels for {len(steps)} steps on the {report.backend} "
+             f"backend: {report.fused_kernels} fused, and {len(free)} steps that cost no "
+             "kernel (views, aliases and literals)."]
     for number, kernel in enumerate(report.kernels):
-        if kernel.fused:
+        if kernel.fused and kernel.runs_code:
             members = ", ".join(f"{steps[s].label} {steps[s].op}" for s in kernel.steps)
             lines.append(f"k{number} ({kernel.kind}): {members}")
+    if free:
+        lines.append("no kernel: " + ", ".join(
+            f"{steps[s].label} {steps[s].op} ({k.kind})" for k in free for s in k.steps))
     return "\n".join(lines)
 
 

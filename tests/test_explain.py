@@ -311,7 +311,7 @@ def test_kernel_groups_from_a_fusion_pass_are_reported():
     x = f32(3, 4, requires_grad=True)
     report = fn.explain(x)
     assert len(report.kernels) == len(report.view.steps) and report.fused_kernels == 0
-    assert "No fusion yet" in flat(report)
+    assert report.backend == "reference" and "runs each of the 8 steps" in flat(report)
     from backplan.runtime.report import region_report
 
     program = fn.trace(x).program
@@ -325,6 +325,23 @@ def test_kernel_groups_from_a_fusion_pass_are_reported():
         region_report(program, kernel_groups={"forward": [[0, 1], [1]]})
     with pytest.raises(bp.BackplanError, match="unknown plan"):
         region_report(program, kernel_groups={"middle": [[0]]})
+
+
+@pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
+def test_numba_backend_reports_fusion_groups_without_compiling(form, monkeypatch):
+    import backplan.codegen.compiled as compiled
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setattr(compiled, "generate", None)  # explain() must not generate code
+    fn = bp.compile(tanh_sum) if form == "compiled" else bp.value_and_grad(tanh_sum)
+    with use_backend("numba"):
+        report = fn.explain(f32(3, 4, requires_grad=True))
+    steps = report.view.steps
+    fused = [[steps[i].op for i in k.steps] for k in report.kernels if k.fused and k.runs_code]
+    assert ["tanh", "sum"] in fused and report.fused_kernels == len(fused)
+    assert report.n_kernels < len(steps) and report.backend == "numba"
+    assert "f0 tanh, f1 sum" in flat(report) and "no kernel:" in flat(report)
+    assert sorted(s for k in report.kernels for s in k.steps) == list(range(len(steps)))
 
 
 def test_explain_of_something_not_callable_is_a_clear_error():
