@@ -5,9 +5,7 @@ import textwrap
 
 import pytest
 
-import backplan as bp
 from backplan.__main__ import main
-from backplan.explain_cli import parse_specs, split_specs
 
 SCRIPT = textwrap.dedent("""
     import backplan as bp
@@ -57,31 +55,34 @@ def test_dot_and_picture_are_written(script, tmp_path, capsys):
     assert f"wrote {png}" in capsys.readouterr().out
 
 
-def test_specs_build_tensors_dicts_and_static_values():
-    tree = parse_specs(["x=f32[2,3]:grad, p.w=f64[4], n=3", "eps=1e-5,flag=true,s=i64[]"])
-    assert tree["x"].shape == (2, 3) and tree["x"].requires_grad
-    assert tree["p"]["w"].dtype == "float64" and not tree["p"]["w"].requires_grad
-    assert (tree["n"], tree["eps"], tree["flag"]) == (3, 1e-5, True)
-    assert tree["s"].shape == () and tree["s"].dtype == "int64"
-    assert split_specs("a=f32[1,2],b=3") == ["a=f32[1,2]", "b=3"]
+def test_value_and_grad_flag_differentiates_the_arguments_marked_grad(script, capsys):
+    assert main(["explain", f"{script}:mlp", *ARGS, "--value-and-grad"]) == 0
+    text = capsys.readouterr().out
+    assert "joint IR" in text and "%0 = params['w0']: f32[8,16], requires grad" in text
+
+
+def test_static_values_reach_the_function(script, capsys):
+    assert main(["explain", f"{script}:mlp", *ARGS, "--args", "scale=0.5"]) == 0
+    assert "{value=0.5" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("x=__import__('os')", "not a tensor description"),
-    ("x=f16[2]", "unknown dtype 'f16'"),
-    ("x=i64[2]:grad", "only f32 and f64 tensors can require grad"),
-    ("x=f32[2],x=f32[3]", "x is described twice"),
-    ("2x=f32[2]", "should look like name=f32"),
+    ("x=__import__('os')", "not a type like f32[2,3] or a literal"),
+    ("x=f16[2]", "not a type like f32[2,3] or a literal"),
+    ("x=f32[5,8],x=f32[3]", "x is given twice"),
+    ("2x=f32[2]", "must look like name=f32[2,3]"),
 ])
-def test_bad_specs_are_clear_errors(spec, message):
-    with pytest.raises(bp.BackplanError, match=message.replace("[", r"\[")):
-        parse_specs([spec])
+def test_bad_specs_exit_2_with_the_reason(script, capsys, spec, message):
+    assert main(["explain", f"{script}:mlp", "--args", ARGS[1], "--args", spec]) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("target, args, message", [
     ("{script}:nope", ARGS, "has no attribute 'nope'"),
-    ("{script}", ARGS, "path/to/script.py:function"),
+    ("{script}", ARGS, "must look like script.py:function"),
     ("{missing}:mlp", ARGS, "no such script"),
+    ("{script}:mlp", [*(a.replace(":grad", "") for a in ARGS), "--value-and-grad"],
+     "needs at least one argument marked :grad"),
     ("{script}:mlp", ["--args", "x=f32[5,8]"], "describe parameter 'params'"),
     ("{script}:mlp", [*ARGS, "--args", "width=3"], "has no parameter(s) ['width']"),
 ])
