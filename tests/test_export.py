@@ -115,6 +115,35 @@ def test_fresh_process_without_model_source_matches_original(model, data, artifa
     np.testing.assert_array_equal(got["step_gb"], grads["b"].numpy())
 
 
+def test_numba_backend_compiles_the_loaded_plan_into_the_cache_folder_only(model, data,
+                                                                          artifacts, tmp_path):
+    """With the compiled backend, kernels are regenerated from the artifact's IR and written to
+    the cache folder, nowhere else; results match the original's."""
+    params, x, target = data
+    np.savez(tmp_path / "inputs.npz", w=params["w"], b=params["b"], x=x, target=target)
+    cache = tmp_path / "cache"
+    code = f"""
+        import numpy as np, backplan as bp
+        from backplan.runtime.backend import current_backend
+        assert current_backend() == "numba"
+        inputs = np.load("inputs.npz", allow_pickle=False)
+        step = bp.load({artifacts["step"]!r})
+        value, grads = step({{k: inputs[k] for k in ("w", "b")}}, inputs["x"], inputs["target"])
+        np.savez("outputs.npz", value=value.numpy(), gw=grads["w"].numpy(), gb=grads["b"].numpy())
+    """
+    env = {**os.environ, "BACKPLAN_BACKEND": "numba", "BACKPLAN_CACHE_DIR": str(cache)}
+    result = subprocess.run([sys.executable, "-I", "-c", textwrap.dedent(code)], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert any(cache.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "inputs.npz", "outputs.npz"]
+    got = np.load(tmp_path / "outputs.npz", allow_pickle=False)
+    value, grads = bp.value_and_grad(model.loss)(params, x, target)
+    np.testing.assert_allclose(got["value"], value.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got["gw"], grads["w"].numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["gb"], grads["b"].numpy(), rtol=1e-4, atol=1e-6)
+
+
 def test_loaded_gradients_match_float64_finite_differences(tmp_path):
     @bp.compile
     def energy(a, b):
