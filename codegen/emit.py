@@ -73,7 +73,7 @@ def generate(plan: Plan) -> GeneratedModule:
                 if node in stored:
                     body.append(_allocate(names[node], node))
                     contiguous.add(node)
-            emitter = LoopEmitter(kernel, local, stored, names, literal_of)
+            emitter = LoopEmitter(kernel, local, stored, names, literal_of, contiguous)
             setup, loop, parallel = emitter.emit()
             body += setup
             if parallel:

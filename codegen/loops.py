@@ -40,6 +40,7 @@ class Access:
     name: str
     dims: list[int | None]  # per dimension of the array: loop dimension or None
     shape: tuple[int, ...]
+    strided: bool = False  # a view (transpose, slice): indexed in full, never reshaped
 
 
 @dataclass
@@ -52,6 +53,7 @@ class LoopEmitter:
     stored: set  # values of this kernel that must be written to their buffers
     array_name: dict  # value -> variable name ("v3"); locals of the loop use "t3"
     literal_of: callable  # value -> literal source, or None when not a literal
+    contiguous: set = field(default_factory=set)  # arrays that can be reshaped freely
     accesses: dict = field(default_factory=dict)
 
     def emit(self) -> tuple[list[str], list[str], bool]:
@@ -72,8 +74,9 @@ class LoopEmitter:
                 base, dims = index_map(inp, shape)
                 if base in self.local or self.literal_of(base) is not None:
                     continue
+                strided = base not in self.contiguous
                 self.accesses.setdefault(base, Access(self.array_name[base], dims,
-                                                      internal_shape(base.shape)))
+                                                      internal_shape(base.shape), strided))
         for node in self.kernel.nodes:
             if node in self.stored:
                 self.accesses[node] = Access(self.array_name[node], list(range(len(shape))),
@@ -92,7 +95,9 @@ class LoopEmitter:
 
     def _collapse(self, shape) -> list[list[int]]:
         def signature(d):
-            present = tuple(d in a.dims for a in self.accesses.values())
+            # a strided access keeps each of its dimensions as its own loop
+            present = tuple((d if a.strided else True) if d in a.dims else False
+                            for a in self.accesses.values())
             reduced = tuple(d in axes for axes in self.reduced_dims.values())
             return present + reduced
 
@@ -108,6 +113,10 @@ class LoopEmitter:
         lines = []
         self.view_name, self.view_groups = {}, {}
         for value, access in self.accesses.items():
+            if access.strided:
+                self.view_name[value] = access.name
+                self.view_groups[value] = [self._group_of(d) for d in access.dims]
+                continue
             present = [g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)]
             view_shape = tuple(self.sizes[g] for g in present) or (1,)
             name = access.name
@@ -123,9 +132,15 @@ class LoopEmitter:
             return False
         return all(not (set(self.groups[0]) & axes) for axes in self.reduced_dims.values())
 
+    def _group_of(self, dim) -> int | None:
+        for g, group in enumerate(self.groups):
+            if dim in group:
+                return g
+        return None
+
     def _index(self, value) -> str:
         groups = self.view_groups[value]
-        return ", ".join(f"i{g}" for g in groups) if groups else "0"
+        return ", ".join("0" if g is None else f"i{g}" for g in groups) if groups else "0"
 
     def _suffix_depth(self, red) -> int | None:
         """Depth at which a scalar accumulator works (reduced groups form a suffix), or None."""

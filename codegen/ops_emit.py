@@ -180,10 +180,15 @@ class OpEmitter:
         axes = node.attrs["axes"]
         if not axes:
             return [f"{out}[:] = {self.array(x)}"]
+        source = self.array(x)
         if list(axes) != list(range(axes[0], axes[-1] + 1)):
-            raise Unsupported("logsumexp over non-adjacent axes")
-        pre, n, post = self._split(x.shape, axes[0], len(axes))
-        return [f"logsumexp_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+            kept = [a for a in range(len(x.shape)) if a not in axes]
+            perm = ", ".join(str(a) for a in kept + list(axes))
+            source = f"np.ascontiguousarray({source}.transpose({perm}))"
+            pre, n, post = math.prod(x.shape[a] for a in kept), math.prod(x.shape[a] for a in axes), 1
+        else:
+            pre, n, post = self._split(x.shape, axes[0], len(axes))
+        return [f"logsumexp_strided({source}.reshape(({pre}, {n}, {post})), "
                 f"{out}.reshape(({pre}, {post})))"]
 
     def op_layer_norm(self, node, out) -> list[str]:

@@ -1,0 +1,196 @@
+"""Compiled plans equal the reference interpreter: every registry op (through the shared sample
+table, batched so a handful of compiles cover all), forward, backward and joint plans of real
+models, and inputs are never modified."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.compiled import CompiledPlan
+from backplan.ir.builder import Builder
+from backplan.ir.graph import Graph
+from backplan.ir.interpreter import run_plan
+from backplan.ir.pipeline import build_joint_plan
+from backplan.ir.types import TensorType, dtype_name, is_float
+from backplan.runtime.backend import use_backend
+from op_samples import SAMPLES
+
+TOL = {"f32": dict(rtol=2e-5, atol=2e-5), "f64": dict(rtol=1e-11, atol=1e-11)}
+BATCH = 12
+
+
+def sample_batches(dtype):
+    chosen = [s for s in SAMPLES if dtype in s.dtypes]
+    return [chosen[i:i + BATCH] for i in range(0, len(chosen), BATCH)]
+
+
+def batch_graph(samples, dtype):
+    """One graph holding every sample's op; the loss sums each float output times a random
+    weight, so the joint plan holds every op's derivative too."""
+    graph = Graph(name=f"ops_{dtype}")
+    b = Builder(graph)
+    arrays, outputs, wrt, losses = [], [], [], []
+    rng = np.random.default_rng(7)
+    for s_index, sample in enumerate(samples):
+        for name, array in sample.constants(dtype).items():
+            graph.constants[f"{name}_{s_index}"] = array
+        inputs = []
+        for i, array in enumerate(sample.inputs(dtype)):
+            inputs.append(graph.add_input(TensorType(dtype_name(array.dtype), array.shape)))
+            arrays.append(array)
+            wrt.append(i in sample.float_inputs(dtype))
+        attrs = sample.resolved_attrs(dtype)
+        if sample.op == "const":
+            attrs = {**attrs, "name": f"{attrs['name']}_{s_index}"}
+        node = b.emit(sample.op, *inputs, **attrs)
+        outputs.append(node)
+        if is_float(node.dtype) and node.dtype == dtype:
+            weight = graph.add_input(node.type)
+            arrays.append(rng.standard_normal(node.shape).astype(arrays[-1].dtype
+                                                                   if False else node.dtype == "f32"
+                                                                   and np.float32 or np.float64))
+            wrt.append(False)
+            losses.append(b.sum(b.mul(node, weight), axes=tuple(range(len(node.shape)))))
+    total = losses[0]
+    for loss in losses[1:]:
+        total = b.add(total, loss)
+    graph.outputs = [total] + outputs
+    return graph, arrays, wrt
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_every_registry_op_compiles_to_the_reference_result(dtype):
+    for samples in sample_batches(dtype):
+        graph, arrays, wrt = batch_graph(samples, dtype)
+        plan = build_joint_plan(graph, wrt)
+        copies = [a.copy() for a in arrays]
+        expected = run_plan(plan, list(arrays))
+        got = CompiledPlan(plan)(list(arrays))
+        for a, original in zip(arrays, copies, strict=True):
+            np.testing.assert_array_equal(a, original)  # inputs never modified
+        names = ["loss"] + [s.id for s in samples] + [f"grad {i}" for i in range(len(got))]
+        for name, g, e in zip(names, got, expected, strict=False):
+            assert g.shape == e.shape and g.dtype == e.dtype, name
+            if g.dtype.kind == "f":
+                scale = max(1.0, float(np.max(np.abs(e), initial=0)))
+                np.testing.assert_allclose(g, e, rtol=TOL[dtype]["rtol"],
+                                           atol=TOL[dtype]["atol"] * scale, err_msg=name)
+            else:
+                np.testing.assert_array_equal(g, e, err_msg=name)
+
+
+def mlp_params(rng, sizes, dtype=np.float32):
+    params = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        params[f"w{i}"] = bp.tensor((rng.standard_normal((a, b)) / np.sqrt(a)).astype(dtype),
+                                    requires_grad=True)
+        params[f"b{i}"] = bp.tensor(np.zeros(b, dtype), requires_grad=True)
+    return params
+
+
+def mlp_loss(params, x, labels):
+    h = x
+    n = len(params) // 2
+    for i in range(n):
+        h = h @ params[f"w{i}"] + params[f"b{i}"]
+        if i < n - 1:
+            h = bp.relu(h)
+    return bp.cross_entropy(h, labels)
+
+
+def block_loss(p, x):
+    """A pre-LayerNorm transformer block, small."""
+    batch, seq, d = x.shape
+    heads = 2
+    h = bp.layer_norm(x, p["ln1_g"], p["ln1_b"])
+    qkv = h @ p["w_qkv"]
+    q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+
+    def split(t):
+        return t.reshape(batch, seq, heads, d // heads).transpose(0, 2, 1, 3)
+
+    q, k, v = split(q), split(k), split(v)
+    att = bp.softmax((q @ k.swapaxes(-1, -2)) * (1.0 / np.sqrt(d // heads)), axis=-1)
+    y = (att @ v).transpose(0, 2, 1, 3).reshape(batch, seq, d)
+    x = x + y @ p["w_o"]
+    h = bp.gelu(bp.layer_norm(x, p["ln2_g"], p["ln2_b"]) @ p["w_1"], approximate="tanh")
+    x = x + h @ p["w_2"]
+    return bp.mean(x * x)
+
+
+def block_params(rng, d=8, ff=16):
+    def t(*shape, scale=0.3):
+        return bp.tensor((rng.standard_normal(shape) * scale).astype(np.float32),
+                         requires_grad=True)
+
+    return {"ln1_g": t(d) , "ln1_b": t(d), "w_qkv": t(d, 3 * d), "w_o": t(d, d),
+            "ln2_g": t(d), "ln2_b": t(d), "w_1": t(d, ff), "w_2": t(ff, d)}
+
+
+def run_both(fn, *args):
+    results = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            results[backend] = fn(*args)
+    return results["reference"], results["numba"]
+
+
+def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
+    la, _ = bp.tracer.pytree.flatten(a)
+    lb, _ = bp.tracer.pytree.flatten(b)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("model", ["mlp", "block"])
+def test_value_and_grad_of_models_compiled_equals_reference(model):
+    rng = np.random.default_rng(3)
+    if model == "mlp":
+        params = mlp_params(rng, [6, 16, 16, 4])
+        args = (params, bp.tensor(rng.standard_normal((5, 6)).astype(np.float32)),
+                bp.tensor(rng.integers(0, 4, 5)))
+        fn = mlp_loss
+    else:
+        params = block_params(rng)
+        args = (params, bp.tensor(rng.standard_normal((2, 4, 8)).astype(np.float32)))
+        fn = block_loss
+    before = [np.array(t) for t in bp.tracer.pytree.flatten(args)[0] if isinstance(t, bp.Tensor)]
+    ref, got = run_both(lambda *a: bp.value_and_grad(fn)(*a), *args)
+    assert_trees_close(ref, got)
+    after = [np.array(t) for t in bp.tracer.pytree.flatten(args)[0] if isinstance(t, bp.Tensor)]
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_compiled_regions_backward_equals_reference_with_retain_graph():
+    rng = np.random.default_rng(4)
+    params = mlp_params(rng, [6, 16, 4])
+    x = bp.tensor(rng.standard_normal((5, 6)).astype(np.float32))
+    labels = bp.tensor(rng.integers(0, 4, 5))
+    compiled = bp.compile(mlp_loss)
+    grads = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            compiled.clear_cache()
+            bp.zero_grad(params)
+            loss = compiled(params, x, labels)
+            held = bp.live_saved_bytes()
+            for _ in range(3):
+                loss.backward(retain_graph=True)
+                assert bp.live_saved_bytes() == held  # retained buffers stay intact
+            loss.backward()
+            assert bp.live_saved_bytes() == 0
+            with pytest.raises(bp.GraphFreedError):
+                loss.backward()
+            grads[backend] = {k: v.grad.numpy().copy() for k, v in params.items()}
+    for k in params:
+        np.testing.assert_allclose(grads["numba"][k], grads["reference"][k], rtol=2e-5, atol=1e-6)
+
+
+def test_out_of_range_label_names_the_op_and_the_users_line():
+    logits = bp.tensor(np.zeros((3, 4), np.float32))
+    labels = bp.tensor(np.array([0, 9, 1]))
+    fn = bp.compile(lambda logits, labels: bp.cross_entropy(logits, labels))
+    with use_backend("numba"):
+        with pytest.raises(bp.ExecutionError, match=r"cross_entropy at test_codegen.py:\d+"):
+            fn(logits, labels)
