@@ -1,0 +1,143 @@
+"""`python -m backplan bench`: measure backplan against NumPy, PyTorch and JAX on the same
+models in one process, interleaved, and print a table (optionally JSON, CSV, Markdown, plot).
+
+    python -m backplan bench --quick
+    python -m backplan bench --json results.json --markdown BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, replace
+
+from .environment import collect
+from .errors import BenchError
+from .measure import FULL, QUICK
+from .models import MODELS, select_models
+from .peers import AGAINST_CHOICES, select_peers
+from .progress import Progress
+from .report.export import SCHEMA, read_json, write_csv, write_json
+from .report.markdown import update_markdown_file
+from .report.plot import write_plot
+from .report.table import render_text
+from .suite import Settings, run_suite
+from .threads import apply_threads, prepare_jax_threads
+
+DEFAULT_AGAINST = "numpy,torch,jax"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--models", default="", help=f"comma-separated; default all of: "
+                        f"{', '.join(MODELS)}")
+    parser.add_argument("--against", default=DEFAULT_AGAINST,
+                        help=f"peers, comma-separated, from {', '.join(AGAINST_CHOICES)}; "
+                        "'torch' means eager and torch.compile; 'none' runs backplan alone "
+                        f"(default {DEFAULT_AGAINST}); peers not installed are skipped")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="set every peer's thread count (default: leave libraries alone)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a couple of steps per peer, no warm-compile measurement")
+    parser.add_argument("--small", action="store_true",
+                        help="shrink every model's shapes (for tests); results say so")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
+    parser.add_argument("--json", metavar="PATH", help="write every measured field as JSON")
+    parser.add_argument("--csv", metavar="PATH", help="write one row per model and peer")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="write or update the generated part of a Markdown file "
+                        "(BENCHMARKS.md)")
+    parser.add_argument("--plot", metavar="PATH", help="bar chart of step times (matplotlib)")
+    parser.add_argument("--from-json", metavar="PATH",
+                        help="report a saved JSON record instead of measuring")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args, out=None) -> int:
+    out = out if out is not None else sys.stdout
+    try:
+        record = read_json(args.from_json) if args.from_json else measure(args)
+        print(render_text(record), file=out)
+        write_outputs(record, args)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if all(r["status"] in ("ok", "skipped") for r in record["results"]) else 1
+
+
+def measure(args) -> dict:
+    progress = Progress(enabled=not args.quiet)
+    models = select_models(_names(args.models))
+    against = [] if args.against.strip() == "none" else _names(args.against)
+    peers = select_peers(against)
+    thread_settings = prepare_jax_threads(args.threads, any(p.name == "jax" for p in peers))
+    available, skipped = [], []
+    for peer in peers:
+        reason = peer.missing()
+        if reason:
+            skipped.append({"peer": peer.name, "reason": reason})
+            progress.note(f"skipping {peer.name}: {reason}")
+        else:
+            available.append(peer)
+    versions = {k: v for peer in available for k, v in peer.versions().items()}
+    thread_settings |= apply_threads(args.threads)
+    settings = _settings(args)
+    if settings.small:
+        progress.note("--small: every model runs at SHRUNK sizes, not the documented ones")
+    started, start = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.perf_counter()
+    results = run_suite(models, available, settings, progress)
+    progress.done()
+    return {
+        "schema": SCHEMA,
+        "command": command_line(args),
+        "started": started,
+        "elapsed_s": time.perf_counter() - start,
+        "run": {"dtype": settings.dtype, "small": settings.small, "quick": args.quick,
+                "schedule": asdict(settings.schedule), "warm_compile": settings.warm_compile},
+        "environment": collect(versions, thread_settings),
+        "models": [{"name": m.name, "summary": m.summary, "train": m.train,
+                    "config": m.sizes(settings.small), "static": m.static} for m in models],
+        "peers": [{"name": p.name, "description": p.description} for p in available],
+        "skipped_peers": skipped,
+        "results": results,
+    }
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _settings(args) -> Settings:
+    schedule = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        if args.rounds < 1:
+            raise BenchError(f"--rounds must be at least 1, got {args.rounds}")
+        schedule = replace(schedule, rounds=args.rounds)
+    return Settings(dtype=args.dtype, small=args.small, schedule=schedule,
+                    warm_compile=not args.quick)
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run (outputs included)."""
+    parts = ["python -m backplan bench"]
+    for flag in ("models", "against", "dtype", "threads", "rounds"):
+        value = getattr(args, flag)
+        default = {"models": "", "against": DEFAULT_AGAINST, "dtype": "float32"}.get(flag)
+        if value is not None and value != default:
+            parts.append(f"--{flag} {value}")
+    parts += [f"--{flag}" for flag in ("quick", "small") if getattr(args, flag)]
+    for flag in ("json", "csv", "markdown", "plot"):
+        if getattr(args, flag):
+            parts.append(f"--{flag} {getattr(args, flag)}")
+    return " ".join(parts)
+
+
+def write_outputs(record: dict, args) -> None:
+    if args.json:
+        write_json(record, args.json)
+    if args.csv:
+        write_csv(record, args.csv)
+    if args.markdown:
+        update_markdown_file(record, args.markdown)
+    if args.plot:
+        write_plot(record, args.plot)

@@ -1,0 +1,93 @@
+"""What the numbers depend on: CPU, library versions, BLAS and its core type, thread counts
+and the environment variables that change them. Read only; nothing here changes settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import sys
+
+import numpy as np
+
+# Variables that change BLAS kernels or thread counts; recorded as found.
+WATCHED_VARIABLES = (
+    "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS", "NUMBA_NUM_THREADS", "XLA_FLAGS", "BACKPLAN_BACKEND",
+)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def blas_info() -> list[dict]:
+    """Every loaded BLAS/OpenMP library (threadpoolctl), or NumPy's build record without it."""
+    if importlib.util.find_spec("threadpoolctl") is not None:
+        from threadpoolctl import threadpool_info
+
+        keys = ("user_api", "internal_api", "version", "num_threads", "architecture",
+                "threading_layer")
+        return [{k: lib.get(k) for k in keys if lib.get(k) is not None}
+                | {"library": os.path.basename(lib.get("filepath", ""))}
+                for lib in threadpool_info()]
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    except Exception:  # show_config's layout differs between NumPy versions
+        return [{"user_api": "blas", "source": "unknown (install threadpoolctl)"}]
+    return [{"user_api": "blas", "internal_api": blas.get("name"), "version": blas.get("version"),
+             "source": "numpy.show_config (threadpoolctl not installed)"}]
+
+
+def thread_counts() -> dict:
+    """Thread counts as each loaded library reports them now."""
+    counts = {"blas": {lib.get("internal_api", "?"): lib.get("num_threads")
+                       for lib in blas_info() if "num_threads" in lib}}
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        counts["torch"] = {"intra_op": torch.get_num_threads(),
+                           "inter_op": torch.get_num_interop_threads()}
+    if "jax" in sys.modules:
+        counts["jax"] = {"xla_flags": os.environ.get("XLA_FLAGS"),
+                         "note": "XLA's CPU pool; not limited unless XLA_FLAGS say so"}
+    if "numba" in sys.modules:
+        counts["numba"] = sys.modules["numba"].get_num_threads()
+    return counts
+
+
+def backplan_backend() -> str:
+    """The executor backplan runs compiled plans on, where this version can say."""
+    try:
+        from backplan.runtime.backend import current_backend
+    except ImportError:
+        return "reference (no backend switch in this version)"
+    return current_backend()
+
+
+def collect(versions: dict[str, str], thread_settings: dict) -> dict:
+    return {
+        "backplan_backend": backplan_backend(),
+        "cpu": cpu_name(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable_cpus(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {"numpy": np.__version__, **versions},
+        "blas": blas_info(),
+        "variables": {name: os.environ.get(name) for name in WATCHED_VARIABLES
+                      if name == "OPENBLAS_CORETYPE" or name in os.environ},
+        "threads": {"set_by_harness": thread_settings, "in_effect": thread_counts()},
+    }

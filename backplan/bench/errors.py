@@ -1,0 +1,7 @@
+"""Errors of the benchmark harness: bad command-line choices and peers that cannot run."""
+
+from backplan.ir.errors import BackplanError
+
+
+class BenchError(BackplanError):
+    """A benchmark could not be set up as asked (unknown model or peer, bad option)."""

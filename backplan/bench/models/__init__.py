@@ -1,0 +1,71 @@
+"""The benchmark suite. Each model is written once for backplan (in this package); every peer
+provides the idiomatic version of the same `kind`. Full sizes are what a normal run measures;
+`small_config` shrinks them for the tests (`--small`), and the output says so."""
+
+from __future__ import annotations
+
+from ..errors import BenchError
+from . import ln_gelu, mlp, transformer
+from .spec import ModelInputs, ModelSpec
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in [
+        ModelSpec(
+            "mlp", "mlp", "MLP 784-512-512-10, ReLU, cross-entropy, batch 128",
+            dict(n_in=784, width=512, depth=2, n_out=10, batch=128),
+            dict(n_in=24, width=16, depth=2, n_out=10, batch=8),
+            mlp.make_inputs, static=dict(activation="relu"),
+        ),
+        ModelSpec(
+            "mlp_tiny", "mlp", "MLP 32-64-64-10, ReLU, cross-entropy, batch 16",
+            dict(n_in=32, width=64, depth=2, n_out=10, batch=16),
+            dict(n_in=12, width=8, depth=2, n_out=10, batch=4),
+            mlp.make_inputs, static=dict(activation="relu"),
+        ),
+        ModelSpec(
+            "transformer", "transformer",
+            "pre-LN block, d_model 256, 4 heads, MLP 1024 tanh-GELU, batch 8, seq 128, mean(y^2)",
+            dict(batch=8, seq=128, d_model=256, d_ff=1024),
+            dict(batch=2, seq=6, d_model=16, d_ff=32),
+            transformer.make_inputs, static=dict(n_heads=4),
+        ),
+        ModelSpec(
+            "ln_gelu", "ln_gelu", "gelu(layer_norm(x) * g + b) + x on 4096x1024, sum(y * upstream)",
+            dict(rows=4096, cols=1024), dict(rows=8, cols=32), ln_gelu.make_inputs,
+        ),
+        ModelSpec(
+            "mlp_deep", "mlp", "deep narrow MLP 128-(128 x 32)-10, tanh, batch 256 (memory)",
+            dict(n_in=128, width=128, depth=32, n_out=10, batch=256),
+            dict(n_in=12, width=8, depth=6, n_out=10, batch=4),
+            mlp.make_inputs, static=dict(activation="tanh"),
+        ),
+        ModelSpec(
+            "mlp_infer", "mlp", "inference only: forward of mlp (784-512-512-10, batch 128)",
+            dict(n_in=784, width=512, depth=2, n_out=10, batch=128),
+            dict(n_in=24, width=16, depth=2, n_out=10, batch=8),
+            mlp.make_inputs, static=dict(activation="relu"), train=False,
+        ),
+    ]
+}
+
+# The backplan implementation of each kind: (loss, forward). Forward is None where the kind
+# has no inference benchmark.
+BACKPLAN_KINDS = {
+    "mlp": (mlp.loss, mlp.logits),
+    "transformer": (transformer.loss, None),
+    "ln_gelu": (ln_gelu.loss, None),
+}
+
+
+def select_models(names: list[str] | None) -> list[ModelSpec]:
+    """The models to run, in suite order; unknown names raise BenchError listing the choices."""
+    if not names:
+        return list(MODELS.values())
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise BenchError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    return [MODELS[n] for n in names]
+
+
+__all__ = ["MODELS", "BACKPLAN_KINDS", "ModelInputs", "ModelSpec", "select_models"]

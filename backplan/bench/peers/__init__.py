@@ -1,0 +1,42 @@
+"""The peers: backplan (two paths), hand-written NumPy, PyTorch eager and compiled, JAX.
+Optional frameworks are imported only when their peer builds a model."""
+
+from __future__ import annotations
+
+from ..errors import BenchError
+from .backplan_peer import BackplanCompilePeer, BackplanPeer
+from .base import Peer, Runner, SavedBytes, StepOutput
+from .jax_peer import JaxPeer
+from .numpy_peer import NumpyPeer, reference_output
+from .torch_peer import TorchCompilePeer, TorchPeer
+
+PEERS: dict[str, type[Peer]] = {
+    cls.name: cls
+    for cls in (BackplanPeer, BackplanCompilePeer, NumpyPeer, TorchPeer, TorchCompilePeer, JaxPeer)
+}
+# What --against accepts: a family name selects all its peers.
+AGAINST_CHOICES = {
+    "numpy": ["numpy"],
+    "torch": ["torch", "torch.compile"],
+    "torch.eager": ["torch"],
+    "torch.compile": ["torch.compile"],
+    "jax": ["jax"],
+}
+
+
+def select_peers(against: list[str]) -> list[Peer]:
+    """backplan's peers first, then the peers named by --against (families expanded)."""
+    unknown = [name for name in against if name not in AGAINST_CHOICES]
+    if unknown:
+        raise BenchError(
+            f"unknown peer(s) {', '.join(unknown)} in --against; choose from "
+            f"{', '.join(AGAINST_CHOICES)} (or 'none')"
+        )
+    names = ["backplan", "backplan.compile"]
+    for family in against:
+        names += [n for n in AGAINST_CHOICES[family] if n not in names]
+    return [PEERS[n]() for n in names]
+
+
+__all__ = ["PEERS", "AGAINST_CHOICES", "Peer", "Runner", "SavedBytes", "StepOutput",
+           "reference_output", "select_peers"]

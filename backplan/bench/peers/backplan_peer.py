@@ -1,0 +1,126 @@
+"""backplan itself, through its public API only: `bp.value_and_grad` (one joint plan) and
+`@bp.compile` followed by `.backward()`. Plan facts (saved buffers, peak bytes) come from the
+traced plans, so they hold for whichever backend runs the plans."""
+
+from __future__ import annotations
+
+import backplan as bp
+
+from ..models import BACKPLAN_KINDS, ModelInputs, ModelSpec
+from .base import Peer, Runner, SavedBytes, StepOutput, as_float64
+
+
+def bench_function(spec: ModelSpec):
+    """The model's backplan function with its static arguments bound: loss(params, *batch) for
+    training models, forward(params, *inputs) for forward-only ones."""
+    loss_fn, forward_fn = BACKPLAN_KINDS[spec.kind]
+    fn, static = (loss_fn if spec.train else forward_fn), spec.static
+
+    def model(params, *batch):
+        return fn(params, *batch, **static)
+
+    model.__name__ = model.__qualname__ = spec.name
+    return model
+
+
+def _tensors(spec: ModelSpec, inputs: ModelInputs, requires_grad: bool):
+    params = {k: bp.tensor(v, requires_grad=requires_grad) for k, v in inputs.params.items()}
+    return params, [bp.tensor(a) for a in inputs.batch(spec.train)]
+
+
+def _plan_saved_bytes(traced) -> SavedBytes | None:
+    infos = traced.program.saved_info
+    if not traced.program.plans.backward:
+        return None
+    own = sum(s.nbytes for s in infos if not s.is_region_input)
+    return SavedBytes(own, sum(s.nbytes for s in infos), "plan saved_info")
+
+
+class ValueAndGradRunner(Runner):
+    """step = bp.value_and_grad(loss, argnums=0)(params, *batch): one joint plan."""
+
+    numpy_allocations = True  # true of the reference interpreter
+
+    def __init__(self, spec: ModelSpec, inputs: ModelInputs):
+        self.spec = spec
+        self.params, self.batch = _tensors(spec, inputs, requires_grad=False)
+        self.fn = bp.value_and_grad(bench_function(spec), argnums=0)
+        self.result = None
+
+    def step(self) -> None:
+        self.result = self.fn(self.params, *self.batch)
+
+    def output(self) -> StepOutput:
+        value, grads = self.result
+        return StepOutput(as_float64(value.numpy()),
+                          {k: as_float64(g.numpy()) for k, g in grads.items()})
+
+    def planned_peak_bytes(self):
+        return self.fn.trace(self.params, *self.batch).plan.peak_bytes, "joint plan peak_bytes"
+
+
+class CompileRunner(Runner):
+    """step = loss = compiled(params, *batch); loss.backward(). Forward-only models run the
+    compiled forward with no parameter requiring grad."""
+
+    numpy_allocations = True
+
+    def __init__(self, spec: ModelSpec, inputs: ModelInputs):
+        self.spec = spec
+        self.params, self.batch = _tensors(spec, inputs, requires_grad=spec.train)
+        self.fn = bp.compile(bench_function(spec))
+        self.value = None
+
+    def step(self) -> None:
+        if not self.spec.train:
+            self.value = self.fn(self.params, *self.batch)
+            return
+        bp.zero_grad(self.params)
+        self.value = self.fn(self.params, *self.batch)
+        self.value.backward()
+
+    def output(self) -> StepOutput:
+        grads = {k: as_float64(p.grad.numpy()) for k, p in self.params.items()
+                 if self.spec.train}
+        return StepOutput(as_float64(self.value.numpy()), grads)
+
+    def _traced(self):
+        return self.fn.trace(self.params, *self.batch)
+
+    def saved_bytes(self) -> SavedBytes | None:
+        return _plan_saved_bytes(self._traced())
+
+    def planned_peak_bytes(self):
+        plans = self._traced().program.plans
+        peaks = [plans.forward.peak_bytes]
+        if plans.backward is not None:
+            peaks.append(plans.backward.peak_bytes)
+        return max(peaks), "max(forward, backward) plan peak_bytes"
+
+
+class BackplanPeer(Peer):
+    name = "backplan"
+    family = "backplan"
+    description = "bp.value_and_grad(loss, argnums=0): one joint forward+backward plan"
+
+    def versions(self) -> dict[str, str]:
+        return {"backplan": bp.__version__}
+
+    def build(self, spec: ModelSpec, inputs: ModelInputs) -> Runner:
+        if not spec.train:
+            return CompileRunner(spec, inputs)
+        return ValueAndGradRunner(spec, inputs)
+
+
+class BackplanCompilePeer(Peer):
+    name = "backplan.compile"
+    family = "backplan"
+    description = "@bp.compile forward, then loss.backward() through the saved-buffer plan"
+
+    def skip_reason(self, spec: ModelSpec) -> str | None:
+        if not spec.train:
+            return "forward only: the same compiled path as the backplan row"
+        return None
+
+    def build(self, spec: ModelSpec, inputs: ModelInputs) -> Runner:
+        return CompileRunner(spec, inputs)

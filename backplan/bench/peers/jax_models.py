@@ -1,0 +1,57 @@
+"""The benchmark models as idiomatic JAX: pure functions of a parameter dict."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def mlp_logits(params: dict, x, *, activation: str = "relu"):
+    act = jax.nn.relu if activation == "relu" else jnp.tanh
+    n_layers = len(params) // 2
+    h = x
+    for i in range(n_layers):
+        h = h @ params[f"w{i}"] + params[f"b{i}"]
+        if i < n_layers - 1:
+            h = act(h)
+    return h
+
+
+def mlp_loss(params: dict, x, labels, *, activation: str = "relu"):
+    log_probs = jax.nn.log_softmax(mlp_logits(params, x, activation=activation))
+    return -jnp.take_along_axis(log_probs, labels[:, None], axis=-1).mean()
+
+
+def layer_norm(x, g=None, b=None, eps: float = 1e-5):
+    normed = jax.nn.standardize(x, axis=-1, epsilon=eps)
+    return normed if g is None else normed * g + b
+
+
+def transformer_loss(p: dict, x, *, n_heads: int, eps: float = 1e-5):
+    batch, seq, d_model = x.shape
+
+    def heads(t):
+        return t.reshape(batch, seq, n_heads, d_model // n_heads)
+
+    a = layer_norm(x, p["ln1_g"], p["ln1_b"], eps)
+    q, k, v = (heads(a @ p[f"w{n}"] + p[f"b{n}"]) for n in "qkv")
+    att = jax.nn.dot_product_attention(q, k, v).reshape(batch, seq, d_model)
+    h = x + (att @ p["wo"] + p["bo"])
+    c = layer_norm(h, p["ln2_g"], p["ln2_b"], eps)
+    hidden = jax.nn.gelu(c @ p["w_fc"] + p["b_fc"], approximate=True)
+    y = h + (hidden @ p["w_proj"] + p["b_proj"])
+    return jnp.mean(y * y)
+
+
+def ln_gelu_loss(p: dict, upstream, *, eps: float = 1e-5):
+    x = p["x"]
+    y = jax.nn.gelu(layer_norm(x, eps=eps) * p["g"] + p["b"], approximate=True) + x
+    return jnp.sum(y * upstream)
+
+
+# kind -> (loss, inference forward)
+JAX_KINDS = {
+    "mlp": (mlp_loss, mlp_logits),
+    "transformer": (transformer_loss, None),
+    "ln_gelu": (ln_gelu_loss, None),
+}

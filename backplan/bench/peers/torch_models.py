@@ -1,0 +1,52 @@
+"""The benchmark models as idiomatic PyTorch (functional style over a dict of parameters)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def mlp_logits(params: dict, x, *, activation: str = "relu"):
+    act = torch.relu if activation == "relu" else torch.tanh
+    n_layers = len(params) // 2
+    h = x
+    for i in range(n_layers):
+        h = F.linear(h, params[f"w{i}"].T, params[f"b{i}"])
+        if i < n_layers - 1:
+            h = act(h)
+    return h
+
+
+def mlp_loss(params: dict, x, labels, *, activation: str = "relu"):
+    return F.cross_entropy(mlp_logits(params, x, activation=activation), labels)
+
+
+def transformer_loss(p: dict, x, *, n_heads: int, eps: float = 1e-5):
+    batch, seq, d_model = x.shape
+
+    def heads(t):
+        return t.view(batch, seq, n_heads, d_model // n_heads).transpose(1, 2)
+
+    a = F.layer_norm(x, (d_model,), p["ln1_g"], p["ln1_b"], eps)
+    q, k, v = (heads(a @ p[f"w{n}"] + p[f"b{n}"]) for n in "qkv")
+    att = F.scaled_dot_product_attention(q, k, v)
+    h = x + (att.transpose(1, 2).reshape(batch, seq, d_model) @ p["wo"] + p["bo"])
+    c = F.layer_norm(h, (d_model,), p["ln2_g"], p["ln2_b"], eps)
+    hidden = F.gelu(c @ p["w_fc"] + p["b_fc"], approximate="tanh")
+    y = h + (hidden @ p["w_proj"] + p["b_proj"])
+    return (y * y).mean()
+
+
+def ln_gelu_loss(p: dict, upstream, *, eps: float = 1e-5):
+    x = p["x"]
+    normed = F.layer_norm(x, (x.shape[-1],), eps=eps)
+    y = F.gelu(normed * p["g"] + p["b"], approximate="tanh") + x
+    return (y * upstream).sum()
+
+
+# kind -> (loss, inference forward)
+TORCH_KINDS = {
+    "mlp": (mlp_loss, mlp_logits),
+    "transformer": (transformer_loss, None),
+    "ln_gelu": (ln_gelu_loss, None),
+}

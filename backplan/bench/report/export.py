@@ -1,0 +1,66 @@
+"""The run record as JSON (every field) and CSV (one flat row per model and peer). Reading a
+record back is plain JSON parsing: nothing is unpickled or executed."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from ..errors import BenchError
+
+SCHEMA = "backplan-bench/1"
+
+CSV_FIELDS = (
+    "model", "peer", "status", "step_ms_median", "step_ms_min", "step_ms_max", "steps",
+    "ratio_to_fastest", "first_call_cold_s", "first_call_warm_s", "saved_bytes_excluding_inputs",
+    "saved_bytes_including_inputs", "peak_bytes_measured", "peak_bytes_planned",
+    "value_rel_error", "grad_rel_error", "check_ok", "note",
+)
+
+
+def write_json(record: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BenchError(f"cannot read benchmark results from {path}: {exc}") from None
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+        found = record.get("schema") if isinstance(record, dict) else type(record).__name__
+        raise BenchError(f"{path} is not a backplan bench record (schema {found!r}, "
+                         f"expected {SCHEMA!r})")
+    return record
+
+
+def flat_row(row: dict) -> dict:
+    step = row.get("step_ms") or {}
+    first = row.get("first_call_s") or {}
+    saved = row.get("saved_bytes") or {}
+    peak = row.get("peak_bytes") or {}
+    check = row.get("check") or {}
+    return {
+        "model": row["model"], "peer": row["peer"], "status": row["status"],
+        "step_ms_median": step.get("median"), "step_ms_min": step.get("min"),
+        "step_ms_max": step.get("max"), "steps": step.get("n"),
+        "ratio_to_fastest": row.get("ratio_to_fastest"),
+        "first_call_cold_s": first.get("cold"), "first_call_warm_s": first.get("warm"),
+        "saved_bytes_excluding_inputs": saved.get("excluding_inputs"),
+        "saved_bytes_including_inputs": saved.get("including_inputs"),
+        "peak_bytes_measured": peak.get("measured"), "peak_bytes_planned": peak.get("planned"),
+        "value_rel_error": check.get("value_rel_error"),
+        "grad_rel_error": check.get("grad_rel_error"), "check_ok": check.get("ok"),
+        "note": row.get("note"),
+    }
+
+
+def write_csv(record: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in record["results"]:
+            writer.writerow(flat_row(row))

@@ -1,0 +1,121 @@
+"""Formatting shared by the text and Markdown reports."""
+
+from __future__ import annotations
+
+MIB = 1024 * 1024
+
+COLUMNS = ("peer", "median ms", "min ms", "max ms", "x fastest", "1st call s cold/warm",
+           "saved MiB excl/incl", "peak MiB meas/plan", "max rel err", "check")
+
+
+def ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def model_title(record: dict, model: dict) -> str:
+    title = f"{model['name']}: {model['summary']}"
+    if record["run"]["small"]:
+        sizes = ", ".join(f"{k}={v}" for k, v in model["config"].items())
+        title += f" [SHRUNK to {sizes}]"
+    return title
+
+
+def ms(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if value < 10 else f"{value:.1f}"
+
+
+def seconds(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def mib(value) -> str:
+    return "-" if value is None else f"{value / MIB:.2f}"
+
+
+def pair(a: str, b: str) -> str:
+    return "-" if a == b == "-" else f"{a} / {b}"
+
+
+def row_cells(row: dict) -> list[str]:
+    """The cells of one result row, in COLUMNS order."""
+    step = row.get("step_ms") or {}
+    first = row.get("first_call_s") or {}
+    saved = row.get("saved_bytes") or {}
+    peak = row.get("peak_bytes") or {}
+    check = row.get("check") or {}
+    to_fastest = row.get("ratio_to_fastest")
+    error = max(check.get("value_rel_error", 0.0), check.get("grad_rel_error", 0.0)) \
+        if check else None
+    return [
+        row["peer"], ms(step.get("median")), ms(step.get("min")), ms(step.get("max")),
+        "-" if to_fastest is None else f"{to_fastest:.2f}",
+        pair(seconds(first.get("cold")), seconds(first.get("warm"))),
+        pair(mib(saved.get("excluding_inputs")), mib(saved.get("including_inputs"))),
+        pair(mib(peak.get("measured")), mib(peak.get("planned"))),
+        "-" if error is None else f"{error:.1e}",
+        status_text(row),
+    ]
+
+
+def status_text(row: dict) -> str:
+    status = row.get("status") or "-"
+    if status == "wrong":
+        return "WRONG (" + (row["check"].get("worst_grad") or "value") + ")"
+    if status in ("error", "skipped"):
+        return f"{status}: {row.get('note')}"
+    return status
+
+
+def environment_lines(record: dict) -> list[str]:
+    env = record["environment"]
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
+    blas = "; ".join(_blas_text(lib) for lib in env["blas"]) or "unknown"
+    variables = ", ".join(f"{k}={v}" for k, v in env["variables"].items()) or "none set"
+    threads = env["threads"]
+    set_by = ", ".join(f"{k}: {v}" for k, v in threads["set_by_harness"].items()) \
+        or "not set by the harness (library defaults)"
+    return [
+        f"CPU: {env['cpu']} ({env['usable_cpus']} usable of {env['logical_cpus']} logical CPUs)",
+        f"Python {env['python']} on {env['platform']}",
+        f"Versions: {versions}; backplan backend: {env.get('backplan_backend', '?')}",
+        f"BLAS/OpenMP: {blas}",
+        f"Environment: {variables}",
+        f"Threads: {set_by}; in effect: {_in_effect(threads['in_effect'])}",
+    ]
+
+
+def _blas_text(lib: dict) -> str:
+    parts = [lib.get("internal_api") or lib.get("user_api", "?"), lib.get("version") or ""]
+    if lib.get("architecture"):
+        parts.append(f"core {lib['architecture']}")
+    if lib.get("num_threads") is not None:
+        parts.append(f"{lib['num_threads']} threads")
+    if lib.get("library"):
+        parts.append(f"({lib['library']})")
+    return " ".join(p for p in parts if p)
+
+
+def _in_effect(counts: dict) -> str:
+    parts = [f"{api} {n}" for api, n in counts.get("blas", {}).items()]
+    if "torch" in counts:
+        parts.append(f"torch {counts['torch']['intra_op']} intra-op")
+    if "jax" in counts:
+        flags = counts["jax"].get("xla_flags")
+        parts.append(f"jax XLA_FLAGS={flags!r}" if flags else "jax default pool")
+    if "numba" in counts:
+        parts.append(f"numba {counts['numba']}")
+    return ", ".join(parts)
+
+
+def run_lines(record: dict) -> list[str]:
+    """What kind of run this was: dtype, sizes, schedule."""
+    run = record["run"]
+    sizes = "SHRUNK sizes (--small): not the documented configuration" if run["small"] \
+        else "full sizes"
+    schedule = run["schedule"]
+    return [
+        f"dtype {run['dtype']}, {sizes}, {schedule['rounds']} interleaved rounds after "
+        f"{schedule['warmup_steps']} warm-up step(s)" + (" (--quick)" if run["quick"] else ""),
+    ]

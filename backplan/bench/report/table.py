@@ -1,0 +1,38 @@
+"""The text report printed at the end of a run."""
+
+from __future__ import annotations
+
+from .format import COLUMNS, environment_lines, model_title, row_cells, run_lines
+
+LEGEND = (
+    "median/min/max: step time over the timed steps (forward + backward, or forward only); "
+    "x fastest: median over the fastest correct peer's median for that model",
+    "1st call: cold = first call in this process (tracing/compiling); warm = first call after "
+    "the peer's in-process caches are dropped",
+    "saved: bytes kept from forward for backward, excluding / including the inputs; "
+    "peak: measured by tracemalloc (NumPy allocations) / planned by the compiler",
+    "max rel err: against a float64 NumPy reference; check: ok, WRONG, error or skipped",
+)
+
+
+def align(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+            for row in rows]
+
+
+def render_text(record: dict) -> str:
+    lines = ["backplan bench: " + record["command"], *run_lines(record),
+             *environment_lines(record), ""]
+    for model in record["models"]:
+        rows = [r for r in record["results"] if r["model"] == model["name"]]
+        lines.append(model_title(record, model))
+        table = [list(COLUMNS), *(row_cells(r) for r in rows)]
+        body = align([cells[:-1] for cells in table])  # the last column (check) is free text
+        lines += [f"  {line}  {cells[-1]}" for line, cells in zip(body, table, strict=True)]
+        lines.append("")
+    for skipped in record["skipped_peers"]:
+        lines.append(f"skipped {skipped['peer']}: {skipped['reason']}")
+    lines += ["", *LEGEND]
+    return "\n".join(lines)

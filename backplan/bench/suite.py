@@ -1,0 +1,142 @@
+"""Running the suite: for each model, every peer builds it, is checked against the float64
+reference, warms up, and is timed in interleaved rounds; then its memory facts and warm
+compile time are taken. Each result is a plain dict (the JSON record's "results")."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import numpy as np
+
+from .check import check_output
+from .measure import Schedule, time_call, timed_rounds, traced_peak_bytes, warm_up
+from .models import ModelSpec
+from .peers import Peer, reference_output
+
+
+@dataclass(frozen=True)
+class Settings:
+    dtype: str = "float32"
+    small: bool = False
+    schedule: Schedule = Schedule()
+    warm_compile: bool = True
+    seed: int = 0
+
+
+def run_suite(models: list[ModelSpec], peers: list[Peer], settings: Settings, progress) -> list:
+    results = []
+    for index, spec in enumerate(models):
+        progress.model(index, len(models), spec.name)
+        results += bench_model(spec, peers, settings, progress)
+        gc.collect()
+    return results
+
+
+def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress) -> list:
+    inputs = spec.inputs(settings.small, np.dtype(settings.dtype), settings.seed)
+    reference = reference_output(spec, inputs)
+    rows, runners = {}, {}
+    for peer in peers:
+        row = rows[peer.name] = _new_row(spec, peer)
+        reason = peer.missing() or peer.skip_reason(spec)
+        if reason:
+            row.update(status="skipped", note=reason)
+            continue
+        progress.phase(peer.name, "first call")
+        runner = _guarded(row, lambda peer=peer: peer.build(spec, inputs))
+        cold = _guarded(row, lambda runner=runner: time_call(runner.step)) if runner else None
+        if cold is None:
+            continue
+        check = check_output(runner.output(), reference, settings.dtype)
+        row.update(first_call_s={"cold": cold, "warm": None}, check=check.to_dict(),
+                   status="ok" if check.ok else "wrong")
+        runners[peer.name] = runner
+    _time_runners(runners, rows, settings.schedule, progress)
+    for name, runner in runners.items():
+        progress.phase(name, "memory facts")
+        _guarded(rows[name], lambda runner=runner, row=rows[name]: _memory_facts(runner, row),
+                 what="memory facts")
+    if settings.warm_compile:
+        _warm_compiles(spec, inputs, [p for p in peers if p.name in runners], rows, progress)
+    runners.clear()
+    _add_ratios(list(rows.values()))
+    return list(rows.values())
+
+
+def _new_row(spec: ModelSpec, peer: Peer) -> dict:
+    return {"model": spec.name, "peer": peer.name, "peer_description": peer.description,
+            "status": None, "note": None, "step_ms": None, "ratio_to_fastest": None,
+            "first_call_s": None, "saved_bytes": None, "peak_bytes": None, "check": None}
+
+
+def _guarded(row: dict, fn, what: str | None = None):
+    """Run fn. A failure marks the row as an error with the exception's message, or, when
+    `what` names an optional measurement, only notes that it failed."""
+    try:
+        return fn()
+    except Exception as exc:  # a peer failing must not stop the others
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if what is None:
+            row.update(status="error", note=message)
+        else:
+            row["note"] = f"{what} failed: {message}"
+        return None
+
+
+def _time_runners(runners: dict, rows: dict, schedule: Schedule, progress) -> None:
+    steps = {}
+    for name, runner in list(runners.items()):
+        progress.phase(name, "warm-up")
+        estimate = _guarded(rows[name], lambda r=runner: warm_up(r, schedule.warmup_steps))
+        if estimate is None:
+            del runners[name]
+            continue
+        steps[name] = schedule.steps_per_round(estimate)
+
+    def on_round(r, name):
+        progress.phase(name, f"round {r + 1}/{schedule.rounds}, {steps[name]} steps")
+
+    timings = timed_rounds(runners, steps, schedule, on_round)
+    for name, timing in timings.items():
+        rows[name]["step_ms"] = timing.to_dict()
+
+
+def _memory_facts(runner, row: dict) -> None:
+    saved = runner.saved_bytes()
+    if saved is not None:
+        row["saved_bytes"] = {"excluding_inputs": saved.excluding_inputs,
+                              "including_inputs": saved.including_inputs, "source": saved.source}
+    planned = runner.planned_peak_bytes()
+    measured = traced_peak_bytes(runner)
+    row["peak_bytes"] = {
+        "measured": measured, "measured_by": "tracemalloc" if measured is not None else None,
+        "planned": planned[0] if planned else None, "planned_by": planned[1] if planned else None,
+    }
+
+
+def _warm_compiles(spec, inputs, peers: list[Peer], rows: dict, progress) -> None:
+    """First call of a freshly built runner after the peer drops its in-process caches: what a
+    second compile costs once imports, kernels and disk caches are warm."""
+    for peer in peers:
+        progress.phase(peer.name, "first call (warm)")
+        row = rows[peer.name]
+
+        def first_call(peer=peer):
+            peer.clear_caches()
+            return time_call(peer.build(spec, inputs).step)
+
+        warm = _guarded(row, first_call, what="warm first call")
+        if warm is not None:
+            row["first_call_s"]["warm"] = warm
+        gc.collect()
+
+
+def _add_ratios(rows: list) -> None:
+    timed = [r for r in rows if r["step_ms"] is not None and r["status"] == "ok"]
+    if not timed:
+        return
+    fastest = min(r["step_ms"]["median"] for r in timed)
+    for row in rows:
+        if row["step_ms"] is not None:
+            row["ratio_to_fastest"] = row["step_ms"]["median"] / fastest

@@ -1,0 +1,49 @@
+"""--threads N: the same thread count for every peer, set explicitly and reported. Without the
+flag nothing is changed and the libraries' own choices are recorded."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from .errors import BenchError
+
+XLA_SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def prepare_jax_threads(threads: int | None, jax_selected: bool) -> dict:
+    """XLA reads its thread flags once, when jax is imported: with --threads 1 this process's
+    XLA_FLAGS gain the single-thread flags first. XLA offers no flag for other counts."""
+    if threads is None or not jax_selected:
+        return {}
+    if "jax" in sys.modules:
+        return {"jax": "not set: jax was imported before the harness could set XLA_FLAGS"}
+    if threads != 1:
+        return {"jax": f"not limited: XLA has no flag for {threads} threads"}
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_SINGLE_THREAD}".strip()
+    return {"jax": f"XLA_FLAGS += {XLA_SINGLE_THREAD!r} (this process only)"}
+
+
+def apply_threads(threads: int | None) -> dict:
+    """Limits every loaded BLAS/OpenMP pool, PyTorch and Numba to `threads`; call it after the
+    peers' libraries are imported so their pools are seen."""
+    if threads is None:
+        return {}
+    if threads < 1:
+        raise BenchError(f"--threads must be at least 1, got {threads}")
+    if importlib.util.find_spec("threadpoolctl") is None:
+        raise BenchError("--threads needs threadpoolctl to limit BLAS threads: "
+                         "pip install threadpoolctl (or pip install 'backplan[bench]')")
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads)
+    settings = {"blas_and_openmp": f"threadpoolctl limits={threads}"}
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+        settings["torch"] = f"torch.set_num_threads({threads})"
+    if "numba" in sys.modules:
+        numba = sys.modules["numba"]
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        settings["numba"] = f"numba.set_num_threads({threads})"
+    return settings

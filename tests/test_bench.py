@@ -1,0 +1,258 @@
+"""The benchmark harness: quick runs at shrunk sizes check every model's gradients against the
+float64 NumPy reference, which is itself checked against central finite differences. No timing
+is asserted."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.bench import cli
+from backplan.bench.errors import BenchError
+from backplan.bench.measure import QUICK
+from backplan.bench.models import MODELS, select_models
+from backplan.bench.peers import select_peers
+from backplan.bench.peers.numpy_peer import NumpyPeer, NumpyRunner, run_numpy
+from backplan.bench.progress import Progress
+from backplan.bench.report.export import CSV_FIELDS
+from backplan.bench.report.markdown import BEGIN, END
+from backplan.bench.suite import Settings, bench_model
+
+TRAIN_MODELS = [name for name, spec in MODELS.items() if spec.train]
+QUICK_SMALL = Settings(small=True, schedule=QUICK, warm_compile=False)
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(["--quiet", *argv])
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return cli.run(bench_args(*argv), out=out), out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_record(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    json_path, csv_path = folder / "run.json", folder / "run.csv"
+    code, text = run_cli("--quick", "--small", "--against", "numpy", "--json", str(json_path),
+                         "--csv", str(csv_path))
+    return code, text, json.loads(json_path.read_text()), csv_path
+
+
+def test_quick_run_checks_every_model_against_the_reference(quick_record):
+    code, _, record, _ = quick_record
+    assert code == 0
+    assert [m["name"] for m in record["models"]] == list(MODELS)
+    for spec in MODELS.values():
+        rows = {r["peer"]: r for r in record["results"] if r["model"] == spec.name}
+        assert set(rows) == {"backplan", "backplan.compile", "numpy"}
+        checked = ["backplan", "numpy"] + (["backplan.compile"] if spec.train else [])
+        for peer in checked:
+            check = rows[peer]["check"]
+            assert rows[peer]["status"] == "ok", (spec.name, peer, rows[peer]["note"])
+            assert check["ok"] and check["grad_rel_error"] <= check["tolerance"]
+            assert check["value_rel_error"] <= check["tolerance"]
+            assert rows[peer]["step_ms"]["n"] == QUICK.rounds * QUICK.max_steps
+        if not spec.train:
+            assert rows["backplan.compile"]["status"] == "skipped"
+
+
+def test_json_record_has_the_documented_fields(quick_record):
+    _, _, record, _ = quick_record
+    assert record["schema"] == "backplan-bench/1"
+    assert record["command"].startswith("python -m backplan bench")
+    assert {"quick", "small", "dtype", "schedule"} <= set(record["run"])
+    assert record["run"]["small"] is True
+    env = record["environment"]
+    assert {"cpu", "usable_cpus", "versions", "blas", "variables", "threads"} <= set(env)
+    assert "OPENBLAS_CORETYPE" in env["variables"]
+    assert env["versions"]["numpy"] == np.__version__
+    assert env["versions"]["backplan"] == bp.__version__
+    row = next(r for r in record["results"] if r["peer"] == "backplan.compile")
+    assert {"model", "peer", "status", "step_ms", "ratio_to_fastest", "first_call_s",
+            "saved_bytes", "peak_bytes", "check", "note"} <= set(row)
+    assert {"median", "min", "max", "n"} == set(row["step_ms"])
+    assert row["step_ms"]["min"] <= row["step_ms"]["median"] <= row["step_ms"]["max"]
+    assert {"excluding_inputs", "including_inputs"} <= set(row["saved_bytes"])
+    assert row["saved_bytes"]["excluding_inputs"] <= row["saved_bytes"]["including_inputs"]
+    assert row["peak_bytes"]["planned"] > 0
+
+
+def test_ratios_are_against_the_fastest_peer_of_each_model(quick_record):
+    _, _, record, _ = quick_record
+    for model in record["models"]:
+        rows = [r for r in record["results"]
+                if r["model"] == model["name"] and r["step_ms"] is not None]
+        fastest = min(r["step_ms"]["median"] for r in rows)
+        for row in rows:
+            assert row["ratio_to_fastest"] == pytest.approx(row["step_ms"]["median"] / fastest)
+        assert min(r["ratio_to_fastest"] for r in rows) == pytest.approx(1.0)
+
+
+def test_csv_has_one_row_per_model_and_peer(quick_record):
+    _, _, record, csv_path = quick_record
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == CSV_FIELDS
+    assert len(rows) == len(record["results"])
+    assert {(r["model"], r["peer"]) for r in rows} == \
+        {(r["model"], r["peer"]) for r in record["results"]}
+
+
+def test_text_table_names_every_model_and_says_sizes_are_shrunk(quick_record):
+    _, text, _, _ = quick_record
+    assert "SHRUNK" in text
+    for name in MODELS:
+        assert f"\n{name}: " in text
+    assert "OPENBLAS_CORETYPE" in text or "Environment: none set" in text
+
+
+@pytest.mark.parametrize("name", TRAIN_MODELS)
+def test_float64_reference_matches_central_differences(name):
+    spec = MODELS[name]
+    inputs = spec.inputs(small=True, dtype=np.float64, seed=3)
+    _, grads, _ = run_numpy(spec, inputs)
+    rng = np.random.default_rng(7)
+    direction = {k: rng.standard_normal(v.shape) for k, v in inputs.params.items()}
+    step = 1e-6
+
+    def loss_at(sign):
+        moved = {k: v + sign * step * direction[k] for k, v in inputs.params.items()}
+        shifted = type(inputs)(moved, inputs.inputs, inputs.targets)
+        return run_numpy(spec, shifted)[0]
+
+    numeric = (loss_at(1.0) - loss_at(-1.0)) / (2 * step)
+    analytic = sum(float(np.sum(grads[k] * direction[k])) for k in grads)
+    assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-9)
+
+
+def test_numpy_peer_keeps_float32(quick_record):
+    spec = MODELS["transformer"]
+    inputs = spec.inputs(small=True, dtype=np.float32)
+    value, grads, cache = run_numpy(spec, inputs)
+    assert np.asarray(value).dtype == np.float32
+    assert all(g.dtype == np.float32 for g in grads.values())
+
+
+def test_saved_and_peak_bytes_of_the_numpy_mlp():
+    """Hand-written MLP keeps each hidden activation and the softmax probabilities, and the
+    inputs x and labels."""
+    spec = MODELS["mlp"]
+    config = spec.sizes(small=True)
+    runner = NumpyRunner(spec, spec.inputs(small=True, dtype=np.float32))
+    saved = runner.saved_bytes()
+    hidden = config["depth"] * config["batch"] * config["width"] * 4
+    assert saved.excluding_inputs == hidden + config["batch"] * config["n_out"] * 4
+    inputs = config["batch"] * config["n_in"] * 4 + config["batch"] * 8  # x, int64 labels
+    assert saved.including_inputs == saved.excluding_inputs + inputs
+    from backplan.bench.measure import traced_peak_bytes
+
+    params_bytes = sum(a.nbytes for a in runner.inputs.params.values())
+    assert traced_peak_bytes(runner) >= params_bytes  # every gradient is allocated in the step
+
+
+class _WrongRunner(NumpyRunner):
+    def output(self):
+        out = super().output()
+        out.grads["w1"] = out.grads["w1"] * 1.01
+        return out
+
+
+class _WrongPeer(NumpyPeer):
+    name = "numpy.wrong"
+
+    def build(self, spec, inputs):
+        return _WrongRunner(spec, inputs)
+
+
+class _BrokenPeer(NumpyPeer):
+    name = "numpy.broken"
+
+    def build(self, spec, inputs):
+        raise RuntimeError("no kernel for this model")
+
+
+def test_a_fast_wrong_answer_shows_as_wrong_and_a_broken_peer_as_an_error():
+    peers = [NumpyPeer(), _WrongPeer(), _BrokenPeer()]
+    rows = {r["peer"]: r for r in bench_model(MODELS["mlp"], peers, QUICK_SMALL,
+                                               Progress(enabled=False))}
+    assert rows["numpy"]["status"] == "ok"
+    assert rows["numpy.wrong"]["status"] == "wrong"
+    assert rows["numpy.wrong"]["check"]["worst_grad"] == "w1"
+    assert rows["numpy.wrong"]["check"]["grad_rel_error"] == pytest.approx(0.01, rel=1e-3)
+    assert rows["numpy.broken"]["status"] == "error"
+    assert "no kernel for this model" in rows["numpy.broken"]["note"]
+    assert rows["numpy"]["ratio_to_fastest"] is not None
+
+
+def test_markdown_update_keeps_hand_written_notes(quick_record, tmp_path):
+    _, _, record, _ = quick_record
+    json_path, md_path = tmp_path / "run.json", tmp_path / "BENCHMARKS.md"
+    json_path.write_text(json.dumps(record))
+    md_path.write_text(f"# Benchmarks\n\nNotes before.\n\n{BEGIN}\nold table\n{END}\n\nAfter.\n")
+    code, text = run_cli("--from-json", str(json_path), "--markdown", str(md_path))
+    assert code == 0 and "mlp_tiny" in text
+    content = md_path.read_text()
+    assert "Notes before." in content and "After." in content and "old table" not in content
+    assert content.count(BEGIN) == 1 and content.count(END) == 1
+    assert record["command"] in content
+    assert "| model | backplan | backplan.compile | numpy |" in content
+
+
+def test_bad_choices_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(BenchError, match="unknown model.*mlp_tiny"):
+        select_models(["mlp", "resnet"])
+    with pytest.raises(BenchError, match="unknown peer.*tensorflow"):
+        select_peers(["tensorflow"])
+    assert issubclass(BenchError, bp.BackplanError)
+    assert run_cli("--models", "resnet")[0] == 2
+    assert "resnet" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text('{"schema": "something else"}')
+    assert run_cli("--from-json", str(tmp_path / "other.json"))[0] == 2
+    assert run_cli("--threads", "0", "--models", "mlp_tiny", "--against", "none")[0] == 2
+
+
+def test_progress_names_model_and_peer():
+    stream = io.StringIO()
+    bench_model(MODELS["mlp_tiny"], [NumpyPeer()], QUICK_SMALL, Progress(stream))
+    assert "numpy · first call" in stream.getvalue()
+    assert "round 2/2" in stream.getvalue()
+
+
+def _peer_rows(record):
+    return [(r["model"], r["peer"], r["status"], r["note"]) for r in record["results"]]
+
+
+def test_torch_peers_agree_with_the_reference(tmp_path):
+    pytest.importorskip("torch")
+    path = tmp_path / "torch.json"
+    code, _ = run_cli("--quick", "--small", "--models", "mlp_tiny,ln_gelu,mlp_infer",
+                      "--against", "torch", "--json", str(path))
+    record = json.loads(path.read_text())
+    assert code == 0, _peer_rows(record)
+    torch_rows = [r for r in record["results"] if r["peer"].startswith("torch")]
+    assert {r["peer"] for r in torch_rows} == {"torch", "torch.compile"}
+    assert all(r["status"] == "ok" for r in torch_rows), _peer_rows(record)
+    eager_ln = next(r for r in torch_rows if r["peer"] == "torch" and r["model"] == "ln_gelu")
+    assert eager_ln["saved_bytes"]["excluding_inputs"] > 0
+
+
+def test_jax_peer_agrees_with_the_reference(tmp_path):
+    pytest.importorskip("jax")
+    path = tmp_path / "jax.json"
+    code, _ = run_cli("--quick", "--small", "--models", "mlp_tiny,transformer,ln_gelu",
+                      "--against", "jax", "--json", str(path))
+    record = json.loads(path.read_text())
+    assert code == 0, _peer_rows(record)
+    jax_rows = [r for r in record["results"] if r["peer"] == "jax"]
+    assert len(jax_rows) == 3 and all(r["status"] == "ok" for r in jax_rows)
+    assert all(r["peak_bytes"]["planned"] > 0 for r in jax_rows)
