@@ -7,8 +7,6 @@ the last time). Placement is greedy best-fit by decreasing size over the interva
 TFLite's and tinygrad's planners, which keeps arenas close to `lower_bound_bytes`.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 from .errors import BackplanError
@@ -58,17 +56,6 @@ class MemoryAssignment:
         return sum(self.arena_bytes().values())
 
 
-@dataclass
-class _Slot:
-    """Storage of a chain of buffers, each taking over its predecessor in place."""
-
-    members: list[int]
-    nbytes: int
-    first: int
-    last: int
-    offset: int = 0
-
-
 def assign_memory(requests: list[BufferRequest], alignment_bytes: int = 64) -> MemoryAssignment:
     """Place every buffer; deterministic for the same requests.
 
@@ -80,20 +67,18 @@ def assign_memory(requests: list[BufferRequest], alignment_bytes: int = 64) -> M
     """
     _check(requests, alignment_bytes)
     in_place = _resolve_in_place(requests)
-    by_arena: dict[tuple, list[_Slot]] = {}
-    for slot in _slots(requests, in_place):
-        root = requests[slot.members[0]]
-        by_arena.setdefault((root.arena, root.dtype), []).append(slot)
+    by_arena: dict[tuple, list[list[BufferRequest]]] = {}
+    for chain in _chains(requests, in_place):
+        by_arena.setdefault((chain[0].arena, chain[0].dtype), []).append(chain)
     placements, sizes = {}, {}
-    for (arena, dtype), slots in by_arena.items():
+    for (arena, dtype), chains in by_arena.items():
         itemsize = DTYPES[dtype].itemsize
-        sizes[(arena, dtype)] = _place_best_fit(slots, alignment_bytes) // itemsize
-        for slot in slots:
-            for index in slot.members:
-                key, nbytes = requests[index].key, requests[index].nbytes
-                placements[key] = Placement(arena, dtype, slot.offset // itemsize, nbytes)
-    taken = {requests[new].key: requests[old].key for new, old in in_place.items()}
-    return MemoryAssignment(placements, sizes, taken)
+        offsets, end = _place_best_fit(chains, alignment_bytes)
+        sizes[(arena, dtype)] = end // itemsize
+        for chain, offset in zip(chains, offsets, strict=True):
+            for r in chain:
+                placements[r.key] = Placement(arena, dtype, offset // itemsize, r.nbytes)
+    return MemoryAssignment(placements, sizes, in_place)
 
 
 def lower_bound_bytes(requests: list[BufferRequest]) -> dict:
@@ -102,11 +87,11 @@ def lower_bound_bytes(requests: list[BufferRequest]) -> dict:
     _check(requests, alignment_bytes=None)
     in_place = _resolve_in_place(requests)
     events: dict[tuple, list[tuple[int, int]]] = {}
-    for index, request in enumerate(requests):
-        start = request.first_step + (index in in_place)
-        if start <= request.last_step:
-            arena_events = events.setdefault((request.arena, request.dtype), [])
-            arena_events += [(start, request.nbytes), (request.last_step + 1, -request.nbytes)]
+    for r in requests:
+        start = r.first_step + 1 if r.key in in_place else r.first_step
+        if start <= r.last_step:
+            arena_events = events.setdefault((r.arena, r.dtype), [])
+            arena_events += [(start, r.nbytes), (r.last_step + 1, -r.nbytes)]
     bounds = {}
     for key, arena_events in events.items():
         live = peak = 0
@@ -129,65 +114,68 @@ def may_take_over(new: BufferRequest, old: BufferRequest) -> bool:
     )
 
 
-def _resolve_in_place(requests: list[BufferRequest]) -> dict[int, int]:
-    """Taker index -> taken index; earlier writers (then earlier requests) choose first."""
-    index_of = {request.key: index for index, request in enumerate(requests)}
-    taken: set[int] = set()
-    in_place = {}
-    for new in sorted(range(len(requests)), key=lambda i: (requests[i].first_step, i)):
-        for key in requests[new].reuse:
-            old = index_of.get(key)
-            if old is not None and old not in taken and may_take_over(requests[new], requests[old]):
-                taken.add(old)
-                in_place[new] = old
+def _resolve_in_place(requests: list[BufferRequest]) -> dict:
+    """Taker key -> taken key; earlier writers (then earlier requests) choose first."""
+    by_key = {r.key: r for r in requests}
+    in_place, taken = {}, set()
+    for new in sorted(requests, key=lambda r: r.first_step):
+        for key in new.reuse:
+            old = by_key.get(key)
+            if old is not None and key not in taken and may_take_over(new, old):
+                in_place[new.key] = key
+                taken.add(key)
                 break
     return in_place
 
 
-def _slots(requests: list[BufferRequest], in_place: dict[int, int]) -> list[_Slot]:
+def _chains(requests: list[BufferRequest], in_place: dict) -> list[list[BufferRequest]]:
+    """Buffers grouped into chains that share one offset, each taking over its predecessor."""
+    by_key = {r.key: r for r in requests}
     taker_of = {old: new for new, old in in_place.items()}
-    slots = []
-    for index, request in enumerate(requests):
-        if index in in_place:
-            continue
-        members = [index]
-        while members[-1] in taker_of:
-            members.append(taker_of[members[-1]])
-        last = requests[members[-1]].last_step
-        slots.append(_Slot(members, request.nbytes, request.first_step, last))
-    return slots
+    chains = []
+    for r in requests:
+        if r.key not in in_place:
+            chain = [r]
+            while chain[-1].key in taker_of:
+                chain.append(by_key[taker_of[chain[-1].key]])
+            chains.append(chain)
+    return chains
 
 
-def _place_best_fit(slots: list[_Slot], alignment: int) -> int:
-    """Largest first, each into the tightest gap among placed slots live at the same time;
-    returns the arena's end in bytes."""
-    order = sorted(range(len(slots)), key=lambda i: (-slots[i].nbytes, slots[i].first, i))
-    placed: list[_Slot] = []
-    end = 0
-    for slot in (slots[i] for i in order):
-        if slot.nbytes == 0:
+def _place_best_fit(chains: list[list[BufferRequest]], alignment: int) -> tuple[list[int], int]:
+    """Largest chain first, each into the tightest gap left by the buffers placed so far that are
+    live at the same time (a chain reserves its first, largest size throughout). Returns byte
+    offsets and the arena's end in bytes."""
+    order = sorted(
+        range(len(chains)), key=lambda i: (-chains[i][0].nbytes, chains[i][0].first_step)
+    )
+    offsets, placed, end = [0] * len(chains), [], 0
+    for i in order:
+        nbytes, first, last = chains[i][0].nbytes, chains[i][0].first_step, chains[i][-1].last_step
+        if nbytes == 0:
             continue  # occupies nothing; stays at offset 0
-        neighbours = [p for p in placed if p.first <= slot.last and slot.first <= p.last]
-        neighbours.sort(key=lambda p: p.offset)
-        slot.offset = _tightest_gap(neighbours, slot.nbytes, alignment)
-        placed.append(slot)
-        end = max(end, slot.offset + slot.nbytes)
-    return end
+        taken = sorted(
+            (offsets[j], offsets[j] + r.nbytes)
+            for j in placed
+            for r in chains[j]
+            if r.first_step <= last and first <= r.last_step
+        )
+        offsets[i] = _tightest_gap(taken, nbytes, alignment)
+        placed.append(i)
+        end = max(end, offsets[i] + nbytes)
+    return offsets, end
 
 
-def _tightest_gap(neighbours: list[_Slot], nbytes: int, alignment: int) -> int:
-    best_offset, best_gap, prev_end = None, None, 0
-    for neighbour in neighbours:
-        start = _align_up(prev_end, alignment)
-        gap = neighbour.offset - start
+def _tightest_gap(taken: list[tuple[int, int]], nbytes: int, alignment: int) -> int:
+    """Offset of the smallest free gap that fits between the sorted byte ranges in `taken`."""
+    best_offset, best_gap, prev_end = None, None, 0  # offsets round up to the alignment
+    for taken_start, taken_end in taken:
+        start = -(-prev_end // alignment) * alignment
+        gap = taken_start - start
         if gap >= nbytes and (best_gap is None or gap < best_gap):
             best_offset, best_gap = start, gap
-        prev_end = max(prev_end, neighbour.offset + neighbour.nbytes)
-    return _align_up(prev_end, alignment) if best_offset is None else best_offset
-
-
-def _align_up(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
+        prev_end = max(prev_end, taken_end)
+    return -(-prev_end // alignment) * alignment if best_offset is None else best_offset
 
 
 def _check(requests: list[BufferRequest], alignment_bytes: int | None) -> None:
