@@ -65,7 +65,7 @@ def bind_specs(fn, tree: dict) -> tuple[list, dict]:
         raise ExplainArgumentError(f"cannot read the parameters of {fn!r}") from None
     names = [p.name for p in parameters]
     unknown = [name for name in tree if name not in names]
-    if unknown:
+    if unknown and not any(p.kind == p.VAR_KEYWORD for p in parameters):
         raise ExplainArgumentError(f"{fn.__name__} has no parameter(s) {unknown}; its "
                                    f"parameters are {names}")
     positional, keywords, skipped = [], {}, False
@@ -82,4 +82,5 @@ def bind_specs(fn, tree: dict) -> tuple[list, dict]:
             positional.append(tree[p.name])  # by position, as value_and_grad's argnums counts
         else:
             keywords[p.name] = tree[p.name]
+    keywords.update((name, tree[name]) for name in unknown)  # taken by **kwargs
     return positional, keywords

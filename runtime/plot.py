@@ -76,7 +76,7 @@ def plot_report(report, path, max_buffers: int = 60) -> None:
     view = report.view
     buffers, left_out = chosen_buffers(view, max_buffers)
     n_steps = max(len(view.steps), 1)
-    width = min(max(10.0, 0.22 * n_steps + 4.0), 40.0)
+    width = min(8.0 + 0.25 * n_steps, 40.0)  # names and legend, then room for every step
     height = 3.2 + 0.24 * max(len(buffers), 4)
     figure = figure_class(figsize=(width, height), dpi=100, layout="constrained")
     bars, total = figure.subplots(2, 1, sharex=True,
@@ -156,5 +156,5 @@ def _draw_steps(bars, total, view) -> None:
     if first_backward is not None:
         for axes in (bars, total):
             axes.axvline(first_backward - 0.5, color="#666666", linestyle="--", linewidth=1)
-        total.text(first_backward - 0.3, 0.97, "backward starts", fontsize=9, color="#444444",
-                   va="top", transform=total.get_xaxis_transform())
+        total.text(first_backward - 0.3, 0.03, "backward starts", fontsize=9, color="#444444",
+                   va="bottom", transform=total.get_xaxis_transform())

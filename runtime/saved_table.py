@@ -4,6 +4,7 @@ backward runs."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 INPUT_NOTE = (
@@ -20,10 +21,29 @@ def lifetime_text(info) -> str:
 
 
 def read_by_text(info) -> str:
+    """'b8 transpose; b11 mul': the backward steps that read it (their lines are in the IR)."""
+    ops = [r.split(" at ")[0] for r in info.read_by]
     steps = getattr(info, "read_steps", ())
-    if len(steps) == len(info.read_by):
-        return "; ".join(f"b{s} {r}" for s, r in zip(steps, info.read_by, strict=True))
-    return "; ".join(info.read_by)
+    if len(steps) == len(ops):
+        return "; ".join(f"b{s} {op}" for s, op in zip(steps, ops, strict=True))
+    return "; ".join(ops)
+
+
+def reason_text(reason: str) -> str:
+    """Rules that read several inputs of one node read as one: 'mul derivative reads inputs 1,
+    0'."""
+    parts, merged = reason.split("; "), {}
+    for part in parts:
+        match = re.fullmatch(r"(.+ derivative reads) input (\d+)", part)
+        key = match.group(1) if match else part
+        merged.setdefault(key, []).append(match.group(2) if match else None)
+    texts = []
+    for key, inputs in merged.items():
+        if inputs == [None]:
+            texts.append(key)
+        else:
+            texts.append(f"{key} input{'s' if len(inputs) > 1 else ''} {', '.join(inputs)}")
+    return "; ".join(texts)
 
 
 def saved_rows(infos: Sequence, states: Sequence[str] | None = None) -> list[tuple[str, ...]]:
@@ -34,7 +54,7 @@ def saved_rows(infos: Sequence, states: Sequence[str] | None = None) -> list[tup
         produced = "your input" if info.is_region_input else f"{info.op} at {info.produced_at}"
         dims = ",".join(str(d) for d in info.shape)
         row = (name, f"{info.dtype}[{dims}]", f"{info.nbytes:,}", produced, read_by_text(info),
-               lifetime_text(info), info.reason)
+               lifetime_text(info), reason_text(info.reason))
         rows.append(row + ((states[i],) if states is not None else ()))
     return rows
 

@@ -1,6 +1,8 @@
 """explain(): saved-buffer tables of known programs, predicted bytes against what the reference
 interpreter really holds, the report's text, DOT and picture, and the live grad_fn table."""
 
+import importlib.util
+import pathlib
 import shutil
 import struct
 import subprocess
@@ -475,3 +477,28 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     with pytest.raises(bp.BackplanError, match=r"pip install 'backplan\[plot\]'"):
         report.plot(tmp_path / "step.png")
     assert not (tmp_path / "step.png").exists()
+
+
+# ---- the README ------------------------------------------------------------------------------
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_readme_shows_the_current_example_report_and_picture():
+    from backplan.runtime.backend import use_backend
+
+    spec = importlib.util.spec_from_file_location("explain_example",
+                                                  ROOT / "docs" / "explain_example.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with use_backend("numba"):
+        report = example.loss_fn.explain(*example.example_inputs())
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Explain"):]
+    shown = section.split("```text\n")[1].split("\n```")[0]
+    assert shown == str(report).rstrip("\n")
+    picture = ROOT / "docs" / "explain_example.png"
+    assert "](docs/explain_example.png)" in section
+    width, height = png_size(picture)
+    assert width >= 800 and height >= 500 and picture.stat().st_size < 200_000
