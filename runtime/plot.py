@@ -105,7 +105,7 @@ def _draw_bars(axes, view, buffers) -> None:
                   hatch="//" if buf.kind == "input" else None)
     axes.set_yticks(range(len(buffers)))
     axes.set_yticklabels([_bar_label(view, b) for b in buffers], fontsize=8)
-    axes.set_ylim(len(buffers) - 0.5, -0.5)
+    axes.set_ylim(max(len(buffers), 1) - 0.5, -0.5)
     axes.set_ylabel("buffer (name = op, bytes)")
     axes.grid(axis="x", color="#eeeeee")
 

@@ -125,8 +125,27 @@ def test_arguments_are_named_by_their_path_in_the_call():
     vg = bp.value_and_grad(lambda p, inputs: mlp_loss.fn(p, inputs, labels))
     joint = vg.explain(params, x)
     assert {s.name for s in joint.saved_buffers if s.is_region_input} == {
-        "inputs", "p['w1']", "captured[0]"}
+        "inputs", "p['w1']", "labels (captured)"}
     assert "grad p['w0']" in {b.name for b in joint.view.buffers.values()}
+
+
+GLOBAL_PARAMS = {"w": f32(3, 3, requires_grad=True)}
+
+
+def uses_global_params(x):
+    return bp.tanh(x @ GLOBAL_PARAMS["w"]).sum()
+
+
+def test_captured_tensors_are_named_as_the_code_calls_them():
+    scale = f32(3, requires_grad=True)
+    x = f32(2, 3)
+    report = bp.explain(lambda x: (x * scale).sum(), x)
+    assert [s.name for s in report.saved_buffers] == ["x"]
+    assert "grad scale (captured)" in {b.name for b in report.view.buffers.values()}
+    report = bp.explain(uses_global_params, x)
+    assert "%1 = GLOBAL_PARAMS['w'] (captured): f32[3,3], requires grad" in str(report)
+    joint = bp.value_and_grad(lambda x: (x * scale).sum()).explain(x)
+    assert "scale (captured)" in {b.name for b in joint.view.buffers.values()}
 
 
 # ---- predicted bytes against what the interpreter holds -------------------------------------

@@ -9,6 +9,7 @@ from backplan.ir.pipeline import build_region_plans
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
 
+from .captured_names import captured_names
 from .errors import TracingError
 from .pytree import TreeDef, flatten, unflatten
 from .signature import SignatureKey, bind_call, miss_reason
@@ -35,7 +36,7 @@ class TracedFunction:
     out_slots: list  # per output leaf: ("tensor", output index) or ("static", value)
     captured: list[Tensor]
     captured_flags: tuple[bool, ...]
-    input_names: list[str]  # one per graph input: argument paths, then "captured[i]"
+    input_names: list[str]  # one per graph input: argument paths, then captured tensors
 
 
 def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
@@ -131,7 +132,7 @@ class CompiledFunction:
         captured_flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in trace.captured)
         wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(captured_flags)
         names = [call.key.leaves[p].path for p in call.tensor_positions]
-        names += [f"captured[{i}]" for i in range(len(trace.captured))]
+        names += captured_names(self.fn, trace.captured)
         program = RegionProgram(build_region_plans(graph, wrt), name=name, input_names=names)
         self._traces += 1
         return TracedFunction(program, out_treedef, out_slots, trace.captured, captured_flags,

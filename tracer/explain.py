@@ -8,6 +8,7 @@ import re
 from backplan.ir.errors import BackplanError
 from backplan.runtime.report import ExplainReport, joint_report, region_report
 
+from .captured_names import captured_names
 from .signature import miss_reason
 
 
@@ -45,7 +46,7 @@ def explain_traced(traced, cache_info) -> ExplainReport:
 def explain_joint(entry, call, fn, cache: dict) -> ExplainReport:
     """The report of one signature of value_and_grad: its joint plan."""
     names = [_parameter_path(fn, call.key.leaves[p].path) for p in call.tensor_positions]
-    names += [f"captured[{i}]" for i in range(len(entry.captured))]
+    names += captured_names(fn, entry.captured)
     keys = list(cache)
     reason = None
     if len(keys) > 1:
