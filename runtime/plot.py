@@ -86,7 +86,7 @@ def plot_report(report, path, max_buffers: int = 60) -> None:
     _draw_steps(bars, total, view)
     title = f"Memory timeline of one step of {report.name}"
     if left_out:
-        title += f" ({left_out} smaller buffers not drawn)"
+        title += f" ({left_out} smaller temporaries not drawn)"
     bars.set_title(title, fontsize=12, loc="left")
     kinds = [k for k in KIND_COLORS if any(b.kind == k for b in buffers)]
     handles = [patch_class(facecolor=KIND_COLORS[k], hatch="//" if k == "input" else None,

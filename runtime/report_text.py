@@ -61,7 +61,8 @@ def summary_text(report) -> str:
 
 def _saved_sentence(report) -> str:
     if not any(report.requires_grad):
-        return "No input requires grad, so there is no backward and nothing is saved."
+        return ("Nothing needs a gradient (no input requires grad, or grad mode is off), so "
+                "there is no backward and nothing is saved.")
     n = len(report.saved_buffers)
     if n == 0:
         return "The backward needs no forward values: nothing is saved."
