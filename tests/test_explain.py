@@ -114,6 +114,12 @@ def test_no_input_requiring_grad_has_no_backward():
     assert report.n_backward_steps == 0 and "no backward" in flat(report)
 
 
+def test_under_no_grad_there_is_no_backward():
+    with bp.no_grad():
+        report = bp.explain(tanh_sum, f32(2, 2, requires_grad=True))
+    assert report.backward_ir is None and "grad mode is off" in flat(report)
+
+
 def test_arguments_are_named_by_their_path_in_the_call():
     params = init_mlp([6, 5, 3])
     x, labels = f32(4, 6), bp.tensor(np.array([0, 2, 1, 0]))
