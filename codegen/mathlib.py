@@ -38,6 +38,10 @@ from numba.extending import intrinsic
 
 _FLAGS = {"contract"}
 
+SOURCE_FINGERPRINT = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+"""Changes with this file. Numba's disk cache of a kernel that calls these functions keys on the
+kernel's own source only and does not notice edits here, so kernel cache keys must include it."""
+
 
 def _scalar_function(fn):
     """Compile `fn` for use inside kernels: LLVM-inlined, FMA allowed, nothing else relaxed."""
@@ -147,6 +151,9 @@ _LN2_HI_F64, _LN2_LO_F64 = _f64(0.6931467056274414, 4.7493250390316726e-07)
 # Beyond these, exp rounds to 0 or overflows to inf.
 _EXP_MIN_F32, _EXP_MAX_F32 = _f32(-104.0, 89.0)
 _EXP_MIN_F64, _EXP_MAX_F64 = _f64(-746.0, 710.0)
+# Above these, 2**n from the exp reduction is a normal number (used where exp <= 1 suffices).
+_EXP_NORMAL_MIN_F32 = np.float32(-87.0)
+_EXP_NORMAL_MIN_F64 = np.float64(-708.0)
 _TANH_SWITCH_F32 = np.float32(0.7)
 _TANH_SWITCH_F64 = np.float64(0.7)
 
@@ -232,6 +239,26 @@ def exp_f64(x):
 
 
 @_scalar_function
+def _exp_nonpositive_f32(y):
+    """e**y for y <= 0, clamped at -87 so 2**n stays normal: exp_f32 without its edge cases."""
+    clamped = max(y, _EXP_NORMAL_MIN_F32)
+    n = _rint(clamped * _LOG2E_F32)
+    r = clamped - n * _LN2_HI_F32
+    r = r - n * _LN2_LO_F32
+    return (r * r * _horner(r, _EXP_F32) + r + _ONE_F32) * _pow2_f32(n)
+
+
+@_scalar_function
+def _exp_nonpositive_f64(y):
+    """e**y for y <= 0, clamped at -708 so 2**n stays normal: exp_f64 without its edge cases."""
+    clamped = max(y, _EXP_NORMAL_MIN_F64)
+    n = _rint(clamped * _LOG2E_F64)
+    r = clamped - n * _LN2_HI_F64
+    r = r - n * _LN2_LO_F64
+    return (r * r * _horner(r, _EXP_F64) + r + _ONE_F64) * _pow2_f64(n)
+
+
+@_scalar_function
 def tanh_f32(x):
     """tanh(x) in float32; max error 1.0 ulp (measured).
 
@@ -241,10 +268,10 @@ def tanh_f32(x):
     """
     magnitude = abs(x)
     z = x * x
-    small = x * z * _horner(z, _TANH_F32) + x
-    e = exp_f32(-_TWO_F32 * magnitude)
-    large = math.copysign(_ONE_F32 - _TWO_F32 * e / (_ONE_F32 + e), x)
-    y = small if magnitude < _TANH_SWITCH_F32 else large
+    small = magnitude * z * _horner(z, _TANH_F32) + magnitude
+    e = _exp_nonpositive_f32(-_TWO_F32 * magnitude)
+    large = _ONE_F32 - _TWO_F32 * e / (_ONE_F32 + e)
+    y = math.copysign(small if magnitude < _TANH_SWITCH_F32 else large, x)
     return y if x == x else x
 
 
@@ -253,10 +280,10 @@ def tanh_f64(x):
     """tanh(x) in float64; max error 1.0 ulp (measured). Method and special values as tanh_f32."""
     magnitude = abs(x)
     z = x * x
-    small = x * z * _horner(z, _TANH_F64) + x
-    e = exp_f64(-_TWO_F64 * magnitude)
-    large = math.copysign(_ONE_F64 - _TWO_F64 * e / (_ONE_F64 + e), x)
-    y = small if magnitude < _TANH_SWITCH_F64 else large
+    small = magnitude * z * _horner(z, _TANH_F64) + magnitude
+    e = _exp_nonpositive_f64(-_TWO_F64 * magnitude)
+    large = _ONE_F64 - _TWO_F64 * e / (_ONE_F64 + e)
+    y = math.copysign(small if magnitude < _TANH_SWITCH_F64 else large, x)
     return y if x == x else x
 
 
@@ -337,16 +364,17 @@ def _log_special_values_f64(x, y):
 def erf_f32(x):
     """erf(x) in float32; max error 1.0 ulp (measured).
 
-    |x| < 1: x + x * P(x**2), so x itself is never rounded. Otherwise 1 - erfc(|x|) with erfc(t) = exp(-t**2 + G(t)), G a
-    polynomial fit of log(erfcx); both halves are computed and one is selected.
+    |x| < 1: x + x * P(x**2), so x itself is never rounded. Otherwise 1 - erfc(|x|) with
+    erfc(t) = exp(-t**2 + G(t)), G a polynomial fit of log(erfcx). Both halves are computed
+    and one is selected.
     erf(+-inf) = +-1, erf(+-0) = +-0, NaN gives NaN.
     """
     magnitude = abs(x)
-    small = x * _horner(x * x, _ERF_SMALL_F32) + x
+    small = magnitude * _horner(x * x, _ERF_SMALL_F32) + magnitude
     t = min(magnitude, _ERF_TAIL_END_F32)
     log_erfc = _horner(t - _ERF_TAIL_CENTRE_F32, _ERF_TAIL_F32) - t * t
-    large = math.copysign(_ONE_F32 - exp_f32(log_erfc), x)
-    y = small if magnitude < _ONE_F32 else large
+    large = _ONE_F32 - exp_f32(log_erfc)
+    y = math.copysign(small if magnitude < _ONE_F32 else large, x)
     return y if x == x else x
 
 
@@ -354,9 +382,31 @@ def erf_f32(x):
 def erf_f64(x):
     """erf(x) in float64; max error 1.0 ulp (measured). Method and special values as erf_f32."""
     magnitude = abs(x)
-    small = x * _horner(x * x, _ERF_SMALL_F64) + x
+    small = magnitude * _horner(x * x, _ERF_SMALL_F64) + magnitude
     t = min(magnitude, _ERF_TAIL_END_F64)
     log_erfc = _horner(t - _ERF_TAIL_CENTRE_F64, _ERF_TAIL_F64) - t * t
-    large = math.copysign(_ONE_F64 - exp_f64(log_erfc), x)
-    y = small if magnitude < _ONE_F64 else large
+    large = _ONE_F64 - exp_f64(log_erfc)
+    y = math.copysign(small if magnitude < _ONE_F64 else large, x)
     return y if x == x else x
+
+
+FUNCTIONS = {
+    (op, dtype): f"{op}_{dtype}"
+    for op in ("exp", "log", "tanh", "sigmoid", "erf")
+    for dtype in ("f32", "f64")
+}
+"""(IR op name, IR dtype name) -> name of the function in this module that computes it."""
+
+COST_NOTES = {
+    ("exp", "f32"): "clamp, 2-FMA reduction, degree-4 polynomial, exponent bit tricks",
+    ("exp", "f64"): "as exp_f32 with a degree-9 polynomial",
+    ("log", "f32"): "exponent split by bit tricks, degree-7 polynomial, no division",
+    ("log", "f64"): "exponent split, one division, degree-6 polynomial in s**2",
+    ("tanh", "f32"): "exp_f32 + one division + degree-5 polynomial, both halves evaluated",
+    ("tanh", "f64"): "exp_f64 + one division + degree-12 polynomial, both halves evaluated",
+    ("sigmoid", "f32"): "exp_f32 + one division",
+    ("sigmoid", "f64"): "exp_f64 + one division",
+    ("erf", "f32"): "exp_f32 + degree-6 and degree-6 polynomials, both halves evaluated",
+    ("erf", "f64"): "exp_f64 + degree-11 and degree-17 polynomials, both halves evaluated",
+}
+"""What each function costs per element, for fusion heuristics and readers of generated code."""
