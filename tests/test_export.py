@@ -1,6 +1,7 @@
 """bp.export / bp.load: artifacts that run forward and backward without the model's source, and
 that refuse every kind of damage with an ExportError at load time."""
 
+import collections
 import importlib.util
 import io
 import json
@@ -249,6 +250,42 @@ def test_example_args_signature_and_explain(model, artifacts, data):
     original = bp.explain(bp.value_and_grad(model.loss), params, x, target)
     assert step.peak_bytes == original.peak_bytes > 0
     assert [b.name for b in step.saved_buffers] == [b.name for b in original.saved_buffers]
+
+
+Pair = collections.namedtuple("Pair", "w b")
+
+
+def test_namedtuples_static_outputs_keyword_only_and_aux(tmp_path):
+    @bp.compile
+    def affine(p, x, *, mode="sum"):
+        return Pair(bp.tanh(x @ p.w + p.b).sum(), 3), {"mode": mode}
+
+    pair = Pair(bp.tensor(np.ones((3, 2), np.float32), requires_grad=True),
+                bp.tensor(np.zeros(2, np.float32)))
+    x = np.full((4, 3), 0.1, np.float32)
+    loaded = bp.load(bp.export(affine, pair, x, mode="mean", path=tmp_path / "affine.bpz"))
+    (total, three), extra = loaded(pair, x, mode="mean")
+    assert three == 3 and extra == {"mode": "mean"}
+    np.testing.assert_array_equal(total.numpy(), affine(pair, x, mode="mean")[0][0].numpy())
+    total.backward()
+    assert pair.w.grad.shape == (3, 2)
+    with pytest.raises(bp.ExportError, match="mode = the static value 'mean'"):
+        loaded(pair, x)
+
+    def loss(p, x, scale, target=None):
+        y = bp.tanh(x @ p["w"]) * scale - target
+        return (y ** 2).mean(), {"y": y}
+
+    vg = bp.value_and_grad(loss, has_aux=True)
+    params, target = {"w": np.ones((3, 2), np.float32)}, np.zeros((4, 2), np.float32)
+    step = bp.load(bp.export(vg, params, x, 2.0, target=target, path=tmp_path / "aux.bpz"))
+    (value, aux), grads = step(params, x, 2.0, target=target)
+    (expected_value, expected_aux), expected = vg(params, x, 2.0, target=target)
+    np.testing.assert_array_equal(value.numpy(), expected_value.numpy())
+    np.testing.assert_array_equal(aux["y"].numpy(), expected_aux["y"].numpy())
+    np.testing.assert_array_equal(grads["w"].numpy(), expected["w"].numpy())
+    with pytest.raises(bp.ExportError, match=r"target = a tensor f32\[4, 2\]"):
+        step(params, x, 2.0, target=target[:1])
 
 
 def test_export_refuses_what_it_cannot_store(tmp_path):
