@@ -43,8 +43,8 @@ def run_cli(*argv: str) -> tuple[int, str]:
 def quick_record(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     json_path, csv_path = folder / "run.json", folder / "run.csv"
-    code, text = run_cli("--quick", "--small", "--against", "numpy", "--json", str(json_path),
-                         "--csv", str(csv_path))
+    code, text = run_cli("--quick", "--small", "--against", "numpy,backplan.reference",
+                         "--json", str(json_path), "--csv", str(csv_path))
     return code, text, json.loads(json_path.read_text()), csv_path
 
 
@@ -54,8 +54,9 @@ def test_quick_run_checks_every_model_against_the_reference(quick_record):
     assert [m["name"] for m in record["models"]] == list(MODELS)
     for spec in MODELS.values():
         rows = {r["peer"]: r for r in record["results"] if r["model"] == spec.name}
-        assert set(rows) == {"backplan", "backplan.compile", "numpy"}
-        checked = ["backplan", "numpy"] + (["backplan.compile"] if spec.train else [])
+        assert set(rows) == {"backplan", "backplan.compile", "backplan.reference", "numpy"}
+        checked = ["backplan", "backplan.reference", "numpy"]
+        checked += ["backplan.compile"] if spec.train else []
         for peer in checked:
             check = rows[peer]["check"]
             assert rows[peer]["status"] == "ok", (spec.name, peer, rows[peer]["note"])
@@ -205,7 +206,7 @@ def test_markdown_update_keeps_hand_written_notes(quick_record, tmp_path):
     assert "Notes before." in content and "After." in content and "old table" not in content
     assert content.count(BEGIN) == 1 and content.count(END) == 1
     assert record["command"] in content
-    assert "| model | backplan | backplan.compile | numpy |" in content
+    assert "| model | backplan | backplan.compile | backplan.reference | numpy |" in content
 
 
 def test_bad_choices_are_clear_errors(tmp_path, capsys):

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-from .environment import collect
+from .environment import collect, load_average
 from .errors import BenchError
 from .measure import FULL, QUICK
 from .models import MODELS, select_models
@@ -71,20 +71,14 @@ def measure(args) -> dict:
     against = [] if args.against.strip() == "none" else _names(args.against)
     peers = select_peers(against)
     thread_settings = prepare_jax_threads(args.threads, any(p.name == "jax" for p in peers))
-    available, skipped = [], []
-    for peer in peers:
-        reason = peer.missing()
-        if reason:
-            skipped.append({"peer": peer.name, "reason": reason})
-            progress.note(f"skipping {peer.name}: {reason}")
-        else:
-            available.append(peer)
+    available, skipped = _available(peers, progress)
     versions = {k: v for peer in available for k, v in peer.versions().items()}
     thread_settings |= apply_threads(args.threads)
     settings = _settings(args)
     if settings.small:
         progress.note("--small: every model runs at SHRUNK sizes, not the documented ones")
-    started, start = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.perf_counter()
+    started, load = time.strftime("%Y-%m-%d %H:%M:%S %Z"), load_average()
+    start = time.perf_counter()
     results = run_suite(models, available, settings, progress)
     progress.done()
     return {
@@ -94,13 +88,26 @@ def measure(args) -> dict:
         "elapsed_s": time.perf_counter() - start,
         "run": {"dtype": settings.dtype, "small": settings.small, "quick": args.quick,
                 "schedule": asdict(settings.schedule), "warm_compile": settings.warm_compile},
-        "environment": collect(versions, thread_settings),
+        "environment": collect(versions, thread_settings, load),
         "models": [{"name": m.name, "summary": m.summary, "train": m.train,
                     "config": m.sizes(settings.small), "static": m.static} for m in models],
         "peers": [{"name": p.name, "description": p.description} for p in available],
         "skipped_peers": skipped,
         "results": results,
     }
+
+
+def _available(peers, progress) -> tuple[list, list[dict]]:
+    """The peers that can run here, and a note for each one that cannot."""
+    available, skipped = [], []
+    for peer in peers:
+        reason = peer.missing()
+        if reason:
+            skipped.append({"peer": peer.name, "reason": reason})
+            progress.note(f"skipping {peer.name}: {reason}")
+        else:
+            available.append(peer)
+    return available, skipped
 
 
 def _names(text: str) -> list[str]:

@@ -77,12 +77,18 @@ def backplan_backend() -> str:
     return current_backend()
 
 
-def collect(versions: dict[str, str], thread_settings: dict) -> dict:
+def load_average() -> float | None:
+    """The 1-minute load average: other work on the machine, which the timings cannot see."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def collect(versions: dict[str, str], thread_settings: dict, load_at_start=None) -> dict:
     return {
         "backplan_backend": backplan_backend(),
         "cpu": cpu_name(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable_cpus(),
+        "load_average_1min": {"start": load_at_start, "end": load_average()},
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {"numpy": np.__version__, **versions},

@@ -4,7 +4,7 @@ Optional frameworks are imported only when their peer builds a model."""
 from __future__ import annotations
 
 from ..errors import BenchError
-from .backplan_peer import BackplanCompilePeer, BackplanPeer
+from .backplan_peer import BackplanCompilePeer, BackplanPeer, BackplanReferencePeer
 from .base import Peer, Runner, SavedBytes, StepOutput
 from .jax_peer import JaxPeer
 from .numpy_peer import NumpyPeer, reference_output
@@ -12,10 +12,13 @@ from .torch_peer import TorchCompilePeer, TorchPeer
 
 PEERS: dict[str, type[Peer]] = {
     cls.name: cls
-    for cls in (BackplanPeer, BackplanCompilePeer, NumpyPeer, TorchPeer, TorchCompilePeer, JaxPeer)
+    for cls in (BackplanPeer, BackplanCompilePeer, BackplanReferencePeer, NumpyPeer, TorchPeer,
+                TorchCompilePeer, JaxPeer)
 }
-# What --against accepts: a family name selects all its peers.
+# What --against accepts: a family name selects all its peers. backplan.reference (backplan
+# on its NumPy reference interpreter) is opt-in.
 AGAINST_CHOICES = {
+    "backplan.reference": ["backplan.reference"],
     "numpy": ["numpy"],
     "torch": ["torch", "torch.compile"],
     "torch.eager": ["torch"],
@@ -25,7 +28,7 @@ AGAINST_CHOICES = {
 
 
 def select_peers(against: list[str]) -> list[Peer]:
-    """backplan's peers first, then the peers named by --against (families expanded)."""
+    """backplan's rows first, then the other peers named by --against (families expanded)."""
     unknown = [name for name in against if name not in AGAINST_CHOICES]
     if unknown:
         raise BenchError(
@@ -33,7 +36,7 @@ def select_peers(against: list[str]) -> list[Peer]:
             f"{', '.join(AGAINST_CHOICES)} (or 'none')"
         )
     names = ["backplan", "backplan.compile"]
-    for family in against:
+    for family in sorted(against, key=lambda name: not name.startswith("backplan")):
         names += [n for n in AGAINST_CHOICES[family] if n not in names]
     return [PEERS[n]() for n in names]
 

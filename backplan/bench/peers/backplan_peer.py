@@ -112,6 +112,49 @@ class BackplanPeer(Peer):
         return ValueAndGradRunner(spec, inputs)
 
 
+class BackplanReferencePeer(BackplanPeer):
+    """value_and_grad with plans run by the NumPy reference interpreter: shows what the
+    default backend gains over it. Needs backplan's backend switch."""
+
+    name = "backplan.reference"
+    description = "bp.value_and_grad on the NumPy reference interpreter"
+
+    def missing(self) -> str | None:
+        try:
+            from backplan.runtime.backend import use_backend  # noqa: F401
+        except ImportError:
+            return "this backplan has no backend switch (runtime.backend.use_backend)"
+        return None
+
+    def build(self, spec: ModelSpec, inputs: ModelInputs) -> Runner:
+        return OnBackend(super().build(spec, inputs), "reference")
+
+
+class OnBackend(Runner):
+    """Runs another runner's steps with a given backend current, so its plans get runners
+    of that backend when they first run."""
+
+    numpy_allocations = True
+
+    def __init__(self, runner: Runner, backend: str):
+        from backplan.runtime.backend import use_backend
+
+        self.runner, self.use_backend, self.backend = runner, use_backend, backend
+
+    def step(self) -> None:
+        with self.use_backend(self.backend):
+            self.runner.step()
+
+    def output(self) -> StepOutput:
+        return self.runner.output()
+
+    def saved_bytes(self) -> SavedBytes | None:
+        return self.runner.saved_bytes()
+
+    def planned_peak_bytes(self):
+        return self.runner.planned_peak_bytes()
+
+
 class BackplanCompilePeer(Peer):
     name = "backplan.compile"
     family = "backplan"

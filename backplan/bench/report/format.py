@@ -76,8 +76,13 @@ def environment_lines(record: dict) -> list[str]:
     threads = env["threads"]
     set_by = ", ".join(f"{k}: {v}" for k, v in threads["set_by_harness"].items()) \
         or "not set by the harness (library defaults)"
+    load = env.get("load_average_1min") or {}
+    load_text = ""
+    if load.get("start") is not None:
+        load_text = f"; 1-min load average {load['start']:.1f} at start, {load['end']:.1f} at end"
     return [
-        f"CPU: {env['cpu']} ({env['usable_cpus']} usable of {env['logical_cpus']} logical CPUs)",
+        f"CPU: {env['cpu']} ({env['usable_cpus']} usable of {env['logical_cpus']} logical CPUs)"
+        + load_text,
         f"Python {env['python']} on {env['platform']}",
         f"Versions: {versions}; backplan backend: {env.get('backplan_backend', '?')}",
         f"BLAS/OpenMP: {blas}",
