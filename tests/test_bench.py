@@ -257,3 +257,12 @@ def test_jax_peer_agrees_with_the_reference(tmp_path):
     jax_rows = [r for r in record["results"] if r["peer"] == "jax"]
     assert len(jax_rows) == 3 and all(r["status"] == "ok" for r in jax_rows)
     assert all(r["peak_bytes"]["planned"] > 0 for r in jax_rows)
+
+
+def test_plot_writes_a_png_of_a_saved_record(quick_record, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, _, record, _ = quick_record
+    json_path, png_path = tmp_path / "run.json", tmp_path / "bench.png"
+    json_path.write_text(json.dumps(record))
+    assert run_cli("--from-json", str(json_path), "--plot", str(png_path))[0] == 0
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
