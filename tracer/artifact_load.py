@@ -79,6 +79,7 @@ def _build(where: str, manifest: dict, reader: _MemberReader, max_bytes: int):
     key = signature_key(field(meta, "arguments", dict, "meta.json"))
     captured = [_read_array(reader, entry, f"captured[{i}]")
                 for i, entry in enumerate(field(meta, "captured", list, "meta.json"))]
+    names = _captured_names(meta.get("captured_names"), len(captured))
     plans = _read_plans(reader, field(meta, "plans", dict, "meta.json"), kind, max_bytes)
     common = {
         "path": where, "manifest": manifest, "members": reader.members, "name": name,
@@ -88,8 +89,18 @@ def _build(where: str, manifest: dict, reader: _MemberReader, max_bytes: int):
     if set(common["signature"].parameters) != set(key.treedef.meta or ()):
         raise ExportError("meta.json: the parameters do not match the argument structure")
     if kind == "compiled":
-        return build_compiled(meta, key, captured, plans, common)
-    return build_joint(meta, key, captured, plans, common)
+        return build_compiled(meta, key, captured, names, plans, common)
+    return build_joint(meta, key, captured, names, plans, common)
+
+
+def _captured_names(raw, count: int) -> list[str]:
+    """How the model's code called its captured tensors ('w (captured)'), for reports only."""
+    if raw is None:
+        return [f"captured[{i}]" for i in range(count)]
+    if not isinstance(raw, list) or len(raw) != count or any(
+            not isinstance(n, str) or not n.isprintable() for n in raw):
+        raise ExportError("meta.json: captured_names must be one printable name per array")
+    return [n[:MAX_NAME] for n in raw]
 
 
 def _read_array(reader: _MemberReader, entry, where: str):

@@ -23,7 +23,8 @@ from .tensor import Tensor
 # ---- compiled functions -----------------------------------------------------------------------
 
 
-def build_compiled(meta: dict, key: SignatureKey, captured: list, plans: dict, common: dict):
+def build_compiled(meta: dict, key: SignatureKey, captured: list, captured_names: list[str],
+                   plans: dict, common: dict):
     forward, backward = plans["forward"], plans.get("backward")
     check_inputs(forward.graph, key, captured, "forward plan")
     region = field(meta, "region", dict, "meta.json")
@@ -42,7 +43,7 @@ def build_compiled(meta: dict, key: SignatureKey, captured: list, plans: dict, c
         _check_backward(forward.graph, backward.graph, n_outputs, saved, wrt)
     plans_obj = RegionPlans(forward, backward, saved, n_outputs, wrt, PassLog())
     names = [k.path for k in key.leaves if k.kind == "tensor"]
-    names += [f"captured[{i}]" for i in range(len(captured))]
+    names += captured_names
     program = RegionProgram(plans_obj, name=common["name"], input_names=names)
     out_treedef, out_slots = _outputs(meta, n_outputs)
     tensors = [Tensor(a, requires_grad=f) for a, f in zip(captured, flags, strict=True)]
@@ -97,7 +98,8 @@ def _outputs(meta: dict, n_outputs: int):
 # ---- value_and_grad ---------------------------------------------------------------------------
 
 
-def build_joint(meta: dict, key: SignatureKey, captured: list, plans: dict, common: dict):
+def build_joint(meta: dict, key: SignatureKey, captured: list, captured_names: list[str],
+                plans: dict, common: dict):
     plan = plans["joint"]
     check_inputs(plan.graph, key, captured, "joint plan")
     joint = field(meta, "joint", dict, "meta.json")
@@ -125,7 +127,8 @@ def build_joint(meta: dict, key: SignatureKey, captured: list, plans: dict, comm
     names = [n[:MAX_NAME] for n in names]
     leaves = tuple(replace(k, path=display_path(k.path, names)) for k in key.leaves)
     common["key"] = SignatureKey(key.treedef, leaves)
-    return LoadedValueAndGrad(entry, argnums, has_aux, diff_positions, names, **common)
+    return LoadedValueAndGrad(entry, argnums, has_aux, diff_positions, names, captured_names,
+                              **common)
 
 
 def display_path(path: str, names: list[str]) -> str:

@@ -30,6 +30,7 @@ from .artifact_tree import (
     static_to_json,
     treedef_to_json,
 )
+from .captured_names import captured_names
 from .compile import CompiledFunction
 from .signature import bind_call
 
@@ -95,6 +96,7 @@ def _compiled_meta(fn: CompiledFunction, args, kwargs, writer: _ArtifactWriter) 
     meta = _common_meta("compiled", traced.program.name, call, traced.captured, writer)
     meta["parameters"] = parameters_to_json(inspect.signature(fn.fn))
     meta["captured_requires_grad"] = list(traced.captured_flags)
+    meta["captured_names"] = traced.input_names[len(traced.input_names) - len(traced.captured):]
     meta["outputs"] = {
         "tree": treedef_to_json(traced.out_treedef, "output"),
         "slots": [[kind, item if kind == "tensor" else static_to_json(item, "output")]
@@ -117,6 +119,7 @@ def _joint_meta(fn, args, kwargs, writer: _ArtifactWriter) -> dict:
     meta["parameters"] = [{"name": "args", "kind": "VAR_POSITIONAL"},
                           {"name": "kwargs", "kind": "VAR_KEYWORD"}]
     meta["display_parameters"] = _display_names(fn)
+    meta["captured_names"] = captured_names(getattr(fn, "__wrapped__", fn), entry.captured)
     argnums = fn.argnums
     meta["joint"] = {
         "argnums": argnums if isinstance(argnums, int) else list(argnums),

@@ -160,7 +160,7 @@ class LoadedValueAndGrad(LoadedArtifact):
     kind = "value_and_grad"
 
     def __init__(self, entry: JointTrace, argnums, has_aux: bool, diff_positions: set[int],
-                 display_names: list[str], **common):
+                 display_names: list[str], captured_names: list[str], **common):
         super().__init__(**common)
         self._entry = entry
         self.plan = entry.plan
@@ -171,6 +171,7 @@ class LoadedValueAndGrad(LoadedArtifact):
         self.has_aux = has_aux
         self._diff_positions = diff_positions
         self._display_names = display_names
+        self._captured_names = captured_names
 
     def __call__(self, *args, **kwargs):
         args = tuple(_as_diff_arg(a) if i in self._nums else a for i, a in enumerate(args))
@@ -215,7 +216,7 @@ class LoadedValueAndGrad(LoadedArtifact):
         its gradient steps read, peak bytes."""
         entry = self._entry
         names = [k.path for k in self._key.leaves if k.kind == "tensor"]
-        names += [f"captured[{i}]" for i in range(len(entry.captured))]
+        names += self._captured_names
         return joint_report(entry.plan, 1 + entry.n_aux, entry.wrt, names, self.name)
 
 
