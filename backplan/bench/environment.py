@@ -54,7 +54,7 @@ def blas_info() -> list[dict]:
 
 def thread_counts() -> dict:
     """Thread counts as each loaded library reports them now."""
-    counts = {"blas": {lib.get("internal_api", "?"): lib.get("num_threads")
+    counts = {"blas": {f"{lib.get('internal_api', '?')} ({lib.get('library')})": lib["num_threads"]
                        for lib in blas_info() if "num_threads" in lib}}
     if "torch" in sys.modules:
         torch = sys.modules["torch"]

@@ -26,8 +26,8 @@ def prepare_jax_threads(threads: int | None, jax_selected: bool) -> dict:
 
 
 def apply_threads(threads: int | None) -> dict:
-    """Limits every loaded BLAS/OpenMP pool, PyTorch and Numba to `threads`; call it after the
-    peers' libraries are imported so their pools are seen."""
+    """Limits every loaded BLAS/OpenMP pool, PyTorch and Numba (backplan's kernels) to
+    `threads`; call it after the peers' libraries are imported so their pools are seen."""
     if threads is None:
         return {}
     if threads < 1:
@@ -35,6 +35,7 @@ def apply_threads(threads: int | None) -> dict:
     if importlib.util.find_spec("threadpoolctl") is None:
         raise BenchError("--threads needs threadpoolctl to limit BLAS threads: "
                          "pip install threadpoolctl (or pip install 'backplan[bench]')")
+    _import_backplan_pools()
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=threads)
@@ -44,6 +45,15 @@ def apply_threads(threads: int | None) -> dict:
         settings["torch"] = f"torch.set_num_threads({threads})"
     if "numba" in sys.modules:
         numba = sys.modules["numba"]
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        settings["numba"] = f"numba.set_num_threads({threads})"
+        count = min(threads, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(count)
+        settings["numba"] = f"numba.set_num_threads({count})"
     return settings
+
+
+def _import_backplan_pools() -> None:
+    """backplan's kernels load Numba (and its OpenMP) and SciPy's BLAS lazily; load them now so
+    the limits reach their pools too. The run's record shows the counts in effect at the end."""
+    for name in ("numba", "scipy.linalg"):
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            importlib.import_module(name)
