@@ -61,7 +61,10 @@ def write_artifact(path: str | os.PathLike, members: dict[str, bytes], info: dic
     }
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".bpz-", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".bpz-", dir=folder)
+    except OSError as exc:
+        raise ExportError(f"cannot write {path}: {exc}") from None
     try:
         with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as zf:
             zf.writestr(MANIFEST, json_bytes(manifest))
@@ -93,46 +96,44 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict, dict[str, bytes]]:
         raise ExportError(f"{where}: no such artifact file")
     try:
         with zipfile.ZipFile(where) as zf:
-            return _read_checked(zf, where)
-    except ExportError:
-        raise
+            return _read_checked(zf, os.path.getsize(where))
+    except ExportError as exc:
+        raise ExportError(f"{where}: {exc}") from None
     except _ZIP_ERRORS as exc:
         raise ExportError(
             f"{where}: not a readable artifact (truncated or corrupted zip): {exc}"
         ) from None
 
 
-def _read_checked(zf: zipfile.ZipFile, where: str) -> tuple[dict, dict[str, bytes]]:
+def _read_checked(zf: zipfile.ZipFile, file_size: int) -> tuple[dict, dict[str, bytes]]:
     infos = zf.infolist()
     names = [i.filename for i in infos]
     if len(infos) > MAX_MEMBERS:
-        raise ExportError(f"{where}: {len(infos)} members, more than an artifact can hold")
+        raise ExportError(f"{len(infos)} members, more than an artifact can hold")
     if len(set(names)) != len(names):
-        raise ExportError(f"{where}: a member name appears twice in the zip")
+        raise ExportError("a member name appears twice in the zip")
     for name in names:
-        try:
-            check_member_name(name)
-        except ExportError as exc:
-            raise ExportError(f"{where}: {exc}") from None
+        check_member_name(name)
     if MANIFEST not in names:
-        raise ExportError(f"{where}: no {MANIFEST}; this is not a backplan artifact")
-    _check_sizes(infos, where)
-    manifest = parse_json(_read_member(zf, zf.getinfo(MANIFEST), MAX_JSON_BYTES), MANIFEST)
-    listed = check_manifest(manifest, where)
+        raise ExportError(f"no {MANIFEST}; this is not a backplan artifact")
+    _check_sizes(infos)
+    manifest = parse_json(_read_member(zf, zf.getinfo(MANIFEST), MAX_JSON_BYTES, file_size),
+                          MANIFEST)
+    listed = check_manifest(manifest)
     extra = sorted(set(names) - set(listed) - {MANIFEST})
     missing = sorted(set(listed) - set(names))
     if extra or missing:
-        raise ExportError(f"{where}: the manifest does not match the zip: members not listed "
+        raise ExportError(f"the manifest does not match the zip: members not listed "
                           f"{extra}, listed but absent {missing}")
     members = {}
     for name, entry in listed.items():
         info = zf.getinfo(name)
         if info.file_size != entry["bytes"]:
-            raise ExportError(f"{where}: member {name} holds {info.file_size} bytes, the manifest "
+            raise ExportError(f"member {name} holds {info.file_size} bytes, the manifest "
                               f"says {entry['bytes']}")
-        data = _read_member(zf, info, entry["bytes"])
+        data = _read_member(zf, info, entry["bytes"], file_size)
         if sha256(data) != entry["sha256"]:
-            raise ExportError(f"{where}: member {name} does not match its SHA-256 in the manifest "
+            raise ExportError(f"member {name} does not match its SHA-256 in the manifest "
                               "(corrupted or tampered with)")
         members[name] = data
     return manifest, members
@@ -141,28 +142,28 @@ def _read_checked(zf: zipfile.ZipFile, where: str) -> tuple[dict, dict[str, byte
 _METHODS = {zipfile.ZIP_STORED: "uncompressed", zipfile.ZIP_DEFLATED: "deflated"}
 
 
-def _check_sizes(infos: list[zipfile.ZipInfo], where: str) -> None:
+def _check_sizes(infos: list[zipfile.ZipInfo]) -> None:
     """No zip bombs: arrays must be stored as they are, and compressed members are few and small."""
     inflated = 0
     for info in infos:
         method = _compression(info.filename)
         if info.compress_type != method:
             found = _METHODS.get(info.compress_type, "compressed an unknown way")
-            raise ExportError(f"{where}: member {info.filename} is {found}, the format stores "
+            raise ExportError(f"member {info.filename} is {found}, the format stores "
                               f"it {_METHODS[method]}")
         if method == zipfile.ZIP_STORED and info.file_size != info.compress_size:
-            raise ExportError(f"{where}: member {info.filename} is stored but its sizes differ")
+            raise ExportError(f"member {info.filename} is stored but its sizes differ")
         if method == zipfile.ZIP_DEFLATED:
             inflated += info.file_size
     if inflated > MAX_INFLATED_BYTES:
-        raise ExportError(f"{where}: compressed members would inflate to {inflated} bytes, over "
+        raise ExportError(f"compressed members would inflate to {inflated} bytes, over "
                           f"the limit of {MAX_INFLATED_BYTES}")
 
 
-def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> bytes:
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, file_size: int) -> bytes:
     if info.file_size > limit:
         raise ExportError(f"member {info.filename} claims {info.file_size} bytes, over {limit}")
-    if info.compress_type == zipfile.ZIP_STORED and info.header_offset + info.file_size > _size(zf):
+    if info.compress_type == zipfile.ZIP_STORED and info.header_offset + info.file_size > file_size:
         raise ExportError(f"member {info.filename} claims more bytes than the file holds")
     with zf.open(info) as handle:
         data = handle.read(limit + 1)
@@ -171,34 +172,29 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> byte
     return data
 
 
-def _size(zf: zipfile.ZipFile) -> int:
-    zf.fp.seek(0, os.SEEK_END)
-    return zf.fp.tell()
-
-
-def check_manifest(manifest, where: str) -> dict[str, dict]:
+def check_manifest(manifest) -> dict[str, dict]:
     """Format name and version first, so a newer artifact gets a clear 'upgrade' message."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise ExportError(f"{where}: {MANIFEST} does not describe a {FORMAT_NAME}")
+        raise ExportError(f"{MANIFEST} does not describe a {FORMAT_NAME}")
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise ExportError(f"{where}: unknown artifact format version {version!r}")
+        raise ExportError(f"unknown artifact format version {version!r}")
     if version > FORMAT_VERSION:
         made_by = manifest.get("backplan_version", "a newer backplan")
         raise ExportError(
-            f"{where}: artifact format version {version} was written by backplan {made_by}; "
+            f"artifact format version {version} was written by backplan {made_by}; "
             f"this backplan reads format versions up to {FORMAT_VERSION}. Upgrade backplan, or "
             "re-export the model with this version."
         )
     members = manifest.get("members")
     if not isinstance(members, dict):
-        raise ExportError(f"{where}: {MANIFEST} has no member table")
+        raise ExportError(f"{MANIFEST} has no member table")
     for name, entry in members.items():
         check_member_name(name)
         ok = isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
         size = entry.get("bytes") if isinstance(entry, dict) else None
         if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ExportError(f"{where}: manifest entry for {name} is malformed")
+            raise ExportError(f"manifest entry for {name} is malformed")
     return members
 
 
@@ -213,12 +209,20 @@ def _refuse_constant(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"an object repeats a key among {sorted(set(keys))[:5]}")
+    return dict(pairs)
+
+
 def parse_json(data: bytes, member: str):
     """Strict JSON (no NaN, no Infinity), size-limited; any failure names the member."""
     if len(data) > MAX_JSON_BYTES:
         raise ExportError(f"member {member} is {len(data)} bytes, too large for a JSON member")
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
+        return json.loads(data.decode("utf-8"), parse_constant=_refuse_constant,
+                          object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ExportError(f"member {member} is not valid JSON: {exc}") from None
 
