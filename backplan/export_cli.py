@@ -46,7 +46,7 @@ def run(args) -> int:
         elif not isinstance(fn, CompiledFunction):
             fn = bp.compile(fn)
         path = bp.export(fn, *positional, path=args.output, **keywords)
-    except bp.BackplanError as exc:
+    except (bp.BackplanError, TypeError) as exc:  # TypeError: arguments that do not bind
         print(f"export failed: {exc}", file=sys.stderr)
         return 1
     loaded = bp.load(path)
