@@ -182,8 +182,18 @@ class _BrokenPeer(NumpyPeer):
         raise RuntimeError("no kernel for this model")
 
 
+class _WarningPeer(NumpyPeer):
+    name = "numpy.fallback"
+
+    def build(self, spec, inputs):
+        import warnings
+
+        warnings.warn("graph @mlp runs on the reference interpreter: no kernel", stacklevel=1)
+        return super().build(spec, inputs)
+
+
 def test_a_fast_wrong_answer_shows_as_wrong_and_a_broken_peer_as_an_error():
-    peers = [NumpyPeer(), _WrongPeer(), _BrokenPeer()]
+    peers = [NumpyPeer(), _WrongPeer(), _BrokenPeer(), _WarningPeer()]
     rows = {r["peer"]: r for r in bench_model(MODELS["mlp"], peers, QUICK_SMALL,
                                                Progress(enabled=False))}
     assert rows["numpy"]["status"] == "ok"
@@ -193,6 +203,10 @@ def test_a_fast_wrong_answer_shows_as_wrong_and_a_broken_peer_as_an_error():
     assert rows["numpy.broken"]["status"] == "error"
     assert "no kernel for this model" in rows["numpy.broken"]["note"]
     assert rows["numpy"]["ratio_to_fastest"] is not None
+    assert rows["numpy.fallback"]["status"] == "ok"
+    assert rows["numpy.fallback"]["warnings"] == [
+        "graph @mlp runs on the reference interpreter: no kernel"]
+    assert rows["numpy"]["warnings"] == []
 
 
 def test_markdown_update_keeps_hand_written_notes(quick_record, tmp_path):

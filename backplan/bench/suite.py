@@ -5,6 +5,7 @@ compile time are taken. Each result is a plain dict (the JSON record's "results"
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +45,11 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
             row.update(status="skipped", note=reason)
             continue
         progress.phase(peer.name, "first call")
-        runner = _guarded(row, lambda peer=peer: peer.build(spec, inputs))
-        cold = _guarded(row, lambda runner=runner: time_call(runner.step)) if runner else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner = _guarded(row, lambda peer=peer: peer.build(spec, inputs))
+            cold = _guarded(row, lambda runner=runner: time_call(runner.step)) if runner else None
+        row["warnings"] = _distinct_messages(caught)
         if cold is None:
             continue
         check = check_output(runner.output(), reference, settings.dtype)
@@ -64,10 +68,17 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
     return list(rows.values())
 
 
+def _distinct_messages(caught, limit: int = 3) -> list[str]:
+    """What a peer warned about on its first call (a fallback to a slower path, say)."""
+    messages = list(dict.fromkeys(str(w.message).splitlines()[0][:200] for w in caught))
+    return messages[:limit]
+
+
 def _new_row(spec: ModelSpec, peer: Peer) -> dict:
     return {"model": spec.name, "peer": peer.name, "peer_description": peer.description,
             "status": None, "note": None, "step_ms": None, "ratio_to_fastest": None,
-            "first_call_s": None, "saved_bytes": None, "peak_bytes": None, "check": None}
+            "first_call_s": None, "saved_bytes": None, "peak_bytes": None, "check": None,
+            "warnings": []}
 
 
 def _guarded(row: dict, fn, what: str | None = None):

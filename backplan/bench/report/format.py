@@ -68,6 +68,18 @@ def status_text(row: dict) -> str:
     return status
 
 
+def footnotes(rows: list[dict]) -> list[str]:
+    """Warnings a peer gave on its first call, and notes on rows that ran (a measurement that
+    failed); error and skip notes are in the check column already."""
+    lines = []
+    for row in rows:
+        for message in row.get("warnings") or []:
+            lines.append(f"{row['peer']} warned: {message}")
+        if row.get("note") and row.get("status") in ("ok", "wrong"):
+            lines.append(f"{row['peer']}: {row['note']}")
+    return lines
+
+
 def environment_lines(record: dict) -> list[str]:
     env = record["environment"]
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .format import COLUMNS, environment_lines, model_title, row_cells, run_lines
+from .format import COLUMNS, environment_lines, footnotes, model_title, row_cells, run_lines
 
 LEGEND = (
     "median/min/max: step time over the timed steps (forward + backward, or forward only); "
@@ -31,6 +31,7 @@ def render_text(record: dict) -> str:
         table = [list(COLUMNS), *(row_cells(r) for r in rows)]
         body = align([cells[:-1] for cells in table])  # the last column (check) is free text
         lines += [f"  {line}  {cells[-1]}" for line, cells in zip(body, table, strict=True)]
+        lines += [f"  note: {note}" for note in footnotes(rows)]
         lines.append("")
     for skipped in record["skipped_peers"]:
         lines.append(f"skipped {skipped['peer']}: {skipped['reason']}")
