@@ -11,9 +11,11 @@ import numpy as np
 from backplan.ir.errors import ExecutionError
 from backplan.ir.liveness import Plan
 from backplan.ir.text import format_graph, format_loc, value_names
+from backplan.ir.types import np_dtype
 
 from . import cache
 from .emit import generate
+from .loops import internal_shape
 from .flags import FASTMATH, PARALLEL_MIN_ELEMENTS
 
 
@@ -27,10 +29,11 @@ def canonical_text(plan: Plan) -> str:
 class CompiledPlan:
     """Calling it runs the whole plan in one compiled function."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, private_saved: tuple[int, ...] = ()):
         self.plan = plan
         start = time.perf_counter()
-        generated = generate(plan)
+        generated = generate(plan, private_saved)
+        self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
         self.key_parts = cache.key_parts(canonical_text(plan), f"{sorted(FASTMATH)}"
@@ -40,6 +43,11 @@ class CompiledPlan:
         graph = plan.graph
         self._constants = [np.ascontiguousarray(graph.constants[c])
                            for c in generated.constant_names]
+        self._scratch = [np.empty(max(n, 1), np_dtype(d)) for d, n in generated.scratch.items()]
+        self._output_buffers = [(internal_shape(v.shape), np_dtype(v.dtype))
+                                for v in generated.output_buffers]
+        self._literal_outputs = {i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
+                                 for i, n in generated.literal_outputs.items()}
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
         self._scalar_outputs = [i for i, v in enumerate(graph.outputs) if v.shape == ()]
         self.generate_seconds = time.perf_counter() - start
@@ -50,18 +58,32 @@ class CompiledPlan:
         args.clear()
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
+        buffers = [np.empty(shape, dtype) for shape, dtype in self._output_buffers]
         try:
             if self.first_call_seconds is None:
                 start = time.perf_counter()
-                outputs = list(self._run(*arrays, *self._constants))
+                returned = self._run(*arrays, *self._constants, *self._scratch, *buffers)
                 self.first_call_seconds = time.perf_counter() - start
             else:
-                outputs = list(self._run(*arrays, *self._constants))
+                returned = self._run(*arrays, *self._constants, *self._scratch, *buffers)
         except IndexError as exc:
             raise self._located(exc) from None
+        outputs = list(returned)
+        for i, (shape, value, dtype) in self._literal_outputs.items():
+            outputs.insert(i, np.full(shape, value, dtype))
         for i in self._scalar_outputs:
             outputs[i] = outputs[i].reshape(())
         return outputs
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the arenas this plan keeps and reuses on every call."""
+        return sum(a.nbytes for a in self._scratch)
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes allocated fresh on every call for what the call returns."""
+        return sum(int(np.prod(s)) * d.itemsize for s, d in self._output_buffers)
 
     def _located(self, exc: Exception) -> ExecutionError:
         """Generated code names the failing value (%12); give the user's line."""

@@ -189,10 +189,12 @@ class LoopEmitter:
         return "t" + self.array_name[node][1:]
 
     def _body(self, depth_of) -> list[str]:
+        """Every read comes before every store, so an output may overwrite an input in place."""
         lines = []
         for node in self.kernel.nodes:
             expr = expression(node, [self.operand(i) for i in node.inputs])
             lines.append(f"{self.local_name(node)} = {expr}")
+        for node in self.kernel.nodes:
             if node in self.stored:
                 lines.append(f"{self.view_name[node]}[{self._index(node)}] = {self.local_name(node)}")
         for red in self.kernel.reductions:

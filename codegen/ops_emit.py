@@ -38,6 +38,8 @@ class OpEmitter:
                 expr = f"np.broadcast_to({source}, {shape!r})"
                 return f"np.ascontiguousarray({expr})" if contiguous else expr
             if value.op == "reshape":
+                if alias_base(value) in self.contiguous or value.inputs[0] in self.contiguous:
+                    return f"{source}.reshape({shape!r})"
                 return f"np.ascontiguousarray({source}).reshape({shape!r})"
             return source
         name = self.names[value]
@@ -50,7 +52,10 @@ class OpEmitter:
     def view(self, node: Value) -> list[str]:
         name, src = self.names[node], self.array(node.inputs[0], contiguous=False)
         if node.op == "reshape":
+            contiguous = node.inputs[0] in self.contiguous
             self.contiguous.add(node)
+            if contiguous:
+                return [f"{name} = {src}.reshape({internal_shape(node.shape)!r})"]
             return [f"{name} = np.ascontiguousarray({src}).reshape({internal_shape(node.shape)!r})"]
         if node.op == "transpose":
             if not node.shape:

@@ -54,11 +54,11 @@ class CompiledRunner:
 
     backend = "numba"
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, private_saved: tuple[int, ...] = ()):
         from backplan.codegen.compiled import CompiledPlan
 
         self.plan = plan
-        self.compiled = CompiledPlan(plan)
+        self.compiled = CompiledPlan(plan, private_saved)
         self.kernels = self.compiled.kernel_count
         self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
 
@@ -70,14 +70,16 @@ class CompiledRunner:
         return outputs
 
 
-def make_runner(plan: Plan, backend: str | None = None):
+def make_runner(plan: Plan, backend: str | None = None, private_saved: tuple[int, ...] = ()):
+    """private_saved: saved inputs whose storage the plan may reuse after their last read; only
+    for a backward that consumes its graph (retain_graph=False)."""
     backend = backend or current_backend()
     if backend == "reference":
         return ReferenceRunner(plan)
     from backplan.codegen.ops_emit import Unsupported
 
     try:
-        return CompiledRunner(plan)
+        return CompiledRunner(plan, private_saved)
     except Unsupported as exc:
         warnings.warn(f"graph @{plan.graph.name} runs on the reference interpreter: {exc}",
                       stacklevel=3)

@@ -11,17 +11,21 @@ from .region import FreedBy, Region
 
 
 def regions_in_order(root: Region) -> list[Region]:
-    """Every region reachable from root, each after all regions that feed it gradients."""
-    order, seen, stack = [], {root}, [(root, False)]
+    """Every region reachable from root, each after all regions that feed it gradients:
+    reverse depth-first post-order. A region is marked when it is expanded, not when it is
+    pushed, so one reached by two paths finishes after every region downstream of it."""
+    order, expanded_regions, stack = [], set(), [(root, False)]
     while stack:
         region, expanded = stack.pop()
         if expanded:
             order.append(region)
             continue
+        if region in expanded_regions:
+            continue
+        expanded_regions.add(region)
         stack.append((region, True))
         for upstream in region.next_regions:
-            if upstream not in seen:
-                seen.add(upstream)
+            if upstream not in expanded_regions:
                 stack.append((upstream, False))
     return order[::-1]
 
@@ -32,7 +36,10 @@ def freed_error(region: Region, root: Region, loc: str) -> GraphFreedError:
         f"backward() at {loc} reaches region `{region.name}` (created at {region.created_at}), "
         f"whose saved buffers were already freed by the backward() at {by.loc}."
     ]
-    if by.root is not root:
+    if by.root is None:
+        lines.append("That backward() failed part-way, after the region had started to reuse "
+                     "its saved buffers, so they can no longer be trusted.")
+    elif by.root is not root:
         lines.append(
             f"That region is shared with an earlier graph: the earlier backward() started from "
             f"{by.root_desc} and freed it on the way, because the tensor you reuse was computed "

@@ -40,7 +40,7 @@ class RegionProgram:
         self.plans = plans
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
-        self._runners = None
+        self._runners: dict = {}
         self.input_names = input_names  # argument paths of the forward inputs, when known
         self.n_outputs = plans.n_outputs
         outputs = plans.forward.graph.outputs[: plans.n_outputs]
@@ -99,16 +99,36 @@ class RegionProgram:
             return self.input_names[index]
         return f"input {index}"
 
-    def runners(self):
-        """(forward, backward) runners, made on first use with the backend chosen then."""
-        if self._runners is None:
-            backward = self.plans.backward
-            self._runners = (make_runner(self.plans.forward, self.backend),
-                             make_runner(backward, self.backend) if backward else None)
-        return self._runners
+    def runner(self, which: str):
+        """The runner of "forward", "retain" (backward keeping the saved buffers intact) or
+        "consume" (backward that may reuse private saved buffers as scratch after their last
+        read), made on first use with the backend chosen then. Both backward variants compute
+        the same gradients; which one runs is decided when backward() is called."""
+        if which not in self._runners:
+            if which == "forward":
+                runner = make_runner(self.plans.forward, self.backend)
+            elif which == "retain":
+                runner = make_runner(self.plans.backward, self.backend)
+            else:
+                runner = make_runner(self.plans.backward, self.backend,
+                                     private_saved=self.private_saved_inputs())
+            self._runners[which] = runner
+        return self._runners[which]
+
+    def private_saved_inputs(self) -> tuple[int, ...]:
+        """Backward inputs holding saved buffers that only this region's graph can see: computed
+        by the forward, not a user output, not sharing storage with one."""
+        from backplan.codegen.memory import storage_root
+
+        forward = self.plans.forward.graph
+        public = {storage_root(v) for v in forward.outputs[: self.n_outputs]}
+        public |= set(forward.inputs)
+        n_cot = len(self.cotangent_slot)
+        return tuple(n_cot + slot for slot, saved in enumerate(self.plans.saved)
+                     if saved.source[0] == "output" and storage_root(saved.forward) not in public)
 
     def run_forward(self, args: list) -> list:
-        return self.runners()[0](args)
+        return self.runner("forward")(args)
 
     def run_backward(self, args: list, release) -> list:
-        return self.runners()[1](args, release)
+        return self.runner("retain" if release is None else "consume")(args, release)

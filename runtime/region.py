@@ -85,7 +85,13 @@ class Region:
         args.extend(self._saved[i] for i in range(len(program.saved_info)))
         release = None if retain_graph else (lambda i: self._saved.pop(i - n_cot, None))
         self.backward_calls += 1
-        return program.run_backward(args, release)
+        try:
+            return program.run_backward(args, release)
+        except BaseException:
+            if not retain_graph:  # a consuming backward may have overwritten saved buffers
+                self.mark_freed(FreedBy("a backward() that failed part-way", None,
+                                        "a failed backward"))
+            raise
 
     def mark_freed(self, by: FreedBy) -> None:
         self._saved.clear()

@@ -194,3 +194,22 @@ def test_out_of_range_label_names_the_op_and_the_users_line():
     with use_backend("numba"):
         with pytest.raises(bp.ExecutionError, match=r"cross_entropy at test_codegen.py:\d+"):
             fn(logits, labels)
+
+
+def test_consuming_backward_reuses_saved_storage_that_retaining_backward_keeps():
+    """The two backward variants: consume (retain_graph=False) places temporaries in private
+    saved buffers after their last read, so it needs less scratch; retain never touches them."""
+    rng = np.random.default_rng(5)
+    params = mlp_params(rng, [6, 32, 32, 4])
+    x = bp.tensor(rng.standard_normal((64, 6)).astype(np.float32))
+    labels = bp.tensor(rng.integers(0, 4, 64))
+    compiled = bp.compile(mlp_loss)
+    with use_backend("numba"):
+        program = compiled.trace(params, x, labels).program
+        consume = program.runner("consume").compiled
+        retain = program.runner("retain").compiled
+    assert consume.layout.reused_saved and not retain.layout.reused_saved
+    assert consume.scratch_bytes < retain.scratch_bytes
+    private = set(program.private_saved_inputs())
+    backward_inputs = program.plans.backward.graph.inputs
+    assert {backward_inputs.index(s) for s in consume.layout.reused_saved.values()} <= private

@@ -1,0 +1,129 @@
+"""Where every buffer of a compiled plan lives, decided before anything runs.
+
+- Outputs (a region's user outputs and saved buffers, gradients) are fresh arrays per call,
+  allocated by the caller, so they can outlive the call and scratch never escapes.
+- Every other buffer is a slice of a scratch arena per dtype, kept by the compiled plan and
+  reused on every call; buffers with disjoint lifetimes share bytes (ir/memory_plan.py), and an
+  elementwise output may take over a dying input in place.
+- In the consuming variant of a backward plan, a temporary may also live in a private saved
+  buffer after that buffer's last read (retain_graph=False has already given it up).
+Views and aliases have no storage: reading them extends the life of what they view.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from backplan.ir.fusion import Kernel, is_alias
+from backplan.ir.graph import Graph, Value
+from backplan.ir.memory_plan import BufferRequest, assign_memory
+from backplan.ir.types import DTYPES
+
+from .loops import index_map, internal_shape
+
+
+def storage_root(value: Value) -> Value:
+    """The value whose buffer `value` reads: views and aliases lead back to it."""
+    while is_alias(value) or value.op in ("reshape", "transpose", "slice"):
+        value = value.inputs[0]
+    return value
+
+
+@dataclass
+class BufferLayout:
+    outputs: list[Value] = field(default_factory=list)  # roots the caller allocates per call
+    expressions: dict = field(default_factory=dict)  # value -> source of its buffer
+    scratch_elements: dict = field(default_factory=dict)  # dtype -> arena length
+    reused_saved: dict = field(default_factory=dict)  # value -> saved input it lives in
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(n * DTYPES[d].itemsize for d, n in self.scratch_elements.items())
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(v.type.nbytes for v in self.outputs)
+
+
+def lifetimes(graph: Graph, kernels: list[Kernel]) -> dict[Value, int]:
+    """Last kernel step that reads each storage root (through views); outputs live past the end."""
+    last: dict[Value, int] = {}
+    for step, kernel in enumerate(kernels):
+        for node in kernel.all_nodes:
+            for inp in node.inputs:
+                root = storage_root(inp)
+                last[root] = max(last.get(root, -1), step)
+    for out in graph.outputs:
+        last[storage_root(out)] = len(kernels)
+    return last
+
+
+def plan_layout(graph: Graph, kernels: list[Kernel], buffers: list[Value], names: dict,
+                private_saved: list[Value] = ()) -> BufferLayout:
+    """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
+    storage may be reused after their last read (the consuming backward variant only)."""
+    step_of = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
+    last = lifetimes(graph, kernels)
+    output_roots = {storage_root(o) for o in graph.outputs}
+    layout = BufferLayout()
+    requests = []
+    for value in buffers:
+        if value in output_roots:
+            layout.outputs.append(value)
+            continue
+        requests.append(BufferRequest(
+            value, value.type.nbytes or 1, value.dtype, step_of[value],
+            max(last.get(value, step_of[value]), step_of[value]),
+            reuse=_in_place_candidates(value, kernels[step_of[value]], last, step_of)))
+    requests = _reuse_saved(requests, private_saved, last, layout, names)
+    assignment = assign_memory(requests)
+    for (arena, dtype), size in assignment.arena_sizes.items():
+        layout.scratch_elements[dtype] = size
+    for r in requests:
+        place = assignment.placements[r.key]
+        count = max(math.prod(r.key.shape), 1)
+        layout.expressions[r.key] = (f"scratch_{r.dtype}[{place.offset}:{place.offset + count}]"
+                                     f".reshape({internal_shape(r.key.shape)!r})")
+    return layout
+
+
+def _in_place_candidates(value: Value, kernel: Kernel, last, step_of) -> tuple:
+    """Inputs of a loop kernel read element for element (same shape, no broadcast, not a view)
+    whose last read is this kernel: value may overwrite them as it goes."""
+    if kernel.kind != "loop" or value in kernel.reductions:
+        return ()
+    shape = internal_shape(kernel.shape)
+    identity = list(range(len(shape)))
+    maps: dict[Value, list] = {}
+    for node in kernel.all_nodes:
+        for inp in node.inputs:
+            base, dims = index_map(inp, shape)
+            maps.setdefault(base, []).append(dims)
+    return tuple(
+        base for base, all_dims in maps.items()
+        if base in step_of and base not in kernel.all_nodes and base.type == value.type
+        and all(d == identity for d in all_dims) and base.op not in ("transpose", "slice")
+        and last.get(base) == step_of[value]
+    )
+
+
+def _reuse_saved(requests, private_saved, last, layout, names) -> list:
+    """Put the largest temporaries into dead private saved buffers, one per lifetime slot."""
+    occupied: dict[Value, list[tuple[int, int]]] = {s: [] for s in private_saved}
+    remaining = []
+    for r in sorted(requests, key=lambda r: -r.nbytes):
+        home = next((s for s in private_saved
+                     if s.dtype == r.dtype and s.type.nbytes >= r.nbytes
+                     and last.get(s, -1) < r.first_step
+                     and all(b < r.first_step or a > r.last_step for a, b in occupied[s])), None)
+        if home is None:
+            remaining.append(r)
+            continue
+        occupied[home].append((r.first_step, r.last_step))
+        layout.reused_saved[r.key] = home
+        count = max(math.prod(r.key.shape), 1)
+        layout.expressions[r.key] = (f"{names[home]}.reshape(-1)[:{count}]"
+                                     f".reshape({internal_shape(r.key.shape)!r})")
+    order = {id(r): i for i, r in enumerate(requests)}
+    return sorted(remaining, key=lambda r: order[id(r)])
