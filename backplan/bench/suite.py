@@ -78,7 +78,7 @@ def _new_row(spec: ModelSpec, peer: Peer) -> dict:
     return {"model": spec.name, "peer": peer.name, "peer_description": peer.description,
             "status": None, "note": None, "step_ms": None, "ratio_to_fastest": None,
             "first_call_s": None, "saved_bytes": None, "peak_bytes": None, "check": None,
-            "warnings": []}
+            "plan": None, "warnings": []}
 
 
 def _guarded(row: dict, fn, what: str | None = None):
@@ -119,6 +119,7 @@ def _memory_facts(runner, row: dict) -> None:
         row["saved_bytes"] = {"excluding_inputs": saved.excluding_inputs,
                               "including_inputs": saved.including_inputs, "source": saved.source}
     planned = runner.planned_peak_bytes()
+    row["plan"] = runner.plan_facts()
     measured = traced_peak_bytes(runner)
     row["peak_bytes"] = {
         "measured": measured, "measured_by": "tracemalloc" if measured is not None else None,

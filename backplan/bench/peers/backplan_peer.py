@@ -1,6 +1,6 @@
 """backplan itself, through its public API only: `bp.value_and_grad` (one joint plan) and
-`@bp.compile` followed by `.backward()`. Plan facts (saved buffers, peak bytes) come from the
-traced plans, so they hold for whichever backend runs the plans."""
+`@bp.compile` followed by `.backward()`. Plan facts (saved buffers, peak bytes, kernels) come
+from `bp.explain`, so they hold for whichever backend runs the plans."""
 
 from __future__ import annotations
 
@@ -28,18 +28,35 @@ def _tensors(spec: ModelSpec, inputs: ModelInputs, requires_grad: bool):
     return params, [bp.tensor(a) for a in inputs.batch(spec.train)]
 
 
-def _plan_saved_bytes(traced) -> SavedBytes | None:
-    infos = traced.program.saved_info
-    if not traced.program.plans.backward:
-        return None
-    own = sum(s.nbytes for s in infos if not s.is_region_input)
-    return SavedBytes(own, sum(s.nbytes for s in infos), "plan saved_info")
+class PlanFacts(Runner):
+    """Saved bytes, planned peak and kernels from `bp.explain`, the public report of the
+    plans this runner's function traced to."""
+
+    def explain(self):
+        return bp.explain(self.fn, self.params, *self.batch)
+
+    def saved_bytes(self) -> SavedBytes | None:
+        if not self.spec.train:
+            return None
+        report = self.explain()
+        return SavedBytes(report.saved_bytes - report.saved_input_bytes, report.saved_bytes,
+                          "bp.explain saved_bytes")
+
+    def planned_peak_bytes(self):
+        return self.explain().peak_bytes, "bp.explain peak_bytes (whole step)"
+
+    def plan_facts(self) -> dict | None:
+        report = self.explain()
+        return {"backend": report.backend, "kernels": report.n_kernels,
+                "fused_kernels": report.fused_kernels}
 
 
-class ValueAndGradRunner(Runner):
+class ValueAndGradRunner(PlanFacts):
     """step = bp.value_and_grad(loss, argnums=0)(params, *batch): one joint plan."""
 
-    numpy_allocations = True  # true of the reference interpreter
+    # Both backends allocate step arrays through NumPy; scratch arenas the Numba backend keeps
+    # between steps are allocated before the step and so are not in the measured peak.
+    numpy_allocations = True
 
     def __init__(self, spec: ModelSpec, inputs: ModelInputs):
         self.spec = spec
@@ -55,11 +72,8 @@ class ValueAndGradRunner(Runner):
         return StepOutput(as_float64(value.numpy()),
                           {k: as_float64(g.numpy()) for k, g in grads.items()})
 
-    def planned_peak_bytes(self):
-        return self.fn.trace(self.params, *self.batch).plan.peak_bytes, "joint plan peak_bytes"
 
-
-class CompileRunner(Runner):
+class CompileRunner(PlanFacts):
     """step = loss = compiled(params, *batch); loss.backward(). Forward-only models run the
     compiled forward with no parameter requiring grad."""
 
@@ -83,19 +97,6 @@ class CompileRunner(Runner):
         grads = {k: as_float64(p.grad.numpy()) for k, p in self.params.items()
                  if self.spec.train}
         return StepOutput(as_float64(self.value.numpy()), grads)
-
-    def _traced(self):
-        return self.fn.trace(self.params, *self.batch)
-
-    def saved_bytes(self) -> SavedBytes | None:
-        return _plan_saved_bytes(self._traced())
-
-    def planned_peak_bytes(self):
-        plans = self._traced().program.plans
-        peaks = [plans.forward.peak_bytes]
-        if plans.backward is not None:
-            peaks.append(plans.backward.peak_bytes)
-        return max(peaks), "max(forward, backward) plan peak_bytes"
 
 
 class BackplanPeer(Peer):
@@ -149,10 +150,16 @@ class OnBackend(Runner):
         return self.runner.output()
 
     def saved_bytes(self) -> SavedBytes | None:
-        return self.runner.saved_bytes()
+        with self.use_backend(self.backend):
+            return self.runner.saved_bytes()
 
     def planned_peak_bytes(self):
-        return self.runner.planned_peak_bytes()
+        with self.use_backend(self.backend):
+            return self.runner.planned_peak_bytes()
+
+    def plan_facts(self) -> dict | None:
+        with self.use_backend(self.backend):
+            return self.runner.plan_facts()
 
 
 class BackplanCompilePeer(Peer):

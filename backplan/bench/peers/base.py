@@ -49,6 +49,10 @@ class Runner(ABC):
         """(bytes, what planned them) where a compiler states its plan's peak."""
         return None
 
+    def plan_facts(self) -> dict | None:
+        """Anything else the compiler states about its plan (backend, kernel counts)."""
+        return None
+
 
 class Peer(ABC):
     """A framework the benchmark runs models through."""

@@ -69,10 +69,14 @@ def status_text(row: dict) -> str:
 
 
 def footnotes(rows: list[dict]) -> list[str]:
-    """Warnings a peer gave on its first call, and notes on rows that ran (a measurement that
-    failed); error and skip notes are in the check column already."""
+    """backplan's plan facts, warnings a peer gave on its first call, and notes on rows that ran
+    (a measurement that failed); error and skip notes are in the check column already."""
     lines = []
     for row in rows:
+        plan = row.get("plan")
+        if plan:
+            lines.append(f"{row['peer']}: {plan['backend']} backend, {plan['kernels']} kernels "
+                         f"({plan['fused_kernels']} fused)")
         for message in row.get("warnings") or []:
             lines.append(f"{row['peer']} warned: {message}")
         if row.get("note") and row.get("status") in ("ok", "wrong"):
