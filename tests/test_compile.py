@@ -191,3 +191,27 @@ def test_indexing_slicing_and_gather_with_gradients():
     np.testing.assert_array_equal(x.grad.numpy(), grad)
     with pytest.raises(IndexError, match="out of range"):
         x[7]
+
+
+def test_fast_path_uses_the_tensors_of_each_call_and_falls_back_when_unusual():
+    @bp.compile
+    def weighted(a, b, scale=2.0):
+        return bp.sum(a * b) * scale
+
+    vg = bp.value_and_grad(lambda a, b: bp.sum(a * b))
+    for _ in range(3):  # later calls take the fast path
+        a, b = bp.tensor(f32(3), requires_grad=True), bp.tensor(f32(3))
+        np.testing.assert_allclose(weighted(a, b).numpy(), 2 * np.sum(a.numpy() * b.numpy()),
+                                   rtol=1e-6)
+        value, grad = vg(a, b)
+        np.testing.assert_allclose(grad.numpy(), b.numpy(), rtol=1e-6)
+    assert weighted.cache_info().traces == 1 and weighted.cache_info().hits == 2
+    same = bp.tensor(f32(3))
+    np.testing.assert_allclose(weighted(same, same).numpy(), 2 * np.sum(same.numpy() ** 2),
+                               rtol=1e-6)
+    other = bp.tensor(f32(3))
+    np.testing.assert_allclose(weighted(same, other).numpy(),
+                               2 * np.sum(same.numpy() * other.numpy()), rtol=1e-6)
+    np.testing.assert_allclose(weighted(same, other, scale=3.0).numpy(),
+                               3 * np.sum(same.numpy() * other.numpy()), rtol=1e-6)
+    assert weighted.cache_info().traces == 2  # only the new static value retraced

@@ -11,6 +11,7 @@ from backplan.runtime.execute import run_forward
 
 from .captured_names import captured_names
 from .errors import TracingError
+from .fastpath import call_key, positions_of
 from .pytree import TreeDef, flatten, unflatten
 from .signature import SignatureKey, bind_call, miss_reason
 from .source import loc_text, user_frame_loc
@@ -63,7 +64,12 @@ def run_traced(traced: TracedFunction, call, record: bool = True):
     """Run one signature's forward plan on the call's tensors. With record (and some input
     needing a gradient) outputs point at a Region holding the saved buffers, so .backward()
     works. Loaded artifacts run through here too, so both paths build regions the same way."""
-    tensors = [call.leaves[p] for p in call.tensor_positions] + traced.captured
+    tensors = [call.leaves[p] for p in call.tensor_positions]
+    return run_tensors(traced, tensors, record)
+
+
+def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
+    tensors = tensors + traced.captured
     wrt = traced.program.plans.wrt
     loc = loc_text(user_frame_loc())
     edges = None
@@ -89,6 +95,7 @@ class CompiledFunction:
         self.fn = fn
         functools.update_wrapper(self, fn)
         self._cache: dict[SignatureKey, TracedFunction] = {}
+        self._fast: dict = {}  # fastpath.call_key -> (traced, tensor positions)
         self._traces = self._hits = self._misses = 0
         self._last_key: SignatureKey | None = None
         self._last_miss_reason: str | None = None
@@ -96,9 +103,28 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         if current_trace() is not None:
             return self.fn(*args, **kwargs)  # nested compiled functions inline
+        key, leaves = call_key(args, kwargs, is_grad_enabled())
+        hit = self._fast.get(key) if key is not None else None
+        if hit is not None:
+            traced, positions = hit
+            if self._captured_unchanged(traced):
+                self._hits += 1
+                return run_tensors(traced, [leaves[i] for i in positions])
         call = bind_call(self.fn, args, kwargs)
         traced = self.lookup(call)
+        if key is not None:
+            positions = positions_of([call.leaves[p] for p in call.tensor_positions], leaves)
+            if positions is not None:
+                self._fast[key] = (traced, positions)
         return run_traced(traced, call)
+
+    @staticmethod
+    def _captured_unchanged(traced) -> bool:
+        if not traced.captured:
+            return True
+        enabled = is_grad_enabled()
+        return traced.captured_flags == tuple(bool(t._requires_grad and enabled)
+                                              for t in traced.captured)
 
     def lookup(self, call) -> TracedFunction:
         traced = self._cache.get(call.key)
@@ -158,6 +184,7 @@ class CompiledFunction:
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        self._fast.clear()
 
 
 def compile(fn=None):  # noqa: A001 - the public name is bp.compile

@@ -11,9 +11,11 @@ from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import is_float
+from backplan.runtime import is_grad_enabled
 from backplan.runtime.backend import make_runner
 
 from .errors import TracingError
+from .fastpath import call_key, positions_of
 from .pytree import flatten, unflatten
 from .compile import trace_function
 from .signature import bind_call
@@ -70,10 +72,24 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
             entry = cache[key] = _trace_joint(fn, call, diff_paths, has_aux)
         return args, call, diff_paths, entry
 
+    fast: dict = {}
+    single = isinstance(argnums, int)
+
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        args, call, diff_paths, entry = lookup(args, kwargs)
-        return run_joint(entry, args, call, diff_paths, nums, has_aux, isinstance(argnums, int))
+        key = None
+        if current_trace() is None:
+            key, leaves = call_key(args, kwargs, is_grad_enabled())
+            hit = fast.get(key) if key is not None else None
+            if hit is not None:
+                return hit(leaves)
+        full_args, call, diff_paths, entry = lookup(args, kwargs)
+        result = run_joint(entry, full_args, call, diff_paths, nums, has_aux, single)
+        if key is not None:
+            runner = _fast_joint(entry, full_args, call, diff_paths, nums, has_aux, single, leaves)
+            if runner is not None:
+                fast[key] = runner
+        return result
 
     def trace(*args, **kwargs) -> JointTrace:
         """The joint plan for this signature, traced (or found in the cache) without running."""
@@ -112,6 +128,31 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
     if has_aux:
         return (value, unflatten(entry.aux_treedef, aux)), grads
     return value, grads
+
+
+def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
+    """A call for later calls with the same key: arrays in, tensors out, no binding."""
+    positions = positions_of([call.leaves[p] for p in call.tensor_positions], leaves)
+    if positions is None:
+        return None
+    captured, runner, n_aux = entry.captured, entry.runner(), entry.n_aux
+    grad_structures = [flatten(args[i])[1] for i in nums]
+
+    def call_fast(leaves):
+        arrays = [leaves[i]._data for i in positions]
+        arrays += [t._data for t in captured]
+        results = [Tensor._from_array(a) for a in runner(arrays)]
+        grads, start = [], 1 + n_aux
+        for structure in grad_structures:
+            count = structure.num_leaves
+            grads.append(unflatten(structure, results[start:start + count]))
+            start += count
+        grads = grads[0] if single else tuple(grads)
+        if has_aux:
+            return (results[0], unflatten(entry.aux_treedef, results[1:1 + n_aux])), grads
+        return results[0], grads
+
+    return call_fast
 
 
 def grad(fn, argnums=0, has_aux: bool = False):
