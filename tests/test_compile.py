@@ -214,4 +214,4 @@ def test_fast_path_uses_the_tensors_of_each_call_and_falls_back_when_unusual():
                                2 * np.sum(same.numpy() * other.numpy()), rtol=1e-6)
     np.testing.assert_allclose(weighted(same, other, scale=3.0).numpy(),
                                3 * np.sum(same.numpy() * other.numpy()), rtol=1e-6)
-    assert weighted.cache_info().traces == 2  # only the new static value retraced
+    assert weighted.cache_info().traces == 3  # requires_grad False, then scale=3.0, retraced
