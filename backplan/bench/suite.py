@@ -68,10 +68,15 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
     return list(rows.values())
 
 
+IGNORED_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
 def _distinct_messages(caught, limit: int = 3) -> list[str]:
-    """What a peer warned about on its first call (a fallback to a slower path, say)."""
-    messages = list(dict.fromkeys(str(w.message).splitlines()[0][:200] for w in caught))
-    return messages[:limit]
+    """What a peer warned about on its first call (a fallback to a slower path, say); API
+    deprecations inside the frameworks are left out."""
+    messages = [str(w.message).splitlines()[0][:200] for w in caught
+                if not issubclass(w.category, IGNORED_WARNINGS)]
+    return list(dict.fromkeys(messages))[:limit]
 
 
 def _new_row(spec: ModelSpec, peer: Peer) -> dict:
