@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .graph import Graph, Value
 from .liveness import Plan, plan_liveness
+from .remat import rematerialize
 from .passes import (
     algebraic_simplification,
     common_subexpression_elimination,
@@ -73,9 +74,13 @@ class RegionPlans:
     n_outputs: int
     wrt: list[bool]
     log: PassLog
+    recomputed: list = field(default_factory=list)  # remat.Recomputed: rebuilt, not saved
 
 
-def build_region_plans(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> RegionPlans:
+def build_region_plans(graph: Graph, wrt: list[bool], log: PassLog | None = None,
+                       remat: bool = True, saved_bytes_budget: int | None = None) -> RegionPlans:
+    """remat: recompute cheap chains in backward instead of saving them (ir/remat.py), until
+    the saved bytes fit saved_bytes_budget (None: whenever it lowers them)."""
     log = log or new_log()
     graph = cleanup(log.record("trace", graph), log)
     n_outputs = len(graph.outputs)
@@ -86,9 +91,13 @@ def build_region_plans(graph: Graph, wrt: list[bool], log: PassLog | None = None
     bwd = cleanup(log.record("autodiff", bwd), log)
     used = {i for node in bwd.nodes for i in node.inputs} | set(bwd.outputs)
     saved = [s for s in saved if s.backward_input in used]
+    recomputed = []
+    if remat:
+        saved, recomputed = rematerialize(graph, bwd, saved, saved_bytes_budget)
+        bwd = cleanup(log.record("rematerialize", bwd), log)
     bwd.inputs = [v for v in bwd.inputs if v.role != "saved"] + [s.backward_input for s in saved]
     inputs = {v: i for i, v in enumerate(graph.inputs)}
-    extra = [s.forward for s in saved if s.forward not in inputs]
+    extra = [s.forward for s in saved if s.forward not in inputs and s.forward not in graph.outputs]
     fwd = Graph(graph.name, list(graph.inputs), list(graph.nodes), graph.outputs + extra,
                 dict(graph.constants))
     slots = []
@@ -97,7 +106,7 @@ def build_region_plans(graph: Graph, wrt: list[bool], log: PassLog | None = None
             slots.append(SavedSlot(("input", inputs[s.forward]), s.forward, s.reason))
         else:
             slots.append(SavedSlot(("output", fwd.outputs.index(s.forward)), s.forward, s.reason))
-    return RegionPlans(_plan(fwd, log), _plan(bwd, log), slots, n_outputs, wrt, log)
+    return RegionPlans(_plan(fwd, log), _plan(bwd, log), slots, n_outputs, wrt, log, recomputed)
 
 
 def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:

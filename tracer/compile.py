@@ -91,8 +91,10 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
 class CompiledFunction:
     """See `compile`."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, remat: bool = True, saved_bytes_budget: int | None = None):
         self.fn = fn
+        self.remat = remat
+        self.saved_bytes_budget = saved_bytes_budget
         functools.update_wrapper(self, fn)
         self._cache: dict[SignatureKey, TracedFunction] = {}
         self._fast: dict = {}  # fastpath.call_key -> (traced, tensor positions)
@@ -159,7 +161,9 @@ class CompiledFunction:
         wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(captured_flags)
         names = [call.key.leaves[p].path for p in call.tensor_positions]
         names += captured_names(self.fn, trace.captured)
-        program = RegionProgram(build_region_plans(graph, wrt), name=name, input_names=names)
+        plans = build_region_plans(graph, wrt, remat=self.remat,
+                                   saved_bytes_budget=self.saved_bytes_budget)
+        program = RegionProgram(plans, name=name, input_names=names)
         self._traces += 1
         return TracedFunction(program, out_treedef, out_slots, trace.captured, captured_flags,
                               names)
@@ -187,8 +191,12 @@ class CompiledFunction:
         self._fast.clear()
 
 
-def compile(fn=None):  # noqa: A001 - the public name is bp.compile
+def compile(fn=None, *, remat: bool = True, saved_bytes_budget: int | None = None):  # noqa: A001
     """Trace fn on its first call per signature into static forward and backward plans.
+
+    remat: values that a short chain of cheap ops rebuilds from what backward holds anyway are
+    recomputed in backward instead of saved; saved_bytes_budget stops that once the saved bytes
+    (region inputs excluded) fit the budget. `bp.compile(remat=False)(fn)` saves everything.
 
     >>> import backplan as bp
     >>> @bp.compile
@@ -200,5 +208,5 @@ def compile(fn=None):  # noqa: A001 - the public name is bp.compile
     (2, 1)
     """
     if fn is None:
-        return compile
-    return CompiledFunction(fn)
+        return lambda f: CompiledFunction(f, remat, saved_bytes_budget)
+    return CompiledFunction(fn, remat, saved_bytes_budget)
