@@ -298,11 +298,9 @@ def matmul(a, b) -> Tensor:
     a2 = reshape(a, (1,) + a.shape) if a.ndim == 1 else a
     b2 = reshape(b, b.shape + (1,)) if b.ndim == 1 else b
     out = apply("matmul", [a2, b2])
-    if b.ndim == 1:
-        out = reshape(out, out.shape[:-1])
-    if a.ndim == 1:
-        out = reshape(out, out.shape[:-2] + out.shape[-1:])
-    return out
+    dropped = {out.ndim - 2} if a.ndim == 1 else set()
+    dropped |= {out.ndim - 1} if b.ndim == 1 else set()
+    return reshape(out, tuple(d for i, d in enumerate(out.shape) if i not in dropped))
 
 
 def take(x, indices, axis: int = 0) -> Tensor:
