@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .builder import make_value
 from .errors import BackplanError, VerifyError
 from .graph import Graph, Value
 from .liveness import INPUT_STEP, OWNED_ROLES, Plan
 from .text import value_names
+from .types import np_dtype
 
 
 def verify_graph(graph: Graph) -> None:
@@ -33,6 +36,8 @@ def verify_graph(graph: Graph) -> None:
             raise VerifyError(f"{names[node]} names a missing constant")
         if node.op == "const":
             array = graph.constants[node.attrs["name"]]
+            if not isinstance(array, np.ndarray) or array.dtype != np_dtype(node.dtype):
+                raise VerifyError(f"{names[node]}: constant is not a {node.dtype} array")
             if tuple(array.shape) != node.shape:
                 raise VerifyError(f"{names[node]}: constant has shape {array.shape}")
         defined.add(node)

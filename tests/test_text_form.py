@@ -7,13 +7,14 @@ import math
 
 import numpy as np
 import pytest
-from backplan.ir import ParseError
+from backplan.ir import ParseError, VerifyError
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import Plan, plan_liveness
 from backplan.ir.text import format_attr, format_graph, parse_graph
 from backplan.ir.types import TensorType
+from backplan.ir.verify import verify_graph
 
 import backplan as bp
 
@@ -253,3 +254,18 @@ def test_deeply_nested_attribute_is_a_parse_error():
 def test_parse_errors_name_the_line():
     with pytest.raises(ParseError, match="line 3"):
         parse_graph(GOOD.replace("%3 = sum %2", "%3 = max %9"))
+
+
+@pytest.mark.parametrize("array", [np.array([1, 2]), [1.0, 2.0], np.zeros(3, np.float32)],
+                         ids=["wrong dtype", "not an array", "wrong shape"])
+def test_loaded_constants_must_match_their_const_node(array):
+    text = """graph @f(%0: f32[2] arg) {
+  %1 = const {name='k0', shape=(2,), dtype='f32'} : f32[2]
+  %2 = add %0, %1 : f32[2]
+  return %2
+}"""
+    graph, _ = parse_graph(text, {"k0": array})
+    with pytest.raises(VerifyError, match="constant"):
+        verify_graph(graph)
+    graph, _ = parse_graph(text, {"k0": np.zeros(2, np.float32)})
+    verify_graph(graph)
