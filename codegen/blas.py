@@ -2,7 +2,9 @@
 transpose flags instead of transposed copies."""
 
 import numpy as np
-from numba import njit, types
+from numba import types
+
+from .jit import AS_PYTHON, njit
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.np.linalg import ensure_blas
@@ -45,6 +47,13 @@ def gemm(kind, trans_a, trans_b, a, b, out, beta):
             _voidptr(scalars.ctypes.data), _voidptr(b.ctypes.data), max(b.shape[1], 1),
             _voidptr(a.ctypes.data), max(a.shape[1], 1),
             _voidptr(scalars.ctypes.data + scalars.itemsize), _voidptr(out.ctypes.data), max(n, 1))
+
+
+if AS_PYTHON:
+
+    def gemm(kind, trans_a, trans_b, a, b, out, beta):  # noqa: F811 - the plain-Python twin
+        product = (a.T if trans_a else a) @ (b.T if trans_b else b)
+        out[...] = product if beta == 0 else product + beta * out  # beta 0: out is not read
 
 
 @njit(cache=True)

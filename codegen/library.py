@@ -6,7 +6,7 @@ Functions that can fail on data return the first bad index, or -1."""
 import math
 
 import numpy as np
-from numba import njit, prange
+from .jit import njit, prange
 
 from .flags import FASTMATH
 

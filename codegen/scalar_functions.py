@@ -5,7 +5,7 @@ version, else from libm."""
 import math
 
 import numpy as np
-from numba import njit
+from .jit import njit
 
 from .flags import FASTMATH
 

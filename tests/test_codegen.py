@@ -213,3 +213,40 @@ def test_consuming_backward_reuses_saved_storage_that_retaining_backward_keeps()
     private = set(program.private_saved_inputs())
     backward_inputs = program.plans.backward.graph.inputs
     assert {backward_inputs.index(s) for s in consume.layout.reused_saved.values()} <= private
+
+
+def test_generated_source_runs_as_plain_python_with_the_same_results(tmp_path):
+    """BACKPLAN_KERNELS_AS_PYTHON=1 runs the very same generated module without Numba."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import json
+        import numpy as np
+        import backplan as bp
+        from backplan.runtime.backend import use_backend
+        from backplan.codegen.jit import AS_PYTHON
+
+        def loss(w, x, labels):
+            return bp.cross_entropy(bp.tanh(x @ w) * 3.0, labels)
+
+        w = bp.tensor(np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))
+        x = bp.tensor(np.linspace(0, 1, 6, dtype=np.float32).reshape(2, 3))
+        with use_backend("numba"):
+            value, grad = bp.value_and_grad(loss)(w, x, bp.tensor(np.array([1, 3])))
+        print(json.dumps([AS_PYTHON, float(value.item()), grad.numpy().tolist()]))
+    """)
+    results = []
+    for flag in ("0", "1"):
+        env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path),
+               "BACKPLAN_KERNELS_AS_PYTHON": flag}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert [r[0] for r in results] == [False, True]
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-6)
+    np.testing.assert_allclose(results[1][2], results[0][2], rtol=1e-5, atol=1e-7)
