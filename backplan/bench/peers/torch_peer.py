@@ -94,3 +94,10 @@ class TorchCompilePeer(TorchPeer):
         import torch
 
         torch.compiler.reset()
+
+    def build(self, spec: ModelSpec, inputs: ModelInputs) -> Runner:
+        """Every model's wrapper shares one code object, so without a reset Dynamo would see
+        the next model as a shape change of the last and compile it with dynamic shapes; a
+        program compiling one model would not."""
+        self.clear_caches()
+        return super().build(spec, inputs)
