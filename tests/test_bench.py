@@ -8,6 +8,7 @@ import argparse
 import csv
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -280,3 +281,18 @@ def test_plot_writes_a_png_of_a_saved_record(quick_record, tmp_path):
     json_path.write_text(json.dumps(record))
     assert run_cli("--from-json", str(json_path), "--plot", str(png_path))[0] == 0
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cold_caches_use_an_empty_folder_for_the_run_only(monkeypatch, tmp_path):
+    from backplan.bench.caches import CACHE_VARIABLES, FreshCaches
+
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "mine"))
+    with FreshCaches(True) as caches:
+        moved = os.environ["BACKPLAN_CACHE_DIR"]
+        assert moved != str(tmp_path / "mine") and os.path.isdir(os.path.dirname(moved))
+        assert set(caches.describe()["variables"]) >= set(CACHE_VARIABLES.values())
+    assert os.environ["BACKPLAN_CACHE_DIR"] == str(tmp_path / "mine")
+    assert not os.path.exists(os.path.dirname(moved))
+    code, text = run_cli("--quick", "--small", "--models", "mlp_tiny", "--against", "none",
+                         "--cold-caches")
+    assert code == 0 and "empty disk caches" in text and "--cold-caches" in text

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 
+from .caches import FreshCaches
 from .environment import collect, load_average
 from .errors import BenchError
 from .measure import FULL, QUICK
@@ -42,6 +43,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--small", action="store_true",
                         help="shrink every model's shapes (for tests); results say so")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
+    parser.add_argument("--cold-caches", action="store_true",
+                        help="give backplan and torch.compile empty disk caches in this process, "
+                        "so cold first calls compile everything (default: caches as found)")
     parser.add_argument("--json", metavar="PATH", help="write every measured field as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write one row per model and peer")
     parser.add_argument("--markdown", metavar="PATH",
@@ -66,6 +70,13 @@ def run(args, out=None) -> int:
 
 
 def measure(args) -> dict:
+    with FreshCaches(args.cold_caches) as caches:
+        record = _measure(args)
+        record["run"]["caches"] = caches.describe()
+    return record
+
+
+def _measure(args) -> dict:
     progress = Progress(enabled=not args.quiet)
     models = select_models(_names(args.models))
     against = [] if args.against.strip() == "none" else _names(args.against)
@@ -132,7 +143,8 @@ def command_line(args) -> str:
         default = {"models": "", "against": DEFAULT_AGAINST, "dtype": "float32"}.get(flag)
         if value is not None and value != default:
             parts.append(f"--{flag} {value}")
-    parts += [f"--{flag}" for flag in ("quick", "small") if getattr(args, flag)]
+    parts += [f"--{flag.replace('_', '-')}" for flag in ("quick", "small", "cold_caches")
+              if getattr(args, flag)]
     for flag in ("json", "csv", "markdown", "plot"):
         if getattr(args, flag):
             parts.append(f"--{flag} {getattr(args, flag)}")

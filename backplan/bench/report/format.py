@@ -136,7 +136,14 @@ def run_lines(record: dict) -> list[str]:
     sizes = "SHRUNK sizes (--small): not the documented configuration" if run["small"] \
         else "full sizes"
     schedule = run["schedule"]
+    caches = run.get("caches") or {}
+    if caches.get("cold_caches"):
+        names = ", ".join(k for k in caches.get("variables", {}) if k != "note")
+        cold = f"cold first calls with empty disk caches ({names} set to a new folder)"
+    else:
+        cold = "cold first calls with the compilers' disk caches as found"
     return [
         f"dtype {run['dtype']}, {sizes}, {schedule['rounds']} interleaved rounds after "
         f"{schedule['warmup_steps']} warm-up step(s)" + (" (--quick)" if run["quick"] else ""),
+        cold,
     ]
