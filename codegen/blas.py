@@ -11,7 +11,6 @@ from numba.np.linalg import ensure_blas
 
 ensure_blas()
 
-KIND = {"f32": 115, "f64": 100}  # BLAS type letters 's' and 'd'
 
 _XXGEMM = types.ExternalFunction(
     "numba_xxgemm",
@@ -29,8 +28,15 @@ def _voidptr(typingctx, address):
     return types.voidptr(types.intp), codegen
 
 
+# alpha=1 and beta (0 or 1) for BLAS, frozen into the compiled code: no allocation per call.
+_ONE_ZERO_F32 = np.array([1.0, 0.0], np.float32)
+_ONE_ONE_F32 = np.array([1.0, 1.0], np.float32)
+_ONE_ZERO_F64 = np.array([1.0, 0.0], np.float64)
+_ONE_ONE_F64 = np.array([1.0, 1.0], np.float64)
+
+
 @njit(cache=True)
-def gemm(kind, trans_a, trans_b, a, b, out, beta):
+def _gemm(kind, trans_a, trans_b, a, b, out, scalars):
     """out = op(a) @ op(b) + beta * out, for C-contiguous 2-D arrays (op transposes if asked).
     Row-major data seen as column-major is the transpose, so BLAS computes out^T = b^T a^T."""
     m, n = out.shape
@@ -40,25 +46,41 @@ def gemm(kind, trans_a, trans_b, a, b, out, beta):
     if k == 0:
         out[:] = 0
         return
-    scalars = np.empty(2, out.dtype)
-    scalars[0] = 1.0
-    scalars[1] = beta
     _XXGEMM(kind, 84 if trans_b else 78, 84 if trans_a else 78, n, m, k,
             _voidptr(scalars.ctypes.data), _voidptr(b.ctypes.data), max(b.shape[1], 1),
             _voidptr(a.ctypes.data), max(a.shape[1], 1),
             _voidptr(scalars.ctypes.data + scalars.itemsize), _voidptr(out.ctypes.data), max(n, 1))
 
 
-if AS_PYTHON:
-
-    def gemm(kind, trans_a, trans_b, a, b, out, beta):  # noqa: F811 - the plain-Python twin
-        product = (a.T if trans_a else a) @ (b.T if trans_b else b)
-        out[...] = product if beta == 0 else product + beta * out  # beta 0: out is not read
+@njit(cache=True)
+def gemm_f32(trans_a, trans_b, a, b, out, beta):
+    _gemm(115, trans_a, trans_b, a, b, out, _ONE_ONE_F32 if beta != 0 else _ONE_ZERO_F32)
 
 
 @njit(cache=True)
-def batched_gemm(kind, trans_a, trans_b, a, b, out):
+def gemm_f64(trans_a, trans_b, a, b, out, beta):
+    _gemm(100, trans_a, trans_b, a, b, out, _ONE_ONE_F64 if beta != 0 else _ONE_ZERO_F64)
+
+
+if AS_PYTHON:
+
+    def _gemm_python(trans_a, trans_b, a, b, out, beta):
+        product = (a.T if trans_a else a) @ (b.T if trans_b else b)
+        out[...] = product if beta == 0 else product + beta * out  # beta 0: out is not read
+
+    gemm_f32 = gemm_f64 = _gemm_python  # noqa: F811 - the plain-Python twins
+
+
+@njit(cache=True)
+def batched_gemm_f32(trans_a, trans_b, a, b, out):
     """Batches of C-contiguous matrices (3-D, batch first); a or b may have batch size 1."""
     for i in range(out.shape[0]):
-        gemm(kind, trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)],
-             out[i], 0.0)
+        gemm_f32(trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)],
+                 out[i], 0.0)
+
+
+@njit(cache=True)
+def batched_gemm_f64(trans_a, trans_b, a, b, out):
+    for i in range(out.shape[0]):
+        gemm_f64(trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)],
+                 out[i], 0.0)

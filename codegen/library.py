@@ -105,9 +105,13 @@ def layer_norm_rows_par(x, weight, bias, affine, eps, out):
 
 
 @njit(**_opts)
-def cross_entropy_rows(logits, labels, out):
-    """Per-row -log_softmax(logits)[label]; returns the first bad label or -1."""
+def cross_entropy_rows(logits, labels, out, scale):
+    """Per-row -log_softmax(logits)[label] into out (rows), or, when out has one element and
+    there are several rows, their sum times scale (1 for "sum", 1/rows for "mean"). Returns the
+    first bad label or -1."""
     n_classes = logits.shape[1]
+    reduce = out.shape[0] != logits.shape[0] or scale != 1.0
+    total_loss = 0.0
     for r in range(logits.shape[0]):
         label = labels[r]
         if label < 0 or label >= n_classes:
@@ -119,7 +123,13 @@ def cross_entropy_rows(logits, labels, out):
         total = 0.0
         for j in range(n_classes):
             total += math.exp(row[j] - peak)
-        out[r] = peak + math.log(total) - row[label]
+        loss = peak + math.log(total) - row[label]
+        if reduce:
+            total_loss += loss
+        else:
+            out[r] = loss
+    if reduce:
+        out[0] = total_loss * scale
     return -1
 
 

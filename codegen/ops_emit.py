@@ -8,7 +8,6 @@ import math
 from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
 
-from .blas import KIND
 from .loops import internal_shape
 from .scalar import NP_TYPE, literal
 
@@ -96,14 +95,13 @@ class OpEmitter:
 
     def op_matmul(self, node: Value, out: str) -> list[str]:
         (a, ta), (b, tb) = self._operand_2d(node.inputs[0]), self._operand_2d(node.inputs[1])
-        kind = KIND.get(node.dtype)
-        if kind is None:
+        if node.dtype not in ("f32", "f64"):
             raise Unsupported("integer matmul")
         if len(node.shape) == 2:
-            return [f"gemm({kind}, {ta}, {tb}, {a}, {b}, {out}, 0.0)"]
-        return self._batched_matmul(node, out, (a, ta), (b, tb), kind)
+            return [f"gemm_{node.dtype}({ta}, {tb}, {a}, {b}, {out}, 0.0)"]
+        return self._batched_matmul(node, out, (a, ta), (b, tb))
 
-    def _batched_matmul(self, node, out, a_op, b_op, kind) -> list[str]:
+    def _batched_matmul(self, node, out, a_op, b_op) -> list[str]:
         lines, operands = [], []
         batch = node.shape[:-2]
         for value, (expr, trans) in zip(node.inputs, (a_op, b_op), strict=True):
@@ -117,8 +115,8 @@ class OpEmitter:
                 padded = batch
             operands.append(f"{expr}.reshape(({math.prod(padded)}, {mat[0]}, {mat[1]}))")
         out3 = f"{out}.reshape(({math.prod(batch)}, {node.shape[-2]}, {node.shape[-1]}))"
-        lines.append(f"batched_gemm({kind}, {a_op[1]}, {b_op[1]}, {operands[0]}, {operands[1]}, "
-                     f"{out3})")
+        lines.append(f"batched_gemm_{node.dtype}({a_op[1]}, {b_op[1]}, {operands[0]}, "
+                     f"{operands[1]}, {out3})")
         return lines
 
     def _split(self, shape, axis: int, count: int = 1):
@@ -211,15 +209,11 @@ class OpEmitter:
         logits, labels = node.inputs
         cols = logits.shape[-1]
         rows = math.prod(logits.shape[:-1])
-        losses = f"{out}.reshape(({rows},))" if node.attrs["reduction"] == "none" else "losses"
-        lines = []
-        if losses == "losses":
-            lines.append(f"losses = np.empty({rows}, {NP_TYPE[node.dtype]})")
-        lines.append(f"bad = cross_entropy_rows({self.array(logits)}.reshape(({rows}, {cols})), "
-                     f"{self.array(labels)}.reshape(({rows},)), {losses})")
-        lines += self._raise(node, f"label out of range for {cols} classes")
-        if node.attrs["reduction"] == "sum":
-            lines.append(f"{out}[0] = losses.sum()")
-        elif node.attrs["reduction"] == "mean":
-            lines.append(f"{out}[0] = losses.sum() / {literal(max(rows, 1), node.dtype)}")
-        return lines
+        reduction = node.attrs["reduction"]
+        scale = 1.0 / max(rows, 1) if reduction == "mean" else 1.0
+        target = f"{out}.reshape(({rows},))" if reduction == "none" else out
+        if reduction == "sum" and rows == 1:
+            scale = 1.0  # one row: the per-row loss is the sum
+        return [f"bad = cross_entropy_rows({self.array(logits)}.reshape(({rows}, {cols})), "
+                f"{self.array(labels)}.reshape(({rows},)), {target}, {scale!r})",
+                *self._raise(node, f"label out of range for {cols} classes")]
