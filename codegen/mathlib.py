@@ -10,9 +10,10 @@ Each function is compiled with its own fast-math flags (only ``contract``, which
 multiply-add) and is inlined by LLVM (``forceinline``), not by Numba (``inline="always"``).
 Numba-level inlining would compile the body under the caller's flags, and a caller with
 ``fastmath=True`` lets LLVM reassociate the two-step ``x - n*ln2_hi - n*ln2_lo`` reduction
-into one product, which measured 4.6 ulp instead of 1 ulp for exp_f32 near overflow, and
-lets it drop the NaN and infinity tests. Instructions inlined by LLVM keep their own flags,
-so these functions stay accurate inside a ``fastmath=True`` kernel and still vectorise there.
+into one product (measured: exp_f32 4.6 ulp instead of 1.0 near overflow) and drop the NaN
+and infinity tests (log_f32(inf) returned 88.7 and log_f32(nan) 89.1). Instructions inlined
+by LLVM keep their own flags, so these functions stay accurate inside a ``fastmath=True``
+kernel and still vectorise there.
 
 Accuracy is stated in each docstring as the largest error measured against the correctly
 rounded result (float32: against float64 math; float64: against 80-bit long double or
@@ -213,7 +214,7 @@ def _scale_by_pow2_f64(p, n):
 
 @_scalar_function
 def exp_f32(x):
-    """e**x in float32; max error 1.0 ulp (measured).
+    """e**x in float32; max error 1.01 ulp (every float32 input).
 
     exp(-inf) = 0, exp(inf) = inf, overflow gives inf, underflow passes through subnormals to
     0, NaN gives NaN.
@@ -229,7 +230,7 @@ def exp_f32(x):
 
 @_scalar_function
 def exp_f64(x):
-    """e**x in float64; max error 1.0 ulp (measured). Special values as exp_f32."""
+    """e**x in float64; max error 1.03 ulp (12M inputs). Special values as exp_f32."""
     clamped = min(max(x, _EXP_MIN_F64), _EXP_MAX_F64)
     n = _rint(clamped * _LOG2E_F64)
     r = clamped - n * _LN2_HI_F64
@@ -261,7 +262,7 @@ def _exp_nonpositive_f64(y):
 
 @_scalar_function
 def tanh_f32(x):
-    """tanh(x) in float32; max error 1.0 ulp (measured).
+    """tanh(x) in float32; max error 1.29 ulp (every float32 input).
 
     |x| < 0.7: x + x**3 * P(x**2). Otherwise 1 - 2e / (1 + e) with e = exp(-2|x|), which
     cannot cancel there because tanh > 0.6. Both halves are computed and one is selected.
@@ -278,7 +279,7 @@ def tanh_f32(x):
 
 @_scalar_function
 def tanh_f64(x):
-    """tanh(x) in float64; max error 1.0 ulp (measured). Method and special values as tanh_f32."""
+    """tanh(x) in float64; max error 1.29 ulp (12M inputs). Method, special values as tanh_f32."""
     magnitude = abs(x)
     z = x * x
     small = magnitude * z * _horner(z, _TANH_F64) + magnitude
@@ -290,7 +291,7 @@ def tanh_f64(x):
 
 @_scalar_function
 def sigmoid_f32(x):
-    """1 / (1 + e**-x) in float32; max error 2 ulp (measured).
+    """1 / (1 + e**-x) in float32; max error 2.40 ulp (every float32 input).
 
     With e = exp(-|x|): 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, so the tail for
     x < 0 stays accurate down to subnormals. sigmoid(-inf) = 0, sigmoid(inf) = 1, NaN gives NaN.
@@ -302,7 +303,7 @@ def sigmoid_f32(x):
 
 @_scalar_function
 def sigmoid_f64(x):
-    """1 / (1 + e**-x) in float64; max error 2 ulp (measured). Special values as sigmoid_f32."""
+    """1 / (1 + e**-x) in float64; max error 2.28 ulp (12M inputs). Specials as sigmoid_f32."""
     e = exp_f64(-abs(x))
     y = (_ONE_F64 if x >= _ZERO_F64 else e) / (_ONE_F64 + e)
     return y if x == x else x
@@ -310,7 +311,7 @@ def sigmoid_f64(x):
 
 @_scalar_function
 def log_f32(x):
-    """Natural log in float32; max error 1.0 ulp (measured), subnormal inputs included.
+    """Natural log in float32; max error 0.87 ulp (every float32 input, subnormals included).
 
     log(0) = -inf, log(x < 0) = NaN, log(inf) = inf, NaN gives NaN.
     """
@@ -335,7 +336,7 @@ def _log_special_values_f32(x, y):
 
 @_scalar_function
 def log_f64(x):
-    """Natural log in float64; max error 1.0 ulp (measured). Special values as log_f32.
+    """Natural log in float64; max error 0.84 ulp (18M inputs). Special values as log_f32.
 
     With f = m - 1 for the mantissa m in [sqrt(1/2), sqrt(2)) and s = f / (2 + f):
     log(1 + f) = f - (f**2/2 - s * (f**2/2 + R(s**2))), summed so no step cancels.
@@ -363,7 +364,7 @@ def _log_special_values_f64(x, y):
 
 @_scalar_function
 def erf_f32(x):
-    """erf(x) in float32; max error 1.0 ulp (measured).
+    """erf(x) in float32; max error 1.00 ulp (every float32 input).
 
     |x| < 1: x + x * P(x**2), so x itself is never rounded. Otherwise 1 - erfc(|x|) with
     erfc(t) = exp(-t**2 + G(t)), G a polynomial fit of log(erfcx). Both halves are computed
@@ -381,7 +382,7 @@ def erf_f32(x):
 
 @_scalar_function
 def erf_f64(x):
-    """erf(x) in float64; max error 1.0 ulp (measured). Method and special values as erf_f32."""
+    """erf(x) in float64; max error 1.26 ulp (200k inputs against mpmath). Method as erf_f32."""
     magnitude = abs(x)
     small = magnitude * _horner(x * x, _ERF_SMALL_F64) + magnitude
     t = min(magnitude, _ERF_TAIL_END_F64)
