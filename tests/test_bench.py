@@ -296,3 +296,12 @@ def test_cold_caches_use_an_empty_folder_for_the_run_only(monkeypatch, tmp_path)
     code, text = run_cli("--quick", "--small", "--models", "mlp_tiny", "--against", "none",
                          "--cold-caches")
     assert code == 0 and "empty disk caches" in text and "--cold-caches" in text
+
+
+def test_rows_whose_median_is_far_above_their_minimum_are_flagged_noisy():
+    from backplan.bench.report.format import footnotes
+
+    steady = {"peer": "numpy", "status": "ok", "step_ms": {"median": 1.1, "min": 1.0}}
+    noisy = {"peer": "torch", "status": "ok", "step_ms": {"median": 30.0, "min": 1.0}}
+    notes = footnotes([steady, noisy])
+    assert len(notes) == 1 and notes[0].startswith("torch: noisy, the median is 30.0x")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 MIB = 1024 * 1024
+NOISY_SPREAD = 2.0  # median over min step time above which a row is flagged as noisy
 
 COLUMNS = ("peer", "median ms", "min ms", "max ms", "x fastest", "1st call s cold/warm",
            "saved MiB excl/incl", "peak MiB meas/plan", "max rel err", "check")
@@ -73,6 +74,11 @@ def footnotes(rows: list[dict]) -> list[str]:
     (a measurement that failed); error and skip notes are in the check column already."""
     lines = []
     for row in rows:
+        step = row.get("step_ms")
+        if step and step["min"] > 0 and step["median"] / step["min"] > NOISY_SPREAD:
+            lines.append(f"{row['peer']}: noisy, the median is {step['median'] / step['min']:.1f}x "
+                         "the fastest step (other work on the machine, or thread pools of "
+                         "different libraries fighting; --threads 1 is steadier)")
         plan = row.get("plan")
         if plan:
             lines.append(f"{row['peer']}: {plan['backend']} backend, {plan['kernels']} kernels "
