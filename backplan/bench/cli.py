@@ -37,7 +37,8 @@ def add_arguments(parser) -> None:
                         f"(default {DEFAULT_AGAINST}); peers not installed are skipped")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--threads", type=int, default=None,
-                        help="set every peer's thread count (default: leave libraries alone)")
+                        help="set every peer's thread count: BLAS and OpenMP pools, PyTorch, "
+                        "Numba, and XLA when 1 (default: leave the libraries alone)")
     parser.add_argument("--quick", action="store_true",
                         help="a couple of steps per peer, no warm-compile measurement")
     parser.add_argument("--small", action="store_true",
