@@ -69,20 +69,6 @@ _bits_f64 = _bitcast(types.float64, types.int64)
 _from_bits_f64 = _bitcast(types.int64, types.float64)
 
 
-@intrinsic
-def _rint(typingctx, value):
-    """Round to the nearest integer-valued float (ties to even); one vector instruction."""
-    if not isinstance(value, types.Float):
-        return None
-
-    def codegen(context, builder, signature, args):
-        llvm_type = context.get_value_type(signature.args[0])
-        rint = builder.module.declare_intrinsic("llvm.rint", [llvm_type])
-        return builder.call(rint, args)
-
-    return value(value), codegen
-
-
 def _f32(*values):
     return tuple(np.float32(v) for v in values)
 
@@ -162,6 +148,10 @@ _TANH_SWITCH_F64 = np.float64(0.7)
 _MIN_NORMAL_F32, _TWO_POW_23_F32 = _f32(np.finfo(np.float32).tiny, 2.0**23)
 _MIN_NORMAL_F64, _TWO_POW_54_F64 = _f64(np.finfo(np.float64).tiny, 2.0**54)
 _SQRT_HALF_BITS_F32 = 0x3F3504F3
+_ROUND_SHIFTER_F32 = np.float32(1.5 * 2.0**23)
+_ROUND_SHIFTER_F64 = np.float64(1.5 * 2.0**52)
+_ROUND_SHIFTER_BITS_F32 = int(_ROUND_SHIFTER_F32.view(np.int32))
+_ROUND_SHIFTER_BITS_F64 = int(_ROUND_SHIFTER_F64.view(np.int64))
 _SQRT_HALF_BITS_F64 = 0x3FE6A09E667F3BCD
 
 # erf switches from x * P(x**2) to 1 - erfc at |x| = 1; beyond the end erf rounds to +-1.
@@ -179,34 +169,63 @@ def _horner(x, coefficients):
 
 
 @_scalar_function
-def _pow2_f32(n):
-    """2**n for an integer-valued float32 n in [-126, 127], built in the exponent field."""
-    return _from_bits_f32((np.int32(n) + 127) << 23)
+def _round_f32(y):
+    """(n, k): y rounded to the nearest integer (ties to even) as float32 and as int, |y| < 2**22.
+
+    Adding 1.5 * 2**23 rounds away the fraction and leaves n in the low mantissa bits, so no
+    float-to-int conversion is needed (AVX2 has none for 64-bit lanes, and Numba widens ints).
+    """
+    shifted = y + _ROUND_SHIFTER_F32
+    return shifted - _ROUND_SHIFTER_F32, _bits_f32(shifted) - _ROUND_SHIFTER_BITS_F32
 
 
 @_scalar_function
-def _pow2_f64(n):
-    """2**n for an integer-valued float64 n in [-1022, 1023], built in the exponent field."""
-    return _from_bits_f64((np.int64(n) + 1023) << 52)
+def _round_f64(y):
+    """(n, k): y rounded to the nearest integer as float64 and as int, |y| < 2**51."""
+    shifted = y + _ROUND_SHIFTER_F64
+    return shifted - _ROUND_SHIFTER_F64, _bits_f64(shifted) - _ROUND_SHIFTER_BITS_F64
 
 
 @_scalar_function
-def _scale_by_pow2_f32(p, n):
-    """p * 2**n for p in [0.5, 2) and n in [-150, 128], rounding once into subnormals or inf.
+def _int_to_float_f32(k):
+    """float32(k) for |k| < 2**22 by the same shift, avoiding an int-to-float conversion."""
+    return _from_bits_f32(k + _ROUND_SHIFTER_BITS_F32) - _ROUND_SHIFTER_F32
 
-    Half of n goes into p's exponent field by integer addition and half is a float multiply,
+
+@_scalar_function
+def _int_to_float_f64(k):
+    """float64(k) for |k| < 2**51; AVX2 has no int64-to-float64 vector conversion."""
+    return _from_bits_f64(k + _ROUND_SHIFTER_BITS_F64) - _ROUND_SHIFTER_F64
+
+
+@_scalar_function
+def _pow2_f32(k):
+    """2**k for an integer k in [-126, 127], built in the exponent field."""
+    return _from_bits_f32((k + 127) << 23)
+
+
+@_scalar_function
+def _pow2_f64(k):
+    """2**k for an integer k in [-1022, 1023], built in the exponent field."""
+    return _from_bits_f64((k + 1023) << 52)
+
+
+@_scalar_function
+def _scale_by_pow2_f32(p, k):
+    """p * 2**k for p in [0.5, 2) and integer k in [-150, 128], rounding once into subnormals
+    or inf.
+
+    Half of k goes into p's exponent field by integer addition and half is a float multiply,
     so neither factor overflows and no compiler reassociation can merge them.
     """
-    k = np.int32(n)
     half = k >> 1
     p_scaled = _from_bits_f32(_bits_f32(p) + (half << 23))
     return p_scaled * _pow2_f32(k - half)
 
 
 @_scalar_function
-def _scale_by_pow2_f64(p, n):
-    """p * 2**n for p in [0.5, 2) and n in [-1076, 1025]; see _scale_by_pow2_f32."""
-    k = np.int64(n)
+def _scale_by_pow2_f64(p, k):
+    """p * 2**k for p in [0.5, 2) and integer k in [-1076, 1025]; see _scale_by_pow2_f32."""
     half = k >> 1
     p_scaled = _from_bits_f64(_bits_f64(p) + (half << 52))
     return p_scaled * _pow2_f64(k - half)
@@ -220,11 +239,11 @@ def exp_f32(x):
     0, NaN gives NaN.
     """
     clamped = min(max(x, _EXP_MIN_F32), _EXP_MAX_F32)
-    n = _rint(clamped * _LOG2E_F32)
+    n, k = _round_f32(clamped * _LOG2E_F32)
     r = clamped - n * _LN2_HI_F32
     r = r - n * _LN2_LO_F32
     p = r * r * _horner(r, _EXP_F32) + r + _ONE_F32
-    y = _scale_by_pow2_f32(p, n)
+    y = _scale_by_pow2_f32(p, k)
     return y if x == x else x
 
 
@@ -232,11 +251,11 @@ def exp_f32(x):
 def exp_f64(x):
     """e**x in float64; max error 1.03 ulp (12M inputs). Special values as exp_f32."""
     clamped = min(max(x, _EXP_MIN_F64), _EXP_MAX_F64)
-    n = _rint(clamped * _LOG2E_F64)
+    n, k = _round_f64(clamped * _LOG2E_F64)
     r = clamped - n * _LN2_HI_F64
     r = r - n * _LN2_LO_F64
     p = r * r * _horner(r, _EXP_F64) + r + _ONE_F64
-    y = _scale_by_pow2_f64(p, n)
+    y = _scale_by_pow2_f64(p, k)
     return y if x == x else x
 
 
@@ -244,20 +263,20 @@ def exp_f64(x):
 def _exp_nonpositive_f32(y):
     """e**y for y <= 0, clamped at -87 so 2**n stays normal: exp_f32 without its edge cases."""
     clamped = max(y, _EXP_NORMAL_MIN_F32)
-    n = _rint(clamped * _LOG2E_F32)
+    n, k = _round_f32(clamped * _LOG2E_F32)
     r = clamped - n * _LN2_HI_F32
     r = r - n * _LN2_LO_F32
-    return (r * r * _horner(r, _EXP_F32) + r + _ONE_F32) * _pow2_f32(n)
+    return (r * r * _horner(r, _EXP_F32) + r + _ONE_F32) * _pow2_f32(k)
 
 
 @_scalar_function
 def _exp_nonpositive_f64(y):
     """e**y for y <= 0, clamped at -708 so 2**n stays normal: exp_f64 without its edge cases."""
     clamped = max(y, _EXP_NORMAL_MIN_F64)
-    n = _rint(clamped * _LOG2E_F64)
+    n, k = _round_f64(clamped * _LOG2E_F64)
     r = clamped - n * _LN2_HI_F64
     r = r - n * _LN2_LO_F64
-    return (r * r * _horner(r, _EXP_F64) + r + _ONE_F64) * _pow2_f64(n)
+    return (r * r * _horner(r, _EXP_F64) + r + _ONE_F64) * _pow2_f64(k)
 
 
 @_scalar_function
@@ -320,7 +339,7 @@ def log_f32(x):
     offset = _bits_f32(scaled) - _SQRT_HALF_BITS_F32
     exponent = (offset >> 23) - (23 if subnormal else 0)
     f = _from_bits_f32((offset & 0x007FFFFF) + _SQRT_HALF_BITS_F32) - _ONE_F32
-    k = np.float32(exponent)
+    k = _int_to_float_f32(exponent)
     y = f * f * f * _horner(f, _LOG_F32) - _HALF_F32 * f * f + f
     y = k * _LN2_LO_F32 + y
     y = k * _LN2_HI_F32 + y
@@ -346,7 +365,7 @@ def log_f64(x):
     offset = _bits_f64(scaled) - _SQRT_HALF_BITS_F64
     exponent = (offset >> 52) - (54 if subnormal else 0)
     f = _from_bits_f64((offset & 0x000FFFFFFFFFFFFF) + _SQRT_HALF_BITS_F64) - _ONE_F64
-    k = np.float64(exponent)
+    k = _int_to_float_f64(exponent)
     s = f / (_TWO_F64 + f)
     z = s * s
     r = z * _horner(z, _LOG_F64)
