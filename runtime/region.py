@@ -10,6 +10,7 @@ from backplan.ir.types import np_dtype
 
 from . import memory
 from .program import RegionProgram, SavedBufferInfo
+from .report_recomputed import recomputed_infos
 from .saved_table import format_saved_table
 
 
@@ -108,10 +109,12 @@ class Region:
 
 
 def saved_table(region: Region) -> str:
-    """The live answer to 'which is freed, which is not?': explain()'s table plus a state column."""
+    """The live answer to 'which is freed, which is not?': explain()'s table plus a state column
+    (values the backward recomputes instead of saving say "recomputed")."""
     buffers = region.saved_buffers
     states = ["freed" if b.freed else "alive" for b in buffers]
-    lines = [repr(region), format_saved_table(buffers, states)]
+    lines = [repr(region), format_saved_table(buffers, states,
+                                              recomputed=recomputed_infos(region.program))]
     if region.freed_by is not None:
         lines += [f"  freed by the backward() at {region.freed_by.loc}; a second backward() "
                   "through it raises GraphFreedError.",

@@ -2,9 +2,12 @@
 anything runs. Its numbers are fields (`saved_bytes`, `peak_bytes`, `saved_buffers`, ...); its
 text, Graphviz DOT and picture are renderings of the same facts.
 
-Byte counts follow the plans: every value is its own buffer, held from the step that writes it
-to the `free` after its last read; arrays the caller passes in are held by the caller and are
-not counted (the saved-buffer table still lists those the backward keeps a reference to).
+Byte counts follow the plans as the reference interpreter runs them: every value is its own
+buffer, held from the step that writes it to the `free` after its last read; arrays the caller
+passes in are held by the caller and are not counted (the saved-buffer table still lists those
+the backward keeps a reference to). Under the numba backend `compiled` adds what the compiled
+plans hold instead (scratch arenas, bytes allocated per call), from the code generator's memory
+layout, without compiling.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from .joint_view import joint_saved_info, joint_view
 from .kernels import KernelInfo, kernels_from_groups, planned_groups
 from .plan_view import PlanView, StepInfo, region_view
 from .program import RegionProgram, SavedBufferInfo
+from .report_compiled import CompiledPlanFacts, joint_facts, region_facts
+from .report_recomputed import RecomputedInfo, recomputed_infos
+
+STEP_PLANS = ("forward", "backward (consume)", "joint")  # what one default training step runs
 
 
 @dataclass
@@ -33,6 +40,8 @@ class ExplainReport:
     retrace_reason: str | None = None
     requires_grad: list[bool] = field(default_factory=list)
     backend: str = "reference"  # the executor the kernels section describes
+    recomputed: list[RecomputedInfo] = field(default_factory=list)  # rebuilt, not saved
+    compiled: list[CompiledPlanFacts] | None = None  # numba backend only: each compiled plan
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -56,6 +65,23 @@ class ExplainReport:
     @property
     def saved_input_bytes(self) -> int:
         return sum(b.nbytes for b in self.saved_buffers if b.is_region_input)
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """Bytes rematerialisation keeps out of the saved buffers: the backward recomputes them."""
+        return sum(r.nbytes for r in self.recomputed)
+
+    @property
+    def compiled_scratch_bytes(self) -> int | None:
+        """Scratch arenas the compiled forward and backward() keep and reuse across calls (the
+        joint plan's for value_and_grad); None unless the backend is numba."""
+        return self._compiled_sum("scratch_bytes")
+
+    @property
+    def compiled_output_bytes(self) -> int | None:
+        """Bytes the compiled forward and backward() (or the joint plan) allocate fresh on every
+        call; None unless the backend is numba."""
+        return self._compiled_sum("output_bytes")
 
     @property
     def live_bytes(self) -> list[int]:
@@ -103,6 +129,11 @@ class ExplainReport:
         """Kernels that run code (views, aliases and literals cost none)."""
         return sum(1 for k in self.kernels if k.runs_code)
 
+    def _compiled_sum(self, name: str) -> int | None:
+        if self.compiled is None:
+            return None
+        return sum(getattr(f, name) for f in self.compiled if f.plan in STEP_PLANS and f.compiled)
+
     def _phase_peak(self, phase: str) -> int:
         live = self.live_bytes
         return max((live[s.index] for s in self.view.steps if s.phase == phase), default=0)
@@ -142,10 +173,12 @@ def region_report(program: RegionProgram, traces: int = 1, retrace_reason: str |
     if plans.backward is not None:
         named["backward"] = plans.backward
     backend = program.backend or current_backend()
-    groups = kernel_groups if kernel_groups is not None else planned_groups(named, backend)
+    compiled = region_facts(program) if backend == "numba" else None
+    if kernel_groups is None:
+        kernel_groups = planned_groups(_compiled_plans(named, compiled), backend)
     return ExplainReport(program.name, view, named, list(program.saved_info),
-                         kernels_from_groups(view, groups), traces, retrace_reason,
-                         list(plans.wrt), backend)
+                         kernels_from_groups(view, kernel_groups), traces, retrace_reason,
+                         list(plans.wrt), backend, recomputed_infos(program), compiled)
 
 
 def joint_report(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None,
@@ -154,9 +187,19 @@ def joint_report(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[
     """The report of value_and_grad's joint plan (outputs: loss, aux, then gradients)."""
     view = joint_view(plan, n_outputs, wrt, input_names, name)
     backend = backend or current_backend()
-    groups = kernel_groups if kernel_groups is not None else planned_groups({"joint": plan},
-                                                                            backend)
+    compiled = joint_facts(plan) if backend == "numba" else None
+    if kernel_groups is None:
+        kernel_groups = planned_groups(_compiled_plans({"joint": plan}, compiled), backend)
     return ExplainReport(name, view, {"joint": plan},
                          joint_saved_info(plan, view, n_outputs, wrt),
-                         kernels_from_groups(view, groups), traces, retrace_reason,
-                         list(wrt), backend)
+                         kernels_from_groups(view, kernel_groups), traces, retrace_reason,
+                         list(wrt), backend, compiled=compiled)
+
+
+def _compiled_plans(named: dict[str, Plan], compiled) -> dict[str, Plan]:
+    """The plans the numba backend compiles; one it cannot compile runs on the reference
+    interpreter, one kernel per step."""
+    if compiled is None:
+        return named
+    refused = {f.plan.split(" ")[0] for f in compiled if not f.compiled}
+    return {name: plan for name, plan in named.items() if name not in refused}

@@ -1,4 +1,4 @@
-"""The explain() report as text: summary, plans, saved buffers, kernels, retracing."""
+"""The explain() report as text: summary, plans, saved buffers, memory, kernels, retracing."""
 
 from __future__ import annotations
 
@@ -22,21 +22,32 @@ def format_bytes(n: int) -> str:
 
 
 def render_report(report) -> str:
+    from .report_memory import memory_text  # it formats with this module's helpers
+
     sections = [
         (f"explain: {report.name}", ""),
-        ("1. Summary", _wrap(summary_text(report))),
+        ("1. Summary", wrap(summary_text(report))),
         ("2. Plans", plans_text(report)),
-        (f"3. Saved buffers ({len(report.saved_buffers)}, {format_bytes(report.saved_bytes)})",
-         format_saved_table(report.saved_buffers)),
-        ("4. Kernels", _wrap(kernels_text(report))),
-        ("5. Retracing", _wrap(retrace_text(report))),
+        (saved_title(report),
+         format_saved_table(report.saved_buffers, recomputed=report.recomputed)),
+        ("4. Memory", memory_text(report)),
+        ("5. Kernels", wrap(kernels_text(report))),
+        ("6. Retracing", wrap(retrace_text(report))),
     ]
     return "\n\n".join(f"{title}\n{body}".rstrip() for title, body in sections) + "\n"
 
 
-def _wrap(text: str) -> str:
+def wrap(text: str) -> str:
     return "\n".join(textwrap.fill(p, WIDTH, initial_indent="  ", subsequent_indent="  ")
                      for p in text.split("\n"))
+
+
+def saved_title(report) -> str:
+    title = f"3. Saved buffers ({len(report.saved_buffers)}, {format_bytes(report.saved_bytes)}"
+    if report.recomputed:
+        title += (f"; {len(report.recomputed)} recomputed instead, "
+                  f"{format_bytes(report.recomputed_bytes)} not saved")
+    return title + ")"
 
 
 def summary_text(report) -> str:
@@ -48,14 +59,10 @@ def summary_text(report) -> str:
              f"{report.n_backward_steps} backward steps, run as {report.n_kernels} kernels on the "
              f"{report.backend} backend ({fusion})."]
     parts.append(_saved_sentence(report))
+    parts.append(_recomputed_sentence(report))
     parts.append(_peak_sentence(report))
+    parts.append(_compiled_sentence(report))
     parts.append(_freeing_sentence(report))
-    if report.backend != "reference":
-        parts.append(
-            "Bytes and lifetimes follow the plan as the reference interpreter runs it, every IR "
-            f"value its own buffer; the {report.backend} backend allocates only values that "
-            "leave a fused loop, and holds saved buffers and incoming gradients until its "
-            "backward call returns.")
     return " ".join(p for p in parts if p)
 
 
@@ -74,18 +81,55 @@ def _saved_sentence(report) -> str:
     return text + "."
 
 
-def _peak_sentence(report) -> str:
-    step = report.peak_step
-    if step is None:
+def _recomputed_sentence(report) -> str:
+    n = len(report.recomputed)
+    if not n:
         return ""
+    return (f"Rematerialisation recomputes {n} value{'s' if n != 1 else ''} in the backward "
+            f"instead of saving {'them' if n != 1 else 'it'}, so "
+            f"{format_bytes(report.recomputed_bytes)} are not saved "
+            "(bp.compile(remat=False) saves everything).")
+
+
+def _compiled_sentence(report) -> str:
+    if report.compiled is None:
+        return ""
+    text = (f"Compiled for the {report.backend} backend, the step keeps "
+            f"{format_bytes(report.compiled_scratch_bytes)} of scratch arenas across calls and "
+            f"allocates {format_bytes(report.compiled_output_bytes)} fresh per call")
+    refused = refused_plans(report)
+    if refused:
+        text += f"; the {refused} runs on the reference interpreter instead"
+    return text + " (section 4)."
+
+
+def refused_plans(report) -> str:
+    """'forward plan', 'backward plan' or 'forward and backward plans': what numba cannot
+    compile; '' when it compiles everything."""
+    names = list(dict.fromkeys(f.plan.split(" ")[0] for f in report.compiled or ()
+                               if not f.compiled))
+    if not names:
+        return ""
+    return f"{' and '.join(names)} plan{'s' if len(names) > 1 else ''}"
+
+
+def peak_where(report) -> str:
+    step = report.peak_step
     where = f"at {step.label}, {step.op}"
     if step.node.loc:
         where += f" at {format_loc(step.node.loc)}"
-    text = f"Predicted peak: {format_bytes(report.forward_peak_bytes)} during the forward"
+    return where
+
+
+def _peak_sentence(report) -> str:
+    if report.peak_step is None:
+        return ""
+    text = (f"Predicted peak on the reference interpreter: "
+            f"{format_bytes(report.forward_peak_bytes)} during the forward")
     if report.n_backward_steps:
         text += f", {format_bytes(report.backward_peak_bytes)} during the backward"
-    text += (f", {format_bytes(report.peak_bytes)} over the whole step ({where}), not counting "
-             f"the {format_bytes(report.input_bytes)} of arrays you pass in.")
+    text += (f", {format_bytes(report.peak_bytes)} over the whole step ({peak_where(report)}), "
+             f"not counting the {format_bytes(report.input_bytes)} of arrays you pass in.")
     return text
 
 
@@ -111,6 +155,10 @@ def plans_text(report) -> str:
                  "joint": "joint IR (forward steps fN, then backward steps bN, in one plan)"}[name]
         lines.append(f"  {title}")
         lines.extend(f"    {legend}" for legend in _input_legend(report, name, plan))
+        if name == "backward" and report.recomputed:
+            lines.append("    recomputed here instead of saved: " + ", ".join(
+                f"{r.name} at b{r.recomputed_step}" if r.recomputed_step is not None
+                else r.name for r in report.recomputed))
         lines.extend(_gutter(plan.text(), _labels(report, name)))
         lines.append("")
     return "\n".join(lines).rstrip()
@@ -151,17 +199,21 @@ def _input_legend(report, plan_name: str, plan) -> list[str]:
 
 def kernels_text(report) -> str:
     steps = report.view.steps
-    if len(report.kernels) == len(steps):
+    free = [k for k in report.kernels if not k.runs_code]
+    if not free and not report.fused_kernels:
         text = (f"The {report.backend} backend runs each of the {len(steps)} steps as its own "
                 "kernel, in the order of the IR above.")
         if report.backend == "reference":
             text += (" The numba backend (BACKPLAN_BACKEND=numba) fuses them into fewer kernels; "
                      "explain() under it lists which.")
         return text
-    free = [k for k in report.kernels if not k.runs_code]
     lines = [f"{report.n_kernels} kernels for {len(steps)} steps on the {report.backend} "
              f"backend: {report.fused_kernels} fused, and {len(free)} steps that cost no "
              "kernel (views, aliases and literals)."]
+    refused = refused_plans(report)
+    if refused:
+        lines[0] += (f" The {refused} runs on the reference interpreter, one kernel per step "
+                     "(section 4 says why).")
     for number, kernel in enumerate(report.kernels):
         if kernel.fused and kernel.runs_code:
             members = ", ".join(f"{steps[s].label} {steps[s].op}" for s in kernel.steps)

@@ -295,6 +295,88 @@ def test_explain_runs_no_arithmetic(monkeypatch):
     assert bp.value_and_grad(tanh_sum).explain(f32(3, 3)).peak_bytes > 0
 
 
+# ---- values recomputed instead of saved ------------------------------------------------------
+
+
+def ln_gelu(x, g, b, w):
+    y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x
+    return bp.sum(y * w)
+
+
+def ln_gelu_inputs():
+    return (f32(6, 8, requires_grad=True), f32(8, requires_grad=True), f32(8, requires_grad=True),
+            f32(8))
+
+
+def saved_table_rows(text: str) -> dict[str, str]:
+    """Rows of the saved-buffer table in a report or a grad_fn print, by their name column."""
+    table = text.split("3. Saved buffers")[-1].split("4. Memory")[0]
+    rows = [line for line in table.splitlines() if line.startswith("  ")]
+    return {row.split()[0]: row for row in rows[1:] if " " in row.strip()}
+
+
+def test_recomputed_values_have_their_own_rows_and_are_not_in_the_saved_bytes():
+    args = ln_gelu_inputs()
+    fn = bp.compile(ln_gelu)
+    report = fn.explain(*args)
+    assert report.saved_bytes - report.saved_input_bytes == 0
+    assert report.saved_bytes == sum(s.nbytes for s in report.saved_buffers)
+    recomputed = {r.op: r for r in report.recomputed}
+    assert sorted(recomputed) == ["add", "layer_norm"]
+    assert [(r.shape, r.nbytes) for r in recomputed.values()] == [((6, 8), 192)] * 2
+    assert {op: len(r.chain) for op, r in recomputed.items()} == {"layer_norm": 1, "add": 2}
+    assert report.recomputed_bytes == 2 * 6 * 8 * 4
+    text = str(report)
+    rows = saved_table_rows(text)
+    for r in report.recomputed:
+        row = rows[r.name]
+        assert f"{r.op} at " in row and "192" in row
+        assert f"recomputed, not saved: {len(r.chain)} op" in row
+        assert f"rerun at b{r.recomputed_step}" in row
+    assert (f"3. Saved buffers ({len(report.saved_buffers)}, {report.saved_bytes} B; "
+            "2 recomputed instead, 384 B not saved)") in text
+    assert "Rematerialisation recomputes 2 values" in flat(report)
+    assert "384 B are not saved" in flat(report)
+
+    out = fn(*args)
+    live = saved_table_rows(str(out.grad_fn))
+    assert [live[r.name].split()[-1] for r in report.recomputed] == ["recomputed"] * 2
+    assert all(live[s.name].split()[-1] == "alive" for s in report.saved_buffers)
+
+
+def test_without_remat_the_same_values_are_saved():
+    args = ln_gelu_inputs()
+    report = bp.compile(remat=False)(ln_gelu).explain(*args)
+    assert report.recomputed == [] and report.recomputed_bytes == 0
+    computed = sorted((s.op, s.nbytes) for s in report.saved_buffers if not s.is_region_input)
+    assert computed == [("add", 192), ("layer_norm", 192)]
+    assert report.saved_bytes - report.saved_input_bytes == 384
+    assert "recomputed" not in str(report).split("4. Memory")[0]
+
+
+def test_the_recomputed_step_rebuilds_the_value_the_forward_computed():
+    fn = bp.compile(ln_gelu)
+    args = ln_gelu_inputs()
+    traced, arrays = call_arrays(fn, args)
+    report = fn.explain(*args)
+    plans = traced.program.plans
+    forward, backward = {}, {}
+    outputs = run_plan(plans.forward, list(arrays), on_step=lambda step, env: forward.update(
+        {step: env[plans.forward.graph.nodes[step]].copy()}))
+    saved = [arrays[i] if kind == "input" else outputs[i]
+             for kind, i in (s.source for s in plans.saved)]
+    run_plan(plans.backward, [np.float32(1.0), *saved], on_step=lambda step, env: backward.update(
+        {step: env[plans.backward.graph.nodes[step]].copy()}))
+    assert len(report.recomputed) == 2
+    backward_nodes = plans.backward.graph.nodes
+    for r in report.recomputed:
+        rebuilt = backward_nodes[r.recomputed_step]
+        assert rebuilt.op == r.op and r.written_step >= 0
+        np.testing.assert_array_equal(backward[r.recomputed_step], forward[r.written_step])
+        readers = [i for i, n in enumerate(backward_nodes) if rebuilt in n.inputs]
+        assert list(r.read_steps) == readers and r.last_read_step == readers[-1]
+
+
 # ---- the text report ------------------------------------------------------------------------
 
 
@@ -306,7 +388,8 @@ def test_report_text_has_the_sections_in_order_with_user_lines():
     line = here(-2)
     report = model.explain(f32(2, 3), f32(3, 4, requires_grad=True))
     text = str(report)
-    titles = ["1. Summary", "2. Plans", "3. Saved buffers", "4. Kernels", "5. Retracing"]
+    titles = ["1. Summary", "2. Plans", "3. Saved buffers", "4. Memory", "5. Kernels",
+              "6. Retracing"]
     positions = [text.index(t) for t in titles]
     assert positions == sorted(positions)
     assert report.forward_ir in "\n".join(row[8:] for row in text.splitlines())
@@ -369,6 +452,90 @@ def test_numba_backend_reports_fusion_groups_without_compiling(form, monkeypatch
     assert report.n_kernels < len(steps) and report.backend == "numba"
     assert "f0 tanh, f1 sum" in flat(report) and "no kernel:" in flat(report)
     assert sorted(s for k in report.kernels for s in k.steps) == list(range(len(steps)))
+
+
+def compiled_layouts(fn, form, args) -> dict:
+    """What the code generator lays out for each plan explain() describes, by plan label."""
+    from backplan.codegen.emit import generate
+
+    if form == "value_and_grad":
+        return {"joint": generate(fn.trace(*args).plan)}
+    program = fn.trace(*args).program
+    backward = program.plans.backward
+    return {"forward": generate(program.plans.forward),
+            "backward (consume)": generate(backward, program.private_saved_inputs()),
+            "backward (retain)": generate(backward)}
+
+
+@pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
+@pytest.mark.parametrize("case", ["ln_gelu", "mlp"])
+def test_numba_report_states_the_compiled_layout_without_compiling(form, case, tmp_path,
+                                                                    monkeypatch):
+    import backplan.codegen.compiled as compiled
+    from backplan.runtime.backend import make_runner, use_backend
+    from backplan.runtime.report_text import format_bytes
+
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(cache))
+    if case == "ln_gelu":
+        model, args = ln_gelu, ln_gelu_inputs()
+    else:
+        compiled_mlp, args = mlp_case()
+        model = compiled_mlp.fn
+    fn = bp.compile(model) if form == "compiled" else bp.value_and_grad(model)
+    with monkeypatch.context() as patch, use_backend("numba"):
+        patch.setattr(compiled.CompiledPlan, "__init__", None)  # compiling would raise
+        report = fn.explain(*args)
+    layouts = compiled_layouts(fn, form, args)
+    assert [(f.plan, f.kernels, f.scratch_bytes, f.output_bytes) for f in report.compiled] == [
+        (name, g.kernel_count, g.layout.scratch_bytes, g.layout.output_bytes)
+        for name, g in layouts.items()]
+    step = [g for name, g in layouts.items() if name != "backward (retain)"]
+    assert report.n_kernels == sum(g.kernel_count for g in step)
+    assert report.compiled_scratch_bytes == sum(g.layout.scratch_bytes for g in step)
+    assert report.compiled_output_bytes == sum(g.layout.output_bytes for g in step)
+    memory = " ".join(str(report).split("4. Memory")[1].split("5. Kernels")[0].split())
+    assert "Reference interpreter (BACKPLAN_BACKEND=reference)" in memory
+    assert "Numba backend (what runs here)" in memory
+    for name, g in layouts.items():
+        assert (f"{name} {g.kernel_count} {format_bytes(g.layout.scratch_bytes)} "
+                f"{format_bytes(g.layout.output_bytes)}") in memory
+    assert f"keeps {format_bytes(report.compiled_scratch_bytes)} of scratch" in flat(report)
+    assert not cache.exists() or list(cache.iterdir()) == []
+    plan = report.plans.get("forward", report.plans.get("joint"))
+    make_runner(plan, "numba")  # writes the generated module (Numba compiles on first call)
+    assert any(path.suffix == ".py" for path in cache.iterdir())
+
+
+def test_reference_report_says_which_path_its_bytes_describe():
+    report = bp.compile(ln_gelu).explain(*ln_gelu_inputs())
+    assert report.compiled is None and report.compiled_scratch_bytes is None
+    memory = " ".join(str(report).split("4. Memory")[1].split("5. Kernels")[0].split())
+    assert "Reference interpreter (BACKPLAN_BACKEND=reference)" in memory
+    assert f"peaks at {report.peak_step.label}" in memory
+    assert "BACKPLAN_BACKEND=numba" in memory and "scratch arena" in memory
+
+
+def test_a_plan_numba_cannot_compile_is_reported_on_the_reference_interpreter():
+    from backplan.runtime.backend import use_backend
+
+    def integer_matmul(a, b, w):
+        return bp.sum((a @ b).astype("f32") * w)
+
+    args = (bp.tensor(np.arange(6).reshape(2, 3)), bp.tensor(np.arange(12).reshape(3, 4)),
+            f32(2, 4, requires_grad=True))
+    with use_backend("numba"):
+        report = bp.explain(integer_matmul, *args)
+    facts = {f.plan: f for f in report.compiled}
+    assert not facts["forward"].compiled and "integer matmul" in facts["forward"].unsupported
+    assert facts["backward (consume)"].compiled
+    forward_steps = [s.index for s in report.view.steps if s.phase == "forward"]
+    assert [k.steps for k in report.kernels if k.steps[0] in forward_steps] == [
+        (i,) for i in forward_steps]
+    assert report.n_kernels == len(forward_steps) + facts["backward (consume)"].kernels
+    text = flat(report)
+    assert "forward runs on the reference interpreter: integer matmul" in text
+    assert "The forward plan runs on the reference interpreter, one kernel per step" in text
 
 
 def test_explain_of_something_not_callable_is_a_clear_error():

@@ -1,0 +1,54 @@
+"""What the numba backend's compiled plans will hold, for explain(): per plan, its kernels, the
+scratch arena it keeps and reuses on every call, and the bytes it allocates fresh per call (what
+the call returns). The numbers come from the code generator's memory layout
+(`backplan.codegen.emit.generate`, source generation only): nothing is compiled or cached."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backplan.codegen.emit import generate
+from backplan.codegen.ops_emit import Unsupported
+from backplan.ir.liveness import Plan
+
+
+@dataclass(frozen=True)
+class CompiledPlanFacts:
+    """One plan as the numba backend will run it."""
+
+    plan: str  # "forward", "backward (consume)", "backward (retain)" or "joint"
+    kernels: int = 0  # kernels that run code (fused loops and single ops)
+    scratch_bytes: int = 0  # arena kept by the compiled plan, reused on every call
+    output_bytes: int = 0  # allocated fresh on every call: what the call returns
+    reused_saved: int = 0  # temporaries placed in saved buffers after their last read
+    unsupported: str | None = None  # why this plan would run on the reference interpreter
+
+    @property
+    def compiled(self) -> bool:
+        return self.unsupported is None
+
+
+def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> CompiledPlanFacts:
+    try:
+        generated = generate(plan, private_saved)
+    except Unsupported as exc:
+        return CompiledPlanFacts(label, unsupported=str(exc))
+    layout = generated.layout
+    return CompiledPlanFacts(label, generated.kernel_count, layout.scratch_bytes,
+                             layout.output_bytes, len(layout.reused_saved))
+
+
+def region_facts(program) -> list[CompiledPlanFacts]:
+    """The forward, then both backward variants: backward() consumes the graph (and may reuse
+    its private saved buffers as scratch), backward(retain_graph=True) keeps them intact."""
+    plans = program.plans
+    facts = [plan_facts("forward", plans.forward)]
+    if plans.backward is not None:
+        facts.append(plan_facts("backward (consume)", plans.backward,
+                                program.private_saved_inputs()))
+        facts.append(plan_facts("backward (retain)", plans.backward))
+    return facts
+
+
+def joint_facts(plan: Plan) -> list[CompiledPlanFacts]:
+    return [plan_facts("joint", plan)]
