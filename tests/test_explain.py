@@ -440,15 +440,24 @@ def test_kernel_groups_from_a_fusion_pass_are_reported():
 @pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
 def test_numba_backend_reports_fusion_groups_without_compiling(form, monkeypatch):
     import backplan.codegen.compiled as compiled
+    from backplan.ir.fusion import group_kernels
     from backplan.runtime.backend import use_backend
 
-    monkeypatch.setattr(compiled, "generate", None)  # explain() must not generate code
+    monkeypatch.setattr(compiled, "CompiledPlan", None)  # explain() must not compile
     fn = bp.compile(tanh_sum) if form == "compiled" else bp.value_and_grad(tanh_sum)
     with use_backend("numba"):
         report = fn.explain(f32(3, 4, requires_grad=True))
     steps = report.view.steps
-    fused = [[steps[i].op for i in k.steps] for k in report.kernels if k.fused and k.runs_code]
-    assert ["tanh", "sum"] in fused and report.fused_kernels == len(fused)
+    expected, offset = [], 0
+    for plan in report.plans.values():
+        position = {node: offset + i for i, node in enumerate(plan.graph.nodes)}
+        expected += [(tuple(sorted(position[n] for n in k.all_nodes)), k.kind)
+                     for k in group_kernels(plan.graph)]
+        offset += len(plan.graph.nodes)
+    assert sorted((k.steps, k.kind) for k in report.kernels) == sorted(expected)
+    tanh_kernel = next(k for k in report.kernels if steps[k.steps[0]].op == "tanh")
+    assert [steps[i].op for i in tanh_kernel.steps][:2] == ["tanh", "sum"]
+    assert report.fused_kernels == sum(1 for k in report.kernels if k.fused and k.runs_code)
     assert report.n_kernels < len(steps) and report.backend == "numba"
     assert "f0 tanh, f1 sum" in flat(report) and "no kernel:" in flat(report)
     assert sorted(s for k in report.kernels for s in k.steps) == list(range(len(steps)))
