@@ -14,7 +14,7 @@ INPUT_NOTE = (
 LEGEND = "fN / bN: forward / backward step N (the N-th op line of that phase's IR, from 0)"
 RECOMPUTED_NOTE = (
     "recomputed: not saved and not in the bytes held between forward and backward; the backward\n"
-    "  reruns the listed forward ops on what it holds. bp.compile(remat=False) saves it instead."
+    "  reruns the listed forward ops on what it holds. Under bp.compile(remat=False) it is saved."
 )
 MAX_CHAIN_OPS = 4
 

@@ -17,9 +17,11 @@ def explain(fn, *args, **kwargs) -> ExplainReport:
 
     fn is a `bp.compile`d function, a `bp.value_and_grad` / `bp.grad` of one, or a plain
     function (compiled here). `print(report)` shows the summary, the forward and backward IR,
-    the saved buffers and why each is saved, the kernels and the last retrace; the numbers are
-    fields (`saved_bytes`, `peak_bytes`, `saved_buffers`, `forward_ir`, `backward_ir`);
-    `report.to_dot()` and `report.plot("step.png")` draw it.
+    the saved buffers and why each is saved (and the values recomputed instead), the memory
+    each path holds, the kernels and the last retrace; the numbers are fields (`saved_bytes`,
+    `peak_bytes`, `saved_buffers`, `recomputed`, `compiled`, `forward_ir`, `backward_ir`);
+    `report.to_dot()` and `report.plot("step.png")` draw it. Under the numba backend the
+    compiled plans' layout comes from source generation alone: nothing is compiled.
 
     >>> import backplan as bp
     >>> a = bp.tensor([1.0, 2.0], requires_grad=True)
