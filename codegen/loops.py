@@ -10,7 +10,9 @@ from backplan.ir.fusion import Kernel, alias_base, is_alias
 from backplan.ir.graph import Value
 
 from .flags import PARALLEL_MIN_ELEMENTS
-from .scalar import expression, literal
+from .scalar import NP_TYPE, expression, literal
+
+CHUNKS = 16  # reductions across the parallel loop: one partial row per chunk
 
 
 def internal_shape(shape) -> tuple[int, ...]:
@@ -64,9 +66,9 @@ class LoopEmitter:
         self.groups = self._collapse(shape)
         self.sizes = [math.prod(shape[d] for d in group) for group in self.groups]
         setup = self._views()
-        parallel = self._parallel()
-        body = self._nest(parallel)
-        return setup, body, parallel
+        mode = self._mode()
+        body = self._nest(mode) if mode != "chunked" else self._chunked_nest()
+        return setup, body, mode != "serial"
 
     def _collect_accesses(self, shape) -> None:
         for node in self.kernel.all_nodes:
@@ -127,10 +129,71 @@ class LoopEmitter:
             self.view_groups[value] = present
         return lines
 
-    def _parallel(self) -> bool:
+    def _crossing(self) -> list:
+        """Reductions over the outermost loop: threads splitting that loop would race."""
+        return [r for r in self.kernel.reductions if set(self.groups[0]) & self.reduced_dims[r]]
+
+    def _mode(self) -> str:
+        """serial; parallel (prange over the outer loop); or chunked: prange over chunks of the
+        outer loop, each reducing into its own partial row, combined at the end."""
         if math.prod(self.sizes) < PARALLEL_MIN_ELEMENTS or self.sizes[0] < 2:
-            return False
-        return all(not (set(self.groups[0]) & axes) for axes in self.reduced_dims.values())
+            return "serial"
+        return "chunked" if self._crossing() else "parallel"
+
+    def _chunked_nest(self) -> list[str]:
+        crossing = self._crossing()
+        depth_of = {r: self._suffix_depth(r) for r in self.kernel.reductions}
+        lines, partial = [], {}
+        for red in crossing:
+            kept = [g for g in self.view_groups[red] if g is not None]
+            shape = (CHUNKS,) + (tuple(self.sizes[g] for g in kept) or (1,))
+            partial[red] = (f"part_{self.array_name[red]}", kept, math.prod(shape[1:]))
+            lines.append(f"{partial[red][0]} = np.empty({shape!r}, {NP_TYPE[red.dtype]})")
+        lines.append(f"for chunk in prange({CHUNKS}):")
+        lines.append(f"    lo = chunk * {self.sizes[0]} // {CHUNKS}")
+        lines.append(f"    hi = (chunk + 1) * {self.sizes[0]} // {CHUNKS}")
+        targets = {}
+        for red in crossing:
+            if depth_of[red] == 0:  # reduces everything: a register accumulator per chunk
+                continue
+            lines.append(f"    {partial[red][0]}[chunk] = {self._init(red)}")
+            depth_of[red] = None
+            targets[red] = f"{partial[red][0]}[chunk, {self._kept_index(partial[red][1])}]"
+        for level, size in enumerate(self.sizes):
+            pad = "    " * (level + 1)
+            for red in self.kernel.reductions:
+                if depth_of[red] == level:
+                    lines.append(f"{pad}acc_{self.array_name[red]} = {self._init(red)}")
+            bounds = "lo, hi" if level == 0 else str(size)
+            lines.append(f"{pad}for i{level} in range({bounds}):")
+        pad = "    " * (len(self.sizes) + 1)
+        lines += [pad + line for line in self._body(depth_of, targets)]
+        for level in reversed(range(len(self.sizes))):
+            pad = "    " * (level + 1)
+            for red in self.kernel.reductions:
+                if depth_of[red] != level:
+                    continue
+                target = (f"{partial[red][0]}[chunk, 0]" if red in partial
+                          else f"{self.view_name[red]}[{self._index(red)}]")
+                lines.append(f"{pad}{target} = acc_{self.array_name[red]}")
+        for red in crossing:
+            name, _, count = partial[red]
+            lines += [f"flat = {name}.reshape(({CHUNKS}, {count}))",
+                      f"out = {self.view_name[red]}.reshape(({count},))",
+                      f"for j in range({count}):",
+                      f"    acc = {self._init(red)}",
+                      f"    for chunk in range({CHUNKS}):",
+                      *["        " + line for line in self._combine(red, "flat[chunk, j]")],
+                      "    out[j] = acc"]
+        return lines
+
+    def _kept_index(self, groups) -> str:
+        return ", ".join(f"i{g}" for g in groups) if groups else "0"
+
+    def _combine(self, red, value) -> list[str]:
+        if red.op == "sum":
+            return [f"acc += {value}"]
+        return [f"v_ = {value}", "if v_ > acc or v_ != v_:", "    acc = v_"]
 
     def _group_of(self, dim) -> int | None:
         for g, group in enumerate(self.groups):
@@ -148,7 +211,8 @@ class LoopEmitter:
         depth = reduced.index(True) if True in reduced else len(reduced)
         return depth if all(reduced[depth:]) else None
 
-    def _nest(self, parallel: bool) -> list[str]:
+    def _nest(self, mode: str) -> list[str]:
+        parallel = mode == "parallel"
         lines, depth_of = [], {}
         for red in self.kernel.reductions:
             depth_of[red] = self._suffix_depth(red)
@@ -188,8 +252,10 @@ class LoopEmitter:
     def local_name(self, node) -> str:
         return "t" + self.array_name[node][1:]
 
-    def _body(self, depth_of) -> list[str]:
-        """Every read comes before every store, so an output may overwrite an input in place."""
+    def _body(self, depth_of, targets=None) -> list[str]:
+        """Every read comes before every store, so an output may overwrite an input in place.
+        targets: where a reduction accumulates, when not its accumulator or output."""
+        targets = targets or {}
         lines = []
         for node in self.kernel.nodes:
             expr = expression(node, [self.operand(i) for i in node.inputs])
@@ -199,8 +265,9 @@ class LoopEmitter:
                 lines.append(f"{self.view_name[node]}[{self._index(node)}] = {self.local_name(node)}")
         for red in self.kernel.reductions:
             value = self.operand(red.inputs[0])
-            target = (f"acc_{self.array_name[red]}" if depth_of[red] is not None
-                      else f"{self.view_name[red]}[{self._index(red)}]")
+            target = targets.get(red) or (
+                f"acc_{self.array_name[red]}" if depth_of[red] is not None
+                else f"{self.view_name[red]}[{self._index(red)}]")
             if red.op == "sum":
                 lines.append(f"{target} += {value}")
             else:

@@ -86,31 +86,26 @@ def _place(node: Value, kernels: list[Kernel], home) -> int:
 
 
 def _joinable_loop(node, shape, kernels, home) -> int | None:
-    """The latest loop kernel of this iteration shape that computes one of node's inputs,
-    provided every other input is ready before it runs. Reductions end a loop: later
-    elementwise work starts a new one."""
+    """The latest loop kernel of this iteration shape that computes one of node's inputs (or,
+    failing that, the latest loop kernel of this shape at all), provided every input is ready
+    before it runs and none is a reduction that kernel is still accumulating."""
     sources = [alias_base(i) for i in node.inputs]
     candidates = [home[s] for s in sources if s in home and kernels[home[s]].kind == "loop"
                   and kernels[home[s]].shape == shape and s not in kernels[home[s]].reductions]
     if not candidates:
+        same_shape = [k for k, kernel in enumerate(kernels)
+                      if kernel.kind == "loop" and kernel.shape == shape]
+        candidates = same_shape[-1:]
+    if not candidates:
         return None
     target = max(candidates)
     kernel = kernels[target]
-    if kernel.reductions and node.op not in REDUCTIONS:
-        return None
-    for inp in node.inputs:
-        ready_at = max((home[v] for v in _chain(inp) if v in home), default=-1)
-        source = alias_base(inp)
-        if ready_at > target or (source in kernel.reductions):
+    for source in sources:  # aliases and literals cost nothing: only the source matters
+        if source in home and kernels[home[source]].kind == "literal":
+            continue
+        if home.get(source, -1) > target or source in kernel.reductions:
             return None
     return target
-
-
-def _chain(value: Value) -> list[Value]:
-    chain = [value]
-    while is_alias(chain[-1]):
-        chain.append(chain[-1].inputs[0])
-    return chain
 
 
 def materialized(graph: Graph, kernels: list[Kernel]) -> set[Value]:

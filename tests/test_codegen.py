@@ -250,3 +250,23 @@ def test_generated_source_runs_as_plain_python_with_the_same_results(tmp_path):
     assert [r[0] for r in results] == [False, True]
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-6)
     np.testing.assert_allclose(results[1][2], results[0][2], rtol=1e-5, atol=1e-7)
+
+
+def test_parallel_and_chunked_reduction_kernels_equal_reference():
+    """Big enough for prange: row reductions run in parallel over rows; column and full sums
+    run as chunks with partial rows combined at the end."""
+    rng = np.random.default_rng(6)
+    shape = (256, 160)
+
+    def ln_gelu(x, g, b, up):
+        y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x
+        return bp.sum(y * up) + bp.max(y)
+
+    args = [bp.tensor(rng.standard_normal(s).astype(np.float32))
+            for s in (shape, shape[1:], shape[1:], shape)]
+    vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
+    with use_backend("numba"):
+        source = vg.trace(*args).runner().compiled.source
+    assert "for chunk in prange(" in source and "prange(256)" in source
+    ref, got = run_both(lambda *a: vg(*a), *args)
+    assert_trees_close(ref, got, rtol=1e-4, atol=1e-4)
