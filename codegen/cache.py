@@ -11,6 +11,7 @@ see a partial file).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,10 +42,23 @@ def _cpu() -> str:
     return f"{binding.get_host_cpu_name()}:{hashlib.sha256(features.encode()).hexdigest()[:12]}"
 
 
+@functools.cache
+def _codegen_fingerprint() -> str:
+    """Numba's cache of a generated kernel keys on the kernel's own source and does not notice
+    edits to the library code it inlines, so the key covers those files too."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256(CODEGEN_VERSION.encode())
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:16]
+
+
 def key_parts(ir_text: str, flags: str) -> dict[str, str]:
     return {
         "ir": hashlib.sha256(ir_text.encode()).hexdigest()[:24],
-        "codegen": CODEGEN_VERSION,
+        "codegen": _codegen_fingerprint(),
         "numba": numba.__version__,
         "llvmlite": llvmlite.__version__,
         "numpy": np.__version__,

@@ -1,11 +1,10 @@
-"""Scalar functions generated loops call by name (`exp_f32`, `gelu_tanh_f64`, ...). They are
-inlined into the loops. Transcendentals come from mathlib when it provides a vectorisable
-version, else from libm."""
+"""Scalar functions generated loops call by name (`exp_f32`, `gelu_tanh_f64`, ...), inlined
+into the loops. Transcendentals come from mathlib, which vectorises (libm calls do not)."""
 
 import math
 
 import numpy as np
-from .jit import njit
+from .jit import AS_PYTHON, njit
 
 from .flags import FASTMATH
 
@@ -14,54 +13,29 @@ GELU_K = math.sqrt(2.0 / math.pi)
 GELU_C = 0.044715
 
 
-@njit(**_inline)
-def exp_f32(x):
-    return math.exp(x)
+if AS_PYTHON:  # plain-Python twins of mathlib's functions (its bit tricks need Numba)
 
+    def _sigmoid(x):
+        return 1.0 / (1.0 + math.exp(-x))
 
-@njit(**_inline)
-def exp_f64(x):
-    return math.exp(x)
-
-
-@njit(**_inline)
-def log_f32(x):
-    return math.log(x)
-
-
-@njit(**_inline)
-def log_f64(x):
-    return math.log(x)
-
-
-@njit(**_inline)
-def tanh_f32(x):
-    return math.tanh(x)
-
-
-@njit(**_inline)
-def tanh_f64(x):
-    return math.tanh(x)
-
-
-@njit(**_inline)
-def erf_f32(x):
-    return math.erf(x)
-
-
-@njit(**_inline)
-def erf_f64(x):
-    return math.erf(x)
-
-
-@njit(**_inline)
-def sigmoid_f32(x):
-    return np.float32(1.0) / (np.float32(1.0) + exp_f32(-x))
-
-
-@njit(**_inline)
-def sigmoid_f64(x):
-    return 1.0 / (1.0 + exp_f64(-x))
+    exp_f32 = exp_f64 = math.exp
+    log_f32 = log_f64 = math.log
+    tanh_f32 = tanh_f64 = math.tanh
+    erf_f32 = erf_f64 = math.erf
+    sigmoid_f32 = sigmoid_f64 = _sigmoid
+else:
+    from .mathlib import (  # noqa: F401 - generated loops call these by name
+        erf_f32,
+        erf_f64,
+        exp_f32,
+        exp_f64,
+        log_f32,
+        log_f64,
+        sigmoid_f32,
+        sigmoid_f64,
+        tanh_f32,
+        tanh_f64,
+    )
 
 
 @njit(**_inline)
