@@ -103,7 +103,8 @@ def _measure(args) -> dict:
         "environment": collect(versions, thread_settings, load),
         "models": [{"name": m.name, "summary": m.summary, "train": m.train,
                     "config": m.sizes(settings.small), "static": m.static} for m in models],
-        "peers": [{"name": p.name, "description": p.description} for p in available],
+        "peers": [{"name": p.name, "description": p.description,
+                   "warm_first_call": p.warm_first_call} for p in available],
         "skipped_peers": skipped,
         "results": results,
     }

@@ -103,6 +103,8 @@ class BackplanPeer(Peer):
     name = "backplan"
     family = "backplan"
     description = "bp.value_and_grad(loss, argnums=0): one joint forward+backward plan"
+    warm_first_call = ("a new traced function: trace and plan again; kernels compiled earlier "
+                       "in this process are reused (backplan has no public cache reset)")
 
     def versions(self) -> dict[str, str]:
         return {"backplan": bp.__version__}
@@ -166,6 +168,7 @@ class BackplanCompilePeer(Peer):
     name = "backplan.compile"
     family = "backplan"
     description = "@bp.compile forward, then loss.backward() through the saved-buffer plan"
+    warm_first_call = BackplanPeer.warm_first_call
 
     def skip_reason(self, spec: ModelSpec) -> str | None:
         if not spec.train:

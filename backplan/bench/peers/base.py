@@ -60,6 +60,8 @@ class Peer(ABC):
     name = ""
     family = ""  # what --against selects: "backplan", "numpy", "torch", "jax"
     description = ""
+    # What the warm first call measures for this peer (see Peer.clear_caches).
+    warm_first_call = "a new runner's first call; nothing to compile"
 
     def missing(self) -> str | None:
         """Why this peer cannot run here (not installed), or None."""

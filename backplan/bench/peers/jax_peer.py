@@ -66,6 +66,7 @@ class JaxRunner(Runner):
 class JaxPeer(Peer):
     name = family = "jax"
     description = "jax.jit(jax.value_and_grad(loss))"
+    warm_first_call = "after jax.clear_caches(): trace and compile again (no disk cache)"
 
     def missing(self) -> str | None:
         if importlib.util.find_spec("jax") is None:

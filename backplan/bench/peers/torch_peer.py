@@ -88,6 +88,7 @@ class TorchPeer(Peer):
 class TorchCompilePeer(TorchPeer):
     name = "torch.compile"
     description = "torch.compile (inductor) forward, compiled backward via AOTAutograd"
+    warm_first_call = "after torch.compiler.reset(): compile again with inductor's caches warm"
     compiled = True
 
     def clear_caches(self) -> None:

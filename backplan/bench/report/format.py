@@ -9,6 +9,17 @@ COLUMNS = ("peer", "median ms", "min ms", "max ms", "x fastest", "1st call s col
            "saved MiB excl/incl", "peak MiB meas/plan", "max rel err", "check")
 
 
+LEGEND = (
+    "median/min/max: step time over the timed steps (forward + backward, or forward only); "
+    "x fastest: median over the fastest correct peer's median for that model",
+    "1st call: cold = the first call in this process (tracing, compiling); warm = a second "
+    "first call once the peer's compiler is warm (per peer below)",
+    "saved: bytes kept from forward for backward, excluding / including the inputs; "
+    "peak: measured by tracemalloc (NumPy allocations) / planned by the compiler",
+    "max rel err: against a float64 NumPy reference; check: ok, WRONG, error or skipped",
+)
+
+
 def ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -69,16 +80,17 @@ def status_text(row: dict) -> str:
     return status
 
 
-def footnotes(rows: list[dict]) -> list[str]:
+def footnotes(rows: list[dict], threads_set: bool = False) -> list[str]:
     """backplan's plan facts, warnings a peer gave on its first call, and notes on rows that ran
     (a measurement that failed); error and skip notes are in the check column already."""
     lines = []
     for row in rows:
         step = row.get("step_ms")
         if step and step["min"] > 0 and step["median"] / step["min"] > NOISY_SPREAD:
+            advice = "" if threads_set else "; --threads 1 is steadier"
             lines.append(f"{row['peer']}: noisy, the median is {step['median'] / step['min']:.1f}x "
                          "the fastest step (other work on the machine, or thread pools of "
-                         "different libraries fighting; --threads 1 is steadier)")
+                         f"different libraries fighting{advice})")
         plan = row.get("plan")
         if plan:
             lines.append(f"{row['peer']}: {plan['backend']} backend, {plan['kernels']} kernels "
@@ -88,6 +100,16 @@ def footnotes(rows: list[dict]) -> list[str]:
         if row.get("note") and row.get("status") in ("ok", "wrong"):
             lines.append(f"{row['peer']}: {row['note']}")
     return lines
+
+
+def threads_set(record: dict) -> bool:
+    return bool(record["environment"]["threads"]["set_by_harness"])
+
+
+def warm_lines(record: dict) -> list[str]:
+    """What each peer's warm first call measured."""
+    return [f"warm first call of {p['name']}: {p['warm_first_call']}"
+            for p in record.get("peers", []) if p.get("warm_first_call")]
 
 
 def environment_lines(record: dict) -> list[str]:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from .format import COLUMNS, environment_lines, footnotes, model_title, row_cells, run_lines
-
-LEGEND = (
-    "median/min/max: step time over the timed steps (forward + backward, or forward only); "
-    "x fastest: median over the fastest correct peer's median for that model",
-    "1st call: cold = first call in this process (tracing/compiling); warm = first call after "
-    "the peer's in-process caches are dropped",
-    "saved: bytes kept from forward for backward, excluding / including the inputs; "
-    "peak: measured by tracemalloc (NumPy allocations) / planned by the compiler",
-    "max rel err: against a float64 NumPy reference; check: ok, WRONG, error or skipped",
+from .format import (
+    COLUMNS,
+    LEGEND,
+    environment_lines,
+    footnotes,
+    model_title,
+    row_cells,
+    run_lines,
+    threads_set,
+    warm_lines,
 )
 
 
@@ -31,9 +31,11 @@ def render_text(record: dict) -> str:
         table = [list(COLUMNS), *(row_cells(r) for r in rows)]
         body = align([cells[:-1] for cells in table])  # the last column (check) is free text
         lines += [f"  {line}  {cells[-1]}" for line, cells in zip(body, table, strict=True)]
-        lines += [f"  note: {note}" for note in footnotes(rows)]
+        lines += [f"  note: {note}" for note in footnotes(rows, threads_set(record))]
         lines.append("")
     for skipped in record["skipped_peers"]:
         lines.append(f"skipped {skipped['peer']}: {skipped['reason']}")
     lines += ["", *LEGEND]
+    if record["run"].get("warm_compile", True):
+        lines += warm_lines(record)
     return "\n".join(lines)
