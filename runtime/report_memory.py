@@ -35,13 +35,17 @@ def numba_hint() -> str:
 
 
 def compiled_paragraph(report) -> str:
-    return (f"{report.backend.capitalize()} backend (what runs here), from the code generator's "
+    returned = ("the loss, aux outputs and gradients" if report.view.joint
+                else "outputs, saved buffers, gradients")
+    text = (f"{report.backend.capitalize()} backend (what runs here), from the code generator's "
             "memory layout; nothing is compiled to find out. Values that stay inside a fused "
             "loop take no memory. Each compiled plan keeps a scratch arena, allocated once when "
             "it is compiled and reused by every call, for its other temporaries (those whose "
-            "lifetimes do not overlap share bytes); what a call returns (outputs, saved buffers, "
-            "gradients) is allocated fresh on every call. A backward call holds its saved "
-            "buffers and incoming gradients until it returns.")
+            f"lifetimes do not overlap share bytes); what a call returns ({returned}) is "
+            "allocated fresh on every call.")
+    if not report.view.joint:
+        text += " A backward call holds its saved buffers and incoming gradients until it returns."
+    return text
 
 
 def compiled_table(facts) -> str:
