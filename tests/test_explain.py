@@ -496,9 +496,10 @@ def test_numba_report_states_the_compiled_layout_without_compiling(form, case, t
         patch.setattr(compiled.CompiledPlan, "__init__", None)  # compiling would raise
         report = fn.explain(*args)
     layouts = compiled_layouts(fn, form, args)
-    assert [(f.plan, f.kernels, f.scratch_bytes, f.output_bytes) for f in report.compiled] == [
-        (name, g.kernel_count, g.layout.scratch_bytes, g.layout.output_bytes)
-        for name, g in layouts.items()]
+    assert [(f.plan, f.kernels, f.scratch_bytes, f.output_bytes, f.reused_saved)
+            for f in report.compiled] == [
+        (name, g.kernel_count, g.layout.scratch_bytes, g.layout.output_bytes,
+         len(g.layout.reused_saved)) for name, g in layouts.items()]
     step = [g for name, g in layouts.items() if name != "backward (retain)"]
     assert report.n_kernels == sum(g.kernel_count for g in step)
     assert report.compiled_scratch_bytes == sum(g.layout.scratch_bytes for g in step)
