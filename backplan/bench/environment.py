@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import subprocess
 import sys
 
 import numpy as np
@@ -77,6 +78,21 @@ def backplan_backend() -> str:
     return current_backend()
 
 
+def backplan_revision() -> str | None:
+    """The git commit backplan runs from (with "+changes" when the tree differs from it), or
+    None for an installed copy: the codegen changes fast, and numbers belong to a commit."""
+    folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout
+        changes = subprocess.run(["git", "-C", folder, "status", "--porcelain",
+                                  "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.strip() + (" +changes" if changes.strip() else "")
+
+
 def load_average() -> float | None:
     """The 1-minute load average: other work on the machine, which the timings cannot see."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -85,6 +101,7 @@ def load_average() -> float | None:
 def collect(versions: dict[str, str], thread_settings: dict, load_at_start=None) -> dict:
     return {
         "backplan_backend": backplan_backend(),
+        "backplan_revision": backplan_revision(),
         "cpu": cpu_name(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable_cpus(),

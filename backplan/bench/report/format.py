@@ -128,7 +128,8 @@ def environment_lines(record: dict) -> list[str]:
         f"CPU: {env['cpu']} ({env['usable_cpus']} usable of {env['logical_cpus']} logical CPUs)"
         + load_text,
         f"Python {env['python']} on {env['platform']}",
-        f"Versions: {versions}; backplan backend: {env.get('backplan_backend', '?')}",
+        f"Versions: {versions}; backplan backend: {env.get('backplan_backend', '?')}, "
+        f"revision {env.get('backplan_revision') or 'unknown'}",
         f"BLAS/OpenMP: {blas}",
         f"Environment: {variables}",
         f"Threads: {set_by}; in effect: {_in_effect(threads['in_effect'])}",
