@@ -10,6 +10,13 @@ import numba
 
 AS_PYTHON = os.environ.get("BACKPLAN_KERNELS_AS_PYTHON") == "1"
 
+# Parallel kernels run between BLAS calls. OpenMP's threads spin-wait after each parallel loop
+# while OpenBLAS's threads spin too, and on a small machine they starve each other (measured:
+# an MLP step 5-10x slower). Numba's workqueue layer sleeps instead. A user's own choice, made
+# with NUMBA_THREADING_LAYER, is left alone.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
+
 
 def njit(*args, **kwargs):
     if not AS_PYTHON:

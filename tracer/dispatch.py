@@ -82,4 +82,6 @@ def _build_eager_program(op, inputs, attrs, needs, scalars, loc) -> RegionProgra
     node = make_value(op, operands, attrs, loc)
     graph.nodes.append(node)
     graph.outputs = [node]
-    return RegionProgram(build_region_plans(graph, wrt), name=op, backend="reference")
+    # remat off: a one-op region saves exactly what its rule names (it holds the input anyway)
+    plans = build_region_plans(graph, wrt, remat=False)
+    return RegionProgram(plans, name=op, backend="reference")
