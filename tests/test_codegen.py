@@ -256,7 +256,7 @@ def test_parallel_and_chunked_reduction_kernels_equal_reference():
     """Big enough for prange: row reductions run in parallel over rows; column and full sums
     run as chunks with partial rows combined at the end."""
     rng = np.random.default_rng(6)
-    shape = (256, 160)
+    shape = (1024, 320)
 
     def ln_gelu(x, g, b, up):
         y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x
@@ -267,6 +267,6 @@ def test_parallel_and_chunked_reduction_kernels_equal_reference():
     vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
     with use_backend("numba"):
         source = vg.trace(*args).runner().compiled.source
-    assert "for chunk in prange(" in source and "prange(256)" in source
+    assert "for chunk in prange(" in source and "prange(1024)" in source
     ref, got = run_both(lambda *a: vg(*a), *args)
     assert_trees_close(ref, got, rtol=1e-4, atol=1e-4)
