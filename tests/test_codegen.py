@@ -270,3 +270,58 @@ def test_parallel_and_chunked_reduction_kernels_equal_reference():
     assert "for chunk in prange(" in source and "prange(1024)" in source
     ref, got = run_both(lambda *a: vg(*a), *args)
     assert_trees_close(ref, got, rtol=1e-4, atol=1e-4)
+
+
+PEAK_SCRIPT = """
+import json, tracemalloc
+import numpy as np
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+def loss(params, x, labels):
+    h = bp.relu(x @ params["w0"] + params["b0"])
+    return bp.cross_entropy(h @ params["w1"] + params["b1"], labels)
+
+rng = np.random.default_rng(8)
+params = {"w0": bp.tensor(rng.standard_normal((6, 32)).astype(np.float32)),
+          "b0": bp.tensor(np.zeros(32, np.float32)),
+          "w1": bp.tensor(rng.standard_normal((32, 4)).astype(np.float32)),
+          "b1": bp.tensor(np.zeros(4, np.float32))}
+args = (params, bp.tensor(rng.standard_normal((16, 6)).astype(np.float32)),
+        bp.tensor(rng.integers(0, 4, 16)))
+with use_backend("numba"):
+    vg = bp.value_and_grad(loss)
+    vg(*args)
+    compiled = vg.trace(*args).runner().compiled
+    arrays = [params[k]._data for k in params] + [args[1]._data, args[2]._data]
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    outputs = compiled(list(arrays))
+    after = tracemalloc.take_snapshot()
+numpy_domain = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
+grown = sum(s.size_diff for s in after.filter_traces([numpy_domain]).compare_to(
+    before.filter_traces([numpy_domain]), "filename"))
+print(json.dumps({"grown": grown, "planned_outputs": compiled.layout.output_bytes,
+                  "returned": sum(o.nbytes for o in outputs),
+                  "scratch": compiled.scratch_bytes, "planned_scratch": compiled.layout.scratch_bytes,
+                  "source": compiled.source}))
+"""
+
+
+def test_predicted_memory_equals_what_the_compiled_plan_allocates(tmp_path):
+    """Scratch arenas are allocated once at the planned size; a call allocates exactly the
+    planned output bytes (traced by tracemalloc), and the compiled code allocates nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["grown"] == facts["planned_outputs"] == facts["returned"] > 0
+    assert facts["scratch"] == facts["planned_scratch"] > 0
+    for allocating in ("np.empty", "np.zeros", "np.full", "ascontiguousarray", "concatenate"):
+        assert allocating not in facts["source"]
