@@ -156,8 +156,14 @@ class OpEmitter:
         return [f"{out}[:] = 0", f"{out}[{slices}] = {self.array(node.inputs[0], False)}"]
 
     def op_concatenate(self, node, out) -> list[str]:
-        parts = ", ".join(self.array(v, contiguous=False) for v in node.inputs)
-        return [f"{out}[:] = np.concatenate(({parts},), axis={node.attrs['axis']})"]
+        """Each part copied into its slice of the output: no temporary."""
+        axis, lines, offset = node.attrs["axis"], [], 0
+        for value in node.inputs:
+            size = value.shape[axis]
+            index = ", ".join([":"] * axis + [f"{offset}:{offset + size}"])
+            lines.append(f"{out}[{index}] = {self.array(value, contiguous=False)}")
+            offset += size
+        return lines
 
     def _rows(self, fn: str, rows: int, cols: int) -> str:
         return f"{fn}_par" if rows * cols >= (1 << 15) and rows > 1 else fn
