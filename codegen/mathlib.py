@@ -29,9 +29,7 @@ Example (inside any @numba.njit function)::
         out[i] = tanh_f32(x[i])
 """
 
-import hashlib
 import math
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -39,10 +37,6 @@ from numba import types
 from numba.extending import intrinsic
 
 _FLAGS = {"contract"}
-
-SOURCE_FINGERPRINT = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
-"""Changes with this file. Numba's disk cache of a kernel that calls these functions keys on the
-kernel's own source only and does not notice edits here, so kernel cache keys must include it."""
 
 
 def _scalar_function(fn):
