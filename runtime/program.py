@@ -9,7 +9,7 @@ from backplan.ir.pipeline import RegionPlans
 from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import is_float
 
-from .backend import make_runner
+from .backend import current_backend, make_runner
 
 
 @dataclass(frozen=True)
@@ -104,16 +104,18 @@ class RegionProgram:
         "consume" (backward that may reuse private saved buffers as scratch after their last
         read), made on first use with the backend chosen then. Both backward variants compute
         the same gradients; which one runs is decided when backward() is called."""
-        if which not in self._runners:
+        backend = self.backend or current_backend()
+        runner = self._runners.get((which, backend))
+        if runner is None:
             if which == "forward":
-                runner = make_runner(self.plans.forward, self.backend)
+                runner = make_runner(self.plans.forward, backend)
             elif which == "retain":
-                runner = make_runner(self.plans.backward, self.backend)
+                runner = make_runner(self.plans.backward, backend)
             else:
-                runner = make_runner(self.plans.backward, self.backend,
+                runner = make_runner(self.plans.backward, backend,
                                      private_saved=self.private_saved_inputs())
-            self._runners[which] = runner
-        return self._runners[which]
+            self._runners[(which, backend)] = runner
+        return runner
 
     def private_saved_inputs(self) -> tuple[int, ...]:
         """Backward inputs holding saved buffers that only this region's graph can see: computed

@@ -468,3 +468,29 @@ def test_float32_programs_match_float64_numpy(program, seed):
     out = bp.compile(lambda *xs: program.run(BACKPLAN, xs))(*leaves(arrays, requires_grad=False))
     assert out.dtype == np.float32
     assert_close(out.numpy(), expected, 1e-3, "float32 compiled vs float64 numpy")
+
+
+COMPILED_EXAMPLES = int(os.environ.get("BACKPLAN_HYPOTHESIS_COMPILED_EXAMPLES", "12"))
+
+
+@settings(max_examples=COMPILED_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(program=programs(), seed=st.integers(0, 2**16))
+@example(program=DIAMOND, seed=0)
+def test_numba_compiled_programs_equal_the_reference_interpreter(program, seed):
+    """Each random program's value_and_grad, compiled by Numba, against the reference
+    interpreter (each example compiles a plan, so there are fewer of them)."""
+    from backplan.runtime.backend import use_backend
+
+    arrays = make_inputs(program, seed)
+    out_shape = np.shape(program.run(NUMPY, arrays))
+    weights = bp.tensor(np.random.default_rng(seed + 2).standard_normal(out_shape))
+    vg = bp.value_and_grad(lambda *xs: bp.sum(program.run(BACKPLAN, xs) * weights),
+                           argnums=tuple(range(len(arrays))))
+    results = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            value, grads = vg(*leaves(arrays, requires_grad=False))
+            results[backend] = [value.numpy()] + [g.numpy() for g in grads]
+    for i, (got, want) in enumerate(zip(results["numba"], results["reference"], strict=True)):
+        assert_close(got, want, 1e-9, f"numba vs reference, output {i}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,7 +12,7 @@ from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import is_float
 from backplan.runtime import is_grad_enabled
-from backplan.runtime.backend import make_runner
+from backplan.runtime.backend import current_backend, make_runner
 
 from .errors import TracingError
 from .fastpath import call_key, positions_of
@@ -33,12 +33,15 @@ class JointTrace:
     aux_treedef: object
     n_aux: int
     wrt: list[bool]
-    _runner: object = None
+    _runners: dict = field(default_factory=dict)
 
     def runner(self):
-        if self._runner is None:
-            self._runner = make_runner(self.plan)
-        return self._runner
+        """The runner for the backend current now (use_backend switches between calls)."""
+        backend = current_backend()
+        runner = self._runners.get(backend)
+        if runner is None:
+            runner = self._runners[backend] = make_runner(self.plan, backend)
+        return runner
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -135,13 +138,13 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
     positions = positions_of([call.leaves[p] for p in call.tensor_positions], leaves)
     if positions is None:
         return None
-    captured, runner, n_aux = entry.captured, entry.runner(), entry.n_aux
+    captured, runner, n_aux = entry.captured, entry.runner, entry.n_aux
     grad_structures = [flatten(args[i])[1] for i in nums]
 
     def call_fast(leaves):
         arrays = [leaves[i]._data for i in positions]
         arrays += [t._data for t in captured]
-        results = [Tensor._from_array(a) for a in runner(arrays)]
+        results = [Tensor._from_array(a) for a in runner()(arrays)]
         grads, start = [], 1 + n_aux
         for structure in grad_structures:
             count = structure.num_leaves
