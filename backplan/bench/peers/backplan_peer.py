@@ -121,6 +121,7 @@ class BackplanReferencePeer(BackplanPeer):
 
     name = "backplan.reference"
     description = "bp.value_and_grad on the NumPy reference interpreter"
+    warm_first_call = "a new traced function: trace and plan again (nothing to compile)"
 
     def missing(self) -> str | None:
         try:
