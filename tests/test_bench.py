@@ -305,3 +305,17 @@ def test_rows_whose_median_is_far_above_their_minimum_are_flagged_noisy():
     noisy = {"peer": "torch", "status": "ok", "step_ms": {"median": 30.0, "min": 1.0}}
     notes = footnotes([steady, noisy])
     assert len(notes) == 1 and notes[0].startswith("torch: noisy, the median is 30.0x")
+
+
+def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch, tmp_path):
+    from backplan.bench.peers.jax_peer import JaxPeer
+
+    monkeypatch.setattr(JaxPeer, "missing", lambda self: "jax is not installed")
+    path = tmp_path / "run.json"
+    code, text = run_cli("--quick", "--small", "--models", "mlp_tiny", "--against", "jax",
+                         "--json", str(path))
+    record = json.loads(path.read_text())
+    assert code == 0
+    assert record["skipped_peers"] == [{"peer": "jax", "reason": "jax is not installed"}]
+    assert {r["peer"] for r in record["results"]} == {"backplan", "backplan.compile"}
+    assert "skipped jax: jax is not installed" in text

@@ -1,5 +1,25 @@
 """The run record as JSON (every field) and CSV (one flat row per model and peer). Reading a
-record back is plain JSON parsing: nothing is unpickled or executed."""
+record back is plain JSON parsing: nothing is unpickled or executed.
+
+The JSON record (schema "backplan-bench/1"):
+
+- schema, command (the command line that reproduces the run), started, elapsed_s
+- run: dtype, small (shapes shrunk), quick, schedule (warmup_steps, settle_steps, rounds,
+  round_seconds, min_steps, max_steps), warm_compile, caches (cold_caches, variables)
+- environment: cpu, logical_cpus, usable_cpus, load_average_1min {start, end}, platform,
+  python, versions {library: version}, blas [{user_api, internal_api, version, num_threads,
+  architecture (the OpenBLAS core type), library}], variables (OPENBLAS_CORETYPE and the
+  thread variables that are set), threads {set_by_harness, in_effect}, backplan_backend,
+  backplan_revision
+- models: [{name, summary, train, config (the sizes run), static}]
+- peers: [{name, description, warm_first_call}]; skipped_peers: [{peer, reason}]
+- results: one per model and peer: model, peer, peer_description, status ("ok", "wrong",
+  "error", "skipped"), note, step_ms {median, min, max, n}, ratio_to_fastest (median over the
+  fastest correct peer's), first_call_s {cold, warm} (seconds), saved_bytes {excluding_inputs,
+  including_inputs, source}, peak_bytes {measured, measured_by, planned, planned_by}, check
+  {value_rel_error, grad_rel_error, worst_grad, tolerance, ok}, plan {backend, kernels,
+  fused_kernels} (backplan rows), warnings (what the peer warned about on its first call)
+"""
 
 from __future__ import annotations
 
