@@ -114,7 +114,7 @@ class _Emitter:
                 self._loop(index, kernel, body, functions)
             elif kernel.kind == "view":
                 node = kernel.nodes[0]
-                if not (self.ops.absorbs(node)
+                if not (self.ops.absorbs(node) and node not in self.graph.outputs
                         and all(u.op == "matmul" for u in self.users[node])):
                     body += self.ops.view(node)
             elif kernel.nodes[0].op == "const":

@@ -326,3 +326,20 @@ def test_predicted_memory_equals_what_the_compiled_plan_allocates(tmp_path):
     assert facts["scratch"] == facts["planned_scratch"] > 0
     for allocating in ("np.empty", "np.zeros", "np.full", "ascontiguousarray", "concatenate"):
         assert allocating not in facts["source"]
+
+
+def test_compiled_region_of_a_transformer_block_saves_transposed_views_correctly():
+    """Attention saves k transposed (a view): the forward plan returns it, backward reads it."""
+    rng = np.random.default_rng(9)
+    params = block_params(rng)
+    x = bp.tensor(rng.standard_normal((2, 4, 8)).astype(np.float32))
+    compiled = bp.compile(block_loss)
+    grads = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            compiled.clear_cache()
+            bp.zero_grad(params)
+            compiled(params, x).backward()
+            grads[backend] = {k: v.grad.numpy().copy() for k, v in params.items()}
+    for k in params:
+        np.testing.assert_allclose(grads["numba"][k], grads["reference"][k], rtol=2e-5, atol=1e-6)
