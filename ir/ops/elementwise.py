@@ -3,7 +3,6 @@
 import math
 
 import numpy as np
-from scipy import special
 
 from ..registry import AttrSpec, OpDef, register
 from .common import elementwise_type, float_only, numeric_only
@@ -169,7 +168,7 @@ def _gelu_ref(x, approximate):
     if approximate == "tanh":
         inner = dt(GELU_K) * (x + dt(GELU_C) * x * x * x)
         return dt(0.5) * x * (dt(1) + np.tanh(inner))
-    return dt(0.5) * x * (dt(1) + special.erf(x * dt(1 / math.sqrt(2))))
+    return dt(0.5) * x * (dt(1) + _erf_ref(x * dt(1 / math.sqrt(2))))
 
 
 def _relu_ref(x):
@@ -177,6 +176,8 @@ def _relu_ref(x):
 
 
 def _sigmoid_ref(x):
+    from scipy import special  # imported on first use: it costs 0.1 s at startup
+
     return special.expit(x)
 
 
@@ -189,7 +190,13 @@ _unary("relu", _relu_ref, _relu_vjp, floats=False, doc="saves its output")
 _unary("sqrt", np.sqrt, _sqrt_vjp, doc="saves its output")
 _unary("abs", np.abs, _abs_vjp, floats=False, doc="saves its input")
 _unary("sign", np.sign, floats=False, differentiable=False, doc="no gradient")
-_unary("erf", special.erf, _erf_vjp, doc="saves its input")
+def _erf_ref(x):
+    from scipy import special
+
+    return special.erf(x)
+
+
+_unary("erf", _erf_ref, _erf_vjp, doc="saves its input")
 _unary(
     "gelu",
     _gelu_ref,

@@ -1,7 +1,6 @@
 """Composites with their own entries, because numerics or saved bytes demand it."""
 
 import numpy as np
-from scipy import special
 
 from ..errors import DtypeError, ShapeError
 from ..registry import AttrSpec, OpDef, register
@@ -59,6 +58,8 @@ def _lse_infer(types, attrs):
 
 
 def _lse_ref(x, axes, keepdims):
+    from scipy import special  # imported on first use: it costs 0.1 s at startup
+
     return special.logsumexp(x, axis=axes, keepdims=keepdims).astype(x.dtype)
 
 
