@@ -58,16 +58,20 @@ class CompiledPlan:
         args.clear()
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
-        buffers = [np.empty(shape, dtype) for shape, dtype in self._output_buffers]
+        arrays += self._constants
+        arrays += self._scratch
+        arrays += [np.empty(shape, dtype) for shape, dtype in self._output_buffers]
         try:
             if self.first_call_seconds is None:
                 start = time.perf_counter()
-                returned = self._run(*arrays, *self._constants, *self._scratch, *buffers)
+                returned = self._run(*arrays)
                 self.first_call_seconds = time.perf_counter() - start
             else:
-                returned = self._run(*arrays, *self._constants, *self._scratch, *buffers)
+                returned = self._run(*arrays)
         except IndexError as exc:
             raise self._located(exc) from None
+        if not (self._literal_outputs or self._scalar_outputs):
+            return list(returned)
         outputs = list(returned)
         for i, (shape, value, dtype) in self._literal_outputs.items():
             outputs.insert(i, np.full(shape, value, dtype))

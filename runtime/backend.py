@@ -16,13 +16,15 @@ BACKENDS = ("numba", "reference")
 _override: list[str] = []
 
 
+_DEFAULT = os.environ.get("BACKPLAN_BACKEND", "numba")  # read once: calls are hot
+
+
 def current_backend() -> str:
     if _override:
         return _override[-1]
-    name = os.environ.get("BACKPLAN_BACKEND", "numba")
-    if name not in BACKENDS:
-        raise ValueError(f"BACKPLAN_BACKEND={name!r}; use one of {BACKENDS}")
-    return name
+    if _DEFAULT not in BACKENDS:
+        raise ValueError(f"BACKPLAN_BACKEND={_DEFAULT!r}; use one of {BACKENDS}")
+    return _DEFAULT
 
 
 @contextmanager

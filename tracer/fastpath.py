@@ -35,9 +35,10 @@ def _walk(tree, leaves: list, grad_enabled: bool):
         leaves.append(tree)
         return (data.shape, data.dtype, tree._requires_grad and grad_enabled)
     if kind is dict:
-        return ("d", tuple(tree), tuple(_walk(v, leaves, grad_enabled) for v in tree.values()))
+        parts = [_walk(v, leaves, grad_enabled) for v in tree.values()]
+        return ("d", tuple(tree), tuple(parts))
     if kind is list or kind is tuple:
-        return (kind, tuple(_walk(v, leaves, grad_enabled) for v in tree))
+        return (kind, tuple([_walk(v, leaves, grad_enabled) for v in tree]))
     if kind in (int, float, bool, str) or tree is None:
         return ("s", kind, tree)
     raise _Unusual  # arrays, namedtuples, other objects: the full path handles them

@@ -144,7 +144,7 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
     def call_fast(leaves):
         arrays = [leaves[i]._data for i in positions]
         arrays += [t._data for t in captured]
-        results = [Tensor._from_array(a) for a in runner()(arrays)]
+        results = [Tensor._fresh(a) for a in runner()(arrays)]
         grads, start = [], 1 + n_aux
         for structure in grad_structures:
             count = structure.num_leaves

@@ -65,6 +65,17 @@ class Tensor:
         return tensor
 
     @classmethod
+    def _fresh(cls, array: np.ndarray) -> Tensor:
+        """Wrap an array nobody else holds (a compiled plan's output): the cheapest path."""
+        tensor = cls.__new__(cls)
+        tensor._data = array
+        tensor._value = tensor._trace = tensor._grad_fn = tensor.grad = tensor._scalar = None
+        tensor._out_index = 0
+        tensor._requires_grad = False
+        array.flags.writeable = False
+        return tensor
+
+    @classmethod
     def _traced(cls, value, trace, requires_grad: bool = False) -> Tensor:
         tensor = cls.__new__(cls)
         tensor._init(None, value, trace)
