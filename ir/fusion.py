@@ -86,26 +86,28 @@ def _place(node: Value, kernels: list[Kernel], home) -> int:
 
 
 def _joinable_loop(node, shape, kernels, home) -> int | None:
-    """The latest loop kernel of this iteration shape that computes one of node's inputs (or,
-    failing that, the latest loop kernel of this shape at all), provided every input is ready
-    before it runs and none is a reduction that kernel is still accumulating."""
+    """The latest loop kernel of this iteration shape that computes one of node's inputs, or
+    else the latest loop kernel of this shape at all, whichever has every input ready."""
     sources = [alias_base(i) for i in node.inputs]
-    candidates = [home[s] for s in sources if s in home and kernels[home[s]].kind == "loop"
-                  and kernels[home[s]].shape == shape and s not in kernels[home[s]].reductions]
-    if not candidates:
-        same_shape = [k for k, kernel in enumerate(kernels)
-                      if kernel.kind == "loop" and kernel.shape == shape]
-        candidates = same_shape[-1:]
-    if not candidates:
-        return None
-    target = max(candidates)
-    kernel = kernels[target]
-    for source in sources:  # aliases and literals cost nothing: only the source matters
+    producers = [home[s] for s in sources if s in home and kernels[home[s]].kind == "loop"
+                 and kernels[home[s]].shape == shape and s not in kernels[home[s]].reductions]
+    latest = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"
+              and kernel.shape == shape][-1:]
+    for target in ([max(producers)] if producers else []) + latest:
+        if _ready(sources, target, kernels, home):
+            return target
+    return None
+
+
+def _ready(sources, target: int, kernels, home) -> bool:
+    """Every input exists before kernel `target` runs (aliases and literals cost nothing, so
+    only the source matters) and none is a reduction that kernel is still accumulating."""
+    for source in sources:
         if source in home and kernels[home[source]].kind == "literal":
             continue
-        if home.get(source, -1) > target or source in kernel.reductions:
-            return None
-    return target
+        if home.get(source, -1) > target or source in kernels[target].reductions:
+            return False
+    return True
 
 
 def materialized(graph: Graph, kernels: list[Kernel]) -> set[Value]:
