@@ -109,6 +109,7 @@ class _Emitter:
         for index, kernel in enumerate(kernels):
             if kernel.kind in ("literal", "alias"):
                 continue
+            body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
             body += [ir_comment(n, self.names) for n in kernel.all_nodes]
             if kernel.kind == "loop":
                 self._loop(index, kernel, body, functions)
@@ -133,7 +134,7 @@ class _Emitter:
         for node in kernel.all_nodes:
             if node in stored:
                 body += self.buffer(node)
-        emitter = LoopEmitter(kernel, set(kernel.all_nodes), stored, self.names,
+        emitter = LoopEmitter(kernel, set(kernel.computed), stored, self.names,
                               self.literal_of, self.contiguous)
         setup, loop, parallel = emitter.emit()
         body += setup

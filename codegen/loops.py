@@ -71,7 +71,7 @@ class LoopEmitter:
         return setup, body, mode != "serial"
 
     def _collect_accesses(self, shape) -> None:
-        for node in self.kernel.all_nodes:
+        for node in self.kernel.computed:
             for inp in node.inputs:
                 base, dims = index_map(inp, shape)
                 if base in self.local or self.literal_of(base) is not None:
@@ -257,7 +257,7 @@ class LoopEmitter:
         targets: where a reduction accumulates, when not its accumulator or output."""
         targets = targets or {}
         lines = []
-        for node in self.kernel.nodes:
+        for node in self.kernel.recomputed + self.kernel.nodes:
             expr = expression(node, [self.operand(i) for i in node.inputs])
             lines.append(f"{self.local_name(node)} = {expr}")
         for node in self.kernel.nodes:

@@ -56,7 +56,7 @@ def lifetimes(graph: Graph, kernels: list[Kernel]) -> dict[Value, int]:
     """Last kernel step that reads each storage root (through views); outputs live past the end."""
     last: dict[Value, int] = {}
     for step, kernel in enumerate(kernels):
-        for node in kernel.all_nodes:
+        for node in kernel.computed:
             for inp in node.inputs:
                 root = storage_root(inp)
                 last[root] = max(last.get(root, -1), step)

@@ -51,10 +51,17 @@ class Kernel:
     nodes: list[Value] = field(default_factory=list)
     shape: tuple[int, ...] = ()
     reductions: list[Value] = field(default_factory=list)
+    recomputed: list[Value] = field(default_factory=list)  # cheap values of other kernels
 
     @property
     def all_nodes(self) -> list[Value]:
+        """The nodes this kernel is home to (each value has exactly one home)."""
         return self.nodes + self.reductions
+
+    @property
+    def computed(self) -> list[Value]:
+        """Everything the kernel computes, in order: recomputed values first."""
+        return self.recomputed + self.nodes + self.reductions
 
 
 def group_kernels(graph: Graph) -> list[Kernel]:
@@ -62,7 +69,49 @@ def group_kernels(graph: Graph) -> list[Kernel]:
     home: dict[Value, int] = {}
     for node in graph.nodes:
         home[node] = _place(node, kernels, home)
+    _recompute_cheap_inputs(kernels, home)
     return kernels
+
+
+# Arithmetic a loop recomputes more cheaply than it reads a stored copy.
+CHEAP_LOOP_OPS = frozenset({"add", "sub", "mul", "div", "neg", "maximum", "minimum", "where",
+                            "relu", "abs", "lt", "le", "gt", "ge", "eq", "ne", "astype"})
+MAX_RECOMPUTE = 4
+
+
+def _recompute_cheap_inputs(kernels: list[Kernel], home) -> None:
+    """A loop that reads a value another loop of the same shape computed with a few cheap ops
+    from stable inputs recomputes it instead, so that value need not be written and read back."""
+    for k, kernel in enumerate(kernels):
+        if kernel.kind != "loop":
+            continue
+        for node in list(kernel.computed):
+            for inp in node.inputs:
+                source = alias_base(inp)
+                cone = _cheap_cone(source, kernel, k, kernels, home)
+                for value in cone or ():
+                    if value not in kernel.recomputed:
+                        kernel.recomputed.append(value)
+
+
+def _cheap_cone(value, kernel, k, kernels, home) -> list[Value] | None:
+    """value and the cheap values it needs, in order, if all can be recomputed in kernel k from
+    values that are stored anyway (inputs, reductions, op results, other shapes, literals)."""
+    if value not in home or home[value] == k or value in kernel.recomputed:
+        return []
+    owner = kernels[home[value]]
+    if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
+        return []  # stored anyway: read it
+    if value.op not in CHEAP_LOOP_OPS:
+        return None
+    cone = []
+    for inp in value.inputs:
+        sub = _cheap_cone(alias_base(inp), kernel, k, kernels, home)
+        if sub is None:
+            return None
+        cone += [v for v in sub if v not in cone]
+    cone.append(value)
+    return cone if len(cone) <= MAX_RECOMPUTE else None
 
 
 def _new(kernels, kernel) -> int:
@@ -116,11 +165,12 @@ def materialized(graph: Graph, kernels: list[Kernel]) -> set[Value]:
     home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
     needed = {alias_base(o) for o in graph.outputs} | set(graph.outputs)
     for k, kernel in enumerate(kernels):
-        for node in kernel.all_nodes:
+        for node in kernel.computed:
             for inp in node.inputs:
                 source = alias_base(inp)
                 in_loop = kernel.kind in ("loop", "alias")
-                if in_loop and source in home and home[source] == k:
+                if in_loop and (source in home and home[source] == k
+                                or source in kernel.recomputed):
                     continue
                 if in_loop and kernels[home[source]].kind == "literal" if source in home else False:
                     continue
