@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, replace
 
 from .caches import FreshCaches
-from .environment import collect, load_average
+from .environment import collect, load_average, usable_cpus
 from .errors import BenchError
 from .measure import FULL, QUICK
 from .models import MODELS, select_models
@@ -26,35 +26,56 @@ from .suite import Settings, run_suite
 from .threads import apply_threads, prepare_jax_threads
 
 DEFAULT_AGAINST = "numpy,torch,jax"
+FEW_CPUS = 4  # at or below this, default thread pools of several libraries fight for cores
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--models", default="", help=f"comma-separated; default all of: "
-                        f"{', '.join(MODELS)}")
-    parser.add_argument("--against", default=DEFAULT_AGAINST,
-                        help=f"peers, comma-separated, from {', '.join(AGAINST_CHOICES)}; "
-                        "'torch' means eager and torch.compile; 'none' runs backplan alone "
-                        f"(default {DEFAULT_AGAINST}); peers not installed are skipped")
+    parser.add_argument(
+        "--models", default="", help=f"comma-separated; default all of: {', '.join(MODELS)}"
+    )
+    parser.add_argument(
+        "--against",
+        default=DEFAULT_AGAINST,
+        help=f"peers, comma-separated, from {', '.join(AGAINST_CHOICES)}; "
+        "'torch' means eager and torch.compile; 'none' runs backplan alone "
+        f"(default {DEFAULT_AGAINST}); peers not installed are skipped",
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    parser.add_argument("--threads", type=int, default=None,
-                        help="set every peer's thread count: BLAS and OpenMP pools, PyTorch, "
-                        "Numba, and XLA when 1 (default: leave the libraries alone)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a couple of steps per peer, no warm-compile measurement")
-    parser.add_argument("--small", action="store_true",
-                        help="shrink every model's shapes (for tests); results say so")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="set every peer's thread count: BLAS and OpenMP pools, PyTorch, "
+        "Numba, and XLA when 1 (default: leave the libraries alone)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a couple of steps per peer, no warm-compile measurement",
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="shrink every model's shapes (for tests); results say so",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds")
-    parser.add_argument("--cold-caches", action="store_true",
-                        help="give backplan and torch.compile empty disk caches in this process, "
-                        "so cold first calls compile everything (default: caches as found)")
+    parser.add_argument(
+        "--cold-caches",
+        action="store_true",
+        help="give backplan and torch.compile empty disk caches in this process, "
+        "so cold first calls compile everything (default: caches as found)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every measured field as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write one row per model and peer")
-    parser.add_argument("--markdown", metavar="PATH",
-                        help="write or update the generated part of a Markdown file "
-                        "(BENCHMARKS.md)")
+    parser.add_argument(
+        "--markdown",
+        metavar="PATH",
+        help="write or update the generated part of a Markdown file (BENCHMARKS.md)",
+    )
     parser.add_argument("--plot", metavar="PATH", help="bar chart of step times (matplotlib)")
-    parser.add_argument("--from-json", metavar="PATH",
-                        help="report a saved JSON record instead of measuring")
+    parser.add_argument(
+        "--from-json", metavar="PATH", help="report a saved JSON record instead of measuring"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -87,6 +108,10 @@ def _measure(args) -> dict:
     versions = {k: v for peer in available for k, v in peer.versions().items()}
     thread_settings |= apply_threads(args.threads)
     settings = _settings(args)
+    if args.threads is None and usable_cpus() <= FEW_CPUS:
+        progress.note(f"note: thread counts are the libraries' defaults on {usable_cpus()} CPUs; "
+                      "interleaved peers' thread pools can stall each other there, so use "
+                      "--threads 1 for steady numbers")
     if settings.small:
         progress.note("--small: every model runs at SHRUNK sizes, not the documented ones")
     started, load = time.strftime("%Y-%m-%d %H:%M:%S %Z"), load_average()
@@ -98,13 +123,28 @@ def _measure(args) -> dict:
         "command": command_line(args),
         "started": started,
         "elapsed_s": time.perf_counter() - start,
-        "run": {"dtype": settings.dtype, "small": settings.small, "quick": args.quick,
-                "schedule": asdict(settings.schedule), "warm_compile": settings.warm_compile},
+        "run": {
+            "dtype": settings.dtype,
+            "small": settings.small,
+            "quick": args.quick,
+            "schedule": asdict(settings.schedule),
+            "warm_compile": settings.warm_compile,
+        },
         "environment": collect(versions, thread_settings, load),
-        "models": [{"name": m.name, "summary": m.summary, "train": m.train,
-                    "config": m.sizes(settings.small), "static": m.static} for m in models],
-        "peers": [{"name": p.name, "description": p.description,
-                   "warm_first_call": p.warm_first_call} for p in available],
+        "models": [
+            {
+                "name": m.name,
+                "summary": m.summary,
+                "train": m.train,
+                "config": m.sizes(settings.small),
+                "static": m.static,
+            }
+            for m in models
+        ],
+        "peers": [
+            {"name": p.name, "description": p.description, "warm_first_call": p.warm_first_call}
+            for p in available
+        ],
         "skipped_peers": skipped,
         "results": results,
     }
@@ -133,8 +173,9 @@ def _settings(args) -> Settings:
         if args.rounds < 1:
             raise BenchError(f"--rounds must be at least 1, got {args.rounds}")
         schedule = replace(schedule, rounds=args.rounds)
-    return Settings(dtype=args.dtype, small=args.small, schedule=schedule,
-                    warm_compile=not args.quick)
+    return Settings(
+        dtype=args.dtype, small=args.small, schedule=schedule, warm_compile=not args.quick
+    )
 
 
 def command_line(args) -> str:
@@ -145,8 +186,11 @@ def command_line(args) -> str:
         default = {"models": "", "against": DEFAULT_AGAINST, "dtype": "float32"}.get(flag)
         if value is not None and value != default:
             parts.append(f"--{flag} {value}")
-    parts += [f"--{flag.replace('_', '-')}" for flag in ("quick", "small", "cold_caches")
-              if getattr(args, flag)]
+    parts += [
+        f"--{flag.replace('_', '-')}"
+        for flag in ("quick", "small", "cold_caches")
+        if getattr(args, flag)
+    ]
     for flag in ("json", "csv", "markdown", "plot"):
         if getattr(args, flag):
             parts.append(f"--{flag} {getattr(args, flag)}")
