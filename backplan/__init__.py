@@ -27,8 +27,8 @@ from backplan.runtime import (
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
 from backplan.tracer.artifact_format import ExportError
 from backplan.tracer.artifact_load import load
-from backplan.tracer.export import export
 from backplan.tracer.explain import explain
+from backplan.tracer.export import export
 from backplan.tracer.ops import (
     abs,
     add,

@@ -40,8 +40,9 @@ def train(steps: int = 200, batch: int = 64, lr: float = 0.1, out=sys.stdout) ->
             print(f"live saved bytes: {bp.live_saved_bytes()}", file=out)
         loss.backward()
         if step == 0:
-            print(f"after backward:   {bp.live_saved_bytes()} (every saved buffer freed)\n",
-                  file=out)
+            print(
+                f"after backward:   {bp.live_saved_bytes()} (every saved buffer freed)\n", file=out
+            )
         losses.append(loss.item())
         sgd_step(params, lr)
         if step % 25 == 0 or step == steps - 1:
@@ -49,7 +50,9 @@ def train(steps: int = 200, batch: int = 64, lr: float = 0.1, out=sys.stdout) ->
             print(f"step {step:4d}  loss {recent:.4f}", file=out)
     elapsed = time.perf_counter() - start
     info = mlp_loss.cache_info()
-    print(f"\n{steps} steps in {elapsed:.2f} s; traced {info.traces} time(s), "
-          f"{info.hits} cache hits", file=out)
+    print(
+        f"\n{steps} steps in {elapsed:.2f} s; traced {info.traces} time(s), {info.hits} cache hits",
+        file=out,
+    )
     print(f"loss fell from {np.mean(losses[:10]):.3f} to {np.mean(losses[-10:]):.3f}", file=out)
     return losses

@@ -29,10 +29,18 @@ class ExplainArgumentError(BackplanError):
 
 def add_arguments(parser) -> None:
     parser.add_argument("target", help="path/to/script.py:function (or package.module:function)")
-    parser.add_argument("--args", action="append", default=[], metavar="SPECS",
-                        help='inputs, e.g. "x=f32[16,32],w=f32[32,8]:grad,params.b=f32[8]:grad"')
-    parser.add_argument("--value-and-grad", action="store_true",
-                        help="explain bp.value_and_grad(function) over the arguments marked :grad")
+    parser.add_argument(
+        "--args",
+        action="append",
+        default=[],
+        metavar="SPECS",
+        help='inputs, e.g. "x=f32[16,32],w=f32[32,8]:grad,params.b=f32[8]:grad"',
+    )
+    parser.add_argument(
+        "--value-and-grad",
+        action="store_true",
+        help="explain bp.value_and_grad(function) over the arguments marked :grad",
+    )
     parser.add_argument("--plot", metavar="PATH", help="also write the timeline (.png or .svg)")
     parser.add_argument("--dot", metavar="PATH", help="also write the Graphviz DOT graph")
 
@@ -66,8 +74,9 @@ def bind_specs(fn, tree: dict) -> tuple[list, dict]:
     names = [p.name for p in parameters]
     unknown = [name for name in tree if name not in names]
     if unknown and not any(p.kind == p.VAR_KEYWORD for p in parameters):
-        raise ExplainArgumentError(f"{fn.__name__} has no parameter(s) {unknown}; its "
-                                   f"parameters are {names}")
+        raise ExplainArgumentError(
+            f"{fn.__name__} has no parameter(s) {unknown}; its parameters are {names}"
+        )
     positional, keywords, skipped = [], {}, False
     for p in parameters:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -76,7 +85,8 @@ def bind_specs(fn, tree: dict) -> tuple[list, dict]:
             if p.default is inspect.Parameter.empty:
                 raise ExplainArgumentError(
                     f"{fn.__name__}: describe parameter {p.name!r}, e.g. --args "
-                    f'"{p.name}=f32[16,32]" (or "{p.name}.key=f32[...]" for a dict)')
+                    f'"{p.name}=f32[16,32]" (or "{p.name}.key=f32[...]" for a dict)'
+                )
             skipped = True
         elif p.kind == p.POSITIONAL_ONLY or (p.kind == p.POSITIONAL_OR_KEYWORD and not skipped):
             positional.append(tree[p.name])  # by position, as value_and_grad's argnums counts

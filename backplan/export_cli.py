@@ -30,9 +30,12 @@ NAME = re.compile(r"^[A-Za-z_]\w*(\.\w+)*$")
 def add_arguments(parser) -> None:
     parser.add_argument("target", help="script.py:function or package.module:function")
     parser.add_argument("--args", default="", help='e.g. "x=f32[16,32],w=f32[32,8]:grad,n=3"')
-    parser.add_argument("--value-and-grad", action="store_true",
-                        help="export bp.value_and_grad(function) over the arguments marked :grad "
-                             "(a training step) instead of the function itself")
+    parser.add_argument(
+        "--value-and-grad",
+        action="store_true",
+        help="export bp.value_and_grad(function) over the arguments marked :grad "
+        "(a training step) instead of the function itself",
+    )
     parser.add_argument("-o", "--output", required=True, help="artifact path, e.g. model.bpz")
 
 
@@ -146,8 +149,9 @@ def parse_value(text: str, name: str):
     try:
         value = json.loads(text)
     except ValueError:
-        raise bp.ExportError(f"--args {name}={text!r}: not a type like f32[2,3] or a literal "
-                             "(3, 0.5, \"text\", true)") from None
+        raise bp.ExportError(
+            f'--args {name}={text!r}: not a type like f32[2,3] or a literal (3, 0.5, "text", true)'
+        ) from None
     if isinstance(value, list | dict) or value is None:
         raise bp.ExportError(f"--args {name}: only numbers, strings and booleans are literals")
     return value
@@ -175,8 +179,10 @@ def grad_argnums(positional: list):
         leaves = flatten(arg)[0]
         flags = [isinstance(x, bp.Tensor) and x.requires_grad for x in leaves]
         if any(flags) and not all(flags):
-            raise bp.ExportError(f"--value-and-grad: argument {i} mixes :grad and other leaves; "
-                                 "mark all of its leaves :grad or none")
+            raise bp.ExportError(
+                f"--value-and-grad: argument {i} mixes :grad and other leaves; "
+                "mark all of its leaves :grad or none"
+            )
         if flags and all(flags):
             nums.append(i)
     if not nums:

@@ -22,8 +22,10 @@ def run(args) -> int:
         return 1
     manifest = loaded.manifest
     print(f"artifact: {args.artifact}")
-    print(f"format: {manifest['format']} version {manifest['format_version']}, written by "
-          f"backplan {manifest.get('backplan_version', 'unknown')}")
+    print(
+        f"format: {manifest['format']} version {manifest['format_version']}, written by "
+        f"backplan {manifest.get('backplan_version', 'unknown')}"
+    )
     print(f"kind: {loaded.kind}")
     print(f"signature: {loaded.signature}")
     print(f"members ({sum(loaded.member_sizes.values())} bytes):")

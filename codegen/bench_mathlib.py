@@ -12,8 +12,9 @@ import time
 
 import numba
 import numpy as np
-from backplan.codegen import mathlib
 from scipy import special
+
+from backplan.codegen import mathlib
 
 NUMPY_EQUIVALENTS = {
     "exp": np.exp,

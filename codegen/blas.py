@@ -3,20 +3,33 @@ transpose flags instead of transposed copies."""
 
 import numpy as np
 from numba import types
-
-from .jit import AS_PYTHON, njit
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.np.linalg import ensure_blas
+
+from .jit import AS_PYTHON, njit
 
 ensure_blas()
 
 
 _XXGEMM = types.ExternalFunction(
     "numba_xxgemm",
-    types.intc(types.char, types.char, types.char, types.intp, types.intp, types.intp,
-               types.voidptr, types.voidptr, types.intp, types.voidptr, types.intp,
-               types.voidptr, types.voidptr, types.intp),
+    types.intc(
+        types.char,
+        types.char,
+        types.char,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.voidptr,
+        types.voidptr,
+        types.intp,
+        types.voidptr,
+        types.intp,
+        types.voidptr,
+        types.voidptr,
+        types.intp,
+    ),
 )
 
 
@@ -46,10 +59,22 @@ def _gemm(kind, trans_a, trans_b, a, b, out, scalars):
     if k == 0:
         out[:] = 0
         return
-    _XXGEMM(kind, 84 if trans_b else 78, 84 if trans_a else 78, n, m, k,
-            _voidptr(scalars.ctypes.data), _voidptr(b.ctypes.data), max(b.shape[1], 1),
-            _voidptr(a.ctypes.data), max(a.shape[1], 1),
-            _voidptr(scalars.ctypes.data + scalars.itemsize), _voidptr(out.ctypes.data), max(n, 1))
+    _XXGEMM(
+        kind,
+        84 if trans_b else 78,
+        84 if trans_a else 78,
+        n,
+        m,
+        k,
+        _voidptr(scalars.ctypes.data),
+        _voidptr(b.ctypes.data),
+        max(b.shape[1], 1),
+        _voidptr(a.ctypes.data),
+        max(a.shape[1], 1),
+        _voidptr(scalars.ctypes.data + scalars.itemsize),
+        _voidptr(out.ctypes.data),
+        max(n, 1),
+    )
 
 
 @njit(cache=True)
@@ -75,12 +100,14 @@ if AS_PYTHON:
 def batched_gemm_f32(trans_a, trans_b, a, b, out):
     """Batches of C-contiguous matrices (3-D, batch first); a or b may have batch size 1."""
     for i in range(out.shape[0]):
-        gemm_f32(trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)],
-                 out[i], 0.0)
+        gemm_f32(
+            trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)], out[i], 0.0
+        )
 
 
 @njit(cache=True)
 def batched_gemm_f64(trans_a, trans_b, a, b, out):
     for i in range(out.shape[0]):
-        gemm_f64(trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)],
-                 out[i], 0.0)
+        gemm_f64(
+            trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)], out[i], 0.0
+        )

@@ -30,7 +30,9 @@ CODEGEN_VERSION = "1"
 def cache_dir() -> str:
     path = os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "backplan", "kernels")
+        "backplan",
+        "kernels",
+    )
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -15,8 +15,8 @@ from backplan.ir.types import np_dtype
 
 from . import cache
 from .emit import generate
-from .loops import internal_shape
 from .flags import FASTMATH, PARALLEL_MIN_ELEMENTS
+from .loops import internal_shape
 
 
 def canonical_text(plan: Plan) -> str:
@@ -36,18 +36,23 @@ class CompiledPlan:
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
-        self.key_parts = cache.key_parts(canonical_text(plan), f"{sorted(FASTMATH)}"
-                                         f"{PARALLEL_MIN_ELEMENTS}")
+        self.key_parts = cache.key_parts(
+            canonical_text(plan), f"{sorted(FASTMATH)}{PARALLEL_MIN_ELEMENTS}"
+        )
         module, self.cache_hit, self.miss_reason = cache.load_module(self.source, self.key_parts)
         self._run = module.run
         graph = plan.graph
-        self._constants = [np.ascontiguousarray(graph.constants[c])
-                           for c in generated.constant_names]
+        self._constants = [
+            np.ascontiguousarray(graph.constants[c]) for c in generated.constant_names
+        ]
         self._scratch = [np.empty(max(n, 1), np_dtype(d)) for d, n in generated.scratch.items()]
-        self._output_buffers = [(internal_shape(v.shape), np_dtype(v.dtype))
-                                for v in generated.output_buffers]
-        self._literal_outputs = {i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
-                                 for i, n in generated.literal_outputs.items()}
+        self._output_buffers = [
+            (internal_shape(v.shape), np_dtype(v.dtype)) for v in generated.output_buffers
+        ]
+        self._literal_outputs = {
+            i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
+            for i, n in generated.literal_outputs.items()
+        }
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
         self._scalar_outputs = [i for i, v in enumerate(graph.outputs) if v.shape == ()]
         self.generate_seconds = time.perf_counter() - start

@@ -65,26 +65,39 @@ def generate(plan: Plan, private_saved: tuple[int, ...] = ()) -> GeneratedModule
         base = alias_base(value)
         return literal(base.attrs["value"], base.dtype) if base in literals else None
 
-    buffers = [n for k in kernels if k.kind in ("loop", "op") for n in k.all_nodes
-               if n in needed and n.op != "const"]
-    layout = plan_layout(graph, kernels, buffers, names,
-                         [graph.inputs[i] for i in private_saved])
+    buffers = [
+        n
+        for k in kernels
+        if k.kind in ("loop", "op")
+        for n in k.all_nodes
+        if n in needed and n.op != "const"
+    ]
+    layout = plan_layout(graph, kernels, buffers, names, [graph.inputs[i] for i in private_saved])
     emitter = _Emitter(graph, names, literal_of, layout, set(needed))
     body, functions, constants = emitter.emit(kernels)
-    literal_outputs = {i: alias_base(o) for i, o in enumerate(graph.outputs)
-                       if alias_base(o) in literals}
-    returned = [emitter.ops.array(o, contiguous=False) for i, o in enumerate(graph.outputs)
-                if i not in literal_outputs]
+    literal_outputs = {
+        i: alias_base(o) for i, o in enumerate(graph.outputs) if alias_base(o) in literals
+    }
+    returned = [
+        emitter.ops.array(o, contiguous=False)
+        for i, o in enumerate(graph.outputs)
+        if i not in literal_outputs
+    ]
     body.append(f"return ({', '.join(returned)}{',' if len(returned) == 1 else ''})")
     scratch = dict(sorted(layout.scratch_elements.items()))
-    params = ([names[v] for v in graph.inputs] + [f"const_{c}" for c in constants]
-              + [f"scratch_{d}" for d in scratch] + [names[v] for v in layout.outputs])
+    params = (
+        [names[v] for v in graph.inputs]
+        + [f"const_{c}" for c in constants]
+        + [f"scratch_{d}" for d in scratch]
+        + [names[v] for v in layout.outputs]
+    )
     source = HEADER.format(name=graph.name) + "\n\n" + "\n".join(functions) + "\n\n"
     source += "@njit(**JIT_OPTIONS)\n"
     source += f"def run({', '.join(params)}):\n" + "\n".join("    " + line for line in body) + "\n"
     count = sum(k.kind in ("loop", "op") for k in kernels)
-    return GeneratedModule(source, constants, scratch, list(layout.outputs), literal_outputs,
-                           count, layout)
+    return GeneratedModule(
+        source, constants, scratch, list(layout.outputs), literal_outputs, count, layout
+    )
 
 
 class _Emitter:
@@ -115,8 +128,11 @@ class _Emitter:
                 self._loop(index, kernel, body, functions)
             elif kernel.kind == "view":
                 node = kernel.nodes[0]
-                if not (self.ops.absorbs(node) and node not in self.graph.outputs
-                        and all(u.op == "matmul" for u in self.users[node])):
+                if not (
+                    self.ops.absorbs(node)
+                    and node not in self.graph.outputs
+                    and all(u.op == "matmul" for u in self.users[node])
+                ):
                     body += self.ops.view(node)
             elif kernel.nodes[0].op == "const":
                 node = kernel.nodes[0]
@@ -134,15 +150,18 @@ class _Emitter:
         for node in kernel.all_nodes:
             if node in stored:
                 body += self.buffer(node)
-        emitter = LoopEmitter(kernel, set(kernel.computed), stored, self.names,
-                              self.literal_of, self.contiguous)
+        emitter = LoopEmitter(
+            kernel, set(kernel.computed), stored, self.names, self.literal_of, self.contiguous
+        )
         setup, loop, parallel = emitter.emit()
         body += setup
         if not parallel:
             body += loop
             return
         params = sorted(set(emitter.view_name.values()))
-        functions += ["@njit(parallel=True, **JIT_OPTIONS)",
-                      f"def loop_{index}({', '.join(params)}):"]
+        functions += [
+            "@njit(parallel=True, **JIT_OPTIONS)",
+            f"def loop_{index}({', '.join(params)}):",
+        ]
         functions += ["    " + line for line in loop] + [""]
         body.append(f"loop_{index}({', '.join(params)})")

@@ -6,4 +6,6 @@ their IEEE meaning. error_model="numpy": no zero-division checks, which block ve
 
 FASTMATH = set({"reassoc", "contract", "arcp", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
-PARALLEL_MIN_ELEMENTS = 1 << 18  # below this a prange launch (and waking threads next to BLAS) costs more than it saves
+PARALLEL_MIN_ELEMENTS = (
+    1 << 18
+)  # below this a prange launch (and waking threads next to BLAS) costs more than it saves

@@ -6,9 +6,9 @@ Functions that can fail on data return the first bad index, or -1."""
 import math
 
 import numpy as np
-from .jit import njit, prange
 
 from .flags import FASTMATH
+from .jit import njit, prange
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 

@@ -77,12 +77,12 @@ class LoopEmitter:
                 if base in self.local or self.literal_of(base) is not None:
                     continue
                 strided = base not in self.contiguous
-                self.accesses.setdefault(base, Access(self.array_name[base], dims,
-                                                      internal_shape(base.shape), strided))
+                self.accesses.setdefault(
+                    base, Access(self.array_name[base], dims, internal_shape(base.shape), strided)
+                )
         for node in self.kernel.nodes:
             if node in self.stored:
-                self.accesses[node] = Access(self.array_name[node], list(range(len(shape))),
-                                             shape)
+                self.accesses[node] = Access(self.array_name[node], list(range(len(shape))), shape)
         self.reduced_dims = {}
         for red in self.kernel.reductions:
             axes = set(red.attrs["axes"])
@@ -91,15 +91,17 @@ class LoopEmitter:
                 dims = [d if d not in axes else None for d in range(len(shape))]
             else:
                 dims = kept
-            self.accesses[red] = Access(self.array_name[red], dims or [None],
-                                        internal_shape(red.shape))
+            self.accesses[red] = Access(
+                self.array_name[red], dims or [None], internal_shape(red.shape)
+            )
             self.reduced_dims[red] = axes
 
     def _collapse(self, shape) -> list[list[int]]:
         def signature(d):
             # a strided access keeps each of its dimensions as its own loop
-            present = tuple((d if a.strided else True) if d in a.dims else False
-                            for a in self.accesses.values())
+            present = tuple(
+                (d if a.strided else True) if d in a.dims else False for a in self.accesses.values()
+            )
             reduced = tuple(d in axes for axes in self.reduced_dims.values())
             return present + reduced
 
@@ -119,7 +121,9 @@ class LoopEmitter:
                 self.view_name[value] = access.name
                 self.view_groups[value] = [self._group_of(d) for d in access.dims]
                 continue
-            present = [g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)]
+            present = [
+                g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)
+            ]
             view_shape = tuple(self.sizes[g] for g in present) or (1,)
             name = access.name
             if view_shape != access.shape:
@@ -173,18 +177,23 @@ class LoopEmitter:
             for red in self.kernel.reductions:
                 if depth_of[red] != level:
                     continue
-                target = (f"{partial[red][0]}[chunk, 0]" if red in partial
-                          else f"{self.view_name[red]}[{self._index(red)}]")
+                target = (
+                    f"{partial[red][0]}[chunk, 0]"
+                    if red in partial
+                    else f"{self.view_name[red]}[{self._index(red)}]"
+                )
                 lines.append(f"{pad}{target} = acc_{self.array_name[red]}")
         for red in crossing:
             name, _, count = partial[red]
-            lines += [f"flat = {name}.reshape(({CHUNKS}, {count}))",
-                      f"out = {self.view_name[red]}.reshape(({count},))",
-                      f"for j in range({count}):",
-                      f"    acc = {self._init(red)}",
-                      f"    for chunk in range({CHUNKS}):",
-                      *["        " + line for line in self._combine(red, "flat[chunk, j]")],
-                      "    out[j] = acc"]
+            lines += [
+                f"flat = {name}.reshape(({CHUNKS}, {count}))",
+                f"out = {self.view_name[red]}.reshape(({count},))",
+                f"for j in range({count}):",
+                f"    acc = {self._init(red)}",
+                f"    for chunk in range({CHUNKS}):",
+                *["        " + line for line in self._combine(red, "flat[chunk, j]")],
+                "    out[j] = acc",
+            ]
         return lines
 
     def _kept_index(self, groups) -> str:
@@ -206,9 +215,12 @@ class LoopEmitter:
         return ", ".join("0" if g is None else f"i{g}" for g in groups) if groups else "0"
 
     def _suffix_depth(self, red) -> int | None:
-        """Depth at which a scalar accumulator works (reduced groups form a suffix), or None."""
+        """Depth at which a scalar accumulator works (reduced groups form a suffix), or None
+        (accumulate into the output array), also when only size-1 axes are reduced."""
         reduced = [bool(set(group) & self.reduced_dims[red]) for group in self.groups]
-        depth = reduced.index(True) if True in reduced else len(reduced)
+        if True not in reduced:
+            return None
+        depth = reduced.index(True)
         return depth if all(reduced[depth:]) else None
 
     def _nest(self, mode: str) -> list[str]:
@@ -231,8 +243,10 @@ class LoopEmitter:
             pad = "    " * level
             for red in self.kernel.reductions:
                 if depth_of[red] == level:
-                    lines.append(f"{pad}{self.view_name[red]}[{self._index(red)}] = "
-                                 f"acc_{self.array_name[red]}")
+                    lines.append(
+                        f"{pad}{self.view_name[red]}[{self._index(red)}] = "
+                        f"acc_{self.array_name[red]}"
+                    )
         return lines
 
     def _init(self, red) -> str:
@@ -262,12 +276,16 @@ class LoopEmitter:
             lines.append(f"{self.local_name(node)} = {expr}")
         for node in self.kernel.nodes:
             if node in self.stored:
-                lines.append(f"{self.view_name[node]}[{self._index(node)}] = {self.local_name(node)}")
+                lines.append(
+                    f"{self.view_name[node]}[{self._index(node)}] = {self.local_name(node)}"
+                )
         for red in self.kernel.reductions:
             value = self.operand(red.inputs[0])
             target = targets.get(red) or (
-                f"acc_{self.array_name[red]}" if depth_of[red] is not None
-                else f"{self.view_name[red]}[{self._index(red)}]")
+                f"acc_{self.array_name[red]}"
+                if depth_of[red] is not None
+                else f"{self.view_name[red]}[{self._index(red)}]"
+            )
             if red.op == "sum":
                 lines.append(f"{target} += {value}")
             else:

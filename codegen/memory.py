@@ -22,7 +22,6 @@ from backplan.ir.types import DTYPES
 
 from .loops import index_map, internal_shape
 
-
 # Elementwise outputs may overwrite a dying input in place. Off: LLVM cannot prove the two
 # array views are the same element for element, so its runtime overlap check fails and the
 # loop runs scalar (measured: an MLP step's loops 384 us in place, 20 us apart).
@@ -65,8 +64,13 @@ def lifetimes(graph: Graph, kernels: list[Kernel]) -> dict[Value, int]:
     return last
 
 
-def plan_layout(graph: Graph, kernels: list[Kernel], buffers: list[Value], names: dict,
-                private_saved: list[Value] = ()) -> BufferLayout:
+def plan_layout(
+    graph: Graph,
+    kernels: list[Kernel],
+    buffers: list[Value],
+    names: dict,
+    private_saved: list[Value] = (),
+) -> BufferLayout:
     """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
     storage may be reused after their last read (the consuming backward variant only)."""
     step_of = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
@@ -78,19 +82,27 @@ def plan_layout(graph: Graph, kernels: list[Kernel], buffers: list[Value], names
         if value in output_roots:
             layout.outputs.append(value)
             continue
-        requests.append(BufferRequest(
-            value, value.type.nbytes or 1, value.dtype, step_of[value],
-            max(last.get(value, step_of[value]), step_of[value]),
-            reuse=_in_place_candidates(value, kernels[step_of[value]], last, step_of)))
+        requests.append(
+            BufferRequest(
+                value,
+                value.type.nbytes or 1,
+                value.dtype,
+                step_of[value],
+                max(last.get(value, step_of[value]), step_of[value]),
+                reuse=_in_place_candidates(value, kernels[step_of[value]], last, step_of),
+            )
+        )
     requests = _reuse_saved(requests, private_saved, last, layout, names)
     assignment = assign_memory(requests)
-    for (arena, dtype), size in assignment.arena_sizes.items():
+    for (_arena, dtype), size in assignment.arena_sizes.items():
         layout.scratch_elements[dtype] = size
     for r in requests:
         place = assignment.placements[r.key]
         count = max(math.prod(r.key.shape), 1)
-        layout.expressions[r.key] = (f"scratch_{r.dtype}[{place.offset}:{place.offset + count}]"
-                                     f".reshape({internal_shape(r.key.shape)!r})")
+        layout.expressions[r.key] = (
+            f"scratch_{r.dtype}[{place.offset}:{place.offset + count}]"
+            f".reshape({internal_shape(r.key.shape)!r})"
+        )
     return layout
 
 
@@ -107,9 +119,13 @@ def _in_place_candidates(value: Value, kernel: Kernel, last, step_of) -> tuple:
             base, dims = index_map(inp, shape)
             maps.setdefault(base, []).append(dims)
     return tuple(
-        base for base, all_dims in maps.items()
-        if base in step_of and base not in kernel.all_nodes and base.type == value.type
-        and all(d == identity for d in all_dims) and base.op not in ("transpose", "slice")
+        base
+        for base, all_dims in maps.items()
+        if base in step_of
+        and base not in kernel.all_nodes
+        and base.type == value.type
+        and all(d == identity for d in all_dims)
+        and base.op not in ("transpose", "slice")
         and last.get(base) == step_of[value]
     )
 
@@ -119,17 +135,25 @@ def _reuse_saved(requests, private_saved, last, layout, names) -> list:
     occupied: dict[Value, list[tuple[int, int]]] = {s: [] for s in private_saved}
     remaining = []
     for r in sorted(requests, key=lambda r: -r.nbytes):
-        home = next((s for s in private_saved
-                     if s.dtype == r.dtype and s.type.nbytes >= r.nbytes
-                     and last.get(s, -1) < r.first_step
-                     and all(b < r.first_step or a > r.last_step for a, b in occupied[s])), None)
+        home = next(
+            (
+                s
+                for s in private_saved
+                if s.dtype == r.dtype
+                and s.type.nbytes >= r.nbytes
+                and last.get(s, -1) < r.first_step
+                and all(b < r.first_step or a > r.last_step for a, b in occupied[s])
+            ),
+            None,
+        )
         if home is None:
             remaining.append(r)
             continue
         occupied[home].append((r.first_step, r.last_step))
         layout.reused_saved[r.key] = home
         count = max(math.prod(r.key.shape), 1)
-        layout.expressions[r.key] = (f"{names[home]}.reshape(-1)[:{count}]"
-                                     f".reshape({internal_shape(r.key.shape)!r})")
+        layout.expressions[r.key] = (
+            f"{names[home]}.reshape(-1)[:{count}].reshape({internal_shape(r.key.shape)!r})"
+        )
     order = {id(r): i for i, r in enumerate(requests)}
     return sorted(remaining, key=lambda r: order[id(r)])

@@ -63,8 +63,10 @@ class OpEmitter:
             return [f"{name} = {src}.transpose({perm})"]  # a tuple argument compiles 10x slower
         slices = ", ".join(
             f"{a}:{'' if b < 0 else b}:{c}"
-            for a, b, c in zip(node.attrs["starts"], node.attrs["stops"], node.attrs["steps"],
-                               strict=True))
+            for a, b, c in zip(
+                node.attrs["starts"], node.attrs["stops"], node.attrs["steps"], strict=True
+            )
+        )
         return [f"{name} = {src}[{slices}]"]
 
     # ---- ops ----------------------------------------------------------------------------------
@@ -77,7 +79,10 @@ class OpEmitter:
 
     def _raise(self, node, what: str) -> list[str]:
         """The message names the value; the caller maps it to the user's line."""
-        return ["if bad != -1:", f"    raise IndexError({f'%{self.names[node][1:]} {node.op}: {what}'!r})"]
+        return [
+            "if bad != -1:",
+            f"    raise IndexError({f'%{self.names[node][1:]} {node.op}: {what}'!r})",
+        ]
 
     @staticmethod
     def absorbs(value: Value) -> bool:
@@ -110,49 +115,62 @@ class OpEmitter:
             own_batch = source.shape[:-2]
             padded = (1,) * (len(batch) - len(own_batch)) + own_batch
             if math.prod(padded) not in (1, math.prod(batch)) or (
-                    math.prod(padded) != 1 and padded != batch):
+                math.prod(padded) != 1 and padded != batch
+            ):
                 expr = f"np.ascontiguousarray(np.broadcast_to({expr}, {batch + mat!r}))"
                 padded = batch
             operands.append(f"{expr}.reshape(({math.prod(padded)}, {mat[0]}, {mat[1]}))")
         out3 = f"{out}.reshape(({math.prod(batch)}, {node.shape[-2]}, {node.shape[-1]}))"
-        lines.append(f"batched_gemm_{node.dtype}({a_op[1]}, {b_op[1]}, {operands[0]}, "
-                     f"{operands[1]}, {out3})")
+        lines.append(
+            f"batched_gemm_{node.dtype}({a_op[1]}, {b_op[1]}, {operands[0]}, {operands[1]}, {out3})"
+        )
         return lines
 
     def _split(self, shape, axis: int, count: int = 1):
-        return (math.prod(shape[:axis]), math.prod(shape[axis:axis + count]),
-                math.prod(shape[axis + count:]))
+        return (
+            math.prod(shape[:axis]),
+            math.prod(shape[axis : axis + count]),
+            math.prod(shape[axis + count :]),
+        )
 
     def op_take(self, node, out) -> list[str]:
         x, idx = node.inputs
         axis = node.attrs["axis"]
         pre, n, post = self._split(x.shape, axis)
         m = math.prod(idx.shape)
-        return [f"bad = take_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
-                f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {m}, {post})))",
-                *self._raise(node, f"index out of range for an axis of size {n}")]
+        return [
+            f"bad = take_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+            f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {m}, {post})))",
+            *self._raise(node, f"index out of range for an axis of size {n}"),
+        ]
 
     def op_take_grad(self, node, out) -> list[str]:
         g, idx = node.inputs
         axis, size = node.attrs["axis"], node.attrs["size"]
         m = math.prod(idx.shape)
-        pre, post = math.prod(g.shape[:axis]), math.prod(g.shape[axis + len(idx.shape):])
-        return [f"bad = take_grad_strided({self.array(g)}.reshape(({pre}, {m}, {post})), "
-                f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {size}, {post})))",
-                *self._raise(node, f"index out of range for an axis of size {size}")]
+        pre, post = math.prod(g.shape[:axis]), math.prod(g.shape[axis + len(idx.shape) :])
+        return [
+            f"bad = take_grad_strided({self.array(g)}.reshape(({pre}, {m}, {post})), "
+            f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {size}, {post})))",
+            *self._raise(node, f"index out of range for an axis of size {size}"),
+        ]
 
     def op_one_hot(self, node, out) -> list[str]:
         (labels,) = node.inputs
         rows, depth = math.prod(labels.shape), node.attrs["depth"]
-        return [f"bad = one_hot({self.array(labels)}.reshape(({rows},)), "
-                f"{out}.reshape(({rows}, {depth})))",
-                *self._raise(node, f"label out of range for {depth} classes")]
+        return [
+            f"bad = one_hot({self.array(labels)}.reshape(({rows},)), "
+            f"{out}.reshape(({rows}, {depth})))",
+            *self._raise(node, f"label out of range for {depth} classes"),
+        ]
 
     def op_pad_slice(self, node, out) -> list[str]:
         slices = ", ".join(
             f"{a}:{'' if b < 0 else b}:{c}"
-            for a, b, c in zip(node.attrs["starts"], node.attrs["stops"], node.attrs["steps"],
-                               strict=True))
+            for a, b, c in zip(
+                node.attrs["starts"], node.attrs["stops"], node.attrs["steps"], strict=True
+            )
+        )
         return [f"{out}[:] = 0", f"{out}[{slices}] = {self.array(node.inputs[0], False)}"]
 
     def op_concatenate(self, node, out) -> list[str]:
@@ -173,10 +191,13 @@ class OpEmitter:
         pre, n, post = self._split(x.shape, node.attrs["axis"])
         if post == 1:
             fn = self._rows("softmax_rows", pre, n)
-            return [f"{fn}({self.array(x)}.reshape(({pre}, {n})), {out}.reshape(({pre}, {n})), "
-                    f"{log})"]
-        return [f"softmax_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
-                f"{out}.reshape(({pre}, {n}, {post})), {log})"]
+            return [
+                f"{fn}({self.array(x)}.reshape(({pre}, {n})), {out}.reshape(({pre}, {n})), {log})"
+            ]
+        return [
+            f"softmax_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+            f"{out}.reshape(({pre}, {n}, {post})), {log})"
+        ]
 
     def op_softmax(self, node, out) -> list[str]:
         return self._softmax(node, out, False)
@@ -194,11 +215,17 @@ class OpEmitter:
             kept = [a for a in range(len(x.shape)) if a not in axes]
             perm = ", ".join(str(a) for a in kept + list(axes))
             source = f"np.ascontiguousarray({source}.transpose({perm}))"
-            pre, n, post = math.prod(x.shape[a] for a in kept), math.prod(x.shape[a] for a in axes), 1
+            pre, n, post = (
+                math.prod(x.shape[a] for a in kept),
+                math.prod(x.shape[a] for a in axes),
+                1,
+            )
         else:
             pre, n, post = self._split(x.shape, axes[0], len(axes))
-        return [f"logsumexp_strided({source}.reshape(({pre}, {n}, {post})), "
-                f"{out}.reshape(({pre}, {post})))"]
+        return [
+            f"logsumexp_strided({source}.reshape(({pre}, {n}, {post})), "
+            f"{out}.reshape(({pre}, {post})))"
+        ]
 
     def op_layer_norm(self, node, out) -> list[str]:
         x = node.inputs[0]
@@ -208,8 +235,10 @@ class OpEmitter:
         w = self.array(node.inputs[1]) if affine else f"np.empty(1, {NP_TYPE[x.dtype]})"
         b = self.array(node.inputs[2]) if affine else w
         fn = self._rows("layer_norm_rows", rows, cols)
-        return [f"{fn}({self.array(x)}.reshape(({rows}, {cols})), {w}, {b}, {affine}, "
-                f"{literal(node.attrs['eps'], x.dtype)}, {out}.reshape(({rows}, {cols})))"]
+        return [
+            f"{fn}({self.array(x)}.reshape(({rows}, {cols})), {w}, {b}, {affine}, "
+            f"{literal(node.attrs['eps'], x.dtype)}, {out}.reshape(({rows}, {cols})))"
+        ]
 
     def op_cross_entropy(self, node, out) -> list[str]:
         logits, labels = node.inputs
@@ -220,6 +249,8 @@ class OpEmitter:
         target = f"{out}.reshape(({rows},))" if reduction == "none" else out
         if reduction == "sum" and rows == 1:
             scale = 1.0  # one row: the per-row loss is the sum
-        return [f"bad = cross_entropy_rows({self.array(logits)}.reshape(({rows}, {cols})), "
-                f"{self.array(labels)}.reshape(({rows},)), {target}, {scale!r})",
-                *self._raise(node, f"label out of range for {cols} classes")]
+        return [
+            f"bad = cross_entropy_rows({self.array(logits)}.reshape(({rows}, {cols})), "
+            f"{self.array(labels)}.reshape(({rows},)), {target}, {scale!r})",
+            *self._raise(node, f"label out of range for {cols} classes"),
+        ]

@@ -4,9 +4,9 @@ into the loops. Transcendentals come from mathlib, which vectorises (libm calls 
 import math
 
 import numpy as np
-from .jit import AS_PYTHON, njit
 
 from .flags import FASTMATH
+from .jit import AS_PYTHON, njit
 
 _inline = {"inline": "always", "cache": True, "fastmath": FASTMATH, "error_model": "numpy"}
 GELU_K = math.sqrt(2.0 / math.pi)

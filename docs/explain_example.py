@@ -38,5 +38,6 @@ def write_small_png(report, path):
 if __name__ == "__main__":
     report = loss_fn.explain(*example_inputs())
     print(report)
-    write_small_png(report, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                         "explain_example.png"))
+    write_small_png(
+        report, os.path.join(os.path.dirname(os.path.abspath(__file__)), "explain_example.png")
+    )

@@ -14,6 +14,16 @@ from .registry import OpDef, all_ops, get_op
 from .types import TensorType
 
 __all__ = [
-    "BackplanError", "DtypeError", "ExecutionError", "ParseError", "ShapeError", "VerifyError",
-    "Graph", "Value", "OpDef", "all_ops", "get_op", "TensorType",
+    "BackplanError",
+    "DtypeError",
+    "ExecutionError",
+    "ParseError",
+    "ShapeError",
+    "VerifyError",
+    "Graph",
+    "Value",
+    "OpDef",
+    "all_ops",
+    "get_op",
+    "TensorType",
 ]

@@ -74,8 +74,27 @@ def group_kernels(graph: Graph) -> list[Kernel]:
 
 
 # Arithmetic a loop recomputes more cheaply than it reads a stored copy.
-CHEAP_LOOP_OPS = frozenset({"add", "sub", "mul", "div", "neg", "maximum", "minimum", "where",
-                            "relu", "abs", "lt", "le", "gt", "ge", "eq", "ne", "astype"})
+CHEAP_LOOP_OPS = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "maximum",
+        "minimum",
+        "where",
+        "relu",
+        "abs",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "eq",
+        "ne",
+        "astype",
+    }
+)
 MAX_RECOMPUTE = 4
 
 
@@ -129,7 +148,9 @@ def _place(node: Value, kernels: list[Kernel], home) -> int:
         target = _joinable_loop(node, shape, kernels, home)
         if target is None:
             target = _new(kernels, Kernel("loop", [], shape))
-        (kernels[target].reductions if node.op in REDUCTIONS else kernels[target].nodes).append(node)
+        (kernels[target].reductions if node.op in REDUCTIONS else kernels[target].nodes).append(
+            node
+        )
         return target
     return _new(kernels, Kernel("view" if node.op in VIEW_OPS else "op", [node], node.shape))
 
@@ -138,10 +159,17 @@ def _joinable_loop(node, shape, kernels, home) -> int | None:
     """The latest loop kernel of this iteration shape that computes one of node's inputs, or
     else the latest loop kernel of this shape at all, whichever has every input ready."""
     sources = [alias_base(i) for i in node.inputs]
-    producers = [home[s] for s in sources if s in home and kernels[home[s]].kind == "loop"
-                 and kernels[home[s]].shape == shape and s not in kernels[home[s]].reductions]
-    latest = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"
-              and kernel.shape == shape][-1:]
+    producers = [
+        home[s]
+        for s in sources
+        if s in home
+        and kernels[home[s]].kind == "loop"
+        and kernels[home[s]].shape == shape
+        and s not in kernels[home[s]].reductions
+    ]
+    latest = [
+        k for k, kernel in enumerate(kernels) if kernel.kind == "loop" and kernel.shape == shape
+    ][-1:]
     for target in ([max(producers)] if producers else []) + latest:
         if _ready(sources, target, kernels, home):
             return target
@@ -169,8 +197,9 @@ def materialized(graph: Graph, kernels: list[Kernel]) -> set[Value]:
             for inp in node.inputs:
                 source = alias_base(inp)
                 in_loop = kernel.kind in ("loop", "alias")
-                if in_loop and (source in home and home[source] == k
-                                or source in kernel.recomputed):
+                if in_loop and (
+                    source in home and home[source] == k or source in kernel.recomputed
+                ):
                     continue
                 if in_loop and kernels[home[source]].kind == "literal" if source in home else False:
                     continue

@@ -104,6 +104,8 @@ def inline_graph(target: Graph, source: Graph, args: list[Value]) -> list[Value]
         attrs = node.attrs
         if node.op == "const":
             attrs = {**attrs, "name": renamed[attrs["name"]]}
-        mapping[node] = Value(node.op, [mapping[i] for i in node.inputs], attrs, node.type, node.loc)
+        mapping[node] = Value(
+            node.op, [mapping[i] for i in node.inputs], attrs, node.type, node.loc
+        )
         target.nodes.append(mapping[node])
     return [mapping[o] for o in source.outputs]

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .graph import Graph, Value
 from .liveness import Plan, plan_liveness
-from .remat import rematerialize
 from .passes import (
     algebraic_simplification,
     common_subexpression_elimination,
     dead_code_elimination,
 )
+from .remat import rematerialize
 from .verify import verify_graph, verify_plan
 
 CLEANUP = (algebraic_simplification, common_subexpression_elimination, dead_code_elimination)
@@ -77,8 +77,13 @@ class RegionPlans:
     recomputed: list = field(default_factory=list)  # remat.Recomputed: rebuilt, not saved
 
 
-def build_region_plans(graph: Graph, wrt: list[bool], log: PassLog | None = None,
-                       remat: bool = True, saved_bytes_budget: int | None = None) -> RegionPlans:
+def build_region_plans(
+    graph: Graph,
+    wrt: list[bool],
+    log: PassLog | None = None,
+    remat: bool = True,
+    saved_bytes_budget: int | None = None,
+) -> RegionPlans:
     """remat: recompute cheap chains in backward instead of saving them (ir/remat.py), until
     the saved bytes fit saved_bytes_budget (None: whenever it lowers them)."""
     log = log or new_log()
@@ -98,8 +103,13 @@ def build_region_plans(graph: Graph, wrt: list[bool], log: PassLog | None = None
     bwd.inputs = [v for v in bwd.inputs if v.role != "saved"] + [s.backward_input for s in saved]
     inputs = {v: i for i, v in enumerate(graph.inputs)}
     extra = [s.forward for s in saved if s.forward not in inputs and s.forward not in graph.outputs]
-    fwd = Graph(graph.name, list(graph.inputs), list(graph.nodes), graph.outputs + extra,
-                dict(graph.constants))
+    fwd = Graph(
+        graph.name,
+        list(graph.inputs),
+        list(graph.nodes),
+        graph.outputs + extra,
+        dict(graph.constants),
+    )
     slots = []
     for s in saved:
         if s.forward in inputs:
@@ -113,8 +123,13 @@ def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) 
     """value_and_grad: outputs are the original outputs, then d(outputs[0])/d(wrt inputs)."""
     log = log or new_log()
     graph = cleanup(log.record("trace", graph), log)
-    joint = Graph(graph.name, list(graph.inputs), list(graph.nodes), list(graph.outputs),
-                  dict(graph.constants))
+    joint = Graph(
+        graph.name,
+        list(graph.inputs),
+        list(graph.nodes),
+        list(graph.outputs),
+        dict(graph.constants),
+    )
     grads = append_gradients(joint, wrt)
     joint.outputs = joint.outputs + grads
     joint = cleanup(log.record("autodiff", joint), log)

@@ -56,7 +56,9 @@ class OpDef:
             if n < 1:
                 raise ShapeError(f"{self.name} needs at least one input")
         elif n not in self.arity:
-            raise ShapeError(f"{self.name} takes {' or '.join(map(str, self.arity))} inputs, got {n}")
+            raise ShapeError(
+                f"{self.name} takes {' or '.join(map(str, self.arity))} inputs, got {n}"
+            )
 
 
 def check_attr(op: str, key: str, spec: AttrSpec, value):

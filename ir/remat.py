@@ -15,11 +15,36 @@ from .graph import Graph, Value
 # Arithmetic a fused loop does for free, moves, and layer_norm (one pass over a row, cheaper
 # than writing the result and reading it back). Transcendentals (exp, tanh, gelu, ...) are
 # saved: recomputing them costs real time.
-CHEAP_OPS = frozenset({
-    "add", "sub", "mul", "div", "neg", "maximum", "minimum", "where", "relu", "abs", "sign",
-    "lt", "le", "gt", "ge", "eq", "ne", "astype", "full", "const", "reshape", "broadcast_to",
-    "transpose", "slice", "stop_gradient", "layer_norm",
-})
+CHEAP_OPS = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "maximum",
+        "minimum",
+        "where",
+        "relu",
+        "abs",
+        "sign",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "eq",
+        "ne",
+        "astype",
+        "full",
+        "const",
+        "reshape",
+        "broadcast_to",
+        "transpose",
+        "slice",
+        "stop_gradient",
+        "layer_norm",
+    }
+)
 MAX_CHAIN = 16
 
 
@@ -52,8 +77,9 @@ def _chain(value: Value, available: set[Value]) -> list[Value] | None:
     return order
 
 
-def rematerialize(forward: Graph, backward: Graph, saved: list[SavedValue],
-                  budget: int | None = None) -> tuple[list[SavedValue], list[Recomputed]]:
+def rematerialize(
+    forward: Graph, backward: Graph, saved: list[SavedValue], budget: int | None = None
+) -> tuple[list[SavedValue], list[Recomputed]]:
     """Rewrites backward in place to recompute what pays; returns (still saved, recomputed).
     budget: stop once the saved bytes (region inputs excluded) fit in it; None means recompute
     everything that qualifies."""
@@ -79,8 +105,11 @@ def rematerialize(forward: Graph, backward: Graph, saved: list[SavedValue],
         for r in recomputed:  # region inputs a chain reads are held by reference, at no cost
             for leaf in _leaves(list(r.chain)):
                 if leaf in region_inputs and leaf not in kept:
-                    kept[leaf] = SavedValue(leaf, backward.add_input(leaf.type, role="saved"),
-                                            f"recomputing a {r.forward.op} output reads it")
+                    kept[leaf] = SavedValue(
+                        leaf,
+                        backward.add_input(leaf.type, role="saved"),
+                        f"recomputing a {r.forward.op} output reads it",
+                    )
         _rewrite(backward, {s.forward: s for s in saved}, kept, recomputed)
     return list(kept.values()), recomputed
 

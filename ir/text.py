@@ -155,8 +155,11 @@ def parse_graph(text: str, constants=None) -> tuple[Graph, dict[int, list[Value]
         if not match or match.group(4) not in ROLES:
             raise ParseError(f"bad parameter {part!r}")
         name = f"%{match.group(1)}"
-        _define(env, name, graph.add_input(parse_type(f"{match.group(2)}[{match.group(3)}]"),
-                                           role=match.group(4)))
+        _define(
+            env,
+            name,
+            graph.add_input(parse_type(f"{match.group(2)}[{match.group(3)}]"), role=match.group(4)),
+        )
     returned = False
     for lineno, raw in enumerate(lines[1:-1], start=2):
         line = raw.strip()

@@ -25,13 +25,17 @@ def verify_graph(graph: Graph) -> None:
             raise VerifyError(f"{names[node]} is defined twice")
         for inp in node.inputs:
             if inp not in defined:
-                raise VerifyError(f"{names[node]} ({node.op}) reads a value defined later or elsewhere")
+                raise VerifyError(
+                    f"{names[node]} ({node.op}) reads a value defined later or elsewhere"
+                )
         try:
             expected = make_value(node.op, node.inputs, node.attrs).type
         except BackplanError as exc:
             raise VerifyError(f"{names[node]}: {exc}") from None
         if expected != node.type:
-            raise VerifyError(f"{names[node]} ({node.op}) has type {node.type}, rule gives {expected}")
+            raise VerifyError(
+                f"{names[node]} ({node.op}) has type {node.type}, rule gives {expected}"
+            )
         if node.op == "const" and node.attrs["name"] not in graph.constants:
             raise VerifyError(f"{names[node]} names a missing constant")
         if node.op == "const":

@@ -8,6 +8,15 @@ from .program import RegionProgram
 from .region import Edge, Region, SavedBuffer
 
 __all__ = [
-    "backward", "BackwardError", "GraphFreedError", "enable_grad", "is_grad_enabled", "no_grad",
-    "live_saved_bytes", "RegionProgram", "Edge", "Region", "SavedBuffer",
+    "backward",
+    "BackwardError",
+    "GraphFreedError",
+    "enable_grad",
+    "is_grad_enabled",
+    "no_grad",
+    "live_saved_bytes",
+    "RegionProgram",
+    "Edge",
+    "Region",
+    "SavedBuffer",
 ]

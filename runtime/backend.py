@@ -83,6 +83,7 @@ def make_runner(plan: Plan, backend: str | None = None, private_saved: tuple[int
     try:
         return CompiledRunner(plan, private_saved)
     except Unsupported as exc:
-        warnings.warn(f"graph @{plan.graph.name} runs on the reference interpreter: {exc}",
-                      stacklevel=3)
+        warnings.warn(
+            f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3
+        )
         return ReferenceRunner(plan, why=str(exc))

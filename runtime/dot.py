@@ -24,22 +24,26 @@ def quote(text: str) -> str:
 
 def report_dot(report) -> str:
     view = report.view
-    lines = [f"digraph {quote(report.name)} {{",
-             '  graph [rankdir=TB, fontname="Helvetica", newrank=true];',
-             '  node [fontname="Helvetica", fontsize=10];',
-             '  edge [fontname="Helvetica", fontsize=9, color="#555555"];']
+    lines = [
+        f"digraph {quote(report.name)} {{",
+        '  graph [rankdir=TB, fontname="Helvetica", newrank=true];',
+        '  node [fontname="Helvetica", fontsize=10];',
+        '  edge [fontname="Helvetica", fontsize=9, color="#555555"];',
+    ]
     for phase in ("forward", "backward"):
         body = _cluster_body(view, phase)
         if body:
             lines.append(f"  subgraph cluster_{phase} {{")
-            lines.append(f"    label={quote(phase)}; style=dashed; color=\"#999999\";")
+            lines.append(f'    label={quote(phase)}; style=dashed; color="#999999";')
             lines.extend(f"    {line}" for line in body)
             lines.append("  }")
     saved = {b.key: b for b in view.buffers.values() if b.saved}
     infos = {info.name: info for info in report.saved_buffers}
     for key, buf in saved.items():
-        lines.append(f"  {quote('saved:' + key)} [{SAVED_STYLE}, "
-                     f"label={quote(_saved_label(buf, infos.get(buf.name)))}];")
+        lines.append(
+            f"  {quote('saved:' + key)} [{SAVED_STYLE}, "
+            f"label={quote(_saved_label(buf, infos.get(buf.name)))}];"
+        )
     lines.extend(f"  {edge}" for edge in _edges(view, saved))
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -74,13 +78,14 @@ def _saved_label(buf, info) -> str:
 def _edges(view, saved: dict) -> list[str]:
     edges = []
     for key in saved:
-        edges.append(f"{quote(key)} -> {quote('saved:' + key)} "
-                     '[color="#b03030", penwidth=1.5];')
+        edges.append(f'{quote(key)} -> {quote("saved:" + key)} [color="#b03030", penwidth=1.5];')
     for step in view.steps:
         for read in dict.fromkeys(step.reads):
             if read in saved and step.phase == "backward":
-                edges.append(f"{quote('saved:' + read)} -> {quote(step.writes)} "
-                             f'[color="#b03030", label={quote(step.label)}];')
+                edges.append(
+                    f"{quote('saved:' + read)} -> {quote(step.writes)} "
+                    f'[color="#b03030", label={quote(step.label)}];'
+                )
             else:
                 edges.append(f"{quote(read)} -> {quote(step.writes)};")
     return edges

@@ -37,8 +37,10 @@ def freed_error(region: Region, root: Region, loc: str) -> GraphFreedError:
         f"whose saved buffers were already freed by the backward() at {by.loc}."
     ]
     if by.root is None:
-        lines.append("That backward() failed part-way, after the region had started to reuse "
-                     "its saved buffers, so they can no longer be trusted.")
+        lines.append(
+            "That backward() failed part-way, after the region had started to reuse "
+            "its saved buffers, so they can no longer be trusted."
+        )
     elif by.root is not root:
         lines.append(
             f"That region is shared with an earlier graph: the earlier backward() started from "
@@ -55,8 +57,9 @@ def freed_error(region: Region, root: Region, loc: str) -> GraphFreedError:
     return GraphFreedError("\n".join(lines))
 
 
-def backward(root: Region, index: int, gradient: np.ndarray, retain_graph: bool, loc: str,
-             root_desc: str) -> None:
+def backward(
+    root: Region, index: int, gradient: np.ndarray, retain_graph: bool, loc: str, root_desc: str
+) -> None:
     order = regions_in_order(root)
     for region in order:
         if region.freed:

@@ -24,8 +24,9 @@ def forward_nodes(graph: Graph, n_outputs: int) -> set[Value]:
     return {n for n in graph.nodes if n in needed}
 
 
-def joint_view(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None,
-               name: str) -> PlanView:
+def joint_view(
+    plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None, name: str
+) -> PlanView:
     graph = plan.graph
     forward = forward_nodes(graph, n_outputs)
     names = value_names(graph)
@@ -33,16 +34,18 @@ def joint_view(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[st
     keys = {}
     for i, value in enumerate(graph.inputs):
         keys[value] = f"f{names[value]}"
-        view.buffers[keys[value]] = BufferInfo(keys[value], input_label(input_names, i),
-                                               value.type, "input", -1, -1)
+        view.buffers[keys[value]] = BufferInfo(
+            keys[value], input_label(input_names, i), value.type, "input", -1, -1
+        )
     freed, counts = free_steps(plan), {"forward": 0, "backward": 0}
     backward_values = {n for n in graph.nodes if n not in forward}
     for step, node in enumerate(graph.nodes):
         phase = "forward" if node in forward else "backward"
         keys[node] = f"{phase[0]}{names[node]}"
         end = min(freed.get(node, plan.return_step), plan.return_step - 1)
-        view.buffers[keys[node]] = BufferInfo(keys[node], names[node], node.type, "temporary",
-                                              step, end, step)
+        view.buffers[keys[node]] = BufferInfo(
+            keys[node], names[node], node.type, "temporary", step, end, step
+        )
         reads = tuple(keys[i] for i in node.inputs)
         for inp in dict.fromkeys(node.inputs):
             view.buffers[keys[inp]].readers.append(step)
@@ -50,8 +53,9 @@ def joint_view(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[st
                 _mark_saved(view.buffers[keys[inp]], step)
         label = f"{phase[0]}{counts[phase]}"
         counts[phase] += 1
-        view.steps.append(StepInfo(step, phase, label, node, format_node(node, names),
-                                   keys[node], reads))
+        view.steps.append(
+            StepInfo(step, phase, label, node, format_node(node, names), keys[node], reads)
+        )
     last = len(graph.nodes) - 1
     for out in graph.outputs[:n_outputs]:
         hand_to_caller(view.buffers[keys[out]], "output", last)
@@ -70,14 +74,16 @@ def _mark_saved(buf: BufferInfo, reader_step: int) -> None:
         buf.start, buf.end = 0, max(buf.end, reader_step)
 
 
-def joint_saved_info(plan: Plan, view: PlanView, n_outputs: int,
-                     wrt: list[bool]) -> list[SavedBufferInfo]:
+def joint_saved_info(
+    plan: Plan, view: PlanView, n_outputs: int, wrt: list[bool]
+) -> list[SavedBufferInfo]:
     """The saved-buffer rows of a joint plan, in the order the forward writes them."""
     graph = plan.graph
     values = {f"f{name}": v for v, name in value_names(graph).items() if v in graph.inputs}
     values.update({step.writes: step.node for step in view.steps})
-    reasons = _derivative_reasons(graph, [s.node for s in view.steps if s.phase == "forward"],
-                                  n_outputs, wrt)
+    reasons = _derivative_reasons(
+        graph, [s.node for s in view.steps if s.phase == "forward"], n_outputs, wrt
+    )
     labels = {step.index: int(step.label[1:]) for step in view.steps}
     infos = []
     for buf in view.buffers.values():
@@ -85,21 +91,29 @@ def joint_saved_info(plan: Plan, view: PlanView, n_outputs: int,
             continue
         value = values[buf.key]
         readers = [view.steps[i] for i in buf.readers if view.steps[i].phase == "backward"]
-        infos.append(SavedBufferInfo(
-            slot=len(infos), name=buf.name, op=value.op, produced_at=format_loc(value.loc)
-            or "<input>", shape=value.shape, dtype=value.dtype, nbytes=value.type.nbytes,
-            read_by=tuple(f"{r.op} at {format_loc(r.node.loc)}" for r in readers),
-            last_read_step=labels[readers[-1].index],
-            reason=reasons.get(value, "read by the gradient after simplification"),
-            is_region_input=buf.kind == "input",
-            written_step=labels[buf.producer] if buf.producer is not None else -1,
-            read_steps=tuple(labels[r.index] for r in readers),
-        ))
+        infos.append(
+            SavedBufferInfo(
+                slot=len(infos),
+                name=buf.name,
+                op=value.op,
+                produced_at=format_loc(value.loc) or "<input>",
+                shape=value.shape,
+                dtype=value.dtype,
+                nbytes=value.type.nbytes,
+                read_by=tuple(f"{r.op} at {format_loc(r.node.loc)}" for r in readers),
+                last_read_step=labels[readers[-1].index],
+                reason=reasons.get(value, "read by the gradient after simplification"),
+                is_region_input=buf.kind == "input",
+                written_step=labels[buf.producer] if buf.producer is not None else -1,
+                read_steps=tuple(labels[r.index] for r in readers),
+            )
+        )
     return infos
 
 
-def _derivative_reasons(graph: Graph, forward: list[Value], n_outputs: int,
-                        wrt: list[bool]) -> dict[Value, str]:
+def _derivative_reasons(
+    graph: Graph, forward: list[Value], n_outputs: int, wrt: list[bool]
+) -> dict[Value, str]:
     """Which derivative rule asks for each forward value: autodiff is run again on the forward
     part alone, only to hear which values its rules read and why."""
     if not any(wrt):

@@ -54,8 +54,10 @@ def kernels_from_groups(view: PlanView, groups: Mapping[str, Sequence] | None) -
     phases = _steps_by_plan(view)
     unknown = set(groups) - set(phases)
     if unknown:
-        raise BackplanError(f"kernel groups name unknown plan(s) {sorted(unknown)}; this report "
-                            f"has {sorted(phases)}")
+        raise BackplanError(
+            f"kernel groups name unknown plan(s) {sorted(unknown)}; this report "
+            f"has {sorted(phases)}"
+        )
     kernels, covered = [], set()
     for plan_name, plan_groups in groups.items():
         steps = phases[plan_name]
@@ -92,6 +94,8 @@ def _resolve(member, steps: tuple[dict, dict], plan_name: str) -> int:
     by_position, by_node = steps
     table, key = (by_position, member) if isinstance(member, int) else (by_node, id(member))
     if key not in table:
-        raise BackplanError(f"kernel group of the {plan_name} plan names {member!r}, which is not "
-                            f"a node of that plan")
+        raise BackplanError(
+            f"kernel group of the {plan_name} plan names {member!r}, which is not "
+            f"a node of that plan"
+        )
     return table[key]

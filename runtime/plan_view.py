@@ -97,8 +97,11 @@ class PlanView:
     def timeline_buffers(self) -> list[BufferInfo]:
         """Buffers that are held at some step: everything the step allocates, and the caller's
         arrays the backward keeps a reference to."""
-        return [b for b in self.buffers.values()
-                if b.start <= b.end and b.end >= 0 and (b.counted or b.saved)]
+        return [
+            b
+            for b in self.buffers.values()
+            if b.start <= b.end and b.end >= 0 and (b.counted or b.saved)
+        ]
 
 
 def free_steps(plan: Plan) -> dict[Value, int]:
@@ -106,8 +109,9 @@ def free_steps(plan: Plan) -> dict[Value, int]:
     return {v: step for step, values in plan.frees_after.items() for v in values}
 
 
-def add_plan_steps(view: PlanView, plan: Plan, phase: str, prefix: str, offset: int,
-                   alias: dict[Value, str]) -> dict[Value, str]:
+def add_plan_steps(
+    view: PlanView, plan: Plan, phase: str, prefix: str, offset: int, alias: dict[Value, str]
+) -> dict[Value, str]:
     """Append plan's nodes as steps of `phase`; returns the buffer key of each value. `alias`
     maps inputs of this plan to buffers that already exist (a backward's saved inputs)."""
     names = value_names(plan.graph)
@@ -121,8 +125,9 @@ def add_plan_steps(view: PlanView, plan: Plan, phase: str, prefix: str, offset: 
         reads = tuple(keys[i] for i in node.inputs)
         for read in dict.fromkeys(reads):
             view.buffers[read].readers.append(index)
-        view.steps.append(StepInfo(index, phase, f"{phase[0]}{step}", node,
-                                   format_node(node, names), key, reads))
+        view.steps.append(
+            StepInfo(index, phase, f"{phase[0]}{step}", node, format_node(node, names), key, reads)
+        )
     return keys
 
 
@@ -149,8 +154,9 @@ def region_view(program) -> PlanView:
     names = value_names(fwd.graph)
     for i, value in enumerate(fwd.graph.inputs):
         key = f"f{names[value]}"
-        view.buffers[key] = BufferInfo(key, input_label(program.input_names, i), value.type,
-                                       "input", -1, -1)
+        view.buffers[key] = BufferInfo(
+            key, input_label(program.input_names, i), value.type, "input", -1, -1
+        )
     fwd_keys = add_plan_steps(view, fwd, "forward", "f", 0, {})
     n_fwd = len(fwd.graph.nodes)
     last = n_fwd + (len(bwd.graph.nodes) if bwd else 0) - 1
@@ -172,8 +178,14 @@ def _add_backward(view: PlanView, program, fwd_keys: dict, n_fwd: int, last: int
         value = bwd.graph.inputs[slot]
         key = f"b{bwd_names[value]}"
         name = f"grad {view.buffers[fwd_keys[outputs[index]]].name}"
-        view.buffers[key] = BufferInfo(key, name, value.type, "cotangent", n_fwd,
-                                       n_fwd + min(freed[value], len(bwd.graph.nodes) - 1))
+        view.buffers[key] = BufferInfo(
+            key,
+            name,
+            value.type,
+            "cotangent",
+            n_fwd,
+            n_fwd + min(freed[value], len(bwd.graph.nodes) - 1),
+        )
     alias = {}
     for slot, saved in enumerate(plans.saved):
         value = bwd.graph.inputs[n_cot + slot]

@@ -79,8 +79,9 @@ def plot_report(report, path, max_buffers: int = 60) -> None:
     width = min(8.0 + 0.25 * n_steps, 40.0)  # names and legend, then room for every step
     height = 3.2 + 0.24 * max(len(buffers), 4)
     figure = figure_class(figsize=(width, height), dpi=100, layout="constrained")
-    bars, total = figure.subplots(2, 1, sharex=True,
-                                  gridspec_kw={"height_ratios": [max(len(buffers), 4) * 0.24, 2.4]})
+    bars, total = figure.subplots(
+        2, 1, sharex=True, gridspec_kw={"height_ratios": [max(len(buffers), 4) * 0.24, 2.4]}
+    )
     _draw_bars(bars, view, buffers)
     _draw_total(total, report)
     _draw_steps(bars, total, view)
@@ -89,10 +90,15 @@ def plot_report(report, path, max_buffers: int = 60) -> None:
         title += f" ({left_out} smaller temporaries not drawn)"
     bars.set_title(title, fontsize=12, loc="left")
     kinds = [k for k in KIND_COLORS if any(b.kind == k for b in buffers)]
-    handles = [patch_class(facecolor=KIND_COLORS[k], hatch="//" if k == "input" else None,
-                           label=KIND_LABELS[k]) for k in kinds]
-    bars.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9,
-                frameon=False)
+    handles = [
+        patch_class(
+            facecolor=KIND_COLORS[k], hatch="//" if k == "input" else None, label=KIND_LABELS[k]
+        )
+        for k in kinds
+    ]
+    bars.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False
+    )
     with _rc_context({"svg.fonttype": "none"}):  # SVG text stays text: searchable, small
         figure.savefig(path, format=suffix[1:])
 
@@ -100,9 +106,16 @@ def plot_report(report, path, max_buffers: int = 60) -> None:
 def _draw_bars(axes, view, buffers) -> None:
     for row, buf in enumerate(buffers):
         start, end = max(buf.start, 0), min(buf.end, len(view.steps) - 1)
-        axes.barh(row, end - start + 0.8, left=start - 0.4, height=0.7,
-                  color=KIND_COLORS[buf.kind], edgecolor="#333333", linewidth=0.4,
-                  hatch="//" if buf.kind == "input" else None)
+        axes.barh(
+            row,
+            end - start + 0.8,
+            left=start - 0.4,
+            height=0.7,
+            color=KIND_COLORS[buf.kind],
+            edgecolor="#333333",
+            linewidth=0.4,
+            hatch="//" if buf.kind == "input" else None,
+        )
     axes.set_yticks(range(len(buffers)))
     axes.set_yticklabels([_bar_label(view, b) for b in buffers], fontsize=8)
     axes.set_ylim(max(len(buffers), 1) - 0.5, -0.5)
@@ -135,9 +148,17 @@ def _draw_total(axes, report) -> None:
         axes.plot([peak_step.index], [peak], marker="o", color="#d9534f", markersize=8)
         text = f"peak {human_bytes(report.peak_bytes)} at {peak_step.label} ({peak_step.op})"
         right = peak_step.index > 0.6 * len(live)
-        axes.annotate(text, (peak_step.index, peak), xytext=(-10 if right else 10, 6),
-                      textcoords="offset points", ha="right" if right else "left", va="bottom",
-                      fontsize=10, color="#b03030", fontweight="bold")
+        axes.annotate(
+            text,
+            (peak_step.index, peak),
+            xytext=(-10 if right else 10, 6),
+            textcoords="offset points",
+            ha="right" if right else "left",
+            va="bottom",
+            fontsize=10,
+            color="#b03030",
+            fontweight="bold",
+        )
         axes.set_ylim(0, peak * 1.25 if peak else 1)
     axes.set_ylabel(f"bytes held ({unit})")
     axes.set_xlabel("step (fN = forward step N, bN = backward step N)")
@@ -149,12 +170,20 @@ def _draw_steps(bars, total, view) -> None:
     every = max(1, len(steps) // 40)
     ticks = list(range(0, len(steps), every))
     total.set_xticks(ticks)
-    total.set_xticklabels([steps[i].label for i in ticks], fontsize=8,
-                          rotation=90 if len(steps) > 20 else 0)
+    total.set_xticklabels(
+        [steps[i].label for i in ticks], fontsize=8, rotation=90 if len(steps) > 20 else 0
+    )
     total.set_xlim(-0.6, max(len(steps) - 0.4, 0.6))
     first_backward = next((s.index for s in steps if s.phase == "backward"), None)
     if first_backward is not None:
         for axes in (bars, total):
             axes.axvline(first_backward - 0.5, color="#666666", linestyle="--", linewidth=1)
-        total.text(first_backward - 0.3, 0.03, "backward starts", fontsize=9, color="#444444",
-                   va="bottom", transform=total.get_xaxis_transform())
+        total.text(
+            first_backward - 0.3,
+            0.03,
+            "backward starts",
+            fontsize=9,
+            color="#444444",
+            va="bottom",
+            transform=total.get_xaxis_transform(),
+        )

@@ -35,8 +35,13 @@ class RegionProgram:
     """Runs plans through a runner of the chosen backend (runtime/backend.py); compiled and
     reference runners keep the same contract."""
 
-    def __init__(self, plans: RegionPlans, name: str, input_names: list[str] | None = None,
-                 backend: str | None = None):
+    def __init__(
+        self,
+        plans: RegionPlans,
+        name: str,
+        input_names: list[str] | None = None,
+        backend: str | None = None,
+    ):
         self.plans = plans
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
@@ -70,22 +75,25 @@ class RegionProgram:
             read_steps = [i for i, n in enumerate(bwd.graph.nodes) if bwd_input in n.inputs]
             readers = [bwd.graph.nodes[i] for i in read_steps]
             value = saved.forward
-            infos.append(SavedBufferInfo(
-                slot=slot,
-                name=self._input_name(saved.source[1]) if saved.source[0] == "input"
-                else self._value_name(value, fwd_names),
-                op=value.op if value.op != "input" else "input",
-                produced_at=format_loc(value.loc) or "<input>",
-                shape=value.shape,
-                dtype=value.dtype,
-                nbytes=value.type.nbytes,
-                read_by=tuple(f"{n.op} at {format_loc(n.loc)}" for n in readers),
-                last_read_step=bwd.last_read.get(bwd_input, -1),
-                reason=saved.reason,
-                is_region_input=saved.source[0] == "input",
-                written_step=self.plans.forward.first_write.get(value, -1),
-                read_steps=tuple(read_steps),
-            ))
+            infos.append(
+                SavedBufferInfo(
+                    slot=slot,
+                    name=self._input_name(saved.source[1])
+                    if saved.source[0] == "input"
+                    else self._value_name(value, fwd_names),
+                    op=value.op if value.op != "input" else "input",
+                    produced_at=format_loc(value.loc) or "<input>",
+                    shape=value.shape,
+                    dtype=value.dtype,
+                    nbytes=value.type.nbytes,
+                    read_by=tuple(f"{n.op} at {format_loc(n.loc)}" for n in readers),
+                    last_read_step=bwd.last_read.get(bwd_input, -1),
+                    reason=saved.reason,
+                    is_region_input=saved.source[0] == "input",
+                    written_step=self.plans.forward.first_write.get(value, -1),
+                    read_steps=tuple(read_steps),
+                )
+            )
         return infos
 
     def _value_name(self, value, names) -> str:
@@ -112,8 +120,9 @@ class RegionProgram:
             elif which == "retain":
                 runner = make_runner(self.plans.backward, backend)
             else:
-                runner = make_runner(self.plans.backward, backend,
-                                     private_saved=self.private_saved_inputs())
+                runner = make_runner(
+                    self.plans.backward, backend, private_saved=self.private_saved_inputs()
+                )
             self._runners[(which, backend)] = runner
         return runner
 
@@ -126,8 +135,11 @@ class RegionProgram:
         public = {storage_root(v) for v in forward.outputs[: self.n_outputs]}
         public |= set(forward.inputs)
         n_cot = len(self.cotangent_slot)
-        return tuple(n_cot + slot for slot, saved in enumerate(self.plans.saved)
-                     if saved.source[0] == "output" and storage_root(saved.forward) not in public)
+        return tuple(
+            n_cot + slot
+            for slot, saved in enumerate(self.plans.saved)
+            if saved.source[0] == "output" and storage_root(saved.forward) not in public
+        )
 
     def run_forward(self, args: list) -> list:
         return self.runner("forward")(args)

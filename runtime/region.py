@@ -76,7 +76,7 @@ class Region:
         after its last read unless retain_graph."""
         program = self.program
         args = []
-        for index, slot in program.cotangent_slot.items():
+        for index in program.cotangent_slot:
             ct = cotangents.get(index)
             if ct is None:
                 out = program.plans.forward.graph.outputs[index]
@@ -90,8 +90,9 @@ class Region:
             return program.run_backward(args, release)
         except BaseException:
             if not retain_graph:  # a consuming backward may have overwritten saved buffers
-                self.mark_freed(FreedBy("a backward() that failed part-way", None,
-                                        "a failed backward"))
+                self.mark_freed(
+                    FreedBy("a backward() that failed part-way", None, "a failed backward")
+                )
             raise
 
     def mark_freed(self, by: FreedBy) -> None:
@@ -101,8 +102,10 @@ class Region:
     def __repr__(self) -> str:
         state = "freed" if self.freed else "alive"
         n = len(self.program.saved_info)
-        return (f"<Region {self.name} at {self.created_at}: {n} saved buffer(s), "
-                f"{self.saved_bytes} B held, {state}>")
+        return (
+            f"<Region {self.name} at {self.created_at}: {n} saved buffer(s), "
+            f"{self.saved_bytes} B held, {state}>"
+        )
 
     def __str__(self) -> str:
         return saved_table(self)
@@ -113,11 +116,16 @@ def saved_table(region: Region) -> str:
     (values the backward recomputes instead of saving say "recomputed")."""
     buffers = region.saved_buffers
     states = ["freed" if b.freed else "alive" for b in buffers]
-    lines = [repr(region), format_saved_table(buffers, states,
-                                              recomputed=recomputed_infos(region.program))]
+    lines = [
+        repr(region),
+        format_saved_table(buffers, states, recomputed=recomputed_infos(region.program)),
+    ]
     if region.freed_by is not None:
-        lines += [f"  freed by the backward() at {region.freed_by.loc}; a second backward() "
-                  "through it raises GraphFreedError.",
-                  "  The plan itself stays (it holds no arrays) while a tensor points at it "
-                  "through .grad_fn;", "  .detach() makes a tensor that does not."]
+        lines += [
+            f"  freed by the backward() at {region.freed_by.loc}; a second backward() "
+            "through it raises GraphFreedError.",
+            "  The plan itself stays (it holds no arrays) while a tensor points at it "
+            "through .grad_fn;",
+            "  .detach() makes a tensor that does not.",
+        ]
     return "\n".join(lines)

@@ -163,8 +163,9 @@ class ExplainReport:
         plot_report(self, path, max_buffers=max_buffers)
 
 
-def region_report(program: RegionProgram, traces: int = 1, retrace_reason: str | None = None,
-                  kernel_groups=None) -> ExplainReport:
+def region_report(
+    program: RegionProgram, traces: int = 1, retrace_reason: str | None = None, kernel_groups=None
+) -> ExplainReport:
     """The report of a compiled function's region program. kernel_groups: see kernels.py; by
     default, the groups of the backend the program runs on."""
     plans = program.plans
@@ -176,24 +177,50 @@ def region_report(program: RegionProgram, traces: int = 1, retrace_reason: str |
     compiled = region_facts(program) if backend == "numba" else None
     if kernel_groups is None:
         kernel_groups = planned_groups(_compiled_plans(named, compiled), backend)
-    return ExplainReport(program.name, view, named, list(program.saved_info),
-                         kernels_from_groups(view, kernel_groups), traces, retrace_reason,
-                         list(plans.wrt), backend, recomputed_infos(program), compiled)
+    return ExplainReport(
+        program.name,
+        view,
+        named,
+        list(program.saved_info),
+        kernels_from_groups(view, kernel_groups),
+        traces,
+        retrace_reason,
+        list(plans.wrt),
+        backend,
+        recomputed_infos(program),
+        compiled,
+    )
 
 
-def joint_report(plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None,
-                 name: str, traces: int = 1, retrace_reason: str | None = None,
-                 kernel_groups=None, backend: str | None = None) -> ExplainReport:
+def joint_report(
+    plan: Plan,
+    n_outputs: int,
+    wrt: list[bool],
+    input_names: list[str] | None,
+    name: str,
+    traces: int = 1,
+    retrace_reason: str | None = None,
+    kernel_groups=None,
+    backend: str | None = None,
+) -> ExplainReport:
     """The report of value_and_grad's joint plan (outputs: loss, aux, then gradients)."""
     view = joint_view(plan, n_outputs, wrt, input_names, name)
     backend = backend or current_backend()
     compiled = joint_facts(plan) if backend == "numba" else None
     if kernel_groups is None:
         kernel_groups = planned_groups(_compiled_plans({"joint": plan}, compiled), backend)
-    return ExplainReport(name, view, {"joint": plan},
-                         joint_saved_info(plan, view, n_outputs, wrt),
-                         kernels_from_groups(view, kernel_groups), traces, retrace_reason,
-                         list(wrt), backend, compiled=compiled)
+    return ExplainReport(
+        name,
+        view,
+        {"joint": plan},
+        joint_saved_info(plan, view, n_outputs, wrt),
+        kernels_from_groups(view, kernel_groups),
+        traces,
+        retrace_reason,
+        list(wrt),
+        backend,
+        compiled=compiled,
+    )
 
 
 def _compiled_plans(named: dict[str, Plan], compiled) -> dict[str, Plan]:

@@ -34,8 +34,13 @@ def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> C
     except Unsupported as exc:
         return CompiledPlanFacts(label, unsupported=str(exc))
     layout = generated.layout
-    return CompiledPlanFacts(label, generated.kernel_count, layout.scratch_bytes,
-                             layout.output_bytes, len(layout.reused_saved))
+    return CompiledPlanFacts(
+        label,
+        generated.kernel_count,
+        layout.scratch_bytes,
+        layout.output_bytes,
+        len(layout.reused_saved),
+    )
 
 
 def region_facts(program) -> list[CompiledPlanFacts]:
@@ -44,8 +49,9 @@ def region_facts(program) -> list[CompiledPlanFacts]:
     plans = program.plans
     facts = [plan_facts("forward", plans.forward)]
     if plans.backward is not None:
-        facts.append(plan_facts("backward (consume)", plans.backward,
-                                program.private_saved_inputs()))
+        facts.append(
+            plan_facts("backward (consume)", plans.backward, program.private_saved_inputs())
+        )
         facts.append(plan_facts("backward (retain)", plans.backward))
     return facts
 

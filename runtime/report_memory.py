@@ -19,30 +19,41 @@ def memory_text(report) -> str:
 
 
 def reference_paragraph(report) -> str:
-    text = ("Reference interpreter (BACKPLAN_BACKEND=reference): every IR value is its own "
-            "buffer, held from the step that writes it to the free after its last read")
+    text = (
+        "Reference interpreter (BACKPLAN_BACKEND=reference): every IR value is its own "
+        "buffer, held from the step that writes it to the free after its last read"
+    )
     if report.peak_step is not None:
         text += f"; the step peaks {peak_where(report)}, with {format_bytes(report.peak_bytes)}"
-    return text + (". report.live_bytes, report.peak_bytes and report.plot() follow this path; "
-                   "the arrays you pass in are yours and not counted.")
+    return text + (
+        ". report.live_bytes, report.peak_bytes and report.plot() follow this path; "
+        "the arrays you pass in are yours and not counted."
+    )
 
 
 def numba_hint() -> str:
-    return ("The numba backend (the default; BACKPLAN_BACKEND=numba) compiles the plans "
-            "instead: values inside a fused loop take no memory, other temporaries share a "
-            "scratch arena kept across calls, and only what a call returns is allocated per "
-            "call. explain() under it states those bytes for each plan.")
+    return (
+        "The numba backend (the default; BACKPLAN_BACKEND=numba) compiles the plans "
+        "instead: values inside a fused loop take no memory, other temporaries share a "
+        "scratch arena kept across calls, and only what a call returns is allocated per "
+        "call. explain() under it states those bytes for each plan."
+    )
 
 
 def compiled_paragraph(report) -> str:
-    returned = ("the loss, aux outputs and gradients" if report.view.joint
-                else "outputs, saved buffers, gradients")
-    text = (f"{report.backend.capitalize()} backend (what runs here), from the code generator's "
-            "memory layout; nothing is compiled to find out. Values that stay inside a fused "
-            "loop take no memory. Each compiled plan keeps a scratch arena, allocated once when "
-            "it is compiled and reused by every call, for its other temporaries (those whose "
-            f"lifetimes do not overlap share bytes); what a call returns ({returned}) is "
-            "allocated fresh on every call.")
+    returned = (
+        "the loss, aux outputs and gradients"
+        if report.view.joint
+        else "outputs, saved buffers, gradients"
+    )
+    text = (
+        f"{report.backend.capitalize()} backend (what runs here), from the code generator's "
+        "memory layout; nothing is compiled to find out. Values that stay inside a fused "
+        "loop take no memory. Each compiled plan keeps a scratch arena, allocated once when "
+        "it is compiled and reused by every call, for its other temporaries (those whose "
+        f"lifetimes do not overlap share bytes); what a call returns ({returned}) is "
+        "allocated fresh on every call."
+    )
     if not report.view.joint:
         text += " A backward call holds its saved buffers and incoming gradients until it returns."
     return text
@@ -50,28 +61,40 @@ def compiled_paragraph(report) -> str:
 
 def compiled_table(facts) -> str:
     rows = [("plan", "kernels", "scratch arena (kept)", "fresh per call")]
-    rows += [(f.plan, str(f.kernels), format_bytes(f.scratch_bytes), format_bytes(f.output_bytes))
-             for f in facts if f.compiled]
+    rows += [
+        (f.plan, str(f.kernels), format_bytes(f.scratch_bytes), format_bytes(f.output_bytes))
+        for f in facts
+        if f.compiled
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["    " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-             for r in rows]
-    lines += [f"    {f.plan.ljust(widths[0])}  runs on the reference interpreter: {f.unsupported}"
-              for f in facts if not f.compiled]
+    lines = [
+        "    " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in rows
+    ]
+    lines += [
+        f"    {f.plan.ljust(widths[0])}  runs on the reference interpreter: {f.unsupported}"
+        for f in facts
+        if not f.compiled
+    ]
     return "\n".join(lines)
 
 
 def variants_note(report) -> str:
     by_plan = {f.plan: f for f in report.compiled}
     if "joint" in by_plan:
-        return ("value_and_grad runs this one joint plan: the forward values its gradients read "
-                "are temporaries of the call, in its scratch arena or fused away, and nothing is "
-                "held afterwards.")
+        return (
+            "value_and_grad runs this one joint plan: the forward values its gradients read "
+            "are temporaries of the call, in its scratch arena or fused away, and nothing is "
+            "held afterwards."
+        )
     consume = by_plan.get("backward (consume)")
     if consume is None:
         return ""
     reused = consume.reused_saved
     placed = f"here {reused} {'does' if reused == 1 else 'do'}" if reused else "here none does"
-    return ("backward() runs backward (consume): the graph is freed anyway, so a temporary may "
-            f"take over a saved buffer after its last read ({placed}). "
-            "backward(retain_graph=True) runs backward (retain), which leaves the saved buffers "
-            "intact.")
+    return (
+        "backward() runs backward (consume): the graph is freed anyway, so a temporary may "
+        f"take over a saved buffer after its last read ({placed}). "
+        "backward(retain_graph=True) runs backward (retain), which leaves the saved buffers "
+        "intact."
+    )

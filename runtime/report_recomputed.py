@@ -52,18 +52,31 @@ def recomputed_infos(program) -> list[RecomputedInfo]:
     for r in sorted(plans.recomputed, key=lambda r: forward.first_write.get(r.forward, -1)):
         value = r.forward
         copy = copies.get(value)
-        readers = ([i for i, n in enumerate(plans.backward.graph.nodes) if copy in n.inputs]
-                   if copy is not None else [])
-        infos.append(RecomputedInfo(
-            name=names[value] if program.input_names is not None else "output",
-            op=value.op, produced_at=format_loc(value.loc) or "<input>", shape=value.shape,
-            dtype=value.dtype, nbytes=r.nbytes, chain=tuple(n.op for n in r.chain),
-            reason=r.reason, written_step=forward.first_write.get(value, -1),
-            recomputed_step=steps.get(copy),
-            read_steps=tuple(readers),
-            read_by=tuple(f"{plans.backward.graph.nodes[i].op} at "
-                          f"{format_loc(plans.backward.graph.nodes[i].loc)}" for i in readers),
-        ))
+        readers = (
+            [i for i, n in enumerate(plans.backward.graph.nodes) if copy in n.inputs]
+            if copy is not None
+            else []
+        )
+        infos.append(
+            RecomputedInfo(
+                name=names[value] if program.input_names is not None else "output",
+                op=value.op,
+                produced_at=format_loc(value.loc) or "<input>",
+                shape=value.shape,
+                dtype=value.dtype,
+                nbytes=r.nbytes,
+                chain=tuple(n.op for n in r.chain),
+                reason=r.reason,
+                written_step=forward.first_write.get(value, -1),
+                recomputed_step=steps.get(copy),
+                read_steps=tuple(readers),
+                read_by=tuple(
+                    f"{plans.backward.graph.nodes[i].op} at "
+                    f"{format_loc(plans.backward.graph.nodes[i].loc)}"
+                    for i in readers
+                ),
+            )
+        )
     return infos
 
 
@@ -82,8 +95,10 @@ def backward_copies(program) -> dict[Value, Value]:
         if not all(i in copies for i in node.inputs):
             continue
         key = (node.op, tuple(id(copies[i]) for i in node.inputs))
-        match = next((c for c in by_inputs.get(key, ()) if c.type == node.type
-                      and c.attrs == node.attrs), None)
+        match = next(
+            (c for c in by_inputs.get(key, ()) if c.type == node.type and c.attrs == node.attrs),
+            None,
+        )
         if match is not None:
             copies[node] = match
     return copies

@@ -28,8 +28,10 @@ def render_report(report) -> str:
         (f"explain: {report.name}", ""),
         ("1. Summary", wrap(summary_text(report))),
         ("2. Plans", plans_text(report)),
-        (saved_title(report),
-         format_saved_table(report.saved_buffers, recomputed=report.recomputed)),
+        (
+            saved_title(report),
+            format_saved_table(report.saved_buffers, recomputed=report.recomputed),
+        ),
         ("4. Memory", memory_text(report)),
         ("5. Kernels", wrap(kernels_text(report))),
         ("6. Retracing", wrap(retrace_text(report))),
@@ -38,15 +40,19 @@ def render_report(report) -> str:
 
 
 def wrap(text: str) -> str:
-    return "\n".join(textwrap.fill(p, WIDTH, initial_indent="  ", subsequent_indent="  ")
-                     for p in text.split("\n"))
+    return "\n".join(
+        textwrap.fill(p, WIDTH, initial_indent="  ", subsequent_indent="  ")
+        for p in text.split("\n")
+    )
 
 
 def saved_title(report) -> str:
     title = f"3. Saved buffers ({len(report.saved_buffers)}, {format_bytes(report.saved_bytes)}"
     if report.recomputed:
-        title += (f"; {len(report.recomputed)} recomputed instead, "
-                  f"{format_bytes(report.recomputed_bytes)} not saved")
+        title += (
+            f"; {len(report.recomputed)} recomputed instead, "
+            f"{format_bytes(report.recomputed_bytes)} not saved"
+        )
     return title + ")"
 
 
@@ -55,9 +61,11 @@ def summary_text(report) -> str:
     fusion = f"{fused} of them fused" if fused else "none fused"
     if report.backend == "reference" and not fused:
         fusion = "the reference interpreter runs each IR node on its own"
-    parts = [f"{report.name} has {report.n_forward_steps} forward and "
-             f"{report.n_backward_steps} backward steps, run as {report.n_kernels} kernels on the "
-             f"{report.backend} backend ({fusion})."]
+    parts = [
+        f"{report.name} has {report.n_forward_steps} forward and "
+        f"{report.n_backward_steps} backward steps, run as {report.n_kernels} kernels on the "
+        f"{report.backend} backend ({fusion})."
+    ]
     parts.append(_saved_sentence(report))
     parts.append(_recomputed_sentence(report))
     parts.append(_peak_sentence(report))
@@ -68,16 +76,22 @@ def summary_text(report) -> str:
 
 def _saved_sentence(report) -> str:
     if not any(report.requires_grad):
-        return ("Nothing needs a gradient (no input requires grad, or grad mode is off), so "
-                "there is no backward and nothing is saved.")
+        return (
+            "Nothing needs a gradient (no input requires grad, or grad mode is off), so "
+            "there is no backward and nothing is saved."
+        )
     n = len(report.saved_buffers)
     if n == 0:
         return "The backward needs no forward values: nothing is saved."
-    text = (f"The forward keeps {n} saved buffer{'s' if n != 1 else ''} for the backward, "
-            f"{format_bytes(report.saved_bytes)} in total")
+    text = (
+        f"The forward keeps {n} saved buffer{'s' if n != 1 else ''} for the backward, "
+        f"{format_bytes(report.saved_bytes)} in total"
+    )
     if report.saved_input_bytes:
-        text += (f" ({format_bytes(report.saved_input_bytes)} of them your own inputs, held by "
-                 "reference, not copied)")
+        text += (
+            f" ({format_bytes(report.saved_input_bytes)} of them your own inputs, held by "
+            "reference, not copied)"
+        )
     return text + "."
 
 
@@ -85,18 +99,22 @@ def _recomputed_sentence(report) -> str:
     n = len(report.recomputed)
     if not n:
         return ""
-    return (f"Rematerialisation recomputes {n} value{'s' if n != 1 else ''} in the backward "
-            f"instead of saving {'them' if n != 1 else 'it'}, so "
-            f"{format_bytes(report.recomputed_bytes)} are not saved "
-            "(bp.compile(remat=False) saves everything).")
+    return (
+        f"Rematerialisation recomputes {n} value{'s' if n != 1 else ''} in the backward "
+        f"instead of saving {'them' if n != 1 else 'it'}, so "
+        f"{format_bytes(report.recomputed_bytes)} are not saved "
+        "(bp.compile(remat=False) saves everything)."
+    )
 
 
 def _compiled_sentence(report) -> str:
     if report.compiled is None:
         return ""
-    text = (f"Compiled for the {report.backend} backend, the step keeps "
-            f"{format_bytes(report.compiled_scratch_bytes)} of scratch arenas across calls and "
-            f"allocates {format_bytes(report.compiled_output_bytes)} fresh per call")
+    text = (
+        f"Compiled for the {report.backend} backend, the step keeps "
+        f"{format_bytes(report.compiled_scratch_bytes)} of scratch arenas across calls and "
+        f"allocates {format_bytes(report.compiled_output_bytes)} fresh per call"
+    )
     refused = refused_plans(report)
     if refused:
         text += f"; the {refused} runs on the reference interpreter instead"
@@ -106,8 +124,9 @@ def _compiled_sentence(report) -> str:
 def refused_plans(report) -> str:
     """'forward plan', 'backward plan' or 'forward and backward plans': what numba cannot
     compile; '' when it compiles everything."""
-    names = list(dict.fromkeys(f.plan.split(" ")[0] for f in report.compiled or ()
-                               if not f.compiled))
+    names = list(
+        dict.fromkeys(f.plan.split(" ")[0] for f in report.compiled or () if not f.compiled)
+    )
     if not names:
         return ""
     return f"{' and '.join(names)} plan{'s' if len(names) > 1 else ''}"
@@ -124,12 +143,16 @@ def peak_where(report) -> str:
 def _peak_sentence(report) -> str:
     if report.peak_step is None:
         return ""
-    text = (f"Predicted peak on the reference interpreter: "
-            f"{format_bytes(report.forward_peak_bytes)} during the forward")
+    text = (
+        f"Predicted peak on the reference interpreter: "
+        f"{format_bytes(report.forward_peak_bytes)} during the forward"
+    )
     if report.n_backward_steps:
         text += f", {format_bytes(report.backward_peak_bytes)} during the backward"
-    text += (f", {format_bytes(report.peak_bytes)} over the whole step ({peak_where(report)}), "
-             f"not counting the {format_bytes(report.input_bytes)} of arrays you pass in.")
+    text += (
+        f", {format_bytes(report.peak_bytes)} over the whole step ({peak_where(report)}), "
+        f"not counting the {format_bytes(report.input_bytes)} of arrays you pass in."
+    )
     return text
 
 
@@ -137,28 +160,39 @@ def _freeing_sentence(report) -> str:
     if not any(report.requires_grad):
         return ""
     if report.view.joint:
-        return ("value_and_grad runs forward and backward as one plan: saved buffers live only "
-                "inside the call, each freed after its last read; nothing is held afterwards, "
-                "so there is no graph to free or retain.")
-    return ("Each call builds a new graph that holds its own saved buffers until backward(), "
-            "which frees each right after its last read (the lifetime column); graphs built "
-            "later on its outputs share it, so the first backward() through any of them frees "
-            "it. A second backward() through a freed graph always raises GraphFreedError, "
-            "saved buffers or not, unless the first passed retain_graph=True. "
-            "print(out.grad_fn) shows which buffers are freed.")
+        return (
+            "value_and_grad runs forward and backward as one plan: saved buffers live only "
+            "inside the call, each freed after its last read; nothing is held afterwards, "
+            "so there is no graph to free or retain."
+        )
+    return (
+        "Each call builds a new graph that holds its own saved buffers until backward(), "
+        "which frees each right after its last read (the lifetime column); graphs built "
+        "later on its outputs share it, so the first backward() through any of them frees "
+        "it. A second backward() through a freed graph always raises GraphFreedError, "
+        "saved buffers or not, unless the first passed retain_graph=True. "
+        "print(out.grad_fn) shows which buffers are freed."
+    )
 
 
 def plans_text(report) -> str:
     lines = []
     for name, plan in report.plans.items():
-        title = {"forward": "forward IR", "backward": "backward IR",
-                 "joint": "joint IR (forward steps fN, then backward steps bN, in one plan)"}[name]
+        title = {
+            "forward": "forward IR",
+            "backward": "backward IR",
+            "joint": "joint IR (forward steps fN, then backward steps bN, in one plan)",
+        }[name]
         lines.append(f"  {title}")
         lines.extend(f"    {legend}" for legend in _input_legend(report, name, plan))
         if name == "backward" and report.recomputed:
-            lines.append("    recomputed here instead of saved: " + ", ".join(
-                f"{r.name} at b{r.recomputed_step}" if r.recomputed_step is not None
-                else r.name for r in report.recomputed))
+            lines.append(
+                "    recomputed here instead of saved: "
+                + ", ".join(
+                    f"{r.name} at b{r.recomputed_step}" if r.recomputed_step is not None else r.name
+                    for r in report.recomputed
+                )
+            )
         lines.extend(_gutter(plan.text(), _labels(report, name)))
         lines.append("")
     return "\n".join(lines).rstrip()
@@ -183,15 +217,23 @@ def _gutter(text: str, labels: list[str]) -> list[str]:
 def _input_legend(report, plan_name: str, plan) -> list[str]:
     inputs = plan.graph.inputs
     if plan_name != "backward":
-        return [f"%{i} = {report.view.buffers[f'f%{i}'].name}: {v.type}"
-                + (", requires grad" if i < len(report.requires_grad) and report.requires_grad[i]
-                   else "") for i, v in enumerate(inputs)]
+        return [
+            f"%{i} = {report.view.buffers[f'f%{i}'].name}: {v.type}"
+            + (
+                ", requires grad"
+                if i < len(report.requires_grad) and report.requires_grad[i]
+                else ""
+            )
+            for i, v in enumerate(inputs)
+        ]
     n_cot = sum(1 for v in inputs if v.role == "cotangent")
     legend = []
     for i, value in enumerate(inputs):
         if value.role == "cotangent":
-            legend.append(f"%{i} = {report.view.buffers[f'b%{i}'].name}: the gradient flowing "
-                          "into that forward output")
+            legend.append(
+                f"%{i} = {report.view.buffers[f'b%{i}'].name}: the gradient flowing "
+                "into that forward output"
+            )
         else:
             legend.append(f"%{i} = saved {report.saved_buffers[i - n_cot].name}")
     return legend
@@ -201,31 +243,43 @@ def kernels_text(report) -> str:
     steps = report.view.steps
     free = [k for k in report.kernels if not k.runs_code]
     if not free and not report.fused_kernels:
-        text = (f"The {report.backend} backend runs each of the {len(steps)} steps as its own "
-                "kernel, in the order of the IR above.")
+        text = (
+            f"The {report.backend} backend runs each of the {len(steps)} steps as its own "
+            "kernel, in the order of the IR above."
+        )
         if report.backend == "reference":
-            text += (" The numba backend (BACKPLAN_BACKEND=numba) fuses them into fewer kernels; "
-                     "explain() under it lists which.")
+            text += (
+                " The numba backend (BACKPLAN_BACKEND=numba) fuses them into fewer kernels; "
+                "explain() under it lists which."
+            )
         return text
-    lines = [f"{report.n_kernels} kernels for {len(steps)} steps on the {report.backend} "
-             f"backend: {report.fused_kernels} fused, and {len(free)} steps that cost no "
-             "kernel (views, aliases and literals)."]
+    lines = [
+        f"{report.n_kernels} kernels for {len(steps)} steps on the {report.backend} "
+        f"backend: {report.fused_kernels} fused, and {len(free)} steps that cost no "
+        "kernel (views, aliases and literals)."
+    ]
     refused = refused_plans(report)
     if refused:
-        lines[0] += (f" The {refused} runs on the reference interpreter, one kernel per step "
-                     "(section 4 says why).")
+        lines[0] += (
+            f" The {refused} runs on the reference interpreter, one kernel per step "
+            "(section 4 says why)."
+        )
     for number, kernel in enumerate(report.kernels):
         if kernel.fused and kernel.runs_code:
             members = ", ".join(f"{steps[s].label} {steps[s].op}" for s in kernel.steps)
             lines.append(f"k{number} ({kernel.kind}): {members}")
     if free:
-        lines.append("no kernel: " + ", ".join(
-            f"{steps[s].label} {steps[s].op} ({k.kind})" for k in free for s in k.steps))
+        lines.append(
+            "no kernel: "
+            + ", ".join(f"{steps[s].label} {steps[s].op} ({k.kind})" for k in free for s in k.steps)
+        )
     return "\n".join(lines)
 
 
 def retrace_text(report) -> str:
     if report.traces <= 1:
         return "Traced once: no retrace."
-    return (f"Traced {report.traces} times. The last retrace happened because: "
-            f"{report.retrace_reason or 'the reason was not recorded'}.")
+    return (
+        f"Traced {report.traces} times. The last retrace happened because: "
+        f"{report.retrace_reason or 'the reason was not recorded'}."
+    )

@@ -56,8 +56,10 @@ def recomputed_reason_text(info) -> str:
     ops = list(info.chain[:MAX_CHAIN_OPS]) + (["..."] if len(info.chain) > MAX_CHAIN_OPS else [])
     n = len(info.chain)
     where = "in the backward" if info.recomputed_step is None else f"at b{info.recomputed_step}"
-    return (f"recomputed, not saved: {n} op{'s' if n != 1 else ''} ({', '.join(ops)}) rerun "
-            f"{where}; {reason_text(info.reason)}")
+    return (
+        f"recomputed, not saved: {n} op{'s' if n != 1 else ''} ({', '.join(ops)}) rerun "
+        f"{where}; {reason_text(info.reason)}"
+    )
 
 
 def recomputed_lifetime_text(info) -> str:
@@ -71,33 +73,54 @@ def _type_text(info) -> str:
     return f"{info.dtype}[{','.join(str(d) for d in info.shape)}]"
 
 
-def saved_rows(infos: Sequence, states: Sequence[str] | None = None,
-               recomputed: Sequence = ()) -> list[tuple[str, ...]]:
+def saved_rows(
+    infos: Sequence, states: Sequence[str] | None = None, recomputed: Sequence = ()
+) -> list[tuple[str, ...]]:
     header = ("name", "type", "bytes", "produced by", "read by", "lifetime", "why saved")
     rows = [header + (("state",) if states is not None else ())]
     for i, info in enumerate(infos):
         name = f"{info.name} *" if info.is_region_input else info.name
         produced = "your input" if info.is_region_input else f"{info.op} at {info.produced_at}"
-        row = (name, _type_text(info), f"{info.nbytes:,}", produced, read_by_text(info),
-               lifetime_text(info), reason_text(info.reason))
+        row = (
+            name,
+            _type_text(info),
+            f"{info.nbytes:,}",
+            produced,
+            read_by_text(info),
+            lifetime_text(info),
+            reason_text(info.reason),
+        )
         rows.append(row + ((states[i],) if states is not None else ()))
     for info in recomputed:
-        row = (info.name, _type_text(info), f"{info.nbytes:,}", f"{info.op} at {info.produced_at}",
-               read_by_text(info), recomputed_lifetime_text(info), recomputed_reason_text(info))
+        row = (
+            info.name,
+            _type_text(info),
+            f"{info.nbytes:,}",
+            f"{info.op} at {info.produced_at}",
+            read_by_text(info),
+            recomputed_lifetime_text(info),
+            recomputed_reason_text(info),
+        )
         rows.append(row + (("recomputed",) if states is not None else ()))
     return rows
 
 
-def format_saved_table(infos: Sequence, states: Sequence[str] | None = None,
-                       indent: str = "  ", recomputed: Sequence = ()) -> str:
+def format_saved_table(
+    infos: Sequence,
+    states: Sequence[str] | None = None,
+    indent: str = "  ",
+    recomputed: Sequence = (),
+) -> str:
     """The table with one row per saved buffer, then one per value the backward recomputes
     instead of saving; `states` adds the freed/alive/recomputed column."""
     if not infos and not recomputed:
         return f"{indent}(no saved buffers)"
     rows = saved_rows(infos, states, recomputed)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-             for row in rows]
+    lines = [
+        indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     lines.append(indent + LEGEND)
     if any(info.is_region_input for info in infos):
         lines.extend(indent + line for line in INPUT_NOTE.splitlines())

@@ -26,7 +26,7 @@ def tokenize(text: str) -> list[tuple[str, str]]:
     while pos < len(text):
         match = TOKEN.match(text, pos)
         if not match or match.end() == pos:
-            raise ValueError(f"bad DOT text at {text[pos:pos + 30]!r}")
+            raise ValueError(f"bad DOT text at {text[pos : pos + 30]!r}")
         arrow, punct, quoted, bare = match.groups()
         if arrow:
             tokens.append(("->", "->"))

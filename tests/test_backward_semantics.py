@@ -45,13 +45,15 @@ def test_backward_never_builds_or_changes_the_graph(model):
     w1, w2, x = make_inputs()
     out = model(w1, w2, x)
     regions = reachable_regions(out)
-    plans_before = [(r.program.plans.backward.text(), [e.region for e in r.input_edges])
-                    for r in regions]
+    plans_before = [
+        (r.program.plans.backward.text(), [e.region for e in r.input_edges]) for r in regions
+    ]
     out.backward(retain_graph=True)
     out.backward()
     assert reachable_regions(out) == regions
-    plans_after = [(r.program.plans.backward.text(), [e.region for e in r.input_edges])
-                   for r in regions]
+    plans_after = [
+        (r.program.plans.backward.text(), [e.region for e in r.input_edges]) for r in regions
+    ]
     assert plans_after == plans_before
 
 
@@ -62,8 +64,11 @@ def test_each_saved_buffer_dies_right_after_its_last_read():
     region = out.grad_fn
     program = region.program
     infos = program.saved_info
-    refs = {info.slot: weakref.ref(region._saved[info.slot]) for info in infos
-            if not info.is_region_input}
+    refs = {
+        info.slot: weakref.ref(region._saved[info.slot])
+        for info in infos
+        if not info.is_region_input
+    }
     alive_at: dict[int, list[int]] = {slot: [] for slot in refs}
 
     def record(step, env):
@@ -72,7 +77,8 @@ def test_each_saved_buffer_dies_right_after_its_last_read():
                 alive_at[slot].append(step)
 
     program.run_backward = lambda args, release: run_plan(
-        program.plans.backward, args, release=release, on_step=record)
+        program.plans.backward, args, release=release, on_step=record
+    )
     out.backward()
     assert refs, "the plan should save intermediates"
     for info in infos:

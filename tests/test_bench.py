@@ -44,8 +44,16 @@ def run_cli(*argv: str) -> tuple[int, str]:
 def quick_record(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     json_path, csv_path = folder / "run.json", folder / "run.csv"
-    code, text = run_cli("--quick", "--small", "--against", "numpy,backplan.reference",
-                         "--json", str(json_path), "--csv", str(csv_path))
+    code, text = run_cli(
+        "--quick",
+        "--small",
+        "--against",
+        "numpy,backplan.reference",
+        "--json",
+        str(json_path),
+        "--csv",
+        str(csv_path),
+    )
     return code, text, json.loads(json_path.read_text()), csv_path
 
 
@@ -80,8 +88,18 @@ def test_json_record_has_the_documented_fields(quick_record):
     assert env["versions"]["numpy"] == np.__version__
     assert env["versions"]["backplan"] == bp.__version__
     row = next(r for r in record["results"] if r["peer"] == "backplan.compile")
-    assert {"model", "peer", "status", "step_ms", "ratio_to_fastest", "first_call_s",
-            "saved_bytes", "peak_bytes", "check", "note"} <= set(row)
+    assert {
+        "model",
+        "peer",
+        "status",
+        "step_ms",
+        "ratio_to_fastest",
+        "first_call_s",
+        "saved_bytes",
+        "peak_bytes",
+        "check",
+        "note",
+    } <= set(row)
     assert {"median", "min", "max", "n"} == set(row["step_ms"])
     assert row["step_ms"]["min"] <= row["step_ms"]["median"] <= row["step_ms"]["max"]
     assert {"excluding_inputs", "including_inputs"} <= set(row["saved_bytes"])
@@ -92,8 +110,9 @@ def test_json_record_has_the_documented_fields(quick_record):
 def test_ratios_are_against_the_fastest_peer_of_each_model(quick_record):
     _, _, record, _ = quick_record
     for model in record["models"]:
-        rows = [r for r in record["results"]
-                if r["model"] == model["name"] and r["step_ms"] is not None]
+        rows = [
+            r for r in record["results"] if r["model"] == model["name"] and r["step_ms"] is not None
+        ]
         fastest = min(r["step_ms"]["median"] for r in rows)
         for row in rows:
             assert row["ratio_to_fastest"] == pytest.approx(row["step_ms"]["median"] / fastest)
@@ -106,8 +125,9 @@ def test_csv_has_one_row_per_model_and_peer(quick_record):
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == CSV_FIELDS
     assert len(rows) == len(record["results"])
-    assert {(r["model"], r["peer"]) for r in rows} == \
-        {(r["model"], r["peer"]) for r in record["results"]}
+    assert {(r["model"], r["peer"]) for r in rows} == {
+        (r["model"], r["peer"]) for r in record["results"]
+    }
 
 
 def test_text_table_names_every_model_and_says_sizes_are_shrunk(quick_record):
@@ -195,8 +215,10 @@ class _WarningPeer(NumpyPeer):
 
 def test_a_fast_wrong_answer_shows_as_wrong_and_a_broken_peer_as_an_error():
     peers = [NumpyPeer(), _WrongPeer(), _BrokenPeer(), _WarningPeer()]
-    rows = {r["peer"]: r for r in bench_model(MODELS["mlp"], peers, QUICK_SMALL,
-                                               Progress(enabled=False))}
+    rows = {
+        r["peer"]: r
+        for r in bench_model(MODELS["mlp"], peers, QUICK_SMALL, Progress(enabled=False))
+    }
     assert rows["numpy"]["status"] == "ok"
     assert rows["numpy.wrong"]["status"] == "wrong"
     assert rows["numpy.wrong"]["check"]["worst_grad"] == "w1"
@@ -206,7 +228,8 @@ def test_a_fast_wrong_answer_shows_as_wrong_and_a_broken_peer_as_an_error():
     assert rows["numpy"]["ratio_to_fastest"] is not None
     assert rows["numpy.fallback"]["status"] == "ok"
     assert rows["numpy.fallback"]["warnings"] == [
-        "graph @mlp runs on the reference interpreter: no kernel"]
+        "graph @mlp runs on the reference interpreter: no kernel"
+    ]
     assert rows["numpy"]["warnings"] == []
 
 
@@ -251,8 +274,16 @@ def _peer_rows(record):
 def test_torch_peers_agree_with_the_reference(tmp_path):
     pytest.importorskip("torch")
     path = tmp_path / "torch.json"
-    code, _ = run_cli("--quick", "--small", "--models", "mlp_tiny,ln_gelu,mlp_infer",
-                      "--against", "torch", "--json", str(path))
+    code, _ = run_cli(
+        "--quick",
+        "--small",
+        "--models",
+        "mlp_tiny,ln_gelu,mlp_infer",
+        "--against",
+        "torch",
+        "--json",
+        str(path),
+    )
     record = json.loads(path.read_text())
     assert code == 0, _peer_rows(record)
     torch_rows = [r for r in record["results"] if r["peer"].startswith("torch")]
@@ -265,8 +296,16 @@ def test_torch_peers_agree_with_the_reference(tmp_path):
 def test_jax_peer_agrees_with_the_reference(tmp_path):
     pytest.importorskip("jax")
     path = tmp_path / "jax.json"
-    code, _ = run_cli("--quick", "--small", "--models", "mlp_tiny,transformer,ln_gelu",
-                      "--against", "jax", "--json", str(path))
+    code, _ = run_cli(
+        "--quick",
+        "--small",
+        "--models",
+        "mlp_tiny,transformer,ln_gelu",
+        "--against",
+        "jax",
+        "--json",
+        str(path),
+    )
     record = json.loads(path.read_text())
     assert code == 0, _peer_rows(record)
     jax_rows = [r for r in record["results"] if r["peer"] == "jax"]
@@ -293,8 +332,9 @@ def test_cold_caches_use_an_empty_folder_for_the_run_only(monkeypatch, tmp_path)
         assert set(caches.describe()["variables"]) >= set(CACHE_VARIABLES.values())
     assert os.environ["BACKPLAN_CACHE_DIR"] == str(tmp_path / "mine")
     assert not os.path.exists(os.path.dirname(moved))
-    code, text = run_cli("--quick", "--small", "--models", "mlp_tiny", "--against", "none",
-                         "--cold-caches")
+    code, text = run_cli(
+        "--quick", "--small", "--models", "mlp_tiny", "--against", "none", "--cold-caches"
+    )
     assert code == 0 and "empty disk caches" in text and "--cold-caches" in text
 
 
@@ -312,8 +352,9 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch, tmp_pa
 
     monkeypatch.setattr(JaxPeer, "missing", lambda self: "jax is not installed")
     path = tmp_path / "run.json"
-    code, text = run_cli("--quick", "--small", "--models", "mlp_tiny", "--against", "jax",
-                         "--json", str(path))
+    code, text = run_cli(
+        "--quick", "--small", "--models", "mlp_tiny", "--against", "jax", "--json", str(path)
+    )
     record = json.loads(path.read_text())
     assert code == 0
     assert record["skipped_peers"] == [{"peer": "jax", "reason": "jax is not installed"}]

@@ -4,6 +4,7 @@ models, and inputs are never modified."""
 
 import numpy as np
 import pytest
+from op_samples import SAMPLES
 
 import backplan as bp
 from backplan.codegen.compiled import CompiledPlan
@@ -13,7 +14,6 @@ from backplan.ir.interpreter import run_plan
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import TensorType, dtype_name, is_float
 from backplan.runtime.backend import use_backend
-from op_samples import SAMPLES
 
 TOL = {"f32": dict(rtol=2e-5, atol=2e-5), "f64": dict(rtol=1e-11, atol=1e-11)}
 BATCH = 12
@@ -21,7 +21,7 @@ BATCH = 12
 
 def sample_batches(dtype):
     chosen = [s for s in SAMPLES if dtype in s.dtypes]
-    return [chosen[i:i + BATCH] for i in range(0, len(chosen), BATCH)]
+    return [chosen[i : i + BATCH] for i in range(0, len(chosen), BATCH)]
 
 
 def batch_graph(samples, dtype):
@@ -46,9 +46,11 @@ def batch_graph(samples, dtype):
         outputs.append(node)
         if is_float(node.dtype) and node.dtype == dtype:
             weight = graph.add_input(node.type)
-            arrays.append(rng.standard_normal(node.shape).astype(arrays[-1].dtype
-                                                                   if False else node.dtype == "f32"
-                                                                   and np.float32 or np.float64))
+            arrays.append(
+                rng.standard_normal(node.shape).astype(
+                    arrays[-1].dtype if False else node.dtype == "f32" and np.float32 or np.float64
+                )
+            )
             wrt.append(False)
             losses.append(b.sum(b.mul(node, weight), axes=tuple(range(len(node.shape)))))
     total = losses[0]
@@ -73,8 +75,9 @@ def test_every_registry_op_compiles_to_the_reference_result(dtype):
             assert g.shape == e.shape and g.dtype == e.dtype, name
             if g.dtype.kind == "f":
                 scale = max(1.0, float(np.max(np.abs(e), initial=0)))
-                np.testing.assert_allclose(g, e, rtol=TOL[dtype]["rtol"],
-                                           atol=TOL[dtype]["atol"] * scale, err_msg=name)
+                np.testing.assert_allclose(
+                    g, e, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale, err_msg=name
+                )
             else:
                 np.testing.assert_array_equal(g, e, err_msg=name)
 
@@ -82,8 +85,9 @@ def test_every_registry_op_compiles_to_the_reference_result(dtype):
 def mlp_params(rng, sizes, dtype=np.float32):
     params = {}
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        params[f"w{i}"] = bp.tensor((rng.standard_normal((a, b)) / np.sqrt(a)).astype(dtype),
-                                    requires_grad=True)
+        params[f"w{i}"] = bp.tensor(
+            (rng.standard_normal((a, b)) / np.sqrt(a)).astype(dtype), requires_grad=True
+        )
         params[f"b{i}"] = bp.tensor(np.zeros(b, dtype), requires_grad=True)
     return params
 
@@ -104,7 +108,7 @@ def block_loss(p, x):
     heads = 2
     h = bp.layer_norm(x, p["ln1_g"], p["ln1_b"])
     qkv = h @ p["w_qkv"]
-    q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+    q, k, v = qkv[..., :d], qkv[..., d : 2 * d], qkv[..., 2 * d :]
 
     def split(t):
         return t.reshape(batch, seq, heads, d // heads).transpose(0, 2, 1, 3)
@@ -120,11 +124,20 @@ def block_loss(p, x):
 
 def block_params(rng, d=8, ff=16):
     def t(*shape, scale=0.3):
-        return bp.tensor((rng.standard_normal(shape) * scale).astype(np.float32),
-                         requires_grad=True)
+        return bp.tensor(
+            (rng.standard_normal(shape) * scale).astype(np.float32), requires_grad=True
+        )
 
-    return {"ln1_g": t(d) , "ln1_b": t(d), "w_qkv": t(d, 3 * d), "w_o": t(d, d),
-            "ln2_g": t(d), "ln2_b": t(d), "w_1": t(d, ff), "w_2": t(ff, d)}
+    return {
+        "ln1_g": t(d),
+        "ln1_b": t(d),
+        "w_qkv": t(d, 3 * d),
+        "w_o": t(d, d),
+        "ln2_g": t(d),
+        "ln2_b": t(d),
+        "w_1": t(d, ff),
+        "w_2": t(ff, d),
+    }
 
 
 def run_both(fn, *args):
@@ -147,8 +160,11 @@ def test_value_and_grad_of_models_compiled_equals_reference(model):
     rng = np.random.default_rng(3)
     if model == "mlp":
         params = mlp_params(rng, [6, 16, 16, 4])
-        args = (params, bp.tensor(rng.standard_normal((5, 6)).astype(np.float32)),
-                bp.tensor(rng.integers(0, 4, 5)))
+        args = (
+            params,
+            bp.tensor(rng.standard_normal((5, 6)).astype(np.float32)),
+            bp.tensor(rng.integers(0, 4, 5)),
+        )
         fn = mlp_loss
     else:
         params = block_params(rng)
@@ -242,10 +258,14 @@ def test_generated_source_runs_as_plain_python_with_the_same_results(tmp_path):
     """)
     results = []
     for flag in ("0", "1"):
-        env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path),
-               "BACKPLAN_KERNELS_AS_PYTHON": flag}
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              env=env, timeout=300)
+        env = {
+            **os.environ,
+            "BACKPLAN_CACHE_DIR": str(tmp_path),
+            "BACKPLAN_KERNELS_AS_PYTHON": flag,
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert [r[0] for r in results] == [False, True]
@@ -263,8 +283,10 @@ def test_parallel_and_chunked_reduction_kernels_equal_reference():
         y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x
         return bp.sum(y * up) + bp.max(y)
 
-    args = [bp.tensor(rng.standard_normal(s).astype(np.float32))
-            for s in (shape, shape[1:], shape[1:], shape)]
+    args = [
+        bp.tensor(rng.standard_normal(s).astype(np.float32))
+        for s in (shape, shape[1:], shape[1:], shape)
+    ]
     vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
     with use_backend("numba"):
         source = vg.trace(*args).runner().compiled.source
@@ -304,7 +326,8 @@ grown = sum(s.size_diff for s in after.filter_traces([numpy_domain]).compare_to(
     before.filter_traces([numpy_domain]), "filename"))
 print(json.dumps({"grown": grown, "planned_outputs": compiled.layout.output_bytes,
                   "returned": sum(o.nbytes for o in outputs),
-                  "scratch": compiled.scratch_bytes, "planned_scratch": compiled.layout.scratch_bytes,
+                  "scratch": compiled.scratch_bytes,
+                  "planned_scratch": compiled.layout.scratch_bytes,
                   "source": compiled.source}))
 """
 
@@ -318,8 +341,9 @@ def test_predicted_memory_equals_what_the_compiled_plan_allocates(tmp_path):
     import sys
 
     env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts["grown"] == facts["planned_outputs"] == facts["returned"] > 0

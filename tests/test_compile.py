@@ -3,9 +3,9 @@ functional API."""
 
 import numpy as np
 import pytest
+from helpers import here
 
 import backplan as bp
-from helpers import here
 
 RNG = np.random.default_rng(2)
 
@@ -112,7 +112,8 @@ def test_compiled_regions_chain_with_eager_ops_and_other_regions():
     loss = bp.sum(layer(w1, h) ** 2)
     loss.backward()
     value, grads = bp.value_and_grad(
-        lambda w, x: bp.sum(bp.tanh(bp.tanh((x * 2) @ w) @ w) ** 2), argnums=(0, 1))(w1, x)
+        lambda w, x: bp.sum(bp.tanh(bp.tanh((x * 2) @ w) @ w) ** 2), argnums=(0, 1)
+    )(w1, x)
     np.testing.assert_allclose(loss.numpy(), value.numpy(), rtol=1e-6)
     np.testing.assert_allclose(w1.grad.numpy(), grads[0].numpy(), rtol=1e-5)
     np.testing.assert_allclose(x.grad.numpy(), grads[1].numpy(), rtol=1e-5)
@@ -133,13 +134,13 @@ def test_captured_tensors_are_inputs_and_receive_gradients():
 def test_value_and_grad_pytrees_has_aux_and_argnums():
     def loss(params, x):
         pred = x @ params["w"] + params["b"]
-        return bp.mean(pred ** 2), pred
+        return bp.mean(pred**2), pred
 
     params = {"w": bp.tensor(f32(3, 2)), "b": bp.tensor(f32(2))}
     x = bp.tensor(f32(5, 3))
     (value, pred), grads = bp.value_and_grad(loss, has_aux=True)(params, x)
     p = x.numpy() @ params["w"].numpy() + params["b"].numpy()
-    np.testing.assert_allclose(value.numpy(), np.mean(p ** 2), rtol=1e-5)
+    np.testing.assert_allclose(value.numpy(), np.mean(p**2), rtol=1e-5)
     np.testing.assert_allclose(pred.numpy(), p, rtol=1e-5)
     assert set(grads) == {"w", "b"}
     np.testing.assert_allclose(grads["w"].numpy(), x.numpy().T @ (2 * p / p.size), rtol=1e-4)
@@ -152,10 +153,10 @@ def test_value_and_grad_pytrees_has_aux_and_argnums():
 
 def test_grad_of_grad_matches_analytic_second_derivative():
     x = bp.tensor(np.array([0.3, -1.2, 2.0]))
-    second = bp.grad(lambda x: bp.sum(bp.grad(lambda y: bp.sum(bp.tanh(y) * y ** 2))(x)))(x)
+    second = bp.grad(lambda x: bp.sum(bp.grad(lambda y: bp.sum(bp.tanh(y) * y**2))(x)))(x)
     xv = x.numpy()
     t = np.tanh(xv)
-    d1 = lambda v: (1 - np.tanh(v) ** 2) * v ** 2 + 2 * v * np.tanh(v)  # noqa: E731
+    d1 = lambda v: (1 - np.tanh(v) ** 2) * v**2 + 2 * v * np.tanh(v)  # noqa: E731
     numeric = (d1(xv + 1e-6) - d1(xv - 1e-6)) / 2e-6
     np.testing.assert_allclose(second.numpy(), numeric, rtol=1e-6)
     assert t.shape == second.shape
@@ -201,17 +202,23 @@ def test_fast_path_uses_the_tensors_of_each_call_and_falls_back_when_unusual():
     vg = bp.value_and_grad(lambda a, b: bp.sum(a * b))
     for _ in range(3):  # later calls take the fast path
         a, b = bp.tensor(f32(3), requires_grad=True), bp.tensor(f32(3))
-        np.testing.assert_allclose(weighted(a, b).numpy(), 2 * np.sum(a.numpy() * b.numpy()),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            weighted(a, b).numpy(), 2 * np.sum(a.numpy() * b.numpy()), rtol=1e-6
+        )
         value, grad = vg(a, b)
         np.testing.assert_allclose(grad.numpy(), b.numpy(), rtol=1e-6)
     assert weighted.cache_info().traces == 1 and weighted.cache_info().hits == 2
     same = bp.tensor(f32(3))
-    np.testing.assert_allclose(weighted(same, same).numpy(), 2 * np.sum(same.numpy() ** 2),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        weighted(same, same).numpy(), 2 * np.sum(same.numpy() ** 2), rtol=1e-6
+    )
     other = bp.tensor(f32(3))
-    np.testing.assert_allclose(weighted(same, other).numpy(),
-                               2 * np.sum(same.numpy() * other.numpy()), rtol=1e-6)
-    np.testing.assert_allclose(weighted(same, other, scale=3.0).numpy(),
-                               3 * np.sum(same.numpy() * other.numpy()), rtol=1e-6)
+    np.testing.assert_allclose(
+        weighted(same, other).numpy(), 2 * np.sum(same.numpy() * other.numpy()), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        weighted(same, other, scale=3.0).numpy(),
+        3 * np.sum(same.numpy() * other.numpy()),
+        rtol=1e-6,
+    )
     assert weighted.cache_info().traces == 3  # requires_grad False, then scale=3.0, retraced

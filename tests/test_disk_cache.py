@@ -34,8 +34,9 @@ SCRIPT = textwrap.dedent("""
 
 def run_script(cache_dir, extra_env=None):
     env = {**os.environ, "BACKPLAN_CACHE_DIR": str(cache_dir), **(extra_env or {})}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -66,8 +67,16 @@ def test_corrupt_or_tampered_entries_are_rewritten_never_run(tmp_path):
 
 def test_two_processes_compiling_the_same_plan_at_once(tmp_path):
     env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)

@@ -11,14 +11,14 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
-from backplan.ir.interpreter import run_plan
-from backplan.ir.liveness import OWNED_ROLES
-from backplan.tracer.pytree import flatten
 from dot_parser import label_text, parse_dot
 from helpers import here
 
 import backplan as bp
 from backplan.examples.mlp import init_mlp, mlp_loss
+from backplan.ir.interpreter import run_plan
+from backplan.ir.liveness import OWNED_ROLES
+from backplan.tracer.pytree import flatten
 
 RNG = np.random.default_rng(7)
 
@@ -46,8 +46,9 @@ def flat(report) -> str:
 
 
 def saved_facts(report):
-    return [(s.name, s.op, s.shape, s.nbytes, s.reason, s.is_region_input)
-            for s in report.saved_buffers]
+    return [
+        (s.name, s.op, s.shape, s.nbytes, s.reason, s.is_region_input) for s in report.saved_buffers
+    ]
 
 
 # ---- the saved-buffer table of known programs -----------------------------------------------
@@ -72,7 +73,9 @@ def test_mul_with_both_requiring_grad_saves_both():
     a, b = f32(3, 4, requires_grad=True), f32(3, 4, requires_grad=True)
     report = bp.explain(mul_sum, a, b)
     assert sorted((s.name, s.reason) for s in report.saved_buffers) == [
-        ("a", "mul derivative reads input 0"), ("b", "mul derivative reads input 1")]
+        ("a", "mul derivative reads input 0"),
+        ("b", "mul derivative reads input 1"),
+    ]
 
 
 @pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
@@ -91,8 +94,12 @@ def test_tanh_saves_its_output_with_its_lifetime(form):
     fn = bp.compile(tanh_sum) if form == "compiled" else bp.value_and_grad(tanh_sum)
     report = fn.explain(x)
     (saved,) = report.saved_buffers
-    assert (saved.op, saved.shape, saved.nbytes, saved.is_region_input) == ("tanh", (3, 4), 48,
-                                                                              False)
+    assert (saved.op, saved.shape, saved.nbytes, saved.is_region_input) == (
+        "tanh",
+        (3, 4),
+        48,
+        False,
+    )
     assert saved.reason == "tanh derivative reads its output"
     assert saved.written_step == 0
     backward = [s for s in report.view.steps if s.phase == "backward"]
@@ -131,7 +138,10 @@ def test_arguments_are_named_by_their_path_in_the_call():
     vg = bp.value_and_grad(lambda p, inputs: mlp_loss.fn(p, inputs, labels))
     joint = vg.explain(params, x)
     assert {s.name for s in joint.saved_buffers if s.is_region_input} == {
-        "inputs", "p['w1']", "labels (captured)"}
+        "inputs",
+        "p['w1']",
+        "labels (captured)",
+    }
     assert "grad p['w0']" in {b.name for b in joint.view.buffers.values()}
 
 
@@ -168,11 +178,16 @@ def replay_region(program, arrays):
     saved buffers and the caller the outputs, then backward releasing each saved buffer at its
     free), recording the bytes held after every step."""
     plans, caller_ids, held = program.plans, {id(a) for a in arrays}, []
-    outputs = run_plan(plans.forward, list(arrays),
-                       on_step=lambda s, env: held.append(held_bytes(env.values(), caller_ids)))
+    outputs = run_plan(
+        plans.forward,
+        list(arrays),
+        on_step=lambda s, env: held.append(held_bytes(env.values(), caller_ids)),
+    )
     user_outputs = outputs[: plans.n_outputs]
-    saved = {slot: arrays[i] if kind == "input" else outputs[i]
-             for slot, (kind, i) in enumerate(s.source for s in plans.saved)}
+    saved = {
+        slot: arrays[i] if kind == "input" else outputs[i]
+        for slot, (kind, i) in enumerate(s.source for s in plans.saved)
+    }
     del outputs
     if plans.backward is None:
         return held
@@ -195,8 +210,9 @@ def plan_bytes_by_step(plan, arrays):
     held = []
 
     def on_step(step, env):
-        held.append(sum(a.nbytes for v, a in env.items() if v.op != "input"
-                        or v.role in OWNED_ROLES))
+        held.append(
+            sum(a.nbytes for v, a in env.items() if v.op != "input" or v.role in OWNED_ROLES)
+        )
 
     run_plan(plan, list(arrays), on_step=on_step)
     return held
@@ -220,10 +236,14 @@ REGION_CASES = {
     "mlp": mlp_case,
     "mul": lambda: (bp.compile(mul_sum), (f32(3, 4, requires_grad=True), f32(3, 4))),
     "tanh": lambda: (bp.compile(tanh_sum), (f32(6, 5, requires_grad=True),)),
-    "saved_output": lambda: (bp.compile(returns_saved_output),
-                             (f32(4, 3), f32(3, 6, requires_grad=True))),
-    "softmax_layer": lambda: (bp.compile(softmax_layer),
-                              (f32(4, 7, requires_grad=True), f32(7, 9, requires_grad=True))),
+    "saved_output": lambda: (
+        bp.compile(returns_saved_output),
+        (f32(4, 3), f32(3, 6, requires_grad=True)),
+    ),
+    "softmax_layer": lambda: (
+        bp.compile(softmax_layer),
+        (f32(4, 7, requires_grad=True), f32(7, 9, requires_grad=True)),
+    ),
 }
 
 
@@ -256,10 +276,13 @@ def test_each_plans_own_peak_equals_its_interpreter_run(case):
     traced, arrays = call_arrays(fn, args)
     plans = traced.program.plans
     outputs = run_plan(plans.forward, list(arrays))
-    cotangents = [np.ones(plans.forward.graph.outputs[i].shape, outputs[i].dtype)
-                  for i in traced.program.cotangent_slot]
-    saved = [arrays[i] if kind == "input" else outputs[i] for kind, i in
-             (s.source for s in plans.saved)]
+    cotangents = [
+        np.ones(plans.forward.graph.outputs[i].shape, outputs[i].dtype)
+        for i in traced.program.cotangent_slot
+    ]
+    saved = [
+        arrays[i] if kind == "input" else outputs[i] for kind, i in (s.source for s in plans.saved)
+    ]
     held = plan_bytes_by_step(plans.backward, cotangents + saved)
     assert held == plans.backward.live_bytes_by_step()
     assert max(held) == plans.backward.peak_bytes
@@ -274,8 +297,11 @@ def test_joint_plan_bytes_equal_what_the_interpreter_holds(case):
     arrays += [t.numpy() for t in entry.captured]
     caller_ids = {id(a) for a in arrays}
     held = []
-    run_plan(entry.plan, list(arrays),
-             on_step=lambda s, env: held.append(held_bytes(env.values(), caller_ids)))
+    run_plan(
+        entry.plan,
+        list(arrays),
+        on_step=lambda s, env: held.append(held_bytes(env.values(), caller_ids)),
+    )
     report = vg.explain(*args)
     assert held == report.live_bytes and report.peak_bytes == max(held)
     assert report.peak_bytes == entry.plan.peak_bytes
@@ -304,8 +330,12 @@ def ln_gelu(x, g, b, w):
 
 
 def ln_gelu_inputs():
-    return (f32(6, 8, requires_grad=True), f32(8, requires_grad=True), f32(8, requires_grad=True),
-            f32(8))
+    return (
+        f32(6, 8, requires_grad=True),
+        f32(8, requires_grad=True),
+        f32(8, requires_grad=True),
+        f32(8),
+    )
 
 
 def saved_table_rows(text: str) -> dict[str, str]:
@@ -333,8 +363,10 @@ def test_recomputed_values_have_their_own_rows_and_are_not_in_the_saved_bytes():
         assert f"{r.op} at " in row and "192" in row
         assert f"recomputed, not saved: {len(r.chain)} op" in row
         assert f"rerun at b{r.recomputed_step}" in row
-    assert (f"3. Saved buffers ({len(report.saved_buffers)}, {report.saved_bytes} B; "
-            "2 recomputed instead, 384 B not saved)") in text
+    assert (
+        f"3. Saved buffers ({len(report.saved_buffers)}, {report.saved_bytes} B; "
+        "2 recomputed instead, 384 B not saved)"
+    ) in text
     assert "Rematerialisation recomputes 2 values" in flat(report)
     assert "384 B are not saved" in flat(report)
 
@@ -361,12 +393,23 @@ def test_the_recomputed_step_rebuilds_the_value_the_forward_computed():
     report = fn.explain(*args)
     plans = traced.program.plans
     forward, backward = {}, {}
-    outputs = run_plan(plans.forward, list(arrays), on_step=lambda step, env: forward.update(
-        {step: env[plans.forward.graph.nodes[step]].copy()}))
-    saved = [arrays[i] if kind == "input" else outputs[i]
-             for kind, i in (s.source for s in plans.saved)]
-    run_plan(plans.backward, [np.float32(1.0), *saved], on_step=lambda step, env: backward.update(
-        {step: env[plans.backward.graph.nodes[step]].copy()}))
+    outputs = run_plan(
+        plans.forward,
+        list(arrays),
+        on_step=lambda step, env: forward.update(
+            {step: env[plans.forward.graph.nodes[step]].copy()}
+        ),
+    )
+    saved = [
+        arrays[i] if kind == "input" else outputs[i] for kind, i in (s.source for s in plans.saved)
+    ]
+    run_plan(
+        plans.backward,
+        [np.float32(1.0), *saved],
+        on_step=lambda step, env: backward.update(
+            {step: env[plans.backward.graph.nodes[step]].copy()}
+        ),
+    )
     assert len(report.recomputed) == 2
     backward_nodes = plans.backward.graph.nodes
     for r in report.recomputed:
@@ -388,15 +431,21 @@ def test_report_text_has_the_sections_in_order_with_user_lines():
     line = here(-2)
     report = model.explain(f32(2, 3), f32(3, 4, requires_grad=True))
     text = str(report)
-    titles = ["1. Summary", "2. Plans", "3. Saved buffers", "4. Memory", "5. Kernels",
-              "6. Retracing"]
+    titles = [
+        "1. Summary",
+        "2. Plans",
+        "3. Saved buffers",
+        "4. Memory",
+        "5. Kernels",
+        "6. Retracing",
+    ]
     positions = [text.index(t) for t in titles]
     assert positions == sorted(positions)
     assert report.forward_ir in "\n".join(row[8:] for row in text.splitlines())
     for ir in (report.forward_ir, report.backward_ir):
         ops = [row for row in ir.splitlines() if row.lstrip().startswith("%")]
         assert ops and all(row.endswith(f"# {line}") for row in ops)
-    summary = " ".join(text[positions[0]:positions[1]].split())
+    summary = " ".join(text[positions[0] : positions[1]].split())
     assert f"{report.n_forward_steps} forward and {report.n_backward_steps} backward" in summary
     assert f"{report.peak_bytes:,} B over the whole step" in summary
     assert f"{report.saved_bytes:,} B" in summary
@@ -426,8 +475,7 @@ def test_kernel_groups_from_a_fusion_pass_are_reported():
 
     program = fn.trace(x).program
     backward = program.plans.backward.graph.nodes
-    fused = region_report(program, kernel_groups={"forward": [[0, 1]],
-                                                  "backward": [backward[-3:]]})
+    fused = region_report(program, kernel_groups={"forward": [[0, 1]], "backward": [backward[-3:]]})
     assert fused.fused_kernels == 2
     assert len(fused.kernels) == len(report.view.steps) - 3
     assert "k0 (op): f0 tanh, f1 sum" in flat(fused)
@@ -451,8 +499,10 @@ def test_numba_backend_reports_fusion_groups_without_compiling(form, monkeypatch
     expected, offset = [], 0
     for plan in report.plans.values():
         position = {node: offset + i for i, node in enumerate(plan.graph.nodes)}
-        expected += [(tuple(sorted(position[n] for n in k.all_nodes)), k.kind)
-                     for k in group_kernels(plan.graph)]
+        expected += [
+            (tuple(sorted(position[n] for n in k.all_nodes)), k.kind)
+            for k in group_kernels(plan.graph)
+        ]
         offset += len(plan.graph.nodes)
     assert sorted((k.steps, k.kind) for k in report.kernels) == sorted(expected)
     tanh_kernel = next(k for k in report.kernels if steps[k.steps[0]].op == "tanh")
@@ -471,15 +521,18 @@ def compiled_layouts(fn, form, args) -> dict:
         return {"joint": generate(fn.trace(*args).plan)}
     program = fn.trace(*args).program
     backward = program.plans.backward
-    return {"forward": generate(program.plans.forward),
-            "backward (consume)": generate(backward, program.private_saved_inputs()),
-            "backward (retain)": generate(backward)}
+    return {
+        "forward": generate(program.plans.forward),
+        "backward (consume)": generate(backward, program.private_saved_inputs()),
+        "backward (retain)": generate(backward),
+    }
 
 
 @pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
 @pytest.mark.parametrize("case", ["ln_gelu", "mlp"])
-def test_numba_report_states_the_compiled_layout_without_compiling(form, case, tmp_path,
-                                                                    monkeypatch):
+def test_numba_report_states_the_compiled_layout_without_compiling(
+    form, case, tmp_path, monkeypatch
+):
     import backplan.codegen.compiled as compiled
     from backplan.runtime.backend import make_runner, use_backend
     from backplan.runtime.report_text import format_bytes
@@ -496,10 +549,19 @@ def test_numba_report_states_the_compiled_layout_without_compiling(form, case, t
         patch.setattr(compiled.CompiledPlan, "__init__", None)  # compiling would raise
         report = fn.explain(*args)
     layouts = compiled_layouts(fn, form, args)
-    assert [(f.plan, f.kernels, f.scratch_bytes, f.output_bytes, f.reused_saved)
-            for f in report.compiled] == [
-        (name, g.kernel_count, g.layout.scratch_bytes, g.layout.output_bytes,
-         len(g.layout.reused_saved)) for name, g in layouts.items()]
+    assert [
+        (f.plan, f.kernels, f.scratch_bytes, f.output_bytes, f.reused_saved)
+        for f in report.compiled
+    ] == [
+        (
+            name,
+            g.kernel_count,
+            g.layout.scratch_bytes,
+            g.layout.output_bytes,
+            len(g.layout.reused_saved),
+        )
+        for name, g in layouts.items()
+    ]
     step = [g for name, g in layouts.items() if name != "backward (retain)"]
     assert report.n_kernels == sum(g.kernel_count for g in step)
     assert report.compiled_scratch_bytes == sum(g.layout.scratch_bytes for g in step)
@@ -508,8 +570,10 @@ def test_numba_report_states_the_compiled_layout_without_compiling(form, case, t
     assert "Reference interpreter (BACKPLAN_BACKEND=reference)" in memory
     assert "Numba backend (what runs here)" in memory
     for name, g in layouts.items():
-        assert (f"{name} {g.kernel_count} {format_bytes(g.layout.scratch_bytes)} "
-                f"{format_bytes(g.layout.output_bytes)}") in memory
+        assert (
+            f"{name} {g.kernel_count} {format_bytes(g.layout.scratch_bytes)} "
+            f"{format_bytes(g.layout.output_bytes)}"
+        ) in memory
     assert f"keeps {format_bytes(report.compiled_scratch_bytes)} of scratch" in flat(report)
     assert not cache.exists() or list(cache.iterdir()) == []
     plan = report.plans.get("forward", report.plans.get("joint"))
@@ -532,8 +596,11 @@ def test_a_plan_numba_cannot_compile_is_reported_on_the_reference_interpreter():
     def integer_matmul(a, b, w):
         return bp.sum((a @ b).astype("f32") * w)
 
-    args = (bp.tensor(np.arange(6).reshape(2, 3)), bp.tensor(np.arange(12).reshape(3, 4)),
-            f32(2, 4, requires_grad=True))
+    args = (
+        bp.tensor(np.arange(6).reshape(2, 3)),
+        bp.tensor(np.arange(12).reshape(3, 4)),
+        f32(2, 4, requires_grad=True),
+    )
     with use_backend("numba"):
         report = bp.explain(integer_matmul, *args)
     facts = {f.plan: f for f in report.compiled}
@@ -541,7 +608,8 @@ def test_a_plan_numba_cannot_compile_is_reported_on_the_reference_interpreter():
     assert facts["backward (consume)"].compiled
     forward_steps = [s.index for s in report.view.steps if s.phase == "forward"]
     assert [k.steps for k in report.kernels if k.steps[0] in forward_steps] == [
-        (i,) for i in forward_steps]
+        (i,) for i in forward_steps
+    ]
     assert report.n_kernels == len(forward_steps) + facts["backward (consume)"].kernels
     text = flat(report)
     assert "forward runs on the reference interpreter: integer matmul" in text
@@ -594,7 +662,7 @@ def test_dot_parses_and_draws_every_saved_buffer_between_producer_and_readers(fo
     for node in saved_nodes:
         incoming = [a for a, b, _ in graph.edges if b == node]
         outgoing = [b for a, b, _ in graph.edges if a == node]
-        assert incoming == [node[len("saved:"):]] and outgoing
+        assert incoming == [node[len("saved:") :]] and outgoing
         assert all(report.view.buffers[b].phase == "backward" for b in outgoing)
     declared = set(graph.nodes)
     assert all(a in declared and b in declared for a, b, _ in graph.edges)
@@ -610,9 +678,11 @@ def test_dot_is_accepted_by_graphviz_where_installed(tmp_path):
         pydot = None
     if pydot is not None:
         (graph,) = pydot.graph_from_dot_file(str(path))
-        assert any(n.get_name().startswith('"saved:') for n in graph.get_node_list()) or \
-            any(n.get_name().startswith('"saved:') for s in graph.get_subgraph_list()
-                for n in s.get_node_list())
+        assert any(n.get_name().startswith('"saved:') for n in graph.get_node_list()) or any(
+            n.get_name().startswith('"saved:')
+            for s in graph.get_subgraph_list()
+            for n in s.get_node_list()
+        )
     if shutil.which("dot") is not None:
         result = subprocess.run(["dot", "-Tsvg", str(path)], capture_output=True, timeout=60)
         assert result.returncode == 0, result.stderr.decode()
@@ -690,14 +760,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_readme_shows_the_current_example_report_and_picture():
     from backplan.runtime.backend import use_backend
 
-    spec = importlib.util.spec_from_file_location("explain_example",
-                                                  ROOT / "docs" / "explain_example.py")
+    spec = importlib.util.spec_from_file_location(
+        "explain_example", ROOT / "docs" / "explain_example.py"
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     with use_backend("numba"):
         report = example.loss_fn.explain(*example.example_inputs())
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Explain"):]
+    section = readme[readme.index("## Explain") :]
     shown = section.split("```text\n")[1].split("\n```")[0]
     assert shown == str(report).rstrip("\n")
     picture = ROOT / "docs" / "explain_example.png"

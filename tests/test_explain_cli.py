@@ -20,8 +20,12 @@ SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         raise SystemExit("the script's main block must not run")
 """)
-ARGS = ["--args", "params.w0=f32[8,16]:grad,params.b0=f32[16]:grad,params.w1=f32[16,4]:grad",
-        "--args", "x=f32[5,8],labels=i64[5]"]
+ARGS = [
+    "--args",
+    "params.w0=f32[8,16]:grad,params.b0=f32[16]:grad,params.w1=f32[16,4]:grad",
+    "--args",
+    "x=f32[5,8],labels=i64[5]",
+]
 
 
 @pytest.fixture
@@ -66,28 +70,36 @@ def test_static_values_reach_the_function(script, capsys):
     assert "{value=0.5" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("x=__import__('os')", "not a type like f32[2,3] or a literal"),
-    ("x=f16[2]", "not a type like f32[2,3] or a literal"),
-    ("x=f32[5,8],x=f32[3]", "x is given twice"),
-    ("2x=f32[2]", "must look like name=f32[2,3]"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("x=__import__('os')", "not a type like f32[2,3] or a literal"),
+        ("x=f16[2]", "not a type like f32[2,3] or a literal"),
+        ("x=f32[5,8],x=f32[3]", "x is given twice"),
+        ("2x=f32[2]", "must look like name=f32[2,3]"),
+    ],
+)
 def test_bad_specs_exit_2_with_the_reason(script, capsys, spec, message):
     assert main(["explain", f"{script}:mlp", "--args", ARGS[1], "--args", spec]) == 2
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("target, args, message", [
-    ("{script}:nope", ARGS, "has no attribute 'nope'"),
-    ("{script}", ARGS, "must look like script.py:function"),
-    ("{missing}:mlp", ARGS, "no such script"),
-    ("{script}:mlp", [*(a.replace(":grad", "") for a in ARGS), "--value-and-grad"],
-     "needs at least one argument marked :grad"),
-    ("{script}:mlp", ["--args", "x=f32[5,8]"], "describe parameter 'params'"),
-    ("{script}:mlp", [*ARGS, "--args", "width=3"], "has no parameter(s) ['width']"),
-])
-def test_bad_command_lines_exit_2_with_the_reason(script, tmp_path, capsys, target, args,
-                                                  message):
+@pytest.mark.parametrize(
+    "target, args, message",
+    [
+        ("{script}:nope", ARGS, "has no attribute 'nope'"),
+        ("{script}", ARGS, "must look like script.py:function"),
+        ("{missing}:mlp", ARGS, "no such script"),
+        (
+            "{script}:mlp",
+            [*(a.replace(":grad", "") for a in ARGS), "--value-and-grad"],
+            "needs at least one argument marked :grad",
+        ),
+        ("{script}:mlp", ["--args", "x=f32[5,8]"], "describe parameter 'params'"),
+        ("{script}:mlp", [*ARGS, "--args", "width=3"], "has no parameter(s) ['width']"),
+    ],
+)
+def test_bad_command_lines_exit_2_with_the_reason(script, tmp_path, capsys, target, args, message):
     target = target.format(script=script, missing=tmp_path / "missing.py")
     assert main(["explain", target, *args]) == 2
     assert message in capsys.readouterr().err

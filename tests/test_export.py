@@ -13,11 +13,11 @@ import zipfile
 
 import numpy as np
 import pytest
-from backplan.tracer.artifact_format import sha256
 
 import backplan as bp
+from backplan.tracer.artifact_format import sha256
 
-MODEL_SOURCE = '''
+MODEL_SOURCE = """
 import numpy as np
 import backplan as bp
 
@@ -33,13 +33,18 @@ def predict(params, x, scale=2.0):
 @bp.compile
 def loss(params, x, target):
     return ((predict(params, x)["y"] - target) ** 2).mean()
-'''
+"""
 
 
 def run_fresh(code: str, cwd, timeout: int = 120) -> subprocess.CompletedProcess:
     """A fresh interpreter in an empty folder: -I keeps the model's folder off sys.path."""
-    return subprocess.run([sys.executable, "-I", "-c", textwrap.dedent(code)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-I", "-c", textwrap.dedent(code)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +60,10 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data():
     rng = np.random.default_rng(0)
-    params = {"w": rng.standard_normal((6, 8)).astype(np.float32),
-              "b": rng.standard_normal(8).astype(np.float32)}
+    params = {
+        "w": rng.standard_normal((6, 8)).astype(np.float32),
+        "b": rng.standard_normal(8).astype(np.float32),
+    }
     x = rng.standard_normal((5, 6)).astype(np.float32)
     target = rng.standard_normal((5, 8)).astype(np.float32)
     return params, x, target
@@ -71,8 +78,9 @@ def artifacts(model, data, tmp_path_factory):
     folder = tmp_path_factory.mktemp("artifacts")
     params, x, target = data
     predict_path = bp.export(model.predict, leaf_params(params), x, path=folder / "predict.bpz")
-    step_path = bp.export(bp.value_and_grad(model.loss), params, x, target,
-                          path=folder / "step.bpz")
+    step_path = bp.export(
+        bp.value_and_grad(model.loss), params, x, target, path=folder / "step.bpz"
+    )
     return {"predict": str(predict_path), "step": str(step_path)}
 
 
@@ -82,7 +90,8 @@ def artifacts(model, data, tmp_path_factory):
 def test_fresh_process_without_model_source_matches_original(model, data, artifacts, tmp_path):
     params, x, target = data
     np.savez(tmp_path / "inputs.npz", w=params["w"], b=params["b"], x=x, target=target)
-    result = run_fresh(f"""
+    result = run_fresh(
+        f"""
         import numpy as np, backplan as bp
         try:
             import tinymodel
@@ -99,7 +108,9 @@ def test_fresh_process_without_model_source_matches_original(model, data, artifa
         np.savez("outputs.npz", y=out["y"].numpy(), mean=out["mean"].numpy(),
                  gw=params["w"].grad.numpy(), gb=params["b"].grad.numpy(),
                  value=value.numpy(), step_gw=grads["w"].numpy(), step_gb=grads["b"].numpy())
-    """, cwd=tmp_path)
+    """,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     got = np.load(tmp_path / "outputs.npz", allow_pickle=False)
 
@@ -116,8 +127,9 @@ def test_fresh_process_without_model_source_matches_original(model, data, artifa
     np.testing.assert_array_equal(got["step_gb"], grads["b"].numpy())
 
 
-def test_numba_backend_compiles_the_loaded_plan_into_the_cache_folder_only(model, data,
-                                                                          artifacts, tmp_path):
+def test_numba_backend_compiles_the_loaded_plan_into_the_cache_folder_only(
+    model, data, artifacts, tmp_path
+):
     """With the compiled backend, kernels are regenerated from the artifact's IR and written to
     the cache folder, nowhere else; results match the original's."""
     params, x, target = data
@@ -133,8 +145,14 @@ def test_numba_backend_compiles_the_loaded_plan_into_the_cache_folder_only(model
         np.savez("outputs.npz", value=value.numpy(), gw=grads["w"].numpy(), gb=grads["b"].numpy())
     """
     env = {**os.environ, "BACKPLAN_BACKEND": "numba", "BACKPLAN_CACHE_DIR": str(cache)}
-    result = subprocess.run([sys.executable, "-I", "-c", textwrap.dedent(code)], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert any(cache.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "inputs.npz", "outputs.npz"]
@@ -152,8 +170,9 @@ def test_loaded_gradients_match_float64_finite_differences(tmp_path):
 
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
-    loaded = bp.load(bp.export(bp.value_and_grad(energy, argnums=(0, 1)), a, b,
-                               path=tmp_path / "energy.bpz"))
+    loaded = bp.load(
+        bp.export(bp.value_and_grad(energy, argnums=(0, 1)), a, b, path=tmp_path / "energy.bpz")
+    )
     _, (ga, gb) = loaded(a, b)
     da, db = rng.standard_normal(a.shape), rng.standard_normal(b.shape)
     eps = 1e-6
@@ -186,12 +205,15 @@ def test_static_argument_and_dict_key_order(model, data, artifacts):
         predict(reordered, x, scale=3.0)
 
 
-@pytest.mark.parametrize("bad_call, message", [
-    (lambda p, x: (p, x[:2]), r"x = a tensor f32\[5, 6\].*f32\[2, 6\]"),
-    (lambda p, x: (p, x.astype(np.float64)), r"x = a tensor f32\[5, 6\].*f64\[5, 6\]"),
-    (lambda p, x: ({"w": p["w"]}, x), r"params = a dict with keys \['b', 'w'\]"),
-    (lambda p, x: (p, 1.5), r"x = a tensor f32\[5, 6\], but the call passed 1\.5"),
-])
+@pytest.mark.parametrize(
+    "bad_call, message",
+    [
+        (lambda p, x: (p, x[:2]), r"x = a tensor f32\[5, 6\].*f32\[2, 6\]"),
+        (lambda p, x: (p, x.astype(np.float64)), r"x = a tensor f32\[5, 6\].*f64\[5, 6\]"),
+        (lambda p, x: ({"w": p["w"]}, x), r"params = a dict with keys \['b', 'w'\]"),
+        (lambda p, x: (p, 1.5), r"x = a tensor f32\[5, 6\], but the call passed 1\.5"),
+    ],
+)
 def test_call_that_does_not_match_the_export_is_refused(artifacts, data, bad_call, message):
     params, x, _ = data
     predict = bp.load(artifacts["predict"])
@@ -267,8 +289,10 @@ def test_namedtuples_static_outputs_keyword_only_and_aux(tmp_path):
     def affine(p, x, *, mode="sum"):
         return Pair(bp.tanh(x @ p.w + p.b).sum(), 3), {"mode": mode}
 
-    pair = Pair(bp.tensor(np.ones((3, 2), np.float32), requires_grad=True),
-                bp.tensor(np.zeros(2, np.float32)))
+    pair = Pair(
+        bp.tensor(np.ones((3, 2), np.float32), requires_grad=True),
+        bp.tensor(np.zeros(2, np.float32)),
+    )
     x = np.full((4, 3), 0.1, np.float32)
     loaded = bp.load(bp.export(affine, pair, x, mode="mean", path=tmp_path / "affine.bpz"))
     (total, three), extra = loaded(pair, x, mode="mean")
@@ -281,7 +305,7 @@ def test_namedtuples_static_outputs_keyword_only_and_aux(tmp_path):
 
     def loss(p, x, scale, target=None):
         y = bp.tanh(x @ p["w"]) * scale - target
-        return (y ** 2).mean(), {"y": y}
+        return (y**2).mean(), {"y": y}
 
     vg = bp.value_and_grad(loss, has_aux=True)
     params, target = {"w": np.ones((3, 2), np.float32)}, np.zeros((4, 2), np.float32)
@@ -320,8 +344,11 @@ def write_members(path, members: dict[str, bytes], resign: bool = True) -> str:
     members = dict(members)
     if resign:
         manifest = json.loads(members["manifest.json"])
-        manifest["members"] = {n: {"sha256": sha256(d), "bytes": len(d)}
-                               for n, d in members.items() if n != "manifest.json"}
+        manifest["members"] = {
+            n: {"sha256": sha256(d), "bytes": len(d)}
+            for n, d in members.items()
+            if n != "manifest.json"
+        }
         members["manifest.json"] = json.dumps(manifest).encode()
     with zipfile.ZipFile(path, "w") as zf:
         for name, data in members.items():
@@ -363,8 +390,14 @@ def test_truncated_artifact(artifacts, tmp_path, keep):
 
 def test_flipped_byte_in_each_kind_of_member(artifacts, tmp_path):
     members = read_members(artifacts["predict"])
-    kinds = {"meta.json", "ir/forward.txt", "ir/backward.txt", "plans/forward.json",
-             "plans/backward.json", "arrays/captured_0.npy"}
+    kinds = {
+        "meta.json",
+        "ir/forward.txt",
+        "ir/backward.txt",
+        "plans/forward.json",
+        "plans/backward.json",
+        "arrays/captured_0.npy",
+    }
     assert kinds <= set(members)
     for name in sorted(kinds):
         data = bytearray(members[name])
@@ -373,8 +406,9 @@ def test_flipped_byte_in_each_kind_of_member(artifacts, tmp_path):
         expect_refused(path, name, "SHA-256")
     data = bytearray(members["manifest.json"])
     data[data.index(b'"sha256"') + 12] ^= 0x01  # inside a hash: now it lies about a member
-    path = write_members(tmp_path / "flip.bpz", {**members, "manifest.json": bytes(data)},
-                         resign=False)
+    path = write_members(
+        tmp_path / "flip.bpz", {**members, "manifest.json": bytes(data)}, resign=False
+    )
     expect_refused(path, "SHA-256")
 
 
@@ -407,26 +441,36 @@ def test_manifest_that_lies(artifacts, tmp_path):
     def lie(change):
         return write_members(path, edit_json(members, "manifest.json", change), resign=False)
 
-    expect_refused(lie(lambda m: m["members"]["meta.json"].update(sha256="0" * 64)),
-                   "meta.json", "SHA-256")
+    expect_refused(
+        lie(lambda m: m["members"]["meta.json"].update(sha256="0" * 64)), "meta.json", "SHA-256"
+    )
     expect_refused(lie(lambda m: m["members"]["meta.json"].update(bytes=5)), "meta.json")
-    expect_refused(lie(lambda m: m["members"].update({"arrays/extra.npy": {"sha256": "0" * 64,
-                                                                           "bytes": 1}})),
-                   "listed but absent ['arrays/extra.npy']")
-    expect_refused(lie(lambda m: m["members"].pop("plans/forward.json")),
-                   "members not listed ['plans/forward.json']")
+    expect_refused(
+        lie(lambda m: m["members"].update({"arrays/extra.npy": {"sha256": "0" * 64, "bytes": 1}})),
+        "listed but absent ['arrays/extra.npy']",
+    )
+    expect_refused(
+        lie(lambda m: m["members"].pop("plans/forward.json")),
+        "members not listed ['plans/forward.json']",
+    )
     extra = {**members, "arrays/unused_9.npy": members["arrays/captured_0.npy"]}
     expect_refused(write_members(path, extra), "not used by meta.json")
 
 
-@pytest.mark.parametrize("version, message", [
-    (2, "format version 2 was written by backplan"),
-    (0, "unknown artifact format version 0"),
-    ("1", "unknown artifact format version '1'"),
-])
+@pytest.mark.parametrize(
+    "version, message",
+    [
+        (2, "format version 2 was written by backplan"),
+        (0, "unknown artifact format version 0"),
+        ("1", "unknown artifact format version '1'"),
+    ],
+)
 def test_wrong_or_newer_format_version(artifacts, tmp_path, version, message):
-    members = edit_json(read_members(artifacts["predict"]), "manifest.json",
-                        lambda m: m.update(format_version=version))
+    members = edit_json(
+        read_members(artifacts["predict"]),
+        "manifest.json",
+        lambda m: m.update(format_version=version),
+    )
     expect_refused(write_members(tmp_path / "v.bpz", members, resign=False), message)
 
 
@@ -443,8 +487,9 @@ def test_unknown_op_names(artifacts, tmp_path):
     members = read_members(artifacts["predict"])
     for fake, reported in (("evil_op", "evil_op"), ("os.system", "os"), ("input", "input")):
         edited = edit_member(members, "ir/forward.txt", "= tanh ", f"= {fake} ")
-        expect_refused(write_members(tmp_path / "op.bpz", edited), "ir/forward.txt",
-                       f"unknown op {reported!r}")
+        expect_refused(
+            write_members(tmp_path / "op.bpz", edited), "ir/forward.txt", f"unknown op {reported!r}"
+        )
 
 
 def test_absurd_shapes(artifacts, tmp_path):
@@ -453,8 +498,7 @@ def test_absurd_shapes(artifacts, tmp_path):
     huge = "1000000,1000000,1000"
     edited = edit_member(members, "ir/forward.txt", "%0: f32[6,8] arg", f"%0: f32[{huge}] arg")
     expect_refused(write_members(path, edited), "ir/forward.txt", "more than backplan accepts")
-    edited = edit_json(members, "meta.json",
-                       lambda m: m["captured"][0].update(shape=[10**15]))
+    edited = edit_json(members, "meta.json", lambda m: m["captured"][0].update(shape=[10**15]))
     expect_refused(write_members(path, edited), "more than backplan accepts")
     header_lie = members["arrays/captured_0.npy"].replace(b"(8,)", b"(10000000000000,)")
     edited = {**members, "arrays/captured_0.npy": header_lie}
@@ -468,9 +512,11 @@ def test_plan_that_needs_more_memory_than_allowed(artifacts):
 
 def test_attribute_values_out_of_range(artifacts, tmp_path):
     members = read_members(artifacts["step"])
-    cases = [("axes=(0, 1)", "axes=(0, 7)", "out of range"),
-             ("keepdims=False", "keepdims=3", "must be True or False"),
-             ("keepdims=False", "keepdims=__import__('os')", "not a literal")]
+    cases = [
+        ("axes=(0, 1)", "axes=(0, 7)", "out of range"),
+        ("keepdims=False", "keepdims=3", "must be True or False"),
+        ("keepdims=False", "keepdims=__import__('os')", "not a literal"),
+    ]
     for old, new, message in cases:
         edited = edit_member(members, "ir/joint.txt", old, new)
         expect_refused(write_members(tmp_path / "attr.bpz", edited), "ir/joint.txt", message)
@@ -480,8 +526,9 @@ def test_edited_free_statements_and_facts(artifacts, tmp_path):
     members = read_members(artifacts["predict"])
     lines = members["ir/backward.txt"].decode().splitlines()
     free_at = next(i for i, line in enumerate(lines) if line.strip().startswith("free "))
-    moved = lines[:1] + [lines[free_at]] + [ln for i, ln in enumerate(lines) if i not in
-                                            (0, free_at)]
+    moved = (
+        lines[:1] + [lines[free_at]] + [ln for i, ln in enumerate(lines) if i not in (0, free_at)]
+    )
     edited = {**members, "ir/backward.txt": "\n".join(moved).encode()}
     expect_refused(write_members(tmp_path / "free.bpz", edited), "ir/backward.txt")
     edited = edit_json(members, "plans/forward.json", lambda f: f.update(peak_bytes=1))
@@ -500,13 +547,22 @@ def test_npy_holding_a_pickle_is_never_unpickled(artifacts, tmp_path):
     buffer = io.BytesIO()
     np.save(buffer, np.array([Payload()], dtype=object), allow_pickle=True)
     members = {**read_members(artifacts["predict"]), "arrays/captured_0.npy": buffer.getvalue()}
-    expect_refused(write_members(tmp_path / "pickle.bpz", members), "arrays/captured_0.npy",
-                   "dtype object")
+    expect_refused(
+        write_members(tmp_path / "pickle.bpz", members), "arrays/captured_0.npy", "dtype object"
+    )
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", ["../escaped.npy", "/tmp/escaped.npy", "arrays/../../x.npy",
-                                  "arrays\\..\\x.npy", "ARRAYS/X.npy"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../escaped.npy",
+        "/tmp/escaped.npy",
+        "arrays/../../x.npy",
+        "arrays\\..\\x.npy",
+        "ARRAYS/X.npy",
+    ],
+)
 def test_member_path_escaping_the_folder(artifacts, tmp_path, name):
     inner = tmp_path / "inner"
     inner.mkdir()
@@ -526,14 +582,17 @@ def test_bad_artifacts_in_a_fresh_process_write_and_run_nothing(artifacts, tmp_p
     write_members(sandbox / "bad_op.bpz", edited)
     write_members(sandbox / "slip.bpz", {**members, "../escaped.txt": b"x"})
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    result = run_fresh("""
+    result = run_fresh(
+        """
         import backplan as bp
         for name in ("bad_op.bpz", "slip.bpz"):
             try:
                 bp.load(name)
             except bp.ExportError as exc:
                 print("refused:", exc)
-    """, cwd=sandbox)
+    """,
+        cwd=sandbox,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("refused:") == 2
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
@@ -550,12 +609,32 @@ def test_export_and_inspect_commands(model, tmp_path):
     work.mkdir()
     spec = "params.w=f32[6,8]:grad,params.b=f32[8]:grad,x=f32[5,6],target=f32[5,8]"
     result = subprocess.run(
-        [sys.executable, "-m", "backplan", "export", f"{script}:loss", "--value-and-grad",
-         "--args", spec, "-o", "step.bpz"], cwd=work, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "backplan",
+            "export",
+            f"{script}:loss",
+            "--value-and-grad",
+            "--args",
+            spec,
+            "-o",
+            "step.bpz",
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "signature: value_and_grad(loss, argnums=0)(params: {'w': f32[6,8]" in result.stdout
-    result = subprocess.run([sys.executable, "-m", "backplan", "inspect", "step.bpz"], cwd=work,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "backplan", "inspect", "step.bpz"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     loaded = bp.load(work / "step.bpz")
     for name, size in loaded.member_sizes.items():
@@ -564,20 +643,28 @@ def test_export_and_inspect_commands(model, tmp_path):
     assert f"peak bytes: {report.peak_bytes}" in result.stdout
     assert f"saved for backward: {len(report.saved_buffers)} buffer(s)" in result.stdout
     (work / "bad.bpz").write_bytes((work / "step.bpz").read_bytes()[:100])
-    result = subprocess.run([sys.executable, "-m", "backplan", "inspect", "bad.bpz"], cwd=work,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "backplan", "inspect", "bad.bpz"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and "invalid artifact" in result.stderr
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("x=f32[2,", "not a type like f32[2,3]"),
-    ("=3", "must look like name="),
-    ("x.=3", "must look like name="),
-    ("x=f16[2]", "not a type like f32[2,3]"),
-    ("x=__import__('os')", "not a type like f32[2,3]"),
-    ("x=[1, 2]", "only numbers, strings and booleans"),
-    ("x=1,x=2", "given twice"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("x=f32[2,", "not a type like f32[2,3]"),
+        ("=3", "must look like name="),
+        ("x.=3", "must look like name="),
+        ("x=f16[2]", "not a type like f32[2,3]"),
+        ("x=__import__('os')", "not a type like f32[2,3]"),
+        ("x=[1, 2]", "only numbers, strings and booleans"),
+        ("x=1,x=2", "given twice"),
+    ],
+)
 def test_export_command_argument_spec_errors(spec, message):
     from backplan.export_cli import parse_arg_spec
 
@@ -598,12 +685,14 @@ def test_readme_export_commands_train_from_the_copied_file(tmp_path):
     """The README's Export commands, exactly as written: export the demo step, inspect it, copy
     the file to another folder and train with it in a fresh interpreter."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## Export"):]
+    section = readme[readme.index("## Export") :]
     script = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
-    result = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "elsewhere" / "mlp_step.bpz").exists()
-    losses = [float(line.split()[-1]) for line in result.stdout.splitlines()
-              if line.startswith("step ")]
+    losses = [
+        float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("step ")
+    ]
     assert len(losses) == 5 and losses[-1] < 0.5 * losses[0]

@@ -33,20 +33,48 @@ def _np_cross_entropy(logits, labels):
 
 
 NUMPY = SimpleNamespace(
-    tanh=np.tanh, exp=np.exp, log=np.log, sqrt=np.sqrt, sigmoid=lambda x: 1 / (1 + np.exp(-x)),
-    where=np.where, sum=np.sum, mean=np.mean, var=np.var, max=np.max,
-    logsumexp=special.logsumexp, softmax=_np_softmax,
+    tanh=np.tanh,
+    exp=np.exp,
+    log=np.log,
+    sqrt=np.sqrt,
+    sigmoid=lambda x: 1 / (1 + np.exp(-x)),
+    where=np.where,
+    sum=np.sum,
+    mean=np.mean,
+    var=np.var,
+    max=np.max,
+    logsumexp=special.logsumexp,
+    softmax=_np_softmax,
     log_softmax=lambda x, axis: x - special.logsumexp(x, axis=axis, keepdims=True),
-    reshape=np.reshape, transpose=np.transpose, broadcast_to=np.broadcast_to,
-    expand_dims=np.expand_dims, concatenate=np.concatenate, stack=np.stack,
-    take=lambda x, idx, axis: np.take(x, idx, axis=axis), cross_entropy=_np_cross_entropy,
+    reshape=np.reshape,
+    transpose=np.transpose,
+    broadcast_to=np.broadcast_to,
+    expand_dims=np.expand_dims,
+    concatenate=np.concatenate,
+    stack=np.stack,
+    take=lambda x, idx, axis: np.take(x, idx, axis=axis),
+    cross_entropy=_np_cross_entropy,
 )
 BACKPLAN = SimpleNamespace(
-    tanh=bp.tanh, exp=bp.exp, log=bp.log, sqrt=bp.sqrt, sigmoid=bp.sigmoid, where=bp.where,
-    sum=bp.sum, mean=bp.mean, var=bp.var, max=bp.max, logsumexp=bp.logsumexp,
-    softmax=bp.softmax, log_softmax=bp.log_softmax, reshape=bp.reshape,
-    transpose=bp.transpose, broadcast_to=bp.broadcast_to, expand_dims=bp.expand_dims,
-    concatenate=bp.concatenate, stack=bp.stack,
+    tanh=bp.tanh,
+    exp=bp.exp,
+    log=bp.log,
+    sqrt=bp.sqrt,
+    sigmoid=bp.sigmoid,
+    where=bp.where,
+    sum=bp.sum,
+    mean=bp.mean,
+    var=bp.var,
+    max=bp.max,
+    logsumexp=bp.logsumexp,
+    softmax=bp.softmax,
+    log_softmax=bp.log_softmax,
+    reshape=bp.reshape,
+    transpose=bp.transpose,
+    broadcast_to=bp.broadcast_to,
+    expand_dims=bp.expand_dims,
+    concatenate=bp.concatenate,
+    stack=bp.stack,
     take=lambda x, idx, axis: bp.take(x, bp.tensor(idx), axis=axis),
     cross_entropy=lambda logits, labels: bp.cross_entropy(logits, bp.tensor(labels)),
 )
@@ -121,8 +149,7 @@ class Step:
     tie_free: bool = False
 
     def __repr__(self) -> str:
-        shown = {k: v.tolist() if isinstance(v, np.ndarray) else v
-                 for k, v in self.params.items()}
+        shown = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in self.params.items()}
         return f"{self.kind}{list(self.operands)} {shown} -> {self.shape}"
 
 
@@ -142,8 +169,9 @@ class Program:
             if isinstance(item, tuple):
                 values.append(inputs.pop(0))
             else:
-                values.append(apply_step(m, item.kind, [values[i] for i in item.operands],
-                                         item.params))
+                values.append(
+                    apply_step(m, item.kind, [values[i] for i in item.operands], item.params)
+                )
         return values[-1]
 
 
@@ -169,7 +197,7 @@ shapes = st.lists(small_dim, min_size=1, max_size=3).map(tuple)
 @st.composite
 def broadcastable_to(draw, shape):
     keep = draw(st.integers(0, len(shape)))
-    return tuple(d if draw(st.booleans()) else 1 for d in shape[len(shape) - keep:])
+    return tuple(d if draw(st.booleans()) else 1 for d in shape[len(shape) - keep :])
 
 
 def _pick(draw, program, where=lambda item: True):
@@ -219,8 +247,10 @@ def draw_softmax(draw, program):
     if i is None:
         return None
     ndim = len(shape_of(program.items[i]))
-    params = {"name": draw(st.sampled_from(["softmax", "log_softmax"])),
-              "axis": draw(st.integers(-ndim, ndim - 1))}
+    params = {
+        "name": draw(st.sampled_from(["softmax", "log_softmax"])),
+        "axis": draw(st.integers(-ndim, ndim - 1)),
+    }
     return Step("softmax", (i,), params, shape_of(program.items[i]))
 
 
@@ -241,23 +271,31 @@ def draw_transpose(draw, program):
         return None
     shape = shape_of(program.items[i])
     perm = tuple(draw(st.permutations(range(len(shape)))))
-    return Step("transpose", (i,), {"perm": perm}, tuple(shape[p] for p in perm),
-                tie_free(program.items[i]))
+    return Step(
+        "transpose", (i,), {"perm": perm}, tuple(shape[p] for p in perm), tie_free(program.items[i])
+    )
 
 
 def draw_broadcast(draw, program):
     i = _pick(draw, program)
     shape = shape_of(program.items[i])
     lead = draw(st.booleans()) or 1 not in shape
-    new = (draw(st.integers(2, 3)),) + shape if lead else tuple(
-        draw(st.integers(1, 3)) if d == 1 else d for d in shape)
+    new = (
+        (draw(st.integers(2, 3)),) + shape
+        if lead
+        else tuple(draw(st.integers(1, 3)) if d == 1 else d for d in shape)
+    )
     return Step("broadcast", (i,), {"lead": lead, "shape": new}, new)
 
 
 @st.composite
 def index_item(draw, size):
-    options = [st.just(slice(None)), st.just(slice(None, None, -1)),
-               st.integers(-size, size - 1), st.just(slice(None, None, 2))]
+    options = [
+        st.just(slice(None)),
+        st.just(slice(None, None, -1)),
+        st.integers(-size, size - 1),
+        st.just(slice(None, None, 2)),
+    ]
     if size >= 2:
         options += [st.just(slice(1, None)), st.just(slice(-1, 0, -1))]
     return draw(st.one_of(options))
@@ -270,7 +308,7 @@ def draw_getitem(draw, program):
     shape = shape_of(program.items[i])
     count = draw(st.integers(1, len(shape)))
     if draw(st.booleans()):  # x[..., a, b] indexes the last axes
-        key = (Ellipsis,) + tuple(draw(index_item(size)) for size in shape[len(shape) - count:])
+        key = (Ellipsis,) + tuple(draw(index_item(size)) for size in shape[len(shape) - count :])
     else:
         key = tuple(draw(index_item(size)) for size in shape[:count])
     if draw(st.booleans()):
@@ -286,8 +324,9 @@ def draw_take(draw, program):
     shape = shape_of(program.items[i])
     axis = draw(st.integers(0, len(shape) - 1))
     count = draw(st.integers(1, 4))
-    values = draw(st.lists(st.integers(-shape[axis], shape[axis] - 1), min_size=count,
-                           max_size=count))
+    values = draw(
+        st.lists(st.integers(-shape[axis], shape[axis] - 1), min_size=count, max_size=count)
+    )
     indices = np.array(values, dtype=np.int64)
     out = np.take(np.zeros(shape), indices, axis=axis).shape
     if axis == 0:
@@ -310,7 +349,8 @@ def draw_join(draw, program):
     def fits(item):
         other = shape_of(item)
         return len(other) == len(shape) and all(
-            a == b for k, (a, b) in enumerate(zip(other, shape, strict=True)) if k != axis)
+            a == b for k, (a, b) in enumerate(zip(other, shape, strict=True)) if k != axis
+        )
 
     j = _pick(draw, program, fits)
     out = list(shape)
@@ -352,9 +392,21 @@ def draw_cross_entropy(draw, program):
     return Step("cross_entropy", (i,), {"labels": labels}, ())
 
 
-STEP_DRAWERS = [draw_unary, draw_binary, draw_where, draw_reduce, draw_softmax, draw_reshape,
-                draw_transpose, draw_broadcast, draw_getitem, draw_take, draw_join, draw_matmul,
-                draw_cross_entropy]
+STEP_DRAWERS = [
+    draw_unary,
+    draw_binary,
+    draw_where,
+    draw_reduce,
+    draw_softmax,
+    draw_reshape,
+    draw_transpose,
+    draw_broadcast,
+    draw_getitem,
+    draw_take,
+    draw_join,
+    draw_matmul,
+    draw_cross_entropy,
+]
 
 
 @st.composite
@@ -412,13 +464,21 @@ def fd_check(program, arrays, cotangent, grads, seed):
 
 # Found by these tests, kept as fixed examples: a region whose output feeds two later regions
 # (y used by tanh(y) and by y * tanh(y)), and a vector @ vector product.
-DIAMOND = Program([(3,), Step("unary", (0,), {"name": "affine"}, (3,), True),
-                   Step("unary", (1,), {"name": "tanh"}, (3,), True),
-                   Step("binary", (1, 2), {"name": "mul"}, (3,))])
+DIAMOND = Program(
+    [
+        (3,),
+        Step("unary", (0,), {"name": "affine"}, (3,), True),
+        Step("unary", (1,), {"name": "tanh"}, (3,), True),
+        Step("binary", (1, 2), {"name": "mul"}, (3,)),
+    ]
+)
 DOT = Program([(3,), (3,), Step("matmul", (0, 1), {}, ())])
 
-SETTINGS = settings(max_examples=MAX_EXAMPLES, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @SETTINGS
@@ -450,8 +510,9 @@ def test_gradients_agree_with_finite_differences(program, seed):
     compiled_inputs = leaves(arrays)
     bp.compile(lambda *xs: program.run(BACKPLAN, xs))(*compiled_inputs).backward(cotangent)
     weights = bp.tensor(cotangent)
-    joint = bp.grad(lambda *xs: bp.sum(program.run(BACKPLAN, xs) * weights),
-                    argnums=tuple(range(len(arrays))))(*leaves(arrays, requires_grad=False))
+    joint = bp.grad(
+        lambda *xs: bp.sum(program.run(BACKPLAN, xs) * weights), argnums=tuple(range(len(arrays)))
+    )(*leaves(arrays, requires_grad=False))
 
     eager, compiled = grads_of(eager_inputs), grads_of(compiled_inputs)
     for i, (e, c, j) in enumerate(zip(eager, compiled, joint, strict=True)):
@@ -473,8 +534,11 @@ def test_float32_programs_match_float64_numpy(program, seed):
 COMPILED_EXAMPLES = int(os.environ.get("BACKPLAN_HYPOTHESIS_COMPILED_EXAMPLES", "12"))
 
 
-@settings(max_examples=COMPILED_EXAMPLES, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=COMPILED_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(program=programs(), seed=st.integers(0, 2**16))
 @example(program=DIAMOND, seed=0)
 def test_numba_compiled_programs_equal_the_reference_interpreter(program, seed):
@@ -485,8 +549,9 @@ def test_numba_compiled_programs_equal_the_reference_interpreter(program, seed):
     arrays = make_inputs(program, seed)
     out_shape = np.shape(program.run(NUMPY, arrays))
     weights = bp.tensor(np.random.default_rng(seed + 2).standard_normal(out_shape))
-    vg = bp.value_and_grad(lambda *xs: bp.sum(program.run(BACKPLAN, xs) * weights),
-                           argnums=tuple(range(len(arrays))))
+    vg = bp.value_and_grad(
+        lambda *xs: bp.sum(program.run(BACKPLAN, xs) * weights), argnums=tuple(range(len(arrays)))
+    )
     results = {}
     for backend in ("reference", "numba"):
         with use_backend(backend):

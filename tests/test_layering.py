@@ -99,39 +99,69 @@ def test_every_layer_has_source_files():
 # ---- the checker itself -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layer,source,module,expected", [
-    ("ir", "import backplan", "backplan.ir.graph", "backplan"),
-    ("ir", "from backplan import Tensor", "backplan.ir.graph", "backplan.Tensor"),
-    ("ir", "from backplan.runtime import engine", "backplan.ir.graph", "backplan.runtime"),
-    ("ir", "from ..runtime import engine", "backplan.ir.graph", "backplan.runtime.engine"),
-    ("ir", "from ... import tracer", "backplan.ir.ops.nn", "backplan.tracer"),
-    ("ir", "from ... import demo", "backplan.ir.ops.nn", "backplan.demo"),
-    ("codegen", "def f():\n    import backplan.tracer.ops", "backplan.codegen.x",
-     "backplan.tracer.ops"),
-    ("codegen", "from backplan.runtime.region import Region", "backplan.codegen.x",
-     "backplan.runtime.region"),
-    ("runtime", "import importlib\nimportlib.import_module('backplan.tracer')",
-     "backplan.runtime.x", "backplan.tracer"),
-    ("runtime", "from backplan.__main__ import main", "backplan.runtime.x", "backplan.__main__"),
-    ("tracer", "from backplan.codegen import kernels", "backplan.tracer.x", "backplan.codegen"),
-    ("tracer", "import ir.graph", "backplan.tracer.x", "ir.graph"),
-])
+@pytest.mark.parametrize(
+    "layer,source,module,expected",
+    [
+        ("ir", "import backplan", "backplan.ir.graph", "backplan"),
+        ("ir", "from backplan import Tensor", "backplan.ir.graph", "backplan.Tensor"),
+        ("ir", "from backplan.runtime import engine", "backplan.ir.graph", "backplan.runtime"),
+        ("ir", "from ..runtime import engine", "backplan.ir.graph", "backplan.runtime.engine"),
+        ("ir", "from ... import tracer", "backplan.ir.ops.nn", "backplan.tracer"),
+        ("ir", "from ... import demo", "backplan.ir.ops.nn", "backplan.demo"),
+        (
+            "codegen",
+            "def f():\n    import backplan.tracer.ops",
+            "backplan.codegen.x",
+            "backplan.tracer.ops",
+        ),
+        (
+            "codegen",
+            "from backplan.runtime.region import Region",
+            "backplan.codegen.x",
+            "backplan.runtime.region",
+        ),
+        (
+            "runtime",
+            "import importlib\nimportlib.import_module('backplan.tracer')",
+            "backplan.runtime.x",
+            "backplan.tracer",
+        ),
+        (
+            "runtime",
+            "from backplan.__main__ import main",
+            "backplan.runtime.x",
+            "backplan.__main__",
+        ),
+        ("tracer", "from backplan.codegen import kernels", "backplan.tracer.x", "backplan.codegen"),
+        ("tracer", "import ir.graph", "backplan.tracer.x", "ir.graph"),
+    ],
+)
 def test_checker_finds_each_kind_of_violation(layer, source, module, expected):
     targets = [t for _, t in imported_modules(source, module, is_package=False)]
     assert expected in targets
     assert violation(layer, expected) is not None
 
 
-@pytest.mark.parametrize("layer,source,module", [
-    ("ir", "from .graph import Graph\nimport numpy as np", "backplan.ir.text"),
-    ("ir", "from . import ops", "backplan.ir.registry"),
-    ("ir", "from . import creation, elementwise", "backplan.ir.ops"),
-    ("ir", "from ..errors import DtypeError", "backplan.ir.ops.common"),
-    ("codegen", "from backplan.ir.graph import Graph", "backplan.codegen.emit"),
-    ("runtime", "from backplan.codegen import x\nfrom backplan.ir import y", "backplan.runtime.z"),
-    ("tracer", "from backplan.runtime import engine\nimport backplan.ir.types",
-     "backplan.tracer.t"),
-])
+@pytest.mark.parametrize(
+    "layer,source,module",
+    [
+        ("ir", "from .graph import Graph\nimport numpy as np", "backplan.ir.text"),
+        ("ir", "from . import ops", "backplan.ir.registry"),
+        ("ir", "from . import creation, elementwise", "backplan.ir.ops"),
+        ("ir", "from ..errors import DtypeError", "backplan.ir.ops.common"),
+        ("codegen", "from backplan.ir.graph import Graph", "backplan.codegen.emit"),
+        (
+            "runtime",
+            "from backplan.codegen import x\nfrom backplan.ir import y",
+            "backplan.runtime.z",
+        ),
+        (
+            "tracer",
+            "from backplan.runtime import engine\nimport backplan.ir.types",
+            "backplan.tracer.t",
+        ),
+    ],
+)
 def test_checker_accepts_downward_imports(layer, source, module):
     is_package = module == "backplan.ir.ops"
     for _, target in imported_modules(source, module, is_package):

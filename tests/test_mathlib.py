@@ -6,10 +6,11 @@ import re
 import numba
 import numpy as np
 import pytest
+from scipy import special
+
 from backplan.codegen import mathlib
 from backplan.ir.registry import all_ops
 from backplan.ir.types import FLOAT_DTYPES
-from scipy import special
 
 DTYPES = {"f32": np.float32, "f64": np.float64}
 # Largest error allowed, in ulp of the correctly rounded result (measured maxima are in the

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from backplan.ir.errors import BackplanError
 from backplan.ir.memory_plan import (
     BufferRequest,
@@ -14,8 +17,6 @@ from backplan.ir.memory_plan import (
     assign_memory,
     lower_bound_bytes,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 ITEMSIZE = {"bool": 1, "i64": 8, "f32": 4, "f64": 8}
 DTYPE_NAMES = tuple(ITEMSIZE)

@@ -9,6 +9,9 @@ import math
 
 import numpy as np
 import pytest
+from op_samples import IN, OUT, SAMPLES, OpSample
+
+import backplan as bp
 from backplan.ir import all_ops, get_op
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
@@ -17,9 +20,6 @@ from backplan.ir.pipeline import build_joint_plan, build_region_plans
 from backplan.ir.registry import FUSION_CLASSES, AttrSpec
 from backplan.ir.types import TensorType, dtype_name, is_float
 from backplan.tracer.dispatch import apply
-from op_samples import IN, OUT, SAMPLES, OpSample
-
-import backplan as bp
 
 CASES = [pytest.param(s, dt, id=f"{s.id}-{dt}") for s in SAMPLES for dt in s.dtypes]
 VALUE_TOL = {"f32": {"rtol": 2e-5, "atol": 2e-6}, "f64": {"rtol": 1e-10, "atol": 1e-12}}
@@ -62,8 +62,9 @@ def assert_values_close(actual, expected, tol=VALUE_TOL, what="", scale=1.0):
         return
     t = tol[dtype_name(actual.dtype)]
     scale = max(scale, float(np.max(np.abs(expected), initial=0.0)))
-    np.testing.assert_allclose(actual.astype(np.float64), expected, rtol=t["rtol"],
-                               atol=t["atol"] * scale, err_msg=what)
+    np.testing.assert_allclose(
+        actual.astype(np.float64), expected, rtol=t["rtol"], atol=t["atol"] * scale, err_msg=what
+    )
 
 
 def one_node_graph(sample, dtype, with_loss: bool = False):
@@ -123,8 +124,10 @@ def region_gradients(sample, dtype, wrt):
     out = outputs[0]
     if plans.backward is None:
         return out, None, {}
-    saved = [arrays[i] if kind == "input" else outputs[i] for kind, i in
-             (slot.source for slot in plans.saved)]
+    saved = [
+        arrays[i] if kind == "input" else outputs[i]
+        for kind, i in (slot.source for slot in plans.saved)
+    ]
     cot = [cotangent(sample, dtype, out)] if is_float(dtype_name(out.dtype)) else []
     grads = run_plan(plans.backward, cot + saved)
     diff = [i for i, w in enumerate(wrt) if w]
@@ -155,16 +158,21 @@ def api_gradients(sample, dtype, cot, compiled: bool):
     out = (bp.compile(call) if compiled else call)(*tensors)
     if out.requires_grad:
         out.backward(cot)
-    grads = {i: np.zeros_like(arrays[i]) if tensors[i].grad is None else tensors[i].grad.numpy()
-             for i in diff}
+    grads = {
+        i: np.zeros_like(arrays[i]) if tensors[i].grad is None else tensors[i].grad.numpy()
+        for i in diff
+    }
     return out, grads
 
 
 def output_is_differentiable(sample, dtype) -> bool:
     graph, _ = one_node_graph(sample, dtype)
     opdef = get_op(sample.op)
-    return (opdef.differentiable and is_float(graph.outputs[0].dtype)
-            and bool(sample.float_inputs(dtype)))
+    return (
+        opdef.differentiable
+        and is_float(graph.outputs[0].dtype)
+        and bool(sample.float_inputs(dtype))
+    )
 
 
 # ---- the table covers the registry ------------------------------------------------------------
@@ -301,8 +309,9 @@ def saved_sources(sample, wrt, dtype="f64") -> set[tuple[str, int]]:
     return {slot.source for slot in plans.saved}
 
 
-SAVE_CASES = [pytest.param(s, id=s.id) for s in SAMPLES if s.saves is not None and "f64" in
-              s.dtypes]
+SAVE_CASES = [
+    pytest.param(s, id=s.id) for s in SAMPLES if s.saves is not None and "f64" in s.dtypes
+]
 
 
 @pytest.mark.parametrize("sample", SAVE_CASES)
@@ -332,8 +341,9 @@ PARTIAL_SAVES = [
 ]
 
 
-@pytest.mark.parametrize("op,label,wrt,expected", PARTIAL_SAVES,
-                         ids=[f"{p[0]}-{p[2]}" for p in PARTIAL_SAVES])
+@pytest.mark.parametrize(
+    "op,label,wrt,expected", PARTIAL_SAVES, ids=[f"{p[0]}-{p[2]}" for p in PARTIAL_SAVES]
+)
 def test_saves_only_what_the_requested_gradients_need(op, label, wrt, expected):
     assert saved_sources(_sample(op, label), wrt) == expected
 
@@ -374,9 +384,16 @@ def test_relu_and_abs_have_zero_gradient_at_zero():
         np.testing.assert_array_equal(x.grad.numpy(), np.zeros(3))
 
 
-@pytest.mark.parametrize("fn", [lambda x: bp.maximum(x, 0.0), lambda x: bp.max(x, axis=0),
-                                bp.relu, lambda x: bp.minimum(x, 0.0)],
-                         ids=["maximum", "max", "relu", "minimum"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: bp.maximum(x, 0.0),
+        lambda x: bp.max(x, axis=0),
+        bp.relu,
+        lambda x: bp.minimum(x, 0.0),
+    ],
+    ids=["maximum", "max", "relu", "minimum"],
+)
 def test_nan_propagates_through_selecting_ops(fn):
     x = np.array([np.nan, 1.0, -1.0])
     assert np.isnan(fn(bp.tensor(x)).numpy().flat[0])
@@ -386,7 +403,8 @@ def test_nan_propagates_through_selecting_ops(fn):
 
 
 SECOND_CASES = [
-    pytest.param(s, id=s.id) for s in SAMPLES
+    pytest.param(s, id=s.id)
+    for s in SAMPLES
     if "f64" in s.dtypes and s.op not in NO_EAGER_FORM and output_is_differentiable(s, "f64")
 ]
 
@@ -404,11 +422,13 @@ def test_second_derivative_matches_finite_differences_of_the_gradient(sample):
     first = bp.grad(lambda *ts: bp.sum(call(*ts) * c), argnums=diff)
 
     def h(*ts):
-        return functools.reduce(bp.add, [bp.sum(g * d[i]) for i, g in zip(diff, first(*ts),
-                                                                          strict=True)])
+        return functools.reduce(
+            bp.add, [bp.sum(g * d[i]) for i, g in zip(diff, first(*ts), strict=True)]
+        )
 
     second = bp.grad(h, argnums=diff)(*[bp.tensor(a) for a in arrays])
     for i, v in directions(sample, arrays, diff).items():
+
         def h_at(xi, i=i):
             args = [bp.tensor(xi if j == i else a) for j, a in enumerate(arrays)]
             return h(*args).item()
@@ -420,11 +440,22 @@ def test_second_derivative_matches_finite_differences_of_the_gradient(sample):
         assert abs(analytic - fd) <= bound, f"input {i}: {analytic!r} vs {fd!r}"
 
 
-@pytest.mark.parametrize("fn,x", [
-    (bp.tanh, 0.3), (bp.exp, -0.4), (bp.log, 1.7), (bp.sigmoid, 0.8), (bp.sqrt, 2.5),
-    (bp.erf, 0.6), (bp.gelu, -0.7), (lambda x: x ** 3.5, 1.3), (lambda x: bp.pow(2.0, x), 0.9),
-    (lambda x: 1.0 / x, 1.9),
-], ids=["tanh", "exp", "log", "sigmoid", "sqrt", "erf", "gelu", "pow", "rpow", "reciprocal"])
+@pytest.mark.parametrize(
+    "fn,x",
+    [
+        (bp.tanh, 0.3),
+        (bp.exp, -0.4),
+        (bp.log, 1.7),
+        (bp.sigmoid, 0.8),
+        (bp.sqrt, 2.5),
+        (bp.erf, 0.6),
+        (bp.gelu, -0.7),
+        (lambda x: x**3.5, 1.3),
+        (lambda x: bp.pow(2.0, x), 0.9),
+        (lambda x: 1.0 / x, 1.9),
+    ],
+    ids=["tanh", "exp", "log", "sigmoid", "sqrt", "erf", "gelu", "pow", "rpow", "reciprocal"],
+)
 def test_grad_of_grad_of_a_scalar_function(fn, x):
     second = bp.grad(bp.grad(fn))
     first = bp.grad(fn)
@@ -437,17 +468,27 @@ def test_grad_of_grad_of_a_scalar_function(fn, x):
 # ---- dtype promotion of the public binary ops, against NumPy 2 --------------------------------
 
 PROMOTION_TENSORS = {
-    "bool": np.array([True, False]), "i64": np.array([1, 2]),
-    "f32": np.array([1.0, 2.0], np.float32), "f64": np.array([1.0, 2.0]),
+    "bool": np.array([True, False]),
+    "i64": np.array([1, 2]),
+    "f32": np.array([1.0, 2.0], np.float32),
+    "f64": np.array([1.0, 2.0]),
 }
 PROMOTION_OTHERS = {
-    **PROMOTION_TENSORS, "int": 3, "float": 2.5, "True": True, "np.float64": np.float64(2.5),
-    "np.float32": np.float32(2.5), "np.int64": np.int64(3), "0-d f64": np.array(2.5),
+    **PROMOTION_TENSORS,
+    "int": 3,
+    "float": 2.5,
+    "True": True,
+    "np.float64": np.float64(2.5),
+    "np.float32": np.float32(2.5),
+    "np.int64": np.int64(3),
+    "0-d f64": np.array(2.5),
 }
 PROMOTION_CASES = [
     pytest.param(op, a, b, swap, id=f"{op}-{a}-{b}{'-swapped' if swap else ''}")
-    for op in ("mul", "sub", "div", "maximum") for a in PROMOTION_TENSORS
-    for b in PROMOTION_OTHERS for swap in (False, True)
+    for op in ("mul", "sub", "div", "maximum")
+    for a in PROMOTION_TENSORS
+    for b in PROMOTION_OTHERS
+    for swap in (False, True)
     if not (a == "bool" and b in ("bool", "True") and op != "div")  # bool arithmetic is refused
 ]
 
@@ -457,8 +498,7 @@ def test_binary_ops_promote_like_numpy2(op, a, b, swap):
     x, y = PROMOTION_TENSORS[a], PROMOTION_OTHERS[b]
     if swap:
         x, y = y, x
-    numpy_fn = {"mul": np.multiply, "sub": np.subtract, "div": np.divide,
-                "maximum": np.maximum}[op]
+    numpy_fn = {"mul": np.multiply, "sub": np.subtract, "div": np.divide, "maximum": np.maximum}[op]
     wrap = [bp.tensor(v) if isinstance(v, np.ndarray) else v for v in (x, y)]
     with np.errstate(divide="ignore", invalid="ignore"):
         expected = numpy_fn(x, y)
@@ -472,16 +512,27 @@ def test_bool_arithmetic_is_refused_with_a_clear_error():
         bp.mul(bp.tensor([True]), True)
 
 
-@pytest.mark.parametrize("op,types,attrs", [
-    ("take_grad", [("f32", (3,)), ("i64", ())], {"axis": 5, "size": 2}),
-    ("take_grad", [("f32", (3,)), ("i64", ())], {"axis": -1, "size": 2}),
-    ("take_grad", [("f32", (3,)), ("i64", (3,))], {"axis": 0, "size": -2}),
-    ("one_hot", [("i64", (2,))], {"depth": -3, "dtype": "f32"}),
-    ("take", [("f32", (3,)), ("i64", (2,))], {"axis": 1}),
-    ("slice", [("f32", (3,))], {"starts": (0,), "stops": (4,), "steps": (1,)}),
-    ("reshape", [("f32", (3,))], {"shape": (2, 2)}),
-], ids=["take_grad-axis", "take_grad-negative-axis", "take_grad-size", "one_hot-depth",
-        "take-axis", "slice-stop", "reshape-size"])
+@pytest.mark.parametrize(
+    "op,types,attrs",
+    [
+        ("take_grad", [("f32", (3,)), ("i64", ())], {"axis": 5, "size": 2}),
+        ("take_grad", [("f32", (3,)), ("i64", ())], {"axis": -1, "size": 2}),
+        ("take_grad", [("f32", (3,)), ("i64", (3,))], {"axis": 0, "size": -2}),
+        ("one_hot", [("i64", (2,))], {"depth": -3, "dtype": "f32"}),
+        ("take", [("f32", (3,)), ("i64", (2,))], {"axis": 1}),
+        ("slice", [("f32", (3,))], {"starts": (0,), "stops": (4,), "steps": (1,)}),
+        ("reshape", [("f32", (3,))], {"shape": (2, 2)}),
+    ],
+    ids=[
+        "take_grad-axis",
+        "take_grad-negative-axis",
+        "take_grad-size",
+        "one_hot-depth",
+        "take-axis",
+        "slice-stop",
+        "reshape-size",
+    ],
+)
 def test_shape_rules_refuse_attributes_that_do_not_fit(op, types, attrs):
     opdef = get_op(op)
     with pytest.raises(bp.ShapeError):

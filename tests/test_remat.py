@@ -13,9 +13,11 @@ def ln_gelu(x, g, b):
 
 def inputs():
     rng = np.random.default_rng(0)
-    return (bp.tensor(rng.standard_normal((6, 8)).astype(np.float32), requires_grad=True),
-            bp.tensor(rng.standard_normal(8).astype(np.float32), requires_grad=True),
-            bp.tensor(rng.standard_normal(8).astype(np.float32), requires_grad=True))
+    return (
+        bp.tensor(rng.standard_normal((6, 8)).astype(np.float32), requires_grad=True),
+        bp.tensor(rng.standard_normal(8).astype(np.float32), requires_grad=True),
+        bp.tensor(rng.standard_normal(8).astype(np.float32), requires_grad=True),
+    )
 
 
 def intermediate_bytes(program):

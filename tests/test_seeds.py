@@ -8,9 +8,9 @@ import weakref
 
 import numpy as np
 import pytest
+from helpers import here
 
 import backplan as bp
-from helpers import here
 
 RNG = np.random.default_rng(0)
 
@@ -51,7 +51,8 @@ def test_backward_twice_on_same_output_raises_and_names_both_lines(layer):
     params = linear_params()
     a = bp.tensor(RNG.standard_normal((4, 3)).astype(np.float32))
     y = bp.sum(layer(params, a))
-    y.backward(); first = here()  # noqa: E702
+    y.backward()
+    first = here(offset=-1)  # the backward() line above
     grad_after_first = params[0].grad.numpy().copy()
     second = here(offset=2)
     with pytest.raises(bp.GraphFreedError) as info:
@@ -92,7 +93,7 @@ def test_mean_then_add_graph_fails_deterministically_unlike_torch():
     y.backward(), z.backward() goes through y's freed regions: always an error."""
     x = bp.tensor(np.ones((2, 3), np.float32), requires_grad=True)
     y = x.mean(axis=1).squeeze() + 3
-    z = (y ** 2).mean()
+    z = (y**2).mean()
     y.backward(np.ones(2, np.float32))
     with pytest.raises(bp.GraphFreedError):
         z.backward()
@@ -169,8 +170,10 @@ def test_which_intermediates_are_freed_linear_times_five():
 
     o = model(a, w, b)
     names = {(s.op, s.reason) for s in o.grad_fn.saved_buffers}
-    assert names == {("input", "matmul derivative reads input 0"),
-                     ("input", "matmul derivative reads input 1")}
+    assert names == {
+        ("input", "matmul derivative reads input 0"),
+        ("input", "matmul derivative reads input 1"),
+    }
     o.backward()
     assert all(s.freed for s in o.grad_fn.saved_buffers)
     assert a.numpy().shape == (2, 1)  # the user's tensors remain
@@ -233,7 +236,8 @@ def test_shared_subgraph_across_loop_iterations_raises_naming_the_shared_region(
     """Seed 2: y = t @ a once, reused in every iteration: the second backward raises and says
     y's region is shared with an earlier graph, naming the line that made it."""
     x, t, a = shared_subgraph_setup()
-    y = t @ a; y_line = here()  # noqa: E702
+    y = t @ a
+    y_line = here(offset=-1)  # the line that computed y
     for i in range(2):
         x_out = t @ (x + y)
         loss = bp.mse_loss(x_out, x)

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+
+import backplan as bp
 from backplan.ir import ParseError, VerifyError
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
@@ -15,8 +17,6 @@ from backplan.ir.liveness import Plan, plan_liveness
 from backplan.ir.text import format_attr, format_graph, parse_graph
 from backplan.ir.types import TensorType
 from backplan.ir.verify import verify_graph
-
-import backplan as bp
 
 RNG = np.random.default_rng(11)
 
@@ -153,17 +153,42 @@ def input_array(type_: TensorType) -> np.ndarray:
 def test_the_printed_plans_show_what_the_round_trip_covers():
     """Guards the programs above: their text really holds the features the round trip is for."""
     texts = "\n".join(PLANS[name]().text() for name in PLANS)
-    for feature in ("value=-2.5", "value=nan", "value=-inf", "value=inf", "approximate='tanh'",
-                    "reduction='mean'", "steps=(-1, 1)", "stops=(-1, 3)", "perm=(", "axes=(0, 2)",
-                    "const {name='k0'", "free %", " saved", " cotangent", "eps=1e-05",
-                    "# model.py:7", "# test_text_form.py:"):
+    for feature in (
+        "value=-2.5",
+        "value=nan",
+        "value=-inf",
+        "value=inf",
+        "approximate='tanh'",
+        "reduction='mean'",
+        "steps=(-1, 1)",
+        "stops=(-1, 3)",
+        "perm=(",
+        "axes=(0, 2)",
+        "const {name='k0'",
+        "free %",
+        " saved",
+        " cotangent",
+        "eps=1e-05",
+        "# model.py:7",
+        "# test_text_form.py:",
+    ):
         assert feature in texts, feature
 
 
-@pytest.mark.parametrize("value,text", [
-    (math.inf, "inf"), (-math.inf, "-inf"), (-2.5, "-2.5"), (1e-05, "1e-05"), ((0,), "(0,)"),
-    ((1, -2), "(1, -2)"), ("tanh", "'tanh'"), (True, "True"), (None, "None"),
-])
+@pytest.mark.parametrize(
+    "value,text",
+    [
+        (math.inf, "inf"),
+        (-math.inf, "-inf"),
+        (-2.5, "-2.5"),
+        (1e-05, "1e-05"),
+        ((0,), "(0,)"),
+        ((1, -2), "(1, -2)"),
+        ("tanh", "'tanh'"),
+        (True, "True"),
+        (None, "None"),
+    ],
+)
 def test_attribute_values_print_as_literals(value, text):
     assert format_attr(value) == text
 
@@ -192,8 +217,10 @@ BAD = {
     "bad role": ("%1: f32[3] arg", "%1: f32[3] argument"),
     "use before definition": ("add %0, %1", "add %0, %4"),
     "free before definition": ("free %2", "free %9"),
-    "type mismatch": ("%3 = sum %2 {axes=(0, 1), keepdims=False} : f32[]",
-                      "%3 = sum %2 {axes=(0, 1), keepdims=False} : f32[2]"),
+    "type mismatch": (
+        "%3 = sum %2 {axes=(0, 1), keepdims=False} : f32[]",
+        "%3 = sum %2 {axes=(0, 1), keepdims=False} : f32[2]",
+    ),
     "dtype mismatch": (": f32[2,3]  # model.py:3", ": f64[2,3]  # model.py:3"),
     "wrong arity": ("add %0, %1", "add %0"),
     "bad attribute value": ("keepdims=False", "keepdims=0"),
@@ -205,8 +232,10 @@ BAD = {
     "node after return": ("  free %2\n  return %3\n", "  return %3\n  %4 = neg %3 : f32[]\n"),
     "bad header": ("graph @f(", "graph f("),
     "junk after type": (": f32[]  # model.py:4", ": f32[] junk"),
-    "missing constant": ("%2 = add %0, %1 : f32[2,3]",
-                         "%2 = const {name='k9', shape=(2, 3), dtype='f32'} : f32[2,3]"),
+    "missing constant": (
+        "%2 = add %0, %1 : f32[2,3]",
+        "%2 = const {name='k9', shape=(2, 3), dtype='f32'} : f32[2,3]",
+    ),
 }
 
 
@@ -221,10 +250,10 @@ def test_malformed_text_raises_parse_error(case):
 NOT_LITERALS = [
     "__import__('os').system('touch {marker}')",
     "open('{marker}', 'w')",
-    "exec('open(\"{marker}\", \"w\")')",
+    'exec(\'open("{marker}", "w")\')',
     "[open('{marker}', 'w') for _ in (1,)]",
     "(lambda: open('{marker}', 'w'))()",
-    "f'{{open(\"{marker}\", \"w\")}}'",
+    'f\'{{open("{marker}", "w")}}\'',
     "1 + 1",
     "b'bytes'",
     "1j",
@@ -256,8 +285,11 @@ def test_parse_errors_name_the_line():
         parse_graph(GOOD.replace("%3 = sum %2", "%3 = max %9"))
 
 
-@pytest.mark.parametrize("array", [np.array([1, 2]), [1.0, 2.0], np.zeros(3, np.float32)],
-                         ids=["wrong dtype", "not an array", "wrong shape"])
+@pytest.mark.parametrize(
+    "array",
+    [np.array([1, 2]), [1.0, 2.0], np.zeros(3, np.float32)],
+    ids=["wrong dtype", "not an array", "wrong shape"],
+)
 def test_loaded_constants_must_match_their_const_node(array):
     text = """graph @f(%0: f32[2] arg) {
   %1 = const {name='k0', shape=(2,), dtype='f32'} : f32[2]

@@ -29,19 +29,30 @@ def conform(treedef: TreeDef, value, path: str, artifact: str):
         return None
     if kind == "dict":
         if not isinstance(value, dict) or set(value) != set(treedef.meta):
-            got = (f"a dict with keys {sorted(value, key=repr)}" if isinstance(value, dict)
-                   else type(value).__name__)
-            raise _mismatch(artifact, path, f"a dict with keys {sorted(treedef.meta, key=repr)}",
-                            got)
-        return {k: conform(c, value[k], child_path(path, k), artifact)
-                for k, c in zip(treedef.meta, treedef.children, strict=True)}
+            got = (
+                f"a dict with keys {sorted(value, key=repr)}"
+                if isinstance(value, dict)
+                else type(value).__name__
+            )
+            raise _mismatch(
+                artifact, path, f"a dict with keys {sorted(treedef.meta, key=repr)}", got
+            )
+        return {
+            k: conform(c, value[k], child_path(path, k), artifact)
+            for k, c in zip(treedef.meta, treedef.children, strict=True)
+        }
     expected_type = tuple if kind == "tuple" else list
     if not isinstance(value, expected_type) or len(value) != len(treedef.children):
-        got = f"{type(value).__name__} of length {len(value)}" if isinstance(
-            value, tuple | list) else type(value).__name__
+        got = (
+            f"{type(value).__name__} of length {len(value)}"
+            if isinstance(value, tuple | list)
+            else type(value).__name__
+        )
         raise _mismatch(artifact, path, f"a {kind} of length {len(treedef.children)}", got)
-    items = [conform(c, v, child_path(path, i), artifact)
-             for i, (c, v) in enumerate(zip(treedef.children, value, strict=True))]
+    items = [
+        conform(c, v, child_path(path, i), artifact)
+        for i, (c, v) in enumerate(zip(treedef.children, value, strict=True))
+    ]
     return tuple(items) if kind == "tuple" else items
 
 

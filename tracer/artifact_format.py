@@ -20,6 +20,7 @@ import zipfile
 import zlib
 
 import numpy as np
+
 from backplan.ir.errors import BackplanError
 from backplan.ir.types import DTYPES, dtype_name
 
@@ -85,8 +86,19 @@ def _compression(name: str) -> int:
 
 # ---- reading ----------------------------------------------------------------------------------
 
-_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError,
-               NotImplementedError, RuntimeError, struct.error, OverflowError, UnicodeError)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zlib.error,
+    EOFError,
+    OSError,
+    ValueError,
+    KeyError,
+    NotImplementedError,
+    RuntimeError,
+    struct.error,
+    OverflowError,
+    UnicodeError,
+)
 
 
 def read_artifact(path: str | os.PathLike) -> tuple[dict, dict[str, bytes]]:
@@ -117,24 +129,30 @@ def _read_checked(zf: zipfile.ZipFile, file_size: int) -> tuple[dict, dict[str, 
     if MANIFEST not in names:
         raise ExportError(f"no {MANIFEST}; this is not a backplan artifact")
     _check_sizes(infos)
-    manifest = parse_json(_read_member(zf, zf.getinfo(MANIFEST), MAX_JSON_BYTES, file_size),
-                          MANIFEST)
+    manifest = parse_json(
+        _read_member(zf, zf.getinfo(MANIFEST), MAX_JSON_BYTES, file_size), MANIFEST
+    )
     listed = check_manifest(manifest)
     extra = sorted(set(names) - set(listed) - {MANIFEST})
     missing = sorted(set(listed) - set(names))
     if extra or missing:
-        raise ExportError(f"the manifest does not match the zip: members not listed "
-                          f"{extra}, listed but absent {missing}")
+        raise ExportError(
+            f"the manifest does not match the zip: members not listed "
+            f"{extra}, listed but absent {missing}"
+        )
     members = {}
     for name, entry in listed.items():
         info = zf.getinfo(name)
         if info.file_size != entry["bytes"]:
-            raise ExportError(f"member {name} holds {info.file_size} bytes, the manifest "
-                              f"says {entry['bytes']}")
+            raise ExportError(
+                f"member {name} holds {info.file_size} bytes, the manifest says {entry['bytes']}"
+            )
         data = _read_member(zf, info, entry["bytes"], file_size)
         if sha256(data) != entry["sha256"]:
-            raise ExportError(f"member {name} does not match its SHA-256 in the manifest "
-                              "(corrupted or tampered with)")
+            raise ExportError(
+                f"member {name} does not match its SHA-256 in the manifest "
+                "(corrupted or tampered with)"
+            )
         members[name] = data
     return manifest, members
 
@@ -149,15 +167,18 @@ def _check_sizes(infos: list[zipfile.ZipInfo]) -> None:
         method = _compression(info.filename)
         if info.compress_type != method:
             found = _METHODS.get(info.compress_type, "compressed an unknown way")
-            raise ExportError(f"member {info.filename} is {found}, the format stores "
-                              f"it {_METHODS[method]}")
+            raise ExportError(
+                f"member {info.filename} is {found}, the format stores it {_METHODS[method]}"
+            )
         if method == zipfile.ZIP_STORED and info.file_size != info.compress_size:
             raise ExportError(f"member {info.filename} is stored but its sizes differ")
         if method == zipfile.ZIP_DEFLATED:
             inflated += info.file_size
     if inflated > MAX_INFLATED_BYTES:
-        raise ExportError(f"compressed members would inflate to {inflated} bytes, over "
-                          f"the limit of {MAX_INFLATED_BYTES}")
+        raise ExportError(
+            f"compressed members would inflate to {inflated} bytes, over "
+            f"the limit of {MAX_INFLATED_BYTES}"
+        )
 
 
 def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int, file_size: int) -> bytes:
@@ -221,8 +242,9 @@ def parse_json(data: bytes, member: str):
     if len(data) > MAX_JSON_BYTES:
         raise ExportError(f"member {member} is {len(data)} bytes, too large for a JSON member")
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_refuse_constant,
-                          object_pairs_hook=_unique_keys)
+        return json.loads(
+            data.decode("utf-8"), parse_constant=_refuse_constant, object_pairs_hook=_unique_keys
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ExportError(f"member {member} is not valid JSON: {exc}") from None
 
@@ -248,8 +270,11 @@ def npy_to_array(data: bytes, member: str, dtype: str, shape: tuple[int, ...]) -
     stream = io.BytesIO(data)
     try:
         version = np.lib.format.read_magic(stream)
-        reader = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                  else np.lib.format.read_array_header_2_0)
+        reader = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
         found_shape, fortran, found_dtype = reader(stream)
     except (ValueError, SyntaxError, TypeError, EOFError) as exc:
         raise ExportError(f"member {member} is not a valid .npy array: {exc}") from None
@@ -259,12 +284,16 @@ def npy_to_array(data: bytes, member: str, dtype: str, shape: tuple[int, ...]) -
             "accepted (object arrays would need unpickling, which artifacts never do)"
         )
     if dtype_name(found_dtype) != dtype or tuple(found_shape) != tuple(shape):
-        raise ExportError(f"member {member} holds {dtype_name(found_dtype)}{list(found_shape)}, "
-                          f"the metadata says {dtype}{list(shape)}")
+        raise ExportError(
+            f"member {member} holds {dtype_name(found_dtype)}{list(found_shape)}, "
+            f"the metadata says {dtype}{list(shape)}"
+        )
     expected = math.prod(shape) * found_dtype.itemsize
     if len(data) - stream.tell() != expected:
-        raise ExportError(f"member {member} has {len(data) - stream.tell()} data bytes, a "
-                          f"{dtype}{list(shape)} array needs {expected}")
+        raise ExportError(
+            f"member {member} has {len(data) - stream.tell()} data bytes, a "
+            f"{dtype}{list(shape)} array needs {expected}"
+        )
     stream.seek(0)
     try:
         array = np.load(stream, allow_pickle=False)

@@ -77,12 +77,17 @@ def _build(where: str, manifest: dict, reader: _MemberReader, max_bytes: int):
     if not name.isprintable() or len(name) > MAX_NAME:
         raise ExportError("meta.json: the function name is not a short printable string")
     key = signature_key(field(meta, "arguments", dict, "meta.json"))
-    captured = [_read_array(reader, entry, f"captured[{i}]")
-                for i, entry in enumerate(field(meta, "captured", list, "meta.json"))]
+    captured = [
+        _read_array(reader, entry, f"captured[{i}]")
+        for i, entry in enumerate(field(meta, "captured", list, "meta.json"))
+    ]
     names = _captured_names(meta.get("captured_names"), len(captured))
     plans = _read_plans(reader, field(meta, "plans", dict, "meta.json"), kind, max_bytes)
     common = {
-        "path": where, "manifest": manifest, "members": reader.members, "name": name,
+        "path": where,
+        "manifest": manifest,
+        "members": reader.members,
+        "name": name,
         "signature": signature_from_json(meta.get("parameters"), "meta.json parameters"),
         "key": key,
     }
@@ -97,8 +102,11 @@ def _captured_names(raw, count: int) -> list[str]:
     """How the model's code called its captured tensors ('w (captured)'), for reports only."""
     if raw is None:
         return [f"captured[{i}]" for i in range(count)]
-    if not isinstance(raw, list) or len(raw) != count or any(
-            not isinstance(n, str) or not n.isprintable() for n in raw):
+    if (
+        not isinstance(raw, list)
+        or len(raw) != count
+        or any(not isinstance(n, str) or not n.isprintable() for n in raw)
+    ):
         raise ExportError("meta.json: captured_names must be one printable name per array")
     return [n[:MAX_NAME] for n in raw]
 

@@ -29,8 +29,7 @@ def field(obj, name: str, kind: type, where: str):
 
 
 def check_shape(raw, where: str) -> tuple[int, ...]:
-    if not isinstance(raw, list) or len(raw) > 64 or any(
-            type(d) is not int or d < 0 for d in raw):
+    if not isinstance(raw, list) or len(raw) > 64 or any(type(d) is not int or d < 0 for d in raw):
         raise ExportError(f"{where}: bad shape {str(raw)[:80]}")
     shape = tuple(raw)
     try:
@@ -52,8 +51,9 @@ def signature_key(arguments: dict) -> SignatureKey:
         raise ExportError("meta.json: the arguments must be a dict of parameters")
     raw = field(arguments, "leaves", list, "meta.json arguments")
     if len(raw) != treedef.num_leaves:
-        raise ExportError(f"meta.json: {len(raw)} argument leaves for a structure with "
-                          f"{treedef.num_leaves}")
+        raise ExportError(
+            f"meta.json: {len(raw)} argument leaves for a structure with {treedef.num_leaves}"
+        )
     return SignatureKey(treedef, tuple(_leaf_key(entry) for entry in raw))
 
 
@@ -61,12 +61,17 @@ def _leaf_key(entry) -> LeafKey:
     path = field(entry, "path", str, "meta.json argument")[:MAX_NAME]
     where = f"meta.json argument {path}"
     if entry.get("kind") == "tensor":
-        return LeafKey(path, "tensor", check_shape(entry.get("shape"), where),
-                       check_dtype(entry.get("dtype"), where),
-                       field(entry, "requires_grad", bool, where))
+        return LeafKey(
+            path,
+            "tensor",
+            check_shape(entry.get("shape"), where),
+            check_dtype(entry.get("dtype"), where),
+            field(entry, "requires_grad", bool, where),
+        )
     if entry.get("kind") == "static":
-        return LeafKey(path, "static", static=static_key(static_from_json(entry.get("value"),
-                                                                          where)))
+        return LeafKey(
+            path, "static", static=static_key(static_from_json(entry.get("value"), where))
+        )
     raise ExportError(f"{where}: leaf kind must be tensor or static")
 
 
@@ -75,8 +80,10 @@ def check_inputs(graph, key: SignatureKey, captured: list, where: str) -> None:
     expected += [TensorType(dtype_name(a.dtype), a.shape) for a in captured]
     found = [v.type for v in graph.inputs]
     if found != expected or any(v.role != "arg" for v in graph.inputs):
-        raise ExportError(f"{where}: the plan's inputs {[str(t) for t in found]} do not match the "
-                          f"signature and captured arrays {[str(t) for t in expected]}")
+        raise ExportError(
+            f"{where}: the plan's inputs {[str(t) for t in found]} do not match the "
+            f"signature and captured arrays {[str(t) for t in expected]}"
+        )
 
 
 def bool_list(raw, length: int, where: str) -> list[bool]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
 from backplan.ir.errors import BackplanError
 from backplan.ir.liveness import Plan, plan_liveness
 from backplan.ir.shapes import check_size
@@ -30,15 +31,18 @@ def plan_facts(plan: Plan) -> dict:
     return {
         "schedule": [[names[n], n.op, str(n.type)] for n in plan.graph.nodes],
         "last_read": {names[v]: step for v, step in plan.last_read.items()},
-        "frees_after": {str(step): [names[v] for v in values]
-                        for step, values in sorted(plan.frees_after.items())},
+        "frees_after": {
+            str(step): [names[v] for v in values]
+            for step, values in sorted(plan.frees_after.items())
+        },
         "live_bytes_by_step": plan.live_bytes_by_step(),
         "peak_bytes": plan.peak_bytes,
     }
 
 
-def read_plan(text: str, facts, constants: dict[str, np.ndarray], member: str,
-              max_bytes: int) -> Plan:
+def read_plan(
+    text: str, facts, constants: dict[str, np.ndarray], member: str, max_bytes: int
+) -> Plan:
     """Parse, re-derive and verify one plan; any disagreement is an ExportError naming member."""
     _check_text_shape(text, member)
     try:
@@ -49,8 +53,10 @@ def read_plan(text: str, facts, constants: dict[str, np.ndarray], member: str,
     _check_constants(graph, member)
     plan = plan_liveness(graph)
     if _as_sets(frees) != _as_sets(plan.frees_after):
-        raise ExportError(f"{member}: the free statements do not match the plan's liveness "
-                          "(a buffer would be freed early, late, or never)")
+        raise ExportError(
+            f"{member}: the free statements do not match the plan's liveness "
+            "(a buffer would be freed early, late, or never)"
+        )
     try:
         verify_plan(plan)
     except BackplanError as exc:
@@ -84,9 +90,11 @@ def _check_constants(graph, member: str) -> None:
             continue
         array = graph.constants[node.attrs["name"]]
         if dtype_name(array.dtype) != node.dtype or tuple(array.shape) != node.shape:
-            raise ExportError(f"{member}: constant {node.attrs['name']!r} holds "
-                              f"{dtype_name(array.dtype)}{list(array.shape)}, the IR says "
-                              f"{node.type}")
+            raise ExportError(
+                f"{member}: constant {node.attrs['name']!r} holds "
+                f"{dtype_name(array.dtype)}{list(array.shape)}, the IR says "
+                f"{node.type}"
+            )
 
 
 def _as_sets(frees: dict) -> dict:

@@ -23,13 +23,20 @@ from .tensor import Tensor
 # ---- compiled functions -----------------------------------------------------------------------
 
 
-def build_compiled(meta: dict, key: SignatureKey, captured: list, captured_names: list[str],
-                   plans: dict, common: dict):
+def build_compiled(
+    meta: dict,
+    key: SignatureKey,
+    captured: list,
+    captured_names: list[str],
+    plans: dict,
+    common: dict,
+):
     forward, backward = plans["forward"], plans.get("backward")
     check_inputs(forward.graph, key, captured, "forward plan")
     region = field(meta, "region", dict, "meta.json")
-    flags = bool_list(meta.get("captured_requires_grad"), len(captured),
-                       "meta.json captured_requires_grad")
+    flags = bool_list(
+        meta.get("captured_requires_grad"), len(captured), "meta.json captured_requires_grad"
+    )
     wrt = bool_list(region.get("wrt"), len(forward.graph.inputs), "meta.json region wrt")
     if wrt != [k.requires_grad for k in key.leaves if k.kind == "tensor"] + flags:
         raise ExportError("meta.json: wrt flags disagree with the arguments' requires_grad")
@@ -70,8 +77,10 @@ def _check_backward(forward, backward, n_outputs: int, saved: list, wrt: list[bo
     expected = [(t, "cotangent") for t in cotangents] + [(s.forward.type, "saved") for s in saved]
     found = [(v.type, v.role) for v in backward.inputs]
     if found != expected:
-        raise ExportError("backward plan: its inputs do not match the forward plan's float "
-                          "outputs and saved buffers")
+        raise ExportError(
+            "backward plan: its inputs do not match the forward plan's float "
+            "outputs and saved buffers"
+        )
     grads = [v.type for v, w in zip(forward.inputs, wrt, strict=True) if w]
     if [o.type for o in backward.outputs] != grads:
         raise ExportError("backward plan: its outputs do not match the inputs needing gradients")
@@ -98,8 +107,14 @@ def _outputs(meta: dict, n_outputs: int):
 # ---- value_and_grad ---------------------------------------------------------------------------
 
 
-def build_joint(meta: dict, key: SignatureKey, captured: list, captured_names: list[str],
-                plans: dict, common: dict):
+def build_joint(
+    meta: dict,
+    key: SignatureKey,
+    captured: list,
+    captured_names: list[str],
+    plans: dict,
+    common: dict,
+):
     plan = plans["joint"]
     check_inputs(plan.graph, key, captured, "joint plan")
     joint = field(meta, "joint", dict, "meta.json")
@@ -127,8 +142,9 @@ def build_joint(meta: dict, key: SignatureKey, captured: list, captured_names: l
     names = [n[:MAX_NAME] for n in names]
     leaves = tuple(replace(k, path=display_path(k.path, names)) for k in key.leaves)
     common["key"] = SignatureKey(key.treedef, leaves)
-    return LoadedValueAndGrad(entry, argnums, has_aux, diff_positions, names, captured_names,
-                              **common)
+    return LoadedValueAndGrad(
+        entry, argnums, has_aux, diff_positions, names, captured_names, **common
+    )
 
 
 def display_path(path: str, names: list[str]) -> str:
@@ -136,9 +152,9 @@ def display_path(path: str, names: list[str]) -> str:
     function names it, and `kwargs['k']` as `k`."""
     match = re.match(r"args\[(\d+)\]", path)
     if match and int(match.group(1)) < len(names):
-        return names[int(match.group(1))] + path[match.end():]
+        return names[int(match.group(1))] + path[match.end() :]
     match = re.match(r"kwargs\['(\w+)'\]", path)
-    return match.group(1) + path[match.end():] if match else path
+    return match.group(1) + path[match.end() :] if match else path
 
 
 def _argnums(raw):
@@ -162,8 +178,9 @@ def _diff_positions(key: SignatureKey, argnums) -> set[int]:
             positions.update(range(start, start + child.num_leaves))
         start += child.num_leaves
     if any(n >= len(args_def.children) for n in nums):
-        raise ExportError(f"meta.json: argnums {argnums} but only {len(args_def.children)} "
-                          "positional arguments")
+        raise ExportError(
+            f"meta.json: argnums {argnums} but only {len(args_def.children)} positional arguments"
+        )
     for p in positions:
         leaf = key.leaves[p]
         if leaf.kind != "tensor" or not is_float(leaf.dtype):

@@ -15,9 +15,13 @@ MAX_DEPTH = 64
 MAX_STRING = 4096
 PARAMETER_KINDS = {
     kind.name: kind
-    for kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.KEYWORD_ONLY,
-                 inspect.Parameter.VAR_KEYWORD)
+    for kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.VAR_POSITIONAL,
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.VAR_KEYWORD,
+    )
 }
 
 

@@ -12,8 +12,10 @@ MAX_CONTAINER = 1000  # larger globals are data, not parameters: not searched
 
 def captured_names(fn, captured: list) -> list[str]:
     paths = _tensor_paths(_visible_names(fn))
-    return [f"{paths[id(t)]} (captured)" if id(t) in paths else f"captured[{i}]"
-            for i, t in enumerate(captured)]
+    return [
+        f"{paths[id(t)]} (captured)" if id(t) in paths else f"captured[{i}]"
+        for i, t in enumerate(captured)
+    ]
 
 
 def _visible_names(fn) -> dict:

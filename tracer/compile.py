@@ -44,8 +44,9 @@ def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
     """Run fn on tracers; returns the trace, output leaves and output structure."""
     trace = Trace(name)
     leaves = list(call.leaves)
-    for pos, key in zip(call.tensor_positions, [call.key.leaves[p] for p in call.tensor_positions],
-                        strict=True):
+    for pos, key in zip(
+        call.tensor_positions, [call.key.leaves[p] for p in call.tensor_positions], strict=True
+    ):
         value = trace.graph.add_input(_type_of(leaves[pos]))
         leaves[pos] = Tensor._traced(value, trace, requires_grad=key.requires_grad)
     with tracing(trace):
@@ -125,8 +126,9 @@ class CompiledFunction:
         if not traced.captured:
             return True
         enabled = is_grad_enabled()
-        return traced.captured_flags == tuple(bool(t._requires_grad and enabled)
-                                              for t in traced.captured)
+        return traced.captured_flags == tuple(
+            bool(t._requires_grad and enabled) for t in traced.captured
+        )
 
     def lookup(self, call) -> TracedFunction:
         traced = self._cache.get(call.key)
@@ -137,7 +139,8 @@ class CompiledFunction:
                 return traced
         self._misses += 1
         self._last_miss_reason = (
-            miss_reason(self._last_key, call.key) if traced is None
+            miss_reason(self._last_key, call.key)
+            if traced is None
             else "requires_grad of a captured tensor changed"
         )
         traced = self._trace(call)
@@ -158,15 +161,19 @@ class CompiledFunction:
                 out_slots.append(("static", leaf))
         graph.outputs = outputs
         captured_flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in trace.captured)
-        wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(captured_flags)
+        wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(
+            captured_flags
+        )
         names = [call.key.leaves[p].path for p in call.tensor_positions]
         names += captured_names(self.fn, trace.captured)
-        plans = build_region_plans(graph, wrt, remat=self.remat,
-                                   saved_bytes_budget=self.saved_bytes_budget)
+        plans = build_region_plans(
+            graph, wrt, remat=self.remat, saved_bytes_budget=self.saved_bytes_budget
+        )
         program = RegionProgram(plans, name=name, input_names=names)
         self._traces += 1
-        return TracedFunction(program, out_treedef, out_slots, trace.captured, captured_flags,
-                              names)
+        return TracedFunction(
+            program, out_treedef, out_slots, trace.captured, captured_flags, names
+        )
 
     def trace(self, *args, **kwargs) -> TracedFunction:
         """Trace (or find in the cache) without running: the plans for this signature."""
@@ -183,8 +190,9 @@ class CompiledFunction:
         return explain_traced(traced, self.cache_info())
 
     def cache_info(self) -> CacheInfo:
-        return CacheInfo(self._traces, self._hits, self._misses, self._last_miss_reason,
-                         len(self._cache))
+        return CacheInfo(
+            self._traces, self._hits, self._misses, self._last_miss_reason, len(self._cache)
+        )
 
     def clear_cache(self) -> None:
         self._cache.clear()

@@ -12,7 +12,7 @@ from backplan.ir.interpreter import evaluate
 from backplan.ir.passes import _attr_key
 from backplan.ir.pipeline import build_region_plans
 from backplan.ir.types import TensorType
-from backplan.runtime import Edge, RegionProgram, is_grad_enabled
+from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
 
 from .source import loc_text, user_frame_loc
@@ -76,8 +76,9 @@ def _build_eager_program(op, inputs, attrs, needs, scalars, loc) -> RegionProgra
             operands.append(graph.add_input(TensorType(t._ir_dtype, t.shape)))
             wrt.append(need)
         else:
-            operands.append(make_value("full", [], {"value": scalar, "shape": (),
-                                                    "dtype": t._ir_dtype}, loc))
+            operands.append(
+                make_value("full", [], {"value": scalar, "shape": (), "dtype": t._ir_dtype}, loc)
+            )
             graph.nodes.append(operands[-1])
     node = make_value(op, operands, attrs, loc)
     graph.nodes.append(node)

@@ -41,8 +41,9 @@ def explain(fn, *args, **kwargs) -> ExplainReport:
 
 def explain_traced(traced, cache_info) -> ExplainReport:
     """The report of one signature of a compiled function."""
-    return region_report(traced.program, traces=cache_info.traces,
-                         retrace_reason=cache_info.last_miss_reason)
+    return region_report(
+        traced.program, traces=cache_info.traces, retrace_reason=cache_info.last_miss_reason
+    )
 
 
 def explain_joint(entry, call, fn, cache: dict) -> ExplainReport:
@@ -57,8 +58,9 @@ def explain_joint(entry, call, fn, cache: dict) -> ExplainReport:
         if old_diff != new_diff and old.treedef == new.treedef:
             reason = "the differentiated arguments changed"
     name = getattr(fn, "__name__", "fn")
-    return joint_report(entry.plan, 1 + entry.n_aux, entry.wrt, names, name,
-                        traces=len(keys), retrace_reason=reason)
+    return joint_report(
+        entry.plan, 1 + entry.n_aux, entry.wrt, names, name, traces=len(keys), retrace_reason=reason
+    )
 
 
 def _parameter_path(fn, path: str) -> str:
@@ -68,10 +70,10 @@ def _parameter_path(fn, path: str) -> str:
         params = _positional_parameters(fn)
         index = int(match.group(1))
         if index < len(params):
-            return params[index] + path[match.end():]
+            return params[index] + path[match.end() :]
         return path
     match = re.match(r"kwargs\['(\w+)'\]", path)
-    return match.group(1) + path[match.end():] if match else path
+    return match.group(1) + path[match.end() :] if match else path
 
 
 def _positional_parameters(fn) -> list[str]:

@@ -62,8 +62,11 @@ def export(fn, *example_args, path, **example_kwargs) -> str:
             f"{getattr(fn, '__qualname__', type(fn).__name__)}; decorate it with @bp.compile"
         )
     writer.members["meta.json"] = json_bytes(meta)
-    return write_artifact(path, writer.members, {"backplan_version": _backplan_version(),
-                                                 "kind": meta["kind"], "name": meta["name"]})
+    return write_artifact(
+        path,
+        writer.members,
+        {"backplan_version": _backplan_version(), "kind": meta["kind"], "name": meta["name"]},
+    )
 
 
 class _ArtifactWriter:
@@ -84,8 +87,9 @@ class _ArtifactWriter:
     def add_plan(self, role: str, plan: Plan) -> dict:
         self.members[f"ir/{role}.txt"] = plan.text().encode("utf-8")
         self.members[f"plans/{role}.json"] = json_bytes(plan_facts(plan))
-        constants = {name: self.add_array(array, "const")
-                     for name, array in plan.graph.constants.items()}
+        constants = {
+            name: self.add_array(array, "const") for name, array in plan.graph.constants.items()
+        }
         return {"ir": f"ir/{role}.txt", "facts": f"plans/{role}.json", "constants": constants}
 
 
@@ -96,11 +100,13 @@ def _compiled_meta(fn: CompiledFunction, args, kwargs, writer: _ArtifactWriter) 
     meta = _common_meta("compiled", traced.program.name, call, traced.captured, writer)
     meta["parameters"] = parameters_to_json(inspect.signature(fn.fn))
     meta["captured_requires_grad"] = list(traced.captured_flags)
-    meta["captured_names"] = traced.input_names[len(traced.input_names) - len(traced.captured):]
+    meta["captured_names"] = traced.input_names[len(traced.input_names) - len(traced.captured) :]
     meta["outputs"] = {
         "tree": treedef_to_json(traced.out_treedef, "output"),
-        "slots": [[kind, item if kind == "tensor" else static_to_json(item, "output")]
-                  for kind, item in traced.out_slots],
+        "slots": [
+            [kind, item if kind == "tensor" else static_to_json(item, "output")]
+            for kind, item in traced.out_slots
+        ],
     }
     meta["region"] = {
         "n_outputs": plans.n_outputs,
@@ -116,8 +122,10 @@ def _compiled_meta(fn: CompiledFunction, args, kwargs, writer: _ArtifactWriter) 
 def _joint_meta(fn, args, kwargs, writer: _ArtifactWriter) -> dict:
     args, call, diff_paths, entry = fn.lookup(args, kwargs)
     meta = _common_meta("value_and_grad", entry.plan.graph.name, call, entry.captured, writer)
-    meta["parameters"] = [{"name": "args", "kind": "VAR_POSITIONAL"},
-                          {"name": "kwargs", "kind": "VAR_KEYWORD"}]
+    meta["parameters"] = [
+        {"name": "args", "kind": "VAR_POSITIONAL"},
+        {"name": "kwargs", "kind": "VAR_KEYWORD"},
+    ]
     meta["display_parameters"] = _display_names(fn)
     meta["captured_names"] = captured_names(getattr(fn, "__wrapped__", fn), entry.captured)
     argnums = fn.argnums
@@ -125,8 +133,9 @@ def _joint_meta(fn, args, kwargs, writer: _ArtifactWriter) -> dict:
         "argnums": argnums if isinstance(argnums, int) else list(argnums),
         "has_aux": bool(fn.has_aux),
         "n_aux": entry.n_aux,
-        "aux_tree": None if entry.aux_treedef is None else treedef_to_json(entry.aux_treedef,
-                                                                           "aux output"),
+        "aux_tree": None
+        if entry.aux_treedef is None
+        else treedef_to_json(entry.aux_treedef, "aux output"),
         "wrt": list(entry.wrt),
         "diff_positions": sorted(diff_paths),
     }
@@ -140,11 +149,23 @@ def _common_meta(kind: str, name: str, call, captured: list, writer: _ArtifactWr
     leaves = []
     for path, key in zip(paths, call.key.leaves, strict=True):
         if key.kind == "tensor":
-            leaves.append({"path": path, "kind": "tensor", "dtype": key.dtype,
-                           "shape": list(key.shape), "requires_grad": key.requires_grad})
+            leaves.append(
+                {
+                    "path": path,
+                    "kind": "tensor",
+                    "dtype": key.dtype,
+                    "shape": list(key.shape),
+                    "requires_grad": key.requires_grad,
+                }
+            )
         else:
-            leaves.append({"path": path, "kind": "static",
-                           "value": static_to_json(key.static[1], f"argument {path}")})
+            leaves.append(
+                {
+                    "path": path,
+                    "kind": "static",
+                    "value": static_to_json(key.static[1], f"argument {path}"),
+                }
+            )
     return {
         "kind": kind,
         "name": name,

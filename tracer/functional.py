@@ -14,10 +14,10 @@ from backplan.ir.types import is_float
 from backplan.runtime import is_grad_enabled
 from backplan.runtime.backend import current_backend, make_runner
 
+from .compile import trace_function
 from .errors import TracingError
 from .fastpath import call_key, positions_of
 from .pytree import flatten, unflatten
-from .compile import trace_function
 from .signature import bind_call
 from .tensor import Tensor
 from .trace import current_trace
@@ -66,7 +66,9 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
         args = tuple(_as_diff_arg(a) if i in nums else a for i, a in enumerate(args))
         for i in nums:
             if i >= len(args):
-                raise TypeError(f"argnums={argnums} but only {len(args)} positional arguments given")
+                raise TypeError(
+                    f"argnums={argnums} but only {len(args)} positional arguments given"
+                )
         call = bind_call(_positional(fn), args, kwargs)
         diff_paths = _diff_positions(call, args, nums)
         key = (call.key, frozenset(diff_paths))
@@ -148,11 +150,11 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
         grads, start = [], 1 + n_aux
         for structure in grad_structures:
             count = structure.num_leaves
-            grads.append(unflatten(structure, results[start:start + count]))
+            grads.append(unflatten(structure, results[start : start + count]))
             start += count
         grads = grads[0] if single else tuple(grads)
         if has_aux:
-            return (results[0], unflatten(entry.aux_treedef, results[1:1 + n_aux])), grads
+            return (results[0], unflatten(entry.aux_treedef, results[1 : 1 + n_aux])), grads
         return results[0], grads
 
     return call_fast
@@ -222,14 +224,17 @@ def _trace_joint(fn, call, diff_paths, has_aux):
         loss, aux_leaves, aux_treedef = out_leaves[0], [], None
     if not isinstance(loss, Tensor) or loss.shape != ():
         shape = getattr(loss, "shape", type(loss).__name__)
-        raise TracingError(f"grad needs a scalar loss, got {shape}; reduce it with .sum() or .mean()")
+        raise TracingError(
+            f"grad needs a scalar loss, got {shape}; reduce it with .sum() or .mean()"
+        )
     if any(not isinstance(a, Tensor) for a in aux_leaves):
         raise TracingError("aux outputs must be tensors")
     graph = trace.graph
     graph.outputs = [trace.value_of(loss)] + [trace.value_of(a) for a in aux_leaves]
     wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
-    return JointTrace(build_joint_plan(graph, wrt), trace.captured, aux_treedef, len(aux_leaves),
-                      wrt)
+    return JointTrace(
+        build_joint_plan(graph, wrt), trace.captured, aux_treedef, len(aux_leaves), wrt
+    )
 
 
 def _grads_like(args, nums, diff_paths, grads, single: bool):

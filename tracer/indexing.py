@@ -59,12 +59,16 @@ def _slice(x, starts, stops, steps):
 def _gather(out: Tensor, arrays) -> Tensor:
     positions = [pos for _, pos, _ in arrays]
     if positions != list(range(positions[0], positions[0] + len(positions))):
-        raise IndexError("integer-array indices must be next to each other (x[:, i, j], not x[i, :, j])")
+        raise IndexError(
+            "integer-array indices must be next to each other (x[:, i, j], not x[i, :, j])"
+        )
     first = positions[0]
     if len(arrays) == 1:
         return ops.take(out, arrays[0][2], axis=first)
     sizes = [out.shape[p] for p in positions]
-    merged = ops.reshape(out, out.shape[:first] + (math.prod(sizes),) + out.shape[first + len(sizes):])
+    merged = ops.reshape(
+        out, out.shape[:first] + (math.prod(sizes),) + out.shape[first + len(sizes) :]
+    )
     flat = None
     for size_after, (_, pos, index) in zip(_strides(sizes), arrays, strict=True):
         dim = out.shape[pos]

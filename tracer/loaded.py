@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import numpy as np
+
 from backplan.ir.graph import inline_graph
 from backplan.ir.types import np_dtype
 from backplan.runtime import is_grad_enabled
@@ -27,8 +28,15 @@ class LoadedArtifact:
 
     kind = "artifact"
 
-    def __init__(self, path: str, manifest: dict, members: dict[str, bytes], name: str,
-                 signature: inspect.Signature, key: SignatureKey):
+    def __init__(
+        self,
+        path: str,
+        manifest: dict,
+        members: dict[str, bytes],
+        name: str,
+        signature: inspect.Signature,
+        key: SignatureKey,
+    ):
         self.path = path
         self.name = name
         self.manifest = manifest
@@ -120,9 +128,11 @@ class LoadedFunction(LoadedArtifact):
         for p, flag, w in zip(positions, flags, wrt, strict=True):
             if flag and not w:
                 path = self._key.leaves[p].path
-                raise ExportError(f"{self.path}: {path} requires grad, but the artifact was "
-                                  f"exported with {path} not requiring grad, so it has no "
-                                  "gradient for it; re-export with requires_grad=True")
+                raise ExportError(
+                    f"{self.path}: {path} requires grad, but the artifact was "
+                    f"exported with {path} not requiring grad, so it has no "
+                    "gradient for it; re-export with requires_grad=True"
+                )
         record = any(flags) or (enabled and any(self._traced.captured_flags))
         if record:
             for p, flag, w in zip(positions, flags, wrt, strict=True):
@@ -135,18 +145,24 @@ class LoadedFunction(LoadedArtifact):
         forward = self.program.plans.forward.graph
         inputs = [outer.value_of(t) for t in tensors + self.captured]
         values = inline_graph(outer.graph, forward, inputs)[: self.program.n_outputs]
-        leaves = [item if kind == "static" else Tensor._traced(values[item], outer)
-                  for kind, item in self._traced.out_slots]
+        leaves = [
+            item if kind == "static" else Tensor._traced(values[item], outer)
+            for kind, item in self._traced.out_slots
+        ]
         return unflatten(self._traced.out_treedef, leaves)
 
     @property
     def signature(self) -> str:
         """`name(x: f32[16,32], w: f32[32,8] requires_grad) -> f32[]`"""
         forward = self.program.plans.forward.graph
-        outputs = [str(forward.outputs[item].type) if kind == "tensor" else repr(item)
-                   for kind, item in self._traced.out_slots]
-        return (f"{self.name}{_params_text(self._key.treedef, self._leaf_texts(), self)} -> "
-                f"{render_tree(self._traced.out_treedef, outputs)}")
+        outputs = [
+            str(forward.outputs[item].type) if kind == "tensor" else repr(item)
+            for kind, item in self._traced.out_slots
+        ]
+        return (
+            f"{self.name}{_params_text(self._key.treedef, self._leaf_texts(), self)} -> "
+            f"{render_tree(self._traced.out_treedef, outputs)}"
+        )
 
     def explain(self) -> ExplainReport:
         """The same report as bp.explain gives the original: plans, saved buffers, peak bytes."""
@@ -159,8 +175,16 @@ class LoadedValueAndGrad(LoadedArtifact):
 
     kind = "value_and_grad"
 
-    def __init__(self, entry: JointTrace, argnums, has_aux: bool, diff_positions: set[int],
-                 display_names: list[str], captured_names: list[str], **common):
+    def __init__(
+        self,
+        entry: JointTrace,
+        argnums,
+        has_aux: bool,
+        diff_positions: set[int],
+        display_names: list[str],
+        captured_names: list[str],
+        **common,
+    ):
         super().__init__(**common)
         self._entry = entry
         self.plan = entry.plan
@@ -177,22 +201,38 @@ class LoadedValueAndGrad(LoadedArtifact):
         args = tuple(_as_diff_arg(a) if i in self._nums else a for i, a in enumerate(args))
         arguments, leaves, positions = self._match(args, kwargs)
         call = BoundCall(self._key, leaves, positions)
-        return run_joint(self._entry, arguments["args"], call, self._diff_positions, self._nums,
-                         self.has_aux, self._single)
+        return run_joint(
+            self._entry,
+            arguments["args"],
+            call,
+            self._diff_positions,
+            self._nums,
+            self.has_aux,
+            self._single,
+        )
 
     def _conform(self, arguments: dict) -> dict:
         """Each positional argument under the name the function gives it."""
         args_def, kwargs_def = self._key.treedef.children
         args = arguments["args"]
         if len(args) != len(args_def.children):
-            raise ExportError(f"{self.path} was exported for {len(args_def.children)} positional "
-                              f"arguments, but the call passed {len(args)}")
+            raise ExportError(
+                f"{self.path} was exported for {len(args_def.children)} positional "
+                f"arguments, but the call passed {len(args)}"
+            )
         conformed = tuple(
-            conform(child, arg, self._display_names[i] if i < len(self._display_names)
-                    else f"args[{i}]", self.path)
-            for i, (child, arg) in enumerate(zip(args_def.children, args, strict=True)))
-        return {"args": conformed, "kwargs": conform(kwargs_def, arguments["kwargs"], "",
-                                                     self.path)}
+            conform(
+                child,
+                arg,
+                self._display_names[i] if i < len(self._display_names) else f"args[{i}]",
+                self.path,
+            )
+            for i, (child, arg) in enumerate(zip(args_def.children, args, strict=True))
+        )
+        return {
+            "args": conformed,
+            "kwargs": conform(kwargs_def, arguments["kwargs"], "", self.path),
+        }
 
     @property
     def signature(self) -> str:
@@ -208,8 +248,10 @@ class LoadedValueAndGrad(LoadedArtifact):
         value = str(self.plan.graph.outputs[0].type)
         if self.has_aux:
             value = f"({value}, aux)"
-        return (f"value_and_grad({self.name}, argnums={self.argnums})({', '.join(parts)}) -> "
-                f"({value}, grads of argument(s) {self.argnums})")
+        return (
+            f"value_and_grad({self.name}, argnums={self.argnums})({', '.join(parts)}) -> "
+            f"({value}, grads of argument(s) {self.argnums})"
+        )
 
     def explain(self) -> ExplainReport:
         """The same report as bp.explain gives the original: the joint plan, the forward values
@@ -226,6 +268,7 @@ def _params_text(treedef: TreeDef, leaf_texts: list[str], loaded: LoadedArtifact
     params = loaded.__signature__.parameters
     for name, child in zip(treedef.meta, treedef.children, strict=True):
         star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(
-            params[name].kind, "")
+            params[name].kind, ""
+        )
         parts.append(f"{star}{name}: {render_tree(child, texts)}")
     return "(" + ", ".join(parts) + ")"

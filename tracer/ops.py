@@ -127,7 +127,9 @@ def _unary(op: str, floats: bool = True):
     return fn
 
 
-exp, log, tanh, sigmoid, sqrt, erf = (_unary(n) for n in ("exp", "log", "tanh", "sigmoid", "sqrt", "erf"))
+exp, log, tanh, sigmoid, sqrt, erf = (
+    _unary(n) for n in ("exp", "log", "tanh", "sigmoid", "sqrt", "erf")
+)
 neg, relu, abs, sign = (_unary(n, floats=False) for n in ("neg", "relu", "abs", "sign"))  # noqa: A001
 
 
@@ -255,7 +257,11 @@ unsqueeze = expand_dims
 
 def squeeze(x, axis=None) -> Tensor:
     x = as_tensor(x)
-    axes = [i for i, d in enumerate(x.shape) if d == 1] if axis is None else normalize_axes(axis, x.ndim)
+    axes = (
+        [i for i, d in enumerate(x.shape) if d == 1]
+        if axis is None
+        else normalize_axes(axis, x.ndim)
+    )
     for a in axes:
         if x.shape[a] != 1:
             raise ShapeError(f"squeeze: axis {a} of shape {x.shape} has size {x.shape[a]}, not 1")
@@ -334,7 +340,9 @@ def one_hot(labels, num_classes: int, dtype="float32") -> Tensor:
 
 def cross_entropy(logits, labels, reduction: str = "mean") -> Tensor:
     """Softmax cross-entropy of logits (..., C) against integer labels (...)."""
-    return apply("cross_entropy", [_float_input(logits), _index_tensor(labels)], reduction=reduction)
+    return apply(
+        "cross_entropy", [_float_input(logits), _index_tensor(labels)], reduction=reduction
+    )
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
@@ -350,4 +358,3 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
 def mse_loss(prediction, target) -> Tensor:
     diff = sub(prediction, target)
     return mean(mul(diff, diff))
-

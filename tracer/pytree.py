@@ -32,7 +32,10 @@ def _flatten(tree, leaves, names, path) -> TreeDef:
     if tree is None:
         return TreeDef("none")
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        kids = tuple(_flatten(v, leaves, names, f"{path}.{f}") for f, v in zip(tree._fields, tree, strict=True))
+        kids = tuple(
+            _flatten(v, leaves, names, f"{path}.{f}")
+            for f, v in zip(tree._fields, tree, strict=True)
+        )
         return TreeDef("namedtuple", kids, type(tree))
     if isinstance(tree, tuple | list):
         kids = tuple(_flatten(v, leaves, names, f"{path}[{i}]") for i, v in enumerate(tree))

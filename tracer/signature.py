@@ -77,9 +77,9 @@ def bind_call(fn, args: tuple, kwargs: dict) -> BoundCall:
 
 
 def _argument_path(path: str) -> str:
-    """"['params']['w0']" -> "params['w0']": the argument name, then the path inside it."""
+    """ "['params']['w0']" -> "params['w0']": the argument name, then the path inside it."""
     match = re.match(r"\['(\w+)'\]", path)
-    return match.group(1) + path[match.end():] if match else path
+    return match.group(1) + path[match.end() :] if match else path
 
 
 def _static_key(value, path):

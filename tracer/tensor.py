@@ -24,8 +24,17 @@ class Tensor:
     [2.0, 4.0]
     """
 
-    __slots__ = ("_data", "_value", "_trace", "_requires_grad", "grad", "_grad_fn", "_out_index", "_scalar",
-                 "__weakref__")
+    __slots__ = (
+        "_data",
+        "_value",
+        "_trace",
+        "_requires_grad",
+        "grad",
+        "_grad_fn",
+        "_out_index",
+        "_scalar",
+        "__weakref__",
+    )
     __array_priority__ = 1000  # ndarray + Tensor defers to Tensor.__radd__
 
     def __init__(self, data, dtype=None, requires_grad: bool = False):
@@ -174,8 +183,9 @@ class Tensor:
                     "gradient argument of that shape (or reduce it to a scalar with .sum())"
                 )
             gradient = np.ones((), dtype=self.dtype)
-        gradient = np.array(gradient.numpy() if isinstance(gradient, Tensor) else gradient,
-                            dtype=self.dtype)
+        gradient = np.array(
+            gradient.numpy() if isinstance(gradient, Tensor) else gradient, dtype=self.dtype
+        )
         if gradient.shape != self.shape:
             raise BackwardError(
                 f"backward() at {loc}: gradient has shape {gradient.shape}, tensor has {self.shape}"

@@ -29,8 +29,13 @@ class Check:
         return self.value_error <= self.tolerance and self.grad_error <= self.tolerance
 
     def to_dict(self) -> dict:
-        return {"value_rel_error": self.value_error, "grad_rel_error": self.grad_error,
-                "worst_grad": self.worst_grad, "tolerance": self.tolerance, "ok": self.ok}
+        return {
+            "value_rel_error": self.value_error,
+            "grad_rel_error": self.grad_error,
+            "worst_grad": self.worst_grad,
+            "tolerance": self.tolerance,
+            "ok": self.ok,
+        }
 
 
 def relative_error(result: np.ndarray, reference: np.ndarray, floor: float = 0.0) -> float:
@@ -43,8 +48,9 @@ def relative_error(result: np.ndarray, reference: np.ndarray, floor: float = 0.0
 
 def check_output(output: StepOutput, reference: StepOutput, dtype: str) -> Check:
     value_error = relative_error(output.value, reference.value)
-    largest = max((float(np.max(np.abs(g), initial=0.0)) for g in reference.grads.values()),
-                  default=0.0)
+    largest = max(
+        (float(np.max(np.abs(g), initial=0.0)) for g in reference.grads.values()), default=0.0
+    )
     grad_error, worst = 0.0, None
     for name, ref in reference.grads.items():
         got = output.grads.get(name)

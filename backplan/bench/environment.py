@@ -13,8 +13,14 @@ import numpy as np
 
 # Variables that change BLAS kernels or thread counts; recorded as found.
 WATCHED_VARIABLES = (
-    "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS", "NUMBA_NUM_THREADS", "XLA_FLAGS", "BACKPLAN_BACKEND",
+    "OPENBLAS_CORETYPE",
+    "OPENBLAS_NUM_THREADS",
+    "OPENBLAS_L2_SIZE",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMBA_NUM_THREADS",
+    "XLA_FLAGS",
+    "BACKPLAN_BACKEND",
 )
 
 
@@ -40,30 +46,53 @@ def blas_info() -> list[dict]:
     if importlib.util.find_spec("threadpoolctl") is not None:
         from threadpoolctl import threadpool_info
 
-        keys = ("user_api", "internal_api", "version", "num_threads", "architecture",
-                "threading_layer")
-        return [{k: lib.get(k) for k in keys if lib.get(k) is not None}
-                | {"library": os.path.basename(lib.get("filepath", ""))}
-                for lib in threadpool_info()]
+        keys = (
+            "user_api",
+            "internal_api",
+            "version",
+            "num_threads",
+            "architecture",
+            "threading_layer",
+        )
+        return [
+            {k: lib.get(k) for k in keys if lib.get(k) is not None}
+            | {"library": os.path.basename(lib.get("filepath", ""))}
+            for lib in threadpool_info()
+        ]
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     except Exception:  # show_config's layout differs between NumPy versions
         return [{"user_api": "blas", "source": "unknown (install threadpoolctl)"}]
-    return [{"user_api": "blas", "internal_api": blas.get("name"), "version": blas.get("version"),
-             "source": "numpy.show_config (threadpoolctl not installed)"}]
+    return [
+        {
+            "user_api": "blas",
+            "internal_api": blas.get("name"),
+            "version": blas.get("version"),
+            "source": "numpy.show_config (threadpoolctl not installed)",
+        }
+    ]
 
 
 def thread_counts() -> dict:
     """Thread counts as each loaded library reports them now."""
-    counts = {"blas": {f"{lib.get('internal_api', '?')} ({lib.get('library')})": lib["num_threads"]
-                       for lib in blas_info() if "num_threads" in lib}}
+    counts = {
+        "blas": {
+            f"{lib.get('internal_api', '?')} ({lib.get('library')})": lib["num_threads"]
+            for lib in blas_info()
+            if "num_threads" in lib
+        }
+    }
     if "torch" in sys.modules:
         torch = sys.modules["torch"]
-        counts["torch"] = {"intra_op": torch.get_num_threads(),
-                           "inter_op": torch.get_num_interop_threads()}
+        counts["torch"] = {
+            "intra_op": torch.get_num_threads(),
+            "inter_op": torch.get_num_interop_threads(),
+        }
     if "jax" in sys.modules:
-        counts["jax"] = {"xla_flags": os.environ.get("XLA_FLAGS"),
-                         "note": "XLA's CPU pool; not limited unless XLA_FLAGS say so"}
+        counts["jax"] = {
+            "xla_flags": os.environ.get("XLA_FLAGS"),
+            "note": "XLA's CPU pool; not limited unless XLA_FLAGS say so",
+        }
     if "numba" in sys.modules:
         counts["numba"] = sys.modules["numba"].get_num_threads()
     return counts
@@ -83,11 +112,20 @@ def backplan_revision() -> str | None:
     None for an installed copy: the codegen changes fast, and numbers belong to a commit."""
     folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        head = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10, check=True).stdout
-        changes = subprocess.run(["git", "-C", folder, "status", "--porcelain",
-                                  "--untracked-files=no"],
-                                 capture_output=True, text=True, timeout=10, check=True).stdout
+        head = subprocess.run(
+            ["git", "-C", folder, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        changes = subprocess.run(
+            ["git", "-C", folder, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return head.strip() + (" +changes" if changes.strip() else "")
@@ -110,7 +148,10 @@ def collect(versions: dict[str, str], thread_settings: dict, load_at_start=None)
         "python": platform.python_version(),
         "versions": {"numpy": np.__version__, **versions},
         "blas": blas_info(),
-        "variables": {name: os.environ.get(name) for name in WATCHED_VARIABLES
-                      if name == "OPENBLAS_CORETYPE" or name in os.environ},
+        "variables": {
+            name: os.environ.get(name)
+            for name in WATCHED_VARIABLES
+            if name == "OPENBLAS_CORETYPE" or name in os.environ
+        },
         "threads": {"set_by_harness": thread_settings, "in_effect": thread_counts()},
     }

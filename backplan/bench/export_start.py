@@ -46,15 +46,22 @@ def export_demo(folder: str) -> dict[str, str]:
     x, labels = np.zeros((64, 32), np.float32), np.zeros(64, np.int64)
     return {
         "compiled": bp.export(mlp_loss, params, x, labels, path=os.path.join(folder, "loss.bpz")),
-        "value_and_grad": bp.export(bp.value_and_grad(mlp_loss), params, x, labels,
-                                    path=os.path.join(folder, "step.bpz")),
+        "value_and_grad": bp.export(
+            bp.value_and_grad(mlp_loss), params, x, labels, path=os.path.join(folder, "step.bpz")
+        ),
     }
 
 
 def start_once(path: str, kind: str, backend: str, cache: str) -> dict:
     env = {**os.environ, "BACKPLAN_BACKEND": backend, "BACKPLAN_CACHE_DIR": cache}
-    result = subprocess.run([sys.executable, "-I", "-c", CHILD, path, kind], env=env,
-                            capture_output=True, text=True, timeout=600, check=True)
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", CHILD, path, kind],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -74,14 +81,17 @@ def measure(path: str, kind: str, backend: str, runs: int, folder: str) -> dict:
     for label, samples in (("cold", cold), ("warm", warm)):
         for part in ("import", "load", "first_call"):
             row[f"{label}_{part}"] = median(samples, part)
-    row["ratio"] = ((row["cold_load"] + row["cold_first_call"])
-                    / (row["warm_load"] + row["warm_first_call"]))
+    row["ratio"] = (row["cold_load"] + row["cold_first_call"]) / (
+        row["warm_load"] + row["warm_first_call"]
+    )
     return row
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| artifact | backend | cold: load + first call | warm: load + first call "
-             "| cold/warm |", "|---|---|---|---|---|"]
+    lines = [
+        "| artifact | backend | cold: load + first call | warm: load + first call | cold/warm |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         cold = f"{_ms(r['cold_load'])} + {_ms(r['cold_first_call'])}"
         warm = f"{_ms(r['warm_load'])} + {_ms(r['warm_first_call'])}"
@@ -101,8 +111,11 @@ def main(argv=None) -> int:
     folder = tempfile.mkdtemp(prefix="bp-export-start-")
     try:
         paths = export_demo(folder)
-        rows = [measure(path, kind, backend, args.runs, folder)
-                for backend in args.backends.split(",") for kind, path in paths.items()]
+        rows = [
+            measure(path, kind, backend, args.runs, folder)
+            for backend in args.backends.split(",")
+            for kind, path in paths.items()
+        ]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(markdown(rows))

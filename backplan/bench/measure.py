@@ -44,8 +44,9 @@ class Schedule:
         return max(self.min_steps, min(self.max_steps, wanted))
 
 
-QUICK = Schedule(warmup_steps=1, settle_steps=0, rounds=2, round_seconds=0.0, min_steps=2,
-                 max_steps=2)
+QUICK = Schedule(
+    warmup_steps=1, settle_steps=0, rounds=2, round_seconds=0.0, min_steps=2, max_steps=2
+)
 FULL = Schedule()
 
 

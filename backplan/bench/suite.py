@@ -53,14 +53,20 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
         if cold is None:
             continue
         check = check_output(runner.output(), reference, settings.dtype)
-        row.update(first_call_s={"cold": cold, "warm": None}, check=check.to_dict(),
-                   status="ok" if check.ok else "wrong")
+        row.update(
+            first_call_s={"cold": cold, "warm": None},
+            check=check.to_dict(),
+            status="ok" if check.ok else "wrong",
+        )
         runners[peer.name] = runner
     _time_runners(runners, rows, settings.schedule, progress)
     for name, runner in runners.items():
         progress.phase(name, "memory facts")
-        _guarded(rows[name], lambda runner=runner, row=rows[name]: _memory_facts(runner, row),
-                 what="memory facts")
+        _guarded(
+            rows[name],
+            lambda runner=runner, row=rows[name]: _memory_facts(runner, row),
+            what="memory facts",
+        )
     if settings.warm_compile:
         _warm_compiles(spec, inputs, [p for p in peers if p.name in runners], rows, progress)
     runners.clear()
@@ -74,16 +80,30 @@ IGNORED_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning
 def _distinct_messages(caught, limit: int = 3) -> list[str]:
     """What a peer warned about on its first call (a fallback to a slower path, say); API
     deprecations inside the frameworks are left out."""
-    messages = [str(w.message).splitlines()[0][:200] for w in caught
-                if not issubclass(w.category, IGNORED_WARNINGS)]
+    messages = [
+        str(w.message).splitlines()[0][:200]
+        for w in caught
+        if not issubclass(w.category, IGNORED_WARNINGS)
+    ]
     return list(dict.fromkeys(messages))[:limit]
 
 
 def _new_row(spec: ModelSpec, peer: Peer) -> dict:
-    return {"model": spec.name, "peer": peer.name, "peer_description": peer.description,
-            "status": None, "note": None, "step_ms": None, "ratio_to_fastest": None,
-            "first_call_s": None, "saved_bytes": None, "peak_bytes": None, "check": None,
-            "plan": None, "warnings": []}
+    return {
+        "model": spec.name,
+        "peer": peer.name,
+        "peer_description": peer.description,
+        "status": None,
+        "note": None,
+        "step_ms": None,
+        "ratio_to_fastest": None,
+        "first_call_s": None,
+        "saved_bytes": None,
+        "peak_bytes": None,
+        "check": None,
+        "plan": None,
+        "warnings": [],
+    }
 
 
 def _guarded(row: dict, fn, what: str | None = None):
@@ -121,14 +141,19 @@ def _time_runners(runners: dict, rows: dict, schedule: Schedule, progress) -> No
 def _memory_facts(runner, row: dict) -> None:
     saved = runner.saved_bytes()
     if saved is not None:
-        row["saved_bytes"] = {"excluding_inputs": saved.excluding_inputs,
-                              "including_inputs": saved.including_inputs, "source": saved.source}
+        row["saved_bytes"] = {
+            "excluding_inputs": saved.excluding_inputs,
+            "including_inputs": saved.including_inputs,
+            "source": saved.source,
+        }
     planned = runner.planned_peak_bytes()
     row["plan"] = runner.plan_facts()
     measured = traced_peak_bytes(runner)
     row["peak_bytes"] = {
-        "measured": measured, "measured_by": "tracemalloc" if measured is not None else None,
-        "planned": planned[0] if planned else None, "planned_by": planned[1] if planned else None,
+        "measured": measured,
+        "measured_by": "tracemalloc" if measured is not None else None,
+        "planned": planned[0] if planned else None,
+        "planned_by": planned[1] if planned else None,
     }
 
 

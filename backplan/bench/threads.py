@@ -33,8 +33,10 @@ def apply_threads(threads: int | None) -> dict:
     if threads < 1:
         raise BenchError(f"--threads must be at least 1, got {threads}")
     if importlib.util.find_spec("threadpoolctl") is None:
-        raise BenchError("--threads needs threadpoolctl to limit BLAS threads: "
-                         "pip install threadpoolctl (or pip install 'backplan[bench]')")
+        raise BenchError(
+            "--threads needs threadpoolctl to limit BLAS threads: "
+            "pip install threadpoolctl (or pip install 'backplan[bench]')"
+        )
     _import_backplan_pools()
     from threadpoolctl import threadpool_limits
 

@@ -13,8 +13,9 @@ def init_mlp(sizes, seed: int = 0, dtype=np.float32) -> dict:
     params = {}
     for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         scale = np.sqrt(2.0 / fan_in)
-        params[f"w{i}"] = bp.tensor((rng.standard_normal((fan_in, fan_out)) * scale).astype(dtype),
-                                    requires_grad=True)
+        params[f"w{i}"] = bp.tensor(
+            (rng.standard_normal((fan_in, fan_out)) * scale).astype(dtype), requires_grad=True
+        )
         params[f"b{i}"] = bp.tensor(np.zeros(fan_out, dtype), requires_grad=True)
     return params
 

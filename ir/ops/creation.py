@@ -15,11 +15,17 @@ def _full_ref(value, shape, dtype):
     return np.full(shape, value, dtype=np_dtype(dtype))
 
 
-register(OpDef(
-    "full", (0,), _full_infer, _full_ref, "source",
-    attrs={"value": AttrSpec("float"), "shape": AttrSpec("shape"), "dtype": AttrSpec("dtype")},
-    doc="a tensor filled with one value (scalar constants are full with shape ())",
-))
+register(
+    OpDef(
+        "full",
+        (0,),
+        _full_infer,
+        _full_ref,
+        "source",
+        attrs={"value": AttrSpec("float"), "shape": AttrSpec("shape"), "dtype": AttrSpec("dtype")},
+        doc="a tensor filled with one value (scalar constants are full with shape ())",
+    )
+)
 
 
 def _const_infer(types, attrs):
@@ -30,11 +36,17 @@ def _const_ref(name, shape, dtype):
     raise RuntimeError("const is resolved by the interpreter from the graph's constants")
 
 
-register(OpDef(
-    "const", (0,), _const_infer, _const_ref, "source",
-    attrs={"name": AttrSpec("str"), "shape": AttrSpec("shape"), "dtype": AttrSpec("dtype")},
-    doc="an array captured at trace time, stored in the graph's constants table",
-))
+register(
+    OpDef(
+        "const",
+        (0,),
+        _const_infer,
+        _const_ref,
+        "source",
+        attrs={"name": AttrSpec("str"), "shape": AttrSpec("shape"), "dtype": AttrSpec("dtype")},
+        doc="an array captured at trace time, stored in the graph's constants table",
+    )
+)
 
 
 def _one_hot_infer(types, attrs):
@@ -53,11 +65,18 @@ def _one_hot_ref(labels, depth, dtype):
     return (labels[..., None] == np.arange(depth)).astype(np_dtype(dtype))
 
 
-register(OpDef(
-    "one_hot", (1,), _one_hot_infer, _one_hot_ref, "elementwise", differentiable=False,
-    attrs={"depth": AttrSpec("int"), "dtype": AttrSpec("dtype")},
-    doc="one_hot(labels) with `depth` classes; no gradient",
-))
+register(
+    OpDef(
+        "one_hot",
+        (1,),
+        _one_hot_infer,
+        _one_hot_ref,
+        "elementwise",
+        differentiable=False,
+        attrs={"depth": AttrSpec("int"), "dtype": AttrSpec("dtype")},
+        doc="one_hot(labels) with `depth` classes; no gradient",
+    )
+)
 
 
 def _astype_infer(types, attrs):
@@ -73,7 +92,15 @@ def _astype_vjp(ctx, g):
     return [ctx.b.astype(g, dtype=src) if is_float(src) else None]
 
 
-register(OpDef(
-    "astype", (1,), _astype_infer, _astype_ref, "elementwise", _astype_vjp,
-    attrs={"dtype": AttrSpec("dtype")}, doc="cast; gradients flow between float dtypes only",
-))
+register(
+    OpDef(
+        "astype",
+        (1,),
+        _astype_infer,
+        _astype_ref,
+        "elementwise",
+        _astype_vjp,
+        attrs={"dtype": AttrSpec("dtype")},
+        doc="cast; gradients flow between float dtypes only",
+    )
+)

@@ -73,7 +73,9 @@ def _pow_vjp(ctx, g):
     if ctx.needs[1]:
         x = ctx.input(0)
         zero = b.scalar(0, dtype)
-        safe_log = b.where(b.gt(x, zero), b.log(b.where(b.gt(x, zero), x, b.scalar(1, dtype))), zero)
+        safe_log = b.where(
+            b.gt(x, zero), b.log(b.where(b.gt(x, zero), x, b.scalar(1, dtype))), zero
+        )
         gy = b.sum_to(b.mul(g, b.mul(ctx.output(), safe_log)), ctx.in_type(1).shape)
     return [gx, gy]
 
@@ -98,8 +100,14 @@ _binary("div", np.true_divide, _div_vjp, floats=True, doc="x / y")
 _binary("pow", np.power, _pow_vjp, doc="x ** y")
 _binary("maximum", np.maximum, _select_vjp(True), doc="ties send the gradient to x")
 _binary("minimum", np.minimum, _select_vjp(False), doc="ties send the gradient to x")
-for _name, _ref in [("lt", np.less), ("le", np.less_equal), ("gt", np.greater),
-                    ("ge", np.greater_equal), ("eq", np.equal), ("ne", np.not_equal)]:
+for _name, _ref in [
+    ("lt", np.less),
+    ("le", np.less_equal),
+    ("gt", np.greater),
+    ("ge", np.greater_equal),
+    ("eq", np.equal),
+    ("ne", np.not_equal),
+]:
     _binary(_name, _ref, out_dtype="bool", differentiable=False, doc="comparison, bool result")
 
 
@@ -159,7 +167,9 @@ def _gelu_vjp(ctx, g):
         right = b.mul(b.mul(half, x), b.mul(b.sub(one, b.mul(t, t)), dinner))
         return [b.mul(g, b.add(left, right))]
     cdf = b.mul(half, b.add(one, b.erf(b.mul(x, b.scalar(1 / math.sqrt(2), dt)))))
-    pdf = b.mul(b.exp(b.mul(b.mul(x, x), b.scalar(-0.5, dt))), b.scalar(1 / math.sqrt(2 * math.pi), dt))
+    pdf = b.mul(
+        b.exp(b.mul(b.mul(x, x), b.scalar(-0.5, dt))), b.scalar(1 / math.sqrt(2 * math.pi), dt)
+    )
     return [b.mul(g, b.add(cdf, b.mul(x, pdf)))]
 
 
@@ -190,6 +200,8 @@ _unary("relu", _relu_ref, _relu_vjp, floats=False, doc="saves its output")
 _unary("sqrt", np.sqrt, _sqrt_vjp, doc="saves its output")
 _unary("abs", np.abs, _abs_vjp, floats=False, doc="saves its input")
 _unary("sign", np.sign, floats=False, differentiable=False, doc="no gradient")
+
+
 def _erf_ref(x):
     from scipy import special
 
@@ -228,5 +240,14 @@ def _where_vjp(ctx, g):
     return [None, gx, gy]
 
 
-register(OpDef("where", (3,), _where_infer, np.where, "elementwise", _where_vjp,
-               doc="where(cond, x, y); saves cond"))
+register(
+    OpDef(
+        "where",
+        (3,),
+        _where_infer,
+        np.where,
+        "elementwise",
+        _where_vjp,
+        doc="where(cond, x, y); saves cond",
+    )
+)

@@ -31,5 +31,14 @@ def _matmul_vjp(ctx, g):
     return [ga, gb]
 
 
-register(OpDef("matmul", (2,), _matmul_infer, np.matmul, "opaque", _matmul_vjp,
-               doc="a @ b; saves b when a needs a gradient and a when b does"))
+register(
+    OpDef(
+        "matmul",
+        (2,),
+        _matmul_infer,
+        np.matmul,
+        "opaque",
+        _matmul_vjp,
+        doc="a @ b; saves b when a needs a gradient and a when b does",
+    )
+)

@@ -42,10 +42,30 @@ def _log_softmax_vjp(ctx, g):
     return [b.sub(g, b.mul(b.exp(y), total))]
 
 
-register(OpDef("softmax", (1,), _axis_infer, _softmax_ref, "reduction", _softmax_vjp, attrs=AXIS,
-               doc="stable softmax; saves its output"))
-register(OpDef("log_softmax", (1,), _axis_infer, _log_softmax_ref, "reduction", _log_softmax_vjp,
-               attrs=AXIS, doc="stable log-softmax; saves its output"))
+register(
+    OpDef(
+        "softmax",
+        (1,),
+        _axis_infer,
+        _softmax_ref,
+        "reduction",
+        _softmax_vjp,
+        attrs=AXIS,
+        doc="stable softmax; saves its output",
+    )
+)
+register(
+    OpDef(
+        "log_softmax",
+        (1,),
+        _axis_infer,
+        _log_softmax_ref,
+        "reduction",
+        _log_softmax_vjp,
+        attrs=AXIS,
+        doc="stable log-softmax; saves its output",
+    )
+)
 
 
 def _lse_infer(types, attrs):
@@ -69,9 +89,18 @@ def _lse_vjp(ctx, g):
     return [b.mul(b.keepdims_like(g, axes, ndim), b.exp(b.sub(ctx.input(0), out)))]
 
 
-register(OpDef("logsumexp", (1,), _lse_infer, _lse_ref, "reduction", _lse_vjp,
-               attrs={"axes": AttrSpec("axes"), "keepdims": AttrSpec("bool", False, required=False)},
-               doc="stable log(sum(exp(x))); saves input and output"))
+register(
+    OpDef(
+        "logsumexp",
+        (1,),
+        _lse_infer,
+        _lse_ref,
+        "reduction",
+        _lse_vjp,
+        attrs={"axes": AttrSpec("axes"), "keepdims": AttrSpec("bool", False, required=False)},
+        doc="stable log(sum(exp(x))); saves input and output",
+    )
+)
 
 
 def _ce_infer(types, attrs):
@@ -116,9 +145,18 @@ def _ce_vjp(ctx, g):
     return [b.mul(diff, g), None]
 
 
-register(OpDef("cross_entropy", (2,), _ce_infer, _ce_ref, "reduction", _ce_vjp,
-               attrs={"reduction": AttrSpec("str", "mean", ("mean", "sum", "none"), required=False)},
-               doc="softmax cross-entropy with integer labels; saves logits and labels"))
+register(
+    OpDef(
+        "cross_entropy",
+        (2,),
+        _ce_infer,
+        _ce_ref,
+        "reduction",
+        _ce_vjp,
+        attrs={"reduction": AttrSpec("str", "mean", ("mean", "sum", "none"), required=False)},
+        doc="softmax cross-entropy with integer labels; saves logits and labels",
+    )
+)
 
 
 def _ln_infer(types, attrs):
@@ -167,6 +205,15 @@ def _ln_vjp(ctx, g):
     return grads
 
 
-register(OpDef("layer_norm", (1, 3), _ln_infer, _ln_ref, "reduction", _ln_vjp,
-               attrs={"eps": AttrSpec("float", 1e-5, required=False)},
-               doc="layer_norm(x[, weight, bias]) over the last axis; saves x (and weight)"))
+register(
+    OpDef(
+        "layer_norm",
+        (1, 3),
+        _ln_infer,
+        _ln_ref,
+        "reduction",
+        _ln_vjp,
+        attrs={"eps": AttrSpec("float", 1e-5, required=False)},
+        doc="layer_norm(x[, weight, bias]) over the last axis; saves x (and weight)",
+    )
+)

@@ -51,7 +51,27 @@ def _max_vjp(ctx, g):
     return [b.mul(mask, b.div(g, count))]
 
 
-register(OpDef("sum", (1,), _reduce_infer("sum"), _sum_ref, "reduction", _sum_vjp,
-               attrs=REDUCE_ATTRS, doc="saves nothing"))
-register(OpDef("max", (1,), _reduce_infer("max"), _max_ref, "reduction", _max_vjp,
-               attrs=REDUCE_ATTRS, doc="saves input and output to find the maxima"))
+register(
+    OpDef(
+        "sum",
+        (1,),
+        _reduce_infer("sum"),
+        _sum_ref,
+        "reduction",
+        _sum_vjp,
+        attrs=REDUCE_ATTRS,
+        doc="saves nothing",
+    )
+)
+register(
+    OpDef(
+        "max",
+        (1,),
+        _reduce_infer("max"),
+        _max_ref,
+        "reduction",
+        _max_vjp,
+        attrs=REDUCE_ATTRS,
+        doc="saves input and output to find the maxima",
+    )
+)

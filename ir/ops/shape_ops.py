@@ -17,11 +17,21 @@ def _size(shape):
 
 # ---- stop_gradient ----------------------------------------------------------------------------
 
-register(OpDef("stop_gradient", (1,), lambda types, attrs: types[0], lambda x: x, "view",
-               differentiable=False, doc="identity whose gradient is zero: detach() in a trace"))
+register(
+    OpDef(
+        "stop_gradient",
+        (1,),
+        lambda types, attrs: types[0],
+        lambda x: x,
+        "view",
+        differentiable=False,
+        doc="identity whose gradient is zero: detach() in a trace",
+    )
+)
 
 
 # ---- reshape ----------------------------------------------------------------------------------
+
 
 def _reshape_infer(types, attrs):
     (x,) = types
@@ -34,11 +44,22 @@ def _reshape_vjp(ctx, g):
     return [ctx.b.reshape(g, shape=ctx.in_type(0).shape)]
 
 
-register(OpDef("reshape", (1,), _reshape_infer, lambda x, shape: np.reshape(x, shape), "view",
-               _reshape_vjp, attrs={"shape": AttrSpec("shape")}, doc="saves nothing"))
+register(
+    OpDef(
+        "reshape",
+        (1,),
+        _reshape_infer,
+        lambda x, shape: np.reshape(x, shape),
+        "view",
+        _reshape_vjp,
+        attrs={"shape": AttrSpec("shape")},
+        doc="saves nothing",
+    )
+)
 
 
 # ---- transpose --------------------------------------------------------------------------------
+
 
 def _transpose_infer(types, attrs):
     (x,) = types
@@ -54,11 +75,22 @@ def _transpose_vjp(ctx, g):
     return [ctx.b.transpose(g, perm=inverse)]
 
 
-register(OpDef("transpose", (1,), _transpose_infer, lambda x, perm: np.transpose(x, perm), "view",
-               _transpose_vjp, attrs={"perm": AttrSpec("ints")}, doc="saves nothing"))
+register(
+    OpDef(
+        "transpose",
+        (1,),
+        _transpose_infer,
+        lambda x, perm: np.transpose(x, perm),
+        "view",
+        _transpose_vjp,
+        attrs={"perm": AttrSpec("ints")},
+        doc="saves nothing",
+    )
+)
 
 
 # ---- broadcast_to -----------------------------------------------------------------------------
+
 
 def _broadcast_infer(types, attrs):
     (x,) = types
@@ -72,9 +104,18 @@ def _broadcast_vjp(ctx, g):
     return [ctx.b.sum_to(g, ctx.in_type(0).shape)]
 
 
-register(OpDef("broadcast_to", (1,), _broadcast_infer,
-               lambda x, shape: np.broadcast_to(x, shape), "view", _broadcast_vjp,
-               attrs={"shape": AttrSpec("shape")}, doc="saves nothing"))
+register(
+    OpDef(
+        "broadcast_to",
+        (1,),
+        _broadcast_infer,
+        lambda x, shape: np.broadcast_to(x, shape),
+        "view",
+        _broadcast_vjp,
+        attrs={"shape": AttrSpec("shape")},
+        doc="saves nothing",
+    )
+)
 
 
 # ---- slice and its adjoint pad_slice ----------------------------------------------------------
@@ -103,7 +144,9 @@ def _slices(starts, stops, steps):
 
 def _slice_infer(types, attrs):
     (x,) = types
-    return TensorType(x.dtype, _slice_lengths(x.shape, attrs["starts"], attrs["stops"], attrs["steps"]))
+    return TensorType(
+        x.dtype, _slice_lengths(x.shape, attrs["starts"], attrs["stops"], attrs["steps"])
+    )
 
 
 def _slice_ref(x, starts, stops, steps):
@@ -112,12 +155,25 @@ def _slice_ref(x, starts, stops, steps):
 
 def _slice_vjp(ctx, g):
     a = ctx.attrs
-    return [ctx.b.pad_slice(g, shape=ctx.in_type(0).shape, starts=a["starts"], stops=a["stops"],
-                            steps=a["steps"])]
+    return [
+        ctx.b.pad_slice(
+            g, shape=ctx.in_type(0).shape, starts=a["starts"], stops=a["stops"], steps=a["steps"]
+        )
+    ]
 
 
-register(OpDef("slice", (1,), _slice_infer, _slice_ref, "view", _slice_vjp, attrs=SLICE_ATTRS,
-               doc="basic slicing, normalised to start/stop/step per axis; saves nothing"))
+register(
+    OpDef(
+        "slice",
+        (1,),
+        _slice_infer,
+        _slice_ref,
+        "view",
+        _slice_vjp,
+        attrs=SLICE_ATTRS,
+        doc="basic slicing, normalised to start/stop/step per axis; saves nothing",
+    )
+)
 
 
 def _pad_slice_infer(types, attrs):
@@ -139,12 +195,22 @@ def _pad_slice_vjp(ctx, g):
     return [ctx.b.slice(g, starts=a["starts"], stops=a["stops"], steps=a["steps"])]
 
 
-register(OpDef("pad_slice", (1,), _pad_slice_infer, _pad_slice_ref, "opaque", _pad_slice_vjp,
-               attrs={"shape": AttrSpec("shape"), **SLICE_ATTRS},
-               doc="zeros of `shape` with the input written into a slice (slice's adjoint)"))
+register(
+    OpDef(
+        "pad_slice",
+        (1,),
+        _pad_slice_infer,
+        _pad_slice_ref,
+        "opaque",
+        _pad_slice_vjp,
+        attrs={"shape": AttrSpec("shape"), **SLICE_ATTRS},
+        doc="zeros of `shape` with the input written into a slice (slice's adjoint)",
+    )
+)
 
 
 # ---- concatenate ------------------------------------------------------------------------------
+
 
 def _concat_infer(types, attrs):
     first = types[0]
@@ -157,7 +223,9 @@ def _concat_infer(types, attrs):
         if len(t.shape) != len(first.shape) or any(
             a != b for i, (a, b) in enumerate(zip(t.shape, first.shape, strict=True)) if i != axis
         ):
-            raise ShapeError(f"cannot concatenate {fmt(first.shape)} and {fmt(t.shape)} on axis {axis}")
+            raise ShapeError(
+                f"cannot concatenate {fmt(first.shape)} and {fmt(t.shape)} on axis {axis}"
+            )
     shape = list(first.shape)
     shape[axis] = sum(t.shape[axis] for t in types)
     return TensorType(first.dtype, tuple(shape))
@@ -177,12 +245,22 @@ def _concat_vjp(ctx, g):
     return grads
 
 
-register(OpDef("concatenate", None, _concat_infer,
-               lambda *xs, axis: np.concatenate(xs, axis=axis), "opaque", _concat_vjp,
-               attrs={"axis": AttrSpec("int")}, doc="saves nothing"))
+register(
+    OpDef(
+        "concatenate",
+        None,
+        _concat_infer,
+        lambda *xs, axis: np.concatenate(xs, axis=axis),
+        "opaque",
+        _concat_vjp,
+        attrs={"axis": AttrSpec("int")},
+        doc="saves nothing",
+    )
+)
 
 
 # ---- take (gather along one axis) and its adjoint take_grad (scatter-add) ---------------------
+
 
 def _check_index(idx):
     if idx.dtype != "i64":
@@ -215,9 +293,18 @@ def _take_vjp(ctx, g):
     return [ctx.b.take_grad(g, ctx.input(1), axis=axis, size=size), None]
 
 
-register(OpDef("take", (2,), _take_infer, _take_ref, "opaque", _take_vjp,
-               attrs={"axis": AttrSpec("int")},
-               doc="gather along one axis (integer-array indexing, embedding); saves the indices"))
+register(
+    OpDef(
+        "take",
+        (2,),
+        _take_infer,
+        _take_ref,
+        "opaque",
+        _take_vjp,
+        attrs={"axis": AttrSpec("int")},
+        doc="gather along one axis (integer-array indexing, embedding); saves the indices",
+    )
+)
 
 
 def _take_grad_infer(types, attrs):
@@ -246,6 +333,15 @@ def _take_grad_vjp(ctx, g):
     return [ctx.b.take(g, ctx.input(1), axis=ctx.attrs["axis"]), None]
 
 
-register(OpDef("take_grad", (2,), _take_grad_infer, _take_grad_ref, "opaque", _take_grad_vjp,
-               attrs={"axis": AttrSpec("int"), "size": AttrSpec("int")},
-               doc="scatter-add into zeros (take's adjoint); saves the indices"))
+register(
+    OpDef(
+        "take_grad",
+        (2,),
+        _take_grad_infer,
+        _take_grad_ref,
+        "opaque",
+        _take_grad_vjp,
+        attrs={"axis": AttrSpec("int"), "size": AttrSpec("int")},
+        doc="scatter-add into zeros (take's adjoint); saves the indices",
+    )
+)

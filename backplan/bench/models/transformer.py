@@ -48,14 +48,22 @@ def make_inputs(config: dict, seed: int) -> ModelInputs:
         return rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)
 
     params = {
-        "ln1_g": 1.0 + 0.1 * rng.standard_normal(d), "ln1_b": 0.1 * rng.standard_normal(d),
-        "wq": dense(d, d), "bq": 0.1 * rng.standard_normal(d),
-        "wk": dense(d, d), "bk": 0.1 * rng.standard_normal(d),
-        "wv": dense(d, d), "bv": 0.1 * rng.standard_normal(d),
-        "wo": dense(d, d), "bo": 0.1 * rng.standard_normal(d),
-        "ln2_g": 1.0 + 0.1 * rng.standard_normal(d), "ln2_b": 0.1 * rng.standard_normal(d),
-        "w_fc": dense(d, ff), "b_fc": 0.1 * rng.standard_normal(ff),
-        "w_proj": dense(ff, d), "b_proj": 0.1 * rng.standard_normal(d),
+        "ln1_g": 1.0 + 0.1 * rng.standard_normal(d),
+        "ln1_b": 0.1 * rng.standard_normal(d),
+        "wq": dense(d, d),
+        "bq": 0.1 * rng.standard_normal(d),
+        "wk": dense(d, d),
+        "bk": 0.1 * rng.standard_normal(d),
+        "wv": dense(d, d),
+        "bv": 0.1 * rng.standard_normal(d),
+        "wo": dense(d, d),
+        "bo": 0.1 * rng.standard_normal(d),
+        "ln2_g": 1.0 + 0.1 * rng.standard_normal(d),
+        "ln2_b": 0.1 * rng.standard_normal(d),
+        "w_fc": dense(d, ff),
+        "b_fc": 0.1 * rng.standard_normal(ff),
+        "w_proj": dense(ff, d),
+        "b_proj": 0.1 * rng.standard_normal(d),
     }
     x = rng.standard_normal((config["batch"], config["seq"], d))
     return ModelInputs(params, (x,))

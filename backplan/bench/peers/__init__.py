@@ -12,8 +12,15 @@ from .torch_peer import TorchCompilePeer, TorchPeer
 
 PEERS: dict[str, type[Peer]] = {
     cls.name: cls
-    for cls in (BackplanPeer, BackplanCompilePeer, BackplanReferencePeer, NumpyPeer, TorchPeer,
-                TorchCompilePeer, JaxPeer)
+    for cls in (
+        BackplanPeer,
+        BackplanCompilePeer,
+        BackplanReferencePeer,
+        NumpyPeer,
+        TorchPeer,
+        TorchCompilePeer,
+        JaxPeer,
+    )
 }
 # What --against accepts: a family name selects all its peers. backplan.reference (backplan
 # on its NumPy reference interpreter) is opt-in.
@@ -41,5 +48,13 @@ def select_peers(against: list[str]) -> list[Peer]:
     return [PEERS[n]() for n in names]
 
 
-__all__ = ["PEERS", "AGAINST_CHOICES", "Peer", "Runner", "SavedBytes", "StepOutput",
-           "reference_output", "select_peers"]
+__all__ = [
+    "PEERS",
+    "AGAINST_CHOICES",
+    "Peer",
+    "Runner",
+    "SavedBytes",
+    "StepOutput",
+    "reference_output",
+    "select_peers",
+]

@@ -39,16 +39,22 @@ class PlanFacts(Runner):
         if not self.spec.train:
             return None
         report = self.explain()
-        return SavedBytes(report.saved_bytes - report.saved_input_bytes, report.saved_bytes,
-                          "bp.explain saved_bytes")
+        return SavedBytes(
+            report.saved_bytes - report.saved_input_bytes,
+            report.saved_bytes,
+            "bp.explain saved_bytes",
+        )
 
     def planned_peak_bytes(self):
         return self.explain().peak_bytes, "bp.explain peak_bytes (whole step)"
 
     def plan_facts(self) -> dict | None:
         report = self.explain()
-        return {"backend": report.backend, "kernels": report.n_kernels,
-                "fused_kernels": report.fused_kernels}
+        return {
+            "backend": report.backend,
+            "kernels": report.n_kernels,
+            "fused_kernels": report.fused_kernels,
+        }
 
 
 class ValueAndGradRunner(PlanFacts):
@@ -69,8 +75,9 @@ class ValueAndGradRunner(PlanFacts):
 
     def output(self) -> StepOutput:
         value, grads = self.result
-        return StepOutput(as_float64(value.numpy()),
-                          {k: as_float64(g.numpy()) for k, g in grads.items()})
+        return StepOutput(
+            as_float64(value.numpy()), {k: as_float64(g.numpy()) for k, g in grads.items()}
+        )
 
 
 class CompileRunner(PlanFacts):
@@ -94,8 +101,7 @@ class CompileRunner(PlanFacts):
         self.value.backward()
 
     def output(self) -> StepOutput:
-        grads = {k: as_float64(p.grad.numpy()) for k, p in self.params.items()
-                 if self.spec.train}
+        grads = {k: as_float64(p.grad.numpy()) for k, p in self.params.items() if self.spec.train}
         return StepOutput(as_float64(self.value.numpy()), grads)
 
 
@@ -103,8 +109,10 @@ class BackplanPeer(Peer):
     name = "backplan"
     family = "backplan"
     description = "bp.value_and_grad(loss, argnums=0): one joint forward+backward plan"
-    warm_first_call = ("a new traced function: trace and plan again; kernels compiled earlier "
-                       "in this process are reused (backplan has no public cache reset)")
+    warm_first_call = (
+        "a new traced function: trace and plan again; kernels compiled earlier "
+        "in this process are reused (backplan has no public cache reset)"
+    )
 
     def versions(self) -> dict[str, str]:
         return {"backplan": bp.__version__}

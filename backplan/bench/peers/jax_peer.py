@@ -49,8 +49,11 @@ class JaxRunner(Runner):
         residuals = self.jax.tree_util.tree_leaves(vjp_fn)
         inputs = [*self.params.values(), *self.batch]
         input_ptrs = {a.unsafe_buffer_pointer() for a in inputs}
-        buffers = {a.unsafe_buffer_pointer(): a.nbytes for a in residuals
-                   if hasattr(a, "unsafe_buffer_pointer")}
+        buffers = {
+            a.unsafe_buffer_pointer(): a.nbytes
+            for a in residuals
+            if hasattr(a, "unsafe_buffer_pointer")
+        }
         own = sum(n for ptr, n in buffers.items() if ptr not in input_ptrs)
         return SavedBytes(own, sum(buffers.values()), "jax.vjp residuals of the jitted loss")
 

@@ -78,6 +78,7 @@ def _arrays_in(tree) -> list[np.ndarray]:
 def unique_array_bytes(arrays, inputs, source: str) -> SavedBytes:
     """Bytes of the distinct buffers behind arrays (views count once), with and without the
     buffers that belong to the inputs."""
+
     def base(a):
         while isinstance(a.base, np.ndarray):
             a = a.base

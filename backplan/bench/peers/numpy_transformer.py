@@ -60,8 +60,18 @@ def forward(p: dict, x: np.ndarray, *, n_heads: int, eps: float = 1e-5):
     pre = c @ p["w_fc"] + p["b_fc"]
     hidden, t = gelu_tanh(pre)
     y = h + (hidden @ p["w_proj"] + p["b_proj"])
-    cache = {"att": att_cache, "xhat1": xhat1, "rstd1": rstd1, "xhat2": xhat2, "rstd2": rstd2,
-             "c": c, "pre": pre, "t": t, "hidden": hidden, "y": y}
+    cache = {
+        "att": att_cache,
+        "xhat1": xhat1,
+        "rstd1": rstd1,
+        "xhat2": xhat2,
+        "rstd2": rstd2,
+        "c": c,
+        "pre": pre,
+        "t": t,
+        "hidden": hidden,
+        "y": y,
+    }
     return (y * y).mean(), cache
 
 

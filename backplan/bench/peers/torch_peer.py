@@ -18,8 +18,10 @@ class TorchRunner(Runner):
         from .torch_models import TORCH_KINDS
 
         self.torch, self.spec = torch, spec
-        self.params = {k: torch.from_numpy(v.copy()).requires_grad_(spec.train)
-                       for k, v in inputs.params.items()}
+        self.params = {
+            k: torch.from_numpy(v.copy()).requires_grad_(spec.train)
+            for k, v in inputs.params.items()
+        }
         self.batch = [torch.from_numpy(a.copy()) for a in inputs.batch(spec.train)]
         loss_fn, forward_fn = TORCH_KINDS[spec.kind]
         fn, static = (loss_fn if spec.train else forward_fn), spec.static
@@ -41,8 +43,7 @@ class TorchRunner(Runner):
         self.value.backward()
 
     def output(self) -> StepOutput:
-        grads = {k: as_float64(p.grad.numpy()) for k, p in self.params.items()
-                 if self.spec.train}
+        grads = {k: as_float64(p.grad.numpy()) for k, p in self.params.items() if self.spec.train}
         return StepOutput(as_float64(self.value.detach().numpy()), grads)
 
     def saved_bytes(self) -> SavedBytes | None:

@@ -31,10 +31,24 @@ from ..errors import BenchError
 SCHEMA = "backplan-bench/1"
 
 CSV_FIELDS = (
-    "model", "peer", "status", "step_ms_median", "step_ms_min", "step_ms_max", "steps",
-    "ratio_to_fastest", "first_call_cold_s", "first_call_warm_s", "saved_bytes_excluding_inputs",
-    "saved_bytes_including_inputs", "peak_bytes_measured", "peak_bytes_planned",
-    "value_rel_error", "grad_rel_error", "check_ok", "note",
+    "model",
+    "peer",
+    "status",
+    "step_ms_median",
+    "step_ms_min",
+    "step_ms_max",
+    "steps",
+    "ratio_to_fastest",
+    "first_call_cold_s",
+    "first_call_warm_s",
+    "saved_bytes_excluding_inputs",
+    "saved_bytes_including_inputs",
+    "peak_bytes_measured",
+    "peak_bytes_planned",
+    "value_rel_error",
+    "grad_rel_error",
+    "check_ok",
+    "note",
 )
 
 
@@ -52,8 +66,9 @@ def read_json(path: str) -> dict:
         raise BenchError(f"cannot read benchmark results from {path}: {exc}") from None
     if not isinstance(record, dict) or record.get("schema") != SCHEMA:
         found = record.get("schema") if isinstance(record, dict) else type(record).__name__
-        raise BenchError(f"{path} is not a backplan bench record (schema {found!r}, "
-                         f"expected {SCHEMA!r})")
+        raise BenchError(
+            f"{path} is not a backplan bench record (schema {found!r}, expected {SCHEMA!r})"
+        )
     return record
 
 
@@ -64,16 +79,23 @@ def flat_row(row: dict) -> dict:
     peak = row.get("peak_bytes") or {}
     check = row.get("check") or {}
     return {
-        "model": row["model"], "peer": row["peer"], "status": row["status"],
-        "step_ms_median": step.get("median"), "step_ms_min": step.get("min"),
-        "step_ms_max": step.get("max"), "steps": step.get("n"),
+        "model": row["model"],
+        "peer": row["peer"],
+        "status": row["status"],
+        "step_ms_median": step.get("median"),
+        "step_ms_min": step.get("min"),
+        "step_ms_max": step.get("max"),
+        "steps": step.get("n"),
         "ratio_to_fastest": row.get("ratio_to_fastest"),
-        "first_call_cold_s": first.get("cold"), "first_call_warm_s": first.get("warm"),
+        "first_call_cold_s": first.get("cold"),
+        "first_call_warm_s": first.get("warm"),
         "saved_bytes_excluding_inputs": saved.get("excluding_inputs"),
         "saved_bytes_including_inputs": saved.get("including_inputs"),
-        "peak_bytes_measured": peak.get("measured"), "peak_bytes_planned": peak.get("planned"),
+        "peak_bytes_measured": peak.get("measured"),
+        "peak_bytes_planned": peak.get("planned"),
         "value_rel_error": check.get("value_rel_error"),
-        "grad_rel_error": check.get("grad_rel_error"), "check_ok": check.get("ok"),
+        "grad_rel_error": check.get("grad_rel_error"),
+        "check_ok": check.get("ok"),
         "note": row.get("note"),
     }
 

@@ -5,8 +5,18 @@ from __future__ import annotations
 MIB = 1024 * 1024
 NOISY_SPREAD = 2.0  # median over min step time above which a row is flagged as noisy
 
-COLUMNS = ("peer", "median ms", "min ms", "max ms", "x fastest", "1st call s cold/warm",
-           "saved MiB excl/incl", "peak MiB meas/plan", "max rel err", "check")
+COLUMNS = (
+    "peer",
+    "median ms",
+    "min ms",
+    "max ms",
+    "x fastest",
+    "1st call s cold/warm",
+    "saved MiB excl/incl",
+    "peak MiB meas/plan",
+    "max rel err",
+    "check",
+)
 
 
 LEGEND = (
@@ -58,10 +68,14 @@ def row_cells(row: dict) -> list[str]:
     peak = row.get("peak_bytes") or {}
     check = row.get("check") or {}
     to_fastest = row.get("ratio_to_fastest")
-    error = max(check.get("value_rel_error", 0.0), check.get("grad_rel_error", 0.0)) \
-        if check else None
+    error = (
+        max(check.get("value_rel_error", 0.0), check.get("grad_rel_error", 0.0)) if check else None
+    )
     return [
-        row["peer"], ms(step.get("median")), ms(step.get("min")), ms(step.get("max")),
+        row["peer"],
+        ms(step.get("median")),
+        ms(step.get("min")),
+        ms(step.get("max")),
         "-" if to_fastest is None else f"{to_fastest:.2f}",
         pair(seconds(first.get("cold")), seconds(first.get("warm"))),
         pair(mib(saved.get("excluding_inputs")), mib(saved.get("including_inputs"))),
@@ -88,13 +102,17 @@ def footnotes(rows: list[dict], threads_set: bool = False) -> list[str]:
         step = row.get("step_ms")
         if step and step["min"] > 0 and step["median"] / step["min"] > NOISY_SPREAD:
             advice = "" if threads_set else "; --threads 1 is steadier"
-            lines.append(f"{row['peer']}: noisy, the median is {step['median'] / step['min']:.1f}x "
-                         "the fastest step (other work on the machine, or thread pools of "
-                         f"different libraries fighting{advice})")
+            lines.append(
+                f"{row['peer']}: noisy, the median is {step['median'] / step['min']:.1f}x "
+                "the fastest step (other work on the machine, or thread pools of "
+                f"different libraries fighting{advice})"
+            )
         plan = row.get("plan")
         if plan:
-            lines.append(f"{row['peer']}: {plan['backend']} backend, {plan['kernels']} kernels "
-                         f"({plan['fused_kernels']} fused)")
+            lines.append(
+                f"{row['peer']}: {plan['backend']} backend, {plan['kernels']} kernels "
+                f"({plan['fused_kernels']} fused)"
+            )
         for message in row.get("warnings") or []:
             lines.append(f"{row['peer']} warned: {message}")
         if row.get("note") and row.get("status") in ("ok", "wrong"):
@@ -108,8 +126,11 @@ def threads_set(record: dict) -> bool:
 
 def warm_lines(record: dict) -> list[str]:
     """What each peer's warm first call measured."""
-    return [f"warm first call of {p['name']}: {p['warm_first_call']}"
-            for p in record.get("peers", []) if p.get("warm_first_call")]
+    return [
+        f"warm first call of {p['name']}: {p['warm_first_call']}"
+        for p in record.get("peers", [])
+        if p.get("warm_first_call")
+    ]
 
 
 def environment_lines(record: dict) -> list[str]:
@@ -118,8 +139,10 @@ def environment_lines(record: dict) -> list[str]:
     blas = "; ".join(_blas_text(lib) for lib in env["blas"]) or "unknown"
     variables = ", ".join(f"{k}={v}" for k, v in env["variables"].items()) or "none set"
     threads = env["threads"]
-    set_by = ", ".join(f"{k}: {v}" for k, v in threads["set_by_harness"].items()) \
+    set_by = (
+        ", ".join(f"{k}: {v}" for k, v in threads["set_by_harness"].items())
         or "not set by the harness (library defaults)"
+    )
     load = env.get("load_average_1min") or {}
     load_text = ""
     if load.get("start") is not None:
@@ -162,8 +185,9 @@ def _in_effect(counts: dict) -> str:
 def run_lines(record: dict) -> list[str]:
     """What kind of run this was: dtype, sizes, schedule."""
     run = record["run"]
-    sizes = "SHRUNK sizes (--small): not the documented configuration" if run["small"] \
-        else "full sizes"
+    sizes = (
+        "SHRUNK sizes (--small): not the documented configuration" if run["small"] else "full sizes"
+    )
     schedule = run["schedule"]
     caches = run.get("caches") or {}
     if caches.get("cold_caches"):

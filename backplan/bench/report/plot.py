@@ -20,8 +20,11 @@ def write_plot(record: dict, path: str) -> None:
     models = record["models"]
     fig, axes = plt.subplots(len(models), 1, figsize=(8, 1.2 + 1.6 * len(models)), squeeze=False)
     for ax, model in zip(axes[:, 0], models, strict=True):
-        rows = [r for r in record["results"]
-                if r["model"] == model["name"] and r["ratio_to_fastest"] is not None]
+        rows = [
+            r
+            for r in record["results"]
+            if r["model"] == model["name"] and r["ratio_to_fastest"] is not None
+        ]
         names = [r["peer"] + ("" if r["status"] == "ok" else f" ({r['status']})") for r in rows]
         ratios = [r["ratio_to_fastest"] for r in rows]
         colors = ["tab:orange" if r["peer"].startswith("backplan") else "tab:blue" for r in rows]
@@ -30,8 +33,13 @@ def write_plot(record: dict, path: str) -> None:
         ax.set_xlim(0, max(ratios, default=1.0) * 1.35)
         ax.set_title(f"{model['name']}: median step, x fastest", fontsize=9, loc="left")
         for y, (value, row) in enumerate(zip(ratios, rows, strict=True)):
-            ax.text(value, y, f" {ratio(value)} ({row['step_ms']['median']:.3g} ms)",
-                    va="center", fontsize=8)
+            ax.text(
+                value,
+                y,
+                f" {ratio(value)} ({row['step_ms']['median']:.3g} ms)",
+                va="center",
+                fontsize=8,
+            )
         ax.tick_params(labelsize=8)
     fig.suptitle(f"backplan bench, {record['run']['dtype']}", fontsize=10)
     fig.tight_layout()

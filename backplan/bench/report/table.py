@@ -17,14 +17,22 @@ from .format import (
 
 def align(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
-            for row in rows]
+    return [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
 
 
 def render_text(record: dict) -> str:
-    lines = ["backplan bench: " + record["command"], *run_lines(record),
-             *environment_lines(record), ""]
+    lines = [
+        "backplan bench: " + record["command"],
+        *run_lines(record),
+        *environment_lines(record),
+        "",
+    ]
     for model in record["models"]:
         rows = [r for r in record["results"] if r["model"] == model["name"]]
         lines.append(model_title(record, model))
