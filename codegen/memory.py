@@ -41,6 +41,7 @@ class BufferLayout:
     expressions: dict = field(default_factory=dict)  # value -> source of its buffer
     scratch_elements: dict = field(default_factory=dict)  # dtype -> arena length
     reused_saved: dict = field(default_factory=dict)  # value -> saved input it lives in
+    scratch_offsets: dict = field(default_factory=dict)  # value -> element offset in its arena
 
     @property
     def scratch_bytes(self) -> int:
@@ -49,6 +50,16 @@ class BufferLayout:
     @property
     def output_bytes(self) -> int:
         return sum(v.type.nbytes for v in self.outputs)
+
+    def describe(self, names: dict) -> dict:
+        """The plan as plain data (value names from the IR text): for reports and exports."""
+        where = {names[v]: ["scratch", v.dtype, offset, v.type.nbytes]
+                 for v, offset in self.scratch_offsets.items()}
+        where.update({names[v]: ["output", v.dtype, 0, v.type.nbytes] for v in self.outputs})
+        where.update({names[v]: ["in saved " + names[s], v.dtype, 0, v.type.nbytes]
+                      for v, s in self.reused_saved.items()})
+        return {"scratch_elements": dict(sorted(self.scratch_elements.items())),
+                "buffers": dict(sorted(where.items(), key=lambda kv: int(kv[0][1:])))}
 
 
 def lifetimes(graph: Graph, kernels: list[Kernel]) -> dict[Value, int]:
@@ -99,6 +110,7 @@ def plan_layout(
     for r in requests:
         place = assignment.placements[r.key]
         count = max(math.prod(r.key.shape), 1)
+        layout.scratch_offsets[r.key] = place.offset
         layout.expressions[r.key] = (
             f"scratch_{r.dtype}[{place.offset}:{place.offset + count}]"
             f".reshape({internal_shape(r.key.shape)!r})"

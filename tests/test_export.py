@@ -696,3 +696,15 @@ def test_readme_export_commands_train_from_the_copied_file(tmp_path):
         float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("step ")
     ]
     assert len(losses) == 5 and losses[-1] < 0.5 * losses[0]
+
+
+def test_artifact_holds_the_compiled_memory_plan(artifacts, data):
+    """plans/*.json carry the memory plan (scratch arena sizes, where every buffer lives); the
+    loader recomputes it from the IR and it must agree."""
+    with zipfile.ZipFile(artifacts["step"]) as archive:
+        facts = json.loads(archive.read("plans/joint.json"))
+    memory = facts["memory_plan"]
+    assert memory["compiled"] and memory["kernels"] >= 1
+    kinds = {where[0] for where in memory["buffers"].values()}
+    assert "output" in kinds and "scratch" in kinds and set(memory["scratch_elements"]) == {"f32"}
+    bp.load(artifacts["step"])  # recomputes the facts from the IR; a mismatch would refuse it

@@ -18,6 +18,7 @@ from backplan.ir.shapes import check_size
 from backplan.ir.text import parse_graph, value_names
 from backplan.ir.types import dtype_name
 from backplan.ir.verify import verify_plan
+from backplan.runtime.backend import memory_plan_facts
 
 from .artifact_format import ExportError
 
@@ -26,7 +27,8 @@ MAX_LINES = 2_000_000
 
 
 def plan_facts(plan: Plan) -> dict:
-    """What a reader (or `inspect`) wants without parsing: schedule, liveness, memory."""
+    """What a reader (or `inspect`) wants without parsing: schedule, liveness, memory (the
+    compiled plan's arenas and buffer offsets; the loader recomputes and compares them)."""
     names = value_names(plan.graph)
     return {
         "schedule": [[names[n], n.op, str(n.type)] for n in plan.graph.nodes],
@@ -37,6 +39,7 @@ def plan_facts(plan: Plan) -> dict:
         },
         "live_bytes_by_step": plan.live_bytes_by_step(),
         "peak_bytes": plan.peak_bytes,
+        "memory_plan": memory_plan_facts(plan),
     }
 
 
