@@ -9,6 +9,7 @@ import numpy as np
 
 from .flags import FASTMATH
 from .jit import njit, prange
+from .scalar_functions import fast_exp
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 
@@ -19,7 +20,7 @@ def _softmax_row(x, out, log):
         peak = max(peak, x[j])
     total = 0.0
     for j in range(x.shape[0]):
-        total += math.exp(x[j] - peak)
+        total += fast_exp(x[j] - peak)
     if log:
         shift = peak + math.log(total)
         for j in range(x.shape[0]):
@@ -27,7 +28,7 @@ def _softmax_row(x, out, log):
     else:
         scale = 1.0 / total
         for j in range(x.shape[0]):
-            out[j] = math.exp(x[j] - peak) * scale
+            out[j] = fast_exp(x[j] - peak) * scale
 
 
 softmax_row = njit(inline="always", **_opts)(_softmax_row)
@@ -66,7 +67,7 @@ def logsumexp_strided(x, out):
                 continue
             total = 0.0
             for j in range(x.shape[1]):
-                total += math.exp(x[p, j, q] - peak)
+                total += fast_exp(x[p, j, q] - peak)
             out[p, q] = peak + math.log(total)
 
 
@@ -122,7 +123,7 @@ def cross_entropy_rows(logits, labels, out, scale):
             peak = max(peak, row[j])
         total = 0.0
         for j in range(n_classes):
-            total += math.exp(row[j] - peak)
+            total += fast_exp(row[j] - peak)
         loss = peak + math.log(total) - row[label]
         if reduce:
             total_loss += loss

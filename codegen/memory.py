@@ -53,13 +53,21 @@ class BufferLayout:
 
     def describe(self, names: dict) -> dict:
         """The plan as plain data (value names from the IR text): for reports and exports."""
-        where = {names[v]: ["scratch", v.dtype, offset, v.type.nbytes]
-                 for v, offset in self.scratch_offsets.items()}
+        where = {
+            names[v]: ["scratch", v.dtype, offset, v.type.nbytes]
+            for v, offset in self.scratch_offsets.items()
+        }
         where.update({names[v]: ["output", v.dtype, 0, v.type.nbytes] for v in self.outputs})
-        where.update({names[v]: ["in saved " + names[s], v.dtype, 0, v.type.nbytes]
-                      for v, s in self.reused_saved.items()})
-        return {"scratch_elements": dict(sorted(self.scratch_elements.items())),
-                "buffers": dict(sorted(where.items(), key=lambda kv: int(kv[0][1:])))}
+        where.update(
+            {
+                names[v]: ["in saved " + names[s], v.dtype, 0, v.type.nbytes]
+                for v, s in self.reused_saved.items()
+            }
+        )
+        return {
+            "scratch_elements": dict(sorted(self.scratch_elements.items())),
+            "buffers": dict(sorted(where.items(), key=lambda kv: int(kv[0][1:]))),
+        }
 
 
 def lifetimes(graph: Graph, kernels: list[Kernel]) -> dict[Value, int]:

@@ -57,3 +57,21 @@ def gelu_none_f32(x):
 @njit(**_inline)
 def gelu_none_f64(x):
     return 0.5 * x * (1.0 + erf_f64(x * (1 / math.sqrt(2))))
+
+
+def fast_exp(x):
+    """exp for library kernels that serve both dtypes: mathlib's version for the dtype."""
+    return math.exp(x)
+
+
+if not AS_PYTHON:
+    from numba import types
+    from numba.extending import overload
+
+    @overload(fast_exp, inline="never")
+    def _fast_exp_for(x):
+        if x == types.float32:
+            return lambda x: exp_f32(x)
+        if x == types.float64:
+            return lambda x: exp_f64(x)
+        return lambda x: math.exp(x)
