@@ -4,6 +4,7 @@ and returns lists of arrays exactly like the reference interpreter."""
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 import numpy as np
@@ -53,6 +54,7 @@ class CompiledPlan:
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
             for i, n in generated.literal_outputs.items()
         }
+        self._previous_outputs = [None] * len(self._output_buffers)
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
         self._scalar_outputs = [i for i, v in enumerate(graph.outputs) if v.shape == ()]
         self.generate_seconds = time.perf_counter() - start
@@ -65,7 +67,7 @@ class CompiledPlan:
             arrays[i] = arrays[i].reshape(1)
         arrays += self._constants
         arrays += self._scratch
-        arrays += [np.empty(shape, dtype) for shape, dtype in self._output_buffers]
+        arrays += self._output_arrays()
         try:
             if self.first_call_seconds is None:
                 start = time.perf_counter()
@@ -83,6 +85,20 @@ class CompiledPlan:
         for i in self._scalar_outputs:
             outputs[i] = outputs[i].reshape(())
         return outputs
+
+    def _output_arrays(self) -> list:
+        """Fresh output buffers, except that a buffer from the previous call that nobody holds
+        any more is reused: no new pages to fault in (16 MiB outputs cost ~1 ms each)."""
+        arrays = []
+        for i, (shape, dtype) in enumerate(self._output_buffers):
+            previous = self._previous_outputs[i]
+            if previous is not None and sys.getrefcount(previous) == 3:  # list, local, argument
+                previous.flags.writeable = True
+                arrays.append(previous)
+            else:
+                arrays.append(np.empty(shape, dtype))
+            self._previous_outputs[i] = arrays[-1]
+        return arrays
 
     @property
     def scratch_bytes(self) -> int:

@@ -315,6 +315,7 @@ args = (params, bp.tensor(rng.standard_normal((16, 6)).astype(np.float32)),
 with use_backend("numba"):
     vg = bp.value_and_grad(loss)
     vg(*args)
+    kept = vg(*args)  # held (fast path: no copies), so the next call cannot reuse their buffers
     compiled = vg.trace(*args).runner().compiled
     arrays = [params[k]._data for k in params] + [args[1]._data, args[2]._data]
     tracemalloc.start()
@@ -367,3 +368,21 @@ def test_compiled_region_of_a_transformer_block_saves_transposed_views_correctly
             grads[backend] = {k: v.grad.numpy().copy() for k, v in params.items()}
     for k in params:
         np.testing.assert_allclose(grads["numba"][k], grads["reference"][k], rtol=2e-5, atol=1e-6)
+
+
+def test_output_buffers_are_reused_only_when_nobody_holds_them():
+    rng = np.random.default_rng(10)
+    x = bp.tensor(rng.standard_normal((8, 8)).astype(np.float32))
+    vg = bp.value_and_grad(lambda x: bp.sum(bp.tanh(x) * x))
+    with use_backend("numba"):
+        _, first = vg(x)
+        first_values = first.numpy().copy()
+        _, second = vg(bp.tensor(rng.standard_normal((8, 8)).astype(np.float32)))
+        assert second.numpy() is not first.numpy()  # first is still held: not overwritten
+        np.testing.assert_array_equal(first.numpy(), first_values)
+        address = second.numpy().__array_interface__["data"][0]
+        del second
+        _, third = vg(x)
+        assert third.numpy().__array_interface__["data"][0] == address  # reused
+        np.testing.assert_array_equal(third.numpy(), first_values)
+        assert not third.numpy().flags.writeable
