@@ -109,9 +109,11 @@ def _measure(args) -> dict:
     thread_settings |= apply_threads(args.threads)
     settings = _settings(args)
     if args.threads is None and usable_cpus() <= FEW_CPUS:
-        progress.note(f"note: thread counts are the libraries' defaults on {usable_cpus()} CPUs; "
-                      "interleaved peers' thread pools can stall each other there, so use "
-                      "--threads 1 for steady numbers")
+        progress.note(
+            f"note: thread counts are the libraries' defaults on {usable_cpus()} CPUs; "
+            "interleaved peers' thread pools can stall each other there, so use "
+            "--threads 1 for steady numbers"
+        )
     if settings.small:
         progress.note("--small: every model runs at SHRUNK sizes, not the documented ones")
     started, load = time.strftime("%Y-%m-%d %H:%M:%S %Z"), load_average()
