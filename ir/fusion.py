@@ -74,26 +74,8 @@ def group_kernels(graph: Graph) -> list[Kernel]:
 
 
 # Arithmetic a loop recomputes more cheaply than it reads a stored copy.
-CHEAP_LOOP_OPS = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "maximum",
-        "minimum",
-        "where",
-        "relu",
-        "abs",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "eq",
-        "ne",
-        "astype",
-    }
+CHEAP_ARITHMETIC = frozenset(
+    "add sub mul div neg maximum minimum where relu abs sign lt le gt ge eq ne astype".split()
 )
 MAX_RECOMPUTE = 4
 
@@ -121,7 +103,7 @@ def _cheap_cone(value, kernel, k, kernels, home) -> list[Value] | None:
     owner = kernels[home[value]]
     if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
         return []  # stored anyway: read it
-    if value.op not in CHEAP_LOOP_OPS:
+    if value.op not in CHEAP_ARITHMETIC:
         return None
     cone = []
     for inp in value.inputs:

@@ -10,41 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .autodiff import SavedValue
+from .fusion import CHEAP_ARITHMETIC
 from .graph import Graph, Value
 
 # Arithmetic a fused loop does for free, moves, and layer_norm (one pass over a row, cheaper
 # than writing the result and reading it back). Transcendentals (exp, tanh, gelu, ...) are
 # saved: recomputing them costs real time.
-CHEAP_OPS = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "maximum",
-        "minimum",
-        "where",
-        "relu",
-        "abs",
-        "sign",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "eq",
-        "ne",
-        "astype",
-        "full",
-        "const",
-        "reshape",
-        "broadcast_to",
-        "transpose",
-        "slice",
-        "stop_gradient",
-        "layer_norm",
-    }
-)
+CHEAP_OPS = CHEAP_ARITHMETIC | {
+    "full", "const", "reshape", "broadcast_to", "transpose", "slice", "stop_gradient",
+    "layer_norm",
+}  # fmt: skip
 MAX_CHAIN = 16
 
 
