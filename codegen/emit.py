@@ -4,6 +4,7 @@ Names come from IR values (%7 -> v7) and each kernel is preceded by its IR lines
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from backplan.ir.fusion import alias_base, group_kernels, materialized
@@ -11,7 +12,8 @@ from backplan.ir.graph import Value
 from backplan.ir.liveness import Plan
 from backplan.ir.text import format_attr, value_names
 
-from .loops import LoopEmitter
+from .flags import PARALLEL_MIN_ELEMENTS
+from .loops import LoopEmitter, internal_shape
 from .memory import BufferLayout, plan_layout
 from .ops_emit import OpEmitter
 from .scalar import literal
@@ -119,7 +121,15 @@ class _Emitter:
 
     def emit(self, kernels):
         body, functions, constants = [], [], []
+        runs = {start: end for start, end in row_runs(kernels)}
+        skip_until = -1
         for index, kernel in enumerate(kernels):
+            if index < skip_until:
+                continue
+            if index in runs:
+                self._rows(index, kernels[index : runs[index]], body, functions)
+                skip_until = runs[index]
+                continue
             if kernel.kind in ("literal", "alias"):
                 continue
             body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
@@ -145,6 +155,46 @@ class _Emitter:
                 body += self.ops.op(node, self.names[node])
         return body, functions, constants
 
+    def _rows(self, index, run, body, functions) -> None:
+        """Consecutive loops over the same rows become one loop over rows, each loop a stage
+        inside it: a row's data is still in cache when the next stage reads it."""
+        stages, params = [], set()
+        for kernel in run:
+            if kernel.kind != "loop":
+                continue
+            body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
+            body += [ir_comment(n, self.names) for n in kernel.all_nodes]
+            stored = {n for n in kernel.all_nodes if n in self.needed}
+            for node in kernel.all_nodes:
+                if node in stored:
+                    body += self.buffer(node)
+            emitter = LoopEmitter(
+                kernel,
+                set(kernel.computed),
+                stored,
+                self.names,
+                self.literal_of,
+                self.contiguous,
+                rows=True,
+            )
+            setup, loop, _ = emitter.emit()
+            body += setup
+            stages += loop
+            params |= set(emitter.view_name.values())
+        rows = internal_shape(run[0].shape)[0]
+        cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
+        if rows * cols < PARALLEL_MIN_ELEMENTS:
+            body += [f"for i0 in range({rows}):"] + ["    " + line for line in stages]
+            return
+        names = sorted(params)
+        functions += [
+            "@njit(parallel=True, **JIT_OPTIONS)",
+            f"def rows_{index}({', '.join(names)}):",
+            f"    for i0 in prange({rows}):",
+        ]
+        functions += ["        " + line for line in stages] + [""]
+        body.append(f"rows_{index}({', '.join(names)})")
+
     def _loop(self, index, kernel, body, functions) -> None:
         stored = {n for n in kernel.all_nodes if n in self.needed}
         for node in kernel.all_nodes:
@@ -165,3 +215,33 @@ class _Emitter:
         ]
         functions += ["    " + line for line in loop] + [""]
         body.append(f"loop_{index}({', '.join(params)})")
+
+
+def _row_stage(kernel, rows: int | None) -> bool:
+    """A loop over (rows, columns) or (rows, 1) whose reductions only sum or max along a row."""
+    shape = internal_shape(kernel.shape)
+    if kernel.kind != "loop" or len(shape) != 2 or shape[0] < 2:
+        return False
+    if rows is not None and shape[0] != rows:
+        return False
+    return all(r.attrs["axes"] == (1,) and shape[1] > 1 for r in kernel.reductions)
+
+
+def row_runs(kernels) -> list[tuple[int, int]]:
+    """[start, end) ranges of kernels that fuse into one row kernel: at least two row stages,
+    with only literals and aliases (which emit no code) between them."""
+    runs, start, rows, stages = [], None, None, 0
+    for index, kernel in enumerate([*kernels, None]):
+        if kernel is not None and kernel.kind in ("literal", "alias") and start is not None:
+            continue
+        if kernel is not None and _row_stage(kernel, rows):
+            if start is None:
+                start, rows = index, internal_shape(kernel.shape)[0]
+            stages += 1
+            continue
+        if start is not None and stages >= 2:
+            runs.append((start, index))
+        start, rows, stages = None, None, 0
+        if kernel is not None and _row_stage(kernel, None):
+            start, rows, stages = index, internal_shape(kernel.shape)[0], 1
+    return runs

@@ -57,15 +57,18 @@ class LoopEmitter:
     literal_of: callable  # value -> literal source, or None when not a literal
     contiguous: set = field(default_factory=set)  # arrays that can be reshaped freely
     accesses: dict = field(default_factory=dict)
+    rows: bool = False  # a stage of a row kernel: the caller loops over axis 0 (as i0)
 
     def emit(self) -> tuple[list[str], list[str], bool]:
         """(setup lines, loop lines, parallel?). Setup creates reshaped views."""
         shape = internal_shape(self.kernel.shape)
-        self.active = [d for d, size in enumerate(shape) if size != 1]
+        self.active = [d for d, size in enumerate(shape) if size != 1 or (self.rows and d == 0)]
         self._collect_accesses(shape)
         self.groups = self._collapse(shape)
         self.sizes = [math.prod(shape[d] for d in group) for group in self.groups]
         setup = self._views()
+        if self.rows:  # the row loop is the caller's; emit the rest for row i0
+            return setup, self._nest("serial", first_level=1), False
         mode = self._mode()
         body = self._nest(mode) if mode != "chunked" else self._chunked_nest()
         return setup, body, mode != "serial"
@@ -103,7 +106,8 @@ class LoopEmitter:
                 (d if a.strided else True) if d in a.dims else False for a in self.accesses.values()
             )
             reduced = tuple(d in axes for axes in self.reduced_dims.values())
-            return present + reduced
+            row = (self.rows and d == 0,)  # a row kernel keeps axis 0 as its own loop
+            return present + reduced + row
 
         groups: list[list[int]] = []
         for d in self.active:
@@ -223,7 +227,7 @@ class LoopEmitter:
         depth = reduced.index(True)
         return depth if all(reduced[depth:]) else None
 
-    def _nest(self, mode: str) -> list[str]:
+    def _nest(self, mode: str, first_level: int = 0) -> list[str]:
         parallel = mode == "parallel"
         lines, depth_of = [], {}
         for red in self.kernel.reductions:
@@ -231,16 +235,18 @@ class LoopEmitter:
             if depth_of[red] is None:
                 lines.append(f"{self.view_name[red]}[:] = {self._init(red)}")
         for level, size in enumerate(self.sizes):
-            pad = "    " * level
+            if level < first_level:
+                continue
+            pad = "    " * (level - first_level)
             for red in self.kernel.reductions:
                 if depth_of[red] == level:
                     lines.append(f"{pad}acc_{self.array_name[red]} = {self._init(red)}")
             loop = "prange" if parallel and level == 0 else "range"
             lines.append(f"{pad}for i{level} in {loop}({size}):")
-        pad = "    " * len(self.sizes)
+        pad = "    " * (len(self.sizes) - first_level)
         lines += [pad + line for line in self._body(depth_of)]
-        for level in reversed(range(len(self.sizes))):
-            pad = "    " * level
+        for level in reversed(range(first_level, len(self.sizes))):
+            pad = "    " * (level - first_level)
             for red in self.kernel.reductions:
                 if depth_of[red] == level:
                     lines.append(

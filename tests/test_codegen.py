@@ -386,3 +386,20 @@ def test_output_buffers_are_reused_only_when_nobody_holds_them():
         assert third.numpy().__array_interface__["data"][0] == address  # reused
         np.testing.assert_array_equal(third.numpy(), first_values)
         assert not third.numpy().flags.writeable
+
+
+def test_row_kernels_merge_consecutive_row_loops_and_equal_reference():
+    """layer_norm's backward recomputes row statistics in several row loops; they run as stages
+    of one loop over rows."""
+    rng = np.random.default_rng(11)
+
+    def ln(x, g, b):
+        return bp.sum(bp.layer_norm(x, g, b) * bp.tensor(np.linspace(-1, 1, 24).astype(np.float32)))
+
+    args = [bp.tensor(rng.standard_normal(s).astype(np.float32)) for s in ((40, 24), (24,), (24,))]
+    vg = bp.value_and_grad(ln, argnums=(0, 1, 2))
+    with use_backend("numba"):
+        source = vg.trace(*args).runner().compiled.source
+    assert "for i0 in range(40):\n        " in source  # stages nested in one row loop
+    ref, got = run_both(lambda *a: vg(*a), *args)
+    assert_trees_close(ref, got, rtol=1e-5, atol=1e-5)
