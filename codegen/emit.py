@@ -74,7 +74,13 @@ def generate(plan: Plan, private_saved: tuple[int, ...] = ()) -> GeneratedModule
         for n in k.all_nodes
         if n in needed and n.op != "const"
     ]
-    layout = plan_layout(graph, kernels, buffers, names, [graph.inputs[i] for i in private_saved])
+    runs = row_runs(kernels)
+    steps = list(range(len(kernels)))
+    for start, end in runs:
+        steps[start:end] = [start] * (end - start)
+    layout = plan_layout(
+        graph, kernels, buffers, names, [graph.inputs[i] for i in private_saved], steps
+    )
     emitter = _Emitter(graph, names, literal_of, layout, set(needed))
     body, functions, constants = emitter.emit(kernels)
     literal_outputs = {

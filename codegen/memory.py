@@ -70,10 +70,10 @@ class BufferLayout:
         }
 
 
-def lifetimes(graph: Graph, kernels: list[Kernel]) -> dict[Value, int]:
-    """Last kernel step that reads each storage root (through views); outputs live past the end."""
+def lifetimes(graph: Graph, kernels: list[Kernel], steps: list[int]) -> dict[Value, int]:
+    """Last step that reads each storage root (through views); outputs live past the end."""
     last: dict[Value, int] = {}
-    for step, kernel in enumerate(kernels):
+    for step, kernel in zip(steps, kernels, strict=True):
         for node in kernel.computed:
             for inp in node.inputs:
                 root = storage_root(inp)
@@ -89,11 +89,16 @@ def plan_layout(
     buffers: list[Value],
     names: dict,
     private_saved: list[Value] = (),
+    steps: list[int] | None = None,
 ) -> BufferLayout:
     """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
-    storage may be reused after their last read (the consuming backward variant only)."""
-    step_of = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
-    last = lifetimes(graph, kernels)
+    storage may be reused after their last read (the consuming backward variant only).
+    steps: the schedule step of each kernel; kernels fused into one row kernel share a step,
+    since their rows interleave (default: one step per kernel)."""
+    steps = steps if steps is not None else list(range(len(kernels)))
+    kernel_of = {n: kernel for kernel in kernels for n in kernel.all_nodes}
+    step_of = {n: steps[k] for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
+    last = lifetimes(graph, kernels, steps)
     output_roots = {storage_root(o) for o in graph.outputs}
     layout = BufferLayout()
     requests = []
@@ -108,7 +113,7 @@ def plan_layout(
                 value.dtype,
                 step_of[value],
                 max(last.get(value, step_of[value]), step_of[value]),
-                reuse=_in_place_candidates(value, kernels[step_of[value]], last, step_of),
+                reuse=_in_place_candidates(value, kernel_of[value], last, step_of),
             )
         )
     requests = _reuse_saved(requests, private_saved, last, layout, names)

@@ -37,7 +37,7 @@ class OpEmitter:
                 expr = f"np.broadcast_to({source}, {shape!r})"
                 return f"np.ascontiguousarray({expr})" if contiguous else expr
             if value.op == "reshape":
-                if alias_base(value) in self.contiguous or value.inputs[0] in self.contiguous:
+                if self._contiguous_chain(value.inputs[0]):
                     return f"{source}.reshape({shape!r})"
                 return f"np.ascontiguousarray({source}).reshape({shape!r})"
             return source
@@ -45,6 +45,12 @@ class OpEmitter:
         if contiguous and value not in self.contiguous:
             return f"np.ascontiguousarray({name})"
         return name
+
+    def _contiguous_chain(self, value: Value) -> bool:
+        """value's array is C-contiguous: a buffer, or reshapes of one (not a broadcast)."""
+        while value not in self.contiguous and is_alias(value) and value.op != "broadcast_to":
+            value = value.inputs[0]
+        return value in self.contiguous
 
     # ---- views --------------------------------------------------------------------------------
 
