@@ -61,7 +61,7 @@ class LoopEmitter:
 
     def emit(self) -> tuple[list[str], list[str], bool]:
         """(setup lines, loop lines, parallel?). Setup creates reshaped views."""
-        shape = internal_shape(self.kernel.shape)
+        shape = self.loop_shape = internal_shape(self.kernel.shape)
         self.active = [d for d, size in enumerate(shape) if size != 1 or (self.rows and d == 0)]
         self._collect_accesses(shape)
         self.groups = self._collapse(shape)
@@ -80,8 +80,9 @@ class LoopEmitter:
                 if base in self.local or self.literal_of(base) is not None:
                     continue
                 strided = base not in self.contiguous
+                key = (base, tuple(dims))  # one array may be read through several index maps
                 self.accesses.setdefault(
-                    base, Access(self.array_name[base], dims, internal_shape(base.shape), strided)
+                    key, Access(self.array_name[base], dims, internal_shape(base.shape), strided)
                 )
         for node in self.kernel.nodes:
             if node in self.stored:
@@ -120,6 +121,7 @@ class LoopEmitter:
     def _views(self) -> list[str]:
         lines = []
         self.view_name, self.view_groups = {}, {}
+        taken: dict[str, int] = {}
         for value, access in self.accesses.items():
             if access.strided:
                 self.view_name[value] = access.name
@@ -131,7 +133,9 @@ class LoopEmitter:
             view_shape = tuple(self.sizes[g] for g in present) or (1,)
             name = access.name
             if view_shape != access.shape:
-                name = f"{access.name}_k"
+                taken[access.name] = taken.get(access.name, 0) + 1
+                suffix = "" if taken[access.name] == 1 else str(taken[access.name])
+                name = f"{access.name}_k{suffix}"
                 lines.append(f"{name} = {access.name}.reshape({view_shape!r})")
             self.view_name[value] = name
             self.view_groups[value] = present
@@ -267,7 +271,8 @@ class LoopEmitter:
         lit = self.literal_of(base)
         if lit is not None:
             return lit
-        return f"{self.view_name[base]}[{self._index(base)}]"
+        key = (base, tuple(index_map(value, self.loop_shape)[1]))
+        return f"{self.view_name[key]}[{self._index(key)}]"
 
     def local_name(self, node) -> str:
         return "t" + self.array_name[node][1:]

@@ -418,3 +418,12 @@ def test_buffers_of_one_row_kernel_never_share_storage():
     vg = bp.value_and_grad(fn, argnums=(0, 1))
     ref, got = run_both(lambda *a: vg(*a), *args)
     assert_trees_close(ref, got, rtol=1e-10, atol=1e-12)
+
+
+def test_one_array_read_through_two_index_maps_in_one_loop():
+    """x + x.reshape(n, 1) reads x along both axes of one loop (found by the random programs)."""
+    x = bp.tensor(np.array([0.3, -1.1, 2.0]))
+    w = bp.tensor(np.arange(9.0).reshape(3, 3))
+    vg = bp.value_and_grad(lambda x: bp.sum((x + x.reshape(3, 1)) * w))
+    ref, got = run_both(lambda a: vg(a), x)
+    assert_trees_close(ref, got, rtol=1e-12, atol=1e-12)
