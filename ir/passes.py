@@ -89,3 +89,29 @@ def algebraic_simplification(graph: Graph) -> Graph:
         mapping[node] = new
         nodes.append(new)
     return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])
+
+
+def expand_tanh_gelu(graph: Graph) -> Graph:
+    """Rewrite tanh-form gelu into the primitives its derivative rule uses, in the same order,
+    so common-subexpression elimination computes the tanh once for both. Only for joint plans:
+    there forward and backward live in one graph, and gelu's own entry saves nothing."""
+    from .builder import Builder
+    from .ops.elementwise import GELU_C, GELU_K
+
+    if not any(n.op == "gelu" and n.attrs["approximate"] == "tanh" for n in graph.nodes):
+        return graph
+    mapping: dict[Value, Value] = {}
+    result = _rebuild(graph, [], [])
+    for node in graph.nodes:
+        inputs = tuple(mapping.get(i, i) for i in node.inputs)
+        if node.op == "gelu" and node.attrs["approximate"] == "tanh":
+            b, (x,), dt = Builder(result, node.loc), inputs, node.dtype
+            x2 = b.mul(x, x)
+            inner = b.mul(b.scalar(GELU_K, dt), b.add(x, b.mul(b.scalar(GELU_C, dt), b.mul(x2, x))))
+            half_x = b.mul(b.scalar(0.5, dt), x)
+            mapping[node] = b.mul(half_x, b.add(b.scalar(1, dt), b.tanh(inner)))
+            continue
+        mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
+        result.nodes.append(mapping[node])
+    result.outputs = [mapping.get(o, o) for o in graph.outputs]
+    return result

@@ -17,6 +17,7 @@ from .passes import (
     algebraic_simplification,
     common_subexpression_elimination,
     dead_code_elimination,
+    expand_tanh_gelu,
 )
 from .remat import rematerialize
 from .verify import verify_graph, verify_plan
@@ -132,7 +133,8 @@ def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) 
     )
     grads = append_gradients(joint, wrt)
     joint.outputs = joint.outputs + grads
-    joint = cleanup(log.record("autodiff", joint), log)
+    joint = log.record("autodiff", joint)
+    joint = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(joint)), log)
     return _plan(joint, log)
 
 

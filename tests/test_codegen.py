@@ -427,3 +427,16 @@ def test_one_array_read_through_two_index_maps_in_one_loop():
     vg = bp.value_and_grad(lambda x: bp.sum((x + x.reshape(3, 1)) * w))
     ref, got = run_both(lambda a: vg(a), x)
     assert_trees_close(ref, got, rtol=1e-12, atol=1e-12)
+
+
+def test_joint_plan_computes_gelus_tanh_once_for_forward_and_derivative():
+    x = bp.tensor(np.linspace(-2, 2, 12).reshape(3, 4))
+    vg = bp.value_and_grad(lambda x: bp.sum(bp.gelu(x, approximate="tanh") * x))
+    plan = vg.trace(x).plan
+    assert [n.op for n in plan.graph.nodes].count("tanh") == 1
+    assert "gelu" not in [n.op for n in plan.graph.nodes]
+    ref, got = run_both(lambda a: vg(a), x)
+    assert_trees_close(ref, got, rtol=1e-12, atol=1e-12)
+    xs = x.numpy()
+    gelu = 0.5 * xs * (1 + np.tanh(np.sqrt(2 / np.pi) * (xs + 0.044715 * xs**3)))
+    np.testing.assert_allclose(ref[0].numpy(), np.sum(gelu * xs), rtol=1e-12)
