@@ -134,19 +134,30 @@ def cross_entropy_rows(logits, labels, out, scale):
     return -1
 
 
+@njit(inline="always", **_opts)
+def _first_bad_index(indices, size):
+    """The first index outside [-size, size), or -1 when all are valid."""
+    for j in range(indices.shape[0]):
+        if indices[j] < -size or indices[j] >= size:
+            return indices[j]
+    return -1
+
+
+@njit(inline="always", **_opts)
+def _wrapped(index, size):
+    return index + size if index < 0 else index
+
+
 @njit(**_opts)
 def take_strided(x, indices, out):
     """out[p, j, q] = x[p, indices[j], q]; negative indices count from the end."""
     size = x.shape[1]
-    for j in range(indices.shape[0]):
-        index = indices[j]
-        if index < -size or index >= size:
-            return index
+    bad = _first_bad_index(indices, size)
+    if bad != -1:
+        return bad
     for p in range(x.shape[0]):
         for j in range(indices.shape[0]):
-            index = indices[j]
-            if index < 0:
-                index += size
+            index = _wrapped(indices[j], size)
             for q in range(x.shape[2]):
                 out[p, j, q] = x[p, index, q]
     return -1
@@ -156,16 +167,13 @@ def take_strided(x, indices, out):
 def take_grad_strided(g, indices, out):
     """out = zeros; out[p, indices[j], q] += g[p, j, q] (take's adjoint)."""
     size = out.shape[1]
-    for j in range(indices.shape[0]):
-        index = indices[j]
-        if index < -size or index >= size:
-            return index
+    bad = _first_bad_index(indices, size)
+    if bad != -1:
+        return bad
     out[:] = 0
     for p in range(g.shape[0]):
         for j in range(indices.shape[0]):
-            index = indices[j]
-            if index < 0:
-                index += size
+            index = _wrapped(indices[j], size)
             for q in range(g.shape[2]):
                 out[p, index, q] += g[p, j, q]
     return -1

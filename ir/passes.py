@@ -20,7 +20,8 @@ def dead_code_elimination(graph: Graph) -> Graph:
     return result
 
 
-def _attr_key(attrs: dict):
+def attr_key(attrs: dict):
+    """A hashable, order-independent key for a node's attributes (CSE, eager program cache)."""
     return tuple(sorted((k, repr(v)) for k, v in attrs.items()))
 
 
@@ -30,7 +31,7 @@ def common_subexpression_elimination(graph: Graph) -> Graph:
     nodes = []
     for node in graph.nodes:
         inputs = tuple(mapping.get(i, i) for i in node.inputs)
-        key = (node.op, tuple(id(i) for i in inputs), _attr_key(node.attrs), node.type)
+        key = (node.op, tuple(id(i) for i in inputs), attr_key(node.attrs), node.type)
         if key in seen:
             mapping[node] = seen[key]
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 from backplan.ir.builder import make_value
 from backplan.ir.graph import Graph, Value
 from backplan.ir.interpreter import evaluate
-from backplan.ir.passes import _attr_key
+from backplan.ir.passes import attr_key
 from backplan.ir.pipeline import build_region_plans
 from backplan.ir.types import TensorType
 from backplan.runtime import RegionProgram, is_grad_enabled
@@ -47,7 +47,7 @@ def _eager_region(op, inputs, attrs, needs, loc):
 
     scalars = tuple(t._scalar if not need else None for t, need in zip(inputs, needs, strict=True))
     types = tuple((t._ir_dtype, t.shape) for t in inputs)
-    key = (op, _attr_key(attrs), types, tuple(needs), scalars, loc)
+    key = (op, attr_key(attrs), types, tuple(needs), scalars, loc)
     program = _eager_programs.get(key)
     if program is None:
         program = _build_eager_program(op, inputs, attrs, needs, scalars, loc)
