@@ -45,7 +45,7 @@ def _cpu() -> str:
 
 
 @functools.cache
-def _codegen_fingerprint() -> str:
+def codegen_fingerprint() -> str:
     """Numba's cache of a generated kernel keys on the kernel's own source and does not notice
     edits to the library code it inlines, so the key covers those files too."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -60,7 +60,7 @@ def _codegen_fingerprint() -> str:
 def key_parts(ir_text: str, flags: str) -> dict[str, str]:
     return {
         "ir": hashlib.sha256(ir_text.encode()).hexdigest()[:24],
-        "codegen": _codegen_fingerprint(),
+        "codegen": codegen_fingerprint(),
         "numba": numba.__version__,
         "llvmlite": llvmlite.__version__,
         "numpy": np.__version__,

@@ -14,9 +14,9 @@ from backplan.ir.liveness import Plan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
-from . import cache
+from . import cache, kernel_cache
 from .emit import generate
-from .flags import FASTMATH, PARALLEL_MIN_ELEMENTS
+from .flags import flags_text
 from .loops import internal_shape
 
 
@@ -37,9 +37,9 @@ class CompiledPlan:
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
-        self.key_parts = cache.key_parts(
-            canonical_text(plan), f"{sorted(FASTMATH)}{PARALLEL_MIN_ELEMENTS}"
-        )
+        self.key_parts = cache.key_parts(canonical_text(plan), flags_text())
+        self.loop_kernels = generated.loop_kernels
+        kernel_cache.load(self.loop_kernels)
         module, self.cache_hit, self.miss_reason = cache.load_module(self.source, self.key_parts)
         self._run = module.run
         graph = plan.graph

@@ -1,6 +1,7 @@
-"""A plan becomes one Python module: a `run` function doing the whole plan in one call (serial
-loops inline, BLAS and library kernels called from it) plus one function per parallel loop.
-Names come from IR values (%7 -> v7) and each kernel is preceded by its IR lines."""
+"""A plan becomes one Python module: a `run` function doing the whole plan in one call, a thin
+sequence of calls into loop kernels (each its own cached module shared by every plan with the
+same loop body: codegen/kernel_cache.py), BLAS and library kernels. Names come from IR values
+(%7 -> v7) and each call is preceded by its IR lines."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from backplan.ir.graph import Value
 from backplan.ir.liveness import Plan
 from backplan.ir.text import format_attr, value_names
 
-from .flags import PARALLEL_MIN_ELEMENTS
+from . import cache
+from .flags import parallel_pays
+from .kernel_source import KernelSource, canonical_kernel
 from .loops import LoopEmitter, internal_shape
 from .memory import BufferLayout, plan_layout
 from .ops_emit import OpEmitter
@@ -30,6 +33,7 @@ from backplan.codegen.blas import (
 from backplan.codegen.flags import JIT_OPTIONS
 from backplan.codegen.library import *  # noqa: F403
 from backplan.codegen.scalar_functions import *  # noqa: F403
+from backplan.codegen.kernel_cache import kernel as _kernel
 '''
 
 
@@ -42,6 +46,7 @@ class GeneratedModule:
     literal_outputs: dict  # output index -> the full node giving its value
     kernel_count: int
     layout: BufferLayout
+    loop_kernels: list[KernelSource]  # the distinct loop kernels `run` calls
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -82,7 +87,7 @@ def generate(plan: Plan, private_saved: tuple[int, ...] = ()) -> GeneratedModule
         graph, kernels, buffers, names, [graph.inputs[i] for i in private_saved], steps
     )
     emitter = _Emitter(graph, names, literal_of, layout, set(needed))
-    body, functions, constants = emitter.emit(kernels)
+    body, constants = emitter.emit(kernels)
     literal_outputs = {
         i: alias_base(o) for i, o in enumerate(graph.outputs) if alias_base(o) in literals
     }
@@ -99,12 +104,20 @@ def generate(plan: Plan, private_saved: tuple[int, ...] = ()) -> GeneratedModule
         + [f"scratch_{d}" for d in scratch]
         + [names[v] for v in layout.outputs]
     )
-    source = HEADER.format(name=graph.name) + "\n\n" + "\n".join(functions) + "\n\n"
+    kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
+    source = HEADER.format(name=graph.name) + "\n" + "\n".join(kernel_lines) + "\n\n"
     source += "@njit(**JIT_OPTIONS)\n"
     source += f"def run({', '.join(params)}):\n" + "\n".join("    " + line for line in body) + "\n"
     count = sum(k.kind in ("loop", "op") for k in kernels)
     return GeneratedModule(
-        source, constants, scratch, list(layout.outputs), literal_outputs, count, layout
+        source,
+        constants,
+        scratch,
+        list(layout.outputs),
+        literal_outputs,
+        count,
+        layout,
+        list(emitter.kernels.values()),
     )
 
 
@@ -118,6 +131,7 @@ class _Emitter:
         self.contiguous = set(graph.inputs)
         self.users = graph.users()
         self.ops = OpEmitter(names, literal_of, self.contiguous)
+        self.kernels: dict[str, KernelSource] = {}  # digest -> kernel, in first-call order
 
     def buffer(self, node: Value) -> list[str]:
         self.contiguous.add(node)
@@ -126,14 +140,14 @@ class _Emitter:
         return [f"{self.names[node]} = {self.layout.expressions[node]}"]
 
     def emit(self, kernels):
-        body, functions, constants = [], [], []
+        body, constants = [], []
         runs = {start: end for start, end in row_runs(kernels)}
         skip_until = -1
         for index, kernel in enumerate(kernels):
             if index < skip_until:
                 continue
             if index in runs:
-                self._rows(index, kernels[index : runs[index]], body, functions)
+                self._rows(kernels[index : runs[index]], body)
                 skip_until = runs[index]
                 continue
             if kernel.kind in ("literal", "alias"):
@@ -141,7 +155,7 @@ class _Emitter:
             body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
             body += [ir_comment(n, self.names) for n in kernel.all_nodes]
             if kernel.kind == "loop":
-                self._loop(index, kernel, body, functions)
+                self._loop(kernel, body)
             elif kernel.kind == "view":
                 node = kernel.nodes[0]
                 if not (
@@ -159,13 +173,19 @@ class _Emitter:
                 node = kernel.nodes[0]
                 body += self.buffer(node)
                 body += self.ops.op(node, self.names[node])
-        return body, functions, constants
+        return body, constants
 
-    def _rows(self, index, run, body, functions) -> None:
+    def _call(self, lines: list[str], sizes: dict, parallel: bool) -> str:
+        """The call of the shared kernel for these loop lines."""
+        kernel = canonical_kernel(lines, sizes, parallel, cache.codegen_fingerprint())
+        self.kernels.setdefault(kernel.digest, kernel)
+        return f"{kernel.name}({', '.join(kernel.arguments)})"
+
+    def _rows(self, run, body) -> None:
         """Consecutive loops over the same rows become one loop over rows, each loop a stage
         inside it: a row's data is still in cache when the next stage reads it."""
-        stages, params = [], set()
-        for kernel in run:
+        stages, sizes = [], {}
+        for stage, kernel in enumerate(run):
             if kernel.kind != "loop":
                 continue
             body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
@@ -182,45 +202,37 @@ class _Emitter:
                 self.literal_of,
                 self.contiguous,
                 rows=True,
+                size_prefix=f"s{stage}_n",
             )
             setup, loop, _ = emitter.emit()
             body += setup
             stages += loop
-            params |= set(emitter.view_name.values())
+            sizes.update(emitter.size_arguments())
         rows = internal_shape(run[0].shape)[0]
         cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
-        if rows * cols < PARALLEL_MIN_ELEMENTS:
-            body += [f"for i0 in range({rows}):"] + ["    " + line for line in stages]
-            return
-        names = sorted(params)
-        functions += [
-            "@njit(parallel=True, **JIT_OPTIONS)",
-            f"def rows_{index}({', '.join(names)}):",
-            f"    for i0 in prange({rows}):",
-        ]
-        functions += ["        " + line for line in stages] + [""]
-        body.append(f"rows_{index}({', '.join(names)})")
+        parallel = parallel_pays(rows * cols)
+        sizes["n0"] = rows
+        lines = [f"for i0 in {'prange' if parallel else 'range'}(n0):"]
+        lines += ["    " + line for line in stages]
+        body.append(self._call(lines, sizes, parallel))
 
-    def _loop(self, index, kernel, body, functions) -> None:
+    def _loop(self, kernel, body) -> None:
         stored = {n for n in kernel.all_nodes if n in self.needed}
         for node in kernel.all_nodes:
             if node in stored:
                 body += self.buffer(node)
         emitter = LoopEmitter(
-            kernel, set(kernel.computed), stored, self.names, self.literal_of, self.contiguous
+            kernel,
+            set(kernel.computed),
+            stored,
+            self.names,
+            self.literal_of,
+            self.contiguous,
+            size_prefix="n",
         )
         setup, loop, parallel = emitter.emit()
         body += setup
-        if not parallel:
-            body += loop
-            return
-        params = sorted(set(emitter.view_name.values()))
-        functions += [
-            "@njit(parallel=True, **JIT_OPTIONS)",
-            f"def loop_{index}({', '.join(params)}):",
-        ]
-        functions += ["    " + line for line in loop] + [""]
-        body.append(f"loop_{index}({', '.join(params)})")
+        body.append(self._call(loop, emitter.size_arguments(), parallel))
 
 
 def _row_stage(kernel, rows: int | None) -> bool:
