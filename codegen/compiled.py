@@ -14,7 +14,7 @@ from backplan.ir.liveness import Plan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
-from . import cache, kernel_cache
+from . import cache, kernel_cache, progress
 from .emit import generate
 from .flags import flags_text
 from .loops import internal_shape
@@ -71,7 +71,9 @@ class CompiledPlan:
         try:
             if self.first_call_seconds is None:
                 start = time.perf_counter()
-                returned = self._run(*arrays)
+                label = f"@{self.plan.graph.name}"
+                with progress.reporting(label, self.loop_kernels, self.cache_hit):
+                    returned = self._run(*arrays)
                 self.first_call_seconds = time.perf_counter() - start
             else:
                 returned = self._run(*arrays)

@@ -62,7 +62,7 @@ def canonical_kernel(lines: list[str], sizes: dict[str, int], parallel: bool, sa
             counters[kind] += 1
             if kind in ("array", "size"):
                 params.append(renamed[word])
-                arguments.append(str(sizes[word]) if kind == "size" else word)
+                arguments.append(f"np.intp({sizes[word]})" if kind == "size" else word)
         return renamed[word]
 
     body = [_NAMES.sub(rename, line) for line in lines]
