@@ -14,6 +14,7 @@ from backplan.ir.liveness import Plan
 from backplan.ir.text import format_attr, value_names
 
 from . import cache
+from .add_chains import add_chain, chain_loops, chain_terms, size_of
 from .flags import parallel_pays
 from .kernel_source import KernelSource, canonical_kernel
 from .loops import LoopEmitter, internal_shape
@@ -218,9 +219,16 @@ class _Emitter:
 
     def _loop(self, kernel, body) -> None:
         stored = {n for n in kernel.all_nodes if n in self.needed}
+        if not stored:  # every value is recomputed where it is read: nothing to run
+            body.append("# (not run: its values are recomputed where they are read)")
+            return
+        terms = chain_terms(kernel, stored, self.contiguous)
         for node in kernel.all_nodes:
             if node in stored:
                 body += self.buffer(node)
+        if terms is not None:
+            self._add_chain(kernel.nodes[-1], terms, body)
+            return
         emitter = LoopEmitter(
             kernel,
             set(kernel.computed),
@@ -235,10 +243,21 @@ class _Emitter:
         body.append(self._call(loop, emitter.size_arguments(), parallel))
 
 
+    def _add_chain(self, out: Value, terms: list[Value], body) -> None:
+        """A long sum of arrays as shared two-term and in-place adds (codegen/add_chains.py)."""
+        flat = {}
+        for value in [out, *terms]:
+            if value not in flat:
+                flat[value] = f"{self.names[value]}_flat"
+                body.append(f"{flat[value]} = {self.ops.array(value)}.reshape(({size_of(out)},))")
+        for lines in chain_loops(flat[out], [flat[t] for t in terms]):
+            body.append(self._call(lines, {"n0": size_of(out)}, False))
+
+
 def _row_stage(kernel, rows: int | None) -> bool:
     """A loop over (rows, columns) or (rows, 1) whose reductions only sum or max along a row."""
     shape = internal_shape(kernel.shape)
-    if kernel.kind != "loop" or len(shape) != 2 or shape[0] < 2:
+    if kernel.kind != "loop" or len(shape) != 2 or shape[0] < 2 or len(add_chain(kernel)) > 1:
         return False
     if rows is not None and shape[0] != rows:
         return False

@@ -27,7 +27,7 @@ from backplan.codegen.scalar_functions import *  # noqa: F403
 
 # (pattern, canonical prefix): arrays and sizes are parameters; the rest are locals.
 _NAMES = re.compile(
-    r"\b(?:(?P<acc>acc_v\d+)|(?P<part>part_v\d+)|(?P<array>v\d+(?:_k\d*)?)"
+    r"\b(?:(?P<acc>acc_v\d+)|(?P<part>part_v\d+)|(?P<array>v\d+(?:_k\d*|_flat)?)"
     r"|(?P<local>t\d+)|(?P<size>(?:s\d+_)?n\d+))\b"
 )
 _PREFIX = {"acc": "acc", "part": "part", "array": "a", "local": "t", "size": "n"}
