@@ -235,6 +235,9 @@ def kernels_text(report) -> str:
             f" The {refused} runs on the reference interpreter, one kernel per step "
             "(section 4 says why)."
         )
+    compile_line = compile_cost_text(report)
+    if compile_line:
+        lines.append(compile_line)
     for number, kernel in enumerate(report.kernels):
         if kernel.fused and kernel.runs_code:
             members = ", ".join(f"{steps[s].label} {steps[s].op}" for s in kernel.steps)
@@ -245,6 +248,22 @@ def kernels_text(report) -> str:
             + ", ".join(f"{steps[s].label} {steps[s].op} ({k.kind})" for k in free for s in k.steps)
         )
     return "\n".join(lines)
+
+
+def compile_cost_text(report) -> str:
+    """What the first call will compile: loop kernels are shared by every plan (and cached on
+    disk), so only those never compiled here cost time."""
+    plans = [p for p in report.compiled or [] if p.compiled]
+    if not plans:
+        return ""
+    distinct = {k for p in plans for k in p.loop_kernels}
+    cached = {k for p in plans for k in p.cached_kernels}
+    seconds = sum(p.compile_seconds for p in plans)
+    return (
+        f"First call compiles {len(distinct) - len(cached)} of {len(distinct)} distinct loop "
+        f"kernels ({len(cached)} already cached) and {len(plans)} plan drivers: about "
+        f"{seconds:.1f} s predicted."
+    )
 
 
 def retrace_text(report) -> str:
