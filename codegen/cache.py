@@ -57,6 +57,28 @@ def codegen_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
+# The files a loop kernel's compiled code depends on (what its source imports and inlines).
+KERNEL_DEPENDENCIES = (
+    "flags.py",
+    "jit.py",
+    "kernel_source.py",
+    "mathlib.py",
+    "scalar_functions.py",
+)
+
+
+@functools.cache
+def kernel_fingerprint() -> str:
+    """Like codegen_fingerprint, over the kernels' dependencies only: editing the plan emitter
+    keeps every shared kernel cached."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256(CODEGEN_VERSION.encode())
+    for name in KERNEL_DEPENDENCIES:
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:16]
+
+
 def key_parts(ir_text: str, flags: str) -> dict[str, str]:
     return {
         "ir": hashlib.sha256(ir_text.encode()).hexdigest()[:24],

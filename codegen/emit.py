@@ -174,7 +174,7 @@ class _Emitter:
 
     def _call(self, lines: list[str], sizes: dict, parallel: bool) -> str:
         """The call of the shared kernel for these loop lines."""
-        kernel = canonical_kernel(lines, sizes, parallel, cache.codegen_fingerprint())
+        kernel = canonical_kernel(lines, sizes, parallel, cache.kernel_fingerprint())
         self.kernels.setdefault(kernel.digest, kernel)
         return f"{kernel.name}({', '.join(kernel.arguments)})"
 
@@ -237,7 +237,6 @@ class _Emitter:
         setup, loop, parallel = emitter.emit()
         body += setup
         body.append(self._call(loop, emitter.size_arguments(), parallel))
-
 
     def _add_chain(self, out: Value, terms: list[Value], body) -> None:
         """A long sum of arrays as shared two-term and in-place adds (codegen/add_chains.py)."""

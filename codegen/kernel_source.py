@@ -14,8 +14,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-KERNEL_HEADER = '''"""A backplan loop kernel, shared by every plan whose loop has this body. Keyed by the hash
-of this source; regenerated and compared before it runs; do not edit."""
+KERNEL_HEADER = '''"""A backplan loop kernel, shared by every plan whose loop has this body.
+Keyed by the hash of this source; regenerated and compared before it runs; do not edit."""
 import math
 
 import numpy as np

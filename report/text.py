@@ -251,18 +251,17 @@ def kernels_text(report) -> str:
 
 
 def compile_cost_text(report) -> str:
-    """What the first call will compile: loop kernels are shared by every plan (and cached on
-    disk), so only those never compiled here cost time."""
+    """What a first call compiles. Loop kernels are shared by every plan and cached on disk, so
+    only those never compiled on this machine cost time; how many are cached now (and the
+    predicted seconds) is in report.compiled, not in this text, which must not depend on the
+    state of the cache."""
     plans = [p for p in report.compiled or [] if p.compiled]
     if not plans:
         return ""
     distinct = {k for p in plans for k in p.loop_kernels}
-    cached = {k for p in plans for k in p.cached_kernels}
-    seconds = sum(p.compile_seconds for p in plans)
     return (
-        f"First call compiles {len(distinct) - len(cached)} of {len(distinct)} distinct loop "
-        f"kernels ({len(cached)} already cached) and {len(plans)} plan drivers: about "
-        f"{seconds:.1f} s predicted."
+        f"A first call compiles at most {len(distinct)} distinct loop kernels (shared by every "
+        f"plan and cached on disk) and {len(plans)} plan drivers."
     )
 
 
