@@ -70,8 +70,10 @@ def replica_digests(tree) -> list[int]:
     """One digest of the bytes of each leaf."""
     leaves = flatten(tree)[0]
     return [
-        int.from_bytes(hashlib.blake2b(np.ascontiguousarray(leaf_array(x)).tobytes(),
-                                       digest_size=8).digest(), "little")
+        int.from_bytes(
+            hashlib.blake2b(np.ascontiguousarray(leaf_array(x)).tobytes(), digest_size=8).digest(),
+            "little",
+        )
         for x in leaves
     ]
 

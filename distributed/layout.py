@@ -53,9 +53,7 @@ def build_layout(value_and_grad_fn, args, kwargs, bucket_bytes: int) -> Layout:
         for i, (name, v) in enumerate(zip(names, values, strict=True))
     ]
     buckets = tuple(plan_buckets(leaves, bucket_bytes))
-    shape_of_exchange = [
-        [(x.path, x.shape, x.dtype) for x in bucket.leaves] for bucket in buckets
-    ]
+    shape_of_exchange = [[(x.path, x.shape, x.dtype) for x in bucket.leaves] for bucket in buckets]
     return Layout(
         name=plan.graph.name,
         buckets=buckets,

@@ -76,8 +76,15 @@ class DataParallelReport:
         return [title, *textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")]
 
     def _table(self) -> list[str]:
-        header = ("bucket", "bytes", "sent/rank", "ready after (can start)", "starts",
-                  "waited on", "leaves")
+        header = (
+            "bucket",
+            "bytes",
+            "sent/rank",
+            "ready after (can start)",
+            "starts",
+            "waited on",
+            "leaves",
+        )
         rows = [header] + [
             (
                 str(b.index),
@@ -92,8 +99,10 @@ class DataParallelReport:
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
         return [
-            "  " + "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=False))
-            + "  " + row[-1]
+            "  "
+            + "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=False))
+            + "  "
+            + row[-1]
             for row in rows
         ]
 
