@@ -23,7 +23,8 @@ def leaf_array(leaf) -> np.ndarray:
 def describe(tree, prefix: str = "") -> list[tuple[str, tuple, str]]:
     """(path, shape, dtype) per leaf, in flatten order."""
     leaves, _, paths = flatten(tree, paths=True, prefix=prefix)
-    return [(p, leaf_array(x).shape, str(leaf_array(x).dtype)) for p, x in zip(paths, leaves)]
+    arrays = [leaf_array(leaf) for leaf in leaves]
+    return [(p, a.shape, str(a.dtype)) for p, a in zip(paths, arrays, strict=True)]
 
 
 def leaf_text(shape: tuple, dtype: str) -> str:
@@ -31,25 +32,26 @@ def leaf_text(shape: tuple, dtype: str) -> str:
 
 
 def first_difference(descriptions: list[list], what: str) -> str | None:
-    """A sentence naming the first rank and leaf that differ from rank 0, or None."""
+    """A sentence naming the first rank and leaf that differ from rank 0, or None. `what`
+    prefixes each leaf's path ("tree leaf " gives "rank 1's tree leaf ['w0'] is ...")."""
     reference = descriptions[0]
     by_path = {p: (s, d) for p, s, d in reference}
     for rank, description in enumerate(descriptions[1:], start=1):
         mine = {p: (s, d) for p, s, d in description}
         for path, shape, dtype in description:
             if path not in by_path:
-                return f"rank {rank}'s {what} has a leaf {path} that rank 0's lacks"
+                return f"rank {rank} has {what}{path}, which rank 0 lacks"
             if by_path[path] != (shape, dtype):
                 theirs = leaf_text(*by_path[path])
                 return (
-                    f"rank {rank}'s {what} leaf {path} is {leaf_text(shape, dtype)} "
+                    f"rank {rank}'s {what}{path} is {leaf_text(shape, dtype)} "
                     f"but rank 0's is {theirs}"
                 )
         for path, _, _ in reference:
             if path not in mine:
-                return f"rank {rank}'s {what} lacks the leaf {path} that rank 0's has"
+                return f"rank {rank} lacks {what}{path}, which rank 0 has"
         if [p for p, _, _ in description] != [p for p, _, _ in reference]:
-            return f"rank {rank}'s {what} orders its leaves differently from rank 0's"
+            return f"rank {rank} orders its {what}leaves differently from rank 0"
     return None
 
 
@@ -89,7 +91,7 @@ def check_replicas(tree, comm=None) -> None:
     comm = comm or init().comm
     if comm is None or comm.Get_size() == 1:
         return
-    require_same_trees(comm, describe(tree), "tree", "pass the same tree on every rank")
+    require_same_trees(comm, describe(tree), "tree leaf ", "pass the same tree on every rank")
     gathered = comm.allgather(replica_digests(tree))
     paths = flatten(tree, paths=True)[2]
     for rank, digests in enumerate(gathered[1:], start=1):

@@ -30,7 +30,7 @@ def broadcast(tree, root: int = 0, comm=None):
     require_same_trees(
         comm,
         describe(tree),
-        "tree",
+        "tree leaf ",
         "pass the same structure, shapes and dtypes on every rank to bpd.broadcast",
     )
     leaves, treedef = flatten(tree)

@@ -27,8 +27,12 @@ class Layout:
     fingerprint: int
 
     def description(self) -> list[tuple[str, tuple, str]]:
-        """(path, shape, dtype) of every leaf in the order it is packed, for error messages."""
-        return [(x.path, x.shape, x.dtype) for b in self.buckets for x in b.leaves]
+        """(path, shape, dtype) of every gradient in the order of the arguments, then of the
+        loss, for error messages (a wrong parameter is named before the loss it changes)."""
+        leaves = sorted(
+            (x for b in self.buckets for x in b.leaves), key=lambda x: (x.index == 0, x.index)
+        )
+        return [(x.path, x.shape, x.dtype) for x in leaves]
 
 
 def build_layout(value_and_grad_fn, args, kwargs, bucket_bytes: int) -> Layout:

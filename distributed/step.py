@@ -28,7 +28,7 @@ class DataParallelStep:
     """A training step over all ranks; see data_parallel."""
 
     def __init__(self, fn, average: bool, bucket_bytes: int, check_replicas: bool, comm):
-        if not callable(getattr(fn, "lookup", None)):
+        if not all(hasattr(fn, name) for name in ("lookup", "argnums", "has_aux")):
             raise TypeError(
                 "data_parallel needs the training step as bp.value_and_grad(loss_fn), whose "
                 f"joint plan says when each gradient is ready; got {type(fn).__name__}"
@@ -90,7 +90,7 @@ class DataParallelStep:
         world.comm.Allreduce(mine, highest, op=mpi_module().MAX)
         if (highest == mine).all():
             return
-        require_same_trees(world.comm, layout.description(), "gradient", MISMATCH_FIX)
+        require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
         raise RankMismatchError(
             f"ranks split the gradients into buckets differently (this rank, {world.rank}: "
             f"bucket_bytes={self.bucket_bytes}, {len(layout.buckets)} buckets); {MISMATCH_FIX}"
@@ -141,6 +141,6 @@ def data_parallel(
 
     >>> import backplan as bp, backplan.distributed as bpd  # doctest: +SKIP
     >>> step = bpd.data_parallel(bp.value_and_grad(loss_fn))  # doctest: +SKIP
-    >>> loss, grads = step(params, bpd.shard(x, rank, size), bpd.shard(y, rank, size))  # doctest: +SKIP
+    >>> loss, grads = step(params, bpd.shard(x, rank, size), y_shard)  # doctest: +SKIP
     """
     return DataParallelStep(value_and_grad_fn, average, bucket_bytes, check_replicas, comm)
