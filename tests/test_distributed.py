@@ -252,3 +252,20 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path):
     assert "rank 1 of 2 raised ValueError: bad batch on purpose" in result.stderr
     assert "aborting all 2 ranks" in result.stderr
     assert "finished" not in result.stdout
+
+
+@needs_mpi
+def test_example_on_two_ranks_follows_the_single_process_losses(tmp_path):
+    command = [MPIEXEC, "-n", "2", sys.executable, "-m", "backplan.examples.data_parallel"]
+    env = dict(os.environ, BACKPLAN_BACKEND="reference", NUMBA_NUM_THREADS="1")
+    result = subprocess.run(
+        [*command, "--steps", "8", "--compare"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    gap = float(result.stdout.split("largest loss gap ")[1].split()[0])
+    assert gap < 1e-5, result.stdout
