@@ -156,6 +156,10 @@ def test_two_ranks_average_to_the_full_batch_and_stay_identical(tmp_path):
                                        atol=1e-7)
         summed = bpd.data_parallel(vg, average=False)(params, xs, ys)[1]
         np.testing.assert_allclose(summed["w0"].numpy(), 2 * grads["w0"].numpy(), rtol=1e-6)
+        with_aux = bp.value_and_grad(lambda p, a, b: (mlp_loss(p, a, b), a.sum()), has_aux=True)
+        (aux_loss, aux), aux_grads = bpd.data_parallel(with_aux)(params, xs, ys)
+        assert np.isclose(aux.item(), xs.sum(), rtol=1e-5)  # aux stays this rank's own
+        assert aux_loss.item() == loss.item() and set(aux_grads) == set(params)
         for _ in range(3):
             loss, grads = step(params, xs, ys)
             params = {k: bp.tensor(p.numpy() - 0.1 * grads[k].numpy(), requires_grad=True)
