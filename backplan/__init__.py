@@ -8,6 +8,9 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
+from backplan.artifacts.export import export
+from backplan.artifacts.format import ExportError
+from backplan.artifacts.load import load
 from backplan.ir.errors import (
     BackplanError,
     DtypeError,
@@ -25,72 +28,9 @@ from backplan.runtime import (
     no_grad,
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
-from backplan.tracer.artifact_format import ExportError
-from backplan.tracer.artifact_load import load
 from backplan.tracer.explain import explain
-from backplan.tracer.export import export
-from backplan.tracer.ops import (
-    abs,
-    add,
-    as_tensor,
-    astype,
-    broadcast_to,
-    concatenate,
-    cross_entropy,
-    div,
-    embedding,
-    equal,
-    erf,
-    exp,
-    expand_dims,
-    flatten,
-    full,
-    gelu,
-    greater,
-    greater_equal,
-    layer_norm,
-    less,
-    less_equal,
-    log,
-    log_softmax,
-    logsumexp,
-    matmul,
-    max,
-    maximum,
-    mean,
-    min,
-    minimum,
-    mse_loss,
-    mul,
-    neg,
-    not_equal,
-    one_hot,
-    ones,
-    ones_like,
-    permute,
-    pow,
-    relu,
-    reshape,
-    sigmoid,
-    sign,
-    softmax,
-    sqrt,
-    squeeze,
-    stack,
-    stop_gradient,
-    sub,
-    sum,
-    swapaxes,
-    take,
-    tanh,
-    tensor,
-    transpose,
-    unsqueeze,
-    var,
-    where,
-    zeros,
-    zeros_like,
-)
+from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
+from backplan.tracer.ops import __all__ as _ops_all
 from backplan.tracer.pytree import tree_map
 
 __version__ = "0.1.0"
@@ -101,4 +41,29 @@ def zero_grad(tree) -> None:
     tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, tree)
 
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [
+    *_ops_all,
+    "BackplanError",
+    "BackwardError",
+    "DtypeError",
+    "ExecutionError",
+    "ExportError",
+    "GraphFreedError",
+    "ParseError",
+    "ShapeError",
+    "Tensor",
+    "TracingError",
+    "VerifyError",
+    "compile",
+    "enable_grad",
+    "explain",
+    "export",
+    "grad",
+    "is_grad_enabled",
+    "live_saved_bytes",
+    "load",
+    "no_grad",
+    "tree_map",
+    "value_and_grad",
+    "zero_grad",
+]
