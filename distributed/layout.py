@@ -25,6 +25,7 @@ class Layout:
     grad_treedef: TreeDef
     plan_steps: int  # steps of the joint plan; the call returns after the last one
     fingerprint: int
+    output_positions: tuple[int, ...]  # leaf index -> position among the joint plan's outputs
 
     def description(self) -> list[tuple[str, tuple, str]]:
         """(path, shape, dtype) of every gradient in the order of the arguments, then of the
@@ -65,6 +66,7 @@ def build_layout(value_and_grad_fn, args, kwargs, bucket_bytes: int) -> Layout:
         grad_treedef=treedef,
         plan_steps=plan.return_step,
         fingerprint=fingerprint(shape_of_exchange),
+        output_positions=(0, *range(1 + entry.n_aux, len(outputs))),
     )
 
 

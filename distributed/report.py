@@ -20,7 +20,7 @@ class BucketRow:
     nbytes: int
     ready_step: int  # the step that writes its last leaf: the allreduce could start after it
     ready_text: str
-    start_step: int  # when it does start: after the call returns
+    start_step: int  # when it does start: before this step (plan_steps: after the call)
     steps_after_ready: int  # plan steps left after ready_step, compute a split plan could hide
     bytes_sent: int  # per rank, ring allreduce
 
@@ -29,8 +29,9 @@ class DataParallelReport:
     """Fields: `buckets` (BucketRow), `size`, `bucket_bytes`, `plan_steps`, `bytes_per_step`
     (allreduced per rank per step) and `bytes_sent_per_step`; print() shows them as a table."""
 
-    def __init__(self, layout: Layout, size: int, bucket_bytes: int):
+    def __init__(self, layout: Layout, size: int, bucket_bytes: int, split: bool = False):
         self.layout = layout
+        self.split = split
         self.size = size
         self.bucket_bytes = bucket_bytes
         self.plan_steps = layout.plan_steps
@@ -47,7 +48,7 @@ class DataParallelReport:
             nbytes=bucket.nbytes,
             ready_step=ready,
             ready_text=bucket.ready_leaf.ready_text,
-            start_step=self.plan_steps,
+            start_step=ready + 1 if self.split else self.plan_steps,
             steps_after_ready=self.plan_steps - 1 - ready,
             bytes_sent=ring_bytes_sent(bucket.nbytes, self.size),
         )
@@ -60,10 +61,19 @@ class DataParallelReport:
 
     def _summary(self) -> list[str]:
         n_grads = self.layout.n_leaves - 1
+        steps = f"{self.plan_steps} steps (s0..s{self.plan_steps - 1})"
+        if self.split:
+            how = (
+                f"The joint plan of {steps} runs as {len(self.cuts()) + 1} segments, cut after "
+                "each bucket's last write. Each rank adds up the"
+            )
+        else:
+            how = (
+                f"The joint plan runs forward and backward as one compiled call of {steps}. "
+                "Then each rank adds up the"
+            )
         text = (
-            f"The joint plan runs forward and backward as one compiled call of "
-            f"{self.plan_steps} steps (s0..s{self.plan_steps - 1}). Then each rank adds up the "
-            f"loss and {n_grads} gradient(s), {self.bytes_per_step:,} B, in "
+            f"{how} loss and {n_grads} gradient(s), {self.bytes_per_step:,} B, in "
             f"{len(self.buckets)} bucket(s): one non-blocking allreduce (MPI_Iallreduce) each, "
             "started in the order the plan finishes them and waited on in that order before "
             f"the step returns. Each rank sends about {self.bytes_sent_per_step:,} B per step "
@@ -91,7 +101,7 @@ class DataParallelReport:
                 f"{b.nbytes:,}",
                 f"{b.bytes_sent:,}",
                 b.ready_text,
-                f"s{b.start_step} (call returns)",
+                self._start_text(b),
                 "before step() returns",
                 ", ".join(b.leaves),
             )
@@ -106,12 +116,29 @@ class DataParallelReport:
             for row in rows
         ]
 
+    def cuts(self) -> list[int]:
+        """Steps after which a split plan ends a segment."""
+        last = self.plan_steps - 1
+        return sorted({b.ready_step for b in self.buckets if 0 <= b.ready_step < last})
+
+    def _start_text(self, row: BucketRow) -> str:
+        if row.start_step >= self.plan_steps:
+            return f"s{self.plan_steps} (call returns)"
+        return f"before s{row.start_step} (segment ends)"
+
     def _overlap(self) -> list[str]:
         hidden = ", ".join(f"bucket {b.index}: {b.steps_after_ready}" for b in self.buckets)
+        if self.split:
+            text = (
+                "Overlap: each bucket's allreduce is in flight while the plan steps after its "
+                f"cut run: {hidden}. Without an asynchronous progress thread MPI moves it along "
+                "only inside MPI calls, which the step makes between segments."
+            )
+            return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
         text = (
             "Overlap: the plan runs as one compiled call, so no allreduce starts before it "
             "returns; the schedule sets the buckets and their order, not yet an overlap with "
             "compute. Plan steps that run after each bucket is ready, which splitting the plan "
-            f"there could hide its allreduce behind: {hidden}."
+            f"there (split_plan=True) would run while its allreduce is in flight: {hidden}."
         )
         return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")

@@ -14,8 +14,10 @@ from .agreement import check_replicas as verify_replicas
 from .agreement import leaf_array, require_same_trees
 from .buckets import DEFAULT_BUCKET_BYTES
 from .errors import RankMismatchError
+from .exchange import Exchange
 from .layout import Layout, build_layout
 from .report import DataParallelReport
+from .segments import run_segments, split_plan
 from .world import World, current_world, init, mpi_module
 
 MISMATCH_FIX = (
@@ -27,7 +29,7 @@ MISMATCH_FIX = (
 class DataParallelStep:
     """A training step over all ranks; see data_parallel."""
 
-    def __init__(self, fn, average: bool, bucket_bytes: int, check_replicas: bool, comm):
+    def __init__(self, fn, average, bucket_bytes, check_replicas, split_plan, comm):
         if not all(hasattr(fn, name) for name in ("lookup", "argnums", "has_aux")):
             raise TypeError(
                 "data_parallel needs the training step as bp.value_and_grad(loss_fn), whose "
@@ -39,9 +41,10 @@ class DataParallelStep:
         self.average = average
         self.bucket_bytes = bucket_bytes
         self.check_replicas = check_replicas
+        self.split_plan = split_plan
         self._comm = comm
         self._layouts: dict = {}
-        self._agreed: set[int] = set()
+        self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
@@ -49,14 +52,47 @@ class DataParallelStep:
             return self.fn(*args, **kwargs)
         if self.check_replicas:
             verify_replicas(self._differentiated(args), world.comm)
-        result = self.fn(*args, **kwargs)
-        (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
         layout = self.layout(args, kwargs)
-        self._agree(world, layout)
-        arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
-        summed = _exchange(world, layout, arrays, self.average)
+        exchange = Exchange(world, layout, self.average)
+        if self.split_plan:
+            self._agree(world, layout)
+            aux = self._run_split(args, kwargs, exchange)
+        else:
+            result = self.fn(*args, **kwargs)
+            (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
+            self._agree(world, layout)
+            arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
+            exchange.start_ready(float("inf"), lambda leaf: arrays[leaf.index])
+        summed = exchange.finish()
         loss, grads = summed[0], unflatten(layout.grad_treedef, summed[1:])
         return ((loss, aux), grads) if self.fn.has_aux else (loss, grads)
+
+    def _run_split(self, args, kwargs, exchange: Exchange):
+        """Run the joint plan segment by segment, starting each bucket's allreduce after the
+        segment that finishes it; returns the aux outputs (has_aux) or None."""
+        _, call, _, entry = self.fn.lookup(args, kwargs)
+        segments = self._segments_of(entry, exchange.layout)
+        arrays = [call.leaves[p]._data for p in call.tensor_positions]
+        arrays += [t._data for t in entry.captured]
+        outputs = entry.plan.graph.outputs
+        positions = exchange.layout.output_positions
+
+        def after_segment(segment, env):
+            exchange.progress()
+            exchange.start_ready(segment.last_step, lambda x: env[outputs[positions[x.index]]])
+
+        results = run_segments(segments, entry.plan, arrays, after_segment)
+        if not self.fn.has_aux:
+            return None
+        aux = [Tensor._from_array(a) for a in results[1 : 1 + entry.n_aux]]
+        return unflatten(entry.aux_treedef, aux)
+
+    def _segments_of(self, entry, layout: Layout):
+        found = self._segments.get(id(entry))
+        if found is None:
+            cuts = [bucket.ready_step for bucket in layout.buckets]
+            found = self._segments[id(entry)] = (entry, split_plan(entry.plan, cuts))
+        return found[1]
 
     def layout(self, args, kwargs=None) -> Layout:
         """The buckets for these arguments' signature (cached per signature)."""
@@ -75,7 +111,8 @@ class DataParallelStep:
         to the number of ranks after bpd.init(), else 2."""
         world = current_world()
         size = size or (world.size if world is not None else 2)
-        return DataParallelReport(self.layout(args, kwargs), size, self.bucket_bytes)
+        layout = self.layout(args, kwargs)
+        return DataParallelReport(layout, size, self.bucket_bytes, self.split_plan)
 
     def _differentiated(self, args):
         nums = self.fn.argnums
@@ -97,34 +134,12 @@ class DataParallelStep:
         )
 
 
-def _exchange(world: World, layout: Layout, arrays: list, average: bool) -> list[Tensor]:
-    """Start one Iallreduce per bucket in plan order, then wait for each in that order and
-    unpack it, so unpacking bucket k overlaps the transfer of the buckets after it."""
-    MPI = mpi_module()
-    started = []
-    for bucket in layout.buckets:
-        buffer = np.concatenate([arrays[leaf.index].ravel() for leaf in bucket.leaves])
-        started.append((bucket, buffer, world.comm.Iallreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)))
-    results: list = [None] * layout.n_leaves
-    for bucket, buffer, request in started:
-        request.Wait()
-        if average:
-            buffer /= buffer.dtype.type(world.size)
-        buffer.flags.writeable = False
-        offset = 0
-        for leaf in bucket.leaves:
-            count = int(np.prod(leaf.shape, dtype=np.int64))
-            part = buffer[offset : offset + count].reshape(leaf.shape)
-            results[leaf.index] = Tensor._from_array(part)
-            offset += count
-    return results
-
-
 def data_parallel(
     value_and_grad_fn,
     average: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     check_replicas: bool = False,
+    split_plan: bool = False,
     comm=None,
 ) -> DataParallelStep:
     """A training step that runs value_and_grad_fn on this rank's shard and returns the loss
@@ -133,8 +148,11 @@ def data_parallel(
 
     Gradients travel in buckets of up to bucket_bytes, filled in the order the joint plan
     writes them; each bucket's non-blocking allreduce starts in that order as soon as the
-    compiled call returns (the plan runs as one call, so the plan decides the order, not yet
-    the overlap with compute; `step.explain(*args)` shows both). check_replicas=True hashes
+    compiled call returns, so the plan decides the order but nothing overlaps compute. With
+    split_plan=True the joint plan runs as segments cut after each bucket's last write, and
+    each bucket's allreduce starts between segments, while the rest of the backward runs
+    (each segment compiles on its own; fusion across a cut is lost). `step.explain(*args)`
+    shows the buckets and when each starts. check_replicas=True hashes
     the differentiated arguments on every call and raises ReplicaMismatchError when any rank's
     differ (a debug mode: it costs a hash of every parameter per step). With one rank the
     step is value_and_grad_fn itself: no MPI call at all.
@@ -143,4 +161,6 @@ def data_parallel(
     >>> step = bpd.data_parallel(bp.value_and_grad(loss_fn))  # doctest: +SKIP
     >>> loss, grads = step(params, bpd.shard(x, rank, size), y_shard)  # doctest: +SKIP
     """
-    return DataParallelStep(value_and_grad_fn, average, bucket_bytes, check_replicas, comm)
+    return DataParallelStep(
+        value_and_grad_fn, average, bucket_bytes, check_replicas, split_plan, comm
+    )

@@ -19,7 +19,10 @@ import pytest
 import backplan as bp
 import backplan.distributed as bpd
 from backplan.distributed import world
+from backplan.distributed.segments import run_segments, split_plan
 from backplan.examples.mlp import init_mlp, mlp_loss, synthetic_classification
+from backplan.ir.interpreter import run_plan
+from backplan.ir.verify import verify_plan
 
 TIMEOUT_S = 60
 
@@ -112,6 +115,31 @@ def test_gradients_of_the_layer_run_last_are_ready_first():
     assert order.index("grad['w2']") < order.index("grad['w1']") < order.index("grad['w0']")
 
 
+def test_split_plan_runs_the_same_steps_as_the_joint_plan():
+    params = init_mlp([8, 16, 16, 4])
+    x, y = synthetic_classification(16, 8, 4)
+    vg = bp.value_and_grad(mlp_loss)
+    _, call, _, entry = vg.lookup((params, bp.tensor(x), bp.tensor(y)), {})
+    arrays = [call.leaves[p]._data for p in call.tensor_positions]
+    cuts = [
+        row.ready_step
+        for row in bpd.data_parallel(vg, bucket_bytes=1)
+        .explain(params, bp.tensor(x), bp.tensor(y), size=2)
+        .buckets
+    ]
+    segments = split_plan(entry.plan, cuts)
+    assert len(segments) == len([c for c in cuts if c < entry.plan.return_step - 1]) + 1
+    assert [s.first_step for s in segments[1:]] == [s.last_step + 1 for s in segments[:-1]]
+    for segment in segments:
+        verify_plan(segment.plan)
+    seen = []
+    outputs = run_segments(segments, entry.plan, arrays, lambda s, env: seen.append(len(env)))
+    expected = run_plan(entry.plan, arrays)
+    assert len(seen) == len(segments)
+    for got, want in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_shard_splits_the_first_axis_into_equal_parts():
     data = np.arange(12).reshape(6, 2)
     parts = [bpd.shard(data, r, 3) for r in range(3)]
@@ -154,6 +182,11 @@ def test_two_ranks_average_to_the_full_batch_and_stay_identical(tmp_path):
         for name in params:
             np.testing.assert_allclose(grads[name].numpy(), full[name].numpy(), rtol=1e-5,
                                        atol=1e-7)
+        split_loss, split = bpd.data_parallel(vg, bucket_bytes=300, split_plan=True)(
+            params, xs, ys
+        )
+        assert split_loss.item() == loss.item()
+        assert all((split[k].numpy() == grads[k].numpy()).all() for k in params)
         summed = bpd.data_parallel(vg, average=False)(params, xs, ys)[1]
         np.testing.assert_allclose(summed["w0"].numpy(), 2 * grads["w0"].numpy(), rtol=1e-6)
         with_aux = bp.value_and_grad(lambda p, a, b: (mlp_loss(p, a, b), a.sum()), has_aux=True)
