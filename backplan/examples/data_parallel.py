@@ -45,10 +45,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--compare", action="store_true", help="rank 0 reruns alone and compares")
     parser.add_argument("--explain", action="store_true", help="print the bucket schedule")
+    parser.add_argument("--split-plan", action="store_true", help="overlap buckets with compute")
     args = parser.parse_args(argv)
     rank, size = bpd.init()
     vg = bp.value_and_grad(mlp_loss)
-    step = bpd.data_parallel(vg)
+    step = bpd.data_parallel(vg, split_plan=args.split_plan)
     start = time.perf_counter()
     losses = train(step, rank, size, args.steps)
     elapsed = time.perf_counter() - start
