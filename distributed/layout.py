@@ -38,7 +38,7 @@ class Layout:
 
 def build_layout(value_and_grad_fn, args, kwargs, bucket_bytes: int) -> Layout:
     """Trace (or find in its cache) the joint plan for these arguments and lay out its outputs."""
-    entry = value_and_grad_fn.lookup(args, kwargs)[3]
+    entry = value_and_grad_fn.lookup(args, kwargs)[1]
     plan: Plan = entry.plan
     outputs = plan.graph.outputs
     values = [outputs[0], *outputs[1 + entry.n_aux :]]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from backplan.runtime import is_grad_enabled
-from backplan.tracer.fastpath import call_key
+from backplan.tracer.fastpath import call_key, positions_of
+from backplan.tracer.functional import GradFunction, ValueAndGradFunction
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
@@ -30,7 +31,7 @@ class DataParallelStep:
     """A training step over all ranks; see data_parallel."""
 
     def __init__(self, fn, average, bucket_bytes, check_replicas, split_plan, comm):
-        if not all(hasattr(fn, name) for name in ("lookup", "argnums", "has_aux")):
+        if not isinstance(fn, ValueAndGradFunction) or isinstance(fn, GradFunction):
             raise TypeError(
                 "data_parallel needs the training step as bp.value_and_grad(loss_fn), whose "
                 f"joint plan says when each gradient is ready; got {type(fn).__name__}"
@@ -45,6 +46,7 @@ class DataParallelStep:
         self._comm = comm
         self._layouts: dict = {}
         self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
+        self._inputs: dict = {}  # call key -> (joint trace, positions of its tensors)
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
@@ -52,11 +54,12 @@ class DataParallelStep:
             return self.fn(*args, **kwargs)
         if self.check_replicas:
             verify_replicas(self._differentiated(args), world.comm)
-        layout = self.layout(args, kwargs)
+        key, leaves = call_key(args, kwargs, is_grad_enabled())
+        layout = self._layout(args, kwargs, key)
         exchange = Exchange(world, layout, self.average)
         if self.split_plan:
             self._agree(world, layout)
-            aux = self._run_split(args, kwargs, exchange)
+            aux = self._run_split(args, kwargs, key, leaves, exchange)
         else:
             result = self.fn(*args, **kwargs)
             (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
@@ -67,13 +70,11 @@ class DataParallelStep:
         loss, grads = summed[0], unflatten(layout.grad_treedef, summed[1:])
         return ((loss, aux), grads) if self.fn.has_aux else (loss, grads)
 
-    def _run_split(self, args, kwargs, exchange: Exchange):
+    def _run_split(self, args, kwargs, key, leaves, exchange: Exchange):
         """Run the joint plan segment by segment, starting each bucket's allreduce after the
         segment that finishes it; returns the aux outputs (has_aux) or None."""
-        _, call, _, entry = self.fn.lookup(args, kwargs)
+        entry, arrays = self._joint_inputs(args, kwargs, key, leaves)
         segments = self._segments_of(entry, exchange.layout)
-        arrays = [call.leaves[p]._data for p in call.tensor_positions]
-        arrays += [t._data for t in entry.captured]
         outputs = entry.plan.graph.outputs
         positions = exchange.layout.output_positions
 
@@ -87,6 +88,21 @@ class DataParallelStep:
         aux = [Tensor._from_array(a) for a in results[1 : 1 + entry.n_aux]]
         return unflatten(entry.aux_treedef, aux)
 
+    def _joint_inputs(self, args, kwargs, key, leaves):
+        """The joint trace and its input arrays, as value_and_grad would pass them; after the
+        first call of a signature without binding it again (as value_and_grad's fast path)."""
+        hit = self._inputs.get(key) if key is not None else None
+        if hit is None:
+            bound, entry = self.fn.lookup(args, kwargs)
+            tensors = [bound.call.leaves[p] for p in bound.call.tensor_positions]
+            positions = positions_of(tensors, leaves) if key is not None else None
+            if positions is not None:
+                self._inputs[key] = (entry, positions)
+        else:
+            entry, positions = hit
+            tensors = [leaves[i] for i in positions]
+        return entry, [t._data for t in tensors] + [t._data for t in entry.captured]
+
     def _segments_of(self, entry, layout: Layout):
         found = self._segments.get(id(entry))
         if found is None:
@@ -97,7 +113,9 @@ class DataParallelStep:
     def layout(self, args, kwargs=None) -> Layout:
         """The buckets for these arguments' signature (cached per signature)."""
         kwargs = kwargs or {}
-        key, _ = call_key(args, kwargs, is_grad_enabled())
+        return self._layout(args, kwargs, call_key(args, kwargs, is_grad_enabled())[0])
+
+    def _layout(self, args, kwargs, key) -> Layout:
         found = self._layouts.get(key) if key is not None else None
         if found is None:
             found = build_layout(self.fn, args, kwargs, self.bucket_bytes)

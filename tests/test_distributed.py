@@ -119,8 +119,8 @@ def test_split_plan_runs_the_same_steps_as_the_joint_plan():
     params = init_mlp([8, 16, 16, 4])
     x, y = synthetic_classification(16, 8, 4)
     vg = bp.value_and_grad(mlp_loss)
-    _, call, _, entry = vg.lookup((params, bp.tensor(x), bp.tensor(y)), {})
-    arrays = [call.leaves[p]._data for p in call.tensor_positions]
+    bound, entry = vg.lookup((params, bp.tensor(x), bp.tensor(y)), {})
+    arrays = [bound.call.leaves[p]._data for p in bound.call.tensor_positions]
     cuts = [
         row.ready_step
         for row in bpd.data_parallel(vg, bucket_bytes=1)
@@ -159,8 +159,9 @@ def test_init_without_mpi4py_says_what_to_install(monkeypatch):
 
 
 def test_data_parallel_needs_value_and_grad():
-    with pytest.raises(TypeError, match=r"bp\.value_and_grad\(loss_fn\)"):
-        bpd.data_parallel(mlp_loss)
+    for not_value_and_grad in (mlp_loss, bp.grad(mlp_loss)):
+        with pytest.raises(TypeError, match=r"bp\.value_and_grad\(loss_fn\)"):
+            bpd.data_parallel(not_value_and_grad)
     with pytest.raises(ValueError, match="bucket_bytes"):
         bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=0)
 
