@@ -29,6 +29,7 @@ from backplan.runtime import (
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
 from backplan.tracer.explain import explain
+from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import (
     abs,
     add,
@@ -129,6 +130,7 @@ __all__ = [
     "exp",
     "expand_dims",
     "explain",
+    "explain_graph",
     "export",
     "flatten",
     "full",

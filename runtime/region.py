@@ -72,10 +72,24 @@ class Region:
     @property
     def saved_buffers(self) -> list[SavedBuffer]:
         """Each saved buffer: name, shape, dtype, nbytes, producer, readers, freed or not."""
-        return [
-            SavedBuffer(**info.__dict__, freed=info.slot not in self._saved)
-            for info in self.program.saved_info
-        ]
+        buffers = []
+        for info in self.program.saved_info:
+            fields = dict(info.__dict__, freed=info.slot not in self._saved)
+            upstream = self._upstream_of(self.program.plans.saved[info.slot].source)
+            if upstream is not None:  # an earlier region's output, not the user's own array
+                fields.update(
+                    op=upstream.name, produced_at=upstream.created_at, is_region_input=False
+                )
+            buffers.append(SavedBuffer(**fields))
+        return buffers
+
+    def _upstream_of(self, source: tuple[str, int]) -> Region | None:
+        """The region that produced forward input `source[1]`, when a gradient flows to it."""
+        kind, index = source
+        wrt = self.program.plans.wrt
+        if kind != "input" or not wrt[index]:
+            return None
+        return self.input_edges[sum(wrt[:index])].region
 
     @property
     def planned_saved_bytes(self) -> int:
