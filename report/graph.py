@@ -101,7 +101,11 @@ def _total_line(report: GraphReport) -> str:
             "keeps them)."
         )
     first = report.regions.index(freed[0]) + 1
+    which = (
+        "every region is freed"
+        if len(freed) == len(report.regions)
+        else f"{len(freed)} of the {len(report.regions)} regions are freed"
+    )
     return (
-        f"{text}. {len(freed)} of the {len(report.regions)} regions are freed: backward() "
-        f"raises GraphFreedError at region {first} (`{freed[0].name}`)."
+        f"{text}; {which}: backward() raises GraphFreedError at region {first} (`{freed[0].name}`)."
     )
