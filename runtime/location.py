@@ -18,12 +18,14 @@ class SourceLoc(tuple):
 
     stack: tuple[tuple[str, str, int], ...]
     api: str | None
+    text: str
 
     def __new__(cls, stack: tuple[tuple[str, str, int], ...], api: str | None = None):
         _, file, line = stack[0]
         loc = super().__new__(cls, (file, line))
         loc.stack = stack
         loc.api = api
+        loc.text = _stack_text(stack)  # made once: the tracer shares one SourceLoc per line
         return loc
 
     @property
@@ -41,14 +43,15 @@ def loc_text(loc) -> str:
     functions it went through down to the line that made the value."""
     if not loc:
         return "<unknown>"
-    stack = getattr(loc, "stack", None)
-    if not stack:
-        return f"{os.path.basename(loc[0])}:{loc[1]}"
+    text = getattr(loc, "text", None)
+    return text if text is not None else f"{os.path.basename(loc[0])}:{loc[1]}"
+
+
+def _stack_text(stack: tuple[tuple[str, str, int], ...]) -> str:
     outer, inner = stack[-1], stack[-2::-1]
     text = _frame_text(outer)
     if inner:
-        via = ", ".join(f"{f[0]} at {_frame_text(f)}" for f in inner)
-        text += f" (via {via})"
+        text += f" (via {', '.join(f'{f[0]} at {_frame_text(f)}' for f in inner)})"
     return text
 
 

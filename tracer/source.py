@@ -40,11 +40,32 @@ def _is_outside_user_code(filename: str) -> bool:
     return known
 
 
-def _public_name(name: str, current: str | None) -> str | None:
+def _public_name(name: str) -> str | None:
     """Library frames seen from the inside out; the outermost one with a public name is the
     function the user called (`mse_loss`, not the `mul` it calls)."""
     public = name.isidentifier() and not name.startswith("_") and name not in _PLUMBING
-    return name if public else current
+    return name if public else None
+
+
+USER, LIBRARY, OUTSIDE = 0, 1, 2
+_code_facts: dict = {}  # id(code) -> (USER | LIBRARY | OUTSIDE, public name or None, code)
+_locs: dict = {}  # (api, id(code), line, ...) -> (SourceLoc, codes): repeated lines share one
+MAX_CACHED = 20_000
+
+
+def _facts(frame) -> tuple:
+    """What a frame's code is, worked out once per code object (each op walks only lookups)."""
+    code = frame.f_code
+    facts = _code_facts.get(id(code))  # by id: hashing a code object hashes its contents
+    if facts is None or facts[2] is not code:
+        if len(_code_facts) > MAX_CACHED:
+            _code_facts.clear()
+        if _is_library(frame.f_globals.get("__name__", "")):
+            kind = LIBRARY
+        else:
+            kind = OUTSIDE if _is_outside_user_code(code.co_filename) else USER
+        facts = _code_facts[id(code)] = (kind, _public_name(code.co_name), code)
+    return facts
 
 
 def user_frame_loc() -> SourceLoc | None:
@@ -53,19 +74,31 @@ def user_frame_loc() -> SourceLoc | None:
     the public function called from it."""
     frame = sys._getframe(1)
     api = None
-    while frame is not None and _is_library(frame.f_globals.get("__name__", "")):
-        api = _public_name(frame.f_code.co_name, api)
+    while frame is not None:
+        kind, public, _ = _facts(frame)
+        if kind != LIBRARY:
+            break
+        api = public or api
         frame = frame.f_back
     if frame is None:
         return None
-    stack = []
-    while frame is not None and len(stack) < MAX_USER_FRAMES:
+    key, codes = [api], []
+    while frame is not None and len(codes) < MAX_USER_FRAMES:
         code = frame.f_code
-        if stack and (
-            _is_library(frame.f_globals.get("__name__", ""))
-            or _is_outside_user_code(code.co_filename)
-        ):
+        if codes and _facts(frame)[0] != USER:
             break
-        stack.append((code.co_name, code.co_filename, frame.f_lineno))
+        key += (id(code), frame.f_lineno)  # ids: a code object hashes by its whole content
+        codes.append(code)
         frame = frame.f_back
-    return SourceLoc(tuple(stack), api)
+    key, codes = tuple(key), tuple(codes)
+    cached = _locs.get(key)
+    if cached is not None and cached[1] == codes:  # the same code objects, not reused ids
+        return cached[0]
+    if len(_locs) > MAX_CACHED:
+        _locs.clear()
+    stack = tuple(
+        (code.co_name, code.co_filename, line) for code, line in zip(codes, key[2::2], strict=True)
+    )
+    loc = SourceLoc(stack, api)
+    _locs[key] = (loc, codes)
+    return loc
