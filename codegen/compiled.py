@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from backplan.ir.errors import ExecutionError
+from backplan.ir.index_check import format_position
 from backplan.ir.liveness import Plan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
@@ -111,12 +112,18 @@ class CompiledPlan:
         return sum(int(np.prod(s)) * d.itemsize for s, d in self._output_buffers)
 
     def _located(self, exc: Exception) -> ExecutionError:
-        """Generated code names the failing value (%12); give the user's line."""
-        message = str(exc)
-        match = re.match(r"%(\d+) (\w+): (.*)", message)
-        if match:
-            names = {n: v for v, n in value_names(self.plan.graph).items()}
-            node = names.get(f"%{match.group(1)}")
-            where = f" at {format_loc(node.loc)}" if node is not None and node.loc else ""
-            return ExecutionError(f"{match.group(2)}{where}: {match.group(3)}")
-        return ExecutionError(message)
+        """Generated code names the failing value (%12) and, for a bad index, passes its flat
+        position, the value there and the indices' shape; give the user's line and the same
+        words as the reference interpreter."""
+        message = exc.args[0] if exc.args else str(exc)
+        match = re.match(r"%(\d+) (\w+): (.*)", str(message), flags=re.S)
+        if not match:
+            return ExecutionError(str(exc))
+        detail = match.group(3)
+        if len(exc.args) == 4:
+            flat, value, shape = exc.args[1:]
+            detail = detail.format(value=value, position=format_position(flat, shape))
+        names = {n: v for v, n in value_names(self.plan.graph).items()}
+        node = names.get(f"%{match.group(1)}")
+        where = f" at {format_loc(node.loc)}" if node is not None and node.loc else ""
+        return ExecutionError(f"{match.group(2)}{where}: {detail}")

@@ -3,6 +3,7 @@
 import numpy as np
 
 from ..errors import DtypeError, ShapeError
+from ..index_check import check_in_range, label_message
 from ..registry import AttrSpec, OpDef, register
 from ..shapes import fmt, normalize_axes, normalize_axis, reduced_shape
 from ..types import TensorType
@@ -120,9 +121,7 @@ def _ce_infer(types, attrs):
 
 def _ce_ref(logits, labels, reduction):
     n_classes = logits.shape[-1]
-    if labels.size and (labels.min() < 0 or labels.max() >= n_classes):
-        bad = labels[(labels < 0) | (labels >= n_classes)].flat[0]
-        raise IndexError(f"label {bad} is out of range for {n_classes} classes")
+    check_in_range(labels, 0, n_classes, label_message)
     logp = _log_softmax_ref(logits, logits.ndim - 1)
     picked = -np.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     if reduction == "none":
