@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import types
 
 import llvmlite
@@ -25,6 +26,7 @@ import numba
 import numpy as np
 
 CODEGEN_VERSION = "1"
+_importing = threading.Lock()  # one thread at a time writes and imports entries
 
 
 def cache_dir() -> str:
@@ -127,13 +129,15 @@ def load_module(source: str, parts: dict[str, str]):
         _write_atomic(path, source)
         _write_atomic(os.path.join(directory, f"bp_{key}.json"), json.dumps(parts, sort_keys=True))
     name = f"backplan_kernels_{key}"
-    module = sys.modules.get(name)
-    if module is None or getattr(module, "__source_text__", None) != source:
-        # Run the source we generated (not whatever the file holds) under the file's name, so
-        # Numba's cache, which keys on the file, still works.
-        module = types.ModuleType(name)
-        module.__file__ = path
-        module.__source_text__ = source
-        sys.modules[name] = module
-        exec(compile(source, path, "exec"), module.__dict__)
+    with _importing:
+        module = sys.modules.get(name)
+        if module is None or getattr(module, "__source_text__", None) != source:
+            # Run the source we generated (not whatever the file holds) under the file's name,
+            # so Numba's cache, which keys on the file, still works. Published only once whole:
+            # another thread must never see a module whose `run` is not defined yet.
+            module = types.ModuleType(name)
+            module.__file__ = path
+            module.__source_text__ = source
+            exec(compile(source, path, "exec"), module.__dict__)
+            sys.modules[name] = module
     return module, hit, reason

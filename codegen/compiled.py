@@ -3,8 +3,8 @@ and returns lists of arrays exactly like the reference interpreter."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-import sys
 import time
 
 import numpy as np
@@ -19,6 +19,10 @@ from . import cache
 from .emit import generate
 from .flags import FASTMATH, PARALLEL_MIN_ELEMENTS
 from .loops import internal_shape
+from .workspace import WorkspacePool, parallel_guard
+
+# A call into a parallel kernel (generated or from the library) appears in the source as one of:
+PARALLEL_LAUNCH = re.compile(r"parallel=True|\b\w+_par\(")
 
 
 def canonical_text(plan: Plan) -> str:
@@ -47,15 +51,19 @@ class CompiledPlan:
         self._constants = [
             np.ascontiguousarray(graph.constants[c]) for c in generated.constant_names
         ]
-        self._scratch = [np.empty(max(n, 1), np_dtype(d)) for d, n in generated.scratch.items()]
         self._output_buffers = [
             (internal_shape(v.shape), np_dtype(v.dtype)) for v in generated.output_buffers
         ]
+        self._workspaces = WorkspacePool(
+            [(np_dtype(d), n) for d, n in generated.scratch.items()], self._output_buffers
+        )
+        self._launch_guard = (
+            parallel_guard() if PARALLEL_LAUNCH.search(self.source) else contextlib.nullcontext()
+        )
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
             for i, n in generated.literal_outputs.items()
         }
-        self._previous_outputs = [None] * len(self._output_buffers)
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
         self._scalar_outputs = [i for i, v in enumerate(graph.outputs) if v.shape == ()]
         self.generate_seconds = time.perf_counter() - start
@@ -67,17 +75,22 @@ class CompiledPlan:
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
         arrays += self._constants
-        arrays += self._scratch
-        arrays += self._output_arrays()
+        workspace = self._workspaces.checkout()
+        arrays += workspace.scratch
+        arrays += workspace.output_arrays()
         try:
-            if self.first_call_seconds is None:
-                start = time.perf_counter()
-                returned = self._run(*arrays)
-                self.first_call_seconds = time.perf_counter() - start
-            else:
-                returned = self._run(*arrays)
+            with self._launch_guard:
+                if self.first_call_seconds is None:
+                    start = time.perf_counter()
+                    returned = self._run(*arrays)
+                    self.first_call_seconds = time.perf_counter() - start
+                else:
+                    returned = self._run(*arrays)
         except IndexError as exc:
             raise self._located(exc) from None
+        finally:
+            del arrays
+            self._workspaces.checkin(workspace)
         if not (self._literal_outputs or self._scalar_outputs):
             return list(returned)
         outputs = list(returned)
@@ -87,24 +100,10 @@ class CompiledPlan:
             outputs[i] = outputs[i].reshape(())
         return outputs
 
-    def _output_arrays(self) -> list:
-        """Fresh output buffers, except that a buffer from the previous call that nobody holds
-        any more is reused: no new pages to fault in (16 MiB outputs cost ~1 ms each)."""
-        arrays = []
-        for i, (shape, dtype) in enumerate(self._output_buffers):
-            previous = self._previous_outputs[i]
-            if previous is not None and sys.getrefcount(previous) == 3:  # list, local, argument
-                previous.flags.writeable = True
-                arrays.append(previous)
-            else:
-                arrays.append(np.empty(shape, dtype))
-            self._previous_outputs[i] = arrays[-1]
-        return arrays
-
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the arenas this plan keeps and reuses on every call."""
-        return sum(a.nbytes for a in self._scratch)
+        """Bytes of the arenas this plan keeps and reuses on every call (per concurrent call)."""
+        return self._workspaces.scratch_bytes
 
     @property
     def output_bytes(self) -> int:

@@ -4,6 +4,9 @@ routes gradients upstream, and only then writes leaf .grad, so a failed backward
 
 from __future__ import annotations
 
+import threading
+from contextlib import ExitStack
+
 import numpy as np
 
 from .errors import GraphFreedError
@@ -57,10 +60,24 @@ def freed_error(region: Region, root: Region, loc: str) -> GraphFreedError:
     return GraphFreedError("\n".join(lines))
 
 
+# Leaf .grad is read, added to and written back; two graphs sharing a leaf must not interleave.
+_leaf_grads = threading.Lock()
+
+
 def backward(
     root: Region, index: int, gradient: np.ndarray, retain_graph: bool, loc: str, root_desc: str
 ) -> None:
+    """Backward passes that reach a common region run one after the other (the second one then
+    sees what the first freed); passes over distinct graphs run concurrently. Region locks are
+    taken in one global order, so two passes never wait on each other in a cycle."""
     order = regions_in_order(root)
+    with ExitStack() as held:
+        for region in sorted(order, key=id):
+            held.enter_context(region.lock)
+        _backward_locked(order, root, index, gradient, retain_graph, loc, root_desc)
+
+
+def _backward_locked(order, root, index, gradient, retain_graph, loc, root_desc) -> None:
     for region in order:
         if region.freed:
             raise freed_error(region, root, loc)
@@ -77,8 +94,9 @@ def backward(
         freed = FreedBy(loc, root, root_desc)
         for region in order:
             region.mark_freed(freed)
-    for leaf, grad in leaf_grads.values():
-        leaf._accumulate_grad(grad)
+    with _leaf_grads:
+        for leaf, grad in leaf_grads.values():
+            leaf._accumulate_grad(grad)
 
 
 def _route(edge, grad, pending, leaf_grads) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,7 @@ class Region:
         self._saved: dict[int, np.ndarray] = dict(enumerate(saved))
         self.freed_by: FreedBy | None = None
         self.backward_calls = 0
+        self.lock = threading.RLock()  # held by the backward() running through this region
         memory.track(self)
 
     @property
