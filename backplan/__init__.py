@@ -8,6 +8,9 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
+from backplan.artifacts.export import export
+from backplan.artifacts.format import ExportError
+from backplan.artifacts.load import load
 from backplan.ir.errors import (
     BackplanError,
     DtypeError,
@@ -25,10 +28,7 @@ from backplan.runtime import (
     no_grad,
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
-from backplan.tracer.artifact_format import ExportError
-from backplan.tracer.artifact_load import load
 from backplan.tracer.explain import explain
-from backplan.tracer.export import export
 from backplan.tracer.ops import (
     abs,
     add,
@@ -101,4 +101,88 @@ def zero_grad(tree) -> None:
     tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, tree)
 
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [
+    "BackplanError",
+    "BackwardError",
+    "DtypeError",
+    "ExecutionError",
+    "ExportError",
+    "GraphFreedError",
+    "ParseError",
+    "ShapeError",
+    "Tensor",
+    "TracingError",
+    "VerifyError",
+    "abs",
+    "add",
+    "as_tensor",
+    "astype",
+    "broadcast_to",
+    "compile",
+    "concatenate",
+    "cross_entropy",
+    "div",
+    "embedding",
+    "enable_grad",
+    "equal",
+    "erf",
+    "exp",
+    "expand_dims",
+    "explain",
+    "export",
+    "flatten",
+    "full",
+    "gelu",
+    "grad",
+    "greater",
+    "greater_equal",
+    "is_grad_enabled",
+    "layer_norm",
+    "less",
+    "less_equal",
+    "live_saved_bytes",
+    "load",
+    "log",
+    "log_softmax",
+    "logsumexp",
+    "matmul",
+    "max",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "mse_loss",
+    "mul",
+    "neg",
+    "no_grad",
+    "not_equal",
+    "one_hot",
+    "ones",
+    "ones_like",
+    "permute",
+    "pow",
+    "relu",
+    "reshape",
+    "sigmoid",
+    "sign",
+    "softmax",
+    "sqrt",
+    "squeeze",
+    "stack",
+    "stop_gradient",
+    "sub",
+    "sum",
+    "swapaxes",
+    "take",
+    "tanh",
+    "tensor",
+    "transpose",
+    "tree_map",
+    "unsqueeze",
+    "value_and_grad",
+    "var",
+    "where",
+    "zero_grad",
+    "zeros",
+    "zeros_like",
+]

@@ -432,5 +432,5 @@ COST_NOTES = {
     ("erf", "f64"): "exp + degree-11 and degree-17 polynomials, both evaluated; 1.6 ns",
 }
 """What each function costs. The times are per element of a single-threaded AVX-512 loop with
-data in cache (Zen 5, `python -m backplan.codegen.bench_mathlib`); a loop that streams 16M
+data in cache (Zen 5, `python -m backplan.bench.mathlib`); a loop that streams 16M
 float32 elements from memory costs about 0.2 ns per element for the traffic alone."""

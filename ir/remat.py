@@ -89,9 +89,11 @@ def rematerialize(
     return list(kept.values()), recomputed
 
 
-def _leaves(chain: list[Value]) -> set[Value]:
+def _leaves(chain: list[Value]) -> list[Value]:
+    """In first-read order, so a plan's inputs (and its generated source) never depend on
+    where Python happened to allocate the values."""
     inside = set(chain)
-    return {i for node in chain for i in node.inputs if i not in inside}
+    return list(dict.fromkeys(i for node in chain for i in node.inputs if i not in inside))
 
 
 def _rewrite(backward: Graph, all_saved, kept, recomputed) -> None:

@@ -11,7 +11,7 @@ from backplan.ir.types import np_dtype
 
 from . import memory
 from .program import RegionProgram, SavedBufferInfo
-from .report_recomputed import recomputed_infos
+from .recomputed import recomputed_infos
 from .saved_table import format_saved_table
 
 

@@ -471,7 +471,7 @@ def test_kernel_groups_from_a_fusion_pass_are_reported():
     report = fn.explain(x)
     assert len(report.kernels) == len(report.view.steps) and report.fused_kernels == 0
     assert report.backend == "reference" and "runs each of the 8 steps" in flat(report)
-    from backplan.runtime.report import region_report
+    from backplan.report.report import region_report
 
     program = fn.trace(x).program
     backward = program.plans.backward.graph.nodes
@@ -534,8 +534,8 @@ def test_numba_report_states_the_compiled_layout_without_compiling(
     form, case, tmp_path, monkeypatch
 ):
     import backplan.codegen.compiled as compiled
+    from backplan.report.text import format_bytes
     from backplan.runtime.backend import make_runner, use_backend
-    from backplan.runtime.report_text import format_bytes
 
     cache = tmp_path / "kernels"
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(cache))

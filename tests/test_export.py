@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.tracer.artifact_format import sha256
+from backplan.artifacts.format import sha256
 
 MODEL_SOURCE = """
 import numpy as np

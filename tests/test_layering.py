@@ -1,5 +1,6 @@
 """Imports point down: ir imports nothing of ours, codegen only ir, runtime ir and codegen,
-tracer ir and runtime, and no layer imports the face (`backplan` itself or its own modules).
+report (explain) those three, tracer ir, runtime and report, artifacts (export/load) everything
+below it, and no layer imports the face (`backplan` itself or its own modules).
 Imports are read with ast, so lazy imports inside functions count too."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ ALLOWED = {
     "ir": set(),
     "codegen": {"ir"},
     "runtime": {"ir", "codegen"},
-    "tracer": {"ir", "runtime"},
+    "report": {"ir", "codegen", "runtime"},
+    "tracer": {"ir", "runtime", "report"},
+    "artifacts": {"ir", "codegen", "runtime", "report", "tracer"},
 }
 DYNAMIC_IMPORTERS = ("import_module", "__import__")
 

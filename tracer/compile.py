@@ -13,6 +13,7 @@ from .captured_names import captured_names
 from .errors import TracingError
 from .fastpath import call_key, positions_of
 from .pytree import TreeDef, flatten, unflatten
+from .reports import explain_traced
 from .signature import SignatureKey, bind_call, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
@@ -184,8 +185,6 @@ class CompiledFunction:
     def explain(self, *args, **kwargs):
         """The plan for this signature as a report (text, DOT, picture); nothing runs.
         See `backplan.explain`."""
-        from .explain import explain_traced
-
         traced = self.trace(*args, **kwargs)
         return explain_traced(traced, self.cache_info())
 

@@ -18,6 +18,7 @@ from .compile import trace_function
 from .errors import TracingError
 from .fastpath import call_key, positions_of
 from .pytree import flatten, unflatten
+from .reports import explain_joint
 from .signature import bind_call
 from .tensor import Tensor
 from .trace import current_trace
@@ -102,8 +103,6 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
 
     def explain(*args, **kwargs):
         """The joint plan for this signature as a report; nothing runs. See backplan.explain."""
-        from .explain import explain_joint
-
         _, call, _, entry = lookup(args, kwargs)
         return explain_joint(entry, call, fn, cache)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import inspect
 
-from .artifact_format import ExportError
-from .pytree import TreeDef
+from backplan.tracer.pytree import TreeDef
+
+from .format import ExportError
 
 MAX_DEPTH = 64
 MAX_STRING = 4096

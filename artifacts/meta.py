@@ -6,10 +6,10 @@ from __future__ import annotations
 from backplan.ir.errors import BackplanError
 from backplan.ir.shapes import check_size
 from backplan.ir.types import DTYPES, TensorType, dtype_name
+from backplan.tracer.signature import LeafKey, SignatureKey
 
-from .artifact_format import ExportError
-from .artifact_tree import static_from_json, static_key, treedef_from_json
-from .signature import LeafKey, SignatureKey
+from .format import ExportError
+from .tree import static_from_json, static_key, treedef_from_json
 
 MAX_NAME = 200
 

@@ -21,18 +21,18 @@ from importlib import metadata
 
 from backplan.ir.liveness import Plan
 from backplan.ir.types import dtype_name
+from backplan.tracer.captured_names import captured_names
+from backplan.tracer.compile import CompiledFunction
+from backplan.tracer.signature import bind_call
 
-from .artifact_format import ExportError, array_to_npy, json_bytes, write_artifact
-from .artifact_plans import plan_facts
-from .artifact_tree import (
+from .format import ExportError, array_to_npy, json_bytes, write_artifact
+from .plans import plan_facts
+from .tree import (
     leaf_paths,
     parameters_to_json,
     static_to_json,
     treedef_to_json,
 )
-from .captured_names import captured_names
-from .compile import CompiledFunction
-from .signature import bind_call
 
 
 def export(fn, *example_args, path, **example_kwargs) -> str:

@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backplan.ir.liveness import Plan
+from backplan.runtime.backend import current_backend
+from backplan.runtime.program import RegionProgram, SavedBufferInfo
+from backplan.runtime.recomputed import RecomputedInfo, recomputed_infos
 
-from .backend import current_backend
+from .compiled import CompiledPlanFacts, joint_facts, region_facts
 from .joint_view import joint_saved_info, joint_view
 from .kernels import KernelInfo, kernels_from_groups, planned_groups
 from .plan_view import PlanView, StepInfo, region_view
-from .program import RegionProgram, SavedBufferInfo
-from .report_compiled import CompiledPlanFacts, joint_facts, region_facts
-from .report_recomputed import RecomputedInfo, recomputed_infos
 
 STEP_PLANS = ("forward", "backward (consume)", "joint")  # what one default training step runs
 
@@ -141,7 +141,7 @@ class ExplainReport:
     # ---- renderings ---------------------------------------------------------------------------
 
     def __str__(self) -> str:
-        from .report_text import render_report
+        from .text import render_report
 
         return render_report(self)
 

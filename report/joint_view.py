@@ -8,9 +8,9 @@ from backplan.ir.autodiff import backward_graph
 from backplan.ir.graph import Graph, Value
 from backplan.ir.liveness import Plan
 from backplan.ir.text import format_loc, format_node, value_names
+from backplan.runtime.program import SavedBufferInfo
 
 from .plan_view import BufferInfo, PlanView, StepInfo, free_steps, hand_to_caller, input_label
-from .program import SavedBufferInfo
 
 REBUILT_OPS = ("full", "const")  # constants are rebuilt where needed, never saved
 

@@ -1,6 +1,6 @@
 """Time mathlib's functions in a Numba loop against NumPy/SciPy and show that the loops vectorise.
 
-Run by hand: ``python -m backplan.codegen.bench_mathlib [n ...]`` (default 65536 and 16M
+Run by hand: ``python -m backplan.bench.mathlib [n ...]`` (default 65536 and 16M
 elements, single thread). Prints nanoseconds per element (best of many samples) for ours and
 NumPy/SciPy, their ratio, and whether the compiled loop uses packed AVX-512/AVX2 instructions
 with no scalar libm call left in it. The machine is shared and noisy: compare ratios.

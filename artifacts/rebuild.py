@@ -10,15 +10,15 @@ from dataclasses import replace
 from backplan.ir.pipeline import PassLog, RegionPlans, SavedSlot
 from backplan.ir.types import is_float
 from backplan.runtime import RegionProgram
+from backplan.tracer.compile import TracedFunction
+from backplan.tracer.functional import JointTrace
+from backplan.tracer.signature import SignatureKey
+from backplan.tracer.tensor import Tensor
 
-from .artifact_format import ExportError
-from .artifact_meta import MAX_NAME, bool_list, check_inputs, field
-from .artifact_tree import static_from_json, treedef_from_json
-from .compile import TracedFunction
-from .functional import JointTrace
+from .format import ExportError
 from .loaded import LoadedFunction, LoadedValueAndGrad
-from .signature import SignatureKey
-from .tensor import Tensor
+from .meta import MAX_NAME, bool_list, check_inputs, field
+from .tree import static_from_json, treedef_from_json
 
 # ---- compiled functions -----------------------------------------------------------------------
 

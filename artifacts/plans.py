@@ -20,7 +20,7 @@ from backplan.ir.types import dtype_name
 from backplan.ir.verify import verify_plan
 from backplan.runtime.backend import memory_plan_facts
 
-from .artifact_format import ExportError
+from .format import ExportError
 
 MAX_LINE_CHARS = 10_000
 MAX_LINES = 2_000_000

@@ -9,18 +9,18 @@ import numpy as np
 
 from backplan.ir.graph import inline_graph
 from backplan.ir.types import np_dtype
+from backplan.report.report import ExplainReport, joint_report, region_report
 from backplan.runtime import is_grad_enabled
-from backplan.runtime.report import ExplainReport, joint_report, region_report
+from backplan.tracer.compile import TracedFunction, run_traced
+from backplan.tracer.functional import JointTrace, _as_diff_arg, run_joint
+from backplan.tracer.pytree import TreeDef, unflatten
+from backplan.tracer.signature import BoundCall, SignatureKey
+from backplan.tracer.tensor import Tensor
+from backplan.tracer.trace import current_trace
 
-from .artifact_call import conform, match_leaves
-from .artifact_format import ExportError
-from .artifact_tree import render_tree
-from .compile import TracedFunction, run_traced
-from .functional import JointTrace, _as_diff_arg, run_joint
-from .pytree import TreeDef, unflatten
-from .signature import BoundCall, SignatureKey
-from .tensor import Tensor
-from .trace import current_trace
+from .call import conform, match_leaves
+from .format import ExportError
+from .tree import render_tree
 
 
 class LoadedArtifact:

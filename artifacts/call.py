@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .artifact_format import ExportError
-from .artifact_tree import child_path
-from .pytree import TreeDef, flatten
-from .signature import LeafKey
-from .tensor import Tensor
+from backplan.tracer.pytree import TreeDef, flatten
+from backplan.tracer.signature import LeafKey
+from backplan.tracer.tensor import Tensor
+
+from .format import ExportError
+from .tree import child_path
 
 
 def conform(treedef: TreeDef, value, path: str, artifact: str):

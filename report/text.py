@@ -5,8 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from backplan.ir.text import format_loc
-
-from .saved_table import format_saved_table
+from backplan.runtime.saved_table import format_saved_table
 
 WIDTH = 100
 
@@ -22,7 +21,7 @@ def format_bytes(n: int) -> str:
 
 
 def render_report(report) -> str:
-    from .report_memory import memory_text  # it formats with this module's helpers
+    from .memory import memory_text  # it formats with this module's helpers
 
     sections = [
         (f"explain: {report.name}", ""),

@@ -12,11 +12,11 @@ import os
 
 from backplan.ir.errors import BackplanError
 
-from .artifact_format import ExportError, npy_to_array, parse_json, parse_text, read_artifact
-from .artifact_meta import MAX_NAME, check_dtype, check_shape, field, signature_key
-from .artifact_plans import machine_memory_bytes, read_plan
-from .artifact_rebuild import build_compiled, build_joint
-from .artifact_tree import signature_from_json
+from .format import ExportError, npy_to_array, parse_json, parse_text, read_artifact
+from .meta import MAX_NAME, check_dtype, check_shape, field, signature_key
+from .plans import machine_memory_bytes, read_plan
+from .rebuild import build_compiled, build_joint
+from .tree import signature_from_json
 
 PLAN_ROLES = {"compiled": ({"forward"}, {"forward", "backward"}), "value_and_grad": ({"joint"},)}
 
@@ -30,7 +30,7 @@ def load(path, max_bytes: int | None = None):
     >>> bp.load("no/such/file.bpz")
     Traceback (most recent call last):
     ...
-    backplan.tracer.artifact_format.ExportError: no/such/file.bpz: no such artifact file
+    backplan.artifacts.format.ExportError: no/such/file.bpz: no such artifact file
     """
     where = os.fspath(path)
     manifest, members = read_artifact(where)

@@ -1,0 +1,5 @@
+"""backplan.report: explain() reports — the plans of a step as text, DOT and a picture.
+
+Sits above the runtime (it reads regions and compiled-plan facts) and below the tracer, whose
+compiled functions hand their traced plans to it.
+"""

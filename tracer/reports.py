@@ -1,0 +1,58 @@
+"""The explain() report of one traced signature: a compiled function's region plans, or
+value_and_grad's joint plan, named the way the user's function names its parameters."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+from backplan.report.report import ExplainReport, joint_report, region_report
+
+from .captured_names import captured_names
+from .signature import miss_reason
+
+
+def explain_traced(traced, cache_info) -> ExplainReport:
+    """The report of one signature of a compiled function."""
+    return region_report(
+        traced.program, traces=cache_info.traces, retrace_reason=cache_info.last_miss_reason
+    )
+
+
+def explain_joint(entry, call, fn, cache: dict) -> ExplainReport:
+    """The report of one signature of value_and_grad: its joint plan."""
+    names = [_parameter_path(fn, call.key.leaves[p].path) for p in call.tensor_positions]
+    names += captured_names(fn, entry.captured)
+    keys = list(cache)
+    reason = None
+    if len(keys) > 1:
+        (old, old_diff), (new, new_diff) = keys[-2], keys[-1]
+        reason = miss_reason(old, new)
+        if old_diff != new_diff and old.treedef == new.treedef:
+            reason = "the differentiated arguments changed"
+    name = getattr(fn, "__name__", "fn")
+    return joint_report(
+        entry.plan, 1 + entry.n_aux, entry.wrt, names, name, traces=len(keys), retrace_reason=reason
+    )
+
+
+def _parameter_path(fn, path: str) -> str:
+    """value_and_grad binds arguments by position ("args[0]['w']"); name them as fn does."""
+    match = re.match(r"args\[(\d+)\]", path)
+    if match:
+        params = _positional_parameters(fn)
+        index = int(match.group(1))
+        if index < len(params):
+            return params[index] + path[match.end() :]
+        return path
+    match = re.match(r"kwargs\['(\w+)'\]", path)
+    return match.group(1) + path[match.end() :] if match else path
+
+
+def _positional_parameters(fn) -> list[str]:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
