@@ -6,7 +6,8 @@ of named parts; a sidecar `<key>.json` records them so a miss can say which part
 The source is regenerated from the IR every time and compared with the file: code is only ever
 run if it is exactly what backplan generated now, and a tampered, corrupt or half-written entry
 is simply rewritten (writes go to a temporary file, then rename, so concurrent processes never
-see a partial file).
+see a partial file). Numba's machine code beside it is signed (cache_signing.py) and checked
+before it is unpickled.
 """
 
 from __future__ import annotations
@@ -25,17 +26,31 @@ import llvmlite
 import numba
 import numpy as np
 
+from .cache_signing import CacheError, check_private_folder, key_path
+
 CODEGEN_VERSION = "1"
 _importing = threading.Lock()  # one thread at a time writes and imports entries
 
 
 def cache_dir() -> str:
+    """The cache folder, created 0700 (with the `__pycache__` Numba writes into); a folder that
+    other users can write to, or one holding the signing key, is refused with CacheError."""
     path = os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "backplan",
         "kernels",
     )
-    os.makedirs(path, exist_ok=True)
+    numba_files = os.path.join(path, "__pycache__")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.makedirs(numba_files, mode=0o700, exist_ok=True)
+    for folder in (path, numba_files):
+        check_private_folder(folder, "the kernel cache folder")
+    key = os.path.realpath(key_path())
+    if key.startswith(os.path.join(os.path.realpath(path), "")):
+        raise CacheError(
+            f"backplan's cache key {key} lies inside the kernel cache folder {path}; the key "
+            "must live elsewhere: set XDG_CONFIG_HOME or BACKPLAN_CACHE_DIR to separate them"
+        )
     return path
 
 
