@@ -27,6 +27,8 @@ register(
         "view",
         differentiable=False,
         doc="identity whose gradient is zero: detach() in a trace",
+        cost="free",
+        alias=True,
     )
 )
 
@@ -55,6 +57,7 @@ register(
         _reshape_vjp,
         attrs={"shape": AttrSpec("shape")},
         doc="saves nothing",
+        cost="free",
     )
 )
 
@@ -86,6 +89,7 @@ register(
         _transpose_vjp,
         attrs={"perm": AttrSpec("ints")},
         doc="saves nothing",
+        cost="free",
     )
 )
 
@@ -115,6 +119,8 @@ register(
         _broadcast_vjp,
         attrs={"shape": AttrSpec("shape")},
         doc="saves nothing",
+        cost="free",
+        alias=True,
     )
 )
 
@@ -173,6 +179,7 @@ register(
         _slice_vjp,
         attrs=SLICE_ATTRS,
         doc="basic slicing, normalised to start/stop/step per axis; saves nothing",
+        cost="free",
     )
 )
 

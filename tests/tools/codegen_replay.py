@@ -5,12 +5,14 @@ rendered to Numba source, written as JSON, so two revisions can be diffed byte f
     python tests/tools/codegen_replay.py write after.json    # on the new one
     python tests/tools/codegen_replay.py compare before.json after.json
 
-Nothing is compiled: only source is generated.
+Nothing is compiled: only source is generated. Ops added since the old revision are left
+out of the new one with REPLAY_SKIP_OPS=sin,cos so both revisions batch the same samples.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,9 +24,11 @@ def op_sample_plans():
     from test_codegen import batch_graph
 
     from backplan.ir.pipeline import build_joint_plan, build_region_plans
+    from backplan.ir.registry import all_ops
 
+    ops = set(all_ops()) - set(os.environ.get("REPLAY_SKIP_OPS", "").split(","))
     for dtype in ("f32", "f64"):
-        chosen = [s for s in SAMPLES if dtype in s.dtypes]
+        chosen = [s for s in SAMPLES if dtype in s.dtypes and s.op in ops]
         for start in range(0, len(chosen), 12):
             samples = chosen[start : start + 12]
             name = f"ops_{dtype}_{start // 12}"
@@ -73,11 +77,20 @@ def sources() -> dict[str, str]:
     from backplan.codegen.emit import generate
     from backplan.codegen.ops_emit import Unsupported
 
+    try:
+        from backplan.ir.lowering import lower
+    except ImportError:  # a revision before the lowering step: generate took the plan
+
+        def lower(plan, private):
+            return plan, private
+
     out = {}
     for producer in (op_sample_plans, bench_model_plans):
         for name, plan, private in producer():
             try:
-                out[name] = generate(plan, private).source
+                lowered = lower(plan, private)
+                args = lowered if isinstance(lowered, tuple) else (lowered,)
+                out[name] = generate(*args).source
             except Unsupported as exc:
                 out[name] = f"<unsupported: {exc}>"
     return out
