@@ -23,10 +23,13 @@ def _softmax_row(x, out, log):
     total = 0.0
     for j in range(x.shape[0]):
         total += fast_exp(x[j] - peak)
-    if log:
-        shift = peak + math.log(total)
+    if log:  # (x - peak) first: peak + log(total) would lose log(total) next to a huge peak;
+        # two passes, so that fastmath's reassociation cannot fold them back together
+        log_total = math.log(total)
         for j in range(x.shape[0]):
-            out[j] = x[j] - shift
+            out[j] = x[j] - peak
+        for j in range(x.shape[0]):
+            out[j] -= log_total
     else:
         scale = 1.0 / total
         for j in range(x.shape[0]):
@@ -64,8 +67,11 @@ def logsumexp_strided(x, out):
             peak = -np.inf
             for j in range(x.shape[1]):
                 peak = max(peak, x[p, j, q])
-            if peak == -np.inf:
+            if math.isinf(peak):  # all -inf: -inf; any +inf: +inf (NaN still wins, as in NumPy)
                 out[p, q] = peak
+                for j in range(x.shape[1]):
+                    if x[p, j, q] != x[p, j, q]:
+                        out[p, q] = np.nan
                 continue
             total = 0.0
             for j in range(x.shape[1]):
@@ -145,7 +151,7 @@ def cross_entropy_rows(logits, labels, out, scale):
         total = 0.0
         for j in range(n_classes):
             total += fast_exp(row[j] - peak)
-        loss = peak + math.log(total) - row[label]
+        loss = (peak - row[label]) + math.log(total)
         if reduce:
             total_loss += loss
         else:

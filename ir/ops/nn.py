@@ -20,14 +20,19 @@ def _axis_infer(types, attrs):
     return x
 
 
+def _peak(x, axis):
+    """The max along axis; -inf over an empty axis, so softmax of nothing is empty (PyTorch)."""
+    return np.max(x, axis=axis, keepdims=True, initial=-np.inf)
+
+
 def _softmax_ref(x, axis):
-    shifted = x - np.max(x, axis=axis, keepdims=True)
+    shifted = x - _peak(x, axis)
     e = np.exp(shifted)
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
 def _log_softmax_ref(x, axis):
-    shifted = x - np.max(x, axis=axis, keepdims=True)
+    shifted = x - _peak(x, axis)
     return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
 
