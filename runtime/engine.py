@@ -4,7 +4,9 @@ routes gradients upstream, and only then writes leaf .grad, so a failed backward
 
 from __future__ import annotations
 
+import threading
 import weakref
+from contextlib import ExitStack
 
 import numpy as np
 
@@ -15,10 +17,24 @@ from .walk import regions_in_order
 __all__ = ["backward", "regions_in_order"]
 
 
+# Leaf .grad is read, added to and written back; two graphs sharing a leaf must not interleave.
+_leaf_grads = threading.Lock()
+
+
 def backward(root: Region, index: int, gradient: np.ndarray, retain_graph: bool, loc: str) -> None:
     """Run every region reachable from `root` output `index` once, in order. Without
-    retain_graph each frees its saved buffers as it goes and is marked freed by this call."""
+    retain_graph each frees its saved buffers as it goes and is marked freed by this call.
+    Backward passes that reach a common region run one after the other (the second one then
+    sees what the first freed); passes over distinct graphs run concurrently. Region locks are
+    taken in one global order, so two passes never wait on each other in a cycle."""
     order = regions_in_order(root)
+    with ExitStack() as held:
+        for region in sorted(order, key=id):
+            held.enter_context(region.lock)
+        _backward_locked(order, root, index, gradient, retain_graph, loc)
+
+
+def _backward_locked(order, root, index, gradient, retain_graph, loc) -> None:
     freed = [region for region in order if region.freed]
     if freed:
         raise freed_error(freed, root, index, loc)
@@ -41,8 +57,9 @@ def backward(root: Region, index: int, gradient: np.ndarray, retain_graph: bool,
         raise
     if not retain_graph:
         _mark_freed(order, FreedBy(loc, desc, root.created_at, weakref.ref(root)))
-    for leaf, grad in leaf_grads.values():
-        leaf._accumulate_grad(grad)
+    with _leaf_grads:
+        for leaf, grad in leaf_grads.values():
+            leaf._accumulate_grad(grad)
 
 
 def _mark_freed(regions: list[Region], by: FreedBy) -> None:

@@ -3,6 +3,7 @@ static facts about its saved buffers worked out once and shared by every region 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from backplan.ir.pipeline import RegionPlans
@@ -47,6 +48,7 @@ class RegionProgram:
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
         self._runners: dict = {}
+        self._making_runner = threading.Lock()  # threads calling first share one compile
         self.input_names = input_names  # argument paths of the forward inputs, when known
         self.n_outputs = plans.n_outputs
         outputs = plans.forward.graph.outputs[: plans.n_outputs]
@@ -116,16 +118,19 @@ class RegionProgram:
         backend = self.backend or current_backend()
         runner = self._runners.get((which, backend))
         if runner is None:
-            if which == "forward":
-                runner = make_runner(self.plans.forward, backend)
-            elif which == "retain":
-                runner = make_runner(self.plans.backward, backend)
-            else:
-                runner = make_runner(
-                    self.plans.backward, backend, private_saved=self.private_saved_inputs()
-                )
-            self._runners[(which, backend)] = runner
+            with self._making_runner:
+                runner = self._runners.get((which, backend))
+                if runner is None:
+                    runner = self._make_runner(which, backend)
+                    self._runners[(which, backend)] = runner
         return runner
+
+    def _make_runner(self, which: str, backend: str):
+        if which == "forward":
+            return make_runner(self.plans.forward, backend)
+        if which == "retain":
+            return make_runner(self.plans.backward, backend)
+        return make_runner(self.plans.backward, backend, private_saved=self.private_saved_inputs())
 
     def private_saved_inputs(self) -> tuple[int, ...]:
         return self.plans.private_saved_inputs()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ class Region:
         self._saved: dict[int, np.ndarray] = dict(enumerate(saved))
         self.freed_by: FreedBy | None = None
         self.backward_calls = 0
+        self.lock = threading.RLock()  # held by the backward() running through this region
         memory.track(self)
 
     @property
