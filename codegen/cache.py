@@ -32,14 +32,19 @@ CODEGEN_VERSION = "1"
 _importing = threading.Lock()  # one thread at a time writes and imports entries
 
 
-def cache_dir() -> str:
-    """The cache folder, created 0700 (with the `__pycache__` Numba writes into); a folder that
-    other users can write to, or one holding the signing key, is refused with CacheError."""
-    path = os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
+def cache_path() -> str:
+    """Where the cache folder is, without creating it (for questions that must not write)."""
+    return os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "backplan",
         "kernels",
     )
+
+
+def cache_dir() -> str:
+    """The cache folder, created 0700 (with the `__pycache__` Numba writes into); a folder that
+    other users can write to, or one holding the signing key, is refused with CacheError."""
+    path = cache_path()
     numba_files = os.path.join(path, "__pycache__")
     os.makedirs(path, mode=0o700, exist_ok=True)
     os.makedirs(numba_files, mode=0o700, exist_ok=True)

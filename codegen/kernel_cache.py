@@ -59,7 +59,7 @@ def is_cached(source: KernelSource) -> bool:
     dispatcher = _LOADED.get(source.digest)
     if dispatcher is not None and getattr(dispatcher, "overloads", None):
         return True
-    directory = os.path.join(cache.cache_dir(), "__pycache__")
+    directory = os.path.join(cache.cache_path(), "__pycache__")  # asking creates nothing
     prefix = f"{source.name}.kernel-"
     try:
         return any(n.startswith(prefix) and n.endswith(".nbi") for n in os.listdir(directory))
