@@ -12,7 +12,7 @@ import numpy as np
 from backplan.ir.errors import ExecutionError
 from backplan.ir.index_check import format_position
 from backplan.ir.liveness import Plan
-from backplan.ir.lowering import lower
+from backplan.ir.lowering import LoweredPlan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
@@ -36,10 +36,10 @@ def canonical_text(plan: Plan) -> str:
 class CompiledPlan:
     """Calling it runs the whole plan in one compiled function."""
 
-    def __init__(self, plan: Plan, private_saved: tuple[int, ...] = ()):
-        self.plan = plan
+    def __init__(self, lowered: LoweredPlan):
+        plan = self.plan = lowered.plan
         start = time.perf_counter()
-        generated = generate(lower(plan, private_saved))
+        generated = generate(lowered)
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
