@@ -11,7 +11,7 @@ import numpy as np
 
 from backplan.ir.errors import DtypeError, ShapeError
 from backplan.ir.shapes import normalize_axes, normalize_axis
-from backplan.ir.types import dtype_name, is_float, promote_types, promote_with_scalar
+from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promote_with_scalar
 
 from .dispatch import apply
 from .tensor import Tensor
@@ -156,8 +156,8 @@ def stop_gradient(x) -> Tensor:
 
 def sum(x, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
     x = as_tensor(x)
-    if x._ir_dtype == "bool":
-        x = astype(x, "i64")
+    if x._ir_dtype in ("bool", "u8", "i32"):
+        x = astype(x, "i64")  # as NumPy and PyTorch: small integers sum into int64
     return apply("sum", [x], axes=normalize_axes(axis, x.ndim), keepdims=keepdims)
 
 
@@ -321,7 +321,7 @@ def _index_tensor(indices) -> Tensor:
         raise DtypeError(
             "boolean mask indexing has a shape that depends on the data; use bp.where(mask, x, 0)"
         )
-    if indices._ir_dtype != "i64":
+    if not is_int(indices._ir_dtype):
         raise DtypeError(f"indices must be integers, got {indices.dtype}")
     return indices
 

@@ -4,12 +4,53 @@ from __future__ import annotations
 
 import numpy as np
 
+from backplan.ir.errors import DtypeError, ShapeError
 from backplan.ir.types import dtype_name, is_float, np_dtype
 from backplan.runtime import BackwardError, Edge
 from backplan.runtime import engine as _engine
 
 from .errors import TracingError
 from .source import loc_text, user_frame_loc
+
+
+def to_array(data, dtype=None) -> np.ndarray:
+    """A fresh array for a new tensor. NumPy arrays and tensors keep their dtype; Python floats
+    make float32 (as PyTorch and JAX), Python ints int64. A dtype outside the supported set
+    raises DtypeError; nothing is converted behind the caller's back."""
+    if dtype is not None:
+        target = np_dtype(dtype_name(dtype))
+        source = _source_dtype(data)
+        if source is not None:
+            dtype_name(source)  # refuse complex, object, ... even when a cast is asked for
+        return np.array(data, dtype=target)
+    if isinstance(data, Tensor):
+        return np.array(data.numpy())
+    if isinstance(data, np.ndarray | np.generic):
+        dtype_name(data.dtype)
+        return np.array(data)
+    array = np.array(data)
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)  # Python floats make float32, as torch and JAX
+    elif array.dtype.kind in "iu" and array.dtype != np.int64:
+        array = _python_ints(array)
+    dtype_name(array.dtype)
+    return array
+
+
+def _source_dtype(data):
+    if isinstance(data, Tensor):
+        return None
+    if isinstance(data, np.ndarray | np.generic):
+        return data.dtype
+    return np.asarray(data).dtype
+
+
+def _python_ints(array: np.ndarray) -> np.ndarray:
+    """Python ints beyond int64 make NumPy choose uint64 or object: refuse rather than wrap."""
+    raise DtypeError(
+        f"Python integers out of the int64 range ({array.dtype}) cannot be stored exactly; "
+        "pass them as floats or reduce them first"
+    )
 
 
 class Tensor:
@@ -38,18 +79,7 @@ class Tensor:
     __array_priority__ = 1000  # ndarray + Tensor defers to Tensor.__radd__
 
     def __init__(self, data, dtype=None, requires_grad: bool = False):
-        if dtype is not None:
-            array = np.array(data, dtype=np_dtype(dtype_name(dtype)))
-        elif isinstance(data, np.ndarray | np.generic | Tensor):
-            array = np.array(data)  # arrays keep their dtype
-        else:
-            array = np.array(data)
-            if array.dtype == np.float64:
-                array = array.astype(np.float32)  # Python floats make float32, as torch and JAX
-        if array.dtype == np.float16 or array.dtype.kind not in "biuf":
-            array = array.astype(np.float32)
-        array = array.astype(np_dtype(dtype_name(array.dtype)), copy=False)
-        self._init(array, None, None)
+        self._init(to_array(data, dtype), None, None)
         self.requires_grad = requires_grad
 
     def _init(self, data, value, trace, grad_fn=None, out_index=0):
