@@ -1,8 +1,8 @@
 """Matching a call of a loaded artifact against the signature it was exported for.
 
 A loaded artifact cannot retrace, so every argument must have the exported structure, dtype and
-shape, and every static argument the exported value. Dicts may list their keys in any order, and a dataclass may stand where its exported dict of
-fields is:
+shape, and every static argument the exported value. Dicts may list their keys in any order,
+and a dataclass may stand where its exported dict of fields is;
 arguments are rebuilt in the exported order before they are flattened.
 """
 

@@ -200,7 +200,8 @@ def _render(treedef: TreeDef, texts) -> str:
         return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(treedef.meta, kids, strict=True)) + "}"
     if treedef.kind == "dataclass":
         cls, fields = treedef.meta
-        return f"{cls.__name__}(" + ", ".join(f"{k}={v}" for k, v in zip(fields, kids)) + ")"
+        pairs = zip(fields, kids, strict=True)
+        return f"{cls.__name__}(" + ", ".join(f"{k}={v}" for k, v in pairs) + ")"
     if treedef.kind == "list":
         return "[" + ", ".join(kids) + "]"
     return "(" + ", ".join(kids) + ("," if len(kids) == 1 else "") + ")"

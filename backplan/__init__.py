@@ -27,7 +27,9 @@ from backplan.runtime import (
     live_saved_bytes,
     no_grad,
 )
+from backplan import tree
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
+from backplan.tracer.dlpack import from_dlpack
 from backplan.tracer.explain import explain
 from backplan.tracer.ops import (
     abs,
@@ -96,9 +98,9 @@ from backplan.tracer.pytree import tree_map
 __version__ = "0.1.0"
 
 
-def zero_grad(tree) -> None:
+def zero_grad(params) -> None:
     """Clear .grad of every tensor in a pytree (a model's parameters, say)."""
-    tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, tree)
+    tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, params)
 
 
 __all__ = [
@@ -131,6 +133,7 @@ __all__ = [
     "explain",
     "export",
     "flatten",
+    "from_dlpack",
     "full",
     "gelu",
     "grad",
@@ -177,6 +180,7 @@ __all__ = [
     "tanh",
     "tensor",
     "transpose",
+    "tree",
     "tree_map",
     "unsqueeze",
     "value_and_grad",

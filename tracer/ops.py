@@ -14,11 +14,13 @@ from backplan.ir.shapes import normalize_axes, normalize_axis
 from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promote_with_scalar
 
 from .dispatch import apply
+from .source import located
 from .tensor import Tensor
 
 Scalar = int | float | bool
 
 
+@located
 def tensor(data, dtype=None, requires_grad: bool = False) -> Tensor:
     """A new leaf tensor holding a copy of data (float64 Python data stays float64, as NumPy).
 
@@ -29,6 +31,7 @@ def tensor(data, dtype=None, requires_grad: bool = False) -> Tensor:
     return Tensor(data, dtype=dtype, requires_grad=requires_grad)
 
 
+@located
 def as_tensor(x) -> Tensor:
     if isinstance(x, Tensor):
         return x
@@ -37,26 +40,32 @@ def as_tensor(x) -> Tensor:
     raise TypeError(f"expected a tensor or array, got {type(x).__name__}")
 
 
+@located
 def full(shape, value, dtype="float32") -> Tensor:
     return apply("full", [], value=value, shape=tuple(shape), dtype=dtype_name(dtype))
 
 
+@located
 def zeros(shape, dtype="float32") -> Tensor:
     return full(shape, 0, dtype)
 
 
+@located
 def ones(shape, dtype="float32") -> Tensor:
     return full(shape, 1, dtype)
 
 
+@located
 def zeros_like(x) -> Tensor:
     return full(x.shape, 0, x._ir_dtype)
 
 
+@located
 def ones_like(x) -> Tensor:
     return full(x.shape, 1, x._ir_dtype)
 
 
+@located
 def astype(x, dtype) -> Tensor:
     x = as_tensor(x)
     name = dtype_name(dtype)
@@ -93,7 +102,7 @@ def _binary(op: str):
 
     fn.__name__ = op
     fn.__doc__ = f"Elementwise {op} with NumPy broadcasting and promotion."
-    return fn
+    return located(fn)
 
 
 add, sub, mul, maximum, minimum = (_binary(n) for n in ("add", "sub", "mul", "maximum", "minimum"))
@@ -102,6 +111,7 @@ less, less_equal, greater, greater_equal, equal, not_equal = (
 )
 
 
+@located
 def div(a, b) -> Tensor:
     a, b = _operands(a, b)
     if not is_float(a._ir_dtype):
@@ -109,6 +119,7 @@ def div(a, b) -> Tensor:
     return apply("div", [a, b])
 
 
+@located
 def pow(a, b) -> Tensor:  # noqa: A001 - mirrors numpy/torch naming
     return apply("pow", list(_operands(a, b)))
 
@@ -124,7 +135,7 @@ def _unary(op: str, floats: bool = True):
 
     fn.__name__ = op
     fn.__doc__ = f"Elementwise {op}."
-    return fn
+    return located(fn)
 
 
 exp, log, tanh, sigmoid, sqrt, erf = (
@@ -133,11 +144,13 @@ exp, log, tanh, sigmoid, sqrt, erf = (
 neg, relu, abs, sign = (_unary(n, floats=False) for n in ("neg", "relu", "abs", "sign"))  # noqa: A001
 
 
+@located
 def gelu(x, approximate: str = "none") -> Tensor:
     """GELU; approximate="tanh" is the tanh form used by GPT-style models."""
     return apply("gelu", [_float_input(x)], approximate=approximate)
 
 
+@located
 def where(cond, x, y) -> Tensor:
     """Choose x where cond is true, else y: the traceable replacement for `if` on tensors."""
     cond = as_tensor(cond)
@@ -147,6 +160,7 @@ def where(cond, x, y) -> Tensor:
     return apply("where", [cond, x, y])
 
 
+@located
 def stop_gradient(x) -> Tensor:
     return apply("stop_gradient", [as_tensor(x)])
 
@@ -154,6 +168,7 @@ def stop_gradient(x) -> Tensor:
 # ---- reductions -------------------------------------------------------------------------------
 
 
+@located
 def sum(x, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
     x = as_tensor(x)
     if x._ir_dtype in ("bool", "u8", "i32"):
@@ -161,6 +176,7 @@ def sum(x, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
     return apply("sum", [x], axes=normalize_axes(axis, x.ndim), keepdims=keepdims)
 
 
+@located
 def mean(x, axis=None, keepdims: bool = False) -> Tensor:
     x = _float_input(x)
     axes = normalize_axes(axis, x.ndim)
@@ -168,31 +184,37 @@ def mean(x, axis=None, keepdims: bool = False) -> Tensor:
     return mul(sum(x, axes, keepdims), 1.0 / builtins.max(count, 1))
 
 
+@located
 def var(x, axis=None, keepdims: bool = False) -> Tensor:
     """Population variance (ddof=0), as NumPy."""
     centered = sub(x, mean(x, axis, keepdims=True))
     return mean(mul(centered, centered), axis, keepdims)
 
 
+@located
 def max(x, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
     x = as_tensor(x)
     return apply("max", [x], axes=normalize_axes(axis, x.ndim), keepdims=keepdims)
 
 
+@located
 def min(x, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
     return neg(max(neg(x), axis, keepdims))
 
 
+@located
 def logsumexp(x, axis=None, keepdims: bool = False) -> Tensor:
     x = _float_input(x)
     return apply("logsumexp", [x], axes=normalize_axes(axis, x.ndim), keepdims=keepdims)
 
 
+@located
 def softmax(x, axis: int = -1) -> Tensor:
     x = _float_input(x)
     return apply("softmax", [x], axis=normalize_axis(axis, x.ndim))
 
 
+@located
 def log_softmax(x, axis: int = -1) -> Tensor:
     x = _float_input(x)
     return apply("log_softmax", [x], axis=normalize_axis(axis, x.ndim))
@@ -201,6 +223,7 @@ def log_softmax(x, axis: int = -1) -> Tensor:
 # ---- shapes -----------------------------------------------------------------------------------
 
 
+@located
 def reshape(x, *shape) -> Tensor:
     x = as_tensor(x)
     if len(shape) == 1 and isinstance(shape[0], Sequence):
@@ -221,6 +244,7 @@ def _resolve_shape(shape, size, old) -> tuple[int, ...]:
     return shape
 
 
+@located
 def transpose(x, *axes) -> Tensor:
     x = as_tensor(x)
     if len(axes) == 1 and isinstance(axes[0], Sequence):
@@ -232,6 +256,7 @@ def transpose(x, *axes) -> Tensor:
 permute = transpose
 
 
+@located
 def swapaxes(x, a: int, b: int) -> Tensor:
     x = as_tensor(x)
     perm = list(range(x.ndim))
@@ -240,12 +265,14 @@ def swapaxes(x, a: int, b: int) -> Tensor:
     return transpose(x, perm)
 
 
+@located
 def broadcast_to(x, shape) -> Tensor:
     x = as_tensor(x)
     shape = tuple(shape)
     return x if shape == x.shape else apply("broadcast_to", [x], shape=shape)
 
 
+@located
 def expand_dims(x, axis: int) -> Tensor:
     x = as_tensor(x)
     axis = normalize_axis(axis, x.ndim + 1)
@@ -255,6 +282,7 @@ def expand_dims(x, axis: int) -> Tensor:
 unsqueeze = expand_dims
 
 
+@located
 def squeeze(x, axis=None) -> Tensor:
     x = as_tensor(x)
     axes = (
@@ -268,12 +296,14 @@ def squeeze(x, axis=None) -> Tensor:
     return reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
 
 
+@located
 def flatten(x, start_axis: int = 0) -> Tensor:
     x = as_tensor(x)
     start = normalize_axis(start_axis, x.ndim) if x.ndim else 0
     return reshape(x, x.shape[:start] + (-1,))
 
 
+@located
 def concatenate(tensors, axis: int = 0) -> Tensor:
     tensors = [as_tensor(t) for t in tensors]
     if not tensors:
@@ -285,6 +315,7 @@ def concatenate(tensors, axis: int = 0) -> Tensor:
     return apply("concatenate", tensors, axis=normalize_axis(axis, tensors[0].ndim))
 
 
+@located
 def stack(tensors, axis: int = 0) -> Tensor:
     tensors = [as_tensor(t) for t in tensors]
     if not tensors:
@@ -296,6 +327,7 @@ def stack(tensors, axis: int = 0) -> Tensor:
     return concatenate([expand_dims(t, axis) for t in tensors], axis)
 
 
+@located
 def matmul(a, b) -> Tensor:
     """a @ b with NumPy semantics: batched, broadcasting, 1-D operands as vectors."""
     a, b = _operands(a, b)
@@ -309,6 +341,7 @@ def matmul(a, b) -> Tensor:
     return reshape(out, tuple(d for i, d in enumerate(out.shape) if i not in dropped))
 
 
+@located
 def take(x, indices, axis: int = 0) -> Tensor:
     """Gather along one axis with an integer index tensor (negative indices count from the end)."""
     x, indices = as_tensor(x), _index_tensor(indices)
@@ -326,11 +359,29 @@ def _index_tensor(indices) -> Tensor:
     return indices
 
 
+@located
 def embedding(indices, weight) -> Tensor:
-    """Rows of weight picked by integer indices: weight[indices]."""
+    """Rows of weight picked by integer indices: weight[indices]. The argument order is
+    (indices, weight), as torch.nn.functional.embedding.
+
+    >>> import backplan as bp
+    >>> bp.embedding(bp.tensor([2, 0]), bp.tensor([[0.0], [1.0], [2.0]])).numpy().tolist()
+    [[2.0], [0.0]]
+    """
+    indices, weight = as_tensor(indices), as_tensor(weight)
+    if not is_int(indices._ir_dtype):
+        swapped = is_int(weight._ir_dtype)
+        hint = (
+            "the arguments look swapped: " if swapped else ""
+        ) + "the order is embedding(indices, weight), integer indices first"
+        raise DtypeError(
+            f"indices must be integers, got {indices.dtype} indices of shape {indices.shape} "
+            f"and {weight.dtype} weight of shape {weight.shape}; {hint}"
+        )
     return take(weight, indices, axis=0)
 
 
+@located
 def one_hot(labels, num_classes: int, dtype="float32") -> Tensor:
     return apply("one_hot", [_index_tensor(labels)], depth=num_classes, dtype=dtype_name(dtype))
 
@@ -338,6 +389,7 @@ def one_hot(labels, num_classes: int, dtype="float32") -> Tensor:
 # ---- neural-network composites with their own registry entries ---------------------------------
 
 
+@located
 def cross_entropy(logits, labels, reduction: str = "mean") -> Tensor:
     """Softmax cross-entropy of logits (..., C) against integer labels (...)."""
     return apply(
@@ -345,6 +397,7 @@ def cross_entropy(logits, labels, reduction: str = "mean") -> Tensor:
     )
 
 
+@located
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     """Normalise over the last axis, then scale and shift; saves x, not the normalised copy."""
     x = _float_input(x)
@@ -355,6 +408,7 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     return apply("layer_norm", inputs, eps=float(eps))
 
 
+@located
 def mse_loss(prediction, target) -> Tensor:
     diff = sub(prediction, target)
     return mean(mul(diff, diff))

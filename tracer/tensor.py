@@ -252,8 +252,16 @@ class Tensor:
             return array.astype(dtype)
         return array.copy() if copy else array
 
-    def item(self):
-        return self._concrete("item()").item()
+    def item(self) -> int | float | bool:
+        """The single value of a one-element tensor as a Python number."""
+        data = self._concrete("item()")
+        if data.size != 1:
+            raise ShapeError(
+                f"item() at {loc_text(user_frame_loc())} on a tensor of shape {self.shape} with "
+                f"{data.size} elements; item() needs exactly one (index first, t[i].item(), or "
+                "use t.tolist())"
+            )
+        return data.item()
 
     def tolist(self):
         return self._concrete("tolist()").tolist()
