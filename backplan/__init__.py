@@ -8,6 +8,7 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
+from backplan import tree
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
@@ -27,7 +28,6 @@ from backplan.runtime import (
     live_saved_bytes,
     no_grad,
 )
-from backplan import tree
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
 from backplan.tracer.dlpack import from_dlpack
 from backplan.tracer.explain import explain
