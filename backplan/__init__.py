@@ -98,7 +98,7 @@ from backplan.tracer.pytree import tree_map
 __version__ = "0.1.0"
 
 
-def zero_grad(params) -> None:
+def zero_grad(params: object) -> None:
     """Clear .grad of every tensor in a pytree (a model's parameters, say)."""
     tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, params)
 

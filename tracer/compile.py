@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, overload
 
 from backplan.ir.pipeline import build_region_plans
 from backplan.runtime import RegionProgram, is_grad_enabled
@@ -104,7 +106,7 @@ class CompiledFunction:
         self._last_key: SignatureKey | None = None
         self._last_miss_reason: str | None = None
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if current_trace() is not None:
             return self.fn(*args, **kwargs)  # nested compiled functions inline
         key, leaves = call_key(args, kwargs, is_grad_enabled())
@@ -198,7 +200,24 @@ class CompiledFunction:
         self._fast.clear()
 
 
-def compile(fn=None, *, remat: bool = True, saved_bytes_budget: int | None = None):  # noqa: A001
+@overload
+def compile(  # noqa: A001
+    fn: Callable[..., Any], *, remat: bool = True, saved_bytes_budget: int | None = None
+) -> CompiledFunction: ...
+
+
+@overload
+def compile(  # noqa: A001
+    fn: None = None, *, remat: bool = True, saved_bytes_budget: int | None = None
+) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+
+
+def compile(  # noqa: A001
+    fn: Callable[..., Any] | None = None,
+    *,
+    remat: bool = True,
+    saved_bytes_budget: int | None = None,
+) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Trace fn on its first call per signature into static forward and backward plans.
 
     remat: values that a short chain of cheap ops rebuilds from what backward holds anyway are

@@ -8,6 +8,8 @@ if the producer changes it afterwards the tensor sees the change; `bp.tensor(x)`
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from backplan.ir.types import dtype_name
@@ -33,7 +35,7 @@ def tensor_dlpack_device(self) -> tuple[int, int]:
     return (CPU_DEVICE, 0)
 
 
-def from_dlpack(x) -> Tensor:
+def from_dlpack(x: Any) -> Tensor:
     """A tensor sharing memory with x, any object with `__dlpack__` (a NumPy array, a CPU torch
     tensor, a JAX array). Only CPU memory and backplan's dtypes (bool, uint8, int32, int64,
     float32, float64) are accepted; anything else raises with the conversion to make.

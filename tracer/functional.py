@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +51,9 @@ def _argnums_tuple(argnums) -> tuple[int, ...]:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
-def value_and_grad(fn, argnums=0, has_aux: bool = False):
+def value_and_grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
     """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
     Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
     the result is ((loss, aux), grads). Works inside traces, so grad(grad(f)) works.
@@ -159,7 +163,9 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
     return call_fast
 
 
-def grad(fn, argnums=0, has_aux: bool = False):
+def grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
     vg = value_and_grad(fn, argnums, has_aux)
 

@@ -4,15 +4,20 @@ leaves, flattened in a stable order. Public as `bp.tree`."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from backplan.ir.errors import BackplanError
 
 _CUSTOM: dict[type, tuple[Callable, Callable]] = {}
 
 
-def register(cls: type, flatten_fn: Callable, unflatten_fn: Callable) -> type:
+def register(
+    cls: type,
+    flatten_fn: Callable[[Any], tuple[Sequence[Any], Hashable]],
+    unflatten_fn: Callable[[Any, Sequence[Any]], Any],
+) -> type:
     """Make instances of cls pytree nodes. flatten_fn(obj) returns (children, aux): children
     a sequence of subtrees, aux hashable data that is not traced (a name, a flag);
     unflatten_fn(aux, children) rebuilds the object. As in JAX's register_pytree_node.
@@ -49,7 +54,7 @@ class TreeDef:
 LEAF = TreeDef("leaf")
 
 
-def flatten(tree, paths: bool = False, prefix: str = ""):
+def flatten(tree: Any, paths: bool = False, prefix: str = "") -> Any:
     """Leaves in order and the structure; with paths=True also a readable path per leaf."""
     leaves, names = [], []
     treedef = _flatten(tree, leaves, names, prefix)
@@ -97,7 +102,7 @@ def _flatten_custom(tree, flatten_fn, leaves, names, path) -> TreeDef:
     return TreeDef("custom", kids, (type(tree), aux))
 
 
-def unflatten(treedef: TreeDef, leaves):
+def unflatten(treedef: TreeDef, leaves: Iterable[Any]) -> Any:
     """Rebuild the structure treedef describes from leaves (in flattening order)."""
     leaves = list(leaves)
     if len(leaves) != treedef.num_leaves:
@@ -127,16 +132,16 @@ def _unflatten(treedef: TreeDef, it):
     return treedef.meta(*kids)
 
 
-def leaves(tree) -> list:
+def leaves(tree: Any) -> list[Any]:
     """The leaves of tree in flattening order (None is an empty node, not a leaf)."""
     return flatten(tree)[0]
 
 
-def structure(tree) -> TreeDef:
+def structure(tree: Any) -> TreeDef:
     return flatten(tree)[1]
 
 
-def tree_map(fn, tree, *rest):
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     """fn applied to every leaf; with more trees of the same structure, fn gets one leaf of
     each: `bp.tree.map(lambda p, g: p - 0.1 * g, params, grads)`."""
     leaves_, treedef = flatten(tree)

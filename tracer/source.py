@@ -4,6 +4,8 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 
 def _is_library(module_name: str) -> bool:
@@ -33,7 +35,10 @@ _LOCATED = ("ShapeError", "DtypeError", "BackplanError")
 _depth = threading.local()
 
 
-def located(fn):
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def located(fn: F) -> F:
     """Public ops raise ShapeError and DtypeError naming the op the user called and the user's
     line, as errors from the graph builder do. Only the outermost op call (mean, not the sum it
     calls) rewrites the message, and only when the line is not in it yet."""
@@ -52,7 +57,7 @@ def located(fn):
         finally:
             _depth.value = depth
 
-    return wrapper
+    return wrapper  # type: ignore[return-value]
 
 
 def _with_location(exc: Exception, name: str) -> Exception:
