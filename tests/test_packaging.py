@@ -97,7 +97,7 @@ def test_cache_info_and_clear_touch_only_backplan_files(tmp_path):
     assert info.returncode == 0, info.stderr
     assert str(cache) in info.stdout
     assert "entries: 1 compiled plans (3 files)" in info.stdout
-    assert "size: 109 B" in info.stdout
+    assert "size: 108 B" in info.stdout
     cleared = _cli("cache", "clear", env=env)
     assert cleared.returncode == 0 and "removed 1 compiled plans" in cleared.stdout
     assert sorted(os.listdir(cache)) == ["__pycache__", "notes.txt"]
