@@ -18,8 +18,8 @@ def _leaf(values=(0.5, -1.0, 2.0)):
 
 def test_numpy_functions_on_tensors_keep_the_graph():
     x, y = _leaf(), _leaf()
-    via_numpy = np.sum(np.exp(x) * np.tanh(x) + np.maximum(x, 0.0), axis=0)
-    via_bp = bp.sum(bp.exp(y) * bp.tanh(y) + bp.maximum(y, 0.0), axis=0)
+    via_numpy = np.sum(np.exp(x) * np.tanh(x) + np.maximum(x, 0.0) + np.sin(x), axis=0)
+    via_bp = bp.sum(bp.exp(y) * bp.tanh(y) + bp.maximum(y, 0.0) + bp.sin(y), axis=0)
     assert isinstance(via_numpy, bp.Tensor) and via_numpy.grad_fn is not None
     via_numpy.backward()
     via_bp.backward()
@@ -54,7 +54,7 @@ def test_numpy_functions_trace_inside_compile():
 @pytest.mark.parametrize(
     "call,expected",
     [
-        (lambda x: np.sin(x), "np.sin has no backplan op"),
+        (lambda x: np.arcsin(x), "np.arcsin has no backplan op"),
         (lambda x: np.cumsum(x), "np.cumsum(t.numpy())"),
         (lambda x: np.add.reduce(x), "bp.sum"),
         (lambda x: np.exp(x, out=np.empty(3, np.float32)), "immutable"),

@@ -35,6 +35,8 @@ UFUNCS = {
     np.log: ops.log,
     np.tanh: ops.tanh,
     np.sqrt: ops.sqrt,
+    np.sin: ops.sin,
+    np.cos: ops.cos,
 }
 
 # NumPy function -> (backplan op taking NumPy's argument names, the names it understands)
