@@ -121,7 +121,7 @@ def check_attr(op: str, key: str, spec: AttrSpec, value):
     raise bad(f"has unknown kind {kind}")
 
 
-REGISTRY: dict[str, OpDef] = {}
+REGISTRY: dict[str, OpDef] = {}  # filled by ir/ops/, which ir/__init__.py imports
 
 
 def register(opdef: OpDef) -> OpDef:
@@ -138,7 +138,6 @@ def register(opdef: OpDef) -> OpDef:
 
 
 def get_op(name: str) -> OpDef:
-    _load_ops()
     try:
         return REGISTRY[name]
     except KeyError:
@@ -146,15 +145,4 @@ def get_op(name: str) -> OpDef:
 
 
 def all_ops() -> dict[str, OpDef]:
-    _load_ops()
     return dict(REGISTRY)
-
-
-_loaded = False
-
-
-def _load_ops() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import ops  # noqa: F401  (registers every op)

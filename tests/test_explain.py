@@ -535,7 +535,7 @@ def test_numba_report_states_the_compiled_layout_without_compiling(
     form, case, tmp_path, monkeypatch
 ):
     import backplan.codegen.compiled as compiled
-    from backplan.report.text import format_bytes
+    from backplan.report.wording import format_bytes
     from backplan.runtime.backend import make_runner, use_backend
 
     cache = tmp_path / "kernels"
