@@ -1,11 +1,14 @@
 """Matching a call of a loaded artifact against the signature it was exported for.
 
 A loaded artifact cannot retrace, so every argument must have the exported structure, dtype and
-shape, and every static argument the exported value. Dicts may list their keys in any order:
+shape, and every static argument the exported value. Dicts may list their keys in any order,
+and a dataclass may stand where its exported dict of fields is;
 arguments are rebuilt in the exported order before they are flattened.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -29,6 +32,8 @@ def conform(treedef: TreeDef, value, path: str, artifact: str):
             raise _mismatch(artifact, path, "None", type(value).__name__)
         return None
     if kind == "dict":
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
         if not isinstance(value, dict) or set(value) != set(treedef.meta):
             got = (
                 f"a dict with keys {sorted(value, key=repr)}"

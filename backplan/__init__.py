@@ -8,6 +8,7 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
+from backplan import tree
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
@@ -28,6 +29,7 @@ from backplan.runtime import (
     no_grad,
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
+from backplan.tracer.dlpack import from_dlpack
 from backplan.tracer.explain import explain
 from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
@@ -37,9 +39,9 @@ from backplan.tracer.pytree import tree_map
 __version__ = "0.1.0"
 
 
-def zero_grad(tree) -> None:
+def zero_grad(params: object) -> None:
     """Clear .grad of every tensor in a pytree (a model's parameters, say)."""
-    tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, tree)
+    tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, params)
 
 
 __all__ = [
@@ -60,11 +62,13 @@ __all__ = [
     "explain",
     "explain_graph",
     "export",
+    "from_dlpack",
     "grad",
     "is_grad_enabled",
     "live_saved_bytes",
     "load",
     "no_grad",
+    "tree",
     "tree_map",
     "value_and_grad",
     "zero_grad",

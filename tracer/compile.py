@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, overload
 
 from backplan.ir.pipeline import build_region_plans
 from backplan.runtime import RegionProgram, is_grad_enabled
@@ -154,7 +156,24 @@ def _captured_flags(captured: list) -> tuple[bool, ...]:
     return tuple(bool(t._requires_grad and enabled) for t in captured)
 
 
-def compile(fn=None, *, remat: bool = True, saved_bytes_budget: int | None = None):  # noqa: A001
+@overload
+def compile(  # noqa: A001
+    fn: Callable[..., Any], *, remat: bool = True, saved_bytes_budget: int | None = None
+) -> CompiledFunction: ...
+
+
+@overload
+def compile(  # noqa: A001
+    fn: None = None, *, remat: bool = True, saved_bytes_budget: int | None = None
+) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+
+
+def compile(  # noqa: A001
+    fn: Callable[..., Any] | None = None,
+    *,
+    remat: bool = True,
+    saved_bytes_budget: int | None = None,
+) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Trace fn on its first call per signature into static forward and backward plans.
 
     remat: values that a short chain of cheap ops rebuilds from what backward holds anyway are

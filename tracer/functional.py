@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +119,9 @@ class ValueAndGradFunction(PlannedFunction):
         return explain_joint(entry, bound.call, self.fn, self.cache_info())
 
 
-def value_and_grad(fn, argnums=0, has_aux: bool = False) -> ValueAndGradFunction:
+def value_and_grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> ValueAndGradFunction:
     """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
     Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
     the result is ((loss, aux), grads). Works inside traces, so grad(grad(f)) works.
@@ -178,12 +182,14 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
 class GradFunction(ValueAndGradFunction):
     """See `grad`: the same plans, returning only the gradients."""
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         value_aux, grads = super().__call__(*args, **kwargs)
         return (grads, value_aux[1]) if self.has_aux else grads
 
 
-def grad(fn, argnums=0, has_aux: bool = False) -> GradFunction:
+def grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
     return GradFunction(fn, argnums, has_aux)
 

@@ -6,6 +6,7 @@ explain(). Subclasses say only how a call is bound, how an entry is built, run a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from backplan.runtime import is_grad_enabled
 
@@ -67,7 +68,7 @@ class PlannedFunction:
 
     # ---- shared behaviour --------------------------------------------------------------------
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if current_trace() is not None:
             return self._call_in_trace(args, kwargs)
         key, leaves = call_key(args, kwargs, is_grad_enabled())
