@@ -94,7 +94,7 @@ class _ArtifactWriter:
 
 
 def _compiled_meta(fn: CompiledFunction, args, kwargs, writer: _ArtifactWriter) -> dict:
-    call = bind_call(fn.fn, args, kwargs)
+    call = bind_call(fn.fn, args, kwargs, fn.arguments.static_names)
     traced = fn.lookup(call)
     plans = traced.program.plans
     meta = _common_meta("compiled", traced.program.name, call, traced.captured, writer)
@@ -156,6 +156,7 @@ def _common_meta(kind: str, name: str, call, captured: list, writer: _ArtifactWr
                     "dtype": key.dtype,
                     "shape": list(key.shape),
                     "requires_grad": key.requires_grad,
+                    "float": key.weak,
                 }
             )
         else:

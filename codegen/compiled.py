@@ -30,10 +30,13 @@ def canonical_text(plan: Plan) -> str:
 class CompiledPlan:
     """Calling it runs the whole plan in one compiled function."""
 
-    def __init__(self, plan: Plan, private_saved: tuple[int, ...] = ()):
+    def __init__(
+        self, plan: Plan, private_saved: tuple[int, ...] = (), donated: tuple[int, ...] = ()
+    ):
         self.plan = plan
         start = time.perf_counter()
-        generated = generate(plan, private_saved)
+        generated = generate(plan, private_saved, donated)
+        self.donations = generated.donations  # output buffer index -> donated input index
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
@@ -60,14 +63,20 @@ class CompiledPlan:
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
 
-    def __call__(self, args: list) -> list:
+    def __call__(self, args: list, donate=()) -> list:
+        """donate: inputs whose buffers the caller gives up; outputs paired with them
+        (self.donations) are written into them instead of into new arrays."""
         arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
         args.clear()
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
+        outputs = self._output_arrays(given)
+        for k, i in given.items():
+            outputs[k] = arrays[i]
         arrays += self._constants
         arrays += self._scratch
-        arrays += self._output_arrays()
+        arrays += outputs
         try:
             if self.first_call_seconds is None:
                 start = time.perf_counter()
@@ -77,6 +86,8 @@ class CompiledPlan:
                 returned = self._run(*arrays)
         except IndexError as exc:
             raise self._located(exc) from None
+        for k in given:
+            outputs[k].flags.writeable = False  # the caller wraps it as an immutable tensor
         if not (self._literal_outputs or self._scalar_outputs):
             return list(returned)
         outputs = list(returned)
@@ -86,11 +97,30 @@ class CompiledPlan:
             outputs[i] = outputs[i].reshape(())
         return outputs
 
-    def _output_arrays(self) -> list:
+    def _donated_buffers(self, args: list, arrays: list, donate) -> dict[int, int]:
+        """{output buffer: input} for the donations usable in this call: the input array is
+        the caller's own (not a contiguous copy) and can be made writeable."""
+        given = {}
+        for k, i in self.donations.items():
+            if i not in donate or arrays[i] is not args[i]:
+                continue
+            try:
+                arrays[i].flags.writeable = True
+            except ValueError:  # a view of someone else's read-only buffer
+                continue
+            given[k] = i
+        return given
+
+    def _output_arrays(self, given=()) -> list:
         """Fresh output buffers, except that a buffer from the previous call that nobody holds
-        any more is reused: no new pages to fault in (16 MiB outputs cost ~1 ms each)."""
+        any more is reused: no new pages to fault in (16 MiB outputs cost ~1 ms each). Slots in
+        `given` are filled by the caller with donated inputs."""
         arrays = []
         for i, (shape, dtype) in enumerate(self._output_buffers):
+            if i in given:
+                arrays.append(None)
+                self._previous_outputs[i] = None
+                continue
             previous = self._previous_outputs[i]
             if previous is not None and sys.getrefcount(previous) == 3:  # list, local, argument
                 previous.flags.writeable = True

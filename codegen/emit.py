@@ -5,7 +5,7 @@ Names come from IR values (%7 -> v7) and each kernel is preceded by its IR lines
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backplan.ir.fusion import alias_base, group_kernels, materialized
 from backplan.ir.graph import Value
@@ -14,6 +14,7 @@ from backplan.ir.text import format_attr, value_names
 
 from .flags import PARALLEL_MIN_ELEMENTS
 from .loops import LoopEmitter, internal_shape
+from .donation import donation_pairs
 from .memory import BufferLayout, plan_layout
 from .ops_emit import OpEmitter
 from .scalar import literal
@@ -42,6 +43,7 @@ class GeneratedModule:
     literal_outputs: dict  # output index -> the full node giving its value
     kernel_count: int
     layout: BufferLayout
+    donations: dict = field(default_factory=dict)  # output buffer index -> donated input index
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -54,9 +56,11 @@ def ir_comment(node: Value, names: dict) -> str:
     return f"# {text} : {node.type}"
 
 
-def generate(plan: Plan, private_saved: tuple[int, ...] = ()) -> GeneratedModule:
+def generate(
+    plan: Plan, private_saved: tuple[int, ...] = (), donated: tuple[int, ...] = ()
+) -> GeneratedModule:
     """private_saved: indices of saved inputs whose storage may be reused after their last
-    read (the consuming backward variant)."""
+    read (the consuming backward variant). donated: inputs whose buffers outputs may take."""
     graph = plan.graph
     names = {v: "v" + n[1:] for v, n in value_names(graph).items()}
     kernels = group_kernels(graph)
@@ -103,8 +107,9 @@ def generate(plan: Plan, private_saved: tuple[int, ...] = ()) -> GeneratedModule
     source += "@njit(**JIT_OPTIONS)\n"
     source += f"def run({', '.join(params)}):\n" + "\n".join("    " + line for line in body) + "\n"
     count = sum(k.kind in ("loop", "op") for k in kernels)
+    donations = donation_pairs(graph, kernels, steps, list(layout.outputs), donated)
     return GeneratedModule(
-        source, constants, scratch, list(layout.outputs), literal_outputs, count, layout
+        source, constants, scratch, list(layout.outputs), literal_outputs, count, layout, donations
     )
 
 

@@ -46,8 +46,8 @@ class ReferenceRunner:
         self.why = why
         self.kernels = None
 
-    def __call__(self, args: list, release=None) -> list:
-        return run_plan(self.plan, args, release=release)
+    def __call__(self, args: list, release=None, donate=()) -> list:
+        return run_plan(self.plan, args, release=release)  # results are new arrays anyway
 
 
 class CompiledRunner:
@@ -56,32 +56,40 @@ class CompiledRunner:
 
     backend = "numba"
 
-    def __init__(self, plan: Plan, private_saved: tuple[int, ...] = ()):
+    def __init__(
+        self, plan: Plan, private_saved: tuple[int, ...] = (), donated: tuple[int, ...] = ()
+    ):
         from backplan.codegen.compiled import CompiledPlan
 
         self.plan = plan
-        self.compiled = CompiledPlan(plan, private_saved)
+        self.compiled = CompiledPlan(plan, private_saved, donated)
         self.kernels = self.compiled.kernel_count
         self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
 
-    def __call__(self, args: list, release=None) -> list:
-        outputs = self.compiled(args)
+    def __call__(self, args: list, release=None, donate=()) -> list:
+        outputs = self.compiled(args, donate)
         if release is not None:
             for i in self._owned:
                 release(i)
         return outputs
 
 
-def make_runner(plan: Plan, backend: str | None = None, private_saved: tuple[int, ...] = ()):
+def make_runner(
+    plan: Plan,
+    backend: str | None = None,
+    private_saved: tuple[int, ...] = (),
+    donated: tuple[int, ...] = (),
+):
     """private_saved: saved inputs whose storage the plan may reuse after their last read; only
-    for a backward that consumes its graph (retain_graph=False)."""
+    for a backward that consumes its graph (retain_graph=False). donated: inputs whose buffers
+    outputs may be written into (bp.compile(donate_argnums=...))."""
     backend = backend or current_backend()
     if backend == "reference":
         return ReferenceRunner(plan)
     from backplan.codegen.ops_emit import Unsupported
 
     try:
-        return CompiledRunner(plan, private_saved)
+        return CompiledRunner(plan, private_saved, donated)
     except Unsupported as exc:
         warnings.warn(
             f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3
@@ -89,16 +97,24 @@ def make_runner(plan: Plan, backend: str | None = None, private_saved: tuple[int
         return ReferenceRunner(plan, why=str(exc))
 
 
-def memory_plan_facts(plan: Plan) -> dict:
+def memory_plan_facts(plan: Plan, donated: tuple[int, ...] = ()) -> dict:
     """The compiled memory plan of a plan as plain data, without compiling: where each buffer
-    lives (scratch arena offset, or allocated per call), arena sizes, kernel count."""
+    lives (scratch arena offset, or allocated per call), arena sizes, kernel count, and which
+    outputs are written into which donated inputs ({output index: input index})."""
     from backplan.codegen.emit import generate
+    from backplan.codegen.memory import storage_root
     from backplan.codegen.ops_emit import Unsupported
     from backplan.ir.text import value_names
 
     try:
-        generated = generate(plan)
+        generated = generate(plan, donated=donated)
     except Unsupported as exc:
         return {"compiled": False, "why": str(exc)}
     facts = generated.layout.describe(value_names(plan.graph))
-    return {"compiled": True, "kernels": generated.kernel_count, **facts}
+    buffers = generated.output_buffers
+    reuse = {}
+    for k, i in generated.donations.items():
+        for o, out in enumerate(plan.graph.outputs):
+            if storage_root(out) is buffers[k]:
+                reuse[o] = i
+    return {"compiled": True, "kernels": generated.kernel_count, **facts, "donations": reuse}

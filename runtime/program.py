@@ -41,8 +41,10 @@ class RegionProgram:
         name: str,
         input_names: list[str] | None = None,
         backend: str | None = None,
+        donated: tuple[int, ...] = (),
     ):
         self.plans = plans
+        self.donated = donated  # forward inputs whose buffers outputs may be written into
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
         self._runners: dict = {}
@@ -116,7 +118,7 @@ class RegionProgram:
         runner = self._runners.get((which, backend))
         if runner is None:
             if which == "forward":
-                runner = make_runner(self.plans.forward, backend)
+                runner = make_runner(self.plans.forward, backend, donated=self.donated)
             elif which == "retain":
                 runner = make_runner(self.plans.backward, backend)
             else:
@@ -141,8 +143,9 @@ class RegionProgram:
             if saved.source[0] == "output" and storage_root(saved.forward) not in public
         )
 
-    def run_forward(self, args: list) -> list:
-        return self.runner("forward")(args)
+    def run_forward(self, args: list, donate=()) -> list:
+        """donate: inputs (among self.donated) whose buffers the caller gives up this call."""
+        return self.runner("forward")(args, donate=donate)
 
     def run_backward(self, args: list, release) -> list:
         return self.runner("retain" if release is None else "consume")(args, release)

@@ -25,12 +25,16 @@ def apply(op: str, inputs: list, **attrs):
     from .tensor import Tensor
 
     loc = user_frame_loc()
+    for t in inputs:
+        if t._donated is not None:
+            t._check_live()
     trace = current_trace()
     if trace is not None:
         values = [trace.value_of(t) for t in inputs]
         value = make_value(op, values, attrs, loc)
         trace.graph.nodes.append(value)
-        return Tensor._traced(value, trace)
+        weak = bool(inputs) and all(t._weak for t in inputs)
+        return Tensor._traced(value, trace, weak=weak)
     needs = [is_grad_enabled() and t.requires_grad for t in inputs]
     if not any(needs):
         probes = [Value("input", (), {}, TensorType(t._ir_dtype, t.shape)) for t in inputs]

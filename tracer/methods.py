@@ -1,6 +1,6 @@
 """Operators and methods of Tensor, as thin calls into the op functions."""
 
-from . import indexing, ops
+from . import indexing, inplace, ops
 from .tensor import Tensor
 
 
@@ -69,6 +69,7 @@ def install() -> None:
         setattr(Tensor, name, fn)
     Tensor.T = property(lambda self: ops.transpose(self))
     Tensor.mT = property(lambda self: ops.swapaxes(self, -1, -2))
+    inplace.install(Tensor)
 
 
 install()
