@@ -8,9 +8,11 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
+from backplan import optim
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
+from backplan.artifacts.tree_file import TreeFileError, load_tree, save_tree
 from backplan.ir.errors import (
     BackplanError,
     DtypeError,
@@ -28,6 +30,8 @@ from backplan.runtime import (
     no_grad,
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
+from backplan.tracer.compile import RetraceWarning
+from backplan.tracer.errors import DonatedError
 from backplan.tracer.explain import explain
 from backplan.tracer.ops import (
     abs,
@@ -104,14 +108,17 @@ def zero_grad(tree) -> None:
 __all__ = [
     "BackplanError",
     "BackwardError",
+    "DonatedError",
     "DtypeError",
     "ExecutionError",
     "ExportError",
     "GraphFreedError",
     "ParseError",
+    "RetraceWarning",
     "ShapeError",
     "Tensor",
     "TracingError",
+    "TreeFileError",
     "VerifyError",
     "abs",
     "add",
@@ -142,6 +149,7 @@ __all__ = [
     "less_equal",
     "live_saved_bytes",
     "load",
+    "load_tree",
     "log",
     "log_softmax",
     "logsumexp",
@@ -157,12 +165,14 @@ __all__ = [
     "no_grad",
     "not_equal",
     "one_hot",
+    "optim",
     "ones",
     "ones_like",
     "permute",
     "pow",
     "relu",
     "reshape",
+    "save_tree",
     "sigmoid",
     "sign",
     "softmax",
