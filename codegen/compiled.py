@@ -119,7 +119,6 @@ class CompiledPlan:
         for i, (shape, dtype) in enumerate(self._output_buffers):
             if i in given:
                 arrays.append(None)
-                self._previous_outputs[i] = None
                 continue
             previous = self._previous_outputs[i]
             if previous is not None and sys.getrefcount(previous) == 3:  # list, local, argument
@@ -127,7 +126,8 @@ class CompiledPlan:
                 arrays.append(previous)
             else:
                 arrays.append(np.empty(shape, dtype))
-            self._previous_outputs[i] = arrays[-1]
+            if i not in self.donations:  # a result that may be donated back is the caller's
+                self._previous_outputs[i] = arrays[-1]
         return arrays
 
     @property

@@ -53,7 +53,7 @@ def _safe(source: Value, out: Value, kernels, steps, home, last) -> bool:
     if kernel.kind != "loop" or kernel.reductions or steps.count(written) != 1:
         return False
     shape = internal_shape(kernel.shape)
-    identity = list(range(len(shape)))
+    identity = [d if size != 1 else None for d, size in enumerate(shape)]  # as index_map says
     for node in kernel.computed:
         for value in node.inputs:
             if storage_root(value) is not source:

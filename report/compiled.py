@@ -5,11 +5,14 @@ the call returns). The numbers come from the code generator's memory layout
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backplan.codegen.emit import generate
+from backplan.codegen.memory import storage_root
 from backplan.codegen.ops_emit import Unsupported
 from backplan.ir.liveness import Plan
+
+from .plan_view import input_label
 
 
 @dataclass(frozen=True)
@@ -22,24 +25,34 @@ class CompiledPlanFacts:
     output_bytes: int = 0  # allocated fresh on every call: what the call returns
     reused_saved: int = 0  # temporaries placed in saved buffers after their last read
     unsupported: str | None = None  # why this plan would run on the reference interpreter
+    donated: tuple = ()  # (output index, donated input (index, or name), bytes): in place
 
     @property
     def compiled(self) -> bool:
         return self.unsupported is None
 
 
-def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> CompiledPlanFacts:
+def plan_facts(
+    label: str, plan: Plan, private_saved: tuple[int, ...] = (), donated: tuple[int, ...] = ()
+) -> CompiledPlanFacts:
+    """donated: inputs whose buffers outputs may take (those bytes are not fresh per call)."""
     try:
-        generated = generate(plan, private_saved)
+        generated = generate(plan, private_saved, donated)
     except Unsupported as exc:
         return CompiledPlanFacts(label, unsupported=str(exc))
     layout = generated.layout
+    in_place = []
+    for k, i in sorted(generated.donations.items(), key=lambda kv: kv[1]):
+        buffer = generated.output_buffers[k]
+        out = next(o for o, v in enumerate(plan.graph.outputs) if storage_root(v) is buffer)
+        in_place.append((out, i, buffer.type.nbytes))
     return CompiledPlanFacts(
         label,
         generated.kernel_count,
         layout.scratch_bytes,
-        layout.output_bytes,
+        layout.output_bytes - sum(n for _, _, n in in_place),
         len(layout.reused_saved),
+        donated=tuple(in_place),
     )
 
 
@@ -47,7 +60,11 @@ def region_facts(program) -> list[CompiledPlanFacts]:
     """The forward, then both backward variants: backward() consumes the graph (and may reuse
     its private saved buffers as scratch), backward(retain_graph=True) keeps them intact."""
     plans = program.plans
-    facts = [plan_facts("forward", plans.forward)]
+    forward = plan_facts("forward", plans.forward, donated=program.donated)
+    named = tuple(
+        (out, input_label(program.input_names, i), n) for out, i, n in forward.donated
+    )
+    facts = [replace(forward, donated=named)]
     if plans.backward is not None:
         facts.append(
             plan_facts("backward (consume)", plans.backward, program.private_saved_inputs())

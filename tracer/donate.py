@@ -17,8 +17,7 @@ def donatable(tensors: list, donated: tuple[int, ...]) -> frozenset[int]:
         seen[id(t._data)] = seen.get(id(t._data), 0) + 1
     usable = set()
     for i in donated:
-        array = tensors[i]._data
-        if seen[id(array)] == 1 and _held_only_by_tensor(tensors[i]):
+        if seen[id(tensors[i]._data)] == 1 and _held_only_by_tensor(tensors[i]):
             usable.add(i)
     return frozenset(usable)
 
