@@ -130,7 +130,7 @@ class CompiledFunction:
             raise ValueError(f"cache_size must be at least 1, got {cache_size}")
         self.cache_size = cache_size
         self._cache: OrderedDict[SignatureKey, TracedFunction] = OrderedDict()
-        self._fast: dict = {}  # fastpath.call_key -> (traced, dynamic leaf positions)
+        self._fast: dict = {}  # fastpath.call_key -> (traced, dynamic leaf positions, key)
         self._traces = self._hits = self._misses = 0
         self._last_key: SignatureKey | None = None
         self._last_miss_reason: str | None = None
@@ -146,16 +146,17 @@ class CompiledFunction:
         )
         hit = self._fast.get(key) if key is not None else None
         if hit is not None:
-            traced, positions = hit
+            traced, positions, signature = hit
             if self._captured_unchanged(traced):
                 self._hits += 1
+                self._cache.move_to_end(signature)
                 return run_tensors(traced, [input_tensor(leaves[i]) for i in positions])
         call = bind_call(self.fn, args, kwargs, spec.static_names)
         traced = self.lookup(call)
         if key is not None:
             positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
             if positions is not None:
-                self._fast[key] = (traced, positions)
+                self._fast[key] = (traced, positions, call.key)
         return run_traced(traced, call)
 
     @staticmethod
