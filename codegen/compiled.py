@@ -9,8 +9,10 @@ import time
 
 import numpy as np
 
+from backplan.ir.donation import donation_pairs
 from backplan.ir.errors import ExecutionError
 from backplan.ir.liveness import Plan
+from backplan.ir.lowering import lower
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
@@ -35,8 +37,9 @@ class CompiledPlan:
     ):
         self.plan = plan
         start = time.perf_counter()
-        generated = generate(plan, private_saved, donated)
-        self.donations = generated.donations  # output buffer index -> donated input index
+        lowered = lower(plan, private_saved)
+        generated = generate(lowered)
+        self.donations = donation_pairs(lowered, donated)  # output buffer -> donated input
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count

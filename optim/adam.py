@@ -15,7 +15,7 @@ from __future__ import annotations
 from backplan.tracer import ops
 
 from .base import Optimizer
-from .hyper import learning_rate, leaf_scalar, new_count
+from .hyper import leaf_scalar, learning_rate, new_count
 from .tree import check_hyper, tree_map_n
 
 

@@ -1,9 +1,9 @@
 """SGD with momentum, Nesterov momentum and L2 weight decay, as torch.optim.SGD (dampening 0):
 
-    d = g + weight_decay * p
-    buf = momentum * buf + d            (buf starts at zero, so the first buf is d)
-    d = d + momentum * buf if nesterov else buf
-    p = p - lr * d
+d = g + weight_decay * p
+buf = momentum * buf + d            (buf starts at zero, so the first buf is d)
+d = d + momentum * buf if nesterov else buf
+p = p - lr * d
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from backplan.tracer import ops
 
 from .base import Optimizer
-from .hyper import learning_rate, leaf_scalar, new_count
+from .hyper import leaf_scalar, learning_rate, new_count
 from .tree import check_hyper, tree_map_n
 
 
@@ -56,5 +56,3 @@ def sgd(lr, momentum: float = 0.0, nesterov: bool = False, weight_decay: float =
 
     name = f"sgd({lr!r}" + (f", momentum={momentum}" if momentum else "") + ")"
     return Optimizer(name, init_fn, transform)
-
-

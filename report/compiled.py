@@ -1,16 +1,17 @@
 """What the numba backend's compiled plans will hold, for explain(): per plan, its kernels, the
 scratch arena it keeps and reuses on every call, and the bytes it allocates fresh per call (what
-the call returns). The numbers come from the code generator's memory layout
-(`backplan.codegen.emit.generate`, source generation only): nothing is compiled or cached."""
+the call returns). The numbers are the lowered plan's (`backplan.ir.lowering.lower`, computed
+once per plan and shared with the code generator): nothing is rendered or compiled to learn
+them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from backplan.codegen.emit import generate
-from backplan.codegen.memory import storage_root
-from backplan.codegen.ops_emit import Unsupported
+from backplan.codegen.ops_emit import unsupported_reason
+from backplan.ir.donation import donated_outputs
 from backplan.ir.liveness import Plan
+from backplan.ir.lowering import lower
 
 from .plan_view import input_label
 
@@ -36,19 +37,15 @@ def plan_facts(
     label: str, plan: Plan, private_saved: tuple[int, ...] = (), donated: tuple[int, ...] = ()
 ) -> CompiledPlanFacts:
     """donated: inputs whose buffers outputs may take (those bytes are not fresh per call)."""
-    try:
-        generated = generate(plan, private_saved, donated)
-    except Unsupported as exc:
-        return CompiledPlanFacts(label, unsupported=str(exc))
-    layout = generated.layout
-    in_place = []
-    for k, i in sorted(generated.donations.items(), key=lambda kv: kv[1]):
-        buffer = generated.output_buffers[k]
-        out = next(o for o, v in enumerate(plan.graph.outputs) if storage_root(v) is buffer)
-        in_place.append((out, i, buffer.type.nbytes))
+    lowered = lower(plan, private_saved)
+    why = unsupported_reason(lowered)
+    if why is not None:
+        return CompiledPlanFacts(label, unsupported=why)
+    layout = lowered.layout
+    in_place = donated_outputs(lowered, donated)
     return CompiledPlanFacts(
         label,
-        generated.kernel_count,
+        lowered.kernel_count,
         layout.scratch_bytes,
         layout.output_bytes - sum(n for _, _, n in in_place),
         len(layout.reused_saved),
@@ -61,9 +58,7 @@ def region_facts(program) -> list[CompiledPlanFacts]:
     its private saved buffers as scratch), backward(retain_graph=True) keeps them intact."""
     plans = program.plans
     forward = plan_facts("forward", plans.forward, donated=program.donated)
-    named = tuple(
-        (out, input_label(program.input_names, i), n) for out, i, n in forward.donated
-    )
+    named = tuple((out, input_label(program.input_names, i), n) for out, i, n in forward.donated)
     facts = [replace(forward, donated=named)]
     if plans.backward is not None:
         facts.append(

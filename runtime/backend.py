@@ -97,24 +97,16 @@ def make_runner(
         return ReferenceRunner(plan, why=str(exc))
 
 
-def memory_plan_facts(plan: Plan, donated: tuple[int, ...] = ()) -> dict:
+def memory_plan_facts(plan: Plan) -> dict:
     """The compiled memory plan of a plan as plain data, without compiling: where each buffer
-    lives (scratch arena offset, or allocated per call), arena sizes, kernel count, and which
-    outputs are written into which donated inputs ({output index: input index})."""
-    from backplan.codegen.emit import generate
-    from backplan.codegen.memory import storage_root
-    from backplan.codegen.ops_emit import Unsupported
+    lives (scratch arena offset, or allocated per call), arena sizes, kernel count."""
+    from backplan.codegen.ops_emit import unsupported_reason
+    from backplan.ir.lowering import lower
     from backplan.ir.text import value_names
 
-    try:
-        generated = generate(plan, donated=donated)
-    except Unsupported as exc:
-        return {"compiled": False, "why": str(exc)}
-    facts = generated.layout.describe(value_names(plan.graph))
-    buffers = generated.output_buffers
-    reuse = {}
-    for k, i in generated.donations.items():
-        for o, out in enumerate(plan.graph.outputs):
-            if storage_root(out) is buffers[k]:
-                reuse[o] = i
-    return {"compiled": True, "kernels": generated.kernel_count, **facts, "donations": reuse}
+    lowered = lower(plan)
+    why = unsupported_reason(lowered)
+    if why is not None:
+        return {"compiled": False, "why": why}
+    facts = lowered.layout.describe(value_names(plan.graph))
+    return {"compiled": True, "kernels": lowered.kernel_count, **facts}

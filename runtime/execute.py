@@ -6,9 +6,7 @@ from .program import RegionProgram
 from .region import Edge, Region
 
 
-def run_forward(
-    program: RegionProgram, args: list, edges: list[Edge] | None, loc: str, donate=()
-):
+def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, loc: str, donate=()):
     """Returns (user outputs, region or None). edges is None when nothing needs a gradient.
     donate: inputs whose buffers the plan may write outputs into (never saved ones)."""
     inputs = list(args)

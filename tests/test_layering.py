@@ -1,6 +1,7 @@
 """Imports point down: ir imports nothing of ours, codegen only ir, runtime ir and codegen,
 report (explain) those three, tracer ir, runtime and report, artifacts (export/load) everything
-below it, optim (optimizers) ir, runtime and tracer, and no layer imports the face (`backplan` itself or its own modules).
+below it, optim (optimizers) ir, runtime and tracer, and no layer imports the face
+(`backplan` itself or its own modules).
 Imports are read with ast, so lazy imports inside functions count too."""
 
 from __future__ import annotations

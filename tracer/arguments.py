@@ -22,9 +22,7 @@ class ArgumentSpec:
             _check_name(fn, arg, name)
         self.static_nums = frozenset(i for i, n in enumerate(names) if n in self.static_names)
         self.donate_nums = tuple(sorted(set(_as_tuple(donate_argnums))))
-        self.donate_names = frozenset(
-            _names_of(self.donate_nums, names, "donate_argnums", name)
-        )
+        self.donate_names = frozenset(_names_of(self.donate_nums, names, "donate_argnums", name))
         both = self.static_names & self.donate_names
         if both:
             raise ValueError(f"{name}: {sorted(both)} cannot be both static and donated")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from backplan.ir.pipeline import build_region_plans
@@ -14,27 +12,20 @@ from backplan.runtime.execute import run_forward
 from .arguments import ArgumentSpec
 from .captured_names import captured_names
 from .donate import check_donated_inputs, donatable, mark_donated
-from .errors import TracingError
-from .fastpath import call_key, positions_of
+from .fastpath import positions_of
+from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
+    DEFAULT_CACHE_SIZE,
+    STALE,
+    CacheInfo,
+    PlannedFunction,
+    RetraceWarning,
+)
 from .pytree import TreeDef, flatten, unflatten
 from .reports import explain_traced
-from .signature import SignatureKey, bind_call, input_tensor, miss_reason
+from .signature import bind_call, input_tensor, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
-from .trace import Trace, current_trace, tracing
-
-
-DEFAULT_CACHE_SIZE = 64
-RETRACE_WARNING = 8  # retraces of one function before it warns
-
-
-@dataclass
-class CacheInfo:
-    traces: int
-    hits: int
-    misses: int
-    last_miss_reason: str | None
-    entries: int
+from .trace import Trace, tracing
 
 
 @dataclass
@@ -104,11 +95,7 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
     return unflatten(traced.out_treedef, leaves)
 
 
-class RetraceWarning(UserWarning):
-    """A compiled function keeps retracing: each new signature costs a trace and a compile."""
-
-
-class CompiledFunction:
+class CompiledFunction(PlannedFunction):
     """See `compile`."""
 
     def __init__(
@@ -121,100 +108,47 @@ class CompiledFunction:
         donate_argnums=(),
         cache_size: int = DEFAULT_CACHE_SIZE,
     ):
-        self.fn = fn
+        super().__init__(fn, cache_size)
         self.remat = remat
         self.saved_bytes_budget = saved_bytes_budget
-        functools.update_wrapper(self, fn)
         self.arguments = ArgumentSpec(fn, static_argnums, static_argnames, donate_argnums)
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be at least 1, got {cache_size}")
-        self.cache_size = cache_size
-        self._cache: OrderedDict[SignatureKey, TracedFunction] = OrderedDict()
-        self._fast: dict = {}  # fastpath.call_key -> (traced, dynamic leaf positions, key)
-        self._traces = self._hits = self._misses = 0
-        self._last_key: SignatureKey | None = None
-        self._last_miss_reason: str | None = None
-        self._miss_reasons: list[str] = []
-        self._warned = False
+        self._static_nums = self.arguments.static_nums
+        self._static_names = self.arguments.static_names
+        functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
 
-    def __call__(self, *args, **kwargs):
-        if current_trace() is not None:
-            return self.fn(*args, **kwargs)  # nested compiled functions inline
-        spec = self.arguments
-        key, leaves = call_key(
-            args, kwargs, is_grad_enabled(), spec.static_nums, spec.static_names
-        )
-        hit = self._fast.get(key) if key is not None else None
-        if hit is not None:
-            traced, positions, signature = hit
-            if self._captured_unchanged(traced):
-                self._hits += 1
-                self._cache.move_to_end(signature)
-                return run_tensors(traced, [input_tensor(leaves[i]) for i in positions])
-        call = bind_call(self.fn, args, kwargs, spec.static_names)
-        traced = self.lookup(call)
-        if key is not None:
-            positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
-            if positions is not None:
-                self._fast[key] = (traced, positions, call.key)
+    def _call_in_trace(self, args, kwargs):
+        return self.fn(*args, **kwargs)  # nested compiled functions inline
+
+    def _bind(self, args, kwargs):
+        return bind_call(self.fn, args, kwargs, self._static_names)
+
+    def _still_valid(self, traced: TracedFunction) -> bool:
+        return _captured_flags(traced.captured) == traced.captured_flags
+
+    def _miss_reason(self, key, stale: TracedFunction | None) -> str | None:
+        if stale is not None:
+            return "requires_grad of a captured tensor changed"
+        return miss_reason(self._last_key, key)
+
+    def _run(self, traced: TracedFunction, call):
         return run_traced(traced, call)
 
-    @staticmethod
-    def _captured_unchanged(traced) -> bool:
-        if not traced.captured:
-            return True
-        enabled = is_grad_enabled()
-        return traced.captured_flags == tuple(
-            bool(t._requires_grad and enabled) for t in traced.captured
-        )
+    def _fast_runner(self, traced: TracedFunction, call, leaves: list):
+        positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
+        if positions is None:
+            return None
 
-    def lookup(self, call) -> TracedFunction:
-        traced = self._cache.get(call.key)
-        if traced is not None:
-            flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in traced.captured)
-            if flags == traced.captured_flags:
-                self._hits += 1
-                self._cache.move_to_end(call.key)
-                return traced
-        self._misses += 1
-        self._last_miss_reason = (
-            miss_reason(self._last_key, call.key)
-            if traced is None
-            else "requires_grad of a captured tensor changed"
-        )
-        traced = self._trace(call)
-        self._remember(call.key, traced)
-        self._last_key = call.key
-        self._note_retrace(self._last_miss_reason)
-        return traced
+        def run(leaves):
+            if not self._still_valid(traced):
+                return STALE
+            return run_tensors(traced, [input_tensor(leaves[i]) for i in positions])
 
-    def _remember(self, key: SignatureKey, traced: TracedFunction) -> None:
-        """Least recently used signatures leave the cache beyond cache_size."""
-        self._cache[key] = traced
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.cache_size:
-            _, evicted = self._cache.popitem(last=False)
-            self._fast = {k: v for k, v in self._fast.items() if v[0] is not evicted}
+        return run
 
-    def _note_retrace(self, reason: str) -> None:
-        """Warn once, after RETRACE_WARNING retraces, with what changed each time."""
-        if self._traces > 1:
-            self._miss_reasons.append(reason)
-        if self._warned or len(self._miss_reasons) < RETRACE_WARNING:
-            return
-        self._warned = True
-        name = getattr(self.fn, "__qualname__", "the function")
-        reasons = "\n".join(f"  - {r}" for r in self._miss_reasons[-RETRACE_WARNING:])
-        warnings.warn(
-            f"{name} has been traced {self._traces} times; each new signature traces and "
-            f"compiles again. What changed:\n{reasons}\nKeep shapes, dtypes and static values "
-            "(ints, strings, arguments in static_argnames) the same from call to call; Python "
-            "floats are traced and never cause a retrace.",
-            RetraceWarning,
-            stacklevel=4,
-        )
+    def _report(self, traced: TracedFunction, call):
+        return explain_traced(traced, self.cache_info())
 
-    def _trace(self, call) -> TracedFunction:
+    def _build(self, call) -> TracedFunction:
         name = getattr(self.fn, "__name__", "compiled")
         trace, out_leaves, out_treedef = trace_function(self.fn, name, call)
         graph = trace.graph
@@ -226,7 +160,7 @@ class CompiledFunction:
             else:
                 out_slots.append(("static", leaf))
         graph.outputs = outputs
-        captured_flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in trace.captured)
+        captured_flags = _captured_flags(trace.captured)
         wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(
             captured_flags
         )
@@ -242,7 +176,6 @@ class CompiledFunction:
             graph, wrt, remat=self.remat, saved_bytes_budget=self.saved_bytes_budget
         )
         program = RegionProgram(plans, name=name, input_names=names, donated=donated)
-        self._traces += 1
         return TracedFunction(
             program,
             out_treedef,
@@ -254,26 +187,10 @@ class CompiledFunction:
             f"{name}() (bp.compile(donate_argnums={self.arguments.donate_nums}))",
         )
 
-    def trace(self, *args, **kwargs) -> TracedFunction:
-        """Trace (or find in the cache) without running: the plans for this signature."""
-        if current_trace() is not None:
-            raise TracingError("trace() cannot be called inside a traced function")
-        return self.lookup(bind_call(self.fn, args, kwargs, self.arguments.static_names))
 
-    def explain(self, *args, **kwargs):
-        """The plan for this signature as a report (text, DOT, picture); nothing runs.
-        See `backplan.explain`."""
-        traced = self.trace(*args, **kwargs)
-        return explain_traced(traced, self.cache_info())
-
-    def cache_info(self) -> CacheInfo:
-        return CacheInfo(
-            self._traces, self._hits, self._misses, self._last_miss_reason, len(self._cache)
-        )
-
-    def clear_cache(self) -> None:
-        self._cache.clear()
-        self._fast.clear()
+def _captured_flags(captured: list) -> tuple[bool, ...]:
+    enabled = is_grad_enabled()
+    return tuple(bool(t._requires_grad and enabled) for t in captured)
 
 
 def compile(  # noqa: A001
@@ -303,7 +220,7 @@ def compile(  # noqa: A001
     recomputed in backward instead of saved; saved_bytes_budget stops that once the saved bytes
     (region inputs excluded) fit the budget. `bp.compile(remat=False)(fn)` saves everything.
     cache_size: signatures kept (least recently used leave first); after 8 retraces a
-    RetraceWarning says what changed.
+    bp.RetraceWarning says what changed.
 
     >>> import backplan as bp
     >>> @bp.compile

@@ -10,19 +10,18 @@ that writes it, element for element (every loop body reads all its operands befo
 
 from __future__ import annotations
 
-from backplan.ir.fusion import Kernel
-from backplan.ir.graph import Graph, Value
+from .fusion import index_map, internal_shape
+from .graph import Value
+from .layout import lifetimes, storage_root
+from .lowering import LoweredPlan
 
-from .loops import index_map, internal_shape
-from .memory import lifetimes, storage_root
 
-
-def donation_pairs(
-    graph: Graph, kernels: list[Kernel], steps: list[int], outputs: list[Value], donated
-) -> dict[int, int]:
-    """{index in `outputs` (the buffers the caller allocates): donated input index}."""
+def donation_pairs(lowered: LoweredPlan, donated) -> dict[int, int]:
+    """{index in layout.outputs (the buffers the caller allocates): donated input index}."""
     if not donated:
         return {}
+    graph, kernels, steps = lowered.plan.graph, lowered.kernels, lowered.steps
+    outputs = list(lowered.layout.outputs)
     last = lifetimes(graph, kernels, steps)
     home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
     output_roots = {storage_root(o) for o in graph.outputs}
@@ -41,6 +40,18 @@ def donation_pairs(
                 free.remove(i)
                 break
     return pairs
+
+
+def donated_outputs(lowered: LoweredPlan, donated) -> list[tuple[int, int, int]]:
+    """(graph output index, donated input index, bytes) for each output written in place,
+    in input order: what explain shows."""
+    outputs = lowered.plan.graph.outputs
+    found = []
+    for k, i in sorted(donation_pairs(lowered, donated).items(), key=lambda kv: kv[1]):
+        buffer = lowered.layout.outputs[k]
+        out = next(o for o, v in enumerate(outputs) if storage_root(v) is buffer)
+        found.append((out, i, buffer.type.nbytes))
+    return found
 
 
 def _safe(source: Value, out: Value, kernels, steps, home, last) -> bool:
