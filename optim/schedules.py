@@ -17,9 +17,6 @@ import numpy as np
 from backplan.tracer import ops
 from backplan.tracer.tensor import Tensor
 
-# sin(u) on [-pi/2, pi/2] by its Taylor series to u^13: |error| < 7e-10 (the next term)
-_SIN_TAYLOR = [(-1) ** k / math.factorial(2 * k + 1) for k in range(7)]
-
 
 def _count(step) -> Tensor:
     if isinstance(step, Tensor):
@@ -27,17 +24,6 @@ def _count(step) -> Tensor:
     if isinstance(step, int | np.integer):
         return ops.tensor(np.int64(step))
     raise TypeError(f"a schedule takes the step count (an int or a 0-d int tensor), got {step!r}")
-
-
-def _cos_pi(fraction: Tensor) -> Tensor:
-    """cos(pi * fraction) for fraction in [0, 1], as -sin(pi * (fraction - 1/2)); backplan has
-    no cos op, and the series is exact to float64 rounding level (< 7e-10) on this range."""
-    u = (fraction - 0.5) * math.pi
-    u2 = u * u
-    acc = ops.full((), _SIN_TAYLOR[-1], fraction._ir_dtype)
-    for coefficient in reversed(_SIN_TAYLOR[:-1]):
-        acc = acc * u2 + coefficient
-    return -(acc * u)
 
 
 def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0):
@@ -49,7 +35,7 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0):
     def schedule(step):
         count = ops.astype(_count(step), "f64")
         fraction = ops.minimum(count, float(decay_steps)) / float(decay_steps)
-        cosine = 0.5 * (1.0 + _cos_pi(fraction))
+        cosine = 0.5 * (1.0 + ops.cos(fraction * math.pi))
         return init_value * ((1.0 - alpha) * cosine + alpha)
 
     schedule.__name__ = f"cosine_decay({init_value}, {decay_steps})"
