@@ -145,3 +145,27 @@ def test_the_pytorch_parameter_update_habit_raises():
     for p in params.values():
         with pytest.raises(TypeError, match="in-place -="):
             p -= 0.1
+
+
+def test_a_traced_float_as_an_op_attribute_says_to_make_it_static():
+    @bp.compile
+    def fill(x, value):
+        return x + bp.full((3,), value)  # full broadcasts a traced value
+
+    np.testing.assert_array_equal(fill(bp.tensor(np.ones(3, np.float32)), 0.5).numpy(), [1.5] * 3)
+    fill(bp.tensor(np.ones(3, np.float32)), 2.5)
+    assert fill.cache_info().traces == 1
+
+    @bp.compile
+    def normed(x, eps):
+        return bp.layer_norm(x, eps=eps)
+
+    with pytest.raises(bp.TracingError, match=r"traced float at test_traced_floats.*static_argn"):
+        normed(bp.tensor(f32(2, 3)), 1e-5)
+
+    @bp.compile
+    def encoded(labels, depth):
+        return bp.one_hot(labels, depth)
+
+    with pytest.raises(bp.TracingError, match=r"its depth must be a Python number, got a traced"):
+        encoded(bp.tensor(np.array([1])), 2.0)

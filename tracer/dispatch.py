@@ -15,6 +15,7 @@ from backplan.ir.types import TensorType
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
 
+from .errors import TracingError
 from .source import loc_text, user_frame_loc
 from .trace import current_trace
 
@@ -28,6 +29,9 @@ def apply(op: str, inputs: list, **attrs):
     for t in inputs:
         if t._donated is not None:
             t._check_live()
+    for name, value in attrs.items():
+        if isinstance(value, Tensor):
+            raise _tensor_attribute(op, name, value, loc)
     trace = current_trace()
     if trace is not None:
         values = [trace.value_of(t) for t in inputs]
@@ -44,6 +48,15 @@ def apply(op: str, inputs: list, **attrs):
             result._scalar = attrs["value"]
         return result
     return _eager_region(op, inputs, attrs, needs, loc)
+
+
+def _tensor_attribute(op: str, name: str, value, loc) -> TracingError:
+    what = "a traced float argument" if value._weak else f"a tensor {value._ir_dtype}"
+    return TracingError(
+        f"{op}() at {loc_text(loc)}: its {name} must be a Python number, got {what}. Python "
+        "floats passed to a compiled function are traced (a new value does not retrace); "
+        "where one must stay a number, mark it static: bp.compile(fn, static_argnames=('name',))"
+    )
 
 
 def _eager_region(op, inputs, attrs, needs, loc):

@@ -38,6 +38,8 @@ def as_tensor(x) -> Tensor:
 
 
 def full(shape, value, dtype="float32") -> Tensor:
+    if isinstance(value, Tensor):  # a traced float, say: broadcast it instead of baking it in
+        return broadcast_to(astype(value, dtype), tuple(shape))
     return apply("full", [], value=value, shape=tuple(shape), dtype=dtype_name(dtype))
 
 
