@@ -3,6 +3,7 @@ static facts about its saved buffers worked out once and shared by every region 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from backplan.ir.pipeline import RegionPlans
@@ -10,6 +11,7 @@ from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import is_float
 
 from .backend import current_backend, make_runner
+from .location import loc_text, op_text
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class RegionProgram:
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
         self._runners: dict = {}
+        self._making_runner = threading.Lock()  # threads calling first share one compile
         self.input_names = input_names  # argument paths of the forward inputs, when known
         self.n_outputs = plans.n_outputs
         outputs = plans.forward.graph.outputs[: plans.n_outputs]
@@ -83,8 +86,8 @@ class RegionProgram:
                     name=self._input_name(saved.source[1])
                     if saved.source[0] == "input"
                     else self._value_name(value, fwd_names),
-                    op=value.op if value.op != "input" else "input",
-                    produced_at=format_loc(value.loc) or "<input>",
+                    op=op_text(value.op, value.loc) if value.op != "input" else "input",
+                    produced_at=loc_text(value.loc) if value.loc else "<input>",
                     shape=value.shape,
                     dtype=value.dtype,
                     nbytes=value.type.nbytes,
@@ -117,16 +120,19 @@ class RegionProgram:
         backend = self.backend or current_backend()
         runner = self._runners.get((which, backend))
         if runner is None:
-            if which == "forward":
-                runner = make_runner(self.plans.forward, backend, donated=self.donated)
-            elif which == "retain":
-                runner = make_runner(self.plans.backward, backend)
-            else:
-                runner = make_runner(
-                    self.plans.backward, backend, private_saved=self.private_saved_inputs()
-                )
-            self._runners[(which, backend)] = runner
+            with self._making_runner:
+                runner = self._runners.get((which, backend))
+                if runner is None:
+                    runner = self._make_runner(which, backend)
+                    self._runners[(which, backend)] = runner
         return runner
+
+    def _make_runner(self, which: str, backend: str):
+        if which == "forward":
+            return make_runner(self.plans.forward, backend, donated=self.donated)
+        if which == "retain":
+            return make_runner(self.plans.backward, backend)
+        return make_runner(self.plans.backward, backend, private_saved=self.private_saved_inputs())
 
     def private_saved_inputs(self) -> tuple[int, ...]:
         return self.plans.private_saved_inputs()
