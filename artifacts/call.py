@@ -70,6 +70,8 @@ def match_leaves(tree_value, keys: list[LeafKey], artifact: str) -> tuple[list, 
     for i, (leaf, key) in enumerate(zip(leaves, keys, strict=True)):
         if isinstance(leaf, np.ndarray):
             leaves[i] = leaf = Tensor(leaf)
+        if key.weak and type(leaf) is float:
+            leaves[i] = leaf = Tensor._weak_scalar(leaf)  # exported as a traced float
         if key.kind == "tensor":
             _check_tensor(leaf, key, artifact)
             positions.append(i)
@@ -80,7 +82,7 @@ def match_leaves(tree_value, keys: list[LeafKey], artifact: str) -> tuple[list, 
 
 
 def _check_tensor(leaf, key: LeafKey, artifact: str) -> None:
-    expected = f"a tensor {key.dtype}{list(key.shape)}"
+    expected = "a float" if key.weak else f"a tensor {key.dtype}{list(key.shape)}"
     if not isinstance(leaf, Tensor):
         raise _mismatch(artifact, key.path, expected, f"{leaf!r} of type {type(leaf).__name__}")
     if leaf._ir_dtype != key.dtype or tuple(leaf.shape) != tuple(key.shape):

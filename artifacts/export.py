@@ -161,6 +161,7 @@ def _common_meta(kind: str, name: str, call, captured: list, writer: _ArtifactWr
                     "dtype": key.dtype,
                     "shape": list(key.shape),
                     "requires_grad": key.requires_grad,
+                    "float": key.weak,
                 }
             )
         else:

@@ -8,10 +8,11 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
-from backplan import tree
+from backplan import optim, tree
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
+from backplan.artifacts.tree_file import TreeFileError, load_tree, save_tree
 from backplan.ir.errors import (
     BackplanError,
     DtypeError,
@@ -29,7 +30,9 @@ from backplan.runtime import (
     no_grad,
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
+from backplan.tracer.compile import RetraceWarning
 from backplan.tracer.dlpack import from_dlpack
+from backplan.tracer.errors import DonatedError
 from backplan.tracer.explain import explain
 from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
@@ -48,14 +51,17 @@ __all__ = [
     *_ops_all,
     "BackplanError",
     "BackwardError",
+    "DonatedError",
     "DtypeError",
     "ExecutionError",
     "ExportError",
     "GraphFreedError",
     "ParseError",
+    "RetraceWarning",
     "ShapeError",
     "Tensor",
     "TracingError",
+    "TreeFileError",
     "VerifyError",
     "compile",
     "enable_grad",
@@ -67,8 +73,11 @@ __all__ = [
     "is_grad_enabled",
     "live_saved_bytes",
     "load",
+    "load_tree",
     "no_grad",
     "tree",
+    "optim",
+    "save_tree",
     "tree_map",
     "value_and_grad",
     "zero_grad",

@@ -22,7 +22,7 @@ from .fastpath import positions_of
 from .planned import PlannedFunction
 from .pytree import flatten, unflatten
 from .reports import explain_joint
-from .signature import bind_call, miss_reason
+from .signature import bind_call, input_tensor, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
 
@@ -156,14 +156,14 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
 
 def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
     """A call for later calls with the same key: arrays in, tensors out, no binding."""
-    positions = positions_of([call.leaves[p] for p in call.tensor_positions], leaves)
+    positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
     if positions is None:
         return None
     captured, runner, n_aux = entry.captured, entry.runner, entry.n_aux
     grad_structures = [flatten(args[i])[1] for i in nums]
 
     def call_fast(leaves):
-        arrays = [leaves[i]._data for i in positions]
+        arrays = [input_tensor(leaves[i])._data for i in positions]
         arrays += [t._data for t in captured]
         results = [Tensor._fresh(a) for a in runner()(arrays)]
         grads, start = [], 1 + n_aux

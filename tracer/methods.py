@@ -1,6 +1,6 @@
 """Operators and methods of Tensor, as thin calls into the op functions."""
 
-from . import dlpack, indexing, numpy_protocol, ops
+from . import dlpack, indexing, inplace, numpy_protocol, ops
 from .graph_view import explain_graph
 from .tensor import Tensor
 
@@ -73,6 +73,7 @@ def install() -> None:
     Tensor.mT = property(lambda self: ops.swapaxes(self, -1, -2))
     numpy_protocol.install(Tensor)
     dlpack.install(Tensor)
+    inplace.install(Tensor)
 
 
 install()

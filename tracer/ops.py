@@ -50,6 +50,8 @@ def as_tensor(x: TensorLike) -> Tensor:
 @located
 def full(shape: Sequence[int], value: float, dtype: DTypeLike = "float32") -> Tensor:
     """full(shape, value, dtype="float32"), as np.full (argument order shape, value)."""
+    if isinstance(value, Tensor):  # a traced float, say: broadcast it instead of baking it in
+        return broadcast_to(astype(value, dtype), tuple(shape))
     return apply("full", [], value=value, shape=tuple(shape), dtype=dtype_name(dtype))
 
 
@@ -92,8 +94,31 @@ def _is_weak_scalar(x) -> bool:
     return isinstance(x, Scalar) and not isinstance(x, np.generic)
 
 
+def _is_weak_tensor(x) -> bool:
+    """A traced Python float argument (or a value computed from such floats only)."""
+    return isinstance(x, Tensor) and x._weak
+
+
 def _operands(a, b) -> tuple[Tensor, Tensor]:
-    """Promote two operands; Python scalars are weak (2.0 * f32 tensor stays f32)."""
+    """Promote two operands; Python scalars are weak (2.0 * f32 tensor stays f32), and so are
+    traced Python floats (lr * f32 tensor stays f32)."""
+    a_scalar, b_scalar = _is_weak_scalar(a), _is_weak_scalar(b)
+    if _is_weak_tensor(a) != _is_weak_tensor(b) and not (a_scalar or b_scalar):
+        a_weak = _is_weak_tensor(a)
+        weak, strong = (a, b) if a_weak else (b, a)
+        strong = as_tensor(strong)
+        dtype = promote_with_scalar(strong._ir_dtype, 1.0)
+        weak, strong = astype(weak, dtype), astype(strong, dtype)
+        return (weak, strong) if a_weak else (strong, weak)
+    if a_scalar and _is_weak_tensor(b) or b_scalar and _is_weak_tensor(a):
+        a, b = (float(a), b) if a_scalar else (a, float(b))
+        a_weak, b_weak = _operands_strong(a, b)
+        a_weak._weak = b_weak._weak = True  # lr * 0.5 is still a weak float
+        return a_weak, b_weak
+    return _operands_strong(a, b)
+
+
+def _operands_strong(a, b) -> tuple[Tensor, Tensor]:
     a_scalar, b_scalar = _is_weak_scalar(a), _is_weak_scalar(b)
     if a_scalar and b_scalar:
         raise TypeError("at least one operand must be a tensor")

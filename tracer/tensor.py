@@ -13,7 +13,7 @@ from backplan.ir.types import dtype_name, is_float, np_dtype
 from backplan.runtime import BackwardError, Edge
 from backplan.runtime import engine as _engine
 
-from .errors import TracingError
+from .errors import DonatedError, TracingError
 from .source import loc_text, user_frame_loc
 
 
@@ -78,6 +78,8 @@ class Tensor:
         "_grad_fn",
         "_out_index",
         "_scalar",
+        "_weak",
+        "_donated",
         "__weakref__",
     )
     __array_priority__ = 1000  # ndarray + Tensor defers to Tensor.__radd__
@@ -146,6 +148,8 @@ class Tensor:
         self._data = data
         self._out_index = out_index
         self._scalar = None  # the Python value, for 0-d constants made from Python scalars
+        self._weak = False  # a traced Python float: promotes like a Python scalar
+        self._donated = None  # where it was donated to a compiled call; then unusable
         self._value = value
         self._trace = trace
         self._grad_fn = grad_fn
@@ -169,17 +173,37 @@ class Tensor:
         tensor = cls.__new__(cls)
         tensor._data = array
         tensor._value = tensor._trace = tensor._grad_fn = tensor.grad = tensor._scalar = None
+        tensor._donated = None
         tensor._out_index = 0
-        tensor._requires_grad = False
+        tensor._requires_grad = tensor._weak = False
         array.flags.writeable = False
         return tensor
 
     @classmethod
-    def _traced(cls, value, trace, requires_grad: bool = False) -> Tensor:
+    def _traced(cls, value, trace, requires_grad: bool = False, weak: bool = False) -> Tensor:
         tensor = cls.__new__(cls)
         tensor._init(None, value, trace)
         tensor._requires_grad = requires_grad
+        tensor._weak = weak
         return tensor
+
+    @classmethod
+    def _weak_scalar(cls, value: float) -> Tensor:
+        """A Python float argument of a compiled function: a 0-d float64 input that promotes
+        like the Python float it came from (weakly typed, as in JAX)."""
+        tensor = cls._fresh(np.array(value, np.float64))
+        tensor._weak = True
+        return tensor
+
+    def _check_live(self) -> None:
+        """Raise if this tensor's buffer was donated to a compiled call."""
+        if self._donated is not None:
+            raise DonatedError(
+                f"this tensor ({self._ir_dtype}{list(self.shape)}) was donated to {self._donated}: "
+                "its buffer now holds one of that call's results. Use the value the call "
+                "returned (params, state = step(params, state, ...)), or leave the argument "
+                "out of donate_argnums to keep the input usable."
+            )
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -247,6 +271,7 @@ class Tensor:
 
     def detach(self) -> Tensor:
         """Same values, cut from the graph: no gradient flows back through the result."""
+        self._check_live()
         if self._data is None:
             from .ops import stop_gradient
 
@@ -256,6 +281,7 @@ class Tensor:
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
         """Run the backward plans from this tensor and add gradients into leaf .grad.
         Without retain_graph, every region reached frees its saved buffers as it goes."""
+        self._check_live()
         loc = loc_text(user_frame_loc())
         if self._data is None:
             raise TracingError(f"backward() inside a traced function at {loc}; use bp.grad")
@@ -293,7 +319,17 @@ class Tensor:
     # ---- conversion ----------------------------------------------------------------------------
 
     def _concrete(self, what: str) -> np.ndarray:
+        if self._donated is not None:
+            self._check_live()
         if self._data is None:
+            if self._weak:
+                raise TracingError(
+                    f"{what} of a traced float at {loc_text(user_frame_loc())}: Python floats "
+                    "passed to a compiled function are traced (so a new value does not "
+                    "retrace), so their value is not known while tracing. Where the value "
+                    "must be a Python number (a shape, a flag, an op attribute), mark the "
+                    "argument static: bp.compile(fn, static_argnames=('name',))."
+                )
             raise TracingError(
                 f"{what} of a traced tensor at {loc_text(user_frame_loc())}: inside @compile the "
                 "value is not known yet, so Python control flow cannot depend on it. Use "
@@ -349,6 +385,8 @@ class Tensor:
         return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
+        if self._donated is not None:
+            return f"Tensor(<donated {self._ir_dtype}{list(self.shape)} to {self._donated}>)"
         if self._data is None:
             return f"Tensor(<traced {self._value.type}>)"
         body = np.array2string(self._data, separator=", ", prefix="tensor(")

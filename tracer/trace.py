@@ -26,6 +26,7 @@ class Trace:
     def value_of(self, tensor) -> Value:
         if tensor._trace is self:
             return tensor._value
+        tensor._check_live()
         if tensor._data is None and tensor._trace not in _stack():
             raise TracingError(
                 "a traced tensor escaped the function that traced it (stored in a global or "
