@@ -8,6 +8,7 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
+from backplan import nn, random
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
@@ -28,6 +29,15 @@ from backplan.runtime import (
     no_grad,
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
+from backplan.tracer.conv import (
+    arange,
+    argmax,
+    argmin,
+    avg_pool2d,
+    clip,
+    conv2d,
+    max_pool2d,
+)
 from backplan.tracer.explain import explain
 from backplan.tracer.ops import (
     abs,
@@ -92,6 +102,7 @@ from backplan.tracer.ops import (
     zeros_like,
 )
 from backplan.tracer.pytree import tree_map
+from backplan.tracer.random import dropout
 
 __version__ = "0.1.0"
 
@@ -115,13 +126,20 @@ __all__ = [
     "VerifyError",
     "abs",
     "add",
+    "arange",
+    "argmax",
+    "argmin",
     "as_tensor",
     "astype",
+    "avg_pool2d",
     "broadcast_to",
+    "clip",
     "compile",
     "concatenate",
+    "conv2d",
     "cross_entropy",
     "div",
+    "dropout",
     "embedding",
     "enable_grad",
     "equal",
@@ -147,6 +165,7 @@ __all__ = [
     "logsumexp",
     "matmul",
     "max",
+    "max_pool2d",
     "maximum",
     "mean",
     "min",
@@ -154,6 +173,7 @@ __all__ = [
     "mse_loss",
     "mul",
     "neg",
+    "nn",
     "no_grad",
     "not_equal",
     "one_hot",
@@ -161,6 +181,7 @@ __all__ = [
     "ones_like",
     "permute",
     "pow",
+    "random",
     "relu",
     "reshape",
     "sigmoid",

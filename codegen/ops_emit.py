@@ -260,3 +260,70 @@ class OpEmitter:
             f"{self.array(labels)}.reshape(({rows},)), {target}, {scale!r})",
             *self._raise(node, f"label out of range for {cols} classes"),
         ]
+
+    # ---- random draws, convolutions, arg-extremes -----------------------------------------------
+
+    def _key_check(self, node, key: str) -> list[str]:
+        return [
+            f"bad = check_key({key})",
+            *self._raise(node, "key words must lie in [0, 2**32); make keys with bp.random.key"),
+        ]
+
+    def _draw(self, node, out, fn: str, extra: str = "") -> list[str]:
+        key = self.array(node.inputs[0])
+        size = math.prod(node.shape)
+        variant = "par" if size >= (1 << 16) else "serial"
+        return [
+            *self._key_check(node, key),
+            f"{fn}_{variant}({key}, {out}.reshape(({size},)){extra})",
+        ]
+
+    def op_random_uniform(self, node, out) -> list[str]:
+        return self._draw(node, out, "random_uniform", f", {node.dtype == 'f64'}")
+
+    def op_random_normal(self, node, out) -> list[str]:
+        return self._draw(node, out, "random_normal")
+
+    def op_random_split(self, node, out) -> list[str]:
+        key = self.array(node.inputs[0])
+        return [*self._key_check(node, key), f"random_split({key}, {out})"]
+
+    def _conv(self, node, out, fn: str, work: int) -> list[str]:
+        a, b = (self.array(v) for v in node.inputs)
+        (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
+        dh, dw = node.attrs["dilation"]
+        variant = "par" if work >= (1 << 16) else "serial"
+        args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}"
+        return [f"{fn}_{variant}({a}, {b}, {out}, {args})"]
+
+    def _conv_work(self, x_shape, w_shape, out_shape) -> int:
+        """Multiply-adds of one convolution: output elements times taps per output."""
+        return math.prod(out_shape) * math.prod(w_shape[1:])
+
+    def op_conv2d(self, node, out) -> list[str]:
+        x, w = node.inputs
+        return self._conv(node, out, "conv2d", self._conv_work(x.shape, w.shape, node.shape))
+
+    def op_conv2d_input_grad(self, node, out) -> list[str]:
+        g, w = node.inputs
+        return self._conv(node, out, "conv2d_input_grad", self._conv_work(None, w.shape, g.shape))
+
+    def op_conv2d_weight_grad(self, node, out) -> list[str]:
+        x, g = node.inputs
+        return self._conv(
+            node, out, "conv2d_weight_grad", self._conv_work(None, node.shape, g.shape)
+        )
+
+    def _arg_extreme(self, node, out, want_max: bool) -> list[str]:
+        (x,) = node.inputs
+        pre, n, post = self._split(x.shape, node.attrs["axis"])
+        return [
+            f"arg_extreme_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+            f"{out}.reshape(({pre}, {post})), {want_max})"
+        ]
+
+    def op_argmax(self, node, out) -> list[str]:
+        return self._arg_extreme(node, out, True)
+
+    def op_argmin(self, node, out) -> list[str]:
+        return self._arg_extreme(node, out, False)
