@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from backplan.ir.errors import DtypeError
 from backplan.ir.types import dtype_name, is_float
 
 from .dispatch import apply
@@ -36,7 +37,7 @@ def key(seed: int) -> Tensor:
 def _key(k) -> Tensor:
     k = as_tensor(k)
     if k._ir_dtype != "i64" or k.shape != (2,):
-        raise TypeError(
+        raise DtypeError(
             f"expected a key (an int64 tensor of shape (2,)), got {k.dtype} {k.shape}; make one "
             "with bp.random.key(seed) and new ones with bp.random.split(key)"
         )
