@@ -11,6 +11,7 @@ import numpy as np
 
 from backplan.ir.errors import ExecutionError
 from backplan.ir.liveness import Plan
+from backplan.ir.lowering import lower
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
@@ -33,7 +34,7 @@ class CompiledPlan:
     def __init__(self, plan: Plan, private_saved: tuple[int, ...] = ()):
         self.plan = plan
         start = time.perf_counter()
-        generated = generate(plan, private_saved)
+        generated = generate(lower(plan, private_saved))
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count

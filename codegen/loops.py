@@ -6,35 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from backplan.ir.fusion import Kernel, alias_base, is_alias
-from backplan.ir.graph import Value
+from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
 
 from .flags import PARALLEL_MIN_ELEMENTS
 from .scalar import NP_TYPE, expression, literal
 
 CHUNKS = 16  # reductions across the parallel loop: one partial row per chunk
-
-
-def internal_shape(shape) -> tuple[int, ...]:
-    """Compiled code keeps 0-d values as 1-element vectors."""
-    return tuple(shape) if shape else (1,)
-
-
-def index_map(value: Value, loop_shape) -> tuple[Value, list[int | None]]:
-    """The array a loop really reads for `value`, and for each of its dimensions the loop
-    dimension that indexes it (None: always index 0)."""
-    offset = len(loop_shape) - len(value.shape)
-    dims = [offset + k if d != 1 else None for k, d in enumerate(value.shape)]
-    while is_alias(value):
-        source = value.inputs[0]
-        if value.op == "broadcast_to":
-            shift = len(value.shape) - len(source.shape)
-            dims = [dims[k + shift] if d != 1 else None for k, d in enumerate(source.shape)]
-        elif value.op == "reshape":
-            kept = iter([dims[k] for k, d in enumerate(value.shape) if d != 1])
-            dims = [next(kept) if d != 1 else None for d in source.shape]
-        value = source
-    return value, dims or [None]
 
 
 @dataclass

@@ -78,10 +78,10 @@ class OpEmitter:
     # ---- ops ----------------------------------------------------------------------------------
 
     def op(self, node: Value, out: str) -> list[str]:
-        method = getattr(self, f"op_{node.op}", None)
-        if method is None:
+        emitter = OPAQUE_EMITTERS.get(node.op)
+        if emitter is None:
             raise Unsupported(f"no compiled form for {node.op}")
-        return method(node, out)
+        return emitter(self, node, out)
 
     def _raise(self, node, what: str) -> list[str]:
         """The message names the value; the caller maps it to the user's line."""
@@ -106,8 +106,6 @@ class OpEmitter:
 
     def op_matmul(self, node: Value, out: str) -> list[str]:
         (a, ta), (b, tb) = self._operand_2d(node.inputs[0]), self._operand_2d(node.inputs[1])
-        if node.dtype not in ("f32", "f64"):
-            raise Unsupported("integer matmul")
         if len(node.shape) == 2:
             return [f"gemm_{node.dtype}({ta}, {tb}, {a}, {b}, {out}, 0.0)"]
         return self._batched_matmul(node, out, (a, ta), (b, tb))
@@ -327,3 +325,44 @@ class OpEmitter:
 
     def op_argmin(self, node, out) -> list[str]:
         return self._arg_extreme(node, out, False)
+
+# The one table of ops codegen lowers as a kernel of their own: every registry op without a
+# scalar expression, loop-tail reduction, view or source form (tests/test_registry.py checks
+# that each op has exactly one lowering).
+OPAQUE_EMITTERS = {
+    "matmul": OpEmitter.op_matmul,
+    "take": OpEmitter.op_take,
+    "take_grad": OpEmitter.op_take_grad,
+    "one_hot": OpEmitter.op_one_hot,
+    "pad_slice": OpEmitter.op_pad_slice,
+    "concatenate": OpEmitter.op_concatenate,
+    "softmax": OpEmitter.op_softmax,
+    "log_softmax": OpEmitter.op_log_softmax,
+    "logsumexp": OpEmitter.op_logsumexp,
+    "layer_norm": OpEmitter.op_layer_norm,
+    "cross_entropy": OpEmitter.op_cross_entropy,
+    "random_uniform": OpEmitter.op_random_uniform,
+    "random_normal": OpEmitter.op_random_normal,
+    "random_split": OpEmitter.op_random_split,
+    "conv2d": OpEmitter.op_conv2d,
+    "conv2d_input_grad": OpEmitter.op_conv2d_input_grad,
+    "conv2d_weight_grad": OpEmitter.op_conv2d_weight_grad,
+    "argmax": OpEmitter.op_argmax,
+    "argmin": OpEmitter.op_argmin,
+}
+
+
+def unsupported_reason(lowered) -> str | None:
+    """Why codegen cannot render this lowered plan (it then runs on the reference
+    interpreter), or None: known before rendering, so reports need not render to ask."""
+    for kernel in lowered.kernels:
+        if kernel.kind != "op":
+            continue
+        node = kernel.nodes[0]
+        if node.op == "const":
+            continue
+        if node.op not in OPAQUE_EMITTERS:
+            return f"no compiled form for {node.op}"
+        if node.op == "matmul" and node.dtype not in ("f32", "f64"):
+            return "integer matmul"
+    return None

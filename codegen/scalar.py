@@ -1,9 +1,11 @@
-"""The scalar expression each loop op computes, as Numba source. One entry per elementwise
-registry op; a test walks the registry so no op lacks one."""
+"""The scalar expression each loop op computes, as Numba source, rendered from the op's
+registry entry (`OpDef.scalar`)."""
 
 from __future__ import annotations
 
 import math
+
+from backplan.ir.registry import get_op
 
 NP_TYPE = {"f32": "np.float32", "f64": "np.float64", "i64": "np.int64", "bool": "np.bool_"}
 
@@ -20,7 +22,7 @@ def literal(value, dtype: str) -> str:
     return f"{NP_TYPE[dtype]}({float(value)!r})"
 
 
-def _pow(a, b, node):
+def _pow(a, b, node) -> str | None:
     exponent = node.inputs[1]
     if exponent.op == "full":
         value = exponent.attrs["value"]
@@ -32,52 +34,27 @@ def _pow(a, b, node):
             return a
         if value == 0.5 and node.dtype in ("f32", "f64"):
             return f"math.sqrt({a})"
-    return f"({a} ** {b})"
+    return None
 
 
-def _cast(a, node):
-    dtype = node.attrs["dtype"]
-    if dtype == "bool":
-        return f"({a} != 0)"
-    return f"{NP_TYPE[dtype]}({a})"
-
-
-def _fn(name: str):
-    return lambda node, *args: f"{name}_{node.dtype}({', '.join(args)})"
-
-
-EXPRESSIONS = {
-    "add": lambda node, a, b: f"({a} + {b})",
-    "sub": lambda node, a, b: f"({a} - {b})",
-    "mul": lambda node, a, b: f"({a} * {b})",
-    "div": lambda node, a, b: f"({a} / {b})",
-    "pow": lambda node, a, b: _pow(a, b, node),
-    "maximum": lambda node, a, b: f"({a} if ({a} >= {b} or {a} != {a}) else {b})",
-    "minimum": lambda node, a, b: f"({a} if ({a} <= {b} or {a} != {a}) else {b})",
-    "lt": lambda node, a, b: f"({a} < {b})",
-    "le": lambda node, a, b: f"({a} <= {b})",
-    "gt": lambda node, a, b: f"({a} > {b})",
-    "ge": lambda node, a, b: f"({a} >= {b})",
-    "eq": lambda node, a, b: f"({a} == {b})",
-    "ne": lambda node, a, b: f"({a} != {b})",
-    "neg": lambda node, a: f"(-{a})",
-    "exp": _fn("exp"),
-    "log": _fn("log"),
-    "tanh": _fn("tanh"),
-    "sigmoid": _fn("sigmoid"),
-    "erf": _fn("erf"),
-    "sqrt": lambda node, a: f"math.sqrt({a})",
-    "abs": lambda node, a: f"abs({a})",
-    "sign": lambda node, a: f"(1 if {a} > 0 else (-1 if {a} < 0 else {a}))",
-    "relu": lambda node, a: f"({a} if not {a} <= 0 else {literal(0, node.dtype)})",
-    "gelu": lambda node, a: f"gelu_{node.attrs['approximate']}_{node.dtype}({a})",
-    "where": lambda node, c, a, b: f"({a} if {c} else {b})",
-    "astype": lambda node, a: _cast(a, node),
-    "stop_gradient": lambda node, a: a,
-    "broadcast_to": lambda node, a: a,
-    "reshape": lambda node, a: a,
-}
+# Rewrites of one op's expression when an operand is a literal: strength reductions, not new
+# definitions (the op's expression is its registry entry's `scalar`).
+SPECIALISED = {"pow": _pow}
 
 
 def expression(node, operands: list[str]) -> str:
-    return EXPRESSIONS[node.op](node, *operands)
+    """The registry entry's scalar template, filled in for this node."""
+    special = SPECIALISED.get(node.op)
+    rewritten = special(*operands, node) if special else None
+    if rewritten is not None:
+        return rewritten
+    template = get_op(node.op).scalar
+    if isinstance(template, dict):
+        template = template.get(node.dtype, template["*"])
+    fields = {
+        **node.attrs,
+        "dtype": node.dtype,
+        "np_type": NP_TYPE[node.dtype],
+        "zero": literal(0, node.dtype),
+    }
+    return template.format(*operands, **fields)

@@ -1,6 +1,7 @@
 """backplan.ir: graphs, the op registry, passes and the reference interpreter. Imports nothing
 from the other layers."""
 
+from . import ops  # registers every op in the registry before anything can look one up
 from .errors import (
     BackplanError,
     DtypeError,

@@ -2,12 +2,14 @@
 
 - Elementwise nodes of one iteration shape form one loop nest; values used only inside it are
   never materialised.
-- broadcast_to, reshapes that only add or drop size-1 axes, and stop_gradient are aliases: a
-  loop reads their source through an index transform, so they cost nothing.
-- sum/max reductions join the loop nest that computes their input and accumulate as it runs.
+- `alias` views (broadcast_to, stop_gradient) and reshapes that only add or drop size-1 axes
+  are aliases: a loop reads their source through an index transform, so they cost nothing.
+- `loop_tail` reductions (sum, max) join the loop nest that computes their input and
+  accumulate as it runs.
 - `full` nodes are literals, never buffers, when only loops read them.
 - Everything else (matmul, gather, the row composites such as layer_norm) is one kernel each;
   transposes, slices and other reshapes are views.
+Which op is which is read from its registry entry; no op is named here.
 """
 
 from __future__ import annotations
@@ -16,9 +18,6 @@ from dataclasses import dataclass, field
 
 from .graph import Graph, Value
 from .registry import get_op
-
-REDUCTIONS = ("sum", "max")
-VIEW_OPS = ("reshape", "transpose", "slice")
 
 
 def is_unit_reshape(node: Value) -> bool:
@@ -29,7 +28,7 @@ def is_unit_reshape(node: Value) -> bool:
 
 
 def is_alias(node: Value) -> bool:
-    return node.op in ("broadcast_to", "stop_gradient") or is_unit_reshape(node)
+    return node.op != "input" and (get_op(node.op).alias or is_unit_reshape(node))
 
 
 def alias_base(value: Value) -> Value:
@@ -38,8 +37,40 @@ def alias_base(value: Value) -> Value:
     return value
 
 
+def internal_shape(shape) -> tuple[int, ...]:
+    """Compiled code keeps 0-d values as 1-element vectors."""
+    return tuple(shape) if shape else (1,)
+
+
+def index_map(value: Value, loop_shape) -> tuple[Value, list[int | None]]:
+    """The array a loop really reads for `value`, and for each of its dimensions the loop
+    dimension that indexes it (None: always index 0)."""
+    offset = len(loop_shape) - len(value.shape)
+    dims = [offset + k if d != 1 else None for k, d in enumerate(value.shape)]
+    while is_alias(value):
+        source = value.inputs[0]
+        if value.op == "broadcast_to":
+            shift = len(value.shape) - len(source.shape)
+            dims = [dims[k + shift] if d != 1 else None for k, d in enumerate(source.shape)]
+        elif value.op == "reshape":
+            kept = iter([dims[k] for k, d in enumerate(value.shape) if d != 1])
+            dims = [next(kept) if d != 1 else None for d in source.shape]
+        value = source
+    return value, dims or [None]
+
+
 def is_loop_op(node: Value) -> bool:
-    return get_op(node.op).fusion == "elementwise" and node.op != "one_hot"
+    """An elementwise op with a scalar expression: a fused loop computes it per element."""
+    return get_op(node.op).scalar is not None
+
+
+def is_loop_tail(node: Value) -> bool:
+    return get_op(node.op).loop_tail
+
+
+def is_cheap(node: Value) -> bool:
+    """Arithmetic a loop recomputes more cheaply than it reads a stored copy."""
+    return get_op(node.op).cost == "cheap"
 
 
 @dataclass
@@ -73,10 +104,6 @@ def group_kernels(graph: Graph) -> list[Kernel]:
     return kernels
 
 
-# Arithmetic a loop recomputes more cheaply than it reads a stored copy.
-CHEAP_ARITHMETIC = frozenset(
-    "add sub mul div neg maximum minimum where relu abs sign lt le gt ge eq ne astype".split()
-)
 MAX_RECOMPUTE = 4
 
 
@@ -103,7 +130,7 @@ def _cheap_cone(value, kernel, k, kernels, home) -> list[Value] | None:
     owner = kernels[home[value]]
     if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
         return []  # stored anyway: read it
-    if value.op not in CHEAP_ARITHMETIC:
+    if not is_cheap(value):
         return None
     cone = []
     for inp in value.inputs:
@@ -125,16 +152,16 @@ def _place(node: Value, kernels: list[Kernel], home) -> int:
         return _new(kernels, Kernel("literal", [node], node.shape))
     if is_alias(node):
         return _new(kernels, Kernel("alias", [node], node.shape))
-    if is_loop_op(node) or node.op in REDUCTIONS:
-        shape = node.inputs[0].shape if node.op in REDUCTIONS else node.shape
+    tail = is_loop_tail(node)
+    if is_loop_op(node) or tail:
+        shape = node.inputs[0].shape if tail else node.shape
         target = _joinable_loop(node, shape, kernels, home)
         if target is None:
             target = _new(kernels, Kernel("loop", [], shape))
-        (kernels[target].reductions if node.op in REDUCTIONS else kernels[target].nodes).append(
-            node
-        )
+        (kernels[target].reductions if tail else kernels[target].nodes).append(node)
         return target
-    return _new(kernels, Kernel("view" if node.op in VIEW_OPS else "op", [node], node.shape))
+    kind = "view" if get_op(node.op).fusion == "view" else "op"
+    return _new(kernels, Kernel(kind, [node], node.shape))
 
 
 def _joinable_loop(node, shape, kernels, home) -> int | None:

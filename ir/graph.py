@@ -67,7 +67,7 @@ class Graph:
         return name
 
     def __str__(self) -> str:
-        from .text import format_graph
+        from .printer import format_graph
 
         return format_graph(self)
 

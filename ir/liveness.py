@@ -21,6 +21,7 @@ class Plan:
     first_write: dict[Value, int] = field(default_factory=dict)
     last_read: dict[Value, int] = field(default_factory=dict)
     frees_after: dict[int, list[Value]] = field(default_factory=dict)
+    lowered: dict = field(default_factory=dict, repr=False, compare=False)  # see ir/lowering.py
 
     @property
     def return_step(self) -> int:

@@ -1,7 +1,15 @@
-"""The one pipeline: trace output -> cleanup -> autodiff -> cleanup -> liveness -> plans.
+"""The one pipeline, read top to bottom:
 
-Each step is a named pure function. BACKPLAN_DEBUG_IR=1 prints the IR after every pass;
-BACKPLAN_VERIFY=1 (set by the test suite) runs the verifier after every pass.
+    trace -> cleanup -> autodiff -> cleanup -> rematerialize -> cleanup -> liveness
+          -> lower: fusion -> schedule -> memory plan        (ir/lowering.py)
+
+`build_region_plans` runs it for a compiled function's region (a forward plan, and a backward
+plan that reads saved buffers); `build_joint_plan` for value_and_grad, whose one extra step is
+`expand_tanh_gelu` (forward and derivative share one tanh) and which needs no saved buffers.
+Each step is a named pure function. The result is data: `RegionPlans.lowered(...)` and
+`lower(plan)` give the lowered plan that codegen renders and explain, export and the runtime
+read, computed once per plan and backward mode. BACKPLAN_DEBUG_IR=1 prints the IR after every
+pass; BACKPLAN_VERIFY=1 (set by the test suite) runs the verifier after every pass.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ from dataclasses import dataclass, field
 
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .graph import Graph, Value
+from .layout import storage_root
 from .liveness import Plan, plan_liveness
+from .lowering import BackwardMode, LoweredPlan, lower
 from .passes import (
     algebraic_simplification,
     common_subexpression_elimination,
@@ -20,6 +30,7 @@ from .passes import (
     expand_tanh_gelu,
 )
 from .remat import rematerialize
+from .types import is_float
 from .verify import verify_graph, verify_plan
 
 CLEANUP = (algebraic_simplification, common_subexpression_elimination, dead_code_elimination)
@@ -76,6 +87,30 @@ class RegionPlans:
     wrt: list[bool]
     log: PassLog
     recomputed: list = field(default_factory=list)  # remat.Recomputed: rebuilt, not saved
+
+    @property
+    def n_cotangents(self) -> int:
+        """Backward inputs before the saved buffers: one per float user output."""
+        return sum(is_float(o.dtype) for o in self.forward.graph.outputs[: self.n_outputs])
+
+    def private_saved_inputs(self) -> tuple[int, ...]:
+        """Backward inputs holding saved buffers that only this region's graph can see:
+        computed by the forward, not a user output, not sharing storage with one."""
+        forward = self.forward.graph
+        public = {storage_root(v) for v in forward.outputs[: self.n_outputs]}
+        public |= set(forward.inputs)
+        return tuple(
+            self.n_cotangents + slot
+            for slot, saved in enumerate(self.saved)
+            if saved.source[0] == "output" and storage_root(saved.forward) not in public
+        )
+
+    def lowered(self, mode: BackwardMode | None = None) -> LoweredPlan:
+        """The forward plan lowered (mode None), or the backward plan in that mode."""
+        if mode is None:
+            return lower(self.forward)
+        private = self.private_saved_inputs() if mode is BackwardMode.CONSUME else ()
+        return lower(self.backward, private)
 
 
 def build_region_plans(

@@ -9,6 +9,11 @@ from .errors import BackplanError, ShapeError
 from .types import DTYPES, TensorType
 
 FUSION_CLASSES = ("elementwise", "reduction", "view", "opaque", "source")
+# What recomputing an op costs. free: no arithmetic (sources, views); cheap: a few cycles per
+# element, so a fused loop recomputes it rather than reading a stored copy; one_pass: one pass
+# over a row (layer_norm), which backward recomputes rather than saving; costly: the rest
+# (transcendentals, matmul, gathers), which are stored and read back.
+COST_CLASSES = ("free", "cheap", "one_pass", "costly")
 MAX_ELEMENTS = 2**40  # bigger tensors are refused: they cannot be real, and would hang numpy
 
 
@@ -25,7 +30,17 @@ class AttrSpec:
 @dataclass(frozen=True)
 class OpDef:
     """One op. `vjp(ctx, g)` builds the derivative in registry ops; ctx.input/ctx.output record
-    exactly which forward values it saves. `differentiable=False` ops pass no gradient."""
+    exactly which forward values it saves. `differentiable=False` ops pass no gradient.
+
+    The lowering is plain data that fusion, remat and codegen read (ir itself never renders it):
+    `scalar` is the expression a fused loop computes per element, a format string over the
+    operands {0}, {1}, {2}, the output's {dtype} ("f32"), {np_type} ("np.float32"), {zero} (a
+    literal 0 of the output dtype) and the op's attributes by name; a dict picks a template by
+    output dtype, "*" for the rest. Elementwise ops without one, reductions that are not
+    `loop_tail` and opaque ops are lowered by codegen's table of kernels
+    (`backplan.codegen.ops_emit.OPAQUE_EMITTERS`). `alias` views are read through an index
+    transform and cost nothing; `loop_tail` reductions accumulate in the loop computing their
+    input."""
 
     name: str
     arity: tuple[int, ...] | None  # allowed input counts; None means any number >= 1
@@ -36,6 +51,10 @@ class OpDef:
     differentiable: bool = True
     attrs: dict[str, AttrSpec] = field(default_factory=dict)
     doc: str = ""
+    scalar: str | dict[str, str] | None = None
+    cost: str = "costly"
+    alias: bool = False
+    loop_tail: bool = False
 
     def normalize_attrs(self, attrs: dict) -> dict:
         unknown = set(attrs) - set(self.attrs)
@@ -102,7 +121,7 @@ def check_attr(op: str, key: str, spec: AttrSpec, value):
     raise bad(f"has unknown kind {kind}")
 
 
-REGISTRY: dict[str, OpDef] = {}
+REGISTRY: dict[str, OpDef] = {}  # filled by ir/ops/, which ir/__init__.py imports
 
 
 def register(opdef: OpDef) -> OpDef:
@@ -110,12 +129,15 @@ def register(opdef: OpDef) -> OpDef:
         raise BackplanError(f"op {opdef.name!r} registered twice")
     if opdef.fusion not in FUSION_CLASSES:
         raise BackplanError(f"op {opdef.name!r}: unknown fusion class {opdef.fusion!r}")
+    if opdef.cost not in COST_CLASSES:
+        raise BackplanError(f"op {opdef.name!r}: unknown cost class {opdef.cost!r}")
+    if opdef.scalar is not None and opdef.fusion != "elementwise":
+        raise BackplanError(f"op {opdef.name!r}: only elementwise ops have a scalar expression")
     REGISTRY[opdef.name] = opdef
     return opdef
 
 
 def get_op(name: str) -> OpDef:
-    _load_ops()
     try:
         return REGISTRY[name]
     except KeyError:
@@ -123,15 +145,4 @@ def get_op(name: str) -> OpDef:
 
 
 def all_ops() -> dict[str, OpDef]:
-    _load_ops()
     return dict(REGISTRY)
-
-
-_loaded = False
-
-
-def _load_ops() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import ops  # noqa: F401  (registers every op)

@@ -11,17 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .autodiff import SavedValue
-from .fusion import CHEAP_ARITHMETIC
 from .graph import Graph, Value
+from .registry import get_op
 
-# Arithmetic a fused loop does for free, moves, and layer_norm (one pass over a row, cheaper
-# than writing the result and reading it back). Transcendentals (exp, tanh, gelu, ...) are
-# saved: recomputing them costs real time.
-CHEAP_OPS = CHEAP_ARITHMETIC | {
-    "full", "const", "reshape", "broadcast_to", "transpose", "slice", "stop_gradient",
-    "layer_norm", "random_uniform",
-}  # fmt: skip
 MAX_CHAIN = 16
+
+
+def recomputable(node: Value) -> bool:
+    """Sources, moves, arithmetic a fused loop does for free, and one-pass row ops such as
+    layer_norm (cheaper than writing the result and reading it back): every cost class but
+    `costly`. Transcendentals (exp, tanh, gelu, ...) are saved: recomputing them costs time."""
+    return node.op != "input" and get_op(node.op).cost != "costly"
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _chain(value: Value, available: set[Value]) -> list[Value] | None:
         if node in seen or node in available:
             continue
         seen.add(node)
-        if node.op not in CHEAP_OPS:
+        if not recomputable(node):
             return None
         stack.append((node, True))
         stack.extend((i, False) for i in node.inputs)
@@ -90,9 +90,11 @@ def rematerialize(
     return list(kept.values()), recomputed
 
 
-def _leaves(chain: list[Value]) -> set[Value]:
+def _leaves(chain: list[Value]) -> list[Value]:
+    """In first-read order, so a plan's inputs (and its generated source) never depend on
+    where Python happened to allocate the values."""
     inside = set(chain)
-    return {i for node in chain for i in node.inputs if i not in inside}
+    return list(dict.fromkeys(i for node in chain for i in node.inputs if i not in inside))
 
 
 def _rewrite(backward: Graph, all_saved, kept, recomputed) -> None:

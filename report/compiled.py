@@ -1,15 +1,16 @@
 """What the numba backend's compiled plans will hold, for explain(): per plan, its kernels, the
 scratch arena it keeps and reuses on every call, and the bytes it allocates fresh per call (what
-the call returns). The numbers come from the code generator's memory layout
-(`backplan.codegen.emit.generate`, source generation only): nothing is compiled or cached."""
+the call returns). The numbers are the lowered plan's (`backplan.ir.lowering.lower`, computed
+once per plan and shared with the code generator): nothing is rendered or compiled to learn
+them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backplan.codegen.emit import generate
-from backplan.codegen.ops_emit import Unsupported
+from backplan.codegen.ops_emit import unsupported_reason
 from backplan.ir.liveness import Plan
+from backplan.ir.lowering import lower
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,14 @@ class CompiledPlanFacts:
 
 
 def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> CompiledPlanFacts:
-    try:
-        generated = generate(plan, private_saved)
-    except Unsupported as exc:
-        return CompiledPlanFacts(label, unsupported=str(exc))
-    layout = generated.layout
+    lowered = lower(plan, private_saved)
+    why = unsupported_reason(lowered)
+    if why is not None:
+        return CompiledPlanFacts(label, unsupported=why)
+    layout = lowered.layout
     return CompiledPlanFacts(
         label,
-        generated.kernel_count,
+        lowered.kernel_count,
         layout.scratch_bytes,
         layout.output_bytes,
         len(layout.reused_saved),

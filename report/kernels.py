@@ -1,6 +1,6 @@
 """Which IR steps each kernel covers, for explain(). On the reference interpreter every step is
-its own kernel; the numba backend groups steps as `backplan.ir.fusion.group_kernels` says (fused
-loops; views, aliases and literals that cost no kernel), and `planned_groups` asks it the same.
+its own kernel; the numba backend runs the kernels of the lowered plan (`backplan.ir.lowering`:
+fused loops; views, aliases and literals that cost no kernel), and `planned_groups` reads them.
 
 The groups interface: a dict from plan name ("forward", "backward", or "joint" for
 value_and_grad) to a list of groups in run order. A group is a sequence of node indices of that
@@ -14,12 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from backplan.ir.errors import BackplanError
-from backplan.ir.fusion import group_kernels
 from backplan.ir.liveness import Plan
+from backplan.ir.lowering import RUN_KINDS, lower
 
 from .plan_view import PlanView
-
-RUN_KINDS = ("loop", "op")  # kinds that run code; views, aliases and literals cost nothing
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,7 @@ def planned_groups(plans: Mapping[str, Plan], backend: str) -> dict | None:
     reference interpreter. Nothing is compiled to find out."""
     if backend != "numba":
         return None
-    return {name: group_kernels(plan.graph) for name, plan in plans.items()}
+    return {name: lower(plan).kernels for name, plan in plans.items()}
 
 
 def one_kernel_per_step(view: PlanView) -> list[KernelInfo]:

@@ -4,7 +4,7 @@ plan holds instead, so the reader always knows which path a number describes."""
 
 from __future__ import annotations
 
-from .text import format_bytes, peak_where, wrap
+from .wording import format_bytes, peak_where, wrap
 
 
 def memory_text(report) -> str:

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import textwrap
-
-from backplan.ir.text import format_loc
 from backplan.runtime.saved_table import format_saved_table
 
-WIDTH = 100
-
-
-def format_bytes(n: int) -> str:
-    """'48 B', '12,288 B (12.0 KiB)', '3,145,728 B (3.0 MiB)'."""
-    if n < 10 * 1024:
-        return f"{n:,} B"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n:,} B ({n / size:.1f} {unit})"
-    return f"{n:,} B"
+from .memory import memory_text
+from .wording import format_bytes, peak_where, wrap
 
 
 def render_report(report) -> str:
-    from .memory import memory_text  # it formats with this module's helpers
 
     sections = [
         (f"explain: {report.name}", ""),
@@ -36,13 +23,6 @@ def render_report(report) -> str:
         ("6. Retracing", wrap(retrace_text(report))),
     ]
     return "\n\n".join(f"{title}\n{body}".rstrip() for title, body in sections) + "\n"
-
-
-def wrap(text: str) -> str:
-    return "\n".join(
-        textwrap.fill(p, WIDTH, initial_indent="  ", subsequent_indent="  ")
-        for p in text.split("\n")
-    )
 
 
 def saved_title(report) -> str:
@@ -129,14 +109,6 @@ def refused_plans(report) -> str:
     if not names:
         return ""
     return f"{' and '.join(names)} plan{'s' if len(names) > 1 else ''}"
-
-
-def peak_where(report) -> str:
-    step = report.peak_step
-    where = f"at {step.label}, {step.op}"
-    if step.node.loc:
-        where += f" at {format_loc(step.node.loc)}"
-    return where
 
 
 def _peak_sentence(report) -> str:

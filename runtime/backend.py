@@ -92,13 +92,13 @@ def make_runner(plan: Plan, backend: str | None = None, private_saved: tuple[int
 def memory_plan_facts(plan: Plan) -> dict:
     """The compiled memory plan of a plan as plain data, without compiling: where each buffer
     lives (scratch arena offset, or allocated per call), arena sizes, kernel count."""
-    from backplan.codegen.emit import generate
-    from backplan.codegen.ops_emit import Unsupported
+    from backplan.codegen.ops_emit import unsupported_reason
+    from backplan.ir.lowering import lower
     from backplan.ir.text import value_names
 
-    try:
-        generated = generate(plan)
-    except Unsupported as exc:
-        return {"compiled": False, "why": str(exc)}
-    facts = generated.layout.describe(value_names(plan.graph))
-    return {"compiled": True, "kernels": generated.kernel_count, **facts}
+    lowered = lower(plan)
+    why = unsupported_reason(lowered)
+    if why is not None:
+        return {"compiled": False, "why": why}
+    facts = lowered.layout.describe(value_names(plan.graph))
+    return {"compiled": True, "kernels": lowered.kernel_count, **facts}

@@ -127,19 +127,7 @@ class RegionProgram:
         return runner
 
     def private_saved_inputs(self) -> tuple[int, ...]:
-        """Backward inputs holding saved buffers that only this region's graph can see: computed
-        by the forward, not a user output, not sharing storage with one."""
-        from backplan.codegen.memory import storage_root
-
-        forward = self.plans.forward.graph
-        public = {storage_root(v) for v in forward.outputs[: self.n_outputs]}
-        public |= set(forward.inputs)
-        n_cot = len(self.cotangent_slot)
-        return tuple(
-            n_cot + slot
-            for slot, saved in enumerate(self.plans.saved)
-            if saved.source[0] == "output" and storage_root(saved.forward) not in public
-        )
+        return self.plans.private_saved_inputs()
 
     def run_forward(self, args: list) -> list:
         return self.runner("forward")(args)

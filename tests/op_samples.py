@@ -445,6 +445,8 @@ SAMPLES: list[OpSample] = [
     _unary("sign", np.sign, bp.sign, None, kind="grid"),
     _unary("sign", np.sign, bp.sign, None, dtypes=("i64",), label="int"),
     _unary("erf", special.erf, bp.erf, [IN(0)]),
+    _unary("sin", np.sin, bp.sin, [IN(0)]),
+    _unary("cos", np.cos, bp.cos, [IN(0)]),
     _unary("gelu", np_gelu, bp.gelu, [IN(0)], attrs={"approximate": "none"}),
     _unary("gelu", np_gelu, bp.gelu, [IN(0)], attrs={"approximate": "tanh"}, label="tanh"),
     _unary("stop_gradient", lambda x: x, bp.stop_gradient, None),

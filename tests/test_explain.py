@@ -516,15 +516,16 @@ def test_numba_backend_reports_fusion_groups_without_compiling(form, monkeypatch
 def compiled_layouts(fn, form, args) -> dict:
     """What the code generator lays out for each plan explain() describes, by plan label."""
     from backplan.codegen.emit import generate
+    from backplan.ir.lowering import lower
 
     if form == "value_and_grad":
-        return {"joint": generate(fn.trace(*args).plan)}
+        return {"joint": generate(lower(fn.trace(*args).plan))}
     program = fn.trace(*args).program
     backward = program.plans.backward
     return {
-        "forward": generate(program.plans.forward),
-        "backward (consume)": generate(backward, program.private_saved_inputs()),
-        "backward (retain)": generate(backward),
+        "forward": generate(lower(program.plans.forward)),
+        "backward (consume)": generate(lower(backward, program.private_saved_inputs())),
+        "backward (retain)": generate(lower(backward)),
     }
 
 
@@ -534,7 +535,7 @@ def test_numba_report_states_the_compiled_layout_without_compiling(
     form, case, tmp_path, monkeypatch
 ):
     import backplan.codegen.compiled as compiled
-    from backplan.report.text import format_bytes
+    from backplan.report.wording import format_bytes
     from backplan.runtime.backend import make_runner, use_backend
 
     cache = tmp_path / "kernels"

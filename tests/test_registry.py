@@ -220,6 +220,44 @@ def test_registry_entry_has_every_field(name):
         assert isinstance(spec, AttrSpec) and spec.kind in kinds, f"{name}.{key}"
 
 
+@pytest.mark.parametrize("name", sorted(all_ops()))
+def test_every_op_has_exactly_one_lowering(name):
+    """Its scalar expression (fused loops), a loop-tail reduction, a view or source form, or
+    an entry in codegen's one table of opaque kernels: never two, never none."""
+    from backplan.codegen.ops_emit import OPAQUE_EMITTERS
+
+    opdef = get_op(name)
+    lowerings = {
+        "scalar": opdef.scalar is not None,
+        "loop_tail": opdef.loop_tail,
+        "view": opdef.fusion == "view",
+        "source": opdef.fusion == "source",
+        "opaque kernel": name in OPAQUE_EMITTERS,
+    }
+    assert sum(lowerings.values()) == 1, f"{name}: lowerings {lowerings}"
+    assert not opdef.alias or opdef.fusion == "view", f"{name}: only views are aliases"
+    assert set(OPAQUE_EMITTERS) <= set(all_ops()), "codegen lowers an op the registry lacks"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, op in all_ops().items() if op.scalar))
+def test_scalar_templates_render_for_every_dtype_they_take(name):
+    """Every placeholder of a template is one the renderer fills in."""
+    from backplan.codegen.scalar import expression
+    from backplan.ir.builder import Builder
+    from backplan.ir.graph import Graph
+    from backplan.ir.types import TensorType
+
+    opdef = get_op(name)
+    graph = Graph(name="t")
+    inputs = [graph.add_input(TensorType("f32", (2,))) for _ in range(max(opdef.arity))]
+    if name == "where":
+        inputs[0] = graph.add_input(TensorType("bool", (2,)))
+    attrs = {"dtype": "f64"} if name == "astype" else {}
+    node = Builder(graph).emit(name, *inputs, **attrs)
+    text = expression(node, [f"a{i}" for i in range(len(inputs))])
+    assert "{" not in text and "a0" in text, text
+
+
 # ---- forward: reference, oracle, shape rule ---------------------------------------------------
 
 

@@ -127,8 +127,8 @@ def _unary(op: str, floats: bool = True):
     return fn
 
 
-exp, log, tanh, sigmoid, sqrt, erf = (
-    _unary(n) for n in ("exp", "log", "tanh", "sigmoid", "sqrt", "erf")
+exp, log, tanh, sigmoid, sqrt, erf, sin, cos = (
+    _unary(n) for n in ("exp", "log", "tanh", "sigmoid", "sqrt", "erf", "sin", "cos")
 )
 neg, relu, abs, sign = (_unary(n, floats=False) for n in ("neg", "relu", "abs", "sign"))  # noqa: A001
 
@@ -358,3 +358,70 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
 def mse_loss(prediction, target) -> Tensor:
     diff = sub(prediction, target)
     return mean(mul(diff, diff))
+
+
+# The public ops, re-exported by the face (`bp.exp`, ...): add a new op's function here too.
+__all__ = [
+    "abs",
+    "add",
+    "as_tensor",
+    "astype",
+    "broadcast_to",
+    "concatenate",
+    "cross_entropy",
+    "div",
+    "embedding",
+    "equal",
+    "erf",
+    "exp",
+    "expand_dims",
+    "flatten",
+    "full",
+    "gelu",
+    "greater",
+    "greater_equal",
+    "layer_norm",
+    "less",
+    "less_equal",
+    "log",
+    "log_softmax",
+    "logsumexp",
+    "matmul",
+    "max",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "mse_loss",
+    "mul",
+    "neg",
+    "not_equal",
+    "one_hot",
+    "ones",
+    "ones_like",
+    "permute",
+    "pow",
+    "relu",
+    "reshape",
+    "sigmoid",
+    "sin",
+    "cos",
+    "sign",
+    "softmax",
+    "sqrt",
+    "squeeze",
+    "stack",
+    "stop_gradient",
+    "sub",
+    "sum",
+    "swapaxes",
+    "take",
+    "tanh",
+    "tensor",
+    "transpose",
+    "unsqueeze",
+    "var",
+    "where",
+    "zeros",
+    "zeros_like",
+]

@@ -24,6 +24,7 @@ register(
         "source",
         attrs={"value": AttrSpec("float"), "shape": AttrSpec("shape"), "dtype": AttrSpec("dtype")},
         doc="a tensor filled with one value (scalar constants are full with shape ())",
+        cost="free",
     )
 )
 
@@ -45,6 +46,7 @@ register(
         "source",
         attrs={"name": AttrSpec("str"), "shape": AttrSpec("shape"), "dtype": AttrSpec("dtype")},
         doc="an array captured at trace time, stored in the graph's constants table",
+        cost="free",
     )
 )
 
@@ -102,5 +104,7 @@ register(
         _astype_vjp,
         attrs={"dtype": AttrSpec("dtype")},
         doc="cast; gradients flow between float dtypes only",
+        scalar={"bool": "({0} != 0)", "*": "{np_type}({0})"},
+        cost="cheap",
     )
 )

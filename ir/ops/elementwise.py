@@ -11,7 +11,10 @@ GELU_K = math.sqrt(2.0 / math.pi)
 GELU_C = 0.044715
 
 
-def _binary(name, ref, vjp=None, out_dtype=None, differentiable=True, floats=False, doc=""):
+def _binary(
+    name, ref, scalar, vjp=None, out_dtype=None, differentiable=True, floats=False, doc="",
+    cost="cheap",
+):  # fmt: skip
     def infer(types, attrs):
         if floats:
             float_only(types, name)
@@ -19,15 +22,28 @@ def _binary(name, ref, vjp=None, out_dtype=None, differentiable=True, floats=Fal
             numeric_only(types, name)
         return elementwise_type(types, name, out_dtype)
 
-    register(OpDef(name, (2,), infer, ref, "elementwise", vjp, differentiable, doc=doc))
+    register(
+        OpDef(
+            name, (2,), infer, ref, "elementwise", vjp, differentiable, doc=doc, scalar=scalar,
+            cost=cost,
+        )
+    )  # fmt: skip
 
 
-def _unary(name, ref, vjp=None, floats=True, differentiable=True, attrs=None, doc=""):
+def _unary(
+    name, ref, scalar, vjp=None, floats=True, differentiable=True, attrs=None, doc="",
+    cost="costly",
+):  # fmt: skip
     def infer(types, attrs):
         (float_only if floats else numeric_only)(types, name)
         return types[0]
 
-    register(OpDef(name, (1,), infer, ref, "elementwise", vjp, differentiable, attrs or {}, doc))
+    register(
+        OpDef(
+            name, (1,), infer, ref, "elementwise", vjp, differentiable, attrs or {}, doc,
+            scalar=scalar, cost=cost,
+        )
+    )  # fmt: skip
 
 
 # ---- derivative rules -------------------------------------------------------------------------
@@ -93,22 +109,43 @@ def _select_vjp(pick_first):
     return vjp
 
 
-_binary("add", np.add, _add_vjp, doc="x + y")
-_binary("sub", np.subtract, _sub_vjp, doc="x - y")
-_binary("mul", np.multiply, _mul_vjp, doc="x * y; saves only the operand the other side needs")
-_binary("div", np.true_divide, _div_vjp, floats=True, doc="x / y")
-_binary("pow", np.power, _pow_vjp, doc="x ** y")
-_binary("maximum", np.maximum, _select_vjp(True), doc="ties send the gradient to x")
-_binary("minimum", np.minimum, _select_vjp(False), doc="ties send the gradient to x")
-for _name, _ref in [
-    ("lt", np.less),
-    ("le", np.less_equal),
-    ("gt", np.greater),
-    ("ge", np.greater_equal),
-    ("eq", np.equal),
-    ("ne", np.not_equal),
+_binary("add", np.add, "({0} + {1})", _add_vjp, doc="x + y")
+_binary("sub", np.subtract, "({0} - {1})", _sub_vjp, doc="x - y")
+_binary(
+    "mul",
+    np.multiply,
+    "({0} * {1})",
+    _mul_vjp,
+    doc="x * y; saves only the operand the other side needs",
+)
+_binary("div", np.true_divide, "({0} / {1})", _div_vjp, floats=True, doc="x / y")
+_binary("pow", np.power, "({0} ** {1})", _pow_vjp, doc="x ** y", cost="costly")
+_binary(
+    "maximum",
+    np.maximum,
+    "({0} if ({0} >= {1} or {0} != {0}) else {1})",
+    _select_vjp(True),
+    doc="ties send the gradient to x",
+)
+_binary(
+    "minimum",
+    np.minimum,
+    "({0} if ({0} <= {1} or {0} != {0}) else {1})",
+    _select_vjp(False),
+    doc="ties send the gradient to x",
+)
+for _name, _ref, _symbol in [
+    ("lt", np.less, "<"),
+    ("le", np.less_equal, "<="),
+    ("gt", np.greater, ">"),
+    ("ge", np.greater_equal, ">="),
+    ("eq", np.equal, "=="),
+    ("ne", np.not_equal, "!="),
 ]:
-    _binary(_name, _ref, out_dtype="bool", differentiable=False, doc="comparison, bool result")
+    _binary(
+        _name, _ref, f"({{0}} {_symbol} {{1}})", out_dtype="bool", differentiable=False,
+        doc="comparison, bool result",
+    )  # fmt: skip
 
 
 def _neg_vjp(ctx, g):
@@ -126,6 +163,14 @@ def _log_vjp(ctx, g):
 def _tanh_vjp(ctx, g):
     b, y = ctx.b, ctx.output()
     return [b.mul(g, b.sub(b.scalar(1, g.dtype), b.mul(y, y)))]
+
+
+def _sin_vjp(ctx, g):
+    return [ctx.b.mul(g, ctx.b.cos(ctx.input(0)))]
+
+
+def _cos_vjp(ctx, g):
+    return [ctx.b.neg(ctx.b.mul(g, ctx.b.sin(ctx.input(0))))]
 
 
 def _sigmoid_vjp(ctx, g):
@@ -191,15 +236,33 @@ def _sigmoid_ref(x):
     return special.expit(x)
 
 
-_unary("neg", np.negative, _neg_vjp, floats=False, doc="-x")
-_unary("exp", np.exp, _exp_vjp, doc="saves its output")
-_unary("log", np.log, _log_vjp, doc="saves its input")
-_unary("tanh", np.tanh, _tanh_vjp, doc="saves its output")
-_unary("sigmoid", _sigmoid_ref, _sigmoid_vjp, doc="saves its output")
-_unary("relu", _relu_ref, _relu_vjp, floats=False, doc="saves its output")
-_unary("sqrt", np.sqrt, _sqrt_vjp, doc="saves its output")
-_unary("abs", np.abs, _abs_vjp, floats=False, doc="saves its input")
-_unary("sign", np.sign, floats=False, differentiable=False, doc="no gradient")
+_unary("neg", np.negative, "(-{0})", _neg_vjp, cost="cheap", floats=False, doc="-x")
+_unary("exp", np.exp, "exp_{dtype}({0})", _exp_vjp, doc="saves its output")
+_unary("log", np.log, "log_{dtype}({0})", _log_vjp, doc="saves its input")
+_unary("tanh", np.tanh, "tanh_{dtype}({0})", _tanh_vjp, doc="saves its output")
+_unary("sin", np.sin, "math.sin({0})", _sin_vjp, doc="saves its input")
+_unary("cos", np.cos, "math.cos({0})", _cos_vjp, doc="saves its input")
+_unary("sigmoid", _sigmoid_ref, "sigmoid_{dtype}({0})", _sigmoid_vjp, doc="saves its output")
+_unary(
+    "relu",
+    _relu_ref,
+    "({0} if not {0} <= 0 else {zero})",
+    _relu_vjp,
+    floats=False,
+    cost="cheap",
+    doc="saves its output",
+)
+_unary("sqrt", np.sqrt, "math.sqrt({0})", _sqrt_vjp, doc="saves its output")
+_unary("abs", np.abs, "abs({0})", _abs_vjp, floats=False, cost="cheap", doc="saves its input")
+_unary(
+    "sign",
+    np.sign,
+    "(1 if {0} > 0 else (-1 if {0} < 0 else {0}))",
+    floats=False,
+    cost="cheap",
+    differentiable=False,
+    doc="no gradient",
+)
 
 
 def _erf_ref(x):
@@ -208,10 +271,11 @@ def _erf_ref(x):
     return special.erf(x)
 
 
-_unary("erf", _erf_ref, _erf_vjp, doc="saves its input")
+_unary("erf", _erf_ref, "erf_{dtype}({0})", _erf_vjp, doc="saves its input")
 _unary(
     "gelu",
     _gelu_ref,
+    "gelu_{approximate}_{dtype}({0})",
     _gelu_vjp,
     attrs={"approximate": AttrSpec("str", "none", ("none", "tanh"), required=False)},
     doc="saves its input; the derivative is rebuilt from it",
@@ -249,5 +313,7 @@ register(
         "elementwise",
         _where_vjp,
         doc="where(cond, x, y); saves cond",
+        scalar="({1} if {0} else {2})",
+        cost="cheap",
     )
 )

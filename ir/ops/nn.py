@@ -215,5 +215,6 @@ register(
         _ln_vjp,
         attrs={"eps": AttrSpec("float", 1e-5, required=False)},
         doc="layer_norm(x[, weight, bias]) over the last axis; saves x (and weight)",
+        cost="one_pass",
     )
 )

@@ -116,6 +116,7 @@ register(
         differentiable=False,
         attrs=DRAW_ATTRS,
         doc="floats in [0, 1) from a key (threefry-2x32); no gradient",
+        cost="one_pass",  # backward rebuilds a dropout mask from its key rather than saving it
     )
 )
 register(

@@ -61,6 +61,7 @@ register(
         _sum_vjp,
         attrs=REDUCE_ATTRS,
         doc="saves nothing",
+        loop_tail=True,
     )
 )
 register(
@@ -73,6 +74,7 @@ register(
         _max_vjp,
         attrs=REDUCE_ATTRS,
         doc="saves input and output to find the maxima",
+        loop_tail=True,
     )
 )
 

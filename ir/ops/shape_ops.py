@@ -26,6 +26,8 @@ register(
         "view",
         differentiable=False,
         doc="identity whose gradient is zero: detach() in a trace",
+        cost="free",
+        alias=True,
     )
 )
 
@@ -54,6 +56,7 @@ register(
         _reshape_vjp,
         attrs={"shape": AttrSpec("shape")},
         doc="saves nothing",
+        cost="free",
     )
 )
 
@@ -85,6 +88,7 @@ register(
         _transpose_vjp,
         attrs={"perm": AttrSpec("ints")},
         doc="saves nothing",
+        cost="free",
     )
 )
 
@@ -114,6 +118,8 @@ register(
         _broadcast_vjp,
         attrs={"shape": AttrSpec("shape")},
         doc="saves nothing",
+        cost="free",
+        alias=True,
     )
 )
 
@@ -172,6 +178,7 @@ register(
         _slice_vjp,
         attrs=SLICE_ATTRS,
         doc="basic slicing, normalised to start/stop/step per axis; saves nothing",
+        cost="free",
     )
 )
 

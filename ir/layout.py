@@ -1,4 +1,5 @@
-"""Where every buffer of a compiled plan lives, decided before anything runs.
+"""Where every buffer of a lowered plan lives, decided before anything runs: the memory-plan
+step of the pipeline (codegen turns each placement into an array expression).
 
 - Outputs (a region's user outputs and saved buffers, gradients) are fresh arrays per call,
   allocated by the caller, so they can outlive the call and scratch never escapes.
@@ -12,15 +13,13 @@ Views and aliases have no storage: reading them extends the life of what they vi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from backplan.ir.fusion import Kernel, is_alias
-from backplan.ir.graph import Graph, Value
-from backplan.ir.memory_plan import BufferRequest, assign_memory
-from backplan.ir.types import DTYPES
-
-from .loops import index_map, internal_shape
+from .fusion import Kernel, index_map, internal_shape, is_alias
+from .graph import Graph, Value
+from .memory_plan import BufferRequest, assign_memory
+from .registry import get_op
+from .types import DTYPES
 
 # Elementwise outputs may overwrite a dying input in place. Off: LLVM cannot prove the two
 # array views are the same element for element, so its runtime overlap check fails and the
@@ -30,7 +29,7 @@ IN_PLACE = False
 
 def storage_root(value: Value) -> Value:
     """The value whose buffer `value` reads: views and aliases lead back to it."""
-    while is_alias(value) or value.op in ("reshape", "transpose", "slice"):
+    while value.op != "input" and (is_alias(value) or get_op(value.op).fusion == "view"):
         value = value.inputs[0]
     return value
 
@@ -38,7 +37,6 @@ def storage_root(value: Value) -> Value:
 @dataclass
 class BufferLayout:
     outputs: list[Value] = field(default_factory=list)  # roots the caller allocates per call
-    expressions: dict = field(default_factory=dict)  # value -> source of its buffer
     scratch_elements: dict = field(default_factory=dict)  # dtype -> arena length
     reused_saved: dict = field(default_factory=dict)  # value -> saved input it lives in
     scratch_offsets: dict = field(default_factory=dict)  # value -> element offset in its arena
@@ -87,7 +85,6 @@ def plan_layout(
     graph: Graph,
     kernels: list[Kernel],
     buffers: list[Value],
-    names: dict,
     private_saved: list[Value] = (),
     steps: list[int] | None = None,
 ) -> BufferLayout:
@@ -116,18 +113,12 @@ def plan_layout(
                 reuse=_in_place_candidates(value, kernel_of[value], last, step_of),
             )
         )
-    requests = _reuse_saved(requests, private_saved, last, layout, names)
+    requests = _reuse_saved(requests, private_saved, last, layout)
     assignment = assign_memory(requests)
     for (_arena, dtype), size in assignment.arena_sizes.items():
         layout.scratch_elements[dtype] = size
     for r in requests:
-        place = assignment.placements[r.key]
-        count = max(math.prod(r.key.shape), 1)
-        layout.scratch_offsets[r.key] = place.offset
-        layout.expressions[r.key] = (
-            f"scratch_{r.dtype}[{place.offset}:{place.offset + count}]"
-            f".reshape({internal_shape(r.key.shape)!r})"
-        )
+        layout.scratch_offsets[r.key] = assignment.placements[r.key].offset
     return layout
 
 
@@ -155,7 +146,7 @@ def _in_place_candidates(value: Value, kernel: Kernel, last, step_of) -> tuple:
     )
 
 
-def _reuse_saved(requests, private_saved, last, layout, names) -> list:
+def _reuse_saved(requests, private_saved, last, layout) -> list:
     """Put the largest temporaries into dead private saved buffers, one per lifetime slot."""
     occupied: dict[Value, list[tuple[int, int]]] = {s: [] for s in private_saved}
     remaining = []
@@ -176,9 +167,5 @@ def _reuse_saved(requests, private_saved, last, layout, names) -> list:
             continue
         occupied[home].append((r.first_step, r.last_step))
         layout.reused_saved[r.key] = home
-        count = max(math.prod(r.key.shape), 1)
-        layout.expressions[r.key] = (
-            f"{names[home]}.reshape(-1)[:{count}].reshape({internal_shape(r.key.shape)!r})"
-        )
     order = {id(r): i for i, r in enumerate(requests)}
     return sorted(remaining, key=lambda r: order[id(r)])

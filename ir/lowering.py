@@ -1,0 +1,135 @@
+"""The last steps of the pipeline: a plan with liveness becomes a lowered plan, the one object
+code generation renders and explain, export and the runtime read.
+
+fusion (which nodes share a kernel) -> schedule (consecutive row loops become stages of one
+row kernel, sharing a step) -> memory plan (where every buffer lives). Computed once per plan
+and backward mode, then kept: nobody re-derives a fact the lowered plan holds.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+from .fusion import Kernel, alias_base, group_kernels, internal_shape, materialized
+from .graph import Value
+from .layout import BufferLayout, plan_layout
+from .liveness import Plan
+
+RUN_KINDS = ("loop", "op")  # kernels that run code; views, aliases and literals cost nothing
+
+
+class BackwardMode(enum.Enum):
+    """How a backward plan treats its saved buffers. RETAIN (backward(retain_graph=True))
+    never touches them; CONSUME (the default) may put temporaries into private saved buffers
+    after their last read, since the graph is released anyway."""
+
+    RETAIN = "retain"
+    CONSUME = "consume"
+
+    @classmethod
+    def of(cls, retain_graph: bool) -> BackwardMode:
+        return cls.RETAIN if retain_graph else cls.CONSUME
+
+
+@dataclass
+class LoweredPlan:
+    """A plan ready to render: kernels in run order, the schedule step of each, the values
+    that need a buffer and where each buffer lives."""
+
+    plan: Plan
+    private_saved: tuple[int, ...]  # saved inputs whose storage temporaries may take over
+    kernels: list[Kernel]
+    row_runs: list[tuple[int, int]]  # [start, end) kernels fused into one row kernel
+    steps: list[int]  # schedule step of each kernel (a row kernel's stages share one)
+    materialized: set[Value]  # values that need a buffer
+    buffers: list[Value]  # those that get storage (not constants), in kernel order
+    layout: BufferLayout
+
+    @property
+    def kernel_count(self) -> int:
+        """Kernels that run code: fused loops and single ops."""
+        return sum(k.kind in RUN_KINDS for k in self.kernels)
+
+
+def lower(plan: Plan, private_saved: tuple[int, ...] = ()) -> LoweredPlan:
+    """private_saved: indices of saved inputs whose storage may be reused after their last
+    read (the consuming backward variant). Cached per plan and variant."""
+    key = tuple(private_saved)
+    with _lock:
+        if key not in plan.lowered:
+            plan.lowered[key] = _lower(plan, key)
+        return plan.lowered[key]
+
+
+_lock = threading.Lock()
+
+
+def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
+    graph = plan.graph
+    kernels = group_kernels(graph)
+    needed = materialized(graph, kernels)
+    runs = row_runs(kernels)
+    steps = schedule_steps(kernels, runs)
+    buffers = [
+        n
+        for k in kernels
+        if k.kind in ("loop", "op")
+        for n in k.all_nodes
+        if n in needed and n.op != "const"
+    ]
+    private = [graph.inputs[i] for i in private_saved]
+    layout = plan_layout(graph, kernels, buffers, private, steps)
+    return LoweredPlan(plan, private_saved, kernels, runs, steps, needed, buffers, layout)
+
+
+def literal_nodes(kernels: list[Kernel]) -> set[Value]:
+    """`full` nodes that loops read as literals: never buffers."""
+    return {n for k in kernels if k.kind == "literal" for n in k.nodes if n.op == "full"}
+
+
+def literal_outputs(lowered: LoweredPlan) -> dict[int, Value]:
+    """Output index -> the `full` node giving its value, for outputs that are literals."""
+    literals = literal_nodes(lowered.kernels)
+    outputs = lowered.plan.graph.outputs
+    return {i: alias_base(o) for i, o in enumerate(outputs) if alias_base(o) in literals}
+
+
+def schedule_steps(kernels: list[Kernel], runs: list[tuple[int, int]]) -> list[int]:
+    """One step per kernel, except that the stages of a row kernel share the first's step:
+    their rows interleave, so their buffers live together."""
+    steps = list(range(len(kernels)))
+    for start, end in runs:
+        steps[start:end] = [start] * (end - start)
+    return steps
+
+
+def _row_stage(kernel: Kernel, rows: int | None) -> bool:
+    """A loop over (rows, columns) or (rows, 1) whose reductions only sum or max along a row."""
+    shape = internal_shape(kernel.shape)
+    if kernel.kind != "loop" or len(shape) != 2 or shape[0] < 2:
+        return False
+    if rows is not None and shape[0] != rows:
+        return False
+    return all(r.attrs["axes"] == (1,) and shape[1] > 1 for r in kernel.reductions)
+
+
+def row_runs(kernels: list[Kernel]) -> list[tuple[int, int]]:
+    """[start, end) ranges of kernels that fuse into one row kernel: at least two row stages,
+    with only literals and aliases (which emit no code) between them."""
+    runs, start, rows, stages = [], None, None, 0
+    for index, kernel in enumerate([*kernels, None]):
+        if kernel is not None and kernel.kind in ("literal", "alias") and start is not None:
+            continue
+        if kernel is not None and _row_stage(kernel, rows):
+            if start is None:
+                start, rows = index, internal_shape(kernel.shape)[0]
+            stages += 1
+            continue
+        if start is not None and stages >= 2:
+            runs.append((start, index))
+        start, rows, stages = None, None, 0
+        if kernel is not None and _row_stage(kernel, None):
+            start, rows, stages = index, internal_shape(kernel.shape)[0], 1
+    return runs
