@@ -1,159 +1,17 @@
-"""Direct-loop kernels for conv2d and its two adjoints over NCHW arrays (no im2col buffer).
-Each parallel task owns one output plane (or one weight slice), so tasks never write the same
-element; padding is handled by the bounds of the innermost loops."""
+"""conv2d and its two adjoints over NCHW arrays as im2col + GEMM: the kernel taps of every output
+position become columns of a (C/groups * kH * kW, N * OH * OW) matrix and BLAS multiplies it
+by the weights. Measured on the digits CNN's layers (batch 32; 1->16 channels at 8x8 and
+16->32 at 4x4, 3x3 kernels, one BLAS thread) against direct loops, one task per output plane:
+forward 0.05 / 0.6 ms against 0.7 / 8.7 ms, input gradient 0.04 / 0.4 ms against 1.3 / 9.0 ms,
+weight gradient 0.5 / 1.2 ms against 1.3 / 6.9 ms. The column buffer is C * kH * kW times the
+input; padding is handled while filling it. Also: argmax/argmin along one axis."""
 
+import numpy as np
 
 from .flags import FASTMATH
-from .jit import njit, prange
+from .jit import njit
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
-
-
-@njit(inline="always", **_opts)
-def _span(out_size, in_size, stride, pad, offset):
-    """[lo, hi) of output positions o with 0 <= o * stride - pad + offset < in_size."""
-    lo = 0
-    while lo < out_size and lo * stride - pad + offset < 0:
-        lo += 1
-    hi = out_size
-    while hi > lo and (hi - 1) * stride - pad + offset >= in_size:
-        hi -= 1
-    return lo, hi
-
-
-@njit(inline="always", **_opts)
-def _forward_plane(x, w, out, n, o, sh, sw, ph, pw, dh, dw, groups):
-    """out[n, o] = sum over the group's channels and taps of w[o, c, i, j] * x[n, c, ...]."""
-    cg, kh, kw = w.shape[1], w.shape[2], w.shape[3]
-    oh, ow = out.shape[2], out.shape[3]
-    first = (o // (w.shape[0] // groups)) * cg
-    plane = out[n, o]
-    plane[:] = 0
-    for c in range(cg):
-        xc = x[n, first + c]
-        for i in range(kh):
-            r0, r1 = _span(oh, x.shape[2], sh, ph, i * dh)
-            for j in range(kw):
-                c0, c1 = _span(ow, x.shape[3], sw, pw, j * dw)
-                weight = w[o, c, i, j]
-                for r in range(r0, r1):
-                    row = xc[r * sh - ph + i * dh]
-                    for q in range(c0, c1):
-                        plane[r, q] += weight * row[q * sw - pw + j * dw]
-
-
-@njit(**_opts)
-def conv2d_serial(x, w, out, sh, sw, ph, pw, dh, dw, groups):
-    for task in range(out.shape[0] * out.shape[1]):
-        _forward_plane(
-            x, w, out, task // out.shape[1], task % out.shape[1], sh, sw, ph, pw, dh, dw, groups
-        )
-
-
-@njit(parallel=True, **_opts)
-def conv2d_par(x, w, out, sh, sw, ph, pw, dh, dw, groups):
-    for task in prange(out.shape[0] * out.shape[1]):
-        _forward_plane(
-            x, w, out, task // out.shape[1], task % out.shape[1], sh, sw, ph, pw, dh, dw, groups
-        )
-
-
-@njit(inline="always", **_opts)
-def _input_grad_plane(g, w, dx, n, c, sh, sw, ph, pw, dh, dw, groups):
-    """dx[n, c] = sum over the group's output channels and taps of w * g, scattered back."""
-    cg, kh, kw = w.shape[1], w.shape[2], w.shape[3]
-    og = w.shape[0] // groups
-    oh, ow = g.shape[2], g.shape[3]
-    group, local = c // cg, c % cg
-    plane = dx[n, c]
-    plane[:] = 0
-    for o in range(group * og, (group + 1) * og):
-        go = g[n, o]
-        for i in range(kh):
-            r0, r1 = _span(oh, dx.shape[2], sh, ph, i * dh)
-            for j in range(kw):
-                c0, c1 = _span(ow, dx.shape[3], sw, pw, j * dw)
-                weight = w[o, local, i, j]
-                for r in range(r0, r1):
-                    row = plane[r * sh - ph + i * dh]
-                    for q in range(c0, c1):
-                        row[q * sw - pw + j * dw] += weight * go[r, q]
-
-
-@njit(**_opts)
-def conv2d_input_grad_serial(g, w, dx, sh, sw, ph, pw, dh, dw, groups):
-    for task in range(dx.shape[0] * dx.shape[1]):
-        _input_grad_plane(
-            g, w, dx, task // dx.shape[1], task % dx.shape[1], sh, sw, ph, pw, dh, dw, groups
-        )
-
-
-@njit(parallel=True, **_opts)
-def conv2d_input_grad_par(g, w, dx, sh, sw, ph, pw, dh, dw, groups):
-    for task in prange(dx.shape[0] * dx.shape[1]):
-        _input_grad_plane(
-            g, w, dx, task // dx.shape[1], task % dx.shape[1], sh, sw, ph, pw, dh, dw, groups
-        )
-
-
-@njit(inline="always", **_opts)
-def _weight_grad_slice(x, g, dw_out, o, c, sh, sw, ph, pw, dh, dw, groups):
-    """dw[o, c] = sum over the batch and output positions of g[n, o] * x[n, c', ...]."""
-    kh, kw = dw_out.shape[2], dw_out.shape[3]
-    cg = dw_out.shape[1]
-    og = dw_out.shape[0] // groups
-    oh, ow = g.shape[2], g.shape[3]
-    channel = (o // og) * cg + c
-    for i in range(kh):
-        r0, r1 = _span(oh, x.shape[2], sh, ph, i * dh)
-        for j in range(kw):
-            c0, c1 = _span(ow, x.shape[3], sw, pw, j * dw)
-            total = 0.0
-            for n in range(x.shape[0]):
-                xc, go = x[n, channel], g[n, o]
-                for r in range(r0, r1):
-                    row = xc[r * sh - ph + i * dh]
-                    for q in range(c0, c1):
-                        total += go[r, q] * row[q * sw - pw + j * dw]
-            dw_out[o, c, i, j] = total
-
-
-@njit(**_opts)
-def conv2d_weight_grad_serial(x, g, dw_out, sh, sw, ph, pw, dh, dw, groups):
-    for task in range(dw_out.shape[0] * dw_out.shape[1]):
-        _weight_grad_slice(
-            x,
-            g,
-            dw_out,
-            task // dw_out.shape[1],
-            task % dw_out.shape[1],
-            sh,
-            sw,
-            ph,
-            pw,
-            dh,
-            dw,
-            groups,
-        )
-
-
-@njit(parallel=True, **_opts)
-def conv2d_weight_grad_par(x, g, dw_out, sh, sw, ph, pw, dh, dw, groups):
-    for task in prange(dw_out.shape[0] * dw_out.shape[1]):
-        _weight_grad_slice(
-            x,
-            g,
-            dw_out,
-            task // dw_out.shape[1],
-            task % dw_out.shape[1],
-            sh,
-            sw,
-            ph,
-            pw,
-            dh,
-            dw,
-            groups,
-        )
 
 
 @njit(inline="always", **_opts)
@@ -177,3 +35,88 @@ def arg_extreme_strided(x, out, want_max):
     for p in range(x.shape[0]):
         for q in range(x.shape[2]):
             out[p, q] = _arg_extreme(x, p, q, want_max)
+
+
+@njit(**_opts)
+def im2col(x, first, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw):
+    """cols[(c, i, j), (n, r, q)] = x[n, first + c, r*sh - ph + i*dh, q*sw - pw + j*dw] or 0."""
+    height, width, positions = x.shape[2], x.shape[3], oh * ow
+    for row in range(cols.shape[0]):
+        c, i, j = row // (kh * kw), (row // kw) % kh, row % kw
+        for n in range(x.shape[0]):
+            for r in range(oh):
+                ih = r * sh - ph + i * dh
+                base = n * positions + r * ow
+                for q in range(ow):
+                    iw = q * sw - pw + j * dw
+                    inside = 0 <= ih < height and 0 <= iw < width
+                    cols[row, base + q] = x[n, first + c, ih, iw] if inside else 0
+
+
+@njit(**_opts)
+def col2im(cols, dx, first, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw):
+    """The adjoint of im2col: dx[n, first + c, ...] += cols[(c, i, j), (n, r, q)]."""
+    height, width, positions = dx.shape[2], dx.shape[3], oh * ow
+    for row in range(cols.shape[0]):
+        c, i, j = row // (kh * kw), (row // kw) % kh, row % kw
+        for n in range(dx.shape[0]):
+            for r in range(oh):
+                ih = r * sh - ph + i * dh
+                if ih < 0 or ih >= height:
+                    continue
+                for q in range(ow):
+                    iw = q * sw - pw + j * dw
+                    if 0 <= iw < width:
+                        dx[n, first + c, ih, iw] += cols[row, n * positions + r * ow + q]
+
+
+@njit(**_opts)
+def _group_matrix(a, first, count):
+    """a[:, first:first+count] of an (N, C, H, W) array as a (count, N*H*W) matrix."""
+    n_total, positions = a.shape[0], a.shape[2] * a.shape[3]
+    out = np.empty((count, n_total * positions), a.dtype)
+    for o in range(count):
+        for n in range(n_total):
+            out[o, n * positions : (n + 1) * positions] = a[n, first + o].reshape(positions)
+    return out
+
+
+@njit(**_opts)
+def conv2d_gemm(x, w, out, sh, sw, ph, pw, dh, dw, groups):
+    o_total, cg, kh, kw = w.shape
+    og, oh, ow, positions = (
+        o_total // groups,
+        out.shape[2],
+        out.shape[3],
+        out.shape[2] * out.shape[3],
+    )
+    cols = np.empty((cg * kh * kw, x.shape[0] * positions), x.dtype)
+    for g in range(groups):
+        im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
+        weights = np.ascontiguousarray(w[g * og : (g + 1) * og]).reshape(og, cg * kh * kw)
+        product = np.dot(weights, cols)
+        for o in range(og):
+            for n in range(x.shape[0]):
+                out[n, g * og + o] = product[o, n * positions : (n + 1) * positions].reshape(oh, ow)
+
+
+@njit(**_opts)
+def conv2d_input_grad_gemm(gout, w, dx, sh, sw, ph, pw, dh, dw, groups):
+    o_total, cg, kh, kw = w.shape
+    og, oh, ow = o_total // groups, gout.shape[2], gout.shape[3]
+    dx[:] = 0
+    for g in range(groups):
+        weights = np.ascontiguousarray(w[g * og : (g + 1) * og]).reshape(og, cg * kh * kw)
+        cols = np.dot(np.ascontiguousarray(weights.T), _group_matrix(gout, g * og, og))
+        col2im(cols, dx, g * cg, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
+
+
+@njit(**_opts)
+def conv2d_weight_grad_gemm(x, gout, dw_out, sh, sw, ph, pw, dh, dw, groups):
+    o_total, cg, kh, kw = dw_out.shape
+    og, oh, ow = o_total // groups, gout.shape[2], gout.shape[3]
+    cols = np.empty((cg * kh * kw, x.shape[0] * oh * ow), x.dtype)
+    for g in range(groups):
+        im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
+        product = np.dot(_group_matrix(gout, g * og, og), np.ascontiguousarray(cols.T))
+        dw_out[g * og : (g + 1) * og] = product.reshape(og, cg, kh, kw)

@@ -286,31 +286,21 @@ class OpEmitter:
         key = self.array(node.inputs[0])
         return [*self._key_check(node, key), f"random_split({key}, {out})"]
 
-    def _conv(self, node, out, fn: str, work: int) -> list[str]:
+    def _conv(self, node, out, fn: str) -> list[str]:
         a, b = (self.array(v) for v in node.inputs)
         (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
         dh, dw = node.attrs["dilation"]
-        variant = "par" if work >= (1 << 16) else "serial"
         args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}"
-        return [f"{fn}_{variant}({a}, {b}, {out}, {args})"]
-
-    def _conv_work(self, x_shape, w_shape, out_shape) -> int:
-        """Multiply-adds of one convolution: output elements times taps per output."""
-        return math.prod(out_shape) * math.prod(w_shape[1:])
+        return [f"{fn}_gemm({a}, {b}, {out}, {args})"]
 
     def op_conv2d(self, node, out) -> list[str]:
-        x, w = node.inputs
-        return self._conv(node, out, "conv2d", self._conv_work(x.shape, w.shape, node.shape))
+        return self._conv(node, out, "conv2d")
 
     def op_conv2d_input_grad(self, node, out) -> list[str]:
-        g, w = node.inputs
-        return self._conv(node, out, "conv2d_input_grad", self._conv_work(None, w.shape, g.shape))
+        return self._conv(node, out, "conv2d_input_grad")
 
     def op_conv2d_weight_grad(self, node, out) -> list[str]:
-        x, g = node.inputs
-        return self._conv(
-            node, out, "conv2d_weight_grad", self._conv_work(None, node.shape, g.shape)
-        )
+        return self._conv(node, out, "conv2d_weight_grad")
 
     def _arg_extreme(self, node, out, want_max: bool) -> list[str]:
         (x,) = node.inputs
@@ -325,6 +315,7 @@ class OpEmitter:
 
     def op_argmin(self, node, out) -> list[str]:
         return self._arg_extreme(node, out, False)
+
 
 # The one table of ops codegen lowers as a kernel of their own: every registry op without a
 # scalar expression, loop-tail reduction, view or source form (tests/test_registry.py checks
