@@ -78,7 +78,7 @@ def accuracy(params, x, y) -> float:
     return float(np.mean(predict(params, bp.tensor(x)).numpy() == y))
 
 
-def train(epochs: int = 8, batch_size: int = 32, max_steps: int | None = None, seed: int = 0):
+def train(epochs: int = 12, batch_size: int = 32, max_steps: int | None = None, seed: int = 0):
     """Train and report: {'losses', 'test_accuracy', 'step_ms', 'steps'}."""
     x_train, y_train, x_test, y_test = load_digits_split(seed=seed)
     key = bp.random.key(seed)
