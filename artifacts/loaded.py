@@ -12,7 +12,8 @@ from backplan.ir.types import np_dtype
 from backplan.report.report import ExplainReport, joint_report, region_report
 from backplan.runtime import is_grad_enabled
 from backplan.tracer.compile import TracedFunction, run_traced
-from backplan.tracer.functional import JointTrace, _as_diff_arg, run_joint
+from backplan.tracer.functional import JointCall, JointTrace, _as_diff_arg, run_joint
+from backplan.tracer.planned import PlannedFunction
 from backplan.tracer.pytree import TreeDef, unflatten
 from backplan.tracer.signature import BoundCall, SignatureKey
 from backplan.tracer.tensor import Tensor
@@ -23,8 +24,9 @@ from .format import ExportError
 from .tree import render_tree
 
 
-class LoadedArtifact:
-    """Shared by both kinds: the exported signature, argument matching and the report."""
+class LoadedArtifact(PlannedFunction):
+    """Shared by both kinds: the exported signature, argument matching and the report. A
+    planned function whose cache holds the one exported signature: it cannot retrace."""
 
     kind = "artifact"
 
@@ -37,6 +39,7 @@ class LoadedArtifact:
         signature: inspect.Signature,
         key: SignatureKey,
     ):
+        super().__init__(None)
         self.path = path
         self.name = name
         self.manifest = manifest
@@ -60,6 +63,14 @@ class LoadedArtifact:
 
     def _conform(self, arguments: dict) -> dict:
         return conform(self._key.treedef, arguments, "", self.path)
+
+    def _build(self, bound):
+        raise ExportError(f"{self.path}: a loaded artifact runs its exported signature only")
+
+    def explain(self, *args, **kwargs) -> ExplainReport:
+        """The same report as bp.explain gives the original (one signature: no arguments
+        needed)."""
+        return self._report(next(iter(self._entries.values())), None)
 
     def _leaf_texts(self, show_requires_grad: bool = True) -> list[str]:
         texts = []
@@ -110,14 +121,19 @@ class LoadedFunction(LoadedArtifact):
         self._traced = traced
         self.program = traced.program
         self.captured = traced.captured
+        self._entries[self._key] = traced
 
-    def __call__(self, *args, **kwargs):
+    def _bind(self, args, kwargs) -> BoundCall:
         _, leaves, positions = self._match(args, kwargs)
+        return BoundCall(self._key, leaves, positions)
+
+    def _run(self, traced: TracedFunction, call: BoundCall):
+        leaves, positions = call.leaves, call.tensor_positions
         outer = current_trace()
         if outer is not None:
             return self._inline(outer, [leaves[p] for p in positions])
         record = self._prepare_grads(leaves, positions)
-        return run_traced(self._traced, BoundCall(self._key, leaves, positions), record)
+        return run_traced(traced, call, record)
 
     def _prepare_grads(self, leaves: list, positions: list[int]) -> bool:
         """Whether to record a region. An input exported with a gradient but passed without
@@ -164,9 +180,9 @@ class LoadedFunction(LoadedArtifact):
             f"{render_tree(self._traced.out_treedef, outputs)}"
         )
 
-    def explain(self) -> ExplainReport:
-        """The same report as bp.explain gives the original: plans, saved buffers, peak bytes."""
-        return region_report(self.program)
+    def _report(self, traced: TracedFunction, call) -> ExplainReport:
+        """Plans, saved buffers, peak bytes."""
+        return region_report(traced.program)
 
 
 class LoadedValueAndGrad(LoadedArtifact):
@@ -196,19 +212,17 @@ class LoadedValueAndGrad(LoadedArtifact):
         self._diff_positions = diff_positions
         self._display_names = display_names
         self._captured_names = captured_names
+        self._entries[(self._key, frozenset(diff_positions))] = entry
 
-    def __call__(self, *args, **kwargs):
+    def _bind(self, args, kwargs) -> JointCall:
         args = tuple(_as_diff_arg(a) if i in self._nums else a for i, a in enumerate(args))
         arguments, leaves, positions = self._match(args, kwargs)
         call = BoundCall(self._key, leaves, positions)
+        return JointCall(arguments["args"], call, self._diff_positions)
+
+    def _run(self, entry: JointTrace, bound: JointCall):
         return run_joint(
-            self._entry,
-            arguments["args"],
-            call,
-            self._diff_positions,
-            self._nums,
-            self.has_aux,
-            self._single,
+            entry, bound.args, bound.call, bound.diff_paths, self._nums, self.has_aux, self._single
         )
 
     def _conform(self, arguments: dict) -> dict:
@@ -253,10 +267,8 @@ class LoadedValueAndGrad(LoadedArtifact):
             f"({value}, grads of argument(s) {self.argnums})"
         )
 
-    def explain(self) -> ExplainReport:
-        """The same report as bp.explain gives the original: the joint plan, the forward values
-        its gradient steps read, peak bytes."""
-        entry = self._entry
+    def _report(self, entry: JointTrace, bound) -> ExplainReport:
+        """The joint plan, the forward values its gradient steps read, peak bytes."""
         names = [k.path for k in self._key.leaves if k.kind == "tensor"]
         names += self._captured_names
         return joint_report(entry.plan, 1 + entry.n_aux, entry.wrt, names, self.name)

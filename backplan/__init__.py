@@ -31,6 +31,7 @@ from backplan.runtime import (
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
 from backplan.tracer.conv import arange, argmax, argmin, avg_pool2d, clip, conv2d, max_pool2d
 from backplan.tracer.explain import explain
+from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
 from backplan.tracer.ops import __all__ as _ops_all
 from backplan.tracer.pytree import tree_map
@@ -70,6 +71,7 @@ __all__ = [
     "random",
     "enable_grad",
     "explain",
+    "explain_graph",
     "export",
     "grad",
     "is_grad_enabled",

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from backplan.ir.graph import Value
 from backplan.ir.text import format_loc, value_names
 
+from .location import loc_text, op_text
+
 
 @dataclass(frozen=True)
 class RecomputedInfo:
@@ -60,8 +62,8 @@ def recomputed_infos(program) -> list[RecomputedInfo]:
         infos.append(
             RecomputedInfo(
                 name=names[value] if program.input_names is not None else "output",
-                op=value.op,
-                produced_at=format_loc(value.loc) or "<input>",
+                op=op_text(value.op, value.loc),
+                produced_at=loc_text(value.loc) if value.loc else "<input>",
                 shape=value.shape,
                 dtype=value.dtype,
                 nbytes=r.nbytes,

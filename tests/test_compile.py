@@ -222,3 +222,17 @@ def test_fast_path_uses_the_tensors_of_each_call_and_falls_back_when_unusual():
         rtol=1e-6,
     )
     assert weighted.cache_info().traces == 3  # requires_grad False, then scale=3.0, retraced
+
+
+def test_value_and_grad_and_grad_keep_the_same_cache_books_as_compile():
+    """One planned-function base: every kind counts traces and hits and names the last miss."""
+    for make in (bp.compile, bp.value_and_grad, bp.grad):
+        fn = make(lambda x: (x * x).sum())
+        x = bp.tensor(np.ones(3), requires_grad=make is bp.compile)
+        fn(x)
+        fn(x)
+        fn(bp.tensor(np.ones(4), requires_grad=make is bp.compile))
+        info = fn.cache_info()
+        assert (info.traces, info.misses, info.entries) == (2, 2, 2), make.__name__
+        assert info.hits >= 1, make.__name__
+        assert "(3,) -> (4,)" in info.last_miss_reason, (make.__name__, info.last_miss_reason)

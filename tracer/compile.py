@@ -10,23 +10,14 @@ from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
 
 from .captured_names import captured_names
-from .errors import TracingError
-from .fastpath import call_key, positions_of
+from .fastpath import positions_of
+from .planned import STALE, CacheInfo, PlannedFunction  # noqa: F401  (CacheInfo: public)
 from .pytree import TreeDef, flatten, unflatten
 from .reports import explain_traced
-from .signature import SignatureKey, bind_call, miss_reason
+from .signature import bind_call, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
-from .trace import Trace, current_trace, tracing
-
-
-@dataclass
-class CacheInfo:
-    traces: int
-    hits: int
-    misses: int
-    last_miss_reason: str | None
-    entries: int
+from .trace import Trace, tracing
 
 
 @dataclass
@@ -90,66 +81,48 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
     return unflatten(traced.out_treedef, leaves)
 
 
-class CompiledFunction:
+class CompiledFunction(PlannedFunction):
     """See `compile`."""
 
     def __init__(self, fn, remat: bool = True, saved_bytes_budget: int | None = None):
-        self.fn = fn
+        super().__init__(fn)
         self.remat = remat
         self.saved_bytes_budget = saved_bytes_budget
-        functools.update_wrapper(self, fn)
-        self._cache: dict[SignatureKey, TracedFunction] = {}
-        self._fast: dict = {}  # fastpath.call_key -> (traced, tensor positions)
-        self._traces = self._hits = self._misses = 0
-        self._last_key: SignatureKey | None = None
-        self._last_miss_reason: str | None = None
+        functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
 
-    def __call__(self, *args, **kwargs):
-        if current_trace() is not None:
-            return self.fn(*args, **kwargs)  # nested compiled functions inline
-        key, leaves = call_key(args, kwargs, is_grad_enabled())
-        hit = self._fast.get(key) if key is not None else None
-        if hit is not None:
-            traced, positions = hit
-            if self._captured_unchanged(traced):
-                self._hits += 1
-                return run_tensors(traced, [leaves[i] for i in positions])
-        call = bind_call(self.fn, args, kwargs)
-        traced = self.lookup(call)
-        if key is not None:
-            positions = positions_of([call.leaves[p] for p in call.tensor_positions], leaves)
-            if positions is not None:
-                self._fast[key] = (traced, positions)
+    def _call_in_trace(self, args, kwargs):
+        return self.fn(*args, **kwargs)  # nested compiled functions inline
+
+    def _bind(self, args, kwargs):
+        return bind_call(self.fn, args, kwargs)
+
+    def _still_valid(self, traced: TracedFunction) -> bool:
+        return _captured_flags(traced.captured) == traced.captured_flags
+
+    def _miss_reason(self, key, stale: TracedFunction | None) -> str | None:
+        if stale is not None:
+            return "requires_grad of a captured tensor changed"
+        return miss_reason(self._last_key, key)
+
+    def _run(self, traced: TracedFunction, call):
         return run_traced(traced, call)
 
-    @staticmethod
-    def _captured_unchanged(traced) -> bool:
-        if not traced.captured:
-            return True
-        enabled = is_grad_enabled()
-        return traced.captured_flags == tuple(
-            bool(t._requires_grad and enabled) for t in traced.captured
-        )
+    def _fast_runner(self, traced: TracedFunction, call, leaves: list):
+        positions = positions_of([call.leaves[p] for p in call.tensor_positions], leaves)
+        if positions is None:
+            return None
 
-    def lookup(self, call) -> TracedFunction:
-        traced = self._cache.get(call.key)
-        if traced is not None:
-            flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in traced.captured)
-            if flags == traced.captured_flags:
-                self._hits += 1
-                return traced
-        self._misses += 1
-        self._last_miss_reason = (
-            miss_reason(self._last_key, call.key)
-            if traced is None
-            else "requires_grad of a captured tensor changed"
-        )
-        traced = self._trace(call)
-        self._cache[call.key] = traced
-        self._last_key = call.key
-        return traced
+        def run(leaves):
+            if not self._still_valid(traced):
+                return STALE
+            return run_tensors(traced, [leaves[i] for i in positions])
 
-    def _trace(self, call) -> TracedFunction:
+        return run
+
+    def _report(self, traced: TracedFunction, call):
+        return explain_traced(traced, self.cache_info())
+
+    def _build(self, call) -> TracedFunction:
         name = getattr(self.fn, "__name__", "compiled")
         trace, out_leaves, out_treedef = trace_function(self.fn, name, call)
         graph = trace.graph
@@ -161,7 +134,7 @@ class CompiledFunction:
             else:
                 out_slots.append(("static", leaf))
         graph.outputs = outputs
-        captured_flags = tuple(bool(t.requires_grad and is_grad_enabled()) for t in trace.captured)
+        captured_flags = _captured_flags(trace.captured)
         wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(
             captured_flags
         )
@@ -171,31 +144,14 @@ class CompiledFunction:
             graph, wrt, remat=self.remat, saved_bytes_budget=self.saved_bytes_budget
         )
         program = RegionProgram(plans, name=name, input_names=names)
-        self._traces += 1
         return TracedFunction(
             program, out_treedef, out_slots, trace.captured, captured_flags, names
         )
 
-    def trace(self, *args, **kwargs) -> TracedFunction:
-        """Trace (or find in the cache) without running: the plans for this signature."""
-        if current_trace() is not None:
-            raise TracingError("trace() cannot be called inside a traced function")
-        return self.lookup(bind_call(self.fn, args, kwargs))
 
-    def explain(self, *args, **kwargs):
-        """The plan for this signature as a report (text, DOT, picture); nothing runs.
-        See `backplan.explain`."""
-        traced = self.trace(*args, **kwargs)
-        return explain_traced(traced, self.cache_info())
-
-    def cache_info(self) -> CacheInfo:
-        return CacheInfo(
-            self._traces, self._hits, self._misses, self._last_miss_reason, len(self._cache)
-        )
-
-    def clear_cache(self) -> None:
-        self._cache.clear()
-        self._fast.clear()
+def _captured_flags(captured: list) -> tuple[bool, ...]:
+    enabled = is_grad_enabled()
+    return tuple(bool(t._requires_grad and enabled) for t in captured)
 
 
 def compile(fn=None, *, remat: bool = True, saved_bytes_budget: int | None = None):  # noqa: A001

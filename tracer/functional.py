@@ -11,15 +11,15 @@ from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import is_float
-from backplan.runtime import is_grad_enabled
 from backplan.runtime.backend import current_backend, make_runner
 
 from .compile import trace_function
 from .errors import TracingError
-from .fastpath import call_key, positions_of
+from .fastpath import positions_of
+from .planned import PlannedFunction
 from .pytree import flatten, unflatten
 from .reports import explain_joint
-from .signature import bind_call
+from .signature import bind_call, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
 
@@ -49,7 +49,74 @@ def _argnums_tuple(argnums) -> tuple[int, ...]:
     return (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
 
-def value_and_grad(fn, argnums=0, has_aux: bool = False):
+@dataclass
+class JointCall:
+    """A bound call of value_and_grad: the arguments (differentiated ones as tensors), the
+    signature binding, and the leaf positions that are differentiated."""
+
+    args: tuple
+    call: object
+    diff_paths: set
+
+    @property
+    def key(self):
+        return (self.call.key, frozenset(self.diff_paths))
+
+
+class ValueAndGradFunction(PlannedFunction):
+    """See `value_and_grad`."""
+
+    def __init__(self, fn, argnums=0, has_aux: bool = False):
+        super().__init__(fn)
+        functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
+        self.argnums = argnums
+        self.has_aux = has_aux
+        self._nums = _argnums_tuple(argnums)
+        self._single = isinstance(argnums, int)
+
+    def _bind(self, args, kwargs) -> JointCall:
+        args = tuple(_as_diff_arg(a) if i in self._nums else a for i, a in enumerate(args))
+        for i in self._nums:
+            if i >= len(args):
+                raise TypeError(
+                    f"argnums={self.argnums} but only {len(args)} positional arguments given"
+                )
+        call = bind_call(_positional(self.fn), args, kwargs)
+        return JointCall(args, call, _diff_positions(call, args, self._nums))
+
+    def _miss_reason(self, key, stale) -> str | None:
+        if self._last_key is None:
+            return miss_reason(None, key[0])
+        (old, old_diff), (new, new_diff) = self._last_key, key
+        if old_diff != new_diff and old.treedef == new.treedef:
+            return "the differentiated arguments changed"
+        return miss_reason(old, new)
+
+    def _build(self, bound: JointCall) -> JointTrace:
+        return _trace_joint(self.fn, bound.call, bound.diff_paths, self.has_aux)
+
+    def _run(self, entry: JointTrace, bound: JointCall):
+        return run_joint(
+            entry, bound.args, bound.call, bound.diff_paths, self._nums, self.has_aux, self._single
+        )
+
+    def _fast_runner(self, entry: JointTrace, bound: JointCall, leaves: list):
+        return _fast_joint(
+            entry,
+            bound.args,
+            bound.call,
+            bound.diff_paths,
+            self._nums,
+            self.has_aux,
+            self._single,
+            leaves,
+        )
+
+    def _report(self, entry: JointTrace, bound: JointCall):
+        return explain_joint(entry, bound.call, self.fn, self.cache_info())
+
+
+def value_and_grad(fn, argnums=0, has_aux: bool = False) -> ValueAndGradFunction:
     """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
     Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
     the result is ((loss, aux), grads). Works inside traces, so grad(grad(f)) works.
@@ -60,59 +127,7 @@ def value_and_grad(fn, argnums=0, has_aux: bool = False):
     >>> g.numpy().tolist()
     [12.0]
     """
-    nums = _argnums_tuple(argnums)
-    cache: dict = {}
-
-    def lookup(args, kwargs):
-        args = tuple(_as_diff_arg(a) if i in nums else a for i, a in enumerate(args))
-        for i in nums:
-            if i >= len(args):
-                raise TypeError(
-                    f"argnums={argnums} but only {len(args)} positional arguments given"
-                )
-        call = bind_call(_positional(fn), args, kwargs)
-        diff_paths = _diff_positions(call, args, nums)
-        key = (call.key, frozenset(diff_paths))
-        entry = cache.get(key)
-        if entry is None:
-            entry = cache[key] = _trace_joint(fn, call, diff_paths, has_aux)
-        return args, call, diff_paths, entry
-
-    fast: dict = {}
-    single = isinstance(argnums, int)
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        key = None
-        if current_trace() is None:
-            key, leaves = call_key(args, kwargs, is_grad_enabled())
-            hit = fast.get(key) if key is not None else None
-            if hit is not None:
-                return hit(leaves)
-        full_args, call, diff_paths, entry = lookup(args, kwargs)
-        result = run_joint(entry, full_args, call, diff_paths, nums, has_aux, single)
-        if key is not None:
-            runner = _fast_joint(entry, full_args, call, diff_paths, nums, has_aux, single, leaves)
-            if runner is not None:
-                fast[key] = runner
-        return result
-
-    def trace(*args, **kwargs) -> JointTrace:
-        """The joint plan for this signature, traced (or found in the cache) without running."""
-        return lookup(args, kwargs)[3]
-
-    def explain(*args, **kwargs):
-        """The joint plan for this signature as a report; nothing runs. See backplan.explain."""
-        _, call, _, entry = lookup(args, kwargs)
-        return explain_joint(entry, call, fn, cache)
-
-    wrapped.cache = cache
-    wrapped.trace = trace
-    wrapped.explain = explain
-    wrapped.lookup = lookup  # (args, bound call, differentiated leaf positions, JointTrace)
-    wrapped.argnums = argnums
-    wrapped.has_aux = has_aux
-    return wrapped
+    return ValueAndGradFunction(fn, argnums, has_aux)
 
 
 def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, single: bool):
@@ -159,17 +174,17 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
     return call_fast
 
 
-def grad(fn, argnums=0, has_aux: bool = False):
+class GradFunction(ValueAndGradFunction):
+    """See `grad`: the same plans, returning only the gradients."""
+
+    def __call__(self, *args, **kwargs):
+        value_aux, grads = super().__call__(*args, **kwargs)
+        return (grads, value_aux[1]) if self.has_aux else grads
+
+
+def grad(fn, argnums=0, has_aux: bool = False) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
-    vg = value_and_grad(fn, argnums, has_aux)
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        (value_aux, grads) = vg(*args, **kwargs)
-        return (grads, value_aux[1]) if has_aux else grads
-
-    wrapped.explain = vg.explain
-    return wrapped
+    return GradFunction(fn, argnums, has_aux)
 
 
 def _positional(fn):

@@ -9,7 +9,6 @@ import re
 from backplan.report.report import ExplainReport, joint_report, region_report
 
 from .captured_names import captured_names
-from .signature import miss_reason
 
 
 def explain_traced(traced, cache_info) -> ExplainReport:
@@ -19,20 +18,19 @@ def explain_traced(traced, cache_info) -> ExplainReport:
     )
 
 
-def explain_joint(entry, call, fn, cache: dict) -> ExplainReport:
+def explain_joint(entry, call, fn, cache_info) -> ExplainReport:
     """The report of one signature of value_and_grad: its joint plan."""
     names = [_parameter_path(fn, call.key.leaves[p].path) for p in call.tensor_positions]
     names += captured_names(fn, entry.captured)
-    keys = list(cache)
-    reason = None
-    if len(keys) > 1:
-        (old, old_diff), (new, new_diff) = keys[-2], keys[-1]
-        reason = miss_reason(old, new)
-        if old_diff != new_diff and old.treedef == new.treedef:
-            reason = "the differentiated arguments changed"
     name = getattr(fn, "__name__", "fn")
     return joint_report(
-        entry.plan, 1 + entry.n_aux, entry.wrt, names, name, traces=len(keys), retrace_reason=reason
+        entry.plan,
+        1 + entry.n_aux,
+        entry.wrt,
+        names,
+        name,
+        traces=cache_info.traces,
+        retrace_reason=cache_info.last_miss_reason,
     )
 
 
