@@ -8,7 +8,7 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
-from backplan import optim, tree
+from backplan import nn, optim, random, tree
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
@@ -31,6 +31,7 @@ from backplan.runtime import (
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
 from backplan.tracer.compile import RetraceWarning
+from backplan.tracer.conv import arange, argmax, argmin, avg_pool2d, clip, conv2d, max_pool2d
 from backplan.tracer.dlpack import from_dlpack
 from backplan.tracer.errors import DonatedError
 from backplan.tracer.explain import explain
@@ -38,6 +39,7 @@ from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
 from backplan.tracer.ops import __all__ as _ops_all
 from backplan.tracer.pytree import tree_map
+from backplan.tracer.random import dropout
 
 __version__ = "0.1.0"
 
@@ -63,7 +65,17 @@ __all__ = [
     "TracingError",
     "TreeFileError",
     "VerifyError",
+    "arange",
+    "argmax",
+    "argmin",
+    "avg_pool2d",
+    "clip",
     "compile",
+    "conv2d",
+    "dropout",
+    "max_pool2d",
+    "nn",
+    "random",
     "enable_grad",
     "explain",
     "explain_graph",

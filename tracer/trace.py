@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from backplan.ir.graph import Graph, Value
 from backplan.ir.types import TensorType
 
+from . import host_random
 from .errors import TracingError
 
 _state = threading.local()
@@ -55,7 +56,9 @@ def current_trace() -> Trace | None:
 def tracing(trace: Trace):
     stack = _stack()
     stack.append(trace)
+    host_random.enter(lambda: bool(_stack()))
     try:
         yield trace
     finally:
+        host_random.leave()
         stack.pop()
