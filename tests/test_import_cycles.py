@@ -100,9 +100,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles_inside_a_folder():
     problems = [
-        f"{folder}: {' <-> '.join(c)}"
-        for folder in FOLDERS
-        for c in cycles(import_graph(folder))
+        f"{folder}: {' <-> '.join(c)}" for folder in FOLDERS for c in cycles(import_graph(folder))
     ]
     assert not problems, "import cycles:\n" + "\n".join(problems)
 
