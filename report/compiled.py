@@ -6,14 +6,17 @@ them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backplan.codegen import kernel_cache
 from backplan.codegen.emit import generate
 from backplan.codegen.ops_emit import unsupported_reason
 from backplan.codegen.progress import estimate
+from backplan.ir.donation import donated_outputs
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import lower
+
+from .plan_view import input_label
 
 
 @dataclass(frozen=True)
@@ -29,28 +32,34 @@ class CompiledPlanFacts:
     loop_kernels: tuple[str, ...] = ()  # hashes of the distinct shared loop kernels it calls
     cached_kernels: tuple[str, ...] = ()  # those already compiled (this process or on disk)
     compile_seconds: float = 0.0  # predicted first-call compile time (all kernels + driver)
+    donated: tuple = ()  # (output index, donated input (index, or name), bytes): in place
 
     @property
     def compiled(self) -> bool:
         return self.unsupported is None
 
 
-def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> CompiledPlanFacts:
+def plan_facts(
+    label: str, plan: Plan, private_saved: tuple[int, ...] = (), donated: tuple[int, ...] = ()
+) -> CompiledPlanFacts:
+    """donated: inputs whose buffers outputs may take (those bytes are not fresh per call)."""
     lowered = lower(plan, private_saved)
     why = unsupported_reason(lowered)
     if why is not None:
         return CompiledPlanFacts(label, unsupported=why)
     layout = lowered.layout
     kernels = generate(lowered).loop_kernels  # source only: cheap, nothing compiled
+    in_place = donated_outputs(lowered, donated)
     return CompiledPlanFacts(
         label,
         lowered.kernel_count,
         layout.scratch_bytes,
-        layout.output_bytes,
+        layout.output_bytes - sum(n for _, _, n in in_place),
         len(layout.reused_saved),
         loop_kernels=tuple(k.digest for k in kernels),
         cached_kernels=tuple(k.digest for k in kernels if kernel_cache.is_cached(k)),
         compile_seconds=estimate(kernels, driver_cached=False).seconds,
+        donated=tuple(in_place),
     )
 
 
@@ -58,7 +67,9 @@ def region_facts(program) -> list[CompiledPlanFacts]:
     """The forward, then both backward variants: backward() consumes the graph (and may reuse
     its private saved buffers as scratch), backward(retain_graph=True) keeps them intact."""
     plans = program.plans
-    facts = [plan_facts("forward", plans.forward)]
+    forward = plan_facts("forward", plans.forward, donated=program.donated)
+    named = tuple((out, input_label(program.input_names, i), n) for out, i, n in forward.donated)
+    facts = [replace(forward, donated=named)]
     if plans.backward is not None:
         facts.append(
             plan_facts("backward (consume)", plans.backward, program.private_saved_inputs())
