@@ -1,7 +1,6 @@
 """`python -m backplan cache {info,clear}`: where the kernel cache is, what it holds, and a way
-to empty it. Only files backplan names (`bp_*` plans, `k_*` shared loop kernels, and Numba's files for
-them) are touched, so a
-cache folder pointed at a shared place loses nothing else."""
+to empty it. Only files backplan names (`bp_*` plans, `k_*` shared loop kernels, and Numba's
+files for them) are touched, so a cache folder pointed at a shared place loses nothing else."""
 
 from __future__ import annotations
 
