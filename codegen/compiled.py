@@ -50,6 +50,10 @@ class CompiledPlan:
         kernel_cache.load(self.loop_kernels)
         module, self.cache_hit, self.miss_reason = cache.load_module(self.source, self.key_parts)
         self._run = module.run
+        self._driver_statements = generated.driver_statements
+        self._driver_parts = tuple(
+            getattr(module, f"run_part{i}") for i in range(generated.driver_parts)
+        )
         graph = plan.graph
         self._constants = [
             np.ascontiguousarray(graph.constants[c]) for c in generated.constant_names
@@ -96,7 +100,13 @@ class CompiledPlan:
                 if self.first_call_seconds is None:
                     start = time.perf_counter()
                     label = f"@{self.plan.graph.name}"
-                    with progress.reporting(label, self.loop_kernels, self.cache_hit):
+                    with progress.reporting(
+                        label,
+                        self.loop_kernels,
+                        self.cache_hit,
+                        self._driver_statements,
+                        self._driver_parts,
+                    ):
                         returned = self._run(*arrays)
                     self.first_call_seconds = time.perf_counter() - start
                 else:

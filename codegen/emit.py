@@ -16,6 +16,7 @@ from backplan.ir.text import format_attr, value_names
 
 from . import cache
 from .add_chains import chain_loops, chain_terms, size_of
+from .driver_split import driver_source
 from .flags import parallel_pays
 from .kernel_source import KernelSource, canonical_kernel
 from .loops import LoopEmitter
@@ -50,6 +51,8 @@ class GeneratedModule:
     kernel_count: int
     layout: BufferLayout
     loop_kernels: list[KernelSource]  # the distinct loop kernels `run` calls
+    driver_statements: int  # statements of `run`'s body, whose compile time grows with them
+    driver_parts: int  # functions run_part0... `run` is split into (0: one function)
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -94,8 +97,8 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
     )
     kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
     source = HEADER.format(name=graph.name) + "\n" + "\n".join(kernel_lines) + "\n\n"
-    source += "@njit(**JIT_OPTIONS)\n"
-    source += f"def run({', '.join(params)}):\n" + "\n".join("    " + line for line in body) + "\n"
+    driver = driver_source(params, body, "@njit(**JIT_OPTIONS)")
+    source += driver.source
     return GeneratedModule(
         source,
         constants,
@@ -105,6 +108,8 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
         lowered.kernel_count,
         layout,
         list(emitter.kernels.values()),
+        driver.statements,
+        driver.parts,
     )
 
 

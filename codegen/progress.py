@@ -20,10 +20,12 @@ from . import kernel_cache
 from .kernel_source import KernelSource
 
 # Measured on a 2-core box (PERFORMANCE-NOTES.md): a small serial kernel compiles in ~0.1-0.2 s,
-# a parallel one in ~0.3-0.5 s, the driver calling them in ~0.3 s; loading a cached one ~5 ms.
+# a parallel one in ~0.3-0.5 s, the driver calling them in ~0.3 s plus ~30 ms per statement (an
+# unrolled 6-step LSTM's ~450-statement driver: ~15-20 s); loading a cached one ~5 ms.
 SERIAL_SECONDS = 0.15
 PARALLEL_SECONDS = 0.4
 DRIVER_SECONDS = 0.3
+STATEMENT_SECONDS = 0.03
 CACHED_SECONDS = 0.005
 LINE_INTERVAL = 0.5
 
@@ -42,11 +44,16 @@ class CompileEstimate:
         return self.kernels - self.cached
 
 
-def estimate(kernels: list[KernelSource], driver_cached: bool) -> CompileEstimate:
+def estimate(
+    kernels: list[KernelSource], driver_cached: bool, driver_statements: int = 0
+) -> CompileEstimate:
+    """driver_statements: statements of the plan's `run` driver, whose compile grows with them."""
     cached = [k for k in kernels if kernel_cache.is_cached(k)]
     fresh = [k for k in kernels if not kernel_cache.is_cached(k)]
     seconds = sum(PARALLEL_SECONDS if k.parallel else SERIAL_SECONDS for k in fresh)
-    seconds += len(cached) * CACHED_SECONDS + (0.0 if driver_cached else DRIVER_SECONDS)
+    seconds += len(cached) * CACHED_SECONDS
+    if not driver_cached:
+        seconds += DRIVER_SECONDS + driver_statements * STATEMENT_SECONDS
     return CompileEstimate(len(kernels), len(cached), seconds)
 
 
@@ -62,24 +69,33 @@ def quiet() -> bool:
 
 
 @contextmanager
-def reporting(label: str, kernels: list[KernelSource], driver_cached: bool):
-    """Around a plan's first call: progress lines on stderr when the compile will be slow."""
-    guess = estimate(kernels, driver_cached)
+def reporting(
+    label: str,
+    kernels: list[KernelSource],
+    driver_cached: bool,
+    driver_statements: int = 0,
+    driver_parts: tuple = (),
+):
+    """Around a plan's first call: progress lines on stderr when the compile will be slow.
+    driver_parts: the dispatchers of the driver's parts (codegen/driver_split.py), each
+    compile of which is a line too."""
+    guess = estimate(kernels, driver_cached, driver_statements)
     if quiet() or guess.seconds <= threshold_seconds():
         yield
         return
-    listener = _Lines(label, guess, {k.digest for k in kernels})
+    listener = _Lines(label, guess, {k.digest for k in kernels}, driver_parts)
     with listener.installed():
         yield
     listener.done()
 
 
 class _Lines:
-    def __init__(self, label: str, guess: CompileEstimate, digests: set):
+    def __init__(self, label: str, guess: CompileEstimate, digests: set, parts: tuple = ()):
         self.label, self.guess = label, guess
         self.start = self.last = time.perf_counter()
         self.compiled = 0
         self.dispatchers = {id(kernel_cache.kernel(d)) for d in digests}
+        self.parts = {id(p): i for i, p in enumerate(parts)}
         _say(
             f"{label}: compiling {guess.to_compile} of {guess.kernels} loop kernels "
             f"({guess.cached} cached), about {guess.seconds:.0f} s"
@@ -101,6 +117,12 @@ class _Lines:
                 f"{now - self.start:.1f} s"
             )
 
+    def part_done(self, index: int) -> None:
+        _say(
+            f"{self.label}: driver part {index + 1}/{len(self.parts)} compiled, "
+            f"{time.perf_counter() - self.start:.1f} s"
+        )
+
     def done(self) -> None:
         _say(
             f"{self.label}: ready: {self.compiled} kernels compiled, {self.guess.cached} cached, "
@@ -113,7 +135,8 @@ def _say(line: str) -> None:
 
 
 class _CompileListener(event.Listener):
-    """Numba announces each compile (not cache loads); the plan's loop kernels are counted."""
+    """Numba announces each compile (not cache loads); the plan's loop kernels are counted and
+    each part of its driver is a line."""
 
     def __init__(self, lines: _Lines):
         self.lines = lines
@@ -122,5 +145,8 @@ class _CompileListener(event.Listener):
         pass
 
     def on_end(self, event):
-        if id(event.data.get("dispatcher")) in self.lines.dispatchers:
+        dispatcher = id(event.data.get("dispatcher"))
+        if dispatcher in self.lines.dispatchers:
             self.lines.kernel_done()
+        elif dispatcher in self.lines.parts:
+            self.lines.part_done(self.lines.parts[dispatcher])

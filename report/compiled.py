@@ -48,7 +48,8 @@ def plan_facts(
     if why is not None:
         return CompiledPlanFacts(label, unsupported=why)
     layout = lowered.layout
-    kernels = generate(lowered).loop_kernels  # source only: cheap, nothing compiled
+    generated = generate(lowered)  # source only: cheap, nothing compiled
+    kernels = generated.loop_kernels
     in_place = donated_outputs(lowered, donated)
     return CompiledPlanFacts(
         label,
@@ -58,7 +59,7 @@ def plan_facts(
         len(layout.reused_saved),
         loop_kernels=tuple(k.digest for k in kernels),
         cached_kernels=tuple(k.digest for k in kernels if kernel_cache.is_cached(k)),
-        compile_seconds=estimate(kernels, driver_cached=False).seconds,
+        compile_seconds=estimate(kernels, False, generated.driver_statements).seconds,
         donated=tuple(in_place),
     )
 
