@@ -5,6 +5,6 @@
 """
 
 from .api import batched_gemm, gemm
-from .isa import GemmIsaError, active_isa, vector_width
+from .isa import ISA_WIDTH, GemmIsaError, active_isa, vector_width
 
-__all__ = ["GemmIsaError", "active_isa", "batched_gemm", "gemm", "vector_width"]
+__all__ = ["ISA_WIDTH", "GemmIsaError", "active_isa", "batched_gemm", "gemm", "vector_width"]

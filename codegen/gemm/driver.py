@@ -86,13 +86,13 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
             kc = min(kc_max, k - pc)
             beta_p = beta if pc == 0 else 1.0
             if not in_place:
-                pack_b(b, trans_b, pc, kc, jc, nc, nr, b_pack)
+                pack_b(width, b, trans_b, pc, kc, jc, nc, nr, b_pack)
             elif nc % nr:
                 last = nc - nc % nr  # the edge panel, zero padded, at its panel's place
-                pack_b(b, trans_b, pc, kc, jc + last, nc % nr, nr, b_pack[(last // nr) * kc * nr :])
+                pack_b(width, b, trans_b, pc, kc, jc + last, nc % nr, nr, b_pack[(last // nr) * kc * nr :])
             for ic in range(0, m, mc_max):
                 mc = min(mc_max, m - ic)
-                pack_a(a, trans_a, ic, mc, pc, kc, mr, a_pack)
+                pack_a(width, a, trans_a, ic, mc, pc, kc, mr, a_pack)
                 for jr in range(0, nc, nr):
                     j = jc + jr
                     cols = min(nr, nc - jr)

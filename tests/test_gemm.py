@@ -1,0 +1,104 @@
+"""backplan's own GEMM against NumPy in float64: odd and empty shapes, every transpose
+combination, strided views, batches with broadcast, f32 and f64, both register widths."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backplan.codegen import gemm as own
+from backplan.codegen.gemm import isa
+
+WIDTHS = (512, 256)
+DIMS = st.sampled_from([0, 1, 2, 7, 8, 9, 16, 17, 31, 33, 64, 127, 130])
+
+
+def _op(x, trans):
+    return np.swapaxes(x, -1, -2) if trans else x
+
+
+def _operands(rng, dtype, m, n, k, ta, tb, batch=()):
+    a = rng.standard_normal(batch + ((k, m) if ta else (m, k))).astype(dtype)
+    b = rng.standard_normal(batch + ((n, k) if tb else (k, n))).astype(dtype)
+    return a, b
+
+
+def _check(result, a, b, ta, tb, dtype, alpha=1.0, beta=0.0, c0=None):
+    """Within the rounding of a blocked sum: k * eps relative to |op(A)| @ |op(B)|."""
+    a64, b64 = _op(a, ta).astype(np.float64), _op(b, tb).astype(np.float64)
+    expected = alpha * (a64 @ b64)
+    scale = abs(alpha) * (np.abs(a64) @ np.abs(b64))
+    if beta != 0:
+        expected = expected + beta * c0
+        scale = scale + abs(beta * c0)
+    k = a64.shape[-1]
+    bound = 4 * (k + 2) * np.finfo(dtype).eps * scale + np.finfo(dtype).tiny
+    assert result.shape == expected.shape
+    assert np.all(np.abs(result - expected) <= bound), np.max(np.abs(result - expected) - bound)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    m=DIMS, n=DIMS, k=DIMS, ta=st.booleans(), tb=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64]), width=st.sampled_from(WIDTHS),
+    scalars=st.sampled_from([(1.0, 0.0), (2.0, 0.5), (-1.0, 1.0), (0.0, 2.0)]),
+)
+def test_gemm_matches_numpy(m, n, k, ta, tb, dtype, width, scalars):
+    rng = np.random.default_rng(m * 10007 + n * 101 + k)
+    alpha, beta = scalars
+    a, b = _operands(rng, dtype, m, n, k, ta, tb)
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+    c = c0.copy() if beta != 0 else np.full((m, n), np.nan, dtype)  # beta 0: C is not read
+    own.gemm(width, ta, tb, alpha, a, b, beta, c)
+    _check(c, a, b, ta, tb, dtype, alpha, beta, c0.astype(np.float64))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_gemm_strided_views_and_multiple_k_blocks(width):
+    """Non-contiguous operands and output (no copies), and k longer than one k block."""
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, np.float64):
+        a = rng.standard_normal((90, 600)).astype(dtype)[::2, ::2]  # 45 x 300, strided
+        b = rng.standard_normal((300, 80)).astype(dtype).T  # op(B) = b.T, b is F-ordered
+        big = np.full((47, 83), 7.0, dtype)
+        c = big[1:46, 2:82]
+        own.gemm(width, False, True, 1.0, a, b, 0.0, c)
+        _check(c, a, b, False, True, dtype)
+        assert np.all(big[0] == 7) and np.all(big[:, :2] == 7) and np.all(big[:, 82:] == 7)
+        cf = np.asfortranarray(np.zeros((45, 80), dtype))
+        own.gemm(width, False, True, 1.0, a, b, 0.0, cf)
+        _check(cf, a, b, False, True, dtype)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_batched_gemm_with_broadcast_batch(width):
+    """Attention-like batches: b shared by every batch entry (batch size 1), or a shared."""
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, np.float64):
+        for ta, tb in ((False, False), (False, True), (True, False), (True, True)):
+            a, b = _operands(rng, dtype, 33, 17, 9, ta, tb, batch=(5,))
+            shared_b = b[:1].copy()
+            c = np.empty((5, 33, 17), dtype)
+            own.batched_gemm(width, ta, tb, a, shared_b, c)
+            _check(c, a, np.broadcast_to(shared_b, b.shape), ta, tb, dtype)
+            shared_a = a[:1].copy()
+            own.batched_gemm(width, ta, tb, shared_a, b, c)
+            _check(c, np.broadcast_to(shared_a, a.shape), b, ta, tb, dtype)
+        empty = np.empty((0, 33, 17), dtype)
+        own.batched_gemm(width, False, False, a[:0], b[:0], empty)
+
+
+def test_isa_choice_follows_environment(monkeypatch):
+    isa.active_isa.cache_clear()
+    try:
+        monkeypatch.setenv("BACKPLAN_GEMM_ISA", "avx2")
+        assert isa.active_isa() == "avx2" and isa.vector_width() == 256
+        isa.active_isa.cache_clear()
+        monkeypatch.setenv("BACKPLAN_GEMM_ISA", "sse")
+        with pytest.raises(isa.GemmIsaError, match="BACKPLAN_GEMM_ISA='sse'.*unset it"):
+            isa.active_isa()
+        isa.active_isa.cache_clear()
+        monkeypatch.delenv("BACKPLAN_GEMM_ISA")
+        assert isa.active_isa() == ("avx512" if isa._host_has_avx512() else "avx2")
+    finally:
+        isa.active_isa.cache_clear()
