@@ -39,8 +39,13 @@ def _check(result, a, b, ta, tb, dtype, alpha=1.0, beta=0.0, c0=None):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    m=DIMS, n=DIMS, k=DIMS, ta=st.booleans(), tb=st.booleans(),
-    dtype=st.sampled_from([np.float32, np.float64]), width=st.sampled_from(WIDTHS),
+    m=DIMS,
+    n=DIMS,
+    k=DIMS,
+    ta=st.booleans(),
+    tb=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    width=st.sampled_from(WIDTHS),
     scalars=st.sampled_from([(1.0, 0.0), (2.0, 0.5), (-1.0, 1.0), (0.0, 2.0)]),
 )
 def test_gemm_matches_numpy(m, n, k, ta, tb, dtype, width, scalars):
@@ -102,3 +107,65 @@ def test_isa_choice_follows_environment(monkeypatch):
         assert isa.active_isa() == ("avx512" if isa._host_has_avx512() else "avx2")
     finally:
         isa.active_isa.cache_clear()
+
+
+@pytest.mark.parametrize("forced_isa", ["", "avx2"])
+def test_compiled_plans_with_own_gemm_equal_reference(monkeypatch, forced_isa):
+    """Plans whose matmuls (2-D, batched with broadcast, and the backward's transposed
+    products) call the own GEMM equal the reference interpreter, on both register widths."""
+    from op_samples import SAMPLES
+    from test_codegen import (
+        assert_trees_close,
+        batch_graph,
+        block_loss,
+        block_params,
+        mlp_loss,
+        mlp_params,
+        run_both,
+    )
+
+    import backplan as bp
+    from backplan.codegen.compiled import CompiledPlan
+    from backplan.ir.pipeline import build_joint_plan
+
+    monkeypatch.setenv("BACKPLAN_GEMM", "own")
+    monkeypatch.setenv("BACKPLAN_GEMM_ISA", forced_isa)
+    isa.active_isa.cache_clear()
+    try:
+        samples = [s for s in SAMPLES if s.op == "matmul" and "f64" in s.dtypes]
+        graph, arrays, wrt = batch_graph(samples, "f64")
+        plan = build_joint_plan(graph, wrt)
+        compiled = CompiledPlan(plan)
+        assert "own_gemm(" in compiled.source and "own_batched_gemm(" in compiled.source
+        assert f"own_gemm({isa.vector_width()}," in compiled.source
+        from backplan.ir.interpreter import run_plan
+
+        for got, expected in zip(compiled(list(arrays)), run_plan(plan, list(arrays)), strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+        rng = np.random.default_rng(3)
+        x = bp.tensor(rng.standard_normal((2, 4, 8)).astype(np.float32))
+        ref, got = run_both(lambda *a: bp.value_and_grad(block_loss)(*a), block_params(rng), x)
+        assert_trees_close(ref, got)
+        params = mlp_params(rng, [6, 16, 16, 4])
+        x = bp.tensor(rng.standard_normal((5, 6)).astype(np.float32))
+        labels = bp.tensor(rng.integers(0, 4, 5))
+        ref, got = run_both(lambda *a: bp.value_and_grad(mlp_loss)(*a), params, x, labels)
+        assert_trees_close(ref, got)
+    finally:
+        isa.active_isa.cache_clear()
+
+
+def test_choice_table_and_override(monkeypatch):
+    from backplan.codegen.gemm import choice
+
+    monkeypatch.setenv("BACKPLAN_GEMM", "blas")
+    assert not choice.use_own_gemm(128, 512, 784, False, "f32")
+    monkeypatch.setenv("BACKPLAN_GEMM", "fast")
+    with pytest.raises(choice.GemmChoiceError, match="BACKPLAN_GEMM='fast'.*unset it"):
+        choice.use_own_gemm(128, 512, 784, False, "f32")
+    monkeypatch.setenv("BACKPLAN_GEMM", "auto")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    assert choice.use_own_gemm(128, 512, 784, False, "f32")
+    assert not choice.use_own_gemm(128, 784, 512, True, "f32")  # small-m NT: BLAS measured faster
+    assert choice.use_own_gemm(1024, 256, 256, True, "f32")
+    assert not choice.use_own_gemm(4, 4, 4, False, "i64")

@@ -26,6 +26,16 @@ def batched_gemm(width, trans_a, trans_b, a, b, c):
     last_a, last_b = a.shape[0] - 1, b.shape[0] - 1
     for i in range(c.shape[0]):
         gemm_blocked(
-            width, trans_a, trans_b, 1.0, a[min(i, last_a)], b[min(i, last_b)], 0.0, c[i],
-            work, KC, MC, NC,
+            width,
+            trans_a,
+            trans_b,
+            1.0,
+            a[min(i, last_a)],
+            b[min(i, last_b)],
+            0.0,
+            c[i],
+            work,
+            KC,
+            MC,
+            NC,
         )

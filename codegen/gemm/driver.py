@@ -89,7 +89,17 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                 pack_b(width, b, trans_b, pc, kc, jc, nc, nr, b_pack)
             elif nc % nr:
                 last = nc - nc % nr  # the edge panel, zero padded, at its panel's place
-                pack_b(width, b, trans_b, pc, kc, jc + last, nc % nr, nr, b_pack[(last // nr) * kc * nr :])
+                pack_b(
+                    width,
+                    b,
+                    trans_b,
+                    pc,
+                    kc,
+                    jc + last,
+                    nc % nr,
+                    nr,
+                    b_pack[(last // nr) * kc * nr :],
+                )
             for ic in range(0, m, mc_max):
                 mc = min(mc_max, m - ic)
                 pack_a(width, a, trans_a, ic, mc, pc, kc, mr, a_pack)
@@ -110,6 +120,7 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                             c_addr = c.ctypes.data + i * c.strides[0] + j * size
                             _kernel(width, kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta_p, c)
                         else:
-                            _kernel(width, kc, a_addr, b_addr, ldb, tile.ctypes.data, nr, 1.0,
-                                    0.0, c)
+                            _kernel(
+                                width, kc, a_addr, b_addr, ldb, tile.ctypes.data, nr, 1.0, 0.0, c
+                            )
                             _store_edge(tile, nr, c, i, j, rows, cols, alpha, beta_p)

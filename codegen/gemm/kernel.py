@@ -54,15 +54,19 @@ def _emit_kernel(builder, args, scalar, lanes, mr, nv):
     b = builder.inttoptr(b_addr, ptr)
     c = builder.inttoptr(c_addr, ptr)
     align = 4 if isinstance(scalar, ir.FloatType) else 8
-    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(nv)]
-            for _ in range(mr)]
+    accs = [
+        [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(nv)]
+        for _ in range(mr)
+    ]
     intp = kc.type
     with cgutils.for_range(builder, kc) as loop:
         p = loop.index
         b_row = builder.mul(p, ldb)
         b_vecs = [
-            builder.load(_vec_ptr(builder, b, builder.add(b_row, ir.Constant(intp, v * lanes)), vec),
-                         align=align)
+            builder.load(
+                _vec_ptr(builder, b, builder.add(b_row, ir.Constant(intp, v * lanes)), vec),
+                align=align,
+            )
             for v in range(nv)
         ]
         a_row = builder.mul(p, ir.Constant(intp, mr))
@@ -75,8 +79,15 @@ def _emit_kernel(builder, args, scalar, lanes, mr, nv):
     alpha_vec = _splat(builder, alpha, vec)
     beta_vec = _splat(builder, beta, vec)
     targets = [
-        [_vec_ptr(builder, c, builder.add(builder.mul(ir.Constant(intp, r), ldc),
-                                          ir.Constant(intp, v * lanes)), vec) for v in range(nv)]
+        [
+            _vec_ptr(
+                builder,
+                c,
+                builder.add(builder.mul(ir.Constant(intp, r), ldc), ir.Constant(intp, v * lanes)),
+                vec,
+            )
+            for v in range(nv)
+        ]
         for r in range(mr)
     ]
     beta_zero = builder.fcmp_ordered("==", beta, ir.Constant(scalar, 0.0))
@@ -92,6 +103,7 @@ def _emit_kernel(builder, args, scalar, lanes, mr, nv):
                     scaled = builder.fmul(builder.load(accs[r][v]), alpha_vec)
                     old = builder.load(targets[r][v], align=align)
                     builder.store(_fma(builder, old, beta_vec, scaled), targets[r][v], align=align)
+
 
 def _make_kernel(width: int):
     @intrinsic
