@@ -8,17 +8,13 @@ go through the vector transpose of transpose_pack; the rest are 2-D slice assign
 """
 
 from ..jit import njit
-from .transpose_pack import (
-    transpose_pack_a_256,
-    transpose_pack_a_512,
-    transpose_pack_b_256,
-    transpose_pack_b_512,
-)
+from .transpose_pack import transpose_pack_6, transpose_pack_8
 
 
 @njit(cache=True, nogil=True)
 def _transposing(src, rows, lanes):
-    """A full panel whose source rows have unit stride inside: the vector path applies."""
+    """A full panel whose source rows have unit stride inside: the vector path applies
+    (mr is 6 or 8 and nr a multiple of 8 for every tile in kernel.TILES)."""
     return rows == lanes and src.strides[1] == src.itemsize and src.strides[0] % src.itemsize == 0
 
 
@@ -34,10 +30,10 @@ def pack_a(width, a, trans_a, i0, mc, p0, kc, mr, out):
         elif _transposing(a, rows, mr):
             src = a.ctypes.data + first * a.strides[0] + p0 * a.itemsize
             ld = a.strides[0] // a.itemsize
-            if width == 512:
-                transpose_pack_a_512(src, ld, kc, dst.ctypes.data, out)
+            if mr == 8:
+                transpose_pack_8(src, ld, kc, dst.ctypes.data, mr, out)
             else:
-                transpose_pack_a_256(src, ld, kc, dst.ctypes.data, out)
+                transpose_pack_6(src, ld, kc, dst.ctypes.data, mr, out)
         else:
             dst[:, :rows] = a[first : first + rows, p0 : p0 + kc].T
         if rows < mr:
@@ -56,10 +52,11 @@ def pack_b(width, b, trans_b, p0, kc, j0, nc, nr, out):
         elif _transposing(b, cols, nr):
             src = b.ctypes.data + first * b.strides[0] + p0 * b.itemsize
             ld = b.strides[0] // b.itemsize
-            if width == 512:
-                transpose_pack_b_512(src, ld, kc, dst.ctypes.data, out)
-            else:
-                transpose_pack_b_256(src, ld, kc, dst.ctypes.data, out)
+            for group in range(nr // 8):
+                src_rows = src + group * 8 * b.strides[0]
+                transpose_pack_8(
+                    src_rows, ld, kc, dst.ctypes.data + group * 8 * b.itemsize, nr, out
+                )
         else:
             dst[:, :cols] = b[first : first + cols, p0 : p0 + kc].T
         if cols < nr:
