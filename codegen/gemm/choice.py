@@ -1,13 +1,12 @@
 """Own GEMM or BLAS, per shape class, as measured by bench/gemm.py.
 
-Measured on one pinned Zen 4 core (AVX-512), f32, medians of 5 interleaved rounds, own/OpenBLAS
-GFLOP/s with OPENBLAS_CORETYPE unset (SkylakeX kernels; Haswell measured the same on Zen 4):
-    NN and TN (op(B) rows read in place)       1.03-1.29  (mlp, transformer, attention)
-    NT with m >= 512 (B packing amortised)     1.01
-    NT with m < 512 (packing B costs ~10%)     0.92       -> BLAS
-The 256-bit (AVX2) tile measured 0.79-1.01x on the same shapes: BLAS wherever it is active.
+Measured on one pinned Zen 4 core (AMD EPYC, AVX-512), medians of 7 interleaved rounds of own
+over OpenBLAS GFLOP/s on the mlp, transformer and attention shapes (NN, TN, NT and batched):
+    f32, 512-bit tile:   1.01-1.15 (OPENBLAS_CORETYPE unset), 1.01-1.31 (Haswell)  -> own
+    f32, 256-bit tile:   0.77-0.96                                                 -> BLAS
+    f64, 512-bit tile:   0.83-1.17, no shape class consistently ahead              -> BLAS
 Own GEMM runs on one core; with more than one BLAS thread available OpenBLAS splits the work,
-so the table applies only when BLAS would run single-threaded (one CPU in the process's
+so own is picked only when BLAS would run single-threaded too (one CPU in the process's
 affinity, or OPENBLAS_NUM_THREADS / OMP_NUM_THREADS = 1). BACKPLAN_GEMM=own|blas overrides.
 """
 
@@ -18,7 +17,7 @@ import os
 from .isa import vector_width
 
 CHOICES = ("own", "blas", "auto")
-NT_MIN_ROWS = 512  # below this many rows of C, transposed B is packed at a loss
+OWN_CLASSES = {("f32", 512)}  # (dtype, vector width) where every measured shape was ahead
 
 
 class GemmChoiceError(ValueError):
@@ -45,16 +44,11 @@ def blas_threads() -> int:
     return cpus or 1
 
 
-def shape_prefers_own(m: int, n: int, k: int, trans_b: bool) -> bool:
-    """The measured table above, for one core."""
-    return not trans_b or m >= NT_MIN_ROWS
-
-
 def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str) -> bool:
     """Whether generated code calls backplan's GEMM for this matmul (else BLAS)."""
     choice = forced_choice()
     if choice != "auto":
-        return choice == "own"
-    if dtype not in ("f32", "f64") or blas_threads() > 1 or vector_width() != 512:
+        return choice == "own" and dtype in ("f32", "f64")
+    if blas_threads() > 1:
         return False
-    return shape_prefers_own(m, n, k, trans_b)
+    return (dtype, vector_width()) in OWN_CLASSES
