@@ -1,12 +1,13 @@
 """GFLOP/s of backplan's own GEMM against the BLAS that plans otherwise call, per shape.
 
-Run by hand: ``python -m backplan.bench.gemm [--cpu N] [--rounds R] [--isa avx512|avx2]``.
-The process pins itself to one CPU (os.sched_setaffinity) before any BLAS loads, so every
-library runs on one core. Rounds are interleaved (each round times every shape and library once)
-and the table shows medians with the spread (min-max) across rounds; each round's value is
-the best of several ~2 ms samples. OpenBLAS's kernels depend
-on OPENBLAS_CORETYPE, read when it loads: run once with and once without it set; the environment
-line names it. torch and jax are timed too when installed.
+Run by hand: ``python -m backplan.bench.gemm [--threads T] [--rounds R] [--isa avx512|avx2]``.
+The process pins itself to T CPUs (os.sched_setaffinity; default 1) before any BLAS loads, so
+every library runs on the same T cores; with T > 1 backplan runs its parallel GEMM. Rounds are
+interleaved (each round times every shape and library once) and the table shows medians with
+the spread (min-max) across rounds; each round's value is the best of several ~2 ms samples, so
+a neighbour's burst on a shared machine spoils one sample, not the round. OpenBLAS's kernels
+depend on OPENBLAS_CORETYPE, read when it loads: run once with and once without it set; the
+first line names it. torch and jax are timed too when installed.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def _operands(shape, dtype):
     return a, b, np.empty(lead + (m, n), dtype)
 
 
-def _runners(shape, dtype, width):
+def _runners(shape, dtype, width, threads):
     """name -> zero-argument callable doing the GEMM once."""
     import numpy as np
 
     from backplan.codegen import blas, gemm
+    from backplan.codegen.gemm import parallel
 
     batch, m, k, n, ta, tb = shape
     a, b, c = _operands(shape, dtype)
@@ -55,13 +57,17 @@ def _runners(shape, dtype, width):
     if batch:
         blas_fn = blas.batched_gemm_f32 if f32 else blas.batched_gemm_f64
         runners = {
-            "backplan": lambda: gemm.batched_gemm(width, ta, tb, a, b, c),
+            "backplan": (lambda: parallel.batched_gemm_parallel(width, ta, tb, a, b, c))
+            if threads > 1
+            else (lambda: gemm.batched_gemm(width, ta, tb, a, b, c)),
             "openblas": lambda: blas_fn(ta, tb, a, b, c),
         }
     else:
         blas_fn = blas.gemm_f32 if f32 else blas.gemm_f64
         runners = {
-            "backplan": lambda: gemm.gemm(width, ta, tb, 1.0, a, b, 0.0, c),
+            "backplan": (lambda: parallel.gemm_parallel(threads, width, ta, tb, 1.0, a, b, 0.0, c))
+            if threads > 1
+            else (lambda: gemm.gemm(width, ta, tb, 1.0, a, b, 0.0, c)),
             "openblas": lambda: blas_fn(ta, tb, a, b, c, 0.0),
         }
     runners.update(_peer_runners(a, b, ta, tb))
@@ -75,7 +81,7 @@ def _peer_runners(a, b, ta, tb) -> dict:
     if importlib.util.find_spec("torch") is not None:
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
         ta_, tb_ = torch.from_numpy(a), torch.from_numpy(b)
         ta_ = ta_.transpose(-1, -2) if ta else ta_
         tb_ = tb_.transpose(-1, -2) if tb else tb_
@@ -115,12 +121,12 @@ def _gflops(fn, flops: float, samples: int = 8, target_s: float = 0.002) -> floa
     return flops * reps / best / 1e9
 
 
-def measure(rounds: int, dtype_name: str, width: int, shapes=SHAPES) -> dict:
+def measure(rounds: int, dtype_name: str, width: int, threads: int = 1, shapes=SHAPES) -> dict:
     """{shape: {library: [GFLOP/s per round]}}, rounds interleaved over shapes and libraries."""
     import numpy as np
 
     dtype = np.float32 if dtype_name == "f32" else np.float64
-    runners = {name: _runners(shape, dtype, width) for name, shape in shapes.items()}
+    runners = {name: _runners(shape, dtype, width, threads) for name, shape in shapes.items()}
     for fns in runners.values():  # compile and warm
         for fn in fns.values():
             fn()
@@ -149,24 +155,24 @@ def format_table(results: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", type=int, default=None, help="CPU to pin to (default: last)")
+    parser.add_argument("--threads", type=int, default=1, help="CPUs to pin to (the last T)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", choices=("f32", "f64"), default="f32")
     parser.add_argument("--isa", choices=("avx512", "avx2"), default=None)
     args = parser.parse_args(argv)
-    cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpu})  # before OpenBLAS loads: it sizes its pool from the mask
+    cpus = sorted(os.sched_getaffinity(0))[-args.threads :]
+    os.sched_setaffinity(0, cpus)  # before OpenBLAS loads: it sizes its pool from the mask
     from backplan.codegen.gemm import ISA_WIDTH, active_isa
 
     from .environment import cpu_name
 
     isa = args.isa or active_isa()
     print(
-        f"CPU {cpu_name()} pinned to cpu {cpu}; {args.dtype}; backplan ISA {isa}; "
+        f"CPU {cpu_name()} pinned to cpus {cpus}; {args.dtype}; backplan ISA {isa}; "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; "
         f"{args.rounds} interleaved rounds, GFLOP/s median (min-max)"
     )
-    print(format_table(measure(args.rounds, args.dtype, ISA_WIDTH[isa])))
+    print(format_table(measure(args.rounds, args.dtype, ISA_WIDTH[isa], len(cpus))))
 
 
 if __name__ == "__main__":

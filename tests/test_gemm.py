@@ -172,3 +172,21 @@ def test_choice_table_and_override(monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     if choice.blas_threads() > 1:
         assert not choice.use_own_gemm(128, 784, 512, True, "f32")
+
+
+def test_parallel_gemm_blocks_cover_c_exactly():
+    """Row blocks (m >= n) and column blocks (n > m), more blocks than rows, and batches."""
+    from backplan.codegen.gemm.parallel import batched_gemm_parallel, gemm_parallel
+
+    rng = np.random.default_rng(5)
+    for m, n, k in ((70, 9, 33), (9, 70, 33), (3, 2, 5), (0, 4, 4)):
+        for parts in (1, 2, 3, 16):
+            for ta, tb in ((False, False), (True, True), (False, True)):
+                a, b = _operands(rng, np.float32, m, n, k, ta, tb)
+                c = np.full((m, n), np.nan, np.float32)
+                gemm_parallel(parts, 512, ta, tb, 1.0, a, b, 0.0, c)
+                _check(c, a, b, ta, tb, np.float32)
+    a, b = _operands(rng, np.float64, 33, 17, 9, False, True, batch=(5,))
+    c = np.empty((5, 33, 17))
+    batched_gemm_parallel(256, False, True, a, b[:1], c)
+    _check(c, a, np.broadcast_to(b[:1], b.shape), False, True, np.float64)
