@@ -9,6 +9,7 @@ the plans fit together and with the signature. Any failure is an ExportError at 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from backplan.ir.errors import BackplanError
 
@@ -21,7 +22,7 @@ from .tree import signature_from_json
 PLAN_ROLES = {"compiled": ({"forward"}, {"forward", "backward"}), "value_and_grad": ({"joint"},)}
 
 
-def load(path, max_bytes: int | None = None):
+def load(path: str | os.PathLike[str], max_bytes: int | None = None) -> Any:
     """Load an artifact written by bp.export: a callable with the exported signature (and
     explain()), needing none of the model's source. Nothing in the file is unpickled or run.
     max_bytes caps a plan's peak memory (default: this machine's physical memory).

@@ -7,11 +7,15 @@ import math
 
 from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
+from backplan.ir.index_check import index_message, label_message
 
 from .gemm import vector_width
 from .gemm.choice import use_own_gemm
 from .loops import internal_shape
 from .scalar import NP_TYPE, literal
+
+# Index errors are worded at codegen time with holes for what only the data knows.
+HOLES = ("{value}", "{position}")
 
 
 class Unsupported(Exception):
@@ -85,11 +89,16 @@ class OpEmitter:
             raise Unsupported(f"no compiled form for {node.op}")
         return emitter(self, node, out)
 
-    def _raise(self, node, what: str) -> list[str]:
-        """The message names the value; the caller maps it to the user's line."""
+    def _raise(self, node, indices: Value, what: str) -> list[str]:
+        """`bad` is the flat position of the first bad index, or -1. The error carries the
+        position, the value there and the indices' shape; the caller (CompiledPlan) names the
+        user's line and fills them into `what` ("{value}", "{position}")."""
+        flat = f"{self.array(indices)}.reshape(-1)"
+        shape = tuple(indices.shape)
         return [
             "if bad != -1:",
-            f"    raise IndexError({f'%{self.names[node][1:]} {node.op}: {what}'!r})",
+            f"    raise IndexError({f'%{self.names[node][1:]} {node.op}: {what}'!r}, "
+            f"bad, {flat}[bad], {shape!r})",
         ]
 
     @staticmethod
@@ -150,7 +159,7 @@ class OpEmitter:
         return [
             f"bad = take_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
             f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {m}, {post})))",
-            *self._raise(node, f"index out of range for an axis of size {n}"),
+            *self._raise(node, idx, index_message(*HOLES, n)),
         ]
 
     def op_take_grad(self, node, out) -> list[str]:
@@ -161,7 +170,7 @@ class OpEmitter:
         return [
             f"bad = take_grad_strided({self.array(g)}.reshape(({pre}, {m}, {post})), "
             f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {size}, {post})))",
-            *self._raise(node, f"index out of range for an axis of size {size}"),
+            *self._raise(node, idx, index_message(*HOLES, size)),
         ]
 
     def op_one_hot(self, node, out) -> list[str]:
@@ -170,7 +179,7 @@ class OpEmitter:
         return [
             f"bad = one_hot({self.array(labels)}.reshape(({rows},)), "
             f"{out}.reshape(({rows}, {depth})))",
-            *self._raise(node, f"label out of range for {depth} classes"),
+            *self._raise(node, labels, label_message(*HOLES, depth)),
         ]
 
     def op_pad_slice(self, node, out) -> list[str]:
@@ -261,8 +270,65 @@ class OpEmitter:
         return [
             f"bad = cross_entropy_rows({self.array(logits)}.reshape(({rows}, {cols})), "
             f"{self.array(labels)}.reshape(({rows},)), {target}, {scale!r})",
-            *self._raise(node, f"label out of range for {cols} classes"),
+            *self._raise(node, labels, label_message(*HOLES, cols)),
         ]
+
+    # ---- random draws, convolutions, arg-extremes -----------------------------------------------
+
+    def _key_check(self, node, key: str) -> list[str]:
+        return [
+            f"bad = check_key({key})",
+            *self._raise(node, "key words must lie in [0, 2**32); make keys with bp.random.key"),
+        ]
+
+    def _draw(self, node, out, fn: str, extra: str = "") -> list[str]:
+        key = self.array(node.inputs[0])
+        size = math.prod(node.shape)
+        variant = "par" if size >= (1 << 16) else "serial"
+        return [
+            *self._key_check(node, key),
+            f"{fn}_{variant}({key}, {out}.reshape(({size},)){extra})",
+        ]
+
+    def op_random_uniform(self, node, out) -> list[str]:
+        return self._draw(node, out, "random_uniform", f", {node.dtype == 'f64'}")
+
+    def op_random_normal(self, node, out) -> list[str]:
+        return self._draw(node, out, "random_normal")
+
+    def op_random_split(self, node, out) -> list[str]:
+        key = self.array(node.inputs[0])
+        return [*self._key_check(node, key), f"random_split({key}, {out})"]
+
+    def _conv(self, node, out, fn: str) -> list[str]:
+        a, b = (self.array(v) for v in node.inputs)
+        (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
+        dh, dw = node.attrs["dilation"]
+        args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}"
+        return [f"{fn}_gemm({a}, {b}, {out}, {args})"]
+
+    def op_conv2d(self, node, out) -> list[str]:
+        return self._conv(node, out, "conv2d")
+
+    def op_conv2d_input_grad(self, node, out) -> list[str]:
+        return self._conv(node, out, "conv2d_input_grad")
+
+    def op_conv2d_weight_grad(self, node, out) -> list[str]:
+        return self._conv(node, out, "conv2d_weight_grad")
+
+    def _arg_extreme(self, node, out, want_max: bool) -> list[str]:
+        (x,) = node.inputs
+        pre, n, post = self._split(x.shape, node.attrs["axis"])
+        return [
+            f"arg_extreme_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+            f"{out}.reshape(({pre}, {post})), {want_max})"
+        ]
+
+    def op_argmax(self, node, out) -> list[str]:
+        return self._arg_extreme(node, out, True)
+
+    def op_argmin(self, node, out) -> list[str]:
+        return self._arg_extreme(node, out, False)
 
 
 # The one table of ops codegen lowers as a kernel of their own: every registry op without a
@@ -280,6 +346,14 @@ OPAQUE_EMITTERS = {
     "logsumexp": OpEmitter.op_logsumexp,
     "layer_norm": OpEmitter.op_layer_norm,
     "cross_entropy": OpEmitter.op_cross_entropy,
+    "random_uniform": OpEmitter.op_random_uniform,
+    "random_normal": OpEmitter.op_random_normal,
+    "random_split": OpEmitter.op_random_split,
+    "conv2d": OpEmitter.op_conv2d,
+    "conv2d_input_grad": OpEmitter.op_conv2d_input_grad,
+    "conv2d_weight_grad": OpEmitter.op_conv2d_weight_grad,
+    "argmax": OpEmitter.op_argmax,
+    "argmin": OpEmitter.op_argmin,
 }
 
 

@@ -3,9 +3,10 @@
 import numpy as np
 
 from ..errors import DtypeError, ShapeError
+from ..index_check import check_in_range, label_message
 from ..registry import AttrSpec, OpDef, register
 from ..shapes import fmt, normalize_axes, normalize_axis, reduced_shape
-from ..types import TensorType
+from ..types import TensorType, is_int
 from .common import float_only
 
 AXIS = {"axis": AttrSpec("int")}
@@ -19,14 +20,19 @@ def _axis_infer(types, attrs):
     return x
 
 
+def _peak(x, axis):
+    """The max along axis; -inf over an empty axis, so softmax of nothing is empty (PyTorch)."""
+    return np.max(x, axis=axis, keepdims=True, initial=-np.inf)
+
+
 def _softmax_ref(x, axis):
-    shifted = x - np.max(x, axis=axis, keepdims=True)
+    shifted = x - _peak(x, axis)
     e = np.exp(shifted)
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
 def _log_softmax_ref(x, axis):
-    shifted = x - np.max(x, axis=axis, keepdims=True)
+    shifted = x - _peak(x, axis)
     return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
 
@@ -106,8 +112,8 @@ register(
 def _ce_infer(types, attrs):
     logits, labels = types
     float_only([logits], "cross_entropy")
-    if labels.dtype != "i64":
-        raise DtypeError(f"labels must be i64 class indices, got {labels.dtype}")
+    if not is_int(labels.dtype):
+        raise DtypeError(f"labels must be integer class indices, got {labels.dtype}")
     if len(logits.shape) < 1 or logits.shape[:-1] != labels.shape:
         raise ShapeError(
             f"logits {fmt(logits.shape)} need labels of shape {fmt(logits.shape[:-1])}, "
@@ -120,9 +126,7 @@ def _ce_infer(types, attrs):
 
 def _ce_ref(logits, labels, reduction):
     n_classes = logits.shape[-1]
-    if labels.size and (labels.min() < 0 or labels.max() >= n_classes):
-        bad = labels[(labels < 0) | (labels >= n_classes)].flat[0]
-        raise IndexError(f"label {bad} is out of range for {n_classes} classes")
+    check_in_range(labels, 0, n_classes, label_message)
     logp = _log_softmax_ref(logits, logits.ndim - 1)
     picked = -np.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     if reduction == "none":
