@@ -126,6 +126,7 @@ def test_compiled_plans_with_own_gemm_equal_reference(monkeypatch, forced_isa):
 
     import backplan as bp
     from backplan.codegen.compiled import CompiledPlan
+    from backplan.ir.lowering import lower
     from backplan.ir.pipeline import build_joint_plan
 
     monkeypatch.setenv("BACKPLAN_GEMM", "own")
@@ -135,7 +136,7 @@ def test_compiled_plans_with_own_gemm_equal_reference(monkeypatch, forced_isa):
         samples = [s for s in SAMPLES if s.op == "matmul" and "f64" in s.dtypes]
         graph, arrays, wrt = batch_graph(samples, "f64")
         plan = build_joint_plan(graph, wrt)
-        compiled = CompiledPlan(plan)
+        compiled = CompiledPlan(lower(plan))
         assert "own_gemm(" in compiled.source and "own_batched_gemm(" in compiled.source
         assert f"own_gemm({isa.vector_width()}," in compiled.source
         from backplan.ir.interpreter import run_plan
@@ -190,3 +191,36 @@ def test_parallel_gemm_blocks_cover_c_exactly():
     c = np.empty((5, 33, 17))
     batched_gemm_parallel(256, False, True, a, b[:1], c)
     _check(c, a, np.broadcast_to(b[:1], b.shape), False, True, np.float64)
+
+
+def test_own_gemm_plan_runs_as_plain_python(tmp_path):
+    """BACKPLAN_KERNELS_AS_PYTHON=1 with the own GEMM chosen: the NumPy twins stand in."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, backplan as bp\n"
+        "from backplan.runtime.backend import use_backend\n"
+        "w = bp.tensor(np.linspace(-1, 1, 12).reshape(3, 4))\n"
+        "x = bp.tensor(np.linspace(0, 1, 30).reshape(5, 2, 3))\n"
+        "with use_backend('numba'):\n"
+        "    v, g = bp.value_and_grad(lambda w, x: bp.sum(bp.tanh(x @ w) ** 2))(w, x)\n"
+        "print(float(v.item()), float(np.sum(g.numpy())))\n"
+    )
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(tmp_path),
+        "BACKPLAN_KERNELS_AS_PYTHON": "1",
+        "BACKPLAN_GEMM": "own",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    w = np.linspace(-1, 1, 12).reshape(3, 4)
+    x = np.linspace(0, 1, 30).reshape(5, 2, 3)
+    t = np.tanh(x @ w)
+    grad = np.einsum("bij,bik->jk", x, 2 * t * (1 - t**2))
+    value, grad_sum = map(float, done.stdout.split())
+    np.testing.assert_allclose([value, grad_sum], [np.sum(t**2), grad.sum()], rtol=1e-10)

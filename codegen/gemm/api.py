@@ -1,6 +1,6 @@
 """The entry points generated code calls: one GEMM, or a batch of them in one call."""
 
-from ..jit import njit
+from ..jit import AS_PYTHON, njit
 from .driver import KC, MC, NC, gemm_blocked, workspace
 
 
@@ -39,3 +39,13 @@ def batched_gemm(width, trans_a, trans_b, a, b, c):
             MC,
             NC,
         )
+
+
+if AS_PYTHON:  # the kernels are LLVM intrinsics, which plain Python cannot call
+
+    def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):  # noqa: F811 - the NumPy twin
+        product = alpha * ((a.T if trans_a else a) @ (b.T if trans_b else b))
+        c[...] = product if beta == 0 else product + beta * c  # beta 0: c is not read
+
+    def batched_gemm(width, trans_a, trans_b, a, b, c):  # noqa: F811
+        c[...] = (a.swapaxes(1, 2) if trans_a else a) @ (b.swapaxes(1, 2) if trans_b else b)
