@@ -42,30 +42,29 @@ def _fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
+def _align(vec):
+    """Alignment promised for vector loads and stores: one element (rows are not aligned)."""
+    return 4 if isinstance(vec.element, ir.FloatType) else 8
+
+
 def _vec_ptr(builder, base, offset, vec_type):
     return builder.bitcast(builder.gep(base, [offset]), ir.PointerType(vec_type))
 
 
-def _emit_kernel(builder, args, scalar, lanes, mr, nv):
-    kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta = args
-    vec = ir.VectorType(scalar, lanes)
-    ptr = ir.PointerType(scalar)
-    a = builder.inttoptr(a_addr, ptr)
-    b = builder.inttoptr(b_addr, ptr)
-    c = builder.inttoptr(c_addr, ptr)
-    align = 4 if isinstance(scalar, ir.FloatType) else 8
+def _accumulate(builder, kc, a, b, ldb, vec, mr, nv):
+    """The k loop: acc[r][v] += A_panel[p, r] * B[p, v-th vector], in registers after mem2reg."""
+    intp, lanes = kc.type, vec.count
     accs = [
         [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(nv)]
         for _ in range(mr)
     ]
-    intp = kc.type
     with cgutils.for_range(builder, kc) as loop:
         p = loop.index
         b_row = builder.mul(p, ldb)
         b_vecs = [
             builder.load(
                 _vec_ptr(builder, b, builder.add(b_row, ir.Constant(intp, v * lanes)), vec),
-                align=align,
+                align=_align(vec),
             )
             for v in range(nv)
         ]
@@ -76,8 +75,13 @@ def _emit_kernel(builder, args, scalar, lanes, mr, nv):
             for v in range(nv):
                 acc = builder.load(accs[r][v])
                 builder.store(_fma(builder, a_vec, b_vecs[v], acc), accs[r][v])
-    alpha_vec = _splat(builder, alpha, vec)
-    beta_vec = _splat(builder, beta, vec)
+    return [[builder.load(acc) for acc in row] for row in accs]
+
+
+def _store_tile(builder, sums, c, ldc, alpha, beta, vec):
+    """C = alpha * sums + beta * C, with C left unread when beta == 0 (it may hold NaN)."""
+    intp, lanes, align = ldc.type, vec.count, _align(vec)
+    alpha_vec, beta_vec = _splat(builder, alpha, vec), _splat(builder, beta, vec)
     targets = [
         [
             _vec_ptr(
@@ -86,23 +90,31 @@ def _emit_kernel(builder, args, scalar, lanes, mr, nv):
                 builder.add(builder.mul(ir.Constant(intp, r), ldc), ir.Constant(intp, v * lanes)),
                 vec,
             )
-            for v in range(nv)
+            for v in range(len(row))
         ]
-        for r in range(mr)
+        for r, row in enumerate(sums)
     ]
-    beta_zero = builder.fcmp_ordered("==", beta, ir.Constant(scalar, 0.0))
+    beta_zero = builder.fcmp_ordered("==", beta, ir.Constant(vec.element, 0.0))
     with builder.if_else(beta_zero) as (overwrite, update):
         with overwrite:
-            for r in range(mr):
-                for v in range(nv):
-                    scaled = builder.fmul(builder.load(accs[r][v]), alpha_vec)
-                    builder.store(scaled, targets[r][v], align=align)
+            for row, row_targets in zip(sums, targets, strict=True):
+                for total, target in zip(row, row_targets, strict=True):
+                    builder.store(builder.fmul(total, alpha_vec), target, align=align)
         with update:
-            for r in range(mr):
-                for v in range(nv):
-                    scaled = builder.fmul(builder.load(accs[r][v]), alpha_vec)
-                    old = builder.load(targets[r][v], align=align)
-                    builder.store(_fma(builder, old, beta_vec, scaled), targets[r][v], align=align)
+            for row, row_targets in zip(sums, targets, strict=True):
+                for total, target in zip(row, row_targets, strict=True):
+                    old = builder.load(target, align=align)
+                    new = _fma(builder, old, beta_vec, builder.fmul(total, alpha_vec))
+                    builder.store(new, target, align=align)
+
+
+def _emit_kernel(builder, args, scalar, lanes, mr, nv):
+    kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta = args
+    vec = ir.VectorType(scalar, lanes)
+    ptr = ir.PointerType(scalar)
+    a, b, c = (builder.inttoptr(addr, ptr) for addr in (a_addr, b_addr, c_addr))
+    sums = _accumulate(builder, kc, a, b, ldb, vec, mr, nv)
+    _store_tile(builder, sums, c, ldc, alpha, beta, vec)
 
 
 def _make_kernel(width: int):
