@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -311,6 +312,23 @@ def test_jax_peer_agrees_with_the_reference(tmp_path):
     jax_rows = [r for r in record["results"] if r["peer"] == "jax"]
     assert len(jax_rows) == 3 and all(r["status"] == "ok" for r in jax_rows)
     assert all(r["peak_bytes"]["planned"] > 0 for r in jax_rows)
+
+
+def test_cnn_peers_agree_with_the_reference(tmp_path):
+    """The CNN's convolutions and pooling through PyTorch eager and JAX, where installed."""
+    installed = {"torch": "torch.eager", "jax": "jax"}
+    against = [peer for module, peer in installed.items() if importlib.util.find_spec(module)]
+    if not against:
+        pytest.skip("neither torch nor jax is installed")
+    path = tmp_path / "cnn.json"
+    code, _ = run_cli(
+        "--quick", "--small", "--models", "cnn", "--against", ",".join(against), "--json", str(path)
+    )
+    record = json.loads(path.read_text())
+    assert code == 0, _peer_rows(record)
+    rows = {r["peer"]: r for r in record["results"]}
+    assert all(r["status"] == "ok" for r in rows.values()), _peer_rows(record)
+    assert {"torch" if p == "torch.eager" else p for p in against} <= set(rows)
 
 
 def test_plot_writes_a_png_of_a_saved_record(quick_record, tmp_path):
