@@ -24,7 +24,13 @@ OPTIMIZER = bp.optim.chain(
 
 def load_digits_split(test_fraction: float = 0.2, seed: int = 0):
     """(x_train, y_train, x_test, y_test): images as float32 (N, 1, 8, 8) in [0, 1]."""
-    from sklearn.datasets import load_digits  # the optional [examples] extra
+    try:
+        from sklearn.datasets import load_digits  # the optional [examples] extra
+    except ImportError as error:
+        raise ImportError(
+            "the digits example needs scikit-learn for its bundled data set: "
+            "pip install 'backplan[examples]' (or pip install scikit-learn)"
+        ) from error
 
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[:, None]
