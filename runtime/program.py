@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from backplan.ir.pipeline import RegionPlans
 from backplan.ir.text import format_loc, value_names
-from backplan.ir.types import is_float
+from backplan.ir.types import is_float, np_dtype
 
 from .backend import current_backend, make_runner
 
@@ -21,7 +23,7 @@ class SavedBufferInfo:
     op: str
     produced_at: str
     shape: tuple[int, ...]
-    dtype: str
+    dtype: np.dtype  # the NumPy dtype, as Tensor.dtype (the IR's short name is in text only)
     nbytes: int
     read_by: tuple[str, ...]
     last_read_step: int
@@ -84,7 +86,7 @@ class RegionProgram:
                     op=value.op if value.op != "input" else "input",
                     produced_at=format_loc(value.loc) or "<input>",
                     shape=value.shape,
-                    dtype=value.dtype,
+                    dtype=np_dtype(value.dtype),
                     nbytes=value.type.nbytes,
                     read_by=tuple(f"{n.op} at {format_loc(n.loc)}" for n in readers),
                     last_read_step=bwd.last_read.get(bwd_input, -1),
