@@ -46,9 +46,7 @@ class ArtifactContents:
     authenticity: Authenticity
 
 
-def write_artifact(
-    path: str | os.PathLike, members: dict[str, bytes], info: dict, key=None
-) -> str:
+def write_artifact(path: str | os.PathLike, members: dict[str, bytes], info: dict, key=None) -> str:
     """Write members plus a manifest (and, with key, its signature) atomically: a temp file in
     the same folder, then rename."""
     for name in members:

@@ -23,6 +23,7 @@ from .plans import machine_memory_bytes, read_plan
 from .rebuild import build_compiled, build_joint
 from .tree import signature_from_json
 
+
 @dataclass(frozen=True)
 class Limits:
     """What the caller allows one loaded call to use."""
