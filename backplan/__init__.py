@@ -29,6 +29,7 @@ from backplan.runtime import (
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
 from backplan.tracer.explain import explain
+from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
 from backplan.tracer.ops import __all__ as _ops_all
 from backplan.tracer.pytree import tree_map
@@ -57,6 +58,7 @@ __all__ = [
     "compile",
     "enable_grad",
     "explain",
+    "explain_graph",
     "export",
     "grad",
     "is_grad_enabled",

@@ -4,81 +4,50 @@ routes gradients upstream, and only then writes leaf .grad, so a failed backward
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
-from .errors import GraphFreedError
+from .freed_message import freed_error, output_desc
 from .region import FreedBy, Region
+from .walk import regions_in_order
+
+__all__ = ["backward", "regions_in_order"]
 
 
-def regions_in_order(root: Region) -> list[Region]:
-    """Every region reachable from root, each after all regions that feed it gradients:
-    reverse depth-first post-order. A region is marked when it is expanded, not when it is
-    pushed, so one reached by two paths finishes after every region downstream of it."""
-    order, expanded_regions, stack = [], set(), [(root, False)]
-    while stack:
-        region, expanded = stack.pop()
-        if expanded:
-            order.append(region)
-            continue
-        if region in expanded_regions:
-            continue
-        expanded_regions.add(region)
-        stack.append((region, True))
-        for upstream in region.next_regions:
-            if upstream not in expanded_regions:
-                stack.append((upstream, False))
-    return order[::-1]
-
-
-def freed_error(region: Region, root: Region, loc: str) -> GraphFreedError:
-    by = region.freed_by
-    lines = [
-        f"backward() at {loc} reaches region `{region.name}` (created at {region.created_at}), "
-        f"whose saved buffers were already freed by the backward() at {by.loc}."
-    ]
-    if by.root is None:
-        lines.append(
-            "That backward() failed part-way, after the region had started to reuse "
-            "its saved buffers, so they can no longer be trusted."
-        )
-    elif by.root is not root:
-        lines.append(
-            f"That region is shared with an earlier graph: the earlier backward() started from "
-            f"{by.root_desc} and freed it on the way, because the tensor you reuse was computed "
-            "once, outside the loop, and every later graph is built on top of it."
-        )
-    else:
-        lines.append("This is a second backward() through the same graph.")
-    lines.append(
-        "Fixes: pass retain_graph=True to the earlier backward() to keep the saved buffers; or "
-        "recompute the shared part for each backward (inside the loop); or .detach() the reused "
-        "tensor if no gradient should flow into it."
-    )
-    return GraphFreedError("\n".join(lines))
-
-
-def backward(
-    root: Region, index: int, gradient: np.ndarray, retain_graph: bool, loc: str, root_desc: str
-) -> None:
+def backward(root: Region, index: int, gradient: np.ndarray, retain_graph: bool, loc: str) -> None:
+    """Run every region reachable from `root` output `index` once, in order. Without
+    retain_graph each frees its saved buffers as it goes and is marked freed by this call."""
     order = regions_in_order(root)
-    for region in order:
-        if region.freed:
-            raise freed_error(region, root, loc)
+    freed = [region for region in order if region.freed]
+    if freed:
+        raise freed_error(freed, root, index, loc)
+    desc = output_desc(root, index)
     pending: dict[Region, dict[int, np.ndarray]] = {root: {index: gradient}}
     leaf_grads: dict[int, tuple[object, np.ndarray]] = {}
-    for region in order:
-        cotangents = pending.pop(region, None)
-        if cotangents is None:
-            continue
-        grads = region.run_backward(cotangents, retain_graph)
-        for edge, grad in zip(region.input_edges, grads, strict=True):
-            _route(edge, grad, pending, leaf_grads)
-    if not retain_graph:
-        freed = FreedBy(loc, root, root_desc)
+    ran: list[Region] = []
+    try:
         for region in order:
-            region.mark_freed(freed)
+            cotangents = pending.pop(region, None)
+            if cotangents is None:
+                continue
+            ran.append(region)
+            grads = region.run_backward(cotangents, retain_graph)
+            for edge, grad in zip(region.input_edges, grads, strict=True):
+                _route(edge, grad, pending, leaf_grads)
+    except BaseException:
+        if not retain_graph:  # regions that ran may have released or reused saved buffers
+            _mark_freed(ran, FreedBy(loc, desc, root.created_at, weakref.ref(root), failed=True))
+        raise
+    if not retain_graph:
+        _mark_freed(order, FreedBy(loc, desc, root.created_at, weakref.ref(root)))
     for leaf, grad in leaf_grads.values():
         leaf._accumulate_grad(grad)
+
+
+def _mark_freed(regions: list[Region], by: FreedBy) -> None:
+    for region in regions:
+        region.mark_freed(by)
 
 
 def _route(edge, grad, pending, leaf_grads) -> None:

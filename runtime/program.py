@@ -12,6 +12,7 @@ from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import is_float, np_dtype
 
 from .backend import current_backend, make_runner
+from .location import loc_text, op_text
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ class RegionProgram:
                     name=self._input_name(saved.source[1])
                     if saved.source[0] == "input"
                     else self._value_name(value, fwd_names),
-                    op=value.op if value.op != "input" else "input",
-                    produced_at=format_loc(value.loc) or "<input>",
+                    op=op_text(value.op, value.loc) if value.op != "input" else "input",
+                    produced_at=loc_text(value.loc) if value.loc else "<input>",
                     shape=value.shape,
                     dtype=np_dtype(value.dtype),
                     nbytes=value.type.nbytes,

@@ -18,6 +18,8 @@ from backplan.ir.graph import Value
 from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import np_dtype
 
+from .location import loc_text, op_text
+
 
 @dataclass(frozen=True)
 class RecomputedInfo:
@@ -63,8 +65,8 @@ def recomputed_infos(program) -> list[RecomputedInfo]:
         infos.append(
             RecomputedInfo(
                 name=names[value] if program.input_names is not None else "output",
-                op=value.op,
-                produced_at=format_loc(value.loc) or "<input>",
+                op=op_text(value.op, value.loc),
+                produced_at=loc_text(value.loc) if value.loc else "<input>",
                 shape=value.shape,
                 dtype=np_dtype(value.dtype),
                 nbytes=r.nbytes,

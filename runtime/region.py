@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,7 @@ from . import memory
 from .program import RegionProgram, SavedBufferInfo
 from .recomputed import recomputed_infos
 from .saved_table import format_saved_table
+from .walk import regions_in_order
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,17 @@ class SavedBuffer(SavedBufferInfo):
 
 @dataclass(frozen=True)
 class FreedBy:
+    """The backward() that freed a region: where it was called, the output it started from and
+    the line that built that output's graph (to tell a loop from a one-off)."""
+
     loc: str
-    root: object  # the region whose output backward() started from
     root_desc: str
+    root_created_at: str
+    root_ref: weakref.ref | None = None  # weak: a freed graph must not keep another alive
+    failed: bool = False  # it raised part-way, after this region started to reuse its buffers
+
+    def started_from(self, region) -> bool:
+        return self.root_ref is not None and self.root_ref() is region
 
 
 class Region:
@@ -62,10 +72,29 @@ class Region:
     @property
     def saved_buffers(self) -> list[SavedBuffer]:
         """Each saved buffer: name, shape, dtype, nbytes, producer, readers, freed or not."""
-        return [
-            SavedBuffer(**info.__dict__, freed=info.slot not in self._saved)
-            for info in self.program.saved_info
-        ]
+        buffers = []
+        for info in self.program.saved_info:
+            fields = dict(info.__dict__, freed=info.slot not in self._saved)
+            upstream = self._upstream_of(self.program.plans.saved[info.slot].source)
+            if upstream is not None:  # an earlier region's output, not the user's own array
+                fields.update(
+                    op=upstream.name, produced_at=upstream.created_at, is_region_input=False
+                )
+            buffers.append(SavedBuffer(**fields))
+        return buffers
+
+    def _upstream_of(self, source: tuple[str, int]) -> Region | None:
+        """The region that produced forward input `source[1]`, when a gradient flows to it."""
+        kind, index = source
+        wrt = self.program.plans.wrt
+        if kind != "input" or not wrt[index]:
+            return None
+        return self.input_edges[sum(wrt[:index])].region
+
+    @property
+    def planned_saved_bytes(self) -> int:
+        """Bytes the plan saves for backward (what it held before anything was freed)."""
+        return sum(info.nbytes for info in self.program.saved_info)
 
     @property
     def next_regions(self) -> list[Region]:
@@ -86,14 +115,7 @@ class Region:
         args.extend(self._saved[i] for i in range(len(program.saved_info)))
         release = None if retain_graph else (lambda i: self._saved.pop(i - n_cot, None))
         self.backward_calls += 1
-        try:
-            return program.run_backward(args, release)
-        except BaseException:
-            if not retain_graph:  # a consuming backward may have overwritten saved buffers
-                self.mark_freed(
-                    FreedBy("a backward() that failed part-way", None, "a failed backward")
-                )
-            raise
+        return program.run_backward(args, release)
 
     def mark_freed(self, by: FreedBy) -> None:
         self._saved.clear()
@@ -122,10 +144,24 @@ def saved_table(region: Region) -> str:
     ]
     if region.freed_by is not None:
         lines += [
-            f"  freed by the backward() at {region.freed_by.loc}; a second backward() "
-            "through it raises GraphFreedError.",
+            f"  {freed_by_text(region.freed_by)}; a second backward() through it raises "
+            "GraphFreedError.",
             "  The plan itself stays (it holds no arrays) while a tensor points at it "
             "through .grad_fn;",
             "  .detach() makes a tensor that does not.",
         ]
+    upstream = regions_in_order(region)[1:]
+    if upstream:
+        held = sum(r.saved_bytes for r in upstream)
+        lines.append(
+            f"  {len(upstream)} more region{'s' if len(upstream) != 1 else ''} upstream "
+            f"({held:,} B held) run in the same backward(); t.graph() or bp.explain_graph(t) "
+            "lists them all."
+        )
     return "\n".join(lines)
+
+
+def freed_by_text(by: FreedBy) -> str:
+    if by.failed:
+        return f"freed when the backward() at {by.loc} failed part-way"
+    return f"freed by the backward() at {by.loc}"

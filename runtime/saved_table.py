@@ -112,9 +112,11 @@ def format_saved_table(
     states: Sequence[str] | None = None,
     indent: str = "  ",
     recomputed: Sequence = (),
+    notes: bool = True,
 ) -> str:
     """The table with one row per saved buffer, then one per value the backward recomputes
-    instead of saving; `states` adds the freed/alive/recomputed column."""
+    instead of saving; `states` adds the freed/alive/recomputed column. notes=False leaves out
+    the legend and footnotes (a report of many tables prints them once, see `table_notes`)."""
     if not infos and not recomputed:
         return f"{indent}(no saved buffers)"
     rows = saved_rows(infos, states, recomputed)
@@ -123,9 +125,16 @@ def format_saved_table(
         indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
         for row in rows
     ]
-    lines.append(indent + LEGEND)
-    if any(info.is_region_input for info in infos):
-        lines.extend(indent + line for line in INPUT_NOTE.splitlines())
-    if recomputed:
-        lines.extend(indent + line for line in RECOMPUTED_NOTE.splitlines())
+    if notes:
+        lines.extend(indent + line for line in table_notes(infos, recomputed))
     return "\n".join(lines)
+
+
+def table_notes(infos: Sequence, recomputed: Sequence = ()) -> list[str]:
+    """The legend, and the footnotes that apply to these rows."""
+    lines = [LEGEND]
+    if any(info.is_region_input for info in infos):
+        lines.extend(INPUT_NOTE.splitlines())
+    if recomputed:
+        lines.extend(RECOMPUTED_NOTE.splitlines())
+    return lines

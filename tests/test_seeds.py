@@ -8,7 +8,7 @@ import weakref
 
 import numpy as np
 import pytest
-from helpers import here
+from helpers import here, line_of
 
 import backplan as bp
 
@@ -58,8 +58,11 @@ def test_backward_twice_on_same_output_raises_and_names_both_lines(layer):
     with pytest.raises(bp.GraphFreedError) as info:
         y.backward()
     message = str(info.value)
-    assert first in message and second in message
-    assert "retain_graph=True" in message and "detach()" in message
+    assert f"backward() at {second} reaches region `sum`" in message
+    assert "second backward() through the same graph" in message
+    assert f"Fix: pass retain_graph=True to the backward() at {first}" in message
+    assert "loop" not in message and "detach" not in message and "shared" not in message
+    assert info.value.facts.case == "same graph" and info.value.facts.saved_buffers == 0
     np.testing.assert_array_equal(params[0].grad.numpy(), grad_after_first)  # nothing half-done
 
 
@@ -69,11 +72,22 @@ def test_reused_intermediate_outside_loop_is_a_shared_region(layer):
     params = linear_params()
     a = bp.tensor(RNG.standard_normal((4, 3)).astype(np.float32), requires_grad=True)
     x_out = layer(params, a)
-    y = bp.sum(x_out)
-    y.backward()
-    y = bp.sum(x_out)
-    with pytest.raises(bp.GraphFreedError, match="shared with an earlier graph"):
+    made = here(offset=-1)
+    for i in range(2):
+        y = bp.sum(x_out)
+        loop_line = here(offset=-1)
+        if i == 0:
+            y.backward()
+            first = here(offset=-1)
+    with pytest.raises(bp.GraphFreedError) as info:
         y.backward()
+    message, facts = str(info.value), info.value.facts
+    assert facts.case == "shared" and facts.loop and facts.freed_by == first
+    assert facts.created_at.startswith(made)
+    assert "The region is shared" in message
+    assert f"Both graphs were built by the same line, {loop_line}, as in a loop" in message
+    assert f"Fix: compute it inside the loop (move the line {made}" in message
+    assert ".detach()" in message
 
 
 def test_region_that_saved_nothing_still_raises_on_second_backward():
@@ -246,8 +260,12 @@ def test_shared_subgraph_across_loop_iterations_raises_naming_the_shared_region(
         else:
             with pytest.raises(bp.GraphFreedError) as info:
                 loss.backward()
-    message = str(info.value)
-    assert f"created at {y_line}" in message and "shared with an earlier graph" in message
+    message, facts = str(info.value), info.value.facts
+    assert facts.region == "matmul [reshape]" and facts.created_at == y_line
+    assert facts.more_freed == ("matmul", "matmul [reshape]")
+    assert f"created at {y_line}" in message and "The region is shared" in message
+    assert "(2 saved buffers, 48 B)" in message  # t f64[2,2] and a as f64[2,1]
+    assert "as in a loop" in message and f"move the line {y_line} into it" in message
 
 
 def test_shared_subgraph_with_retain_graph_works_and_releases_tails_then_rest():
@@ -313,3 +331,195 @@ def test_graph_stays_reachable_after_backward_until_detached():
     gc.collect()
     assert region() is None
     assert not m.requires_grad and m.grad_fn is None and m.item() == 6.0
+
+
+# ---- one call answers each thread: o.graph(), eager and compiled ------------------------------
+
+
+def linear_times_five_sum(a, w, b):
+    y = a @ w + b
+    return bp.sum(y * 5)
+
+
+def test_seed0_graph_lists_every_region_backward_frees_with_bytes_and_state(layer):
+    """Seed 0, last question: a -> Linear -> *5 -> sum: o.graph() names each region o.backward()
+    runs, what each holds, and after backward which backward() freed it."""
+    a = bp.tensor([[2.0], [3.0]], requires_grad=True)
+    w, b = linear_params(1, 3)
+    fn = linear_times_five_sum if layer is linear else bp.compile(linear_times_five_sum)
+    o = fn(a, w, b)
+    made = here(offset=-1)
+    report = o.graph()
+    names = [r.name for r in report.regions]
+    if layer is linear:
+        assert names == ["sum", "mul", "add", "matmul"]
+    else:
+        assert names == ["linear_times_five_sum"]
+    assert report.saved_bytes == 8 + 12  # a f32[2,1] and w f32[1,3]
+    text = str(report)
+    assert f"graph of `{names[0]}` (created at {made}" in text
+    assert "total: 2 saved buffers, 20 B; 20 B held now" in text
+    o.backward()
+    freed_at = here(offset=-1)
+    report = o.graph()
+    assert report.saved_bytes == 0 and len(report.freed_regions) == len(names)
+    text = str(report)
+    assert text.count(f"freed by the backward() at {freed_at}") == len(names)
+    assert "backward() raises GraphFreedError at region 1" in text
+
+
+def test_seed0_a_times_five_saved_nothing_and_says_the_graph_was_released():
+    """Seed 0: `c = a * 5; c.backward(); c.backward()`: the region saved nothing, so the words
+    are "the graph was released", never "saved buffers were freed"."""
+    a = bp.tensor(2.0, requires_grad=True)
+    c = a * 5
+    assert "`mul` created at" in str(c.graph()) and "saved nothing; alive" in str(c.graph())
+    c.backward()
+    first = here(offset=-1)
+    with pytest.raises(bp.GraphFreedError) as info:
+        c.backward()
+    message = str(info.value)
+    assert f"It saved nothing, but the graph was released by the backward() at {first}" in message
+    assert "saved buffer" not in message and "loop" not in message
+
+
+def test_seed0_graph_built_in_a_helper_names_the_callers_line_and_the_helper():
+    """Seed 0: the user looks at the line that called their helper; the helper's line follows."""
+    params = linear_params()
+    a = bp.tensor(RNG.standard_normal((4, 3)).astype(np.float32), requires_grad=True)
+    out = linear(params, a)
+    called = here(offset=-1)
+    helper = f"test_seeds.py:{line_of('return x @ w + b', __file__)}"
+    assert out.grad_fn.created_at == f"{called} (via linear at {helper})"
+    saved = out.graph().regions[1].saved_buffers  # matmul's, read through add
+    assert {s.produced_at for s in saved if not s.is_region_input} <= {out.grad_fn.created_at}
+    bp.sum(out).backward()
+    with pytest.raises(bp.GraphFreedError) as info:
+        bp.sum(out).backward()
+    assert f"(created at {called} (via linear at {helper}))" in str(info.value)
+
+
+def mean_plus_three(x):
+    return x.mean(axis=1).squeeze() + 3
+
+
+def mean_of_square(y):
+    return (y**2).mean()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_seed1_second_backward_through_shared_regions_always_fails_and_says_why(mode):
+    """Seed 1, question 1: y.backward(ones) then z.backward(), z built on y. No loop here, so
+    the message never mentions one; it names y's region, the backward that freed it, and that
+    z's graph is built on it."""
+    f, g = (
+        (mean_plus_three, mean_of_square)
+        if mode == "eager"
+        else (bp.compile(mean_plus_three), bp.compile(mean_of_square))
+    )
+    x = bp.tensor(np.ones((2, 3), np.float32), requires_grad=True)
+    y = f(x)
+    y_line = here(offset=-1)
+    z = g(y)
+    z_line = here(offset=-1)
+    assert [r.name for r in z.graph().regions][-1] == (
+        "mean [sum]" if mode == "eager" else "mean_plus_three"
+    )
+    y.backward(np.ones(2, np.float32))
+    first = here(offset=-1)
+    with pytest.raises(bp.GraphFreedError) as info:
+        z.backward()
+    message, facts = str(info.value), info.value.facts
+    assert facts.case == "shared" and not facts.loop and facts.freed_by == first
+    assert facts.created_at.startswith(y_line) and facts.saved_buffers == 0
+    assert "It saved nothing, but the graph was released" in message
+    assert "the graph you differentiate now starts from `" in message and z_line in message
+    assert "loop" not in message
+    assert f"Fix: pass retain_graph=True to the backward() at {first}" in message
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_seed2_shared_subgraph_graph_shows_shared_part_and_its_bytes(mode):
+    """Seed 2: y = t @ a once, loss built on it per iteration: loss.graph() shows the loss's
+    own regions, then y's, with what y's matmul holds; with retain_graph they stay alive."""
+    x, t, a = shared_subgraph_setup()
+
+    def step(t, x, y):
+        return bp.mse_loss(t @ (x + y), x)
+
+    def product(t, a):
+        return t @ a
+
+    if mode == "compiled":
+        step, product = bp.compile(step), bp.compile(product)
+    y = product(t, a)
+    y_line = here(offset=-1)
+    loss = step(t, x, y)
+    report = loss.graph()
+    shared = [r for r in report.regions if r.created_at.startswith(y_line)]
+    assert [r.freed for r in shared] == [False] * len(shared)
+    assert sum(r.saved_bytes for r in shared) == 32 + 16  # t f64[2,2], a as f64[2,1]
+    if mode == "eager":
+        assert [r.name for r in shared] == ["matmul [reshape]", "matmul", "matmul [reshape]"]
+        assert report.regions[0].name == "mse_loss [mul]"
+    loss.backward(retain_graph=True)
+    assert not loss.graph().freed_regions
+    loss.backward()
+    freed_at = here(offset=-1)
+    loss = step(t, x, y)
+    with pytest.raises(bp.GraphFreedError) as info:
+        loss.backward()
+    facts = info.value.facts
+    assert facts.case == "shared" and facts.freed_by == freed_at
+    assert facts.created_at.startswith(y_line)
+    assert not facts.loop  # the two losses came from different lines
+
+
+def test_seed2_compiled_loop_reusing_y_names_the_loop():
+    """Seed 2, compiled: the loop's line built both graphs; the fix moves y's line into it."""
+    x, t, a = shared_subgraph_setup()
+    product = bp.compile(lambda t, a: t @ a)
+    step = bp.compile(lambda t, x, y: bp.mse_loss(t @ (x + y), x))
+    y = product(t, a)
+    y_line = here(offset=-1)
+    for i in range(2):
+        loss = step(t, x, y)
+        loop_line = here(offset=-1)
+        if i == 0:
+            loss.backward()
+    with pytest.raises(bp.GraphFreedError) as info:
+        loss.backward()
+    message, facts = str(info.value), info.value.facts
+    assert facts.loop and facts.region == "<lambda>" and facts.saved_buffers == 2
+    assert "whose 2 saved buffers (48 B) the backward() at" in message
+    assert f"built by the same line, {loop_line}, as in a loop" in message
+    assert f"move the line {y_line} into it" in message
+
+
+def test_seed3_freed_graph_stays_on_the_tensor_until_detached(layer):
+    """Seed 3: after k.backward() the graph hangs on k with nothing in it; k.graph() says so;
+    k.detach() has no graph at all."""
+    x = bp.tensor([3.0], requires_grad=True)
+    k = x * 2 if layer is linear else bp.compile(lambda x: x * 2)(x)
+    k.backward(np.ones(1, np.float32))
+    freed_at = here(offset=-1)
+    text = str(k.graph())
+    assert f"saved nothing; freed by the backward() at {freed_at}" in text
+    assert "0 B held now" in text
+    assert str(k.detach().graph()) == "graph: a tensor that does not require grad: it has no graph"
+    assert "leaf tensor" in str(bp.explain_graph(x))
+
+
+def test_no_grad_retrace_is_named_in_cache_info():
+    """Seed 1: a forward under no_grad is its own plan: cache_info says why it retraced."""
+    fn = bp.compile(linear)
+    params = linear_params()
+    inp = bp.tensor(RNG.standard_normal((2, 3)).astype(np.float32))
+    fn(params, inp)
+    with bp.no_grad():
+        fn(params, inp)
+        fn(params, inp)
+    info = fn.cache_info()
+    assert info.traces == 2 and info.hits == 1
+    assert "requires_grad True -> False" in info.last_miss_reason
+    assert "bp.no_grad() is on: a forward-only plan" in info.last_miss_reason

@@ -14,6 +14,7 @@ from backplan.ir.pipeline import build_region_plans
 from backplan.ir.types import TensorType
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
+from backplan.runtime.location import op_text
 
 from .source import loc_text, user_frame_loc
 from .trace import current_trace
@@ -47,7 +48,7 @@ def _eager_region(op, inputs, attrs, needs, loc):
 
     scalars = tuple(t._scalar if not need else None for t, need in zip(inputs, needs, strict=True))
     types = tuple((t._ir_dtype, t.shape) for t in inputs)
-    key = (op, attr_key(attrs), types, tuple(needs), scalars, loc)
+    key = (op, attr_key(attrs), types, tuple(needs), scalars, loc, getattr(loc, "key", None))
     program = _eager_programs.get(key)
     if program is None:
         program = _build_eager_program(op, inputs, attrs, needs, scalars, loc)
@@ -85,4 +86,4 @@ def _build_eager_program(op, inputs, attrs, needs, scalars, loc) -> RegionProgra
     graph.outputs = [node]
     # remat off: a one-op region saves exactly what its rule names (it holds the input anyway)
     plans = build_region_plans(graph, wrt, remat=False)
-    return RegionProgram(plans, name=op, backend="reference")
+    return RegionProgram(plans, name=op_text(op, loc), backend="reference")

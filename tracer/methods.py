@@ -1,6 +1,7 @@
 """Operators and methods of Tensor, as thin calls into the op functions."""
 
 from . import indexing, ops
+from .graph_view import explain_graph
 from .tensor import Tensor
 
 
@@ -61,6 +62,7 @@ _METHODS = {
     "take": ops.take,
     "matmul": ops.matmul,
     "pow": ops.pow,
+    "graph": explain_graph,
 }
 
 

@@ -110,4 +110,13 @@ def miss_reason(old: SignatureKey | None, new: SignatureKey) -> str:
             for part in ("shape", "dtype", "requires_grad"):
                 if getattr(a, part) != getattr(b, part):
                     changes.append(f"{b.path}: {part} {getattr(a, part)} -> {getattr(b, part)}")
-    return "; ".join(changes) or "captured tensors changed"
+    text = "; ".join(changes) or "captured tensors changed"
+    if not is_grad_enabled() and any(a.requires_grad for a in old.leaves if a.kind == "tensor"):
+        text += f" ({NO_GRAD_NOTE})"
+    return text
+
+
+NO_GRAD_NOTE = (
+    "bp.no_grad() is on: a forward-only plan that builds no graph, traced once and kept beside "
+    "the training plan, so the next call under no_grad reuses it"
+)

@@ -1,7 +1,23 @@
-"""Finding the user's own source line: the first frame that is not backplan itself."""
+"""Finding the user's own source: the first frames that are not backplan itself, walked once per
+op, and the public backplan function the user called there."""
 
-import os
 import sys
+import sysconfig
+
+from backplan.runtime.location import SourceLoc, loc_text
+
+__all__ = ["user_frame_loc", "loc_text"]
+
+MAX_USER_FRAMES = 3
+_NOT_USER_DIRS = tuple(
+    {
+        sysconfig.get_paths()[k]
+        for k in ("stdlib", "purelib", "platlib")
+        if k in sysconfig.get_paths()
+    }
+)
+_outside_user_code: dict[str, bool] = {}
+_PLUMBING = frozenset({"apply", "fn"})  # dispatch and the generated elementwise wrappers
 
 
 def _is_library(module_name: str) -> bool:
@@ -14,14 +30,75 @@ def _is_library(module_name: str) -> bool:
     )
 
 
-def user_frame_loc() -> tuple[str, int] | None:
+def _is_outside_user_code(filename: str) -> bool:
+    """Frames of the standard library and installed packages (a test runner, runpy) end the
+    user's stack: the user is not looking at them."""
+    known = _outside_user_code.get(filename)
+    if known is None:
+        known = filename.startswith(_NOT_USER_DIRS) or filename.startswith("<frozen")
+        _outside_user_code[filename] = known
+    return known
+
+
+def _public_name(name: str) -> str | None:
+    """Library frames seen from the inside out; the outermost one with a public name is the
+    function the user called (`mse_loss`, not the `mul` it calls)."""
+    public = name.isidentifier() and not name.startswith("_") and name not in _PLUMBING
+    return name if public else None
+
+
+USER, LIBRARY, OUTSIDE = 0, 1, 2
+_code_facts: dict = {}  # id(code) -> (USER | LIBRARY | OUTSIDE, public name or None, code)
+_locs: dict = {}  # (api, id(code), line, ...) -> (SourceLoc, codes): repeated lines share one
+MAX_CACHED = 20_000
+
+
+def _facts(frame) -> tuple:
+    """What a frame's code is, worked out once per code object (each op walks only lookups)."""
+    code = frame.f_code
+    facts = _code_facts.get(id(code))  # by id: hashing a code object hashes its contents
+    if facts is None or facts[2] is not code:
+        if len(_code_facts) > MAX_CACHED:
+            _code_facts.clear()
+        if _is_library(frame.f_globals.get("__name__", "")):
+            kind = LIBRARY
+        else:
+            kind = OUTSIDE if _is_outside_user_code(code.co_filename) else USER
+        facts = _code_facts[id(code)] = (kind, _public_name(code.co_name), code)
+    return facts
+
+
+def user_frame_loc() -> SourceLoc | None:
+    """The innermost user frame as a SourceLoc, with up to MAX_USER_FRAMES user frames around
+    it (they stop at backplan's own frames, so a traced function's stack ends at its body) and
+    the public function called from it."""
     frame = sys._getframe(1)
+    api = None
     while frame is not None:
-        if not _is_library(frame.f_globals.get("__name__", "")):
-            return (frame.f_code.co_filename, frame.f_lineno)
+        kind, public, _ = _facts(frame)
+        if kind != LIBRARY:
+            break
+        api = public or api
         frame = frame.f_back
-    return None
-
-
-def loc_text(loc) -> str:
-    return f"{os.path.basename(loc[0])}:{loc[1]}" if loc else "<unknown>"
+    if frame is None:
+        return None
+    key, codes = [api], []
+    while frame is not None and len(codes) < MAX_USER_FRAMES:
+        code = frame.f_code
+        if codes and _facts(frame)[0] != USER:
+            break
+        key += (id(code), frame.f_lineno)  # ids: a code object hashes by its whole content
+        codes.append(code)
+        frame = frame.f_back
+    key, codes = tuple(key), tuple(codes)
+    cached = _locs.get(key)
+    if cached is not None and cached[1] == codes:  # the same code objects, not reused ids
+        return cached[0]
+    if len(_locs) > MAX_CACHED:
+        _locs.clear()
+    stack = tuple(
+        (code.co_name, code.co_filename, line) for code, line in zip(codes, key[2::2], strict=True)
+    )
+    loc = SourceLoc(stack, api)
+    _locs[key] = (loc, codes)
+    return loc

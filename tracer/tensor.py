@@ -193,9 +193,7 @@ class Tensor:
         if self._grad_fn is None:
             self._accumulate_grad(gradient)
             return
-        region, index = self._grad_fn, self._out_index
-        desc = f"`{region.name}` output {index} (created at {region.created_at})"
-        _engine.backward(region, index, gradient, retain_graph, loc, desc)
+        _engine.backward(self._grad_fn, self._out_index, gradient, retain_graph, loc)
 
     def zero_grad(self) -> None:
         self.grad = None

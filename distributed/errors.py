@@ -1,0 +1,21 @@
+"""Errors of data-parallel training; all are BackplanErrors so one except clause catches them."""
+
+from backplan.ir.errors import BackplanError
+
+INSTALL_HINT = 'pip install -e ".[mpi]"'
+
+
+class DistributedError(BackplanError, RuntimeError):
+    """Ranks disagree about something that must be the same on all of them."""
+
+
+class MPIUnavailableError(DistributedError, ImportError):
+    """mpi4py or the MPI library it loads is missing; the message says what to install."""
+
+
+class RankMismatchError(DistributedError, ValueError):
+    """Ranks pass trees of different structure, shapes or dtypes; names the rank and the leaf."""
+
+
+class ReplicaMismatchError(DistributedError):
+    """Parameters that should be identical on every rank are not (check_replicas=True)."""

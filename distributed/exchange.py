@@ -1,0 +1,54 @@
+"""The exchange of one step: each bucket packed and summed over all ranks by one non-blocking
+allreduce, started as soon as its last leaf exists, waited on in bucket order at the end."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backplan.tracer.tensor import Tensor
+
+from .layout import Layout
+from .world import World, mpi_module
+
+
+class Exchange:
+    """start_ready(step, array_of) starts every bucket whose leaves are all written by `step`;
+    progress() lets MPI move started buckets along; finish() waits and unpacks."""
+
+    def __init__(self, world: World, layout: Layout, average: bool):
+        self.world = world
+        self.layout = layout
+        self.average = average
+        self.started: list = []  # (bucket, buffer, request), in bucket order
+        self.mpi = mpi_module()
+
+    def start_ready(self, step: float, array_of) -> None:
+        for bucket in self.layout.buckets[len(self.started) :]:
+            if bucket.ready_step > step:
+                return
+            buffer = np.concatenate([array_of(leaf).ravel() for leaf in bucket.leaves])
+            request = self.world.comm.Iallreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
+            self.started.append((bucket, buffer, request))
+
+    def progress(self) -> None:
+        """MPI moves non-blocking collectives along only inside MPI calls (without an
+        asynchronous progress thread); a test between segments is such a call."""
+        if self.started:
+            self.mpi.Request.Testall([request for _, _, request in self.started])
+
+    def finish(self) -> list[Tensor]:
+        """Wait for each bucket in order and unpack it; unpacking bucket k overlaps the transfer
+        of the buckets after it. Returns the loss and gradients in leaf order."""
+        results: list = [None] * self.layout.n_leaves
+        for bucket, buffer, request in self.started:
+            request.Wait()
+            if self.average:
+                buffer /= buffer.dtype.type(self.world.size)
+            buffer.flags.writeable = False
+            offset = 0
+            for leaf in bucket.leaves:
+                count = int(np.prod(leaf.shape, dtype=np.int64))
+                part = buffer[offset : offset + count].reshape(leaf.shape)
+                results[leaf.index] = Tensor._from_array(part)
+                offset += count
+        return results

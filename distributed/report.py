@@ -1,0 +1,144 @@
+"""explain() of a data-parallel step: the buckets, when each allreduce may start, when it does
+start and where it is waited on, and the bytes each rank sends."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+
+from .buckets import Bucket, ring_bytes_sent
+from .layout import Layout
+
+
+@dataclass(frozen=True)
+class BucketRow:
+    """One bucket as explain() reports it; steps are joint-plan steps (s0, s1, ...)."""
+
+    index: int
+    leaves: tuple[str, ...]
+    dtype: str
+    nbytes: int
+    ready_step: int  # the step that writes its last leaf: the allreduce could start after it
+    ready_text: str
+    start_step: int  # when it does start: before this step (plan_steps: after the call)
+    steps_after_ready: int  # plan steps left after ready_step, compute a split plan could hide
+    bytes_sent: int  # per rank, ring allreduce
+
+
+class DataParallelReport:
+    """Fields: `buckets` (BucketRow), `size`, `bucket_bytes`, `plan_steps`, `bytes_per_step`
+    (allreduced per rank per step) and `bytes_sent_per_step`; print() shows them as a table."""
+
+    def __init__(self, layout: Layout, size: int, bucket_bytes: int, split: bool = False):
+        self.layout = layout
+        self.split = split
+        self.size = size
+        self.bucket_bytes = bucket_bytes
+        self.plan_steps = layout.plan_steps
+        self.buckets = [self._row(b) for b in layout.buckets]
+        self.bytes_per_step = sum(b.nbytes for b in self.buckets)
+        self.bytes_sent_per_step = sum(b.bytes_sent for b in self.buckets)
+
+    def _row(self, bucket: Bucket) -> BucketRow:
+        ready = bucket.ready_step
+        return BucketRow(
+            index=bucket.index,
+            leaves=tuple(leaf.path for leaf in bucket.leaves),
+            dtype=bucket.dtype,
+            nbytes=bucket.nbytes,
+            ready_step=ready,
+            ready_text=bucket.ready_leaf.ready_text,
+            start_step=ready + 1 if self.split else self.plan_steps,
+            steps_after_ready=self.plan_steps - 1 - ready,
+            bytes_sent=ring_bytes_sent(bucket.nbytes, self.size),
+        )
+
+    def __str__(self) -> str:
+        return "\n".join(self._summary() + [""] + self._table() + [""] + self._overlap())
+
+    def __repr__(self) -> str:
+        return f"<DataParallelReport {self.layout.name}: {len(self.buckets)} bucket(s)>"
+
+    def _summary(self) -> list[str]:
+        n_grads = self.layout.n_leaves - 1
+        steps = f"{self.plan_steps} steps (s0..s{self.plan_steps - 1})"
+        if self.split:
+            how = (
+                f"The joint plan of {steps} runs as {len(self.cuts()) + 1} segments, cut after "
+                "each bucket's last write. Each rank adds up the"
+            )
+        else:
+            how = (
+                f"The joint plan runs forward and backward as one compiled call of {steps}. "
+                "Then each rank adds up the"
+            )
+        text = (
+            f"{how} loss and {n_grads} gradient(s), {self.bytes_per_step:,} B, in "
+            f"{len(self.buckets)} bucket(s): one non-blocking allreduce (MPI_Iallreduce) each, "
+            "started in the order the plan finishes them and waited on in that order before "
+            f"the step returns. Each rank sends about {self.bytes_sent_per_step:,} B per step "
+            f"(a ring allreduce sends 2 (N-1)/N of the bytes, N={self.size})."
+        )
+        title = (
+            f"data-parallel step: {self.layout.name} on {self.size} ranks, buckets of up to "
+            f"{self.bucket_bytes:,} B"
+        )
+        return [title, *textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")]
+
+    def _table(self) -> list[str]:
+        header = (
+            "bucket",
+            "bytes",
+            "sent/rank",
+            "ready after (can start)",
+            "starts",
+            "waited on",
+            "leaves",
+        )
+        rows = [header] + [
+            (
+                str(b.index),
+                f"{b.nbytes:,}",
+                f"{b.bytes_sent:,}",
+                b.ready_text,
+                self._start_text(b),
+                "before step() returns",
+                ", ".join(b.leaves),
+            )
+            for b in self.buckets
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+        return [
+            "  "
+            + "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=False))
+            + "  "
+            + row[-1]
+            for row in rows
+        ]
+
+    def cuts(self) -> list[int]:
+        """Steps after which a split plan ends a segment."""
+        last = self.plan_steps - 1
+        return sorted({b.ready_step for b in self.buckets if 0 <= b.ready_step < last})
+
+    def _start_text(self, row: BucketRow) -> str:
+        if row.start_step >= self.plan_steps:
+            return f"s{self.plan_steps} (call returns)"
+        return f"before s{row.start_step} (segment ends)"
+
+    def _overlap(self) -> list[str]:
+        hidden = ", ".join(f"bucket {b.index}: {b.steps_after_ready}" for b in self.buckets)
+        if self.split:
+            text = (
+                "Overlap: each bucket's allreduce is in flight while the plan steps after its "
+                f"cut run: {hidden}. Without an asynchronous progress thread MPI moves it along "
+                "only inside MPI calls, which the step makes between segments."
+            )
+            return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
+        text = (
+            "Overlap: the plan runs as one compiled call, so no allreduce starts before it "
+            "returns; the schedule sets the buckets and their order, not yet an overlap with "
+            "compute. Plan steps that run after each bucket is ready, which splitting the plan "
+            f"there (split_plan=True) would run while its allreduce is in flight: {hidden}."
+        )
+        return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")

@@ -1,0 +1,184 @@
+"""data_parallel: run the joint plan on this rank's shard, then add up the loss and gradients of
+all ranks bucket by bucket, in the order the plan finishes them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backplan.runtime import is_grad_enabled
+from backplan.tracer.fastpath import call_key, positions_of
+from backplan.tracer.functional import GradFunction, ValueAndGradFunction
+from backplan.tracer.pytree import flatten, unflatten
+from backplan.tracer.tensor import Tensor
+
+from .agreement import check_replicas as verify_replicas
+from .agreement import leaf_array, require_same_trees
+from .buckets import DEFAULT_BUCKET_BYTES
+from .errors import RankMismatchError
+from .exchange import Exchange
+from .layout import Layout, build_layout
+from .report import DataParallelReport
+from .segments import run_segments, split_plan
+from .world import World, current_world, init, mpi_module
+
+MISMATCH_FIX = (
+    "every rank must differentiate parameters of the same structure, shapes and dtypes "
+    "(start them all from bpd.broadcast(params)) with the same bucket_bytes"
+)
+
+
+class DataParallelStep:
+    """A training step over all ranks; see data_parallel."""
+
+    def __init__(self, fn, average, bucket_bytes, check_replicas, split_plan, comm):
+        if not isinstance(fn, ValueAndGradFunction) or isinstance(fn, GradFunction):
+            raise TypeError(
+                "data_parallel needs the training step as bp.value_and_grad(loss_fn), whose "
+                f"joint plan says when each gradient is ready; got {type(fn).__name__}"
+            )
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.fn = fn
+        self.average = average
+        self.bucket_bytes = bucket_bytes
+        self.check_replicas = check_replicas
+        self.split_plan = split_plan
+        self._comm = comm
+        self._layouts: dict = {}
+        self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
+        self._inputs: dict = {}  # call key -> (joint trace, positions of its tensors)
+
+    def __call__(self, *args, **kwargs):
+        world = init(self._comm)
+        if world.size == 1:
+            return self.fn(*args, **kwargs)
+        if self.check_replicas:
+            verify_replicas(self._differentiated(args), world.comm)
+        key, leaves = call_key(args, kwargs, is_grad_enabled())
+        layout = self._layout(args, kwargs, key)
+        exchange = Exchange(world, layout, self.average)
+        if self.split_plan:
+            self._agree(world, layout)
+            aux = self._run_split(args, kwargs, key, leaves, exchange)
+        else:
+            result = self.fn(*args, **kwargs)
+            (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
+            self._agree(world, layout)
+            arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
+            exchange.start_ready(float("inf"), lambda leaf: arrays[leaf.index])
+        summed = exchange.finish()
+        loss, grads = summed[0], unflatten(layout.grad_treedef, summed[1:])
+        return ((loss, aux), grads) if self.fn.has_aux else (loss, grads)
+
+    def _run_split(self, args, kwargs, key, leaves, exchange: Exchange):
+        """Run the joint plan segment by segment, starting each bucket's allreduce after the
+        segment that finishes it; returns the aux outputs (has_aux) or None."""
+        entry, arrays = self._joint_inputs(args, kwargs, key, leaves)
+        segments = self._segments_of(entry, exchange.layout)
+        outputs = entry.plan.graph.outputs
+        positions = exchange.layout.output_positions
+
+        def after_segment(segment, env):
+            exchange.progress()
+            exchange.start_ready(segment.last_step, lambda x: env[outputs[positions[x.index]]])
+
+        results = run_segments(segments, entry.plan, arrays, after_segment)
+        if not self.fn.has_aux:
+            return None
+        aux = [Tensor._from_array(a) for a in results[1 : 1 + entry.n_aux]]
+        return unflatten(entry.aux_treedef, aux)
+
+    def _joint_inputs(self, args, kwargs, key, leaves):
+        """The joint trace and its input arrays, as value_and_grad would pass them; after the
+        first call of a signature without binding it again (as value_and_grad's fast path)."""
+        hit = self._inputs.get(key) if key is not None else None
+        if hit is None:
+            bound, entry = self.fn.lookup(args, kwargs)
+            tensors = [bound.call.leaves[p] for p in bound.call.tensor_positions]
+            positions = positions_of(tensors, leaves) if key is not None else None
+            if positions is not None:
+                self._inputs[key] = (entry, positions)
+        else:
+            entry, positions = hit
+            tensors = [leaves[i] for i in positions]
+        return entry, [t._data for t in tensors] + [t._data for t in entry.captured]
+
+    def _segments_of(self, entry, layout: Layout):
+        found = self._segments.get(id(entry))
+        if found is None:
+            cuts = [bucket.ready_step for bucket in layout.buckets]
+            found = self._segments[id(entry)] = (entry, split_plan(entry.plan, cuts))
+        return found[1]
+
+    def layout(self, args, kwargs=None) -> Layout:
+        """The buckets for these arguments' signature (cached per signature)."""
+        kwargs = kwargs or {}
+        return self._layout(args, kwargs, call_key(args, kwargs, is_grad_enabled())[0])
+
+    def _layout(self, args, kwargs, key) -> Layout:
+        found = self._layouts.get(key) if key is not None else None
+        if found is None:
+            found = build_layout(self.fn, args, kwargs, self.bucket_bytes)
+            if key is not None:
+                self._layouts[key] = found
+        return found
+
+    def explain(self, *args, size: int | None = None, **kwargs) -> DataParallelReport:
+        """The buckets, when each allreduce may start, when it starts and is waited on, and the
+        bytes each rank sends per step; traces but runs nothing and needs no MPI. size defaults
+        to the number of ranks after bpd.init(), else 2."""
+        world = current_world()
+        size = size or (world.size if world is not None else 2)
+        layout = self.layout(args, kwargs)
+        return DataParallelReport(layout, size, self.bucket_bytes, self.split_plan)
+
+    def _differentiated(self, args):
+        nums = self.fn.argnums
+        return args[nums] if isinstance(nums, int) else tuple(args[i] for i in nums)
+
+    def _agree(self, world: World, layout: Layout) -> None:
+        """One 16-byte allreduce per call: max of (fingerprint, -fingerprint) equals this rank's
+        own pair on every rank only when all fingerprints are equal. On a mismatch every rank
+        gathers the leaf lists and raises the same error, before any gradient moves."""
+        mine = np.array([layout.fingerprint, -layout.fingerprint], np.int64)
+        highest = np.empty_like(mine)
+        world.comm.Allreduce(mine, highest, op=mpi_module().MAX)
+        if (highest == mine).all():
+            return
+        require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
+        raise RankMismatchError(
+            f"ranks split the gradients into buckets differently (this rank, {world.rank}: "
+            f"bucket_bytes={self.bucket_bytes}, {len(layout.buckets)} buckets); {MISMATCH_FIX}"
+        )
+
+
+def data_parallel(
+    value_and_grad_fn,
+    average: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    check_replicas: bool = False,
+    split_plan: bool = False,
+    comm=None,
+) -> DataParallelStep:
+    """A training step that runs value_and_grad_fn on this rank's shard and returns the loss
+    and gradients averaged over all ranks (summed with average=False), for any pytree of
+    parameters. aux outputs (has_aux=True) stay this rank's own.
+
+    Gradients travel in buckets of up to bucket_bytes, filled in the order the joint plan
+    writes them; each bucket's non-blocking allreduce starts in that order as soon as the
+    compiled call returns, so the plan decides the order but nothing overlaps compute. With
+    split_plan=True the joint plan runs as segments cut after each bucket's last write, and
+    each bucket's allreduce starts between segments, while the rest of the backward runs
+    (each segment compiles on its own; fusion across a cut is lost). `step.explain(*args)`
+    shows the buckets and when each starts. check_replicas=True hashes
+    the differentiated arguments on every call and raises ReplicaMismatchError when any rank's
+    differ (a debug mode: it costs a hash of every parameter per step). With one rank the
+    step is value_and_grad_fn itself: no MPI call at all.
+
+    >>> import backplan as bp, backplan.distributed as bpd  # doctest: +SKIP
+    >>> step = bpd.data_parallel(bp.value_and_grad(loss_fn))  # doctest: +SKIP
+    >>> loss, grads = step(params, bpd.shard(x, rank, size), y_shard)  # doctest: +SKIP
+    """
+    return DataParallelStep(
+        value_and_grad_fn, average, bucket_bytes, check_replicas, split_plan, comm
+    )

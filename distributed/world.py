@@ -1,0 +1,96 @@
+"""The MPI world: which rank this process is, how many there are, and what happens when one of
+them fails. mpi4py is imported only here, and only when init() is called, so backplan itself
+never needs it."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass
+
+from .errors import INSTALL_HINT, MPIUnavailableError
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's rank, the number of ranks and the mpi4py communicator;
+    `rank, size = bpd.init()` unpacks the first two."""
+
+    rank: int
+    size: int
+    comm: object = None
+
+    def __iter__(self):
+        return iter((self.rank, self.size))
+
+
+_state: dict = {}
+
+
+def init(comm=None) -> World:
+    """Start MPI (once) and return this process's rank and the number of ranks.
+
+    Launch the script with `mpiexec -n 2 python train.py`; without mpiexec it is one rank.
+    With more than one rank, an exception that nobody catches on any rank is printed with
+    that rank's number and ends every rank through MPI_Abort, so no rank waits forever in a
+    collective for one that died.
+
+    >>> import backplan.distributed as bpd
+    >>> rank, size = bpd.init()  # doctest: +SKIP
+    """
+    world = _state.get("world")
+    if world is not None and (comm is None or comm is world.comm):
+        return world
+    if comm is None:
+        comm = _mpi().COMM_WORLD
+    world = World(comm.Get_rank(), comm.Get_size(), comm)
+    _state["world"] = world
+    if world.size > 1:
+        _install_abort_on_error(world)
+    return world
+
+
+def current_world() -> World | None:
+    """The world init() made, or None before init()."""
+    return _state.get("world")
+
+
+def mpi_module():
+    """The mpi4py MPI module (for ops and IN_PLACE); init() must have succeeded."""
+    return _mpi()
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        raise MPIUnavailableError(
+            f"backplan.distributed needs mpi4py and an MPI library ({error}); install both "
+            f"with `{INSTALL_HINT}` (mpi4py and the mpich wheel), or see the README section "
+            "'Data-parallel training' to use your cluster's own MPI"
+        ) from error
+    except RuntimeError as error:  # mpi4py found no libmpi to load
+        raise MPIUnavailableError(
+            f"mpi4py could not load an MPI library ({error}); install one with "
+            f"`{INSTALL_HINT}` or load your cluster's MPI module"
+        ) from error
+    return MPI
+
+
+def _install_abort_on_error(world: World) -> None:
+    """An uncaught exception on one rank prints it with the rank and aborts all ranks."""
+    previous = sys.excepthook
+
+    def abort_all(kind, error, tb):
+        message = "".join(traceback.format_exception(kind, error, tb))
+        sys.stderr.write(
+            f"{message}backplan.distributed: rank {world.rank} of {world.size} raised "
+            f"{kind.__name__}: {error}\n  aborting all {world.size} ranks (MPI_Abort)\n"
+        )
+        sys.stderr.flush()
+        try:
+            world.comm.Abort(1)
+        except BaseException:
+            previous(kind, error, tb)
+
+    sys.excepthook = abort_all

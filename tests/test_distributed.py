@@ -1,0 +1,309 @@
+"""Data-parallel training over MPI. Bucket planning, explain and the argument checks run in this
+process without MPI; everything that moves data runs as `mpiexec -n 2 python <script>` in a
+subprocess with a timeout, skipped when the [mpi] extra (mpi4py, an MPI library, mpiexec) is not
+installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backplan as bp
+import backplan.distributed as bpd
+from backplan.distributed import world
+from backplan.distributed.segments import run_segments, split_plan
+from backplan.examples.mlp import init_mlp, mlp_loss, synthetic_classification
+from backplan.ir.interpreter import run_plan
+from backplan.ir.verify import verify_plan
+
+TIMEOUT_S = 60
+
+
+def _mpiexec() -> str | None:
+    beside_python = Path(sys.executable).parent / "mpiexec"
+    return str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+
+
+MPIEXEC = _mpiexec()
+needs_mpi = pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
+    reason='needs mpi4py and mpiexec: pip install -e ".[mpi]"',
+)
+
+PRELUDE = """
+import numpy as np
+import backplan as bp
+import backplan.distributed as bpd
+from backplan.examples.mlp import init_mlp, mlp_loss, synthetic_classification
+
+rank, size = bpd.init()
+x, y = synthetic_classification(16, 8, 4)
+vg = bp.value_and_grad(mlp_loss)
+"""
+
+
+def run_script(tmp_path, body: str, ranks: int | None = 2) -> subprocess.CompletedProcess:
+    """Run PRELUDE + body under mpiexec -n ranks (ranks=None: plain python, one rank)."""
+    script = tmp_path / "script.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    command = [sys.executable, str(script)]
+    if ranks is not None:
+        command = [MPIEXEC, "-n", str(ranks), *command]
+    env = dict(os.environ, BACKPLAN_BACKEND="reference", NUMBA_NUM_THREADS="1")
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path
+    )
+
+
+def assert_ranks_ok(result, ranks: int = 2) -> None:
+    detail = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, detail
+    for rank in range(ranks):
+        assert f"rank {rank} ok" in result.stdout, detail
+
+
+# ---- in this process, no MPI -------------------------------------------------------------------
+
+
+def leaf(index, ready, nbytes=8, dtype="f32"):
+    return bpd.ExchangedLeaf(index, f"g{index}", (nbytes // 4,), dtype, nbytes, ready, f"s{ready}")
+
+
+def test_buckets_fill_in_plan_order_one_dtype_each():
+    leaves = [leaf(0, 9), leaf(1, 2), leaf(2, 5, nbytes=40), leaf(3, 3, dtype="f64"), leaf(4, 7)]
+    buckets = bpd.plan_buckets(leaves, bucket_bytes=16)
+    assert [[x.index for x in b.leaves] for b in buckets] == [[1], [3], [2], [4, 0]]
+    assert [b.ready_step for b in buckets] == [2, 3, 5, 9]
+    assert [b.dtype for b in buckets] == ["f32", "f64", "f32", "f32"]
+    assert [b.nbytes for b in buckets] == [8, 8, 40, 16]
+
+
+def test_explain_lists_buckets_in_the_order_the_plan_finishes_them():
+    params = init_mlp([8, 16, 4])
+    x, y = synthetic_classification(16, 8, 4)
+    step = bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=300)
+    report = bpd.explain(step, params, bp.tensor(x), bp.tensor(y), size=2)
+    names = [name for row in report.buckets for name in row.leaves]
+    assert sorted(names) == sorted(["loss"] + [f"grad['{k}']" for k in params])
+    assert len(report.buckets) > 1
+    assert all(row.nbytes <= 300 or len(row.leaves) == 1 for row in report.buckets)
+    ready = [row.ready_step for row in report.buckets]
+    assert ready == sorted(ready) and ready[-1] < report.plan_steps
+    assert report.bytes_per_step == 4 + sum(p.numpy().nbytes for p in params.values())
+    assert report.bytes_sent_per_step == report.bytes_per_step  # ring, N=2: 2 (N-1)/N = 1
+    text = str(report)
+    for row in report.buckets:
+        assert row.ready_text in text
+    assert "bucket 0" in text and "grad['w0']" in text
+
+
+def test_gradients_of_the_layer_run_last_are_ready_first():
+    params = init_mlp([8, 16, 16, 4])
+    x, y = synthetic_classification(16, 8, 4)
+    step = bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=1)
+    rows = step.explain(params, bp.tensor(x), bp.tensor(y), size=4).buckets
+    order = [row.leaves[0] for row in rows]
+    assert order[0] == "loss"
+    assert order.index("grad['w2']") < order.index("grad['w1']") < order.index("grad['w0']")
+
+
+def test_split_plan_runs_the_same_steps_as_the_joint_plan():
+    params = init_mlp([8, 16, 16, 4])
+    x, y = synthetic_classification(16, 8, 4)
+    vg = bp.value_and_grad(mlp_loss)
+    bound, entry = vg.lookup((params, bp.tensor(x), bp.tensor(y)), {})
+    arrays = [bound.call.leaves[p]._data for p in bound.call.tensor_positions]
+    cuts = [
+        row.ready_step
+        for row in bpd.data_parallel(vg, bucket_bytes=1)
+        .explain(params, bp.tensor(x), bp.tensor(y), size=2)
+        .buckets
+    ]
+    segments = split_plan(entry.plan, cuts)
+    assert len(segments) == len([c for c in cuts if c < entry.plan.return_step - 1]) + 1
+    assert [s.first_step for s in segments[1:]] == [s.last_step + 1 for s in segments[:-1]]
+    for segment in segments:
+        verify_plan(segment.plan)
+    seen = []
+    outputs = run_segments(segments, entry.plan, arrays, lambda s, env: seen.append(len(env)))
+    expected = run_plan(entry.plan, arrays)
+    assert len(seen) == len(segments)
+    for got, want in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_shard_splits_the_first_axis_into_equal_parts():
+    data = np.arange(12).reshape(6, 2)
+    parts = [bpd.shard(data, r, 3) for r in range(3)]
+    np.testing.assert_array_equal(np.concatenate(parts), data)
+    assert bpd.shard(bp.tensor(data), 1, 2).shape == (3, 2)
+    with pytest.raises(bpd.DistributedError, match=r"6 rows does not split into 4.*\[:4\]"):
+        bpd.shard(data, 0, 4)
+    with pytest.raises(bpd.DistributedError, match="0 <= rank < size"):
+        bpd.shard(data, 2, 2)
+
+
+def test_init_without_mpi4py_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(world, "_state", {})
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(bpd.MPIUnavailableError, match=r'pip install -e "\.\[mpi\]"'):
+        bpd.init()
+
+
+def test_data_parallel_needs_value_and_grad():
+    for not_value_and_grad in (mlp_loss, bp.grad(mlp_loss)):
+        with pytest.raises(TypeError, match=r"bp\.value_and_grad\(loss_fn\)"):
+            bpd.data_parallel(not_value_and_grad)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=0)
+
+
+# ---- under mpiexec -----------------------------------------------------------------------------
+
+
+@needs_mpi
+def test_two_ranks_average_to_the_full_batch_and_stay_identical(tmp_path):
+    result = run_script(
+        tmp_path,
+        """
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))  # rank 0's weights everywhere
+        step = bpd.data_parallel(vg, check_replicas=True, bucket_bytes=300)
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        loss, grads = step(params, xs, ys)
+        full_loss, full = vg(params, x, y)
+        np.testing.assert_allclose(loss.item(), full_loss.item(), rtol=1e-6)
+        for name in params:
+            np.testing.assert_allclose(grads[name].numpy(), full[name].numpy(), rtol=1e-5,
+                                       atol=1e-7)
+        split_loss, split = bpd.data_parallel(vg, bucket_bytes=300, split_plan=True)(
+            params, xs, ys
+        )
+        assert split_loss.item() == loss.item()
+        assert all((split[k].numpy() == grads[k].numpy()).all() for k in params)
+        summed = bpd.data_parallel(vg, average=False)(params, xs, ys)[1]
+        np.testing.assert_allclose(summed["w0"].numpy(), 2 * grads["w0"].numpy(), rtol=1e-6)
+        with_aux = bp.value_and_grad(lambda p, a, b: (mlp_loss(p, a, b), a.sum()), has_aux=True)
+        (aux_loss, aux), aux_grads = bpd.data_parallel(with_aux)(params, xs, ys)
+        assert np.isclose(aux.item(), xs.sum(), rtol=1e-5)  # aux stays this rank's own
+        assert aux_loss.item() == loss.item() and set(aux_grads) == set(params)
+        for _ in range(3):
+            loss, grads = step(params, xs, ys)
+            params = {k: bp.tensor(p.numpy() - 0.1 * grads[k].numpy(), requires_grad=True)
+                      for k, p in params.items()}
+        bpd.check_replicas(params)
+        if rank == 1:
+            params["b0"] = bp.tensor(params["b0"].numpy() + 1e-3, requires_grad=True)
+        try:
+            step(params, xs, ys)
+        except bpd.ReplicaMismatchError as error:
+            assert "leaf ['b0'] differs between rank 0 and rank 1" in str(error), error
+        else:
+            raise AssertionError("drifted replicas went unnoticed")
+        report = step.explain(params, xs, ys)
+        if rank == 0:
+            print(report)
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+    assert "bucket" in result.stdout and "grad['w0']" in result.stdout
+    assert "on 2 ranks" in result.stdout
+
+
+@needs_mpi
+def test_one_rank_without_mpiexec_is_the_plain_step(tmp_path):
+    result = run_script(
+        tmp_path,
+        """
+        params = init_mlp([8, 16, 4])
+        step = bpd.data_parallel(vg)
+        assert size == 1
+        assert bpd.shard(x, rank, size) is not None and bpd.broadcast(params) is params
+        loss, grads = step(params, x, y)
+        full_loss, full = vg(params, x, y)
+        assert loss.item() == full_loss.item()
+        assert all((grads[k].numpy() == full[k].numpy()).all() for k in params)
+        print(f"rank {rank} ok")
+        """,
+        ranks=None,
+    )
+    assert_ranks_ok(result, ranks=1)
+
+
+@needs_mpi
+def test_mismatched_ranks_raise_on_every_rank_before_any_gradient_moves(tmp_path):
+    result = run_script(
+        tmp_path,
+        """
+        def expect_mismatch(params, *pieces):
+            try:
+                bpd.data_parallel(vg)(params, bpd.shard(x, rank, size), bpd.shard(y, rank, size))
+            except bpd.RankMismatchError as error:
+                for piece in pieces:
+                    assert piece in str(error), (piece, str(error))
+            else:
+                raise AssertionError("mismatch went unnoticed")
+
+        params = init_mlp([8, 16 + rank, 4])
+        expect_mismatch(params, "rank 1", "grad['w0'] is f32[8, 17]", "rank 0's is f32[8, 16]")
+        params = init_mlp([8, 16, 4], dtype=np.float64 if rank else np.float32)
+        expect_mismatch(params, "rank 1's grad['w0'] is f64[8, 16]", "bpd.broadcast(params)")
+        params = init_mlp([8, 16, 4])
+        if rank == 1:
+            params["z"] = bp.tensor(np.zeros(3, np.float32), requires_grad=True)  # unused
+        expect_mismatch(params, "rank 1 has grad['z'], which rank 0 lacks")
+        try:
+            bpd.broadcast(init_mlp([8, 16 - rank, 4]))
+        except bpd.RankMismatchError as error:
+            expected = "rank 1's tree leaf ['w0'] is float32[8, 15] but rank 0's is float32[8, 16]"
+            assert expected in str(error), str(error)
+        else:
+            raise AssertionError("broadcast mismatch went unnoticed")
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_a_rank_that_raises_ends_every_rank(tmp_path):
+    result = run_script(
+        tmp_path,
+        """
+        params = init_mlp([8, 16, 4])
+        step = bpd.data_parallel(vg)
+        if rank == 1:
+            raise ValueError("bad batch on purpose")
+        step(params, bpd.shard(x, rank, size), bpd.shard(y, rank, size))  # rank 0 waits here
+        print(f"rank {rank} finished")
+        """,
+    )
+    assert result.returncode != 0
+    assert "rank 1 of 2 raised ValueError: bad batch on purpose" in result.stderr
+    assert "aborting all 2 ranks" in result.stderr
+    assert "finished" not in result.stdout
+
+
+@needs_mpi
+def test_example_on_two_ranks_follows_the_single_process_losses(tmp_path):
+    command = [MPIEXEC, "-n", "2", sys.executable, "-m", "backplan.examples.data_parallel"]
+    env = dict(os.environ, BACKPLAN_BACKEND="reference", NUMBA_NUM_THREADS="1")
+    result = subprocess.run(
+        [*command, "--steps", "8", "--compare"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    gap = float(result.stdout.split("largest loss gap ")[1].split()[0])
+    assert gap < 1e-5, result.stdout
