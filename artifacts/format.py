@@ -31,7 +31,7 @@ MEMBER_NAME = re.compile(r"^[a-z][a-z0-9_]*(/[a-z0-9][a-z0-9_]*)*\.(json|txt|npy
 
 
 class ExportError(BackplanError, ValueError):
-    """An artifact that cannot be written, or read back: truncated, corrupted, edited, unsigned
+    """An artifact that cannot be written, or read back: truncated, corrupted, edited, unsigned,
     from a newer format, or called with arguments it was not exported for. The message names
     the artifact, the member and what is wrong."""
 
