@@ -6,7 +6,8 @@ of named parts; a sidecar `<key>.json` records them so a miss can say which part
 The source is regenerated from the IR every time and compared with the file: code is only ever
 run if it is exactly what backplan generated now, and a tampered, corrupt or half-written entry
 is simply rewritten (writes go to a temporary file, then rename, so concurrent processes never
-see a partial file).
+see a partial file). Numba's machine code beside it is signed (cache_signing.py) and checked
+before it is unpickled.
 """
 
 from __future__ import annotations
@@ -18,22 +19,38 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import types
 
 import llvmlite
 import numba
 import numpy as np
 
+from .cache_signing import CacheError, check_private_folder, key_path
+
 CODEGEN_VERSION = "1"
+_importing = threading.Lock()  # one thread at a time writes and imports entries
 
 
 def cache_dir() -> str:
+    """The cache folder, created 0700 (with the `__pycache__` Numba writes into); a folder that
+    other users can write to, or one holding the signing key, is refused with CacheError."""
     path = os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "backplan",
         "kernels",
     )
-    os.makedirs(path, exist_ok=True)
+    numba_files = os.path.join(path, "__pycache__")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.makedirs(numba_files, mode=0o700, exist_ok=True)
+    for folder in (path, numba_files):
+        check_private_folder(folder, "the kernel cache folder")
+    key = os.path.realpath(key_path())
+    if key.startswith(os.path.join(os.path.realpath(path), "")):
+        raise CacheError(
+            f"backplan's cache key {key} lies inside the kernel cache folder {path}; the key "
+            "must live elsewhere: set XDG_CONFIG_HOME or BACKPLAN_CACHE_DIR to separate them"
+        )
     return path
 
 
@@ -127,13 +144,15 @@ def load_module(source: str, parts: dict[str, str]):
         _write_atomic(path, source)
         _write_atomic(os.path.join(directory, f"bp_{key}.json"), json.dumps(parts, sort_keys=True))
     name = f"backplan_kernels_{key}"
-    module = sys.modules.get(name)
-    if module is None or getattr(module, "__source_text__", None) != source:
-        # Run the source we generated (not whatever the file holds) under the file's name, so
-        # Numba's cache, which keys on the file, still works.
-        module = types.ModuleType(name)
-        module.__file__ = path
-        module.__source_text__ = source
-        sys.modules[name] = module
-        exec(compile(source, path, "exec"), module.__dict__)
+    with _importing:
+        module = sys.modules.get(name)
+        if module is None or getattr(module, "__source_text__", None) != source:
+            # Run the source we generated (not whatever the file holds) under the file's name,
+            # so Numba's cache, which keys on the file, still works. Published only once whole:
+            # another thread must never see a module whose `run` is not defined yet.
+            module = types.ModuleType(name)
+            module.__file__ = path
+            module.__source_text__ = source
+            exec(compile(source, path, "exec"), module.__dict__)
+            sys.modules[name] = module
     return module, hit, reason

@@ -3,15 +3,16 @@ and returns lists of arrays exactly like the reference interpreter."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-import sys
 import time
 
 import numpy as np
 
 from backplan.ir.errors import ExecutionError
+from backplan.ir.index_check import format_position
 from backplan.ir.liveness import Plan
-from backplan.ir.lowering import lower
+from backplan.ir.lowering import LoweredPlan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
@@ -19,6 +20,10 @@ from . import cache
 from .emit import generate
 from .flags import FASTMATH, PARALLEL_MIN_ELEMENTS
 from .loops import internal_shape
+from .workspace import WorkspacePool, parallel_guard
+
+# A call into a parallel kernel (generated or from the library) appears in the source as one of:
+PARALLEL_LAUNCH = re.compile(r"parallel=True|\b\w+_par\(")
 
 
 def canonical_text(plan: Plan) -> str:
@@ -31,10 +36,10 @@ def canonical_text(plan: Plan) -> str:
 class CompiledPlan:
     """Calling it runs the whole plan in one compiled function."""
 
-    def __init__(self, plan: Plan, private_saved: tuple[int, ...] = ()):
-        self.plan = plan
+    def __init__(self, lowered: LoweredPlan):
+        plan = self.plan = lowered.plan
         start = time.perf_counter()
-        generated = generate(lower(plan, private_saved))
+        generated = generate(lowered)
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
@@ -47,15 +52,19 @@ class CompiledPlan:
         self._constants = [
             np.ascontiguousarray(graph.constants[c]) for c in generated.constant_names
         ]
-        self._scratch = [np.empty(max(n, 1), np_dtype(d)) for d, n in generated.scratch.items()]
         self._output_buffers = [
             (internal_shape(v.shape), np_dtype(v.dtype)) for v in generated.output_buffers
         ]
+        self._workspaces = WorkspacePool(
+            [(np_dtype(d), n) for d, n in generated.scratch.items()], self._output_buffers
+        )
+        self._launch_guard = (
+            parallel_guard() if PARALLEL_LAUNCH.search(self.source) else contextlib.nullcontext()
+        )
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
             for i, n in generated.literal_outputs.items()
         }
-        self._previous_outputs = [None] * len(self._output_buffers)
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
         self._scalar_outputs = [i for i, v in enumerate(graph.outputs) if v.shape == ()]
         self.generate_seconds = time.perf_counter() - start
@@ -67,17 +76,22 @@ class CompiledPlan:
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
         arrays += self._constants
-        arrays += self._scratch
-        arrays += self._output_arrays()
+        workspace = self._workspaces.checkout()
+        arrays += workspace.scratch
+        arrays += workspace.output_arrays()
         try:
-            if self.first_call_seconds is None:
-                start = time.perf_counter()
-                returned = self._run(*arrays)
-                self.first_call_seconds = time.perf_counter() - start
-            else:
-                returned = self._run(*arrays)
+            with self._launch_guard:
+                if self.first_call_seconds is None:
+                    start = time.perf_counter()
+                    returned = self._run(*arrays)
+                    self.first_call_seconds = time.perf_counter() - start
+                else:
+                    returned = self._run(*arrays)
         except IndexError as exc:
             raise self._located(exc) from None
+        finally:
+            del arrays
+            self._workspaces.checkin(workspace)
         if not (self._literal_outputs or self._scalar_outputs):
             return list(returned)
         outputs = list(returned)
@@ -87,24 +101,10 @@ class CompiledPlan:
             outputs[i] = outputs[i].reshape(())
         return outputs
 
-    def _output_arrays(self) -> list:
-        """Fresh output buffers, except that a buffer from the previous call that nobody holds
-        any more is reused: no new pages to fault in (16 MiB outputs cost ~1 ms each)."""
-        arrays = []
-        for i, (shape, dtype) in enumerate(self._output_buffers):
-            previous = self._previous_outputs[i]
-            if previous is not None and sys.getrefcount(previous) == 3:  # list, local, argument
-                previous.flags.writeable = True
-                arrays.append(previous)
-            else:
-                arrays.append(np.empty(shape, dtype))
-            self._previous_outputs[i] = arrays[-1]
-        return arrays
-
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the arenas this plan keeps and reuses on every call."""
-        return sum(a.nbytes for a in self._scratch)
+        """Bytes of the arenas this plan keeps and reuses on every call (per concurrent call)."""
+        return self._workspaces.scratch_bytes
 
     @property
     def output_bytes(self) -> int:
@@ -112,12 +112,18 @@ class CompiledPlan:
         return sum(int(np.prod(s)) * d.itemsize for s, d in self._output_buffers)
 
     def _located(self, exc: Exception) -> ExecutionError:
-        """Generated code names the failing value (%12); give the user's line."""
-        message = str(exc)
-        match = re.match(r"%(\d+) (\w+): (.*)", message)
-        if match:
-            names = {n: v for v, n in value_names(self.plan.graph).items()}
-            node = names.get(f"%{match.group(1)}")
-            where = f" at {format_loc(node.loc)}" if node is not None and node.loc else ""
-            return ExecutionError(f"{match.group(2)}{where}: {match.group(3)}")
-        return ExecutionError(message)
+        """Generated code names the failing value (%12) and, for a bad index, passes its flat
+        position, the value there and the indices' shape; give the user's line and the same
+        words as the reference interpreter."""
+        message = exc.args[0] if exc.args else str(exc)
+        match = re.match(r"%(\d+) (\w+): (.*)", str(message), flags=re.S)
+        if not match:
+            return ExecutionError(str(exc))
+        detail = match.group(3)
+        if len(exc.args) == 4:
+            flat, value, shape = exc.args[1:]
+            detail = detail.format(value=value, position=format_position(flat, shape))
+        names = {n: v for v, n in value_names(self.plan.graph).items()}
+        node = names.get(f"%{match.group(1)}")
+        where = f" at {format_loc(node.loc)}" if node is not None and node.loc else ""
+        return ExecutionError(f"{match.group(2)}{where}: {detail}")

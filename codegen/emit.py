@@ -101,8 +101,8 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
 def buffer_expression(value: Value, layout: BufferLayout, names: dict) -> str:
     """The array a buffer is: a slice of its dtype's scratch arena, or of the dead private
     saved buffer it was placed in."""
-    count = max(math.prod(value.shape), 1)
     shape = internal_shape(value.shape)
+    count = math.prod(shape)  # 0 for an empty batch; a scalar is one element
     home = layout.reused_saved.get(value)
     if home is not None:
         return f"{names[home]}.reshape(-1)[:{count}].reshape({shape!r})"

@@ -8,6 +8,8 @@ import os
 
 import numba
 
+from .cache_signing import SignedFunctionCache
+
 AS_PYTHON = os.environ.get("BACKPLAN_KERNELS_AS_PYTHON") == "1"
 
 # Parallel kernels run between BLAS calls. OpenMP's threads spin-wait after each parallel loop
@@ -18,12 +20,26 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
 
 
+def compiled_njit(cache: bool = False, **options):
+    """numba.njit(**options), except that cache=True uses the signed disk cache
+    (codegen/cache_signing.py): nothing Numba cached is unpickled unless backplan wrote it."""
+
+    def decorate(fn):
+        dispatcher = numba.njit(**options)(fn)
+        if cache:
+            dispatcher._cache = SignedFunctionCache(dispatcher.py_func)
+        return dispatcher
+
+    return decorate
+
+
 def njit(*args, **kwargs):
-    if not AS_PYTHON:
-        return numba.njit(*args, **kwargs)
+    """compiled_njit, or the plain Python function under BACKPLAN_KERNELS_AS_PYTHON=1."""
+    if AS_PYTHON:
+        return args[0] if args and callable(args[0]) else (lambda fn: fn)
     if args and callable(args[0]):
-        return args[0]
-    return lambda fn: fn
+        return compiled_njit(**kwargs)(args[0])
+    return compiled_njit(**kwargs)
 
 
 prange = range if AS_PYTHON else numba.prange

@@ -1,7 +1,9 @@
 """Hand-written kernels for the ops that are not plain loops: row composites, gather and
 scatter. Compiled once and cached on disk; generated plans call them. Each has a serial and a
 prange version, chosen by the generated code from the sizes (parallel pays above ~32k elements).
-Functions that can fail on data return the first bad index, or -1."""
+Functions that can fail on data return the position of the first bad index (in the flattened
+index array), or -1 when every index is valid: a position is never negative, so -1 is never
+ambiguous, even when the bad index itself is -1."""
 
 import math
 
@@ -21,10 +23,13 @@ def _softmax_row(x, out, log):
     total = 0.0
     for j in range(x.shape[0]):
         total += fast_exp(x[j] - peak)
-    if log:
-        shift = peak + math.log(total)
+    if log:  # (x - peak) first: peak + log(total) would lose log(total) next to a huge peak;
+        # two passes, so that fastmath's reassociation cannot fold them back together
+        log_total = math.log(total)
         for j in range(x.shape[0]):
-            out[j] = x[j] - shift
+            out[j] = x[j] - peak
+        for j in range(x.shape[0]):
+            out[j] -= log_total
     else:
         scale = 1.0 / total
         for j in range(x.shape[0]):
@@ -62,8 +67,11 @@ def logsumexp_strided(x, out):
             peak = -np.inf
             for j in range(x.shape[1]):
                 peak = max(peak, x[p, j, q])
-            if peak == -np.inf:
+            if math.isinf(peak):  # all -inf: -inf; any +inf: +inf (NaN still wins, as in NumPy)
                 out[p, q] = peak
+                for j in range(x.shape[1]):
+                    if x[p, j, q] != x[p, j, q]:
+                        out[p, q] = np.nan
                 continue
             total = 0.0
             for j in range(x.shape[1]):
@@ -105,18 +113,37 @@ def layer_norm_rows_par(x, weight, bias, affine, eps, out):
         layer_norm_row(x[r], weight, bias, affine, eps, out[r])
 
 
+@njit(inline="always", **_opts)
+def _first_bad_index(indices, size):
+    """The position of the first index outside [-size, size), or -1 when all are valid."""
+    for j in range(indices.shape[0]):
+        if indices[j] < -size or indices[j] >= size:
+            return j
+    return -1
+
+
+@njit(inline="always", **_opts)
+def _first_bad_label(labels, classes):
+    """The position of the first label outside [0, classes), or -1 when all are valid."""
+    for j in range(labels.shape[0]):
+        if labels[j] < 0 or labels[j] >= classes:
+            return j
+    return -1
+
+
 @njit(**_opts)
 def cross_entropy_rows(logits, labels, out, scale):
     """Per-row -log_softmax(logits)[label] into out (rows), or, when out has one element and
     there are several rows, their sum times scale (1 for "sum", 1/rows for "mean"). Returns the
-    first bad label or -1."""
+    position of the first label outside [0, classes), or -1; nothing is written then."""
     n_classes = logits.shape[1]
+    bad = _first_bad_label(labels, n_classes)
+    if bad != -1:
+        return bad
     reduce = out.shape[0] != logits.shape[0] or scale != 1.0
     total_loss = 0.0
     for r in range(logits.shape[0]):
         label = labels[r]
-        if label < 0 or label >= n_classes:
-            return label
         row = logits[r]
         peak = -np.inf
         for j in range(n_classes):
@@ -124,22 +151,13 @@ def cross_entropy_rows(logits, labels, out, scale):
         total = 0.0
         for j in range(n_classes):
             total += fast_exp(row[j] - peak)
-        loss = peak + math.log(total) - row[label]
+        loss = (peak - row[label]) + math.log(total)
         if reduce:
             total_loss += loss
         else:
             out[r] = loss
     if reduce:
         out[0] = total_loss * scale
-    return -1
-
-
-@njit(inline="always", **_opts)
-def _first_bad_index(indices, size):
-    """The first index outside [-size, size), or -1 when all are valid."""
-    for j in range(indices.shape[0]):
-        if indices[j] < -size or indices[j] >= size:
-            return indices[j]
     return -1
 
 
@@ -181,11 +199,12 @@ def take_grad_strided(g, indices, out):
 
 @njit(**_opts)
 def one_hot(labels, out):
+    """Returns the position of the first label outside [0, depth), or -1."""
     depth = out.shape[1]
+    bad = _first_bad_label(labels, depth)
+    if bad != -1:
+        return bad
     out[:] = 0
     for r in range(labels.shape[0]):
-        label = labels[r]
-        if label < 0 or label >= depth:
-            return label
-        out[r, label] = 1
+        out[r, labels[r]] = 1
     return -1

@@ -31,17 +31,18 @@ Example (inside any @numba.njit function)::
 
 import math
 
-import numba
 import numpy as np
 from numba import types
 from numba.extending import intrinsic
+
+from .jit import compiled_njit
 
 _FLAGS = {"contract"}
 
 
 def _scalar_function(fn):
     """Compile `fn` for use inside kernels: LLVM-inlined, FMA allowed, nothing else relaxed."""
-    return numba.njit(forceinline=True, fastmath=_FLAGS, error_model="numpy", cache=True)(fn)
+    return compiled_njit(forceinline=True, fastmath=_FLAGS, error_model="numpy", cache=True)(fn)
 
 
 def _bitcast(source, target):

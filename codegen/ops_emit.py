@@ -7,9 +7,13 @@ import math
 
 from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
+from backplan.ir.index_check import index_message, label_message
 
 from .loops import internal_shape
 from .scalar import NP_TYPE, literal
+
+# Index errors are worded at codegen time with holes for what only the data knows.
+HOLES = ("{value}", "{position}")
 
 
 class Unsupported(Exception):
@@ -83,11 +87,16 @@ class OpEmitter:
             raise Unsupported(f"no compiled form for {node.op}")
         return emitter(self, node, out)
 
-    def _raise(self, node, what: str) -> list[str]:
-        """The message names the value; the caller maps it to the user's line."""
+    def _raise(self, node, indices: Value, what: str) -> list[str]:
+        """`bad` is the flat position of the first bad index, or -1. The error carries the
+        position, the value there and the indices' shape; the caller (CompiledPlan) names the
+        user's line and fills them into `what` ("{value}", "{position}")."""
+        flat = f"{self.array(indices)}.reshape(-1)"
+        shape = tuple(indices.shape)
         return [
             "if bad != -1:",
-            f"    raise IndexError({f'%{self.names[node][1:]} {node.op}: {what}'!r})",
+            f"    raise IndexError({f'%{self.names[node][1:]} {node.op}: {what}'!r}, "
+            f"bad, {flat}[bad], {shape!r})",
         ]
 
     @staticmethod
@@ -145,7 +154,7 @@ class OpEmitter:
         return [
             f"bad = take_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
             f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {m}, {post})))",
-            *self._raise(node, f"index out of range for an axis of size {n}"),
+            *self._raise(node, idx, index_message(*HOLES, n)),
         ]
 
     def op_take_grad(self, node, out) -> list[str]:
@@ -156,7 +165,7 @@ class OpEmitter:
         return [
             f"bad = take_grad_strided({self.array(g)}.reshape(({pre}, {m}, {post})), "
             f"{self.array(idx)}.reshape(({m},)), {out}.reshape(({pre}, {size}, {post})))",
-            *self._raise(node, f"index out of range for an axis of size {size}"),
+            *self._raise(node, idx, index_message(*HOLES, size)),
         ]
 
     def op_one_hot(self, node, out) -> list[str]:
@@ -165,7 +174,7 @@ class OpEmitter:
         return [
             f"bad = one_hot({self.array(labels)}.reshape(({rows},)), "
             f"{out}.reshape(({rows}, {depth})))",
-            *self._raise(node, f"label out of range for {depth} classes"),
+            *self._raise(node, labels, label_message(*HOLES, depth)),
         ]
 
     def op_pad_slice(self, node, out) -> list[str]:
@@ -256,7 +265,7 @@ class OpEmitter:
         return [
             f"bad = cross_entropy_rows({self.array(logits)}.reshape(({rows}, {cols})), "
             f"{self.array(labels)}.reshape(({rows},)), {target}, {scale!r})",
-            *self._raise(node, f"label out of range for {cols} classes"),
+            *self._raise(node, labels, label_message(*HOLES, cols)),
         ]
 
 

@@ -29,4 +29,22 @@ def explain(step: DataParallelStep, *args, size: int | None = None, **kwargs):
     return step.explain(*args, size=size, **kwargs)
 
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "DataParallelReport",
+    "DataParallelStep",
+    "DistributedError",
+    "ExchangedLeaf",
+    "MPIUnavailableError",
+    "RankMismatchError",
+    "ReplicaMismatchError",
+    "World",
+    "broadcast",
+    "check_replicas",
+    "data_parallel",
+    "explain",
+    "init",
+    "plan_buckets",
+    "shard",
+]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from backplan.ir.graph import Graph, Value
 from backplan.ir.liveness import Plan, plan_liveness
+from backplan.ir.lowering import lower
 from backplan.runtime.backend import current_backend, make_runner
 
 
@@ -29,7 +30,7 @@ class Segment:
         backend = current_backend()
         found = self._runners.get(backend)
         if found is None:
-            found = self._runners[backend] = make_runner(self.plan, backend)
+            found = self._runners[backend] = make_runner(lower(self.plan), backend)
         return found
 
 

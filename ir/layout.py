@@ -106,7 +106,7 @@ def plan_layout(
         requests.append(
             BufferRequest(
                 value,
-                value.type.nbytes or 1,
+                max(value.type.nbytes, DTYPES[value.dtype].itemsize),  # empty: one item
                 value.dtype,
                 step_of[value],
                 max(last.get(value, step_of[value]), step_of[value]),

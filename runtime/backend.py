@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import OWNED_ROLES, Plan
+from backplan.ir.lowering import LoweredPlan
 
 BACKENDS = ("numba", "reference")
 _override: list[str] = []
@@ -56,11 +57,11 @@ class CompiledRunner:
 
     backend = "numba"
 
-    def __init__(self, plan: Plan, private_saved: tuple[int, ...] = ()):
+    def __init__(self, lowered: LoweredPlan):
         from backplan.codegen.compiled import CompiledPlan
 
-        self.plan = plan
-        self.compiled = CompiledPlan(plan, private_saved)
+        plan = self.plan = lowered.plan
+        self.compiled = CompiledPlan(lowered)
         self.kernels = self.compiled.kernel_count
         self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
 
@@ -72,16 +73,17 @@ class CompiledRunner:
         return outputs
 
 
-def make_runner(plan: Plan, backend: str | None = None, private_saved: tuple[int, ...] = ()):
-    """private_saved: saved inputs whose storage the plan may reuse after their last read; only
-    for a backward that consumes its graph (retain_graph=False)."""
+def make_runner(lowered: LoweredPlan, backend: str | None = None):
+    """The runner of a lowered plan on this backend (the current one by default); a consuming
+    backward's lowered plan may reuse private saved buffers after their last read."""
+    plan = lowered.plan
     backend = backend or current_backend()
     if backend == "reference":
         return ReferenceRunner(plan)
     from backplan.codegen.ops_emit import Unsupported
 
     try:
-        return CompiledRunner(plan, private_saved)
+        return CompiledRunner(lowered)
     except Unsupported as exc:
         warnings.warn(
             f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3

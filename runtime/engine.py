@@ -4,9 +4,13 @@ routes gradients upstream, and only then writes leaf .grad, so a failed backward
 
 from __future__ import annotations
 
+import threading
 import weakref
+from contextlib import ExitStack
 
 import numpy as np
+
+from backplan.ir.lowering import BackwardMode
 
 from .freed_message import freed_error, output_desc
 from .region import FreedBy, Region
@@ -15,10 +19,25 @@ from .walk import regions_in_order
 __all__ = ["backward", "regions_in_order"]
 
 
-def backward(root: Region, index: int, gradient: np.ndarray, retain_graph: bool, loc: str) -> None:
-    """Run every region reachable from `root` output `index` once, in order. Without
-    retain_graph each frees its saved buffers as it goes and is marked freed by this call."""
+# Leaf .grad is read, added to and written back; two graphs sharing a leaf must not interleave.
+_leaf_grads = threading.Lock()
+
+
+def backward(root: Region, index: int, gradient: np.ndarray, mode: BackwardMode, loc: str) -> None:
+    """Run every region reachable from `root` output `index` once, in order. In CONSUME mode
+    (backward() without retain_graph) each frees its saved buffers as it goes and is marked
+    freed by this call; RETAIN leaves them.
+    Backward passes that reach a common region run one after the other (the second one then
+    sees what the first freed); passes over distinct graphs run concurrently. Region locks are
+    taken in one global order, so two passes never wait on each other in a cycle."""
     order = regions_in_order(root)
+    with ExitStack() as held:
+        for region in sorted(order, key=id):
+            held.enter_context(region.lock)
+        _backward_locked(order, root, index, gradient, mode, loc)
+
+
+def _backward_locked(order, root, index, gradient, mode, loc) -> None:
     freed = [region for region in order if region.freed]
     if freed:
         raise freed_error(freed, root, index, loc)
@@ -32,17 +51,20 @@ def backward(root: Region, index: int, gradient: np.ndarray, retain_graph: bool,
             if cotangents is None:
                 continue
             ran.append(region)
-            grads = region.run_backward(cotangents, retain_graph)
+            grads = region.run_backward(cotangents, mode)
             for edge, grad in zip(region.input_edges, grads, strict=True):
                 _route(edge, grad, pending, leaf_grads)
     except BaseException:
-        if not retain_graph:  # regions that ran may have released or reused saved buffers
+        if (
+            mode is BackwardMode.CONSUME
+        ):  # regions that ran may have released or reused saved buffers
             _mark_freed(ran, FreedBy(loc, desc, root.created_at, weakref.ref(root), failed=True))
         raise
-    if not retain_graph:
+    if mode is BackwardMode.CONSUME:
         _mark_freed(order, FreedBy(loc, desc, root.created_at, weakref.ref(root)))
-    for leaf, grad in leaf_grads.values():
-        leaf._accumulate_grad(grad)
+    with _leaf_grads:
+        for leaf, grad in leaf_grads.values():
+            leaf._accumulate_grad(grad)
 
 
 def _mark_freed(regions: list[Region], by: FreedBy) -> None:

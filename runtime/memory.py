@@ -1,16 +1,20 @@
 """Accounting of the bytes all live graphs hold in saved buffers."""
 
+import threading
 import weakref
 
 _live_regions: "weakref.WeakSet" = weakref.WeakSet()
+_lock = threading.Lock()  # a WeakSet must not grow while another thread lists it
 
 
 def track(region) -> None:
-    _live_regions.add(region)
+    with _lock:
+        _live_regions.add(region)
 
 
 def live_regions() -> list:
-    return list(_live_regions)
+    with _lock:
+        return list(_live_regions)
 
 
 def live_saved_bytes() -> int:
@@ -21,4 +25,4 @@ def live_saved_bytes() -> int:
     >>> bp.live_saved_bytes() >= 0
     True
     """
-    return sum(region.saved_bytes for region in list(_live_regions))
+    return sum(region.saved_bytes for region in live_regions())

@@ -3,10 +3,12 @@ static facts about its saved buffers worked out once and shared by every region 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
+from backplan.ir.lowering import BackwardMode
 from backplan.ir.pipeline import RegionPlans
 from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import is_float, np_dtype
@@ -49,6 +51,7 @@ class RegionProgram:
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
         self._runners: dict = {}
+        self._making_runner = threading.Lock()  # threads calling first share one compile
         self.input_names = input_names  # argument paths of the forward inputs, when known
         self.n_outputs = plans.n_outputs
         outputs = plans.forward.graph.outputs[: plans.n_outputs]
@@ -110,30 +113,30 @@ class RegionProgram:
             return self.input_names[index]
         return f"input {index}"
 
-    def runner(self, which: str):
-        """The runner of "forward", "retain" (backward keeping the saved buffers intact) or
-        "consume" (backward that may reuse private saved buffers as scratch after their last
-        read), made on first use with the backend chosen then. Both backward variants compute
-        the same gradients; which one runs is decided when backward() is called."""
+    def runner(self, mode: BackwardMode | None):
+        """The runner of the forward plan (mode None) or of the backward plan in a mode:
+        RETAIN keeps the saved buffers intact, CONSUME may reuse private saved buffers as
+        scratch after their last read. Made on first use with the backend chosen then. Both
+        backward modes compute the same gradients; which one runs is decided when backward()
+        is called."""
         backend = self.backend or current_backend()
-        runner = self._runners.get((which, backend))
+        runner = self._runners.get((mode, backend))
         if runner is None:
-            if which == "forward":
-                runner = make_runner(self.plans.forward, backend)
-            elif which == "retain":
-                runner = make_runner(self.plans.backward, backend)
-            else:
-                runner = make_runner(
-                    self.plans.backward, backend, private_saved=self.private_saved_inputs()
-                )
-            self._runners[(which, backend)] = runner
+            with self._making_runner:
+                runner = self._runners.get((mode, backend))
+                if runner is None:
+                    runner = self._make_runner(mode, backend)
+                    self._runners[(mode, backend)] = runner
         return runner
+
+    def _make_runner(self, mode: BackwardMode | None, backend: str):
+        return make_runner(self.plans.lowered(mode), backend)
 
     def private_saved_inputs(self) -> tuple[int, ...]:
         return self.plans.private_saved_inputs()
 
     def run_forward(self, args: list) -> list:
-        return self.runner("forward")(args)
+        return self.runner(None)(args)
 
-    def run_backward(self, args: list, release) -> list:
-        return self.runner("retain" if release is None else "consume")(args, release)
+    def run_backward(self, args: list, mode: BackwardMode, release) -> list:
+        return self.runner(mode)(args, release)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
+from backplan.ir.lowering import BackwardMode
 from backplan.ir.types import np_dtype
 
 from . import memory
@@ -47,6 +49,9 @@ class FreedBy:
         return self.root_ref is not None and self.root_ref() is region
 
 
+CONSUME = BackwardMode.CONSUME
+
+
 class Region:
     """Holds saved buffers until backward. Output tensors point at it; it points only upstream,
     so it dies when the last tensor that can reach it does."""
@@ -59,6 +64,7 @@ class Region:
         self._saved: dict[int, np.ndarray] = dict(enumerate(saved))
         self.freed_by: FreedBy | None = None
         self.backward_calls = 0
+        self.lock = threading.RLock()  # held by the backward() running through this region
         memory.track(self)
 
     @property
@@ -100,9 +106,9 @@ class Region:
     def next_regions(self) -> list[Region]:
         return [e.region for e in self.input_edges if e.region is not None]
 
-    def run_backward(self, cotangents: dict[int, np.ndarray], retain_graph: bool) -> list:
-        """Gradients for the differentiated inputs, in edge order. Frees each saved buffer right
-        after its last read unless retain_graph."""
+    def run_backward(self, cotangents: dict[int, np.ndarray], mode: BackwardMode) -> list:
+        """Gradients for the differentiated inputs, in edge order. A CONSUME backward frees each
+        saved buffer right after its last read; RETAIN keeps them."""
         program = self.program
         args = []
         for index in program.cotangent_slot:
@@ -113,9 +119,9 @@ class Region:
             args.append(ct)
         n_cot = len(args)
         args.extend(self._saved[i] for i in range(len(program.saved_info)))
-        release = None if retain_graph else (lambda i: self._saved.pop(i - n_cot, None))
+        release = (lambda i: self._saved.pop(i - n_cot, None)) if mode is CONSUME else None
         self.backward_calls += 1
-        return program.run_backward(args, release)
+        return program.run_backward(args, mode, release)
 
     def mark_freed(self, by: FreedBy) -> None:
         self._saved.clear()

@@ -76,7 +76,7 @@ def test_each_saved_buffer_dies_right_after_its_last_read():
             if ref() is not None:
                 alive_at[slot].append(step)
 
-    program.run_backward = lambda args, release: run_plan(
+    program.run_backward = lambda args, mode, release: run_plan(
         program.plans.backward, args, release=release, on_step=record
     )
     out.backward()

@@ -11,6 +11,7 @@ from backplan.codegen.compiled import CompiledPlan
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
 from backplan.ir.interpreter import run_plan
+from backplan.ir.lowering import BackwardMode, lower
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import TensorType, dtype_name, is_float
 from backplan.runtime.backend import use_backend
@@ -67,7 +68,7 @@ def test_every_registry_op_compiles_to_the_reference_result(dtype):
         plan = build_joint_plan(graph, wrt)
         copies = [a.copy() for a in arrays]
         expected = run_plan(plan, list(arrays))
-        got = CompiledPlan(plan)(list(arrays))
+        got = CompiledPlan(lower(plan))(list(arrays))
         for a, original in zip(arrays, copies, strict=True):
             np.testing.assert_array_equal(a, original)  # inputs never modified
         names = ["loss"] + [s.id for s in samples] + [f"grad {i}" for i in range(len(got))]
@@ -223,8 +224,8 @@ def test_consuming_backward_reuses_saved_storage_that_retaining_backward_keeps()
     compiled = bp.compile(mlp_loss)
     with use_backend("numba"):
         program = compiled.trace(params, x, labels).program
-        consume = program.runner("consume").compiled
-        retain = program.runner("retain").compiled
+        consume = program.runner(BackwardMode.CONSUME).compiled
+        retain = program.runner(BackwardMode.RETAIN).compiled
     assert consume.layout.reused_saved and not retain.layout.reused_saved
     assert consume.scratch_bytes <= retain.scratch_bytes
     private = set(program.private_saved_inputs())

@@ -535,6 +535,7 @@ def test_numba_report_states_the_compiled_layout_without_compiling(
     form, case, tmp_path, monkeypatch
 ):
     import backplan.codegen.compiled as compiled
+    from backplan.ir.lowering import lower
     from backplan.report.wording import format_bytes
     from backplan.runtime.backend import make_runner, use_backend
 
@@ -578,7 +579,7 @@ def test_numba_report_states_the_compiled_layout_without_compiling(
     assert f"keeps {format_bytes(report.compiled_scratch_bytes)} of scratch" in flat(report)
     assert not cache.exists() or list(cache.iterdir()) == []
     plan = report.plans.get("forward", report.plans.get("joint"))
-    make_runner(plan, "numba")  # writes the generated module (Numba compiles on first call)
+    make_runner(lower(plan), "numba")  # writes the generated module (Numba compiles on first call)
     assert any(path.suffix == ".py" for path in cache.iterdir())
 
 

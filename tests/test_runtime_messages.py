@@ -29,7 +29,7 @@ def test_a_backward_that_fails_part_way_marks_what_it_ran_and_says_so():
     h = bp.tanh(x)
     out = bp.sum(h * 2)
 
-    def broken(cotangents, retain_graph):
+    def broken(cotangents, mode):
         raise FloatingPointError("boom")
 
     h.grad_fn.run_backward = broken

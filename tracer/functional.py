@@ -9,6 +9,7 @@ import numpy as np
 
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
+from backplan.ir.lowering import lower
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import is_float
 from backplan.runtime.backend import current_backend, make_runner
@@ -41,7 +42,7 @@ class JointTrace:
         backend = current_backend()
         runner = self._runners.get(backend)
         if runner is None:
-            runner = self._runners[backend] = make_runner(self.plan, backend)
+            runner = self._runners[backend] = make_runner(lower(self.plan), backend)
         return runner
 
 

@@ -90,13 +90,14 @@ class PlannedFunction:
         bound, entry = self.lookup(args, kwargs)
         return self._run(entry, bound)
 
-    def lookup(self, args: tuple, kwargs: dict):
-        """(bound call, entry) for these arguments, tracing on a miss."""
+    def lookup(self, args: tuple, kwargs: dict, count_hit: bool = True):
+        """(bound call, entry) for these arguments, tracing on a miss. count_hit: a call
+        counts a hit; trace() and explain() only look."""
         bound = self._bind(args, kwargs)
         key = self._entry_key(bound)
         entry = self._entries.get(key)
         if entry is not None and self._still_valid(entry):
-            self._hits += 1
+            self._hits += count_hit
             return bound, entry
         self._misses += 1
         self._last_miss_reason = self._miss_reason(key, entry)
@@ -110,12 +111,12 @@ class PlannedFunction:
         """Trace (or find in the cache) without running: the plans for this signature."""
         if current_trace() is not None:
             raise TracingError("trace() cannot be called inside a traced function")
-        return self.lookup(args, kwargs)[1]
+        return self.lookup(args, kwargs, count_hit=False)[1]
 
     def explain(self, *args, **kwargs):
         """The plan for this signature as a report (text, DOT, picture); nothing runs.
         See `backplan.explain`."""
-        bound, entry = self.lookup(args, kwargs)
+        bound, entry = self.lookup(args, kwargs, count_hit=False)
         return self._report(entry, bound)
 
     def cache_info(self) -> CacheInfo:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from backplan.ir.lowering import BackwardMode
 from backplan.ir.types import dtype_name, is_float, np_dtype
 from backplan.runtime import BackwardError, Edge
 from backplan.runtime import engine as _engine
@@ -193,7 +194,9 @@ class Tensor:
         if self._grad_fn is None:
             self._accumulate_grad(gradient)
             return
-        _engine.backward(self._grad_fn, self._out_index, gradient, retain_graph, loc)
+        _engine.backward(
+            self._grad_fn, self._out_index, gradient, BackwardMode.of(retain_graph), loc
+        )
 
     def zero_grad(self) -> None:
         self.grad = None

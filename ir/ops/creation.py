@@ -3,6 +3,7 @@
 import numpy as np
 
 from ..errors import DtypeError, ShapeError
+from ..index_check import check_in_range, label_message
 from ..registry import AttrSpec, OpDef, register
 from ..types import TensorType, is_float, np_dtype
 
@@ -61,9 +62,7 @@ def _one_hot_infer(types, attrs):
 
 
 def _one_hot_ref(labels, depth, dtype):
-    if labels.size and (labels.min() < 0 or labels.max() >= depth):
-        bad = labels[(labels < 0) | (labels >= depth)].flat[0]
-        raise IndexError(f"label {bad} is out of range for {depth} classes")
+    check_in_range(labels, 0, depth, label_message)
     return (labels[..., None] == np.arange(depth)).astype(np_dtype(dtype))
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 
 from ..errors import DtypeError, ShapeError
+from ..index_check import check_in_range, label_message
 from ..registry import AttrSpec, OpDef, register
 from ..shapes import fmt, normalize_axes, normalize_axis, reduced_shape
 from ..types import TensorType
@@ -19,14 +20,19 @@ def _axis_infer(types, attrs):
     return x
 
 
+def _peak(x, axis):
+    """The max along axis; -inf over an empty axis, so softmax of nothing is empty (PyTorch)."""
+    return np.max(x, axis=axis, keepdims=True, initial=-np.inf)
+
+
 def _softmax_ref(x, axis):
-    shifted = x - np.max(x, axis=axis, keepdims=True)
+    shifted = x - _peak(x, axis)
     e = np.exp(shifted)
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
 def _log_softmax_ref(x, axis):
-    shifted = x - np.max(x, axis=axis, keepdims=True)
+    shifted = x - _peak(x, axis)
     return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
 
@@ -120,9 +126,7 @@ def _ce_infer(types, attrs):
 
 def _ce_ref(logits, labels, reduction):
     n_classes = logits.shape[-1]
-    if labels.size and (labels.min() < 0 or labels.max() >= n_classes):
-        bad = labels[(labels < 0) | (labels >= n_classes)].flat[0]
-        raise IndexError(f"label {bad} is out of range for {n_classes} classes")
+    check_in_range(labels, 0, n_classes, label_message)
     logp = _log_softmax_ref(logits, logits.ndim - 1)
     picked = -np.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     if reduction == "none":

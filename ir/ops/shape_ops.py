@@ -3,6 +3,7 @@
 import numpy as np
 
 from ..errors import DtypeError, ShapeError
+from ..index_check import check_in_range, index_message
 from ..registry import AttrSpec, OpDef, register
 from ..shapes import broadcast_shapes, fmt, normalize_axis
 from ..types import TensorType
@@ -283,10 +284,8 @@ def _take_infer(types, attrs):
     return TensorType(x.dtype, x.shape[:axis] + idx.shape + x.shape[axis + 1 :])
 
 
-def checked_indices(idx, size, what="index"):
-    if idx.size and (idx.min() < -size or idx.max() >= size):
-        bad = idx[(idx < -size) | (idx >= size)].flat[0]
-        raise IndexError(f"{what} {bad} is out of range for an axis of size {size}")
+def checked_indices(idx, size):
+    check_in_range(idx, -size, size, index_message)
     return np.where(idx < 0, idx + size, idx)
 
 

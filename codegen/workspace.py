@@ -1,0 +1,80 @@
+"""Per-call working memory of a compiled plan, safe under threads.
+
+Kernels release the GIL, so two threads calling one compiled function run at once. Each call
+checks out a workspace (the scratch arenas and the output buffers of that workspace's previous
+call) from a small pool and returns it afterwards: concurrent calls never share bytes, and a
+single thread keeps reusing one warm workspace. Only launches of parallel kernels are
+serialised, and only under Numba's workqueue threading layer, which aborts the process when
+two threads enter it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import numba
+import numpy as np
+
+KEEP_IDLE = 4  # workspaces kept per plan after a burst of concurrent calls
+
+# The threading layers Numba documents as safe to enter from several threads at once.
+_THREADSAFE_LAYERS = ("tbb", "omp", "threadsafe")
+_parallel_launch = threading.Lock()
+
+
+def parallel_guard():
+    """A lock around calls that launch parallel kernels, unless the layer is thread-safe."""
+    if str(numba.config.THREADING_LAYER) in _THREADSAFE_LAYERS:
+        return contextlib.nullcontext()
+    return _parallel_launch
+
+
+class Workspace:
+    """The scratch arenas (one per dtype) and the outputs of this workspace's previous call."""
+
+    def __init__(self, scratch: list[tuple[np.dtype, int]], output_buffers: list):
+        self.scratch = [np.empty(max(n, 1), dtype) for dtype, n in scratch]
+        self.output_buffers = output_buffers  # (shape, dtype) of each per-call output
+        self.previous_outputs = [None] * len(output_buffers)
+
+    def output_arrays(self) -> list:
+        """Fresh output buffers, except that a buffer from this workspace's previous call that
+        nobody holds any more is reused: no new pages to fault in (16 MiB outputs cost ~1 ms
+        each). Only the thread holding the workspace looks at them."""
+        arrays = []
+        for i, (shape, dtype) in enumerate(self.output_buffers):
+            previous = self.previous_outputs[i]
+            if previous is not None and sys.getrefcount(previous) == 3:  # list, local, argument
+                previous.flags.writeable = True
+                arrays.append(previous)
+            else:
+                arrays.append(np.empty(shape, dtype))
+            self.previous_outputs[i] = arrays[-1]
+        return arrays
+
+
+class WorkspacePool:
+    """Workspaces checked out per call; list.pop and list.append are atomic under the GIL, so
+    the pool needs no lock of its own."""
+
+    def __init__(self, scratch: list[tuple[np.dtype, int]], output_buffers: list):
+        self._scratch = scratch
+        self._output_buffers = output_buffers
+        self._idle = [Workspace(scratch, output_buffers)]
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of one workspace's arenas (each concurrent call holds its own)."""
+        return sum(max(n, 1) * np.dtype(d).itemsize for d, n in self._scratch)
+
+    def checkout(self) -> Workspace:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return Workspace(self._scratch, self._output_buffers)
+
+    def checkin(self, workspace: Workspace) -> None:
+        if len(self._idle) < KEEP_IDLE:
+            self._idle.append(workspace)

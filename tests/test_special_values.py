@@ -1,0 +1,80 @@
+"""Compiled vs reference on special values: inf, -inf, nan, huge, tiny and empty axes. Every
+op below runs in one compiled function (one compile), once per row of special inputs, and must
+agree with the reference interpreter (NumPy and PyTorch semantics: logsumexp([inf, 1, 2]) is
+inf; softmax over an empty axis is empty)."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+INF, NAN = np.inf, np.nan
+HUGE, TINY = 3e38, 1e-45  # near float32's largest finite value and smallest subnormal
+ROWS = {
+    "inf": [INF, 1.0, 2.0, -1.0],
+    "-inf": [-INF, 1.0, 2.0, -1.0],
+    "all -inf": [-INF, -INF, -INF, -INF],
+    "inf and -inf": [INF, -INF, 0.5, 1.0],
+    "nan": [NAN, 1.0, 2.0, -1.0],
+    "huge": [HUGE, HUGE, -HUGE, 1.0],
+    "tiny": [TINY, -TINY, 0.0, -0.0],
+}
+
+
+def ops(x, empty):
+    """x: f32[4]; empty: f32[3, 0]. Elementwise, reductions, row composites, empty axes."""
+    row = bp.reshape(x, (1, 4))
+    return {
+        "exp": bp.exp(x),
+        "log": bp.log(bp.abs(x)),
+        "tanh": bp.tanh(x),
+        "sigmoid": bp.sigmoid(x),
+        "sqrt": bp.sqrt(bp.abs(x)),
+        "relu": bp.relu(x),
+        "maximum": bp.maximum(x, 0.0),
+        "div_by_zero": x / 0.0,
+        "sum": bp.sum(x),
+        "max": bp.max(x),
+        "mean": bp.mean(x),
+        "logsumexp": bp.logsumexp(x, axis=0),
+        "logsumexp_rows": bp.logsumexp(row, axis=1),
+        "softmax": bp.softmax(row, axis=-1),
+        "log_softmax": bp.log_softmax(row, axis=-1),
+        "cross_entropy": bp.cross_entropy(row, bp.tensor(np.array([1]))),
+        "softmax_empty": bp.softmax(empty, axis=1),
+        "log_softmax_empty": bp.log_softmax(empty, axis=1),
+        "logsumexp_empty": bp.logsumexp(empty, axis=1),
+        "sum_empty": bp.sum(empty, axis=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return bp.compile(ops)
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_special_values_agree_with_the_reference(compiled, name):
+    x = bp.tensor(np.array(ROWS[name], np.float32))
+    empty = bp.tensor(np.zeros((3, 0), np.float32))
+    results = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend), np.errstate(all="ignore"):
+            results[backend] = {k: v.numpy() for k, v in compiled(x, empty).items()}
+    wrong = []
+    for op, expected in results["reference"].items():
+        got = results["numba"][op]
+        if got.shape != expected.shape or not np.allclose(
+            got, expected, rtol=2e-6, atol=0, equal_nan=True
+        ):
+            wrong.append(f"{op}: compiled {got} reference {expected}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_logsumexp_of_inf_is_inf_as_in_numpy(compiled):
+    x = bp.tensor(np.array([INF, 1.0, 2.0, 0.0], np.float32))
+    with use_backend("numba"):
+        out = compiled(x, bp.tensor(np.zeros((3, 0), np.float32)))
+    assert out["logsumexp"].item() == INF and out["logsumexp_rows"].numpy()[0] == INF
+    assert out["softmax_empty"].shape == (3, 0) and np.all(out["logsumexp_empty"].numpy() == -INF)
