@@ -1,11 +1,14 @@
 """Matching a call of a loaded artifact against the signature it was exported for.
 
 A loaded artifact cannot retrace, so every argument must have the exported structure, dtype and
-shape, and every static argument the exported value. Dicts may list their keys in any order:
+shape, and every static argument the exported value. Dicts may list their keys in any order,
+and a dataclass may stand where its exported dict of fields is;
 arguments are rebuilt in the exported order before they are flattened.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -29,6 +32,8 @@ def conform(treedef: TreeDef, value, path: str, artifact: str):
             raise _mismatch(artifact, path, "None", type(value).__name__)
         return None
     if kind == "dict":
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
         if not isinstance(value, dict) or set(value) != set(treedef.meta):
             got = (
                 f"a dict with keys {sorted(value, key=repr)}"
@@ -65,6 +70,8 @@ def match_leaves(tree_value, keys: list[LeafKey], artifact: str) -> tuple[list, 
     for i, (leaf, key) in enumerate(zip(leaves, keys, strict=True)):
         if isinstance(leaf, np.ndarray):
             leaves[i] = leaf = Tensor(leaf)
+        if key.weak and type(leaf) is float:
+            leaves[i] = leaf = Tensor._weak_scalar(leaf)  # exported as a traced float
         if key.kind == "tensor":
             _check_tensor(leaf, key, artifact)
             positions.append(i)
@@ -75,7 +82,7 @@ def match_leaves(tree_value, keys: list[LeafKey], artifact: str) -> tuple[list, 
 
 
 def _check_tensor(leaf, key: LeafKey, artifact: str) -> None:
-    expected = f"a tensor {key.dtype}{list(key.shape)}"
+    expected = "a float" if key.weak else f"a tensor {key.dtype}{list(key.shape)}"
     if not isinstance(leaf, Tensor):
         raise _mismatch(artifact, key.path, expected, f"{leaf!r} of type {type(leaf).__name__}")
     if leaf._ir_dtype != key.dtype or tuple(leaf.shape) != tuple(key.shape):

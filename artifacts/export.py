@@ -17,7 +17,10 @@ Plans are `forward` and `backward` for a compiled function, `joint` for value_an
 from __future__ import annotations
 
 import inspect
+import os
+from collections.abc import Callable
 from importlib import metadata
+from typing import Any
 
 from backplan.ir.liveness import Plan
 from backplan.ir.types import dtype_name
@@ -37,7 +40,13 @@ from .tree import (
 )
 
 
-def export(fn, *example_args, path, key=None, **example_kwargs) -> str:
+def export(
+    fn: Callable[..., Any],
+    *example_args: Any,
+    path: str | os.PathLike[str],
+    key: bytes | str | None = None,
+    **example_kwargs: Any,
+) -> str:
     """Trace fn on the example arguments and write the artifact to path; returns the path.
     fn is a @bp.compile function, or bp.value_and_grad(...) of one (then the artifact holds the
     joint forward-and-backward plan). Load it anywhere with bp.load(path), without the model's
@@ -162,6 +171,7 @@ def _common_meta(kind: str, name: str, call, captured: list, writer: _ArtifactWr
                     "dtype": key.dtype,
                     "shape": list(key.shape),
                     "requires_grad": key.requires_grad,
+                    "float": key.weak,
                 }
             )
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from backplan.ir.errors import BackplanError
 
@@ -35,7 +36,12 @@ class Limits:
 PLAN_ROLES = {"compiled": ({"forward"}, {"forward", "backward"}), "value_and_grad": ({"joint"},)}
 
 
-def load(path, max_bytes: int | None = None, key=None, max_flops: int | None = None):
+def load(
+    path: str | os.PathLike[str],
+    max_bytes: int | None = None,
+    key: bytes | str | None = None,
+    max_flops: int | None = None,
+) -> Any:
     """Load an artifact written by bp.export: a callable with the exported signature (and
     explain()), needing none of the model's source. Nothing in the file is unpickled or run.
     max_bytes caps a plan's peak memory (default: this machine's physical memory); max_flops

@@ -80,7 +80,9 @@ class LoadedArtifact(PlannedFunction):
     def _leaf_texts(self, show_requires_grad: bool = True) -> list[str]:
         texts = []
         for key in self._key.leaves:
-            if key.kind == "tensor":
+            if key.weak:
+                texts.append("float")
+            elif key.kind == "tensor":
                 flag = " requires_grad" if key.requires_grad and show_requires_grad else ""
                 texts.append(f"{key.dtype}[{','.join(map(str, key.shape))}]{flag}")
             else:
@@ -92,7 +94,9 @@ class LoadedArtifact(PlannedFunction):
         flags (static arguments at their exported values): a template to fill with real data."""
         leaves = []
         for key in self._key.leaves:
-            if key.kind == "tensor":
+            if key.weak:
+                leaves.append(0.0)
+            elif key.kind == "tensor":
                 zeros = np.zeros(key.shape, dtype=np_dtype(key.dtype))
                 leaves.append(Tensor(zeros, requires_grad=key.requires_grad))
             else:

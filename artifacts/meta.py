@@ -67,12 +67,23 @@ def _leaf_key(entry) -> LeafKey:
             check_shape(entry.get("shape"), where),
             check_dtype(entry.get("dtype"), where),
             field(entry, "requires_grad", bool, where),
+            weak=_float_flag(entry, where),
         )
     if entry.get("kind") == "static":
         return LeafKey(
             path, "static", static=static_key(static_from_json(entry.get("value"), where))
         )
     raise ExportError(f"{where}: leaf kind must be tensor or static")
+
+
+def _float_flag(entry: dict, where: str) -> bool:
+    """True for a Python float argument (a weakly typed f64[] input); absent in older files."""
+    flag = entry.get("float", False)
+    if not isinstance(flag, bool):
+        raise ExportError(f"{where}: 'float' must be true or false")
+    if flag and (entry.get("dtype") != "f64" or entry.get("shape") != []):
+        raise ExportError(f"{where}: a float argument must be f64[]")
+    return flag
 
 
 def check_inputs(graph, key: SignatureKey, captured: list, where: str) -> None:

@@ -1,7 +1,8 @@
 """Pytree structures, static values and call signatures as plain JSON, and back.
 
-Only data is stored: namedtuples become tuples (their classes cannot be restored without the
-model's code), and static values must be ints, floats, strings or bools.
+Only data is stored: namedtuples become tuples and dataclasses dicts of their fields (their
+classes cannot be restored without the model's code), classes registered with
+`bp.tree.register` cannot be stored, and static values must be ints, floats, strings or bools.
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ def treedef_to_json(treedef: TreeDef, where: str) -> dict:
     if treedef.kind == "dict":
         keys = [static_to_json(k, f"{where}: dict key") for k in treedef.meta]
         return {"kind": "dict", "keys": keys, "children": kids}
+    if treedef.kind == "dataclass":
+        cls, fields = treedef.meta
+        keys = [static_to_json(k, f"{where}: field") for k in fields]
+        return {"kind": "dict", "dataclass": cls.__name__, "keys": keys, "children": kids}
+    if treedef.kind == "custom":
+        cls = treedef.meta[0]
+        raise ExportError(
+            f"{where}: a {cls.__name__} (registered with bp.tree.register) cannot be stored in "
+            "an artifact, because loading it would need your code; pass its contents as a "
+            "dict, tuple or dataclass instead"
+        )
     raise ExportError(f"{where}: pytree node of kind {treedef.kind!r} cannot be stored")
 
 
@@ -113,9 +125,17 @@ def leaf_paths(treedef: TreeDef, prefix: str = "") -> list[str]:
         return []
     paths = []
     for i, child in enumerate(treedef.children):
-        key = treedef.meta[i] if treedef.kind == "dict" else i
+        key = _child_key(treedef, i)
         paths.extend(leaf_paths(child, child_path(prefix, key)))
     return paths
+
+
+def _child_key(treedef: TreeDef, i: int):
+    if treedef.kind == "dict":
+        return treedef.meta[i]
+    if treedef.kind == "dataclass":
+        return treedef.meta[1][i]
+    return i
 
 
 def child_path(path: str, key) -> str:
@@ -178,6 +198,10 @@ def _render(treedef: TreeDef, texts) -> str:
     kids = [_render(c, texts) for c in treedef.children]
     if treedef.kind == "dict":
         return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(treedef.meta, kids, strict=True)) + "}"
+    if treedef.kind == "dataclass":
+        cls, fields = treedef.meta
+        pairs = zip(fields, kids, strict=True)
+        return f"{cls.__name__}(" + ", ".join(f"{k}={v}" for k, v in pairs) + ")"
     if treedef.kind == "list":
         return "[" + ", ".join(kids) + "]"
     return "(" + ", ".join(kids) + ("," if len(kids) == 1 else "") + ")"

@@ -8,9 +8,11 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
+from backplan import nn, optim, random, tree
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
+from backplan.artifacts.tree_file import TreeFileError, load_tree, save_tree
 from backplan.ir.errors import (
     BackplanError,
     DtypeError,
@@ -28,43 +30,66 @@ from backplan.runtime import (
     no_grad,
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
+from backplan.tracer.compile import RetraceWarning
+from backplan.tracer.conv import arange, argmax, argmin, avg_pool2d, clip, conv2d, max_pool2d
+from backplan.tracer.dlpack import from_dlpack
+from backplan.tracer.errors import DonatedError
 from backplan.tracer.explain import explain
 from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
 from backplan.tracer.ops import __all__ as _ops_all
 from backplan.tracer.pytree import tree_map
+from backplan.tracer.random import dropout
 
 __version__ = "0.1.0"
 
 
-def zero_grad(tree) -> None:
+def zero_grad(params: object) -> None:
     """Clear .grad of every tensor in a pytree (a model's parameters, say)."""
-    tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, tree)
+    tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, params)
 
 
 __all__ = [
     *_ops_all,
     "BackplanError",
     "BackwardError",
+    "DonatedError",
     "DtypeError",
     "ExecutionError",
     "ExportError",
     "GraphFreedError",
     "ParseError",
+    "RetraceWarning",
     "ShapeError",
     "Tensor",
     "TracingError",
+    "TreeFileError",
     "VerifyError",
+    "arange",
+    "argmax",
+    "argmin",
+    "avg_pool2d",
+    "clip",
     "compile",
+    "conv2d",
+    "dropout",
+    "max_pool2d",
+    "nn",
+    "random",
     "enable_grad",
     "explain",
     "explain_graph",
     "export",
+    "from_dlpack",
     "grad",
     "is_grad_enabled",
     "live_saved_bytes",
     "load",
+    "load_tree",
     "no_grad",
+    "tree",
+    "optim",
+    "save_tree",
     "tree_map",
     "value_and_grad",
     "zero_grad",

@@ -14,11 +14,19 @@ COMMANDS = {
     "explain": ("backplan.explain_cli", "print the plan of a model defined in a file"),
     "export": ("backplan.export_cli", "write a self-contained artifact of a compiled model"),
     "inspect": ("backplan.inspect_cli", "print what an exported artifact holds"),
+    "cache": ("backplan.cache_cli", "show where the kernel cache is and how big, or empty it"),
 }
+DESCRIPTION = (
+    "backplan compiles numerical model functions into static forward and backward plans whose "
+    "saved buffers, lifetimes and frees are known before anything runs."
+)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backplan")
+    from backplan import __version__
+
+    parser = argparse.ArgumentParser(prog="python -m backplan", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"backplan {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module_name, help_text) in COMMANDS.items():

@@ -1,4 +1,5 @@
-"""`python -m backplan demo`: train a small MLP with @compile and show its backward plan."""
+"""`python -m backplan demo`: show the backward plan of a small MLP, then train it with a
+compiled step that does forward, backward and an Adam update in one call."""
 
 from __future__ import annotations
 
@@ -8,12 +9,9 @@ import time
 import numpy as np
 
 import backplan as bp
-from backplan.examples.mlp import init_mlp, mlp_loss, synthetic_classification
+from backplan.examples.mlp import init_mlp, make_train_step, mlp_loss, synthetic_classification
 
-
-def sgd_step(params: dict, lr: float) -> None:
-    for name, p in params.items():
-        params[name] = bp.tensor(p.numpy() - lr * p.grad.numpy(), requires_grad=True)
+SIZES = [32, 64, 64, 10]
 
 
 def add_arguments(parser) -> None:
@@ -25,31 +23,41 @@ def run(args) -> int:
     return 0
 
 
-def train(steps: int = 200, batch: int = 64, lr: float = 0.1, out=sys.stdout) -> list[float]:
+def show_backward_plan(x, labels, out) -> None:
+    """One loss.backward() the PyTorch way: the plan is known before backward runs."""
+    params = init_mlp(SIZES)
+    loss = mlp_loss(params, bp.tensor(x), bp.tensor(labels))
+    print("\nThe backward plan of one step, before backward runs:", file=out)
+    print(loss.grad_fn, file=out)
+    print(f"live saved bytes: {bp.live_saved_bytes()}", file=out)
+    loss.backward()
+    print(f"after backward:   {bp.live_saved_bytes()} (every saved buffer freed)\n", file=out)
+
+
+def train(steps: int = 200, batch: int = 64, lr: float = 3e-3, out=sys.stdout) -> list[float]:
     x_all, y_all = synthetic_classification(4096, 32, 10)
-    params = init_mlp([32, 64, 64, 10])
     print("Training a 32-64-64-10 MLP on synthetic data with @bp.compile", file=out)
+    show_backward_plan(x_all[:batch], y_all[:batch], out)
+    optimizer = bp.optim.adam(bp.optim.cosine_decay(lr, decay_steps=steps, alpha=0.1))
+    train_step = make_train_step(optimizer)
+    params = init_mlp(SIZES, requires_grad=False)
+    state = optimizer.init(params)
+    print(
+        "Training with bp.optim.adam and a cosine schedule: one compiled call per step does the "
+        "forward, the backward and the update, writing into the donated parameter buffers.",
+        file=out,
+    )
     losses, start = [], time.perf_counter()
     rng = np.random.default_rng(1)
     for step in range(steps):
         idx = rng.integers(0, len(x_all), batch)
-        loss = mlp_loss(params, bp.tensor(x_all[idx]), bp.tensor(y_all[idx]))
-        if step == 0:
-            print("\nThe backward plan of one step, before backward runs:", file=out)
-            print(loss.grad_fn, file=out)
-            print(f"live saved bytes: {bp.live_saved_bytes()}", file=out)
-        loss.backward()
-        if step == 0:
-            print(
-                f"after backward:   {bp.live_saved_bytes()} (every saved buffer freed)\n", file=out
-            )
+        params, state, loss = train_step(params, state, x_all[idx], y_all[idx])
         losses.append(loss.item())
-        sgd_step(params, lr)
         if step % 25 == 0 or step == steps - 1:
             recent = np.mean(losses[-25:])
             print(f"step {step:4d}  loss {recent:.4f}", file=out)
     elapsed = time.perf_counter() - start
-    info = mlp_loss.cache_info()
+    info = train_step.cache_info()
     print(
         f"\n{steps} steps in {elapsed:.2f} s; traced {info.traces} time(s), {info.hits} cache hits",
         file=out,

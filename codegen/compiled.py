@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from backplan.ir.donation import donation_pairs
 from backplan.ir.errors import ExecutionError
 from backplan.ir.index_check import format_position
 from backplan.ir.liveness import Plan
@@ -36,10 +37,11 @@ def canonical_text(plan: Plan) -> str:
 class CompiledPlan:
     """Calling it runs the whole plan in one compiled function."""
 
-    def __init__(self, lowered: LoweredPlan):
+    def __init__(self, lowered: LoweredPlan, donated: tuple[int, ...] = ()):
         plan = self.plan = lowered.plan
         start = time.perf_counter()
         generated = generate(lowered)
+        self.donations = donation_pairs(lowered, donated)  # output buffer -> donated input
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
@@ -56,7 +58,9 @@ class CompiledPlan:
             (internal_shape(v.shape), np_dtype(v.dtype)) for v in generated.output_buffers
         ]
         self._workspaces = WorkspacePool(
-            [(np_dtype(d), n) for d, n in generated.scratch.items()], self._output_buffers
+            [(np_dtype(d), n) for d, n in generated.scratch.items()],
+            self._output_buffers,
+            frozenset(self.donations),
         )
         self._launch_guard = (
             parallel_guard() if PARALLEL_LAUNCH.search(self.source) else contextlib.nullcontext()
@@ -70,15 +74,21 @@ class CompiledPlan:
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
 
-    def __call__(self, args: list) -> list:
+    def __call__(self, args: list, donate=()) -> list:
+        """donate: inputs whose buffers the caller gives up; outputs paired with them
+        (self.donations) are written into them instead of into new arrays."""
         arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
         args.clear()
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
         arrays += self._constants
         workspace = self._workspaces.checkout()
         arrays += workspace.scratch
-        arrays += workspace.output_arrays()
+        outputs = workspace.output_arrays(given)
+        for k, i in given.items():
+            outputs[k] = arrays[i]
+        arrays += outputs
         try:
             with self._launch_guard:
                 if self.first_call_seconds is None:
@@ -92,6 +102,8 @@ class CompiledPlan:
         finally:
             del arrays
             self._workspaces.checkin(workspace)
+            for k in given:
+                outputs[k].flags.writeable = False  # the caller wraps it as an immutable tensor
         if not (self._literal_outputs or self._scalar_outputs):
             return list(returned)
         outputs = list(returned)
@@ -100,6 +112,20 @@ class CompiledPlan:
         for i in self._scalar_outputs:
             outputs[i] = outputs[i].reshape(())
         return outputs
+
+    def _donated_buffers(self, args: list, arrays: list, donate) -> dict[int, int]:
+        """{output buffer: input} for the donations usable in this call: the input array is
+        the caller's own (not a contiguous copy) and can be made writeable."""
+        given = {}
+        for k, i in self.donations.items():
+            if i not in donate or arrays[i] is not args[i]:
+                continue
+            try:
+                arrays[i].flags.writeable = True
+            except ValueError:  # a view of someone else's read-only buffer
+                continue
+            given[k] = i
+        return given
 
     @property
     def scratch_bytes(self) -> int:

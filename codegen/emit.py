@@ -29,6 +29,8 @@ from backplan.codegen.blas import (
 )
 from backplan.codegen.flags import JIT_OPTIONS
 from backplan.codegen.library import *  # noqa: F403
+from backplan.codegen.library_conv import *  # noqa: F403
+from backplan.codegen.library_random import *  # noqa: F403
 from backplan.codegen.scalar_functions import *  # noqa: F403
 '''
 

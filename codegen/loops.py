@@ -239,7 +239,9 @@ class LoopEmitter:
     def _init(self, red) -> str:
         if red.op == "sum":
             return literal(0, red.dtype)
-        return literal(float("-inf"), red.dtype) if red.dtype != "i64" else "np.iinfo(np.int64).min"
+        if red.dtype in ("f32", "f64"):
+            return literal(float("-inf"), red.dtype)
+        return f"np.iinfo({NP_TYPE[red.dtype]}).min"
 
     def operand(self, value) -> str:
         base = alias_base(value)

@@ -268,6 +268,63 @@ class OpEmitter:
             *self._raise(node, labels, label_message(*HOLES, cols)),
         ]
 
+    # ---- random draws, convolutions, arg-extremes -----------------------------------------------
+
+    def _key_check(self, node, key: str) -> list[str]:
+        return [
+            f"bad = check_key({key})",
+            *self._raise(node, "key words must lie in [0, 2**32); make keys with bp.random.key"),
+        ]
+
+    def _draw(self, node, out, fn: str, extra: str = "") -> list[str]:
+        key = self.array(node.inputs[0])
+        size = math.prod(node.shape)
+        variant = "par" if size >= (1 << 16) else "serial"
+        return [
+            *self._key_check(node, key),
+            f"{fn}_{variant}({key}, {out}.reshape(({size},)){extra})",
+        ]
+
+    def op_random_uniform(self, node, out) -> list[str]:
+        return self._draw(node, out, "random_uniform", f", {node.dtype == 'f64'}")
+
+    def op_random_normal(self, node, out) -> list[str]:
+        return self._draw(node, out, "random_normal")
+
+    def op_random_split(self, node, out) -> list[str]:
+        key = self.array(node.inputs[0])
+        return [*self._key_check(node, key), f"random_split({key}, {out})"]
+
+    def _conv(self, node, out, fn: str) -> list[str]:
+        a, b = (self.array(v) for v in node.inputs)
+        (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
+        dh, dw = node.attrs["dilation"]
+        args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}"
+        return [f"{fn}_gemm({a}, {b}, {out}, {args})"]
+
+    def op_conv2d(self, node, out) -> list[str]:
+        return self._conv(node, out, "conv2d")
+
+    def op_conv2d_input_grad(self, node, out) -> list[str]:
+        return self._conv(node, out, "conv2d_input_grad")
+
+    def op_conv2d_weight_grad(self, node, out) -> list[str]:
+        return self._conv(node, out, "conv2d_weight_grad")
+
+    def _arg_extreme(self, node, out, want_max: bool) -> list[str]:
+        (x,) = node.inputs
+        pre, n, post = self._split(x.shape, node.attrs["axis"])
+        return [
+            f"arg_extreme_strided({self.array(x)}.reshape(({pre}, {n}, {post})), "
+            f"{out}.reshape(({pre}, {post})), {want_max})"
+        ]
+
+    def op_argmax(self, node, out) -> list[str]:
+        return self._arg_extreme(node, out, True)
+
+    def op_argmin(self, node, out) -> list[str]:
+        return self._arg_extreme(node, out, False)
+
 
 # The one table of ops codegen lowers as a kernel of their own: every registry op without a
 # scalar expression, loop-tail reduction, view or source form (tests/test_registry.py checks
@@ -284,6 +341,14 @@ OPAQUE_EMITTERS = {
     "logsumexp": OpEmitter.op_logsumexp,
     "layer_norm": OpEmitter.op_layer_norm,
     "cross_entropy": OpEmitter.op_cross_entropy,
+    "random_uniform": OpEmitter.op_random_uniform,
+    "random_normal": OpEmitter.op_random_normal,
+    "random_split": OpEmitter.op_random_split,
+    "conv2d": OpEmitter.op_conv2d,
+    "conv2d_input_grad": OpEmitter.op_conv2d_input_grad,
+    "conv2d_weight_grad": OpEmitter.op_conv2d_weight_grad,
+    "argmax": OpEmitter.op_argmax,
+    "argmin": OpEmitter.op_argmin,
 }
 
 

@@ -7,7 +7,14 @@ import math
 
 from backplan.ir.registry import get_op
 
-NP_TYPE = {"f32": "np.float32", "f64": "np.float64", "i64": "np.int64", "bool": "np.bool_"}
+NP_TYPE = {
+    "f32": "np.float32",
+    "f64": "np.float64",
+    "i64": "np.int64",
+    "i32": "np.int32",
+    "u8": "np.uint8",
+    "bool": "np.bool_",
+}
 
 
 def literal(value, dtype: str) -> str:
@@ -17,8 +24,8 @@ def literal(value, dtype: str) -> str:
         return f"{NP_TYPE[dtype]}(np.nan)"
     if isinstance(value, float) and math.isinf(value):
         return f"{NP_TYPE[dtype]}({'np.inf' if value > 0 else '-np.inf'})"
-    if dtype == "i64":
-        return f"np.int64({int(value)})"
+    if dtype in ("u8", "i32", "i64"):
+        return f"{NP_TYPE[dtype]}({int(value)})"
     return f"{NP_TYPE[dtype]}({float(value)!r})"
 
 

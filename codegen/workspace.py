@@ -34,24 +34,32 @@ def parallel_guard():
 class Workspace:
     """The scratch arenas (one per dtype) and the outputs of this workspace's previous call."""
 
-    def __init__(self, scratch: list[tuple[np.dtype, int]], output_buffers: list):
+    def __init__(
+        self, scratch: list[tuple[np.dtype, int]], output_buffers: list, donatable=frozenset()
+    ):
         self.scratch = [np.empty(max(n, 1), dtype) for dtype, n in scratch]
         self.output_buffers = output_buffers  # (shape, dtype) of each per-call output
         self.previous_outputs = [None] * len(output_buffers)
+        self.donatable = donatable  # outputs that may go back in as donated inputs: not kept
 
-    def output_arrays(self) -> list:
+    def output_arrays(self, given=()) -> list:
         """Fresh output buffers, except that a buffer from this workspace's previous call that
         nobody holds any more is reused: no new pages to fault in (16 MiB outputs cost ~1 ms
-        each). Only the thread holding the workspace looks at them."""
+        each). Only the thread holding the workspace looks at them. Slots in `given` are left
+        None: the caller fills them with donated inputs."""
         arrays = []
         for i, (shape, dtype) in enumerate(self.output_buffers):
+            if i in given:
+                arrays.append(None)
+                continue
             previous = self.previous_outputs[i]
             if previous is not None and sys.getrefcount(previous) == 3:  # list, local, argument
                 previous.flags.writeable = True
                 arrays.append(previous)
             else:
                 arrays.append(np.empty(shape, dtype))
-            self.previous_outputs[i] = arrays[-1]
+            if i not in self.donatable:  # a donated-back result is the caller's, not ours
+                self.previous_outputs[i] = arrays[-1]
         return arrays
 
 
@@ -59,10 +67,13 @@ class WorkspacePool:
     """Workspaces checked out per call; list.pop and list.append are atomic under the GIL, so
     the pool needs no lock of its own."""
 
-    def __init__(self, scratch: list[tuple[np.dtype, int]], output_buffers: list):
+    def __init__(
+        self, scratch: list[tuple[np.dtype, int]], output_buffers: list, donatable=frozenset()
+    ):
         self._scratch = scratch
         self._output_buffers = output_buffers
-        self._idle = [Workspace(scratch, output_buffers)]
+        self._donatable = donatable
+        self._idle = [Workspace(scratch, output_buffers, donatable)]
 
     @property
     def scratch_bytes(self) -> int:
@@ -73,7 +84,7 @@ class WorkspacePool:
         try:
             return self._idle.pop()
         except IndexError:
-            return Workspace(self._scratch, self._output_buffers)
+            return Workspace(self._scratch, self._output_buffers, self._donatable)
 
     def checkin(self, workspace: Workspace) -> None:
         if len(self._idle) < KEEP_IDLE:

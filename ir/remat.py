@@ -1,8 +1,9 @@
 """Rematerialisation: a saved value that a short chain of cheap ops rebuilds from values the
 backward holds anyway (region inputs, other saved values) is recomputed in backward instead of
 saved. Saved bytes only go down: a value is recomputed only when every leaf of its chain is
-already available. Every registry op is pure (no randomness, no state), so recomputing gives
-the same bits the forward computed.
+already available. Every registry op is pure (random draws are functions of their key tensor),
+so recomputing gives the same bits the forward computed: a dropout mask is rebuilt from its
+16-byte key instead of being saved.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Dtypes and tensor types of IR values: a small closed set, printed as f32, f64, i64, bool."""
+"""Dtypes and tensor types of IR values: a small closed set, printed as bool, u8, i32, i64, f32,
+f64. Anything else is refused with a DtypeError naming the supported set, never converted."""
 
 from dataclasses import dataclass
 
@@ -8,28 +9,48 @@ from .errors import DtypeError
 
 DTYPES = {
     "bool": np.dtype(np.bool_),
+    "u8": np.dtype(np.uint8),
+    "i32": np.dtype(np.int32),
     "i64": np.dtype(np.int64),
     "f32": np.dtype(np.float32),
     "f64": np.dtype(np.float64),
 }
 FLOAT_DTYPES = ("f32", "f64")
+INT_DTYPES = ("u8", "i32", "i64")
 _NAME_OF = {v: k for k, v in DTYPES.items()}
+SUPPORTED_TEXT = "bool, uint8, int32, int64, float32, float64"
 
 
 def dtype_name(dtype) -> str:
-    """Map anything numpy accepts as a dtype (or an IR name) to an IR dtype name."""
+    """Map anything numpy accepts as a dtype (or an IR name) to an IR dtype name. A dtype
+    outside the supported set raises, saying which cast keeps the values."""
     if isinstance(dtype, str) and dtype in DTYPES:
         return dtype
     try:
         np_dtype = np.dtype(dtype)
     except TypeError as exc:
-        raise DtypeError(f"unknown dtype {dtype!r}") from exc
-    if np_dtype.kind in "iu" and np_dtype != np.int64:
-        return "i64"
+        raise DtypeError(f"unknown dtype {dtype!r}; supported: {SUPPORTED_TEXT}") from exc
     if np_dtype not in _NAME_OF:
-        supported = ", ".join(str(d) for d in DTYPES.values())
-        raise DtypeError(f"dtype {np_dtype} is not supported; use one of {supported}")
+        raise DtypeError(
+            f"dtype {np_dtype} is not supported (supported: {SUPPORTED_TEXT}); "
+            f"{_suggestion(np_dtype)}"
+        )
     return _NAME_OF[np_dtype]
+
+
+def _suggestion(dtype: np.dtype) -> str:
+    """The explicit conversion that keeps the values, or why there is none."""
+    if dtype.kind == "f":
+        return "convert with .astype(np.float32) (or np.float64) first"
+    if dtype.kind in "iu":
+        return "convert with .astype(np.int64) first (values must fit)"
+    if dtype.kind == "c":
+        return "complex numbers are not supported; pass .real and .imag as two float tensors"
+    if dtype.kind in "mM":
+        return "convert datetimes to numbers first, e.g. .astype(np.int64) for ticks"
+    if dtype.fields is not None:
+        return "pass each field of a structured array as its own tensor"
+    return "convert the data to a numeric NumPy array first"
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -38,6 +59,10 @@ def np_dtype(name: str) -> np.dtype:
 
 def is_float(name: str) -> bool:
     return name in FLOAT_DTYPES
+
+
+def is_int(name: str) -> bool:
+    return name in INT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -60,17 +85,34 @@ class TensorType:
         return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"
 
 
+_CATEGORY = {"bool": 0, "u8": 1, "i32": 1, "i64": 1, "f32": 2, "f64": 2}
+
+
 def promote_types(a: str, b: str) -> str:
-    """NumPy 2 promotion between two tensor dtypes."""
+    """Promotion between two tensor dtypes, as PyTorch and JAX do it: within a category (bool,
+    integer, float) the wider wins as in NumPy; across categories the higher category's dtype
+    wins, so int64 @ float32 is float32 (NumPy would give float64)."""
+    if _CATEGORY[a] != _CATEGORY[b]:
+        return a if _CATEGORY[a] > _CATEGORY[b] else b
     return dtype_name(np.promote_types(DTYPES[a], DTYPES[b]))
 
 
 def promote_with_scalar(tensor_dtype: str, scalar) -> str:
-    """NumPy 2 rule for Python scalars: they are weak and never widen a float tensor."""
+    """NumPy 2 rule for Python scalars: they are weak and never widen a tensor of their own
+    category; an int that does not fit an integer tensor's dtype raises, as in NumPy 2."""
     if isinstance(scalar, bool):
         return tensor_dtype
     if isinstance(scalar, int):
-        return "i64" if tensor_dtype == "bool" else tensor_dtype
+        if tensor_dtype == "bool":
+            return "i64"
+        if is_int(tensor_dtype):
+            info = np.iinfo(DTYPES[tensor_dtype])
+            if not info.min <= scalar <= info.max:
+                raise DtypeError(
+                    f"Python int {scalar} does not fit a {DTYPES[tensor_dtype]} tensor "
+                    f"({info.min}..{info.max}); cast the tensor with .astype('int64') first"
+                )
+        return tensor_dtype
     if isinstance(scalar, float):
         return tensor_dtype if is_float(tensor_dtype) else "f64"
     raise DtypeError(f"unsupported scalar {scalar!r} of type {type(scalar).__name__}")

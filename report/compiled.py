@@ -6,11 +6,14 @@ them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backplan.codegen.ops_emit import unsupported_reason
+from backplan.ir.donation import donated_outputs
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import lower
+
+from .plan_view import input_label
 
 
 @dataclass(frozen=True)
@@ -23,24 +26,30 @@ class CompiledPlanFacts:
     output_bytes: int = 0  # allocated fresh on every call: what the call returns
     reused_saved: int = 0  # temporaries placed in saved buffers after their last read
     unsupported: str | None = None  # why this plan would run on the reference interpreter
+    donated: tuple = ()  # (output index, donated input (index, or name), bytes): in place
 
     @property
     def compiled(self) -> bool:
         return self.unsupported is None
 
 
-def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> CompiledPlanFacts:
+def plan_facts(
+    label: str, plan: Plan, private_saved: tuple[int, ...] = (), donated: tuple[int, ...] = ()
+) -> CompiledPlanFacts:
+    """donated: inputs whose buffers outputs may take (those bytes are not fresh per call)."""
     lowered = lower(plan, private_saved)
     why = unsupported_reason(lowered)
     if why is not None:
         return CompiledPlanFacts(label, unsupported=why)
     layout = lowered.layout
+    in_place = donated_outputs(lowered, donated)
     return CompiledPlanFacts(
         label,
         lowered.kernel_count,
         layout.scratch_bytes,
-        layout.output_bytes,
+        layout.output_bytes - sum(n for _, _, n in in_place),
         len(layout.reused_saved),
+        donated=tuple(in_place),
     )
 
 
@@ -48,7 +57,9 @@ def region_facts(program) -> list[CompiledPlanFacts]:
     """The forward, then both backward variants: backward() consumes the graph (and may reuse
     its private saved buffers as scratch), backward(retain_graph=True) keeps them intact."""
     plans = program.plans
-    facts = [plan_facts("forward", plans.forward)]
+    forward = plan_facts("forward", plans.forward, donated=program.donated)
+    named = tuple((out, input_label(program.input_names, i), n) for out, i, n in forward.donated)
+    facts = [replace(forward, donated=named)]
     if plans.backward is not None:
         facts.append(
             plan_facts("backward (consume)", plans.backward, program.private_saved_inputs())

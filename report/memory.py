@@ -14,6 +14,7 @@ def memory_text(report) -> str:
     else:
         parts.append(wrap(compiled_paragraph(report)))
         parts.append(compiled_table(report.compiled))
+        parts.append(wrap(donation_note(report)))
         parts.append(wrap(variants_note(report)))
     return "\n".join(p for p in parts if p)
 
@@ -77,6 +78,23 @@ def compiled_table(facts) -> str:
         if not f.compiled
     ]
     return "\n".join(lines)
+
+
+def donation_note(report) -> str:
+    """Which outputs the forward writes into donated inputs (bp.compile(donate_argnums=...))."""
+    forward = next((f for f in report.compiled if f.plan == "forward"), None)
+    if forward is None or not forward.donated:
+        return ""
+    pairs = ", ".join(
+        f"output {out} into {name} ({format_bytes(nbytes)})"
+        for out, name, nbytes in forward.donated
+    )
+    total = sum(n for _, _, n in forward.donated)
+    return (
+        f"Donated inputs (donate_argnums): the forward writes these outputs into the buffers "
+        f"of the donated inputs, so {format_bytes(total)} are not allocated per call: {pairs}. "
+        "A donated tensor cannot be used after the call (bp.DonatedError)."
+    )
 
 
 def variants_note(report) -> str:

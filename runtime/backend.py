@@ -47,8 +47,8 @@ class ReferenceRunner:
         self.why = why
         self.kernels = None
 
-    def __call__(self, args: list, release=None) -> list:
-        return run_plan(self.plan, args, release=release)
+    def __call__(self, args: list, release=None, donate=()) -> list:
+        return run_plan(self.plan, args, release=release)  # results are new arrays anyway
 
 
 class CompiledRunner:
@@ -57,25 +57,26 @@ class CompiledRunner:
 
     backend = "numba"
 
-    def __init__(self, lowered: LoweredPlan):
+    def __init__(self, lowered: LoweredPlan, donated: tuple[int, ...] = ()):
         from backplan.codegen.compiled import CompiledPlan
 
         plan = self.plan = lowered.plan
-        self.compiled = CompiledPlan(lowered)
+        self.compiled = CompiledPlan(lowered, donated)
         self.kernels = self.compiled.kernel_count
         self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
 
-    def __call__(self, args: list, release=None) -> list:
-        outputs = self.compiled(args)
+    def __call__(self, args: list, release=None, donate=()) -> list:
+        outputs = self.compiled(args, donate)
         if release is not None:
             for i in self._owned:
                 release(i)
         return outputs
 
 
-def make_runner(lowered: LoweredPlan, backend: str | None = None):
+def make_runner(lowered: LoweredPlan, backend: str | None = None, donated: tuple[int, ...] = ()):
     """The runner of a lowered plan on this backend (the current one by default); a consuming
-    backward's lowered plan may reuse private saved buffers after their last read."""
+    backward's lowered plan may reuse private saved buffers after their last read. donated:
+    inputs whose buffers outputs may be written into (bp.compile(donate_argnums=...))."""
     plan = lowered.plan
     backend = backend or current_backend()
     if backend == "reference":
@@ -83,7 +84,7 @@ def make_runner(lowered: LoweredPlan, backend: str | None = None):
     from backplan.codegen.ops_emit import Unsupported
 
     try:
-        return CompiledRunner(lowered)
+        return CompiledRunner(lowered, donated)
     except Unsupported as exc:
         warnings.warn(
             f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3

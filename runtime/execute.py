@@ -6,10 +6,11 @@ from .program import RegionProgram
 from .region import Edge, Region
 
 
-def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, loc: str):
-    """Returns (user outputs, region or None). edges is None when nothing needs a gradient."""
+def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, loc: str, donate=()):
+    """Returns (user outputs, region or None). edges is None when nothing needs a gradient.
+    donate: inputs whose buffers the plan may write outputs into (never saved ones)."""
     inputs = list(args)
-    outputs = program.run_forward(list(args))
+    outputs = program.run_forward(list(args), donate)
     user_outputs = outputs[: program.n_outputs]
     if edges is None or program.plans.backward is None:
         return user_outputs, None

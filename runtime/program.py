@@ -46,8 +46,10 @@ class RegionProgram:
         name: str,
         input_names: list[str] | None = None,
         backend: str | None = None,
+        donated: tuple[int, ...] = (),
     ):
         self.plans = plans
+        self.donated = donated  # forward inputs whose buffers outputs may be written into
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
         self._runners: dict = {}
@@ -130,13 +132,15 @@ class RegionProgram:
         return runner
 
     def _make_runner(self, mode: BackwardMode | None, backend: str):
-        return make_runner(self.plans.lowered(mode), backend)
+        donated = self.donated if mode is None else ()
+        return make_runner(self.plans.lowered(mode), backend, donated=donated)
 
     def private_saved_inputs(self) -> tuple[int, ...]:
         return self.plans.private_saved_inputs()
 
-    def run_forward(self, args: list) -> list:
-        return self.runner(None)(args)
+    def run_forward(self, args: list, donate=()) -> list:
+        """donate: inputs (among self.donated) whose buffers the caller gives up this call."""
+        return self.runner(None)(args, donate=donate)
 
     def run_backward(self, args: list, mode: BackwardMode, release) -> list:
         return self.runner(mode)(args, release)

@@ -201,10 +201,115 @@ def np_reduce(fn):
     return oracle
 
 
+MASK32 = 0xFFFFFFFF
+
+
+def py_threefry(key, counter):
+    """Threefry-2x32-20 on Python ints, written from Random123's specification."""
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    ks = [key[0], key[1], key[0] ^ key[1] ^ 0x1BD11BDA]
+    x = [(counter[0] + ks[0]) & MASK32, (counter[1] + ks[1]) & MASK32]
+    for block in range(5):
+        for r in rotations[block % 2]:
+            x[0] = (x[0] + x[1]) & MASK32
+            x[1] = (((x[1] << r) | (x[1] >> (32 - r))) & MASK32) ^ x[0]
+        x[0] = (x[0] + ks[(block + 1) % 3]) & MASK32
+        x[1] = (x[1] + ks[(block + 2) % 3] + block + 1) & MASK32
+    return x
+
+
+def py_words(key, count):
+    return [py_threefry([int(k) for k in key], [j >> 32, j & MASK32]) for j in range(count)]
+
+
+def np_random_uniform(key, shape, dtype):
+    size = math.prod(shape)
+    if dtype == "f32":
+        words = [w for pair in py_words(key, (size + 1) // 2) for w in pair][:size]
+        values = [(w >> 8) / 2**24 for w in words]
+    else:
+        values = [((a >> 5) * 2**26 + (b >> 6)) / 2**53 for a, b in py_words(key, size)]
+    return np.array(values, NP_DTYPES[dtype]).reshape(shape)
+
+
+def np_random_normal(key, shape, dtype):
+    size, values = math.prod(shape), []
+    for a, b in py_words(key, (size + 1) // 2):
+        radius = math.sqrt(-2 * math.log((a + 1) / 2**32))
+        values += [
+            radius * math.cos(2 * math.pi * b / 2**32),
+            radius * math.sin(2 * math.pi * b / 2**32),
+        ]
+    return np.array(values[:size], NP_DTYPES[dtype]).reshape(shape)
+
+
+def np_random_split(key, count):
+    return np.array([py_threefry([int(k) for k in key], [MASK32, c]) for c in range(count)])
+
+
+def _conv_windows(xp, out_hw, kernel_hw, stride, dilation):
+    """(r, q, window (N, C, kH, kW)) of a padded input for each output position."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel_hw, stride, dilation
+    for r in range(out_hw[0]):
+        for q in range(out_hw[1]):
+            rows = slice(r * sh, r * sh + dh * (kh - 1) + 1, dh)
+            cols = slice(q * sw, q * sw + dw * (kw - 1) + 1, dw)
+            yield r, q, rows, cols
+
+
+def _conv_geometry(x_shape, w_shape, stride, padding, dilation):
+    return tuple(
+        (x_shape[2 + a] + 2 * padding[a] - dilation[a] * (w_shape[2 + a] - 1) - 1) // stride[a] + 1
+        for a in range(2)
+    )
+
+
+def np_conv2d(x, w, stride, padding, dilation, groups):
+    out_hw = _conv_geometry(x.shape, w.shape, stride, padding, dilation)
+    (ph, pw), cg, og = padding, w.shape[1], w.shape[0] // groups
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    out = np.zeros((x.shape[0], w.shape[0]) + out_hw, x.dtype)
+    for r, q, rows, cols in _conv_windows(xp, out_hw, w.shape[2:], stride, dilation):
+        for g in range(groups):
+            window = xp[:, g * cg : (g + 1) * cg, rows, cols]
+            out[:, g * og : (g + 1) * og, r, q] = np.einsum(
+                "nckl,ockl->no", window, w[g * og : (g + 1) * og]
+            )
+    return out
+
+
+def np_conv2d_input_grad(g_out, w, input_shape, stride, padding, dilation, groups):
+    (ph, pw), cg, og = padding, w.shape[1], w.shape[0] // groups
+    n, c, h, wd = input_shape
+    dxp = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), g_out.dtype)
+    for r, q, rows, cols in _conv_windows(dxp, g_out.shape[2:], w.shape[2:], stride, dilation):
+        for g in range(groups):
+            dxp[:, g * cg : (g + 1) * cg, rows, cols] += np.einsum(
+                "no,ockl->nckl", g_out[:, g * og : (g + 1) * og, r, q], w[g * og : (g + 1) * og]
+            )
+    return dxp[:, :, ph : ph + h, pw : pw + wd]
+
+
+def np_conv2d_weight_grad(x, g_out, weight_shape, stride, padding, dilation, groups):
+    (ph, pw), cg, og = padding, weight_shape[1], weight_shape[0] // groups
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    dw = np.zeros(weight_shape, x.dtype)
+    for r, q, rows, cols in _conv_windows(xp, g_out.shape[2:], weight_shape[2:], stride, dilation):
+        for g in range(groups):
+            dw[g * og : (g + 1) * og] += np.einsum(
+                "no,nckl->ockl",
+                g_out[:, g * og : (g + 1) * og, r, q],
+                xp[:, g * cg : (g + 1) * cg, rows, cols],
+            )
+    return dw
+
+
 # ---- the table --------------------------------------------------------------------------------
 
 A = Arg
 MATRIX, ROW = A((3, 4)), A((4,))
+CONV_ODD = {"stride": (2, 1), "padding": (1, 0), "dilation": (1, 2), "groups": 1}
+CONV_GROUPS = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 2}
 
 
 def public_sum(x, axes, keepdims):
@@ -676,5 +781,105 @@ SAMPLES: list[OpSample] = [
         attrs={"dtype": DTYPE},
         public=bp.astype,
         label="from_bool",
+    ),
+    # random draws (keys are i64[2] of 32-bit words)
+    S(
+        "random_uniform",
+        [A((2,), "labels", high=2**32)],
+        np_random_uniform,
+        attrs={"shape": (3, 5), "dtype": DTYPE},
+        public=lambda key, shape, dtype: bp.random.uniform(key, shape, dtype),
+    ),
+    S(
+        "random_normal",
+        [A((2,), "labels", high=2**32)],
+        np_random_normal,
+        attrs={"shape": (7,), "dtype": DTYPE},
+        public=lambda key, shape, dtype: bp.random.normal(key, shape, dtype),
+        seed=1,
+    ),
+    S(
+        "random_split",
+        [A((2,), "labels", high=2**32)],
+        np_random_split,
+        attrs={"count": 3},
+        public=lambda key, count: bp.stack(bp.random.split(key, count)),
+    ),
+    # convolution (NCHW)
+    S(
+        "conv2d",
+        [A((2, 3, 7, 6)), A((4, 3, 3, 2))],
+        np_conv2d,
+        attrs=CONV_ODD,
+        public=lambda x, w, **a: bp.conv2d(x, w, **a),
+        saves=frozenset([IN(0), IN(1)]),
+    ),
+    S(
+        "conv2d",
+        [A((1, 4, 5, 5)), A((6, 2, 3, 3))],
+        np_conv2d,
+        attrs=CONV_GROUPS,
+        public=lambda x, w, **a: bp.conv2d(x, w, **a),
+        saves=frozenset([IN(0), IN(1)]),
+        label="groups",
+    ),
+    S(
+        "conv2d_input_grad",
+        [A((2, 4, 4, 4)), A((4, 3, 3, 2))],
+        np_conv2d_input_grad,
+        attrs={**CONV_ODD, "input_shape": (2, 3, 7, 6)},
+        saves=frozenset([IN(0), IN(1)]),
+    ),
+    S(
+        "conv2d_input_grad",
+        [A((1, 6, 5, 5)), A((6, 2, 3, 3))],
+        np_conv2d_input_grad,
+        attrs={**CONV_GROUPS, "input_shape": (1, 4, 5, 5)},
+        saves=frozenset([IN(0), IN(1)]),
+        label="groups",
+    ),
+    S(
+        "conv2d_weight_grad",
+        [A((2, 3, 7, 6)), A((2, 4, 4, 4))],
+        np_conv2d_weight_grad,
+        attrs={**CONV_ODD, "weight_shape": (4, 3, 3, 2)},
+        saves=frozenset([IN(0), IN(1)]),
+    ),
+    S(
+        "conv2d_weight_grad",
+        [A((1, 4, 5, 5)), A((1, 6, 5, 5))],
+        np_conv2d_weight_grad,
+        attrs={**CONV_GROUPS, "weight_shape": (6, 2, 3, 3)},
+        saves=frozenset([IN(0), IN(1)]),
+        label="groups",
+    ),
+    # arg-extremes
+    _unary(
+        "argmax",
+        lambda x, axis, keepdims: np.argmax(x, axis, keepdims=keepdims),
+        lambda x, axis, keepdims: bp.argmax(x, axis, keepdims),
+        None,
+        kind="distinct",
+        shape=(3, 4, 5),
+        attrs={"axis": 1, "keepdims": False},
+    ),
+    _unary(
+        "argmax",
+        lambda x, axis, keepdims: np.argmax(x, axis, keepdims=keepdims),
+        lambda x, axis, keepdims: bp.argmax(x, axis, keepdims),
+        None,
+        shape=(3, 4),
+        attrs={"axis": 0, "keepdims": True},
+        dtypes=("i64",),
+        label="int",
+    ),
+    _unary(
+        "argmin",
+        lambda x, axis, keepdims: np.argmin(x, axis, keepdims=keepdims),
+        lambda x, axis, keepdims: bp.argmin(x, axis, keepdims),
+        None,
+        kind="grid",
+        shape=(4, 6),
+        attrs={"axis": 1, "keepdims": True},
     ),
 ]

@@ -10,7 +10,7 @@ from backplan.__main__ import main
 SCRIPT = textwrap.dedent("""
     import backplan as bp
 
-    def mlp(params, x, labels, scale=1.0):
+    def mlp(params, x, labels, scale=1):
         h = bp.relu(x @ params["w0"] + params["b0"])
         return bp.cross_entropy(h @ params["w1"] * scale, labels)
 
@@ -66,8 +66,13 @@ def test_value_and_grad_flag_differentiates_the_arguments_marked_grad(script, ca
 
 
 def test_static_values_reach_the_function(script, capsys):
+    assert main(["explain", f"{script}:mlp", *ARGS, "--args", "scale=3"]) == 0
+    assert "{value=3" in capsys.readouterr().out
+
+
+def test_float_values_are_traced_inputs(script, capsys):
     assert main(["explain", f"{script}:mlp", *ARGS, "--args", "scale=0.5"]) == 0
-    assert "{value=0.5" in capsys.readouterr().out
+    assert "= scale: f64[]" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -195,14 +195,30 @@ def test_backward_frees_saved_buffers_and_second_backward_fails(artifacts, data)
         out["y"].sum().backward()
 
 
-def test_static_argument_and_dict_key_order(model, data, artifacts):
+def test_float_argument_and_dict_key_order(model, data, artifacts):
+    """A Python float argument is traced, so the artifact takes any float for it."""
     params, x, _ = data
     predict = bp.load(artifacts["predict"])
     reordered = {"b": bp.tensor(params["b"]), "w": bp.tensor(params["w"])}
     expected = model.predict(leaf_params(params), x)["y"].numpy()
     np.testing.assert_array_equal(predict(reordered, x, 2.0)["y"].numpy(), expected)
+    expected = model.predict(leaf_params(params), x, 3.0)["y"].numpy()
+    np.testing.assert_array_equal(predict(reordered, x, scale=3.0)["y"].numpy(), expected)
+    assert predict(reordered, x, 3.0)["y"].dtype == np.float32  # the float stays weak
+    with pytest.raises(bp.ExportError, match=r"scale = a float.*3 of type int"):
+        predict(reordered, x, scale=3)
+
+
+def test_static_float_argument_keeps_its_value(tmp_path):
+    @bp.compile(static_argnames=("scale",))
+    def scaled(x, scale):
+        return x * scale
+
+    x = np.ones(3, np.float32)
+    loaded = bp.load(bp.export(scaled, x, 2.0, path=tmp_path / "static.bpz"))
+    np.testing.assert_array_equal(loaded(x, 2.0).numpy(), [2.0, 2.0, 2.0])
     with pytest.raises(bp.ExportError, match=r"scale = the static value 2\.0.*3\.0"):
-        predict(reordered, x, scale=3.0)
+        loaded(x, 3.0)
 
 
 @pytest.mark.parametrize(
@@ -265,7 +281,7 @@ def test_example_args_signature_and_explain(model, artifacts, data):
     params, x, target = data
     predict = bp.load(artifacts["predict"])
     args, kwargs = predict.example_args()
-    assert args[0]["w"].requires_grad and args[1].shape == x.shape and args[2] == 2.0
+    assert args[0]["w"].requires_grad and args[1].shape == x.shape and args[2] == 0.0
     assert predict.signature.startswith("predict(params: {'w': f32[6,8] requires_grad")
     report = predict.explain()
     original = bp.explain(model.predict, leaf_params(params), x)
@@ -273,7 +289,9 @@ def test_example_args_signature_and_explain(model, artifacts, data):
     assert report.saved_bytes == original.saved_bytes > 0
     assert report.peak_bytes == original.peak_bytes > 0
     assert "params['w']" in str(report) and "OFFSET (captured)" in str(report)
-    assert without_retracing(report) == without_retracing(original)
+    # the float `scale` is an input now, and artifacts do not record which values the backward
+    # recomputes, so the texts agree up to the summary
+    assert str(report).split("1. Summary")[0] == str(original).split("1. Summary")[0]
     step = bp.load(artifacts["step"]).explain()
     original = bp.explain(bp.value_and_grad(model.loss), params, x, target)
     assert step.peak_bytes == original.peak_bytes > 0

@@ -1,6 +1,7 @@
 """Imports point down: ir imports nothing of ours, codegen only ir, runtime ir and codegen,
 report (explain) those three, tracer ir, runtime and report, artifacts (export/load) everything
-below it, and no layer imports the face (`backplan` itself or its own modules).
+below it, optim (optimizers) ir, runtime and tracer, and no layer imports the face
+(`backplan` itself or its own modules).
 Imports are read with ast, so lazy imports inside functions count too."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ ALLOWED = {
     "report": {"ir", "codegen", "runtime"},
     "tracer": {"ir", "runtime", "report"},
     "artifacts": {"ir", "codegen", "runtime", "report", "tracer"},
+    "optim": {"ir", "runtime", "tracer"},
 }
 DYNAMIC_IMPORTERS = ("import_module", "__import__")
 

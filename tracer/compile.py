@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 from backplan.ir.pipeline import build_region_plans
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
 
+from .arguments import ArgumentSpec
 from .captured_names import captured_names
+from .donate import check_donated_inputs, donatable, mark_donated
 from .fastpath import positions_of
-from .planned import STALE, CacheInfo, PlannedFunction  # noqa: F401  (CacheInfo: public)
+from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
+    DEFAULT_CACHE_SIZE,
+    STALE,
+    CacheInfo,
+    PlannedFunction,
+    RetraceWarning,
+)
 from .pytree import TreeDef, flatten, unflatten
 from .reports import explain_traced
-from .signature import bind_call, miss_reason
+from .signature import bind_call, input_tensor, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import Trace, tracing
@@ -30,6 +40,8 @@ class TracedFunction:
     captured: list[Tensor]
     captured_flags: tuple[bool, ...]
     input_names: list[str]  # one per graph input: argument paths, then captured tensors
+    donated: tuple[int, ...] = ()  # graph inputs of donated arguments
+    donated_to: str = ""  # "step() (bp.compile(donate_argnums=(0, 1)))", for the error
 
 
 def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
@@ -40,7 +52,7 @@ def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
         call.tensor_positions, [call.key.leaves[p] for p in call.tensor_positions], strict=True
     ):
         value = trace.graph.add_input(_type_of(leaves[pos]))
-        leaves[pos] = Tensor._traced(value, trace, requires_grad=key.requires_grad)
+        leaves[pos] = Tensor._traced(value, trace, key.requires_grad, weak=key.weak)
     with tracing(trace):
         result = call.call(fn, leaves)
     out_leaves, out_treedef = flatten(result)
@@ -68,7 +80,11 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
     edges = None
     if record and any(wrt):
         edges = [t._edge() for t, w in zip(tensors, wrt, strict=True) if w]
-    outputs, region = run_forward(traced.program, [t._data for t in tensors], edges, loc)
+    donate = donatable(tensors, traced.donated) if traced.donated else ()
+    arrays = [t._data for t in tensors]
+    outputs, region = run_forward(traced.program, arrays, edges, loc, donate)
+    if traced.donated:
+        mark_donated(tensors, traced, loc)
     grads = traced.program.differentiable_outputs
     leaves = []
     for kind, item in traced.out_slots:
@@ -84,17 +100,29 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
 class CompiledFunction(PlannedFunction):
     """See `compile`."""
 
-    def __init__(self, fn, remat: bool = True, saved_bytes_budget: int | None = None):
-        super().__init__(fn)
+    def __init__(
+        self,
+        fn,
+        remat: bool = True,
+        saved_bytes_budget: int | None = None,
+        static_argnums=(),
+        static_argnames=(),
+        donate_argnums=(),
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ):
+        super().__init__(fn, cache_size)
         self.remat = remat
         self.saved_bytes_budget = saved_bytes_budget
+        self.arguments = ArgumentSpec(fn, static_argnums, static_argnames, donate_argnums)
+        self._static_nums = self.arguments.static_nums
+        self._static_names = self.arguments.static_names
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
 
     def _call_in_trace(self, args, kwargs):
         return self.fn(*args, **kwargs)  # nested compiled functions inline
 
     def _bind(self, args, kwargs):
-        return bind_call(self.fn, args, kwargs)
+        return bind_call(self.fn, args, kwargs, self._static_names)
 
     def _still_valid(self, traced: TracedFunction) -> bool:
         return _captured_flags(traced.captured) == traced.captured_flags
@@ -108,14 +136,14 @@ class CompiledFunction(PlannedFunction):
         return run_traced(traced, call)
 
     def _fast_runner(self, traced: TracedFunction, call, leaves: list):
-        positions = positions_of([call.leaves[p] for p in call.tensor_positions], leaves)
+        positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
         if positions is None:
             return None
 
         def run(leaves):
             if not self._still_valid(traced):
                 return STALE
-            return run_tensors(traced, [leaves[i] for i in positions])
+            return run_tensors(traced, [input_tensor(leaves[i]) for i in positions])
 
         return run
 
@@ -140,12 +168,25 @@ class CompiledFunction(PlannedFunction):
         )
         names = [call.key.leaves[p].path for p in call.tensor_positions]
         names += captured_names(self.fn, trace.captured)
+        donated = tuple(
+            i
+            for i, p in enumerate(call.tensor_positions)
+            if call.arguments[p] in self.arguments.donate_names and not call.key.leaves[p].weak
+        )
+        check_donated_inputs(names, donated, wrt)
         plans = build_region_plans(
             graph, wrt, remat=self.remat, saved_bytes_budget=self.saved_bytes_budget
         )
-        program = RegionProgram(plans, name=name, input_names=names)
+        program = RegionProgram(plans, name=name, input_names=names, donated=donated)
         return TracedFunction(
-            program, out_treedef, out_slots, trace.captured, captured_flags, names
+            program,
+            out_treedef,
+            out_slots,
+            trace.captured,
+            captured_flags,
+            names,
+            donated,
+            f"{name}() (bp.compile(donate_argnums={self.arguments.donate_nums}))",
         )
 
 
@@ -154,12 +195,60 @@ def _captured_flags(captured: list) -> tuple[bool, ...]:
     return tuple(bool(t._requires_grad and enabled) for t in captured)
 
 
-def compile(fn=None, *, remat: bool = True, saved_bytes_budget: int | None = None):  # noqa: A001
+@overload
+def compile(  # noqa: A001
+    fn: Callable[..., Any],
+    *,
+    remat: bool = True,
+    saved_bytes_budget: int | None = None,
+    static_argnums: Sequence[int] = (),
+    static_argnames: Sequence[str] = (),
+    donate_argnums: Sequence[int] = (),
+    cache_size: int = DEFAULT_CACHE_SIZE,
+) -> CompiledFunction: ...
+
+
+@overload
+def compile(  # noqa: A001
+    fn: None = None,
+    *,
+    remat: bool = True,
+    saved_bytes_budget: int | None = None,
+    static_argnums: Sequence[int] = (),
+    static_argnames: Sequence[str] = (),
+    donate_argnums: Sequence[int] = (),
+    cache_size: int = DEFAULT_CACHE_SIZE,
+) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+
+
+def compile(  # noqa: A001
+    fn: Callable[..., Any] | None = None,
+    *,
+    remat: bool = True,
+    saved_bytes_budget: int | None = None,
+    static_argnums: Sequence[int] = (),
+    static_argnames: Sequence[str] = (),
+    donate_argnums: Sequence[int] = (),
+    cache_size: int = DEFAULT_CACHE_SIZE,
+) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Trace fn on its first call per signature into static forward and backward plans.
+
+    Tensors, NumPy arrays and Python floats are dynamic: a float is traced as a weakly typed
+    0-d tensor (it never widens float32), so a new learning rate does not retrace. Ints, bools,
+    strings and None are static: part of the signature, so a new value retraces.
+    static_argnums / static_argnames make every leaf of those arguments static (a float that
+    must be a Python number: a shape, an op attribute, a branch condition).
+
+    donate_argnums: arguments whose buffers the call may overwrite with its results (each
+    output takes the first donated input of its dtype and shape), so a training step
+    `params, state = step(params, state, x, y)` allocates no new parameter memory. The
+    donated tensors cannot be used afterwards (bp.DonatedError names the call).
 
     remat: values that a short chain of cheap ops rebuilds from what backward holds anyway are
     recomputed in backward instead of saved; saved_bytes_budget stops that once the saved bytes
     (region inputs excluded) fit the budget. `bp.compile(remat=False)(fn)` saves everything.
+    cache_size: signatures kept (least recently used leave first); after 8 retraces a
+    bp.RetraceWarning says what changed.
 
     >>> import backplan as bp
     >>> @bp.compile
@@ -170,6 +259,14 @@ def compile(fn=None, *, remat: bool = True, saved_bytes_budget: int | None = Non
     >>> w.grad.shape
     (2, 1)
     """
+    options = dict(
+        remat=remat,
+        saved_bytes_budget=saved_bytes_budget,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        cache_size=cache_size,
+    )
     if fn is None:
-        return lambda f: CompiledFunction(f, remat, saved_bytes_budget)
-    return CompiledFunction(fn, remat, saved_bytes_budget)
+        return lambda f: CompiledFunction(f, **options)
+    return CompiledFunction(fn, **options)

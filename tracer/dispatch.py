@@ -16,6 +16,7 @@ from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
 from backplan.runtime.location import op_text
 
+from .errors import TracingError
 from .source import loc_text, user_frame_loc
 from .trace import current_trace
 
@@ -26,12 +27,19 @@ def apply(op: str, inputs: list, **attrs):
     from .tensor import Tensor
 
     loc = user_frame_loc()
+    for t in inputs:
+        if t._donated is not None:
+            t._check_live()
+    for name, value in attrs.items():
+        if isinstance(value, Tensor):
+            raise _tensor_attribute(op, name, value, loc)
     trace = current_trace()
     if trace is not None:
         values = [trace.value_of(t) for t in inputs]
         value = make_value(op, values, attrs, loc)
         trace.graph.nodes.append(value)
-        return Tensor._traced(value, trace)
+        weak = bool(inputs) and all(t._weak for t in inputs)
+        return Tensor._traced(value, trace, weak=weak)
     needs = [is_grad_enabled() and t.requires_grad for t in inputs]
     if not any(needs):
         probes = [Value("input", (), {}, TensorType(t._ir_dtype, t.shape)) for t in inputs]
@@ -41,6 +49,15 @@ def apply(op: str, inputs: list, **attrs):
             result._scalar = attrs["value"]
         return result
     return _eager_region(op, inputs, attrs, needs, loc)
+
+
+def _tensor_attribute(op: str, name: str, value, loc) -> TracingError:
+    what = "a traced float argument" if value._weak else f"a tensor {value._ir_dtype}"
+    return TracingError(
+        f"{op}() at {loc_text(loc)}: its {name} must be a Python number, got {what}. Python "
+        "floats passed to a compiled function are traced (a new value does not retrace); "
+        "where one must stay a number, mark it static: bp.compile(fn, static_argnames=('name',))"
+    )
 
 
 def _eager_region(op, inputs, attrs, needs, loc):

@@ -15,38 +15,48 @@ class _Unusual(Exception):
     pass
 
 
-def call_key(args: tuple, kwargs: dict, grad_enabled: bool):
-    """(key, tensor leaves in walk order), or (None, None) when the call needs the full path."""
+def call_key(
+    args: tuple, kwargs: dict, grad_enabled: bool, static_nums=frozenset(), static_names=()
+):
+    """(key, dynamic leaves in walk order: tensors and Python floats), or (None, None) when the
+    call needs the full path. Floats under static_nums / static_names are part of the key."""
     leaves: list = []
     try:
-        key = (_walk(args, leaves, grad_enabled), _walk(kwargs, leaves, grad_enabled))
+        parts = tuple(_walk(a, leaves, grad_enabled, i in static_nums) for i, a in enumerate(args))
+        named = tuple(
+            (k, _walk(v, leaves, grad_enabled, k in static_names)) for k, v in kwargs.items()
+        )
+        key = (parts, named)
         hash(key)
     except (_Unusual, TypeError):
         return None, None
     return key, leaves
 
 
-def _walk(tree, leaves: list, grad_enabled: bool):
+def _walk(tree, leaves: list, grad_enabled: bool, static: bool = False):
     kind = type(tree)
     if kind is Tensor:
         data = tree._data
-        if data is None:
+        if data is None or tree._donated is not None:
             raise _Unusual
         leaves.append(tree)
         return (data.shape, data.dtype, tree._requires_grad and grad_enabled)
+    if kind is float and not static:
+        leaves.append(tree)
+        return "f"
     if kind is dict:
-        parts = [_walk(v, leaves, grad_enabled) for v in tree.values()]
+        parts = [_walk(v, leaves, grad_enabled, static) for v in tree.values()]
         return ("d", tuple(tree), tuple(parts))
     if kind is list or kind is tuple:
-        return (kind, tuple([_walk(v, leaves, grad_enabled) for v in tree]))
+        return (kind, tuple([_walk(v, leaves, grad_enabled, static) for v in tree]))
     if kind in (int, float, bool, str) or tree is None:
         return ("s", kind, tree)
     raise _Unusual  # arrays, namedtuples, other objects: the full path handles them
 
 
 def positions_of(wanted: list, leaves: list) -> list[int] | None:
-    """Index in leaves of each wanted tensor (by identity); None when it cannot be done
-    unambiguously (a tensor passed twice, or one that is not among the leaves)."""
+    """Index in leaves of each wanted leaf (by identity); None when it cannot be done
+    unambiguously (a tensor or float object passed twice, or one not among the leaves)."""
     index = {}
     for i, leaf in enumerate(leaves):
         if id(leaf) in index:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +22,7 @@ from .fastpath import positions_of
 from .planned import PlannedFunction
 from .pytree import flatten, unflatten
 from .reports import explain_joint
-from .signature import bind_call, miss_reason
+from .signature import bind_call, input_tensor, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
 
@@ -117,7 +119,9 @@ class ValueAndGradFunction(PlannedFunction):
         return explain_joint(entry, bound.call, self.fn, self.cache_info())
 
 
-def value_and_grad(fn, argnums=0, has_aux: bool = False) -> ValueAndGradFunction:
+def value_and_grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> ValueAndGradFunction:
     """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
     Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
     the result is ((loss, aux), grads). Works inside traces, so grad(grad(f)) works.
@@ -152,14 +156,14 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
 
 def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
     """A call for later calls with the same key: arrays in, tensors out, no binding."""
-    positions = positions_of([call.leaves[p] for p in call.tensor_positions], leaves)
+    positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
     if positions is None:
         return None
     captured, runner, n_aux = entry.captured, entry.runner, entry.n_aux
     grad_structures = [flatten(args[i])[1] for i in nums]
 
     def call_fast(leaves):
-        arrays = [leaves[i]._data for i in positions]
+        arrays = [input_tensor(leaves[i])._data for i in positions]
         arrays += [t._data for t in captured]
         results = [Tensor._fresh(a) for a in runner()(arrays)]
         grads, start = [], 1 + n_aux
@@ -178,12 +182,14 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
 class GradFunction(ValueAndGradFunction):
     """See `grad`: the same plans, returning only the gradients."""
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         value_aux, grads = super().__call__(*args, **kwargs)
         return (grads, value_aux[1]) if self.has_aux else grads
 
 
-def grad(fn, argnums=0, has_aux: bool = False) -> GradFunction:
+def grad(
+    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
     return GradFunction(fn, argnums, has_aux)
 

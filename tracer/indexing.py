@@ -9,9 +9,11 @@ import numpy as np
 from backplan.ir.errors import ShapeError
 
 from . import ops
+from .source import located
 from .tensor import Tensor
 
 
+@located
 def getitem(x: Tensor, key) -> Tensor:
     key = _expand(key if isinstance(key, tuple) else (key,), x.ndim)
     starts, stops, steps, keep_shape = [], [], [], []

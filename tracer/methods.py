@@ -1,6 +1,6 @@
 """Operators and methods of Tensor, as thin calls into the op functions."""
 
-from . import indexing, ops
+from . import dlpack, indexing, inplace, numpy_protocol, ops
 from .graph_view import explain_graph
 from .tensor import Tensor
 
@@ -71,6 +71,9 @@ def install() -> None:
         setattr(Tensor, name, fn)
     Tensor.T = property(lambda self: ops.transpose(self))
     Tensor.mT = property(lambda self: ops.swapaxes(self, -1, -2))
+    numpy_protocol.install(Tensor)
+    dlpack.install(Tensor)
+    inplace.install(Tensor)
 
 
 install()

@@ -5,31 +5,41 @@ from __future__ import annotations
 
 import builtins
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from backplan.ir.errors import DtypeError, ShapeError
 from backplan.ir.shapes import normalize_axes, normalize_axis
-from backplan.ir.types import dtype_name, is_float, promote_types, promote_with_scalar
+from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promote_with_scalar
 
 from .dispatch import apply
-from .tensor import Tensor
+from .source import located
+from .tensor import Axis, DTypeLike, Tensor, TensorLike
 
 Scalar = int | float | bool
 
 
-def tensor(data, dtype=None, requires_grad: bool = False) -> Tensor:
-    """A new leaf tensor holding a copy of data (float64 Python data stays float64, as NumPy).
+@located
+def tensor(data: Any, dtype: DTypeLike | None = None, requires_grad: bool = False) -> Tensor:
+    """tensor(data, dtype=None, requires_grad=False): a new leaf tensor holding a copy of data.
+
+    NumPy arrays keep their dtype; Python floats make float32 (as PyTorch and JAX), Python ints
+    int64, bools bool. Supported dtypes: bool, uint8, int32, int64, float32, float64; any other
+    (float16, complex, uint64, datetime, object, ...) raises DtypeError naming the cast to make.
+    Only float tensors can require grad.
 
     >>> import backplan as bp
-    >>> bp.tensor([[1, 2]], dtype="float32").shape
-    (1, 2)
+    >>> bp.tensor([[1.0, 2.0]]).dtype, bp.tensor([[1, 2]], dtype="int32").dtype
+    (dtype('float32'), dtype('int32'))
     """
     return Tensor(data, dtype=dtype, requires_grad=requires_grad)
 
 
-def as_tensor(x) -> Tensor:
+@located
+def as_tensor(x: TensorLike) -> Tensor:
+    """as_tensor(x): x itself if it is a Tensor, else bp.tensor(x)."""
     if isinstance(x, Tensor):
         return x
     if isinstance(x, np.ndarray | list | tuple | np.generic):
@@ -37,27 +47,42 @@ def as_tensor(x) -> Tensor:
     raise TypeError(f"expected a tensor or array, got {type(x).__name__}")
 
 
-def full(shape, value, dtype="float32") -> Tensor:
+@located
+def full(shape: Sequence[int], value: float, dtype: DTypeLike = "float32") -> Tensor:
+    """full(shape, value, dtype="float32"), as np.full (argument order shape, value)."""
+    if isinstance(value, Tensor):  # a traced float, say: broadcast it instead of baking it in
+        return broadcast_to(astype(value, dtype), tuple(shape))
     return apply("full", [], value=value, shape=tuple(shape), dtype=dtype_name(dtype))
 
 
-def zeros(shape, dtype="float32") -> Tensor:
+@located
+def zeros(shape: Sequence[int], dtype: DTypeLike = "float32") -> Tensor:
+    """zeros(shape, dtype="float32")."""
     return full(shape, 0, dtype)
 
 
-def ones(shape, dtype="float32") -> Tensor:
+@located
+def ones(shape: Sequence[int], dtype: DTypeLike = "float32") -> Tensor:
+    """ones(shape, dtype="float32")."""
     return full(shape, 1, dtype)
 
 
-def zeros_like(x) -> Tensor:
+@located
+def zeros_like(x: Tensor) -> Tensor:
+    """zeros_like(x): zeros of x's shape and dtype."""
     return full(x.shape, 0, x._ir_dtype)
 
 
-def ones_like(x) -> Tensor:
+@located
+def ones_like(x: Tensor) -> Tensor:
+    """ones_like(x): ones of x's shape and dtype."""
     return full(x.shape, 1, x._ir_dtype)
 
 
-def astype(x, dtype) -> Tensor:
+@located
+def astype(x: TensorLike, dtype: DTypeLike) -> Tensor:
+    """astype(x, dtype): x converted to dtype (any supported dtype; x itself if it has it).
+    Gradients flow through casts between float dtypes."""
     x = as_tensor(x)
     name = dtype_name(dtype)
     return x if x._ir_dtype == name else apply("astype", [x], dtype=name)
@@ -69,8 +94,31 @@ def _is_weak_scalar(x) -> bool:
     return isinstance(x, Scalar) and not isinstance(x, np.generic)
 
 
+def _is_weak_tensor(x) -> bool:
+    """A traced Python float argument (or a value computed from such floats only)."""
+    return isinstance(x, Tensor) and x._weak
+
+
 def _operands(a, b) -> tuple[Tensor, Tensor]:
-    """Promote two operands; Python scalars are weak (2.0 * f32 tensor stays f32)."""
+    """Promote two operands; Python scalars are weak (2.0 * f32 tensor stays f32), and so are
+    traced Python floats (lr * f32 tensor stays f32)."""
+    a_scalar, b_scalar = _is_weak_scalar(a), _is_weak_scalar(b)
+    if _is_weak_tensor(a) != _is_weak_tensor(b) and not (a_scalar or b_scalar):
+        a_weak = _is_weak_tensor(a)
+        weak, strong = (a, b) if a_weak else (b, a)
+        strong = as_tensor(strong)
+        dtype = promote_with_scalar(strong._ir_dtype, 1.0)
+        weak, strong = astype(weak, dtype), astype(strong, dtype)
+        return (weak, strong) if a_weak else (strong, weak)
+    if a_scalar and _is_weak_tensor(b) or b_scalar and _is_weak_tensor(a):
+        a, b = (float(a), b) if a_scalar else (a, float(b))
+        a_weak, b_weak = _operands_strong(a, b)
+        a_weak._weak = b_weak._weak = True  # lr * 0.5 is still a weak float
+        return a_weak, b_weak
+    return _operands_strong(a, b)
+
+
+def _operands_strong(a, b) -> tuple[Tensor, Tensor]:
     a_scalar, b_scalar = _is_weak_scalar(a), _is_weak_scalar(b)
     if a_scalar and b_scalar:
         raise TypeError("at least one operand must be a tensor")
@@ -87,13 +135,17 @@ def _operands(a, b) -> tuple[Tensor, Tensor]:
     return astype(a, dtype), astype(b, dtype)
 
 
-def _binary(op: str):
-    def fn(a, b) -> Tensor:
+def _binary(op: str) -> Callable[[TensorLike, TensorLike], Tensor]:
+    def fn(a: TensorLike, b: TensorLike) -> Tensor:
         return apply(op, list(_operands(a, b)))
 
     fn.__name__ = op
-    fn.__doc__ = f"Elementwise {op} with NumPy broadcasting and promotion."
-    return fn
+    fn.__doc__ = (
+        f"{op}(a, b), elementwise with NumPy broadcasting. Python scalars are weak (2.0 * an\n"
+        "    f32 tensor stays f32); tensors of different categories (bool < integer < float)\n"
+        "    give the higher category's dtype, as PyTorch and JAX (int64 * float32 is float32)."
+    )
+    return located(fn)
 
 
 add, sub, mul, maximum, minimum = (_binary(n) for n in ("add", "sub", "mul", "maximum", "minimum"))
@@ -102,14 +154,18 @@ less, less_equal, greater, greater_equal, equal, not_equal = (
 )
 
 
-def div(a, b) -> Tensor:
+@located
+def div(a: TensorLike, b: TensorLike) -> Tensor:
+    """div(a, b) = a / b: true division; integer operands give float64, as NumPy."""
     a, b = _operands(a, b)
     if not is_float(a._ir_dtype):
         a, b = astype(a, "f64"), astype(b, "f64")  # true division, as NumPy
     return apply("div", [a, b])
 
 
-def pow(a, b) -> Tensor:  # noqa: A001 - mirrors numpy/torch naming
+@located
+def pow(a: TensorLike, b: TensorLike) -> Tensor:  # noqa: A001 - mirrors numpy/torch naming
+    """pow(a, b) = a ** b, elementwise with broadcasting."""
     return apply("pow", list(_operands(a, b)))
 
 
@@ -118,13 +174,13 @@ def _float_input(x) -> Tensor:
     return x if is_float(x._ir_dtype) else astype(x, "f64")
 
 
-def _unary(op: str, floats: bool = True):
-    def fn(x) -> Tensor:
+def _unary(op: str, floats: bool = True) -> Callable[[TensorLike], Tensor]:
+    def fn(x: TensorLike) -> Tensor:
         return apply(op, [_float_input(x) if floats else as_tensor(x)])
 
     fn.__name__ = op
-    fn.__doc__ = f"Elementwise {op}."
-    return fn
+    fn.__doc__ = f"{op}(x), elementwise." + (" Integer input gives float64." if floats else "")
+    return located(fn)
 
 
 exp, log, tanh, sigmoid, sqrt, erf, sin, cos = (
@@ -133,13 +189,17 @@ exp, log, tanh, sigmoid, sqrt, erf, sin, cos = (
 neg, relu, abs, sign = (_unary(n, floats=False) for n in ("neg", "relu", "abs", "sign"))  # noqa: A001
 
 
-def gelu(x, approximate: str = "none") -> Tensor:
-    """GELU; approximate="tanh" is the tanh form used by GPT-style models."""
+@located
+def gelu(x: TensorLike, approximate: str = "none") -> Tensor:
+    """gelu(x, approximate="none"), as torch.nn.functional.gelu; approximate="tanh" is the
+    tanh form used by GPT-style models."""
     return apply("gelu", [_float_input(x)], approximate=approximate)
 
 
-def where(cond, x, y) -> Tensor:
-    """Choose x where cond is true, else y: the traceable replacement for `if` on tensors."""
+@located
+def where(cond: TensorLike, x: TensorLike, y: TensorLike) -> Tensor:
+    """where(cond, x, y), as np.where and torch.where: x where cond is true, else y. The
+    traceable replacement for `if` on tensor values; cond that is not bool means cond != 0."""
     cond = as_tensor(cond)
     if cond._ir_dtype != "bool":
         cond = not_equal(cond, 0)
@@ -147,53 +207,71 @@ def where(cond, x, y) -> Tensor:
     return apply("where", [cond, x, y])
 
 
-def stop_gradient(x) -> Tensor:
+@located
+def stop_gradient(x: TensorLike) -> Tensor:
+    """stop_gradient(x): the same values with no gradient flowing back (traceable detach)."""
     return apply("stop_gradient", [as_tensor(x)])
 
 
 # ---- reductions -------------------------------------------------------------------------------
 
 
-def sum(x, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+@located
+def sum(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """sum(x, axis=None, keepdims=False), as np.sum: axis is an int, a tuple of ints or None
+    (all axes). bool, uint8 and int32 sum into int64, as NumPy and PyTorch."""
     x = as_tensor(x)
-    if x._ir_dtype == "bool":
-        x = astype(x, "i64")
+    if x._ir_dtype in ("bool", "u8", "i32"):
+        x = astype(x, "i64")  # as NumPy and PyTorch: small integers sum into int64
     return apply("sum", [x], axes=normalize_axes(axis, x.ndim), keepdims=keepdims)
 
 
-def mean(x, axis=None, keepdims: bool = False) -> Tensor:
+@located
+def mean(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
+    """mean(x, axis=None, keepdims=False), as np.mean; integer input gives float64."""
     x = _float_input(x)
     axes = normalize_axes(axis, x.ndim)
     count = math.prod(x.shape[a] for a in axes)
     return mul(sum(x, axes, keepdims), 1.0 / builtins.max(count, 1))
 
 
-def var(x, axis=None, keepdims: bool = False) -> Tensor:
-    """Population variance (ddof=0), as NumPy."""
+@located
+def var(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
+    """var(x, axis=None, keepdims=False): population variance (ddof=0), as np.var."""
     centered = sub(x, mean(x, axis, keepdims=True))
     return mean(mul(centered, centered), axis, keepdims)
 
 
-def max(x, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+@located
+def max(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """max(x, axis=None, keepdims=False), as np.max (values only, no indices)."""
     x = as_tensor(x)
     return apply("max", [x], axes=normalize_axes(axis, x.ndim), keepdims=keepdims)
 
 
-def min(x, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+@located
+def min(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    """min(x, axis=None, keepdims=False), as np.min (values only, no indices)."""
     return neg(max(neg(x), axis, keepdims))
 
 
-def logsumexp(x, axis=None, keepdims: bool = False) -> Tensor:
+@located
+def logsumexp(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
+    """logsumexp(x, axis=None, keepdims=False): log(sum(exp(x))) computed stably."""
     x = _float_input(x)
     return apply("logsumexp", [x], axes=normalize_axes(axis, x.ndim), keepdims=keepdims)
 
 
-def softmax(x, axis: int = -1) -> Tensor:
+@located
+def softmax(x: TensorLike, axis: int = -1) -> Tensor:
+    """softmax(x, axis=-1); the axis is a keyword `dim` in PyTorch."""
     x = _float_input(x)
     return apply("softmax", [x], axis=normalize_axis(axis, x.ndim))
 
 
-def log_softmax(x, axis: int = -1) -> Tensor:
+@located
+def log_softmax(x: TensorLike, axis: int = -1) -> Tensor:
+    """log_softmax(x, axis=-1), computed stably."""
     x = _float_input(x)
     return apply("log_softmax", [x], axis=normalize_axis(axis, x.ndim))
 
@@ -201,7 +279,10 @@ def log_softmax(x, axis: int = -1) -> Tensor:
 # ---- shapes -----------------------------------------------------------------------------------
 
 
-def reshape(x, *shape) -> Tensor:
+@located
+def reshape(x: TensorLike, *shape: int | Sequence[int]) -> Tensor:
+    """reshape(x, shape) or reshape(x, *dims); one dimension may be -1. A view: no copy in
+    compiled plans."""
     x = as_tensor(x)
     if len(shape) == 1 and isinstance(shape[0], Sequence):
         shape = tuple(shape[0])
@@ -221,7 +302,10 @@ def _resolve_shape(shape, size, old) -> tuple[int, ...]:
     return shape
 
 
-def transpose(x, *axes) -> Tensor:
+@located
+def transpose(x: TensorLike, *axes: int | Sequence[int]) -> Tensor:
+    """transpose(x, axes=None) as np.transpose: reverse the axes, or permute them (also
+    transpose(x, 1, 0, 2)). bp.permute is the same function."""
     x = as_tensor(x)
     if len(axes) == 1 and isinstance(axes[0], Sequence):
         axes = tuple(axes[0])
@@ -232,7 +316,9 @@ def transpose(x, *axes) -> Tensor:
 permute = transpose
 
 
-def swapaxes(x, a: int, b: int) -> Tensor:
+@located
+def swapaxes(x: TensorLike, a: int, b: int) -> Tensor:
+    """swapaxes(x, a, b): exchange two axes (torch.transpose(x, a, b))."""
     x = as_tensor(x)
     perm = list(range(x.ndim))
     a, b = normalize_axis(a, x.ndim), normalize_axis(b, x.ndim)
@@ -240,13 +326,17 @@ def swapaxes(x, a: int, b: int) -> Tensor:
     return transpose(x, perm)
 
 
-def broadcast_to(x, shape) -> Tensor:
+@located
+def broadcast_to(x: TensorLike, shape: Sequence[int]) -> Tensor:
+    """broadcast_to(x, shape), as np.broadcast_to."""
     x = as_tensor(x)
     shape = tuple(shape)
     return x if shape == x.shape else apply("broadcast_to", [x], shape=shape)
 
 
-def expand_dims(x, axis: int) -> Tensor:
+@located
+def expand_dims(x: TensorLike, axis: int) -> Tensor:
+    """expand_dims(x, axis): a new axis of size 1 (bp.unsqueeze is the same function)."""
     x = as_tensor(x)
     axis = normalize_axis(axis, x.ndim + 1)
     return reshape(x, x.shape[:axis] + (1,) + x.shape[axis:])
@@ -255,7 +345,10 @@ def expand_dims(x, axis: int) -> Tensor:
 unsqueeze = expand_dims
 
 
-def squeeze(x, axis=None) -> Tensor:
+@located
+def squeeze(x: TensorLike, axis: Axis = None) -> Tensor:
+    """squeeze(x, axis=None): drop axes of size 1 (all of them, or the ones named, which
+    must have size 1)."""
     x = as_tensor(x)
     axes = (
         [i for i, d in enumerate(x.shape) if d == 1]
@@ -268,13 +361,17 @@ def squeeze(x, axis=None) -> Tensor:
     return reshape(x, tuple(d for i, d in enumerate(x.shape) if i not in axes))
 
 
-def flatten(x, start_axis: int = 0) -> Tensor:
+@located
+def flatten(x: TensorLike, start_axis: int = 0) -> Tensor:
+    """flatten(x, start_axis=0): merge the axes from start_axis on into one."""
     x = as_tensor(x)
     start = normalize_axis(start_axis, x.ndim) if x.ndim else 0
     return reshape(x, x.shape[:start] + (-1,))
 
 
-def concatenate(tensors, axis: int = 0) -> Tensor:
+@located
+def concatenate(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
+    """concatenate(tensors, axis=0), as np.concatenate; dtypes promote."""
     tensors = [as_tensor(t) for t in tensors]
     if not tensors:
         raise ShapeError("concatenate needs at least one tensor")
@@ -285,7 +382,9 @@ def concatenate(tensors, axis: int = 0) -> Tensor:
     return apply("concatenate", tensors, axis=normalize_axis(axis, tensors[0].ndim))
 
 
-def stack(tensors, axis: int = 0) -> Tensor:
+@located
+def stack(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
+    """stack(tensors, axis=0), as np.stack: equal shapes, joined along a new axis."""
     tensors = [as_tensor(t) for t in tensors]
     if not tensors:
         raise ShapeError("stack needs at least one tensor")
@@ -296,7 +395,8 @@ def stack(tensors, axis: int = 0) -> Tensor:
     return concatenate([expand_dims(t, axis) for t in tensors], axis)
 
 
-def matmul(a, b) -> Tensor:
+@located
+def matmul(a: TensorLike, b: TensorLike) -> Tensor:
     """a @ b with NumPy semantics: batched, broadcasting, 1-D operands as vectors."""
     a, b = _operands(a, b)
     if a.ndim == 0 or b.ndim == 0:
@@ -309,8 +409,10 @@ def matmul(a, b) -> Tensor:
     return reshape(out, tuple(d for i, d in enumerate(out.shape) if i not in dropped))
 
 
-def take(x, indices, axis: int = 0) -> Tensor:
-    """Gather along one axis with an integer index tensor (negative indices count from the end)."""
+@located
+def take(x: TensorLike, indices: TensorLike, axis: int = 0) -> Tensor:
+    """take(x, indices, axis=0): gather along one axis with integer indices (uint8, int32 or
+    int64; negative ones count from the end), as np.take with an explicit axis."""
     x, indices = as_tensor(x), _index_tensor(indices)
     return apply("take", [x, indices], axis=normalize_axis(axis, x.ndim))
 
@@ -321,32 +423,63 @@ def _index_tensor(indices) -> Tensor:
         raise DtypeError(
             "boolean mask indexing has a shape that depends on the data; use bp.where(mask, x, 0)"
         )
-    if indices._ir_dtype != "i64":
+    if not is_int(indices._ir_dtype):
         raise DtypeError(f"indices must be integers, got {indices.dtype}")
     return indices
 
 
-def embedding(indices, weight) -> Tensor:
-    """Rows of weight picked by integer indices: weight[indices]."""
+@located
+def embedding(indices: TensorLike, weight: TensorLike) -> Tensor:
+    """Rows of weight picked by integer indices: weight[indices]. The argument order is
+    (indices, weight), as torch.nn.functional.embedding.
+
+    >>> import backplan as bp
+    >>> bp.embedding(bp.tensor([2, 0]), bp.tensor([[0.0], [1.0], [2.0]])).numpy().tolist()
+    [[2.0], [0.0]]
+    """
+    indices, weight = as_tensor(indices), as_tensor(weight)
+    if not is_int(indices._ir_dtype):
+        swapped = is_int(weight._ir_dtype)
+        hint = (
+            "the arguments look swapped: " if swapped else ""
+        ) + "the order is embedding(indices, weight), integer indices first"
+        raise DtypeError(
+            f"indices must be integers, got {indices.dtype} indices of shape {indices.shape} "
+            f"and {weight.dtype} weight of shape {weight.shape}; {hint}"
+        )
     return take(weight, indices, axis=0)
 
 
-def one_hot(labels, num_classes: int, dtype="float32") -> Tensor:
+@located
+def one_hot(labels: TensorLike, num_classes: int, dtype: DTypeLike = "float32") -> Tensor:
+    """one_hot(labels, num_classes, dtype="float32"), as torch.nn.functional.one_hot (which
+    returns int64); labels are integers in [0, num_classes)."""
     return apply("one_hot", [_index_tensor(labels)], depth=num_classes, dtype=dtype_name(dtype))
 
 
 # ---- neural-network composites with their own registry entries ---------------------------------
 
 
-def cross_entropy(logits, labels, reduction: str = "mean") -> Tensor:
-    """Softmax cross-entropy of logits (..., C) against integer labels (...)."""
+@located
+def cross_entropy(logits: TensorLike, labels: TensorLike, reduction: str = "mean") -> Tensor:
+    """cross_entropy(logits, labels, reduction="mean"), as torch.nn.functional.cross_entropy:
+    logits (..., C) first, integer class labels (...) second; reduction "mean", "sum" or
+    "none"."""
     return apply(
         "cross_entropy", [_float_input(logits), _index_tensor(labels)], reduction=reduction
     )
 
 
-def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
-    """Normalise over the last axis, then scale and shift; saves x, not the normalised copy."""
+@located
+def layer_norm(
+    x: TensorLike,
+    weight: TensorLike | None = None,
+    bias: TensorLike | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """layer_norm(x, weight=None, bias=None, eps=1e-5): normalise over the last axis, then
+    scale and shift (torch's normalized_shape is always the last axis here). Saves x, not the
+    normalised copy."""
     x = _float_input(x)
     if (weight is None) != (bias is None):
         weight = weight if weight is not None else ones(x.shape[-1:], x._ir_dtype)
@@ -355,7 +488,9 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     return apply("layer_norm", inputs, eps=float(eps))
 
 
-def mse_loss(prediction, target) -> Tensor:
+@located
+def mse_loss(prediction: TensorLike, target: TensorLike) -> Tensor:
+    """mse_loss(prediction, target): mean of squared differences, as torch's default."""
     diff = sub(prediction, target)
     return mean(mul(diff, diff))
 

@@ -5,7 +5,10 @@ explain(). Subclasses say only how a call is bound, how an entry is built, run a
 
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from backplan.runtime import is_grad_enabled
 
@@ -14,6 +17,12 @@ from .fastpath import call_key
 from .trace import current_trace
 
 STALE = object()  # a fast-path runner's answer when its entry no longer fits the call
+DEFAULT_CACHE_SIZE = 64
+RETRACE_WARNING = 8  # retraces of one function before it warns
+
+
+class RetraceWarning(UserWarning):
+    """A planned function keeps retracing: each new signature costs a trace and a compile."""
 
 
 @dataclass
@@ -28,13 +37,20 @@ class CacheInfo:
 class PlannedFunction:
     """A function run through plans traced once per signature (see the module docstring)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, cache_size: int = DEFAULT_CACHE_SIZE):
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be at least 1, got {cache_size}")
         self.fn = fn
-        self._entries: dict = {}  # entry key -> traced entry
-        self._fast: dict = {}  # fastpath.call_key -> runner(leaves) (or STALE)
+        self.cache_size = cache_size
+        self._entries: OrderedDict = OrderedDict()  # entry key -> entry, least recent first
+        self._fast: dict = {}  # fastpath.call_key -> (runner(leaves) (or STALE), entry key)
         self._traces = self._hits = self._misses = 0
         self._last_key = None
         self._last_miss_reason: str | None = None
+        self._miss_reasons: list[str] = []  # of every retrace, for the warning
+        self._warned = False
+        self._static_nums: frozenset = frozenset()  # positions whose floats stay static
+        self._static_names: frozenset = frozenset()  # parameter names likewise
 
     # ---- what subclasses provide -------------------------------------------------------------
 
@@ -67,22 +83,26 @@ class PlannedFunction:
 
     # ---- shared behaviour --------------------------------------------------------------------
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if current_trace() is not None:
             return self._call_in_trace(args, kwargs)
-        key, leaves = call_key(args, kwargs, is_grad_enabled())
-        runner = self._fast.get(key) if key is not None else None
-        if runner is not None:
+        key, leaves = call_key(
+            args, kwargs, is_grad_enabled(), self._static_nums, self._static_names
+        )
+        fast = self._fast.get(key) if key is not None else None
+        if fast is not None:
+            runner, entry_key = fast
             result = runner(leaves)
             if result is not STALE:
                 self._hits += 1
+                self._entries.move_to_end(entry_key)
                 return result
         bound, entry = self.lookup(args, kwargs)
         result = self._run(entry, bound)
         if key is not None:
             runner = self._fast_runner(entry, bound, leaves)
             if runner is not None:
-                self._fast[key] = runner
+                self._fast[key] = (runner, self._entry_key(bound))
         return result
 
     def _call_in_trace(self, args: tuple, kwargs: dict):
@@ -98,14 +118,42 @@ class PlannedFunction:
         entry = self._entries.get(key)
         if entry is not None and self._still_valid(entry):
             self._hits += count_hit
+            self._entries.move_to_end(key)
             return bound, entry
         self._misses += 1
         self._last_miss_reason = self._miss_reason(key, entry)
         entry = self._build(bound)
         self._traces += 1
-        self._entries[key] = entry
+        self._remember(key, entry)
         self._last_key = key
+        self._note_retrace(self._last_miss_reason)
         return bound, entry
+
+    def _remember(self, key, entry) -> None:
+        """Least recently used signatures leave the cache beyond cache_size."""
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.cache_size:
+            evicted, _ = self._entries.popitem(last=False)
+            self._fast = {k: v for k, v in self._fast.items() if v[1] != evicted}
+
+    def _note_retrace(self, reason: str | None) -> None:
+        """Warn once, after RETRACE_WARNING retraces, with what changed each time."""
+        if self._traces > 1:
+            self._miss_reasons.append(reason or "unknown")
+        if self._warned or len(self._miss_reasons) < RETRACE_WARNING:
+            return
+        self._warned = True
+        name = getattr(self.fn, "__qualname__", "the function")
+        reasons = "\n".join(f"  - {r}" for r in self._miss_reasons[-RETRACE_WARNING:])
+        warnings.warn(
+            f"{name} has been traced {self._traces} times; each new signature traces and "
+            f"compiles again. What changed:\n{reasons}\nKeep shapes, dtypes and static values "
+            "(ints, strings, arguments in static_argnames) the same from call to call; Python "
+            "floats are traced and never cause a retrace.",
+            RetraceWarning,
+            stacklevel=4,
+        )
 
     def trace(self, *args, **kwargs):
         """Trace (or find in the cache) without running: the plans for this signature."""

@@ -1,15 +1,48 @@
-"""Pytrees: nested dicts, lists, tuples (and namedtuples) of leaves, flattened in a stable order."""
+"""Pytrees: nested dicts, lists, tuples, namedtuples, dataclasses and registered classes of
+leaves, flattened in a stable order. Public as `bp.tree`."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from backplan.ir.errors import BackplanError
+
+_CUSTOM: dict[type, tuple[Callable, Callable]] = {}
+
+
+def register(
+    cls: type,
+    flatten_fn: Callable[[Any], tuple[Sequence[Any], Hashable]],
+    unflatten_fn: Callable[[Any, Sequence[Any]], Any],
+) -> type:
+    """Make instances of cls pytree nodes. flatten_fn(obj) returns (children, aux): children
+    a sequence of subtrees, aux hashable data that is not traced (a name, a flag);
+    unflatten_fn(aux, children) rebuilds the object. As in JAX's register_pytree_node.
+
+    >>> import backplan as bp
+    >>> class Pair:
+    ...     def __init__(self, a, b):
+    ...         self.a, self.b = a, b
+    >>> _ = bp.tree.register(Pair, lambda p: ((p.a, p.b), None), lambda aux, kids: Pair(*kids))
+    >>> bp.tree.leaves(Pair(1, [2, 3]))
+    [1, 2, 3]
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"bp.tree.register needs a class, got {cls!r}")
+    if cls in (tuple, list, dict, type(None)):
+        raise TypeError(f"{cls.__name__} is already a pytree node")
+    _CUSTOM[cls] = (flatten_fn, unflatten_fn)
+    return cls
 
 
 @dataclass(frozen=True)
 class TreeDef:
-    kind: str  # "leaf", "none", "tuple", "list", "dict", "namedtuple"
+    kind: str  # "leaf", "none", "tuple", "list", "dict", "namedtuple", "dataclass", "custom"
     children: tuple = ()
-    meta: object = None  # dict keys, or the namedtuple class
+    meta: object = None  # dict keys, the namedtuple class, (class, field names), (class, aux)
 
     @property
     def num_leaves(self) -> int:
@@ -21,7 +54,7 @@ class TreeDef:
 LEAF = TreeDef("leaf")
 
 
-def flatten(tree, paths: bool = False, prefix: str = ""):
+def flatten(tree: Any, paths: bool = False, prefix: str = "") -> Any:
     """Leaves in order and the structure; with paths=True also a readable path per leaf."""
     leaves, names = [], []
     treedef = _flatten(tree, leaves, names, prefix)
@@ -31,6 +64,13 @@ def flatten(tree, paths: bool = False, prefix: str = ""):
 def _flatten(tree, leaves, names, path) -> TreeDef:
     if tree is None:
         return TreeDef("none")
+    custom = _CUSTOM.get(type(tree))
+    if custom is not None:
+        return _flatten_custom(tree, custom[0], leaves, names, path)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        fields = tuple(f.name for f in dataclasses.fields(tree) if f.init)
+        kids = tuple(_flatten(getattr(tree, f), leaves, names, f"{path}.{f}") for f in fields)
+        return TreeDef("dataclass", kids, (type(tree), fields))
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         kids = tuple(
             _flatten(v, leaves, names, f"{path}.{f}")
@@ -49,10 +89,25 @@ def _flatten(tree, leaves, names, path) -> TreeDef:
     return LEAF
 
 
-def unflatten(treedef: TreeDef, leaves):
-    it = iter(leaves)
-    result = _unflatten(treedef, it)
-    return result
+def _flatten_custom(tree, flatten_fn, leaves, names, path) -> TreeDef:
+    children, aux = flatten_fn(tree)
+    try:
+        hash(aux)
+    except TypeError:
+        raise BackplanError(
+            f"the flatten function registered for {type(tree).__name__} returned aux data "
+            f"{aux!r} that is not hashable; return a tuple, string or number as aux"
+        ) from None
+    kids = tuple(_flatten(v, leaves, names, f"{path}[{i}]") for i, v in enumerate(children))
+    return TreeDef("custom", kids, (type(tree), aux))
+
+
+def unflatten(treedef: TreeDef, leaves: Iterable[Any]) -> Any:
+    """Rebuild the structure treedef describes from leaves (in flattening order)."""
+    leaves = list(leaves)
+    if len(leaves) != treedef.num_leaves:
+        raise ValueError(f"the structure has {treedef.num_leaves} leaves, got {len(leaves)}")
+    return _unflatten(treedef, iter(leaves))
 
 
 def _unflatten(treedef: TreeDef, it):
@@ -68,9 +123,36 @@ def _unflatten(treedef: TreeDef, it):
         return kids
     if kind == "dict":
         return dict(zip(treedef.meta, kids, strict=True))
+    if kind == "dataclass":
+        cls, fields = treedef.meta
+        return cls(**dict(zip(fields, kids, strict=True)))
+    if kind == "custom":
+        cls, aux = treedef.meta
+        return _CUSTOM[cls][1](aux, kids)
     return treedef.meta(*kids)
 
 
-def tree_map(fn, tree):
-    leaves, treedef = flatten(tree)
-    return unflatten(treedef, [fn(leaf) for leaf in leaves])
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of tree in flattening order (None is an empty node, not a leaf)."""
+    return flatten(tree)[0]
+
+
+def structure(tree: Any) -> TreeDef:
+    return flatten(tree)[1]
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """fn applied to every leaf; with more trees of the same structure, fn gets one leaf of
+    each: `bp.tree.map(lambda p, g: p - 0.1 * g, params, grads)`."""
+    leaves_, treedef = flatten(tree)
+    others = []
+    for other in rest:
+        other_leaves, other_def = flatten(other)
+        if other_def != treedef:
+            raise ValueError(
+                "bp.tree.map needs trees of one structure; the first has "
+                f"{treedef.num_leaves} leaves, another {other_def.num_leaves}, or their "
+                "containers differ"
+            )
+        others.append(other_leaves)
+    return unflatten(treedef, [fn(*args) for args in zip(leaves_, *others, strict=True)])

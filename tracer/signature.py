@@ -24,12 +24,15 @@ class LeafKey:
     dtype: str | None = None
     requires_grad: bool = False
     static: object = None
+    weak: bool = False  # a Python float, traced as a weakly typed 0-d tensor
 
     def describe(self) -> str:
+        if self.weak:
+            return "traced float"
         if self.kind == "tensor":
             rg = ", requires_grad" if self.requires_grad else ""
             return f"tensor {self.dtype}{list(self.shape)}{rg}"
-        return f"static {self.static!r}"
+        return f"static {self.static[1]!r}"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class BoundCall:
     leaves: list
     tensor_positions: list[int] = field(default_factory=list)
     signature: inspect.Signature | None = None
+    sources: list = field(default_factory=list)  # each leaf as passed (floats before tracing)
+    arguments: list = field(default_factory=list)  # the parameter name each leaf belongs to
 
     def call(self, fn, leaves):
         """Call fn with these leaves put back into the original argument structure."""
@@ -54,7 +59,10 @@ class BoundCall:
         return fn(*bound.args, **bound.kwargs)
 
 
-def bind_call(fn, args: tuple, kwargs: dict) -> BoundCall:
+def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) -> BoundCall:
+    """Split a call into its leaves. Tensors, arrays and Python floats are dynamic (floats as
+    weakly typed 0-d tensors, so a new learning rate does not retrace); everything else, and
+    every leaf of a parameter named in `static`, is part of the signature by value."""
     try:
         signature = inspect.signature(fn)
         bound = signature.bind(*args, **kwargs)
@@ -62,18 +70,32 @@ def bind_call(fn, args: tuple, kwargs: dict) -> BoundCall:
         raise TypeError(f"{fn.__qualname__}(): {exc}") from None
     bound.apply_defaults()
     leaves, treedef, paths = flatten(dict(bound.arguments), paths=True)
-    keys, positions = [], []
+    sources = list(leaves)
+    keys, positions, arguments = [], [], []
     for i, (leaf, path) in enumerate(zip(leaves, paths, strict=True)):
         path = _argument_path(path)
+        argument = re.match(r"\w*", path).group(0)
+        arguments.append(argument)
         if isinstance(leaf, np.ndarray):
             leaves[i] = leaf = Tensor(leaf)
-        if isinstance(leaf, Tensor):
+        if type(leaf) is float and argument not in static:
+            leaves[i] = Tensor._weak_scalar(leaf)
+            positions.append(i)
+            keys.append(LeafKey(path, "tensor", (), "f64", weak=True))
+        elif isinstance(leaf, Tensor):
+            leaf._check_live()
             positions.append(i)
             rg = bool(leaf.requires_grad and is_grad_enabled())
             keys.append(LeafKey(path, "tensor", leaf.shape, leaf._ir_dtype, rg))
         else:
             keys.append(LeafKey(path, "static", static=_static_key(leaf, path)))
-    return BoundCall(SignatureKey(treedef, tuple(keys)), leaves, positions, signature)
+    key = SignatureKey(treedef, tuple(keys))
+    return BoundCall(key, leaves, positions, signature, sources, arguments)
+
+
+def input_tensor(leaf) -> Tensor:
+    """A fast-path leaf as the tensor the plan takes: Python floats become weak 0-d tensors."""
+    return leaf if type(leaf) is not float else Tensor._weak_scalar(leaf)
 
 
 def _argument_path(path: str) -> str:
@@ -107,7 +129,7 @@ def miss_reason(old: SignatureKey | None, new: SignatureKey) -> str:
         elif a.kind == "static":
             changes.append(f"{b.path}: static value {a.static[1]!r} -> {b.static[1]!r}")
         else:
-            for part in ("shape", "dtype", "requires_grad"):
+            for part in ("shape", "dtype", "requires_grad", "weak"):
                 if getattr(a, part) != getattr(b, part):
                     changes.append(f"{b.path}: {part} {getattr(a, part)} -> {getattr(b, part)}")
     text = "; ".join(changes) or "captured tensors changed"

@@ -1,12 +1,16 @@
 """Finding the user's own source: the first frames that are not backplan itself, walked once per
 op, and the public backplan function the user called there."""
 
+import functools
 import sys
 import sysconfig
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from backplan.runtime.location import SourceLoc, loc_text
 
-__all__ = ["user_frame_loc", "loc_text"]
+__all__ = ["located", "user_frame_loc", "loc_text"]
 
 MAX_USER_FRAMES = 3
 _NOT_USER_DIRS = tuple(
@@ -17,7 +21,7 @@ _NOT_USER_DIRS = tuple(
     }
 )
 _outside_user_code: dict[str, bool] = {}
-_PLUMBING = frozenset({"apply", "fn"})  # dispatch and the generated elementwise wrappers
+_PLUMBING = frozenset({"apply", "fn", "located_call"})  # dispatch, generated wrappers, located
 
 
 def _is_library(module_name: str) -> bool:
@@ -102,3 +106,40 @@ def user_frame_loc() -> SourceLoc | None:
     loc = SourceLoc(stack, api)
     _locs[key] = (loc, codes)
     return loc
+
+
+_LOCATED = ("ShapeError", "DtypeError", "BackplanError")
+_depth = threading.local()
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def located(fn: F) -> F:
+    """Public ops raise ShapeError and DtypeError naming the op the user called and the user's
+    line, as errors from the graph builder do. Only the outermost op call (mean, not the sum it
+    calls) rewrites the message, and only when the line is not in it yet."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def located_call(*args, **kwargs):
+        depth = getattr(_depth, "value", 0)
+        _depth.value = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if depth or type(exc).__name__ not in _LOCATED:
+                raise
+            raise _with_location(exc, name) from None
+        finally:
+            _depth.value = depth
+
+    return located_call  # type: ignore[return-value]
+
+
+def _with_location(exc: Exception, name: str) -> Exception:
+    loc = user_frame_loc()
+    message = str(exc)
+    if loc is None or f"{loc[0]}:{loc[1]}" in message or loc_text(loc) in message:
+        return exc
+    if not message.startswith(f"{name}(") and not message.startswith(f"{name}:"):
+        message = f"{name}: {message}"
+    return type(exc)(f"{message} at {loc_text(loc)}")

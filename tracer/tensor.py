@@ -2,15 +2,59 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
+from backplan.ir.errors import DtypeError, ShapeError
 from backplan.ir.lowering import BackwardMode
 from backplan.ir.types import dtype_name, is_float, np_dtype
 from backplan.runtime import BackwardError, Edge
 from backplan.runtime import engine as _engine
 
-from .errors import TracingError
+from .errors import DonatedError, TracingError
 from .source import loc_text, user_frame_loc
+
+
+def to_array(data, dtype=None) -> np.ndarray:
+    """A fresh array for a new tensor. NumPy arrays and tensors keep their dtype; Python floats
+    make float32 (as PyTorch and JAX), Python ints int64. A dtype outside the supported set
+    raises DtypeError; nothing is converted behind the caller's back."""
+    if dtype is not None:
+        target = np_dtype(dtype_name(dtype))
+        source = _source_dtype(data)
+        if source is not None:
+            dtype_name(source)  # refuse complex, object, ... even when a cast is asked for
+        return np.array(data, dtype=target)
+    if isinstance(data, Tensor):
+        return np.array(data.numpy())
+    if isinstance(data, np.ndarray | np.generic):
+        dtype_name(data.dtype)
+        return np.array(data)
+    array = np.array(data)
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)  # Python floats make float32, as torch and JAX
+    elif array.dtype.kind in "iu" and array.dtype != np.int64:
+        array = _python_ints(array)
+    dtype_name(array.dtype)
+    return array
+
+
+def _source_dtype(data):
+    if isinstance(data, Tensor):
+        return None
+    if isinstance(data, np.ndarray | np.generic):
+        return data.dtype
+    return np.asarray(data).dtype
+
+
+def _python_ints(array: np.ndarray) -> np.ndarray:
+    """Python ints beyond int64 make NumPy choose uint64 or object: refuse rather than wrap."""
+    raise DtypeError(
+        f"Python integers out of the int64 range ({array.dtype}) cannot be stored exactly; "
+        "pass them as floats or reduce them first"
+    )
 
 
 class Tensor:
@@ -34,29 +78,78 @@ class Tensor:
         "_grad_fn",
         "_out_index",
         "_scalar",
+        "_weak",
+        "_donated",
         "__weakref__",
     )
     __array_priority__ = 1000  # ndarray + Tensor defers to Tensor.__radd__
 
+    if TYPE_CHECKING:  # installed by tracer/methods.py and numpy_protocol.py; declared for typing
+        T: Tensor
+        mT: Tensor
+
+        def __add__(self, other: TensorLike) -> Tensor: ...
+        def __radd__(self, other: TensorLike) -> Tensor: ...
+        def __sub__(self, other: TensorLike) -> Tensor: ...
+        def __rsub__(self, other: TensorLike) -> Tensor: ...
+        def __mul__(self, other: TensorLike) -> Tensor: ...
+        def __rmul__(self, other: TensorLike) -> Tensor: ...
+        def __truediv__(self, other: TensorLike) -> Tensor: ...
+        def __rtruediv__(self, other: TensorLike) -> Tensor: ...
+        def __pow__(self, other: TensorLike) -> Tensor: ...
+        def __rpow__(self, other: TensorLike) -> Tensor: ...
+        def __matmul__(self, other: TensorLike) -> Tensor: ...
+        def __rmatmul__(self, other: TensorLike) -> Tensor: ...
+        def __lt__(self, other: TensorLike) -> Tensor: ...
+        def __le__(self, other: TensorLike) -> Tensor: ...
+        def __gt__(self, other: TensorLike) -> Tensor: ...
+        def __ge__(self, other: TensorLike) -> Tensor: ...
+        def __eq__(self, other: object) -> Tensor: ...  # type: ignore[override]
+        def __ne__(self, other: object) -> Tensor: ...  # type: ignore[override]
+        def __neg__(self) -> Tensor: ...
+        def __abs__(self) -> Tensor: ...
+        def __getitem__(self, key: Any) -> Tensor: ...
+        def sum(self, axis: Axis = None, keepdims: bool = False) -> Tensor: ...
+        def mean(self, axis: Axis = None, keepdims: bool = False) -> Tensor: ...
+        def var(self, axis: Axis = None, keepdims: bool = False) -> Tensor: ...
+        def max(self, axis: Axis = None, keepdims: bool = False) -> Tensor: ...
+        def min(self, axis: Axis = None, keepdims: bool = False) -> Tensor: ...
+        def logsumexp(self, axis: Axis = None, keepdims: bool = False) -> Tensor: ...
+        def reshape(self, *shape: int | Sequence[int]) -> Tensor: ...
+        def transpose(self, *axes: int | Sequence[int]) -> Tensor: ...
+        def permute(self, *axes: int | Sequence[int]) -> Tensor: ...
+        def swapaxes(self, a: int, b: int) -> Tensor: ...
+        def broadcast_to(self, shape: Sequence[int]) -> Tensor: ...
+        def expand_dims(self, axis: int) -> Tensor: ...
+        def unsqueeze(self, axis: int) -> Tensor: ...
+        def squeeze(self, axis: Axis = None) -> Tensor: ...
+        def flatten(self, start_axis: int = 0) -> Tensor: ...
+        def astype(self, dtype: DTypeLike) -> Tensor: ...
+        def exp(self) -> Tensor: ...
+        def log(self) -> Tensor: ...
+        def tanh(self) -> Tensor: ...
+        def sigmoid(self) -> Tensor: ...
+        def relu(self) -> Tensor: ...
+        def sqrt(self) -> Tensor: ...
+        def abs(self) -> Tensor: ...
+        def softmax(self, axis: int = -1) -> Tensor: ...
+        def log_softmax(self, axis: int = -1) -> Tensor: ...
+        def take(self, indices: TensorLike, axis: int = 0) -> Tensor: ...
+        def matmul(self, other: TensorLike) -> Tensor: ...
+        def pow(self, other: TensorLike) -> Tensor: ...
+        def __dlpack__(self, **kwargs: Any) -> Any: ...
+        def __dlpack_device__(self) -> tuple[int, int]: ...
+
     def __init__(self, data, dtype=None, requires_grad: bool = False):
-        if dtype is not None:
-            array = np.array(data, dtype=np_dtype(dtype_name(dtype)))
-        elif isinstance(data, np.ndarray | np.generic | Tensor):
-            array = np.array(data)  # arrays keep their dtype
-        else:
-            array = np.array(data)
-            if array.dtype == np.float64:
-                array = array.astype(np.float32)  # Python floats make float32, as torch and JAX
-        if array.dtype == np.float16 or array.dtype.kind not in "biuf":
-            array = array.astype(np.float32)
-        array = array.astype(np_dtype(dtype_name(array.dtype)), copy=False)
-        self._init(array, None, None)
+        self._init(to_array(data, dtype), None, None)
         self.requires_grad = requires_grad
 
     def _init(self, data, value, trace, grad_fn=None, out_index=0):
         self._data = data
         self._out_index = out_index
         self._scalar = None  # the Python value, for 0-d constants made from Python scalars
+        self._weak = False  # a traced Python float: promotes like a Python scalar
+        self._donated = None  # where it was donated to a compiled call; then unusable
         self._value = value
         self._trace = trace
         self._grad_fn = grad_fn
@@ -80,17 +173,37 @@ class Tensor:
         tensor = cls.__new__(cls)
         tensor._data = array
         tensor._value = tensor._trace = tensor._grad_fn = tensor.grad = tensor._scalar = None
+        tensor._donated = None
         tensor._out_index = 0
-        tensor._requires_grad = False
+        tensor._requires_grad = tensor._weak = False
         array.flags.writeable = False
         return tensor
 
     @classmethod
-    def _traced(cls, value, trace, requires_grad: bool = False) -> Tensor:
+    def _traced(cls, value, trace, requires_grad: bool = False, weak: bool = False) -> Tensor:
         tensor = cls.__new__(cls)
         tensor._init(None, value, trace)
         tensor._requires_grad = requires_grad
+        tensor._weak = weak
         return tensor
+
+    @classmethod
+    def _weak_scalar(cls, value: float) -> Tensor:
+        """A Python float argument of a compiled function: a 0-d float64 input that promotes
+        like the Python float it came from (weakly typed, as in JAX)."""
+        tensor = cls._fresh(np.array(value, np.float64))
+        tensor._weak = True
+        return tensor
+
+    def _check_live(self) -> None:
+        """Raise if this tensor's buffer was donated to a compiled call."""
+        if self._donated is not None:
+            raise DonatedError(
+                f"this tensor ({self._ir_dtype}{list(self.shape)}) was donated to {self._donated}: "
+                "its buffer now holds one of that call's results. Use the value the call "
+                "returned (params, state = step(params, state, ...)), or leave the argument "
+                "out of donate_argnums to keep the input usable."
+            )
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -158,6 +271,7 @@ class Tensor:
 
     def detach(self) -> Tensor:
         """Same values, cut from the graph: no gradient flows back through the result."""
+        self._check_live()
         if self._data is None:
             from .ops import stop_gradient
 
@@ -167,6 +281,7 @@ class Tensor:
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
         """Run the backward plans from this tensor and add gradients into leaf .grad.
         Without retain_graph, every region reached frees its saved buffers as it goes."""
+        self._check_live()
         loc = loc_text(user_frame_loc())
         if self._data is None:
             raise TracingError(f"backward() inside a traced function at {loc}; use bp.grad")
@@ -204,7 +319,17 @@ class Tensor:
     # ---- conversion ----------------------------------------------------------------------------
 
     def _concrete(self, what: str) -> np.ndarray:
+        if self._donated is not None:
+            self._check_live()
         if self._data is None:
+            if self._weak:
+                raise TracingError(
+                    f"{what} of a traced float at {loc_text(user_frame_loc())}: Python floats "
+                    "passed to a compiled function are traced (so a new value does not "
+                    "retrace), so their value is not known while tracing. Where the value "
+                    "must be a Python number (a shape, a flag, an op attribute), mark the "
+                    "argument static: bp.compile(fn, static_argnames=('name',))."
+                )
             raise TracingError(
                 f"{what} of a traced tensor at {loc_text(user_frame_loc())}: inside @compile the "
                 "value is not known yet, so Python control flow cannot depend on it. Use "
@@ -214,17 +339,32 @@ class Tensor:
         return self._data
 
     def numpy(self) -> np.ndarray:
-        """The values as a read-only NumPy array (no copy)."""
+        """The values as a NumPy array that shares the tensor's memory (no copy) and is
+        read-only: writing into it raises `ValueError: assignment destination is read-only`,
+        because saved buffers must never change behind the graph's back. Copy it
+        (`t.numpy().copy()`) to get an array to change. The result is outside the graph: no
+        gradient flows back through it."""
         return self._concrete("numpy()")
 
     def __array__(self, dtype=None, copy=None):
+        """np.asarray(t): the values, read-only (see numpy()), outside the graph. Asking for an
+        array is explicit, so it works on tensors that require grad (for plotting, say);
+        NumPy *functions* on tensors keep the graph instead (numpy_protocol.py)."""
         array = self._concrete("np.asarray()")
         if dtype is not None:
             return array.astype(dtype)
         return array.copy() if copy else array
 
-    def item(self):
-        return self._concrete("item()").item()
+    def item(self) -> int | float | bool:
+        """The single value of a one-element tensor as a Python number."""
+        data = self._concrete("item()")
+        if data.size != 1:
+            raise ShapeError(
+                f"item() at {loc_text(user_frame_loc())} on a tensor of shape {self.shape} with "
+                f"{data.size} elements; item() needs exactly one (index first, t[i].item(), or "
+                "use t.tolist())"
+            )
+        return data.item()
 
     def tolist(self):
         return self._concrete("tolist()").tolist()
@@ -245,6 +385,8 @@ class Tensor:
         return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
+        if self._donated is not None:
+            return f"Tensor(<donated {self._ir_dtype}{list(self.shape)} to {self._donated}>)"
         if self._data is None:
             return f"Tensor(<traced {self._value.type}>)"
         body = np.array2string(self._data, separator=", ", prefix="tensor(")
@@ -262,3 +404,8 @@ class Tensor:
             "backplan tensors are immutable (saved buffers can never be changed behind the "
             "graph's back); build a new tensor with bp.where or bp.concatenate"
         )
+
+
+TensorLike = Tensor | np.ndarray | np.generic | float | int | bool | Sequence[Any]
+DTypeLike = str | np.dtype | type
+Axis = int | Sequence[int] | None

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from backplan.ir.graph import Graph, Value
 from backplan.ir.types import TensorType
 
+from . import host_random
 from .errors import TracingError
 
 _state = threading.local()
@@ -26,6 +27,7 @@ class Trace:
     def value_of(self, tensor) -> Value:
         if tensor._trace is self:
             return tensor._value
+        tensor._check_live()
         if tensor._data is None and tensor._trace not in _stack():
             raise TracingError(
                 "a traced tensor escaped the function that traced it (stored in a global or "
@@ -54,7 +56,9 @@ def current_trace() -> Trace | None:
 def tracing(trace: Trace):
     stack = _stack()
     stack.append(trace)
+    host_random.enter(lambda: bool(_stack()))
     try:
         yield trace
     finally:
+        host_random.leave()
         stack.pop()

@@ -1,3 +1,3 @@
 """Importing this package registers every op."""
 
-from . import creation, elementwise, linalg, nn, reductions, shape_ops  # noqa: F401
+from . import conv, creation, elementwise, linalg, nn, random, reductions, shape_ops  # noqa: F401

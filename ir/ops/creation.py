@@ -5,7 +5,7 @@ import numpy as np
 from ..errors import DtypeError, ShapeError
 from ..index_check import check_in_range, label_message
 from ..registry import AttrSpec, OpDef, register
-from ..types import TensorType, is_float, np_dtype
+from ..types import TensorType, is_float, is_int, np_dtype
 
 
 def _full_infer(types, attrs):
@@ -54,8 +54,8 @@ register(
 
 def _one_hot_infer(types, attrs):
     (labels,) = types
-    if labels.dtype != "i64":
-        raise DtypeError(f"labels must be i64, got {labels.dtype}")
+    if not is_int(labels.dtype):
+        raise DtypeError(f"labels must be integers (u8, i32, i64), got {labels.dtype}")
     if attrs["depth"] < 0:
         raise ShapeError(f"depth must be non-negative, got {attrs['depth']}")
     return TensorType(attrs["dtype"], labels.shape + (attrs["depth"],))

@@ -6,7 +6,7 @@ from ..errors import DtypeError, ShapeError
 from ..index_check import check_in_range, label_message
 from ..registry import AttrSpec, OpDef, register
 from ..shapes import fmt, normalize_axes, normalize_axis, reduced_shape
-from ..types import TensorType
+from ..types import TensorType, is_int
 from .common import float_only
 
 AXIS = {"axis": AttrSpec("int")}
@@ -112,8 +112,8 @@ register(
 def _ce_infer(types, attrs):
     logits, labels = types
     float_only([logits], "cross_entropy")
-    if labels.dtype != "i64":
-        raise DtypeError(f"labels must be i64 class indices, got {labels.dtype}")
+    if not is_int(labels.dtype):
+        raise DtypeError(f"labels must be integer class indices, got {labels.dtype}")
     if len(logits.shape) < 1 or logits.shape[:-1] != labels.shape:
         raise ShapeError(
             f"logits {fmt(logits.shape)} need labels of shape {fmt(logits.shape[:-1])}, "

@@ -77,3 +77,38 @@ register(
         loop_tail=True,
     )
 )
+
+
+def _arg_infer(types, attrs):
+    (x,) = types
+    numeric_only(types, "argmax")
+    axis = attrs["axis"]
+    if not 0 <= axis < len(x.shape):
+        raise ShapeError(f"axis must be in [0, {len(x.shape)}), got {axis}")
+    if x.shape[axis] == 0:
+        raise ShapeError(f"needs a non-empty axis, got shape {x.shape}")
+    return TensorType("i64", reduced_shape(x.shape, (axis,), attrs["keepdims"]))
+
+
+def _argmax_ref(x, axis, keepdims):
+    return np.argmax(x, axis=axis, keepdims=keepdims).astype(np.int64)
+
+
+def _argmin_ref(x, axis, keepdims):
+    return np.argmin(x, axis=axis, keepdims=keepdims).astype(np.int64)
+
+
+ARG_ATTRS = {"axis": AttrSpec("int"), "keepdims": AttrSpec("bool", False, required=False)}
+for _name, _ref in (("argmax", _argmax_ref), ("argmin", _argmin_ref)):
+    register(
+        OpDef(
+            _name,
+            (1,),
+            _arg_infer,
+            _ref,
+            "opaque",
+            differentiable=False,
+            attrs=ARG_ATTRS,
+            doc="index of the first extreme along one axis (a NaN counts as extreme); no gradient",
+        )
+    )

@@ -6,7 +6,7 @@ from ..errors import DtypeError, ShapeError
 from ..index_check import check_in_range, index_message
 from ..registry import AttrSpec, OpDef, register
 from ..shapes import broadcast_shapes, fmt, normalize_axis
-from ..types import TensorType
+from ..types import TensorType, is_int
 
 
 def _size(shape):
@@ -271,8 +271,8 @@ register(
 
 
 def _check_index(idx):
-    if idx.dtype != "i64":
-        raise DtypeError(f"indices must be i64, got {idx.dtype}")
+    if not is_int(idx.dtype):
+        raise DtypeError(f"indices must be integers (u8, i32, i64), got {idx.dtype}")
 
 
 def _take_infer(types, attrs):

@@ -1,0 +1,125 @@
+"""save_tree / load_tree: a pytree of arrays (model parameters, optimizer state) in one .npz.
+
+The structure is JSON inside the file (member `__tree__`), the leaves are `leaf_<i>` arrays, and
+loading reads with allow_pickle=False, so a file can hold nothing but arrays and data. This is
+for checkpoints; `bp.export` / `bp.load` are for whole compiled functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+
+import numpy as np
+
+from backplan.ir.errors import BackplanError
+from backplan.ir.types import DTYPES
+from backplan.tracer.pytree import flatten, unflatten
+from backplan.tracer.tensor import Tensor
+
+from .format import ExportError
+from .tree import leaf_paths, treedef_from_json, treedef_to_json
+
+TREE_MEMBER = "__tree__"
+FORMAT = "backplan-tree"
+VERSION = 1
+
+
+class TreeFileError(BackplanError, ValueError):
+    """A tree cannot be saved (a leaf is not an array) or a file is not a saved tree."""
+
+
+def save_tree(path, tree) -> str:
+    """Write a pytree (dicts, lists, tuples, None) of tensors or NumPy arrays to path (.npz).
+
+    >>> import backplan as bp, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "params.npz")
+    >>> _ = bp.save_tree(path, {"w": bp.tensor([1.0, 2.0]), "layers": [bp.tensor([3.0])]})
+    >>> bp.load_tree(path)["layers"][0].tolist()
+    [3.0]
+    """
+    leaves, treedef, paths = flatten(tree, paths=True)
+    arrays, flags = {}, []
+    for i, (leaf, leaf_path) in enumerate(zip(leaves, paths, strict=True)):
+        arrays[f"leaf_{i}"] = _leaf_array(leaf, leaf_path)
+        flags.append(bool(isinstance(leaf, Tensor) and leaf.requires_grad))
+    try:
+        structure = treedef_to_json(treedef, "save_tree")
+    except ExportError as exc:
+        raise TreeFileError(f"{exc} (dict keys must be str, int, float or bool)") from None
+    header = {"format": FORMAT, "version": VERSION, "tree": structure, "requires_grad": flags}
+    arrays[TREE_MEMBER] = np.frombuffer(json.dumps(header).encode("utf-8"), np.uint8)
+    path = os.fspath(path)
+    with open(path, "wb") as file:
+        np.savez(file, **arrays)
+    return path
+
+
+def _leaf_array(leaf, where: str) -> np.ndarray:
+    if isinstance(leaf, Tensor):
+        return np.asarray(leaf.numpy())
+    if isinstance(leaf, np.ndarray) and leaf.dtype in DTYPES.values():
+        return leaf
+    shown = f"an array of dtype {leaf.dtype}" if isinstance(leaf, np.ndarray) else repr(leaf)
+    raise TreeFileError(
+        f"save_tree: leaf {where} is {shown[:80]} of type {type(leaf).__name__}; only tensors "
+        f"and NumPy arrays of {', '.join(map(str, DTYPES.values()))} can be saved (wrap "
+        "numbers in bp.tensor, keep other values outside the tree)"
+    )
+
+
+def load_tree(path):
+    """The pytree save_tree wrote, with tensors as leaves (requires_grad as saved)."""
+    path = os.fspath(path)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            members = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise TreeFileError(f"load_tree: {path} is not a saved tree ({exc})") from None
+    header = _header(members, path)
+    try:
+        treedef = treedef_from_json(header.get("tree"), f"load_tree {path}")
+    except ExportError as exc:
+        raise TreeFileError(str(exc)) from None
+    count = treedef.num_leaves
+    flags = header.get("requires_grad")
+    if not isinstance(flags, list) or len(flags) != count or set(members) != _names(count):
+        raise TreeFileError(
+            f"load_tree: {path} has members {sorted(members)[:8]} for {count} leaves; "
+            "the file is damaged or not written by bp.save_tree"
+        )
+    leaves = []
+    for i, (flag, leaf_path) in enumerate(zip(flags, leaf_paths(treedef), strict=True)):
+        array = members[f"leaf_{i}"]
+        if array.dtype not in DTYPES.values():
+            raise TreeFileError(f"load_tree: {path} leaf {leaf_path} has dtype {array.dtype}")
+        tensor = Tensor(array)
+        tensor.requires_grad = flag is True and tensor.dtype.kind == "f"
+        leaves.append(tensor)
+    return unflatten(treedef, leaves)
+
+
+def _names(count: int) -> set[str]:
+    return {TREE_MEMBER} | {f"leaf_{i}" for i in range(count)}
+
+
+def _header(members: dict, path: str) -> dict:
+    raw = members.get(TREE_MEMBER)
+    if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
+        raise TreeFileError(
+            f"load_tree: {path} has no structure member {TREE_MEMBER!r}; it was not written "
+            "by bp.save_tree (for artifacts of bp.export use bp.load)"
+        )
+    try:
+        header = json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TreeFileError(f"load_tree: {path}: unreadable structure ({exc})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TreeFileError(f"load_tree: {path} is not a saved tree")
+    if header.get("version") != VERSION:
+        raise TreeFileError(
+            f"load_tree: {path} has format version {header.get('version')!r}; this backplan "
+            f"reads version {VERSION} (upgrade backplan to read newer files)"
+        )
+    return header

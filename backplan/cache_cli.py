@@ -1,0 +1,55 @@
+"""`python -m backplan cache {info,clear}`: where the kernel cache is, what it holds, and a way
+to empty it. Only files backplan names (`bp_*`, and Numba's files for them) are touched, so a
+cache folder pointed at a shared place loses nothing else."""
+
+from __future__ import annotations
+
+import os
+
+from backplan.codegen.cache import cache_dir
+
+PREFIX = "bp_"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("action", choices=("info", "clear"), help="show or empty the cache")
+
+
+def cache_files(directory: str) -> list[str]:
+    """Every file of the cache: generated modules, their keys, and Numba's machine code."""
+    found = []
+    for folder in (directory, os.path.join(directory, "__pycache__")):
+        if os.path.isdir(folder):
+            found += [
+                os.path.join(folder, name)
+                for name in sorted(os.listdir(folder))
+                if name.startswith(PREFIX) and os.path.isfile(os.path.join(folder, name))
+            ]
+    return found
+
+
+def _size_text(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:,} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def run(args) -> int:
+    directory = cache_dir()
+    files = cache_files(directory)
+    entries = sum(1 for f in files if os.path.dirname(f) == directory and f.endswith(".py"))
+    nbytes = sum(os.path.getsize(f) for f in files)
+    if args.action == "info":
+        print(f"kernel cache: {directory}")
+        origin = "BACKPLAN_CACHE_DIR" if os.environ.get("BACKPLAN_CACHE_DIR") else "default"
+        print(f"  set by: {origin}")
+        print(f"  entries: {entries} compiled plans ({len(files)} files)")
+        print(f"  size: {_size_text(nbytes)}")
+        return 0
+    for path in files:
+        os.unlink(path)
+    summary = f"{entries} compiled plans ({len(files)} files, {_size_text(nbytes)})"
+    print(f"removed {summary} from {directory}")
+    return 0

@@ -1,0 +1,94 @@
+"""The optimizer contract, optax-style because tensors are immutable: a transformation turns
+gradients into updates with some state; an Optimizer applies the updates to the parameters.
+
+    opt = bp.optim.adam(1e-3)
+    state = opt.init(params)                          # a pytree of tensors
+    params, state = opt.update(grads, state, params)  # new tensors, nothing changes in place
+
+The same calls run eagerly and inside @bp.compile, so one compiled step can do the forward, the
+backward and the update (pass params and state with donate_argnums to update in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backplan.runtime import no_grad
+from backplan.tracer.pytree import flatten, unflatten
+
+from .tree import check_same_structure, float_leaves
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """A gradient transformation: `init(params) -> state` and
+    `transform(updates, state, params) -> (updates, state)`. `update` applies the result:
+    new params are params + updates. Build them with sgd, adam, adamw, clip_by_global_norm
+    and chain."""
+
+    name: str
+    init_fn: Callable
+    transform: Callable
+
+    def init(self, params):
+        """The optimizer state for these parameters: tensors (step count, moments)."""
+        float_leaves(params, f"{self.name}.init(params)")
+        with no_grad():
+            return self.init_fn(params)
+
+    def update(self, grads, state, params):
+        """(new params, new state). Eagerly, new parameters keep the old requires_grad flags,
+        so `loss.backward()` works on them at the next step."""
+        where = f"{self.name}.update(grads, state, params)"
+        check_same_structure(grads, params, where)
+        with no_grad():
+            updates, state = self.transform(grads, state, params)
+            new = apply_updates(params, updates)
+        return new, state
+
+    def __repr__(self) -> str:
+        return f"bp.optim.{self.name}"
+
+
+def apply_updates(params, updates):
+    """params + updates, leaf by leaf; concrete leaves keep their requires_grad flag."""
+    leaves, treedef = flatten(params)
+    deltas, _ = flatten(updates)
+    new = []
+    for p, u in zip(leaves, deltas, strict=True):
+        value = p + u
+        if p._data is not None and p.requires_grad:
+            value.requires_grad = True  # made under no_grad: a new leaf
+        new.append(value)
+    return unflatten(treedef, new)
+
+
+def chain(*transforms: Optimizer) -> Optimizer:
+    """Apply transformations in order, each to the updates of the one before (optax.chain):
+    `bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.adam(1e-3))`.
+    The state is a tuple with one entry per transformation."""
+    for t in transforms:
+        if not isinstance(t, Optimizer):
+            raise TypeError(
+                f"bp.optim.chain takes optimizers and transformations (bp.optim.sgd(...), "
+                f"bp.optim.clip_by_global_norm(...)), got {type(t).__name__}"
+            )
+
+    def init_fn(params):
+        return tuple(t.init_fn(params) for t in transforms)
+
+    def transform(updates, state, params):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise TypeError(
+                f"chain of {len(transforms)} transformations needs the state from its own "
+                "init(params) (a tuple with one entry per transformation)"
+            )
+        new_states = []
+        for t, s in zip(transforms, state, strict=True):
+            updates, s = t.transform(updates, s, params)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    names = ", ".join(t.name for t in transforms)
+    return Optimizer(f"chain({names})", init_fn, transform)

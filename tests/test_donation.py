@@ -1,0 +1,158 @@
+"""bp.compile(donate_argnums=...): outputs written into donated input buffers, results equal to
+the non-donated run, no new parameter memory per step, donated tensors unusable afterwards."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+
+def mlp_loss(params, x, y):
+    h = bp.tanh(x @ params["w"] + params["b"])
+    return ((h @ params["v"] - y) ** 2).mean()
+
+
+OPT = bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.adam(0.01))
+
+
+def train_step(params, state, x, y):
+    loss, grads = bp.value_and_grad(mlp_loss)(params, x, y)
+    params, state = OPT.update(grads, state, params)
+    return params, state, loss
+
+
+def problem(n=8, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {
+        "w": (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32),
+        "b": np.zeros(n, np.float32),
+        "v": rng.standard_normal((n, 2)).astype(np.float32),
+    }
+    x = rng.standard_normal((16, n)).astype(np.float32)
+    y = rng.standard_normal((16, 2)).astype(np.float32)
+    return params, x, y
+
+
+def address(tensor) -> int:
+    return tensor.numpy().__array_interface__["data"][0]
+
+
+def leaves(tree):
+    return bp.tracer.pytree.flatten(tree)[0]
+
+
+def test_donated_step_reuses_every_buffer_and_equals_the_plain_step():
+    params, x, y = problem()
+    with use_backend("numba"):
+        donated = bp.compile(train_step, donate_argnums=(0, 1))
+        plain = bp.compile(train_step)
+        p = {k: bp.tensor(v) for k, v in params.items()}
+        q = {k: bp.tensor(v) for k, v in params.items()}
+        s, r = OPT.init(p), OPT.init(q)
+        for _ in range(3):
+            before = [address(t) for t in leaves((p, s))]
+            p, s, loss = donated(p, s, x, y)
+            assert [address(t) for t in leaves((p, s))] == before
+            q, r, expected = plain(q, r, x, y)
+            np.testing.assert_allclose(loss.item(), expected.item(), rtol=1e-6)
+            for a, b in zip(leaves((p, s)), leaves((q, r)), strict=True):
+                # equal up to rounding: an in-place loop may vectorise differently (fastmath)
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+        report = str(donated.explain(p, s, x, y))
+    assert "Donated inputs (donate_argnums)" in report
+    assert "output 0 into params['w']" in report
+    assert "into state[1]['nu']['w']" in report
+
+
+def step_peak_bytes(step, p, s, x, y) -> int:
+    """Peak bytes traced by tracemalloc during one call (NumPy reports its buffers to it)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        step(p, s, x, y)
+        return tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+
+
+def test_donated_step_allocates_no_new_parameter_memory():
+    params, x, y = problem(n=128)
+    x, y = bp.tensor(x), bp.tensor(y)
+    with use_backend("numba"):
+        peaks = {}
+        for donate in ((0, 1), ()):
+            step = bp.compile(train_step, donate_argnums=donate)
+            p = {k: bp.tensor(v) for k, v in params.items()}
+            s = OPT.init(p)
+            p, s, _ = step(p, s, x, y)  # compiles
+            state_bytes = sum(t.nbytes for t in leaves((p, s)))
+            peaks[donate] = step_peak_bytes(step, p, s, x, y)
+    assert state_bytes > 190_000
+    assert peaks[()] > state_bytes  # new params, moments and count every call
+    assert peaks[(0, 1)] < state_bytes / 20, peaks  # only the loss and small objects
+    print(f"peak bytes per step: {peaks}, parameter and state bytes {state_bytes}")
+
+
+def test_using_a_donated_tensor_raises_and_names_the_call():
+    params, x, y = problem()
+    step = bp.compile(train_step, donate_argnums=(0, 1))  # the reference backend marks too
+    p = {k: bp.tensor(v) for k, v in params.items()}
+    s = OPT.init(p)
+    old = p
+    p, s, _ = step(p, s, x, y)
+    message = r"donated to train_step\(\) \(bp.compile\(donate_argnums=\(0, 1\)\)\) at test_don"
+    with pytest.raises(bp.DonatedError, match=message):
+        old["w"].numpy()
+    with pytest.raises(bp.DonatedError):
+        old["w"] + 1.0
+    with pytest.raises(bp.DonatedError):
+        step(old, s, x, y)
+    assert "donated" in repr(old["w"])
+    np.testing.assert_array_equal(x, x)  # arguments not donated stay usable
+    p, s, _ = step(p, s, x, y)
+
+
+def test_unsafe_pairs_are_not_written_in_place():
+    """A transposed read of the donated input in the loop that writes the output, and a
+    read after the output is written, must keep separate buffers."""
+
+    def mixed(a, m):
+        return a.T * 2.0 + a, a @ m, a * 3.0
+
+    rng = np.random.default_rng(1)
+    a, m = rng.standard_normal((4, 4)).astype(np.float32), np.eye(4, dtype=np.float32)
+    expected = [a.T * 2 + a, a @ m, a * 3]
+    with use_backend("numba"):
+        fn = bp.compile(mixed, donate_argnums=(0,))
+        for _ in range(2):
+            outs = fn(bp.tensor(a), m)
+            for out, want in zip(outs, expected, strict=True):
+                np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)
+
+
+def test_shared_buffers_are_not_overwritten():
+    """A NumPy view of the donated tensor keeps its values: that buffer is not reused."""
+    params, x, y = problem()
+    with use_backend("numba"):
+        step = bp.compile(train_step, donate_argnums=(0, 1))
+        p = {k: bp.tensor(v) for k, v in params.items()}
+        s = OPT.init(p)
+        view = p["w"].numpy()
+        kept = view.copy()
+        p, s, _ = step(p, s, x, y)
+        np.testing.assert_array_equal(view, kept)
+
+
+def test_donating_an_argument_that_requires_grad_is_refused():
+    @bp.compile(donate_argnums=0)
+    def scale(w):
+        return w * 2.0
+
+    with pytest.raises(bp.TracingError, match="donated .* requires grad"):
+        scale(bp.tensor([1.0, 2.0], requires_grad=True))
+    with pytest.raises(ValueError, match="cannot be both static and donated"):
+        bp.compile(lambda a: a, static_argnums=0, donate_argnums=0)

@@ -1,0 +1,121 @@
+"""dtypes are kept or refused, never silently changed: uint8 and int32 work end to end, every
+other dtype raises DtypeError naming it and the supported set; int @ float keeps the float."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+SUPPORTED = "bool, uint8, int32, int64, float32, float64"
+
+UNSUPPORTED = {
+    "float16": (np.ones(3, np.float16), ".astype(np.float32)"),
+    "complex64": (np.array([1 + 2j], np.complex64), ".real and .imag"),
+    "uint64": (np.array([2**63 + 5], np.uint64), ".astype(np.int64)"),
+    "int16": (np.ones(2, np.int16), ".astype(np.int64)"),
+    "datetime64[s]": (np.array(["2024-01-01"], "datetime64[s]"), "datetimes"),
+    "[('a', '<f4'), ('b', '<i8')]": (np.zeros(2, [("a", "f4"), ("b", "i8")]), "field"),
+    "object": (np.array([1.0, None], dtype=object), "numeric"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_arrays_are_refused_naming_the_dtype(name):
+    array, fix = UNSUPPORTED[name]
+    with pytest.raises(bp.DtypeError) as info:
+        bp.tensor(array)
+    message = str(info.value)
+    assert name in message and SUPPORTED in message and fix in message
+    assert "test_dtypes.py:" in message  # the user's line
+
+
+def test_a_cast_does_not_hide_an_unsupported_source():
+    with pytest.raises(bp.DtypeError, match="complex"):
+        bp.tensor(np.array([1 + 2j]), dtype="float32")  # NumPy would drop the imaginary part
+    with pytest.raises(bp.DtypeError, match="float16"):
+        bp.tensor([1.0]).astype("float16")
+
+
+def test_python_ints_beyond_int64_are_refused_not_wrapped():
+    with pytest.raises(bp.DtypeError, match="int64 range"):
+        bp.tensor([2**63 + 5])
+    with pytest.raises(bp.DtypeError, match="does not fit"):
+        bp.tensor(np.array([1, 2], np.uint8)) + 300
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int32, np.int64, np.float32, np.float64, np.bool_])
+def test_supported_dtypes_are_kept(dtype):
+    array = np.arange(4).astype(dtype)
+    t = bp.tensor(array)
+    assert t.dtype == dtype and t.nbytes == array.nbytes
+    assert bp.tensor([1.0, 2.0]).astype(dtype).dtype == dtype
+
+
+def test_small_integers_follow_numpy_within_their_category():
+    a = np.array([200, 100, 7], np.uint8)
+    b = np.array([100, 200, 9], np.int32)
+    t, u = bp.tensor(a), bp.tensor(b)
+    for got, want in [(t + t, a + a), (t - t[::-1], a - a[::-1]), (u * 3, b * 3), (t + u, a + b)]:
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got.numpy(), want)
+    assert t.sum().dtype == np.int64 and t.sum().item() == 307  # no wrap, as NumPy
+    assert t.max().dtype == np.uint8 and (t < 150).dtype == np.bool_
+
+
+@pytest.mark.parametrize("int_dtype", [np.uint8, np.int32, np.int64])
+def test_int_with_float_tensor_keeps_the_float_dtype(int_dtype):
+    x = np.array([[1, 2], [3, 4]], int_dtype)
+    w = np.array([[0.5], [0.25]], np.float32)
+    out = bp.tensor(x) @ bp.tensor(w)
+    assert out.dtype == np.float32  # NumPy 2 would give float64; PyTorch and JAX float32
+    np.testing.assert_allclose(out.numpy(), x.astype(np.float64) @ w, rtol=1e-6)
+    assert (bp.tensor(x) * bp.tensor(w.ravel())).dtype == np.float32
+    assert (bp.tensor(x) / 2).dtype == np.float64  # true division of integers, as NumPy
+
+
+@pytest.mark.parametrize("index_dtype", [np.uint8, np.int32])
+def test_small_integer_indices_and_labels_give_the_int64_answers(index_dtype):
+    rng = np.random.default_rng(0)
+    weight = bp.tensor(rng.standard_normal((5, 3)).astype(np.float32), requires_grad=True)
+    labels64 = np.array([4, 0, 2, 2])
+    labels = labels64.astype(index_dtype)
+    results = []
+    for lab in (labels64, labels):
+        weight.zero_grad()
+        rows = bp.embedding(bp.tensor(lab), weight)
+        loss = bp.cross_entropy(rows, bp.tensor(lab[:4] % 3)) + bp.one_hot(bp.tensor(lab), 5).sum()
+        loss = loss + bp.take(weight, bp.tensor(lab), axis=0).sum()
+        loss.backward()
+        results.append((loss.item(), weight.grad.numpy().copy()))
+    assert results[0][0] == results[1][0]
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_small_integer_programs_compile_like_the_reference():
+    def program(img, idx, w):
+        scaled = img.astype("float32") / 255.0
+        rows = bp.embedding(idx, w)
+        return (
+            img + img,  # uint8 wraps, as NumPy
+            img.max(axis=1),
+            img.sum(),
+            idx * 3 - 7,
+            bp.astype(idx, "uint8"),
+            bp.cross_entropy(rows, idx),
+            bp.one_hot(idx, 4),
+            (scaled @ bp.ones((6, 1))).sum(),
+            idx.astype("int64") + w[:3, 0],
+        )
+
+    img = bp.tensor((np.arange(24, dtype=np.uint8) * 11).reshape(4, 6))
+    idx = bp.tensor(np.array([2, 0, 1], np.int32))
+    w = bp.tensor(np.random.default_rng(1).standard_normal((5, 3)).astype(np.float32))
+    reference = program(img, idx, w)
+    with use_backend("numba"):
+        compiled = bp.compile(program)(img, idx, w)
+    for want, got in zip(reference, compiled, strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)

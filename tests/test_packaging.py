@@ -1,0 +1,113 @@
+"""Packaging: typed public API checked by mypy, the command line's --version, description and
+cache command, and the metadata in pyproject.toml."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import backplan as bp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TYPING = os.path.join(ROOT, "tests", "typing")
+
+
+def _pyproject() -> dict:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def _installed_layout(tmp_path) -> str:
+    """The package as installed (backplan.tracer from tracer/, ...), made of symlinks, so mypy
+    sees what a user's site-packages holds without an install."""
+    site = tmp_path / "site"
+    package_dirs = _pyproject()["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(package_dirs.items(), key=lambda kv: kv[0].count(".")):
+        target = site.joinpath(*package.split("."))
+        target.mkdir(parents=True, exist_ok=True)
+        source = os.path.join(ROOT, folder)
+        for name in os.listdir(source):
+            if name.endswith(".py") or name == "py.typed":
+                (target / name).symlink_to(os.path.join(source, name))
+    return str(site)
+
+
+def _mypy(site: str, file_name: str) -> subprocess.CompletedProcess:
+    pytest.importorskip("mypy")
+    env = {**os.environ, "MYPYPATH": site}
+    args = ["--follow-imports=silent", "--no-incremental", "--python-version=3.11"]
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", *args, os.path.join(TYPING, file_name)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(site),
+        timeout=300,
+    )
+
+
+def test_py_typed_marker_is_package_data():
+    assert os.path.exists(os.path.join(ROOT, "backplan", "py.typed"))
+    assert "py.typed" in _pyproject()["tool"]["setuptools"]["package-data"]["backplan"]
+
+
+def test_typed_example_passes_mypy_and_mistakes_are_caught(tmp_path):
+    site = _installed_layout(tmp_path)
+    good = _mypy(site, "typed_example.py")
+    assert good.returncode == 0, good.stdout + good.stderr
+    bad = _mypy(site, "typed_mistakes.py")
+    lines = [line for line in bad.stdout.splitlines() if ": error:" in line]
+    found = {int(line.split(":")[1]) for line in lines}
+    assert found == {6, 7, 8, 9}, bad.stdout  # one error per wrong line, none elsewhere
+
+
+def _cli(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "backplan", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def test_version_and_description():
+    result = _cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"backplan {bp.__version__}"
+    assert bp.__version__ == _pyproject()["project"]["version"]
+    help_text = " ".join(_cli("--help").stdout.split())
+    assert "static forward and backward plans" in help_text
+    assert "cache" in help_text
+
+
+def test_cache_info_and_clear_touch_only_backplan_files(tmp_path):
+    cache = tmp_path / "kernels"
+    (cache / "__pycache__").mkdir(parents=True)
+    (cache / "bp_abc.py").write_text("x = 1\n")
+    (cache / "bp_abc.json").write_text("{}")
+    (cache / "__pycache__" / "bp_abc.run-1.py311.nbi").write_bytes(b"0" * 100)
+    (cache / "notes.txt").write_text("mine")
+    env = {"BACKPLAN_CACHE_DIR": str(cache)}
+    info = _cli("cache", "info", env=env)
+    assert info.returncode == 0, info.stderr
+    assert str(cache) in info.stdout
+    assert "entries: 1 compiled plans (3 files)" in info.stdout
+    assert "size: 108 B" in info.stdout
+    cleared = _cli("cache", "clear", env=env)
+    assert cleared.returncode == 0 and "removed 1 compiled plans" in cleared.stdout
+    assert sorted(os.listdir(cache)) == ["__pycache__", "notes.txt"]
+    assert os.listdir(cache / "__pycache__") == []
+
+
+def test_project_metadata():
+    project = _pyproject()["project"]
+    assert project["license"] == {"text": "MIT"}
+    assert project["authors"] == [{"name": "backplan developers"}]
+    assert "Typing :: Typed" in project["classifiers"]
+    assert any(dep.startswith("mypy") for dep in project["optional-dependencies"]["test"])
+    assert os.path.exists(os.path.join(ROOT, "LICENSE"))

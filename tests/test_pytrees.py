@@ -1,0 +1,115 @@
+"""Pytrees: dataclasses (frozen or not) and registered classes through compile,
+value_and_grad and export; the public bp.tree functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import backplan as bp
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    w: bp.Tensor
+    b: bp.Tensor
+
+
+@dataclasses.dataclass
+class Output:
+    loss: bp.Tensor
+    hidden: bp.Tensor
+    note: str = "step"
+
+
+class Pair:
+    """A plain class made a pytree node with bp.tree.register."""
+
+    def __init__(self, first, second, tag: str):
+        self.first, self.second, self.tag = first, second, tag
+
+
+bp.tree.register(Pair, lambda p: ((p.first, p.second), p.tag), lambda tag, kids: Pair(*kids, tag))
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+    return Params(
+        bp.tensor(w, requires_grad=True), bp.tensor(np.zeros(2, np.float32), requires_grad=True)
+    )
+
+
+def model(p: Params, x) -> Output:
+    hidden = bp.tanh(x @ p.w + p.b)
+    return Output(loss=(hidden * hidden).sum(), hidden=hidden)
+
+
+X = bp.tensor(np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3))
+
+
+def test_dataclasses_are_arguments_and_outputs_of_compile():
+    params = _params()
+    out = bp.compile(model)(params, X)
+    assert isinstance(out, Output) and out.note == "step" and out.hidden.shape == (4, 2)
+    out.loss.backward()
+    eager_params = _params()
+    model(eager_params, X).loss.backward()
+    np.testing.assert_allclose(params.w.grad.numpy(), eager_params.w.grad.numpy(), rtol=1e-6)
+
+
+def test_value_and_grad_returns_gradients_in_the_dataclass():
+    loss, grads = bp.value_and_grad(lambda p, x: model(p, x).loss)(_params(), X)
+    assert isinstance(grads, Params) and grads.w.shape == (3, 2)
+    params = _params()
+    model(params, X).loss.backward()
+    np.testing.assert_allclose(grads.b.numpy(), params.b.grad.numpy(), rtol=1e-6)
+
+
+def test_registered_classes_pass_through_compile():
+    @bp.compile
+    def swap(pair: Pair) -> Pair:
+        return Pair(pair.second * 2.0, pair.first, pair.tag + "!")
+
+    out = swap(Pair(bp.tensor([1.0]), bp.tensor([3.0]), "t"))
+    assert isinstance(out, Pair) and out.tag == "t!" and out.first.tolist() == [6.0]
+
+
+def test_export_stores_dataclasses_as_dicts_and_refuses_registered_classes(tmp_path):
+    step = bp.value_and_grad(lambda p, x: model(p, x).loss)
+    path = str(tmp_path / "step.bpz")
+    bp.export(step, _params(), X, path=path)
+    loaded = bp.load(path)
+    loss, grads = loaded(_params(), X)  # a dataclass stands where its dict of fields was
+    want_loss, want = step(_params(), X)
+    assert set(grads) == {"w", "b"}  # the class itself needs the model's code
+    np.testing.assert_allclose(grads["w"].numpy(), want.w.numpy(), rtol=1e-6)
+    assert loss.item() == pytest.approx(want_loss.item())
+
+    @bp.compile
+    def first(pair: Pair):
+        return pair.first * 2.0
+
+    with pytest.raises(bp.ExportError, match="registered with bp.tree.register"):
+        bp.export(
+            first, Pair(bp.tensor([1.0]), bp.tensor([2.0]), "t"), path=str(tmp_path / "p.bpz")
+        )
+
+
+def test_tree_functions():
+    params = {"w": bp.ones((2,)), "layers": [bp.zeros((1,)), None], "pair": Pair(1, 2, "x")}
+    leaves, treedef = bp.tree.flatten(params)
+    assert len(leaves) == 4 == treedef.num_leaves and bp.tree.leaves(params)[2:] == [1, 2]
+    rebuilt = bp.tree.unflatten(treedef, leaves)
+    assert rebuilt["layers"][1] is None and rebuilt["pair"].tag == "x"
+    grads = bp.tree.map(lambda leaf: leaf, params)
+    summed = bp.tree.map(lambda a, b: a + b, params, grads)
+    assert summed["w"].tolist() == [2.0, 2.0] and summed["pair"].second == 4
+    with pytest.raises(ValueError, match="one structure"):
+        bp.tree.map(lambda a, b: a, params, {"w": 1})
+    with pytest.raises(ValueError, match="leaves"):
+        bp.tree.unflatten(treedef, leaves[:2])
+    frozen = Params(bp.ones((1,)), bp.zeros((1,)))
+    assert bp.tree.map(lambda t: t + 1.0, frozen).b.tolist() == [1.0]

@@ -1,0 +1,171 @@
+"""Python floats are traced as weakly typed 0-d inputs; static_argnums / static_argnames keep
+values static; the signature cache is an LRU with a retrace warning; in-place operators raise."""
+
+import operator
+import warnings
+
+import numpy as np
+import pytest
+
+import backplan as bp
+
+
+def f32(*shape):
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
+def test_twenty_learning_rates_one_trace_and_float32_stays_float32():
+    @bp.compile
+    def scaled(w, lr):
+        return w - lr * w * 0.5
+
+    w = bp.tensor(f32(3))
+    for lr in np.linspace(0.01, 1.0, 20):
+        out = scaled(w, float(lr))
+        np.testing.assert_allclose(out.numpy(), w.numpy() - float(lr) * w.numpy() * 0.5, rtol=1e-6)
+        assert out.dtype == np.float32
+    info = scaled.cache_info()
+    assert (info.traces, info.hits) == (1, 19)
+
+
+def test_traced_floats_promote_like_python_floats():
+    @bp.compile
+    def mixed(i, d, lr):
+        return i * lr, d * lr, lr * 2.0, bp.sqrt(lr) + lr
+
+    ints, doubles = bp.tensor(np.arange(3)), bp.tensor(np.ones(3))
+    as_int, as_double, alone, unary = mixed(ints, doubles, 0.25)
+    assert as_int.dtype == np.float64 and as_double.dtype == np.float64
+    assert alone.dtype == np.float64 and alone.item() == 0.5
+    assert unary.item() == 0.75
+    np.testing.assert_array_equal(as_int.numpy(), [0.0, 0.25, 0.5])
+
+
+def test_a_traced_float_where_a_python_number_is_needed_says_to_make_it_static():
+    @bp.compile
+    def needs_number(x, eps):
+        return x + 1.0 if float(eps) > 0 else x
+
+    with pytest.raises(bp.TracingError, match=r"static_argnames=\('name',\)"):
+        needs_number(bp.tensor(f32(2)), 0.1)
+
+    @bp.compile(static_argnames=("eps",))
+    def static_eps(x, eps):
+        return x + 1.0 if eps > 0 else x
+
+    np.testing.assert_allclose(static_eps(bp.tensor(f32(2)), 0.1).numpy(), f32(2) + 1.0)
+    static_eps(bp.tensor(f32(2)), 0.2)
+    assert static_eps.cache_info().last_miss_reason == "eps: static value 0.1 -> 0.2"
+
+    @bp.compile(static_argnums=1)
+    def by_position(x, scale):
+        return x * scale
+
+    by_position(bp.tensor(f32(2)), 2.0)
+    by_position(bp.tensor(f32(2)), scale=3.0)  # by keyword: still static
+    assert by_position.cache_info().traces == 2
+
+
+def test_bad_static_options_are_refused():
+    with pytest.raises(ValueError, match="not a parameter"):
+        bp.compile(lambda x: x, static_argnames=("y",))
+    with pytest.raises(ValueError, match="static_argnums=5"):
+        bp.compile(lambda x: x, static_argnums=5)
+    with pytest.raises(ValueError, match="cache_size must be at least 1"):
+        bp.compile(lambda x: x, cache_size=0)
+
+
+def test_value_and_grad_traces_floats_too():
+    vg = bp.value_and_grad(lambda w, scale: (w * scale).sum())
+    w = bp.tensor(f32(3))
+    for scale in (1.0, 2.0, 3.0):
+        value, grad = vg(w, scale)
+        np.testing.assert_allclose(grad.numpy(), [scale] * 3)
+    assert vg.cache_info().traces == 1
+
+
+def test_retrace_warning_after_eight_retraces_names_what_changed():
+    @bp.compile
+    def by_shape(x):
+        return x * 2.0
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, 12):
+            by_shape(bp.tensor(np.ones(n, np.float32)))
+    retrace = [w for w in caught if issubclass(w.category, bp.RetraceWarning)]
+    assert len(retrace) == 1  # once
+    message = str(retrace[0].message)
+    assert "traced 9 times" in message and "x: shape (8,) -> (9,)" in message
+    assert retrace[0].filename == __file__
+
+
+def test_cache_is_least_recently_used_and_capped():
+    @bp.compile(cache_size=2)
+    def double(x):
+        return x * 2
+
+    a, b, c = (bp.tensor(np.ones(n, np.float32)) for n in (1, 2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", bp.RetraceWarning)
+        double(a), double(b), double(a)  # a is the most recent
+        double(c)  # evicts b
+        assert double.cache_info().entries == 2
+        double(a)
+        assert double.cache_info().traces == 3  # a still cached
+        double(b)
+        assert double.cache_info().traces == 4  # b was evicted
+        np.testing.assert_array_equal(double(b).numpy(), [2.0, 2.0])
+    assert bp.compile(lambda x: x).cache_size == 64
+
+
+@pytest.mark.parametrize(
+    "symbol, in_place",
+    [
+        ("-=", operator.isub),
+        ("+=", operator.iadd),
+        ("*=", operator.imul),
+        ("/=", operator.itruediv),
+        ("@=", operator.imatmul),
+        ("**=", operator.ipow),
+    ],
+)
+def test_in_place_operators_raise_with_the_optimizer_idiom(symbol, in_place):
+    w = bp.tensor(np.eye(2, dtype=np.float32), requires_grad=True)
+    with pytest.raises(TypeError, match=r"(?s)immutable.*bp\.optim\.sgd.*opt\.update") as info:
+        in_place(w, bp.tensor(np.eye(2, dtype=np.float32)))
+    assert f"tensor {symbol}" in str(info.value)
+
+
+def test_the_pytorch_parameter_update_habit_raises():
+    params = {"w": bp.tensor(np.eye(2, dtype=np.float32), requires_grad=True)}
+    with pytest.raises(TypeError, match="in-place -="):
+        params["w"] -= 0.1 * params["w"]
+    assert params["w"].is_leaf  # unchanged
+    for p in params.values():
+        with pytest.raises(TypeError, match="in-place -="):
+            p -= 0.1
+
+
+def test_a_traced_float_as_an_op_attribute_says_to_make_it_static():
+    @bp.compile
+    def fill(x, value):
+        return x + bp.full((3,), value)  # full broadcasts a traced value
+
+    np.testing.assert_array_equal(fill(bp.tensor(np.ones(3, np.float32)), 0.5).numpy(), [1.5] * 3)
+    fill(bp.tensor(np.ones(3, np.float32)), 2.5)
+    assert fill.cache_info().traces == 1
+
+    @bp.compile
+    def normed(x, eps):
+        return bp.layer_norm(x, eps=eps)
+
+    with pytest.raises(bp.TracingError, match=r"traced float at test_traced_floats.*static_argn"):
+        normed(bp.tensor(f32(2, 3)), 1e-5)
+
+    @bp.compile
+    def encoded(labels, depth):
+        return bp.one_hot(labels, depth)
+
+    with pytest.raises(bp.TracingError, match=r"its depth must be a Python number, got a traced"):
+        encoded(bp.tensor(np.array([1])), 2.0)

@@ -1,0 +1,119 @@
+"""bp.random: keys are i64[2] tensors passed to compiled functions as arguments, so each call can
+draw new numbers without retracing, and a draw is a pure function of its key (threefry-2x32):
+the same key gives the same bits eagerly, compiled, and when backward recomputes a mask.
+
+>>> import backplan as bp
+>>> key = bp.random.key(0)
+>>> k1, k2 = bp.random.split(key)
+>>> bp.random.normal(k1, (2, 3)).shape
+(2, 3)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backplan.ir.errors import DtypeError
+from backplan.ir.types import dtype_name, is_float
+
+from .dispatch import apply
+from .ops import as_tensor, astype, full, less, mul, sub, where
+from .tensor import Tensor
+
+MASK32 = 0xFFFFFFFF
+
+
+def key(seed: int) -> Tensor:
+    """A key from an integer seed: the seed's high and low 32-bit words (as jax.random.PRNGKey)."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(
+            f"bp.random.key: seed must be a Python int, got {type(seed).__name__}; inside a "
+            "compiled function, take the key itself as an argument instead of a seed"
+        )
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return Tensor(np.array([seed >> 32, seed & MASK32], np.int64))
+
+
+def _key(k) -> Tensor:
+    k = as_tensor(k)
+    if k._ir_dtype != "i64" or k.shape != (2,):
+        raise DtypeError(
+            f"expected a key (an int64 tensor of shape (2,)), got {k.dtype} {k.shape}; make one "
+            "with bp.random.key(seed) and new ones with bp.random.split(key)"
+        )
+    return k
+
+
+def split(k, num: int = 2) -> tuple[Tensor, ...]:
+    """`num` independent keys derived from k; never reuse k itself after splitting it."""
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(f"bp.random.split: num must be a positive int, got {num!r}")
+    keys = apply("random_split", [_key(k)], count=num)
+    return tuple(keys[i] for i in range(num))
+
+
+def _float_dtype(dtype, what: str) -> str:
+    name = dtype_name(dtype)
+    if not is_float(name):
+        raise TypeError(f"bp.random.{what}: dtype must be float32 or float64, got {dtype}")
+    return name
+
+
+def _shape(shape) -> tuple[int, ...]:
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+def uniform(k, shape=(), dtype="float32", low=0.0, high=1.0) -> Tensor:
+    """Floats in [low, high): 24 random bits per float32 value, 53 per float64 value."""
+    u = apply(
+        "random_uniform", [_key(k)], shape=_shape(shape), dtype=_float_dtype(dtype, "uniform")
+    )
+    if isinstance(low, int | float) and isinstance(high, int | float) and (low, high) == (0, 1):
+        return u
+    return u * (high - low) + low
+
+
+def normal(k, shape=(), dtype="float32") -> Tensor:
+    """Standard normal floats (Box-Muller on threefry words, computed in float64)."""
+    return apply(
+        "random_normal", [_key(k)], shape=_shape(shape), dtype=_float_dtype(dtype, "normal")
+    )
+
+
+def bernoulli(k, p=0.5, shape=None) -> Tensor:
+    """Booleans that are True with probability p (a number or a tensor broadcast to shape)."""
+    if shape is None:
+        shape = () if isinstance(p, int | float) else as_tensor(p).shape
+    if isinstance(p, int | float) and not 0 <= p <= 1:
+        raise ValueError(f"bp.random.bernoulli: p must lie in [0, 1], got {p}")
+    dtype = "f64" if isinstance(p, Tensor) and p._ir_dtype == "f64" else "f32"
+    return less(uniform(k, shape, dtype), p)
+
+
+def dropout(x, rate, k) -> Tensor:
+    """Inverted dropout: each element is zeroed with probability `rate` and the survivors are
+    scaled by 1 / (1 - rate), so the expected value is unchanged; rate == 0 returns x. The mask
+    is a pure function of k, so backward recomputes it bit for bit instead of saving it.
+
+    >>> import backplan as bp
+    >>> y = bp.dropout(bp.ones((4,)), 0.5, bp.random.key(0))
+    >>> sorted(set(y.numpy().tolist())) in ([0.0, 2.0], [0.0], [2.0])
+    True
+    """
+    x = as_tensor(x)
+    if not is_float(x._ir_dtype):
+        raise TypeError(f"bp.dropout: x must be a float tensor, got {x.dtype}")
+    if isinstance(rate, Tensor):
+        keep = sub(1.0, astype(rate, x._ir_dtype))
+        u = uniform(k, x.shape, x._ir_dtype)
+        return where(less(u, keep), x / keep, full((), 0, x._ir_dtype))
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < 1:
+        raise ValueError(
+            f"bp.dropout: rate must be a number in [0, 1), got {rate!r} (rate is the fraction "
+            "of elements zeroed; 1 would zero everything)"
+        )
+    if rate == 0:
+        return x
+    keep = 1.0 - float(rate)
+    mask = less(uniform(k, x.shape, x._ir_dtype), keep)
+    return where(mask, mul(x, 1.0 / keep), full((), 0, x._ir_dtype))
