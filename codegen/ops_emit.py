@@ -273,7 +273,12 @@ class OpEmitter:
     def _key_check(self, node, key: str) -> list[str]:
         return [
             f"bad = check_key({key})",
-            *self._raise(node, "key words must lie in [0, 2**32); make keys with bp.random.key"),
+            *self._raise(
+                node,
+                node.inputs[0],
+                "key word {value} at position {position} must lie in [0, 2**32); "
+                "make keys with bp.random.key",
+            ),
         ]
 
     def _draw(self, node, out, fn: str, extra: str = "") -> list[str]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 from test_layering import ROOT, imported_modules, module_name
 
-FOLDERS = ("ir", "codegen", "runtime", "report", "tracer", "artifacts", "bench", "backplan")
+FOLDERS = (
+    "ir", "codegen", "runtime", "report", "tracer", "artifacts", "optim", "distributed", "bench",
+    "backplan",
+)  # fmt: skip
 
 
 def import_graph(folder: str, root: Path = ROOT) -> dict[str, set[str]]:
@@ -96,22 +98,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-KNOWN = {"tracer"}  # tensor <-> ops <-> dispatch: Tensor's operators need the ops that need it
-
-
 def test_no_import_cycles_inside_a_folder():
     problems = [
-        f"{folder}: {' <-> '.join(c)}"
-        for folder in FOLDERS
-        if folder not in KNOWN
-        for c in cycles(import_graph(folder))
+        f"{folder}: {' <-> '.join(c)}" for folder in FOLDERS for c in cycles(import_graph(folder))
     ]
     assert not problems, "import cycles:\n" + "\n".join(problems)
-
-
-@pytest.mark.xfail(strict=True, reason="the tracer's Tensor/ops/dispatch knot is not untied yet")
-def test_no_import_cycle_in_the_tracer():
-    assert not cycles(import_graph("tracer"))
 
 
 def test_cycle_finder_finds_a_loop_hidden_by_a_lazy_import(tmp_path):

@@ -20,6 +20,7 @@ ALLOWED = {
     "tracer": {"ir", "runtime", "report"},
     "artifacts": {"ir", "codegen", "runtime", "report", "tracer"},
     "optim": {"ir", "runtime", "tracer"},
+    "distributed": {"ir", "codegen", "runtime", "report", "tracer", "artifacts"},
 }
 DYNAMIC_IMPORTERS = ("import_module", "__import__")
 

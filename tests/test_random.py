@@ -15,6 +15,7 @@ from backplan.codegen.library_random import threefry2x32 as compiled_threefry
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
 from backplan.ir.interpreter import run_plan
+from backplan.ir.lowering import lower
 from backplan.ir.ops.random import threefry2x32
 from backplan.ir.pipeline import build_region_plans
 from backplan.ir.types import TensorType
@@ -56,7 +57,7 @@ def draws_graph():
 
 def test_compiled_draws_are_bit_identical_to_the_reference_interpreter():
     plan = build_region_plans(draws_graph(), [False]).forward
-    compiled = CompiledPlan(plan)
+    compiled = CompiledPlan(lower(plan))
     assert "random_uniform_par(" in compiled.source and "random_split(" in compiled.source
     key = np.array([123456789, 4000000000], np.int64)
     expected = run_plan(plan, [key.copy()])
@@ -79,7 +80,7 @@ def test_a_bad_key_is_refused_by_both_backends():
     with pytest.raises(bp.ExecutionError, match="key"):
         run_plan(plan, [bad.copy()])
     with pytest.raises(bp.ExecutionError, match="key"):
-        CompiledPlan(plan)([bad.copy()])
+        CompiledPlan(lower(plan))([bad.copy()])
     with pytest.raises(bp.DtypeError, match=r"bp.random.key"):
         bp.random.normal(bp.tensor([1.0, 2.0]).astype("int64").reshape(1, 2), (3,))
 

@@ -18,14 +18,13 @@ from backplan.runtime.location import op_text
 
 from .errors import TracingError
 from .source import loc_text, user_frame_loc
+from .tensor import Tensor
 from .trace import current_trace
 
 _eager_programs: dict[tuple, RegionProgram] = {}
 
 
 def apply(op: str, inputs: list, **attrs):
-    from .tensor import Tensor
-
     loc = user_frame_loc()
     for t in inputs:
         if t._donated is not None:
@@ -61,8 +60,6 @@ def _tensor_attribute(op: str, name: str, value, loc) -> TracingError:
 
 
 def _eager_region(op, inputs, attrs, needs, loc):
-    from .tensor import Tensor
-
     scalars = tuple(t._scalar if not need else None for t, need in zip(inputs, needs, strict=True))
     types = tuple((t._ir_dtype, t.shape) for t in inputs)
     key = (op, attr_key(attrs), types, tuple(needs), scalars, loc, getattr(loc, "key", None))

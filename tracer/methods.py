@@ -1,8 +1,18 @@
-"""Operators and methods of Tensor, as thin calls into the op functions."""
+"""Operators and methods of Tensor, as thin calls into the op functions. tensor.py defines the
+class without them (the ops need the class); tracer/__init__.py installs them once, before any
+tensor exists."""
 
 from . import dlpack, indexing, inplace, numpy_protocol, ops
 from .graph_view import explain_graph
 from .tensor import Tensor
+
+
+def _detach(self: Tensor) -> Tensor:
+    """Same values, cut from the graph: no gradient flows back through the result."""
+    self._check_live()
+    if self._data is None:
+        return ops.stop_gradient(self)
+    return Tensor._from_array(self._data)
 
 
 def _swap(fn):
@@ -63,10 +73,11 @@ _METHODS = {
     "matmul": ops.matmul,
     "pow": ops.pow,
     "graph": explain_graph,
+    "detach": _detach,
 }
 
 
-def install() -> None:
+def install_tensor_methods() -> None:
     for name, fn in {**_OPERATORS, **_METHODS}.items():
         setattr(Tensor, name, fn)
     Tensor.T = property(lambda self: ops.transpose(self))
@@ -74,6 +85,3 @@ def install() -> None:
     numpy_protocol.install(Tensor)
     dlpack.install(Tensor)
     inplace.install(Tensor)
-
-
-install()

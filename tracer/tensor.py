@@ -88,6 +88,8 @@ class Tensor:
         T: Tensor
         mT: Tensor
 
+        def detach(self) -> Tensor: ...
+
         def __add__(self, other: TensorLike) -> Tensor: ...
         def __radd__(self, other: TensorLike) -> Tensor: ...
         def __sub__(self, other: TensorLike) -> Tensor: ...
@@ -268,15 +270,6 @@ class Tensor:
     def _accumulate_grad(self, array: np.ndarray) -> None:
         array = np.asarray(array, dtype=self.dtype).reshape(self.shape)
         self.grad = Tensor._from_array(array if self.grad is None else self.grad._data + array)
-
-    def detach(self) -> Tensor:
-        """Same values, cut from the graph: no gradient flows back through the result."""
-        self._check_live()
-        if self._data is None:
-            from .ops import stop_gradient
-
-            return stop_gradient(self)
-        return Tensor._from_array(self._data)
 
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
         """Run the backward plans from this tensor and add gradients into leaf .grad.

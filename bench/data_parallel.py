@@ -1,8 +1,8 @@
 """Step time of data-parallel training on the bench mlp (784-512-512-10, global batch 128, f32):
 N ranks each on 128/N rows against one rank on all 128. A measurement, not a test; run it as
 
-    OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python -m backplan.distributed.measure
-    OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 mpiexec -n 2 python -m backplan.distributed.measure
+    OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python -m backplan.bench.data_parallel
+    OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 mpiexec -n 2 python -m backplan.bench.data_parallel
 
 Rank 0 prints the median step time, the median time of the same rank's local value_and_grad
 alone (compute) and their difference: the exchange as the step sees it (packing, the
