@@ -1,6 +1,6 @@
 """`python -m backplan cache {info,clear}`: where the kernel cache is, what it holds, and a way
-to empty it. Only files backplan names (`bp_*`, and Numba's files for them) are touched, so a
-cache folder pointed at a shared place loses nothing else."""
+to empty it. Only files backplan names (`bp_*` plans, `k_*` shared loop kernels, and Numba's
+files for them) are touched, so a cache folder pointed at a shared place loses nothing else."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 from backplan.codegen.cache import cache_dir
 
-PREFIX = "bp_"
+PREFIXES = ("bp_", "k_")  # plan modules, shared loop kernels
 
 
 def add_arguments(parser) -> None:
@@ -23,7 +23,7 @@ def cache_files(directory: str) -> list[str]:
             found += [
                 os.path.join(folder, name)
                 for name in sorted(os.listdir(folder))
-                if name.startswith(PREFIX) and os.path.isfile(os.path.join(folder, name))
+                if name.startswith(PREFIXES) and os.path.isfile(os.path.join(folder, name))
             ]
     return found
 

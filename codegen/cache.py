@@ -32,14 +32,19 @@ CODEGEN_VERSION = "1"
 _importing = threading.Lock()  # one thread at a time writes and imports entries
 
 
-def cache_dir() -> str:
-    """The cache folder, created 0700 (with the `__pycache__` Numba writes into); a folder that
-    other users can write to, or one holding the signing key, is refused with CacheError."""
-    path = os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
+def cache_path() -> str:
+    """Where the cache folder is, without creating it (for questions that must not write)."""
+    return os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "backplan",
         "kernels",
     )
+
+
+def cache_dir() -> str:
+    """The cache folder, created 0700 (with the `__pycache__` Numba writes into); a folder that
+    other users can write to, or one holding the signing key, is refused with CacheError."""
+    path = cache_path()
     numba_files = os.path.join(path, "__pycache__")
     os.makedirs(path, mode=0o700, exist_ok=True)
     os.makedirs(numba_files, mode=0o700, exist_ok=True)
@@ -62,7 +67,7 @@ def _cpu() -> str:
 
 
 @functools.cache
-def _codegen_fingerprint() -> str:
+def codegen_fingerprint() -> str:
     """Numba's cache of a generated kernel keys on the kernel's own source and does not notice
     edits to the library code it inlines, so the key covers those files too."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -79,10 +84,32 @@ def _codegen_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
+# The files a loop kernel's compiled code depends on (what its source imports and inlines).
+KERNEL_DEPENDENCIES = (
+    "flags.py",
+    "jit.py",
+    "kernel_source.py",
+    "mathlib.py",
+    "scalar_functions.py",
+)
+
+
+@functools.cache
+def kernel_fingerprint() -> str:
+    """Like codegen_fingerprint, over the kernels' dependencies only: editing the plan emitter
+    keeps every shared kernel cached."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256(CODEGEN_VERSION.encode())
+    for name in KERNEL_DEPENDENCIES:
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:16]
+
+
 def key_parts(ir_text: str, flags: str) -> dict[str, str]:
     return {
         "ir": hashlib.sha256(ir_text.encode()).hexdigest()[:24],
-        "codegen": _codegen_fingerprint(),
+        "codegen": codegen_fingerprint(),
         "numba": numba.__version__,
         "llvmlite": llvmlite.__version__,
         "numpy": np.__version__,

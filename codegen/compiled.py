@@ -17,9 +17,9 @@ from backplan.ir.lowering import LoweredPlan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
-from . import cache
+from . import cache, kernel_cache, progress
 from .emit import generate
-from .flags import FASTMATH, PARALLEL_MIN_ELEMENTS
+from .flags import flags_text
 from .loops import internal_shape
 from .workspace import WorkspacePool, parallel_guard
 
@@ -45,9 +45,9 @@ class CompiledPlan:
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
-        self.key_parts = cache.key_parts(
-            canonical_text(plan), f"{sorted(FASTMATH)}{PARALLEL_MIN_ELEMENTS}"
-        )
+        self.key_parts = cache.key_parts(canonical_text(plan), flags_text())
+        self.loop_kernels = generated.loop_kernels
+        kernel_cache.load(self.loop_kernels)
         module, self.cache_hit, self.miss_reason = cache.load_module(self.source, self.key_parts)
         self._run = module.run
         graph = plan.graph
@@ -63,7 +63,9 @@ class CompiledPlan:
             frozenset(self.donations),
         )
         self._launch_guard = (
-            parallel_guard() if PARALLEL_LAUNCH.search(self.source) else contextlib.nullcontext()
+            parallel_guard()
+            if PARALLEL_LAUNCH.search(self.source) or any(k.parallel for k in self.loop_kernels)
+            else contextlib.nullcontext()
         )
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
@@ -93,7 +95,9 @@ class CompiledPlan:
             with self._launch_guard:
                 if self.first_call_seconds is None:
                     start = time.perf_counter()
-                    returned = self._run(*arrays)
+                    label = f"@{self.plan.graph.name}"
+                    with progress.reporting(label, self.loop_kernels, self.cache_hit):
+                        returned = self._run(*arrays)
                     self.first_call_seconds = time.perf_counter() - start
                 else:
                     returned = self._run(*arrays)

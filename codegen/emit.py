@@ -1,6 +1,7 @@
-"""A plan becomes one Python module: a `run` function doing the whole plan in one call (serial
-loops inline, BLAS and library kernels called from it) plus one function per parallel loop.
-Names come from IR values (%7 -> v7) and each kernel is preceded by its IR lines."""
+"""A plan becomes one Python module: a `run` function doing the whole plan in one call, a thin
+sequence of calls into loop kernels (each its own cached module shared by every plan with the
+same loop body: codegen/kernel_cache.py), BLAS and library kernels. Names come from IR values
+(%7 -> v7) and each call is preceded by its IR lines."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from backplan.ir.layout import BufferLayout
 from backplan.ir.lowering import LoweredPlan, literal_nodes, literal_outputs
 from backplan.ir.text import format_attr, value_names
 
-from .flags import PARALLEL_MIN_ELEMENTS
+from . import cache
+from .add_chains import chain_loops, chain_terms, size_of
+from .flags import parallel_pays
+from .kernel_source import KernelSource, canonical_kernel
 from .loops import LoopEmitter
 from .ops_emit import OpEmitter, Unsupported, unsupported_reason
 from .scalar import literal
@@ -33,6 +37,7 @@ from backplan.codegen.library import *  # noqa: F403
 from backplan.codegen.library_conv import *  # noqa: F403
 from backplan.codegen.library_random import *  # noqa: F403
 from backplan.codegen.scalar_functions import *  # noqa: F403
+from backplan.codegen.kernel_cache import kernel as _kernel
 '''
 
 
@@ -45,6 +50,7 @@ class GeneratedModule:
     literal_outputs: dict  # output index -> the full node giving its value
     kernel_count: int
     layout: BufferLayout
+    loop_kernels: list[KernelSource]  # the distinct loop kernels `run` calls
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -72,7 +78,7 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
 
     layout = lowered.layout
     emitter = _Emitter(graph, names, literal_of, layout, set(lowered.materialized))
-    body, functions, constants = emitter.emit(lowered.kernels, lowered.row_runs)
+    body, constants = emitter.emit(lowered.kernels, lowered.row_runs)
     literal_outs = literal_outputs(lowered)
     returned = [
         emitter.ops.array(o, contiguous=False)
@@ -87,7 +93,8 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
         + [f"scratch_{d}" for d in scratch]
         + [names[v] for v in layout.outputs]
     )
-    source = HEADER.format(name=graph.name) + "\n\n" + "\n".join(functions) + "\n\n"
+    kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
+    source = HEADER.format(name=graph.name) + "\n" + "\n".join(kernel_lines) + "\n\n"
     source += "@njit(**JIT_OPTIONS)\n"
     source += f"def run({', '.join(params)}):\n" + "\n".join("    " + line for line in body) + "\n"
     return GeneratedModule(
@@ -98,6 +105,7 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
         literal_outs,
         lowered.kernel_count,
         layout,
+        list(emitter.kernels.values()),
     )
 
 
@@ -123,6 +131,7 @@ class _Emitter:
         self.contiguous = set(graph.inputs)
         self.users = graph.users()
         self.ops = OpEmitter(names, literal_of, self.contiguous)
+        self.kernels: dict[str, KernelSource] = {}  # digest -> kernel, in first-call order
 
     def buffer(self, node: Value) -> list[str]:
         self.contiguous.add(node)
@@ -131,14 +140,14 @@ class _Emitter:
         return [f"{self.names[node]} = {buffer_expression(node, self.layout, self.names)}"]
 
     def emit(self, kernels, row_runs):
-        body, functions, constants = [], [], []
+        body, constants = [], []
         runs = dict(row_runs)
         skip_until = -1
         for index, kernel in enumerate(kernels):
             if index < skip_until:
                 continue
             if index in runs:
-                self._rows(index, kernels[index : runs[index]], body, functions)
+                self._rows(kernels[index : runs[index]], body)
                 skip_until = runs[index]
                 continue
             if kernel.kind in ("literal", "alias"):
@@ -146,7 +155,7 @@ class _Emitter:
             body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
             body += [ir_comment(n, self.names) for n in kernel.all_nodes]
             if kernel.kind == "loop":
-                self._loop(index, kernel, body, functions)
+                self._loop(kernel, body)
             elif kernel.kind == "view":
                 node = kernel.nodes[0]
                 if not (
@@ -164,13 +173,19 @@ class _Emitter:
                 node = kernel.nodes[0]
                 body += self.buffer(node)
                 body += self.ops.op(node, self.names[node])
-        return body, functions, constants
+        return body, constants
 
-    def _rows(self, index, run, body, functions) -> None:
+    def _call(self, lines: list[str], sizes: dict, parallel: bool) -> str:
+        """The call of the shared kernel for these loop lines."""
+        kernel = canonical_kernel(lines, sizes, parallel, cache.kernel_fingerprint())
+        self.kernels.setdefault(kernel.digest, kernel)
+        return f"{kernel.name}({', '.join(kernel.arguments)})"
+
+    def _rows(self, run, body) -> None:
         """Consecutive loops over the same rows become one loop over rows, each loop a stage
         inside it: a row's data is still in cache when the next stage reads it."""
-        stages, params = [], set()
-        for kernel in run:
+        stages, sizes = [], {}
+        for stage, kernel in enumerate(run):
             if kernel.kind != "loop":
                 continue
             body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
@@ -187,42 +202,51 @@ class _Emitter:
                 self.literal_of,
                 self.contiguous,
                 rows=True,
+                size_prefix=f"s{stage}_n",
             )
             setup, loop, _ = emitter.emit()
             body += setup
             stages += loop
-            params |= set(emitter.view_name.values())
+            sizes.update(emitter.size_arguments())
         rows = internal_shape(run[0].shape)[0]
         cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
-        if rows * cols < PARALLEL_MIN_ELEMENTS:
-            body += [f"for i0 in range({rows}):"] + ["    " + line for line in stages]
-            return
-        names = sorted(params)
-        functions += [
-            "@njit(parallel=True, **JIT_OPTIONS)",
-            f"def rows_{index}({', '.join(names)}):",
-            f"    for i0 in prange({rows}):",
-        ]
-        functions += ["        " + line for line in stages] + [""]
-        body.append(f"rows_{index}({', '.join(names)})")
+        parallel = parallel_pays(rows * cols)
+        sizes["n0"] = rows
+        lines = [f"for i0 in {'prange' if parallel else 'range'}(n0):"]
+        lines += ["    " + line for line in stages]
+        body.append(self._call(lines, sizes, parallel))
 
-    def _loop(self, index, kernel, body, functions) -> None:
+    def _loop(self, kernel, body) -> None:
         stored = {n for n in kernel.all_nodes if n in self.needed}
+        if not stored:  # every value is recomputed where it is read: nothing to run
+            body.append("# (not run: its values are recomputed where they are read)")
+            return
+        terms = chain_terms(kernel, stored, self.contiguous)
         for node in kernel.all_nodes:
             if node in stored:
                 body += self.buffer(node)
+        if terms is not None:
+            self._add_chain(kernel.nodes[-1], terms, body)
+            return
         emitter = LoopEmitter(
-            kernel, set(kernel.computed), stored, self.names, self.literal_of, self.contiguous
+            kernel,
+            set(kernel.computed),
+            stored,
+            self.names,
+            self.literal_of,
+            self.contiguous,
+            size_prefix="n",
         )
         setup, loop, parallel = emitter.emit()
         body += setup
-        if not parallel:
-            body += loop
-            return
-        params = sorted(set(emitter.view_name.values()))
-        functions += [
-            "@njit(parallel=True, **JIT_OPTIONS)",
-            f"def loop_{index}({', '.join(params)}):",
-        ]
-        functions += ["    " + line for line in loop] + [""]
-        body.append(f"loop_{index}({', '.join(params)})")
+        body.append(self._call(loop, emitter.size_arguments(), parallel))
+
+    def _add_chain(self, out: Value, terms: list[Value], body) -> None:
+        """A long sum of arrays as shared two-term and in-place adds (codegen/add_chains.py)."""
+        flat = {}
+        for value in [out, *terms]:
+            if value not in flat:
+                flat[value] = f"{self.names[value]}_flat"
+                body.append(f"{flat[value]} = {self.ops.array(value)}.reshape(({size_of(out)},))")
+        for lines in chain_loops(flat[out], [flat[t] for t in terms]):
+            body.append(self._call(lines, {"n0": size_of(out)}, False))

@@ -4,8 +4,21 @@ fastmath without nnan/ninf: reductions may reassociate (so they vectorise) but N
 their IEEE meaning. error_model="numpy": no zero-division checks, which block vectorisation.
 """
 
+import numba
+
 FASTMATH = set({"reassoc", "contract", "arcp", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 PARALLEL_MIN_ELEMENTS = (
     1 << 18
 )  # below this a prange launch (and waking threads next to BLAS) costs more than it saves
+
+
+def parallel_pays(elements: int) -> bool:
+    """A loop runs under prange only when it is big enough to gain from more threads and there
+    are threads to gain from: a parallel kernel costs about 3x the compile time of a serial one."""
+    return elements >= PARALLEL_MIN_ELEMENTS and numba.config.NUMBA_NUM_THREADS > 1
+
+
+def flags_text() -> str:
+    """What the generated code depends on besides the IR, for cache keys."""
+    return f"{sorted(FASTMATH)}{PARALLEL_MIN_ELEMENTS}:{numba.config.NUMBA_NUM_THREADS > 1}"

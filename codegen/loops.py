@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
 
-from .flags import PARALLEL_MIN_ELEMENTS
+from .flags import parallel_pays
 from .scalar import NP_TYPE, expression, literal
 
 CHUNKS = 16  # reductions across the parallel loop: one partial row per chunk
@@ -35,6 +35,20 @@ class LoopEmitter:
     contiguous: set = field(default_factory=set)  # arrays that can be reshaped freely
     accesses: dict = field(default_factory=dict)
     rows: bool = False  # a stage of a row kernel: the caller loops over axis 0 (as i0)
+    size_prefix: str | None = None  # loop sizes become arguments named <prefix><level>
+
+    def size(self, level: int) -> str:
+        """A loop's trip count in the source: a name the kernel takes as an argument, so one
+        compiled kernel serves every size; a size of 1 stays a literal (it removes a loop)."""
+        if self.size_prefix is None or self.sizes[level] == 1:
+            return str(self.sizes[level])
+        return f"{self.size_prefix}{level}"
+
+    def size_arguments(self) -> dict[str, int]:
+        """Names of the sizes the loop lines use, with their values."""
+        if self.size_prefix is None:
+            return {}
+        return {self.size(g): n for g, n in enumerate(self.sizes) if n != 1}
 
     def emit(self) -> tuple[list[str], list[str], bool]:
         """(setup lines, loop lines, parallel?). Setup creates reshaped views."""
@@ -125,7 +139,7 @@ class LoopEmitter:
     def _mode(self) -> str:
         """serial; parallel (prange over the outer loop); or chunked: prange over chunks of the
         outer loop, each reducing into its own partial row, combined at the end."""
-        if math.prod(self.sizes) < PARALLEL_MIN_ELEMENTS or self.sizes[0] < 2:
+        if not parallel_pays(math.prod(self.sizes)) or self.sizes[0] < 2:
             return "serial"
         return "chunked" if self._crossing() else "parallel"
 
@@ -135,12 +149,13 @@ class LoopEmitter:
         lines, partial = [], {}
         for red in crossing:
             kept = [g for g in self.view_groups[red] if g is not None]
-            shape = (CHUNKS,) + (tuple(self.sizes[g] for g in kept) or (1,))
-            partial[red] = (f"part_{self.array_name[red]}", kept, math.prod(shape[1:]))
-            lines.append(f"{partial[red][0]} = np.empty({shape!r}, {NP_TYPE[red.dtype]})")
+            sizes = [self.size(g) for g in kept] or ["1"]
+            partial[red] = (f"part_{self.array_name[red]}", kept, " * ".join(sizes))
+            shape = ", ".join([str(CHUNKS), *sizes])
+            lines.append(f"{partial[red][0]} = np.empty(({shape}), {NP_TYPE[red.dtype]})")
         lines.append(f"for chunk in prange({CHUNKS}):")
-        lines.append(f"    lo = chunk * {self.sizes[0]} // {CHUNKS}")
-        lines.append(f"    hi = (chunk + 1) * {self.sizes[0]} // {CHUNKS}")
+        lines.append(f"    lo = chunk * {self.size(0)} // {CHUNKS}")
+        lines.append(f"    hi = (chunk + 1) * {self.size(0)} // {CHUNKS}")
         targets = {}
         for red in crossing:
             if depth_of[red] == 0:  # reduces everything: a register accumulator per chunk
@@ -148,12 +163,12 @@ class LoopEmitter:
             lines.append(f"    {partial[red][0]}[chunk] = {self._init(red)}")
             depth_of[red] = None
             targets[red] = f"{partial[red][0]}[chunk, {self._kept_index(partial[red][1])}]"
-        for level, size in enumerate(self.sizes):
+        for level in range(len(self.sizes)):
             pad = "    " * (level + 1)
             for red in self.kernel.reductions:
                 if depth_of[red] == level:
                     lines.append(f"{pad}acc_{self.array_name[red]} = {self._init(red)}")
-            bounds = "lo, hi" if level == 0 else str(size)
+            bounds = "lo, hi" if level == 0 else self.size(level)
             lines.append(f"{pad}for i{level} in range({bounds}):")
         pad = "    " * (len(self.sizes) + 1)
         lines += [pad + line for line in self._body(depth_of, targets)]
@@ -215,7 +230,7 @@ class LoopEmitter:
             depth_of[red] = self._suffix_depth(red)
             if depth_of[red] is None:
                 lines.append(f"{self.view_name[red]}[:] = {self._init(red)}")
-        for level, size in enumerate(self.sizes):
+        for level in range(len(self.sizes)):
             if level < first_level:
                 continue
             pad = "    " * (level - first_level)
@@ -223,7 +238,7 @@ class LoopEmitter:
                 if depth_of[red] == level:
                     lines.append(f"{pad}acc_{self.array_name[red]} = {self._init(red)}")
             loop = "prange" if parallel and level == 0 else "range"
-            lines.append(f"{pad}for i{level} in {loop}({size}):")
+            lines.append(f"{pad}for i{level} in {loop}({self.size(level)}):")
         pad = "    " * (len(self.sizes) - first_level)
         lines += [pad + line for line in self._body(depth_of)]
         for level in reversed(range(first_level, len(self.sizes))):

@@ -108,11 +108,18 @@ def schedule_steps(kernels: list[Kernel], runs: list[tuple[int, int]]) -> list[i
 def _row_stage(kernel: Kernel, rows: int | None) -> bool:
     """A loop over (rows, columns) or (rows, 1) whose reductions only sum or max along a row."""
     shape = internal_shape(kernel.shape)
-    if kernel.kind != "loop" or len(shape) != 2 or shape[0] < 2:
+    if kernel.kind != "loop" or len(shape) != 2 or shape[0] < 2 or _sums_many(kernel):
         return False
     if rows is not None and shape[0] != rows:
         return False
     return all(r.attrs["axes"] == (1,) and shape[1] > 1 for r in kernel.reductions)
+
+
+def _sums_many(kernel: Kernel) -> bool:
+    """A loop of nothing but two or more adds: codegen splits it into shared two-term and
+    in-place adds (codegen/add_chains.py), so it stays out of row kernels."""
+    chain = kernel.recomputed + kernel.nodes
+    return not kernel.reductions and len(chain) > 1 and all(n.op == "add" for n in chain)
 
 
 def row_runs(kernels: list[Kernel]) -> list[tuple[int, int]]:

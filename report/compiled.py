@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from backplan.codegen import kernel_cache
+from backplan.codegen.emit import generate
 from backplan.codegen.ops_emit import unsupported_reason
+from backplan.codegen.progress import estimate
 from backplan.ir.donation import donated_outputs
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import lower
@@ -26,6 +29,9 @@ class CompiledPlanFacts:
     output_bytes: int = 0  # allocated fresh on every call: what the call returns
     reused_saved: int = 0  # temporaries placed in saved buffers after their last read
     unsupported: str | None = None  # why this plan would run on the reference interpreter
+    loop_kernels: tuple[str, ...] = ()  # hashes of the distinct shared loop kernels it calls
+    cached_kernels: tuple[str, ...] = ()  # those already compiled (this process or on disk)
+    compile_seconds: float = 0.0  # predicted first-call compile time (all kernels + driver)
     donated: tuple = ()  # (output index, donated input (index, or name), bytes): in place
 
     @property
@@ -42,6 +48,7 @@ def plan_facts(
     if why is not None:
         return CompiledPlanFacts(label, unsupported=why)
     layout = lowered.layout
+    kernels = generate(lowered).loop_kernels  # source only: cheap, nothing compiled
     in_place = donated_outputs(lowered, donated)
     return CompiledPlanFacts(
         label,
@@ -49,6 +56,9 @@ def plan_facts(
         layout.scratch_bytes,
         layout.output_bytes - sum(n for _, _, n in in_place),
         len(layout.reused_saved),
+        loop_kernels=tuple(k.digest for k in kernels),
+        cached_kernels=tuple(k.digest for k in kernels if kernel_cache.is_cached(k)),
+        compile_seconds=estimate(kernels, driver_cached=False).seconds,
         donated=tuple(in_place),
     )
 

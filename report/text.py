@@ -235,6 +235,9 @@ def kernels_text(report) -> str:
             f" The {refused} runs on the reference interpreter, one kernel per step "
             "(section 4 says why)."
         )
+    compile_line = compile_cost_text(report)
+    if compile_line:
+        lines.append(compile_line)
     for number, kernel in enumerate(report.kernels):
         if kernel.fused and kernel.runs_code:
             members = ", ".join(f"{steps[s].label} {steps[s].op}" for s in kernel.steps)
@@ -245,6 +248,21 @@ def kernels_text(report) -> str:
             + ", ".join(f"{steps[s].label} {steps[s].op} ({k.kind})" for k in free for s in k.steps)
         )
     return "\n".join(lines)
+
+
+def compile_cost_text(report) -> str:
+    """What a first call compiles. Loop kernels are shared by every plan and cached on disk, so
+    only those never compiled on this machine cost time; how many are cached now (and the
+    predicted seconds) is in report.compiled, not in this text, which must not depend on the
+    state of the cache."""
+    plans = [p for p in report.compiled or [] if p.compiled]
+    if not plans:
+        return ""
+    distinct = {k for p in plans for k in p.loop_kernels}
+    return (
+        f"A first call compiles at most {len(distinct)} distinct loop kernels (shared by every "
+        f"plan and cached on disk) and {len(plans)} plan drivers."
+    )
 
 
 def retrace_text(report) -> str:

@@ -1,0 +1,50 @@
+"""A loop that only adds arrays (the gradient of a weight used at every step of an unrolled loop
+sums one term per step) runs as one shared two-term add and then one shared in-place add per
+further term: the kernels compiled stay the same whatever the number of steps. Each further pass
+reads and writes the sum again; such sums are small next to the work that made their terms."""
+
+from __future__ import annotations
+
+import math
+
+from backplan.ir.fusion import Kernel
+from backplan.ir.graph import Value
+
+
+def add_chain(kernel: Kernel) -> list[Value]:
+    """The adds of a loop that computes nothing but adds (earlier sums may be recomputed
+    here), in order; empty for any other loop."""
+    chain = kernel.recomputed + kernel.nodes
+    if kernel.kind != "loop" or kernel.reductions or any(n.op != "add" for n in chain):
+        return []
+    return chain
+
+
+def chain_terms(kernel: Kernel, stored: set, contiguous: set) -> list[Value] | None:
+    """The terms of a loop that is a chain of adds of same-shaped contiguous arrays, each add
+    reading the one before, storing only the last sum; None for any other loop."""
+    chain = add_chain(kernel)
+    if not chain or stored != {chain[-1]}:
+        return None
+    terms = list(chain[0].inputs)
+    for previous, node in zip(chain, chain[1:], strict=False):
+        others = [i for i in node.inputs if i is not previous]
+        if len(others) != 1 or previous not in node.inputs:
+            return None
+        terms += others
+    out = chain[-1]
+    if any(t in chain or t not in contiguous or t.type != out.type for t in terms):
+        return None
+    return terms
+
+
+def chain_loops(out: str, terms: list[str]) -> list[list[str]]:
+    """The loops for out = sum(terms), all arrays flat names of n0 elements: one two-term add,
+    then one in-place add per further term."""
+    first = ["for i0 in range(n0):", f"    {out}[i0] = {terms[0]}[i0] + {terms[1]}[i0]"]
+    rest = [["for i0 in range(n0):", f"    {out}[i0] += {term}[i0]"] for term in terms[2:]]
+    return [first, *rest]
+
+
+def size_of(value: Value) -> int:
+    return max(math.prod(value.shape), 1)

@@ -1,0 +1,87 @@
+"""Loop kernels shared by every plan: each canonical kernel (codegen/kernel_source.py) is written
+to `<cache dir>/k_<hash>.py`, imported once per process into a registry (hash -> Numba
+dispatcher) and compiled with cache=True, so a kernel is compiled once per machine, whichever
+plan, model or process first needs it.
+
+Safe as the plan cache is (codegen/cache.py): the source is regenerated and compared with the
+file before anything runs, the code run is the source generated now (never the file's text),
+writes are atomic, and a tampered, corrupt or half-written file is simply rewritten.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from dataclasses import dataclass
+
+from . import cache
+from .kernel_source import KernelSource
+
+_LOADED: dict[str, object] = {}  # digest -> dispatcher (a plain function when run as Python)
+
+
+def kernel(digest: str):
+    """The loaded kernel with this hash: what a plan's driver module calls."""
+    try:
+        return _LOADED[digest]
+    except KeyError:
+        raise RuntimeError(
+            f"loop kernel {digest[:20]} was not loaded before the plan using it; load the "
+            "plan's kernels with backplan.codegen.kernel_cache.load first"
+        ) from None
+
+
+def load(kernels: list[KernelSource]) -> None:
+    """Import every kernel not yet in this process (nothing is compiled here: Numba compiles,
+    or loads from its disk cache, on the first call with each argument type)."""
+    for source in kernels:
+        if source.digest not in _LOADED:
+            _LOADED[source.digest] = _import(source)
+
+
+def _import(source: KernelSource):
+    path = os.path.join(cache.cache_dir(), f"{source.name}.py")
+    if cache._read(path) != source.source:
+        cache._write_atomic(path, source.source)
+    module = types.ModuleType(f"backplan_kernel_{source.name}")
+    module.__file__ = path
+    sys.modules[module.__name__] = module
+    # Run the source generated now under the file's name: Numba's cache keys on the file.
+    exec(compile(source.source, path, "exec"), module.__dict__)
+    return module.kernel
+
+
+def is_cached(source: KernelSource) -> bool:
+    """Whether the kernel will not need compiling: compiled in this process already, or an
+    index of compiled versions is on disk beside its file (a prediction: the index may hold
+    other argument types)."""
+    dispatcher = _LOADED.get(source.digest)
+    if dispatcher is not None and getattr(dispatcher, "overloads", None):
+        return True
+    directory = os.path.join(cache.cache_path(), "__pycache__")  # asking creates nothing
+    prefix = f"{source.name}.kernel-"
+    try:
+        return any(n.startswith(prefix) and n.endswith(".nbi") for n in os.listdir(directory))
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class KernelCounts:
+    """Loop kernels of this process: `loaded` distinct kernels imported, `versions` compiled
+    versions held (one per argument types; compiled here or loaded from disk), `compiled` of
+    those that Numba compiled here (disk cache misses)."""
+
+    loaded: int
+    versions: int
+    compiled: int
+
+
+def counts() -> KernelCounts:
+    dispatchers = [d for d in _LOADED.values() if hasattr(d, "overloads")]
+    return KernelCounts(
+        len(_LOADED),
+        sum(len(d.overloads) for d in dispatchers),
+        sum(sum(d.stats.cache_misses.values()) for d in dispatchers),
+    )

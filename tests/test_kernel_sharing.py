@@ -1,0 +1,117 @@
+"""Loop kernels are shared: plans with the same loop body compile it once, whatever their sizes
+and value names; an unrolled loop compiles as many kernels for 16 steps as for 4; a slow first
+call says what it compiles on stderr, a fast one says nothing."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen import kernel_cache
+from backplan.runtime.backend import use_backend
+
+
+def scaled_tanh(w, x):
+    return bp.sum(bp.tanh(x * w + 1.0) * 0.5)
+
+
+def rnn(u, xs, steps):
+    h = bp.tanh(xs[0])
+    for t in range(1, steps):
+        h = bp.tanh(xs[t] + h @ u)
+    return bp.sum(h * h)
+
+
+def joint(fn, *args, **static):
+    """value_and_grad's compiled plan for these arguments, and its first call's results."""
+    vg = bp.value_and_grad(lambda *a: fn(*a, **static))
+    value, grad = vg(*args)
+    return vg.trace(*args).runner().compiled, value, grad
+
+
+def floats(rng, *shape):
+    return bp.tensor(rng.standard_normal(shape).astype(np.float32))
+
+
+def test_two_plans_with_the_same_loop_bodies_compile_them_once():
+    rng = np.random.default_rng(0)
+    with use_backend("numba"):
+        first, _, _ = joint(scaled_tanh, floats(rng, 4, 8), floats(rng, 4, 8))
+        before = kernel_cache.counts()
+        second, value, grad = joint(scaled_tanh, w := floats(rng, 3, 5), x := floats(rng, 3, 5))
+        after = kernel_cache.counts()
+    assert second.source != first.source  # another plan: other sizes
+    assert {k.digest for k in second.loop_kernels} == {k.digest for k in first.loop_kernels}
+    assert after.versions == before.versions  # nothing new compiled or loaded
+    with use_backend("reference"):
+        expected_value, expected_grad = bp.value_and_grad(scaled_tanh)(w, x)
+    np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_unrolled_loop_compiles_as_many_kernels_for_16_steps_as_for_4():
+    rng = np.random.default_rng(1)
+    u = floats(rng, 6, 6)
+    with use_backend("numba"):
+        short, _, _ = joint(rnn, u, floats(rng, 4, 3, 6), steps=4)
+        before = kernel_cache.counts()
+        xs = floats(rng, 16, 3, 6)
+        long, value, grad = joint(rnn, u, xs, steps=16)
+        after = kernel_cache.counts()
+    assert len(long.loop_kernels) == len(short.loop_kernels)
+    assert after.versions - before.versions <= len(long.loop_kernels) - len(
+        {k.digest for k in long.loop_kernels} & {k.digest for k in short.loop_kernels}
+    )
+    with use_backend("reference"):
+        expected_value, expected_grad = bp.value_and_grad(lambda a, b: rnn(a, b, 16))(u, xs)
+    np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-4)
+    np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "env, expect_lines",
+    [
+        ({"BACKPLAN_PROGRESS_SECONDS": "0"}, True),
+        ({"BACKPLAN_PROGRESS_SECONDS": "1000"}, False),
+        ({"BACKPLAN_PROGRESS_SECONDS": "0", "BACKPLAN_QUIET": "1"}, False),
+    ],
+)
+def test_progress_lines_appear_only_when_the_compile_is_predicted_slow(
+    env, expect_lines, monkeypatch, capfd
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    rng = np.random.default_rng(2)
+    capfd.readouterr()
+    with use_backend("numba"):
+        compiled, _, _ = joint(scaled_tanh, floats(rng, 2, 7), floats(rng, 2, 7))
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("backplan: @")]
+    if not expect_lines:
+        assert lines == []
+        return
+    kernels = len(compiled.loop_kernels)
+    assert f"of {kernels} loop kernels" in lines[0] and "cached" in lines[0]
+    assert lines[-1].endswith(" s") and f"{kernels} in all" in lines[-1]
+
+
+def test_a_forward_only_plan_under_no_grad_shares_the_training_plans_kernels():
+    """bp.no_grad() retraces (a forward-only plan, no saved buffers). Where its loops have the
+    bodies the training forward has (an MLP: bias + relu loops), it compiles no new kernel; a
+    plan that fuses further without saved values would compile those loops anew."""
+    from backplan.examples.mlp import init_mlp, mlp_loss
+
+    rng = np.random.default_rng(3)
+    params = init_mlp([6, 8, 8, 3], seed=3)
+    x = floats(rng, 5, 6)
+    labels = bp.tensor(rng.integers(0, 3, 5))
+    fn = bp.compile(mlp_loss)
+    with use_backend("numba"):
+        fn(params, x, labels).backward()
+        before = kernel_cache.counts()
+        with bp.no_grad():
+            value = fn(params, x, labels)
+        after = kernel_cache.counts()
+    assert fn.cache_info().traces == 2
+    assert after.loaded == before.loaded
+    with use_backend("reference"):
+        np.testing.assert_allclose(value.numpy(), fn(params, x, labels).numpy(), rtol=1e-5)
