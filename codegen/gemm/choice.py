@@ -1,8 +1,10 @@
 """Own GEMM or BLAS, per shape class, as measured by bench/gemm.py.
 
-Measured on one pinned Zen 4 core (AMD EPYC, AVX-512), medians of 7 interleaved rounds of own
-over OpenBLAS GFLOP/s on the mlp, transformer and attention shapes (NN, TN, NT and batched):
-    f32, 512-bit tile:   1.01-1.15 (OPENBLAS_CORETYPE unset), 1.01-1.31 (Haswell)  -> own
+Measured on one pinned Zen 4 core (AMD EPYC, AVX-512), medians of 5-7 interleaved rounds of own
+over OpenBLAS GFLOP/s on the mlp, transformer and attention shapes (NN, TN, NT and batched), over
+three runs each:
+    f32, 512-bit tile:   0.95-1.21 (OPENBLAS_CORETYPE unset), 0.96-1.32 (Haswell)  -> own
+                         (below 1.0 only tf dX and attention q@k^T, in one run each)
     f32, 256-bit tile:   0.77-0.96                                                 -> BLAS
     f64, 512-bit tile:   0.83-1.17, no shape class consistently ahead              -> BLAS
 Own GEMM runs on one core; with more than one BLAS thread available OpenBLAS splits the work,
@@ -17,7 +19,7 @@ import os
 from .isa import vector_width
 
 CHOICES = ("own", "blas", "auto")
-OWN_CLASSES = {("f32", 512)}  # (dtype, vector width) where every measured shape was ahead
+OWN_CLASSES = {("f32", 512)}  # (dtype, vector width) measured at or ahead of OpenBLAS
 
 
 class GemmChoiceError(ValueError):
