@@ -28,8 +28,10 @@ from backplan.tracer.captured_names import captured_names
 from backplan.tracer.compile import CompiledFunction
 from backplan.tracer.functional import ValueAndGradFunction
 
-from .format import ExportError, array_to_npy, json_bytes, write_artifact
+from .container import write_artifact
+from .format import ExportError, array_to_npy, json_bytes
 from .plans import plan_facts
+from .signing import key_bytes
 from .tree import (
     leaf_paths,
     parameters_to_json,
@@ -39,12 +41,17 @@ from .tree import (
 
 
 def export(
-    fn: Callable[..., Any], *example_args: Any, path: str | os.PathLike[str], **example_kwargs: Any
+    fn: Callable[..., Any],
+    *example_args: Any,
+    path: str | os.PathLike[str],
+    key: bytes | str | None = None,
+    **example_kwargs: Any,
 ) -> str:
     """Trace fn on the example arguments and write the artifact to path; returns the path.
     fn is a @bp.compile function, or bp.value_and_grad(...) of one (then the artifact holds the
     joint forward-and-backward plan). Load it anywhere with bp.load(path), without the model's
-    source.
+    source. With key (bytes or str, a secret), the file carries an HMAC-SHA256 of its manifest
+    and bp.load(path, key=key) refuses any edit; `path` and `key` are export's own keywords.
 
     >>> import numpy as np, os, tempfile, backplan as bp
     >>> @bp.compile
@@ -56,6 +63,8 @@ def export(
     >>> round(bp.load(path)(w, x).item(), 4) == round(f(w, x).item(), 4) == 7.9604
     True
     """
+    if key is not None:
+        key_bytes(key)  # refuse a bad key before tracing
     writer = _ArtifactWriter()
     if isinstance(fn, CompiledFunction):
         meta = _compiled_meta(fn, example_args, example_kwargs, writer)
@@ -71,6 +80,7 @@ def export(
         path,
         writer.members,
         {"backplan_version": _backplan_version(), "kind": meta["kind"], "name": meta["name"]},
+        key=key,
     )
 
 

@@ -1,31 +1,53 @@
 """bp.load: read an artifact, check everything, and rebuild runnable plans from the IR text.
 
-Checks, in order: the zip and its member names, the manifest (format, version, SHA-256 and
-size of every member), the metadata's structure, every array's header (dtype, shape, no
+Checks, in order: the zip's end record (member count, directory size), its member names, the
+signature when a key is given, the manifest (format, version, SHA-256 and size of every
+member), the metadata's structure, every array's header (dtype, shape, no
 pickles), every plan (parsed against the op registry, liveness recomputed, verifier), and how
-the plans fit together and with the signature. Any failure is an ExportError at load time.
+the plans fit together and with the signature, and the peak memory and FLOPs against the
+caller's limits. Any failure is an ExportError at load time.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from backplan.ir.errors import BackplanError
 
-from .format import ExportError, npy_to_array, parse_json, parse_text, read_artifact
+from .container import ArtifactContents, read_artifact
+from .flops import graph_flops
+from .format import ExportError, npy_to_array, parse_json, parse_text
 from .meta import MAX_NAME, check_dtype, check_shape, field, signature_key
 from .plans import machine_memory_bytes, read_plan
 from .rebuild import build_compiled, build_joint
 from .tree import signature_from_json
 
+
+@dataclass(frozen=True)
+class Limits:
+    """What the caller allows one loaded call to use."""
+
+    max_bytes: int
+    max_flops: int | None
+
+
 PLAN_ROLES = {"compiled": ({"forward"}, {"forward", "backward"}), "value_and_grad": ({"joint"},)}
 
 
-def load(path: str | os.PathLike[str], max_bytes: int | None = None) -> Any:
+def load(
+    path: str | os.PathLike[str],
+    max_bytes: int | None = None,
+    key: bytes | str | None = None,
+    max_flops: int | None = None,
+) -> Any:
     """Load an artifact written by bp.export: a callable with the exported signature (and
     explain()), needing none of the model's source. Nothing in the file is unpickled or run.
-    max_bytes caps a plan's peak memory (default: this machine's physical memory).
+    max_bytes caps a plan's peak memory (default: this machine's physical memory); max_flops
+    caps the arithmetic of one call, all plans together (default: no cap). With key (the one
+    given to bp.export), an unsigned file or any edit is refused; without it a signed file
+    loads, and `loaded.authenticity` says it was not verified.
 
     >>> import backplan as bp
     >>> bp.load("no/such/file.bpz")
@@ -34,10 +56,11 @@ def load(path: str | os.PathLike[str], max_bytes: int | None = None) -> Any:
     backplan.artifacts.format.ExportError: no/such/file.bpz: no such artifact file
     """
     where = os.fspath(path)
-    manifest, members = read_artifact(where)
-    reader = _MemberReader(members)
+    contents = read_artifact(where, key)
+    reader = _MemberReader(contents.members)
+    limits = Limits(max_bytes or machine_memory_bytes(), _checked_max_flops(max_flops))
     try:
-        loaded = _build(where, manifest, reader, max_bytes or machine_memory_bytes())
+        loaded = _build(where, contents, reader, limits)
         reader.check_all_used()
         return loaded
     except ExportError as exc:
@@ -69,7 +92,7 @@ class _MemberReader:
             raise ExportError(f"members {unused} are listed but not used by meta.json")
 
 
-def _build(where: str, manifest: dict, reader: _MemberReader, max_bytes: int):
+def _build(where: str, contents: ArtifactContents, reader: _MemberReader, limits: Limits):
     meta = parse_json(reader.get("meta.json"), "meta.json")
     kind = field(meta, "kind", str, "meta.json")
     if kind not in PLAN_ROLES:
@@ -83,20 +106,43 @@ def _build(where: str, manifest: dict, reader: _MemberReader, max_bytes: int):
         for i, entry in enumerate(field(meta, "captured", list, "meta.json"))
     ]
     names = _captured_names(meta.get("captured_names"), len(captured))
-    plans = _read_plans(reader, field(meta, "plans", dict, "meta.json"), kind, max_bytes)
+    plans = _read_plans(reader, field(meta, "plans", dict, "meta.json"), kind, limits.max_bytes)
+    flops = {role: graph_flops(plan.graph) for role, plan in plans.items()}
+    _check_flops(flops, limits.max_flops)
     common = {
         "path": where,
-        "manifest": manifest,
+        "manifest": contents.manifest,
+        "authenticity": contents.authenticity,
         "members": reader.members,
         "name": name,
         "signature": signature_from_json(meta.get("parameters"), "meta.json parameters"),
         "key": key,
+        "flops": flops,
     }
     if set(common["signature"].parameters) != set(key.treedef.meta or ()):
         raise ExportError("meta.json: the parameters do not match the argument structure")
     if kind == "compiled":
         return build_compiled(meta, key, captured, names, plans, common)
     return build_joint(meta, key, captured, names, plans, common)
+
+
+def _checked_max_flops(max_flops):
+    if max_flops is None:
+        return None
+    if isinstance(max_flops, bool) or not isinstance(max_flops, int | float) or max_flops < 0:
+        raise ExportError(f"max_flops must be a number of FLOPs >= 0, got {max_flops!r}")
+    return max_flops
+
+
+def _check_flops(flops: dict[str, int], max_flops: int | None) -> None:
+    """Refused before anything compiles or runs: memory is bounded by max_bytes, time by this."""
+    total = sum(flops.values())
+    if max_flops is not None and total > max_flops:
+        parts = ", ".join(f"{role} {count:,}" for role, count in flops.items())
+        raise ExportError(
+            f"one call computes {total:,} FLOPs ({parts}), more than max_flops={max_flops:,}; "
+            "pass a larger max_flops= to load() if this is intended"
+        )
 
 
 def _captured_names(raw, count: int) -> list[str]:

@@ -21,6 +21,7 @@ from backplan.tracer.trace import current_trace
 
 from .call import conform, match_leaves
 from .format import ExportError
+from .signing import Authenticity
 from .tree import render_tree
 
 
@@ -38,9 +39,13 @@ class LoadedArtifact(PlannedFunction):
         name: str,
         signature: inspect.Signature,
         key: SignatureKey,
+        flops: dict[str, int],
+        authenticity: Authenticity,
     ):
         super().__init__(None)
         self.path = path
+        self.flops = flops  # per plan role, one call: matmul 2*m*n*k, one per element otherwise
+        self.authenticity = authenticity  # what the signature check said
         self.name = name
         self.manifest = manifest
         self.member_sizes = {n: len(d) for n, d in members.items()}

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 import backplan as bp
+from backplan.artifacts.signing import read_key_file
 from backplan.ir.types import np_dtype
 from backplan.tracer.compile import CompiledFunction
 from backplan.tracer.pytree import flatten
@@ -37,10 +38,16 @@ def add_arguments(parser) -> None:
         "(a training step) instead of the function itself",
     )
     parser.add_argument("-o", "--output", required=True, help="artifact path, e.g. model.bpz")
+    parser.add_argument(
+        "--key-file",
+        help="file holding a secret key: sign the artifact (HMAC-SHA256), so that "
+        "`bp.load(path, key=...)` or `inspect --key-file` refuses any edit",
+    )
 
 
 def run(args) -> int:
     try:
+        key = read_key_file(args.key_file) if args.key_file else None
         fn = load_target(args.target)
         arguments = parse_arg_spec(args.args)
         positional, keywords = split_arguments(fn, arguments)
@@ -48,13 +55,14 @@ def run(args) -> int:
             fn = bp.value_and_grad(fn, argnums=grad_argnums(positional))
         elif not isinstance(fn, CompiledFunction):
             fn = bp.compile(fn)
-        path = bp.export(fn, *positional, path=args.output, **keywords)
+        path = bp.export(fn, *positional, path=args.output, key=key, **keywords)
     except (bp.BackplanError, TypeError) as exc:  # TypeError: arguments that do not bind
         print(f"export failed: {exc}", file=sys.stderr)
         return 1
-    loaded = bp.load(path)
+    loaded = bp.load(path, key=key)
     print(f"wrote {path} ({os.path.getsize(path)} bytes)")
     print(f"signature: {loaded.signature}")
+    print(f"authenticity: {loaded.authenticity.value}")
     return 0
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 
+from .affinity import pin_process
 from .caches import FreshCaches
 from .environment import collect, load_average, usable_cpus
 from .errors import BenchError
@@ -45,8 +46,9 @@ def add_arguments(parser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="set every peer's thread count: BLAS and OpenMP pools, PyTorch, "
-        "Numba, and XLA when 1 (default: leave the libraries alone)",
+        help="pin the process to N CPUs before the peers load (XLA sizes its pool from "
+        "that) and set every thread count: BLAS and OpenMP pools (with threadpoolctl), "
+        "PyTorch, Numba, XLA's Eigen when 1 (default: leave the libraries alone)",
     )
     parser.add_argument(
         "--quick",
@@ -103,7 +105,8 @@ def _measure(args) -> dict:
     models = select_models(_names(args.models))
     against = [] if args.against.strip() == "none" else _names(args.against)
     peers = select_peers(against)
-    thread_settings = prepare_jax_threads(args.threads, any(p.name == "jax" for p in peers))
+    thread_settings = pin_process(args.threads)  # before any peer imports its library
+    thread_settings |= prepare_jax_threads(args.threads, any(p.name == "jax" for p in peers))
     available, skipped = _available(peers, progress)
     versions = {k: v for peer in available for k, v in peer.versions().items()}
     thread_settings |= apply_threads(args.threads)

@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 
+from .affinity import current_affinity
+
 # Variables that change BLAS kernels or thread counts; recorded as found.
 WATCHED_VARIABLES = (
     "OPENBLAS_CORETYPE",
@@ -143,6 +145,7 @@ def collect(versions: dict[str, str], thread_settings: dict, load_at_start=None)
         "cpu": cpu_name(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable_cpus(),
+        "affinity": current_affinity(),
         "load_average_1min": {"start": load_at_start, "end": load_average()},
         "platform": platform.platform(),
         "python": platform.python_version(),

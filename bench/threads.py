@@ -1,5 +1,8 @@
-"""--threads N: the same thread count for every peer, set explicitly and reported. Without the
-flag nothing is changed and the libraries' own choices are recorded."""
+"""--threads N: the same thread count for every peer, set explicitly and reported (on top of
+pinning the process to N CPUs, affinity.py). Without the flag nothing is changed and the
+libraries' own choices are recorded. threadpoolctl (the `bench` extra) limits BLAS and OpenMP
+pools; without it they are left at their sizes, confined to the pinned CPUs, and the report
+says so."""
 
 from __future__ import annotations
 
@@ -9,20 +12,21 @@ import sys
 
 from .errors import BenchError
 
-XLA_SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+XLA_SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
 def prepare_jax_threads(threads: int | None, jax_selected: bool) -> dict:
-    """XLA reads its thread flags once, when jax is imported: with --threads 1 this process's
-    XLA_FLAGS gain the single-thread flags first. XLA offers no flag for other counts."""
+    """XLA reads its flags once, when jax is imported, and sizes its CPU pool from the process's
+    CPU affinity (pinned already): with --threads 1 this process's XLA_FLAGS also turn off
+    Eigen's multi-threading. XLA offers no flag for other counts."""
     if threads is None or not jax_selected:
         return {}
     if "jax" in sys.modules:
-        return {"jax": "not set: jax was imported before the harness could set XLA_FLAGS"}
+        return {"jax": "not set: jax was imported before the harness could pin it"}
     if threads != 1:
-        return {"jax": f"not limited: XLA has no flag for {threads} threads"}
+        return {"jax": f"pool confined to the {threads} pinned CPUs (XLA has no count flag)"}
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_SINGLE_THREAD}".strip()
-    return {"jax": f"XLA_FLAGS += {XLA_SINGLE_THREAD!r} (this process only)"}
+    return {"jax": f"pinned CPU; XLA_FLAGS += {XLA_SINGLE_THREAD!r} (this process only)"}
 
 
 def apply_threads(threads: int | None) -> dict:
@@ -32,16 +36,8 @@ def apply_threads(threads: int | None) -> dict:
         return {}
     if threads < 1:
         raise BenchError(f"--threads must be at least 1, got {threads}")
-    if importlib.util.find_spec("threadpoolctl") is None:
-        raise BenchError(
-            "--threads needs threadpoolctl to limit BLAS threads: "
-            "pip install threadpoolctl (or pip install 'backplan[bench]')"
-        )
     _import_backplan_pools()
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(limits=threads)
-    settings = {"blas_and_openmp": f"threadpoolctl limits={threads}"}
+    settings = {"blas_and_openmp": _limit_blas(threads)}
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
         settings["torch"] = f"torch.set_num_threads({threads})"
@@ -51,6 +47,18 @@ def apply_threads(threads: int | None) -> dict:
         numba.set_num_threads(count)
         settings["numba"] = f"numba.set_num_threads({count})"
     return settings
+
+
+def _limit_blas(threads: int) -> str:
+    if importlib.util.find_spec("threadpoolctl") is None:
+        return (
+            "NOT limited: threadpoolctl is not installed (pip install 'backplan[bench]'); "
+            f"their threads share the {threads} pinned CPU(s)"
+        )
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads)
+    return f"threadpoolctl limits={threads}"
 
 
 def _import_backplan_pools() -> None:

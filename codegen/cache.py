@@ -72,10 +72,15 @@ def codegen_fingerprint() -> str:
     edits to the library code it inlines, so the key covers those files too."""
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256(CODEGEN_VERSION.encode())
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            with open(os.path.join(here, name), "rb") as f:
-                digest.update(name.encode() + f.read())
+    paths = [
+        os.path.join(folder, name)
+        for folder, _, files in os.walk(here)
+        for name in files
+        if name.endswith(".py")
+    ]
+    for path in sorted(paths):
+        with open(path, "rb") as f:
+            digest.update(os.path.relpath(path, here).encode() + f.read())
     return digest.hexdigest()[:16]
 
 

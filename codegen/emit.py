@@ -32,6 +32,7 @@ from backplan.codegen.jit import njit, prange
 from backplan.codegen.blas import (
     batched_gemm_f32, batched_gemm_f64, gemm_f32, gemm_f64,
 )
+from backplan.codegen.gemm import batched_gemm as own_batched_gemm, gemm as own_gemm
 from backplan.codegen.flags import JIT_OPTIONS
 from backplan.codegen.library import *  # noqa: F403
 from backplan.codegen.library_conv import *  # noqa: F403

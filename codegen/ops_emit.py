@@ -9,6 +9,8 @@ from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
 from backplan.ir.index_check import index_message, label_message
 
+from .gemm import vector_width
+from .gemm.choice import use_own_gemm
 from .loops import internal_shape
 from .scalar import NP_TYPE, literal
 
@@ -115,11 +117,15 @@ class OpEmitter:
 
     def op_matmul(self, node: Value, out: str) -> list[str]:
         (a, ta), (b, tb) = self._operand_2d(node.inputs[0]), self._operand_2d(node.inputs[1])
+        m, n = node.shape[-2:]
+        own = use_own_gemm(m, n, node.inputs[0].shape[-1], tb, node.dtype)
         if len(node.shape) == 2:
+            if own:
+                return [f"own_gemm({vector_width()}, {ta}, {tb}, 1.0, {a}, {b}, 0.0, {out})"]
             return [f"gemm_{node.dtype}({ta}, {tb}, {a}, {b}, {out}, 0.0)"]
-        return self._batched_matmul(node, out, (a, ta), (b, tb))
+        return self._batched_matmul(node, out, (a, ta), (b, tb), own)
 
-    def _batched_matmul(self, node, out, a_op, b_op) -> list[str]:
+    def _batched_matmul(self, node, out, a_op, b_op, own: bool) -> list[str]:
         lines, operands = [], []
         batch = node.shape[:-2]
         for value, (expr, trans) in zip(node.inputs, (a_op, b_op), strict=True):
@@ -134,9 +140,8 @@ class OpEmitter:
                 padded = batch
             operands.append(f"{expr}.reshape(({math.prod(padded)}, {mat[0]}, {mat[1]}))")
         out3 = f"{out}.reshape(({math.prod(batch)}, {node.shape[-2]}, {node.shape[-1]}))"
-        lines.append(
-            f"batched_gemm_{node.dtype}({a_op[1]}, {b_op[1]}, {operands[0]}, {operands[1]}, {out3})"
-        )
+        call = f"own_batched_gemm({vector_width()}, " if own else f"batched_gemm_{node.dtype}("
+        lines.append(f"{call}{a_op[1]}, {b_op[1]}, {operands[0]}, {operands[1]}, {out3})")
         return lines
 
     def _split(self, shape, axis: int, count: int = 1):

@@ -8,6 +8,7 @@ from backplan.ir.autodiff import backward_graph
 from backplan.ir.graph import Graph, Value
 from backplan.ir.liveness import Plan
 from backplan.ir.text import format_loc, format_node, value_names
+from backplan.ir.types import np_dtype
 from backplan.runtime.program import SavedBufferInfo
 
 from .plan_view import BufferInfo, PlanView, StepInfo, free_steps, hand_to_caller, input_label
@@ -98,7 +99,7 @@ def joint_saved_info(
                 op=value.op,
                 produced_at=format_loc(value.loc) or "<input>",
                 shape=value.shape,
-                dtype=value.dtype,
+                dtype=np_dtype(value.dtype),
                 nbytes=value.type.nbytes,
                 read_by=tuple(f"{r.op} at {format_loc(r.node.loc)}" for r in readers),
                 last_read_step=labels[readers[-1].index],

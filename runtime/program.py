@@ -6,10 +6,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from backplan.ir.lowering import BackwardMode
 from backplan.ir.pipeline import RegionPlans
 from backplan.ir.text import format_loc, value_names
-from backplan.ir.types import is_float
+from backplan.ir.types import is_float, np_dtype
 
 from .backend import current_backend, make_runner
 from .location import loc_text, op_text
@@ -24,7 +26,7 @@ class SavedBufferInfo:
     op: str
     produced_at: str
     shape: tuple[int, ...]
-    dtype: str
+    dtype: np.dtype  # the NumPy dtype, as Tensor.dtype (the IR's short name is in text only)
     nbytes: int
     read_by: tuple[str, ...]
     last_read_step: int
@@ -90,7 +92,7 @@ class RegionProgram:
                     op=op_text(value.op, value.loc) if value.op != "input" else "input",
                     produced_at=loc_text(value.loc) if value.loc else "<input>",
                     shape=value.shape,
-                    dtype=value.dtype,
+                    dtype=np_dtype(value.dtype),
                     nbytes=value.type.nbytes,
                     read_by=tuple(f"{n.op} at {format_loc(n.loc)}" for n in readers),
                     last_read_step=bwd.last_read.get(bwd_input, -1),

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from backplan.ir.graph import Value
 from backplan.ir.text import format_loc, value_names
+from backplan.ir.types import np_dtype
 
 from .location import loc_text, op_text
 
@@ -26,7 +29,7 @@ class RecomputedInfo:
     op: str
     produced_at: str
     shape: tuple[int, ...]
-    dtype: str
+    dtype: np.dtype  # the NumPy dtype, as Tensor.dtype
     nbytes: int  # bytes not saved
     chain: tuple[str, ...]  # ops of the forward nodes the backward reruns, in order
     reason: str  # the derivative rule that reads it (why it would otherwise be saved)
@@ -65,7 +68,7 @@ def recomputed_infos(program) -> list[RecomputedInfo]:
                 op=op_text(value.op, value.loc),
                 produced_at=loc_text(value.loc) if value.loc else "<input>",
                 shape=value.shape,
-                dtype=value.dtype,
+                dtype=np_dtype(value.dtype),
                 nbytes=r.nbytes,
                 chain=tuple(n.op for n in r.chain),
                 reason=r.reason,

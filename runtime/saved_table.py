@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from backplan.ir.types import dtype_name
+
 INPUT_NOTE = (
     "* your own input: the graph holds a reference to your array, not a copy. Freeing it drops\n"
     "  the graph's reference; the array itself lives on while you still hold it."
@@ -70,7 +72,7 @@ def recomputed_lifetime_text(info) -> str:
 
 
 def _type_text(info) -> str:
-    return f"{info.dtype}[{','.join(str(d) for d in info.shape)}]"
+    return f"{dtype_name(info.dtype)}[{','.join(str(d) for d in info.shape)}]"
 
 
 def saved_rows(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -313,6 +314,23 @@ def test_jax_peer_agrees_with_the_reference(tmp_path):
     assert all(r["peak_bytes"]["planned"] > 0 for r in jax_rows)
 
 
+def test_cnn_peers_agree_with_the_reference(tmp_path):
+    """The CNN's convolutions and pooling through PyTorch eager and JAX, where installed."""
+    installed = {"torch": "torch.eager", "jax": "jax"}
+    against = [peer for module, peer in installed.items() if importlib.util.find_spec(module)]
+    if not against:
+        pytest.skip("neither torch nor jax is installed")
+    path = tmp_path / "cnn.json"
+    code, _ = run_cli(
+        "--quick", "--small", "--models", "cnn", "--against", ",".join(against), "--json", str(path)
+    )
+    record = json.loads(path.read_text())
+    assert code == 0, _peer_rows(record)
+    rows = {r["peer"]: r for r in record["results"]}
+    assert all(r["status"] == "ok" for r in rows.values()), _peer_rows(record)
+    assert {"torch" if p == "torch.eager" else p for p in against} <= set(rows)
+
+
 def test_plot_writes_a_png_of_a_saved_record(quick_record, tmp_path):
     pytest.importorskip("matplotlib")
     _, _, record, _ = quick_record
@@ -360,3 +378,69 @@ def test_a_peer_that_is_not_installed_is_skipped_with_a_note(monkeypatch, tmp_pa
     assert record["skipped_peers"] == [{"peer": "jax", "reason": "jax is not installed"}]
     assert {r["peer"] for r in record["results"]} == {"backplan", "backplan.compile"}
     assert "skipped jax: jax is not installed" in text
+
+
+@pytest.fixture
+def restore_affinity():
+    """Pinning applies to the whole process: put every thread back afterwards."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("CPU affinity is Linux-only")
+    original = os.sched_getaffinity(0)
+    yield sorted(original)
+    for name in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(name), original)
+        except ProcessLookupError:
+            pass
+
+
+def test_pinning_reaches_threads_that_already_exist_and_later_ones(restore_affinity):
+    import threading
+
+    from backplan.bench.affinity import cpu_list_text, pin_process
+
+    seen = {}
+    started, go = threading.Event(), threading.Event()
+
+    def report(name):
+        started.set()
+        go.wait(10)
+        seen[name] = sorted(os.sched_getaffinity(0))
+
+    early = threading.Thread(target=report, args=("early",))
+    early.start()
+    started.wait(10)
+    assert pin_process(1) == {
+        "affinity": f"os.sched_setaffinity: CPUs {cpu_list_text(restore_affinity[:1])}"
+    }
+    late = threading.Thread(target=report, args=("late",))
+    late.start()
+    go.set()
+    early.join(10)
+    late.join(10)
+    assert seen == {"early": restore_affinity[:1], "late": restore_affinity[:1]}
+    assert cpu_list_text([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    with pytest.raises(BenchError, match="may run on only 1 CPUs"):
+        pin_process(2)
+
+
+def test_threads_flag_pins_and_records_affinity_and_cpu(restore_affinity, tmp_path):
+    """--threads works without torch, jax or threadpoolctl: the report names the CPUs it ran
+    on and the CPU model, in JSON and Markdown."""
+    from backplan.bench.environment import cpu_name
+
+    path, markdown = tmp_path / "run.json", tmp_path / "B.md"
+    code, text = run_cli(
+        "--quick", "--small", "--models", "mlp_tiny", "--against", "none", "--threads", "1",
+        "--json", str(path), "--markdown", str(markdown),
+    )  # fmt: skip
+    assert code == 0, text
+    record = json.loads(path.read_text())
+    env = record["environment"]
+    first = restore_affinity[0]
+    assert env["affinity"] == [first] and env["usable_cpus"] == 1 and env["cpu"] == cpu_name()
+    settings = env["threads"]["set_by_harness"]
+    assert settings["affinity"] == f"os.sched_setaffinity: CPUs {first}"
+    assert "threadpoolctl" in settings["blas_and_openmp"]
+    line = f"CPU: {cpu_name()} (1 usable of {os.cpu_count()} logical CPUs; affinity CPUs {first})"
+    assert line in text and line in markdown.read_text()

@@ -1,20 +1,33 @@
-"""The training examples run on a small slice: a few steps each, loss finite, one trace per
-training step function (each step is one compiled call)."""
-
-import math
+"""The training examples run on a small slice: a few steps each, the loss falls, the CNN beats
+chance on the held-out digits, each training step is one compiled call with donated parameters
+and optimizer state."""
 
 import numpy as np
 import pytest
 
+import backplan as bp
 
-def test_cnn_digits_trains_a_few_steps_in_one_compiled_call():
+
+def test_cnn_digits_learns_in_one_compiled_donating_call():
     pytest.importorskip("sklearn")
     from backplan.examples import cnn_digits
 
-    result = cnn_digits.train(epochs=1, batch_size=16, max_steps=4)
-    assert result["steps"] == 4 and all(math.isfinite(v) for v in result["losses"])
+    result = cnn_digits.train(epochs=1, batch_size=32, max_steps=30)
+    losses = result["losses"]
+    assert result["steps"] == 30 and np.all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    assert result["test_accuracy"] > 0.5  # chance is 0.1; 30 steps reach about 0.78
     assert cnn_digits.train_step.cache_info().traces == 1
-    assert 0.0 <= result["test_accuracy"] <= 1.0
+
+    params = cnn_digits.init_params(bp.random.key(1))
+    state = cnn_digits.OPTIMIZER.init(params)
+    x_train, y_train, _, _ = cnn_digits.load_digits_split()
+    batch = (bp.tensor(x_train[:32]), bp.tensor(y_train[:32]), bp.random.key(2))
+    new_params, _, _, _ = cnn_digits.train_step(params, state, *batch)
+    assert cnn_digits.train_step.cache_info().traces == 1
+    with pytest.raises(bp.DonatedError):
+        params["conv1_w"].numpy()
+    assert new_params["conv1_w"].shape == (16, 1, 3, 3)
 
 
 def test_char_model_loss_falls_and_samples_from_its_alphabet():
@@ -22,7 +35,17 @@ def test_char_model_loss_falls_and_samples_from_its_alphabet():
 
     result = char_model.train(steps=30, batch_size=8, sample_length=5)
     losses = result["losses"]
-    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
     assert char_model.train_step.cache_info().traces == 1
     _, alphabet = char_model.corpus()
     assert len(result["sample"]) == 5 and set(result["sample"]) <= set(alphabet)
+
+
+def test_char_model_sampling_is_reproducible_from_a_key():
+    from backplan.examples import char_model
+
+    data, alphabet = char_model.corpus()
+    params = char_model.init_params(bp.random.key(0), len(alphabet))
+    first = char_model.sample(params, alphabet, data[:32], 4, bp.random.key(5))
+    again = char_model.sample(params, alphabet, data[:32], 4, bp.random.key(5))
+    assert first == again and len(first) == 4

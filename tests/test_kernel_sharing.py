@@ -92,3 +92,26 @@ def test_progress_lines_appear_only_when_the_compile_is_predicted_slow(
     kernels = len(compiled.loop_kernels)
     assert f"of {kernels} loop kernels" in lines[0] and "cached" in lines[0]
     assert lines[-1].endswith(" s") and f"{kernels} in all" in lines[-1]
+
+
+def test_a_forward_only_plan_under_no_grad_shares_the_training_plans_kernels():
+    """bp.no_grad() retraces (a forward-only plan, no saved buffers). Where its loops have the
+    bodies the training forward has (an MLP: bias + relu loops), it compiles no new kernel; a
+    plan that fuses further without saved values would compile those loops anew."""
+    from backplan.examples.mlp import init_mlp, mlp_loss
+
+    rng = np.random.default_rng(3)
+    params = init_mlp([6, 8, 8, 3], seed=3)
+    x = floats(rng, 5, 6)
+    labels = bp.tensor(rng.integers(0, 3, 5))
+    fn = bp.compile(mlp_loss)
+    with use_backend("numba"):
+        fn(params, x, labels).backward()
+        before = kernel_cache.counts()
+        with bp.no_grad():
+            value = fn(params, x, labels)
+        after = kernel_cache.counts()
+    assert fn.cache_info().traces == 2
+    assert after.loaded == before.loaded
+    with use_backend("reference"):
+        np.testing.assert_allclose(value.numpy(), fn(params, x, labels).numpy(), rtol=1e-5)

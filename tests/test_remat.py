@@ -57,3 +57,23 @@ def test_values_behind_an_expensive_op_stay_saved():
     program = fn.trace(w, x).program
     assert program.plans.recomputed == []
     assert any(i.op == "tanh" for i in program.saved_info)
+
+
+def test_every_saved_and_recomputed_record_carries_a_numpy_dtype():
+    """Records use the dtype Tensor.dtype uses (np.dtype(buf.dtype) works); tables print the
+    short IR name."""
+    args = inputs()
+    x64 = bp.tensor(np.ones((6, 8)), requires_grad=True)
+    compiled = bp.compile(ln_gelu)
+    report = bp.explain(compiled, *args)
+    joint = bp.explain(bp.value_and_grad(compiled), *args)
+    out = bp.compile(lambda x: bp.sum(bp.tanh(x)))(x64)
+    records = [*report.saved_buffers, *report.recomputed, *joint.saved_buffers]
+    records += out.grad_fn.saved_buffers
+    assert report.recomputed and joint.saved_buffers and out.grad_fn.saved_buffers
+    for record in records:
+        assert isinstance(record.dtype, np.dtype), record
+        assert np.dtype(record.dtype) == record.dtype
+    assert {r.dtype for r in records} == {np.dtype(np.float32), np.dtype(np.float64)}
+    assert out.grad_fn.saved_buffers[0].dtype == x64.dtype
+    assert "f64[6,8]" in str(out.grad_fn) and "f32[6,8]" in str(report)

@@ -129,3 +129,16 @@ def test_unknown_backend_names_it_and_the_choices():
     with pytest.raises(ValueError, match=r"unknown backend 'gpu'; use one of \("):
         with use_backend("gpu"):
             pass
+
+
+def test_backplan_run_as_a_script_is_still_backplan_code():
+    """`python -m backplan demo` runs backplan/__main__.py as __main__: its lines must not
+    appear as the user's; a user's own script run as __main__ stays user code."""
+    import types
+
+    from backplan.tracer.source import _is_library, _module_name
+
+    ours = types.SimpleNamespace(name="backplan.__main__")
+    assert _is_library(_module_name({"__name__": "__main__", "__spec__": ours}))
+    assert not _is_library(_module_name({"__name__": "__main__", "__spec__": None}))
+    assert not _is_library(_module_name({"__name__": "backplan.demo"}))

@@ -25,13 +25,22 @@ _PLUMBING = frozenset({"apply", "fn", "located_call"})  # dispatch, generated wr
 
 
 def _is_library(module_name: str) -> bool:
-    if module_name.startswith("backplan.examples"):
-        return False  # the demo models are user code
+    if module_name.startswith(("backplan.examples", "backplan.demo")):
+        return False  # the demo and its models are user code
     return (
         module_name == "backplan"
         or module_name.startswith("backplan.")
         or module_name in ("contextlib", "functools")
     )
+
+
+def _module_name(globals_: dict) -> str:
+    """A module's real name, also when it runs as __main__ (`python -m backplan ...`)."""
+    name = globals_.get("__name__", "")
+    if name == "__main__":
+        spec = globals_.get("__spec__")
+        name = getattr(spec, "name", None) or name
+    return name
 
 
 def _is_outside_user_code(filename: str) -> bool:
@@ -64,7 +73,7 @@ def _facts(frame) -> tuple:
     if facts is None or facts[2] is not code:
         if len(_code_facts) > MAX_CACHED:
             _code_facts.clear()
-        if _is_library(frame.f_globals.get("__name__", "")):
+        if _is_library(_module_name(frame.f_globals)):
             kind = LIBRARY
         else:
             kind = OUTSIDE if _is_outside_user_code(code.co_filename) else USER

@@ -1,6 +1,7 @@
 """A character-level model (one causal self-attention block) trained on the source of a
 standard-library module, then sampled with bp.random (Gumbel-max: argmax of logits plus Gumbel
-noise drawn from a key). One compiled call per training step (SGD with momentum, written inline).
+noise drawn from a key). One compiled call per training step does the forward, the backward and
+the Adam update, with params and optimizer state donated so the update writes in place.
 
     python -m backplan.examples.char_model
 """
@@ -18,8 +19,8 @@ import backplan as bp
 
 CONTEXT = 32
 WIDTH = 64
-LEARNING_RATE = 0.1
-MOMENTUM = 0.9
+LEARNING_RATE = 3e-3
+OPTIMIZER = bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.adam(LEARNING_RATE))
 
 
 def corpus(module=textwrap) -> tuple[np.ndarray, list[str]]:
@@ -64,12 +65,12 @@ def loss_fn(params, ids, targets):
     return bp.cross_entropy(logits(params, ids), targets)
 
 
-@bp.compile
-def train_step(params, velocity, ids, targets):
+@bp.compile(donate_argnums=(0, 1))
+def train_step(params, opt_state, ids, targets):
+    """(params, opt_state, loss): forward, backward and the clipped Adam update in one plan."""
     loss, grads = bp.value_and_grad(loss_fn)(params, ids, targets)
-    velocity = {k: MOMENTUM * velocity[k] + grads[k] for k in params}
-    params = {k: params[k] - LEARNING_RATE * velocity[k] for k in params}
-    return loss, params, velocity
+    params, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return params, opt_state, loss
 
 
 @bp.compile
@@ -95,15 +96,15 @@ def train(steps: int = 300, batch_size: int = 32, seed: int = 0, sample_length: 
     key = bp.random.key(seed)
     key, init_key = bp.random.split(key)
     params = init_params(init_key, len(alphabet))
-    velocity = {k: bp.zeros_like(v) for k, v in params.items()}
+    opt_state = OPTIMIZER.init(params)
     rng = np.random.default_rng(seed)
     losses, times = [], []
     for _ in range(steps):
         starts = rng.integers(0, len(data) - CONTEXT - 1, batch_size)
         windows = np.stack([data[s : s + CONTEXT + 1] for s in starts])
         begin = time.perf_counter()
-        loss, params, velocity = train_step(
-            params, velocity, bp.tensor(windows[:, :-1]), bp.tensor(windows[:, 1:])
+        params, opt_state, loss = train_step(
+            params, opt_state, bp.tensor(windows[:, :-1]), bp.tensor(windows[:, 1:])
         )
         losses.append(loss.item())
         times.append(time.perf_counter() - begin)

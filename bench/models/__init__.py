@@ -5,7 +5,7 @@ provides the idiomatic version of the same `kind`. Full sizes are what a normal 
 from __future__ import annotations
 
 from ..errors import BenchError
-from . import ln_gelu, mlp, transformer
+from . import cnn, ln_gelu, mlp, transformer
 from .spec import ModelInputs, ModelSpec
 
 MODELS: dict[str, ModelSpec] = {
@@ -65,6 +65,14 @@ MODELS: dict[str, ModelSpec] = {
             static=dict(activation="relu"),
             train=False,
         ),
+        ModelSpec(
+            "cnn",
+            "cnn",
+            "CNN (conv3x3-ReLU-maxpool2) x2 16/32 ch, linear, cross-entropy, 1x8x8, batch 32",
+            dict(batch=32, c_in=1, side=8, c1=16, c2=32, n_out=10),
+            dict(batch=4, c_in=2, side=4, c1=3, c2=4, n_out=5),
+            cnn.make_inputs,
+        ),
     ]
 }
 
@@ -74,6 +82,7 @@ BACKPLAN_KINDS = {
     "mlp": (mlp.loss, mlp.logits),
     "transformer": (transformer.loss, None),
     "ln_gelu": (ln_gelu.loss, None),
+    "cnn": (cnn.loss, cnn.logits),
 }
 
 

@@ -49,9 +49,27 @@ def ln_gelu_loss(p: dict, upstream, *, eps: float = 1e-5):
     return jnp.sum(y * upstream)
 
 
+def _conv_relu_pool(x, w, b):
+    h = jax.lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)))  # NCHW, OIHW
+    h = jax.nn.relu(h + b[:, None, None])
+    return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+
+
+def cnn_logits(p: dict, x):
+    h = _conv_relu_pool(x, p["conv1_w"], p["conv1_b"])
+    h = _conv_relu_pool(h, p["conv2_w"], p["conv2_b"])
+    return h.reshape(h.shape[0], -1) @ p["fc_w"] + p["fc_b"]
+
+
+def cnn_loss(p: dict, x, labels):
+    log_probs = jax.nn.log_softmax(cnn_logits(p, x))
+    return -jnp.take_along_axis(log_probs, labels[:, None], axis=-1).mean()
+
+
 # kind -> (loss, inference forward)
 JAX_KINDS = {
     "mlp": (mlp_loss, mlp_logits),
     "transformer": (transformer_loss, None),
     "ln_gelu": (ln_gelu_loss, None),
+    "cnn": (cnn_loss, cnn_logits),
 }

@@ -73,7 +73,7 @@ class JaxPeer(Peer):
 
     def missing(self) -> str | None:
         if importlib.util.find_spec("jax") is None:
-            return "jax is not installed (pip install 'backplan[bench]')"
+            return "jax is not installed (pip install 'backplan[peers]')"
         return None
 
     def versions(self) -> dict[str, str]:

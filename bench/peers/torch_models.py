@@ -44,9 +44,20 @@ def ln_gelu_loss(p: dict, upstream, *, eps: float = 1e-5):
     return (y * upstream).sum()
 
 
+def cnn_logits(p: dict, x):
+    h = F.max_pool2d(F.relu(F.conv2d(x, p["conv1_w"], p["conv1_b"], padding=1)), 2)
+    h = F.max_pool2d(F.relu(F.conv2d(h, p["conv2_w"], p["conv2_b"], padding=1)), 2)
+    return h.flatten(1) @ p["fc_w"] + p["fc_b"]
+
+
+def cnn_loss(p: dict, x, labels):
+    return F.cross_entropy(cnn_logits(p, x), labels)
+
+
 # kind -> (loss, inference forward)
 TORCH_KINDS = {
     "mlp": (mlp_loss, mlp_logits),
     "transformer": (transformer_loss, None),
     "ln_gelu": (ln_gelu_loss, None),
+    "cnn": (cnn_loss, cnn_logits),
 }

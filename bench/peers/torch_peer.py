@@ -74,7 +74,7 @@ class TorchPeer(Peer):
 
     def missing(self) -> str | None:
         if importlib.util.find_spec("torch") is None:
-            return "torch is not installed (pip install 'backplan[bench]')"
+            return "torch is not installed (pip install 'backplan[peers]')"
         return None
 
     def versions(self) -> dict[str, str]:

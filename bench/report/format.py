@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..affinity import cpu_list_text
+
 MIB = 1024 * 1024
 NOISY_SPREAD = 2.0  # median over min step time above which a row is flagged as noisy
 
@@ -147,9 +149,12 @@ def environment_lines(record: dict) -> list[str]:
     load_text = ""
     if load.get("start") is not None:
         load_text = f"; 1-min load average {load['start']:.1f} at start, {load['end']:.1f} at end"
+    affinity = ""
+    if env.get("affinity") is not None:
+        affinity = f"; affinity CPUs {cpu_list_text(env['affinity'])}"
     return [
-        f"CPU: {env['cpu']} ({env['usable_cpus']} usable of {env['logical_cpus']} logical CPUs)"
-        + load_text,
+        f"CPU: {env['cpu']} ({env['usable_cpus']} usable of {env['logical_cpus']} logical CPUs"
+        f"{affinity})" + load_text,
         f"Python {env['python']} on {env['platform']}",
         f"Versions: {versions}; backplan backend: {env.get('backplan_backend', '?')}, "
         f"revision {env.get('backplan_revision') or 'unknown'}",

@@ -1,0 +1,179 @@
+"""GFLOP/s of backplan's own GEMM against the BLAS that plans otherwise call, per shape.
+
+Run by hand: ``python -m backplan.bench.gemm [--threads T] [--rounds R] [--isa avx512|avx2]``.
+The process pins itself to T CPUs (os.sched_setaffinity; default 1) before any BLAS loads, so
+every library runs on the same T cores; with T > 1 backplan runs its parallel GEMM. Rounds are
+interleaved (each round times every shape and library once) and the table shows medians with
+the spread (min-max) across rounds; each round's value is the best of several ~2 ms samples, so
+a neighbour's burst on a shared machine spoils one sample, not the round. OpenBLAS's kernels
+depend on OPENBLAS_CORETYPE, read when it loads: run once with and once without it set; the
+first line names it. torch and jax are timed too when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+# name: (batch, m, k, n, trans_a, trans_b); op(A) is m x k, op(B) is k x n.
+SHAPES = {
+    "mlp fwd 128x784@784x512": (0, 128, 784, 512, False, False),
+    "mlp dW 784x128^T@128x512": (0, 784, 128, 512, True, False),
+    "mlp dX 128x512@784x512^T": (0, 128, 512, 784, False, True),
+    "mlp2 fwd 128x512@512x512": (0, 128, 512, 512, False, False),
+    "mlp2 dW 512x128^T@128x512": (0, 512, 128, 512, True, False),
+    "mlp2 dX 128x512@512x512^T": (0, 128, 512, 512, False, True),
+    "tf fwd 1024x256@256x256": (0, 1024, 256, 256, False, False),
+    "tf dW 256x1024^T@1024x256": (0, 256, 1024, 256, True, False),
+    "tf dX 1024x256@256x256^T": (0, 1024, 256, 256, False, True),
+    "attn 32x(128x64@(128x64)^T)": (32, 128, 64, 128, False, True),
+    "attn 32x(128x128@128x64)": (32, 128, 128, 64, False, False),
+}
+
+
+def _operands(shape, dtype):
+    import numpy as np
+
+    batch, m, k, n, ta, tb = shape
+    rng = np.random.default_rng(0)
+    lead = (batch,) if batch else ()
+    a = rng.standard_normal(lead + ((k, m) if ta else (m, k))).astype(dtype)
+    b = rng.standard_normal(lead + ((n, k) if tb else (k, n))).astype(dtype)
+    return a, b, np.empty(lead + (m, n), dtype)
+
+
+def _runners(shape, dtype, width, threads):
+    """name -> zero-argument callable doing the GEMM once."""
+    import numpy as np
+
+    from backplan.codegen import blas, gemm
+    from backplan.codegen.gemm import parallel
+
+    batch, m, k, n, ta, tb = shape
+    a, b, c = _operands(shape, dtype)
+    f32 = dtype == np.float32
+    if batch:
+        blas_fn = blas.batched_gemm_f32 if f32 else blas.batched_gemm_f64
+        runners = {
+            "backplan": (lambda: parallel.batched_gemm_parallel(width, ta, tb, a, b, c))
+            if threads > 1
+            else (lambda: gemm.batched_gemm(width, ta, tb, a, b, c)),
+            "openblas": lambda: blas_fn(ta, tb, a, b, c),
+        }
+    else:
+        blas_fn = blas.gemm_f32 if f32 else blas.gemm_f64
+        runners = {
+            "backplan": (lambda: parallel.gemm_parallel(threads, width, ta, tb, 1.0, a, b, 0.0, c))
+            if threads > 1
+            else (lambda: gemm.gemm(width, ta, tb, 1.0, a, b, 0.0, c)),
+            "openblas": lambda: blas_fn(ta, tb, a, b, c, 0.0),
+        }
+    runners.update(_peer_runners(a, b, ta, tb))
+    return runners
+
+
+def _peer_runners(a, b, ta, tb) -> dict:
+    import importlib.util
+
+    peers = {}
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        ta_, tb_ = torch.from_numpy(a), torch.from_numpy(b)
+        ta_ = ta_.transpose(-1, -2) if ta else ta_
+        tb_ = tb_.transpose(-1, -2) if tb else tb_
+        peers["torch"] = lambda: torch.matmul(ta_, tb_)
+    if importlib.util.find_spec("jax") is not None:
+        import jax
+        import jax.numpy as jnp
+
+        fn = jax.jit(
+            lambda x, y: jnp.matmul(
+                jnp.swapaxes(x, -1, -2) if ta else x, jnp.swapaxes(y, -1, -2) if tb else y
+            )
+        )
+        ja, jb = jnp.asarray(a), jnp.asarray(b)
+        peers["jax"] = lambda: fn(ja, jb).block_until_ready()
+    return peers
+
+
+def _gflops(fn, flops: float, samples: int = 8, target_s: float = 0.002) -> float:
+    """Best of several short samples: on a shared machine a sample shorter than a scheduler
+    slice is often not preempted, so the best is the library's speed, not the neighbours'."""
+    reps = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= target_s:
+            break
+        reps *= 2
+    best = elapsed
+    for _ in range(samples - 1):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return flops * reps / best / 1e9
+
+
+def measure(rounds: int, dtype_name: str, width: int, threads: int = 1, shapes=SHAPES) -> dict:
+    """{shape: {library: [GFLOP/s per round]}}, rounds interleaved over shapes and libraries."""
+    import numpy as np
+
+    dtype = np.float32 if dtype_name == "f32" else np.float64
+    runners = {name: _runners(shape, dtype, width, threads) for name, shape in shapes.items()}
+    for fns in runners.values():  # compile and warm
+        for fn in fns.values():
+            fn()
+    results = {name: {lib: [] for lib in fns} for name, fns in runners.items()}
+    for _ in range(rounds):
+        for name, fns in runners.items():
+            batch, m, k, n, _, _ = shapes[name]
+            flops = 2.0 * max(batch, 1) * m * k * n
+            for lib, fn in fns.items():
+                results[name][lib].append(_gflops(fn, flops))
+    return results
+
+
+def format_table(results: dict) -> str:
+    libs = list(next(iter(results.values())))
+    lines = [f"{'shape':32s}" + "".join(f"{lib:>22s}" for lib in libs) + "   own/blas"]
+    for name, per_lib in results.items():
+        row = f"{name:32s}"
+        for lib in libs:
+            values = per_lib[lib]
+            row += f"{statistics.median(values):8.1f} ({min(values):5.1f}-{max(values):5.1f})"
+        ratio = statistics.median(per_lib["backplan"]) / statistics.median(per_lib["openblas"])
+        lines.append(row + f"   {ratio:8.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="CPUs to pin to (the last T)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtype", choices=("f32", "f64"), default="f32")
+    parser.add_argument("--isa", choices=("avx512", "avx2"), default=None)
+    args = parser.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))[-args.threads :]
+    os.sched_setaffinity(0, cpus)  # before OpenBLAS loads: it sizes its pool from the mask
+    from backplan.codegen.gemm import ISA_WIDTH, active_isa
+
+    from .environment import cpu_name
+
+    isa = args.isa or active_isa()
+    print(
+        f"CPU {cpu_name()} pinned to cpus {cpus}; {args.dtype}; backplan ISA {isa}; "
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; "
+        f"{args.rounds} interleaved rounds, GFLOP/s median (min-max)"
+    )
+    print(format_table(measure(args.rounds, args.dtype, ISA_WIDTH[isa], len(cpus))))
+
+
+if __name__ == "__main__":
+    main()

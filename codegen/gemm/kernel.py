@@ -1,0 +1,150 @@
+"""The micro-kernel: an MR x (NV * lanes) tile of C held in vector registers, built as LLVM IR.
+
+Plain Numba loops keep a GEMM's accumulators in memory (about 3 GFLOP/s); writing the vector
+FMAs directly lets LLVM keep the whole tile in registers. Per step p of the k loop the kernel
+loads one row of B (NV vectors), broadcasts MR values of packed A and issues MR * NV FMAs.
+
+    acc = A_panel[kc, MR] (packed) x B[kc, NV * lanes] (row stride ldb)
+    C[MR, NV * lanes] (row stride ldc) = alpha * acc + beta * C     (C not read when beta == 0)
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+# Tile shapes per vector width: (lanes, MR, NV) per dtype. 512-bit registers: 32 of them, an
+# 8 x 32 f32 tile takes 16 accumulators; 256-bit (AVX2): 16 registers, 6 x 16 takes 12.
+TILES = {
+    512: {"f32": (16, 8, 2), "f64": (8, 8, 2)},
+    256: {"f32": (8, 6, 2), "f64": (4, 6, 2)},
+}
+
+
+def _llvm_float(dtype_name: str):
+    return ir.FloatType() if dtype_name == "f32" else ir.DoubleType()
+
+
+def _splat(builder, scalar, vec_type):
+    undef = ir.Constant(vec_type, ir.Undefined)
+    one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), vec_type.count), [0] * vec_type.count)
+    return builder.shuffle_vector(one, undef, zeros)
+
+
+def _fma(builder, a, b, c):
+    """llvm.fma on vectors (llvmlite's builder.fma takes scalars only)."""
+    vec = a.type
+    suffix = f"v{vec.count}f{32 if isinstance(vec.element, ir.FloatType) else 64}"
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.{suffix}"
+    )
+    return builder.call(fn, [a, b, c])
+
+
+def _align(vec):
+    """Alignment promised for vector loads and stores: one element (rows are not aligned)."""
+    return 4 if isinstance(vec.element, ir.FloatType) else 8
+
+
+def _vec_ptr(builder, base, offset, vec_type):
+    return builder.bitcast(builder.gep(base, [offset]), ir.PointerType(vec_type))
+
+
+def _accumulate(builder, kc, a, b, ldb, vec, mr, nv):
+    """The k loop: acc[r][v] += A_panel[p, r] * B[p, v-th vector], in registers after mem2reg."""
+    intp, lanes = kc.type, vec.count
+    accs = [
+        [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(nv)]
+        for _ in range(mr)
+    ]
+    with cgutils.for_range(builder, kc) as loop:
+        p = loop.index
+        b_row = builder.mul(p, ldb)
+        b_vecs = [
+            builder.load(
+                _vec_ptr(builder, b, builder.add(b_row, ir.Constant(intp, v * lanes)), vec),
+                align=_align(vec),
+            )
+            for v in range(nv)
+        ]
+        a_row = builder.mul(p, ir.Constant(intp, mr))
+        for r in range(mr):
+            a_val = builder.load(builder.gep(a, [builder.add(a_row, ir.Constant(intp, r))]))
+            a_vec = _splat(builder, a_val, vec)
+            for v in range(nv):
+                acc = builder.load(accs[r][v])
+                builder.store(_fma(builder, a_vec, b_vecs[v], acc), accs[r][v])
+    return [[builder.load(acc) for acc in row] for row in accs]
+
+
+def _store_tile(builder, sums, c, ldc, alpha, beta, vec):
+    """C = alpha * sums + beta * C, with C left unread when beta == 0 (it may hold NaN)."""
+    intp, lanes, align = ldc.type, vec.count, _align(vec)
+    alpha_vec, beta_vec = _splat(builder, alpha, vec), _splat(builder, beta, vec)
+    targets = [
+        [
+            _vec_ptr(
+                builder,
+                c,
+                builder.add(builder.mul(ir.Constant(intp, r), ldc), ir.Constant(intp, v * lanes)),
+                vec,
+            )
+            for v in range(len(row))
+        ]
+        for r, row in enumerate(sums)
+    ]
+    beta_zero = builder.fcmp_ordered("==", beta, ir.Constant(vec.element, 0.0))
+    with builder.if_else(beta_zero) as (overwrite, update):
+        with overwrite:
+            for row, row_targets in zip(sums, targets, strict=True):
+                for total, target in zip(row, row_targets, strict=True):
+                    builder.store(builder.fmul(total, alpha_vec), target, align=align)
+        with update:
+            for row, row_targets in zip(sums, targets, strict=True):
+                for total, target in zip(row, row_targets, strict=True):
+                    old = builder.load(target, align=align)
+                    new = _fma(builder, old, beta_vec, builder.fmul(total, alpha_vec))
+                    builder.store(new, target, align=align)
+
+
+def _emit_kernel(builder, args, scalar, lanes, mr, nv):
+    kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta = args
+    vec = ir.VectorType(scalar, lanes)
+    ptr = ir.PointerType(scalar)
+    a, b, c = (builder.inttoptr(addr, ptr) for addr in (a_addr, b_addr, c_addr))
+    sums = _accumulate(builder, kc, a, b, ldb, vec, mr, nv)
+    _store_tile(builder, sums, c, ldc, alpha, beta, vec)
+
+
+def _make_kernel(width: int):
+    @intrinsic
+    def micro_kernel(typingctx, kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta, like):
+        """C tile = alpha * A_panel @ B_rows + beta * C tile, for the `width`-bit tile shape;
+        addresses and strides in elements of `like`'s dtype (f32 or f64)."""
+        if not isinstance(like, types.Array) or like.dtype not in (types.float32, types.float64):
+            return None
+        dtype = like.dtype
+        name = "f32" if dtype == types.float32 else "f64"
+        lanes, mr, nv = TILES[width][name]
+        sig = types.void(kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+
+        def codegen(context, builder, signature, args):
+            scalars = [
+                context.cast(builder, value, fromty, dtype)
+                for value, fromty in zip(args[6:8], signature.args[6:8], strict=True)
+            ]
+            ints_cast = [
+                context.cast(builder, value, fromty, types.intp)
+                for value, fromty in zip(args[:6], signature.args[:6], strict=True)
+            ]
+            _emit_kernel(builder, ints_cast + scalars, _llvm_float(name), lanes, mr, nv)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return micro_kernel
+
+
+micro_kernel_512 = _make_kernel(512)
+micro_kernel_256 = _make_kernel(256)

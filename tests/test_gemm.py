@@ -1,0 +1,226 @@
+"""backplan's own GEMM against NumPy in float64: odd and empty shapes, every transpose
+combination, strided views, batches with broadcast, f32 and f64, both register widths."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backplan.codegen import gemm as own
+from backplan.codegen.gemm import isa
+
+WIDTHS = (512, 256)
+DIMS = st.sampled_from([0, 1, 2, 7, 8, 9, 16, 17, 31, 33, 64, 127, 130])
+
+
+def _op(x, trans):
+    return np.swapaxes(x, -1, -2) if trans else x
+
+
+def _operands(rng, dtype, m, n, k, ta, tb, batch=()):
+    a = rng.standard_normal(batch + ((k, m) if ta else (m, k))).astype(dtype)
+    b = rng.standard_normal(batch + ((n, k) if tb else (k, n))).astype(dtype)
+    return a, b
+
+
+def _check(result, a, b, ta, tb, dtype, alpha=1.0, beta=0.0, c0=None):
+    """Within the rounding of a blocked sum: k * eps relative to |op(A)| @ |op(B)|."""
+    a64, b64 = _op(a, ta).astype(np.float64), _op(b, tb).astype(np.float64)
+    expected = alpha * (a64 @ b64)
+    scale = abs(alpha) * (np.abs(a64) @ np.abs(b64))
+    if beta != 0:
+        expected = expected + beta * c0
+        scale = scale + abs(beta * c0)
+    k = a64.shape[-1]
+    bound = 4 * (k + 2) * np.finfo(dtype).eps * scale + np.finfo(dtype).tiny
+    assert result.shape == expected.shape
+    assert np.all(np.abs(result - expected) <= bound), np.max(np.abs(result - expected) - bound)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    m=DIMS,
+    n=DIMS,
+    k=DIMS,
+    ta=st.booleans(),
+    tb=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    width=st.sampled_from(WIDTHS),
+    scalars=st.sampled_from([(1.0, 0.0), (2.0, 0.5), (-1.0, 1.0), (0.0, 2.0)]),
+)
+def test_gemm_matches_numpy(m, n, k, ta, tb, dtype, width, scalars):
+    rng = np.random.default_rng(m * 10007 + n * 101 + k)
+    alpha, beta = scalars
+    a, b = _operands(rng, dtype, m, n, k, ta, tb)
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+    c = c0.copy() if beta != 0 else np.full((m, n), np.nan, dtype)  # beta 0: C is not read
+    own.gemm(width, ta, tb, alpha, a, b, beta, c)
+    _check(c, a, b, ta, tb, dtype, alpha, beta, c0.astype(np.float64))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_gemm_strided_views_and_multiple_k_blocks(width):
+    """Non-contiguous operands and output (no copies), and k longer than one k block."""
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, np.float64):
+        a = rng.standard_normal((90, 600)).astype(dtype)[::2, ::2]  # 45 x 300, strided
+        b = rng.standard_normal((300, 80)).astype(dtype).T  # op(B) = b.T, b is F-ordered
+        big = np.full((47, 83), 7.0, dtype)
+        c = big[1:46, 2:82]
+        own.gemm(width, False, True, 1.0, a, b, 0.0, c)
+        _check(c, a, b, False, True, dtype)
+        assert np.all(big[0] == 7) and np.all(big[:, :2] == 7) and np.all(big[:, 82:] == 7)
+        cf = np.asfortranarray(np.zeros((45, 80), dtype))
+        own.gemm(width, False, True, 1.0, a, b, 0.0, cf)
+        _check(cf, a, b, False, True, dtype)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_batched_gemm_with_broadcast_batch(width):
+    """Attention-like batches: b shared by every batch entry (batch size 1), or a shared."""
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, np.float64):
+        for ta, tb in ((False, False), (False, True), (True, False), (True, True)):
+            a, b = _operands(rng, dtype, 33, 17, 9, ta, tb, batch=(5,))
+            shared_b = b[:1].copy()
+            c = np.empty((5, 33, 17), dtype)
+            own.batched_gemm(width, ta, tb, a, shared_b, c)
+            _check(c, a, np.broadcast_to(shared_b, b.shape), ta, tb, dtype)
+            shared_a = a[:1].copy()
+            own.batched_gemm(width, ta, tb, shared_a, b, c)
+            _check(c, np.broadcast_to(shared_a, a.shape), b, ta, tb, dtype)
+        empty = np.empty((0, 33, 17), dtype)
+        own.batched_gemm(width, False, False, a[:0], b[:0], empty)
+
+
+def test_isa_choice_follows_environment(monkeypatch):
+    isa.active_isa.cache_clear()
+    try:
+        monkeypatch.setenv("BACKPLAN_GEMM_ISA", "avx2")
+        assert isa.active_isa() == "avx2" and isa.vector_width() == 256
+        isa.active_isa.cache_clear()
+        monkeypatch.setenv("BACKPLAN_GEMM_ISA", "sse")
+        with pytest.raises(isa.GemmIsaError, match="BACKPLAN_GEMM_ISA='sse'.*unset it"):
+            isa.active_isa()
+        isa.active_isa.cache_clear()
+        monkeypatch.delenv("BACKPLAN_GEMM_ISA")
+        assert isa.active_isa() == ("avx512" if isa._host_has_avx512() else "avx2")
+    finally:
+        isa.active_isa.cache_clear()
+
+
+@pytest.mark.parametrize("forced_isa", ["", "avx2"])
+def test_compiled_plans_with_own_gemm_equal_reference(monkeypatch, forced_isa):
+    """Plans whose matmuls (2-D, batched with broadcast, and the backward's transposed
+    products) call the own GEMM equal the reference interpreter, on both register widths."""
+    from op_samples import SAMPLES
+    from test_codegen import (
+        assert_trees_close,
+        batch_graph,
+        block_loss,
+        block_params,
+        mlp_loss,
+        mlp_params,
+        run_both,
+    )
+
+    import backplan as bp
+    from backplan.codegen.compiled import CompiledPlan
+    from backplan.ir.lowering import lower
+    from backplan.ir.pipeline import build_joint_plan
+
+    monkeypatch.setenv("BACKPLAN_GEMM", "own")
+    monkeypatch.setenv("BACKPLAN_GEMM_ISA", forced_isa)
+    isa.active_isa.cache_clear()
+    try:
+        samples = [s for s in SAMPLES if s.op == "matmul" and "f64" in s.dtypes]
+        graph, arrays, wrt = batch_graph(samples, "f64")
+        plan = build_joint_plan(graph, wrt)
+        compiled = CompiledPlan(lower(plan))
+        assert "own_gemm(" in compiled.source and "own_batched_gemm(" in compiled.source
+        assert f"own_gemm({isa.vector_width()}," in compiled.source
+        from backplan.ir.interpreter import run_plan
+
+        for got, expected in zip(compiled(list(arrays)), run_plan(plan, list(arrays)), strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+        rng = np.random.default_rng(3)
+        x = bp.tensor(rng.standard_normal((2, 4, 8)).astype(np.float32))
+        ref, got = run_both(lambda *a: bp.value_and_grad(block_loss)(*a), block_params(rng), x)
+        assert_trees_close(ref, got)
+        params = mlp_params(rng, [6, 16, 16, 4])
+        x = bp.tensor(rng.standard_normal((5, 6)).astype(np.float32))
+        labels = bp.tensor(rng.integers(0, 4, 5))
+        ref, got = run_both(lambda *a: bp.value_and_grad(mlp_loss)(*a), params, x, labels)
+        assert_trees_close(ref, got)
+    finally:
+        isa.active_isa.cache_clear()
+
+
+def test_choice_table_and_override(monkeypatch):
+    from backplan.codegen.gemm import choice
+
+    monkeypatch.setenv("BACKPLAN_GEMM", "blas")
+    assert not choice.use_own_gemm(128, 512, 784, False, "f32")
+    monkeypatch.setenv("BACKPLAN_GEMM", "fast")
+    with pytest.raises(choice.GemmChoiceError, match="BACKPLAN_GEMM='fast'.*unset it"):
+        choice.use_own_gemm(128, 512, 784, False, "f32")
+    monkeypatch.setenv("BACKPLAN_GEMM", "auto")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    wide = isa.vector_width() == 512
+    assert choice.use_own_gemm(128, 784, 512, True, "f32") == wide
+    assert not choice.use_own_gemm(128, 512, 784, False, "f64")  # measured mixed: BLAS
+    assert not choice.use_own_gemm(4, 4, 4, False, "i64")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    if choice.blas_threads() > 1:
+        assert not choice.use_own_gemm(128, 784, 512, True, "f32")
+
+
+def test_parallel_gemm_blocks_cover_c_exactly():
+    """Row blocks (m >= n) and column blocks (n > m), more blocks than rows, and batches."""
+    from backplan.codegen.gemm.parallel import batched_gemm_parallel, gemm_parallel
+
+    rng = np.random.default_rng(5)
+    for m, n, k in ((70, 9, 33), (9, 70, 33), (3, 2, 5), (0, 4, 4)):
+        for parts in (1, 2, 3, 16):
+            for ta, tb in ((False, False), (True, True), (False, True)):
+                a, b = _operands(rng, np.float32, m, n, k, ta, tb)
+                c = np.full((m, n), np.nan, np.float32)
+                gemm_parallel(parts, 512, ta, tb, 1.0, a, b, 0.0, c)
+                _check(c, a, b, ta, tb, np.float32)
+    a, b = _operands(rng, np.float64, 33, 17, 9, False, True, batch=(5,))
+    c = np.empty((5, 33, 17))
+    batched_gemm_parallel(256, False, True, a, b[:1], c)
+    _check(c, a, np.broadcast_to(b[:1], b.shape), False, True, np.float64)
+
+
+def test_own_gemm_plan_runs_as_plain_python(tmp_path):
+    """BACKPLAN_KERNELS_AS_PYTHON=1 with the own GEMM chosen: the NumPy twins stand in."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, backplan as bp\n"
+        "from backplan.runtime.backend import use_backend\n"
+        "w = bp.tensor(np.linspace(-1, 1, 12).reshape(3, 4))\n"
+        "x = bp.tensor(np.linspace(0, 1, 30).reshape(5, 2, 3))\n"
+        "with use_backend('numba'):\n"
+        "    v, g = bp.value_and_grad(lambda w, x: bp.sum(bp.tanh(x @ w) ** 2))(w, x)\n"
+        "print(float(v.item()), float(np.sum(g.numpy())))\n"
+    )
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(tmp_path),
+        "BACKPLAN_KERNELS_AS_PYTHON": "1",
+        "BACKPLAN_GEMM": "own",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    w = np.linspace(-1, 1, 12).reshape(3, 4)
+    x = np.linspace(0, 1, 30).reshape(5, 2, 3)
+    t = np.tanh(x @ w)
+    grad = np.einsum("bij,bik->jk", x, 2 * t * (1 - t**2))
+    value, grad_sum = map(float, done.stdout.split())
+    np.testing.assert_allclose([value, grad_sum], [np.sum(t**2), grad.sum()], rtol=1e-10)
