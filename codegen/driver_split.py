@@ -1,13 +1,13 @@
 """A plan's `run` driver as a chain of small compiled parts.
 
-Numba's LLVM function passes, its lowering and its type inference cost more than linearly in the
-length of one function: an unrolled 12-step LSTM's driver (about 900 statements) took minutes
-to compile as one function, most of it optimising that one function. Split into parts of at most
-`PART_STATEMENTS` statements, each its own compiled function, the cost grows with the plan's
-length. `run` (compiled too: a plain Python `run` made an LSTM step 47% slower) calls the parts
-in order; a part takes the names it reads that an earlier part (or
-`run`'s arguments) defined, and returns the names it defines that a later part reads. A driver
-short enough stays one function, exactly as before.
+Numba's lowering, type inference and LLVM passes cost more than linearly in the length of one
+function: an unrolled 12-step LSTM's driver (about 900 statements) took minutes to compile as one
+function. Split into parts of at most `PART_STATEMENTS` statements, each its own compiled
+function, the cost grows with the plan's length. A driver of at most `SPLIT_ABOVE` statements
+stays one function, exactly as before: below that, linking the kernels again into every part
+costs more than it saves. `run` (compiled too: a plain Python `run` made an LSTM step 47%
+slower) calls the parts in order; a part takes the names it reads that an earlier part (or
+`run`'s arguments) defined, and returns the names it defines that a later part reads.
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-PART_STATEMENTS = 48  # measured on the unrolled LSTM: 24, 48 and 96 cost alike per statement
+# Measured (2-core box, cold cache): mlp_deep's ~380-statement driver compiles faster as one
+# function (28 s) than in parts (41-45 s: each part, and `run`, links and optimises again the
+# kernels it calls); an unrolled 12-step LSTM's ~900 statements in 48-statement parts: 362 s ->
+# 89 s. Parts of 24, 48 or 96 statements cost alike per statement.
+SPLIT_ABOVE = 600  # statements
+PART_STATEMENTS = 48
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class _Part:
 def driver_source(params: list[str], body: list[str], decorator: str) -> DriverSource:
     """Source defining `run(params)` doing `body`: one function, or a chain of parts."""
     statements = _statements(body)
-    if len(statements) <= PART_STATEMENTS:
+    if len(statements) <= max(SPLIT_ABOVE, PART_STATEMENTS):
         return DriverSource(_function("run", params, body, decorator), len(statements), 0)
     parts = [
         _part(statements[i : i + PART_STATEMENTS])

@@ -30,15 +30,16 @@ def test_parts_pass_on_what_later_parts_read():
     ]
     whole = driver_split.driver_source(["x"], body, "")
     assert whole.parts == 0 and whole.statements == 8
-    original = driver_split.PART_STATEMENTS
+    original = driver_split.PART_STATEMENTS, driver_split.SPLIT_ABOVE
     try:
+        driver_split.SPLIT_ABOVE = 0
         for size in (1, 2, 3):
             driver_split.PART_STATEMENTS = size
             split = driver_split.driver_source(["x"], body, "")
             assert split.parts == -(-8 // size) and "run_part0" in split.source
             assert _run(split.source, 5) == _run(whole.source, 5) == (130, 12, 13)
     finally:
-        driver_split.PART_STATEMENTS = original
+        driver_split.PART_STATEMENTS, driver_split.SPLIT_ABOVE = original
 
 
 def rnn(u, xs):
@@ -50,6 +51,7 @@ def rnn(u, xs):
 
 def test_a_split_driver_matches_the_reference_and_reports_its_parts(monkeypatch, capfd):
     monkeypatch.setattr(driver_split, "PART_STATEMENTS", 5)
+    monkeypatch.setattr(driver_split, "SPLIT_ABOVE", 0)
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
     rng = np.random.default_rng(3)
     u = bp.tensor(rng.standard_normal((5, 5)).astype(np.float32))
