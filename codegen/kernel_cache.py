@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import types
 from dataclasses import dataclass
 
@@ -34,10 +35,15 @@ def kernel(digest: str):
 
 def load(kernels: list[KernelSource]) -> None:
     """Import every kernel not yet in this process (nothing is compiled here: Numba compiles,
-    or loads from its disk cache, on the first call with each argument type)."""
-    for source in kernels:
-        if source.digest not in _LOADED:
-            _LOADED[source.digest] = _import(source)
+    or loads from its disk cache, on the first call with each argument type). Two threads
+    making plans at once import a shared kernel once."""
+    with _loading:
+        for source in kernels:
+            if source.digest not in _LOADED:
+                _LOADED[source.digest] = _import(source)
+
+
+_loading = threading.Lock()
 
 
 def _import(source: KernelSource):
