@@ -54,21 +54,17 @@ def train_torch(epochs: int = 12, batch_size: int = 32, seed: int = 0) -> dict:
     x_train, y_train, x_test, y_test = cnn_digits.load_digits_split(seed=seed)
     model = torch_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=cnn_digits.LEARNING_RATE)
-    order_rng = np.random.default_rng(seed)
     losses, times = [], []
-    for _ in range(epochs):
-        order = order_rng.permutation(len(y_train))
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            batch = order[start : start + batch_size]
-            begin = time.perf_counter()
-            x, y = torch.from_numpy(x_train[batch]), torch.from_numpy(y_train[batch])
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cnn_digits.MAX_GRAD_NORM)
-            optimizer.step()
-            losses.append(loss.item())
-            times.append(time.perf_counter() - begin)
+    for batch in cnn_digits.shuffled_batches(len(y_train), batch_size, epochs, seed):
+        begin = time.perf_counter()
+        x, y = torch.from_numpy(x_train[batch]), torch.from_numpy(y_train[batch])
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cnn_digits.MAX_GRAD_NORM)
+        optimizer.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - begin)
     model.eval()
     with torch.no_grad():
         predicted = model(torch.from_numpy(x_test)).argmax(dim=1).numpy()

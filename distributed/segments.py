@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 
 from backplan.ir.graph import Graph, Value
 from backplan.ir.liveness import Plan, plan_liveness
-from backplan.ir.lowering import lower
-from backplan.runtime.backend import current_backend, make_runner
+from backplan.runtime.backend import runner_for
 
 
 @dataclass
@@ -27,11 +26,7 @@ class Segment:
     _runners: dict = field(default_factory=dict)
 
     def runner(self):
-        backend = current_backend()
-        found = self._runners.get(backend)
-        if found is None:
-            found = self._runners[backend] = make_runner(lower(self.plan), backend)
-        return found
+        return runner_for(self.plan, self._runners)
 
 
 def split_plan(plan: Plan, cuts: list[int]) -> list[Segment]:

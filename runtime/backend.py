@@ -6,12 +6,13 @@ kernel for one op, and compiling per op would cost more than it saves."""
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from contextlib import contextmanager
 
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import OWNED_ROLES, Plan
-from backplan.ir.lowering import LoweredPlan
+from backplan.ir.lowering import LoweredPlan, lower
 
 BACKENDS = ("numba", "reference")
 _override: list[str] = []
@@ -90,6 +91,22 @@ def make_runner(lowered: LoweredPlan, backend: str | None = None, donated: tuple
             f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3
         )
         return ReferenceRunner(plan, why=str(exc))
+
+
+def runner_for(plan: Plan, runners: dict):
+    """plan's runner for the backend current now (use_backend switches between calls), kept
+    in `runners` by backend; made once even when two threads ask at the same time."""
+    backend = current_backend()
+    found = runners.get(backend)
+    if found is None:
+        with _making_runner:
+            found = runners.get(backend)
+            if found is None:
+                found = runners[backend] = make_runner(lower(plan), backend)
+    return found
+
+
+_making_runner = threading.Lock()
 
 
 def memory_plan_facts(plan: Plan) -> dict:

@@ -11,10 +11,9 @@ import numpy as np
 
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
-from backplan.ir.lowering import lower
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import is_float
-from backplan.runtime.backend import current_backend, make_runner
+from backplan.runtime.backend import runner_for
 
 from .compile import trace_function
 from .errors import TracingError
@@ -41,11 +40,7 @@ class JointTrace:
 
     def runner(self):
         """The runner for the backend current now (use_backend switches between calls)."""
-        backend = current_backend()
-        runner = self._runners.get(backend)
-        if runner is None:
-            runner = self._runners[backend] = make_runner(lower(self.plan), backend)
-        return runner
+        return runner_for(self.plan, self._runners)
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:

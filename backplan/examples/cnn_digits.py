@@ -88,6 +88,15 @@ def accuracy(params, x, y) -> float:
     return float(np.mean(predict(params, bp.tensor(x)).numpy() == y))
 
 
+def shuffled_batches(n: int, batch_size: int, epochs: int, seed: int):
+    """Index arrays of full batches, reshuffled every epoch (the same order for every peer)."""
+    order_rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        order = order_rng.permutation(n)
+        for start in range(0, n - batch_size + 1, batch_size):
+            yield order[start : start + batch_size]
+
+
 def train(epochs: int = 12, batch_size: int = 32, max_steps: int | None = None, seed: int = 0):
     """Train and report: {'losses', 'test_accuracy', 'step_ms', 'steps'}."""
     x_train, y_train, x_test, y_test = load_digits_split(seed=seed)
@@ -95,20 +104,14 @@ def train(epochs: int = 12, batch_size: int = 32, max_steps: int | None = None, 
     key, init_key = bp.random.split(key)
     params = init_params(init_key)
     opt_state = OPTIMIZER.init(params)
-    order_rng = np.random.default_rng(seed)
     losses, times = [], []
-    for _ in range(epochs):
-        order = order_rng.permutation(len(y_train))
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            batch = order[start : start + batch_size]
-            begin = time.perf_counter()
-            params, opt_state, key, loss = train_step(
-                params, opt_state, bp.tensor(x_train[batch]), bp.tensor(y_train[batch]), key
-            )
-            losses.append(loss.item())
-            times.append(time.perf_counter() - begin)
-            if max_steps is not None and len(losses) >= max_steps:
-                break
+    for batch in shuffled_batches(len(y_train), batch_size, epochs, seed):
+        begin = time.perf_counter()
+        params, opt_state, key, loss = train_step(
+            params, opt_state, bp.tensor(x_train[batch]), bp.tensor(y_train[batch]), key
+        )
+        losses.append(loss.item())
+        times.append(time.perf_counter() - begin)
         if max_steps is not None and len(losses) >= max_steps:
             break
     steady = times[1:] or times
