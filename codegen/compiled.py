@@ -20,6 +20,7 @@ from backplan.ir.types import np_dtype
 from . import cache, kernel_cache, progress
 from .emit import generate
 from .flags import flags_text
+from .jit import start_parallel_runtime
 from .loops import internal_shape
 from .workspace import WorkspacePool, parallel_guard
 
@@ -47,6 +48,7 @@ class CompiledPlan:
         self.kernel_count = generated.kernel_count
         self.key_parts = cache.key_parts(canonical_text(plan), flags_text())
         self.loop_kernels = generated.loop_kernels
+        start_parallel_runtime()
         kernel_cache.load(self.loop_kernels)
         module, self.cache_hit, self.miss_reason = cache.load_module(self.source, self.key_parts)
         self._run = module.run

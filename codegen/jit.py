@@ -43,3 +43,18 @@ def njit(*args, **kwargs):
 
 
 prange = range if AS_PYTHON else numba.prange
+
+
+def start_parallel_runtime() -> None:
+    """Start Numba's parallel runtime before any cached plan is loaded.
+
+    A function compiled while the parallel kernel it calls was loaded from the disk cache is
+    cached without the hook that starts the parallel runtime on load (Numba keeps that hook only
+    for parfors compiled in the same process). A later process loading that function from disk
+    then calls into a runtime that was never started and crashes. Plans share kernels across
+    processes, so this happens in normal use: start the runtime ourselves (idempotent)."""
+    if AS_PYTHON:
+        return
+    from numba.np.ufunc.parallel import _launch_threads
+
+    _launch_threads()
