@@ -38,12 +38,17 @@ def chain_terms(kernel: Kernel, stored: set, contiguous: set) -> list[Value] | N
     return terms
 
 
-def chain_loops(out: str, terms: list[str]) -> list[list[str]]:
-    """The loops for out = sum(terms), all arrays flat names of n0 elements: one two-term add,
-    then one in-place add per further term."""
-    first = ["for i0 in range(n0):", f"    {out}[i0] = {terms[0]}[i0] + {terms[1]}[i0]"]
-    rest = [["for i0 in range(n0):", f"    {out}[i0] += {term}[i0]"] for term in terms[2:]]
-    return [first, *rest]
+def chain_loops(terms: int) -> list[tuple[list[str], list[int]]]:
+    """The loops for out = sum(terms), each with the arrays it takes: operand 0 is out, k is
+    term k - 1; arrays are flat views of n0 elements at base b<j>, offset o<j>. One two-term
+    add, then one in-place add per further term."""
+
+    def views(count: int) -> list[str]:
+        return [f"w{j} = b{j}[o{j}:o{j} + n0]" for j in range(count)]
+
+    first = [*views(3), "for i0 in range(n0):", "    w0[i0] = w1[i0] + w2[i0]"]
+    rest = [*views(2), "for i0 in range(n0):", "    w0[i0] += w1[i0]"]
+    return [(first, [0, 1, 2])] + [(rest, [0, term]) for term in range(3, terms + 1)]
 
 
 def size_of(value: Value) -> int:

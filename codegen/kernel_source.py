@@ -1,11 +1,14 @@
 """One fused loop as a kernel function of its own, in a canonical form, so that every plan with
 the same loop body (any value names, any sizes) shares one compiled kernel.
 
-The loop lines name arrays after IR values (v12, v12_k), locals t12, accumulators acc_v12,
-partial rows part_v12 and sizes n0 or s1_n0. Here every such name is renumbered by first
-appearance, array and size names become the kernel's parameters in that order, and the source
-is keyed by its hash. Dtype and layout are left to Numba's dispatch: one compiled version per
-argument types, all behind the same cached dispatcher.
+The loop lines take each array as a base (b3: a 1-D array) and an offset (o3), make their own
+views (w3) from them with sizes (n0, s1_n0) and strides in bytes (d3_1), and name locals t12,
+accumulators acc_v12 and partial rows part_v12. Here every such name is renumbered by first
+appearance, bases, offsets, sizes and strides become the kernel's parameters in that order,
+and the source is keyed by its hash. Each array is its own parameter even where two share a
+base (every scratch buffer lives in one arena), so where a plan keeps its buffers never changes
+the source. Dtype is left to Numba's dispatch: one compiled version per argument types, all
+behind the same cached dispatcher.
 """
 
 from __future__ import annotations
@@ -25,12 +28,23 @@ from backplan.codegen.flags import JIT_OPTIONS
 from backplan.codegen.scalar_functions import *  # noqa: F403
 '''
 
-# (pattern, canonical prefix): arrays and sizes are parameters; the rest are locals.
+# (pattern, canonical prefix): bases, offsets, strides and sizes are parameters; the rest locals.
 _NAMES = re.compile(
-    r"\b(?:(?P<acc>acc_v\d+)|(?P<part>part_v\d+)|(?P<array>v\d+(?:_k\d*|_flat)?)"
-    r"|(?P<local>t\d+)|(?P<size>(?:s\d+_)?n\d+))\b"
+    r"\b(?:(?P<acc>acc_v\d+)|(?P<part>part_v\d+)|(?P<local>t\d+)"
+    r"|(?:s\d+_)?(?:(?P<array>b\d+)|(?P<offset>o\d+)|(?P<stride>d\d+_\d+)|(?P<view>w\d+)"
+    r"|(?P<size>n\d+)))\b"
 )
-_PREFIX = {"acc": "acc", "part": "part", "array": "a", "local": "t", "size": "n"}
+_PREFIX = {
+    "acc": "acc",
+    "part": "part",
+    "local": "t",
+    "array": "a",
+    "offset": "o",
+    "stride": "d",
+    "view": "w",
+    "size": "n",
+}
+_PARAMETERS = ("array", "offset", "stride", "size")
 
 
 @dataclass(frozen=True)
@@ -48,9 +62,10 @@ class KernelSource:
         return f"k_{self.digest[:20]}"
 
 
-def canonical_kernel(lines: list[str], sizes: dict[str, int], parallel: bool, salt: str):
-    """lines: the loop's source (sizes as names from `sizes`). salt: everything else the
-    compiled code depends on (code generator fingerprint, flags)."""
+def canonical_kernel(lines: list[str], scalars: dict, bases: dict, parallel: bool, salt: str):
+    """lines: the loop's source; scalars: value of each offset, size and stride name it uses;
+    bases: the plan's array for each base name. salt: everything else the compiled code
+    depends on (code generator fingerprint, flags)."""
     renamed, params, arguments = {}, [], []
     counters = dict.fromkeys(_PREFIX, 0)
 
@@ -60,9 +75,9 @@ def canonical_kernel(lines: list[str], sizes: dict[str, int], parallel: bool, sa
             kind = match.lastgroup
             renamed[word] = f"{_PREFIX[kind]}{counters[kind]}"
             counters[kind] += 1
-            if kind in ("array", "size"):
+            if kind in _PARAMETERS:
                 params.append(renamed[word])
-                arguments.append(f"np.intp({sizes[word]})" if kind == "size" else word)
+                arguments.append(bases[word] if kind == "array" else f"np.intp({scalars[word]})")
         return renamed[word]
 
     body = [_NAMES.sub(rename, line) for line in lines]

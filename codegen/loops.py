@@ -7,8 +7,10 @@ import math
 from dataclasses import dataclass, field
 
 from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
+from backplan.ir.types import np_dtype
 
 from .flags import parallel_pays
+from .placement import Placement
 from .scalar import NP_TYPE, expression, literal
 
 CHUNKS = 16  # reductions across the parallel loop: one partial row per chunk
@@ -19,20 +21,27 @@ class Access:
     name: str
     dims: list[int | None]  # per dimension of the array: loop dimension or None
     shape: tuple[int, ...]
-    strided: bool = False  # a view (transpose, slice): indexed in full, never reshaped
+    where: Placement  # the base array, offset and strides the kernel makes its view from
+    itemsize: int
+
+    @property
+    def strided(self) -> bool:
+        """Not C-contiguous (transpose, slice): indexed in full through strides, never merged."""
+        return not self.where.contiguous
 
 
 @dataclass
 class LoopEmitter:
-    """Builds the source of one loop kernel. `read(value)` gives the expression for a value
-    outside the loop: an array name (materialised) or a literal."""
+    """Builds the source of one loop kernel. Every array it reads or writes is a view the
+    kernel makes itself from a base array, an offset and sizes (and strides) it takes as
+    arguments: the plan's driver only passes them (codegen/placement.py)."""
 
     kernel: Kernel
     local: set  # values computed by this kernel
     stored: set  # values of this kernel that must be written to their buffers
     array_name: dict  # value -> variable name ("v3"); locals of the loop use "t3"
     literal_of: callable  # value -> literal source, or None when not a literal
-    contiguous: set = field(default_factory=set)  # arrays that can be reshaped freely
+    place: callable = None  # value -> Placement of its array
     accesses: dict = field(default_factory=dict)
     rows: bool = False  # a stage of a row kernel: the caller loops over axis 0 (as i0)
     size_prefix: str | None = None  # loop sizes become arguments named <prefix><level>
@@ -51,7 +60,7 @@ class LoopEmitter:
         return {self.size(g): n for g, n in enumerate(self.sizes) if n != 1}
 
     def emit(self) -> tuple[list[str], list[str], bool]:
-        """(setup lines, loop lines, parallel?). Setup creates reshaped views."""
+        """(view lines, loop lines, parallel?): both are the kernel's, view lines first."""
         shape = self.loop_shape = internal_shape(self.kernel.shape)
         self.active = [d for d, size in enumerate(shape) if size != 1 or (self.rows and d == 0)]
         self._collect_accesses(shape)
@@ -70,14 +79,12 @@ class LoopEmitter:
                 base, dims = index_map(inp, shape)
                 if base in self.local or self.literal_of(base) is not None:
                     continue
-                strided = base not in self.contiguous
                 key = (base, tuple(dims))  # one array may be read through several index maps
-                self.accesses.setdefault(
-                    key, Access(self.array_name[base], dims, internal_shape(base.shape), strided)
-                )
+                if key not in self.accesses:
+                    self.accesses[key] = self._access(base, dims)
         for node in self.kernel.nodes:
             if node in self.stored:
-                self.accesses[node] = Access(self.array_name[node], list(range(len(shape))), shape)
+                self.accesses[node] = self._access(node, list(range(len(shape))))
         self.reduced_dims = {}
         for red in self.kernel.reductions:
             axes = set(red.attrs["axes"])
@@ -86,10 +93,13 @@ class LoopEmitter:
                 dims = [d if d not in axes else None for d in range(len(shape))]
             else:
                 dims = kept
-            self.accesses[red] = Access(
-                self.array_name[red], dims or [None], internal_shape(red.shape)
-            )
+            self.accesses[red] = self._access(red, dims or [None])
             self.reduced_dims[red] = axes
+
+    def _access(self, value, dims) -> Access:
+        shape = internal_shape(value.shape)
+        itemsize = np_dtype(value.dtype).itemsize
+        return Access(self.array_name[value], dims, shape, self.place(value), itemsize)
 
     def _collapse(self, shape) -> list[list[int]]:
         def signature(d):
@@ -110,27 +120,49 @@ class LoopEmitter:
         return groups or [[0]]
 
     def _views(self) -> list[str]:
-        lines = []
+        """One view per access, made inside the kernel from base `b<j>` at offset `o<j>`
+        (strides `d<j>_<axis>` in bytes when strided); their values are in `self.scalars`."""
+        lines, self.scalars, self.bases = [], {}, {}
         self.view_name, self.view_groups = {}, {}
-        taken: dict[str, int] = {}
-        for value, access in self.accesses.items():
+        prefix = self.size_prefix[:-1] if self.size_prefix else ""
+        for j, (key, access) in enumerate(self.accesses.items()):
+            base, offset, view = f"{prefix}b{j}", f"{prefix}o{j}", f"{prefix}w{j}"
+            self.bases[base] = access.where.base
+            self.scalars[offset] = access.where.offset
+            self.view_name[key] = view
             if access.strided:
-                self.view_name[value] = access.name
-                self.view_groups[value] = [self._group_of(d) for d in access.dims]
+                groups = [self._group_of(d) for d in access.dims]
+                lines.append(f"{view} = {self._strided_view(access, groups, prefix, j)}")
+                self.view_groups[key] = groups
                 continue
             present = [
                 g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)
             ]
-            view_shape = tuple(self.sizes[g] for g in present) or (1,)
-            name = access.name
-            if view_shape != access.shape:
-                taken[access.name] = taken.get(access.name, 0) + 1
-                suffix = "" if taken[access.name] == 1 else str(taken[access.name])
-                name = f"{access.name}_k{suffix}"
-                lines.append(f"{name} = {access.name}.reshape({view_shape!r})")
-            self.view_name[value] = name
-            self.view_groups[value] = present
+            sizes = [self.size(g) for g in present] or ["1"]
+            flat = f"{base}[{offset}:{offset} + {' * '.join(sizes)}]"
+            lines.append(
+                f"{view} = {flat}.reshape(({', '.join(sizes)},))"
+                if len(sizes) > 1
+                else f"{view} = {flat}"
+            )
+            self.view_groups[key] = present
         return lines
+
+    def _strided_view(self, access, groups, prefix: str, j: int) -> str:
+        shape, strides = [], []
+        for axis, group in enumerate(groups):
+            if group is None:  # indexed at 0 only
+                shape.append("1")
+                strides.append("0")
+                continue
+            name = f"{prefix}d{j}_{axis}"
+            self.scalars[name] = access.where.strides[axis] * access.itemsize
+            shape.append(self.size(group))
+            strides.append(name)
+        return (
+            f"np.lib.stride_tricks.as_strided({prefix}b{j}[{prefix}o{j}:], "
+            f"({', '.join(shape)},), ({', '.join(strides)},))"
+        )
 
     def _crossing(self) -> list:
         """Reductions over the outermost loop: threads splitting that loop would race."""

@@ -9,6 +9,7 @@ from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
 from backplan.ir.index_check import index_message, label_message
 
+from .copy_kernels import copy_kernel, fill_kernel, part_placement, slice_placement
 from .gemm import vector_width
 from .gemm.choice import use_own_gemm
 from .loops import internal_shape
@@ -23,10 +24,12 @@ class Unsupported(Exception):
 
 
 class OpEmitter:
-    def __init__(self, names: dict, literal_of, contiguous: set):
+    def __init__(self, names: dict, literal_of, contiguous: set, place=None, kernel_call=None):
         self.names = names
         self.literal_of = literal_of
         self.contiguous = contiguous  # values whose variable is a C-contiguous array
+        self.place = place  # value -> Placement (codegen/placement.py)
+        self.kernel_call = kernel_call  # (lines, scalars, bases) -> call of a shared kernel
 
     # ---- operands -----------------------------------------------------------------------------
 
@@ -116,14 +119,39 @@ class OpEmitter:
         return self.array(value), False
 
     def op_matmul(self, node: Value, out: str) -> list[str]:
-        (a, ta), (b, tb) = self._operand_2d(node.inputs[0]), self._operand_2d(node.inputs[1])
         m, n = node.shape[-2:]
-        own = use_own_gemm(m, n, node.inputs[0].shape[-1], tb, node.dtype)
+        k, tb = node.inputs[0].shape[-1], self.absorbs(node.inputs[1])
+        own = use_own_gemm(m, n, k, tb, node.dtype)
+        placed = self._placed_matmul(node, own) if len(node.shape) == 2 else None
+        if placed is not None:
+            return placed
+        (a, ta), (b, tb) = self._operand_2d(node.inputs[0]), self._operand_2d(node.inputs[1])
         if len(node.shape) == 2:
             if own:
                 return [f"own_gemm({vector_width()}, {ta}, {tb}, 1.0, {a}, {b}, 0.0, {out})"]
             return [f"gemm_{node.dtype}({ta}, {tb}, {a}, {b}, {out}, 0.0)"]
         return self._batched_matmul(node, out, (a, ta), (b, tb), own)
+
+    def _placed_matmul(self, node, own: bool) -> list[str] | None:
+        """A 2-D matmul whose operands are C-contiguous where they live: one library call
+        taking bases and offsets; None when an operand is not (a copy is made then)."""
+        operands = []
+        for value in node.inputs:
+            trans = self.absorbs(value)
+            source = value.inputs[0] if trans else value
+            if self.place is None or self.literal_of(alias_base(source)) is not None:
+                return None
+            where = self.place(source, flat=False)
+            if not where.contiguous:
+                return None
+            operands.append((trans, where))
+        out = self.place(node, flat=False)
+        (ta, a), (tb, b) = operands
+        m, n = node.shape
+        sizes = f"np.intp({m}), np.intp({n}), np.intp({node.inputs[0].shape[-1]})"
+        places = ", ".join(f"{w.base}, np.intp({w.offset})" for w in (a, b, out))
+        call = f"own_gemm_at({vector_width()}, " if own else f"gemm_at_{node.dtype}("
+        return [f"{call}{ta}, {tb}, {sizes}, {places})"]
 
     def _batched_matmul(self, node, out, a_op, b_op, own: bool) -> list[str]:
         lines, operands = [], []
@@ -183,6 +211,12 @@ class OpEmitter:
         ]
 
     def op_pad_slice(self, node, out) -> list[str]:
+        source = node.inputs[0]
+        if self.kernel_call is not None and node.shape and self._placeable(source):
+            where = self.place(node)
+            target = slice_placement(node, where, internal_shape(source.shape))
+            fill = self.kernel_call(*fill_kernel(where))
+            return [fill, self.kernel_call(*copy_kernel(target, self.place(source), node.dtype))]
         slices = ", ".join(
             f"{a}:{'' if b < 0 else b}:{c}"
             for a, b, c in zip(
@@ -194,12 +228,22 @@ class OpEmitter:
     def op_concatenate(self, node, out) -> list[str]:
         """Each part copied into its slice of the output: no temporary."""
         axis, lines, offset = node.attrs["axis"], [], 0
+        if self.kernel_call is not None and all(self._placeable(v) for v in node.inputs):
+            where = self.place(node)
+            for value in node.inputs:
+                target = part_placement(where, axis, offset, internal_shape(value.shape))
+                lines.append(self.kernel_call(*copy_kernel(target, self.place(value), node.dtype)))
+                offset += value.shape[axis]
+            return lines
         for value in node.inputs:
             size = value.shape[axis]
             index = ", ".join([":"] * axis + [f"{offset}:{offset + size}"])
             lines.append(f"{out}[{index}] = {self.array(value, contiguous=False)}")
             offset += size
         return lines
+
+    def _placeable(self, value: Value) -> bool:
+        return self.place is not None and self.literal_of(alias_base(value)) is None
 
     def _rows(self, fn: str, rows: int, cols: int) -> str:
         return f"{fn}_par" if rows * cols >= (1 << 15) and rows > 1 else fn

@@ -1,0 +1,58 @@
+"""Shared kernels for the array statements a driver used to hold: filling a buffer with zeros
+and copying one array into a strided part of another (the gradient of a slice, the parts of a
+concatenation). A setitem into a slice costs about 0.2 s of compile time in every driver that
+has one; as kernels they compile once per rank, for every plan.
+
+Each function gives (loop lines, scalars, bases) in the form canonical_kernel takes
+(codegen/kernel_source.py): arrays as base b<j> and offset o<j>, strides d<j>_<axis> in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from backplan.ir.graph import Value
+from backplan.ir.types import np_dtype
+
+from .placement import Placement, slice_of
+
+
+def fill_kernel(where: Placement) -> tuple[list[str], dict, dict]:
+    """Zeros into a C-contiguous array."""
+    count = 1
+    for size in where.shape:
+        count *= size
+    lines = ["w0 = b0[o0:o0 + n0]", "for i0 in range(n0):", "    w0[i0] = 0"]
+    return lines, {"n0": count, "o0": where.offset}, {"b0": where.base}
+
+
+def copy_kernel(target: Placement, source: Placement, dtype: str) -> tuple[list[str], dict, dict]:
+    """target[...] = source[...], both of the same shape, any strides."""
+    itemsize = np_dtype(dtype).itemsize
+    rank = len(source.shape)
+    sizes = ", ".join(f"n{axis}" for axis in range(rank))
+    scalars = {f"n{axis}": size for axis, size in enumerate(source.shape)}
+    lines, bases = [], {}
+    for j, where in enumerate((target, source)):
+        strides = ", ".join(f"d{j}_{axis}" for axis in range(rank))
+        lines.append(
+            f"w{j} = np.lib.stride_tricks.as_strided(b{j}[o{j}:], ({sizes},), ({strides},))"
+        )
+        bases[f"b{j}"] = where.base
+        scalars[f"o{j}"] = where.offset
+        scalars.update({f"d{j}_{a}": s * itemsize for a, s in enumerate(where.strides)})
+    index = ", ".join(f"i{axis}" for axis in range(rank))
+    lines += [f"{'    ' * axis}for i{axis} in range(n{axis}):" for axis in range(rank)]
+    lines.append(f"{'    ' * rank}w0[{index}] = w1[{index}]")
+    return lines, scalars, bases
+
+
+def slice_placement(node: Value, where: Placement, shape) -> Placement:
+    """Where the slice a pad_slice node writes lies inside its output."""
+    return slice_of(node, where, shape)
+
+
+def part_placement(where: Placement, axis: int, start: int, shape) -> Placement:
+    """Where a concatenation's part starting at `start` along `axis` lies in its output."""
+    offset = where.offset + start * where.strides[axis]
+    return replace(where, offset=offset, shape=tuple(shape))
