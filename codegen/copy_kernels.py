@@ -26,14 +26,18 @@ def fill_kernel(where: Placement) -> tuple[list[str], dict, dict]:
     return lines, {"n0": count, "o0": where.offset}, {"b0": where.base}
 
 
-def copy_kernel(target: Placement, source: Placement, dtype: str) -> tuple[list[str], dict, dict]:
-    """target[...] = source[...], both of the same shape, any strides."""
+def copy_kernel(
+    target: Placement, source: Placement | str, dtype: str
+) -> tuple[list[str], dict, dict]:
+    """target[...] = source[...], both of the same shape, any strides; source may be a literal
+    (its source text), written to every element."""
     itemsize = np_dtype(dtype).itemsize
-    rank = len(source.shape)
+    rank = len(target.shape)
     sizes = ", ".join(f"n{axis}" for axis in range(rank))
-    scalars = {f"n{axis}": size for axis, size in enumerate(source.shape)}
+    scalars = {f"n{axis}": size for axis, size in enumerate(target.shape)}
     lines, bases = [], {}
-    for j, where in enumerate((target, source)):
+    arrays = (target,) if isinstance(source, str) else (target, source)
+    for j, where in enumerate(arrays):
         strides = ", ".join(f"d{j}_{axis}" for axis in range(rank))
         lines.append(
             f"w{j} = np.lib.stride_tricks.as_strided(b{j}[o{j}:], ({sizes},), ({strides},))"
@@ -43,7 +47,8 @@ def copy_kernel(target: Placement, source: Placement, dtype: str) -> tuple[list[
         scalars.update({f"d{j}_{a}": s * itemsize for a, s in enumerate(where.strides)})
     index = ", ".join(f"i{axis}" for axis in range(rank))
     lines += [f"{'    ' * axis}for i{axis} in range(n{axis}):" for axis in range(rank)]
-    lines.append(f"{'    ' * rank}w0[{index}] = w1[{index}]")
+    value = source if isinstance(source, str) else f"w1[{index}]"
+    lines.append(f"{'    ' * rank}w0[{index}] = {value}")
     return lines, scalars, bases
 
 

@@ -211,12 +211,13 @@ class OpEmitter:
         ]
 
     def op_pad_slice(self, node, out) -> list[str]:
-        source = node.inputs[0]
-        if self.kernel_call is not None and node.shape and self._placeable(source):
+        value = node.inputs[0]
+        if self.kernel_call is not None and node.shape:
             where = self.place(node)
-            target = slice_placement(node, where, internal_shape(source.shape))
+            target = slice_placement(node, where, internal_shape(value.shape))
+            source = self.literal_of(alias_base(value)) or self.place(value)
             fill = self.kernel_call(*fill_kernel(where))
-            return [fill, self.kernel_call(*copy_kernel(target, self.place(source), node.dtype))]
+            return [fill, self.kernel_call(*copy_kernel(target, source, node.dtype))]
         slices = ", ".join(
             f"{a}:{'' if b < 0 else b}:{c}"
             for a, b, c in zip(
@@ -228,11 +229,12 @@ class OpEmitter:
     def op_concatenate(self, node, out) -> list[str]:
         """Each part copied into its slice of the output: no temporary."""
         axis, lines, offset = node.attrs["axis"], [], 0
-        if self.kernel_call is not None and all(self._placeable(v) for v in node.inputs):
+        if self.kernel_call is not None:
             where = self.place(node)
             for value in node.inputs:
                 target = part_placement(where, axis, offset, internal_shape(value.shape))
-                lines.append(self.kernel_call(*copy_kernel(target, self.place(value), node.dtype)))
+                source = self.literal_of(alias_base(value)) or self.place(value)
+                lines.append(self.kernel_call(*copy_kernel(target, source, node.dtype)))
                 offset += value.shape[axis]
             return lines
         for value in node.inputs:
@@ -241,9 +243,6 @@ class OpEmitter:
             lines.append(f"{out}[{index}] = {self.array(value, contiguous=False)}")
             offset += size
         return lines
-
-    def _placeable(self, value: Value) -> bool:
-        return self.place is not None and self.literal_of(alias_base(value)) is None
 
     def _rows(self, fn: str, rows: int, cols: int) -> str:
         return f"{fn}_par" if rows * cols >= (1 << 15) and rows > 1 else fn

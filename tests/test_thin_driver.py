@@ -1,0 +1,75 @@
+"""A plan's driver is a thin list of calls: loop kernels take base arrays and integer offsets
+and make their own views (codegen/placement.py), so the driver slices, reshapes and assigns
+into nothing; the gradient of a slice (zero fill, copy into a part) and a concatenation are
+calls of shared kernels. The results still match the reference interpreter, and kernels are
+still shared across sizes."""
+
+import re
+
+import numpy as np
+
+import backplan as bp
+from backplan.codegen.emit import generate
+from backplan.ir.lowering import lower
+from backplan.runtime.backend import use_backend
+
+# A driver statement: a call whose arguments are names, bools or np.intp(integer); a whole
+# array seen as 1-D; or the return.
+ARGUMENT = r"(?:\w+|np\.intp\(-?\d+\)|-?\d+(?:\.\d+)?)"
+CALL = re.compile(rf"(?:bad = )?\w+\(({ARGUMENT}(?:, {ARGUMENT})*)?\)")
+FLATTEN = re.compile(r"v\d+_1d = v\d+\.reshape\(-1\)")
+
+
+def gated(w, xs):
+    """An LSTM-like cell: slices of one product (their gradient pads each slice back), a
+    concatenation, a reduction over a transposed view."""
+    h = bp.zeros((xs.shape[1], w.shape[1] // 4), dtype="float32")
+    for t in range(xs.shape[0]):
+        z = bp.concatenate([xs[t], h], axis=1) @ w
+        size = h.shape[1]
+        i, f, g = z[:, :size], z[:, size : 2 * size], z[:, 2 * size : 3 * size]
+        h = bp.sigmoid(i) * bp.tanh(g) + bp.sigmoid(f) * h + z[:, 3 * size :]
+    return bp.sum(h * h) + bp.sum(bp.transpose(h)[0])
+
+
+def inputs(rng, steps, batch, n_in, hidden):
+    w = rng.standard_normal((n_in + hidden, 4 * hidden)).astype(np.float32) * 0.5
+    xs = rng.standard_normal((steps, batch, n_in)).astype(np.float32)
+    return bp.tensor(w), bp.tensor(xs)
+
+
+def driver_statements(source: str) -> list[str]:
+    body = source.split("def run", 1)[1].splitlines()[1:]
+    return [line.strip() for line in body if line.strip() and not line.strip().startswith("#")]
+
+
+def test_the_driver_of_a_plan_with_slice_gradients_is_only_calls():
+    w, xs = inputs(np.random.default_rng(0), 3, 5, 3, 4)
+    plan = bp.value_and_grad(gated).trace(w, xs).plan
+    source = generate(lower(plan, ())).source
+    assert "pad_slice" in source and "concatenate" in source  # the ops this test is about
+    for statement in driver_statements(source):
+        if statement.startswith("return "):
+            continue
+        assert CALL.fullmatch(statement) or FLATTEN.fullmatch(statement), statement
+
+
+def test_thin_driver_results_match_the_reference_and_share_kernels_across_sizes():
+    from backplan.codegen import kernel_cache
+
+    rng = np.random.default_rng(1)
+    results = {}
+    for shape in ((3, 5, 3, 4), (3, 7, 2, 6)):
+        w, xs = inputs(rng, *shape)
+        with use_backend("numba"):
+            vg = bp.value_and_grad(gated)
+            value, grad = vg(w, xs)
+            compiled = vg.trace(w, xs).runner().compiled
+        with use_backend("reference"):
+            expected_value, expected_grad = bp.value_and_grad(gated)(w, xs)
+        np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-4, atol=1e-5)
+        results[shape] = {k.digest for k in compiled.loop_kernels}
+    small, large = results.values()
+    assert small == large  # other sizes, other offsets: the same kernels
+    assert kernel_cache.counts().loaded >= len(small)
