@@ -44,7 +44,7 @@ def chain_loops(terms: int) -> list[tuple[list[str], list[int]]]:
     add, then one in-place add per further term."""
 
     def views(count: int) -> list[str]:
-        return [f"w{j} = b{j}[o{j}:o{j} + n0]" for j in range(count)]
+        return [f"w{j} = contiguous_view(b{j}, o{j}, (n0,))" for j in range(count)]
 
     first = [*views(3), "for i0 in range(n0):", "    w0[i0] = w1[i0] + w2[i0]"]
     rest = [*views(2), "for i0 in range(n0):", "    w0[i0] += w1[i0]"]

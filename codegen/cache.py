@@ -91,6 +91,7 @@ KERNEL_DEPENDENCIES = (
     "kernel_source.py",
     "mathlib.py",
     "scalar_functions.py",
+    "views.py",
 )
 
 

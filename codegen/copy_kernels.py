@@ -22,7 +22,7 @@ def fill_kernel(where: Placement) -> tuple[list[str], dict, dict]:
     count = 1
     for size in where.shape:
         count *= size
-    lines = ["w0 = b0[o0:o0 + n0]", "for i0 in range(n0):", "    w0[i0] = 0"]
+    lines = ["w0 = contiguous_view(b0, o0, (n0,))", "for i0 in range(n0):", "    w0[i0] = 0"]
     return lines, {"n0": count, "o0": where.offset}, {"b0": where.base}
 
 
@@ -39,9 +39,7 @@ def copy_kernel(
     arrays = (target,) if isinstance(source, str) else (target, source)
     for j, where in enumerate(arrays):
         strides = ", ".join(f"d{j}_{axis}" for axis in range(rank))
-        lines.append(
-            f"w{j} = np.lib.stride_tricks.as_strided(b{j}[o{j}:], ({sizes},), ({strides},))"
-        )
+        lines.append(f"w{j} = strided_view(b{j}, o{j}, ({sizes},), ({strides},))")
         bases[f"b{j}"] = where.base
         scalars[f"o{j}"] = where.offset
         scalars.update({f"d{j}_{a}": s * itemsize for a, s in enumerate(where.strides)})

@@ -26,6 +26,7 @@ from backplan.codegen.jit import njit, prange
 
 from backplan.codegen.flags import JIT_OPTIONS
 from backplan.codegen.scalar_functions import *  # noqa: F403
+from backplan.codegen.views import contiguous_view, strided_view
 '''
 
 # (pattern, canonical prefix): bases, offsets, strides and sizes are parameters; the rest locals.

@@ -51,6 +51,8 @@ class LoopEmitter:
         compiled kernel serves every size; a size of 1 stays a literal (it removes a loop)."""
         if self.size_prefix is None or self.sizes[level] == 1:
             return str(self.sizes[level])
+        if self.rows and level == 0:
+            return "n0"  # the rows: the size of the caller's loop
         return f"{self.size_prefix}{level}"
 
     def size_arguments(self) -> dict[str, int]:
@@ -139,12 +141,7 @@ class LoopEmitter:
                 g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)
             ]
             sizes = [self.size(g) for g in present] or ["1"]
-            flat = f"{base}[{offset}:{offset} + {' * '.join(sizes)}]"
-            lines.append(
-                f"{view} = {flat}.reshape(({', '.join(sizes)},))"
-                if len(sizes) > 1
-                else f"{view} = {flat}"
-            )
+            lines.append(f"{view} = contiguous_view({base}, {offset}, ({', '.join(sizes)},))")
             self.view_groups[key] = present
         return lines
 
@@ -160,7 +157,7 @@ class LoopEmitter:
             shape.append(self.size(group))
             strides.append(name)
         return (
-            f"np.lib.stride_tricks.as_strided({prefix}b{j}[{prefix}o{j}:], "
+            f"strided_view({prefix}b{j}, {prefix}o{j}, "
             f"({', '.join(shape)},), ({', '.join(strides)},))"
         )
 
