@@ -15,6 +15,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.core.imputils import impl_ret_borrowed
+from numba.core.ir_utils import _add_alias, alias_func_extensions
 from numba.np.arrayobj import make_array, populate_array
 
 from .jit import AS_PYTHON
@@ -95,6 +96,16 @@ def strided_view(typingctx, base, offset, shape, strides):
         return _build(context, builder, base_type, result_type, args[0], start, sizes, steps)
 
     return result_type(base, offset, shape, strides), codegen
+
+
+def _aliases_its_base(lhs, args, alias_map, arg_aliases):
+    """Tell Numba's alias analysis that a view aliases its base: without this, parfor passes
+    take a view for a fresh array and drop stores into it as dead (wrong results)."""
+    _add_alias(lhs, args[0].name, alias_map, arg_aliases)
+
+
+for _view in (contiguous_view, strided_view):
+    alias_func_extensions[(_view.__name__, __name__)] = _aliases_its_base
 
 
 if AS_PYTHON:
