@@ -20,9 +20,11 @@ def add_chain(kernel: Kernel) -> list[Value]:
     return chain
 
 
-def chain_terms(kernel: Kernel, stored: set, contiguous: set) -> list[Value] | None:
-    """The terms of a loop that is a chain of adds of same-shaped contiguous arrays, each add
-    reading the one before, storing only the last sum; None for any other loop."""
+def chain_terms(kernel: Kernel, stored: set, flat) -> list[Value] | None:
+    """The terms of a loop that is a chain of adds, each add reading the one before, storing
+    only the last sum, every term an array for which flat(term) holds (C-contiguous, of the
+    sum's dtype and element count: so of its shape up to axes of size 1, a reshape of a
+    buffer included); None for any other loop."""
     chain = add_chain(kernel)
     if not chain or stored != {chain[-1]}:
         return None
@@ -33,7 +35,7 @@ def chain_terms(kernel: Kernel, stored: set, contiguous: set) -> list[Value] | N
             return None
         terms += others
     out = chain[-1]
-    if any(t in chain or t not in contiguous or t.type != out.type for t in terms):
+    if any(t in chain or not flat(t, out) for t in terms):
         return None
     return terms
 
@@ -52,4 +54,5 @@ def chain_loops(terms: int) -> list[tuple[list[str], list[int]]]:
 
 
 def size_of(value: Value) -> int:
-    return max(math.prod(value.shape), 1)
+    """Elements of value's array: 1 for a scalar, 0 for an empty batch."""
+    return math.prod(value.shape)

@@ -263,7 +263,7 @@ class _Emitter:
         if not stored:  # every value is recomputed where it is read: nothing to run
             body.append("# (not run: its values are recomputed where they are read)")
             return
-        terms = chain_terms(kernel, stored, self.contiguous)
+        terms = chain_terms(kernel, stored, self._flat_like)
         for node in kernel.all_nodes:
             if node in stored:
                 self.buffer(node)
@@ -282,6 +282,12 @@ class _Emitter:
         views, loop, parallel = emitter.emit()
         scalars = {**emitter.size_arguments(), **emitter.scalars}
         body.append(self._call(views + loop, scalars, emitter.bases, parallel))
+
+    def _flat_like(self, term: Value, out: Value) -> bool:
+        """term can be read as a flat array of out's elements, in out's order."""
+        if term.dtype != out.dtype or size_of(term) != size_of(out):
+            return False
+        return self.literal_of(term) is None and self.placer.place(term).contiguous
 
     def _add_chain(self, out: Value, terms: list[Value], body) -> None:
         """A long sum of arrays as shared two-term and in-place adds (codegen/add_chains.py)."""
