@@ -7,7 +7,10 @@ accumulators acc_v12 and partial rows part_v12. Here every such name is renumber
 appearance, bases, offsets, sizes and strides become the kernel's parameters in that order,
 and the source is keyed by its hash. Each array is its own parameter even where two share a
 base (every scratch buffer lives in one arena), so where a plan keeps its buffers never changes
-the source. Dtype is left to Numba's dispatch: one compiled version per argument types, all
+the source. Except in a parallel kernel: Numba's parfor passes take distinct array arguments
+for distinct memory (they let LLVM reorder a row's store and a later stage's load of the same
+element), so there each array of the plan is one parameter, and the views made from it alias
+it. Dtype is left to Numba's dispatch: one compiled version per argument types, all
 behind the same cached dispatcher.
 """
 
@@ -69,18 +72,25 @@ def canonical_kernel(lines: list[str], scalars: dict, bases: dict, parallel: boo
     depends on (code generator fingerprint, flags)."""
     renamed, params, arguments = {}, [], []
     counters = dict.fromkeys(_PREFIX, 0)
+    shared: dict[str, str] = {}  # the plan's array -> its parameter, in a parallel kernel
 
     def rename(match: re.Match) -> str:
         word = match.group(0)
-        if word not in renamed:
+        if word not in renamed and parallel and match.lastgroup == "array":
+            renamed[word] = shared.get(bases[word])
+        if renamed.get(word) is None:
             kind = match.lastgroup
             renamed[word] = f"{_PREFIX[kind]}{counters[kind]}"
             counters[kind] += 1
             if kind in _PARAMETERS:
                 params.append(renamed[word])
                 arguments.append(bases[word] if kind == "array" else f"np.intp({scalars[word]})")
+            if kind == "array":
+                shared[bases[word]] = renamed[word]
         return renamed[word]
 
+    if parallel:
+        lines = _one_view_per_memory(lines, scalars, bases)
     body = [_NAMES.sub(rename, line) for line in lines]
     decorator = "@njit(parallel=True, **JIT_OPTIONS)" if parallel else "@njit(**JIT_OPTIONS)"
     source = "\n".join(
@@ -90,3 +100,30 @@ def canonical_kernel(lines: list[str], scalars: dict, bases: dict, parallel: boo
     source += "\n"
     digest = hashlib.sha256((salt + "\n" + source).encode()).hexdigest()
     return KernelSource(digest, source, parallel, tuple(arguments))
+
+
+_VIEW = re.compile(r"((?:s\d+_)?w\d+) = ((?:contiguous|strided)_view\(.*\))$")
+_VIEW_NAME = re.compile(r"\b(?:s\d+_)?w\d+\b")
+
+
+def _one_view_per_memory(lines: list[str], scalars: dict, bases: dict) -> list[str]:
+    """Views of the same memory (a value one stage of a row kernel stores and a later stage
+    reads) become one view. Numba's parfor lowering sees no aliasing among the arrays a
+    parallel loop uses (their views are made before it) and marks them noalias: two views of
+    the same elements would let LLVM move a load above the store it must follow."""
+    first: dict[str, str] = {}  # the view's memory, as text -> its first view's name
+    same: dict[str, str] = {}  # a repeated view -> the first one
+    kept = []
+    for line in lines:
+        match = _VIEW.match(line)
+        if match:
+            memory = _NAMES.sub(
+                lambda m: str(bases.get(m.group(0), scalars.get(m.group(0), m.group(0)))),
+                match.group(2),
+            )
+            if memory in first:
+                same[match.group(1)] = first[memory]
+                continue
+            first[memory] = match.group(1)
+        kept.append(line)
+    return [_VIEW_NAME.sub(lambda m: same.get(m.group(0), m.group(0)), line) for line in kept]
