@@ -73,3 +73,24 @@ def test_thin_driver_results_match_the_reference_and_share_kernels_across_sizes(
     small, large = results.values()
     assert small == large  # other sizes, other offsets: the same kernels
     assert kernel_cache.counts().loaded >= len(small)
+
+
+def reversed_and_transposed(x, y):
+    """Kernels reading views the driver no longer makes: reversed and strided slices, a
+    transpose, a broadcast literal part of a concatenation."""
+    a = x[::-1, 1::2] * bp.transpose(y)[:, ::2]
+    b = bp.concatenate([a, x[:, :1] + 1.0], axis=1)
+    return bp.sum(bp.tanh(b) * b[::-1]) + bp.sum(x[1:, ::-2])
+
+
+def test_kernels_make_reversed_strided_and_transposed_views_correctly():
+    rng = np.random.default_rng(2)
+    x = bp.tensor(rng.standard_normal((5, 7)).astype(np.float32))
+    y = bp.tensor(rng.standard_normal((6, 5)).astype(np.float32))
+    results = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            value, grads = bp.value_and_grad(reversed_and_transposed, argnums=(0, 1))(x, y)
+        results[backend] = [value.numpy(), *(g.numpy() for g in grads)]
+    for expected, got in zip(results["reference"], results["numba"], strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
