@@ -8,8 +8,9 @@ results, with a few microseconds of Python per call) while a separate process co
 the disk cache; the plan then loads it and switches (a process, not a thread: a compile holds the
 GIL, and every step's kernel call would wait on it).
 
-BACKPLAN_DRIVER picks: `background` (default), `inline` (compile in the first call) or `python`
-(never compile the driver: for debugging).
+BACKPLAN_DRIVER picks: `background` (default), `inline` (compile in the first call), `reference`
+(first calls run on the reference interpreter while the child compiles the kernels too: a first
+call that waits for no compiler at all) or `python` (never compile the driver: for debugging).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections import deque
 
 import numpy as np
 
-MODES = ("background", "inline", "python")
+MODES = ("background", "inline", "reference", "python")
 
 
 class DriverBuildWarning(UserWarning):

@@ -132,3 +132,31 @@ def test_an_unknown_driver_mode_is_refused(monkeypatch):
     monkeypatch.setenv("BACKPLAN_DRIVER", "eventually")
     with pytest.raises(ValueError, match=r"BACKPLAN_DRIVER='eventually'; use one of background"):
         driver_tier.driver_mode()
+
+
+def test_reference_first_calls_compile_nothing_here_then_switch(background, monkeypatch, capfd):
+    """BACKPLAN_DRIVER=reference: the first call waits for no compiler; the child compiles the
+    kernels and the driver, and later calls run them."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", "reference")
+    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    from backplan.codegen import kernel_cache
+
+    w, x = data(6)
+    capfd.readouterr()
+    with use_backend("numba"):
+        step = bp.value_and_grad(bp.compile(loss))
+        before = kernel_cache.counts().compiled
+        first_value, first_grad = step(w, x)
+        plan = compiled_plan(step, w, x)
+        assert plan.driver_tier == "reference"
+        assert kernel_cache.counts().compiled == before  # nothing compiled in this process
+        assert plan.wait_for_driver(timeout=240), plan.driver_error
+        value, grad = step(w, x)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("backplan:")]
+    assert any("run on the reference interpreter while" in line for line in lines), lines
+    with use_backend("reference"):
+        expected_value, expected_grad = bp.value_and_grad(loss)(w, x)
+    assert first_value.numpy() == expected_value.numpy()  # the first call was the reference's
+    assert np.array_equal(first_grad.numpy(), expected_grad.numpy())
+    np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-5, atol=1e-7)
