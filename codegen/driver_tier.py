@@ -152,18 +152,35 @@ def submit(build: DriverBuild) -> None:
         _wake.notify()
 
 
+_busy = [0]  # builds taken off the queue and not finished (started, loading, switching)
+
+
 def _serve() -> None:
     while True:
         with _wake:
             while not _queue:
                 _wake.wait()
             build = _queue.popleft()
-        build.run()
+            _busy[0] += 1
+        try:
+            build.run()
+        finally:
+            with _wake:
+                _busy[0] -= 1
+                _wake.notify_all()
 
 
 def pending() -> int:
-    """Builds queued or running in this process."""
-    return len(_queue) + len(_running)
+    """Builds queued or not yet finished in this process."""
+    with _wake:
+        return len(_queue) + _busy[0]
+
+
+def wait_for_builds(timeout: float | None = None) -> bool:
+    """Wait until every driver build of this process has finished (switched or failed): what a
+    benchmark does before timing steps. False if builds are still going after `timeout`."""
+    with _wake:
+        return _wake.wait_for(lambda: not _queue and not _busy[0], timeout)
 
 
 @atexit.register

@@ -108,7 +108,8 @@ def test_quiet_background_build_prints_nothing(background, monkeypatch, capfd):
         step = bp.value_and_grad(bp.compile(loss))
         step(w, x)
         plan = compiled_plan(step, w, x)
-        assert plan.wait_for_driver(timeout=240), plan.driver_error
+        assert driver_tier.wait_for_builds(timeout=240)  # what the benchmark harness waits on
+        assert plan.driver_tier == "compiled" and driver_tier.pending() == 0
     assert "backplan:" not in capfd.readouterr().err
 
 
