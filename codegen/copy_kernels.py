@@ -9,6 +9,7 @@ Each function gives (loop lines, scalars, bases) in the form canonical_kernel ta
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from backplan.ir.graph import Value
@@ -19,9 +20,7 @@ from .placement import Placement, slice_of
 
 def fill_kernel(where: Placement) -> tuple[list[str], dict, dict]:
     """Zeros into a C-contiguous array."""
-    count = 1
-    for size in where.shape:
-        count *= size
+    count = math.prod(where.shape)
     lines = ["w0 = contiguous_view(b0, o0, (n0,))", "for i0 in range(n0):", "    w0[i0] = 0"]
     return lines, {"n0": count, "o0": where.offset}, {"b0": where.base}
 
