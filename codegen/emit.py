@@ -151,7 +151,7 @@ class _Emitter:
             literal_of,
             self.contiguous,
             self.placer.place,
-            lambda lines, scalars, bases: self._call(lines, scalars, bases, False),
+            lambda lines, scalars, bases: self._call(lines, scalars, bases, False, False),
         )
 
     def define(self, name: str, line: str) -> None:
@@ -216,9 +216,12 @@ class _Emitter:
                 body += self.ops.op(node, self.names[node])
         return body, constants
 
-    def _call(self, lines: list[str], scalars: dict, bases: dict, parallel: bool) -> str:
+    def _call(
+        self, lines: list[str], scalars: dict, bases: dict, parallel: bool, shared: bool = True
+    ) -> str:
         """The call of the shared kernel for these loop lines."""
-        kernel = canonical_kernel(lines, scalars, bases, parallel, cache.kernel_fingerprint())
+        salt = cache.kernel_fingerprint()
+        kernel = canonical_kernel(lines, scalars, bases, parallel, salt, shared)
         self.kernels.setdefault(kernel.digest, kernel)
         return f"{kernel.name}({', '.join(kernel.arguments)})"
 
@@ -297,7 +300,7 @@ class _Emitter:
             for j, k in enumerate(operands):
                 where = self.placer.place(values[k])
                 scalars[f"o{j}"], bases[f"b{j}"] = where.offset, where.base
-            body.append(self._call(lines, scalars, bases, False))
+            body.append(self._call(lines, scalars, bases, False, False))
 
 
 _WORD = re.compile(r"\b[A-Za-z_]\w*\b")

@@ -5,13 +5,13 @@ The loop lines take each array as a base (b3: a 1-D array) and an offset (o3), m
 views (w3) from them with sizes (n0, s1_n0) and strides in bytes (d3_1), and name locals t12,
 accumulators acc_v12 and partial rows part_v12. Here every such name is renumbered by first
 appearance, bases, offsets, sizes and strides become the kernel's parameters in that order,
-and the source is keyed by its hash. Each array is its own parameter even where two share a
-base (every scratch buffer lives in one arena), so where a plan keeps its buffers never changes
-the source. Except in a parallel kernel: Numba's parfor passes take distinct array arguments
-for distinct memory (they let LLVM reorder a row's store and a later stage's load of the same
-element), so there each array of the plan is one parameter, and the views made from it alias
-it. Dtype is left to Numba's dispatch: one compiled version per argument types, all
-behind the same cached dispatcher.
+and the source is keyed by its hash. Each array of the plan (a scratch arena, an input, an
+output) is one parameter however many views the kernel makes of it: an array parameter costs
+Numba's lowering and LLVM far more than an integer (measured: a third less compile time for an
+unrolled LSTM's kernels than with one array parameter per view), and the views then alias the
+array they come from, which parallel kernels need (see _one_view_per_memory). Dtype is left
+to Numba's dispatch: one compiled version per argument types, all behind the same cached
+dispatcher.
 """
 
 from __future__ import annotations
@@ -66,18 +66,22 @@ class KernelSource:
         return f"k_{self.digest[:20]}"
 
 
-def canonical_kernel(lines: list[str], scalars: dict, bases: dict, parallel: bool, salt: str):
+def canonical_kernel(
+    lines: list[str], scalars: dict, bases: dict, parallel: bool, salt: str, shared: bool = True
+):
     """lines: the loop's source; scalars: value of each offset, size and stride name it uses;
     bases: the plan's array for each base name. salt: everything else the compiled code
-    depends on (code generator fingerprint, flags)."""
+    depends on (code generator fingerprint, flags). shared=False (serial kernels only): each
+    base its own parameter, for small generic kernels (adds, copies) that every plan should
+    share whether their arrays are scratch, inputs or outputs."""
     renamed, params, arguments = {}, [], []
     counters = dict.fromkeys(_PREFIX, 0)
-    shared: dict[str, str] = {}  # the plan's array -> its parameter, in a parallel kernel
+    parameter_of: dict[str, str] = {}  # the plan's array -> its parameter, when shared
 
     def rename(match: re.Match) -> str:
         word = match.group(0)
-        if word not in renamed and parallel and match.lastgroup == "array":
-            renamed[word] = shared.get(bases[word])
+        if word not in renamed and match.lastgroup == "array" and (shared or parallel):
+            renamed[word] = parameter_of.get(bases[word])
         if renamed.get(word) is None:
             kind = match.lastgroup
             renamed[word] = f"{_PREFIX[kind]}{counters[kind]}"
@@ -86,7 +90,7 @@ def canonical_kernel(lines: list[str], scalars: dict, bases: dict, parallel: boo
                 params.append(renamed[word])
                 arguments.append(bases[word] if kind == "array" else f"np.intp({scalars[word]})")
             if kind == "array":
-                shared[bases[word]] = renamed[word]
+                parameter_of[bases[word]] = renamed[word]
         return renamed[word]
 
     if parallel:
