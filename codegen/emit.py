@@ -217,7 +217,7 @@ class _Emitter:
         return body, constants
 
     def _call(
-        self, lines: list[str], scalars: dict, bases: dict, parallel: bool, shared: bool = True
+        self, lines: list[str], scalars: dict, bases: dict, parallel: bool, shared: bool = False
     ) -> str:
         """The call of the shared kernel for these loop lines."""
         salt = cache.kernel_fingerprint()

@@ -5,12 +5,12 @@ The loop lines take each array as a base (b3: a 1-D array) and an offset (o3), m
 views (w3) from them with sizes (n0, s1_n0) and strides in bytes (d3_1), and name locals t12,
 accumulators acc_v12 and partial rows part_v12. Here every such name is renumbered by first
 appearance, bases, offsets, sizes and strides become the kernel's parameters in that order,
-and the source is keyed by its hash. Each array of the plan (a scratch arena, an input, an
-output) is one parameter however many views the kernel makes of it: an array parameter costs
-Numba's lowering and LLVM far more than an integer (measured: a third less compile time for an
-unrolled LSTM's kernels than with one array parameter per view), and the views then alias the
-array they come from, which parallel kernels need (see _one_view_per_memory). Dtype is left
-to Numba's dispatch: one compiled version per argument types, all behind the same cached
+and the source is keyed by its hash. A serial kernel takes one base parameter per view, so
+that where a plan keeps an array (scratch, input, output) never changes its source and plans
+share it (one array parameter per plan array instead cut an unrolled LSTM's kernel compile by
+about a third, but split kernels a forward-only plan shares with its training plan). A parallel
+kernel takes each plan array once, so that its views alias (see _one_view_per_memory). Dtype is
+left to Numba's dispatch: one compiled version per argument types, all behind the same cached
 dispatcher.
 """
 
@@ -67,13 +67,12 @@ class KernelSource:
 
 
 def canonical_kernel(
-    lines: list[str], scalars: dict, bases: dict, parallel: bool, salt: str, shared: bool = True
+    lines: list[str], scalars: dict, bases: dict, parallel: bool, salt: str, shared: bool = False
 ):
     """lines: the loop's source; scalars: value of each offset, size and stride name it uses;
     bases: the plan's array for each base name. salt: everything else the compiled code
-    depends on (code generator fingerprint, flags). shared=False (serial kernels only): each
-    base its own parameter, for small generic kernels (adds, copies) that every plan should
-    share whether their arrays are scratch, inputs or outputs."""
+    depends on (code generator fingerprint, flags). shared: each plan array one parameter
+    (always so in a parallel kernel); otherwise one per view."""
     renamed, params, arguments = {}, [], []
     counters = dict.fromkeys(_PREFIX, 0)
     parameter_of: dict[str, str] = {}  # the plan's array -> its parameter, when shared
