@@ -24,7 +24,8 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
 )
 from .pytree import TreeDef, flatten, unflatten
 from .reports import explain_traced
-from .signature import bind_call, input_tensor, miss_reason
+from .numpy_args import input_tensor, kept_by_outputs
+from .signature import bind_call, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import Trace, tracing
@@ -140,10 +141,13 @@ class CompiledFunction(PlannedFunction):
         if positions is None:
             return None
 
+        kept = _kept_inputs(traced.program, traced.donated)
+        slots = [(i, k in kept) for k, i in enumerate(positions)]
+
         def run(leaves):
             if not self._still_valid(traced):
                 return STALE
-            return run_tensors(traced, [input_tensor(leaves[i]) for i in positions])
+            return run_tensors(traced, [input_tensor(leaves[i], copy) for i, copy in slots])
 
         return run
 
@@ -188,6 +192,13 @@ class CompiledFunction(PlannedFunction):
             donated,
             f"{name}() (bp.compile(donate_argnums={self.arguments.donate_nums}))",
         )
+
+
+def _kept_inputs(program: RegionProgram, donated: tuple[int, ...]) -> set[int]:
+    """Forward inputs whose buffer outlives the call: read by an output, saved for backward,
+    or donated. A NumPy array passed there is copied (tracer/numpy_args.py)."""
+    saved = {slot.source[1] for slot in program.plans.saved if slot.source[0] == "input"}
+    return kept_by_outputs(program.plans.forward.graph) | saved | set(donated)
 
 
 def _captured_flags(captured: list) -> tuple[bool, ...]:

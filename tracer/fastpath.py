@@ -1,12 +1,20 @@
 """The fast path of a call to a compiled function: a cheap structural key of the arguments
 (containers, tensor shapes, dtypes and requires_grad, static values) that maps straight to the
 cached plan and to where each tensor sits, skipping signature binding on every call after the
-first. Anything unusual (tracers, NumPy arrays, a tensor passed twice, unhashable statics) just
-takes the full path."""
+first. NumPy arrays are leaves of their own kind (tracer/numpy_args.py says how the plan reads
+them). Anything unusual (tracers, arrays of unsupported dtypes, a leaf passed twice, unhashable
+statics) just takes the full path, which raises the errors."""
 
 from __future__ import annotations
 
+import numpy as np
+
+from backplan.ir.errors import BackplanError
+from backplan.ir.types import dtype_name
+
 from .tensor import Tensor
+
+_SUPPORTED_DTYPES: set = set()  # NumPy dtypes dtype_name accepted, so it is asked once
 
 NO_FAST_PATH = None
 
@@ -41,6 +49,9 @@ def _walk(tree, leaves: list, grad_enabled: bool, static: bool = False):
             raise _Unusual
         leaves.append(tree)
         return (data.shape, data.dtype, tree._requires_grad and grad_enabled)
+    if kind is np.ndarray:
+        leaves.append(tree)
+        return ("a", tree.shape, _supported(tree.dtype))
     if kind is float and not static:
         leaves.append(tree)
         return "f"
@@ -64,3 +75,13 @@ def positions_of(wanted: list, leaves: list) -> list[int] | None:
         index[id(leaf)] = i
     found = [index.get(id(t)) for t in wanted]
     return None if any(i is None for i in found) else found
+
+
+def _supported(dtype):
+    if dtype not in _SUPPORTED_DTYPES:
+        try:
+            dtype_name(dtype)
+        except BackplanError:
+            raise _Unusual from None
+        _SUPPORTED_DTYPES.add(dtype)
+    return dtype

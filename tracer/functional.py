@@ -21,7 +21,8 @@ from .fastpath import positions_of
 from .planned import PlannedFunction
 from .pytree import flatten, unflatten
 from .reports import explain_joint
-from .signature import bind_call, input_tensor, miss_reason
+from .numpy_args import input_array, kept_by_outputs
+from .signature import bind_call, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
 
@@ -156,9 +157,11 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
         return None
     captured, runner, n_aux = entry.captured, entry.runner, entry.n_aux
     grad_structures = [flatten(args[i])[1] for i in nums]
+    kept = kept_by_outputs(entry.plan.graph)
+    slots = [(i, k in kept) for k, i in enumerate(positions)]
 
     def call_fast(leaves):
-        arrays = [input_tensor(leaves[i])._data for i in positions]
+        arrays = [input_array(leaves[i], copy) for i, copy in slots]
         arrays += [t._data for t in captured]
         results = [Tensor._fresh(a) for a in runner()(arrays)]
         grads, start = [], 1 + n_aux
@@ -199,10 +202,10 @@ def _positional(fn):
 
 
 def _as_diff_arg(arg):
+    """A float argument to differentiate becomes a tensor. NumPy arrays stay as they are:
+    binding makes them tensors, and the fast path finds them among the call's leaves."""
     if isinstance(arg, float):
         return Tensor(np.float64(arg))
-    if isinstance(arg, np.ndarray):
-        return Tensor(arg)
     return arg
 
 
