@@ -15,6 +15,7 @@ from .arguments import ArgumentSpec
 from .captured_names import captured_names
 from .donate import check_donated_inputs, donatable, mark_donated
 from .fastpath import positions_of
+from .numpy_args import input_tensor, kept_by_outputs
 from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     DEFAULT_CACHE_SIZE,
     STALE,
@@ -24,7 +25,6 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
 )
 from .pytree import TreeDef, flatten, unflatten
 from .reports import explain_traced
-from .numpy_args import input_tensor, kept_by_outputs
 from .signature import bind_call, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor

@@ -18,10 +18,10 @@ from backplan.runtime.backend import runner_for
 from .compile import trace_function
 from .errors import TracingError
 from .fastpath import positions_of
+from .numpy_args import input_array, kept_by_outputs
 from .planned import PlannedFunction
 from .pytree import flatten, unflatten
 from .reports import explain_joint
-from .numpy_args import input_array, kept_by_outputs
 from .signature import bind_call, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
