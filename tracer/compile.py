@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 from backplan.ir.pipeline import build_region_plans
@@ -23,7 +23,7 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     PlannedFunction,
     RetraceWarning,
 )
-from .pytree import TreeDef, flatten, unflatten
+from .pytree import TreeDef, flatten, unflattener
 from .reports import explain_traced
 from .signature import bind_call, miss_reason
 from .source import loc_text, user_frame_loc
@@ -43,6 +43,10 @@ class TracedFunction:
     input_names: list[str]  # one per graph input: argument paths, then captured tensors
     donated: tuple[int, ...] = ()  # graph inputs of donated arguments
     donated_to: str = ""  # "step() (bp.compile(donate_argnums=(0, 1)))", for the error
+    rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
+
+    def __post_init__(self):
+        self.rebuild_outputs = unflattener(self.out_treedef)
 
 
 def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
@@ -95,7 +99,7 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
             leaves.append(Tensor._from_array(outputs[item], grad_fn=region, out_index=item))
         else:
             leaves.append(Tensor._from_array(outputs[item]))
-    return unflatten(traced.out_treedef, leaves)
+    return traced.rebuild_outputs(leaves)
 
 
 class CompiledFunction(PlannedFunction):
