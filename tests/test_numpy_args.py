@@ -136,3 +136,27 @@ def test_a_donated_numpy_argument_keeps_its_values(backend):
     assert p.flags.writeable
     p[:] = 3.0
     np.testing.assert_array_equal(out.numpy(), np.full(4, 0.5))
+
+
+def test_two_threads_calling_with_numpy_arguments_get_their_own_results():
+    import threading
+
+    step = bp.value_and_grad(bp.compile(_loss))
+    data = [_data(seed) for seed in (1, 2)]
+    want = [step({k: bp.tensor(v) for k, v in p.items()}, bp.tensor(x)) for p, x in data]
+    failures = []
+
+    def worker(k):
+        params, x = data[k]
+        for _ in range(50):
+            value, grads = step(params, x)
+            if not np.allclose(value.numpy(), want[k][0].numpy(), rtol=1e-5):
+                failures.append((k, value.item()))
+
+    with use_backend("numba"):
+        threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not failures
