@@ -253,6 +253,9 @@ def compile(  # noqa: A001
     strings and None are static: part of the signature, so a new value retraces.
     static_argnums / static_argnames make every leaf of those arguments static (a float that
     must be a Python number: a shape, an op attribute, a branch condition).
+    NumPy arrays cost what tensors do: the plan reads them in place, through a read-only view,
+    and copies one only where a result or a buffer saved for backward would keep it, so
+    changing an array after the call never changes what the call returned.
 
     donate_argnums: arguments whose buffers the call may overwrite with its results (each
     output takes the first donated input of its dtype and shape), so a training step
