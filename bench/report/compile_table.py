@@ -94,7 +94,8 @@ def environment_lines(record: dict) -> list[str]:
         + (", ".join(f"{k}={v}" for k, v in variables.items()) or "none (library defaults)"),
         f"1-min load average: {load['start']:.1f} at start, {load['end']:.1f} at end, "
         f"at most {children:.1f} when a child started (other work on the machine)",
-        f"Versions: {versions}; backplan revision {env.get('backplan_revision') or 'unknown'}",
+        f"Versions: {versions}; backplan backend {env.get('backplan_backend', '?')}, "
+        f"revision {env.get('backplan_revision') or 'unknown'}",
     ]
 
 
