@@ -38,11 +38,15 @@ def run(args, out=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(render_lines(record)), file=out)
+    write_outputs(record, args)
+    return 0 if all(r["status"] in ("ok", "skipped") for r in record["results"]) else 1
+
+
+def write_outputs(record: dict, args) -> None:
     if args.json:
         write_json(record, args.json)
     if args.markdown:
         update_compile_markdown(record, args.markdown)
-    return 0 if all(r["status"] in ("ok", "skipped") for r in record["results"]) else 1
 
 
 def measure(args) -> dict:
@@ -54,33 +58,41 @@ def measure(args) -> dict:
     settings = {"rounds": rounds, "small": args.small, "dtype": args.dtype, "threads": args.threads}
     if args.small:
         progress.note("--small: every model runs at SHRUNK sizes, not the documented ones")
-    started, load = time.strftime("%Y-%m-%d %H:%M:%S %Z"), load_average()
-    start = time.perf_counter()
-    cells = [(m.name, p) for m in models for p in peers]
-    results = measure_rounds(cells, settings, progress)
-    progress.done()
-    results += [
-        {"model": m.name, "peer": s["peer"], "status": "skipped", "note": s["reason"]}
-        for m in models
-        for s in skipped
-    ]
-    return {
+    record = {
         "schema": SCHEMA,
         "command": command_line(args),
-        "started": started,
-        "elapsed_s": time.perf_counter() - start,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "run": {
             **settings,
+            "rounds_done": 0,
             "models": [m.name for m in models],
             "peers": peers,
             "child_variables": thread_variables(args.threads),
         },
-        "environment": collect(installed_versions(peers), pinned, load),
+        "environment": collect(installed_versions(peers), pinned, load_average()),
         "affinity_text": cpu_list_text(current_affinity()),
         "models": [{"name": m.name, "summary": m.summary} for m in models],
         "skipped_peers": skipped,
-        "results": results,
     }
+    start = time.perf_counter()
+    skipped_rows = [
+        {"model": m.name, "peer": s["peer"], "status": "skipped", "note": s["reason"]}
+        for m in models
+        for s in skipped
+    ]
+
+    def on_round(rows: list[dict], rounds_done: int) -> None:
+        record["run"]["rounds_done"] = rounds_done
+        record["elapsed_s"] = time.perf_counter() - start
+        record["environment"]["load_average_1min"]["end"] = load_average()
+        record["results"] = rows + skipped_rows
+        if rounds_done < rounds:
+            write_outputs(record, args)
+
+    cells = [(m.name, p) for m in models for p in peers]
+    on_round(measure_rounds(cells, settings, progress, on_round), rounds)
+    progress.done()
+    return record
 
 
 def installed_versions(peers: list[str]) -> dict[str, str]:

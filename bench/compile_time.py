@@ -84,9 +84,12 @@ def cold_and_warm(request: dict, threads: int | None) -> tuple[dict, dict]:
     return cold, warm
 
 
-def measure_rounds(cells: list[tuple[str, str]], settings: dict, progress) -> list[dict]:
-    """Every (model, peer) cell once per round, rounds outermost so load drifts hit all."""
+def measure_rounds(cells: list[tuple[str, str]], settings: dict, progress, on_round=None):
+    """Every (model, peer) cell once per round, rounds outermost so load drifts hit all.
+    After each round on_round(rows, rounds_done) sees the medians so far, so a long run that
+    is stopped still leaves the rounds it finished."""
     samples: dict[tuple[str, str], list] = {cell: [] for cell in cells}
+    rows: list[dict] = []
     for index in range(settings["rounds"]):
         for position, (model, peer) in enumerate(cells):
             progress.model(position, len(cells), f"{model} · {peer}")
@@ -98,7 +101,10 @@ def measure_rounds(cells: list[tuple[str, str]], settings: dict, progress) -> li
                 "dtype": settings["dtype"],
             }
             samples[(model, peer)].append(cold_and_warm(request, settings["threads"]))
-    return [summarise(model, peer, samples[(model, peer)]) for model, peer in cells]
+        rows = [summarise(model, peer, samples[(model, peer)]) for model, peer in cells]
+        if on_round is not None:
+            on_round(rows, index + 1)
+    return rows
 
 
 def summarise(model: str, peer: str, runs: list[tuple[dict, dict]]) -> dict:

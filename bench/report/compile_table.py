@@ -86,7 +86,7 @@ def environment_lines(record: dict) -> list[str]:
     pinning = env["threads"]["set_by_harness"].get("affinity", "not pinned")
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
     return [
-        f"{run['rounds']} round(s), interleaved; dtype {run['dtype']}, "
+        f"{_rounds_text(run)}, interleaved; dtype {run['dtype']}, "
         + ("SHRUNK sizes (--small)" if run["small"] else "full sizes"),
         f"CPU: {env['cpu']} ({env['usable_cpus']} usable of {env['logical_cpus']} logical); "
         f"children run on CPUs {record['affinity_text']} ({pinning})",
@@ -97,6 +97,13 @@ def environment_lines(record: dict) -> list[str]:
         f"Versions: {versions}; backplan backend {env.get('backplan_backend', '?')}, "
         f"revision {env.get('backplan_revision') or 'unknown'}",
     ]
+
+
+def _rounds_text(run: dict) -> str:
+    done = run.get("rounds_done", run["rounds"])
+    if done < run["rounds"]:
+        return f"{done} of {run['rounds']} rounds done (the run was still going)"
+    return f"{run['rounds']} round(s)"
 
 
 def render_lines(record: dict) -> list[str]:
