@@ -197,3 +197,9 @@ def test_lstm_peers_agree_with_the_reference(tmp_path):
     assert code == 0, [(r["peer"], r["status"], r["note"]) for r in rows.values()]
     assert all(r["status"] == "ok" for r in rows.values())
     assert {"torch" if p == "torch.eager" else p for p in against} <= set(rows)
+
+
+def test_a_stopped_run_says_how_many_rounds_it_finished(compile_record):
+    _, _, record, _ = compile_record
+    partial = {**record, "run": {**record["run"], "rounds": 3, "rounds_done": 1}}
+    assert "1 of 3 rounds done" in "\n".join(compile_table.render_lines(partial))
