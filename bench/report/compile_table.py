@@ -27,6 +27,9 @@ LEGEND = (
     "cold 1st call: the first forward + backward call (`bp.value_and_grad`, `jax.jit("
     "jax.value_and_grad)`, torch loss + `backward()`) in a fresh process with an empty cache "
     "folder: trace, plan and compile everything",
+    "backplan's library kernels (GEMM, math functions), which Numba caches beside the "
+    "installed package once per installation, are as found: the empty folder holds every "
+    "plan's kernels and drivers",
     "2nd call: the next call in that process",
     "warm 1st call: the first call in a second fresh process sharing that cache folder "
     "(backplan's kernel cache, inductor's caches); JAX's persistent cache is off, so it "
