@@ -3,6 +3,7 @@ models and peers asked for, printed as a table and optionally written to JSON an
 generated part of BENCHMARKS.md.
 
     python -m backplan bench compile --models mlp,lstm12 --threads 1 --rounds 3
+    python -m backplan bench compile --from-json compile.json --markdown BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ from .peers import AGAINST_CHOICES
 from .peers import PEERS as PEER_CLASSES
 from .progress import Progress
 from .report.compile_table import render_lines, update_compile_markdown
-from .report.export import write_json
+from .report.export import read_json, write_json
 
 SCHEMA = "backplan-bench-compile/1"
 DEFAULT_AGAINST = "torch.compile,jax"
 DEFAULT_ROUNDS = 3
 # Options of the step-time run that mean nothing here; named in the error.
-STEP_ONLY = ("quick", "cold_caches", "csv", "plot", "from_json")
+STEP_ONLY = ("quick", "cold_caches", "csv", "plot")
 
 
 def run(args, out=None) -> int:
     out = out if out is not None else sys.stdout
     try:
         _reject_step_options(args)
-        record = measure(args)
+        record = read_json(args.from_json, SCHEMA) if args.from_json else measure(args)
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

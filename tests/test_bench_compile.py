@@ -95,6 +95,17 @@ def test_compile_table_has_its_own_part_of_the_markdown(compile_record):
     assert "| mlp_tiny | backplan |" in content
 
 
+def test_a_saved_compile_record_is_reported_again(compile_record, tmp_path):
+    _, text, record, _ = compile_record
+    path = tmp_path / "compile.json"
+    path.write_text(json.dumps(record))
+    code, again = run_cli("compile", "--from-json", str(path))
+    assert code == 0 and again == text
+    step_record = tmp_path / "step.json"
+    step_record.write_text('{"schema": "backplan-bench/1"}')
+    assert run_cli("compile", "--from-json", str(step_record))[0] == 2
+
+
 def test_step_time_options_are_refused_by_compile(capsys):
     assert run_cli("compile", "--quick", "--models", "mlp_tiny")[0] == 2
     assert "--quick" in capsys.readouterr().err
