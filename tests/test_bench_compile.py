@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ def compile_record(tmp_path_factory):
     folder = tmp_path_factory.mktemp("compile")
     json_path, md_path = folder / "run.json", folder / "BENCHMARKS.md"
     md_path.write_text(f"# Benchmarks\n\n{BEGIN}\nstep table\n{END}\n\nNotes.\n")
+    original = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TorchPeer, "missing", lambda self: "torch is not installed")
         patch.setattr(JaxPeer, "missing", lambda self: "jax is not installed")
@@ -56,6 +58,12 @@ def compile_record(tmp_path_factory):
             "--markdown",
             str(md_path),
         )
+    if original is not None:  # --threads 1 pinned every thread of this process
+        for name in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(name), original)
+            except ProcessLookupError:
+                pass
     return code, text, json.loads(json_path.read_text()), md_path.read_text()
 
 
