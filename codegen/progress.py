@@ -130,6 +130,39 @@ class _Lines:
         )
 
 
+def announce_driver_build(label: str, statements: int) -> bool:
+    """Says, when the driver's compile will be slow, that calls run it as Python meanwhile;
+    whether it said so (then its end is a line too)."""
+    seconds = DRIVER_SECONDS + statements * STATEMENT_SECONDS
+    if quiet() or seconds <= threshold_seconds():
+        return False
+    _say(
+        f"{label}: calls run the driver as Python (same kernels) while the compiled driver "
+        f"({statements} statements, about {seconds:.0f} s) builds in a background process"
+    )
+    return True
+
+
+def announce_background_compile(
+    label: str, kernels: list[KernelSource], driver_statements: int
+) -> bool:
+    """BACKPLAN_DRIVER=reference: says, when the compile will be slow, that calls run on the
+    reference interpreter until kernels and driver are built."""
+    guess = estimate(kernels, False, driver_statements)
+    if quiet() or guess.seconds <= threshold_seconds():
+        return False
+    _say(
+        f"{label}: calls run on the reference interpreter while {guess.to_compile} of "
+        f"{guess.kernels} loop kernels and the driver compile in a background process "
+        f"(about {guess.seconds:.0f} s)"
+    )
+    return True
+
+
+def say(line: str) -> None:
+    _say(line)
+
+
 def _say(line: str) -> None:
     print(f"backplan: {line}", file=sys.stderr, flush=True)
 
