@@ -31,19 +31,16 @@ def import_framework(peer: str) -> float:
     return time.perf_counter() - START
 
 
-def driver_hooks(runner) -> tuple:
-    """(wait_for_driver or None, driver_tier or None) of the function a backplan runner calls:
-    a plan that first runs its driver as Python while the compiled one builds in the
-    background offers them; older plans do not, and only the first call is reported."""
-    fn = getattr(runner, "fn", None)
-    wait = getattr(fn, "wait_for_driver", None)
-    return (wait if callable(wait) else None), _tier(fn)
+def driver_hooks(peer: str) -> tuple:
+    """(wait, driver state) for backplan's peers: its first calls run plan drivers as Python
+    while the compiled drivers build in a background process (codegen/driver_tier.py); wait()
+    returns once every build has finished. (None, None) for other peers."""
+    if not peer.startswith("backplan"):
+        return None, None
+    from backplan.codegen import driver_tier
 
-
-def _tier(fn):
-    tier = getattr(fn, "driver_tier", None)
-    tier = tier() if callable(tier) else tier
-    return None if tier is None else str(tier)
+    state = "building" if driver_tier.pending() else "compiled"
+    return driver_tier.wait_for_builds, state
 
 
 def timed(fn) -> float:
@@ -65,14 +62,14 @@ def measure(request: dict) -> dict:
     runner = peer.build(spec, inputs)
     runner.step()
     first = time.perf_counter() - first_start
-    wait, tier_after_first = driver_hooks(runner)
+    wait, tier_after_first = driver_hooks(request["peer"])
     second = timed(runner.step)
     result = {"first_call_s": first, "second_call_s": second, "driver_tier": tier_after_first}
     if wait is not None:
         wait()
         result["fast_after_s"] = time.perf_counter() - first_start
         result["fast_call_s"] = timed(runner.step)
-        result["driver_tier_ready"] = _tier(getattr(runner, "fn", None))
+        result["driver_tier_ready"] = driver_hooks(request["peer"])[1]
     check = check_output(runner.output(), reference_output(spec, inputs), request["dtype"])
     result["check"] = check.to_dict()
     return result

@@ -146,21 +146,13 @@ def test_medians_over_rounds_and_a_failed_round_is_noted():
     assert summarise("mlp", "jax", runs[-1:])["status"] == "error"
 
 
-def test_driver_hooks_are_found_by_duck_typing():
-    class Plan:
-        driver_tier = "python"
+def test_driver_hooks_wait_for_backplans_background_builds_only():
+    from backplan.codegen import driver_tier
 
-        def wait_for_driver(self):
-            self.driver_tier = "compiled"
-
-    class Runner:
-        fn = Plan()
-
-    wait, tier = driver_hooks(Runner())
-    assert tier == "python"
-    wait()
-    assert driver_hooks(Runner())[1] == "compiled"
-    assert driver_hooks(object()) == (None, None)
+    wait, state = driver_hooks("backplan")
+    assert wait is driver_tier.wait_for_builds and wait(timeout=60)
+    assert state in ("building", "compiled") and driver_hooks("backplan")[1] == "compiled"
+    assert driver_hooks("jax") == (None, None)
 
 
 @pytest.mark.parametrize("name", ["lstm12", "lstm48"])
