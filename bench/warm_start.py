@@ -72,6 +72,7 @@ def measure(model: str, runs: int, cache: str) -> dict:
         values = [s[part] for s in samples]
         row[part] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     row["load"] = [round(load_before[0], 2), round(load_after[0], 2)]
+    row["samples"] = samples
     row["cpu"] = cpu_name()
     return row
 

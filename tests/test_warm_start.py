@@ -90,3 +90,24 @@ def test_cached_digests_of_a_missing_cache_folder_is_empty_and_creates_nothing(
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(folder))
     assert kernel_cache.cached_digests([_kernel("cd" * 32)]) == set()
     assert not folder.exists()
+
+
+def test_a_cached_function_touches_the_disk_only_when_numba_first_compiles_it(tmp_path):
+    """Decorating makes no cache folder (a warm process decorates ~70 library functions it never
+    compiles); the first call compiles and writes signed files as before."""
+    (tmp_path / "lazy_cache_module.py").write_text(
+        "from backplan.codegen.jit import njit\n\n\n"
+        "@njit(cache=True)\ndef add_one(x):\n    return x + 1\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    no_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no .pyc folder either
+    try:
+        import lazy_cache_module
+    finally:
+        sys.dont_write_bytecode = no_bytecode
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("lazy_cache_module", None)
+    assert not (tmp_path / "__pycache__").exists()
+    assert lazy_cache_module.add_one(41) == 42
+    written = os.listdir(tmp_path / "__pycache__")
+    assert any(n.endswith(".bp.nbi") for n in written), written
