@@ -5,6 +5,8 @@ process never uses any of it: Numba and our GEMM only need the extension module'
 function pointers. So load that one extension module, from the file the normal import would
 load, under its own name: Numba's import (and its ABI check, `ensure_blas`) then finds it in
 `sys.modules`. `import scipy.linalg` still works as before whenever anything asks for it.
+Called when the first plan is loaded (codegen/blas.py), not by `import backplan`: loading the
+extension also starts OpenBLAS, which a process that never compiles should not pay for.
 
 >>> from backplan.codegen.scipy_blas import preload_cython_blas
 >>> preload_cython_blas()

@@ -11,13 +11,15 @@ import sys
 from backplan.codegen import kernel_cache
 from backplan.codegen.kernel_source import KernelSource
 
-# A fresh interpreter: import, then a compiled float64 matmul through BLAS (its first call makes
-# Numba set up its compiler, which is when Numba itself would import all of scipy.linalg).
+# A fresh interpreter: import (no SciPy BLAS loaded yet: it starts OpenBLAS), then a compiled
+# float64 matmul through BLAS (its first call makes Numba set up its compiler, which is when
+# Numba itself would import all of scipy.linalg).
 FRESH_PROCESS = r"""
 import json, sys
 import numpy as np
 import backplan as bp
-after_import = sorted(m for m in ("scipy.linalg", "scipy.special") if m in sys.modules)
+after_import = sorted(
+    m for m in ("scipy.linalg", "scipy.special", "scipy.linalg.cython_blas") if m in sys.modules)
 from backplan.runtime.backend import use_backend
 a = np.arange(12.0).reshape(3, 4)
 b = np.arange(8.0).reshape(4, 2) - 3.0
@@ -40,6 +42,7 @@ print(json.dumps({
 
 
 def test_a_fresh_process_runs_blas_without_importing_scipy_linalg_or_special():
+    """`import backplan` loads no SciPy BLAS; the first BLAS plan loads only its extension."""
     env = {**os.environ, "BACKPLAN_GEMM": "blas", "BACKPLAN_QUIET": "1"}
     result = subprocess.run(
         [sys.executable, "-c", FRESH_PROCESS],
