@@ -13,6 +13,7 @@ from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
 from backplan.artifacts.tree_file import TreeFileError, load_tree, save_tree
+from backplan.codegen.driver_tier import DriverBuildWarning
 from backplan.ir.errors import (
     BackplanError,
     DtypeError,
@@ -54,6 +55,7 @@ __all__ = [
     "BackplanError",
     "BackwardError",
     "DonatedError",
+    "DriverBuildWarning",
     "DtypeError",
     "ExecutionError",
     "ExportError",

@@ -12,7 +12,6 @@ before it is unpickled.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -27,8 +26,8 @@ import numba
 import numpy as np
 
 from .cache_signing import CacheError, check_private_folder, key_path
+from .fingerprint import codegen_fingerprint, kernel_fingerprint  # noqa: F401 (used via cache.)
 
-CODEGEN_VERSION = "1"
 _importing = threading.Lock()  # one thread at a time writes and imports entries
 
 
@@ -66,46 +65,6 @@ def _cpu() -> str:
 
     features = binding.get_host_cpu_features().flatten()
     return f"{binding.get_host_cpu_name()}:{hashlib.sha256(features.encode()).hexdigest()[:12]}"
-
-
-@functools.cache
-def codegen_fingerprint() -> str:
-    """Numba's cache of a generated kernel keys on the kernel's own source and does not notice
-    edits to the library code it inlines, so the key covers those files too."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256(CODEGEN_VERSION.encode())
-    paths = [
-        os.path.join(folder, name)
-        for folder, _, files in os.walk(here)
-        for name in files
-        if name.endswith(".py")
-    ]
-    for path in sorted(paths):
-        with open(path, "rb") as f:
-            digest.update(os.path.relpath(path, here).encode() + f.read())
-    return digest.hexdigest()[:16]
-
-
-# The files a loop kernel's compiled code depends on (what its source imports and inlines).
-KERNEL_DEPENDENCIES = (
-    "flags.py",
-    "jit.py",
-    "kernel_source.py",
-    "mathlib.py",
-    "scalar_functions.py",
-)
-
-
-@functools.cache
-def kernel_fingerprint() -> str:
-    """Like codegen_fingerprint, over the kernels' dependencies only: editing the plan emitter
-    keeps every shared kernel cached."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256(CODEGEN_VERSION.encode())
-    for name in KERNEL_DEPENDENCIES:
-        with open(os.path.join(here, name), "rb") as f:
-            digest.update(name.encode() + f.read())
-    return digest.hexdigest()[:16]
 
 
 def key_parts(ir_text: str, flags: str) -> dict[str, str]:

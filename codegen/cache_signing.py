@@ -26,6 +26,8 @@ from numba.core.caching import FunctionCache, IndexDataCacheFile
 
 from backplan.ir.errors import BackplanError
 
+from . import fingerprint
+
 MAGIC = b"backplan-signed-numba-cache-1\n"
 _LENGTH_BYTES = 8
 _HEADER = len(MAGIC) + _LENGTH_BYTES + hashlib.sha256().digest_size
@@ -192,13 +194,23 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
         self._write_signed(self._data_path(name), self._dump(data))
 
 
+def dependency_stamp(py_func) -> str:
+    """What a function's machine code depends on besides its own file. A shared loop kernel's
+    name is a hash that already covers its dependencies; anything else backplan compiles
+    (library kernels, the GEMM, plan drivers) may inline code from any codegen file."""
+    if py_func.__module__.startswith("backplan_kernel_k_"):
+        return ""
+    return fingerprint.codegen_fingerprint()
+
+
 class SignedFunctionCache(FunctionCache):
-    """FunctionCache whose files are signed; everything else is Numba's."""
+    """FunctionCache whose files are signed, and whose entries are stale when a codegen file
+    they may depend on changed; everything else is Numba's."""
 
     def __init__(self, py_func):
         super().__init__(py_func)
         self._cache_file = SignedIndexDataCacheFile(
             cache_path=self._cache_path,
             filename_base=self._impl.filename_base,
-            source_stamp=self._impl.locator.get_source_stamp(),
+            source_stamp=(self._impl.locator.get_source_stamp(), dependency_stamp(py_func)),
         )

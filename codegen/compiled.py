@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -17,7 +19,7 @@ from backplan.ir.lowering import LoweredPlan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
-from . import cache, kernel_cache, progress
+from . import cache, driver_tier, kernel_cache, progress
 from .emit import generate
 from .flags import flags_text
 from .jit import start_parallel_runtime
@@ -33,6 +35,23 @@ def canonical_text(plan: Plan) -> str:
     text = re.sub(r"  # .*$", "", format_graph(plan.graph, plan.frees_after), flags=re.M)
     consts = sorted((k, str(v.dtype), v.shape) for k, v in plan.graph.constants.items())
     return f"{text}\n# constants {consts}"
+
+
+def _load_from_cache(dispatcher, signature):
+    """The dispatcher with its compiled version for `signature` loaded from the disk cache,
+    where the build process left it; never compiles here (that would hold this process's GIL
+    for the whole compile)."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    with global_compiler_lock:
+        compiled = dispatcher._cache.load_overload(signature, dispatcher.targetctx)
+        if compiled is None:
+            raise RuntimeError("the build left no compiled driver in the cache")
+        dispatcher.targetctx.insert_user_function(
+            compiled.entry_point, compiled.fndesc, [compiled.library]
+        )
+        dispatcher.add_overload(compiled)
+    return dispatcher
 
 
 class CompiledPlan:
@@ -51,7 +70,19 @@ class CompiledPlan:
         start_parallel_runtime()
         kernel_cache.load(self.loop_kernels)
         module, self.cache_hit, self.miss_reason = cache.load_module(self.source, self.key_parts)
-        self._run = module.run
+        self._compiled_run = self._run = module.run
+        self._driver_ready = threading.Event()
+        self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
+        self._background = False
+        mode = driver_tier.driver_mode()
+        if hasattr(module.run, "py_func") and mode != "inline":
+            compiled = module.run.overloads or driver_tier.is_cached(module.__file__)
+            if mode == "python" or not compiled:
+                self._run = driver_tier.python_driver(self.source, module.__file__)
+                self.driver_tier = "python"
+                self._background = mode == "background"
+        if not self._background:
+            self._driver_ready.set()  # no build is coming
         self._driver_statements = generated.driver_statements
         self._driver_parts = tuple(
             getattr(module, f"run_part{i}") for i in range(generated.driver_parts)
@@ -100,17 +131,7 @@ class CompiledPlan:
         try:
             with self._launch_guard:
                 if self.first_call_seconds is None:
-                    start = time.perf_counter()
-                    label = f"@{self.plan.graph.name}"
-                    with progress.reporting(
-                        label,
-                        self.loop_kernels,
-                        self.cache_hit,
-                        self._driver_statements,
-                        self._driver_parts,
-                    ):
-                        returned = self._run(*arrays)
-                    self.first_call_seconds = time.perf_counter() - start
+                    returned = self._first_call(arrays)
                 else:
                     returned = self._run(*arrays)
         except IndexError as exc:
@@ -128,6 +149,82 @@ class CompiledPlan:
         for i in self._scalar_outputs:
             outputs[i] = outputs[i].reshape(())
         return outputs
+
+    def _first_call(self, arrays: list):
+        start = time.perf_counter()
+        label = f"@{self.plan.graph.name}"
+        compiling_driver = self.driver_tier == "compiled"
+        with progress.reporting(
+            label,
+            self.loop_kernels,
+            self.cache_hit or not compiling_driver,
+            self._driver_statements if compiling_driver else 0,
+            self._driver_parts if compiling_driver else (),
+        ):
+            returned = self._run(*arrays)
+        self.first_call_seconds = time.perf_counter() - start
+        if self._background:
+            self._background = False
+            try:
+                self._build_driver(driver_tier.argument_types(arrays), label)
+            except Exception as exc:  # noqa: BLE001 - this call's results are right: keep them
+                self._build_failed(label, f"could not start the driver build ({exc!r})")
+        return returned
+
+    def _build_driver(self, types: list, label: str) -> None:
+        """Compile the driver in a child process; switch to it once it is loaded."""
+        payload = {
+            "source": self.source,
+            "parts": self.key_parts,
+            "kernels": [
+                {
+                    "digest": k.digest,
+                    "source": k.source,
+                    "parallel": k.parallel,
+                    "arguments": list(k.arguments),
+                }
+                for k in self.loop_kernels
+            ],
+            "signature": types,
+        }
+        announced = progress.announce_driver_build(label, self._driver_statements)
+
+        def load():
+            return _load_from_cache(self._compiled_run, driver_tier.numba_signature(types))
+
+        def ready(dispatcher):
+            self._run = dispatcher
+            self.driver_tier = "compiled"
+            self.driver_seconds = build.seconds
+            if announced:
+                progress.say(f"{label}: compiled driver ready after {build.seconds:.1f} s")
+            self._driver_ready.set()
+
+        build = driver_tier.DriverBuild(
+            payload,
+            load,
+            ready,
+            lambda message: self._build_failed(label, message),
+            label if announced else None,
+        )
+        driver_tier.submit(build)
+
+    def _build_failed(self, label: str, message: str) -> None:
+        self.driver_error = message
+        warnings.warn(
+            f"{label}: {message}; its calls keep running the driver as Python (the same "
+            "compiled kernels, more time per call). BACKPLAN_DRIVER=inline compiles the "
+            "driver in the first call instead.",
+            driver_tier.DriverBuildWarning,
+            stacklevel=1,
+        )
+        self._driver_ready.set()
+
+    def wait_for_driver(self, timeout: float | None = None) -> bool:
+        """Wait until the driver is compiled (or its build failed); True when calls now run
+        the compiled driver. Plans whose driver is compiled or cached return at once."""
+        self._driver_ready.wait(timeout)
+        return self.driver_tier == "compiled"
 
     def _donated_buffers(self, args: list, arrays: list, donate) -> dict[int, int]:
         """{output buffer: input} for the donations usable in this call: the input array is

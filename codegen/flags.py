@@ -13,12 +13,18 @@ PARALLEL_MIN_ELEMENTS = (
 )  # below this a prange launch (and waking threads next to BLAS) costs more than it saves
 
 
+def threads() -> int:
+    """Threads a parallel kernel would run on now: numba.set_num_threads (the harness's
+    --threads, a user's own choice) lowers it below NUMBA_NUM_THREADS."""
+    return numba.get_num_threads()
+
+
 def parallel_pays(elements: int) -> bool:
     """A loop runs under prange only when it is big enough to gain from more threads and there
     are threads to gain from: a parallel kernel costs about 3x the compile time of a serial one."""
-    return elements >= PARALLEL_MIN_ELEMENTS and numba.config.NUMBA_NUM_THREADS > 1
+    return elements >= PARALLEL_MIN_ELEMENTS and threads() > 1
 
 
 def flags_text() -> str:
     """What the generated code depends on besides the IR, for cache keys."""
-    return f"{sorted(FASTMATH)}{PARALLEL_MIN_ELEMENTS}:{numba.config.NUMBA_NUM_THREADS > 1}"
+    return f"{sorted(FASTMATH)}{PARALLEL_MIN_ELEMENTS}:{threads() > 1}"

@@ -131,6 +131,23 @@ class _Lines:
         )
 
 
+def announce_driver_build(label: str, statements: int) -> bool:
+    """Says, when the driver's compile will be slow, that calls run it as Python meanwhile;
+    whether it said so (then its end is a line too)."""
+    seconds = DRIVER_SECONDS + statements * STATEMENT_SECONDS
+    if quiet() or seconds <= threshold_seconds():
+        return False
+    _say(
+        f"{label}: calls run the driver as Python (same kernels) while the compiled driver "
+        f"({statements} statements, about {seconds:.0f} s) builds in a background process"
+    )
+    return True
+
+
+def say(line: str) -> None:
+    _say(line)
+
+
 def _say(line: str) -> None:
     print(f"backplan: {line}", file=sys.stderr, flush=True)
 

@@ -31,7 +31,8 @@ class CompiledPlanFacts:
     unsupported: str | None = None  # why this plan would run on the reference interpreter
     loop_kernels: tuple[str, ...] = ()  # hashes of the distinct shared loop kernels it calls
     cached_kernels: tuple[str, ...] = ()  # those already compiled (this process or on disk)
-    compile_seconds: float = 0.0  # predicted first-call compile time (all kernels + driver)
+    compile_seconds: float = 0.0  # predicted compile time: every loop kernel and the driver
+    driver_seconds: float = 0.0  # of which the driver's (in the background by default)
     donated: tuple = ()  # (output index, donated input (index, or name), bytes): in place
 
     @property
@@ -61,6 +62,7 @@ def plan_facts(
         loop_kernels=tuple(k.digest for k in kernels),
         cached_kernels=tuple(k.digest for k in kernels if k.digest in cached),
         compile_seconds=estimate(kernels, False, generated.driver_statements).seconds,
+        driver_seconds=estimate([], False, generated.driver_statements).seconds,
         donated=tuple(in_place),
     )
 

@@ -261,7 +261,9 @@ def compile_cost_text(report) -> str:
     distinct = {k for p in plans for k in p.loop_kernels}
     return (
         f"A first call compiles at most {len(distinct)} distinct loop kernels (shared by every "
-        f"plan and cached on disk) and {len(plans)} plan drivers."
+        f"plan and cached on disk); its {len(plans)} plan drivers run as Python calling those "
+        "kernels until each is compiled in a background process and cached (BACKPLAN_DRIVER="
+        "inline compiles them in the first call instead)."
     )
 
 

@@ -5,3 +5,7 @@ os.environ.setdefault("BACKPLAN_VERIFY", "1")
 # Semantics tests run plans on the reference interpreter; codegen tests opt into Numba with
 # backplan.runtime.backend.use_backend("numba"), sharing compiled kernels via the disk cache.
 os.environ.setdefault("BACKPLAN_BACKEND", "reference")
+# Plans compile their driver in the first call, as before background builds: the codegen tests
+# check compiled drivers, and count compiles, deterministically (tests/test_driver_tier.py covers
+# the background default).
+os.environ.setdefault("BACKPLAN_DRIVER", "inline")

@@ -110,3 +110,39 @@ def test_the_key_is_private_and_outside_the_cache(tmp_path, monkeypatch):
             cache.cache_dir()
     finally:
         cache_signing.secret.cache_clear()
+
+
+LIBRARY_MODULE = """
+from backplan.codegen.jit import compiled_njit
+
+
+@compiled_njit(cache=True)
+def twice(x):
+    return 2 * x
+"""
+
+
+def _fresh_twice(path, name):
+    """The function from `path` as a fresh dispatcher (what a new process would have)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.twice
+
+
+def test_cached_library_code_is_stale_once_a_codegen_file_changes(tmp_path, monkeypatch):
+    """Numba keys a cached function on its own file only; a library kernel inlines code from
+    other codegen files, so a change there must not load the old machine code."""
+    path = tmp_path / "library_like.py"
+    path.write_text(LIBRARY_MODULE)
+    first = _fresh_twice(path, "library_like_1")
+    assert first(21) == 42 and sum(first.stats.cache_misses.values()) == 1
+    same = _fresh_twice(path, "library_like_2")
+    assert same(21) == 42 and sum(same.stats.cache_hits.values()) == 1
+    monkeypatch.setattr(cache_signing.fingerprint, "codegen_fingerprint", lambda: "edited")
+    edited = _fresh_twice(path, "library_like_3")
+    assert edited(21) == 42
+    assert sum(edited.stats.cache_hits.values()) == 0
+    assert sum(edited.stats.cache_misses.values()) == 1

@@ -115,3 +115,27 @@ def test_a_forward_only_plan_under_no_grad_shares_the_training_plans_kernels():
     assert after.loaded == before.loaded
     with use_backend("reference"):
         np.testing.assert_allclose(value.numpy(), fn(params, x, labels).numpy(), rtol=1e-5)
+
+
+def test_one_numba_thread_generates_no_parallel_kernel():
+    """numba.set_num_threads(1) (the harness's --threads 1) leaves no thread to gain from: the
+    plan's big loops are serial (and cache as a plan of their own)."""
+    import numba
+
+    from backplan.codegen.compiled import PARALLEL_LAUNCH
+
+    rng = np.random.default_rng(4)
+    w, x = floats(rng, 512, 1024), floats(rng, 512, 1024)
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        with use_backend("numba"):
+            serial, value, grad = joint(scaled_tanh, w, x)
+    finally:
+        numba.set_num_threads(previous)
+    assert not any(k.parallel for k in serial.loop_kernels)
+    assert not PARALLEL_LAUNCH.search(serial.source)
+    with use_backend("reference"):
+        expected_value, expected_grad = bp.value_and_grad(scaled_tanh)(w, x)
+    np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-4)
+    np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-4, atol=1e-6)

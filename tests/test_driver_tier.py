@@ -1,0 +1,134 @@
+"""A first call does not wait for its plan's driver to compile: it runs the driver as Python
+calling the same compiled kernels while a child process compiles the driver into the cache, then
+switches (codegen/driver_tier.py). Both tiers give bitwise the same results as each other and
+the reference's within rounding; a failed build warns and keeps the calls correct; the lines
+say what happens; a bad index reads the same on the Python tier."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen import driver_tier
+from backplan.runtime.backend import use_backend
+
+
+def loss(w, x):
+    return bp.mean(bp.tanh(x @ w) ** 2)
+
+
+def data(rows: int):
+    """rows: a batch size of the test's own, so that its plan is new in this process too."""
+    rng = np.random.default_rng(rows)
+    w = bp.tensor(rng.standard_normal((5, 3)).astype(np.float32))
+    x = bp.tensor(rng.standard_normal((rows, 5)).astype(np.float32))
+    return w, x
+
+
+@pytest.fixture
+def background(monkeypatch, tmp_path):
+    """A cache folder of its own, so the driver is not already compiled and cached."""
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+
+
+def compiled_plan(step, *args):
+    return step.trace(*args).runner().compiled
+
+
+def test_first_calls_run_the_python_driver_then_switch_to_the_compiled_one(background):
+    w, x = data(2)
+    with use_backend("numba"):
+        step = bp.value_and_grad(bp.compile(loss))
+        first_value, first_grad = step(w, x)
+        plan = compiled_plan(step, w, x)
+        assert plan.driver_tier == "python"
+        assert plan.wait_for_driver(timeout=240), plan.driver_error
+        assert plan.driver_tier == "compiled" and plan.driver_seconds > 0
+        value, grad = step(w, x)
+        again = bp.value_and_grad(bp.compile(loss))  # a new plan finds the driver cached
+        again(w, x)
+        assert compiled_plan(again, w, x).driver_tier == "compiled"
+    assert value.numpy() == first_value.numpy()  # same kernels: the same bits
+    assert np.array_equal(grad.numpy(), first_grad.numpy())
+    with use_backend("reference"):
+        expected_value, expected_grad = bp.value_and_grad(loss)(w, x)
+    np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_failed_build_warns_and_calls_stay_correct(background, monkeypatch):
+    def failing(payload):
+        import subprocess
+
+        command = [
+            sys.executable,
+            "-c",
+            "import sys; print('no compiler', file=sys.stderr); sys.exit(3)",
+        ]
+        return subprocess.Popen(command, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    monkeypatch.setattr(driver_tier, "_spawn", failing)
+    w, x = data(3)
+    with use_backend("numba"):
+        step = bp.value_and_grad(bp.compile(loss))
+        with pytest.warns(bp.DriverBuildWarning, match=r"status 3: no compiler"):
+            first = step(w, x)
+            plan = compiled_plan(step, w, x)
+            assert not plan.wait_for_driver(timeout=60)
+        assert plan.driver_tier == "python" and "status 3" in plan.driver_error
+        second = step(w, x)
+    assert second[0].numpy() == first[0].numpy()
+    assert np.array_equal(second[1].numpy(), first[1].numpy())
+
+
+def test_lines_say_the_driver_builds_in_the_background_and_when_it_is_ready(
+    background, monkeypatch, capfd
+):
+    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    w, x = data(4)
+    capfd.readouterr()
+    with use_backend("numba"):
+        step = bp.value_and_grad(bp.compile(loss))
+        step(w, x)
+        plan = compiled_plan(step, w, x)
+        assert plan.wait_for_driver(timeout=240), plan.driver_error
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("backplan:")]
+    assert any("builds in a background process" in line for line in lines), lines
+    assert any("compiled driver ready after" in line for line in lines), lines
+
+
+def test_quiet_background_build_prints_nothing(background, monkeypatch, capfd):
+    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    monkeypatch.setenv("BACKPLAN_QUIET", "1")
+    w, x = data(5)
+    capfd.readouterr()
+    with use_backend("numba"):
+        step = bp.value_and_grad(bp.compile(loss))
+        step(w, x)
+        plan = compiled_plan(step, w, x)
+        assert plan.wait_for_driver(timeout=240), plan.driver_error
+    assert "backplan:" not in capfd.readouterr().err
+
+
+def test_a_bad_label_reads_the_same_on_the_python_driver(monkeypatch):
+    monkeypatch.setenv("BACKPLAN_DRIVER", "python")
+
+    def labelled(w, labels):
+        return bp.cross_entropy(bp.tensor(np.eye(3, dtype=np.float32)) @ w, labels)
+
+    step = bp.value_and_grad(bp.compile(labelled))
+    w = bp.tensor(np.ones((3, 5), np.float32))
+    with use_backend("numba"):
+        value, _ = step(w, bp.tensor(np.array([0, 4, 2])))
+        assert compiled_plan(step, w, bp.tensor(np.array([0, 4, 2]))).driver_tier == "python"
+        assert np.isfinite(value.numpy())
+        with pytest.raises(bp.ExecutionError, match=r"label -1 at position 2 is out of range"):
+            step(w, bp.tensor(np.array([0, 4, -1])))
+
+
+def test_an_unknown_driver_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("BACKPLAN_DRIVER", "eventually")
+    with pytest.raises(ValueError, match=r"BACKPLAN_DRIVER='eventually'; use one of background"):
+        driver_tier.driver_mode()
