@@ -12,6 +12,7 @@ before it is unpickled.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
