@@ -48,9 +48,9 @@ print(json.dumps({"import": w1 - w0, "import_cpu": c1 - c0,
 PARTS = ("import", "import_cpu", "first_call", "first_call_cpu", "second_call", "second_call_cpu")
 
 
-def start_once(model: str, cache: str) -> dict:
+def start_once(model: str, cache: str, **variables: str) -> dict:
     """One fresh interpreter (-I: no user site, no PYTHON* variables) against `cache`."""
-    env = {**os.environ, "BACKPLAN_CACHE_DIR": cache, "BACKPLAN_QUIET": "1"}
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": cache, "BACKPLAN_QUIET": "1", **variables}
     result = subprocess.run(
         [sys.executable, "-I", "-c", CHILD, model],
         env=env,
@@ -65,8 +65,10 @@ def start_once(model: str, cache: str) -> dict:
 
 
 def measure(model: str, runs: int, cache: str) -> dict:
-    """Fill `cache` with one process (not counted), then `runs` fresh warm ones."""
-    start_once(model, cache)
+    """Fill `cache` with one process (not counted), then `runs` fresh warm ones. The filling
+    process compiles the plan's driver in the call (BACKPLAN_DRIVER=inline): a background build
+    would be stopped when that short process ends, leaving the driver uncached."""
+    start_once(model, cache, BACKPLAN_DRIVER="inline")
     load_before = os.getloadavg()
     samples = [start_once(model, cache) for _ in range(runs)]
     load_after = os.getloadavg()
