@@ -13,6 +13,7 @@ from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
 from backplan.artifacts.tree_file import TreeFileError, load_tree, save_tree
+from backplan.codegen.cache_signing import CacheError, CacheWarning
 from backplan.codegen.driver_tier import DriverBuildWarning
 from backplan.ir.errors import (
     BackplanError,
@@ -54,6 +55,8 @@ __all__ = [
     *_ops_all,
     "BackplanError",
     "BackwardError",
+    "CacheError",
+    "CacheWarning",
     "DonatedError",
     "DriverBuildWarning",
     "DtypeError",

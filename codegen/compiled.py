@@ -14,6 +14,7 @@ import numpy as np
 from backplan.ir.donation import donation_pairs
 from backplan.ir.errors import ExecutionError
 from backplan.ir.index_check import format_position
+from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import LoweredPlan
 from backplan.ir.text import format_graph, format_loc, value_names
@@ -75,9 +76,13 @@ class CompiledPlan:
         self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
         self._background = False
         mode = driver_tier.driver_mode()
+        self._build_lock = threading.Lock()
         if hasattr(module.run, "py_func") and mode != "inline":
-            compiled = module.run.overloads or driver_tier.is_cached(module.__file__)
-            if mode == "python" or not compiled:
+            compiled = module.run.overloads or driver_tier.is_cached(module.run)
+            if mode == "reference" and not compiled:
+                self.driver_tier = "reference"  # kernels and driver build in the child
+                self._background = True
+            elif mode == "python" or not compiled:
                 self._run = driver_tier.python_driver(self.source, module.__file__)
                 self.driver_tier = "python"
                 self._background = mode == "background"
@@ -116,6 +121,8 @@ class CompiledPlan:
     def __call__(self, args: list, donate=()) -> list:
         """donate: inputs whose buffers the caller gives up; outputs paired with them
         (self.donations) are written into them instead of into new arrays."""
+        if self.driver_tier == "reference":
+            return self._reference_call(args)
         arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
         given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
         args.clear()
@@ -163,13 +170,38 @@ class CompiledPlan:
         ):
             returned = self._run(*arrays)
         self.first_call_seconds = time.perf_counter() - start
-        if self._background:
-            self._background = False
-            try:
-                self._build_driver(driver_tier.argument_types(arrays), label)
-            except Exception as exc:  # noqa: BLE001 - this call's results are right: keep them
-                self._build_failed(label, f"could not start the driver build ({exc!r})")
+        self._start_build(lambda: driver_tier.argument_types(arrays), label)
         return returned
+
+    def _reference_call(self, args: list) -> list:
+        """A call while kernels and driver build in the background: the reference interpreter
+        computes it (the same plan; results within rounding of the compiled ones)."""
+        if self._background:
+            self._start_build(lambda: self._argument_types(args), f"@{self.plan.graph.name}")
+        return run_plan(self.plan, args)
+
+    def _argument_types(self, args: list) -> list:
+        """The types the compiled driver will be called with, as a call would pass them."""
+        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        for i in self._scalar_inputs:
+            arrays[i] = arrays[i].reshape(1)
+        workspace = self._workspaces.checkout()
+        try:
+            arrays += self._constants + workspace.scratch + workspace.output_arrays()
+            return driver_tier.argument_types(arrays)
+        finally:
+            self._workspaces.checkin(workspace)
+
+    def _start_build(self, types, label: str) -> None:
+        """Once per plan, by whichever call gets here first: types() gives the arguments."""
+        with self._build_lock:
+            if not self._background:
+                return
+            self._background = False
+        try:
+            self._build_driver(types(), label)
+        except Exception as exc:  # noqa: BLE001 - this call's results are right: keep them
+            self._build_failed(label, f"could not start the driver build ({exc!r})")
 
     def _build_driver(self, types: list, label: str) -> None:
         """Compile the driver in a child process; switch to it once it is loaded."""
@@ -187,7 +219,12 @@ class CompiledPlan:
             ],
             "signature": types,
         }
-        announced = progress.announce_driver_build(label, self._driver_statements)
+        if self.driver_tier == "reference":
+            announced = progress.announce_background_compile(
+                label, self.loop_kernels, self._driver_statements
+            )
+        else:
+            announced = progress.announce_driver_build(label, self._driver_statements)
 
         def load():
             return _load_from_cache(self._compiled_run, driver_tier.numba_signature(types))

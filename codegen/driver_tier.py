@@ -8,8 +8,9 @@ results, with a few microseconds of Python per call) while a separate process co
 the disk cache; the plan then loads it and switches (a process, not a thread: a compile holds the
 GIL, and every step's kernel call would wait on it).
 
-BACKPLAN_DRIVER picks: `background` (default), `inline` (compile in the first call) or `python`
-(never compile the driver: for debugging).
+BACKPLAN_DRIVER picks: `background` (default), `inline` (compile in the first call), `reference`
+(first calls run on the reference interpreter while the child compiles the kernels too: a first
+call that waits for no compiler at all) or `python` (never compile the driver: for debugging).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections import deque
 
 import numpy as np
 
-MODES = ("background", "inline", "python")
+MODES = ("background", "inline", "reference", "python")
 
 
 class DriverBuildWarning(UserWarning):
@@ -72,15 +73,12 @@ def numba_signature(described: list) -> tuple:
     )
 
 
-def is_cached(path: str) -> bool:
-    """Whether a compiled `run` for this driver file is in Numba's (signed) cache: a
-    prediction, as for kernels; the index may hold other argument types."""
-    folder = os.path.join(os.path.dirname(path), "__pycache__")
-    prefix = os.path.splitext(os.path.basename(path))[0] + ".run-"
-    try:
-        return any(n.startswith(prefix) and n.endswith(".bp.nbi") for n in os.listdir(folder))
-    except OSError:
-        return False
+def is_cached(dispatcher) -> bool:
+    """Whether a compiled `run` for this driver is in Numba's (signed) cache: its index file
+    exists (a prediction, as for kernels: the index may hold other argument types)."""
+    cache = getattr(dispatcher, "_cache", None)
+    index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
+    return index is not None and os.path.exists(index)
 
 
 class DriverBuild:
@@ -151,18 +149,35 @@ def submit(build: DriverBuild) -> None:
         _wake.notify()
 
 
+_busy = [0]  # builds taken off the queue and not finished (started, loading, switching)
+
+
 def _serve() -> None:
     while True:
         with _wake:
             while not _queue:
                 _wake.wait()
             build = _queue.popleft()
-        build.run()
+            _busy[0] += 1
+        try:
+            build.run()
+        finally:
+            with _wake:
+                _busy[0] -= 1
+                _wake.notify_all()
 
 
 def pending() -> int:
-    """Builds queued or running in this process."""
-    return len(_queue) + len(_running)
+    """Builds queued or not yet finished in this process."""
+    with _wake:
+        return len(_queue) + _busy[0]
+
+
+def wait_for_builds(timeout: float | None = None) -> bool:
+    """Wait until every driver build of this process has finished (switched or failed): what a
+    benchmark does before timing steps. False if builds are still going after `timeout`."""
+    with _wake:
+        return _wake.wait_for(lambda: not _queue and not _busy[0], timeout)
 
 
 @atexit.register

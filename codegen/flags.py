@@ -8,9 +8,10 @@ import numba
 
 FASTMATH = set({"reassoc", "contract", "arcp", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
-PARALLEL_MIN_ELEMENTS = (
-    1 << 18
-)  # below this a prange launch (and waking threads next to BLAS) costs more than it saves
+# Below this a loop runs serial. A parallel kernel compiles about 3x slower than a serial one,
+# and the transformer block (loops of 2**18-2**20 elements) stepped as fast with every loop
+# serial (PERFORMANCE-NOTES.md); streams of several MiB gain from the second core's bandwidth.
+PARALLEL_MIN_ELEMENTS = 1 << 21
 
 
 def threads() -> int:

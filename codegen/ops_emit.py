@@ -9,6 +9,7 @@ from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
 from backplan.ir.index_check import index_message, label_message
 
+from .flags import threads
 from .gemm import vector_width
 from .gemm.choice import use_own_gemm
 from .loops import internal_shape
@@ -202,7 +203,10 @@ class OpEmitter:
         return lines
 
     def _rows(self, fn: str, rows: int, cols: int) -> str:
-        return f"{fn}_par" if rows * cols >= (1 << 15) and rows > 1 else fn
+        """Library row kernels (exp, rsqrt per element) gain from threads at smaller sizes
+        than fused loops; compiled once per installation, not per plan."""
+        parallel = rows * cols >= (1 << 15) and rows > 1 and threads() > 1
+        return f"{fn}_par" if parallel else fn
 
     def _softmax(self, node, out, log: bool) -> list[str]:
         (x,) = node.inputs

@@ -144,6 +144,22 @@ def announce_driver_build(label: str, statements: int) -> bool:
     return True
 
 
+def announce_background_compile(
+    label: str, kernels: list[KernelSource], driver_statements: int
+) -> bool:
+    """BACKPLAN_DRIVER=reference: says, when the compile will be slow, that calls run on the
+    reference interpreter until kernels and driver are built."""
+    guess = estimate(kernels, False, driver_statements)
+    if quiet() or guess.seconds <= threshold_seconds():
+        return False
+    _say(
+        f"{label}: calls run on the reference interpreter while {guess.to_compile} of "
+        f"{guess.kernels} loop kernels and the driver compile in a background process "
+        f"(about {guess.seconds:.0f} s)"
+    )
+    return True
+
+
 def say(line: str) -> None:
     _say(line)
 

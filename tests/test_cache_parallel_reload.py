@@ -24,7 +24,7 @@ def second(x):
     return bp.sum(bp.tanh(x) * x, axis=1)
 
 fn = bp.compile(first if sys.argv[1] == "first" else second)
-x = bp.tensor(np.linspace(-2, 2, 1 << 19, dtype=np.float32).reshape(512, 1024))
+x = bp.tensor(np.linspace(-2, 2, 1 << 21, dtype=np.float32).reshape(2048, 1024))
 with use_backend("numba"):
     out = fn(x).numpy()
 print(json.dumps(out[:4].tolist()))
@@ -49,7 +49,7 @@ def run(tmp_path, which: str) -> list:
 
 
 def test_a_driver_cached_against_a_shared_parallel_kernel_loads_and_runs(tmp_path):
-    x = np.linspace(-2, 2, 1 << 19, dtype=np.float32).reshape(512, 1024)
+    x = np.linspace(-2, 2, 1 << 21, dtype=np.float32).reshape(2048, 1024)
     expected = (np.tanh(x.astype(np.float64)) * x).sum(axis=1)[:4]
     run(tmp_path, "first")  # compiles the shared parallel kernel
     run(tmp_path, "second")  # loads it from disk, compiles and caches its own driver

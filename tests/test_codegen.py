@@ -278,7 +278,7 @@ def test_parallel_and_chunked_reduction_kernels_equal_reference():
     """Big enough for prange: row reductions run in parallel over rows; column and full sums
     run as chunks with partial rows combined at the end."""
     rng = np.random.default_rng(6)
-    shape = (1024, 320)
+    shape = (2048, 1024)  # 2**21 elements: codegen/flags.PARALLEL_MIN_ELEMENTS
 
     def ln_gelu(x, g, b, up):
         y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x

@@ -125,7 +125,7 @@ def test_one_numba_thread_generates_no_parallel_kernel():
     from backplan.codegen.compiled import PARALLEL_LAUNCH
 
     rng = np.random.default_rng(4)
-    w, x = floats(rng, 512, 1024), floats(rng, 512, 1024)
+    w, x = floats(rng, 2048, 1024), floats(rng, 2048, 1024)  # parallel with 2 threads
     previous = numba.get_num_threads()
     try:
         numba.set_num_threads(1)

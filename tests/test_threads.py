@@ -152,7 +152,7 @@ def test_parallel_kernels_from_two_threads_do_not_abort():
     """Numba's workqueue layer aborts the process when two threads enter it at once; plans that
     launch parallel kernels take turns for that part."""
     fn = bp.compile(lambda x: bp.sum(bp.tanh(x) * x, axis=1))
-    x = bp.tensor(np.linspace(-2, 2, 1 << 19, dtype=np.float32).reshape(512, 1024))
+    x = bp.tensor(np.linspace(-2, 2, 1 << 21, dtype=np.float32).reshape(2048, 1024))
     with use_backend("numba"):
         expected = fn(x).numpy().copy()
         results = run_threads(lambda t, c: [fn(x).numpy().copy()] if c < 3 else [expected])
