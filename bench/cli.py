@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 
+from . import compile_cli
 from .affinity import pin_process
 from .caches import FreshCaches
 from .environment import collect, load_average, usable_cpus
@@ -32,14 +33,24 @@ FEW_CPUS = 4  # at or below this, default thread pools of several libraries figh
 
 def add_arguments(parser) -> None:
     parser.add_argument(
+        "mode",
+        nargs="?",
+        default="steps",
+        choices=("steps", "compile"),
+        help="steps (default): step time, memory and first calls of every peer in one "
+        "process; compile: cold and warm first calls, each in a fresh process with an empty "
+        "cache folder (--models, --against, --threads, --rounds, --small, --json, --markdown)",
+    )
+    parser.add_argument(
         "--models", default="", help=f"comma-separated; default all of: {', '.join(MODELS)}"
     )
     parser.add_argument(
         "--against",
-        default=DEFAULT_AGAINST,
+        default=None,
         help=f"peers, comma-separated, from {', '.join(AGAINST_CHOICES)}; "
         "'torch' means eager and torch.compile; 'none' runs backplan alone "
-        f"(default {DEFAULT_AGAINST}); peers not installed are skipped",
+        f"(default {DEFAULT_AGAINST}; for compile torch.compile,jax); peers not installed "
+        "are skipped",
     )
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument(
@@ -82,6 +93,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args, out=None) -> int:
+    if args.mode == "compile":
+        if args.against is None:
+            args.against = compile_cli.DEFAULT_AGAINST
+        return compile_cli.run(args, out)
+    if args.against is None:
+        args.against = DEFAULT_AGAINST
     out = out if out is not None else sys.stdout
     try:
         record = read_json(args.from_json) if args.from_json else measure(args)

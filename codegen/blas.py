@@ -8,7 +8,9 @@ from numba.core.extending import intrinsic
 from numba.np.linalg import ensure_blas
 
 from .jit import AS_PYTHON, njit
+from .scipy_blas import preload_cython_blas
 
+preload_cython_blas()  # saves the 0.2 s import of all of scipy.linalg that ensure_blas does
 ensure_blas()
 
 

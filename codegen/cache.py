@@ -12,6 +12,7 @@ before it is unpickled.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -58,7 +59,9 @@ def cache_dir() -> str:
     return path
 
 
+@functools.cache
 def _cpu() -> str:
+    """The host CPU's name and a hash of its features (asked of LLVM once per process)."""
     from llvmlite import binding
 
     features = binding.get_host_cpu_features().flatten()

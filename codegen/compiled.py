@@ -78,7 +78,7 @@ class CompiledPlan:
         mode = driver_tier.driver_mode()
         self._build_lock = threading.Lock()
         if hasattr(module.run, "py_func") and mode != "inline":
-            compiled = module.run.overloads or driver_tier.is_cached(module.__file__)
+            compiled = module.run.overloads or driver_tier.is_cached(module.run)
             if mode == "reference" and not compiled:
                 self.driver_tier = "reference"  # kernels and driver build in the child
                 self._background = True

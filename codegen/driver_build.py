@@ -6,6 +6,7 @@ loads the compiled driver from the cache, where Numba wrote it signed."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from . import cache, kernel_cache
@@ -26,4 +27,7 @@ def build(payload: dict) -> None:
 
 
 if __name__ == "__main__":
+    # The parent keeps running steps meanwhile (its BLAS threads spin-wait on every core and
+    # starve when a compiler takes one): the build gets what the steps leave.
+    os.nice(10)
     build(json.loads(sys.stdin.buffer.read()))

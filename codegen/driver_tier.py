@@ -73,15 +73,12 @@ def numba_signature(described: list) -> tuple:
     )
 
 
-def is_cached(path: str) -> bool:
-    """Whether a compiled `run` for this driver file is in Numba's (signed) cache: a
-    prediction, as for kernels; the index may hold other argument types."""
-    folder = os.path.join(os.path.dirname(path), "__pycache__")
-    prefix = os.path.splitext(os.path.basename(path))[0] + ".run-"
-    try:
-        return any(n.startswith(prefix) and n.endswith(".bp.nbi") for n in os.listdir(folder))
-    except OSError:
-        return False
+def is_cached(dispatcher) -> bool:
+    """Whether a compiled `run` for this driver is in Numba's (signed) cache: its index file
+    exists (a prediction, as for kernels: the index may hold other argument types)."""
+    cache = getattr(dispatcher, "_cache", None)
+    index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
+    return index is not None and os.path.exists(index)
 
 
 class DriverBuild:

@@ -27,10 +27,26 @@ def compiled_njit(cache: bool = False, **options):
     def decorate(fn):
         dispatcher = numba.njit(**options)(fn)
         if cache:
-            dispatcher._cache = SignedFunctionCache(dispatcher.py_func)
+            dispatcher._cache = SignedCacheOnDemand(dispatcher.py_func)
         return dispatcher
 
     return decorate
+
+
+class SignedCacheOnDemand:
+    """A function's SignedFunctionCache, made the first time Numba asks it anything. Making one
+    touches the disk (Numba creates and deletes a file to test that the folder is writable), and
+    most library functions never ask: a warm process loads a plan's driver whose cached machine
+    code already holds every library function it calls."""
+
+    def __init__(self, py_func):
+        self._py_func = py_func
+        self._signed = None
+
+    def __getattr__(self, name: str):
+        if self._signed is None:
+            self._signed = SignedFunctionCache(self._py_func)
+        return getattr(self._signed, name)
 
 
 def njit(*args, **kwargs):

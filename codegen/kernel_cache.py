@@ -59,18 +59,38 @@ def _import(source: KernelSource):
 
 
 def is_cached(source: KernelSource) -> bool:
-    """Whether the kernel will not need compiling: compiled in this process already, or an
-    index of compiled versions is on disk beside its file (a prediction: the index may hold
-    other argument types)."""
-    dispatcher = _LOADED.get(source.digest)
-    if dispatcher is not None and getattr(dispatcher, "overloads", None):
-        return True
+    """Whether the kernel will not need compiling (see cached_digests)."""
+    return source.digest in cached_digests([source])
+
+
+def cached_digests(kernels: list[KernelSource]) -> set[str]:
+    """The digests of those kernels that will not need compiling: compiled in this process
+    already, or an index of compiled versions is on disk beside the kernel's file (a prediction:
+    the index may hold other argument types). Numba's folder is listed at most once per call,
+    however many kernels are asked about: a long-lived cache holds thousands of files."""
+    found, unknown = set(), []
+    for source in kernels:
+        dispatcher = _LOADED.get(source.digest)
+        if dispatcher is not None and getattr(dispatcher, "overloads", None):
+            found.add(source.digest)
+        else:
+            unknown.append(source)
+    if unknown:
+        indexed = _indexed_kernel_names()
+        found.update(source.digest for source in unknown if source.name in indexed)
+    return found
+
+
+def _indexed_kernel_names() -> frozenset[str]:
+    """Names of the kernels with a Numba index file (`<name>.kernel-<line>....nbi`)."""
     directory = os.path.join(cache.cache_path(), "__pycache__")  # asking creates nothing
-    prefix = f"{source.name}.kernel-"
     try:
-        return any(n.startswith(prefix) and n.endswith(".nbi") for n in os.listdir(directory))
+        names = os.listdir(directory)
     except OSError:
-        return False
+        return frozenset()
+    return frozenset(
+        n.partition(".kernel-")[0] for n in names if ".kernel-" in n and n.endswith(".nbi")
+    )
 
 
 @dataclass(frozen=True)

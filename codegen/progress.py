@@ -48,8 +48,9 @@ def estimate(
     kernels: list[KernelSource], driver_cached: bool, driver_statements: int = 0
 ) -> CompileEstimate:
     """driver_statements: statements of the plan's `run` driver, whose compile grows with them."""
-    cached = [k for k in kernels if kernel_cache.is_cached(k)]
-    fresh = [k for k in kernels if not kernel_cache.is_cached(k)]
+    cached_digests = kernel_cache.cached_digests(kernels)
+    cached = [k for k in kernels if k.digest in cached_digests]
+    fresh = [k for k in kernels if k.digest not in cached_digests]
     seconds = sum(PARALLEL_SECONDS if k.parallel else SERIAL_SECONDS for k in fresh)
     seconds += len(cached) * CACHED_SECONDS
     if not driver_cached:

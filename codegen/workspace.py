@@ -18,6 +18,7 @@ import numba
 import numpy as np
 
 KEEP_IDLE = 4  # workspaces kept per plan after a burst of concurrent calls
+REUSE_BYTES = 1 << 16  # outputs at least this big are reused from the previous call
 
 # The threading layers Numba documents as safe to enter from several threads at once.
 _THREADSAFE_LAYERS = ("tbb", "omp", "threadsafe")
@@ -41,26 +42,37 @@ class Workspace:
         self.output_buffers = output_buffers  # (shape, dtype) of each per-call output
         self.previous_outputs = [None] * len(output_buffers)
         self.donatable = donatable  # outputs that may go back in as donated inputs: not kept
+        self._slots = [
+            (i, shape, dtype, _reusable(shape, dtype) and i not in donatable)
+            for i, (shape, dtype) in enumerate(output_buffers)
+        ]
 
     def output_arrays(self, given=()) -> list:
-        """Fresh output buffers, except that a buffer from this workspace's previous call that
-        nobody holds any more is reused: no new pages to fault in (16 MiB outputs cost ~1 ms
-        each). Only the thread holding the workspace looks at them. Slots in `given` are left
-        None: the caller fills them with donated inputs."""
+        """Fresh output buffers, except that a big buffer from this workspace's previous call
+        that nobody holds any more is reused: no new pages to fault in (16 MiB outputs cost
+        ~1 ms each). Only the thread holding the workspace looks at them. Slots in `given` are
+        left None: the caller fills them with donated inputs."""
         arrays = []
-        for i, (shape, dtype) in enumerate(self.output_buffers):
+        previous_outputs = self.previous_outputs
+        for i, shape, dtype, reusable in self._slots:
             if i in given:
                 arrays.append(None)
-                continue
-            previous = self.previous_outputs[i]
-            if previous is not None and sys.getrefcount(previous) == 3:  # list, local, argument
-                previous.flags.writeable = True
-                arrays.append(previous)
-            else:
+            elif not reusable:
                 arrays.append(np.empty(shape, dtype))
-            if i not in self.donatable:  # a donated-back result is the caller's, not ours
-                self.previous_outputs[i] = arrays[-1]
+            else:
+                previous = previous_outputs[i]
+                if previous is not None and sys.getrefcount(previous) == 3:  # list, local, arg
+                    previous.flags.writeable = True
+                else:
+                    previous = previous_outputs[i] = np.empty(shape, dtype)
+                arrays.append(previous)
         return arrays
+
+
+def _reusable(shape, dtype) -> bool:
+    """Worth reusing: below REUSE_BYTES, np.empty is cheaper than the checks (it takes memory
+    from the allocator's free lists, no page faults)."""
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize >= REUSE_BYTES
 
 
 class WorkspacePool:

@@ -52,6 +52,7 @@ def plan_facts(
     generated = generate(lowered)  # source only: cheap, nothing compiled
     kernels = generated.loop_kernels
     in_place = donated_outputs(lowered, donated)
+    cached = kernel_cache.cached_digests(kernels)
     return CompiledPlanFacts(
         label,
         lowered.kernel_count,
@@ -59,7 +60,7 @@ def plan_facts(
         layout.output_bytes - sum(n for _, _, n in in_place),
         len(layout.reused_saved),
         loop_kernels=tuple(k.digest for k in kernels),
-        cached_kernels=tuple(k.digest for k in kernels if kernel_cache.is_cached(k)),
+        cached_kernels=tuple(k.digest for k in kernels if k.digest in cached),
         compile_seconds=estimate(kernels, False, generated.driver_statements).seconds,
         driver_seconds=estimate([], False, generated.driver_statements).seconds,
         donated=tuple(in_place),

@@ -385,8 +385,12 @@ def restore_affinity():
     """Pinning applies to the whole process: put every thread back afterwards."""
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("CPU affinity is Linux-only")
+    import numba
+
     original = os.sched_getaffinity(0)
+    threads = numba.get_num_threads()
     yield sorted(original)
+    numba.set_num_threads(threads)  # --threads sets Numba's too; later tests expect the default
     for name in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(name), original)

@@ -2,6 +2,7 @@
 table, batched so a handful of compiles cover all), forward, backward and joint plans of real
 models, and inputs are never modified."""
 
+import numba
 import numpy as np
 import pytest
 from op_samples import SAMPLES
@@ -289,8 +290,15 @@ def test_parallel_and_chunked_reduction_kernels_equal_reference():
         for s in (shape, shape[1:], shape[1:], shape)
     ]
     vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
-    with use_backend("numba"):
-        compiled = vg.trace(*args).runner().compiled
+    previous = numba.get_num_threads()
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread: no loop is parallel")
+    try:
+        numba.set_num_threads(2)  # an earlier test may have lowered it (bench --threads 1)
+        with use_backend("numba"):
+            compiled = vg.trace(*args).runner().compiled
+    finally:
+        numba.set_num_threads(previous)
     kernels = "".join(k.source for k in compiled.loop_kernels)
     assert "for chunk in prange(" in kernels and "for i0 in prange(n0)" in kernels
     ref, got = run_both(lambda *a: vg(*a), *args)

@@ -161,3 +161,51 @@ def test_reference_first_calls_compile_nothing_here_then_switch(background, monk
     assert np.array_equal(first_grad.numpy(), expected_grad.numpy())
     np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-5)
     np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+NEXT_PROCESS = """
+import json, sys
+import numpy as np
+import backplan as bp
+from backplan.codegen import driver_tier
+from backplan.runtime.backend import use_backend
+
+def loss(w, x):
+    return bp.mean(bp.tanh(x @ w) ** 2)
+
+w = bp.tensor(np.ones((5, 3), np.float32))
+x = bp.tensor(np.ones((13, 5), np.float32))
+step = bp.value_and_grad(bp.compile(loss))
+with use_backend("numba"):
+    step(w, x)
+    plan = step.trace(w, x).runner().compiled
+    tier = plan.driver_tier
+    built = driver_tier.wait_for_builds(timeout=240)
+print(json.dumps({"tier": tier, "built": built, "now": plan.driver_tier}))
+"""
+
+
+def test_a_next_process_starts_on_the_driver_the_last_one_built(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(tmp_path / "kernels"),
+        "BACKPLAN_DRIVER": "background",
+    }
+
+    def run() -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", NEXT_PROCESS],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert run() == {"tier": "python", "built": True, "now": "compiled"}
+    assert run() == {"tier": "compiled", "built": True, "now": "compiled"}

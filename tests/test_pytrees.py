@@ -113,3 +113,26 @@ def test_tree_functions():
         bp.tree.unflatten(treedef, leaves[:2])
     frozen = Params(bp.ones((1,)), bp.zeros((1,)))
     assert bp.tree.map(lambda t: t + 1.0, frozen).b.tolist() == [1.0]
+
+
+def test_a_per_structure_unflattener_rebuilds_what_unflatten_does():
+    from collections import namedtuple
+
+    from backplan.tracer.pytree import unflattener
+
+    Point = namedtuple("Point", "x y")
+    trees = [
+        {"a": 1, "b": 2},
+        {"a": [1, (2, None)], "b": {"c": 3}},
+        (1, [2, 3], {"d": Point(4, 5)}),
+        Params(1, 2),
+        7,
+        [],
+    ]
+    for tree in trees:
+        leaves, treedef = bp.tree.flatten(tree)
+        rebuild = unflattener(treedef)
+        assert rebuild(leaves) == bp.tree.unflatten(treedef, leaves) == tree
+        assert rebuild([leaf * 10 for leaf in leaves]) == bp.tree.map(lambda v: v * 10, tree)
+    with pytest.raises(ValueError, match="has 2 leaves, got 3"):
+        unflattener(bp.tree.structure({"a": 1, "b": 2}))([1, 2, 3])

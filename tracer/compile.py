@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 from backplan.ir.pipeline import build_region_plans
@@ -15,6 +15,7 @@ from .arguments import ArgumentSpec
 from .captured_names import captured_names
 from .donate import check_donated_inputs, donatable, mark_donated
 from .fastpath import positions_of
+from .numpy_args import input_tensor, kept_by_outputs
 from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     DEFAULT_CACHE_SIZE,
     STALE,
@@ -22,9 +23,9 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     PlannedFunction,
     RetraceWarning,
 )
-from .pytree import TreeDef, flatten, unflatten
+from .pytree import TreeDef, flatten, unflattener
 from .reports import explain_traced
-from .signature import bind_call, input_tensor, miss_reason
+from .signature import bind_call, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import Trace, tracing
@@ -42,6 +43,10 @@ class TracedFunction:
     input_names: list[str]  # one per graph input: argument paths, then captured tensors
     donated: tuple[int, ...] = ()  # graph inputs of donated arguments
     donated_to: str = ""  # "step() (bp.compile(donate_argnums=(0, 1)))", for the error
+    rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
+
+    def __post_init__(self):
+        self.rebuild_outputs = unflattener(self.out_treedef)
 
 
 def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
@@ -94,7 +99,7 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
             leaves.append(Tensor._from_array(outputs[item], grad_fn=region, out_index=item))
         else:
             leaves.append(Tensor._from_array(outputs[item]))
-    return unflatten(traced.out_treedef, leaves)
+    return traced.rebuild_outputs(leaves)
 
 
 class CompiledFunction(PlannedFunction):
@@ -140,10 +145,13 @@ class CompiledFunction(PlannedFunction):
         if positions is None:
             return None
 
+        kept = _kept_inputs(traced.program, traced.donated)
+        slots = [(i, k in kept) for k, i in enumerate(positions)]
+
         def run(leaves):
             if not self._still_valid(traced):
                 return STALE
-            return run_tensors(traced, [input_tensor(leaves[i]) for i in positions])
+            return run_tensors(traced, [input_tensor(leaves[i], copy) for i, copy in slots])
 
         return run
 
@@ -188,6 +196,13 @@ class CompiledFunction(PlannedFunction):
             donated,
             f"{name}() (bp.compile(donate_argnums={self.arguments.donate_nums}))",
         )
+
+
+def _kept_inputs(program: RegionProgram, donated: tuple[int, ...]) -> set[int]:
+    """Forward inputs whose buffer outlives the call: read by an output, saved for backward,
+    or donated. A NumPy array passed there is copied (tracer/numpy_args.py)."""
+    saved = {slot.source[1] for slot in program.plans.saved if slot.source[0] == "input"}
+    return kept_by_outputs(program.plans.forward.graph) | saved | set(donated)
 
 
 def _captured_flags(captured: list) -> tuple[bool, ...]:
@@ -238,6 +253,9 @@ def compile(  # noqa: A001
     strings and None are static: part of the signature, so a new value retraces.
     static_argnums / static_argnames make every leaf of those arguments static (a float that
     must be a Python number: a shape, an op attribute, a branch condition).
+    NumPy arrays cost what tensors do: the plan reads them in place, through a read-only view,
+    and copies one only where a result or a buffer saved for backward would keep it, so
+    changing an array after the call never changes what the call returned.
 
     donate_argnums: arguments whose buffers the call may overwrite with its results (each
     output takes the first donated input of its dtype and shape), so a training step

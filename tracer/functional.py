@@ -18,10 +18,11 @@ from backplan.runtime.backend import runner_for
 from .compile import trace_function
 from .errors import TracingError
 from .fastpath import positions_of
+from .numpy_args import input_array, kept_by_outputs
 from .planned import PlannedFunction
-from .pytree import flatten, unflatten
+from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint
-from .signature import bind_call, input_tensor, miss_reason
+from .signature import bind_call, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
 
@@ -150,25 +151,29 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
 
 
 def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
-    """A call for later calls with the same key: arrays in, tensors out, no binding."""
+    """A call for later calls with the same key: arrays in, tensors out, no binding; the
+    output structures are worked out here, once."""
     positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
     if positions is None:
         return None
     captured, runner, n_aux = entry.captured, entry.runner, entry.n_aux
-    grad_structures = [flatten(args[i])[1] for i in nums]
+    kept = kept_by_outputs(entry.plan.graph)
+    slots = [(i, k in kept) for k, i in enumerate(positions)]
+    grad_builders, start = [], 1 + n_aux
+    for i in nums:
+        structure = flatten(args[i])[1]
+        grad_builders.append((unflattener(structure), start, start + structure.num_leaves))
+        start += structure.num_leaves
+    aux_builder = unflattener(entry.aux_treedef) if has_aux else None
 
     def call_fast(leaves):
-        arrays = [input_tensor(leaves[i])._data for i in positions]
+        arrays = [input_array(leaves[i], copy) for i, copy in slots]
         arrays += [t._data for t in captured]
         results = [Tensor._fresh(a) for a in runner()(arrays)]
-        grads, start = [], 1 + n_aux
-        for structure in grad_structures:
-            count = structure.num_leaves
-            grads.append(unflatten(structure, results[start : start + count]))
-            start += count
+        grads = [build(results[a:b]) for build, a, b in grad_builders]
         grads = grads[0] if single else tuple(grads)
         if has_aux:
-            return (results[0], unflatten(entry.aux_treedef, results[1 : 1 + n_aux])), grads
+            return (results[0], aux_builder(results[1 : 1 + n_aux])), grads
         return results[0], grads
 
     return call_fast
@@ -199,10 +204,10 @@ def _positional(fn):
 
 
 def _as_diff_arg(arg):
+    """A float argument to differentiate becomes a tensor. NumPy arrays stay as they are:
+    binding makes them tensors, and the fast path finds them among the call's leaves."""
     if isinstance(arg, float):
         return Tensor(np.float64(arg))
-    if isinstance(arg, np.ndarray):
-        return Tensor(arg)
     return arg
 
 

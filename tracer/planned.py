@@ -46,6 +46,7 @@ class PlannedFunction:
         self._fast: dict = {}  # fastpath.call_key -> (runner(leaves) (or STALE), entry key)
         self._traces = self._hits = self._misses = 0
         self._last_key = None
+        self._most_recent = None  # the fast path's entry key last moved to the end, or None
         self._last_miss_reason: str | None = None
         self._miss_reasons: list[str] = []  # of every retrace, for the warning
         self._warned = False
@@ -87,15 +88,20 @@ class PlannedFunction:
         if current_trace() is not None:
             return self._call_in_trace(args, kwargs)
         key, leaves = call_key(
-            args, kwargs, is_grad_enabled(), self._static_nums, self._static_names
+            args, kwargs, is_grad_enabled(), self._static_nums, self._static_names, False
         )
-        fast = self._fast.get(key) if key is not None else None
+        try:
+            fast = self._fast.get(key) if key is not None else None
+        except TypeError:  # an unhashable static value: the full path says which
+            fast = key = None
         if fast is not None:
             runner, entry_key = fast
             result = runner(leaves)
             if result is not STALE:
                 self._hits += 1
-                self._entries.move_to_end(entry_key)
+                if entry_key is not self._most_recent:  # keys hash deep: skip when it is
+                    self._entries.move_to_end(entry_key)
+                    self._most_recent = entry_key
                 return result
         bound, entry = self.lookup(args, kwargs)
         result = self._run(entry, bound)
@@ -119,6 +125,7 @@ class PlannedFunction:
         if entry is not None and self._still_valid(entry):
             self._hits += count_hit
             self._entries.move_to_end(key)
+            self._most_recent = None
             return bound, entry
         self._misses += 1
         self._last_miss_reason = self._miss_reason(key, entry)
@@ -133,6 +140,7 @@ class PlannedFunction:
         """Least recently used signatures leave the cache beyond cache_size."""
         self._entries[key] = entry
         self._entries.move_to_end(key)
+        self._most_recent = None
         while len(self._entries) > self.cache_size:
             evicted, _ = self._entries.popitem(last=False)
             self._fast = {k: v for k, v in self._fast.items() if v[1] != evicted}
@@ -175,3 +183,4 @@ class PlannedFunction:
     def clear_cache(self) -> None:
         self._entries.clear()
         self._fast.clear()
+        self._most_recent = None

@@ -93,11 +93,6 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
     return BoundCall(key, leaves, positions, signature, sources, arguments)
 
 
-def input_tensor(leaf) -> Tensor:
-    """A fast-path leaf as the tensor the plan takes: Python floats become weak 0-d tensors."""
-    return leaf if type(leaf) is not float else Tensor._weak_scalar(leaf)
-
-
 def _argument_path(path: str) -> str:
     """ "['params']['w0']" -> "params['w0']": the argument name, then the path inside it."""
     match = re.match(r"\['(\w+)'\]", path)

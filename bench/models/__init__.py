@@ -5,7 +5,7 @@ provides the idiomatic version of the same `kind`. Full sizes are what a normal 
 from __future__ import annotations
 
 from ..errors import BenchError
-from . import cnn, ln_gelu, mlp, transformer
+from . import cnn, ln_gelu, lstm, mlp, transformer
 from .spec import ModelInputs, ModelSpec
 
 MODELS: dict[str, ModelSpec] = {
@@ -73,6 +73,22 @@ MODELS: dict[str, ModelSpec] = {
             dict(batch=4, c_in=2, side=4, c1=3, c2=4, n_out=5),
             cnn.make_inputs,
         ),
+        ModelSpec(
+            "lstm12",
+            "lstm",
+            "LSTM unrolled over 12 steps, 4 inputs, 16 hidden, batch 8, MSE of the last state",
+            dict(steps=12, batch=8, n_in=4, hidden=16),
+            dict(steps=2, batch=2, n_in=3, hidden=4),
+            lstm.make_inputs,
+        ),
+        ModelSpec(
+            "lstm48",
+            "lstm",
+            "LSTM unrolled over 48 steps, 4 inputs, 16 hidden, batch 8, MSE of the last state",
+            dict(steps=48, batch=8, n_in=4, hidden=16),
+            dict(steps=3, batch=2, n_in=3, hidden=4),
+            lstm.make_inputs,
+        ),
     ]
 }
 
@@ -83,6 +99,7 @@ BACKPLAN_KINDS = {
     "transformer": (transformer.loss, None),
     "ln_gelu": (ln_gelu.loss, None),
     "cnn": (cnn.loss, cnn.logits),
+    "lstm": (lstm.loss, None),
 }
 
 

@@ -66,10 +66,26 @@ def cnn_loss(p: dict, x, labels):
     return -jnp.take_along_axis(log_probs, labels[:, None], axis=-1).mean()
 
 
+def lstm_loss(p: dict, xs, target):
+    """Unrolled with a Python loop, as the other peers, so XLA compiles the same unrolled
+    program (jax.lax.scan would compile one step and loop over it)."""
+    h = c = None
+    for t in range(xs.shape[0]):
+        gates = xs[t] @ p["wx"] + p["b"]
+        if h is not None:
+            gates = gates + h @ p["wh"]
+        i, f, g, o = jnp.split(gates, 4, axis=1)
+        i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+        c = i * g if c is None else f * c + i * g
+        h = o * jnp.tanh(c)
+    return jnp.mean((h - target) ** 2)
+
+
 # kind -> (loss, inference forward)
 JAX_KINDS = {
     "mlp": (mlp_loss, mlp_logits),
     "transformer": (transformer_loss, None),
     "ln_gelu": (ln_gelu_loss, None),
     "cnn": (cnn_loss, cnn_logits),
+    "lstm": (lstm_loss, None),
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..models import ModelInputs, ModelSpec
-from . import numpy_cnn, numpy_ln_gelu, numpy_mlp, numpy_transformer
+from . import numpy_cnn, numpy_ln_gelu, numpy_lstm, numpy_mlp, numpy_transformer
 from .base import Peer, Runner, SavedBytes, StepOutput, as_float64
 
 # kind -> (forward returning (loss, cache), backward(params, cache) -> grads, inference forward)
@@ -15,6 +15,7 @@ NUMPY_KINDS = {
     "transformer": (numpy_transformer.forward, numpy_transformer.backward, None),
     "ln_gelu": (numpy_ln_gelu.forward, numpy_ln_gelu.backward, None),
     "cnn": (numpy_cnn.forward, numpy_cnn.backward, numpy_cnn.logits),
+    "lstm": (numpy_lstm.forward, numpy_lstm.backward, None),
 }
 
 

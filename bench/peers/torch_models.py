@@ -54,10 +54,27 @@ def cnn_loss(p: dict, x, labels):
     return F.cross_entropy(cnn_logits(p, x), labels)
 
 
+def lstm_loss(p: dict, xs, target):
+    """Unrolled as in the backplan model (torch.nn.LSTMCell's gate order i, f, g, o): under
+    torch.compile Dynamo unrolls the Python loop into one graph."""
+    hidden = p["wh"].shape[0]
+    h = c = None
+    for t in range(xs.shape[0]):
+        gates = torch.addmm(p["b"], xs[t], p["wx"])
+        if h is not None:
+            gates = gates + h @ p["wh"]
+        i, f, g, o = gates.split(hidden, dim=1)
+        i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+        c = i * g if c is None else f * c + i * g
+        h = o * torch.tanh(c)
+    return F.mse_loss(h, target)
+
+
 # kind -> (loss, inference forward)
 TORCH_KINDS = {
     "mlp": (mlp_loss, mlp_logits),
     "transformer": (transformer_loss, None),
     "ln_gelu": (ln_gelu_loss, None),
     "cnn": (cnn_loss, cnn_logits),
+    "lstm": (lstm_loss, None),
 }

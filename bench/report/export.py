@@ -58,16 +58,16 @@ def write_json(record: dict, path: str) -> None:
         f.write("\n")
 
 
-def read_json(path: str) -> dict:
+def read_json(path: str, schema: str = SCHEMA) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise BenchError(f"cannot read benchmark results from {path}: {exc}") from None
-    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+    if not isinstance(record, dict) or record.get("schema") != schema:
         found = record.get("schema") if isinstance(record, dict) else type(record).__name__
         raise BenchError(
-            f"{path} is not a backplan bench record (schema {found!r}, expected {SCHEMA!r})"
+            f"{path} is not a backplan bench record (schema {found!r}, expected {schema!r})"
         )
     return record
 

@@ -71,16 +71,23 @@ def render_markdown(record: dict) -> list[str]:
 
 def update_markdown_file(record: dict, path: str) -> None:
     """Replace the generated part of path (or write a new file holding only it)."""
-    generated = "\n".join([BEGIN, *render_markdown(record), END])
+    replace_generated(path, BEGIN, END, render_markdown(record))
+
+
+def replace_generated(path: str, begin: str, end: str, lines: list[str], heading: str = "") -> None:
+    """Put lines between the begin and end markers of path, keeping the rest of the file; a
+    file without the markers gets them appended (after `heading`), a missing file is made."""
+    generated = "\n".join([begin, *lines, end])
     text = ""
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             text = f.read()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
         text = head + generated + tail
     else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "# Benchmarks\n\n") + generated + "\n"
+        block = (heading + "\n\n" if heading else "") + generated
+        text = (text.rstrip() + "\n\n" if text.strip() else "# Benchmarks\n\n") + block + "\n"
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)

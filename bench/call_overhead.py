@@ -1,0 +1,91 @@
+"""Step time of one compiled function called with bp.tensor arguments and with the same data as
+plain NumPy arrays, which the README invites: the difference is what the call path spends on
+taking NumPy arguments.
+
+    python -m backplan.bench.call_overhead [--threads 1] [--models mlp_tiny,ln_gelu]
+
+Each model runs `bp.value_and_grad(bp.compile(loss))(params, *batch)` in float32 at full size
+(the bench suite's models); rounds interleave the two argument kinds and the medians of the
+per-step times are printed in microseconds. --threads pins the process to that many CPUs
+(bench/affinity.py) and limits Numba's and BLAS's threads to match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+
+from .affinity import cpu_list_text, current_affinity, pin_process
+from .measure import Schedule, time_call
+
+DEFAULT_MODELS = ("mlp_tiny", "ln_gelu")
+KINDS = ("tensor", "numpy")
+
+
+def make_steps(name: str) -> dict:
+    """{argument kind: step()} for one bench model, both computing the same thing."""
+    import backplan as bp
+
+    from .models import MODELS
+    from .peers.backplan_peer import bench_function
+
+    spec = MODELS[name]
+    inputs = spec.inputs(small=False, dtype=np.float32)
+    fn = bp.value_and_grad(bp.compile(bench_function(spec)), argnums=0)
+    numpy_args = (dict(inputs.params), *inputs.batch(spec.train))
+    tensor_args = (
+        {k: bp.tensor(v) for k, v in inputs.params.items()},
+        *[bp.tensor(a) for a in inputs.batch(spec.train)],
+    )
+    return {
+        "tensor": lambda: fn(*tensor_args),
+        "numpy": lambda: fn(*numpy_args),
+    }
+
+
+def measure(steps: dict, schedule: Schedule) -> dict:
+    """Median step seconds per kind over interleaved rounds (the order alternates)."""
+    warm = {}
+    for kind, step in steps.items():
+        for _ in range(schedule.warmup_steps):
+            step()
+        warm[kind] = statistics.median(time_call(step) for _ in range(3))
+    samples: dict[str, list[float]] = {kind: [] for kind in steps}
+    kinds = list(steps)
+    for r in range(schedule.rounds):
+        for kind in kinds[r % 2 :] + kinds[: r % 2]:
+            count = schedule.steps_per_round(warm[kind])
+            samples[kind] += [time_call(steps[kind]) for _ in range(count)]
+    return {kind: statistics.median(s) for kind, s in samples.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--round-seconds", type=float, default=0.5)
+    options = parser.parse_args(argv)
+    pinned = pin_process(options.threads)
+    from .threads import apply_threads
+
+    apply_threads(options.threads)
+    schedule = Schedule(
+        warmup_steps=5, rounds=options.rounds, round_seconds=options.round_seconds, max_steps=5000
+    )
+    print(
+        f"threads {options.threads}, CPUs {cpu_list_text(current_affinity())} "
+        f"({pinned.get('affinity', 'not pinned')}); medians of {options.rounds} interleaved "
+        "rounds, microseconds per step"
+    )
+    print(f"{'model':<10} {'tensor args':>12} {'numpy args':>12} {'numpy/tensor':>13}")
+    for name in options.models.split(","):
+        medians = measure(make_steps(name), schedule)
+        tensor_us, numpy_us = medians["tensor"] * 1e6, medians["numpy"] * 1e6
+        print(f"{name:<10} {tensor_us:>12.1f} {numpy_us:>12.1f} {numpy_us / tensor_us:>12.2f}x")
+
+
+if __name__ == "__main__":
+    main()

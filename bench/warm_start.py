@@ -1,0 +1,134 @@
+"""Warm start of a bench model: `python -m backplan.bench.warm_start [--model mlp] [--runs 5]`.
+
+One process fills a kernel cache folder (or `--cache-dir` names a long-lived one, e.g. a copy of
+a real user's `~/.cache/backplan/kernels`); then fresh interpreters import backplan and make the
+model's first `bp.value_and_grad(bp.compile(loss))` call against that warm folder. Reports the
+medians (and ranges) of `import backplan` and of the first call, wall and CPU seconds apart, with
+the CPU and the load average around the runs: on a shared machine wall time moves with the load,
+CPU time much less. The first call includes one step; the second call's time is that step alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from .environment import cpu_name
+
+CHILD = r"""
+import json, sys, time
+w0, c0 = time.perf_counter(), time.process_time()
+import backplan as bp
+w1, c1 = time.perf_counter(), time.process_time()
+import numpy as np
+from backplan.bench.models import BACKPLAN_KINDS, MODELS
+spec = MODELS[sys.argv[1]]
+data = spec.make_inputs(spec.config, 0).cast(np.float32)
+base = BACKPLAN_KINDS[spec.kind][0]
+loss = (lambda p, *b: base(p, *b, **spec.static)) if spec.static else base
+params = {k: bp.tensor(v) for k, v in data.params.items()}
+batch = [bp.tensor(b) for b in data.batch(True)]
+step = bp.value_and_grad(bp.compile(loss))
+w2, c2 = time.perf_counter(), time.process_time()
+step(params, *batch)
+w3, c3 = time.perf_counter(), time.process_time()
+step(params, *batch)
+w4, c4 = time.perf_counter(), time.process_time()
+print(json.dumps({"import": w1 - w0, "import_cpu": c1 - c0,
+                  "first_call": w3 - w2, "first_call_cpu": c3 - c2,
+                  "second_call": w4 - w3, "second_call_cpu": c4 - c3}))
+"""
+
+PARTS = ("import", "import_cpu", "first_call", "first_call_cpu", "second_call", "second_call_cpu")
+
+
+def start_once(model: str, cache: str, **variables: str) -> dict:
+    """One fresh interpreter (-I: no user site, no PYTHON* variables) against `cache`."""
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": cache, "BACKPLAN_QUIET": "1", **variables}
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", CHILD, model],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"warm-start child failed ({result.returncode}):\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def measure(model: str, runs: int, cache: str) -> dict:
+    """Fill `cache` with one process (not counted), then `runs` fresh warm ones. The filling
+    process compiles the plan's driver in the call (BACKPLAN_DRIVER=inline): a background build
+    would be stopped when that short process ends, leaving the driver uncached."""
+    start_once(model, cache, BACKPLAN_DRIVER="inline")
+    load_before = os.getloadavg()
+    samples = [start_once(model, cache) for _ in range(runs)]
+    load_after = os.getloadavg()
+    row: dict = {"model": model, "runs": runs, "cache_entries": _entries(cache)}
+    for part in PARTS:
+        values = [s[part] for s in samples]
+        row[part] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    row["load"] = [round(load_before[0], 2), round(load_after[0], 2)]
+    row["samples"] = samples
+    row["cpu"] = cpu_name()
+    return row
+
+
+def _entries(cache: str) -> int:
+    """Files in the cache folder and Numba's `__pycache__` beside them."""
+    count = 0
+    for _, _, files in os.walk(cache):
+        count += len(files)
+    return count
+
+
+def markdown(row: dict) -> str:
+    def cell(part: str) -> str:
+        s = row[part]
+        return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
+
+    return "\n".join(
+        [
+            "| model | cache files | import s | import CPU s | first call s | first call CPU s "
+            "| second call s |",
+            "|---|---|---|---|---|---|---|",
+            f"| {row['model']} | {row['cache_entries']} | {cell('import')} | "
+            f"{cell('import_cpu')} | {cell('first_call')} | {cell('first_call_cpu')} | "
+            f"{cell('second_call')} |",
+            "",
+            f"medians (min-max) of {row['runs']} fresh processes; CPU {row['cpu']}; "
+            f"load average {row['load'][0]} before, {row['load'][1]} after",
+        ]
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backplan.bench.warm_start")
+    parser.add_argument("--model", default="mlp", help="a bench model name (default mlp)")
+    parser.add_argument("--runs", type=int, default=5, help="fresh warm processes")
+    parser.add_argument(
+        "--cache-dir",
+        help="a kernel cache folder to use and keep (default: a new temporary one)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the row as JSON")
+    args = parser.parse_args(argv)
+    folder = args.cache_dir or tempfile.mkdtemp(prefix="bp-warm-start-")
+    try:
+        row = measure(args.model, args.runs, folder)
+    finally:
+        if not args.cache_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(json.dumps(row) if args.json else markdown(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""NumPy arrays as arguments of a compiled call, read in place.
+
+On the fast path a NumPy argument reaches the plan as a read-only view of the caller's buffer:
+no copy, and the plan's kernels cannot write into it (they see the same read-only array type
+as a tensor's, so no second specialisation is compiled). A copy, in C order at memory speed, is
+made only where the array would outlive the call:
+
+- an output is the argument itself or a view of it (the caller would see the result change);
+- a forward input saved for a later `.backward()` (`bp.compile`; backward reads it later);
+- a donated argument (the call writes its results into the buffer it is given);
+- the reference interpreter runs the plan (NumPy ops may return views of their inputs).
+
+So changing the array after a call never changes what the call returned, nor the gradients a
+later backward computes. Changing it from another thread *during* the call is a data race, as
+it is for any NumPy function given that array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backplan.ir.graph import Graph
+from backplan.ir.layout import storage_root
+from backplan.runtime.backend import current_backend
+
+from .tensor import Tensor
+
+
+def kept_by_outputs(graph: Graph) -> set[int]:
+    """Graph inputs whose buffer an output reads: the input itself or a view of it."""
+    index = {v: i for i, v in enumerate(graph.inputs)}
+    roots = (storage_root(out) for out in graph.outputs)
+    return {index[root] for root in roots if root in index}
+
+
+def borrowed(array: np.ndarray) -> np.ndarray:
+    """A read-only view of the caller's array: the plan reads it, nobody writes through it."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def copied(array: np.ndarray) -> np.ndarray:
+    """A private C-ordered copy, read-only like every tensor's buffer."""
+    copy = np.array(array, order="C")
+    copy.flags.writeable = False
+    return copy
+
+
+def input_array(leaf, copy: bool) -> np.ndarray:
+    """A fast-path leaf (tensor, Python float or NumPy array) as the array the plan reads;
+    copy: this input would outlive the call (see the module docstring)."""
+    kind = type(leaf)
+    if kind is Tensor:
+        return leaf._data
+    if kind is float:
+        return np.array(leaf, np.float64)
+    return copied(leaf) if copy or current_backend() == "reference" else borrowed(leaf)
+
+
+def input_tensor(leaf, copy: bool) -> Tensor:
+    """A fast-path leaf as the tensor the plan takes: Python floats become weak 0-d tensors,
+    NumPy arrays borrowed or copied tensors."""
+    kind = type(leaf)
+    if kind is Tensor:
+        return leaf
+    if kind is float:
+        return Tensor._weak_scalar(leaf)
+    return Tensor._fresh(input_array(leaf, copy))
