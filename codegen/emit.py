@@ -22,8 +22,10 @@ from backplan.ir.text import format_attr, value_names
 from . import cache
 from .add_chains import chain_loops, chain_terms, size_of
 from .driver_split import driver_source
+from .epilogue import gemm_epilogue_lines
 from .flags import parallel_pays
-from .kernel_source import KernelSource, canonical_kernel
+from .gemm import vector_width
+from .kernel_source import GEMM_IMPORTS, KernelSource, canonical_kernel
 from .loops import LoopEmitter
 from .ops_emit import OpEmitter, Unsupported, unsupported_reason
 from .placement import Placer
@@ -196,9 +198,12 @@ class _Emitter:
                 continue
             if kernel.kind in ("literal", "alias"):
                 continue
-            body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
+            recomputed = kernel.recomputed + (kernel.epilogue.recomputed if kernel.epilogue else [])
+            body += [ir_comment(n, self.names) + "  (recomputed here)" for n in recomputed]
             body += [ir_comment(n, self.names) for n in kernel.all_nodes]
-            if kernel.kind == "loop":
+            if kernel.epilogue is not None:
+                self._gemm_epilogue(kernel, body)
+            elif kernel.kind == "loop":
                 self._loop(kernel, body)
             elif kernel.kind == "view":
                 node = kernel.nodes[0]
@@ -217,11 +222,18 @@ class _Emitter:
         return body, constants
 
     def _call(
-        self, lines: list[str], scalars: dict, bases: dict, parallel: bool, shared: bool = False
+        self,
+        lines: list[str],
+        scalars: dict,
+        bases: dict,
+        parallel: bool,
+        shared: bool = False,
+        gemm: bool = False,
     ) -> str:
-        """The call of the shared kernel for these loop lines."""
-        salt = cache.kernel_fingerprint()
-        kernel = canonical_kernel(lines, scalars, bases, parallel, salt, shared)
+        """The call of the shared kernel for these loop lines (gemm: they call the GEMM)."""
+        salt = cache.kernel_fingerprint(gemm)
+        imports = GEMM_IMPORTS if gemm else ""
+        kernel = canonical_kernel(lines, scalars, bases, parallel, salt, shared, imports)
         self.kernels.setdefault(kernel.digest, kernel)
         return f"{kernel.name}({', '.join(kernel.arguments)})"
 
@@ -260,6 +272,37 @@ class _Emitter:
         lines = [*views, f"for i0 in {'prange' if parallel else 'range'}(n0):"]
         lines += ["    " + line for line in stages]
         body.append(self._call(lines, scalars, bases, parallel))
+
+    def _gemm_epilogue(self, kernel, body) -> None:
+        """A matmul and the loop after it: one kernel running the loop on each block of rows
+        the own GEMM finishes; after a BLAS call (or a copied operand), the two as they were."""
+        node, loop = kernel.nodes[0], kernel.epilogue
+        self.buffer(node)
+        stored = {n for n in loop.all_nodes if n in self.needed}
+        operands = self.ops.placed_operands(node, flat=True) if self.ops.own_gemm(node) else None
+        if operands is None or not stored:
+            body += self.ops.op(node, self.names[node])
+            self._loop(loop, body)
+            return
+        for value in loop.all_nodes:
+            if value in stored:
+                self.buffer(value)
+        emitter = LoopEmitter(
+            loop,
+            set(loop.computed),
+            stored,
+            self.names,
+            self.literal_of,
+            self.placer.place,
+            rows=True,
+            size_prefix="s0_n",
+        )
+        views, stage, _ = emitter.emit()
+        out = self.placer.place(node)
+        lines, scalars, bases = gemm_epilogue_lines(vector_width(), operands, out, views, stage)
+        scalars.update(emitter.size_arguments(), **emitter.scalars)
+        bases.update(emitter.bases)
+        body.append(self._call(lines, scalars, bases, False, gemm=True))
 
     def _loop(self, kernel, body) -> None:
         stored = {n for n in kernel.all_nodes if n in self.needed}

@@ -43,13 +43,19 @@ KERNEL_DEPENDENCIES = (
 )
 
 
+# What a loop kernel that runs a GEMM (a GEMM with its epilogue) depends on besides those.
+GEMM_DEPENDENCIES = tuple(
+    f"gemm/{name}" for name in ("api.py", "driver.py", "kernel.py", "pack.py", "transpose_pack.py")
+)
+
+
 @functools.cache
-def kernel_fingerprint() -> str:
+def kernel_fingerprint(gemm: bool = False) -> str:
     """Like codegen_fingerprint, over the kernels' dependencies only: editing the plan emitter
-    keeps every shared kernel cached."""
+    keeps every shared kernel cached. gemm: for the kernels that call backplan's GEMM."""
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256(CODEGEN_VERSION.encode())
-    for name in KERNEL_DEPENDENCIES:
+    for name in KERNEL_DEPENDENCIES + (GEMM_DEPENDENCIES if gemm else ()):
         with open(os.path.join(here, name), "rb") as f:
             digest.update(name.encode() + f.read())
     return digest.hexdigest()[:16]

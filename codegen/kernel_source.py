@@ -31,6 +31,8 @@ from backplan.codegen.flags import JIT_OPTIONS
 from backplan.codegen.scalar_functions import *  # noqa: F403
 from backplan.codegen.views import contiguous_view, strided_view
 '''
+# What a kernel running backplan's GEMM on blocks of rows imports besides (codegen/epilogue.py).
+GEMM_IMPORTS = "from backplan.codegen.gemm.api import ROW_BLOCK, gemm_into, gemm_workspace\n"
 
 # (pattern, canonical prefix): bases, offsets, strides and sizes are parameters; the rest locals.
 _NAMES = re.compile(
@@ -67,12 +69,19 @@ class KernelSource:
 
 
 def canonical_kernel(
-    lines: list[str], scalars: dict, bases: dict, parallel: bool, salt: str, shared: bool = False
+    lines: list[str],
+    scalars: dict,
+    bases: dict,
+    parallel: bool,
+    salt: str,
+    shared: bool = False,
+    imports: str = "",
 ):
     """lines: the loop's source; scalars: value of each offset, size and stride name it uses;
     bases: the plan's array for each base name. salt: everything else the compiled code
     depends on (code generator fingerprint, flags). shared: each plan array one parameter
-    (always so in a parallel kernel); otherwise one per view."""
+    (always so in a parallel kernel); otherwise one per view. imports: lines added to the
+    header (GEMM_IMPORTS)."""
     renamed, params, arguments = {}, [], []
     counters = dict.fromkeys(_PREFIX, 0)
     parameter_of: dict[str, str] = {}  # the plan's array -> its parameter, when shared
@@ -97,7 +106,7 @@ def canonical_kernel(
     body = [_NAMES.sub(rename, line) for line in lines]
     decorator = "@njit(parallel=True, **JIT_OPTIONS)" if parallel else "@njit(**JIT_OPTIONS)"
     source = "\n".join(
-        [KERNEL_HEADER, "", decorator, f"def kernel({', '.join(params)}):"]
+        [KERNEL_HEADER + imports, "", decorator, f"def kernel({', '.join(params)}):"]
         + ["    " + line for line in body]
     )
     source += "\n"

@@ -119,10 +119,14 @@ class OpEmitter:
             return self.array(value.inputs[0]), True
         return self.array(value), False
 
-    def op_matmul(self, node: Value, out: str) -> list[str]:
+    def own_gemm(self, node: Value) -> bool:
+        """Whether backplan's GEMM computes this matmul (else BLAS): codegen/gemm/choice.py."""
         m, n = node.shape[-2:]
         k, tb = node.inputs[0].shape[-1], self.absorbs(node.inputs[1])
-        own = use_own_gemm(m, n, k, tb, node.dtype)
+        return use_own_gemm(m, n, k, tb, node.dtype)
+
+    def op_matmul(self, node: Value, out: str) -> list[str]:
+        own = self.own_gemm(node)
         placed = self._placed_matmul(node, own) if len(node.shape) == 2 else None
         if placed is not None:
             return placed
@@ -133,19 +137,28 @@ class OpEmitter:
             return [f"gemm_{node.dtype}({ta}, {tb}, {a}, {b}, {out}, 0.0)"]
         return self._batched_matmul(node, out, (a, ta), (b, tb), own)
 
-    def _placed_matmul(self, node, own: bool) -> list[str] | None:
-        """A 2-D matmul whose operands are C-contiguous where they live: one library call
-        taking bases and offsets; None when an operand is not (a copy is made then)."""
+    def placed_operands(self, node, flat: bool = False):
+        """[(transposed?, Placement)] of a 2-D matmul's operands, transposes taken as flags;
+        None when one is a literal or not C-contiguous where it lives (a copy is made then).
+        flat: bases seen as 1-D (what loop kernels take)."""
         operands = []
         for value in node.inputs:
             trans = self.absorbs(value)
             source = value.inputs[0] if trans else value
             if self.place is None or self.literal_of(alias_base(source)) is not None:
                 return None
-            where = self.place(source, flat=False)
+            where = self.place(source, flat=flat)
             if not where.contiguous:
                 return None
             operands.append((trans, where))
+        return operands
+
+    def _placed_matmul(self, node, own: bool) -> list[str] | None:
+        """A 2-D matmul whose operands are C-contiguous where they live: one library call
+        taking bases and offsets; None when an operand is not (a copy is made then)."""
+        operands = self.placed_operands(node)
+        if operands is None:
+            return None
         out = self.place(node, flat=False)
         (ta, a), (tb, b) = operands
         m, n = node.shape

@@ -83,16 +83,19 @@ class Kernel:
     shape: tuple[int, ...] = ()
     reductions: list[Value] = field(default_factory=list)
     recomputed: list[Value] = field(default_factory=list)  # cheap values of other kernels
+    epilogue: Kernel | None = None  # a loop run on each block of a matmul's result (ir/epilogue.py)
 
     @property
     def all_nodes(self) -> list[Value]:
         """The nodes this kernel is home to (each value has exactly one home)."""
-        return self.nodes + self.reductions
+        after = self.epilogue.all_nodes if self.epilogue is not None else []
+        return self.nodes + self.reductions + after
 
     @property
     def computed(self) -> list[Value]:
         """Everything the kernel computes, in order: recomputed values first."""
-        return self.recomputed + self.nodes + self.reductions
+        after = self.epilogue.computed if self.epilogue is not None else []
+        return self.recomputed + self.nodes + self.reductions + after
 
 
 def group_kernels(graph: Graph) -> list[Kernel]:

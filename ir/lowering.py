@@ -1,8 +1,9 @@
 """The last steps of the pipeline: a plan with liveness becomes a lowered plan, the one object
 code generation renders and explain, export and the runtime read.
 
-fusion (which nodes share a kernel) -> schedule (consecutive row loops become stages of one
-row kernel, sharing a step) -> memory plan (where every buffer lives). Computed once per plan
+fusion (which nodes share a kernel) -> epilogues (a GEMM takes the loop after it into its row
+blocks: ir/epilogue.py) -> schedule (consecutive row loops become stages of one row kernel,
+sharing a step) -> memory plan (where every buffer lives). Computed once per plan
 and backward mode, then kept: nobody re-derives a fact the lowered plan holds.
 """
 
@@ -12,6 +13,7 @@ import enum
 import threading
 from dataclasses import dataclass
 
+from .epilogue import absorb_epilogues
 from .fusion import Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
 from .layout import BufferLayout, plan_layout
@@ -70,12 +72,13 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     graph = plan.graph
     kernels = group_kernels(graph)
     needed = materialized(graph, kernels)
+    kernels = absorb_epilogues(kernels)
     runs = row_runs(kernels)
     steps = schedule_steps(kernels, runs)
     buffers = [
         n
         for k in kernels
-        if k.kind in ("loop", "op")
+        if k.kind in RUN_KINDS
         for n in k.all_nodes
         if n in needed and n.op != "const"
     ]

@@ -40,7 +40,8 @@ class OpDef:
     `loop_tail` and opaque ops are lowered by codegen's table of kernels
     (`backplan.codegen.ops_emit.OPAQUE_EMITTERS`). `alias` views are read through an index
     transform and cost nothing; `loop_tail` reductions accumulate in the loop computing their
-    input."""
+    input. `epilogue` ops (a 2-D GEMM) run the loop that reads their result element for element
+    on each block of it as they finish it (ir/epilogue.py)."""
 
     name: str
     arity: tuple[int, ...] | None  # allowed input counts; None means any number >= 1
@@ -55,6 +56,7 @@ class OpDef:
     cost: str = "costly"
     alias: bool = False
     loop_tail: bool = False
+    epilogue: bool = False
 
     def normalize_attrs(self, attrs: dict) -> dict:
         unknown = set(attrs) - set(self.attrs)

@@ -24,6 +24,7 @@ from .plan_view import PlanView
 class KernelInfo:
     steps: tuple[int, ...]  # global steps of the view, in run order
     kind: str = "op"
+    epilogue: bool = False  # a GEMM that runs the loop after it on each block of its result
 
     @property
     def fused(self) -> bool:
@@ -64,7 +65,9 @@ def kernels_from_groups(view: PlanView, groups: Mapping[str, Sequence] | None) -
             if covered.intersection(members):
                 raise BackplanError(f"kernel groups of the {plan_name} plan cover a step twice")
             covered.update(members)
-            kernels.append(KernelInfo(tuple(sorted(members)), getattr(group, "kind", "op")))
+            kind = getattr(group, "kind", "op")
+            epilogue = getattr(group, "epilogue", None) is not None
+            kernels.append(KernelInfo(tuple(sorted(members)), kind, epilogue))
     kernels += [KernelInfo((s.index,), "op") for s in view.steps if s.index not in covered]
     return sorted(kernels, key=lambda k: k.steps[0] if k.steps else -1)
 

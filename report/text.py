@@ -241,7 +241,14 @@ def kernels_text(report) -> str:
     for number, kernel in enumerate(report.kernels):
         if kernel.fused and kernel.runs_code:
             members = ", ".join(f"{steps[s].label} {steps[s].op}" for s in kernel.steps)
-            lines.append(f"k{number} ({kernel.kind}): {members}")
+            kind = "matmul + epilogue" if kernel.epilogue else kernel.kind
+            lines.append(f"k{number} ({kind}): {members}")
+    if any(k.epilogue for k in report.kernels):
+        lines.append(
+            "A matmul + epilogue kernel runs the loop after the product on each block of its "
+            "rows as backplan's GEMM finishes it, while it is in cache; where the plan calls "
+            "BLAS for that shape, the loop runs right after the call."
+        )
     if free:
         lines.append(
             "no kernel: "

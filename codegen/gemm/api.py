@@ -19,6 +19,22 @@ def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):
     gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, KC, MC, NC)
 
 
+ROW_BLOCK = MC  # rows of C a GEMM with an epilogue finishes at a time: the GEMM's own row block
+
+
+@njit(cache=True, nogil=True)
+def gemm_workspace(width, c):
+    """The packing buffers of `gemm_into` for GEMMs into arrays like c (see driver.workspace)."""
+    return workspace(width, c, KC, MC, NC)
+
+
+@njit(cache=True, nogil=True)
+def gemm_into(width, trans_a, trans_b, a, b, c, work):
+    """c = op(a) @ op(b) with buffers from gemm_workspace: loop kernels that run an epilogue
+    on each block of rows of c call it once per block (codegen/epilogue.py)."""
+    gemm_blocked(width, trans_a, trans_b, 1.0, a, b, 0.0, c, work, KC, MC, NC)
+
+
 @njit(cache=True, nogil=True)
 def batched_gemm(width, trans_a, trans_b, a, b, c):
     """c[i] = op(a[i]) @ op(b[i]) for 3-D arrays; a or b may have batch size 1 (broadcast)."""
@@ -49,3 +65,6 @@ if AS_PYTHON:  # the kernels are LLVM intrinsics, which plain Python cannot call
 
     def batched_gemm(width, trans_a, trans_b, a, b, c):  # noqa: F811
         c[...] = (a.swapaxes(1, 2) if trans_a else a) @ (b.swapaxes(1, 2) if trans_b else b)
+
+    def gemm_into(width, trans_a, trans_b, a, b, c, work):  # noqa: F811
+        c[...] = (a.T if trans_a else a) @ (b.T if trans_b else b)

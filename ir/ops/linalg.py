@@ -40,5 +40,6 @@ register(
         "opaque",
         _matmul_vjp,
         doc="a @ b; saves b when a needs a gradient and a when b does",
+        epilogue=True,
     )
 )

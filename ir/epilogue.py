@@ -1,0 +1,72 @@
+"""Epilogue fusion: a GEMM hands the loop after it (bias add, activation, residual add) to
+itself, to run on each block of rows of its result as soon as that block is finished, while it
+is still in cache, instead of a separate loop reading the whole result back later.
+
+A lowering step over fusion's kernels. A kernel whose op is `epilogue` in the registry (a 2-D
+matmul) absorbs the next kernel that runs code when that kernel is a loop over the same shape
+with no reductions, reads the matmul's result only element for element (its row i needs row i
+of the result only) and reads nothing computed after the matmul but views. The merged kernel
+is one schedule step, so nothing the epilogue writes shares storage with anything the GEMM
+reads; buffers are those of the unfused plan (`materialized` ran before). Codegen runs the
+epilogue inside backplan's own GEMM and, where the plan calls BLAS for that shape, as the loop
+it was, right after the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .fusion import Kernel, index_map, internal_shape
+from .layout import storage_root
+from .registry import get_op
+
+FREE_KINDS = ("literal", "alias", "view")  # kernels that emit no code of their own
+
+
+def absorb_epilogues(kernels: list[Kernel]) -> list[Kernel]:
+    """kernels with each GEMM followed by its epilogue loop merged into one kernel."""
+    merged, absorbed = [], set()
+    for index, kernel in enumerate(kernels):
+        if index in absorbed:
+            continue
+        after = _next_running(kernels, index)
+        if after is not None and _absorbs(kernel, kernels[after]):
+            absorbed.add(after)
+            kernel = replace(kernel, epilogue=kernels[after])
+        merged.append(kernel)
+    return merged
+
+
+def _next_running(kernels: list[Kernel], index: int) -> int | None:
+    for later in range(index + 1, len(kernels)):
+        if kernels[later].kind not in FREE_KINDS:
+            return later
+    return None
+
+
+def _absorbs(gemm: Kernel, loop: Kernel) -> bool:
+    if gemm.kind != "op" or gemm.epilogue is not None:
+        return False
+    (node,) = gemm.nodes
+    if not get_op(node.op).epilogue or len(node.shape) != 2 or node.dtype not in ("f32", "f64"):
+        return False
+    if loop.kind != "loop" or loop.reductions or tuple(loop.shape) != tuple(node.shape):
+        return False
+    return _reads_rowwise(loop, node)
+
+
+def _reads_rowwise(loop: Kernel, result) -> bool:
+    """The loop reads the GEMM's result, and only element for element (not through a
+    transpose or any other view)."""
+    shape = internal_shape(loop.shape)
+    identity = [d if size != 1 else None for d, size in enumerate(shape)]  # as index_map says
+    reads = False
+    for node in loop.computed:
+        for value in node.inputs:
+            if storage_root(value) is not result:
+                continue
+            base, dims = index_map(value, shape)
+            if base is not result or dims != identity:
+                return False
+            reads = True
+    return reads

@@ -1,0 +1,209 @@
+"""Epilogue fusion (ir/epilogue.py, codegen/epilogue.py): the loop after a 2-D matmul (bias
+add, activation) runs inside the own GEMM on each finished block of rows. The lowered plan and
+explain() show it, the driver has no separate loop, and values, gradients and saved buffers
+match the reference interpreter and NumPy in float64, on both register widths and under BLAS."""
+
+import re
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.emit import generate
+from backplan.codegen.gemm import isa
+from backplan.ir.lowering import lower
+from backplan.runtime.backend import use_backend
+
+TOL = {np.float32: dict(rtol=2e-5, atol=2e-5), np.float64: dict(rtol=1e-11, atol=1e-11)}
+ACTIVATIONS = {"relu": (bp.relu, lambda z: np.maximum(z, 0)), "tanh": (bp.tanh, np.tanh)}
+# (m, k, n): ones, odd sizes off the register tile, and more rows than one GEMM row block
+SHAPES = [(1, 1, 1), (7, 33, 127), (127, 7, 33), (33, 127, 7), (200, 9, 40)]
+
+
+@pytest.fixture
+def own_gemm(monkeypatch):
+    monkeypatch.setenv("BACKPLAN_GEMM", "own")
+    isa.active_isa.cache_clear()
+    yield monkeypatch
+    isa.active_isa.cache_clear()
+
+
+def layer_loss(act):
+    def loss(w, b, v, x):
+        return bp.sum(act(x @ w + b) @ v)
+
+    return loss
+
+
+def layer_arrays(rng, m, k, n, dtype):
+    x = rng.standard_normal((m, k)).astype(dtype)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+    b = rng.standard_normal(n).astype(dtype)
+    v = rng.standard_normal((n, 3)).astype(dtype)
+    return w, b, v, x
+
+
+def numpy_layer(act, w, b, v, x):
+    """Value and gradients (w, b, v) in float64 NumPy."""
+    w, b, v, x = (a.astype(np.float64) for a in (w, b, v, x))
+    z = x @ w + b
+    h = act(z)
+    dh = np.broadcast_to(v.sum(axis=1), h.shape)
+    if act is np.tanh:
+        dz = dh * (1 - h * h)
+    else:
+        dz = dh * (z > 0)
+    return (h @ v).sum(), x.T @ dz, dz.sum(axis=0), h.T @ np.ones((len(x), v.shape[1]))
+
+
+def value_and_grad(loss, arrays, backend):
+    with use_backend(backend):
+        value, grads = bp.value_and_grad(loss, argnums=(0, 1, 2))(*map(bp.tensor, arrays))
+    return [np.asarray(value.numpy())] + [np.asarray(g.numpy()) for g in grads]
+
+
+def fused_kernels(plan):
+    return [k for k in lower(plan, ()).kernels if k.epilogue is not None]
+
+
+def test_plan_absorbs_bias_and_activation_into_the_gemm(own_gemm):
+    rng = np.random.default_rng(0)
+    arrays = [bp.tensor(a) for a in layer_arrays(rng, 9, 7, 33, np.float32)]
+    loss = layer_loss(bp.relu)
+    plan = bp.value_and_grad(loss, argnums=(0, 1, 2)).trace(*arrays).plan
+    (kernel,) = fused_kernels(plan)
+    assert kernel.nodes[0].op == "matmul"
+    assert [n.op for n in kernel.epilogue.nodes][:2] == ["add", "relu"]
+    lowered = lower(plan, ())
+    readers = [
+        k
+        for k in lowered.kernels
+        if k.kind == "loop" and any(kernel.nodes[0] in n.inputs for n in k.computed)
+    ]
+    assert readers == []  # no loop of its own reads the product back
+    source = generate(lowered)
+    calls = [k for k in source.loop_kernels if "gemm_into(" in k.source]
+    assert len(calls) == 1
+    assert "relu" not in calls[0].source  # the registry's template, not a name, is inlined
+    assert re.search(r"t\d+ = \(w\d+\[i0, i1\] \+ w\d+\[i1\]\)", calls[0].source)
+    assert "own_gemm_at" not in source.source.split("# %")[2]  # the first product: no call
+    with use_backend("numba"):
+        text = str(bp.value_and_grad(loss, argnums=(0, 1, 2)).explain(*arrays))
+    assert re.search(r"k0 \(matmul \+ epilogue\): f0 matmul, f1 add, f2 relu", text)
+
+
+def test_explain_of_a_compiled_region_shows_the_epilogue_and_saves_the_activation(own_gemm):
+    rng = np.random.default_rng(1)
+    w, b, v, x = (
+        bp.tensor(a, requires_grad=i < 3)
+        for i, a in enumerate(layer_arrays(rng, 5, 4, 6, np.float32))
+    )
+    fn = bp.compile(layer_loss(bp.tanh))
+    with use_backend("numba"):
+        text = str(fn.explain(w, b, v, x))
+    assert "k0 (matmul + epilogue): f0 matmul, f1 add, f2 tanh" in text
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["relu", "tanh"])
+def test_values_and_gradients_match_reference_and_numpy(own_gemm, dtype, name):
+    act, np_act = ACTIVATIONS[name]
+    rng = np.random.default_rng(2)
+    for m, k, n in SHAPES:
+        arrays = layer_arrays(rng, m, k, n, dtype)
+        before = [a.copy() for a in arrays]
+        ref = value_and_grad(layer_loss(act), arrays, "reference")
+        got = value_and_grad(layer_loss(act), arrays, "numba")
+        for r, g in zip(ref, got, strict=True):
+            np.testing.assert_allclose(g, r, **TOL[dtype])
+        exact = numpy_layer(np_act, *arrays)
+        scale = 1 + k + m  # blocked sums over k, then over the batch
+        for e, g in zip(exact, got, strict=True):
+            np.testing.assert_allclose(
+                g, e, rtol=scale * TOL[dtype]["rtol"], atol=scale * TOL[dtype]["atol"]
+            )
+        for a, original in zip(arrays, before, strict=True):
+            np.testing.assert_array_equal(a, original)
+
+
+def test_compiled_region_backward_reads_the_saved_activation(own_gemm):
+    """bp.compile's forward plan writes the saved tanh output from inside the GEMM kernel."""
+    rng = np.random.default_rng(3)
+    arrays = layer_arrays(rng, 33, 7, 127, np.float32)
+    results = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            w, b, v = (bp.tensor(a, requires_grad=True) for a in arrays[:3])
+            loss = bp.compile(layer_loss(bp.tanh))(w, b, v, bp.tensor(arrays[3]))
+            loss.backward()
+            results[backend] = [loss.numpy(), w.grad.numpy(), b.grad.numpy(), v.grad.numpy()]
+    for r, g in zip(results["reference"], results["numba"], strict=True):
+        np.testing.assert_allclose(g, r, **TOL[np.float32])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_special_values_propagate_like_the_unfused_plan(own_gemm, dtype):
+    rng = np.random.default_rng(4)
+    w, b, v, x = layer_arrays(rng, 9, 5, 33, dtype)
+    x[1, 2], x[4, 0], b[3] = np.nan, np.inf, -np.inf
+    forward = {}
+    for choice in ("own", "blas"):
+        own_gemm.setenv("BACKPLAN_GEMM", choice)
+        with use_backend("numba"):
+            forward[choice] = bp.relu(
+                bp.compile(lambda w, b, x: x @ w + b)(*map(bp.tensor, (w, b, x)))
+            ).numpy()
+    with use_backend("numba"):
+        fused = bp.compile(lambda w, b, x: bp.relu(x @ w + b))(*map(bp.tensor, (w, b, x))).numpy()
+    with np.errstate(invalid="ignore"):
+        expected = np.maximum(x.astype(np.float64) @ w + b, 0)
+    for got in (fused, forward["blas"], forward["own"]):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(got[finite], expected[finite], **TOL[dtype])
+
+
+def test_blas_keeps_the_epilogue_a_loop_after_the_call(own_gemm):
+    own_gemm.setenv("BACKPLAN_GEMM", "blas")
+    rng = np.random.default_rng(5)
+    arrays = layer_arrays(rng, 7, 33, 127, np.float32)
+    loss = layer_loss(bp.relu)
+    plan = bp.value_and_grad(loss, argnums=(0, 1, 2)).trace(*map(bp.tensor, arrays)).plan
+    assert fused_kernels(plan)  # decided by the plan; codegen runs it as BLAS + loop
+    source = generate(lower(plan, ()))
+    assert not any("gemm_into(" in k.source for k in source.loop_kernels)
+    first = source.source.split("# %")[1:5]
+    assert "gemm_at_f32(" in "".join(first)
+    ref = value_and_grad(loss, arrays, "reference")
+    got = value_and_grad(loss, arrays, "numba")
+    for r, g in zip(ref, got, strict=True):
+        np.testing.assert_allclose(g, r, **TOL[np.float32])
+
+
+def test_forced_avx2_tile_runs_the_epilogue(own_gemm):
+    own_gemm.setenv("BACKPLAN_GEMM_ISA", "avx2")
+    isa.active_isa.cache_clear()
+    rng = np.random.default_rng(6)
+    for dtype in (np.float32, np.float64):
+        arrays = layer_arrays(rng, 127, 33, 7, dtype)
+        loss = layer_loss(bp.tanh)
+        plan = bp.value_and_grad(loss, argnums=(0, 1, 2)).trace(*map(bp.tensor, arrays)).plan
+        source = generate(lower(plan, ()))
+        assert any("gemm_into(256, " in k.source for k in source.loop_kernels)
+        ref = value_and_grad(loss, arrays, "reference")
+        got = value_and_grad(loss, arrays, "numba")
+        for r, g in zip(ref, got, strict=True):
+            np.testing.assert_allclose(g, r, **TOL[dtype])
+
+
+def test_a_loop_reading_the_product_transposed_or_reducing_it_stays_apart():
+    rng = np.random.default_rng(7)
+    x = bp.tensor(rng.standard_normal((6, 6)).astype(np.float32))
+    w = bp.tensor(rng.standard_normal((6, 6)).astype(np.float32))
+    for fn in (
+        lambda x, w: (x @ w) * bp.transpose(x @ w),  # row i needs column i
+        lambda x, w: bp.sum(bp.exp(x @ w)),  # a reduction over every row
+    ):
+        plan = bp.compile(fn).trace(x, w).program.plans.forward
+        assert fused_kernels(plan) == []
