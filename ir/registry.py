@@ -135,6 +135,8 @@ def register(opdef: OpDef) -> OpDef:
         raise BackplanError(f"op {opdef.name!r}: unknown cost class {opdef.cost!r}")
     if opdef.scalar is not None and opdef.fusion != "elementwise":
         raise BackplanError(f"op {opdef.name!r}: only elementwise ops have a scalar expression")
+    if opdef.epilogue and opdef.fusion != "opaque":
+        raise BackplanError(f"op {opdef.name!r}: only opaque ops (a kernel each) run an epilogue")
     REGISTRY[opdef.name] = opdef
     return opdef
 

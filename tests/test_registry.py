@@ -236,6 +236,7 @@ def test_every_op_has_exactly_one_lowering(name):
     }
     assert sum(lowerings.values()) == 1, f"{name}: lowerings {lowerings}"
     assert not opdef.alias or opdef.fusion == "view", f"{name}: only views are aliases"
+    assert not opdef.epilogue or opdef.fusion == "opaque", f"{name}: an epilogue needs a kernel"
     assert set(OPAQUE_EMITTERS) <= set(all_ops()), "codegen lowers an op the registry lacks"
 
 
