@@ -210,3 +210,36 @@ def test_a_loop_reading_the_product_transposed_or_reducing_it_stays_apart():
     ):
         plan = bp.compile(fn).trace(x, w).program.plans.forward
         assert fused_kernels(plan) == []
+
+
+def test_epilogue_kernel_runs_as_plain_python(tmp_path):
+    """BACKPLAN_KERNELS_AS_PYTHON=1: the GEMM's NumPy twin stands in inside the kernel."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, backplan as bp\n"
+        "from backplan.runtime.backend import use_backend\n"
+        "w = bp.tensor(np.linspace(-1, 1, 12).reshape(3, 4))\n"
+        "b = bp.tensor(np.linspace(-0.5, 0.5, 4))\n"
+        "x = bp.tensor(np.linspace(0, 1, 15).reshape(5, 3))\n"
+        "with use_backend('numba'):\n"
+        "    y = bp.compile(lambda w, b, x: bp.tanh(x @ w + b))(w, b, x)\n"
+        "print(' '.join(map(repr, y.numpy().ravel().tolist())))\n"
+    )
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(tmp_path),
+        "BACKPLAN_KERNELS_AS_PYTHON": "1",
+        "BACKPLAN_GEMM": "own",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    expected = np.tanh(
+        np.linspace(0, 1, 15).reshape(5, 3) @ np.linspace(-1, 1, 12).reshape(3, 4)
+        + np.linspace(-0.5, 0.5, 4)
+    )
+    np.testing.assert_allclose(np.array(done.stdout.split(), float), expected.ravel(), rtol=1e-6)
