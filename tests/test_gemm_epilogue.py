@@ -129,15 +129,17 @@ def test_values_and_gradients_match_reference_and_numpy(own_gemm, dtype, name):
             np.testing.assert_array_equal(a, original)
 
 
-def test_compiled_region_backward_reads_the_saved_activation(own_gemm):
-    """bp.compile's forward plan writes the saved tanh output from inside the GEMM kernel."""
+@pytest.mark.parametrize("act", [bp.tanh, bp.gelu], ids=["tanh", "gelu"])
+def test_compiled_region_backward_reads_what_the_epilogue_saved(own_gemm, act):
+    """bp.compile's forward plan writes the values its backward needs (tanh saves its
+    output, gelu its input: the pre-activation) from inside the GEMM kernel."""
     rng = np.random.default_rng(3)
     arrays = layer_arrays(rng, 33, 7, 127, np.float32)
     results = {}
     for backend in ("reference", "numba"):
         with use_backend(backend):
             w, b, v = (bp.tensor(a, requires_grad=True) for a in arrays[:3])
-            loss = bp.compile(layer_loss(bp.tanh))(w, b, v, bp.tensor(arrays[3]))
+            loss = bp.compile(layer_loss(act))(w, b, v, bp.tensor(arrays[3]))
             loss.backward()
             results[backend] = [loss.numpy(), w.grad.numpy(), b.grad.numpy(), v.grad.numpy()]
     for r, g in zip(results["reference"], results["numba"], strict=True):
