@@ -4,6 +4,7 @@ and returns lists of arrays exactly like the reference interpreter."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -20,7 +21,7 @@ from backplan.ir.lowering import LoweredPlan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
-from . import cache, driver_tier, kernel_cache, progress
+from . import cache, driver_builder, driver_tier, kernel_cache, progress
 from .emit import generate
 from .flags import flags_text
 from .jit import start_parallel_runtime
@@ -74,8 +75,12 @@ class CompiledPlan:
         self._compiled_run = self._run = module.run
         self._driver_ready = threading.Event()
         self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
+        self.driver_found_cached = False  # its build found it compiled by another process
         self._background = False
         mode = driver_tier.driver_mode()
+        if mode in ("background", "reference"):
+            driver_tier.at_exit_mode()  # a bad value is refused here, not at the program's end
+        self.module_path = module.__file__  # the generated module in the cache folder
         self._build_lock = threading.Lock()
         if hasattr(module.run, "py_func") and mode != "inline":
             compiled = module.run.overloads or driver_tier.is_cached(module.run)
@@ -218,6 +223,7 @@ class CompiledPlan:
                 for k in self.loop_kernels
             ],
             "signature": types,
+            "folder": os.path.dirname(self.module_path),
         }
         if self.driver_tier == "reference":
             announced = progress.announce_background_compile(
@@ -233,18 +239,20 @@ class CompiledPlan:
             self._run = dispatcher
             self.driver_tier = "compiled"
             self.driver_seconds = build.seconds
+            self.driver_found_cached = not build.compiled
             if announced:
                 progress.say(f"{label}: compiled driver ready after {build.seconds:.1f} s")
             self._driver_ready.set()
 
-        build = driver_tier.DriverBuild(
+        build = driver_builder.DriverBuild(
             payload,
             load,
             ready,
             lambda message: self._build_failed(label, message),
-            label if announced else None,
+            label,
+            announced,
         )
-        driver_tier.submit(build)
+        driver_builder.submit(build)
 
     def _build_failed(self, label: str, message: str) -> None:
         self.driver_error = message
