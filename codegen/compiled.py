@@ -48,7 +48,10 @@ def _load_from_cache(dispatcher, signature):
     with global_compiler_lock:
         compiled = dispatcher._cache.load_overload(signature, dispatcher.targetctx)
         if compiled is None:
-            raise RuntimeError("the build left no compiled driver in the cache")
+            index = dispatcher._cache._cache_file._index_path
+            raise RuntimeError(
+                f"the build left no compiled driver in the cache ({index}) for {signature}"
+            )
         dispatcher.targetctx.insert_user_function(
             compiled.entry_point, compiled.fndesc, [compiled.library]
         )

@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 
-from . import cache, driver_lock, kernel_cache
+from . import cache, driver_lock, fingerprint, kernel_cache
 from .driver_tier import numba_signature
 from .jit import start_parallel_runtime
 from .kernel_source import KernelSource
@@ -21,6 +21,9 @@ def build(payload: dict) -> tuple[str | None, bool]:
     """Compile one plan's driver into the cache: (None, or why it is not there; whether it was
     compiled here). Another process compiling the same driver is waited for, and its driver
     used."""
+    if payload["parts"]["codegen"] != fingerprint.codegen_fingerprint():
+        here = os.path.dirname(os.path.abspath(fingerprint.__file__))
+        return f"the build process imported a different backplan code generator ({here})", False
     kernels = [
         KernelSource(k["digest"], k["source"], k["parallel"], tuple(k["arguments"]))
         for k in payload["kernels"]

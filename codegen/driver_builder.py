@@ -82,6 +82,9 @@ class _Child:
                 env=builds[0].env,
                 start_new_session=True,  # Ctrl-C and the end of the program leave it running
             )
+        except BaseException:
+            self.errors.close()
+            raise
         finally:
             work.close()
 
@@ -94,8 +97,17 @@ class _Child:
         return " | ".join(lines[-3:])
 
 
+_BOOT = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from backplan.codegen.driver_build import main; main()"
+)
+
+
 def _command() -> list[str]:
-    return [sys.executable, "-m", "backplan.codegen.driver_build"]
+    """This program's interpreter with its flags (-I, -E, -s...) and its import path: the child
+    must import the very backplan whose code it compiles (another one keys the cache apart)."""
+    flags = subprocess._args_from_interpreter_flags()
+    return [sys.executable, *flags, "-c", _BOOT, json.dumps(sys.path)]
 
 
 _queue: deque[DriverBuild] = deque()
@@ -172,15 +184,14 @@ def _collect(child: _Child) -> None:
     status = child.process.wait()
     with _wake:
         _running.remove(child)
+    child.process.stdout.close()
+    why = f"the driver build exited with status {status}: {child.error_tail()}"
+    child.errors.close()
     if _exiting[0]:
         return
     for index, build in enumerate(child.builds):
         if index not in child.finished:
-            build.finish(
-                f"the driver build exited with status {status}: {child.error_tail()}"
-                if status
-                else "the driver build ended without reporting this driver"
-            )
+            build.finish(why if status else "the driver build ended without reporting it")
 
 
 def pending() -> int:

@@ -170,3 +170,30 @@ def test_builds_queued_while_a_child_runs_share_the_next_child(tmp_path, monkeyp
     gate.touch()
     assert driver_builder.wait_for_builds(timeout=60)
     assert said["second"] == said["third"] != said["first"], said
+
+
+def test_a_queued_build_compiles_where_its_plan_lives_after_the_cache_folder_changes(
+    tmp_path, monkeypatch
+):
+    """A build queued behind another starts after the program pointed BACKPLAN_CACHE_DIR
+    elsewhere (a test or a benchmark moving to a fresh cache): it still compiles into the folder
+    its plan was loaded from, where the plan looks for it."""
+    import numpy as np
+
+    import backplan as bp
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "first"))
+    w = bp.tensor(np.ones((5, 3), np.float32))
+    x = bp.tensor(np.ones((19, 5), np.float32))
+    one = bp.value_and_grad(bp.compile(lambda w, x: bp.mean(bp.tanh(x @ w) ** 2)))
+    two = bp.value_and_grad(bp.compile(lambda w, x: bp.mean(bp.sin(x @ w) ** 2)))
+    with use_backend("numba"):
+        plans = [step.trace(w, x).runner().compiled for step in (one, two)]
+        with driver_lock.held(plans[0].module_path):
+            one(w, x)
+            two(w, x)
+            monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "second"))
+        for plan in plans:
+            assert plan.wait_for_driver(timeout=240), plan.driver_error
