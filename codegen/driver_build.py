@@ -23,7 +23,11 @@ def build(payload: dict) -> tuple[str | None, bool]:
     used."""
     if payload["parts"]["codegen"] != fingerprint.codegen_fingerprint():
         here = os.path.dirname(os.path.abspath(fingerprint.__file__))
-        return f"the build process imported a different backplan code generator ({here})", False
+        return (
+            f"the build process found other code generator files in {here} than this program "
+            "started with (edited since, or another copy of backplan): its driver would not be "
+            "this program's"
+        ), False
     kernels = [
         KernelSource(k["digest"], k["source"], k["parallel"], tuple(k["arguments"]))
         for k in payload["kernels"]

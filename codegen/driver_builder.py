@@ -160,7 +160,7 @@ def _start(batch: list[DriverBuild]) -> _Child | None:
         build.started = started
     try:
         child = _Child(batch)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - the builder thread must live on for later builds
         for build in batch:
             build.finish(f"could not start the driver build ({exc})")
         return None

@@ -197,3 +197,25 @@ def test_a_queued_build_compiles_where_its_plan_lives_after_the_cache_folder_cha
             monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "second"))
         for plan in plans:
             assert plan.wait_for_driver(timeout=240), plan.driver_error
+
+
+def test_a_build_by_other_code_generator_files_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """Code generator files edited after the program started (or another copy imported by the
+    child) would key the compiled driver apart from the plan's: the build says so."""
+    import numpy as np
+
+    import backplan as bp
+    from backplan.codegen import cache
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setattr(cache, "codegen_fingerprint", lambda: "started-with-these")
+    w = bp.tensor(np.ones((5, 3), np.float32))
+    x = bp.tensor(np.ones((23, 5), np.float32))
+    step = bp.value_and_grad(bp.compile(lambda w, x: bp.mean(bp.tanh(x @ w) ** 2)))
+    with use_backend("numba"), pytest.warns(bp.DriverBuildWarning, match="other code generator"):
+        step(w, x)
+        plan = step.trace(w, x).runner().compiled
+        assert not plan.wait_for_driver(timeout=240)
+    assert plan.driver_tier == "python"
