@@ -6,8 +6,8 @@ compiler per plan; the child takes every build queued when it starts (one Numba 
 and reports each driver as it is cached, so the first plan switches without waiting for the rest.
 The child reads its work from a file and writes its errors to one, and runs in a session of its
 own: it never holds the program's stdout or stderr, and it can outlive the program. When the
-program ends, builds that have not started are dropped, and a running child finishes and caches
-its drivers for the next run (BACKPLAN_DRIVER_AT_EXIT=kill stops it instead).
+program ends, a running child finishes and caches its drivers for the next run, and queued
+builds go to one last child (BACKPLAN_DRIVER_AT_EXIT=kill stops the child and drops the queue).
 """
 
 from __future__ import annotations
@@ -209,18 +209,21 @@ def wait_for_builds(timeout: float | None = None) -> bool:
 
 @atexit.register
 def _at_exit() -> None:
-    """Queued builds never start; a running child finishes and caches its drivers for the next
-    run, or is stopped under BACKPLAN_DRIVER_AT_EXIT=kill. Each outcome a user would not
-    guess is a line on stderr (BACKPLAN_QUIET=1 turns them off)."""
-    with _wake:
-        _exiting[0] = True
-        dropped = [b for b in _queue if b.announced]
-        _queue.clear()
-        running = list(_running)
+    """A running child finishes and caches its drivers for the next run, and builds still
+    queued (a short script ends right after its first call) go to one last child; under
+    BACKPLAN_DRIVER_AT_EXIT=kill the child is stopped and queued builds never start. Each
+    outcome a user would not guess is a line on stderr (BACKPLAN_QUIET=1 turns them off)."""
     try:
         kill = driver_tier.at_exit_mode() == "kill"
     except ValueError:
         kill = False  # refused when the plan was made; the default here
+    with _wake:
+        _exiting[0] = True
+        if _queue and not kill:
+            _start(_take_batch())
+        dropped = [b for b in _queue if b.announced]
+        _queue.clear()
+        running = list(_running)
     lines = [
         f"{b.label}: program ended before its compiled driver was built; all its calls ran "
         "the driver as Python"
