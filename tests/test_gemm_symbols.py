@@ -2,6 +2,7 @@
 plan drivers) must not carry their own copy, and a process loading a cached caller must find
 the symbol it names."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -62,3 +63,31 @@ def test_a_new_process_loads_a_cached_caller_of_the_symbol(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
     hits, _ = runs[1].stdout.split()
     assert int(hits) >= 1  # the second process loaded the entry from the cache
+
+
+def test_compiling_the_gemm_says_so_once():
+    """A cold GEMM compile takes seconds: one line on stderr, none when it is loaded."""
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        from backplan.codegen.gemm import symbols
+        class NoCache:  # force a compile: nothing to load
+            def load_overload(self, *args):
+                return None
+            def save_overload(self, *args):
+                pass
+        symbols._FUNCTIONS["f64"]._cache = NoCache()
+        symbols.ensure_registered("f64")
+        symbols.ensure_registered("f64")
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "BACKPLAN_QUIET": "0"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stderr.splitlines() if "GEMM" in line]
+    assert len(lines) == 1 and lines[0].startswith("backplan: compiling the f64 GEMM"), lines

@@ -21,10 +21,11 @@ import numpy as np
 from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
+from numba.core.compiler_lock import global_compiler_lock
 from numba.core.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
-from .. import cache_signing
+from .. import cache_signing, progress
 from ..jit import njit
 from .driver import KC, MC, NC, gemm_blocked, workspace
 
@@ -33,6 +34,7 @@ PREFIX = "backplan_gemm_"
 # (addresses and byte strides), then alpha and beta.
 _INTEGERS = 15
 _ARGUMENTS = (types.intp,) * _INTEGERS + (types.float64, types.float64)
+COMPILE_SECONDS = 10  # measured on a 2-core Zen 4/Zen 5 box: 8-13 s per dtype
 
 
 @intrinsic
@@ -99,11 +101,31 @@ def ensure_registered(dtype: str) -> None:
         if dtype in _registered:
             return
         dispatcher = _FUNCTIONS[dtype]
-        dispatcher.compile(_ARGUMENTS)
-        result = dispatcher.overloads[_ARGUMENTS]
+        result = _load_or_compile(dispatcher, dtype)
         address = result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)
         binding.add_symbol(PREFIX + dtype, address)
         _registered.add(dtype)
+
+
+def _load_or_compile(dispatcher, dtype: str):
+    """The compiled GEMM, from the signed cache when it is there; a compile (once per
+    installation and code change, ~10 s) is announced on stderr first."""
+    with global_compiler_lock:
+        if _ARGUMENTS not in dispatcher.overloads:
+            loaded = dispatcher._cache.load_overload(_ARGUMENTS, dispatcher.targetctx)
+            if loaded is not None:
+                dispatcher.targetctx.insert_user_function(
+                    loaded.entry_point, loaded.fndesc, [loaded.library]
+                )
+                dispatcher.add_overload(loaded)
+            else:
+                if not progress.quiet():
+                    progress.say(
+                        f"compiling the {dtype} GEMM (once per installation and version, "
+                        f"about {COMPILE_SECONDS} s)"
+                    )
+                dispatcher.compile(_ARGUMENTS)
+        return dispatcher.overloads[_ARGUMENTS]
 
 
 def _register_named(payload: bytes) -> None:
