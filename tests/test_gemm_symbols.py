@@ -91,3 +91,33 @@ def test_compiling_the_gemm_says_so_once():
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line for line in run.stderr.splitlines() if "GEMM" in line]
     assert len(lines) == 1 and lines[0].startswith("backplan: compiling the f64 GEMM"), lines
+
+
+def test_two_threads_first_calling_the_gemm_both_get_it_right():
+    """Registration happens under Numba's compiler lock while one thread compiles a caller and
+    another loads one: both finish (no lock-order deadlock) with correct products."""
+    script = textwrap.dedent(
+        """
+        import threading
+        import numba
+        import numpy as np
+        from backplan.codegen import gemm as own
+
+        fresh = numba.njit(own.gemm.py_func)  # compiled here: registers during its codegen
+        results = {}
+
+        def work(name, fn):
+            a = np.arange(35, dtype=np.float64).reshape(5, 7)
+            c = np.empty((5, 5))
+            fn(512, False, True, 1.0, a, a, 0.0, c)
+            results[name] = np.allclose(c, a @ a.T)
+
+        threads = [threading.Thread(target=work, args=(n, f))
+                   for n, f in (("cached", own.gemm), ("fresh", fresh))]
+        for t in threads: t.start()
+        for t in threads: t.join(300)
+        assert results == {"cached": True, "fresh": True}, results
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -15,8 +15,6 @@ loads any cached function whose machine code names it (`cache_signing.before_loa
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 from llvmlite import binding, ir
 from numba import types
@@ -89,15 +87,16 @@ def _gemm_f64(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, be
 
 _FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64}
 _registered: set[str] = set()
-_lock = threading.RLock()
 
 
 def ensure_registered(dtype: str) -> None:
     """Compile (or load from the signed cache) the GEMM for dtype and publish its address
-    under its symbol name; idempotent and thread-safe."""
+    under its symbol name; idempotent and thread-safe. Numba's compiler lock, not a lock of
+    our own: callers compiling or loading code already hold it, and two locks taken in either
+    order by two threads would deadlock."""
     if dtype in _registered:
         return
-    with _lock:
+    with global_compiler_lock:
         if dtype in _registered:
             return
         dispatcher = _FUNCTIONS[dtype]
