@@ -198,6 +198,6 @@ def _stop_children() -> None:
     for build in stopped:
         print(
             f"backplan: {build.announced_as}: program ended before its compiled driver was built; "
-            "all its calls ran the driver as Python",
+            "none of its calls ran it",
             file=sys.stderr,
         )
