@@ -77,6 +77,9 @@ def test_compile_background_runs_reference_first_then_switches_forward_and_backw
         bp.zero_grad(w)
         later = fn(w, x)
         later.backward()
+        # everything came from the child through the cache: no compile in this process
+        assert kernel_cache.counts().compiled == compiled_before
+        assert [len(r.compiled._run.overloads) for r in program.runners()] == [1, 1]
     close(value.numpy(), expected_value)
     close(first_grad, expected_grad)
     close(later.numpy(), expected_value)

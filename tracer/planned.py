@@ -190,7 +190,7 @@ class PlannedFunction:
         bound, entry = self.lookup(args, kwargs, count_hit=False)
         return self._report(entry, bound)
 
-    def _runners(self) -> list:
+    def _plan_runners(self) -> list:
         """The runners every cached signature's plans made so far (a signature's backward
         plans make theirs at its first backward())."""
         return [r for entry in list(self._entries.values()) for r in entry.runners()]
@@ -200,7 +200,7 @@ class PlannedFunction:
         """What the slowest of its plans runs on now: "reference" (the reference interpreter,
         while a background build compiles it), "python" (the driver as Python calling compiled
         kernels) or "compiled"; None before a call made any plan."""
-        return slowest_tier(self._runners())
+        return slowest_tier(self._plan_runners())
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the background builds of the plans made so far; True when all of them now
@@ -212,7 +212,7 @@ class PlannedFunction:
         >>> double.wait_until_compiled(timeout=0)  # nothing called yet, nothing compiled
         False
         """
-        return wait_until_compiled(self._runners(), timeout)
+        return wait_until_compiled(self._plan_runners(), timeout)
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(
