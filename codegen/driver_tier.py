@@ -11,6 +11,8 @@ GIL, and every step's kernel call would wait on it).
 BACKPLAN_DRIVER picks: `background` (default), `inline` (compile in the first call), `reference`
 (first calls run on the reference interpreter while the child compiles the kernels too: a first
 call that waits for no compiler at all) or `python` (never compile the driver: for debugging).
+A function's own `background=` (bp.compile, bp.value_and_grad) overrides it for its plans:
+True is `reference`, False is `inline`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections import deque
 import numpy as np
 
 MODES = ("background", "inline", "reference", "python")
+TIERS = ("reference", "python", "compiled")  # what runs a plan's calls, slowest first
 
 
 class DriverBuildWarning(UserWarning):
@@ -34,7 +37,10 @@ class DriverBuildWarning(UserWarning):
     the driver as Python."""
 
 
-def driver_mode() -> str:
+def driver_mode(background: bool | None = None) -> str:
+    """The mode of a plan whose function asked for `background` (None: BACKPLAN_DRIVER's)."""
+    if background is not None:
+        return "reference" if background else "inline"
     mode = os.environ.get("BACKPLAN_DRIVER", "background")
     if mode not in MODES:
         raise ValueError(f"BACKPLAN_DRIVER={mode!r}; use one of {', '.join(MODES)}")
@@ -192,6 +198,6 @@ def _stop_children() -> None:
     for build in stopped:
         print(
             f"backplan: {build.announced_as}: program ended before its compiled driver was built; "
-            "all its calls ran the driver as Python",
+            "none of its calls ran it",
             file=sys.stderr,
         )
