@@ -19,6 +19,7 @@ import sys  # noqa: E402
 # What each peer's user imports before the first call; timed as the import.
 FRAMEWORK_MODULES = {
     "backplan": ("numpy", "backplan"),
+    "backplan.background": ("numpy", "backplan"),
     "torch": ("numpy", "torch"),
     "torch.compile": ("numpy", "torch"),
     "jax": ("numpy", "jax"),

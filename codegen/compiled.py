@@ -59,10 +59,23 @@ def _load_from_cache(dispatcher, signature):
     return dispatcher
 
 
-class CompiledPlan:
-    """Calling it runs the whole plan in one compiled function."""
+def switch_line(label: str, was: str, seconds: float) -> str:
+    if was == "reference":
+        return (
+            f"{label}: compiled kernels and driver ready after {seconds:.1f} s; calls switch "
+            "from the reference interpreter to them"
+        )
+    return f"{label}: compiled driver ready after {seconds:.1f} s"
 
-    def __init__(self, lowered: LoweredPlan, donated: tuple[int, ...] = ()):
+
+class CompiledPlan:
+    """Calling it runs the whole plan in one compiled function. background: the function's own
+    choice (True: first calls on the reference interpreter while a child compiles; False:
+    compile in the first call; None: BACKPLAN_DRIVER's, see codegen/driver_tier.py)."""
+
+    def __init__(
+        self, lowered: LoweredPlan, donated: tuple[int, ...] = (), background: bool | None = None
+    ):
         plan = self.plan = lowered.plan
         start = time.perf_counter()
         generated = generate(lowered)
@@ -80,7 +93,8 @@ class CompiledPlan:
         self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
         self.driver_found_cached = False  # its build found it compiled by another process
         self._background = False
-        mode = driver_tier.driver_mode()
+        self._asked_background = background is True  # its switch is a line, however quick
+        mode = driver_tier.driver_mode(background)
         if mode in ("background", "reference"):
             driver_tier.at_exit_mode()  # a bad value is refused here, not at the program's end
         self.module_path = module.__file__  # the generated module in the cache folder
@@ -168,7 +182,7 @@ class CompiledPlan:
     def _first_call(self, arrays: list):
         start = time.perf_counter()
         label = f"@{self.plan.graph.name}"
-        compiling_driver = self.driver_tier == "compiled"
+        compiling_driver = self.driver_tier == "compiled" and self.driver_seconds is None
         with progress.reporting(
             label,
             self.loop_kernels,
@@ -239,12 +253,13 @@ class CompiledPlan:
             return _load_from_cache(self._compiled_run, driver_tier.numba_signature(types))
 
         def ready(dispatcher):
+            was = self.driver_tier
             self._run = dispatcher
             self.driver_tier = "compiled"
             self.driver_seconds = build.seconds
             self.driver_found_cached = not build.compiled
-            if announced:
-                progress.say(f"{label}: compiled driver ready after {build.seconds:.1f} s")
+            if announced or (self._asked_background and not progress.quiet()):
+                progress.say(switch_line(label, was, build.seconds))
             self._driver_ready.set()
 
         build = driver_builder.DriverBuild(
@@ -259,10 +274,13 @@ class CompiledPlan:
 
     def _build_failed(self, label: str, message: str) -> None:
         self.driver_error = message
+        if self.driver_tier == "reference":
+            still = "on the reference interpreter (the same results within rounding, slower)"
+        else:
+            still = "the driver as Python (the same compiled kernels, more time per call)"
         warnings.warn(
-            f"{label}: {message}; its calls keep running the driver as Python (the same "
-            "compiled kernels, more time per call). BACKPLAN_DRIVER=inline compiles the "
-            "driver in the first call instead.",
+            f"{label}: {message}; its calls keep running {still}. bp.compile(fn, "
+            "background=False) or BACKPLAN_DRIVER=inline compiles in the first call instead.",
             driver_tier.DriverBuildWarning,
             stacklevel=1,
         )

@@ -225,8 +225,7 @@ def _at_exit() -> None:
         _queue.clear()
         running = list(_running)
     lines = [
-        f"{b.label}: program ended before its compiled driver was built; all its calls ran "
-        "the driver as Python"
+        f"{b.label}: program ended before its compiled driver was built; none of its calls ran it"
         for b in dropped
     ]
     for child in running:
@@ -243,8 +242,8 @@ def _stop(child: _Child) -> str | None:
     if not announced:
         return None
     return (
-        f"{', '.join(announced)}: program ended before the compiled driver was built; all "
-        "its calls ran the driver as Python"
+        f"{', '.join(announced)}: program ended before the compiled driver was built; none of "
+        "its calls ran it"
     )
 
 

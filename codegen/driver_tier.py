@@ -11,7 +11,8 @@ GIL, and every step's kernel call would wait on it).
 BACKPLAN_DRIVER picks: `background` (default), `inline` (compile in the first call), `reference`
 (first calls run on the reference interpreter while the child compiles the kernels too: a first
 call that waits for no compiler at all) or `python` (never compile the driver: for debugging).
-The builds themselves run in codegen/driver_builder.py.
+A function's own `background=` (bp.compile, bp.value_and_grad) overrides it for its plans:
+True is `reference`, False is `inline`. The builds themselves run in codegen/driver_builder.py.
 
 BACKPLAN_DRIVER_AT_EXIT says what happens to a build still running when the program ends:
 `finish` (default: it goes on in its detached process and caches the driver, so the next run of
@@ -26,6 +27,7 @@ import numpy as np
 
 MODES = ("background", "inline", "reference", "python")
 AT_EXIT_MODES = ("finish", "kill")
+TIERS = ("reference", "python", "compiled")  # what runs a plan's calls, slowest first
 
 
 class DriverBuildWarning(UserWarning):
@@ -33,7 +35,10 @@ class DriverBuildWarning(UserWarning):
     the driver as Python."""
 
 
-def driver_mode() -> str:
+def driver_mode(background: bool | None = None) -> str:
+    """The mode of a plan whose function asked for `background` (None: BACKPLAN_DRIVER's)."""
+    if background is not None:
+        return "reference" if background else "inline"
     mode = os.environ.get("BACKPLAN_DRIVER", "background")
     if mode not in MODES:
         raise ValueError(f"BACKPLAN_DRIVER={mode!r}; use one of {', '.join(MODES)}")

@@ -27,7 +27,7 @@ import math
 import numpy as np
 from backplan.codegen.jit import njit, prange
 
-from backplan.codegen.flags import JIT_OPTIONS
+from backplan.codegen.flags import KERNEL_JIT_OPTIONS, LEAN_KERNEL_JIT_OPTIONS
 from backplan.codegen.scalar_functions import *  # noqa: F403
 from backplan.codegen.views import contiguous_view, strided_view
 '''
@@ -95,7 +95,12 @@ def canonical_kernel(
     if parallel:
         lines = _one_view_per_memory(lines, scalars, bases)
     body = [_NAMES.sub(rename, line) for line in lines]
-    decorator = "@njit(parallel=True, **JIT_OPTIONS)" if parallel else "@njit(**JIT_OPTIONS)"
+    if parallel:
+        decorator = "@njit(parallel=True, **KERNEL_JIT_OPTIONS)"
+    elif allocates(body):
+        decorator = "@njit(**KERNEL_JIT_OPTIONS)"
+    else:
+        decorator = "@njit(**LEAN_KERNEL_JIT_OPTIONS)"
     source = "\n".join(
         [KERNEL_HEADER, "", decorator, f"def kernel({', '.join(params)}):"]
         + ["    " + line for line in body]
@@ -103,6 +108,21 @@ def canonical_kernel(
     source += "\n"
     digest = hashlib.sha256((salt + "\n" + source).encode()).hexdigest()
     return KernelSource(digest, source, parallel, tuple(arguments))
+
+
+# What a kernel may take from NumPy without allocating: scalar types and constants.
+_NUMPY_NAME = re.compile(r"\bnp\.(\w+)")
+_SCALARS = {
+    "float16", "float32", "float64", "intp", "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64", "bool_", "nan", "inf", "pi", "e",
+}  # fmt: skip
+
+
+def allocates(lines: list[str]) -> bool:
+    """Whether a kernel body may allocate an array (then it needs Numba's reference-counting
+    runtime). Anything from NumPy but a scalar type or constant counts, conservatively; were
+    an allocation missed, Numba would refuse to compile the kernel, never run it wrong."""
+    return any(name not in _SCALARS for line in lines for name in _NUMPY_NAME.findall(line))
 
 
 _VIEW = re.compile(r"((?:s\d+_)?w\d+) = ((?:contiguous|strided)_view\(.*\))$")
