@@ -68,6 +68,17 @@ def switch_line(label: str, was: str, seconds: float) -> str:
     return f"{label}: compiled driver ready after {seconds:.1f} s"
 
 
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """The array in C order; a copy stays read-only like the caller's array (a NumPy argument's
+    read-only view, a tensor's buffer): a writeable copy would be another argument type, and
+    the compiled driver would be compiled again, in the call, for it."""
+    if array.flags.c_contiguous:
+        return array
+    copy = np.ascontiguousarray(array)
+    copy.flags.writeable = array.flags.writeable
+    return copy
+
+
 class CompiledPlan:
     """Calling it runs the whole plan in one compiled function. background: the function's own
     choice (True: first calls on the reference interpreter while a child compiles; False:
@@ -145,7 +156,7 @@ class CompiledPlan:
         (self.donations) are written into them instead of into new arrays."""
         if self.driver_tier == "reference":
             return self._reference_call(args)
-        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        arrays = [contiguous(a) for a in args]
         given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
         args.clear()
         for i in self._scalar_inputs:
@@ -204,7 +215,7 @@ class CompiledPlan:
 
     def _argument_types(self, args: list) -> list:
         """The types the compiled driver will be called with, as a call would pass them."""
-        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        arrays = [contiguous(a) for a in args]
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
         workspace = self._workspaces.checkout()

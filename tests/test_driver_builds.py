@@ -219,3 +219,36 @@ def test_a_build_by_other_code_generator_files_is_refused_with_the_reason(tmp_pa
         plan = step.trace(w, x).runner().compiled
         assert not plan.wait_for_driver(timeout=240)
     assert plan.driver_tier == "python"
+
+
+def test_non_contiguous_and_contiguous_numpy_arguments_share_the_built_driver(
+    tmp_path, monkeypatch
+):
+    """NumPy arguments reach the plan read-only; a non-contiguous one is copied, and the copy
+    stays read-only, so the driver built for the first call serves both (a writeable copy was
+    another argument type: the driver compiled again, inside the call)."""
+    import numpy as np
+
+    import backplan as bp
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 3))
+    x = rng.standard_normal((8, 12))[:, ::2]
+    labels = np.array([0, 1, 2, 0, 1, 2, 0, 1])
+    step = bp.value_and_grad(bp.compile(lambda w, x, y: bp.cross_entropy(bp.tanh(x @ w), y)))
+    with use_backend("numba"):
+        first = step(w, x, labels)
+        plan = step.trace(w, x, labels).runner().compiled
+        assert plan.wait_for_driver(timeout=240), plan.driver_error
+        step(w, x, labels)
+        again = step(w, np.ascontiguousarray(x), labels)
+        assert len(plan._run.overloads) == 1
+    assert np.array_equal(again[1].numpy(), first[1].numpy())
+    with use_backend("reference"):
+        expected = bp.value_and_grad(lambda w, x, y: bp.cross_entropy(bp.tanh(x @ w), y))(
+            w, x, labels
+        )
+    np.testing.assert_allclose(first[1].numpy(), expected[1].numpy(), rtol=1e-10)
