@@ -16,6 +16,7 @@ dispatcher.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -110,19 +111,38 @@ def canonical_kernel(
     return KernelSource(digest, source, parallel, tuple(arguments))
 
 
-# What a kernel may take from NumPy without allocating: scalar types and constants.
-_NUMPY_NAME = re.compile(r"\bnp\.(\w+)")
-_SCALARS = {
+# What a kernel body may call and still allocate nothing: loops, its own views, scalar NumPy
+# types and constants, math and the scalar functions kernels import (codegen/scalar_functions).
+_CALL = re.compile(r"(?<!\w)(np\.|math\.|\.)?(\w+)\(")
+_NUMPY_SCALARS = {
     "float16", "float32", "float64", "intp", "int8", "int16", "int32", "int64",
-    "uint8", "uint16", "uint32", "uint64", "bool_", "nan", "inf", "pi", "e",
+    "uint8", "uint16", "uint32", "uint64", "bool_",
 }  # fmt: skip
+_BUILTINS = {"range", "prange", "min", "max", "abs", "int", "float", "bool", "len"}
+_VIEWS = {"contiguous_view", "strided_view"}
+
+
+@functools.cache
+def _scalar_functions() -> frozenset[str]:
+    from . import scalar_functions
+
+    return frozenset(name for name, value in vars(scalar_functions).items() if callable(value))
 
 
 def allocates(lines: list[str]) -> bool:
-    """Whether a kernel body may allocate an array (then it needs Numba's reference-counting
-    runtime). Anything from NumPy but a scalar type or constant counts, conservatively; were
-    an allocation missed, Numba would refuse to compile the kernel, never run it wrong."""
-    return any(name not in _SCALARS for line in lines for name in _NUMPY_NAME.findall(line))
+    """Whether a kernel body may allocate (or receive) an array that needs Numba's
+    reference-counting runtime: any call but the known scalar ones counts, conservatively.
+    A missed allocation made in the kernel itself would be refused by Numba's compiler; one
+    returned by a callee would leak, hence a list of what is allowed, not of what is not."""
+    allowed = _BUILTINS | _VIEWS | _scalar_functions()
+    for line in lines:
+        for prefix, name in _CALL.findall(line):
+            if prefix == "np." and name in _NUMPY_SCALARS:
+                continue
+            if prefix == "math." or (not prefix and name in allowed):
+                continue
+            return True  # anything else, array methods included
+    return False
 
 
 _VIEW = re.compile(r"((?:s\d+_)?w\d+) = ((?:contiguous|strided)_view\(.*\))$")
