@@ -33,10 +33,9 @@ def gemm_epilogue_lines(
         f"mat_b = contiguous_view(b1, o1, {'(n1, n2)' if tb else '(n2, n1)'})",
         "mat_c = contiguous_view(b2, o2, (n0, n1))",
         *views,
-        f"work = gemm_workspace({width}, mat_c)",
         "for block in range(0, n0, ROW_BLOCK):",
         "    block_end = min(block + ROW_BLOCK, n0)",
-        f"    gemm_into({width}, {ta}, {tb}, {rows}, mat_b, mat_c[block:block_end], work)",
+        f"    own_gemm({width}, {ta}, {tb}, 1.0, {rows}, mat_b, 0.0, mat_c[block:block_end])",
         "    for i0 in range(block, block_end):",
         *["        " + line for line in stage],
     ]

@@ -45,7 +45,8 @@ KERNEL_DEPENDENCIES = (
 
 # What a loop kernel that runs a GEMM (a GEMM with its epilogue) depends on besides those.
 GEMM_DEPENDENCIES = tuple(
-    f"gemm/{name}" for name in ("api.py", "driver.py", "kernel.py", "pack.py", "transpose_pack.py")
+    f"gemm/{name}"
+    for name in ("api.py", "driver.py", "kernel.py", "pack.py", "symbols.py", "transpose_pack.py")
 )
 
 

@@ -78,7 +78,7 @@ def test_plan_absorbs_bias_and_activation_into_the_gemm(own_gemm):
     unfused = [k for k in group_kernels(plan.graph) if k.kind in RUN_KINDS]
     assert lowered.kernel_count == len(unfused) - 1  # the bias + relu loop is gone
     source = generate(lowered)
-    calls = [k for k in source.loop_kernels if "gemm_into(" in k.source]
+    calls = [k for k in source.loop_kernels if "own_gemm(" in k.source]
     assert len(calls) == 1
     assert "relu" not in calls[0].source  # the registry's template, not a name, is inlined
     assert re.search(r"t\d+ = \(w\d+\[i0, i1\] \+ w\d+\[i1\]\)", calls[0].source)
@@ -177,7 +177,7 @@ def test_blas_keeps_the_epilogue_a_loop_after_the_call(own_gemm):
     plan = bp.value_and_grad(loss, argnums=(0, 1, 2)).trace(*map(bp.tensor, arrays)).plan
     assert fused_kernels(plan)  # decided by the plan; codegen runs it as BLAS + loop
     source = generate(lower(plan, ()))
-    assert not any("gemm_into(" in k.source for k in source.loop_kernels)
+    assert not any("own_gemm(" in k.source for k in source.loop_kernels)
     first = source.source.split("# %")[1:5]
     assert "gemm_at_f32(" in "".join(first)
     ref = value_and_grad(loss, arrays, "reference")
@@ -195,7 +195,7 @@ def test_forced_avx2_tile_runs_the_epilogue(own_gemm):
         loss = layer_loss(bp.tanh)
         plan = bp.value_and_grad(loss, argnums=(0, 1, 2)).trace(*map(bp.tensor, arrays)).plan
         source = generate(lower(plan, ()))
-        assert any("gemm_into(256, " in k.source for k in source.loop_kernels)
+        assert any("own_gemm(256, " in k.source for k in source.loop_kernels)
         ref = value_and_grad(loss, arrays, "reference")
         got = value_and_grad(loss, arrays, "numba")
         for r, g in zip(ref, got, strict=True):

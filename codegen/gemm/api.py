@@ -1,7 +1,12 @@
-"""The entry points generated code calls: one GEMM, or a batch of them in one call."""
+"""The entry points generated code calls: one GEMM, or a batch of them in one call.
+
+Both are thin: they pass addresses, sizes and strides to the blocked GEMM, which is compiled
+once per dtype and called by address (gemm/symbols.py), so no caller carries a copy of it.
+"""
 
 from ..jit import AS_PYTHON, njit
-from .driver import KC, MC, NC, gemm_blocked, workspace
+from .driver import MC
+from .symbols import call_gemm
 
 
 @njit(cache=True, nogil=True)
@@ -15,46 +20,41 @@ def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):
     >>> gemm(256, False, True, 1.0, a, b, 0.0, c); float(c[0, 0])
     4.0
     """
-    work = workspace(width, c, KC, MC, NC)
-    gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, KC, MC, NC)
+    k = a.shape[0] if trans_a else a.shape[1]
+    call_gemm(
+        c.dtype,
+        (
+            width, trans_a, trans_b, c.shape[0], c.shape[1], k,
+            a.ctypes.data, a.strides[0], a.strides[1],
+            b.ctypes.data, b.strides[0], b.strides[1],
+            c.ctypes.data, c.strides[0], c.strides[1],
+        ),
+        alpha,
+        beta,
+    )  # fmt: skip
 
 
 ROW_BLOCK = MC  # rows of C a GEMM with an epilogue finishes at a time: the GEMM's own row block
 
 
 @njit(cache=True, nogil=True)
-def gemm_workspace(width, c):
-    """The packing buffers of `gemm_into` for GEMMs into arrays like c (see driver.workspace)."""
-    return workspace(width, c, KC, MC, NC)
-
-
-@njit(cache=True, nogil=True)
-def gemm_into(width, trans_a, trans_b, a, b, c, work):
-    """c = op(a) @ op(b) with buffers from gemm_workspace: loop kernels that run an epilogue
-    on each block of rows of c call it once per block (codegen/epilogue.py)."""
-    gemm_blocked(width, trans_a, trans_b, 1.0, a, b, 0.0, c, work, KC, MC, NC)
-
-
-@njit(cache=True, nogil=True)
 def batched_gemm(width, trans_a, trans_b, a, b, c):
     """c[i] = op(a[i]) @ op(b[i]) for 3-D arrays; a or b may have batch size 1 (broadcast)."""
-    work = workspace(width, c, KC, MC, NC)
-    last_a, last_b = a.shape[0] - 1, b.shape[0] - 1
+    k = a.shape[1] if trans_a else a.shape[2]
+    step_a = a.strides[0] if a.shape[0] > 1 else 0
+    step_b = b.strides[0] if b.shape[0] > 1 else 0
     for i in range(c.shape[0]):
-        gemm_blocked(
-            width,
-            trans_a,
-            trans_b,
+        call_gemm(
+            c.dtype,
+            (
+                width, trans_a, trans_b, c.shape[1], c.shape[2], k,
+                a.ctypes.data + i * step_a, a.strides[1], a.strides[2],
+                b.ctypes.data + i * step_b, b.strides[1], b.strides[2],
+                c.ctypes.data + i * c.strides[0], c.strides[1], c.strides[2],
+            ),
             1.0,
-            a[min(i, last_a)],
-            b[min(i, last_b)],
             0.0,
-            c[i],
-            work,
-            KC,
-            MC,
-            NC,
-        )
+        )  # fmt: skip
 
 
 if AS_PYTHON:  # the kernels are LLVM intrinsics, which plain Python cannot call
@@ -65,6 +65,3 @@ if AS_PYTHON:  # the kernels are LLVM intrinsics, which plain Python cannot call
 
     def batched_gemm(width, trans_a, trans_b, a, b, c):  # noqa: F811
         c[...] = (a.swapaxes(1, 2) if trans_a else a) @ (b.swapaxes(1, 2) if trans_b else b)
-
-    def gemm_into(width, trans_a, trans_b, a, b, c, work):  # noqa: F811
-        c[...] = (a.T if trans_a else a) @ (b.T if trans_b else b)
