@@ -121,6 +121,28 @@ class CompiledPlan:
     def __call__(self, args: list, donate=()) -> list:
         """donate: inputs whose buffers the caller gives up; outputs paired with them
         (self.donations) are written into them instead of into new arrays."""
+        lean = self.first_call_seconds is not None and self.driver_tier != "reference"
+        if not lean or (donate and self.donations):
+            return self._general_call(args, donate)
+        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        args.clear()
+        for i in self._scalar_inputs:
+            arrays[i] = arrays[i].reshape(1)
+        workspace = self._workspaces.checkout()
+        try:
+            with self._launch_guard:
+                returned = self._run(
+                    *arrays, *self._constants, *workspace.scratch, *workspace.output_arrays()
+                )
+        except IndexError as exc:
+            raise self._located(exc) from None
+        finally:
+            del arrays
+            self._workspaces.checkin(workspace)
+        return self._outputs(returned)
+
+    def _general_call(self, args: list, donate) -> list:
+        """Any call: while the reference interpreter stands in, the first call, donations."""
         if self.driver_tier == "reference":
             return self._reference_call(args)
         arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
@@ -148,9 +170,13 @@ class CompiledPlan:
             self._workspaces.checkin(workspace)
             for k in given:
                 outputs[k].flags.writeable = False  # the caller wraps it as an immutable tensor
-        if not (self._literal_outputs or self._scalar_outputs):
-            return list(returned)
+        return self._outputs(returned)
+
+    def _outputs(self, returned: tuple) -> list:
+        """The driver's returned arrays with literal outputs put in and scalars as 0-d."""
         outputs = list(returned)
+        if not (self._literal_outputs or self._scalar_outputs):
+            return outputs
         for i, (shape, value, dtype) in self._literal_outputs.items():
             outputs.insert(i, np.full(shape, value, dtype))
         for i in self._scalar_outputs:
