@@ -38,6 +38,20 @@ def canonical_text(plan: Plan) -> str:
     return f"{text}\n# constants {consts}"
 
 
+def _output_sources(sources: list, buffers: list) -> list[tuple]:
+    """(output buffer or None, position in what `run` returns, shape to reshape to or None)
+    per output that is not a literal; `run` returns arrays of their internal shape (a scalar
+    as one element)."""
+    found, returned = [], 0
+    for buffer, shape in sources:
+        if buffer is None:
+            found.append((None, returned, () if shape == () else None))
+            returned += 1
+        else:
+            found.append((buffer, None, None if buffers[buffer][0] == shape else shape))
+    return found
+
+
 def _load_from_cache(dispatcher, signature):
     """The dispatcher with its compiled version for `signature` loaded from the disk cache,
     where the build process left it; never compiles here (that would hold this process's GIL
@@ -114,7 +128,10 @@ class CompiledPlan:
             for i, n in generated.literal_outputs.items()
         }
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
-        self._scalar_outputs = [i for i, v in enumerate(graph.outputs) if v.shape == ()]
+        self._output_sources = _output_sources(generated.output_sources, self._output_buffers)
+        self._buffer_outputs = None
+        if not self._literal_outputs and all(j is not None for j, _, _ in self._output_sources):
+            self._buffer_outputs = [(j, shape) for j, _, shape in self._output_sources]
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
 
@@ -129,17 +146,16 @@ class CompiledPlan:
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
         workspace = self._workspaces.checkout()
+        outputs = workspace.output_arrays()
         try:
             with self._launch_guard:
-                returned = self._run(
-                    *arrays, *self._constants, *workspace.scratch, *workspace.output_arrays()
-                )
+                returned = self._run(*arrays, *self._constants, *workspace.scratch, *outputs)
         except IndexError as exc:
             raise self._located(exc) from None
         finally:
             del arrays
             self._workspaces.checkin(workspace)
-        return self._outputs(returned)
+        return self._outputs(returned, outputs)
 
     def _general_call(self, args: list, donate) -> list:
         """Any call: while the reference interpreter stands in, the first call, donations."""
@@ -170,17 +186,22 @@ class CompiledPlan:
             self._workspaces.checkin(workspace)
             for k in given:
                 outputs[k].flags.writeable = False  # the caller wraps it as an immutable tensor
-        return self._outputs(returned)
+        return self._outputs(returned, outputs)
 
-    def _outputs(self, returned: tuple) -> list:
-        """The driver's returned arrays with literal outputs put in and scalars as 0-d."""
-        outputs = list(returned)
-        if not (self._literal_outputs or self._scalar_outputs):
-            return outputs
+    def _outputs(self, returned: tuple | None, buffers: list) -> list:
+        """The plan's outputs: the output buffers the caller passed (whole or reshaped), what
+        `run` returned, and literal outputs, each in its IR shape (0-d for scalars)."""
+        if self._buffer_outputs is not None:  # the common case: every output is a buffer
+            return [
+                buffers[j] if shape is None else buffers[j].reshape(shape)
+                for j, shape in self._buffer_outputs
+            ]
+        outputs = []
+        for buffer, position, shape in self._output_sources:
+            array = returned[position] if buffer is None else buffers[buffer]
+            outputs.append(array if shape is None else array.reshape(shape))
         for i, (shape, value, dtype) in self._literal_outputs.items():
             outputs.insert(i, np.full(shape, value, dtype))
-        for i in self._scalar_outputs:
-            outputs[i] = outputs[i].reshape(())
         return outputs
 
     def _first_call(self, arrays: list):

@@ -26,7 +26,7 @@ from backplan.ir.graph import Graph
 from backplan.ir.layout import storage_root
 from backplan.runtime.backend import current_backend
 
-from .tensor import Tensor
+from .tensor import Tensor, read_only
 
 
 def kept_by_outputs(graph: Graph) -> set[int]:
@@ -39,14 +39,14 @@ def kept_by_outputs(graph: Graph) -> set[int]:
 def borrowed(array: np.ndarray) -> np.ndarray:
     """A read-only view of the caller's array: the plan reads it, nobody writes through it."""
     view = array.view()
-    view.flags.writeable = False
+    read_only(view)
     return view
 
 
 def copied(array: np.ndarray) -> np.ndarray:
     """A private C-ordered copy, read-only like every tensor's buffer."""
     copy = np.array(array, order="C")
-    copy.flags.writeable = False
+    read_only(copy)
     return copy
 
 

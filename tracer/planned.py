@@ -108,11 +108,8 @@ class PlannedFunction:
                 if result is not STALE:
                     self._count_fast_hit(last.entry_key)
                     return result
-        return self._call_by_key(args, kwargs, grad_enabled)
-
-    def _call_by_key(self, args: tuple, kwargs: dict, grad_enabled: bool):
-        """The call whose arguments the last fast path's guard did not match: find the fast
-        path by structural key, else bind the call (tracing on a miss)."""
+        # Not the last signature: find its fast path by key, else bind (tracing on a miss).
+        # In this frame, so a RetraceWarning points at the caller's line.
         key, leaves = call_key(
             args, kwargs, grad_enabled, self._static_nums, self._static_names, False
         )
