@@ -8,6 +8,7 @@ import re
 import threading
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,8 @@ def _output_sources(sources: list, buffers: list) -> list[tuple]:
     """(output buffer or None, position in what `run` returns, shape to reshape to or None)
     per output that is not a literal; `run` returns arrays of their internal shape (a scalar
     as one element)."""
-    found, returned = [], 0
+    found: list[tuple] = []
+    returned = 0
     for buffer, shape in sources:
         if buffer is None:
             found.append((None, returned, () if shape == () else None))
@@ -188,7 +190,7 @@ class CompiledPlan:
                 outputs[k].flags.writeable = False  # the caller wraps it as an immutable tensor
         return self._outputs(returned, outputs)
 
-    def _outputs(self, returned: tuple | None, buffers: list) -> list:
+    def _outputs(self, returned: Any, buffers: list) -> list:
         """The plan's outputs: the output buffers the caller passed (whole or reshaped), what
         `run` returned, and literal outputs, each in its IR shape (0-d for scalars)."""
         if self._buffer_outputs is not None:  # the common case: every output is a buffer

@@ -195,9 +195,9 @@ def _results_builder(entry, args, nums, has_aux: bool, single: bool):
     n_aux = entry.n_aux
 
     def build(tensors: list):
-        grads = [build_grads(tensors[a:b]) for build_grads, a, b in grad_builders]
-        grads = grads[0] if single else tuple(grads)
-        if has_aux:
+        each = [build_grads(tensors[a:b]) for build_grads, a, b in grad_builders]
+        grads = each[0] if single else tuple(each)
+        if aux_builder is not None:
             return (tensors[0], aux_builder(tensors[1 : 1 + n_aux])), grads
         return tensors[0], grads
 

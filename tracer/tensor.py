@@ -20,7 +20,7 @@ from .source import loc_text, user_frame_loc
 def read_only(array: np.ndarray) -> None:
     """array.flags.writeable = False, at a third of the cost (no flags object is made): every
     compiled call freezes each output and each borrowed NumPy argument."""
-    _setflags(array, False)
+    _setflags(array, False)  # type: ignore[call-arg]  # positional: cheapest
 
 
 _setflags = np.ndarray.setflags
