@@ -192,3 +192,30 @@ def test_threads_calling_one_function_with_two_signatures_get_their_own_results(
             t.join()
     assert not failures
     assert step.cache_info().traces == 2
+
+
+def test_outputs_the_driver_leaves_in_their_buffers_match_the_reference():
+    """`run` returns only what its caller does not hold: buffers (whole or reshaped) come from
+    the caller's side, inputs, broadcasts and literals still as before."""
+
+    def many(x, y):
+        return (
+            bp.sum(x * y),  # a scalar buffer
+            bp.sum(x, axis=0, keepdims=True).reshape(-1),  # a reshape of a buffer
+            x * 2.0,  # a whole buffer
+            x,  # an input
+            bp.broadcast_to(bp.sum(y), (2, 3)),  # a broadcast view
+            bp.zeros((2,)),  # a literal
+        )
+
+    x, y = f32(4, 3), f32(4, 3, seed=1)
+    with use_backend("reference"):
+        want = [a.numpy() for a in bp.compile(many)(x, y)]
+    step = bp.compile(many)
+    with use_backend("numba"):
+        for _ in range(3):
+            got = step(bp.tensor(x), y)
+            assert [a.shape for a in got] == [w.shape for w in want]
+            for a, w in zip(got, want, strict=True):
+                np.testing.assert_allclose(a.numpy(), w, rtol=1e-5, atol=1e-6)
+                assert not a.numpy().flags.writeable
