@@ -19,6 +19,7 @@ import sys  # noqa: E402
 # What each peer's user imports before the first call; timed as the import.
 FRAMEWORK_MODULES = {
     "backplan": ("numpy", "backplan"),
+    "backplan.background": ("numpy", "backplan"),
     "torch": ("numpy", "torch"),
     "torch.compile": ("numpy", "torch"),
     "jax": ("numpy", "jax"),
@@ -33,14 +34,14 @@ def import_framework(peer: str) -> float:
 
 def driver_hooks(peer: str) -> tuple:
     """(wait, driver state) for backplan's peers: its first calls run plan drivers as Python
-    while the compiled drivers build in a background process (codegen/driver_tier.py); wait()
+    while the compiled drivers build in a background process (codegen/driver_builder.py); wait()
     returns once every build has finished. (None, None) for other peers."""
     if not peer.startswith("backplan"):
         return None, None
-    from backplan.codegen import driver_tier
+    from backplan.codegen import driver_builder
 
-    state = "building" if driver_tier.pending() else "compiled"
-    return driver_tier.wait_for_builds, state
+    state = "building" if driver_builder.pending() else "compiled"
+    return driver_builder.wait_for_builds, state
 
 
 def timed(fn) -> float:

@@ -54,6 +54,7 @@ def export_demo(folder: str) -> dict[str, str]:
 
 def start_once(path: str, kind: str, backend: str, cache: str) -> dict:
     env = {**os.environ, "BACKPLAN_BACKEND": backend, "BACKPLAN_CACHE_DIR": cache}
+    env["BACKPLAN_DRIVER_AT_EXIT"] = "kill"  # no build left compiling beside the next timed run
     result = subprocess.run(
         [sys.executable, "-I", "-c", CHILD, path, kind],
         env=env,

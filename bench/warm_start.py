@@ -67,7 +67,7 @@ def start_once(model: str, cache: str, **variables: str) -> dict:
 def measure(model: str, runs: int, cache: str) -> dict:
     """Fill `cache` with one process (not counted), then `runs` fresh warm ones. The filling
     process compiles the plan's driver in the call (BACKPLAN_DRIVER=inline): a background build
-    would be stopped when that short process ends, leaving the driver uncached."""
+    would still be compiling beside the first timed runs."""
     start_once(model, cache, BACKPLAN_DRIVER="inline")
     load_before = os.getloadavg()
     samples = [start_once(model, cache) for _ in range(runs)]

@@ -184,6 +184,9 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
         payload = self._read_verified(path)
         if payload is None:
             return None
+        for marker, hook in _BEFORE_LOAD:
+            if marker in payload:
+                hook(payload)
         try:
             return pickle.loads(payload)
         except Exception as exc:
@@ -192,6 +195,15 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
 
     def _save_data(self, name, data):
         self._write_signed(self._data_path(name), self._dump(data))
+
+
+_BEFORE_LOAD: list = []
+
+
+def before_load(marker: bytes, hook) -> None:
+    """Call hook(payload) before loading any cached function whose bytes contain marker: the
+    machine code names a symbol (codegen/gemm/symbols.py) that must exist before it loads."""
+    _BEFORE_LOAD.append((marker, hook))
 
 
 def dependency_stamp(py_func) -> str:

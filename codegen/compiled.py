@@ -4,6 +4,7 @@ and returns lists of arrays exactly like the reference interpreter."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -21,7 +22,7 @@ from backplan.ir.lowering import LoweredPlan
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
-from . import cache, driver_tier, kernel_cache, progress
+from . import cache, driver_builder, driver_tier, kernel_cache, progress
 from .emit import generate
 from .flags import flags_text
 from .jit import start_parallel_runtime
@@ -63,7 +64,10 @@ def _load_from_cache(dispatcher, signature):
     with global_compiler_lock:
         compiled = dispatcher._cache.load_overload(signature, dispatcher.targetctx)
         if compiled is None:
-            raise RuntimeError("the build left no compiled driver in the cache")
+            index = dispatcher._cache._cache_file._index_path
+            raise RuntimeError(
+                f"the build left no compiled driver in the cache ({index}) for {signature}"
+            )
         dispatcher.targetctx.insert_user_function(
             compiled.entry_point, compiled.fndesc, [compiled.library]
         )
@@ -71,10 +75,34 @@ def _load_from_cache(dispatcher, signature):
     return dispatcher
 
 
-class CompiledPlan:
-    """Calling it runs the whole plan in one compiled function."""
+def switch_line(label: str, was: str, seconds: float) -> str:
+    if was == "reference":
+        return (
+            f"{label}: compiled kernels and driver ready after {seconds:.1f} s; calls switch "
+            "from the reference interpreter to them"
+        )
+    return f"{label}: compiled driver ready after {seconds:.1f} s"
 
-    def __init__(self, lowered: LoweredPlan, donated: tuple[int, ...] = ()):
+
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """The array in C order; a copy stays read-only like the caller's array (a NumPy argument's
+    read-only view, a tensor's buffer): a writeable copy would be another argument type, and
+    the compiled driver would be compiled again, in the call, for it."""
+    if array.flags.c_contiguous:
+        return array
+    copy = np.ascontiguousarray(array)
+    copy.flags.writeable = array.flags.writeable
+    return copy
+
+
+class CompiledPlan:
+    """Calling it runs the whole plan in one compiled function. background: the function's own
+    choice (True: first calls on the reference interpreter while a child compiles; False:
+    compile in the first call; None: BACKPLAN_DRIVER's, see codegen/driver_tier.py)."""
+
+    def __init__(
+        self, lowered: LoweredPlan, donated: tuple[int, ...] = (), background: bool | None = None
+    ):
         plan = self.plan = lowered.plan
         start = time.perf_counter()
         generated = generate(lowered)
@@ -90,8 +118,13 @@ class CompiledPlan:
         self._compiled_run = self._run = module.run
         self._driver_ready = threading.Event()
         self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
+        self.driver_found_cached = False  # its build found it compiled by another process
         self._background = False
-        mode = driver_tier.driver_mode()
+        self._asked_background = background is True  # its switch is a line, however quick
+        mode = driver_tier.driver_mode(background)
+        if mode in ("background", "reference"):
+            driver_tier.at_exit_mode()  # a bad value is refused here, not at the program's end
+        self.module_path = module.__file__  # the generated module in the cache folder
         self._build_lock = threading.Lock()
         if hasattr(module.run, "py_func") and mode != "inline":
             compiled = module.run.overloads or driver_tier.is_cached(module.run)
@@ -143,7 +176,7 @@ class CompiledPlan:
         lean = self.first_call_seconds is not None and self.driver_tier != "reference"
         if not lean or (donate and self.donations):
             return self._general_call(args, donate)
-        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        arrays = [a if a.flags.c_contiguous else contiguous(a) for a in args]
         args.clear()
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
@@ -163,7 +196,7 @@ class CompiledPlan:
         """Any call: while the reference interpreter stands in, the first call, donations."""
         if self.driver_tier == "reference":
             return self._reference_call(args)
-        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        arrays = [contiguous(a) for a in args]
         given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
         args.clear()
         for i in self._scalar_inputs:
@@ -209,7 +242,7 @@ class CompiledPlan:
     def _first_call(self, arrays: list):
         start = time.perf_counter()
         label = f"@{self.plan.graph.name}"
-        compiling_driver = self.driver_tier == "compiled"
+        compiling_driver = self.driver_tier == "compiled" and self.driver_seconds is None
         with progress.reporting(
             label,
             self.loop_kernels,
@@ -231,7 +264,7 @@ class CompiledPlan:
 
     def _argument_types(self, args: list) -> list:
         """The types the compiled driver will be called with, as a call would pass them."""
-        arrays = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args]
+        arrays = [contiguous(a) for a in args]
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
         workspace = self._workspaces.checkout()
@@ -267,6 +300,7 @@ class CompiledPlan:
                 for k in self.loop_kernels
             ],
             "signature": types,
+            "folder": os.path.dirname(self.module_path),
         }
         if self.driver_tier == "reference":
             announced = progress.announce_background_compile(
@@ -279,28 +313,34 @@ class CompiledPlan:
             return _load_from_cache(self._compiled_run, driver_tier.numba_signature(types))
 
         def ready(dispatcher):
+            was = self.driver_tier
             self._run = dispatcher
             self.driver_tier = "compiled"
             self.driver_seconds = build.seconds
-            if announced:
-                progress.say(f"{label}: compiled driver ready after {build.seconds:.1f} s")
+            self.driver_found_cached = not build.compiled
+            if announced or (self._asked_background and not progress.quiet()):
+                progress.say(switch_line(label, was, build.seconds))
             self._driver_ready.set()
 
-        build = driver_tier.DriverBuild(
+        build = driver_builder.DriverBuild(
             payload,
             load,
             ready,
             lambda message: self._build_failed(label, message),
-            label if announced else None,
+            label,
+            announced,
         )
-        driver_tier.submit(build)
+        driver_builder.submit(build)
 
     def _build_failed(self, label: str, message: str) -> None:
         self.driver_error = message
+        if self.driver_tier == "reference":
+            still = "on the reference interpreter (the same results within rounding, slower)"
+        else:
+            still = "the driver as Python (the same compiled kernels, more time per call)"
         warnings.warn(
-            f"{label}: {message}; its calls keep running the driver as Python (the same "
-            "compiled kernels, more time per call). BACKPLAN_DRIVER=inline compiles the "
-            "driver in the first call instead.",
+            f"{label}: {message}; its calls keep running {still}. bp.compile(fn, "
+            "background=False) or BACKPLAN_DRIVER=inline compiles in the first call instead.",
             driver_tier.DriverBuildWarning,
             stacklevel=1,
         )

@@ -16,6 +16,7 @@ dispatcher.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import math
 import numpy as np
 from backplan.codegen.jit import njit, prange
 
-from backplan.codegen.flags import JIT_OPTIONS
+from backplan.codegen.flags import KERNEL_JIT_OPTIONS, LEAN_KERNEL_JIT_OPTIONS
 from backplan.codegen.scalar_functions import *  # noqa: F403
 from backplan.codegen.views import contiguous_view, strided_view
 '''
@@ -95,7 +96,12 @@ def canonical_kernel(
     if parallel:
         lines = _one_view_per_memory(lines, scalars, bases)
     body = [_NAMES.sub(rename, line) for line in lines]
-    decorator = "@njit(parallel=True, **JIT_OPTIONS)" if parallel else "@njit(**JIT_OPTIONS)"
+    if parallel:
+        decorator = "@njit(parallel=True, **KERNEL_JIT_OPTIONS)"
+    elif allocates(body):
+        decorator = "@njit(**KERNEL_JIT_OPTIONS)"
+    else:
+        decorator = "@njit(**LEAN_KERNEL_JIT_OPTIONS)"
     source = "\n".join(
         [KERNEL_HEADER, "", decorator, f"def kernel({', '.join(params)}):"]
         + ["    " + line for line in body]
@@ -103,6 +109,40 @@ def canonical_kernel(
     source += "\n"
     digest = hashlib.sha256((salt + "\n" + source).encode()).hexdigest()
     return KernelSource(digest, source, parallel, tuple(arguments))
+
+
+# What a kernel body may call and still allocate nothing: loops, its own views, scalar NumPy
+# types and constants, math and the scalar functions kernels import (codegen/scalar_functions).
+_CALL = re.compile(r"(?<!\w)(np\.|math\.|\.)?(\w+)\(")
+_NUMPY_SCALARS = {
+    "float16", "float32", "float64", "intp", "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64", "bool_",
+}  # fmt: skip
+_BUILTINS = {"range", "prange", "min", "max", "abs", "int", "float", "bool", "len"}
+_VIEWS = {"contiguous_view", "strided_view"}
+
+
+@functools.cache
+def _scalar_functions() -> frozenset[str]:
+    from . import scalar_functions
+
+    return frozenset(name for name, value in vars(scalar_functions).items() if callable(value))
+
+
+def allocates(lines: list[str]) -> bool:
+    """Whether a kernel body may allocate (or receive) an array that needs Numba's
+    reference-counting runtime: any call but the known scalar ones counts, conservatively.
+    A missed allocation made in the kernel itself would be refused by Numba's compiler; one
+    returned by a callee would leak, hence a list of what is allowed, not of what is not."""
+    allowed = _BUILTINS | _VIEWS | _scalar_functions()
+    for line in lines:
+        for prefix, name in _CALL.findall(line):
+            if prefix == "np." and name in _NUMPY_SCALARS:
+                continue
+            if prefix == "math." or (not prefix and name in allowed):
+                continue
+            return True  # anything else, array methods included
+    return False
 
 
 _VIEW = re.compile(r"((?:s\d+_)?w\d+) = ((?:contiguous|strided)_view\(.*\))$")

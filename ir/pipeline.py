@@ -5,7 +5,9 @@
 
 `build_region_plans` runs it for a compiled function's region (a forward plan, and a backward
 plan that reads saved buffers); `build_joint_plan` for value_and_grad, whose one extra step is
-`expand_tanh_gelu` (forward and derivative share one tanh) and which needs no saved buffers.
+`expand_tanh_gelu` (forward and derivative share one tanh) and which needs no saved buffers:
+its rematerialisation (`rematerialize_joint`) copies cheap chains into its gradient part
+instead of holding their values across, after the last cleanup.
 Each step is a named pure function. The result is data: `RegionPlans.lowered(...)` and
 `lower(plan)` give the lowered plan that codegen renders and explain, export and the runtime
 read, computed once per plan and backward mode. BACKPLAN_DEBUG_IR=1 prints the IR after every
@@ -29,7 +31,7 @@ from .passes import (
     dead_code_elimination,
     expand_tanh_gelu,
 )
-from .remat import rematerialize
+from .remat import rematerialize, rematerialize_joint
 from .types import is_float
 from .verify import verify_graph, verify_plan
 
@@ -166,10 +168,13 @@ def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) 
         list(graph.outputs),
         dict(graph.constants),
     )
+    n_outputs = len(joint.outputs)
     grads = append_gradients(joint, wrt)
     joint.outputs = joint.outputs + grads
     joint = log.record("autodiff", joint)
     joint = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(joint)), log)
+    # after the last cleanup: common-subexpression elimination would merge the copies back
+    joint = log.record("rematerialize", rematerialize_joint(joint, n_outputs))
     return _plan(joint, log)
 
 

@@ -128,3 +128,89 @@ def _rewrite(backward: Graph, all_saved, kept, recomputed) -> None:
         nodes.append(node)
     backward.nodes = nodes
     backward.outputs = [mapping.get(o, o) for o in backward.outputs]
+
+
+# Constants are rebuilt wherever they are read, never held.
+REBUILT_OPS = ("full", "const")
+
+
+def forward_nodes(graph: Graph, n_outputs: int) -> set[Value]:
+    """In a joint plan (value_and_grad), the nodes the user's outputs depend on; every other
+    node belongs to the gradients."""
+    needed = set(graph.outputs[:n_outputs])
+    for node in reversed(graph.nodes):
+        if node in needed:
+            needed.update(node.inputs)
+    return {n for n in graph.nodes if n in needed}
+
+
+def held_across(graph: Graph, forward: set[Value]) -> list[Value]:
+    """Forward values (and inputs) that gradient nodes read: what the joint plan holds from its
+    forward part into its gradient part, in first-read order."""
+    held = {}
+    for node in graph.nodes:
+        if node in forward:
+            continue
+        for value in node.inputs:
+            if (value in forward or value in graph.inputs) and value.op not in REBUILT_OPS:
+                held.setdefault(value, None)
+    return list(held)
+
+
+def rematerialize_joint(graph: Graph, n_outputs: int) -> Graph:
+    """The joint plan's rematerialisation: a held value that a short chain of cheap ops rebuilds
+    is recomputed in the gradient part instead of held, when the chains together hold fewer
+    bytes. Their leaves are values held anyway, inputs, or costly forward values (a matmul's or
+    a tanh's result), which are then held instead: tanh-form gelu, expanded for the joint plan,
+    held five tensors of its width (x*x, 0.5*x, tanh, 1+tanh, the output), now two (x, tanh).
+    Rewrites graph in place (its gradient part reads the copies) and returns it."""
+    forward = forward_nodes(graph, n_outputs)
+    held = held_across(graph, forward)
+    inputs = set(graph.inputs)
+    costly = {n for n in forward if not recomputable(n)}
+    candidates = [v for v in held if v not in inputs and recomputable(v)]
+    kept = set(held) - set(candidates)
+    chains = {}
+    for value in candidates:
+        chain = _chain(value, kept | inputs | costly | _constants(graph))
+        if chain is not None:
+            chains[value] = chain
+    if not chains:
+        return graph
+    leaves = {leaf for chain in chains.values() for leaf in _leaves(chain)}
+    new_held = {leaf for leaf in leaves if leaf not in kept and leaf.op not in REBUILT_OPS}
+    new_held |= {v for v in candidates if v not in chains}
+    before = sum(v.type.nbytes for v in held if v not in inputs)
+    after = sum(v.type.nbytes for v in kept | new_held if v not in inputs)
+    if after >= before:
+        return graph
+    _recompute_in_gradients(graph, forward, chains)
+    return graph
+
+
+def _constants(graph: Graph) -> set[Value]:
+    return {n for n in graph.nodes if n.op in REBUILT_OPS}
+
+
+def _recompute_in_gradients(graph: Graph, forward: set[Value], chains: dict) -> None:
+    """Copy each chain right before the first gradient node that reads its value."""
+    copies: dict[Value, Value] = {}
+    nodes = []
+
+    def emit(value: Value) -> Value:
+        for node in chains[value]:
+            if node not in copies:
+                inputs = tuple(copies.get(i, i) for i in node.inputs)
+                copies[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
+                nodes.append(copies[node])
+        return copies[value]
+
+    for node in graph.nodes:
+        if node not in forward:
+            for value in node.inputs:
+                if value in chains and value not in copies:
+                    emit(value)
+            if any(i in chains for i in node.inputs):
+                node.inputs = tuple(copies[i] if i in chains else i for i in node.inputs)
+        nodes.append(node)
+    graph.nodes = nodes

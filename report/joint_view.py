@@ -7,23 +7,12 @@ from __future__ import annotations
 from backplan.ir.autodiff import backward_graph
 from backplan.ir.graph import Graph, Value
 from backplan.ir.liveness import Plan
+from backplan.ir.remat import REBUILT_OPS, forward_nodes
 from backplan.ir.text import format_loc, format_node, value_names
 from backplan.ir.types import np_dtype
 from backplan.runtime.program import SavedBufferInfo
 
 from .plan_view import BufferInfo, PlanView, StepInfo, free_steps, hand_to_caller, input_label
-
-REBUILT_OPS = ("full", "const")  # constants are rebuilt where needed, never saved
-
-
-def forward_nodes(graph: Graph, n_outputs: int) -> set[Value]:
-    """Nodes the user's outputs depend on; every other node belongs to the gradients."""
-    needed = set(graph.outputs[:n_outputs])
-    for node in reversed(graph.nodes):
-        if node in needed:
-            needed.update(node.inputs)
-    return {n for n in graph.nodes if n in needed}
-
 
 def joint_view(
     plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None, name: str

@@ -263,7 +263,9 @@ def compile_cost_text(report) -> str:
         f"A first call compiles at most {len(distinct)} distinct loop kernels (shared by every "
         f"plan and cached on disk); its {len(plans)} plan drivers run as Python calling those "
         "kernels until each is compiled in a background process and cached (BACKPLAN_DRIVER="
-        "inline compiles them in the first call instead)."
+        "inline compiles them in the first call instead; bp.compile(..., background=True) runs "
+        "the first calls on the reference interpreter and compiles the kernels out of process "
+        "too)."
     )
 
 

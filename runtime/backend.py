@@ -42,6 +42,7 @@ def use_backend(name: str):
 
 class ReferenceRunner:
     backend = "reference"
+    driver_tier = "reference"
 
     def __init__(self, plan: Plan, why: str | None = None):
         self.plan = plan
@@ -51,6 +52,9 @@ class ReferenceRunner:
     def __call__(self, args: list, release=None, donate=()) -> list:
         return run_plan(self.plan, args, release=release)  # results are new arrays anyway
 
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        return False  # nothing is building: its calls stay on the reference interpreter
+
 
 class CompiledRunner:
     """Runs the compiled plan; owned inputs (saved buffers, cotangents) are released when the
@@ -58,11 +62,13 @@ class CompiledRunner:
 
     backend = "numba"
 
-    def __init__(self, lowered: LoweredPlan, donated: tuple[int, ...] = ()):
+    def __init__(
+        self, lowered: LoweredPlan, donated: tuple[int, ...] = (), background: bool | None = None
+    ):
         from backplan.codegen.compiled import CompiledPlan
 
         plan = self.plan = lowered.plan
-        self.compiled = CompiledPlan(lowered, donated)
+        self.compiled = CompiledPlan(lowered, donated, background)
         self.kernels = self.compiled.kernel_count
         self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
 
@@ -73,11 +79,24 @@ class CompiledRunner:
                 release(i)
         return outputs
 
+    @property
+    def driver_tier(self) -> str:
+        return self.compiled.driver_tier
 
-def make_runner(lowered: LoweredPlan, backend: str | None = None, donated: tuple[int, ...] = ()):
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        return self.compiled.wait_for_driver(timeout)
+
+
+def make_runner(
+    lowered: LoweredPlan,
+    backend: str | None = None,
+    donated: tuple[int, ...] = (),
+    background: bool | None = None,
+):
     """The runner of a lowered plan on this backend (the current one by default); a consuming
     backward's lowered plan may reuse private saved buffers after their last read. donated:
-    inputs whose buffers outputs may be written into (bp.compile(donate_argnums=...))."""
+    inputs whose buffers outputs may be written into (bp.compile(donate_argnums=...)).
+    background: the function's bp.compile(background=...), None for BACKPLAN_DRIVER's."""
     plan = lowered.plan
     backend = backend or current_backend()
     if backend == "reference":
@@ -85,7 +104,7 @@ def make_runner(lowered: LoweredPlan, backend: str | None = None, donated: tuple
     from backplan.codegen.ops_emit import Unsupported
 
     try:
-        return CompiledRunner(lowered, donated)
+        return CompiledRunner(lowered, donated, background)
     except Unsupported as exc:
         warnings.warn(
             f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3
@@ -93,7 +112,7 @@ def make_runner(lowered: LoweredPlan, backend: str | None = None, donated: tuple
         return ReferenceRunner(plan, why=str(exc))
 
 
-def runner_for(plan: Plan, runners: dict):
+def runner_for(plan: Plan, runners: dict, background: bool | None = None):
     """plan's runner for the backend current now (use_backend switches between calls), kept
     in `runners` by backend; made once even when two threads ask at the same time."""
     backend = current_backend()
@@ -102,7 +121,8 @@ def runner_for(plan: Plan, runners: dict):
         with _making_runner:
             found = runners.get(backend)
             if found is None:
-                found = runners[backend] = make_runner(lower(plan), backend)
+                found = make_runner(lower(plan), backend, background=background)
+                runners[backend] = found
     return found
 
 

@@ -47,8 +47,10 @@ class RegionProgram:
         input_names: list[str] | None = None,
         backend: str | None = None,
         donated: tuple[int, ...] = (),
+        background: bool | None = None,
     ):
         self.plans = plans
+        self.background = background  # bp.compile(background=...) for every plan it runs
         self.donated = donated  # forward inputs whose buffers outputs may be written into
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
@@ -133,7 +135,13 @@ class RegionProgram:
 
     def _make_runner(self, mode: BackwardMode | None, backend: str):
         donated = self.donated if mode is None else ()
-        return make_runner(self.plans.lowered(mode), backend, donated=donated)
+        return make_runner(
+            self.plans.lowered(mode), backend, donated=donated, background=self.background
+        )
+
+    def runners(self) -> list:
+        """The runners made so far: the forward's, and each backward mode's once it ran."""
+        return list(self._runners.values())
 
     def private_saved_inputs(self) -> tuple[int, ...]:
         return self.plans.private_saved_inputs()

@@ -147,10 +147,10 @@ def test_medians_over_rounds_and_a_failed_round_is_noted():
 
 
 def test_driver_hooks_wait_for_backplans_background_builds_only():
-    from backplan.codegen import driver_tier
+    from backplan.codegen import driver_builder
 
     wait, state = driver_hooks("backplan")
-    assert wait is driver_tier.wait_for_builds and wait(timeout=60)
+    assert wait is driver_builder.wait_for_builds and wait(timeout=60)
     assert state in ("building", "compiled") and driver_hooks("backplan")[1] == "compiled"
     assert driver_hooks("jax") == (None, None)
 
@@ -214,3 +214,28 @@ def test_a_stopped_run_says_how_many_rounds_it_finished(compile_record):
     _, _, record, _ = compile_record
     partial = {**record, "run": {**record["run"], "rounds": 3, "rounds_done": 1}}
     assert "1 of 3 rounds done" in "\n".join(compile_table.render_lines(partial))
+
+
+def test_the_background_cell_checks_out_and_ends_on_compiled_plans(tmp_path, monkeypatch):
+    """backplan.background (`--against backplan.background`): value_and_grad(background=True)
+    in the child's own measure: checked against the float64 reference, and compiled once the
+    child has waited for its builds."""
+    from backplan.bench.compile_child import measure
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
+    request = {"model": "mlp_tiny", "peer": "backplan.background", "small": True}
+    with use_backend("numba"):
+        result = measure({**request, "dtype": "float32"})
+    assert result["check"]["ok"], result["check"]
+    assert result["driver_tier_ready"] == "compiled" and result["fast_after_s"] > 0
+
+
+def test_a_background_row_brings_its_legend_line(compile_record):
+    _, text, record, _ = compile_record
+    assert compile_table.BACKGROUND_LEGEND not in text
+    row = next(r for r in record["results"] if r["peer"] == "backplan")
+    with_cell = {**record, "results": [*record["results"], {**row, "peer": "backplan.background"}]}
+    lines = compile_table.render_lines(with_cell)
+    assert f"- {compile_table.BACKGROUND_LEGEND}" in lines
+    assert any(line.startswith("| mlp_tiny | backplan.background |") for line in lines)

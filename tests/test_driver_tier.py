@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen import driver_tier
+from backplan.codegen import driver_builder, driver_tier
 from backplan.runtime.backend import use_backend
 
 
@@ -59,17 +59,11 @@ def test_first_calls_run_the_python_driver_then_switch_to_the_compiled_one(backg
 
 
 def test_a_failed_build_warns_and_calls_stay_correct(background, monkeypatch):
-    def failing(payload):
-        import subprocess
+    def failing():
+        script = "import sys; print('no compiler', file=sys.stderr); sys.exit(3)"
+        return [sys.executable, "-c", script]
 
-        command = [
-            sys.executable,
-            "-c",
-            "import sys; print('no compiler', file=sys.stderr); sys.exit(3)",
-        ]
-        return subprocess.Popen(command, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    monkeypatch.setattr(driver_tier, "_spawn", failing)
+    monkeypatch.setattr(driver_builder, "_command", failing)
     w, x = data(3)
     with use_backend("numba"):
         step = bp.value_and_grad(bp.compile(loss))
@@ -108,8 +102,8 @@ def test_quiet_background_build_prints_nothing(background, monkeypatch, capfd):
         step = bp.value_and_grad(bp.compile(loss))
         step(w, x)
         plan = compiled_plan(step, w, x)
-        assert driver_tier.wait_for_builds(timeout=240)  # what the benchmark harness waits on
-        assert plan.driver_tier == "compiled" and driver_tier.pending() == 0
+        assert driver_builder.wait_for_builds(timeout=240)  # what the benchmark harness waits on
+        assert plan.driver_tier == "compiled" and driver_builder.pending() == 0
     assert "backplan:" not in capfd.readouterr().err
 
 
@@ -167,7 +161,7 @@ NEXT_PROCESS = """
 import json, sys
 import numpy as np
 import backplan as bp
-from backplan.codegen import driver_tier
+from backplan.codegen import driver_builder, driver_tier
 from backplan.runtime.backend import use_backend
 
 def loss(w, x):
@@ -180,7 +174,7 @@ with use_backend("numba"):
     step(w, x)
     plan = step.trace(w, x).runner().compiled
     tier = plan.driver_tier
-    built = driver_tier.wait_for_builds(timeout=240)
+    built = driver_builder.wait_for_builds(timeout=240)
 print(json.dumps({"tier": tier, "built": built, "now": plan.driver_tier}))
 """
 

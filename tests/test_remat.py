@@ -77,3 +77,33 @@ def test_every_saved_and_recomputed_record_carries_a_numpy_dtype():
     assert {r.dtype for r in records} == {np.dtype(np.float32), np.dtype(np.float64)}
     assert out.grad_fn.saved_buffers[0].dtype == x64.dtype
     assert "f64[6,8]" in str(out.grad_fn) and "f32[6,8]" in str(report)
+
+
+def gelu_mlp(w1, w2, x):
+    return bp.sum(bp.gelu(x @ w1, approximate="tanh") @ w2)
+
+
+def test_joint_plan_holds_only_the_matmul_result_and_tanh_of_an_expanded_gelu():
+    """value_and_grad expands tanh-gelu into primitives so forward and gradient share one
+    tanh; the cheap pieces (x*x, 0.5*x, 1+tanh, the output) are copied into the gradient part
+    instead of held across, so it holds what `bp.compile`'s plans save, and no more."""
+    rng = np.random.default_rng(3)
+    w1, w2, x = (
+        bp.tensor(rng.standard_normal(shape).astype(np.float32))
+        for shape in ((7, 33), (33, 5), (4, 7))
+    )
+    vg = bp.value_and_grad(gelu_mlp, argnums=(0, 1))
+    report = bp.explain(vg, w1, w2, x)
+    held = {(i.op, i.shape) for i in report.saved_buffers if not i.is_region_input}
+    assert held == {("matmul", (4, 33)), ("tanh", (4, 33))}
+    value, (g1, g2) = vg(w1, w2, x)
+    x64, w164, w264 = (t.numpy().astype(np.float64) for t in (x, w1, w2))
+    h = x64 @ w164
+    t = np.tanh(0.7978845608028654 * (h + 0.044715 * h**3))
+    expected = np.sum((0.5 * h * (1 + t)) @ w264)
+    np.testing.assert_allclose(value.numpy(), expected, rtol=1e-5)
+    upstream = np.ones((4, 5)) @ w264.T  # d loss / d gelu(h)
+    inner_grad = 0.7978845608028654 * (1 + 3 * 0.044715 * h**2)
+    dgelu = 0.5 * (1 + t) + 0.5 * h * (1 - t**2) * inner_grad
+    np.testing.assert_allclose(g2.numpy(), (0.5 * h * (1 + t)).T @ np.ones((4, 5)), rtol=1e-4)
+    np.testing.assert_allclose(g1.numpy(), x64.T @ (upstream * dgelu), rtol=1e-4, atol=1e-5)

@@ -22,6 +22,7 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     CacheInfo,
     PlannedFunction,
     RetraceWarning,
+    check_background,
 )
 from .pytree import TreeDef, flatten, unflattener
 from .reports import explain_traced
@@ -47,6 +48,9 @@ class TracedFunction:
 
     def __post_init__(self):
         self.rebuild_outputs = unflattener(self.out_treedef)
+
+    def runners(self) -> list:
+        return self.program.runners()
 
 
 def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
@@ -114,8 +118,9 @@ class CompiledFunction(PlannedFunction):
         static_argnames=(),
         donate_argnums=(),
         cache_size: int = DEFAULT_CACHE_SIZE,
+        background: bool | None = None,
     ):
-        super().__init__(fn, cache_size)
+        super().__init__(fn, cache_size, background)
         self.remat = remat
         self.saved_bytes_budget = saved_bytes_budget
         self.arguments = ArgumentSpec(fn, static_argnums, static_argnames, donate_argnums)
@@ -185,7 +190,9 @@ class CompiledFunction(PlannedFunction):
         plans = build_region_plans(
             graph, wrt, remat=self.remat, saved_bytes_budget=self.saved_bytes_budget
         )
-        program = RegionProgram(plans, name=name, input_names=names, donated=donated)
+        program = RegionProgram(
+            plans, name=name, input_names=names, donated=donated, background=self.background
+        )
         return TracedFunction(
             program,
             out_treedef,
@@ -220,6 +227,7 @@ def compile(  # noqa: A001
     static_argnames: Sequence[str] = (),
     donate_argnums: Sequence[int] = (),
     cache_size: int = DEFAULT_CACHE_SIZE,
+    background: bool | None = None,
 ) -> CompiledFunction: ...
 
 
@@ -233,6 +241,7 @@ def compile(  # noqa: A001
     static_argnames: Sequence[str] = (),
     donate_argnums: Sequence[int] = (),
     cache_size: int = DEFAULT_CACHE_SIZE,
+    background: bool | None = None,
 ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 
 
@@ -245,6 +254,7 @@ def compile(  # noqa: A001
     static_argnames: Sequence[str] = (),
     donate_argnums: Sequence[int] = (),
     cache_size: int = DEFAULT_CACHE_SIZE,
+    background: bool | None = None,
 ) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Trace fn on its first call per signature into static forward and backward plans.
 
@@ -268,6 +278,12 @@ def compile(  # noqa: A001
     cache_size: signatures kept (least recently used leave first); after 8 retraces a
     bp.RetraceWarning says what changed.
 
+    background=True: a plan's first calls (forward, and backward through .backward()) run on
+    the reference interpreter, waiting for no compiler, while a background process compiles
+    its kernels and driver; calls switch to them once built (one stderr line says so).
+    `fn.driver_tier` says what runs now, `fn.wait_until_compiled()` waits for the switch.
+    background=False compiles in the first call; None (default) follows BACKPLAN_DRIVER.
+
     >>> import backplan as bp
     >>> @bp.compile
     ... def loss(w, x):
@@ -284,6 +300,7 @@ def compile(  # noqa: A001
         static_argnames=static_argnames,
         donate_argnums=donate_argnums,
         cache_size=cache_size,
+        background=check_background(background),
     )
     if fn is None:
         return lambda f: CompiledFunction(f, **options)

@@ -20,7 +20,7 @@ from .compile import trace_function
 from .errors import TracingError
 from .fastpath import positions_of
 from .numpy_args import arrays_reader, kept_by_outputs
-from .planned import PlannedFunction
+from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint
 from .signature import bind_call, miss_reason
@@ -38,11 +38,15 @@ class JointTrace:
     aux_treedef: object
     n_aux: int
     wrt: list[bool]
+    background: bool | None = None  # value_and_grad(background=...)
     _runners: dict = field(default_factory=dict)
 
     def runner(self):
         """The runner for the backend current now (use_backend switches between calls)."""
-        return runner_for(self.plan, self._runners)
+        return runner_for(self.plan, self._runners, self.background)
+
+    def runners(self) -> list:
+        return list(self._runners.values())
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -66,8 +70,10 @@ class JointCall:
 class ValueAndGradFunction(PlannedFunction):
     """See `value_and_grad`."""
 
-    def __init__(self, fn, argnums=0, has_aux: bool = False):
-        super().__init__(fn)
+    def __init__(self, fn, argnums=0, has_aux: bool = False, background: bool | None = None):
+        if background is None and isinstance(fn, PlannedFunction):
+            background = fn.background  # bp.compile(fn, background=...) inlines into this plan
+        super().__init__(fn, background=background)
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
         self.argnums = argnums
         self.has_aux = has_aux
@@ -93,7 +99,9 @@ class ValueAndGradFunction(PlannedFunction):
         return miss_reason(old, new)
 
     def _build(self, bound: JointCall) -> JointTrace:
-        return _trace_joint(self.fn, bound.call, bound.diff_paths, self.has_aux)
+        entry = _trace_joint(self.fn, bound.call, bound.diff_paths, self.has_aux)
+        entry.background = self.background
+        return entry
 
     def _run(self, entry: JointTrace, bound: JointCall):
         return run_joint(
@@ -117,11 +125,17 @@ class ValueAndGradFunction(PlannedFunction):
 
 
 def value_and_grad(
-    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    background: bool | None = None,
 ) -> ValueAndGradFunction:
     """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
     Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
     the result is ((loss, aux), grads). Works inside traces, so grad(grad(f)) works.
+    background: as in bp.compile, for the joint plan (None takes fn's own when fn is a
+    bp.compile function, whose trace this plan inlines; else BACKPLAN_DRIVER's).
 
     >>> import backplan as bp
     >>> f = bp.value_and_grad(lambda x: (x ** 3).sum())
@@ -129,7 +143,7 @@ def value_and_grad(
     >>> g.numpy().tolist()
     [12.0]
     """
-    return ValueAndGradFunction(fn, argnums, has_aux)
+    return ValueAndGradFunction(fn, argnums, has_aux, check_background(background))
 
 
 def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, single: bool):
@@ -213,10 +227,14 @@ class GradFunction(ValueAndGradFunction):
 
 
 def grad(
-    fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    background: bool | None = None,
 ) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
-    return GradFunction(fn, argnums, has_aux)
+    return GradFunction(fn, argnums, has_aux, check_background(background))
 
 
 def _positional(fn):

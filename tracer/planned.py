@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backplan.runtime import is_grad_enabled
+from backplan.runtime.tiers import slowest_tier, wait_until_compiled
 
 from .errors import TracingError
 from .fastpath import call_key, guard_for
@@ -45,12 +46,26 @@ class FastEntry:
         self.entry_key = entry_key
 
 
-class PlannedFunction:
-    """A function run through plans traced once per signature (see the module docstring)."""
+def check_background(background) -> bool | None:
+    """background= is True, False or None; anything else (a string, 1) is refused by name."""
+    if background is None or isinstance(background, bool):
+        return background
+    raise TypeError(
+        f"background must be True, False or None, got {background!r} "
+        f"({type(background).__name__}); True runs first calls on the reference interpreter "
+        "while the plans compile in a background process, False compiles in the first call"
+    )
 
-    def __init__(self, fn, cache_size: int = DEFAULT_CACHE_SIZE):
+
+class PlannedFunction:
+    """A function run through plans traced once per signature (see the module docstring).
+    background: True runs a plan's first calls on the reference interpreter while a child
+    process compiles it, False compiles in its first call, None follows BACKPLAN_DRIVER."""
+
+    def __init__(self, fn, cache_size: int = DEFAULT_CACHE_SIZE, background: bool | None = None):
         if cache_size < 1:
             raise ValueError(f"cache_size must be at least 1, got {cache_size}")
+        self.background = check_background(background)
         self.fn = fn
         self.cache_size = cache_size
         self._entries: OrderedDict = OrderedDict()  # entry key -> entry, least recent first
@@ -216,6 +231,30 @@ class PlannedFunction:
         See `backplan.explain`."""
         bound, entry = self.lookup(args, kwargs, count_hit=False)
         return self._report(entry, bound)
+
+    def _plan_runners(self) -> list:
+        """The runners every cached signature's plans made so far (a signature's backward
+        plans make theirs at its first backward())."""
+        return [r for entry in list(self._entries.values()) for r in entry.runners()]
+
+    @property
+    def driver_tier(self) -> str | None:
+        """What the slowest of its plans runs on now: "reference" (the reference interpreter,
+        while a background build compiles it), "python" (the driver as Python calling compiled
+        kernels) or "compiled"; None before a call made any plan."""
+        return slowest_tier(self._plan_runners())
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background builds of the plans made so far; True when all of them now
+        run compiled code, False if one cannot (its build failed: a DriverBuildWarning said
+        why) or `timeout` seconds passed first. Calls stay correct either way.
+
+        >>> import backplan as bp
+        >>> double = bp.compile(lambda x: x * 2.0, background=True)
+        >>> double.wait_until_compiled(timeout=0)  # nothing called yet, nothing compiled
+        False
+        """
+        return wait_until_compiled(self._plan_runners(), timeout)
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(

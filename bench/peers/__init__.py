@@ -4,7 +4,12 @@ Optional frameworks are imported only when their peer builds a model."""
 from __future__ import annotations
 
 from ..errors import BenchError
-from .backplan_peer import BackplanCompilePeer, BackplanPeer, BackplanReferencePeer
+from .backplan_peer import (
+    BackplanBackgroundPeer,
+    BackplanCompilePeer,
+    BackplanPeer,
+    BackplanReferencePeer,
+)
 from .base import Peer, Runner, SavedBytes, StepOutput
 from .jax_peer import JaxPeer
 from .numpy_peer import NumpyPeer, reference_output
@@ -15,6 +20,7 @@ PEERS: dict[str, type[Peer]] = {
     for cls in (
         BackplanPeer,
         BackplanCompilePeer,
+        BackplanBackgroundPeer,
         BackplanReferencePeer,
         NumpyPeer,
         TorchPeer,
@@ -23,9 +29,11 @@ PEERS: dict[str, type[Peer]] = {
     )
 }
 # What --against accepts: a family name selects all its peers. backplan.reference (backplan
-# on its NumPy reference interpreter) is opt-in.
+# on its NumPy reference interpreter) and backplan.background (first calls on it while the
+# plans compile out of process: a `bench compile` cell) are opt-in.
 AGAINST_CHOICES = {
     "backplan.reference": ["backplan.reference"],
+    "backplan.background": ["backplan.background"],
     "numpy": ["numpy"],
     "torch": ["torch", "torch.compile"],
     "torch.eager": ["torch"],

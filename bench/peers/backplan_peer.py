@@ -64,10 +64,10 @@ class ValueAndGradRunner(PlanFacts):
     # between steps are allocated before the step and so are not in the measured peak.
     numpy_allocations = True
 
-    def __init__(self, spec: ModelSpec, inputs: ModelInputs):
+    def __init__(self, spec: ModelSpec, inputs: ModelInputs, background: bool | None = None):
         self.spec = spec
         self.params, self.batch = _tensors(spec, inputs, requires_grad=False)
-        self.fn = bp.value_and_grad(bench_function(spec), argnums=0)
+        self.fn = bp.value_and_grad(bench_function(spec), argnums=0, background=background)
         self.result = None
 
     def step(self) -> None:
@@ -86,10 +86,10 @@ class CompileRunner(PlanFacts):
 
     numpy_allocations = True
 
-    def __init__(self, spec: ModelSpec, inputs: ModelInputs):
+    def __init__(self, spec: ModelSpec, inputs: ModelInputs, background: bool | None = None):
         self.spec = spec
         self.params, self.batch = _tensors(spec, inputs, requires_grad=spec.train)
-        self.fn = bp.compile(bench_function(spec))
+        self.fn = bp.compile(bench_function(spec), background=background)
         self.value = None
 
     def step(self) -> None:
@@ -121,6 +121,19 @@ class BackplanPeer(Peer):
         if not spec.train:
             return CompileRunner(spec, inputs)
         return ValueAndGradRunner(spec, inputs)
+
+
+class BackplanBackgroundPeer(BackplanPeer):
+    """value_and_grad(background=True): the first calls run on the reference interpreter while
+    a background process compiles the plans, so no call waits for a compiler."""
+
+    name = "backplan.background"
+    description = "bp.value_and_grad(loss, argnums=0, background=True)"
+
+    def build(self, spec: ModelSpec, inputs: ModelInputs) -> Runner:
+        if not spec.train:
+            return CompileRunner(spec, inputs, background=True)
+        return ValueAndGradRunner(spec, inputs, background=True)
 
 
 class BackplanReferencePeer(BackplanPeer):

@@ -40,6 +40,11 @@ LEGEND = (
     "each cell is the median over rounds; check: every call's loss and gradients against the "
     "float64 NumPy reference",
 )
+BACKGROUND_LEGEND = (
+    "backplan.background (`--against backplan.background`): `bp.value_and_grad(loss, "
+    "background=True)`, whose first calls run on the reference interpreter while a background "
+    "process compiles the plans: its cold 1st call waits for no compiler"
+)
 
 
 def _seconds(value) -> str:
@@ -116,6 +121,8 @@ def render_lines(record: dict) -> list[str]:
     lines += [*table(record), ""]
     lines += [f"Skipped {s['peer']}: {s['reason']}" for s in record["skipped_peers"]]
     lines += [f"- {line}" for line in LEGEND]
+    if any(r["peer"] == "backplan.background" for r in record["results"]):
+        lines.append(f"- {BACKGROUND_LEGEND}")
     notes = [f"- {r['model']} {r['peer']}: {r['note']}" for r in record["results"] if _noted(r)]
     return lines + notes
 

@@ -1,7 +1,11 @@
-"""The entry points generated code calls: one GEMM, or a batch of them in one call."""
+"""The entry points generated code calls: one GEMM, or a batch of them in one call.
+
+Both are thin: they pass addresses, sizes and strides to the blocked GEMM, which is compiled
+once per dtype and called by address (gemm/symbols.py), so no caller carries a copy of it.
+"""
 
 from ..jit import AS_PYTHON, njit
-from .driver import KC, MC, NC, gemm_blocked, workspace
+from .symbols import call_gemm
 
 
 @njit(cache=True, nogil=True)
@@ -15,30 +19,38 @@ def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):
     >>> gemm(256, False, True, 1.0, a, b, 0.0, c); float(c[0, 0])
     4.0
     """
-    work = workspace(width, c, KC, MC, NC)
-    gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, KC, MC, NC)
+    k = a.shape[0] if trans_a else a.shape[1]
+    call_gemm(
+        c.dtype,
+        (
+            width, trans_a, trans_b, c.shape[0], c.shape[1], k,
+            a.ctypes.data, a.strides[0], a.strides[1],
+            b.ctypes.data, b.strides[0], b.strides[1],
+            c.ctypes.data, c.strides[0], c.strides[1],
+        ),
+        alpha,
+        beta,
+    )  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
 def batched_gemm(width, trans_a, trans_b, a, b, c):
     """c[i] = op(a[i]) @ op(b[i]) for 3-D arrays; a or b may have batch size 1 (broadcast)."""
-    work = workspace(width, c, KC, MC, NC)
-    last_a, last_b = a.shape[0] - 1, b.shape[0] - 1
+    k = a.shape[1] if trans_a else a.shape[2]
+    step_a = a.strides[0] if a.shape[0] > 1 else 0
+    step_b = b.strides[0] if b.shape[0] > 1 else 0
     for i in range(c.shape[0]):
-        gemm_blocked(
-            width,
-            trans_a,
-            trans_b,
+        call_gemm(
+            c.dtype,
+            (
+                width, trans_a, trans_b, c.shape[1], c.shape[2], k,
+                a.ctypes.data + i * step_a, a.strides[1], a.strides[2],
+                b.ctypes.data + i * step_b, b.strides[1], b.strides[2],
+                c.ctypes.data + i * c.strides[0], c.strides[1], c.strides[2],
+            ),
             1.0,
-            a[min(i, last_a)],
-            b[min(i, last_b)],
             0.0,
-            c[i],
-            work,
-            KC,
-            MC,
-            NC,
-        )
+        )  # fmt: skip
 
 
 if AS_PYTHON:  # the kernels are LLVM intrinsics, which plain Python cannot call

@@ -34,3 +34,13 @@ def shapes(t: bp.Tensor) -> tuple[int, ...]:
     view: np.ndarray = moved.numpy()
     shared: bp.Tensor = bp.from_dlpack(view)
     return shared.shape + (len(leaves),)
+
+
+@bp.compile(background=True)
+def scaled(x: bp.Tensor) -> bp.Tensor:
+    return x * 2.0
+
+
+def compiled_yet(timeout: float) -> tuple[str | None, bool]:
+    step = bp.value_and_grad(scaled, background=False)
+    return scaled.driver_tier, step.wait_until_compiled(timeout=timeout)

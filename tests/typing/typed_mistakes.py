@@ -7,3 +7,4 @@ count: int = bp.exp(x)
 bp.softmax(x, axis="last")
 bp.compile(x)
 shape: str = x.sum(axis=0).shape
+bp.value_and_grad(bp.exp, background="yes")

@@ -1,0 +1,254 @@
+"""Driver builds across processes (codegen/driver_builder.py, codegen/driver_lock.py): a build
+still running when a program ends finishes in its detached child, so the next run starts on the
+compiled driver; two processes sharing a cache folder compile a driver once; builds queued while
+a child runs go to one child together.
+
+The tests hold a driver's lock themselves to keep its build waiting at a known point, so nothing
+depends on how fast a compile is."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from backplan.codegen import driver_builder, driver_lock, driver_tier
+
+pytestmark = pytest.mark.skipif(
+    driver_lock.fcntl is None or not os.path.isdir("/proc"), reason="needs flock and /proc"
+)
+
+SCRIPT = """
+import json, sys
+import numpy as np
+import backplan as bp
+from backplan.codegen import driver_builder
+from backplan.runtime.backend import use_backend
+
+def loss(w, x):
+    return bp.mean(bp.tanh(x @ w) ** 2)
+
+w = bp.tensor(np.ones((5, 3), np.float32))
+x = bp.tensor(np.ones((17, 5), np.float32))
+step = bp.value_and_grad(bp.compile(loss))
+with use_backend("numba"):
+    step(w, x)
+    plan = step.trace(w, x).runner().compiled
+    print(json.dumps({"tier": plan.driver_tier, "module": plan.module_path}), flush=True)
+    if sys.argv[1] == "wait":
+        built = driver_builder.wait_for_builds(timeout=240)
+        print(json.dumps({"built": built, "now": plan.driver_tier,
+                          "found_cached": plan.driver_found_cached}), flush=True)
+"""
+
+
+def script_env(tmp_path, **settings) -> dict:
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path / "kernels")}
+    env.pop("BACKPLAN_QUIET", None)
+    return {**env, "BACKPLAN_DRIVER": "background", **settings}
+
+
+def run(env: dict, mode: str = "exit") -> tuple[list[dict], str]:
+    """The script's JSON lines and its stderr. Returns only once the script's stdout and stderr
+    are closed: a build child holding them open would hang here (its build is held waiting)."""
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()], done.stderr
+
+
+def module_of_plan(tmp_path) -> str:
+    """The plan's module in the cache folder (BACKPLAN_DRIVER=python builds nothing)."""
+    lines, _ = run(script_env(tmp_path, BACKPLAN_DRIVER="python"))
+    return lines[0]["module"]
+
+
+def is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"  # a zombie has finished; whoever adopted it has yet to reap it
+
+
+def wait_until_finished(pid: int, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while is_running(pid):
+        assert time.monotonic() < deadline, f"build process {pid} still running"
+        time.sleep(0.2)
+
+
+def test_a_build_running_at_exit_finishes_and_the_next_run_starts_compiled(tmp_path):
+    module = module_of_plan(tmp_path)
+    env = script_env(tmp_path)
+    with driver_lock.held(module):  # the script's build waits: still running when it ends
+        lines, err = run(env)
+        assert lines[0]["tier"] == "python"
+        [line] = [line for line in err.splitlines() if "still building" in line]
+        pid = int(line.split("still building in process ")[1].split()[0])
+        assert line.startswith("backplan: @") and f"kill {pid}" in line
+        assert is_running(pid)  # left running, detached from the ended script's pipes
+    wait_until_finished(pid)
+    lines, err = run(env)
+    assert lines[0]["tier"] == "compiled" and "still building" not in err
+
+
+def test_at_exit_kill_stops_the_build(tmp_path):
+    module = module_of_plan(tmp_path)
+    env = script_env(tmp_path, BACKPLAN_DRIVER_AT_EXIT="kill")
+    with driver_lock.held(module):
+        lines, err = run(env)
+    assert lines[0]["tier"] == "python" and "still building" not in err
+    lines, _ = run(env)
+    assert lines[0]["tier"] == "python"  # nothing built it
+
+
+def test_quiet_at_exit_says_nothing(tmp_path):
+    module = module_of_plan(tmp_path)
+    with driver_lock.held(module):
+        _, err = run(script_env(tmp_path, BACKPLAN_QUIET="1"))
+    assert "backplan:" not in err
+
+
+def test_an_unknown_at_exit_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("BACKPLAN_DRIVER_AT_EXIT", "later")
+    with pytest.raises(ValueError, match=r"BACKPLAN_DRIVER_AT_EXIT='later'; use one of finish"):
+        driver_tier.at_exit_mode()
+
+
+def test_two_processes_sharing_a_cache_compile_a_driver_once(tmp_path):
+    module = module_of_plan(tmp_path)
+    env = script_env(tmp_path)
+    command = [sys.executable, "-c", SCRIPT, "wait"]
+    with driver_lock.held(module):  # both builds start, and wait, before either compiles
+        scripts = [
+            subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(2)
+        ]
+        firsts = [json.loads(script.stdout.readline()) for script in scripts]
+    results = []
+    for script in scripts:
+        out, _ = script.communicate(timeout=300)
+        assert script.returncode == 0
+        results.append(json.loads(out.splitlines()[-1]))
+    assert [first["tier"] for first in firsts] == ["python", "python"]
+    assert all(r["built"] and r["now"] == "compiled" for r in results), results
+    assert sorted(r["found_cached"] for r in results) == [False, True]
+
+
+FAKE_CHILD = """
+import json, os, sys, time
+builds = json.loads(sys.stdin.read())
+while not os.path.exists(builds[0]["gate"]):
+    time.sleep(0.01)
+for index, _ in enumerate(builds):
+    print(json.dumps({"index": index, "error": f"pid {os.getpid()}", "compiled": True}),
+          flush=True)
+"""
+
+
+def test_builds_queued_while_a_child_runs_share_the_next_child(tmp_path, monkeypatch):
+    monkeypatch.setattr(driver_builder, "_command", lambda: [sys.executable, "-c", FAKE_CHILD])
+    gate = tmp_path / "gate"
+    said: dict[str, str] = {}
+
+    def build(name: str) -> driver_builder.DriverBuild:
+        payload = {"gate": str(gate), "folder": str(tmp_path)}
+        return driver_builder.DriverBuild(
+            payload, None, None, lambda message: said.setdefault(name, message), f"@{name}"
+        )
+
+    driver_builder.submit(build("first"))
+    while not driver_builder._running:
+        time.sleep(0.01)  # the first child has started, with the first build only
+    driver_builder.submit(build("second"))
+    driver_builder.submit(build("third"))
+    gate.touch()
+    assert driver_builder.wait_for_builds(timeout=60)
+    assert said["second"] == said["third"] != said["first"], said
+
+
+def test_a_queued_build_compiles_where_its_plan_lives_after_the_cache_folder_changes(
+    tmp_path, monkeypatch
+):
+    """A build queued behind another starts after the program pointed BACKPLAN_CACHE_DIR
+    elsewhere (a test or a benchmark moving to a fresh cache): it still compiles into the folder
+    its plan was loaded from, where the plan looks for it."""
+    import numpy as np
+
+    import backplan as bp
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "first"))
+    w = bp.tensor(np.ones((5, 3), np.float32))
+    x = bp.tensor(np.ones((19, 5), np.float32))
+    one = bp.value_and_grad(bp.compile(lambda w, x: bp.mean(bp.tanh(x @ w) ** 2)))
+    two = bp.value_and_grad(bp.compile(lambda w, x: bp.mean(bp.sin(x @ w) ** 2)))
+    with use_backend("numba"):
+        plans = [step.trace(w, x).runner().compiled for step in (one, two)]
+        with driver_lock.held(plans[0].module_path):
+            one(w, x)
+            two(w, x)
+            monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "second"))
+        for plan in plans:
+            assert plan.wait_for_driver(timeout=240), plan.driver_error
+
+
+def test_a_build_by_other_code_generator_files_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """Code generator files edited after the program started (or another copy imported by the
+    child) would key the compiled driver apart from the plan's: the build says so."""
+    import numpy as np
+
+    import backplan as bp
+    from backplan.codegen import cache
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setattr(cache, "codegen_fingerprint", lambda: "started-with-these")
+    w = bp.tensor(np.ones((5, 3), np.float32))
+    x = bp.tensor(np.ones((23, 5), np.float32))
+    step = bp.value_and_grad(bp.compile(lambda w, x: bp.mean(bp.tanh(x @ w) ** 2)))
+    with use_backend("numba"), pytest.warns(bp.DriverBuildWarning, match="other code generator"):
+        step(w, x)
+        plan = step.trace(w, x).runner().compiled
+        assert not plan.wait_for_driver(timeout=240)
+    assert plan.driver_tier == "python"
+
+
+def test_non_contiguous_and_contiguous_numpy_arguments_share_the_built_driver(
+    tmp_path, monkeypatch
+):
+    """NumPy arguments reach the plan read-only; a non-contiguous one is copied, and the copy
+    stays read-only, so the driver built for the first call serves both (a writeable copy was
+    another argument type: the driver compiled again, inside the call)."""
+    import numpy as np
+
+    import backplan as bp
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 3))
+    x = rng.standard_normal((8, 12))[:, ::2]
+    labels = np.array([0, 1, 2, 0, 1, 2, 0, 1])
+    step = bp.value_and_grad(bp.compile(lambda w, x, y: bp.cross_entropy(bp.tanh(x @ w), y)))
+    with use_backend("numba"):
+        first = step(w, x, labels)
+        plan = step.trace(w, x, labels).runner().compiled
+        assert plan.wait_for_driver(timeout=240), plan.driver_error
+        step(w, x, labels)
+        again = step(w, np.ascontiguousarray(x), labels)
+        assert len(plan._run.overloads) == 1
+    assert np.array_equal(again[1].numpy(), first[1].numpy())
+    with use_backend("reference"):
+        expected = bp.value_and_grad(lambda w, x, y: bp.cross_entropy(bp.tanh(x @ w), y))(
+            w, x, labels
+        )
+    np.testing.assert_allclose(first[1].numpy(), expected[1].numpy(), rtol=1e-10)

@@ -1,0 +1,45 @@
+"""Loop kernels that cannot allocate compile without Numba's reference counting (cheaper to
+compile); anything that might allocate or hand back an array keeps it (else it would leak)."""
+
+import numpy as np
+
+import backplan as bp
+from backplan.codegen.kernel_source import allocates
+from backplan.runtime.backend import use_backend
+
+
+def test_allocation_check_lists_what_is_allowed():
+    assert not allocates(
+        [
+            "w0 = contiguous_view(a0, o0, (n0,))",
+            "for i0 in range(n0):",
+            "    t0 = tanh_f32(w0[i0]) + np.float32(1.0)",
+            "    w0[i0] = math.exp(min(t0, np.float32(3.0)))",
+        ]
+    )
+    assert allocates(["part = np.empty((n0,), np.float32)"])
+    assert allocates(["work = gemm_workspace(512, mat_c)"])  # an array from a callee
+    assert allocates(["t0 = w0.copy()"])  # any array method
+
+
+def loss(w, b, x):
+    return bp.sum(bp.tanh(x @ w + b) ** 2)
+
+
+def test_lean_kernels_compute_what_the_reference_does():
+    rng = np.random.default_rng(1)
+    w, b, x = (
+        bp.tensor(rng.standard_normal(shape).astype(np.float32))
+        for shape in ((7, 5), (5,), (3, 7))
+    )
+    with use_backend("numba"):
+        vg = bp.value_and_grad(loss, argnums=(0, 1))
+        value, grads = vg(w, b, x)
+        kernels = vg.trace(w, b, x).runner().compiled.loop_kernels
+    with use_backend("reference"):
+        expected, expected_grads = bp.value_and_grad(loss, argnums=(0, 1))(w, b, x)
+    decorators = {line for k in kernels for line in k.source.splitlines() if line.startswith("@")}
+    assert "@njit(**LEAN_KERNEL_JIT_OPTIONS)" in decorators  # the elementwise loops
+    np.testing.assert_allclose(value.numpy(), expected.numpy(), rtol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
