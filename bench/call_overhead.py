@@ -6,8 +6,10 @@ taking NumPy arguments.
 
 Each model runs `bp.value_and_grad(bp.compile(loss))(params, *batch)` in float32 at full size
 (the bench suite's models); rounds interleave the two argument kinds and the medians of the
-per-step times are printed in microseconds. --threads pins the process to that many CPUs
-(bench/affinity.py) and limits Numba's and BLAS's threads to match.
+per-step times are printed in microseconds. Timing starts once the plans' compiled drivers have
+replaced the Python ones (driver_builder.wait_for_builds), as in a long training loop. --threads
+pins the process to that many CPUs (bench/affinity.py) and limits Numba's and BLAS's threads to
+match.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def make_steps(name: str) -> dict:
 
 def measure(steps: dict, schedule: Schedule) -> dict:
     """Median step seconds per kind over interleaved rounds (the order alternates)."""
+    from backplan.codegen.driver_builder import wait_for_builds
+
+    for step in steps.values():
+        step()
+    wait_for_builds()
     warm = {}
     for kind, step in steps.items():
         for _ in range(schedule.warmup_steps):

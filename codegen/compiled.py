@@ -9,6 +9,7 @@ import re
 import threading
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,21 @@ def canonical_text(plan: Plan) -> str:
     text = re.sub(r"  # .*$", "", format_graph(plan.graph, plan.frees_after), flags=re.M)
     consts = sorted((k, str(v.dtype), v.shape) for k, v in plan.graph.constants.items())
     return f"{text}\n# constants {consts}"
+
+
+def _output_sources(sources: list, buffers: list) -> list[tuple]:
+    """(output buffer or None, position in what `run` returns, shape to reshape to or None)
+    per output that is not a literal; `run` returns arrays of their internal shape (a scalar
+    as one element)."""
+    found: list[tuple] = []
+    returned = 0
+    for buffer, shape in sources:
+        if buffer is None:
+            found.append((None, returned, () if shape == () else None))
+            returned += 1
+        else:
+            found.append((buffer, None, None if buffers[buffer][0] == shape else shape))
+    return found
 
 
 def _load_from_cache(dispatcher, signature):
@@ -147,13 +163,37 @@ class CompiledPlan:
             for i, n in generated.literal_outputs.items()
         }
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
-        self._scalar_outputs = [i for i, v in enumerate(graph.outputs) if v.shape == ()]
+        self._output_sources = _output_sources(generated.output_sources, self._output_buffers)
+        self._buffer_outputs = None
+        if not self._literal_outputs and all(j is not None for j, _, _ in self._output_sources):
+            self._buffer_outputs = [(j, shape) for j, _, shape in self._output_sources]
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
 
     def __call__(self, args: list, donate=()) -> list:
         """donate: inputs whose buffers the caller gives up; outputs paired with them
         (self.donations) are written into them instead of into new arrays."""
+        lean = self.first_call_seconds is not None and self.driver_tier != "reference"
+        if not lean or (donate and self.donations):
+            return self._general_call(args, donate)
+        arrays = [a if a.flags.c_contiguous else contiguous(a) for a in args]
+        args.clear()
+        for i in self._scalar_inputs:
+            arrays[i] = arrays[i].reshape(1)
+        workspace = self._workspaces.checkout()
+        outputs = workspace.output_arrays()
+        try:
+            with self._launch_guard:
+                returned = self._run(*arrays, *self._constants, *workspace.scratch, *outputs)
+        except IndexError as exc:
+            raise self._located(exc) from None
+        finally:
+            del arrays
+            self._workspaces.checkin(workspace)
+        return self._outputs(returned, outputs)
+
+    def _general_call(self, args: list, donate) -> list:
+        """Any call: while the reference interpreter stands in, the first call, donations."""
         if self.driver_tier == "reference":
             return self._reference_call(args)
         arrays = [contiguous(a) for a in args]
@@ -181,13 +221,22 @@ class CompiledPlan:
             self._workspaces.checkin(workspace)
             for k in given:
                 outputs[k].flags.writeable = False  # the caller wraps it as an immutable tensor
-        if not (self._literal_outputs or self._scalar_outputs):
-            return list(returned)
-        outputs = list(returned)
+        return self._outputs(returned, outputs)
+
+    def _outputs(self, returned: Any, buffers: list) -> list:
+        """The plan's outputs: the output buffers the caller passed (whole or reshaped), what
+        `run` returned, and literal outputs, each in its IR shape (0-d for scalars)."""
+        if self._buffer_outputs is not None:  # the common case: every output is a buffer
+            return [
+                buffers[j] if shape is None else buffers[j].reshape(shape)
+                for j, shape in self._buffer_outputs
+            ]
+        outputs = []
+        for buffer, position, shape in self._output_sources:
+            array = returned[position] if buffer is None else buffers[buffer]
+            outputs.append(array if shape is None else array.reshape(shape))
         for i, (shape, value, dtype) in self._literal_outputs.items():
             outputs.insert(i, np.full(shape, value, dtype))
-        for i in self._scalar_outputs:
-            outputs[i] = outputs[i].reshape(())
         return outputs
 
     def _first_call(self, arrays: list):

@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from backplan.ir.fusion import alias_base, internal_shape
+from backplan.ir.fusion import alias_base, internal_shape, is_alias
 from backplan.ir.graph import Value
 from backplan.ir.layout import BufferLayout
 from backplan.ir.lowering import LoweredPlan, literal_nodes, literal_outputs
@@ -58,6 +58,7 @@ class GeneratedModule:
     scratch: dict  # dtype -> elements of the scratch arena argument `scratch_<dtype>`
     output_buffers: list[Value]  # arguments after the arenas: buffers the caller allocates
     literal_outputs: dict  # output index -> the full node giving its value
+    output_sources: list  # per other output: (its caller buffer or None, its IR shape)
     kernel_count: int
     layout: BufferLayout
     loop_kernels: list[KernelSource]  # the distinct loop kernels `run` calls
@@ -92,12 +93,14 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
     emitter = _Emitter(graph, names, literal_of, layout, set(lowered.materialized))
     body, constants = emitter.emit(lowered.kernels, lowered.row_runs)
     literal_outs = literal_outputs(lowered)
-    returned = [
-        emitter.ops.array(o, contiguous=False)
-        for i, o in enumerate(graph.outputs)
-        if i not in literal_outs
-    ]
-    body.append(f"return ({', '.join(returned)}{',' if len(returned) == 1 else ''})")
+    sources, returned = _output_sources(graph.outputs, literal_outs, layout.outputs), []
+    for o, (buffer, _) in zip(
+        [o for i, o in enumerate(graph.outputs) if i not in literal_outs], sources, strict=True
+    ):
+        if buffer is None:
+            returned.append(emitter.ops.array(o, contiguous=False))
+    if returned:
+        body.append(f"return ({', '.join(returned)}{',' if len(returned) == 1 else ''})")
     body = emitter.with_definitions(body)
     scratch = dict(sorted(layout.scratch_elements.items()))
     params = (
@@ -116,12 +119,30 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
         scratch,
         list(layout.outputs),
         literal_outs,
+        sources,
         lowered.kernel_count,
         layout,
         list(emitter.kernels.values()),
         driver.statements,
         driver.parts,
     )
+
+
+def _output_sources(outputs: list[Value], literal_outs: dict, buffers: list[Value]) -> list:
+    """For each output that is not a literal: (index of the caller's output buffer it is, whole
+    or reshaped, else None: `run` returns it; its shape). The caller already holds those
+    buffers, so `run` does not return them: boxing a returned array costs about a
+    microsecond, more than the rest of a small plan's call."""
+    index = {v: j for j, v in enumerate(buffers)}
+    sources = []
+    for i, value in enumerate(outputs):
+        if i in literal_outs:
+            continue
+        base = value
+        while is_alias(base) and base.op != "broadcast_to":
+            base = base.inputs[0]  # reshapes of a contiguous buffer: a NumPy reshape too
+        sources.append((index.get(base), tuple(value.shape)))
+    return sources
 
 
 def buffer_expression(value: Value, layout: BufferLayout, names: dict) -> str:

@@ -46,12 +46,15 @@ class Workspace:
             (i, shape, dtype, _reusable(shape, dtype) and i not in donatable)
             for i, (shape, dtype) in enumerate(output_buffers)
         ]
+        self._any_reused = any(slot[3] for slot in self._slots)
 
     def output_arrays(self, given=()) -> list:
         """Fresh output buffers, except that a big buffer from this workspace's previous call
         that nobody holds any more is reused: no new pages to fault in (16 MiB outputs cost
         ~1 ms each). Only the thread holding the workspace looks at them. Slots in `given` are
         left None: the caller fills them with donated inputs."""
+        if not (given or self._any_reused):
+            return [np.empty(shape, dtype) for shape, dtype in self.output_buffers]
         arrays = []
         previous_outputs = self.previous_outputs
         for i, shape, dtype, reusable in self._slots:

@@ -94,6 +94,140 @@ def _tensor_part(tensor, leaves: list, grad_enabled: bool) -> tuple:
     return (data.shape, data.dtype, tensor._requires_grad and grad_enabled)
 
 
+def guard_for(key):
+    """A check of later calls against one call_key: guard(args, kwargs, grad_enabled) returns
+    the dynamic leaves exactly when call_key would give an equal key, else None. It compares
+    the arguments with the key's parts in place: no key tuples are built and nothing is
+    hashed, so a repeated call costs a few comparisons per leaf.
+
+    >>> import backplan as bp
+    >>> x = bp.tensor([1.0, 2.0])
+    >>> guard = guard_for(call_key((x, 3), {}, True)[0])
+    >>> guard((bp.tensor([5.0, 6.0]), 3), {}, True) is not None, guard((x, 4), {}, True)
+    (True, None)
+    """
+    parts, named = key
+    matchers = [_matcher(part) for part in parts]
+    names = tuple(name for name, _ in named)
+    matchers += [_matcher(part) for _, part in named]
+    count = len(parts)
+
+    def guard(args: tuple, kwargs: dict, grad_enabled: bool):
+        if len(args) != count or (kwargs and tuple(kwargs) != names) or len(kwargs) != len(names):
+            return None
+        leaves: list = []
+        values = (*args, *kwargs.values()) if kwargs else args
+        for match, value in zip(matchers, values, strict=True):
+            if not match(value, leaves, grad_enabled):
+                return None
+        return leaves
+
+    return guard
+
+
+def _matcher(part):
+    """match(tree, leaves, grad_enabled) -> bool for one part _walk made; appends the leaves."""
+    if part == "f":
+        return _match_float
+    head = part[0]
+    if type(head) is tuple:
+        return _tensor_matcher(part)
+    if head == "a":
+        return _array_matcher(part)
+    if head == "s":
+        return _static_matcher(part)
+    if head == "d":
+        return _container_matcher(dict, part[2], part[1])
+    return _container_matcher(head, part[1])
+
+
+def _match_float(tree, leaves: list, grad_enabled: bool) -> bool:
+    if type(tree) is not float:
+        return False
+    leaves.append(tree)
+    return True
+
+
+def _tensor_matcher(part):
+    shape, dtype, requires_grad = part
+
+    def match(tree, leaves: list, grad_enabled: bool) -> bool:
+        if type(tree) is not Tensor or tree._donated is not None:
+            return False
+        data = tree._data
+        if data is None or data.shape != shape or not _same_dtype(data.dtype, dtype):
+            return False
+        if (tree._requires_grad and grad_enabled) != requires_grad:
+            return False
+        leaves.append(tree)
+        return True
+
+    return match
+
+
+def _array_matcher(part):
+    _, shape, dtype = part
+
+    def match(tree, leaves: list, grad_enabled: bool) -> bool:
+        if type(tree) is not np.ndarray or tree.shape != shape:
+            return False
+        if not _same_dtype(tree.dtype, dtype):
+            return False
+        leaves.append(tree)
+        return True
+
+    return match
+
+
+def _static_matcher(part):
+    _, kind, value = part
+
+    def match(tree, leaves: list, grad_enabled: bool) -> bool:
+        return type(tree) is kind and (tree is value or tree == value)
+
+    return match
+
+
+def _container_matcher(kind, children: tuple, keys: tuple | None = None):
+    """A dict (keys in order), list or tuple; tensor children are checked inline, as _children
+    walks them."""
+    count = len(children)
+    checks = [
+        (None, *child) if type(child[0]) is tuple else (_matcher(child), None, None, None)
+        for child in children
+    ]
+
+    def match(tree, leaves: list, grad_enabled: bool) -> bool:
+        if type(tree) is not kind or len(tree) != count:
+            return False
+        if keys is not None:
+            if tuple(tree) != keys:
+                return False
+            tree = tree.values()
+        for value, (match_child, shape, dtype, requires_grad) in zip(tree, checks, strict=True):
+            if match_child is not None:
+                if not match_child(value, leaves, grad_enabled):
+                    return False
+                continue
+            if type(value) is not Tensor or value._donated is not None:
+                return False
+            data = value._data
+            if data is None or data.shape != shape:
+                return False
+            if data.dtype is not dtype and data.dtype != dtype:
+                return False
+            if (value._requires_grad and grad_enabled) != requires_grad:
+                return False
+            leaves.append(value)
+        return True
+
+    return match
+
+
+def _same_dtype(dtype, wanted) -> bool:
+    return dtype is wanted or dtype == wanted
+
+
 def positions_of(wanted: list, leaves: list) -> list[int] | None:
     """Index in leaves of each wanted leaf (by identity); None when it cannot be done
     unambiguously (a tensor or float object passed twice, or one not among the leaves)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -13,12 +14,12 @@ from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import is_float
-from backplan.runtime.backend import runner_for
+from backplan.runtime.backend import current_backend, runner_for
 
 from .compile import trace_function
 from .errors import TracingError
 from .fastpath import positions_of
-from .numpy_args import input_array, kept_by_outputs
+from .numpy_args import arrays_reader, kept_by_outputs
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint
@@ -165,32 +166,56 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
 
 
 def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
-    """A call for later calls with the same key: arrays in, tensors out, no binding; the
-    output structures are worked out here, once."""
+    """A call for later calls with the same key: arrays in, tensors out, no binding; how the
+    leaves are read and how the outputs are shaped is worked out here, once."""
     positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
     if positions is None:
         return None
-    captured, runner, n_aux = entry.captured, entry.runner, entry.n_aux
     kept = kept_by_outputs(entry.plan.graph)
-    slots = [(i, k in kept) for k, i in enumerate(positions)]
-    grad_builders, start = [], 1 + n_aux
+    read = arrays_reader(
+        [type(leaves[i]) for i in positions], [k in kept for k in range(len(positions))]
+    )
+    pick = None if positions == list(range(len(leaves))) else itemgetter(*positions)
+    captured, runners = entry.captured, entry._runners
+    build_results = _results_builder(entry, args, nums, has_aux, single)
+
+    def call_fast(leaves):
+        backend = current_backend()
+        runner = runners.get(backend) or entry.runner()
+        picked = leaves if pick is None else _as_list(pick(leaves))
+        arrays = read(picked, backend == "reference")
+        if captured:
+            arrays += [t._data for t in captured]
+        return build_results(list(map(Tensor._fresh, runner(arrays))))
+
+    return call_fast
+
+
+def _as_list(picked) -> list:
+    return list(picked) if type(picked) is tuple else [picked]
+
+
+def _results_builder(entry, args, nums, has_aux: bool, single: bool):
+    """tensors (the joint plan's outputs) -> (value, grads) or ((value, aux), grads)."""
+    grad_builders, start = [], 1 + entry.n_aux
     for i in nums:
         structure = flatten(args[i])[1]
         grad_builders.append((unflattener(structure), start, start + structure.num_leaves))
         start += structure.num_leaves
+    if single and not has_aux:
+        ((build_grads, first, end),) = grad_builders
+        return lambda tensors: (tensors[0], build_grads(tensors[first:end]))
     aux_builder = unflattener(entry.aux_treedef) if has_aux else None
+    n_aux = entry.n_aux
 
-    def call_fast(leaves):
-        arrays = [input_array(leaves[i], copy) for i, copy in slots]
-        arrays += [t._data for t in captured]
-        results = [Tensor._fresh(a) for a in runner()(arrays)]
-        grads = [build(results[a:b]) for build, a, b in grad_builders]
-        grads = grads[0] if single else tuple(grads)
-        if has_aux:
-            return (results[0], aux_builder(results[1 : 1 + n_aux])), grads
-        return results[0], grads
+    def build(tensors: list):
+        each = [build_grads(tensors[a:b]) for build_grads, a, b in grad_builders]
+        grads = each[0] if single else tuple(each)
+        if aux_builder is not None:
+            return (tensors[0], aux_builder(tensors[1 : 1 + n_aux])), grads
+        return tensors[0], grads
 
-    return call_fast
+    return build
 
 
 class GradFunction(ValueAndGradFunction):

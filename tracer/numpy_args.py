@@ -17,13 +17,16 @@ it is for any NumPy function given that array.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from operator import attrgetter
+
 import numpy as np
 
 from backplan.ir.graph import Graph
 from backplan.ir.layout import storage_root
 from backplan.runtime.backend import current_backend
 
-from .tensor import Tensor
+from .tensor import Tensor, read_only
 
 
 def kept_by_outputs(graph: Graph) -> set[int]:
@@ -36,14 +39,14 @@ def kept_by_outputs(graph: Graph) -> set[int]:
 def borrowed(array: np.ndarray) -> np.ndarray:
     """A read-only view of the caller's array: the plan reads it, nobody writes through it."""
     view = array.view()
-    view.flags.writeable = False
+    read_only(view)
     return view
 
 
 def copied(array: np.ndarray) -> np.ndarray:
     """A private C-ordered copy, read-only like every tensor's buffer."""
     copy = np.array(array, order="C")
-    copy.flags.writeable = False
+    read_only(copy)
     return copy
 
 
@@ -56,6 +59,31 @@ def input_array(leaf, copy: bool) -> np.ndarray:
     if kind is float:
         return np.array(leaf, np.float64)
     return copied(leaf) if copy or current_backend() == "reference" else borrowed(leaf)
+
+
+def arrays_reader(kinds: list[type], copies: list[bool]) -> Callable[[list, bool], list]:
+    """For one signature: read(leaves, reference) gives the arrays the plan reads from the
+    fast path's leaves, whose kinds (Tensor, float, np.ndarray) the signature fixes; copies:
+    which inputs outlive the call; reference: the reference interpreter runs the plan."""
+    if all(kind is Tensor for kind in kinds):
+        data = attrgetter("_data")
+        return lambda leaves, reference: list(map(data, leaves))
+    compiled = [_reader(kind, copy) for kind, copy in zip(kinds, copies, strict=True)]
+    interpreted = [_reader(kind, True) for kind in kinds]
+
+    def read(leaves: list, reference: bool) -> list:
+        readers = interpreted if reference else compiled
+        return [reader(leaf) for reader, leaf in zip(readers, leaves, strict=True)]
+
+    return read
+
+
+def _reader(kind: type, copy: bool) -> Callable:
+    if kind is Tensor:
+        return attrgetter("_data")
+    if kind is float:
+        return lambda leaf: np.array(leaf, np.float64)
+    return copied if copy else borrowed
 
 
 def input_tensor(leaf, copy: bool) -> Tensor:

@@ -14,7 +14,7 @@ from backplan.runtime import is_grad_enabled
 from backplan.runtime.tiers import slowest_tier, wait_until_compiled
 
 from .errors import TracingError
-from .fastpath import call_key
+from .fastpath import call_key, guard_for
 from .trace import current_trace
 
 STALE = object()  # a fast-path runner's answer when its entry no longer fits the call
@@ -33,6 +33,17 @@ class CacheInfo:
     misses: int
     last_miss_reason: str | None
     entries: int
+
+
+class FastEntry:
+    """One structural key's fast path: its guard, its runner and the cache entry it runs."""
+
+    __slots__ = ("guard", "runner", "entry_key")
+
+    def __init__(self, guard, runner, entry_key):
+        self.guard = guard  # fastpath.guard_for(key): (args, kwargs, grad_enabled) -> leaves
+        self.runner = runner  # runner(leaves) -> result, or STALE
+        self.entry_key = entry_key
 
 
 def check_background(background) -> bool | None:
@@ -58,7 +69,8 @@ class PlannedFunction:
         self.fn = fn
         self.cache_size = cache_size
         self._entries: OrderedDict = OrderedDict()  # entry key -> entry, least recent first
-        self._fast: dict = {}  # fastpath.call_key -> (runner(leaves) (or STALE), entry key)
+        self._fast: dict = {}  # fastpath.call_key -> FastEntry
+        self._last_fast: FastEntry | None = None  # tried first: its guard, no key, no hashing
         self._traces = self._hits = self._misses = 0
         self._last_key = None
         self._most_recent = None  # the fast path's entry key last moved to the end, or None
@@ -102,29 +114,56 @@ class PlannedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if current_trace() is not None:
             return self._call_in_trace(args, kwargs)
+        grad_enabled = is_grad_enabled()
+        last = self._last_fast
+        if last is not None:
+            leaves = last.guard(args, kwargs, grad_enabled)
+            if leaves is not None:
+                result = last.runner(leaves)
+                if result is not STALE:
+                    self._count_fast_hit(last.entry_key)
+                    return result
+        # Not the last signature: find its fast path by key, else bind (tracing on a miss).
+        # In this frame, so a RetraceWarning points at the caller's line.
         key, leaves = call_key(
-            args, kwargs, is_grad_enabled(), self._static_nums, self._static_names, False
+            args, kwargs, grad_enabled, self._static_nums, self._static_names, False
         )
         try:
             fast = self._fast.get(key) if key is not None else None
         except TypeError:  # an unhashable static value: the full path says which
             fast = key = None
         if fast is not None:
-            runner, entry_key = fast
-            result = runner(leaves)
+            result = fast.runner(leaves)
             if result is not STALE:
-                self._hits += 1
-                if entry_key is not self._most_recent:  # keys hash deep: skip when it is
-                    self._entries.move_to_end(entry_key)
-                    self._most_recent = entry_key
+                self._count_fast_hit(fast.entry_key)
+                self._last_fast = fast
                 return result
         bound, entry = self.lookup(args, kwargs)
         result = self._run(entry, bound)
         if key is not None:
             runner = self._fast_runner(entry, bound, leaves)
             if runner is not None:
-                self._fast[key] = (runner, self._entry_key(bound))
+                entry_key = self._shared_entry_key(self._entry_key(bound))
+                self._fast[key] = self._last_fast = FastEntry(guard_for(key), runner, entry_key)
         return result
+
+    def _count_fast_hit(self, entry_key) -> None:
+        self._hits += 1
+        if entry_key is not self._most_recent:  # the cache moves it only on a switch
+            try:
+                self._entries.move_to_end(entry_key)
+            except KeyError:  # another thread's call evicted it meanwhile: nothing to move
+                return
+            self._most_recent = entry_key
+
+    def _shared_entry_key(self, entry_key):
+        """The key object the cache holds for this entry: every fast path to it (a tensor and a
+        NumPy call of one signature) shares it, so the fast path sees a switch by identity and
+        the cache finds the key without comparing it deeply."""
+        for stored in tuple(self._entries):  # one step under the GIL: other threads may move keys
+            if stored == entry_key:
+                return stored
+        return entry_key
 
     def _call_in_trace(self, args: tuple, kwargs: dict):
         """Called while another function is traced: the plan becomes part of that trace."""
@@ -158,7 +197,10 @@ class PlannedFunction:
         self._most_recent = None
         while len(self._entries) > self.cache_size:
             evicted, _ = self._entries.popitem(last=False)
-            self._fast = {k: v for k, v in self._fast.items() if v[1] != evicted}
+            kept = [(k, v) for k, v in tuple(self._fast.items()) if v.entry_key != evicted]
+            self._fast = dict(kept)
+            if self._last_fast is not None and self._last_fast.entry_key == evicted:
+                self._last_fast = None
 
     def _note_retrace(self, reason: str | None) -> None:
         """Warn once, after RETRACE_WARNING retraces, with what changed each time."""
@@ -222,4 +264,5 @@ class PlannedFunction:
     def clear_cache(self) -> None:
         self._entries.clear()
         self._fast.clear()
+        self._last_fast = None
         self._most_recent = None

@@ -40,6 +40,17 @@ class SignatureKey:
     treedef: TreeDef
     leaves: tuple[LeafKey, ...]
 
+    def __hash__(self) -> int:
+        """Hashed once: the cache moves its entry to the end whenever calls switch signature."""
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.treedef, self.leaves))
+            object.__setattr__(self, "_hash", found)
+        return found
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}  # str hashes are salted
+
 
 @dataclass
 class BoundCall:

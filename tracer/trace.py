@@ -48,7 +48,7 @@ def _stack() -> list[Trace]:
 
 
 def current_trace() -> Trace | None:
-    stack = _stack()
+    stack = getattr(_state, "stack", None)  # every compiled call asks: no list made here
     return stack[-1] if stack else None
 
 
