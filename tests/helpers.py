@@ -2,6 +2,9 @@
 
 import inspect
 import os
+import subprocess
+import sys
+import threading
 
 
 def line_of(marker: str, path: str) -> int:
@@ -17,3 +20,28 @@ def here(offset: int = 0) -> str:
     """file:line of the caller (plus offset lines), in backplan's location format."""
     frame = inspect.currentframe().f_back
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno + offset}"
+
+
+def run_with_own_gemm_as_python(script: str, cache_dir) -> str:
+    """stdout of script run in a fresh process whose kernels run as plain Python
+    (BACKPLAN_KERNELS_AS_PYTHON=1) with backplan's own GEMM chosen for every matmul."""
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(cache_dir),
+        "BACKPLAN_KERNELS_AS_PYTHON": "1",
+        "BACKPLAN_GEMM": "own",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def run_in_threads(worker, keys) -> None:
+    """worker(key) for every key, each in its own thread, started together; joins them all."""
+    threads = [threading.Thread(target=worker, args=(key,)) for key in keys]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import run_with_own_gemm_as_python
+
 from backplan.codegen import gemm as own
 from backplan.codegen.gemm import isa
 
@@ -198,10 +200,6 @@ def test_parallel_gemm_blocks_cover_c_exactly():
 
 def test_own_gemm_plan_runs_as_plain_python(tmp_path):
     """BACKPLAN_KERNELS_AS_PYTHON=1 with the own GEMM chosen: the NumPy twins stand in."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import numpy as np, backplan as bp\n"
         "from backplan.runtime.backend import use_backend\n"
@@ -211,19 +209,10 @@ def test_own_gemm_plan_runs_as_plain_python(tmp_path):
         "    v, g = bp.value_and_grad(lambda w, x: bp.sum(bp.tanh(x @ w) ** 2))(w, x)\n"
         "print(float(v.item()), float(np.sum(g.numpy())))\n"
     )
-    env = {
-        **os.environ,
-        "BACKPLAN_CACHE_DIR": str(tmp_path),
-        "BACKPLAN_KERNELS_AS_PYTHON": "1",
-        "BACKPLAN_GEMM": "own",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
+    printed = run_with_own_gemm_as_python(script, tmp_path)
     w = np.linspace(-1, 1, 12).reshape(3, 4)
     x = np.linspace(0, 1, 30).reshape(5, 2, 3)
     t = np.tanh(x @ w)
     grad = np.einsum("bij,bik->jk", x, 2 * t * (1 - t**2))
-    value, grad_sum = map(float, done.stdout.split())
+    value, grad_sum = map(float, printed.split())
     np.testing.assert_allclose([value, grad_sum], [np.sum(t**2), grad.sum()], rtol=1e-10)

@@ -8,6 +8,8 @@ import re
 import numpy as np
 import pytest
 
+from helpers import run_with_own_gemm_as_python
+
 import backplan as bp
 from backplan.codegen.emit import generate
 from backplan.codegen.gemm import isa
@@ -216,10 +218,6 @@ def test_a_loop_reading_the_product_transposed_or_reducing_it_stays_apart():
 
 def test_epilogue_kernel_runs_as_plain_python(tmp_path):
     """BACKPLAN_KERNELS_AS_PYTHON=1: the GEMM's NumPy twin stands in inside the kernel."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import numpy as np, backplan as bp\n"
         "from backplan.runtime.backend import use_backend\n"
@@ -230,18 +228,9 @@ def test_epilogue_kernel_runs_as_plain_python(tmp_path):
         "    y = bp.compile(lambda w, b, x: bp.tanh(x @ w + b))(w, b, x)\n"
         "print(' '.join(map(repr, y.numpy().ravel().tolist())))\n"
     )
-    env = {
-        **os.environ,
-        "BACKPLAN_CACHE_DIR": str(tmp_path),
-        "BACKPLAN_KERNELS_AS_PYTHON": "1",
-        "BACKPLAN_GEMM": "own",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
+    printed = run_with_own_gemm_as_python(script, tmp_path)
     expected = np.tanh(
         np.linspace(0, 1, 15).reshape(5, 3) @ np.linspace(-1, 1, 12).reshape(3, 4)
         + np.linspace(-0.5, 0.5, 4)
     )
-    np.testing.assert_allclose(np.array(done.stdout.split(), float), expected.ravel(), rtol=1e-6)
+    np.testing.assert_allclose(np.array(printed.split(), float), expected.ravel(), rtol=1e-6)

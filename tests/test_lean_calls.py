@@ -6,10 +6,11 @@ structural key is the same, so a new shape, dtype, structure or static value sti
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import pytest
+
+from helpers import run_in_threads
 
 import backplan as bp
 from backplan.runtime.backend import use_backend
@@ -185,11 +186,7 @@ def test_threads_calling_one_function_with_two_signatures_get_their_own_results(
     with use_backend("numba"):
         for k in (0, 1):
             worker(k)  # trace both signatures first
-        threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_in_threads(worker, (0, 1))
     assert not failures
     assert step.cache_info().traces == 2
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import run_in_threads
+
 import backplan as bp
 from backplan.runtime.backend import current_backend, use_backend
 
@@ -139,8 +141,6 @@ def test_a_donated_numpy_argument_keeps_its_values(backend):
 
 
 def test_two_threads_calling_with_numpy_arguments_get_their_own_results():
-    import threading
-
     step = bp.value_and_grad(bp.compile(_loss))
     data = [_data(seed) for seed in (1, 2)]
     want = [step({k: bp.tensor(v) for k, v in p.items()}, bp.tensor(x)) for p, x in data]
@@ -154,9 +154,5 @@ def test_two_threads_calling_with_numpy_arguments_get_their_own_results():
                 failures.append((k, value.item()))
 
     with use_backend("numba"):
-        threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_in_threads(worker, (0, 1))
     assert not failures
