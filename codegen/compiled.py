@@ -25,7 +25,7 @@ from backplan.ir.types import np_dtype
 from . import cache, driver_builder, driver_tier, kernel_cache, progress
 from .emit import generate
 from .flags import flags_text
-from .jit import start_parallel_runtime
+from .jit import load_cached, start_parallel_runtime
 from .loops import internal_shape
 from .workspace import WorkspacePool, parallel_guard
 
@@ -59,19 +59,11 @@ def _load_from_cache(dispatcher, signature):
     """The dispatcher with its compiled version for `signature` loaded from the disk cache,
     where the build process left it; never compiles here (that would hold this process's GIL
     for the whole compile)."""
-    from numba.core.compiler_lock import global_compiler_lock
-
-    with global_compiler_lock:
-        compiled = dispatcher._cache.load_overload(signature, dispatcher.targetctx)
-        if compiled is None:
-            index = dispatcher._cache._cache_file._index_path
-            raise RuntimeError(
-                f"the build left no compiled driver in the cache ({index}) for {signature}"
-            )
-        dispatcher.targetctx.insert_user_function(
-            compiled.entry_point, compiled.fndesc, [compiled.library]
+    if not load_cached(dispatcher, signature):
+        index = dispatcher._cache._cache_file._index_path
+        raise RuntimeError(
+            f"the build left no compiled driver in the cache ({index}) for {signature}"
         )
-        dispatcher.add_overload(compiled)
     return dispatcher
 
 

@@ -74,3 +74,19 @@ def start_parallel_runtime() -> None:
     from numba.np.ufunc.parallel import _launch_threads
 
     _launch_threads()
+
+
+def load_cached(dispatcher, signature) -> bool:
+    """Add the dispatcher's compiled version for `signature` from its (signed) disk cache, as
+    Numba's own compile does before compiling; False when the cache has none. Never compiles."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    with global_compiler_lock:
+        compiled = dispatcher._cache.load_overload(signature, dispatcher.targetctx)
+        if compiled is None:
+            return False
+        dispatcher.targetctx.insert_user_function(
+            compiled.entry_point, compiled.fndesc, [compiled.library]
+        )
+        dispatcher.add_overload(compiled)
+        return True

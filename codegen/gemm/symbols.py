@@ -24,7 +24,7 @@ from numba.core.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
 from .. import cache_signing, progress
-from ..jit import njit
+from ..jit import load_cached, njit
 from .driver import KC, MC, NC, gemm_blocked, workspace
 
 PREFIX = "backplan_gemm_"
@@ -110,20 +110,13 @@ def _load_or_compile(dispatcher, dtype: str):
     """The compiled GEMM, from the signed cache when it is there; a compile (once per
     installation and code change, ~10 s) is announced on stderr first."""
     with global_compiler_lock:
-        if _ARGUMENTS not in dispatcher.overloads:
-            loaded = dispatcher._cache.load_overload(_ARGUMENTS, dispatcher.targetctx)
-            if loaded is not None:
-                dispatcher.targetctx.insert_user_function(
-                    loaded.entry_point, loaded.fndesc, [loaded.library]
+        if _ARGUMENTS not in dispatcher.overloads and not load_cached(dispatcher, _ARGUMENTS):
+            if not progress.quiet():
+                progress.say(
+                    f"compiling the {dtype} GEMM (once per installation and version, "
+                    f"about {COMPILE_SECONDS} s)"
                 )
-                dispatcher.add_overload(loaded)
-            else:
-                if not progress.quiet():
-                    progress.say(
-                        f"compiling the {dtype} GEMM (once per installation and version, "
-                        f"about {COMPILE_SECONDS} s)"
-                    )
-                dispatcher.compile(_ARGUMENTS)
+            dispatcher.compile(_ARGUMENTS)
         return dispatcher.overloads[_ARGUMENTS]
 
 
