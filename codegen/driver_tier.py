@@ -57,13 +57,18 @@ def at_exit_mode() -> str:
 
 def python_driver(source: str, path: str):
     """`run` of the generated source as a plain Python function whose parts are Python too;
-    the kernels, GEMMs and library functions it calls stay compiled."""
+    the kernels, GEMMs and library functions it calls stay compiled (address kernels through
+    their C entries: codegen/kernel_cache.python_call)."""
+    from . import kernel_cache
+
     scope = {"__name__": "backplan_python_driver", "__file__": path}
     exec(compile(source, path, "exec"), scope)
     for name, value in list(scope.items()):
         if (name == "run" or name.startswith("run_part")) and hasattr(value, "py_func"):
             scope[name] = value.py_func
-    return scope["run"]
+        elif name.startswith("k_"):
+            scope[name] = kernel_cache.python_call(value)
+    return kernel_cache.with_addresses(scope["run"])
 
 
 def argument_types(arrays: list) -> list:

@@ -3,6 +3,10 @@ to `<cache dir>/k_<hash>.py`, imported once per process into a registry (hash ->
 dispatcher) and compiled with cache=True, so a kernel is compiled once per machine, whichever
 plan, model or process first needs it.
 
+A kernel that takes its arrays as addresses (codegen/kernel_source.py) has no CPython wrapper:
+a driver running as Python calls its loop's C entry through ctypes (`python_call`), with the
+addresses of the driver's arrays, each looked up once per driver call.
+
 Safe as the plan cache is (codegen/cache.py): the source is regenerated and compared with the
 file before anything runs, the code run is the source generated now (never the file's text),
 writes are atomic, and a tampered, corrupt or half-written file is simply rewritten.
@@ -10,6 +14,7 @@ writes are atomic, and a tampered, corrupt or half-written file is simply rewrit
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -17,9 +22,12 @@ import types
 from dataclasses import dataclass
 
 from . import cache
+from .jit import AS_PYTHON
 from .kernel_source import KernelSource
 
 _LOADED: dict[str, object] = {}  # digest -> dispatcher (a plain function when run as Python)
+_ADDRESS_LOOPS: dict[str, object] = {}  # digest -> its `kernel_at`, for address kernels
+_PYTHON_CALLS: dict[int, object] = {}  # id(dispatcher) -> what a Python-run driver calls
 
 
 def kernel(digest: str):
@@ -40,10 +48,90 @@ def load(kernels: list[KernelSource]) -> None:
     with _loading:
         for source in kernels:
             if source.digest not in _LOADED:
-                _LOADED[source.digest] = _import(source)
+                module = _import(source)
+                _LOADED[source.digest] = module.kernel
+                loop = getattr(module, "kernel_at", None)
+                if loop is not None and not AS_PYTHON:
+                    _ADDRESS_LOOPS[source.digest] = loop
+                    _PYTHON_CALLS[id(module.kernel)] = _AddressCall(loop)
 
 
 _loading = threading.Lock()
+
+
+def compiled_first(digest: str):
+    """The function of a kernel that a first call compiles: the loop of an address kernel
+    (its caller compiles with the driver), the kernel itself otherwise."""
+    return _ADDRESS_LOOPS.get(digest) or _LOADED[digest]
+
+
+def python_call(kernel):
+    """What a driver running as Python calls for this loaded kernel."""
+    return _PYTHON_CALLS.get(id(kernel), kernel)
+
+
+class _AddressCall:
+    """A Python-run driver's call of an address kernel: arrays become their addresses and the
+    loop's C entry runs, compiled (or loaded from the disk cache) on the first call."""
+
+    def __init__(self, loop):
+        self._loop = loop
+        names = loop.py_func.__code__.co_varnames[: loop.py_func.__code__.co_argcount]
+        self._arrays = tuple(name.startswith("a") for name in names)
+        self._entry = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        entry = self._entry or self._compile()
+        entry(*[address(a) if is_array else a for a, is_array in zip(args, self._arrays)])
+
+    def _compile(self):
+        from numba import types as numba_types
+
+        with self._lock:
+            if self._entry is None:
+                signature = (numba_types.intp,) * len(self._arrays)
+                self._loop.compile(signature)
+                compiled = self._loop.overloads[signature]
+                pointer = compiled.library.get_pointer_to_function(
+                    compiled.fndesc.llvm_cfunc_wrapper_name
+                )
+                if not pointer:
+                    raise RuntimeError(f"loop kernel {self._loop.py_func.__module__} has no C entry")
+                prototype = ctypes.CFUNCTYPE(None, *[ctypes.c_ssize_t] * len(self._arrays))
+                self._entry = prototype(pointer)
+        return self._entry
+
+
+_driver_call = threading.local()
+
+
+def address(array) -> int:
+    """The address of an array's first element. Inside a driver call (with_addresses), each
+    array is looked up once and held until the call ends, so that no other array can take
+    its id meanwhile."""
+    known = getattr(_driver_call, "addresses", None)
+    if known is None:
+        return array.ctypes.data
+    entry = known.get(id(array))
+    if entry is None:
+        entry = known[id(array)] = (array, array.ctypes.data)
+    return entry[1]
+
+
+def with_addresses(run):
+    """run, calling kernels with each array's address looked up once per call."""
+
+    def call(*args):
+        before = getattr(_driver_call, "addresses", None)
+        _driver_call.addresses = {}
+        try:
+            return run(*args)
+        finally:
+            _driver_call.addresses = before
+
+    call.__wrapped__ = run
+    return call
 
 
 def _import(source: KernelSource):
@@ -55,7 +143,7 @@ def _import(source: KernelSource):
     sys.modules[module.__name__] = module
     # Run the source generated now under the file's name: Numba's cache keys on the file.
     exec(compile(source.source, path, "exec"), module.__dict__)
-    return module.kernel
+    return module
 
 
 def is_cached(source: KernelSource) -> bool:
@@ -70,7 +158,7 @@ def cached_digests(kernels: list[KernelSource]) -> set[str]:
     however many kernels are asked about: a long-lived cache holds thousands of files."""
     found, unknown = set(), []
     for source in kernels:
-        dispatcher = _LOADED.get(source.digest)
+        dispatcher = _ADDRESS_LOOPS.get(source.digest) or _LOADED.get(source.digest)
         if dispatcher is not None and getattr(dispatcher, "overloads", None):
             found.add(source.digest)
         else:
@@ -82,14 +170,17 @@ def cached_digests(kernels: list[KernelSource]) -> set[str]:
 
 
 def _indexed_kernel_names() -> frozenset[str]:
-    """Names of the kernels with a Numba index file (`<name>.kernel-<line>....nbi`)."""
+    """Names of the kernels with a Numba index file (`<name>.kernel-<line>....nbi`, or
+    `.kernel_at-` for the loop of an address kernel)."""
     directory = os.path.join(cache.cache_path(), "__pycache__")  # asking creates nothing
     try:
         names = os.listdir(directory)
     except OSError:
         return frozenset()
     return frozenset(
-        n.partition(".kernel-")[0] for n in names if ".kernel-" in n and n.endswith(".nbi")
+        n.partition(".kernel")[0]
+        for n in names
+        if (".kernel-" in n or ".kernel_at-" in n) and n.endswith(".nbi")
     )
 
 
@@ -105,7 +196,8 @@ class KernelCounts:
 
 
 def counts() -> KernelCounts:
-    dispatchers = [d for d in _LOADED.values() if hasattr(d, "overloads")]
+    functions = [*_LOADED.values(), *_ADDRESS_LOOPS.values()]
+    dispatchers = [d for d in functions if hasattr(d, "overloads")]
     return KernelCounts(
         len(_LOADED),
         sum(len(d.overloads) for d in dispatchers),

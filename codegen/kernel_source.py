@@ -12,6 +12,15 @@ about a third, but split kernels a forward-only plan shares with its training pl
 kernel takes each plan array once, so that its views alias (see _one_view_per_memory). Dtype is
 left to Numba's dispatch: one compiled version per argument types, all behind the same cached
 dispatcher.
+
+A serial kernel that allocates nothing (most of them) is two functions: `kernel_at`, the loop,
+takes every array as its address (integers only; its dtypes are written in its loads and stores,
+codegen/address_loops.py), and `kernel`, what a compiled driver calls, passes its arrays'
+addresses on. Neither has a CPython wrapper: `kernel_at` has a C entry that a Python-run driver
+calls through ctypes (codegen/kernel_cache.py). The wrapper unboxing a dozen arrays was about
+30% of the cold compile of an unrolled LSTM's kernels, array views and indexing another 40% of
+the rest (measured A/B on the same box); `kernel` compiles only with the driver, in the
+background.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from .address_loops import loads_and_stores
+
 KERNEL_HEADER = '''"""A backplan loop kernel, shared by every plan whose loop has this body.
 Keyed by the hash of this source; regenerated and compared before it runs; do not edit."""
 import math
@@ -28,9 +39,15 @@ import math
 import numpy as np
 from backplan.codegen.jit import njit, prange
 
-from backplan.codegen.flags import KERNEL_JIT_OPTIONS, LEAN_KERNEL_JIT_OPTIONS
+from backplan.codegen.flags import (
+    ADDRESS_CALLER_JIT_OPTIONS, ADDRESS_KERNEL_JIT_OPTIONS, KERNEL_JIT_OPTIONS,
+    LEAN_KERNEL_JIT_OPTIONS,
+)
 from backplan.codegen.scalar_functions import *  # noqa: F403
-from backplan.codegen.views import contiguous_view, strided_view
+from backplan.codegen.views import (
+    address, contiguous_view, contiguous_view_at, load, load_bytes, store, store_bytes,
+    strided_view, strided_view_at,
+)
 '''
 # What a kernel running backplan's GEMM on blocks of rows imports besides (codegen/epilogue.py).
 GEMM_IMPORTS = "from backplan.codegen.gemm.api import ROW_BLOCK, gemm as own_gemm\n"
@@ -77,12 +94,14 @@ def canonical_kernel(
     salt: str,
     shared: bool = False,
     imports: str = "",
+    dtype_of=lambda base: None,
 ):
     """lines: the loop's source; scalars: value of each offset, size and stride name it uses;
     bases: the plan's array for each base name. salt: everything else the compiled code
     depends on (code generator fingerprint, flags). shared: each plan array one parameter
     (always so in a parallel kernel); otherwise one per view. imports: lines added to the
-    header (GEMM_IMPORTS)."""
+    header (GEMM_IMPORTS). dtype_of: the NumPy type name (np.float32) of a plan array, None
+    where unknown; a kernel takes addresses only when every array's dtype is known."""
     renamed, params, arguments = {}, [], []
     counters = dict.fromkeys(_PREFIX, 0)
     parameter_of: dict[str, str] = {}  # the plan's array -> its parameter, when shared
@@ -105,19 +124,62 @@ def canonical_kernel(
     if parallel:
         lines = _one_view_per_memory(lines, scalars, bases)
     body = [_NAMES.sub(rename, line) for line in lines]
+    functions = None
     if parallel:
         decorator = "@njit(parallel=True, **KERNEL_JIT_OPTIONS)"
     elif allocates(body):
         decorator = "@njit(**KERNEL_JIT_OPTIONS)"
     else:
         decorator = "@njit(**LEAN_KERNEL_JIT_OPTIONS)"
-    source = "\n".join(
-        [KERNEL_HEADER + imports, "", decorator, f"def kernel({', '.join(params)}):"]
-        + ["    " + line for line in body]
-    )
-    source += "\n"
+        dtypes = {p: dtype_of(a) for p, a in zip(params, arguments, strict=True) if p[0] == "a"}
+        functions = _address_kernel(params, body, dtypes)
+    if functions is None:
+        functions = [decorator, f"def kernel({', '.join(params)}):"]
+        functions += ["    " + line for line in body]
+    source = "\n".join([KERNEL_HEADER + imports, "", *functions]) + "\n"
     digest = hashlib.sha256((salt + "\n" + source).encode()).hexdigest()
     return KernelSource(digest, source, parallel, tuple(arguments))
+
+
+_ADDRESS_VIEW = re.compile(r"^(\s*\w+ = )(contiguous|strided)_view\((a\d+), (.*)\)$")
+_ARRAY_PARAMETER = re.compile(r"\ba\d+\b")
+
+
+def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[str] | None:
+    """`kernel_at` (arrays as addresses) and `kernel` (arrays, passing their addresses on), or
+    None where an array's dtype is unknown or the body uses an array other than in a view."""
+    if any(d is None for d in dtypes.values()):
+        return None
+    loop = loads_and_stores(body, dtypes) or _views_at(body, dtypes)
+    if loop is None:
+        return None
+    passed = [f"address({p})" if p in dtypes else p for p in params]
+    return [
+        "@njit(**ADDRESS_KERNEL_JIT_OPTIONS)",
+        f"def kernel_at({', '.join(params)}):",
+        *("    " + line for line in loop),
+        "",
+        "",
+        "@njit(**ADDRESS_CALLER_JIT_OPTIONS)",
+        f"def kernel({', '.join(params)}):",
+        f"    kernel_at({', '.join(passed)})",
+    ]
+
+
+def _views_at(body: list[str], dtypes: dict) -> list[str] | None:
+    """The body with its views made from addresses (codegen/views.py), where its views are
+    used in ways loads_and_stores does not write out."""
+    loop = []
+    for line in body:
+        match = _ADDRESS_VIEW.match(line)
+        if match:
+            start, kind, array, rest = match.groups()
+            loop.append(f"{start}{kind}_view_at({array}, {rest}, {dtypes[array]})")
+        elif _ARRAY_PARAMETER.search(line):
+            return None
+        else:
+            loop.append(line)
+    return loop
 
 
 # What a kernel body may call and still allocate nothing: loops, its own views, scalar NumPy

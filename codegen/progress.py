@@ -95,7 +95,7 @@ class _Lines:
         self.label, self.guess = label, guess
         self.start = self.last = time.perf_counter()
         self.compiled = 0
-        self.dispatchers = {id(kernel_cache.kernel(d)) for d in digests}
+        self.dispatchers = {id(kernel_cache.compiled_first(d)) for d in digests}
         self.parts = {id(p): i for i, p in enumerate(parts)}
         _say(
             f"{label}: compiling {guess.to_compile} of {guess.kernels} loop kernels "

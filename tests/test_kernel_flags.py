@@ -1,5 +1,6 @@
 """Loop kernels that cannot allocate compile without Numba's reference counting (cheaper to
-compile); anything that might allocate or hand back an array keeps it (else it would leak)."""
+compile) and take their arrays as addresses; anything that might allocate or hand back an
+array keeps reference counting (else it would leak)."""
 
 import numpy as np
 
@@ -39,7 +40,8 @@ def test_lean_kernels_compute_what_the_reference_does():
     with use_backend("reference"):
         expected, expected_grads = bp.value_and_grad(loss, argnums=(0, 1))(w, b, x)
     decorators = {line for k in kernels for line in k.source.splitlines() if line.startswith("@")}
-    assert "@njit(**LEAN_KERNEL_JIT_OPTIONS)" in decorators  # the elementwise loops
+    assert "@njit(**ADDRESS_KERNEL_JIT_OPTIONS)" in decorators  # the elementwise loops
+    assert "@njit(**KERNEL_JIT_OPTIONS)" not in decorators  # nothing here allocates
     np.testing.assert_allclose(value.numpy(), expected.numpy(), rtol=1e-5)
     for got, want in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)

@@ -26,6 +26,8 @@ def getitem(x: Tensor, key) -> Tensor:
         dim = x.shape[axis]
         if isinstance(item, slice):
             start, stop, step = item.indices(dim)
+            if not range(start, stop, step):  # empty, as x[::-1] of a size-0 axis: (-1, -1, -1)
+                start, stop, step = 0, 0, 1
             starts.append(start)
             stops.append(stop)
             steps.append(step)
