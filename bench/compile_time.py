@@ -22,7 +22,14 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_child.
 PEERS = ("backplan", "backplan.background", "torch", "torch.compile", "jax")
 CHILD_TIMEOUT_S = 1800
 # The fields a child reports in seconds, each summarised by its median over rounds.
-TIMES = ("import_s", "first_call_s", "second_call_s", "fast_after_s", "fast_call_s")
+TIMES = (
+    "import_s",
+    "first_call_s",
+    "second_call_s",
+    "fast_after_s",
+    "fast_call_s",
+    "resized_first_call_s",
+)
 
 
 def cache_environment(folder: str, threads: int | None) -> dict[str, str]:

@@ -59,7 +59,7 @@ def python_driver(source: str, path: str):
     """`run` of the generated source as a plain Python function whose parts are Python too;
     the kernels, GEMMs and library functions it calls stay compiled (address kernels through
     their C entries: codegen/kernel_cache.python_call)."""
-    from . import kernel_cache
+    from . import address_calls, kernel_cache
 
     scope = {"__name__": "backplan_python_driver", "__file__": path}
     exec(compile(source, path, "exec"), scope)
@@ -68,7 +68,7 @@ def python_driver(source: str, path: str):
             scope[name] = value.py_func
         elif name.startswith("k_"):
             scope[name] = kernel_cache.python_call(value)
-    return kernel_cache.with_addresses(scope["run"])
+    return address_calls.with_addresses(scope["run"])
 
 
 def argument_types(arrays: list) -> list:

@@ -4,8 +4,8 @@ dispatcher) and compiled with cache=True, so a kernel is compiled once per machi
 plan, model or process first needs it.
 
 A kernel that takes its arrays as addresses (codegen/kernel_source.py) has no CPython wrapper:
-a driver running as Python calls its loop's C entry through ctypes (`python_call`), with the
-addresses of the driver's arrays, each looked up once per driver call.
+a driver running as Python calls its loop's C entry instead (`python_call`,
+codegen/address_calls.py).
 
 Safe as the plan cache is (codegen/cache.py): the source is regenerated and compared with the
 file before anything runs, the code run is the source generated now (never the file's text),
@@ -14,7 +14,6 @@ writes are atomic, and a tampered, corrupt or half-written file is simply rewrit
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import threading
@@ -22,6 +21,7 @@ import types
 from dataclasses import dataclass
 
 from . import cache
+from .address_calls import AddressCall
 from .jit import AS_PYTHON
 from .kernel_source import KernelSource
 
@@ -53,7 +53,7 @@ def load(kernels: list[KernelSource]) -> None:
                 loop = getattr(module, "kernel_at", None)
                 if loop is not None and not AS_PYTHON:
                     _ADDRESS_LOOPS[source.digest] = loop
-                    _PYTHON_CALLS[id(module.kernel)] = _AddressCall(loop)
+                    _PYTHON_CALLS[id(module.kernel)] = AddressCall(loop)
 
 
 _loading = threading.Lock()
@@ -68,70 +68,6 @@ def compiled_first(digest: str):
 def python_call(kernel):
     """What a driver running as Python calls for this loaded kernel."""
     return _PYTHON_CALLS.get(id(kernel), kernel)
-
-
-class _AddressCall:
-    """A Python-run driver's call of an address kernel: arrays become their addresses and the
-    loop's C entry runs, compiled (or loaded from the disk cache) on the first call."""
-
-    def __init__(self, loop):
-        self._loop = loop
-        names = loop.py_func.__code__.co_varnames[: loop.py_func.__code__.co_argcount]
-        self._arrays = tuple(name.startswith("a") for name in names)
-        self._entry = None
-        self._lock = threading.Lock()
-
-    def __call__(self, *args):
-        entry = self._entry or self._compile()
-        entry(*[address(a) if is_array else a for a, is_array in zip(args, self._arrays)])
-
-    def _compile(self):
-        from numba import types as numba_types
-
-        with self._lock:
-            if self._entry is None:
-                signature = (numba_types.intp,) * len(self._arrays)
-                self._loop.compile(signature)
-                compiled = self._loop.overloads[signature]
-                pointer = compiled.library.get_pointer_to_function(
-                    compiled.fndesc.llvm_cfunc_wrapper_name
-                )
-                if not pointer:
-                    raise RuntimeError(f"loop kernel {self._loop.py_func.__module__} has no C entry")
-                prototype = ctypes.CFUNCTYPE(None, *[ctypes.c_ssize_t] * len(self._arrays))
-                self._entry = prototype(pointer)
-        return self._entry
-
-
-_driver_call = threading.local()
-
-
-def address(array) -> int:
-    """The address of an array's first element. Inside a driver call (with_addresses), each
-    array is looked up once and held until the call ends, so that no other array can take
-    its id meanwhile."""
-    known = getattr(_driver_call, "addresses", None)
-    if known is None:
-        return array.ctypes.data
-    entry = known.get(id(array))
-    if entry is None:
-        entry = known[id(array)] = (array, array.ctypes.data)
-    return entry[1]
-
-
-def with_addresses(run):
-    """run, calling kernels with each array's address looked up once per call."""
-
-    def call(*args):
-        before = getattr(_driver_call, "addresses", None)
-        _driver_call.addresses = {}
-        try:
-            return run(*args)
-        finally:
-            _driver_call.addresses = before
-
-    call.__wrapped__ = run
-    return call
 
 
 def _import(source: KernelSource):

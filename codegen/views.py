@@ -103,9 +103,13 @@ def strided_view(typingctx, base, offset, shape, strides):
 
 def _address_of(context, builder, dtype, args) -> tuple:
     """(first element's address, its size in bytes) for an `_at` view's address and offset."""
-    itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(dtype)))
+    itemsize = context.get_constant(
+        types.intp, context.get_abi_sizeof(context.get_data_type(dtype))
+    )
     offset = builder.mul(args[1], itemsize)
-    return builder.inttoptr(builder.add(args[0], offset), context.get_data_type(dtype).as_pointer()), itemsize
+    return builder.inttoptr(
+        builder.add(args[0], offset), context.get_data_type(dtype).as_pointer()
+    ), itemsize
 
 
 def _is_address_view(address, offset, shape, dtype) -> bool:
@@ -162,7 +166,9 @@ def contiguous_view_at(typingctx, address, offset, shape, dtype):
 @intrinsic
 def strided_view_at(typingctx, address, offset, shape, strides, dtype):
     """The view of this dtype at element `offset` from `address`, with these byte strides."""
-    if not (_is_address_view(address, offset, shape, dtype) and isinstance(strides, types.BaseTuple)):
+    if not (
+        _is_address_view(address, offset, shape, dtype) and isinstance(strides, types.BaseTuple)
+    ):
         return None
     if len(strides) != len(shape) or not all(isinstance(t, types.Integer) for t in strides):
         return None

@@ -6,13 +6,13 @@ reversed, boolean, integer and empty views, and from two threads at once."""
 
 import numpy as np
 import pytest
+from helpers import run_in_threads
 
 import backplan as bp
-from backplan.codegen import kernel_cache
+from backplan.codegen import address_calls
 from backplan.codegen.address_loops import loads_and_stores
 from backplan.codegen.kernel_source import canonical_kernel
 from backplan.runtime.backend import use_backend
-from helpers import run_in_threads
 
 
 def mixed(w, x, counts):
@@ -125,10 +125,10 @@ def test_a_python_driver_keeps_each_looked_up_array_until_its_call_ends():
     def run(scratch):
         for _ in range(3):
             view = scratch[1:].reshape(-1)  # a new object each time, dropped after use
-            seen.append((id(view), kernel_cache.address(view)))
+            seen.append((id(view), address_calls.address(view)))
         return None
 
     scratch = np.zeros(16, np.float32)
-    kernel_cache.with_addresses(run)(scratch)
+    address_calls.with_addresses(run)(scratch)
     assert len({i for i, _ in seen}) == 3  # three live views: three ids
     assert {a for _, a in seen} == {scratch.ctypes.data + 4}

@@ -78,6 +78,7 @@ def test_compile_rows_for_backplan_have_cold_and_warm_times(compile_record):
         for field in ("import_s", "first_call_s", "second_call_s"):
             assert row[process][field] > 0, (process, field)
     assert row["cold"]["fast_after_s"] is None or row["cold"]["fast_after_s"] > 0
+    assert row["cold"]["resized_first_call_s"] > 0  # the same model at the other sizes
     assert record["run"]["child_variables"]["NUMBA_NUM_THREADS"] == "1"
     assert record["environment"]["cpu"] and record["environment"]["load_average_1min"]["start"]
 

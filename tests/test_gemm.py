@@ -5,10 +5,9 @@ import re
 
 import numpy as np
 import pytest
+from helpers import run_with_own_gemm_as_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from helpers import run_with_own_gemm_as_python
 
 from backplan.codegen import gemm as own
 from backplan.codegen.gemm import isa

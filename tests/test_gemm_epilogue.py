@@ -7,7 +7,6 @@ import re
 
 import numpy as np
 import pytest
-
 from helpers import run_with_own_gemm_as_python
 
 import backplan as bp

@@ -119,5 +119,7 @@ def test_two_threads_first_calling_the_gemm_both_get_it_right():
         assert results == {"cached": True, "fresh": True}, results
         """
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-2000:]

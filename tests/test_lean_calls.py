@@ -9,7 +9,6 @@ import math
 
 import numpy as np
 import pytest
-
 from helpers import run_in_threads
 
 import backplan as bp

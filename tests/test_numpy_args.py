@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import run_in_threads
 
 import backplan as bp

@@ -20,6 +20,7 @@ COLUMNS = (
     "warm 1st call s",
     "warm import s",
     "steps fast after s",
+    "other sizes 1st call s",
     "check",
 )
 LEGEND = (
@@ -37,6 +38,8 @@ LEGEND = (
     "steps fast after: from the start of the first call until the compiled driver runs "
     "(plans whose first calls run their driver as Python while it compiles); '-' where the "
     "plan compiles it before the first call returns, so the first call is that time",
+    "other sizes 1st call: then, in the cold process, the first call of the same model at other "
+    "sizes (the --small shapes): a second model sharing the first one's loop bodies",
     "each cell is the median over rounds; check: every call's loss and gradients against the "
     "float64 NumPy reference",
 )
@@ -62,7 +65,7 @@ def _ms(value) -> str:
 
 def row_cells(row: dict) -> list[str]:
     if row["status"] in ("skipped", "error"):
-        return [row["model"], row["peer"], *["-"] * 6, f"{row['status']}: {row['note']}"]
+        return [row["model"], row["peer"], *["-"] * 7, f"{row['status']}: {row['note']}"]
     cold, warm = row["cold"], row["warm"]
     check = "ok" if row["check_ok"] else "WRONG"
     return [
@@ -74,6 +77,7 @@ def row_cells(row: dict) -> list[str]:
         _seconds(warm["first_call_s"]),
         _seconds(warm["import_s"]),
         _seconds(cold["fast_after_s"]),
+        _seconds(cold.get("resized_first_call_s")),
         f"{check} ({row['max_rel_error']:.1e})",
     ]
 

@@ -1,0 +1,78 @@
+"""How a driver running as Python calls an address kernel (codegen/kernel_source.py), which has
+no CPython wrapper: through its loop's C entry with ctypes, each array passed as the address of
+its first element. Addresses are looked up once per driver call (`with_addresses`): an
+ndarray's address costs about 1.5 us to ask for, and a driver passes the same arena to dozens
+of kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+
+class AddressCall:
+    """A Python-run driver's call of an address kernel: arrays become their addresses and the
+    loop's C entry runs, compiled (or loaded from the disk cache) on the first call."""
+
+    def __init__(self, loop):
+        self._loop = loop
+        names = loop.py_func.__code__.co_varnames[: loop.py_func.__code__.co_argcount]
+        self._arrays = tuple(name.startswith("a") for name in names)
+        self._entry = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        entry = self._entry or self._compile()
+        entry(
+            *[address(a) if is_array else a for a, is_array in zip(args, self._arrays, strict=True)]
+        )
+
+    def _compile(self):
+        from numba import types as numba_types
+
+        with self._lock:
+            if self._entry is None:
+                signature = (numba_types.intp,) * len(self._arrays)
+                self._loop.compile(signature)
+                compiled = self._loop.overloads[signature]
+                pointer = compiled.library.get_pointer_to_function(
+                    compiled.fndesc.llvm_cfunc_wrapper_name
+                )
+                if not pointer:
+                    raise RuntimeError(
+                        f"loop kernel {self._loop.py_func.__module__} has no C entry"
+                    )
+                prototype = ctypes.CFUNCTYPE(None, *[ctypes.c_ssize_t] * len(self._arrays))
+                self._entry = prototype(pointer)
+        return self._entry
+
+
+_driver_call = threading.local()
+
+
+def address(array) -> int:
+    """The address of an array's first element. Inside a driver call (with_addresses), each
+    array is looked up once and held until the call ends, so that no other array can take
+    its id meanwhile."""
+    known = getattr(_driver_call, "addresses", None)
+    if known is None:
+        return array.ctypes.data
+    entry = known.get(id(array))
+    if entry is None:
+        entry = known[id(array)] = (array, array.ctypes.data)
+    return entry[1]
+
+
+def with_addresses(run):
+    """run, calling kernels with each array's address looked up once per call."""
+
+    def call(*args):
+        before = getattr(_driver_call, "addresses", None)
+        _driver_call.addresses = {}
+        try:
+            return run(*args)
+        finally:
+            _driver_call.addresses = before
+
+    call.__wrapped__ = run
+    return call
