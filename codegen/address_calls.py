@@ -32,7 +32,10 @@ class AddressCall:
 
         with self._lock:
             if self._entry is None:
-                signature = (numba_types.intp,) * len(self._arrays)
+                signature = tuple(
+                    numba_types.voidptr if is_array else numba_types.intp
+                    for is_array in self._arrays
+                )
                 self._loop.compile(signature)
                 compiled = self._loop.overloads[signature]
                 pointer = compiled.library.get_pointer_to_function(
@@ -42,7 +45,9 @@ class AddressCall:
                     raise RuntimeError(
                         f"loop kernel {self._loop.py_func.__module__} has no C entry"
                     )
-                prototype = ctypes.CFUNCTYPE(None, *[ctypes.c_ssize_t] * len(self._arrays))
+                prototype = ctypes.CFUNCTYPE(
+                    None, *[ctypes.c_void_p if a else ctypes.c_ssize_t for a in self._arrays]
+                )
                 self._entry = prototype(pointer)
         return self._entry
 

@@ -13,12 +13,12 @@ JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nog
 # cold unrolled LSTM's kernel compile by about a tenth (measured A/B, same box).
 KERNEL_JIT_OPTIONS = {**JIT_OPTIONS, "no_cfunc_wrapper": True}
 LEAN_KERNEL_JIT_OPTIONS = {**KERNEL_JIT_OPTIONS, "_nrt": False}
-# A lean kernel taking addresses has a C entry instead of a CPython wrapper (drivers running as
-# Python call it through ctypes), and the function passing a compiled driver's arrays on to it
-# has neither (codegen/kernel_source.py).
+# A lean kernel's loop taking addresses has a C entry instead of a CPython wrapper (drivers
+# running as Python call it through ctypes); its twin on array views, which compiled drivers
+# call, has neither (codegen/kernel_source.py).
 ADDRESS_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
 ADDRESS_KERNEL_JIT_OPTIONS["no_cfunc_wrapper"] = False
-ADDRESS_CALLER_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
+DRIVER_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
 # Below this a loop runs serial. A parallel kernel compiles about 3x slower than a serial one,
 # and the transformer block (loops of 2**18-2**20 elements) stepped as fast with every loop
 # serial (PERFORMANCE-NOTES.md); streams of several MiB gain from the second core's bandwidth.

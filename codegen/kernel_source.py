@@ -13,14 +13,13 @@ kernel takes each plan array once, so that its views alias (see _one_view_per_me
 left to Numba's dispatch: one compiled version per argument types, all behind the same cached
 dispatcher.
 
-A serial kernel that allocates nothing (most of them) is two functions: `kernel_at`, the loop,
-takes every array as its address (integers only; its dtypes are written in its loads and stores,
-codegen/address_loops.py), and `kernel`, what a compiled driver calls, passes its arrays'
-addresses on. Neither has a CPython wrapper: `kernel_at` has a C entry that a Python-run driver
-calls through ctypes (codegen/kernel_cache.py). The wrapper unboxing a dozen arrays was about
-30% of the cold compile of an unrolled LSTM's kernels, array views and indexing another 40% of
-the rest (measured A/B on the same box); `kernel` compiles only with the driver, in the
-background.
+A serial kernel that allocates nothing (most of them) is the same loop twice: `kernel_at`
+takes every array as its address (its dtypes written in its loads and stores,
+codegen/address_loops.py) and has a C entry, which first calls reach from the driver running
+as Python (codegen/address_calls.py); `kernel`, on array views, is what compiled drivers call.
+Neither has a CPython wrapper. The wrapper unboxing a dozen arrays was about 30% of the cold
+compile of an unrolled LSTM's kernels, array views and indexing another 40% of the rest
+(measured A/B on the same box); `kernel` compiles with the driver, in the background.
 """
 
 from __future__ import annotations
@@ -40,12 +39,12 @@ import numpy as np
 from backplan.codegen.jit import njit, prange
 
 from backplan.codegen.flags import (
-    ADDRESS_CALLER_JIT_OPTIONS, ADDRESS_KERNEL_JIT_OPTIONS, KERNEL_JIT_OPTIONS,
+    ADDRESS_KERNEL_JIT_OPTIONS, DRIVER_KERNEL_JIT_OPTIONS, KERNEL_JIT_OPTIONS,
     LEAN_KERNEL_JIT_OPTIONS,
 )
 from backplan.codegen.scalar_functions import *  # noqa: F403
 from backplan.codegen.views import (
-    address, contiguous_view, contiguous_view_at, load, load_bytes, store, store_bytes,
+    contiguous_view, contiguous_view_at, load, load_bytes, origin, store, store_bytes,
     strided_view, strided_view_at,
 )
 '''
@@ -146,23 +145,26 @@ _ARRAY_PARAMETER = re.compile(r"\ba\d+\b")
 
 
 def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[str] | None:
-    """`kernel_at` (arrays as addresses) and `kernel` (arrays, passing their addresses on), or
-    None where an array's dtype is unknown or the body uses an array other than in a view."""
+    """`kernel_at` (arrays as addresses, loads and stores) and `kernel` (the same loop on
+    array views), or None where an array's dtype is unknown or the body uses an array other
+    than in a view. Compiled drivers call `kernel`: inlined there with the plan's sizes as
+    constants, the view form kept its speed where the address form lost some (a CNN's 4-deep
+    pooling loops: 41 against 52-62 us per call); it compiles with the driver, in the
+    background, while first calls use `kernel_at`."""
     if any(d is None for d in dtypes.values()):
         return None
     loop = loads_and_stores(body, dtypes) or _views_at(body, dtypes)
     if loop is None:
         return None
-    passed = [f"address({p})" if p in dtypes else p for p in params]
     return [
         "@njit(**ADDRESS_KERNEL_JIT_OPTIONS)",
         f"def kernel_at({', '.join(params)}):",
         *("    " + line for line in loop),
         "",
         "",
-        "@njit(**ADDRESS_CALLER_JIT_OPTIONS)",
+        "@njit(**DRIVER_KERNEL_JIT_OPTIONS)",
         f"def kernel({', '.join(params)}):",
-        f"    kernel_at({', '.join(passed)})",
+        *("    " + line for line in body),
     ]
 
 

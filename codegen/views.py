@@ -1,8 +1,9 @@
 """Array views made inside loop kernels from a 1-D base array, an element offset and sizes
-(and byte strides): the form in which kernels take their arrays (codegen/placement.py). Loop
-kernels that allocate nothing take each base as its address instead (the `_at` views, with the
-dtype spelled out): every parameter is then an integer, and the kernel needs no CPython wrapper
-(codegen/kernel_source.py).
+(and byte strides): the form in which kernels take their arrays (codegen/placement.py). The
+loop of a kernel that allocates nothing also comes in a form taking each base as its address
+(a void pointer; an integer from Python), with the dtype spelled out: a view's `origin`, loads
+and stores from it, or the `_at` views; such a loop needs no CPython wrapper
+(codegen/kernel_source.py, codegen/address_loops.py).
 
 Intrinsics, because a view made with slicing and reshape costs Numba's lowering of a slice
 normalisation and a reshape check for every array of every kernel (measured: loop kernels of an
@@ -101,30 +102,35 @@ def strided_view(typingctx, base, offset, shape, strides):
     return result_type(base, offset, shape, strides), codegen
 
 
-def _address_of(context, builder, dtype, args) -> tuple:
-    """(first element's address, its size in bytes) for an `_at` view's address and offset."""
-    itemsize = context.get_constant(
-        types.intp, context.get_abi_sizeof(context.get_data_type(dtype))
-    )
-    offset = builder.mul(args[1], itemsize)
-    return builder.inttoptr(
-        builder.add(args[0], offset), context.get_data_type(dtype).as_pointer()
-    ), itemsize
+def _element(context, builder, dtype, address, offset, in_bytes: bool = False):
+    """The pointer to the element `offset` elements (or bytes) from `address`, a void pointer."""
+    element = context.get_data_type(dtype).as_pointer()
+    if in_bytes:
+        return builder.bitcast(builder.gep(address, [offset], inbounds=True), element)
+    return builder.gep(builder.bitcast(address, element), [offset], inbounds=True)
 
 
-def _is_address_view(address, offset, shape, dtype) -> bool:
+def _is_address(address, offset, dtype) -> bool:
     return (
-        isinstance(address, types.Integer)
+        address == types.voidptr
         and isinstance(offset, types.Integer)
-        and isinstance(shape, types.BaseTuple)
-        and len(shape) > 0
-        and all(isinstance(t, types.Integer) for t in shape)
         and isinstance(dtype, types.NumberClass)
     )
 
 
-def _build_at(context, builder, result_type, data, itemsize, shape, strides):
+def _is_shape(shape) -> bool:
+    return (
+        isinstance(shape, types.BaseTuple)
+        and len(shape) > 0
+        and all(isinstance(t, types.Integer) for t in shape)
+    )
+
+
+def _build_at(context, builder, result_type, data, shape, strides):
     view = make_array(result_type)(context, builder)
+    itemsize = context.get_constant(
+        types.intp, context.get_abi_sizeof(context.get_data_type(result_type.dtype))
+    )
     populate_array(
         view, data=data, shape=shape, strides=strides, itemsize=itemsize, meminfo=None, parent=None
     )
@@ -132,112 +138,112 @@ def _build_at(context, builder, result_type, data, itemsize, shape, strides):
 
 
 @intrinsic
-def address(typingctx, array):
-    """The address of an array's first element, as an integer."""
-    if not isinstance(array, types.Array):
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.ptrtoint(data, context.get_value_type(types.intp))
-
-    return types.intp(array), codegen
-
-
-@intrinsic
 def contiguous_view_at(typingctx, address, offset, shape, dtype):
     """The C-contiguous array of this dtype and shape at element `offset` from `address`."""
-    if not _is_address_view(address, offset, shape, dtype):
+    if not (_is_address(address, offset, dtype) and _is_shape(shape)):
         return None
     result_type = types.Array(dtype.instance_type, len(shape), "C")
 
     def codegen(context, builder, signature, args):
         sizes = _sizes(context, builder, signature.args[2], args[2])
-        data, itemsize = _address_of(context, builder, result_type.dtype, args)
-        strides, stride = [], itemsize
+        start = context.cast(builder, args[1], signature.args[1], types.intp)
+        data = _element(context, builder, result_type.dtype, args[0], start)
+        itemsize = context.get_abi_sizeof(context.get_data_type(result_type.dtype))
+        strides, stride = [], context.get_constant(types.intp, itemsize)
         for size in reversed(sizes):
             strides.insert(0, stride)
             stride = builder.mul(stride, size)
-        return _build_at(context, builder, result_type, data, itemsize, sizes, strides)
+        return _build_at(context, builder, result_type, data, sizes, strides)
 
-    return result_type(types.intp, types.intp, shape, dtype), codegen
+    return result_type(address, offset, shape, dtype), codegen
 
 
 @intrinsic
 def strided_view_at(typingctx, address, offset, shape, strides, dtype):
     """The view of this dtype at element `offset` from `address`, with these byte strides."""
-    if not (
-        _is_address_view(address, offset, shape, dtype) and isinstance(strides, types.BaseTuple)
-    ):
+    if not (_is_address(address, offset, dtype) and _is_shape(shape) and _is_shape(strides)):
         return None
-    if len(strides) != len(shape) or not all(isinstance(t, types.Integer) for t in strides):
+    if len(strides) != len(shape):
         return None
     result_type = types.Array(dtype.instance_type, len(shape), "A")
 
     def codegen(context, builder, signature, args):
         sizes = _sizes(context, builder, signature.args[2], args[2])
         steps = _sizes(context, builder, signature.args[3], args[3])
-        data, itemsize = _address_of(context, builder, result_type.dtype, args)
-        return _build_at(context, builder, result_type, data, itemsize, sizes, steps)
+        start = context.cast(builder, args[1], signature.args[1], types.intp)
+        data = _element(context, builder, result_type.dtype, args[0], start)
+        return _build_at(context, builder, result_type, data, sizes, steps)
 
-    return result_type(types.intp, types.intp, shape, strides, dtype), codegen
+    return result_type(address, offset, shape, strides, dtype), codegen
 
 
-def _pointer(context, builder, dtype, address, offset, in_bytes: bool):
-    element = context.get_data_type(dtype)
-    if in_bytes:
-        return builder.inttoptr(builder.add(address, offset), element.as_pointer())
-    return builder.gep(builder.inttoptr(address, element.as_pointer()), [offset])
+@intrinsic
+def origin(typingctx, address, offset, dtype):
+    """The typed pointer to element `offset` of the dtype's elements from `address`: a view's
+    first element, which loads and stores index from."""
+    if not _is_address(address, offset, dtype):
+        return None
+    result_type = types.CPointer(dtype.instance_type)
+
+    def codegen(context, builder, signature, args):
+        start = context.cast(builder, args[1], signature.args[1], types.intp)
+        return _element(context, builder, dtype.instance_type, args[0], start)
+
+    return result_type(address, offset, dtype), codegen
+
+
+def _is_pointer(pointer, offset) -> bool:
+    return isinstance(pointer, types.CPointer) and isinstance(offset, types.Integer)
+
+
+def _at(context, builder, signature, args, in_bytes: bool):
+    kind = signature.args[0].dtype
+    offset = context.cast(builder, args[1], signature.args[1], types.intp)
+    if not in_bytes:
+        return kind, builder.gep(args[0], [offset], inbounds=True)
+    byte = builder.bitcast(args[0], context.get_value_type(types.voidptr))
+    where = builder.gep(byte, [offset], inbounds=True)
+    return kind, builder.bitcast(where, args[0].type)
 
 
 def _load(in_bytes: bool):
-    def load(typingctx, address, offset, dtype):
-        if not (
-            isinstance(address, types.Integer)
-            and isinstance(offset, types.Integer)
-            and isinstance(dtype, types.NumberClass)
-        ):
+    def load(typingctx, pointer, offset):
+        if not _is_pointer(pointer, offset):
             return None
-        kind = dtype.instance_type
 
         def codegen(context, builder, signature, args):
-            where = _pointer(context, builder, kind, args[0], args[1], in_bytes)
+            kind, where = _at(context, builder, signature, args, in_bytes)
             return context.data_model_manager[kind].from_data(builder, builder.load(where))
 
-        return kind(types.intp, types.intp, dtype), codegen
+        return pointer.dtype(pointer, offset), codegen
 
     return load
 
 
 def _store(in_bytes: bool):
-    def store(typingctx, address, offset, value, dtype):
-        if not (
-            isinstance(address, types.Integer)
-            and isinstance(offset, types.Integer)
-            and isinstance(dtype, types.NumberClass)
-        ):
+    def store(typingctx, pointer, offset, value):
+        if not _is_pointer(pointer, offset):
             return None
-        kind = dtype.instance_type
 
         def codegen(context, builder, signature, args):
-            where = _pointer(context, builder, kind, args[0], args[1], in_bytes)
+            kind, where = _at(context, builder, signature, args, in_bytes)
             item = context.cast(builder, args[2], signature.args[2], kind)
             builder.store(context.data_model_manager[kind].as_data(builder, item), where)
             return context.get_dummy_value()
 
-        return types.none(types.intp, types.intp, value, dtype), codegen
+        return types.none(pointer, offset, value), codegen
 
     return store
 
 
 load = intrinsic(_load(in_bytes=False))
-load.__doc__ = "The element at `index` of the dtype's elements from `address`."
+load.__doc__ = "The element at `index` from a view's origin."
 load_bytes = intrinsic(_load(in_bytes=True))
-load_bytes.__doc__ = "The element of this dtype `offset` bytes from `address`."
+load_bytes.__doc__ = "The element `offset` bytes from a view's origin."
 store = intrinsic(_store(in_bytes=False))
-store.__doc__ = "Writes value, as the dtype, to element `index` from `address`."
+store.__doc__ = "Writes value, cast to the element type, to element `index` from an origin."
 store_bytes = intrinsic(_store(in_bytes=True))
-store_bytes.__doc__ = "Writes value, as the dtype, `offset` bytes from `address`."
+store_bytes.__doc__ = "Writes value, cast to the element type, `offset` bytes from an origin."
 
 
 def _aliases_its_base(lhs, args, alias_map, arg_aliases):
@@ -258,26 +264,26 @@ if AS_PYTHON:
     def strided_view(base, offset, shape, strides):  # noqa: F811
         return np.lib.stride_tricks.as_strided(base[offset:], shape, strides)
 
-    def address(array):  # noqa: F811
-        return array.ctypes.data
-
     def contiguous_view_at(address, offset, shape, dtype):  # noqa: F811
         return _numpy_view_at(address, offset, shape, None, dtype)
 
     def strided_view_at(address, offset, shape, strides, dtype):  # noqa: F811
         return _numpy_view_at(address, offset, shape, strides, dtype)
 
-    def load(address, index, dtype):  # noqa: F811
-        return _numpy_view_at(address, index, (1,), None, dtype)[0]
+    def origin(address, offset, dtype):  # noqa: F811
+        return (int(address) + int(offset) * np.dtype(dtype).itemsize, dtype)
 
-    def load_bytes(address, offset, dtype):  # noqa: F811
-        return _numpy_view_at(address + offset, 0, (1,), None, dtype)[0]
+    def load(pointer, index):  # noqa: F811
+        return _numpy_view_at(pointer[0], index, (1,), None, pointer[1])[0]
 
-    def store(address, index, value, dtype):  # noqa: F811
-        _numpy_view_at(address, index, (1,), None, dtype)[0] = value
+    def load_bytes(pointer, offset):  # noqa: F811
+        return _numpy_view_at(pointer[0] + offset, 0, (1,), None, pointer[1])[0]
 
-    def store_bytes(address, offset, value, dtype):  # noqa: F811
-        _numpy_view_at(address + offset, 0, (1,), None, dtype)[0] = value
+    def store(pointer, index, value):  # noqa: F811
+        _numpy_view_at(pointer[0], index, (1,), None, pointer[1])[0] = value
+
+    def store_bytes(pointer, offset, value):  # noqa: F811
+        _numpy_view_at(pointer[0] + offset, 0, (1,), None, pointer[1])[0] = value
 
 
 def _numpy_view_at(address, offset, shape, strides, dtype):
@@ -295,11 +301,11 @@ def _numpy_view_at(address, offset, shape, strides, dtype):
 
 
 __all__ = [
-    "address",
     "contiguous_view",
     "contiguous_view_at",
     "load",
     "load_bytes",
+    "origin",
     "store",
     "store_bytes",
     "strided_view",

@@ -85,7 +85,7 @@ def test_a_kernel_takes_addresses_only_when_every_dtype_is_known():
     scalars, bases = {"n0": 4, "o0": 0}, {"b0": "v1"}
     known = canonical_kernel(lines, scalars, bases, False, "", dtype_of=lambda b: "np.int32")
     unknown = canonical_kernel(lines, scalars, bases, False, "")
-    assert "store(a0, o0 + i0, 0, np.int32)" in known.source
+    assert "p0 = origin(a0, o0, np.int32)" in known.source and "store(p0, i0, 0)" in known.source
     assert "def kernel_at(" not in unknown.source and "def kernel(" in unknown.source
     assert known.digest != unknown.digest
 
@@ -104,14 +104,16 @@ def test_views_become_loads_and_stores_with_their_index_arithmetic():
     ]
     dtypes = {"a0": "np.float32", "a1": "np.float32", "a2": "np.float64"}
     assert loads_and_stores(body, dtypes) == [
+        "p0 = origin(a0, o0, np.float32)",
+        "p1 = origin(a1, o1, np.float32)",
+        "p2 = origin(a2, o2, np.float64)",
         "for f_ in range(n1):",
-        "    store(a2, o2 + f_, np.float64(0.0), np.float64)",
+        "    store(p2, f_, np.float64(0.0))",
         "for i0 in range(n0):",
         "    for i1 in range(n1):",
-        "        t0 = load_bytes(a0, o0 * 4 + i0 * d0 + i1 * d1, np.float32)"
-        " * load(a1, o1 + (i0) * n1, np.float32)",
-        "        store(a1, o1 + (i0) * n1 + i1, t0, np.float32)",
-        "        store(a2, o2 + i1, load(a2, o2 + i1, np.float64) + t0, np.float64)",
+        "        t0 = load_bytes(p0, i0 * d0 + i1 * d1) * load(p1, (i0) * n1)",
+        "        store(p1, (i0) * n1 + i1, t0)",
+        "        store(p2, i1, load(p2, i1) + t0)",
     ]
     assert loads_and_stores([*body[:2], "t0 = w1.sum()"], dtypes) is None  # not an index
     assert loads_and_stores([*body[:1], "w0[:] = 0"], dtypes) is None  # a strided fill
