@@ -45,6 +45,7 @@ class LoopEmitter:
     accesses: dict = field(default_factory=dict)
     rows: bool = False  # a stage of a row kernel: the caller loops over axis 0 (as i0)
     size_prefix: str | None = None  # loop sizes become arguments named <prefix><level>
+    same: dict = field(default_factory=dict)  # value -> the local of an equal one computed first
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -298,15 +299,19 @@ class LoopEmitter:
         return f"{self.view_name[key]}[{self._index(key)}]"
 
     def local_name(self, node) -> str:
-        return "t" + self.array_name[node][1:]
+        return self.same.get(node) or "t" + self.array_name[node][1:]
 
     def _body(self, depth_of, targets=None) -> list[str]:
         """Every read comes before every store, so an output may overwrite an input in place.
         targets: where a reduction accumulates, when not its accumulator or output."""
         targets = targets or {}
-        lines = []
+        lines, computed = [], {}  # expression -> the local holding its value
         for node in self.kernel.recomputed + self.kernel.nodes:
             expr = expression(node, [self.operand(i) for i in node.inputs])
+            if expr in computed:  # a chain recomputed beside its original: compute it once
+                self.same[node] = computed[expr]
+                continue
+            computed[expr] = self.local_name(node)
             lines.append(f"{self.local_name(node)} = {expr}")
         for node in self.kernel.nodes:
             if node in self.stored:
