@@ -41,6 +41,9 @@ def cache_environment(folder: str, threads: int | None) -> dict[str, str]:
         "BACKPLAN_CACHE_DIR": os.path.join(folder, "backplan"),
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "torchinductor"),
         "JAX_ENABLE_COMPILATION_CACHE": "false",
+        # A driver build still running when a child ends would share the pinned CPU with the
+        # next child; the child waits for its builds, and this stops any it did not wait for.
+        "BACKPLAN_DRIVER_AT_EXIT": "kill",
     }
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env |= thread_variables(threads)

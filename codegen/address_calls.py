@@ -9,6 +9,23 @@ from __future__ import annotations
 import ctypes
 import threading
 
+# A parameter's Numba and C type, by its name (codegen/kernel_source.py): an array's address,
+# a float literal of the loop (c0_f32), or an integer (offsets, sizes, strides).
+_KINDS = {
+    "address": ("voidptr", ctypes.c_void_p),
+    "f32": ("float32", ctypes.c_float),
+    "f64": ("float64", ctypes.c_double),
+    "integer": ("intp", ctypes.c_ssize_t),
+}
+
+
+def _kind(name: str) -> str:
+    if name.startswith("a"):
+        return "address"
+    if name.startswith("c") and name[-4:] in ("_f32", "_f64"):
+        return name[-3:]
+    return "integer"
+
 
 class AddressCall:
     """A Python-run driver's call of an address kernel: arrays become their addresses and the
@@ -18,6 +35,7 @@ class AddressCall:
         self._loop = loop
         names = loop.py_func.__code__.co_varnames[: loop.py_func.__code__.co_argcount]
         self._arrays = tuple(name.startswith("a") for name in names)
+        self._kinds = tuple(_KINDS[_kind(name)] for name in names)
         self._entry = None
         self._lock = threading.Lock()
 
@@ -32,10 +50,7 @@ class AddressCall:
 
         with self._lock:
             if self._entry is None:
-                signature = tuple(
-                    numba_types.voidptr if is_array else numba_types.intp
-                    for is_array in self._arrays
-                )
+                signature = tuple(getattr(numba_types, kind[0]) for kind in self._kinds)
                 self._loop.compile(signature)
                 compiled = self._loop.overloads[signature]
                 pointer = compiled.library.get_pointer_to_function(
@@ -45,9 +60,7 @@ class AddressCall:
                     raise RuntimeError(
                         f"loop kernel {self._loop.py_func.__module__} has no C entry"
                     )
-                prototype = ctypes.CFUNCTYPE(
-                    None, *[ctypes.c_void_p if a else ctypes.c_ssize_t for a in self._arrays]
-                )
+                prototype = ctypes.CFUNCTYPE(None, *[kind[1] for kind in self._kinds])
                 self._entry = prototype(pointer)
         return self._entry
 

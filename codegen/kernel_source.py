@@ -123,6 +123,7 @@ def canonical_kernel(
     if parallel:
         lines = _one_view_per_memory(lines, scalars, bases)
     body = [_NAMES.sub(rename, line) for line in lines]
+    body = _literals_as_parameters(body, params, arguments)
     functions = None
     if parallel:
         decorator = "@njit(parallel=True, **KERNEL_JIT_OPTIONS)"
@@ -142,6 +143,28 @@ def canonical_kernel(
 
 _ADDRESS_VIEW = re.compile(r"^(\s*\w+ = )(contiguous|strided)_view\((a\d+), (.*)\)$")
 _ARRAY_PARAMETER = re.compile(r"\ba\d+\b")
+
+
+_FLOAT_LITERAL = re.compile(r"\bnp\.float(32|64)\((-?\d+(?:\.\d*)?(?:e[-+]?\d+)?)\)")
+
+
+def _literals_as_parameters(body: list[str], params: list[str], arguments: list[str]) -> list[str]:
+    """The body with its float literals as parameters (`c0_f32`), appended with their values:
+    a mean's 1/n or attention's 1/sqrt(d) depend on the sizes, and as literals they made the
+    same loop of a model at other sizes a kernel of its own (a transformer at 1/64 of its
+    width compiled 8 new kernels, 1.0 s). Compiled drivers pass them as constants, so after
+    inlining the code is what the literal gave."""
+    names: dict[str, str] = {}
+
+    def parameter(match: re.Match) -> str:
+        text = match.group(0)
+        if text not in names:
+            names[text] = f"c{len(names)}_f{match.group(1)}"
+            params.append(names[text])
+            arguments.append(text)
+        return names[text]
+
+    return [_FLOAT_LITERAL.sub(parameter, line) for line in body]
 
 
 def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[str] | None:

@@ -1,0 +1,112 @@
+"""Step time of two backplan installations, A and B, in interleaved fresh processes: what a
+"no step-time regression" claim rests on. Each process is pinned to one CPU with one thread
+everywhere, builds the bench models through backplan's value_and_grad peer, waits for their
+compiled drivers, then times every model in rounds; A and B alternate, so drift in the box's
+speed hits both. Each installation keeps its own cache folder, warmed by a first process that
+is not counted.
+
+    python -m venv --system-site-packages /tmp/before && /tmp/before/bin/pip install \\
+        --no-deps -e /path/to/an/older/checkout
+    python -m backplan.bench.revisions --a /tmp/before/bin/python --b python \\
+        --models mlp,transformer,lstm12 --processes 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def child(models: list[str], cpu: int, rounds: int) -> dict[str, float]:
+    """Median step seconds per model, in this process."""
+    os.sched_setaffinity(0, {cpu})
+    import numba
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from backplan.bench.models import MODELS
+    from backplan.bench.peers import PEERS
+    from backplan.codegen import driver_builder
+
+    numba.set_num_threads(1)
+    threadpool_limits(1)
+    runners = {}
+    for name in models:
+        spec = MODELS[name]
+        runners[name] = PEERS["backplan"]().build(spec, spec.inputs(False, np.dtype("float32")))
+        runners[name].step()
+    driver_builder.wait_for_builds()
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, runner in runners.items():
+            runner.step()
+            times = []
+            deadline = time.perf_counter() + 0.3
+            while time.perf_counter() < deadline or len(times) < 3:
+                start = time.perf_counter()
+                runner.step()
+                times.append(time.perf_counter() - start)
+            samples[name].append(statistics.median(times))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def run(python: str, models: list[str], cpu: int, rounds: int, cache: str) -> dict:
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": cache,
+        "BACKPLAN_QUIET": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "NUMBA_NUM_THREADS": "1",
+    }
+    # This file by path: installation A need not have it.
+    command = [python, "-I", os.path.abspath(__file__), "--child", ",".join(models)]
+    command += ["--cpu", str(cpu), "--rounds", str(rounds)]
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=1800, cwd=tempfile.gettempdir()
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{python}: exit {done.returncode}: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--a", help="the Python of installation A (the one before)")
+    parser.add_argument("--b", default=sys.executable, help="the Python of installation B")
+    parser.add_argument("--models", default="mlp,mlp_tiny,transformer,ln_gelu,lstm12,mlp_deep,cnn")
+    parser.add_argument("--processes", type=int, default=3, help="timed processes per side")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds within a process")
+    parser.add_argument("--cpu", type=int, default=0)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child.split(","), args.cpu, args.rounds)))
+        return 0
+    if not args.a:
+        parser.error("--a is required: the Python of the installation to compare against")
+    models = args.models.split(",")
+    caches = {side: tempfile.mkdtemp(prefix=f"backplan-revision-{side}-") for side in "ab"}
+    pythons = {"a": args.a, "b": args.b}
+    for side in "ab":  # warm each cache: compile kernels and drivers once, not timed
+        run(pythons[side], models, args.cpu, 1, caches[side])
+    results: dict[str, list[dict]] = {"a": [], "b": []}
+    for _ in range(args.processes):
+        for side in "ab":
+            results[side].append(run(pythons[side], models, args.cpu, args.rounds, caches[side]))
+    print(f"{'model':12} {'A ms':>10} {'B ms':>10} {'B/A':>7}  (medians of {args.processes} each)")
+    for name in models:
+        a = statistics.median(r[name] for r in results["a"])
+        b = statistics.median(r[name] for r in results["b"])
+        print(f"{name:12} {a * 1e3:10.4f} {b * 1e3:10.4f} {b / a:7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
