@@ -133,10 +133,12 @@ def test_background_false_compiles_in_the_call_whatever_the_environment_says(
     expected_value, expected_grad = eager_value_and_grad(w, x)
     with use_backend("numba"):
         fn = bp.compile(loss, background=False)
-        compiled_before = kernel_cache.counts().compiled
+        versions_before = kernel_cache.counts().versions
         value = fn(w, x)
         value.backward()
-        assert kernel_cache.counts().compiled > compiled_before
+        # Machine code of its kernels came into this process in the call: compiled here, or
+        # loaded from what an earlier test's build process compiled (kernels are shared).
+        assert kernel_cache.counts().versions > versions_before
         assert fn.driver_tier == "compiled"
         assert fn.wait_until_compiled(timeout=0)
         follows_env = bp.compile(loss)  # None: BACKPLAN_DRIVER=reference

@@ -13,9 +13,11 @@ from backplan.codegen.emit import generate
 from backplan.ir.lowering import lower
 from backplan.runtime.backend import use_backend
 
-# A driver statement: a call whose arguments are names, bools or np.intp(integer); a whole
-# array seen as 1-D; or the return.
-ARGUMENT = r"(?:\w+|np\.intp\(-?\d+\)|-?\d+(?:\.\d+)?)"
+# A driver statement: a call whose arguments are names, bools, np.intp(integer) or a float
+# literal a loop kernel takes as a parameter (np.float32(0.5)); a whole array seen as 1-D; or
+# the return.
+NUMBER = r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?"
+ARGUMENT = rf"(?:\w+|np\.intp\(-?\d+\)|np\.float(?:32|64)\({NUMBER}\)|{NUMBER})"
 CALL = re.compile(rf"(?:bad = )?\w+\(({ARGUMENT}(?:, {ARGUMENT})*)?\)")
 FLATTEN = re.compile(r"v\d+_1d = v\d+\.reshape\(-1\)")
 
