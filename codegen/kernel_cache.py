@@ -59,10 +59,11 @@ def load(kernels: list[KernelSource]) -> None:
 _loading = threading.Lock()
 
 
-def compiled_first(digest: str):
-    """The function of a kernel that a first call compiles: the loop of an address kernel
-    (its caller compiles with the driver), the kernel itself otherwise."""
-    return _ADDRESS_LOOPS.get(digest) or _LOADED[digest]
+def compiled_forms(digest: str) -> list:
+    """The functions of a kernel that compile: its loop taking addresses (first calls on a
+    Python-run driver) and the form compiled drivers call (the kernel itself)."""
+    loop = _ADDRESS_LOOPS.get(digest)
+    return [_LOADED[digest]] if loop is None else [loop, _LOADED[digest]]
 
 
 def python_call(kernel):
@@ -94,8 +95,8 @@ def cached_digests(kernels: list[KernelSource]) -> set[str]:
     however many kernels are asked about: a long-lived cache holds thousands of files."""
     found, unknown = set(), []
     for source in kernels:
-        dispatcher = _ADDRESS_LOOPS.get(source.digest) or _LOADED.get(source.digest)
-        if dispatcher is not None and getattr(dispatcher, "overloads", None):
+        forms = compiled_forms(source.digest) if source.digest in _LOADED else []
+        if any(getattr(form, "overloads", None) for form in forms):
             found.add(source.digest)
         else:
             unknown.append(source)

@@ -94,8 +94,10 @@ class _Lines:
     def __init__(self, label: str, guess: CompileEstimate, digests: set, parts: tuple = ()):
         self.label, self.guess = label, guess
         self.start = self.last = time.perf_counter()
-        self.compiled = 0
-        self.dispatchers = {id(kernel_cache.compiled_first(d)) for d in digests}
+        self.finished: set[str] = set()  # kernels compiled, in either form (kernel_cache)
+        self.dispatchers = {
+            id(form): digest for digest in digests for form in kernel_cache.compiled_forms(digest)
+        }
         self.parts = {id(p): i for i, p in enumerate(parts)}
         _say(
             f"{label}: compiling {guess.to_compile} of {guess.kernels} loop kernels "
@@ -108,8 +110,14 @@ class _Lines:
         with event.install_listener("numba:compile", listener):
             yield
 
-    def kernel_done(self) -> None:
-        self.compiled += 1
+    @property
+    def compiled(self) -> int:
+        return len(self.finished)
+
+    def kernel_done(self, digest: str) -> None:
+        if digest in self.finished:
+            return
+        self.finished.add(digest)
         now = time.perf_counter()
         if now - self.last >= LINE_INTERVAL:
             self.last = now
@@ -181,6 +189,6 @@ class _CompileListener(event.Listener):
     def on_end(self, event):
         dispatcher = id(event.data.get("dispatcher"))
         if dispatcher in self.lines.dispatchers:
-            self.lines.kernel_done()
+            self.lines.kernel_done(self.lines.dispatchers[dispatcher])
         elif dispatcher in self.lines.parts:
             self.lines.part_done(self.lines.parts[dispatcher])

@@ -14,6 +14,7 @@ from backplan.runtime.program import SavedBufferInfo
 
 from .plan_view import BufferInfo, PlanView, StepInfo, free_steps, hand_to_caller, input_label
 
+
 def joint_view(
     plan: Plan, n_outputs: int, wrt: list[bool], input_names: list[str] | None, name: str
 ) -> PlanView:

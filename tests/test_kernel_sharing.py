@@ -2,6 +2,8 @@
 and value names; an unrolled loop compiles as many kernels for 16 steps as for 4; a slow first
 call says what it compiles on stderr, a fast one says nothing."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -92,6 +94,31 @@ def test_progress_lines_appear_only_when_the_compile_is_predicted_slow(
     kernels = len(compiled.loop_kernels)
     assert f"of {kernels} loop kernels" in lines[0] and "cached" in lines[0]
     assert lines[-1].endswith(" s") and f"{kernels} in all" in lines[-1]
+
+
+@pytest.mark.parametrize("driver", ["inline", "python"])
+def test_progress_counts_kernels_compiled_in_either_form(driver, monkeypatch, tmp_path, capfd):
+    """Compiled drivers compile a kernel's array-view form, first calls on a Python-run driver
+    its address form (codegen/kernel_source.py): either way the ready line counts it once."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", driver)
+    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
+
+    def unusual(w, x):  # loop bodies no other test compiles, one set per driver mode
+        if driver == "inline":
+            return bp.sum(bp.sin(bp.cos(x * w) + bp.abs(w)) * (x - 3.0))
+        return bp.sum(bp.sin(bp.abs(x * w) - bp.cos(w)) * (x + 2.0))
+
+    rng = np.random.default_rng(4)
+    capfd.readouterr()
+    with use_backend("numba"):
+        compiled, _, _ = joint(unusual, floats(rng, 3, 5), floats(rng, 3, 5))
+    ready = [line for line in capfd.readouterr().err.splitlines() if ": ready: " in line]
+    total = len(compiled.loop_kernels)
+    done, cached = map(
+        int, re.search(r"ready: (\d+) kernels compiled, (\d+) cached", ready[0]).groups()
+    )
+    assert done >= 1 and done + cached == total, ready
 
 
 def test_a_forward_only_plan_under_no_grad_shares_the_training_plans_kernels():
