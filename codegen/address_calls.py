@@ -34,8 +34,8 @@ class AddressCall:
     def __init__(self, loop):
         self._loop = loop
         names = loop.py_func.__code__.co_varnames[: loop.py_func.__code__.co_argcount]
-        self._arrays = tuple(name.startswith("a") for name in names)
         self._kinds = tuple(_KINDS[_kind(name)] for name in names)
+        self._arrays = tuple(kind is _KINDS["address"] for kind in self._kinds)
         self._entry = None
         self._lock = threading.Lock()
 

@@ -123,7 +123,6 @@ def canonical_kernel(
     if parallel:
         lines = _one_view_per_memory(lines, scalars, bases)
     body = [_NAMES.sub(rename, line) for line in lines]
-    body = _literals_as_parameters(body, params, arguments)
     functions = None
     if parallel:
         decorator = "@njit(parallel=True, **KERNEL_JIT_OPTIONS)"
@@ -131,18 +130,21 @@ def canonical_kernel(
         decorator = "@njit(**KERNEL_JIT_OPTIONS)"
     else:
         decorator = "@njit(**LEAN_KERNEL_JIT_OPTIONS)"
+        # Only in an address kernel: the twin compiled drivers call is force-inlined, so its
+        # float parameters are constants again; any other kernel keeps its literals.
         dtypes = {p: dtype_of(a) for p, a in zip(params, arguments, strict=True) if p[0] == "a"}
-        functions = _address_kernel(params, body, dtypes)
+        literals, values = [], []
+        loop = _literals_as_parameters(body, literals, values)
+        functions = _address_kernel(params + literals, loop, dtypes)
+        if functions is not None:
+            params += literals
+            arguments += values
     if functions is None:
         functions = [decorator, f"def kernel({', '.join(params)}):"]
         functions += ["    " + line for line in body]
     source = "\n".join([KERNEL_HEADER + imports, "", *functions]) + "\n"
     digest = hashlib.sha256((salt + "\n" + source).encode()).hexdigest()
     return KernelSource(digest, source, parallel, tuple(arguments))
-
-
-_ADDRESS_VIEW = re.compile(r"^(\s*\w+ = )(contiguous|strided)_view\((a\d+), (.*)\)$")
-_ARRAY_PARAMETER = re.compile(r"\ba\d+\b")
 
 
 _FLOAT_LITERAL = re.compile(r"\bnp\.float(32|64)\((-?\d+(?:\.\d*)?(?:e[-+]?\d+)?)\)")
@@ -189,6 +191,10 @@ def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[st
         f"def kernel({', '.join(params)}):",
         *("    " + line for line in body),
     ]
+
+
+_ADDRESS_VIEW = re.compile(r"^(\s*\w+ = )(contiguous|strided)_view\((a\d+), (.*)\)$")
+_ARRAY_PARAMETER = re.compile(r"\ba\d+\b")
 
 
 def _views_at(body: list[str], dtypes: dict) -> list[str] | None:
