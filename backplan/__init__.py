@@ -32,6 +32,7 @@ from backplan.runtime import (
     no_grad,
 )
 from backplan.tracer import Tensor, TracingError, compile, grad, value_and_grad
+from backplan.tracer.attention import scaled_dot_product_attention
 from backplan.tracer.compile import RetraceWarning
 from backplan.tracer.conv import arange, argmax, argmin, avg_pool2d, clip, conv2d, max_pool2d
 from backplan.tracer.dlpack import from_dlpack
@@ -77,6 +78,7 @@ __all__ = [
     "clip",
     "compile",
     "conv2d",
+    "scaled_dot_product_attention",
     "dropout",
     "max_pool2d",
     "nn",

@@ -43,6 +43,7 @@ from backplan.codegen.blas import (
 from backplan.codegen.gemm import batched_gemm as own_batched_gemm, gemm as own_gemm
 from backplan.codegen.flags import JIT_OPTIONS
 from backplan.codegen.library import *  # noqa: F403
+from backplan.codegen.library_attention import *  # noqa: F403
 from backplan.codegen.library_conv import *  # noqa: F403
 from backplan.codegen.library_gemm import *  # noqa: F403
 from backplan.codegen.library_random import *  # noqa: F403

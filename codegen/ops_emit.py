@@ -381,6 +381,52 @@ class OpEmitter:
     def op_conv2d_weight_grad(self, node, out) -> list[str]:
         return self._conv(node, out, "conv2d_weight_grad")
 
+    # ---- fused attention (codegen/library_attention.py) ----------------------------------------
+
+    def _heads(self, value: Value) -> str:
+        """value as a 4-D (batch, heads, length, features) array: a strided view passes as it
+        is when there are exactly two leading axes; otherwise a contiguous reshape."""
+        lead = value.shape[:-2]
+        if len(lead) == 2:
+            return self.array(value, contiguous=False)
+        return f"{self.array(value)}.reshape({self._heads_shape(lead, value.shape[-2:])!r})"
+
+    def _attention_variant(self, fn: str, node: Value) -> str:
+        q, k = node.inputs[0], node.inputs[1]
+        pairs = math.prod(q.shape[:-2])
+        work = pairs * q.shape[-2] * k.shape[-2] * max(q.shape[-1], 1)
+        parallel = threads() > 1 and pairs > 1 and work >= (1 << 16)
+        return f"{fn}_par" if parallel else fn
+
+    def _attention_args(self, node: Value) -> str:
+        return f"{node.attrs['scale']!r}, {node.attrs['causal']}"
+
+    def op_attention(self, node, out) -> list[str]:
+        q, k, v = (self._heads(x) for x in node.inputs)
+        lead = node.inputs[0].shape[:-2]
+        out4 = f"{out}.reshape({self._heads_shape(lead, node.shape[-2:])!r})"
+        fn = self._attention_variant("attention_forward", node)
+        return [f"{fn}({vector_width()}, {q}, {k}, {v}, {out4}, {self._attention_args(node)})"]
+
+    def op_attention_grad(self, node, out) -> list[str]:
+        q, k, v, g = (self._heads(x) for x in node.inputs)
+        lead, parts, offset = node.inputs[0].shape[:-2], [], 0
+        for x in node.inputs[:3]:
+            shape = self._heads_shape(lead, x.shape[-2:])
+            parts.append(f"{out}[{offset}:{offset + x.type.size}].reshape({shape!r})")
+            offset += x.type.size
+        fn = self._attention_variant("attention_backward", node)
+        return [
+            f"{fn}({vector_width()}, {q}, {k}, {v}, {g}, {', '.join(parts)}, "
+            f"{self._attention_args(node)})"
+        ]
+
+    @staticmethod
+    def _heads_shape(lead, tail) -> tuple:
+        if len(lead) <= 2:
+            return (1,) * (2 - len(lead)) + tuple(lead) + tuple(tail)
+        return (math.prod(lead[:-1]), lead[-1]) + tuple(tail)
+
     def _arg_extreme(self, node, out, want_max: bool) -> list[str]:
         (x,) = node.inputs
         pre, n, post = self._split(x.shape, node.attrs["axis"])
@@ -417,6 +463,8 @@ OPAQUE_EMITTERS = {
     "conv2d": OpEmitter.op_conv2d,
     "conv2d_input_grad": OpEmitter.op_conv2d_input_grad,
     "conv2d_weight_grad": OpEmitter.op_conv2d_weight_grad,
+    "attention": OpEmitter.op_attention,
+    "attention_grad": OpEmitter.op_attention_grad,
     "argmax": OpEmitter.op_argmax,
     "argmin": OpEmitter.op_argmin,
 }

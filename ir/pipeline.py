@@ -1,7 +1,7 @@
 """The one pipeline, read top to bottom:
 
-    trace -> cleanup -> autodiff -> cleanup -> rematerialize -> cleanup -> liveness
-          -> lower: fusion -> schedule -> memory plan        (ir/lowering.py)
+    trace -> cleanup -> fuse attention -> autodiff -> cleanup -> rematerialize -> cleanup
+          -> liveness -> lower: fusion -> schedule -> memory plan        (ir/lowering.py)
 
 `build_region_plans` runs it for a compiled function's region (a forward plan, and a backward
 plan that reads saved buffers); `build_joint_plan` for value_and_grad, whose one extra step is
@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .attention_fusion import fuse_attention
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .graph import Graph, Value
 from .layout import storage_root
@@ -66,6 +67,14 @@ def cleanup(graph: Graph, log: PassLog) -> Graph:
     for pass_fn in CLEANUP:
         graph = log.record(pass_fn.__name__, pass_fn(graph))
     return graph
+
+
+def traced(graph: Graph, log: PassLog) -> Graph:
+    """The traced graph cleaned up, with hand-written attention fused before differentiation
+    (so its derivative is the fused one)."""
+    graph = cleanup(log.record("trace", graph), log)
+    fused = fuse_attention(graph)
+    return graph if fused is graph else cleanup(log.record("fuse_attention", fused), log)
 
 
 @dataclass
@@ -125,7 +134,7 @@ def build_region_plans(
     """remat: recompute cheap chains in backward instead of saving them (ir/remat.py), until
     the saved bytes fit saved_bytes_budget (None: whenever it lowers them)."""
     log = log or new_log()
-    graph = cleanup(log.record("trace", graph), log)
+    graph = traced(graph, log)
     n_outputs = len(graph.outputs)
     wrt = reaching_inputs(graph, wrt)
     if not any(wrt):
@@ -160,7 +169,7 @@ def build_region_plans(
 def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:
     """value_and_grad: outputs are the original outputs, then d(outputs[0])/d(wrt inputs)."""
     log = log or new_log()
-    graph = cleanup(log.record("trace", graph), log)
+    graph = traced(graph, log)
     joint = Graph(
         graph.name,
         list(graph.inputs),

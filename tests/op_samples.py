@@ -304,6 +304,37 @@ def np_conv2d_weight_grad(x, g_out, weight_shape, stride, padding, dilation, gro
     return dw
 
 
+def _attention_weights(q, k, scale, causal):
+    """softmax over keys, row by row, from the textbook formula exp(s_j) / sum_j exp(s_j)."""
+    t, n = q.shape[-2], k.shape[-2]
+    scores = scale * np.einsum("...td,...sd->...ts", q, k)
+    allowed = np.arange(n)[None, :] <= np.arange(t)[:, None] if causal else np.ones((t, n), bool)
+    shifted = np.where(
+        allowed, scores - scores.max(axis=-1, keepdims=True, initial=-np.inf), -np.inf
+    )
+    weights = np.exp(shifted)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def np_attention(q, k, v, scale, causal):
+    return np.einsum("...ts,...se->...te", _attention_weights(q, k, scale, causal), v)
+
+
+def np_attention_grad(q, k, v, g, scale, causal):
+    """d/dq, d/dk, d/dv of sum(attention(q, k, v) * g), flattened and concatenated."""
+    w = _attention_weights(q, k, scale, causal)
+    dv = np.einsum("...ts,...te->...se", w, g)
+    dw = np.einsum("...te,...se->...ts", g, v)
+    ds = w * (dw - np.einsum("...ts,...ts->...t", w, dw)[..., None]) * scale
+    dq = np.einsum("...ts,...sd->...td", ds, k)
+    dk = np.einsum("...ts,...td->...sd", ds, q)
+    return np.concatenate([dq.ravel(), dk.ravel(), dv.ravel()])
+
+
+def public_attention(q, k, v, scale, causal):
+    return bp.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
 # ---- the table --------------------------------------------------------------------------------
 
 A = Arg
@@ -852,6 +883,39 @@ SAMPLES: list[OpSample] = [
         attrs={**CONV_GROUPS, "weight_shape": (6, 2, 3, 3)},
         saves=frozenset([IN(0), IN(1)]),
         label="groups",
+    ),
+    # fused attention (q, k, v share their leading axes)
+    S(
+        "attention",
+        [A((2, 3, 5, 4)), A((2, 3, 6, 4)), A((2, 3, 6, 3))],
+        np_attention,
+        attrs={"scale": 0.5, "causal": False},
+        public=public_attention,
+        saves=frozenset([IN(0), IN(1), IN(2)]),
+    ),
+    S(
+        "attention",
+        [A((7, 3)), A((4, 3)), A((4, 5))],
+        np_attention,
+        attrs={"scale": 0.7, "causal": True},
+        public=public_attention,
+        saves=frozenset([IN(0), IN(1), IN(2)]),
+        label="causal",
+    ),
+    S(
+        "attention_grad",
+        [A((2, 5, 4)), A((2, 6, 4)), A((2, 6, 3)), A((2, 5, 3))],
+        np_attention_grad,
+        attrs={"scale": 0.5, "causal": False},
+        saves=frozenset([IN(0), IN(1), IN(2), IN(3)]),
+    ),
+    S(
+        "attention_grad",
+        [A((1, 2, 6, 3)), A((1, 2, 6, 3)), A((1, 2, 6, 2)), A((1, 2, 6, 2))],
+        np_attention_grad,
+        attrs={"scale": 0.6, "causal": True},
+        saves=frozenset([IN(0), IN(1), IN(2), IN(3)]),
+        label="causal",
     ),
     # arg-extremes
     _unary(

@@ -1,3 +1,13 @@
 """Importing this package registers every op."""
 
-from . import conv, creation, elementwise, linalg, nn, random, reductions, shape_ops  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    conv,
+    creation,
+    elementwise,
+    linalg,
+    nn,
+    random,
+    reductions,
+    shape_ops,
+)

@@ -1,0 +1,227 @@
+"""Fused attention: hand-written softmax(q @ k^T * c) @ v becomes one op whose backward
+recomputes the probabilities, so no (T, S) matrix is saved; scaled_dot_product_attention is the
+same op under PyTorch's name. Compiled kernels against the reference interpreter and NumPy on
+odd shapes (row blocks of 128, one key, empty axes, strided views, nan); PyTorch parity where
+installed; bad inputs raise naming the op, the shapes and the user's line."""
+
+import numpy as np
+import pytest
+from helpers import here
+from op_samples import np_attention, np_attention_grad
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+TOL = {np.float32: dict(rtol=2e-5, atol=2e-5), np.float64: dict(rtol=1e-11, atol=1e-11)}
+
+
+def hand_written(q, k, v, scale):
+    return bp.softmax((q @ k.swapaxes(-1, -2)) * scale, axis=-1) @ v
+
+
+def loss_and_grads(attend, q, k, v, g, backend):
+    """attention(q, k, v), and d/dq, d/dk, d/dv of sum(attention * g), from one compiled
+    value_and_grad on the given backend."""
+
+    def loss(q, k, v, g):
+        out = attend(q, k, v)
+        return bp.sum(out * g), out
+
+    with use_backend(backend):
+        (_, out), grads = bp.value_and_grad(bp.compile(loss), argnums=(0, 1, 2), has_aux=True)(
+            *(bp.tensor(x) for x in (q, k, v, g))
+        )
+    return out.numpy(), [d.numpy() for d in grads]
+
+
+def attention_inputs(rng, lead, t, s, d, dv, dtype):
+    q, k, v = (
+        rng.standard_normal(lead + shape).astype(dtype) for shape in ((t, d), (s, d), (s, dv))
+    )
+    return q, k, v, rng.standard_normal(lead + (t, dv)).astype(dtype)
+
+
+def numpy_expected(q, k, v, g, scale, causal):
+    out = np_attention(*(x.astype(np.float64) for x in (q, k, v)), scale, causal)
+    flat = np_attention_grad(*(x.astype(np.float64) for x in (q, k, v, g)), scale, causal)
+    sizes = np.cumsum([q.size, k.size])
+    grads = [
+        part.reshape(x.shape) for part, x in zip(np.split(flat, sizes), (q, k, v), strict=True)
+    ]
+    return out, grads
+
+
+def test_hand_written_attention_fuses_and_saves_no_score_matrix():
+    rng = np.random.default_rng(0)
+    q, k, v, g = attention_inputs(rng, (2, 3), 7, 9, 5, 4, np.float64)
+
+    def loss(q, k, v):
+        return bp.sum(hand_written(q, k, v, 0.4) * bp.tensor(g))
+
+    report = bp.explain(bp.compile(loss), *(bp.tensor(x, requires_grad=True) for x in (q, k, v)))
+    assert " = attention " in report.forward_ir and " = softmax " not in report.forward_ir
+    assert " = attention_grad " in report.backward_ir
+    assert not [s for s in report.saved_buffers if s.shape[-2:] == (7, 9)]  # no scores kept
+    # q, k and v for attention_grad, and g for the product with the output
+    assert {s.shape for s in report.saved_buffers} == {q.shape, k.shape, v.shape, g.shape}
+
+    expected_out, expected_grads = numpy_expected(q, k, v, g, 0.4, False)
+    for backend in ("reference", "numba"):
+        out, grads = loss_and_grads(lambda q, k, v: hand_written(q, k, v, 0.4), q, k, v, g, backend)
+        np.testing.assert_allclose(out, expected_out, **TOL[np.float64])
+        for got, want in zip(grads, expected_grads, strict=True):
+            np.testing.assert_allclose(got, want, **TOL[np.float64])
+
+
+def test_attention_whose_weights_are_returned_keeps_the_unfused_form():
+    rng = np.random.default_rng(1)
+    q, k, v, _ = attention_inputs(rng, (2,), 4, 6, 3, 3, np.float64)
+
+    @bp.compile
+    def with_weights(q, k, v):
+        weights = bp.softmax((q @ k.swapaxes(-1, -2)) / 2.0, axis=-1)
+        return weights @ v, weights
+
+    args = [bp.tensor(x, requires_grad=True) for x in (q, k, v)]
+    assert " = attention " not in bp.explain(with_weights, *args).forward_ir
+    out, weights = with_weights(*args)
+    np.testing.assert_allclose(out.numpy(), np_attention(q, k, v, 0.5, False), rtol=1e-12)
+    np.testing.assert_allclose(weights.numpy().sum(axis=-1), 1.0, rtol=1e-12)
+
+
+def test_divided_and_left_scaled_scores_fuse_with_the_right_scale():
+    rng = np.random.default_rng(2)
+    q, k, v, g = attention_inputs(rng, (), 5, 5, 4, 2, np.float64)
+    forms = {
+        "divide": lambda q, k, v: bp.softmax((q @ k.swapaxes(-1, -2)) / 4.0, axis=-1) @ v,
+        "left": lambda q, k, v: bp.softmax(0.25 * (q @ k.swapaxes(-1, -2)), axis=-1) @ v,
+        "unscaled": lambda q, k, v: bp.softmax(q @ k.swapaxes(-1, -2), axis=-1) @ v,
+    }
+    for name, form in forms.items():
+        scale = 1.0 if name == "unscaled" else 0.25
+        report = bp.explain(bp.compile(form), *(bp.tensor(x) for x in (q, k, v)))
+        assert "attention %" in report.forward_ir and f"scale={scale}" in report.forward_ir, name
+        out, _ = loss_and_grads(form, q, k, v, g, "numba")
+        np.testing.assert_allclose(out, np_attention(q, k, v, scale, False), rtol=1e-11)
+
+
+CASES = {
+    # name: (leading axes, T, S, D, Dv, causal)
+    "two-row-blocks": ((1, 2), 130, 33, 7, 5, False),
+    "two-row-blocks-causal": ((2,), 129, 131, 3, 4, True),
+    "one-key": ((3,), 7, 1, 1, 2, False),
+    "causal-more-queries": ((), 9, 4, 3, 3, True),
+    "three-lead-axes": ((2, 1, 2), 5, 6, 4, 3, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_compiled_attention_equals_reference_and_numpy_on_odd_shapes(case, dtype):
+    lead, t, s, d, dv, causal = CASES[case]
+    rng = np.random.default_rng(3)
+    q, k, v, g = attention_inputs(rng, lead, t, s, d, dv, dtype)
+
+    def attend(q, k, v):
+        return bp.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.6)
+
+    expected_out, expected_grads = numpy_expected(q, k, v, g, 0.6, causal)
+    ref_out, ref_grads = loss_and_grads(attend, q, k, v, g, "reference")
+    out, grads = loss_and_grads(attend, q, k, v, g, "numba")
+    tol = TOL[dtype]
+    np.testing.assert_allclose(out, ref_out, **tol)
+    np.testing.assert_allclose(out, expected_out, **tol)
+    for got, ref, want in zip(grads, ref_grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, ref, **tol)
+        np.testing.assert_allclose(got, want, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
+
+
+@pytest.mark.parametrize("t,s", [(0, 4), (4, 0), (0, 0)], ids=["no-queries", "no-keys", "none"])
+def test_empty_query_or_key_axes_give_empty_or_zero_results(t, s):
+    rng = np.random.default_rng(4)
+    q, k, v, g = attention_inputs(rng, (2,), t, s, 3, 2, np.float32)
+    for backend in ("reference", "numba"):
+        out, (dq, dk, dv) = loss_and_grads(bp.scaled_dot_product_attention, q, k, v, g, backend)
+        assert out.shape == (2, t, 2) and dq.shape == q.shape and dk.shape == k.shape
+        # no keys: each query attends to nothing, so its output (and every gradient) is zero
+        for x in (out, dq, dk, dv):
+            np.testing.assert_array_equal(x, np.zeros_like(x))
+
+
+def test_strided_views_of_one_projection_read_in_place_equal_reference():
+    """q, k and v as the transformer makes them: transposed head views of one (B, T, 3 * d)
+    projection, none of them contiguous."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 6, 24)).astype(np.float32)
+    g = rng.standard_normal((2, 2, 6, 4)).astype(np.float32)
+
+    def attend_projection(x, g):
+        heads = x.reshape(2, 6, 3, 2, 4).transpose(2, 0, 3, 1, 4)  # (3, B=2, H=2, T=6, dh=4)
+        return bp.sum(hand_written(heads[0], heads[1], heads[2], 0.5) * g)
+
+    results = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            loss, dx = bp.value_and_grad(bp.compile(attend_projection))(bp.tensor(x), bp.tensor(g))
+        results[backend] = (loss.numpy(), dx.numpy())
+    np.testing.assert_allclose(results["numba"][0], results["reference"][0], rtol=2e-5)
+    np.testing.assert_allclose(results["numba"][1], results["reference"][1], rtol=2e-5, atol=2e-6)
+    heads = x.reshape(2, 6, 3, 2, 4).transpose(2, 0, 3, 1, 4).astype(np.float64)
+    expected = np.sum(np_attention(heads[0], heads[1], heads[2], 0.5, False) * g)
+    np.testing.assert_allclose(results["numba"][0], expected, rtol=2e-5)
+
+
+def test_nan_in_one_query_spoils_its_row_only_compiled_as_reference():
+    rng = np.random.default_rng(6)
+    q, k, v, g = attention_inputs(rng, (1,), 4, 5, 3, 2, np.float64)
+    q[0, 2, 1] = np.nan
+    outs = {}
+    for backend in ("reference", "numba"):
+        outs[backend], _ = loss_and_grads(bp.scaled_dot_product_attention, q, k, v, g, backend)
+    for out in outs.values():
+        assert np.isnan(out[0, 2]).all() and np.isfinite(np.delete(out[0], 2, axis=0)).all()
+    np.testing.assert_allclose(outs["numba"], outs["reference"], rtol=1e-11)
+
+
+def test_scaled_dot_product_attention_matches_torch_forward_and_backward():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    for causal in (False, True):
+        q, k, v, g = attention_inputs(rng, (2, 3), 6, 8, 4, 5, np.float32)
+        tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+        expected = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        (expected * torch.tensor(g)).sum().backward()
+
+        def attend(q, k, v, causal=causal):
+            return bp.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        eager = [bp.tensor(x, requires_grad=True) for x in (q, k, v)]
+        eager_out = attend(*eager)
+        bp.sum(eager_out * bp.tensor(g)).backward()
+        out, grads = loss_and_grads(attend, q, k, v, g, "numba")
+        tol = dict(rtol=1e-4, atol=1e-5)
+        for ours in (eager_out.numpy(), out):
+            np.testing.assert_allclose(ours, expected.detach().numpy(), **tol)
+        for ours_eager, ours, theirs in zip(eager, grads, (tq, tk, tv), strict=True):
+            np.testing.assert_allclose(ours_eager.grad.numpy(), theirs.grad.numpy(), **tol)
+            np.testing.assert_allclose(ours, theirs.grad.numpy(), **tol)
+
+
+def test_bad_attention_inputs_name_the_op_the_shapes_and_the_line():
+    f32 = np.zeros((2, 4, 3), np.float32)
+    q = bp.tensor(f32)
+    with pytest.raises(bp.ShapeError, match=r"leading .* axes") as info:
+        line = here(1)
+        bp.scaled_dot_product_attention(q, bp.tensor(np.zeros((3, 4, 3), np.float32)), q)
+    assert "scaled_dot_product_attention" in str(info.value) and line in str(info.value)
+    assert "k (3, 4, 3)" in str(info.value)
+    with pytest.raises(bp.DtypeError, match="float32, float64") as info:
+        line = here(1)
+        bp.scaled_dot_product_attention(q, bp.tensor(f32.astype(np.float64)), q)
+    assert line in str(info.value)
+    with pytest.raises(bp.ShapeError, match="attn_mask"):
+        bp.scaled_dot_product_attention(q, q, q, attn_mask=q)
+    with pytest.raises(bp.ShapeError, match="dropout_p"):
+        bp.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(TypeError, match="is_causal"):
+        bp.scaled_dot_product_attention(q, q, q, is_causal=1)
