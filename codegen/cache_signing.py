@@ -23,6 +23,7 @@ import tempfile
 import warnings
 
 from numba.core.caching import FunctionCache, IndexDataCacheFile
+from numba.core.runtime import rtsys
 
 from backplan.ir.errors import BackplanError
 
@@ -226,3 +227,15 @@ class SignedFunctionCache(FunctionCache):
             filename_base=self._impl.filename_base,
             source_stamp=(self._impl.locator.get_source_stamp(), dependency_stamp(py_func)),
         )
+
+    def load_overload(self, sig, target_context):
+        """Numba's load without its refresh of the target context first. The refresh imports
+        and installs every typing and lowering registry, most of a warm process's first call
+        (tests/test_warm_start.py), and only compiling needs them: Numba's compiler refreshes
+        before it starts, and a lowering that misses an implementation refreshes then. What
+        loaded machine code needs is its symbols: the runtime's (NRT, set up here), the C
+        helpers and math functions (set up with the context), the parallel runtime
+        (jit.start_parallel_runtime) and the GEMM (a before-load hook)."""
+        rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)

@@ -114,3 +114,43 @@ def test_a_cached_function_touches_the_disk_only_when_numba_first_compiles_it(tm
     assert lazy_cache_module.add_one(41) == 42
     written = os.listdir(tmp_path / "__pycache__")
     assert any(n.endswith(".bp.nbi") for n in written), written
+
+
+# A plan run in a fresh process, then (warm only) a plan this cache has never seen.
+CACHED_THEN_NEW = r"""
+import json, sys
+import numpy as np
+import backplan as bp
+from backplan.runtime.backend import use_backend
+a = np.linspace(-2.0, 2.0, 12).reshape(3, 4)
+with use_backend("numba"):
+    cached = bp.compile(lambda a: bp.tanh(a * 2.0).sum(axis=0))(bp.tensor(a)).numpy()
+facts = {"registries_installed": "numba.np.arraymath" in sys.modules,
+         "cached_ok": bool(np.allclose(cached, np.tanh(a * 2.0).sum(axis=0)))}
+if sys.argv[1] == "warm":
+    with use_backend("numba"):
+        new = bp.compile(lambda a: bp.exp(a - 1.0).max(axis=1))(bp.tensor(a)).numpy()
+    facts["new_ok"] = bool(np.allclose(new, np.exp(a - 1.0).max(axis=1)))
+print(json.dumps(facts))
+"""
+
+
+def test_a_warm_process_loads_cached_code_without_setting_up_numbas_compiler(tmp_path):
+    """Loading machine code from the cache skips Numba's registry refresh (most of a warm
+    first call); a plan compiled later in the same process still compiles and runs right."""
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path), "BACKPLAN_QUIET": "1"}
+    env["BACKPLAN_DRIVER"] = "inline"  # the first process leaves the compiled driver cached
+    facts = {}
+    for run in ("cold", "warm"):
+        done = subprocess.run(
+            [sys.executable, "-c", CACHED_THEN_NEW, run],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        facts[run] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts["cold"] == {"registries_installed": True, "cached_ok": True}
+    assert facts["warm"] == {"registries_installed": False, "cached_ok": True, "new_ok": True}
