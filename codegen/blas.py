@@ -79,6 +79,40 @@ def _gemm(kind, trans_a, trans_b, a, b, out, scalars):
     )
 
 
+@njit(inline="always")
+def rows_contiguous(x) -> bool:
+    """Whether BLAS can read a 2-D array as it is: unit stride along each row."""
+    return x.shape[1] <= 1 or x.strides[1] == x.itemsize
+
+
+@njit(cache=True, nogil=True)
+def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):
+    """out = alpha * op(a) @ op(b) + beta * out for 2-D f32 or f64 arrays whose rows are
+    contiguous (rows_contiguous), any row stride: per-head views of a projection, read in
+    place. Empty cases are the caller's."""
+    m, n = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    scalars = np.empty(2, out.dtype)
+    scalars[0], scalars[1] = alpha, beta
+    step = out.itemsize
+    _XXGEMM(
+        115 if out.itemsize == 4 else 100,
+        84 if trans_b else 78,
+        84 if trans_a else 78,
+        n,
+        m,
+        k,
+        _voidptr(scalars.ctypes.data),
+        _voidptr(b.ctypes.data),
+        max(b.strides[0] // step, b.shape[1], 1),
+        _voidptr(a.ctypes.data),
+        max(a.strides[0] // step, a.shape[1], 1),
+        _voidptr(scalars.ctypes.data + step),
+        _voidptr(out.ctypes.data),
+        max(out.strides[0] // step, n, 1),
+    )
+
+
 @njit(cache=True)
 def gemm_f32(trans_a, trans_b, a, b, out, beta):
     _gemm(115, trans_a, trans_b, a, b, out, _ONE_ONE_F32 if beta != 0 else _ONE_ZERO_F32)
@@ -96,6 +130,10 @@ if AS_PYTHON:
         out[...] = product if beta == 0 else product + beta * out  # beta 0: out is not read
 
     gemm_f32 = gemm_f64 = _gemm_python  # noqa: F811 - the plain-Python twins
+
+    def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):  # noqa: F811
+        product = alpha * ((a.T if trans_a else a) @ (b.T if trans_b else b))
+        out[...] = product if beta == 0 else product + beta * out
 
 
 @njit(cache=True)

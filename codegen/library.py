@@ -17,23 +17,33 @@ _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": T
 
 
 def _softmax_row(x, out, log):
-    peak = -np.inf
-    for j in range(x.shape[0]):
+    """x may be out. The peak starts from x[0], not -inf, so that it keeps x's dtype: a float64
+    peak made every exp of a float32 row a float64 one (2.3x slower rows of 128)."""
+    if x.shape[0] == 0:
+        return
+    peak = x[0]
+    for j in range(1, x.shape[0]):
         peak = max(peak, x[j])
+    if not log:  # each exp once: kept in out, then scaled
+        total = 0.0
+        for j in range(x.shape[0]):
+            e = fast_exp(x[j] - peak)
+            out[j] = e
+            total += e
+        scale = 1.0 / total
+        for j in range(x.shape[0]):
+            out[j] = out[j] * scale
+        return
     total = 0.0
     for j in range(x.shape[0]):
         total += fast_exp(x[j] - peak)
-    if log:  # (x - peak) first: peak + log(total) would lose log(total) next to a huge peak;
-        # two passes, so that fastmath's reassociation cannot fold them back together
-        log_total = math.log(total)
-        for j in range(x.shape[0]):
-            out[j] = x[j] - peak
-        for j in range(x.shape[0]):
-            out[j] -= log_total
-    else:
-        scale = 1.0 / total
-        for j in range(x.shape[0]):
-            out[j] = fast_exp(x[j] - peak) * scale
+    # (x - peak) first: peak + log(total) would lose log(total) next to a huge peak; two
+    # passes, so that fastmath's reassociation cannot fold them back together
+    log_total = math.log(total)
+    for j in range(x.shape[0]):
+        out[j] = x[j] - peak
+    for j in range(x.shape[0]):
+        out[j] -= log_total
 
 
 softmax_row = njit(inline="always", **_opts)(_softmax_row)

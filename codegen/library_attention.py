@@ -2,9 +2,11 @@
 (block, S) workspace only, so no (B, H, T, S) matrix is ever written; backward recomputes them.
 
 Arrays are 4-D (batch, head, length, features) of any strides (the usual q, k, v are
-transposed views of a projection), which backplan's GEMM reads in place. That GEMM is
-single-threaded and allocates its own packing buffers, so the parallel variants share
-(batch, head) pairs between threads with no lock. Per block of rows:
+transposed views of a projection), read in place. `width` is the GEMM's: 512 or 256 for
+backplan's own (codegen/gemm), 0 for BLAS where rows are contiguous, as the plan chose per
+shape (codegen/gemm/choice.py; BLAS is ahead on 256-bit CPUs). The parallel variants use the
+own GEMM, which is single-threaded and allocates its own packing buffers, so threads share
+(batch, head) pairs with no lock. Per block of rows:
 
     forward   P = softmax(scale * Q_r K^T, masked)      O_r = P V
     backward  P as above   dP = G_r V^T   dV += P^T G_r   dS = P * (dP - rowsum(P * dP)) * scale
@@ -13,6 +15,7 @@ single-threaded and allocates its own packing buffers, so the parallel variants 
 
 import numpy as np
 
+from .blas import gemm_rows, rows_contiguous
 from .flags import FASTMATH
 from .gemm import gemm
 from .jit import njit, prange
@@ -32,7 +35,10 @@ def _matmul(width, trans_a, trans_b, alpha, a, b, beta, c):
         if beta == 0:
             c[:] = 0
         return
-    gemm(width, trans_a, trans_b, alpha, a, b, beta, c)
+    if width == 0 and rows_contiguous(a) and rows_contiguous(b) and rows_contiguous(c):
+        gemm_rows(trans_a, trans_b, alpha, a, b, beta, c)
+    else:
+        gemm(width if width else 256, trans_a, trans_b, alpha, a, b, beta, c)
 
 
 @njit(inline="always", **_opts)
@@ -72,6 +78,8 @@ def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
         return
     p_block = np.empty((min(ROWS, length), keys), q.dtype)
     ds_block = np.empty((min(ROWS, length), keys), q.dtype)
+    typed = np.empty(2, q.dtype)  # scale and each row's dot in q's dtype: f32 math stays f32
+    typed[0] = scale
     for first in range(0, length, ROWS):
         rows = min(ROWS, length - first)
         p, ds = p_block[:rows], ds_block[:rows]
@@ -83,8 +91,10 @@ def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
             dot = 0.0
             for j in range(keys):
                 dot += p[i, j] * ds[i, j]
+            typed[1] = dot
+            row_dot, row_scale = typed[1], typed[0]
             for j in range(keys):
-                ds[i, j] = p[i, j] * (ds[i, j] - dot) * scale
+                ds[i, j] = p[i, j] * (ds[i, j] - row_dot) * row_scale
         _matmul(width, False, False, 1.0, ds, k, 0.0, dq[first : first + rows])
         _matmul(width, True, False, 1.0, ds, q[first : first + rows], 1.0, dk)
 

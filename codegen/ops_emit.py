@@ -391,12 +391,18 @@ class OpEmitter:
             return self.array(value, contiguous=False)
         return f"{self.array(value)}.reshape({self._heads_shape(lead, value.shape[-2:])!r})"
 
-    def _attention_variant(self, fn: str, node: Value) -> str:
+    def _attention_variant(self, fn: str, node: Value) -> tuple[str, int]:
+        """The kernel (parallel over (batch, head) pairs when that pays) and its GEMM width:
+        the own GEMM's in parallel (single-threaded, lock-free), else as chosen per shape,
+        0 meaning BLAS (codegen/library_attention.py)."""
         q, k = node.inputs[0], node.inputs[1]
         pairs = math.prod(q.shape[:-2])
-        work = pairs * q.shape[-2] * k.shape[-2] * max(q.shape[-1], 1)
-        parallel = threads() > 1 and pairs > 1 and work >= (1 << 16)
-        return f"{fn}_par" if parallel else fn
+        t, s, d = q.shape[-2], k.shape[-2], q.shape[-1]
+        parallel = threads() > 1 and pairs > 1 and pairs * t * s * max(d, 1) >= (1 << 16)
+        if parallel:
+            return f"{fn}_par", vector_width()
+        own = use_own_gemm(min(t, 128), s, d, True, node.dtype)
+        return fn, vector_width() if own else 0
 
     def _attention_args(self, node: Value) -> str:
         return f"{node.attrs['scale']!r}, {node.attrs['causal']}"
@@ -405,8 +411,8 @@ class OpEmitter:
         q, k, v = (self._heads(x) for x in node.inputs)
         lead = node.inputs[0].shape[:-2]
         out4 = f"{out}.reshape({self._heads_shape(lead, node.shape[-2:])!r})"
-        fn = self._attention_variant("attention_forward", node)
-        return [f"{fn}({vector_width()}, {q}, {k}, {v}, {out4}, {self._attention_args(node)})"]
+        fn, width = self._attention_variant("attention_forward", node)
+        return [f"{fn}({width}, {q}, {k}, {v}, {out4}, {self._attention_args(node)})"]
 
     def op_attention_grad(self, node, out) -> list[str]:
         q, k, v, g = (self._heads(x) for x in node.inputs)
@@ -415,10 +421,9 @@ class OpEmitter:
             shape = self._heads_shape(lead, x.shape[-2:])
             parts.append(f"{out}[{offset}:{offset + x.type.size}].reshape({shape!r})")
             offset += x.type.size
-        fn = self._attention_variant("attention_backward", node)
+        fn, width = self._attention_variant("attention_backward", node)
         return [
-            f"{fn}({vector_width()}, {q}, {k}, {v}, {g}, {', '.join(parts)}, "
-            f"{self._attention_args(node)})"
+            f"{fn}({width}, {q}, {k}, {v}, {g}, {', '.join(parts)}, {self._attention_args(node)})"
         ]
 
     @staticmethod

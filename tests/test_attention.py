@@ -4,6 +4,7 @@ same op under PyTorch's name. Compiled kernels against the reference interpreter
 odd shapes (row blocks of 128, one key, empty axes, strided views, nan); PyTorch parity where
 installed; bad inputs raise naming the op, the shapes and the user's line."""
 
+import numba
 import numpy as np
 import pytest
 from helpers import here
@@ -225,3 +226,28 @@ def test_bad_attention_inputs_name_the_op_the_shapes_and_the_line():
         bp.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
     with pytest.raises(TypeError, match="is_causal"):
         bp.scaled_dot_product_attention(q, q, q, is_causal=1)
+
+
+@pytest.mark.parametrize("choice", ["own", "blas"])
+def test_fused_attention_equals_numpy_with_either_gemm(choice, monkeypatch):
+    """BACKPLAN_GEMM picks the kernels' GEMM as it does a matmul's: backplan's own, or BLAS
+    reading the per-head views in place (rows contiguous, any row stride)."""
+    monkeypatch.setenv("BACKPLAN_GEMM", choice)
+    monkeypatch.setattr(numba, "get_num_threads", lambda: 1)  # the serial kernels
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 9, 3, 2, 5))  # (B, T, q/k/v, H, dh): strided head views
+    g = rng.standard_normal((2, 2, 9, 5))
+
+    def attend(x, g):
+        q, k, v = (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        return bp.sum(bp.scaled_dot_product_attention(q, k, v, is_causal=True) * g)
+
+    with use_backend("numba"):
+        loss, dx = bp.value_and_grad(bp.compile(attend))(bp.tensor(x), bp.tensor(g))
+    with use_backend("reference"):
+        ref_loss, ref_dx = bp.value_and_grad(bp.compile(attend))(bp.tensor(x), bp.tensor(g))
+    q, k, v = (x[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    expected = np.sum(np_attention(q, k, v, 1 / np.sqrt(5), True) * g)
+    np.testing.assert_allclose(loss.numpy(), expected, rtol=1e-11)
+    np.testing.assert_allclose(dx.numpy(), ref_dx.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ref_loss.numpy(), expected, rtol=1e-11)
