@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from .attention_fusion import fuse_attention
 from .autodiff import append_gradients, backward_graph, reaching_inputs
+from .errors import BackplanError
 from .graph import Graph, Value
 from .layout import storage_root
 from .liveness import Plan, plan_liveness
@@ -69,10 +70,21 @@ def cleanup(graph: Graph, log: PassLog) -> Graph:
     return graph
 
 
+def attention_fusion_on() -> bool:
+    """BACKPLAN_FUSE_ATTENTION=0 keeps hand-written attention as written (to compare, or where
+    the (T, S) scores fit and recomputing them costs more than keeping them)."""
+    value = os.environ.get("BACKPLAN_FUSE_ATTENTION", "1").strip()
+    if value not in ("0", "1", ""):
+        raise BackplanError(f"BACKPLAN_FUSE_ATTENTION={value!r}: use 1 (the default) or 0")
+    return value != "0"
+
+
 def traced(graph: Graph, log: PassLog) -> Graph:
     """The traced graph cleaned up, with hand-written attention fused before differentiation
     (so its derivative is the fused one)."""
     graph = cleanup(log.record("trace", graph), log)
+    if not attention_fusion_on():
+        return graph
     fused = fuse_attention(graph)
     return graph if fused is graph else cleanup(log.record("fuse_attention", fused), log)
 

@@ -4,6 +4,10 @@ same op under PyTorch's name. Compiled kernels against the reference interpreter
 odd shapes (row blocks of 128, one key, empty axes, strided views, nan); PyTorch parity where
 installed; bad inputs raise naming the op, the shapes and the user's line."""
 
+import os
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -251,3 +255,43 @@ def test_fused_attention_equals_numpy_with_either_gemm(choice, monkeypatch):
     np.testing.assert_allclose(loss.numpy(), expected, rtol=1e-11)
     np.testing.assert_allclose(dx.numpy(), ref_dx.numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ref_loss.numpy(), expected, rtol=1e-11)
+
+
+def test_fusion_switch_keeps_the_written_form_and_refuses_unknown_values(monkeypatch):
+    rng = np.random.default_rng(9)
+    q, k, v, _ = attention_inputs(rng, (2,), 5, 6, 3, 2, np.float64)
+    args = [bp.tensor(x, requires_grad=True) for x in (q, k, v)]
+
+    def attend(q, k, v):
+        return hand_written(q, k, v, 0.5)
+
+    monkeypatch.setenv("BACKPLAN_FUSE_ATTENTION", "0")
+    report = bp.explain(bp.compile(attend), *args)
+    assert " = attention " not in report.forward_ir and " = softmax " in report.forward_ir
+    np.testing.assert_allclose(
+        bp.compile(attend)(*args).numpy(), np_attention(q, k, v, 0.5, False), rtol=1e-12
+    )
+    monkeypatch.setenv("BACKPLAN_FUSE_ATTENTION", "off")
+    with pytest.raises(bp.BackplanError, match="BACKPLAN_FUSE_ATTENTION='off'"):
+        bp.compile(attend)(*args)
+
+
+def test_attention_bench_runs_every_peer_checked_and_fused_keeps_fewer_bytes():
+    done = subprocess.run(
+        [sys.executable, "-m", "backplan.bench.attention", "--shape", "1,2,16,2"]
+        + ["--rounds", "1", "--seconds", "0.01"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "BACKPLAN_QUIET": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # every peer's gradients checked
+    rows = {
+        line[:18].strip(): line[18:].split()
+        for line in done.stdout.splitlines()
+        if line.startswith("backplan")
+    }
+    fused, unfused = rows["backplan fused"], rows["backplan unfused"]
+    assert float(fused[1]) == 1.0  # the ratio column is against fused
+    assert float(fused[2]) < float(unfused[2])  # saved KiB: no (T, S) probabilities kept

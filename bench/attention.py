@@ -1,0 +1,175 @@
+"""Fused attention against the same attention left unfused, PyTorch and JAX: one forward and
+backward of sum(softmax(q @ k^T / sqrt(d)) @ v * g) per step, at the bench transformer's
+attention shapes by default (batch 8, 4 heads, 128 positions, 64 features, float32).
+
+    python -m backplan.bench.attention --threads 1 --rounds 9 [--shape 8,4,128,64]
+
+backplan runs the hand-written form twice, as the fusion pass leaves it (BACKPLAN_FUSE_ATTENTION=1,
+the default: one fused kernel, probabilities recomputed in backward) and unfused (=0: the
+scores are written and kept for backward); PyTorch runs F.scaled_dot_product_attention, JAX
+the same formula under jit. Every peer's gradients are checked against a float64 NumPy
+reference. Rounds are interleaved; the table has the median ms per step, the ratio to fused
+backplan and, for backplan, the bytes kept from forward for backward (bp.explain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .affinity import current_affinity, pin_process
+from .environment import cpu_name, load_average
+from .threads import apply_threads, prepare_jax_threads
+
+
+def backplan_steps(inputs, scale):
+    """{name: (step, saved bytes)} for the fused and unfused plans of the same function."""
+    import backplan as bp
+    from backplan.codegen import driver_builder
+
+    def loss(q, k, v, g):
+        return bp.sum((bp.softmax((q @ k.swapaxes(-1, -2)) * scale, axis=-1) @ v) * g)
+
+    args = [bp.tensor(x) for x in inputs]
+    steps = {}
+    for name, fuse in (("backplan fused", "1"), ("backplan unfused", "0")):
+        before = os.environ.get("BACKPLAN_FUSE_ATTENTION")
+        os.environ["BACKPLAN_FUSE_ATTENTION"] = fuse
+        try:
+            fn = bp.value_and_grad(bp.compile(loss), argnums=(0, 1, 2))
+            saved = bp.explain(fn, *args).saved_bytes
+            fn(*args)  # traced while the switch is set
+        finally:
+            _restore("BACKPLAN_FUSE_ATTENTION", before)
+
+        def step(fn=fn):
+            return [d.numpy() for d in fn(*args)[1]]
+
+        steps[name] = (step, saved)
+    driver_builder.wait_for_builds()
+    return steps
+
+
+def torch_step(inputs):
+    import torch
+
+    q, k, v = (torch.tensor(x, requires_grad=True) for x in inputs[:3])
+    g = torch.tensor(inputs[3])
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        (out * g).sum().backward()
+        return [t.grad.numpy() for t in (q, k, v)]
+
+    return step
+
+
+def jax_step(inputs, scale):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, k, v, g):
+        weights = jax.nn.softmax((q @ jnp.swapaxes(k, -1, -2)) * scale, axis=-1)
+        return jnp.sum((weights @ v) * g)
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    args = [jnp.asarray(x) for x in inputs]
+
+    def step():
+        _, grads = fn(*args)
+        return [np.asarray(jax.block_until_ready(d)) for d in grads]
+
+    return step
+
+
+def reference_grads(inputs, scale):
+    from backplan.ir.ops.attention import _grad_ref
+
+    q, k, v, g = (x.astype(np.float64) for x in inputs)
+    flat = _grad_ref(q, k, v, g, scale, False)
+    return [part.reshape(q.shape) for part in np.split(flat, 3)]
+
+
+def max_relative_error(got, want) -> float:
+    return max(
+        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def median_ms(step, seconds: float) -> float:
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--shape", default="8,4,128,64", help="batch,heads,length,features")
+    parser.add_argument("--seconds", type=float, default=0.3, help="timed per peer and round")
+    args = parser.parse_args(argv)
+    batch, heads, length, features = (int(n) for n in args.shape.split(","))
+    settings = pin_process(args.threads)
+    settings |= prepare_jax_threads(args.threads, True)
+    rng = np.random.default_rng(0)
+    inputs = [
+        rng.standard_normal((batch, heads, length, features)).astype(np.float32) for _ in range(4)
+    ]
+    scale = 1.0 / math.sqrt(features)
+    backplan = backplan_steps(inputs, scale)
+    peers = {name: step for name, (step, _) in backplan.items()}
+    saved = {name: kept for name, (_, kept) in backplan.items()}
+    others = {"torch": lambda: torch_step(inputs), "jax": lambda: jax_step(inputs, scale)}
+    for name, make in others.items():
+        try:
+            peers[name] = make()
+        except ImportError:
+            print(f"{name}: not installed, skipped")
+    settings |= apply_threads(args.threads)
+    want = reference_grads(inputs, scale)
+    errors = {name: max_relative_error(step(), want) for name, step in peers.items()}
+    for step in peers.values():
+        step()
+    load_before = load_average()
+    samples: dict[str, list[float]] = {name: [] for name in peers}
+    for _ in range(args.rounds):
+        for name, step in peers.items():
+            samples[name].append(median_ms(step, args.seconds))
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    print(f"python -m backplan.bench.attention {' '.join(argv or sys.argv[1:])}")
+    print(
+        f"CPU {cpu_name()}, affinity {current_affinity()}, {args.threads} thread(s); "
+        f"load {load_before} -> {load_average()}; {settings}"
+    )
+    print(f"q, k, v, g: ({batch}, {heads}, {length}, {features}) float32, non-causal")
+    print(f"{'peer':18} {'median ms':>10} {'x fused':>8} {'saved KiB':>10} {'max rel err':>12}")
+    for name, value in medians.items():
+        kept = f"{saved[name] / 1024:.1f}" if name in saved else "-"
+        ratio = value / medians["backplan fused"]
+        print(f"{name:18} {value:10.2f} {ratio:8.2f} {kept:>10} {errors[name]:12.1e}")
+    return 0 if all(e < 1e-3 for e in errors.values()) else 1
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
