@@ -22,10 +22,13 @@ from .jit import njit, prange
 from .library import softmax_row
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
+# Helpers only the kernels below call: no CPython or C wrapper to compile. They are not inlined
+# either: inlining the GEMM calls at each of backward's seven sites tripled its compile time.
+_helper = {**_opts, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 ROWS = 128  # query rows per block: a (128, S) f32 workspace stays in L2 for S up to ~2k
 
 
-@njit(inline="always", **_opts)
+@njit(**_helper)
 def _matmul(width, trans_a, trans_b, alpha, a, b, beta, c):
     """gemm with the empty cases settled here: nothing to write, or an empty inner axis."""
     if c.shape[0] == 0 or c.shape[1] == 0:
@@ -41,7 +44,7 @@ def _matmul(width, trans_a, trans_b, alpha, a, b, beta, c):
         gemm(width if width else 256, trans_a, trans_b, alpha, a, b, beta, c)
 
 
-@njit(inline="always", **_opts)
+@njit(**_helper)
 def _probabilities(width, q, k, first, p, scale, causal):
     """p = softmax of the scaled scores of query rows first.. against every key, masked."""
     _matmul(width, False, True, scale, q[first : first + p.shape[0]], k, 0.0, p)
@@ -54,7 +57,7 @@ def _probabilities(width, q, k, first, p, scale, causal):
         softmax_row(row, row, False)
 
 
-@njit(inline="always", **_opts)
+@njit(**_helper)
 def _head_forward(width, q, k, v, out, scale, causal):
     length, keys = q.shape[0], k.shape[0]
     if keys == 0:
@@ -68,7 +71,7 @@ def _head_forward(width, q, k, v, out, scale, causal):
         _matmul(width, False, False, 1.0, p, v, 0.0, out[first : first + rows])
 
 
-@njit(inline="always", **_opts)
+@njit(**_helper)
 def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
     length, keys = q.shape[0], k.shape[0]
     dk[:] = 0
