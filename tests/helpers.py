@@ -1,6 +1,7 @@
 """Small shared helpers for tests."""
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -45,3 +46,17 @@ def run_in_threads(worker, keys) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def script_facts(script: str, *args: str, env: dict, timeout: int = 600):
+    """The JSON a script prints on its last line, run in a fresh interpreter with env."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, f"{args} exit {done.returncode}:\n{done.stderr}"
+    return json.loads(done.stdout.strip().splitlines()[-1])

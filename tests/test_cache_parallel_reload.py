@@ -4,12 +4,10 @@ The crash this guards against: process 1 compiles a parallel loop kernel; proces
 second plan calling that kernel (loaded from disk) and caches its driver; process 3 loads that
 driver from disk and calls it before Numba's parallel runtime was started, which crashed."""
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
+from helpers import script_facts
 
 SCRIPT = """
 import json, sys
@@ -37,15 +35,7 @@ def run(tmp_path, which: str) -> list:
         "BACKPLAN_CACHE_DIR": str(tmp_path / "kernels"),
         "NUMBA_NUM_THREADS": "2",  # the loop is parallel only when there are threads to use
     }
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, which],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"process for {which!r} failed ({done.returncode}):\n{done.stderr}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return script_facts(SCRIPT, which, env=env, timeout=300)
 
 
 def test_a_driver_cached_against_a_shared_parallel_kernel_loads_and_runs(tmp_path):

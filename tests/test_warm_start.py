@@ -3,10 +3,10 @@ interpreters), and kernel-cache questions that list Numba's folder once, however
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
+
+from helpers import script_facts
 
 from backplan.codegen import kernel_cache
 from backplan.codegen.kernel_source import KernelSource
@@ -44,16 +44,7 @@ print(json.dumps({
 def test_a_fresh_process_runs_blas_without_importing_scipy_linalg_or_special():
     """`import backplan` loads no SciPy BLAS; the first BLAS plan loads only its extension."""
     env = {**os.environ, "BACKPLAN_GEMM": "blas", "BACKPLAN_QUIET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", FRESH_PROCESS],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    facts = script_facts(FRESH_PROCESS, env=env)
     assert facts["after_import"] == []
     assert facts["after_call"] == []
     assert facts["value_ok"] and facts["grad_ok"]
@@ -140,17 +131,6 @@ def test_a_warm_process_loads_cached_code_without_setting_up_numbas_compiler(tmp
     first call); a plan compiled later in the same process still compiles and runs right."""
     env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path), "BACKPLAN_QUIET": "1"}
     env["BACKPLAN_DRIVER"] = "inline"  # the first process leaves the compiled driver cached
-    facts = {}
-    for run in ("cold", "warm"):
-        done = subprocess.run(
-            [sys.executable, "-c", CACHED_THEN_NEW, run],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-        facts[run] = json.loads(done.stdout.strip().splitlines()[-1])
+    facts = {run: script_facts(CACHED_THEN_NEW, run, env=env) for run in ("cold", "warm")}
     assert facts["cold"] == {"registries_installed": True, "cached_ok": True}
     assert facts["warm"] == {"registries_installed": False, "cached_ok": True, "new_ok": True}
