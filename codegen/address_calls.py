@@ -1,6 +1,10 @@
 """How a driver running as Python calls an address kernel (codegen/kernel_source.py), which has
-no CPython wrapper: through its loop's C entry with ctypes, each array passed as the address of
-its first element. Addresses are looked up once per driver call (`with_addresses`): an
+no CPython wrapper and no C wrapper: through its loop's native entry with ctypes, each array
+passed as the address of its first element. Numba's native calling convention is a status code
+returned, a pointer to the result and a pointer to the exception slot first, then the arguments
+as declared (pointers, intp, floats: each one machine value). A C wrapper would be one more
+function to lower, and LLVM inlines the loop into it, so the loop was optimised and emitted
+twice: a cold unrolled LSTM's kernels compiled about a fifth faster without it. Addresses are looked up once per driver call (`with_addresses`): an
 ndarray's address costs about 1.5 us to ask for, and a driver passes the same arena to dozens
 of kernels."""
 
@@ -29,7 +33,7 @@ def _kind(name: str) -> str:
 
 class AddressCall:
     """A Python-run driver's call of an address kernel: arrays become their addresses and the
-    loop's C entry runs, compiled (or loaded from the disk cache) on the first call."""
+    loop's native entry runs, compiled (or loaded from the disk cache) on the first call."""
 
     def __init__(self, loop):
         self._loop = loop
@@ -38,12 +42,23 @@ class AddressCall:
         self._arrays = tuple(kind is _KINDS["address"] for kind in self._kinds)
         self._entry = None
         self._lock = threading.Lock()
+        # Where the native entry writes its (none) result and would point at an exception;
+        # written by every call, read by none: threads may share them.
+        self._result = ctypes.create_string_buffer(64)
+        self._exception = ctypes.c_void_p()
 
     def __call__(self, *args):
         entry = self._entry or self._compile()
-        entry(
-            *[address(a) if is_array else a for a, is_array in zip(args, self._arrays, strict=True)]
+        status = entry(
+            self._result,
+            ctypes.byref(self._exception),
+            *[address(a) if is_array else a for a, is_array in zip(args, self._arrays, strict=True)],
         )
+        if status != 0:
+            raise RuntimeError(
+                f"loop kernel {self._loop.py_func.__module__} returned status {status}: "
+                "loop kernels do not raise; run with BACKPLAN_KERNELS_AS_PYTHON=1 to see the line"
+            )
 
     def _compile(self):
         from numba import types as numba_types
@@ -53,14 +68,17 @@ class AddressCall:
                 signature = tuple(getattr(numba_types, kind[0]) for kind in self._kinds)
                 self._loop.compile(signature)
                 compiled = self._loop.overloads[signature]
-                pointer = compiled.library.get_pointer_to_function(
-                    compiled.fndesc.llvm_cfunc_wrapper_name
-                )
+                pointer = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
                 if not pointer:
                     raise RuntimeError(
-                        f"loop kernel {self._loop.py_func.__module__} has no C entry"
+                        f"loop kernel {self._loop.py_func.__module__} has no native entry"
                     )
-                prototype = ctypes.CFUNCTYPE(None, *[kind[1] for kind in self._kinds])
+                prototype = ctypes.CFUNCTYPE(
+                    ctypes.c_int32,
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    *[kind[1] for kind in self._kinds],
+                )
                 self._entry = prototype(pointer)
         return self._entry
 

@@ -13,12 +13,12 @@ JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nog
 # cold unrolled LSTM's kernel compile by about a tenth (measured A/B, same box).
 KERNEL_JIT_OPTIONS = {**JIT_OPTIONS, "no_cfunc_wrapper": True}
 LEAN_KERNEL_JIT_OPTIONS = {**KERNEL_JIT_OPTIONS, "_nrt": False}
-# A lean kernel's loop taking addresses has a C entry instead of a CPython wrapper (drivers
-# running as Python call it through ctypes); its twin on array views, which compiled drivers
-# call, has neither, and is always inlined there: the float literals it takes as parameters
-# are the driver's constants again (a CNN step was 5% slower where they were not).
+# A lean kernel's loop taking addresses has no wrapper at all: drivers running as Python call
+# its native entry through ctypes (codegen/address_calls.py); its twin on array views, which
+# compiled drivers call, has none either, and is always inlined there: the float literals it
+# takes as parameters are the driver's constants again (a CNN step was 5% slower where they
+# were not).
 ADDRESS_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
-ADDRESS_KERNEL_JIT_OPTIONS["no_cfunc_wrapper"] = False
 DRIVER_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
 DRIVER_KERNEL_JIT_OPTIONS["forceinline"] = True
 # Below this a loop runs serial. A parallel kernel compiles about 3x slower than a serial one,

@@ -45,3 +45,35 @@ def test_lean_kernels_compute_what_the_reference_does():
     np.testing.assert_allclose(value.numpy(), expected.numpy(), rtol=1e-5)
     for got, want in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_address_loops_compile_no_wrapper_and_run_through_their_native_entry(monkeypatch):
+    """A Python-run driver calls each address loop's native entry: no C wrapper is compiled
+    (LLVM would inline the loop into it and emit it twice), and the results are the
+    reference interpreter's."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", "python")  # never the compiled driver: the loops run
+    from backplan.codegen import kernel_cache
+    from backplan.codegen.flags import ADDRESS_KERNEL_JIT_OPTIONS
+
+    assert ADDRESS_KERNEL_JIT_OPTIONS["no_cfunc_wrapper"]
+    rng = np.random.default_rng(2)
+    w, b, x = (
+        bp.tensor(rng.standard_normal(shape).astype(np.float32))
+        for shape in ((6, 4), (4,), (5, 6))
+    )
+    with use_backend("numba"):
+        vg = bp.value_and_grad(loss, argnums=(0, 1))
+        value, grads = vg(w, b, x)
+        kernels = vg.trace(w, b, x).runner().compiled.loop_kernels
+    loops = [kernel_cache.compiled_forms(k.digest)[0] for k in kernels]
+    compiled = [result for loop in loops for result in loop.overloads.values()]
+    assert compiled  # the first call ran the address loops
+    for result in compiled:
+        names = {fn.name for fn in result.library.get_defined_functions()}
+        assert result.fndesc.llvm_func_name in names
+        assert result.fndesc.llvm_cfunc_wrapper_name not in names
+    with use_backend("reference"):
+        expected, expected_grads = bp.value_and_grad(loss, argnums=(0, 1))(w, b, x)
+    np.testing.assert_allclose(value.numpy(), expected.numpy(), rtol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
