@@ -4,7 +4,9 @@ passed as the address of its first element. Numba's native calling convention is
 returned, a pointer to the result and a pointer to the exception slot first, then the arguments
 as declared (pointers, intp, floats: each one machine value). A C wrapper would be one more
 function to lower, and LLVM inlines the loop into it, so the loop was optimised and emitted
-twice: a cold unrolled LSTM's kernels compiled about a fifth faster without it. Addresses are looked up once per driver call (`with_addresses`): an
+twice: a cold unrolled LSTM's kernels compiled about a fifth faster without it.
+
+Addresses are looked up once per driver call (`with_addresses`): an
 ndarray's address costs about 1.5 us to ask for, and a driver passes the same arena to dozens
 of kernels."""
 
@@ -52,7 +54,7 @@ class AddressCall:
         status = entry(
             self._result,
             ctypes.byref(self._exception),
-            *[address(a) if is_array else a for a, is_array in zip(args, self._arrays, strict=True)],
+            *[address(a) if array else a for a, array in zip(args, self._arrays, strict=True)],
         )
         if status != 0:
             raise RuntimeError(
