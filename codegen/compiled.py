@@ -299,7 +299,9 @@ class CompiledPlan:
                 label, self.loop_kernels, self._driver_statements
             )
         else:
-            announced = progress.announce_driver_build(label, self._driver_statements)
+            announced = progress.announce_driver_build(
+                label, self._driver_statements, self.loop_kernels
+            )
 
         def load():
             return _load_from_cache(self._compiled_run, driver_tier.numba_signature(types))

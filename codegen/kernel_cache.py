@@ -88,27 +88,30 @@ def is_cached(source: KernelSource) -> bool:
     return source.digest in cached_digests([source])
 
 
-def cached_digests(kernels: list[KernelSource]) -> set[str]:
+def cached_digests(kernels: list[KernelSource], form: str | None = None) -> set[str]:
     """The digests of those kernels that will not need compiling: compiled in this process
     already, or an index of compiled versions is on disk beside the kernel's file (a prediction:
-    the index may hold other argument types). Numba's folder is listed at most once per call,
+    the index may hold other argument types). form: "kernel" asks about the form compiled
+    drivers inline only (None: either form). Numba's folder is listed at most once per call,
     however many kernels are asked about: a long-lived cache holds thousands of files."""
     found, unknown = set(), []
     for source in kernels:
         forms = compiled_forms(source.digest) if source.digest in _LOADED else []
-        if any(getattr(form, "overloads", None) for form in forms):
+        if form is not None:
+            forms = [f for f in forms if getattr(f, "__name__", "") == form]
+        if any(getattr(f, "overloads", None) for f in forms):
             found.add(source.digest)
         else:
             unknown.append(source)
     if unknown:
-        indexed = _indexed_kernel_names()
+        indexed = _indexed_kernel_names(form)
         found.update(source.digest for source in unknown if source.name in indexed)
     return found
 
 
-def _indexed_kernel_names() -> frozenset[str]:
+def _indexed_kernel_names(form: str | None = None) -> frozenset[str]:
     """Names of the kernels with a Numba index file (`<name>.kernel-<line>....nbi`, or
-    `.kernel_at-` for the loop of an address kernel)."""
+    `.kernel_at-` for the loop of an address kernel); form picks one of the two."""
     directory = os.path.join(cache.cache_path(), "__pycache__")  # asking creates nothing
     try:
         names = os.listdir(directory)
@@ -117,7 +120,8 @@ def _indexed_kernel_names() -> frozenset[str]:
     return frozenset(
         n.partition(".kernel")[0]
         for n in names
-        if (".kernel-" in n or ".kernel_at-" in n) and n.endswith(".nbi")
+        if n.endswith(".nbi")
+        and any(f".{name}-" in n for name in ((form,) if form else ("kernel", "kernel_at")))
     )
 
 

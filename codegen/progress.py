@@ -19,13 +19,18 @@ from numba.core import event
 from . import kernel_cache
 from .kernel_source import KernelSource
 
-# Measured on a 2-core box (PERFORMANCE-NOTES.md): a small serial kernel compiles in ~0.1-0.2 s,
-# a parallel one in ~0.3-0.5 s, the driver calling them in ~0.3 s plus ~30 ms per statement (an
-# unrolled 6-step LSTM's ~450-statement driver: ~15-20 s); loading a cached one ~5 ms.
-SERIAL_SECONDS = 0.15
+# Measured on a 2-core Zen 3 box (python -m backplan bench compile; each plan's background
+# driver build timed with driver_builder.wait_for_builds): a small serial kernel compiles in
+# ~0.2 s, a parallel one in ~0.3-0.5 s. A driver build pays ~2 s of Numba's own helpers
+# (reshape checks, error formatting), each kernel's inlined twin again, and ~0.08 s per
+# statement: mlp 3.8 s (26 statements, 5 kernels), mlp_deep 18.6 s (206, 5), lstm12 24.4 s
+# (270, 21), lstm48 108 s (1098, 21), transformer 28 s (139, 17), cnn 12 s (41, 9). The
+# statement cost varies with what the statements call (library functions are linked into the
+# driver), so these predict within about 2x, not better.
+SERIAL_SECONDS = 0.2
 PARALLEL_SECONDS = 0.4
-DRIVER_SECONDS = 0.3
-STATEMENT_SECONDS = 0.03
+DRIVER_SECONDS = 2.0
+STATEMENT_SECONDS = 0.08
 CACHED_SECONDS = 0.005
 LINE_INTERVAL = 0.5
 
@@ -51,11 +56,20 @@ def estimate(
     cached_digests = kernel_cache.cached_digests(kernels)
     cached = [k for k in kernels if k.digest in cached_digests]
     fresh = [k for k in kernels if k.digest not in cached_digests]
-    seconds = sum(PARALLEL_SECONDS if k.parallel else SERIAL_SECONDS for k in fresh)
-    seconds += len(cached) * CACHED_SECONDS
+    seconds = _kernel_seconds(fresh) + len(cached) * CACHED_SECONDS
     if not driver_cached:
-        seconds += DRIVER_SECONDS + driver_statements * STATEMENT_SECONDS
+        seconds += driver_seconds(driver_statements, fresh)
     return CompileEstimate(len(kernels), len(cached), seconds)
+
+
+def driver_seconds(statements: int, fresh_kernels: list[KernelSource]) -> float:
+    """A driver's compile: Numba's helpers, its statements, and the inlined twin of every
+    kernel not compiled before (codegen/kernel_source.py)."""
+    return DRIVER_SECONDS + statements * STATEMENT_SECONDS + _kernel_seconds(fresh_kernels)
+
+
+def _kernel_seconds(kernels: list[KernelSource]) -> float:
+    return sum(PARALLEL_SECONDS if k.parallel else SERIAL_SECONDS for k in kernels)
 
 
 def threshold_seconds() -> float:
@@ -139,10 +153,11 @@ class _Lines:
         )
 
 
-def announce_driver_build(label: str, statements: int) -> bool:
+def announce_driver_build(label: str, statements: int, kernels: list[KernelSource]) -> bool:
     """Says, when the driver's compile will be slow, that calls run it as Python meanwhile;
     whether it said so (then its end is a line too)."""
-    seconds = DRIVER_SECONDS + statements * STATEMENT_SECONDS
+    fresh = [k for k in kernels if k.digest not in kernel_cache.cached_digests(kernels, "kernel")]
+    seconds = driver_seconds(statements, fresh)
     if quiet() or seconds <= threshold_seconds():
         return False
     _say(

@@ -166,3 +166,30 @@ def test_one_numba_thread_generates_no_parallel_kernel():
         expected_value, expected_grad = bp.value_and_grad(scaled_tanh)(w, x)
     np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-4)
     np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_driver_build_estimate_grows_with_statements_and_skips_twins_already_compiled(
+    monkeypatch, tmp_path
+):
+    """The background build's "about N s" counts the driver's statements and the inlined twin
+    of each kernel whose array-view form was never compiled: a plan whose twins are compiled
+    is predicted cheaper by exactly their cost, a longer driver dearer."""
+    from backplan.codegen import progress
+
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BACKPLAN_DRIVER", "inline")  # compiles the twins in the first call
+    rng = np.random.default_rng(5)
+
+    def odd(w, x):  # loop bodies no other test compiles
+        return bp.sum(bp.tanh(bp.abs(x * w) + 0.25) * (x - 1.5))
+
+    with use_backend("numba"):
+        compiled, _, _ = joint(odd, floats(rng, 3, 4), floats(rng, 3, 4))
+    kernels = compiled.loop_kernels
+    fresh = [k for k in kernels if k.digest not in kernel_cache.cached_digests(kernels, "kernel")]
+    assert fresh == []  # the inline driver compiled every twin
+    statements = compiled._driver_statements
+    assert progress.driver_seconds(statements, fresh) + progress.SERIAL_SECONDS * len(
+        kernels
+    ) == pytest.approx(progress.driver_seconds(statements, list(kernels)))
+    assert progress.driver_seconds(10 * statements, []) > progress.driver_seconds(statements, [])
