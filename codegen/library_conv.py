@@ -10,6 +10,7 @@ import numpy as np
 
 from .flags import FASTMATH
 from .jit import njit
+from .library_progress import announce_compiles
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 
@@ -120,3 +121,8 @@ def conv2d_weight_grad_gemm(x, gout, dw_out, sh, sw, ph, pw, dh, dw, groups):
         im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
         product = np.dot(_group_matrix(gout, g * og, og), np.ascontiguousarray(cols.T))
         dw_out[g * og : (g + 1) * og] = product.reshape(og, cg, kh, kw)
+
+
+# Cold compile seconds of each (first use per installation and version; the nested im2col,
+# col2im and NumPy dot compile inside the first of them), measured on a 2-core Zen 3 box.
+announce_compiles({conv2d_gemm: 6.0, conv2d_input_grad_gemm: 2.0, conv2d_weight_grad_gemm: 4.0})
