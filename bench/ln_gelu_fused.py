@@ -1,0 +1,201 @@
+"""backplan's ln_gelu step against the same step hand-fused in Numba: what a user who writes
+the loops and the derivative by hand gets, the bar the compiler should come near (issue
+target: within 1.5x, and no slower with 2 threads than with 1).
+
+    python -m backplan.bench.ln_gelu_fused --threads 1 --rounds 9 [--shape 4096,1024]
+
+The step is the bench model's (bench/models/ln_gelu.py): y = gelu(layer_norm(x) * g + b) + x,
+loss = sum(y * upstream), gradients of x, g and b, float32. The hand-fused kernel does the
+whole step in one sweep over the rows, each row's forward and backward while it is in L1
+(upstream is known before the step, so nothing is saved between them), with the vectorising
+tanh backplan's kernels use (codegen/mathlib.py) and, with threads, rows split across them and
+per-thread column sums for g and b. Both are checked against a float64 NumPy reference;
+rounds are interleaved and the table has medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numba
+import numpy as np
+
+from backplan.codegen.mathlib import tanh_f32
+
+from .affinity import current_affinity, pin_process
+from .environment import cpu_name, load_average
+from .threads import apply_threads
+
+GELU_K, GELU_C = 0.7978845608028654, 0.044715
+_opts = {"fastmath": True, "error_model": "numpy", "nogil": True, "cache": False}
+
+
+def _row(x, g, b, up, dx, dg, db, eps):
+    """One row's forward and backward; returns its share of the loss."""
+    cols = x.shape[0]
+    k, c = np.float32(GELU_K), np.float32(GELU_C)
+    half, one, three = np.float32(0.5), np.float32(1.0), np.float32(3.0)
+    total = np.float32(0.0)
+    for j in range(cols):
+        total += x[j]
+    mean = total / np.float32(cols)
+    spread = np.float32(0.0)
+    for j in range(cols):
+        spread += (x[j] - mean) * (x[j] - mean)
+    rstd = one / np.sqrt(spread / np.float32(cols) + np.float32(eps))
+    loss = np.float32(0.0)
+    sum_dxhat = np.float32(0.0)
+    sum_dxhat_xhat = np.float32(0.0)
+    for j in range(cols):
+        xhat = (x[j] - mean) * rstd
+        pre = xhat * g[j] + b[j]
+        t = tanh_f32(k * (pre + c * pre * pre * pre))
+        loss += (half * pre * (one + t) + x[j]) * up[j]
+        slope = half * (one + t) + half * pre * (one - t * t) * k * (one + three * c * pre * pre)
+        d_pre = up[j] * slope
+        dg[j] += d_pre * xhat
+        db[j] += d_pre
+        dxhat = d_pre * g[j]
+        dx[j] = dxhat
+        sum_dxhat += dxhat
+        sum_dxhat_xhat += dxhat * xhat
+    mean_dxhat = sum_dxhat / np.float32(cols)
+    mean_dxhat_xhat = sum_dxhat_xhat / np.float32(cols)
+    for j in range(cols):
+        xhat = (x[j] - mean) * rstd
+        dx[j] = up[j] + rstd * (dx[j] - mean_dxhat - xhat * mean_dxhat_xhat)
+    return loss
+
+
+_row_jit = numba.njit(inline="always", **_opts)(_row)
+
+
+def _fused_step(x, g, b, up, dx, dg_parts, db_parts, eps):
+    """dg_parts, db_parts: (chunks, cols) per-chunk column sums, reduced by the caller."""
+    rows = x.shape[0]
+    chunks = dg_parts.shape[0]
+    losses = np.zeros(chunks, np.float32)
+    for part in numba.prange(chunks):
+        dg_parts[part, :] = 0
+        db_parts[part, :] = 0
+        for r in range(part * rows // chunks, (part + 1) * rows // chunks):
+            losses[part] += _row_jit(x[r], g, b, up[r], dx[r], dg_parts[part], db_parts[part], eps)
+    return losses.sum()
+
+
+# One thread: the serial loop (a parallel region costs its start-up on every call).
+fused_step_serial = numba.njit(**_opts)(_fused_step)
+fused_step_parallel = numba.njit(parallel=True, **_opts)(_fused_step)
+
+
+def hand_fused(params, upstream, threads: int):
+    x, g, b = (params[name].astype(np.float32) for name in ("x", "g", "b"))
+    up = upstream.astype(np.float32)
+    dx = np.empty_like(x)
+    dg_parts = np.empty((threads, x.shape[1]), np.float32)
+    db_parts = np.empty_like(dg_parts)
+
+    fused_step = fused_step_serial if threads == 1 else fused_step_parallel
+
+    def step():
+        loss = fused_step(x, g, b, up, dx, dg_parts, db_parts, 1e-5)
+        return loss, [dx, dg_parts.sum(axis=0), db_parts.sum(axis=0)]
+
+    return step
+
+
+def backplan_step(params, upstream):
+    import backplan as bp
+    from backplan.bench.models.ln_gelu import loss
+    from backplan.codegen import driver_builder
+
+    args = {name: bp.tensor(value.astype(np.float32)) for name, value in params.items()}
+    up = bp.tensor(upstream.astype(np.float32))
+    fn = bp.value_and_grad(bp.compile(loss))
+    fn(args, up)
+    driver_builder.wait_for_builds()
+
+    def step():
+        value, grads = fn(args, up)
+        return float(value.numpy()), [grads[name].numpy() for name in ("x", "g", "b")]
+
+    return step
+
+
+def reference(params, upstream):
+    """Loss and gradients of x, g, b in float64 NumPy (bench/peers/numpy_ln_gelu.py)."""
+    from .peers.numpy_ln_gelu import backward, forward
+
+    p64 = {name: value.astype(np.float64) for name, value in params.items()}
+    value, cache = forward(p64, upstream.astype(np.float64))
+    grads = backward(p64, cache)
+    return value, [grads[name] for name in ("x", "g", "b")]
+
+
+def max_relative_error(got, want) -> float:
+    pairs = zip(got, want, strict=True)
+    return max(float(np.abs(a - w).max() / (np.abs(w).max() + 1e-30)) for a, w in pairs)
+
+
+def median_ms(step, seconds: float) -> float:
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--shape", default="4096,1024", help="rows,cols")
+    parser.add_argument("--seconds", type=float, default=0.5, help="timed per peer and round")
+    args = parser.parse_args(argv)
+    rows, cols = (int(n) for n in args.shape.split(","))
+    settings = pin_process(args.threads)
+    settings |= apply_threads(args.threads)
+    rng = np.random.default_rng(0)
+    params = {
+        "x": rng.standard_normal((rows, cols)),
+        "g": 1.0 + 0.1 * rng.standard_normal(cols),
+        "b": 0.1 * rng.standard_normal(cols),
+    }
+    upstream = rng.standard_normal((rows, cols)) / np.sqrt(rows * cols)
+    peers = {
+        "backplan": backplan_step(params, upstream),
+        "hand-fused Numba": hand_fused(params, upstream, args.threads),
+    }
+    want_value, want = reference(params, upstream)
+    errors = {}
+    for name, step in peers.items():
+        value, grads = step()
+        errors[name] = max(
+            max_relative_error(grads, want), abs(value - want_value) / abs(want_value)
+        )
+    load_before = load_average()
+    samples: dict[str, list[float]] = {name: [] for name in peers}
+    for _ in range(args.rounds):
+        for name, step in peers.items():
+            samples[name].append(median_ms(step, args.seconds))
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    print(f"python -m backplan.bench.ln_gelu_fused {' '.join(argv or sys.argv[1:])}")
+    print(
+        f"CPU {cpu_name()}, affinity {current_affinity()}, {args.threads} thread(s); "
+        f"load {load_before} -> {load_average()}; {settings}"
+    )
+    print(f"x, upstream: ({rows}, {cols}) float32; g, b: ({cols},)")
+    print(f"{'peer':18} {'median ms':>10} {'x hand-fused':>13} {'max rel err':>12}")
+    for name, value in medians.items():
+        ratio = value / medians["hand-fused Numba"]
+        print(f"{name:18} {value:10.2f} {ratio:13.2f} {errors[name]:12.1e}")
+    return 0 if all(e < 1e-3 for e in errors.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
