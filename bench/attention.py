@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
 from .affinity import current_affinity, pin_process
 from .environment import cpu_name, load_average
+from .measure import interleaved_medians, max_relative_error
 from .threads import apply_threads, prepare_jax_threads
 
 
@@ -98,23 +97,6 @@ def reference_grads(inputs, scale):
     return [part.reshape(q.shape) for part in np.split(flat, 3)]
 
 
-def max_relative_error(got, want) -> float:
-    return max(
-        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
-        for a, b in zip(got, want, strict=True)
-    )
-
-
-def median_ms(step, seconds: float) -> float:
-    times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 3:
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -145,11 +127,7 @@ def main(argv=None) -> int:
     for step in peers.values():
         step()
     load_before = load_average()
-    samples: dict[str, list[float]] = {name: [] for name in peers}
-    for _ in range(args.rounds):
-        for name, step in peers.items():
-            samples[name].append(median_ms(step, args.seconds))
-    medians = {name: statistics.median(values) for name, values in samples.items()}
+    medians = interleaved_medians(peers, args.rounds, args.seconds)
     print(f"python -m backplan.bench.attention {' '.join(argv or sys.argv[1:])}")
     print(
         f"CPU {cpu_name()}, affinity {current_affinity()}, {args.threads} thread(s); "

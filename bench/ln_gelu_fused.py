@@ -16,9 +16,7 @@ rounds are interleaved and the table has medians.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import numba
 import numpy as np
@@ -27,6 +25,7 @@ from backplan.codegen.mathlib import tanh_f32
 
 from .affinity import current_affinity, pin_process
 from .environment import cpu_name, load_average
+from .measure import interleaved_medians, max_relative_error
 from .threads import apply_threads
 
 GELU_K, GELU_C = 0.7978845608028654, 0.044715
@@ -135,21 +134,6 @@ def reference(params, upstream):
     return value, [grads[name] for name in ("x", "g", "b")]
 
 
-def max_relative_error(got, want) -> float:
-    pairs = zip(got, want, strict=True)
-    return max(float(np.abs(a - w).max() / (np.abs(w).max() + 1e-30)) for a, w in pairs)
-
-
-def median_ms(step, seconds: float) -> float:
-    times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 3:
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -179,11 +163,7 @@ def main(argv=None) -> int:
             max_relative_error(grads, want), abs(value - want_value) / abs(want_value)
         )
     load_before = load_average()
-    samples: dict[str, list[float]] = {name: [] for name in peers}
-    for _ in range(args.rounds):
-        for name, step in peers.items():
-            samples[name].append(median_ms(step, args.seconds))
-    medians = {name: statistics.median(values) for name, values in samples.items()}
+    medians = interleaved_medians(peers, args.rounds, args.seconds)
     print(f"python -m backplan.bench.ln_gelu_fused {' '.join(argv or sys.argv[1:])}")
     print(
         f"CPU {cpu_name()}, affinity {current_affinity()}, {args.threads} thread(s); "

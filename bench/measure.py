@@ -91,3 +91,33 @@ def traced_peak_bytes(runner) -> int | None:
         return tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
+
+
+def median_ms(step, seconds: float) -> float:
+    """The median of as many calls of step as fit in `seconds` (at least three), in ms."""
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def max_relative_error(got, want) -> float:
+    """The largest of each array's max |got - want| over max |want|."""
+    import numpy as np
+
+    return max(
+        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def interleaved_medians(steps: dict, rounds: int, seconds: float) -> dict[str, float]:
+    """{name: median over rounds of each round's median ms}; every round runs every step."""
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            samples[name].append(median_ms(step, seconds))
+    return {name: statistics.median(values) for name, values in samples.items()}

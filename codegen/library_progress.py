@@ -27,7 +27,6 @@ def announce_compiles(measured: dict) -> None:
     with _lock:
         for dispatcher, seconds in measured.items():
             _MEASURED[id(dispatcher)] = (dispatcher, seconds)
-        _install()
 
 
 class _Listener(event.Listener):
@@ -62,11 +61,4 @@ def _types(args) -> str:
     return " and ".join(sorted(arrays)) + " arrays" if arrays else "its arguments"
 
 
-_installed = False
-
-
-def _install() -> None:
-    global _installed
-    if not _installed:
-        event.register("numba:compile", _Listener())
-        _installed = True
+event.register("numba:compile", _Listener())

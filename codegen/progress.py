@@ -68,6 +68,13 @@ def driver_seconds(statements: int, fresh_kernels: list[KernelSource]) -> float:
     return DRIVER_SECONDS + statements * STATEMENT_SECONDS + _kernel_seconds(fresh_kernels)
 
 
+def fresh_twins(kernels: list[KernelSource]) -> list[KernelSource]:
+    """The kernels whose form compiled drivers inline is not compiled yet (the folder is
+    listed once, however many kernels)."""
+    compiled = kernel_cache.cached_digests(kernels, "kernel")
+    return [k for k in kernels if k.digest not in compiled]
+
+
 def _kernel_seconds(kernels: list[KernelSource]) -> float:
     return sum(PARALLEL_SECONDS if k.parallel else SERIAL_SECONDS for k in kernels)
 
@@ -156,8 +163,7 @@ class _Lines:
 def announce_driver_build(label: str, statements: int, kernels: list[KernelSource]) -> bool:
     """Says, when the driver's compile will be slow, that calls run it as Python meanwhile;
     whether it said so (then its end is a line too)."""
-    fresh = [k for k in kernels if k.digest not in kernel_cache.cached_digests(kernels, "kernel")]
-    seconds = driver_seconds(statements, fresh)
+    seconds = driver_seconds(statements, fresh_twins(kernels))
     if quiet() or seconds <= threshold_seconds():
         return False
     _say(

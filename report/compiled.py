@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from backplan.codegen import kernel_cache
 from backplan.codegen.emit import generate
 from backplan.codegen.ops_emit import unsupported_reason
-from backplan.codegen.progress import driver_seconds, estimate
+from backplan.codegen.progress import driver_seconds, estimate, fresh_twins
 from backplan.ir.donation import donated_outputs
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import lower
@@ -62,10 +62,7 @@ def plan_facts(
         loop_kernels=tuple(k.digest for k in kernels),
         cached_kernels=tuple(k.digest for k in kernels if k.digest in cached),
         compile_seconds=estimate(kernels, False, generated.driver_statements).seconds,
-        driver_seconds=driver_seconds(
-            generated.driver_statements,
-            [k for k in kernels if k.digest not in kernel_cache.cached_digests(kernels, "kernel")],
-        ),
+        driver_seconds=driver_seconds(generated.driver_statements, fresh_twins(kernels)),
         donated=tuple(in_place),
     )
 

@@ -186,7 +186,7 @@ def test_driver_build_estimate_grows_with_statements_and_skips_twins_already_com
     with use_backend("numba"):
         compiled, _, _ = joint(odd, floats(rng, 3, 4), floats(rng, 3, 4))
     kernels = compiled.loop_kernels
-    fresh = [k for k in kernels if k.digest not in kernel_cache.cached_digests(kernels, "kernel")]
+    fresh = progress.fresh_twins(kernels)
     assert fresh == []  # the inline driver compiled every twin
     statements = compiled._driver_statements
     assert progress.driver_seconds(statements, fresh) + progress.SERIAL_SECONDS * len(
