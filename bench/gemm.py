@@ -140,16 +140,20 @@ def measure(rounds: int, dtype_name: str, width: int, threads: int = 1, shapes=S
     return results
 
 
-def format_table(results: dict) -> str:
+def format_table(results: dict, peak: float | None = None) -> str:
+    """One row per shape: each library's median (min-max) GFLOP/s, own over OpenBLAS, and
+    with `peak` (GFLOP/s of all the process's cores) backplan's share of it."""
     libs = list(next(iter(results.values())))
-    lines = [f"{'shape':32s}" + "".join(f"{lib:>22s}" for lib in libs) + "   own/blas"]
+    header = f"{'shape':32s}" + "".join(f"{lib:>22s}" for lib in libs) + "   own/blas"
+    lines = [header + ("   own/peak" if peak else "")]
     for name, per_lib in results.items():
         row = f"{name:32s}"
         for lib in libs:
             values = per_lib[lib]
             row += f"{statistics.median(values):8.1f} ({min(values):5.1f}-{max(values):5.1f})"
-        ratio = statistics.median(per_lib["backplan"]) / statistics.median(per_lib["openblas"])
-        lines.append(row + f"   {ratio:8.2f}")
+        own = statistics.median(per_lib["backplan"])
+        row += f"   {own / statistics.median(per_lib['openblas']):8.2f}"
+        lines.append(row + (f"   {own / peak:8.0%}" if peak else ""))
     return "\n".join(lines)
 
 
@@ -172,7 +176,13 @@ def main(argv=None) -> None:
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; "
         f"{args.rounds} interleaved rounds, GFLOP/s median (min-max)"
     )
-    print(format_table(measure(args.rounds, args.dtype, ISA_WIDTH[isa], len(cpus))))
+    from .peak_flops import peak_gflops_f32
+
+    width = ISA_WIDTH[isa]
+    per_core = peak_gflops_f32(width) / (1 if args.dtype == "f32" else 2)
+    print(f"measured FMA peak at {width} bits: {per_core:.1f} {args.dtype} GFLOP/s per core")
+    results = measure(args.rounds, args.dtype, width, len(cpus))
+    print(format_table(results, per_core * len(cpus)))
 
 
 if __name__ == "__main__":

@@ -310,12 +310,14 @@ class _Emitter:
 
     def _gemm_epilogue(self, kernel, body) -> None:
         """A matmul and the loop after it: one kernel running the loop on each block of rows
-        the own GEMM finishes; after a BLAS call (or a copied operand), the two as they were."""
+        the own GEMM finishes; after a BLAS call (or a copied operand), the two as they were.
+        A loop that only sums whole arrays stays apart too: its length follows the number of
+        terms (steps of an unrolled loop), and apart it runs as the shared add kernels."""
         node, loop = kernel.nodes[0], kernel.epilogue
         self.buffer(node)
         stored = {n for n in loop.all_nodes if n in self.needed}
         operands = self.ops.placed_operands(node, flat=True) if self.ops.own_gemm(node) else None
-        if operands is None or not stored:
+        if operands is None or not stored or chain_terms(loop, stored, self._flat_like):
             body += self.ops.op(node, self.names[node])
             self._loop(loop, body)
             return

@@ -53,15 +53,19 @@ def _store_edge(tile, nr, c, i, j, rows, cols, alpha, beta):
 
 
 @njit(cache=True, nogil=True)
-def workspace(width, c, kc_max, mc_max, nc_max):
-    """(A panels, B panels, edge tile) buffers for GEMMs into arrays like c."""
-    mr, nr = tile_shape(width, c.itemsize)
+def workspace_sizes(width, itemsize, kc_max, mc_max, nc_max):
+    """Elements of the (A panels, B panels, edge tile) buffers."""
+    mr, nr = tile_shape(width, itemsize)
     mc = (mc_max + mr - 1) // mr * mr
     nc = (nc_max + nr - 1) // nr * nr
-    a_pack = np.empty(mc * kc_max, c.dtype)
-    b_pack = np.empty(nc * kc_max, c.dtype)
-    tile = np.empty(mr * nr, c.dtype)
-    return a_pack, b_pack, tile
+    return mc * kc_max, nc * kc_max, mr * nr
+
+
+@njit(cache=True, nogil=True)
+def workspace(width, c, kc_max, mc_max, nc_max):
+    """(A panels, B panels, edge tile) buffers for GEMMs into arrays like c."""
+    a_size, b_size, tile_size = workspace_sizes(width, c.itemsize, kc_max, mc_max, nc_max)
+    return np.empty(a_size, c.dtype), np.empty(b_size, c.dtype), np.empty(tile_size, c.dtype)
 
 
 @njit(cache=True, nogil=True)

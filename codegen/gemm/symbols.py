@@ -25,13 +25,21 @@ from numba.np.arrayobj import make_array, populate_array
 
 from .. import cache_signing, progress
 from ..jit import load_cached, njit
-from .driver import KC, MC, NC, gemm_blocked, workspace
+from . import scratch
+from .driver import KC, MC, NC, gemm_blocked, workspace, workspace_sizes
+from .kernel import TILES
 
 PREFIX = "backplan_gemm_"
 # (width, trans_a, trans_b, m, n, k, a, a_s0, a_s1, b, b_s0, b_s1, c, c_s0, c_s1) as integers
 # (addresses and byte strides), then alpha and beta.
 _INTEGERS = 15
 _ARGUMENTS = (types.intp,) * _INTEGERS + (types.float64, types.float64)
+_KEPT_BYTES = max(
+    (-(-MC // mr) * mr * KC + -(-NC // (lanes * nv)) * lanes * nv * KC + mr * lanes * nv) * size
+    for tiles in TILES.values()
+    for dtype, (lanes, mr, nv) in tiles.items()
+    for size in [4 if dtype == "f32" else 8]
+)  # bytes of the largest workspace (driver.workspace_sizes), so one kept buffer fits any call
 COMPILE_SECONDS = 10  # measured on a 2-core Zen 4/Zen 5 box: 8-13 s per dtype
 
 
@@ -65,12 +73,42 @@ def _gemm_at_addresses(args, alpha, beta, like):
     a_matrix = _matrix(a, a_rows, a_cols, a0, a1, like)
     b_matrix = _matrix(b, b_rows, b_cols, b0, b1, like)
     c_matrix = _matrix(c, m, n, c0, c1, like)
-    work = workspace(width, c_matrix, KC, MC, NC)
+    slot = _free_slot()
+    if slot < 0:  # every kept buffer is in use by another thread
+        work = workspace(width, c_matrix, KC, MC, NC)
+    else:
+        work = _kept_workspace(width, slot, c_matrix)
     gemm_blocked(
         width, trans_a != 0, trans_b != 0, alpha, a_matrix, b_matrix, beta, c_matrix, work,
         KC, MC, NC,
     )  # fmt: skip
+    if slot >= 0:
+        scratch.give_back(slot)
     return 0
+
+
+@njit(cache=True, nogil=True)
+def _free_slot():
+    for slot in range(scratch.SLOTS):
+        if scratch.try_take(slot):
+            return slot
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _kept_workspace(width, slot, c):
+    """The workspace's three buffers inside the slot's kept buffer, for GEMMs into arrays
+    like c."""
+    size = c.itemsize
+    a_size, b_size, tile_size = workspace_sizes(width, size, KC, MC, NC)
+    base = scratch.buffer_of(slot, _KEPT_BYTES)
+    b_base = base + a_size * size
+    tile_base = b_base + b_size * size
+    return (
+        scratch.vector_at(base, a_size, c.dtype),
+        scratch.vector_at(b_base, b_size, c.dtype),
+        scratch.vector_at(tile_base, tile_size, c.dtype),
+    )
 
 
 @njit(cache=True, nogil=True)

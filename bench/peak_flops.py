@@ -1,0 +1,89 @@
+"""The core's measured FMA peak, the yardstick for the GEMM table's "% of peak".
+
+A loop of independent vector FMAs on registers only (no loads, no stores): as many accumulators
+as hide the FMA latency on every recent x86 core (two pipes x four cycles needs eight; sixteen
+leaves margin), at the vector width the GEMM micro-kernel uses. What it reaches is the most any
+GEMM can reach on this core at this width; frequency and the hypervisor are in the number.
+"""
+
+from __future__ import annotations
+
+import time
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+ACCUMULATORS = 16
+
+
+def _vec_fma(builder, a, b, c):
+    vec = a.type
+    bits = 32 if isinstance(vec.element, ir.FloatType) else 64
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{vec.count}f{bits}"
+    )
+    return builder.call(fn, [a, b, c])
+
+
+def _splat(builder, scalar, vec):
+    undef = ir.Constant(vec, ir.Undefined)
+    first = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), vec.count), [0] * vec.count)
+    return builder.shuffle_vector(first, undef, zeros)
+
+
+def fma_chain(lanes_f32: int):
+    @intrinsic
+    def fma_chain(typingctx, iterations, scale, shift):
+        """sum over lanes and accumulators of ACCUMULATORS chains acc = acc * scale + shift,
+        run `iterations` times; float32 vectors of `lanes_f32` lanes."""
+        sig = types.float32(types.intp, types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            count, scale_value, shift_value = args
+            vec = ir.VectorType(ir.FloatType(), lanes_f32)
+            scale_vec = _splat(builder, scale_value, vec)
+            shift_vec = _splat(builder, shift_value, vec)
+            accs = [cgutils.alloca_once_value(builder, shift_vec) for _ in range(ACCUMULATORS)]
+            with cgutils.for_range(builder, count):
+                for acc in accs:
+                    builder.store(_vec_fma(builder, builder.load(acc), scale_vec, shift_vec), acc)
+            total = builder.load(accs[0])
+            for acc in accs[1:]:
+                total = builder.fadd(total, builder.load(acc))
+            scalar = builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+            for lane in range(1, lanes_f32):
+                scalar = builder.fadd(
+                    scalar, builder.extract_element(total, ir.Constant(ir.IntType(32), lane))
+                )
+            return scalar
+
+        return sig, codegen
+
+    @njit(nogil=True)
+    def run(iterations, scale, shift):
+        return fma_chain(iterations, scale, shift)
+
+    return run
+
+
+def peak_gflops_f32(width: int, seconds: float = 0.05, samples: int = 7) -> float:
+    """Best of `samples` runs of about `seconds` each, in f32 GFLOP/s (f64 peaks at half)."""
+    lanes = width // 32
+    run = fma_chain(lanes)
+    run(10, 0.999, 1e-3)
+    iterations = 1 << 16
+    while True:
+        start = time.perf_counter()
+        run(iterations, 0.999, 1e-3)
+        if time.perf_counter() - start >= seconds:
+            break
+        iterations *= 2
+    best = float("inf")
+    for _ in range(samples):
+        start = time.perf_counter()
+        run(iterations, 0.999, 1e-3)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * ACCUMULATORS * lanes * iterations / best / 1e9

@@ -1,0 +1,55 @@
+"""The GEMM keeps its packing buffers between calls: a call allocates nothing once a buffer is
+kept, concurrent calls from threads each get their own buffer and the right product, and no
+slot stays taken after a call returns."""
+
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from backplan.codegen.gemm import scratch
+from backplan.codegen.gemm.api import gemm
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_repeated_gemm_allocates_nothing(dtype):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((130, 300)).astype(dtype), rng.standard_normal((300, 77))
+    b = b.astype(dtype)
+    c = np.empty((130, 77), dtype)
+    gemm(512, False, False, 1.0, a, b, 0.0, c)  # compiles, keeps a buffer
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            gemm(512, False, False, 1.0, a, b, 0.0, c)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4096  # the panels alone are 2-4 MiB
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+    assert scratch.slots_in_use() == 0
+    assert scratch.buffers_kept() >= 1
+
+
+def test_threads_calling_at_once_each_get_a_buffer_and_the_right_product():
+    rng = np.random.default_rng(1)
+    pairs = [(rng.standard_normal((150, 90)), rng.standard_normal((150, 110))) for _ in range(4)]
+    errors, start = [], threading.Barrier(len(pairs))
+
+    def work(x, y):
+        out = np.empty((90, 110))
+        start.wait()
+        for _ in range(100):
+            gemm(512, True, False, 1.0, x, y, 0.0, out)
+            if not np.allclose(out, x.T @ y):
+                errors.append(np.abs(out - x.T @ y).max())
+
+    threads = [threading.Thread(target=work, args=pair) for pair in pairs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert scratch.slots_in_use() == 0
+    assert scratch.buffers_kept() <= scratch.SLOTS
