@@ -37,6 +37,7 @@ KERNEL_DEPENDENCIES = (
     "flags.py",
     "jit.py",
     "kernel_source.py",
+    "lean_pipeline.py",
     "mathlib.py",
     "scalar_functions.py",
     "views.py",
@@ -46,7 +47,15 @@ KERNEL_DEPENDENCIES = (
 # What a loop kernel that runs a GEMM (a GEMM with its epilogue) depends on besides those.
 GEMM_DEPENDENCIES = tuple(
     f"gemm/{name}"
-    for name in ("api.py", "driver.py", "kernel.py", "pack.py", "symbols.py", "transpose_pack.py")
+    for name in (
+        "api.py",
+        "driver.py",
+        "kernel.py",
+        "pack.py",
+        "scratch.py",
+        "symbols.py",
+        "transpose_pack.py",
+    )
 )
 
 

@@ -40,7 +40,7 @@ from backplan.codegen.jit import njit, prange
 
 from backplan.codegen.flags import (
     ADDRESS_KERNEL_JIT_OPTIONS, DRIVER_KERNEL_JIT_OPTIONS, KERNEL_JIT_OPTIONS,
-    LEAN_KERNEL_JIT_OPTIONS,
+    LEAN_KERNEL_JIT_OPTIONS, PARALLEL_KERNEL_JIT_OPTIONS,
 )
 from backplan.codegen.scalar_functions import *  # noqa: F403
 from backplan.codegen.views import (
@@ -125,7 +125,7 @@ def canonical_kernel(
     body = [_NAMES.sub(rename, line) for line in lines]
     functions = None
     if parallel:
-        decorator = "@njit(parallel=True, **KERNEL_JIT_OPTIONS)"
+        decorator = "@njit(parallel=True, **PARALLEL_KERNEL_JIT_OPTIONS)"
     elif allocates(body):
         decorator = "@njit(**KERNEL_JIT_OPTIONS)"
     else:
