@@ -67,3 +67,35 @@ def test_address_loops_compile_no_wrapper_and_run_through_their_native_entry(mon
     for result in compiled:  # compiled here or loaded from the disk cache: symbols either way
         assert result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
         assert not result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)
+
+
+def test_serial_kernels_take_the_short_pipeline_and_parallel_ones_numbas():
+    """A generated serial loop compiles through backplan's short pipeline (no rewrite, closure
+    or literal-unrolling passes); a parallel loop needs Numba's parfor passes and keeps them."""
+    import numba
+
+    from backplan.codegen import flags
+
+    def double(x):
+        for i in numba.prange(x.shape[0]):
+            x[i] *= 2.0
+
+    pipelines = {}
+    for name in ("KERNEL", "LEAN_KERNEL", "ADDRESS_KERNEL", "PARALLEL_KERNEL"):
+        options = {**getattr(flags, f"{name}_JIT_OPTIONS"), "cache": False}
+        if name == "PARALLEL_KERNEL":
+            options["parallel"] = True
+        kernel = numba.njit(**options)(double)
+        x = np.arange(5.0)
+        if name != "ADDRESS_KERNEL":  # no CPython wrapper: compile only
+            kernel(x)
+            np.testing.assert_array_equal(x, np.arange(5.0) * 2)
+        (compiled,) = kernel.overloads.values() if kernel.overloads else [None]
+        if compiled is None:
+            kernel.compile((numba.float64[:],))
+            (compiled,) = kernel.overloads.values()
+        times = compiled.metadata["pipeline_times"]
+        pipelines[name] = {pass_name for pipeline in times.values() for pass_name in pipeline}
+    for name in ("KERNEL", "LEAN_KERNEL", "ADDRESS_KERNEL"):
+        assert not any("rewrite" in p or "unroll" in p for p in pipelines[name]), name
+    assert any("parfor" in p for p in pipelines["PARALLEL_KERNEL"])
