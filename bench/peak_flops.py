@@ -15,23 +15,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from backplan.codegen.gemm.kernel import splat, vector_fma
+
 ACCUMULATORS = 16
-
-
-def _vec_fma(builder, a, b, c):
-    vec = a.type
-    bits = 32 if isinstance(vec.element, ir.FloatType) else 64
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{vec.count}f{bits}"
-    )
-    return builder.call(fn, [a, b, c])
-
-
-def _splat(builder, scalar, vec):
-    undef = ir.Constant(vec, ir.Undefined)
-    first = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
-    zeros = ir.Constant(ir.VectorType(ir.IntType(32), vec.count), [0] * vec.count)
-    return builder.shuffle_vector(first, undef, zeros)
 
 
 def fma_chain(lanes_f32: int):
@@ -44,12 +30,12 @@ def fma_chain(lanes_f32: int):
         def codegen(context, builder, signature, args):
             count, scale_value, shift_value = args
             vec = ir.VectorType(ir.FloatType(), lanes_f32)
-            scale_vec = _splat(builder, scale_value, vec)
-            shift_vec = _splat(builder, shift_value, vec)
+            scale_vec = splat(builder, scale_value, vec)
+            shift_vec = splat(builder, shift_value, vec)
             accs = [cgutils.alloca_once_value(builder, shift_vec) for _ in range(ACCUMULATORS)]
             with cgutils.for_range(builder, count):
                 for acc in accs:
-                    builder.store(_vec_fma(builder, builder.load(acc), scale_vec, shift_vec), acc)
+                    builder.store(vector_fma(builder, builder.load(acc), scale_vec, shift_vec), acc)
             total = builder.load(accs[0])
             for acc in accs[1:]:
                 total = builder.fadd(total, builder.load(acc))

@@ -25,14 +25,14 @@ def _llvm_float(dtype_name: str):
     return ir.FloatType() if dtype_name == "f32" else ir.DoubleType()
 
 
-def _splat(builder, scalar, vec_type):
+def splat(builder, scalar, vec_type):
     undef = ir.Constant(vec_type, ir.Undefined)
     one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
     zeros = ir.Constant(ir.VectorType(ir.IntType(32), vec_type.count), [0] * vec_type.count)
     return builder.shuffle_vector(one, undef, zeros)
 
 
-def _fma(builder, a, b, c):
+def vector_fma(builder, a, b, c):
     """llvm.fma on vectors (llvmlite's builder.fma takes scalars only)."""
     vec = a.type
     suffix = f"v{vec.count}f{32 if isinstance(vec.element, ir.FloatType) else 64}"
@@ -71,17 +71,17 @@ def _accumulate(builder, kc, a, b, ldb, vec, mr, nv):
         a_row = builder.mul(p, ir.Constant(intp, mr))
         for r in range(mr):
             a_val = builder.load(builder.gep(a, [builder.add(a_row, ir.Constant(intp, r))]))
-            a_vec = _splat(builder, a_val, vec)
+            a_vec = splat(builder, a_val, vec)
             for v in range(nv):
                 acc = builder.load(accs[r][v])
-                builder.store(_fma(builder, a_vec, b_vecs[v], acc), accs[r][v])
+                builder.store(vector_fma(builder, a_vec, b_vecs[v], acc), accs[r][v])
     return [[builder.load(acc) for acc in row] for row in accs]
 
 
 def _store_tile(builder, sums, c, ldc, alpha, beta, vec):
     """C = alpha * sums + beta * C, with C left unread when beta == 0 (it may hold NaN)."""
     intp, lanes, align = ldc.type, vec.count, _align(vec)
-    alpha_vec, beta_vec = _splat(builder, alpha, vec), _splat(builder, beta, vec)
+    alpha_vec, beta_vec = splat(builder, alpha, vec), splat(builder, beta, vec)
     targets = [
         [
             _vec_ptr(
@@ -104,7 +104,7 @@ def _store_tile(builder, sums, c, ldc, alpha, beta, vec):
             for row, row_targets in zip(sums, targets, strict=True):
                 for total, target in zip(row, row_targets, strict=True):
                     old = builder.load(target, align=align)
-                    new = _fma(builder, old, beta_vec, builder.fmul(total, alpha_vec))
+                    new = vector_fma(builder, old, beta_vec, builder.fmul(total, alpha_vec))
                     builder.store(new, target, align=align)
 
 
