@@ -53,3 +53,36 @@ def test_threads_calling_at_once_each_get_a_buffer_and_the_right_product():
     assert errors == []
     assert scratch.slots_in_use() == 0
     assert scratch.buffers_kept() <= scratch.SLOTS
+
+
+def test_with_every_slot_taken_a_call_allocates_its_own_panels_and_is_right():
+    from numba import njit
+
+    @njit
+    def take_all():
+        taken = 0
+        for slot in range(scratch.SLOTS):
+            taken += scratch.try_take(slot)
+        return taken
+
+    @njit
+    def give_back(slots):
+        for slot in slots:
+            scratch.give_back(slot)
+
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((64, 40)), rng.standard_normal((40, 50))
+    c = np.empty((64, 50))
+    gemm(512, False, False, 1.0, a, b, 0.0, c)  # compiled before the slots are taken
+    free_before = [slot for slot in range(scratch.SLOTS) if scratch._table[slot, 0] == 0]
+    assert take_all() == len(free_before)
+    try:
+        tracemalloc.start()
+        gemm(512, False, False, 1.0, a, b, 0.0, c)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    finally:
+        give_back(np.array(free_before, np.int64))
+    assert peak > 1 << 20  # its own panels, freed again
+    np.testing.assert_allclose(c, a @ b, rtol=1e-10)
+    assert scratch.slots_in_use() == 0

@@ -65,7 +65,8 @@ def give_back(typingctx, slot):
 
 @intrinsic
 def buffer_of(typingctx, slot, nbytes):
-    """The address of a taken slot's buffer, allocated (nbytes, never freed) on first use."""
+    """The address of a taken slot's buffer, allocated (nbytes, never freed) on first use;
+    0 when malloc fails (nothing is kept then, and the next call tries again)."""
 
     def codegen(context, builder, signature, args):
         pointer = _slot_pointer(builder, args[0], 1)

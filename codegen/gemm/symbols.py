@@ -74,10 +74,14 @@ def _gemm_at_addresses(args, alpha, beta, like):
     b_matrix = _matrix(b, b_rows, b_cols, b0, b1, like)
     c_matrix = _matrix(c, m, n, c0, c1, like)
     slot = _free_slot()
-    if slot < 0:  # every kept buffer is in use by another thread
-        work = workspace(width, c_matrix, KC, MC, NC)
+    base = scratch.buffer_of(slot, _KEPT_BYTES) if slot >= 0 else 0
+    if base == 0:  # every kept buffer is taken by another thread, or malloc failed
+        if slot >= 0:
+            scratch.give_back(slot)
+            slot = -1
+        work = workspace(width, c_matrix, KC, MC, NC)  # per call, as before buffers were kept
     else:
-        work = _kept_workspace(width, slot, c_matrix)
+        work = _kept_workspace(width, base, c_matrix)
     gemm_blocked(
         width, trans_a != 0, trans_b != 0, alpha, a_matrix, b_matrix, beta, c_matrix, work,
         KC, MC, NC,
@@ -96,12 +100,11 @@ def _free_slot():
 
 
 @njit(cache=True, nogil=True)
-def _kept_workspace(width, slot, c):
-    """The workspace's three buffers inside the slot's kept buffer, for GEMMs into arrays
-    like c."""
+def _kept_workspace(width, base, c):
+    """The workspace's three buffers inside a slot's kept buffer at `base`, for GEMMs into
+    arrays like c."""
     size = c.itemsize
     a_size, b_size, tile_size = workspace_sizes(width, size, KC, MC, NC)
-    base = scratch.buffer_of(slot, _KEPT_BYTES)
     b_base = base + a_size * size
     tile_base = b_base + b_size * size
     return (
