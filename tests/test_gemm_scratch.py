@@ -86,3 +86,19 @@ def test_with_every_slot_taken_a_call_allocates_its_own_panels_and_is_right():
     assert peak > 1 << 20  # its own panels, freed again
     np.testing.assert_allclose(c, a @ b, rtol=1e-10)
     assert scratch.slots_in_use() == 0
+
+
+def test_kept_buffers_start_on_a_cache_line():
+    from numba import njit
+
+    @njit
+    def kept_address():
+        for slot in range(scratch.SLOTS):
+            if scratch.try_take(slot):
+                address = scratch.buffer_of(slot)
+                scratch.give_back(slot)
+                return address
+        return -1
+
+    address = kept_address()
+    assert address > 0 and address % scratch.ALIGN == 0

@@ -19,7 +19,18 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from .driver import KC, MC, NC
+from .kernel import TILES
+
 SLOTS = 64
+ALIGN = 64  # bytes: a cache line, and one AVX-512 vector
+# The largest workspace (driver.workspace_sizes) of any tile and dtype: one buffer fits any call.
+BUFFER_BYTES = max(
+    (-(-MC // mr) * mr * KC + -(-NC // (lanes * nv)) * lanes * nv * KC + mr * lanes * nv) * size
+    for tiles in TILES.values()
+    for dtype, (lanes, mr, nv) in tiles.items()
+    for size in [4 if dtype == "f32" else 8]
+)
 SYMBOL = "backplan_gemm_scratch_slots"
 _SEQ_CST = "seq_cst"
 
@@ -64,26 +75,33 @@ def give_back(typingctx, slot):
 
 
 @intrinsic
-def buffer_of(typingctx, slot, nbytes):
-    """The address of a taken slot's buffer, allocated (nbytes, never freed) on first use;
-    0 when malloc fails (nothing is kept then, and the next call tries again)."""
+def buffer_of(typingctx, slot):
+    """The 64-byte aligned address of a taken slot's buffer (BUFFER_BYTES), allocated on first
+    use and never freed; 0 when malloc fails (nothing is kept then, the next call tries again).
+    Aligned as NumPy's and Numba's own arrays are: malloc's large blocks start 16 bytes into
+    a page, and a vector load of a panel would then straddle two cache lines."""
 
     def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
         pointer = _slot_pointer(builder, args[0], 1)
         address = builder.load(pointer)
         result = cgutils.alloca_once_value(builder, address)
-        with builder.if_then(builder.icmp_unsigned("==", address, ir.Constant(address.type, 0))):
+        with builder.if_then(builder.icmp_unsigned("==", address, ir.Constant(i64, 0))):
             malloc = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(ir.IntType(8).as_pointer(), [ir.IntType(64)]),
-                "malloc",
+                builder.module, ir.FunctionType(ir.IntType(8).as_pointer(), [i64]), "malloc"
             )
-            fresh = builder.ptrtoint(builder.call(malloc, [args[1]]), ir.IntType(64))
+            size = ir.Constant(i64, BUFFER_BYTES + ALIGN)
+            fresh = builder.ptrtoint(builder.call(malloc, [size]), i64)
             builder.store(fresh, pointer)
             builder.store(fresh, result)
-        return builder.load(result)
+        raw = builder.load(result)
+        aligned = builder.and_(
+            builder.add(raw, ir.Constant(i64, ALIGN - 1)), ir.Constant(i64, -ALIGN)
+        )
+        is_null = builder.icmp_unsigned("==", raw, ir.Constant(i64, 0))
+        return builder.select(is_null, raw, aligned)
 
-    return types.intp(types.intp, types.intp), codegen
+    return types.intp(types.intp), codegen
 
 
 @intrinsic

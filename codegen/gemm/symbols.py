@@ -27,19 +27,12 @@ from .. import cache_signing, progress
 from ..jit import load_cached, njit
 from . import scratch
 from .driver import KC, MC, NC, gemm_blocked, workspace, workspace_sizes
-from .kernel import TILES
 
 PREFIX = "backplan_gemm_"
 # (width, trans_a, trans_b, m, n, k, a, a_s0, a_s1, b, b_s0, b_s1, c, c_s0, c_s1) as integers
 # (addresses and byte strides), then alpha and beta.
 _INTEGERS = 15
 _ARGUMENTS = (types.intp,) * _INTEGERS + (types.float64, types.float64)
-_KEPT_BYTES = max(
-    (-(-MC // mr) * mr * KC + -(-NC // (lanes * nv)) * lanes * nv * KC + mr * lanes * nv) * size
-    for tiles in TILES.values()
-    for dtype, (lanes, mr, nv) in tiles.items()
-    for size in [4 if dtype == "f32" else 8]
-)  # bytes of the largest workspace (driver.workspace_sizes), so one kept buffer fits any call
 COMPILE_SECONDS = 10  # measured on a 2-core Zen 4/Zen 5 box: 8-13 s per dtype
 
 
@@ -74,7 +67,7 @@ def _gemm_at_addresses(args, alpha, beta, like):
     b_matrix = _matrix(b, b_rows, b_cols, b0, b1, like)
     c_matrix = _matrix(c, m, n, c0, c1, like)
     slot = _free_slot()
-    base = scratch.buffer_of(slot, _KEPT_BYTES) if slot >= 0 else 0
+    base = scratch.buffer_of(slot) if slot >= 0 else 0
     if base == 0:  # every kept buffer is taken by another thread, or malloc failed
         if slot >= 0:
             scratch.give_back(slot)
