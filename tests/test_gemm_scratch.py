@@ -102,3 +102,14 @@ def test_kept_buffers_start_on_a_cache_line():
 
     address = kept_address()
     assert address > 0 and address % scratch.ALIGN == 0
+
+
+def test_one_kept_buffer_holds_the_largest_workspace_of_any_tile_and_dtype():
+    from backplan.codegen.gemm.driver import KC, MC, NC, workspace_sizes
+
+    largest = max(
+        sum(workspace_sizes(width, itemsize, KC, MC, NC)) * itemsize
+        for width in (256, 512)
+        for itemsize in (4, 8)
+    )
+    assert scratch.BUFFER_BYTES == largest

@@ -1,11 +1,11 @@
 """Packing buffers the GEMM keeps between calls instead of allocating ~2 MiB on every call.
 
 A step that calls the GEMM six times used to allocate and free its panels six times, which a
-user measuring the step's memory (tracemalloc, `bp.live_saved_bytes` aside) saw as megabytes
-per step. The buffers now live in a table of slots shared by every thread: a call takes a free
-slot with an atomic compare-and-swap, allocates that slot's buffer once (libc malloc, kept for
-the life of the process), and frees the slot when it returns. Concurrent calls never share a
-slot; when all are taken, the call allocates as before. At most SLOTS buffers are ever kept.
+user measuring the step's memory with tracemalloc saw as megabytes per step. The buffers now
+live in a table of slots shared by every thread: a call takes a free slot with an atomic
+compare-and-swap, allocates that slot's buffer once (libc malloc, kept for the life of the
+process), and frees the slot when it returns. Concurrent calls never share a slot; when all are
+taken, the call allocates as before. At most SLOTS buffers are ever kept.
 
 The table is memory owned here and published to compiled code as the symbol
 `backplan_gemm_scratch_slots`, so the cached machine code of the GEMM names no address.
@@ -25,6 +25,7 @@ from .kernel import TILES
 SLOTS = 64
 ALIGN = 64  # bytes: a cache line, and one AVX-512 vector
 # The largest workspace (driver.workspace_sizes) of any tile and dtype: one buffer fits any call.
+# Written out in Python: calling the jitted workspace_sizes here would compile it at import.
 BUFFER_BYTES = max(
     (-(-MC // mr) * mr * KC + -(-NC // (lanes * nv)) * lanes * nv * KC + mr * lanes * nv) * size
     for tiles in TILES.values()
