@@ -13,7 +13,12 @@ of kernels."""
 from __future__ import annotations
 
 import ctypes
+import math
+import re
 import threading
+
+from . import driver_tier
+from .flags import SMALL_LOOP_ELEMENTS
 
 # A parameter's Numba and C type, by its name (codegen/kernel_source.py): an array's address,
 # a float literal of the loop (c0_f32), or an integer (offsets, sizes, strides).
@@ -35,22 +40,29 @@ def _kind(name: str) -> str:
 
 class AddressCall:
     """A Python-run driver's call of an address kernel: arrays become their addresses and the
-    loop's native entry runs, compiled (or loaded from the disk cache) on the first call."""
+    loop's native entry runs, compiled (or loaded from the disk cache) on the first call.
+    A call over at most SMALL_LOOP_ELEMENTS iterations (the product of its sizes) runs the
+    loop compiled quickly (codegen/flags.py), any other the fully optimised one: each is
+    compiled the first time a call needs it, except that a small call takes the full loop
+    where that one is compiled or cached already (a resized model's first call compiles
+    nothing)."""
 
-    def __init__(self, loop):
-        self._loop = loop
+    def __init__(self, loop, small_loop=None):
+        self._loops = (loop, small_loop or loop)  # by whether the call is small
         names = loop.py_func.__code__.co_varnames[: loop.py_func.__code__.co_argcount]
         self._kinds = tuple(_KINDS[_kind(name)] for name in names)
         self._arrays = tuple(kind is _KINDS["address"] for kind in self._kinds)
-        self._entry = None
-        self._lock = threading.Lock()
+        self._sizes = tuple(i for i, name in enumerate(names) if re.fullmatch(r"n\d+", name))
+        self._entries = [None, None]
+        self._lock = threading.RLock()  # a small call may compile the full loop
         # Where the native entry writes its (none) result and would point at an exception;
         # written by every call, read by none: threads may share them.
         self._result = ctypes.create_string_buffer(64)
         self._exception = ctypes.c_void_p()
 
     def __call__(self, *args):
-        entry = self._entry or self._compile()
+        small = bool(math.prod([args[i] for i in self._sizes]) <= SMALL_LOOP_ELEMENTS)
+        entry = self._entries[small] or self._compile(small)
         status = entry(
             self._result,
             ctypes.byref(self._exception),
@@ -58,31 +70,35 @@ class AddressCall:
         )
         if status != 0:
             raise RuntimeError(
-                f"loop kernel {self._loop.py_func.__module__} returned status {status}: "
+                f"loop kernel {self._loops[0].py_func.__module__} returned status {status}: "
                 "loop kernels do not raise; run with BACKPLAN_KERNELS_AS_PYTHON=1 to see the line"
             )
 
-    def _compile(self):
+    def _compile(self, small: bool):
         from numba import types as numba_types
 
         with self._lock:
-            if self._entry is None:
+            if small and self._entries[True] is None and self._full_is_ready():
+                self._entries[True] = self._entries[False] or self._compile(False)
+            if self._entries[small] is None:
+                loop = self._loops[small]
                 signature = tuple(getattr(numba_types, kind[0]) for kind in self._kinds)
-                self._loop.compile(signature)
-                compiled = self._loop.overloads[signature]
+                loop.compile(signature)
+                compiled = loop.overloads[signature]
                 pointer = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
                 if not pointer:
-                    raise RuntimeError(
-                        f"loop kernel {self._loop.py_func.__module__} has no native entry"
-                    )
+                    raise RuntimeError(f"loop kernel {loop.py_func.__module__} has no native entry")
                 prototype = ctypes.CFUNCTYPE(
                     ctypes.c_int32,
                     ctypes.c_void_p,
                     ctypes.c_void_p,
                     *[kind[1] for kind in self._kinds],
                 )
-                self._entry = prototype(pointer)
-        return self._entry
+                self._entries[small] = prototype(pointer)
+        return self._entries[small]
+
+    def _full_is_ready(self) -> bool:
+        return self._entries[False] is not None or driver_tier.is_cached(self._loops[0])
 
 
 _driver_call = threading.local()

@@ -36,4 +36,3 @@ def held(module_path: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
-

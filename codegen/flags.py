@@ -6,7 +6,7 @@ their IEEE meaning. error_model="numpy": no zero-division checks, which block ve
 
 import numba
 
-from .lean_pipeline import LeanKernelCompiler
+from .lean_pipeline import LeanKernelCompiler, QuickKernelCompiler
 
 FASTMATH = set({"reassoc", "contract", "arcp", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
@@ -27,6 +27,16 @@ LEAN_KERNEL_JIT_OPTIONS = {**KERNEL_JIT_OPTIONS, "_nrt": False}
 ADDRESS_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
 DRIVER_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
 DRIVER_KERNEL_JIT_OPTIONS["forceinline"] = True
+# The same loop taking addresses, for calls over at most SMALL_LOOP_ELEMENTS iterations:
+# optimised once at level 1 without vectorisers (codegen/lean_pipeline.py). Vectorising such a
+# loop saves at most a few microseconds a call, less than a Python-run driver spends calling it;
+# compiling it costs most of a cold kernel's LLVM time. Loops above the bound keep the full
+# pipeline: a deep MLP's Python-run steps took 1.6x as long with every loop compiled quickly.
+SMALL_LOOP_KERNEL_JIT_OPTIONS = {
+    **ADDRESS_KERNEL_JIT_OPTIONS,
+    "pipeline_class": QuickKernelCompiler,
+}
+SMALL_LOOP_ELEMENTS = 4096
 # Below this a loop runs serial. A parallel kernel compiles about 3x slower than a serial one,
 # and the transformer block (loops of 2**18-2**20 elements) stepped as fast with every loop
 # serial (PERFORMANCE-NOTES.md); streams of several MiB gain from the second core's bandwidth.

@@ -26,7 +26,10 @@ from .jit import AS_PYTHON
 from .kernel_source import KernelSource
 
 _LOADED: dict[str, object] = {}  # digest -> dispatcher (a plain function when run as Python)
-_ADDRESS_LOOPS: dict[str, object] = {}  # digest -> its `kernel_at`, for address kernels
+_ADDRESS_LOOPS: dict[str, list] = {}  # digest -> its loops taking addresses (ADDRESS_FORMS)
+# An address kernel's loops taking addresses: fully optimised, and compiled quickly for calls
+# over few elements (codegen/kernel_source.py).
+ADDRESS_FORMS = ("kernel_at", "kernel_at_small")
 _PYTHON_CALLS: dict[int, object] = {}  # id(dispatcher) -> what a Python-run driver calls
 
 
@@ -50,20 +53,19 @@ def load(kernels: list[KernelSource]) -> None:
             if source.digest not in _LOADED:
                 module = _import(source)
                 _LOADED[source.digest] = module.kernel
-                loop = getattr(module, "kernel_at", None)
-                if loop is not None and not AS_PYTHON:
-                    _ADDRESS_LOOPS[source.digest] = loop
-                    _PYTHON_CALLS[id(module.kernel)] = AddressCall(loop)
+                loops = [getattr(module, name, None) for name in ADDRESS_FORMS]
+                if loops[0] is not None and not AS_PYTHON:
+                    _ADDRESS_LOOPS[source.digest] = [loop for loop in loops if loop is not None]
+                    _PYTHON_CALLS[id(module.kernel)] = AddressCall(*loops)
 
 
 _loading = threading.Lock()
 
 
 def compiled_forms(digest: str) -> list:
-    """The functions of a kernel that compile: its loop taking addresses (first calls on a
-    Python-run driver) and the form compiled drivers call (the kernel itself)."""
-    loop = _ADDRESS_LOOPS.get(digest)
-    return [_LOADED[digest]] if loop is None else [loop, _LOADED[digest]]
+    """The functions of a kernel that compile: its loops taking addresses (first calls on a
+    Python-run driver: ADDRESS_FORMS) and the form compiled drivers call (the kernel itself)."""
+    return [*_ADDRESS_LOOPS.get(digest, ()), _LOADED[digest]]
 
 
 def python_call(kernel):
@@ -111,7 +113,7 @@ def cached_digests(kernels: list[KernelSource], form: str | None = None) -> set[
 
 def _indexed_kernel_names(form: str | None = None) -> frozenset[str]:
     """Names of the kernels with a Numba index file (`<name>.kernel-<line>....nbi`, or
-    `.kernel_at-` for the loop of an address kernel); form picks one of the two."""
+    `.kernel_at-`, `.kernel_at_small-` for the loops of an address kernel); form picks one."""
     directory = os.path.join(cache.cache_path(), "__pycache__")  # asking creates nothing
     try:
         names = os.listdir(directory)
@@ -121,7 +123,7 @@ def _indexed_kernel_names(form: str | None = None) -> frozenset[str]:
         n.partition(".kernel")[0]
         for n in names
         if n.endswith(".nbi")
-        and any(f".{name}-" in n for name in ((form,) if form else ("kernel", "kernel_at")))
+        and any(f".{name}-" in n for name in ((form,) if form else ("kernel", *ADDRESS_FORMS)))
     )
 
 
@@ -137,7 +139,7 @@ class KernelCounts:
 
 
 def counts() -> KernelCounts:
-    functions = [*_LOADED.values(), *_ADDRESS_LOOPS.values()]
+    functions = [*_LOADED.values(), *(loop for loops in _ADDRESS_LOOPS.values() for loop in loops)]
     dispatchers = [d for d in functions if hasattr(d, "overloads")]
     return KernelCounts(
         len(_LOADED),

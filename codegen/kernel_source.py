@@ -40,7 +40,7 @@ from backplan.codegen.jit import njit, prange
 
 from backplan.codegen.flags import (
     ADDRESS_KERNEL_JIT_OPTIONS, DRIVER_KERNEL_JIT_OPTIONS, KERNEL_JIT_OPTIONS,
-    LEAN_KERNEL_JIT_OPTIONS, PARALLEL_KERNEL_JIT_OPTIONS,
+    LEAN_KERNEL_JIT_OPTIONS, PARALLEL_KERNEL_JIT_OPTIONS, SMALL_LOOP_KERNEL_JIT_OPTIONS,
 )
 from backplan.codegen.scalar_functions import *  # noqa: F403
 from backplan.codegen.views import (
@@ -170,23 +170,26 @@ def _literals_as_parameters(body: list[str], params: list[str], arguments: list[
 
 
 def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[str] | None:
-    """`kernel_at` (arrays as addresses, loads and stores) and `kernel` (the same loop on
-    array views), or None where an array's dtype is unknown or the body uses an array other
-    than in a view. Compiled drivers call `kernel`: inlined there with the plan's sizes as
-    constants, the view form kept its speed where the address form lost some (a CNN's 4-deep
-    pooling loops: 41 against 52-62 us per call); it compiles with the driver, in the
-    background, while first calls use `kernel_at`."""
+    """`kernel_at` (arrays as addresses, loads and stores), `kernel_at_small` (the same, compiled
+    quickly, for calls over few elements: codegen/address_calls.py picks) and `kernel` (the
+    same loop on array views), or None where an array's dtype is unknown or the body uses an
+    array other than in a view. Compiled drivers call `kernel`: inlined there with the plan's
+    sizes as constants, the view form kept its speed where the address form lost some (a CNN's
+    4-deep pooling loops: 41 against 52-62 us per call); it compiles with the driver, in the
+    background, while first calls use `kernel_at` or `kernel_at_small`."""
     if any(d is None for d in dtypes.values()):
         return None
     loop = loads_and_stores(body, dtypes) or _views_at(body, dtypes)
     if loop is None:
         return None
+    at = [*("    " + line for line in loop), "", ""]
     return [
         "@njit(**ADDRESS_KERNEL_JIT_OPTIONS)",
         f"def kernel_at({', '.join(params)}):",
-        *("    " + line for line in loop),
-        "",
-        "",
+        *at,
+        "@njit(**SMALL_LOOP_KERNEL_JIT_OPTIONS)",
+        f"def kernel_at_small({', '.join(params)}):",
+        *at,
         "@njit(**DRIVER_KERNEL_JIT_OPTIONS)",
         f"def kernel({', '.join(params)}):",
         *("    " + line for line in body),

@@ -17,11 +17,11 @@ import math
 import numpy as np
 from numba import types
 from numba.core import cgutils
-from numba.core.extending import intrinsic
 from numba.core.imputils import impl_ret_borrowed
 from numba.core.ir_utils import _add_alias, alias_func_extensions
 from numba.np.arrayobj import make_array, populate_array
 
+from .intrinsics import intrinsic
 from .jit import AS_PYTHON
 
 

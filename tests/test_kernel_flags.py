@@ -61,7 +61,7 @@ def test_address_loops_compile_no_wrapper_and_run_through_their_native_entry(mon
 
     assert ADDRESS_KERNEL_JIT_OPTIONS["no_cfunc_wrapper"]
     kernels = compiled_loop_kernels(2, ((6, 4), (4,), (5, 6)))
-    loops = [kernel_cache.compiled_forms(k.digest)[0] for k in kernels]
+    loops = [loop for k in kernels for loop in kernel_cache.compiled_forms(k.digest)[:-1]]
     compiled = [result for loop in loops for result in loop.overloads.values()]
     assert compiled  # the first call ran the address loops
     for result in compiled:  # compiled here or loaded from the disk cache: symbols either way
@@ -81,13 +81,13 @@ def test_serial_kernels_take_the_short_pipeline_and_parallel_ones_numbas():
             x[i] *= 2.0
 
     pipelines = {}
-    for name in ("KERNEL", "LEAN_KERNEL", "ADDRESS_KERNEL", "PARALLEL_KERNEL"):
+    for name in ("KERNEL", "LEAN_KERNEL", "ADDRESS_KERNEL", "SMALL_LOOP_KERNEL", "PARALLEL_KERNEL"):
         options = {**getattr(flags, f"{name}_JIT_OPTIONS"), "cache": False}
         if name == "PARALLEL_KERNEL":
             options["parallel"] = True
         kernel = numba.njit(**options)(double)
         x = np.arange(5.0)
-        if name != "ADDRESS_KERNEL":  # no CPython wrapper: compile only
+        if name not in ("ADDRESS_KERNEL", "SMALL_LOOP_KERNEL"):  # these have no CPython wrapper
             kernel(x)
             np.testing.assert_array_equal(x, np.arange(5.0) * 2)
         (compiled,) = kernel.overloads.values() if kernel.overloads else [None]
@@ -96,6 +96,6 @@ def test_serial_kernels_take_the_short_pipeline_and_parallel_ones_numbas():
             (compiled,) = kernel.overloads.values()
         times = compiled.metadata["pipeline_times"]
         pipelines[name] = {pass_name for pipeline in times.values() for pass_name in pipeline}
-    for name in ("KERNEL", "LEAN_KERNEL", "ADDRESS_KERNEL"):
+    for name in ("KERNEL", "LEAN_KERNEL", "ADDRESS_KERNEL", "SMALL_LOOP_KERNEL"):
         assert not any("rewrite" in p or "unroll" in p for p in pipelines[name]), name
     assert any("parfor" in p for p in pipelines["PARALLEL_KERNEL"])

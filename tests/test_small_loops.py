@@ -1,0 +1,80 @@
+"""A driver running as Python calls a loop over few elements compiled quickly (LLVM level 1,
+no vectorisers: codegen/flags.py SMALL_LOOP_ELEMENTS) and a bigger one fully optimised, with
+the same results as the reference interpreter; a small call takes the full loop where that
+one is compiled already, so a model resized smaller compiles nothing."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen import kernel_cache
+from backplan.codegen.flags import SMALL_LOOP_ELEMENTS
+from backplan.runtime.backend import use_backend
+
+
+@pytest.fixture(autouse=True)
+def python_driver(monkeypatch, tmp_path):
+    """The driver runs as Python (its loops through their address forms) and every kernel is
+    compiled afresh: the cache folder is new and each test's loop body is its own."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", "python")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
+
+
+def shifted_tanh_sum(x):
+    return bp.sum(bp.tanh(x) * 1.0625 + 0.8125)
+
+
+def scaled_sigmoid_sum(x):
+    return bp.sum(bp.sigmoid(x) * 0.6875 - 0.1875)
+
+
+def gradient_checked(loss, shape, seed=0):
+    """loss's compiled value and gradient at a random x of this shape holding nan, inf and
+    -inf, checked against the reference interpreter; the plan's loop kernels."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
+    with use_backend("numba"):
+        vg = bp.value_and_grad(loss)
+        value, grad = vg(bp.tensor(x))
+        kernels = vg.trace(bp.tensor(x)).runner().compiled.loop_kernels
+    with use_backend("reference"):
+        expected, expected_grad = bp.value_and_grad(loss)(bp.tensor(x))
+    np.testing.assert_allclose(value.numpy(), expected.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert np.isnan(grad.numpy().reshape(-1)[0])  # nan kept its meaning
+    return kernels
+
+
+def compiled_forms(kernels) -> dict[str, list]:
+    """Each address loop form's compiled results, over all of the plan's address kernels."""
+    found = {"kernel_at": [], "kernel_at_small": []}
+    for kernel in kernels:
+        for form in kernel_cache.compiled_forms(kernel.digest)[:-1]:
+            found[form.__name__] += list(form.overloads.values())
+    return found
+
+
+def test_small_calls_run_a_loop_compiled_without_vectorisers():
+    small = (3, 5)
+    assert np.prod(small) <= SMALL_LOOP_ELEMENTS
+    forms = compiled_forms(gradient_checked(shifted_tanh_sum, small))
+    assert forms["kernel_at_small"] and not forms["kernel_at"]
+    for result in forms["kernel_at_small"]:
+        assert type(result.library).__name__ == "QuickCodeLibrary"
+        assert " x float>" not in result.library.get_llvm_str()  # no vector of floats
+
+
+def test_large_calls_run_the_vectorised_loop_and_small_calls_then_share_it():
+    large = (96, 64)
+    assert np.prod(large) > SMALL_LOOP_ELEMENTS
+    kernels = gradient_checked(scaled_sigmoid_sum, large)
+    forms = compiled_forms(kernels)
+    assert any(" x float>" in r.library.get_llvm_str() for r in forms["kernel_at"])
+    full = {k.digest for k in kernels if kernel_cache.compiled_forms(k.digest)[0].overloads}
+
+    resized = gradient_checked(scaled_sigmoid_sum, (5, 7), seed=1)
+    assert {k.digest for k in resized} >= full  # the same loop bodies
+    for kernel in resized:
+        if kernel.digest in full:  # its full loop was there: the small form never compiled
+            assert not kernel_cache.compiled_forms(kernel.digest)[1].overloads
