@@ -38,6 +38,7 @@ KERNEL_DEPENDENCIES = (
     "jit.py",
     "kernel_source.py",
     "lean_pipeline.py",
+    "loop_optimisation.py",
     "mathlib.py",
     "scalar_functions.py",
     "views.py",

@@ -6,7 +6,8 @@ their IEEE meaning. error_model="numpy": no zero-division checks, which block ve
 
 import numba
 
-from .lean_pipeline import LeanKernelCompiler, QuickKernelCompiler
+from .lean_pipeline import LeanKernelCompiler
+from .loop_optimisation import AddressLoopCompiler, SmallLoopCompiler
 
 FASTMATH = set({"reassoc", "contract", "arcp", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
@@ -23,20 +24,20 @@ LEAN_KERNEL_JIT_OPTIONS = {**KERNEL_JIT_OPTIONS, "_nrt": False}
 # its native entry through ctypes (codegen/address_calls.py); its twin on array views, which
 # compiled drivers call, has none either, and is always inlined there: the float literals it
 # takes as parameters are the driver's constants again (a CNN step was 5% slower where they
-# were not).
-ADDRESS_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
+# were not). The loops taking addresses run only until the compiled driver loads: LLVM
+# optimises them for a short compile (codegen/loop_optimisation.py), the loop over at most
+# SMALL_LOOP_ELEMENTS iterations without vectorising it at all. Vectorising such a loop saves
+# a few microseconds a call at most, less than a Python-run driver spends calling it; bigger
+# loops keep it: a deep MLP's Python-run steps took 1.6x as long with every loop scalar.
+ADDRESS_KERNEL_JIT_OPTIONS = {
+    **LEAN_KERNEL_JIT_OPTIONS,
+    "no_cpython_wrapper": True,
+    "pipeline_class": AddressLoopCompiler,
+}
+SMALL_LOOP_KERNEL_JIT_OPTIONS = {**ADDRESS_KERNEL_JIT_OPTIONS, "pipeline_class": SmallLoopCompiler}
+SMALL_LOOP_ELEMENTS = 4096
 DRIVER_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
 DRIVER_KERNEL_JIT_OPTIONS["forceinline"] = True
-# The same loop taking addresses, for calls over at most SMALL_LOOP_ELEMENTS iterations:
-# optimised once at level 1 without vectorisers (codegen/lean_pipeline.py). Vectorising such a
-# loop saves at most a few microseconds a call, less than a Python-run driver spends calling it;
-# compiling it costs most of a cold kernel's LLVM time. Loops above the bound keep the full
-# pipeline: a deep MLP's Python-run steps took 1.6x as long with every loop compiled quickly.
-SMALL_LOOP_KERNEL_JIT_OPTIONS = {
-    **ADDRESS_KERNEL_JIT_OPTIONS,
-    "pipeline_class": QuickKernelCompiler,
-}
-SMALL_LOOP_ELEMENTS = 4096
 # Below this a loop runs serial. A parallel kernel compiles about 3x slower than a serial one,
 # and the transformer block (loops of 2**18-2**20 elements) stepped as fast with every loop
 # serial (PERFORMANCE-NOTES.md); streams of several MiB gain from the second core's bandwidth.

@@ -61,7 +61,7 @@ def test_small_calls_run_a_loop_compiled_without_vectorisers():
     forms = compiled_forms(gradient_checked(shifted_tanh_sum, small))
     assert forms["kernel_at_small"] and not forms["kernel_at"]
     for result in forms["kernel_at_small"]:
-        assert type(result.library).__name__ == "QuickCodeLibrary"
+        assert type(result.library).__name__ == "Level1CodeLibrary"
         assert " x float>" not in result.library.get_llvm_str()  # no vector of floats
 
 
