@@ -179,7 +179,9 @@ def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[st
     background, while first calls use `kernel_at` or `kernel_at_small`."""
     if any(d is None for d in dtypes.values()):
         return None
-    loop = loads_and_stores(body, dtypes) or _views_at(body, dtypes)
+    # Views loads_and_stores leaves (a GEMM's operands, codegen/epilogue.py) are made from
+    # addresses.
+    loop = _views_at(loads_and_stores(body, dtypes) or body, dtypes)
     if loop is None:
         return None
     at = [*("    " + line for line in loop), "", ""]
@@ -198,6 +200,7 @@ def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[st
 
 _ADDRESS_VIEW = re.compile(r"^(\s*\w+ = )(contiguous|strided)_view\((a\d+), (.*)\)$")
 _ARRAY_PARAMETER = re.compile(r"\ba\d+\b")
+_ORIGIN = re.compile(r"^\s*p\d+ = origin\(a\d+, ")  # what loads_and_stores made of a view
 
 
 def _views_at(body: list[str], dtypes: dict) -> list[str] | None:
@@ -209,7 +212,7 @@ def _views_at(body: list[str], dtypes: dict) -> list[str] | None:
         if match:
             start, kind, array, rest = match.groups()
             loop.append(f"{start}{kind}_view_at({array}, {rest}, {dtypes[array]})")
-        elif _ARRAY_PARAMETER.search(line):
+        elif _ARRAY_PARAMETER.search(line) and not _ORIGIN.match(line):
             return None
         else:
             loop.append(line)
@@ -225,6 +228,9 @@ _NUMPY_SCALARS = {
 }  # fmt: skip
 _BUILTINS = {"range", "prange", "min", "max", "abs", "int", "float", "bool", "len"}
 _VIEWS = {"contiguous_view", "strided_view"}
+# Calls that return nothing and keep no array: the GEMM takes its arrays by address and its
+# packing buffers are its own (codegen/gemm/symbols.py).
+_RETURNS_NOTHING = {"own_gemm"}
 
 
 @functools.cache
@@ -239,7 +245,7 @@ def allocates(lines: list[str]) -> bool:
     reference-counting runtime: any call but the known scalar ones counts, conservatively.
     A missed allocation made in the kernel itself would be refused by Numba's compiler; one
     returned by a callee would leak, hence a list of what is allowed, not of what is not."""
-    allowed = _BUILTINS | _VIEWS | _scalar_functions()
+    allowed = _BUILTINS | _VIEWS | _RETURNS_NOTHING | _scalar_functions()
     for line in lines:
         for prefix, name in _CALL.findall(line):
             if prefix == "np." and name in _NUMPY_SCALARS:

@@ -10,6 +10,7 @@ import pytest
 from helpers import run_with_own_gemm_as_python
 
 import backplan as bp
+from backplan.codegen import kernel_cache
 from backplan.codegen.emit import generate
 from backplan.codegen.gemm import isa
 from backplan.ir.fusion import group_kernels
@@ -128,6 +129,31 @@ def test_values_and_gradients_match_reference_and_numpy(own_gemm, dtype, name):
             assert_blocked_close(g, e, dtype, terms)
         for a, original in zip(arrays, before, strict=True):
             np.testing.assert_array_equal(a, original)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_python_run_driver_calls_the_gemm_kernels_loops_taking_addresses(own_gemm, dtype):
+    """Until its compiled driver loads, a plan's driver runs as Python: a GEMM kernel (GEMM
+    and epilogue) then runs its loop taking addresses, lean (no reference counting, no
+    wrapper), with the reference interpreter's results."""
+    own_gemm.setenv("BACKPLAN_DRIVER", "python")
+    rng = np.random.default_rng(4)
+    for m, k, n in [(7, 33, 127), (200, 9, 40)]:
+        arrays = layer_arrays(rng, m, k, n, dtype)
+        ref = value_and_grad(layer_loss(bp.tanh), arrays, "reference")
+        got = value_and_grad(layer_loss(bp.tanh), arrays, "numba")
+        for r, g in zip(ref, got, strict=True):
+            assert_blocked_close(g, r, dtype, 3 * m + k + n)
+    with use_backend("numba"):
+        tensors = [bp.tensor(a) for a in arrays]
+        vg = bp.value_and_grad(layer_loss(bp.tanh), argnums=(0, 1, 2))
+        kernels = vg.trace(*tensors).runner().compiled.loop_kernels
+    gemm_kernels = [k for k in kernels if "own_gemm(" in k.source]
+    assert gemm_kernels
+    for kernel in gemm_kernels:
+        assert "@njit(**ADDRESS_KERNEL_JIT_OPTIONS)\ndef kernel_at(" in kernel.source
+        assert "contiguous_view_at(" in kernel.source
+        assert kernel_cache.compiled_forms(kernel.digest)[0].overloads  # it ran
 
 
 @pytest.mark.parametrize("act", [bp.tanh, bp.gelu], ids=["tanh", "gelu"])

@@ -107,18 +107,22 @@ def _kept_workspace(width, base, c):
     )
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=True)
 def _gemm_f32(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
     return _gemm_at_addresses(args, alpha, beta, np.float32(0))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, _nrt=True)
 def _gemm_f64(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
     return _gemm_at_addresses(args, alpha, beta, np.float64(0))
 
 
+# The entries ask for Numba's reference counting (_nrt=True) although a caller's compile may
+# run without it: the GEMM is first compiled when a kernel that calls it is, and a function
+# compiled inside another one inherits that one's settings where it does not set its own (a
+# lean GEMM kernel's compile then failed with "NRT required but not enabled").
 _FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64}
 _registered: set[str] = set()
 
