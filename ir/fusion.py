@@ -101,8 +101,9 @@ class Kernel:
 def group_kernels(graph: Graph) -> list[Kernel]:
     kernels: list[Kernel] = []
     home: dict[Value, int] = {}
+    latest_loops: dict[tuple, int] = {}  # iteration shape -> its latest loop kernel
     for node in graph.nodes:
-        home[node] = _place(node, kernels, home)
+        home[node] = _place(node, kernels, home, latest_loops)
     _recompute_cheap_inputs(kernels, home)
     return kernels
 
@@ -150,7 +151,7 @@ def _new(kernels, kernel) -> int:
     return len(kernels) - 1
 
 
-def _place(node: Value, kernels: list[Kernel], home) -> int:
+def _place(node: Value, kernels: list[Kernel], home, latest_loops: dict) -> int:
     if node.op == "full" or (is_alias(node) and alias_base(node).op == "full"):
         return _new(kernels, Kernel("literal", [node], node.shape))
     if is_alias(node):
@@ -158,18 +159,19 @@ def _place(node: Value, kernels: list[Kernel], home) -> int:
     tail = is_loop_tail(node)
     if is_loop_op(node) or tail:
         shape = node.inputs[0].shape if tail else node.shape
-        target = _joinable_loop(node, shape, kernels, home)
+        target = _joinable_loop(node, shape, kernels, home, latest_loops.get(shape))
         if target is None:
-            target = _new(kernels, Kernel("loop", [], shape))
+            target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
         (kernels[target].reductions if tail else kernels[target].nodes).append(node)
         return target
     kind = "view" if get_op(node.op).fusion == "view" else "op"
     return _new(kernels, Kernel(kind, [node], node.shape))
 
 
-def _joinable_loop(node, shape, kernels, home) -> int | None:
+def _joinable_loop(node, shape, kernels, home, latest: int | None) -> int | None:
     """The latest loop kernel of this iteration shape that computes one of node's inputs, or
-    else the latest loop kernel of this shape at all, whichever has every input ready."""
+    else the latest loop kernel of this shape at all (`latest`, kept by the caller: looking it
+    up made grouping quadratic in the plan's length), whichever has every input ready."""
     sources = [alias_base(i) for i in node.inputs]
     producers = [
         home[s]
@@ -179,10 +181,7 @@ def _joinable_loop(node, shape, kernels, home) -> int | None:
         and kernels[home[s]].shape == shape
         and s not in kernels[home[s]].reductions
     ]
-    latest = [
-        k for k, kernel in enumerate(kernels) if kernel.kind == "loop" and kernel.shape == shape
-    ][-1:]
-    for target in ([max(producers)] if producers else []) + latest:
+    for target in ([max(producers)] if producers else []) + ([] if latest is None else [latest]):
         if _ready(sources, target, kernels, home):
             return target
     return None
