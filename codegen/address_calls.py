@@ -17,8 +17,8 @@ import math
 import re
 import threading
 
-from . import driver_tier
 from .flags import SMALL_LOOP_ELEMENTS
+from .jit import is_cached
 
 # A parameter's Numba and C type, by its name (codegen/kernel_source.py): an array's address,
 # a float literal of the loop (c0_f32), or an integer (offsets, sizes, strides).
@@ -98,7 +98,7 @@ class AddressCall:
         return self._entries[small]
 
     def _full_is_ready(self) -> bool:
-        return self._entries[False] is not None or driver_tier.is_cached(self._loops[0])
+        return self._entries[False] is not None or is_cached(self._loops[0])
 
 
 _driver_call = threading.local()

@@ -25,7 +25,7 @@ from backplan.ir.types import np_dtype
 from . import cache, driver_builder, driver_tier, kernel_cache, progress
 from .emit import generate
 from .flags import flags_text
-from .jit import load_cached, start_parallel_runtime
+from .jit import is_cached, load_cached, start_parallel_runtime
 from .loops import internal_shape
 from .workspace import WorkspacePool, parallel_guard
 
@@ -119,7 +119,7 @@ class CompiledPlan:
         self.module_path = module.__file__  # the generated module in the cache folder
         self._build_lock = threading.Lock()
         if hasattr(module.run, "py_func") and mode != "inline":
-            compiled = module.run.overloads or driver_tier.is_cached(module.run)
+            compiled = module.run.overloads or is_cached(module.run)
             if mode == "reference" and not compiled:
                 self.driver_tier = "reference"  # kernels and driver build in the child
                 self._background = True

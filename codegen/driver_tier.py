@@ -90,11 +90,3 @@ def numba_signature(described: list) -> tuple:
         numba.types.Array(numba.from_dtype(np.dtype(d)), ndim, layout, readonly=readonly)
         for d, ndim, layout, readonly in described
     )
-
-
-def is_cached(dispatcher) -> bool:
-    """Whether a compiled `run` for this driver is in Numba's (signed) cache: its index file
-    exists (a prediction, as for kernels: the index may hold other argument types)."""
-    cache = getattr(dispatcher, "_cache", None)
-    index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
-    return index is not None and os.path.exists(index)

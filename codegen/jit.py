@@ -90,3 +90,12 @@ def load_cached(dispatcher, signature) -> bool:
         )
         dispatcher.add_overload(compiled)
         return True
+
+
+def is_cached(dispatcher) -> bool:
+    """Whether a compiled version of this dispatcher (a plan's driver, a kernel's loop) is in
+    Numba's (signed) cache: its index file exists (a prediction: the index may hold other
+    argument types)."""
+    cache = getattr(dispatcher, "_cache", None)
+    index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
+    return index is not None and os.path.exists(index)

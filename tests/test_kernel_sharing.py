@@ -193,3 +193,21 @@ def test_driver_build_estimate_grows_with_statements_and_skips_twins_already_com
         kernels
     ) == pytest.approx(progress.driver_seconds(statements, list(kernels)))
     assert progress.driver_seconds(10 * statements, []) > progress.driver_seconds(statements, [])
+
+
+def test_first_call_estimate_prices_a_loop_taking_addresses_apart(monkeypatch, tmp_path):
+    """A first call compiles a kernel's loop taking addresses where it has one (optimised
+    once, cheaper), any other kernel whole; the estimate prices each so."""
+    from backplan.codegen import progress
+    from backplan.codegen.kernel_source import KernelSource
+
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))  # nothing cached
+    address = KernelSource("a" * 64, "def kernel_at(a0):\n    pass\ndef kernel(a0):\n", False, ())
+    plain = KernelSource("b" * 64, "def kernel(a0):\n    pass\n", False, ())
+    parallel = KernelSource("c" * 64, "def kernel(a0):\n    pass\n", True, ())
+    guess = progress.estimate([address, plain, parallel], driver_cached=True)
+    assert guess.to_compile == 3
+    assert guess.seconds == pytest.approx(
+        progress.ADDRESS_LOOP_SECONDS + progress.SERIAL_SECONDS + progress.PARALLEL_SECONDS
+    )
+    assert progress.ADDRESS_LOOP_SECONDS < progress.SERIAL_SECONDS
