@@ -84,6 +84,11 @@ class KernelSource:
         """The name the plan's driver gives the kernel."""
         return f"k_{self.digest[:20]}"
 
+    @property
+    def takes_addresses(self) -> bool:
+        """Whether a Python-run driver calls its loops taking addresses (`kernel_at`)."""
+        return "def kernel_at(" in self.source
+
 
 def canonical_kernel(
     lines: list[str],

@@ -84,10 +84,7 @@ def _kernel_seconds(kernels: list[KernelSource]) -> float:
 
 
 def _first_call_seconds(kernels: list[KernelSource]) -> float:
-    return sum(
-        ADDRESS_LOOP_SECONDS if "def kernel_at(" in k.source else _kernel_seconds([k])
-        for k in kernels
-    )
+    return sum(ADDRESS_LOOP_SECONDS if k.takes_addresses else _kernel_seconds([k]) for k in kernels)
 
 
 def threshold_seconds() -> float:
