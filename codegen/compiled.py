@@ -124,7 +124,7 @@ class CompiledPlan:
                 self.driver_tier = "reference"  # kernels and driver build in the child
                 self._background = True
             elif mode == "python" or not compiled:
-                self._run = driver_tier.python_driver(self.source, module.__file__)
+                self._run = driver_tier.python_driver(module)
                 self.driver_tier = "python"
                 self._background = mode == "background"
         if not self._background:

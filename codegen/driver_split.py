@@ -13,6 +13,8 @@ slower) calls the parts in order; a part takes the names it reads that an earlie
 from __future__ import annotations
 
 import ast
+import keyword
+import re
 from dataclasses import dataclass
 
 # Measured (2-core box, cold cache): mlp_deep's ~380-statement driver compiles faster as one
@@ -75,26 +77,65 @@ def _function(name: str, params: list[str], lines: list[str], decorator: str) ->
     return header + "\n".join("    " + line for line in lines) + "\n"
 
 
-def _statements(body: list[str]) -> list[tuple[list[str], ast.stmt]]:
-    """The body's top-level statements, each with the comment lines just above it, and its
-    parsed form (the body is parsed once: parsing each statement again cost an unrolled
-    48-step LSTM's first call a tenth of a second)."""
+def _statements(body: list[str]) -> list[tuple[list[str], ast.stmt, str]]:
+    """The body's top-level statements, each with the comment lines just above it, its parsed
+    form and its last line (the body is parsed once: parsing each statement again cost an
+    unrolled 48-step LSTM's first call a tenth of a second)."""
     tree = ast.parse("\n".join(body))
     statements, start = [], 0
     for node in tree.body:
         end = node.end_lineno
-        statements.append((body[start:end], node))
+        statements.append((body[start:end], node, body[end - 1]))
         start = end
     if start < len(body) and statements:
-        lines, node = statements[-1]
-        statements[-1] = (lines + body[start:], node)  # trailing comments
+        lines, node, line = statements[-1]
+        statements[-1] = (lines + body[start:], node, line)  # trailing comments
     return statements
 
 
-def _part(statements: list[tuple[list[str], ast.stmt]]) -> _Part:
+def _part(statements: list[tuple[list[str], ast.stmt, str]]) -> _Part:
     reads, defines = set(), set()
-    for _, node in statements:
-        names = [n for n in ast.walk(node) if isinstance(n, ast.Name)]
-        reads |= {n.id for n in names if isinstance(n.ctx, ast.Load)} - defines
-        defines |= {n.id for n in names if isinstance(n.ctx, ast.Store)}
-    return _Part([lines for lines, _ in statements], reads, defines)
+    for _, node, line in statements:
+        loads, stores = _simple_names(line, node) or _names(node)
+        reads |= loads - defines
+        defines |= stores
+    return _Part([lines for lines, _, _ in statements], reads, defines)
+
+
+def _names(node: ast.stmt) -> tuple[set, set]:
+    """(names read, names written) by a statement."""
+    names = [n for n in ast.walk(node) if isinstance(n, ast.Name)]
+    return (
+        {n.id for n in names if isinstance(n.ctx, ast.Load)},
+        {n.id for n in names if isinstance(n.ctx, ast.Store)},
+    )
+
+
+_IDENTIFIER = re.compile(r"(?<![\w.])[A-Za-z_]\w*")
+_NOT_NAMES = frozenset(("True", "False", "None"))
+
+
+def _simple_names(line: str, node: ast.stmt) -> tuple[set, set] | None:
+    """_names of a one-line call or assignment to names (`line`), read off its text; None for
+    any other statement. Nearly every statement of a driver is one, and walking their syntax
+    trees cost an unrolled 48-step LSTM's first call a fifth of a second."""
+    if node.lineno != node.end_lineno or node.col_offset or not line.isascii():
+        return None
+    if isinstance(node, ast.Assign):
+        targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        if not all(isinstance(t, ast.Name) for t in targets):
+            return None
+        stores = {t.id for t in targets}
+        _, assigned, text = line.partition(" = ")
+        if not assigned:
+            return None
+    elif isinstance(node, ast.Expr):
+        stores, text = set(), line
+    else:
+        return None
+    if any(c in text for c in "=#;'\""):
+        return None  # keyword arguments, strings, comments, two statements: the tree knows
+    loads = set(_IDENTIFIER.findall(text)) - _NOT_NAMES
+    if any(keyword.iskeyword(name) for name in loads):
+        return None
+    return loads, stores

@@ -22,6 +22,7 @@ a short script starts compiled) or `kill`.
 from __future__ import annotations
 
 import os
+import types
 
 import numpy as np
 
@@ -55,17 +56,21 @@ def at_exit_mode() -> str:
     return mode
 
 
-def python_driver(source: str, path: str):
-    """`run` of the generated source as a plain Python function whose parts are Python too;
+def python_driver(module: types.ModuleType):
+    """`run` of the generated module as a plain Python function whose parts are Python too;
     the kernels, GEMMs and library functions it calls stay compiled (address kernels through
-    their C entries: codegen/kernel_cache.python_call)."""
+    their C entries: codegen/kernel_cache.python_call). Its functions are the module's own code
+    objects bound to a scope of their own: compiling the source again cost an unrolled 48-step
+    LSTM's first call 0.05 s, and the module itself must keep the kernels Numba compiles."""
     from . import address_calls, kernel_cache
 
-    scope = {"__name__": "backplan_python_driver", "__file__": path}
-    exec(compile(source, path, "exec"), scope)
+    scope = dict(module.__dict__, __name__="backplan_python_driver")
     for name, value in list(scope.items()):
         if (name == "run" or name.startswith("run_part")) and hasattr(value, "py_func"):
-            scope[name] = value.py_func
+            function = value.py_func
+            scope[name] = types.FunctionType(
+                function.__code__, scope, name, function.__defaults__, function.__closure__
+            )
         elif name.startswith("k_"):
             scope[name] = kernel_cache.python_call(value)
     return address_calls.with_addresses(scope["run"])

@@ -2,7 +2,10 @@
 exactly the names later parts read, the split plan computes what the reference does, and a slow
 first call says when each part is compiled."""
 
+import ast
+
 import numpy as np
+import pytest
 
 import backplan as bp
 from backplan.codegen import driver_split
@@ -69,3 +72,50 @@ def test_a_split_driver_matches_the_reference_and_reports_its_parts(monkeypatch,
         expected_value, expected_grad = bp.value_and_grad(rnn)(u, xs)
     np.testing.assert_allclose(value.numpy(), expected_value.numpy(), rtol=1e-5)
     np.testing.assert_allclose(grad.numpy(), expected_grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+_STATEMENTS = [
+    "k_ab12(scratch_f32, np.intp(1072), v3, np.float32(1.5e-05), v1_1d)",
+    "v4 = scratch_f32[128:192].reshape((8, 8))",
+    "v9_1d = v9.reshape(-1)",
+    "(v2, v7, ) = run_part3(v1, scratch_f32, True, None)",
+    "v5 = v4[0:8:1, 2:4:1].transpose((1, 0))",
+    "own_gemm_at(512, False, False, np.intp(8), v3, np.intp(768), v0, np.intp(0))",
+    "return (v2, v7)",
+    "return v2",
+    "bad = one_hot(v1, v2, 10)",
+    "v3 = v2 if v1 else v0",
+    "v3 = f(v2, axis=v1)",
+    "v3 = g('v8')",
+    "v3 = [v4 for v4 in v5]",
+    "v3[v1] = v2",
+    "v3 = v4 = h(v1)",
+    "v3 = v1; v4 = v3",
+    "h(v1)  # v9 in a comment",
+    "v3 = lambda v1: v1 + v2",
+    "v3 += v1",
+    "v3 = v1 == v2",
+]
+
+
+@pytest.mark.parametrize("line", _STATEMENTS)
+def test_names_read_off_the_text_are_the_syntax_trees(line):
+    """The fast reading of a statement's names gives the syntax tree's names, or declines."""
+    source = line if not line.startswith("return") else f"def f():\n    {line}"
+    node = ast.parse(source).body[0]
+    if isinstance(node, ast.FunctionDef):
+        node = node.body[0]
+        node.col_offset = 0
+    fast = driver_split._simple_names(line, node)
+    if fast is not None:
+        assert fast == driver_split._names(node)
+
+
+def test_the_text_reading_declines_what_it_cannot_read():
+    declined = [
+        s
+        for s in _STATEMENTS
+        if driver_split._simple_names(s, ast.parse(s).body[0]) is None
+        and not s.startswith("return")
+    ]
+    assert declined == _STATEMENTS[9:]

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backplan.ir import memory_plan
 from backplan.ir.errors import BackplanError
 from backplan.ir.memory_plan import (
     BufferRequest,
@@ -143,6 +144,47 @@ def test_plans_are_deterministic(requests):
     first = assign_memory(requests)
     again = assign_memory(copy.deepcopy(requests))
     assert first == again
+
+
+def _best_fit_by_scan(chains, alignment):
+    """The placement rule written as a plain scan of every placed buffer: what the planner's
+    array form must give, offset for offset."""
+    order = sorted(
+        range(len(chains)), key=lambda i: (-chains[i][0].nbytes, chains[i][0].first_step)
+    )
+    offsets, placed, end = [0] * len(chains), [], 0
+    for i in order:
+        nbytes, first, last = chains[i][0].nbytes, chains[i][0].first_step, chains[i][-1].last_step
+        if nbytes == 0:
+            continue
+        taken = sorted(
+            (offsets[j], offsets[j] + r.nbytes)
+            for j in placed
+            for r in chains[j]
+            if r.first_step <= last and first <= r.last_step
+        )
+        best, best_gap, prev_end = None, None, 0
+        for start, stop in taken:
+            aligned = -(-prev_end // alignment) * alignment
+            if start - aligned >= nbytes and (best_gap is None or start - aligned < best_gap):
+                best, best_gap = aligned, start - aligned
+            prev_end = max(prev_end, stop)
+        offsets[i] = -(-prev_end // alignment) * alignment if best is None else best
+        placed.append(i)
+        end = max(end, offsets[i] + nbytes)
+    return offsets, end
+
+
+@settings(max_examples=200, deadline=None)
+@given(schedules(), st.sampled_from([8, 64, 256]))
+def test_best_fit_places_as_the_plain_scan_does(requests, alignment_bytes):
+    in_place = memory_plan._resolve_in_place(requests)
+    by_arena = {}
+    for chain in memory_plan._chains(requests, in_place):
+        by_arena.setdefault((chain[0].arena, chain[0].dtype), []).append(chain)
+    for chains in by_arena.values():
+        expected = _best_fit_by_scan(chains, alignment_bytes)
+        assert memory_plan._place_best_fit(chains, alignment_bytes) == expected
 
 
 # ---------------------------------------------------------------- in-place hints, by hand
