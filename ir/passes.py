@@ -92,6 +92,41 @@ def algebraic_simplification(graph: Graph) -> Graph:
     return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])
 
 
+def expand_layer_norm(graph: Graph) -> Graph:
+    """Rewrite layer_norm into the primitives its derivative rule uses, in the same order, so
+    common-subexpression elimination shares them with the gradient and fusion can make one
+    loop over each row of its statistics, its normalisation and the elementwise ops around it
+    (as one call it wrote its whole output and the next loop read it back). Only for joint
+    plans, like expand_tanh_gelu."""
+    from .builder import Builder
+
+    if not any(n.op == "layer_norm" for n in graph.nodes):
+        return graph
+    mapping: dict[Value, Value] = {}
+    result = _rebuild(graph, [], [])
+    for node in graph.nodes:
+        inputs = tuple(mapping.get(i, i) for i in node.inputs)
+        if node.op == "layer_norm":
+            b, x, dt = Builder(result, node.loc), inputs[0], node.dtype
+            last = len(node.shape) - 1
+            inv_n = b.scalar(1.0 / node.shape[-1], dt)
+            mean = b.mul(b.sum(x, axes=(last,), keepdims=True), inv_n)
+            centered = b.sub(x, mean)
+            squares = b.sum(b.mul(centered, centered), axes=(last,), keepdims=True)
+            var = b.mul(squares, inv_n)
+            eps = b.scalar(node.attrs["eps"], dt)
+            rstd = b.div(b.scalar(1, dt), b.sqrt(b.add(var, eps)))
+            y = b.mul(centered, rstd)
+            if len(inputs) == 3:
+                y = b.add(b.mul(y, inputs[1]), inputs[2])
+            mapping[node] = y
+            continue
+        mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
+        result.nodes.append(mapping[node])
+    result.outputs = [mapping.get(o, o) for o in graph.outputs]
+    return result
+
+
 def expand_tanh_gelu(graph: Graph) -> Graph:
     """Rewrite tanh-form gelu into the primitives its derivative rule uses, in the same order,
     so common-subexpression elimination computes the tanh once for both. Only for joint plans:

@@ -31,6 +31,7 @@ from .passes import (
     algebraic_simplification,
     common_subexpression_elimination,
     dead_code_elimination,
+    expand_layer_norm,
     expand_tanh_gelu,
 )
 from .remat import rematerialize, rematerialize_joint
@@ -194,6 +195,7 @@ def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) 
     joint.outputs = joint.outputs + grads
     joint = log.record("autodiff", joint)
     joint = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(joint)), log)
+    joint = cleanup(log.record("expand_layer_norm", expand_layer_norm(joint)), log)
     # after the last cleanup: common-subexpression elimination would merge the copies back
     joint = log.record("rematerialize", rematerialize_joint(joint, n_outputs))
     return _plan(joint, log)
