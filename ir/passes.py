@@ -92,6 +92,47 @@ def algebraic_simplification(graph: Graph) -> Graph:
     return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])
 
 
+def flatten_shared_matmuls(graph: Graph) -> Graph:
+    """x[..., m, k] @ w[k, n] as one (batch * m) x k @ k x n product: every batch shares w, so
+    one GEMM does what a loop of small ones did, and the derivative the rule then builds for w
+    is one (batch * m)-deep product too, instead of a product per batch element written out
+    and summed (a transformer block's weight gradients: 8 MiB written and read back per
+    matmul). Only where x is computed or a plan input, so flattening it is a view."""
+    from .builder import Builder
+    from .registry import get_op
+
+    def plain(value: Value) -> bool:
+        if value.op == "input":
+            return True
+        return value.op != "const" and get_op(value.op).fusion in ("elementwise", "reduction",
+                                                                   "opaque")  # fmt: skip
+
+    def flattens(node: Value) -> bool:
+        return (
+            node.op == "matmul"
+            and len(node.shape) > 2
+            and len(node.inputs[1].shape) == 2
+            and plain(node.inputs[0])
+        )
+
+    if not any(flattens(n) for n in graph.nodes):
+        return graph
+    mapping: dict[Value, Value] = {}
+    result = _rebuild(graph, [], [])
+    for node in graph.nodes:
+        inputs = tuple(mapping.get(i, i) for i in node.inputs)
+        if flattens(node):
+            b, (x, w) = Builder(result, node.loc), inputs
+            rows = x.type.size // x.shape[-1]
+            flat = b.matmul(b.reshape(x, shape=(rows, x.shape[-1])), w)
+            mapping[node] = b.reshape(flat, shape=node.shape)
+            continue
+        mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
+        result.nodes.append(mapping[node])
+    result.outputs = [mapping.get(o, o) for o in graph.outputs]
+    return result
+
+
 def expand_layer_norm(graph: Graph) -> Graph:
     """Rewrite layer_norm into the primitives its derivative rule uses, in the same order, so
     common-subexpression elimination shares them with the gradient and fusion can make one

@@ -32,6 +32,7 @@ from .passes import (
     common_subexpression_elimination,
     dead_code_elimination,
     expand_layer_norm,
+    flatten_shared_matmuls,
     expand_tanh_gelu,
 )
 from .remat import rematerialize, rematerialize_joint
@@ -82,12 +83,14 @@ def attention_fusion_on() -> bool:
 
 def traced(graph: Graph, log: PassLog) -> Graph:
     """The traced graph cleaned up, with hand-written attention fused before differentiation
-    (so its derivative is the fused one)."""
+    (so its derivative is the fused one) and batched products with a shared matrix flattened
+    (ir/passes.py flatten_shared_matmuls)."""
     graph = cleanup(log.record("trace", graph), log)
-    if not attention_fusion_on():
-        return graph
-    fused = fuse_attention(graph)
-    return graph if fused is graph else cleanup(log.record("fuse_attention", fused), log)
+    if attention_fusion_on():
+        fused = fuse_attention(graph)
+        graph = graph if fused is graph else cleanup(log.record("fuse_attention", fused), log)
+    flat = flatten_shared_matmuls(graph)
+    return graph if flat is graph else cleanup(log.record("flatten_shared_matmuls", flat), log)
 
 
 @dataclass
