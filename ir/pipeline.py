@@ -32,8 +32,8 @@ from .passes import (
     common_subexpression_elimination,
     dead_code_elimination,
     expand_layer_norm,
-    flatten_shared_matmuls,
     expand_tanh_gelu,
+    flatten_shared_matmuls,
 )
 from .remat import rematerialize, rematerialize_joint
 from .types import is_float
