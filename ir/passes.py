@@ -102,8 +102,8 @@ def flatten_shared_matmuls(graph: Graph) -> Graph:
     from .registry import get_op
 
     def plain(value: Value) -> bool:
-        if value.op == "input":
-            return True
+        if value.op in ("input", "reshape"):
+            return True  # a reshape that is not a view is a copy already: flattening it is free
         return value.op != "const" and get_op(value.op).fusion in ("elementwise", "reduction",
                                                                    "opaque")  # fmt: skip
 

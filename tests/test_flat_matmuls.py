@@ -113,3 +113,32 @@ def test_special_values_stay_in_their_rows():
     dx = dx.numpy()
     assert np.isnan(dx[1, 2]).all()
     assert np.isfinite(np.delete(dx.reshape(6, 4), 5, axis=0)).all()
+
+
+def heads_projection(h, w, c):
+    """Attention's output projection: heads moved back beside the features, then one weight."""
+    b, heads, t, d = h.shape
+    x = bp.reshape(bp.transpose(h, (0, 2, 1, 3)), (b, t, heads * d))
+    return bp.sum(bp.tanh(x @ w) * c)
+
+
+def test_a_reshaped_transpose_is_flattened_and_stays_correct():
+    rng = np.random.default_rng(11)
+    h, w = rng.standard_normal((2, 3, 5, 4)), rng.standard_normal((12, 7)) / 4
+    c = rng.standard_normal((2, 5, 7))
+    fn = bp.compile(heads_projection)
+    args = [bp.tensor(a) for a in (h, w, c)]
+    value, (dh, dw) = bp.value_and_grad(fn, argnums=(0, 1))(*args)
+    x = h.transpose(0, 2, 1, 3).reshape(2, 5, 12)
+    loss, dx, dw_want = reference(x, w, c, False)
+    np.testing.assert_allclose(float(value.numpy()), loss, rtol=1e-10)
+    np.testing.assert_allclose(dw.numpy(), dw_want, rtol=1e-10, atol=1e-12)
+    dh_want = dx.reshape(2, 5, 3, 4).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(dh.numpy(), dh_want, rtol=1e-10, atol=1e-12)
+    graph = Graph(name="heads")
+    b = Builder(graph)
+    heads = graph.add_input(TensorType("f32", (2, 3, 5, 4)))
+    w_in = graph.add_input(TensorType("f32", (12, 7)))
+    x_in = b.reshape(b.transpose(heads, perm=(0, 2, 1, 3)), shape=(2, 5, 12))
+    graph.outputs = [b.sum(b.tanh(b.matmul(x_in, w_in)), axes=(0, 1, 2))]
+    assert _matmul_ranks(build_joint_plan(graph, [True, True]).graph) == [2, 2, 2]
