@@ -97,7 +97,8 @@ def flatten_shared_matmuls(graph: Graph) -> Graph:
     one GEMM does what a loop of small ones did, and the derivative the rule then builds for w
     is one (batch * m)-deep product too, instead of a product per batch element written out
     and summed (a transformer block's weight gradients: 8 MiB written and read back per
-    matmul). Only where x is computed or a plan input, so flattening it is a view."""
+    matmul). Only where x is computed, a plan input or a reshape, so flattening it costs
+    nothing (a transposed view stays batched: flattening it would copy it)."""
     from .builder import Builder
     from .registry import get_op
 
