@@ -180,13 +180,12 @@ def _tightest_gap(starts: np.ndarray, ends: np.ndarray, nbytes: int, alignment: 
     starts, ends = starts[by_address], ends[by_address]
     before = np.empty_like(ends)  # the furthest end of the ranges before each one
     before[0] = 0
-    np.maximum.accumulate(ends[:-1], out=before[1:])
-    np.maximum(before, 0, out=before)
+    np.maximum.accumulate(ends[:-1], out=before[1:])  # ends are >= 0: no clamp needed
     aligned = -(-before // alignment) * alignment
     gaps = starts - aligned
     fits = np.flatnonzero(gaps >= nbytes)
     if not len(fits):
-        return int(-(-max(int(ends.max()), 0) // alignment) * alignment)
+        return int(-(-int(ends.max()) // alignment) * alignment)
     return int(aligned[fits[np.argmin(gaps[fits])]])
 
 

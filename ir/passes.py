@@ -92,6 +92,26 @@ def algebraic_simplification(graph: Graph) -> Graph:
     return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])
 
 
+def _rewrite(graph: Graph, matches, expand) -> Graph:
+    """The graph with every node `matches` accepts replaced by what `expand(builder, node,
+    inputs)` builds from the (rewritten) inputs, at the node's source line."""
+    from .builder import Builder
+
+    if not any(matches(n) for n in graph.nodes):
+        return graph
+    mapping: dict[Value, Value] = {}
+    result = _rebuild(graph, [], [])
+    for node in graph.nodes:
+        inputs = tuple(mapping.get(i, i) for i in node.inputs)
+        if matches(node):
+            mapping[node] = expand(Builder(result, node.loc), node, inputs)
+            continue
+        mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
+        result.nodes.append(mapping[node])
+    result.outputs = [mapping.get(o, o) for o in graph.outputs]
+    return result
+
+
 def flatten_shared_matmuls(graph: Graph) -> Graph:
     """x[..., m, k] @ w[k, n] as one (batch * m) x k @ k x n product: every batch shares w, so
     one GEMM does what a loop of small ones did, and the derivative the rule then builds for w
@@ -99,7 +119,6 @@ def flatten_shared_matmuls(graph: Graph) -> Graph:
     and summed (a transformer block's weight gradients: 8 MiB written and read back per
     matmul). Only where x is computed, a plan input or a reshape, so flattening it costs
     nothing (a transposed view stays batched: flattening it would copy it)."""
-    from .builder import Builder
     from .registry import get_op
 
     def plain(value: Value) -> bool:
@@ -116,80 +135,40 @@ def flatten_shared_matmuls(graph: Graph) -> Graph:
             and plain(node.inputs[0])
         )
 
-    if not any(flattens(n) for n in graph.nodes):
-        return graph
-    mapping: dict[Value, Value] = {}
-    result = _rebuild(graph, [], [])
-    for node in graph.nodes:
-        inputs = tuple(mapping.get(i, i) for i in node.inputs)
-        if flattens(node):
-            b, (x, w) = Builder(result, node.loc), inputs
-            rows = x.type.size // x.shape[-1]
-            flat = b.matmul(b.reshape(x, shape=(rows, x.shape[-1])), w)
-            mapping[node] = b.reshape(flat, shape=node.shape)
-            continue
-        mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
-        result.nodes.append(mapping[node])
-    result.outputs = [mapping.get(o, o) for o in graph.outputs]
-    return result
+    def flat(b, node: Value, inputs: tuple) -> Value:
+        x, w = inputs
+        product = b.matmul(b.reshape(x, shape=(x.type.size // x.shape[-1], x.shape[-1])), w)
+        return b.reshape(product, shape=node.shape)
+
+    return _rewrite(graph, flattens, flat)
 
 
 def expand_layer_norm(graph: Graph) -> Graph:
-    """Rewrite layer_norm into the primitives its derivative rule uses, in the same order, so
-    common-subexpression elimination shares them with the gradient and fusion can make one
-    loop over each row of its statistics, its normalisation and the elementwise ops around it
-    (as one call it wrote its whole output and the next loop read it back). Only for joint
-    plans, like expand_tanh_gelu."""
-    from .builder import Builder
+    """Rewrite layer_norm into the primitives its derivative rule uses, in the same order
+    (ir/ops/nn.py normalise_last_axis), so common-subexpression elimination shares them with
+    the gradient and fusion can make one loop over each row of its statistics, its
+    normalisation and the elementwise ops around it (as one call it wrote its whole output and
+    the next loop read it back). Only for joint plans, like expand_tanh_gelu."""
+    from .ops.nn import normalise_last_axis
 
-    if not any(n.op == "layer_norm" for n in graph.nodes):
-        return graph
-    mapping: dict[Value, Value] = {}
-    result = _rebuild(graph, [], [])
-    for node in graph.nodes:
-        inputs = tuple(mapping.get(i, i) for i in node.inputs)
-        if node.op == "layer_norm":
-            b, x, dt = Builder(result, node.loc), inputs[0], node.dtype
-            last = len(node.shape) - 1
-            inv_n = b.scalar(1.0 / node.shape[-1], dt)
-            mean = b.mul(b.sum(x, axes=(last,), keepdims=True), inv_n)
-            centered = b.sub(x, mean)
-            squares = b.sum(b.mul(centered, centered), axes=(last,), keepdims=True)
-            var = b.mul(squares, inv_n)
-            eps = b.scalar(node.attrs["eps"], dt)
-            rstd = b.div(b.scalar(1, dt), b.sqrt(b.add(var, eps)))
-            y = b.mul(centered, rstd)
-            if len(inputs) == 3:
-                y = b.add(b.mul(y, inputs[1]), inputs[2])
-            mapping[node] = y
-            continue
-        mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
-        result.nodes.append(mapping[node])
-    result.outputs = [mapping.get(o, o) for o in graph.outputs]
-    return result
+    def expand(b, node: Value, inputs: tuple) -> Value:
+        _, _, y = normalise_last_axis(b, inputs[0], node.attrs["eps"])
+        return y if len(inputs) == 1 else b.add(b.mul(y, inputs[1]), inputs[2])
+
+    return _rewrite(graph, lambda n: n.op == "layer_norm", expand)
 
 
 def expand_tanh_gelu(graph: Graph) -> Graph:
     """Rewrite tanh-form gelu into the primitives its derivative rule uses, in the same order,
     so common-subexpression elimination computes the tanh once for both. Only for joint plans:
     there forward and backward live in one graph, and gelu's own entry saves nothing."""
-    from .builder import Builder
     from .ops.elementwise import GELU_C, GELU_K
 
-    if not any(n.op == "gelu" and n.attrs["approximate"] == "tanh" for n in graph.nodes):
-        return graph
-    mapping: dict[Value, Value] = {}
-    result = _rebuild(graph, [], [])
-    for node in graph.nodes:
-        inputs = tuple(mapping.get(i, i) for i in node.inputs)
-        if node.op == "gelu" and node.attrs["approximate"] == "tanh":
-            b, (x,), dt = Builder(result, node.loc), inputs, node.dtype
-            x2 = b.mul(x, x)
-            inner = b.mul(b.scalar(GELU_K, dt), b.add(x, b.mul(b.scalar(GELU_C, dt), b.mul(x2, x))))
-            half_x = b.mul(b.scalar(0.5, dt), x)
-            mapping[node] = b.mul(half_x, b.add(b.scalar(1, dt), b.tanh(inner)))
-            continue
-        mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
-        result.nodes.append(mapping[node])
-    result.outputs = [mapping.get(o, o) for o in graph.outputs]
-    return result
+    def expand(b, node: Value, inputs: tuple) -> Value:
+        (x,), dt = inputs, node.dtype
+        x2 = b.mul(x, x)
+        inner = b.mul(b.scalar(GELU_K, dt), b.add(x, b.mul(b.scalar(GELU_C, dt), b.mul(x2, x))))
+        half_x = b.mul(b.scalar(0.5, dt), x)
+        return b.mul(half_x, b.add(b.scalar(1, dt), b.tanh(inner)))
+
+    return _rewrite(graph, lambda n: n.op == "gelu" and n.attrs["approximate"] == "tanh", expand)

@@ -184,17 +184,24 @@ def _ln_ref(x, *affine, eps):
     return y
 
 
-def _ln_vjp(ctx, g):
-    """Saves x (and the weight); mean and 1/std are recomputed, not saved."""
-    b, x_t = ctx.b, ctx.in_type(0)
-    dt, last, n = x_t.dtype, len(x_t.shape) - 1, x_t.shape[-1]
-    inv_n = b.scalar(1.0 / n, dt)
-    x = ctx.input(0)
+def normalise_last_axis(b, x, eps: float):
+    """(1/n, 1/std, x normalised) over the last axis, in registry ops: layer_norm's derivative
+    rule builds them, and joint plans write layer_norm itself with them (ir/passes.py
+    expand_layer_norm), in the same order, so common-subexpression elimination shares them."""
+    dt, last = x.dtype, len(x.shape) - 1
+    inv_n = b.scalar(1.0 / x.shape[-1], dt)
     mean = b.mul(b.sum(x, axes=(last,), keepdims=True), inv_n)
     centered = b.sub(x, mean)
     var = b.mul(b.sum(b.mul(centered, centered), axes=(last,), keepdims=True), inv_n)
-    rstd = b.div(b.scalar(1, dt), b.sqrt(b.add(var, b.scalar(ctx.attrs["eps"], dt))))
-    xhat = b.mul(centered, rstd)
+    rstd = b.div(b.scalar(1, dt), b.sqrt(b.add(var, b.scalar(eps, dt))))
+    return inv_n, rstd, b.mul(centered, rstd)
+
+
+def _ln_vjp(ctx, g):
+    """Saves x (and the weight); mean and 1/std are recomputed, not saved."""
+    b, x_t = ctx.b, ctx.in_type(0)
+    last = len(x_t.shape) - 1
+    inv_n, rstd, xhat = normalise_last_axis(b, ctx.input(0), ctx.attrs["eps"])
     affine = len(ctx.node.inputs) == 3
     grads = [None] * len(ctx.node.inputs)
     if ctx.needs[0]:
