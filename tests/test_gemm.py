@@ -79,6 +79,24 @@ def test_gemm_strided_views_and_multiple_k_blocks(width):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_b_read_in_place_and_packed_agree(width):
+    """One row block of C reads B in place, more rows pack it (driver.py): both, with an edge
+    panel, k over two k blocks, and B's rows strided, match float64."""
+    from backplan.codegen.gemm.driver import MC
+
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, np.float64):
+        b = rng.standard_normal((300, 140)).astype(dtype)[:, ::2]  # 300 x 70, strided columns
+        b_rows = np.ascontiguousarray(b)
+        for m in (MC, MC + 1, 3 * MC + 5):
+            a = rng.standard_normal((m, 300)).astype(dtype)
+            for operand in (b, b_rows):
+                c = np.full((m, 70), np.nan, dtype)
+                own.gemm(width, False, False, 1.0, a, operand, 0.0, c)
+                _check(c, a, operand, False, False, dtype)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_batched_gemm_with_broadcast_batch(width):
     """Attention-like batches: b shared by every batch entry (batch size 1), or a shared."""
     rng = np.random.default_rng(2)
@@ -174,6 +192,9 @@ def test_choice_table_and_override(monkeypatch):
     assert choice.use_own_gemm(128, 784, 512, True, "f32") == wide
     assert not choice.use_own_gemm(128, 512, 784, False, "f64")  # measured mixed: BLAS
     assert not choice.use_own_gemm(4, 4, 4, False, "i64")
+    assert not choice.use_own_gemm(32, 128, 128, False, "f32")  # small: BLAS is ahead
+    assert not choice.use_own_gemm(512, 10, 512, False, "f32")  # narrow: the tile is padding
+    assert choice.use_own_gemm(64, 128, 128, False, "f32") == wide  # from 2**20 on: own
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     if choice.blas_threads() > 1:
         assert not choice.use_own_gemm(128, 784, 512, True, "f32")
