@@ -3,8 +3,9 @@
 A block of op(A) (mc x kc) becomes ceil(mc / mr) panels, each kc rows of mr values (rows past
 the edge are zero), so the kernel reads A with unit stride. A kc x nc block of op(B) becomes
 panels of kc rows of nr values (columns past the edge are zero), each contiguous so that it
-stays in L1 while the A panels stream past it (driver.py says when B is read in place instead). Full panels that read across rows of unit-stride data
-go through the vector transpose of transpose_pack; the rest are 2-D slice assignments.
+stays in L1 while the A panels stream past it (driver.py says when B is read in place
+instead). Full panels that read across rows of unit-stride data go through the vector
+transpose of transpose_pack; the rest are 2-D slice assignments.
 """
 
 from ..jit import njit
