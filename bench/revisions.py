@@ -1,9 +1,9 @@
 """Step time of two backplan installations, A and B, in interleaved fresh processes: what a
-"no step-time regression" claim rests on. Each process is pinned to one CPU with one thread
-everywhere, builds the bench models through backplan's value_and_grad peer, waits for their
-compiled drivers, then times every model in rounds; A and B alternate, so drift in the box's
-speed hits both. Each installation keeps its own cache folder, warmed by a first process that
-is not counted.
+"no step-time regression" claim rests on. Each process is pinned to --threads CPUs (one by
+default) with as many threads everywhere (BLAS, OpenMP, Numba), builds the bench models
+through backplan's value_and_grad peer, waits for their compiled drivers, then times every
+model in rounds; A and B alternate, so drift in the box's speed hits both. Each installation
+keeps its own cache folder, warmed by a first process that is not counted.
 
     python -m venv --system-site-packages /tmp/before && /tmp/before/bin/pip install \\
         --no-deps -e /path/to/an/older/checkout
@@ -23,9 +23,9 @@ import tempfile
 import time
 
 
-def child(models: list[str], cpu: int, rounds: int) -> dict[str, float]:
+def child(models: list[str], cpus: list[int], rounds: int) -> dict[str, float]:
     """Median step seconds per model, in this process."""
-    os.sched_setaffinity(0, {cpu})
+    os.sched_setaffinity(0, set(cpus))
     import numba
     import numpy as np
     from threadpoolctl import threadpool_limits
@@ -34,8 +34,8 @@ def child(models: list[str], cpu: int, rounds: int) -> dict[str, float]:
     from backplan.bench.peers import PEERS
     from backplan.codegen import driver_builder
 
-    numba.set_num_threads(1)
-    threadpool_limits(1)
+    numba.set_num_threads(len(cpus))
+    threadpool_limits(len(cpus))
     runners = {}
     for name in models:
         spec = MODELS[name]
@@ -56,18 +56,19 @@ def child(models: list[str], cpu: int, rounds: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def run(python: str, models: list[str], cpu: int, rounds: int, cache: str) -> dict:
+def run(python: str, models: list[str], cpus: list[int], rounds: int, cache: str) -> dict:
+    threads = str(len(cpus))
     env = {
         **os.environ,
         "BACKPLAN_CACHE_DIR": cache,
         "BACKPLAN_QUIET": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "NUMBA_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": threads,
+        "OMP_NUM_THREADS": threads,
+        "NUMBA_NUM_THREADS": threads,
     }
     # This file by path: installation A need not have it.
     command = [python, "-I", os.path.abspath(__file__), "--child", ",".join(models)]
-    command += ["--cpu", str(cpu), "--rounds", str(rounds)]
+    command += ["--cpus", ",".join(map(str, cpus)), "--rounds", str(rounds)]
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=1800, cwd=tempfile.gettempdir()
     )
@@ -83,23 +84,32 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="mlp,mlp_tiny,transformer,ln_gelu,lstm12,mlp_deep,cnn")
     parser.add_argument("--processes", type=int, default=3, help="timed processes per side")
     parser.add_argument("--rounds", type=int, default=5, help="rounds within a process")
-    parser.add_argument("--cpu", type=int, default=0)
+    parser.add_argument("--cpu", type=int, default=0, help="the first CPU to pin to")
+    parser.add_argument("--threads", type=int, default=1, help="CPUs (and threads) per process")
+    parser.add_argument("--cpus", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child.split(","), args.cpu, args.rounds)))
+        cpus = [int(cpu) for cpu in args.cpus.split(",")]
+        print(json.dumps(child(args.child.split(","), cpus, args.rounds)))
         return 0
+    usable = sorted(os.sched_getaffinity(0))
+    if not 1 <= args.threads <= len(usable) or args.cpu not in usable:
+        parser.error(f"--cpu {args.cpu} --threads {args.threads}: this process may use {usable}")
+    start = usable.index(args.cpu)
+    cpus = (usable[start:] + usable[:start])[: args.threads]
     if not args.a:
         parser.error("--a is required: the Python of the installation to compare against")
     models = args.models.split(",")
     caches = {side: tempfile.mkdtemp(prefix=f"backplan-revision-{side}-") for side in "ab"}
     pythons = {"a": args.a, "b": args.b}
     for side in "ab":  # warm each cache: compile kernels and drivers once, not timed
-        run(pythons[side], models, args.cpu, 1, caches[side])
+        run(pythons[side], models, cpus, 1, caches[side])
     results: dict[str, list[dict]] = {"a": [], "b": []}
     for _ in range(args.processes):
         for side in "ab":
-            results[side].append(run(pythons[side], models, args.cpu, args.rounds, caches[side]))
+            results[side].append(run(pythons[side], models, cpus, args.rounds, caches[side]))
+    print(f"CPUs {cpus}, {len(cpus)} thread(s) per process")
     print(f"{'model':12} {'A ms':>10} {'B ms':>10} {'B/A':>7}  (medians of {args.processes} each)")
     for name in models:
         a = statistics.median(r[name] for r in results["a"])
