@@ -8,6 +8,7 @@ import math
 from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
 from backplan.ir.index_check import index_message, label_message
+from backplan.ir.registry import get_op
 
 from .copy_kernels import copy_kernel, fill_kernel, part_placement, slice_placement
 from .flags import threads
@@ -31,6 +32,10 @@ class OpEmitter:
         self.contiguous = contiguous  # values whose variable is a C-contiguous array
         self.place = place  # value -> Placement (codegen/placement.py)
         self.kernel_call = kernel_call  # (lines, scalars, bases) -> call of a shared kernel
+        # A strided view reshaped twice (attention's heads moved back beside the features, then
+        # flattened for a bias sum and for a GEMM, or the same transpose recomputed) is copied
+        # once: _view_chain of the view -> the variable holding the copy.
+        self.copies: dict[tuple, str] = {}
 
     # ---- operands -----------------------------------------------------------------------------
 
@@ -56,6 +61,16 @@ class OpEmitter:
             return f"np.ascontiguousarray({name})"
         return name
 
+    def _view_chain(self, value: Value) -> tuple:
+        """(the variable of the array under value's views, the views): equal chains read the
+        same data. The variable is None for a literal, which is never copied."""
+        views = []
+        while value.op != "input" and (is_alias(value) or get_op(value.op).fusion == "view"):
+            views.append((value.op, repr(sorted(value.attrs.items())), value.shape))
+            value = value.inputs[0]
+        root = None if self.literal_of(value) is not None else self.names.get(value)
+        return root, tuple(views)
+
     def _contiguous_chain(self, value: Value) -> bool:
         """value's array is C-contiguous: a buffer, or reshapes of one (not a broadcast)."""
         while value not in self.contiguous and is_alias(value) and value.op != "broadcast_to":
@@ -69,9 +84,16 @@ class OpEmitter:
         if node.op == "reshape":
             contiguous = node.inputs[0] in self.contiguous
             self.contiguous.add(node)
+            shape = internal_shape(node.shape)
             if contiguous:
-                return [f"{name} = {src}.reshape({internal_shape(node.shape)!r})"]
-            return [f"{name} = np.ascontiguousarray({src}).reshape({internal_shape(node.shape)!r})"]
+                return [f"{name} = {src}.reshape({shape!r})"]
+            chain = self._view_chain(node.inputs[0])
+            copied = self.copies.get(chain)
+            if copied is not None:  # values are immutable: the first copy holds the same data
+                return [f"{name} = {copied}.reshape({shape!r})"]
+            if chain[0] is not None:
+                self.copies[chain] = name
+            return [f"{name} = np.ascontiguousarray({src}).reshape({shape!r})"]
         if node.op == "transpose":
             if not node.shape:
                 return [f"{name} = {src}"]
