@@ -277,7 +277,11 @@ class Tensor:
         return Edge(leaf=self)
 
     def _accumulate_grad(self, array: np.ndarray) -> None:
-        array = np.asarray(array, dtype=self.dtype).reshape(self.shape)
+        """A first gradient is kept as it comes (a plan's fresh output; _from_array copies a
+        view of someone else's buffer): reshaping it regardless made every .grad a copy."""
+        array = np.asarray(array, dtype=self.dtype)
+        if array.shape != self.shape:
+            array = array.reshape(self.shape)
         self.grad = Tensor._from_array(array if self.grad is None else self.grad._data + array)
 
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
