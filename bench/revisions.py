@@ -1,9 +1,10 @@
 """Step time of two backplan installations, A and B, in interleaved fresh processes: what a
 "no step-time regression" claim rests on. Each process is pinned to --threads CPUs (one by
 default) with as many threads everywhere (BLAS, OpenMP, Numba), builds the bench models
-through backplan's value_and_grad peer, waits for their compiled drivers, then times every
-model in rounds; A and B alternate, so drift in the box's speed hits both. Each installation
-keeps its own cache folder, warmed by a first process that is not counted.
+through backplan's value_and_grad peer (or, with --peer backplan.compile, @bp.compile and
+.backward()), waits for their compiled drivers, then times every model in rounds; A and B
+alternate, so drift in the box's speed hits both. Each installation keeps its own cache
+folder, warmed by a first process that is not counted.
 
     python -m venv --system-site-packages /tmp/before && /tmp/before/bin/pip install \\
         --no-deps -e /path/to/an/older/checkout
@@ -23,7 +24,7 @@ import tempfile
 import time
 
 
-def child(models: list[str], cpus: list[int], rounds: int) -> dict[str, float]:
+def child(models: list[str], cpus: list[int], rounds: int, peer: str) -> dict[str, float]:
     """Median step seconds per model, in this process."""
     os.sched_setaffinity(0, set(cpus))
     import numba
@@ -39,7 +40,7 @@ def child(models: list[str], cpus: list[int], rounds: int) -> dict[str, float]:
     runners = {}
     for name in models:
         spec = MODELS[name]
-        runners[name] = PEERS["backplan"]().build(spec, spec.inputs(False, np.dtype("float32")))
+        runners[name] = PEERS[peer]().build(spec, spec.inputs(False, np.dtype("float32")))
         runners[name].step()
     driver_builder.wait_for_builds()
     samples: dict[str, list[float]] = {name: [] for name in models}
@@ -56,7 +57,9 @@ def child(models: list[str], cpus: list[int], rounds: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def run(python: str, models: list[str], cpus: list[int], rounds: int, cache: str) -> dict:
+def run(
+    python: str, models: list[str], cpus: list[int], rounds: int, cache: str, peer: str
+) -> dict:
     threads = str(len(cpus))
     env = {
         **os.environ,
@@ -68,7 +71,7 @@ def run(python: str, models: list[str], cpus: list[int], rounds: int, cache: str
     }
     # This file by path: installation A need not have it.
     command = [python, "-I", os.path.abspath(__file__), "--child", ",".join(models)]
-    command += ["--cpus", ",".join(map(str, cpus)), "--rounds", str(rounds)]
+    command += ["--cpus", ",".join(map(str, cpus)), "--rounds", str(rounds), "--peer", peer]
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=1800, cwd=tempfile.gettempdir()
     )
@@ -86,12 +89,18 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds within a process")
     parser.add_argument("--cpu", type=int, default=0, help="the first CPU to pin to")
     parser.add_argument("--threads", type=int, default=1, help="CPUs (and threads) per process")
+    parser.add_argument(
+        "--peer",
+        choices=("backplan", "backplan.compile"),
+        default="backplan",
+        help="value_and_grad (backplan) or @bp.compile + .backward() (backplan.compile)",
+    )
     parser.add_argument("--cpus", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         cpus = [int(cpu) for cpu in args.cpus.split(",")]
-        print(json.dumps(child(args.child.split(","), cpus, args.rounds)))
+        print(json.dumps(child(args.child.split(","), cpus, args.rounds, args.peer)))
         return 0
     usable = sorted(os.sched_getaffinity(0))
     if not 1 <= args.threads <= len(usable) or args.cpu not in usable:
@@ -104,12 +113,14 @@ def main(argv=None) -> int:
     caches = {side: tempfile.mkdtemp(prefix=f"backplan-revision-{side}-") for side in "ab"}
     pythons = {"a": args.a, "b": args.b}
     for side in "ab":  # warm each cache: compile kernels and drivers once, not timed
-        run(pythons[side], models, cpus, 1, caches[side])
+        run(pythons[side], models, cpus, 1, caches[side], args.peer)
     results: dict[str, list[dict]] = {"a": [], "b": []}
     for _ in range(args.processes):
         for side in "ab":
-            results[side].append(run(pythons[side], models, cpus, args.rounds, caches[side]))
-    print(f"CPUs {cpus}, {len(cpus)} thread(s) per process")
+            results[side].append(
+                run(pythons[side], models, cpus, args.rounds, caches[side], args.peer)
+            )
+    print(f"CPUs {cpus}, {len(cpus)} thread(s) per process, peer {args.peer}")
     print(f"{'model':12} {'A ms':>10} {'B ms':>10} {'B/A':>7}  (medians of {args.processes} each)")
     for name in models:
         a = statistics.median(r[name] for r in results["a"])
