@@ -8,7 +8,7 @@ import math
 from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
 from backplan.ir.index_check import index_message, label_message
-from backplan.ir.registry import get_op
+from backplan.ir.layout import reads_its_input
 
 from .copy_kernels import copy_kernel, fill_kernel, part_placement, slice_placement
 from .flags import threads
@@ -65,7 +65,7 @@ class OpEmitter:
         """(the variable of the array under value's views, the views): equal chains read the
         same data. The variable is None for a literal, which is never copied."""
         views = []
-        while value.op != "input" and (is_alias(value) or get_op(value.op).fusion == "view"):
+        while reads_its_input(value):
             views.append((value.op, repr(sorted(value.attrs.items())), value.shape))
             value = value.inputs[0]
         root = None if self.literal_of(value) is not None else self.names.get(value)

@@ -27,9 +27,14 @@ from .types import DTYPES
 IN_PLACE = False
 
 
+def reads_its_input(value: Value) -> bool:
+    """A view or alias: no buffer of its own, it reads its (only) input's."""
+    return value.op != "input" and (is_alias(value) or get_op(value.op).fusion == "view")
+
+
 def storage_root(value: Value) -> Value:
     """The value whose buffer `value` reads: views and aliases lead back to it."""
-    while value.op != "input" and (is_alias(value) or get_op(value.op).fusion == "view"):
+    while reads_its_input(value):
         value = value.inputs[0]
     return value
 
