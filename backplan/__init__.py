@@ -41,6 +41,7 @@ from backplan.tracer.explain import explain
 from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
 from backplan.tracer.ops import __all__ as _ops_all
+from backplan.tracer.pytree import leaves as tree_leaves
 from backplan.tracer.pytree import tree_map
 from backplan.tracer.random import dropout
 
@@ -49,7 +50,9 @@ __version__ = "0.1.0"
 
 def zero_grad(params: object) -> None:
     """Clear .grad of every tensor in a pytree (a model's parameters, say)."""
-    tree_map(lambda t: t.zero_grad() if isinstance(t, Tensor) else None, params)
+    for leaf in tree_leaves(params):
+        if isinstance(leaf, Tensor):
+            leaf.grad = None
 
 
 __all__ = [

@@ -136,3 +136,35 @@ def test_a_per_structure_unflattener_rebuilds_what_unflatten_does():
         assert rebuild([leaf * 10 for leaf in leaves]) == bp.tree.map(lambda v: v * 10, tree)
     with pytest.raises(ValueError, match="has 2 leaves, got 3"):
         unflattener(bp.tree.structure({"a": 1, "b": 2}))([1, 2, 3])
+
+
+def test_a_class_registered_after_it_was_a_leaf_becomes_a_node():
+    """Node kinds are worked out once per type; registering must forget the earlier answer."""
+
+    class Box:
+        def __init__(self, inner):
+            self.inner = inner
+
+    box = Box([1, 2])
+    assert bp.tree.leaves({"b": box}) == [box]
+    bp.tree.register(Box, lambda b: ((b.inner,), None), lambda aux, kids: Box(*kids))
+    assert bp.tree.leaves({"b": box}) == [1, 2]
+    rebuilt = bp.tree.map(lambda v: v * 10, {"b": box})
+    assert isinstance(rebuilt["b"], Box) and rebuilt["b"].inner == [10, 20]
+
+
+def test_flatten_paths_name_every_kind_of_node():
+    Point = __import__("collections").namedtuple("Point", "x y")
+    tree = {"p": Params(1, 2), "q": [Point(3, 4), (5,)], "r": Pair(6, None, "t")}
+    leaves, _, paths = bp.tree.flatten(tree, paths=True)
+    assert leaves == [1, 2, 3, 4, 5, 6]
+    assert paths == ["['p'].w", "['p'].b", "['q'][0].x", "['q'][0].y", "['q'][1][0]", "['r'][0]"]
+
+
+def test_zero_grad_clears_every_tensor_in_nested_containers():
+    params = _params()
+    model(params, X).loss.backward()
+    tree = {"params": params, "extra": [params.w, 3, None]}
+    assert params.w.grad is not None and params.b.grad is not None
+    bp.zero_grad(tree)
+    assert params.w.grad is None and params.b.grad is None

@@ -35,6 +35,7 @@ def register(
     if cls in (tuple, list, dict, type(None)):
         raise TypeError(f"{cls.__name__} is already a pytree node")
     _CUSTOM[cls] = (flatten_fn, unflatten_fn)
+    _KINDS.clear()  # cls, or a subclass of a type seen before, may have been a leaf until now
     return cls
 
 
@@ -56,37 +57,81 @@ LEAF = TreeDef("leaf")
 
 def flatten(tree: Any, paths: bool = False, prefix: str = "") -> Any:
     """Leaves in order and the structure; with paths=True also a readable path per leaf."""
-    leaves, names = [], []
+    leaves: list = []
+    if not paths:
+        return leaves, _flatten(tree, leaves, None, prefix)
+    names: list = []
     treedef = _flatten(tree, leaves, names, prefix)
-    return (leaves, treedef, names) if paths else (leaves, treedef)
+    return leaves, treedef, names
 
 
-def _flatten(tree, leaves, names, path) -> TreeDef:
+_KINDS: dict[type, str] = {}  # type -> its node kind, worked out once (register clears it)
+
+
+def _kind(cls: type) -> str:
+    """What instances of cls are: a custom node, a dataclass, a namedtuple, a sequence, a dict
+    or a leaf. Asked once per type: a parameter dict's tensors cost a lookup each, not the
+    dataclass and namedtuple tests (optimizers and zero_grad flatten on every step)."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if cls in _CUSTOM:
+            kind = "custom"
+        elif dataclasses.is_dataclass(cls) and not issubclass(cls, type):
+            kind = "dataclass"
+        elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
+            kind = "namedtuple"
+        elif issubclass(cls, tuple | list):
+            kind = "sequence"
+        elif issubclass(cls, dict):
+            kind = "dict"
+        else:
+            kind = "leaf"
+        _KINDS[cls] = kind
+    return kind
+
+
+def _flatten(tree, leaves: list, names: list | None, path: str) -> TreeDef:
+    """names is None when no paths are wanted: then no path text is built."""
     if tree is None:
         return TreeDef("none")
-    custom = _CUSTOM.get(type(tree))
-    if custom is not None:
-        return _flatten_custom(tree, custom[0], leaves, names, path)
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        fields = tuple(f.name for f in dataclasses.fields(tree) if f.init)
-        kids = tuple(_flatten(getattr(tree, f), leaves, names, f"{path}.{f}") for f in fields)
-        return TreeDef("dataclass", kids, (type(tree), fields))
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        kids = tuple(
-            _flatten(v, leaves, names, f"{path}.{f}")
-            for f, v in zip(tree._fields, tree, strict=True)
-        )
-        return TreeDef("namedtuple", kids, type(tree))
-    if isinstance(tree, tuple | list):
-        kids = tuple(_flatten(v, leaves, names, f"{path}[{i}]") for i, v in enumerate(tree))
-        return TreeDef(type(tree).__name__, kids)
-    if isinstance(tree, dict):
+    kind = _kind(type(tree))
+    if kind == "leaf":
+        leaves.append(tree)
+        if names is not None:
+            names.append(path or "<leaf>")
+        return LEAF
+    if kind == "dict":
         keys = tuple(tree)
-        kids = tuple(_flatten(tree[k], leaves, names, f"{path}[{k!r}]") for k in keys)
+        kids = tuple(
+            [_flatten(tree[k], leaves, names, names is not None and f"{path}[{k!r}]") for k in keys]
+        )
         return TreeDef("dict", kids, keys)
-    leaves.append(tree)
-    names.append(path or "<leaf>")
-    return LEAF
+    if kind == "sequence":
+        kids = tuple(
+            [
+                _flatten(v, leaves, names, names is not None and f"{path}[{i}]")
+                for i, v in enumerate(tree)
+            ]
+        )
+        return TreeDef(type(tree).__name__, kids)
+    if kind == "custom":
+        return _flatten_custom(tree, _CUSTOM[type(tree)][0], leaves, names, path)
+    if kind == "dataclass":
+        fields = tuple(f.name for f in dataclasses.fields(tree) if f.init)
+        kids = tuple(
+            [
+                _flatten(getattr(tree, f), leaves, names, names is not None and f"{path}.{f}")
+                for f in fields
+            ]
+        )
+        return TreeDef("dataclass", kids, (type(tree), fields))
+    kids = tuple(
+        [
+            _flatten(v, leaves, names, names is not None and f"{path}.{f}")
+            for f, v in zip(tree._fields, tree, strict=True)
+        ]
+    )
+    return TreeDef("namedtuple", kids, type(tree))
 
 
 def _flatten_custom(tree, flatten_fn, leaves, names, path) -> TreeDef:
@@ -98,7 +143,12 @@ def _flatten_custom(tree, flatten_fn, leaves, names, path) -> TreeDef:
             f"the flatten function registered for {type(tree).__name__} returned aux data "
             f"{aux!r} that is not hashable; return a tuple, string or number as aux"
         ) from None
-    kids = tuple(_flatten(v, leaves, names, f"{path}[{i}]") for i, v in enumerate(children))
+    kids = tuple(
+        [
+            _flatten(v, leaves, names, names is not None and f"{path}[{i}]")
+            for i, v in enumerate(children)
+        ]
+    )
     return TreeDef("custom", kids, (type(tree), aux))
 
 

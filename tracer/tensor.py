@@ -279,7 +279,8 @@ class Tensor:
     def _accumulate_grad(self, array: np.ndarray) -> None:
         """A first gradient is kept as it comes (a plan's fresh output; _from_array copies a
         view of someone else's buffer): reshaping it regardless made every .grad a copy."""
-        array = np.asarray(array, dtype=self.dtype)
+        data = self._data  # a leaf is concrete: its dtype without the dtype-name lookups
+        array = np.asarray(array, dtype=self.dtype if data is None else data.dtype)
         if array.shape != self.shape:
             array = array.reshape(self.shape)
         self.grad = Tensor._from_array(array if self.grad is None else self.grad._data + array)
