@@ -18,13 +18,23 @@ from .saved_table import format_saved_table
 from .walk import regions_in_order
 
 
-@dataclass(frozen=True)
 class Edge:
-    """Where an input's gradient goes: output `index` of an upstream region, or a leaf tensor."""
+    """Where an input's gradient goes: output `index` of an upstream region, or a leaf tensor.
+    A plain slotted class: every recorded forward call makes one per differentiated input,
+    and a frozen dataclass's __init__ costs three object.__setattr__ calls each."""
 
-    region: Region | None = None
-    index: int = 0
-    leaf: object = None
+    __slots__ = ("region", "index", "leaf")
+
+    def __init__(self, region: Region | None = None, index: int = 0, leaf: object = None):
+        self.region = region
+        self.index = index
+        self.leaf = leaf
+
+    def __repr__(self) -> str:
+        target = (
+            f"leaf {self.leaf!r}" if self.leaf is not None else f"{self.region!r}[{self.index}]"
+        )
+        return f"Edge({target})"
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,9 @@ def test_zero_grad_clears_every_tensor_in_nested_containers():
     assert params.w.grad is not None and params.b.grad is not None
     bp.zero_grad(tree)
     assert params.w.grad is None and params.b.grad is None
+
+
+def test_leaves_walk_matches_flatten_on_every_kind_of_node():
+    Point = __import__("collections").namedtuple("Point", "x y")
+    tree = {"a": [1, (2, None)], "p": Params(3, Point(4, 5)), "r": Pair(6, [7], "t"), "z": None}
+    assert bp.tree.leaves(tree) == bp.tree.flatten(tree)[0] == [1, 2, 3, 4, 5, 6, 7]

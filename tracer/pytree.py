@@ -223,7 +223,24 @@ def _builder(treedef: TreeDef) -> Callable:
 
 def leaves(tree: Any) -> list[Any]:
     """The leaves of tree in flattening order (None is an empty node, not a leaf)."""
-    return flatten(tree)[0]
+    found: list = []
+    _collect(tree, found)
+    return found
+
+
+def _collect(tree, found: list) -> None:
+    """flatten's walk without its TreeDefs: zero_grad and optimizers ask for leaves each step."""
+    kind = "none" if tree is None else _kind(type(tree))
+    if kind == "leaf":
+        found.append(tree)
+    elif kind == "dict":
+        for value in tree.values():
+            _collect(value, found)
+    elif kind == "sequence":
+        for value in tree:
+            _collect(value, found)
+    elif kind != "none":
+        found.extend(flatten(tree)[0])  # dataclasses, namedtuples, registered classes
 
 
 def structure(tree: Any) -> TreeDef:
