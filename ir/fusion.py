@@ -113,7 +113,10 @@ MAX_RECOMPUTE = 4
 
 def _recompute_cheap_inputs(kernels: list[Kernel], home) -> None:
     """A loop that reads a value another loop of the same shape computed with a few cheap ops
-    from stable inputs recomputes it instead, so that value need not be written and read back."""
+    from stable inputs recomputes it instead, so that value need not be written and read back.
+    Then each loop that still reads several such values made cheaply from fewer expensive ones
+    (tanh-GELU's backward reads 1 + tanh, 0.5 (1 + tanh) and 1 - tanh**2) reads those instead."""
+    blocked: dict[int, list[Value]] = {}
     for k, kernel in enumerate(kernels):
         if kernel.kind != "loop":
             continue
@@ -121,29 +124,79 @@ def _recompute_cheap_inputs(kernels: list[Kernel], home) -> None:
             for inp in node.inputs:
                 source = alias_base(inp)
                 cone = _cheap_cone(source, kernel, k, kernels, home)
+                if cone is None and source not in blocked.setdefault(k, []):
+                    blocked[k].append(source)
                 for value in cone or ():
                     if value not in kernel.recomputed:
                         kernel.recomputed.append(value)
+    readers = _readers(kernels, home)
+    for k, values in blocked.items():
+        _recompute_over_frontier(values, k, kernels, home, readers)
 
 
-def _cheap_cone(value, kernel, k, kernels, home) -> list[Value] | None:
+def _cheap_cone(value, kernel, k, kernels, home, frontier=None) -> list[Value] | None:
     """value and the cheap values it needs, in order, if all can be recomputed in kernel k from
-    values that are stored anyway (inputs, reductions, op results, other shapes, literals)."""
+    values that are stored anyway (inputs, reductions, op results, other shapes, literals).
+    Given a frontier set, an expensive value of the same shape is read instead (added to it)."""
     if value not in home or home[value] == k or value in kernel.recomputed:
         return []
     owner = kernels[home[value]]
     if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
         return []  # stored anyway: read it
     if not is_cheap(value):
-        return None
+        if frontier is None:
+            return None
+        frontier.add(value)
+        return []
     cone = []
     for inp in value.inputs:
-        sub = _cheap_cone(alias_base(inp), kernel, k, kernels, home)
+        sub = _cheap_cone(alias_base(inp), kernel, k, kernels, home, frontier)
         if sub is None:
             return None
         cone += [v for v in sub if v not in cone]
     cone.append(value)
     return cone if len(cone) <= MAX_RECOMPUTE else None
+
+
+def _readers(kernels: list[Kernel], home) -> dict[Value, set[int]]:
+    """value -> the kernels that read its buffer (graph outputs are read by the caller, -1)."""
+    readers: dict[Value, set[int]] = {}
+    for k, kernel in enumerate(kernels):
+        for node in kernel.computed:
+            for inp in node.inputs:
+                source = alias_base(inp)
+                if home.get(source) != k and source not in kernel.recomputed:
+                    readers.setdefault(source, set()).add(k)
+    return readers
+
+
+def _recompute_over_frontier(blocked: list[Value], k: int, kernels, home, readers) -> None:
+    """Kernel k recomputes the blocked values it reads from the expensive values under them,
+    when that moves fewer bytes: reads saved, plus blocked values nobody else reads (no longer
+    written), minus frontier values nobody read before (now written)."""
+    kernel = kernels[k]
+    frontier: set[Value] = set()
+    cones = []
+    for value in blocked:
+        cone = _cheap_cone(value, kernel, k, kernels, home, frontier)
+        if cone is None:
+            return
+        cones.append(cone)
+    if not cones:
+        return
+    reads_saved = len(blocked) - len(frontier)
+    writes_saved = sum(1 for v in blocked if readers.get(v) == {k})
+    writes_added = sum(1 for v in frontier if not readers.get(v))
+    if reads_saved + writes_saved - writes_added <= 0:
+        return
+    for cone in cones:
+        for value in cone:
+            if value not in kernel.recomputed:
+                kernel.recomputed.append(value)
+    for value in blocked:
+        readers[value].discard(k)
+    for value in frontier:
+        readers.setdefault(value, set()).add(k)
 
 
 def _new(kernels, kernel) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from .graph import Graph, Value
 
 
@@ -137,7 +139,8 @@ def flatten_shared_matmuls(graph: Graph) -> Graph:
 
     def flat(b, node: Value, inputs: tuple) -> Value:
         x, w = inputs
-        product = b.matmul(b.reshape(x, shape=(x.type.size // x.shape[-1], x.shape[-1])), w)
+        rows = math.prod(x.shape[:-1])  # not size // features: features may be 0
+        product = b.matmul(b.reshape(x, shape=(rows, x.shape[-1])), w)
         return b.reshape(product, shape=node.shape)
 
     return _rewrite(graph, flattens, flat)
