@@ -167,14 +167,15 @@ class Tensor:
         self._requires_grad = grad_fn is not None
         self.grad = None
         if data is not None:
-            data.flags.writeable = False
+            read_only(data)
 
     @classmethod
     def _from_array(cls, array: np.ndarray, grad_fn=None, out_index: int = 0) -> Tensor:
         tensor = cls.__new__(cls)
-        array = np.asarray(array)
-        if array.flags.writeable and not array.flags.owndata:
-            array = array.copy()  # never freeze someone else's buffer
+        if type(array) is not np.ndarray:
+            array = np.asarray(array)
+        if array.base is not None and array.flags.writeable:
+            array = array.copy()  # never freeze someone else's buffer (a view of it)
         tensor._init(array, None, None, grad_fn, out_index)
         return tensor
 
