@@ -93,7 +93,10 @@ def test_donated_step_allocates_no_new_parameter_memory():
             peaks[donate] = step_peak_bytes(step, p, s, x, y)
     assert state_bytes > 190_000
     assert peaks[()] > state_bytes  # new params, moments and count every call
-    assert peaks[(0, 1)] < state_bytes / 20, peaks  # only the loss and small objects
+    # Only the loss and small objects: a driver run as Python (before the compiled one is
+    # ready, which depends on what ran before) makes about 14 KB of array views; the smallest
+    # state buffer that could be reallocated is w's 64 KB (and its two Adam moments).
+    assert peaks[(0, 1)] < state_bytes / 8, peaks
     print(f"peak bytes per step: {peaks}, parameter and state bytes {state_bytes}")
 
 
