@@ -366,7 +366,7 @@ def flatten(x: TensorLike, start_axis: int = 0) -> Tensor:
     """flatten(x, start_axis=0): merge the axes from start_axis on into one."""
     x = as_tensor(x)
     start = normalize_axis(start_axis, x.ndim) if x.ndim else 0
-    return reshape(x, x.shape[:start] + (-1,))
+    return reshape(x, x.shape[:start] + (math.prod(x.shape[start:]),))  # -1: not when empty
 
 
 @located

@@ -86,6 +86,8 @@ def _lse_infer(types, attrs):
 def _lse_ref(x, axes, keepdims):
     from scipy import special  # imported on first use: it costs 0.1 s at startup
 
+    if x.size == 0:  # scipy's logsumexp raises IndexError on an empty array over a tuple of axes
+        return np.full(reduced_shape(x.shape, axes, keepdims), -np.inf, x.dtype)
     return special.logsumexp(x, axis=axes, keepdims=keepdims).astype(x.dtype)
 
 
@@ -175,6 +177,8 @@ def _ln_infer(types, attrs):
 
 
 def _ln_ref(x, *affine, eps):
+    if x.shape[-1] == 0:  # no features: an empty result, without NumPy's empty-mean warning
+        return np.zeros(x.shape, x.dtype)
     mean = np.mean(x, axis=-1, keepdims=True)
     centered = x - mean
     var = np.mean(centered * centered, axis=-1, keepdims=True)
@@ -189,7 +193,7 @@ def normalise_last_axis(b, x, eps: float):
     rule builds them, and joint plans write layer_norm itself with them (ir/passes.py
     expand_layer_norm), in the same order, so common-subexpression elimination shares them."""
     dt, last = x.dtype, len(x.shape) - 1
-    inv_n = b.scalar(1.0 / x.shape[-1], dt)
+    inv_n = b.scalar(1.0 / max(x.shape[-1], 1), dt)  # no features: it scales only empties
     mean = b.mul(b.sum(x, axes=(last,), keepdims=True), inv_n)
     centered = b.sub(x, mean)
     var = b.mul(b.sum(b.mul(centered, centered), axes=(last,), keepdims=True), inv_n)

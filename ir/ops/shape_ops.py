@@ -330,7 +330,8 @@ def _take_grad_ref(g, idx, axis, size):
     out = np.zeros(shape, dtype=g.dtype)
     idx = checked_indices(idx, size)
     moved = np.moveaxis(out, axis, 0)
-    g_moved = np.moveaxis(g.reshape(g.shape[:axis] + (-1,) + g.shape[axis + k :]), axis, 0)
+    flat = g.reshape(g.shape[:axis] + (idx.size,) + g.shape[axis + k :])  # -1 fails on empty
+    g_moved = np.moveaxis(flat, axis, 0)
     np.add.at(moved, idx.reshape(-1), g_moved)
     return out
 
