@@ -1,7 +1,10 @@
 """Compiler flags shared by generated and library kernels.
 
 fastmath without nnan/ninf: reductions may reassociate (so they vectorise) but NaN and inf keep
-their IEEE meaning. error_model="numpy": no zero-division checks, which block vectorisation.
+their IEEE meaning. Without arcp too: with it LLVM turned float32 `a / sqrt(x)` into a reciprocal
+square-root estimate, nan at 0 and at inf and wrong for subnormals (sqrt's gradient, 1 / sqrt);
+steps without it measured within noise (BENCHMARKS.md). error_model="numpy": no zero-division
+checks, which block vectorisation.
 """
 
 import numba
@@ -9,7 +12,7 @@ import numba
 from .lean_pipeline import LeanKernelCompiler
 from .loop_optimisation import AddressLoopCompiler, SmallLoopCompiler
 
-FASTMATH = set({"reassoc", "contract", "arcp", "nsz", "afn"})
+FASTMATH = set({"reassoc", "contract", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 # Loop kernels are called from a driver or from Python, never through a C pointer: no C wrapper
 # to compile. A kernel that allocates nothing needs no reference counting either. Each cut a

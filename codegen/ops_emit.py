@@ -345,13 +345,15 @@ class OpEmitter:
         cols = logits.shape[-1]
         rows = math.prod(logits.shape[:-1])
         reduction = node.attrs["reduction"]
-        scale = 1.0 / max(rows, 1) if reduction == "mean" else 1.0
+        scale = 1.0
+        if reduction == "mean":
+            scale = 1.0 / rows if rows else math.nan  # the mean over no rows is nan, as NumPy's
         target = f"{out}.reshape(({rows},))" if reduction == "none" else out
         if reduction == "sum" and rows == 1:
             scale = 1.0  # one row: the per-row loss is the sum
         return [
             f"bad = cross_entropy_rows({self.array(logits)}.reshape(({rows}, {cols})), "
-            f"{self.array(labels)}.reshape(({rows},)), {target}, {scale!r})",
+            f"{self.array(labels)}.reshape(({rows},)), {target}, {literal(scale, 'f64')})",
             *self._raise(node, labels, label_message(*HOLES, cols)),
         ]
 

@@ -107,3 +107,22 @@ def test_logsumexp_of_an_empty_input_over_several_axes_is_minus_inf():
             assert bp.logsumexp(t, axis=(0, 2)).shape == (0,)
             assert bp.logsumexp(t).numpy() == -np.inf
             assert bp.compile(lambda t: bp.logsumexp(t))(t).numpy() == -np.inf
+
+
+def test_the_mean_of_nothing_is_nan_and_its_gradient_is_empty_or_zero():
+    """As NumPy, PyTorch and JAX: a loss of 0 over an empty batch would hide that it was empty."""
+    w = np.ones((3, 5), np.float32)
+    x = np.zeros((0, 3), np.float32)
+    labels = np.zeros(0, np.int64)
+
+    def loss(w, x, labels):
+        logits = x @ w
+        return bp.cross_entropy(logits, labels) + bp.mean(logits) + bp.sum(bp.var(x, axis=0))
+
+    runs = _all_ways(loss, [w, x, labels], wrt=[0])
+    for way, (value, grad) in runs.items():
+        assert np.isnan(value), way
+        np.testing.assert_array_equal(grad, np.zeros_like(w), err_msg=way)
+    with use_backend("numba"):
+        means = bp.compile(lambda x: bp.mean(x, axis=0))(bp.tensor(x)).numpy()
+    assert means.shape == (3,) and np.isnan(means).all()

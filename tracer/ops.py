@@ -232,7 +232,8 @@ def mean(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
     x = _float_input(x)
     axes = normalize_axes(axis, x.ndim)
     count = math.prod(x.shape[a] for a in axes)
-    return mul(sum(x, axes, keepdims), 1.0 / builtins.max(count, 1))
+    # the mean of nothing is nan, as in NumPy, PyTorch and JAX (a 0 would hide an empty batch)
+    return mul(sum(x, axes, keepdims), 1.0 / count if count else math.nan)
 
 
 @located

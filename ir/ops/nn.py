@@ -134,7 +134,9 @@ def _ce_ref(logits, labels, reduction):
     if reduction == "none":
         return picked
     total = np.sum(picked, dtype=logits.dtype)
-    return total / logits.dtype.type(max(labels.size, 1)) if reduction == "mean" else total
+    if reduction == "sum":
+        return total
+    return total / logits.dtype.type(labels.size) if labels.size else logits.dtype.type(np.nan)
 
 
 def _ce_vjp(ctx, g):
