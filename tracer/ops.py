@@ -3,7 +3,6 @@ build composites from registry primitives, and hand every primitive to dispatch.
 
 from __future__ import annotations
 
-import builtins
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
