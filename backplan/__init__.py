@@ -52,7 +52,7 @@ def zero_grad(params: object) -> None:
     """Clear .grad of every tensor in a pytree (a model's parameters, say)."""
     for leaf in tree_leaves(params):
         if isinstance(leaf, Tensor):
-            leaf.grad = None
+            leaf.zero_grad()
 
 
 __all__ = [

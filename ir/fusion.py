@@ -104,14 +104,14 @@ def group_kernels(graph: Graph) -> list[Kernel]:
     latest_loops: dict[tuple, int] = {}  # iteration shape -> its latest loop kernel
     for node in graph.nodes:
         home[node] = _place(node, kernels, home, latest_loops)
-    _recompute_cheap_inputs(kernels, home)
+    _recompute_cheap_inputs(kernels, home, graph.outputs)
     return kernels
 
 
 MAX_RECOMPUTE = 4
 
 
-def _recompute_cheap_inputs(kernels: list[Kernel], home) -> None:
+def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value]) -> None:
     """A loop that reads a value another loop of the same shape computed with a few cheap ops
     from stable inputs recomputes it instead, so that value need not be written and read back.
     Then each loop that still reads several such values made cheaply from fewer expensive ones
@@ -129,7 +129,7 @@ def _recompute_cheap_inputs(kernels: list[Kernel], home) -> None:
                 for value in cone or ():
                     if value not in kernel.recomputed:
                         kernel.recomputed.append(value)
-    readers = _readers(kernels, home)
+    readers = _readers(kernels, home, outputs)
     for k, values in blocked.items():
         _recompute_over_frontier(values, k, kernels, home, readers)
 
@@ -158,9 +158,9 @@ def _cheap_cone(value, kernel, k, kernels, home, frontier=None) -> list[Value] |
     return cone if len(cone) <= MAX_RECOMPUTE else None
 
 
-def _readers(kernels: list[Kernel], home) -> dict[Value, set[int]]:
+def _readers(kernels: list[Kernel], home, outputs: list[Value]) -> dict[Value, set[int]]:
     """value -> the kernels that read its buffer (graph outputs are read by the caller, -1)."""
-    readers: dict[Value, set[int]] = {}
+    readers: dict[Value, set[int]] = {alias_base(o): {-1} for o in outputs}
     for k, kernel in enumerate(kernels):
         for node in kernel.computed:
             for inp in node.inputs:
@@ -185,7 +185,7 @@ def _recompute_over_frontier(blocked: list[Value], k: int, kernels, home, reader
     if not cones:
         return
     reads_saved = len(blocked) - len(frontier)
-    writes_saved = sum(1 for v in blocked if readers.get(v) == {k})
+    writes_saved = sum(1 for v in blocked if v not in frontier and readers.get(v) == {k})
     writes_added = sum(1 for v in frontier if not readers.get(v))
     if reads_saved + writes_saved - writes_added <= 0:
         return
