@@ -88,3 +88,31 @@ def test_inf_and_nan_propagate_as_in_the_reference():
         np.testing.assert_array_equal(np.isnan(compiled), np.isnan(reference))
         finite = np.isfinite(reference)
         np.testing.assert_allclose(compiled[finite], reference[finite], rtol=1e-9, atol=1e-12)
+
+
+def _tanh_loop_writes(fn, x) -> list[str]:
+    """Ops the loop holding tanh writes, in a forward-only compiled plan of fn(x)."""
+    traced = bp.compile(fn).trace(bp.tensor(x))
+    return materialized_of_the_gelu_loop(traced.program.plans.forward)
+
+
+def test_a_loop_reading_one_value_made_from_tanh_keeps_reading_it():
+    """Reading tanh instead of 1 + tanh saves no read and writes tanh in place of it: no gain."""
+
+    def fn(x):
+        u = 1.0 + bp.tanh(x)
+        return u / bp.sum(u, axis=-1, keepdims=True)  # the division waits for the sum: a new loop
+
+    assert _tanh_loop_writes(fn, np.ones((4, 9), np.float32)) == ["add", "sum"]
+
+
+def test_a_loop_reading_three_values_made_from_tanh_reads_tanh():
+    """Before: the first loop wrote 1 + t, 1 - t * t and 0.5 (1 + t); now tanh alone."""
+
+    def fn(x):
+        t = bp.tanh(x)
+        a, b, c = 1.0 + t, 1.0 - t * t, 0.5 * (1.0 + t)
+        scale = bp.sum(x, axis=-1, keepdims=True)  # each value meets it in the next loop
+        return a * scale + b / scale - c * scale
+
+    assert _tanh_loop_writes(fn, np.ones((4, 9), np.float32)) == ["sum", "tanh"]
