@@ -41,18 +41,26 @@ from backplan.tracer.explain import explain
 from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
 from backplan.tracer.ops import __all__ as _ops_all
-from backplan.tracer.pytree import leaves as tree_leaves
+from backplan.tracer.pytree import leaves as _tree_leaves
 from backplan.tracer.pytree import tree_map
 from backplan.tracer.random import dropout
+from backplan.tracer.signature import tensor_attributes as _tensor_attributes
 
 __version__ = "0.1.0"
 
 
 def zero_grad(params: object) -> None:
-    """Clear .grad of every tensor in a pytree (a model's parameters, say)."""
-    for leaf in tree_leaves(params):
+    """Clear .grad of every tensor in a pytree (a model's parameters, say). An object of an
+    unregistered class holding tensors is refused: its tensors would keep their gradients."""
+    for leaf in _tree_leaves(params):
         if isinstance(leaf, Tensor):
             leaf.zero_grad()
+        elif held := _tensor_attributes(leaf):
+            raise TypeError(
+                f"bp.zero_grad: a {type(leaf).__name__} object holds tensors (.{', .'.join(held)}) "
+                "that a pytree walk cannot see; make the class a dataclass or register it with "
+                "bp.tree.register"
+            )
 
 
 __all__ = [

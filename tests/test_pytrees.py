@@ -174,3 +174,36 @@ def test_leaves_walk_matches_flatten_on_every_kind_of_node():
     Point = __import__("collections").namedtuple("Point", "x y")
     tree = {"a": [1, (2, None)], "p": Params(3, Point(4, 5)), "r": Pair(6, [7], "t"), "z": None}
     assert bp.tree.leaves(tree) == bp.tree.flatten(tree)[0] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_an_unregistered_object_holding_tensors_is_refused_not_frozen_into_the_plan():
+    """As one static value it was keyed by identity: changing its tensor gave stale results."""
+
+    class Holder:
+        def __init__(self, w):
+            self.w = w
+
+    f = bp.compile(lambda p: bp.sum(p.w * 2.0))
+    holder = Holder(bp.tensor(np.ones(3, np.float32)))
+    with pytest.raises(
+        bp.TracingError, match=r"argument p is a Holder object holding tensors \(\.w\)"
+    ):
+        f(holder)
+    holder.w = [np.ones(2)]  # arrays inside containers count too
+    with pytest.raises(bp.TracingError, match="bp.tree.register"):
+        f(holder)
+    act = bp.compile(lambda x, fn: fn(x).sum())  # functions stay usable as static arguments
+    assert act(bp.tensor(np.zeros(3, np.float32)), bp.tanh).item() == 0.0
+
+
+def test_zero_grad_refuses_an_object_whose_tensors_it_cannot_see():
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    t = bp.tensor(np.ones(2, np.float32), requires_grad=True)
+    (t * t).sum().backward()
+    with pytest.raises(TypeError, match=r"a Box object holds tensors \(\.t\)"):
+        bp.zero_grad([Box(t)])
+    bp.zero_grad([t, "name", 3])  # plain non-tensor leaves are fine
+    assert t.grad is None

@@ -13,6 +13,7 @@ from backplan.runtime import is_grad_enabled
 
 from .errors import TracingError
 from .pytree import TreeDef, flatten, unflatten
+from .pytree import leaves as tree_leaves
 from .tensor import Tensor
 
 
@@ -111,6 +112,15 @@ def _argument_path(path: str) -> str:
 
 
 def _static_key(value, path):
+    held = tensor_attributes(value)
+    if held:
+        raise TracingError(
+            f"argument {path} is a {type(value).__name__} object holding tensors "
+            f"(.{', .'.join(held)}); as an object of an unregistered class it would be one "
+            "static value, so the plan would keep the tensors it saw first and never see them "
+            "change. Make the class a dataclass, register it with bp.tree.register, or pass its "
+            "tensors (a dict) instead"
+        )
     try:
         hash(value)
     except TypeError:
@@ -119,6 +129,17 @@ def _static_key(value, path):
             "static arguments must be hashable (ints, floats, strings, tuples)"
         ) from None
     return (type(value).__name__, value)
+
+
+def tensor_attributes(value) -> list[str]:
+    """Attributes of an ordinary object whose pytrees hold tensors or arrays."""
+    if isinstance(value, type) or inspect.ismodule(value) or not hasattr(value, "__dict__"):
+        return []
+    return [
+        name
+        for name, attribute in vars(value).items()
+        if any(isinstance(leaf, Tensor | np.ndarray) for leaf in tree_leaves(attribute))
+    ]
 
 
 def miss_reason(old: SignatureKey | None, new: SignatureKey) -> str:
