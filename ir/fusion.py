@@ -120,12 +120,13 @@ def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value]) -
     for k, kernel in enumerate(kernels):
         if kernel.kind != "loop":
             continue
+        reads = blocked[k] = []
         for node in list(kernel.computed):
             for inp in node.inputs:
                 source = alias_base(inp)
                 cone = _cheap_cone(source, kernel, k, kernels, home)
-                if cone is None and source not in blocked.setdefault(k, []):
-                    blocked[k].append(source)
+                if cone is None and source not in reads:
+                    reads.append(source)
                 for value in cone or ():
                     if value not in kernel.recomputed:
                         kernel.recomputed.append(value)
