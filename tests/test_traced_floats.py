@@ -66,6 +66,27 @@ def test_a_traced_float_where_a_python_number_is_needed_says_to_make_it_static()
     assert by_position.cache_info().traces == 2
 
 
+def test_a_float_default_the_caller_does_not_pass_is_a_constant_as_in_jax():
+    @bp.compile
+    def normed(x, *, eps=1e-5):
+        return bp.layer_norm(x, eps=eps)  # eps must be a Python number here
+
+    x = f32(4, 6)
+    want = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(normed(bp.tensor(x)).numpy(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(bp.TracingError, match="static_argnames"):
+        normed(bp.tensor(x), eps=1e-3)  # passed: traced, so refused where a number is needed
+
+    @bp.compile
+    def scaled(x, scale=2.0):
+        return x * scale
+
+    np.testing.assert_allclose(scaled(bp.tensor(x)).numpy(), 2 * x)
+    for scale in (3.0, 4.0):  # passed floats are traced: one trace for both
+        np.testing.assert_allclose(scaled(bp.tensor(x), scale).numpy(), scale * x, rtol=1e-6)
+    assert scaled.cache_info().traces == 2
+
+
 def test_bad_static_options_are_refused():
     with pytest.raises(ValueError, match="not a parameter"):
         bp.compile(lambda x: x, static_argnames=("y",))

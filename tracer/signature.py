@@ -74,12 +74,14 @@ class BoundCall:
 def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) -> BoundCall:
     """Split a call into its leaves. Tensors, arrays and Python floats are dynamic (floats as
     weakly typed 0-d tensors, so a new learning rate does not retrace); everything else, and
-    every leaf of a parameter named in `static`, is part of the signature by value."""
+    every leaf of a parameter named in `static`, is part of the signature by value. A default
+    the caller did not pass is a constant of the function, as in jax.jit: static by value."""
     try:
         signature = inspect.signature(fn)
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{fn.__qualname__}(): {exc}") from None
+    passed = set(bound.arguments)
     bound.apply_defaults()
     leaves, treedef, paths = flatten(dict(bound.arguments), paths=True)
     sources = list(leaves)
@@ -90,7 +92,7 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
         arguments.append(argument)
         if isinstance(leaf, np.ndarray):
             leaves[i] = leaf = Tensor(leaf)
-        if type(leaf) is float and argument not in static:
+        if type(leaf) is float and argument not in static and argument in passed:
             leaves[i] = Tensor._weak_scalar(leaf)
             positions.append(i)
             keys.append(LeafKey(path, "tensor", (), "f64", weak=True))
