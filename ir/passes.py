@@ -94,9 +94,10 @@ def algebraic_simplification(graph: Graph) -> Graph:
     return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])
 
 
-def _rewrite(graph: Graph, matches, expand) -> Graph:
+def _rewrite(graph: Graph, matches, expand, made: dict | None = None) -> Graph:
     """The graph with every node `matches` accepts replaced by what `expand(builder, node,
-    inputs)` builds from the (rewritten) inputs, at the node's source line."""
+    inputs)` builds from the (rewritten) inputs, at the node's source line. `made`, when given,
+    receives old node -> the new nodes standing for it, in order (the last is its value)."""
     from .builder import Builder
 
     if not any(matches(n) for n in graph.nodes):
@@ -105,11 +106,14 @@ def _rewrite(graph: Graph, matches, expand) -> Graph:
     result = _rebuild(graph, [], [])
     for node in graph.nodes:
         inputs = tuple(mapping.get(i, i) for i in node.inputs)
+        start = len(result.nodes)
         if matches(node):
             mapping[node] = expand(Builder(result, node.loc), node, inputs)
-            continue
-        mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
-        result.nodes.append(mapping[node])
+        else:
+            mapping[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
+            result.nodes.append(mapping[node])
+        if made is not None:
+            made[node] = result.nodes[start:] or [mapping[node]]
     result.outputs = [mapping.get(o, o) for o in graph.outputs]
     return result
 
@@ -146,25 +150,27 @@ def flatten_shared_matmuls(graph: Graph) -> Graph:
     return _rewrite(graph, flattens, flat)
 
 
-def expand_layer_norm(graph: Graph) -> Graph:
+def expand_layer_norm(graph: Graph, made: dict | None = None) -> Graph:
     """Rewrite layer_norm into the primitives its derivative rule uses, in the same order
     (ir/ops/nn.py normalise_last_axis), so common-subexpression elimination shares them with
     the gradient and fusion can make one loop over each row of its statistics, its
     normalisation and the elementwise ops around it (as one call it wrote its whole output and
-    the next loop read it back). Only for joint plans, like expand_tanh_gelu."""
+    the next loop read it back). Every compiled plan does it; eager one-op regions do not.
+    `made`: see _rewrite."""
     from .ops.nn import normalise_last_axis
 
     def expand(b, node: Value, inputs: tuple) -> Value:
         _, _, y = normalise_last_axis(b, inputs[0], node.attrs["eps"])
         return y if len(inputs) == 1 else b.add(b.mul(y, inputs[1]), inputs[2])
 
-    return _rewrite(graph, lambda n: n.op == "layer_norm", expand)
+    return _rewrite(graph, lambda n: n.op == "layer_norm", expand, made)
 
 
 def expand_tanh_gelu(graph: Graph) -> Graph:
     """Rewrite tanh-form gelu into the primitives its derivative rule uses, in the same order,
-    so common-subexpression elimination computes the tanh once for both. Only for joint plans:
-    there forward and backward live in one graph, and gelu's own entry saves nothing."""
+    so common-subexpression elimination computes the tanh once for both: where forward and
+    backward live in one graph (joint plans), or a backward that recomputes the gelu's input
+    (region plans). A forward alone keeps gelu as one op: nothing there shares its tanh."""
     from .ops.elementwise import GELU_C, GELU_K
 
     def expand(b, node: Value, inputs: tuple) -> Value:

@@ -4,8 +4,9 @@
           -> liveness -> lower: fusion -> schedule -> memory plan        (ir/lowering.py)
 
 `build_region_plans` runs it for a compiled function's region (a forward plan, and a backward
-plan that reads saved buffers); `build_joint_plan` for value_and_grad, whose one extra step is
-`expand_tanh_gelu` (forward and derivative share one tanh) and which needs no saved buffers:
+plan that reads saved buffers), then expands layer_norm and tanh-gelu into primitives once the
+saved values are chosen; `build_joint_plan` for value_and_grad, which expands them before its
+cleanup (forward and derivative share one tanh) and needs no saved buffers:
 its rematerialisation (`rematerialize_joint`) copies cheap chains into its gradient part
 instead of holding their values across, after the last cleanup.
 Each step is a named pure function. The result is data: `RegionPlans.lowered(...)` and
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .attention_fusion import fuse_attention
 from .autodiff import append_gradients, backward_graph, reaching_inputs
@@ -35,7 +36,7 @@ from .passes import (
     expand_tanh_gelu,
     flatten_shared_matmuls,
 )
-from .remat import rematerialize, rematerialize_joint
+from .remat import Recomputed, rematerialize, rematerialize_joint
 from .types import is_float
 from .verify import verify_graph, verify_plan
 
@@ -146,15 +147,19 @@ def build_region_plans(
     log: PassLog | None = None,
     remat: bool = True,
     saved_bytes_budget: int | None = None,
+    expand: bool = True,
 ) -> RegionPlans:
     """remat: recompute cheap chains in backward instead of saving them (ir/remat.py), until
-    the saved bytes fit saved_bytes_budget (None: whenever it lowers them)."""
+    the saved bytes fit saved_bytes_budget (None: whenever it lowers them). expand: rewrite
+    layer_norm (both plans) and tanh-gelu (backward) into primitives once the saved values are
+    chosen, as the joint plan does, so fusion makes row loops of them (eager one-op regions
+    keep the single kernel)."""
     log = log or new_log()
     graph = traced(graph, log)
     n_outputs = len(graph.outputs)
     wrt = reaching_inputs(graph, wrt)
     if not any(wrt):
-        return RegionPlans(_plan(graph, log), None, [], n_outputs, wrt, log)
+        return RegionPlans(_plan(_expanded(graph, log, expand), log), None, [], n_outputs, wrt, log)
     bwd, saved = backward_graph(graph, wrt)
     bwd = cleanup(log.record("autodiff", bwd), log)
     used = {i for node in bwd.nodes for i in node.inputs} | set(bwd.outputs)
@@ -163,6 +168,9 @@ def build_region_plans(
     if remat:
         saved, recomputed = rematerialize(graph, bwd, saved, saved_bytes_budget)
         bwd = cleanup(log.record("rematerialize", bwd), log)
+    if expand:
+        bwd = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(bwd)), log)
+        bwd = cleanup(log.record("expand_layer_norm", expand_layer_norm(bwd)), log)
     bwd.inputs = [v for v in bwd.inputs if v.role != "saved"] + [s.backward_input for s in saved]
     inputs = {v: i for i, v in enumerate(graph.inputs)}
     extra = [s.forward for s in saved if s.forward not in inputs and s.forward not in graph.outputs]
@@ -173,13 +181,32 @@ def build_region_plans(
         graph.outputs + extra,
         dict(graph.constants),
     )
+    made: dict[Value, list[Value]] = {}
+    fwd = _expanded(fwd, log, expand, made)
+    recomputed = [_moved(r, made) for r in recomputed]
     slots = []
     for s in saved:
         if s.forward in inputs:
             slots.append(SavedSlot(("input", inputs[s.forward]), s.forward, s.reason))
         else:
-            slots.append(SavedSlot(("output", fwd.outputs.index(s.forward)), s.forward, s.reason))
+            at = (graph.outputs + extra).index(s.forward)  # the same place after expanding
+            slots.append(SavedSlot(("output", at), fwd.outputs[at], s.reason))
     return RegionPlans(_plan(fwd, log), _plan(bwd, log), slots, n_outputs, wrt, log, recomputed)
+
+
+def _expanded(forward: Graph, log: PassLog, expand: bool, made: dict | None = None) -> Graph:
+    """The forward with layer_norm expanded, without cleanup: `made` maps each old node to the
+    nodes standing for it, which the saved slots and the recomputed rows are moved onto."""
+    if not expand:
+        return forward
+    return log.record("expand_layer_norm", expand_layer_norm(forward, made))
+
+
+def _moved(recomputed: Recomputed, made: dict) -> Recomputed:
+    if not made:  # nothing was expanded: the same nodes
+        return recomputed
+    chain = tuple(n for old in recomputed.chain for n in made[old])
+    return replace(recomputed, forward=made[recomputed.forward][-1], chain=chain)
 
 
 def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:

@@ -224,7 +224,13 @@ def test_fast_path_uses_the_tensors_of_each_call_and_falls_back_when_unusual():
         3 * np.sum(same.numpy() * other.numpy()),
         rtol=1e-6,
     )
-    assert weighted.cache_info().traces == 2  # requires_grad False; a new float never retraces
+    np.testing.assert_allclose(
+        weighted(same, other, scale=4.0).numpy(),
+        4 * np.sum(same.numpy() * other.numpy()),
+        rtol=1e-6,
+    )
+    # requires_grad False; a passed float after the default (a constant); a new float: none
+    assert weighted.cache_info().traces == 3
 
 
 def test_value_and_grad_and_grad_keep_the_same_cache_books_as_compile():

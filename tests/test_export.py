@@ -77,7 +77,9 @@ def leaf_params(params):
 def artifacts(model, data, tmp_path_factory):
     folder = tmp_path_factory.mktemp("artifacts")
     params, x, target = data
-    predict_path = bp.export(model.predict, leaf_params(params), x, path=folder / "predict.bpz")
+    predict_path = bp.export(
+        model.predict, leaf_params(params), x, 2.0, path=folder / "predict.bpz"
+    )  # scale passed: traced, so the artifact takes any float for it
     step_path = bp.export(
         bp.value_and_grad(model.loss), params, x, target, path=folder / "step.bpz"
     )
@@ -221,6 +223,18 @@ def test_static_float_argument_keeps_its_value(tmp_path):
         loaded(x, 3.0)
 
 
+def test_a_float_default_not_passed_is_exported_as_its_value(tmp_path):
+    @bp.compile
+    def scaled(x, scale=2.0):
+        return x * scale
+
+    x = np.ones(3, np.float32)
+    loaded = bp.load(bp.export(scaled, x, path=tmp_path / "default.bpz"))
+    np.testing.assert_array_equal(loaded(x).numpy(), [2.0, 2.0, 2.0])
+    with pytest.raises(bp.ExportError, match=r"scale = the static value 2\.0.*3\.0"):
+        loaded(x, 3.0)
+
+
 @pytest.mark.parametrize(
     "bad_call, message",
     [
@@ -284,7 +298,7 @@ def test_example_args_signature_and_explain(model, artifacts, data):
     assert args[0]["w"].requires_grad and args[1].shape == x.shape and args[2] == 0.0
     assert predict.signature.startswith("predict(params: {'w': f32[6,8] requires_grad")
     report = predict.explain()
-    original = bp.explain(model.predict, leaf_params(params), x)
+    original = bp.explain(model.predict, leaf_params(params), x, 2.0)
     assert [b.name for b in report.saved_buffers] == [b.name for b in original.saved_buffers]
     assert report.saved_bytes == original.saved_bytes > 0
     assert report.peak_bytes == original.peak_bytes > 0

@@ -1,7 +1,9 @@
-"""A joint plan (value_and_grad) writes layer_norm as the primitives of its derivative rule
-(ir/passes.py expand_layer_norm), so one loop over each row holds its statistics, the ops around
-it and their gradients: the values and gradients still equal layer_norm's own definition and
-finite differences, on odd shapes, a single column and special values."""
+"""Compiled plans write layer_norm as the primitives of its derivative rule (ir/passes.py
+expand_layer_norm): a joint plan (value_and_grad) and both plans of a compiled region (forward
+and backward, once the saved values are chosen), so one loop over each row holds its statistics,
+the ops around it and their gradients. The values and gradients still equal layer_norm's own
+definition and finite differences, on odd shapes, a single column and special values, on both
+paths; eager one-op regions keep the single kernel."""
 
 import numpy as np
 import pytest
@@ -49,6 +51,23 @@ def test_values_and_gradients_equal_layer_norms_definition(shape, dtype):
     args = [bp.tensor(a.astype(dtype)) for a in (x, g, b, up)]
     value, grads = bp.value_and_grad(bp.compile(ln_gelu_loss), argnums=(0, 1, 2))(*args)
     expected = reference(x, g, b, up)
+    _check(value, grads, expected, dtype)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (3, 1, 33), (4, 1), (2, 127)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compile_and_backward_equal_layer_norms_definition(shape, dtype):
+    rng = np.random.default_rng(sum(shape) + 1)
+    x = rng.standard_normal(shape) * 3 + 1
+    g, b = 1 + 0.1 * rng.standard_normal(shape[-1]), 0.1 * rng.standard_normal(shape[-1])
+    up = rng.standard_normal(shape)
+    args = [bp.tensor(a.astype(dtype), requires_grad=i < 3) for i, a in enumerate((x, g, b, up))]
+    value = bp.compile(ln_gelu_loss)(*args)
+    value.backward()
+    _check(value, [a.grad for a in args[:3]], reference(x, g, b, up), dtype)
+
+
+def _check(value, grads, expected, dtype):
     tol = 2e-4 if dtype == np.float32 else 1e-9
     np.testing.assert_allclose(float(value.numpy()), expected[0], rtol=tol, atol=tol)
     for got, want in zip(grads, expected[1:], strict=True):
@@ -98,6 +117,13 @@ def test_joint_plans_expand_layer_norm_and_share_the_tanh():
     assert ops.count("tanh") == 1  # the forward's tanh, read again by the gradient, not saved
 
 
-def test_forward_and_backward_plans_keep_layer_norm_one_op():
+def test_region_plans_expand_layer_norm_once_the_saved_values_are_chosen():
     plans = build_region_plans(_graph(), [True, False])
-    assert [n.op for n in plans.forward.graph.nodes].count("layer_norm") == 1
+    forward = [n.op for n in plans.forward.graph.nodes]
+    backward = [n.op for n in plans.backward.graph.nodes]
+    assert "layer_norm" not in forward and "layer_norm" not in backward
+    assert forward.count("gelu") == 1  # nothing in a forward alone shares its tanh
+    assert "gelu" not in backward and backward.count("tanh") == 1  # value and slope share it
+    assert sorted(s.source for s in plans.saved) == [("input", 0), ("input", 1)]  # x rebuilds all
+    eager = build_region_plans(_graph(), [True, False], remat=False, expand=False)
+    assert [n.op for n in eager.forward.graph.nodes].count("layer_norm") == 1

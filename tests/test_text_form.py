@@ -68,6 +68,12 @@ def constant_graph() -> tuple[Graph, dict]:
     return graph, constants
 
 
+def eager_layer_norm():
+    """An eager one-op region keeps layer_norm whole (compiled plans expand it)."""
+    x = bp.tensor(RNG.standard_normal((3, 5)).astype(np.float32), requires_grad=True)
+    return bp.layer_norm(x, eps=1e-5).grad_fn.program.plans
+
+
 def region_plans(fn, args):
     return bp.compile(fn).trace(*args).program.plans
 
@@ -80,6 +86,7 @@ PLANS = {
     "zoo-backward": lambda: region_plans(attribute_zoo, zoo_args()).backward,
     "zoo-joint": lambda: bp.value_and_grad(attribute_zoo, argnums=(0, 1)).trace(*zoo_args()).plan,
     "const": lambda: plan_liveness(constant_graph()[0]),
+    "eager-layer_norm": lambda: eager_layer_norm().forward,
 }
 
 

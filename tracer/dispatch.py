@@ -99,5 +99,5 @@ def _build_eager_program(op, inputs, attrs, needs, scalars, loc) -> RegionProgra
     graph.nodes.append(node)
     graph.outputs = [node]
     # remat off: a one-op region saves exactly what its rule names (it holds the input anyway)
-    plans = build_region_plans(graph, wrt, remat=False)
+    plans = build_region_plans(graph, wrt, remat=False, expand=False)
     return RegionProgram(plans, name=op_text(op, loc), backend="reference")
