@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backplan.ir.types import is_float
-from backplan.tracer.pytree import flatten, unflatten
+from backplan.tracer.pytree import difference, flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
 
@@ -14,7 +14,8 @@ def float_leaves(tree, where: str) -> list[Tensor]:
         if not isinstance(leaf, Tensor):
             raise TypeError(
                 f"{where}: leaf {path} is a {type(leaf).__name__}; parameters and gradients "
-                "must be pytrees (dicts, lists, tuples) of tensors (wrap arrays in bp.tensor)"
+                "must be pytrees (dicts, lists, tuples, dataclasses) of tensors (wrap arrays in "
+                "bp.tensor)"
             )
         if not is_float(leaf._ir_dtype):
             raise TypeError(
@@ -29,9 +30,9 @@ def check_same_structure(grads, params, where: str) -> None:
     p_leaves, p_def = flatten(params)
     if g_def != p_def:
         raise TypeError(
-            f"{where}: grads and params have different structures ({len(g_leaves)} vs "
-            f"{len(p_leaves)} leaves); pass the gradients bp.value_and_grad returned for "
-            "exactly these params"
+            f"{where}: grads and params have different structures, at "
+            f"{difference(g_def, p_def)} (grads first; {len(g_leaves)} vs {len(p_leaves)} "
+            "leaves); pass the gradients bp.value_and_grad returned for exactly these params"
         )
     float_leaves(grads, where)
     for g, p, path in zip(g_leaves, p_leaves, flatten(params, paths=True)[2], strict=True):

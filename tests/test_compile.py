@@ -50,6 +50,17 @@ def test_cache_hits_and_every_kind_of_miss_is_explained():
     assert fn.cache_info().last_miss_reason == "x: requires_grad False -> True"
     fn(bp.tensor(f32(2, 3).astype(np.float64), requires_grad=True), scale=2)
     assert fn.cache_info().last_miss_reason == "scale: static value 1 -> 2"
+
+    @bp.compile
+    def first(xs):
+        return xs[0] * 2
+
+    first([x])
+    first((x, x))
+    assert first.cache_info().last_miss_reason == (
+        "the structure of the arguments changed (pytree shape or keyword set) at ['xs']: "
+        "a list of 1 against a tuple of 2"
+    )
     fn(bp.tensor(f32(2, 3).astype(np.float64), requires_grad=True), scale=2.5)
     assert fn.cache_info().last_miss_reason == "scale: static 2 -> traced float"
     fn(bp.tensor(f32(2, 3).astype(np.float64), requires_grad=True), scale=3.5)

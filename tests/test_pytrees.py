@@ -98,6 +98,22 @@ def test_export_stores_dataclasses_as_dicts_and_refuses_registered_classes(tmp_p
         )
 
 
+@pytest.mark.parametrize(
+    "first, second, where",
+    [
+        ({"a": [1, 2]}, {"a": [1]}, r"at \['a'\]: 2 items against 1"),
+        ({"a": (1, 2)}, {"a": [1, 2]}, r"at \['a'\]: a tuple of 2 against a list of 2"),
+        ([{"b": {"x": 1}}], [{"b": {"x": None}}], r"at \[0\]\['b'\]\['x'\]: a leaf against None"),
+        ({"w": 1, "b": 2}, {"b": 2, "w": 1}, r"the same keys in another order"),
+        (Pair(1, 2, "x"), Pair(1, [2], "x"), r"at \[1\]: a leaf against a list of 1"),
+        ([1, Params(1, 2)], [1, Pair(1, 2, "x")], r"at \[1\]: a Params against a Pair"),
+    ],
+)
+def test_structure_mismatches_name_the_place(first, second, where):
+    with pytest.raises(ValueError, match=where):
+        bp.tree.map(lambda a, b: a, first, second)
+
+
 def test_tree_functions():
     params = {"w": bp.ones((2,)), "layers": [bp.zeros((1,)), None], "pair": Pair(1, 2, "x")}
     leaves, treedef = bp.tree.flatten(params)
@@ -107,7 +123,7 @@ def test_tree_functions():
     grads = bp.tree.map(lambda leaf: leaf, params)
     summed = bp.tree.map(lambda a, b: a + b, params, grads)
     assert summed["w"].tolist() == [2.0, 2.0] and summed["pair"].second == 4
-    with pytest.raises(ValueError, match="one structure"):
+    with pytest.raises(ValueError, match=r"keys only the first has: \['layers', 'pair'\]"):
         bp.tree.map(lambda a, b: a, params, {"w": 1})
     with pytest.raises(ValueError, match="leaves"):
         bp.tree.unflatten(treedef, leaves[:2])

@@ -3,6 +3,8 @@ op below runs in one compiled function (one compile), once per row of special in
 agree with the reference interpreter (NumPy and PyTorch semantics: logsumexp([inf, 1, 2]) is
 inf; softmax over an empty axis is empty)."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -94,3 +96,17 @@ def test_the_gradient_of_sqrt_at_zero_inf_and_subnormals_agrees_with_the_referen
         exact = 0.5 / np.sqrt(x)
     np.testing.assert_allclose(grads["numba"], grads["reference"], rtol=2e-6)
     np.testing.assert_allclose(grads["numba"], exact, rtol=2e-6)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_eager_ops_give_ieee_results_without_numpy_warnings_as_compiled_ones_do(requires_grad):
+    """1 / sqrt(0) and log(0) are inf and -inf on every path, with no RuntimeWarning from inside
+    backplan on one path and silence on the others (torch and JAX are silent too)."""
+    x = bp.tensor(np.zeros(3, np.float32), requires_grad=requires_grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eager = [(1.0 / bp.sqrt(x)).numpy(), bp.log(x).numpy()]
+    compiled = bp.compile(lambda x: (1.0 / bp.sqrt(x), bp.log(x)))(x)
+    for got, want in zip(eager, compiled, strict=True):
+        np.testing.assert_array_equal(got, want.numpy())
+    assert np.isposinf(eager[0]).all() and np.isneginf(eager[1]).all()

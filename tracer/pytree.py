@@ -152,6 +152,47 @@ def _flatten_custom(tree, flatten_fn, leaves, names, path) -> TreeDef:
     return TreeDef("custom", kids, (type(tree), aux))
 
 
+def difference(a: TreeDef, b: TreeDef, path: str = "") -> str | None:
+    """Where two structures first differ, in words ("['w2']: a key only the second has"), or
+    None when they are the same: errors name the place, not just the leaf counts."""
+    where = path or "the top"
+    if a.kind != b.kind:
+        return f"{where}: {_node_text(a)} against {_node_text(b)}"
+    if a.kind == "dict" and a.meta != b.meta:
+        only_a = [k for k in a.meta if k not in b.meta]
+        only_b = [k for k in b.meta if k not in a.meta]
+        if only_a or only_b:
+            parts = [f"keys only the first has: {only_a}"] if only_a else []
+            parts += [f"keys only the second has: {only_b}"] if only_b else []
+            return f"{where}: {'; '.join(parts)}"
+        return f"{where}: the same keys in another order ({list(a.meta)} against {list(b.meta)})"
+    if a.meta != b.meta:
+        return f"{where}: {_node_text(a)} against {_node_text(b)}"
+    if len(a.children) != len(b.children):
+        return f"{where}: {len(a.children)} items against {len(b.children)}"
+    keys = (
+        a.meta
+        if a.kind == "dict"
+        else (a.meta[1] if a.kind == "dataclass" else getattr(a.meta, "_fields", None))
+    )
+    for i, (x, y) in enumerate(zip(a.children, b.children, strict=True)):
+        step = f"[{keys[i]!r}]" if a.kind == "dict" else f".{keys[i]}" if keys else f"[{i}]"
+        found = difference(x, y, path + step)
+        if found:
+            return found
+    return None
+
+
+def _node_text(node: TreeDef) -> str:
+    if node.kind in ("leaf", "none"):
+        return "a leaf" if node.kind == "leaf" else "None"
+    if node.kind in ("dataclass", "custom"):
+        return f"a {node.meta[0].__name__}"
+    if node.kind == "namedtuple":
+        return f"a {node.meta.__name__}"
+    return f"a {node.kind} of {len(node.children)}"
+
+
 def unflatten(treedef: TreeDef, leaves: Iterable[Any]) -> Any:
     """Rebuild the structure treedef describes from leaves (in flattening order)."""
     leaves = list(leaves)
@@ -256,9 +297,9 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
         other_leaves, other_def = flatten(other)
         if other_def != treedef:
             raise ValueError(
-                "bp.tree.map needs trees of one structure; the first has "
-                f"{treedef.num_leaves} leaves, another {other_def.num_leaves}, or their "
-                "containers differ"
+                f"bp.tree.map needs trees of one structure; the first and tree {len(others) + 2} "
+                f"differ at {difference(treedef, other_def)} ({treedef.num_leaves} leaves "
+                f"against {other_def.num_leaves})"
             )
         others.append(other_leaves)
     return unflatten(treedef, [fn(*args) for args in zip(leaves_, *others, strict=True)])

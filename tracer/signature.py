@@ -12,7 +12,7 @@ import numpy as np
 from backplan.runtime import is_grad_enabled
 
 from .errors import TracingError
-from .pytree import TreeDef, flatten, unflatten
+from .pytree import TreeDef, difference, flatten, unflatten
 from .pytree import leaves as tree_leaves
 from .tensor import Tensor
 
@@ -148,7 +148,8 @@ def miss_reason(old: SignatureKey | None, new: SignatureKey) -> str:
     if old is None:
         return "first call"
     if old.treedef != new.treedef:
-        return "the structure of the arguments changed (pytree shape or keyword set)"
+        where = difference(old.treedef, new.treedef)
+        return f"the structure of the arguments changed (pytree shape or keyword set) at {where}"
     changes = []
     for a, b in zip(old.leaves, new.leaves, strict=True):
         if a == b:
