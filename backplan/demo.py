@@ -56,8 +56,12 @@ def train(steps: int = 200, batch: int = 64, lr: float = 3e-3, out=sys.stdout) -
         if step == 0:
             first_call, start = time.perf_counter() - start, time.perf_counter()
         if step % 25 == 0 or step == steps - 1:
-            recent = np.mean(losses[-25:])
-            print(f"step {step:4d}  loss {recent:.4f}", file=out)
+            recent = losses[-25:]
+            print(
+                f"step {step:4d}  loss {losses[-1]:.4f}  (mean of the last {len(recent):2d} "
+                f"steps {np.mean(recent):.4f})",
+                file=out,
+            )
     elapsed = time.perf_counter() - start
     info = train_step.cache_info()
     print(
@@ -66,5 +70,6 @@ def train(steps: int = 200, batch: int = 64, lr: float = 3e-3, out=sys.stdout) -
         f"each); traced {info.traces} time(s), {info.hits} cache hits",
         file=out,
     )
-    print(f"loss fell from {np.mean(losses[:10]):.3f} to {np.mean(losses[-10:]):.3f}", file=out)
+    first, last = np.mean(losses[:10]), np.mean(losses[-10:])
+    print(f"mean loss of the first 10 steps {first:.3f}, of the last 10 {last:.3f}", file=out)
     return losses
