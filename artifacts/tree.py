@@ -83,7 +83,13 @@ def treedef_to_json(treedef: TreeDef, where: str) -> dict:
         keys = [static_to_json(k, f"{where}: dict key") for k in treedef.meta]
         return {"kind": "dict", "keys": keys, "children": kids}
     if treedef.kind == "dataclass":
-        cls, fields = treedef.meta
+        cls, fields, static = treedef.meta
+        if static:
+            raise ExportError(
+                f"{where}: a {cls.__name__} with static fields ({', '.join(n for n, _ in static)}) "
+                "cannot be stored in an artifact yet, because a loaded artifact could not check "
+                "their values; make them ordinary fields or pass the data fields as a dict"
+            )
         keys = [static_to_json(k, f"{where}: field") for k in fields]
         return {"kind": "dict", "dataclass": cls.__name__, "keys": keys, "children": kids}
     if treedef.kind == "custom":
@@ -199,7 +205,7 @@ def _render(treedef: TreeDef, texts) -> str:
     if treedef.kind == "dict":
         return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(treedef.meta, kids, strict=True)) + "}"
     if treedef.kind == "dataclass":
-        cls, fields = treedef.meta
+        cls, fields = treedef.meta[:2]
         pairs = zip(fields, kids, strict=True)
         return f"{cls.__name__}(" + ", ".join(f"{k}={v}" for k, v in pairs) + ")"
     if treedef.kind == "list":

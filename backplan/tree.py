@@ -11,7 +11,24 @@ Compiled functions, value_and_grad and export take and return them.
 dict_keys(['w', 'b'])
 """
 
-from backplan.tracer.pytree import TreeDef, flatten, leaves, register, structure, unflatten
+from backplan.tracer.pytree import (
+    TreeDef,
+    flatten,
+    leaves,
+    register,
+    static_field,
+    structure,
+    unflatten,
+)
 from backplan.tracer.pytree import tree_map as map  # noqa: A004 - bp.tree.map, as jax.tree.map
 
-__all__ = ["TreeDef", "flatten", "leaves", "map", "register", "structure", "unflatten"]
+__all__ = [
+    "TreeDef",
+    "flatten",
+    "leaves",
+    "map",
+    "register",
+    "static_field",
+    "structure",
+    "unflatten",
+]

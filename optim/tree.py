@@ -15,7 +15,8 @@ def float_leaves(tree, where: str) -> list[Tensor]:
             raise TypeError(
                 f"{where}: leaf {path} is a {type(leaf).__name__}; parameters and gradients "
                 "must be pytrees (dicts, lists, tuples, dataclasses) of tensors (wrap arrays in "
-                "bp.tensor)"
+                "bp.tensor; mark a dataclass field that is not a tensor with "
+                "bp.tree.static_field())"
             )
         if not is_float(leaf._ir_dtype):
             raise TypeError(

@@ -223,3 +223,65 @@ def test_zero_grad_refuses_an_object_whose_tensors_it_cannot_see():
         bp.zero_grad([Box(t)])
     bp.zero_grad([t, "name", 3])  # plain non-tensor leaves are fine
     assert t.grad is None
+
+
+@dataclasses.dataclass
+class Layer:
+    w: bp.Tensor
+    b: bp.Tensor
+    act: str = bp.tree.static_field(default="tanh")
+
+
+def layer_loss(layer, x):
+    h = x @ layer.w + layer.b
+    h = bp.tanh(h) if layer.act == "tanh" else bp.relu(h)
+    return bp.sum(h * h)
+
+
+def numpy_layer_loss(w, b, x, act):
+    h = x @ w + b
+    h = np.tanh(h) if act == "tanh" else np.maximum(h, 0)
+    return np.sum(h * h)
+
+
+def test_a_static_dataclass_field_is_structure_not_a_leaf():
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((3, 4)), rng.standard_normal(4)
+    x = rng.standard_normal((5, 3))
+    layer = Layer(bp.tensor(w), bp.tensor(b))
+    leaves, treedef = bp.tree.flatten(layer)
+    assert len(leaves) == 2 and bp.tree.unflatten(treedef, leaves).act == "tanh"
+    assert bp.tree.flatten(Layer(1, 2, "relu"))[1] != treedef  # the value is in the structure
+
+    vg = bp.value_and_grad(bp.compile(layer_loss))
+    for act in ("tanh", "relu", "tanh"):
+        value, grads = vg(dataclasses.replace(layer, act=act), bp.tensor(x))
+        assert isinstance(grads, Layer) and grads.act == act  # gradients keep the static field
+        np.testing.assert_allclose(value.item(), numpy_layer_loss(w, b, x, act), rtol=1e-10)
+    info = vg.cache_info()
+    assert info.traces == 2 and "static fields {'act': 'tanh'} against" in info.last_miss_reason
+
+    opt = bp.optim.adam(0.1)
+    state = opt.init(layer)
+    new, state = opt.update(grads, state, layer)
+    assert isinstance(new, Layer) and new.act == "tanh"
+    assert not np.allclose(new.w.numpy(), w)
+
+
+def test_static_fields_are_refused_where_they_would_be_silently_lost():
+    with pytest.raises(bp.BackplanError, match=r"static field .act of Layer holds a list"):
+        bp.tree.flatten(Layer(1, 2, ["tanh"]))
+
+    @dataclasses.dataclass
+    class Named:
+        w: bp.Tensor
+        name: str = "dense"  # not marked static: a leaf
+
+    with pytest.raises(TypeError, match=r"str leaf at \.name.*bp\.tree\.static_field\(\)"):
+        bp.value_and_grad(lambda p: bp.sum(p.w))(Named(bp.ones((2,))))
+    with pytest.raises(TypeError, match=r"leaf \.name is a str.*bp\.tree\.static_field\(\)"):
+        bp.optim.sgd(0.1).init(Named(bp.ones((2,))))
+
+    layer = Layer(bp.ones((3, 4)), bp.zeros((4,)))
+    with pytest.raises(bp.ExportError, match=r"a Layer with static fields \(act\)"):
+        bp.export(bp.compile(layer_loss), layer, np.ones((2, 3)), path="unused.bpz")

@@ -258,7 +258,8 @@ def _diff_positions(call, args, nums) -> set[int]:
     """Leaf positions (in the bound call) that belong to differentiated arguments."""
     positions, start = set(), 0
     for i, arg in enumerate(args):
-        count = flatten(arg)[1].num_leaves
+        _, _, paths = flatten(arg, paths=True)
+        count = len(paths)
         if i in nums:
             for p in range(start, start + count):
                 leaf = call.leaves[p]
@@ -266,7 +267,9 @@ def _diff_positions(call, args, nums) -> set[int]:
                     raise TypeError(
                         f"argument {i} of a differentiated function holds a "
                         f"{type(leaf).__name__ if not isinstance(leaf, Tensor) else leaf.dtype} "
-                        "leaf; only float tensors can be differentiated"
+                        f"leaf at {paths[p - start]}; only float tensors can be differentiated "
+                        "(pass it as another argument, or mark a dataclass field that is not a "
+                        "tensor with bp.tree.static_field())"
                     )
                 positions.add(p)
         start += count

@@ -36,14 +36,48 @@ def register(
         raise TypeError(f"{cls.__name__} is already a pytree node")
     _CUSTOM[cls] = (flatten_fn, unflatten_fn)
     _KINDS.clear()  # cls, or a subclass of a type seen before, may have been a leaf until now
+    _FIELDS.pop(cls, None)
     return cls
+
+
+def static_field(**kwargs) -> Any:
+    """A dataclass field that is part of the structure, not a leaf (a name, a flag, a size):
+    compiled functions key on its value, value_and_grad and optimizers leave it alone. As
+    equinox's `field(static=True)` and flax's `struct.field(pytree_node=False)`.
+
+    >>> import dataclasses, backplan as bp
+    >>> @dataclasses.dataclass
+    ... class Layer:
+    ...     w: bp.Tensor
+    ...     name: str = bp.tree.static_field(default="dense")
+    >>> bp.tree.leaves(Layer(1.0))
+    [1.0]
+    """
+    metadata = {**kwargs.pop("metadata", {}), "static": True}
+    return dataclasses.field(metadata=metadata, **kwargs)
+
+
+_FIELDS: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # cls -> (data, static)
+
+
+def _dataclass_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        init = [f for f in dataclasses.fields(cls) if f.init]
+        fields = _FIELDS[cls] = (
+            tuple(f.name for f in init if not f.metadata.get("static")),
+            tuple(f.name for f in init if f.metadata.get("static")),
+        )
+    return fields
 
 
 @dataclass(frozen=True)
 class TreeDef:
     kind: str  # "leaf", "none", "tuple", "list", "dict", "namedtuple", "dataclass", "custom"
     children: tuple = ()
-    meta: object = None  # dict keys, the namedtuple class, (class, field names), (class, aux)
+    # dict keys, the namedtuple class, (class, field names, ((static field, value), ...)),
+    # (class, aux)
+    meta: object = None
 
     @property
     def num_leaves(self) -> int:
@@ -117,14 +151,14 @@ def _flatten(tree, leaves: list, names: list | None, path: str) -> TreeDef:
     if kind == "custom":
         return _flatten_custom(tree, _CUSTOM[type(tree)][0], leaves, names, path)
     if kind == "dataclass":
-        fields = tuple(f.name for f in dataclasses.fields(tree) if f.init)
+        fields, static = _dataclass_fields(type(tree))
         kids = tuple(
             [
                 _flatten(getattr(tree, f), leaves, names, names is not None and f"{path}.{f}")
                 for f in fields
             ]
         )
-        return TreeDef("dataclass", kids, (type(tree), fields))
+        return TreeDef("dataclass", kids, (type(tree), fields, _static_values(tree, static, path)))
     kids = tuple(
         [
             _flatten(v, leaves, names, names is not None and f"{path}.{f}")
@@ -132,6 +166,20 @@ def _flatten(tree, leaves: list, names: list | None, path: str) -> TreeDef:
         ]
     )
     return TreeDef("namedtuple", kids, type(tree))
+
+
+def _static_values(tree, static: tuple[str, ...], path) -> tuple:
+    values = tuple((name, getattr(tree, name)) for name in static)
+    for name, value in values:
+        try:
+            hash(value)
+        except TypeError:
+            raise BackplanError(
+                f"static field {path or ''}.{name} of {type(tree).__name__} holds a "
+                f"{type(value).__name__}, which is not hashable; a static field is part of the "
+                "structure, so it must be hashable (a tuple instead of a list)"
+            ) from None
+    return values
 
 
 def _flatten_custom(tree, flatten_fn, leaves, names, path) -> TreeDef:
@@ -166,6 +214,8 @@ def difference(a: TreeDef, b: TreeDef, path: str = "") -> str | None:
             parts += [f"keys only the second has: {only_b}"] if only_b else []
             return f"{where}: {'; '.join(parts)}"
         return f"{where}: the same keys in another order ({list(a.meta)} against {list(b.meta)})"
+    if a.kind == "dataclass" and a.meta[:2] == b.meta[:2] and a.meta != b.meta:
+        return f"{where}: static fields {dict(a.meta[2])} against {dict(b.meta[2])}"
     if a.meta != b.meta:
         return f"{where}: {_node_text(a)} against {_node_text(b)}"
     if len(a.children) != len(b.children):
@@ -215,8 +265,8 @@ def _unflatten(treedef: TreeDef, it):
     if kind == "dict":
         return dict(zip(treedef.meta, kids, strict=True))
     if kind == "dataclass":
-        cls, fields = treedef.meta
-        return cls(**dict(zip(fields, kids, strict=True)))
+        cls, fields, static = treedef.meta
+        return cls(**dict(zip(fields, kids, strict=True)), **dict(static))
     if kind == "custom":
         cls, aux = treedef.meta
         return _CUSTOM[cls][1](aux, kids)
