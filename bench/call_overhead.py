@@ -2,14 +2,15 @@
 plain NumPy arrays, which the README invites: the difference is what the call path spends on
 taking NumPy arguments.
 
-    python -m backplan.bench.call_overhead [--threads 1] [--models mlp_tiny,ln_gelu]
+    python -m backplan.bench.call_overhead [--threads 1] [--models mlp_tiny,ln_gelu] [--jax]
 
 Each model runs `bp.value_and_grad(bp.compile(loss))(params, *batch)` in float32 at full size
 (the bench suite's models); rounds interleave the two argument kinds and the medians of the
 per-step times are printed in microseconds. Timing starts once the plans' compiled drivers have
 replaced the Python ones (driver_builder.wait_for_builds), as in a long training loop. --threads
 pins the process to that many CPUs (bench/affinity.py) and limits Numba's and BLAS's threads to
-match.
+match. --jax adds JAX's step for the same model (the bench suite's JAX peer) to the same rounds,
+so both argument kinds are also given as a ratio to JAX measured in the same run.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def make_steps(name: str) -> dict:
     }
 
 
+def add_jax_step(steps: dict, name: str) -> dict:
+    """steps with the bench suite's JAX step for the model added as kind "jax"."""
+    from .models import MODELS
+    from .peers import PEERS
+
+    spec = MODELS[name]
+    runner = PEERS["jax"]().build(spec, spec.inputs(small=False, dtype=np.float32))
+    return {**steps, "jax": runner.step}
+
+
 def measure(steps: dict, schedule: Schedule) -> dict:
     """Median step seconds per kind over interleaved rounds (the order alternates)."""
     from backplan.codegen.driver_builder import wait_for_builds
@@ -74,6 +85,7 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--round-seconds", type=float, default=0.5)
+    parser.add_argument("--jax", action="store_true", help="also time JAX's step, same rounds")
     options = parser.parse_args(argv)
     pinned = pin_process(options.threads)
     from .threads import apply_threads
@@ -87,11 +99,17 @@ def main(argv=None) -> None:
         f"({pinned.get('affinity', 'not pinned')}); medians of {options.rounds} interleaved "
         "rounds, microseconds per step"
     )
-    print(f"{'model':<10} {'tensor args':>12} {'numpy args':>12} {'numpy/tensor':>13}")
+    header = f"{'model':<10} {'tensor args':>12} {'numpy args':>12} {'numpy/tensor':>13}"
+    print(header + (f" {'jax':>10} {'tensor/jax':>11} {'numpy/jax':>10}" if options.jax else ""))
     for name in options.models.split(","):
-        medians = measure(make_steps(name), schedule)
+        steps = make_steps(name)
+        medians = measure(add_jax_step(steps, name) if options.jax else steps, schedule)
         tensor_us, numpy_us = medians["tensor"] * 1e6, medians["numpy"] * 1e6
-        print(f"{name:<10} {tensor_us:>12.1f} {numpy_us:>12.1f} {numpy_us / tensor_us:>12.2f}x")
+        row = f"{name:<10} {tensor_us:>12.1f} {numpy_us:>12.1f} {numpy_us / tensor_us:>12.2f}x"
+        if options.jax:
+            jax_us = medians["jax"] * 1e6
+            row += f" {jax_us:>10.1f} {tensor_us / jax_us:>10.2f}x {numpy_us / jax_us:>9.2f}x"
+        print(row)
 
 
 if __name__ == "__main__":

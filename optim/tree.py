@@ -43,17 +43,34 @@ def check_same_structure(grads, params, where: str) -> None:
 
 def tree_map_n(fn, *trees):
     """fn applied leaf by leaf across trees of the same structure (the first one's)."""
-    first, treedef = flatten(trees[0])
-    rest = [flatten(t)[0] for t in trees[1:]]
+    first, treedef, rest = _same_structure(trees)
     return unflatten(treedef, [fn(*leaves) for leaves in zip(first, *rest, strict=True)])
 
 
 def tree_map_tuple(fn, *trees, n: int):
     """Like tree_map_n for an fn returning n values: n trees."""
-    first, treedef = flatten(trees[0])
-    rest = [flatten(t)[0] for t in trees[1:]]
+    first, treedef, rest = _same_structure(trees)
     results = [fn(*leaves) for leaves in zip(first, *rest, strict=True)]
     return tuple(unflatten(treedef, [r[k] for r in results]) for k in range(n))
+
+
+def _same_structure(trees) -> tuple[list, object, list[list]]:
+    """The first tree's leaves and structure, and the others' leaves, all of one structure:
+    optimizer state zipped with gradients by position would pair a moment with the wrong
+    parameter when a dict lists its keys in another order."""
+    first, treedef = flatten(trees[0])
+    rest = []
+    for tree in trees[1:]:
+        leaves_, other = flatten(tree)
+        if other != treedef:
+            raise TypeError(
+                "optimizer state does not match the parameters and gradients: they differ at "
+                f"{difference(treedef, other)} (the state first); pass the state that "
+                "init(params) returned for params of this structure, with dict keys in the same "
+                "order"
+            )
+        rest.append(leaves_)
+    return first, treedef, rest
 
 
 def check_hyper(optimizer: str, name: str, value, positive: bool = False, below_one=False):

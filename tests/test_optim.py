@@ -284,3 +284,22 @@ def test_readme_training_loop_runs_and_learns(tmp_path, monkeypatch, capsys):
     assert lines[-1] == "1"  # one trace for every step
     saved = bp.load_tree(tmp_path / "checkpoint.npz")
     assert saved["opt_state"][1]["count"].item() == 201
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: bp.optim.sgd(1.0, momentum=0.9), lambda: bp.optim.adam(0.1)]
+)
+def test_state_of_another_structure_is_refused_not_paired_by_position(make):
+    """State built for {'b', 'a'} used with params {'a', 'b'}: zipped by position, each moment
+    would update the other parameter."""
+    opt = make()
+    t = lambda v: bp.tensor(np.full(2, v, np.float32))  # noqa: E731
+    reordered = {"b": t(0), "a": t(0)}
+    _, state = opt.update({"b": t(1), "a": t(100)}, opt.init(reordered), reordered)
+    with pytest.raises(TypeError, match=r"the same keys in another order \(\['b', 'a'\]"):
+        opt.update({"a": t(0), "b": t(0)}, state, {"a": t(0), "b": t(0)})
+    with pytest.raises(TypeError, match=r"keys only the first has: \['b'\]"):
+        opt.update({"a": t(0)}, state, {"a": t(0)})
+    listed = opt.init([t(0), t(0)])
+    with pytest.raises(TypeError, match=r"at the top: a list of 2 against a dict of 2"):
+        opt.update({"a": t(0), "b": t(0)}, listed, {"a": t(0), "b": t(0)})
