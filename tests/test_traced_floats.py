@@ -105,6 +105,25 @@ def test_value_and_grad_traces_floats_too():
     assert vg.cache_info().traces == 1
 
 
+def test_a_differentiated_float_stays_weakly_typed():
+    """Differentiating with respect to a float must not widen a float32 computation: the loss
+    has the dtype it has when the float is not differentiated (as in JAX)."""
+    x = bp.tensor(np.arange(3, dtype=np.float32))
+
+    @bp.compile
+    def loss(x, scale=1.0):
+        return (x * scale * scale).sum()
+
+    for argnums in (0, (0, 1), 1):
+        value, grads = bp.value_and_grad(loss, argnums=argnums)(x, 2.0)
+        assert value.dtype == np.float32 and value.item() == 12.0
+    d_scale = grads.item()
+    assert d_scale == 2 * 2.0 * 3.0  # d/ds sum(x s^2) = 2 s sum(x)
+    vg = bp.value_and_grad(loss, argnums=1)
+    assert [vg(x, s)[1].item() for s in (1.0, 3.0)] == [6.0, 18.0]
+    assert vg.cache_info().traces == 1
+
+
 def test_retrace_warning_after_eight_retraces_names_what_changed():
     @bp.compile
     def by_shape(x):

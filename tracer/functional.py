@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
-import numpy as np
-
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import build_joint_plan
@@ -247,10 +245,11 @@ def _positional(fn):
 
 
 def _as_diff_arg(arg):
-    """A float argument to differentiate becomes a tensor. NumPy arrays stay as they are:
+    """A float argument to differentiate becomes a weakly typed 0-d tensor, as when it is not
+    differentiated (x_f32 * scale stays float32, as in JAX). NumPy arrays stay as they are:
     binding makes them tensors, and the fast path finds them among the call's leaves."""
-    if isinstance(arg, float):
-        return Tensor(np.float64(arg))
+    if type(arg) is float:
+        return Tensor._weak_scalar(arg)
     return arg
 
 

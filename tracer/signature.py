@@ -100,7 +100,7 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
             leaf._check_live()
             positions.append(i)
             rg = bool(leaf.requires_grad and is_grad_enabled())
-            keys.append(LeafKey(path, "tensor", leaf.shape, leaf._ir_dtype, rg))
+            keys.append(LeafKey(path, "tensor", leaf.shape, leaf._ir_dtype, rg, weak=leaf._weak))
         else:
             keys.append(LeafKey(path, "static", static=_static_key(leaf, path)))
     key = SignatureKey(treedef, tuple(keys))
