@@ -220,3 +220,18 @@ def test_host_randomness_while_tracing_raises_and_points_to_bp_random(draw):
         noisy(bp.tensor(np.zeros(3, np.float32)))
     assert (np.random.randn, np.random.default_rng, random.random) == originals  # restored
     assert draw().shape == (3,)  # and working outside traces
+
+
+def test_bernoulli_draws_the_same_numbers_whichever_way_p_arrives():
+    """p as a Python constant, as a traced float argument and eagerly: one key, one draw."""
+    key = bp.random.key(7)
+    eager = bp.random.bernoulli(key, 0.3, (64,)).numpy()
+
+    @bp.compile
+    def traced(key, p):
+        return bp.random.bernoulli(key, p, (64,))
+
+    constant = bp.compile(lambda key: bp.random.bernoulli(key, 0.3, (64,)))
+    np.testing.assert_array_equal(traced(key, 0.3).numpy(), eager)
+    np.testing.assert_array_equal(constant(key).numpy(), eager)
+    assert 0 < eager.sum() < 64

@@ -86,7 +86,9 @@ def bernoulli(k, p=0.5, shape=None) -> Tensor:
         shape = () if isinstance(p, int | float) else as_tensor(p).shape
     if isinstance(p, int | float) and not 0 <= p <= 1:
         raise ValueError(f"bp.random.bernoulli: p must lie in [0, 1], got {p}")
-    dtype = "f64" if isinstance(p, Tensor) and p._ir_dtype == "f64" else "f32"
+    # a traced Python float (weak) draws as the float itself would: the same numbers per key
+    strong_f64 = isinstance(p, Tensor) and p._ir_dtype == "f64" and not p._weak
+    dtype = "f64" if strong_f64 else "f32"
     return less(uniform(k, shape, dtype), p)
 
 
