@@ -62,6 +62,8 @@ def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
     ):
         value = trace.graph.add_input(_type_of(leaves[pos]))
         leaves[pos] = Tensor._traced(value, trace, key.requires_grad, weak=key.weak)
+        if key.weak:
+            trace.floats[value] = call.arguments[pos]
     with tracing(trace):
         result = call.call(fn, leaves)
     out_leaves, out_treedef = flatten(result)

@@ -54,11 +54,14 @@ def apply(op: str, inputs: list, **attrs):
 
 
 def _tensor_attribute(op: str, name: str, value, loc) -> TracingError:
-    what = "a traced float argument" if value._weak else f"a tensor {value._ir_dtype}"
+    argument = value._trace.floats.get(value._value) if value._trace else None
+    what = f"the traced float argument {argument}" if argument else "a traced float argument"
+    what = what if value._weak else f"a tensor {value._ir_dtype}"
     return TracingError(
         f"{op}() at {loc_text(loc)}: its {name} must be a Python number, got {what}. Python "
         "floats passed to a compiled function are traced (a new value does not retrace); "
-        "where one must stay a number, mark it static: bp.compile(fn, static_argnames=('name',))"
+        "where one must stay a number, mark it static: "
+        f"bp.compile(fn, static_argnames=('{argument or 'name'}',))"
     )
 
 

@@ -331,12 +331,14 @@ class Tensor:
             self._check_live()
         if self._data is None:
             if self._weak:
+                argument = self._trace.floats.get(self._value) if self._trace else None
                 raise TracingError(
-                    f"{what} of a traced float at {loc_text(user_frame_loc())}: Python floats "
+                    f"{what} of a traced float{f' (argument {argument})' if argument else ''} "
+                    f"at {loc_text(user_frame_loc())}: Python floats "
                     "passed to a compiled function are traced (so a new value does not "
                     "retrace), so their value is not known while tracing. Where the value "
                     "must be a Python number (a shape, a flag, an op attribute), mark the "
-                    "argument static: bp.compile(fn, static_argnames=('name',))."
+                    f"argument static: bp.compile(fn, static_argnames=('{argument or 'name'}',))."
                 )
             raise TracingError(
                 f"{what} of a traced tensor at {loc_text(user_frame_loc())}: inside @compile the "

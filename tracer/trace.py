@@ -23,6 +23,7 @@ class Trace:
         self.graph = Graph(name=re.sub(r"\W", "_", name) or "fn")
         self.captured: list = []
         self._lifted: dict[int, Value] = {}
+        self.floats: dict[Value, str] = {}  # input of a traced Python float -> its argument
 
     def value_of(self, tensor) -> Value:
         if tensor._trace is self:
