@@ -252,10 +252,15 @@ class LoadedValueAndGrad(LoadedArtifact):
             )
             for i, (child, arg) in enumerate(zip(args_def.children, args, strict=True))
         )
-        return {
-            "args": conformed,
-            "kwargs": conform(kwargs_def, arguments["kwargs"], "", self.path),
-        }
+        kwargs, exported = arguments["kwargs"], list(kwargs_def.meta or ())
+        if isinstance(kwargs, dict) and set(kwargs) != set(exported):
+            raise ExportError(
+                f"{self.path} was exported with the keyword argument(s) {exported or 'none'} and "
+                f"takes exactly those, but the call passed {sorted(kwargs) or 'none'}: a loaded "
+                "value_and_grad artifact does not know the function's defaults, so re-export it "
+                "passing the keyword arguments you will call it with"
+            )
+        return {"args": conformed, "kwargs": conform(kwargs_def, kwargs, "kwargs", self.path)}
 
     @property
     def signature(self) -> str:

@@ -740,3 +740,20 @@ def test_artifact_holds_the_compiled_memory_plan(artifacts, data):
     kinds = {where[0] for where in memory["buffers"].values()}
     assert "output" in kinds and "scratch" in kinds and set(memory["scratch_elements"]) == {"f32"}
     bp.load(artifacts["step"])  # recomputes the facts from the IR; a mismatch would refuse it
+
+
+def test_a_value_and_grad_artifact_names_the_keyword_arguments_it_takes(tmp_path):
+    def loss(w, x, scale=1.0):
+        return bp.sum((x @ w) * scale)
+
+    w, x = bp.tensor(np.ones((3, 2), np.float32)), bp.tensor(np.ones((4, 3), np.float32))
+    plain = bp.load(bp.export(bp.value_and_grad(loss), w, x, path=tmp_path / "plain.bpz"))
+    assert plain(w, x)[0].item() == 24.0
+    with pytest.raises(bp.ExportError, match=r"keyword argument\(s\) none .* passed \['scale'\]"):
+        plain(w, x, scale=1.0)
+    scaled = bp.load(
+        bp.export(bp.value_and_grad(loss), w, x, scale=2.0, path=tmp_path / "scaled.bpz")
+    )
+    assert scaled(w, x, scale=3.0)[0].item() == 72.0  # a passed float is traced
+    with pytest.raises(bp.ExportError, match=r"keyword argument\(s\) \['scale'\] .* passed none"):
+        scaled(w, x)
