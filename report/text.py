@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from backplan.ir.text import value_names
 from backplan.runtime.saved_table import format_saved_table
 
 from .memory import memory_text
@@ -158,15 +159,19 @@ def plans_text(report) -> str:
         lines.extend(f"    {legend}" for legend in _input_legend(report, name, plan))
         if name == "backward" and report.recomputed:
             lines.append(
-                "    recomputed here instead of saved: "
-                + ", ".join(
-                    f"{r.name} at b{r.recomputed_step}" if r.recomputed_step is not None else r.name
-                    for r in report.recomputed
-                )
+                "    recomputed here instead of saved (forward name -> its name here): "
+                + ", ".join(_recomputed_text(r, plan) for r in report.recomputed)
             )
         lines.extend(_gutter(plan.text(), _labels(report, name)))
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def _recomputed_text(r, backward_plan) -> str:
+    if r.recomputed_step is None:
+        return f"{r.name} (the step that rebuilds it was not found)"
+    node = backward_plan.graph.nodes[r.recomputed_step]
+    return f"{r.name} -> {value_names(backward_plan.graph)[node]} at b{r.recomputed_step}"
 
 
 def _labels(report, plan_name: str) -> list[str]:

@@ -140,8 +140,10 @@ class Region:
     def __repr__(self) -> str:
         state = "freed" if self.freed else "alive"
         n = len(self.program.saved_info)
+        recomputed = len(self.program.plans.recomputed)
+        also = f" and {recomputed} recomputed instead" if recomputed else ""
         return (
-            f"<Region {self.name} at {self.created_at}: {n} saved buffer(s), "
+            f"<Region {self.name} at {self.created_at}: {n} saved buffer(s){also}, "
             f"{self.saved_bytes} B held, {state}>"
         )
 

@@ -18,6 +18,7 @@ import backplan as bp
 from backplan.examples.mlp import init_mlp, mlp_loss
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import OWNED_ROLES
+from backplan.ir.text import value_names
 from backplan.tracer.pytree import flatten
 
 RNG = np.random.default_rng(7)
@@ -363,6 +364,10 @@ def test_recomputed_values_have_their_own_rows_and_are_not_in_the_saved_bytes():
     assert report.recomputed_bytes == 2 * 6 * 8 * 4
     text = str(report)
     rows = saved_table_rows(text)
+    backward = fn.trace(*args).program.plans.backward.graph
+    names = value_names(backward)
+    for r in report.recomputed:  # the backward IR's header gives both names: they differ
+        assert f"{r.name} -> {names[backward.nodes[r.recomputed_step]]} at b" in text
     for r in report.recomputed:
         row = rows[r.name]
         assert f"{r.op} at " in row and "192" in row
@@ -376,6 +381,8 @@ def test_recomputed_values_have_their_own_rows_and_are_not_in_the_saved_bytes():
     assert "384 B are not saved" in flat(report)
 
     out = fn(*args)
+    count = f"{len(report.saved_buffers)} saved buffer(s) and 2 recomputed instead"
+    assert count in repr(out.grad_fn)
     live = saved_table_rows(str(out.grad_fn))
     assert [live[r.name].split()[-1] for r in report.recomputed] == ["recomputed"] * 2
     assert all(live[s.name].split()[-1] == "alive" for s in report.saved_buffers)
