@@ -256,3 +256,21 @@ def test_value_and_grad_and_grad_keep_the_same_cache_books_as_compile():
         assert (info.traces, info.misses, info.entries) == (2, 2, 2), make.__name__
         assert info.hits >= 1, make.__name__
         assert "(3,) -> (4,)" in info.last_miss_reason, (make.__name__, info.last_miss_reason)
+
+
+def test_a_miss_is_explained_against_the_closest_cached_signature():
+    @bp.compile
+    def fn(p, x):
+        return bp.sum(p["a"] * 2) + bp.sum(x)
+
+    one = {"a": bp.tensor(f32(2))}
+    two = {"a": bp.tensor(f32(2)), "c": bp.tensor(f32(2))}
+    fn(one, bp.tensor(f32(4, 3)))
+    fn(two, bp.tensor(f32(4, 3)))  # the last call, but of another structure
+    fn(one, bp.tensor(f32(5, 3)))
+    assert fn.cache_info().last_miss_reason == "x: shape (4, 3) -> (5, 3)"
+    vg = bp.value_and_grad(fn)
+    vg(one, bp.tensor(f32(4, 3)))
+    vg(two, bp.tensor(f32(4, 3)))
+    vg(one, bp.tensor(f32(5, 3)))
+    assert vg.cache_info().last_miss_reason.endswith(": shape (4, 3) -> (5, 3)")

@@ -26,7 +26,7 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
 )
 from .pytree import TreeDef, flatten, unflattener
 from .reports import explain_traced
-from .signature import bind_call, miss_reason
+from .signature import bind_call, closest_key, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import Trace, tracing
@@ -142,7 +142,7 @@ class CompiledFunction(PlannedFunction):
     def _miss_reason(self, key, stale: TracedFunction | None) -> str | None:
         if stale is not None:
             return "requires_grad of a captured tensor changed"
-        return miss_reason(self._last_key, key)
+        return miss_reason(closest_key(self._entries, key, self._last_key), key)
 
     def _run(self, traced: TracedFunction, call):
         return run_traced(traced, call)

@@ -21,7 +21,7 @@ from .numpy_args import arrays_reader, kept_by_outputs
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint
-from .signature import bind_call, miss_reason
+from .signature import bind_call, closest_key, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
 
@@ -91,9 +91,13 @@ class ValueAndGradFunction(PlannedFunction):
     def _miss_reason(self, key, stale) -> str | None:
         if self._last_key is None:
             return miss_reason(None, key[0])
-        (old, old_diff), (new, new_diff) = self._last_key, key
-        if old_diff != new_diff and old.treedef == new.treedef:
-            return "the differentiated arguments changed"
+        new, new_diff = key
+        same_diff = [k for k, diff in self._entries if diff == new_diff]
+        old = closest_key(same_diff, new, None)
+        if old is None:
+            old, old_diff = self._last_key
+            if old_diff != new_diff and old.treedef == new.treedef:
+                return "the differentiated arguments changed"
         return miss_reason(old, new)
 
     def _build(self, bound: JointCall) -> JointTrace:

@@ -144,6 +144,21 @@ def tensor_attributes(value) -> list[str]:
     ]
 
 
+def closest_key(cached, new: SignatureKey, last: SignatureKey | None) -> SignatureKey | None:
+    """The cached signature a miss is explained against: of those with the same structure, the
+    one with the fewest leaves changed (JAX explains against the closest entry too; `cached` is
+    in least-recently-used order, so ties go to the most recent); the last call's signature
+    when none has the same structure."""
+    best, fewest = last, None
+    for old in cached:
+        if old.treedef != new.treedef:
+            continue
+        changed = sum(a != b for a, b in zip(old.leaves, new.leaves, strict=True))
+        if fewest is None or changed <= fewest:  # ties: the most recently used
+            best, fewest = old, changed
+    return best
+
+
 def miss_reason(old: SignatureKey | None, new: SignatureKey) -> str:
     if old is None:
         return "first call"
