@@ -257,6 +257,12 @@ def _as_diff_arg(arg):
     return arg
 
 
+def _kind_text(leaf) -> str:
+    """'an int', 'a str', 'an int64 tensor': what a leaf that cannot be differentiated is."""
+    what = f"{leaf.dtype} tensor" if isinstance(leaf, Tensor) else type(leaf).__name__
+    return f"{'an' if what[0] in 'aeiou' else 'a'} {what}"
+
+
 def _diff_positions(call, args, nums) -> set[int]:
     """Leaf positions (in the bound call) that belong to differentiated arguments."""
     positions, start = set(), 0
@@ -268,11 +274,10 @@ def _diff_positions(call, args, nums) -> set[int]:
                 leaf = call.leaves[p]
                 if not isinstance(leaf, Tensor) or not is_float(leaf._ir_dtype):
                     raise TypeError(
-                        f"argument {i} of a differentiated function holds a "
-                        f"{type(leaf).__name__ if not isinstance(leaf, Tensor) else leaf.dtype} "
-                        f"leaf at {paths[p - start]}; only float tensors can be differentiated "
-                        "(pass it as another argument, or mark a dataclass field that is not a "
-                        "tensor with bp.tree.static_field())"
+                        f"argument {i} of a differentiated function holds "
+                        f"{_kind_text(leaf)} leaf at {paths[p - start]}; only float tensors can "
+                        "be differentiated (pass it as another argument, or mark a dataclass "
+                        "field that is not a tensor with bp.tree.static_field())"
                     )
                 positions.add(p)
         start += count

@@ -177,7 +177,8 @@ def _static_values(tree, static: tuple[str, ...], path) -> tuple:
             raise BackplanError(
                 f"static field {path or ''}.{name} of {type(tree).__name__} holds a "
                 f"{type(value).__name__}, which is not hashable; a static field is part of the "
-                "structure, so it must be hashable (a tuple instead of a list)"
+                "structure, so it must be hashable (a tuple for a list, a tuple of pairs or a "
+                "frozenset for a dict or set)"
             ) from None
     return values
 
@@ -231,6 +232,10 @@ def difference(a: TreeDef, b: TreeDef, path: str = "") -> str | None:
         if found:
             return found
     return None
+
+
+def _count(leaves: int) -> str:
+    return f"{leaves} leaf" if leaves == 1 else f"{leaves} leaves"
 
 
 def _node_text(node: TreeDef) -> str:
@@ -347,9 +352,9 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
         other_leaves, other_def = flatten(other)
         if other_def != treedef:
             raise ValueError(
-                f"bp.tree.map needs trees of one structure; the first and tree {len(others) + 2} "
-                f"differ at {difference(treedef, other_def)} ({treedef.num_leaves} leaves "
-                f"against {other_def.num_leaves})"
+                f"bp.tree.map needs trees of one structure; tree 1 and tree {len(others) + 2} "
+                f"differ at {difference(treedef, other_def)} ({_count(treedef.num_leaves)} "
+                f"against {_count(other_def.num_leaves)})"
             )
         others.append(other_leaves)
     return unflatten(treedef, [fn(*args) for args in zip(leaves_, *others, strict=True)])
