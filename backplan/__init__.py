@@ -8,6 +8,8 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
+from numpy import bool_, float32, float64, int32, int64, uint8  # bp.float32, as torch and jnp
+
 from backplan import nn, optim, random, tree
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
@@ -82,6 +84,12 @@ __all__ = [
     "TracingError",
     "TreeFileError",
     "VerifyError",
+    "bool_",
+    "float32",
+    "float64",
+    "int32",
+    "int64",
+    "uint8",
     "arange",
     "argmax",
     "argmin",

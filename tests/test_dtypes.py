@@ -119,3 +119,11 @@ def test_small_integer_programs_compile_like_the_reference():
     for want, got in zip(reference, compiled, strict=True):
         assert got.dtype == want.dtype
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+
+
+def test_dtype_names_as_torch_and_jax_users_write_them():
+    assert bp.zeros((2,), dtype=bp.float32).dtype == np.float32
+    assert bp.tensor([1, 2], dtype=bp.float64).dtype == np.float64
+    assert bp.astype(bp.tensor([1.5, -2.5]), bp.int32).numpy().tolist() == [1, -2]
+    assert bp.ones((1,), dtype=bp.bool_).dtype == np.bool_
+    assert {bp.int64, bp.uint8} == {np.int64, np.uint8}
