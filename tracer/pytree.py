@@ -202,8 +202,8 @@ def _flatten_custom(tree, flatten_fn, leaves, names, path) -> TreeDef:
 
 
 def difference(a: TreeDef, b: TreeDef, path: str = "") -> str | None:
-    """Where two structures first differ, in words ("['w2']: a key only the second has"), or
-    None when they are the same: errors name the place, not just the leaf counts."""
+    """Where two structures first differ, in words ("['w']: 2 items against 1"), or None when
+    they are the same: errors name the place, not just the leaf counts."""
     where = path or "the top"
     if a.kind != b.kind:
         return f"{where}: {_node_text(a)} against {_node_text(b)}"
