@@ -274,3 +274,18 @@ def test_a_miss_is_explained_against_the_closest_cached_signature():
     vg(two, bp.tensor(f32(4, 3)))
     vg(one, bp.tensor(f32(5, 3)))
     assert vg.cache_info().last_miss_reason.endswith(": shape (4, 3) -> (5, 3)")
+
+
+def test_a_list_holding_traced_tensors_becomes_a_tensor_as_eagerly():
+    """x * (x[0], 2.0, 3.0): eagerly NumPy reads the list; traced, its elements are stacked
+    (np.asarray cannot read a traced value), as jnp.asarray does."""
+    x = bp.tensor(np.array([1.5, -2.0, 4.0], np.float32))
+
+    def scaled(x):
+        return x * (x[0], 2.0, 3.0) + bp.sum(bp.tensor([[x[1], 1.0], [0.5, x[2]]]))
+
+    eager = scaled(x)
+    compiled = bp.compile(scaled)(x)
+    np.testing.assert_allclose(compiled.numpy(), eager.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(eager.numpy(), [2.25 + 3.5, -4.0 + 3.5, 12.0 + 3.5], rtol=1e-6)
+    assert compiled.dtype == np.float32

@@ -16,6 +16,7 @@ from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promo
 from .dispatch import apply
 from .source import located
 from .tensor import Axis, DTypeLike, Tensor, TensorLike
+from .trace import current_trace
 
 Scalar = int | float | bool
 
@@ -33,6 +34,10 @@ def tensor(data: Any, dtype: DTypeLike | None = None, requires_grad: bool = Fals
     >>> bp.tensor([[1.0, 2.0]]).dtype, bp.tensor([[1, 2]], dtype="int32").dtype
     (dtype('float32'), dtype('int32'))
     """
+    traced = isinstance(data, list | tuple) and current_trace() is not None
+    if traced and not requires_grad and _holds_traced(data):
+        stacked = as_tensor(data)  # inside @compile: the traced elements, stacked
+        return stacked if dtype is None else astype(stacked, dtype)
     return Tensor(data, dtype=dtype, requires_grad=requires_grad)
 
 
@@ -41,9 +46,30 @@ def as_tensor(x: TensorLike) -> Tensor:
     """as_tensor(x): x itself if it is a Tensor, else bp.tensor(x)."""
     if isinstance(x, Tensor):
         return x
+    if isinstance(x, list | tuple) and current_trace() is not None and _holds_traced(x):
+        # np.asarray cannot read a traced value: stack the elements instead, as eagerly (and
+        # jnp.asarray) a list of tensors and numbers becomes one tensor
+        return stack([e if isinstance(e, Tensor) else as_tensor(_number(e)) for e in x])
     if isinstance(x, np.ndarray | list | tuple | np.generic):
         return Tensor(x)
     raise TypeError(f"expected a tensor or array, got {type(x).__name__}")
+
+
+def _holds_traced(items) -> bool:
+    return any(
+        (isinstance(i, Tensor) and i._data is None)
+        or (isinstance(i, list | tuple) and _holds_traced(i))
+        for i in items
+    )
+
+
+def _number(x):
+    """A Python number as a 0-d array of the dtype a Python scalar makes (float32 for floats)."""
+    if isinstance(x, list | tuple):
+        return x
+    if isinstance(x, float):
+        return np.float32(x)
+    return np.asarray(x)
 
 
 @located
