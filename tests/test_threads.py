@@ -157,3 +157,22 @@ def test_parallel_kernels_from_two_threads_do_not_abort():
         expected = fn(x).numpy().copy()
         results = run_threads(lambda t, c: [fn(x).numpy().copy()] if c < 3 else [expected])
     assert_same(results, {k: [expected] for k in results})
+
+
+@pytest.mark.filterwarnings("ignore::backplan.RetraceWarning")  # retracing is the point here
+def test_misses_from_many_threads_are_traced_and_explained():
+    """Threads calling with shapes no other thread has seen yet: every call misses or hits while
+    others insert and move cache entries, and each result is right."""
+    double = bp.compile(lambda x: x * 2.0 + 1.0, cache_size=64)
+
+    def work(thread, call):
+        x = np.full((1 + (thread * CALLS + call) % 7, 3), float(thread), np.float32)
+        return [double(bp.tensor(x)).numpy().copy()]
+
+    with use_backend("reference"):
+        got = run_threads(work)
+    for (thread, call), (result,) in got.items():
+        assert result.shape == (1 + (thread * CALLS + call) % 7, 3)
+        assert np.all(result == 2.0 * thread + 1.0)
+    info = double.cache_info()
+    assert info.traces >= 7 and info.last_miss_reason is not None

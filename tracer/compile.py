@@ -142,7 +142,8 @@ class CompiledFunction(PlannedFunction):
     def _miss_reason(self, key, stale: TracedFunction | None) -> str | None:
         if stale is not None:
             return "requires_grad of a captured tensor changed"
-        return miss_reason(closest_key(self._entries, key, self._last_key), key)
+        cached = tuple(self._entries)  # one step under the GIL: other threads may move keys
+        return miss_reason(closest_key(cached, key, self._last_key), key)
 
     def _run(self, traced: TracedFunction, call):
         return run_traced(traced, call)

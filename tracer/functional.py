@@ -92,7 +92,8 @@ class ValueAndGradFunction(PlannedFunction):
         if self._last_key is None:
             return miss_reason(None, key[0])
         new, new_diff = key
-        same_diff = [k for k, diff in self._entries if diff == new_diff]
+        cached = tuple(self._entries)  # one step under the GIL: other threads may move keys
+        same_diff = [k for k, diff in cached if diff == new_diff]
         old = closest_key(same_diff, new, None)
         if old is None:
             old, old_diff = self._last_key
