@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -89,6 +91,15 @@ class ValueAndGradFunction(PlannedFunction):
         return JointCall(args, call, _diff_positions(call, args, self._nums))
 
     def _miss_reason(self, key, stale) -> str | None:
+        reason = self._positional_miss_reason(key)
+        names = _parameter_names(self.fn)
+        return re.sub(  # args[1] -> the parameter's own name, as compile's reasons say it
+            r"(?:\['args'\]|\bargs)\[(\d+)\]",
+            lambda m: names[int(m[1])] if int(m[1]) < len(names) else m[0],
+            reason,
+        )
+
+    def _positional_miss_reason(self, key) -> str:
         if self._last_key is None:
             return miss_reason(None, key[0])
         new, new_diff = key
@@ -238,6 +249,16 @@ def grad(
 ) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
     return GradFunction(fn, argnums, has_aux, check_background(background))
+
+
+def _parameter_names(fn) -> list[str]:
+    """The names of fn's positional parameters, or none when it has no signature to read."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
 
 
 def _positional(fn):
