@@ -158,20 +158,21 @@ def plans_text(report) -> str:
         lines.append(f"  {title}")
         lines.extend(f"    {legend}" for legend in _input_legend(report, name, plan))
         if name == "backward" and report.recomputed:
+            names = value_names(plan.graph)
             lines.append(
                 "    recomputed here instead of saved (forward name -> its name here): "
-                + ", ".join(_recomputed_text(r, plan) for r in report.recomputed)
+                + ", ".join(_recomputed_text(r, plan, names) for r in report.recomputed)
             )
         lines.extend(_gutter(plan.text(), _labels(report, name)))
         lines.append("")
     return "\n".join(lines).rstrip()
 
 
-def _recomputed_text(r, backward_plan) -> str:
+def _recomputed_text(r, backward_plan, names: dict) -> str:
     if r.recomputed_step is None:
         return f"{r.name} (the step that rebuilds it was not found)"
     node = backward_plan.graph.nodes[r.recomputed_step]
-    return f"{r.name} -> {value_names(backward_plan.graph)[node]} at b{r.recomputed_step}"
+    return f"{r.name} -> {names[node]} at b{r.recomputed_step}"
 
 
 def _labels(report, plan_name: str) -> list[str]:

@@ -54,9 +54,11 @@ def apply(op: str, inputs: list, **attrs):
 
 
 def _tensor_attribute(op: str, name: str, value, loc) -> TracingError:
-    argument = value._trace.floats.get(value._value) if value._trace else None
-    what = f"the traced float argument {argument}" if argument else "a traced float argument"
-    what = what if value._weak else f"a tensor {value._ir_dtype}"
+    argument = value._float_argument()
+    if not value._weak:
+        what = f"a tensor {value._ir_dtype}"
+    else:
+        what = f"the traced float argument {argument}" if argument else "a traced float argument"
     return TracingError(
         f"{op}() at {loc_text(loc)}: its {name} must be a Python number, got {what}. Python "
         "floats passed to a compiled function are traced (a new value does not retrace); "

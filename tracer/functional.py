@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -22,7 +20,7 @@ from .fastpath import positions_of
 from .numpy_args import arrays_reader, kept_by_outputs
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
-from .reports import explain_joint
+from .reports import explain_joint, named_reason
 from .signature import bind_call, closest_key, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
@@ -91,13 +89,7 @@ class ValueAndGradFunction(PlannedFunction):
         return JointCall(args, call, _diff_positions(call, args, self._nums))
 
     def _miss_reason(self, key, stale) -> str | None:
-        reason = self._positional_miss_reason(key)
-        names = _parameter_names(self.fn)
-        return re.sub(  # args[1] -> the parameter's own name, as compile's reasons say it
-            r"(?:\['args'\]|\bargs)\[(\d+)\]",
-            lambda m: names[int(m[1])] if int(m[1]) < len(names) else m[0],
-            reason,
-        )
+        return named_reason(self.fn, self._positional_miss_reason(key))
 
     def _positional_miss_reason(self, key) -> str:
         if self._last_key is None:
@@ -251,16 +243,6 @@ def grad(
     return GradFunction(fn, argnums, has_aux, check_background(background))
 
 
-def _parameter_names(fn) -> list[str]:
-    """The names of fn's positional parameters, or none when it has no signature to read."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [p.name for p in parameters if p.kind in kinds]
-
-
 def _positional(fn):
     """A stand-in signature (*args, **kwargs) so argnums counts positions, as in JAX."""
 
@@ -289,12 +271,12 @@ def _diff_positions(call, args, nums) -> set[int]:
     """Leaf positions (in the bound call) that belong to differentiated arguments."""
     positions, start = set(), 0
     for i, arg in enumerate(args):
-        _, _, paths = flatten(arg, paths=True)
-        count = len(paths)
+        count = flatten(arg)[1].num_leaves
         if i in nums:
             for p in range(start, start + count):
                 leaf = call.leaves[p]
                 if not isinstance(leaf, Tensor) or not is_float(leaf._ir_dtype):
+                    paths = flatten(arg, paths=True)[2]  # only to word the error
                     raise TypeError(
                         f"argument {i} of a differentiated function holds "
                         f"{_kind_text(leaf)} leaf at {paths[p - start]}; only float tensors can "

@@ -34,6 +34,17 @@ def explain_joint(entry, call, fn, cache_info) -> ExplainReport:
     )
 
 
+def named_reason(fn, reason: str) -> str:
+    """A value_and_grad retrace reason with its positional paths named as fn does
+    ("args[1]: shape ..." -> "x: shape ...", "['args'][0]" -> "params")."""
+    params = _positional_parameters(fn)
+    return re.sub(
+        r"(?:\['args'\]|\bargs)\[(\d+)\]",
+        lambda m: params[int(m[1])] if int(m[1]) < len(params) else m[0],
+        reason,
+    )
+
+
 def _parameter_path(fn, path: str) -> str:
     """value_and_grad binds arguments by position ("args[0]['w']"); name them as fn does."""
     match = re.match(r"args\[(\d+)\]", path)

@@ -326,12 +326,16 @@ class Tensor:
 
     # ---- conversion ----------------------------------------------------------------------------
 
+    def _float_argument(self) -> str | None:
+        """The compiled function's argument this traced Python float came from, if it did."""
+        return self._trace.floats.get(self._value) if self._trace is not None else None
+
     def _concrete(self, what: str) -> np.ndarray:
         if self._donated is not None:
             self._check_live()
         if self._data is None:
             if self._weak:
-                argument = self._trace.floats.get(self._value) if self._trace else None
+                argument = self._float_argument()
                 raise TracingError(
                     f"{what} of a traced float{f' (argument {argument})' if argument else ''} "
                     f"at {loc_text(user_frame_loc())}: Python floats "
