@@ -150,6 +150,49 @@ def test_shared_buffers_are_not_overwritten():
         np.testing.assert_array_equal(view, kept)
 
 
+def test_a_dlpack_import_is_not_donated_and_its_producer_keeps_its_values():
+    """bp.from_dlpack shares the producer's memory; its tensor's array does not own it, so the
+    call must not write into it, however few references the tensor's own array has."""
+    src = np.arange(6.0)
+    with use_backend("numba"):
+        fn = bp.compile(lambda a: a * 2.0 + 1.0, donate_argnums=(0,))
+        out = fn(bp.from_dlpack(src))
+    np.testing.assert_array_equal(src, np.arange(6.0))
+    np.testing.assert_array_equal(out.numpy(), np.arange(6.0) * 2 + 1)
+    assert not np.shares_memory(out.numpy(), src)
+
+
+def _two_outputs(a, b):
+    return a + 1.0, b * 10.0
+
+
+def test_donated_arguments_over_one_memory_are_not_written_in_place():
+    """Two tensors over one array (or over overlapping parts of it) are one memory: donating
+    both, or donating one while the other is read, would overwrite what the other reads."""
+    whole = np.arange(5.0)
+    with use_backend("numba"):
+        both = bp.compile(_two_outputs, donate_argnums=(0, 1))
+        first = bp.compile(_two_outputs, donate_argnums=(0,))
+        cases = [
+            (both, bp.from_dlpack(whole[:4]), bp.from_dlpack(whole[:4])),
+            (first, bp.from_dlpack(whole[:4]), bp.from_dlpack(whole[1:])),
+        ]
+        for fn, a, b in cases:
+            wanted = (a.numpy() + 1.0, b.numpy() * 10.0)
+            for out, want in zip(fn(a, b), wanted, strict=True):
+                np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(whole, np.arange(5.0))
+
+
+def test_overlap_is_decided_by_byte_ranges():
+    from backplan.tracer.donate import _overlapping
+
+    base = np.zeros(20)
+    arrays = [base[0:5], base[10:15], base[4:6], np.zeros(3), base[::7], base[16:]]
+    assert _overlapping(arrays) == {0, 1, 2, 4}  # [::7] spans 0..14
+    assert _overlapping([base[0:5], base[5:10]]) == set()
+
+
 def test_donating_an_argument_that_requires_grad_is_refused():
     @bp.compile(donate_argnums=0)
     def scale(w):

@@ -5,29 +5,49 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+from numpy.lib.array_utils import byte_bounds
+
 from .errors import TracingError
 
 
 def donatable(tensors: list, donated: tuple[int, ...]) -> frozenset[int]:
-    """The donated inputs whose arrays nothing else can see: held only by their tensor (no
-    NumPy view from .numpy(), no tensor sharing it through detach()) and passed once.
+    """The donated inputs whose memory nothing else can see: an array NumPy allocated, held only
+    by its tensor (no view from .numpy(), no tensor sharing it through detach(), no producer
+    behind bp.from_dlpack), overlapping the memory of no other argument (two tensors over one
+    array, or a view of it, are never donated). Decided by memory, not by object identity.
     Others still compute correctly; their outputs just get new buffers."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        seen[id(t._data)] = seen.get(id(t._data), 0) + 1
-    usable = set()
-    for i in donated:
-        if seen[id(tensors[i]._data)] == 1 and _held_only_by_tensor(tensors[i]):
-            usable.add(i)
-    return frozenset(usable)
+    shared = _overlapping([t._data for t in tensors])
+    return frozenset(i for i in donated if i not in shared and _held_only_by_tensor(tensors[i]))
 
 
 def _held_only_by_tensor(tensor) -> bool:
     # references: the tensor's slot and getrefcount's own argument
-    if sys.getrefcount(tensor._data) > 2:
+    data = tensor._data
+    if sys.getrefcount(data) > 3:  # + the local
         return False
-    base = tensor._data.base
-    return base is None or sys.getrefcount(base) <= 3  # + the view's base and the local
+    base = data.base
+    if base is None:
+        return data.flags.owndata
+    # NumPy points a view at the array owning the memory; any other base (a DLPack capsule, a
+    # buffer, a memory map) means someone outside backplan owns it
+    if not isinstance(base, np.ndarray) or not base.flags.owndata:
+        return False
+    return sys.getrefcount(base) <= 3  # + the view's base and the local
+
+
+def _overlapping(arrays: list) -> set[int]:
+    """Positions of the arrays whose byte ranges overlap another's (np.may_share_memory for
+    every pair, in one sort instead of n^2 calls)."""
+    spans = sorted((*byte_bounds(a), i) for i, a in enumerate(arrays) if a is not None and a.size)
+    shared: set[int] = set()
+    reach, holder = -1, -1  # the furthest end so far and whose it is
+    for start, end, i in spans:
+        if start < reach:
+            shared.update((i, holder))
+        if end > reach:
+            reach, holder = end, i
+    return shared
 
 
 def mark_donated(tensors: list, traced, loc: str) -> None:
