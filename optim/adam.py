@@ -16,7 +16,7 @@ from backplan.tracer import ops
 
 from .base import Optimizer
 from .hyper import leaf_scalar, learning_rate, new_count
-from .tree import check_hyper, tree_map_n
+from .tree import check_hyper, check_state, tree_map_n
 
 
 def adam(lr, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
@@ -51,6 +51,7 @@ def _adam(name, lr, b1, b2, eps, weight_decay, decoupled: bool) -> Optimizer:
         return {"count": new_count(), "mu": zeros, "nu": tree_map_n(ops.zeros_like, params)}
 
     def transform(grads, state, params):
+        check_state(name, state, params, ("mu", "nu"))
         count = state["count"]
         rate = learning_rate(lr, count)
         t = ops.astype(count + 1, "f64")

@@ -19,9 +19,15 @@ from backplan.tracer.tensor import Tensor
 
 
 def _count(step) -> Tensor:
+    """The step as a tensor; a negative one is refused where its value is known (a Python int or
+    a concrete tensor): the formulas would give a rate below init_value, or a negative one."""
     if isinstance(step, Tensor):
+        if step._data is not None and np.any(step._data < 0):
+            raise ValueError(f"a schedule takes a step count of at least 0, got {step.tolist()}")
         return step
-    if isinstance(step, int | np.integer):
+    if isinstance(step, int | np.integer) and not isinstance(step, bool):
+        if step < 0:
+            raise ValueError(f"a schedule takes a step count of at least 0, got {step}")
         return ops.tensor(np.int64(step))
     raise TypeError(f"a schedule takes the step count (an int or a 0-d int tensor), got {step!r}")
 

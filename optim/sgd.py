@@ -12,7 +12,7 @@ from backplan.tracer import ops
 
 from .base import Optimizer
 from .hyper import leaf_scalar, learning_rate, new_count
-from .tree import check_hyper, tree_map_n
+from .tree import check_hyper, check_state, tree_map_n
 
 
 def sgd(lr, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0):
@@ -40,6 +40,7 @@ def sgd(lr, momentum: float = 0.0, nesterov: bool = False, weight_decay: float =
         return state
 
     def transform(grads, state, params):
+        check_state("sgd", state, params, ("momentum",) if momentum else ())
         rate = learning_rate(lr, state["count"])
 
         def direction(g, p):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from backplan.ir.types import is_float
 from backplan.tracer.pytree import difference, flatten, unflatten
 from backplan.tracer.tensor import Tensor
@@ -39,6 +43,52 @@ def check_same_structure(grads, params, where: str) -> None:
     for g, p, path in zip(g_leaves, p_leaves, flatten(params, paths=True)[2], strict=True):
         if g.shape != p.shape:
             raise TypeError(f"{where}: grad {path} has shape {g.shape}, param has {p.shape}")
+        if g._ir_dtype != p._ir_dtype:
+            # torch refuses a .grad of another dtype; adding it would widen the parameter
+            # (and retrace a compiled step with the new dtype)
+            raise TypeError(
+                f"{where}: grad {path} is {g.dtype}, param is {p.dtype}; an update keeps each "
+                f"parameter's dtype: cast the gradient (g.astype(bp.{p.dtype}))"
+            )
+
+
+def check_state(optimizer: str, state, params, moments: tuple[str, ...]) -> None:
+    """The state an update reads is the one this optimizer's init(params) built: a dict of a
+    step count and one tree per moment, each leaf of its parameter's shape and dtype. A moment
+    of another shape would broadcast and silently change the parameter's shape."""
+    where = f"bp.optim.{optimizer}.update(grads, state, params)"
+    wanted = ["count", *moments]
+    if not isinstance(state, dict) or sorted(state) != sorted(wanted):
+        held = f"keys {sorted(state)}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise TypeError(
+            f"{where}: the state holds {held}, but this optimizer's state holds keys "
+            f"{sorted(wanted)}; pass the state its own init(params) returned (another "
+            "optimizer's state, or one built with other options, does not fit)"
+        )
+    count = state["count"]
+    if not isinstance(count, Tensor) or count.shape != () or count._ir_dtype != "i64":
+        raise TypeError(f"{where}: state['count'] must be the 0-d int64 tensor init(params) made")
+    for key in moments:
+        check_leaves_like(state[key], params, f"{where}: state['{key}']")
+
+
+def check_leaves_like(tree, params, what: str) -> None:
+    """tree has params' structure, and each leaf its parameter's shape and dtype."""
+    leaves, treedef = flatten(tree)
+    p_leaves, p_def, paths = flatten(params, paths=True)
+    if treedef != p_def:
+        raise TypeError(
+            f"{what} does not match the parameters: they differ at "
+            f"{difference(treedef, p_def)} (the state first); pass the state that init(params) "
+            "returned for params of this structure, with dict keys in the same order"
+        )
+    for leaf, p, path in zip(leaves, p_leaves, paths, strict=True):
+        if not isinstance(leaf, Tensor) or leaf.shape != p.shape or leaf._ir_dtype != p._ir_dtype:
+            held = f"{leaf.dtype} {leaf.shape}" if isinstance(leaf, Tensor) else type(leaf).__name__
+            raise TypeError(
+                f"{what}{path} is {held}, but param {path} is {p.dtype} {p.shape}; the state "
+                "was built for other parameters: build it with init(params) for these"
+            )
 
 
 def tree_map_n(fn, *trees):
@@ -74,10 +124,13 @@ def _same_structure(trees) -> tuple[list, object, list[list]]:
 
 
 def check_hyper(optimizer: str, name: str, value, positive: bool = False, below_one=False):
-    """Check a hyperparameter given as a Python number (traced floats are checked by the
-    caller's arithmetic only: their value is unknown while tracing)."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    """Check a hyperparameter given as a Python or NumPy number (traced floats are checked by
+    the caller's arithmetic only: their value is unknown while tracing). NaN and infinity are
+    refused too: torch.optim.Adam refuses a NaN rate, and neither makes a usable step."""
+    if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
         return
+    if not math.isfinite(value):
+        raise ValueError(f"bp.optim.{optimizer}: {name} must be a finite number, got {value!r}")
     if value < 0 or (positive and value == 0) or (below_one and value >= 1):
         wanted = "positive" if positive else "at least 0"
         wanted += " and below 1" if below_one else ""

@@ -303,3 +303,54 @@ def test_state_of_another_structure_is_refused_not_paired_by_position(make):
     listed = opt.init([t(0), t(0)])
     with pytest.raises(TypeError, match=r"at the top: a list of 2 against a dict of 2"):
         opt.update({"a": t(0), "b": t(0)}, listed, {"a": t(0), "b": t(0)})
+
+
+def _ones(*shape):
+    return bp.tensor(np.ones(shape, np.float32))
+
+
+@pytest.mark.parametrize(
+    "make, moment",
+    [(lambda: bp.optim.adam(0.1), "mu"), (lambda: bp.optim.sgd(0.1, momentum=0.9), "momentum")],
+)
+def test_state_of_other_shapes_or_dtypes_is_refused_naming_the_leaf(make, moment):
+    """A (2, 3) moment applied to a (3,) parameter broadcast and returned a (2, 3) parameter."""
+    opt = make()
+    wide = opt.init({"w": _ones(2, 3)})
+    for shape in [(3,), (4,)]:  # one that broadcasts, one that does not
+        with pytest.raises(TypeError, match=rf"state\['{moment}'\]\['w'\] is float32 \(2, 3\), "):
+            opt.update({"w": _ones(*shape)}, wide, {"w": _ones(*shape)})
+    doubles = opt.init({"w": bp.tensor(np.ones(3))})
+    with pytest.raises(TypeError, match=r"\['w'\] is float64 \(3,\), but param \['w'\] is float32"):
+        opt.update({"w": _ones(3)}, doubles, {"w": _ones(3)})
+
+
+def test_float64_grads_on_float32_params_are_refused_as_torch_refuses_them():
+    """Added in, they made the parameters float64 (and a compiled step then retraced)."""
+    params = {"w": _ones(3)}
+    opt = bp.optim.sgd(0.1)
+    with pytest.raises(TypeError, match=r"grad \['w'\] is float64, param is float32.*astype"):
+        opt.update({"w": bp.tensor(np.ones(3))}, opt.init(params), params)
+
+
+def test_another_optimizers_state_is_refused_by_name_not_a_key_error():
+    params = {"w": _ones(3)}
+    with pytest.raises(TypeError, match=r"holds keys \['count'\], but .* \['count', 'mu', 'nu'\]"):
+        bp.optim.adam(0.1).update(params, bp.optim.sgd(0.1).init(params), params)
+    with pytest.raises(TypeError, match=r"holds a tuple"):
+        bp.optim.sgd(0.1).update(params, (), params)
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -0.1, np.float32("nan")])
+def test_learning_rates_that_are_not_finite_or_negative_are_refused(lr):
+    for make in (bp.optim.sgd, bp.optim.adam, bp.optim.adamw):
+        with pytest.raises(ValueError, match=r"lr must be (a finite number|at least 0)"):
+            make(lr)
+
+
+def test_a_schedule_at_a_negative_step_is_refused():
+    """warmup_linear(0.1, 10)(-5) was -0.05: a negative rate that ascends the loss."""
+    for schedule in (bp.optim.warmup_linear(0.1, 10), bp.optim.cosine_decay(0.1, 10)):
+        for step in (-5, bp.tensor(np.int64(-1))):
+            with pytest.raises(ValueError, match="step count of at least 0, got -"):
+                schedule(step)
