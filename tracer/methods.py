@@ -2,8 +2,11 @@
 class without them (the ops need the class); tracer/__init__.py installs them once, before any
 tensor exists."""
 
+from collections.abc import Sequence
+
 from . import dlpack, indexing, inplace, numpy_protocol, ops
 from .graph_view import explain_graph
+from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 
 
@@ -13,6 +16,19 @@ def _detach(self: Tensor) -> Tensor:
     if self._data is None:
         return ops.stop_gradient(self)
     return Tensor._from_array(self._data)
+
+
+def _view(self: Tensor, *shape) -> Tensor:
+    """PyTorch's x.view(*shape): a reshape (tensors are immutable, so a view and a copy cannot
+    be told apart). x.view(dtype) reinterprets bits in PyTorch, which backplan does not do."""
+    if len(shape) == 1 and not isinstance(shape[0], int | Sequence) and not hasattr(
+        shape[0], "__index__"
+    ):
+        raise TypeError(
+            f"view({shape[0]!r}) at {loc_text(user_frame_loc())}: reinterpreting the bits as "
+            "another dtype is not supported; x.astype(dtype) converts the values"
+        )
+    return ops.reshape(self, *shape)
 
 
 def _swap(fn):
@@ -50,6 +66,7 @@ _METHODS = {
     "max": ops.max,
     "min": ops.min,
     "reshape": ops.reshape,
+    "view": _view,
     "transpose": ops.transpose,
     "permute": ops.permute,
     "swapaxes": ops.swapaxes,

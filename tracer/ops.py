@@ -15,6 +15,12 @@ from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promo
 
 from .dispatch import apply
 from .source import located
+from .torch_names import (
+    extremum_values_and_indices,
+    refuse_torch_dim,
+    torch_keywords,
+    variance_correction,
+)
 from .tensor import Axis, DTypeLike, Tensor, TensorLike
 from .trace import current_trace
 
@@ -242,6 +248,7 @@ def stop_gradient(x: TensorLike) -> Tensor:
 
 
 @located
+@torch_keywords
 def sum(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """sum(x, axis=None, keepdims=False), as np.sum: axis is an int, a tuple of ints or None
     (all axes). bool, uint8 and int32 sum into int64, as NumPy and PyTorch."""
@@ -252,6 +259,7 @@ def sum(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # 
 
 
 @located
+@torch_keywords
 def mean(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """mean(x, axis=None, keepdims=False), as np.mean; integer input gives float64."""
     x = _float_input(x)
@@ -262,6 +270,7 @@ def mean(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
 
 
 @located
+@refuse_torch_dim(variance_correction)
 def var(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """var(x, axis=None, keepdims=False): population variance (ddof=0), as np.var."""
     centered = sub(x, mean(x, axis, keepdims=True))
@@ -269,6 +278,7 @@ def var(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
 
 
 @located
+@refuse_torch_dim(extremum_values_and_indices)
 def max(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """max(x, axis=None, keepdims=False), as np.max (values only, no indices)."""
     x = as_tensor(x)
@@ -276,12 +286,14 @@ def max(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # 
 
 
 @located
+@refuse_torch_dim(extremum_values_and_indices)
 def min(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """min(x, axis=None, keepdims=False), as np.min (values only, no indices)."""
     return neg(max(neg(x), axis, keepdims))
 
 
 @located
+@torch_keywords
 def logsumexp(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """logsumexp(x, axis=None, keepdims=False): log(sum(exp(x))) computed stably."""
     x = _float_input(x)
@@ -289,6 +301,7 @@ def logsumexp(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tenso
 
 
 @located
+@torch_keywords
 def softmax(x: TensorLike, axis: int = -1) -> Tensor:
     """softmax(x, axis=-1); the axis is a keyword `dim` in PyTorch."""
     x = _float_input(x)
@@ -296,6 +309,7 @@ def softmax(x: TensorLike, axis: int = -1) -> Tensor:
 
 
 @located
+@torch_keywords
 def log_softmax(x: TensorLike, axis: int = -1) -> Tensor:
     """log_softmax(x, axis=-1), computed stably."""
     x = _float_input(x)
@@ -361,6 +375,7 @@ def broadcast_to(x: TensorLike, shape: Sequence[int]) -> Tensor:
 
 
 @located
+@torch_keywords
 def expand_dims(x: TensorLike, axis: int) -> Tensor:
     """expand_dims(x, axis): a new axis of size 1 (bp.unsqueeze is the same function)."""
     x = as_tensor(x)
@@ -372,6 +387,7 @@ unsqueeze = expand_dims
 
 
 @located
+@torch_keywords
 def squeeze(x: TensorLike, axis: Axis = None) -> Tensor:
     """squeeze(x, axis=None): drop axes of size 1 (all of them, or the ones named, which
     must have size 1)."""
@@ -388,6 +404,7 @@ def squeeze(x: TensorLike, axis: Axis = None) -> Tensor:
 
 
 @located
+@torch_keywords
 def flatten(x: TensorLike, start_axis: int = 0) -> Tensor:
     """flatten(x, start_axis=0): merge the axes from start_axis on into one."""
     x = as_tensor(x)
@@ -396,6 +413,7 @@ def flatten(x: TensorLike, start_axis: int = 0) -> Tensor:
 
 
 @located
+@torch_keywords
 def concatenate(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
     """concatenate(tensors, axis=0), as np.concatenate; dtypes promote."""
     tensors = [as_tensor(t) for t in tensors]
@@ -409,6 +427,7 @@ def concatenate(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
 
 
 @located
+@torch_keywords
 def stack(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
     """stack(tensors, axis=0), as np.stack: equal shapes, joined along a new axis."""
     tensors = [as_tensor(t) for t in tensors]

@@ -127,6 +127,7 @@ class Tensor:
         def min(self, axis: Axis = None, keepdims: bool = False) -> Tensor: ...
         def logsumexp(self, axis: Axis = None, keepdims: bool = False) -> Tensor: ...
         def reshape(self, *shape: int | Sequence[int]) -> Tensor: ...
+        def view(self, *shape: int | Sequence[int]) -> Tensor: ...
         def transpose(self, *axes: int | Sequence[int]) -> Tensor: ...
         def permute(self, *axes: int | Sequence[int]) -> Tensor: ...
         def swapaxes(self, a: int, b: int) -> Tensor: ...
@@ -236,8 +237,10 @@ class Tensor:
         return len(self.shape)
 
     @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+    def size(self) -> Size:
+        """The number of elements, as NumPy's `a.size`; also callable as PyTorch's `x.size()`
+        (the shape) and `x.size(dim)` (one dimension)."""
+        return Size(int(np.prod(self.shape, dtype=np.int64)), self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -301,12 +304,12 @@ class Tensor:
         if not self.requires_grad:
             raise BackwardError(f"backward() at {loc} on a tensor that does not require grad")
         if gradient is None:
-            if self.shape != ():
+            if self.size != 1:  # one element of any shape, (1,) included, as PyTorch
                 raise BackwardError(
                     f"backward() at {loc} on a non-scalar tensor of shape {self.shape} needs a "
                     "gradient argument of that shape (or reduce it to a scalar with .sum())"
                 )
-            gradient = np.ones((), dtype=self.dtype)
+            gradient = np.ones(self.shape, dtype=self.dtype)
         gradient = np.array(
             gradient.numpy() if isinstance(gradient, Tensor) else gradient, dtype=self.dtype
         )
@@ -418,6 +421,27 @@ class Tensor:
             "backplan tensors are immutable (saved buffers can never be changed behind the "
             "graph's back); build a new tensor with bp.where or bp.concatenate"
         )
+
+
+class Size(int):
+    """Tensor.size: an int (the element count, as NumPy) that PyTorch code can also call:
+    `x.size()` is the shape tuple, `x.size(d)` the length of dimension d."""
+
+    def __new__(cls, count: int, shape: tuple[int, ...]) -> Size:
+        size = super().__new__(cls, count)
+        size._shape = shape
+        return size
+
+    def __call__(self, dim: int | None = None) -> tuple[int, ...] | int:
+        if dim is None:
+            return self._shape
+        ndim = len(self._shape)
+        if not isinstance(dim, int | np.integer) or not -ndim <= dim < ndim:
+            raise IndexError(
+                f"size({dim!r}) at {loc_text(user_frame_loc())}: dimension out of range for a "
+                f"tensor of shape {self._shape} (x.shape[d] is backplan's spelling)"
+            )
+        return self._shape[dim]
 
 
 TensorLike = Tensor | np.ndarray | np.generic | float | int | bool | Sequence[Any]

@@ -1,0 +1,102 @@
+"""PyTorch habits on backplan tensors: each works as in PyTorch, or raises naming backplan's
+spelling where PyTorch's op of the same name means something else."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+
+
+def _x(shape=(2, 3)):
+    data = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) / 7.0
+    return bp.tensor(data, requires_grad=True)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1), (1, 1, 1)])
+def test_backward_on_any_one_element_tensor(shape):
+    x = _x()
+    loss = (x * x).sum().reshape(shape)
+    loss.backward()
+    np.testing.assert_allclose(x.grad.numpy(), 2 * x.numpy(), rtol=1e-6)
+
+
+def test_backward_on_several_elements_still_needs_a_gradient():
+    x = _x()
+    with pytest.raises(bp.BackwardError, match=r"non-scalar tensor of shape \(2,\)"):
+        (x * x).sum(axis=1).backward()
+
+
+def test_size_is_the_count_and_callable_as_torch():
+    x = _x((2, 3, 4))
+    assert x.size == 24 and x.size + 1 == 25  # NumPy's a.size
+    assert x.size() == (2, 3, 4)
+    assert (x.size(0), x.size(-1), x.size(1)) == (2, 4, 3)
+    with pytest.raises(IndexError, match=r"size\(3\) at .*test_torch_habits.py.*x.shape\[d\]"):
+        x.size(3)
+    with pytest.raises(IndexError, match="shape \\(\\)"):
+        bp.tensor(1.0).size(0)
+
+
+def test_view_is_reshape_and_dtype_view_is_refused():
+    x = _x((2, 3, 4))
+    assert x.view(6, 4).shape == (6, 4)
+    assert x.view(-1).shape == (24,)
+    assert x.view((4, -1)).shape == (4, 6)
+    np.testing.assert_array_equal(x.view(4, 6).numpy(), x.numpy().reshape(4, 6))
+    with pytest.raises(TypeError, match=r"view\(.*float64.*astype"):
+        x.view(np.float64)
+
+
+@pytest.mark.parametrize("name", ["sum", "mean", "logsumexp"])
+def test_reductions_take_dim_and_keepdim(name):
+    x = _x((2, 3, 4))
+    got = getattr(x, name)(dim=(0, 2), keepdim=True)
+    want = getattr(bp, name)(x, axis=(0, 2), keepdims=True)
+    assert got.shape == (1, 3, 1)
+    np.testing.assert_allclose(got.numpy(), want.numpy())
+    assert getattr(bp, name)(x, dim=1).shape == (2, 4)
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax_like_take_dim(name):
+    x = _x((2, 3))
+    np.testing.assert_allclose(
+        getattr(x, name)(dim=0).numpy(), getattr(bp, name)(x, axis=0).numpy()
+    )
+
+
+def test_shape_ops_take_torch_keywords():
+    x = _x((2, 1, 3))
+    assert x.squeeze(dim=1).shape == (2, 3)
+    assert x.unsqueeze(dim=0).shape == (1, 2, 1, 3)
+    assert x.flatten(start_dim=1).shape == (2, 3)
+    assert bp.concatenate([x, x], dim=2).shape == (2, 1, 6)
+    assert bp.stack([x, x], dim=0).shape == (2, 2, 1, 3)
+
+
+def test_both_spellings_at_once_are_refused():
+    with pytest.raises(TypeError, match="both dim= and axis="):
+        _x().sum(dim=0, axis=0)
+
+
+@pytest.mark.parametrize("name,arg", [("max", "argmax"), ("min", "argmin")])
+def test_max_with_dim_names_values_and_indices(name, arg):
+    x = _x()
+    with pytest.raises(TypeError, match=rf"(values, indices).*axis=1\).*bp.{arg}\(x, axis=1\)"):
+        getattr(x, name)(dim=1)
+    assert getattr(x, name)(axis=1, keepdim=True).shape == (2, 1)
+
+
+def test_var_with_dim_names_the_correction():
+    with pytest.raises(TypeError, match=r"unbiased.*ddof=0.*n / \(n - 1\)"):
+        _x().var(dim=0)
+
+
+def test_habits_inside_compile():
+    @bp.compile
+    def f(x):
+        return x.view(3, 2).sum(dim=0).softmax(dim=0).sum() * x.size(0)
+
+    x = _x()
+    want = np.exp(x.numpy().reshape(3, 2).sum(0))
+    np.testing.assert_allclose(f(x).numpy(), 2 * (want / want.sum()).sum(), rtol=1e-6)
