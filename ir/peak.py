@@ -1,0 +1,292 @@
+"""The predicted peak of a step: the most bytes it holds at any point, per category, step by
+step, for the executor that runs it, before anything runs.
+
+A step is a sequence of plan calls (a forward, then a backward; or one joint plan). Categories:
+inputs (the caller's arrays), donated (inputs whose buffers outputs are written into),
+constants, scratch (compiled arenas, kept across calls), temporaries (reference interpreter
+only), outputs, saved (forward values the backward reads), gradients.
+
+- Compiled (numba): every plan of the step keeps its scratch arena and constants for its whole
+  life, and a call allocates all its output buffers before its first kernel, holding them until
+  the step ends (outputs and gradients go to the caller, saved buffers until the backward
+  returns). The peak is therefore reached at the first kernel of the last call.
+- Reference: every IR value is its own buffer, from the step that writes it to the free after
+  its last read; saved values until the backward frees them.
+
+>>> from backplan.ir.peak import PeakReport, PeakStep
+>>> step = PeakStep(0, "joint", "matmul", "m.py:3", {"inputs": 8, "outputs": 4})
+>>> r = PeakReport("numba", (step,))
+>>> r.peak_bytes, r.fits(11), r.fits(12), r.allocated_peak_bytes
+(12, False, True, 4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .liveness import INPUT_STEP, Plan
+from .lowering import RUN_KINDS, lower
+from .plan_buffers import compiled_buffers
+from .printer import format_loc
+
+CATEGORIES = (
+    "inputs",
+    "donated",
+    "constants",
+    "scratch",
+    "temporaries",
+    "outputs",
+    "saved",
+    "gradients",
+)
+CALLER_OWNED = ("inputs", "donated")  # passed in: not allocated by the step
+
+
+@dataclass(frozen=True)
+class PeakStep:
+    """Bytes held while one kernel (compiled) or one IR step (reference) runs."""
+
+    index: int
+    plan: str  # "forward", "backward", "joint"
+    what: str  # the kernel's ops, "matmul" or "loop: mul, exp, sum"
+    line: str  # the user's file:line of the step ("" when unknown)
+    held: dict  # category -> bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.held.values())
+
+
+@dataclass(frozen=True)
+class PeakReport:
+    """See the module docstring. `peak_bytes` counts the caller's arrays (inputs, donated);
+    `allocated_peak_bytes` is what the step itself allocates or keeps at its peak."""
+
+    backend: str
+    steps: tuple[PeakStep, ...]
+    buffers: tuple = ()  # (call label, PlannedBuffer) of a compiled step, for the checked mode
+
+    @property
+    def peak_step(self) -> PeakStep | None:
+        if not self.steps:
+            return None
+        return max(self.steps, key=lambda s: (s.nbytes, -s.index))
+
+    @property
+    def peak_bytes(self) -> int:
+        step = self.peak_step
+        return step.nbytes if step is not None else 0
+
+    @property
+    def input_bytes(self) -> int:
+        """The caller's own arrays (donated ones included): held by the caller, not allocated."""
+        step = self.peak_step
+        return sum(step.held.get(c, 0) for c in CALLER_OWNED) if step is not None else 0
+
+    @property
+    def allocated_peak_bytes(self) -> int:
+        return self.peak_bytes - self.input_bytes
+
+    def at_peak(self) -> dict:
+        """category -> bytes at the peak, categories that hold nothing left out."""
+        step = self.peak_step
+        return {c: n for c, n in step.held.items() if n} if step is not None else {}
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether the step's peak, the caller's arrays included, is at most nbytes."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"fits() needs a byte count (an int >= 0), got {nbytes!r}")
+        return self.peak_bytes <= nbytes
+
+
+@dataclass(frozen=True)
+class PlanCall:
+    """One plan run as part of a step. output_kinds: the category of each graph output.
+    input_kinds: per graph input, "inputs", "donated", or "held" (a buffer an earlier call of
+    the step produced, already counted: a backward's saved inputs). held_from: for the
+    reference interpreter, input index -> (call, output index) of that earlier buffer."""
+
+    label: str
+    plan: Plan
+    output_kinds: tuple[str, ...]
+    input_kinds: tuple[str, ...]
+    private_saved: tuple[int, ...] = ()
+    donated: tuple[int, ...] = ()
+    held_from: dict = field(default_factory=dict)
+
+
+def predicted_peak(calls: list[PlanCall], backend: str = "numba") -> PeakReport:
+    """The step's predicted peak on `backend` ("numba": the compiled plans; "reference")."""
+    if backend == "reference":
+        return PeakReport("reference", tuple(_reference_steps(calls)))
+    if backend != "numba":
+        raise ValueError(f"unknown backend {backend!r}; use 'numba' or 'reference'")
+    return _compiled_report(calls)
+
+
+def _input_bytes(calls: list[PlanCall]) -> dict:
+    held = dict.fromkeys(CATEGORIES, 0)
+    for call in calls:
+        for value, kind in zip(call.plan.graph.inputs, call.input_kinds, strict=True):
+            if kind in CALLER_OWNED:
+                held[kind] += value.type.nbytes
+    return held
+
+
+def _compiled_report(calls: list[PlanCall]) -> PeakReport:
+    lowered = [lower(c.plan, c.private_saved) for c in calls]
+    per_call = [
+        compiled_buffers(low, list(c.output_kinds), c.donated)
+        for c, low in zip(calls, lowered, strict=True)
+    ]
+    held = _input_bytes(calls)
+    constants_seen: set[int] = set()
+    for call, buffers in zip(calls, per_call, strict=True):
+        for b in buffers:
+            if b.category == "constants":
+                array = call.plan.graph.constants[b.key.removeprefix("const ")]
+                if id(array) not in constants_seen:
+                    constants_seen.add(id(array))
+                    held["constants"] += b.nbytes
+            elif b.category == "scratch":
+                held["scratch"] += b.nbytes  # every plan of the step keeps its arena
+    steps, index = [], 0
+    for call, low, buffers in zip(calls, lowered, per_call, strict=True):
+        for b in buffers:
+            if b.category not in ("constants", "scratch"):
+                held[b.category] += b.nbytes  # allocated on entry, held to the step's end
+        for kernel in [k for k in low.kernels if k.kind in RUN_KINDS] or [None]:
+            steps.append(PeakStep(index, call.label, *_kernel_words(kernel), dict(held)))
+            index += 1
+    buffers = tuple((c.label, b) for c, bs in zip(calls, per_call, strict=True) for b in bs)
+    return PeakReport("numba", tuple(steps), buffers)
+
+
+def _kernel_words(kernel) -> tuple[str, str]:
+    if kernel is None:
+        return "no kernels (views and literals only)", ""
+    nodes = kernel.all_nodes
+    ops = ", ".join(dict.fromkeys(n.op for n in nodes))
+    what = f"loop: {ops}" if kernel.kind == "loop" else ops
+    lines = [format_loc(n.loc) for n in nodes if n.loc]
+    return what, lines[-1] if lines else ""
+
+
+def _reference_steps(calls: list[PlanCall]):
+    """Every value its own buffer, held from its step to its free (run_plan's accounting)."""
+    total = sum(len(c.plan.graph.nodes) for c in calls)
+    inputs = _input_bytes(calls)
+    constants = sum(
+        a.nbytes
+        for a in {id(a): a for c in calls for a in c.plan.graph.constants.values()}.values()
+    )
+    deltas = [dict.fromkeys(CATEGORIES, 0) for _ in range(total + 1)]
+    offsets, offset = [], 0
+    for call in calls:
+        offsets.append(offset)
+        offset += len(call.plan.graph.nodes)
+    frees = [_free_steps(c.plan) for c in calls]
+    for c, call in enumerate(calls):
+        graph, start = call.plan.graph, offsets[c]
+        kinds = {}
+        for o, kind in zip(graph.outputs, call.output_kinds, strict=True):
+            kinds.setdefault(o, kind)
+        for step, node in enumerate(graph.nodes):
+            kind = kinds.get(node, "temporaries")
+            end = _reference_end(node, kind, c, calls, offsets, frees, start, total)
+            deltas[start + step][kind] += node.type.nbytes
+            deltas[min(end, total - 1) + 1][kind] -= node.type.nbytes
+    held = dict.fromkeys(CATEGORIES, 0)
+    for key in CALLER_OWNED:
+        held[key] = inputs[key]
+    held["constants"] = constants
+    index = 0
+    for c, call in enumerate(calls):
+        for step, node in enumerate(call.plan.graph.nodes):
+            for kind, change in deltas[offsets[c] + step].items():
+                held[kind] += change
+            line = format_loc(node.loc)
+            yield PeakStep(index, call.label, node.op, line, dict(held))
+            index += 1
+
+
+def _reference_end(node, kind, c, calls, offsets, frees, start, total) -> int:
+    """The last global step a value of call c is held over."""
+    if kind != "saved":
+        if kind in ("outputs", "gradients"):
+            return total - 1
+        return start + min(frees[c].get(node, len(calls[c].plan.graph.nodes)), _last(calls[c]))
+    for later in range(c + 1, len(calls)):
+        call = calls[later]
+        for i, (src_call, out) in call.held_from.items():
+            if src_call == c and calls[c].plan.graph.outputs[out] is node:
+                inp = call.plan.graph.inputs[i]
+                free = frees[later].get(inp, len(call.plan.graph.nodes))
+                return offsets[later] + max(min(free, _last(call)), 0)
+    return total - 1
+
+
+def _last(call: PlanCall) -> int:
+    return len(call.plan.graph.nodes) - 1
+
+
+def _free_steps(plan: Plan) -> dict:
+    """The step after which each value is freed (inputs freed on entry: step 0)."""
+    return {
+        v: max(step, 0) if step != INPUT_STEP else 0
+        for step, values in plan.frees_after.items()
+        for v in values
+    }
+
+
+def region_calls(plans, donated: tuple[int, ...] = (), consume: bool = True) -> list[PlanCall]:
+    """A compiled function's step: its forward (outputs, then saved values), then, when
+    something needs a gradient, its backward (cotangents and saved buffers in, gradients out;
+    consume: backward() without retain_graph, which may reuse private saved buffers).
+    plans: an ir.pipeline.RegionPlans."""
+    forward = plans.forward
+    n = plans.n_outputs
+    calls = [
+        PlanCall(
+            "forward",
+            forward,
+            tuple("outputs" if i < n else "saved" for i in range(len(forward.graph.outputs))),
+            tuple(
+                "donated" if i in donated else "inputs" for i in range(len(forward.graph.inputs))
+            ),
+            donated=tuple(donated),
+        )
+    ]
+    if plans.backward is None:
+        return calls
+    backward, n_cot = plans.backward, plans.n_cotangents
+    held_from = {
+        n_cot + slot: (0, s.source[1])
+        for slot, s in enumerate(plans.saved)
+        if s.source[0] == "output"
+    }
+    calls.append(
+        PlanCall(
+            "backward",
+            backward,
+            ("gradients",) * len(backward.graph.outputs),
+            ("inputs",) * n_cot + ("held",) * len(plans.saved),
+            plans.private_saved_inputs() if consume else (),
+            held_from=held_from,
+        )
+    )
+    return calls
+
+
+def joint_calls(plan: Plan, n_outputs: int, donated: tuple[int, ...] = ()) -> list[PlanCall]:
+    """value_and_grad's one joint plan: outputs (the loss and aux), then gradients."""
+    graph = plan.graph
+    return [
+        PlanCall(
+            "joint",
+            plan,
+            tuple("outputs" if i < n_outputs else "gradients" for i in range(len(graph.outputs))),
+            tuple("donated" if i in donated else "inputs" for i in range(len(graph.inputs))),
+            donated=tuple(donated),
+        )
+    ]

@@ -1,0 +1,77 @@
+"""Every buffer a compiled plan's call holds, named, from the lowered plan alone: the scratch
+arena per dtype (kept by the plan, reused by every call), the constants the plan keeps, and the
+buffers allocated for what the call returns (those written into donated inputs excepted).
+
+This is the one list the predicted peak (ir/peak.py) sums and the checked mode
+(BACKPLAN_CHECK_MEMORY=1, codegen/memory_check.py) compares a call's real allocations with, so
+a byte the runtime allocates that is not here is caught by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .donation import donation_pairs
+from .layout import storage_root
+from .lowering import LoweredPlan, literal_outputs
+from .printer import format_loc
+from .types import DTYPES
+
+# What a buffer is, for the per-category accounting of a step.
+KEPT = ("constants", "scratch")  # held by the compiled plan across calls
+
+
+@dataclass(frozen=True)
+class PlannedBuffer:
+    key: str  # unique within a plan: "scratch f32", "output 2", "literal 0", "const c3"
+    name: str  # what a reader sees: "%12 f32[64,10] (output 0) at model.py:7"
+    category: str  # "scratch", "constants", or the output's kind ("outputs", "saved", ...)
+    nbytes: int
+
+
+def arena_bytes(elements: int, dtype: str) -> int:
+    """A plan's arena of `elements` items: at least one item, as the runtime allocates it."""
+    return max(elements, 1) * DTYPES[dtype].itemsize
+
+
+def compiled_buffers(
+    lowered: LoweredPlan, output_kinds: list[str] | None = None, donated: tuple[int, ...] = ()
+) -> list[PlannedBuffer]:
+    """The buffers one call of the compiled plan holds. output_kinds: the category of each
+    graph output (default "outputs"); donated: inputs whose buffers outputs may take (an
+    output written into one allocates nothing)."""
+    graph = lowered.plan.graph
+    kinds = output_kinds or ["outputs"] * len(graph.outputs)
+    found = [
+        PlannedBuffer(
+            f"const {name}",
+            f"constant {name} {array.dtype}{list(array.shape)}",
+            "constants",
+            int(array.nbytes),
+        )
+        for name, array in graph.constants.items()
+    ]
+    found += [
+        PlannedBuffer(f"scratch {d}", f"scratch arena {d}[{n}]", "scratch", arena_bytes(n, d))
+        for d, n in sorted(lowered.layout.scratch_elements.items())
+    ]
+    in_place = donation_pairs(lowered, donated)
+    for k, root in enumerate(lowered.layout.outputs):
+        if k in in_place:
+            continue
+        index = next(i for i, o in enumerate(graph.outputs) if storage_root(o) is root)
+        found.append(
+            PlannedBuffer(f"output {k}", _value_name(root, index), kinds[index], root.type.nbytes)
+        )
+    for index, node in literal_outputs(lowered).items():
+        found.append(
+            PlannedBuffer(
+                f"literal {index}", _value_name(node, index), kinds[index], node.type.nbytes
+            )
+        )
+    return found
+
+
+def _value_name(value, output_index: int) -> str:
+    where = format_loc(value.loc)
+    return f"{value.op} {value.type} (output {output_index})" + (f" at {where}" if where else "")
