@@ -1,0 +1,68 @@
+"""The predicted peak of a step (ir/peak.py): per category, for the compiled plans and the
+reference interpreter, from the plans alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.ir.lowering import lower
+from backplan.ir.peak import joint_calls, predicted_peak, region_calls
+
+
+def _mlp_step():
+    w = bp.tensor(np.ones((16, 8), np.float32), requires_grad=True)
+    x = bp.tensor(np.ones((32, 16), np.float32))
+
+    @bp.compile
+    def loss(x, w):
+        return bp.tanh(x @ w).sum()
+
+    return loss.trace(x, w).program.plans
+
+
+def test_compiled_peak_holds_both_arenas_forward_outputs_and_gradients_in_the_backward():
+    plans = _mlp_step()
+    report = predicted_peak(region_calls(plans), "numba")
+    forward, backward = plans.lowered(None), lower(plans.backward, plans.private_saved_inputs())
+    arenas = sum(max(n, 1) * 4 for n in forward.layout.scratch_elements.values())
+    arenas += sum(max(n, 1) * 4 for n in backward.layout.scratch_elements.values())
+    at_peak = report.at_peak()
+    assert report.peak_step.plan == "backward"
+    assert at_peak["scratch"] == arenas
+    assert at_peak["inputs"] == 32 * 16 * 4 + 16 * 8 * 4 + 4  # x, w and the loss's cotangent
+    assert at_peak["gradients"] == 16 * 8 * 4
+    assert at_peak["outputs"] == 4
+    assert at_peak["saved"] == sum(v.type.nbytes for v in forward.layout.outputs) - 4
+    assert report.peak_bytes == sum(at_peak.values())
+    assert report.allocated_peak_bytes == report.peak_bytes - at_peak["inputs"]
+    assert report.fits(report.peak_bytes) and not report.fits(report.peak_bytes - 1)
+
+
+def test_reference_timeline_is_explains_plus_the_callers_arrays():
+    w = bp.tensor(np.ones((16, 8), np.float32))
+    x = bp.tensor(np.ones((32, 16), np.float32))
+    f = bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())
+    report = predicted_peak(joint_calls(f.trace(w, x).plan, 1), "reference")
+    held = [s.nbytes - report.input_bytes for s in report.steps]
+    assert held == f.explain(w, x).live_bytes
+    assert report.input_bytes == w.numpy().nbytes + x.numpy().nbytes
+
+
+def test_joint_plan_gradients_are_their_own_category():
+    f = bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())
+    entry = f.trace(
+        bp.tensor(np.ones((16, 8), np.float32)), bp.tensor(np.ones((32, 16), np.float32))
+    )
+    for backend in ("numba", "reference"):
+        at_peak = predicted_peak(joint_calls(entry.plan, 1), backend).at_peak()
+        assert at_peak["gradients"] == 16 * 8 * 4
+        assert at_peak["inputs"] == (16 * 8 + 32 * 16) * 4
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "1GB"])
+def test_fits_refuses_what_is_not_a_byte_count(bad):
+    report = predicted_peak(region_calls(_mlp_step()), "numba")
+    with pytest.raises(ValueError, match="byte count"):
+        report.fits(bad)
