@@ -49,15 +49,18 @@ def _like(leaf, array: np.ndarray):
 
 
 def shard(array, rank: int, size: int):
-    """Rank `rank`'s contiguous share of the first axis of array, one of `size` equal parts.
+    """Rank `rank`'s contiguous share of the first axis of array, split as evenly as it goes:
+    10 rows on 3 ranks are 4, 3 and 3 (the first n % size ranks hold one more row).
 
-    Equal parts make the average of the per-rank mean losses equal to the mean loss of the
-    whole batch, so the averaged gradients equal the single-process gradients. A first axis
-    that `size` does not divide raises; drop or pad the remainder first.
+    data_parallel weights each rank's mean by its rows when the shares differ, so the averaged
+    loss and gradients are the whole batch's mean, as with equal parts. A batch of fewer rows
+    than ranks raises: a rank would have no rows to take a mean over.
 
     >>> import numpy as np
     >>> shard(np.arange(6), 1, 3).tolist()
     [2, 3]
+    >>> [len(shard(np.arange(10), r, 3)) for r in range(3)]
+    [4, 3, 3]
     """
     data = leaf_array(array)
     if size < 1 or not 0 <= rank < size:
@@ -65,11 +68,12 @@ def shard(array, rank: int, size: int):
     if data.ndim == 0:
         raise DistributedError("shard() splits the first axis, but got a 0-d value")
     n = data.shape[0]
-    if n % size:
+    if n < size:
         raise DistributedError(
-            f"shard(): a batch of {n} rows does not split into {size} equal shards, and "
-            "unequal shards would make the averaged gradients differ from the whole batch's; "
-            f"use a batch that {size} divides, e.g. array[:{n // size * size}]"
+            f"shard(): a batch of {n} rows cannot give each of {size} ranks a row; "
+            f"use a batch of at least {size} rows"
         )
-    part = data[rank * (n // size) : (rank + 1) * (n // size)]
+    small, extra = divmod(n, size)
+    start = rank * small + min(rank, extra)
+    part = data[start : start + small + (rank < extra)]
     return Tensor(part) if isinstance(array, Tensor) else part

@@ -8,6 +8,7 @@ import numpy as np
 from backplan.tracer.tensor import Tensor
 
 from .layout import Layout
+from .rows import scale_by_weight
 from .world import World, mpi_module
 
 
@@ -20,6 +21,7 @@ class Exchange:
         self.layout = layout
         self.average = average
         self.started: list = []  # (bucket, buffer, request), in bucket order
+        self.weight: float | None = None  # this rank's share of the rows, when ranks differ
         self.mpi = mpi_module()
 
     def start_ready(self, step: float, array_of) -> None:
@@ -27,6 +29,8 @@ class Exchange:
             if bucket.ready_step > step:
                 return
             buffer = np.concatenate([array_of(leaf).ravel() for leaf in bucket.leaves])
+            if self.weight is not None:
+                scale_by_weight(buffer, self.weight)
             request = self.world.comm.Iallreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
             self.started.append((bucket, buffer, request))
 
@@ -42,7 +46,7 @@ class Exchange:
         results: list = [None] * self.layout.n_leaves
         for bucket, buffer, request in self.started:
             request.Wait()
-            if self.average:
+            if self.average and self.weight is None:
                 buffer /= buffer.dtype.type(self.world.size)
             buffer.flags.writeable = False
             offset = 0

@@ -18,6 +18,7 @@ from .errors import RankMismatchError
 from .exchange import Exchange
 from .layout import Layout, build_layout
 from .report import DataParallelReport
+from .rows import batch_lengths, lengths_digest, row_weight
 from .segments import run_segments, split_plan
 from .world import World, current_world, init, mpi_module
 
@@ -57,13 +58,14 @@ class DataParallelStep:
         key, leaves = call_key(args, kwargs, is_grad_enabled())
         layout = self._layout(args, kwargs, key)
         exchange = Exchange(world, layout, self.average)
+        lengths = batch_lengths(args, kwargs, self.fn.argnums)
         if self.split_plan:
-            self._agree(world, layout)
+            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
             aux = self._run_split(args, kwargs, key, leaves, exchange)
         else:
             result = self.fn(*args, **kwargs)
             (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
-            self._agree(world, layout)
+            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
             arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
             exchange.start_ready(float("inf"), lambda leaf: arrays[leaf.index])
         summed = exchange.finish()
@@ -136,20 +138,26 @@ class DataParallelStep:
         nums = self.fn.argnums
         return args[nums] if isinstance(nums, int) else tuple(args[i] for i in nums)
 
-    def _agree(self, world: World, layout: Layout) -> None:
-        """One 16-byte allreduce per call: max of (fingerprint, -fingerprint) equals this rank's
-        own pair on every rank only when all fingerprints are equal. On a mismatch every rank
-        gathers the leaf lists and raises the same error, before any gradient moves."""
-        mine = np.array([layout.fingerprint, -layout.fingerprint], np.int64)
+    def _agree(self, world: World, layout: Layout, lengths, args, kwargs) -> float | None:
+        """One 32-byte allreduce per call: max of (fingerprint, -fingerprint) equals this rank's
+        own pair on every rank only when all fingerprints are equal; the same for the digest of
+        the batch arguments' lengths. On a layout mismatch every rank gathers the leaf lists and
+        raises the same error, before any gradient moves. Returns this rank's share of the
+        global batch when ranks hold different numbers of rows (None when all hold the same)."""
+        digest = lengths_digest(lengths)
+        mine = np.array([layout.fingerprint, -layout.fingerprint, digest, -digest], np.int64)
         highest = np.empty_like(mine)
         world.comm.Allreduce(mine, highest, op=mpi_module().MAX)
-        if (highest == mine).all():
-            return
-        require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
-        raise RankMismatchError(
-            f"ranks split the gradients into buckets differently (this rank, {world.rank}: "
-            f"bucket_bytes={self.bucket_bytes}, {len(layout.buckets)} buckets); {MISMATCH_FIX}"
-        )
+        if (highest[:2] != mine[:2]).any():
+            require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
+            raise RankMismatchError(
+                f"ranks split the gradients into buckets differently (this rank, {world.rank}: "
+                f"bucket_bytes={self.bucket_bytes}, {len(layout.buckets)} buckets); "
+                f"{MISMATCH_FIX}"
+            )
+        if (highest[2:] == mine[2:]).all() or not self.average:
+            return None
+        return row_weight(world.comm, lengths, args, kwargs, self.fn.argnums)
 
 
 def data_parallel(
@@ -162,7 +170,10 @@ def data_parallel(
 ) -> DataParallelStep:
     """A training step that runs value_and_grad_fn on this rank's shard and returns the loss
     and gradients averaged over all ranks (summed with average=False), for any pytree of
-    parameters. aux outputs (has_aux=True) stay this rank's own.
+    parameters. aux outputs (has_aux=True) stay this rank's own. Ranks may hold different
+    numbers of rows (bpd.shard splits 10 rows on 3 ranks as 4, 3, 3): each rank's mean is then
+    weighted by its rows, so the result is the mean over the global batch (the rows are the
+    first axis of the arguments not differentiated, those whose lengths differ between ranks).
 
     Gradients travel in buckets of up to bucket_bytes, filled in the order the joint plan
     writes them; each bucket's non-blocking allreduce starts in that order as soon as the

@@ -140,13 +140,16 @@ def test_split_plan_runs_the_same_steps_as_the_joint_plan():
         np.testing.assert_array_equal(got, want)
 
 
-def test_shard_splits_the_first_axis_into_equal_parts():
+def test_shard_splits_the_first_axis_as_evenly_as_it_goes():
     data = np.arange(12).reshape(6, 2)
     parts = [bpd.shard(data, r, 3) for r in range(3)]
     np.testing.assert_array_equal(np.concatenate(parts), data)
     assert bpd.shard(bp.tensor(data), 1, 2).shape == (3, 2)
-    with pytest.raises(bpd.DistributedError, match=r"6 rows does not split into 4.*\[:4\]"):
-        bpd.shard(data, 0, 4)
+    uneven = [bpd.shard(data, r, 4) for r in range(4)]  # 2, 2, 1, 1 rows
+    assert [len(part) for part in uneven] == [2, 2, 1, 1]
+    np.testing.assert_array_equal(np.concatenate(uneven), data)
+    with pytest.raises(bpd.DistributedError, match=r"6 rows cannot give each of 7 ranks a row"):
+        bpd.shard(data, 0, 7)
     with pytest.raises(bpd.DistributedError, match="0 <= rank < size"):
         bpd.shard(data, 2, 2)
 
@@ -216,6 +219,41 @@ def test_two_ranks_average_to_the_full_batch_and_stay_identical(tmp_path):
     assert_ranks_ok(result)
     assert "bucket" in result.stdout and "grad['w0']" in result.stdout
     assert "on 2 ranks" in result.stdout
+
+
+@needs_mpi
+def test_unequal_shards_weight_each_rank_by_its_rows(tmp_path):
+    """7 rows on 2 ranks are 4 and 3: the mean of the two ranks' means is not the batch's mean
+    (it differed by 8e-2); weighted by rows it is, in both step modes. Batch arguments that
+    disagree about a rank's rows are refused on every rank."""
+    result = run_script(
+        tmp_path,
+        """
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        x7, y7 = x[:7], y[:7]
+        rows = (slice(0, 4), slice(4, 7))[rank]  # as bpd.shard(x7, rank, size) splits them
+        xs, ys = x7[rows], y7[rows]
+        full_loss, full = vg(params, x7, y7)
+        for split in (False, True):
+            loss, grads = bpd.data_parallel(vg, bucket_bytes=300, split_plan=split)(
+                params, xs, ys
+            )
+            np.testing.assert_allclose(loss.item(), full_loss.item(), rtol=1e-6)
+            for name in params:
+                np.testing.assert_allclose(grads[name].numpy(), full[name].numpy(), rtol=1e-5,
+                                           atol=1e-7)
+        first_rows = bp.value_and_grad(lambda p, a, b: mlp_loss(p, a, b[: len(a)]))
+        try:
+            bpd.data_parallel(first_rows)(params, xs, y[: 5 + rank])  # 4 and 5, 3 and 6 rows
+        except bpd.RankMismatchError as error:
+            assert "rank 0's batch arguments disagree" in str(error), str(error)
+            assert "argument 1: 4 rows, argument 2: 5 rows" in str(error), str(error)
+        else:
+            raise AssertionError("batch arguments of different rows went unnoticed")
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
 
 
 @needs_mpi
