@@ -136,6 +136,18 @@ def leaf_paths(treedef: TreeDef, prefix: str = "") -> list[str]:
     return paths
 
 
+def dotted_leaf_names(treedef: TreeDef, prefix: str = "") -> list[str]:
+    """state_dict-style names (`layer1.0.weight`) of the leaves, in flattening order: the
+    names a flat checkpoint format (safetensors) stores its tensors under."""
+    if treedef.kind == "leaf":
+        return [prefix]
+    names = []
+    for i, child in enumerate(treedef.children):
+        key = str(_child_key(treedef, i))
+        names.extend(dotted_leaf_names(child, f"{prefix}.{key}" if prefix else key))
+    return names
+
+
 def _child_key(treedef: TreeDef, i: int):
     if treedef.kind == "dict":
         return treedef.meta[i]

@@ -42,7 +42,7 @@ def save_tree(path, tree) -> str:
     leaves, treedef, paths = flatten(tree, paths=True)
     arrays, flags = {}, []
     for i, (leaf, leaf_path) in enumerate(zip(leaves, paths, strict=True)):
-        arrays[f"leaf_{i}"] = _leaf_array(leaf, leaf_path)
+        arrays[f"leaf_{i}"] = leaf_array(leaf, leaf_path, "save_tree")
         flags.append(bool(isinstance(leaf, Tensor) and leaf.requires_grad))
     try:
         structure = treedef_to_json(treedef, "save_tree")
@@ -56,14 +56,16 @@ def save_tree(path, tree) -> str:
     return path
 
 
-def _leaf_array(leaf, where: str) -> np.ndarray:
+def leaf_array(leaf, where: str, api: str) -> np.ndarray:
+    """The array of one leaf to store; anything but a tensor or a NumPy array of a supported
+    dtype is refused, naming its path."""
     if isinstance(leaf, Tensor):
         return np.asarray(leaf.numpy())
     if isinstance(leaf, np.ndarray) and leaf.dtype in DTYPES.values():
         return leaf
     shown = f"an array of dtype {leaf.dtype}" if isinstance(leaf, np.ndarray) else repr(leaf)
     raise TreeFileError(
-        f"save_tree: leaf {where} is {shown[:80]} of type {type(leaf).__name__}; only tensors "
+        f"{api}: leaf {where} is {shown[:80]} of type {type(leaf).__name__}; only tensors "
         f"and NumPy arrays of {', '.join(map(str, DTYPES.values()))} can be saved (wrap "
         "numbers in bp.tensor, keep other values outside the tree)"
     )

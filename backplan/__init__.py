@@ -14,6 +14,7 @@ from backplan import nn, optim, random, tree
 from backplan.artifacts.export import export
 from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
+from backplan.artifacts.safetensors_file import load_safetensors, save_safetensors
 from backplan.artifacts.tree_file import TreeFileError, load_tree, save_tree
 from backplan.codegen.cache_signing import CacheError, CacheWarning
 from backplan.codegen.driver_tier import DriverBuildWarning
@@ -112,10 +113,12 @@ __all__ = [
     "live_saved_bytes",
     "load",
     "load_tree",
+    "load_safetensors",
     "no_grad",
     "tree",
     "optim",
     "save_tree",
+    "save_safetensors",
     "tree_map",
     "value_and_grad",
     "zero_grad",
