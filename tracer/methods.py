@@ -21,8 +21,10 @@ def _detach(self: Tensor) -> Tensor:
 def _view(self: Tensor, *shape) -> Tensor:
     """PyTorch's x.view(*shape): a reshape (tensors are immutable, so a view and a copy cannot
     be told apart). x.view(dtype) reinterprets bits in PyTorch, which backplan does not do."""
-    if len(shape) == 1 and not isinstance(shape[0], int | Sequence) and not hasattr(
-        shape[0], "__index__"
+    if (
+        len(shape) == 1
+        and not isinstance(shape[0], int | Sequence)
+        and not hasattr(shape[0], "__index__")
     ):
         raise TypeError(
             f"view({shape[0]!r}) at {loc_text(user_frame_loc())}: reinterpreting the bits as "

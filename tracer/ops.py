@@ -15,13 +15,13 @@ from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promo
 
 from .dispatch import apply
 from .source import located
+from .tensor import Axis, DTypeLike, Tensor, TensorLike
 from .torch_names import (
     extremum_values_and_indices,
     refuse_torch_dim,
     torch_keywords,
     variance_correction,
 )
-from .tensor import Axis, DTypeLike, Tensor, TensorLike
 from .trace import current_trace
 
 Scalar = int | float | bool
