@@ -94,7 +94,7 @@ def compression(name: str) -> int:
 
 # ---- reading ----------------------------------------------------------------------------------
 
-_ZIP_ERRORS = (
+ZIP_ERRORS = (  # what zipfile and zlib raise reading a damaged zip
     zipfile.BadZipFile,
     zlib.error,
     EOFError,
@@ -123,7 +123,7 @@ def read_artifact(path: str | os.PathLike, key=None) -> ArtifactContents:
                 return _read_checked(zf, os.path.getsize(where), members, key)
     except ExportError as exc:
         raise ExportError(f"{where}: {exc}") from None
-    except _ZIP_ERRORS as exc:
+    except ZIP_ERRORS as exc:
         raise ExportError(
             f"{where}: not a readable artifact (truncated or corrupted zip): {exc}"
         ) from None

@@ -18,10 +18,12 @@ from backplan.ir.types import DTYPES
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
+from .container import ZIP_ERRORS as _ZIP_ERRORS
 from .format import ExportError
-from .tree import leaf_paths, treedef_from_json, treedef_to_json
+from .plans import machine_memory_bytes
+from .tree import MAX_DEPTH, leaf_paths, treedef_from_json, treedef_to_json
+from .tree_members import TREE_MEMBER, TreeLimitError, check_zip_end, member_infos, read_array
 
-TREE_MEMBER = "__tree__"
 FORMAT = "backplan-tree"
 VERSION = 1
 
@@ -71,32 +73,58 @@ def leaf_array(leaf, where: str, api: str) -> np.ndarray:
     )
 
 
-def load_tree(path):
-    """The pytree save_tree wrote, with tensors as leaves (requires_grad as saved)."""
+def load_tree(path, max_bytes: int | None = None):
+    """The pytree save_tree wrote, with tensors as leaves (requires_grad as saved).
+
+    Files are read with bp.load's limits, each checked before the work it bounds: at most
+    100,000 leaves (from the zip's end record), their sizes from the zip's directory adding up
+    to at most max_bytes (default: this machine's physical memory) before anything is inflated,
+    and each leaf's shape and dtype from its header before its memory is allocated."""
     path = os.fspath(path)
+    limit = max_bytes if max_bytes is not None else machine_memory_bytes()
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            members = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        with open(path, "rb") as raw:
+            declared = check_zip_end(raw)
+            with zipfile.ZipFile(raw) as zf:
+                return _read_tree(zf, member_infos(zf, declared, limit), path)
+    except TreeFileError:
+        raise
+    except TreeLimitError as exc:
+        raise TreeFileError(f"load_tree: {path}: {exc}") from None
+    except MemoryError:
+        raise TreeFileError(
+            f"load_tree: {path}: its leaves do not fit in the memory available now"
+        ) from None
+    except _ZIP_ERRORS as exc:
         raise TreeFileError(f"load_tree: {path} is not a saved tree ({exc})") from None
-    header = _header(members, path)
+
+
+def _read_tree(zf: zipfile.ZipFile, infos: dict, path: str):
+    """The header first; then, once the leaf count it claims matches the members, the leaves."""
+    if TREE_MEMBER not in infos:
+        _header(None, path)  # raises, saying what the file is not
+    header = _header(read_array(zf, infos[TREE_MEMBER], TREE_MEMBER), path)
+    count = len(infos) - 1
+    flags = header.get("requires_grad")
+    if not isinstance(flags, list) or len(flags) != count or set(infos) != _names(count):
+        raise TreeFileError(
+            f"load_tree: {path} has members {sorted(infos)[:8]} for "
+            f"{len(flags) if isinstance(flags, list) else 'no'} leaves; "
+            "the file is damaged or not written by bp.save_tree"
+        )
     try:
         treedef = treedef_from_json(header.get("tree"), f"load_tree {path}")
     except ExportError as exc:
         raise TreeFileError(str(exc)) from None
-    count = treedef.num_leaves
-    flags = header.get("requires_grad")
-    if not isinstance(flags, list) or len(flags) != count or set(members) != _names(count):
+    if treedef.num_leaves != count:
         raise TreeFileError(
-            f"load_tree: {path} has members {sorted(members)[:8]} for {count} leaves; "
-            "the file is damaged or not written by bp.save_tree"
+            f"load_tree: {path}: its structure has {treedef.num_leaves} leaves, the file "
+            f"{count}; the file is damaged or not written by bp.save_tree"
         )
     leaves = []
     for i, (flag, leaf_path) in enumerate(zip(flags, leaf_paths(treedef), strict=True)):
-        array = members[f"leaf_{i}"]
-        if array.dtype not in DTYPES.values():
-            raise TreeFileError(f"load_tree: {path} leaf {leaf_path} has dtype {array.dtype}")
-        tensor = Tensor(array)
+        array = read_array(zf, infos[f"leaf_{i}"], f"leaf {leaf_path}")
+        tensor = Tensor._fresh(array)  # read into an array of its own: no second copy
         tensor.requires_grad = flag is True and tensor.dtype.kind == "f"
         leaves.append(tensor)
     return unflatten(treedef, leaves)
@@ -106,8 +134,7 @@ def _names(count: int) -> set[str]:
     return {TREE_MEMBER} | {f"leaf_{i}" for i in range(count)}
 
 
-def _header(members: dict, path: str) -> dict:
-    raw = members.get(TREE_MEMBER)
+def _header(raw, path: str) -> dict:
     if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
         raise TreeFileError(
             f"load_tree: {path} has no structure member {TREE_MEMBER!r}; it was not written "
@@ -117,6 +144,11 @@ def _header(members: dict, path: str) -> dict:
         header = json.loads(raw.tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TreeFileError(f"load_tree: {path}: unreadable structure ({exc})") from None
+    except RecursionError:
+        raise TreeFileError(
+            f"load_tree: {path}: its structure is nested too deeply to read (save_tree writes "
+            f"at most {MAX_DEPTH} levels)"
+        ) from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise TreeFileError(f"load_tree: {path} is not a saved tree")
     if header.get("version") != VERSION:
