@@ -66,8 +66,8 @@ def _mpi():
     except ImportError as error:
         raise MPIUnavailableError(
             f"backplan.distributed needs mpi4py and an MPI library ({error}); install both "
-            f"with `{INSTALL_HINT}` (mpi4py and the mpich wheel), or see the README section "
-            "'Data-parallel training' to use your cluster's own MPI"
+            f"with `{INSTALL_HINT}` (mpi4py and the mpich wheel), or see docs/data-parallel.md "
+            "('Which MPI') to use your cluster's own MPI"
         ) from error
     except RuntimeError as error:  # mpi4py found no libmpi to load
         raise MPIUnavailableError(

@@ -1,4 +1,4 @@
-"""The README's explain() example: one training step of a small model, explained before it runs.
+"""The example of docs/explain.md: one training step of a small model, explained before it runs.
 `python docs/explain_example.py` prints the report and writes docs/explain_example.png."""
 
 import os

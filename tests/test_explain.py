@@ -767,13 +767,13 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     assert not (tmp_path / "step.png").exists()
 
 
-# ---- the README ------------------------------------------------------------------------------
+# ---- the guide's explain page -------------------------------------------------------------
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_readme_shows_the_current_example_report_and_picture():
+def test_the_explain_page_shows_the_current_example_report_and_picture():
     from backplan.runtime.backend import use_backend
 
     spec = importlib.util.spec_from_file_location(
@@ -783,11 +783,14 @@ def test_readme_shows_the_current_example_report_and_picture():
     spec.loader.exec_module(example)
     with use_backend("numba"):
         report = example.loss_fn.explain(*example.example_inputs())
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Explain") :]
-    shown = section.split("```text\n")[1].split("\n```")[0]
+    page = (ROOT / "docs" / "explain.md").read_text()
+    shown = page.split("```text\n")[1].split("\n```")[0]
     assert shown == str(report).rstrip("\n")
+    readme = (ROOT / "README.md").read_text()
+    excerpt = readme.split("## Explain in one screen")[1].split("```text\n")[1].split("\n```")[0]
+    for section in excerpt.split("\n\n"):  # the README's abridged report: whole sections of it
+        assert section in shown, section
     picture = ROOT / "docs" / "explain_example.png"
-    assert "](docs/explain_example.png)" in section
+    assert "](explain_example.png)" in page
     width, height = png_size(picture)
     assert width >= 800 and height >= 500 and picture.stat().st_size < 200_000

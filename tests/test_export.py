@@ -713,11 +713,11 @@ def test_export_command_argument_spec():
     assert parsed["n"] == 3 and parsed["mode"] == "sum" and parsed["s"].shape == ()
 
 
-def test_readme_export_commands_train_from_the_copied_file(tmp_path):
-    """The README's Export commands, exactly as written: export the demo step, inspect it, copy
+def test_the_guides_export_commands_train_from_the_copied_file(tmp_path):
+    """The export guide's commands, exactly as written: export the demo step, inspect it, copy
     the file to another folder and train with it in a fresh interpreter."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## Export") :]
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "export.md")).read()
+    section = page[page.index("## From the command line") :]
     script = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
     result = subprocess.run(
         ["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300

@@ -1,0 +1,151 @@
+"""The guide cannot rot: every ```python block of README.md and docs/**/*.md runs here (each
+page's blocks in order, in one namespace, in a fresh folder), and the site builds with
+`mkdocs build --strict`.
+
+A block that is deliberately not run carries `<!-- skip: why -->` on the line before it; a block
+that shows an error carries `<!-- raises NameOfError -->` and must raise it. Skips stay few.
+Blocks run on the reference interpreter (the suite's BACKPLAN_BACKEND), so they compile nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import backplan as bp
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+MARKER = re.compile(r"<!--\s*(skip|raises)\b:?\s*([^>]*?)\s*-->")
+MAX_SKIPPED = 6
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # the first code line, 1-based
+    code: str
+    skip: str | None = None  # why it is not run
+    raises: str | None = None  # the error it must raise
+
+
+def python_blocks(page: Path) -> list[Block]:
+    """The ```python blocks of a Markdown page, with the marker on the line before each."""
+    lines = page.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() != "```python":
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        before = lines[i - 1] if i else ""
+        marker = MARKER.search(before)
+        kind, detail = marker.groups() if marker else (None, None)
+        blocks.append(
+            Block(
+                page,
+                i + 2,
+                "\n".join(lines[i + 1 : end]),
+                skip=(detail or "no reason given") if kind == "skip" else None,
+                raises=detail if kind == "raises" else None,
+            )
+        )
+        i = end + 1
+    return blocks
+
+
+def run_page(blocks: list[Block]) -> None:
+    """Runs the page's blocks in order in one namespace, a module of its own (dataclasses look
+    their module up); line numbers in tracebacks are the page's own."""
+    module = types.ModuleType("docs_page")
+    sys.modules[module.__name__] = module
+    try:
+        run_blocks(blocks, module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+
+
+def run_blocks(blocks: list[Block], namespace: dict) -> None:
+    for block in blocks:
+        if block.skip:
+            continue
+        code = compile("\n" * (block.line - 1) + block.code, str(block.page), "exec")
+        if block.raises is None:
+            exec(code, namespace)
+            continue
+        with pytest.raises(Exception) as caught:
+            exec(code, namespace)
+        names = [cls.__name__ for cls in type(caught.value).__mro__]
+        assert block.raises in names, (
+            f"{block.page.name}:{block.line} should raise {block.raises}, raised {names[0]}: "
+            f"{caught.value}"
+        )
+
+
+def page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+RUNNABLE = [page for page in PAGES if python_blocks(page)]
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=page_id)
+def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(page.parent))  # examples beside a page import by name
+    run_page(python_blocks(page))
+
+
+def test_blocks_left_unrun_are_few_and_say_why():
+    skipped = [b for page in PAGES for b in python_blocks(page) if b.skip]
+    where = [f"{b.page.name}:{b.line} ({b.skip})" for b in skipped]
+    assert len(skipped) <= MAX_SKIPPED, f"too many unrun blocks: {where}"
+    assert all(b.skip != "no reason given" for b in skipped), where
+
+
+def test_a_block_that_should_raise_and_does_not_fails(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- raises GraphFreedError -->\n```python\nx = 1\n```\n")
+    with pytest.raises(pytest.fail.Exception):
+        run_page(python_blocks(page))
+    page.write_text("```python\nimport backplan as bp\n```\n\n```python\nbp.nothing\n```\n")
+    with pytest.raises(AttributeError) as caught:
+        run_page(python_blocks(page))
+    assert caught.traceback[-1].lineno == 5  # 0-based: bp.nothing is the page's sixth line
+
+
+def test_every_public_name_has_an_api_reference_entry():
+    pages = "\n".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
+    documented = set(re.findall(r"::: backplan\.(\w+)", pages))
+    for names in re.findall(r"<!-- bp-ops: ([\w ,]+) -->", pages):
+        documented |= {n.strip() for n in names.split(",")}
+    modules = {"nn", "optim", "random", "tree"}
+    dtypes = {"bool_", "float32", "float64", "int32", "int64", "uint8"}
+    missing = set(bp.__all__) - documented - modules - dtypes - {"tree_map"}
+    assert not missing, f"public names without an API reference entry: {sorted(missing)}"
+
+
+def test_the_site_builds_strictly(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip('mkdocs is not installed: pip install -e ".[docs]"')
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    reference = (tmp_path / "api" / "compile" / "index.html").read_text()
+    assert "Trace fn on its first call per signature" in reference  # bp.compile's docstring
+    ops = (tmp_path / "api" / "ops" / "index.html").read_text()
+    assert "Integer input gives float64" in ops  # a factory-made op's docstring (bp.exp)
