@@ -215,3 +215,11 @@ def test_a_traced_float_as_an_op_attribute_says_to_make_it_static():
         match=r"a Python number, got the traced float argument depth.*argnames=\('depth',\)",
     ):
         encoded(bp.tensor(np.array([1])), 2.0)
+
+
+def test_a_numpy_scalar_to_differentiate_is_named_with_what_to_pass():
+    """np.float64(3.0) was called 'a float64 leaf', which reads like a float tensor."""
+    vg = bp.value_and_grad(lambda x: x * 2.0)
+    with pytest.raises(TypeError, match=r"a NumPy scalar \(numpy\.float64\).*float\(x\)"):
+        vg(np.float64(3.0))
+    assert vg(float(np.float64(3.0)))[1] == 2.0

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
+
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import build_joint_plan
@@ -262,9 +264,28 @@ def _as_diff_arg(arg):
 
 
 def _kind_text(leaf) -> str:
-    """'an int', 'a str', 'an int64 tensor': what a leaf that cannot be differentiated is."""
+    """'an int', 'a str', 'an int64 tensor', 'a NumPy scalar (numpy.float64)': what a leaf
+    that cannot be differentiated is."""
+    if isinstance(leaf, np.generic):
+        return f"a NumPy scalar (numpy.{type(leaf).__name__})"
     what = f"{leaf.dtype} tensor" if isinstance(leaf, Tensor) else type(leaf).__name__
     return f"{'an' if what[0] in 'aeiou' else 'a'} {what}"
+
+
+def _not_differentiable(i: int, leaf, path: str) -> TypeError:
+    fix = (
+        "pass it as another argument, or mark a dataclass field that is not a tensor with "
+        "bp.tree.static_field()"
+    )
+    if isinstance(leaf, np.generic) and np.issubdtype(leaf.dtype, np.floating):
+        fix = (
+            "pass a Python float (float(x)), a 0-d array (np.asarray(x)) or a tensor "
+            "(bp.tensor(x)) to differentiate it"
+        )
+    return TypeError(
+        f"argument {i} of a differentiated function holds {_kind_text(leaf)} leaf at {path}; "
+        f"only float tensors can be differentiated ({fix})"
+    )
 
 
 def _diff_positions(call, args, nums) -> set[int]:
@@ -277,12 +298,7 @@ def _diff_positions(call, args, nums) -> set[int]:
                 leaf = call.leaves[p]
                 if not isinstance(leaf, Tensor) or not is_float(leaf._ir_dtype):
                     paths = flatten(arg, paths=True)[2]  # only to word the error
-                    raise TypeError(
-                        f"argument {i} of a differentiated function holds "
-                        f"{_kind_text(leaf)} leaf at {paths[p - start]}; only float tensors can "
-                        "be differentiated (pass it as another argument, or mark a dataclass "
-                        "field that is not a tensor with bp.tree.static_field())"
-                    )
+                    raise _not_differentiable(i, leaf, paths[p - start])
                 positions.add(p)
         start += count
     return positions
