@@ -69,6 +69,7 @@ class _Child:
     def __init__(self, builds: list[DriverBuild]):
         self.builds = builds
         self.finished: set[int] = set()
+        self.read_by_builder = False  # else started at exit: nobody reads its reports
         work = tempfile.TemporaryFile()  # unnamed: nothing is left behind, whoever exits first
         work.write(json.dumps([b.payload for b in builds]).encode())
         work.seek(0)
@@ -136,6 +137,8 @@ def _serve() -> None:
             batch = _take_batch()
             _busy[0] += len(batch)
             child = _start(batch)  # under the lock: the exit handler sees every child started
+            if child is not None:
+                child.read_by_builder = True
         try:
             if child is not None:
                 _collect(child)
@@ -178,17 +181,18 @@ def _collect(child: _Child) -> None:
         except (ValueError, KeyError, TypeError, IndexError):
             continue
         if _exiting[0]:
+            child.process.stdout.close()  # the exit handler lets the child go: none will read
             return
         child.finished.add(index)
         build.finish(error, bool(compiled))
     status = child.process.wait()
     with _wake:
         _running.remove(child)
+        if _exiting[0]:
+            return  # the exit handler has it (it took _running as _exiting became True)
     child.process.stdout.close()
     why = f"the driver build exited with status {status}: {child.error_tail()}"
     child.errors.close()
-    if _exiting[0]:
-        return
     for index, build in enumerate(child.builds):
         if index not in child.finished:
             build.finish(why if status else "the driver build ended without reporting it")
@@ -230,9 +234,21 @@ def _at_exit() -> None:
     ]
     for child in running:
         lines.append(_stop(child) if kill else _left_running(child))
+        _let_go(child)
     if os.environ.get("BACKPLAN_QUIET", "") in ("", "0"):
         for line in filter(None, lines):
             print(f"backplan: {line}", file=sys.stderr, flush=True)
+
+
+def _let_go(child: _Child) -> None:
+    """The program is ending: close this process's end of the child's error file, and tell
+    Popen the child is meant to outlive it (it would warn `subprocess ... is still running`
+    under -W default). The child's stdout pipe closes with the process; the child takes a
+    broken pipe as the end of its reports (driver_build.report) and goes on caching."""
+    child.errors.close()
+    if not child.read_by_builder:  # the builder thread closes its own (it may be reading)
+        child.process.stdout.close()
+    child.process._child_created = False  # noqa: SLF001 - Popen has no public way to disown
 
 
 def _stop(child: _Child) -> str | None:

@@ -37,6 +37,8 @@ with use_backend("numba"):
     step(w, x)
     plan = step.trace(w, x).runner().compiled
     print(json.dumps({"tier": plan.driver_tier, "module": plan.module_path}), flush=True)
+    if sys.argv[1] == "two":  # queued behind the first build: goes to a child started at exit
+        bp.value_and_grad(bp.compile(lambda w, x: bp.mean(bp.sin(x @ w))))(w, x)
     if sys.argv[1] == "wait":
         built = driver_builder.wait_for_builds(timeout=240)
         print(json.dumps({"built": built, "now": plan.driver_tier,
@@ -50,11 +52,16 @@ def script_env(tmp_path, **settings) -> dict:
     return {**env, "BACKPLAN_DRIVER": "background", **settings}
 
 
-def run(env: dict, mode: str = "exit") -> tuple[list[dict], str]:
-    """The script's JSON lines and its stderr. Returns only once the script's stdout and stderr
-    are closed: a build child holding them open would hang here (its build is held waiting)."""
+def run(env: dict, mode: str = "exit", flags=("-W", "default")) -> tuple[list[dict], str]:
+    """The script's JSON lines and its stderr (under -W default: ResourceWarnings shown). Returns
+    only once the script's stdout and stderr are closed: a build child holding them open would
+    hang here (its build is held waiting)."""
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, *flags, "-c", SCRIPT, mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()], done.stderr
@@ -92,9 +99,22 @@ def test_a_build_running_at_exit_finishes_and_the_next_run_starts_compiled(tmp_p
         pid = int(line.split("still building in process ")[1].split()[0])
         assert line.startswith("backplan: @") and f"kill {pid}" in line
         assert is_running(pid)  # left running, detached from the ended script's pipes
+        assert "Warning" not in err  # no unclosed file, no "subprocess ... is still running"
     wait_until_finished(pid)
     lines, err = run(env)
     assert lines[0]["tier"] == "compiled" and "still building" not in err
+
+
+def test_builds_left_at_exit_leave_no_resource_warnings(tmp_path):
+    """A build queued behind a running one goes to a child started by the exit handler; under
+    -W default its pipe and error file were reported unclosed, and both children as
+    'subprocess ... is still running'."""
+    module = module_of_plan(tmp_path)
+    with driver_lock.held(module):
+        _, err = run(script_env(tmp_path), "two")
+    pids = [int(x.split()[0]) for x in err.split("still building in process ")[1:]]
+    assert len(pids) == 2, err  # the held build's child, and the one started at exit
+    assert "Warning" not in err
 
 
 def test_at_exit_kill_stops_the_build(tmp_path):
@@ -126,8 +146,7 @@ def test_two_processes_sharing_a_cache_compile_a_driver_once(tmp_path):
     command = [sys.executable, "-c", SCRIPT, "wait"]
     with driver_lock.held(module):  # both builds start, and wait, before either compiles
         scripts = [
-            subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-            for _ in range(2)
+            subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)
         ]
         firsts = [json.loads(script.stdout.readline()) for script in scripts]
     results = []
