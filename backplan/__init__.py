@@ -22,6 +22,7 @@ from backplan.ir.errors import (
     BackplanError,
     DtypeError,
     ExecutionError,
+    MemoryBudgetError,
     ParseError,
     ShapeError,
     VerifyError,
@@ -42,6 +43,7 @@ from backplan.tracer.dlpack import from_dlpack
 from backplan.tracer.errors import DonatedError
 from backplan.tracer.explain import explain
 from backplan.tracer.graph_view import explain_graph
+from backplan.tracer.max_batch import max_batch
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
 from backplan.tracer.ops import __all__ as _ops_all
 from backplan.tracer.pytree import leaves as _tree_leaves
@@ -78,6 +80,7 @@ __all__ = [
     "ExecutionError",
     "ExportError",
     "GraphFreedError",
+    "MemoryBudgetError",
     "ParseError",
     "RetraceWarning",
     "ShapeError",
@@ -114,6 +117,7 @@ __all__ = [
     "load",
     "load_tree",
     "load_safetensors",
+    "max_batch",
     "no_grad",
     "tree",
     "optim",

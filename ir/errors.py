@@ -23,3 +23,8 @@ class ExecutionError(BackplanError, RuntimeError):
 
 class VerifyError(BackplanError, AssertionError):
     """A graph or plan that breaks an invariant of the IR (a bug in a pass, or a tampered file)."""
+
+
+class MemoryBudgetError(BackplanError, ValueError):
+    """No plan of a step fits its memory budget (max_peak_bytes, saved_bytes_budget); raised
+    before anything compiles, with the smallest peak reachable and the ways out."""

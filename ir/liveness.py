@@ -51,6 +51,21 @@ class Plan:
         start = sum(v.type.nbytes for v in self.graph.inputs if v.role in OWNED_ROLES)
         return max([start, *series])
 
+    def live_at_peak(self) -> list[Value]:
+        """The values held at the peak step (owned inputs included), largest first: what a
+        budget that is too small should be told dominates."""
+        series = self.live_bytes_by_step()
+        if not series:
+            return []
+        step = series.index(max(series))
+        live = [
+            v
+            for v, first in self.first_write.items()
+            if (first >= 0 or v.role in OWNED_ROLES)
+            and first <= step <= self.last_read.get(v, first)
+        ]
+        return sorted(live, key=lambda v: -v.type.nbytes)
+
 
 def plan_liveness(graph: Graph) -> Plan:
     plan = Plan(graph)

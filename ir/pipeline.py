@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from .attention_fusion import fuse_attention
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .errors import BackplanError
-from .graph import Graph, Value
+from .graph import Graph, Value, copy_graph
 from .layout import storage_root
 from .liveness import Plan, plan_liveness
 from .lowering import BackwardMode, LoweredPlan, lower
@@ -36,7 +36,15 @@ from .passes import (
     expand_tanh_gelu,
     flatten_shared_matmuls,
 )
-from .remat import Recomputed, rematerialize, rematerialize_joint
+from .remat import (
+    Recomputed,
+    forward_nodes,
+    recompute_chosen,
+    recompute_joint_chosen,
+    rematerialize,
+    rematerialize_joint,
+)
+from .step_schedule import StepSchedule, step_schedule
 from .types import is_float
 from .verify import verify_graph, verify_plan
 
@@ -154,12 +162,75 @@ def build_region_plans(
     layer_norm (both plans) and tanh-gelu (backward) into primitives once the saved values are
     chosen, as the joint plan does, so fusion makes row loops of them (eager one-op regions
     keep the single kernel)."""
+    return region_choices(graph, wrt, log, remat, saved_bytes_budget, expand).plans()
+
+
+@dataclass
+class RegionChoices:
+    """A region differentiated, with the default choice of what backward recomputes made:
+    `plans(drop)` finishes the plans recomputing, besides, the saved values `drop` names (ids
+    of `schedule`, the memory planner's view: ir/budget.py). Each call builds afresh."""
+
+    graph: Graph
+    wrt: list[bool]
+    log: PassLog
+    expand: bool
+    backward: Graph | None = None
+    saved: list = field(default_factory=list)  # autodiff.SavedValue, after the default remat
+    recomputed: list = field(default_factory=list)
+    _schedule: StepSchedule | None = None
+
+    @property
+    def schedule(self) -> StepSchedule:
+        if self._schedule is None:
+            bwd = self.backward
+            alias = {s.backward_input: s.forward for s in self.saved}
+            inputs = self.graph.inputs + [v for v in bwd.inputs if v not in alias]
+            self._schedule = step_schedule(
+                self.graph.nodes + bwd.nodes,
+                set(bwd.nodes),
+                self.graph.outputs + bwd.outputs,
+                inputs,
+                alias,
+            )
+        return self._schedule
+
+    def plans(self, drop: frozenset[int] = frozenset()) -> RegionPlans:
+        graph, log, expand = self.graph, self.log, self.expand
+        if self.backward is None:
+            return RegionPlans(
+                _plan(_expanded(graph, log, expand), log),
+                None,
+                [],
+                len(graph.outputs),
+                self.wrt,
+                log,
+            )
+        bwd, saved, recomputed = self.backward, self.saved, list(self.recomputed)
+        if drop:
+            bwd, mapping = copy_graph(bwd)
+            saved = [replace(s, backward_input=mapping[s.backward_input]) for s in saved]
+            chosen = {self.schedule.values[i] for i in drop}
+            saved, more = recompute_chosen(graph, bwd, saved, chosen)
+            recomputed += more
+            bwd = cleanup(log.record("recompute_for_budget", bwd), log)
+        return _finish_region(graph, bwd, saved, recomputed, self.wrt, log, expand)
+
+
+def region_choices(
+    graph: Graph,
+    wrt: list[bool],
+    log: PassLog | None = None,
+    remat: bool = True,
+    saved_bytes_budget: int | None = None,
+    expand: bool = True,
+) -> RegionChoices:
+    """The region pipeline up to the choice of what backward recomputes (see RegionChoices)."""
     log = log or new_log()
     graph = traced(graph, log)
-    n_outputs = len(graph.outputs)
     wrt = reaching_inputs(graph, wrt)
     if not any(wrt):
-        return RegionPlans(_plan(_expanded(graph, log, expand), log), None, [], n_outputs, wrt, log)
+        return RegionChoices(graph, wrt, log, expand)
     bwd, saved = backward_graph(graph, wrt)
     bwd = cleanup(log.record("autodiff", bwd), log)
     used = {i for node in bwd.nodes for i in node.inputs} | set(bwd.outputs)
@@ -168,6 +239,12 @@ def build_region_plans(
     if remat:
         saved, recomputed = rematerialize(graph, bwd, saved, saved_bytes_budget)
         bwd = cleanup(log.record("rematerialize", bwd), log)
+    return RegionChoices(graph, wrt, log, expand, bwd, saved, recomputed)
+
+
+def _finish_region(graph, bwd, saved, recomputed, wrt, log, expand) -> RegionPlans:
+    """Expand the backward, order its inputs, and make the forward return what is saved."""
+    n_outputs = len(graph.outputs)
     if expand:
         bwd = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(bwd)), log)
         bwd = cleanup(log.record("expand_layer_norm", expand_layer_norm(bwd)), log)
@@ -211,6 +288,42 @@ def _moved(recomputed: Recomputed, made: dict) -> Recomputed:
 
 def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:
     """value_and_grad: outputs are the original outputs, then d(outputs[0])/d(wrt inputs)."""
+    return joint_choices(graph, wrt, log).plan()
+
+
+@dataclass
+class JointChoices:
+    """A joint plan with the default rematerialisation done: `plan(drop)` is the plan that
+    also recomputes the held values `drop` names (ids of `schedule`: ir/budget.py)."""
+
+    graph: Graph
+    n_outputs: int
+    log: PassLog
+    _schedule: StepSchedule | None = None
+    _default: Plan | None = None
+
+    @property
+    def schedule(self) -> StepSchedule:
+        if self._schedule is None:
+            graph = self.graph
+            forward = forward_nodes(graph, self.n_outputs)
+            later = {n for n in graph.nodes if n not in forward}
+            self._schedule = step_schedule(graph.nodes, later, graph.outputs, graph.inputs)
+        return self._schedule
+
+    def plan(self, drop: frozenset[int] = frozenset()) -> Plan:
+        if not drop:
+            if self._default is None:
+                self._default = _plan(self.graph, self.log)
+            return self._default
+        graph, mapping = copy_graph(self.graph)
+        chosen = {mapping[self.schedule.values[i]] for i in drop}
+        graph = recompute_joint_chosen(graph, self.n_outputs, chosen)
+        return _plan(self.log.record("recompute_for_budget", graph), self.log)
+
+
+def joint_choices(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> JointChoices:
+    """The joint pipeline up to the choice of what the gradient part recomputes."""
     log = log or new_log()
     graph = traced(graph, log)
     joint = Graph(
@@ -228,7 +341,7 @@ def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) 
     joint = cleanup(log.record("expand_layer_norm", expand_layer_norm(joint)), log)
     # after the last cleanup: common-subexpression elimination would merge the copies back
     joint = log.record("rematerialize", rematerialize_joint(joint, n_outputs))
-    return _plan(joint, log)
+    return JointChoices(joint, n_outputs, log)
 
 
 def _plan(graph: Graph, log: PassLog) -> Plan:

@@ -32,9 +32,11 @@ class Recomputed:
     reason: str
 
 
-def _chain(value: Value, available: set[Value]) -> list[Value] | None:
-    """Forward nodes that rebuild value from available values, in order; None if too long or
-    if it needs an op that is not cheap."""
+def _chain(
+    value: Value, available: set[Value], allow=recomputable, limit: int | None = MAX_CHAIN
+) -> list[Value] | None:
+    """Forward nodes that rebuild value from available values, in order; None if longer than
+    limit or if it needs an op `allow` refuses (by default, one that is not cheap)."""
     order, seen, stack = [], set(), [(value, False)]
     while stack:
         node, done = stack.pop()
@@ -44,13 +46,18 @@ def _chain(value: Value, available: set[Value]) -> list[Value] | None:
         if node in seen or node in available:
             continue
         seen.add(node)
-        if not recomputable(node):
+        if not allow(node):
             return None
         stack.append((node, True))
         stack.extend((i, False) for i in node.inputs)
-        if len(seen) > MAX_CHAIN:
+        if limit is not None and len(seen) > limit:
             return None
     return order
+
+
+def any_op(node: Value) -> bool:
+    """What the memory planner may recompute: every op (all are pure), not a graph input."""
+    return node.op != "input"
 
 
 def rematerialize(
@@ -77,8 +84,31 @@ def rematerialize(
             continue
         del kept[s.forward]
         recomputed.append(Recomputed(s.forward, s.forward.type.nbytes, tuple(chain), s.reason))
+    return _apply(forward, backward, saved, kept, recomputed)
+
+
+def recompute_chosen(
+    forward: Graph, backward: Graph, saved: list[SavedValue], chosen: set[Value]
+) -> tuple[list[SavedValue], list[Recomputed]]:
+    """The memory planner's rewrite of a region (ir/budget.py): every saved value in chosen
+    is recomputed in backward from the values still saved, by any chain of ops. Rewrites
+    backward in place; returns (still saved, recomputed)."""
+    region_inputs = set(forward.inputs)
+    kept = {s.forward: s for s in saved if s.forward not in chosen}
+    available = set(kept) | region_inputs
+    recomputed = []
+    for s in saved:
+        if s.forward in chosen:
+            chain = tuple(_chain(s.forward, available, any_op, None))
+            recomputed.append(Recomputed(s.forward, s.forward.type.nbytes, chain, s.reason))
+    return _apply(forward, backward, saved, kept, recomputed)
+
+
+def _apply(forward: Graph, backward: Graph, saved, kept: dict, recomputed: list):
+    """Hold the region inputs the chains read (by reference, at no cost) and rewrite backward."""
+    region_inputs = set(forward.inputs)
     if recomputed:
-        for r in recomputed:  # region inputs a chain reads are held by reference, at no cost
+        for r in recomputed:
             for leaf in _leaves(list(r.chain)):
                 if leaf in region_inputs and leaf not in kept:
                     kept[leaf] = SavedValue(
@@ -184,6 +214,17 @@ def rematerialize_joint(graph: Graph, n_outputs: int) -> Graph:
     after = sum(v.type.nbytes for v in kept | new_held if v not in inputs)
     if after >= before:
         return graph
+    _recompute_in_gradients(graph, forward, chains)
+    return graph
+
+
+def recompute_joint_chosen(graph: Graph, n_outputs: int, chosen: set[Value]) -> Graph:
+    """The memory planner's rewrite of a joint plan: every held value in chosen is recomputed
+    in the gradient part from the values still held, by any chain of ops. In place."""
+    forward = forward_nodes(graph, n_outputs)
+    held = held_across(graph, forward)
+    available = (set(held) - chosen) | set(graph.inputs) | _constants(graph)
+    chains = {v: _chain(v, available, any_op, None) for v in held if v in chosen}
     _recompute_in_gradients(graph, forward, chains)
     return graph
 

@@ -7,11 +7,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from backplan.ir.pipeline import build_region_plans
+from backplan.ir.pipeline import region_choices
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
 
 from .arguments import ArgumentSpec
+from .budget import BudgetPlanner, checked_budget
 from .captured_names import captured_names
 from .donate import check_donated_inputs, donatable, mark_donated
 from .fastpath import positions_of
@@ -44,6 +45,7 @@ class TracedFunction:
     input_names: list[str]  # one per graph input: argument paths, then captured tensors
     donated: tuple[int, ...] = ()  # graph inputs of donated arguments
     donated_to: str = ""  # "step() (bp.compile(donate_argnums=(0, 1)))", for the error
+    planner: BudgetPlanner | None = None  # the plans this signature could run instead
     rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
 
     def __post_init__(self):
@@ -121,10 +123,25 @@ class CompiledFunction(PlannedFunction):
         donate_argnums=(),
         cache_size: int = DEFAULT_CACHE_SIZE,
         background: bool | None = None,
+        max_peak_bytes: int | None = None,
     ):
         super().__init__(fn, cache_size, background)
+        self._options = dict(
+            remat=remat,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            cache_size=cache_size,
+            background=background,
+        )
         self.remat = remat
-        self.saved_bytes_budget = saved_bytes_budget
+        self.saved_bytes_budget = checked_budget(saved_bytes_budget, "saved_bytes_budget")
+        self.max_peak_bytes = checked_budget(max_peak_bytes, "max_peak_bytes")
+        if self.saved_bytes_budget is not None and self.max_peak_bytes is not None:
+            raise ValueError(
+                "give max_peak_bytes (the whole step's peak) or saved_bytes_budget (the bytes "
+                "held for backward), not both"
+            )
         self.arguments = ArgumentSpec(fn, static_argnums, static_argnames, donate_argnums)
         self._static_nums = self.arguments.static_nums
         self._static_names = self.arguments.static_names
@@ -132,6 +149,15 @@ class CompiledFunction(PlannedFunction):
 
     def _call_in_trace(self, args, kwargs):
         return self.fn(*args, **kwargs)  # nested compiled functions inline
+
+    def with_budget(self, max_peak_bytes: int) -> CompiledFunction:
+        """The same function compiled with another max_peak_bytes (bp.max_batch asks)."""
+        return CompiledFunction(self.fn, **self._options, max_peak_bytes=max_peak_bytes)
+
+    def batch_leaf(self, position: int, leaf) -> bool:
+        """Whether a leaf of argument `position` is data with a batch axis, not a parameter:
+        what bp.max_batch resizes by default (tensors that need no gradient, arrays)."""
+        return position not in self._static_nums and not getattr(leaf, "requires_grad", False)
 
     def _bind(self, args, kwargs):
         return bind_call(self.fn, args, kwargs, self._static_names)
@@ -190,9 +216,11 @@ class CompiledFunction(PlannedFunction):
             if call.arguments[p] in self.arguments.donate_names and not call.key.leaves[p].weak
         )
         check_donated_inputs(names, donated, wrt)
-        plans = build_region_plans(
+        choices = region_choices(
             graph, wrt, remat=self.remat, saved_bytes_budget=self.saved_bytes_budget
         )
+        planner = BudgetPlanner(choices, sum(v.type.nbytes for v in graph.inputs), name)
+        plans = self._plans_within_budget(planner)
         program = RegionProgram(
             plans, name=name, input_names=names, donated=donated, background=self.background
         )
@@ -205,7 +233,17 @@ class CompiledFunction(PlannedFunction):
             names,
             donated,
             f"{name}() (bp.compile(donate_argnums={self.arguments.donate_nums}))",
+            planner,
         )
+
+    def _plans_within_budget(self, planner: BudgetPlanner):
+        """The default plans, or under a budget the cheapest that fit it (or a refusal)."""
+        if self.max_peak_bytes is not None:
+            return planner.fit_peak(self.max_peak_bytes)
+        plans = planner.build()
+        if self.saved_bytes_budget is not None:
+            return planner.fit_saved(self.saved_bytes_budget, plans)
+        return plans
 
 
 def _kept_inputs(program: RegionProgram, donated: tuple[int, ...]) -> set[int]:
@@ -231,6 +269,7 @@ def compile(  # noqa: A001
     donate_argnums: Sequence[int] = (),
     cache_size: int = DEFAULT_CACHE_SIZE,
     background: bool | None = None,
+    max_peak_bytes: int | None = None,
 ) -> CompiledFunction: ...
 
 
@@ -245,6 +284,7 @@ def compile(  # noqa: A001
     donate_argnums: Sequence[int] = (),
     cache_size: int = DEFAULT_CACHE_SIZE,
     background: bool | None = None,
+    max_peak_bytes: int | None = None,
 ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 
 
@@ -258,6 +298,7 @@ def compile(  # noqa: A001
     donate_argnums: Sequence[int] = (),
     cache_size: int = DEFAULT_CACHE_SIZE,
     background: bool | None = None,
+    max_peak_bytes: int | None = None,
 ) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Trace fn on its first call per signature into static forward and backward plans.
 
@@ -276,8 +317,13 @@ def compile(  # noqa: A001
     donated tensors cannot be used afterwards (bp.DonatedError names the call).
 
     remat: values that a short chain of cheap ops rebuilds from what backward holds anyway are
-    recomputed in backward instead of saved; saved_bytes_budget stops that once the saved bytes
-    (region inputs excluded) fit the budget. `bp.compile(remat=False)(fn)` saves everything.
+    recomputed in backward instead of saved. `bp.compile(remat=False)(fn)` saves everything.
+    max_peak_bytes: the most bytes the step (your arrays, forward, saved buffers, backward)
+    may hold at once; backplan recomputes what it must (any op, whole segments between the
+    values it keeps) with the fewest added FLOPs, or raises bp.MemoryBudgetError before
+    compiling, saying the smallest peak reachable and the ways out. `fn.memory_frontier(...)`
+    lists the plans to choose from. saved_bytes_budget: the same for the bytes saved for
+    backward (your own arrays excluded): met by recomputing, or refused.
     cache_size: signatures kept (least recently used leave first); after 8 retraces a
     bp.RetraceWarning says what changed.
 
@@ -304,6 +350,7 @@ def compile(  # noqa: A001
         donate_argnums=donate_argnums,
         cache_size=cache_size,
         background=check_background(background),
+        max_peak_bytes=max_peak_bytes,
     )
     if fn is None:
         return lambda f: CompiledFunction(f, **options)

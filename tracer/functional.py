@@ -12,10 +12,11 @@ import numpy as np
 
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
-from backplan.ir.pipeline import build_joint_plan
+from backplan.ir.pipeline import joint_choices
 from backplan.ir.types import is_float
 from backplan.runtime.backend import current_backend, runner_for
 
+from .budget import BudgetPlanner, checked_budget
 from .compile import trace_function
 from .errors import TracingError
 from .fastpath import positions_of
@@ -40,6 +41,7 @@ class JointTrace:
     wrt: list[bool]
     background: bool | None = None  # value_and_grad(background=...)
     _runners: dict = field(default_factory=dict)
+    planner: BudgetPlanner | None = None  # the plans this signature could run instead
 
     def runner(self):
         """The runner for the backend current now (use_backend switches between calls)."""
@@ -70,15 +72,32 @@ class JointCall:
 class ValueAndGradFunction(PlannedFunction):
     """See `value_and_grad`."""
 
-    def __init__(self, fn, argnums=0, has_aux: bool = False, background: bool | None = None):
+    def __init__(
+        self,
+        fn,
+        argnums=0,
+        has_aux: bool = False,
+        background: bool | None = None,
+        max_peak_bytes: int | None = None,
+    ):
         if background is None and isinstance(fn, PlannedFunction):
             background = fn.background  # bp.compile(fn, background=...) inlines into this plan
         super().__init__(fn, background=background)
+        self.max_peak_bytes = checked_budget(max_peak_bytes, "max_peak_bytes")
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
         self.argnums = argnums
         self.has_aux = has_aux
         self._nums = _argnums_tuple(argnums)
         self._single = isinstance(argnums, int)
+
+    def with_budget(self, max_peak_bytes: int):
+        """The same function planned with another max_peak_bytes (bp.max_batch asks)."""
+        return type(self)(self.fn, self.argnums, self.has_aux, self.background, max_peak_bytes)
+
+    def batch_leaf(self, position: int, leaf) -> bool:
+        """Whether a leaf of argument `position` is data with a batch axis: the arguments
+        that are not differentiated (bp.max_batch resizes those by default)."""
+        return position not in self._nums
 
     def _bind(self, args, kwargs) -> JointCall:
         args = tuple(_as_diff_arg(a) if i in self._nums else a for i, a in enumerate(args))
@@ -107,7 +126,9 @@ class ValueAndGradFunction(PlannedFunction):
         return miss_reason(old, new)
 
     def _build(self, bound: JointCall) -> JointTrace:
-        entry = _trace_joint(self.fn, bound.call, bound.diff_paths, self.has_aux)
+        entry = _trace_joint(
+            self.fn, bound.call, bound.diff_paths, self.has_aux, self.max_peak_bytes
+        )
         entry.background = self.background
         return entry
 
@@ -138,12 +159,15 @@ def value_and_grad(
     has_aux: bool = False,
     *,
     background: bool | None = None,
+    max_peak_bytes: int | None = None,
 ) -> ValueAndGradFunction:
     """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
     Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
     the result is ((loss, aux), grads). Works inside traces, so grad(grad(f)) works.
     background: as in bp.compile, for the joint plan (None takes fn's own when fn is a
     bp.compile function, whose trace this plan inlines; else BACKPLAN_DRIVER's).
+    max_peak_bytes: as in bp.compile, for the joint plan: the step's peak fits it, at the
+    fewest added FLOPs, or bp.MemoryBudgetError says why not before anything compiles.
 
     >>> import backplan as bp
     >>> f = bp.value_and_grad(lambda x: (x ** 3).sum())
@@ -151,7 +175,7 @@ def value_and_grad(
     >>> g.numpy().tolist()
     [12.0]
     """
-    return ValueAndGradFunction(fn, argnums, has_aux, check_background(background))
+    return ValueAndGradFunction(fn, argnums, has_aux, check_background(background), max_peak_bytes)
 
 
 def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, single: bool):
@@ -240,9 +264,10 @@ def grad(
     has_aux: bool = False,
     *,
     background: bool | None = None,
+    max_peak_bytes: int | None = None,
 ) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
-    return GradFunction(fn, argnums, has_aux, check_background(background))
+    return GradFunction(fn, argnums, has_aux, check_background(background), max_peak_bytes)
 
 
 def _positional(fn):
@@ -304,7 +329,7 @@ def _diff_positions(call, args, nums) -> set[int]:
     return positions
 
 
-def _trace_joint(fn, call, diff_paths, has_aux):
+def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes: int | None = None):
     name = getattr(fn, "__name__", "fn")
     trace, out_leaves, out_treedef = trace_function(_positional(fn), name, call)
     if has_aux:
@@ -327,9 +352,11 @@ def _trace_joint(fn, call, diff_paths, has_aux):
     graph = trace.graph
     graph.outputs = [trace.value_of(loss)] + [trace.value_of(a) for a in aux_leaves]
     wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
-    return JointTrace(
-        build_joint_plan(graph, wrt), trace.captured, aux_treedef, len(aux_leaves), wrt
+    planner = BudgetPlanner(
+        joint_choices(graph, wrt), sum(v.type.nbytes for v in graph.inputs), name
     )
+    plan = planner.build() if max_peak_bytes is None else planner.fit_peak(max_peak_bytes)
+    return JointTrace(plan, trace.captured, aux_treedef, len(aux_leaves), wrt, planner=planner)
 
 
 def _grads_like(args, nums, diff_paths, grads, single: bool):

@@ -232,6 +232,22 @@ class PlannedFunction:
         bound, entry = self.lookup(args, kwargs, count_hit=False)
         return self._report(entry, bound)
 
+    def memory_frontier(self, *args, **kwargs):
+        """The plans a memory budget chooses from for this signature: peak bytes of the whole
+        step against the FLOPs each adds by recomputing, the default plan first; nothing runs.
+        `print()` it, or `.plot("frontier.png")`. Any point's peak_bytes, given as
+        max_peak_bytes, runs that point's plan (or a cheaper one that fits).
+
+        >>> import backplan as bp
+        >>> f = bp.value_and_grad(lambda w, x: bp.tanh(bp.tanh(x @ w) @ w).sum())
+        >>> w, x = bp.tensor([[0.5, 0.1], [0.2, 0.3]]), bp.tensor([[1.0, 2.0]])
+        >>> front = f.memory_frontier(w, x)
+        >>> front.points[0].added_flops
+        0
+        """
+        entry = self.lookup(args, kwargs, count_hit=False)[1]
+        return entry.planner.memory_frontier()
+
     def _plan_runners(self) -> list:
         """The runners every cached signature's plans made so far (a signature's backward
         plans make theirs at its first backward())."""

@@ -134,6 +134,12 @@ def _grad_vjp(ctx, h):
     return [next(grads) if need else None for need in ctx.needs]
 
 
+def _attention_flops(q: TensorType, k: TensorType, v: TensorType) -> int:
+    """The two products and the softmax: (..., T, S) scores of D-long dots, then Dv-long ones."""
+    scores = q.size // max(q.shape[-1], 1) * k.shape[-2]
+    return scores * (2 * q.shape[-1] + 2 * v.shape[-1] + 5)
+
+
 def default_scale(features: int) -> float:
     """1 / sqrt(D), as PyTorch and JAX default to (1 for D = 0, which has no scores to scale)."""
     return 1.0 / math.sqrt(features) if features else 1.0
@@ -149,6 +155,7 @@ register(
         _attention_vjp,
         attrs=ATTRS,
         doc="softmax(scale * q @ k^T) @ v in one kernel; saves q, k and v, no (T, S) scores",
+        flops=lambda types, out: _attention_flops(*types[:3]),
     )
 )
 register(
@@ -161,5 +168,6 @@ register(
         _grad_vjp,
         attrs=ATTRS,
         doc="dq, dk, dv of attention packed flat; recomputes the probabilities, saves q, k, v, g",
+        flops=lambda types, out: 5 * _attention_flops(*types[:3]) // 2,
     )
 )

@@ -150,6 +150,11 @@ def _weight_grad_infer(types, attrs):
     return w
 
 
+def _conv_flops(output: TensorType, weight: TensorType) -> int:
+    """A multiply-add per output element and weight element of one output channel."""
+    return 2 * output.size * (weight.size // max(weight.shape[0], 1))
+
+
 def _conv_attrs(attrs) -> dict:
     return {k: attrs[k] for k in CONV_ATTRS}
 
@@ -196,6 +201,7 @@ register(
         _conv_vjp,
         attrs=CONV_ATTRS,
         doc="conv2d(x, w) over NCHW, PyTorch semantics; saves w for dx and x for dw",
+        flops=lambda types, out: _conv_flops(out, types[1]),
     )
 )
 register(
@@ -208,6 +214,7 @@ register(
         _input_grad_vjp,
         attrs={**CONV_ATTRS, "input_shape": AttrSpec("shape")},
         doc="conv2d's adjoint in its input (a transposed convolution of g with w)",
+        flops=lambda types, out: _conv_flops(types[0], types[1]),
     )
 )
 register(
@@ -220,5 +227,6 @@ register(
         _weight_grad_vjp,
         attrs={**CONV_ATTRS, "weight_shape": AttrSpec("shape")},
         doc="conv2d's adjoint in its weight (correlates x with g)",
+        flops=lambda types, out: _conv_flops(types[1], out),
     )
 )

@@ -41,5 +41,6 @@ register(
         _matmul_vjp,
         doc="a @ b; saves b when a needs a gradient and a when b does",
         epilogue=True,
+        flops=lambda types, out: 2 * out.size * types[0].shape[-1],
     )
 )

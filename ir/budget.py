@@ -1,0 +1,104 @@
+"""The memory planner: which values a step holds from its forward into its backward, and which
+it recomputes there instead (any op: a matmul, a tanh, a whole segment between two values it
+keeps), so that its peak fits a budget with the least added arithmetic.
+
+`plan_frontier` walks from the default plan towards the smallest peak it can reach. Each move
+recomputes, of the held values live at the current peak, those freeing the most bytes per added
+FLOP (a value whose chain would join an existing recomputed segment waits: segments stay short,
+as in sqrt(n) checkpointing), and is kept only if the simulated peak goes down. Every plan on
+the way is a point: peak bytes against added FLOPs, peaks strictly falling as FLOPs rise, so
+the cheapest point under a budget never has a higher peak than the one a larger budget picks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .step_schedule import Outcome, StepSchedule
+
+STEPS_TO_FLOOR = 24  # a move frees about 1/24 of the peak: the frontier's resolution
+MAX_SIMULATIONS = 160  # bounds planning time on very large steps
+
+
+@dataclass(frozen=True)
+class PlanPoint:
+    """One plan: the held values recomputed instead (ids of the schedule), its simulated peak
+    (bytes the plan holds, the caller's arrays excluded), held bytes and added FLOPs."""
+
+    drop: frozenset[int]
+    peak: int
+    held_bytes: int
+    added_flops: int
+
+
+def plan_frontier(schedule: StepSchedule, objective: str = "peak") -> list[PlanPoint]:
+    """The plans from the default one (nothing more recomputed) to the lowest peak found.
+    objective "saved" lowers the held bytes instead of the peak (saved_bytes_budget)."""
+    drop: frozenset[int] = frozenset()
+    current = schedule.simulate(drop)
+    points = [_point(drop, current)]
+    locked: set[int] = set()
+    step_bytes = max(_measure(current, objective) // STEPS_TO_FLOOR, 1)
+    simulations = 1
+    while simulations < MAX_SIMULATIONS:
+        batch = _next_batch(schedule, current, drop, locked, step_bytes, objective)
+        if not batch:
+            break
+        while batch:
+            trial = schedule.simulate(drop | frozenset(batch))
+            simulations += 1
+            if _measure(trial, objective) < _measure(current, objective):
+                break
+            if len(batch) == 1:
+                locked.add(batch[0])
+            batch = batch[: len(batch) // 2]
+        if batch:
+            drop, current = drop | frozenset(batch), trial
+            points.append(_point(drop, current))
+    return points
+
+
+def cheapest_within(points: list[PlanPoint], limit: int, measure: str = "peak"):
+    """The point with the fewest added FLOPs whose peak (or held bytes) fits limit, or None."""
+    fitting = [p for p in points if getattr(p, _FIELD[measure]) <= limit]
+    return min(fitting, key=lambda p: (p.added_flops, p.peak), default=None)
+
+
+_FIELD = {"peak": "peak", "saved": "held_bytes"}
+
+
+def _measure(outcome: Outcome, objective: str) -> int:
+    return outcome.peak if objective == "peak" else outcome.held_bytes
+
+
+def _point(drop: frozenset[int], outcome: Outcome) -> PlanPoint:
+    return PlanPoint(drop, outcome.peak, outcome.held_bytes, outcome.added_flops)
+
+
+def _next_batch(schedule, current: Outcome, drop, locked, step_bytes: int, objective) -> list:
+    """The best candidates, best first, until they hold step_bytes: held values live at the
+    peak (every kept held value when lowering held bytes), ranked by bytes per added FLOP,
+    those that would lengthen a recomputed segment after those that would not, earlier
+    forward values first (they are recomputed late in the backward, when less is live)."""
+    pool = current.live_held if objective == "peak" else schedule.held
+    scored = []
+    for i in pool:
+        if i in drop or i in locked:
+            continue
+        flops, touches = schedule.chain_cost(i, drop, current.recomputed)
+        touches = touches or i in current.read_by_copies
+        ratio = schedule.nbytes[i] / (flops + 1)
+        scored.append(((-_rounded(ratio), touches, schedule.position[i]), i))
+    scored.sort()
+    batch, total = [], 0
+    for _, i in scored:
+        batch.append(i)
+        total += schedule.nbytes[i]
+        if total >= step_bytes:
+            break
+    return batch
+
+
+def _rounded(ratio: float) -> float:
+    """Two significant digits: ratios this close are ties, decided by the segment rule."""
+    return float(f"{ratio:.2g}")

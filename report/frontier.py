@@ -1,0 +1,72 @@
+"""The memory frontier of a step (`fn.memory_frontier(*args)`): the plans the budget option
+chooses from, peak bytes against the FLOPs each adds by recomputing, as a table and a picture.
+Peaks strictly fall as FLOPs rise; `max_peak_bytes=point.peak_bytes` picks that point's plan."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .plot import PlotDependencyError
+from .wording import format_bytes
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    peak_bytes: int  # the whole step, the arrays passed in included
+    added_flops: int  # beyond the default plan
+    recomputed: int  # held values the backward recomputes instead, beyond the default plan's
+    saved_bytes: int  # held from the forward into the backward (inputs excluded)
+
+
+@dataclass(frozen=True)
+class MemoryFrontier:
+    name: str
+    points: list[FrontierPoint]  # the default plan first
+    step_flops: int  # of the default plan
+    input_bytes: int
+
+    def __str__(self) -> str:
+        rows = [("peak", "saved", "added FLOPs", "of the step", "recomputed")]
+        for p in self.points:
+            share = f"+{100 * p.added_flops / max(self.step_flops, 1):.1f}%"
+            rows.append(
+                (
+                    format_bytes(p.peak_bytes),
+                    format_bytes(p.saved_bytes),
+                    f"{p.added_flops:,}",
+                    share,
+                    str(p.recomputed),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        head = (
+            f"memory frontier of {self.name}: {len(self.points)} plan(s), peak against added "
+            f"arithmetic (the default plan first; the arrays passed in hold "
+            f"{format_bytes(self.input_bytes)}); max_peak_bytes=N runs the first plan whose "
+            "peak fits N"
+        )
+        return "\n".join([head, *("  " + line for line in lines)])
+
+    def plot(self, path) -> None:
+        """Peak bytes against added FLOPs, as PNG or SVG (by the suffix). Needs matplotlib:
+        `pip install backplan[plot]`."""
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise PlotDependencyError(
+                "memory_frontier().plot() needs matplotlib, which is not installed. Install "
+                "the plot extra: pip install 'backplan[plot]' (or: pip install matplotlib)"
+            ) from None
+        figure = Figure(figsize=(6, 4))
+        axes = figure.add_subplot()
+        flops = [p.added_flops / 1e6 for p in self.points]
+        peaks = [p.peak_bytes / 2**20 for p in self.points]
+        axes.step(flops, peaks, where="post", color="#4c72b0")
+        axes.plot(flops, peaks, "o", color="#4c72b0")
+        axes.set_xlabel("added MFLOPs (recomputation)")
+        axes.set_ylabel("step peak (MiB)")
+        axes.set_title(f"{self.name}: plans a memory budget chooses from")
+        figure.tight_layout()
+        figure.savefig(os.fspath(path))

@@ -1,0 +1,165 @@
+"""max_peak_bytes: a budget met by recomputing (any op, matmuls and tanh included) or refused
+before anything compiles; the frontier of plans it chooses from; bp.max_batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.ir.budget import plan_frontier
+from backplan.tracer.budget import step_peak_bytes
+
+DEPTH, WIDTH, BATCH = 8, 16, 32
+
+
+def deep_loss(ws, x, k):
+    h = x
+    for i, w in enumerate(ws):
+        h = bp.tanh(h @ w)
+        if i == 2:
+            h = bp.dropout(h, 0.25, k)
+    return (h * h).sum()
+
+
+def arrays(batch=BATCH, seed=0):
+    rng = np.random.default_rng(seed)
+    ws = [(rng.standard_normal((WIDTH, WIDTH)) * 0.4).astype(np.float32) for _ in range(DEPTH)]
+    return ws, rng.standard_normal((batch, WIDTH)).astype(np.float32), bp.random.key(3)
+
+
+def step_peak(fn, *args) -> int:
+    report = bp.explain(fn, *args)
+    return report.peak_bytes + report.input_bytes
+
+
+def test_a_budget_below_the_default_peak_is_met_with_the_same_bits():
+    ws, x, k = arrays()
+    default = bp.value_and_grad(deep_loss)
+    default_peak = step_peak(default, ws, x, k)
+    front = default.memory_frontier(ws, x, k)
+    budget = front.points[len(front.points) // 2].peak_bytes
+    assert budget < default_peak
+    budgeted = bp.value_and_grad(deep_loss, max_peak_bytes=budget)
+    assert step_peak(budgeted, ws, x, k) <= budget
+    plan = budgeted.trace(ws, x, k).plan
+    assert any(n.op == "matmul" for n in plan.graph.nodes[len(plan.graph.nodes) // 2 :])
+    (v0, g0), (v1, g1) = default(ws, x, k), budgeted(ws, x, k)
+    assert v0.numpy().tobytes() == v1.numpy().tobytes()
+    for a, b in zip(g0, g1, strict=True):
+        assert a.numpy().tobytes() == b.numpy().tobytes()
+
+
+def test_compile_under_a_budget_recomputes_and_keeps_the_gradients():
+    ws, x, k = arrays()
+    params = [bp.tensor(w, requires_grad=True) for w in ws]
+    default = bp.compile(deep_loss)
+    front = default.memory_frontier(params, x, k)
+    assert len(front.points) > 2
+    budget = front.points[-1].peak_bytes
+    budgeted = bp.compile(deep_loss, max_peak_bytes=budget)
+    report = bp.explain(budgeted, params, x, k)
+    assert report.peak_bytes + report.input_bytes <= budget
+    assert {r.op for r in report.recomputed} >= {"tanh"}
+    grads = []
+    for fn in (default, budgeted):
+        bp.zero_grad(params)
+        fn(params, x, k).backward()
+        grads.append([p.grad.numpy().tobytes() for p in params])
+    assert grads[0] == grads[1]
+
+
+def test_a_budget_no_plan_reaches_is_refused_before_compiling():
+    ws, x, k = arrays()
+    front = bp.value_and_grad(deep_loss).memory_frontier(ws, x, k)
+    smallest = front.points[-1].peak_bytes
+    fn = bp.value_and_grad(deep_loss, max_peak_bytes=smallest - 1)
+    with pytest.raises(bp.MemoryBudgetError) as caught:
+        fn(ws, x, k)
+    message = str(caught.value)
+    assert f"{smallest:,} B" in message and "added FLOPs" in message
+    assert "test_memory_budget.py:" in message and "bp.max_batch" in message
+    assert fn.cache_info().traces == 0 and fn.driver_tier is None
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "1MB"])
+def test_a_budget_that_is_not_a_positive_int_is_refused(bad):
+    with pytest.raises((TypeError, ValueError), match=f"max_peak_bytes.*{bad!r}"):
+        bp.compile(deep_loss, max_peak_bytes=bad)
+    with pytest.raises((TypeError, ValueError), match="max_peak_bytes"):
+        bp.value_and_grad(deep_loss, max_peak_bytes=bad)
+
+
+def test_a_budget_below_the_arrays_passed_in_is_refused_with_the_numbers():
+    ws, x, k = arrays()
+    inputs = sum(w.nbytes for w in ws) + x.nbytes + 16  # the key: two uint64
+    with pytest.raises(bp.MemoryBudgetError, match=f"1,000.*{inputs:,} bytes"):
+        bp.value_and_grad(deep_loss, max_peak_bytes=1000)(ws, x, k)
+
+
+def test_saved_bytes_budget_is_met_by_recomputing_a_matmul_and_tanh():
+    rng = np.random.default_rng(1)
+    w = bp.tensor(rng.standard_normal((8, 8)).astype(np.float32), requires_grad=True)
+    x = bp.tensor(rng.standard_normal((4, 8)).astype(np.float32))
+
+    def f(w, x):
+        return bp.sum(bp.tanh(bp.tanh(x @ w) @ w))
+
+    assert bp.explain(bp.compile(f), w, x).saved_bytes - 8 * 8 * 4 - 4 * 8 * 4 > 0
+    report = bp.explain(bp.compile(f, saved_bytes_budget=1), w, x)
+    assert report.saved_bytes == report.saved_input_bytes  # only w and x: nothing computed
+    assert {r.op for r in report.recomputed} == {"tanh"}
+
+
+def test_the_frontier_is_monotone_and_each_budget_picks_a_plan_no_higher():
+    ws, x, k = arrays()
+    front = bp.value_and_grad(deep_loss).memory_frontier(ws, x, k)
+    peaks = [p.peak_bytes for p in front.points]
+    flops = [p.added_flops for p in front.points]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert flops == sorted(flops) and flops[0] == 0
+    budgets = sorted({p + d for p in peaks for d in (0, 100)}, reverse=True)
+    chosen = [step_peak(bp.value_and_grad(deep_loss, max_peak_bytes=b), ws, x, k) for b in budgets]
+    assert all(c <= b for c, b in zip(chosen, budgets, strict=True))
+    assert chosen == sorted(chosen, reverse=True)
+    assert "memory frontier of deep_loss" in str(front)
+
+
+def test_the_simulated_peak_is_the_joint_plans_peak():
+    ws, x, k = arrays()
+    fn = bp.value_and_grad(deep_loss)
+    entry = fn.trace(ws, x, k)
+    choices = entry.planner.choices
+    inputs = entry.planner.input_bytes
+    for point in plan_frontier(choices.schedule):
+        assert step_peak_bytes(choices.plan(point.drop), inputs) == inputs + point.peak
+
+
+def test_first_moves_keep_segments_short():
+    """The planner drops values whose chains meet no other recomputed one first, as sqrt(n)
+    checkpointing keeps every other value rather than recomputing a long run at once."""
+    ws, x, k = arrays()
+    entry = bp.value_and_grad(deep_loss).trace(ws, x, k)
+    schedule = entry.planner.choices.schedule
+    points = plan_frontier(schedule)
+    tanhs = [i for i in schedule.held if schedule.values[i].op == "tanh"]
+    first = next(p for p in points if len(p.drop) >= 2).drop
+    dropped = sorted(tanhs.index(i) for i in first if i in tanhs)
+    assert all(b - a > 1 for a, b in zip(dropped, dropped[1:], strict=False))
+
+
+def test_max_batch_fits_and_one_more_does_not():
+    ws, x, k = arrays()
+    budget = 40_000
+    batch = bp.max_batch(bp.value_and_grad(deep_loss), (ws, x, k), max_peak_bytes=budget)
+    assert 0 < batch < 10_000
+    for size, fits in ((batch, True), (batch + 1, False)):
+        xb = np.resize(x, (size, WIDTH))
+        fn = bp.value_and_grad(deep_loss, max_peak_bytes=budget)
+        if fits:
+            assert step_peak(fn, ws, xb, k) <= budget
+            value, _ = fn(ws, xb, k)
+            assert np.isfinite(value.item())
+        else:
+            with pytest.raises(bp.MemoryBudgetError):
+                fn(ws, xb, k)

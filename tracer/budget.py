@@ -1,0 +1,195 @@
+"""A memory budget met or refused before anything compiles: `bp.compile(fn, max_peak_bytes=N)`,
+`bp.value_and_grad(fn, max_peak_bytes=N)`, and `saved_bytes_budget`, its older form.
+
+The planner (ir/budget.py) lists plans from the default one to the smallest peak it reaches;
+each is built and its peak taken from `step_peak_bytes`, the one function that says what a step
+holds. The cheapest plan (fewest added FLOPs) that fits is used; if none fits,
+`MemoryBudgetError` says the smallest peak reachable, what it costs and the ways out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backplan.ir.budget import cheapest_within, plan_frontier
+from backplan.ir.errors import MemoryBudgetError
+from backplan.ir.flops import node_flops
+from backplan.ir.pipeline import JointChoices, RegionChoices, RegionPlans
+from backplan.report.frontier import FrontierPoint, MemoryFrontier
+from backplan.report.plan_view import region_view
+from backplan.report.wording import format_bytes
+from backplan.runtime import RegionProgram
+
+
+def checked_budget(value, option: str) -> int | None:
+    """None, or a positive int: anything else is refused with what was given."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{option} must be a positive int (bytes), got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{option} must be a positive number of bytes, got {value}")
+    return value
+
+
+def step_peak_bytes(plans, input_bytes: int) -> int:
+    """The highest number of bytes the step holds: the arrays passed in, plus the plans' own
+    peak (forward, saved buffers held, then backward; or the joint plan)."""
+    if isinstance(plans, RegionPlans):
+        live = region_view(RegionProgram(plans, "budget")).live_bytes()
+        return input_bytes + max(live, default=0)
+    return input_bytes + plans.peak_bytes
+
+
+@dataclass(frozen=True)
+class EvaluatedPoint:
+    """A plan of the frontier, built: its step peak, held bytes and the FLOPs it adds."""
+
+    peak_bytes: int
+    saved_bytes: int
+    added_flops: int
+    recomputed: int  # held values recomputed instead, beyond the default plan's
+    drop: frozenset
+    plans: object
+
+
+class BudgetPlanner:
+    """The choices of one traced signature and what its plans weigh."""
+
+    def __init__(self, choices: RegionChoices | JointChoices, input_bytes: int, name: str):
+        self.choices, self.input_bytes, self.name = choices, input_bytes, name
+        self._built: dict[frozenset, EvaluatedPoint] = {}
+
+    def build(self, drop: frozenset = frozenset()):
+        if isinstance(self.choices, RegionChoices):
+            return self.choices.plans(drop)
+        return self.choices.plan(drop)
+
+    def evaluate(self, point) -> EvaluatedPoint:
+        if point.drop not in self._built:
+            plans = self.build(point.drop)
+            peak = step_peak_bytes(plans, self.input_bytes)
+            self._built[point.drop] = EvaluatedPoint(
+                peak, point.held_bytes, point.added_flops, len(point.drop), point.drop, plans
+            )
+        return self._built[point.drop]
+
+    def points(self, objective: str = "peak") -> list:
+        if isinstance(self.choices, RegionChoices) and self.choices.backward is None:
+            return []  # nothing is differentiated: nothing is held for a backward
+        return plan_frontier(self.choices.schedule, objective)
+
+    def frontier(self) -> list[EvaluatedPoint]:
+        """Every plan built, those another plan beats on both peak and FLOPs left out: peaks
+        strictly fall as added FLOPs rise."""
+        evaluated = sorted(
+            (self.evaluate(p) for p in self.points()), key=lambda e: (e.added_flops, e.peak_bytes)
+        )
+        kept: list[EvaluatedPoint] = []
+        for e in evaluated:
+            if not kept or e.peak_bytes < kept[-1].peak_bytes:
+                kept.append(e)
+        return kept or [self.evaluate_default()]
+
+    def evaluate_default(self) -> EvaluatedPoint:
+        from backplan.ir.budget import PlanPoint
+
+        return self.evaluate(PlanPoint(frozenset(), 0, 0, 0))
+
+    def step_flops(self) -> int:
+        plans = self.build()
+        if isinstance(plans, RegionPlans):
+            nodes = plans.forward.graph.nodes + (
+                plans.backward.graph.nodes if plans.backward else []
+            )
+        else:
+            nodes = plans.graph.nodes
+        return sum(node_flops(n) for n in nodes)
+
+    def memory_frontier(self) -> MemoryFrontier:
+        points = [
+            FrontierPoint(e.peak_bytes, e.added_flops, e.recomputed, e.saved_bytes)
+            for e in self.frontier()
+        ]
+        return MemoryFrontier(self.name, points, self.step_flops(), self.input_bytes)
+
+    # ---- budgets ------------------------------------------------------------------------------
+
+    def fit_peak(self, limit: int):
+        """The plans of the cheapest point whose step peak fits limit; MemoryBudgetError if none."""
+        self._check_inputs_fit(limit, "max_peak_bytes")
+        for point in sorted(self.points(), key=lambda p: p.added_flops):
+            evaluated = self.evaluate(point)
+            if evaluated.peak_bytes <= limit:
+                return evaluated.plans
+        default = self.evaluate_default()
+        if default.peak_bytes <= limit:
+            return default.plans
+        raise MemoryBudgetError(self.refusal(limit, "max_peak_bytes"))
+
+    def fit_saved(self, limit: int, default_plans):
+        """saved_bytes_budget: the default plans if their saved bytes fit, else the cheapest
+        plan whose saved bytes (your own arrays excluded) fit; MemoryBudgetError if none."""
+        if _saved_bytes(default_plans) <= limit:
+            return default_plans
+        point = cheapest_within(self.points("saved"), limit, "saved")
+        if point is None:
+            lowest = min((p.held_bytes for p in self.points("saved")), default=0)
+            raise MemoryBudgetError(
+                f"{self.name}: saved_bytes_budget={limit:,} cannot be met: the fewest saved "
+                f"bytes any plan keeps is {lowest:,} (values the backward reads that nothing "
+                "cheaper rebuilds); raise the budget or use max_peak_bytes"
+            )
+        return self.build(point.drop)
+
+    def _check_inputs_fit(self, limit: int, option: str) -> None:
+        if limit < self.input_bytes:
+            raise MemoryBudgetError(
+                f"{self.name}: {option}={limit:,} is smaller than the arrays passed in "
+                f"({self.input_bytes:,} bytes: {format_bytes(self.input_bytes)}); the step "
+                "holds those at least"
+            )
+
+    def refusal(self, limit: int, option: str) -> str:
+        """Why no plan fits: the smallest peak, its cost, what dominates it."""
+        frontier = self.frontier()
+        best = frontier[-1]
+        default = frontier[0]
+        step = max(self.step_flops(), 1)
+        text = (
+            f"{self.name}: no plan fits {option}={limit:,} bytes. The smallest peak any plan "
+            f"reaches is {format_bytes(best.peak_bytes)}, "
+            f"recomputing {best.recomputed} more value(s) in the backward for "
+            f"{best.added_flops:,} added FLOPs (+{100 * best.added_flops / step:.0f}% of the "
+            f"step); the default plan peaks at {format_bytes(default.peak_bytes)}. The arrays "
+            f"passed in hold {format_bytes(self.input_bytes)} of those."
+        )
+        dominant = _dominant(best.plans)
+        if dominant:
+            text += " At that peak the largest buffers are: " + "; ".join(dominant) + "."
+        return text + (
+            " Ways out: a smaller batch (bp.max_batch(fn, args, max_peak_bytes=...) says the "
+            "largest that fits), or a larger budget."
+        )
+
+
+def _saved_bytes(plans) -> int:
+    if not isinstance(plans, RegionPlans) or plans.backward is None:
+        return 0
+    return sum(s.forward.type.nbytes for s in plans.saved if s.source[0] == "output")
+
+
+def _dominant(plans, count: int = 3) -> list[str]:
+    """The largest values live where the plans peak, with the user's lines (a saved buffer
+    of the backward is named by the forward value it holds)."""
+    forward_of = {}
+    if isinstance(plans, RegionPlans):
+        candidates = [plans.forward] + ([plans.backward] if plans.backward else [])
+        plan = max(candidates, key=lambda p: p.peak_bytes)
+        if plans.backward is not None:
+            saved_inputs = plans.backward.graph.inputs[plans.n_cotangents :]
+            forward_of = {b: s.forward for b, s in zip(saved_inputs, plans.saved, strict=True)}
+    else:
+        plan = plans
+    values = [forward_of.get(v, v) for v in plan.live_at_peak()[:count]]
+    return [f"{v.op} {v.type} ({format_bytes(v.type.nbytes)}) at {v.loc_text}" for v in values]

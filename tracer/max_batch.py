@@ -1,0 +1,105 @@
+"""bp.max_batch: the largest batch whose step fits a memory budget, found by planning alone.
+
+Each candidate batch is traced and planned under the budget (tracer/budget.py), nothing runs or
+compiles; a doubling search finds an upper bound, then a bisection the largest batch that fits.
+The batch arguments are given again at each size by repeating their rows along `axis`, so the
+plans see the same dtypes and shapes a real batch would have.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backplan.ir.errors import MemoryBudgetError
+
+from .budget import checked_budget
+from .compile import CompiledFunction
+from .pytree import flatten, unflatten
+from .tensor import Tensor
+
+MAX_BATCH = 2**24
+
+
+def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
+    """The largest batch (size along `axis` of the data arguments) whose step fits
+    max_peak_bytes; 0 if not even one example fits. fn is a bp.compile, bp.value_and_grad or
+    bp.grad function (or a plain function, compiled here); args the arguments of one call.
+    Data arguments are those not differentiated (value_and_grad's argnums) or, for bp.compile,
+    the tensors and arrays that need no gradient; the batch is the size along axis of the
+    largest of their leaves, and every data leaf of that size is resized.
+
+    >>> import numpy as np, backplan as bp
+    >>> step = bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())
+    >>> w, x = bp.tensor(np.ones((8, 8), np.float32)), bp.tensor(np.ones((4, 8), np.float32))
+    >>> bp.max_batch(step, (w, x), max_peak_bytes=4096) < bp.max_batch(step, (w, x), 8192)
+    True
+    """
+    limit = checked_budget(max_peak_bytes, "max_peak_bytes")
+    if not hasattr(fn, "with_budget"):
+        fn = CompiledFunction(fn)
+    resize = _batch_resizer(fn, tuple(args), axis)
+
+    def fits(batch: int) -> bool:
+        try:
+            fn.with_budget(limit).trace(*resize(batch))
+        except MemoryBudgetError:
+            return False
+        return True
+
+    low, high = 0, resize.size  # fits(low) holds (0 trivially); high is the next to try
+    while high <= MAX_BATCH and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+class _Resizer:
+    def __init__(self, args, treedefs, positions, size, axis):
+        self.args, self.treedefs, self.positions = args, treedefs, positions
+        self.size, self.axis = size, axis
+
+    def __call__(self, batch: int) -> tuple:
+        rows = np.arange(batch) % self.size
+        new = []
+        for i, (arg, (leaves, treedef)) in enumerate(zip(self.args, self.treedefs, strict=True)):
+            if i not in self.positions:
+                new.append(arg)
+                continue
+            leaves = [
+                _take(leaf, rows, self.axis) if k in self.positions[i] else leaf
+                for k, leaf in enumerate(leaves)
+            ]
+            new.append(unflatten(treedef, leaves))
+        return tuple(new)
+
+
+def _take(leaf, rows, axis: int):
+    data = leaf.numpy() if isinstance(leaf, Tensor) else np.asarray(leaf)
+    taken = np.take(data, rows, axis=axis)
+    return Tensor._from_array(taken) if isinstance(leaf, Tensor) else taken
+
+
+def _batch_resizer(fn, args: tuple, axis: int) -> _Resizer:
+    """Resizes the data leaves whose size along axis is the batch's: that of the largest data
+    leaf (a random key or a lookup table beside the batch keeps its shape)."""
+    treedefs, found = [], []
+    for i, arg in enumerate(args):
+        leaves, treedef = flatten(arg)
+        treedefs.append((leaves, treedef))
+        for k, leaf in enumerate(leaves):
+            shape = getattr(leaf, "shape", None)
+            if shape is not None and len(shape) > axis and fn.batch_leaf(i, leaf):
+                found.append((np.prod(shape), i, k, shape[axis]))
+    if not found:
+        raise ValueError(
+            f"max_batch: no argument has data with an axis {axis} to resize (the arguments "
+            "differentiated, and tensors that require grad, are parameters)"
+        )
+    size = max(found)[3]
+    positions: dict[int, set] = {}
+    for _, i, k, length in found:
+        if length == size:
+            positions.setdefault(i, set()).add(k)
+    return _Resizer(args, treedefs, positions, size, axis)
