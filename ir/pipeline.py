@@ -251,13 +251,7 @@ def _finish_region(graph, bwd, saved, recomputed, wrt, log, expand) -> RegionPla
     bwd.inputs = [v for v in bwd.inputs if v.role != "saved"] + [s.backward_input for s in saved]
     inputs = {v: i for i, v in enumerate(graph.inputs)}
     extra = [s.forward for s in saved if s.forward not in inputs and s.forward not in graph.outputs]
-    fwd = Graph(
-        graph.name,
-        list(graph.inputs),
-        list(graph.nodes),
-        graph.outputs + extra,
-        dict(graph.constants),
-    )
+    fwd = _with_outputs(graph, graph.outputs + extra)
     made: dict[Value, list[Value]] = {}
     fwd = _expanded(fwd, log, expand, made)
     recomputed = [_moved(r, made) for r in recomputed]
@@ -326,13 +320,7 @@ def joint_choices(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> 
     """The joint pipeline up to the choice of what the gradient part recomputes."""
     log = log or new_log()
     graph = traced(graph, log)
-    joint = Graph(
-        graph.name,
-        list(graph.inputs),
-        list(graph.nodes),
-        list(graph.outputs),
-        dict(graph.constants),
-    )
+    joint = _with_outputs(graph, list(graph.outputs))
     n_outputs = len(joint.outputs)
     grads = append_gradients(joint, wrt)
     joint.outputs = joint.outputs + grads
@@ -342,6 +330,11 @@ def joint_choices(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> 
     # after the last cleanup: common-subexpression elimination would merge the copies back
     joint = log.record("rematerialize", rematerialize_joint(joint, n_outputs))
     return JointChoices(joint, n_outputs, log)
+
+
+def _with_outputs(graph: Graph, outputs: list[Value]) -> Graph:
+    """The same nodes in a new graph (lists copied: the caller's own are never changed)."""
+    return Graph(graph.name, list(graph.inputs), list(graph.nodes), outputs, dict(graph.constants))
 
 
 def _plan(graph: Graph, log: PassLog) -> Plan:

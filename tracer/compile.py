@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,14 +127,6 @@ class CompiledFunction(PlannedFunction):
         max_peak_bytes: int | None = None,
     ):
         super().__init__(fn, cache_size, background)
-        self._options = dict(
-            remat=remat,
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
-            cache_size=cache_size,
-            background=background,
-        )
         self.remat = remat
         self.saved_bytes_budget = checked_budget(saved_bytes_budget, "saved_bytes_budget")
         self.max_peak_bytes = checked_budget(max_peak_bytes, "max_peak_bytes")
@@ -151,8 +144,14 @@ class CompiledFunction(PlannedFunction):
         return self.fn(*args, **kwargs)  # nested compiled functions inline
 
     def with_budget(self, max_peak_bytes: int) -> CompiledFunction:
-        """The same function compiled with another max_peak_bytes (bp.max_batch asks)."""
-        return CompiledFunction(self.fn, **self._options, max_peak_bytes=max_peak_bytes)
+        """The same function compiled with another max_peak_bytes (bp.max_batch asks): the
+        same options, an empty cache."""
+        other = copy.copy(self)
+        PlannedFunction.__init__(other, self.fn, self.cache_size, self.background)
+        other._static_nums, other._static_names = self._static_nums, self._static_names
+        other.saved_bytes_budget = None
+        other.max_peak_bytes = checked_budget(max_peak_bytes, "max_peak_bytes")
+        return other
 
     def batch_leaf(self, position: int, leaf) -> bool:
         """Whether a leaf of argument `position` is data with a batch axis, not a parameter:
