@@ -16,6 +16,7 @@ from .errors import (
     DistributedError,
     MPIUnavailableError,
     RankMismatchError,
+    RankTimeoutError,
     ReplicaMismatchError,
 )
 from .report import DataParallelReport
@@ -38,6 +39,7 @@ __all__ = [
     "ExchangedLeaf",
     "MPIUnavailableError",
     "RankMismatchError",
+    "RankTimeoutError",
     "ReplicaMismatchError",
     "World",
     "broadcast",

@@ -19,3 +19,8 @@ class RankMismatchError(DistributedError, ValueError):
 
 class ReplicaMismatchError(DistributedError):
     """Parameters that should be identical on every rank are not (check_replicas=True)."""
+
+
+class RankTimeoutError(DistributedError, TimeoutError):
+    """A rank did not reach a data-parallel step (or its exchange) within data_parallel's
+    timeout; names the ranks not heard from. Uncaught, it ends every rank through MPI_Abort."""

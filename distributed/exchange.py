@@ -7,6 +7,7 @@ import numpy as np
 
 from backplan.tracer.tensor import Tensor
 
+from .deadline import wait_or_raise
 from .layout import Layout
 from .rows import scale_by_weight
 from .world import World, mpi_module
@@ -16,13 +17,14 @@ class Exchange:
     """start_ready(step, array_of) starts every bucket whose leaves are all written by `step`;
     progress() lets MPI move started buckets along; finish() waits and unpacks."""
 
-    def __init__(self, world: World, layout: Layout, average: bool):
+    def __init__(self, world: World, layout: Layout, average: bool, timeout=None):
         self.world = world
         self.layout = layout
         self.average = average
         self.started: list = []  # (bucket, buffer, request), in bucket order
         self.weight: float | None = None  # this rank's share of the rows, when ranks differ
         self.mpi = mpi_module()
+        self.timeout = timeout  # seconds each wait may take (data_parallel(timeout=...))
 
     def start_ready(self, step: float, array_of) -> None:
         for bucket in self.layout.buckets[len(self.started) :]:
@@ -44,8 +46,11 @@ class Exchange:
         """Wait for each bucket in order and unpack it; unpacking bucket k overlaps the transfer
         of the buckets after it. Returns the loss and gradients in leaf order."""
         results: list = [None] * self.layout.n_leaves
-        for bucket, buffer, request in self.started:
-            request.Wait()
+        for k, (bucket, buffer, request) in enumerate(self.started):
+            if self.timeout is None:
+                request.Wait()
+            else:
+                wait_or_raise(request, self.timeout, f"the allreduce of bucket {k}")
             if self.average and self.weight is None:
                 buffer /= buffer.dtype.type(self.world.size)
             buffer.flags.writeable = False

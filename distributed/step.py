@@ -3,6 +3,8 @@ all ranks bucket by bucket, in the order the plan finishes them."""
 
 from __future__ import annotations
 
+from math import inf
+
 import numpy as np
 
 from backplan.runtime import is_grad_enabled
@@ -14,6 +16,7 @@ from backplan.tracer.tensor import Tensor
 from .agreement import check_replicas as verify_replicas
 from .agreement import leaf_array, require_same_trees
 from .buckets import DEFAULT_BUCKET_BYTES
+from .deadline import roll_call, wait_or_raise
 from .errors import RankMismatchError
 from .exchange import Exchange
 from .layout import Layout, build_layout
@@ -31,7 +34,7 @@ MISMATCH_FIX = (
 class DataParallelStep:
     """A training step over all ranks; see data_parallel."""
 
-    def __init__(self, fn, average, bucket_bytes, check_replicas, split_plan, comm):
+    def __init__(self, fn, average, bucket_bytes, check_replicas, split_plan, comm, timeout):
         if not isinstance(fn, ValueAndGradFunction) or isinstance(fn, GradFunction):
             raise TypeError(
                 "data_parallel needs the training step as bp.value_and_grad(loss_fn), whose "
@@ -39,12 +42,15 @@ class DataParallelStep:
             )
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if timeout is not None and not (isinstance(timeout, int | float) and 0 < timeout < inf):
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         self.fn = fn
         self.average = average
         self.bucket_bytes = bucket_bytes
         self.check_replicas = check_replicas
         self.split_plan = split_plan
         self._comm = comm
+        self.timeout = timeout
         self._layouts: dict = {}
         self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
         self._inputs: dict = {}  # call key -> (joint trace, positions of its tensors)
@@ -53,11 +59,13 @@ class DataParallelStep:
         world = init(self._comm)
         if world.size == 1:
             return self.fn(*args, **kwargs)
+        if self.timeout is not None:
+            roll_call(world.comm, self.timeout, f"the data-parallel step of {_name(self.fn)}")
         if self.check_replicas:
             verify_replicas(self._differentiated(args), world.comm)
         key, leaves = call_key(args, kwargs, is_grad_enabled())
         layout = self._layout(args, kwargs, key)
-        exchange = Exchange(world, layout, self.average)
+        exchange = Exchange(world, layout, self.average, self.timeout)
         lengths = batch_lengths(args, kwargs, self.fn.argnums)
         if self.split_plan:
             exchange.weight = self._agree(world, layout, lengths, args, kwargs)
@@ -147,7 +155,11 @@ class DataParallelStep:
         digest = lengths_digest(lengths)
         mine = np.array([layout.fingerprint, -layout.fingerprint, digest, -digest], np.int64)
         highest = np.empty_like(mine)
-        world.comm.Allreduce(mine, highest, op=mpi_module().MAX)
+        if self.timeout is None:
+            world.comm.Allreduce(mine, highest, op=mpi_module().MAX)
+        else:
+            request = world.comm.Iallreduce(mine, highest, op=mpi_module().MAX)
+            wait_or_raise(request, self.timeout, "the agreement of the step's layouts")
         if (highest[:2] != mine[:2]).any():
             require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
             raise RankMismatchError(
@@ -160,6 +172,10 @@ class DataParallelStep:
         return row_weight(world.comm, lengths, args, kwargs, self.fn.argnums)
 
 
+def _name(value_and_grad_fn) -> str:
+    return f"{getattr(value_and_grad_fn.fn, '__name__', 'the loss')}()"
+
+
 def data_parallel(
     value_and_grad_fn,
     average: bool = True,
@@ -167,6 +183,7 @@ def data_parallel(
     check_replicas: bool = False,
     split_plan: bool = False,
     comm=None,
+    timeout: float | None = None,
 ) -> DataParallelStep:
     """A training step that runs value_and_grad_fn on this rank's shard and returns the loss
     and gradients averaged over all ranks (summed with average=False), for any pytree of
@@ -186,10 +203,16 @@ def data_parallel(
     differ (a debug mode: it costs a hash of every parameter per step). With one rank the
     step is value_and_grad_fn itself: no MPI call at all.
 
+    timeout (seconds, default None: wait forever, as MPI does): each call first checks that
+    every rank reached it (one byte to and from each other rank), waiting by testing with short
+    sleeps instead of spinning; a rank not heard from within timeout is named in a
+    RankTimeoutError on the ranks waiting for it, which, uncaught, ends every rank (the hung
+    one too) through MPI_Abort. The exchange's waits get the same deadline.
+
     >>> import backplan as bp, backplan.distributed as bpd  # doctest: +SKIP
     >>> step = bpd.data_parallel(bp.value_and_grad(loss_fn))  # doctest: +SKIP
     >>> loss, grads = step(params, bpd.shard(x, rank, size), y_shard)  # doctest: +SKIP
     """
     return DataParallelStep(
-        value_and_grad_fn, average, bucket_bytes, check_replicas, split_plan, comm
+        value_and_grad_fn, average, bucket_bytes, check_replicas, split_plan, comm, timeout
     )

@@ -167,6 +167,9 @@ def test_data_parallel_needs_value_and_grad():
             bpd.data_parallel(not_value_and_grad)
     with pytest.raises(ValueError, match="bucket_bytes"):
         bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=0)
+    for timeout in (0, -1.0, float("nan"), float("inf"), "5"):
+        with pytest.raises(ValueError, match="timeout must be positive seconds or None"):
+            bpd.data_parallel(bp.value_and_grad(mlp_loss), timeout=timeout)
 
 
 # ---- under mpiexec -----------------------------------------------------------------------------
@@ -327,6 +330,35 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path):
     assert result.returncode != 0
     assert "rank 1 of 2 raised ValueError: bad batch on purpose" in result.stderr
     assert "aborting all 2 ranks" in result.stderr
+    assert "finished" not in result.stdout
+
+
+@needs_mpi
+def test_a_hung_rank_ends_every_rank_after_the_timeout_naming_it(tmp_path):
+    """Rank 1 hangs before its second step; rank 0, instead of waiting forever (spinning in
+    MPI), raises after the timeout naming rank 1, and the abort ends rank 1 too."""
+    result = run_script(
+        tmp_path,
+        """
+        import time
+        params = init_mlp([8, 16, 4])
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        step = bpd.data_parallel(vg, timeout=2)
+        loss, grads = step(params, xs, ys)
+        plain_loss, plain = bpd.data_parallel(vg)(params, xs, ys)
+        assert loss.item() == plain_loss.item()
+        assert all((grads[k].numpy() == plain[k].numpy()).all() for k in params)
+        print(f"rank {rank} stepped", flush=True)
+        if rank == 1:
+            time.sleep(600)  # hung: the test's own timeout is far shorter
+        step(params, xs, ys)
+        print(f"rank {rank} finished")
+        """,
+    )
+    assert result.returncode != 0
+    assert "rank 0 stepped" in result.stdout and "rank 1 stepped" in result.stdout
+    assert "rank 0 of 2 waited 2 s (data_parallel timeout)" in result.stderr, result.stderr
+    assert "rank 1 did not arrive" in result.stderr and "aborting all 2 ranks" in result.stderr
     assert "finished" not in result.stdout
 
 

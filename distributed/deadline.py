@@ -1,0 +1,60 @@
+"""data_parallel(timeout=...): waiting for other ranks with a deadline. Blocking MPI calls wait
+forever for a rank that hangs (and MPICH spins while it waits); here each rank first tells every
+other that it reached the step (a one-byte message each way, the roll call), then waits for the
+others' messages by testing with short sleeps. Ranks not heard from by the deadline are named in
+a RankTimeoutError, which, uncaught, ends every rank (the hung one too) through MPI_Abort."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .errors import RankTimeoutError
+
+ROLL_CALL_TAG = 0x6270  # "bp": apart from any tag a user's own messages are likely to use
+FIRST_PAUSE_S = 2e-5
+LONGEST_PAUSE_S = 2e-3  # wakes at most 500 times a second: no spinning, little added latency
+
+
+def unfinished(requests: list, seconds: float) -> list[int]:
+    """Wait until every request completes or `seconds` pass; the positions still pending."""
+    deadline = time.monotonic() + seconds
+    pending = list(range(len(requests)))
+    pause = FIRST_PAUSE_S
+    while True:
+        pending = [i for i in pending if not requests[i].Test()]
+        if not pending or time.monotonic() > deadline:
+            return pending
+        time.sleep(pause)
+        pause = min(pause * 2, LONGEST_PAUSE_S)
+
+
+def roll_call(comm, seconds: float, step: str) -> None:
+    """Return once every rank has reached this step; raise RankTimeoutError naming the ranks
+    not heard from within seconds. MPI keeps messages between two ranks with one tag in order,
+    so each call's roll call matches the same call's on every other rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    others = [r for r in range(size) if r != rank]
+    token = np.zeros(1, np.int8)
+    inbox = np.zeros(size, np.int8)
+    sends = [comm.Isend(token, dest=r, tag=ROLL_CALL_TAG) for r in others]
+    receives = [comm.Irecv(inbox[r : r + 1], source=r, tag=ROLL_CALL_TAG) for r in others]
+    missing = [others[i] for i in unfinished(receives, seconds)]
+    if missing:
+        names = ", ".join(str(r) for r in missing)
+        raise RankTimeoutError(
+            f"rank {rank} of {size} waited {seconds:g} s (data_parallel timeout) at {step}, but "
+            f"rank{'s' if len(missing) > 1 else ''} {names} did not arrive (hung, or stopped "
+            "before this step); uncaught, this error ends every rank"
+        )
+    unfinished(sends, seconds)
+
+
+def wait_or_raise(request, seconds: float, what: str) -> None:
+    """request.Wait() with a deadline: past it, a RankTimeoutError saying what did not finish."""
+    if unfinished([request], seconds):
+        raise RankTimeoutError(
+            f"{what} did not complete within {seconds:g} s (data_parallel timeout): a rank "
+            "stopped after reaching the step; uncaught, this error ends every rank"
+        )
