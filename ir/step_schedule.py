@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .flops import node_flops
 from .graph import Value
 
@@ -48,6 +50,8 @@ class StepSchedule:
     producer: dict[int, tuple[int, ...]] = field(init=False)
     position: dict[int, int] = field(init=False)
     held_set: set[int] = field(init=False)
+    first_read: dict = field(init=False)
+    _base: object = field(init=False)
 
     def __post_init__(self):
         self.nbytes = [v.type.nbytes for v in self.values]
@@ -55,13 +59,16 @@ class StepSchedule:
         self.producer = {i: ins for i, ins, forward in self.steps if forward}
         self.position = {i: s for s, (i, _, _) in enumerate(self.steps)}
         self.held_set = set(self.held)
+        self.first_read = {}  # held id -> (first later step reading it, input slot there)
+        for step, (_, inputs, forward) in enumerate(self.steps):
+            if not forward:
+                for slot, i in enumerate(inputs):
+                    if i in self.held_set:
+                        self.first_read.setdefault(i, (step, slot))
+        self._base = _base_arrays(self)
 
     def held_bytes(self, drop=frozenset()) -> int:
         return sum(self.nbytes[i] for i in self.held if i not in drop)
-
-    def simulate(self, drop: frozenset[int]) -> Outcome:
-        order, copies = self._order(drop)
-        return self._sweep(order, copies, drop)
 
     def chain_cost(self, start: int, drop: frozenset[int], copied) -> tuple[int, bool]:
         """(flops that recomputing `start` adds beyond the nodes already copied, whether its
@@ -83,16 +90,19 @@ class StepSchedule:
     def _kept(self, i: int, drop) -> bool:
         return i in self.available or (i in self.held_set and i not in drop)
 
-    def _order(self, drop) -> tuple[list[tuple[int, tuple[int, ...]]], dict[int, int]]:
-        n, copies, order = len(self.values), {}, []
-
-        def emit(root: int) -> None:
+    def _order(self, drop) -> tuple[list[int], list[int], list[tuple[int, ...]]]:
+        """The copies drop needs, in the order ir/remat.py emits them: (ids, the base step each
+        goes before, their input ids). Chains run back to the values kept or copied before."""
+        n, copies, ids, before, inputs = len(self.values), {}, [], [], []
+        for root in sorted(drop, key=self.first_read.__getitem__):
             stack = [(root, False)]
             while stack:
                 node, done = stack.pop()
                 if done:
                     copies[node] = node + n
-                    order.append((node + n, tuple(copies.get(i, i) for i in self.producer[node])))
+                    ids.append(node + n)
+                    before.append(self.first_read[root][0])
+                    inputs.append(tuple(copies.get(i, i) for i in self.producer[node]))
                     continue
                 if node in copies:
                     continue
@@ -102,49 +112,81 @@ class StepSchedule:
                     for i in self.producer[node]
                     if i not in copies and not self._kept(i, drop)
                 )
+        return ids, before, inputs
 
-        for node, inputs, forward in self.steps:
-            if not forward and drop:
-                for i in inputs:
-                    if i in drop and i not in copies:
-                        emit(i)
-                inputs = tuple(copies[i] if i in drop else i for i in inputs)
-            order.append((node, inputs))
-        return order, copies
-
-    def _sweep(self, order, copies: dict[int, int], drop) -> Outcome:
-        n, end = len(self.values), len(order)
-        last: dict[int, int] = {}
-        for step, (_, inputs) in enumerate(order):
-            for i in inputs:
-                last[i] = step
-        for i in self.outputs:
-            last[i] = end
-        frees: dict[int, int] = {}
-        for step, (node, _) in enumerate(order):
-            at = last.get(node, step)
-            frees[at] = frees.get(at, 0) + self.nbytes[node % n]
-        live = peak = 0
-        peak_step = -1
-        for step, (node, _) in enumerate(order):
-            live += self.nbytes[node % n]
-            if live > peak:
-                peak, peak_step = live, step
-            live -= frees.get(step, 0)
-        steps = {node: step for step, (node, _) in enumerate(order)}
-        live_held = tuple(
-            i for i in self.held if i not in drop and steps[i] <= peak_step <= last.get(i, steps[i])
-        )
-        read = {i for c in copies.values() for i in order[steps[c]][1] if i < n}
+    def simulate(self, drop: frozenset[int]) -> Outcome:
+        n, base = len(self.values), self._base
+        ids, before, copy_inputs = self._order(drop)
+        count = len(base.out) + len(ids)
+        keys = np.concatenate([2 * np.arange(len(base.out)) + 1, 2 * np.asarray(before, np.int64)])
+        position = np.empty(count, np.int64)
+        position[np.argsort(keys, kind="stable")] = np.arange(count)
+        out = np.concatenate([base.out, np.asarray(ids, np.int64)])
+        edge_ids = base.edge_id.copy()
+        if drop:
+            redirect = base.edge_later & np.isin(edge_ids, np.fromiter(drop, np.int64))
+            edge_ids[redirect] += n
+        copy_steps = [len(base.out) + j for j, ins in enumerate(copy_inputs) for _ in ins]
+        copy_ids = [i for ins in copy_inputs for i in ins]
+        edge_ids = np.concatenate([edge_ids, np.asarray(copy_ids, np.int64)])
+        edge_steps = position[np.concatenate([base.edge_step, np.asarray(copy_steps, np.int64)])]
+        last = np.full(2 * n, -1, np.int64)
+        np.maximum.at(last, edge_ids, edge_steps)
+        last[base.outputs] = count
+        at = position[np.arange(count)]
+        nbytes = base.nbytes2[out]
+        freed = np.where(last[out] >= 0, last[out], at)
+        alloc = np.zeros(count + 1, np.int64)
+        alloc[at] = nbytes
+        frees = np.zeros(count + 1, np.int64)
+        np.add.at(frees, freed, nbytes)
+        live = np.cumsum(alloc[:count]) - np.concatenate([[0], np.cumsum(frees[: count - 1])])
+        peak_step = int(np.argmax(live)) if count else -1
+        peak = int(live[peak_step]) if count else 0
+        defined = np.zeros(2 * n, np.int64)
+        defined[out] = at
+        held = base.held
+        spans = (defined[held] <= peak_step) & (peak_step <= last[held])
+        live_held = tuple(i for i in held[spans].tolist() if i not in drop)
+        copied = frozenset(i - n for i in ids)
         return Outcome(
             peak,
             peak_step,
             live_held,
-            frozenset(copies),
-            sum(self.flops[i] for i in copies),
+            copied,
+            sum(self.flops[i] for i in copied),
             self.held_bytes(drop),
-            frozenset(read),
+            frozenset(i for i in copy_ids if i < n),
         )
+
+
+@dataclass
+class _BaseArrays:
+    """The schedule with nothing dropped, as arrays: what every simulation starts from."""
+
+    out: np.ndarray
+    edge_step: np.ndarray
+    edge_id: np.ndarray
+    edge_later: np.ndarray  # the edge's reader is a later (backward or gradient) node
+    outputs: np.ndarray
+    nbytes2: np.ndarray  # bytes by id, then again by copy id
+    held: np.ndarray
+
+
+def _base_arrays(schedule) -> _BaseArrays:
+    steps = schedule.steps
+    edge_step = [s for s, (_, ins, _) in enumerate(steps) for _ in ins]
+    edge_id = [i for _, ins, _ in steps for i in ins]
+    later = [not forward for _, ins, forward in steps for _ in ins]
+    return _BaseArrays(
+        np.asarray([i for i, _, _ in steps], np.int64),
+        np.asarray(edge_step, np.int64),
+        np.asarray(edge_id, np.int64),
+        np.asarray(later, bool),
+        np.asarray(sorted(schedule.outputs), np.int64),
+        np.asarray(schedule.nbytes * 2, np.int64),
+        np.asarray(schedule.held, np.int64),
+    )
 
 
 def step_schedule(nodes, later: set, outputs, inputs, alias: dict | None = None) -> StepSchedule:
