@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from backplan.ir.budget import cheapest_within, plan_frontier
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
+from backplan.ir.peak import joint_calls, predicted_peak, region_calls
 from backplan.ir.pipeline import JointChoices, RegionChoices, RegionPlans
 from backplan.report.frontier import FrontierPoint, MemoryFrontier
-from backplan.report.plan_view import region_view
 from backplan.report.wording import format_bytes
-from backplan.runtime import RegionProgram
+from backplan.runtime.backend import current_backend
 
 
 def checked_budget(value, option: str) -> int | None:
@@ -32,13 +32,14 @@ def checked_budget(value, option: str) -> int | None:
     return value
 
 
-def step_peak_bytes(plans, input_bytes: int) -> int:
-    """The highest number of bytes the step holds: the arrays passed in, plus the plans' own
-    peak (forward, saved buffers held, then backward; or the joint plan)."""
+def step_peak_bytes(plans, n_outputs: int) -> int:
+    """The highest number of bytes the step holds on the current backend, the arrays passed in
+    included (ir/peak.py: arenas, outputs, saved buffers and gradients of the compiled plans,
+    or every IR value its own buffer on the reference interpreter)."""
+    backend = "reference" if current_backend() == "reference" else "numba"
     if isinstance(plans, RegionPlans):
-        live = region_view(RegionProgram(plans, "budget")).live_bytes()
-        return input_bytes + max(live, default=0)
-    return input_bytes + plans.peak_bytes
+        return predicted_peak(region_calls(plans), backend).peak_bytes
+    return predicted_peak(joint_calls(plans, n_outputs), backend).peak_bytes
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,15 @@ class BudgetPlanner:
     def evaluate(self, point) -> EvaluatedPoint:
         if point.drop not in self._built:
             plans = self.build(point.drop)
-            peak = step_peak_bytes(plans, self.input_bytes)
+            peak = step_peak_bytes(plans, self._n_outputs())
             self._built[point.drop] = EvaluatedPoint(
                 peak, point.held_bytes, point.added_flops, len(point.drop), point.drop, plans
             )
         return self._built[point.drop]
+
+    def _n_outputs(self) -> int:
+        choices = self.choices
+        return choices.n_outputs if isinstance(choices, JointChoices) else 0
 
     def points(self, objective: str = "peak") -> list:
         if isinstance(self.choices, RegionChoices) and self.choices.backward is None:
