@@ -52,6 +52,16 @@ from backplan.tracer.random import dropout
 from backplan.tracer.signature import tensor_attributes as _tensor_attributes
 
 __version__ = "0.1.0"
+_TORCH_NAMES = ("from_torch", "to_state_dict", "TorchImportError")
+
+
+def __getattr__(name: str):
+    """bp.from_torch and bp.to_state_dict import torch on first use, not with backplan."""
+    if name in _TORCH_NAMES:
+        from backplan import torch as _torch_interop
+
+        return getattr(_torch_interop, name)
+    raise AttributeError(f"module 'backplan' has no attribute {name!r}")
 
 
 def zero_grad(params: object) -> None:

@@ -35,7 +35,13 @@ def format_attr(value) -> str:
 
 
 def format_loc(loc) -> str:
-    return f"{os.path.basename(loc[0])}:{loc[1]}" if loc else ""
+    """`model.py:41`; a location that names the module it came from (an imported PyTorch
+    model's `scope`) reads `layer2.0.conv1 at model.py:41`."""
+    if not loc:
+        return ""
+    scope = getattr(loc, "scope", None)
+    where = f"{os.path.basename(loc[0])}:{loc[1]}"
+    return f"{scope} at {where}" if scope else where
 
 
 def format_node(node: Value, names: dict[Value, str]) -> str:

@@ -21,6 +21,7 @@ ALLOWED = {
     "artifacts": {"ir", "codegen", "runtime", "report", "tracer"},
     "optim": {"ir", "runtime", "tracer"},
     "distributed": {"ir", "codegen", "runtime", "report", "tracer", "artifacts"},
+    "interop": {"ir", "codegen", "runtime", "report", "tracer", "artifacts", "optim"},
 }
 DYNAMIC_IMPORTERS = ("import_module", "__import__")
 

@@ -1,6 +1,7 @@
 """Finding the user's own source: the first frames that are not backplan itself, walked once per
 op, and the public backplan function the user called there."""
 
+import contextlib
 import functools
 import sys
 import sysconfig
@@ -10,7 +11,7 @@ from typing import Any, TypeVar
 
 from backplan.runtime.location import SourceLoc, loc_text
 
-__all__ = ["located", "user_frame_loc", "loc_text"]
+__all__ = ["located", "user_frame_loc", "loc_text", "at_location"]
 
 MAX_USER_FRAMES = 3
 _NOT_USER_DIRS = tuple(
@@ -81,10 +82,29 @@ def _facts(frame) -> tuple:
     return facts
 
 
+_given = threading.local()  # .loc: the location a translator names for the ops it calls
+
+
+@contextlib.contextmanager
+def at_location(loc: SourceLoc | None):
+    """Ops called inside record `loc` as their user line: code translated from another
+    framework (an imported PyTorch module) names the line of the model it came from, not the
+    translator's own frames."""
+    outer = getattr(_given, "loc", None)
+    _given.loc = loc
+    try:
+        yield
+    finally:
+        _given.loc = outer
+
+
 def user_frame_loc() -> SourceLoc | None:
     """The innermost user frame as a SourceLoc, with up to MAX_USER_FRAMES user frames around
     it (they stop at backplan's own frames, so a traced function's stack ends at its body) and
     the public function called from it."""
+    given = getattr(_given, "loc", None)
+    if given is not None:
+        return given
     frame = sys._getframe(1)
     api = None
     while frame is not None:

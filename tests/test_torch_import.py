@@ -1,0 +1,131 @@
+"""bp.from_torch on whole models: a small ResNet (batch norm in training and eval), a GPT-style
+decoder block, an MLP-Mixer and nn.TransformerEncoderLayer import, run and match torch's forward
+and gradients; optimizer steps match torch.optim; the weights go back with to_state_dict; the
+plan names module paths and source lines."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs PyTorch: pip install 'backplan[torch]'")
+
+import torch_models as tm  # noqa: E402
+from torch_check import ATOL, RTOL, compare  # noqa: E402
+
+import backplan as bp  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _images():
+    return torch.randn(2, 3, 8, 8)
+
+
+def test_mlp_mixer_forward_and_gradients():
+    compare(tm.MLPMixer(), _images())
+
+
+def test_transformer_encoder_layer_forward_and_gradients():
+    compare(tm.transformer_layer(), torch.randn(2, 5, 16))
+
+
+def test_gpt_decoder_block_forward_and_gradients():
+    compare(tm.DecoderBlock(), torch.randint(0, 11, (2, 8)))
+
+
+def test_resnet_eval_forward_and_gradients():
+    compare(tm.SmallResNet().eval(), _images())
+
+
+def test_resnet_training_returns_new_running_statistics():
+    module = tm.SmallResNet()
+    x = _images()
+    initial = {k: v.clone() for k, v in module.state_dict().items()}
+    fn, params = compare(module, x, train_buffers=True)  # torch's forwards move its statistics
+    np.testing.assert_array_equal(params["bn.running_var"].numpy(), np.ones(4))  # copied
+    out, new_buffers = fn(params, bp.tensor(x.numpy()))
+    assert set(new_buffers) == {n for n, _ in module.named_buffers()}
+    module.load_state_dict(initial)
+    module(x)  # one step of torch's running statistics from the same start
+    for name, value in new_buffers.items():
+        np.testing.assert_allclose(
+            value.numpy(), module.state_dict()[name].numpy(), rtol=RTOL, atol=ATOL
+        )
+    assert new_buffers["bn.num_batches_tracked"].item() == 1
+
+
+def test_parameters_share_memory_with_the_module():
+    module = tm.MLPMixer()
+    _, params = bp.from_torch(module, (_images(),))
+    assert set(params) == set(module.state_dict())
+    assert np.shares_memory(params["head.weight"].numpy(), module.head.weight.detach().numpy())
+    assert not params["head.weight"].requires_grad  # value_and_grad needs no flag
+
+
+def test_sgd_steps_inside_compile_match_torch_optim():
+    module, x = tm.MLPMixer(), _images()
+    y = torch.tensor([1, 4])
+    fn, params = bp.from_torch(module, (x,))
+    opt = bp.optim.sgd(0.1, momentum=0.9)
+    state = opt.init(params)
+
+    @bp.compile
+    def step(params, state, x, y):
+        loss, grads = bp.value_and_grad(lambda p: bp.cross_entropy(fn(p, x), y))(params)
+        params, state = opt.update(grads, state, params)
+        return params, state, loss
+
+    torch_opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        params, state, loss = step(params, state, x.numpy(), y.numpy())
+        torch_opt.zero_grad()
+        ref = torch.nn.functional.cross_entropy(module(x), y)
+        ref.backward()
+        torch_opt.step()
+        np.testing.assert_allclose(loss.item(), ref.item(), rtol=RTOL)
+    assert step.cache_info().traces == 1
+    fresh = tm.MLPMixer()
+    fresh.load_state_dict(bp.to_state_dict(params))
+    for name, p in fresh.named_parameters():
+        np.testing.assert_allclose(
+            p.detach().numpy(), module.get_parameter(name).detach().numpy(), rtol=RTOL, atol=ATOL
+        )
+
+
+def test_dropout_draws_from_the_key():
+    module = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Dropout(0.5))
+    x = torch.randn(3, 4)
+    fn, params = bp.from_torch(module, (x,))
+    with pytest.raises(bp.TorchImportError, match=r"training mode and has 1 dropout.*key="):
+        fn(params, x.numpy())
+    a = fn(params, x.numpy(), key=bp.random.key(0)).numpy()
+    b = fn(params, x.numpy(), key=bp.random.key(0)).numpy()
+    c = fn(params, x.numpy(), key=bp.random.key(1)).numpy()
+    kept = module[0](x).detach().numpy() * 2.0
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    dropped = a == 0
+    assert 0.2 < dropped.mean() < 0.8
+    np.testing.assert_allclose(a[~dropped], kept[~dropped], rtol=RTOL)
+    eval_fn, _ = bp.from_torch(module.eval(), (x,))
+    np.testing.assert_allclose(eval_fn(params, x.numpy()).numpy(), kept / 2, rtol=RTOL)
+
+
+def test_explain_names_module_paths_and_lines():
+    module = tm.SmallResNet().eval()
+    x, y = _images(), np.array([1, 3])
+    fn, params = bp.from_torch(module, (x,))
+    train = {k: params[k] for k in fn.parameter_names}
+    buffers = {k: params[k] for k in fn.buffer_names}
+    vg = bp.value_and_grad(lambda p, b, x, y: bp.cross_entropy(fn({**p, **b}, x), y))
+    text = str(bp.explain(vg, train, buffers, x.numpy(), y))
+    conv1, down = _line("self.bn1(self.conv1(x))"), _line("self.down(x)")
+    assert f"conv2d at layer2.0.conv1 at torch_models.py:{conv1}" in text
+    assert f"at layer2.0.down.0 at torch_models.py:{down}" in text
+
+
+def _line(text: str) -> int:
+    lines = open(tm.__file__).read().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
