@@ -19,6 +19,7 @@ from backplan.ir.index_check import format_position
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import LoweredPlan
+from backplan.ir.plan_buffers import compiled_buffers
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
@@ -27,6 +28,7 @@ from .emit import generate
 from .flags import flags_text
 from .jit import is_cached, load_cached, start_parallel_runtime
 from .loops import internal_shape
+from .memory_check import ALLOCATOR, checking, compare
 from .workspace import WorkspacePool, parallel_guard
 
 # A call into a parallel kernel (generated or from the library) appears in the source as one of:
@@ -85,6 +87,14 @@ def contiguous(array: np.ndarray) -> np.ndarray:
     copy = np.ascontiguousarray(array)
     copy.flags.writeable = array.flags.writeable
     return copy
+
+
+def _reshaped(buffer: np.ndarray, shape) -> np.ndarray:
+    """An output buffer in its IR shape, read-only: a writeable view of another array is
+    copied when a tensor wraps it (tracer/tensor.py), which would hold the output twice."""
+    view = buffer.reshape(shape)
+    view.flags.writeable = False
+    return view
 
 
 class CompiledPlan:
@@ -159,6 +169,12 @@ class CompiledPlan:
         self._buffer_outputs = None
         if not self._literal_outputs and all(j is not None for j, _, _ in self._output_sources):
             self._buffer_outputs = [(j, shape) for j, _, shape in self._output_sources]
+        self._checked = None  # BACKPLAN_CHECK_MEMORY=1: the buffers a call must hold
+        if checking():
+            self._checked = (
+                compiled_buffers(lowered, donated=tuple(donated)),
+                [f"scratch {d}" for d in generated.scratch],
+            )
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
 
@@ -166,6 +182,8 @@ class CompiledPlan:
         """donate: inputs whose buffers the caller gives up; outputs paired with them
         (self.donations) are written into them instead of into new arrays."""
         lean = self.first_call_seconds is not None and self.driver_tier != "reference"
+        if self._checked is not None and self.driver_tier != "reference":
+            return self._checked_call(args, donate)
         if not lean or (donate and self.donations):
             return self._general_call(args, donate)
         arrays = [a if a.flags.c_contiguous else contiguous(a) for a in args]
@@ -184,12 +202,46 @@ class CompiledPlan:
             self._workspaces.checkin(workspace)
         return self._outputs(returned, outputs)
 
-    def _general_call(self, args: list, donate) -> list:
+    def _checked_call(self, args: list, donate) -> list:
+        """A call that counts every buffer it holds and compares them with the prediction."""
+        predicted, scratch_keys = self._checked
+        with ALLOCATOR.measuring() as measured:
+            for name, array in self.plan.graph.constants.items():
+                ALLOCATOR.use(array, f"const {name}")
+            outputs = self._general_call(args, donate, scratch_keys)
+            for i in self._literal_outputs:
+                ALLOCATOR.use(outputs[i], f"literal {i}")
+        compare(self.plan.graph.name, predicted, measured.at_peak, self._why_fresh())
+        return outputs
+
+    def _why_fresh(self) -> dict[str, str]:
+        """Why an output planned into a donated input can get a buffer of its own."""
+        return {
+            f"output {k}": f"planned into donated input {i}, whose array was not given up "
+            "this call (not donated, shared with a view or another tensor, or still held)"
+            for k, i in self.donations.items()
+        }
+
+    @staticmethod
+    def _count(scratch_keys, copies: dict, workspace, outputs, given) -> None:
+        """Checked mode: the buffers this call holds, by the names the prediction uses."""
+        for i, array in copies.items():
+            ALLOCATOR.use(array, f"copy of input {i} (not C-contiguous)")
+        for key, arena in zip(scratch_keys, workspace.scratch, strict=True):
+            ALLOCATOR.use(arena, key)
+        for k, array in enumerate(outputs):
+            if k not in given:
+                ALLOCATOR.use(array, f"output {k}")
+
+    def _general_call(self, args: list, donate, scratch_keys=None) -> list:
         """Any call: while the reference interpreter stands in, the first call, donations."""
         if self.driver_tier == "reference":
             return self._reference_call(args)
         arrays = [contiguous(a) for a in args]
         given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
+        copies = None
+        if scratch_keys is not None:
+            copies = {i: b for i, (a, b) in enumerate(zip(args, arrays, strict=True)) if a is not b}
         args.clear()
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
@@ -199,6 +251,8 @@ class CompiledPlan:
         outputs = workspace.output_arrays(given)
         for k, i in given.items():
             outputs[k] = arrays[i]
+        if scratch_keys is not None:
+            self._count(scratch_keys, copies, workspace, outputs, given)
         arrays += outputs
         try:
             with self._launch_guard:
@@ -220,13 +274,15 @@ class CompiledPlan:
         `run` returned, and literal outputs, each in its IR shape (0-d for scalars)."""
         if self._buffer_outputs is not None:  # the common case: every output is a buffer
             return [
-                buffers[j] if shape is None else buffers[j].reshape(shape)
+                buffers[j] if shape is None else _reshaped(buffers[j], shape)
                 for j, shape in self._buffer_outputs
             ]
         outputs = []
         for buffer, position, shape in self._output_sources:
             array = returned[position] if buffer is None else buffers[buffer]
-            outputs.append(array if shape is None else array.reshape(shape))
+            if shape is not None:
+                array = _reshaped(array, shape) if buffer is not None else array.reshape(shape)
+            outputs.append(array)
         for i, (shape, value, dtype) in self._literal_outputs.items():
             outputs.insert(i, np.full(shape, value, dtype))
         return outputs
