@@ -4,11 +4,65 @@ plan holds instead, so the reader always knows which path a number describes."""
 
 from __future__ import annotations
 
+from backplan.ir.peak import CATEGORIES
+
 from .wording import format_bytes, peak_where, wrap
 
 
+def peak_line(report) -> str:
+    """'peak: 98,312 B (96.0 KiB) on the numba backend, at backward kernel 2 (...) at m.py:7:
+    inputs ..., scratch ...': the one number a budget is checked against."""
+    peak = report.peak
+    step = peak.peak_step
+    if step is None:
+        return "peak: 0 B (the step runs nothing)"
+    unit = "kernel" if peak.backend == "numba" else "step"
+    where = f"{step.plan} {unit} {_step_in_plan(peak, step)} ({step.what})"
+    if step.line:
+        where += f" at {step.line}"
+    parts = ", ".join(f"{c} {format_bytes(n)}" for c, n in peak.at_peak().items())
+    return (
+        f"peak: {format_bytes(peak.peak_bytes)} on the {peak.backend} backend, at {where}: {parts}"
+    )
+
+
+def _step_in_plan(peak, step) -> int:
+    return sum(1 for s in peak.steps if s.plan == step.plan and s.index < step.index)
+
+
+def timeline_table(report, max_rows: int = 14) -> str:
+    """The one peak's accounting over the step: a row wherever what is held changes."""
+    peak = report.peak
+    categories = [c for c in CATEGORIES if any(s.held.get(c) for s in peak.steps)]
+    unit = "kernel" if peak.backend == "numba" else "step"
+    rows = [(unit, "line", *categories, "total")]
+    previous = None
+    for step in peak.steps:
+        if step.held == previous and step is not peak.peak_step:
+            continue
+        previous = step.held
+        label = f"{step.plan} {_step_in_plan(peak, step)}" + (
+            " (peak)" if step is peak.peak_step else ""
+        )
+        rows.append(
+            (
+                label,
+                step.line,
+                *(f"{step.held.get(c, 0):,}" for c in categories),
+                f"{step.nbytes:,}",
+            )
+        )
+    if len(rows) > max_rows + 1:
+        rows = rows[: max_rows + 1] + [("...", "", *[""] * (len(categories) + 1))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "    " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in rows
+    )
+
+
 def memory_text(report) -> str:
-    parts = [wrap(reference_paragraph(report))]
+    parts = [wrap(peak_line(report)), timeline_table(report), wrap(reference_paragraph(report))]
     if report.compiled is None:
         parts.append(wrap(numba_hint()))
     else:
@@ -24,11 +78,14 @@ def reference_paragraph(report) -> str:
         "Reference interpreter (BACKPLAN_BACKEND=reference): every IR value is its own "
         "buffer, held from the step that writes it to the free after its last read"
     )
-    if report.peak_step is not None:
-        text += f"; the step peaks {peak_where(report)}, with {format_bytes(report.peak_bytes)}"
+    if report.reference_peak_step is not None:
+        text += (
+            f"; the step peaks {peak_where(report)}, with "
+            f"{format_bytes(report.reference_peak_bytes)}"
+        )
     return text + (
-        ". report.live_bytes, report.peak_bytes and report.plot() follow this path; "
-        "the arrays you pass in are yours and not counted."
+        ". report.live_bytes and report.plot() follow this path; "
+        "the arrays you pass in are yours and not counted there."
     )
 
 

@@ -137,16 +137,18 @@ def byte_unit(peak: int) -> tuple[str, int]:
 
 
 def _draw_total(axes, report) -> None:
-    unit, size = byte_unit(report.peak_bytes)
+    unit, size = byte_unit(report.reference_peak_bytes)
     live = [b / size for b in report.live_bytes]
     steps = list(range(len(live)))
     axes.step(steps, live, where="mid", color="#222222", linewidth=1.5)
     axes.fill_between(steps, live, step="mid", color="#cccccc", alpha=0.5)
-    peak_step = report.peak_step
+    peak_step = report.reference_peak_step
     if peak_step is not None:
-        peak = report.peak_bytes / size
+        peak = report.reference_peak_bytes / size
         axes.plot([peak_step.index], [peak], marker="o", color="#d9534f", markersize=8)
-        text = f"peak {human_bytes(report.peak_bytes)} at {peak_step.label} ({peak_step.op})"
+        text = (
+            f"peak {human_bytes(report.reference_peak_bytes)} at {peak_step.label} ({peak_step.op})"
+        )
         right = peak_step.index > 0.6 * len(live)
         axes.annotate(
             text,

@@ -12,9 +12,11 @@ layout, without compiling.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from backplan.ir.liveness import Plan
+from backplan.ir.peak import PeakReport, joint_calls, predicted_peak, region_calls
 from backplan.runtime.backend import current_backend
 from backplan.runtime.program import RegionProgram, SavedBufferInfo
 from backplan.runtime.recomputed import RecomputedInfo, recomputed_infos
@@ -42,6 +44,7 @@ class ExplainReport:
     backend: str = "reference"  # the executor the kernels section describes
     recomputed: list[RecomputedInfo] = field(default_factory=list)  # rebuilt, not saved
     compiled: list[CompiledPlanFacts] | None = None  # numba backend only: each compiled plan
+    peak_calls: list = field(default_factory=list)  # ir.peak.PlanCall: the step, for `peak`
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -83,18 +86,42 @@ class ExplainReport:
         call; None unless the backend is numba."""
         return self._compiled_sum("output_bytes")
 
-    @property
-    def live_bytes(self) -> list[int]:
-        """Predicted bytes held at each step: forward steps, then backward steps."""
-        return self.view.live_bytes()
+    @functools.cached_property
+    def peak(self) -> PeakReport:
+        """The step's predicted peak on the backend that runs it (ir/peak.py): bytes held per
+        category at each kernel (compiled) or step (reference), the caller's arrays included.
+        A compiled plan numba cannot compile runs on the reference interpreter: then the
+        whole step is counted that way."""
+        backend = self.backend
+        if self.compiled is not None and any(not f.compiled for f in self.compiled):
+            backend = "reference"
+        return predicted_peak(self.peak_calls, backend)
 
     @property
     def peak_bytes(self) -> int:
-        """Predicted peak over the whole step (forward, saved buffers held, then backward)."""
+        """The most bytes the step holds at any point, on the backend that runs it: the arrays
+        you pass in, parameters, donated buffers, scratch arenas, outputs, saved buffers and
+        gradients (`peak.at_peak()` splits it by category)."""
+        return self.peak.peak_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether the step's predicted peak (peak_bytes) is at most nbytes."""
+        return self.peak.fits(nbytes)
+
+    @property
+    def live_bytes(self) -> list[int]:
+        """Bytes held at each IR step on the reference interpreter (forward steps, then
+        backward steps), the caller's own arrays not counted."""
+        return self.view.live_bytes()
+
+    @property
+    def reference_peak_bytes(self) -> int:
+        """The most of `live_bytes`: the reference interpreter's peak, your arrays left out."""
         return max(self.live_bytes, default=0)
 
     @property
     def forward_peak_bytes(self) -> int:
+        """The most of `live_bytes` during the forward."""
         return self._phase_peak("forward")
 
     @property
@@ -102,7 +129,7 @@ class ExplainReport:
         return self._phase_peak("backward")
 
     @property
-    def peak_step(self) -> StepInfo | None:
+    def reference_peak_step(self) -> StepInfo | None:
         live = self.live_bytes
         return self.view.steps[live.index(max(live))] if live else None
 
@@ -189,6 +216,7 @@ def region_report(
         backend,
         recomputed_infos(program),
         compiled,
+        region_calls(plans, program.donated),
     )
 
 
@@ -220,6 +248,7 @@ def joint_report(
         list(wrt),
         backend,
         compiled=compiled,
+        peak_calls=joint_calls(plan, n_outputs),
     )
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 from backplan.ir.text import value_names
 from backplan.runtime.saved_table import format_saved_table
 
-from .memory import memory_text
-from .wording import format_bytes, peak_where, wrap
+from .memory import memory_text, peak_line
+from .wording import format_bytes, wrap
 
 
 def render_report(report) -> str:
 
     sections = [
         (f"explain: {report.name}", ""),
-        ("1. Summary", wrap(summary_text(report))),
+        ("1. Summary", wrap(summary_text(report)) + "\n" + wrap(peak_line(report))),
         ("2. Plans", plans_text(report)),
         (
             saved_title(report),
@@ -113,19 +113,14 @@ def refused_plans(report) -> str:
 
 
 def _peak_sentence(report) -> str:
-    if report.peak_step is None:
+    peak = report.peak
+    if peak.peak_step is None:
         return ""
-    text = (
-        f"Predicted peak on the reference interpreter: "
-        f"{format_bytes(report.forward_peak_bytes)} during the forward"
+    return (
+        f"Predicted peak on the {peak.backend} backend: {format_bytes(peak.peak_bytes)}, "
+        f"the {format_bytes(peak.input_bytes)} of arrays you pass in included (section 4 "
+        "splits it by category; report.fits(bytes) checks a budget)."
     )
-    if report.n_backward_steps:
-        text += f", {format_bytes(report.backward_peak_bytes)} during the backward"
-    text += (
-        f", {format_bytes(report.peak_bytes)} over the whole step ({peak_where(report)}), "
-        f"not counting the {format_bytes(report.input_bytes)} of arrays you pass in."
-    )
-    return text
 
 
 def _freeing_sentence(report) -> str:

@@ -28,7 +28,8 @@ def wrap(text: str) -> str:
 
 
 def peak_where(report) -> str:
-    step = report.peak_step
+    """Where the reference interpreter's timeline peaks: 'at b3, matmul at model.py:7'."""
+    step = report.reference_peak_step
     where = f"at {step.label}, {step.op}"
     if step.node.loc:
         where += f" at {format_loc(step.node.loc)}"

@@ -30,7 +30,7 @@ def arrays(batch=BATCH, seed=0):
 
 def step_peak(fn, *args) -> int:
     report = bp.explain(fn, *args)
-    return report.peak_bytes + report.input_bytes
+    return report.peak_bytes  # the arrays passed in included
 
 
 def test_a_budget_below_the_default_peak_is_met_with_the_same_bits():
@@ -59,7 +59,7 @@ def test_compile_under_a_budget_recomputes_and_keeps_the_gradients():
     budget = front.points[-1].peak_bytes
     budgeted = bp.compile(deep_loss, max_peak_bytes=budget)
     report = bp.explain(budgeted, params, x, k)
-    assert report.peak_bytes + report.input_bytes <= budget
+    assert report.peak_bytes <= budget
     assert {r.op for r in report.recomputed} >= {"tanh"}
     grads = []
     for fn in (default, budgeted):

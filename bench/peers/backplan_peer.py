@@ -46,7 +46,7 @@ class PlanFacts(Runner):
         )
 
     def planned_peak_bytes(self):
-        return self.explain().peak_bytes, "bp.explain peak_bytes (whole step)"
+        return self.explain().peak_bytes, "bp.explain peak_bytes (whole step, arrays passed in included)"
 
     def plan_facts(self) -> dict | None:
         report = self.explain()
