@@ -182,6 +182,14 @@ class ExplainReport:
         with open(path, "w", encoding="utf-8") as file:
             file.write(self.to_dot())
 
+    def save_trace(self, path, times: list[float] | None = None) -> None:
+        """Write the step as Chrome trace / Perfetto JSON: a track of kernels in the predicted
+        order (measured seconds per kernel when `times` gives them) and counters of the bytes
+        held per category (`peak`). Open it in ui.perfetto.dev or chrome://tracing."""
+        from .trace_file import save_trace
+
+        save_trace(self.peak, path, times)
+
     def plot(self, path, max_buffers: int = 60) -> None:
         """Write the memory timeline as PNG or SVG (by the file's suffix). Needs matplotlib:
         `pip install backplan[plot]`."""
