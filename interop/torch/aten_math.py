@@ -12,6 +12,7 @@ from backplan.tracer import ops
 from backplan.tracer.conv import arange, argmax, argmin, clip
 
 from .dtypes import to_dtype
+from .errors import TorchImportError
 from .table import aten
 
 
@@ -146,6 +147,29 @@ def logical_and(a, b):
 @aten("logical_or.default")
 def logical_or(a, b):
     return ops.where(_bool(a), True, _bool(b))
+
+
+def _booleans(op: str, *xs) -> None:
+    if any(getattr(x, "dtype", np.bool_) != np.bool_ for x in xs):
+        raise TorchImportError(f"{op}: only boolean operands are mapped (as logical ops)")
+
+
+@aten("bitwise_and.Tensor")
+def bitwise_and(a, b):
+    _booleans("bitwise_and", a, b)
+    return logical_and(a, b)
+
+
+@aten("bitwise_or.Tensor")
+def bitwise_or(a, b):
+    _booleans("bitwise_or", a, b)
+    return logical_or(a, b)
+
+
+@aten("bitwise_not.default")
+def bitwise_not(x):
+    _booleans("bitwise_not", x)
+    return logical_not(x)
 
 
 @aten("where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from backplan.tracer import ops
+from backplan.tracer.conv import arange
 
 from .dtypes import to_dtype
 from .table import aten
@@ -121,3 +122,26 @@ def index(x, indices):
 @aten("index_select.default")
 def index_select(x, dim, indices):
     return ops.take(x, indices, axis=dim)
+
+
+@aten("gather.default")
+def gather(x, dim, index, sparse_grad=False):
+    """out[..., i, ...] = x[..., index[..., i, ...], ...] along dim: integer-array indexing
+    with an arange on every other axis (cross_entropy and nll_loss decompose to it)."""
+    dim %= max(x.ndim, 1)
+    keys = []
+    for axis, size in enumerate(index.shape):
+        if axis == dim:
+            keys.append(index)
+        else:
+            shape = [1] * index.ndim
+            shape[axis] = size
+            keys.append(ops.reshape(arange(0, size), tuple(shape)))
+    return x[tuple(keys)]
+
+
+@aten("_assert_tensor_metadata.default")
+def assert_metadata(x, *args, **kwargs):
+    """A dtype/device check torch.export leaves in the graph: shapes and dtypes are checked when
+    the function is called, so nothing to compute."""
+    return None

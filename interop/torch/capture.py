@@ -66,6 +66,20 @@ def _refuse_layouts(module, args, kwargs) -> None:
             )
 
 
+def refuse_dynamic_shapes(program: ExportedProgram, owner: str) -> None:
+    """A shape torch.export left symbolic (`x[x > 0]`: its length depends on the values)."""
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        shape = getattr(value, "shape", ())
+        if isinstance(value, torch.SymInt) or any(not isinstance(d, int) for d in shape):
+            raise TorchImportError(
+                f"from_torch: {owner} computes a value whose shape depends on the data "
+                f"({op_name(node)} at {where(node, owner)}, shape {list(shape)}): backplan "
+                "plans have static shapes; use torch.where with a mask instead of boolean "
+                "indexing or nonzero"
+            )
+
+
 def refuse_unmapped(program: ExportedProgram, owner: str) -> None:
     """One error naming every op without a mapping, each with its module and line."""
     missing = []

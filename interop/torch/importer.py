@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .capture import capture, refuse_mutations, refuse_unmapped
+from .capture import capture, refuse_dynamic_shapes, refuse_mutations, refuse_unmapped
 from .program import ImportedGraph
 from .state import parameters
 
@@ -25,6 +25,7 @@ def from_torch(module: torch.nn.Module, example_args, example_kwargs=None):
     args = tuple(example_args) if isinstance(example_args, list | tuple) else (example_args,)
     owner = type(module).__name__
     program = capture(module, args, dict(example_kwargs or {}))
+    refuse_dynamic_shapes(program, owner)
     refuse_unmapped(program, owner)
     refuse_mutations(program, module, owner)
     graph = ImportedGraph(program, module, owner)
