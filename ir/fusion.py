@@ -98,12 +98,22 @@ class Kernel:
         return self.recomputed + self.nodes + self.reductions + after
 
 
+# A loop kernel takes at most this many nodes, and reads at most this many buffers computed
+# outside it: each buffer is two arguments of its native entry (address, offset), which ctypes
+# caps at 1024, and LLVM's time on one loop grows faster than its length (a chain of 1,100
+# elementwise ops fused into one loop took 213 s to compile). Longer chains become several
+# loops of bounded size, so a deep graph compiles in time linear in its length.
+MAX_LOOP_NODES = 128
+MAX_LOOP_READS = 128
+
+
 def group_kernels(graph: Graph) -> list[Kernel]:
     kernels: list[Kernel] = []
     home: dict[Value, int] = {}
     latest_loops: dict[tuple, int] = {}  # iteration shape -> its latest loop kernel
+    reads: dict[int, set[Value]] = {}  # loop kernel -> buffers of other kernels it reads
     for node in graph.nodes:
-        home[node] = _place(node, kernels, home, latest_loops)
+        home[node] = _place(node, kernels, home, latest_loops, reads)
     _recompute_cheap_inputs(kernels, home, graph.outputs)
     return kernels
 
@@ -135,10 +145,12 @@ def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value]) -
         _recompute_over_frontier(values, k, kernels, home, readers)
 
 
-def _cheap_cone(value, kernel, k, kernels, home, frontier=None) -> list[Value] | None:
+def _cheap_cone(value, kernel, k, kernels, home, frontier=None, depth=1) -> list[Value] | None:
     """value and the cheap values it needs, in order, if all can be recomputed in kernel k from
     values that are stored anyway (inputs, reductions, op results, other shapes, literals).
-    Given a frontier set, an expensive value of the same shape is read instead (added to it)."""
+    Given a frontier set, an expensive value of the same shape is read instead (added to it).
+    Each level down adds a value, so the walk stops MAX_RECOMPUTE levels down (a long chain of
+    cheap ops split over several loops would otherwise be walked to its start)."""
     if value not in home or home[value] == k or value in kernel.recomputed:
         return []
     owner = kernels[home[value]]
@@ -149,9 +161,11 @@ def _cheap_cone(value, kernel, k, kernels, home, frontier=None) -> list[Value] |
             return None
         frontier.add(value)
         return []
+    if depth > MAX_RECOMPUTE:
+        return None  # value and one cheap value per level above it: too many already
     cone = []
     for inp in value.inputs:
-        sub = _cheap_cone(alias_base(inp), kernel, k, kernels, home, frontier)
+        sub = _cheap_cone(alias_base(inp), kernel, k, kernels, home, frontier, depth + 1)
         if sub is None:
             return None
         cone += [v for v in sub if v not in cone]
@@ -205,7 +219,7 @@ def _new(kernels, kernel) -> int:
     return len(kernels) - 1
 
 
-def _place(node: Value, kernels: list[Kernel], home, latest_loops: dict) -> int:
+def _place(node: Value, kernels: list[Kernel], home, latest_loops: dict, reads: dict) -> int:
     if node.op == "full" or (is_alias(node) and alias_base(node).op == "full"):
         return _new(kernels, Kernel("literal", [node], node.shape))
     if is_alias(node):
@@ -213,19 +227,39 @@ def _place(node: Value, kernels: list[Kernel], home, latest_loops: dict) -> int:
     tail = is_loop_tail(node)
     if is_loop_op(node) or tail:
         shape = node.inputs[0].shape if tail else node.shape
-        target = _joinable_loop(node, shape, kernels, home, latest_loops.get(shape))
+        target = _joinable_loop(node, shape, kernels, home, latest_loops.get(shape), reads)
         if target is None:
             target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
+            reads[target] = set()
         (kernels[target].reductions if tail else kernels[target].nodes).append(node)
+        reads[target].update(_outside_reads(node, target, kernels, home))
         return target
     kind = "view" if get_op(node.op).fusion == "view" else "op"
     return _new(kernels, Kernel(kind, [node], node.shape))
 
 
-def _joinable_loop(node, shape, kernels, home, latest: int | None) -> int | None:
+def _outside_reads(node, k: int, kernels, home) -> set[Value]:
+    """The buffers node reads that kernel k does not compute (literals are not buffers)."""
+    sources = {alias_base(i) for i in node.inputs}
+    return {
+        s
+        for s in sources
+        if home.get(s) != k and not (s in home and kernels[home[s]].kind == "literal")
+    }
+
+
+def _has_room(node, target: int, kernels, home, reads: dict) -> bool:
+    kernel = kernels[target]
+    if len(kernel.nodes) + len(kernel.reductions) >= MAX_LOOP_NODES:
+        return False
+    return len(reads[target] | _outside_reads(node, target, kernels, home)) <= MAX_LOOP_READS
+
+
+def _joinable_loop(node, shape, kernels, home, latest: int | None, reads: dict) -> int | None:
     """The latest loop kernel of this iteration shape that computes one of node's inputs, or
     else the latest loop kernel of this shape at all (`latest`, kept by the caller: looking it
-    up made grouping quadratic in the plan's length), whichever has every input ready."""
+    up made grouping quadratic in the plan's length), whichever has every input ready and
+    room for it (MAX_LOOP_NODES, MAX_LOOP_READS)."""
     sources = [alias_base(i) for i in node.inputs]
     producers = [
         home[s]
@@ -236,7 +270,7 @@ def _joinable_loop(node, shape, kernels, home, latest: int | None) -> int | None
         and s not in kernels[home[s]].reductions
     ]
     for target in ([max(producers)] if producers else []) + ([] if latest is None else [latest]):
-        if _ready(sources, target, kernels, home):
+        if _ready(sources, target, kernels, home) and _has_room(node, target, kernels, home, reads):
             return target
     return None
 
