@@ -16,6 +16,7 @@ shapes and dtypes, and prints the explain() report of the function; nothing of t
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 
 import backplan as bp
@@ -41,6 +42,18 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="explain bp.value_and_grad(function) over the arguments marked :grad",
     )
+    parser.add_argument(
+        "--torch",
+        action="store_true",
+        help="the target is a torch.nn.Module class (or instance): explain its training step "
+        '(--args "x: f32[32,3,32,32]" describes forward\'s inputs)',
+    )
+    parser.add_argument(
+        "--loss",
+        default="sum",
+        choices=("cross_entropy", "mse", "sum"),
+        help="with --torch: the loss on the module's output (default: its sum)",
+    )
     parser.add_argument("--plot", metavar="PATH", help="also write the timeline (.png or .svg)")
     parser.add_argument("--dot", metavar="PATH", help="also write the Graphviz DOT graph")
 
@@ -48,8 +61,11 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     try:
         fn = load_target(args.target)
-        positional, keywords = bind_specs(fn, parse_arg_spec(",".join(args.args)))
-        if args.value_and_grad:
+        if args.torch:
+            fn, positional, keywords = _torch_step(fn, ",".join(args.args), args.loss)
+        else:
+            positional, keywords = bind_specs(fn, parse_arg_spec(",".join(args.args)))
+        if args.value_and_grad and not args.torch:
             fn = bp.value_and_grad(fn, argnums=grad_argnums(positional))
         report = bp.explain(fn, *positional, **keywords)
         print(report)
@@ -63,6 +79,22 @@ def run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _torch_step(target, spec: str, loss: str):
+    """The training step of a torch.nn.Module (a class built with no arguments, an instance, or
+    a function returning one) on the described inputs: `x: f32[...]` or `x=f32[...]`."""
+    import torch
+
+    from backplan.interop.torch.step import training_step  # torch only when asked for
+
+    module = target() if not isinstance(target, torch.nn.Module) else target
+    if not isinstance(module, torch.nn.Module):
+        raise ExplainArgumentError(f"--torch: the target made a {type(module).__name__}, not a "
+                                   "torch.nn.Module")  # fmt: skip
+    inputs = parse_arg_spec(re.sub(r"(\w+)\s*:\s*(?=\w+\[)", r"\1=", spec))
+    step, args = training_step(module, {k: v.numpy() for k, v in inputs.items()}, loss)
+    return step, list(args), {}
 
 
 def bind_specs(fn, tree: dict) -> tuple[list, dict]:

@@ -129,3 +129,36 @@ def test_explain_names_module_paths_and_lines():
 def _line(text: str) -> int:
     lines = open(tm.__file__).read().splitlines()
     return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+MODEL_FILE = """
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 2 * 2, 5)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        return self.fc(x.flatten(1))
+"""
+
+
+def test_explain_command_prints_the_training_step_of_a_module_file(tmp_path, capsys):
+    from backplan.__main__ import main
+
+    (tmp_path / "mymodel.py").write_text(MODEL_FILE)
+    target = f"{tmp_path / 'mymodel.py'}:Net"
+    args = ["explain", "--torch", target, "--args", "x: f32[8,3,4,4]", "--loss", "cross_entropy"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("explain: Net_train_step")
+    assert "params['conv1.weight']" in text and "target" in text
+    assert "conv2d at conv1 at mymodel.py:14" in text  # a saved buffer, named by module and line
+    with pytest.raises(SystemExit):  # argparse names the losses there are
+        main([*args[:-1], "nll"])

@@ -56,6 +56,12 @@ class ImportedGraph:
         ]
         self.dropouts = sum(1 for s in self.steps if _draws(s.node))
         self.outputs = list(program.graph_signature.output_specs)
+        values = {n.name: n.meta.get("val") for n in program.graph.nodes}
+        self.output_shapes = [
+            tuple(getattr(values[s.arg.name], "shape", ()))
+            for s in self.outputs
+            if s.kind == OutputKind.USER_OUTPUT
+        ]
         self.user_inputs = [
             _example_type(n)
             for n in program.graph.nodes

@@ -1,0 +1,60 @@
+"""The training step of an imported module, for explain: the module's forward, a loss on its
+output, and the gradient of every trainable parameter, as one value_and_grad function whose
+arguments are named (params, buffers, inputs, target) so the plan reads `params['fc.weight']`."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backplan.tracer import ops
+from backplan.tracer import random as bp_random
+from backplan.tracer.functional import value_and_grad
+
+from .errors import TorchImportError
+from .importer import from_torch
+
+LOSSES = ("cross_entropy", "mse", "sum")
+
+
+def training_step(module: torch.nn.Module, inputs: dict, loss: str = "sum"):
+    """(step, args): `bp.explain(step, *args)` prints the plan of one training step of module
+    on inputs {name: array} (in forward's order) with the named loss."""
+    if loss not in LOSSES:
+        raise TorchImportError(f"--loss {loss!r}: choose one of {', '.join(LOSSES)}")
+    examples = tuple(torch.from_numpy(np.array(a)) for a in inputs.values())
+    fn, params = from_torch(module, examples)
+    graph = fn.imported
+    key = bp_random.key(0) if graph.dropouts else None
+    out_shape = graph.output_shapes[0]
+    target = _target(loss, out_shape)
+    names = list(inputs)
+
+    def step(params, buffers, inputs, target):
+        out = fn({**params, **buffers}, *[inputs[n] for n in names], key=key)
+        new_buffers = None
+        if graph.mutates:
+            out, new_buffers = out
+        out = out if not isinstance(out, tuple | list) else out[0]
+        return _loss(loss, out, target), new_buffers
+
+    step.__name__ = step.__qualname__ = f"{graph.owner}_train_step"
+    trainable = {k: params[k] for k in fn.parameter_names}
+    buffers = {k: params[k] for k in fn.buffer_names}
+    return value_and_grad(step, has_aux=True), (trainable, buffers, dict(inputs), target)
+
+
+def _target(loss: str, out_shape: tuple):
+    if loss == "cross_entropy":
+        if len(out_shape) < 1:
+            raise TorchImportError("--loss cross_entropy needs an output of shape (..., classes)")
+        return np.zeros(out_shape[:-1], np.int64)  # class labels, one per row
+    return np.zeros(out_shape, np.float32) if loss == "mse" else None
+
+
+def _loss(loss: str, out, target):
+    if loss == "cross_entropy":
+        return ops.cross_entropy(out, target)
+    if loss == "mse":
+        return ops.mse_loss(out, target)
+    return ops.sum(out)
