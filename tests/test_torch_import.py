@@ -162,3 +162,18 @@ def test_explain_command_prints_the_training_step_of_a_module_file(tmp_path, cap
     assert "conv2d at conv1 at mymodel.py:14" in text  # a saved buffer, named by module and line
     with pytest.raises(SystemExit):  # argparse names the losses there are
         main([*args[:-1], "nll"])
+
+
+def test_readme_from_pytorch_block_runs(tmp_path, monkeypatch):
+    from test_docs import ROOT, python_blocks, run_blocks
+
+    blocks = [b for b in python_blocks(ROOT / "README.md") if "bp.from_torch" in b.code]
+    assert len(blocks) == 1 and blocks[0].skip  # skipped by test_docs, which runs without torch
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    run_blocks([blocks[0].__class__(blocks[0].page, blocks[0].line, blocks[0].code)], namespace)
+    assert namespace["loss"].item() < 1.0  # trained: it starts near log(4) = 1.39
+    np.testing.assert_array_equal(
+        namespace["model"][0].weight.detach().numpy(), namespace["params"]["0.weight"].numpy()
+    )
+    assert sorted(bp.load_safetensors("model.safetensors")) == sorted(namespace["params"])
