@@ -177,3 +177,14 @@ def test_readme_from_pytorch_block_runs(tmp_path, monkeypatch):
         namespace["model"][0].weight.detach().numpy(), namespace["params"]["0.weight"].numpy()
     )
     assert sorted(bp.load_safetensors("model.safetensors")) == sorted(namespace["params"])
+
+
+def test_imported_function_exports_and_loads_without_torch_code(tmp_path):
+    module = tm.MLPMixer().eval()
+    x = _images()
+    fn, params = bp.from_torch(module, (x,))
+    path = bp.export(bp.compile(fn), params, x.numpy(), path=tmp_path / "mixer.bpz")
+    loaded = bp.load(path)
+    np.testing.assert_allclose(
+        loaded(params, x.numpy()).numpy(), module(x).detach().numpy(), rtol=RTOL, atol=ATOL
+    )

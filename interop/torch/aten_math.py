@@ -35,22 +35,17 @@ def rsub(a, b, alpha=1):
     return ops.sub(b, _scaled(a, alpha))
 
 
-@aten("mul.Tensor", "mul.Scalar")
-def mul(a, b):
-    return ops.mul(a, b)
-
-
-@aten("div.Tensor", "div.Scalar")
-def div(a, b):
-    return ops.div(a, b)
-
-
-@aten("pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar")
-def power(a, b):
-    return ops.pow(a, b)
-
-
-_UNARY = {
+# ops whose ATen arguments are backplan's: the function itself is the handler
+_SAME = {
+    "mul.Tensor": ops.mul,
+    "mul.Scalar": ops.mul,
+    "div.Tensor": ops.div,
+    "div.Scalar": ops.div,
+    "pow.Tensor_Scalar": ops.pow,
+    "pow.Tensor_Tensor": ops.pow,
+    "pow.Scalar": ops.pow,
+    "maximum.default": ops.maximum,
+    "minimum.default": ops.minimum,
     "relu.default": ops.relu,
     "sigmoid.default": ops.sigmoid,
     "tanh.default": ops.tanh,
@@ -64,7 +59,7 @@ _UNARY = {
     "erf.default": ops.erf,
     "sign.default": ops.sign,
 }
-for _name, _fn in _UNARY.items():
+for _name, _fn in _SAME.items():
     aten(_name)(_fn)
 
 
@@ -106,16 +101,6 @@ def clamp_max(x, high):
 @aten("hardtanh.default")
 def hardtanh(x, min_val=-1.0, max_val=1.0):
     return clip(x, min_val, max_val)
-
-
-@aten("maximum.default")
-def maximum(a, b):
-    return ops.maximum(a, b)
-
-
-@aten("minimum.default")
-def minimum(a, b):
-    return ops.minimum(a, b)
 
 
 _COMPARE = {
