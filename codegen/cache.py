@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import threading
 import types
 
@@ -26,6 +25,7 @@ import llvmlite
 import numba
 import numpy as np
 
+from . import cache_health
 from .cache_signing import CacheError, check_private_folder, key_path
 from .fingerprint import codegen_fingerprint, kernel_fingerprint  # noqa: F401 (used via cache.)
 
@@ -105,17 +105,35 @@ def miss_reason(parts: dict[str, str], directory: str) -> str:
     return "changed: " + ", ".join(f"{k}" for k in best)
 
 
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+_write_atomic = cache_health.write_atomic
+
+
+def writable_cache_dir() -> str | None:
+    """The cache folder (made again if it was deleted), or None when it cannot be written: then
+    this process compiles in memory (codegen/cache_health.py; one CacheWarning says why)."""
+    path = cache_path()
+    if cache_health.is_unwritable(path):
+        return None
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        directory = cache_dir()
+    except CacheError:
+        raise  # a folder others can write to is refused, never silently used or skipped
+    except OSError as error:
+        cache_health.note_unwritable(path, error)
+        return None
+    return directory if cache_health.probe(directory) else None
+
+
+def write_entry(directory: str | None, files: dict[str, str]) -> None:
+    """Write files (name -> text) into the cache folder; a failure (disk full, folder gone or
+    made read-only meanwhile) is noted and the process goes on in memory."""
+    if directory is None:
+        return
+    try:
+        for name, text in files.items():
+            _write_atomic(os.path.join(directory, name), text)
+    except OSError as error:
+        cache_health.note_unwritable(directory, error)
 
 
 def _read(path: str) -> str | None:
@@ -128,15 +146,22 @@ def _read(path: str) -> str | None:
 
 def load_module(source: str, parts: dict[str, str]):
     """Import the module for this source; returns (module, hit?, miss reason or None)."""
-    directory = cache_dir()
+    directory = writable_cache_dir()
     key = entry_key(parts)
-    path = os.path.join(directory, f"bp_{key}.py")
+    path = os.path.join(directory or cache_path(), f"bp_{key}.py")
     hit = _read(path) == source
     reason = None
     if not hit:
-        reason = miss_reason(parts, directory) if not os.path.exists(path) else "entry rewritten"
-        _write_atomic(path, source)
-        _write_atomic(os.path.join(directory, f"bp_{key}.json"), json.dumps(parts, sort_keys=True))
+        if directory is None:
+            reason = "the cache folder cannot be written: compiled in memory"
+        elif os.path.exists(path):
+            reason = "entry rewritten"
+        else:
+            reason = miss_reason(parts, directory)
+        write_entry(
+            directory,
+            {f"bp_{key}.py": source, f"bp_{key}.json": json.dumps(parts, sort_keys=True)},
+        )
     name = f"backplan_kernels_{key}"
     with _importing:
         module = sys.modules.get(name)

@@ -23,7 +23,7 @@ from backplan.ir.plan_buffers import compiled_buffers
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
-from . import cache, driver_builder, driver_tier, kernel_cache, progress
+from . import cache, cache_health, driver_builder, driver_tier, kernel_cache, progress
 from .emit import generate
 from .flags import flags_text
 from .jit import is_cached, load_cached, start_parallel_runtime
@@ -127,6 +127,10 @@ class CompiledPlan:
         if mode in ("background", "reference"):
             driver_tier.at_exit_mode()  # a bad value is refused here, not at the program's end
         self.module_path = module.__file__  # the generated module in the cache folder
+        if mode in ("background", "reference") and cache_health.is_unwritable(
+            os.path.dirname(self.module_path)
+        ):
+            mode = "python"  # a build hands its driver over through the folder: none can
         self._build_lock = threading.Lock()
         if hasattr(module.run, "py_func") and mode != "inline":
             compiled = module.run.overloads or is_cached(module.run)

@@ -4,10 +4,13 @@ BACKPLAN_KERNELS_AS_PYTHON=1 runs every kernel as plain Python instead: slow, bu
 then points at a readable line of the generated source, with the IR line above it.
 """
 
+import errno
 import os
 
 import numba
+from numba.core.caching import NullCache
 
+from . import cache_health
 from .cache_signing import SignedFunctionCache
 
 AS_PYTHON = os.environ.get("BACKPLAN_KERNELS_AS_PYTHON") == "1"
@@ -37,16 +40,58 @@ class SignedCacheOnDemand:
     """A function's SignedFunctionCache, made the first time Numba asks it anything. Making one
     touches the disk (Numba creates and deletes a file to test that the folder is writable), and
     most library functions never ask: a warm process loads a plan's driver whose cached machine
-    code already holds every library function it calls."""
+    code already holds every library function it calls.
+
+    Loading and saving never fail a call because of the folder (codegen/cache_health.py): a
+    deleted module file is written again (and the cache made anew for its new stamp), and a
+    folder that cannot be written turns this function's cache into Numba's NullCache."""
 
     def __init__(self, py_func):
         self._py_func = py_func
         self._signed = None
 
     def __getattr__(self, name: str):
+        return getattr(self._cache(), name)
+
+    def _cache(self):
         if self._signed is None:
-            self._signed = SignedFunctionCache(self._py_func)
-        return getattr(self._signed, name)
+            folder = os.path.dirname(self._py_func.__code__.co_filename)
+            if cache_health.is_unwritable(folder):
+                self._signed = NullCache()
+                return self._signed
+            try:
+                self._signed = SignedFunctionCache(self._py_func)
+            except (RuntimeError, OSError) as error:  # RuntimeError: Numba's "no locator"
+                if cache_health.restore_source(self._py_func):
+                    return self._cache()
+                cache_health.note_unwritable(folder, _as_os_error(error))
+                self._signed = NullCache()
+        return self._signed
+
+    def load_overload(self, sig, target_context):
+        try:
+            return self._cache().load_overload(sig, target_context)
+        except OSError:  # the module file or the folder is gone: compile (saving restores)
+            return None
+
+    def save_overload(self, sig, data):
+        try:
+            self._cache().save_overload(sig, data)
+        except OSError as error:
+            if not cache_health.restore_source(self._py_func):
+                cache_health.note_unwritable(
+                    os.path.dirname(self._py_func.__code__.co_filename), error
+                )
+                self._signed = NullCache()
+                return
+            self._signed = None  # the file is new: a cache with its new stamp
+            self.save_overload(sig, data)
+
+
+def _as_os_error(error: Exception) -> OSError:
+    if isinstance(error, OSError):
+        return error
+    return OSError(errno.EACCES, f"Numba cannot cache there: {error}")
 
 
 def njit(*args, **kwargs):

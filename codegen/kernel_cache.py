@@ -74,11 +74,13 @@ def python_call(kernel):
 
 
 def _import(source: KernelSource):
-    path = os.path.join(cache.cache_dir(), f"{source.name}.py")
-    if cache._read(path) != source.source:
-        cache._write_atomic(path, source.source)
+    directory = cache.writable_cache_dir()  # None: compiled in memory (codegen/cache_health.py)
+    path = os.path.join(directory or cache.cache_path(), f"{source.name}.py")
+    if directory is not None and cache._read(path) != source.source:
+        cache.write_entry(directory, {f"{source.name}.py": source.source})
     module = types.ModuleType(f"backplan_kernel_{source.name}")
     module.__file__ = path
+    module.__source_text__ = source.source  # to write the file again if it is deleted
     sys.modules[module.__name__] = module
     # Run the source generated now under the file's name: Numba's cache keys on the file.
     exec(compile(source.source, path, "exec"), module.__dict__)

@@ -1,0 +1,123 @@
+"""A kernel cache folder that cannot be written never fails a user's call (codegen/
+cache_health.py): a full disk or a read-only folder makes the process compile in memory with one
+bp.CacheWarning naming the folder and the reason; a folder deleted while the process runs is
+made again. Faults are simulated portably: writes into the folder raise the errno a full disk
+or a read-only mount raises."""
+
+import errno
+import os
+import tempfile
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    path = tmp_path / "kernels"
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(path))
+    return path
+
+
+def failing_writes(monkeypatch, folder, code: int) -> None:
+    """Every temporary file made inside folder (how the cache, the probe and Numba write)
+    fails with code, as on a full disk (ENOSPC) or a read-only mount (EROFS)."""
+
+    def inside(directory) -> bool:
+        return directory is not None and os.path.realpath(directory).startswith(str(folder))
+
+    def refuse(original):
+        def call(*args, dir=None, **kwargs):  # noqa: A002 - tempfile's own name
+            if inside(dir):
+                raise OSError(code, os.strerror(code))
+            return original(*args, dir=dir, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse(tempfile.mkstemp))
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse(tempfile.TemporaryFile))
+
+
+def fresh_function(scale: float):
+    """A function no other test compiled (its constant is in the plan and the kernel)."""
+    return bp.compile(lambda a: (bp.tanh(a * scale + 1.0) * a).sum())
+
+
+@pytest.mark.parametrize(
+    "code, mode",
+    [
+        (errno.ENOSPC, "background"),
+        (errno.ENOSPC, "inline"),
+        (errno.EROFS, "inline"),
+        (errno.EROFS, "reference"),
+        (errno.EACCES, "inline"),
+    ],
+)
+def test_an_unwritable_folder_compiles_in_memory_with_one_warning(folder, monkeypatch, code, mode):
+    """In every driver mode: a background build hands its driver over through the folder, so
+    with none writable the driver runs as Python (its kernels compiled in memory)."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", mode)
+    folder.mkdir()
+    failing_writes(monkeypatch, folder, code)
+    x0 = np.linspace(-1.0, 1.0, 5)
+    with warnings.catch_warnings(record=True) as caught, use_backend("numba"):
+        warnings.simplefilter("always")
+        results = []
+        for scale in (3.0 + code / 1000, 5.0 + code / 1000):  # two plans: still one warning
+            x = bp.tensor(x0, requires_grad=True)
+            loss = fresh_function(scale)(x)
+            loss.backward()
+            expected = np.sum(np.tanh(x0 * scale + 1.0) * x0)
+            results.append((loss.item(), expected, x.grad.numpy()))
+    for got, expected, grad in results:
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
+        assert np.isfinite(grad).all()
+    cache_warnings = [w for w in caught if issubclass(w.category, bp.CacheWarning)]
+    assert len(cache_warnings) == 1, [str(w.message) for w in caught]
+    message = str(cache_warnings[0].message)
+    assert str(folder) in message and os.strerror(code) in message
+    assert "compiles in memory" in message
+    assert [files for _, _, files in os.walk(folder) if files] == []  # nothing written there
+
+
+def test_a_deleted_module_file_is_written_again_when_numba_caches(folder):
+    """Numba caches a function beside its module file; with the folder deleted after the module
+    was loaded, asking its cache raised `cannot cache function ...: no locator available`."""
+    from backplan.codegen.cache import cache_dir
+
+    path = os.path.join(cache_dir(), "k_deleted_while_running.py")
+    source = (
+        "from backplan.codegen.jit import njit\n\n"
+        "@njit(cache=True)\n"
+        "def twice(x):\n"
+        "    return x * 2.0\n"
+    )
+    module = types.ModuleType("backplan_kernel_k_deleted_while_running")
+    module.__file__ = path
+    module.__source_text__ = source
+    exec(compile(source, path, "exec"), module.__dict__)
+    import shutil
+
+    shutil.rmtree(folder)
+    assert module.twice(1.5) == 3.0
+    assert open(path).read() == source
+    assert any(name.endswith(".bp.nbi") for name in os.listdir(folder / "__pycache__"))
+
+
+def test_a_deleted_folder_is_made_again_for_the_next_plan(folder):
+    with use_backend("numba"):
+        assert fresh_function(7.0)(bp.tensor(np.zeros(3))).item() == pytest.approx(0.0)
+        import shutil
+
+        shutil.rmtree(folder)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", bp.CacheWarning)
+            x0 = np.linspace(0.0, 1.0, 3)
+            got = fresh_function(9.0)(bp.tensor(x0)).item()
+    np.testing.assert_allclose(got, np.sum(np.tanh(x0 * 9.0 + 1.0) * x0), rtol=1e-12)
+    assert any(name.startswith("bp_") for name in os.listdir(folder))
