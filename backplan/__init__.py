@@ -16,8 +16,8 @@ from backplan.artifacts.format import ExportError
 from backplan.artifacts.load import load
 from backplan.artifacts.safetensors_file import load_safetensors, save_safetensors
 from backplan.artifacts.tree_file import TreeFileError, load_tree, save_tree
-from backplan.codegen.cache_signing import CacheError, CacheWarning
-from backplan.codegen.driver_tier import DriverBuildWarning
+from backplan.codegen.build.cache_signing import CacheError, CacheWarning
+from backplan.codegen.build.driver_tier import DriverBuildWarning
 from backplan.ir.errors import (
     BackplanError,
     DtypeError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from backplan.codegen.cache import cache_dir
+from backplan.codegen.build.cache import cache_dir
 
 PREFIXES = ("bp_", "k_")  # plan modules, shared loop kernels
 

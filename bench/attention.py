@@ -30,7 +30,7 @@ from .threads import apply_threads, prepare_jax_threads
 def backplan_steps(inputs, scale):
     """{name: (step, saved bytes)} for the fused and unfused plans of the same function."""
     import backplan as bp
-    from backplan.codegen import driver_builder
+    from backplan.codegen.build import driver_builder
 
     def loss(q, k, v, g):
         return bp.sum((bp.softmax((q @ k.swapaxes(-1, -2)) * scale, axis=-1) @ v) * g)

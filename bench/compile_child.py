@@ -34,11 +34,12 @@ def import_framework(peer: str) -> float:
 
 def driver_hooks(peer: str) -> tuple:
     """(wait, driver state) for backplan's peers: its first calls run plan drivers as Python
-    while the compiled drivers build in a background process (codegen/driver_builder.py); wait()
+    while the compiled drivers build in a background process (codegen/build/driver_builder.py);
+    wait()
     returns once every build has finished. (None, None) for other peers."""
     if not peer.startswith("backplan"):
         return None, None
-    from backplan.codegen import driver_builder
+    from backplan.codegen.build import driver_builder
 
     state = "building" if driver_builder.pending() else "compiled"
     return driver_builder.wait_for_builds, state

@@ -48,8 +48,8 @@ def _runners(shape, dtype, width, threads):
     """name -> zero-argument callable doing the GEMM once."""
     import numpy as np
 
-    from backplan.codegen import blas, gemm
-    from backplan.codegen.gemm import parallel
+    from backplan.codegen.kernels import blas, gemm
+    from backplan.codegen.kernels.gemm import parallel
 
     batch, m, k, n, ta, tb = shape
     a, b, c = _operands(shape, dtype)
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))[-args.threads :]
     os.sched_setaffinity(0, cpus)  # before OpenBLAS loads: it sizes its pool from the mask
-    from backplan.codegen.gemm import ISA_WIDTH, active_isa
+    from backplan.codegen.kernels.gemm import ISA_WIDTH, active_isa
 
     from .environment import cpu_name
 

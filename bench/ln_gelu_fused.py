@@ -8,7 +8,8 @@ The step is the bench model's (bench/models/ln_gelu.py): y = gelu(layer_norm(x) 
 loss = sum(y * upstream), gradients of x, g and b, float32. The hand-fused kernel does the
 whole step in one sweep over the rows, each row's forward and backward while it is in L1
 (upstream is known before the step, so nothing is saved between them), with the vectorising
-tanh backplan's kernels use (codegen/mathlib.py) and, with threads, rows split across them and
+tanh backplan's kernels use (codegen/kernels/mathlib.py) and, with threads, rows split across them
+and
 per-thread column sums for g and b. Both are checked against a float64 NumPy reference;
 rounds are interleaved and the table has medians.
 """
@@ -21,7 +22,7 @@ import sys
 import numba
 import numpy as np
 
-from backplan.codegen.mathlib import tanh_f32
+from backplan.codegen.kernels.mathlib import tanh_f32
 
 from .affinity import current_affinity, pin_process
 from .environment import cpu_name, load_average
@@ -109,7 +110,7 @@ def hand_fused(params, upstream, threads: int):
 def backplan_step(params, upstream):
     import backplan as bp
     from backplan.bench.models.ln_gelu import loss
-    from backplan.codegen import driver_builder
+    from backplan.codegen.build import driver_builder
 
     args = {name: bp.tensor(value.astype(np.float32)) for name, value in params.items()}
     up = bp.tensor(upstream.astype(np.float32))

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 from scipy import special
 
-from backplan.codegen import mathlib
+from backplan.codegen.kernels import mathlib
 
 NUMPY_EQUIVALENTS = {
     "exp": np.exp,

@@ -9,26 +9,26 @@ checks, which block vectorisation.
 
 import numba
 
-from .lean_pipeline import LeanKernelCompiler
-from .loop_optimisation import AddressLoopCompiler, SmallLoopCompiler
+from backplan.codegen.build.lean_pipeline import LeanKernelCompiler
+from backplan.codegen.build.loop_optimisation import AddressLoopCompiler, SmallLoopCompiler
 
 FASTMATH = set({"reassoc", "contract", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 # Loop kernels are called from a driver or from Python, never through a C pointer: no C wrapper
 # to compile. A kernel that allocates nothing needs no reference counting either. Each cut a
 # cold unrolled LSTM's kernel compile by about a tenth (measured A/B, same box).
-# Serial generated kernels go through a shorter Numba pipeline (codegen/lean_pipeline.py):
+# Serial generated kernels go through a shorter Numba pipeline (codegen/build/lean_pipeline.py):
 # cold first calls about 10% shorter (transformer 2.02-2.08 -> 1.77-1.85 s, paired runs on one
 # pinned CPU). Parallel kernels need Numba's parfor passes.
 PARALLEL_KERNEL_JIT_OPTIONS = {**JIT_OPTIONS, "no_cfunc_wrapper": True}
 KERNEL_JIT_OPTIONS = {**PARALLEL_KERNEL_JIT_OPTIONS, "pipeline_class": LeanKernelCompiler}
 LEAN_KERNEL_JIT_OPTIONS = {**KERNEL_JIT_OPTIONS, "_nrt": False}
 # A lean kernel's loop taking addresses has no wrapper at all: drivers running as Python call
-# its native entry through ctypes (codegen/address_calls.py); its twin on array views, which
+# its native entry through ctypes (codegen/run/address_calls.py); its twin on array views, which
 # compiled drivers call, has none either, and is always inlined there: the float literals it
 # takes as parameters are the driver's constants again (a CNN step was 5% slower where they
 # were not). The loops taking addresses run only until the compiled driver loads: LLVM
-# optimises them for a short compile (codegen/loop_optimisation.py), the loop over at most
+# optimises them for a short compile (codegen/build/loop_optimisation.py), the loop over at most
 # SMALL_LOOP_ELEMENTS iterations without vectorising it at all. Vectorising such a loop saves
 # a few microseconds a call at most, less than a Python-run driver spends calling it; bigger
 # loops keep it: a deep MLP's Python-run steps took 1.6x as long with every loop scalar.

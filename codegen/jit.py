@@ -10,8 +10,8 @@ import os
 import numba
 from numba.core.caching import NullCache
 
-from . import cache_health
-from .cache_signing import SignedFunctionCache
+from backplan.codegen.build import cache_health
+from backplan.codegen.build.cache_signing import SignedFunctionCache
 
 AS_PYTHON = os.environ.get("BACKPLAN_KERNELS_AS_PYTHON") == "1"
 
@@ -25,7 +25,7 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 
 def compiled_njit(cache: bool = False, **options):
     """numba.njit(**options), except that cache=True uses the signed disk cache
-    (codegen/cache_signing.py): nothing Numba cached is unpickled unless backplan wrote it."""
+    (codegen/build/cache_signing.py): nothing Numba cached is unpickled unless backplan wrote it."""
 
     def decorate(fn):
         dispatcher = numba.njit(**options)(fn)

@@ -120,7 +120,7 @@ def _row_stage(kernel: Kernel, rows: int | None) -> bool:
 
 def _sums_many(kernel: Kernel) -> bool:
     """A loop of nothing but two or more adds: codegen splits it into shared two-term and
-    in-place adds (codegen/add_chains.py), so it stays out of row kernels."""
+    in-place adds (codegen/render/add_chains.py), so it stays out of row kernels."""
     chain = kernel.recomputed + kernel.nodes
     return not kernel.reductions and len(chain) > 1 and all(n.op == "add" for n in chain)
 

@@ -3,7 +3,7 @@ arena per dtype (kept by the plan, reused by every call), the constants the plan
 buffers allocated for what the call returns (those written into donated inputs excepted).
 
 This is the one list the predicted peak (ir/peak.py) sums and the checked mode
-(BACKPLAN_CHECK_MEMORY=1, codegen/memory_check.py) compares a call's real allocations with, so
+(BACKPLAN_CHECK_MEMORY=1, codegen/run/memory_check.py) compares a call's real allocations with, so
 a byte the runtime allocates that is not here is caught by name.
 """
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from backplan.codegen import kernel_cache
-from backplan.codegen.emit import generate
-from backplan.codegen.ops_emit import unsupported_reason
-from backplan.codegen.progress import driver_seconds, estimate, fresh_twins
+from backplan.codegen.build import kernel_cache
+from backplan.codegen.build.progress import driver_seconds, estimate, fresh_twins
+from backplan.codegen.render.emit import generate
+from backplan.codegen.render.ops_emit import unsupported_reason
 from backplan.ir.donation import donated_outputs
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import lower

@@ -1,12 +1,12 @@
 """What a function's plans run on now, over all its runners: `fn.driver_tier` is the slowest of
 them (a function is as fast as its slowest plan), and `fn.wait_until_compiled()` waits for their
-background builds (codegen/driver_tier.py) under one deadline."""
+background builds (codegen/build/driver_tier.py) under one deadline."""
 
 from __future__ import annotations
 
 import time
 
-from backplan.codegen.driver_tier import TIERS
+from backplan.codegen.build.driver_tier import TIERS
 
 
 def slowest_tier(runners: list) -> str | None:

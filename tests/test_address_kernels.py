@@ -1,7 +1,7 @@
 """Loop kernels that allocate nothing take their arrays as addresses and have no CPython
 wrapper: a compiled driver calls them through a caller that passes its arrays' addresses on,
-a driver running as Python through their C entries (codegen/kernel_source.py,
-codegen/kernel_cache.py). Both must compute what the reference interpreter does, on strided,
+a driver running as Python through their C entries (codegen/render/kernel_source.py,
+codegen/build/kernel_cache.py). Both must compute what the reference interpreter does, on strided,
 reversed, boolean, integer and empty views, and from two threads at once."""
 
 import numpy as np
@@ -9,9 +9,9 @@ import pytest
 from helpers import run_in_threads
 
 import backplan as bp
-from backplan.codegen import address_calls
-from backplan.codegen.address_loops import loads_and_stores
-from backplan.codegen.kernel_source import canonical_kernel
+from backplan.codegen.render.address_loops import loads_and_stores
+from backplan.codegen.render.kernel_source import canonical_kernel
+from backplan.codegen.run import address_calls
 from backplan.runtime.backend import use_backend
 
 

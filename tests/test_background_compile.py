@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen import driver_builder, kernel_cache
+from backplan.codegen.build import driver_builder, kernel_cache
 from backplan.runtime.backend import use_backend
 
 WAIT_S = 300  # a generous bound on a background build on a loaded machine; never asserted on

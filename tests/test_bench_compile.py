@@ -148,7 +148,7 @@ def test_medians_over_rounds_and_a_failed_round_is_noted():
 
 
 def test_driver_hooks_wait_for_backplans_background_builds_only():
-    from backplan.codegen import driver_builder
+    from backplan.codegen.build import driver_builder
 
     wait, state = driver_hooks("backplan")
     assert wait is driver_builder.wait_for_builds and wait(timeout=60)

@@ -12,7 +12,7 @@ import numba
 import pytest
 from test_disk_cache import SCRIPT
 
-from backplan.codegen import cache, cache_signing
+from backplan.codegen.build import cache, cache_signing
 
 
 def run(tmp_path) -> tuple[dict, list[str]]:

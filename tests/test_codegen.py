@@ -10,7 +10,7 @@ import pytest
 from op_samples import SAMPLES
 
 import backplan as bp
-from backplan.codegen.compiled import CompiledPlan
+from backplan.codegen.run.compiled import CompiledPlan
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
 from backplan.ir.interpreter import run_plan

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from backplan.codegen import cache
+from backplan.codegen.build import cache
 
 SCRIPT = textwrap.dedent("""
     import json, sys

@@ -1,4 +1,5 @@
-"""Driver builds across processes (codegen/driver_builder.py, codegen/driver_lock.py): a build
+"""Driver builds across processes (codegen/build/driver_builder.py, codegen/build/driver_lock.py):
+a build
 still running when a program ends finishes in its detached child, so the next run starts on the
 compiled driver; two processes sharing a cache folder compile a driver once; builds queued while
 a child runs go to one child together.
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from backplan.codegen import driver_builder, driver_lock, driver_tier
+from backplan.codegen.build import driver_builder, driver_lock, driver_tier
 
 pytestmark = pytest.mark.skipif(
     driver_lock.fcntl is None or not os.path.isdir("/proc"), reason="needs flock and /proc"
@@ -24,7 +25,7 @@ SCRIPT = """
 import json, sys
 import numpy as np
 import backplan as bp
-from backplan.codegen import driver_builder
+from backplan.codegen.build import driver_builder
 from backplan.runtime.backend import use_backend
 
 def loss(w, x):
@@ -224,7 +225,7 @@ def test_a_build_by_other_code_generator_files_is_refused_with_the_reason(tmp_pa
     import numpy as np
 
     import backplan as bp
-    from backplan.codegen import cache
+    from backplan.codegen.build import cache
     from backplan.runtime.backend import use_backend
 
     monkeypatch.setenv("BACKPLAN_DRIVER", "background")

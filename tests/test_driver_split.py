@@ -1,4 +1,5 @@
-"""A long plan driver is split into compiled parts (codegen/driver_split.py): the parts pass on
+"""A long plan driver is split into compiled parts (codegen/render/driver_split.py): the parts pass
+on
 exactly the names later parts read, the split plan computes what the reference does, and a slow
 first call says when each part is compiled."""
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen import driver_split
+from backplan.codegen.render import driver_split
 from backplan.runtime.backend import use_backend
 
 

@@ -1,6 +1,6 @@
 """A first call does not wait for its plan's driver to compile: it runs the driver as Python
 calling the same compiled kernels while a child process compiles the driver into the cache, then
-switches (codegen/driver_tier.py). Both tiers give bitwise the same results as each other and
+switches (codegen/build/driver_tier.py). Both tiers give bitwise the same results as each other and
 the reference's within rounding; a failed build warns and keeps the calls correct; the lines
 say what happens; a bad index reads the same on the Python tier."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen import driver_builder, driver_tier
+from backplan.codegen.build import driver_builder, driver_tier
 from backplan.runtime.backend import use_backend
 
 
@@ -50,7 +50,8 @@ def test_first_calls_run_the_python_driver_then_switch_to_the_compiled_one(backg
         again = bp.value_and_grad(bp.compile(loss))  # a new plan finds the driver cached
         again(w, x)
         assert compiled_plan(again, w, x).driver_tier == "compiled"
-    # The same loop bodies, compiled in two forms (codegen/kernel_source.py): the same bits here,
+    # The same loop bodies, compiled in two forms (codegen/render/kernel_source.py): the same bits
+    # here,
     # where nothing lets fastmath reassociate a sum differently.
     assert value.numpy() == first_value.numpy()
     assert np.array_equal(grad.numpy(), first_grad.numpy())
@@ -136,7 +137,7 @@ def test_reference_first_calls_compile_nothing_here_then_switch(background, monk
     kernels and the driver, and later calls run them."""
     monkeypatch.setenv("BACKPLAN_DRIVER", "reference")
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
-    from backplan.codegen import kernel_cache
+    from backplan.codegen.build import kernel_cache
 
     w, x = data(6)
     capfd.readouterr()
@@ -163,7 +164,8 @@ NEXT_PROCESS = """
 import json, sys
 import numpy as np
 import backplan as bp
-from backplan.codegen import driver_builder, driver_tier
+from backplan.codegen.build import driver_builder
+from backplan.codegen.build import driver_tier
 from backplan.runtime.backend import use_backend
 
 def loss(w, x):

@@ -501,7 +501,7 @@ def test_kernel_groups_from_a_fusion_pass_are_reported():
 
 @pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
 def test_numba_backend_reports_fusion_groups_without_compiling(form, monkeypatch):
-    import backplan.codegen.compiled as compiled
+    import backplan.codegen.run.compiled as compiled
     from backplan.ir.fusion import group_kernels
     from backplan.runtime.backend import use_backend
 
@@ -529,7 +529,7 @@ def test_numba_backend_reports_fusion_groups_without_compiling(form, monkeypatch
 
 def compiled_layouts(fn, form, args) -> dict:
     """What the code generator lays out for each plan explain() describes, by plan label."""
-    from backplan.codegen.emit import generate
+    from backplan.codegen.render.emit import generate
     from backplan.ir.lowering import lower
 
     if form == "value_and_grad":
@@ -548,7 +548,7 @@ def compiled_layouts(fn, form, args) -> dict:
 def test_numba_report_states_the_compiled_layout_without_compiling(
     form, case, tmp_path, monkeypatch
 ):
-    import backplan.codegen.compiled as compiled
+    import backplan.codegen.run.compiled as compiled
     from backplan.ir.lowering import lower
     from backplan.report.wording import format_bytes
     from backplan.runtime.backend import make_runner, use_backend

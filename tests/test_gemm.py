@@ -9,8 +9,8 @@ from helpers import run_with_own_gemm_as_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backplan.codegen import gemm as own
-from backplan.codegen.gemm import isa
+from backplan.codegen.kernels import gemm as own
+from backplan.codegen.kernels.gemm import isa
 
 WIDTHS = (512, 256)
 DIMS = st.sampled_from([0, 1, 2, 7, 8, 9, 16, 17, 31, 33, 64, 127, 130])
@@ -82,7 +82,7 @@ def test_gemm_strided_views_and_multiple_k_blocks(width):
 def test_b_read_in_place_and_packed_agree(width):
     """One row block of C reads B in place, more rows pack it (driver.py): both, with an edge
     panel, k over two k blocks, and B's rows strided, match float64."""
-    from backplan.codegen.gemm.driver import MC
+    from backplan.codegen.kernels.gemm.driver import MC
 
     rng = np.random.default_rng(3)
     for dtype in (np.float32, np.float64):
@@ -146,7 +146,7 @@ def test_compiled_plans_with_own_gemm_equal_reference(monkeypatch, forced_isa):
     )
 
     import backplan as bp
-    from backplan.codegen.compiled import CompiledPlan
+    from backplan.codegen.run.compiled import CompiledPlan
     from backplan.ir.lowering import lower
     from backplan.ir.pipeline import build_joint_plan
 
@@ -179,7 +179,7 @@ def test_compiled_plans_with_own_gemm_equal_reference(monkeypatch, forced_isa):
 
 
 def test_choice_table_and_override(monkeypatch):
-    from backplan.codegen.gemm import choice
+    from backplan.codegen.kernels.gemm import choice
 
     monkeypatch.setenv("BACKPLAN_GEMM", "blas")
     assert not choice.use_own_gemm(128, 512, 784, False, "f32")
@@ -202,7 +202,7 @@ def test_choice_table_and_override(monkeypatch):
 
 def test_parallel_gemm_blocks_cover_c_exactly():
     """Row blocks (m >= n) and column blocks (n > m), more blocks than rows, and batches."""
-    from backplan.codegen.gemm.parallel import batched_gemm_parallel, gemm_parallel
+    from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel, gemm_parallel
 
     rng = np.random.default_rng(5)
     for m, n, k in ((70, 9, 33), (9, 70, 33), (3, 2, 5), (0, 4, 4)):

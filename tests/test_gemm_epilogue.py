@@ -1,4 +1,4 @@
-"""Epilogue fusion (ir/epilogue.py, codegen/epilogue.py): the loop after a 2-D matmul (bias
+"""Epilogue fusion (ir/epilogue.py, codegen/render/epilogue.py): the loop after a 2-D matmul (bias
 add, activation) runs inside the own GEMM on each finished block of rows. The lowered plan and
 explain() show it, the driver has no separate loop, and values, gradients and saved buffers
 match the reference interpreter and NumPy in float64, on both register widths and under BLAS."""
@@ -10,9 +10,9 @@ import pytest
 from helpers import run_with_own_gemm_as_python
 
 import backplan as bp
-from backplan.codegen import kernel_cache
-from backplan.codegen.emit import generate
-from backplan.codegen.gemm import isa
+from backplan.codegen.build import kernel_cache
+from backplan.codegen.kernels.gemm import isa
+from backplan.codegen.render.emit import generate
 from backplan.ir.fusion import group_kernels
 from backplan.ir.lowering import RUN_KINDS, lower
 from backplan.runtime.backend import use_backend

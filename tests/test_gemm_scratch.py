@@ -8,8 +8,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from backplan.codegen.gemm import scratch
-from backplan.codegen.gemm.api import gemm
+from backplan.codegen.kernels.gemm import scratch
+from backplan.codegen.kernels.gemm.api import gemm
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -105,7 +105,7 @@ def test_kept_buffers_start_on_a_cache_line():
 
 
 def test_one_kept_buffer_holds_the_largest_workspace_of_any_tile_and_dtype():
-    from backplan.codegen.gemm.driver import KC, MC, NC, workspace_sizes
+    from backplan.codegen.kernels.gemm.driver import KC, MC, NC, workspace_sizes
 
     largest = max(
         sum(workspace_sizes(width, itemsize, KC, MC, NC)) * itemsize

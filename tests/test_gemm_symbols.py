@@ -11,8 +11,8 @@ import numba
 import numpy as np
 import pytest
 
-from backplan.codegen import gemm as own
-from backplan.codegen.gemm import symbols
+from backplan.codegen.kernels import gemm as own
+from backplan.codegen.kernels.gemm import symbols
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -47,7 +47,7 @@ def test_a_new_process_loads_a_cached_caller_of_the_symbol(tmp_path):
     script = textwrap.dedent(
         """
         import numpy as np
-        from backplan.codegen import gemm as own
+        from backplan.codegen.kernels import gemm as own
         a = np.arange(12, dtype=np.float64).reshape(3, 4)
         c = np.empty((3, 3))
         own.gemm(512, False, True, 1.0, a, a, 0.0, c)
@@ -70,7 +70,7 @@ def test_compiling_the_gemm_says_so_once():
     script = textwrap.dedent(
         """
         import numpy as np
-        from backplan.codegen.gemm import symbols
+        from backplan.codegen.kernels.gemm import symbols
         class NoCache:  # force a compile: nothing to load
             def load_overload(self, *args):
                 return None
@@ -101,7 +101,7 @@ def test_two_threads_first_calling_the_gemm_both_get_it_right():
         import threading
         import numba
         import numpy as np
-        from backplan.codegen import gemm as own
+        from backplan.codegen.kernels import gemm as own
 
         fresh = numba.njit(own.gemm.py_func)  # compiled here: registers during its codegen
         results = {}

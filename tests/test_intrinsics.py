@@ -1,4 +1,4 @@
-"""backplan's intrinsics (codegen/intrinsics.py) look their typing cache up before Numba
+"""backplan's intrinsics (codegen/kernels/intrinsics.py) look their typing cache up before Numba
 refreshes the target context: a kernel's typing refreshes it as often for 40 loads as for 2,
 and what they compute is unchanged."""
 
@@ -6,7 +6,7 @@ import numba
 import numpy as np
 from numba.core.registry import cpu_target
 
-from backplan.codegen.views import load, origin, store
+from backplan.codegen.kernels.views import load, origin, store
 
 
 def sum_of_loads(count: int):

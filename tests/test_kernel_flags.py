@@ -5,7 +5,7 @@ array keeps reference counting (else it would leak)."""
 import numpy as np
 
 import backplan as bp
-from backplan.codegen.kernel_source import allocates
+from backplan.codegen.render.kernel_source import allocates
 from backplan.runtime.backend import use_backend
 
 
@@ -56,7 +56,7 @@ def test_address_loops_compile_no_wrapper_and_run_through_their_native_entry(mon
     (LLVM would inline the loop into it and emit it twice), and the results are the
     reference interpreter's."""
     monkeypatch.setenv("BACKPLAN_DRIVER", "python")  # never the compiled driver: the loops run
-    from backplan.codegen import kernel_cache
+    from backplan.codegen.build import kernel_cache
     from backplan.codegen.flags import ADDRESS_KERNEL_JIT_OPTIONS
 
     assert ADDRESS_KERNEL_JIT_OPTIONS["no_cfunc_wrapper"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen import kernel_cache
+from backplan.codegen.build import kernel_cache
 from backplan.runtime.backend import use_backend
 
 
@@ -99,7 +99,7 @@ def test_progress_lines_appear_only_when_the_compile_is_predicted_slow(
 @pytest.mark.parametrize("driver", ["inline", "python"])
 def test_progress_counts_kernels_compiled_in_either_form(driver, monkeypatch, tmp_path, capfd):
     """Compiled drivers compile a kernel's array-view form, first calls on a Python-run driver
-    its address form (codegen/kernel_source.py): either way the ready line counts it once."""
+    its address form (codegen/render/kernel_source.py): either way the ready line counts it once."""
     monkeypatch.setenv("BACKPLAN_DRIVER", driver)
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
@@ -149,7 +149,7 @@ def test_one_numba_thread_generates_no_parallel_kernel():
     plan's big loops are serial (and cache as a plan of their own)."""
     import numba
 
-    from backplan.codegen.compiled import PARALLEL_LAUNCH
+    from backplan.codegen.run.compiled import PARALLEL_LAUNCH
 
     rng = np.random.default_rng(4)
     w, x = floats(rng, 2048, 1024), floats(rng, 2048, 1024)  # parallel with 2 threads
@@ -174,7 +174,7 @@ def test_driver_build_estimate_grows_with_statements_and_skips_twins_already_com
     """The background build's "about N s" counts the driver's statements and the inlined twin
     of each kernel whose array-view form was never compiled: a plan whose twins are compiled
     is predicted cheaper by exactly their cost, a longer driver dearer."""
-    from backplan.codegen import progress
+    from backplan.codegen.build import progress
 
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("BACKPLAN_DRIVER", "inline")  # compiles the twins in the first call
@@ -198,8 +198,8 @@ def test_driver_build_estimate_grows_with_statements_and_skips_twins_already_com
 def test_first_call_estimate_prices_a_loop_taking_addresses_apart(monkeypatch, tmp_path):
     """A first call compiles a kernel's loop taking addresses where it has one (optimised
     once, cheaper), any other kernel whole; the estimate prices each so."""
-    from backplan.codegen import progress
-    from backplan.codegen.kernel_source import KernelSource
+    from backplan.codegen.build import progress
+    from backplan.codegen.render.kernel_source import KernelSource
 
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))  # nothing cached
     address = KernelSource("a" * 64, "def kernel_at(a0):\n    pass\ndef kernel(a0):\n", False, ())

@@ -156,7 +156,7 @@ def test_checker_finds_each_kind_of_violation(layer, source, module, expected):
         ("ir", "from . import ops", "backplan.ir.registry"),
         ("ir", "from . import creation, elementwise", "backplan.ir.ops"),
         ("ir", "from ..errors import DtypeError", "backplan.ir.ops.common"),
-        ("codegen", "from backplan.ir.graph import Graph", "backplan.codegen.emit"),
+        ("codegen", "from backplan.ir.graph import Graph", "backplan.codegen.render.emit"),
         (
             "runtime",
             "from backplan.codegen import x\nfrom backplan.ir import y",

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 import pytest
 
-from backplan.codegen.library_progress import announce_compiles
+from backplan.codegen.build.library_progress import announce_compiles
 
 
 def _fresh_library_function():
@@ -48,8 +48,9 @@ def test_unregistered_compiles_say_nothing(monkeypatch, capfd):
 
 
 def test_library_conv_and_attention_register_their_heavy_kernels():
-    from backplan.codegen import library_attention, library_conv
-    from backplan.codegen.library_progress import _MEASURED
+    from backplan.codegen.build.library_progress import _MEASURED
+    from backplan.codegen.kernels import attention as library_attention
+    from backplan.codegen.kernels import conv as library_conv
 
     for kernel in (
         library_conv.conv2d_gemm,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import special
 
-from backplan.codegen import mathlib
+from backplan.codegen.kernels import mathlib
 from backplan.ir.registry import all_ops
 from backplan.ir.types import FLOAT_DTYPES
 

@@ -13,7 +13,7 @@ import backplan as bp
 from backplan.bench.models import MODELS
 from backplan.bench.peers.backplan_peer import bench_function
 from backplan.codegen.compiled import CompiledPlan
-from backplan.codegen.memory_check import MemoryCheckError, checked_memory, measure
+from backplan.codegen.run.memory_check import MemoryCheckError, checked_memory, measure
 from backplan.ir.lowering import lower
 from backplan.ir.peak import joint_calls, predicted_peak, region_calls
 from backplan.ir.pipeline import build_joint_plan

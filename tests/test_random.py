@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen.compiled import CompiledPlan
-from backplan.codegen.library_random import threefry2x32 as compiled_threefry
+from backplan.codegen.kernels.random import threefry2x32 as compiled_threefry
+from backplan.codegen.run.compiled import CompiledPlan
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
 from backplan.ir.interpreter import run_plan

@@ -224,7 +224,7 @@ def test_registry_entry_has_every_field(name):
 def test_every_op_has_exactly_one_lowering(name):
     """Its scalar expression (fused loops), a loop-tail reduction, a view or source form, or
     an entry in codegen's one table of opaque kernels: never two, never none."""
-    from backplan.codegen.ops_emit import OPAQUE_EMITTERS
+    from backplan.codegen.render.ops_emit import OPAQUE_EMITTERS
 
     opdef = get_op(name)
     lowerings = {
@@ -243,7 +243,7 @@ def test_every_op_has_exactly_one_lowering(name):
 @pytest.mark.parametrize("name", sorted(n for n, op in all_ops().items() if op.scalar))
 def test_scalar_templates_render_for_every_dtype_they_take(name):
     """Every placeholder of a template is one the renderer fills in."""
-    from backplan.codegen.scalar import expression
+    from backplan.codegen.render.scalar import expression
     from backplan.ir.builder import Builder
     from backplan.ir.graph import Graph
     from backplan.ir.types import TensorType

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen import kernel_cache
+from backplan.codegen.build import kernel_cache
 from backplan.codegen.flags import SMALL_LOOP_ELEMENTS
 from backplan.runtime.backend import use_backend
 

@@ -1,5 +1,5 @@
 """A plan's driver is a thin list of calls: loop kernels take base arrays and integer offsets
-and make their own views (codegen/placement.py), so the driver slices, reshapes and assigns
+and make their own views (codegen/render/placement.py), so the driver slices, reshapes and assigns
 into nothing; the gradient of a slice (zero fill, copy into a part) and a concatenation are
 calls of shared kernels. The results still match the reference interpreter, and kernels are
 still shared across sizes."""
@@ -9,7 +9,7 @@ import re
 import numpy as np
 
 import backplan as bp
-from backplan.codegen.emit import generate
+from backplan.codegen.render.emit import generate
 from backplan.ir.lowering import lower
 from backplan.runtime.backend import use_backend
 
@@ -57,7 +57,7 @@ def test_the_driver_of_a_plan_with_slice_gradients_is_only_calls():
 
 
 def test_thin_driver_results_match_the_reference_and_share_kernels_across_sizes():
-    from backplan.codegen import kernel_cache
+    from backplan.codegen.build import kernel_cache
 
     rng = np.random.default_rng(1)
     results = {}

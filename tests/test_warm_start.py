@@ -8,8 +8,8 @@ import sys
 
 from helpers import script_facts
 
-from backplan.codegen import kernel_cache
-from backplan.codegen.kernel_source import KernelSource
+from backplan.codegen.build import kernel_cache
+from backplan.codegen.render.kernel_source import KernelSource
 
 # A fresh interpreter: import (no SciPy BLAS loaded yet: it starts OpenBLAS), then a compiled
 # float64 matmul through BLAS (its first call makes Numba set up its compiler, which is when

@@ -74,8 +74,8 @@ def bench_model_plans():
 
 
 def sources() -> dict[str, str]:
-    from backplan.codegen.emit import generate
-    from backplan.codegen.ops_emit import Unsupported
+    from backplan.codegen.render.emit import generate
+    from backplan.codegen.render.ops_emit import Unsupported
 
     try:
         from backplan.ir.lowering import lower

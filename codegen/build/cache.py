@@ -1,0 +1,177 @@
+"""The disk cache of generated modules.
+
+Each plan's source is written to `<cache dir>/<key>.py` and imported, so Numba's own
+cache=True keeps the machine code beside it and a second process starts warm. The key is a hash
+of named parts; a sidecar `<key>.json` records them so a miss can say which part changed.
+The source is regenerated from the IR every time and compared with the file: code is only ever
+run if it is exactly what backplan generated now, and a tampered, corrupt or half-written entry
+is simply rewritten (writes go to a temporary file, then rename, so concurrent processes never
+see a partial file). Numba's machine code beside it is signed (cache_signing.py) and checked
+before it is unpickled.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import sys
+import threading
+import types
+
+import llvmlite
+import numba
+import numpy as np
+
+from backplan.codegen.build import cache_health
+from backplan.codegen.build.cache_signing import CacheError, check_private_folder, key_path
+from backplan.codegen.build.fingerprint import codegen_fingerprint, kernel_fingerprint  # noqa: F401 (used via cache.)
+
+_importing = threading.Lock()  # one thread at a time writes and imports entries
+
+
+def cache_path() -> str:
+    """Where the cache folder is, without creating it (for questions that must not write)."""
+    return os.environ.get("BACKPLAN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "backplan",
+        "kernels",
+    )
+
+
+def cache_dir() -> str:
+    """The cache folder, created 0700 (with the `__pycache__` Numba writes into); a folder that
+    other users can write to, or one holding the signing key, is refused with CacheError."""
+    path = cache_path()
+    numba_files = os.path.join(path, "__pycache__")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.makedirs(numba_files, mode=0o700, exist_ok=True)
+    for folder in (path, numba_files):
+        check_private_folder(folder, "the kernel cache folder")
+    key = os.path.realpath(key_path())
+    if key.startswith(os.path.join(os.path.realpath(path), "")):
+        raise CacheError(
+            f"backplan's cache key {key} lies inside the kernel cache folder {path}; the key "
+            "must live elsewhere: set XDG_CONFIG_HOME or BACKPLAN_CACHE_DIR to separate them"
+        )
+    return path
+
+
+@functools.cache
+def _cpu() -> str:
+    """The host CPU's name and a hash of its features (asked of LLVM once per process)."""
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features().flatten()
+    return f"{binding.get_host_cpu_name()}:{hashlib.sha256(features.encode()).hexdigest()[:12]}"
+
+
+def key_parts(ir_text: str, flags: str) -> dict[str, str]:
+    return {
+        "ir": hashlib.sha256(ir_text.encode()).hexdigest()[:24],
+        "codegen": codegen_fingerprint(),
+        "numba": numba.__version__,
+        "llvmlite": llvmlite.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "cpu": _cpu(),
+        "flags": hashlib.sha256(flags.encode()).hexdigest()[:12],
+    }
+
+
+def entry_key(parts: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def miss_reason(parts: dict[str, str], directory: str) -> str:
+    """Which named parts differ from the closest entry for the same IR, if there is one."""
+    best = None
+    for name in os.listdir(directory):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                other = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(other, dict) and other.get("ir") == parts["ir"]:
+            changed = sorted(k for k in parts if other.get(k) != parts[k])
+            if best is None or len(changed) < len(best):
+                best = changed
+    if best is None:
+        return "new plan: this IR was never compiled here"
+    return "changed: " + ", ".join(f"{k}" for k in best)
+
+
+_write_atomic = cache_health.write_atomic
+
+
+def writable_cache_dir() -> str | None:
+    """The cache folder (made again if it was deleted), or None when it cannot be written: then
+    this process compiles in memory (codegen/cache_health.py; one CacheWarning says why)."""
+    path = cache_path()
+    if cache_health.is_unwritable(path):
+        return None
+    try:
+        directory = cache_dir()
+    except CacheError:
+        raise  # a folder others can write to is refused, never silently used or skipped
+    except OSError as error:
+        cache_health.note_unwritable(path, error)
+        return None
+    return directory if cache_health.probe(directory) else None
+
+
+def write_entry(directory: str | None, files: dict[str, str]) -> None:
+    """Write files (name -> text) into the cache folder; a failure (disk full, folder gone or
+    made read-only meanwhile) is noted and the process goes on in memory."""
+    if directory is None:
+        return
+    try:
+        for name, text in files.items():
+            _write_atomic(os.path.join(directory, name), text)
+    except OSError as error:
+        cache_health.note_unwritable(directory, error)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def load_module(source: str, parts: dict[str, str]):
+    """Import the module for this source; returns (module, hit?, miss reason or None)."""
+    directory = writable_cache_dir()
+    key = entry_key(parts)
+    path = os.path.join(directory or cache_path(), f"bp_{key}.py")
+    hit = _read(path) == source
+    reason = None
+    if not hit:
+        if directory is None:
+            reason = "the cache folder cannot be written: compiled in memory"
+        elif os.path.exists(path):
+            reason = "entry rewritten"
+        else:
+            reason = miss_reason(parts, directory)
+        write_entry(
+            directory,
+            {f"bp_{key}.py": source, f"bp_{key}.json": json.dumps(parts, sort_keys=True)},
+        )
+    name = f"backplan_kernels_{key}"
+    with _importing:
+        module = sys.modules.get(name)
+        if module is None or getattr(module, "__source_text__", None) != source:
+            # Run the source we generated (not whatever the file holds) under the file's name,
+            # so Numba's cache, which keys on the file, still works. Published only once whole:
+            # another thread must never see a module whose `run` is not defined yet.
+            module = types.ModuleType(name)
+            module.__file__ = path
+            module.__source_text__ = source
+            exec(compile(source, path, "exec"), module.__dict__)
+            sys.modules[name] = module
+    return module, hit, reason

@@ -1,0 +1,75 @@
+"""The child process that compiles plans' drivers into the disk cache (codegen/build/driver_builder.py
+starts it): it reads, from stdin, a list of plans (generated source, loop kernels, the argument
+types), compiles each plan's `run` for them and writes one JSON line per plan to stdout, `error`
+null once it is in the cache. The parent then loads the compiled driver from the cache, where
+Numba wrote it signed. If the parent has exited meanwhile it goes on: the next run finds them."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+from backplan.codegen.build import cache
+from backplan.codegen.build import driver_lock
+from backplan.codegen.build import fingerprint
+from backplan.codegen.build import kernel_cache
+from backplan.codegen.build.driver_tier import numba_signature
+from backplan.codegen.jit import start_parallel_runtime
+from backplan.codegen.render.kernel_source import KernelSource
+
+
+def build(payload: dict) -> tuple[str | None, bool]:
+    """Compile one plan's driver into the cache: (None, or why it is not there; whether it was
+    compiled here). Another process compiling the same driver is waited for, and its driver
+    used."""
+    if payload["parts"]["codegen"] != fingerprint.codegen_fingerprint():
+        here = fingerprint.CODEGEN_ROOT
+        return (
+            f"the build process found other code generator files in {here} than this program "
+            "started with (edited since, or another copy of backplan): its driver would not be "
+            "this program's"
+        ), False
+    kernels = [
+        KernelSource(k["digest"], k["source"], k["parallel"], tuple(k["arguments"]))
+        for k in payload["kernels"]
+    ]
+    kernel_cache.load(kernels)
+    module, _, _ = cache.load_module(payload["source"], payload["parts"])
+    signature = numba_signature(payload["signature"])
+    with driver_lock.held(module.__file__), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.run.compile(signature)
+    compiled = bool(module.run.stats.cache_misses)
+    if module.run._cache.load_overload(signature, module.run.targetctx) is None:
+        said = " | ".join(str(w.message) for w in caught[-3:])
+        return f"Numba compiled the driver but did not cache it ({said or 'no warning'})", compiled
+    return None, compiled
+
+
+def report(index: int, error: str | None, compiled: bool) -> None:
+    """One line to the parent; nobody reads it once the parent has exited, and that is fine."""
+    line = json.dumps({"index": index, "error": error, "compiled": compiled}) + "\n"
+    try:
+        os.write(1, line.encode())
+    except OSError:
+        pass
+
+
+def main() -> None:
+    # The parent keeps running steps meanwhile (its BLAS threads spin-wait on every core and
+    # starve when a compiler takes one): the build gets what the steps leave.
+    os.nice(10)
+    payloads = json.loads(sys.stdin.buffer.read())
+    start_parallel_runtime()
+    for index, payload in enumerate(payloads):
+        try:
+            error, compiled = build(payload)
+        except Exception as exc:  # noqa: BLE001 - the next plan may still build
+            error, compiled = f"{type(exc).__name__}: {exc}", False
+        report(index, error, compiled)
+
+
+if __name__ == "__main__":
+    main()

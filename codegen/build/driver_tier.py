@@ -1,0 +1,98 @@
+"""A plan's first calls do not wait for its driver to compile.
+
+The loop kernels a plan calls are shared and cached (codegen/build/kernel_cache.py), but its `run`
+driver is new code for every plan, and Numba compiles it in seconds to minutes (an unrolled
+LSTM's driver: 20 s for 4 steps). The driver's Python function calls exactly the same compiled
+kernels, so until the compiled driver exists it runs as Python (the same kernels: the same
+results, with a few microseconds of Python per call) while a separate process compiles it into
+the disk cache; the plan then loads it and switches (a process, not a thread: a compile holds the
+GIL, and every step's kernel call would wait on it).
+
+BACKPLAN_DRIVER picks: `background` (default), `inline` (compile in the first call), `reference`
+(first calls run on the reference interpreter while the child compiles the kernels too: a first
+call that waits for no compiler at all) or `python` (never compile the driver: for debugging).
+A function's own `background=` (bp.compile, bp.value_and_grad) overrides it for its plans:
+True is `reference`, False is `inline`. The builds themselves run in codegen/build/driver_builder.py.
+
+BACKPLAN_DRIVER_AT_EXIT says what happens to a build still running when the program ends:
+`finish` (default: it goes on in its detached process and caches the driver, so the next run of
+a short script starts compiled) or `kill`.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+
+MODES = ("background", "inline", "reference", "python")
+AT_EXIT_MODES = ("finish", "kill")
+TIERS = ("reference", "python", "compiled")  # what runs a plan's calls, slowest first
+
+
+class DriverBuildWarning(UserWarning):
+    """A plan's driver could not be compiled in the background: its calls stay correct and run
+    the driver as Python."""
+
+
+def driver_mode(background: bool | None = None) -> str:
+    """The mode of a plan whose function asked for `background` (None: BACKPLAN_DRIVER's)."""
+    if background is not None:
+        return "reference" if background else "inline"
+    mode = os.environ.get("BACKPLAN_DRIVER", "background")
+    if mode not in MODES:
+        raise ValueError(f"BACKPLAN_DRIVER={mode!r}; use one of {', '.join(MODES)}")
+    return mode
+
+
+def at_exit_mode() -> str:
+    mode = os.environ.get("BACKPLAN_DRIVER_AT_EXIT", "finish")
+    if mode not in AT_EXIT_MODES:
+        raise ValueError(
+            f"BACKPLAN_DRIVER_AT_EXIT={mode!r}; use one of {', '.join(AT_EXIT_MODES)} (what a "
+            "driver build still running when the program ends does: finish and cache it, or stop)"
+        )
+    return mode
+
+
+def python_driver(module: types.ModuleType):
+    """`run` of the generated module as a plain Python function whose parts are Python too;
+    the kernels, GEMMs and library functions it calls stay compiled (address kernels through
+    their C entries: codegen/build/kernel_cache.python_call). Its functions are the module's own code
+    objects bound to a scope of their own: compiling the source again cost an unrolled 48-step
+    LSTM's first call 0.05 s, and the module itself must keep the kernels Numba compiles."""
+    from backplan.codegen.run import address_calls
+    from backplan.codegen.build import kernel_cache
+
+    scope = dict(module.__dict__, __name__="backplan_python_driver")
+    for name, value in list(scope.items()):
+        if (name == "run" or name.startswith("run_part")) and hasattr(value, "py_func"):
+            function = value.py_func
+            scope[name] = types.FunctionType(
+                function.__code__, scope, name, function.__defaults__, function.__closure__
+            )
+        elif name.startswith("k_"):
+            scope[name] = kernel_cache.python_call(value)
+    return address_calls.with_addresses(scope["run"])
+
+
+def argument_types(arrays: list) -> list:
+    """What the compiled driver is compiled for: each argument's dtype, rank, layout and
+    whether it is read-only, as Numba types the argument."""
+    import numba
+
+    described = []
+    for array in arrays:
+        kind = numba.typeof(array)
+        described.append([str(array.dtype), kind.ndim, kind.layout, not kind.mutable])
+    return described
+
+
+def numba_signature(described: list) -> tuple:
+    import numba
+
+    return tuple(
+        numba.types.Array(numba.from_dtype(np.dtype(d)), ndim, layout, readonly=readonly)
+        for d, ndim, layout, readonly in described
+    )

@@ -1,0 +1,74 @@
+"""What compiled code depends on besides its own source: every file of the code generator.
+
+Numba's disk cache keys a function on its own file only and does not notice edits to the
+library code it calls and inlines; so cache keys and Numba's source stamps (cache_signing.py)
+also cover these files.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+CODEGEN_VERSION = "1"
+# The code generator's top folder: every room under it is part of the fingerprint.
+CODEGEN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.cache
+def codegen_fingerprint() -> str:
+    """Numba's cache of a generated kernel keys on the kernel's own source and does not notice
+    edits to the library code it inlines, so the key covers those files too."""
+    here = CODEGEN_ROOT
+    digest = hashlib.sha256(CODEGEN_VERSION.encode())
+    paths = [
+        os.path.join(folder, name)
+        for folder, _, files in os.walk(here)
+        for name in files
+        if name.endswith(".py")
+    ]
+    for path in sorted(paths):
+        with open(path, "rb") as f:
+            digest.update(os.path.relpath(path, here).encode() + f.read())
+    return digest.hexdigest()[:16]
+
+
+# The files a loop kernel's compiled code depends on (what its source imports and inlines).
+KERNEL_DEPENDENCIES = (
+    "flags.py",
+    "jit.py",
+    "render/kernel_source.py",
+    "build/lean_pipeline.py",
+    "build/loop_optimisation.py",
+    "kernels/mathlib.py",
+    "kernels/scalar_functions.py",
+    "kernels/views.py",
+)
+
+
+# What a loop kernel that runs a GEMM (a GEMM with its epilogue) depends on besides those.
+GEMM_DEPENDENCIES = tuple(
+    f"kernels/gemm/{name}"
+    for name in (
+        "api.py",
+        "driver.py",
+        "kernel.py",
+        "pack.py",
+        "scratch.py",
+        "symbols.py",
+        "transpose_pack.py",
+    )
+)
+
+
+@functools.cache
+def kernel_fingerprint(gemm: bool = False) -> str:
+    """Like codegen_fingerprint, over the kernels' dependencies only: editing the plan emitter
+    keeps every shared kernel cached. gemm: for the kernels that call backplan's GEMM."""
+    here = CODEGEN_ROOT
+    digest = hashlib.sha256(CODEGEN_VERSION.encode())
+    for name in KERNEL_DEPENDENCIES + (GEMM_DEPENDENCIES if gemm else ()):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(name.encode() + f.read())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,150 @@
+"""Loop kernels shared by every plan: each canonical kernel (codegen/render/kernel_source.py) is written
+to `<cache dir>/k_<hash>.py`, imported once per process into a registry (hash -> Numba
+dispatcher) and compiled with cache=True, so a kernel is compiled once per machine, whichever
+plan, model or process first needs it.
+
+A kernel that takes its arrays as addresses (codegen/render/kernel_source.py) has no CPython wrapper:
+a driver running as Python calls its loop's C entry instead (`python_call`,
+codegen/run/address_calls.py).
+
+Safe as the plan cache is (codegen/build/cache.py): the source is regenerated and compared with the
+file before anything runs, the code run is the source generated now (never the file's text),
+writes are atomic, and a tampered, corrupt or half-written file is simply rewritten.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import types
+from dataclasses import dataclass
+
+from backplan.codegen.build import cache
+from backplan.codegen.run.address_calls import AddressCall
+from backplan.codegen.jit import AS_PYTHON
+from backplan.codegen.render.kernel_source import KernelSource
+
+_LOADED: dict[str, object] = {}  # digest -> dispatcher (a plain function when run as Python)
+_ADDRESS_LOOPS: dict[str, list] = {}  # digest -> its loops taking addresses (ADDRESS_FORMS)
+# An address kernel's loops taking addresses: fully optimised, and compiled quickly for calls
+# over few elements (codegen/render/kernel_source.py).
+ADDRESS_FORMS = ("kernel_at", "kernel_at_small")
+_PYTHON_CALLS: dict[int, object] = {}  # id(dispatcher) -> what a Python-run driver calls
+
+
+def kernel(digest: str):
+    """The loaded kernel with this hash: what a plan's driver module calls."""
+    try:
+        return _LOADED[digest]
+    except KeyError:
+        raise RuntimeError(
+            f"loop kernel {digest[:20]} was not loaded before the plan using it; load the "
+            "plan's kernels with backplan.codegen.build.kernel_cache.load first"
+        ) from None
+
+
+def load(kernels: list[KernelSource]) -> None:
+    """Import every kernel not yet in this process (nothing is compiled here: Numba compiles,
+    or loads from its disk cache, on the first call with each argument type). Two threads
+    making plans at once import a shared kernel once."""
+    with _loading:
+        for source in kernels:
+            if source.digest not in _LOADED:
+                module = _import(source)
+                _LOADED[source.digest] = module.kernel
+                loops = [getattr(module, name, None) for name in ADDRESS_FORMS]
+                if loops[0] is not None and not AS_PYTHON:
+                    _ADDRESS_LOOPS[source.digest] = [loop for loop in loops if loop is not None]
+                    _PYTHON_CALLS[id(module.kernel)] = AddressCall(*loops)
+
+
+_loading = threading.Lock()
+
+
+def compiled_forms(digest: str) -> list:
+    """The functions of a kernel that compile: its loops taking addresses (first calls on a
+    Python-run driver: ADDRESS_FORMS) and the form compiled drivers call (the kernel itself)."""
+    return [*_ADDRESS_LOOPS.get(digest, ()), _LOADED[digest]]
+
+
+def python_call(kernel):
+    """What a driver running as Python calls for this loaded kernel."""
+    return _PYTHON_CALLS.get(id(kernel), kernel)
+
+
+def _import(source: KernelSource):
+    directory = cache.writable_cache_dir()  # None: compiled in memory (codegen/cache_health.py)
+    path = os.path.join(directory or cache.cache_path(), f"{source.name}.py")
+    if directory is not None and cache._read(path) != source.source:
+        cache.write_entry(directory, {f"{source.name}.py": source.source})
+    module = types.ModuleType(f"backplan_kernel_{source.name}")
+    module.__file__ = path
+    module.__source_text__ = source.source  # to write the file again if it is deleted
+    sys.modules[module.__name__] = module
+    # Run the source generated now under the file's name: Numba's cache keys on the file.
+    exec(compile(source.source, path, "exec"), module.__dict__)
+    return module
+
+
+def is_cached(source: KernelSource) -> bool:
+    """Whether the kernel will not need compiling (see cached_digests)."""
+    return source.digest in cached_digests([source])
+
+
+def cached_digests(kernels: list[KernelSource], form: str | None = None) -> set[str]:
+    """The digests of those kernels that will not need compiling: compiled in this process
+    already, or an index of compiled versions is on disk beside the kernel's file (a prediction:
+    the index may hold other argument types). form: "kernel" asks about the form compiled
+    drivers inline only (None: either form). Numba's folder is listed at most once per call,
+    however many kernels are asked about: a long-lived cache holds thousands of files."""
+    found, unknown = set(), []
+    for source in kernels:
+        forms = compiled_forms(source.digest) if source.digest in _LOADED else []
+        if form is not None:
+            forms = [f for f in forms if getattr(f, "__name__", "") == form]
+        if any(getattr(f, "overloads", None) for f in forms):
+            found.add(source.digest)
+        else:
+            unknown.append(source)
+    if unknown:
+        indexed = _indexed_kernel_names(form)
+        found.update(source.digest for source in unknown if source.name in indexed)
+    return found
+
+
+def _indexed_kernel_names(form: str | None = None) -> frozenset[str]:
+    """Names of the kernels with a Numba index file (`<name>.kernel-<line>....nbi`, or
+    `.kernel_at-`, `.kernel_at_small-` for the loops of an address kernel); form picks one."""
+    directory = os.path.join(cache.cache_path(), "__pycache__")  # asking creates nothing
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return frozenset()
+    return frozenset(
+        n.partition(".kernel")[0]
+        for n in names
+        if n.endswith(".nbi")
+        and any(f".{name}-" in n for name in ((form,) if form else ("kernel", *ADDRESS_FORMS)))
+    )
+
+
+@dataclass(frozen=True)
+class KernelCounts:
+    """Loop kernels of this process: `loaded` distinct kernels imported, `versions` compiled
+    versions held (one per argument types; compiled here or loaded from disk), `compiled` of
+    those that Numba compiled here (disk cache misses)."""
+
+    loaded: int
+    versions: int
+    compiled: int
+
+
+def counts() -> KernelCounts:
+    functions = [*_LOADED.values(), *(loop for loops in _ADDRESS_LOOPS.values() for loop in loops)]
+    dispatchers = [d for d in functions if hasattr(d, "overloads")]
+    return KernelCounts(
+        len(_LOADED),
+        sum(len(d.overloads) for d in dispatchers),
+        sum(sum(d.stats.cache_misses.values()) for d in dispatchers),
+    )

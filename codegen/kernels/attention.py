@@ -1,0 +1,154 @@
+"""Fused attention kernels: per (batch, head) and block of query rows, the scores live in a
+(block, S) workspace only, so no (B, H, T, S) matrix is ever written; backward recomputes them.
+
+Arrays are 4-D (batch, head, length, features) of any strides (the usual q, k, v are
+transposed views of a projection), read in place. `width` is the GEMM's: 512 or 256 for
+backplan's own (codegen/kernels/gemm), 0 for BLAS where rows are contiguous, as the plan chose per
+shape (codegen/kernels/gemm/choice.py; BLAS is ahead on 256-bit CPUs). The parallel variants use the
+own GEMM, which is single-threaded and allocates its own packing buffers, so threads share
+(batch, head) pairs with no lock. Per block of rows:
+
+    forward   P = softmax(scale * Q_r K^T, masked)      O_r = P V
+    backward  P as above   dP = G_r V^T   dV += P^T G_r   dS = P * (dP - rowsum(P * dP)) * scale
+              dQ_r = dS K   dK += dS^T Q_r
+"""
+
+import numpy as np
+
+from backplan.codegen.build.library_progress import announce_compiles
+from backplan.codegen.flags import FASTMATH
+from backplan.codegen.jit import njit, prange
+from backplan.codegen.kernels.blas import gemm_rows, rows_contiguous
+from backplan.codegen.kernels.gemm import gemm
+from backplan.codegen.kernels.rows import softmax_row
+
+_opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
+# Helpers only the kernels below call: no CPython or C wrapper to compile. They are not inlined
+# either: inlining the GEMM calls at each of backward's seven sites tripled its compile time.
+_helper = {**_opts, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
+ROWS = 128  # query rows per block: a (128, S) f32 workspace stays in L2 for S up to ~2k
+
+
+@njit(**_helper)
+def _matmul(width, trans_a, trans_b, alpha, a, b, beta, c):
+    """gemm with the empty cases settled here: nothing to write, or an empty inner axis."""
+    if c.shape[0] == 0 or c.shape[1] == 0:
+        return
+    inner = a.shape[0] if trans_a else a.shape[1]
+    if inner == 0:
+        if beta == 0:
+            c[:] = 0
+        return
+    if width == 0 and rows_contiguous(a) and rows_contiguous(b) and rows_contiguous(c):
+        gemm_rows(trans_a, trans_b, alpha, a, b, beta, c)
+    else:
+        gemm(width if width else 256, trans_a, trans_b, alpha, a, b, beta, c)
+
+
+@njit(**_helper)
+def _probabilities(width, q, k, first, p, scale, causal):
+    """p = softmax of the scaled scores of query rows first.. against every key, masked."""
+    _matmul(width, False, True, scale, q[first : first + p.shape[0]], k, 0.0, p)
+    keys = p.shape[1]
+    for i in range(p.shape[0]):
+        row = p[i]
+        if causal:
+            for j in range(min(first + i + 1, keys), keys):
+                row[j] = -np.inf
+        softmax_row(row, row, False)
+
+
+@njit(**_helper)
+def _head_forward(width, q, k, v, out, scale, causal):
+    length, keys = q.shape[0], k.shape[0]
+    if keys == 0:
+        out[:] = 0  # softmax over no keys is empty; its product with v is zero
+        return
+    p_block = np.empty((min(ROWS, length), keys), q.dtype)
+    for first in range(0, length, ROWS):
+        rows = min(ROWS, length - first)
+        p = p_block[:rows]
+        _probabilities(width, q, k, first, p, scale, causal)
+        _matmul(width, False, False, 1.0, p, v, 0.0, out[first : first + rows])
+
+
+@njit(**_helper)
+def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
+    length, keys = q.shape[0], k.shape[0]
+    dk[:] = 0
+    dv[:] = 0
+    if keys == 0:
+        dq[:] = 0
+        return
+    p_block = np.empty((min(ROWS, length), keys), q.dtype)
+    ds_block = np.empty((min(ROWS, length), keys), q.dtype)
+    typed = np.empty(2, q.dtype)  # scale and each row's dot in q's dtype: f32 math stays f32
+    typed[0] = scale
+    for first in range(0, length, ROWS):
+        rows = min(ROWS, length - first)
+        p, ds = p_block[:rows], ds_block[:rows]
+        g_rows = g[first : first + rows]
+        _probabilities(width, q, k, first, p, scale, causal)
+        _matmul(width, False, True, 1.0, g_rows, v, 0.0, ds)
+        _matmul(width, True, False, 1.0, p, g_rows, 1.0, dv)
+        for i in range(rows):
+            dot = 0.0
+            for j in range(keys):
+                dot += p[i, j] * ds[i, j]
+            typed[1] = dot
+            row_dot, row_scale = typed[1], typed[0]
+            for j in range(keys):
+                ds[i, j] = p[i, j] * (ds[i, j] - row_dot) * row_scale
+        _matmul(width, False, False, 1.0, ds, k, 0.0, dq[first : first + rows])
+        _matmul(width, True, False, 1.0, ds, q[first : first + rows], 1.0, dk)
+
+
+@njit(**_opts)
+def attention_forward(width, q, k, v, out, scale, causal):
+    """out[b, h] = softmax(scale * q[b, h] @ k[b, h]^T) @ v[b, h], one pair after another."""
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal)
+
+
+@njit(parallel=True, **_opts)
+def attention_forward_par(width, q, k, v, out, scale, causal):
+    heads = q.shape[1]
+    for pair in prange(q.shape[0] * heads):
+        b, h = pair // heads, pair % heads
+        _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal)
+
+
+@njit(**_opts)
+def attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
+    """dq, dk, dv of sum(attention(q, k, v) * g), per (batch, head) pair."""
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            _head_backward(
+                width, q[b, h], k[b, h], v[b, h], g[b, h], dq[b, h], dk[b, h], dv[b, h],
+                scale, causal,
+            )  # fmt: skip
+
+
+@njit(parallel=True, **_opts)
+def attention_backward_par(width, q, k, v, g, dq, dk, dv, scale, causal):
+    heads = q.shape[1]
+    for pair in prange(q.shape[0] * heads):
+        b, h = pair // heads, pair % heads
+        _head_backward(
+            width, q[b, h], k[b, h], v[b, h], g[b, h], dq[b, h], dk[b, h], dv[b, h],
+            scale, causal,
+        )  # fmt: skip
+
+
+# Cold compile seconds of each (first use per installation, version, dtype and layout; the
+# shared helpers compile inside the first), measured on a 2-core Zen 3 box. The parallel
+# variants compile their prange loop on top.
+announce_compiles(
+    {
+        attention_forward: 3.0,
+        attention_backward: 4.0,
+        attention_forward_par: 4.0,
+        attention_backward_par: 5.0,
+    }
+)

@@ -1,0 +1,153 @@
+"""GEMM from compiled code: one cached helper calling the BLAS that NumPy and SciPy use, with
+transpose flags instead of transposed copies."""
+
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+from numba.np.linalg import ensure_blas
+
+from backplan.codegen.jit import AS_PYTHON, njit
+from backplan.codegen.kernels.scipy_blas import preload_cython_blas
+
+preload_cython_blas()  # saves the 0.2 s import of all of scipy.linalg that ensure_blas does
+ensure_blas()
+
+
+_XXGEMM = types.ExternalFunction(
+    "numba_xxgemm",
+    types.intc(
+        types.char,
+        types.char,
+        types.char,
+        types.intp,
+        types.intp,
+        types.intp,
+        types.voidptr,
+        types.voidptr,
+        types.intp,
+        types.voidptr,
+        types.intp,
+        types.voidptr,
+        types.voidptr,
+        types.intp,
+    ),
+)
+
+
+@intrinsic
+def _voidptr(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.intp), codegen
+
+
+# alpha=1 and beta (0 or 1) for BLAS, frozen into the compiled code: no allocation per call.
+_ONE_ZERO_F32 = np.array([1.0, 0.0], np.float32)
+_ONE_ONE_F32 = np.array([1.0, 1.0], np.float32)
+_ONE_ZERO_F64 = np.array([1.0, 0.0], np.float64)
+_ONE_ONE_F64 = np.array([1.0, 1.0], np.float64)
+
+
+@njit(cache=True)
+def _gemm(kind, trans_a, trans_b, a, b, out, scalars):
+    """out = op(a) @ op(b) + beta * out, for C-contiguous 2-D arrays (op transposes if asked).
+    Row-major data seen as column-major is the transpose, so BLAS computes out^T = b^T a^T."""
+    m, n = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        out[:] = 0
+        return
+    _XXGEMM(
+        kind,
+        84 if trans_b else 78,
+        84 if trans_a else 78,
+        n,
+        m,
+        k,
+        _voidptr(scalars.ctypes.data),
+        _voidptr(b.ctypes.data),
+        max(b.shape[1], 1),
+        _voidptr(a.ctypes.data),
+        max(a.shape[1], 1),
+        _voidptr(scalars.ctypes.data + scalars.itemsize),
+        _voidptr(out.ctypes.data),
+        max(n, 1),
+    )
+
+
+@njit(inline="always")
+def rows_contiguous(x) -> bool:
+    """Whether BLAS can read a 2-D array as it is: unit stride along each row."""
+    return x.shape[1] <= 1 or x.strides[1] == x.itemsize
+
+
+@njit(cache=True, nogil=True)
+def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):
+    """out = alpha * op(a) @ op(b) + beta * out for 2-D f32 or f64 arrays whose rows are
+    contiguous (rows_contiguous), any row stride: per-head views of a projection, read in
+    place. Empty cases are the caller's."""
+    m, n = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    scalars = np.empty(2, out.dtype)
+    scalars[0], scalars[1] = alpha, beta
+    step = out.itemsize
+    _XXGEMM(
+        115 if out.itemsize == 4 else 100,
+        84 if trans_b else 78,
+        84 if trans_a else 78,
+        n,
+        m,
+        k,
+        _voidptr(scalars.ctypes.data),
+        _voidptr(b.ctypes.data),
+        max(b.strides[0] // step, b.shape[1], 1),
+        _voidptr(a.ctypes.data),
+        max(a.strides[0] // step, a.shape[1], 1),
+        _voidptr(scalars.ctypes.data + step),
+        _voidptr(out.ctypes.data),
+        max(out.strides[0] // step, n, 1),
+    )
+
+
+@njit(cache=True)
+def gemm_f32(trans_a, trans_b, a, b, out, beta):
+    _gemm(115, trans_a, trans_b, a, b, out, _ONE_ONE_F32 if beta != 0 else _ONE_ZERO_F32)
+
+
+@njit(cache=True)
+def gemm_f64(trans_a, trans_b, a, b, out, beta):
+    _gemm(100, trans_a, trans_b, a, b, out, _ONE_ONE_F64 if beta != 0 else _ONE_ZERO_F64)
+
+
+if AS_PYTHON:
+
+    def _gemm_python(trans_a, trans_b, a, b, out, beta):
+        product = (a.T if trans_a else a) @ (b.T if trans_b else b)
+        out[...] = product if beta == 0 else product + beta * out  # beta 0: out is not read
+
+    gemm_f32 = gemm_f64 = _gemm_python  # noqa: F811 - the plain-Python twins
+
+    def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):  # noqa: F811
+        product = alpha * ((a.T if trans_a else a) @ (b.T if trans_b else b))
+        out[...] = product if beta == 0 else product + beta * out
+
+
+@njit(cache=True)
+def batched_gemm_f32(trans_a, trans_b, a, b, out):
+    """Batches of C-contiguous matrices (3-D, batch first); a or b may have batch size 1."""
+    for i in range(out.shape[0]):
+        gemm_f32(
+            trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)], out[i], 0.0
+        )
+
+
+@njit(cache=True)
+def batched_gemm_f64(trans_a, trans_b, a, b, out):
+    for i in range(out.shape[0]):
+        gemm_f64(
+            trans_a, trans_b, a[min(i, a.shape[0] - 1)], b[min(i, b.shape[0] - 1)], out[i], 0.0
+        )

@@ -1,0 +1,63 @@
+"""Own GEMM or BLAS, per shape class, as measured by bench/gemm.py.
+
+Measured on one pinned Zen 4 core (AMD EPYC, AVX-512), medians of 5-7 interleaved rounds of own
+over OpenBLAS GFLOP/s on the mlp, transformer and attention shapes (NN, TN, NT and batched), over
+three runs each:
+    f32, 512-bit tile:   0.95-1.21 (OPENBLAS_CORETYPE unset), 0.96-1.32 (Haswell)  -> own
+                         (below 1.0 only tf dX and attention q@k^T, in one run each)
+    f32, 256-bit tile:   0.77-0.96                                                 -> BLAS
+    f64, 512-bit tile:   0.83-1.17, no shape class consistently ahead              -> BLAS
+Own GEMM runs on one core; with more than one BLAS thread available OpenBLAS splits the work,
+so own is picked only when BLAS would run single-threaded too (one CPU in the process's
+affinity, or OPENBLAS_NUM_THREADS / OMP_NUM_THREADS = 1). BACKPLAN_GEMM=own|blas overrides.
+
+Small products go to BLAS: on an Intel AVX-512 core (model 207), 7 interleaved rounds, own over
+OpenBLAS was 0.63-0.81 for m*n*k of 64K-512K (16x64x64, 32x64x64, 32x128x128), 0.28-0.40 where
+n = 10 (a classifier's last layer: the 8x32 tile is two thirds padding), and 0.95-1.41 from
+1M (64x128x128) up.
+"""
+
+from __future__ import annotations
+
+import os
+
+from backplan.codegen.kernels.gemm.isa import vector_width
+
+CHOICES = ("own", "blas", "auto")
+OWN_CLASSES = {("f32", 512)}  # (dtype, vector width) measured at or ahead of OpenBLAS
+MIN_OWN_WORK = 1 << 20  # m * n * k below which BLAS is ahead
+MIN_OWN_COLUMNS = 32  # the 512-bit f32 tile's width: narrower products are mostly padding
+
+
+class GemmChoiceError(ValueError):
+    """BACKPLAN_GEMM names no known choice."""
+
+
+def forced_choice() -> str:
+    value = os.environ.get("BACKPLAN_GEMM", "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise GemmChoiceError(
+            f"BACKPLAN_GEMM={value!r} is not one of {list(CHOICES)}; "
+            "unset it to let backplan pick per shape"
+        )
+    return value
+
+
+def blas_threads() -> int:
+    """Threads OpenBLAS would use: the process's CPUs, capped by the usual variables."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return min(cpus or 1, int(value))
+    return cpus or 1
+
+
+def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str) -> bool:
+    """Whether generated code calls backplan's GEMM for this matmul (else BLAS)."""
+    choice = forced_choice()
+    if choice != "auto":
+        return choice == "own" and dtype in ("f32", "f64")
+    if blas_threads() > 1 or m * n * k < MIN_OWN_WORK or n < MIN_OWN_COLUMNS:
+        return False
+    return (dtype, vector_width()) in OWN_CLASSES

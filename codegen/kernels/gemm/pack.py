@@ -1,0 +1,64 @@
+"""Packing: copy a block of op(A) or op(B) into the panel order the micro-kernel reads.
+
+A block of op(A) (mc x kc) becomes ceil(mc / mr) panels, each kc rows of mr values (rows past
+the edge are zero), so the kernel reads A with unit stride. A kc x nc block of op(B) becomes
+panels of kc rows of nr values (columns past the edge are zero), each contiguous so that it
+stays in L1 while the A panels stream past it (driver.py says when B is read in place
+instead). Full panels that read across rows of unit-stride data go through the vector
+transpose of transpose_pack; the rest are 2-D slice assignments.
+"""
+
+from backplan.codegen.jit import njit
+from backplan.codegen.kernels.gemm.transpose_pack import transpose_pack_6, transpose_pack_8
+
+
+@njit(cache=True, nogil=True)
+def _transposing(src, rows, lanes):
+    """A full panel whose source rows have unit stride inside: the vector path applies
+    (mr is 6 or 8 and nr a multiple of 8 for every tile in kernel.TILES)."""
+    return rows == lanes and src.strides[1] == src.itemsize and src.strides[0] % src.itemsize == 0
+
+
+@njit(cache=True, nogil=True)
+def pack_a(width, a, trans_a, i0, mc, p0, kc, mr, out):
+    """Panels of op(A)[i0:i0+mc, p0:p0+kc]; op(A) = A.T when trans_a."""
+    for panel in range((mc + mr - 1) // mr):
+        first = i0 + panel * mr
+        rows = min(mr, i0 + mc - first)
+        dst = out[panel * kc * mr : (panel + 1) * kc * mr].reshape((kc, mr))
+        if trans_a:
+            dst[:, :rows] = a[p0 : p0 + kc, first : first + rows]
+        elif _transposing(a, rows, mr):
+            src = a.ctypes.data + first * a.strides[0] + p0 * a.itemsize
+            ld = a.strides[0] // a.itemsize
+            if mr == 8:
+                transpose_pack_8(src, ld, kc, dst.ctypes.data, mr, out)
+            else:
+                transpose_pack_6(src, ld, kc, dst.ctypes.data, mr, out)
+        else:
+            dst[:, :rows] = a[first : first + rows, p0 : p0 + kc].T
+        if rows < mr:
+            dst[:, rows:] = 0
+
+
+@njit(cache=True, nogil=True)
+def pack_b(width, b, trans_b, p0, kc, j0, nc, nr, out):
+    """Panels of op(B)[p0:p0+kc, j0:j0+nc]; op(B) = B.T when trans_b."""
+    for panel in range((nc + nr - 1) // nr):
+        first = j0 + panel * nr
+        cols = min(nr, j0 + nc - first)
+        dst = out[panel * kc * nr : (panel + 1) * kc * nr].reshape((kc, nr))
+        if not trans_b:
+            dst[:, :cols] = b[p0 : p0 + kc, first : first + cols]
+        elif _transposing(b, cols, nr):
+            src = b.ctypes.data + first * b.strides[0] + p0 * b.itemsize
+            ld = b.strides[0] // b.itemsize
+            for group in range(nr // 8):
+                src_rows = src + group * 8 * b.strides[0]
+                transpose_pack_8(
+                    src_rows, ld, kc, dst.ctypes.data + group * 8 * b.itemsize, nr, out
+                )
+        else:
+            dst[:, :cols] = b[first : first + cols, p0 : p0 + kc].T
+        if cols < nr:
+            dst[:, cols:] = 0

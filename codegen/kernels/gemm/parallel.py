@@ -1,0 +1,50 @@
+"""The GEMM over several cores: C cut into as many blocks as Numba has threads, along its longer
+side (rows of C with their rows of op(A), or columns with their columns of op(B)), each block a
+single-core blocked GEMM with its own packing buffers; a batch is shared out by entries."""
+
+import numpy as np
+
+from backplan.codegen.jit import njit, prange
+from backplan.codegen.kernels.gemm.driver import KC, MC, NC, gemm_blocked, tile_shape, workspace
+
+
+@njit(cache=True, nogil=True)
+def _bounds(part, parts, length, step):
+    """[start, stop) of block `part`: equal blocks, rounded up to multiples of step."""
+    chunk = (length + parts * step - 1) // (parts * step) * step
+    start = min(part * chunk, length)
+    return start, min(start + chunk, length)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def gemm_parallel(parts, width, trans_a, trans_b, alpha, a, b, beta, c):
+    """gemm (see api.gemm) with C's longer side cut in `parts` blocks for Numba's threads
+    (a count passed in: reading the thread count inside would stop Numba caching this)."""
+    m, n = c.shape
+    mr, nr = tile_shape(width, c.itemsize)
+    by_rows = m >= n
+    for part in prange(parts):
+        work = workspace(width, c, KC, MC, NC)
+        if by_rows:
+            i0, i1 = _bounds(part, parts, m, mr)
+            a_part = a[:, i0:i1] if trans_a else a[i0:i1, :]
+            gemm_blocked(
+                width, trans_a, trans_b, alpha, a_part, b, beta, c[i0:i1, :], work, KC, MC, NC
+            )
+        else:
+            j0, j1 = _bounds(part, parts, n, nr)
+            b_part = b[j0:j1, :] if trans_b else b[:, j0:j1]
+            gemm_blocked(
+                width, trans_a, trans_b, alpha, a, b_part, beta, c[:, j0:j1], work, KC, MC, NC
+            )
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def batched_gemm_parallel(width, trans_a, trans_b, a, b, c):
+    """batched_gemm (see api.batched_gemm) with the batch entries shared out between threads."""
+    last_a, last_b = a.shape[0] - 1, b.shape[0] - 1
+    for i in prange(c.shape[0]):
+        work = workspace(width, c, KC, MC, NC)
+        index = np.intp(i)  # the prange index is unsigned: min() with a signed int gives float
+        a_i, b_i = a[min(index, last_a)], b[min(index, last_b)]
+        gemm_blocked(width, trans_a, trans_b, 1.0, a_i, b_i, 0.0, c[index], work, KC, MC, NC)

@@ -1,0 +1,206 @@
+"""The blocked GEMM compiled once per dtype and called by address, not linked into its callers.
+
+Numba links every function a compiled function calls into the caller's own module and
+generates machine code for all of it again: every GEMM entry specialisation, every plan
+driver calling the GEMM, carried its own copy of the whole blocked GEMM and its micro-kernels
+(measured on the mlp's first step: about 1.3 s of LLVM per caller, 5 callers). Here the GEMM is
+one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`), compiled or loaded
+from the signed cache the first time anything needs it; callers declare the symbol and call it,
+which costs them a few instructions to compile.
+
+The symbol has to exist in the process before code that calls it is compiled or loaded: the
+call intrinsic registers it while it is compiled, and the signed cache registers it before it
+loads any cached function whose machine code names it (`cache_signing.before_load`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding, ir
+from numba import types
+from numba.core import cgutils
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.extending import intrinsic
+from numba.np.arrayobj import make_array, populate_array
+
+from backplan.codegen.build import cache_signing, progress
+from backplan.codegen.jit import load_cached, njit
+from backplan.codegen.kernels.gemm import scratch
+from backplan.codegen.kernels.gemm.driver import (
+    KC,
+    MC,
+    NC,
+    gemm_blocked,
+    workspace,
+    workspace_sizes,
+)
+
+PREFIX = "backplan_gemm_"
+# (width, trans_a, trans_b, m, n, k, a, a_s0, a_s1, b, b_s0, b_s1, c, c_s0, c_s1) as integers
+# (addresses and byte strides), then alpha and beta.
+_INTEGERS = 15
+_ARGUMENTS = (types.intp,) * _INTEGERS + (types.float64, types.float64)
+COMPILE_SECONDS = 10  # measured on a 2-core Zen 4/Zen 5 box: 8-13 s per dtype
+
+
+@intrinsic
+def _matrix(typingctx, address, rows, cols, row_stride, col_stride, like):
+    """The (rows, cols) array at a raw address with these byte strides, of like's dtype.
+    It owns nothing: the caller keeps the memory alive for the call."""
+    result_type = types.Array(like, 2, "A")
+
+    def codegen(context, builder, signature, args):
+        array = make_array(result_type)(context, builder)
+        item = context.get_data_type(like)
+        populate_array(
+            array,
+            data=builder.inttoptr(args[0], item.as_pointer()),
+            shape=[args[1], args[2]],
+            strides=[args[3], args[4]],
+            itemsize=context.get_abi_sizeof(item),
+            meminfo=None,
+        )
+        return array._getvalue()
+
+    return result_type(address, rows, cols, row_stride, col_stride, like), codegen
+
+
+@njit(cache=True, nogil=True)
+def _gemm_at_addresses(args, alpha, beta, like):
+    width, trans_a, trans_b, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1 = args
+    a_rows, a_cols = (k, m) if trans_a else (m, k)
+    b_rows, b_cols = (n, k) if trans_b else (k, n)
+    a_matrix = _matrix(a, a_rows, a_cols, a0, a1, like)
+    b_matrix = _matrix(b, b_rows, b_cols, b0, b1, like)
+    c_matrix = _matrix(c, m, n, c0, c1, like)
+    slot = _free_slot()
+    base = scratch.buffer_of(slot) if slot >= 0 else 0
+    if base == 0:  # every kept buffer is taken by another thread, or malloc failed
+        if slot >= 0:
+            scratch.give_back(slot)
+            slot = -1
+        work = workspace(width, c_matrix, KC, MC, NC)  # per call, as before buffers were kept
+    else:
+        work = _kept_workspace(width, base, c_matrix)
+    gemm_blocked(
+        width, trans_a != 0, trans_b != 0, alpha, a_matrix, b_matrix, beta, c_matrix, work,
+        KC, MC, NC,
+    )  # fmt: skip
+    if slot >= 0:
+        scratch.give_back(slot)
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _free_slot():
+    for slot in range(scratch.SLOTS):
+        if scratch.try_take(slot):
+            return slot
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _kept_workspace(width, base, c):
+    """The workspace's three buffers inside a slot's kept buffer at `base`, for GEMMs into
+    arrays like c."""
+    size = c.itemsize
+    a_size, b_size, tile_size = workspace_sizes(width, size, KC, MC, NC)
+    b_base = base + a_size * size
+    tile_base = b_base + b_size * size
+    return (
+        scratch.vector_at(base, a_size, c.dtype),
+        scratch.vector_at(b_base, b_size, c.dtype),
+        scratch.vector_at(tile_base, tile_size, c.dtype),
+    )
+
+
+@njit(cache=True, nogil=True, _nrt=True)
+def _gemm_f32(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0))
+
+
+@njit(cache=True, nogil=True, _nrt=True)
+def _gemm_f64(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
+    return _gemm_at_addresses(args, alpha, beta, np.float64(0))
+
+
+# The entries ask for Numba's reference counting (_nrt=True) although a caller's compile may
+# run without it: the GEMM is first compiled when a kernel that calls it is, and a function
+# compiled inside another one inherits that one's settings where it does not set its own (a
+# lean GEMM kernel's compile then failed with "NRT required but not enabled").
+_FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64}
+_registered: set[str] = set()
+
+
+def ensure_registered(dtype: str) -> None:
+    """Compile (or load from the signed cache) the GEMM for dtype and publish its address
+    under its symbol name; idempotent and thread-safe. Numba's compiler lock, not a lock of
+    our own: callers compiling or loading code already hold it, and two locks taken in either
+    order by two threads would deadlock."""
+    if dtype in _registered:
+        return
+    with global_compiler_lock:
+        if dtype in _registered:
+            return
+        dispatcher = _FUNCTIONS[dtype]
+        result = _load_or_compile(dispatcher, dtype)
+        address = result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)
+        binding.add_symbol(PREFIX + dtype, address)
+        _registered.add(dtype)
+
+
+def _load_or_compile(dispatcher, dtype: str):
+    """The compiled GEMM, from the signed cache when it is there; a compile (once per
+    installation and code change, ~10 s) is announced on stderr first."""
+    with global_compiler_lock:
+        if _ARGUMENTS not in dispatcher.overloads and not load_cached(dispatcher, _ARGUMENTS):
+            if not progress.quiet():
+                progress.say(
+                    f"compiling the {dtype} GEMM (once per installation and version, "
+                    f"about {COMPILE_SECONDS} s)"
+                )
+            dispatcher.compile(_ARGUMENTS)
+        return dispatcher.overloads[_ARGUMENTS]
+
+
+def _register_named(payload: bytes) -> None:
+    for dtype in _FUNCTIONS:
+        if (PREFIX + dtype).encode() in payload:
+            ensure_registered(dtype)
+
+
+cache_signing.before_load(PREFIX.encode(), _register_named)
+
+
+@intrinsic
+def call_gemm(typingctx, like, args, alpha, beta):
+    """Call the GEMM symbol for like's dtype with the 15 integers in `args` (see _INTEGERS)."""
+    dtype = like.dtype if isinstance(like, types.DType) else like
+    if dtype not in (types.float32, types.float64):
+        return None
+    if not isinstance(args, types.BaseTuple) or len(args) != _INTEGERS:
+        return None
+    name = PREFIX + ("f32" if dtype == types.float32 else "f64")
+
+    def codegen(context, builder, signature, arguments):
+        ensure_registered(name[len(PREFIX) :])
+        integer, real = ir.IntType(64), ir.DoubleType()
+        function = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(integer, [integer] * _INTEGERS + [real, real]),
+            name,
+        )
+        values = [
+            context.cast(builder, value, kind, types.intp)
+            for value, kind in zip(
+                cgutils.unpack_tuple(builder, arguments[1]), signature.args[1], strict=True
+            )
+        ]
+        alpha_value = context.cast(builder, arguments[2], signature.args[2], types.float64)
+        beta_value = context.cast(builder, arguments[3], signature.args[3], types.float64)
+        builder.call(function, [*values, alpha_value, beta_value])
+        return context.get_dummy_value()
+
+    return types.none(like, args, alpha, beta), codegen

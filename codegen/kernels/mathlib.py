@@ -1,0 +1,437 @@
+"""Vectorisable exp, log, tanh, sigmoid and erf for generated Numba kernels.
+
+Numba lowers `math.exp` and `math.tanh` to scalar libm calls, which stop a loop from
+vectorising (tanh about 35x slower than `np.tanh`). The functions here are plain arithmetic:
+range reduction, a polynomial, and exponent-field bit tricks, with no branches the vectoriser
+cannot flatten. A loop such as ``for i in range(n): out[i] = tanh_f32(x[i])`` compiles to
+packed AVX-512 (or AVX2) instructions.
+
+Each function is compiled with its own fast-math flags (only ``contract``, which allows fused
+multiply-add) and is inlined by LLVM (``forceinline``), not by Numba (``inline="always"``).
+Numba-level inlining would compile the body under the caller's flags, and a caller with
+``fastmath=True`` lets LLVM reassociate the two-step ``x - n*ln2_hi - n*ln2_lo`` reduction
+into one product (measured: exp_f32 4.6 ulp instead of 1.0 near overflow) and drop the NaN
+and infinity tests (log_f32(inf) returned 88.7 and log_f32(nan) 89.1). Instructions inlined
+by LLVM keep their own flags, so these functions stay accurate inside a ``fastmath=True``
+kernel and still vectorise there.
+
+Accuracy is stated in each docstring as the largest error measured against the correctly
+rounded result (float32: against float64 math; float64: against 80-bit long double or
+mpmath), over dense sweeps of the useful range plus random inputs, and for float32 over every
+bit pattern. For comparison, NumPy 2.4's own float32 exp and log are off by up to 2.4 and 3.8
+ulp. Polynomial coefficients are near-minimax fits: weighted least squares on Chebyshev nodes
+with Lawson reweighting, targets from mpmath at 45 digits.
+
+Example (inside any @numba.njit function)::
+
+    from backplan.codegen.kernels.mathlib import tanh_f32
+    for i in range(x.size):
+        out[i] = tanh_f32(x[i])
+"""
+
+import math
+
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+from backplan.codegen.jit import compiled_njit
+
+_FLAGS = {"contract"}
+
+
+def _scalar_function(fn):
+    """Compile `fn` for use inside kernels: LLVM-inlined, FMA allowed, nothing else relaxed."""
+    return compiled_njit(forceinline=True, fastmath=_FLAGS, error_model="numpy", cache=True)(fn)
+
+
+def _bitcast(source, target):
+    """An intrinsic that reinterprets the bits of a `source` scalar as a `target` scalar."""
+
+    @intrinsic
+    def reinterpret(typingctx, value):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(target))
+
+        return target(source), codegen
+
+    return reinterpret
+
+
+_bits_f32 = _bitcast(types.float32, types.int32)
+_from_bits_f32 = _bitcast(types.int32, types.float32)
+_bits_f64 = _bitcast(types.float64, types.int64)
+_from_bits_f64 = _bitcast(types.int64, types.float64)
+
+
+def _f32(*values):
+    return tuple(np.float32(v) for v in values)
+
+
+def _f64(*values):
+    return tuple(np.float64(v) for v in values)
+
+
+# exp(r) = 1 + r + r**2 * P(r) on |r| <= ln2/2.
+_EXP_F32 = _f32(0.49999994, 0.16666521, 0.04166839, 0.008368731, 0.001381457)
+_EXP_F64 = _f64(
+    0.5000000000000011, 0.16666666666666413, 0.04166666666652987, 0.008333333333494756,
+    0.0013888888943715742, 0.00019841269506164452, 2.4801493001644112e-05,
+    2.7557586546455044e-06, 2.76302857566468e-07, 2.500006915093202e-08,
+)  # fmt: skip
+# tanh(x) = x + x**3 * P(x**2) on |x| < 0.7.
+_TANH_F32 = _f32(-0.33333325, 0.13332984, -0.053920954, 0.021571057, -0.007883303, 0.0018956618)
+_TANH_F64 = _f64(
+    -0.3333333333333332, 0.13333333333331243, -0.053968253967067524, 0.021869488502169805,
+    -0.008863234954138287, 0.0035921217472208115, -0.0014557877677260189,
+    0.0005897858107760667, -0.00023824007294280191, 9.458685920652279e-05,
+    -3.497635154117063e-05, 1.0431990245435298e-05, -1.7727547115304183e-06,
+)  # fmt: skip
+# log(1 + f) = f - f**2/2 + f**3 * P(f) on sqrt(1/2) - 1 <= f < sqrt(2) - 1.
+_LOG_F32 = _f32(
+    0.3333333, -0.25000823, 0.20001234, -0.16623297, 0.14201552, -0.13160595, 0.12763341,
+    -0.07635636,
+)  # fmt: skip
+# log(1 + f) = 2s + s * z * P(z), s = f / (2 + f), z = s**2.
+_LOG_F64 = _f64(
+    0.6666666666666735, 0.3999999999941026, 0.28571428743464394, 0.22222198453735528,
+    0.18183570972972699, 0.15313869818989517, 0.14797860201381147,
+)  # fmt: skip
+# erf(x) = x + x * P(x**2) on |x| < 1.
+_ERF_SMALL_F32 = _f32(
+    0.12837917, -0.37612626, 0.112835854, -0.026853813, 0.0051883277, -0.00080101937, 7.85386e-05,
+)  # fmt: skip
+_ERF_SMALL_F64 = _f64(
+    0.1283791670955126, -0.3761263890318352, 0.11283791670944196, -0.026866170643112714,
+    0.005223977606125625, -0.0008548325929560467, 0.00012055293582189289,
+    -1.4924712373600076e-05, 1.6447132163288681e-06, -1.6206316481995666e-07,
+    1.3710985667641836e-08, -7.779468018906645e-10,
+)  # fmt: skip
+# erfc(t) = exp(-t**2 + P(t - centre)), the log of erfcx, on 1 <= t <= 4 (f32) or 6 (f64).
+_ERF_TAIL_F32 = _f32(
+    -1.5568179, -0.35269395, 0.05611686, -0.010711251, 0.0024653955, -0.0001519648, 0.00018638029,
+)  # fmt: skip
+_ERF_TAIL_F64 = _f64(
+    -1.862437402141259, -0.2660995882595084, 0.033246945533242596, -0.005225659225450819,
+    0.0008736810538343012, -0.00014730895868859175, 2.4384160430629182e-05,
+    -3.866915557189241e-06, 6.255165293320248e-07, -5.188985184803042e-08,
+    1.0557946959588166e-08, -1.787750255127864e-08, -1.7248844355017377e-08,
+    -9.31384211931257e-09, -3.2091220567096205e-09, -6.934022960038851e-10,
+    -8.874507602028411e-11, -4.928251356404496e-12,
+)  # fmt: skip
+
+_ZERO_F32, _HALF_F32, _ONE_F32, _TWO_F32 = _f32(0.0, 0.5, 1.0, 2.0)
+_ZERO_F64, _HALF_F64, _ONE_F64, _TWO_F64 = _f64(0.0, 0.5, 1.0, 2.0)
+_INF_F32, _NAN_F32 = _f32(np.inf, np.nan)
+_INF_F64, _NAN_F64 = _f64(np.inf, np.nan)
+
+# Cody-Waite split of ln 2 (hi has its low mantissa bits zero): n * hi is exact for every n
+# the clamps allow, and hi + lo carries ln 2 to about 2**-24 (f32) or 2**-75 (f64) beyond it.
+_LOG2E_F32 = np.float32(1.4426950408889634)
+_LN2_HI_F32, _LN2_LO_F32 = _f32(0.693359375, -0.00021219444)
+_LOG2E_F64 = np.float64(1.4426950408889634)
+_LN2_HI_F64, _LN2_LO_F64 = _f64(0.6931467056274414, 4.7493250390316726e-07)
+
+# Beyond these, exp rounds to 0 or overflows to inf.
+_EXP_MIN_F32, _EXP_MAX_F32 = _f32(-104.0, 89.0)
+_EXP_MIN_F64, _EXP_MAX_F64 = _f64(-746.0, 710.0)
+# Above these, 2**n from the exp reduction is a normal number (used where exp <= 1 suffices).
+_EXP_NORMAL_MIN_F32 = np.float32(-87.0)
+_EXP_NORMAL_MIN_F64 = np.float64(-708.0)
+# tanh switches from its polynomial to the exp form at |x| = 0.7.
+_TANH_SWITCH_F32 = np.float32(0.7)
+_TANH_SWITCH_F64 = np.float64(0.7)
+
+_MIN_NORMAL_F32, _TWO_POW_23_F32 = _f32(np.finfo(np.float32).tiny, 2.0**23)
+_MIN_NORMAL_F64, _TWO_POW_54_F64 = _f64(np.finfo(np.float64).tiny, 2.0**54)
+_SQRT_HALF_BITS_F32 = 0x3F3504F3
+_SQRT_HALF_BITS_F64 = 0x3FE6A09E667F3BCD
+
+# Adding 1.5 * 2**(mantissa bits) rounds a float to an integer held in the low mantissa bits.
+_ROUND_SHIFTER_F32 = np.float32(1.5 * 2.0**23)
+_ROUND_SHIFTER_F64 = np.float64(1.5 * 2.0**52)
+_ROUND_SHIFTER_BITS_F32 = int(_ROUND_SHIFTER_F32.view(np.int32))
+_ROUND_SHIFTER_BITS_F64 = int(_ROUND_SHIFTER_F64.view(np.int64))
+
+# erf switches from x * P(x**2) to 1 - erfc at |x| = 1; beyond the end erf rounds to +-1.
+_ERF_TAIL_END_F32, _ERF_TAIL_CENTRE_F32 = _f32(4.0, 2.5)
+_ERF_TAIL_END_F64, _ERF_TAIL_CENTRE_F64 = _f64(6.0, 3.5)
+
+
+@_scalar_function
+def _horner(x, coefficients):
+    """sum(c[k] * x**k); the loop over a constant tuple is unrolled by LLVM."""
+    result = coefficients[len(coefficients) - 1]
+    for k in range(len(coefficients) - 2, -1, -1):
+        result = result * x + coefficients[k]
+    return result
+
+
+@_scalar_function
+def _round_f32(y):
+    """(n, k): y rounded to the nearest integer (ties to even) as float32 and as int, |y| < 2**22.
+
+    Adding 1.5 * 2**23 rounds away the fraction and leaves n in the low mantissa bits, so no
+    float-to-int conversion is needed: AVX2 has none for 64-bit lanes, and Numba's integer
+    arithmetic is 64-bit.
+    """
+    shifted = y + _ROUND_SHIFTER_F32
+    return shifted - _ROUND_SHIFTER_F32, _bits_f32(shifted) - _ROUND_SHIFTER_BITS_F32
+
+
+@_scalar_function
+def _round_f64(y):
+    """(n, k): y rounded to the nearest integer as float64 and as int, |y| < 2**51."""
+    shifted = y + _ROUND_SHIFTER_F64
+    return shifted - _ROUND_SHIFTER_F64, _bits_f64(shifted) - _ROUND_SHIFTER_BITS_F64
+
+
+@_scalar_function
+def _int_to_float_f32(k):
+    """float32(k) for |k| < 2**22 by the same shift, avoiding an int-to-float conversion."""
+    return _from_bits_f32(k + _ROUND_SHIFTER_BITS_F32) - _ROUND_SHIFTER_F32
+
+
+@_scalar_function
+def _int_to_float_f64(k):
+    """float64(k) for |k| < 2**51; AVX2 has no int64-to-float64 vector conversion."""
+    return _from_bits_f64(k + _ROUND_SHIFTER_BITS_F64) - _ROUND_SHIFTER_F64
+
+
+@_scalar_function
+def _pow2_f32(k):
+    """2**k for an integer k in [-126, 127], built in the exponent field."""
+    return _from_bits_f32((k + 127) << 23)
+
+
+@_scalar_function
+def _pow2_f64(k):
+    """2**k for an integer k in [-1022, 1023], built in the exponent field."""
+    return _from_bits_f64((k + 1023) << 52)
+
+
+@_scalar_function
+def _scale_by_pow2_f32(p, k):
+    """p * 2**k for p in [0.5, 2) and integer k in [-150, 128], rounding once into subnormals
+    or inf.
+
+    Half of k goes into p's exponent field by integer addition and half is a float multiply,
+    so neither factor overflows and no compiler reassociation can merge them.
+    """
+    half = k >> 1
+    p_scaled = _from_bits_f32(_bits_f32(p) + (half << 23))
+    return p_scaled * _pow2_f32(k - half)
+
+
+@_scalar_function
+def _scale_by_pow2_f64(p, k):
+    """p * 2**k for p in [0.5, 2) and integer k in [-1076, 1025]; see _scale_by_pow2_f32."""
+    half = k >> 1
+    p_scaled = _from_bits_f64(_bits_f64(p) + (half << 52))
+    return p_scaled * _pow2_f64(k - half)
+
+
+@_scalar_function
+def exp_f32(x):
+    """e**x in float32; max error 1.01 ulp (every float32 input).
+
+    exp(-inf) = 0, exp(inf) = inf, overflow gives inf, underflow passes through subnormals to
+    0, NaN gives NaN.
+    """
+    clamped = min(max(x, _EXP_MIN_F32), _EXP_MAX_F32)
+    n, k = _round_f32(clamped * _LOG2E_F32)
+    r = clamped - n * _LN2_HI_F32
+    r = r - n * _LN2_LO_F32
+    p = r * r * _horner(r, _EXP_F32) + r + _ONE_F32
+    y = _scale_by_pow2_f32(p, k)
+    return y if x == x else x
+
+
+@_scalar_function
+def exp_f64(x):
+    """e**x in float64; max error 1.03 ulp (12M inputs). Special values as exp_f32."""
+    clamped = min(max(x, _EXP_MIN_F64), _EXP_MAX_F64)
+    n, k = _round_f64(clamped * _LOG2E_F64)
+    r = clamped - n * _LN2_HI_F64
+    r = r - n * _LN2_LO_F64
+    p = r * r * _horner(r, _EXP_F64) + r + _ONE_F64
+    y = _scale_by_pow2_f64(p, k)
+    return y if x == x else x
+
+
+@_scalar_function
+def _exp_nonpositive_f32(y):
+    """e**y for y <= 0, clamped at -87 so 2**n stays normal: exp_f32 without its edge cases."""
+    clamped = max(y, _EXP_NORMAL_MIN_F32)
+    n, k = _round_f32(clamped * _LOG2E_F32)
+    r = clamped - n * _LN2_HI_F32
+    r = r - n * _LN2_LO_F32
+    return (r * r * _horner(r, _EXP_F32) + r + _ONE_F32) * _pow2_f32(k)
+
+
+@_scalar_function
+def _exp_nonpositive_f64(y):
+    """e**y for y <= 0, clamped at -708 so 2**n stays normal: exp_f64 without its edge cases."""
+    clamped = max(y, _EXP_NORMAL_MIN_F64)
+    n, k = _round_f64(clamped * _LOG2E_F64)
+    r = clamped - n * _LN2_HI_F64
+    r = r - n * _LN2_LO_F64
+    return (r * r * _horner(r, _EXP_F64) + r + _ONE_F64) * _pow2_f64(k)
+
+
+@_scalar_function
+def tanh_f32(x):
+    """tanh(x) in float32; max error 1.29 ulp (every float32 input).
+
+    |x| < 0.7: x + x**3 * P(x**2). Otherwise 1 - 2e / (1 + e) with e = exp(-2|x|), which
+    cannot cancel there because tanh > 0.6. Both halves are computed and one is selected.
+    tanh(+-inf) = +-1, tanh(+-0) = +-0, subnormals pass through, NaN gives NaN.
+    """
+    magnitude = abs(x)
+    z = x * x
+    small = magnitude * z * _horner(z, _TANH_F32) + magnitude
+    e = _exp_nonpositive_f32(-_TWO_F32 * magnitude)
+    large = _ONE_F32 - _TWO_F32 * e / (_ONE_F32 + e)
+    y = math.copysign(small if magnitude < _TANH_SWITCH_F32 else large, x)
+    return y if x == x else x
+
+
+@_scalar_function
+def tanh_f64(x):
+    """tanh(x) in float64; max error 1.29 ulp (12M inputs). Method, special values as tanh_f32."""
+    magnitude = abs(x)
+    z = x * x
+    small = magnitude * z * _horner(z, _TANH_F64) + magnitude
+    e = _exp_nonpositive_f64(-_TWO_F64 * magnitude)
+    large = _ONE_F64 - _TWO_F64 * e / (_ONE_F64 + e)
+    y = math.copysign(small if magnitude < _TANH_SWITCH_F64 else large, x)
+    return y if x == x else x
+
+
+@_scalar_function
+def sigmoid_f32(x):
+    """1 / (1 + e**-x) in float32; max error 2.40 ulp (every float32 input).
+
+    With e = exp(-|x|): 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, so the tail for
+    x < 0 stays accurate down to subnormals. sigmoid(-inf) = 0, sigmoid(inf) = 1, NaN gives NaN.
+    """
+    e = exp_f32(-abs(x))
+    y = (_ONE_F32 if x >= _ZERO_F32 else e) / (_ONE_F32 + e)
+    return y if x == x else x
+
+
+@_scalar_function
+def sigmoid_f64(x):
+    """1 / (1 + e**-x) in float64; max error 2.28 ulp (12M inputs). Specials as sigmoid_f32."""
+    e = exp_f64(-abs(x))
+    y = (_ONE_F64 if x >= _ZERO_F64 else e) / (_ONE_F64 + e)
+    return y if x == x else x
+
+
+@_scalar_function
+def log_f32(x):
+    """Natural log in float32; max error 0.87 ulp (every float32 input, subnormals included).
+
+    log(0) = -inf, log(x < 0) = NaN, log(inf) = inf, NaN gives NaN.
+    """
+    subnormal = x < _MIN_NORMAL_F32
+    scaled = x * _TWO_POW_23_F32 if subnormal else x
+    offset = _bits_f32(scaled) - _SQRT_HALF_BITS_F32
+    exponent = (offset >> 23) - (23 if subnormal else 0)
+    f = _from_bits_f32((offset & 0x007FFFFF) + _SQRT_HALF_BITS_F32) - _ONE_F32
+    k = _int_to_float_f32(exponent)
+    y = f * f * f * _horner(f, _LOG_F32) - _HALF_F32 * f * f + f
+    y = k * _LN2_LO_F32 + y
+    y = k * _LN2_HI_F32 + y
+    return _log_special_values_f32(x, y)
+
+
+@_scalar_function
+def _log_special_values_f32(x, y):
+    """log at 0, below 0, at inf and at NaN, where the bit arithmetic gives garbage."""
+    y = -_INF_F32 if x == _ZERO_F32 else y
+    y = _NAN_F32 if x < _ZERO_F32 else y
+    return y if x < _INF_F32 else x
+
+
+@_scalar_function
+def log_f64(x):
+    """Natural log in float64; max error 0.84 ulp (18M inputs). Special values as log_f32.
+
+    With f = m - 1 for the mantissa m in [sqrt(1/2), sqrt(2)) and s = f / (2 + f):
+    log(1 + f) = f - (f**2/2 - s * (f**2/2 + R(s**2))), summed so no step cancels.
+    """
+    subnormal = x < _MIN_NORMAL_F64
+    scaled = x * _TWO_POW_54_F64 if subnormal else x
+    offset = _bits_f64(scaled) - _SQRT_HALF_BITS_F64
+    exponent = (offset >> 52) - (54 if subnormal else 0)
+    f = _from_bits_f64((offset & 0x000FFFFFFFFFFFFF) + _SQRT_HALF_BITS_F64) - _ONE_F64
+    k = _int_to_float_f64(exponent)
+    s = f / (_TWO_F64 + f)
+    z = s * s
+    r = z * _horner(z, _LOG_F64)
+    half_f2 = _HALF_F64 * f * f
+    y = k * _LN2_HI_F64 - ((half_f2 - (s * (half_f2 + r) + k * _LN2_LO_F64)) - f)
+    return _log_special_values_f64(x, y)
+
+
+@_scalar_function
+def _log_special_values_f64(x, y):
+    """log at 0, below 0, at inf and at NaN, where the bit arithmetic gives garbage."""
+    y = -_INF_F64 if x == _ZERO_F64 else y
+    y = _NAN_F64 if x < _ZERO_F64 else y
+    return y if x < _INF_F64 else x
+
+
+@_scalar_function
+def erf_f32(x):
+    """erf(x) in float32; max error 1.00 ulp (every float32 input).
+
+    |x| < 1: x + x * P(x**2), so x itself is never rounded. Otherwise 1 - erfc(|x|) with
+    erfc(t) = exp(-t**2 + G(t)), G a polynomial fit of log(erfcx). Both halves are computed
+    and one is selected.
+    erf(+-inf) = +-1, erf(+-0) = +-0, NaN gives NaN.
+    """
+    magnitude = abs(x)
+    small = magnitude * _horner(x * x, _ERF_SMALL_F32) + magnitude
+    t = min(magnitude, _ERF_TAIL_END_F32)
+    log_erfc = _horner(t - _ERF_TAIL_CENTRE_F32, _ERF_TAIL_F32) - t * t
+    large = _ONE_F32 - _exp_nonpositive_f32(log_erfc)
+    y = math.copysign(small if magnitude < _ONE_F32 else large, x)
+    return y if x == x else x
+
+
+@_scalar_function
+def erf_f64(x):
+    """erf(x) in float64; max error 1.26 ulp (200k inputs against mpmath). Method as erf_f32."""
+    magnitude = abs(x)
+    small = magnitude * _horner(x * x, _ERF_SMALL_F64) + magnitude
+    t = min(magnitude, _ERF_TAIL_END_F64)
+    log_erfc = _horner(t - _ERF_TAIL_CENTRE_F64, _ERF_TAIL_F64) - t * t
+    large = _ONE_F64 - _exp_nonpositive_f64(log_erfc)
+    y = math.copysign(small if magnitude < _ONE_F64 else large, x)
+    return y if x == x else x
+
+
+FUNCTIONS = {
+    (op, dtype): f"{op}_{dtype}"
+    for op in ("exp", "log", "tanh", "sigmoid", "erf")
+    for dtype in ("f32", "f64")
+}
+"""(IR op name, IR dtype name) -> name of the function in this module that computes it."""
+
+COST_NOTES = {
+    ("exp", "f32"): "~20 vector ops: 2-FMA reduction, degree-4 polynomial, bit tricks; 0.15 ns",
+    ("exp", "f64"): "~25 vector ops, as exp_f32 with a degree-9 polynomial; 0.4 ns",
+    ("log", "f32"): "~30 vector ops: bit-trick exponent split, degree-7 polynomial; 0.35 ns",
+    ("log", "f64"): "~30 vector ops and one division, degree-6 polynomial; 0.55 ns",
+    ("tanh", "f32"): "exp + one division + degree-5 polynomial, both evaluated; 0.25 ns",
+    ("tanh", "f64"): "exp + one division + degree-12 polynomial, both evaluated; 0.8 ns",
+    ("sigmoid", "f32"): "exp + one division; 0.2 ns",
+    ("sigmoid", "f64"): "exp + one division; 0.5 ns",
+    ("erf", "f32"): "exp + two degree-6 polynomials, both evaluated; 0.4 ns",
+    ("erf", "f64"): "exp + degree-11 and degree-17 polynomials, both evaluated; 1.6 ns",
+}
+"""What each function costs. The times are per element of a single-threaded AVX-512 loop with
+data in cache (Zen 5, `python -m backplan.bench.mathlib`); a loop that streams 16M
+float32 elements from memory costs about 0.2 ns per element for the traffic alone."""

@@ -1,0 +1,44 @@
+"""Source of a loop kernel that runs backplan's GEMM block by block and, after each block of rows
+of the result, the plan's epilogue loop on those rows (ir/epilogue.py decides which loop).
+
+The block is the GEMM's own row block (ROW_BLOCK rows), so splitting the call costs no extra
+packing: the rows are still in cache when the epilogue (bias add, activation, ...) reads them,
+and each C element is computed exactly as the whole GEMM computes it. The epilogue's lines are
+a row stage of the loop emitter (codegen/render/loops.py), for row i0, views made before the loop.
+
+    mat_c[block rows] = op(mat_a)[block rows] @ op(mat_b)
+    for i0 in block rows: <epilogue for row i0>
+"""
+
+from __future__ import annotations
+
+from backplan.codegen.render.placement import Placement
+
+
+def gemm_epilogue_lines(
+    width: int,
+    operands: list[tuple[bool, Placement]],
+    out: Placement,
+    views: list[str],
+    stage: list[str],
+) -> tuple[list[str], dict, dict]:
+    """(lines, scalars, bases) in the form canonical_kernel takes. operands: (transposed?,
+    placement) of a and b as the matmul reads them; out: the matmul's result, (m, n)."""
+    (ta, a), (tb, b) = operands
+    m, n = out.shape
+    k = a.shape[0] if ta else a.shape[1]
+    rows = "mat_a[:, block:block_end]" if ta else "mat_a[block:block_end]"
+    lines = [
+        f"mat_a = contiguous_view(b0, o0, {'(n2, n0)' if ta else '(n0, n2)'})",
+        f"mat_b = contiguous_view(b1, o1, {'(n1, n2)' if tb else '(n2, n1)'})",
+        "mat_c = contiguous_view(b2, o2, (n0, n1))",
+        *views,
+        "for block in range(0, n0, ROW_BLOCK):",
+        "    block_end = min(block + ROW_BLOCK, n0)",
+        f"    own_gemm({width}, {ta}, {tb}, 1.0, {rows}, mat_b, 0.0, mat_c[block:block_end])",
+        "    for i0 in range(block, block_end):",
+        *["        " + line for line in stage],
+    ]
+    scalars = {"n0": m, "n1": n, "n2": k, "o0": a.offset, "o1": b.offset, "o2": out.offset}
+    bases = {"b0": a.base, "b1": b.base, "b2": out.base}
+    return lines, scalars, bases

@@ -1,0 +1,333 @@
+"""Emitting one fused loop nest: index maps through aliases and broadcasting, collapsing of
+dimensions every access treats alike, reduction tails, and the choice of prange."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from backplan.codegen.flags import parallel_pays
+from backplan.codegen.render.placement import Placement
+from backplan.codegen.render.scalar import NP_TYPE, expression, literal
+from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
+from backplan.ir.types import np_dtype
+
+CHUNKS = 16  # reductions across the parallel loop: one partial row per chunk
+
+
+@dataclass
+class Access:
+    name: str
+    dims: list[int | None]  # per dimension of the array: loop dimension or None
+    shape: tuple[int, ...]
+    where: Placement  # the base array, offset and strides the kernel makes its view from
+    itemsize: int
+
+    @property
+    def strided(self) -> bool:
+        """Not C-contiguous (transpose, slice): indexed in full through strides, never merged."""
+        return not self.where.contiguous
+
+
+@dataclass
+class LoopEmitter:
+    """Builds the source of one loop kernel. Every array it reads or writes is a view the
+    kernel makes itself from a base array, an offset and sizes (and strides) it takes as
+    arguments: the plan's driver only passes them (codegen/render/placement.py)."""
+
+    kernel: Kernel
+    local: set  # values computed by this kernel
+    stored: set  # values of this kernel that must be written to their buffers
+    array_name: dict  # value -> variable name ("v3"); locals of the loop use "t3"
+    literal_of: callable  # value -> literal source, or None when not a literal
+    place: callable = None  # value -> Placement of its array
+    accesses: dict = field(default_factory=dict)
+    rows: bool = False  # a stage of a row kernel: the caller loops over axis 0 (as i0)
+    size_prefix: str | None = None  # loop sizes become arguments named <prefix><level>
+    same: dict = field(default_factory=dict)  # value -> the local of an equal one computed first
+
+    def size(self, level: int) -> str:
+        """A loop's trip count in the source: a name the kernel takes as an argument, so one
+        compiled kernel serves every size; a size of 1 stays a literal (it removes a loop)."""
+        if self.size_prefix is None or self.sizes[level] == 1:
+            return str(self.sizes[level])
+        if self.rows and level == 0:
+            return "n0"  # the rows: the size of the caller's loop
+        return f"{self.size_prefix}{level}"
+
+    def size_arguments(self) -> dict[str, int]:
+        """Names of the sizes the loop lines use, with their values."""
+        if self.size_prefix is None:
+            return {}
+        return {self.size(g): n for g, n in enumerate(self.sizes) if n != 1}
+
+    def emit(self) -> tuple[list[str], list[str], bool]:
+        """(view lines, loop lines, parallel?): both are the kernel's, view lines first."""
+        shape = self.loop_shape = internal_shape(self.kernel.shape)
+        self.active = [d for d, size in enumerate(shape) if size != 1 or (self.rows and d == 0)]
+        self._collect_accesses(shape)
+        self.groups = self._collapse(shape)
+        self.sizes = [math.prod(shape[d] for d in group) for group in self.groups]
+        setup = self._views()
+        if self.rows:  # the row loop is the caller's; emit the rest for row i0
+            return setup, self._nest("serial", first_level=1), False
+        mode = self._mode()
+        body = self._nest(mode) if mode != "chunked" else self._chunked_nest()
+        return setup, body, mode != "serial"
+
+    def _collect_accesses(self, shape) -> None:
+        for node in self.kernel.computed:
+            for inp in node.inputs:
+                base, dims = index_map(inp, shape)
+                if base in self.local or self.literal_of(base) is not None:
+                    continue
+                key = (base, tuple(dims))  # one array may be read through several index maps
+                if key not in self.accesses:
+                    self.accesses[key] = self._access(base, dims)
+        for node in self.kernel.nodes:
+            if node in self.stored:
+                self.accesses[node] = self._access(node, list(range(len(shape))))
+        self.reduced_dims = {}
+        for red in self.kernel.reductions:
+            axes = set(red.attrs["axes"])
+            kept = [d for d in range(len(shape)) if d not in axes]
+            if red.attrs["keepdims"]:
+                dims = [d if d not in axes else None for d in range(len(shape))]
+            else:
+                dims = kept
+            self.accesses[red] = self._access(red, dims or [None])
+            self.reduced_dims[red] = axes
+
+    def _access(self, value, dims) -> Access:
+        shape = internal_shape(value.shape)
+        itemsize = np_dtype(value.dtype).itemsize
+        return Access(self.array_name[value], dims, shape, self.place(value), itemsize)
+
+    def _collapse(self, shape) -> list[list[int]]:
+        def signature(d):
+            # a strided access keeps each of its dimensions as its own loop
+            present = tuple(
+                (d if a.strided else True) if d in a.dims else False for a in self.accesses.values()
+            )
+            reduced = tuple(d in axes for axes in self.reduced_dims.values())
+            row = (self.rows and d == 0,)  # a row kernel keeps axis 0 as its own loop
+            return present + reduced + row
+
+        groups: list[list[int]] = []
+        for d in self.active:
+            if groups and signature(groups[-1][-1]) == signature(d) and groups[-1][-1] == d - 1:
+                groups[-1].append(d)
+            else:
+                groups.append([d])
+        return groups or [[0]]
+
+    def _views(self) -> list[str]:
+        """One view per access, made inside the kernel from base `b<j>` at offset `o<j>`
+        (strides `d<j>_<axis>` in bytes when strided); their values are in `self.scalars`."""
+        lines, self.scalars, self.bases = [], {}, {}
+        self.view_name, self.view_groups = {}, {}
+        prefix = self.size_prefix[:-1] if self.size_prefix else ""
+        for j, (key, access) in enumerate(self.accesses.items()):
+            base, offset, view = f"{prefix}b{j}", f"{prefix}o{j}", f"{prefix}w{j}"
+            self.bases[base] = access.where.base
+            self.scalars[offset] = access.where.offset
+            self.view_name[key] = view
+            if access.strided:
+                groups = [self._group_of(d) for d in access.dims]
+                lines.append(f"{view} = {self._strided_view(access, groups, prefix, j)}")
+                self.view_groups[key] = groups
+                continue
+            present = [
+                g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)
+            ]
+            sizes = [self.size(g) for g in present] or ["1"]
+            lines.append(f"{view} = contiguous_view({base}, {offset}, ({', '.join(sizes)},))")
+            self.view_groups[key] = present
+        return lines
+
+    def _strided_view(self, access, groups, prefix: str, j: int) -> str:
+        shape, strides = [], []
+        for axis, group in enumerate(groups):
+            if group is None:  # indexed at 0 only
+                shape.append("1")
+                strides.append("0")
+                continue
+            name = f"{prefix}d{j}_{axis}"
+            self.scalars[name] = access.where.strides[axis] * access.itemsize
+            shape.append(self.size(group))
+            strides.append(name)
+        return (
+            f"strided_view({prefix}b{j}, {prefix}o{j}, "
+            f"({', '.join(shape)},), ({', '.join(strides)},))"
+        )
+
+    def _crossing(self) -> list:
+        """Reductions over the outermost loop: threads splitting that loop would race."""
+        return [r for r in self.kernel.reductions if set(self.groups[0]) & self.reduced_dims[r]]
+
+    def _mode(self) -> str:
+        """serial; parallel (prange over the outer loop); or chunked: prange over chunks of the
+        outer loop, each reducing into its own partial row, combined at the end."""
+        if not parallel_pays(math.prod(self.sizes)) or self.sizes[0] < 2:
+            return "serial"
+        return "chunked" if self._crossing() else "parallel"
+
+    def _chunked_nest(self) -> list[str]:
+        crossing = self._crossing()
+        depth_of = {r: self._suffix_depth(r) for r in self.kernel.reductions}
+        lines, partial = [], {}
+        for red in crossing:
+            kept = [g for g in self.view_groups[red] if g is not None]
+            sizes = [self.size(g) for g in kept] or ["1"]
+            partial[red] = (f"part_{self.array_name[red]}", kept, " * ".join(sizes))
+            shape = ", ".join([str(CHUNKS), *sizes])
+            lines.append(f"{partial[red][0]} = np.empty(({shape}), {NP_TYPE[red.dtype]})")
+        lines.append(f"for chunk in prange({CHUNKS}):")
+        lines.append(f"    lo = chunk * {self.size(0)} // {CHUNKS}")
+        lines.append(f"    hi = (chunk + 1) * {self.size(0)} // {CHUNKS}")
+        targets = {}
+        for red in crossing:
+            if depth_of[red] == 0:  # reduces everything: a register accumulator per chunk
+                continue
+            lines.append(f"    {partial[red][0]}[chunk] = {self._init(red)}")
+            depth_of[red] = None
+            targets[red] = f"{partial[red][0]}[chunk, {self._kept_index(partial[red][1])}]"
+        for level in range(len(self.sizes)):
+            pad = "    " * (level + 1)
+            for red in self.kernel.reductions:
+                if depth_of[red] == level:
+                    lines.append(f"{pad}acc_{self.array_name[red]} = {self._init(red)}")
+            bounds = "lo, hi" if level == 0 else self.size(level)
+            lines.append(f"{pad}for i{level} in range({bounds}):")
+        pad = "    " * (len(self.sizes) + 1)
+        lines += [pad + line for line in self._body(depth_of, targets)]
+        for level in reversed(range(len(self.sizes))):
+            pad = "    " * (level + 1)
+            for red in self.kernel.reductions:
+                if depth_of[red] != level:
+                    continue
+                target = (
+                    f"{partial[red][0]}[chunk, 0]"
+                    if red in partial
+                    else f"{self.view_name[red]}[{self._index(red)}]"
+                )
+                lines.append(f"{pad}{target} = acc_{self.array_name[red]}")
+        for red in crossing:
+            name, _, count = partial[red]
+            lines += [
+                f"flat = {name}.reshape(({CHUNKS}, {count}))",
+                f"out = {self.view_name[red]}.reshape(({count},))",
+                f"for j in range({count}):",
+                f"    acc = {self._init(red)}",
+                f"    for chunk in range({CHUNKS}):",
+                *["        " + line for line in self._combine(red, "flat[chunk, j]")],
+                "    out[j] = acc",
+            ]
+        return lines
+
+    def _kept_index(self, groups) -> str:
+        return ", ".join(f"i{g}" for g in groups) if groups else "0"
+
+    def _combine(self, red, value) -> list[str]:
+        if red.op == "sum":
+            return [f"acc += {value}"]
+        return [f"v_ = {value}", "if v_ > acc or v_ != v_:", "    acc = v_"]
+
+    def _group_of(self, dim) -> int | None:
+        for g, group in enumerate(self.groups):
+            if dim in group:
+                return g
+        return None
+
+    def _index(self, value) -> str:
+        groups = self.view_groups[value]
+        return ", ".join("0" if g is None else f"i{g}" for g in groups) if groups else "0"
+
+    def _suffix_depth(self, red) -> int | None:
+        """Depth at which a scalar accumulator works (reduced groups form a suffix), or None
+        (accumulate into the output array), also when only size-1 axes are reduced."""
+        reduced = [bool(set(group) & self.reduced_dims[red]) for group in self.groups]
+        if True not in reduced:
+            return None
+        depth = reduced.index(True)
+        return depth if all(reduced[depth:]) else None
+
+    def _nest(self, mode: str, first_level: int = 0) -> list[str]:
+        parallel = mode == "parallel"
+        lines, depth_of = [], {}
+        for red in self.kernel.reductions:
+            depth_of[red] = self._suffix_depth(red)
+            if depth_of[red] is None:
+                lines.append(f"{self.view_name[red]}[:] = {self._init(red)}")
+        for level in range(len(self.sizes)):
+            if level < first_level:
+                continue
+            pad = "    " * (level - first_level)
+            for red in self.kernel.reductions:
+                if depth_of[red] == level:
+                    lines.append(f"{pad}acc_{self.array_name[red]} = {self._init(red)}")
+            loop = "prange" if parallel and level == 0 else "range"
+            lines.append(f"{pad}for i{level} in {loop}({self.size(level)}):")
+        pad = "    " * (len(self.sizes) - first_level)
+        lines += [pad + line for line in self._body(depth_of)]
+        for level in reversed(range(first_level, len(self.sizes))):
+            pad = "    " * (level - first_level)
+            for red in self.kernel.reductions:
+                if depth_of[red] == level:
+                    lines.append(
+                        f"{pad}{self.view_name[red]}[{self._index(red)}] = "
+                        f"acc_{self.array_name[red]}"
+                    )
+        return lines
+
+    def _init(self, red) -> str:
+        if red.op == "sum":
+            return literal(0, red.dtype)
+        if red.dtype in ("f32", "f64"):
+            return literal(float("-inf"), red.dtype)
+        return f"np.iinfo({NP_TYPE[red.dtype]}).min"
+
+    def operand(self, value) -> str:
+        base = alias_base(value)
+        if base in self.local:
+            return self.local_name(base)
+        lit = self.literal_of(base)
+        if lit is not None:
+            return lit
+        key = (base, tuple(index_map(value, self.loop_shape)[1]))
+        return f"{self.view_name[key]}[{self._index(key)}]"
+
+    def local_name(self, node) -> str:
+        return self.same.get(node) or "t" + self.array_name[node][1:]
+
+    def _body(self, depth_of, targets=None) -> list[str]:
+        """Every read comes before every store, so an output may overwrite an input in place.
+        targets: where a reduction accumulates, when not its accumulator or output."""
+        targets = targets or {}
+        lines, computed = [], {}  # expression -> the local holding its value
+        for node in self.kernel.recomputed + self.kernel.nodes:
+            expr = expression(node, [self.operand(i) for i in node.inputs])
+            if expr in computed:  # a chain recomputed beside its original: compute it once
+                self.same[node] = computed[expr]
+                continue
+            computed[expr] = self.local_name(node)
+            lines.append(f"{self.local_name(node)} = {expr}")
+        for node in self.kernel.nodes:
+            if node in self.stored:
+                lines.append(
+                    f"{self.view_name[node]}[{self._index(node)}] = {self.local_name(node)}"
+                )
+        for red in self.kernel.reductions:
+            value = self.operand(red.inputs[0])
+            target = targets.get(red) or (
+                f"acc_{self.array_name[red]}"
+                if depth_of[red] is not None
+                else f"{self.view_name[red]}[{self._index(red)}]"
+            )
+            if red.op == "sum":
+                lines.append(f"{target} += {value}")
+            else:
+                lines.append(f"v_ = {value}")
+                lines.append(f"if v_ > {target} or v_ != v_:")
+                lines.append(f"    {target} = v_")
+        return lines

@@ -1,0 +1,454 @@
+"""A compiled plan: generated source, loaded through the disk cache, behind a call that takes
+and returns lists of arrays exactly like the reference interpreter."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from backplan.codegen.build import (
+    cache,
+    cache_health,
+    driver_builder,
+    driver_tier,
+    kernel_cache,
+    progress,
+)
+from backplan.codegen.flags import flags_text
+from backplan.codegen.jit import is_cached, load_cached, start_parallel_runtime
+from backplan.codegen.render.emit import generate
+from backplan.codegen.render.loops import internal_shape
+from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare
+from backplan.codegen.run.workspace import WorkspacePool, parallel_guard
+from backplan.ir.donation import donation_pairs
+from backplan.ir.errors import ExecutionError
+from backplan.ir.index_check import format_position
+from backplan.ir.interpreter import run_plan
+from backplan.ir.liveness import Plan
+from backplan.ir.lowering import LoweredPlan
+from backplan.ir.plan_buffers import compiled_buffers
+from backplan.ir.text import format_graph, format_loc, value_names
+from backplan.ir.types import np_dtype
+
+# A call into a parallel kernel (generated or from the library) appears in the source as one of:
+PARALLEL_LAUNCH = re.compile(r"parallel=True|\b\w+_par\(")
+
+
+def canonical_text(plan: Plan) -> str:
+    """Plan text without source locations, plus the constants' types: what the code depends on."""
+    text = re.sub(r"  # .*$", "", format_graph(plan.graph, plan.frees_after), flags=re.M)
+    consts = sorted((k, str(v.dtype), v.shape) for k, v in plan.graph.constants.items())
+    return f"{text}\n# constants {consts}"
+
+
+def _output_sources(sources: list, buffers: list) -> list[tuple]:
+    """(output buffer or None, position in what `run` returns, shape to reshape to or None)
+    per output that is not a literal; `run` returns arrays of their internal shape (a scalar
+    as one element)."""
+    found: list[tuple] = []
+    returned = 0
+    for buffer, shape in sources:
+        if buffer is None:
+            found.append((None, returned, () if shape == () else None))
+            returned += 1
+        else:
+            found.append((buffer, None, None if buffers[buffer][0] == shape else shape))
+    return found
+
+
+def _load_from_cache(dispatcher, signature):
+    """The dispatcher with its compiled version for `signature` loaded from the disk cache,
+    where the build process left it; never compiles here (that would hold this process's GIL
+    for the whole compile)."""
+    if not load_cached(dispatcher, signature):
+        index = dispatcher._cache._cache_file._index_path
+        raise RuntimeError(
+            f"the build left no compiled driver in the cache ({index}) for {signature}"
+        )
+    return dispatcher
+
+
+def switch_line(label: str, was: str, seconds: float) -> str:
+    if was == "reference":
+        return (
+            f"{label}: compiled kernels and driver ready after {seconds:.1f} s; calls switch "
+            "from the reference interpreter to them"
+        )
+    return f"{label}: compiled driver ready after {seconds:.1f} s"
+
+
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """The array in C order; a copy stays read-only like the caller's array (a NumPy argument's
+    read-only view, a tensor's buffer): a writeable copy would be another argument type, and
+    the compiled driver would be compiled again, in the call, for it."""
+    if array.flags.c_contiguous:
+        return array
+    copy = np.ascontiguousarray(array)
+    copy.flags.writeable = array.flags.writeable
+    return copy
+
+
+def _reshaped(buffer: np.ndarray, shape) -> np.ndarray:
+    """An output buffer in its IR shape, read-only: a writeable view of another array is
+    copied when a tensor wraps it (tracer/tensor.py), which would hold the output twice."""
+    view = buffer.reshape(shape)
+    view.flags.writeable = False
+    return view
+
+
+class CompiledPlan:
+    """Calling it runs the whole plan in one compiled function. background: the function's own
+    choice (True: first calls on the reference interpreter while a child compiles; False:
+    compile in the first call; None: BACKPLAN_DRIVER's, see codegen/build/driver_tier.py)."""
+
+    def __init__(
+        self, lowered: LoweredPlan, donated: tuple[int, ...] = (), background: bool | None = None
+    ):
+        plan = self.plan = lowered.plan
+        start = time.perf_counter()
+        generated = generate(lowered)
+        self.donations = donation_pairs(lowered, donated)  # output buffer -> donated input
+        self.layout = generated.layout
+        self.source = generated.source
+        self.kernel_count = generated.kernel_count
+        self.key_parts = cache.key_parts(canonical_text(plan), flags_text())
+        self.loop_kernels = generated.loop_kernels
+        start_parallel_runtime()
+        kernel_cache.load(self.loop_kernels)
+        module, self.cache_hit, self.miss_reason = cache.load_module(self.source, self.key_parts)
+        self._compiled_run = self._run = module.run
+        self._driver_ready = threading.Event()
+        self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
+        self.driver_found_cached = False  # its build found it compiled by another process
+        self._background = False
+        self._asked_background = background is True  # its switch is a line, however quick
+        mode = driver_tier.driver_mode(background)
+        if mode in ("background", "reference"):
+            driver_tier.at_exit_mode()  # a bad value is refused here, not at the program's end
+        self.module_path = module.__file__  # the generated module in the cache folder
+        if mode in ("background", "reference") and cache_health.is_unwritable(
+            os.path.dirname(self.module_path)
+        ):
+            mode = "python"  # a build hands its driver over through the folder: none can
+        self._build_lock = threading.Lock()
+        if hasattr(module.run, "py_func") and mode != "inline":
+            compiled = module.run.overloads or is_cached(module.run)
+            if mode == "reference" and not compiled:
+                self.driver_tier = "reference"  # kernels and driver build in the child
+                self._background = True
+            elif mode == "python" or not compiled:
+                self._run = driver_tier.python_driver(module)
+                self.driver_tier = "python"
+                self._background = mode == "background"
+        if not self._background:
+            self._driver_ready.set()  # no build is coming
+        self._driver_statements = generated.driver_statements
+        self._driver_parts = tuple(
+            getattr(module, f"run_part{i}") for i in range(generated.driver_parts)
+        )
+        graph = plan.graph
+        self._constants = [
+            np.ascontiguousarray(graph.constants[c]) for c in generated.constant_names
+        ]
+        self._output_buffers = [
+            (internal_shape(v.shape), np_dtype(v.dtype)) for v in generated.output_buffers
+        ]
+        self._workspaces = WorkspacePool(
+            [(np_dtype(d), n) for d, n in generated.scratch.items()],
+            self._output_buffers,
+            frozenset(self.donations),
+        )
+        self._launch_guard = (
+            parallel_guard()
+            if PARALLEL_LAUNCH.search(self.source) or any(k.parallel for k in self.loop_kernels)
+            else contextlib.nullcontext()
+        )
+        self._literal_outputs = {
+            i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
+            for i, n in generated.literal_outputs.items()
+        }
+        self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
+        self._output_sources = _output_sources(generated.output_sources, self._output_buffers)
+        self._buffer_outputs = None
+        if not self._literal_outputs and all(j is not None for j, _, _ in self._output_sources):
+            self._buffer_outputs = [(j, shape) for j, _, shape in self._output_sources]
+        self._checked = None  # BACKPLAN_CHECK_MEMORY=1: the buffers a call must hold
+        if checking():
+            self._checked = (
+                compiled_buffers(lowered, donated=tuple(donated)),
+                [f"scratch {d}" for d in generated.scratch],
+            )
+        self.generate_seconds = time.perf_counter() - start
+        self.first_call_seconds = None
+
+    def __call__(self, args: list, donate=()) -> list:
+        """donate: inputs whose buffers the caller gives up; outputs paired with them
+        (self.donations) are written into them instead of into new arrays."""
+        lean = self.first_call_seconds is not None and self.driver_tier != "reference"
+        if self._checked is not None and self.driver_tier != "reference":
+            return self._checked_call(args, donate)
+        if not lean or (donate and self.donations):
+            return self._general_call(args, donate)
+        arrays = [a if a.flags.c_contiguous else contiguous(a) for a in args]
+        args.clear()
+        for i in self._scalar_inputs:
+            arrays[i] = arrays[i].reshape(1)
+        workspace = self._workspaces.checkout()
+        outputs = workspace.output_arrays()
+        try:
+            with self._launch_guard:
+                returned = self._run(*arrays, *self._constants, *workspace.scratch, *outputs)
+        except IndexError as exc:
+            raise self._located(exc) from None
+        finally:
+            del arrays
+            self._workspaces.checkin(workspace)
+        return self._outputs(returned, outputs)
+
+    def _checked_call(self, args: list, donate) -> list:
+        """A call that counts every buffer it holds and compares them with the prediction."""
+        predicted, scratch_keys = self._checked
+        with ALLOCATOR.measuring() as measured:
+            for name, array in self.plan.graph.constants.items():
+                ALLOCATOR.use(array, f"const {name}")
+            outputs = self._general_call(args, donate, scratch_keys)
+            for i in self._literal_outputs:
+                ALLOCATOR.use(outputs[i], f"literal {i}")
+        compare(self.plan.graph.name, predicted, measured.at_peak, self._why_fresh())
+        return outputs
+
+    def _why_fresh(self) -> dict[str, str]:
+        """Why an output planned into a donated input can get a buffer of its own."""
+        return {
+            f"output {k}": f"planned into donated input {i}, whose array was not given up "
+            "this call (not donated, shared with a view or another tensor, or still held)"
+            for k, i in self.donations.items()
+        }
+
+    @staticmethod
+    def _count(scratch_keys, copies: dict, workspace, outputs, given) -> None:
+        """Checked mode: the buffers this call holds, by the names the prediction uses."""
+        for i, array in copies.items():
+            ALLOCATOR.use(array, f"copy of input {i} (not C-contiguous)")
+        for key, arena in zip(scratch_keys, workspace.scratch, strict=True):
+            ALLOCATOR.use(arena, key)
+        for k, array in enumerate(outputs):
+            if k not in given:
+                ALLOCATOR.use(array, f"output {k}")
+
+    def _general_call(self, args: list, donate, scratch_keys=None) -> list:
+        """Any call: while the reference interpreter stands in, the first call, donations."""
+        if self.driver_tier == "reference":
+            return self._reference_call(args)
+        arrays = [contiguous(a) for a in args]
+        given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
+        copies = None
+        if scratch_keys is not None:
+            copies = {i: b for i, (a, b) in enumerate(zip(args, arrays, strict=True)) if a is not b}
+        args.clear()
+        for i in self._scalar_inputs:
+            arrays[i] = arrays[i].reshape(1)
+        arrays += self._constants
+        workspace = self._workspaces.checkout()
+        arrays += workspace.scratch
+        outputs = workspace.output_arrays(given)
+        for k, i in given.items():
+            outputs[k] = arrays[i]
+        if scratch_keys is not None:
+            self._count(scratch_keys, copies, workspace, outputs, given)
+        arrays += outputs
+        try:
+            with self._launch_guard:
+                if self.first_call_seconds is None:
+                    returned = self._first_call(arrays)
+                else:
+                    returned = self._run(*arrays)
+        except IndexError as exc:
+            raise self._located(exc) from None
+        finally:
+            del arrays
+            self._workspaces.checkin(workspace)
+            for k in given:
+                outputs[k].flags.writeable = False  # the caller wraps it as an immutable tensor
+        return self._outputs(returned, outputs)
+
+    def _outputs(self, returned: Any, buffers: list) -> list:
+        """The plan's outputs: the output buffers the caller passed (whole or reshaped), what
+        `run` returned, and literal outputs, each in its IR shape (0-d for scalars)."""
+        if self._buffer_outputs is not None:  # the common case: every output is a buffer
+            return [
+                buffers[j] if shape is None else _reshaped(buffers[j], shape)
+                for j, shape in self._buffer_outputs
+            ]
+        outputs = []
+        for buffer, position, shape in self._output_sources:
+            array = returned[position] if buffer is None else buffers[buffer]
+            if shape is not None:
+                array = _reshaped(array, shape) if buffer is not None else array.reshape(shape)
+            outputs.append(array)
+        for i, (shape, value, dtype) in self._literal_outputs.items():
+            outputs.insert(i, np.full(shape, value, dtype))
+        return outputs
+
+    def _first_call(self, arrays: list):
+        start = time.perf_counter()
+        label = f"@{self.plan.graph.name}"
+        compiling_driver = self.driver_tier == "compiled" and self.driver_seconds is None
+        with progress.reporting(
+            label,
+            self.loop_kernels,
+            self.cache_hit or not compiling_driver,
+            self._driver_statements if compiling_driver else 0,
+            self._driver_parts if compiling_driver else (),
+        ):
+            returned = self._run(*arrays)
+        self.first_call_seconds = time.perf_counter() - start
+        self._start_build(lambda: driver_tier.argument_types(arrays), label)
+        return returned
+
+    def _reference_call(self, args: list) -> list:
+        """A call while kernels and driver build in the background: the reference interpreter
+        computes it (the same plan; results within rounding of the compiled ones)."""
+        if self._background:
+            self._start_build(lambda: self._argument_types(args), f"@{self.plan.graph.name}")
+        return run_plan(self.plan, args)
+
+    def _argument_types(self, args: list) -> list:
+        """The types the compiled driver will be called with, as a call would pass them."""
+        arrays = [contiguous(a) for a in args]
+        for i in self._scalar_inputs:
+            arrays[i] = arrays[i].reshape(1)
+        workspace = self._workspaces.checkout()
+        try:
+            arrays += self._constants + workspace.scratch + workspace.output_arrays()
+            return driver_tier.argument_types(arrays)
+        finally:
+            self._workspaces.checkin(workspace)
+
+    def _start_build(self, types, label: str) -> None:
+        """Once per plan, by whichever call gets here first: types() gives the arguments."""
+        with self._build_lock:
+            if not self._background:
+                return
+            self._background = False
+        try:
+            self._build_driver(types(), label)
+        except Exception as exc:  # noqa: BLE001 - this call's results are right: keep them
+            self._build_failed(label, f"could not start the driver build ({exc!r})")
+
+    def _build_driver(self, types: list, label: str) -> None:
+        """Compile the driver in a child process; switch to it once it is loaded."""
+        payload = {
+            "source": self.source,
+            "parts": self.key_parts,
+            "kernels": [
+                {
+                    "digest": k.digest,
+                    "source": k.source,
+                    "parallel": k.parallel,
+                    "arguments": list(k.arguments),
+                }
+                for k in self.loop_kernels
+            ],
+            "signature": types,
+            "folder": os.path.dirname(self.module_path),
+        }
+        if self.driver_tier == "reference":
+            announced = progress.announce_background_compile(
+                label, self.loop_kernels, self._driver_statements
+            )
+        else:
+            announced = progress.announce_driver_build(
+                label, self._driver_statements, self.loop_kernels
+            )
+
+        def load():
+            return _load_from_cache(self._compiled_run, driver_tier.numba_signature(types))
+
+        def ready(dispatcher):
+            was = self.driver_tier
+            self._run = dispatcher
+            self.driver_tier = "compiled"
+            self.driver_seconds = build.seconds
+            self.driver_found_cached = not build.compiled
+            if announced or (self._asked_background and not progress.quiet()):
+                progress.say(switch_line(label, was, build.seconds))
+            self._driver_ready.set()
+
+        build = driver_builder.DriverBuild(
+            payload,
+            load,
+            ready,
+            lambda message: self._build_failed(label, message),
+            label,
+            announced,
+        )
+        driver_builder.submit(build)
+
+    def _build_failed(self, label: str, message: str) -> None:
+        self.driver_error = message
+        if self.driver_tier == "reference":
+            still = "on the reference interpreter (the same results within rounding, slower)"
+        else:
+            still = "the driver as Python (the same compiled kernels, more time per call)"
+        warnings.warn(
+            f"{label}: {message}; its calls keep running {still}. bp.compile(fn, "
+            "background=False) or BACKPLAN_DRIVER=inline compiles in the first call instead.",
+            driver_tier.DriverBuildWarning,
+            stacklevel=1,
+        )
+        self._driver_ready.set()
+
+    def wait_for_driver(self, timeout: float | None = None) -> bool:
+        """Wait until the driver is compiled (or its build failed); True when calls now run
+        the compiled driver. Plans whose driver is compiled or cached return at once."""
+        self._driver_ready.wait(timeout)
+        return self.driver_tier == "compiled"
+
+    def _donated_buffers(self, args: list, arrays: list, donate) -> dict[int, int]:
+        """{output buffer: input} for the donations usable in this call: the input array is
+        the caller's own (not a contiguous copy) and can be made writeable."""
+        given = {}
+        for k, i in self.donations.items():
+            if i not in donate or arrays[i] is not args[i]:
+                continue
+            try:
+                arrays[i].flags.writeable = True
+            except ValueError:  # a view of someone else's read-only buffer
+                continue
+            given[k] = i
+        return given
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the arenas this plan keeps and reuses on every call (per concurrent call)."""
+        return self._workspaces.scratch_bytes
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes allocated fresh on every call for what the call returns."""
+        return sum(int(np.prod(s)) * d.itemsize for s, d in self._output_buffers)
+
+    def _located(self, exc: Exception) -> ExecutionError:
+        """Generated code names the failing value (%12) and, for a bad index, passes its flat
+        position, the value there and the indices' shape; give the user's line and the same
+        words as the reference interpreter."""
+        message = exc.args[0] if exc.args else str(exc)
+        match = re.match(r"%(\d+) (\w+): (.*)", str(message), flags=re.S)
+        if not match:
+            return ExecutionError(str(exc))
+        detail = match.group(3)
+        if len(exc.args) == 4:
+            flat, value, shape = exc.args[1:]
+            detail = detail.format(value=value, position=format_position(flat, shape))
+        names = {n: v for v, n in value_names(self.plan.graph).items()}
+        node = names.get(f"%{match.group(1)}")
+        where = f" at {format_loc(node.loc)}" if node is not None and node.loc else ""
+        return ExecutionError(f"{match.group(2)}{where}: {detail}")
