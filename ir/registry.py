@@ -37,8 +37,8 @@ class OpDef:
     operands {0}, {1}, {2}, the output's {dtype} ("f32"), {np_type} ("np.float32"), {zero} (a
     literal 0 of the output dtype) and the op's attributes by name; a dict picks a template by
     output dtype, "*" for the rest. Elementwise ops without one, reductions that are not
-    `loop_tail` and opaque ops are lowered by codegen's table of kernels
-    (`backplan.codegen.render.ops_emit.OPAQUE_EMITTERS`). `alias` views are read through an index
+    `loop_tail` and opaque ops are lowered by the emitter registered beside their kernel
+    (`@emits("op")` in a module of codegen/kernels/). `alias` views are read through an index
     transform and cost nothing; `loop_tail` reductions accumulate in the loop computing their
     input. `epilogue` ops (a 2-D GEMM) run the loop that reads their result element for element
     on each block of it as they finish it (ir/epilogue.py)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from backplan.codegen.build import kernel_cache
 from backplan.codegen.build.progress import driver_seconds, estimate, fresh_twins
 from backplan.codegen.render.emit import generate
-from backplan.codegen.render.ops_emit import unsupported_reason
+from backplan.codegen.render.opaque import unsupported_reason
 from backplan.ir.donation import donated_outputs
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import lower

@@ -101,7 +101,7 @@ def make_runner(
     backend = backend or current_backend()
     if backend == "reference":
         return ReferenceRunner(plan)
-    from backplan.codegen.render.ops_emit import Unsupported
+    from backplan.codegen.render.opaque import Unsupported
 
     try:
         return CompiledRunner(lowered, donated, background)
@@ -132,7 +132,7 @@ _making_runner = threading.Lock()
 def memory_plan_facts(plan: Plan) -> dict:
     """The compiled memory plan of a plan as plain data, without compiling: where each buffer
     lives (scratch arena offset, or allocated per call), arena sizes, kernel count."""
-    from backplan.codegen.render.ops_emit import unsupported_reason
+    from backplan.codegen.render.opaque import unsupported_reason
     from backplan.ir.lowering import lower
     from backplan.ir.text import value_names
 

@@ -13,14 +13,19 @@ own GEMM, which is single-threaded and allocates its own packing buffers, so thr
               dQ_r = dS K   dK += dS^T Q_r
 """
 
+import math
+
 import numpy as np
 
 from backplan.codegen.build.library_progress import announce_compiles
-from backplan.codegen.flags import FASTMATH
+from backplan.codegen.flags import FASTMATH, threads
 from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.blas import gemm_rows, rows_contiguous
-from backplan.codegen.kernels.gemm import gemm
+from backplan.codegen.kernels.gemm import gemm, vector_width
+from backplan.codegen.kernels.gemm.choice import use_own_gemm
 from backplan.codegen.kernels.rows import softmax_row
+from backplan.codegen.render.opaque import OpEmitter, emits
+from backplan.ir.graph import Value
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 # Helpers only the kernels below call: no CPython or C wrapper to compile. They are not inlined
@@ -152,3 +157,65 @@ announce_compiles(
         attention_backward_par: 5.0,
     }
 )
+
+
+__all__ = [
+    "attention_backward",
+    "attention_backward_par",
+    "attention_forward",
+    "attention_forward_par",
+]
+
+
+def _heads_shape(lead, tail) -> tuple:
+    if len(lead) <= 2:
+        return (1,) * (2 - len(lead)) + tuple(lead) + tuple(tail)
+    return (math.prod(lead[:-1]), lead[-1]) + tuple(tail)
+
+
+def _heads(ctx: OpEmitter, value: Value) -> str:
+    """value as a 4-D (batch, heads, length, features) array: a strided view passes as it
+    is when there are exactly two leading axes; otherwise a contiguous reshape."""
+    lead = value.shape[:-2]
+    if len(lead) == 2:
+        return ctx.array(value, contiguous=False)
+    return f"{ctx.array(value)}.reshape({_heads_shape(lead, value.shape[-2:])!r})"
+
+
+def _variant(fn: str, node: Value) -> tuple[str, int]:
+    """The kernel (parallel over (batch, head) pairs when that pays) and its GEMM width:
+    the own GEMM's in parallel (single-threaded, lock-free), else as chosen per shape,
+    0 meaning BLAS."""
+    q, k = node.inputs[0], node.inputs[1]
+    pairs = math.prod(q.shape[:-2])
+    t, s, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    parallel = threads() > 1 and pairs > 1 and pairs * t * s * max(d, 1) >= (1 << 16)
+    if parallel:
+        return f"{fn}_par", vector_width()
+    own = use_own_gemm(min(t, 128), s, d, True, node.dtype)
+    return fn, vector_width() if own else 0
+
+
+def _scale_and_mask(node: Value) -> str:
+    return f"{node.attrs['scale']!r}, {node.attrs['causal']}"
+
+
+@emits("attention")
+def emit_attention(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    q, k, v = (_heads(ctx, x) for x in node.inputs)
+    lead = node.inputs[0].shape[:-2]
+    out4 = f"{out}.reshape({_heads_shape(lead, node.shape[-2:])!r})"
+    fn, width = _variant("attention_forward", node)
+    return [f"{fn}({width}, {q}, {k}, {v}, {out4}, {_scale_and_mask(node)})"]
+
+
+@emits("attention_grad")
+def emit_attention_grad(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    q, k, v, g = (_heads(ctx, x) for x in node.inputs)
+    lead, parts, offset = node.inputs[0].shape[:-2], [], 0
+    for x in node.inputs[:3]:
+        shape = _heads_shape(lead, x.shape[-2:])
+        parts.append(f"{out}[{offset}:{offset + x.type.size}].reshape({shape!r})")
+        offset += x.type.size
+    fn, width = _variant("attention_backward", node)
+    return [f"{fn}({width}, {q}, {k}, {v}, {g}, {', '.join(parts)}, {_scale_and_mask(node)})"]

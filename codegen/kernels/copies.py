@@ -1,7 +1,8 @@
-"""Shared kernels for the array statements a driver used to hold: filling a buffer with zeros
-and copying one array into a strided part of another (the gradient of a slice, the parts of a
-concatenation). A setitem into a slice costs about 0.2 s of compile time in every driver that
-has one; as kernels they compile once per rank, for every plan.
+"""pad_slice and concatenate, as shared loop kernels for the array statements a driver used
+to hold: filling a buffer with zeros and copying one array into a strided part of another (the
+gradient of a slice, the parts of a concatenation). A setitem into a slice costs about 0.2 s
+of compile time in every driver that has one; as kernels they compile once per rank, for every
+plan.
 
 Each function gives (loop lines, scalars, bases) in the form canonical_kernel takes
 (codegen/render/kernel_source.py): arrays as base b<j> and offset o<j>, strides d<j>_<axis> in
@@ -13,7 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from backplan.codegen.render.loops import internal_shape
+from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.codegen.render.placement import Placement, slice_of
+from backplan.ir.fusion import alias_base
 from backplan.ir.graph import Value
 from backplan.ir.types import np_dtype
 
@@ -58,3 +62,44 @@ def part_placement(where: Placement, axis: int, start: int, shape) -> Placement:
     """Where a concatenation's part starting at `start` along `axis` lies in its output."""
     offset = where.offset + start * where.strides[axis]
     return replace(where, offset=offset, shape=tuple(shape))
+
+
+@emits("pad_slice")
+def emit_pad_slice(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    value = node.inputs[0]
+    if ctx.kernel_call is not None and node.shape:
+        where = ctx.place(node)
+        target = slice_placement(node, where, internal_shape(value.shape))
+        source = ctx.literal_of(alias_base(value)) or ctx.place(value)
+        fill = ctx.kernel_call(*fill_kernel(where))
+        return [fill, ctx.kernel_call(*copy_kernel(target, source, node.dtype))]
+    slices = ", ".join(
+        f"{a}:{'' if b < 0 else b}:{c}"
+        for a, b, c in zip(
+            node.attrs["starts"], node.attrs["stops"], node.attrs["steps"], strict=True
+        )
+    )
+    return [f"{out}[:] = 0", f"{out}[{slices}] = {ctx.array(node.inputs[0], False)}"]
+
+
+@emits("concatenate")
+def emit_concatenate(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    """Each part copied into its slice of the output: no temporary."""
+    axis, lines, offset = node.attrs["axis"], [], 0
+    if ctx.kernel_call is not None:
+        where = ctx.place(node)
+        for value in node.inputs:
+            target = part_placement(where, axis, offset, internal_shape(value.shape))
+            source = ctx.literal_of(alias_base(value)) or ctx.place(value)
+            lines.append(ctx.kernel_call(*copy_kernel(target, source, node.dtype)))
+            offset += value.shape[axis]
+        return lines
+    for value in node.inputs:
+        size = value.shape[axis]
+        index = ", ".join([":"] * axis + [f"{offset}:{offset + size}"])
+        lines.append(f"{out}[{index}] = {ctx.array(value, contiguous=False)}")
+        offset += size
+    return lines
+
+
+__all__: list[str] = []  # loop kernels made per plan (canonical_kernel), nothing to import

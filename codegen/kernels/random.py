@@ -6,6 +6,8 @@ import math
 import numpy as np
 
 from backplan.codegen.jit import njit, prange
+from backplan.codegen.render.opaque import OpEmitter, emits
+from backplan.ir.graph import Value
 
 _opts = {"cache": True, "error_model": "numpy", "nogil": True}  # no fastmath: exact bits
 MASK32 = 0xFFFFFFFF
@@ -110,3 +112,48 @@ def random_split(key, out):
         y0, y1 = threefry2x32(key[0], key[1], MASK32, c)
         out[c, 0] = y0
         out[c, 1] = y1
+
+
+__all__ = [
+    "check_key",
+    "random_normal_par",
+    "random_normal_serial",
+    "random_split",
+    "random_uniform_par",
+    "random_uniform_serial",
+]
+
+
+def _key_check(ctx: OpEmitter, node: Value, key: str) -> list[str]:
+    return [
+        f"bad = check_key({key})",
+        *ctx.index_error(
+            node,
+            node.inputs[0],
+            "key word {value} at position {position} must lie in [0, 2**32); "
+            "make keys with bp.random.key",
+        ),
+    ]
+
+
+def _draw(ctx: OpEmitter, node: Value, out: str, fn: str, extra: str = "") -> list[str]:
+    key = ctx.array(node.inputs[0])
+    size = math.prod(node.shape)
+    variant = "par" if size >= (1 << 16) else "serial"
+    return [*_key_check(ctx, node, key), f"{fn}_{variant}({key}, {out}.reshape(({size},)){extra})"]
+
+
+@emits("random_uniform")
+def emit_random_uniform(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    return _draw(ctx, node, out, "random_uniform", f", {node.dtype == 'f64'}")
+
+
+@emits("random_normal")
+def emit_random_normal(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    return _draw(ctx, node, out, "random_normal")
+
+
+@emits("random_split")
+def emit_random_split(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    key = ctx.array(node.inputs[0])
+    return [*_key_check(ctx, node, key), f"random_split({key}, {out})"]

@@ -1,9 +1,8 @@
-"""Hand-written kernels for the ops that are not plain loops: row composites, gather and
-scatter. Compiled once and cached on disk; generated plans call them. Each has a serial and a
-prange version, chosen by the generated code from the sizes (parallel pays above ~32k elements).
-Functions that can fail on data return the position of the first bad index (in the flattened
-index array), or -1 when every index is valid: a position is never negative, so -1 is never
-ambiguous, even when the bad index itself is -1."""
+"""Row composites: softmax, log_softmax, logsumexp, layer_norm, cross_entropy. Compiled once and
+cached on disk; generated plans call them. Each has a serial and a prange version, chosen by
+the generated code from the sizes (parallel pays above ~32k elements). cross_entropy returns
+the position of its first bad label (in the flattened labels), or -1 when every label is
+valid: a position is never negative, so -1 is never ambiguous."""
 
 import math
 
@@ -12,6 +11,10 @@ import numpy as np
 from backplan.codegen.flags import FASTMATH
 from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.scalar_functions import fast_exp
+from backplan.codegen.render.opaque import HOLES, OpEmitter, emits
+from backplan.codegen.render.scalar import NP_TYPE, literal
+from backplan.ir.graph import Value
+from backplan.ir.index_check import label_message
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 
@@ -124,15 +127,6 @@ def layer_norm_rows_par(x, weight, bias, affine, eps, out):
 
 
 @njit(inline="always", **_opts)
-def _first_bad_index(indices, size):
-    """The position of the first index outside [-size, size), or -1 when all are valid."""
-    for j in range(indices.shape[0]):
-        if indices[j] < -size or indices[j] >= size:
-            return j
-    return -1
-
-
-@njit(inline="always", **_opts)
 def _first_bad_label(labels, classes):
     """The position of the first label outside [0, classes), or -1 when all are valid."""
     for j in range(labels.shape[0]):
@@ -171,50 +165,92 @@ def cross_entropy_rows(logits, labels, out, scale):
     return -1
 
 
-@njit(inline="always", **_opts)
-def _wrapped(index, size):
-    return index + size if index < 0 else index
+__all__ = [
+    "cross_entropy_rows",
+    "layer_norm_rows",
+    "layer_norm_rows_par",
+    "logsumexp_strided",
+    "softmax_rows",
+    "softmax_rows_par",
+    "softmax_strided",
+]
 
 
-@njit(**_opts)
-def take_strided(x, indices, out):
-    """out[p, j, q] = x[p, indices[j], q]; negative indices count from the end."""
-    size = x.shape[1]
-    bad = _first_bad_index(indices, size)
-    if bad != -1:
-        return bad
-    for p in range(x.shape[0]):
-        for j in range(indices.shape[0]):
-            index = _wrapped(indices[j], size)
-            for q in range(x.shape[2]):
-                out[p, j, q] = x[p, index, q]
-    return -1
+def _softmax(ctx: OpEmitter, node: Value, out: str, log: bool) -> list[str]:
+    (x,) = node.inputs
+    pre, n, post = ctx.split(x.shape, node.attrs["axis"])
+    if post == 1:
+        fn = ctx.row_kernel("softmax_rows", pre, n)
+        return [f"{fn}({ctx.array(x)}.reshape(({pre}, {n})), {out}.reshape(({pre}, {n})), {log})"]
+    return [
+        f"softmax_strided({ctx.array(x)}.reshape(({pre}, {n}, {post})), "
+        f"{out}.reshape(({pre}, {n}, {post})), {log})"
+    ]
 
 
-@njit(**_opts)
-def take_grad_strided(g, indices, out):
-    """out = zeros; out[p, indices[j], q] += g[p, j, q] (take's adjoint)."""
-    size = out.shape[1]
-    bad = _first_bad_index(indices, size)
-    if bad != -1:
-        return bad
-    out[:] = 0
-    for p in range(g.shape[0]):
-        for j in range(indices.shape[0]):
-            index = _wrapped(indices[j], size)
-            for q in range(g.shape[2]):
-                out[p, index, q] += g[p, j, q]
-    return -1
+@emits("softmax")
+def emit_softmax(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    return _softmax(ctx, node, out, False)
 
 
-@njit(**_opts)
-def one_hot(labels, out):
-    """Returns the position of the first label outside [0, depth), or -1."""
-    depth = out.shape[1]
-    bad = _first_bad_label(labels, depth)
-    if bad != -1:
-        return bad
-    out[:] = 0
-    for r in range(labels.shape[0]):
-        out[r, labels[r]] = 1
-    return -1
+@emits("log_softmax")
+def emit_log_softmax(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    return _softmax(ctx, node, out, True)
+
+
+@emits("logsumexp")
+def emit_logsumexp(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    (x,) = node.inputs
+    axes = node.attrs["axes"]
+    if not axes:
+        return [f"{out}[:] = {ctx.array(x)}"]
+    source = ctx.array(x)
+    if list(axes) != list(range(axes[0], axes[-1] + 1)):
+        kept = [a for a in range(len(x.shape)) if a not in axes]
+        perm = ", ".join(str(a) for a in kept + list(axes))
+        source = f"np.ascontiguousarray({source}.transpose({perm}))"
+        pre, n, post = (
+            math.prod(x.shape[a] for a in kept),
+            math.prod(x.shape[a] for a in axes),
+            1,
+        )
+    else:
+        pre, n, post = ctx.split(x.shape, axes[0], len(axes))
+    return [
+        f"logsumexp_strided({source}.reshape(({pre}, {n}, {post})), "
+        f"{out}.reshape(({pre}, {post})))"
+    ]
+
+
+@emits("layer_norm")
+def emit_layer_norm(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    x = node.inputs[0]
+    cols = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    affine = len(node.inputs) == 3
+    w = ctx.array(node.inputs[1]) if affine else f"np.empty(1, {NP_TYPE[x.dtype]})"
+    b = ctx.array(node.inputs[2]) if affine else w
+    fn = ctx.row_kernel("layer_norm_rows", rows, cols)
+    return [
+        f"{fn}({ctx.array(x)}.reshape(({rows}, {cols})), {w}, {b}, {affine}, "
+        f"{literal(node.attrs['eps'], x.dtype)}, {out}.reshape(({rows}, {cols})))"
+    ]
+
+
+@emits("cross_entropy")
+def emit_cross_entropy(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    logits, labels = node.inputs
+    cols = logits.shape[-1]
+    rows = math.prod(logits.shape[:-1])
+    reduction = node.attrs["reduction"]
+    scale = 1.0
+    if reduction == "mean":
+        scale = 1.0 / rows if rows else math.nan  # the mean over no rows is nan, as NumPy's
+    target = f"{out}.reshape(({rows},))" if reduction == "none" else out
+    if reduction == "sum" and rows == 1:
+        scale = 1.0  # one row: the per-row loss is the sum
+    return [
+        f"bad = cross_entropy_rows({ctx.array(logits)}.reshape(({rows}, {cols})), "
+        f"{ctx.array(labels)}.reshape(({rows},)), {target}, {literal(scale, 'f64')})",
+        *ctx.index_error(node, labels, label_message(*HOLES, cols)),
+    ]

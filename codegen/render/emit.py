@@ -16,12 +16,18 @@ from dataclasses import dataclass
 from backplan.codegen.build import cache
 from backplan.codegen.flags import parallel_pays
 from backplan.codegen.kernels.gemm import vector_width
+from backplan.codegen.kernels.matmul import own_gemm_chosen, placed_operands
 from backplan.codegen.render.add_chains import chain_loops, chain_terms, size_of
 from backplan.codegen.render.driver_split import driver_source
 from backplan.codegen.render.epilogue import gemm_epilogue_lines
 from backplan.codegen.render.kernel_source import GEMM_IMPORTS, KernelSource, canonical_kernel
 from backplan.codegen.render.loops import LoopEmitter
-from backplan.codegen.render.ops_emit import OpEmitter, Unsupported, unsupported_reason
+from backplan.codegen.render.opaque import (
+    OpEmitter,
+    Unsupported,
+    kernel_modules,
+    unsupported_reason,
+)
 from backplan.codegen.render.placement import Placer
 from backplan.codegen.render.scalar import NP_TYPE, literal
 from backplan.ir.fusion import alias_base, internal_shape, is_alias
@@ -36,19 +42,18 @@ import math
 import numpy as np
 from backplan.codegen.jit import njit, prange
 
-from backplan.codegen.kernels.blas import (
-    batched_gemm_f32, batched_gemm_f64, gemm_f32, gemm_f64,
-)
-from backplan.codegen.kernels.gemm import batched_gemm as own_batched_gemm, gemm as own_gemm
 from backplan.codegen.flags import JIT_OPTIONS
-from backplan.codegen.kernels.rows import *  # noqa: F403
-from backplan.codegen.kernels.attention import *  # noqa: F403
-from backplan.codegen.kernels.conv import *  # noqa: F403
-from backplan.codegen.kernels.gemm_at import *  # noqa: F403
-from backplan.codegen.kernels.random import *  # noqa: F403
 from backplan.codegen.kernels.scalar_functions import *  # noqa: F403
 from backplan.codegen.build.kernel_cache import kernel as _kernel
 '''
+
+
+def header(name: str) -> str:
+    """The generated module's imports: the shared loop machinery, then the kernels of every
+    kernel module (codegen/kernels), so an op's kernel is callable by the name its emitter
+    writes."""
+    kernels = "".join(f"from {module} import *  # noqa: F403\n" for module in kernel_modules())
+    return HEADER.format(name=name) + kernels
 
 
 @dataclass
@@ -110,7 +115,7 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
         + [names[v] for v in layout.outputs]
     )
     kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
-    source = HEADER.format(name=graph.name) + "\n" + "\n".join(kernel_lines) + "\n\n"
+    source = header(graph.name) + "\n" + "\n".join(kernel_lines) + "\n\n"
     driver = driver_source(params, body, "@njit(**JIT_OPTIONS)")
     source += driver.source
     return GeneratedModule(
@@ -315,7 +320,8 @@ class _Emitter:
         node, loop = kernel.nodes[0], kernel.epilogue
         self.buffer(node)
         stored = {n for n in loop.all_nodes if n in self.needed}
-        operands = self.ops.placed_operands(node, flat=True) if self.ops.own_gemm(node) else None
+        own = own_gemm_chosen(self.ops, node)
+        operands = placed_operands(self.ops, node, flat=True) if own else None
         if operands is None or not stored or chain_terms(loop, stored, self._flat_like):
             body += self.ops.op(node, self.names[node])
             self._loop(loop, body)

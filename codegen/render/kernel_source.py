@@ -237,9 +237,9 @@ def _views_at(body: list[str], dtypes: dict) -> list[str] | None:
     return loop
 
 
-# What a kernel body may call and still allocate nothing: loops, its own views, scalar
-# NumPy
-# types and constants, math and the scalar functions kernels import (codegen/kernels/scalar_functions).
+# What a kernel body may call and still allocate nothing: loops, its own views, scalar NumPy
+# types and constants, math and the scalar functions kernels import
+# (codegen/kernels/scalar_functions.py).
 _CALL = re.compile(r"(?<!\w)(np\.|math\.|\.)?(\w+)\(")
 _NUMPY_SCALARS = {
     "float16", "float32", "float64", "intp", "int8", "int16", "int32", "int64",

@@ -75,7 +75,7 @@ def bench_model_plans():
 
 def sources() -> dict[str, str]:
     from backplan.codegen.render.emit import generate
-    from backplan.codegen.render.ops_emit import Unsupported
+    from backplan.codegen.render.opaque import Unsupported
 
     try:
         from backplan.ir.lowering import lower

@@ -1,0 +1,150 @@
+"""matmul: BLAS (codegen/kernels/blas.py) or backplan's own GEMM (codegen/kernels/gemm), as
+chosen per shape class. A 2-D product whose operands are C-contiguous where they live takes
+them as (1-D base array, element offset): the plan's driver passes a base and integers and
+makes no view of its own (codegen/render/placement.py); the views are made here, in code
+compiled once for every plan."""
+
+import math
+
+from backplan.codegen.jit import njit
+from backplan.codegen.kernels.blas import batched_gemm_f32, batched_gemm_f64, gemm_f32, gemm_f64
+from backplan.codegen.kernels.gemm import batched_gemm as own_batched_gemm
+from backplan.codegen.kernels.gemm import gemm as own_gemm
+from backplan.codegen.kernels.gemm import vector_width
+from backplan.codegen.kernels.gemm.choice import use_own_gemm
+from backplan.codegen.render.opaque import OpEmitter, emits
+from backplan.ir.fusion import alias_base
+from backplan.ir.graph import Value
+
+
+@njit(cache=True)
+def matrix_at(base, offset, rows, cols):
+    """The C-contiguous (rows, cols) matrix at element `offset` of a C-contiguous array (a
+    scratch arena, or an input or output array of any number of dimensions)."""
+    return base.reshape(-1)[offset : offset + rows * cols].reshape((rows, cols))
+
+
+@njit(cache=True)
+def gemm_at_f32(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
+    """out (m, n) = op(a) @ op(b); a is (m, k) or, transposed, (k, m); b is (k, n) or (n, k)."""
+    gemm_f32(
+        trans_a,
+        trans_b,
+        matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
+        matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
+        matrix_at(out, out_offset, m, n),
+        0.0,
+    )
+
+
+@njit(cache=True)
+def gemm_at_f64(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
+    gemm_f64(
+        trans_a,
+        trans_b,
+        matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
+        matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
+        matrix_at(out, out_offset, m, n),
+        0.0,
+    )
+
+
+@njit(cache=True)
+def own_gemm_at(width, trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
+    """The own GEMM (codegen/kernels/gemm) on placed operands, as gemm_at_f32."""
+    own_gemm(
+        width,
+        trans_a,
+        trans_b,
+        1.0,
+        matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
+        matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
+        0.0,
+        matrix_at(out, out_offset, m, n),
+    )
+
+
+__all__ = [
+    "batched_gemm_f32",
+    "batched_gemm_f64",
+    "gemm_at_f32",
+    "gemm_at_f64",
+    "gemm_f32",
+    "gemm_f64",
+    "own_batched_gemm",
+    "own_gemm",
+    "own_gemm_at",
+]
+
+
+def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
+    """Whether backplan's GEMM computes this matmul (else BLAS):
+    codegen/kernels/gemm/choice.py."""
+    m, n = node.shape[-2:]
+    k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
+    return use_own_gemm(m, n, k, tb, node.dtype)
+
+
+@emits("matmul")
+def emit_matmul(ctx: OpEmitter, node: Value, out: str) -> list[str]:
+    own = own_gemm_chosen(ctx, node)
+    placed = _placed_matmul(ctx, node, own) if len(node.shape) == 2 else None
+    if placed is not None:
+        return placed
+    (a, ta), (b, tb) = ctx.operand_2d(node.inputs[0]), ctx.operand_2d(node.inputs[1])
+    if len(node.shape) == 2:
+        if own:
+            return [f"own_gemm({vector_width()}, {ta}, {tb}, 1.0, {a}, {b}, 0.0, {out})"]
+        return [f"gemm_{node.dtype}({ta}, {tb}, {a}, {b}, {out}, 0.0)"]
+    return _batched_matmul(node, out, (a, ta), (b, tb), own)
+
+
+def placed_operands(ctx: OpEmitter, node: Value, flat: bool = False):
+    """[(transposed?, Placement)] of a 2-D matmul's operands, transposes taken as flags;
+    None when one is a literal or not C-contiguous where it lives (a copy is made then).
+    flat: bases seen as 1-D (what loop kernels take)."""
+    operands = []
+    for value in node.inputs:
+        trans = ctx.absorbs(value)
+        source = value.inputs[0] if trans else value
+        if ctx.place is None or ctx.literal_of(alias_base(source)) is not None:
+            return None
+        where = ctx.place(source, flat=flat)
+        if not where.contiguous:
+            return None
+        operands.append((trans, where))
+    return operands
+
+
+def _placed_matmul(ctx: OpEmitter, node: Value, own: bool) -> list[str] | None:
+    """A 2-D matmul whose operands are C-contiguous where they live: one library call
+    taking bases and offsets; None when an operand is not (a copy is made then)."""
+    operands = placed_operands(ctx, node)
+    if operands is None:
+        return None
+    out = ctx.place(node, flat=False)
+    (ta, a), (tb, b) = operands
+    m, n = node.shape
+    sizes = f"np.intp({m}), np.intp({n}), np.intp({node.inputs[0].shape[-1]})"
+    places = ", ".join(f"{w.base}, np.intp({w.offset})" for w in (a, b, out))
+    call = f"own_gemm_at({vector_width()}, " if own else f"gemm_at_{node.dtype}("
+    return [f"{call}{ta}, {tb}, {sizes}, {places})"]
+
+
+def _batched_matmul(node: Value, out: str, a_op, b_op, own: bool) -> list[str]:
+    operands = []
+    batch = node.shape[:-2]
+    for value, (expr, trans) in zip(node.inputs, (a_op, b_op), strict=True):
+        source = value.inputs[0] if trans else value
+        mat = source.shape[-2:]
+        own_batch = source.shape[:-2]
+        padded = (1,) * (len(batch) - len(own_batch)) + own_batch
+        if math.prod(padded) not in (1, math.prod(batch)) or (
+            math.prod(padded) != 1 and padded != batch
+        ):
+            expr = f"np.ascontiguousarray(np.broadcast_to({expr}, {batch + mat!r}))"
+            padded = batch
+        operands.append(f"{expr}.reshape(({math.prod(padded)}, {mat[0]}, {mat[1]}))")
+    out3 = f"{out}.reshape(({math.prod(batch)}, {node.shape[-2]}, {node.shape[-1]}))"
+    call = f"own_batched_gemm({vector_width()}, " if own else f"batched_gemm_{node.dtype}("
+    return [f"{call}{a_op[1]}, {b_op[1]}, {operands[0]}, {operands[1]}, {out3})"]

@@ -1,0 +1,217 @@
+"""Source for the nodes that are a call of their own: views, and every opaque op through the
+emitter its kernel module registers (codegen/kernels/*.py, `@emits`). OpEmitter is what an
+emitter is given: each value's variable, its placement, and the index-error lines."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import pkgutil
+import sys
+
+from backplan.codegen.flags import threads
+from backplan.codegen.render.loops import internal_shape
+from backplan.codegen.render.scalar import NP_TYPE
+from backplan.ir.fusion import alias_base, is_alias
+from backplan.ir.graph import Value
+from backplan.ir.layout import reads_its_input
+
+# Index errors are worded at codegen time with holes for what only the data knows.
+HOLES = ("{value}", "{position}")
+
+
+class Unsupported(Exception):
+    """A pattern codegen does not compile; the plan then runs on the reference interpreter."""
+
+
+class OpEmitter:
+    def __init__(self, names: dict, literal_of, contiguous: set, place=None, kernel_call=None):
+        self.names = names
+        self.literal_of = literal_of
+        self.contiguous = contiguous  # values whose variable is a C-contiguous array
+        self.place = place  # value -> Placement (codegen/render/placement.py)
+        self.kernel_call = kernel_call  # (lines, scalars, bases) -> call of a shared kernel
+        # A strided view reshaped twice (attention's heads moved back beside the features, then
+        # flattened for a bias sum and for a GEMM, or the same transpose recomputed) is copied
+        # once: _view_chain of the view -> the variable holding the copy.
+        self.copies: dict[tuple, str] = {}
+
+    # ---- operands -----------------------------------------------------------------------------
+
+    def array(self, value: Value, contiguous: bool = True) -> str:
+        """Expression for value as an array of its internal shape."""
+        lit = self.literal_of(alias_base(value))
+        if lit is not None:
+            shape = internal_shape(value.shape)
+            return f"np.full({shape!r}, {lit}, {NP_TYPE[value.dtype]})"
+        if is_alias(value):
+            source = self.array(value.inputs[0], contiguous=False)
+            shape = internal_shape(value.shape)
+            if value.op == "broadcast_to":
+                expr = f"np.broadcast_to({source}, {shape!r})"
+                return f"np.ascontiguousarray({expr})" if contiguous else expr
+            if value.op == "reshape":
+                if self._contiguous_chain(value.inputs[0]):
+                    return f"{source}.reshape({shape!r})"
+                return f"np.ascontiguousarray({source}).reshape({shape!r})"
+            return source
+        name = self.names[value]
+        if contiguous and value not in self.contiguous:
+            return f"np.ascontiguousarray({name})"
+        return name
+
+    def _view_chain(self, value: Value) -> tuple:
+        """(the variable of the array under value's views, the views): equal chains read the
+        same data. The variable is None for a literal, which is never copied."""
+        views = []
+        while reads_its_input(value):
+            views.append((value.op, repr(sorted(value.attrs.items())), value.shape))
+            value = value.inputs[0]
+        root = None if self.literal_of(value) is not None else self.names.get(value)
+        return root, tuple(views)
+
+    def _contiguous_chain(self, value: Value) -> bool:
+        """value's array is C-contiguous: a buffer, or reshapes of one (not a broadcast)."""
+        while value not in self.contiguous and is_alias(value) and value.op != "broadcast_to":
+            value = value.inputs[0]
+        return value in self.contiguous
+
+    # ---- views --------------------------------------------------------------------------------
+
+    def view(self, node: Value) -> list[str]:
+        name, src = self.names[node], self.array(node.inputs[0], contiguous=False)
+        if node.op == "reshape":
+            contiguous = node.inputs[0] in self.contiguous
+            self.contiguous.add(node)
+            shape = internal_shape(node.shape)
+            if contiguous:
+                return [f"{name} = {src}.reshape({shape!r})"]
+            chain = self._view_chain(node.inputs[0])
+            copied = self.copies.get(chain)
+            if copied is not None:  # values are immutable: the first copy holds the same data
+                return [f"{name} = {copied}.reshape({shape!r})"]
+            if chain[0] is not None:
+                self.copies[chain] = name
+            return [f"{name} = np.ascontiguousarray({src}).reshape({shape!r})"]
+        if node.op == "transpose":
+            if not node.shape:
+                return [f"{name} = {src}"]
+            perm = ", ".join(str(p) for p in node.attrs["perm"])
+            return [f"{name} = {src}.transpose({perm})"]  # a tuple argument compiles 10x slower
+        slices = ", ".join(
+            f"{a}:{'' if b < 0 else b}:{c}"
+            for a, b, c in zip(
+                node.attrs["starts"], node.attrs["stops"], node.attrs["steps"], strict=True
+            )
+        )
+        return [f"{name} = {src}[{slices}]"]
+
+    # ---- ops ----------------------------------------------------------------------------------
+
+    def op(self, node: Value, out: str) -> list[str]:
+        emitter = emitters().get(node.op)
+        if emitter is None:
+            raise Unsupported(f"no compiled form for {node.op}")
+        return emitter(self, node, out)
+
+    def index_error(self, node, indices: Value, what: str) -> list[str]:
+        """`bad` is the flat position of the first bad index, or -1. The error carries the
+        position, the value there and the indices' shape; the caller (CompiledPlan) names the
+        user's line and fills them into `what` ("{value}", "{position}")."""
+        flat = f"{self.array(indices)}.reshape(-1)"
+        shape = tuple(indices.shape)
+        return [
+            "if bad != -1:",
+            f"    raise IndexError({f'%{self.names[node][1:]} {node.op}: {what}'!r}, "
+            f"bad, {flat}[bad], {shape!r})",
+        ]
+
+    @staticmethod
+    def absorbs(value: Value) -> bool:
+        """A transpose of the last two axes that matmul takes as a BLAS flag."""
+        if value.op != "transpose" or len(value.shape) < 2:
+            return False
+        n = len(value.shape)
+        return value.attrs["perm"] == tuple(range(n - 2)) + (n - 1, n - 2)
+
+    def operand_2d(self, value: Value):
+        """(array expression, transposed?) for a matmul operand; transposes become BLAS flags."""
+        if self.absorbs(value):
+            return self.array(value.inputs[0]), True
+        return self.array(value), False
+
+    @staticmethod
+    def split(shape, axis: int, count: int = 1) -> tuple[int, int, int]:
+        """The sizes before axis, of axis..axis+count, and after: the 3-D view kernels take."""
+        return (
+            math.prod(shape[:axis]),
+            math.prod(shape[axis : axis + count]),
+            math.prod(shape[axis + count :]),
+        )
+
+    def row_kernel(self, fn: str, rows: int, cols: int) -> str:
+        """Library row kernels (exp, rsqrt per element) gain from threads at smaller sizes
+        than fused loops; compiled once per installation, not per plan."""
+        parallel = rows * cols >= (1 << 15) and rows > 1 and threads() > 1
+        return f"{fn}_par" if parallel else fn
+
+
+# The one table of ops codegen lowers as a kernel of their own: every registry op without a
+# scalar expression, loop-tail reduction, view or source form (tests/test_registry.py checks
+# that each op has exactly one lowering). Each kernel module of codegen/kernels registers its
+# ops' emitters beside its kernels with @emits; generated modules import those modules' kernels.
+OPAQUE_EMITTERS: dict = {}
+_EMITTING_MODULES: set[str] = set()
+
+
+def emits(*ops: str):
+    """Register `fn(ctx: OpEmitter, node, out) -> lines` as the compiled form of ops."""
+
+    def register(fn):
+        for op in ops:
+            if op in OPAQUE_EMITTERS:
+                raise RuntimeError(f"two compiled forms for {op}: {fn.__module__}.{fn.__name__}")
+            OPAQUE_EMITTERS[op] = fn
+        _EMITTING_MODULES.add(fn.__module__)
+        return fn
+
+    return register
+
+
+@functools.cache
+def kernel_modules() -> tuple[str, ...]:
+    """Every module of codegen/kernels imported (which registers their emitters); the names of
+    those that registered one, whose kernels (their `__all__`) a generated plan's module
+    imports."""
+    from backplan.codegen import kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{info.name}")
+    for name in _EMITTING_MODULES:
+        if not hasattr(sys.modules[name], "__all__"):
+            raise RuntimeError(f"{name} registers emitters but names no kernels in __all__")
+    return tuple(sorted(name for name in _EMITTING_MODULES if sys.modules[name].__all__))
+
+
+def emitters() -> dict:
+    """op -> its emitter, once every kernel module has registered."""
+    kernel_modules()
+    return OPAQUE_EMITTERS
+
+
+def unsupported_reason(lowered) -> str | None:
+    """Why codegen cannot render this lowered plan (it then runs on the reference
+    interpreter), or None: known before rendering, so reports need not render to ask."""
+    table = emitters()
+    for kernel in lowered.kernels:
+        if kernel.kind != "op":
+            continue
+        node = kernel.nodes[0]
+        if node.op == "const":
+            continue
+        if node.op not in table:
+            return f"no compiled form for {node.op}"
+        if node.op == "matmul" and node.dtype not in ("f32", "f64"):
+            return "integer matmul"
+    return None
