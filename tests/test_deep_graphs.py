@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 import backplan as bp
-from backplan.codegen.emit import generate
+from backplan.codegen.render.emit import generate
 from backplan.ir.fusion import MAX_LOOP_NODES, group_kernels
 from backplan.ir.lowering import lower
 from backplan.runtime.backend import use_backend

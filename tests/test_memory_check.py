@@ -12,7 +12,7 @@ from test_codegen import batch_graph, sample_batches
 import backplan as bp
 from backplan.bench.models import MODELS
 from backplan.bench.peers.backplan_peer import bench_function
-from backplan.codegen.compiled import CompiledPlan
+from backplan.codegen.run.compiled import CompiledPlan
 from backplan.codegen.run.memory_check import MemoryCheckError, checked_memory, measure
 from backplan.ir.lowering import lower
 from backplan.ir.peak import joint_calls, predicted_peak, region_calls
