@@ -42,7 +42,7 @@ class SignedCacheOnDemand:
     most library functions never ask: a warm process loads a plan's driver whose cached machine
     code already holds every library function it calls.
 
-    Loading and saving never fail a call because of the folder (codegen/cache_health.py): a
+    Loading and saving never fail a call because of the folder (codegen/build/cache_health.py): a
     deleted module file is written again (and the cache made anew for its new stamp), and a
     folder that cannot be written turns this function's cache into Numba's NullCache."""
 

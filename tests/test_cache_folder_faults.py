@@ -88,7 +88,7 @@ def test_an_unwritable_folder_compiles_in_memory_with_one_warning(folder, monkey
 def test_a_deleted_module_file_is_written_again_when_numba_caches(folder):
     """Numba caches a function beside its module file; with the folder deleted after the module
     was loaded, asking its cache raised `cannot cache function ...: no locator available`."""
-    from backplan.codegen.cache import cache_dir
+    from backplan.codegen.build.cache import cache_dir
 
     path = os.path.join(cache_dir(), "k_deleted_while_running.py")
     source = (

@@ -110,7 +110,7 @@ _write_atomic = cache_health.write_atomic
 
 def writable_cache_dir() -> str | None:
     """The cache folder (made again if it was deleted), or None when it cannot be written: then
-    this process compiles in memory (codegen/cache_health.py; one CacheWarning says why)."""
+    this process compiles in memory (codegen/build/cache_health.py; one CacheWarning says why)."""
     path = cache_path()
     if cache_health.is_unwritable(path):
         return None

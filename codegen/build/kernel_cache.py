@@ -74,7 +74,7 @@ def python_call(kernel):
 
 
 def _import(source: KernelSource):
-    directory = cache.writable_cache_dir()  # None: compiled in memory (codegen/cache_health.py)
+    directory = cache.writable_cache_dir()  # None: compiled in memory (codegen/build/cache_health.py)
     path = os.path.join(directory or cache.cache_path(), f"{source.name}.py")
     if directory is not None and cache._read(path) != source.source:
         cache.write_entry(directory, {f"{source.name}.py": source.source})
