@@ -3,9 +3,10 @@ torch peer's own functions over a ParameterDict), imported with bp.from_torch an
 backplan (one bp.value_and_grad plan), beside the same module under torch eager and
 torch.compile at equal threads.
 
-    python -m backplan.bench.torch_import --threads 1
+    BACKPLAN_DRIVER=inline python -m backplan.bench.torch_import --threads 1
 
-prints, per model, import + first-call time against torch.compile's first call, then the
+(inline: the first call builds the compiled driver, so the rounds time it, not the Python
+driver that runs while it builds) prints, per model, import + first-call time against torch.compile's first call, then the
 medians of interleaved rounds of forward + backward steps, and the largest difference of the
 losses and gradients from torch eager's, relative to the largest of them.
 """
@@ -58,7 +59,11 @@ def backplan_runner(module, batch):
     fn, params = bp.from_torch(module, batch)
     imported = time.perf_counter() - start
     arrays = [b.numpy() for b in batch]
-    step = bp.value_and_grad(lambda p, *xs: fn(p, *xs))
+    def imported_step(params, *xs):
+        return fn(params, *xs)
+
+    imported_step.__name__ = fn.__name__
+    step = bp.value_and_grad(imported_step)
     start = time.perf_counter()
     result = [step(params, *arrays)]
     first = time.perf_counter() - start
