@@ -91,19 +91,35 @@ def plans_under_budgets(fn, params, batch):
     return rows, [params, *batch]
 
 
-def time_plans(plans, arrays: list, rounds: int) -> list[float]:
-    """Median ms per step of each plan, rounds interleaved."""
+def plan_outputs(plans, arrays: list) -> tuple[list, list, list]:
+    """Each plan's compiled runner, the outputs of its first call and the flat inputs. A
+    runner takes over the list it is given (it clears it, so donated buffers have no other
+    reference): each call gets a list of its own, or the next plan is called with no inputs."""
     from backplan.tracer.pytree import flatten
 
     flat = [np.asarray(a) for a in flatten(arrays)[0]]
     runners = [runner_for(p, {}, background=False) for p in plans]
-    for run in runners:
-        run(flat)
+    return runners, [[np.array(o) for o in run(list(flat))] for run in runners], flat
+
+
+def same_outputs(first: list, other: list) -> bool:
+    """Within float reassociation of each other (a recomputed plan sums in another order)."""
+    return all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(first, other, strict=True))
+
+
+def time_plans(plans, arrays: list, rounds: int) -> list[float]:
+    """Median ms per step of each plan, rounds interleaved; refuses plans whose values or
+    gradients differ from the first (default) plan's."""
+    runners, outputs, flat = plan_outputs(plans, arrays)
+    for plan, out in zip(plans[1:], outputs[1:], strict=True):
+        if not same_outputs(outputs[0], out):
+            raise RuntimeError(f"{plan.graph.name}: a budgeted plan's outputs differ")
     times = [[] for _ in runners]
     for _ in range(rounds):
         for i, run in enumerate(runners):
+            args = list(flat)
             start = time.perf_counter()
-            run(flat)
+            run(args)
             times[i].append(time.perf_counter() - start)
     return [1e3 * statistics.median(t) for t in times]
 

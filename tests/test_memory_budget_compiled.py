@@ -1,0 +1,39 @@
+"""A plan chosen under a memory budget runs on the compiled (Numba) backend and gives the
+default plan's values and gradients; the budget bench's runner calls work for several plans."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import backplan as bp
+from backplan.bench.memory_budget import plan_outputs, same_outputs
+from backplan.runtime.backend import use_backend
+
+from test_memory_budget import arrays, deep_loss
+
+
+def test_a_budgeted_joint_plan_runs_compiled_with_the_default_plans_results():
+    ws, x, k = arrays()
+    with use_backend("numba"):
+        default = bp.value_and_grad(deep_loss)
+        front = default.memory_frontier(ws, x, k)
+        assert len(front.points) > 1
+        budget = front.points[-1].peak_bytes
+        budgeted = bp.value_and_grad(deep_loss, max_peak_bytes=budget)
+        assert bp.explain(budgeted, ws, x, k).peak_bytes <= budget < front.points[0].peak_bytes
+        (v0, g0), (v1, g1) = default(ws, x, k), budgeted(ws, x, k)
+        assert budgeted.trace(ws, x, k).plan is not default.trace(ws, x, k).plan
+    np.testing.assert_allclose(v1.numpy(), v0.numpy(), rtol=1e-5)
+    for a, b in zip(g0, g1, strict=True):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_the_budget_bench_runs_the_default_and_a_recomputing_plan_compiled():
+    ws, x, k = arrays()
+    entry = bp.value_and_grad(deep_loss).trace(ws, x, k)
+    points = entry.planner.points("saved")
+    plans = [entry.planner.build(points[0].drop), entry.planner.build(points[-1].drop)]
+    with use_backend("numba"):
+        _, outputs, _ = plan_outputs(plans, [ws, x, k])
+    assert len(outputs[1]) == 1 + len(ws) and same_outputs(outputs[0], outputs[1])
+    assert any(n.op == "matmul" for n in plans[1].graph.nodes[len(plans[1].graph.nodes) // 2 :])
