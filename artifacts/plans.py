@@ -12,13 +12,14 @@ import os
 
 import numpy as np
 
+from backplan.codegen.render.opaque import unsupported_reason
 from backplan.ir.errors import BackplanError
 from backplan.ir.liveness import Plan, plan_liveness
+from backplan.ir.lowering import lower
 from backplan.ir.shapes import check_size
 from backplan.ir.text import parse_graph, value_names
 from backplan.ir.types import dtype_name
 from backplan.ir.verify import verify_plan
-from backplan.runtime.backend import memory_plan_facts
 
 from .format import ExportError
 
@@ -121,3 +122,14 @@ def machine_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 2**40
+
+
+def memory_plan_facts(plan: Plan) -> dict:
+    """The compiled memory plan of a plan as plain data, without compiling: where each buffer
+    lives (scratch arena offset, or allocated per call), arena sizes, kernel count."""
+    lowered = lower(plan)
+    why = unsupported_reason(lowered)
+    if why is not None:
+        return {"compiled": False, "why": why}
+    facts = lowered.layout.describe(value_names(plan.graph))
+    return {"compiled": True, "kernels": lowered.kernel_count, **facts}

@@ -30,7 +30,8 @@ from .threads import apply_threads, prepare_jax_threads
 def backplan_steps(inputs, scale):
     """{name: (step, saved bytes)} for the fused and unfused plans of the same function."""
     import backplan as bp
-    from backplan.codegen.build import driver_builder
+
+    from .internals import driver_builder
 
     def loss(q, k, v, g):
         return bp.sum((bp.softmax((q @ k.swapaxes(-1, -2)) * scale, axis=-1) @ v) * g)
@@ -90,10 +91,10 @@ def jax_step(inputs, scale):
 
 
 def reference_grads(inputs, scale):
-    from backplan.ir.ops.attention import _grad_ref
+    from .internals import get_op
 
     q, k, v, g = (x.astype(np.float64) for x in inputs)
-    flat = _grad_ref(q, k, v, g, scale, False)
+    flat = get_op("attention_grad").reference(q, k, v, g, scale=scale, causal=False)
     return [part.reshape(q.shape) for part in np.split(flat, 3)]
 
 

@@ -39,7 +39,7 @@ def driver_hooks(peer: str) -> tuple:
     returns once every build has finished. (None, None) for other peers."""
     if not peer.startswith("backplan"):
         return None, None
-    from backplan.codegen.build import driver_builder
+    from backplan.bench.internals import driver_builder
 
     state = "building" if driver_builder.pending() else "compiled"
     return driver_builder.wait_for_builds, state

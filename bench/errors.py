@@ -1,6 +1,6 @@
 """Errors of the benchmark harness: bad command-line choices and peers that cannot run."""
 
-from backplan.ir.errors import BackplanError
+from backplan import BackplanError
 
 
 class BenchError(BackplanError):

@@ -48,8 +48,9 @@ def _runners(shape, dtype, width, threads):
     """name -> zero-argument callable doing the GEMM once."""
     import numpy as np
 
-    from backplan.codegen.kernels import blas, gemm
-    from backplan.codegen.kernels.gemm import parallel
+    from .internals import blas
+    from .internals import gemm_parallel as parallel
+    from .internals import own_gemm as gemm
 
     batch, m, k, n, ta, tb = shape
     a, b, c = _operands(shape, dtype)
@@ -166,9 +167,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))[-args.threads :]
     os.sched_setaffinity(0, cpus)  # before OpenBLAS loads: it sizes its pool from the mask
-    from backplan.codegen.kernels.gemm import ISA_WIDTH, active_isa
-
     from .environment import cpu_name
+    from .internals import ISA_WIDTH, active_isa
 
     isa = args.isa or active_isa()
     print(

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 from scipy import special
 
-from backplan.codegen.kernels import mathlib
+from .internals import mathlib
 
 NUMPY_EQUIVALENTS = {
     "exp": np.exp,

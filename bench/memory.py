@@ -39,7 +39,8 @@ def child(name: str, scale: int) -> dict:
     import backplan as bp
     from backplan.bench.models import MODELS
     from backplan.bench.peers.backplan_peer import bench_function
-    from backplan.ir.peak import joint_calls, predicted_peak
+
+    from .internals import joint_calls, predicted_peak
 
     spec = MODELS[name]
     config = {k: v * scale if k in SCALABLE else v for k, v in spec.config.items()}

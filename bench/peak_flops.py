@@ -15,7 +15,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from backplan.codegen.kernels.gemm.kernel import splat, vector_fma
+from .internals import splat, vector_fma
 
 ACCUMULATORS = 16
 

@@ -33,7 +33,8 @@ def child(models: list[str], cpus: list[int], rounds: int, peer: str) -> dict[st
 
     from backplan.bench.models import MODELS
     from backplan.bench.peers import PEERS
-    from backplan.codegen.build import driver_builder
+
+    from .internals import driver_builder
 
     numba.set_num_threads(len(cpus))
     threadpool_limits(len(cpus))

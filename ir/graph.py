@@ -7,6 +7,7 @@ from itertools import count
 
 import numpy as np
 
+from .printer import format_graph
 from .types import TensorType
 
 _ids = count()
@@ -67,8 +68,6 @@ class Graph:
         return name
 
     def __str__(self) -> str:
-        from .printer import format_graph
-
         return format_graph(self)
 
     def users(self) -> dict[Value, list[Value]]:

@@ -127,18 +127,3 @@ def runner_for(plan: Plan, runners: dict, background: bool | None = None):
 
 
 _making_runner = threading.Lock()
-
-
-def memory_plan_facts(plan: Plan) -> dict:
-    """The compiled memory plan of a plan as plain data, without compiling: where each buffer
-    lives (scratch arena offset, or allocated per call), arena sizes, kernel count."""
-    from backplan.codegen.render.opaque import unsupported_reason
-    from backplan.ir.lowering import lower
-    from backplan.ir.text import value_names
-
-    lowered = lower(plan)
-    why = unsupported_reason(lowered)
-    if why is not None:
-        return {"compiled": False, "why": why}
-    facts = lowered.layout.describe(value_names(plan.graph))
-    return {"compiled": True, "kernels": lowered.kernel_count, **facts}

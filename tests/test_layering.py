@@ -183,3 +183,36 @@ def test_checker_reports_file_and_line(tmp_path):
     problems = layer_violations(tmp_path)
     assert len(problems) == 1
     assert problems[0].startswith("ir/bad.py:3 (ir) imports the higher layer 'backplan.tracer")
+
+
+LAYERS = ("ir", "codegen", "runtime", "tracer", "report", "artifacts")
+
+
+def internal_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """`file:line module` for each import of a layer's module (backplan.ir, ...) in path."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "backplan" and len(parts) > 1 and parts[1] in LAYERS:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    return found
+
+
+def test_bench_reaches_internals_through_one_module():
+    """The harness uses the public API; the internals it times or compares with are named in
+    bench/internals.py alone, so a refactor of the layers touches one file of bench/."""
+    files = [p for p in (ROOT / "bench").rglob("*.py") if p.name != "internals.py"]
+    assert files
+    assert [hit for path in files for hit in internal_imports(path)] == []
+
+
+def test_internal_imports_finds_a_layer_import(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import os\nfrom backplan.codegen.build import cache\nimport backplan\n")
+    assert internal_imports(sample, tmp_path) == ["sample.py:2 backplan.codegen.build"]

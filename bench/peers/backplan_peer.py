@@ -46,7 +46,8 @@ class PlanFacts(Runner):
         )
 
     def planned_peak_bytes(self):
-        return self.explain().peak_bytes, "bp.explain peak_bytes (whole step, arrays passed in included)"
+        what = "bp.explain peak_bytes (whole step, arrays passed in included)"
+        return self.explain().peak_bytes, what
 
     def plan_facts(self) -> dict | None:
         report = self.explain()
@@ -146,7 +147,7 @@ class BackplanReferencePeer(BackplanPeer):
 
     def missing(self) -> str | None:
         try:
-            from backplan.runtime.backend import use_backend  # noqa: F401
+            from backplan.bench.internals import use_backend  # noqa: F401
         except ImportError:
             return "this backplan has no backend switch (runtime.backend.use_backend)"
         return None
@@ -162,7 +163,7 @@ class OnBackend(Runner):
     numpy_allocations = True
 
     def __init__(self, runner: Runner, backend: str):
-        from backplan.runtime.backend import use_backend
+        from backplan.bench.internals import use_backend
 
         self.runner, self.use_backend, self.backend = runner, use_backend, backend
 
