@@ -188,3 +188,25 @@ def test_imported_function_exports_and_loads_without_torch_code(tmp_path):
     np.testing.assert_allclose(
         loaded(params, x.numpy()).numpy(), module(x).detach().numpy(), rtol=RTOL, atol=ATOL
     )
+
+
+def test_imported_function_called_from_two_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    module = tm.transformer_layer().eval()
+    xs = [torch.randn(2, 5, 16) for _ in range(4)]
+    fn, params = bp.from_torch(module, (xs[0],))
+    grad = bp.value_and_grad(lambda p, x: fn(p, x).sum())
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda x: grad(params, x.numpy()), xs * 2))
+    for x, (loss, grads) in zip(xs * 2, results, strict=True):
+        module.zero_grad()
+        ref = module(x).sum()
+        ref.backward()
+        np.testing.assert_allclose(loss.item(), ref.item(), rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(
+            grads["linear1.weight"].numpy(),
+            module.linear1.weight.grad.numpy(),
+            rtol=RTOL,
+            atol=ATOL,
+        )
