@@ -17,7 +17,7 @@ import re
 import numpy as np
 
 from backplan.ir.errors import BackplanError
-from backplan.ir.types import DTYPES, dtype_name
+from backplan.ir.types import BFLOAT16, DTYPES, dtype_name
 
 FORMAT_NAME = "backplan-artifact"
 FORMAT_VERSION = 1
@@ -120,8 +120,13 @@ def parse_text(data: bytes, member: str) -> str:
 
 
 def array_to_npy(array: np.ndarray) -> bytes:
+    """bfloat16 is written as its 16-bit patterns (uint16): .npy has no bfloat16 (NumPy would
+    write an opaque 'V2'); the metadata's dtype says how to read them back."""
     buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    array = np.ascontiguousarray(array)
+    if array.dtype == BFLOAT16:
+        array = array.view(np.uint16)
+    np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()
 
 
@@ -139,14 +144,16 @@ def npy_to_array(data: bytes, member: str, dtype: str, shape: tuple[int, ...]) -
         found_shape, fortran, found_dtype = reader(stream)
     except (ValueError, SyntaxError, TypeError, EOFError) as exc:
         raise ExportError(f"member {member} is not a valid .npy array: {exc}") from None
-    if found_dtype.hasobject or found_dtype not in DTYPES.values():
+    bits = dtype == "bf16" and found_dtype == np.uint16  # bfloat16 as stored by array_to_npy
+    if not bits and (found_dtype.hasobject or found_dtype not in DTYPES.values()):
         raise ExportError(
             f"member {member} holds dtype {found_dtype}; only {', '.join(DTYPES)} arrays are "
             "accepted (object arrays would need unpickling, which artifacts never do)"
         )
-    if dtype_name(found_dtype) != dtype or tuple(found_shape) != tuple(shape):
+    found_name = "bf16" if bits else dtype_name(found_dtype)
+    if found_name != dtype or tuple(found_shape) != tuple(shape):
         raise ExportError(
-            f"member {member} holds {dtype_name(found_dtype)}{list(found_shape)}, "
+            f"member {member} holds {found_name}{list(found_shape)}, "
             f"the metadata says {dtype}{list(shape)}"
         )
     expected = math.prod(shape) * found_dtype.itemsize
@@ -160,4 +167,5 @@ def npy_to_array(data: bytes, member: str, dtype: str, shape: tuple[int, ...]) -
         array = np.load(stream, allow_pickle=False)
     except ValueError as exc:
         raise ExportError(f"member {member} could not be read: {exc}") from None
-    return np.ascontiguousarray(array) if fortran else array
+    array = np.ascontiguousarray(array) if fortran else array
+    return array.view(BFLOAT16) if bits else array

@@ -14,7 +14,7 @@ import zipfile
 import numpy as np
 
 from backplan.ir.errors import BackplanError
-from backplan.ir.types import DTYPES
+from backplan.ir.types import BFLOAT16, DTYPES, is_float
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
@@ -42,15 +42,21 @@ def save_tree(path, tree) -> str:
     [3.0]
     """
     leaves, treedef, paths = flatten(tree, paths=True)
-    arrays, flags = {}, []
+    arrays, flags, bf16 = {}, [], []
     for i, (leaf, leaf_path) in enumerate(zip(leaves, paths, strict=True)):
-        arrays[f"leaf_{i}"] = leaf_array(leaf, leaf_path, "save_tree")
+        array = leaf_array(leaf, leaf_path, "save_tree")
+        if array.dtype == BFLOAT16:  # .npy has no bfloat16: its bit patterns, listed
+            array = array.view(np.uint16)
+            bf16.append(i)
+        arrays[f"leaf_{i}"] = array
         flags.append(bool(isinstance(leaf, Tensor) and leaf.requires_grad))
     try:
         structure = treedef_to_json(treedef, "save_tree")
     except ExportError as exc:
         raise TreeFileError(f"{exc} (dict keys must be str, int, float or bool)") from None
     header = {"format": FORMAT, "version": VERSION, "tree": structure, "requires_grad": flags}
+    if bf16:
+        header["bfloat16"] = bf16
     arrays[TREE_MEMBER] = np.frombuffer(json.dumps(header).encode("utf-8"), np.uint8)
     path = os.fspath(path)
     with open(path, "wb") as file:
@@ -121,13 +127,32 @@ def _read_tree(zf: zipfile.ZipFile, infos: dict, path: str):
             f"load_tree: {path}: its structure has {treedef.num_leaves} leaves, the file "
             f"{count}; the file is damaged or not written by bp.save_tree"
         )
-    leaves = []
+    leaves, bf16 = [], _bfloat16_leaves(header, count, path)
     for i, (flag, leaf_path) in enumerate(zip(flags, leaf_paths(treedef), strict=True)):
         array = read_array(zf, infos[f"leaf_{i}"], f"leaf {leaf_path}")
+        if (i in bf16) != (array.dtype == np.uint16):
+            raise TreeFileError(
+                f"load_tree: {path}: leaf {leaf_path} holds {array.dtype}; uint16 leaves must be "
+                "the bfloat16 ones the structure lists (the file is damaged)"
+            )
+        if i in bf16:
+            array = array.view(BFLOAT16)
         tensor = Tensor._fresh(array)  # read into an array of its own: no second copy
-        tensor.requires_grad = flag is True and tensor.dtype.kind == "f"
+        tensor.requires_grad = flag is True and is_float(tensor._ir_dtype)
         leaves.append(tensor)
     return unflatten(treedef, leaves)
+
+
+def _bfloat16_leaves(header: dict, count: int, path: str) -> set[int]:
+    """The leaves stored as bfloat16 bit patterns (the header's list, checked)."""
+    listed = header.get("bfloat16", [])
+    if not isinstance(listed, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in listed
+    ):
+        raise TreeFileError(f"load_tree: {path}: its bfloat16 list {listed!r:.80} is damaged")
+    if listed and BFLOAT16 is None:
+        raise TreeFileError(f"load_tree: {path} holds bfloat16 leaves: pip install ml_dtypes")
+    return set(listed)
 
 
 def _names(count: int) -> set[str]:

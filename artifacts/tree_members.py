@@ -107,6 +107,6 @@ def _npy_header(stream, what: str) -> tuple[np.dtype, tuple[int, ...], bool]:
             raise ValueError(f"npy format version {version}, which save_tree never writes")
     except ValueError as exc:
         raise TreeLimitError(f"{what}: not an array save_tree wrote ({exc})") from None
-    if dtype not in DTYPES.values():
+    if dtype not in DTYPES.values() and dtype != np.uint16:  # uint16: bfloat16 bits
         raise TreeLimitError(f"{what} has dtype {dtype}")
     return dtype, tuple(int(n) for n in shape), bool(fortran)

@@ -8,7 +8,12 @@ saved buffers, lifetimes and frees are known before anything runs.
 []
 """
 
-from numpy import bool_, float32, float64, int32, int64, uint8  # bp.float32, as torch and jnp
+from numpy import bool_, float16, float32, float64, int32, int64, uint8  # bp.float32, as jnp
+
+try:
+    from ml_dtypes import bfloat16  # the NumPy dtype JAX uses: a storage dtype, see ir/types.py
+except ImportError:  # a dependency of the package; refused with the install line when used
+    pass
 
 from backplan import nn, optim, random, tree
 from backplan.artifacts.export import export
@@ -99,6 +104,8 @@ __all__ = [
     "TreeFileError",
     "VerifyError",
     "bool_",
+    "bfloat16",
+    "float16",
     "float32",
     "float64",
     "int32",
@@ -137,3 +144,9 @@ __all__ = [
     "value_and_grad",
     "zero_grad",
 ]
+
+
+def __getattr__(name: str):
+    if name == "bfloat16":  # only reached when ml_dtypes is missing
+        raise ImportError("bp.bfloat16 needs the ml_dtypes package: pip install ml_dtypes")
+    raise AttributeError(f"module 'backplan' has no attribute {name!r}")

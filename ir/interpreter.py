@@ -13,18 +13,34 @@ from .graph import Graph, Value
 from .liveness import INPUT_STEP, Plan
 from .registry import get_op
 from .text import format_loc
-from .types import np_dtype
+from .types import compute_dtype, is_half, np_dtype
+from .widen import compute_attrs, computes_in_float32
 
 
 def evaluate(node: Value, arrays: list, constants: dict) -> np.ndarray:
+    """One node's value. An op on bfloat16 or float16 computes in float32 and rounds its result
+    once, as compiled kernels do (ir/widen.py)."""
     if node.op == "const":
         return constants[node.attrs["name"]]
+    attrs = node.attrs
+    if computes_in_float32(node):
+        arrays = [a.astype(np.float32) if is_half(_name(a)) else a for a in arrays]
+        attrs = compute_attrs(attrs)
+    elif node.op == "astype" and is_half(node.dtype) and arrays[0].dtype != np.float32:
+        arrays = [arrays[0].astype(np.float32)]  # into 16 bits from float32 only, as compiled
     try:
-        result = get_op(node.op).reference(*arrays, **node.attrs)
+        result = get_op(node.op).reference(*arrays, **attrs)
     except (IndexError, ValueError) as exc:
         where = f" at {format_loc(node.loc)}" if node.loc else ""
         raise ExecutionError(f"{node.op}{where}: {exc}") from None
+    if is_half(node.dtype):
+        result = np.asarray(result, dtype=np_dtype(compute_dtype(node.dtype)))
     return np.asarray(result, dtype=np_dtype(node.dtype))
+
+
+def _name(array) -> str:
+    kind = np.asarray(array).dtype
+    return "bf16" if kind.name == "bfloat16" else "f16" if kind == np.float16 else ""
 
 
 def run_plan(

@@ -1,5 +1,7 @@
-"""Dtypes and tensor types of IR values: a small closed set, printed as bool, u8, i32, i64, f32,
-f64. Anything else is refused with a DtypeError naming the supported set, never converted."""
+"""Dtypes and tensor types of IR values: a small closed set, printed as bool, u8, i32, i64, bf16,
+f16, f32, f64. Anything else is refused with a DtypeError naming the supported set, never
+converted. bf16 is ml_dtypes.bfloat16 (the NumPy dtype JAX uses); bf16 and f16 are storage
+dtypes: every op on them computes in float32 and rounds its result once (ir/widen.py)."""
 
 from dataclasses import dataclass
 
@@ -7,18 +9,29 @@ import numpy as np
 
 from .errors import DtypeError
 
+try:
+    import ml_dtypes
+
+    BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # a dependency; without it bfloat16 is refused with the install line
+    BFLOAT16 = None
+
 DTYPES = {
     "bool": np.dtype(np.bool_),
     "u8": np.dtype(np.uint8),
     "i32": np.dtype(np.int32),
     "i64": np.dtype(np.int64),
+    "f16": np.dtype(np.float16),
     "f32": np.dtype(np.float32),
     "f64": np.dtype(np.float64),
 }
-FLOAT_DTYPES = ("f32", "f64")
+if BFLOAT16 is not None:
+    DTYPES["bf16"] = BFLOAT16
+FLOAT_DTYPES = ("bf16", "f16", "f32", "f64")
+HALF_DTYPES = ("bf16", "f16")  # stored in 16 bits, computed in float32
 INT_DTYPES = ("u8", "i32", "i64")
 _NAME_OF = {v: k for k, v in DTYPES.items()}
-SUPPORTED_TEXT = "bool, uint8, int32, int64, float32, float64"
+SUPPORTED_TEXT = "bool, uint8, int32, int64, bfloat16, float16, float32, float64"
 
 
 def dtype_name(dtype) -> str:
@@ -26,6 +39,8 @@ def dtype_name(dtype) -> str:
     outside the supported set raises, saying which cast keeps the values."""
     if isinstance(dtype, str) and dtype in DTYPES:
         return dtype
+    if BFLOAT16 is None and (dtype == "bf16" or str(dtype) == "bfloat16"):
+        raise DtypeError("bfloat16 needs the ml_dtypes package: pip install ml_dtypes")
     try:
         np_dtype = np.dtype(dtype)
     except TypeError as exc:
@@ -65,6 +80,16 @@ def is_int(name: str) -> bool:
     return name in INT_DTYPES
 
 
+def is_half(name: str) -> bool:
+    """bf16 or f16: stored in 16 bits, computed in float32."""
+    return name in HALF_DTYPES
+
+
+def compute_dtype(name: str) -> str:
+    """The dtype an op computes in: float32 for the 16-bit floats, the dtype itself otherwise."""
+    return "f32" if name in HALF_DTYPES else name
+
+
 @dataclass(frozen=True)
 class TensorType:
     dtype: str
@@ -85,15 +110,23 @@ class TensorType:
         return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"
 
 
-_CATEGORY = {"bool": 0, "u8": 1, "i32": 1, "i64": 1, "f32": 2, "f64": 2}
+_CATEGORY = {"bool": 0, "u8": 1, "i32": 1, "i64": 1, "bf16": 2, "f16": 2, "f32": 2, "f64": 2}
+_FLOAT_RANK = {"bf16": 0, "f16": 0, "f32": 1, "f64": 2}
 
 
 def promote_types(a: str, b: str) -> str:
     """Promotion between two tensor dtypes, as PyTorch and JAX do it: within a category (bool,
     integer, float) the wider wins as in NumPy; across categories the higher category's dtype
-    wins, so int64 @ float32 is float32 (NumPy would give float64)."""
+    wins, so int64 @ float32 is float32 (NumPy would give float64) and int32 with bfloat16 is
+    bfloat16. bfloat16 with float16 is float32 (neither holds the other's values), as in JAX."""
     if _CATEGORY[a] != _CATEGORY[b]:
         return a if _CATEGORY[a] > _CATEGORY[b] else b
+    if _CATEGORY[a] == 2:
+        if a == b:
+            return a
+        if {a, b} == {"bf16", "f16"}:
+            return "f32"
+        return a if _FLOAT_RANK[a] > _FLOAT_RANK[b] else b
     return dtype_name(np.promote_types(DTYPES[a], DTYPES[b]))
 
 

@@ -9,10 +9,10 @@ import pytest
 import backplan as bp
 from backplan.runtime.backend import use_backend
 
-SUPPORTED = "bool, uint8, int32, int64, float32, float64"
+SUPPORTED = "bool, uint8, int32, int64, bfloat16, float16, float32, float64"
 
 UNSUPPORTED = {
-    "float16": (np.ones(3, np.float16), ".astype(np.float32)"),
+    "float128": (np.ones(3, np.longdouble), ".astype(np.float32)"),
     "complex64": (np.array([1 + 2j], np.complex64), ".real and .imag"),
     "uint64": (np.array([2**63 + 5], np.uint64), ".astype(np.int64)"),
     "int16": (np.ones(2, np.int16), ".astype(np.int64)"),
@@ -35,8 +35,8 @@ def test_unsupported_arrays_are_refused_naming_the_dtype(name):
 def test_a_cast_does_not_hide_an_unsupported_source():
     with pytest.raises(bp.DtypeError, match="complex"):
         bp.tensor(np.array([1 + 2j]), dtype="float32")  # NumPy would drop the imaginary part
-    with pytest.raises(bp.DtypeError, match="float16"):
-        bp.tensor([1.0]).astype("float16")
+    with pytest.raises(bp.DtypeError, match="int16"):
+        bp.tensor([1.0]).astype("int16")
 
 
 def test_python_ints_beyond_int64_are_refused_not_wrapped():

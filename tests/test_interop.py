@@ -95,8 +95,8 @@ def test_dlpack_round_trips_with_numpy_without_copying():
 
 
 def test_dlpack_refuses_what_it_cannot_share_faithfully():
-    with pytest.raises(bp.DtypeError, match="float16"):
-        bp.from_dlpack(np.ones(2, np.float16))
+    with pytest.raises(bp.DtypeError, match="complex"):
+        bp.from_dlpack(np.ones(2, np.complex64))
     t = bp.tensor([1.0, 2.0])
     with pytest.raises(BufferError, match="read-only"):
         t.__dlpack__(copy=False)  # a pre-1.0 consumer could write into it

@@ -1,0 +1,94 @@
+"""bfloat16 and float16 are storage dtypes: every op that computes reads its 16-bit inputs as
+float32, computes in float32 and rounds its result once (round to nearest even) when it is
+stored. `widen(graph)` writes that down for compiled plans: each such op gets float32 inputs
+(astype) and a float32 result that an astype rounds back, so code generation only ever converts
+between 16-bit storage and float32 (codegen/kernels/half.py). Ops that only move data (views,
+sources) keep their 16-bit values. The reference interpreter does the same per op
+(`computes_in_float32`, `compute_attrs`), so both executors round at the same places.
+
+    >>> from backplan.ir.graph import Graph
+    >>> from backplan.ir.builder import Builder
+    >>> g = Graph(); b = Builder(g)
+    >>> x = g.add_input(TensorType("bf16", (4,)))
+    >>> g.outputs = [b.exp(x)]
+    >>> [(n.op, n.dtype) for n in widen(g).nodes]
+    [('astype', 'f32'), ('exp', 'f32'), ('astype', 'bf16')]
+"""
+
+from __future__ import annotations
+
+from .graph import Graph, Value
+from .registry import get_op
+from .types import TensorType, compute_dtype, is_half
+
+MOVES_DATA = ("input", "const", "full")  # besides the view ops: no arithmetic on the values
+
+
+def moves_data(op: str) -> bool:
+    """True for ops whose 16-bit values pass through unchanged (no rounding to do)."""
+    return op in MOVES_DATA or get_op(op).fusion == "view"
+
+
+def computes_in_float32(node: Value) -> bool:
+    """Whether node is an op on 16-bit floats that computes (so it computes in float32)."""
+    if node.op == "astype" or moves_data(node.op):
+        return False
+    return is_half(node.dtype) or any(is_half(i.dtype) for i in node.inputs)
+
+
+def compute_attrs(attrs: dict) -> dict:
+    """The attributes of the float32 computation: a 16-bit `dtype` attribute becomes f32."""
+    if is_half(attrs.get("dtype", "")):
+        return {**attrs, "dtype": "f32"}
+    return attrs
+
+
+def has_half(graph: Graph) -> bool:
+    return any(is_half(v.dtype) for v in graph.inputs + graph.nodes)
+
+
+def widen(graph: Graph) -> Graph:
+    """The graph with every computing op on 16-bit floats done in float32 (see the module's
+    docstring); the same inputs (objects) and output dtypes. Graphs without 16-bit floats are
+    returned as they are."""
+    if not has_half(graph):
+        return graph
+    new = Graph(graph.name, list(graph.inputs), [], [], dict(graph.constants))
+    mapping: dict[Value, Value] = {v: v for v in graph.inputs}
+    for node in graph.nodes:
+        inputs = [mapping[i] for i in node.inputs]
+        if node.op == "astype":
+            mapping[node] = _cast(new, inputs[0], node.dtype, node.loc)
+        elif computes_in_float32(node):
+            mapping[node] = _in_float32(new, node, inputs)
+        else:
+            mapping[node] = _add(new, Value(node.op, inputs, node.attrs, node.type, node.loc))
+    new.outputs = [mapping[o] for o in graph.outputs]
+    return new
+
+
+def _add(graph: Graph, value: Value) -> Value:
+    graph.nodes.append(value)
+    return value
+
+
+def _astype(graph: Graph, value: Value, dtype: str, loc) -> Value:
+    if value.dtype == dtype:
+        return value
+    return _add(graph, Value("astype", (value,), {"dtype": dtype}, TensorType(dtype, value.shape), loc))
+
+
+def _cast(graph: Graph, value: Value, dtype: str, loc) -> Value:
+    """A cast into or out of 16 bits goes through float32: bf16 <-> f16 and f64 -> bf16 round
+    once, from float32 (f64 -> 16 bits rounds twice, as the compiled kernels do)."""
+    if (is_half(dtype) or is_half(value.dtype)) and "f32" not in (dtype, value.dtype):
+        value = _astype(graph, value, "f32", loc)
+    return _astype(graph, value, dtype, loc)
+
+
+def _in_float32(graph: Graph, node: Value, inputs: list[Value]) -> Value:
+    wide = [_astype(graph, i, "f32", node.loc) if is_half(i.dtype) else i for i in inputs]
+    attrs = compute_attrs(node.attrs)
+    type_ = get_op(node.op).infer([i.type for i in wide], attrs)
+    result = _add(graph, Value(node.op, wide, attrs, type_, node.loc))
+    return _cast(graph, result, node.dtype, node.loc)

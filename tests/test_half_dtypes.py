@@ -1,0 +1,102 @@
+"""bfloat16 and float16 are storage dtypes: ops compute in float32 and round their result once
+(round to nearest even), promotion follows JAX, and files keep the dtype."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import backplan as bp
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bf16(values):
+    return bp.tensor(np.asarray(values, np.float32).astype(BF16))
+
+
+def test_promotion_follows_jax():
+    b, h = _bf16([1.0]), bp.tensor(np.ones(1, np.float16))
+    assert (b + h).dtype == np.float32  # neither holds the other's values
+    assert (b * 1.5).dtype == BF16  # a Python float is weak
+    assert (bp.tensor(np.ones(1, np.int32)) + b).dtype == BF16
+    assert (bp.tensor(np.ones(1, np.float32)) + b).dtype == np.float32
+    assert (h + bp.tensor(np.ones(1, np.int64))).dtype == np.float16
+    assert bp.bfloat16 is ml_dtypes.bfloat16 and bp.float16 is np.float16
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])
+def test_sums_accumulate_in_float32(dtype):
+    values = np.random.default_rng(3).uniform(0.0, 1.0, 4096).astype(dtype)
+    exact = values.astype(np.float64).sum()
+    got = float(bp.tensor(values).sum().item())
+    # one rounding of the float32 sum; accumulating in 16 bits is off by a percent and more
+    assert abs(got - exact) <= abs(exact) * 2.0**-8
+
+
+def test_each_op_rounds_once_from_float32():
+    rng = np.random.default_rng(0)
+    a32, b32 = rng.standard_normal((2, 64)).astype(np.float32)
+    a, b = a32.astype(BF16), b32.astype(BF16)
+    got = bp.tanh(bp.tensor(a) * bp.tensor(b) + 1.0).numpy()
+    product = (a.astype(np.float32) * b.astype(np.float32)).astype(BF16)
+    shifted = (product.astype(np.float32) + np.float32(1.0)).astype(BF16)
+    expected = np.tanh(shifted.astype(np.float32)).astype(BF16)
+    assert got.dtype == BF16
+    np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+
+
+def test_gradients_in_bfloat16_are_within_its_tolerance_of_float64():
+    rng = np.random.default_rng(1)
+    w64, x64 = rng.standard_normal((8, 4)), rng.standard_normal((16, 8))
+
+    def loss(w, x):
+        return bp.mean(bp.tanh(x @ w) ** 2)
+
+    _, g = bp.value_and_grad(loss)(bp.tensor(w64.astype(BF16)), bp.tensor(x64.astype(BF16)))
+    _, g64 = bp.value_and_grad(loss)(bp.tensor(w64), bp.tensor(x64))
+    assert g.dtype == BF16
+    np.testing.assert_allclose(g.numpy().astype(np.float64), g64.numpy(), rtol=5e-2, atol=2e-3)
+
+
+def test_saved_buffers_of_bfloat16_take_half_the_bytes():
+    x = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32)
+
+    def f(x):
+        return bp.tanh(bp.tanh(x) * 2.0).sum()
+
+    for dtype, size in ((np.float32, 4), (BF16, 2)):
+        t = bp.tensor(x.astype(dtype), requires_grad=True)
+        saved = bp.compile(f)(t).grad_fn.saved_buffers
+        assert sum(s.nbytes for s in saved) == 2 * x.size * size
+
+
+def test_save_tree_and_export_keep_bfloat16(tmp_path):
+    params = {"w": _bf16([1.5, -2.25, 3.0e38]), "h": bp.tensor(np.array([0.1], np.float16))}
+    bp.save_tree(tmp_path / "p.npz", params)
+    back = bp.load_tree(tmp_path / "p.npz")
+    assert back["w"].dtype == BF16 and back["h"].dtype == np.float16
+    np.testing.assert_array_equal(back["w"].numpy().view(np.uint16), params["w"].numpy().view(np.uint16))
+    scale = _bf16([0.5, 0.25, 2.0])
+    fn = bp.compile(lambda w: bp.exp(w * scale))
+    bp.export(fn, params["w"], path=tmp_path / "f.bp")
+    out = bp.load(tmp_path / "f.bp")(params["w"])
+    assert out.dtype == BF16
+    np.testing.assert_array_equal(out.numpy().view(np.uint16), fn(params["w"]).numpy().view(np.uint16))
+
+
+def test_float16_overflow_gives_inf_visibly():
+    h = bp.tensor(np.array([300.0], np.float16))
+    assert np.isinf((h * h).numpy()).all()  # 90000 > 65504: inf, as in PyTorch
+    assert np.isnan((h * h - h * h).numpy()).all()
+
+
+def test_casts_between_16_bit_dtypes_round_once_from_float32():
+    x = np.array([1.0 + 2.0**-9, 70000.0, np.nan], np.float32)
+    b = bp.tensor(x).astype(bp.bfloat16)
+    np.testing.assert_array_equal(b.numpy().view(np.uint16), x.astype(BF16).view(np.uint16))
+    h = b.astype(bp.float16).numpy()
+    assert h[1] == np.inf and np.isnan(h[2])
+    with pytest.raises(bp.DtypeError, match="int16"):
+        b.astype("int16")
