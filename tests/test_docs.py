@@ -155,7 +155,10 @@ def test_the_site_builds_strictly(tmp_path):
     assert "Integer input gives float64" in ops  # a factory-made op's docstring (bp.exp)
 
 
-PATH_IN_TICKS = re.compile(r"`([\w.\-]+(?:/[\w.\-*]+)*/(?:[\w.\-*]+\.(?:py|md|toml|json|yml|png))?)`")
+# `dir/` or `dir/file.py`
+PATH_IN_TICKS = re.compile(
+    r"`([\w.\-]+(?:/[\w.\-*]+)*/(?:[\w.\-*]+\.(?:py|md|toml|json|yml|png))?)`"
+)
 CHECKED_PAGES = ["README.md", "ARCHITECTURE.md", "BENCHMARKS.md"]
 
 
