@@ -116,10 +116,12 @@ def test_a_block_that_should_raise_and_does_not_fails(tmp_path):
     page.write_text("<!-- raises GraphFreedError -->\n```python\nx = 1\n```\n")
     with pytest.raises(pytest.fail.Exception):
         run_page(python_blocks(page))
-    page.write_text("```python\nimport backplan as bp\n```\n\n```python\nbp.nothing\n```\n")
-    with pytest.raises(AttributeError) as caught:
+    page.write_text(
+        "```python\nimport backplan as bp\n```\n\n```python\nprint(no_such_name)\n```\n"
+    )
+    with pytest.raises(NameError) as caught:
         run_page(python_blocks(page))
-    assert caught.traceback[-1].lineno == 5  # 0-based: bp.nothing is the page's sixth line
+    assert caught.traceback[-1].lineno == 5  # 0-based: the name is on the page's sixth line
 
 
 def test_every_public_name_has_an_api_reference_entry():
