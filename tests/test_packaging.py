@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,19 @@ def test_project_metadata():
     assert "Typing :: Typed" in project["classifiers"]
     assert any(dep.startswith("mypy") for dep in project["optional-dependencies"]["test"])
     assert os.path.exists(os.path.join(ROOT, "LICENSE"))
+
+
+def test_every_source_folder_is_a_listed_package():
+    """A wheel holds only the listed packages: a folder of modules left out of pyproject.toml's
+    `packages` (codegen's rooms were, once) works in an editable install and is missing from
+    every installed copy."""
+    tool = _pyproject()["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    for package, folder in tool["package-dir"].items():
+        for init in sorted(Path(ROOT, folder).rglob("*.py")):
+            parts = init.parent.relative_to(Path(ROOT, folder)).parts
+            if "__pycache__" in parts:
+                continue
+            name = ".".join((package, *parts))
+            assert name in listed, f"{init.parent} holds modules but {name} is not in packages"
+            assert init.parent.joinpath("__init__.py").exists(), f"{init.parent} has no __init__.py"
