@@ -131,3 +131,19 @@ def test_state_dict_goes_back_and_refuses_other_trees():
     np.testing.assert_allclose(fresh.weight.detach().numpy(), 2 * lin.weight.detach().numpy())
     with pytest.raises(bp.TorchImportError, match="flat {state_dict name: tensor} dict"):
         bp.to_state_dict([params["weight"]])
+
+
+class Scaled(nn.Module):
+    def forward(self, x, n: int, scale: float = 2.0):
+        return x * scale + n
+
+
+def test_python_arguments_are_fixed_at_import_and_checked_at_calls():
+    x = torch.randn(2, 3)
+    fn, params = bp.from_torch(Scaled(), (x, 3), {"scale": 0.5})
+    np.testing.assert_allclose(fn(params, x.numpy(), 3, scale=0.5).numpy(), x.numpy() * 0.5 + 3)
+    with pytest.raises(bp.TorchImportError, match="input 1 is 4, the module was imported with 3"):
+        fn(params, x.numpy(), 4, scale=0.5)
+    called = r"called with 2 positional argument\(s\), imported with 2 .* keywords \['scale'\]"
+    with pytest.raises(bp.TorchImportError, match=called):
+        fn(params, x.numpy(), 3)

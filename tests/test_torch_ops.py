@@ -164,6 +164,10 @@ CASES = {
         ),  # fmt: skip
         [r(5, 4), torch.tensor([0, 3, 1, 1, 2]), r(5, 4)],
     ),
+    "pad_and_python_arguments": (
+        Fn(lambda x: F.pad(x, (1, 2, 0, 1), value=0.5) * 3 + 1),
+        [r(2, 3)],
+    ),
     "cross_entropy_ignore_index": (
         Fn(lambda x, t: F.cross_entropy(x, t, ignore_index=1)),
         [r(5, 4), torch.tensor([0, 3, 1, 1, 2])],

@@ -89,20 +89,34 @@ class ImportedGraph:
         flat, spec = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:
             raise TorchImportError(
-                f"{self.owner}: called with arguments structured as {spec}, imported with "
-                f"{self.in_spec}"
+                f"{self.owner}: called with {_arguments(spec)}, imported with "
+                f"{_arguments(self.in_spec)} (torch.export fixes the call's structure)"
             )
-        out = []
-        for i, (value, (shape, dtype)) in enumerate(zip(flat, self.user_inputs, strict=True)):
-            tensor = value if isinstance(value, Tensor) else ops.as_tensor(np.asarray(value))
-            if tensor.shape != shape or tensor.dtype != dtype:
+        return [
+            self._input(i, v, e)
+            for i, (v, e) in enumerate(zip(flat, self.user_inputs, strict=True))
+        ]
+
+    def _input(self, i: int, value, example):
+        """A tensor input of the example's shape and dtype, or a Python value equal to the
+        example's (torch.export fixed both into the graph)."""
+        if not isinstance(example, tuple):
+            if isinstance(value, Tensor | np.ndarray) or value != example:
                 raise TorchImportError(
-                    f"{self.owner}: input {i} is {tensor.dtype}{list(tensor.shape)}, the module "
-                    f"was imported with {dtype}{list(shape)}; torch.export fixes the shapes, so "
-                    "import it again with an example of this shape"
+                    f"{self.owner}: input {i} is {value!r}, the module was imported with "
+                    f"{example!r}, which torch.export fixed into the graph; import it again "
+                    "with this value"
                 )
-            out.append(tensor)
-        return out
+            return value
+        shape, dtype = example
+        tensor = value if isinstance(value, Tensor) else ops.as_tensor(np.asarray(value))
+        if tensor.shape != shape or tensor.dtype != dtype:
+            raise TorchImportError(
+                f"{self.owner}: input {i} is {tensor.dtype}{list(tensor.shape)}, the module "
+                f"was imported with {dtype}{list(shape)}; torch.export fixes the shapes, so "
+                "import it again with an example of this shape"
+            )
+        return tensor
 
     def _keys(self, key):
         keys, used = [], [0]
@@ -181,6 +195,16 @@ def _constant(value) -> Tensor:
     return Tensor(value.detach().numpy()) if isinstance(value, torch.Tensor) else value
 
 
-def _example_type(node) -> tuple:
+def _arguments(spec) -> str:
+    """`2 positional arguments and keywords ['scale']`, from a flattened (args, kwargs) spec."""
+    args, kwargs = spec.child(0), spec.child(1)
+    keys = f" and keywords {list(kwargs.context)}" if kwargs.context else ""
+    return f"{args.num_children} positional argument(s){keys}"
+
+
+def _example_type(node):
+    """(shape, dtype) of a tensor input; a Python value (an int, a float) as it was."""
     value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return value
     return tuple(value.shape), np.dtype(str(value.dtype).removeprefix("torch."))
