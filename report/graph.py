@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from backplan.runtime.freed_message import output_desc
 from backplan.runtime.recomputed import recomputed_infos
 from backplan.runtime.region import Region, freed_by_text
+from backplan.runtime.saved_once import held_totals, planned_totals
 from backplan.runtime.saved_table import format_saved_table, table_notes
 from backplan.runtime.walk import regions_in_order
 
@@ -24,13 +25,26 @@ class GraphReport:
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes the graph holds now; backward() without retain_graph frees all of them."""
-        return sum(r.saved_bytes for r in self.regions)
+        """Bytes of the buffers the graph allocated and holds now, each array once (one array
+        saved by two regions counts once); your own arrays are `input_bytes`. backward()
+        without retain_graph frees all of them."""
+        return held_totals(self.regions).allocated
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of your own arrays (passed in, leaf tensors) the graph holds references to
+        now: not allocated by it, not in saved_bytes."""
+        return held_totals(self.regions).yours
 
     @property
     def planned_bytes(self) -> int:
-        """Bytes the regions held before anything was freed."""
-        return sum(r.planned_saved_bytes for r in self.regions)
+        """Bytes the graph allocated for its saved buffers before anything was freed, each
+        array once, your own arrays apart (planned_input_bytes)."""
+        return planned_totals(self.regions).allocated
+
+    @property
+    def planned_input_bytes(self) -> int:
+        return planned_totals(self.regions).yours
 
     @property
     def freed_regions(self) -> list[Region]:
@@ -90,9 +104,11 @@ def _region_line(region: Region) -> str:
 
 def _total_line(report: GraphReport) -> str:
     n_saved = sum(len(r.program.saved_info) for r in report.regions)
+    planned, held = planned_totals(report.regions), held_totals(report.regions)
     text = (
-        f"  total: {n_saved} saved buffer{'s' if n_saved != 1 else ''}, "
-        f"{report.planned_bytes:,} B; {report.saved_bytes:,} B held now"
+        f"  total: {n_saved} saved buffer{'s' if n_saved != 1 else ''}, each array once: "
+        f"{planned.allocated:,} B allocated by the graph, {planned.yours:,} B your own arrays "
+        f"held by reference; held now: {held.allocated:,} B allocated, {held.yours:,} B yours"
     )
     freed = report.freed_regions
     if not freed:

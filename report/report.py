@@ -29,6 +29,25 @@ from .plan_view import PlanView, StepInfo, region_view
 STEP_PLANS = ("forward", "backward (consume)", "joint")  # what one default training step runs
 
 
+@dataclass(frozen=True)
+class InnerJoint:
+    """A value_and_grad plan inlined into a compiled function (a training step): its saved
+    values are temporaries of the step's plan, so the step's report lists them from here."""
+
+    plan: Plan
+    n_outputs: int
+    wrt: tuple
+    input_names: list
+    name: str
+    loc: str  # where the step called it
+
+    def report(self, backend: str) -> ExplainReport:
+        return joint_report(
+            self.plan, self.n_outputs, list(self.wrt), self.input_names, self.name,
+            backend=backend,
+        )
+
+
 @dataclass
 class ExplainReport:
     """See `backplan.explain`."""
@@ -45,6 +64,7 @@ class ExplainReport:
     recomputed: list[RecomputedInfo] = field(default_factory=list)  # rebuilt, not saved
     compiled: list[CompiledPlanFacts] | None = None  # numba backend only: each compiled plan
     peak_calls: list = field(default_factory=list)  # ir.peak.PlanCall: the step, for `peak`
+    inner: list = field(default_factory=list)  # (InnerJoint, its report): inlined joint plans
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -68,6 +88,17 @@ class ExplainReport:
     @property
     def saved_input_bytes(self) -> int:
         return sum(b.nbytes for b in self.saved_buffers if b.is_region_input)
+
+    @property
+    def inner_saved_bytes(self) -> int:
+        """Bytes the value_and_grad plans inlined into this one save for their backward (held
+        inside the step, counted in its peak), your own arrays among them included."""
+        return sum(r.saved_bytes for _, r in self.inner)
+
+    @property
+    def inner_saved_input_bytes(self) -> int:
+        """Of inner_saved_bytes, your own arrays (held by reference, not allocated)."""
+        return sum(r.saved_input_bytes for _, r in self.inner)
 
     @property
     def recomputed_bytes(self) -> int:

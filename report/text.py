@@ -15,10 +15,7 @@ def render_report(report) -> str:
         (f"explain: {report.name}", ""),
         ("1. Summary", wrap(summary_text(report)) + "\n" + wrap(peak_line(report))),
         ("2. Plans", plans_text(report)),
-        (
-            saved_title(report),
-            format_saved_table(report.saved_buffers, recomputed=report.recomputed),
-        ),
+        (saved_title(report), saved_text(report)),
         ("4. Memory", memory_text(report)),
         ("5. Kernels", wrap(kernels_text(report))),
         ("6. Retracing", wrap(retrace_text(report))),
@@ -33,7 +30,28 @@ def saved_title(report) -> str:
             f"; {len(report.recomputed)} recomputed instead, "
             f"{format_bytes(report.recomputed_bytes)} not saved"
         )
+    if report.inner:
+        n = sum(len(r.saved_buffers) for _, r in report.inner)
+        title += f"; {n} more inside value_and_grad, {format_bytes(report.inner_saved_bytes)}"
     return title + ")"
+
+
+def saved_text(report) -> str:
+    """The saved-buffer table, then one per value_and_grad plan inlined into this one."""
+    parts = []
+    if report.saved_buffers or report.recomputed or not report.inner:
+        parts.append(format_saved_table(report.saved_buffers, recomputed=report.recomputed))
+    for joint, inner in report.inner:
+        parts.append(
+            wrap(
+                f"inside value_and_grad({joint.name}) called at {joint.loc}: its joint plan, "
+                "inlined into this step, keeps these for its backward part; they are "
+                "temporaries of this step and its peak counts them (names and steps are the "
+                "joint plan's, as value_and_grad(...).explain() prints it)"
+            )
+        )
+        parts.append(format_saved_table(inner.saved_buffers, recomputed=inner.recomputed))
+    return "\n".join(p for p in parts if p)
 
 
 def summary_text(report) -> str:
@@ -55,6 +73,8 @@ def summary_text(report) -> str:
 
 
 def _saved_sentence(report) -> str:
+    if report.inner and not any(report.requires_grad):
+        return _inner_sentence(report)
     if not any(report.requires_grad):
         return (
             "Nothing needs a gradient (no input requires grad, or grad mode is off), so "
@@ -73,6 +93,25 @@ def _saved_sentence(report) -> str:
             "reference, not copied)"
         )
     return text + "."
+
+
+def _inner_sentence(report) -> str:
+    """A training step: no backward of its own, but the value_and_grad inside it saves."""
+    n = sum(len(r.saved_buffers) for _, r in report.inner)
+    calls = ", ".join(f"value_and_grad({j.name}) at {j.loc}" for j, _ in report.inner)
+    text = (
+        f"No input of the step needs a gradient, so it has no backward of its own; {calls} "
+        f"runs inside it, its forward and backward inlined, and keeps {n} saved "
+        f"buffer{'s' if n != 1 else ''} for that backward, "
+        f"{format_bytes(report.inner_saved_bytes - report.inner_saved_input_bytes)} allocated "
+        "by the step"
+    )
+    if report.inner_saved_input_bytes:
+        text += (
+            f" and {format_bytes(report.inner_saved_input_bytes)} of your own arrays read "
+            "by reference"
+        )
+    return text + " (section 3)."
 
 
 def _recomputed_sentence(report) -> str:

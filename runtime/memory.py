@@ -17,12 +17,17 @@ def live_regions() -> list:
         return list(_live_regions)
 
 
-def live_saved_bytes() -> int:
-    """Bytes held in saved buffers by every graph still alive. Drops to 0 once each graph has
-    run backward (without retain_graph) or has been released.
+def live_saved_bytes(yours: bool = False) -> int:
+    """Bytes of the saved buffers every graph still alive has allocated, each array counted
+    once however many regions save it; your own arrays (passed in, leaf tensors) that graphs
+    keep references to are not among them: `live_saved_bytes(yours=True)` gives those. Drops
+    to 0 once each graph has run backward (without retain_graph) or has been released.
 
     >>> import backplan as bp
     >>> bp.live_saved_bytes() >= 0
     True
     """
-    return sum(region.saved_bytes for region in live_regions())
+    from .saved_once import held_totals
+
+    totals = held_totals(live_regions())
+    return totals.yours if yours else totals.allocated

@@ -99,6 +99,40 @@ class Region:
             buffers.append(SavedBuffer(**fields))
         return buffers
 
+    def held_arrays(self) -> list[tuple[np.ndarray, bool]]:
+        """Each saved array held now, and whether it is the user's own (no region made it)."""
+        saved = self.program.plans.saved
+        held = list(self._saved.items())  # one step under the GIL: backward() may pop meanwhile
+        return [(array, self._is_yours(saved[slot].source)) for slot, array in held]
+
+    def saved_keys(self) -> list[tuple[tuple, int, bool]]:
+        """(key, nbytes, yours) per saved buffer of the plan, freed or not; two regions saving
+        one array give it the same key: the region that produced it and its output index (or
+        the leaf tensor, or this region's input for an array that came from no region)."""
+        keys = []
+        for info in self.program.saved_info:
+            source = self.program.plans.saved[info.slot].source
+            keys.append((self._array_key(source), info.nbytes, self._is_yours(source)))
+        return keys
+
+    def _array_key(self, source: tuple[str, int]) -> tuple:
+        kind, index = source
+        if kind == "output":
+            return ("out", id(self), index)
+        edge = self._edge_of(index)
+        if edge is not None and edge.region is not None:
+            return ("out", id(edge.region), edge.index)
+        if edge is not None and edge.leaf is not None:
+            return ("leaf", id(edge.leaf))
+        return ("in", id(self), index)
+
+    def _edge_of(self, index: int) -> Edge | None:
+        wrt = self.program.plans.wrt
+        return self.input_edges[sum(wrt[:index])] if wrt[index] else None
+
+    def _is_yours(self, source: tuple[str, int]) -> bool:
+        return source[0] == "input" and self._upstream_of(source) is None
+
     def _upstream_of(self, source: tuple[str, int]) -> Region | None:
         """The region that produced forward input `source[1]`, when a gradient flows to it."""
         kind, index = source

@@ -355,10 +355,11 @@ def test_seed0_graph_lists_every_region_backward_frees_with_bytes_and_state(laye
         assert names == ["sum", "mul", "add", "matmul"]
     else:
         assert names == ["linear_times_five_sum"]
-    assert report.saved_bytes == 8 + 12  # a f32[2,1] and w f32[1,3]
+    assert report.saved_bytes == 0  # the graph allocated nothing it saves
+    assert report.input_bytes == 8 + 12  # a f32[2,1] and w f32[1,3], yours, held by reference
     text = str(report)
     assert f"graph of `{names[0]}` (created at {made}" in text
-    assert "total: 2 saved buffers, 20 B; 20 B held now" in text
+    assert "total: 2 saved buffers, each array once: 0 B allocated by the graph, 20 B your" in text
     o.backward()
     freed_at = here(offset=-1)
     report = o.graph()
@@ -505,7 +506,7 @@ def test_seed3_freed_graph_stays_on_the_tensor_until_detached(layer):
     freed_at = here(offset=-1)
     text = str(k.graph())
     assert f"saved nothing; freed by the backward() at {freed_at}" in text
-    assert "0 B held now" in text
+    assert "held now: 0 B allocated, 0 B yours" in text
     assert str(k.detach().graph()) == "graph: a tensor that does not require grad: it has no graph"
     assert "leaf tensor" in str(bp.explain_graph(x))
 

@@ -47,6 +47,7 @@ class TracedFunction:
     donated: tuple[int, ...] = ()  # graph inputs of donated arguments
     donated_to: str = ""  # "step() (bp.compile(donate_argnums=(0, 1)))", for the error
     planner: BudgetPlanner | None = None  # the plans this signature could run instead
+    inner_joints: tuple = ()  # report.InnerJoint: value_and_grad plans inlined into this one
     rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
 
     def __post_init__(self):
@@ -233,6 +234,7 @@ class CompiledFunction(PlannedFunction):
             donated,
             f"{name}() (bp.compile(donate_argnums={self.arguments.donate_nums}))",
             planner,
+            tuple(trace.inner_joints),
         )
 
     def _plans_within_budget(self, planner: BudgetPlanner):

@@ -23,7 +23,7 @@ from .fastpath import positions_of
 from .numpy_args import arrays_reader, kept_by_outputs
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
-from .reports import explain_joint, named_reason
+from .reports import explain_joint, inner_joint, named_reason
 from .signature import bind_call, closest_key, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
@@ -133,6 +133,9 @@ class ValueAndGradFunction(PlannedFunction):
         return entry
 
     def _run(self, entry: JointTrace, bound: JointCall):
+        outer = current_trace()
+        if outer is not None:  # inlined: the outer plan's explain() lists what this one saves
+            outer.inner_joints.append(inner_joint(entry, bound.call, self.fn))
         return run_joint(
             entry, bound.args, bound.call, bound.diff_paths, self._nums, self.has_aux, self._single
         )

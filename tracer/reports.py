@@ -6,22 +6,38 @@ from __future__ import annotations
 import inspect
 import re
 
-from backplan.report.report import ExplainReport, joint_report, region_report
+from backplan.report.report import ExplainReport, InnerJoint, joint_report, region_report
 
 from .captured_names import captured_names
+from .source import loc_text, user_frame_loc
 
 
 def explain_traced(traced, cache_info) -> ExplainReport:
-    """The report of one signature of a compiled function."""
-    return region_report(
+    """The report of one signature of a compiled function, with the joint plans of the
+    value_and_grad calls it inlined (what they save lives inside this step)."""
+    report = region_report(
         traced.program, traces=cache_info.traces, retrace_reason=cache_info.last_miss_reason
     )
+    report.inner = [(joint, joint.report(report.backend)) for joint in traced.inner_joints]
+    return report
+
+
+def inner_joint(entry, call, fn) -> InnerJoint:
+    """A value_and_grad call being inlined into an enclosing trace, for that trace's report."""
+    names = _joint_input_names(entry, call, fn)
+    name = getattr(fn, "__name__", "fn")
+    return InnerJoint(entry.plan, 1 + entry.n_aux, tuple(entry.wrt), names, name,
+                      loc_text(user_frame_loc()))
+
+
+def _joint_input_names(entry, call, fn) -> list[str]:
+    names = [_parameter_path(fn, call.key.leaves[p].path) for p in call.tensor_positions]
+    return names + captured_names(fn, entry.captured)
 
 
 def explain_joint(entry, call, fn, cache_info) -> ExplainReport:
     """The report of one signature of value_and_grad: its joint plan."""
-    names = [_parameter_path(fn, call.key.leaves[p].path) for p in call.tensor_positions]
-    names += captured_names(fn, entry.captured)
+    names = _joint_input_names(entry, call, fn)
     name = getattr(fn, "__name__", "fn")
     return joint_report(
         entry.plan,

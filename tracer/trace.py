@@ -24,6 +24,7 @@ class Trace:
         self.captured: list = []
         self._lifted: dict[int, Value] = {}
         self.floats: dict[Value, str] = {}  # input of a traced Python float -> its argument
+        self.inner_joints: list = []  # report.InnerJoint of each value_and_grad inlined here
 
     def value_of(self, tensor) -> Value:
         if tensor._trace is self:
