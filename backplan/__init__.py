@@ -61,11 +61,14 @@ _TORCH_NAMES = ("from_torch", "to_state_dict", "TorchImportError")
 
 
 def __getattr__(name: str):
-    """bp.from_torch and bp.to_state_dict import torch on first use, not with backplan."""
+    """bp.from_torch and bp.to_state_dict import torch on first use, not with backplan; one
+    function, since a second `def __getattr__` in this module would replace the first."""
     if name in _TORCH_NAMES:
         from backplan import torch as _torch_interop
 
         return getattr(_torch_interop, name)
+    if name == "bfloat16":  # only reached when ml_dtypes is missing
+        raise ImportError("bp.bfloat16 needs the ml_dtypes package: pip install ml_dtypes")
     raise AttributeError(f"module 'backplan' has no attribute {name!r}")
 
 
@@ -144,9 +147,3 @@ __all__ = [
     "value_and_grad",
     "zero_grad",
 ]
-
-
-def __getattr__(name: str):
-    if name == "bfloat16":  # only reached when ml_dtypes is missing
-        raise ImportError("bp.bfloat16 needs the ml_dtypes package: pip install ml_dtypes")
-    raise AttributeError(f"module 'backplan' has no attribute {name!r}")

@@ -131,7 +131,7 @@ def test_every_public_name_has_an_api_reference_entry():
     assert "<!-- bp-ops -->" in pages
     documented = set(re.findall(r"::: backplan\.(\w+)", pages))
     modules = {"nn", "optim", "random", "tree"}
-    dtypes = {"bool_", "float32", "float64", "int32", "int64", "uint8"}
+    dtypes = {"bool_", "bfloat16", "float16", "float32", "float64", "int32", "int64", "uint8"}
     classes = {n for n in bp.__all__ if isinstance(getattr(bp, n), type)} - dtypes
     missing = classes - documented
     assert not missing, f"public classes without an API reference entry: {sorted(missing)}"

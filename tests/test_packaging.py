@@ -128,3 +128,17 @@ def test_every_source_folder_is_a_listed_package():
             name = ".".join((package, *parts))
             assert name in listed, f"{init.parent} holds modules but {name} is not in packages"
             assert init.parent.joinpath("__init__.py").exists(), f"{init.parent} has no __init__.py"
+
+
+def test_names_the_face_imports_lazily_resolve():
+    """bp.from_torch imports torch on first use: without torch it says what to install (an
+    AttributeError would read as a name backplan lacks); with torch it is the function."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        with pytest.raises(ImportError, match=r"pip install 'backplan\[torch\]'"):
+            bp.from_torch  # noqa: B018
+    else:
+        assert bp.from_torch.__name__ == "from_torch"
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        bp.no_such_name  # noqa: B018

@@ -36,7 +36,7 @@ def op_names(api_folder: Path) -> list[str]:
 
     pages = "\n".join(page.read_text() for page in api_folder.glob("*.md"))
     elsewhere = set(DOCUMENTED.findall(pages))
-    public = [n for n in bp.__all__ if inspect.isfunction(getattr(bp, n))]
+    public = [n for n in bp.__all__ if inspect.isfunction(getattr(bp, n, None))]
     return sorted(n for n in public if n not in elsewhere)
 
 
