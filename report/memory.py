@@ -70,7 +70,20 @@ def memory_text(report) -> str:
         parts.append(compiled_table(report.compiled))
         parts.append(wrap(donation_note(report)))
         parts.append(wrap(variants_note(report)))
+    parts.append(frontier_text(report.frontier))
     return "\n".join(p for p in parts if p)
+
+
+def frontier_text(frontier) -> str:
+    """The plans max_peak_bytes chooses from, or why there is no choice."""
+    if frontier is None:
+        return ""
+    if len(frontier.points) < 2:
+        return wrap(
+            "Memory frontier: no plan that recomputes reaches a lower peak than this one, so "
+            "max_peak_bytes below it is refused (bp.MemoryBudgetError says why)."
+        )
+    return "\n".join("  " + line for line in str(frontier).splitlines())
 
 
 def reference_paragraph(report) -> str:

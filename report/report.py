@@ -13,6 +13,7 @@ layout, without compiling.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backplan.ir.liveness import Plan
@@ -22,6 +23,7 @@ from backplan.runtime.program import RegionProgram, SavedBufferInfo
 from backplan.runtime.recomputed import RecomputedInfo, recomputed_infos
 
 from .compiled import CompiledPlanFacts, joint_facts, region_facts
+from .frontier import MemoryFrontier
 from .joint_view import joint_saved_info, joint_view
 from .kernels import KernelInfo, kernels_from_groups, planned_groups
 from .plan_view import PlanView, StepInfo, region_view
@@ -65,6 +67,7 @@ class ExplainReport:
     compiled: list[CompiledPlanFacts] | None = None  # numba backend only: each compiled plan
     peak_calls: list = field(default_factory=list)  # ir.peak.PlanCall: the step, for `peak`
     inner: list = field(default_factory=list)  # (InnerJoint, its report): inlined joint plans
+    frontier_source: Callable | None = None  # () -> MemoryFrontier of this signature's plans
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -134,6 +137,13 @@ class ExplainReport:
         you pass in, parameters, donated buffers, scratch arenas, outputs, saved buffers and
         gradients (`peak.at_peak()` splits it by category)."""
         return self.peak.peak_bytes
+
+    @functools.cached_property
+    def frontier(self) -> MemoryFrontier | None:
+        """The plans a memory budget chooses from (fn.memory_frontier(...)): peak bytes against
+        the FLOPs each adds by recomputing, the default plan first; None for a report made
+        without its planner (a loaded artifact's)."""
+        return self.frontier_source() if self.frontier_source is not None else None
 
     def fits(self, nbytes: int) -> bool:
         """Whether the step's predicted peak (peak_bytes) is at most nbytes."""

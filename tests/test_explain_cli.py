@@ -108,3 +108,25 @@ def test_bad_command_lines_exit_2_with_the_reason(script, tmp_path, capsys, targ
     target = target.format(script=script, missing=tmp_path / "missing.py")
     assert main(["explain", target, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+DEEP = textwrap.dedent("""
+    import backplan as bp
+
+    def deep(params, x):
+        for name in ("w0", "w1", "w2", "w3"):
+            x = bp.tanh(x @ params[name])
+        return bp.mean(x * x)
+""")
+
+
+def test_the_report_ends_its_memory_section_with_the_frontier(tmp_path, capsys):
+    path = tmp_path / "deep.py"
+    path.write_text(DEEP)
+    specs = ",".join(f"params.w{i}=f32[16,16]:grad" for i in range(4)) + ",x=f32[64,16]"
+    assert main(["explain", f"{path}:deep", "--args", specs, "--value-and-grad"]) == 0
+    text = capsys.readouterr().out
+    memory = text[text.index("4. Memory") : text.index("5. Kernels")]
+    assert "memory frontier of deep:" in memory
+    rows = [r for r in memory[memory.index("memory frontier of deep:") :].splitlines()[2:] if r]
+    assert len(rows) >= 2 and rows[0].split()[-1] == "0" and int(rows[-1].split()[-1]) >= 1

@@ -163,3 +163,12 @@ def test_max_batch_fits_and_one_more_does_not():
         else:
             with pytest.raises(bp.MemoryBudgetError):
                 fn(ws, xb, k)
+
+
+def test_explain_reports_the_frontier_max_peak_bytes_chooses_from():
+    ws, x, k = arrays()
+    fn = bp.value_and_grad(deep_loss)
+    report = fn.explain(ws, x, k)
+    assert report.frontier.points == fn.memory_frontier(ws, x, k).points
+    assert len(report.frontier.points) > 2
+    assert str(report.frontier) in str(report).replace("\n  ", "\n")

@@ -230,7 +230,10 @@ class PlannedFunction:
         """The plan for this signature as a report (text, DOT, picture); nothing runs.
         See `backplan.explain`."""
         bound, entry = self.lookup(args, kwargs, count_hit=False)
-        return self._report(entry, bound)
+        report = self._report(entry, bound)
+        if entry.planner is not None:
+            report.frontier_source = entry.planner.memory_frontier
+        return report
 
     def memory_frontier(self, *args, **kwargs):
         """The plans a memory budget chooses from for this signature: peak bytes of the whole
