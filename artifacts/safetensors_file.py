@@ -18,6 +18,7 @@ import tempfile
 
 import numpy as np
 
+from backplan.ir.types import DTYPES
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
@@ -30,18 +31,18 @@ MAX_TENSORS = 1_000_000
 MAX_NDIM = 64
 TREE_KEY = "backplan.tree"
 TO_FORMAT = {
-    np.dtype(np.bool_): "BOOL",
-    np.dtype(np.uint8): "U8",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float64): "F64",
+    DTYPES["bool"]: "BOOL",
+    DTYPES["u8"]: "U8",
+    DTYPES["i32"]: "I32",
+    DTYPES["i64"]: "I64",
+    DTYPES["f16"]: "F16",
+    DTYPES["f32"]: "F32",
+    DTYPES["f64"]: "F64",
+    **({DTYPES["bf16"]: "BF16"} if "bf16" in DTYPES else {}),
 }
 FROM_FORMAT = {code: dtype for dtype, code in TO_FORMAT.items()}
 # stored dtypes backplan has no tensor type for, and the exact widening upcast=True applies
 WIDENED = {
-    "F16": (np.dtype("<f2"), np.float32),
-    "BF16": (np.dtype("<u2"), np.float32),  # the upper half of a float32's bits
     "I8": (np.dtype("i1"), np.int32),
     "I16": (np.dtype("<i2"), np.int32),
     "U16": (np.dtype("<u2"), np.int32),
@@ -112,7 +113,8 @@ def _write(path: str, header: dict, arrays: list[np.ndarray]) -> str:
             file.write(len(text).to_bytes(8, "little"))
             file.write(text)
             for array in arrays:
-                file.write(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).data)
+                little = np.ascontiguousarray(array, array.dtype.newbyteorder("<"))
+                file.write(little.reshape(-1).view(np.uint8).data)  # bytes: bfloat16 too
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
@@ -122,9 +124,9 @@ def _write(path: str, header: dict, arrays: list[np.ndarray]) -> str:
 
 def load_safetensors(path, upcast: bool = False):
     """The pytree save_safetensors wrote, or for a file written elsewhere (PyTorch,
-    Hugging Face) a flat dict {name: tensor} in the file's order. float16 and bfloat16
-    (and int8/int16/uint16/uint32) tensors, which backplan has no type for, are refused unless
-    upcast=True widens them exactly (to float32, int32 or int64)."""
+    Hugging Face) a flat dict {name: tensor} in the file's order. float16 and bfloat16 load
+    as they are; int8, int16, uint16 and uint32 tensors, which backplan has no type for, are
+    refused unless upcast=True widens them exactly (to int32 or int64)."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as file:
@@ -220,8 +222,7 @@ def _refuse_narrow(entries: list, upcast: bool, path: str) -> None:
         raise TreeFileError(
             f"load_safetensors: {path} holds {len(narrow)} tensor(s) of dtypes backplan has no "
             f"type for: {', '.join(narrow[:8])}{' ...' if len(narrow) > 8 else ''}. "
-            "load_safetensors(path, upcast=True) widens them exactly (float16 and bfloat16 to "
-            "float32, small integers to int32 or int64)"
+            "load_safetensors(path, upcast=True) widens them exactly (to int32 or int64)"
         )
 
 
@@ -234,9 +235,7 @@ def _read(file, data_start: int, entry: dict, path: str) -> Tensor:
     array = np.fromfile(file, stored, count) if count else np.empty(0, stored)
     if array.size != count:
         raise TreeFileError(f"load_safetensors: {path} ended inside a tensor (changed while read)")
-    if code == "BF16":
-        array = (array.astype(np.uint32) << 16).view(np.float32)
-    elif code in WIDENED:
+    if code in WIDENED:
         array = array.astype(WIDENED[code][1])
     array = array.astype(array.dtype.newbyteorder("="), copy=False)
     array.shape = shape  # in place: a reshaped view would be copied again by the tensor

@@ -70,21 +70,28 @@ def test_files_move_to_and_from_the_safetensors_package(tmp_path):
     np.testing.assert_array_equal(ours["a.w"].numpy(), np.eye(2))
 
 
-def test_half_precision_needs_upcast_and_widens_exactly(tmp_path):
+def test_half_precision_loads_as_it_is_and_small_ints_need_upcast(tmp_path):
     halves = np.array([1.5, -2.25, 65504.0], np.float16)
     bf16 = np.array([0x3FC0, 0xC010], np.uint16)  # 1.5, -2.25 in bfloat16 bits
-    body = halves.tobytes() + bf16.tobytes()
+    small = np.array([-3, 7], np.int8)
+    body = halves.tobytes() + bf16.tobytes() + small.tobytes()
     header = {
         "h": {"dtype": "F16", "shape": [3], "data_offsets": [0, 6]},
         "b": {"dtype": "BF16", "shape": [2], "data_offsets": [6, 10]},
+        "i": {"dtype": "I8", "shape": [2], "data_offsets": [10, 12]},
     }
     path = _write_raw(tmp_path, header, body)
-    with pytest.raises(bp.TreeFileError, match=r"h \(F16\), b \(BF16\).*upcast=True"):
+    with pytest.raises(bp.TreeFileError, match=r"1 tensor\(s\) .*: i \(I8\).*upcast=True"):
         bp.load_safetensors(path)
     out = bp.load_safetensors(path, upcast=True)
-    assert out["h"].dtype == np.float32 and out["b"].dtype == np.float32
-    np.testing.assert_array_equal(out["h"].numpy(), halves.astype(np.float32))
-    np.testing.assert_array_equal(out["b"].numpy(), [1.5, -2.25])
+    assert out["h"].dtype == np.float16 and out["b"].dtype == bp.bfloat16
+    np.testing.assert_array_equal(out["h"].numpy(), halves)
+    np.testing.assert_array_equal(out["b"].numpy().astype(np.float32), [1.5, -2.25])
+    assert out["i"].dtype == np.int32 and out["i"].tolist() == [-3, 7]
+    again = bp.save_safetensors(tmp_path / "again.safetensors", out)
+    back = bp.load_safetensors(again)
+    assert back["b"].dtype == bp.bfloat16 and back["h"].dtype == np.float16
+    np.testing.assert_array_equal(back["b"].numpy().view(np.uint16), bf16)
 
 
 def _write_raw(tmp_path, header, body: bytes, length=None):
