@@ -129,7 +129,10 @@ def test_every_public_name_has_an_api_reference_entry():
     them); every class, exception and warning needs an entry of its own."""
     pages = "\n".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
     assert "<!-- bp-ops -->" in pages
-    documented = set(re.findall(r"::: backplan\.(\w+)", pages))
+    entries = re.findall(r"^::: (backplan[\w.]*)", pages, re.MULTILINE)
+    repeated = sorted({e for e in entries if entries.count(e) > 1})
+    assert not repeated, f"documented twice in docs/api: {repeated}"
+    documented = {e.split(".", 1)[1] for e in entries if e.count(".") == 1}
     modules = {"nn", "optim", "random", "tree"}
     dtypes = {"bool_", "bfloat16", "float16", "float32", "float64", "int32", "int64", "uint8"}
     classes = {n for n in bp.__all__ if isinstance(getattr(bp, n), type)} - dtypes
