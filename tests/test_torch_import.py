@@ -164,10 +164,10 @@ def test_explain_command_prints_the_training_step_of_a_module_file(tmp_path, cap
         main([*args[:-1], "nll"])
 
 
-def test_readme_from_pytorch_block_runs(tmp_path, monkeypatch):
+def test_the_guides_from_pytorch_block_runs(tmp_path, monkeypatch):
     from test_docs import ROOT, python_blocks, run_blocks
 
-    blocks = [b for b in python_blocks(ROOT / "README.md") if "bp.from_torch" in b.code]
+    blocks = [b for b in python_blocks(ROOT / "docs" / "interop.md") if "bp.from_torch" in b.code]
     assert len(blocks) == 1 and blocks[0].skip  # skipped by test_docs, which runs without torch
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
