@@ -46,6 +46,7 @@ def fresh_cache(monkeypatch, tmp_path):
     BACKPLAN_DRIVER stays inline (conftest), which background= must override."""
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "1000")  # only the switch line may print
+    monkeypatch.setenv("BACKPLAN_VERBOSE", "1")  # the switch is a detail line
 
 
 def backplan_lines(capfd) -> list[str]:

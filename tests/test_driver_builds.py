@@ -1,5 +1,6 @@
 """Driver builds across processes (codegen/build/driver_builder.py, codegen/build/driver_lock.py):
-a build
+by default
+no build outlives its program, ended or killed; under BACKPLAN_DRIVER_AT_EXIT=finish a build
 still running when a program ends finishes in its detached child, so the next run starts on the
 compiled driver; two processes sharing a cache folder compile a driver once; builds queued while
 a child runs go to one child together.
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 SCRIPT = """
-import json, sys
+import json, sys, time
 import numpy as np
 import backplan as bp
 from backplan.codegen.build import driver_builder
@@ -38,6 +39,12 @@ with use_backend("numba"):
     step(w, x)
     plan = step.trace(w, x).runner().compiled
     print(json.dumps({"tier": plan.driver_tier, "module": plan.module_path}), flush=True)
+    if sys.argv[1] in ("pid", "hang"):
+        while not driver_builder._running:  # the builder thread starts the child
+            time.sleep(0.01)
+        print(json.dumps({"pid": driver_builder._running[0].process.pid}), flush=True)
+    if sys.argv[1] == "hang":
+        sys.stdin.read()  # until the test kills this process
     if sys.argv[1] == "two":  # queued behind the first build: goes to a child started at exit
         bp.value_and_grad(bp.compile(lambda w, x: bp.mean(bp.sin(x @ w))))(w, x)
     if sys.argv[1] == "wait":
@@ -90,9 +97,9 @@ def wait_until_finished(pid: int, seconds: float = 300) -> None:
         time.sleep(0.2)
 
 
-def test_a_build_running_at_exit_finishes_and_the_next_run_starts_compiled(tmp_path):
+def test_asked_a_build_running_at_exit_finishes_and_the_next_run_starts_compiled(tmp_path):
     module = module_of_plan(tmp_path)
-    env = script_env(tmp_path)
+    env = script_env(tmp_path, BACKPLAN_DRIVER_AT_EXIT="finish")
     with driver_lock.held(module):  # the script's build waits: still running when it ends
         lines, err = run(env)
         assert lines[0]["tier"] == "python"
@@ -112,32 +119,58 @@ def test_builds_left_at_exit_leave_no_resource_warnings(tmp_path):
     'subprocess ... is still running'."""
     module = module_of_plan(tmp_path)
     with driver_lock.held(module):
-        _, err = run(script_env(tmp_path), "two")
+        _, err = run(script_env(tmp_path, BACKPLAN_DRIVER_AT_EXIT="finish"), "two")
     pids = [int(x.split()[0]) for x in err.split("still building in process ")[1:]]
     assert len(pids) == 2, err  # the held build's child, and the one started at exit
     assert "Warning" not in err
 
 
-def test_at_exit_kill_stops_the_build(tmp_path):
+def test_by_default_the_build_stops_with_the_program_and_nothing_is_said(tmp_path):
     module = module_of_plan(tmp_path)
-    env = script_env(tmp_path, BACKPLAN_DRIVER_AT_EXIT="kill")
+    env = script_env(tmp_path)
+    env.pop("BACKPLAN_DRIVER_AT_EXIT", None)
     with driver_lock.held(module):
-        lines, err = run(env)
-    assert lines[0]["tier"] == "python" and "still building" not in err
+        lines, err = run(env, "pid")
+        assert lines[0]["tier"] == "python"
+        assert not is_running(lines[1]["pid"])  # stopped by the exit handler, held or not
+    assert "backplan:" not in err
     lines, _ = run(env)
     assert lines[0]["tier"] == "python"  # nothing built it
+
+
+def test_a_killed_program_leaves_no_build_running(tmp_path):
+    """SIGKILL runs no exit handler: the child notices its parent is gone and stops."""
+    module = module_of_plan(tmp_path)
+    env = script_env(tmp_path)
+    env.pop("BACKPLAN_DRIVER_AT_EXIT", None)
+    with driver_lock.held(module):
+        script = subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, "hang"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        script.stdout.readline()
+        pid = json.loads(script.stdout.readline())["pid"]
+        assert is_running(pid)
+        script.kill()
+        script.wait(timeout=60)
+        script.stdout.close()
+        script.stdin.close()
+        wait_until_finished(pid, seconds=30)
 
 
 def test_quiet_at_exit_says_nothing(tmp_path):
     module = module_of_plan(tmp_path)
     with driver_lock.held(module):
-        _, err = run(script_env(tmp_path, BACKPLAN_QUIET="1"))
+        _, err = run(script_env(tmp_path, BACKPLAN_QUIET="1", BACKPLAN_DRIVER_AT_EXIT="finish"))
     assert "backplan:" not in err
 
 
 def test_an_unknown_at_exit_mode_is_refused(monkeypatch):
     monkeypatch.setenv("BACKPLAN_DRIVER_AT_EXIT", "later")
-    with pytest.raises(ValueError, match=r"BACKPLAN_DRIVER_AT_EXIT='later'; use one of finish"):
+    with pytest.raises(ValueError, match=r"BACKPLAN_DRIVER_AT_EXIT='later'; use one of kill"):
         driver_tier.at_exit_mode()
 
 

@@ -84,6 +84,7 @@ def test_lines_say_the_driver_builds_in_the_background_and_when_it_is_ready(
     background, monkeypatch, capfd
 ):
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    monkeypatch.setenv("BACKPLAN_VERBOSE", "1")
     w, x = data(4)
     capfd.readouterr()
     with use_backend("numba"):
@@ -137,6 +138,7 @@ def test_reference_first_calls_compile_nothing_here_then_switch(background, monk
     kernels and the driver, and later calls run them."""
     monkeypatch.setenv("BACKPLAN_DRIVER", "reference")
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    monkeypatch.setenv("BACKPLAN_VERBOSE", "1")
     from backplan.codegen.build import kernel_cache
 
     w, x = data(6)

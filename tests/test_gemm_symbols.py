@@ -86,7 +86,7 @@ def test_compiling_the_gemm_says_so_once():
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "BACKPLAN_QUIET": "0"},
+        env={**os.environ, "BACKPLAN_QUIET": "0", "BACKPLAN_VERBOSE": "1"},
     )
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line for line in run.stderr.splitlines() if "GEMM" in line]

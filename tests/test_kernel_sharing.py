@@ -72,9 +72,10 @@ def test_an_unrolled_loop_compiles_as_many_kernels_for_16_steps_as_for_4():
 @pytest.mark.parametrize(
     "env, expect_lines",
     [
-        ({"BACKPLAN_PROGRESS_SECONDS": "0"}, True),
-        ({"BACKPLAN_PROGRESS_SECONDS": "1000"}, False),
-        ({"BACKPLAN_PROGRESS_SECONDS": "0", "BACKPLAN_QUIET": "1"}, False),
+        ({"BACKPLAN_PROGRESS_SECONDS": "0", "BACKPLAN_VERBOSE": "1"}, True),
+        ({"BACKPLAN_PROGRESS_SECONDS": "1000", "BACKPLAN_VERBOSE": "1"}, False),
+        ({"BACKPLAN_PROGRESS_SECONDS": "0", "BACKPLAN_VERBOSE": "1", "BACKPLAN_QUIET": "1"}, False),
+        ({"BACKPLAN_PROGRESS_SECONDS": "0"}, False),  # details only under BACKPLAN_VERBOSE
     ],
 )
 def test_progress_lines_appear_only_when_the_compile_is_predicted_slow(
@@ -102,6 +103,7 @@ def test_progress_counts_kernels_compiled_in_either_form(driver, monkeypatch, tm
     its address form (codegen/render/kernel_source.py): either way the ready line counts it once."""
     monkeypatch.setenv("BACKPLAN_DRIVER", driver)
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    monkeypatch.setenv("BACKPLAN_VERBOSE", "1")
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
 
     def unusual(w, x):  # loop bodies no other test compiles, one set per driver mode

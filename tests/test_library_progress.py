@@ -1,6 +1,7 @@
-"""A heavy library kernel's first compile is never silent: a line when it starts (its name,
-the dtypes, the predicted seconds) and one when it ends; nothing when it is loaded or already
-compiled, nothing under BACKPLAN_QUIET=1."""
+"""A heavy library kernel's first compile is never silent under BACKPLAN_VERBOSE=1: a line when
+it starts (its name, the dtypes, the predicted seconds) and one when it ends; nothing when it is
+loaded or already compiled, nothing under BACKPLAN_QUIET=1; by default it is at most the
+process's one line about compiling (tests/test_quiet_by_default.py)."""
 
 import numba
 import numpy as np
@@ -21,6 +22,7 @@ def _fresh_library_function():
 @pytest.mark.parametrize("quiet", [False, True])
 def test_heavy_library_compile_says_when_it_starts_and_ends(quiet, monkeypatch, capfd):
     monkeypatch.setenv("BACKPLAN_QUIET", "1" if quiet else "0")
+    monkeypatch.setenv("BACKPLAN_VERBOSE", "1")
     scaled_sum = _fresh_library_function()
     capfd.readouterr()
     assert scaled_sum(np.arange(4, dtype=np.float32), 2.0) == pytest.approx(12.0)
@@ -37,6 +39,7 @@ def test_heavy_library_compile_says_when_it_starts_and_ends(quiet, monkeypatch, 
 
 def test_unregistered_compiles_say_nothing(monkeypatch, capfd):
     monkeypatch.setenv("BACKPLAN_QUIET", "0")
+    monkeypatch.setenv("BACKPLAN_VERBOSE", "1")
 
     @numba.njit
     def plain(x):
@@ -60,3 +63,15 @@ def test_library_conv_and_attention_register_their_heavy_kernels():
     ):
         assert _MEASURED[id(kernel)][0] is kernel
         assert _MEASURED[id(kernel)][1] >= 2.0
+
+
+def test_by_default_a_quick_library_compile_says_nothing(monkeypatch, capfd):
+    """Not verbose: the compile counts toward the process's one line, printed only once a
+    compile has run past BACKPLAN_PROGRESS_SECONDS."""
+    monkeypatch.delenv("BACKPLAN_VERBOSE", raising=False)
+    monkeypatch.delenv("BACKPLAN_QUIET", raising=False)
+    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "1000")
+    scaled_sum = _fresh_library_function()
+    capfd.readouterr()
+    assert scaled_sum(np.arange(4, dtype=np.float32), 2.0) == pytest.approx(12.0)
+    assert "backplan:" not in capfd.readouterr().err

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 import warnings
 
 from backplan.codegen.build import cache
@@ -57,7 +59,25 @@ def report(index: int, error: str | None, compiled: bool) -> None:
         pass
 
 
+def stop_with_parent() -> None:
+    """No build outlives the program unless asked (BACKPLAN_DRIVER_AT_EXIT=finish): a parent
+    that ends without running its exit handler (killed, crashed) leaves this child to another
+    parent, which it notices within half a second."""
+    if os.environ.get("BACKPLAN_DRIVER_AT_EXIT", "kill") == "finish":
+        return
+    parent = int(os.environ.get("BACKPLAN_BUILD_PARENT", os.getppid()))  # the parent may be
+    # gone before this child got here (importing Numba takes a second)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="backplan-parent-watch", daemon=True).start()
+
+
 def main() -> None:
+    stop_with_parent()
     # The parent keeps running steps meanwhile (its BLAS threads spin-wait on every core and
     # starve when a compiler takes one): the build gets what the steps leave.
     os.nice(10)

@@ -5,9 +5,11 @@ One builder thread per process runs one child at a time, so a burst of plans doe
 compiler per plan; the child takes every build queued when it starts (one Numba import for all)
 and reports each driver as it is cached, so the first plan switches without waiting for the rest.
 The child reads its work from a file and writes its errors to one, and runs in a session of its
-own: it never holds the program's stdout or stderr, and it can outlive the program. When the
-program ends, a running child finishes and caches its drivers for the next run, and queued
-builds go to one last child (BACKPLAN_DRIVER_AT_EXIT=kill stops the child and drops the queue).
+own: it never holds the program's stdout or stderr. When the program ends, the child is stopped
+and queued builds are dropped: no process outlives the program (the child also stops by itself
+when its parent is gone, killed or crashed). Under BACKPLAN_DRIVER_AT_EXIT=finish a running
+child finishes and caches its drivers for the next run, queued builds go to one last child, and
+a line at exit gives its process id.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class DriverBuild:
             "BACKPLAN_CACHE_DIR": payload["folder"],
             "BACKPLAN_DRIVER": "inline",
             "BACKPLAN_QUIET": "1",
+            "BACKPLAN_BUILD_PARENT": str(os.getpid()),  # the child stops when it is gone
         }
         self.started = None
         self.seconds = None
@@ -213,14 +216,15 @@ def wait_for_builds(timeout: float | None = None) -> bool:
 
 @atexit.register
 def _at_exit() -> None:
-    """A running child finishes and caches its drivers for the next run, and builds still
-    queued (a short script ends right after its first call) go to one last child; under
-    BACKPLAN_DRIVER_AT_EXIT=kill the child is stopped and queued builds never start. Each
-    outcome a user would not guess is a line on stderr (BACKPLAN_QUIET=1 turns them off)."""
+    """The running child is stopped and queued builds never start; under
+    BACKPLAN_DRIVER_AT_EXIT=finish a running child finishes and caches its drivers for the next
+    run, and builds still queued (a short script ends right after its first call) go to one
+    last child, each left running a line on stderr (BACKPLAN_QUIET=1 turns them off). A build
+    stopped says so only where its start did (BACKPLAN_VERBOSE=1)."""
     try:
         kill = driver_tier.at_exit_mode() == "kill"
     except ValueError:
-        kill = False  # refused when the plan was made; the default here
+        kill = True  # refused when the plan was made; the default here
     with _wake:
         _exiting[0] = True
         if _queue and not kill:

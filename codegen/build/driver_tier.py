@@ -15,8 +15,9 @@ A function's own `background=` (bp.compile, bp.value_and_grad) overrides it for 
 True is `reference`, False is `inline`. The builds themselves run in codegen/build/driver_builder.py.
 
 BACKPLAN_DRIVER_AT_EXIT says what happens to a build still running when the program ends:
-`finish` (default: it goes on in its detached process and caches the driver, so the next run of
-a short script starts compiled) or `kill`.
+`kill` (default: no process outlives the program; the build stops with it, even when the
+program is killed) or `finish` (asked for: it goes on in its detached process and caches the
+driver, so the next run of a short script starts compiled, and a line at exit says so).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import types
 import numpy as np
 
 MODES = ("background", "inline", "reference", "python")
-AT_EXIT_MODES = ("finish", "kill")
+AT_EXIT_MODES = ("kill", "finish")
 TIERS = ("reference", "python", "compiled")  # what runs a plan's calls, slowest first
 
 
@@ -47,11 +48,11 @@ def driver_mode(background: bool | None = None) -> str:
 
 
 def at_exit_mode() -> str:
-    mode = os.environ.get("BACKPLAN_DRIVER_AT_EXIT", "finish")
+    mode = os.environ.get("BACKPLAN_DRIVER_AT_EXIT", "kill")
     if mode not in AT_EXIT_MODES:
         raise ValueError(
             f"BACKPLAN_DRIVER_AT_EXIT={mode!r}; use one of {', '.join(AT_EXIT_MODES)} (what a "
-            "driver build still running when the program ends does: finish and cache it, or stop)"
+            "driver build still running when the program ends does: stop, or finish and cache it)"
         )
     return mode
 

@@ -1,8 +1,9 @@
 """Never silent, for the library: the first use of a heavy library kernel (convolution,
 attention) compiles it once per installation and version, for seconds, inside the user's first
 call and before any plan's own progress line could say so (a CNN's first call waited 20 s with
-no line). Each such kernel says when it starts compiling, for which argument types, and how
-long it took. BACKPLAN_QUIET=1 turns the lines off like every other progress line.
+no line). Such a compile counts toward the process's one line about compiling
+(codegen/build/compile_notice.py); under BACKPLAN_VERBOSE=1 each says when it starts compiling,
+for which argument types, and how long it took.
 
 >>> announce_compiles({conv2d_gemm: 3.0})  # in the library module, after the definition
 """
@@ -14,7 +15,7 @@ import time
 
 from numba.core import event
 
-from backplan.codegen.build import progress
+from backplan.codegen.build import compile_notice, progress
 
 # id(dispatcher) -> (the dispatcher, kept alive so that its id is never another's; its
 # measured cold compile in seconds)
@@ -34,10 +35,14 @@ class _Listener(event.Listener):
 
     def __init__(self):
         self.started: dict[int, float] = {}
+        self.notices: dict[int, object] = {}
 
     def on_start(self, ev):
         key = id(ev.data.get("dispatcher"))
         if key not in _MEASURED or progress.quiet():
+            return
+        if not progress.verbose():
+            self.notices[key] = compile_notice.begin(f"the library's {_name(key)}")
             return
         self.started[key] = time.perf_counter()
         progress.say(
@@ -47,6 +52,7 @@ class _Listener(event.Listener):
 
     def on_end(self, ev):
         key = id(ev.data.get("dispatcher"))
+        compile_notice.end(self.notices.pop(key, None))
         start = self.started.pop(key, None)
         if start is not None:
             progress.say(f"compiled {_name(key)} in {time.perf_counter() - start:.1f} s")

@@ -1,14 +1,15 @@
-"""Never silent: a first call that will compile for more than a couple of seconds says so on
-stderr, one line when it starts (kernels to compile, already cached, predicted seconds), one per
-kernel compiled at most every half second, one when it is done.
+"""Never silent, never chatty: a first call that compiles for more than a couple of seconds is
+the process's one line about compiling (codegen/build/compile_notice.py), printed once the
+compile has run that long. Under BACKPLAN_VERBOSE=1 a first call predicted to compile that long
+says each stage instead: one line when it starts (kernels to compile, already cached, predicted
+seconds), one per kernel compiled at most every half second, one when it is done, and the
+driver's background build.
 
-BACKPLAN_QUIET=1 turns the lines off; BACKPLAN_PROGRESS_SECONDS sets the predicted compile time
-above which they appear (default 2).
+BACKPLAN_QUIET=1 turns every line off; BACKPLAN_PROGRESS_SECONDS sets the threshold (default 2).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from numba.core import event
 
-from backplan.codegen.build import kernel_cache
+from backplan.codegen.build import compile_notice, kernel_cache
 from backplan.codegen.render.kernel_source import KernelSource
 
 # Measured on a 2-core Zen 3 box (python -m backplan bench compile; each plan's background
@@ -87,15 +88,9 @@ def _first_call_seconds(kernels: list[KernelSource]) -> float:
     return sum(ADDRESS_LOOP_SECONDS if k.takes_addresses else _kernel_seconds([k]) for k in kernels)
 
 
-def threshold_seconds() -> float:
-    try:
-        return float(os.environ.get("BACKPLAN_PROGRESS_SECONDS", "2"))
-    except ValueError:
-        return 2.0
-
-
-def quiet() -> bool:
-    return os.environ.get("BACKPLAN_QUIET", "") not in ("", "0")
+threshold_seconds = compile_notice.threshold_seconds
+quiet = compile_notice.quiet
+verbose = compile_notice.verbose
 
 
 @contextmanager
@@ -110,8 +105,12 @@ def reporting(
     driver_parts: the dispatchers of the driver's parts (codegen/render/driver_split.py), each
     compile of which is a line too."""
     guess = estimate(kernels, driver_cached, driver_statements)
-    if quiet() or guess.seconds <= threshold_seconds():
-        yield
+    if not verbose() or guess.seconds <= threshold_seconds():
+        if guess.to_compile or not driver_cached:
+            with compile_notice.compiling(label):
+                yield
+        else:
+            yield
         return
     listener = _Lines(label, guess, {k.digest for k in kernels}, driver_parts)
     with listener.installed():
@@ -171,8 +170,10 @@ class _Lines:
 def announce_driver_build(label: str, statements: int, kernels: list[KernelSource]) -> bool:
     """Says, when the driver's compile will be slow, that calls run it as Python meanwhile;
     whether it said so (then its end is a line too)."""
+    if not verbose():
+        return False
     seconds = driver_seconds(statements, fresh_twins(kernels))
-    if quiet() or seconds <= threshold_seconds():
+    if seconds <= threshold_seconds():
         return False
     _say(
         f"{label}: calls run the driver as Python (same kernels) while the compiled driver "
@@ -186,8 +187,10 @@ def announce_background_compile(
 ) -> bool:
     """BACKPLAN_DRIVER=reference: says, when the compile will be slow, that calls run on the
     reference interpreter until kernels and driver are built."""
+    if not verbose():
+        return False
     guess = estimate(kernels, False, driver_statements)
-    if quiet() or guess.seconds <= threshold_seconds():
+    if guess.seconds <= threshold_seconds():
         return False
     _say(
         f"{label}: calls run on the reference interpreter while {guess.to_compile} of "

@@ -378,7 +378,7 @@ class CompiledPlan:
             self.driver_tier = "compiled"
             self.driver_seconds = build.seconds
             self.driver_found_cached = not build.compiled
-            if announced or (self._asked_background and not progress.quiet()):
+            if announced or (self._asked_background and progress.verbose()):
                 progress.say(switch_line(label, was, build.seconds))
             self._driver_ready.set()
 

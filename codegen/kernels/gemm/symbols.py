@@ -23,7 +23,7 @@ from numba.core.compiler_lock import global_compiler_lock
 from numba.core.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
-from backplan.codegen.build import cache_signing, progress
+from backplan.codegen.build import cache_signing, compile_notice, progress
 from backplan.codegen.jit import load_cached, njit
 from backplan.codegen.kernels.gemm import scratch
 from backplan.codegen.kernels.gemm.driver import (
@@ -156,12 +156,13 @@ def _load_or_compile(dispatcher, dtype: str):
     installation and code change, ~10 s) is announced on stderr first."""
     with global_compiler_lock:
         if _ARGUMENTS not in dispatcher.overloads and not load_cached(dispatcher, _ARGUMENTS):
-            if not progress.quiet():
+            if progress.verbose():
                 progress.say(
                     f"compiling the {dtype} GEMM (once per installation and version, "
                     f"about {COMPILE_SECONDS} s)"
                 )
-            dispatcher.compile(_ARGUMENTS)
+            with compile_notice.compiling(f"the library's {dtype} GEMM"):
+                dispatcher.compile(_ARGUMENTS)
         return dispatcher.overloads[_ARGUMENTS]
 
 

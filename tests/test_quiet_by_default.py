@@ -1,0 +1,54 @@
+"""Quiet by default (codegen/build/compile_notice.py): a program whose first calls compile says
+so in at most one stderr line, naming what compiles and how long so far; BACKPLAN_VERBOSE=1 gives
+each stage, BACKPLAN_QUIET=1 nothing. Run in fresh processes with an empty cache folder, and the
+threshold at 0 s so that even a fast machine's compile is long enough to be announced."""
+
+import os
+import subprocess
+import sys
+
+SCRIPT = """
+import numpy as np
+import backplan as bp
+
+def loss(w, x):
+    return bp.mean(bp.tanh(x @ w) ** 2)
+
+@bp.compile
+def predict(w, x):
+    return bp.relu(x @ w) * 2.0
+
+w = bp.tensor(np.ones((5, 3), np.float32))
+x = bp.tensor(np.ones((7, 5), np.float32))
+step = bp.value_and_grad(bp.compile(loss))
+for _ in range(3):
+    step(w, x)
+    predict(w, x)
+print("done")
+"""
+
+
+def stderr_lines(tmp_path, **settings) -> list[str]:
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path / "kernels"), **settings}
+    for name in ("BACKPLAN_DRIVER", "BACKPLAN_BACKEND", "BACKPLAN_QUIET", "BACKPLAN_VERBOSE"):
+        env.pop(name, None)  # the defaults a user gets (the suite's conftest sets some)
+    env.update(settings)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    return done.stderr.splitlines()
+
+
+def test_a_default_run_prints_one_line_naming_the_compile(tmp_path):
+    lines = stderr_lines(tmp_path, BACKPLAN_PROGRESS_SECONDS="0")
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("backplan: compiling @loss") and "s so far" in lines[0], lines
+
+
+def test_verbose_says_each_stage_and_quiet_says_nothing(tmp_path):
+    verbose = stderr_lines(tmp_path / "a", BACKPLAN_PROGRESS_SECONDS="0", BACKPLAN_VERBOSE="1")
+    assert len(verbose) > 2 and all(line.startswith("backplan: ") for line in verbose), verbose
+    assert any("loop kernels" in line for line in verbose), verbose
+    quiet = stderr_lines(tmp_path / "b", BACKPLAN_PROGRESS_SECONDS="0", BACKPLAN_QUIET="1")
+    assert quiet == []
