@@ -5,7 +5,9 @@ optimizer state; each new value that has the same type as a donated input takes 
 a training step allocates no new parameter memory. Outputs are matched to donated inputs in
 order (first unmatched input of the same dtype and shape, as JAX does), and only where it is
 safe: the input is read for the last time before the output is written, or by the very loop
-that writes it, element for element (every loop body reads all its operands before it stores).
+that writes it, element for element (every loop body reads all its operands before it stores),
+that loop being a kernel of its own or the epilogue of a GEMM that does not read the input (an
+optimizer update fused after the gradient's matmul writes new weights and moments in place).
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ def _safe(source: Value, out: Value, kernels, steps, home, last) -> bool:
     read = last.get(source, -1)
     if read != written:
         return read < written
-    kernel = kernels[k]
-    if kernel.kind != "loop" or kernel.reductions or steps.count(written) != 1:
+    if steps.count(written) != 1:
+        return False
+    kernel = _writing_loop(kernels[k], source, out)
+    if kernel is None or kernel.kind != "loop" or kernel.reductions:
         return False
     shape = internal_shape(kernel.shape)
     identity = [d if size != 1 else None for d, size in enumerate(shape)]  # as index_map says
@@ -73,3 +77,17 @@ def _safe(source: Value, out: Value, kernels, steps, home, last) -> bool:
             if base is not source or dims != identity:
                 return False
     return True
+
+
+def _writing_loop(kernel, source: Value, out: Value):
+    """The loop that writes out: the kernel itself, or the epilogue of a matmul kernel (an
+    optimizer update fused after the gradient's GEMM) when the GEMM does not read the donated
+    input: the epilogue then reads and writes it row by row after the GEMM finished that block,
+    as a loop does. None when the GEMM reads it, or writes out itself."""
+    if kernel.epilogue is None:
+        return kernel
+    if out not in kernel.epilogue.all_nodes:
+        return None
+    if any(storage_root(v) is source for node in kernel.nodes for v in node.inputs):
+        return None
+    return kernel.epilogue
