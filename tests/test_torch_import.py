@@ -210,3 +210,18 @@ def test_imported_function_called_from_two_threads():
             rtol=RTOL,
             atol=ATOL,
         )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_modules_import_in_their_dtype(dtype):
+    torch_dtype = getattr(torch, dtype)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    module = module.to(torch_dtype)
+    x = torch.randn(3, 8).to(torch_dtype)
+    fn, params = bp.from_torch(module, (x,))
+    assert params["0.weight"].dtype == np.dtype(dtype)
+    out = fn(params, x.float().numpy().astype(np.dtype(dtype)))
+    assert out.dtype == np.dtype(dtype)
+    ref = module(x).float().detach().numpy()
+    ulp = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]  # per op rounding may differ
+    np.testing.assert_allclose(out.numpy().astype(np.float32), ref, atol=4 * ulp * abs(ref).max())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from backplan.ir.types import DTYPES
+
 from .errors import TorchImportError
 
 _NAMES = {
@@ -13,6 +15,8 @@ _NAMES = {
     "torch.int32": np.int32,
     "torch.uint8": np.uint8,
     "torch.bool": np.bool_,
+    "torch.float16": np.float16,
+    **({"torch.bfloat16": DTYPES["bf16"]} if "bf16" in DTYPES else {}),
 }
 
 

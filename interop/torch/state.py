@@ -23,9 +23,13 @@ def parameters(module: torch.nn.Module) -> dict[str, Tensor]:
     out = {}
     for name, value in module.state_dict(keep_vars=True).items():
         value = value.detach()
-        to_dtype(value.dtype)  # refuse float16 and friends by name
-        shared = name in parameter_names and value.is_contiguous()
-        tensor = from_dlpack(value) if shared else Tensor(value.numpy())
+        dtype = to_dtype(value.dtype)  # refuses dtypes backplan lacks, by name
+        if value.dtype == torch.bfloat16:  # NumPy reads no bfloat16 through DLPack: its bits
+            tensor = Tensor(value.contiguous().view(torch.int16).numpy().view(dtype))
+        elif name in parameter_names and value.is_contiguous():
+            tensor = from_dlpack(value)
+        else:
+            tensor = Tensor(value.numpy())
         out[name] = tensor
     return out
 
