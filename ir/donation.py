@@ -12,6 +12,8 @@ optimizer update fused after the gradient's matmul writes new weights and moment
 
 from __future__ import annotations
 
+import threading
+
 from .fusion import index_map, internal_shape
 from .graph import Value
 from .layout import lifetimes, storage_root
@@ -19,9 +21,22 @@ from .lowering import LoweredPlan
 
 
 def donation_pairs(lowered: LoweredPlan, donated) -> dict[int, int]:
-    """{index in layout.outputs (the buffers the caller allocates): donated input index}."""
+    """{index in layout.outputs (the buffers the caller allocates): donated input index}.
+    Decided once per lowered plan and donated set (`lowered.donations`): the compiled plan,
+    explain and the memory accounting read the same pairs."""
     if not donated:
         return {}
+    key = tuple(donated)
+    with _deciding:
+        if key not in lowered.donations:
+            lowered.donations[key] = _pairs(lowered, key)
+        return dict(lowered.donations[key])
+
+
+_deciding = threading.Lock()
+
+
+def _pairs(lowered: LoweredPlan, donated: tuple[int, ...]) -> dict[int, int]:
     graph, kernels, steps = lowered.plan.graph, lowered.kernels, lowered.steps
     outputs = list(lowered.layout.outputs)
     last = lifetimes(graph, kernels, steps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .epilogue import absorb_epilogues
 from .fusion import Kernel, alias_base, group_kernels, internal_shape, materialized
@@ -48,6 +48,8 @@ class LoweredPlan:
     materialized: set[Value]  # values that need a buffer
     buffers: list[Value]  # those that get storage (not constants), in kernel order
     layout: BufferLayout
+    rendered: object = None  # what codegen made of it (codegen/render/emit.generate), once
+    donations: dict = field(default_factory=dict)  # donated inputs -> ir/donation.py's pairs
 
     @property
     def kernel_count(self) -> int:

@@ -9,9 +9,12 @@ saved values are chosen; `build_joint_plan` for value_and_grad, which expands th
 cleanup (forward and derivative share one tanh) and needs no saved buffers:
 its rematerialisation (`rematerialize_joint`) copies cheap chains into its gradient part
 instead of holding their values across, after the last cleanup.
-Each step is a named pure function. The result is data: `RegionPlans.lowered(...)` and
+Each step is a named pure function that returns a new graph (the graph it is given is never
+changed), recorded under its name. The result is data: `RegionPlans.lowered(...)` and
 `lower(plan)` give the lowered plan that codegen renders and explain, export and the runtime
-read, computed once per plan and backward mode. BACKPLAN_DEBUG_IR=1 prints the IR after every
+read, computed once per plan and backward mode; what follows from it is kept with it, once:
+its rendering (`lowered.rendered`, kernel hashes and compile estimates included) and its
+donation pairs (`lowered.donations`). BACKPLAN_DEBUG_IR=1 prints the IR after every
 pass; BACKPLAN_VERIFY=1 (set by the test suite) runs the verifier after every pass.
 """
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from .attention_fusion import fuse_attention
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .errors import BackplanError
-from .graph import Graph, Value, copy_graph
+from .graph import Graph, Value
 from .layout import storage_root
 from .liveness import Plan, plan_liveness
 from .lowering import BackwardMode, LoweredPlan, lower
@@ -208,10 +211,8 @@ class RegionChoices:
             )
         bwd, saved, recomputed = self.backward, self.saved, list(self.recomputed)
         if drop:
-            bwd, mapping = copy_graph(bwd)
-            saved = [replace(s, backward_input=mapping[s.backward_input]) for s in saved]
             chosen = {self.schedule.values[i] for i in drop}
-            saved, more = recompute_chosen(graph, bwd, saved, chosen)
+            bwd, saved, more = recompute_chosen(graph, bwd, saved, chosen)
             recomputed += more
             bwd = cleanup(log.record("recompute_for_budget", bwd), log)
         return _finish_region(graph, bwd, saved, recomputed, self.wrt, log, expand)
@@ -233,11 +234,10 @@ def region_choices(
         return RegionChoices(graph, wrt, log, expand)
     bwd, saved = backward_graph(graph, wrt)
     bwd = cleanup(log.record("autodiff", bwd), log)
-    used = {i for node in bwd.nodes for i in node.inputs} | set(bwd.outputs)
-    saved = [s for s in saved if s.backward_input in used]
+    saved = read_saved(bwd, saved)
     recomputed = []
     if remat:
-        saved, recomputed = rematerialize(graph, bwd, saved, saved_bytes_budget)
+        bwd, saved, recomputed = rematerialize(graph, bwd, saved, saved_bytes_budget)
         bwd = cleanup(log.record("rematerialize", bwd), log)
     return RegionChoices(graph, wrt, log, expand, bwd, saved, recomputed)
 
@@ -248,7 +248,7 @@ def _finish_region(graph, bwd, saved, recomputed, wrt, log, expand) -> RegionPla
     if expand:
         bwd = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(bwd)), log)
         bwd = cleanup(log.record("expand_layer_norm", expand_layer_norm(bwd)), log)
-    bwd.inputs = [v for v in bwd.inputs if v.role != "saved"] + [s.backward_input for s in saved]
+    bwd = log.record("saved_inputs_last", saved_inputs_last(bwd, saved))
     inputs = {v: i for i, v in enumerate(graph.inputs)}
     extra = [s.forward for s in saved if s.forward not in inputs and s.forward not in graph.outputs]
     fwd = _with_outputs(graph, graph.outputs + extra)
@@ -263,6 +263,21 @@ def _finish_region(graph, bwd, saved, recomputed, wrt, log, expand) -> RegionPla
             at = (graph.outputs + extra).index(s.forward)  # the same place after expanding
             slots.append(SavedSlot(("output", at), fwd.outputs[at], s.reason))
     return RegionPlans(_plan(fwd, log), _plan(bwd, log), slots, n_outputs, wrt, log, recomputed)
+
+
+def read_saved(backward: Graph, saved: list) -> list:
+    """The saved values backward still reads after cleanup (others were simplified away)."""
+    used = {i for node in backward.nodes for i in node.inputs} | set(backward.outputs)
+    return [s for s in saved if s.backward_input in used]
+
+
+def saved_inputs_last(backward: Graph, saved: list) -> Graph:
+    """backward with its inputs ordered as the runtime passes them: cotangents, then one
+    input per saved value, in the order of `saved`."""
+    inputs = [v for v in backward.inputs if v.role != "saved"] + [s.backward_input for s in saved]
+    graph = _with_outputs(backward, list(backward.outputs))
+    graph.inputs = inputs
+    return graph
 
 
 def _expanded(forward: Graph, log: PassLog, expand: bool, made: dict | None = None) -> Graph:
@@ -310,9 +325,8 @@ class JointChoices:
             if self._default is None:
                 self._default = _plan(self.graph, self.log)
             return self._default
-        graph, mapping = copy_graph(self.graph)
-        chosen = {mapping[self.schedule.values[i]] for i in drop}
-        graph = recompute_joint_chosen(graph, self.n_outputs, chosen)
+        chosen = {self.schedule.values[i] for i in drop}
+        graph = recompute_joint_chosen(self.graph, self.n_outputs, chosen)
         return _plan(self.log.record("recompute_for_budget", graph), self.log)
 
 

@@ -8,10 +8,10 @@ so recomputing gives the same bits the forward computed: a dropout mask is rebui
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .autodiff import SavedValue
-from .graph import Graph, Value
+from .graph import Graph, Value, copy_graph
 from .registry import get_op
 
 MAX_CHAIN = 16
@@ -62,10 +62,10 @@ def any_op(node: Value) -> bool:
 
 def rematerialize(
     forward: Graph, backward: Graph, saved: list[SavedValue], budget: int | None = None
-) -> tuple[list[SavedValue], list[Recomputed]]:
-    """Rewrites backward in place to recompute what pays; returns (still saved, recomputed).
-    budget: stop once the saved bytes (region inputs excluded) fit in it; None means recompute
-    everything that qualifies."""
+) -> tuple[Graph, list[SavedValue], list[Recomputed]]:
+    """Recompute in backward what pays: (a new backward, still saved, recomputed); the graphs
+    given are not changed. budget: stop once the saved bytes (region inputs excluded) fit in
+    it; None means recompute everything that qualifies."""
     region_inputs = set(forward.inputs)
     kept = {s.forward: s for s in saved}
     recomputed = []
@@ -89,10 +89,10 @@ def rematerialize(
 
 def recompute_chosen(
     forward: Graph, backward: Graph, saved: list[SavedValue], chosen: set[Value]
-) -> tuple[list[SavedValue], list[Recomputed]]:
+) -> tuple[Graph, list[SavedValue], list[Recomputed]]:
     """The memory planner's rewrite of a region (ir/budget.py): every saved value in chosen
-    is recomputed in backward from the values still saved, by any chain of ops. Rewrites
-    backward in place; returns (still saved, recomputed)."""
+    is recomputed in backward from the values still saved, by any chain of ops. Returns (a
+    new backward, still saved, recomputed)."""
     region_inputs = set(forward.inputs)
     kept = {s.forward: s for s in saved if s.forward not in chosen}
     available = set(kept) | region_inputs
@@ -105,9 +105,13 @@ def recompute_chosen(
 
 
 def _apply(forward: Graph, backward: Graph, saved, kept: dict, recomputed: list):
-    """Hold the region inputs the chains read (by reference, at no cost) and rewrite backward."""
+    """Hold the region inputs the chains read (by reference, at no cost) and rewrite a copy
+    of backward."""
     region_inputs = set(forward.inputs)
     if recomputed:
+        backward, mapping = copy_graph(backward)
+        saved = [replace(s, backward_input=mapping[s.backward_input]) for s in saved]
+        kept = {s.forward: s for s in saved if s.forward in kept}
         for r in recomputed:
             for leaf in _leaves(list(r.chain)):
                 if leaf in region_inputs and leaf not in kept:
@@ -117,7 +121,7 @@ def _apply(forward: Graph, backward: Graph, saved, kept: dict, recomputed: list)
                         f"recomputing a {r.forward.op} output reads it",
                     )
         _rewrite(backward, {s.forward: s for s in saved}, kept, recomputed)
-    return list(kept.values()), recomputed
+    return backward, list(kept.values()), recomputed
 
 
 def _leaves(chain: list[Value]) -> list[Value]:
@@ -193,7 +197,7 @@ def rematerialize_joint(graph: Graph, n_outputs: int) -> Graph:
     bytes. Their leaves are values held anyway, inputs, or costly forward values (a matmul's or
     a tanh's result), which are then held instead: tanh-form gelu, expanded for the joint plan,
     held five tensors of its width (x*x, 0.5*x, tanh, 1+tanh, the output), now two (x, tanh).
-    Rewrites graph in place (its gradient part reads the copies) and returns it."""
+    Returns a new graph whose gradient part reads the copies (or graph itself, unchanged)."""
     forward = forward_nodes(graph, n_outputs)
     held = held_across(graph, forward)
     inputs = set(graph.inputs)
@@ -214,18 +218,24 @@ def rematerialize_joint(graph: Graph, n_outputs: int) -> Graph:
     after = sum(v.type.nbytes for v in kept | new_held if v not in inputs)
     if after >= before:
         return graph
-    _recompute_in_gradients(graph, forward, chains)
-    return graph
+    return _recomputed_in_gradients(graph, n_outputs, chains)
 
 
 def recompute_joint_chosen(graph: Graph, n_outputs: int, chosen: set[Value]) -> Graph:
     """The memory planner's rewrite of a joint plan: every held value in chosen is recomputed
-    in the gradient part from the values still held, by any chain of ops. In place."""
+    in the gradient part from the values still held, by any chain of ops. A new graph."""
     forward = forward_nodes(graph, n_outputs)
     held = held_across(graph, forward)
     available = (set(held) - chosen) | set(graph.inputs) | _constants(graph)
     chains = {v: _chain(v, available, any_op, None) for v in held if v in chosen}
-    _recompute_in_gradients(graph, forward, chains)
+    return _recomputed_in_gradients(graph, n_outputs, chains)
+
+
+def _recomputed_in_gradients(graph: Graph, n_outputs: int, chains: dict) -> Graph:
+    """A copy of graph whose gradient part recomputes each chain (mapped onto the copy)."""
+    graph, mapping = copy_graph(graph)
+    chains = {mapping[v]: [mapping[n] for n in chain] for v, chain in chains.items()}
+    _recompute_in_gradients(graph, forward_nodes(graph, n_outputs), chains)
     return graph
 
 

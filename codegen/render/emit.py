@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from dataclasses import dataclass
 
 from backplan.codegen.build import cache
@@ -82,6 +83,18 @@ def ir_comment(node: Value, names: dict) -> str:
 
 
 def generate(lowered: LoweredPlan) -> GeneratedModule:
+    """The lowered plan rendered as one module, once: kept with the plan (`lowered.rendered`),
+    so explain's kernel hashes and compile estimates and the compiled plan read one rendering."""
+    with _rendering:
+        if lowered.rendered is None:
+            lowered.rendered = _generate(lowered)
+        return lowered.rendered
+
+
+_rendering = threading.Lock()
+
+
+def _generate(lowered: LoweredPlan) -> GeneratedModule:
     """Render a lowered plan as one module; every decision was made by the lowering."""
     reason = unsupported_reason(lowered)
     if reason is not None:
