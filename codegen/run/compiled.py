@@ -29,11 +29,13 @@ from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare
 from backplan.codegen.run.workspace import WorkspacePool, parallel_guard
 from backplan.ir.donation import donation_pairs
 from backplan.ir.errors import ExecutionError
+from backplan.ir.flops import node_flops
 from backplan.ir.index_check import format_position
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import LoweredPlan
 from backplan.ir.plan_buffers import compiled_buffers
+from backplan.ir.registry import REGISTRY as OPS
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import np_dtype
 
@@ -84,6 +86,11 @@ def switch_line(label: str, was: str, seconds: float) -> str:
     return f"{label}: compiled driver ready after {seconds:.1f} s"
 
 
+def plan_flops(plan: Plan) -> int:
+    """The step's estimated arithmetic (ir/flops.py), what its kernels cost at the least."""
+    return sum(node_flops(node) for node in plan.graph.nodes if node.op in OPS)
+
+
 def contiguous(array: np.ndarray) -> np.ndarray:
     """The array in C order; a copy stays read-only like the caller's array (a NumPy argument's
     read-only view, a tensor's buffer): a writeable copy would be another argument type, and
@@ -127,6 +134,7 @@ class CompiledPlan:
         self._driver_ready = threading.Event()
         self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
         self.driver_found_cached = False  # its build found it compiled by another process
+        self.driver_skipped = None  # why no driver is built: its Python costs a step little
         self._background = False
         self._asked_background = background is True  # its switch is a line, however quick
         mode = driver_tier.driver_mode(background)
@@ -146,7 +154,11 @@ class CompiledPlan:
             elif mode == "python" or not compiled:
                 self._run = driver_tier.python_driver(module)
                 self.driver_tier = "python"
-                self._background = mode == "background"
+                self._background = mode == "background" and driver_tier.worth_compiling(
+                    generated.driver_statements, plan_flops(plan)
+                )
+                if mode == "background" and not self._background:
+                    self.driver_skipped = "a compiled driver would save under 5% of a step"
         if not self._background:
             self._driver_ready.set()  # no build is coming
         self._driver_statements = generated.driver_statements
