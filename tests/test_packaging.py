@@ -142,3 +142,27 @@ def test_names_the_face_imports_lazily_resolve():
         assert bp.from_torch.__name__ == "from_torch"
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         bp.no_such_name  # noqa: B018
+
+
+def test_no_source_file_is_ignored_by_git():
+    """A new module that .gitignore hides stays in its author's folder and never reaches main
+    (`build/` once ignored codegen/build/, and main imported a module it did not have)."""
+    import shutil
+
+    if shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("needs git and a checkout")
+    folders = _pyproject()["tool"]["setuptools"]["package-dir"].values()
+    sources = sorted(
+        str(path.relative_to(ROOT))
+        for folder in set(folders)
+        for path in Path(ROOT, folder).rglob("*.py")
+        if "__pycache__" not in path.parts
+    )
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        input="\n".join(sources),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert not ignored, f".gitignore hides source files: {ignored}"
