@@ -104,6 +104,8 @@ def _names(treedef, paths: list[str]) -> list[str]:
 
 
 def _write(path: str, header: dict, arrays: list[np.ndarray]) -> str:
+    """Header and bytes into a temporary file beside path, then renamed over it: a reader
+    never sees half a file, and a failed write leaves the old one."""
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned
     folder = os.path.dirname(os.path.abspath(path))
@@ -141,6 +143,8 @@ def load_safetensors(path, upcast: bool = False):
 
 
 def _read_header(file, path: str) -> tuple[dict, int]:
+    """The JSON header and where the data starts; the length field is checked against the
+    limit and the file's size before anything that long is read."""
     size = os.fstat(file.fileno()).st_size
     prefix = file.read(8)
     length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
@@ -188,6 +192,9 @@ def _entries(header: dict, data_bytes: int, path: str) -> list[tuple[str, dict]]
 
 
 def _entry(name, entry, path: str) -> dict:
+    """One tensor's entry, checked: a known dtype, a shape of non-negative ints, and a byte
+    range exactly as long as dtype and shape need."""
+
     def bad(why: str) -> TreeFileError:
         return TreeFileError(f"load_safetensors: {path}: tensor {str(name)[:200]!r} {why}")
 
@@ -243,6 +250,8 @@ def _read(file, data_start: int, entry: dict, path: str) -> Tensor:
 
 
 def _tree(tensors: dict, metadata, path: str):
+    """The saved pytree when the metadata holds one (its names must be the file's), else the
+    flat dict."""
     text = metadata.get(TREE_KEY) if isinstance(metadata, dict) else None
     if not isinstance(text, str):
         return tensors  # a flat file from PyTorch or Hugging Face: names as they are

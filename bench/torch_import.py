@@ -6,9 +6,10 @@ torch.compile at equal threads.
     BACKPLAN_DRIVER=inline python -m backplan.bench.torch_import --threads 1
 
 (inline: the first call builds the compiled driver, so the rounds time it, not the Python
-driver that runs while it builds) prints, per model, import + first-call time against torch.compile's first call, then the
-medians of interleaved rounds of forward + backward steps, and the largest difference of the
-losses and gradients from torch eager's, relative to the largest of them.
+driver that runs while it builds) prints, per model, import + first-call time against
+torch.compile's first call, then the medians of interleaved rounds of forward + backward
+steps, and the largest difference of the losses and gradients from torch eager's, relative
+to the largest of them.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def backplan_runner(module, batch):
     fn, params = bp.from_torch(module, batch)
     imported = time.perf_counter() - start
     arrays = [b.numpy() for b in batch]
+
     def imported_step(params, *xs):
         return fn(params, *xs)
 
@@ -133,6 +135,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Pin and limit the threads, then print one table row per model."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="pin and limit every pool")
     parser.add_argument("--small", action="store_true", help="the test sizes")

@@ -49,6 +49,8 @@ def _user_line(exc: Exception) -> str:
 
 
 def _refuse_layouts(module, args, kwargs) -> None:
+    """Sparse and complex tensors among the inputs and the state_dict, refused by name before
+    torch.export sees them (its own errors about them do not name the tensor)."""
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     named = [(f"argument {i}", v) for i, v in enumerate(leaves)]
     named += list(module.state_dict().items())

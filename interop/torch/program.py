@@ -41,6 +41,8 @@ class ImportedGraph:
     """The exported program's facts backplan needs per call, worked out once."""
 
     def __init__(self, program: ExportedProgram, module: torch.nn.Module, owner: str):
+        """Placeholders' sources, the state_dict's shapes, each node's handler and location,
+        the dropout count and the output kinds, read once from the exported program."""
         self.owner = owner
         self.in_spec = program.call_spec.in_spec
         self.out_spec = program.call_spec.out_spec
@@ -119,6 +121,8 @@ class ImportedGraph:
         return tensor
 
     def _keys(self, key):
+        """A function handing each active dropout its own key, split from `key` once per call;
+        asking without a key says how to pass one."""
         keys, used = [], [0]
         if self.dropouts and key is not None:
             keys = [key] if self.dropouts == 1 else list(bp_random.split(key, self.dropouts))
@@ -136,6 +140,8 @@ class ImportedGraph:
         return next_key
 
     def _compute(self, step: Step, env: dict, ctx: Context):
+        """One node: getitem picks an output (refusing ones backplan does not compute); any
+        other op runs its handler under the node's source location."""
         node = step.node
         args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
         if node.target is operator.getitem:
