@@ -1,12 +1,14 @@
 """`python -m backplan cache {info,clear}`: where the kernel cache is, what it holds, and a way
 to empty it. Only files backplan names (`bp_*` plans, `k_*` shared loop kernels, and Numba's
-files for them) are touched, so a cache folder pointed at a shared place loses nothing else."""
+files for them, and the library's signed machine code under `library/`) are touched, so a
+cache folder pointed at a shared place loses nothing else."""
 
 from __future__ import annotations
 
 import os
 
 from backplan.codegen.build.cache import cache_dir
+from backplan.codegen.build.library_cache import library_folder
 
 PREFIXES = ("bp_", "k_")  # plan modules, shared loop kernels
 
@@ -25,6 +27,19 @@ def cache_files(directory: str) -> list[str]:
                 for name in sorted(os.listdir(folder))
                 if name.startswith(PREFIXES) and os.path.isfile(os.path.join(folder, name))
             ]
+    return found + library_files()
+
+
+def library_files() -> list[str]:
+    """The library functions' machine code (codegen/build/library_cache.py): Numba's signed
+    index and data files, nothing else that may sit in that folder."""
+    found = []
+    for folder, _, names in os.walk(library_folder()):
+        found += [
+            os.path.join(folder, name)
+            for name in sorted(names)
+            if name.endswith(".bp.nbi") or (".bp." in name and name.endswith(".nbc"))
+        ]
     return found
 
 
@@ -45,7 +60,9 @@ def run(args) -> int:
         print(f"kernel cache: {directory}")
         origin = "BACKPLAN_CACHE_DIR" if os.environ.get("BACKPLAN_CACHE_DIR") else "default"
         print(f"  set by: {origin}")
+        library = len(library_files())
         print(f"  entries: {entries} compiled plans ({len(files)} files)")
+        print(f"  library: {library} files of compiled library functions in {library_folder()}")
         print(f"  size: {_size_text(nbytes)}")
         return 0
     for path in files:

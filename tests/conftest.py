@@ -9,3 +9,14 @@ os.environ.setdefault("BACKPLAN_BACKEND", "reference")
 # check compiled drivers, and count compiles, deterministically (tests/test_driver_tier.py covers
 # the background default).
 os.environ.setdefault("BACKPLAN_DRIVER", "inline")
+# Tests make many cache folders; the library's machine code (codegen/build/library_cache.py) is
+# compiled once for all of them, in a folder of this checkout (tests/test_library_cache.py
+# covers the default, the library inside each cache folder).
+os.environ.setdefault(
+    "BACKPLAN_LIBRARY_CACHE_DIR",
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        ".pytest_cache",
+        "backplan-library",
+    ),
+)

@@ -22,12 +22,13 @@ import stat
 import tempfile
 import warnings
 
-from numba.core.caching import FunctionCache, IndexDataCacheFile
+from numba.core.caching import CompileResultCacheImpl, FunctionCache, IndexDataCacheFile
 from numba.core.runtime import rtsys
 
 from backplan.ir.errors import BackplanError
 
 from backplan.codegen.build import fingerprint
+from backplan.codegen.build.library_cache import LibraryLocator
 
 MAGIC = b"backplan-signed-numba-cache-1\n"
 _LENGTH_BYTES = 8
@@ -216,9 +217,19 @@ def dependency_stamp(py_func) -> str:
     return fingerprint.codegen_fingerprint()
 
 
+class _CacheImpl(CompileResultCacheImpl):
+    """Numba's, with backplan's library functions cached in the kernel cache folder
+    (codegen/build/library_cache.py)."""
+
+    _locator_classes = [LibraryLocator, *CompileResultCacheImpl._locator_classes]
+
+
 class SignedFunctionCache(FunctionCache):
     """FunctionCache whose files are signed, and whose entries are stale when a codegen file
-    they may depend on changed; everything else is Numba's."""
+    they may depend on changed; library functions cache in the kernel cache folder;
+    everything else is Numba's."""
+
+    _impl_class = _CacheImpl
 
     def __init__(self, py_func):
         super().__init__(py_func)
