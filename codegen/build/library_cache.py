@@ -1,0 +1,61 @@
+"""Where the machine code of backplan's own library functions (GEMM, convolution, attention, row
+kernels, the scalar helpers) is cached: in the kernel cache folder, under `library/` and the
+function's path inside the package (`<cache>/library/codegen/kernels/conv/...`), signed like
+every other entry, counted by `python -m backplan cache info` and removed by `cache clear`.
+Numba's default put it in the installed package's own `__pycache__`, outside the cache folder:
+never counted, never cleared, and shared by every user of an installation.
+
+BACKPLAN_LIBRARY_CACHE_DIR names another folder for them (the test suite shares one between
+the many cache folders its tests make, so that each fresh folder does not compile the library
+again).
+"""
+
+from __future__ import annotations
+
+import os
+
+from numba.core.caching import _CacheLocator, _SourceFileBackedLocatorMixin
+
+from backplan.codegen.build import fingerprint
+
+PACKAGE_ROOT = os.path.dirname(fingerprint.CODEGEN_ROOT)
+FOLDER = "library"
+
+
+def library_folder() -> str:
+    """The folder the library's files go to (created by the first function that caches)."""
+    chosen = os.environ.get("BACKPLAN_LIBRARY_CACHE_DIR")
+    if chosen:
+        return chosen
+    from backplan.codegen.build.cache import cache_dir
+
+    return os.path.join(cache_dir(), FOLDER)
+
+
+def is_library_file(py_file: str) -> bool:
+    return os.path.abspath(py_file).startswith(os.path.join(PACKAGE_ROOT, ""))
+
+
+class LibraryLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
+    """Numba's locator for a function of a file inside the backplan package; other files
+    (generated plan and kernel modules, which live in the cache folder already) are left to
+    Numba's own locators."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        inside = os.path.relpath(os.path.dirname(os.path.abspath(py_file)), PACKAGE_ROOT)
+        self._cache_path = os.path.join(library_folder(), inside)
+
+    def get_cache_path(self):
+        return self._cache_path
+
+    def ensure_cache_path(self):
+        os.makedirs(self._cache_path, mode=0o700, exist_ok=True)
+        super().ensure_cache_path()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if not is_library_file(py_file):
+            return None
+        return super().from_function(py_func, py_file)
