@@ -100,3 +100,28 @@ def test_habits_inside_compile():
     x = _x()
     want = np.exp(x.numpy().reshape(3, 2).sum(0))
     np.testing.assert_allclose(f(x).numpy(), 2 * (want / want.sum()).sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("axes", [(0, 1), (-2, -1), (0, -1)])
+def test_transpose_of_two_axes_on_2d_is_refused_not_the_identity(axes):
+    # np.transpose(x, 0, 1) keeps a 2-d tensor as it is; PyTorch's x.transpose(0, 1) swaps
+    with pytest.raises(TypeError, match=r"transpose\(.*test_torch_habits.py.*\(2, 3\).*swapaxes"):
+        _x().transpose(*axes)
+    with pytest.raises(TypeError, match="keeps the axes in place"):
+        bp.transpose(_x(), *axes)
+
+
+def test_transpose_of_two_axes_on_3d_names_swapaxes():
+    with pytest.raises(TypeError, match=r"needs all 3 axes.*x.swapaxes\(0, 2\)"):
+        _x((2, 3, 4)).transpose(0, 2)
+
+
+def test_transposes_with_one_meaning_still_run():
+    x = _x((2, 3))
+    np.testing.assert_array_equal(x.transpose(1, 0).numpy(), x.numpy().T)  # a swap either way
+    np.testing.assert_array_equal(x.transpose((0, 1)).numpy(), x.numpy())  # a sequence: NumPy's
+    np.testing.assert_array_equal(x.permute(0, 1).numpy(), x.numpy())  # torch.permute's identity
+    np.testing.assert_array_equal(x.swapaxes(0, 1).numpy(), x.numpy().T)
+    y = _x((2, 3, 4))
+    assert y.transpose(2, 0, 1).shape == y.permute(2, 0, 1).shape == (4, 2, 3)
+    assert y.T.shape == (4, 3, 2)

@@ -14,7 +14,7 @@ from backplan.ir.shapes import normalize_axes, normalize_axis
 from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promote_with_scalar
 
 from .dispatch import apply
-from .source import located
+from .source import loc_text, located, user_frame_loc
 from .tensor import Axis, DTypeLike, Tensor, TensorLike
 from .torch_names import (
     extremum_values_and_indices,
@@ -345,15 +345,44 @@ def _resolve_shape(shape, size, old) -> tuple[int, ...]:
 @located
 def transpose(x: TensorLike, *axes: int | Sequence[int]) -> Tensor:
     """transpose(x, axes=None) as np.transpose: reverse the axes, or permute them (also
-    transpose(x, 1, 0, 2)). bp.permute is the same function."""
+    transpose(x, 1, 0, 2)). Two axes written apart, PyTorch's swap (x.transpose(0, 1)), are
+    refused where NumPy's meaning differs (the identity on 2-d) or does not exist: swapaxes."""
     x = as_tensor(x)
+    if len(axes) == 2 and all(isinstance(a, int) for a in axes):
+        _refuse_torch_transpose(x, axes)
+    return _permuted(x, axes)
+
+
+@located
+def permute(x: TensorLike, *axes: int | Sequence[int]) -> Tensor:
+    """permute(x, *axes) as torch.permute (and np.transpose with axes): the axes in this order,
+    given apart (permute(x, 2, 0, 1)) or as one sequence."""
+    return _permuted(as_tensor(x), axes)
+
+
+def _permuted(x: Tensor, axes: tuple) -> Tensor:
     if len(axes) == 1 and isinstance(axes[0], Sequence):
         axes = tuple(axes[0])
     perm = tuple(normalize_axis(a, x.ndim) for a in axes) if axes else tuple(range(x.ndim))[::-1]
     return apply("transpose", [x], perm=perm)
 
 
-permute = transpose
+def _refuse_torch_transpose(x: Tensor, axes: tuple) -> None:
+    """x.transpose(0, 1) swaps two axes in PyTorch; as np.transpose it is a permutation, the
+    identity on a 2-d tensor: running it would silently give PyTorch users the wrong layout."""
+    a, b = axes
+    swap = f"Write x.swapaxes({a}, {b}) to swap two axes (x.T reverses them)"
+    if x.ndim == 2 and {normalize_axis(a, 2), normalize_axis(b, 2)} == {0, 1}:
+        if normalize_axis(a, 2) == 1:
+            return  # (1, 0): the same swap in NumPy and PyTorch
+        meaning = "as np.transpose it keeps the axes in place, as torch.transpose it swaps them"
+        swap += f", or x.permute({a}, {b}) to keep them in place"
+    else:
+        meaning = f"as np.transpose it needs all {x.ndim} axes, as torch.transpose it swaps two"
+    raise TypeError(
+        f"transpose({a}, {b}) at {loc_text(user_frame_loc())} on a tensor of shape "
+        f"{tuple(x.shape)}: {meaning}. {swap}"
+    )
 
 
 @located
