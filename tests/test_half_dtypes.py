@@ -100,3 +100,15 @@ def test_casts_between_16_bit_dtypes_round_once_from_float32():
     assert h[1] == np.inf and np.isnan(h[2])
     with pytest.raises(bp.DtypeError, match="int16"):
         b.astype("int16")
+
+
+@pytest.mark.parametrize("dtype,name", [(BF16, "bf16"), (np.dtype(np.float16), "f16")])
+def test_a_16_bit_matmul_says_why_it_runs_on_the_reference_interpreter(dtype, name):
+    from backplan.runtime.backend import use_backend
+
+    w, x = bp.tensor(np.ones((3, 2), dtype)), bp.tensor(np.ones((4, 3), dtype))
+    with use_backend("numba"):
+        report = bp.explain(lambda w, x: bp.tanh(x @ w).sum(), w, x)
+    why = {f.plan: f for f in report.compiled}["forward"].unsupported
+    assert why.startswith(f"{name} matmul") and "astype(bp.float32)" in why, why
+    assert "integer" not in why
