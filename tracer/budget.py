@@ -32,14 +32,15 @@ def checked_budget(value, option: str) -> int | None:
     return value
 
 
-def step_peak_bytes(plans, n_outputs: int) -> int:
+def step_peak_bytes(plans, n_outputs: int, donated: tuple[int, ...] = ()) -> int:
     """The highest number of bytes the step holds on the current backend, the arrays passed in
     included (ir/peak.py: arenas, outputs, saved buffers and gradients of the compiled plans,
-    or every IR value its own buffer on the reference interpreter)."""
+    or every IR value its own buffer on the reference interpreter). donated: the graph inputs
+    outputs are written into, as explain() counts them (not allocated by the step)."""
     backend = "reference" if current_backend() == "reference" else "numba"
     if isinstance(plans, RegionPlans):
-        return predicted_peak(region_calls(plans), backend).peak_bytes
-    return predicted_peak(joint_calls(plans, n_outputs), backend).peak_bytes
+        return predicted_peak(region_calls(plans, donated), backend).peak_bytes
+    return predicted_peak(joint_calls(plans, n_outputs, donated), backend).peak_bytes
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,15 @@ class EvaluatedPoint:
 class BudgetPlanner:
     """The choices of one traced signature and what its plans weigh."""
 
-    def __init__(self, choices: RegionChoices | JointChoices, input_bytes: int, name: str):
+    def __init__(
+        self,
+        choices: RegionChoices | JointChoices,
+        input_bytes: int,
+        name: str,
+        donated: tuple[int, ...] = (),
+    ):
         self.choices, self.input_bytes, self.name = choices, input_bytes, name
+        self.donated = donated  # bp.compile's donated graph inputs: outputs take their buffers
         self._built: dict[frozenset, EvaluatedPoint] = {}
 
     def build(self, drop: frozenset = frozenset()):
@@ -69,7 +77,7 @@ class BudgetPlanner:
     def evaluate(self, point) -> EvaluatedPoint:
         if point.drop not in self._built:
             plans = self.build(point.drop)
-            peak = step_peak_bytes(plans, self._n_outputs())
+            peak = step_peak_bytes(plans, self._n_outputs(), self.donated)
             self._built[point.drop] = EvaluatedPoint(
                 peak, point.held_bytes, point.added_flops, len(point.drop), point.drop, plans
             )

@@ -219,7 +219,8 @@ class CompiledFunction(PlannedFunction):
         choices = region_choices(
             graph, wrt, remat=self.remat, saved_bytes_budget=self.saved_bytes_budget
         )
-        planner = BudgetPlanner(choices, sum(v.type.nbytes for v in graph.inputs), name)
+        input_bytes = sum(v.type.nbytes for v in graph.inputs)
+        planner = BudgetPlanner(choices, input_bytes, name, donated)
         plans = self._plans_within_budget(planner)
         program = RegionProgram(
             plans, name=name, input_names=names, donated=donated, background=self.background
