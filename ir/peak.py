@@ -22,6 +22,7 @@ only), outputs, saved (forward values the backward reads), gradients.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from .liveness import INPUT_STEP, Plan
@@ -94,9 +95,9 @@ class PeakReport:
 
     def fits(self, nbytes: int) -> bool:
         """Whether the step's peak, the caller's arrays included, is at most nbytes."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
             raise ValueError(f"fits() needs a byte count (an int >= 0), got {nbytes!r}")
-        return self.peak_bytes <= nbytes
+        return self.peak_bytes <= int(nbytes)  # NumPy's integers count: a.nbytes * 4 is one
 
 
 @dataclass(frozen=True)

@@ -196,3 +196,14 @@ def test_a_donating_step_is_budgeted_at_the_peak_explain_prints():
         assert step.memory_frontier(*args).points[0].peak_bytes == report.peak_bytes
         budgeted = bp.compile(train_step, donate_argnums=(0, 1), max_peak_bytes=report.peak_bytes)
         assert budgeted.explain(*args).peak_bytes == report.peak_bytes
+
+
+def test_a_budget_computed_with_numpy_is_taken():
+    ws, x, k = arrays()
+    budget = np.int64(bp.value_and_grad(deep_loss).explain(ws, x, k).peak_bytes)
+    assert (
+        bp.value_and_grad(deep_loss, max_peak_bytes=budget).explain(ws, x, k).peak_bytes <= budget
+    )
+    assert bp.max_batch(bp.value_and_grad(deep_loss), (ws, x, k), max_peak_bytes=budget) >= BATCH
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        bp.compile(deep_loss, max_peak_bytes=np.int32(-3))

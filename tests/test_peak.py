@@ -66,3 +66,10 @@ def test_fits_refuses_what_is_not_a_byte_count(bad):
     report = predicted_peak(region_calls(_mlp_step()), "numba")
     with pytest.raises(ValueError, match="byte count"):
         report.fits(bad)
+
+
+def test_fits_takes_numpy_integers():
+    # a byte count computed with NumPy (np.prod(shape) * 4) is an np.int64
+    report = predicted_peak(region_calls(_mlp_step()), "numba")
+    assert report.fits(np.int64(report.peak_bytes))
+    assert not report.fits(np.int64(report.peak_bytes - 1))

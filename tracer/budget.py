@@ -9,6 +9,7 @@ holds. The cheapest plan (fewest added FLOPs) that fits is used; if none fits,
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from backplan.ir.budget import cheapest_within, plan_frontier
@@ -22,14 +23,15 @@ from backplan.runtime.backend import current_backend
 
 
 def checked_budget(value, option: str) -> int | None:
-    """None, or a positive int: anything else is refused with what was given."""
+    """None, or a positive int (NumPy's integers too, as a computed byte count often is):
+    anything else is refused with what was given."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{option} must be a positive int (bytes), got {value!r}")
     if value <= 0:
         raise ValueError(f"{option} must be a positive number of bytes, got {value}")
-    return value
+    return int(value)
 
 
 def step_peak_bytes(plans, n_outputs: int, donated: tuple[int, ...] = ()) -> int:
