@@ -20,11 +20,12 @@ import numpy as np
 
 import backplan as bp
 from backplan.artifacts.signing import read_key_file
-from backplan.ir.types import np_dtype
+from backplan.ir.types import DTYPES, np_dtype
 from backplan.tracer.compile import CompiledFunction
 from backplan.tracer.pytree import flatten
 
-TENSOR_SPEC = re.compile(r"^(bool|i64|f32|f64)\[([\d,\s]*)\](:grad)?$")
+# every storage dtype by its short name (f32, bf16, u8, ...)
+TENSOR_SPEC = re.compile(rf"^({'|'.join(DTYPES)})\[([\d,\s]*)\](:grad)?$")
 NAME = re.compile(r"^[A-Za-z_]\w*(\.\w+)*$")
 
 
@@ -158,7 +159,8 @@ def parse_value(text: str, name: str):
         value = json.loads(text)
     except ValueError:
         raise bp.ExportError(
-            f'--args {name}={text!r}: not a type like f32[2,3] or a literal (3, 0.5, "text", true)'
+            f"--args {name}={text!r}: not a type like f32[2,3] (dtypes: {', '.join(DTYPES)}) "
+            'or a literal (3, 0.5, "text", true)'
         ) from None
     if isinstance(value, list | dict) or value is None:
         raise bp.ExportError(f"--args {name}: only numbers, strings and booleans are literals")

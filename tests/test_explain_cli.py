@@ -70,6 +70,17 @@ def test_static_values_reach_the_function(script, capsys):
     assert "{value=3" in capsys.readouterr().out
 
 
+def test_every_storage_dtype_has_a_spec(script, capsys):
+    params = "params.w0=bf16[8,16]:grad,params.b0=bf16[16]:grad,params.w1=f16[16,4]:grad"
+    assert (
+        main(["explain", f"{script}:mlp", "--args", params, "--args", "x=bf16[5,8],labels=i32[5]"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "params['w0']: bf16[8,16]" in out and "params['w1']: f16[16,4]" in out
+    assert "labels: i32[5]" in out
+
+
 def test_float_values_are_traced_inputs(script, capsys):
     assert main(["explain", f"{script}:mlp", *ARGS, "--args", "scale=0.5"]) == 0
     assert "= scale: f64[]" in capsys.readouterr().out
@@ -78,8 +89,8 @@ def test_float_values_are_traced_inputs(script, capsys):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("x=__import__('os')", "not a type like f32[2,3] or a literal"),
-        ("x=f16[2]", "not a type like f32[2,3] or a literal"),
+        ("x=__import__('os')", "not a type like f32[2,3] (dtypes"),
+        ("x=c64[2]", "not a type like f32[2,3] (dtypes: bool, u8, i32, i64, f16"),
         ("x=f32[5,8],x=f32[3]", "x is given twice"),
         ("2x=f32[2]", "must look like name=f32[2,3]"),
     ],

@@ -691,7 +691,7 @@ def test_export_and_inspect_commands(model, tmp_path):
         ("x=f32[2,", "not a type like f32[2,3]"),
         ("=3", "must look like name="),
         ("x.=3", "must look like name="),
-        ("x=f16[2]", "not a type like f32[2,3]"),
+        ("x=c64[2]", "not a type like f32[2,3]"),
         ("x=__import__('os')", "not a type like f32[2,3]"),
         ("x=[1, 2]", "only numbers, strings and booleans"),
         ("x=1,x=2", "given twice"),
