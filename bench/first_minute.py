@@ -1,0 +1,94 @@
+"""How soon a script reaches its steady step time:
+`python -m backplan.bench.first_minute [--models mlp_tiny mlp transformer] [--seconds 30]`.
+
+Per model, a fresh process with an empty kernel cache folder (the library's compiled functions
+are shared in one folder, filled by a first untimed process, as after an installation's first
+use) makes `bp.value_and_grad(bp.compile(loss))` and steps it for `--seconds` of wall time from
+the first call. Reported: the cold first call, the median step of calls 2-6 (what a short
+script gets), the steady step (median of the last tenth of the steps), the first step within
+10% of the steady one, and the wall time from the first call to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from .environment import cpu_name
+
+CHILD = r"""
+import json, sys, time
+import numpy as np
+import backplan as bp
+from backplan.bench.models import BACKPLAN_KINDS, MODELS
+spec = MODELS[sys.argv[1]]
+limit = float(sys.argv[2])
+data = spec.make_inputs(spec.config, 0).cast(np.float32)
+base = BACKPLAN_KINDS[spec.kind][0]
+loss = (lambda p, *b: base(p, *b, **spec.static)) if spec.static else base
+params = {k: bp.tensor(v) for k, v in data.params.items()}
+batch = [bp.tensor(b) for b in data.batch(True)]
+step = bp.value_and_grad(bp.compile(loss))
+rows = []
+start = time.perf_counter()
+while not rows or time.perf_counter() - start < limit:
+    a = time.perf_counter()
+    step(params, *batch)
+    rows.append((a - start, time.perf_counter() - a))
+print(json.dumps({"rows": rows, "tier": step.driver_tier}))
+"""
+
+
+def run_child(model: str, seconds: float, env: dict) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", CHILD, model, str(seconds)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 900,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"first-minute child failed ({done.returncode}):\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summary(model: str, result: dict) -> dict:
+    rows = result["rows"]
+    times = sorted(t for _, t in rows[-max(3, len(rows) // 10) :])
+    steady = times[len(times) // 2]
+    early = sorted(t for _, t in rows[1:6]) or [steady]
+    fast = next(i for i, (_, t) in enumerate(rows) if t <= 1.1 * steady)
+    return {
+        "model": model,
+        "first_call_s": round(rows[0][1], 3),
+        "early_step_ms": round(early[len(early) // 2] * 1e3, 3),
+        "steady_step_ms": round(steady * 1e3, 3),
+        "steps": len(rows),
+        "first_steady_step": fast,
+        "wall_to_steady_s": round(rows[fast][0] + rows[fast][1], 3),
+        "tier_at_end": result["tier"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["mlp_tiny", "mlp", "transformer"])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    library = tempfile.mkdtemp(prefix="backplan-library-")
+    base = {**os.environ, "BACKPLAN_LIBRARY_CACHE_DIR": library, "BACKPLAN_QUIET": "1"}
+    print(json.dumps({"cpu": cpu_name(), "load": os.getloadavg()}))
+    for model in args.models:
+        run_child(model, 0.0, {**base, "BACKPLAN_CACHE_DIR": tempfile.mkdtemp()})  # the library
+        env = {**base, "BACKPLAN_CACHE_DIR": tempfile.mkdtemp()}
+        print(json.dumps(summary(model, run_child(model, args.seconds, env))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
