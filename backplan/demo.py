@@ -29,7 +29,12 @@ def show_backward_plan(x, labels, out) -> None:
     loss = mlp_loss(params, bp.tensor(x), bp.tensor(labels))
     print("\nThe backward plan of one step, before backward runs:", file=out)
     print(loss.grad_fn, file=out)
-    print(f"live saved bytes: {bp.live_saved_bytes()}", file=out)
+    allocated, yours = bp.live_saved_bytes(), bp.live_saved_bytes(yours=True)
+    print(
+        f"live saved bytes: {allocated} allocated by the graph, and {yours} of your own arrays it"
+        f" holds by reference (* above): {allocated + yours} B held",
+        file=out,
+    )
     loss.backward()
     print(f"after backward:   {bp.live_saved_bytes()} (every saved buffer freed)\n", file=out)
 
