@@ -207,3 +207,41 @@ def test_a_budget_computed_with_numpy_is_taken():
     assert bp.max_batch(bp.value_and_grad(deep_loss), (ws, x, k), max_peak_bytes=budget) >= BATCH
     with pytest.raises(ValueError, match="positive number of bytes"):
         bp.compile(deep_loss, max_peak_bytes=np.int32(-3))
+
+
+def _sgd_step(**options):
+    opt = bp.optim.sgd(0.1)
+
+    def loss_fn(p, x, y):
+        return bp.mean((bp.relu(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    @bp.compile(**options)
+    def train_step(params, state, x, y):
+        loss, grads = bp.value_and_grad(loss_fn)(params, x, y)
+        params, state = opt.update(grads, state, params)
+        return params, state, loss
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": bp.tensor(rng.standard_normal((16, 32)).astype(np.float32)),
+        "w2": bp.tensor(rng.standard_normal((32, 1)).astype(np.float32)),
+    }
+    x, y = np.ones((32, 16), np.float32), np.ones((32, 1), np.float32)  # 32 rows, as w2
+    return train_step, (params, opt.init(params), x, y)
+
+
+def test_max_batch_of_a_donating_step_leaves_its_parameters_alone():
+    # the README's step: parameters are plain tensors, donated; w2 has as many rows as x
+    step, args = _sgd_step(donate_argnums=(0, 1))
+    batch = bp.max_batch(step, args, max_peak_bytes=200_000)
+    assert batch > 32
+    params, state, x, y = args
+    for size, fits in ((batch, True), (batch + 1, False)):
+        grown = (np.resize(x, (size, 16)), np.resize(y, (size, 1)))
+        assert (step.explain(params, state, *grown).peak_bytes <= 200_000) == fits
+
+
+def test_max_batch_that_resizes_a_parameter_says_which_leaves_it_resized():
+    step, args = _sgd_step()  # nothing donated: w2 (32 rows) looks like data
+    with pytest.raises(bp.ShapeError, match=r"max_batch: .*argument 0 \(leaf 1\).*donate_argnums"):
+        bp.max_batch(step, args, max_peak_bytes=200_000)

@@ -156,8 +156,11 @@ class CompiledFunction(PlannedFunction):
 
     def batch_leaf(self, position: int, leaf) -> bool:
         """Whether a leaf of argument `position` is data with a batch axis, not a parameter:
-        what bp.max_batch resizes by default (tensors that need no gradient, arrays)."""
-        return position not in self._static_nums and not getattr(leaf, "requires_grad", False)
+        what bp.max_batch resizes by default (tensors that need no gradient, arrays). A donated
+        argument is the parameters and optimizer state a training step updates, never data."""
+        if position in self._static_nums or position in self.arguments.donate_nums:
+            return False
+        return not getattr(leaf, "requires_grad", False)
 
     def _bind(self, args, kwargs):
         return bind_call(self.fn, args, kwargs, self._static_names)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backplan.ir.errors import MemoryBudgetError
+from backplan.ir.errors import MemoryBudgetError, ShapeError
 
 from .budget import checked_budget
 from .compile import CompiledFunction
@@ -25,7 +25,8 @@ def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
     max_peak_bytes; 0 if not even one example fits. fn is a bp.compile, bp.value_and_grad or
     bp.grad function (or a plain function, compiled here); args the arguments of one call.
     Data arguments are those not differentiated (value_and_grad's argnums) or, for bp.compile,
-    the tensors and arrays that need no gradient; the batch is the size along axis of the
+    the tensors and arrays that need no gradient outside donate_argnums (a training step's
+    parameters and optimizer state); the batch is the size along axis of the
     largest of their leaves, and every data leaf of that size is resized.
 
     >>> import numpy as np, backplan as bp
@@ -44,6 +45,13 @@ def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
             fn.with_budget(limit).trace(*resize(batch))
         except MemoryBudgetError:
             return False
+        except ShapeError as error:
+            raise ShapeError(
+                f"max_batch: with {batch} rows along axis {axis} of {resize.describe()} the "
+                f"function fails: {error}. max_batch resizes the data leaves whose axis {axis} "
+                f"is the batch's ({resize.size}); parameters are the arguments differentiated "
+                "or donated (donate_argnums) and tensors that require grad"
+            ) from error
         return True
 
     low, high = 0, resize.size  # fits(low) holds (0 trivially); high is the next to try
@@ -59,6 +67,13 @@ class _Resizer:
     def __init__(self, args, treedefs, positions, size, axis):
         self.args, self.treedefs, self.positions = args, treedefs, positions
         self.size, self.axis = size, axis
+
+    def describe(self) -> str:
+        """Which leaves are resized: 'argument 2 (leaf 0), argument 3 (leaf 0)'."""
+        return ", ".join(
+            f"argument {i} (leaf {', '.join(map(str, sorted(leaves)))})"
+            for i, leaves in sorted(self.positions.items())
+        )
 
     def __call__(self, batch: int) -> tuple:
         rows = np.arange(batch) % self.size
