@@ -1,7 +1,8 @@
 """The last steps of the pipeline: a plan with liveness becomes a lowered plan, the one object
 code generation renders and explain, export and the runtime read.
 
-fusion (which nodes share a kernel) -> epilogues (a GEMM takes the loop after it into its row
+widen (ops on bfloat16 and float16 compute in float32: ir/widen.py) -> fusion (which nodes
+share a kernel) -> epilogues (a GEMM takes the loop after it into its row
 blocks: ir/epilogue.py) -> schedule (consecutive row loops become stages of one row kernel,
 sharing a step) -> memory plan (where every buffer lives). Computed once per plan
 and backward mode, then kept: nobody re-derives a fact the lowered plan holds.
@@ -17,7 +18,8 @@ from .epilogue import absorb_epilogues
 from .fusion import Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
 from .layout import BufferLayout, plan_layout
-from .liveness import Plan
+from .liveness import Plan, plan_liveness
+from .widen import has_half, widen
 
 RUN_KINDS = ("loop", "op")  # kernels that run code; views, aliases and literals cost nothing
 
@@ -71,6 +73,8 @@ _lock = threading.Lock()
 
 
 def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
+    if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
+        plan = plan_liveness(widen(plan.graph))
     graph = plan.graph
     kernels = group_kernels(graph)
     needed = materialized(graph, kernels)

@@ -23,7 +23,19 @@ if AS_PYTHON:  # plain-Python twins of mathlib's functions (its bit tricks need 
     tanh_f32 = tanh_f64 = math.tanh
     erf_f32 = erf_f64 = math.erf
     sigmoid_f32 = sigmoid_f64 = _sigmoid
+    from backplan.codegen.kernels.half_python import (  # noqa: F401 - called by name
+        bf16_to_f32,
+        f16_to_f32,
+        f32_to_bf16,
+        f32_to_f16,
+    )
 else:
+    from backplan.codegen.kernels.half import (  # noqa: F401 - generated loops call these by name
+        bf16_to_f32,
+        f16_to_f32,
+        f32_to_bf16,
+        f32_to_f16,
+    )
     from backplan.codegen.kernels.mathlib import (  # noqa: F401 - generated loops call these by name
         erf_f32,
         erf_f64,

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import math
 
-from backplan.ir.registry import get_op
+import numpy as np
 
-NP_TYPE = {
+from backplan.ir.registry import get_op
+from backplan.ir.types import is_half, np_dtype
+
+NP_TYPE = {  # what a value is stored as in generated code: 16-bit floats as their bit patterns
+    "bf16": "np.uint16",
+    "f16": "np.uint16",
     "f32": "np.float32",
     "f64": "np.float64",
     "i64": "np.int64",
@@ -18,6 +23,9 @@ NP_TYPE = {
 
 
 def literal(value, dtype: str) -> str:
+    if is_half(dtype):  # the bit pattern of the value rounded once from float32
+        bits = np.array(value, np.float32).astype(np_dtype(dtype)).view(np.uint16)
+        return f"np.uint16({int(bits)})"
     if dtype == "bool":
         return "True" if value else "False"
     if isinstance(value, float) and math.isnan(value):
@@ -44,9 +52,19 @@ def _pow(a, b, node) -> str | None:
     return None
 
 
+def _astype(a, node) -> str | None:
+    """Casts into and out of 16-bit storage (ir/widen.py leaves only float32 ones)."""
+    source = node.inputs[0].dtype
+    if is_half(source):
+        return f"{source}_to_f32({a})"
+    if is_half(node.dtype):
+        return f"f32_to_{node.dtype}({a})"
+    return None
+
+
 # Rewrites of one op's expression when an operand is a literal: strength reductions, not new
-# definitions (the op's expression is its registry entry's `scalar`).
-SPECIALISED = {"pow": _pow}
+# definitions (the op's expression is its registry entry's `scalar`); casts to and from 16 bits.
+SPECIALISED = {"pow": _pow, "astype": _astype}
 
 
 def expression(node, operands: list[str]) -> str:

@@ -37,7 +37,7 @@ from backplan.ir.lowering import LoweredPlan
 from backplan.ir.plan_buffers import compiled_buffers
 from backplan.ir.registry import REGISTRY as OPS
 from backplan.ir.text import format_graph, format_loc, value_names
-from backplan.ir.types import np_dtype
+from backplan.ir.types import is_half, np_dtype
 
 # A call into a parallel kernel (generated or from the library) appears in the source as one of:
 PARALLEL_LAUNCH = re.compile(r"parallel=True|\b\w+_par\(")
@@ -100,6 +100,16 @@ def contiguous(array: np.ndarray) -> np.ndarray:
     copy = np.ascontiguousarray(array)
     copy.flags.writeable = array.flags.writeable
     return copy
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """What a buffer is in compiled code: bfloat16 and float16 as uint16 bit patterns (Numba
+    has no bfloat16; codegen/kernels/half.py converts), the rest as themselves."""
+    return np.dtype(np.uint16) if is_half(name) else np_dtype(name)
+
+
+def _as_bits(array: np.ndarray) -> np.ndarray:
+    return array.view(np.uint16) if array.dtype.itemsize == 2 and array.dtype.kind != "u" else array
 
 
 def _reshaped(buffer: np.ndarray, shape) -> np.ndarray:
@@ -167,13 +177,17 @@ class CompiledPlan:
         )
         graph = plan.graph
         self._constants = [
-            np.ascontiguousarray(graph.constants[c]) for c in generated.constant_names
+            _as_bits(np.ascontiguousarray(graph.constants[c])) for c in generated.constant_names
         ]
         self._output_buffers = [
-            (internal_shape(v.shape), np_dtype(v.dtype)) for v in generated.output_buffers
+            (internal_shape(v.shape), storage_dtype(v.dtype)) for v in generated.output_buffers
+        ]
+        self._half_inputs = [i for i, v in enumerate(graph.inputs) if is_half(v.dtype)]
+        self._half_outputs = [
+            (i, np_dtype(v.dtype)) for i, v in enumerate(graph.outputs) if is_half(v.dtype)
         ]
         self._workspaces = WorkspacePool(
-            [(np_dtype(d), n) for d, n in generated.scratch.items()],
+            [(storage_dtype(d), n) for d, n in generated.scratch.items()],
             self._output_buffers,
             frozenset(self.donations),
         )
@@ -212,6 +226,8 @@ class CompiledPlan:
         args.clear()
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
+        for i in self._half_inputs:
+            arrays[i] = arrays[i].view(np.uint16)
         workspace = self._workspaces.checkout()
         outputs = workspace.output_arrays()
         try:
@@ -267,6 +283,8 @@ class CompiledPlan:
         args.clear()
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
+        for i in self._half_inputs:
+            arrays[i] = arrays[i].view(np.uint16)
         arrays += self._constants
         workspace = self._workspaces.checkout()
         arrays += workspace.scratch
@@ -292,8 +310,15 @@ class CompiledPlan:
         return self._outputs(returned, outputs)
 
     def _outputs(self, returned: Any, buffers: list) -> list:
-        """The plan's outputs: the output buffers the caller passed (whole or reshaped), what
-        `run` returned, and literal outputs, each in its IR shape (0-d for scalars)."""
+        """The plan's outputs, 16-bit floats viewed back from their bit patterns."""
+        outputs = self._stored_outputs(returned, buffers)
+        for i, dtype in self._half_outputs:
+            outputs[i] = outputs[i].view(dtype)
+        return outputs
+
+    def _stored_outputs(self, returned: Any, buffers: list) -> list:
+        """The output buffers the caller passed (whole or reshaped), what `run` returned, and
+        literal outputs, each in its IR shape (0-d for scalars)."""
         if self._buffer_outputs is not None:  # the common case: every output is a buffer
             return [
                 buffers[j] if shape is None else _reshaped(buffers[j], shape)
@@ -337,6 +362,8 @@ class CompiledPlan:
         arrays = [contiguous(a) for a in args]
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
+        for i in self._half_inputs:
+            arrays[i] = arrays[i].view(np.uint16)
         workspace = self._workspaces.checkout()
         try:
             arrays += self._constants + workspace.scratch + workspace.output_arrays()

@@ -80,8 +80,8 @@ def _key_infer(types, op):
 
 def _draw_infer(types, attrs):
     _key_infer(types, "random")
-    if attrs["dtype"] not in ("f32", "f64"):
-        raise DtypeError(f"draws floats (f32 or f64), not {attrs['dtype']}")
+    if attrs["dtype"] not in ("bf16", "f16", "f32", "f64"):  # 16 bits: f32 draws, rounded
+        raise DtypeError(f"draws floats (bf16, f16, f32 or f64), not {attrs['dtype']}")
     return TensorType(attrs["dtype"], attrs["shape"])
 
 

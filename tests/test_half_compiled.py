@@ -1,0 +1,108 @@
+"""Compiled plans on bfloat16 and float16: buffers are uint16 bit patterns, loops convert with
+shifts (codegen/kernels/half.py), compute in float32 and round each op's result once, so they
+give the reference interpreter's bits."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import njit
+
+import backplan as bp
+from backplan.codegen.kernels.half import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
+from backplan.runtime.backend import use_backend
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HALVES = [BF16, np.dtype(np.float16)]
+
+
+@njit(cache=True)
+def _convert(patterns, values, bf16_out, f16_out, bf16_bits, f16_bits):
+    for i in range(patterns.size):
+        bf16_out[i] = bf16_to_f32(patterns[i])
+        f16_out[i] = f16_to_f32(patterns[i])
+    for i in range(values.size):
+        bf16_bits[i] = f32_to_bf16(values[i])
+        f16_bits[i] = f32_to_f16(values[i])
+
+
+def _same_floats(a, b):
+    nan = np.isnan(a)
+    assert np.array_equal(nan, np.isnan(b))
+    np.testing.assert_array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32))
+
+
+def test_shift_conversions_match_numpy_and_ml_dtypes_bit_for_bit():
+    patterns = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    rng = np.random.default_rng(0)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 2.98e-8, 2.99e-8, 1e-45]
+    values = np.concatenate(
+        [
+            rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+            (rng.standard_normal(100_000) * np.exp(rng.uniform(-20, 20, 100_000))).astype(np.float32),
+            np.array(special, np.float32),
+            -np.array(special, np.float32),
+        ]
+    )
+    out = [np.empty(patterns.size, np.float32) for _ in range(2)]
+    out += [np.empty(values.size, np.uint16) for _ in range(2)]
+    _convert(patterns, values, *out)
+    _same_floats(out[0], patterns.view(BF16).astype(np.float32))
+    _same_floats(out[1], patterns.view(np.float16).astype(np.float32))
+    nan = np.isnan(values)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(out[2][~nan], values[~nan].astype(BF16).view(np.uint16))
+        np.testing.assert_array_equal(out[3][~nan], values[~nan].astype(np.float16).view(np.uint16))
+    assert np.isnan(out[2][nan].view(BF16).astype(np.float32)).all()
+    assert np.isnan(out[3][nan].view(np.float16)).all()
+
+
+def _both(fn, *args):
+    with use_backend("reference"):
+        expected = bp.compile(fn)(*args)
+    with use_backend("numba"):
+        got = bp.compile(fn)(*args)
+    return expected, got
+
+
+def _assert_same_bits(expected, got):
+    for e, g in zip(expected, got, strict=True):
+        assert g.dtype == e.dtype
+        np.testing.assert_array_equal(g.numpy().view(np.uint16), e.numpy().view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_chains_reductions_and_matmul_give_the_reference_bits(dtype):
+    rng = np.random.default_rng(1)
+    a = bp.tensor(rng.standard_normal((24, 17)).astype(dtype))
+    b = bp.tensor(rng.standard_normal((17, 8)).astype(dtype))
+
+    def f(a, b):
+        h = bp.tanh(a * 2.0 + 1.0)
+        return h @ b, h.sum(axis=1), bp.exp(h).max(), h.astype(bp.float32) * 3.0
+
+    _assert_same_bits(*_both(f, a, b))
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_gradients_compiled_match_the_reference(dtype):
+    rng = np.random.default_rng(2)
+    params = {
+        "w": bp.tensor((rng.standard_normal((16, 32)) * 0.3).astype(dtype)),
+        "b": bp.tensor(np.zeros(32, dtype)),
+    }
+    x = bp.tensor(rng.standard_normal((8, 16)).astype(dtype))
+
+    def loss(p, x):
+        return bp.mean(bp.relu(x @ p["w"] + p["b"]) ** 2)
+
+    (l1, g1), (l2, g2) = _both(bp.value_and_grad(loss), params, x)
+    _assert_same_bits([l1, g1["w"], g1["b"]], [l2, g2["w"], g2["b"]])
+
+
+def test_float16_overflow_propagates_inf_in_compiled_loops():
+    h = bp.tensor(np.array([300.0, 1.0, np.nan], np.float16))
+    expected, got = _both(lambda h: (h * h + 1.0,), h)
+    _assert_same_bits(expected, got)
+    assert np.isinf(got[0].numpy()[0]) and np.isnan(got[0].numpy()[2])
