@@ -13,6 +13,7 @@ run eagerly and inside a compiled training step alike.
 from .adam import adam, adamw
 from .base import Optimizer, apply_updates, chain
 from .clip import clip_by_global_norm, global_norm
+from .loss_scale import LossScale, loss_scale
 from .schedules import cosine_decay, warmup_linear
 from .sgd import sgd
 
@@ -25,6 +26,8 @@ __all__ = [
     "clip_by_global_norm",
     "cosine_decay",
     "global_norm",
+    "loss_scale",
+    "LossScale",
     "sgd",
     "warmup_linear",
 ]

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from backplan.tracer import ops
 
-from .base import Optimizer
+from .base import Optimizer, with_master
 from .hyper import leaf_scalar, learning_rate, new_count
 from .tree import check_hyper, check_state, tree_map_n
 
 
-def adam(lr, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+def adam(
+    lr, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay=0.0, master_dtype=None
+):
     """lr: a float or a schedule `lambda step: ...`; weight_decay adds weight_decay * p to the
-    gradient (L2), as torch.optim.Adam; use adamw for decoupled decay.
+    gradient (L2), as torch.optim.Adam; use adamw for decoupled decay. master_dtype=bp.float32
+    keeps float32 master weights (and moments) of 16-bit parameters (optim/master.py).
 
     >>> import backplan as bp
     >>> params = {"w": bp.tensor([1.0, -1.0])}
@@ -30,13 +33,15 @@ def adam(lr, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay
     >>> [round(x, 4) for x in params["w"].tolist()]
     [0.9, -0.9]
     """
-    return _adam("adam", lr, b1, b2, eps, weight_decay, decoupled=False)
+    return with_master(_adam("adam", lr, b1, b2, eps, weight_decay, False), master_dtype)
 
 
-def adamw(lr, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay=0.01):
+def adamw(
+    lr, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay=0.01, master_dtype=None
+):
     """Adam with decoupled weight decay (torch.optim.AdamW; default weight_decay 0.01):
     parameters shrink by lr * weight_decay * p before the Adam step."""
-    return _adam("adamw", lr, b1, b2, eps, weight_decay, decoupled=True)
+    return with_master(_adam("adamw", lr, b1, b2, eps, weight_decay, True), master_dtype)
 
 
 def _adam(name, lr, b1, b2, eps, weight_decay, decoupled: bool) -> Optimizer:

@@ -12,11 +12,12 @@ backward and the update (pass params and state with donate_argnums to update in 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backplan.runtime import no_grad
 from backplan.tracer.pytree import flatten, unflatten
 
+from .master import master_init, master_name, master_update
 from .tree import check_same_structure, float_leaves
 
 
@@ -30,11 +31,15 @@ class Optimizer:
     name: str
     init_fn: Callable
     transform: Callable
+    master_dtype: str | None = None  # float32 master weights for 16-bit parameters
 
     def init(self, params):
-        """The optimizer state for these parameters: tensors (step count, moments)."""
+        """The optimizer state for these parameters: tensors (step count, moments); with
+        master_dtype, {"master": the parameters in that dtype, "inner": the state of those}."""
         float_leaves(params, f"{self.name}.init(params)")
         with no_grad():
+            if self.master_dtype is not None:
+                return master_init(self, params)
             return self.init_fn(params)
 
     def update(self, grads, state, params):
@@ -43,9 +48,15 @@ class Optimizer:
         where = f"{self.name}.update(grads, state, params)"
         check_same_structure(grads, params, where)
         with no_grad():
-            updates, state = self.transform(grads, state, params)
-            new = apply_updates(params, updates)
-        return new, state
+            return self.step(grads, state, params)
+
+    def step(self, grads, state, params):
+        """update without its checks, under no_grad (for wrappers: optim/loss_scale.py);
+        with master weights, grads may be float32 for 16-bit params."""
+        if self.master_dtype is not None:
+            return master_update(self, grads, state, params)
+        updates, state = self.transform(grads, state, params)
+        return apply_updates(params, updates), state
 
     def __repr__(self) -> str:
         return f"bp.optim.{self.name}"
@@ -64,7 +75,7 @@ def apply_updates(params, updates):
     return unflatten(treedef, new)
 
 
-def chain(*transforms: Optimizer) -> Optimizer:
+def chain(*transforms: Optimizer, master_dtype=None) -> Optimizer:
     """Apply transformations in order, each to the updates of the one before (optax.chain):
     `bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.adam(1e-3))`.
     The state is a tuple with one entry per transformation."""
@@ -73,6 +84,17 @@ def chain(*transforms: Optimizer) -> Optimizer:
             raise TypeError(
                 f"bp.optim.chain takes optimizers and transformations (bp.optim.sgd(...), "
                 f"bp.optim.clip_by_global_norm(...)), got {type(t).__name__}"
+            )
+        if t.transform is None:
+            raise ValueError(
+                f"bp.optim.chain: {t.name} wraps a whole optimizer; wrap the chain instead "
+                "(bp.optim.loss_scale(bp.optim.chain(...)))"
+            )
+        if t.master_dtype is not None:
+            raise ValueError(
+                f"bp.optim.chain: {t.name} has master_dtype; inside a chain it would not apply "
+                "(a chain runs its transformations on one set of weights): pass master_dtype "
+                "to bp.optim.chain(..., master_dtype=bp.float32) instead"
             )
 
     def init_fn(params):
@@ -91,4 +113,11 @@ def chain(*transforms: Optimizer) -> Optimizer:
         return updates, tuple(new_states)
 
     names = ", ".join(t.name for t in transforms)
-    return Optimizer(f"chain({names})", init_fn, transform)
+    return with_master(Optimizer(f"chain({names})", init_fn, transform), master_dtype)
+
+
+def with_master(optimizer: Optimizer, master_dtype) -> Optimizer:
+    """The optimizer keeping master weights in master_dtype (None: as it is)."""
+    if master_dtype is None:
+        return optimizer
+    return replace(optimizer, master_dtype=master_name(optimizer.name, master_dtype))

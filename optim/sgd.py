@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from backplan.tracer import ops
 
-from .base import Optimizer
+from .base import Optimizer, with_master
 from .hyper import leaf_scalar, learning_rate, new_count
 from .tree import check_hyper, check_state, tree_map_n
 
 
-def sgd(lr, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0):
+def sgd(
+    lr, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0, master_dtype=None
+):
     """lr: a float (a traced float inside a compiled step is fine) or a schedule
-    `lambda step: ...` of the step count.
+    `lambda step: ...` of the step count. master_dtype=bp.float32 keeps float32 master weights
+    of 16-bit parameters in the state (optim/master.py).
 
     >>> import backplan as bp
     >>> params = {"w": bp.tensor([1.0, 2.0])}
@@ -56,4 +59,4 @@ def sgd(lr, momentum: float = 0.0, nesterov: bool = False, weight_decay: float =
         return updates, new_state
 
     name = f"sgd({lr!r}" + (f", momentum={momentum}" if momentum else "") + ")"
-    return Optimizer(name, init_fn, transform)
+    return with_master(Optimizer(name, init_fn, transform), master_dtype)

@@ -1,0 +1,64 @@
+"""Master weights for 16-bit parameters, as mixed-precision optimizers keep them: the state holds
+the parameters in float32 (`master`) and the wrapped optimizer's state of those (`inner`); an
+update casts the gradients up, steps the master weights, and returns them rounded to each
+parameter's dtype. Small steps then accumulate in float32 instead of vanishing when a bfloat16
+parameter (8 significant bits) rounds them away.
+
+    opt = bp.optim.adam(1e-3, master_dtype=bp.float32)
+    state = opt.init(params)                          # {"master": ..., "inner": ...}
+    params, state = opt.update(grads, state, params)  # params keep their bf16 dtype
+"""
+
+from __future__ import annotations
+
+from backplan.ir.types import dtype_name, is_float
+from backplan.tracer import ops
+from backplan.tracer.pytree import flatten, unflatten
+
+from .tree import tree_map_n
+
+
+def master_name(optimizer: str, master_dtype) -> str:
+    """The IR name of a master dtype: float32 or float64 (checked, naming the optimizer)."""
+    name = dtype_name(master_dtype)
+    if name not in ("f32", "f64"):
+        raise ValueError(
+            f"bp.optim.{optimizer}: master_dtype={master_dtype!r}; master weights are kept in "
+            "bp.float32 (or bp.float64)"
+        )
+    return name
+
+
+def master_init(optimizer, params) -> dict:
+    master = _cast(params, optimizer.master_dtype)
+    return {"master": master, "inner": optimizer.init_fn(master)}
+
+
+def master_update(optimizer, grads, state, params):
+    if not isinstance(state, dict) or set(state) != {"master", "inner"}:
+        raise TypeError(
+            f"bp.optim.{optimizer.name} keeps master weights (master_dtype): pass the state its "
+            "own init(params) built ({'master': ..., 'inner': ...})"
+        )
+    master = state["master"]
+    grads = _cast(grads, optimizer.master_dtype)
+    updates, inner = optimizer.transform(grads, state["inner"], master)
+    master = tree_map_n(lambda m, u: m + u, master, updates)
+    return _like(master, params), {"master": master, "inner": inner}
+
+
+def _cast(tree, dtype: str):
+    leaves, treedef = flatten(tree)
+    return unflatten(treedef, [ops.astype(leaf, dtype) for leaf in leaves])
+
+
+def _like(master, params):
+    """The master weights rounded to each parameter's dtype, keeping requires_grad flags."""
+    leaves, treedef = flatten(master)
+    new = []
+    for m, p in zip(leaves, flatten(params)[0], strict=True):
+        value = ops.astype(m, p._ir_dtype) if is_float(p._ir_dtype) else m
+        if p._data is not None and p.requires_grad:
+            value.requires_grad = True
+        new.append(value)
+    return unflatten(treedef, new)

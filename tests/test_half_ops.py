@@ -1,0 +1,104 @@
+"""Every op sample runs in bfloat16 and float16 on both executors, forward and gradients (one
+joint plan per batch of samples), within the dtype's tolerance of the same graph in float64 on
+inputs holding the same values; the compiled plan gives the reference interpreter's result."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from op_samples import DTYPE, OTHER_FLOAT, SAMPLES
+
+from backplan.codegen.run.compiled import CompiledPlan
+from backplan.ir.builder import Builder
+from backplan.ir.graph import Graph
+from backplan.ir.interpreter import run_plan
+from backplan.ir.lowering import lower
+from backplan.ir.pipeline import build_joint_plan
+from backplan.ir.types import TensorType, dtype_name, is_float, np_dtype
+
+# bfloat16 keeps 8 significant bits, float16 11: a few roundings of each, relative to the
+# largest value of an output (gradients sum many rounded terms)
+TOL = {"bf16": 3e-2, "f16": 4e-3}
+DRAWS_BY_DTYPE = ("random_uniform", "random_normal")  # their float64 draws are other numbers
+BATCH = 40
+
+
+def _samples():
+    return [s for s in SAMPLES if "f32" in s.dtypes]
+
+
+def _attrs(sample, dtype: str) -> dict:
+    swap = {DTYPE: dtype, OTHER_FLOAT: "f64" if dtype != "f64" else "f32"}
+    return {k: swap.get(v, v) if isinstance(v, str) else v for k, v in sample.attrs.items()}
+
+
+def _graph(samples, dtype: str, half: str):
+    """The samples' ops on `dtype` inputs whose values are those of `half`; the loss sums each
+    float output times a weight."""
+    graph, arrays, wrt, losses = Graph(name=f"ops_{dtype}"), [], [], []
+    b = Builder(graph)
+    rng = np.random.default_rng(7)
+
+    def add(array, grad):
+        if array.dtype.kind == "f":
+            array = array.astype(np_dtype(half)).astype(np_dtype(dtype))
+        arrays.append(array)
+        wrt.append(grad)
+        return graph.add_input(TensorType(dtype_name(array.dtype), array.shape))
+
+    for index, sample in enumerate(samples):
+        for name, array in sample.constants("f32").items():
+            graph.constants[f"{name}_{index}"] = array.astype(np_dtype(half)).astype(np_dtype(dtype))
+        floats = sample.float_inputs("f32")
+        inputs = [add(a, i in floats) for i, a in enumerate(sample.inputs("f32"))]
+        attrs = _attrs(sample, dtype if sample.op not in DRAWS_BY_DTYPE else half)
+        if sample.op == "const":
+            attrs = {**attrs, "name": f"{attrs['name']}_{index}"}
+        node = b.emit(sample.op, *inputs, **attrs)
+        if is_float(node.dtype):
+            node = b.astype(node, dtype=dtype)
+            weight = add(rng.standard_normal(node.shape), False)
+            losses.append(b.sum(b.mul(node, weight), axes=tuple(range(len(node.shape)))))
+        graph.outputs.append(node)
+    total = losses[0]
+    for loss in losses[1:]:
+        total = b.add(total, loss)
+    graph.outputs.insert(0, total)
+    return graph, arrays, wrt
+
+
+def _check(got, expected, half: str, names) -> None:
+    for name, g, e in zip(names, got, expected, strict=False):
+        assert g.shape == e.shape, name
+        if not is_float(dtype_name(e.dtype)):
+            np.testing.assert_array_equal(g, e, err_msg=name)
+            continue
+        e64, g64 = e.astype(np.float64), g.astype(np.float64)
+        scale = max(1.0, float(np.max(np.abs(e64[np.isfinite(e64)]), initial=0)))
+        np.testing.assert_allclose(g64, e64, rtol=TOL[half], atol=TOL[half] * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+def test_every_op_sample_in_16_bits_on_both_executors(half):
+    samples = _samples()
+    for start in range(0, len(samples), BATCH):
+        batch = samples[start : start + BATCH]
+        graph, arrays, wrt = _graph(batch, half, half)
+        plan = build_joint_plan(graph, wrt)
+        reference = run_plan(plan, list(arrays))
+        compiled = CompiledPlan(lower(plan))(list(arrays))
+        wide, wide_arrays, _ = _graph(batch, "f64", half)
+        expected = run_plan(build_joint_plan(wide, wrt), list(wide_arrays))
+        names = ["loss"] + [s.id for s in batch] + [f"grad {i}" for i in range(len(reference))]
+        for result in (reference, compiled):
+            for r in result:
+                assert not is_float(dtype_name(r.dtype)) or r.dtype == np_dtype(half)
+            _check(result, expected, half, names)
+        for name, c, r in zip(names, compiled, reference, strict=False):
+            np.testing.assert_allclose(
+                c.astype(np.float64), r.astype(np.float64), rtol=TOL[half], atol=TOL[half], err_msg=name
+            )
+
+
+assert ml_dtypes  # bfloat16's dtype is registered with NumPy

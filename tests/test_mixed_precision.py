@@ -1,0 +1,101 @@
+"""Mixed precision as users write it: float32 master weights for 16-bit parameters
+(master_dtype on every optimizer) and dynamic loss scaling for float16 (bp.optim.loss_scale)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+
+
+@pytest.mark.parametrize("make", [bp.optim.sgd, bp.optim.adam, bp.optim.adamw])
+def test_master_weights_keep_steps_that_16_bits_round_away(make):
+    params = {"w": bp.tensor(np.ones(4, bp.bfloat16))}
+    grads = {"w": bp.tensor(np.full(4, 1.0, bp.bfloat16))}  # adam steps by lr: same numbers
+    moved = {}
+    for master in (None, bp.float32):
+        opt = make(1e-4, master_dtype=master)
+        state, p = opt.init(params), params
+        for _ in range(40):
+            p, state = opt.update(grads, state, p)
+        assert p["w"].dtype == bp.bfloat16
+        moved[master] = 1.0 - float(p["w"].numpy()[0])
+    assert moved[None] == 0.0  # 1 - 1e-4 rounds back to 1 in bfloat16, every step
+    kept = state["master"]["w"].numpy()
+    assert 1.0 - kept[0] == pytest.approx(40e-4, rel=0.02)  # 40 steps, kept in float32
+    np.testing.assert_array_equal(p["w"].numpy(), kept.astype(bp.bfloat16))  # rounded once
+    state = bp.optim.sgd(0.1, master_dtype=bp.float32).init(params)
+    assert state["master"]["w"].dtype == np.float32
+
+
+def test_master_dtype_is_checked_and_not_ignored_inside_a_chain():
+    with pytest.raises(ValueError, match="master weights are kept in"):
+        bp.optim.sgd(0.1, master_dtype=bp.bfloat16)
+    with pytest.raises(ValueError, match="pass master_dtype to bp.optim.chain"):
+        bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.sgd(0.1, master_dtype=bp.float32))
+    opt = bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.sgd(0.1), master_dtype=bp.float32)
+    params = {"w": bp.tensor(np.ones(2, np.float16))}
+    new, _ = opt.update({"w": bp.tensor(np.ones(2, np.float16))}, opt.init(params), params)
+    assert new["w"].dtype == np.float16
+
+
+def _regression(rng, n=64, d=8):
+    x = rng.standard_normal((n, d)).astype(np.float16)
+    w_true = rng.standard_normal((d, 1))
+    y = (x.astype(np.float64) @ w_true).astype(np.float16)
+    return x, y
+
+
+def _loss(p, x, y):
+    # the loss is tiny, so its float16 gradients underflow to zero unless scaled up
+    return bp.mean((x @ p["w"] - y) ** 2) * 1e-6
+
+
+def _train(opt, steps, scaled):
+    rng = np.random.default_rng(0)
+    x, y = _regression(rng)
+    params = {"w": bp.tensor(np.zeros((8, 1), np.float16))}
+    state = opt.init(params)
+
+    @bp.compile
+    def step(params, state, x, y):
+        scale = state["scale"] if scaled else 1.0
+        loss, grads = bp.value_and_grad(lambda p: _loss(p, x, y) * scale)(params)
+        params, state = opt.update(grads, state, params)
+        return params, state, loss
+
+    for _ in range(steps):
+        params, state, _ = step(params, state, x, y)
+    return float(_loss(params, bp.tensor(x), bp.tensor(y)).item()) * 1e6, state
+
+
+def test_dynamic_loss_scaling_trains_where_float16_underflows():
+    plain, _ = _train(bp.optim.sgd(3e4, master_dtype=bp.float32), 30, scaled=False)
+    scaled, state = _train(
+        bp.optim.loss_scale(bp.optim.sgd(3e4, master_dtype=bp.float32), growth_interval=10),
+        30,
+        scaled=True,
+    )
+    start, _ = _train(bp.optim.sgd(0.0), 1, scaled=False)
+    assert plain == pytest.approx(start, rel=1e-3)  # every gradient underflowed to zero
+    assert scaled < 0.05 * start
+    # 2**15 times the first gradients overflows float16: those steps were skipped, the scale
+    # backed off, then grew again every 10 finite steps
+    assert int(state["skipped"].item()) >= 1
+
+
+def test_a_skipped_step_leaves_parameters_and_state_unchanged():
+    params = {"w": bp.tensor(np.array([1.0, 2.0], np.float16))}
+    opt = bp.optim.loss_scale(bp.optim.adam(0.1), init_scale=8.0, growth_interval=2)
+    state = opt.init(params)
+    bad = {"w": bp.tensor(np.array([np.nan, 1.0], np.float16))}
+    new, after = opt.update(bad, state, params)
+    np.testing.assert_array_equal(new["w"].numpy(), params["w"].numpy())
+    assert int(after["inner"]["count"].item()) == 0 and int(after["skipped"].item()) == 1
+    assert float(after["scale"].item()) == 4.0
+    good = {"w": bp.tensor(np.array([4.0, 4.0], np.float16))}
+    for _ in range(2):
+        new, after = opt.update(good, after, new)
+    assert float(after["scale"].item()) == 8.0 and int(after["good_steps"].item()) == 0
+    assert not np.array_equal(new["w"].numpy(), params["w"].numpy())
