@@ -131,5 +131,5 @@ def memory_plan_facts(plan: Plan) -> dict:
     why = unsupported_reason(lowered)
     if why is not None:
         return {"compiled": False, "why": why}
-    facts = lowered.layout.describe(value_names(plan.graph))
+    facts = lowered.layout.describe(value_names(lowered.plan.graph))  # widened: its own values
     return {"compiled": True, "kernels": lowered.kernel_count, **facts}

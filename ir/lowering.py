@@ -19,7 +19,7 @@ from .fusion import Kernel, alias_base, group_kernels, internal_shape, materiali
 from .graph import Value
 from .layout import BufferLayout, plan_layout
 from .liveness import Plan, plan_liveness
-from .widen import has_half, widen
+from .widen import has_half, widen_with_origin
 
 RUN_KINDS = ("loop", "op")  # kernels that run code; views, aliases and literals cost nothing
 
@@ -50,6 +50,9 @@ class LoweredPlan:
     materialized: set[Value]  # values that need a buffer
     buffers: list[Value]  # those that get storage (not constants), in kernel order
     layout: BufferLayout
+    # plan widened for 16-bit floats (ir/widen.py): its node -> the node of the plan given
+    # (casts into float32 have none); None: the plan given, unchanged
+    origin: dict[Value, Value] | None = None
     rendered: object = None  # what codegen made of it (codegen/render/emit.generate), once
     donations: dict = field(default_factory=dict)  # donated inputs -> ir/donation.py's pairs
 
@@ -73,8 +76,10 @@ _lock = threading.Lock()
 
 
 def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
+    origin = None
     if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
-        plan = plan_liveness(widen(plan.graph))
+        graph, origin = widen_with_origin(plan.graph)
+        plan = plan_liveness(graph)
     graph = plan.graph
     kernels = group_kernels(graph)
     needed = materialized(graph, kernels)
@@ -90,7 +95,7 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     ]
     private = [graph.inputs[i] for i in private_saved]
     layout = plan_layout(graph, kernels, buffers, private, steps)
-    return LoweredPlan(plan, private_saved, kernels, runs, steps, needed, buffers, layout)
+    return LoweredPlan(plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin)
 
 
 def literal_nodes(kernels: list[Kernel]) -> set[Value]:

@@ -47,6 +47,7 @@ from .remat import (
     rematerialize,
     rematerialize_joint,
 )
+from .saved_dtype import narrowed_saved
 from .step_schedule import StepSchedule, step_schedule
 from .types import is_float
 from .verify import verify_graph, verify_plan
@@ -181,6 +182,7 @@ class RegionChoices:
     backward: Graph | None = None
     saved: list = field(default_factory=list)  # autodiff.SavedValue, after the default remat
     recomputed: list = field(default_factory=list)
+    saved_dtype: str | None = None  # the dtype the saved values the forward computes are kept in
     _schedule: StepSchedule | None = None
 
     @property
@@ -215,7 +217,8 @@ class RegionChoices:
             bwd, saved, more = recompute_chosen(graph, bwd, saved, chosen)
             recomputed += more
             bwd = cleanup(log.record("recompute_for_budget", bwd), log)
-        return _finish_region(graph, bwd, saved, recomputed, self.wrt, log, expand)
+        plans = _finish_region(graph, bwd, saved, recomputed, self.wrt, log, expand)
+        return plans if self.saved_dtype is None else _narrowed(plans, self.saved_dtype)
 
 
 def region_choices(
@@ -225,8 +228,10 @@ def region_choices(
     remat: bool = True,
     saved_bytes_budget: int | None = None,
     expand: bool = True,
+    saved_dtype: str | None = None,
 ) -> RegionChoices:
-    """The region pipeline up to the choice of what backward recomputes (see RegionChoices)."""
+    """The region pipeline up to the choice of what backward recomputes (see RegionChoices).
+    saved_dtype: store the saved values the forward computes in this dtype (bf16)."""
     log = log or new_log()
     graph = traced(graph, log)
     wrt = reaching_inputs(graph, wrt)
@@ -239,7 +244,19 @@ def region_choices(
     if remat:
         bwd, saved, recomputed = rematerialize(graph, bwd, saved, saved_bytes_budget)
         bwd = cleanup(log.record("rematerialize", bwd), log)
-    return RegionChoices(graph, wrt, log, expand, bwd, saved, recomputed)
+    return RegionChoices(graph, wrt, log, expand, bwd, saved, recomputed, saved_dtype)
+
+
+def _narrowed(plans: RegionPlans, dtype: str) -> RegionPlans:
+    """The plans with the saved values their forward computes stored in dtype (a bfloat16
+    round trip, ir/saved_dtype.py), planned again."""
+    forward, backward, slots = narrowed_saved(
+        plans.forward.graph, plans.backward.graph, plans.saved, plans.n_outputs, dtype
+    )
+    log = plans.log
+    forward = _plan(log.record("saved_dtype", forward), log)
+    backward = _plan(log.record("saved_dtype", backward), log)
+    return replace(plans, forward=forward, backward=backward, saved=slots)
 
 
 def _finish_region(graph, bwd, saved, recomputed, wrt, log, expand) -> RegionPlans:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .graph import Graph, Value
 from .registry import get_op
-from .types import TensorType, compute_dtype, is_half
+from .types import TensorType, is_half
 
 MOVES_DATA = ("input", "const", "full")  # besides the view ops: no arithmetic on the values
 
@@ -51,20 +51,31 @@ def widen(graph: Graph) -> Graph:
     """The graph with every computing op on 16-bit floats done in float32 (see the module's
     docstring); the same inputs (objects) and output dtypes. Graphs without 16-bit floats are
     returned as they are."""
+    return widen_with_origin(graph)[0]
+
+
+def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
+    """widen(graph), and for each node of the result the node of graph it computes (casts
+    into float32 have none): reports name the user's nodes, not the casts."""
     if not has_half(graph):
-        return graph
+        return graph, {n: n for n in graph.nodes}
     new = Graph(graph.name, list(graph.inputs), [], [], dict(graph.constants))
     mapping: dict[Value, Value] = {v: v for v in graph.inputs}
+    origin: dict[Value, Value] = {}
     for node in graph.nodes:
         inputs = [mapping[i] for i in node.inputs]
+        start = len(new.nodes)
         if node.op == "astype":
             mapping[node] = _cast(new, inputs[0], node.dtype, node.loc)
         elif computes_in_float32(node):
             mapping[node] = _in_float32(new, node, inputs)
         else:
             mapping[node] = _add(new, Value(node.op, inputs, node.attrs, node.type, node.loc))
+        casts_in = sum(is_half(i.dtype) for i in inputs) if computes_in_float32(node) else 0
+        for value in new.nodes[start + casts_in :]:
+            origin[value] = node
     new.outputs = [mapping[o] for o in graph.outputs]
-    return new
+    return new, origin
 
 
 def _add(graph: Graph, value: Value) -> Value:
@@ -75,7 +86,9 @@ def _add(graph: Graph, value: Value) -> Value:
 def _astype(graph: Graph, value: Value, dtype: str, loc) -> Value:
     if value.dtype == dtype:
         return value
-    return _add(graph, Value("astype", (value,), {"dtype": dtype}, TensorType(dtype, value.shape), loc))
+    return _add(
+        graph, Value("astype", (value,), {"dtype": dtype}, TensorType(dtype, value.shape), loc)
+    )
 
 
 def _cast(graph: Graph, value: Value, dtype: str, loc) -> Value:

@@ -99,7 +99,9 @@ def loss_scale(
     check_hyper("loss_scale", "growth_factor", growth_factor, positive=True)
     check_hyper("loss_scale", "backoff_factor", backoff_factor, positive=True)
     if not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ValueError(f"bp.optim.loss_scale: growth_interval={growth_interval!r}; use an int >= 1")
+        raise ValueError(
+            f"bp.optim.loss_scale: growth_interval={growth_interval!r}; use an int >= 1"
+        )
     return LossScale(optimizer, init_scale, growth_interval, growth_factor, backoff_factor)
 
 
@@ -111,7 +113,9 @@ def _unscaled(grads, scale, keep_float32: bool):
     out = []
     for g in leaves:
         value = ops.astype(g, "f32") * inverse
-        out.append(value if keep_float32 or g._ir_dtype == "f32" else ops.astype(value, g._ir_dtype))
+        out.append(
+            value if keep_float32 or g._ir_dtype == "f32" else ops.astype(value, g._ir_dtype)
+        )
     return unflatten(treedef, out)
 
 

@@ -40,7 +40,29 @@ def planned_groups(plans: Mapping[str, Plan], backend: str) -> dict | None:
     reference interpreter. Nothing is compiled to find out."""
     if backend != "numba":
         return None
-    return {name: lower(plan).kernels for name, plan in plans.items()}
+    return {name: _user_groups(lower(plan)) for name, plan in plans.items()}
+
+
+@dataclass(frozen=True)
+class _Group:
+    all_nodes: tuple
+    kind: str
+    epilogue: object = None
+
+
+def _user_groups(lowered) -> list:
+    """The kernels in the nodes of the plan the user's IR shows: a plan widened for 16-bit
+    floats names its casts' ops instead (the first kernel computing a node takes it)."""
+    if lowered.origin is None:
+        return lowered.kernels
+    groups, taken = [], set()
+    for kernel in lowered.kernels:
+        nodes = dict.fromkeys(lowered.origin[n] for n in kernel.all_nodes if n in lowered.origin)
+        nodes = tuple(n for n in nodes if n not in taken)
+        taken.update(nodes)
+        if nodes:
+            groups.append(_Group(nodes, kernel.kind, getattr(kernel, "epilogue", None)))
+    return groups
 
 
 def one_kernel_per_step(view: PlanView) -> list[KernelInfo]:

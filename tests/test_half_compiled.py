@@ -40,7 +40,9 @@ def test_shift_conversions_match_numpy_and_ml_dtypes_bit_for_bit():
     values = np.concatenate(
         [
             rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
-            (rng.standard_normal(100_000) * np.exp(rng.uniform(-20, 20, 100_000))).astype(np.float32),
+            (rng.standard_normal(100_000) * np.exp(rng.uniform(-20, 20, 100_000))).astype(
+                np.float32
+            ),
             np.array(special, np.float32),
             -np.array(special, np.float32),
         ]
@@ -99,6 +101,14 @@ def test_gradients_compiled_match_the_reference(dtype):
 
     (l1, g1), (l2, g2) = _both(bp.value_and_grad(loss), params, x)
     _assert_same_bits([l1, g1["w"], g1["b"]], [l2, g2["w"], g2["b"]])
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_16_bit_matmul_compiles(dtype):
+    w, x = bp.tensor(np.ones((3, 2), dtype)), bp.tensor(np.ones((4, 3), dtype))
+    with use_backend("numba"):
+        report = bp.explain(lambda w, x: bp.tanh(x @ w).sum(), w, x)
+    assert all(f.unsupported is None for f in report.compiled)
 
 
 def test_float16_overflow_propagates_inf_in_compiled_loops():

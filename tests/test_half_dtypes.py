@@ -77,13 +77,17 @@ def test_save_tree_and_export_keep_bfloat16(tmp_path):
     bp.save_tree(tmp_path / "p.npz", params)
     back = bp.load_tree(tmp_path / "p.npz")
     assert back["w"].dtype == BF16 and back["h"].dtype == np.float16
-    np.testing.assert_array_equal(back["w"].numpy().view(np.uint16), params["w"].numpy().view(np.uint16))
+    np.testing.assert_array_equal(
+        back["w"].numpy().view(np.uint16), params["w"].numpy().view(np.uint16)
+    )
     scale = _bf16([0.5, 0.25, 2.0])
     fn = bp.compile(lambda w: bp.exp(w * scale))
     bp.export(fn, params["w"], path=tmp_path / "f.bp")
     out = bp.load(tmp_path / "f.bp")(params["w"])
     assert out.dtype == BF16
-    np.testing.assert_array_equal(out.numpy().view(np.uint16), fn(params["w"]).numpy().view(np.uint16))
+    np.testing.assert_array_equal(
+        out.numpy().view(np.uint16), fn(params["w"]).numpy().view(np.uint16)
+    )
 
 
 def test_float16_overflow_gives_inf_visibly():
@@ -102,13 +106,26 @@ def test_casts_between_16_bit_dtypes_round_once_from_float32():
         b.astype("int16")
 
 
-@pytest.mark.parametrize("dtype,name", [(BF16, "bf16"), (np.dtype(np.float16), "f16")])
-def test_a_16_bit_matmul_says_why_it_runs_on_the_reference_interpreter(dtype, name):
-    from backplan.runtime.backend import use_backend
+def test_saved_dtype_stores_what_backward_keeps_in_bfloat16():
+    rng = np.random.default_rng(4)
+    x = bp.tensor(rng.standard_normal((32, 64)).astype(np.float32), requires_grad=True)
+    w = bp.tensor(rng.standard_normal((64, 64)).astype(np.float32) * 0.2, requires_grad=True)
 
-    w, x = bp.tensor(np.ones((3, 2), dtype)), bp.tensor(np.ones((4, 3), dtype))
-    with use_backend("numba"):
-        report = bp.explain(lambda w, x: bp.tanh(x @ w).sum(), w, x)
-    why = {f.plan: f for f in report.compiled}["forward"].unsupported
-    assert why.startswith(f"{name} matmul") and "astype(bp.float32)" in why, why
-    assert "integer" not in why
+    def f(x, w):
+        return bp.tanh(bp.tanh(x @ w) * 2.0).sum()
+
+    grads, computed = {}, {}
+    for dtype in (None, bp.bfloat16):
+        y = bp.compile(f, saved_dtype=dtype)(x, w)
+        saved = y.grad_fn.saved_buffers
+        computed[dtype] = sum(s.nbytes for s in saved if s.name not in ("x", "w"))
+        assert {s.nbytes for s in saved if s.name in ("x", "w")} == {x.nbytes, w.nbytes}
+        y.backward()
+        grads[dtype] = w.grad.numpy()
+        w.grad = x.grad = None
+    assert computed[bp.bfloat16] * 2 == computed[None] == 2 * 32 * 64 * 4
+    assert grads[bp.bfloat16].dtype == np.float32
+    np.testing.assert_allclose(grads[bp.bfloat16], grads[None], rtol=3e-2, atol=3e-2)
+    assert not np.array_equal(grads[bp.bfloat16], grads[None])  # it did read rounded values
+    with pytest.raises(ValueError, match="float dtype"):
+        bp.compile(f, saved_dtype=np.int32)

@@ -49,7 +49,9 @@ def _graph(samples, dtype: str, half: str):
 
     for index, sample in enumerate(samples):
         for name, array in sample.constants("f32").items():
-            graph.constants[f"{name}_{index}"] = array.astype(np_dtype(half)).astype(np_dtype(dtype))
+            graph.constants[f"{name}_{index}"] = array.astype(np_dtype(half)).astype(
+                np_dtype(dtype)
+            )
         floats = sample.float_inputs("f32")
         inputs = [add(a, i in floats) for i, a in enumerate(sample.inputs("f32"))]
         attrs = _attrs(sample, dtype if sample.op not in DRAWS_BY_DTYPE else half)
@@ -97,7 +99,11 @@ def test_every_op_sample_in_16_bits_on_both_executors(half):
             _check(result, expected, half, names)
         for name, c, r in zip(names, compiled, reference, strict=False):
             np.testing.assert_allclose(
-                c.astype(np.float64), r.astype(np.float64), rtol=TOL[half], atol=TOL[half], err_msg=name
+                c.astype(np.float64),
+                r.astype(np.float64),
+                rtol=TOL[half],
+                atol=TOL[half],
+                err_msg=name,
             )
 
 

@@ -33,8 +33,12 @@ def test_master_dtype_is_checked_and_not_ignored_inside_a_chain():
     with pytest.raises(ValueError, match="master weights are kept in"):
         bp.optim.sgd(0.1, master_dtype=bp.bfloat16)
     with pytest.raises(ValueError, match="pass master_dtype to bp.optim.chain"):
-        bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.sgd(0.1, master_dtype=bp.float32))
-    opt = bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.sgd(0.1), master_dtype=bp.float32)
+        bp.optim.chain(
+            bp.optim.clip_by_global_norm(1.0), bp.optim.sgd(0.1, master_dtype=bp.float32)
+        )
+    opt = bp.optim.chain(
+        bp.optim.clip_by_global_norm(1.0), bp.optim.sgd(0.1), master_dtype=bp.float32
+    )
     params = {"w": bp.tensor(np.ones(2, np.float16))}
     new, _ = opt.update({"w": bp.tensor(np.ones(2, np.float16))}, opt.init(params), params)
     assert new["w"].dtype == np.float16

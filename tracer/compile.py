@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from backplan.ir.pipeline import region_choices
+from backplan.ir.types import dtype_name, is_float
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
 
@@ -126,9 +127,11 @@ class CompiledFunction(PlannedFunction):
         cache_size: int = DEFAULT_CACHE_SIZE,
         background: bool | None = None,
         max_peak_bytes: int | None = None,
+        saved_dtype=None,
     ):
         super().__init__(fn, cache_size, background)
         self.remat = remat
+        self.saved_dtype = checked_saved_dtype(saved_dtype)
         self.saved_bytes_budget = checked_budget(saved_bytes_budget, "saved_bytes_budget")
         self.max_peak_bytes = checked_budget(max_peak_bytes, "max_peak_bytes")
         if self.saved_bytes_budget is not None and self.max_peak_bytes is not None:
@@ -220,7 +223,11 @@ class CompiledFunction(PlannedFunction):
         )
         check_donated_inputs(names, donated, wrt)
         choices = region_choices(
-            graph, wrt, remat=self.remat, saved_bytes_budget=self.saved_bytes_budget
+            graph,
+            wrt,
+            remat=self.remat,
+            saved_bytes_budget=self.saved_bytes_budget,
+            saved_dtype=self.saved_dtype,
         )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
         planner = BudgetPlanner(choices, input_bytes, name, donated)
@@ -251,6 +258,18 @@ class CompiledFunction(PlannedFunction):
         return plans
 
 
+def checked_saved_dtype(dtype) -> str | None:
+    """The IR name of a saved_dtype: a float dtype (bp.bfloat16, bp.float16, ...), or None."""
+    if dtype is None:
+        return None
+    name = dtype_name(dtype)
+    if not is_float(name):
+        raise ValueError(
+            f"saved_dtype={dtype!r}: saved buffers are stored in a float dtype, e.g. bp.bfloat16"
+        )
+    return name
+
+
 def _kept_inputs(program: RegionProgram, donated: tuple[int, ...]) -> set[int]:
     """Forward inputs whose buffer outlives the call: read by an output, saved for backward,
     or donated. A NumPy array passed there is copied (tracer/numpy_args.py)."""
@@ -275,6 +294,7 @@ def compile(  # noqa: A001
     cache_size: int = DEFAULT_CACHE_SIZE,
     background: bool | None = None,
     max_peak_bytes: int | None = None,
+    saved_dtype=None,
 ) -> CompiledFunction: ...
 
 
@@ -290,6 +310,7 @@ def compile(  # noqa: A001
     cache_size: int = DEFAULT_CACHE_SIZE,
     background: bool | None = None,
     max_peak_bytes: int | None = None,
+    saved_dtype=None,
 ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 
 
@@ -304,6 +325,7 @@ def compile(  # noqa: A001
     cache_size: int = DEFAULT_CACHE_SIZE,
     background: bool | None = None,
     max_peak_bytes: int | None = None,
+    saved_dtype=None,
 ) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Trace fn on its first call per signature into static forward and backward plans.
 
@@ -329,6 +351,9 @@ def compile(  # noqa: A001
     compiling, saying the smallest peak reachable and the ways out. `fn.memory_frontier(...)`
     lists the plans to choose from. saved_bytes_budget: the same for the bytes saved for
     backward (your own arrays excluded): met by recomputing, or refused.
+    saved_dtype=bp.bfloat16 stores the float32 values the forward saves for backward in
+    bfloat16 (half the bytes; the backward reads them rounded to 8 significant bits); your own
+    arrays and returned outputs that backward reads are held as they are.
     cache_size: signatures kept (least recently used leave first); after 8 retraces a
     bp.RetraceWarning says what changed.
 
@@ -356,6 +381,7 @@ def compile(  # noqa: A001
         cache_size=cache_size,
         background=check_background(background),
         max_peak_bytes=max_peak_bytes,
+        saved_dtype=saved_dtype,
     )
     if fn is None:
         return lambda f: CompiledFunction(f, **options)

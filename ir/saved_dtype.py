@@ -1,0 +1,56 @@
+"""Saved buffers stored in a narrower dtype (`bp.compile(fn, saved_dtype=bp.bfloat16)`): the
+forward rounds each float32 or float64 value it saves for backward to that dtype once (round to
+nearest even), the backward reads it back widened. Half the bytes held between forward and
+backward for bfloat16; no added FLOPs beyond one cast each way, and a rounding of what the
+derivative reads (bfloat16 keeps 8 significant bits). Your own inputs that backward reads are
+held by reference, not copied, so they stay as they are; so do saved user outputs (a narrow
+copy would add to what is held, not replace it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .graph import Graph, Value, copy_graph
+from .types import TensorType, is_float, np_dtype
+
+
+def narrowed_saved(
+    forward: Graph, backward: Graph, slots: list, n_outputs: int, dtype: str
+) -> tuple[Graph, Graph, list]:
+    """(forward, backward, slots) with the saved values the forward computes stored in dtype.
+    forward's lists are the caller's own (they are changed); backward is copied."""
+    first_saved = len(backward.inputs) - len(slots)
+    backward, _ = copy_graph(backward)
+    slots, narrowed = list(slots), {}
+    for k, slot in enumerate(slots):
+        kind, at = slot.source
+        if kind != "output" or at < n_outputs:
+            continue
+        if at not in narrowed:
+            value = forward.outputs[at]
+            if not _narrows(value.dtype, dtype):
+                continue
+            type_ = TensorType(dtype, value.shape)
+            narrowed[at] = Value("astype", (value,), {"dtype": dtype}, type_, value.loc)
+            forward.nodes.append(narrowed[at])
+            forward.outputs[at] = narrowed[at]
+        slots[k] = replace(slot, forward=narrowed[at])
+        _read_widened(backward, backward.inputs[first_saved + k], dtype)
+    return forward, backward, slots
+
+
+def _narrows(source: str, target: str) -> bool:
+    return is_float(source) and np_dtype(target).itemsize < np_dtype(source).itemsize
+
+
+def _read_widened(graph: Graph, saved: Value, dtype: str) -> None:
+    """The saved input becomes dtype; one astype, just before its first reader, gives its
+    readers their old type back."""
+    wide = Value("astype", (saved,), {"dtype": saved.dtype}, saved.type, saved.loc)
+    readers = [k for k, node in enumerate(graph.nodes) if saved in node.inputs]
+    for node in graph.nodes:
+        node.inputs = tuple(wide if i is saved else i for i in node.inputs)
+    graph.outputs = [wide if o is saved else o for o in graph.outputs]
+    saved.type = TensorType(dtype, saved.shape)
+    graph.nodes.insert(readers[0] if readers else len(graph.nodes), wide)
