@@ -176,3 +176,56 @@ def test_misses_from_many_threads_are_traced_and_explained():
         assert np.all(result == 2.0 * thread + 1.0)
     info = double.cache_info()
     assert info.traces >= 7 and info.last_miss_reason is not None
+
+
+def test_threads_missing_one_signature_at_once_trace_it_once():
+    """The first calls of every thread arrive together (the trace is slowed, so all of them miss
+    before one finishes): one traces, the others wait and run its plans."""
+    import time
+
+    def slow_to_trace(w, x):
+        time.sleep(0.2)  # runs while tracing only: the plan has no Python in it
+        return bp.tanh(x @ w).sum()
+
+    step = bp.compile(bp.value_and_grad(slow_to_trace))
+    w, x = make_params(1)["w1"].detach(), inputs(0, 0)
+
+    def work(thread, call):
+        loss, grad = step(w, x)
+        return [loss.numpy().copy(), grad.numpy().copy()]
+
+    with use_backend("reference"):
+        got = run_threads(work)
+        expected = work(0, 0)
+    assert all(
+        all(np.array_equal(a, b) for a, b in zip(r, expected, strict=True)) for r in got.values()
+    )
+    info = step.cache_info()
+    assert (info.traces, info.misses, info.entries) == (1, 1, 1)
+    assert info.hits == THREADS * CALLS  # every other call, and the serial one after
+
+
+def test_a_trace_that_fails_fails_in_every_waiting_thread():
+    calls = []
+
+    def broken(x):
+        calls.append(1)
+        raise ValueError("broken model")
+
+    fn = bp.compile(broken)
+    errors = []
+    start = threading.Barrier(THREADS)
+
+    def worker():
+        start.wait()
+        try:
+            fn(bp.tensor(np.ones(3, np.float32)))
+        except ValueError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == THREADS and fn.cache_info().entries == 0

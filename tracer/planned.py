@@ -5,6 +5,7 @@ explain(). Subclasses say only how a call is bound, how an entry is built, run a
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,6 +34,14 @@ class CacheInfo:
     misses: int
     last_miss_reason: str | None
     entries: int
+
+
+class _Tracing(threading.Event):
+    """Set when the thread tracing one signature (owner) is done, entry cached or not."""
+
+    def __init__(self):
+        super().__init__()
+        self.owner = threading.get_ident()
 
 
 class FastEntry:
@@ -79,6 +88,8 @@ class PlannedFunction:
         self._warned = False
         self._static_nums: frozenset = frozenset()  # positions whose floats stay static
         self._static_names: frozenset = frozenset()  # parameter names likewise
+        self._lookup_lock = threading.Lock()  # held for cache reads and writes, never a trace
+        self._pending: dict = {}  # entry key -> _Tracing, while a thread traces that signature
 
     # ---- what subclasses provide -------------------------------------------------------------
 
@@ -172,23 +183,47 @@ class PlannedFunction:
 
     def lookup(self, args: tuple, kwargs: dict, count_hit: bool = True):
         """(bound call, entry) for these arguments, tracing on a miss. count_hit: a call
-        counts a hit; trace() and explain() only look."""
+        counts a hit; trace() and explain() only look. Threads that miss one signature at once
+        trace it once: the others wait for that entry (see _claim)."""
         bound = self._bind(args, kwargs)
         key = self._entry_key(bound)
-        entry = self._entries.get(key)
-        if entry is not None and self._still_valid(entry):
-            self._hits += count_hit
-            self._entries.move_to_end(key)
-            self._most_recent = None
+        entry, pending = self._claim(key, count_hit)
+        if pending is None:
             return bound, entry
-        self._misses += 1
-        self._last_miss_reason = self._miss_reason(key, entry)
-        entry = self._build(bound)
-        self._traces += 1
-        self._remember(key, entry)
-        self._last_key = key
+        try:
+            entry = self._build(bound)
+            with self._lookup_lock:
+                self._traces += 1
+                self._remember(key, entry)
+                self._last_key = key
+        finally:
+            with self._lookup_lock:
+                if self._pending.get(key) is pending:
+                    del self._pending[key]
+            pending.set()
         self._note_retrace(self._last_miss_reason)
         return bound, entry
+
+    def _claim(self, key, count_hit: bool):
+        """(entry, None) on a hit, or (stale entry, event) when this thread is to trace `key`.
+        While another thread traces the same key this one waits and takes its entry: a wait
+        cycle would need a cycle of (function, signature) calls, which never ends anyway; the
+        thread tracing a key does not wait for itself (a recursive call traces, as before)."""
+        while True:
+            with self._lookup_lock:
+                entry = self._entries.get(key)
+                if entry is not None and self._still_valid(entry):
+                    self._hits += count_hit
+                    self._entries.move_to_end(key)
+                    self._most_recent = None
+                    return entry, None
+                pending = self._pending.get(key)
+                if pending is None or pending.owner == threading.get_ident():
+                    self._misses += 1
+                    self._last_miss_reason = self._miss_reason(key, entry)
+                    pending = self._pending[key] = _Tracing()
+                    return entry, pending
+            pending.wait()  # its entry is in the cache now, or its trace failed: look again
 
     def _remember(self, key, entry) -> None:
         """Least recently used signatures leave the cache beyond cache_size."""
