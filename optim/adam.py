@@ -12,7 +12,10 @@ dtype, as torch computes them in Python floats.
 
 from __future__ import annotations
 
+import numpy as np
+
 from backplan.tracer import ops
+from backplan.tracer.pytree import flatten
 
 from .base import Optimizer, with_master
 from .hyper import leaf_scalar, learning_rate, new_count
@@ -52,6 +55,7 @@ def _adam(name, lr, b1, b2, eps, weight_decay, decoupled: bool) -> Optimizer:
     check_hyper(name, "weight_decay", weight_decay)
 
     def init_fn(params):
+        _check_eps_fits(name, eps, params)
         zeros = tree_map_n(ops.zeros_like, params)
         return {"count": new_count(), "mu": zeros, "nu": tree_map_n(ops.zeros_like, params)}
 
@@ -79,3 +83,19 @@ def _adam(name, lr, b1, b2, eps, weight_decay, decoupled: bool) -> Optimizer:
         return updates, {"count": count + 1, "mu": mu, "nu": nu}
 
     return Optimizer(f"{name}({lr!r})", init_fn, transform)
+
+
+def _check_eps_fits(name: str, eps: float, params) -> None:
+    """eps is added in the parameter's dtype: in float16 the default 1e-8 rounds to 0, and every
+    element whose gradient is 0 then steps by 0 / 0, NaN, on the first update (torch.optim.Adam
+    does the same, silently). Refused with the two ways out."""
+    if np.float16(eps) != 0:
+        return
+    halves = [leaf for leaf in flatten(params)[0] if getattr(leaf, "dtype", None) == np.float16]
+    if halves:
+        raise ValueError(
+            f"bp.optim.{name}: eps={eps!r} rounds to 0 in float16, the dtype of "
+            f"{len(halves)} parameter(s), so an element whose gradient is 0 would become NaN on "
+            f"the first step: pass master_dtype=bp.float32 (moments and steps in float32) or "
+            f"an eps float16 holds (1e-4 is usual)"
+        )

@@ -91,7 +91,7 @@ def test_dynamic_loss_scaling_trains_where_float16_underflows():
 
 def test_a_skipped_step_leaves_parameters_and_state_unchanged():
     params = {"w": bp.tensor(np.array([1.0, 2.0], np.float16))}
-    opt = bp.optim.loss_scale(bp.optim.adam(0.1), init_scale=8.0, growth_interval=2)
+    opt = bp.optim.loss_scale(bp.optim.adam(0.1, eps=1e-4), init_scale=8.0, growth_interval=2)
     state = opt.init(params)
     bad = {"w": bp.tensor(np.array([np.nan, 1.0], np.float16))}
     new, after = opt.update(bad, state, params)
@@ -103,3 +103,18 @@ def test_a_skipped_step_leaves_parameters_and_state_unchanged():
         new, after = opt.update(good, after, new)
     assert float(after["scale"].item()) == 8.0 and int(after["good_steps"].item()) == 0
     assert not np.array_equal(new["w"].numpy(), params["w"].numpy())
+
+
+@pytest.mark.parametrize("make", [bp.optim.adam, bp.optim.adamw])
+def test_adam_on_float16_refuses_an_eps_that_rounds_to_zero(make):
+    # eps=1e-8 is 0 in float16: a zero gradient would step by 0 / 0 (NaN) on the first update
+    params = {"w": bp.tensor(np.ones(3, np.float16))}
+    with pytest.raises(ValueError, match=r"eps=1e-08 rounds to 0 in float16.*master_dtype"):
+        make(1e-3).init(params)
+    with pytest.raises(ValueError, match="rounds to 0 in float16"):
+        bp.optim.chain(bp.optim.clip_by_global_norm(1.0), make(1e-3)).init(params)
+    grads = {"w": bp.tensor(np.array([0.0, 1e-3, 1.0], np.float16))}
+    for opt in (make(1e-3, master_dtype=bp.float32), make(1e-3, eps=1e-4)):
+        new, _ = opt.update(grads, opt.init(params), params)
+        assert np.all(np.isfinite(new["w"].numpy()))
+    assert make(1e-3).init({"w": bp.tensor(np.ones(3, bp.bfloat16))})  # bfloat16 holds 1e-8
