@@ -213,16 +213,6 @@ def unsupported_reason(lowered) -> str | None:
         if node.op not in table:
             return f"no compiled form for {node.op}"
         if node.op == "matmul" and node.dtype not in ("f32", "f64"):
-            return _matmul_reason(node.dtype)
+            return "integer matmul"  # 16-bit float matmuls are widened to float32 (ir/widen.py)
     return None
 
-
-def _matmul_reason(dtype: str) -> str:
-    """The GEMM kernels are float32 and float64 only; a 16-bit float matmul is not an integer
-    one, and a cast around it is what compiles."""
-    if dtype in ("bf16", "f16"):
-        return (
-            f"{dtype} matmul (the compiled GEMM is float32 and float64 only: "
-            "a.astype(bp.float32) @ b.astype(bp.float32) compiles)"
-        )
-    return "integer matmul"
