@@ -30,8 +30,7 @@ from .threads import apply_threads, prepare_jax_threads
 def backplan_steps(inputs, scale):
     """{name: (step, saved bytes)} for the fused and unfused plans of the same function."""
     import backplan as bp
-
-    from .internals import driver_builder
+    from backplan.bench.internals import driver_builder
 
     def loss(q, k, v, g):
         return bp.sum((bp.softmax((q @ k.swapaxes(-1, -2)) * scale, axis=-1) @ v) * g)
@@ -91,7 +90,7 @@ def jax_step(inputs, scale):
 
 
 def reference_grads(inputs, scale):
-    from .internals import get_op
+    from backplan.bench.internals import get_op
 
     q, k, v, g = (x.astype(np.float64) for x in inputs)
     flat = get_op("attention_grad").reference(q, k, v, g, scale=scale, causal=False)

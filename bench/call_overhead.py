@@ -60,7 +60,7 @@ def add_jax_step(steps: dict, name: str) -> dict:
 
 def measure(steps: dict, schedule: Schedule) -> dict:
     """Median step seconds per kind over interleaved rounds (the order alternates)."""
-    from .internals import wait_for_builds
+    from backplan.bench.internals import wait_for_builds
 
     for step in steps.values():
         step()

@@ -103,7 +103,7 @@ def thread_counts() -> dict:
 def backplan_backend() -> str:
     """The executor backplan runs compiled plans on, where this version can say."""
     try:
-        from .internals import current_backend
+        from backplan.bench.internals import current_backend
     except ImportError:
         return "reference (no backend switch in this version)"
     return current_backend()

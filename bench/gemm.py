@@ -48,9 +48,9 @@ def _runners(shape, dtype, width, threads):
     """name -> zero-argument callable doing the GEMM once."""
     import numpy as np
 
-    from .internals import blas
-    from .internals import gemm_parallel as parallel
-    from .internals import own_gemm as gemm
+    from backplan.bench.internals import blas
+    from backplan.bench.internals import gemm_parallel as parallel
+    from backplan.bench.internals import own_gemm as gemm
 
     batch, m, k, n, ta, tb = shape
     a, b, c = _operands(shape, dtype)
@@ -167,8 +167,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))[-args.threads :]
     os.sched_setaffinity(0, cpus)  # before OpenBLAS loads: it sizes its pool from the mask
+    from backplan.bench.internals import ISA_WIDTH, active_isa
+
     from .environment import cpu_name
-    from .internals import ISA_WIDTH, active_isa
 
     isa = args.isa or active_isa()
     print(

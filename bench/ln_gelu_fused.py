@@ -22,9 +22,10 @@ import sys
 import numba
 import numpy as np
 
+from backplan.bench.internals import tanh_f32
+
 from .affinity import current_affinity, pin_process
 from .environment import cpu_name, load_average
-from .internals import tanh_f32
 from .measure import interleaved_medians, max_relative_error
 from .threads import apply_threads
 
@@ -108,9 +109,8 @@ def hand_fused(params, upstream, threads: int):
 
 def backplan_step(params, upstream):
     import backplan as bp
+    from backplan.bench.internals import driver_builder
     from backplan.bench.models.ln_gelu import loss
-
-    from .internals import driver_builder
 
     args = {name: bp.tensor(value.astype(np.float32)) for name, value in params.items()}
     up = bp.tensor(upstream.astype(np.float32))

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 from scipy import special
 
-from .internals import mathlib
+from backplan.bench.internals import mathlib
 
 NUMPY_EQUIVALENTS = {
     "exp": np.exp,

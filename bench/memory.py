@@ -37,10 +37,9 @@ def child(name: str, scale: int) -> dict:
     import numpy as np
 
     import backplan as bp
+    from backplan.bench.internals import joint_calls, predicted_peak
     from backplan.bench.models import MODELS
     from backplan.bench.peers.backplan_peer import bench_function
-
-    from .internals import joint_calls, predicted_peak
 
     spec = MODELS[name]
     config = {k: v * scale if k in SCALABLE else v for k, v in spec.config.items()}

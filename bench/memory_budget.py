@@ -15,10 +15,10 @@ import time
 import numpy as np
 
 import backplan as bp
+from backplan.bench.internals import cheapest_within, plan_frontier, runner_for
 
 from .affinity import pin_process
 from .environment import cpu_name
-from .internals import cheapest_within, plan_frontier, runner_for
 from .models import MODELS
 from .models import transformer as transformer_model
 from .peers.backplan_peer import bench_function
@@ -94,7 +94,7 @@ def plan_outputs(plans, arrays: list) -> tuple[list, list, list]:
     """Each plan's compiled runner, the outputs of its first call and the flat inputs. A
     runner takes over the list it is given (it clears it, so donated buffers have no other
     reference): each call gets a list of its own, or the next plan is called with no inputs."""
-    from .internals import flatten
+    from backplan.bench.internals import flatten
 
     flat = [np.asarray(a) for a in flatten(arrays)[0]]
     runners = [runner_for(p, {}, background=False) for p in plans]

@@ -15,7 +15,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from .internals import splat, vector_fma
+from backplan.bench.internals import splat, vector_fma
 
 ACCUMULATORS = 16
 

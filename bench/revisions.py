@@ -31,10 +31,9 @@ def child(models: list[str], cpus: list[int], rounds: int, peer: str) -> dict[st
     import numpy as np
     from threadpoolctl import threadpool_limits
 
+    from backplan.bench.internals import driver_builder
     from backplan.bench.models import MODELS
     from backplan.bench.peers import PEERS
-
-    from .internals import driver_builder
 
     numba.set_num_threads(len(cpus))
     threadpool_limits(len(cpus))

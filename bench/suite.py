@@ -80,7 +80,7 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
 def _wait_for_compiled_drivers(row: dict) -> None:
     """backplan's first calls run plan drivers as Python while they compile in a background
     process: steps are timed once they run compiled (the wait is recorded)."""
-    from .internals import wait_for_builds
+    from backplan.bench.internals import wait_for_builds
 
     start = time.perf_counter()
     wait_for_builds()
