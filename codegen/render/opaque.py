@@ -215,4 +215,3 @@ def unsupported_reason(lowered) -> str | None:
         if node.op == "matmul" and node.dtype not in ("f32", "f64"):
             return "integer matmul"  # 16-bit float matmuls are widened to float32 (ir/widen.py)
     return None
-
