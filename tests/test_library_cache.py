@@ -49,9 +49,7 @@ def library_files(tmp_path) -> list[str]:
     ]
 
 
-def test_library_code_is_cached_signed_in_the_cache_folder_and_loaded_by_the_next_process(
-    tmp_path,
-):
+def test_library_code_is_cached_signed_in_the_cache_folder_loaded_counted_and_cleared(tmp_path):
     env = environment(tmp_path)
     first = json.loads(run(["-c", SCRIPT], env).splitlines()[-1])
     files = library_files(tmp_path)
@@ -62,13 +60,7 @@ def test_library_code_is_cached_signed_in_the_cache_folder_and_loaded_by_the_nex
     assert all(f.startswith(str(tmp_path / "kernels" / "library" / "codegen")) for f in files)
     second = json.loads(run(["-c", SCRIPT], env).splitlines()[-1])
     assert second == {"hits": 1, "misses": 0}  # loaded from the folder, not compiled
-
-
-def test_cache_info_counts_and_clear_removes_the_library_files(tmp_path):
-    env = environment(tmp_path)
-    run(["-c", SCRIPT], env)
-    count = len(library_files(tmp_path))
     info = run(["-m", "backplan", "cache", "info"], env)
-    assert f"library: {count} files" in info and count > 0, info
+    assert f"library: {len(library_files(tmp_path))} files" in info, info
     run(["-m", "backplan", "cache", "clear"], env)
     assert library_files(tmp_path) == []
