@@ -69,7 +69,9 @@ def __getattr__(name: str):
         return getattr(_torch_interop, name)
     if name == "bfloat16":  # only reached when ml_dtypes is missing
         raise ImportError("bp.bfloat16 needs the ml_dtypes package: pip install ml_dtypes")
-    raise AttributeError(f"module 'backplan' has no attribute {name!r}")
+    from backplan.tracer.torch_names import MODULE_SPELLINGS, no_such_attribute
+
+    raise no_such_attribute("module 'backplan'", name, MODULE_SPELLINGS)
 
 
 def zero_grad(params: object) -> None:

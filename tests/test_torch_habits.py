@@ -1,6 +1,8 @@
 """PyTorch habits on backplan tensors: each works as in PyTorch, or raises naming backplan's
 spelling where PyTorch's op of the same name means something else."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -125,3 +127,27 @@ def test_transposes_with_one_meaning_still_run():
     y = _x((2, 3, 4))
     assert y.transpose(2, 0, 1).shape == y.permute(2, 0, 1).shape == (4, 2, 3)
     assert y.T.shape == (4, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "name, spelling",
+    [
+        ("t", "x.T"),
+        ("float", "astype(bp.float32)"),
+        ("argmax", "bp.argmax"),
+        ("zero_", "immutable"),
+    ],
+)
+def test_torch_only_methods_name_backplans_spelling(name, spelling):
+    with pytest.raises(
+        AttributeError, match=rf"no attribute '{name}' \(PyTorch's .*{re.escape(spelling)}"
+    ):
+        getattr(_x(), name)
+    assert not hasattr(_x(), "to")  # still an AttributeError: duck typing is unchanged
+
+
+def test_torch_only_functions_name_backplans_spelling():
+    with pytest.raises(AttributeError, match=r"no attribute 'cat' \(PyTorch's .*bp.concatenate"):
+        bp.cat  # noqa: B018
+    with pytest.raises(AttributeError, match=r"no attribute 'nope'$"):
+        bp.nope  # noqa: B018

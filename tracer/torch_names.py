@@ -76,3 +76,44 @@ def variance_correction(name: str, dim: Any) -> str:
         f"x.var(axis={dim}) is the population variance (ddof=0), as np.var. For PyTorch's "
         f"value multiply by n / (n - 1), n = x.shape[{dim}]"
     )
+
+
+_IMMUTABLE = (
+    "tensors are immutable: build a new one (x + y, bp.zeros_like(x)); a training step returns "
+    "new parameters (bp.optim)"
+)
+# PyTorch names backplan spells otherwise: the AttributeError says how (never a silent alias)
+TENSOR_SPELLINGS = {
+    "t": "x.T (x.swapaxes(a, b) for two axes of more)",
+    "float": "x.astype(bp.float32)",
+    "double": "x.astype(bp.float64)",
+    "half": "x.astype(bp.float16)",
+    "long": "x.astype(bp.int64)",
+    "int": "x.astype(bp.int32)",
+    "to": "x.astype(dtype); backplan tensors live in host memory, there is no device to move to",
+    "cuda": "not available: backplan runs on the CPU",
+    "cpu": "x itself: backplan tensors live in host memory",
+    "argmax": "bp.argmax(x, axis=...)",
+    "argmin": "bp.argmin(x, axis=...)",
+    "numel": "x.size",
+    "dim": "x.ndim",
+    "clone": "x itself: tensors are immutable, so a copy is never needed",
+    "clamp": "bp.clip(x, lo, hi)",
+    **{name: _IMMUTABLE for name in ("zero_", "add_", "sub_", "mul_", "div_", "copy_", "fill_")},
+}
+MODULE_SPELLINGS = {
+    "cat": "bp.concatenate(tensors, axis=0)",
+    "clamp": "bp.clip(x, lo, hi)",
+    "from_numpy": "bp.tensor(array) (bp.from_dlpack(array) shares its memory)",
+    "randn": "bp.random.normal(key, shape) with key = bp.random.key(seed)",
+    "rand": "bp.random.uniform(key, shape) with key = bp.random.key(seed)",
+    "manual_seed": "key = bp.random.key(seed), passed to bp.random's functions",
+}
+
+
+def no_such_attribute(owner: str, name: str, spellings: dict) -> AttributeError:
+    """AttributeError for `name`, saying backplan's spelling where it is a PyTorch name."""
+    message = f"{owner} has no attribute {name!r}"
+    if name in spellings:
+        message += f" (PyTorch's {name}; in backplan: {spellings[name]})"
+    return AttributeError(message)
