@@ -98,6 +98,8 @@ class Tensor:
         def __getattr__(self, name: str):
             """Only for names Tensor lacks: PyTorch's (x.float(), x.t(), x.zero_()) say how
             backplan spells them; the error stays an AttributeError, so hasattr() is unchanged."""
+            if name.startswith("_"):  # NumPy's protocol probes, unset slots: no lookup
+                raise AttributeError(f"'Tensor' object has no attribute {name!r}")
             from .torch_names import TENSOR_SPELLINGS, no_such_attribute
 
             raise no_such_attribute("'Tensor' object", name, TENSOR_SPELLINGS)
