@@ -1,0 +1,81 @@
+"""bfloat16 against float32 on the bench models: the bytes a step saves for backward with
+`saved_dtype=bp.bfloat16` (float32 arithmetic), and the compiled value_and_grad step time with
+everything in bfloat16 against float32, side by side (interleaved rounds, one pinned thread).
+
+    python -m backplan.bench.half_precision [--small] [--models mlp,transformer,ln_gelu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+import backplan as bp
+
+from .affinity import pin_process
+from .measure import FULL, QUICK, timed_rounds, warm_up
+from .models import MODELS, transformer
+from .models import ln_gelu as ln_gelu_model
+from .models import mlp as mlp_model
+
+LOSSES = {"mlp": mlp_model.loss, "transformer": transformer.loss, "ln_gelu": ln_gelu_model.loss}
+
+
+def saved_bytes(name: str, small: bool, saved_dtype) -> int:
+    """Bytes a compiled forward saves for backward, the user's own arrays excluded."""
+    spec = MODELS[name]
+    data = spec.inputs(small, np.float32)
+    params = {k: bp.tensor(v, requires_grad=True) for k, v in data.params.items()}
+    loss = bp.compile(_bound(spec), saved_dtype=saved_dtype)(params, *data.batch(True))
+    return sum(b.nbytes for b in loss.grad_fn.saved_buffers if not b.is_region_input)
+
+
+class _Step:
+    """One compiled value_and_grad step of a model in one dtype."""
+
+    numpy_allocations = False
+
+    def __init__(self, name: str, small: bool, dtype):
+        spec = MODELS[name]
+        data = spec.inputs(small, np.float32)
+        self.params = {k: bp.tensor(v.astype(dtype)) for k, v in data.params.items()}
+        self.batch = [b.astype(dtype) if b.dtype.kind == "f" else b for b in data.batch(True)]
+        self.fn = bp.compile(bp.value_and_grad(_bound(spec)))
+
+    def step(self):
+        self.fn(self.params, *self.batch)
+
+
+def _bound(spec):
+    loss = LOSSES[spec.kind]
+    return lambda params, *batch: loss(params, *batch, **spec.static)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--models", default="mlp,transformer,ln_gelu")
+    args = parser.parse_args(argv)
+    print(pin_process(1), "BACKPLAN_BACKEND", os.environ.get("BACKPLAN_BACKEND", "numba"))
+    schedule = QUICK if args.small else FULL
+    for name in args.models.split(","):
+        f32, bf16 = saved_bytes(name, args.small, None), saved_bytes(name, args.small, bp.bfloat16)
+        ratio = bf16 / max(f32, 1)
+        print(f"{name}: saved {f32:,} B float32, {bf16:,} B saved_dtype=bfloat16 ({ratio:.3f}x)")
+        runners = {
+            "f32": _Step(name, args.small, np.float32),
+            "bf16": _Step(name, args.small, bp.bfloat16),
+        }
+        steps = {
+            k: schedule.steps_per_round(warm_up(r, schedule.warmup_steps))
+            for k, r in runners.items()
+        }
+        timings = timed_rounds(runners, steps, schedule)
+        f32_ms, bf16_ms = (timings[k].median * 1e3 for k in ("f32", "bf16"))
+        print(f"{name}: step f32 {f32_ms:.2f} ms, bf16 {bf16_ms:.2f} ms ({bf16_ms / f32_ms:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
