@@ -31,10 +31,11 @@ def bf16_to_f32(h):
 def f32_to_bf16(x):
     """Round to nearest even by adding 0x7FFF plus the lowest kept bit; a NaN keeps its sign
     and becomes quiet (adding could carry it into infinity)."""
-    b = np.int64(_bits(np.float32(x)))
-    nan = (b & 0x7FFFFFFF) > 0x7F800000
-    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    return np.uint16(((b >> 16) | 0x40) if nan else rounded)
+    b = _bits(np.float32(x))  # uint32 throughout: 16 lanes of a 512-bit vector, not 8
+    nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    odd = (b >> np.uint32(16)) & np.uint32(1)
+    rounded = (b + np.uint32(0x7FFF) + odd) >> np.uint32(16)
+    return np.uint16(((b >> np.uint32(16)) | np.uint32(0x40)) if nan else rounded)
 
 
 @_scalar_function
