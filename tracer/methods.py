@@ -8,6 +8,7 @@ from . import dlpack, indexing, inplace, numpy_protocol, ops
 from .graph_view import explain_graph
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
+from .torch_names import TENSOR_SPELLINGS, spelling_only
 
 
 def _detach(self: Tensor) -> Tensor:
@@ -104,3 +105,5 @@ def install_tensor_methods() -> None:
     numpy_protocol.install(Tensor)
     dlpack.install(Tensor)
     inplace.install(Tensor)
+    for name in TENSOR_SPELLINGS.keys() - vars(Tensor).keys():
+        setattr(Tensor, name, spelling_only(name))

@@ -93,17 +93,6 @@ class Tensor:
     )
     __array_priority__ = 1000  # ndarray + Tensor defers to Tensor.__radd__
 
-    if not TYPE_CHECKING:  # at runtime only: to mypy a __getattr__ would make any name valid
-
-        def __getattr__(self, name: str):
-            """Only for names Tensor lacks: PyTorch's (x.float(), x.t(), x.zero_()) say how
-            backplan spells them; the error stays an AttributeError, so hasattr() is unchanged."""
-            if name.startswith("_"):  # NumPy's protocol probes, unset slots: no lookup
-                raise AttributeError(f"'Tensor' object has no attribute {name!r}")
-            from .torch_names import TENSOR_SPELLINGS, no_such_attribute
-
-            raise no_such_attribute("'Tensor' object", name, TENSOR_SPELLINGS)
-
     if TYPE_CHECKING:  # installed by tracer/methods.py and numpy_protocol.py; declared for typing
         T: Tensor
         mT: Tensor

@@ -117,3 +117,14 @@ def no_such_attribute(owner: str, name: str, spellings: dict) -> AttributeError:
     if name in spellings:
         message += f" (PyTorch's {name}; in backplan: {spellings[name]})"
     return AttributeError(message)
+
+
+def spelling_only(name: str) -> property:
+    """A Tensor attribute for a PyTorch-only name: reading it raises the AttributeError that
+    names backplan's spelling (an AttributeError, so hasattr() stays False). A property, not a
+    __getattr__, so NumPy's probes of missing attributes stay as fast and mypy sees no name."""
+
+    def refuse(self):
+        raise no_such_attribute("'Tensor' object", name, TENSOR_SPELLINGS)
+
+    return property(refuse)
