@@ -1,0 +1,33 @@
+"""The library's conv kernels compile one variant per dtype and rank: every array they only
+read is passed read-only (codegen/kernels/conv.as_read_only), whether it is the caller's input
+(read-only) or an intermediate (writable). Before, a two-layer CNN compiled conv2d_gemm twice."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.kernels import conv
+from backplan.runtime.backend import use_backend
+
+
+def two_convs(w1, w2, x):
+    hidden = bp.relu(bp.conv2d(x, w1, padding=(1, 1)))
+    return bp.sum(bp.conv2d(hidden, w2, padding=(1, 1)) ** 2)
+
+
+@pytest.mark.parametrize("driver", ["inline", "python"])
+def test_inputs_and_intermediates_share_one_compiled_conv_variant(driver, monkeypatch):
+    monkeypatch.setenv("BACKPLAN_DRIVER", driver)
+    rng = np.random.default_rng(3)
+    w1 = bp.tensor(rng.standard_normal((3, 2, 3, 3)).astype(np.float32))
+    w2 = bp.tensor(rng.standard_normal((4, 3, 3, 3)).astype(np.float32))
+    x = bp.tensor(rng.standard_normal((2, 2, 5, 5)).astype(np.float32))
+    with use_backend("numba"):
+        value, grads = bp.value_and_grad(bp.compile(two_convs), argnums=(0, 1))(w1, w2, x)
+    expected, expected_grads = bp.value_and_grad(two_convs, argnums=(0, 1))(w1, w2, x)
+    np.testing.assert_allclose(value.numpy(), expected.numpy(), rtol=1e-4)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+    for kernel in (conv.conv2d_gemm, conv.conv2d_input_grad_gemm, conv.conv2d_weight_grad_gemm):
+        read = [signature[:2] for signature in kernel.signatures]
+        assert read and all(not t.mutable for pair in read for t in pair), kernel.signatures
