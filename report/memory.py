@@ -77,7 +77,11 @@ def memory_text(report) -> str:
 def frontier_text(frontier) -> str:
     """The plans max_peak_bytes chooses from, or why there is no choice."""
     if frontier is None:
-        return ""
+        return wrap(
+            "Memory frontier: not known here (a loaded artifact holds its plans, not the "
+            "planner that chooses them); explain the function where it is defined to see the "
+            "plans max_peak_bytes chooses from."
+        )
     if len(frontier.points) < 2:
         return wrap(
             "Memory frontier: no plan that recomputes reaches a lower peak than this one, so "

@@ -57,6 +57,7 @@ def test_a_split_driver_matches_the_reference_and_reports_its_parts(monkeypatch,
     monkeypatch.setattr(driver_split, "PART_STATEMENTS", 5)
     monkeypatch.setattr(driver_split, "SPLIT_ABOVE", 0)
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    monkeypatch.setenv("BACKPLAN_VERBOSE", "1")  # each part's line; a default run says one line
     rng = np.random.default_rng(3)
     u = bp.tensor(rng.standard_normal((5, 5)).astype(np.float32))
     xs = bp.tensor(rng.standard_normal((3, 2, 5)).astype(np.float32))
