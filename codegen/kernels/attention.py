@@ -24,6 +24,7 @@ from backplan.codegen.kernels.blas import gemm_rows, rows_contiguous
 from backplan.codegen.kernels.gemm import gemm, vector_width
 from backplan.codegen.kernels.gemm.choice import use_own_gemm
 from backplan.codegen.kernels.rows import softmax_row
+from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.ir.graph import Value
 
@@ -160,6 +161,7 @@ announce_compiles(
 
 
 __all__ = [
+    "as_read_only",
     "attention_backward",
     "attention_backward_par",
     "attention_forward",
@@ -202,7 +204,7 @@ def _scale_and_mask(node: Value) -> str:
 
 @emits("attention")
 def emit_attention(ctx: OpEmitter, node: Value, out: str) -> list[str]:
-    q, k, v = (_heads(ctx, x) for x in node.inputs)
+    q, k, v = (f"as_read_only({_heads(ctx, x)})" for x in node.inputs)
     lead = node.inputs[0].shape[:-2]
     out4 = f"{out}.reshape({_heads_shape(lead, node.shape[-2:])!r})"
     fn, width = _variant("attention_forward", node)
@@ -211,7 +213,7 @@ def emit_attention(ctx: OpEmitter, node: Value, out: str) -> list[str]:
 
 @emits("attention_grad")
 def emit_attention_grad(ctx: OpEmitter, node: Value, out: str) -> list[str]:
-    q, k, v, g = (_heads(ctx, x) for x in node.inputs)
+    q, k, v, g = (f"as_read_only({_heads(ctx, x)})" for x in node.inputs)
     lead, parts, offset = node.inputs[0].shape[:-2], [], 0
     for x in node.inputs[:3]:
         shape = _heads_shape(lead, x.shape[-2:])

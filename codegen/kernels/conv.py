@@ -7,44 +7,16 @@ weight gradient 0.5 / 1.2 ms against 1.3 / 6.9 ms. The column buffer is C * kH *
 input; padding is handled while filling it."""
 
 import numpy as np
-from numba import types
-from numba.core.extending import intrinsic, overload
-from numba.core.imputils import impl_ret_borrowed
 
 from backplan.codegen.build.library_progress import announce_compiles
 from backplan.codegen.flags import FASTMATH
 from backplan.codegen.jit import njit
 from backplan.codegen.kernels.blas import gemm_rows
+from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.ir.graph import Value
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
-
-
-def as_read_only(array):
-    """The array as a read-only view. The kernels below are called with it on every array they
-    only read, so each compiles one variant: a plan's first conv reads the caller's input
-    (read-only), its second an intermediate (writable), and Numba compiled conv2d_gemm once for
-    each (2.5 s each when cold). Compiled code gets the same view as a read-only Numba type."""
-    view = array.view()
-    view.flags.writeable = False
-    return view
-
-
-@intrinsic
-def _read_only_type(typingctx, array):
-    if not isinstance(array, types.Array):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
-
-    return array.copy(readonly=True)(array), codegen
-
-
-@overload(as_read_only, inline="always")
-def _as_read_only_compiled(array):
-    return lambda array: _read_only_type(array)
 
 
 @njit(**_opts)

@@ -17,6 +17,7 @@ import math
 import numpy as np
 from numba import types
 from numba.core import cgutils
+from numba.core.extending import overload
 from numba.core.imputils import impl_ret_borrowed
 from numba.core.ir_utils import _add_alias, alias_func_extensions
 from numba.np.arrayobj import make_array, populate_array
@@ -298,6 +299,33 @@ def _numpy_view_at(address, offset, shape, strides, dtype):
     start = int(address) + int(offset) * itemsize + low
     memory = (ctypes.c_char * (high - low)).from_address(start)
     return np.ndarray(shape, dtype, buffer=memory, offset=-low, strides=strides)
+
+
+def as_read_only(array):
+    """The array as a read-only view. Library kernels (conv, attention) are called with it on
+    every array they only read, so each compiles one variant: a plan's first conv reads the
+    caller's input (read-only), its second an intermediate (writable), and Numba compiled
+    conv2d_gemm once for each (2.5 s each when cold). Compiled code gets the same array as a
+    read-only Numba type."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+@intrinsic
+def _read_only_type(typingctx, array):
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return array.copy(readonly=True)(array), codegen
+
+
+@overload(as_read_only, inline="always")
+def _as_read_only_compiled(array):
+    return lambda array: _read_only_type(array)
 
 
 __all__ = [
