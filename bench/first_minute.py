@@ -22,22 +22,14 @@ from .environment import cpu_name
 
 CHILD = r"""
 import json, sys, time
-import numpy as np
-import backplan as bp
-from backplan.bench.models import BACKPLAN_KINDS, MODELS
-spec = MODELS[sys.argv[1]]
+from backplan.bench.models import value_and_grad_step
+step, args = value_and_grad_step(sys.argv[1])
 limit = float(sys.argv[2])
-data = spec.make_inputs(spec.config, 0).cast(np.float32)
-base = BACKPLAN_KINDS[spec.kind][0]
-loss = (lambda p, *b: base(p, *b, **spec.static)) if spec.static else base
-params = {k: bp.tensor(v) for k, v in data.params.items()}
-batch = [bp.tensor(b) for b in data.batch(True)]
-step = bp.value_and_grad(bp.compile(loss))
 rows = []
 start = time.perf_counter()
 while not rows or time.perf_counter() - start < limit:
     a = time.perf_counter()
-    step(params, *batch)
+    step(*args)
     rows.append((a - start, time.perf_counter() - a))
 print(json.dumps({"rows": rows, "tier": step.driver_tier}))
 """

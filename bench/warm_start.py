@@ -26,19 +26,12 @@ import json, sys, time
 w0, c0 = time.perf_counter(), time.process_time()
 import backplan as bp
 w1, c1 = time.perf_counter(), time.process_time()
-import numpy as np
-from backplan.bench.models import BACKPLAN_KINDS, MODELS
-spec = MODELS[sys.argv[1]]
-data = spec.make_inputs(spec.config, 0).cast(np.float32)
-base = BACKPLAN_KINDS[spec.kind][0]
-loss = (lambda p, *b: base(p, *b, **spec.static)) if spec.static else base
-params = {k: bp.tensor(v) for k, v in data.params.items()}
-batch = [bp.tensor(b) for b in data.batch(True)]
-step = bp.value_and_grad(bp.compile(loss))
+from backplan.bench.models import value_and_grad_step
+step, args = value_and_grad_step(sys.argv[1])
 w2, c2 = time.perf_counter(), time.process_time()
-step(params, *batch)
+step(*args)
 w3, c3 = time.perf_counter(), time.process_time()
-step(params, *batch)
+step(*args)
 w4, c4 = time.perf_counter(), time.process_time()
 print(json.dumps({"import": w1 - w0, "import_cpu": c1 - c0,
                   "first_call": w3 - w2, "first_call_cpu": c3 - c2,

@@ -114,3 +114,20 @@ def select_models(names: list[str] | None) -> list[ModelSpec]:
 
 
 __all__ = ["MODELS", "BACKPLAN_KINDS", "ModelInputs", "ModelSpec", "select_models"]
+
+
+def value_and_grad_step(name: str):
+    """(step, args) for a model at its documented sizes in float32: what a user writes first,
+    `bp.value_and_grad(bp.compile(loss))`, and the arguments of its call (the warm-start and
+    first-minute benchmarks time it in fresh processes)."""
+    import numpy as np
+
+    import backplan as bp
+
+    spec = MODELS[name]
+    data = spec.make_inputs(spec.config, 0).cast(np.float32)
+    base = BACKPLAN_KINDS[spec.kind][0]
+    loss = (lambda p, *b: base(p, *b, **spec.static)) if spec.static else base
+    params = {k: bp.tensor(v) for k, v in data.params.items()}
+    args = [params, *(bp.tensor(b) for b in data.batch(True))]
+    return bp.value_and_grad(bp.compile(loss)), args
