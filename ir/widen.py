@@ -4,7 +4,8 @@ stored. `widen(graph)` writes that down for compiled plans: each such op gets fl
 (astype) and a float32 result that an astype rounds back, so code generation only ever converts
 between 16-bit storage and float32 (codegen/kernels/half.py). Ops that only move data (views,
 sources) keep their 16-bit values. The reference interpreter does the same per op
-(`computes_in_float32`, `compute_attrs`), so both executors round at the same places.
+(`computes_in_float32`, `compute_attrs`). A compiled fused loop then drops the round trip of a
+value no buffer holds (codegen/render/loops.py `_unrounded`): it rounds once, when it stores.
 
     >>> from backplan.ir.graph import Graph
     >>> from backplan.ir.builder import Builder

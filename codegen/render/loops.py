@@ -10,7 +10,7 @@ from backplan.codegen.flags import parallel_pays
 from backplan.codegen.render.placement import Placement
 from backplan.codegen.render.scalar import NP_TYPE, expression, literal
 from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
-from backplan.ir.types import np_dtype
+from backplan.ir.types import is_half, np_dtype
 
 CHUNKS = 16  # reductions across the parallel loop: one partial row per chunk
 
@@ -297,6 +297,20 @@ class LoopEmitter:
         key = (base, tuple(index_map(value, self.loop_shape)[1]))
         return f"{self.view_name[key]}[{self._index(key)}]"
 
+    def _unrounded(self, node) -> str | None:
+        """For a widening cast of a 16-bit value this loop computed by rounding a float32 one,
+        that float32 value: a fused chain rounds once, when it stores (ir/widen.py rounds
+        after every op; inside a loop nothing holds the rounded value)."""
+        if node.op != "astype" or not is_half(node.inputs[0].dtype):
+            return None
+        inner = alias_base(node.inputs[0])
+        if inner not in self.local or inner.op != "astype" or inner is not node.inputs[0]:
+            return None
+        source = inner.inputs[0]
+        if source.dtype != node.dtype or alias_base(source) is not source:
+            return None
+        return self.operand(source) if source in self.local else None
+
     def local_name(self, node) -> str:
         return self.same.get(node) or "t" + self.array_name[node][1:]
 
@@ -306,6 +320,10 @@ class LoopEmitter:
         targets = targets or {}
         lines, computed = [], {}  # expression -> the local holding its value
         for node in self.kernel.recomputed + self.kernel.nodes:
+            unrounded = self._unrounded(node)
+            if unrounded is not None:  # rounded to 16 bits only where a buffer stores it
+                self.same[node] = unrounded
+                continue
             expr = expression(node, [self.operand(i) for i in node.inputs])
             if expr in computed:  # a chain recomputed beside its original: compute it once
                 self.same[node] = computed[expr]
