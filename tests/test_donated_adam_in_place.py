@@ -60,6 +60,10 @@ def test_parameters_and_moments_are_updated_in_their_donated_buffers():
     ref_params, ref_state, ref_loss, _ = run_steps("reference")
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-4, atol=1e-6)
     for name in params:
-        np.testing.assert_allclose(params[name].numpy(), ref_params[name].numpy(), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            params[name].numpy(), ref_params[name].numpy(), rtol=1e-4, atol=1e-6
+        )
     for got, want in zip(bp.tree.leaves(state), bp.tree.leaves(ref_state), strict=True):
-        np.testing.assert_allclose(np.asarray(got.numpy()), np.asarray(want.numpy()), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(got.numpy()), np.asarray(want.numpy()), rtol=1e-4, atol=1e-6
+        )

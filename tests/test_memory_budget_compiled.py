@@ -4,12 +4,11 @@ default plan's values and gradients; the budget bench's runner calls work for se
 from __future__ import annotations
 
 import numpy as np
+from test_memory_budget import arrays, deep_loss
 
 import backplan as bp
 from backplan.bench.memory_budget import plan_outputs, same_outputs
 from backplan.runtime.backend import use_backend
-
-from test_memory_budget import arrays, deep_loss
 
 
 def test_a_budgeted_joint_plan_runs_compiled_with_the_default_plans_results():

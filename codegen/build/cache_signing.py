@@ -25,10 +25,9 @@ import warnings
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, IndexDataCacheFile
 from numba.core.runtime import rtsys
 
-from backplan.ir.errors import BackplanError
-
 from backplan.codegen.build import fingerprint
 from backplan.codegen.build.library_cache import LibraryLocator
+from backplan.ir.errors import BackplanError
 
 MAGIC = b"backplan-signed-numba-cache-1\n"
 _LENGTH_BYTES = 8
@@ -204,7 +203,8 @@ _BEFORE_LOAD: list = []
 
 def before_load(marker: bytes, hook) -> None:
     """Call hook(payload) before loading any cached function whose bytes contain marker: the
-    machine code names a symbol (codegen/kernels/gemm/symbols.py) that must exist before it loads."""
+    machine code names a symbol (codegen/kernels/gemm/symbols.py) that must exist before it
+    loads."""
     _BEFORE_LOAD.append((marker, hook))
 
 

@@ -1,4 +1,5 @@
-"""The child process that compiles plans' drivers into the disk cache (codegen/build/driver_builder.py
+"""The child process that compiles plans' drivers into the disk cache
+(codegen/build/driver_builder.py
 starts it): it reads, from stdin, a list of plans (generated source, loop kernels, the argument
 types), compiles each plan's `run` for them and writes one JSON line per plan to stdout, `error`
 null once it is in the cache. The parent then loads the compiled driver from the cache, where
@@ -13,10 +14,7 @@ import threading
 import time
 import warnings
 
-from backplan.codegen.build import cache
-from backplan.codegen.build import driver_lock
-from backplan.codegen.build import fingerprint
-from backplan.codegen.build import kernel_cache
+from backplan.codegen.build import cache, driver_lock, fingerprint, kernel_cache
 from backplan.codegen.build.driver_tier import numba_signature
 from backplan.codegen.jit import start_parallel_runtime
 from backplan.codegen.render.kernel_source import KernelSource

@@ -1,4 +1,5 @@
-"""Child processes that compile plans' drivers into the disk cache (codegen/build/driver_tier.py says
+"""Child processes that compile plans' drivers into the disk cache (codegen/build/driver_tier.py
+says
 when a plan wants one; codegen/build/driver_build.py is the child).
 
 One builder thread per process runs one child at a time, so a burst of plans does not fork a

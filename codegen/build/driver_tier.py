@@ -14,7 +14,8 @@ compiled driver would save more than 5% of a step; elsewhere calls keep the Pyth
 (first calls run on the reference interpreter while the child compiles the kernels too: a first
 call that waits for no compiler at all) or `python` (never compile the driver: for debugging).
 A function's own `background=` (bp.compile, bp.value_and_grad) overrides it for its plans:
-True is `reference`, False is `inline`. The builds themselves run in codegen/build/driver_builder.py.
+True is `reference`, False is `inline`. The builds themselves run in
+codegen/build/driver_builder.py.
 
 BACKPLAN_DRIVER_AT_EXIT says what happens to a build still running when the program ends:
 `kill` (default: no process outlives the program; the build stops with it, even when the
@@ -85,11 +86,12 @@ def at_exit_mode() -> str:
 def python_driver(module: types.ModuleType):
     """`run` of the generated module as a plain Python function whose parts are Python too;
     the kernels, GEMMs and library functions it calls stay compiled (address kernels through
-    their C entries: codegen/build/kernel_cache.python_call). Its functions are the module's own code
+    their C entries: codegen/build/kernel_cache.python_call). Its functions are the module's own
+    code
     objects bound to a scope of their own: compiling the source again cost an unrolled 48-step
     LSTM's first call 0.05 s, and the module itself must keep the kernels Numba compiles."""
-    from backplan.codegen.run import address_calls
     from backplan.codegen.build import kernel_cache
+    from backplan.codegen.run import address_calls
 
     scope = dict(module.__dict__, __name__="backplan_python_driver")
     for name, value in list(scope.items()):

@@ -1,9 +1,11 @@
-"""Loop kernels shared by every plan: each canonical kernel (codegen/render/kernel_source.py) is written
+"""Loop kernels shared by every plan: each canonical kernel (codegen/render/kernel_source.py) is
+written
 to `<cache dir>/k_<hash>.py`, imported once per process into a registry (hash -> Numba
 dispatcher) and compiled with cache=True, so a kernel is compiled once per machine, whichever
 plan, model or process first needs it.
 
-A kernel that takes its arrays as addresses (codegen/render/kernel_source.py) has no CPython wrapper:
+A kernel that takes its arrays as addresses (codegen/render/kernel_source.py) has no CPython
+wrapper:
 a driver running as Python calls its loop's C entry instead (`python_call`,
 codegen/run/address_calls.py).
 
@@ -21,9 +23,9 @@ import types
 from dataclasses import dataclass
 
 from backplan.codegen.build import cache
-from backplan.codegen.run.address_calls import AddressCall
 from backplan.codegen.jit import AS_PYTHON
 from backplan.codegen.render.kernel_source import KernelSource
+from backplan.codegen.run.address_calls import AddressCall
 
 _LOADED: dict[str, object] = {}  # digest -> dispatcher (a plain function when run as Python)
 _ADDRESS_LOOPS: dict[str, list] = {}  # digest -> its loops taking addresses (ADDRESS_FORMS)
@@ -74,7 +76,8 @@ def python_call(kernel):
 
 
 def _import(source: KernelSource):
-    directory = cache.writable_cache_dir()  # None: compiled in memory (codegen/build/cache_health.py)
+    # None: compiled in memory (codegen/build/cache_health.py)
+    directory = cache.writable_cache_dir()
     path = os.path.join(directory or cache.cache_path(), f"{source.name}.py")
     if directory is not None and cache._read(path) != source.source:
         cache.write_entry(directory, {f"{source.name}.py": source.source})

@@ -11,9 +11,7 @@ from backplan.codegen.kernels.blas import batched_gemm_f32, batched_gemm_f64, ge
 from backplan.codegen.kernels.gemm import batched_gemm as own_batched_gemm
 from backplan.codegen.kernels.gemm import gemm as own_gemm
 from backplan.codegen.kernels.gemm import vector_width
-from backplan.codegen.kernels.gemm.choice import use_own_gemm
-from backplan.codegen.render.opaque import OpEmitter, emits
-from backplan.ir.fusion import alias_base
+from backplan.codegen.render.opaque import OpEmitter, emits, own_gemm_chosen, placed_operands
 from backplan.ir.graph import Value
 
 
@@ -77,14 +75,6 @@ __all__ = [
 ]
 
 
-def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
-    """Whether backplan's GEMM computes this matmul (else BLAS):
-    codegen/kernels/gemm/choice.py."""
-    m, n = node.shape[-2:]
-    k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
-    return use_own_gemm(m, n, k, tb, node.dtype)
-
-
 @emits("matmul")
 def emit_matmul(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     own = own_gemm_chosen(ctx, node)
@@ -97,23 +87,6 @@ def emit_matmul(ctx: OpEmitter, node: Value, out: str) -> list[str]:
             return [f"own_gemm({vector_width()}, {ta}, {tb}, 1.0, {a}, {b}, 0.0, {out})"]
         return [f"gemm_{node.dtype}({ta}, {tb}, {a}, {b}, {out}, 0.0)"]
     return _batched_matmul(node, out, (a, ta), (b, tb), own)
-
-
-def placed_operands(ctx: OpEmitter, node: Value, flat: bool = False):
-    """[(transposed?, Placement)] of a 2-D matmul's operands, transposes taken as flags;
-    None when one is a literal or not C-contiguous where it lives (a copy is made then).
-    flat: bases seen as 1-D (what loop kernels take)."""
-    operands = []
-    for value in node.inputs:
-        trans = ctx.absorbs(value)
-        source = value.inputs[0] if trans else value
-        if ctx.place is None or ctx.literal_of(alias_base(source)) is not None:
-            return None
-        where = ctx.place(source, flat=flat)
-        if not where.contiguous:
-            return None
-        operands.append((trans, where))
-    return operands
 
 
 def _placed_matmul(ctx: OpEmitter, node: Value, own: bool) -> list[str] | None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from backplan.codegen.build import cache
 from backplan.codegen.flags import parallel_pays
 from backplan.codegen.kernels.gemm import vector_width
-from backplan.codegen.kernels.matmul import own_gemm_chosen, placed_operands
 from backplan.codegen.render.add_chains import chain_loops, chain_terms, size_of
 from backplan.codegen.render.driver_split import driver_source
 from backplan.codegen.render.epilogue import gemm_epilogue_lines
@@ -27,6 +26,8 @@ from backplan.codegen.render.opaque import (
     OpEmitter,
     Unsupported,
     kernel_modules,
+    own_gemm_chosen,
+    placed_operands,
     unsupported_reason,
 )
 from backplan.codegen.render.placement import Placer

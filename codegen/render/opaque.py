@@ -11,6 +11,7 @@ import pkgutil
 import sys
 
 from backplan.codegen.flags import threads
+from backplan.codegen.kernels.gemm.choice import use_own_gemm
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.render.scalar import NP_TYPE
 from backplan.ir.fusion import alias_base, is_alias
@@ -155,6 +156,35 @@ class OpEmitter:
         than fused loops; compiled once per installation, not per plan."""
         parallel = rows * cols >= (1 << 15) and rows > 1 and threads() > 1
         return f"{fn}_par" if parallel else fn
+
+
+# matmul's operands, read by its emitter (codegen/kernels/matmul.py) and by a GEMM epilogue's
+# loop (codegen/render/emit.py); here so that rendering imports no BLAS.
+
+
+def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
+    """Whether backplan's GEMM computes this matmul (else BLAS):
+    codegen/kernels/gemm/choice.py."""
+    m, n = node.shape[-2:]
+    k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
+    return use_own_gemm(m, n, k, tb, node.dtype)
+
+
+def placed_operands(ctx: OpEmitter, node: Value, flat: bool = False):
+    """[(transposed?, Placement)] of a 2-D matmul's operands, transposes taken as flags;
+    None when one is a literal or not C-contiguous where it lives (a copy is made then).
+    flat: bases seen as 1-D (what loop kernels take)."""
+    operands = []
+    for value in node.inputs:
+        trans = ctx.absorbs(value)
+        source = value.inputs[0] if trans else value
+        if ctx.place is None or ctx.literal_of(alias_base(source)) is not None:
+            return None
+        where = ctx.place(source, flat=flat)
+        if not where.contiguous:
+            return None
+        operands.append((trans, where))
+    return operands
 
 
 # The one table of ops codegen lowers as a kernel of their own: every registry op without a
