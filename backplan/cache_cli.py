@@ -61,7 +61,8 @@ def run(args) -> int:
         origin = "BACKPLAN_CACHE_DIR" if os.environ.get("BACKPLAN_CACHE_DIR") else "default"
         print(f"  set by: {origin}")
         library = len(library_files())
-        print(f"  entries: {entries} compiled plans ({len(files)} files)")
+        plan_files = len(files) - library
+        print(f"  entries: {entries} compiled plans ({plan_files} files)")
         print(f"  library: {library} files of compiled library functions in {library_folder()}")
         print(f"  size: {_size_text(nbytes)}")
         return 0

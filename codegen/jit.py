@@ -10,7 +10,10 @@ import os
 import numba
 from numba.core.caching import NullCache
 
-from backplan.codegen.build import cache_health
+from backplan.codegen.build import (
+    cache_health,
+    library_cache,  # noqa: F401 (its locator, before any compile)
+)
 from backplan.codegen.build.cache_signing import SignedFunctionCache
 
 AS_PYTHON = os.environ.get("BACKPLAN_KERNELS_AS_PYTHON") == "1"

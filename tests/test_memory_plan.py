@@ -266,7 +266,7 @@ def test_zero_byte_buffers_take_no_room():
     "request_, alignment, words",
     [
         (BufferRequest("a", 6, "f32", 0, 1), 64, ["'a'", "4-byte"]),
-        (BufferRequest("b", 8, "f16", 0, 1), 64, ["'b'", "unknown dtype", "f16"]),
+        (BufferRequest("b", 8, "c64", 0, 1), 64, ["'b'", "unknown dtype", "c64"]),
         (BufferRequest("c", 8, "f32", 3, 1), 64, ["'c'", "steps 3..1"]),
         (BufferRequest("d", 8, "f64", 0, 1), 4, ["'d'", "alignment 4"]),
         (BufferRequest("e", -8, "f64", 0, 1), 64, ["'e'", "-8 bytes"]),

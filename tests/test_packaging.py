@@ -93,7 +93,8 @@ def test_cache_info_and_clear_touch_only_backplan_files(tmp_path):
     (cache / "bp_abc.json").write_text("{}")
     (cache / "__pycache__" / "bp_abc.run-1.py311.nbi").write_bytes(b"0" * 100)
     (cache / "notes.txt").write_text("mine")
-    env = {"BACKPLAN_CACHE_DIR": str(cache)}
+    # the library's own folder apart too: the suite shares one, which `clear` would empty
+    env = {"BACKPLAN_CACHE_DIR": str(cache), "BACKPLAN_LIBRARY_CACHE_DIR": str(tmp_path / "lib")}
     info = _cli("cache", "info", env=env)
     assert info.returncode == 0, info.stderr
     assert str(cache) in info.stdout

@@ -26,7 +26,6 @@ from numba.core.caching import CompileResultCacheImpl, FunctionCache, IndexDataC
 from numba.core.runtime import rtsys
 
 from backplan.codegen.build import fingerprint
-from backplan.codegen.build.library_cache import LibraryLocator
 from backplan.ir.errors import BackplanError
 
 MAGIC = b"backplan-signed-numba-cache-1\n"
@@ -218,10 +217,16 @@ def dependency_stamp(py_func) -> str:
 
 
 class _CacheImpl(CompileResultCacheImpl):
-    """Numba's, with backplan's library functions cached in the kernel cache folder
-    (codegen/build/library_cache.py)."""
+    """Numba's, with backplan's library functions cached in the kernel cache folder: that
+    locator (codegen/build/library_cache.py) puts itself first with add_locator."""
 
-    _locator_classes = [LibraryLocator, *CompileResultCacheImpl._locator_classes]
+    _locator_classes = [*CompileResultCacheImpl._locator_classes]
+
+
+def add_locator(locator_class) -> None:
+    """Try locator_class before Numba's own locators (once)."""
+    if locator_class not in _CacheImpl._locator_classes:
+        _CacheImpl._locator_classes.insert(0, locator_class)
 
 
 class SignedFunctionCache(FunctionCache):

@@ -17,6 +17,8 @@ import os
 from numba.core.caching import _CacheLocator, _SourceFileBackedLocatorMixin
 
 from backplan.codegen.build import fingerprint
+from backplan.codegen.build.cache import cache_dir
+from backplan.codegen.build.cache_signing import add_locator
 
 PACKAGE_ROOT = os.path.dirname(fingerprint.CODEGEN_ROOT)
 FOLDER = "library"
@@ -27,8 +29,6 @@ def library_folder() -> str:
     chosen = os.environ.get("BACKPLAN_LIBRARY_CACHE_DIR")
     if chosen:
         return chosen
-    from backplan.codegen.build.cache import cache_dir
-
     return os.path.join(cache_dir(), FOLDER)
 
 
@@ -59,3 +59,6 @@ class LibraryLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
         if not is_library_file(py_file):
             return None
         return super().from_function(py_func, py_file)
+
+
+add_locator(LibraryLocator)
