@@ -5,10 +5,15 @@ never needs it."""
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
 from .errors import INSTALL_HINT, MPIUnavailableError
+
+# MPI_Abort kills every rank at once, and mpiexec can drop what a rank wrote to stderr just before
+# (its forwarder had not read the pipe yet): the message is worth more than half a second.
+ABORT_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ def _install_abort_on_error(world: World) -> None:
             f"{kind.__name__}: {error}\n  aborting all {world.size} ranks (MPI_Abort)\n"
         )
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
         try:
             world.comm.Abort(1)
         except BaseException:
