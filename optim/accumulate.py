@@ -20,7 +20,7 @@ from backplan.tracer.pytree import flatten, unflatten
 
 from .base import Optimizer
 from .hyper import new_count
-from .tree import check_same_structure, tree_map_n
+from .tree import check_same_structure, check_wrapper_state, tree_map_n
 
 STATE_KEYS = ("micro", "grads", "inner")
 
@@ -50,14 +50,9 @@ class Accumulate(Optimizer):
 
     def update(self, grads, state, params):
         """(new params, new state): unchanged params until the steps-th call of the round."""
-        if not isinstance(state, dict) or tuple(state) != STATE_KEYS:
-            raise TypeError(
-                f"bp.optim.{self.name}.update needs the state of its own init(params) "
-                f"(a dict of {', '.join(STATE_KEYS)})"
-            )
-        where = f"{self.name}.update(grads, state, params)"
-        check_same_structure(grads, params, where)
-        check_same_structure(state["grads"], params, f"{where}: state['grads']")
+        check_wrapper_state(self.name, state, STATE_KEYS, grads, params)
+        where = f"{self.name}.update(grads, state, params): state['grads']"
+        check_same_structure(state["grads"], params, where)
         with no_grad():
             return self.step(grads, state, params)
 
