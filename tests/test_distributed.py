@@ -527,3 +527,47 @@ def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
         """,
     )
     assert_ranks_ok(result)
+
+
+# ---- a rank that dies or stops mid-step ------------------------------------------------------------
+
+DIES_IN_THE_EXCHANGE = """
+import os, signal
+from backplan.distributed.exchange import Exchange
+params = init_mlp([8, 16, 4])
+xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+step = bpd.data_parallel(vg, timeout={timeout})
+step(params, xs, ys)
+print(f"rank {{rank}} stepped", flush=True)
+if rank == 1:  # mid-step: after the roll call and the agreement, before its buckets move
+    Exchange.start = lambda self, array_of: os.kill(os.getpid(), signal.{signal})
+try:
+    step(params, xs, ys)
+except bpd.RankTimeoutError as error:
+    print(f"rank {{rank}} raised RankTimeoutError: {{error}}", flush=True)
+    os._exit(3)  # ends this rank with its output written; mpiexec then ends the stopped one
+print(f"rank {{rank}} finished")
+"""
+
+
+@needs_mpi
+def test_a_rank_killed_mid_step_ends_the_job(tmp_path):
+    """SIGKILL on rank 1 inside the step: mpiexec (hydra) sees a rank end by a signal and ends
+    the others at once, saying so; no rank hangs and none finishes the step."""
+    result = run_script(tmp_path, DIES_IN_THE_EXCHANGE.format(timeout=30, signal="SIGKILL"))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 stepped" in result.stdout and "finished" not in result.stdout, output
+    assert "signal 9" in output or "rank 0 raised RankTimeoutError" in output, output
+
+
+@needs_mpi
+def test_a_rank_stopped_mid_step_times_out_the_others_in_the_exchange(tmp_path):
+    """SIGSTOP on rank 1 inside the step, where mpiexec notices nothing: rank 0 waits for the
+    bucket's allreduce with the deadline and raises RankTimeoutError saying what did not
+    complete, instead of waiting forever."""
+    result = run_script(tmp_path, DIES_IN_THE_EXCHANGE.format(timeout=2, signal="SIGSTOP"))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 raised RankTimeoutError: the allreduce of bucket 0 did not complete " in output
+    assert "within 2 s (data_parallel timeout)" in output and "finished" not in output, output
