@@ -21,7 +21,6 @@ from .errors import (
 )
 from .report import DataParallelReport
 from .step import DataParallelStep, data_parallel
-from .training import DataParallelTraining
 from .world import World, init
 
 
@@ -36,7 +35,6 @@ __all__ = [
     "Bucket",
     "DataParallelReport",
     "DataParallelStep",
-    "DataParallelTraining",
     "DistributedError",
     "ExchangedLeaf",
     "MPIUnavailableError",

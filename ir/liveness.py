@@ -22,6 +22,9 @@ class Plan:
     last_read: dict[Value, int] = field(default_factory=dict)
     frees_after: dict[int, list[Value]] = field(default_factory=dict)
     lowered: dict = field(default_factory=dict, repr=False, compare=False)  # see ir/lowering.py
+    # Plans instantiated from one symbolic plan (ir/symbolic.py) share this dict: codegen keeps
+    # there the size-generic driver they all run (codegen/render/lift.py). None: a plain plan.
+    shared: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def return_step(self) -> int:

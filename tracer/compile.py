@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
 from backplan.ir.pipeline import region_choices
+from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
@@ -17,6 +19,7 @@ from .arguments import ArgumentSpec
 from .budget import BudgetPlanner, checked_budget
 from .captured_names import captured_names
 from .donate import check_donated_inputs, donatable, mark_donated
+from .dynamic import checked_dynamic
 from .fastpath import positions_of
 from .numpy_args import input_tensor, kept_by_outputs
 from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
@@ -128,6 +131,7 @@ class CompiledFunction(PlannedFunction):
         background: bool | None = None,
         max_peak_bytes: int | None = None,
         saved_dtype=None,
+        dynamic=None,
     ):
         super().__init__(fn, cache_size, background)
         self.remat = remat
@@ -140,6 +144,12 @@ class CompiledFunction(PlannedFunction):
                 "held for backward), not both"
             )
         self.arguments = ArgumentSpec(fn, static_argnums, static_argnames, donate_argnums)
+        self._dynamic = checked_dynamic(dynamic, _parameter_names(fn))
+        if self._dynamic and (max_peak_bytes is not None or saved_bytes_budget is not None):
+            raise ValueError(
+                "dynamic= with a memory budget: which plan fits a budget depends on the size; "
+                "give one or the other"
+            )
         self._static_nums = self.arguments.static_nums
         self._static_names = self.arguments.static_names
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
@@ -197,6 +207,21 @@ class CompiledFunction(PlannedFunction):
 
     def _report(self, traced: TracedFunction, call):
         return explain_traced(traced, self.cache_info())
+
+    def _fit(self, entries: list[TracedFunction], sizes: list[int]):
+        return fit_regions([e.program.plans for e in entries], sizes)
+
+    def _instantiate(self, template: TracedFunction, fitted, size: int) -> TracedFunction:
+        """The signature's entry at another size: the fitted plans instantiated, no trace."""
+        program = template.program
+        plans = RegionProgram(
+            fitted.at(size),
+            name=program.name,
+            input_names=program.input_names,
+            donated=template.donated,
+            background=self.background,
+        )
+        return replace(template, program=plans, planner=None)
 
     def _build(self, call) -> TracedFunction:
         name = getattr(self.fn, "__name__", "compiled")
@@ -258,6 +283,13 @@ class CompiledFunction(PlannedFunction):
         return plans
 
 
+def _parameter_names(fn) -> list[str] | None:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
 def checked_saved_dtype(dtype) -> str | None:
     """The IR name of a saved_dtype: a float dtype (bp.bfloat16, bp.float16, ...), or None."""
     if dtype is None:
@@ -295,6 +327,7 @@ def compile(  # noqa: A001
     background: bool | None = None,
     max_peak_bytes: int | None = None,
     saved_dtype=None,
+    dynamic=None,
 ) -> CompiledFunction: ...
 
 
@@ -311,6 +344,7 @@ def compile(  # noqa: A001
     background: bool | None = None,
     max_peak_bytes: int | None = None,
     saved_dtype=None,
+    dynamic=None,
 ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 
 
@@ -326,6 +360,7 @@ def compile(  # noqa: A001
     background: bool | None = None,
     max_peak_bytes: int | None = None,
     saved_dtype=None,
+    dynamic=None,
 ) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Trace fn on its first call per signature into static forward and backward plans.
 
@@ -357,6 +392,12 @@ def compile(  # noqa: A001
     cache_size: signatures kept (least recently used leave first); after 8 retraces a
     bp.RetraceWarning says what changed.
 
+    dynamic={"x": {0: "batch"}}: axis 0 of argument x is a symbol, so every batch size (but 0
+    and 1, planned on their own) runs one plan, traced once, with the same kernels and driver;
+    `explain()` shows its memory as formulas of the symbol. Where the function's plans differ
+    with the size in a way that is not a formula, each size is planned on its own and explain
+    says why (tracer/dynamic.py).
+
     background=True: a plan's first calls (forward, and backward through .backward()) run on
     the reference interpreter, waiting for no compiler, while a background process compiles
     its kernels and driver; calls switch to them once built (one stderr line says so).
@@ -382,6 +423,7 @@ def compile(  # noqa: A001
         background=check_background(background),
         max_peak_bytes=max_peak_bytes,
         saved_dtype=saved_dtype,
+        dynamic=dynamic,
     )
     if fn is None:
         return lambda f: CompiledFunction(f, **options)

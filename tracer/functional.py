@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any
 
@@ -13,11 +15,13 @@ import numpy as np
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import joint_choices
+from backplan.ir.symbolic import fit_plans
 from backplan.ir.types import is_float
 from backplan.runtime.backend import current_backend, runner_for
 
 from .budget import BudgetPlanner, checked_budget
 from .compile import trace_function
+from .dynamic import symbolic_key
 from .errors import TracingError
 from .fastpath import positions_of
 from .numpy_args import arrays_reader, kept_by_outputs
@@ -89,6 +93,8 @@ class ValueAndGradFunction(PlannedFunction):
         self.has_aux = has_aux
         self._nums = _argnums_tuple(argnums)
         self._single = isinstance(argnums, int)
+        self._dynamic = dict(getattr(fn, "_dynamic", None) or {})  # bp.compile(dynamic=...)
+        self._parameters = _parameter_names(fn) if self._dynamic else None
 
     def with_budget(self, max_peak_bytes: int):
         """The same function planned with another max_peak_bytes (bp.max_batch asks)."""
@@ -111,6 +117,32 @@ class ValueAndGradFunction(PlannedFunction):
 
     def _miss_reason(self, key, stale) -> str | None:
         return named_reason(self.fn, self._positional_miss_reason(key))
+
+    def _entry_key(self, bound: JointCall):
+        found = self._symbol_of(bound)
+        key = bound.call.key if found is None else symbolic_key(bound.call.key, found)
+        return (key, frozenset(bound.diff_paths))
+
+    def _signature_call(self, bound: JointCall):
+        return bound.call
+
+    def _with_call(self, bound: JointCall, call):
+        return replace(bound, call=call)
+
+    def _argument_of(self, call, position: int) -> str:
+        """The inner function's parameter name of a leaf ("args[1]..." is its second)."""
+        match = re.match(r"args\[(\d+)\]", call.key.leaves[position].path)
+        names = self._parameters or []
+        if match and int(match.group(1)) < len(names):
+            return names[int(match.group(1))]
+        return call.arguments[position]
+
+    def _fit(self, entries: list[JointTrace], sizes: list[int]):
+        return fit_plans([e.plan for e in entries], sizes)
+
+    def _instantiate(self, template: JointTrace, fitted, size: int) -> JointTrace:
+        """The signature's joint plan at another size: instantiated, no trace."""
+        return replace(template, plan=fitted.at(size)[0], _runners={}, planner=None)
 
     def _positional_miss_reason(self, key) -> str:
         if self._last_key is None:
@@ -271,6 +303,15 @@ def grad(
 ) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
     return GradFunction(fn, argnums, has_aux, check_background(background), max_peak_bytes)
+
+
+def _parameter_names(fn) -> list[str]:
+    """The parameter names of the function a value_and_grad differentiates (through a
+    bp.compile wrapper: its fn)."""
+    try:
+        return list(inspect.signature(getattr(fn, "fn", fn)).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def _positional(fn):

@@ -14,6 +14,7 @@ from typing import Any
 from backplan.runtime import is_grad_enabled
 from backplan.runtime.tiers import slowest_tier, wait_until_compiled
 
+from .dynamic import DynamicEntry, find_symbol, fit_entry, symbolic_key
 from .errors import TracingError
 from .fastpath import call_key, guard_for
 from .trace import current_trace
@@ -90,6 +91,7 @@ class PlannedFunction:
         self._static_names: frozenset = frozenset()  # parameter names likewise
         self._lookup_lock = threading.Lock()  # held for cache reads and writes, never a trace
         self._pending: dict = {}  # entry key -> _Tracing, while a thread traces that signature
+        self._dynamic: dict = {}  # argument name -> {axis: symbol} (tracer/dynamic.py)
 
     # ---- what subclasses provide -------------------------------------------------------------
 
@@ -98,7 +100,32 @@ class PlannedFunction:
         raise NotImplementedError
 
     def _entry_key(self, bound):
-        return bound.key
+        found = self._symbol_of(bound)
+        return bound.key if found is None else symbolic_key(bound.key, found)
+
+    def _signature_call(self, bound):
+        """The BoundCall inside a bound call (value_and_grad wraps one)."""
+        return bound
+
+    def _with_call(self, bound, call):
+        """The bound call with its BoundCall replaced (a probe at another size)."""
+        return call
+
+    def _fit(self, entries: list, sizes: list[int]):
+        """The entries of one signature at three sizes fitted into formulas of the symbol
+        (raises ir.symbolic.SymbolicError)."""
+        raise NotImplementedError
+
+    def _instantiate(self, template, fitted, size: int):
+        """The entry at `size` from the fitted plans: no trace."""
+        raise NotImplementedError
+
+    def _symbol_of(self, bound):
+        if not self._dynamic:
+            return None
+        return find_symbol(self._signature_call(bound), self._dynamic, self._argument_of)
+
+    _argument_of = None  # (call, leaf position) -> parameter name; None: call.arguments
 
     def _build(self, bound):
         """Trace the function for this call into an entry."""
@@ -189,9 +216,9 @@ class PlannedFunction:
         key = self._entry_key(bound)
         entry, pending = self._claim(key, count_hit)
         if pending is None:
-            return bound, entry
+            return bound, self._sized(entry, bound)
         try:
-            entry = self._build(bound)
+            entry = self._build_entry(bound)
             with self._lookup_lock:
                 self._traces += 1
                 self._remember(key, entry)
@@ -202,7 +229,33 @@ class PlannedFunction:
                     del self._pending[key]
             pending.set()
         self._note_retrace(self._last_miss_reason)
-        return bound, entry
+        return bound, self._sized(entry, bound)
+
+    def _build_entry(self, bound):
+        """A signature's entry: traced once, or for a symbolic signature a DynamicEntry (its
+        first size traced, then probes at other sizes fitted into one plan)."""
+        found = self._symbol_of(bound)
+        if found is None:
+            return self._build(bound)
+        call = self._signature_call(bound)
+        template, fitted, reason = fit_entry(
+            self._build, self._fit, bound, call, found, self._with_call
+        )
+        return DynamicEntry(template, found.symbol, found.size, fitted, reason, self._instantiate)
+
+    def _sized(self, entry, bound):
+        """The entry for this call's size (itself unless the signature is symbolic)."""
+        if type(entry) is not DynamicEntry:
+            return entry
+        found = self._symbol_of(bound)
+        return entry.at(found.size, lambda: self._trace_size(bound))
+
+    def _trace_size(self, bound):
+        """A symbolic signature whose plans do not fit traces each size (entry.reason)."""
+        entry = self._build(bound)
+        with self._lookup_lock:
+            self._traces += 1
+        return entry
 
     def _claim(self, key, count_hit: bool):
         """(entry, None) on a hit, or (stale entry, event) when this thread is to trace `key`.
@@ -212,7 +265,7 @@ class PlannedFunction:
         while True:
             with self._lookup_lock:
                 entry = self._entries.get(key)
-                if entry is not None and self._still_valid(entry):
+                if entry is not None and self._still_valid(getattr(entry, "template", entry)):
                     self._hits += count_hit
                     self._entries.move_to_end(key)
                     self._most_recent = None

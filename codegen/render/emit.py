@@ -21,6 +21,7 @@ from backplan.codegen.render.add_chains import chain_loops, chain_terms, size_of
 from backplan.codegen.render.driver_split import driver_source
 from backplan.codegen.render.epilogue import gemm_epilogue_lines
 from backplan.codegen.render.kernel_source import GEMM_IMPORTS, KernelSource, canonical_kernel
+from backplan.codegen.render.lift import FLOATS, INTS, code_text, lift_literals
 from backplan.codegen.render.loops import LoopEmitter
 from backplan.codegen.render.opaque import (
     OpEmitter,
@@ -71,6 +72,7 @@ class GeneratedModule:
     loop_kernels: list[KernelSource]  # the distinct loop kernels `run` calls
     driver_statements: int  # statements of `run`'s body, whose compile time grows with them
     driver_parts: int  # functions run_part0... `run` is split into (0: one function)
+    literals: tuple | None = None  # (ints, floats) a size-generic driver takes, or None
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -128,10 +130,17 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
         + [f"scratch_{d}" for d in scratch]
         + [names[v] for v in layout.outputs]
     )
+    lifted = None
+    if lowered.plan.shared is not None:  # one driver for every size (codegen/render/lift.py)
+        body, ints, floats = lift_literals(body)
+        lifted = (ints, floats)
+        params += [INTS, FLOATS]
     kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
     source = header(graph.name) + "\n" + "\n".join(kernel_lines) + "\n\n"
     driver = driver_source(params, body, "@njit(**JIT_OPTIONS)")
     source += driver.source
+    if lifted is not None:  # the source the first size rendered: its comments show sizes
+        source = lowered.plan.shared.setdefault(code_text(source), source)
     return GeneratedModule(
         source,
         constants,
@@ -144,6 +153,7 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
         list(emitter.kernels.values()),
         driver.statements,
         driver.parts,
+        lifted,
     )
 
 

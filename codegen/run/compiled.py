@@ -24,6 +24,7 @@ from backplan.codegen.build import (
 from backplan.codegen.flags import flags_text
 from backplan.codegen.jit import is_cached, load_cached, start_parallel_runtime
 from backplan.codegen.render.emit import generate
+from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare
 from backplan.codegen.run.workspace import WorkspacePool, parallel_guard
@@ -75,6 +76,14 @@ def _load_from_cache(dispatcher, signature):
             f"the build left no compiled driver in the cache ({index}) for {signature}"
         )
     return dispatcher
+
+
+def lifted_arrays(literals) -> tuple:
+    """The arrays a size-generic driver takes (codegen/render/lift.py), () for any other."""
+    if literals is None:
+        return ()
+    ints, floats = literals
+    return (np.array(ints, dtype=np.intp), np.array(floats, dtype=np.float64))
 
 
 def switch_line(label: str, was: str, seconds: float) -> str:
@@ -135,7 +144,8 @@ class CompiledPlan:
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
-        self.key_parts = cache.key_parts(canonical_text(plan), flags_text())
+        shared_text = code_text(self.source) if generated.literals is not None else None
+        self.key_parts = cache.key_parts(shared_text or canonical_text(plan), flags_text())
         self.loop_kernels = generated.loop_kernels
         start_parallel_runtime()
         kernel_cache.load(self.loop_kernels)
@@ -179,6 +189,7 @@ class CompiledPlan:
         self._constants = [
             _as_bits(np.ascontiguousarray(graph.constants[c])) for c in generated.constant_names
         ]
+        self._lifted = lifted_arrays(generated.literals)  # this size's numbers, or ()
         self._output_buffers = [
             (internal_shape(v.shape), storage_dtype(v.dtype)) for v in generated.output_buffers
         ]
@@ -232,7 +243,9 @@ class CompiledPlan:
         outputs = workspace.output_arrays()
         try:
             with self._launch_guard:
-                returned = self._run(*arrays, *self._constants, *workspace.scratch, *outputs)
+                returned = self._run(
+                    *arrays, *self._constants, *workspace.scratch, *outputs, *self._lifted
+                )
         except IndexError as exc:
             raise self._located(exc) from None
         finally:
@@ -294,6 +307,7 @@ class CompiledPlan:
         if scratch_keys is not None:
             self._count(scratch_keys, copies, workspace, outputs, given)
         arrays += outputs
+        arrays += self._lifted
         try:
             with self._launch_guard:
                 if self.first_call_seconds is None:
@@ -367,7 +381,7 @@ class CompiledPlan:
         workspace = self._workspaces.checkout()
         try:
             arrays += self._constants + workspace.scratch + workspace.output_arrays()
-            return driver_tier.argument_types(arrays)
+            return driver_tier.argument_types(arrays + list(self._lifted))
         finally:
             self._workspaces.checkin(workspace)
 

@@ -1,0 +1,141 @@
+"""Dynamic axes (tracer/dynamic.py, ir/symbolic.py): one trace and one compiled plan for every
+batch size, values equal to a plan of each size's own; sizes 0 and 1 planned on their own;
+functions whose plans are not formulas of the size planned per size, saying why."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.build import kernel_cache
+from backplan.ir.verify import verify_plan
+from backplan.runtime.backend import use_backend
+from backplan.tracer.dynamic import DynamicEntry
+
+RNG = np.random.default_rng(0)
+W = bp.tensor(RNG.standard_normal((6, 4)).astype(np.float32), requires_grad=True)
+
+
+def model(w, x):
+    h = bp.tanh(x @ w) * 2.0
+    return bp.mean(h.reshape(-1, 2)) + bp.sum(bp.softmax(h, axis=-1) * 3.0)
+
+
+def batch(n: int):
+    return bp.tensor(RNG.standard_normal((n, 6)).astype(np.float32))
+
+
+def reference(fn, *args):
+    """value and gradient from a plan traced for these sizes alone, on the interpreter."""
+    with use_backend("reference"):
+        value, grad = bp.value_and_grad(fn)(*args)
+    return value.numpy(), grad.numpy()
+
+
+def dynamic_entry(fn) -> DynamicEntry:
+    (entry,) = [e for e in fn._entries.values() if isinstance(e, DynamicEntry)]
+    return entry
+
+
+def test_every_batch_size_runs_one_trace_with_each_sizes_values():
+    compiled = bp.compile(model, dynamic={"x": {0: "batch"}})
+    step = bp.value_and_grad(compiled)
+    for n in (5, 7, 12, 5):
+        x = batch(n)
+        loss = compiled(W, x)
+        loss.backward()
+        value, grad = step(W, x)
+        expected_value, expected_grad = reference(model, W, x)
+        np.testing.assert_allclose(loss.numpy(), expected_value, rtol=1e-5)
+        np.testing.assert_allclose(W.grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(value.numpy(), expected_value, rtol=1e-5)
+        np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
+        W.grad = None
+    for fn in (compiled, step):
+        assert fn.cache_info().traces == 1
+        assert fn.cache_info().entries == 1
+        entry = dynamic_entry(fn)
+        assert entry.reason is None and sorted(entry.sizes()) == [5, 7, 12]
+    for n in (7, 12):
+        verify_plan(step.trace(W, batch(n)).plan)
+        plans = compiled.trace(W, batch(n)).program.plans
+        verify_plan(plans.forward)
+        verify_plan(plans.backward)
+        assert plans.forward.graph.inputs[1].shape == (n, 6)
+
+
+def test_sizes_0_and_1_are_planned_on_their_own():
+    """A size-1 axis broadcasts: it is never taken for the symbol (torch specialises 0 and 1)."""
+    compiled = bp.compile(lambda w, x: bp.sum(x @ w + bp.sum(x)), dynamic={"x": {0: "batch"}})
+    for n in (4, 1, 6):
+        x = batch(n)
+        expected = reference(lambda w, x: bp.sum(x @ w + bp.sum(x)), W, x)[0]
+        np.testing.assert_allclose(compiled(W, x).numpy(), expected, rtol=1e-5)
+    assert compiled.cache_info().entries == 2  # batch, and 1
+    assert sorted(dynamic_entry(compiled).sizes()) == [4, 6]
+
+
+def test_a_scale_computed_from_the_size_is_a_formula_of_it():
+    """x.shape[0] in the user's arithmetic: 1 / n is fitted as 1 / batch, not baked in."""
+
+    def by_hand_mean(w, x):
+        return bp.sum(x @ w) * (1.0 / x.shape[0])
+
+    compiled = bp.compile(by_hand_mean, dynamic={"x": {0: "batch"}})
+    for n in (3, 8):
+        x = batch(n)
+        np.testing.assert_allclose(
+            compiled(W, x).numpy(), reference(by_hand_mean, W, x)[0], rtol=1e-5
+        )
+    assert compiled.cache_info().traces == 1
+
+
+def test_a_function_whose_plan_is_not_a_formula_of_the_size_is_planned_per_size():
+    def squared_size(w, x):
+        return bp.sum(x @ w) * float(x.shape[0] ** 2)
+
+    compiled = bp.compile(squared_size, dynamic={"x": {0: "batch"}})
+    for n in (3, 4, 5):
+        x = batch(n)
+        np.testing.assert_allclose(
+            compiled(W, x).numpy(), reference(squared_size, W, x)[0], rtol=1e-5
+        )
+    entry = dynamic_entry(compiled)
+    assert entry.fitted is None
+    assert "full at test_dynamic.py:" in entry.reason and "9.0 at size 3" in entry.reason
+    assert compiled.cache_info().traces == 3  # each size its own trace, as without dynamic
+
+
+def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver():
+    compiled = bp.compile(model, dynamic={"x": {0: "batch"}})
+    step = bp.value_and_grad(compiled)
+    with use_backend("numba"):
+        step(W, batch(5))
+        first = step.trace(W, batch(5)).runner().compiled
+        before = kernel_cache.counts()
+        for n in (9, 13):
+            x = batch(n)
+            value, grad = step(W, x)
+            expected_value, expected_grad = reference(model, W, x)
+            np.testing.assert_allclose(value.numpy(), expected_value, rtol=1e-5)
+            np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
+        after = kernel_cache.counts()
+        later = step.trace(W, batch(13)).runner().compiled
+    assert after.versions == before.versions  # no loop kernel compiled or loaded
+    assert later.source == first.source  # one size-generic driver module ...
+    assert later._compiled_run is first._compiled_run  # ... the same compiled function
+    assert len(first._compiled_run.overloads) == 1  # compiled once, for the first size
+    assert step.cache_info().traces == 1
+
+
+def test_dynamic_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="does not take"):
+        bp.compile(model, dynamic={"y": {0: "batch"}})
+    with pytest.raises(ValueError, match="one symbol"):
+        bp.compile(model, dynamic={"w": {0: "a"}, "x": {0: "b"}})
+    with pytest.raises(ValueError, match="memory budget"):
+        bp.compile(model, dynamic={"x": {0: "batch"}}, max_peak_bytes=1 << 20)
+    shared = bp.compile(lambda x, y: bp.sum(x) + bp.sum(y), dynamic={"x": {0: "n"}, "y": {0: "n"}})
+    with pytest.raises(bp.TracingError, match="share one size"):
+        shared(batch(3), batch(4))
+    with pytest.raises(bp.TracingError, match="no axis 2"):
+        bp.compile(model, dynamic={"x": {2: "batch"}})(W, batch(3))

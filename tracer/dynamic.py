@@ -1,0 +1,187 @@
+"""Dynamic axes: one cache entry, one trace and one compiled plan for every size of an axis.
+
+`bp.compile(fn, dynamic={"x": {0: "batch"}})` declares that axis 0 of every tensor in argument
+`x` is the symbol `batch`. The signature then keys on the symbol instead of the size, so every
+batch size finds the same entry. The entry is traced at the size of the first call and at two
+probe sizes (2x and 3x: tracing needs shapes, not data, and nothing compiles); ir/symbolic.py
+fits the three plans into one whose sizes are formulas of the symbol, and each new size is that
+plan instantiated (no trace, the same kernels and driver). Sizes 0 and 1 stay concrete, as
+torch.compile specialises them: a size-1 axis broadcasts and must not be taken for the symbol.
+Where the plans do not fit (the function branches on the size, builds arrays from it, reshapes
+batch into another axis in a way that is not a formula), every size gets its own trace, as
+without `dynamic`, and `reason` says why in one line (explain prints it)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+from backplan.ir.symbolic import SymbolicError
+
+from .errors import TracingError
+from .signature import BoundCall, SignatureKey
+
+PROBE_FACTORS = (2, 3)  # the probe sizes, as multiples of the first size (keeps divisibility)
+SIZES_KEPT = 16  # instantiated sizes an entry keeps (least recently used leave first)
+
+
+def checked_dynamic(dynamic, parameters) -> dict[str, dict[int, str]]:
+    """dynamic= as {argument name: {axis: symbol}}, refused by name when malformed."""
+    if dynamic is None:
+        return {}
+    if not isinstance(dynamic, dict):
+        raise TypeError(
+            f"dynamic must be a dict like {{'x': {{0: 'batch'}}}}, got {type(dynamic).__name__}"
+        )
+    checked: dict[str, dict[int, str]] = {}
+    for name, axes in dynamic.items():
+        if parameters is not None and name not in parameters:
+            raise ValueError(
+                f"dynamic names argument {name!r}, which the function does not take "
+                f"(its arguments: {', '.join(parameters)})"
+            )
+        if not isinstance(axes, dict) or not all(
+            isinstance(a, int) and isinstance(s, str) and s.isidentifier() for a, s in axes.items()
+        ):
+            raise TypeError(f"dynamic[{name!r}] must map axes to symbol names, e.g. {{0: 'batch'}}")
+        checked[name] = dict(axes)
+    symbols = {s for axes in checked.values() for s in axes.values()}
+    if len(symbols) > 1:
+        raise ValueError(
+            f"dynamic names {len(symbols)} symbols ({', '.join(sorted(symbols))}); one symbol "
+            "per function is supported (axes that share it always have the same size)"
+        )
+    return checked
+
+
+@dataclass(frozen=True)
+class SymbolicCall:
+    """Where the symbol sits in one call: its name, its size, and the (leaf, axis) pairs."""
+
+    symbol: str
+    size: int
+    places: tuple[tuple[int, int], ...]  # (leaf position in the bound call, axis)
+
+
+def find_symbol(
+    call: BoundCall, declared: dict[str, dict[int, str]], argument_of=None
+) -> SymbolicCall | None:
+    """The symbol of this call, or None when no declared axis is there or its size is 0 or 1
+    (specialised: a plan of its own). argument_of(call, p): the parameter name of leaf p."""
+    found: dict[str, int] = {}
+    places = []
+    for p in call.tensor_positions:
+        name = call.arguments[p] if argument_of is None else argument_of(call, p)
+        axes = declared.get(name)
+        leaf = call.key.leaves[p]
+        if not axes or leaf.weak:
+            continue
+        for axis, symbol in axes.items():
+            if not -len(leaf.shape) <= axis < len(leaf.shape):
+                raise TracingError(
+                    f"dynamic axis {axis} of argument {leaf.path}: it has shape "
+                    f"{tuple(leaf.shape)}, with no axis {axis}"
+                )
+            size = leaf.shape[axis]
+            if size in (0, 1):
+                return None
+            seen = found.setdefault(symbol, size)
+            if seen != size:
+                raise TracingError(
+                    f"dynamic axis {symbol!r}: {leaf.path} has size {size} on axis {axis} "
+                    f"where another argument has {seen}; axes sharing a symbol share one size"
+                )
+            places.append((p, axis % len(leaf.shape)))
+    if not found:
+        return None
+    ((symbol, size),) = found.items()
+    return SymbolicCall(symbol, size, tuple(places))
+
+
+def symbolic_key(key: SignatureKey, found: SymbolicCall) -> SignatureKey:
+    """The signature with the symbol's name where its sizes were."""
+    leaves = list(key.leaves)
+    for p, axis in found.places:
+        leaf = leaves[p]
+        shape = list(leaf.shape)
+        shape[axis] = found.symbol
+        leaves[p] = replace(leaf, shape=tuple(shape))
+    return SignatureKey(key.treedef, tuple(leaves))
+
+
+class _ShapeOnly:
+    """A probe's argument: tracing reads a tensor's shape and dtype, never its data."""
+
+    def __init__(self, shape: tuple, dtype: str):
+        self.shape = shape
+        self._ir_dtype = dtype
+
+
+def resized_call(call: BoundCall, found: SymbolicCall, size: int) -> BoundCall:
+    """The call with the symbol's axes at another size, for a probe trace."""
+    leaves, keys = list(call.leaves), list(call.key.leaves)
+    for p, axis in found.places:
+        shape = list(keys[p].shape)
+        shape[axis] = size
+        keys[p] = replace(keys[p], shape=tuple(shape))
+        leaves[p] = _ShapeOnly(tuple(shape), keys[p].dtype)
+    key = SignatureKey(call.key.treedef, tuple(keys))
+    return replace(call, key=key, leaves=leaves)
+
+
+class DynamicEntry:
+    """The cache entry of a symbolic signature: the entry traced at the first size (template),
+    the fitted plans (or the reason there are none), and the entries instantiated per size."""
+
+    def __init__(self, template, symbol: str, size: int, fitted, reason: str | None, make):
+        self.template = template
+        self.symbol = symbol
+        self.first_size = size
+        self.fitted = fitted  # what make(template, fitted, n) instantiates; None: per size
+        self.reason = reason  # why each size is planned on its own, or None
+        self._make = make
+        self._sizes: OrderedDict = OrderedDict({size: template})
+        self._lock = threading.Lock()
+        self.planner = None  # memory budgets are not offered on a symbolic signature
+
+    def at(self, size: int, trace_one):
+        """The entry at this size: instantiated from the fitted plans, or (when there are
+        none) traced by trace_one() like any other signature."""
+        with self._lock:
+            entry = self._sizes.get(size)
+            if entry is not None:
+                self._sizes.move_to_end(size)
+                return entry
+        entry = trace_one() if self.fitted is None else self._make(self.template, self.fitted, size)
+        with self._lock:
+            entry = self._sizes.setdefault(size, entry)
+            while len(self._sizes) > SIZES_KEPT:
+                self._sizes.popitem(last=False)
+        return entry
+
+    def sizes(self) -> list[int]:
+        with self._lock:
+            return list(self._sizes)
+
+    def runners(self) -> list:
+        with self._lock:
+            entries = list(self._sizes.values())
+        return [r for e in entries for r in e.runners()]
+
+
+def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call):
+    """(template entry, fitted plans or None, reason or None): the template traced at the
+    call's size, the probes at 2x and 3x, and their fit. with_call(bound, call) is the bound
+    call a subclass's build takes for a resized signature call."""
+    template = build(bound)
+    sizes = [found.size] + [found.size * f for f in PROBE_FACTORS]
+    try:
+        probes = [build(with_call(bound, resized_call(call, found, n))) for n in sizes[1:]]
+    except Exception as exc:  # noqa: BLE001 - a probe that fails only means: per size
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return template, None, f"tracing at {found.symbol}={sizes[1]} failed ({first})"
+    try:
+        return template, fit([template, *probes], sizes), None
+    except SymbolicError as exc:
+        return template, None, str(exc)
