@@ -21,6 +21,7 @@ from .errors import (
 )
 from .report import DataParallelReport
 from .step import DataParallelStep, data_parallel
+from .training import DataParallelTraining
 from .world import World, init
 
 
@@ -35,6 +36,7 @@ __all__ = [
     "Bucket",
     "DataParallelReport",
     "DataParallelStep",
+    "DataParallelTraining",
     "DistributedError",
     "ExchangedLeaf",
     "MPIUnavailableError",

@@ -26,6 +26,10 @@ class Exchange:
         self.mpi = mpi_module()
         self.timeout = timeout  # seconds each wait may take (data_parallel(timeout=...))
 
+    def start(self, array_of) -> None:
+        """Start every bucket; array_of(leaf index) is this rank's array of that leaf."""
+        self.start_ready(float("inf"), lambda leaf: array_of(leaf.index))
+
     def start_ready(self, step: float, array_of) -> None:
         for bucket in self.layout.buckets[len(self.started) :]:
             if bucket.ready_step > step:

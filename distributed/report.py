@@ -38,6 +38,13 @@ class DataParallelReport:
         self.buckets = [self._row(b) for b in layout.buckets]
         self.bytes_per_step = sum(b.nbytes for b in self.buckets)
         self.bytes_sent_per_step = sum(b.bytes_sent for b in self.buckets)
+        self.optimizer: str | None = None
+        self.state_bytes_per_rank: int | None = None  # optimizer state rank 0 keeps
+        self.state_bytes_whole: int | None = None  # the whole optimizer state
+
+    def add_optimizer(self, name: str, per_rank: int, whole: int) -> None:
+        """Report the optimizer state each rank keeps (data_parallel(optimizer=...))."""
+        self.optimizer, self.state_bytes_per_rank, self.state_bytes_whole = name, per_rank, whole
 
     def _row(self, bucket: Bucket) -> BucketRow:
         ready = bucket.ready_step
@@ -54,7 +61,25 @@ class DataParallelReport:
         )
 
     def __str__(self) -> str:
-        return "\n".join(self._summary() + [""] + self._table() + [""] + self._overlap())
+        lines = self._summary() + [""] + self._table() + [""] + self._overlap()
+        return "\n".join(lines + self._optimizer_lines())
+
+    def _optimizer_lines(self) -> list[str]:
+        if self.optimizer is None:
+            return []
+        if self.state_bytes_per_rank == self.state_bytes_whole:
+            how = "every rank keeps the whole state and applies the whole update"
+        else:
+            how = (
+                f"sharded (ZeRO-1): each rank keeps the state of its 1/{self.size} of every "
+                "parameter and updates those elements: a reduce-scatter per bucket, the "
+                "update, an all-gather per bucket (the bytes of one allreduce)"
+            )
+        text = (
+            f"Optimizer {self.optimizer}: {self.state_bytes_per_rank:,} B of optimizer state "
+            f"per rank (rank 0, the largest share) of {self.state_bytes_whole:,} B in all; {how}."
+        )
+        return [""] + textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
 
     def __repr__(self) -> str:
         return f"<DataParallelReport {self.layout.name}: {len(self.buckets)} bucket(s)>"

@@ -13,6 +13,7 @@ from backplan.tracer.functional import GradFunction, ValueAndGradFunction
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
+from .accumulation import Accumulator
 from .agreement import check_replicas as verify_replicas
 from .agreement import leaf_array, require_same_trees
 from .buckets import DEFAULT_BUCKET_BYTES
@@ -23,6 +24,7 @@ from .layout import Layout, build_layout
 from .report import DataParallelReport
 from .rows import batch_lengths, lengths_digest, row_weight
 from .segments import run_segments, split_plan
+from .training import DataParallelTraining
 from .world import World, current_world, init, mpi_module
 
 MISMATCH_FIX = (
@@ -34,7 +36,9 @@ MISMATCH_FIX = (
 class DataParallelStep:
     """A training step over all ranks; see data_parallel."""
 
-    def __init__(self, fn, average, bucket_bytes, check_replicas, split_plan, comm, timeout):
+    def __init__(
+        self, fn, average, bucket_bytes, check_replicas, split_plan, comm, timeout, accumulate=1
+    ):
         if not isinstance(fn, ValueAndGradFunction) or isinstance(fn, GradFunction):
             raise TypeError(
                 "data_parallel needs the training step as bp.value_and_grad(loss_fn), whose "
@@ -44,6 +48,14 @@ class DataParallelStep:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if timeout is not None and not (isinstance(timeout, int | float) and 0 < timeout < inf):
             raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise ValueError(f"accumulate must be a whole number of calls >= 1, got {accumulate!r}")
+        if accumulate > 1 and split_plan:
+            raise ValueError(
+                "data_parallel(accumulate=k) exchanges the summed gradients once per k calls, "
+                "after the k-th call's plan has run; split_plan=True (an exchange inside the "
+                "plan) does not combine with it"
+            )
         self.fn = fn
         self.average = average
         self.bucket_bytes = bucket_bytes
@@ -51,34 +63,53 @@ class DataParallelStep:
         self.split_plan = split_plan
         self._comm = comm
         self.timeout = timeout
+        self.accumulate = accumulate
+        self._accumulator = Accumulator(accumulate)
         self._layouts: dict = {}
         self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
         self._inputs: dict = {}  # call key -> (joint trace, positions of its tensors)
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
-        if world.size == 1:
+        if world.size == 1 and self.accumulate == 1:
             return self.fn(*args, **kwargs)
+        exchange, loss, aux = self.started(args, kwargs, Exchange)
+        if exchange is None:  # accumulating: no gradients yet
+            return ((loss, aux), None) if self.fn.has_aux else (loss, None)
+        summed = exchange.finish()
+        loss, grads = summed[0], unflatten(exchange.layout.grad_treedef, summed[1:])
+        return ((loss, aux), grads) if self.fn.has_aux else (loss, grads)
+
+    def started(self, args, kwargs, exchange_type):
+        """Run this rank's plan and start the exchange of its loss and gradients with an
+        exchange_type (Exchange, or ShardedExchange for ZeRO-1). Returns (the exchange, None,
+        aux), or, while accumulating micro-batches, (None, this rank's loss, aux)."""
+        world = init(self._comm)
+        if self._accumulator.last_of_round:
+            self._check_arrival(world, args)
+        key, leaves = call_key(args, kwargs, is_grad_enabled())
+        layout = self._layout(args, kwargs, key)
+        exchange = exchange_type(world, layout, self.average, self.timeout)
+        lengths = batch_lengths(args, kwargs, self.fn.argnums)
+        if self.split_plan:
+            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
+            return exchange, None, self._run_split(args, kwargs, key, leaves, exchange)
+        result = self.fn(*args, **kwargs)
+        (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
+        arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
+        if self.accumulate > 1:
+            arrays = self._accumulator.add(layout.fingerprint, lengths, arrays)
+            if arrays is None:
+                return None, loss, aux
+        exchange.weight = self._agree(world, layout, lengths, args, kwargs)
+        exchange.start(lambda index: arrays[index])
+        return exchange, None, aux
+
+    def _check_arrival(self, world: World, args) -> None:
         if self.timeout is not None:
             roll_call(world.comm, self.timeout, f"the data-parallel step of {_name(self.fn)}")
         if self.check_replicas:
             verify_replicas(self._differentiated(args), world.comm)
-        key, leaves = call_key(args, kwargs, is_grad_enabled())
-        layout = self._layout(args, kwargs, key)
-        exchange = Exchange(world, layout, self.average, self.timeout)
-        lengths = batch_lengths(args, kwargs, self.fn.argnums)
-        if self.split_plan:
-            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
-            aux = self._run_split(args, kwargs, key, leaves, exchange)
-        else:
-            result = self.fn(*args, **kwargs)
-            (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
-            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
-            arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
-            exchange.start_ready(float("inf"), lambda leaf: arrays[leaf.index])
-        summed = exchange.finish()
-        loss, grads = summed[0], unflatten(layout.grad_treedef, summed[1:])
-        return ((loss, aux), grads) if self.fn.has_aux else (loss, grads)
 
     def _run_split(self, args, kwargs, key, leaves, exchange: Exchange):
         """Run the joint plan segment by segment, starting each bucket's allreduce after the
@@ -184,7 +215,10 @@ def data_parallel(
     split_plan: bool = False,
     comm=None,
     timeout: float | None = None,
-) -> DataParallelStep:
+    accumulate: int = 1,
+    optimizer=None,
+    shard_optimizer: bool = False,
+):
     """A training step that runs value_and_grad_fn on this rank's shard and returns the loss
     and gradients averaged over all ranks (summed with average=False), for any pytree of
     parameters. aux outputs (has_aux=True) stay this rank's own. Ranks may hold different
@@ -209,10 +243,32 @@ def data_parallel(
     RankTimeoutError on the ranks waiting for it, which, uncaught, ends every rank (the hung
     one too) through MPI_Abort. The exchange's waits get the same deadline.
 
+    accumulate=k: the first k - 1 calls of each round only add this rank's loss and gradients
+    up (returning its own loss and None for the gradients); the k-th exchanges their mean once
+    and returns what one call on all k micro-batches would (micro-batches of equal rows).
+
+    optimizer=opt applies the update too: `state = step.init(params)`, then
+    `params, state, loss = step(params, state, *batch)`. shard_optimizer=True (ZeRO-1) keeps on
+    each rank the optimizer state of its 1/N of every parameter: each bucket is reduce-scattered,
+    each rank updates its share, and the updated parameters are all-gathered; the parameters are
+    the same as unsharded (for sgd, adam and adamw, whose updates are elementwise).
+
     >>> import backplan as bp, backplan.distributed as bpd  # doctest: +SKIP
     >>> step = bpd.data_parallel(bp.value_and_grad(loss_fn))  # doctest: +SKIP
     >>> loss, grads = step(params, bpd.shard(x, rank, size), y_shard)  # doctest: +SKIP
     """
-    return DataParallelStep(
-        value_and_grad_fn, average, bucket_bytes, check_replicas, split_plan, comm, timeout
+    step = DataParallelStep(
+        value_and_grad_fn,
+        average,
+        bucket_bytes,
+        check_replicas,
+        split_plan,
+        comm,
+        timeout,
+        accumulate,
     )
+    if optimizer is None:
+        if shard_optimizer:
+            raise ValueError("shard_optimizer=True shards an optimizer's state: pass optimizer=")
+        return step
+    return DataParallelTraining(step, optimizer, shard_optimizer)

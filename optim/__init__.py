@@ -10,6 +10,7 @@ run eagerly and inside a compiled training step alike.
 [0.94, 1.92]
 """
 
+from .accumulate import Accumulate, accumulate
 from .adam import adam, adamw
 from .base import Optimizer, apply_updates, chain
 from .clip import clip_by_global_norm, global_norm
@@ -18,6 +19,8 @@ from .schedules import cosine_decay, warmup_linear
 from .sgd import sgd
 
 __all__ = [
+    "Accumulate",
+    "accumulate",
     "Optimizer",
     "adam",
     "adamw",

@@ -82,7 +82,7 @@ def _adam(name, lr, b1, b2, eps, weight_decay, decoupled: bool) -> Optimizer:
         updates = tree_map_n(update, mu, nu, params)
         return updates, {"count": count + 1, "mu": mu, "nu": nu}
 
-    return Optimizer(f"{name}({lr!r})", init_fn, transform)
+    return Optimizer(f"{name}({lr!r})", init_fn, transform, elementwise=True)
 
 
 def _check_eps_fits(name: str, eps: float, params) -> None:

@@ -32,6 +32,10 @@ class Optimizer:
     init_fn: Callable
     transform: Callable
     master_dtype: str | None = None  # float32 master weights for 16-bit parameters
+    # each element's update reads only that element of the gradients, parameters and state
+    # (and the step count): updating any slice of a flattened parameter gives the same bytes
+    # there as updating the whole, so a sharded optimizer (ZeRO-1) may split the parameters
+    elementwise: bool = False
 
     def init(self, params):
         """The optimizer state for these parameters: tensors (step count, moments); with
@@ -113,7 +117,10 @@ def chain(*transforms: Optimizer, master_dtype=None) -> Optimizer:
         return updates, tuple(new_states)
 
     names = ", ".join(t.name for t in transforms)
-    return with_master(Optimizer(f"chain({names})", init_fn, transform), master_dtype)
+    elementwise = all(t.elementwise for t in transforms)
+    return with_master(
+        Optimizer(f"chain({names})", init_fn, transform, elementwise=elementwise), master_dtype
+    )
 
 
 def with_master(optimizer: Optimizer, master_dtype) -> Optimizer:

@@ -24,7 +24,7 @@ from backplan.tracer import ops
 from backplan.tracer.pytree import flatten, unflatten
 
 from .base import Optimizer
-from .tree import check_hyper, check_same_structure
+from .tree import check_hyper, check_wrapper_state
 
 STATE_KEYS = ("scale", "good_steps", "skipped", "inner")
 
@@ -49,12 +49,7 @@ class LossScale(Optimizer):
 
     def update(self, grads, state, params):
         """(new params, new state); grads are those of the loss times state["scale"]."""
-        if not isinstance(state, dict) or tuple(state) != STATE_KEYS:
-            raise TypeError(
-                f"bp.optim.{self.name}.update needs the state of its own init(params) "
-                f"(a dict of {', '.join(STATE_KEYS)})"
-            )
-        check_same_structure(grads, params, f"{self.name}.update(grads, state, params)")
+        check_wrapper_state(self.name, state, STATE_KEYS, grads, params)
         with no_grad():
             return self._scaled_step(grads, state, params)
 

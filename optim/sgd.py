@@ -59,4 +59,4 @@ def sgd(
         return updates, new_state
 
     name = f"sgd({lr!r}" + (f", momentum={momentum}" if momentum else "") + ")"
-    return with_master(Optimizer(name, init_fn, transform), master_dtype)
+    return with_master(Optimizer(name, init_fn, transform, elementwise=True), master_dtype)

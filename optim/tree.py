@@ -72,6 +72,17 @@ def check_state(optimizer: str, state, params, moments: tuple[str, ...]) -> None
         check_leaves_like(state[key], params, f"{where}: state['{key}']")
 
 
+def check_wrapper_state(name: str, state, keys: tuple[str, ...], grads, params) -> None:
+    """The state of a wrapping optimizer (loss_scale, accumulate) is the dict of keys its own
+    init(params) made, and grads fit params."""
+    if not isinstance(state, dict) or tuple(state) != keys:
+        raise TypeError(
+            f"bp.optim.{name}.update needs the state of its own init(params) "
+            f"(a dict of {', '.join(keys)})"
+        )
+    check_same_structure(grads, params, f"{name}.update(grads, state, params)")
+
+
 def check_leaves_like(tree, params, what: str) -> None:
     """tree has params' structure, and each leaf its parameter's shape and dtype."""
     leaves, treedef = flatten(tree)

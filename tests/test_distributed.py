@@ -18,7 +18,7 @@ import pytest
 
 import backplan as bp
 import backplan.distributed as bpd
-from backplan.distributed import world
+from backplan.distributed import sharding, world
 from backplan.distributed.segments import run_segments, split_plan
 from backplan.examples.mlp import init_mlp, mlp_loss, synthetic_classification
 from backplan.ir.interpreter import run_plan
@@ -377,3 +377,197 @@ def test_example_on_two_ranks_follows_the_single_process_losses(tmp_path):
     assert result.returncode == 0, result.stderr
     gap = float(result.stdout.split("largest loss gap ")[1].split()[0])
     assert gap < 1e-5, result.stdout
+
+
+# ---- sharded optimizer (ZeRO-1) and accumulation -------------------------------------------------
+
+
+def test_zero1_shares_split_every_parameter_and_pack_rank_by_rank():
+    params = init_mlp([8, 5, 3])  # w1 holds 15 elements: 5, 5, 5 on 3 ranks; b1 3: 1, 1, 1
+    x, y = synthetic_classification(16, 8, 3)
+    step = bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=10**6)
+    layout = step.layout((params, bp.tensor(x), bp.tensor(y)))
+    (shards,) = sharding.shard_buckets(layout, 3)
+    names = list(params)
+    assert sorted(names[i] for i in shards.params) == sorted(names)
+    assert sum(shards.counts(3)) == sum(p.numpy().size for p in params.values())
+    arrays = [params[names[i]].numpy() for i in shards.params]
+    packed = sharding.pack_by_rank(shards, arrays, 3)
+    offset = 0
+    for rank in range(3):
+        mine = sharding.share_tree(params, rank, 3)
+        expected = np.concatenate([mine[names[i]].numpy() for i in shards.params])
+        n = shards.counts(3)[rank]
+        np.testing.assert_array_equal(packed[offset : offset + n], expected)
+        offset += n
+    whole = [
+        np.concatenate([sharding.share_tree(params, r, 3)[k].numpy() for r in range(3)])
+        for k in names
+    ]
+    for k, flat in zip(names, whole, strict=True):
+        np.testing.assert_array_equal(flat, params[k].numpy().reshape(-1))
+
+
+def test_shard_optimizer_refuses_what_it_cannot_shard():
+    vg = bp.value_and_grad(mlp_loss)
+    clipped = bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.adam(1e-3))
+    for opt in (clipped, bp.optim.loss_scale(bp.optim.sgd(0.1))):
+        with pytest.raises(ValueError, match="updates each element from that element alone"):
+            bpd.data_parallel(vg, optimizer=opt, shard_optimizer=True)
+    assert bpd.data_parallel(vg, optimizer=clipped).shard_optimizer is False
+    with pytest.raises(ValueError, match="pass optimizer="):
+        bpd.data_parallel(vg, shard_optimizer=True)
+    with pytest.raises(TypeError, match="takes a bp.optim optimizer"):
+        bpd.data_parallel(vg, optimizer="adam")
+    with pytest.raises(ValueError, match=r"argnums=\(0, 1\)"):
+        bpd.data_parallel(bp.value_and_grad(mlp_loss, argnums=(0, 1)), optimizer=clipped)
+    with pytest.raises(ValueError, match="accumulate must be a whole number"):
+        bpd.data_parallel(vg, accumulate=0)
+    with pytest.raises(ValueError, match="split_plan=True"):
+        bpd.data_parallel(vg, accumulate=2, split_plan=True)
+
+
+@needs_mpi
+def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(tmp_path):
+    """ZeRO-1 on 2 ranks: each rank keeps half of every moment, and three steps of sgd with
+    momentum and of adam give the bytes of the unsharded step (and the one-process run on the
+    whole batch to f32 rounding); explain reports the state per rank."""
+    result = run_script(
+        tmp_path,
+        """
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        for opt in (bp.optim.sgd(0.1, momentum=0.9), bp.optim.adam(0.01)):
+            runs = {}
+            for shard in (False, True):
+                step = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=shard,
+                                         bucket_bytes=300)
+                p, state = params, step.init(params)
+                losses = []
+                for _ in range(3):
+                    p, state, loss = step(p, state, xs, ys)
+                    losses.append(loss.item())
+                runs[shard] = p, losses, state
+            one, one_state, one_losses = params, opt.init(params), []
+            for _ in range(3):
+                loss, grads = vg(one, x, y)
+                one, one_state = opt.update(grads, one_state, one)
+                one_losses.append(loss.item())
+            assert runs[True][1] == runs[False][1], runs
+            np.testing.assert_allclose(runs[True][1], one_losses, rtol=1e-6)
+            for k in params:
+                assert (runs[True][0][k].numpy() == runs[False][0][k].numpy()).all(), k
+                np.testing.assert_allclose(runs[True][0][k].numpy(), one[k].numpy(),
+                                           rtol=1e-5, atol=1e-6)
+                assert runs[True][0][k].requires_grad
+            moment = "momentum" if "momentum" in runs[True][2] else "mu"
+            for k in params:
+                assert runs[True][2][moment][k].numpy().size == params[k].numpy().size // 2
+        bpd.check_replicas(runs[True][0])
+        try:
+            step(params, opt.init(params), xs, ys)  # the whole state, not this rank's share
+        except TypeError as error:
+            assert "pass the state step.init(params) returned" in str(error), str(error)
+        else:
+            raise AssertionError("the unsharded state went unnoticed")
+        report = step.explain(params, state, xs, ys)
+        assert 2 * report.state_bytes_per_rank - 8 == report.state_bytes_whole, report
+        if rank == 0:
+            print(report)
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+    assert "of optimizer state per rank" in result.stdout and "ZeRO-1" in result.stdout
+
+
+@needs_mpi
+def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
+    """accumulate=2: the first call of a round exchanges nothing (rank 1 does not reach its
+    first call until rank 0 has finished its own, and a collective there would time out); the
+    second returns the 4 micro-batches' mean over both ranks, the whole batch's; with a sharded
+    optimizer it steps as one step on the whole batch."""
+    result = run_script(
+        tmp_path,
+        """
+        from mpi4py import MPI
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        micro = [(xs[:4], ys[:4]), (xs[4:], ys[4:])]
+        step = bpd.data_parallel(vg, accumulate=2, bucket_bytes=300, timeout=20)
+        if rank == 1:
+            MPI.COMM_WORLD.recv(source=0)
+        first_loss, nothing = step(params, *micro[0])
+        if rank == 0:
+            MPI.COMM_WORLD.send("done", dest=1)
+        assert nothing is None
+        np.testing.assert_allclose(first_loss.item(), vg(params, *micro[0])[0].item())
+        loss, grads = step(params, *micro[1])
+        full_loss, full = vg(params, x, y)
+        np.testing.assert_allclose(loss.item(), full_loss.item(), rtol=1e-6)
+        for k in params:
+            np.testing.assert_allclose(grads[k].numpy(), full[k].numpy(), rtol=1e-5, atol=1e-7)
+        opt = bp.optim.adam(0.01)
+        train = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=True, accumulate=2)
+        p, state = params, train.init(params)
+        p, state, _ = train(p, state, *micro[0])
+        assert p is params
+        p, state, loss = train(p, state, *micro[1])
+        one, _ = opt.update(full, opt.init(params), params)
+        for k in params:
+            np.testing.assert_allclose(p[k].numpy(), one[k].numpy(), rtol=1e-5, atol=1e-6)
+        try:
+            step(params, xs[:3], ys[:3])
+            step(params, xs[:2], ys[:2])
+        except bpd.DistributedError as error:
+            assert "micro-batches of one round must hold equal rows" in str(error), str(error)
+        else:
+            raise AssertionError("micro-batches of different rows went unnoticed")
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+# ---- a rank that dies or stops mid-step ------------------------------------------------------------
+
+DIES_IN_THE_EXCHANGE = """
+import os, signal
+from backplan.distributed.exchange import Exchange
+params = init_mlp([8, 16, 4])
+xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+step = bpd.data_parallel(vg, timeout={timeout})
+step(params, xs, ys)
+print(f"rank {{rank}} stepped", flush=True)
+if rank == 1:  # mid-step: after the roll call and the agreement, before its buckets move
+    Exchange.start = lambda self, array_of: os.kill(os.getpid(), signal.{signal})
+try:
+    step(params, xs, ys)
+except bpd.RankTimeoutError as error:
+    print(f"rank {{rank}} raised RankTimeoutError: {{error}}", flush=True)
+    os._exit(3)  # ends this rank with its output written; mpiexec then ends the stopped one
+print(f"rank {{rank}} finished")
+"""
+
+
+@needs_mpi
+def test_a_rank_killed_mid_step_ends_the_job(tmp_path):
+    """SIGKILL on rank 1 inside the step: mpiexec (hydra) sees a rank end by a signal and ends
+    the others at once, saying so; no rank hangs and none finishes the step."""
+    result = run_script(tmp_path, DIES_IN_THE_EXCHANGE.format(timeout=30, signal="SIGKILL"))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 stepped" in result.stdout and "finished" not in result.stdout, output
+    assert "signal 9" in output or "rank 0 raised RankTimeoutError" in output, output
+
+
+@needs_mpi
+def test_a_rank_stopped_mid_step_times_out_the_others_in_the_exchange(tmp_path):
+    """SIGSTOP on rank 1 inside the step, where mpiexec notices nothing: rank 0 waits for the
+    bucket's allreduce with the deadline and raises RankTimeoutError saying what did not
+    complete, instead of waiting forever."""
+    result = run_script(tmp_path, DIES_IN_THE_EXCHANGE.format(timeout=2, signal="SIGSTOP"))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 raised RankTimeoutError: the allreduce of bucket 0 did not complete " in output
+    assert "within 2 s (data_parallel timeout)" in output and "finished" not in output, output

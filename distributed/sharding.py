@@ -1,0 +1,181 @@
+"""ZeRO-1: each rank owns a contiguous 1/N of every parameter (flattened, split as bpd.shard
+splits rows: the first n % N ranks hold one more element), keeps the optimizer state of those
+elements only and updates those only. Per bucket, a reduce-scatter gives each rank the sum of its
+shares of the bucket's gradients (the send buffer is packed rank by rank), the optimizer updates
+them, and an all-gather gives every rank every updated parameter: the same bytes on the wire as
+one allreduce. The loss travels on its own (one allreduce of one element).
+
+The shares depend on the parameters alone, not on the buckets, so step.init(params) needs no
+batch; the state is the optimizer's state of a tree like params whose leaves are 1-D shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from backplan.tracer.pytree import flatten, unflatten
+from backplan.tracer.tensor import Tensor
+
+from .agreement import leaf_array
+from .buckets import Bucket
+from .deadline import wait_or_raise
+from .layout import Layout
+from .rows import scale_by_weight
+from .world import World, mpi_module
+
+
+def split(n: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(counts, displs) of n elements over size ranks, the first n % size ranks one more."""
+    small, extra = divmod(n, size)
+    counts = tuple(small + (r < extra) for r in range(size))
+    displs = tuple(int(x) for x in np.cumsum((0,) + counts[:-1]))
+    return counts, displs
+
+
+def share_tree(params, rank: int, size: int):
+    """params with each leaf replaced by this rank's 1-D share of it (a view, no copy)."""
+    leaves, treedef = flatten(params)
+    shares = []
+    for leaf in leaves:
+        flat = leaf_array(leaf).reshape(-1)
+        counts, displs = split(flat.size, size)
+        shares.append(Tensor._from_array(flat[displs[rank] : displs[rank] + counts[rank]]))
+    return unflatten(treedef, shares)
+
+
+@dataclass(frozen=True)
+class BucketShards:
+    """The gradients of one bucket (the loss left out): parameter i is leaf index i + 1."""
+
+    bucket: Bucket
+    params: tuple[int, ...]  # positions among the parameters, in bucket order
+    splits: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (counts, displs) per param
+    shapes: tuple[tuple[int, ...], ...]
+
+    def counts(self, size: int) -> list[int]:
+        """Elements of this bucket each rank receives (the sum of its shares)."""
+        return [sum(c[r] for c, _ in self.splits) for r in range(size)]
+
+
+def shard_buckets(layout: Layout, size: int) -> list[BucketShards]:
+    """Every bucket holding a gradient, with each parameter's split over the ranks."""
+    found = []
+    for bucket in layout.buckets:
+        leaves = [leaf for leaf in bucket.leaves if leaf.index != 0]
+        if leaves:
+            sizes = [int(np.prod(leaf.shape, dtype=np.int64)) for leaf in leaves]
+            found.append(
+                BucketShards(
+                    bucket,
+                    tuple(leaf.index - 1 for leaf in leaves),
+                    tuple(split(n, size) for n in sizes),
+                    tuple(leaf.shape for leaf in leaves),
+                )
+            )
+    return found
+
+
+def pack_by_rank(shards: BucketShards, arrays: list[np.ndarray], size: int) -> np.ndarray:
+    """The bucket's arrays (one per parameter, bucket order) flattened and packed rank by rank:
+    rank 0's share of each, then rank 1's, ...: what a reduce-scatter hands out."""
+    flats = [np.asarray(a).reshape(-1) for a in arrays]
+    return np.concatenate(
+        [
+            flat[d[r] : d[r] + c[r]]
+            for r in range(size)
+            for flat, (c, d) in zip(flats, shards.splits, strict=True)
+        ]
+    )
+
+
+class ShardedExchange:
+    """One step's exchange for ZeRO-1: start(array_of) starts every bucket's reduce-scatter and
+    the loss's allreduce; finish() waits and returns the loss and this rank's summed (averaged)
+    share of every gradient; gather(shares) all-gathers the updated parameters."""
+
+    def __init__(self, world: World, layout: Layout, average: bool, timeout=None):
+        self.world = world
+        self.layout = layout
+        self.average = average
+        self.timeout = timeout
+        self.weight: float | None = None
+        self.mpi = mpi_module()
+        self.shards = shard_buckets(layout, world.size)
+        self._loss = None
+        self._started: list = []
+
+    def start(self, array_of) -> None:
+        """array_of(leaf index) -> this rank's array of the loss (0) or a gradient."""
+        comm, size = self.world.comm, self.world.size
+        loss = np.array(array_of(0), copy=True).reshape(1)
+        if self.weight is not None:
+            scale_by_weight(loss, self.weight)
+        self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
+        for shards in self.shards:
+            arrays = [array_of(i + 1) for i in shards.params]
+            send = pack_by_rank(shards, arrays, size)
+            if self.weight is not None:
+                scale_by_weight(send, self.weight)
+            counts = shards.counts(size)
+            mine = np.empty(counts[self.world.rank], send.dtype)
+            request = comm.Ireduce_scatter(send, mine, counts, op=self.mpi.SUM)
+            self._started.append((send, mine, request))
+
+    def finish(self) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """(the summed loss, 0-d; parameter position -> this rank's summed 1-D share of its
+        gradient), averaged over the ranks unless average=False (weighted by rows when ranks
+        hold different numbers)."""
+        loss, request = self._loss
+        self._wait(request, "the allreduce of the loss")
+        shares: dict[int, np.ndarray] = {}
+        rank = self.world.rank
+        for shards, (_, mine, request) in zip(self.shards, self._started, strict=True):
+            self._wait(request, f"the reduce-scatter of bucket {shards.bucket.index}")
+            mine = self._averaged(mine)
+            offset = 0
+            for i, (counts, _) in zip(shards.params, shards.splits, strict=True):
+                shares[i] = mine[offset : offset + counts[rank]]
+                offset += counts[rank]
+        return self._averaged(loss).reshape(()), shares
+
+    def _averaged(self, buffer: np.ndarray) -> np.ndarray:
+        if self.average and self.weight is None:
+            buffer /= buffer.dtype.type(self.world.size)
+        return buffer
+
+    def _wait(self, request, what: str) -> None:
+        if self.timeout is None:
+            request.Wait()
+        else:
+            wait_or_raise(request, self.timeout, what)
+
+    def gather(self, shares: list[np.ndarray]) -> list[np.ndarray]:
+        """Every parameter whole again from every rank's updated share (shares: this rank's,
+        by parameter position); returns the parameters' arrays by position."""
+        size = self.world.size
+        started = []
+        for shards in self.shards:
+            mine = np.concatenate([np.asarray(shares[i]).reshape(-1) for i in shards.params])
+            counts = shards.counts(size)
+            full = np.empty(sum(counts), mine.dtype)
+            displs = [int(x) for x in np.cumsum([0] + counts[:-1])]
+            request = self.world.comm.Iallgatherv(mine, [full, (counts, displs)])
+            started.append((shards, full, displs, request))
+        arrays: list = [None] * len(shares)
+        for shards, full, displs, request in started:
+            self._wait(request, f"the all-gather of bucket {shards.bucket.index}")
+            self._unpack(shards, full, displs, arrays)
+        return arrays
+
+    def _unpack(self, shards: BucketShards, full, displs, arrays: list) -> None:
+        """full holds rank 0's shares of the bucket's parameters, then rank 1's, ...; each
+        parameter is its ranks' shares end to end."""
+        offsets = list(displs)
+        pieces: dict[int, list] = {i: [] for i in shards.params}
+        for r in range(self.world.size):
+            for i, (counts, _) in zip(shards.params, shards.splits, strict=True):
+                pieces[i].append(full[offsets[r] : offsets[r] + counts[r]])
+                offsets[r] += counts[r]
+        for i, shape in zip(shards.params, shards.shapes, strict=True):
+            arrays[i] = np.concatenate(pieces[i]).reshape(shape)

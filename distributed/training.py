@@ -1,0 +1,122 @@
+"""data_parallel(..., optimizer=opt): the step that also applies the update, so that the optimizer
+state can be sharded (ZeRO-1, shard_optimizer=True): each rank keeps the state of its 1/N of
+every bucket and updates those parameters only (sharding.py). Unsharded, every rank applies the
+whole update to the averaged gradients. Both give the same parameters: the optimizers that may
+be sharded update each element from that element alone (Optimizer.elementwise)."""
+
+from __future__ import annotations
+
+from backplan.tracer.pytree import flatten, unflatten
+from backplan.tracer.tensor import Tensor
+
+from .agreement import leaf_array
+from .exchange import Exchange
+from .sharding import ShardedExchange, share_tree
+from .world import init
+
+
+class DataParallelTraining:
+    """`state = step.init(params)`, then `params, state, loss = step(params, state, *batch)`
+    (loss is (loss, aux) with has_aux); see data_parallel."""
+
+    def __init__(self, step, optimizer, shard_optimizer: bool):
+        if not all(callable(getattr(optimizer, name, None)) for name in ("init", "update")):
+            raise TypeError(
+                "data_parallel(optimizer=...) takes a bp.optim optimizer (bp.optim.adam(1e-3)), "
+                f"got {type(optimizer).__name__}"
+            )
+        if step.fn.argnums != 0:
+            raise ValueError(
+                f"data_parallel(optimizer=...) updates the first argument, but the step "
+                f"differentiates argnums={step.fn.argnums!r}; use bp.value_and_grad(loss_fn) "
+                "with the parameters first"
+            )
+        if shard_optimizer and not getattr(optimizer, "elementwise", False):
+            name = getattr(optimizer, "name", optimizer)
+            raise ValueError(
+                f"shard_optimizer=True needs an optimizer that updates each element from that "
+                f"element alone (sgd, adam, adamw, chains and accumulate of them); {name} "
+                "reads all the gradients at once (a global norm or a finiteness check), which "
+                "no rank holds: use shard_optimizer=False"
+            )
+        if shard_optimizer and step.split_plan:
+            raise ValueError("shard_optimizer=True runs the plan as one call; drop split_plan")
+        self.step = step
+        self.optimizer = optimizer
+        self.shard_optimizer = shard_optimizer
+
+    def init(self, params):
+        """The optimizer state this rank keeps: the whole optimizer's init(params), or with
+        shard_optimizer=True the state of a tree like params whose leaves are this rank's 1-D
+        shares (about 1/N of each parameter)."""
+        if not self.shard_optimizer:
+            return self.optimizer.init(params)
+        world = init(self.step._comm)
+        return self.optimizer.init(share_tree(params, world.rank, world.size))
+
+    def __call__(self, params, state, *batch, **kwargs):
+        if self.shard_optimizer:
+            return self._sharded(params, state, batch, kwargs)
+        world = init(self.step._comm)
+        args = (params, *batch)
+        if world.size == 1 and self.step.accumulate == 1:
+            result = self.step.fn(*args, **kwargs)
+            return self._unsharded_update(params, state, result)
+        exchange, loss, aux = self.step.started(args, kwargs, Exchange)
+        if exchange is None:
+            return params, state, self._loss(loss, aux)
+        summed = exchange.finish()
+        grads = unflatten(exchange.layout.grad_treedef, summed[1:])
+        result = ((summed[0], aux), grads) if self.step.fn.has_aux else (summed[0], grads)
+        return self._unsharded_update(params, state, result)
+
+    def _unsharded_update(self, params, state, result):
+        (loss, aux), grads = result if self.step.fn.has_aux else ((result[0], None), result[1])
+        params, state = self.optimizer.update(grads, state, params)
+        return params, state, self._loss(loss, aux)
+
+    def _loss(self, loss, aux):
+        return (loss, aux) if self.step.fn.has_aux else loss
+
+    def _sharded(self, params, state, batch, kwargs):
+        exchange, loss, aux = self.step.started((params, *batch), kwargs, ShardedExchange)
+        if exchange is None:
+            return params, state, self._loss(loss, aux)
+        loss, grad_shares = exchange.finish()
+        world = exchange.world
+        shares = share_tree(params, world.rank, world.size)
+        leaves, treedef = flatten(params)
+        grads = unflatten(treedef, [Tensor._from_array(grad_shares[i]) for i in range(len(leaves))])
+        try:
+            new_shares, state = self.optimizer.update(grads, state, shares)
+        except TypeError as error:
+            raise TypeError(
+                f"{error}\n(with shard_optimizer=True the state is this rank's share: pass the "
+                "state step.init(params) returned, not optimizer.init(params))"
+            ) from error
+        arrays = exchange.gather([leaf_array(t) for t in flatten(new_shares)[0]])
+        new = []
+        for array, p in zip(arrays, leaves, strict=True):
+            tensor = Tensor._fresh(array)
+            tensor.requires_grad = p.requires_grad
+            new.append(tensor)
+        return unflatten(treedef, new), state, self._loss(Tensor._fresh(loss), aux)
+
+    def explain(self, params, state, *batch, size: int | None = None, **kwargs):
+        """The step's report (DataParallelStep.explain) with the optimizer state each rank
+        keeps; pass the arguments of a call (params, state, *batch)."""
+        report = self.step.explain(params, *batch, size=size, **kwargs)
+        report.add_optimizer(self.optimizer.name, *self.state_bytes(params, report.size))
+        return report
+
+    def state_bytes(self, params, size: int) -> tuple[int, int]:
+        """(the bytes of optimizer state rank 0, which holds the largest shares, keeps; the
+        bytes of the whole state, which every rank keeps without sharding)."""
+        whole = _nbytes(self.optimizer.init(params))
+        if not self.shard_optimizer:
+            return whole, whole
+        return _nbytes(self.optimizer.init(share_tree(params, 0, size))), whole
+
+
+def _nbytes(tree) -> int:
+    return sum(leaf_array(leaf).nbytes for leaf in flatten(tree)[0])

@@ -1,0 +1,57 @@
+"""bp.optim.accumulate: k updates on micro-batches step as one update on their union would (the
+mean of equal micro-batches' mean gradients is the big batch's mean gradient); the k - 1 updates
+between leave the parameters alone; a compiled step (traced count, where-selected) gives the
+eager step's bytes."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.examples.mlp import init_mlp, mlp_loss, synthetic_classification
+
+STEPS = 3
+
+
+@pytest.mark.parametrize(
+    "inner", [bp.optim.sgd(0.1, momentum=0.9), bp.optim.adam(0.01)], ids=["sgd", "adam"]
+)
+def test_k_micro_batches_step_as_one_big_batch(inner):
+    x, y = synthetic_classification(16, 8, 4)
+    vg = bp.value_and_grad(mlp_loss)
+    params = init_mlp([8, 16, 4])
+    opt = bp.optim.accumulate(inner, steps=2)
+
+    @bp.compile
+    def compiled(p, s, a, b):
+        return opt.update(vg(p, a, b)[1], s, p)
+
+    big, big_state = params, inner.init(params)
+    eager, state = params, opt.init(params)
+    traced, traced_state = params, opt.init(params)
+    for _ in range(STEPS):
+        big, big_state = inner.update(vg(big, x, y)[1], big_state, big)
+        for half, rows in enumerate((slice(0, 8), slice(8, 16))):
+            before = eager
+            eager, state = opt.update(vg(eager, x[rows], y[rows])[1], state, eager)
+            traced, traced_state = compiled(traced, traced_state, x[rows], y[rows])
+            if half == 0:
+                assert eager is before  # no step between updates
+        for k in params:
+            np.testing.assert_allclose(eager[k].numpy(), big[k].numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(traced[k].numpy(), eager[k].numpy())
+    assert int(state["micro"].item()) == 0 and int(state["inner"]["count"].item()) == STEPS
+    assert not np.any(state["grads"]["w0"].numpy())  # the sum restarts after each step
+
+
+def test_accumulate_checks_its_arguments_and_state():
+    params = {"w": bp.tensor([1.0, 2.0])}
+    with pytest.raises(ValueError, match=r"steps must be a whole number >= 1, got 0"):
+        bp.optim.accumulate(bp.optim.sgd(0.1), steps=0)
+    with pytest.raises(TypeError, match="wraps an optimizer"):
+        bp.optim.accumulate(lambda g: g, steps=2)
+    opt = bp.optim.accumulate(bp.optim.sgd(0.1), steps=2)
+    with pytest.raises(TypeError, match=r"state of its own init\(params\)"):
+        opt.update(params, bp.optim.sgd(0.1).init(params), params)
+    assert opt.elementwise
+    clipped = bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.sgd(0.1))
+    assert not bp.optim.accumulate(clipped, steps=2).elementwise
