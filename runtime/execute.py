@@ -6,16 +6,13 @@ from .program import RegionProgram
 from .region import Edge, Region
 
 
-def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, loc: str, donate=()):
+def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, loc, donate=()):
     """Returns (user outputs, region or None). edges is None when nothing needs a gradient.
-    donate: inputs whose buffers the plan may write outputs into (never saved ones)."""
-    inputs = list(args)
-    outputs = program.run_forward(list(args), donate)
+    donate: inputs whose buffers the plan may write outputs into (never saved ones).
+    loc: where the user called it (a SourceLoc, or its text), the region's created_at."""
+    outputs = program.run_forward(list(args), donate)  # the runner empties the list it gets
     user_outputs = outputs[: program.n_outputs]
     if edges is None or program.plans.backward is None:
         return user_outputs, None
-    saved = []
-    for slot in program.plans.saved:
-        kind, i = slot.source
-        saved.append(inputs[i] if kind == "input" else outputs[i])
+    saved = [args[i] if from_input else outputs[i] for from_input, i in program.saved_sources]
     return user_outputs, Region(program, saved, edges, loc)

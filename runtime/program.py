@@ -65,6 +65,8 @@ class RegionProgram:
                 self.cotangent_slot[i] = len(self.cotangent_slot)
         self.differentiable_outputs = frozenset(self._differentiable_outputs())
         self.saved_info = self._saved_info() if plans.backward else []
+        # per saved buffer: (whether it is a forward input, its index among inputs or outputs)
+        self.saved_sources = tuple((s.source[0] == "input", s.source[1]) for s in plans.saved)
 
     def _differentiable_outputs(self):
         if self.plans.backward is None:

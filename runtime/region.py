@@ -12,6 +12,7 @@ from backplan.ir.lowering import BackwardMode
 from backplan.ir.types import np_dtype
 
 from . import memory
+from .location import loc_text
 from .program import RegionProgram, SavedBufferInfo
 from .recomputed import recomputed_infos
 from .saved_table import format_saved_table
@@ -44,19 +45,42 @@ class SavedBuffer(SavedBufferInfo):
     freed: bool = False
 
 
-@dataclass(frozen=True)
 class FreedBy:
     """The backward() that freed a region: where it was called, the output it started from and
-    the line that built that output's graph (to tell a loop from a one-off)."""
+    the line that built that output's graph (to tell a loop from a one-off). Every backward()
+    makes one; the texts are made only when a message reads them."""
 
-    loc: str
-    root_desc: str
-    root_created_at: str
-    root_ref: weakref.ref | None = None  # weak: a freed graph must not keep another alive
-    failed: bool = False  # it raised part-way, after this region started to reuse its buffers
+    __slots__ = ("_where", "_root_name", "_root_output", "_root_made", "root_ref", "failed")
+
+    def __init__(self, where, root: Region, index: int, failed: bool = False):
+        self._where = where  # a SourceLoc (or its text)
+        self._root_name = root.name
+        self._root_output = index if root.program.n_outputs > 1 else None
+        self._root_made = root._made_at
+        self.root_ref = weakref.ref(root)  # weak: a freed graph must not keep another alive
+        self.failed = failed  # it raised part-way, after this region started to reuse its buffers
+
+    @property
+    def loc(self) -> str:
+        return location_text(self._where)
+
+    @property
+    def root_created_at(self) -> str:
+        return location_text(self._root_made)
+
+    @property
+    def root_desc(self) -> str:
+        """'`matmul` (created at seed.py:26)'; multi-output regions name the output too."""
+        which = f" output {self._root_output}" if self._root_output is not None else ""
+        return f"`{self._root_name}`{which} (created at {self.root_created_at})"
 
     def started_from(self, region) -> bool:
-        return self.root_ref is not None and self.root_ref() is region
+        return self.root_ref() is region
+
+
+def location_text(where) -> str:
+    """A location as people read it: a SourceLoc's text; a text stays as it is."""
+    return where if isinstance(where, str) else loc_text(where)
 
 
 CONSUME = BackwardMode.CONSUME
@@ -66,16 +90,21 @@ class Region:
     """Holds saved buffers until backward. Output tensors point at it; it points only upstream,
     so it dies when the last tensor that can reach it does."""
 
-    def __init__(self, program: RegionProgram, saved: list, edges: list[Edge], loc: str):
+    def __init__(self, program: RegionProgram, saved: list, edges: list[Edge], loc):
         self.program = program
         self.name = program.name
-        self.created_at = loc
+        self._made_at = loc  # a SourceLoc (or its text): created_at makes the text on demand
         self.input_edges = edges
         self._saved: dict[int, np.ndarray] = dict(enumerate(saved))
         self.freed_by: FreedBy | None = None
         self.backward_calls = 0
         self.lock = threading.RLock()  # held by the backward() running through this region
         memory.track(self)
+
+    @property
+    def created_at(self) -> str:
+        """Where the user made this region: 'train.py:12 (via loss at model.py:30)'."""
+        return location_text(self._made_at)
 
     @property
     def freed(self) -> bool:
@@ -162,8 +191,9 @@ class Region:
                 ct = np.zeros(out.shape, dtype=np_dtype(out.dtype))
             args.append(ct)
         n_cot = len(args)
-        args.extend(self._saved[i] for i in range(len(program.saved_info)))
-        release = (lambda i: self._saved.pop(i - n_cot, None)) if mode is CONSUME else None
+        saved = self._saved
+        args += [saved[i] for i in range(len(program.saved_info))]
+        release = (lambda i: saved.pop(i - n_cot, None)) if mode is CONSUME else None
         self.backward_calls += 1
         return program.run_backward(args, mode, release)
 

@@ -53,9 +53,11 @@ class TracedFunction:
     planner: BudgetPlanner | None = None  # the plans this signature could run instead
     inner_joints: tuple = ()  # report.InnerJoint: value_and_grad plans inlined into this one
     rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
+    grad_inputs: tuple[int, ...] = field(init=False, repr=False)  # inputs a gradient flows to
 
     def __post_init__(self):
         self.rebuild_outputs = unflattener(self.out_treedef)
+        self.grad_inputs = tuple(i for i, w in enumerate(self.program.plans.wrt) if w)
 
     def runners(self) -> list:
         return self.program.runners()
@@ -93,18 +95,20 @@ def run_traced(traced: TracedFunction, call, record: bool = True):
 
 
 def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
-    tensors = tensors + traced.captured
-    wrt = traced.program.plans.wrt
-    loc = loc_text(user_frame_loc())
-    edges = None
-    if record and any(wrt):
-        edges = [t._edge() for t, w in zip(tensors, wrt, strict=True) if w]
+    if traced.captured:
+        tensors = tensors + traced.captured
+    program = traced.program
+    grad_inputs = traced.grad_inputs
+    edges = loc = None
+    if record and grad_inputs:
+        edges = [tensors[i]._edge() for i in grad_inputs]
+    if edges is not None or traced.donated:
+        loc = user_frame_loc()  # the region's and the donation's line; text made on demand
     donate = donatable(tensors, traced.donated) if traced.donated else ()
-    arrays = [t._data for t in tensors]
-    outputs, region = run_forward(traced.program, arrays, edges, loc, donate)
+    outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)
     if traced.donated:
-        mark_donated(tensors, traced, loc)
-    grads = traced.program.differentiable_outputs
+        mark_donated(tensors, traced, loc_text(loc))
+    grads = program.differentiable_outputs
     leaves = []
     for kind, item in traced.out_slots:
         if kind == "static":
@@ -197,10 +201,16 @@ class CompiledFunction(PlannedFunction):
 
         kept = _kept_inputs(traced.program, traced.donated)
         slots = [(i, k in kept) for k, i in enumerate(positions)]
+        as_given = positions == list(range(len(leaves))) and all(
+            type(leaf) is Tensor for leaf in leaves
+        )  # the leaves are the plan's input tensors, in order: nothing to pick or wrap
+        captured = bool(traced.captured)
 
         def run(leaves):
-            if not self._still_valid(traced):
+            if captured and not self._still_valid(traced):
                 return STALE
+            if as_given:
+                return run_tensors(traced, leaves)
             return run_tensors(traced, [input_tensor(leaves[i], copy) for i, copy in slots])
 
         return run

@@ -26,8 +26,9 @@ def inner_joint(entry, call, fn) -> InnerJoint:
     """A value_and_grad call being inlined into an enclosing trace, for that trace's report."""
     names = _joint_input_names(entry, call, fn)
     name = getattr(fn, "__name__", "fn")
-    return InnerJoint(entry.plan, 1 + entry.n_aux, tuple(entry.wrt), names, name,
-                      loc_text(user_frame_loc()))
+    return InnerJoint(
+        entry.plan, 1 + entry.n_aux, tuple(entry.wrt), names, name, loc_text(user_frame_loc())
+    )
 
 
 def _joint_input_names(entry, call, fn) -> list[str]:

@@ -101,27 +101,40 @@ def at_location(loc: SourceLoc | None):
 def user_frame_loc() -> SourceLoc | None:
     """The innermost user frame as a SourceLoc, with up to MAX_USER_FRAMES user frames around
     it (they stop at backplan's own frames, so a traced function's stack ends at its body) and
-    the public function called from it."""
+    the public function called from it. Every op and compiled call asks, so the walk is a
+    dict lookup per frame (what a code object is, worked out once) and one per location."""
     given = getattr(_given, "loc", None)
     if given is not None:
         return given
     frame = sys._getframe(1)
     api = None
+    known = _code_facts.get
     while frame is not None:
-        kind, public, _ = _facts(frame)
-        if kind != LIBRARY:
+        code = frame.f_code
+        facts = known(id(code))  # by id: hashing a code object hashes its contents
+        if facts is None or facts[2] is not code:
+            facts = _facts(frame)
+        if facts[0] != LIBRARY:
             break
-        api = public or api
+        api = facts[1] or api
         frame = frame.f_back
     if frame is None:
         return None
-    key, codes = [api], []
+    key, codes, frames = [api], [], []
     while frame is not None and len(codes) < MAX_USER_FRAMES:
         code = frame.f_code
-        if codes and _facts(frame)[0] != USER:
-            break
-        key += (id(code), frame.f_lineno)  # ids: a code object hashes by its whole content
+        if codes:
+            facts = known(id(code))
+            if facts is None or facts[2] is not code:
+                facts = _facts(frame)
+            if facts[0] != USER:
+                break
+        # ids: a code object hashes by its whole content. The instruction offset, not the
+        # line: f_lineno decodes the code's line table on every read (a long module's loop
+        # paid microseconds), and an offset falls on one line.
+        key += (id(code), frame.f_lasti)
         codes.append(code)
+        frames.append(frame)
         frame = frame.f_back
     key, codes = tuple(key), tuple(codes)
     cached = _locs.get(key)
@@ -129,9 +142,7 @@ def user_frame_loc() -> SourceLoc | None:
         return cached[0]
     if len(_locs) > MAX_CACHED:
         _locs.clear()
-    stack = tuple(
-        (code.co_name, code.co_filename, line) for code, line in zip(codes, key[2::2], strict=True)
-    )
+    stack = tuple((f.f_code.co_name, f.f_code.co_filename, f.f_lineno) for f in frames)
     loc = SourceLoc(stack, api)
     _locs[key] = (loc, codes)
     return loc

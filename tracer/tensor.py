@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,20 @@ def read_only(array: np.ndarray) -> None:
 
 
 _setflags = np.ndarray.setflags
+_ONES: dict = {}  # (shape, dtype) -> a ones array to copy: np.ones costs ~5x a copy
+
+
+def _ones_like(data: np.ndarray) -> np.ndarray:
+    """A new array of ones of data's shape and dtype (backward()'s default gradient)."""
+    key = (data.shape, data.dtype)
+    ones = _ONES.get(key)
+    if ones is None:
+        if len(_ONES) > 64:
+            _ONES.clear()
+        ones = _ONES[key] = np.ones(data.shape, data.dtype)
+        read_only(ones)
+    copy = ones.copy()  # a new, writeable array the backward plan may use as scratch
+    return copy
 
 
 def to_array(data, dtype=None) -> np.ndarray:
@@ -240,7 +255,8 @@ class Tensor:
     def size(self) -> Size:
         """The number of elements, as NumPy's `a.size`; also callable as PyTorch's `x.size()`
         (the shape) and `x.size(dim)` (one dimension)."""
-        return Size(int(np.prod(self.shape, dtype=np.int64)), self.shape)
+        shape = self.shape
+        return Size(math.prod(shape), shape)  # not np.prod: ~20x the cost on a small tuple
 
     @property
     def nbytes(self) -> int:
@@ -284,45 +300,67 @@ class Tensor:
         """A first gradient is kept as it comes (a plan's fresh output; _from_array copies a
         view of someone else's buffer): reshaping it regardless made every .grad a copy."""
         data = self._data  # a leaf is concrete: its dtype without the dtype-name lookups
-        array = np.asarray(array, dtype=self.dtype if data is None else data.dtype)
-        if array.shape != self.shape:
-            array = array.reshape(self.shape)
+        if self.grad is None and type(array) is np.ndarray and data is not None:
+            if array.dtype == data.dtype and array.shape == data.shape:  # a plan's output
+                self.grad = Tensor._from_array(array)
+                return
+        if data is None:
+            array = np.asarray(array, dtype=self.dtype)
+        elif type(array) is not np.ndarray or array.dtype != data.dtype:
+            array = np.asarray(array, dtype=data.dtype)
+        shape = self.shape
+        if array.shape != shape:
+            array = array.reshape(shape)
         self.grad = Tensor._from_array(array if self.grad is None else self.grad._data + array)
 
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
         """Run the backward plans from this tensor and add gradients into leaf .grad.
         Without retain_graph, every region reached frees its saved buffers as it goes."""
         self._check_live()
-        loc = loc_text(user_frame_loc())
+        where = user_frame_loc()  # kept as it is: its text is made when a message needs it
         if self._data is None:
-            raise TracingError(f"backward() inside a traced function at {loc}; use bp.grad")
+            raise TracingError(
+                f"backward() inside a traced function at {loc_text(where)}; use bp.grad"
+            )
         if create_graph:
             raise BackwardError(
-                f"backward(create_graph=True) at {loc} is not supported; for higher derivatives "
-                "use bp.grad(bp.grad(f)), whose backward is itself a differentiable plan"
+                f"backward(create_graph=True) at {loc_text(where)} is not supported; for higher "
+                "derivatives use bp.grad(bp.grad(f)), whose backward is itself a differentiable "
+                "plan"
             )
-        if not self.requires_grad:
-            raise BackwardError(f"backward() at {loc} on a tensor that does not require grad")
-        if gradient is None:
-            if self.size != 1:  # one element of any shape, (1,) included, as PyTorch
-                raise BackwardError(
-                    f"backward() at {loc} on a non-scalar tensor of shape {self.shape} needs a "
-                    "gradient argument of that shape (or reduce it to a scalar with .sum())"
-                )
-            gradient = np.ones(self.shape, dtype=self.dtype)
-        gradient = np.array(
-            gradient.numpy() if isinstance(gradient, Tensor) else gradient, dtype=self.dtype
-        )
-        if gradient.shape != self.shape:
+        if not self._requires_grad:
             raise BackwardError(
-                f"backward() at {loc}: gradient has shape {gradient.shape}, tensor has {self.shape}"
+                f"backward() at {loc_text(where)} on a tensor that does not require grad"
             )
+        gradient = self._seed_gradient(gradient, where)
         if self._grad_fn is None:
             self._accumulate_grad(gradient)
             return
         _engine.backward(
-            self._grad_fn, self._out_index, gradient, BackwardMode.of(retain_graph), loc
+            self._grad_fn, self._out_index, gradient, BackwardMode.of(retain_graph), where
         )
+
+    def _seed_gradient(self, gradient, where) -> np.ndarray:
+        """The gradient backward() starts from, as a new array the plan may overwrite (a
+        consuming backward reuses its inputs' memory): ones for a one-element tensor."""
+        data = self._data
+        if gradient is None:
+            if data.size != 1:  # one element of any shape, (1,) included, as PyTorch
+                raise BackwardError(
+                    f"backward() at {loc_text(where)} on a non-scalar tensor of shape "
+                    f"{self.shape} needs a gradient argument of that shape (or reduce it to a "
+                    "scalar with .sum())"
+                )
+            return _ones_like(data)
+        gradient = np.array(
+            gradient.numpy() if isinstance(gradient, Tensor) else gradient, dtype=data.dtype
+        )
+        if gradient.shape != data.shape:
+            raise BackwardError(
+                f"backward() at {loc_text(where)}: gradient has shape {gradient.shape}, tensor "
+                f"has {data.shape}"
+            )
+        return gradient
 
     def zero_grad(self) -> None:
         self.grad = None

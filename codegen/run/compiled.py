@@ -125,8 +125,11 @@ def _reshaped(buffer: np.ndarray, shape) -> np.ndarray:
     """An output buffer in its IR shape, read-only: a writeable view of another array is
     copied when a tensor wraps it (tracer/tensor.py), which would hold the output twice."""
     view = buffer.reshape(shape)
-    view.flags.writeable = False
+    _setflags(view, False)  # view.flags.writeable = False without making a flags object
     return view
+
+
+_setflags = np.ndarray.setflags
 
 
 class CompiledPlan:

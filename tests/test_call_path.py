@@ -1,0 +1,69 @@
+"""The per-call path of a compiled function and of backward(): what its shortcuts must keep."""
+
+import inspect
+
+import numpy as np
+
+import backplan as bp
+from backplan.tracer.tensor import _ones_like
+
+
+@bp.compile
+def _loss(w, x):
+    return bp.sum(bp.tanh(x @ w))
+
+
+def _two_calls(w, x):
+    first = _loss(w, x)
+    second = _loss(w, x)
+    return first, second
+
+
+def test_each_call_site_gets_its_own_line():
+    """Locations are cached by code object and instruction offset: two calls in one function
+    (the same code, different offsets) name their own lines, and a repeat names the same."""
+    w = bp.tensor(np.ones((3, 2), np.float32), requires_grad=True)
+    x = bp.tensor(np.ones((4, 3), np.float32))
+    start = inspect.getsourcelines(_two_calls)[1]
+    for _ in range(2):
+        first, second = _two_calls(w, x)
+        assert f"via _two_calls at test_call_path.py:{start + 1})" in first.grad_fn.created_at
+        assert f"via _two_calls at test_call_path.py:{start + 2})" in second.grad_fn.created_at
+
+
+def test_freed_message_names_both_lines():
+    w = bp.tensor(np.ones((3, 2), np.float32), requires_grad=True)
+    x = bp.tensor(np.ones((4, 3), np.float32))
+    loss = _loss(w, x)
+    line = inspect.currentframe().f_lineno
+    loss.backward()
+    try:
+        loss.backward()
+    except bp.GraphFreedError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a second backward() through a freed graph must raise")
+    assert f"test_call_path.py:{line + 1}" in message  # the backward() that freed it
+    assert f"test_call_path.py:{line + 3}" in message  # the one that failed
+    assert f"created at test_call_path.py:{line - 1}" in message
+
+
+def test_default_gradient_is_a_new_writeable_array_each_time():
+    """A consuming backward may use its seed gradient as scratch: the cached ones are copied."""
+    data = np.zeros((1, 1), np.float32)
+    seed = _ones_like(data)
+    assert seed.flags.writeable and seed.dtype == np.float32 and seed.shape == (1, 1)
+    seed[...] = 7.0
+    again = _ones_like(data)
+    assert again is not seed and again[0, 0] == 1.0
+
+
+def test_repeated_backward_gradients_match_the_reference():
+    rng = np.random.default_rng(0)
+    w = bp.tensor(rng.standard_normal((3, 2)).astype(np.float32), requires_grad=True)
+    x = bp.tensor(rng.standard_normal((4, 3)).astype(np.float32))
+    expected = (1 - np.tanh(x.numpy() @ w.numpy()) ** 2).T @ x.numpy()
+    for _ in range(3):
+        bp.zero_grad(w)
+        _loss(w, x).backward()
+        np.testing.assert_allclose(w.grad.numpy(), expected.T, rtol=1e-5)
