@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # The verifier runs after every pass in tests.
 os.environ.setdefault("BACKPLAN_VERIFY", "1")
 # Semantics tests run plans on the reference interpreter; codegen tests opt into Numba with
@@ -20,3 +22,14 @@ os.environ.setdefault(
         "backplan-library",
     ),
 )
+
+
+MAX_WORKERS = 4  # each worker imports Numba and compiles; more share one disk cache for little gain
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per CPU this process may use, at most
+    MAX_WORKERS. Most of the suite's time is Numba compiling, one core per process; on 2 cores
+    two workers halve the wall time. `-n 0` runs the suite in one process."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
