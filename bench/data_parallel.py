@@ -1,13 +1,17 @@
-"""Step time of data-parallel training on the bench mlp (784-512-512-10, global batch 128, f32):
-N ranks each on 128/N rows against one rank on all 128. A measurement, not a test; run it as
+"""Step time and scaling of data-parallel training on the bench mlp and transformer (float32).
+A measurement, not a test; run it as
 
     OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python -m backplan.bench.data_parallel
-    OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 mpiexec -n 2 python -m backplan.bench.data_parallel
+    OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 mpiexec -n 2 -bind-to core \\
+        python -m backplan.bench.data_parallel --model transformer
 
-Rank 0 prints the median step time, the median time of the same rank's local value_and_grad
-alone (compute) and their difference: the exchange as the step sees it (packing, the
-allreduces, waiting for the slower rank), less what --split-plan hides behind compute, plus
-what cutting the plan costs.
+Weak scaling, as the scaling efficiency is defined: every rank holds the model's whole batch
+(mlp 128 rows, transformer 8 sequences), so N ranks train on N times the rows; efficiency is
+the one-rank step time over the N-rank step time (--strong splits one batch instead). Rounds
+interleave three timings on every rank: the data-parallel step, this rank's value_and_grad alone
+(compute) and the exchange alone (the same buckets allreduced, no compute); rank 0 prints their
+medians and step - compute, the exchange as the step sees it (packing, the allreduces, waiting
+for the slower rank) less what overlaps compute.
 """
 
 from __future__ import annotations
@@ -19,47 +23,113 @@ import numpy as np
 
 import backplan as bp
 import backplan.distributed as bpd
-from backplan.bench.models import mlp
-
-CONFIG = dict(n_in=784, width=512, depth=2, n_out=10, batch=128)
+from backplan.bench.models import BACKPLAN_KINDS, MODELS
 
 
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def model_step(name: str, rank: int, size: int, strong: bool):
+    """(value_and_grad of the model's loss, params, batch) for this rank."""
+    spec = MODELS[name]
+    data = spec.make_inputs(spec.config, seed=0).cast(np.float32)
+    base = BACKPLAN_KINDS[spec.kind][0]
+    loss = (lambda p, *b: base(p, *b, **spec.static)) if spec.static else base
+    params = {k: bp.tensor(v, requires_grad=True) for k, v in data.params.items()}
+    batch = data.batch(True)
+    if strong:
+        batch = tuple(bpd.shard(b, rank, size) for b in batch)
+    return bp.value_and_grad(loss), params, tuple(bp.tensor(b) for b in batch)
+
+
+def exchange_alone(step, params, batch):
+    """A call that allreduces the step's buckets of this rank's gradients (computed once)."""
+    from backplan.distributed.exchange import Exchange
+
+    loss, grads = step.fn(params, *batch)
+    arrays = [np.asarray(loss.numpy())] + [g.numpy() for g in bp.tree.leaves(grads)]
+    layout = step.layout((params, *batch))
+    world = bpd.init()
+
+    def run():
+        exchange = Exchange(world, layout, True)
+        exchange.start(lambda index: arrays[index])
+        exchange.finish()
+
+    return run
+
+
+def training_steps(vg, bucket_bytes, params, batch) -> dict:
+    """Calls of the adam training step, unsharded and sharded (ZeRO-1), from the same params."""
+    calls = {}
+    for name, shard in (("adam", False), ("adam_zero1", True)):
+        train = bpd.data_parallel(
+            vg, bucket_bytes=bucket_bytes, optimizer=bp.optim.adam(1e-3), shard_optimizer=shard
+        )
+        state = train.init(params)
+        for _ in range(3):
+            train(params, state, *batch)
+        calls[name] = lambda train=train, state=state: train(params, state, *batch)
+    return calls
+
+
+def zero_state_text(vg, bucket_bytes, params, batch) -> str:
+    world = bpd.init()
+    train = bpd.data_parallel(vg, optimizer=bp.optim.adam(1e-3), shard_optimizer=True)
+    mine, whole = train.state_bytes(params, world.size)
+    return f"{mine:,} B of {whole:,} B"
+
+
+def interleaved_medians(calls: dict, rounds: int, repeats: int) -> dict:
+    """Median seconds per call of each entry, timed in interleaved rounds."""
+    times: dict = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="data-parallel step time on the bench mlp")
-    parser.add_argument("--repeats", type=int, default=50)
+    parser = argparse.ArgumentParser(description="data-parallel step time and scaling")
+    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-bytes", type=int, default=bpd.DEFAULT_BUCKET_BYTES)
     parser.add_argument("--split-plan", action="store_true", help="cut the plan at buckets")
+    parser.add_argument("--strong", action="store_true", help="split one batch over the ranks")
+    parser.add_argument(
+        "--zero", action="store_true", help="also time adam steps, unsharded and ZeRO-1"
+    )
     args = parser.parse_args(argv)
     rank, size = bpd.init()
-    data = mlp.make_inputs(CONFIG, seed=0).cast(np.float32)
-    params = {k: bp.tensor(v, requires_grad=True) for k, v in data.params.items()}
-    x = bp.tensor(bpd.shard(data.inputs[0], rank, size))
-    labels = bp.tensor(bpd.shard(data.targets[0], rank, size))
-    vg = bp.value_and_grad(mlp.loss)
+    vg, params, batch = model_step(args.model, rank, size, args.strong)
     step = bpd.data_parallel(vg, bucket_bytes=args.bucket_bytes, split_plan=args.split_plan)
     for _ in range(5):
-        step(params, x, labels)  # compiles, warms caches
+        step(params, *batch)  # compiles, warms caches
     bpd.check_replicas(params)
-    step_s = median_seconds(lambda: step(params, x, labels), args.repeats)
-    compute_s = median_seconds(lambda: vg(params, x, labels), args.repeats)
+    calls = {"step": lambda: step(params, *batch), "compute": lambda: vg(params, *batch)}
+    if size > 1:
+        calls["exchange"] = exchange_alone(step, params, batch)
+    if args.zero:
+        calls.update(training_steps(vg, args.bucket_bytes, params, batch))
+    medians = interleaved_medians(calls, args.rounds, args.repeats)
     if rank == 0:
-        report = step.explain(params, x, labels)
-        exposed_s = max(step_s - compute_s, 0.0)
+        report = step.explain(params, *batch)
+        exposed = max(medians["step"] - medians["compute"], 0.0)
+        alone = f"  exchange alone {medians['exchange'] * 1e3:.2f} ms" if size > 1 else ""
         print(
-            f"ranks {size}  rows/rank {x.shape[0]}  buckets {len(report.buckets)}  "
-            f"bytes/step {report.bytes_per_step:,}  split_plan {args.split_plan}\n"
-            f"step {step_s * 1e3:.2f} ms  compute alone {compute_s * 1e3:.2f} ms  "
-            f"step - compute {exposed_s * 1e3:.2f} ms"
+            f"{args.model}  ranks {size}  rows/rank {batch[0].shape[0]}  "
+            f"buckets {len(report.buckets)}  bytes/step {report.bytes_per_step:,}  "
+            f"split_plan {args.split_plan}\n"
+            f"step {medians['step'] * 1e3:.2f} ms  compute alone {medians['compute'] * 1e3:.2f} ms"
+            f"{alone}  step - compute {exposed * 1e3:.2f} ms"
         )
+        if args.zero:
+            print(
+                f"adam step: unsharded {medians['adam'] * 1e3:.2f} ms  ZeRO-1 "
+                f"{medians['adam_zero1'] * 1e3:.2f} ms  (optimizer state per rank: "
+                f"{zero_state_text(vg, args.bucket_bytes, params, batch)})"
+            )
     return 0
 
 

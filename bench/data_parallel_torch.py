@@ -1,0 +1,82 @@
+"""PyTorch DDP (gloo) on the same models, batches and ranks as bench/data_parallel.py, for the
+scaling table beside backplan. Launch it the same way (mpiexec starts the ranks; mpi4py tells
+each its rank, then gloo connects them over TCP on this host):
+
+    OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 mpiexec -n 2 -bind-to core \\
+        python -m backplan.bench.data_parallel_torch --model mlp
+
+Rounds interleave the DDP step (forward, backward, DDP's bucketed allreduces overlapped with the
+backward) and the same step under no_sync() (compute alone); rank 0 prints their medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from backplan.bench.data_parallel import interleaved_medians
+from backplan.bench.models import MODELS
+
+PORT = 29517
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from backplan.bench.peers.torch_models import TORCH_KINDS
+
+    parser = argparse.ArgumentParser(description="PyTorch DDP step time (gloo)")
+    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(PORT))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    spec = MODELS[args.model]
+    data = spec.make_inputs(spec.config, seed=0).cast(np.float32)
+    loss_fn = TORCH_KINDS[spec.kind][0]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.ParameterDict(
+                {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in data.params.items()}
+            )
+
+        def forward(self, *batch):
+            return loss_fn(dict(self.p), *batch, **spec.static)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(Model())
+    batch = tuple(torch.from_numpy(b) for b in data.batch(True))
+
+    def step():
+        ddp.zero_grad(set_to_none=True)
+        ddp(*batch).backward()
+
+    def compute():
+        with ddp.no_sync():
+            step()
+
+    for _ in range(5):
+        step()
+    medians = interleaved_medians({"step": step, "compute": compute}, args.rounds, args.repeats)
+    if rank == 0:
+        exposed = max(medians["step"] - medians["compute"], 0.0)
+        print(
+            f"torch DDP gloo  {args.model}  ranks {size}  rows/rank {batch[0].shape[0]}\n"
+            f"step {medians['step'] * 1e3:.2f} ms  compute alone {medians['compute'] * 1e3:.2f} "
+            f"ms  step - compute {exposed * 1e3:.2f} ms"
+        )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
