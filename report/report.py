@@ -45,7 +45,11 @@ class InnerJoint:
 
     def report(self, backend: str) -> ExplainReport:
         return joint_report(
-            self.plan, self.n_outputs, list(self.wrt), self.input_names, self.name,
+            self.plan,
+            self.n_outputs,
+            list(self.wrt),
+            self.input_names,
+            self.name,
             backend=backend,
         )
 
@@ -68,6 +72,7 @@ class ExplainReport:
     peak_calls: list = field(default_factory=list)  # ir.peak.PlanCall: the step, for `peak`
     inner: list = field(default_factory=list)  # (InnerJoint, its report): inlined joint plans
     frontier_source: Callable | None = None  # () -> MemoryFrontier of this signature's plans
+    dynamic: str | None = None  # a symbolic signature: its axis, sizes and memory formulas
 
     # ---- numbers ------------------------------------------------------------------------------
 

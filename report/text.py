@@ -317,9 +317,10 @@ def compile_cost_text(report) -> str:
 
 
 def retrace_text(report) -> str:
+    dynamic = f" {report.dynamic}" if report.dynamic else ""
     if report.traces <= 1:
-        return "Traced once: no retrace."
+        return "Traced once: no retrace." + dynamic
     return (
         f"Traced {report.traces} times. The last retrace happened because: "
-        f"{report.retrace_reason or 'the reason was not recorded'}."
+        f"{report.retrace_reason or 'the reason was not recorded'}.{dynamic}"
     )

@@ -32,7 +32,7 @@ def test_pytrees_in_and_out_and_static_arguments():
 
 
 def test_cache_hits_and_every_kind_of_miss_is_explained():
-    @bp.compile
+    @bp.compile(dynamic=False)  # every size its own signature (else axis 0 turns dynamic)
     def fn(x, scale=1):
         return bp.sum(x) * scale
 
@@ -268,12 +268,13 @@ def test_a_miss_is_explained_against_the_closest_cached_signature():
     fn(one, bp.tensor(f32(4, 3)))
     fn(two, bp.tensor(f32(4, 3)))  # the last call, but of another structure
     fn(one, bp.tensor(f32(5, 3)))
-    assert fn.cache_info().last_miss_reason == "x: shape (4, 3) -> (5, 3)"
+    reason = "x: shape (4, 3) -> (5, 3); axis 0 of x is dynamic from now on (x.shape[0])"
+    assert fn.cache_info().last_miss_reason.startswith(reason)
     vg = bp.value_and_grad(fn)
     vg(one, bp.tensor(f32(4, 3)))
     vg(two, bp.tensor(f32(4, 3)))
     vg(one, bp.tensor(f32(5, 3)))
-    assert vg.cache_info().last_miss_reason == "x: shape (4, 3) -> (5, 3)"  # not args[1]
+    assert vg.cache_info().last_miss_reason.startswith(reason)  # not args[1]
 
 
 def test_a_list_holding_traced_tensors_becomes_a_tensor_as_eagerly():

@@ -139,3 +139,44 @@ def test_dynamic_refuses_what_it_cannot_do():
         shared(batch(3), batch(4))
     with pytest.raises(bp.TracingError, match="no axis 2"):
         bp.compile(model, dynamic={"x": {2: "batch"}})(W, batch(3))
+
+
+def test_an_axis_becomes_dynamic_at_the_second_size_seen_on_it():
+    compiled = bp.compile(model)
+    for n in (5, 7, 9, 12, 5):
+        x = batch(n)
+        np.testing.assert_allclose(compiled(W, x).numpy(), reference(model, W, x)[0], rtol=1e-5)
+    # the first size's plan (which its calls keep running), then one for every later size
+    assert compiled.cache_info().traces == 2
+    assert dynamic_entry(compiled).symbol == "x.shape[0]"
+    assert sorted(dynamic_entry(compiled).sizes()) == [7, 9, 12]
+
+
+def test_automatic_dynamic_axes_can_be_turned_off_and_need_one_changed_axis():
+    off = bp.compile(model, dynamic=False)
+    for n in (5, 7, 9):
+        off(W, batch(n))
+    assert off.cache_info().traces == 3
+    total = bp.compile(lambda x: bp.sum(x * x))
+    for shape in [(5, 8), (7, 9), (6, 10)]:  # two axes change at once: no single symbol
+        total(bp.tensor(np.ones(shape, np.float32)))
+    assert total.cache_info().traces == 3
+    assert not any(isinstance(e, DynamicEntry) for e in total._entries.values())
+
+
+def test_explain_gives_the_bytes_as_formulas_of_the_symbol_or_says_why_not():
+    compiled = bp.compile(model, dynamic={"x": {0: "batch"}})
+    report = compiled.explain(W, batch(5))
+    saved = [compiled.explain(W, batch(n)).saved_bytes for n in (5, 9)]
+    slope = (saved[1] - saved[0]) // 4
+    assert saved[0] - 5 * slope == 0  # model saves only batch-sized buffers
+    assert f"saved = {slope}·batch bytes" in report.dynamic
+    assert "one plan for every size, traced once at batch=5" in report.dynamic
+    assert "Dynamic axis batch" in str(report)
+
+    def squared_size(w, x):
+        return bp.sum(x @ w) * float(x.shape[0] ** 2)
+
+    text = bp.compile(squared_size, dynamic={"x": {0: "batch"}}).explain(W, batch(3)).dynamic
+    assert text.startswith("Dynamic axis batch: each size is planned on its own")
+    assert "full at test_dynamic.py:" in text

@@ -163,7 +163,7 @@ def test_parallel_kernels_from_two_threads_do_not_abort():
 def test_misses_from_many_threads_are_traced_and_explained():
     """Threads calling with shapes no other thread has seen yet: every call misses or hits while
     others insert and move cache entries, and each result is right."""
-    double = bp.compile(lambda x: x * 2.0 + 1.0, cache_size=64)
+    double = bp.compile(lambda x: x * 2.0 + 1.0, cache_size=64, dynamic=False)
 
     def work(thread, call):
         x = np.full((1 + (thread * CALLS + call) % 7, 3), float(thread), np.float32)

@@ -149,11 +149,13 @@ class CompiledFunction(PlannedFunction):
             )
         self.arguments = ArgumentSpec(fn, static_argnums, static_argnames, donate_argnums)
         self._dynamic = checked_dynamic(dynamic, _parameter_names(fn))
-        if self._dynamic and (max_peak_bytes is not None or saved_bytes_budget is not None):
+        budget = max_peak_bytes is not None or saved_bytes_budget is not None
+        if self._dynamic and budget:
             raise ValueError(
                 "dynamic= with a memory budget: which plan fits a budget depends on the size; "
                 "give one or the other"
             )
+        self._auto_dynamic = dynamic is None and not budget
         self._static_nums = self.arguments.static_nums
         self._static_names = self.arguments.static_names
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
@@ -406,7 +408,9 @@ def compile(  # noqa: A001
     and 1, planned on their own) runs one plan, traced once, with the same kernels and driver;
     `explain()` shows its memory as formulas of the symbol. Where the function's plans differ
     with the size in a way that is not a formula, each size is planned on its own and explain
-    says why (tracer/dynamic.py).
+    says why (tracer/dynamic.py). None (default): an axis becomes dynamic by itself when a
+    call differs from an earlier one only in that axis's size (the second size seen on it);
+    False: every size is its own signature.
 
     background=True: a plan's first calls (forward, and backward through .backward()) run on
     the reference interpreter, waiting for no compiler, while a background process compiles

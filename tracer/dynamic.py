@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from backplan.ir.symbolic import SymbolicError
+from backplan.ir.symbolic import Affine, SymbolicError, fit_number
 
 from .errors import TracingError
 from .signature import BoundCall, SignatureKey
@@ -28,7 +28,7 @@ SIZES_KEPT = 16  # instantiated sizes an entry keeps (least recently used leave 
 
 def checked_dynamic(dynamic, parameters) -> dict[str, dict[int, str]]:
     """dynamic= as {argument name: {axis: symbol}}, refused by name when malformed."""
-    if dynamic is None:
+    if dynamic is None or dynamic is False:
         return {}
     if not isinstance(dynamic, dict):
         raise TypeError(
@@ -65,16 +65,20 @@ class SymbolicCall:
 
 
 def find_symbol(
-    call: BoundCall, declared: dict[str, dict[int, str]], argument_of=None
+    call: BoundCall, declared: dict[str, dict[int, str]], argument_of=None, learned=None
 ) -> SymbolicCall | None:
     """The symbol of this call, or None when no declared axis is there or its size is 0 or 1
-    (specialised: a plan of its own). argument_of(call, p): the parameter name of leaf p."""
+    (specialised: a plan of its own). argument_of(call, p): the parameter name of leaf p.
+    learned: {leaf path: (rank, axis, symbol)} made dynamic automatically (learn_axis)."""
     found: dict[str, int] = {}
     places = []
     for p in call.tensor_positions:
         name = call.arguments[p] if argument_of is None else argument_of(call, p)
         axes = declared.get(name)
         leaf = call.key.leaves[p]
+        if learned and leaf.path in learned and not leaf.weak:
+            rank, axis, symbol = learned[leaf.path]
+            axes = {axis: symbol} if len(leaf.shape) == rank else axes
         if not axes or leaf.weak:
             continue
         for axis, symbol in axes.items():
@@ -97,6 +101,41 @@ def find_symbol(
         return None
     ((symbol, size),) = found.items()
     return SymbolicCall(symbol, size, tuple(places))
+
+
+def learn_axis(new: SignatureKey, cached) -> dict | None:
+    """{leaf path: (rank, axis, symbol)} when `new` differs from a cached signature only in
+    sizes, all of one axis size m -> n (both at least 2): the second size seen on that axis,
+    after which it is dynamic (torch.compile's automatic dynamic shapes). None otherwise: a
+    change of two sizes, of anything else, or to a size 0 or 1 retraces as before."""
+    for old in cached:
+        if old.treedef != new.treedef or len(old.leaves) != len(new.leaves):
+            continue
+        changed = _size_changes(old, new)
+        if changed is None or len({(m, n) for _, _, _, m, n in changed}) != 1:
+            continue
+        path, rank, axis, m, n = changed[0]
+        if min(m, n) < 2:
+            continue
+        symbol = f"{path}.shape[{axis}]"
+        return {p: (r, a, symbol) for p, r, a, _, _ in changed}
+    return None
+
+
+def _size_changes(old: SignatureKey, new: SignatureKey) -> list | None:
+    """[(path, rank, axis, old size, new size)] where only tensor sizes differ, else None."""
+    changes = []
+    for a, b in zip(old.leaves, new.leaves, strict=True):
+        if a == b:
+            continue
+        if a.kind != "tensor" or replace(a, shape=b.shape) != b or len(a.shape) != len(b.shape):
+            return None
+        for axis, (m, n) in enumerate(zip(a.shape, b.shape, strict=True)):
+            if m != n:
+                if not isinstance(m, int):  # already a symbol there
+                    return None
+                changes.append((b.path, len(b.shape), axis, m, n))
+    return changes or None
 
 
 def symbolic_key(key: SignatureKey, found: SymbolicCall) -> SignatureKey:
@@ -185,3 +224,41 @@ def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call
         return template, fit([template, *probes], sizes), None
     except SymbolicError as exc:
         return template, None, str(exc)
+
+
+def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
+    """What explain says of a symbolic signature: its symbol, the sizes planned, and the
+    step's peak and saved bytes as formulas of the symbol, fitted from the plan at three sizes
+    (where the bytes are not exactly one formula, the value at this size and an approximate
+    formula, saying so)."""
+    symbol, sizes = entry.symbol, ", ".join(str(n) for n in sorted(entry.sizes()))
+    if entry.fitted is None:
+        return (
+            f"Dynamic axis {symbol}: each size is planned on its own (sizes {sizes}), "
+            f"because {entry.reason}."
+        )
+    at = [entry.first_size * f for f in (1, *PROBE_FACTORS)]
+    reports = [report_of(entry._make(entry.template, entry.fitted, n)) for n in at]
+    formulas = []
+    for what, attr in (("peak", "peak_bytes"), ("saved", "saved_bytes")):
+        values = [getattr(r, attr) for r in reports]
+        formulas.append(f"{what} = {_formula(values, at, symbol, getattr(report, attr), size)}")
+    return (
+        f"Dynamic axis {symbol}: one plan for every size, traced once at "
+        f"{symbol}={entry.first_size}, planned for sizes {sizes}; {'; '.join(formulas)}."
+    )
+
+
+def _formula(values: list[int], sizes: list[int], symbol: str, here: int, size: int) -> str:
+    try:
+        fitted = fit_number(values, sizes, "")
+    except SymbolicError:
+        c = round((values[2] - values[1]) / (sizes[2] - sizes[1]))
+        about = Affine(values[2] - c * sizes[2], c)
+        return (
+            f"{here:,} bytes at {symbol}={size} (about {about.text(symbol)}: not exactly one "
+            "formula, the arenas' packing and alignment change with the size)"
+        )
+    if isinstance(fitted, Affine):
+        return f"{fitted.text(symbol)} bytes"
+    return f"{fitted:,} bytes"

@@ -94,6 +94,7 @@ class ValueAndGradFunction(PlannedFunction):
         self._nums = _argnums_tuple(argnums)
         self._single = isinstance(argnums, int)
         self._dynamic = dict(getattr(fn, "_dynamic", None) or {})  # bp.compile(dynamic=...)
+        self._auto_dynamic = getattr(fn, "_auto_dynamic", True) and max_peak_bytes is None
         self._parameters = _parameter_names(fn) if self._dynamic else None
 
     def with_budget(self, max_peak_bytes: int):
@@ -122,6 +123,12 @@ class ValueAndGradFunction(PlannedFunction):
         found = self._symbol_of(bound)
         key = bound.call.key if found is None else symbolic_key(bound.call.key, found)
         return (key, frozenset(bound.diff_paths))
+
+    def _signature_of_key(self, key):
+        return key[0]
+
+    def _display(self, text: str) -> str:
+        return named_reason(self.fn, text)
 
     def _signature_call(self, bound: JointCall):
         return bound.call

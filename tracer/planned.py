@@ -14,7 +14,14 @@ from typing import Any
 from backplan.runtime import is_grad_enabled
 from backplan.runtime.tiers import slowest_tier, wait_until_compiled
 
-from .dynamic import DynamicEntry, find_symbol, fit_entry, symbolic_key
+from .dynamic import (
+    DynamicEntry,
+    dynamic_text,
+    find_symbol,
+    fit_entry,
+    learn_axis,
+    symbolic_key,
+)
 from .errors import TracingError
 from .fastpath import call_key, guard_for
 from .trace import current_trace
@@ -92,6 +99,8 @@ class PlannedFunction:
         self._lookup_lock = threading.Lock()  # held for cache reads and writes, never a trace
         self._pending: dict = {}  # entry key -> _Tracing, while a thread traces that signature
         self._dynamic: dict = {}  # argument name -> {axis: symbol} (tracer/dynamic.py)
+        self._auto_dynamic = False  # learn a dynamic axis from the second size seen on it
+        self._learned: dict = {}  # leaf path -> (rank, axis, symbol), learned automatically
 
     # ---- what subclasses provide -------------------------------------------------------------
 
@@ -121,9 +130,39 @@ class PlannedFunction:
         raise NotImplementedError
 
     def _symbol_of(self, bound):
-        if not self._dynamic:
+        if not self._dynamic and not self._learned:
             return None
-        return find_symbol(self._signature_call(bound), self._dynamic, self._argument_of)
+        call = self._signature_call(bound)
+        return find_symbol(call, self._dynamic, self._argument_of, self._learned)
+
+    def _learn_dynamic(self, bound, key) -> tuple:
+        """On a miss, with automatic dynamic axes on and no symbol yet: if the call differs
+        from a cached signature only in one axis's size, that axis is dynamic from now on
+        (tracer/dynamic.learn_axis). Returns the key to look up and the miss's reason when
+        it made an axis dynamic (else None)."""
+        if not self._auto_dynamic or self._dynamic or self._learned or key in self._entries:
+            return key, None
+        call = self._signature_call(bound)
+        cached = [self._signature_of_key(k) for k in tuple(self._entries)]
+        learned = learn_axis(call.key, [k for k in cached if k is not None])
+        if learned is None:
+            return key, None
+        reason = self._miss_reason(key, None)
+        learned = {p: (r, a, self._display(s)) for p, (r, a, s) in learned.items()}
+        self._learned = learned
+        ((_, axis, symbol),) = {v for v in learned.values()}
+        paths = self._display(", ".join(learned))
+        reason = f"{reason}; axis {axis} of {paths} is dynamic from now on ({symbol}): one plan"
+        return self._entry_key(bound), reason + " for every size"
+
+    def _display(self, text: str) -> str:
+        """Leaf paths as the user names them (value_and_grad binds by position)."""
+        return text
+
+    def _signature_of_key(self, key):
+        """The SignatureKey inside an entry key (value_and_grad's adds its differentiated
+        leaves: only entries differentiating the same leaves compare)."""
+        return key
 
     _argument_of = None  # (call, leaf position) -> parameter name; None: call.arguments
 
@@ -213,8 +252,8 @@ class PlannedFunction:
         counts a hit; trace() and explain() only look. Threads that miss one signature at once
         trace it once: the others wait for that entry (see _claim)."""
         bound = self._bind(args, kwargs)
-        key = self._entry_key(bound)
-        entry, pending = self._claim(key, count_hit)
+        key, learned_reason = self._learn_dynamic(bound, self._entry_key(bound))
+        entry, pending = self._claim(key, count_hit, learned_reason)
         if pending is None:
             return bound, self._sized(entry, bound)
         try:
@@ -257,7 +296,7 @@ class PlannedFunction:
             self._traces += 1
         return entry
 
-    def _claim(self, key, count_hit: bool):
+    def _claim(self, key, count_hit: bool, reason: str | None = None):
         """(entry, None) on a hit, or (stale entry, event) when this thread is to trace `key`.
         While another thread traces the same key this one waits and takes its entry: a wait
         cycle would need a cycle of (function, signature) calls, which never ends anyway; the
@@ -273,7 +312,7 @@ class PlannedFunction:
                 pending = self._pending.get(key)
                 if pending is None or pending.owner == threading.get_ident():
                     self._misses += 1
-                    self._last_miss_reason = self._miss_reason(key, entry)
+                    self._last_miss_reason = reason or self._miss_reason(key, entry)
                     pending = self._pending[key] = _Tracing()
                     return entry, pending
             pending.wait()  # its entry is in the cache now, or its trace failed: look again
@@ -321,6 +360,11 @@ class PlannedFunction:
         report = self._report(entry, bound)
         if entry.planner is not None:
             report.frontier_source = entry.planner.memory_frontier
+        symbolic = self._entries.get(self._entry_key(bound))
+        if type(symbolic) is DynamicEntry:
+            size = self._symbol_of(bound).size
+            report_of = lambda e: self._report(e, bound)  # noqa: E731
+            report.dynamic = dynamic_text(symbolic, report_of, size, report)
         return report
 
     def memory_frontier(self, *args, **kwargs):

@@ -24,7 +24,6 @@ def _first_bad_index(indices, size):
     return -1
 
 
-
 @njit(inline="always", **_opts)
 def _wrapped(index, size):
     return index + size if index < 0 else index
@@ -130,8 +129,7 @@ def emit_one_hot(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     (labels,) = node.inputs
     rows, depth = math.prod(labels.shape), node.attrs["depth"]
     return [
-        f"bad = one_hot({ctx.array(labels)}.reshape(({rows},)), "
-        f"{out}.reshape(({rows}, {depth})))",
+        f"bad = one_hot({ctx.array(labels)}.reshape(({rows},)), {out}.reshape(({rows}, {depth})))",
         *ctx.index_error(node, labels, label_message(*HOLES, depth)),
     ]
 

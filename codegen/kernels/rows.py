@@ -217,8 +217,7 @@ def emit_logsumexp(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     else:
         pre, n, post = ctx.split(x.shape, axes[0], len(axes))
     return [
-        f"logsumexp_strided({source}.reshape(({pre}, {n}, {post})), "
-        f"{out}.reshape(({pre}, {post})))"
+        f"logsumexp_strided({source}.reshape(({pre}, {n}, {post})), {out}.reshape(({pre}, {post})))"
     ]
 
 
