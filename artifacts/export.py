@@ -29,6 +29,7 @@ from backplan.tracer.compile import CompiledFunction
 from backplan.tracer.functional import ValueAndGradFunction
 
 from .container import write_artifact
+from .dynamic import dynamic_meta, with_dynamic
 from .format import ExportError, array_to_npy, json_bytes
 from .plans import plan_facts
 from .signing import key_bytes
@@ -45,6 +46,7 @@ def export(
     *example_args: Any,
     path: str | os.PathLike[str],
     key: bytes | str | None = None,
+    dynamic: dict | None = None,
     **example_kwargs: Any,
 ) -> str:
     """Trace fn on the example arguments and write the artifact to path; returns the path.
@@ -66,6 +68,8 @@ def export(
     if key is not None:
         key_bytes(key)  # refuse a bad key before tracing
     writer = _ArtifactWriter()
+    if isinstance(fn, CompiledFunction | ValueAndGradFunction):
+        fn = with_dynamic(fn, dynamic)
     if isinstance(fn, CompiledFunction):
         meta = _compiled_meta(fn, example_args, example_kwargs, writer)
     elif type(fn) is ValueAndGradFunction:  # bp.grad's results differ: not exportable yet
@@ -130,7 +134,17 @@ def _compiled_meta(fn: CompiledFunction, args, kwargs, writer: _ArtifactWriter) 
     meta["plans"] = {"forward": writer.add_plan("forward", plans.forward)}
     if plans.backward is not None:
         meta["plans"]["backward"] = writer.add_plan("backward", plans.backward)
+    dynamic = dynamic_meta(fn, call, writer, lambda fitted, n: _region_roles(fitted.at(n)))
+    if dynamic is not None:
+        meta["dynamic"] = dynamic
     return meta
+
+
+def _region_roles(plans) -> dict:
+    roles = {"forward": plans.forward}
+    if plans.backward is not None:
+        roles["backward"] = plans.backward
+    return roles
 
 
 def _joint_meta(fn, args, kwargs, writer: _ArtifactWriter) -> dict:
@@ -155,6 +169,9 @@ def _joint_meta(fn, args, kwargs, writer: _ArtifactWriter) -> dict:
         "diff_positions": sorted(diff_paths),
     }
     meta["plans"] = {"joint": writer.add_plan("joint", entry.plan)}
+    dynamic = dynamic_meta(fn, bound, writer, lambda fitted, n: {"joint": fitted.at(n)[0]})
+    if dynamic is not None:
+        meta["dynamic"] = dynamic
     return meta
 
 

@@ -17,11 +17,12 @@ from typing import Any
 from backplan.ir.errors import BackplanError
 
 from .container import ArtifactContents, read_artifact
+from .dynamic import fit_loaded
 from .flops import graph_flops
 from .format import ExportError, npy_to_array, parse_json, parse_text
 from .meta import MAX_NAME, check_dtype, check_shape, field, signature_key
 from .plans import machine_memory_bytes, read_plan
-from .rebuild import build_compiled, build_joint
+from .rebuild import build_compiled, build_joint, region_plans
 from .tree import signature_from_json
 
 
@@ -122,8 +123,36 @@ def _build(where: str, contents: ArtifactContents, reader: _MemberReader, limits
     if set(common["signature"].parameters) != set(key.treedef.meta or ()):
         raise ExportError("meta.json: the parameters do not match the argument structure")
     if kind == "compiled":
-        return build_compiled(meta, key, captured, names, plans, common)
-    return build_joint(meta, key, captured, names, plans, common)
+        loaded = build_compiled(meta, key, captured, names, plans, common)
+    else:
+        loaded = build_joint(meta, key, captured, names, plans, common)
+    if "dynamic" in meta:
+        _make_dynamic(loaded, meta, reader, kind, limits)
+    return loaded
+
+
+def _make_dynamic(loaded, meta: dict, reader: _MemberReader, kind: str, limits: Limits) -> None:
+    """A dynamic artifact: the plans stored at 2n and 3n, fitted with the first into one plan
+    of the symbol (a stored plan that does not fit is refused)."""
+    dynamic = field(meta, "dynamic", dict, "meta.json")
+    symbol = field(dynamic, "symbol", str, "meta.json dynamic")[:MAX_NAME]
+    sizes = dynamic.get("sizes")
+    if not (isinstance(sizes, list) and len(sizes) == 3 and all(type(n) is int for n in sizes)):
+        raise ExportError("meta.json dynamic: sizes must be three integers")
+    places = [tuple(p) for p in field(dynamic, "places", list, "meta.json dynamic")]
+    stored = field(dynamic, "plans", dict, "meta.json dynamic")
+    if sorted(stored) != sorted(str(n) for n in sizes[1:]):
+        raise ExportError("meta.json dynamic: plans must be stored at the second and third sizes")
+    probes = []
+    for n in sizes[1:]:
+        plans = _read_plans(reader, stored[str(n)], kind, limits.max_bytes)
+        if kind == "compiled":
+            template = loaded.program.plans
+            probes.append(region_plans(meta, plans["forward"], plans.get("backward"), template.wrt))
+        else:
+            probes.append(plans["joint"])
+    template = loaded.program.plans if kind == "compiled" else loaded.plan
+    loaded.make_dynamic(symbol, sizes[0], places, fit_loaded(kind, template, probes, sizes))
 
 
 def _checked_max_flops(max_flops):

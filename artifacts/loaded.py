@@ -3,6 +3,7 @@ through the same code paths as @compile and value_and_grad (run_traced, run_join
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import numpy as np
@@ -10,11 +11,12 @@ import numpy as np
 from backplan.ir.graph import inline_graph
 from backplan.ir.types import np_dtype
 from backplan.report.report import ExplainReport, joint_report, region_report
-from backplan.runtime import is_grad_enabled
+from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.tracer.compile import TracedFunction, run_traced
+from backplan.tracer.dynamic import DynamicEntry, SymbolicCall, symbolic_key
 from backplan.tracer.functional import JointCall, JointTrace, _as_diff_arg, run_joint
 from backplan.tracer.planned import PlannedFunction
-from backplan.tracer.pytree import TreeDef, unflatten
+from backplan.tracer.pytree import TreeDef, flatten, unflatten
 from backplan.tracer.signature import BoundCall, SignatureKey
 from backplan.tracer.tensor import Tensor
 from backplan.tracer.trace import current_trace
@@ -51,20 +53,66 @@ class LoadedArtifact(PlannedFunction):
         self.member_sizes = {n: len(d) for n, d in members.items()}
         self.__signature__ = signature
         self._key = key
+        self._symbol: str | None = None  # a dynamic artifact's symbol (make_dynamic)
+        self._places: list = []  # its (leaf, axis) places
 
     @property
     def format_version(self) -> int:
         return self.manifest["format_version"]
 
-    def _match(self, args, kwargs) -> tuple[dict, list, list[int]]:
+    def _match(self, args, kwargs) -> tuple[dict, list, list[int], SignatureKey]:
+        """(arguments, leaves, tensor positions, the signature at this call's size)."""
         try:
             bound = self.__signature__.bind(*args, **kwargs)
         except TypeError as exc:
             raise ExportError(f"{self.path}: {self.name}{self.__signature__}: {exc}") from None
         bound.apply_defaults()
         arguments = self._conform(dict(bound.arguments))
-        leaves, positions = match_leaves(arguments, list(self._key.leaves), self.path)
-        return arguments, leaves, positions
+        keys = self._keys_at(arguments)
+        leaves, positions = match_leaves(arguments, keys, self.path)
+        return arguments, leaves, positions, SignatureKey(self._key.treedef, tuple(keys))
+
+    def _keys_at(self, arguments: dict) -> list:
+        """The exported leaf keys, a dynamic artifact's axes at the size this call passes."""
+        keys = list(self._key.leaves)
+        if self._symbol is None:
+            return keys
+        leaves = flatten(arguments)[0]
+        sizes = {
+            tuple(leaves[p].shape)[axis]
+            for p, axis in self._places
+            if len(getattr(leaves[p], "shape", ())) == len(keys[p].shape)
+        }
+        if len(sizes) != 1:
+            return keys  # match_leaves says which argument does not fit
+        (size,) = sizes
+        if size < 2:
+            raise ExportError(
+                f"{self.path} was exported with {self._symbol} dynamic, for sizes of 2 or more "
+                f"(0 and 1 broadcast and get plans of their own); the call passed {size}: "
+                "export one at that size"
+            )
+        for p, axis in self._places:
+            shape = list(keys[p].shape)
+            shape[axis] = size
+            keys[p] = dataclasses.replace(keys[p], shape=tuple(shape))
+        return keys
+
+    def make_dynamic(self, symbol: str, size: int, places: list, fitted) -> None:
+        """Run any size of `symbol` through these fitted plans (artifacts/dynamic.py)."""
+        rank = {p: len(self._key.leaves[p].shape) for p, _ in places}
+        if any(not 0 <= axis < rank[p] for p, axis in places):
+            raise ExportError("meta.json dynamic: an axis is out of range")
+        self._symbol, self._places = symbol, places
+        (template,) = self._entries.values()
+        found = SymbolicCall(symbol, size, tuple(places))
+        key = self._stored_key(symbolic_key(self._key, found))
+        self._learned = {self._key.leaves[p].path: (rank[p], axis, symbol) for p, axis in places}
+        self._entries.clear()
+        self._entries[key] = DynamicEntry(template, symbol, size, fitted, None, self._instantiate)
+
+    def _stored_key(self, key: SignatureKey):
+        return key
 
     def _conform(self, arguments: dict) -> dict:
         return conform(self._key.treedef, arguments, "", self.path)
@@ -75,16 +123,21 @@ class LoadedArtifact(PlannedFunction):
     def explain(self, *args, **kwargs) -> ExplainReport:
         """The same report as bp.explain gives the original (one signature: no arguments
         needed)."""
-        return self._report(next(iter(self._entries.values())), None)
+        entry = next(iter(self._entries.values()))
+        return self._report(getattr(entry, "template", entry), None)
 
     def _leaf_texts(self, show_requires_grad: bool = True) -> list[str]:
         texts = []
-        for key in self._key.leaves:
+        symbolic = dict(self._places)
+        for p, key in enumerate(self._key.leaves):
             if key.weak:
                 texts.append("float")
             elif key.kind == "tensor":
                 flag = " requires_grad" if key.requires_grad and show_requires_grad else ""
-                texts.append(f"{key.dtype}[{','.join(map(str, key.shape))}]{flag}")
+                dims = [str(d) for d in key.shape]
+                if p in symbolic:
+                    dims[symbolic[p]] = str(self._symbol)
+                texts.append(f"{key.dtype}[{','.join(dims)}]{flag}")
             else:
                 texts.append(repr(key.static[1]))
         return texts
@@ -133,14 +186,19 @@ class LoadedFunction(LoadedArtifact):
         self._entries[self._key] = traced
 
     def _bind(self, args, kwargs) -> BoundCall:
-        _, leaves, positions = self._match(args, kwargs)
-        return BoundCall(self._key, leaves, positions)
+        _, leaves, positions, key = self._match(args, kwargs)
+        return BoundCall(key, leaves, positions)
+
+    def _instantiate(self, template: TracedFunction, fitted, size: int) -> TracedFunction:
+        program = template.program
+        plans = RegionProgram(fitted.at(size), name=program.name, input_names=program.input_names)
+        return dataclasses.replace(template, program=plans)
 
     def _run(self, traced: TracedFunction, call: BoundCall):
         leaves, positions = call.leaves, call.tensor_positions
         outer = current_trace()
         if outer is not None:
-            return self._inline(outer, [leaves[p] for p in positions])
+            return self._inline(outer, [leaves[p] for p in positions], traced)
         record = self._prepare_grads(leaves, positions)
         return run_traced(traced, call, record)
 
@@ -165,9 +223,9 @@ class LoadedFunction(LoadedArtifact):
                     leaves[p] = Tensor(leaves[p].numpy(), requires_grad=True)
         return record
 
-    def _inline(self, outer, tensors: list):
+    def _inline(self, outer, tensors: list, traced: TracedFunction):
         """Called inside another trace: the forward graph becomes part of the outer one."""
-        forward = self.program.plans.forward.graph
+        forward = traced.program.plans.forward.graph
         inputs = [outer.value_of(t) for t in tensors + self.captured]
         values = inline_graph(outer.graph, forward, inputs)[: self.program.n_outputs]
         leaves = [
@@ -225,9 +283,23 @@ class LoadedValueAndGrad(LoadedArtifact):
 
     def _bind(self, args, kwargs) -> JointCall:
         args = tuple(_as_diff_arg(a) if i in self._nums else a for i, a in enumerate(args))
-        arguments, leaves, positions = self._match(args, kwargs)
-        call = BoundCall(self._key, leaves, positions)
+        arguments, leaves, positions, key = self._match(args, kwargs)
+        call = BoundCall(key, leaves, positions)
         return JointCall(arguments["args"], call, self._diff_positions)
+
+    def _entry_key(self, bound: JointCall):
+        found = self._symbol_of(bound)
+        key = bound.call.key if found is None else symbolic_key(bound.call.key, found)
+        return (key, frozenset(bound.diff_paths))
+
+    def _signature_call(self, bound: JointCall):
+        return bound.call
+
+    def _stored_key(self, key: SignatureKey):
+        return (key, frozenset(self._diff_positions))
+
+    def _instantiate(self, template: JointTrace, fitted, size: int) -> JointTrace:
+        return dataclasses.replace(template, plan=fitted.at(size)[0], _runners={})
 
     def _run(self, entry: JointTrace, bound: JointCall):
         return run_joint(

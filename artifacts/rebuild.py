@@ -40,6 +40,21 @@ def build_compiled(
     wrt = bool_list(region.get("wrt"), len(forward.graph.inputs), "meta.json region wrt")
     if wrt != [k.requires_grad for k in key.leaves if k.kind == "tensor"] + flags:
         raise ExportError("meta.json: wrt flags disagree with the arguments' requires_grad")
+    plans_obj = region_plans(meta, forward, backward, wrt)
+    n_outputs = plans_obj.n_outputs
+    names = [k.path for k in key.leaves if k.kind == "tensor"]
+    names += captured_names
+    program = RegionProgram(plans_obj, name=common["name"], input_names=names)
+    out_treedef, out_slots = _outputs(meta, n_outputs)
+    tensors = [Tensor(a, requires_grad=f) for a, f in zip(captured, flags, strict=True)]
+    traced = TracedFunction(program, out_treedef, out_slots, tensors, tuple(flags), names)
+    return LoadedFunction(traced, **common)
+
+
+def region_plans(meta: dict, forward, backward, wrt: list[bool]) -> RegionPlans:
+    """The region's plans from meta.json's region (outputs, saved slots) and its two plans,
+    checked to fit each other (a dynamic artifact builds one per stored size)."""
+    region = field(meta, "region", dict, "meta.json")
     n_outputs = field(region, "n_outputs", int, "meta.json region")
     if not 0 <= n_outputs <= len(forward.graph.outputs):
         raise ExportError(f"meta.json: n_outputs {n_outputs} is out of range")
@@ -48,14 +63,7 @@ def build_compiled(
         raise ExportError("the artifact's backward plan is missing or should not be there")
     if backward is not None:
         _check_backward(forward.graph, backward.graph, n_outputs, saved, wrt)
-    plans_obj = RegionPlans(forward, backward, saved, n_outputs, wrt, PassLog())
-    names = [k.path for k in key.leaves if k.kind == "tensor"]
-    names += captured_names
-    program = RegionProgram(plans_obj, name=common["name"], input_names=names)
-    out_treedef, out_slots = _outputs(meta, n_outputs)
-    tensors = [Tensor(a, requires_grad=f) for a, f in zip(captured, flags, strict=True)]
-    traced = TracedFunction(program, out_treedef, out_slots, tensors, tuple(flags), names)
-    return LoadedFunction(traced, **common)
+    return RegionPlans(forward, backward, saved, n_outputs, wrt, PassLog())
 
 
 def _saved_slot(entry, forward) -> SavedSlot:

@@ -73,8 +73,10 @@ def find_symbol(
     found: dict[str, int] = {}
     places = []
     for p in call.tensor_positions:
-        name = call.arguments[p] if argument_of is None else argument_of(call, p)
-        axes = declared.get(name)
+        axes = None
+        if declared:
+            name = call.arguments[p] if argument_of is None else argument_of(call, p)
+            axes = declared.get(name)
         leaf = call.key.leaves[p]
         if learned and leaf.path in learned and not leaf.weak:
             rank, axis, symbol = learned[leaf.path]

@@ -1,0 +1,75 @@
+"""Artifacts with a dynamic axis (artifacts/dynamic.py): exported once, loaded, run at three
+batch sizes with the values of a plan traced for each size alone (the reference interpreter),
+compiled code included; what they cannot take is refused by name."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.build import kernel_cache
+from backplan.runtime.backend import use_backend
+
+RNG = np.random.default_rng(1)
+W = bp.tensor(RNG.standard_normal((6, 4)).astype(np.float32), requires_grad=True)
+
+
+def model(w, x):
+    h = bp.tanh(x @ w) * 2.0
+    return bp.mean(h.reshape(-1, 2)) + bp.sum(bp.softmax(h, axis=-1) * 3.0)
+
+
+def expected(x):
+    with use_backend("reference"):
+        value, grad = bp.value_and_grad(model)(W, x)
+    return value.numpy(), grad.numpy()
+
+
+def test_a_dynamic_export_runs_three_batch_sizes_with_each_sizes_values(tmp_path):
+    example = np.ones((5, 6), np.float32)
+    dynamic = {"x": {0: "batch"}}
+    forward = bp.load(
+        bp.export(bp.compile(model), W, example, path=tmp_path / "f.bpz", dynamic=dynamic)
+    )
+    step = bp.load(
+        bp.export(
+            bp.value_and_grad(bp.compile(model)),
+            W,
+            example,
+            path=tmp_path / "g.bpz",
+            dynamic=dynamic,
+        )
+    )
+    assert "x: f32[batch,6]" in forward.signature
+    for n in (5, 8, 13):
+        x = RNG.standard_normal((n, 6)).astype(np.float32)
+        value, grad = expected(x)
+        loss = forward(W, x)
+        loss.backward()
+        np.testing.assert_allclose(loss.numpy(), value, rtol=1e-5)
+        np.testing.assert_allclose(W.grad.numpy(), grad, rtol=1e-4, atol=1e-6)
+        W.grad = None
+        with use_backend("numba"):
+            got_value, got_grad = step(W, x)
+        np.testing.assert_allclose(got_value.numpy(), value, rtol=1e-5)
+        np.testing.assert_allclose(got_grad.numpy(), grad, rtol=1e-4, atol=1e-6)
+        if n == 5:
+            before = kernel_cache.counts()
+    assert kernel_cache.counts().versions == before.versions  # sizes 8, 13: nothing compiled
+    with pytest.raises(bp.ExportError, match="sizes of 2 or more"):
+        forward(W, np.ones((1, 6), np.float32))
+    with pytest.raises(bp.ExportError, match=r"f32\[4, 7\]"):
+        forward(W, np.ones((4, 7), np.float32))
+
+
+def test_a_function_whose_plan_is_not_a_formula_of_the_size_is_not_exported_dynamic(tmp_path):
+    def squared_size(w, x):
+        return bp.sum(x @ w) * float(x.shape[0] ** 2)
+
+    with pytest.raises(bp.ExportError, match="cannot export axis batch as dynamic: full at"):
+        bp.export(
+            bp.compile(squared_size),
+            W,
+            np.ones((3, 6), np.float32),
+            path=tmp_path / "s.bpz",
+            dynamic={"x": {0: "batch"}},
+        )
