@@ -49,3 +49,16 @@ def test_char_model_sampling_is_reproducible_from_a_key():
     first = char_model.sample(params, alphabet, data[:32], 4, bp.random.key(5))
     again = char_model.sample(params, alphabet, data[:32], 4, bp.random.key(5))
     assert first == again and len(first) == 4
+
+
+def test_the_digits_read_from_the_bundled_file_equal_scikit_learns_loader():
+    """The example reads scikit-learn's CSV itself (importing scikit-learn took seconds)."""
+    from sklearn.datasets import load_digits
+
+    from backplan.examples import cnn_digits
+
+    images, target = cnn_digits.load_digits()
+    expected = load_digits()
+    np.testing.assert_array_equal(images, expected.images)
+    np.testing.assert_array_equal(target, expected.target)
+    assert images.shape == (1797, 8, 8) and set(np.unique(target)) == set(range(10))
