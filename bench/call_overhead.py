@@ -3,6 +3,7 @@ plain NumPy arrays, which the README invites: the difference is what the call pa
 taking NumPy arguments.
 
     python -m backplan.bench.call_overhead [--threads 1] [--models mlp_tiny,ln_gelu] [--jax]
+        [--backward]
 
 Each model runs `bp.value_and_grad(bp.compile(loss))(params, *batch)` in float32 at full size
 (the bench suite's models); rounds interleave the two argument kinds and the medians of the
@@ -11,6 +12,10 @@ replaced the Python ones (driver_builder.wait_for_builds), as in a long training
 pins the process to that many CPUs (bench/affinity.py) and limits Numba's and BLAS's threads to
 match. --jax adds JAX's step for the same model (the bench suite's JAX peer) to the same rounds,
 so both argument kinds are also given as a ratio to JAX measured in the same run.
+--backward adds the `@bp.compile` forward followed by `loss.backward()` (bp.zero_grad first,
+as a training loop does), the other way to take a step, given as a ratio to the joint plan's
+step with tensor arguments: what the split path (two plans, a region, .grad per parameter)
+costs beyond the joint one.
 """
 
 from __future__ import annotations
@@ -48,6 +53,16 @@ def make_steps(name: str) -> dict:
     }
 
 
+def add_backward_step(steps: dict, name: str) -> dict:
+    """steps with kind "backward": `loss = compiled(params, *batch); loss.backward()`."""
+    from .models import MODELS
+    from .peers.backplan_peer import CompileRunner
+
+    spec = MODELS[name]
+    runner = CompileRunner(spec, spec.inputs(small=False, dtype=np.float32))
+    return {**steps, "backward": runner.step}
+
+
 def add_jax_step(steps: dict, name: str) -> dict:
     """steps with the bench suite's JAX step for the model added as kind "jax"."""
     from .models import MODELS
@@ -73,7 +88,8 @@ def measure(steps: dict, schedule: Schedule) -> dict:
     samples: dict[str, list[float]] = {kind: [] for kind in steps}
     kinds = list(steps)
     for r in range(schedule.rounds):
-        for kind in kinds[r % 2 :] + kinds[: r % 2]:
+        shift = r % len(kinds)  # each kind leads some rounds
+        for kind in kinds[shift:] + kinds[:shift]:
             count = schedule.steps_per_round(warm[kind])
             samples[kind] += [time_call(steps[kind]) for _ in range(count)]
     return {kind: statistics.median(s) for kind, s in samples.items()}
@@ -86,6 +102,11 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--round-seconds", type=float, default=0.5)
     parser.add_argument("--jax", action="store_true", help="also time JAX's step, same rounds")
+    parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="also time @bp.compile then loss.backward(), same rounds",
+    )
     options = parser.parse_args(argv)
     pinned = pin_process(options.threads)
     from .threads import apply_threads
@@ -100,16 +121,27 @@ def main(argv=None) -> None:
         "rounds, microseconds per step"
     )
     header = f"{'model':<10} {'tensor args':>12} {'numpy args':>12} {'numpy/tensor':>13}"
+    if options.backward:
+        header += f" {'backward()':>11} {'bwd/tensor':>11}"
     print(header + (f" {'jax':>10} {'tensor/jax':>11} {'numpy/jax':>10}" if options.jax else ""))
     for name in options.models.split(","):
         steps = make_steps(name)
+        if options.backward:
+            steps = add_backward_step(steps, name)
         medians = measure(add_jax_step(steps, name) if options.jax else steps, schedule)
-        tensor_us, numpy_us = medians["tensor"] * 1e6, medians["numpy"] * 1e6
-        row = f"{name:<10} {tensor_us:>12.1f} {numpy_us:>12.1f} {numpy_us / tensor_us:>12.2f}x"
-        if options.jax:
-            jax_us = medians["jax"] * 1e6
-            row += f" {jax_us:>10.1f} {tensor_us / jax_us:>10.2f}x {numpy_us / jax_us:>9.2f}x"
-        print(row)
+        print(format_row(name, {kind: seconds * 1e6 for kind, seconds in medians.items()}))
+
+
+def format_row(name: str, us: dict) -> str:
+    """One model's medians (microseconds by kind) and the ratios the header names."""
+    tensor_us, numpy_us = us["tensor"], us["numpy"]
+    row = f"{name:<10} {tensor_us:>12.1f} {numpy_us:>12.1f} {numpy_us / tensor_us:>12.2f}x"
+    if "backward" in us:
+        row += f" {us['backward']:>11.1f} {us['backward'] / tensor_us:>10.2f}x"
+    if "jax" in us:
+        jax_us = us["jax"]
+        row += f" {jax_us:>10.1f} {tensor_us / jax_us:>10.2f}x {numpy_us / jax_us:>9.2f}x"
+    return row
 
 
 if __name__ == "__main__":

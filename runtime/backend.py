@@ -71,12 +71,17 @@ class CompiledRunner:
         self.compiled = CompiledPlan(lowered, donated, background)
         self.kernels = self.compiled.kernel_count
         self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
+        self._owns_all = len(self._owned) == len(plan.graph.inputs)  # a backward plan's case
 
     def __call__(self, args: list, release=None, donate=()) -> list:
         outputs = self.compiled(args, donate)
         if release is not None:
-            for i in self._owned:
-                release(i)
+            every = getattr(release, "every", None) if self._owns_all else None
+            if every is not None:
+                every()
+            else:
+                for i in self._owned:
+                    release(i)
         return outputs
 
     @property

@@ -85,7 +85,9 @@ def _backward_one(region: Region, index: int, gradient, mode, loc) -> None:
             region.mark_freed(FreedBy(loc, region, index))
         leaf_grads: dict[int, tuple[object, np.ndarray]] = {}
         for edge, grad in zip(region.input_edges, grads, strict=True):
-            _route(edge, grad, None, leaf_grads)
+            leaf = edge.leaf  # _route's leaf case, inline: a leaf passed twice sums first
+            held = leaf_grads.get(id(leaf))
+            leaf_grads[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
         with _leaf_grads:
             for leaf, grad in leaf_grads.values():
                 leaf._accumulate_grad(grad)

@@ -86,6 +86,23 @@ def location_text(where) -> str:
 CONSUME = BackwardMode.CONSUME
 
 
+class Release:
+    """What a consuming backward calls as the plan finishes with its inputs: release(i) drops
+    the region's reference to backward input i (the cotangents come first, then the saved
+    buffers); every() drops them all at once, for a runner done with every input."""
+
+    __slots__ = ("saved", "offset")
+
+    def __init__(self, saved: dict, offset: int):
+        self.saved, self.offset = saved, offset
+
+    def __call__(self, index: int) -> None:
+        self.saved.pop(index - self.offset, None)
+
+    def every(self) -> None:
+        self.saved.clear()
+
+
 class Region:
     """Holds saved buffers until backward. Output tensors point at it; it points only upstream,
     so it dies when the last tensor that can reach it does."""
@@ -193,7 +210,7 @@ class Region:
         n_cot = len(args)
         saved = self._saved
         args += [saved[i] for i in range(len(program.saved_info))]
-        release = (lambda i: saved.pop(i - n_cot, None)) if mode is CONSUME else None
+        release = Release(saved, n_cot) if mode is CONSUME else None
         self.backward_calls += 1
         return program.run_backward(args, mode, release)
 

@@ -130,6 +130,7 @@ def _reshaped(buffer: np.ndarray, shape) -> np.ndarray:
 
 
 _setflags = np.ndarray.setflags
+_NO_GUARD = contextlib.nullcontext()
 
 
 class CompiledPlan:
@@ -208,7 +209,7 @@ class CompiledPlan:
         self._launch_guard = (
             parallel_guard()
             if PARALLEL_LAUNCH.search(self.source) or any(k.parallel for k in self.loop_kernels)
-            else contextlib.nullcontext()
+            else _NO_GUARD
         )
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
@@ -245,10 +246,15 @@ class CompiledPlan:
         workspace = self._workspaces.checkout()
         outputs = workspace.output_arrays()
         try:
-            with self._launch_guard:
+            if self._launch_guard is _NO_GUARD:  # serial kernels: no context manager to enter
                 returned = self._run(
                     *arrays, *self._constants, *workspace.scratch, *outputs, *self._lifted
                 )
+            else:
+                with self._launch_guard:
+                    returned = self._run(
+                        *arrays, *self._constants, *workspace.scratch, *outputs, *self._lifted
+                    )
         except IndexError as exc:
             raise self._located(exc) from None
         finally:
