@@ -12,28 +12,23 @@ optimizer update fused after the gradient's matmul writes new weights and moment
 
 from __future__ import annotations
 
-import threading
+from typing import TYPE_CHECKING
 
 from .fusion import index_map, internal_shape
 from .graph import Value
 from .layout import lifetimes, storage_root
-from .lowering import LoweredPlan
+
+if TYPE_CHECKING:
+    from .lowering import LoweredPlan
 
 
-def donation_pairs(lowered: LoweredPlan, donated) -> dict[int, int]:
-    """{index in layout.outputs (the buffers the caller allocates): donated input index}.
-    Decided once per lowered plan and donated set (`lowered.donations`): the compiled plan,
-    explain and the memory accounting read the same pairs."""
-    if not donated:
+def donation_pairs(lowered: LoweredPlan) -> dict[int, int]:
+    """{index in layout.outputs (the buffers the caller allocates): donated input index}, for
+    the inputs the plan was built to donate (`plan.donated`). The lowering decides them once
+    (`lowered.donations`): the compiled plan, explain and the memory accounting read those."""
+    if not lowered.plan.donated:
         return {}
-    key = tuple(donated)
-    with _deciding:
-        if key not in lowered.donations:
-            lowered.donations[key] = _pairs(lowered, key)
-        return dict(lowered.donations[key])
-
-
-_deciding = threading.Lock()
+    return _pairs(lowered, lowered.plan.donated)
 
 
 def _pairs(lowered: LoweredPlan, donated: tuple[int, ...]) -> dict[int, int]:
@@ -59,12 +54,12 @@ def _pairs(lowered: LoweredPlan, donated: tuple[int, ...]) -> dict[int, int]:
     return pairs
 
 
-def donated_outputs(lowered: LoweredPlan, donated) -> list[tuple[int, int, int]]:
+def donated_outputs(lowered: LoweredPlan) -> list[tuple[int, int, int]]:
     """(graph output index, donated input index, bytes) for each output written in place,
     in input order: what explain shows."""
     outputs = lowered.plan.graph.outputs
     found = []
-    for k, i in sorted(donation_pairs(lowered, donated).items(), key=lambda kv: kv[1]):
+    for k, i in sorted(lowered.donations.items(), key=lambda kv: kv[1]):
         buffer = lowered.layout.outputs[k]
         out = next(o for o, v in enumerate(outputs) if storage_root(v) is buffer)
         found.append((out, i, buffer.type.nbytes))

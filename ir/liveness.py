@@ -21,6 +21,7 @@ class Plan:
     first_write: dict[Value, int] = field(default_factory=dict)
     last_read: dict[Value, int] = field(default_factory=dict)
     frees_after: dict[int, list[Value]] = field(default_factory=dict)
+    donated: tuple[int, ...] = ()  # inputs whose buffers outputs may take (ir/donation.py)
     lowered: dict = field(default_factory=dict, repr=False, compare=False)  # see ir/lowering.py
     # Plans instantiated from one symbolic plan (ir/symbolic.py) share this dict: codegen keeps
     # there the size-generic driver they all run (codegen/render/lift.py). None: a plain plan.
@@ -70,8 +71,10 @@ class Plan:
         return sorted(live, key=lambda v: -v.type.nbytes)
 
 
-def plan_liveness(graph: Graph) -> Plan:
-    plan = Plan(graph)
+def plan_liveness(graph: Graph, donated: tuple[int, ...] = ()) -> Plan:
+    """graph's frees after each value's last read. donated: the inputs the pipeline lets the
+    outputs be written into, kept with the plan for its lowering to pair them."""
+    plan = Plan(graph, donated=tuple(donated))
     ret = plan.return_step
     for value in graph.inputs:
         plan.first_write[value] = INPUT_STEP

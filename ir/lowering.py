@@ -4,7 +4,8 @@ code generation renders and explain, export and the runtime read.
 widen (ops on bfloat16 and float16 compute in float32: ir/widen.py) -> fusion (which nodes
 share a kernel) -> epilogues (a GEMM takes the loop after it into its row
 blocks: ir/epilogue.py) -> schedule (consecutive row loops become stages of one row kernel,
-sharing a step) -> memory plan (where every buffer lives). Computed once per plan
+sharing a step) -> memory plan (where every buffer lives) -> donation (which outputs are
+written into the inputs the plan donates: ir/donation.py). Computed once per plan
 and backward mode, then kept: nobody re-derives a fact the lowered plan holds.
 """
 
@@ -14,6 +15,7 @@ import enum
 import threading
 from dataclasses import dataclass, field
 
+from .donation import donation_pairs
 from .epilogue import absorb_epilogues
 from .fusion import Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
@@ -54,7 +56,8 @@ class LoweredPlan:
     # (casts into float32 have none); None: the plan given, unchanged
     origin: dict[Value, Value] | None = None
     rendered: object = None  # what codegen made of it (codegen/render/emit.generate), once
-    donations: dict = field(default_factory=dict)  # donated inputs -> ir/donation.py's pairs
+    # output buffer (index in layout.outputs) -> the donated input it is written into
+    donations: dict[int, int] = field(default_factory=dict)
 
     @property
     def kernel_count(self) -> int:
@@ -79,7 +82,7 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     origin = None
     if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
-        plan = plan_liveness(graph)
+        plan = plan_liveness(graph, plan.donated)
     graph = plan.graph
     kernels = group_kernels(graph)
     needed = materialized(graph, kernels)
@@ -95,7 +98,11 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     ]
     private = [graph.inputs[i] for i in private_saved]
     layout = plan_layout(graph, kernels, buffers, private, steps)
-    return LoweredPlan(plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin)
+    lowered = LoweredPlan(
+        plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin
+    )
+    lowered.donations = donation_pairs(lowered)
+    return lowered
 
 
 def literal_nodes(kernels: list[Kernel]) -> set[Value]:

@@ -112,7 +112,6 @@ class PlanCall:
     output_kinds: tuple[str, ...]
     input_kinds: tuple[str, ...]
     private_saved: tuple[int, ...] = ()
-    donated: tuple[int, ...] = ()
     held_from: dict = field(default_factory=dict)
 
 
@@ -137,8 +136,7 @@ def _input_bytes(calls: list[PlanCall]) -> dict:
 def _compiled_report(calls: list[PlanCall]) -> PeakReport:
     lowered = [lower(c.plan, c.private_saved) for c in calls]
     per_call = [
-        compiled_buffers(low, list(c.output_kinds), c.donated)
-        for c, low in zip(calls, lowered, strict=True)
+        compiled_buffers(low, list(c.output_kinds)) for c, low in zip(calls, lowered, strict=True)
     ]
     held = _input_bytes(calls)
     constants_seen: set[int] = set()
@@ -240,13 +238,13 @@ def _free_steps(plan: Plan) -> dict:
     }
 
 
-def region_calls(plans, donated: tuple[int, ...] = (), consume: bool = True) -> list[PlanCall]:
+def region_calls(plans, consume: bool = True) -> list[PlanCall]:
     """A compiled function's step: its forward (outputs, then saved values), then, when
     something needs a gradient, its backward (cotangents and saved buffers in, gradients out;
     consume: backward() without retain_graph, which may reuse private saved buffers).
     plans: an ir.pipeline.RegionPlans."""
     forward = plans.forward
-    n = plans.n_outputs
+    n, donated = plans.n_outputs, forward.donated
     calls = [
         PlanCall(
             "forward",
@@ -255,7 +253,6 @@ def region_calls(plans, donated: tuple[int, ...] = (), consume: bool = True) -> 
             tuple(
                 "donated" if i in donated else "inputs" for i in range(len(forward.graph.inputs))
             ),
-            donated=tuple(donated),
         )
     ]
     if plans.backward is None:
@@ -279,7 +276,7 @@ def region_calls(plans, donated: tuple[int, ...] = (), consume: bool = True) -> 
     return calls
 
 
-def joint_calls(plan: Plan, n_outputs: int, donated: tuple[int, ...] = ()) -> list[PlanCall]:
+def joint_calls(plan: Plan, n_outputs: int) -> list[PlanCall]:
     """value_and_grad's one joint plan: outputs (the loss and aux), then gradients."""
     graph = plan.graph
     return [
@@ -287,7 +284,6 @@ def joint_calls(plan: Plan, n_outputs: int, donated: tuple[int, ...] = ()) -> li
             "joint",
             plan,
             tuple("outputs" if i < n_outputs else "gradients" for i in range(len(graph.outputs))),
-            tuple("donated" if i in donated else "inputs" for i in range(len(graph.inputs))),
-            donated=tuple(donated),
+            tuple("donated" if i in plan.donated else "inputs" for i in range(len(graph.inputs))),
         )
     ]

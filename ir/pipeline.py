@@ -1,21 +1,28 @@
-"""The one pipeline, read top to bottom:
+"""The one pipeline, read top to bottom (`plan_choices`, then `PlanChoices.build`):
 
-    trace -> cleanup -> fuse attention -> autodiff -> cleanup -> rematerialize -> cleanup
-          -> liveness -> lower: fusion -> schedule -> memory plan        (ir/lowering.py)
+    trace -> cleanup -> fuse attention -> flatten shared matmuls      (traced)
+          -> differentiate -> expand composites -> rematerialize      (plan_choices)
+          | what else to recompute under a memory budget (ir/budget.py)
+          -> recompute for budget -> expand the backward -> saved inputs last
+          -> forward returns saved values -> saved dtype -> liveness  (PlanChoices.build)
+          -> lower: fusion -> epilogues -> schedule -> memory plan, donation  (ir/lowering.py)
 
-`build_region_plans` runs it for a compiled function's region (a forward plan, and a backward
-plan that reads saved buffers), then expands layer_norm and tanh-gelu into primitives once the
-saved values are chosen; `build_joint_plan` for value_and_grad, which expands them before its
-cleanup (forward and derivative share one tanh) and needs no saved buffers:
-its rematerialisation (`rematerialize_joint`) copies cheap chains into its gradient part
-instead of holding their values across, after the last cleanup.
-Each step is a named pure function that returns a new graph (the graph it is given is never
+One route serves both forms (`PipelineOptions.joint`). A compiled function's region gets a
+forward plan and a backward plan that reads saved buffers; value_and_grad gets one joint plan,
+forward and gradients together. Their differences are steps of the route that do nothing for
+the other form: the joint plan expands layer_norm and tanh-gelu before its rematerialisation
+(forward and derivative share one tanh) and copies cheap chains into its gradient part instead
+of holding their values across; a region expands them once the saved values are chosen, orders
+its backward's inputs and makes its forward return what is saved.
+
+Each step is a named pure function that returns new graphs (the graphs it is given are never
 changed), recorded under its name. The result is data: `RegionPlans.lowered(...)` and
 `lower(plan)` give the lowered plan that codegen renders and explain, export and the runtime
 read, computed once per plan and backward mode; what follows from it is kept with it, once:
 its rendering (`lowered.rendered`, kernel hashes and compile estimates included) and its
-donation pairs (`lowered.donations`). BACKPLAN_DEBUG_IR=1 prints the IR after every
-pass; BACKPLAN_VERIFY=1 (set by the test suite) runs the verifier after every pass.
+donation pairs (`lowered.donations`, from the inputs the forward plan was built to donate).
+BACKPLAN_DEBUG_IR=1 prints the IR after every pass; BACKPLAN_VERIFY=1 (set by the test suite)
+runs the verifier after every pass.
 """
 
 from __future__ import annotations
@@ -79,6 +86,137 @@ def new_log() -> PassLog:
     )
 
 
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What one run of the pipeline is asked for.
+
+    joint: value_and_grad's one plan (forward, then the gradients of output 0) instead of a
+    region's forward and backward. remat: recompute cheap chains in backward instead of saving
+    them (ir/remat.py), until the saved bytes fit saved_bytes_budget (None: whenever it lowers
+    them). expand: rewrite layer_norm and tanh-gelu into primitives, so fusion makes row loops
+    of them (eager one-op regions keep the single kernel). saved_dtype: store the saved values
+    the forward computes in this dtype (bfloat16). donated: forward inputs whose buffers the
+    forward's outputs may be written into (bp.compile(donate_argnums=...)), a fact of the
+    forward plan that its lowering turns into pairs."""
+
+    joint: bool = False
+    remat: bool = True
+    saved_bytes_budget: int | None = None
+    expand: bool = True
+    saved_dtype: str | None = None
+    donated: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The graphs between two steps. forward: the traced function (joint: forward and
+    gradients in one graph); backward: a region's backward, reading `saved` (autodiff's
+    SavedValue) as inputs; recomputed: remat.Recomputed, rebuilt in backward, not saved."""
+
+    forward: Graph
+    wrt: list[bool]
+    n_outputs: int  # the function's own outputs (a joint graph's gradients follow them)
+    backward: Graph | None = None
+    saved: tuple = ()
+    recomputed: tuple = ()
+
+
+def plan_choices(
+    graph: Graph,
+    wrt: list[bool],
+    options: PipelineOptions | None = None,
+    log: PassLog | None = None,
+) -> PlanChoices:
+    """The pipeline up to the choice of what backward recomputes: `build()` finishes it with
+    the default choice, `build(drop)` recomputing also what `drop` names (see PlanChoices)."""
+    options = options or PipelineOptions()
+    log = log or new_log()
+    stage = Stage(traced(graph, log), list(wrt), len(graph.outputs))
+    stage = differentiate(stage, options, log)
+    stage = expand_joint(stage, options, log)
+    stage = rematerialize_step(stage, options, log)
+    return PlanChoices(stage, options, log)
+
+
+@dataclass
+class PlanChoices:
+    """The pipeline's result before the memory choice: `build(drop)` finishes the plans
+    recomputing, besides the default choice, the held values `drop` names (ids of `schedule`,
+    the memory planner's view: ir/budget.py). A region's build is RegionPlans, a joint one's
+    a Plan. Each build runs the remaining steps afresh (the default one is kept)."""
+
+    stage: Stage
+    options: PipelineOptions
+    log: PassLog
+    _schedule: StepSchedule | None = None
+    _default: RegionPlans | Plan | None = None
+
+    @property
+    def joint(self) -> bool:
+        return self.options.joint
+
+    @property
+    def n_outputs(self) -> int:
+        return self.stage.n_outputs
+
+    @property
+    def differentiated(self) -> bool:
+        """Whether anything is held for a gradient (else no plan recomputes anything)."""
+        return self.joint or self.stage.backward is not None
+
+    @property
+    def schedule(self) -> StepSchedule:
+        if self._schedule is None:
+            self._schedule = held_schedule(self.stage, self.joint)
+        return self._schedule
+
+    def build(self, drop: frozenset[int] = frozenset()) -> RegionPlans | Plan:
+        if not drop and self._default is not None:
+            return self._default
+        chosen = {self.schedule.values[i] for i in drop}
+        log, options = self.log, self.options
+        stage = recompute_for_budget(self.stage, chosen, options, log)
+        if options.joint:
+            return self._kept(drop, _plan(stage.forward, log))
+        if stage.backward is None:
+            forward = _expanded(stage.forward, log, options.expand)
+            plans = RegionPlans(
+                _plan(forward, log, options.donated), None, [], stage.n_outputs, stage.wrt, log
+            )
+            return self._kept(drop, plans)
+        stage = expand_backward(stage, options, log)
+        stage = order_saved_inputs(stage, log)
+        plans = forward_returns_saved(stage, options, log)
+        return self._kept(drop, narrow_saved(plans, options, log))
+
+    def _kept(self, drop: frozenset[int], result):
+        if not drop:
+            self._default = result
+        return result
+
+
+def build_region_plans(
+    graph: Graph,
+    wrt: list[bool],
+    log: PassLog | None = None,
+    remat: bool = True,
+    saved_bytes_budget: int | None = None,
+    expand: bool = True,
+) -> RegionPlans:
+    """A region's default plans: `plan_choices(...).build()` (see PipelineOptions)."""
+    options = PipelineOptions(remat=remat, saved_bytes_budget=saved_bytes_budget, expand=expand)
+    return plan_choices(graph, wrt, options, log).build()
+
+
+def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:
+    """value_and_grad's default plan: outputs are the original outputs, then
+    d(outputs[0])/d(wrt inputs)."""
+    return plan_choices(graph, wrt, PipelineOptions(joint=True), log).build()
+
+
+# ---- the steps, in order -----------------------------------------------------------------------
+
+
 def cleanup(graph: Graph, log: PassLog) -> Graph:
     for pass_fn in CLEANUP:
         graph = log.record(pass_fn.__name__, pass_fn(graph))
@@ -104,6 +242,150 @@ def traced(graph: Graph, log: PassLog) -> Graph:
         graph = graph if fused is graph else cleanup(log.record("fuse_attention", fused), log)
     flat = flatten_shared_matmuls(graph)
     return graph if flat is graph else cleanup(log.record("flatten_shared_matmuls", flat), log)
+
+
+def differentiate(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
+    """Autodiff. Joint: the gradients of output 0 appended to a copy of the forward. Region:
+    wrt narrowed to the inputs that reach an output, then a backward graph reading the saved
+    values it still reads after cleanup (none when nothing is differentiated)."""
+    graph = stage.forward
+    if options.joint:
+        joint = _with_outputs(graph, list(graph.outputs))
+        joint.outputs = joint.outputs + append_gradients(joint, stage.wrt)
+        return replace(stage, forward=log.record("autodiff", joint))
+    wrt = reaching_inputs(graph, stage.wrt)
+    if not any(wrt):
+        return replace(stage, wrt=wrt)
+    bwd, saved = backward_graph(graph, wrt)
+    bwd = cleanup(log.record("autodiff", bwd), log)
+    return replace(stage, wrt=wrt, backward=bwd, saved=tuple(read_saved(bwd, saved)))
+
+
+def expand_joint(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
+    """Joint: tanh-gelu and layer_norm into primitives before the cleanup that follows, so
+    forward and derivative share one tanh. A region expands after choosing its saved values
+    (expand_backward, forward_returns_saved)."""
+    if not options.joint:
+        return stage
+    joint = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(stage.forward)), log)
+    joint = cleanup(log.record("expand_layer_norm", expand_layer_norm(joint)), log)
+    return replace(stage, forward=joint)
+
+
+def rematerialize_step(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
+    """Joint: cheap chains copied into the gradient part, after the last cleanup (common
+    subexpression elimination would merge the copies back). Region (with remat): saved values
+    cheap chains rebuild are recomputed in backward instead, until saved_bytes_budget fits."""
+    if options.joint:
+        joint = rematerialize_joint(stage.forward, stage.n_outputs)
+        return replace(stage, forward=log.record("rematerialize", joint))
+    if stage.backward is None or not options.remat:
+        return stage
+    bwd, saved, recomputed = rematerialize(
+        stage.forward, stage.backward, list(stage.saved), options.saved_bytes_budget
+    )
+    bwd = cleanup(log.record("rematerialize", bwd), log)
+    return replace(stage, backward=bwd, saved=tuple(saved), recomputed=tuple(recomputed))
+
+
+def recompute_for_budget(
+    stage: Stage, chosen: set[Value], options: PipelineOptions, log: PassLog
+) -> Stage:
+    """The held values a memory budget chose recomputed too (nothing when none was chosen)."""
+    if not chosen:
+        return stage
+    if options.joint:
+        joint = recompute_joint_chosen(stage.forward, stage.n_outputs, chosen)
+        return replace(stage, forward=log.record("recompute_for_budget", joint))
+    bwd, saved, more = recompute_chosen(stage.forward, stage.backward, list(stage.saved), chosen)
+    bwd = cleanup(log.record("recompute_for_budget", bwd), log)
+    return replace(
+        stage, backward=bwd, saved=tuple(saved), recomputed=stage.recomputed + tuple(more)
+    )
+
+
+def expand_backward(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
+    """A region's backward with tanh-gelu and layer_norm in primitives (with expand)."""
+    if not options.expand:
+        return stage
+    bwd = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(stage.backward)), log)
+    bwd = cleanup(log.record("expand_layer_norm", expand_layer_norm(bwd)), log)
+    return replace(stage, backward=bwd)
+
+
+def order_saved_inputs(stage: Stage, log: PassLog) -> Stage:
+    """The backward's inputs in the order the runtime passes them (saved_inputs_last)."""
+    bwd = saved_inputs_last(stage.backward, stage.saved)
+    return replace(stage, backward=log.record("saved_inputs_last", bwd))
+
+
+def saved_inputs_last(backward: Graph, saved) -> Graph:
+    """backward with its inputs ordered as the runtime passes them: cotangents, then one
+    input per saved value, in the order of `saved`."""
+    inputs = [v for v in backward.inputs if v.role != "saved"] + [s.backward_input for s in saved]
+    graph = _with_outputs(backward, list(backward.outputs))
+    graph.inputs = inputs
+    return graph
+
+
+def forward_returns_saved(stage: Stage, options: PipelineOptions, log: PassLog) -> RegionPlans:
+    """The region's forward returning its outputs, then the saved values it computes (layer_norm
+    expanded, the saved slots and recomputed rows moved onto the nodes standing for theirs);
+    both plans given liveness."""
+    graph, saved = stage.forward, stage.saved
+    inputs = {v: i for i, v in enumerate(graph.inputs)}
+    extra = [s.forward for s in saved if s.forward not in inputs and s.forward not in graph.outputs]
+    made: dict[Value, list[Value]] = {}
+    fwd = _expanded(_with_outputs(graph, graph.outputs + extra), log, options.expand, made)
+    recomputed = [_moved(r, made) for r in stage.recomputed]
+    slots = []
+    for s in saved:
+        if s.forward in inputs:
+            slots.append(SavedSlot(("input", inputs[s.forward]), s.forward, s.reason))
+        else:
+            at = (graph.outputs + extra).index(s.forward)  # the same place after expanding
+            slots.append(SavedSlot(("output", at), fwd.outputs[at], s.reason))
+    return RegionPlans(
+        _plan(fwd, log, options.donated),
+        _plan(stage.backward, log),
+        slots,
+        stage.n_outputs,
+        stage.wrt,
+        log,
+        recomputed,
+    )
+
+
+def narrow_saved(plans: RegionPlans, options: PipelineOptions, log: PassLog) -> RegionPlans:
+    """With saved_dtype, the plans with the saved values their forward computes stored in that
+    dtype (a bfloat16 round trip, ir/saved_dtype.py), planned again."""
+    if options.saved_dtype is None:
+        return plans
+    forward, backward, slots = narrowed_saved(
+        plans.forward.graph, plans.backward.graph, plans.saved, plans.n_outputs, options.saved_dtype
+    )
+    forward = _plan(log.record("saved_dtype", forward), log, options.donated)
+    backward = _plan(log.record("saved_dtype", backward), log)
+    return replace(plans, forward=forward, backward=backward, saved=slots)
+
+
+def held_schedule(stage: Stage, joint: bool) -> StepSchedule:
+    """The memory planner's view of what the gradients hold: the nodes in run order, those
+    of the gradient part marked (a region's saved inputs stand for their forward values)."""
+    if joint:
+        graph = stage.forward
+        forward = forward_nodes(graph, stage.n_outputs)
+        later = {n for n in graph.nodes if n not in forward}
+        return step_schedule(graph.nodes, later, graph.outputs, graph.inputs)
+    fwd, bwd = stage.forward, stage.backward
+    alias = {s.backward_input: s.forward for s in stage.saved}
+    inputs = fwd.inputs + [v for v in bwd.inputs if v not in alias]
+    return step_schedule(
+        fwd.nodes + bwd.nodes, set(bwd.nodes), fwd.outputs + bwd.outputs, inputs, alias
+    )
+
+
+# ---- the results -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -133,6 +415,11 @@ class RegionPlans:
         """Backward inputs before the saved buffers: one per float user output."""
         return sum(is_float(o.dtype) for o in self.forward.graph.outputs[: self.n_outputs])
 
+    @property
+    def donated(self) -> tuple[int, ...]:
+        """Forward inputs whose buffers its outputs may be written into."""
+        return self.forward.donated
+
     def private_saved_inputs(self) -> tuple[int, ...]:
         """Backward inputs holding saved buffers that only this region's graph can see:
         computed by the forward, not a user output, not sharing storage with one."""
@@ -153,148 +440,13 @@ class RegionPlans:
         return lower(self.backward, private)
 
 
-def build_region_plans(
-    graph: Graph,
-    wrt: list[bool],
-    log: PassLog | None = None,
-    remat: bool = True,
-    saved_bytes_budget: int | None = None,
-    expand: bool = True,
-) -> RegionPlans:
-    """remat: recompute cheap chains in backward instead of saving them (ir/remat.py), until
-    the saved bytes fit saved_bytes_budget (None: whenever it lowers them). expand: rewrite
-    layer_norm (both plans) and tanh-gelu (backward) into primitives once the saved values are
-    chosen, as the joint plan does, so fusion makes row loops of them (eager one-op regions
-    keep the single kernel)."""
-    return region_choices(graph, wrt, log, remat, saved_bytes_budget, expand).plans()
-
-
-@dataclass
-class RegionChoices:
-    """A region differentiated, with the default choice of what backward recomputes made:
-    `plans(drop)` finishes the plans recomputing, besides, the saved values `drop` names (ids
-    of `schedule`, the memory planner's view: ir/budget.py). Each call builds afresh."""
-
-    graph: Graph
-    wrt: list[bool]
-    log: PassLog
-    expand: bool
-    backward: Graph | None = None
-    saved: list = field(default_factory=list)  # autodiff.SavedValue, after the default remat
-    recomputed: list = field(default_factory=list)
-    saved_dtype: str | None = None  # the dtype the saved values the forward computes are kept in
-    _schedule: StepSchedule | None = None
-
-    @property
-    def schedule(self) -> StepSchedule:
-        if self._schedule is None:
-            bwd = self.backward
-            alias = {s.backward_input: s.forward for s in self.saved}
-            inputs = self.graph.inputs + [v for v in bwd.inputs if v not in alias]
-            self._schedule = step_schedule(
-                self.graph.nodes + bwd.nodes,
-                set(bwd.nodes),
-                self.graph.outputs + bwd.outputs,
-                inputs,
-                alias,
-            )
-        return self._schedule
-
-    def plans(self, drop: frozenset[int] = frozenset()) -> RegionPlans:
-        graph, log, expand = self.graph, self.log, self.expand
-        if self.backward is None:
-            return RegionPlans(
-                _plan(_expanded(graph, log, expand), log),
-                None,
-                [],
-                len(graph.outputs),
-                self.wrt,
-                log,
-            )
-        bwd, saved, recomputed = self.backward, self.saved, list(self.recomputed)
-        if drop:
-            chosen = {self.schedule.values[i] for i in drop}
-            bwd, saved, more = recompute_chosen(graph, bwd, saved, chosen)
-            recomputed += more
-            bwd = cleanup(log.record("recompute_for_budget", bwd), log)
-        plans = _finish_region(graph, bwd, saved, recomputed, self.wrt, log, expand)
-        return plans if self.saved_dtype is None else _narrowed(plans, self.saved_dtype)
-
-
-def region_choices(
-    graph: Graph,
-    wrt: list[bool],
-    log: PassLog | None = None,
-    remat: bool = True,
-    saved_bytes_budget: int | None = None,
-    expand: bool = True,
-    saved_dtype: str | None = None,
-) -> RegionChoices:
-    """The region pipeline up to the choice of what backward recomputes (see RegionChoices).
-    saved_dtype: store the saved values the forward computes in this dtype (bf16)."""
-    log = log or new_log()
-    graph = traced(graph, log)
-    wrt = reaching_inputs(graph, wrt)
-    if not any(wrt):
-        return RegionChoices(graph, wrt, log, expand)
-    bwd, saved = backward_graph(graph, wrt)
-    bwd = cleanup(log.record("autodiff", bwd), log)
-    saved = read_saved(bwd, saved)
-    recomputed = []
-    if remat:
-        bwd, saved, recomputed = rematerialize(graph, bwd, saved, saved_bytes_budget)
-        bwd = cleanup(log.record("rematerialize", bwd), log)
-    return RegionChoices(graph, wrt, log, expand, bwd, saved, recomputed, saved_dtype)
-
-
-def _narrowed(plans: RegionPlans, dtype: str) -> RegionPlans:
-    """The plans with the saved values their forward computes stored in dtype (a bfloat16
-    round trip, ir/saved_dtype.py), planned again."""
-    forward, backward, slots = narrowed_saved(
-        plans.forward.graph, plans.backward.graph, plans.saved, plans.n_outputs, dtype
-    )
-    log = plans.log
-    forward = _plan(log.record("saved_dtype", forward), log)
-    backward = _plan(log.record("saved_dtype", backward), log)
-    return replace(plans, forward=forward, backward=backward, saved=slots)
-
-
-def _finish_region(graph, bwd, saved, recomputed, wrt, log, expand) -> RegionPlans:
-    """Expand the backward, order its inputs, and make the forward return what is saved."""
-    n_outputs = len(graph.outputs)
-    if expand:
-        bwd = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(bwd)), log)
-        bwd = cleanup(log.record("expand_layer_norm", expand_layer_norm(bwd)), log)
-    bwd = log.record("saved_inputs_last", saved_inputs_last(bwd, saved))
-    inputs = {v: i for i, v in enumerate(graph.inputs)}
-    extra = [s.forward for s in saved if s.forward not in inputs and s.forward not in graph.outputs]
-    fwd = _with_outputs(graph, graph.outputs + extra)
-    made: dict[Value, list[Value]] = {}
-    fwd = _expanded(fwd, log, expand, made)
-    recomputed = [_moved(r, made) for r in recomputed]
-    slots = []
-    for s in saved:
-        if s.forward in inputs:
-            slots.append(SavedSlot(("input", inputs[s.forward]), s.forward, s.reason))
-        else:
-            at = (graph.outputs + extra).index(s.forward)  # the same place after expanding
-            slots.append(SavedSlot(("output", at), fwd.outputs[at], s.reason))
-    return RegionPlans(_plan(fwd, log), _plan(bwd, log), slots, n_outputs, wrt, log, recomputed)
+# ---- helpers -----------------------------------------------------------------------------------
 
 
 def read_saved(backward: Graph, saved: list) -> list:
     """The saved values backward still reads after cleanup (others were simplified away)."""
     used = {i for node in backward.nodes for i in node.inputs} | set(backward.outputs)
     return [s for s in saved if s.backward_input in used]
-
-
-def saved_inputs_last(backward: Graph, saved: list) -> Graph:
-    """backward with its inputs ordered as the runtime passes them: cotangents, then one
-    input per saved value, in the order of `saved`."""
-    inputs = [v for v in backward.inputs if v.role != "saved"] + [s.backward_input for s in saved]
-    graph = _with_outputs(backward, list(backward.outputs))
-    graph.inputs = inputs
-    return graph
 
 
 def _expanded(forward: Graph, log: PassLog, expand: bool, made: dict | None = None) -> Graph:
@@ -312,64 +464,14 @@ def _moved(recomputed: Recomputed, made: dict) -> Recomputed:
     return replace(recomputed, forward=made[recomputed.forward][-1], chain=chain)
 
 
-def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:
-    """value_and_grad: outputs are the original outputs, then d(outputs[0])/d(wrt inputs)."""
-    return joint_choices(graph, wrt, log).plan()
-
-
-@dataclass
-class JointChoices:
-    """A joint plan with the default rematerialisation done: `plan(drop)` is the plan that
-    also recomputes the held values `drop` names (ids of `schedule`: ir/budget.py)."""
-
-    graph: Graph
-    n_outputs: int
-    log: PassLog
-    _schedule: StepSchedule | None = None
-    _default: Plan | None = None
-
-    @property
-    def schedule(self) -> StepSchedule:
-        if self._schedule is None:
-            graph = self.graph
-            forward = forward_nodes(graph, self.n_outputs)
-            later = {n for n in graph.nodes if n not in forward}
-            self._schedule = step_schedule(graph.nodes, later, graph.outputs, graph.inputs)
-        return self._schedule
-
-    def plan(self, drop: frozenset[int] = frozenset()) -> Plan:
-        if not drop:
-            if self._default is None:
-                self._default = _plan(self.graph, self.log)
-            return self._default
-        chosen = {self.schedule.values[i] for i in drop}
-        graph = recompute_joint_chosen(self.graph, self.n_outputs, chosen)
-        return _plan(self.log.record("recompute_for_budget", graph), self.log)
-
-
-def joint_choices(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> JointChoices:
-    """The joint pipeline up to the choice of what the gradient part recomputes."""
-    log = log or new_log()
-    graph = traced(graph, log)
-    joint = _with_outputs(graph, list(graph.outputs))
-    n_outputs = len(joint.outputs)
-    grads = append_gradients(joint, wrt)
-    joint.outputs = joint.outputs + grads
-    joint = log.record("autodiff", joint)
-    joint = cleanup(log.record("expand_tanh_gelu", expand_tanh_gelu(joint)), log)
-    joint = cleanup(log.record("expand_layer_norm", expand_layer_norm(joint)), log)
-    # after the last cleanup: common-subexpression elimination would merge the copies back
-    joint = log.record("rematerialize", rematerialize_joint(joint, n_outputs))
-    return JointChoices(joint, n_outputs, log)
-
-
 def _with_outputs(graph: Graph, outputs: list[Value]) -> Graph:
     """The same nodes in a new graph (lists copied: the caller's own are never changed)."""
     return Graph(graph.name, list(graph.inputs), list(graph.nodes), outputs, dict(graph.constants))
 
 
-def _plan(graph: Graph, log: PassLog) -> Plan:
-    plan = plan_liveness(graph)
+def _plan(graph: Graph, log: PassLog, donated: tuple[int, ...] = ()) -> Plan:
+    """Liveness: the step that makes a plan (the frees), with the inputs it may donate."""
+    plan = plan_liveness(graph, donated)
     if log.verify:
         verify_plan(plan)
     if log.echo:

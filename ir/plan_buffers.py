@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .donation import donation_pairs
 from .layout import storage_root
 from .lowering import LoweredPlan, literal_outputs
 from .printer import format_loc
@@ -35,11 +34,11 @@ def arena_bytes(elements: int, dtype: str) -> int:
 
 
 def compiled_buffers(
-    lowered: LoweredPlan, output_kinds: list[str] | None = None, donated: tuple[int, ...] = ()
+    lowered: LoweredPlan, output_kinds: list[str] | None = None
 ) -> list[PlannedBuffer]:
     """The buffers one call of the compiled plan holds. output_kinds: the category of each
-    graph output (default "outputs"); donated: inputs whose buffers outputs may take (an
-    output written into one allocates nothing)."""
+    graph output (default "outputs"). An output written into a donated input
+    (`lowered.donations`) allocates nothing."""
     graph = lowered.plan.graph
     kinds = output_kinds or ["outputs"] * len(graph.outputs)
     found = [
@@ -55,7 +54,7 @@ def compiled_buffers(
         PlannedBuffer(f"scratch {d}", f"scratch arena {d}[{n}]", "scratch", arena_bytes(n, d))
         for d, n in sorted(lowered.layout.scratch_elements.items())
     ]
-    in_place = donation_pairs(lowered, donated)
+    in_place = lowered.donations
     for k, root in enumerate(lowered.layout.outputs):
         if k in in_place:
             continue

@@ -221,6 +221,7 @@ class SymbolicPlan:
                 {mapping[v]: s for v, s in plan.first_write.items()},
                 {mapping[v]: s for v, s in plan.last_read.items()},
                 {s: [mapping[v] for v in vs] for s, vs in plan.frees_after.items()},
+                donated=plan.donated,
                 shared=self.shared,
             ),
             mapping,

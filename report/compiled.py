@@ -40,10 +40,8 @@ class CompiledPlanFacts:
         return self.unsupported is None
 
 
-def plan_facts(
-    label: str, plan: Plan, private_saved: tuple[int, ...] = (), donated: tuple[int, ...] = ()
-) -> CompiledPlanFacts:
-    """donated: inputs whose buffers outputs may take (those bytes are not fresh per call)."""
+def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> CompiledPlanFacts:
+    """Outputs written into the inputs the plan donates allocate nothing fresh per call."""
     lowered = lower(plan, private_saved)
     why = unsupported_reason(lowered)
     if why is not None:
@@ -51,7 +49,7 @@ def plan_facts(
     layout = lowered.layout
     generated = generate(lowered)  # source only: cheap, nothing compiled
     kernels = generated.loop_kernels
-    in_place = donated_outputs(lowered, donated)
+    in_place = donated_outputs(lowered)
     cached = kernel_cache.cached_digests(kernels)
     return CompiledPlanFacts(
         label,
@@ -71,7 +69,7 @@ def region_facts(program) -> list[CompiledPlanFacts]:
     """The forward, then both backward variants: backward() consumes the graph (and may reuse
     its private saved buffers as scratch), backward(retain_graph=True) keeps them intact."""
     plans = program.plans
-    forward = plan_facts("forward", plans.forward, donated=program.donated)
+    forward = plan_facts("forward", plans.forward)
     named = tuple((out, input_label(program.input_names, i), n) for out, i, n in forward.donated)
     facts = [replace(forward, donated=named)]
     if plans.backward is not None:

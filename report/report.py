@@ -270,7 +270,7 @@ def region_report(
         backend,
         recomputed_infos(program),
         compiled,
-        region_calls(plans, program.donated),
+        region_calls(plans),
     )
 
 

@@ -62,13 +62,11 @@ class CompiledRunner:
 
     backend = "numba"
 
-    def __init__(
-        self, lowered: LoweredPlan, donated: tuple[int, ...] = (), background: bool | None = None
-    ):
+    def __init__(self, lowered: LoweredPlan, background: bool | None = None):
         from backplan.codegen.run.compiled import CompiledPlan
 
         plan = self.plan = lowered.plan
-        self.compiled = CompiledPlan(lowered, donated, background)
+        self.compiled = CompiledPlan(lowered, background)
         self.kernels = self.compiled.kernel_count
         self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
         self._owns_all = len(self._owned) == len(plan.graph.inputs)  # a backward plan's case
@@ -95,13 +93,12 @@ class CompiledRunner:
 def make_runner(
     lowered: LoweredPlan,
     backend: str | None = None,
-    donated: tuple[int, ...] = (),
     background: bool | None = None,
 ):
     """The runner of a lowered plan on this backend (the current one by default); a consuming
-    backward's lowered plan may reuse private saved buffers after their last read. donated:
-    inputs whose buffers outputs may be written into (bp.compile(donate_argnums=...)).
-    background: the function's bp.compile(background=...), None for BACKPLAN_DRIVER's."""
+    backward's lowered plan may reuse private saved buffers after their last read, a forward's
+    writes outputs into the inputs its plan donates (`lowered.donations`). background: the
+    function's bp.compile(background=...), None for BACKPLAN_DRIVER's."""
     plan = lowered.plan
     backend = backend or current_backend()
     if backend == "reference":
@@ -109,7 +106,7 @@ def make_runner(
     from backplan.codegen.render.opaque import Unsupported
 
     try:
-        return CompiledRunner(lowered, donated, background)
+        return CompiledRunner(lowered, background)
     except Unsupported as exc:
         warnings.warn(
             f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3

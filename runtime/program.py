@@ -46,12 +46,11 @@ class RegionProgram:
         name: str,
         input_names: list[str] | None = None,
         backend: str | None = None,
-        donated: tuple[int, ...] = (),
         background: bool | None = None,
     ):
         self.plans = plans
         self.background = background  # bp.compile(background=...) for every plan it runs
-        self.donated = donated  # forward inputs whose buffers outputs may be written into
+        self.donated = plans.donated  # forward inputs whose buffers outputs may be written into
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
         self._runners: dict = {}
@@ -136,10 +135,7 @@ class RegionProgram:
         return runner
 
     def _make_runner(self, mode: BackwardMode | None, backend: str):
-        donated = self.donated if mode is None else ()
-        return make_runner(
-            self.plans.lowered(mode), backend, donated=donated, background=self.background
-        )
+        return make_runner(self.plans.lowered(mode), backend, background=self.background)
 
     def runners(self) -> list:
         """The runners made so far: the forward's, and each backward mode's once it ran."""

@@ -202,3 +202,21 @@ def test_donating_an_argument_that_requires_grad_is_refused():
         scale(bp.tensor([1.0, 2.0], requires_grad=True))
     with pytest.raises(ValueError, match="cannot be both static and donated"):
         bp.compile(lambda a: a, static_argnums=0, donate_argnums=0)
+
+
+def test_donation_is_decided_by_the_pipeline_and_kept_in_the_lowered_plan():
+    """The traced signature's donated inputs travel into the forward plan (plan.donated) and
+    its lowering pairs them, before any runner exists: the reference backend never builds
+    one, yet explain's facts and the compiled plan would read the same pairs."""
+
+    def step(p, g):
+        return p - 0.1 * g
+
+    p, g = np.ones((3, 4), np.float32), np.ones((3, 4), np.float32)
+    donated = bp.compile(step, donate_argnums=(0,)).trace(bp.tensor(p), g)
+    plain = bp.compile(step).trace(bp.tensor(p), g)
+    assert donated.program.plans.forward.donated == (0,)
+    assert donated.program.plans.lowered().donations == {0: 0}
+    assert plain.program.plans.forward.donated == ()
+    assert plain.program.plans.lowered().donations == {}
+    assert not donated.program.runners()  # decided without a runner

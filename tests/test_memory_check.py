@@ -96,7 +96,7 @@ def test_a_donated_training_step_holds_what_its_plan_predicts():
 
     measured = _measured(step)
     program = train_step.trace(held["params"], held["state"], x).program
-    predicted = predicted_peak(region_calls(program.plans, program.donated), "numba")
+    predicted = predicted_peak(region_calls(program.plans), "numba")
     assert measured.peak == predicted.allocated_peak_bytes
     assert predicted.at_peak()["donated"] >= 3 * 12 * 4 * 4  # w and its two moments
 

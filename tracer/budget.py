@@ -16,7 +16,7 @@ from backplan.ir.budget import cheapest_within, plan_frontier
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
 from backplan.ir.peak import joint_calls, predicted_peak, region_calls
-from backplan.ir.pipeline import JointChoices, RegionChoices, RegionPlans
+from backplan.ir.pipeline import PlanChoices, RegionPlans
 from backplan.report.frontier import FrontierPoint, MemoryFrontier
 from backplan.report.wording import format_bytes
 from backplan.runtime.backend import current_backend
@@ -34,15 +34,15 @@ def checked_budget(value, option: str) -> int | None:
     return int(value)
 
 
-def step_peak_bytes(plans, n_outputs: int, donated: tuple[int, ...] = ()) -> int:
+def step_peak_bytes(plans, n_outputs: int) -> int:
     """The highest number of bytes the step holds on the current backend, the arrays passed in
     included (ir/peak.py: arenas, outputs, saved buffers and gradients of the compiled plans,
-    or every IR value its own buffer on the reference interpreter). donated: the graph inputs
-    outputs are written into, as explain() counts them (not allocated by the step)."""
+    or every IR value its own buffer on the reference interpreter). Outputs written into
+    donated inputs are not allocated by the step, as explain() counts them."""
     backend = "reference" if current_backend() == "reference" else "numba"
     if isinstance(plans, RegionPlans):
-        return predicted_peak(region_calls(plans, donated), backend).peak_bytes
-    return predicted_peak(joint_calls(plans, n_outputs, donated), backend).peak_bytes
+        return predicted_peak(region_calls(plans), backend).peak_bytes
+    return predicted_peak(joint_calls(plans, n_outputs), backend).peak_bytes
 
 
 @dataclass(frozen=True)
@@ -60,37 +60,27 @@ class EvaluatedPoint:
 class BudgetPlanner:
     """The choices of one traced signature and what its plans weigh."""
 
-    def __init__(
-        self,
-        choices: RegionChoices | JointChoices,
-        input_bytes: int,
-        name: str,
-        donated: tuple[int, ...] = (),
-    ):
+    def __init__(self, choices: PlanChoices, input_bytes: int, name: str):
         self.choices, self.input_bytes, self.name = choices, input_bytes, name
-        self.donated = donated  # bp.compile's donated graph inputs: outputs take their buffers
         self._built: dict[frozenset, EvaluatedPoint] = {}
 
     def build(self, drop: frozenset = frozenset()):
-        if isinstance(self.choices, RegionChoices):
-            return self.choices.plans(drop)
-        return self.choices.plan(drop)
+        return self.choices.build(drop)
 
     def evaluate(self, point) -> EvaluatedPoint:
         if point.drop not in self._built:
             plans = self.build(point.drop)
-            peak = step_peak_bytes(plans, self._n_outputs(), self.donated)
+            peak = step_peak_bytes(plans, self._n_outputs())
             self._built[point.drop] = EvaluatedPoint(
                 peak, point.held_bytes, point.added_flops, len(point.drop), point.drop, plans
             )
         return self._built[point.drop]
 
     def _n_outputs(self) -> int:
-        choices = self.choices
-        return choices.n_outputs if isinstance(choices, JointChoices) else 0
+        return self.choices.n_outputs if self.choices.joint else 0
 
     def points(self, objective: str = "peak") -> list:
-        if isinstance(self.choices, RegionChoices) and self.choices.backward is None:
+        if not self.choices.differentiated:
             return []  # nothing is differentiated: nothing is held for a backward
         return plan_frontier(self.choices.schedule, objective)
 

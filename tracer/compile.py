@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
-from backplan.ir.pipeline import region_choices
+from backplan.ir.pipeline import PipelineOptions, plan_choices
 from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
 from backplan.runtime import RegionProgram, is_grad_enabled
@@ -230,7 +230,6 @@ class CompiledFunction(PlannedFunction):
             fitted.at(size),
             name=program.name,
             input_names=program.input_names,
-            donated=template.donated,
             background=self.background,
         )
         return replace(template, program=plans, planner=None)
@@ -259,19 +258,16 @@ class CompiledFunction(PlannedFunction):
             if call.arguments[p] in self.arguments.donate_names and not call.key.leaves[p].weak
         )
         check_donated_inputs(names, donated, wrt)
-        choices = region_choices(
-            graph,
-            wrt,
+        options = PipelineOptions(
             remat=self.remat,
             saved_bytes_budget=self.saved_bytes_budget,
             saved_dtype=self.saved_dtype,
+            donated=donated,
         )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
-        planner = BudgetPlanner(choices, input_bytes, name, donated)
+        planner = BudgetPlanner(plan_choices(graph, wrt, options), input_bytes, name)
         plans = self._plans_within_budget(planner)
-        program = RegionProgram(
-            plans, name=name, input_names=names, donated=donated, background=self.background
-        )
+        program = RegionProgram(plans, name=name, input_names=names, background=self.background)
         return TracedFunction(
             program,
             out_treedef,

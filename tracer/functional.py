@@ -14,7 +14,7 @@ import numpy as np
 
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
-from backplan.ir.pipeline import joint_choices
+from backplan.ir.pipeline import PipelineOptions, plan_choices
 from backplan.ir.symbolic import fit_plans
 from backplan.ir.types import is_float
 from backplan.runtime.backend import current_backend, runner_for
@@ -404,7 +404,9 @@ def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes: int | None = Non
     graph.outputs = [trace.value_of(loss)] + [trace.value_of(a) for a in aux_leaves]
     wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
     planner = BudgetPlanner(
-        joint_choices(graph, wrt), sum(v.type.nbytes for v in graph.inputs), name
+        plan_choices(graph, wrt, PipelineOptions(joint=True)),
+        sum(v.type.nbytes for v in graph.inputs),
+        name,
     )
     plan = planner.build() if max_peak_bytes is None else planner.fit_peak(max_peak_bytes)
     return JointTrace(plan, trace.captured, aux_treedef, len(aux_leaves), wrt, planner=planner)

@@ -28,7 +28,6 @@ from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare
 from backplan.codegen.run.workspace import WorkspacePool, parallel_guard
-from backplan.ir.donation import donation_pairs
 from backplan.ir.errors import ExecutionError
 from backplan.ir.flops import node_flops
 from backplan.ir.index_check import format_position
@@ -138,13 +137,11 @@ class CompiledPlan:
     choice (True: first calls on the reference interpreter while a child compiles; False:
     compile in the first call; None: BACKPLAN_DRIVER's, see codegen/build/driver_tier.py)."""
 
-    def __init__(
-        self, lowered: LoweredPlan, donated: tuple[int, ...] = (), background: bool | None = None
-    ):
+    def __init__(self, lowered: LoweredPlan, background: bool | None = None):
         plan = self.plan = lowered.plan
         start = time.perf_counter()
         generated = generate(lowered)
-        self.donations = donation_pairs(lowered, donated)  # output buffer -> donated input
+        self.donations = lowered.donations  # output buffer -> donated input
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
@@ -223,7 +220,7 @@ class CompiledPlan:
         self._checked = None  # BACKPLAN_CHECK_MEMORY=1: the buffers a call must hold
         if checking():
             self._checked = (
-                compiled_buffers(lowered, donated=tuple(donated)),
+                compiled_buffers(lowered),
                 [f"scratch {d}" for d in generated.scratch],
             )
         self.generate_seconds = time.perf_counter() - start
