@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .builder import Builder, VjpContext
 from .errors import BackplanError
-from .graph import Graph, Value
+from .graph import Graph, Value, joined_reason
 from .registry import get_op
 from .types import is_float
 
@@ -104,8 +104,8 @@ def backward_graph(graph: Graph, wrt: list[bool]) -> tuple[Graph, list[SavedValu
             return copy
         if value not in saved:
             saved[value] = SavedValue(value, bwd.add_input(value.type, role="saved"), reason)
-        elif reason not in saved[value].reason.split("; "):
-            saved[value].reason += f"; {reason}"  # every rule that needs it, in walk order
+        else:
+            saved[value].reason = joined_reason(saved[value].reason, reason)
         return saved[value].backward_input
 
     cotangents = _walk(graph, active, seeds, bwd, lookup)
@@ -114,7 +114,8 @@ def backward_graph(graph: Graph, wrt: list[bool]) -> tuple[Graph, list[SavedValu
 
 
 def append_gradients(graph: Graph, wrt: list[bool], output_index: int = 0) -> list[Value]:
-    """Append d(outputs[output_index])/d(inputs in wrt) to graph itself; returns the gradients."""
+    """Append d(outputs[output_index])/d(inputs in wrt) to graph itself; returns the gradients.
+    Why each forward value is read (the rules that ask) is recorded in `graph.reasons`."""
     out = graph.outputs[output_index]
     if out.shape != () or not is_float(out.dtype):
         raise BackplanError(
@@ -123,5 +124,10 @@ def append_gradients(graph: Graph, wrt: list[bool], output_index: int = 0) -> li
     active = needs_grad(graph, wrt)
     builder = Builder(graph, out.loc)
     seeds = {out: builder.scalar(1, out.dtype)} if out in active else {}
-    cotangents = _walk(graph, active, seeds, graph, lambda value, reason: value)
+
+    def lookup(value: Value, reason: str) -> Value:
+        graph.reasons[value] = joined_reason(graph.reasons.get(value), reason)
+        return value
+
+    cotangents = _walk(graph, active, seeds, graph, lookup)
     return _input_grads(graph, wrt, cotangents, builder)

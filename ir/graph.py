@@ -54,6 +54,10 @@ class Graph:
     nodes: list[Value] = field(default_factory=list)
     outputs: list[Value] = field(default_factory=list)
     constants: dict[str, np.ndarray] = field(default_factory=dict)
+    # A joint graph's (value_and_grad): why its gradients read each forward value, the
+    # derivative rules that asked, as autodiff's walk heard them (append_gradients). Passes
+    # move them onto the values standing for the old ones (carry_reasons); explain reads them.
+    reasons: dict[Value, str] = field(default_factory=dict, repr=False, compare=False)
 
     def add_input(self, type_: TensorType, role: str = "arg", loc=None) -> Value:
         value = Value("input", (), {}, type_, loc=loc, role=role)
@@ -78,6 +82,28 @@ class Graph:
         return result
 
 
+def joined_reason(known: str | None, reason: str) -> str:
+    """Every derivative rule that reads a value, in walk order, each once ("; "-joined)."""
+    if known is None:
+        return reason
+    parts = known.split("; ")
+    return "; ".join(parts + [r for r in reason.split("; ") if r not in parts])
+
+
+def carry_reasons(old: Graph, new: Graph, mapping: dict[Value, Value] | None = None) -> Graph:
+    """new, given old's reasons on the values standing for theirs (mapping, else the same
+    value), for those still in new. Returns new."""
+    if not old.reasons:
+        return new
+    present = set(new.inputs) | set(new.nodes)
+    mapping = mapping or {}
+    for value, reason in old.reasons.items():
+        now = mapping.get(value, value)
+        if now in present:
+            new.reasons[now] = joined_reason(new.reasons.get(now), reason)
+    return new
+
+
 def copy_graph(graph: Graph, name: str | None = None) -> tuple[Graph, dict[Value, Value]]:
     """A structural copy with fresh values, so passes never mutate a graph someone else holds."""
     mapping: dict[Value, Value] = {}
@@ -90,7 +116,7 @@ def copy_graph(graph: Graph, name: str | None = None) -> tuple[Graph, dict[Value
         )
         new.nodes.append(mapping[node])
     new.outputs = [mapping[o] for o in graph.outputs]
-    return new, mapping
+    return carry_reasons(graph, new, mapping), mapping
 
 
 def inline_graph(target: Graph, source: Graph, args: list[Value]) -> list[Value]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
-from .graph import Graph, Value
+from .graph import Graph, Value, carry_reasons
 
 
-def _rebuild(graph: Graph, nodes: list[Value], outputs: list[Value]) -> Graph:
-    return Graph(graph.name, list(graph.inputs), nodes, outputs, dict(graph.constants))
+def _rebuild(graph: Graph, nodes: list[Value], outputs: list[Value], mapping=None) -> Graph:
+    """A new graph of nodes, keeping graph's inputs, constants and (through mapping, old value
+    -> the value standing for it) its derivative reasons."""
+    new = Graph(graph.name, list(graph.inputs), nodes, outputs, dict(graph.constants))
+    return carry_reasons(graph, new, mapping)
 
 
 def dead_code_elimination(graph: Graph) -> Graph:
@@ -40,7 +43,7 @@ def common_subexpression_elimination(graph: Graph) -> Graph:
         new = Value(node.op, inputs, node.attrs, node.type, node.loc)
         seen[key] = mapping[node] = new
         nodes.append(new)
-    return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])
+    return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs], mapping)
 
 
 def _is_scalar_const(value: Value, number) -> bool:
@@ -91,7 +94,7 @@ def algebraic_simplification(graph: Graph) -> Graph:
         new = Value(node.op, inputs, node.attrs, node.type, node.loc)
         mapping[node] = new
         nodes.append(new)
-    return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs])
+    return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs], mapping)
 
 
 def _rewrite(graph: Graph, matches, expand, made: dict | None = None) -> Graph:
@@ -115,7 +118,7 @@ def _rewrite(graph: Graph, matches, expand, made: dict | None = None) -> Graph:
         if made is not None:
             made[node] = result.nodes[start:] or [mapping[node]]
     result.outputs = [mapping.get(o, o) for o in graph.outputs]
-    return result
+    return carry_reasons(graph, result, mapping)
 
 
 def flatten_shared_matmuls(graph: Graph) -> Graph:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from .attention_fusion import fuse_attention
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .errors import BackplanError
-from .graph import Graph, Value
+from .graph import Graph, Value, carry_reasons
 from .layout import storage_root
 from .liveness import Plan, plan_liveness
 from .lowering import BackwardMode, LoweredPlan, lower
@@ -466,7 +466,8 @@ def _moved(recomputed: Recomputed, made: dict) -> Recomputed:
 
 def _with_outputs(graph: Graph, outputs: list[Value]) -> Graph:
     """The same nodes in a new graph (lists copied: the caller's own are never changed)."""
-    return Graph(graph.name, list(graph.inputs), list(graph.nodes), outputs, dict(graph.constants))
+    new = Graph(graph.name, list(graph.inputs), list(graph.nodes), outputs, dict(graph.constants))
+    return carry_reasons(graph, new)
 
 
 def _plan(graph: Graph, log: PassLog, donated: tuple[int, ...] = ()) -> Plan:

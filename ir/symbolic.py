@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .graph import Graph, Value
+from .graph import Graph, Value, carry_reasons
 from .liveness import Plan
 from .printer import format_loc
 from .types import TensorType
@@ -142,7 +142,7 @@ class SymbolicGraph:
             mapping[node] = value
             new.nodes.append(value)
         new.outputs = [mapping[o] for o in graph.outputs]
-        return new, mapping
+        return carry_reasons(graph, new, mapping), mapping
 
     def _type(self, position: int, value: Value, n: int) -> TensorType:
         shape = self.shapes.get(position)

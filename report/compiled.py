@@ -1,8 +1,10 @@
 """What the numba backend's compiled plans will hold, for explain(): per plan, its kernels, the
 scratch arena it keeps and reuses on every call, and the bytes it allocates fresh per call (what
 the call returns). The numbers are the lowered plan's (`backplan.ir.lowering.lower`, computed
-once per plan and shared with the code generator): nothing is rendered or compiled to learn
-them."""
+once per plan and shared with the code generator), donations included (`lowered.donations`).
+Kernel hashes and compile estimates are facts of the rendered source: they are read from the
+plan's one rendering (`lowered.rendered`), which explain makes only when no runner has made it
+yet (on the reference backend) and which the compiled plan then reuses. Nothing is compiled."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """value_and_grad's joint plan seen as a forward and a backward: which nodes compute the outputs
 (forward), which compute gradients (backward), and which forward values the backward reads
-(its saved buffers), each with the derivative rule that needs it."""
+(its saved buffers), each with the derivative rules that read it, as the plan recorded them
+when it was differentiated (`Graph.reasons`)."""
 
 from __future__ import annotations
 
-from backplan.ir.autodiff import backward_graph
-from backplan.ir.graph import Graph, Value
 from backplan.ir.liveness import Plan
 from backplan.ir.remat import REBUILT_OPS, forward_nodes
 from backplan.ir.text import format_loc, format_node, value_names
@@ -65,16 +64,12 @@ def _mark_saved(buf: BufferInfo, reader_step: int) -> None:
         buf.start, buf.end = 0, max(buf.end, reader_step)
 
 
-def joint_saved_info(
-    plan: Plan, view: PlanView, n_outputs: int, wrt: list[bool]
-) -> list[SavedBufferInfo]:
+def joint_saved_info(plan: Plan, view: PlanView) -> list[SavedBufferInfo]:
     """The saved-buffer rows of a joint plan, in the order the forward writes them."""
     graph = plan.graph
     values = {f"f{name}": v for v, name in value_names(graph).items() if v in graph.inputs}
     values.update({step.writes: step.node for step in view.steps})
-    reasons = _derivative_reasons(
-        graph, [s.node for s in view.steps if s.phase == "forward"], n_outputs, wrt
-    )
+    reasons = graph.reasons  # recorded by autodiff, carried by every pass (ir/graph.py)
     labels = {step.index: int(step.label[1:]) for step in view.steps}
     infos = []
     for buf in view.buffers.values():
@@ -100,15 +95,3 @@ def joint_saved_info(
             )
         )
     return infos
-
-
-def _derivative_reasons(
-    graph: Graph, forward: list[Value], n_outputs: int, wrt: list[bool]
-) -> dict[Value, str]:
-    """Which derivative rule asks for each forward value: autodiff is run again on the forward
-    part alone, only to hear which values its rules read and why."""
-    if not any(wrt):
-        return {}
-    sub = Graph(graph.name, list(graph.inputs), forward, graph.outputs[:1], dict(graph.constants))
-    _, saved = backward_graph(sub, wrt)
-    return {s.forward: s.reason for s in saved}

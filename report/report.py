@@ -295,7 +295,7 @@ def joint_report(
         name,
         view,
         {"joint": plan},
-        joint_saved_info(plan, view, n_outputs, wrt),
+        joint_saved_info(plan, view),
         kernels_from_groups(view, kernel_groups),
         traces,
         retrace_reason,

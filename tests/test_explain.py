@@ -109,11 +109,41 @@ def test_tanh_saves_its_output_with_its_lifetime(form):
     assert all(backward[i].op == "mul" for i in readers)
 
 
-def test_a_value_two_rules_need_lists_both_reasons():
+@pytest.mark.parametrize("form", ["compiled", "value_and_grad"])
+def test_a_value_two_rules_need_lists_both_reasons(form):
     x, w = f32(4, 3), f32(3, 3, requires_grad=True)
-    report = bp.explain(lambda x, w: (bp.relu(x @ w) @ w).sum(), x, w)
+    fn = (
+        bp.compile(relu_matmul_sum) if form == "compiled" else bp.value_and_grad(relu_matmul_sum, 1)
+    )
+    report = fn.explain(x, w)
     relu_out = next(s for s in report.saved_buffers if s.op == "relu")
     assert relu_out.reason == ("matmul derivative reads input 0; relu derivative reads its output")
+
+
+def relu_matmul_sum(x, w):
+    return (bp.relu(x @ w) @ w).sum()
+
+
+def test_the_joint_plan_keeps_why_it_holds_each_value_through_its_expansions():
+    """value_and_grad's reasons are the ones its own differentiation heard, carried through the
+    passes onto the plan's values: layer_norm is expanded into primitives before the joint
+    plan's cleanup, yet its scale is held because layer_norm's rule reads it, as the compiled
+    region says."""
+
+    def norm_tanh(x, w, g, b):
+        return bp.tanh(bp.layer_norm(x @ w, g, b)).sum()
+
+    args = f32(4, 3), f32(3, 5, requires_grad=True), f32(5, requires_grad=True), f32(5)
+    joint = bp.value_and_grad(norm_tanh, (1, 2)).explain(*args)
+    region = bp.compile(norm_tanh).explain(*args)
+    reasons = {(s.name, s.reason) for s in joint.saved_buffers}
+    assert ("g", "layer_norm derivative reads input 1") in reasons
+    assert ("g", "layer_norm derivative reads input 1") in {
+        (s.name, s.reason) for s in region.saved_buffers
+    }
+    graph = joint.plans["joint"].graph
+    tanh = next(n for n in graph.nodes if n.op == "tanh")
+    assert graph.reasons[tanh] == "tanh derivative reads its output"
 
 
 def test_no_input_requiring_grad_has_no_backward():
