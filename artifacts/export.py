@@ -8,7 +8,8 @@ The artifact is one zip file (`.bpz` by convention) holding:
                             leaf's dtype and shape (or static value), saved-slot mapping, wrt
                             flags, and where each array lives
     ir/<plan>.txt           each plan in the IR text form, free statements included
-    plans/<plan>.json       schedule, last reads, frees, bytes live after each step, peak bytes
+    plans/<plan>.json       schedule, last reads, frees, bytes live after each step, peak bytes,
+                            a joint plan's derivative reasons
     arrays/<name>.npy       captured tensors and graph constants (plain dtypes, no pickles)
 
 Plans are `forward` and `backward` for a compiled function, `joint` for value_and_grad.

@@ -31,7 +31,7 @@ def plan_facts(plan: Plan) -> dict:
     """What a reader (or `inspect`) wants without parsing: schedule, liveness, memory (the
     compiled plan's arenas and buffer offsets; the loader recomputes and compares them)."""
     names = value_names(plan.graph)
-    return {
+    facts = {
         "schedule": [[names[n], n.op, str(n.type)] for n in plan.graph.nodes],
         "last_read": {names[v]: step for v, step in plan.last_read.items()},
         "frees_after": {
@@ -42,6 +42,9 @@ def plan_facts(plan: Plan) -> dict:
         "peak_bytes": plan.peak_bytes,
         "memory_plan": memory_plan_facts(plan),
     }
+    if plan.graph.reasons:  # a joint plan's: why its gradients read each forward value
+        facts["reasons"] = {names[v]: r for v, r in plan.graph.reasons.items() if v in names}
+    return facts
 
 
 def read_plan(
@@ -55,6 +58,7 @@ def read_plan(
         raise ExportError(f"{member}: {exc}") from None
     _check_inputs(graph, member)
     _check_constants(graph, member)
+    graph.reasons = _read_reasons(graph, facts, member)
     plan = plan_liveness(graph)
     if _as_sets(frees) != _as_sets(plan.frees_after):
         raise ExportError(
@@ -69,6 +73,17 @@ def read_plan(
         raise ExportError(f"{member}: the stored schedule and memory facts disagree with the IR")
     _check_bytes(plan, member, max_bytes)
     return plan
+
+
+def _read_reasons(graph, facts, member: str) -> dict:
+    """The stored derivative reasons, by value name: strings naming values of the graph."""
+    raw = facts.get("reasons", {}) if isinstance(facts, dict) else {}
+    by_name = {name: v for v, name in value_names(graph).items()}
+    if not isinstance(raw, dict) or not all(
+        name in by_name and isinstance(reason, str) for name, reason in raw.items()
+    ):
+        raise ExportError(f"{member}: the stored reasons do not name values of the plan")
+    return {by_name[name]: reason for name, reason in raw.items()}
 
 
 def _check_text_shape(text: str, member: str) -> None:

@@ -572,6 +572,18 @@ def test_edited_free_statements_and_facts(artifacts, tmp_path):
     expect_refused(write_members(tmp_path / "meta.bpz", edited), "n_outputs 99")
 
 
+def test_a_joint_plan_keeps_its_saved_reasons_and_refuses_edited_ones(artifacts, tmp_path):
+    """Why the joint plan holds each value is stored with its facts (the loader cannot
+    differentiate again to learn it); a reason naming no value of the plan is refused."""
+    members = read_members(artifacts["step"])
+    reasons = json.loads(members["plans/joint.json"])["reasons"]
+    assert "tanh derivative reads its output" in reasons.values()
+    loaded = bp.load(artifacts["step"])
+    assert set(loaded.plan.graph.reasons.values()) == set(reasons.values())
+    edited = edit_json(members, "plans/joint.json", lambda f: f["reasons"].update({"%999": "x"}))
+    expect_refused(write_members(tmp_path / "reasons.bpz", edited), "reasons do not name")
+
+
 def test_npy_holding_a_pickle_is_never_unpickled(artifacts, tmp_path):
     marker = tmp_path / "pickle_ran"
 
