@@ -57,6 +57,12 @@ class BucketShards:
         """Elements of this bucket each rank receives (the sum of its shares)."""
         return [sum(c[r] for c, _ in self.splits) for r in range(size)]
 
+    def slot(self, size: int) -> int:
+        """Elements per rank on the wire: the largest rank's, the others' padded to it, so
+        that the fixed-size collectives (reduce_scatter_block, allgather) move the bucket;
+        MPICH's variable-size allgatherv was several times slower here on shared memory."""
+        return max(self.counts(size))
+
 
 def shard_buckets(layout: Layout, size: int) -> list[BucketShards]:
     """Every bucket holding a gradient, with each parameter's split over the ranks."""
@@ -77,16 +83,19 @@ def shard_buckets(layout: Layout, size: int) -> list[BucketShards]:
 
 
 def pack_by_rank(shards: BucketShards, arrays: list[np.ndarray], size: int) -> np.ndarray:
-    """The bucket's arrays (one per parameter, bucket order) flattened and packed rank by rank:
-    rank 0's share of each, then rank 1's, ...: what a reduce-scatter hands out."""
+    """The bucket's arrays (one per parameter, bucket order) flattened and packed rank by rank,
+    each rank's shares in a slot of shards.slot(size) elements (zeros after them): what a
+    reduce-scatter of fixed-size blocks hands out."""
     flats = [np.asarray(a).reshape(-1) for a in arrays]
-    return np.concatenate(
-        [
-            flat[d[r] : d[r] + c[r]]
-            for r in range(size)
-            for flat, (c, d) in zip(flats, shards.splits, strict=True)
-        ]
-    )
+    slot = shards.slot(size)
+    packed = np.empty(slot * size, flats[0].dtype)
+    for r in range(size):
+        at = r * slot
+        for flat, (c, d) in zip(flats, shards.splits, strict=True):
+            packed[at : at + c[r]] = flat[d[r] : d[r] + c[r]]
+            at += c[r]
+        packed[at : (r + 1) * slot] = 0
+    return packed
 
 
 class ShardedExchange:
@@ -117,9 +126,8 @@ class ShardedExchange:
             send = pack_by_rank(shards, arrays, size)
             if self.weight is not None:
                 scale_by_weight(send, self.weight)
-            counts = shards.counts(size)
-            mine = np.empty(counts[self.world.rank], send.dtype)
-            request = comm.Ireduce_scatter(send, mine, counts, op=self.mpi.SUM)
+            mine = np.empty(shards.slot(size), send.dtype)
+            request = comm.Ireduce_scatter_block(send, mine, op=self.mpi.SUM)
             self._started.append((send, mine, request))
 
     def finish(self) -> tuple[np.ndarray, dict[int, np.ndarray]]:
@@ -156,22 +164,26 @@ class ShardedExchange:
         size = self.world.size
         started = []
         for shards in self.shards:
-            mine = np.concatenate([np.asarray(shares[i]).reshape(-1) for i in shards.params])
-            counts = shards.counts(size)
-            full = np.empty(sum(counts), mine.dtype)
-            displs = [int(x) for x in np.cumsum([0] + counts[:-1])]
-            request = self.world.comm.Iallgatherv(mine, [full, (counts, displs)])
-            started.append((shards, full, displs, request))
+            slot = shards.slot(size)
+            mine = np.zeros(slot, np.asarray(shares[shards.params[0]]).dtype)
+            np.concatenate(
+                [np.asarray(shares[i]).reshape(-1) for i in shards.params],
+                out=mine[: shards.counts(size)[self.world.rank]],
+            )
+            full = np.empty(slot * size, mine.dtype)
+            request = self.world.comm.Iallgather(mine, full)
+            started.append((shards, full, request))
         arrays: list = [None] * len(shares)
-        for shards, full, displs, request in started:
+        for shards, full, request in started:
             self._wait(request, f"the all-gather of bucket {shards.bucket.index}")
-            self._unpack(shards, full, displs, arrays)
+            self._unpack(shards, full, arrays)
         return arrays
 
-    def _unpack(self, shards: BucketShards, full, displs, arrays: list) -> None:
-        """full holds rank 0's shares of the bucket's parameters, then rank 1's, ...; each
-        parameter is its ranks' shares end to end."""
-        offsets = list(displs)
+    def _unpack(self, shards: BucketShards, full, arrays: list) -> None:
+        """full holds rank 0's slot of shares of the bucket's parameters, then rank 1's, ...;
+        each parameter is its ranks' shares end to end."""
+        slot = shards.slot(self.world.size)
+        offsets = [r * slot for r in range(self.world.size)]
         pieces: dict[int, list] = {i: [] for i in shards.params}
         for r in range(self.world.size):
             for i, (counts, _) in zip(shards.params, shards.splits, strict=True):
