@@ -72,8 +72,11 @@ class DataParallelReport:
         else:
             how = (
                 f"sharded (ZeRO-1): each rank keeps the state of its 1/{self.size} of every "
-                "parameter and updates those elements: a reduce-scatter per bucket, the "
-                "update, an all-gather per bucket (the bytes of one allreduce)"
+                "parameter and updates those elements. Each bucket above (the loss apart, "
+                "allreduced alone) is reduce-scattered instead of allreduced, started and "
+                "waited on as listed, before the update; then the updated shares are "
+                "all-gathered, bucket by bucket, all started after the update and waited on "
+                "in bucket order before step() returns: the bytes of one allreduce"
             )
         text = (
             f"Optimizer {self.optimizer}: {self.state_bytes_per_rank:,} B of optimizer state "

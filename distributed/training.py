@@ -6,6 +6,9 @@ be sharded update each element from that element alone (Optimizer.elementwise)."
 
 from __future__ import annotations
 
+import threading
+from functools import partial
+
 from backplan.tracer import compile
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
@@ -47,6 +50,8 @@ class DataParallelTraining:
         self.shard_optimizer = shard_optimizer
         # one compiled update (fused loops instead of ~10 eager ops per parameter); the same
         # function updates whole parameters and 1-D shares, element by element alike
+        self._buffers: dict = {}  # the sharded exchange's receive buffers, reused per call
+        self._lock = threading.Lock()  # calls from two threads take turns: they share buffers
         self._update = compile(lambda grads, state, params: optimizer.update(grads, state, params))
 
     def init(self, params):
@@ -84,7 +89,12 @@ class DataParallelTraining:
         return (loss, aux) if self.step.fn.has_aux else loss
 
     def _sharded(self, params, state, batch, kwargs):
-        exchange, loss, aux = self.step.started((params, *batch), kwargs, ShardedExchange)
+        with self._lock:
+            return self._sharded_step(params, state, batch, kwargs)
+
+    def _sharded_step(self, params, state, batch, kwargs):
+        exchange_type = partial(ShardedExchange, pool=self._buffers)
+        exchange, loss, aux = self.step.started((params, *batch), kwargs, exchange_type)
         if exchange is None:
             return params, state, self._loss(loss, aux)
         loss, grad_shares = exchange.finish()
