@@ -277,6 +277,23 @@ def test_a_miss_is_explained_against_the_closest_cached_signature():
     assert vg.cache_info().last_miss_reason.startswith(reason)  # not args[1]
 
 
+def test_a_batch_and_its_labels_of_another_rank_become_dynamic_together():
+    """x[n, 3] and labels[n] change size together: one symbol for both (the learned axes'
+    ranks differ; this crashed with a ValueError at the second batch size)."""
+
+    @bp.compile
+    def fn(x, labels):
+        return bp.sum(x) + bp.sum(labels)
+
+    fn(bp.tensor(f32(4, 3)), bp.tensor(f32(4)))
+    fn(bp.tensor(f32(6, 3)), bp.tensor(f32(6)))
+    reason = fn.cache_info().last_miss_reason
+    assert "axis 0 of x, labels is dynamic from now on (x.shape[0])" in reason, reason
+    out = fn(bp.tensor(np.ones((5, 3), np.float32)), bp.tensor(np.ones(5, np.float32)))
+    assert out.item() == 20.0
+    assert fn.cache_info().traces == 2
+
+
 def test_a_list_holding_traced_tensors_becomes_a_tensor_as_eagerly():
     """x * (x[0], 2.0, 3.0): eagerly NumPy reads the list; traced, its elements are stacked
     (np.asarray cannot read a traced value), as jnp.asarray does."""

@@ -150,9 +150,12 @@ class PlannedFunction:
         reason = self._miss_reason(key, None)
         learned = {p: (r, a, self._display(s)) for p, (r, a, s) in learned.items()}
         self._learned = learned
-        ((_, axis, symbol),) = {v for v in learned.values()}
+        # one symbol; the leaves it sizes may differ in rank (a batch x[n, 8] and labels[n])
+        symbol = next(iter(learned.values()))[2]
+        axes = sorted({axis for _, axis, _ in learned.values()})
         paths = self._display(", ".join(learned))
-        reason = f"{reason}; axis {axis} of {paths} is dynamic from now on ({symbol}): one plan"
+        where = f"axis {axes[0]}" if len(axes) == 1 else f"axes {', '.join(map(str, axes))}"
+        reason = f"{reason}; {where} of {paths} is dynamic from now on ({symbol}): one plan"
         return self._entry_key(bound), reason + " for every size"
 
     def _display(self, text: str) -> str:
