@@ -18,7 +18,7 @@ import tempfile
 
 import numpy as np
 
-from backplan.ir.types import DTYPES
+from backplan.ir.types import DTYPES, dtype_name, is_float
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
@@ -273,6 +273,6 @@ def _tree(tensors: dict, metadata, path: str):
     leaves = []
     for name, flag in zip(names, flags, strict=True):
         tensor = tensors[name]
-        tensor.requires_grad = flag is True and tensor.dtype.kind == "f"
+        tensor.requires_grad = flag is True and is_float(dtype_name(tensor.dtype))
         leaves.append(tensor)
     return unflatten(treedef, leaves)

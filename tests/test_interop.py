@@ -125,6 +125,38 @@ def test_dlpack_with_torch():
     assert np.shares_memory(back.numpy(), source.numpy())
 
 
+def test_bfloat16_crosses_dlpack_without_numpys_help():
+    """NumPy's DLPack has no bfloat16: the capsule is relabelled both ways, the memory shared."""
+    bits = np.array([0x3FC0, 0xC010, 0x7F80, 0x7FC1], np.uint16)  # 1.5, -2.25, inf, a NaN
+    t = bp.tensor(bits.view(bp.bfloat16))
+    back = bp.from_dlpack(t)  # our capsule (kDLBfloat) read back through NumPy
+    assert back.dtype == bp.bfloat16 and np.shares_memory(back.numpy(), t.numpy())
+    np.testing.assert_array_equal(back.numpy().view(np.uint16), bits)
+    with pytest.raises(RuntimeError, match="dtype"):
+        np.from_dlpack(t)  # NumPy itself refuses kDLBfloat: t.numpy() is the NumPy view
+
+
+def test_dlpack_half_dtypes_with_torch():
+    torch = pytest.importorskip("torch", reason="pip install torch")
+    source = torch.tensor([1.5, -2.25, 3.0e38, float("nan"), 1e-40], dtype=torch.bfloat16)
+    imported = bp.from_dlpack(source)
+    assert imported.dtype == bp.bfloat16
+    assert imported.numpy().ctypes.data == source.data_ptr()  # zero-copy
+    want = source.view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(imported.numpy().view(np.uint16), want)
+    exported = torch.from_dlpack(imported)
+    assert exported.dtype == torch.bfloat16 and exported.data_ptr() == source.data_ptr()
+    mine = bp.tensor(np.array([0.1, 2.0, -7.5], np.float32)).astype(bp.bfloat16)
+    theirs = torch.tensor([0.1, 2.0, -7.5]).to(torch.bfloat16)  # both round to nearest even
+    assert torch.equal(torch.from_dlpack(mine), theirs)
+    assert torch.equal(torch.from_dlpack(mine.__dlpack__()), theirs)  # pre-1.0: a copy
+    strided = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)[:, ::2]
+    assert bp.from_dlpack(strided).tolist() == strided.float().tolist()
+    halves = torch.tensor([1.5, 65504.0], dtype=torch.float16)
+    assert bp.from_dlpack(halves).numpy().ctypes.data == halves.data_ptr()
+    assert torch.from_dlpack(bp.from_dlpack(halves)).dtype == torch.float16
+
+
 # ---- errors name the user's line ----------------------------------------------------------------
 
 

@@ -94,6 +94,33 @@ def test_half_precision_loads_as_it_is_and_small_ints_need_upcast(tmp_path):
     np.testing.assert_array_equal(back["b"].numpy().view(np.uint16), bf16)
 
 
+def test_half_precision_round_trips_bit_exact_with_the_safetensors_package(tmp_path):
+    torch = pytest.importorskip("torch", reason="pip install torch")
+    st = pytest.importorskip("safetensors.torch", reason="pip install safetensors")
+    bits = np.array([0x3FC0, 0xC010, 0x7F80, 0xFF80, 0x7FC1, 0x0001, 0x8000], np.uint16)
+    halves = np.array([1.5, -65504.0, np.inf, 6e-8], np.float16)
+    tree = {
+        "w": bp.tensor(bits.view(bp.bfloat16), requires_grad=True),
+        "h": bp.tensor(halves, requires_grad=True),
+    }
+    path = bp.save_safetensors(tmp_path / "half.safetensors", tree)
+    theirs = st.load_file(path)
+    assert theirs["w"].dtype == torch.bfloat16 and theirs["h"].dtype == torch.float16
+    np.testing.assert_array_equal(theirs["w"].view(torch.int16).numpy().view(np.uint16), bits)
+    np.testing.assert_array_equal(theirs["h"].numpy(), halves)
+    back = bp.load_safetensors(path)  # no upcast: the dtypes as stored
+    assert back["w"].dtype == bp.bfloat16 and back["h"].dtype == np.float16
+    assert back["w"].requires_grad and back["h"].requires_grad
+    np.testing.assert_array_equal(back["w"].numpy().view(np.uint16), bits)
+    model = {"emb": torch.randn(4, 3).to(torch.bfloat16), "ln": torch.randn(3).half()}
+    st.save_file(model, tmp_path / "torch.safetensors")
+    ours = bp.load_safetensors(tmp_path / "torch.safetensors")
+    assert ours["emb"].dtype == bp.bfloat16 and ours["ln"].dtype == np.float16
+    want = model["emb"].view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours["emb"].numpy().view(np.uint16), want)
+    np.testing.assert_array_equal(ours["ln"].numpy(), model["ln"].numpy())
+
+
 def _write_raw(tmp_path, header, body: bytes, length=None):
     text = json.dumps(header).encode()
     path = tmp_path / "raw.safetensors"
