@@ -18,9 +18,11 @@ value no buffer holds (codegen/render/loops.py `_unrounded`): it rounds once, wh
 
 from __future__ import annotations
 
+import numpy as np
+
 from .graph import Graph, Value
 from .registry import get_op
-from .types import TensorType, is_half
+from .types import TensorType, is_half, np_dtype
 
 MOVES_DATA = ("input", "const", "full")  # besides the view ops: no arithmetic on the values
 
@@ -87,9 +89,20 @@ def _add(graph: Graph, value: Value) -> Value:
 def _astype(graph: Graph, value: Value, dtype: str, loc) -> Value:
     if value.dtype == dtype:
         return value
+    if value.op == "full" and is_half(value.dtype) and dtype == "f32":
+        return _add(graph, _widened_literal(value, loc))
     return _add(
         graph, Value("astype", (value,), {"dtype": dtype}, TensorType(dtype, value.shape), loc)
     )
+
+
+def _widened_literal(full: Value, loc) -> Value:
+    """A 16-bit literal read as float32: the float32 literal of its rounded value, so the read
+    costs no kernel (a cast would be a loop of its own, and every loop reading it would have
+    to wait for that one: fused chains were split around it)."""
+    rounded = np.asarray(full.attrs["value"], np_dtype(full.dtype)).astype(np.float32)
+    attrs = {**full.attrs, "value": float(rounded), "dtype": "f32"}
+    return Value("full", (), attrs, TensorType("f32", full.shape), loc)
 
 
 def _cast(graph: Graph, value: Value, dtype: str, loc) -> Value:

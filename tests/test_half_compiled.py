@@ -143,3 +143,24 @@ def test_float16_overflow_propagates_inf_in_compiled_loops():
     expected, got = _both(lambda h: (h * h + 1.0,), h)
     _assert_same_bits(expected, got)
     assert np.isinf(got[0].numpy()[0]) and np.isnan(got[0].numpy()[2])
+
+
+def test_a_16_bit_literal_costs_no_kernel_and_keeps_chains_fused():
+    """A bfloat16 constant read by float32 arithmetic is a float32 literal of its rounded
+    value, not a cast (a loop of its own, which split the chains reading it)."""
+    from backplan.ir.builder import Builder
+    from backplan.ir.fusion import group_kernels
+    from backplan.ir.graph import Graph
+    from backplan.ir.types import TensorType
+    from backplan.ir.widen import widen
+
+    graph = Graph()
+    build = Builder(graph)
+    x = graph.add_input(TensorType("bf16", (8, 4)))
+    scale = build.full(value=0.1, shape=(), dtype="bf16")
+    graph.outputs = [build.tanh(build.mul(x, scale))]
+    wide = widen(graph)
+    literals = [n for n in wide.nodes if n.op == "full" and n.dtype == "f32"]
+    assert [n.attrs["value"] for n in literals] == [float(np.float32(0.1).astype(BF16))]
+    kinds = [k.kind for k in group_kernels(wide)]
+    assert kinds.count("loop") == 1, kinds
