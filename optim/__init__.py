@@ -15,6 +15,7 @@ from .adam import adam, adamw
 from .base import Optimizer, apply_updates, chain
 from .clip import clip_by_global_norm, global_norm
 from .loss_scale import LossScale, loss_scale
+from .master import PrecisionWarning
 from .schedules import cosine_decay, warmup_linear
 from .sgd import sgd
 
@@ -31,6 +32,7 @@ __all__ = [
     "global_norm",
     "loss_scale",
     "LossScale",
+    "PrecisionWarning",
     "sgd",
     "warmup_linear",
 ]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from backplan.runtime import no_grad
 from backplan.tracer.pytree import flatten, unflatten
 
-from .master import master_init, master_name, master_update
+from .master import master_init, master_name, master_update, warn_without_master
 from .tree import check_same_structure, float_leaves
 
 
@@ -39,11 +39,13 @@ class Optimizer:
 
     def init(self, params):
         """The optimizer state for these parameters: tensors (step count, moments); with
-        master_dtype, {"master": the parameters in that dtype, "inner": the state of those}."""
+        master_dtype, {"master": the parameters in that dtype, "inner": the state of those}.
+        16-bit parameters without master_dtype get a bp.optim.PrecisionWarning."""
         float_leaves(params, f"{self.name}.init(params)")
         with no_grad():
             if self.master_dtype is not None:
                 return master_init(self, params)
+            warn_without_master(self.name, params)
             return self.init_fn(params)
 
     def update(self, grads, state, params):

@@ -118,3 +118,19 @@ def test_adam_on_float16_refuses_an_eps_that_rounds_to_zero(make):
         new, _ = opt.update(grads, opt.init(params), params)
         assert np.all(np.isfinite(new["w"].numpy()))
     assert make(1e-3).init({"w": bp.tensor(np.ones(3, bp.bfloat16))})  # bfloat16 holds 1e-8
+
+
+def test_sixteen_bit_parameters_without_master_weights_warn_at_init():
+    params = {"w": bp.tensor(np.ones(3, bp.bfloat16)), "b": bp.tensor(np.ones(2, np.float32))}
+    with pytest.warns(bp.optim.PrecisionWarning, match=r"1 parameter\(s\).*\['w'\].*master_dtype"):
+        state = bp.optim.sgd(1e-3).init(params)
+    stepped, _ = bp.optim.sgd(1e-3).update(
+        {k: bp.ones_like(v) for k, v in params.items()}, state, params
+    )
+    assert stepped["w"].tolist() == [1.0] * 3  # what the warning says: the step rounds away
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bp.optim.sgd(1e-3, master_dtype=bp.float32).init(params)
+        bp.optim.adam(1e-3).init({"b": params["b"]})
