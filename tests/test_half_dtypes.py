@@ -129,3 +129,23 @@ def test_saved_dtype_stores_what_backward_keeps_in_bfloat16():
     assert not np.array_equal(grads[bp.bfloat16], grads[None])  # it did read rounded values
     with pytest.raises(ValueError, match="float dtype"):
         bp.compile(f, saved_dtype=np.int32)
+
+
+@pytest.mark.parametrize("dtype", [bp.bfloat16, bp.float16])
+def test_half_uniform_draws_never_round_up_to_one(dtype):
+    """A float32 draw in [1 - ulp/2, 1) rounds to 1.0 in 16 bits: those take the largest value
+    below 1 instead, on both executors."""
+    from backplan.runtime.backend import use_backend
+
+    key, n = bp.random.key(3), 1 << 16
+    wide = bp.random.uniform(key, (n,), bp.float32).numpy()
+    assert (wide.astype(dtype) == 1).any()  # plain rounding would give 1.0 for this key
+    draws = bp.random.uniform(key, (n,), dtype).numpy()
+    below_one = np.float32(
+        1.0 - np.finfo(np.float16).eps / 2 if dtype is bp.float16 else 1.0 - 2.0**-8
+    )
+    assert draws.dtype == dtype and draws.astype(np.float32).max() == below_one
+    assert draws.astype(np.float32).min() >= 0
+    with use_backend("numba"):
+        compiled = bp.compile(lambda k: bp.random.uniform(k, (n,), dtype))(key).numpy()
+    np.testing.assert_array_equal(compiled.view(np.uint16), draws.view(np.uint16))

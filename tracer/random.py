@@ -14,13 +14,14 @@ from __future__ import annotations
 import numpy as np
 
 from backplan.ir.errors import DtypeError
-from backplan.ir.types import dtype_name, is_float
+from backplan.ir.types import dtype_name, is_float, is_half
 
 from .dispatch import apply
-from .ops import as_tensor, astype, full, less, mul, sub, where
+from .ops import as_tensor, astype, full, less, minimum, mul, sub, where
 from .tensor import Tensor
 
 MASK32 = 0xFFFFFFFF
+BELOW_ONE = {"bf16": 1.0 - 2.0**-8, "f16": 1.0 - 2.0**-11}  # the largest value below 1
 
 
 def key(seed: int) -> Tensor:
@@ -64,13 +65,20 @@ def _shape(shape) -> tuple[int, ...]:
 
 
 def uniform(k, shape=(), dtype="float32", low=0.0, high=1.0) -> Tensor:
-    """Floats in [low, high): 24 random bits per float32 value, 53 per float64 value."""
-    u = apply(
-        "random_uniform", [_key(k)], shape=_shape(shape), dtype=_float_dtype(dtype, "uniform")
-    )
+    """Floats in [low, high): 24 random bits per float32 value, 53 per float64 value. bfloat16
+    and float16 values are the float32 draw rounded to nearest, those that would round up to
+    1.0 taking the largest value below 1 instead, so [0, 1) holds (as in JAX and PyTorch)."""
+    dtype = _float_dtype(dtype, "uniform")
+    u = apply("random_uniform", [_key(k)], shape=_shape(shape), dtype=_draw_dtype(dtype))
+    if is_half(dtype):
+        u = minimum(astype(u, dtype), full((), BELOW_ONE[dtype], dtype))
     if isinstance(low, int | float) and isinstance(high, int | float) and (low, high) == (0, 1):
         return u
     return u * (high - low) + low
+
+
+def _draw_dtype(dtype: str) -> str:
+    return "f32" if is_half(dtype) else dtype
 
 
 def normal(k, shape=(), dtype="float32") -> Tensor:
