@@ -8,6 +8,10 @@ import pytest
 
 import backplan as bp
 
+# several tests step 16-bit parameters without master weights on purpose (to compare, or to
+# test the refusal); the warning itself is tested below
+pytestmark = pytest.mark.filterwarnings("ignore::backplan.optim.PrecisionWarning")
+
 
 @pytest.mark.parametrize("make", [bp.optim.sgd, bp.optim.adam, bp.optim.adamw])
 def test_master_weights_keep_steps_that_16_bits_round_away(make):
