@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backplan.runtime.freed_message import output_desc
-from backplan.runtime.recomputed import recomputed_infos
-from backplan.runtime.region import Region, freed_by_text
+from backplan.runtime.freed import output_desc
+from backplan.runtime.region import Region
 from backplan.runtime.saved_once import held_totals, planned_totals
-from backplan.runtime.saved_table import format_saved_table, table_notes
 from backplan.runtime.walk import regions_in_order
+
+from .recomputed import recomputed_infos
+from .region_text import freed_by_text
+from .saved_table import format_saved_table, table_notes
 
 
 @dataclass

@@ -20,13 +20,13 @@ from backplan.ir.liveness import Plan
 from backplan.ir.peak import PeakReport, joint_calls, predicted_peak, region_calls
 from backplan.runtime.backend import current_backend
 from backplan.runtime.program import RegionProgram, SavedBufferInfo
-from backplan.runtime.recomputed import RecomputedInfo, recomputed_infos
 
 from .compiled import CompiledPlanFacts, joint_facts, region_facts
 from .frontier import MemoryFrontier
 from .joint_view import joint_saved_info, joint_view
 from .kernels import KernelInfo, kernels_from_groups, planned_groups
 from .plan_view import PlanView, StepInfo, region_view
+from .recomputed import RecomputedInfo, recomputed_infos
 
 STEP_PLANS = ("forward", "backward (consume)", "joint")  # what one default training step runs
 

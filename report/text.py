@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from backplan.ir.text import value_names
-from backplan.runtime.saved_table import format_saved_table
 
 from .memory import memory_text, peak_line
+from .saved_table import format_saved_table
 from .wording import format_bytes, wrap
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from backplan.ir.lowering import BackwardMode
 
-from .freed_message import freed_error
+from .freed import freed_error
 from .region import FreedBy, Region, location_text
 from .walk import regions_in_order
 

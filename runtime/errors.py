@@ -9,7 +9,8 @@ from backplan.ir.errors import BackplanError
 
 @dataclass(frozen=True)
 class FreedFacts:
-    """What a GraphFreedError message is written from, kept for tools and tests."""
+    """What a GraphFreedError message is written from (report/freed_message.py), kept for
+    tools and tests."""
 
     region: str  # the first freed region backward() reached
     created_at: str
@@ -19,6 +20,13 @@ class FreedFacts:
     case: str  # "same graph", "shared", "failed"
     loop: bool  # both graphs were built by the same line
     more_freed: tuple[str, ...]  # further freed regions on the way, by name
+    backward_at: str = ""  # where the backward() that raised was called
+    more_saved_buffers: int = 0  # what the further freed regions had saved
+    more_saved_bytes: int = 0
+    earlier_root: str = ""  # the output the freeing backward() started from, described
+    now_root: str = ""  # the output this backward() starts from, described
+    reached_root: bool = False  # the freed region is the one this backward() starts from
+    root_created_at: str = ""  # where this backward()'s starting region was created
 
 
 class GraphFreedError(BackplanError, RuntimeError):

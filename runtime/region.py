@@ -14,9 +14,7 @@ from backplan.ir.types import np_dtype
 from . import memory
 from .location import loc_text
 from .program import RegionProgram, SavedBufferInfo
-from .recomputed import recomputed_infos
-from .saved_table import format_saved_table
-from .walk import regions_in_order
+from .wording import written
 
 
 class Edge:
@@ -229,38 +227,6 @@ class Region:
         )
 
     def __str__(self) -> str:
-        return saved_table(self)
-
-
-def saved_table(region: Region) -> str:
-    """The live answer to 'which is freed, which is not?': explain()'s table plus a state column
-    (values the backward recomputes instead of saving say "recomputed")."""
-    buffers = region.saved_buffers
-    states = ["freed" if b.freed else "alive" for b in buffers]
-    lines = [
-        repr(region),
-        format_saved_table(buffers, states, recomputed=recomputed_infos(region.program)),
-    ]
-    if region.freed_by is not None:
-        lines += [
-            f"  {freed_by_text(region.freed_by)}; a second backward() through it raises "
-            "GraphFreedError.",
-            "  The plan itself stays (it holds no arrays) while a tensor points at it "
-            "through .grad_fn;",
-            "  .detach() makes a tensor that does not.",
-        ]
-    upstream = regions_in_order(region)[1:]
-    if upstream:
-        held = sum(r.saved_bytes for r in upstream)
-        lines.append(
-            f"  {len(upstream)} more region{'s' if len(upstream) != 1 else ''} upstream "
-            f"({held:,} B held) run in the same backward(); t.graph() or bp.explain_graph(t) "
-            "lists them all."
-        )
-    return "\n".join(lines)
-
-
-def freed_by_text(by: FreedBy) -> str:
-    if by.failed:
-        return f"freed when the backward() at {by.loc} failed part-way"
-    return f"freed by the backward() at {by.loc}"
+        """print(t.grad_fn): the saved-buffer table with each buffer's state, as
+        report/region_text.py writes it (runtime/wording.py); the one-line repr without it."""
+        return written("region", self, repr(self))

@@ -17,8 +17,7 @@ import numpy as np
 from backplan.ir.graph import Value
 from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import np_dtype
-
-from .location import loc_text, op_text
+from backplan.runtime.location import loc_text, op_text
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,45 @@
+"""What print(t.grad_fn) shows: a region's saved-buffer table with the state of each buffer
+(alive, freed, recomputed), whether and by which backward() it was freed, and the regions
+upstream. Registered with runtime/wording.py, which Region.__str__ asks."""
+
+from __future__ import annotations
+
+from backplan.runtime.region import FreedBy, Region
+from backplan.runtime.walk import regions_in_order
+
+from .recomputed import recomputed_infos
+from .saved_table import format_saved_table
+
+
+def saved_table(region: Region) -> str:
+    """The live answer to 'which is freed, which is not?': explain()'s table plus a state column
+    (values the backward recomputes instead of saving say "recomputed")."""
+    buffers = region.saved_buffers
+    states = ["freed" if b.freed else "alive" for b in buffers]
+    lines = [
+        repr(region),
+        format_saved_table(buffers, states, recomputed=recomputed_infos(region.program)),
+    ]
+    if region.freed_by is not None:
+        lines += [
+            f"  {freed_by_text(region.freed_by)}; a second backward() through it raises "
+            "GraphFreedError.",
+            "  The plan itself stays (it holds no arrays) while a tensor points at it "
+            "through .grad_fn;",
+            "  .detach() makes a tensor that does not.",
+        ]
+    upstream = regions_in_order(region)[1:]
+    if upstream:
+        held = sum(r.saved_bytes for r in upstream)
+        lines.append(
+            f"  {len(upstream)} more region{'s' if len(upstream) != 1 else ''} upstream "
+            f"({held:,} B held) run in the same backward(); t.graph() or bp.explain_graph(t) "
+            "lists them all."
+        )
+    return "\n".join(lines)
+
+
+def freed_by_text(by: FreedBy) -> str:
+    if by.failed:
+        return f"freed when the backward() at {by.loc} failed part-way"
+    return f"freed by the backward() at {by.loc}"
