@@ -432,7 +432,8 @@ def test_shard_optimizer_refuses_what_it_cannot_shard():
 def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(tmp_path):
     """ZeRO-1 on 2 ranks: each rank keeps half of every moment, and three steps of sgd with
     momentum and of adam give the bytes of the unsharded step (and the one-process run on the
-    whole batch to f32 rounding); explain reports the state per rank."""
+    whole batch to f32 rounding), with ranks of 4 and 3 rows too; explain reports the state per
+    rank."""
     result = run_script(
         tmp_path,
         """
@@ -466,6 +467,17 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
                 n = params[k].numpy().size
                 assert runs[True][2][moment][k].numpy().size == n // 2 + (rank < n % 2), k
         bpd.check_replicas(runs[True][0])
+        rows = bpd.shard(x[:7], rank, size), bpd.shard(y[:7], rank, size)  # 4 and 3 rows
+        uneven = [
+            bpd.data_parallel(vg, optimizer=opt, shard_optimizer=shard)
+            for shard in (False, True)
+        ]
+        stepped = [u(params, u.init(params), *rows)[0] for u in uneven]
+        full = opt.update(vg(params, x[:7], y[:7])[1], opt.init(params), params)[0]
+        for k in params:
+            assert (stepped[0][k].numpy() == stepped[1][k].numpy()).all(), k
+            np.testing.assert_allclose(stepped[1][k].numpy(), full[k].numpy(), rtol=1e-5,
+                                       atol=1e-6)
         try:
             step(params, opt.init(params), xs, ys)  # the whole state, not this rank's share
         except TypeError as error:
