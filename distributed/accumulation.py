@@ -6,6 +6,8 @@ the mean over their rows."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .errors import DistributedError
@@ -20,6 +22,7 @@ class Accumulator:
         self.calls = 0  # calls of this round so far
         self._sums: list[np.ndarray] | None = None
         self._signature = None
+        self._lock = threading.Lock()
 
     @property
     def last_of_round(self) -> bool:
@@ -27,6 +30,12 @@ class Accumulator:
         return self.calls + 1 >= self.steps
 
     def add(self, fingerprint: int, lengths: tuple, arrays: list) -> list[np.ndarray] | None:
+        """Add one call's arrays (loss first, then gradients); calls from two threads take
+        turns, so no call's arrays are added twice or lost."""
+        with self._lock:
+            return self._add(fingerprint, lengths, arrays)
+
+    def _add(self, fingerprint: int, lengths: tuple, arrays: list) -> list[np.ndarray] | None:
         signature = (fingerprint, lengths)
         if self._sums is None:
             self._sums = [np.array(a, copy=True) for a in arrays]

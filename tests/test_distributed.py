@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 import backplan as bp
 import backplan.distributed as bpd
 from backplan.distributed import sharding, world
+from backplan.distributed.accumulation import Accumulator
 from backplan.distributed.segments import run_segments, split_plan
 from backplan.examples.mlp import init_mlp, mlp_loss, synthetic_classification
 from backplan.ir.interpreter import run_plan
@@ -587,3 +589,30 @@ def test_a_rank_stopped_mid_step_times_out_the_others_in_the_exchange(tmp_path):
     assert result.returncode != 0, output
     assert "rank 0 raised RankTimeoutError: the allreduce of bucket 0 did not complete " in output
     assert "within 2 s (data_parallel timeout)" in output and "finished" not in output, output
+
+
+def test_accumulated_calls_from_four_threads_are_each_added_once():
+    """400 calls of 200,000 ones from 4 threads, one round of 400: the round ends once, with a
+    mean of exactly 1 (without the lock, adds racing in NumPy lost or doubled some calls)."""
+    accumulator = Accumulator(400)
+    arrays = [np.ones(200_000)]
+    rounds: list = []
+
+    def work():
+        for _ in range(100):
+            done = accumulator.add(1, (4,), arrays)
+            if done is not None:
+                rounds.append(done)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(rounds) == 1 and (rounds[0][0] == 1).all()
+    accumulator.add(1, (4,), arrays)
+    with pytest.raises(bpd.DistributedError, match=r"batch arguments of \[3\] rows but call 1"):
+        accumulator.add(1, (3,), arrays)
+    with pytest.raises(bpd.DistributedError, match="another structure, shapes or dtypes"):
+        accumulator.add(1, (4,), arrays)  # the round restarted: this is its call 1
+        accumulator.add(2, (4,), arrays)
