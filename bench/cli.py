@@ -127,7 +127,7 @@ def _measure(args) -> dict:
     available, skipped = _available(peers, progress)
     versions = {k: v for peer in available for k, v in peer.versions().items()}
     thread_settings |= apply_threads(args.threads)
-    settings = _settings(args)
+    settings = replace(_settings(args), limit=_limit(args, progress))
     if args.threads is None and usable_cpus() <= FEW_CPUS:
         progress.note(
             f"note: thread counts are the libraries' defaults on {usable_cpus()} CPUs; "
@@ -153,6 +153,7 @@ def _measure(args) -> dict:
             "warm_compile": settings.warm_compile,
         },
         "environment": collect(versions, thread_settings, load),
+        "limit": settings.limit.to_dict() if settings.limit else None,
         "models": [
             {
                 "name": m.name,
@@ -170,6 +171,19 @@ def _measure(args) -> dict:
         "skipped_peers": skipped,
         "results": results,
     }
+
+
+def _limit(args, progress):
+    """The cores' FMA peak (bench/limits.py) for the threads the run uses, or None if it
+    cannot be measured here (the rates' % of peak are then left out)."""
+    from .limits import measured_limit
+
+    threads = args.threads or usable_cpus()
+    try:
+        return measured_limit(threads)
+    except Exception as exc:  # noqa: BLE001 - step times do not need it
+        progress.note(f"note: no FMA peak measured ({type(exc).__name__}: {exc}); no % of peak")
+        return None
 
 
 def _available(peers, progress) -> tuple[list, list[dict]]:

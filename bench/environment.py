@@ -37,6 +37,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_signature() -> str:
+    """'family 25 model 17': tells apart CPUs that share a model name ("AMD EPYC")."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in ("cpu family", "model") and name not in fields:
+                    fields[name] = value.strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+    except OSError:
+        return platform.machine()
+    if not fields:
+        return platform.machine()
+    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
 def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
@@ -143,6 +162,7 @@ def collect(versions: dict[str, str], thread_settings: dict, load_at_start=None)
         "backplan_backend": backplan_backend(),
         "backplan_revision": backplan_revision(),
         "cpu": cpu_name(),
+        "cpu_signature": cpu_signature(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable_cpus(),
         "affinity": current_affinity(),

@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
-    # kernels timed on their own (bench/gemm.py, mathlib.py, peak_flops.py, ln_gelu_fused.py)
+    # kernels timed on their own (bench/gemm.py, mathlib.py, peak_flops.py, ln_gelu_fused.py,
+    # attention.py's softmax rows)
     "blas": "backplan.codegen.kernels.blas",
     "own_gemm": "backplan.codegen.kernels.gemm",
     "gemm_parallel": "backplan.codegen.kernels.gemm.parallel",
@@ -19,6 +20,7 @@ _WHERE = {
     "active_isa": "backplan.codegen.kernels.gemm:active_isa",
     "mathlib": "backplan.codegen.kernels.mathlib",
     "tanh_f32": "backplan.codegen.kernels.mathlib:tanh_f32",
+    "softmax_rows": "backplan.codegen.kernels.rows:softmax_rows",
     "splat": "backplan.codegen.kernels.gemm.kernel:splat",
     "vector_fma": "backplan.codegen.kernels.gemm.kernel:vector_fma",
     # background driver builds, waited for outside timed rounds
@@ -34,6 +36,9 @@ _WHERE = {
     "cheapest_within": "backplan.ir.budget:cheapest_within",
     "plan_frontier": "backplan.ir.budget:plan_frontier",
     "flatten": "backplan.tracer.pytree:flatten",
+    # the model's arithmetic per step and where the peak measured once is kept (limits.py)
+    "node_flops": "backplan.ir.flops:node_flops",
+    "cache_dir": "backplan.codegen.build.cache:cache_dir",
     # the op registry: a reference implementation to check a kernel against
     "get_op": "backplan.ir.registry:get_op",
 }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .check import check_output
+from .limits import Limit, model_flops, rate
 from .measure import Schedule, time_call, timed_rounds, traced_peak_bytes, warm_up
 from .models import ModelSpec
 from .peers import Peer, reference_output
@@ -24,6 +25,7 @@ class Settings:
     schedule: Schedule = Schedule()
     warm_compile: bool = True
     seed: int = 0
+    limit: Limit | None = None  # the cores' measured FMA peak, for each row's % of peak
 
 
 def run_suite(models: list[ModelSpec], peers: list[Peer], settings: Settings, progress) -> list:
@@ -74,6 +76,7 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
         _warm_compiles(spec, inputs, [p for p in peers if p.name in runners], rows, progress)
     runners.clear()
     _add_ratios(list(rows.values()))
+    _add_rates(list(rows.values()), _flops_or_none(spec, inputs), settings.limit)
     return list(rows.values())
 
 
@@ -195,3 +198,19 @@ def _add_ratios(rows: list) -> None:
     for row in rows:
         if row["step_ms"] is not None:
             row["ratio_to_fastest"] = row["step_ms"]["median"] / fastest
+
+
+def _flops_or_none(spec, inputs) -> int | None:
+    """The model's FLOPs per step (bench/limits.py), or None when backplan cannot count them."""
+    try:
+        return model_flops(spec, inputs)
+    except Exception:  # noqa: BLE001 - a missing rate must not lose the step times
+        return None
+
+
+def _add_rates(rows: list, flops: int | None, limit: Limit | None) -> None:
+    """Each timed row's GFLOP/s and share of the peak: the same FLOPs for every peer."""
+    for row in rows:
+        row["flops_per_step"] = flops
+        step = row["step_ms"]
+        row["rate"] = rate(flops, step["median"] if step else None, limit)

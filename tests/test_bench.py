@@ -448,3 +448,56 @@ def test_threads_flag_pins_and_records_affinity_and_cpu(restore_affinity, tmp_pa
     assert "threadpoolctl" in settings["blas_and_openmp"]
     line = f"CPU: {cpu_name()} (1 usable of {os.cpu_count()} logical CPUs; affinity CPUs {first})"
     assert line in text and line in markdown.read_text()
+
+
+def test_each_timed_row_reports_its_rate_against_the_measured_peak(quick_record):
+    """GFLOP/s = the model's FLOPs per step (one number for every peer) over the median step;
+    % of peak = that over the limit the record states (per-core peak x threads)."""
+    _, text, record, _ = quick_record
+    limit = record["limit"]
+    assert limit["flops_per_core"] > 0 and limit["width"] in (256, 512)
+    assert limit["gflops"] == pytest.approx(limit["flops_per_core"] * limit["threads"])
+    assert "GFLOP/s per core" in text and "GFLOP/s (% peak)" in text
+    for model in record["models"]:
+        rows = [r for r in record["results"] if r["model"] == model["name"]]
+        assert len({r["flops_per_step"] for r in rows}) == 1
+        for row in rows:
+            if row["step_ms"] is None:
+                assert row["rate"] is None
+                continue
+            gflops = row["flops_per_step"] / (row["step_ms"]["median"] * 1e-3) / 1e9
+            assert row["rate"]["gflops"] == pytest.approx(gflops)
+            assert row["rate"]["peak_fraction"] == pytest.approx(gflops / limit["gflops"])
+
+
+def test_model_flops_count_every_gemm_of_forward_and_backward():
+    """The mlp's step is its GEMMs (forward, dX for every layer but the first, dW) and a few
+    elementwise passes: the count is at least the GEMMs' and not far above it."""
+    from backplan.bench.limits import model_flops
+    from backplan.bench.models.mlp import layer_sizes
+
+    spec = MODELS["mlp"]
+    config = spec.sizes(small=False)
+    sizes, batch = layer_sizes(config), config["batch"]
+    gemms = 0
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        products = 2 if i == 0 else 3  # forward and dW; dX too above the first layer
+        gemms += products * 2 * batch * fan_in * fan_out
+    counted = model_flops(spec, spec.inputs(small=False, dtype=np.float32))
+    assert gemms <= counted <= 1.05 * gemms
+
+
+def test_the_peak_is_measured_once_and_read_back(tmp_path, monkeypatch):
+    from backplan.bench import limits
+
+    monkeypatch.setattr(limits, "_peak_path", lambda: str(tmp_path / limits.PEAK_FILE))
+    calls = []
+    monkeypatch.setattr(
+        "backplan.bench.peak_flops.peak_gflops_f32",
+        lambda width, seconds, samples: calls.append(width) or 50.0,
+    )
+    first, second = limits.measured_limit(1), limits.measured_limit(2)
+    assert calls == [first.width] and (first.measured, second.measured) == ("now", "cached")
+    assert second.gflops == 100.0
+    (tmp_path / limits.PEAK_FILE).write_text("not json")  # damaged: measured again
+    assert limits.measured_limit(1).measured == "now" and len(calls) == 2

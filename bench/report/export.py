@@ -18,7 +18,10 @@ The JSON record (schema "backplan-bench/1"):
   fastest correct peer's), first_call_s {cold, warm} (seconds), saved_bytes {excluding_inputs,
   including_inputs, source}, peak_bytes {measured, measured_by, planned, planned_by}, check
   {value_rel_error, grad_rel_error, worst_grad, tolerance, ok}, plan {backend, kernels,
-  fused_kernels} (backplan rows), warnings (what the peer warned about on its first call)
+  fused_kernels} (backplan rows), warnings (what the peer warned about on its first call),
+  flops_per_step (the model's, bench/limits.py), rate {gflops, peak_fraction} (None untimed)
+- limit: flops_per_core, width, threads, measured ("now" or "cached"), gflops: the measured FMA
+  peak of the cores used, which peak_fraction divides by (None where it could not be measured)
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ CSV_FIELDS = (
     "step_ms_max",
     "steps",
     "ratio_to_fastest",
+    "gflops",
+    "peak_fraction",
     "first_call_cold_s",
     "first_call_warm_s",
     "saved_bytes_excluding_inputs",
@@ -78,6 +83,7 @@ def flat_row(row: dict) -> dict:
     saved = row.get("saved_bytes") or {}
     peak = row.get("peak_bytes") or {}
     check = row.get("check") or {}
+    rate = row.get("rate") or {}
     return {
         "model": row["model"],
         "peer": row["peer"],
@@ -87,6 +93,8 @@ def flat_row(row: dict) -> dict:
         "step_ms_max": step.get("max"),
         "steps": step.get("n"),
         "ratio_to_fastest": row.get("ratio_to_fastest"),
+        "gflops": rate.get("gflops"),
+        "peak_fraction": rate.get("peak_fraction"),
         "first_call_cold_s": first.get("cold"),
         "first_call_warm_s": first.get("warm"),
         "saved_bytes_excluding_inputs": saved.get("excluding_inputs"),

@@ -13,6 +13,7 @@ COLUMNS = (
     "min ms",
     "max ms",
     "x fastest",
+    "GFLOP/s (% peak)",
     "1st call s cold/warm",
     "saved MiB excl/incl",
     "peak MiB meas/plan",
@@ -24,6 +25,9 @@ COLUMNS = (
 LEGEND = (
     "median/min/max: step time over the timed steps (forward + backward, or forward only); "
     "x fastest: median over the fastest correct peer's median for that model",
+    "GFLOP/s: the model's FLOPs per step (backplan's count of its forward and backward graphs, "
+    "the same for every peer) over the median step; % peak: of the measured FMA peak of the "
+    "cores the run uses (the limit line above)",
     "1st call: cold = the first call in this process (tracing, compiling); warm = a second "
     "first call once the peer's compiler is warm (per peer below)",
     "saved: bytes kept from forward for backward, excluding / including the inputs; "
@@ -38,6 +42,12 @@ def ratio(value) -> str:
 
 def model_title(record: dict, model: dict) -> str:
     title = f"{model['name']}: {model['summary']}"
+    flops = next(
+        (r.get("flops_per_step") for r in record["results"] if r["model"] == model["name"]),
+        None,
+    )
+    if flops:
+        title += f"; {flops / 1e6:.4g} MFLOP per step"
     if record["run"]["small"]:
         sizes = ", ".join(f"{k}={v}" for k, v in model["config"].items())
         title += f" [SHRUNK to {sizes}]"
@@ -79,11 +89,36 @@ def row_cells(row: dict) -> list[str]:
         ms(step.get("min")),
         ms(step.get("max")),
         "-" if to_fastest is None else f"{to_fastest:.2f}",
+        rate_text(row.get("rate")),
         pair(seconds(first.get("cold")), seconds(first.get("warm"))),
         pair(mib(saved.get("excluding_inputs")), mib(saved.get("including_inputs"))),
         pair(mib(peak.get("measured")), mib(peak.get("planned"))),
         "-" if error is None else f"{error:.1e}",
         status_text(row),
+    ]
+
+
+def rate_text(rate: dict | None) -> str:
+    """'212 (45%)': GFLOP/s, and the share of the measured peak when there is one."""
+    if not rate:
+        return "-"
+    gflops = rate["gflops"]
+    text = f"{gflops:.3g}" if gflops < 100 else f"{gflops:.0f}"
+    share = rate.get("peak_fraction")
+    return text if share is None else f"{text} ({100 * share:.0f}%)"
+
+
+def limit_lines(record: dict) -> list[str]:
+    """The limit the % of peak is taken against: per core, the cores used, the CPU."""
+    limit = record.get("limit")
+    if not limit:
+        return []
+    env = record["environment"]
+    cpu = f"{env['cpu']} ({env.get('cpu_signature', '?')})"
+    how = "measured in this run" if limit["measured"] == "now" else "measured once, cached"
+    return [
+        f"limit: {limit['flops_per_core']:.1f} f32 GFLOP/s per core of {limit['width']}-bit "
+        f"FMAs on {cpu} ({how}), x {limit['threads']} thread(s) = {limit['gflops']:.1f} GFLOP/s"
     ]
 
 

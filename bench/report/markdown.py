@@ -10,6 +10,7 @@ from .format import (
     LEGEND,
     environment_lines,
     footnotes,
+    limit_lines,
     model_title,
     ms,
     ratio,
@@ -50,7 +51,10 @@ def summary_table(record: dict) -> list[str]:
 
 def render_markdown(record: dict) -> list[str]:
     lines = ["Command:", "", "```bash", record["command"], "```", ""]
-    lines += [f"- {line}" for line in [*run_lines(record), *environment_lines(record)]]
+    lines += [
+        f"- {line}"
+        for line in [*run_lines(record), *environment_lines(record), *limit_lines(record)]
+    ]
     lines += [f"- Started {record['started']}, took {record['elapsed_s']:.0f} s", ""]
     lines += ["### Step time: median ms (ratio to the fastest correct peer)", ""]
     lines += [*summary_table(record), ""]

@@ -7,6 +7,7 @@ from .format import (
     LEGEND,
     environment_lines,
     footnotes,
+    limit_lines,
     model_title,
     row_cells,
     run_lines,
@@ -31,6 +32,7 @@ def render_text(record: dict) -> str:
         "backplan bench: " + record["command"],
         *run_lines(record),
         *environment_lines(record),
+        *limit_lines(record),
         "",
     ]
     for model in record["models"]:
