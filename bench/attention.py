@@ -9,7 +9,9 @@ the default: one fused kernel, probabilities recomputed in backward) and unfused
 scores are written and kept for backward); PyTorch runs F.scaled_dot_product_attention, JAX
 the same formula under jit. Every peer's gradients are checked against a float64 NumPy
 reference. Rounds are interleaved; the table has the median ms per step, the ratio to fused
-backplan and, for backplan, the bytes kept from forward for backward (bp.explain).
+backplan and, for backplan, the bytes kept from forward for backward (bp.explain). A last
+line times the library's softmax rows (the fused kernel's, and every softmax op's) on the
+attention's scores, (batch * heads * length, length) float32 with a causal mask, in Gelem/s.
 """
 
 from __future__ import annotations
@@ -89,6 +91,21 @@ def jax_step(inputs, scale):
     return step
 
 
+def softmax_rows_rate(rows: int, length: int, seconds: float) -> float:
+    """Gelem/s of the library's softmax rows on (rows, length) float32 causal scores: the
+    median of interleaved timed calls (the kernel is already compiled by the steps above)."""
+    from backplan.bench.internals import softmax_rows
+
+    rng = np.random.default_rng(1)
+    scores = rng.standard_normal((rows, length)).astype(np.float32)
+    causal = np.triu(np.ones((length, length), bool), 1)  # key j > query i is masked
+    scores[np.tile(causal, (rows // length, 1))] = -np.inf
+    out = np.empty_like(scores)
+    softmax_rows(scores, out, False)
+    medians = interleaved_medians({"rows": lambda: softmax_rows(scores, out, False)}, 3, seconds)
+    return scores.size / (medians["rows"] * 1e-3) / 1e9
+
+
 def reference_grads(inputs, scale):
     from backplan.bench.internals import get_op
 
@@ -139,6 +156,8 @@ def main(argv=None) -> int:
         kept = f"{saved[name] / 1024:.1f}" if name in saved else "-"
         ratio = value / medians["backplan fused"]
         print(f"{name:18} {value:10.2f} {ratio:8.2f} {kept:>10} {errors[name]:12.1e}")
+    rate = softmax_rows_rate(batch * heads * length, length, args.seconds)
+    print(f"softmax rows ({batch * heads * length} x {length} float32, causal): {rate:.2f} Gelem/s")
     return 0 if all(e < 1e-3 for e in errors.values()) else 1
 
 

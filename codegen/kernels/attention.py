@@ -23,6 +23,7 @@ from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.blas import gemm_rows, rows_contiguous
 from backplan.codegen.kernels.gemm import gemm, vector_width
 from backplan.codegen.kernels.gemm.choice import use_own_gemm
+from backplan.codegen.kernels.row_math import zero_like
 from backplan.codegen.kernels.rows import softmax_row
 from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.opaque import OpEmitter, emits
@@ -98,7 +99,7 @@ def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
         _matmul(width, False, True, 1.0, g_rows, v, 0.0, ds)
         _matmul(width, True, False, 1.0, p, g_rows, 1.0, dv)
         for i in range(rows):
-            dot = 0.0
+            dot = zero_like(p[i, 0])  # a float32 sum for float32 rows (0.0 made it float64)
             for j in range(keys):
                 dot += p[i, j] * ds[i, j]
             typed[1] = dot

@@ -10,6 +10,7 @@ import numpy as np
 
 from backplan.codegen.flags import FASTMATH
 from backplan.codegen.jit import njit, prange
+from backplan.codegen.kernels.row_math import maxnum, one_like, row_exp, zero_like
 from backplan.codegen.kernels.scalar_functions import fast_exp
 from backplan.codegen.render.opaque import HOLES, OpEmitter, emits
 from backplan.codegen.render.scalar import NP_TYPE, literal
@@ -20,32 +21,35 @@ _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": T
 
 
 def _softmax_row(x, out, log):
-    """x may be out. The peak starts from x[0], not -inf, so that it keeps x's dtype: a float64
-    peak made every exp of a float32 row a float64 one (2.3x slower rows of 128)."""
-    if x.shape[0] == 0:
+    """x may be out. Every value stays in x's dtype: the peak starts from x[0] (a float64 peak
+    made every exp of a float32 row a float64 one), the sum from a typed zero (0.0 would make
+    it float64), and the reciprocal is taken of a typed one. The peak is a maxnum reduction and
+    the exp mathlib's, inlined, so all three passes vectorise; each runs over the whole row (a
+    pass from 1 left a row of 128 a scalar tail of 15 exps)."""
+    n = x.shape[0]
+    if n == 0:
         return
     peak = x[0]
-    for j in range(1, x.shape[0]):
-        peak = max(peak, x[j])
+    for j in range(n):
+        peak = maxnum(peak, x[j])  # ignores a NaN, whose exp below turns the row NaN anyway
+    total = zero_like(peak)
     if not log:  # each exp once: kept in out, then scaled
-        total = 0.0
-        for j in range(x.shape[0]):
-            e = fast_exp(x[j] - peak)
+        for j in range(n):
+            e = row_exp(x[j] - peak)
             out[j] = e
             total += e
-        scale = 1.0 / total
-        for j in range(x.shape[0]):
+        scale = one_like(total) / total
+        for j in range(n):
             out[j] = out[j] * scale
         return
-    total = 0.0
-    for j in range(x.shape[0]):
-        total += fast_exp(x[j] - peak)
+    for j in range(n):
+        total += row_exp(x[j] - peak)
     # (x - peak) first: peak + log(total) would lose log(total) next to a huge peak; two
     # passes, so that fastmath's reassociation cannot fold them back together
     log_total = math.log(total)
-    for j in range(x.shape[0]):
+    for j in range(n):
         out[j] = x[j] - peak
-    for j in range(x.shape[0]):
+    for j in range(n):
         out[j] -= log_total
 
 
