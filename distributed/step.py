@@ -234,7 +234,8 @@ def data_parallel(
     (each segment compiles on its own; fusion across a cut is lost). `step.explain(*args)`
     shows the buckets and when each starts. check_replicas=True hashes
     the differentiated arguments on every call and raises ReplicaMismatchError when any rank's
-    differ (a debug mode: it costs a hash of every parameter per step). With one rank the
+    differ (a debug mode: it costs a hash of every parameter per step). With one rank (and no
+    accumulate or optimizer) the
     step is value_and_grad_fn itself: no MPI call at all.
 
     timeout (seconds, default None: wait forever, as MPI does): each call first checks that

@@ -117,7 +117,8 @@ class DataParallelTraining:
         """The step's report (DataParallelStep.explain) with the optimizer state each rank
         keeps; pass the arguments of a call (params, state, *batch)."""
         report = self.step.explain(params, *batch, size=size, **kwargs)
-        report.add_optimizer(self.optimizer.name, *self.state_bytes(params, report.size))
+        name = getattr(self.optimizer, "name", type(self.optimizer).__name__)
+        report.add_optimizer(name, *self.state_bytes(params, report.size))
         return report
 
     def state_bytes(self, params, size: int) -> tuple[int, int]:
