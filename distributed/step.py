@@ -232,11 +232,10 @@ def data_parallel(
     split_plan=True the joint plan runs as segments cut after each bucket's last write, and
     each bucket's allreduce starts between segments, while the rest of the backward runs
     (each segment compiles on its own; fusion across a cut is lost). `step.explain(*args)`
-    shows the buckets and when each starts. check_replicas=True hashes
-    the differentiated arguments on every call and raises ReplicaMismatchError when any rank's
-    differ (a debug mode: it costs a hash of every parameter per step). With one rank (and no
-    accumulate or optimizer) the
-    step is value_and_grad_fn itself: no MPI call at all.
+    shows the buckets and when each starts. check_replicas=True hashes the differentiated
+    arguments on every call and raises ReplicaMismatchError when any rank's differ (a debug
+    mode: it costs a hash of every parameter per step). With one rank (and no accumulate or
+    optimizer) the step is value_and_grad_fn itself: no MPI call at all.
 
     timeout (seconds, default None: wait forever, as MPI does): each call first checks that
     every rank reached it (one byte to and from each other rank), waiting by testing with short
