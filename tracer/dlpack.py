@@ -118,8 +118,3 @@ def from_dlpack(x: Any) -> Tensor:
     tensor = Tensor.__new__(Tensor)
     tensor._init(view, None, None)
     return tensor
-
-
-def install(tensor_cls) -> None:
-    tensor_cls.__dlpack__ = tensor_dlpack
-    tensor_cls.__dlpack_device__ = tensor_dlpack_device
