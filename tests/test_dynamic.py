@@ -180,3 +180,25 @@ def test_explain_gives_the_bytes_as_formulas_of_the_symbol_or_says_why_not():
     text = bp.compile(squared_size, dynamic={"x": {0: "batch"}}).explain(W, batch(3)).dynamic
     assert text.startswith("Dynamic axis batch: each size is planned on its own")
     assert "full at test_dynamic.py:" in text
+
+
+def test_size_dependent_choices_are_those_of_the_first_size(monkeypatch):
+    """backplan's GEMM or BLAS, parallel loops or serial ones: chosen by size, each right at
+    every size; the sizes of one symbolic plan make the first size's choices, so they render
+    one driver (codegen/render/choices.py)."""
+    from backplan.codegen.render import opaque
+    from backplan.codegen.render.emit import generate
+    from backplan.ir.lowering import lower
+
+    def own_below_8(m, n, k, tb, dtype):
+        return m < 8 and k < 8
+
+    monkeypatch.setattr(opaque, "use_own_gemm", own_below_8)
+    step = bp.value_and_grad(bp.compile(model, dynamic={"x": {0: "batch"}}))
+    sources = [generate(lower(step.trace(W, batch(n)).plan)).source for n in (5, 11)]
+    assert sources[0] == sources[1]
+    assert own_below_8(5, 4, 6, False, "f32") != own_below_8(11, 4, 6, False, "f32")
+    assert "gemm_at_f32" not in sources[1]
+    assert "own_gemm_at" in sources[1]  # chosen at batch 5, kept at 11
+    fixed = bp.value_and_grad(bp.compile(model, dynamic=False))
+    assert "own_gemm_at" not in generate(lower(fixed.trace(W, batch(11)).plan)).source

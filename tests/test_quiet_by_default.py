@@ -1,6 +1,7 @@
 """Quiet by default (codegen/build/compile_notice.py): a program whose first calls compile says
-so in at most one stderr line, naming what compiles and how long so far; BACKPLAN_VERBOSE=1 gives
-each stage, BACKPLAN_QUIET=1 nothing. Run in fresh processes with an empty cache folder, and the
+so in at most one stderr line, naming what compiles and how long so far, over three batch sizes
+too (the second makes axis 0 dynamic, the third runs its plan); BACKPLAN_VERBOSE=1 gives each
+stage, BACKPLAN_QUIET=1 nothing. Run in fresh processes with an empty cache folder, and the
 threshold at 0 s so that even a fast machine's compile is long enough to be announced."""
 
 import os
@@ -19,12 +20,12 @@ def predict(w, x):
     return bp.relu(x @ w) * 2.0
 
 w = bp.tensor(np.ones((5, 3), np.float32))
-x = bp.tensor(np.ones((7, 5), np.float32))
 step = bp.value_and_grad(bp.compile(loss))
-for _ in range(3):
+for n in (7, 7, 7, 9, 12):  # batch 9 makes axis 0 dynamic: 12 runs the same plan
+    x = bp.tensor(np.ones((n, 5), np.float32))
     step(w, x)
     predict(w, x)
-print("done")
+print("done", step.cache_info().traces, predict.cache_info().traces)
 """
 
 
@@ -36,7 +37,7 @@ def stderr_lines(tmp_path, **settings) -> list[str]:
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
     )
-    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    assert done.returncode == 0 and done.stdout.strip() == "done 2 2", done.stderr
     return done.stderr.splitlines()
 
 

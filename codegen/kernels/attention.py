@@ -26,6 +26,7 @@ from backplan.codegen.kernels.gemm.choice import use_own_gemm
 from backplan.codegen.kernels.row_math import zero_like
 from backplan.codegen.kernels.rows import softmax_row
 from backplan.codegen.kernels.views import as_read_only
+from backplan.codegen.render.choices import decide
 from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.ir.graph import Value
 
@@ -208,7 +209,7 @@ def emit_attention(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     q, k, v = (f"as_read_only({_heads(ctx, x)})" for x in node.inputs)
     lead = node.inputs[0].shape[:-2]
     out4 = f"{out}.reshape({_heads_shape(lead, node.shape[-2:])!r})"
-    fn, width = _variant("attention_forward", node)
+    fn, width = decide("attention", _variant("attention_forward", node))
     return [f"{fn}({width}, {q}, {k}, {v}, {out4}, {_scale_and_mask(node)})"]
 
 
@@ -220,5 +221,5 @@ def emit_attention_grad(ctx: OpEmitter, node: Value, out: str) -> list[str]:
         shape = _heads_shape(lead, x.shape[-2:])
         parts.append(f"{out}[{offset}:{offset + x.type.size}].reshape({shape!r})")
         offset += x.type.size
-    fn, width = _variant("attention_backward", node)
+    fn, width = decide("attention", _variant("attention_backward", node))
     return [f"{fn}({width}, {q}, {k}, {v}, {g}, {', '.join(parts)}, {_scale_and_mask(node)})"]

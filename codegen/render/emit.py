@@ -18,6 +18,7 @@ from backplan.codegen.build import cache
 from backplan.codegen.flags import parallel_pays
 from backplan.codegen.kernels.gemm import vector_width
 from backplan.codegen.render.add_chains import chain_loops, chain_terms, size_of
+from backplan.codegen.render.choices import decide, pinned
 from backplan.codegen.render.driver_split import driver_source
 from backplan.codegen.render.epilogue import gemm_epilogue_lines
 from backplan.codegen.render.kernel_source import GEMM_IMPORTS, KernelSource, canonical_kernel
@@ -90,7 +91,9 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
     so explain's kernel hashes and compile estimates and the compiled plan read one rendering."""
     with _rendering:
         if lowered.rendered is None:
-            lowered.rendered = _generate(lowered)
+            shared = lowered.plan.shared
+            with pinned(None if shared is None else shared.setdefault("choices", {})):
+                lowered.rendered = _generate(lowered)
         return lowered.rendered
 
 
@@ -330,7 +333,7 @@ class _Emitter:
             bases.update(emitter.bases)
         rows = internal_shape(run[0].shape)[0]
         cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
-        parallel = parallel_pays(rows * cols)
+        parallel = decide("parallel_rows_run", parallel_pays(rows * cols))
         scalars["n0"] = rows
         lines = [*views, f"for i0 in {'prange' if parallel else 'range'}(n0):"]
         lines += ["    " + line for line in stages]

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from backplan.codegen.flags import parallel_pays
+from backplan.codegen.render.choices import decide
 from backplan.codegen.render.placement import Placement
 from backplan.codegen.render.scalar import NP_TYPE, expression, literal
 from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
@@ -168,7 +169,8 @@ class LoopEmitter:
     def _mode(self) -> str:
         """serial; parallel (prange over the outer loop); or chunked: prange over chunks of the
         outer loop, each reducing into its own partial row, combined at the end."""
-        if not parallel_pays(math.prod(self.sizes)) or self.sizes[0] < 2:
+        serial = not parallel_pays(math.prod(self.sizes)) or self.sizes[0] < 2
+        if decide("serial_loop", serial):
             return "serial"
         return "chunked" if self._crossing() else "parallel"
 

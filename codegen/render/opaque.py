@@ -12,6 +12,7 @@ import sys
 
 from backplan.codegen.flags import threads
 from backplan.codegen.kernels.gemm.choice import use_own_gemm
+from backplan.codegen.render.choices import decide
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.render.scalar import NP_TYPE
 from backplan.ir.fusion import alias_base, is_alias
@@ -155,7 +156,7 @@ class OpEmitter:
         """Library row kernels (exp, rsqrt per element) gain from threads at smaller sizes
         than fused loops; compiled once per installation, not per plan."""
         parallel = rows * cols >= (1 << 15) and rows > 1 and threads() > 1
-        return f"{fn}_par" if parallel else fn
+        return f"{fn}_par" if decide("parallel_rows", parallel) else fn
 
 
 # matmul's operands, read by its emitter (codegen/kernels/matmul.py) and by a GEMM epilogue's
@@ -167,7 +168,7 @@ def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     codegen/kernels/gemm/choice.py."""
     m, n = node.shape[-2:]
     k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
-    return use_own_gemm(m, n, k, tb, node.dtype)
+    return decide("own_gemm", use_own_gemm(m, n, k, tb, node.dtype))
 
 
 def placed_operands(ctx: OpEmitter, node: Value, flat: bool = False):

@@ -1,0 +1,194 @@
+"""New batch sizes of a seen model: `python -m backplan.bench.batch_sizes [--models mlp,cnn]`.
+
+For each bench model, a fresh process against a warm cache folder (filled with the model's
+documented batch size B) calls `bp.value_and_grad(bp.compile(loss, dynamic=...))` at B, then at
+two sizes it has not seen (B + B/2 and 2B + 1), and reports each first call's wall time, the
+loop kernels it compiled or loaded, and how many functions Numba compiled in it (counted at
+numba.core.compiler.compile_extra, so loads from the disk cache do not count). Declared dynamic
+batch axes against `dynamic=False` (a plan per size), each in a copy of the warm folder, rounds
+interleaved, medians; the driver compiles in the call (BACKPLAN_DRIVER=inline) so that every
+compile is counted where it happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from .affinity import cpu_list_text, current_affinity
+from .environment import cpu_name
+
+# The batch axes of each kind's loss arguments (lstm: xs is (steps, batch, inputs)).
+AXES = {
+    "mlp": {"x": 0, "labels": 0},
+    "cnn": {"x": 0, "labels": 0},
+    "transformer": {"x": 0},
+    "lstm": {"xs": 1, "target": 0},
+}
+
+CHILD = r"""
+import json, sys, time
+import numba.core.compiler as compiler
+compiled = [0]
+original = compiler.compile_extra
+def counting(*args, **kwargs):
+    compiled[0] += 1
+    return original(*args, **kwargs)
+compiler.compile_extra = counting
+import numpy as np
+import backplan as bp
+from backplan.bench.batch_sizes import loss_of
+from backplan.bench.models import MODELS
+from backplan.codegen.build import kernel_cache
+name, dynamic, sizes = sys.argv[1], sys.argv[2] == "dynamic", json.loads(sys.argv[3])
+spec = MODELS[name]
+loss, axes = loss_of(spec)
+step = bp.value_and_grad(bp.compile(loss, dynamic=axes if dynamic else False))
+rows = []
+for n in sizes:
+    data = spec.make_inputs({**spec.config, "batch": n}, 0).cast(np.float32)
+    args = [{k: bp.tensor(v) for k, v in data.params.items()}]
+    args += [bp.tensor(b) for b in data.batch(True)]
+    kernels, numba_before = kernel_cache.counts().versions, compiled[0]
+    start = time.perf_counter()
+    step(*args)
+    seconds = time.perf_counter() - start
+    rows.append({"size": n, "seconds": seconds, "numba": compiled[0] - numba_before,
+                 "kernels": kernel_cache.counts().versions - kernels})
+print(json.dumps({"calls": rows, "traces": step.cache_info().traces}))
+"""
+
+
+def loss_of(spec):
+    """The model's loss with named data arguments (so dynamic= can name them), and its axes."""
+    from .models import BACKPLAN_KINDS
+
+    base, static = BACKPLAN_KINDS[spec.kind][0], spec.static or {}
+    if spec.kind in ("mlp", "cnn"):
+
+        def loss(params, x, labels):
+            return base(params, x, labels, **static)
+    elif spec.kind == "transformer":
+
+        def loss(params, x):
+            return base(params, x, **static)
+    else:
+
+        def loss(params, xs, target):
+            return base(params, xs, target, **static)
+
+    return loss, {name: {axis: "batch"} for name, axis in AXES[spec.kind].items()}
+
+
+def run_child(model: str, mode: str, sizes: list[int], cache: str) -> dict:
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": cache,
+        "BACKPLAN_QUIET": "1",
+        "BACKPLAN_DRIVER": "inline",
+    }
+    env.pop("BACKPLAN_BACKEND", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, model, mode, json.dumps(sizes)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{model} {mode} child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(model: str, rounds: int) -> list[dict]:
+    """Per mode: the median of each call's numbers over `rounds` fresh processes, each in a
+    copy of one warm folder (filled at the documented size in both modes)."""
+    from .models import MODELS
+
+    batch = MODELS[model].config["batch"]
+    sizes = [batch, batch + max(1, batch // 2), 2 * batch + 1]
+    warm = tempfile.mkdtemp(prefix="bp-batch-sizes-")
+    try:
+        for mode in ("dynamic", "fixed"):
+            run_child(model, mode, sizes[:1], warm)
+        samples: dict[str, list] = {"dynamic": [], "fixed": []}
+        for _ in range(rounds):
+            for mode in samples:
+                copy = tempfile.mkdtemp(prefix="bp-batch-sizes-")
+                shutil.rmtree(copy)
+                shutil.copytree(warm, copy)
+                try:
+                    samples[mode].append(run_child(model, mode, sizes, copy))
+                finally:
+                    shutil.rmtree(copy, ignore_errors=True)
+    finally:
+        shutil.rmtree(warm, ignore_errors=True)
+    return [_row(model, mode, runs) for mode, runs in samples.items()]
+
+
+def _row(model: str, mode: str, runs: list[dict]) -> dict:
+    calls = []
+    for i in range(len(runs[0]["calls"])):
+        each = [r["calls"][i] for r in runs]
+        calls.append(
+            {
+                "size": each[0]["size"],
+                "seconds": statistics.median(c["seconds"] for c in each),
+                "numba": statistics.median(c["numba"] for c in each),
+                "kernels": statistics.median(c["kernels"] for c in each),
+            }
+        )
+    return {"model": model, "mode": mode, "calls": calls, "traces": runs[0]["traces"]}
+
+
+def markdown(rows: list[dict], command: str, rounds: int) -> str:
+    lines = [
+        "Command:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"- CPU: {cpu_name()}; CPUs {cpu_list_text(current_affinity())}; {rounds} round(s), "
+        f"medians; load average {os.getloadavg()[0]:.1f} at the end",
+        "",
+        "| model | batch axes | 1st call at B s | new size 1st call ms | Numba compiles | "
+        "loop kernels | 3rd size 1st call ms | Numba compiles | traces |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        first, second, third = row["calls"]
+        mode = "dynamic" if row["mode"] == "dynamic" else "dynamic=False"
+        lines.append(
+            f"| {row['model']} (B={first['size']}, then {second['size']}, {third['size']}) "
+            f"| {mode} | {first['seconds']:.2f} | {second['seconds'] * 1e3:.0f} | "
+            f"{second['numba']:g} | {second['kernels']:g} | {third['seconds'] * 1e3:.0f} | "
+            f"{third['numba']:g} | {row['traces']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backplan.bench.batch_sizes")
+    parser.add_argument("--models", default="mlp,cnn,transformer,lstm12")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = [row for model in args.models.split(",") for row in measure(model, args.rounds)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    command = "python -m backplan.bench.batch_sizes " + " ".join(argv or sys.argv[1:])
+    print(markdown(rows, command.strip(), args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
