@@ -512,7 +512,7 @@ def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
         xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
         micro = [(xs[:4], ys[:4]), (xs[4:], ys[4:])]
-        step = bpd.data_parallel(vg, accumulate=2, bucket_bytes=300, timeout=20)
+        step = bpd.data_parallel(vg, accumulate=2, bucket_bytes=300, timeout=40)
         if rank == 1:
             MPI.COMM_WORLD.recv(source=0)
         first_loss, nothing = step(params, *micro[0])
