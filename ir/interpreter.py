@@ -11,6 +11,7 @@ import numpy as np
 from .errors import ExecutionError
 from .graph import Graph, Value
 from .liveness import INPUT_STEP, Plan
+from .reference_storage import VIEW_OPS, fresh
 from .registry import get_op
 from .text import format_loc
 from .types import compute_dtype, is_half, np_dtype
@@ -35,7 +36,8 @@ def evaluate(node: Value, arrays: list, constants: dict) -> np.ndarray:
         raise ExecutionError(f"{node.op}{where}: {exc}") from None
     if is_half(node.dtype):
         result = np.asarray(result, dtype=np_dtype(compute_dtype(node.dtype)))
-    return np.asarray(result, dtype=np_dtype(node.dtype))
+    result = np.asarray(result, dtype=np_dtype(node.dtype))
+    return result if node.op in VIEW_OPS else fresh(result, arrays)
 
 
 def _name(array) -> str:

@@ -10,8 +10,9 @@ only), outputs, saved (forward values the backward reads), gradients.
   life, and a call allocates all its output buffers before its first kernel, holding them until
   the step ends (outputs and gradients go to the caller, saved buffers until the backward
   returns). The peak is therefore reached at the first kernel of the last call.
-- Reference: every IR value is its own buffer, from the step that writes it to the free after
-  its last read; saved values until the backward frees them.
+- Reference: every buffer NumPy allocates (a view lives in its input's buffer:
+  ir/reference_storage.py), from the step that writes it to the free of the last value living
+  in it; saved values until the backward frees them.
 
 >>> from backplan.ir.peak import PeakReport, PeakStep
 >>> step = PeakStep(0, "joint", "matmul", "m.py:3", {"inputs": 8, "outputs": 4})
@@ -29,6 +30,7 @@ from .liveness import INPUT_STEP, Plan
 from .lowering import RUN_KINDS, lower
 from .plan_buffers import compiled_buffers
 from .printer import format_loc
+from .reference_storage import storage_roots
 
 CATEGORIES = (
     "inputs",
@@ -172,7 +174,9 @@ def _kernel_words(kernel) -> tuple[str, str]:
 
 
 def _reference_steps(calls: list[PlanCall]):
-    """Every value its own buffer, held from its step to its free (run_plan's accounting)."""
+    """Every buffer the interpreter allocates (a view shares its input's: ir/reference_storage),
+    held from its step until the free of the last value that lives in it (run_plan's
+    accounting); the caller's arrays, constants and views of them allocate nothing."""
     total = sum(len(c.plan.graph.nodes) for c in calls)
     inputs = _input_bytes(calls)
     constants = sum(
@@ -185,16 +189,22 @@ def _reference_steps(calls: list[PlanCall]):
         offsets.append(offset)
         offset += len(call.plan.graph.nodes)
     frees = [_free_steps(c.plan) for c in calls]
+    roots = [storage_roots(c.plan.graph) for c in calls]
     for c, call in enumerate(calls):
         graph, start = call.plan.graph, offsets[c]
-        kinds = {}
+        step_of = {node: step for step, node in enumerate(graph.nodes)}
+        kinds: dict = {}
         for o, kind in zip(graph.outputs, call.output_kinds, strict=True):
             kinds.setdefault(o, kind)
-        for step, node in enumerate(graph.nodes):
-            kind = kinds.get(node, "temporaries")
-            end = _reference_end(node, kind, c, calls, offsets, frees, start, total)
-            deltas[start + step][kind] += node.type.nbytes
-            deltas[min(end, total - 1) + 1][kind] -= node.type.nbytes
+        for root, members in _alias_groups(graph, roots[c]).items():
+            if root.op == "const" or root not in step_of:
+                continue  # the caller's array, a constant, or an earlier call's buffer
+            member_kinds = {kinds[m] for m in members if m in kinds}
+            kind = next((k for k in _HELD_KINDS if k in member_kinds), "temporaries")
+            context = (c, calls, offsets, frees, roots, start, total)
+            end = max(_reference_end(m, kinds.get(m, "temporaries"), *context) for m in members)
+            deltas[start + step_of[root]][kind] += root.type.nbytes
+            deltas[min(end, total - 1) + 1][kind] -= root.type.nbytes
     held = dict.fromkeys(CATEGORIES, 0)
     for key in CALLER_OWNED:
         held[key] = inputs[key]
@@ -209,8 +219,19 @@ def _reference_steps(calls: list[PlanCall]):
             index += 1
 
 
-def _reference_end(node, kind, c, calls, offsets, frees, start, total) -> int:
-    """The last global step a value of call c is held over."""
+_HELD_KINDS = ("outputs", "gradients", "saved")  # a buffer any output lives in is that output
+
+
+def _alias_groups(graph, roots: dict) -> dict:
+    """storage root -> the values living in it (the root first)."""
+    groups: dict = {}
+    for node in graph.nodes:
+        groups.setdefault(roots[node], []).append(node)
+    return groups
+
+
+def _reference_end(node, kind, c, calls, offsets, frees, roots, start, total) -> int:
+    """The last global step a value of call c keeps its buffer over."""
     if kind != "saved":
         if kind in ("outputs", "gradients"):
             return total - 1
@@ -220,7 +241,8 @@ def _reference_end(node, kind, c, calls, offsets, frees, start, total) -> int:
         for i, (src_call, out) in call.held_from.items():
             if src_call == c and calls[c].plan.graph.outputs[out] is node:
                 inp = call.plan.graph.inputs[i]
-                free = frees[later].get(inp, len(call.plan.graph.nodes))
+                views = [v for v, r in roots[later].items() if r is inp]
+                free = max(frees[later].get(v, len(call.plan.graph.nodes)) for v in views)
                 return offsets[later] + max(min(free, _last(call)), 0)
     return total - 1
 

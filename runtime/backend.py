@@ -8,11 +8,16 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from contextlib import contextmanager
 
+import numpy as np
+
+from backplan.codegen.run import memory_check
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import OWNED_ROLES, Plan
 from backplan.ir.lowering import LoweredPlan, lower
+from backplan.ir.reference_storage import array_root
 
 BACKENDS = ("numba", "reference")
 _override: list[str] = []
@@ -50,10 +55,47 @@ class ReferenceRunner:
         self.kernels = None
 
     def __call__(self, args: list, release=None, donate=()) -> list:
-        return run_plan(self.plan, args, release=release)  # results are new arrays anyway
+        caller = _CallerArrays(args)  # weakly: a saved input is freed inside the call
+        on_step = _counting(self.plan, caller) if memory_check.checking() else None
+        outputs = run_plan(self.plan, args, release=release, on_step=on_step)
+        for array in outputs:
+            if array.base is not None and not caller.owns(array_root(array)):
+                array.flags.writeable = False  # a view of our own buffer: wrapped, not copied
+        return outputs
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         return False  # nothing is building: its calls stay on the reference interpreter
+
+
+class _CallerArrays:
+    """The buffers of a call's arguments, held weakly (the call may free them)."""
+
+    def __init__(self, arrays: list):
+        self._refs = {}
+        for array in arrays:
+            if isinstance(array, np.ndarray):
+                root = array_root(array)
+                self._refs[id(root)] = weakref.ref(root)
+
+    def owns(self, root: np.ndarray) -> bool:
+        ref = self._refs.get(id(root))
+        return ref is not None and ref() is root
+
+
+def _counting(plan: Plan, caller: _CallerArrays):
+    """The checked mode on the reference interpreter: each buffer a step allocates (a view's
+    base, once) goes through the counting allocator, held until NumPy frees it."""
+    for name, array in plan.graph.constants.items():
+        memory_check.ALLOCATOR.use(array, f"const {name}")
+    constants = {id(array_root(a)) for a in plan.graph.constants.values()}
+    nodes = plan.graph.nodes
+
+    def on_step(step: int, env: dict) -> None:
+        root = array_root(env[nodes[step]])
+        if id(root) not in constants and not caller.owns(root):
+            memory_check.ALLOCATOR.use(root, f"{nodes[step].op} (step {step})")
+
+    return on_step
 
 
 class CompiledRunner:
@@ -85,6 +127,11 @@ class CompiledRunner:
     @property
     def driver_tier(self) -> str:
         return self.compiled.driver_tier
+
+    def load_driver(self, args: list, donate=()) -> bool:
+        """Load the cached compiled driver for these arguments without a call (see
+        CompiledPlan.load_driver)."""
+        return self.compiled.load_driver(args, donate)
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         return self.compiled.wait_for_driver(timeout)

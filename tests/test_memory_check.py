@@ -1,7 +1,9 @@
 """The checked mode (BACKPLAN_CHECK_MEMORY=1): every compiled call's buffers are counted and
 must equal its plan's prediction to the byte, and a step's measured peak equals the predicted
-peak (ir/peak.py) less the caller's arrays. Runs over every op sample (the batches
-test_codegen.py compiles, so the kernels are cached) and every bench model at its small size."""
+peak (ir/peak.py) less the caller's arrays. On the reference interpreter every buffer NumPy
+allocates for a step (a view's base, once) is counted the same way. Runs over every op sample
+(the batches test_codegen.py compiles, so the kernels are cached) and every bench model at its
+small size, on both backends, as value_and_grad steps and as training steps with adam."""
 
 from __future__ import annotations
 
@@ -17,13 +19,13 @@ from backplan.codegen.run.memory_check import MemoryCheckError, checked_memory, 
 from backplan.ir.lowering import lower
 from backplan.ir.peak import joint_calls, predicted_peak, region_calls
 from backplan.ir.pipeline import build_joint_plan
-from backplan.runtime.backend import use_backend
+from backplan.runtime.backend import ReferenceRunner, use_backend
 
 
-@pytest.fixture(autouse=True)
-def _checked():
-    with use_backend("numba"), checked_memory():
-        yield
+@pytest.fixture(autouse=True, params=["numba", "reference"])
+def backend(request):
+    with use_backend(request.param), checked_memory():
+        yield request.param
 
 
 def _measured(step):
@@ -35,30 +37,61 @@ def _measured(step):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
-def test_every_op_sample_holds_what_its_joint_plan_predicts(dtype):
+def test_every_op_sample_holds_what_its_joint_plan_predicts(dtype, backend):
     for samples in sample_batches(dtype):
         graph, arrays, wrt = batch_graph(samples, dtype)
         plan = build_joint_plan(graph, wrt)
-        compiled = CompiledPlan(lower(plan))
-        measured = _measured(lambda: compiled(list(arrays)))  # noqa: B023 - called here
-        predicted = predicted_peak(joint_calls(plan, 1 + len(samples)), "numba")
+        run = CompiledPlan(lower(plan)) if backend == "numba" else ReferenceRunner(plan)
+        measured = _measured(lambda: run(list(arrays)))  # noqa: B023 - called here
+        predicted = predicted_peak(joint_calls(plan, 1 + len(samples)), backend)
         assert measured.peak == predicted.allocated_peak_bytes, [s.id for s in samples]
 
 
-@pytest.mark.parametrize("name", [n for n, spec in MODELS.items() if spec.train])
-def test_every_bench_model_step_holds_what_its_plan_predicts(name):
+def _model(name):
     spec = MODELS[name]
     inputs = spec.inputs(small=True, dtype=np.float32)
     params = {k: bp.tensor(v) for k, v in inputs.params.items()}
-    batch = [bp.tensor(a) for a in inputs.batch(True)]
-    step = bp.value_and_grad(bench_function(spec))
+    return inputs, params, [bp.tensor(a) for a in inputs.batch(True)]
+
+
+@pytest.mark.parametrize("name", [n for n, spec in MODELS.items() if spec.train])
+def test_every_bench_model_step_holds_what_its_plan_predicts(name, backend):
+    inputs, params, batch = _model(name)
+    step = bp.value_and_grad(bench_function(MODELS[name]))
     measured = _measured(lambda: step(params, *batch))
-    predicted = predicted_peak(joint_calls(step.trace(params, *batch).plan, 1), "numba")
+    predicted = predicted_peak(joint_calls(step.trace(params, *batch).plan, 1), backend)
     assert measured.peak == predicted.allocated_peak_bytes
     assert predicted.input_bytes == inputs.nbytes
 
 
-def test_forward_then_backward_holds_both_arenas_saved_buffers_and_gradients():
+@pytest.mark.parametrize("name", ["mlp_tiny", "cnn", "transformer"])
+def test_a_bench_model_training_step_with_adam_holds_what_its_plan_predicts(name, backend):
+    """The step users run: value_and_grad and the optimizer's update in one compiled
+    function, parameters and optimizer state donated (written in place on numba)."""
+    _, params, batch = _model(name)
+    opt = bp.optim.adam(1e-3)
+    loss = bench_function(MODELS[name])
+    held = {"params": params, "state": opt.init(params)}
+    del params  # a donated tensor kept alive keeps its old buffer
+
+    @bp.compile(donate_argnums=(0, 1))
+    def train_step(params, state, *batch):
+        value, grads = bp.value_and_grad(loss)(params, *batch)
+        params, state = opt.update(grads, state, params)
+        return params, state, value
+
+    def step():
+        held["params"], held["state"], _ = train_step(held["params"], held["state"], *batch)
+
+    measured = _measured(step)
+    program = train_step.trace(held["params"], held["state"], *batch).program
+    predicted = predicted_peak(region_calls(program.plans), backend)
+    assert measured.peak == predicted.allocated_peak_bytes
+    passed = bp.tree.leaves((held["params"], held["state"], batch))
+    assert predicted.input_bytes == sum(leaf.nbytes for leaf in passed)  # the state included
+
+
+def test_forward_then_backward_holds_both_arenas_saved_buffers_and_gradients(backend):
     rng = np.random.default_rng(0)
     w = bp.tensor(rng.standard_normal((12, 8)).astype(np.float32), requires_grad=True)
     x = bp.tensor(rng.standard_normal((16, 12)).astype(np.float32))
@@ -72,12 +105,13 @@ def test_forward_then_backward_holds_both_arenas_saved_buffers_and_gradients():
         w.grad = None
 
     measured = _measured(step)
-    predicted = predicted_peak(region_calls(loss.trace(x, w).program.plans), "numba")
+    predicted = predicted_peak(region_calls(loss.trace(x, w).program.plans), backend)
     assert measured.peak == predicted.allocated_peak_bytes
-    assert predicted.at_peak()["saved"] > 0 and predicted.at_peak()["gradients"] == 12 * 8 * 4
+    most = {c: max(s.held[c] for s in predicted.steps) for c in ("saved", "gradients")}
+    assert most["saved"] > 0 and most["gradients"] == 12 * 8 * 4
 
 
-def test_a_donated_training_step_holds_what_its_plan_predicts():
+def test_a_donated_training_step_holds_what_its_plan_predicts(backend):
     rng = np.random.default_rng(0)
     opt = bp.optim.adam(1e-2)
     params = {"w": bp.tensor(rng.standard_normal((12, 4)).astype(np.float32))}
@@ -96,12 +130,13 @@ def test_a_donated_training_step_holds_what_its_plan_predicts():
 
     measured = _measured(step)
     program = train_step.trace(held["params"], held["state"], x).program
-    predicted = predicted_peak(region_calls(program.plans), "numba")
+    predicted = predicted_peak(region_calls(program.plans), backend)
     assert measured.peak == predicted.allocated_peak_bytes
     assert predicted.at_peak()["donated"] >= 3 * 12 * 4 * 4  # w and its two moments
 
 
-def test_a_buffer_the_prediction_lacks_is_named():
+@pytest.mark.parametrize("backend", ["numba"], indirect=True)
+def test_a_buffer_the_prediction_lacks_is_named(backend):
     graph, arrays, wrt = batch_graph(sample_batches("f32")[0], "f32")
     compiled = CompiledPlan(lower(build_joint_plan(graph, wrt)))
     predicted, keys = compiled._checked
