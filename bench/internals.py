@@ -33,6 +33,9 @@ _WHERE = {
     # the memory contract's own figures, compared with measurements
     "predicted_peak": "backplan.ir.peak:predicted_peak",
     "joint_calls": "backplan.ir.peak:joint_calls",
+    "region_calls": "backplan.ir.peak:region_calls",
+    "donatable": "backplan.tracer.donate:donatable",  # loading a driver before a first call
+    "gemm_scratch": "backplan.codegen.kernels.gemm.scratch",  # packing buffers kept per process
     "cheapest_within": "backplan.ir.budget:cheapest_within",
     "plan_frontier": "backplan.ir.budget:plan_frontier",
     "flatten": "backplan.tracer.pytree:flatten",

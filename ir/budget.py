@@ -31,31 +31,57 @@ class PlanPoint:
     added_flops: int
 
 
-def plan_frontier(schedule: StepSchedule, objective: str = "peak") -> list[PlanPoint]:
+def plan_frontier(
+    schedule: StepSchedule, objective: str = "peak", compiled: bool = False
+) -> list[PlanPoint]:
     """The plans from the default one (nothing more recomputed) to the lowest peak found.
-    objective "saved" lowers the held bytes instead of the peak (saved_bytes_budget)."""
+    objective "saved" lowers the held bytes instead of the peak (saved_bytes_budget).
+    compiled: moves are judged by the peak the compiled executor holds (each plan's arena
+    and outputs for the whole call), not the reference interpreter's."""
     drop: frozenset[int] = frozenset()
-    current = schedule.simulate(drop)
+    current = schedule.simulate(drop, compiled)
     points = [_point(drop, current)]
     locked: set[int] = set()
     step_bytes = max(_measure(current, objective) // STEPS_TO_FLOOR, 1)
     simulations = 1
     while simulations < MAX_SIMULATIONS:
         batch = _next_batch(schedule, current, drop, locked, step_bytes, objective)
-        if not batch:
-            break
+        trial = None
         while batch:
-            trial = schedule.simulate(drop | frozenset(batch))
+            trial = schedule.simulate(drop | frozenset(batch), compiled)
             simulations += 1
             if _measure(trial, objective) < _measure(current, objective):
                 break
             if len(batch) == 1:
                 locked.add(batch[0])
             batch = batch[: len(batch) // 2]
-        if batch:
-            drop, current = drop | frozenset(batch), trial
-            points.append(_point(drop, current))
+        if not batch:
+            batch, trial, tried = _growing(schedule, current, drop, objective, compiled)
+            simulations += tried
+        if not batch:
+            break
+        drop, current = drop | frozenset(batch), trial
+        points.append(_point(drop, current))
     return points
+
+
+def _growing(schedule, current: Outcome, drop, objective: str, compiled: bool):
+    """(batch, its outcome, simulations) when no small batch lowers the peak: twice as many
+    of the ranked candidates at a time, up to all of them. A compiled step holds its
+    backward's arena for the whole step, so recomputing one value only moves its bytes into
+    that arena; recomputing several, one after another, reuses the same arena bytes."""
+    ranked = _next_batch(schedule, current, drop, set(), None, objective)
+    size, tried = 2, 0
+    while size <= 2 * len(ranked) and size > 1:
+        batch = ranked[:size]
+        trial = schedule.simulate(drop | frozenset(batch), compiled)
+        tried += 1
+        if _measure(trial, objective) < _measure(current, objective):
+            return batch, trial, tried
+        if size >= len(ranked):
+            break
+        size *= 2
+    return [], None, tried
 
 
 def cheapest_within(points: list[PlanPoint], limit: int, measure: str = "peak"):
@@ -75,7 +101,7 @@ def _point(drop: frozenset[int], outcome: Outcome) -> PlanPoint:
     return PlanPoint(drop, outcome.peak, outcome.held_bytes, outcome.added_flops)
 
 
-def _next_batch(schedule, current: Outcome, drop, locked, step_bytes: int, objective) -> list:
+def _next_batch(schedule, current: Outcome, drop, locked, step_bytes, objective) -> list:
     """The best candidates, best first, until they hold step_bytes: held values live at the
     peak (every kept held value when lowering held bytes), ranked by bytes per added FLOP,
     those that would lengthen a recomputed segment after those that would not, earlier
@@ -94,7 +120,7 @@ def _next_batch(schedule, current: Outcome, drop, locked, step_bytes: int, objec
     for _, i in scored:
         batch.append(i)
         total += schedule.nbytes[i]
-        if total >= step_bytes:
+        if step_bytes is not None and total >= step_bytes:
             break
     return batch
 

@@ -381,7 +381,12 @@ def held_schedule(stage: Stage, joint: bool) -> StepSchedule:
     alias = {s.backward_input: s.forward for s in stage.saved}
     inputs = fwd.inputs + [v for v in bwd.inputs if v not in alias]
     return step_schedule(
-        fwd.nodes + bwd.nodes, set(bwd.nodes), fwd.outputs + bwd.outputs, inputs, alias
+        fwd.nodes + bwd.nodes,
+        set(bwd.nodes),
+        fwd.outputs + bwd.outputs,
+        inputs,
+        alias,
+        two_plans=True,
     )
 
 

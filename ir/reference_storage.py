@@ -8,12 +8,15 @@ interpreter copies one that is not: ir/interpreter.py `fresh`). So a value's sto
 the value itself, or, for a view, its input's root. Whether a reshape is a view is decided by
 NumPy itself, on a stand-in array with the input's strides over one byte (nothing is read).
 
->>> from backplan.ir.builder import GraphBuilder
->>> b = GraphBuilder("f")
->>> x = b.input("f32", (2, 3))
+>>> from backplan.ir.builder import Builder
+>>> from backplan.ir.graph import Graph
+>>> from backplan.ir.types import TensorType
+>>> graph = Graph("f")
+>>> b = Builder(graph)
+>>> x = graph.add_input(TensorType("f32", (2, 3)))
 >>> t = b.transpose(b.exp(x), perm=(1, 0))
 >>> r = b.reshape(t, shape=(6,))          # a transposed array reshaped: NumPy copies it
->>> roots = storage_roots(b.graph)
+>>> roots = storage_roots(graph)
 >>> roots[t] is t.inputs[0], roots[r] is r
 (True, True)
 """
@@ -53,21 +56,32 @@ def view_strides(node: Value, strides: tuple[int, ...]) -> tuple[int, ...] | Non
     return tuple(view.strides)
 
 
+def view_parents(nodes, alias: dict | None = None) -> dict[Value, Value]:
+    """view node -> the value it is a NumPy view of (its input), for the nodes in `nodes`
+    (in order). Values not produced there (inputs) are C-contiguous; alias maps a value read
+    to the one it stands for (a backward's saved input to the forward value)."""
+    alias = alias or {}
+    parents: dict[Value, Value] = {}
+    strides: dict[Value, tuple[int, ...]] = {}
+    for node in nodes:
+        found = None
+        if node.op in VIEW_OPS and not is_half(node.dtype):  # 16-bit values go via float32
+            source = alias.get(node.inputs[0], node.inputs[0])
+            found = view_strides(node, strides.get(source) or c_strides(source.shape))
+        if found is None:
+            strides[node] = c_strides(node.shape)
+        else:
+            parents[node], strides[node] = source, found
+    return parents
+
+
 def storage_roots(graph: Graph) -> dict[Value, Value]:
     """value -> the value whose buffer it lives in (a graph input, a const node, or a node
     whose result NumPy allocated)."""
-    roots: dict[Value, Value] = {}
-    strides: dict[Value, tuple[int, ...]] = {}
-    for value in graph.inputs:
-        roots[value], strides[value] = value, c_strides(value.shape)
+    parents = view_parents(graph.nodes)
+    roots: dict[Value, Value] = {value: value for value in graph.inputs}
     for node in graph.nodes:
-        found = None
-        if node.op in VIEW_OPS and not is_half(node.dtype):  # 16-bit values go via float32
-            found = view_strides(node, strides[node.inputs[0]])
-        if found is None:
-            roots[node], strides[node] = node, c_strides(node.shape)
-        else:
-            roots[node], strides[node] = roots[node.inputs[0]], found
+        roots[node] = roots[parents[node]] if node in parents else node
     return roots
 
 

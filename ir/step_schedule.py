@@ -17,6 +17,7 @@ import numpy as np
 
 from .flops import node_flops
 from .graph import Value
+from .reference_storage import view_parents
 
 REBUILT_OPS = ("full", "const")  # rebuilt wherever read: never a candidate, always at hand
 
@@ -45,6 +46,8 @@ class StepSchedule:
     outputs: set[int]
     available: set[int]  # inputs and rebuilt constants: read in place by any chain
     held: list[int]  # forward values the later part reads, in forward order
+    view_of: dict[int, int] = field(default_factory=dict)  # a NumPy view -> the value it views
+    two_plans: bool = False  # a forward plan, then a backward plan (compile), not one joint
     nbytes: list[int] = field(init=False)
     flops: list[int] = field(init=False)
     producer: dict[int, tuple[int, ...]] = field(init=False)
@@ -54,7 +57,7 @@ class StepSchedule:
     _base: object = field(init=False)
 
     def __post_init__(self):
-        self.nbytes = [v.type.nbytes for v in self.values]
+        self.nbytes = [0 if i in self.view_of else v.type.nbytes for i, v in enumerate(self.values)]
         self.flops = [node_flops(v) for v in self.values]
         self.producer = {i: ins for i, ins, forward in self.steps if forward}
         self.position = {i: s for s, (i, _, _) in enumerate(self.steps)}
@@ -114,7 +117,9 @@ class StepSchedule:
                 )
         return ids, before, inputs
 
-    def simulate(self, drop: frozenset[int]) -> Outcome:
+    def simulate(self, drop: frozenset[int], compiled: bool = False) -> Outcome:
+        """compiled: the peak as the compiled executor holds it (ir/peak.py), not as the
+        reference interpreter does (see _compiled_peak)."""
         n, base = len(self.values), self._base
         ids, before, copy_inputs = self._order(drop)
         count = len(base.out) + len(ids)
@@ -130,24 +135,23 @@ class StepSchedule:
         copy_ids = [i for ins in copy_inputs for i in ins]
         edge_ids = np.concatenate([edge_ids, np.asarray(copy_ids, np.int64)])
         edge_steps = position[np.concatenate([base.edge_step, np.asarray(copy_steps, np.int64)])]
+        parent = self._parents(drop, ids, copy_inputs)
+        edge_ids, edge_steps = _through_views(parent, edge_ids, edge_steps)
         last = np.full(2 * n, -1, np.int64)
         np.maximum.at(last, edge_ids, edge_steps)
-        last[base.outputs] = count
+        outputs, _ = _through_views(parent, base.outputs, base.outputs)
+        last[outputs] = count
         at = position[np.arange(count)]
         nbytes = base.nbytes2[out]
         freed = np.where(last[out] >= 0, last[out], at)
-        alloc = np.zeros(count + 1, np.int64)
-        alloc[at] = nbytes
-        frees = np.zeros(count + 1, np.int64)
-        np.add.at(frees, freed, nbytes)
-        live = np.cumsum(alloc[:count]) - np.concatenate([[0], np.cumsum(frees[: count - 1])])
-        peak_step = int(np.argmax(live)) if count else -1
-        peak = int(live[peak_step]) if count else 0
-        defined = np.zeros(2 * n, np.int64)
-        defined[out] = at
-        held = base.held
-        spans = (defined[held] <= peak_step) & (peak_step <= last[held])
-        live_held = tuple(i for i in held[spans].tolist() if i not in drop)
+        if compiled:
+            found = self._compiled_peak(out, at, freed, nbytes, outputs, last, drop)
+            peak, peak_step, live_held = found
+        else:
+            live = _sweep(at, freed, nbytes, count)
+            peak_step = int(np.argmax(live)) if count else -1
+            peak = int(live[peak_step]) if count else 0
+            live_held = self._held_at(peak_step, out, at, last, drop)
         copied = frozenset(i - n for i in ids)
         return Outcome(
             peak,
@@ -158,6 +162,76 @@ class StepSchedule:
             self.held_bytes(drop),
             frozenset(i for i in copy_ids if i < n),
         )
+
+    def _held_at(self, step: int, out, at, last, drop) -> tuple[int, ...]:
+        """The kept held values live at `step`."""
+        defined = np.zeros(len(last), np.int64)
+        defined[out] = at
+        held = self._base.held
+        spans = (defined[held] <= step) & (step <= last[held])
+        return tuple(i for i in held[spans].tolist() if i not in drop)
+
+    def _compiled_peak(self, out, at, freed, nbytes, outputs, last, drop) -> tuple:
+        """(peak, its step, the held values live there) of the compiled plans, where each
+        plan's arena (every value that is not an output) is held for the whole step and
+        outputs are allocated on a call's entry. One plan (value_and_grad): outputs from the
+        start, the arena's peak where the rest peaks. A forward and a backward plan (compile):
+        both arenas at once, plus every saved buffer and output, so every kept held value
+        counts. Values fused into loops are not modelled: the planner checks each point with
+        ir/peak.py."""
+        count = len(out)
+        is_out = np.isin(out, outputs)
+        if not self.two_plans:
+            live = _sweep(np.where(is_out, 0, at), freed, nbytes, count)
+            step = int(np.argmax(live)) if count else -1
+            return (int(live[step]) if count else 0), step, self._held_at(step, out, at, last, drop)
+        kept = np.asarray([i for i in self.held if i not in drop], np.int64)
+        other = ~is_out & ~np.isin(out, kept)
+        live = _sweep(at[other], freed[other], nbytes[other], count)
+        boundary = sum(1 for _, _, forward in self.steps if forward)
+        before, after = live[:boundary], live[boundary:]
+        step = boundary + (int(np.argmax(after)) if after.size else 0)
+        arenas = int(before.max(initial=0)) + int(after.max(initial=0))
+        peak = arenas + self.held_bytes(drop) + int(nbytes[is_out].sum())
+        return peak, step, tuple(kept.tolist())
+
+    def _parents(self, drop, ids: list[int], copy_inputs: list) -> np.ndarray:
+        """id -> the id of the value it is a view of (-1: a buffer of its own). A later node
+        viewing a dropped value views its copy; a copy of a view views the copy (or the kept
+        value) its chain reads."""
+        n = len(self.values)
+        parent = np.full(2 * n, -1, np.int64)
+        for view, source in self.view_of.items():
+            later = view not in self.producer
+            parent[view] = source + n if later and source in drop else source
+        for copy, inputs in zip(ids, copy_inputs, strict=True):
+            if copy - n in self.view_of:
+                parent[copy] = inputs[0]
+        return parent
+
+
+def _sweep(at: np.ndarray, freed: np.ndarray, nbytes: np.ndarray, count: int) -> np.ndarray:
+    """Bytes live at each of `count` steps: each value from `at` to `freed`, inclusive."""
+    alloc = np.zeros(count + 1, np.int64)
+    np.add.at(alloc, at, nbytes)
+    frees = np.zeros(count + 1, np.int64)
+    np.add.at(frees, freed, nbytes)
+    return np.cumsum(alloc[:count]) - np.concatenate([[0], np.cumsum(frees[: count - 1])])
+
+
+def _through_views(parent: np.ndarray, ids: np.ndarray, steps: np.ndarray):
+    """Reads of views are also reads of the buffers they view: the edges (ids, steps) with
+    one more edge per view read, down to the value that owns the buffer."""
+    all_ids, all_steps = [ids], [steps]
+    while True:
+        above = parent[ids]
+        viewed = above >= 0
+        if not viewed.any():
+            break
+        ids, steps = above[viewed], steps[viewed]
+        all_ids.append(ids)
+        all_steps.append(steps)
+    return np.concatenate(all_ids), np.concatenate(all_steps)
 
 
 @dataclass
@@ -184,14 +258,17 @@ def _base_arrays(schedule) -> _BaseArrays:
         np.asarray(edge_id, np.int64),
         np.asarray(later, bool),
         np.asarray(sorted(schedule.outputs), np.int64),
-        np.asarray(schedule.nbytes * 2, np.int64),
+        np.asarray(schedule.nbytes * 2, np.int64),  # a view's copy is a view too
         np.asarray(schedule.held, np.int64),
     )
 
 
-def step_schedule(nodes, later: set, outputs, inputs, alias: dict | None = None) -> StepSchedule:
+def step_schedule(
+    nodes, later: set, outputs, inputs, alias: dict | None = None, two_plans: bool = False
+) -> StepSchedule:
     """nodes: the step in order; later: those that read what the forward holds (backward or
-    gradient nodes); alias maps a backward input to the forward value it stands for."""
+    gradient nodes); alias maps a backward input to the forward value it stands for.
+    two_plans: a forward plan and a backward plan (bp.compile), not one joint plan."""
     alias = alias or {}
     values: list[Value] = []
     ids: dict[Value, int] = {}
@@ -216,4 +293,6 @@ def step_schedule(nodes, later: set, outputs, inputs, alias: dict | None = None)
                 if i in forward_ids and i not in available:
                     held.setdefault(i, None)
     order = sorted(held, key=lambda i: i)  # ids follow forward order
-    return StepSchedule(values, steps, {id_of(o) for o in outputs}, available, order)
+    views = {id_of(v): id_of(p) for v, p in view_parents(nodes, alias).items()}
+    found = {id_of(o) for o in outputs}
+    return StepSchedule(values, steps, found, available, order, views, two_plans)

@@ -6,12 +6,21 @@ when it was differentiated (`Graph.reasons`)."""
 from __future__ import annotations
 
 from backplan.ir.liveness import Plan
+from backplan.ir.reference_storage import storage_roots
 from backplan.ir.remat import REBUILT_OPS, forward_nodes
 from backplan.ir.text import format_loc, format_node, value_names
 from backplan.ir.types import np_dtype
 from backplan.runtime.program import SavedBufferInfo
 
-from .plan_view import BufferInfo, PlanView, StepInfo, free_steps, hand_to_caller, input_label
+from .plan_view import (
+    BufferInfo,
+    PlanView,
+    StepInfo,
+    free_steps,
+    hand_to_caller,
+    input_label,
+    settle_views,
+)
 
 
 def joint_view(
@@ -29,13 +38,16 @@ def joint_view(
         )
     freed, counts = free_steps(plan), {"forward": 0, "backward": 0}
     backward_values = {n for n in graph.nodes if n not in forward}
+    roots = storage_roots(graph)
     for step, node in enumerate(graph.nodes):
         phase = "forward" if node in forward else "backward"
-        keys[node] = f"{phase[0]}{names[node]}"
         end = min(freed.get(node, plan.return_step), plan.return_step - 1)
+        keys[node] = f"{phase[0]}{names[node]}"
         view.buffers[keys[node]] = BufferInfo(
             keys[node], names[node], node.type, "temporary", step, end, step
         )
+        if roots[node] is not node:  # a view lives in its input's buffer (plan_view.py)
+            view.buffers[keys[node]].view_of = keys[roots[node]]
         reads = tuple(keys[i] for i in node.inputs)
         for inp in dict.fromkeys(node.inputs):
             view.buffers[keys[inp]].readers.append(step)
@@ -52,6 +64,7 @@ def joint_view(
     wrt_names = [input_label(input_names, i) for i, w in enumerate(wrt) if w]
     for out, wrt_name in zip(graph.outputs[n_outputs:], wrt_names, strict=True):
         hand_to_caller(view.buffers[keys[out]], "gradient", last, f"grad {wrt_name}")
+    settle_views(view)
     return view
 
 

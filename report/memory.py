@@ -92,8 +92,9 @@ def frontier_text(frontier) -> str:
 
 def reference_paragraph(report) -> str:
     text = (
-        "Reference interpreter (BACKPLAN_BACKEND=reference): every IR value is its own "
-        "buffer, held from the step that writes it to the free after its last read"
+        "Reference interpreter (BACKPLAN_BACKEND=reference): every buffer NumPy allocates "
+        "(a view shares the one it views), held from the step that writes it to the free "
+        "after the last read of a value living in it"
     )
     if report.reference_peak_step is not None:
         text += (

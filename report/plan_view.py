@@ -6,7 +6,9 @@ this view, so the report text, the timeline, the DOT graph and the picture read 
 Steps are global: forward step i is step i, backward step j of a region is step n_forward + j.
 A buffer is held from its `start` step to its `end` step inclusive, the way the plans count
 bytes: a value is live at the step that writes it and until the `free` that follows its last
-read. Outputs handed to the caller are held to the end of the step.
+read. Outputs handed to the caller are held to the end of the step. A view (a transpose, a
+reshape NumPy can express without a copy) lives in its input's buffer, as on the reference
+interpreter (ir/reference_storage.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 from backplan.ir.graph import Value
 from backplan.ir.liveness import Plan
+from backplan.ir.reference_storage import storage_roots
 from backplan.ir.text import format_node, value_names
 from backplan.ir.types import TensorType
 
@@ -35,6 +38,7 @@ class BufferInfo:
     producer: int | None = None  # global step that writes it; None for inputs
     saved: bool = False  # read by the backward after the forward wrote it
     readers: list[int] = field(default_factory=list)  # global steps that read it
+    view_of: str | None = None  # a NumPy view lives in this buffer (key), holding it longer
 
     @property
     def nbytes(self) -> int:
@@ -46,8 +50,9 @@ class BufferInfo:
 
     @property
     def counted(self) -> bool:
-        """Whether it adds to the bytes the step holds: the caller's own arrays do not."""
-        return self.kind != "input"
+        """Whether it adds to the bytes the step holds: the caller's own arrays and views
+        (counted in the buffer they view) do not."""
+        return self.kind != "input" and self.view_of is None
 
 
 @dataclass(frozen=True)
@@ -117,11 +122,14 @@ def add_plan_steps(
     names = value_names(plan.graph)
     keys = {v: alias.get(v, f"{prefix}{names[v]}") for v in plan.graph.inputs}
     freed = free_steps(plan)
+    roots = storage_roots(plan.graph)
     for step, node in enumerate(plan.graph.nodes):
-        key = keys[node] = f"{prefix}{names[node]}"
         index = offset + step
         end = offset + min(freed.get(node, plan.return_step), plan.return_step - 1)
+        key = keys[node] = f"{prefix}{names[node]}"
         view.buffers[key] = BufferInfo(key, names[node], node.type, "temporary", index, end, index)
+        if roots[node] is not node:  # a view: it lives in its input's buffer
+            view.buffers[key].view_of = keys[roots[node]]
         reads = tuple(keys[i] for i in node.inputs)
         for read in dict.fromkeys(reads):
             view.buffers[read].readers.append(index)
@@ -135,6 +143,14 @@ def input_label(names: list[str] | None, index: int) -> str:
     if names and index < len(names):
         return names[index]
     return f"input {index}"
+
+
+def settle_views(view: PlanView) -> None:
+    """A buffer is held while any view of it is (views of views reach the owner in order)."""
+    for buf in view.buffers.values():
+        if buf.view_of is not None:
+            owner = view.buffers[buf.view_of]
+            owner.end = max(owner.end, buf.end)
 
 
 def hand_to_caller(buf: BufferInfo, kind: str, last_step: int, name: str | None = None) -> None:
@@ -164,6 +180,7 @@ def region_view(program) -> PlanView:
         hand_to_caller(view.buffers[fwd_keys[out]], "output", last)
     if bwd is not None:
         _add_backward(view, program, fwd_keys, n_fwd, last)
+    settle_views(view)
     return view
 
 

@@ -143,3 +143,25 @@ def test_a_buffer_the_prediction_lacks_is_named(backend):
     compiled._checked = ([b for b in predicted if b.key != "output 0"], keys)
     with pytest.raises(MemoryCheckError, match=r"output 0 \(\d+ B\) was allocated but is not"):
         compiled(list(arrays))
+
+
+def _deep_tanh(ws, x):
+    h = x
+    for w in ws:
+        h = bp.tanh(h @ w)
+    return (h * h).mean()
+
+
+@pytest.mark.parametrize("backend", ["numba"], indirect=True)
+def test_every_frontier_point_is_the_peak_its_compiled_step_reaches(backend):
+    """memory_frontier's numbers are the compiled step's own accounting: compiled at each
+    point's budget, the checked mode measures exactly that peak."""
+    rng = np.random.default_rng(0)
+    ws = [bp.tensor(rng.standard_normal((64, 64)).astype(np.float32) * 0.2) for _ in range(6)]
+    x = bp.tensor(rng.standard_normal((128, 64)).astype(np.float32))
+    front = bp.value_and_grad(_deep_tanh).memory_frontier(ws, x)
+    assert len(front.points) >= 3
+    for point in front.points:
+        step = bp.value_and_grad(_deep_tanh, max_peak_bytes=point.peak_bytes)
+        measured = _measured(lambda: step(ws, x))  # noqa: B023 - called here
+        assert measured.peak + front.input_bytes == point.peak_bytes

@@ -56,9 +56,9 @@ def test_joint_plan_gradients_are_their_own_category():
         bp.tensor(np.ones((16, 8), np.float32)), bp.tensor(np.ones((32, 16), np.float32))
     )
     for backend in ("numba", "reference"):
-        at_peak = predicted_peak(joint_calls(entry.plan, 1), backend).at_peak()
-        assert at_peak["gradients"] == 16 * 8 * 4
-        assert at_peak["inputs"] == (16 * 8 + 32 * 16) * 4
+        at_end = predicted_peak(joint_calls(entry.plan, 1), backend).steps[-1].held
+        assert at_end["gradients"] == 16 * 8 * 4
+        assert at_end["inputs"] == (16 * 8 + 32 * 16) * 4
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, True, "1GB"])

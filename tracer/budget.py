@@ -82,7 +82,8 @@ class BudgetPlanner:
     def points(self, objective: str = "peak") -> list:
         if not self.choices.differentiated:
             return []  # nothing is differentiated: nothing is held for a backward
-        return plan_frontier(self.choices.schedule, objective)
+        compiled = current_backend() != "reference"
+        return plan_frontier(self.choices.schedule, objective, compiled)
 
     def frontier(self) -> list[EvaluatedPoint]:
         """Every plan built, those another plan beats on both peak and FLOPs left out: peaks

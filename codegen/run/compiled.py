@@ -391,6 +391,18 @@ class CompiledPlan:
         finally:
             self._workspaces.checkin(workspace)
 
+    def load_driver(self, args: list, donate=()) -> bool:
+        """Load the compiled driver for a call with these arguments from the disk cache without
+        calling it, so that the first call runs only the step (bench/memory.py measures the
+        first step's memory apart from the loader's). False when no compiled driver for them
+        is cached (the first call compiles or loads it then). donate: as in __call__."""
+        if self.driver_tier != "compiled" or not hasattr(self._compiled_run, "py_func"):
+            return False
+        types = self._argument_types(list(args))
+        for i in set(donate) & set(self.donations.values()):
+            types[i][3] = False  # the call makes a donated input writeable
+        return load_cached(self._compiled_run, driver_tier.numba_signature(types))
+
     def _start_build(self, types, label: str) -> None:
         """Once per plan, by whichever call gets here first: types() gives the arguments."""
         with self._build_lock:
