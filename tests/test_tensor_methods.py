@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.tracer import ops
+from backplan.tracer import conv, ops
 from backplan.tracer.tensor_methods import TensorMethods
 
 OPERATOR_OPS = {
@@ -34,7 +34,7 @@ def _params(fn, skip: int):
 
 @pytest.mark.parametrize("name,method", [m for m in _methods() if m[0] not in NOT_OPS])
 def test_a_method_takes_the_parameters_of_its_op(name, method):
-    op = getattr(ops, OPERATOR_OPS.get(name, name))
+    op = getattr(ops, OPERATOR_OPS.get(name, name), None) or getattr(conv, name)
     method_params = [(n, k, d) for n, k, d in _params(method, 1)]
     op_params = _params(op, 1)
     if name in OPERATOR_OPS:  # x + y: the operand's name is the method's own
@@ -52,7 +52,30 @@ def test_methods_and_reflected_operators_compute_what_the_ops_do():
         (2.0**x, bp.pow(2.0, x)),
         (x.T, bp.transpose(x)),
         (x.take(bp.tensor(np.array([1, 0])), axis=1), bp.take(x, bp.tensor(np.array([1, 0])), 1)),
+        (x.argmax(), bp.argmax(x)),
+        (x.argmin(0, True), bp.argmin(x, 0, keepdims=True)),
     ]
     for got, want in cases:
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     assert {x: 1}[x] == 1  # __eq__ is an op, yet tensors stay hashable by identity
+
+
+def test_argmax_takes_numpys_and_pytorchs_spellings():
+    """logits.argmax(dim=-1) (PyTorch), x.argmax(axis=1) (NumPy, JAX) and bp.argmax(x, dim=1)
+    all mean the index of the first maximum, so each runs as written."""
+    data = np.array([[1.0, 5.0, 5.0], [7.0, -1.0, 0.0]], np.float32)
+    x = bp.tensor(data)
+    np.testing.assert_array_equal(x.argmax(dim=-1).numpy(), data.argmax(-1))
+    np.testing.assert_array_equal(
+        x.argmax(axis=1, keepdims=True).numpy(), data.argmax(1, keepdims=True)
+    )
+    np.testing.assert_array_equal(
+        x.argmin(dim=0, keepdim=True).numpy(), data.argmin(0, keepdims=True)
+    )
+    np.testing.assert_array_equal(bp.argmax(x, dim=1).numpy(), data.argmax(1))
+    with pytest.raises(TypeError, match="both dim= and axis="):
+        x.argmax(dim=0, axis=0)
+    with pytest.raises(
+        bp.ShapeError, match=r"argmax: axis 2 is out of range .* at test_tensor_methods.py:\d+"
+    ):
+        x.argmax(2)

@@ -29,7 +29,9 @@ from .ops import (
 )
 from .ops import max as _max
 from .ops import mean as _mean
+from .source import located
 from .tensor import Tensor
+from .torch_names import torch_keywords
 
 
 def _pair(value, name: str, op: str) -> tuple[int, int]:
@@ -134,13 +136,19 @@ def _arg_extreme(op: str, x, axis, keepdims: bool) -> Tensor:
     return apply(op, [x], axis=axis % x.ndim, keepdims=keepdims)
 
 
+@located
+@torch_keywords
 def argmax(x, axis=None, keepdims: bool = False) -> Tensor:
-    """Index of the first maximum along axis (of the flattened tensor when axis is None)."""
+    """Index of the first maximum along axis (of the flattened tensor when axis is None);
+    dim=/keepdim= as torch.argmax, whose meaning is the same."""
     return _arg_extreme("argmax", x, axis, keepdims)
 
 
+@located
+@torch_keywords
 def argmin(x, axis=None, keepdims: bool = False) -> Tensor:
-    """Index of the first minimum along axis (of the flattened tensor when axis is None)."""
+    """Index of the first minimum along axis (of the flattened tensor when axis is None);
+    dim=/keepdim= as torch.argmin."""
     return _arg_extreme("argmin", x, axis, keepdims)
 
 

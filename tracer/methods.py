@@ -4,7 +4,7 @@ it once, before any tensor exists."""
 
 from collections.abc import Sequence
 
-from . import dlpack, indexing, inplace, numpy_protocol, ops, tensor_methods
+from . import conv, dlpack, indexing, inplace, numpy_protocol, ops, tensor_methods
 from .graph_view import explain_graph
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
@@ -46,6 +46,8 @@ def install_tensor_methods() -> None:
         view=_view,
         dlpack=dlpack.tensor_dlpack,
         dlpack_device=dlpack.tensor_dlpack_device,
+        argmax=conv.argmax,
+        argmin=conv.argmin,
     )
     numpy_protocol.install(Tensor)
     inplace.install(Tensor)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .tensor import Axis, DTypeLike, Tensor, TensorLike
 
 _ops: Any = None  # backplan.tracer.ops, bound by bind()
-_more: Any = None  # getitem, graph, detach, view, dlpack, dlpack_device: bound by bind()
+_more: Any = None  # getitem, graph, detach, view, dlpack, dlpack_device, argmax, argmin: bind()
 
 
 def bind(ops, **more) -> None:
@@ -125,6 +125,14 @@ class TensorMethods:
     @refuse_torch_dim(extremum_values_and_indices)
     def min(self, axis: Axis = None, keepdims: bool = False) -> Tensor:
         return _ops.min(self, axis, keepdims)
+
+    @torch_keywords
+    def argmax(self, axis: Axis = None, keepdims: bool = False) -> Tensor:
+        return _more.argmax(self, axis, keepdims)
+
+    @torch_keywords
+    def argmin(self, axis: Axis = None, keepdims: bool = False) -> Tensor:
+        return _more.argmin(self, axis, keepdims)
 
     @torch_keywords
     def logsumexp(self, axis: Axis = None, keepdims: bool = False) -> Tensor:

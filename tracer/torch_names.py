@@ -93,8 +93,6 @@ TENSOR_SPELLINGS = {
     "to": "x.astype(dtype); backplan tensors live in host memory, there is no device to move to",
     "cuda": "not available: backplan runs on the CPU",
     "cpu": "x itself: backplan tensors live in host memory",
-    "argmax": "bp.argmax(x, axis=...)",
-    "argmin": "bp.argmin(x, axis=...)",
     "numel": "x.size",
     "dim": "x.ndim",
     "clone": "x itself: tensors are immutable, so a copy is never needed",
