@@ -164,6 +164,28 @@ def test_automatic_dynamic_axes_can_be_turned_off_and_need_one_changed_axis():
     assert not any(isinstance(e, DynamicEntry) for e in total._entries.values())
 
 
+def test_a_memory_budget_plans_each_size_and_the_retrace_reason_says_so():
+    """Without a budget a second size makes the axis dynamic; under one, each size traces, and
+    cache_info's reason says why instead of looking like automatic dynamic axes failed."""
+    cases = [
+        (bp.compile(model, saved_bytes_budget=1 << 20), "saved_bytes_budget"),
+        (bp.compile(model, max_peak_bytes=1 << 20), "max_peak_bytes"),
+        (bp.value_and_grad(model, max_peak_bytes=1 << 20), "max_peak_bytes"),
+    ]
+    for fn, option in cases:
+        with use_backend("reference"):
+            fn(W, batch(5))
+            fn(W, batch(7))
+        reason = fn.cache_info().last_miss_reason
+        assert fn.cache_info().traces == 2
+        assert reason.startswith("x: shape (5, 6) -> (7, 6)")
+        assert f"no axis becomes dynamic under {option}" in reason
+    off = bp.compile(model, dynamic=False)  # asked for: nothing to explain
+    off(W, batch(5))
+    off(W, batch(7))
+    assert "dynamic" not in off.cache_info().last_miss_reason
+
+
 def test_explain_gives_the_bytes_as_formulas_of_the_symbol_or_says_why_not():
     compiled = bp.compile(model, dynamic={"x": {0: "batch"}})
     report = compiled.explain(W, batch(5))

@@ -19,7 +19,7 @@ from .arguments import ArgumentSpec
 from .budget import BudgetPlanner, checked_budget
 from .captured_names import captured_names
 from .donate import check_donated_inputs, donatable, mark_donated
-from .dynamic import checked_dynamic
+from .dynamic import checked_dynamic, sizes_planned_apart
 from .fastpath import positions_of
 from .numpy_args import input_tensor, kept_by_outputs
 from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
@@ -156,6 +156,9 @@ class CompiledFunction(PlannedFunction):
                 "give one or the other"
             )
         self._auto_dynamic = dynamic is None and not budget
+        if dynamic is None and budget:
+            option = "max_peak_bytes" if max_peak_bytes is not None else "saved_bytes_budget"
+            self._sizes_apart = sizes_planned_apart(option)
         self._static_nums = self.arguments.static_nums
         self._static_names = self.arguments.static_names
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours

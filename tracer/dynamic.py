@@ -105,6 +105,15 @@ def find_symbol(
     return SymbolicCall(symbol, size, tuple(places))
 
 
+def sizes_planned_apart(option: str) -> str:
+    """The retrace reason's note where a memory budget keeps automatic dynamic axes off: a
+    user who saw one plan for every size without the budget learns why each size traces."""
+    return (
+        f"no axis becomes dynamic under {option}: which plan fits depends on the size, so "
+        "each size is planned on its own"
+    )
+
+
 def learn_axis(new: SignatureKey, cached) -> dict | None:
     """{leaf path: (rank, axis, symbol)} when `new` differs from a cached signature only in
     sizes, all of one axis size m -> n (both at least 2): the second size seen on that axis,

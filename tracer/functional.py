@@ -21,7 +21,7 @@ from backplan.runtime.backend import current_backend, runner_for
 
 from .budget import BudgetPlanner, checked_budget
 from .compile import trace_function
-from .dynamic import symbolic_key
+from .dynamic import sizes_planned_apart, symbolic_key
 from .errors import TracingError
 from .fastpath import positions_of
 from .numpy_args import arrays_reader, kept_by_outputs
@@ -95,6 +95,8 @@ class ValueAndGradFunction(PlannedFunction):
         self._single = isinstance(argnums, int)
         self._dynamic = dict(getattr(fn, "_dynamic", None) or {})  # bp.compile(dynamic=...)
         self._auto_dynamic = getattr(fn, "_auto_dynamic", True) and max_peak_bytes is None
+        if getattr(fn, "_auto_dynamic", True) and max_peak_bytes is not None:
+            self._sizes_apart = sizes_planned_apart("max_peak_bytes")
         self._parameters = _parameter_names(fn) if self._dynamic else None
 
     def with_budget(self, max_peak_bytes: int):

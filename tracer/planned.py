@@ -101,6 +101,7 @@ class PlannedFunction:
         self._dynamic: dict = {}  # argument name -> {axis: symbol} (tracer/dynamic.py)
         self._auto_dynamic = False  # learn a dynamic axis from the second size seen on it
         self._learned: dict = {}  # leaf path -> (rank, axis, symbol), learned automatically
+        self._sizes_apart: str | None = None  # why no axis becomes dynamic (a memory budget)
 
     # ---- what subclasses provide -------------------------------------------------------------
 
@@ -140,7 +141,9 @@ class PlannedFunction:
         from a cached signature only in one axis's size, that axis is dynamic from now on
         (tracer/dynamic.learn_axis). Returns the key to look up and the miss's reason when
         it made an axis dynamic (else None)."""
-        if not self._auto_dynamic or self._dynamic or self._learned or key in self._entries:
+        if self._dynamic or self._learned or key in self._entries:
+            return key, None
+        if not self._auto_dynamic and self._sizes_apart is None:
             return key, None
         call = self._signature_call(bound)
         cached = [self._signature_of_key(k) for k in tuple(self._entries)]
@@ -148,6 +151,8 @@ class PlannedFunction:
         if learned is None:
             return key, None
         reason = self._miss_reason(key, None)
+        if not self._auto_dynamic:  # a budget: say why this size gets a plan of its own
+            return key, f"{reason}; {self._sizes_apart}"
         learned = {p: (r, a, self._display(s)) for p, (r, a, s) in learned.items()}
         self._learned = learned
         # one symbol; the leaves it sizes may differ in rank (a batch x[n, 8] and labels[n])
