@@ -152,7 +152,7 @@ class BudgetPlanner:
         if limit < self.input_bytes:
             raise MemoryBudgetError(
                 f"{self.name}: {option}={limit:,} is smaller than the arrays passed in "
-                f"({self.input_bytes:,} bytes: {format_bytes(self.input_bytes)}); the step "
+                f"({format_bytes(self.input_bytes)}); the step "
                 "holds those at least"
             )
 
