@@ -11,39 +11,37 @@ kernels the driver calls already take every size as an argument.
 
 from __future__ import annotations
 
-import io
-import tokenize
+import re
 
 INTS = "lit_i"
 FLOATS = "lit_f"
 
 
+# A string or a comment (left as they are), or a numeric literal (not part of a name).
+_TOKEN = re.compile(
+    r"""("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')|(#[^\n]*)"""
+    r"|(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?)(?![\w.])"
+)
+
+
 def lift_literals(body: list[str]) -> tuple[list[str], list[int], list[float]]:
     """The body with its numeric literals replaced by reads of lit_i / lit_f, and their
-    values in order."""
-    text = "\n".join(body) + "\n"
-    replacements = []
+    values in order (a regular expression, not the tokenizer: a transformer's driver has
+    thousands of tokens and this runs once per batch size)."""
     ints: list[int] = []
     floats: list[float] = []
-    for token in tokenize.generate_tokens(io.StringIO(text).readline):
-        if token.type != tokenize.NUMBER:
-            continue
-        value = eval(token.string)  # noqa: S307 - a NUMBER token of our own generated code
-        if isinstance(value, int):
-            name = f"{INTS}[{len(ints)}]"
-            ints.append(value)
-        elif isinstance(value, float):
-            name = f"{FLOATS}[{len(floats)}]"
-            floats.append(value)
-        else:
-            continue
-        replacements.append((token.start, token.end, name))
-    lines = text.split("\n")
-    for (row, start), (end_row, end), name in reversed(replacements):
-        assert row == end_row  # a number token never spans lines
-        line = lines[row - 1]
-        lines[row - 1] = line[:start] + name + line[end:]
-    return lines[:-1], ints, floats
+
+    def lift(match: re.Match) -> str:
+        number = match.group(3)
+        if number is None:
+            return match.group(0)
+        if any(c in number for c in ".eE"):
+            floats.append(float(number))
+            return f"{FLOATS}[{len(floats) - 1}]"
+        ints.append(int(number))
+        return f"{INTS}[{len(ints) - 1}]"
+
+    return [_TOKEN.sub(lift, line) for line in body], ints, floats
 
 
 def code_text(source: str) -> str:
