@@ -150,6 +150,13 @@ def np_cross_entropy(logits, labels, reduction):
     return losses.sum() if reduction == "sum" else losses.mean()
 
 
+def np_cumsum(x, axis, reverse):
+    """NumPy's cumsum, from the end when reverse."""
+    if reverse:
+        return np.flip(np.cumsum(np.flip(x, axis), axis), axis)
+    return np.cumsum(x, axis)
+
+
 def np_layer_norm(x, *affine, eps):
     y = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps)
     return y * affine[0] + affine[1] if affine else y
@@ -945,5 +952,24 @@ SAMPLES: list[OpSample] = [
         kind="grid",
         shape=(4, 6),
         attrs={"axis": 1, "keepdims": True},
+    ),
+    # scans
+    _unary(
+        "cumsum",
+        lambda x, axis, reverse: np_cumsum(x, axis, reverse),
+        lambda x, axis, reverse: bp.cumsum(x, axis, reverse=reverse),
+        [],
+        shape=(3, 5, 2),
+        attrs={"axis": 1, "reverse": False},
+    ),
+    _unary(
+        "cumsum",
+        lambda x, axis, reverse: np_cumsum(x, axis, reverse),
+        lambda x, axis, reverse: x.cumsum(axis, reverse),
+        [],
+        shape=(7, 3),
+        attrs={"axis": 0, "reverse": True},
+        dtypes=FLOATS + ("i64",),
+        label="reverse",
     ),
 ]

@@ -249,6 +249,26 @@ def stop_gradient(x: TensorLike) -> Tensor:
 
 @located
 @torch_keywords
+def cumsum(x: TensorLike, axis: int | None = None, reverse: bool = False) -> Tensor:
+    """cumsum(x, axis=None, reverse=False), as np.cumsum: the running sum along axis (None:
+    over the flattened tensor); reverse sums from the end (out[i] = x[i] + ... + x[n-1]).
+    bool, uint8 and int32 sum into int64, as NumPy and PyTorch; the gradient is the same scan
+    run the other way, so nothing is saved.
+
+    >>> import backplan as bp
+    >>> bp.cumsum(bp.tensor([1.0, 2.0, 3.0])).numpy().tolist()
+    [1.0, 3.0, 6.0]
+    """
+    x = as_tensor(x)
+    if axis is None:
+        x, axis = reshape(x, -1), 0
+    if x._ir_dtype in ("bool", "u8", "i32"):
+        x = astype(x, "i64")
+    return apply("cumsum", [x], axis=normalize_axis(axis, x.ndim), reverse=bool(reverse))
+
+
+@located
+@torch_keywords
 def sum(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # noqa: A001
     """sum(x, axis=None, keepdims=False), as np.sum: axis is an int, a tuple of ints or None
     (all axes). bool, uint8 and int32 sum into int64, as NumPy and PyTorch."""
@@ -576,6 +596,7 @@ __all__ = [
     "as_tensor",
     "astype",
     "broadcast_to",
+    "cumsum",
     "concatenate",
     "cross_entropy",
     "div",

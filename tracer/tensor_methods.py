@@ -138,6 +138,10 @@ class TensorMethods:
     def logsumexp(self, axis: Axis = None, keepdims: bool = False) -> Tensor:
         return _ops.logsumexp(self, axis, keepdims)
 
+    @torch_keywords
+    def cumsum(self, axis: int | None = None, reverse: bool = False) -> Tensor:
+        return _ops.cumsum(self, axis, reverse)
+
     # ---- shapes ---------------------------------------------------------------------------
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:
         return _ops.reshape(self, *shape)

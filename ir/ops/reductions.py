@@ -112,3 +112,42 @@ for _name, _ref in (("argmax", _argmax_ref), ("argmin", _argmin_ref)):
             doc="index of the first extreme along one axis (a NaN counts as extreme); no gradient",
         )
     )
+
+
+def _cumsum_infer(types, attrs):
+    (x,) = types
+    numeric_only(types, "cumsum")
+    if x.dtype not in ("f32", "f64", "bf16", "f16", "i64"):
+        raise ShapeError(f"sums in f32, f64 or i64 (cast {x.dtype} first), got {x.dtype}")
+    axis = attrs["axis"]
+    if not 0 <= axis < len(x.shape):
+        raise ShapeError(f"axis must be in [0, {len(x.shape)}), got {axis} for shape {x.shape}")
+    return x
+
+
+def _cumsum_ref(x, axis, reverse):
+    if reverse:
+        return np.flip(np.cumsum(np.flip(x, axis), axis, dtype=x.dtype), axis).copy()
+    return np.cumsum(x, axis, dtype=x.dtype)
+
+
+def _cumsum_vjp(ctx, g):
+    """Each output sums the inputs up to it, so each input's gradient sums the output
+    gradients from it on: the same scan run the other way. Saves nothing."""
+    attrs = ctx.attrs
+    return [ctx.b.cumsum(g, axis=attrs["axis"], reverse=not attrs["reverse"])]
+
+
+register(
+    OpDef(
+        "cumsum",
+        (1,),
+        _cumsum_infer,
+        _cumsum_ref,
+        "opaque",
+        _cumsum_vjp,
+        attrs={"axis": AttrSpec("int"), "reverse": AttrSpec("bool", False, required=False)},
+        doc="running sum along one axis (reverse: from the end); saves nothing",
+        cost="one_pass",
+    )
+)
