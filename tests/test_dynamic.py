@@ -2,6 +2,8 @@
 batch size, values equal to a plan of each size's own; sizes 0 and 1 planned on their own;
 functions whose plans are not formulas of the size planned per size, saying why."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -202,6 +204,34 @@ def test_explain_gives_the_bytes_as_formulas_of_the_symbol_or_says_why_not():
     text = bp.compile(squared_size, dynamic={"x": {0: "batch"}}).explain(W, batch(3)).dynamic
     assert text.startswith("Dynamic axis batch: each size is planned on its own")
     assert "full at test_dynamic.py:" in text
+
+
+def test_the_peak_formula_explain_prints_gives_the_peak_it_reports_at_every_size():
+    """Fitted at 32, 64 and 96 rows, the numba peak is a formula there, but below some size
+    another step holds the peak (here with float64 batches): explain must not print a formula
+    its own peak_bytes contradicts."""
+    rng = np.random.default_rng(1)
+    w1 = rng.standard_normal((16, 32)).astype(np.float32)
+    w2 = rng.standard_normal((32, 4)).astype(np.float32)
+
+    def mlp(w1, w2, x, y):
+        return bp.mse_loss(bp.tanh(x @ w1) @ w2, y)
+
+    step = bp.value_and_grad(bp.compile(mlp, dynamic={"x": {0: "n"}, "y": {0: "n"}}), (0, 1))
+    pattern = r"peak = ([\d,]+) \+ ([\d,]+)·n bytes;|peak = ([\d,]+) bytes at n=(\d+) \(about"
+    seen = set()
+    with use_backend("numba"):  # explain generates the numba plans' layout; nothing compiles
+        for n in (32, 2, 3, 100):
+            x, y = rng.standard_normal((n, 16)), rng.standard_normal((n, 4))
+            report = step.explain(w1, w2, x, y)
+            match = re.search(pattern, report.dynamic)
+            if match[1]:
+                a, c = (int(g.replace(",", "")) for g in match.group(1, 2))
+                assert a + c * n == report.peak_bytes, (n, report.dynamic)
+            else:
+                assert (int(match[3].replace(",", "")), int(match[4])) == (report.peak_bytes, n)
+            seen.add(bool(match[1]))
+    assert seen == {True, False}  # both cases met: exact at 32 and 100, padded below
 
 
 def test_size_dependent_choices_are_those_of_the_first_size(monkeypatch):

@@ -261,15 +261,20 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
 
 
 def _formula(values: list[int], sizes: list[int], symbol: str, here: int, size: int) -> str:
+    """The bytes as a formula of the symbol where it gives this size's bytes too; else this
+    size's bytes and the formula as approximate. The peak is the largest of each step's
+    bytes, so below some size another step may hold it, on another slope, and arenas pad
+    small buffers: a formula fitted at three sizes need not hold at a fourth."""
     try:
-        fitted = fit_number(values, sizes, "")
+        fitted, fits = fit_number(values, sizes, ""), True
     except SymbolicError:
         c = round((values[2] - values[1]) / (sizes[2] - sizes[1]))
-        about = Affine(values[2] - c * sizes[2], c)
-        return (
-            f"{here:,} bytes at {symbol}={size} (about {about.text(symbol)}: not exactly one "
-            "formula, the arenas' packing and alignment change with the size)"
-        )
-    if isinstance(fitted, Affine):
-        return f"{fitted.text(symbol)} bytes"
-    return f"{fitted:,} bytes"
+        fitted, fits = Affine(values[2] - c * sizes[2], c), False
+    exact = fitted.at(size) if isinstance(fitted, Affine) else fitted
+    text = fitted.text(symbol) if isinstance(fitted, Affine) else f"{fitted:,}"
+    if fits and exact == here:
+        return f"{text} bytes"
+    return (
+        f"{here:,} bytes at {symbol}={size} (about {text}: not exactly one formula, the step "
+        "that peaks and the arenas' packing change with the size)"
+    )
