@@ -98,6 +98,45 @@ def test_a_budget_below_the_arrays_passed_in_is_refused_with_the_numbers():
     assert str(info.value).count(f"{inputs:,}") == 1  # said once: (10,256 B (10.0 KiB))
 
 
+def _training_step(outer=None, inner=None):
+    @bp.compile(max_peak_bytes=outer)
+    def step(ws, x, k):
+        loss, grads = bp.value_and_grad(deep_loss, max_peak_bytes=inner)(ws, x, k)
+        return [w - 0.1 * g for w, g in zip(ws, grads, strict=True)], loss
+
+    return step
+
+
+def test_a_budget_on_a_training_step_names_the_inlined_value_and_grad():
+    """The step's plan inlines the value_and_grad's and has no backward of its own: a budget
+    on it cannot recompute, and says so, instead of calling the step's one peak the smallest
+    any plan reaches (the value_and_grad alone has lower ones)."""
+    ws, x, k = arrays()
+    peak = _training_step().explain(ws, x, k).peak_bytes
+    with pytest.raises(
+        bp.MemoryBudgetError,
+        match=r"differentiates nothing itself: its gradients come from the value_and_grad "
+        r"called at test_memory_budget.py:\d+, inlined",
+    ):
+        _training_step(outer=peak - 1)(ws, x, k)
+
+
+def test_a_budgeted_value_and_grad_inside_a_compiled_step_is_refused():
+    """Inlined, its recomputation is not kept by the step's plan: the budget would silently
+    not hold, so it is refused with the way out; called on its own it is met."""
+    ws, x, k = arrays()
+    smallest = bp.value_and_grad(deep_loss).memory_frontier(ws, x, k).points[-1].peak_bytes
+    with pytest.raises(
+        bp.MemoryBudgetError,
+        match=rf"value_and_grad\(deep_loss, max_peak_bytes={smallest:,}\) at "
+        r"test_memory_budget.py:\d+ is called inside a traced function.*outside bp.compile",
+    ):
+        _training_step(inner=smallest)(ws, x, k)
+    assert bp.value_and_grad(deep_loss, max_peak_bytes=smallest).explain(ws, x, k).peak_bytes <= (
+        smallest
+    )
+
+
 def test_saved_bytes_budget_is_met_by_recomputing_a_matmul_and_tanh():
     rng = np.random.default_rng(1)
     w = bp.tensor(rng.standard_normal((8, 8)).astype(np.float32), requires_grad=True)

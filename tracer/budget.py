@@ -21,6 +21,8 @@ from backplan.report.frontier import FrontierPoint, MemoryFrontier
 from backplan.report.wording import format_bytes
 from backplan.runtime.backend import current_backend
 
+from .source import loc_text, user_frame_loc
+
 
 def checked_budget(value, option: str) -> int | None:
     """None, or a positive int (NumPy's integers too, as a computed byte count often is):
@@ -62,6 +64,7 @@ class BudgetPlanner:
 
     def __init__(self, choices: PlanChoices, input_bytes: int, name: str):
         self.choices, self.input_bytes, self.name = choices, input_bytes, name
+        self.inlined: list[str] = []  # where value_and_grad plans were inlined (their lines)
         self._built: dict[frozenset, EvaluatedPoint] = {}
 
     def build(self, drop: frozenset = frozenset()):
@@ -158,6 +161,8 @@ class BudgetPlanner:
 
     def refusal(self, limit: int, option: str) -> str:
         """Why no plan fits: the smallest peak, its cost, what dominates it."""
+        if not self.choices.differentiated and self.inlined:
+            return self._inlined_refusal(limit, option)
         frontier = self.frontier()
         best = frontier[-1]
         default = frontier[0]
@@ -176,6 +181,26 @@ class BudgetPlanner:
         return text + (
             " Ways out: a smaller batch (bp.max_batch(fn, args, max_peak_bytes=...) says the "
             "largest that fits), or a larger budget."
+        )
+
+    def _inlined_refusal(self, limit: int, option: str) -> str:
+        """A training step whose backward is an inlined value_and_grad: it has no backward of
+        its own to recompute in, so its one plan is all there is."""
+        default = self.evaluate_default()
+        text = (
+            f"{self.name}: no plan fits {option}={limit:,} bytes: the step peaks at "
+            f"{format_bytes(default.peak_bytes)} (the arrays passed in hold "
+            f"{format_bytes(self.input_bytes)} of those) and differentiates nothing itself: its "
+            f"gradients come from the value_and_grad called at {', '.join(self.inlined)}, "
+            "inlined into its plan, whose values a budget on the step does not recompute."
+        )
+        dominant = _dominant(default.plans)
+        if dominant:
+            text += " At that peak the largest buffers are: " + "; ".join(dominant) + "."
+        return text + (
+            " Ways out: bp.value_and_grad(loss, max_peak_bytes=N) called outside bp.compile "
+            "(recomputing in its backward) with the optimizer update in a compiled call of its "
+            "own, a smaller batch (bp.max_batch), or a larger budget."
         )
 
 
@@ -199,3 +224,18 @@ def _dominant(plans, count: int = 3) -> list[str]:
         plan = plans
     values = [forward_of.get(v, v) for v in plan.live_at_peak()[:count]]
     return [f"{v.op} {v.type} ({format_bytes(v.type.nbytes)}) at {v.loc_text}" for v in values]
+
+
+def inlined_budget_refusal(fn, limit: int) -> str:
+    """Why a value_and_grad with max_peak_bytes is refused inside a traced function (a
+    compiled training step): its joint plan is inlined and the step's plan, made as a whole,
+    does not keep the recomputation the budget chose."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return (
+        f"value_and_grad({name}, max_peak_bytes={limit:,}) at {loc_text(user_frame_loc())} is "
+        "called inside a traced function (a bp.compile step): its joint plan is inlined into "
+        "the step's, which is planned as a whole and does not keep the recomputation this "
+        "budget chooses, so the budget would not hold. Call the budgeted value_and_grad "
+        "outside bp.compile (it compiles its joint plan itself) and apply the optimizer "
+        "update in a compiled call of its own"
+    )

@@ -269,6 +269,7 @@ class CompiledFunction(PlannedFunction):
         )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
         planner = BudgetPlanner(plan_choices(graph, wrt, options), input_bytes, name)
+        planner.inlined = [joint.loc for joint in trace.inner_joints]
         plans = self._plans_within_budget(planner)
         program = RegionProgram(plans, name=name, input_names=names, background=self.background)
         return TracedFunction(

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import PipelineOptions, plan_choices
@@ -19,7 +20,7 @@ from backplan.ir.symbolic import fit_plans
 from backplan.ir.types import is_float
 from backplan.runtime.backend import current_backend, runner_for
 
-from .budget import BudgetPlanner, checked_budget
+from .budget import BudgetPlanner, checked_budget, inlined_budget_refusal
 from .compile import trace_function
 from .dynamic import sizes_planned_apart, symbolic_key
 from .errors import TracingError
@@ -102,6 +103,13 @@ class ValueAndGradFunction(PlannedFunction):
     def with_budget(self, max_peak_bytes: int):
         """The same function planned with another max_peak_bytes (bp.max_batch asks)."""
         return type(self)(self.fn, self.argnums, self.has_aux, self.background, max_peak_bytes)
+
+    def _call_in_trace(self, args, kwargs):
+        """Inlined into the traced function's plan, which is planned as a whole: a budget of
+        this one's would silently not hold there, so it is refused."""
+        if self.max_peak_bytes is not None:
+            raise MemoryBudgetError(inlined_budget_refusal(self.fn, self.max_peak_bytes))
+        return super()._call_in_trace(args, kwargs)
 
     def batch_leaf(self, position: int, leaf) -> bool:
         """Whether a leaf of argument `position` is data with a batch axis: the arguments
