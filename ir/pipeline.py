@@ -205,13 +205,17 @@ def build_region_plans(
 ) -> RegionPlans:
     """A region's default plans: `plan_choices(...).build()` (see PipelineOptions)."""
     options = PipelineOptions(remat=remat, saved_bytes_budget=saved_bytes_budget, expand=expand)
-    return plan_choices(graph, wrt, options, log).build()
+    plans = plan_choices(graph, wrt, options, log).build()
+    assert isinstance(plans, RegionPlans)  # a region's build (not joint)
+    return plans
 
 
 def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:
     """value_and_grad's default plan: outputs are the original outputs, then
     d(outputs[0])/d(wrt inputs)."""
-    return plan_choices(graph, wrt, PipelineOptions(joint=True), log).build()
+    plan = plan_choices(graph, wrt, PipelineOptions(joint=True), log).build()
+    assert isinstance(plan, Plan)  # a joint build
+    return plan
 
 
 # ---- the steps, in order -----------------------------------------------------------------------
