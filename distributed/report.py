@@ -27,10 +27,14 @@ class BucketRow:
 
 class DataParallelReport:
     """Fields: `buckets` (BucketRow), `size`, `bucket_bytes`, `plan_steps`, `bytes_per_step`
-    (allreduced per rank per step) and `bytes_sent_per_step`; print() shows them as a table."""
+    (allreduced per rank per exchange), `bytes_sent_per_step` and `accumulate` (calls per
+    exchange); print() shows them as a table."""
 
-    def __init__(self, layout: Layout, size: int, bucket_bytes: int, split: bool = False):
+    def __init__(
+        self, layout: Layout, size: int, bucket_bytes: int, split: bool = False, accumulate=1
+    ):
         self.layout = layout
+        self.accumulate = accumulate
         self.split = split
         self.size = size
         self.bucket_bytes = bucket_bytes
@@ -107,6 +111,14 @@ class DataParallelReport:
             f"the step returns. Each rank sends about {self.bytes_sent_per_step:,} B per step "
             f"(a ring allreduce sends 2 (N-1)/N of the bytes, N={self.size})."
         )
+        if self.accumulate > 1:
+            k = self.accumulate
+            text += (
+                f" With accumulate={k} the ranks exchange once per {k} calls: the others make "
+                "no MPI call (each rank adds up its own loss and gradients) and the last of "
+                f"each {k} exchanges the sums as above, about {self.bytes_sent_per_step // k:,} "
+                "B per call."
+            )
         title = (
             f"data-parallel step: {self.layout.name} on {self.size} ranks, buckets of up to "
             f"{self.bucket_bytes:,} B"

@@ -171,7 +171,7 @@ class DataParallelStep:
         world = current_world()
         size = size or (world.size if world is not None else 2)
         layout = self.layout(args, kwargs)
-        return DataParallelReport(layout, size, self.bucket_bytes, self.split_plan)
+        return DataParallelReport(layout, size, self.bucket_bytes, self.split_plan, self.accumulate)
 
     def _differentiated(self, args):
         nums = self.fn.argnums

@@ -107,6 +107,20 @@ def test_explain_lists_buckets_in_the_order_the_plan_finishes_them():
     assert "bucket 0" in text and "grad['w0']" in text
 
 
+def test_explain_says_an_accumulating_step_exchanges_once_per_k_calls():
+    params = init_mlp([8, 16, 4])
+    x, y = synthetic_classification(16, 8, 4)
+    step = bpd.data_parallel(bp.value_and_grad(mlp_loss), accumulate=4)
+    report = bpd.explain(step, params, bp.tensor(x), bp.tensor(y), size=2)
+    assert report.accumulate == 4
+    text = " ".join(str(report).split())
+    per_call = report.bytes_sent_per_step // 4
+    assert "With accumulate=4 the ranks exchange once per 4 calls: the others make no MPI" in text
+    assert f"about {per_call:,} B per call" in text
+    plain = bpd.explain(bpd.data_parallel(bp.value_and_grad(mlp_loss)), params, x, y, size=2)
+    assert "accumulate" not in str(plain)
+
+
 def test_gradients_of_the_layer_run_last_are_ready_first():
     params = init_mlp([8, 16, 16, 4])
     x, y = synthetic_classification(16, 8, 4)
