@@ -21,6 +21,7 @@ changed), recorded under its name. The result is data: `RegionPlans.lowered(...)
 read, computed once per plan and backward mode; what follows from it is kept with it, once:
 its rendering (`lowered.rendered`, kernel hashes and compile estimates included) and its
 donation pairs (`lowered.donations`, from the inputs the forward plan was built to donate).
+A joint graph keeps why it holds each forward value (`Graph.reasons`, recorded by autodiff).
 BACKPLAN_DEBUG_IR=1 prints the IR after every pass; BACKPLAN_VERIFY=1 (set by the test suite)
 runs the verifier after every pass.
 """
