@@ -98,8 +98,8 @@ def test_a_budget_below_the_arrays_passed_in_is_refused_with_the_numbers():
     assert str(info.value).count(f"{inputs:,}") == 1  # said once: (10,256 B (10.0 KiB))
 
 
-def _training_step(outer=None, inner=None):
-    @bp.compile(max_peak_bytes=outer)
+def _training_step(outer=None, inner=None, saved=None):
+    @bp.compile(max_peak_bytes=outer, saved_bytes_budget=saved)
     def step(ws, x, k):
         loss, grads = bp.value_and_grad(deep_loss, max_peak_bytes=inner)(ws, x, k)
         return [w - 0.1 * g for w, g in zip(ws, grads, strict=True)], loss
@@ -119,6 +119,8 @@ def test_a_budget_on_a_training_step_names_the_inlined_value_and_grad():
         r"called at test_memory_budget.py:\d+, inlined",
     ):
         _training_step(outer=peak - 1)(ws, x, k)
+    with pytest.raises(bp.MemoryBudgetError, match=r"saved_bytes_budget=1,000,000 has nothing to"):
+        _training_step(saved=10**6)(ws, x, k)  # the step saves nothing: no budget can act
 
 
 def test_a_budgeted_value_and_grad_inside_a_compiled_step_is_refused():

@@ -138,7 +138,18 @@ class BudgetPlanner:
 
     def fit_saved(self, limit: int, default_plans):
         """saved_bytes_budget: the default plans if their saved bytes fit, else the cheapest
-        plan whose saved bytes (your own arrays excluded) fit; MemoryBudgetError if none."""
+        plan whose saved bytes (your own arrays excluded) fit; MemoryBudgetError if none.
+        A step whose gradients come from an inlined value_and_grad saves nothing for a
+        backward of its own: the budget would hold whatever it is and change nothing."""
+        if not self.choices.differentiated and self.inlined:
+            raise MemoryBudgetError(
+                f"{self.name}: saved_bytes_budget={limit:,} has nothing to act on: the step "
+                "differentiates nothing itself (nothing is saved for a backward of it); its "
+                f"gradients come from the value_and_grad called at {', '.join(self.inlined)}, "
+                "inlined into its plan, whose saved values are temporaries of the step. Use "
+                "bp.value_and_grad(loss, max_peak_bytes=N) outside bp.compile, with the "
+                "optimizer update in a compiled call of its own"
+            )
         if _saved_bytes(default_plans) <= limit:
             return default_plans
         point = cheapest_within(self.points("saved"), limit, "saved")
