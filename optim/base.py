@@ -45,8 +45,9 @@ class Optimizer:
         with no_grad():
             if self.master_dtype is not None:
                 return master_init(self, params)
+            state = self.init_fn(params)  # first: a refusal (adam's float16 eps) says it all
             warn_without_master(self.name, params)
-            return self.init_fn(params)
+            return state
 
     def update(self, grads, state, params):
         """(new params, new state). Eagerly, new parameters keep the old requires_grad flags,
