@@ -64,26 +64,29 @@ def batch_graph(samples, dtype):
     return graph, arrays, wrt
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f64"])
-def test_every_registry_op_compiles_to_the_reference_result(dtype):
-    for samples in sample_batches(dtype):
-        graph, arrays, wrt = batch_graph(samples, dtype)
-        plan = build_joint_plan(graph, wrt)
-        copies = [a.copy() for a in arrays]
-        expected = run_plan(plan, list(arrays))
-        got = CompiledPlan(lower(plan))(list(arrays))
-        for a, original in zip(arrays, copies, strict=True):
-            np.testing.assert_array_equal(a, original)  # inputs never modified
-        names = ["loss"] + [s.id for s in samples] + [f"grad {i}" for i in range(len(got))]
-        for name, g, e in zip(names, got, expected, strict=False):
-            assert g.shape == e.shape and g.dtype == e.dtype, name
-            if g.dtype.kind == "f":
-                scale = max(1.0, float(np.max(np.abs(e), initial=0)))
-                np.testing.assert_allclose(
-                    g, e, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale, err_msg=name
-                )
-            else:
-                np.testing.assert_array_equal(g, e, err_msg=name)
+@pytest.mark.parametrize(
+    "dtype, batch", [(d, i) for d in ("f32", "f64") for i in range(len(sample_batches(d)))]
+)
+def test_every_registry_op_compiles_to_the_reference_result(dtype, batch):
+    """One joint plan per batch of samples (a test each, so the suite's workers share them)."""
+    samples = sample_batches(dtype)[batch]
+    graph, arrays, wrt = batch_graph(samples, dtype)
+    plan = build_joint_plan(graph, wrt)
+    copies = [a.copy() for a in arrays]
+    expected = run_plan(plan, list(arrays))
+    got = CompiledPlan(lower(plan))(list(arrays))
+    for a, original in zip(arrays, copies, strict=True):
+        np.testing.assert_array_equal(a, original)  # inputs never modified
+    names = ["loss"] + [s.id for s in samples] + [f"grad {i}" for i in range(len(got))]
+    for name, g, e in zip(names, got, expected, strict=False):
+        assert g.shape == e.shape and g.dtype == e.dtype, name
+        if g.dtype.kind == "f":
+            scale = max(1.0, float(np.max(np.abs(e), initial=0)))
+            np.testing.assert_allclose(
+                g, e, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * scale, err_msg=name
+            )
+        else:
+            np.testing.assert_array_equal(g, e, err_msg=name)
 
 
 def mlp_params(rng, sizes, dtype=np.float32):

@@ -81,30 +81,30 @@ def _check(got, expected, half: str, names) -> None:
         np.testing.assert_allclose(g64, e64, rtol=TOL[half], atol=TOL[half] * scale, err_msg=name)
 
 
+@pytest.mark.parametrize("start", range(0, len(_samples()), BATCH))
 @pytest.mark.parametrize("half", ["bf16", "f16"])
-def test_every_op_sample_in_16_bits_on_both_executors(half):
-    samples = _samples()
-    for start in range(0, len(samples), BATCH):
-        batch = samples[start : start + BATCH]
-        graph, arrays, wrt = _graph(batch, half, half)
-        plan = build_joint_plan(graph, wrt)
-        reference = run_plan(plan, list(arrays))
-        compiled = CompiledPlan(lower(plan))(list(arrays))
-        wide, wide_arrays, _ = _graph(batch, "f64", half)
-        expected = run_plan(build_joint_plan(wide, wrt), list(wide_arrays))
-        names = ["loss"] + [s.id for s in batch] + [f"grad {i}" for i in range(len(reference))]
-        for result in (reference, compiled):
-            for r in result:
-                assert not is_float(dtype_name(r.dtype)) or r.dtype == np_dtype(half)
-            _check(result, expected, half, names)
-        for name, c, r in zip(names, compiled, reference, strict=False):
-            np.testing.assert_allclose(
-                c.astype(np.float64),
-                r.astype(np.float64),
-                rtol=TOL[half],
-                atol=TOL[half],
-                err_msg=name,
-            )
+def test_every_op_sample_in_16_bits_on_both_executors(half, start):
+    """One joint plan per batch of samples (a test each, so the suite's workers share them)."""
+    batch = _samples()[start : start + BATCH]
+    graph, arrays, wrt = _graph(batch, half, half)
+    plan = build_joint_plan(graph, wrt)
+    reference = run_plan(plan, list(arrays))
+    compiled = CompiledPlan(lower(plan))(list(arrays))
+    wide, wide_arrays, _ = _graph(batch, "f64", half)
+    expected = run_plan(build_joint_plan(wide, wrt), list(wide_arrays))
+    names = ["loss"] + [s.id for s in batch] + [f"grad {i}" for i in range(len(reference))]
+    for result in (reference, compiled):
+        for r in result:
+            assert not is_float(dtype_name(r.dtype)) or r.dtype == np_dtype(half)
+        _check(result, expected, half, names)
+    for name, c, r in zip(names, compiled, reference, strict=False):
+        np.testing.assert_allclose(
+            c.astype(np.float64),
+            r.astype(np.float64),
+            rtol=TOL[half],
+            atol=TOL[half],
+            err_msg=name,
+        )
 
 
 assert ml_dtypes  # bfloat16's dtype is registered with NumPy
