@@ -136,6 +136,8 @@ def test_dynamic_refuses_what_it_cannot_do():
         bp.compile(model, dynamic={"w": {0: "a"}, "x": {0: "b"}})
     with pytest.raises(ValueError, match="memory budget"):
         bp.compile(model, dynamic={"x": {0: "batch"}}, max_peak_bytes=1 << 20)
+    with pytest.raises(TypeError, match=r"dynamic=True \(torch.compile's .*second size seen"):
+        bp.compile(model, dynamic=True)
     shared = bp.compile(lambda x, y: bp.sum(x) + bp.sum(y), dynamic={"x": {0: "n"}, "y": {0: "n"}})
     with pytest.raises(bp.TracingError, match="share one size"):
         shared(batch(3), batch(4))

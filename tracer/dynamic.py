@@ -30,6 +30,12 @@ def checked_dynamic(dynamic, parameters) -> dict[str, dict[int, str]]:
     """dynamic= as {argument name: {axis: symbol}}, refused by name when malformed."""
     if dynamic is None or dynamic is False:
         return {}
+    if dynamic is True:  # torch.compile's spelling: every axis dynamic
+        raise TypeError(
+            "dynamic=True (torch.compile's every axis dynamic) is not supported: one symbol, "
+            "on the axes you name: dynamic={'x': {0: 'batch'}}; the default (None) makes an "
+            "axis dynamic by itself at the second size seen on it"
+        )
     if not isinstance(dynamic, dict):
         raise TypeError(
             f"dynamic must be a dict like {{'x': {{0: 'batch'}}}}, got {type(dynamic).__name__}"
