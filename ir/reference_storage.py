@@ -102,6 +102,10 @@ def fresh(result: np.ndarray, inputs: list) -> np.ndarray:
     """A non-view op's result as a buffer of its own, C-contiguous and exactly its size, as
     storage_roots assumes: copied when NumPy returned a view (of an input, or of a larger
     temporary) or another layout."""
+    if result.base is None and result.flags.c_contiguous:  # the common case, checked cheaply
+        if not any(result is a for a in inputs):
+            return result
+        return np.array(result, order="C", copy=True)
     root = array_root(result)
     if (
         result.flags.c_contiguous
