@@ -13,7 +13,7 @@ from backplan.ir.types import np_dtype
 from backplan.report.report import ExplainReport, joint_report, region_report
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.tracer.compile import TracedFunction, run_traced
-from backplan.tracer.dynamic import DynamicEntry, SymbolicCall, symbolic_key
+from backplan.tracer.dynamic import DynamicEntry, SymbolicCall, dynamic_text, symbolic_key
 from backplan.tracer.functional import JointCall, JointTrace, _as_diff_arg, run_joint
 from backplan.tracer.planned import PlannedFunction
 from backplan.tracer.pytree import TreeDef, flatten, unflatten
@@ -124,7 +124,11 @@ class LoadedArtifact(PlannedFunction):
         """The same report as bp.explain gives the original (one signature: no arguments
         needed)."""
         entry = next(iter(self._entries.values()))
-        return self._report(getattr(entry, "template", entry), None)
+        report = self._report(getattr(entry, "template", entry), None)
+        if type(entry) is DynamicEntry:  # the bytes as formulas of the symbol, as bp.explain
+            report_of = lambda e: self._report(e, None)  # noqa: E731
+            report.dynamic = dynamic_text(entry, report_of, entry.first_size, report)
+        return report
 
     def _leaf_texts(self, show_requires_grad: bool = True) -> list[str]:
         texts = []

@@ -61,6 +61,19 @@ def test_a_dynamic_export_runs_three_batch_sizes_with_each_sizes_values(tmp_path
         forward(W, np.ones((4, 7), np.float32))
 
 
+def test_a_loaded_dynamic_artifact_explains_its_bytes_as_formulas(tmp_path):
+    """As bp.explain of the function exported: the symbol, and the bytes as formulas of it
+    that give the report's own peak at the exported size."""
+    example = np.ones((5, 6), np.float32)
+    compiled = bp.value_and_grad(bp.compile(model))
+    path = bp.export(compiled, W, example, path=tmp_path / "g.bpz", dynamic={"x": {0: "batch"}})
+    report = bp.load(path).explain()
+    assert report.dynamic.startswith("Dynamic axis batch: one plan for every size")
+    original = bp.value_and_grad(bp.compile(model, dynamic={"x": {0: "batch"}}))
+    assert report.dynamic == original.explain(W, example).dynamic
+    assert report.peak_bytes == original.explain(W, example).peak_bytes
+
+
 def test_a_function_whose_plan_is_not_a_formula_of_the_size_is_not_exported_dynamic(tmp_path):
     def squared_size(w, x):
         return bp.sum(x @ w) * float(x.shape[0] ** 2)
