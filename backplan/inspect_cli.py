@@ -45,8 +45,8 @@ def run(args) -> int:
     flops = ", ".join(f"{role} {count:,}" for role, count in loaded.flops.items())
     print(f"FLOPs per call: {sum(loaded.flops.values()):,} ({flops})")
     report = loaded.explain()
-    print(f"saved for backward: {len(report.saved_buffers)} buffer(s), {report.saved_bytes} B")
-    print(f"peak bytes: {report.peak_bytes} (the step's own buffers, inputs not counted)")
+    print(f"saved for backward: {len(report.saved_buffers)} buffer(s), {report.saved_bytes:,} B")
+    print(f"peak bytes: {report.peak_bytes:,} (the arrays passed in included, as explain's peak)")
     print()
     print(report)
     if args.ir:
