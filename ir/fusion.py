@@ -9,7 +9,10 @@
 - `full` nodes are literals, never buffers, when only loops read them.
 - Everything else (matmul, gather, the row composites such as layer_norm) is one kernel each;
   transposes, slices and other reshapes are views.
-Which op is which is read from its registry entry; no op is named here.
+- A cast that reads back a 16-bit copy of a value used elsewhere too (saved_dtype's copy, read
+  by a joint plan's gradient part) never joins the loop that made the copy: there it would hold
+  the widened value instead of the 16-bit one.
+Which op is which is read from its registry entry; no op is named here (but astype, above).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .graph import Graph, Value
 from .registry import get_op
+from .types import is_half
 
 
 def is_unit_reshape(node: Value) -> bool:
@@ -112,20 +116,37 @@ def group_kernels(graph: Graph) -> list[Kernel]:
     home: dict[Value, int] = {}
     latest_loops: dict[tuple, int] = {}  # iteration shape -> its latest loop kernel
     reads: dict[int, set[Value]] = {}  # loop kernel -> buffers of other kernels it reads
+    read_backs = _read_backs(graph)
     for node in graph.nodes:
-        home[node] = _place(node, kernels, home, latest_loops, reads)
-    _recompute_cheap_inputs(kernels, home, graph.outputs)
+        avoid = home.get(read_backs.get(node))
+        home[node] = _place(node, kernels, home, latest_loops, reads, avoid)
+    _recompute_cheap_inputs(kernels, home, graph.outputs, frozenset(read_backs.values()))
     return kernels
+
+
+def _read_backs(graph: Graph) -> dict[Value, Value]:
+    """Widening casts of a 16-bit copy of a float value that is read elsewhere too -> the copy.
+    (Inside a fused chain, ir/widen.py rounds a value made only for its 16-bit copy.)"""
+    users = graph.users()
+    found = {}
+    for node in graph.nodes:
+        if node.op != "astype" or not is_half(node.inputs[0].dtype) or is_half(node.dtype):
+            continue
+        copy = alias_base(node.inputs[0])
+        if copy.op == "astype" and len(users.get(copy.inputs[0], ())) > 1:
+            found[node] = copy
+    return found
 
 
 MAX_RECOMPUTE = 4
 
 
-def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value]) -> None:
+def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value], kept) -> None:
     """A loop that reads a value another loop of the same shape computed with a few cheap ops
     from stable inputs recomputes it instead, so that value need not be written and read back.
     Then each loop that still reads several such values made cheaply from fewer expensive ones
-    (tanh-GELU's backward reads 1 + tanh, 0.5 (1 + tanh) and 1 - tanh**2) reads those instead."""
+    (tanh-GELU's backward reads 1 + tanh, 0.5 (1 + tanh) and 1 - tanh**2) reads those instead.
+    kept: values always read, never recomputed (16-bit copies read back: _read_backs)."""
     blocked: dict[int, list[Value]] = {}
     for k, kernel in enumerate(kernels):
         if kernel.kind != "loop":
@@ -134,7 +155,7 @@ def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value]) -
         for node in list(kernel.computed):
             for inp in node.inputs:
                 source = alias_base(inp)
-                cone = _cheap_cone(source, kernel, k, kernels, home)
+                cone = _cheap_cone(source, kernel, k, kernels, home, kept)
                 if cone is None and source not in reads:
                     reads.append(source)
                 for value in cone or ():
@@ -142,16 +163,18 @@ def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value]) -
                         kernel.recomputed.append(value)
     readers = _readers(kernels, home, outputs)
     for k, values in blocked.items():
-        _recompute_over_frontier(values, k, kernels, home, readers)
+        _recompute_over_frontier(values, k, kernels, home, readers, kept)
 
 
-def _cheap_cone(value, kernel, k, kernels, home, frontier=None, depth=1) -> list[Value] | None:
+def _cheap_cone(
+    value, kernel, k, kernels, home, kept, frontier=None, depth=1
+) -> list[Value] | None:
     """value and the cheap values it needs, in order, if all can be recomputed in kernel k from
     values that are stored anyway (inputs, reductions, op results, other shapes, literals).
     Given a frontier set, an expensive value of the same shape is read instead (added to it).
     Each level down adds a value, so the walk stops MAX_RECOMPUTE levels down (a long chain of
     cheap ops split over several loops would otherwise be walked to its start)."""
-    if value not in home or home[value] == k or value in kernel.recomputed:
+    if value not in home or home[value] == k or value in kernel.recomputed or value in kept:
         return []
     owner = kernels[home[value]]
     if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
@@ -165,7 +188,7 @@ def _cheap_cone(value, kernel, k, kernels, home, frontier=None, depth=1) -> list
         return None  # value and one cheap value per level above it: too many already
     cone = []
     for inp in value.inputs:
-        sub = _cheap_cone(alias_base(inp), kernel, k, kernels, home, frontier, depth + 1)
+        sub = _cheap_cone(alias_base(inp), kernel, k, kernels, home, kept, frontier, depth + 1)
         if sub is None:
             return None
         cone += [v for v in sub if v not in cone]
@@ -185,7 +208,7 @@ def _readers(kernels: list[Kernel], home, outputs: list[Value]) -> dict[Value, s
     return readers
 
 
-def _recompute_over_frontier(blocked: list[Value], k: int, kernels, home, readers) -> None:
+def _recompute_over_frontier(blocked: list[Value], k: int, kernels, home, readers, kept) -> None:
     """Kernel k recomputes the blocked values it reads from the expensive values under them,
     when that moves fewer bytes: reads saved, plus blocked values nobody else reads (no longer
     written), minus frontier values nobody read before (now written)."""
@@ -193,7 +216,7 @@ def _recompute_over_frontier(blocked: list[Value], k: int, kernels, home, reader
     frontier: set[Value] = set()
     cones = []
     for value in blocked:
-        cone = _cheap_cone(value, kernel, k, kernels, home, frontier)
+        cone = _cheap_cone(value, kernel, k, kernels, home, kept, frontier)
         if cone is None:
             return
         cones.append(cone)
@@ -219,7 +242,8 @@ def _new(kernels, kernel) -> int:
     return len(kernels) - 1
 
 
-def _place(node: Value, kernels: list[Kernel], home, latest_loops: dict, reads: dict) -> int:
+def _place(node: Value, kernels, home, latest_loops: dict, reads: dict, avoid=None) -> int:
+    """The kernel node joins (a new one if none); never the loop `avoid`."""
     if node.op == "full" or (is_alias(node) and alias_base(node).op == "full"):
         return _new(kernels, Kernel("literal", [node], node.shape))
     if is_alias(node):
@@ -228,6 +252,8 @@ def _place(node: Value, kernels: list[Kernel], home, latest_loops: dict, reads: 
     if is_loop_op(node) or tail:
         shape = node.inputs[0].shape if tail else node.shape
         target = _joinable_loop(node, shape, kernels, home, latest_loops.get(shape), reads)
+        if target is not None and target == avoid:
+            target = None
         if target is None:
             target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
             reads[target] = set()

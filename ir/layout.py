@@ -42,13 +42,17 @@ def storage_root(value: Value) -> Value:
 @dataclass
 class BufferLayout:
     outputs: list[Value] = field(default_factory=list)  # roots the caller allocates per call
-    scratch_elements: dict = field(default_factory=dict)  # dtype -> arena length
+    scratch_elements: dict = field(default_factory=dict)  # dtype -> arena length as that dtype
     reused_saved: dict = field(default_factory=dict)  # value -> saved input it lives in
     scratch_offsets: dict = field(default_factory=dict)  # value -> element offset in its arena
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(n * DTYPES[d].itemsize for d, n in self.scratch_elements.items())
+        """The one scratch arena's bytes: every dtype views the same buffer (at least one item
+        of each, as the runtime allocates it)."""
+        return max(
+            (max(n, 1) * DTYPES[d].itemsize for d, n in self.scratch_elements.items()), default=0
+        )
 
     @property
     def output_bytes(self) -> int:
@@ -119,7 +123,7 @@ def plan_layout(
             )
         )
     requests = _reuse_saved(requests, private_saved, last, layout)
-    assignment = assign_memory(requests)
+    assignment = assign_memory(requests, shared=True)
     for (_arena, dtype), size in assignment.arena_sizes.items():
         layout.scratch_elements[dtype] = size
     for r in requests:

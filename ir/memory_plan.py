@@ -1,5 +1,7 @@
 """Static memory plan: every buffer of a schedule gets a fixed offset in one arena per
 (arena name, dtype), so compiled code allocates a few arrays up front and none per step.
+`shared=True` places every dtype of an arena in the same bytes (the runtime views one buffer
+as each dtype): a bfloat16 buffer may reuse bytes a float32 one used earlier.
 
 Two buffers share bytes only when their live ranges [first_step, last_step] are disjoint, or when
 one takes over a dying buffer in place (an elementwise output written over the input it reads for
@@ -46,20 +48,29 @@ class MemoryAssignment:
     """Where each buffer lives. `in_place` maps a buffer to the buffer whose storage it took."""
 
     placements: dict
-    arena_sizes: dict  # (arena, dtype) -> size in elements
+    arena_sizes: dict  # (arena, dtype) -> size in elements (shared: the whole arena's bytes)
     in_place: dict = field(default_factory=dict)
+    shared: bool = False  # every dtype of an arena views the same bytes
 
     def arena_bytes(self) -> dict:
         return {key: size * DTYPES[key[1]].itemsize for key, size in self.arena_sizes.items()}
 
     @property
     def peak_bytes(self) -> int:
-        """Bytes the runtime allocates: all arenas together."""
-        return sum(self.arena_bytes().values())
+        """Bytes the runtime allocates: all arenas together (a shared arena counted once)."""
+        if not self.shared:
+            return sum(self.arena_bytes().values())
+        per_arena: dict = {}
+        for (arena, _), nbytes in self.arena_bytes().items():
+            per_arena[arena] = max(per_arena.get(arena, 0), nbytes)
+        return sum(per_arena.values())
 
 
-def assign_memory(requests: list[BufferRequest], alignment_bytes: int = 64) -> MemoryAssignment:
-    """Place every buffer; deterministic for the same requests.
+def assign_memory(
+    requests: list[BufferRequest], alignment_bytes: int = 64, shared: bool = False
+) -> MemoryAssignment:
+    """Place every buffer; deterministic for the same requests. shared: the dtypes of one
+    arena share its bytes (offsets still in elements of each buffer's dtype).
 
     >>> x = BufferRequest("x", nbytes=256, dtype="f32", first_step=-1, last_step=0)
     >>> y = BufferRequest("y", nbytes=256, dtype="f32", first_step=1, last_step=2)
@@ -71,16 +82,17 @@ def assign_memory(requests: list[BufferRequest], alignment_bytes: int = 64) -> M
     in_place = _resolve_in_place(requests)
     by_arena: dict[tuple, list[list[BufferRequest]]] = {}
     for chain in _chains(requests, in_place):
-        by_arena.setdefault((chain[0].arena, chain[0].dtype), []).append(chain)
+        group = (chain[0].arena,) if shared else (chain[0].arena, chain[0].dtype)
+        by_arena.setdefault(group, []).append(chain)
     placements, sizes = {}, {}
-    for (arena, dtype), chains in by_arena.items():
-        itemsize = DTYPES[dtype].itemsize
+    for chains in by_arena.values():
         offsets, end = _place_best_fit(chains, alignment_bytes)
-        sizes[(arena, dtype)] = end // itemsize
         for chain, offset in zip(chains, offsets, strict=True):
             for r in chain:
-                placements[r.key] = Placement(arena, dtype, offset // itemsize, r.nbytes)
-    return MemoryAssignment(placements, sizes, in_place)
+                itemsize = DTYPES[r.dtype].itemsize
+                placements[r.key] = Placement(r.arena, r.dtype, offset // itemsize, r.nbytes)
+                sizes[(r.arena, r.dtype)] = -(-end // itemsize)
+    return MemoryAssignment(placements, sizes, in_place, shared)
 
 
 def lower_bound_bytes(requests: list[BufferRequest]) -> dict:

@@ -4,7 +4,8 @@
           -> differentiate -> expand composites -> rematerialize      (plan_choices)
           | what else to recompute under a memory budget (ir/budget.py)
           -> recompute for budget -> expand the backward -> saved inputs last
-          -> forward returns saved values -> saved dtype -> liveness  (PlanChoices.build)
+          -> forward returns saved values -> saved dtype -> liveness  (PlanChoices.build;
+             a joint plan: saved dtype (narrow_held) -> liveness)
           -> lower: fusion -> epilogues -> schedule -> memory plan, donation  (ir/lowering.py)
 
 One route serves both forms (`PipelineOptions.joint`). A compiled function's region gets a
@@ -50,12 +51,13 @@ from .passes import (
 from .remat import (
     Recomputed,
     forward_nodes,
+    held_across,
     recompute_chosen,
     recompute_joint_chosen,
     rematerialize,
     rematerialize_joint,
 )
-from .saved_dtype import narrowed_saved
+from .saved_dtype import narrowed_joint, narrowed_saved
 from .step_schedule import StepSchedule, step_schedule
 from .types import is_float
 from .verify import verify_graph, verify_plan
@@ -178,7 +180,7 @@ class PlanChoices:
         log, options = self.log, self.options
         stage = recompute_for_budget(self.stage, chosen, options, log)
         if options.joint:
-            return self._kept(drop, _plan(stage.forward, log))
+            return self._kept(drop, _plan(narrow_held(stage, options, log).forward, log))
         if stage.backward is None:
             forward = _expanded(stage.forward, log, options.expand)
             plans = RegionPlans(
@@ -372,6 +374,18 @@ def narrow_saved(plans: RegionPlans, options: PipelineOptions, log: PassLog) -> 
     forward = _plan(log.record("saved_dtype", forward), log, options.donated)
     backward = _plan(log.record("saved_dtype", backward), log)
     return replace(plans, forward=forward, backward=backward, saved=slots)
+
+
+def narrow_held(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
+    """Joint, with saved_dtype: the forward values the gradient part reads kept in that dtype
+    between the two parts (a cast after each is made, one back before its first gradient
+    reader: ir/saved_dtype.py narrowed_joint)."""
+    if options.saved_dtype is None:
+        return stage
+    graph = stage.forward
+    forward = forward_nodes(graph, stage.n_outputs)
+    narrowed = narrowed_joint(graph, forward, held_across(graph, forward), options.saved_dtype)
+    return replace(stage, forward=log.record("saved_dtype", narrowed))
 
 
 def held_schedule(stage: Stage, joint: bool) -> StepSchedule:

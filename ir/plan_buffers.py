@@ -1,6 +1,7 @@
 """Every buffer a compiled plan's call holds, named, from the lowered plan alone: the scratch
-arena per dtype (kept by the plan, reused by every call), the constants the plan keeps, and the
-buffers allocated for what the call returns (those written into donated inputs excepted).
+arena (kept by the plan, reused by every call; each dtype views the same bytes), the constants
+the plan keeps, and the buffers allocated for what the call returns (those written into donated
+inputs excepted).
 
 This is the one list the predicted peak (ir/peak.py) sums and the checked mode
 (BACKPLAN_CHECK_MEMORY=1, codegen/run/memory_check.py) compares a call's real allocations with, so
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from .layout import storage_root
 from .lowering import LoweredPlan, literal_outputs
 from .printer import format_loc
-from .types import DTYPES
 
 # What a buffer is, for the per-category accounting of a step.
 KEPT = ("constants", "scratch")  # held by the compiled plan across calls
@@ -26,11 +26,6 @@ class PlannedBuffer:
     name: str  # what a reader sees: "%12 f32[64,10] (output 0) at model.py:7"
     category: str  # "scratch", "constants", or the output's kind ("outputs", "saved", ...)
     nbytes: int
-
-
-def arena_bytes(elements: int, dtype: str) -> int:
-    """A plan's arena of `elements` items: at least one item, as the runtime allocates it."""
-    return max(elements, 1) * DTYPES[dtype].itemsize
 
 
 def compiled_buffers(
@@ -50,10 +45,16 @@ def compiled_buffers(
         )
         for name, array in graph.constants.items()
     ]
-    found += [
-        PlannedBuffer(f"scratch {d}", f"scratch arena {d}[{n}]", "scratch", arena_bytes(n, d))
-        for d, n in sorted(lowered.layout.scratch_elements.items())
-    ]
+    scratch = sorted(lowered.layout.scratch_elements)
+    if scratch:
+        found.append(
+            PlannedBuffer(
+                "scratch",
+                f"scratch arena ({', '.join(scratch)})",
+                "scratch",
+                lowered.layout.scratch_bytes,
+            )
+        )
     in_place = lowered.donations
     for k, root in enumerate(lowered.layout.outputs):
         if k in in_place:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from .autodiff import SavedValue
 from .graph import Graph, Value, copy_graph
 from .registry import get_op
+from .saved_dtype import is_saved_narrowing
 
 MAX_CHAIN = 16
 
@@ -169,13 +170,16 @@ REBUILT_OPS = ("full", "const")
 
 
 def forward_nodes(graph: Graph, n_outputs: int) -> set[Value]:
-    """In a joint plan (value_and_grad), the nodes the user's outputs depend on; every other
-    node belongs to the gradients."""
+    """In a joint plan (value_and_grad), the nodes the user's outputs depend on, and the
+    narrowing casts of saved_dtype (ir/saved_dtype.py) of those; every other node belongs to
+    the gradients."""
     needed = set(graph.outputs[:n_outputs])
     for node in reversed(graph.nodes):
         if node in needed:
             needed.update(node.inputs)
-    return {n for n in graph.nodes if n in needed}
+    forward = {n for n in graph.nodes if n in needed}
+    forward.update(n for n in graph.nodes if is_saved_narrowing(n, forward))
+    return forward
 
 
 def held_across(graph: Graph, forward: set[Value]) -> list[Value]:

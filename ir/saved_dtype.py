@@ -5,6 +5,10 @@ backward for bfloat16; no added FLOPs beyond one cast each way, and a rounding o
 derivative reads (bfloat16 keeps 8 significant bits). Your own inputs that backward reads are
 held by reference, not copied, so they stay as they are; so do saved user outputs (a narrow
 copy would add to what is held, not replace it).
+
+The joint plan of value_and_grad (`narrowed_joint`) does the same to the values its gradient
+part reads from its forward part: the narrowing cast runs right after the value is made (a
+forward node: `is_saved_narrowing`), the widening cast just before the first gradient reader.
 """
 
 from __future__ import annotations
@@ -38,6 +42,38 @@ def narrowed_saved(
         slots[k] = replace(slot, forward=narrowed[at])
         _read_widened(backward, backward.inputs[first_saved + k], dtype)
     return forward, backward, slots
+
+
+def narrowed_joint(graph: Graph, forward: set[Value], held: list[Value], dtype: str) -> Graph:
+    """A copy of the joint plan's graph whose held values (forward values its gradient part
+    reads; `forward` and `held` as ir/remat.py finds them) are kept in dtype between the two
+    parts. Inputs and the user's outputs are held as they are."""
+    kept_as_is = set(graph.inputs) | set(graph.outputs)
+    chosen = [v for v in held if v not in kept_as_is and _narrows(v.dtype, dtype)]
+    if not chosen:
+        return graph
+    graph, mapping = copy_graph(graph)
+    forward = {mapping[v] for v in forward}
+    for value in (mapping[v] for v in chosen):
+        narrow = Value(
+            "astype", (value,), {"dtype": dtype}, TensorType(dtype, value.shape), value.loc
+        )
+        graph.nodes.insert(graph.nodes.index(value) + 1, narrow)
+        forward.add(narrow)
+        wide = Value("astype", (narrow,), {"dtype": value.dtype}, value.type, value.loc)
+        readers = [n for n in graph.nodes if n not in forward and value in n.inputs]
+        for node in readers:
+            node.inputs = tuple(wide if i is value else i for i in node.inputs)
+        graph.nodes.insert(graph.nodes.index(readers[0]), wide)
+    return graph
+
+
+def is_saved_narrowing(node: Value, forward: set[Value]) -> bool:
+    """Whether node is a narrowing cast of a forward value that only the gradient part reads:
+    the joint plan's saved_dtype copy, computed in its forward part."""
+    if node.op != "astype" or node.inputs[0] not in forward:
+        return False
+    return _narrows(node.inputs[0].dtype, node.dtype)
 
 
 def _narrows(source: str, target: str) -> bool:

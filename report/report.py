@@ -73,6 +73,7 @@ class ExplainReport:
     inner: list = field(default_factory=list)  # (InnerJoint, its report): inlined joint plans
     frontier_source: Callable | None = None  # () -> MemoryFrontier of this signature's plans
     dynamic: str | None = None  # a symbolic signature: its axis, sizes and memory formulas
+    saved_dtype_note: str = ""  # the dtype saved buffers are kept in, and why (saved_dtype)
 
     # ---- numbers ------------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ def summary_text(report) -> str:
     ]
     parts.append(_saved_sentence(report))
     parts.append(_recomputed_sentence(report))
+    parts.append(report.saved_dtype_note)
     parts.append(_peak_sentence(report))
     parts.append(_compiled_sentence(report))
     parts.append(_freeing_sentence(report))

@@ -485,3 +485,46 @@ def test_simulated_programs_exercise_in_place_reuse():
         ignored += sum(1 for r in requests if r.reuse and r.key not in plan.in_place)
     assert taken >= 40
     assert ignored >= 40
+
+
+# ---------------------------------------------------------------- one arena for every dtype
+
+
+def _assert_shared_safe(requests, plan):
+    """shared=True: buffers of any dtypes of one arena never overlap in bytes while both live
+    (but for an in-place takeover)."""
+    for i, a in enumerate(requests):
+        for b in requests[i + 1 :]:
+            pa, pb = plan.placements[a.key], plan.placements[b.key]
+            (a0, a1), (b0, b1) = byte_range(pa), byte_range(pb)
+            if pa.arena == pb.arena and a0 < b1 and b0 < a1 and lives_overlap(a, b):
+                pair = {plan.in_place.get(a.key), plan.in_place.get(b.key)}
+                assert a.key in pair or b.key in pair, f"{a} and {b} share bytes while both live"
+    for r in requests:
+        p = plan.placements[r.key]
+        assert p.offset + r.nbytes // ITEMSIZE[r.dtype] <= plan.arena_sizes[(r.arena, r.dtype)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(schedules(), st.sampled_from([8, 64]))
+def test_shared_arenas_are_safe_across_dtypes(requests, alignment_bytes):
+    plan = assign_memory(requests, alignment_bytes, shared=True)
+    _assert_shared_safe(requests, plan)
+    assert_hints_followed(requests, plan)
+    whole = {}  # an arena's bytes: what its widest view spans
+    for (arena, _), nbytes in plan.arena_bytes().items():
+        whole[arena] = max(whole.get(arena, 0), nbytes)
+    assert plan.peak_bytes == sum(whole.values())
+    for (arena, _), bound in lower_bound_bytes(requests).items():
+        assert whole[arena] >= bound
+
+
+def test_a_bfloat16_buffer_reuses_bytes_a_float32_one_freed():
+    wide = BufferRequest("wide", 4096, "f32", first_step=0, last_step=1)
+    narrow = BufferRequest("narrow", 2048, "bf16", first_step=2, last_step=3)
+    apart = assign_memory([wide, narrow])
+    shared = assign_memory([wide, narrow], shared=True)
+    assert apart.peak_bytes == 4096 + 2048
+    assert shared.peak_bytes == 4096
+    assert shared.placements["narrow"].offset == 0
+    assert shared.arena_sizes == {("scratch", "f32"): 1024, ("scratch", "bf16"): 2048}

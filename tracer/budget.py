@@ -10,13 +10,14 @@ holds. The cheapest plan (fewest added FLOPs) that fits is used; if none fits,
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from backplan.ir.budget import cheapest_within, plan_frontier
+from backplan.ir.budget import PlanPoint, cheapest_within, plan_frontier
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
 from backplan.ir.peak import joint_calls, predicted_peak, region_calls
 from backplan.ir.pipeline import PlanChoices, RegionPlans
+from backplan.ir.types import np_dtype
 from backplan.report.frontier import FrontierPoint, MemoryFrontier
 from backplan.report.wording import format_bytes
 from backplan.runtime.backend import current_backend
@@ -60,24 +61,67 @@ class EvaluatedPoint:
 
 
 class BudgetPlanner:
-    """The choices of one traced signature and what its plans weigh."""
+    """The choices of one traced signature and what its plans weigh. allow_dtype (a 16-bit
+    float, `allow_saved_dtype=`): a budget may also be met by keeping the saved buffers the
+    forward computes in that dtype, a plan that adds no FLOPs (one cast each way) and rounds
+    what the backward reads; at equal added FLOPs the full-precision plan is preferred."""
 
-    def __init__(self, choices: PlanChoices, input_bytes: int, name: str):
+    def __init__(
+        self,
+        choices: PlanChoices,
+        input_bytes: int,
+        name: str,
+        allow_dtype: str | None = None,
+    ):
         self.choices, self.input_bytes, self.name = choices, input_bytes, name
         self.inlined: list[str] = []  # where value_and_grad plans were inlined (their lines)
-        self._built: dict[frozenset, EvaluatedPoint] = {}
+        self.allow_dtype = allow_dtype
+        self._narrow_choices = _narrowing(choices, allow_dtype) if allow_dtype else None
+        self.narrowed_for: str | None = None  # the budget the narrowed plans were chosen for
+        self._built: dict[tuple, EvaluatedPoint] = {}
 
-    def build(self, drop: frozenset = frozenset()):
-        return self.choices.build(drop)
+    def build(self, drop: frozenset = frozenset(), narrowed: bool = False):
+        return (self._narrow_choices if narrowed else self.choices).build(drop)
 
-    def evaluate(self, point) -> EvaluatedPoint:
-        if point.drop not in self._built:
-            plans = self.build(point.drop)
+    def evaluate(self, point, narrowed: bool = False) -> EvaluatedPoint:
+        key = (point.drop, narrowed)
+        if key not in self._built:
+            plans = self.build(point.drop, narrowed)
             peak = step_peak_bytes(plans, self._n_outputs())
-            self._built[point.drop] = EvaluatedPoint(
+            self._built[key] = EvaluatedPoint(
                 peak, point.held_bytes, point.added_flops, len(point.drop), point.drop, plans
             )
-        return self._built[point.drop]
+        return self._built[key]
+
+    def candidates(self, points: list) -> list[tuple]:
+        """(point, narrowed) in the order a budget tries them: fewest added FLOPs first, at
+        equal FLOPs full precision first (narrowed plans only with allow_dtype)."""
+        tried = [(p, False) for p in points]
+        if self.allow_dtype is not None:
+            tried += [(p, True) for p in points]
+        return sorted(tried, key=lambda c: (c[0].added_flops, c[1]))
+
+    def saved_dtype_note(self) -> str:
+        """What explain says about the dtype of the saved buffers the forward computes."""
+        forced = self.choices.options.saved_dtype
+        dtype = forced or (self.allow_dtype if self.narrowed_for else None)
+        if dtype is None:
+            if self.allow_dtype is None:
+                return ""
+            return (
+                f"allow_saved_dtype={np_dtype(self.allow_dtype).name}: the plan fits its budget "
+                "(or has none) with its saved buffers in full precision, so they are kept so."
+            )
+        why = (
+            "saved_dtype"
+            if forced
+            else (f"allow_saved_dtype: the memory planner chose it to fit {self.narrowed_for}")
+        )
+        return (
+            f"The saved buffers the forward computes are kept in {np_dtype(dtype).name} "
+            f"({why}): no added FLOPs (one cast each way), and the backward reads them rounded "
+            f"to {_significant_bits(dtype)} significant bits."
+        )
 
     def _n_outputs(self) -> int:
         return self.choices.n_outputs if self.choices.joint else 0
@@ -101,8 +145,6 @@ class BudgetPlanner:
         return kept or [self.evaluate_default()]
 
     def evaluate_default(self) -> EvaluatedPoint:
-        from backplan.ir.budget import PlanPoint
-
         return self.evaluate(PlanPoint(frozenset(), 0, 0, 0))
 
     def step_flops(self) -> int:
@@ -127,9 +169,10 @@ class BudgetPlanner:
     def fit_peak(self, limit: int):
         """The plans of the cheapest point whose step peak fits limit; MemoryBudgetError if none."""
         self._check_inputs_fit(limit, "max_peak_bytes")
-        for point in sorted(self.points(), key=lambda p: p.added_flops):
-            evaluated = self.evaluate(point)
+        for point, narrowed in self.candidates(self.points()):
+            evaluated = self.evaluate(point, narrowed)
             if evaluated.peak_bytes <= limit:
+                self.narrowed_for = f"max_peak_bytes={limit:,}" if narrowed else None
                 return evaluated.plans
         default = self.evaluate_default()
         if default.peak_bytes <= limit:
@@ -152,6 +195,8 @@ class BudgetPlanner:
             )
         if _saved_bytes(default_plans) <= limit:
             return default_plans
+        if self.allow_dtype is not None:
+            return self._fit_saved_narrowed(limit)
         point = cheapest_within(self.points("saved"), limit, "saved")
         if point is None:
             lowest = min((p.held_bytes for p in self.points("saved")), default=0)
@@ -161,6 +206,19 @@ class BudgetPlanner:
                 "cheaper rebuilds); raise the budget or use max_peak_bytes"
             )
         return self.build(point.drop)
+
+    def _fit_saved_narrowed(self, limit: int):
+        """fit_saved with allow_dtype: the first candidate whose built plans' saved bytes fit."""
+        for point, narrowed in self.candidates(self.points("saved")):
+            plans = self.build(point.drop, narrowed)
+            if _saved_bytes(plans) <= limit:
+                self.narrowed_for = f"saved_bytes_budget={limit:,}" if narrowed else None
+                return plans
+        raise MemoryBudgetError(
+            f"{self.name}: saved_bytes_budget={limit:,} cannot be met, even with the saved "
+            f"buffers in {np_dtype(self.allow_dtype).name} and every cheaper value recomputed; "
+            "raise the budget or use max_peak_bytes"
+        )
 
     def _check_inputs_fit(self, limit: int, option: str) -> None:
         if limit < self.input_bytes:
@@ -189,9 +247,28 @@ class BudgetPlanner:
         dominant = _dominant(best.plans)
         if dominant:
             text += " At that peak the largest buffers are: " + "; ".join(dominant) + "."
-        return text + (
-            " Ways out: a smaller batch (bp.max_batch(fn, args, max_peak_bytes=...) says the "
-            "largest that fits), or a larger budget."
+        return (
+            text
+            + self._narrowing_text(best)
+            + (
+                " Ways out: a smaller batch (bp.max_batch(fn, args, max_peak_bytes=...) says the "
+                "largest that fits), or a larger budget."
+            )
+        )
+
+    def _narrowing_text(self, best: EvaluatedPoint) -> str:
+        """What 16-bit saved buffers would give (or gave) the refused budget."""
+        if self.choices.options.saved_dtype is not None:
+            return ""
+        if self.allow_dtype is None:
+            return (
+                " allow_saved_dtype=bp.bfloat16 would also let the planner keep the saved "
+                "buffers in bfloat16 (no added FLOPs, a rounding)."
+            )
+        narrowed = self.evaluate(PlanPoint(best.drop, 0, 0, best.added_flops), True)
+        return (
+            f" With the saved buffers in {np_dtype(self.allow_dtype).name} "
+            f"(allow_saved_dtype) the smallest peak is {format_bytes(narrowed.peak_bytes)}."
         )
 
     def _inlined_refusal(self, limit: int, option: str) -> str:
@@ -213,6 +290,17 @@ class BudgetPlanner:
             "(recomputing in its backward) with the optimizer update in a compiled call of its "
             "own, a smaller batch (bp.max_batch), or a larger budget."
         )
+
+
+def _narrowing(choices: PlanChoices, dtype: str) -> PlanChoices:
+    """The same choices keeping saved values in dtype (the stage and schedule shared, no plan
+    built yet)."""
+    options = replace(choices.options, saved_dtype=dtype)
+    return replace(choices, options=options, _default=None)
+
+
+def _significant_bits(dtype: str) -> int:
+    return {"bf16": 8, "f16": 11, "f32": 24, "f64": 53}[dtype]
 
 
 def _saved_bytes(plans) -> int:

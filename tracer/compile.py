@@ -136,10 +136,13 @@ class CompiledFunction(PlannedFunction):
         max_peak_bytes: int | None = None,
         saved_dtype=None,
         dynamic=None,
+        allow_saved_dtype=None,
     ):
         super().__init__(fn, cache_size, background)
         self.remat = remat
-        self.saved_dtype = checked_saved_dtype(saved_dtype)
+        self.saved_dtype, self.allow_saved_dtype = checked_saved_dtypes(
+            saved_dtype, allow_saved_dtype
+        )
         self.saved_bytes_budget = checked_budget(saved_bytes_budget, "saved_bytes_budget")
         self.max_peak_bytes = checked_budget(max_peak_bytes, "max_peak_bytes")
         if self.saved_bytes_budget is not None and self.max_peak_bytes is not None:
@@ -268,7 +271,9 @@ class CompiledFunction(PlannedFunction):
             donated=donated,
         )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
-        planner = BudgetPlanner(plan_choices(graph, wrt, options), input_bytes, name)
+        planner = BudgetPlanner(
+            plan_choices(graph, wrt, options), input_bytes, name, self.allow_saved_dtype
+        )
         planner.inlined = [joint.loc for joint in trace.inner_joints]
         plans = self._plans_within_budget(planner)
         program = RegionProgram(plans, name=name, input_names=names, background=self.background)
@@ -314,6 +319,17 @@ def checked_saved_dtype(dtype) -> str | None:
     return name
 
 
+def checked_saved_dtypes(saved_dtype, allow_saved_dtype) -> tuple[str | None, str | None]:
+    """saved_dtype (always) and allow_saved_dtype (when a budget needs it) as IR names; one
+    of the two at most."""
+    if saved_dtype is not None and allow_saved_dtype is not None:
+        raise ValueError(
+            "give saved_dtype (saved buffers always in that dtype) or allow_saved_dtype (the "
+            "memory planner may choose it to meet a budget), not both"
+        )
+    return checked_saved_dtype(saved_dtype), checked_saved_dtype(allow_saved_dtype)
+
+
 def _kept_inputs(program: RegionProgram, donated: tuple[int, ...]) -> set[int]:
     """Forward inputs whose buffer outlives the call: read by an output, saved for backward,
     or donated. A NumPy array passed there is copied (tracer/numpy_args.py)."""
@@ -340,6 +356,7 @@ def compile(  # noqa: A001
     max_peak_bytes: int | None = None,
     saved_dtype=None,
     dynamic=None,
+    allow_saved_dtype=None,
 ) -> CompiledFunction: ...
 
 
@@ -357,6 +374,7 @@ def compile(  # noqa: A001
     max_peak_bytes: int | None = None,
     saved_dtype=None,
     dynamic=None,
+    allow_saved_dtype=None,
 ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 
 
@@ -373,6 +391,7 @@ def compile(  # noqa: A001
     max_peak_bytes: int | None = None,
     saved_dtype=None,
     dynamic=None,
+    allow_saved_dtype=None,
 ) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Trace fn on its first call per signature into static forward and backward plans.
 
@@ -401,6 +420,9 @@ def compile(  # noqa: A001
     saved_dtype=bp.bfloat16 stores the float32 values the forward saves for backward in
     bfloat16 (half the bytes; the backward reads them rounded to 8 significant bits); your own
     arrays and returned outputs that backward reads are held as they are.
+    allow_saved_dtype=bp.bfloat16 lets max_peak_bytes or saved_bytes_budget be met that way
+    too: the planner keeps full precision when a plan fits, and prefers bfloat16 saved
+    buffers (no added FLOPs, a rounding) to recomputing; explain() says which it chose.
     cache_size: signatures kept (least recently used leave first); after 8 retraces a
     bp.RetraceWarning says what changed.
 
@@ -438,6 +460,7 @@ def compile(  # noqa: A001
         max_peak_bytes=max_peak_bytes,
         saved_dtype=saved_dtype,
         dynamic=dynamic,
+        allow_saved_dtype=allow_saved_dtype,
     )
     if fn is None:
         return lambda f: CompiledFunction(f, **options)

@@ -21,7 +21,7 @@ from backplan.ir.types import is_float
 from backplan.runtime.backend import current_backend, runner_for
 
 from .budget import BudgetPlanner, checked_budget, inlined_budget_refusal
-from .compile import trace_function
+from .compile import checked_saved_dtypes, trace_function
 from .dynamic import sizes_planned_apart, symbolic_key
 from .errors import TracingError
 from .fastpath import positions_of
@@ -84,11 +84,16 @@ class ValueAndGradFunction(PlannedFunction):
         has_aux: bool = False,
         background: bool | None = None,
         max_peak_bytes: int | None = None,
+        saved_dtype=None,
+        allow_saved_dtype=None,
     ):
         if background is None and isinstance(fn, PlannedFunction):
             background = fn.background  # bp.compile(fn, background=...) inlines into this plan
         super().__init__(fn, background=background)
         self.max_peak_bytes = checked_budget(max_peak_bytes, "max_peak_bytes")
+        self.saved_dtype, self.allow_saved_dtype = checked_saved_dtypes(
+            saved_dtype, allow_saved_dtype
+        )
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
         self.argnums = argnums
         self.has_aux = has_aux
@@ -102,7 +107,15 @@ class ValueAndGradFunction(PlannedFunction):
 
     def with_budget(self, max_peak_bytes: int):
         """The same function planned with another max_peak_bytes (bp.max_batch asks)."""
-        return type(self)(self.fn, self.argnums, self.has_aux, self.background, max_peak_bytes)
+        return type(self)(
+            self.fn,
+            self.argnums,
+            self.has_aux,
+            self.background,
+            max_peak_bytes,
+            self.saved_dtype,
+            self.allow_saved_dtype,
+        )
 
     def _call_in_trace(self, args, kwargs):
         """Inlined into the traced function's plan, which is planned as a whole: a budget of
@@ -176,7 +189,12 @@ class ValueAndGradFunction(PlannedFunction):
 
     def _build(self, bound: JointCall) -> JointTrace:
         entry = _trace_joint(
-            self.fn, bound.call, bound.diff_paths, self.has_aux, self.max_peak_bytes
+            self.fn,
+            bound.call,
+            bound.diff_paths,
+            self.has_aux,
+            self.max_peak_bytes,
+            (self.saved_dtype, self.allow_saved_dtype),
         )
         entry.background = self.background
         return entry
@@ -212,6 +230,8 @@ def value_and_grad(
     *,
     background: bool | None = None,
     max_peak_bytes: int | None = None,
+    saved_dtype=None,
+    allow_saved_dtype=None,
 ) -> ValueAndGradFunction:
     """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
     Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
@@ -220,6 +240,9 @@ def value_and_grad(
     bp.compile function, whose trace this plan inlines; else BACKPLAN_DRIVER's).
     max_peak_bytes: as in bp.compile, for the joint plan: the step's peak fits it, at the
     fewest added FLOPs, or bp.MemoryBudgetError says why not before anything compiles.
+    saved_dtype=bp.bfloat16: as in bp.compile, the forward values the gradient part reads are
+    kept in bfloat16 between the two parts (your arrays and returned outputs as they are).
+    allow_saved_dtype: as in bp.compile, max_peak_bytes may be met that way too.
 
     >>> import backplan as bp
     >>> f = bp.value_and_grad(lambda x: (x ** 3).sum())
@@ -227,7 +250,15 @@ def value_and_grad(
     >>> g.numpy().tolist()
     [12.0]
     """
-    return ValueAndGradFunction(fn, argnums, has_aux, check_background(background), max_peak_bytes)
+    return ValueAndGradFunction(
+        fn,
+        argnums,
+        has_aux,
+        check_background(background),
+        max_peak_bytes,
+        saved_dtype,
+        allow_saved_dtype,
+    )
 
 
 def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, single: bool):
@@ -317,9 +348,19 @@ def grad(
     *,
     background: bool | None = None,
     max_peak_bytes: int | None = None,
+    saved_dtype=None,
+    allow_saved_dtype=None,
 ) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
-    return GradFunction(fn, argnums, has_aux, check_background(background), max_peak_bytes)
+    return GradFunction(
+        fn,
+        argnums,
+        has_aux,
+        check_background(background),
+        max_peak_bytes,
+        saved_dtype,
+        allow_saved_dtype,
+    )
 
 
 def _parameter_names(fn) -> list[str]:
@@ -390,7 +431,8 @@ def _diff_positions(call, args, nums) -> set[int]:
     return positions
 
 
-def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes: int | None = None):
+def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes=None, dtypes=(None, None)):
+    """dtypes: (saved_dtype, allow_saved_dtype)."""
     name = getattr(fn, "__name__", "fn")
     trace, out_leaves, out_treedef = trace_function(_positional(fn), name, call)
     if has_aux:
@@ -413,10 +455,12 @@ def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes: int | None = Non
     graph = trace.graph
     graph.outputs = [trace.value_of(loss)] + [trace.value_of(a) for a in aux_leaves]
     wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
+    saved_dtype, allow_dtype = dtypes
     planner = BudgetPlanner(
-        plan_choices(graph, wrt, PipelineOptions(joint=True)),
+        plan_choices(graph, wrt, PipelineOptions(joint=True, saved_dtype=saved_dtype)),
         sum(v.type.nbytes for v in graph.inputs),
         name,
+        allow_dtype=allow_dtype,
     )
     plan = planner.build() if max_peak_bytes is None else planner.fit_peak(max_peak_bytes)
     return JointTrace(plan, trace.captured, aux_treedef, len(aux_leaves), wrt, planner=planner)

@@ -221,7 +221,7 @@ class CompiledPlan:
         if checking():
             self._checked = (
                 compiled_buffers(lowered),
-                [f"scratch {d}" for d in generated.scratch],
+                ["scratch"] if generated.scratch else [],
             )
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
@@ -284,8 +284,8 @@ class CompiledPlan:
         """Checked mode: the buffers this call holds, by the names the prediction uses."""
         for i, array in copies.items():
             ALLOCATOR.use(array, f"copy of input {i} (not C-contiguous)")
-        for key, arena in zip(scratch_keys, workspace.scratch, strict=True):
-            ALLOCATOR.use(arena, key)
+        for key in scratch_keys:
+            ALLOCATOR.use(workspace.arena, key)
         for k, array in enumerate(outputs):
             if k not in given:
                 ALLOCATOR.use(array, f"output {k}")

@@ -32,13 +32,20 @@ def parallel_guard():
     return _parallel_launch
 
 
+def arena_bytes(scratch: list[tuple[np.dtype, int]]) -> int:
+    """Bytes of the one scratch arena that each (dtype, length) of `scratch` views."""
+    return max((max(n, 1) * np.dtype(d).itemsize for d, n in scratch), default=0)
+
+
 class Workspace:
-    """The scratch arenas (one per dtype) and the outputs of this workspace's previous call."""
+    """The scratch arena (one buffer, seen as each dtype the plan places in it: ir/layout.py
+    plans them in the same bytes) and the outputs of this workspace's previous call."""
 
     def __init__(
         self, scratch: list[tuple[np.dtype, int]], output_buffers: list, donatable=frozenset()
     ):
-        self.scratch = [np.empty(max(n, 1), dtype) for dtype, n in scratch]
+        self.arena = np.empty(arena_bytes(scratch), np.uint8)
+        self.scratch = [self.arena[: max(n, 1) * np.dtype(d).itemsize].view(d) for d, n in scratch]
         self.output_buffers = output_buffers  # (shape, dtype) of each per-call output
         self.previous_outputs = [None] * len(output_buffers)
         self.donatable = donatable  # outputs that may go back in as donated inputs: not kept
@@ -92,8 +99,8 @@ class WorkspacePool:
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of one workspace's arenas (each concurrent call holds its own)."""
-        return sum(max(n, 1) * np.dtype(d).itemsize for d, n in self._scratch)
+        """Bytes of one workspace's arena (each concurrent call holds its own)."""
+        return arena_bytes(self._scratch)
 
     def checkout(self) -> Workspace:
         try:

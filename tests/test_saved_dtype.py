@@ -1,0 +1,117 @@
+"""Saved buffers kept in bfloat16: value_and_grad(saved_dtype=...), and the memory planner's
+lever (allow_saved_dtype=...: a budget met by 16-bit saved buffers instead of recomputing)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import backplan as bp
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _chain(x, w):
+    """Each tanh's output is read by its derivative: six f32[64,256] values held."""
+    h = x * w
+    for _ in range(6):
+        h = bp.tanh(h * 1.5)
+    return h.sum()
+
+
+def _arguments():
+    rng = np.random.default_rng(7)
+    x = bp.tensor(rng.standard_normal((64, 256)).astype(np.float32))
+    w = bp.tensor(rng.standard_normal(256).astype(np.float32))
+    return x, w
+
+
+def _computed_saved(report) -> list:
+    return [s for s in report.saved_buffers if not s.is_region_input]
+
+
+def test_value_and_grad_keeps_what_its_gradient_part_reads_in_bfloat16():
+    x, w = _arguments()
+    full = bp.value_and_grad(_chain, argnums=(0, 1))
+    narrow = bp.value_and_grad(_chain, argnums=(0, 1), saved_dtype=bp.bfloat16)
+    full_saved = _computed_saved(full.explain(x, w))
+    narrow_saved = _computed_saved(narrow.explain(x, w))
+    assert {s.dtype for s in full_saved} == {np.dtype(np.float32)}
+    assert {s.dtype for s in narrow_saved} == {BF16}
+    assert sum(s.nbytes for s in narrow_saved) * 2 == sum(s.nbytes for s in full_saved)
+    assert all("saved_dtype" in s.reason and "tanh derivative" in s.reason for s in narrow_saved)
+    (v_full, g_full), (v_narrow, g_narrow) = full(x, w), narrow(x, w)
+    assert v_full.numpy() == v_narrow.numpy()  # the forward itself is not rounded
+    for a, b in zip(g_full, g_narrow, strict=True):
+        assert b.dtype == np.float32
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=5e-2, atol=5e-2)
+        assert not np.array_equal(a.numpy(), b.numpy())  # it did read rounded values
+    text = str(narrow.explain(x, w))
+    assert "kept in bfloat16 (saved_dtype)" in text
+
+
+@pytest.mark.parametrize("kind", ["compile", "value_and_grad"])
+def test_planner_chooses_bfloat16_saved_buffers_only_when_the_budget_needs_them(kind):
+    x, w = _arguments()
+    x.requires_grad = True
+
+    def make(**options):
+        if kind == "compile":
+            return bp.compile(_chain, **options)
+        return bp.value_and_grad(_chain, argnums=(0, 1), **options)
+
+    full = make().explain(x, w)
+    narrow = make(saved_dtype=bp.bfloat16).explain(x, w)
+    assert narrow.peak_bytes < full.peak_bytes
+    # a budget the default plan meets: full precision
+    roomy = make(max_peak_bytes=full.peak_bytes, allow_saved_dtype=bp.bfloat16).explain(x, w)
+    assert {s.dtype for s in _computed_saved(roomy)} == {np.dtype(np.float32)}
+    assert "kept so" in roomy.saved_dtype_note
+    # one only bfloat16 saved buffers meet without recomputing: the planner takes them
+    tight = make(max_peak_bytes=narrow.peak_bytes, allow_saved_dtype=bp.bfloat16).explain(x, w)
+    assert {s.dtype for s in _computed_saved(tight)} == {BF16}
+    assert tight.peak_bytes == narrow.peak_bytes and not tight.recomputed
+    assert "memory planner chose it to fit max_peak_bytes" in str(tight)
+    # without the allowance the same budget recomputes, or is refused and names the lever
+    try:
+        plain = make(max_peak_bytes=narrow.peak_bytes).explain(x, w)
+    except bp.MemoryBudgetError as error:
+        assert "allow_saved_dtype=bp.bfloat16" in str(error)
+    else:
+        assert {s.dtype for s in _computed_saved(plain)} == {np.dtype(np.float32)}
+
+
+def test_saved_dtype_and_allow_saved_dtype_exclude_each_other():
+    with pytest.raises(ValueError, match="not both"):
+        bp.value_and_grad(_chain, saved_dtype=bp.bfloat16, allow_saved_dtype=bp.bfloat16)
+    with pytest.raises(ValueError, match="float dtype"):
+        bp.compile(_chain, allow_saved_dtype=np.int32)
+
+
+def _layers(params, x):
+    for w in params:
+        x = bp.tanh(x @ w)
+    return (x * x).mean()
+
+
+def test_compiled_joint_plan_stores_and_reads_back_the_bfloat16_copies():
+    """Fusion must not read the float32 value back in place of its 16-bit copy (which would
+    hold the wide value across, unrounded); one scratch arena holds both dtypes."""
+    from backplan.ir.lowering import lower
+    from backplan.runtime.backend import use_backend
+
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal((16, 16)).astype(np.float32) * 0.5 for _ in range(3)]
+    x = rng.standard_normal((32, 16)).astype(np.float32)
+    grads = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            for dtype in (None, bp.bfloat16):
+                step = bp.value_and_grad(_layers, saved_dtype=dtype)
+                grads[backend, dtype] = [g.numpy() for g in step(params, x)[1]]
+    entry = step.lookup((params, x), {}, count_hit=False)[1]
+    assert lower(entry.plan).layout.scratch_elements.get("bf16", 0) >= 2 * 32 * 16
+    for got, want in zip(grads["numba", bp.bfloat16], grads["reference", bp.bfloat16], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(grads["numba", bp.bfloat16][0], grads["numba", None][0], atol=1e-6)
