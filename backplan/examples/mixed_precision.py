@@ -1,0 +1,97 @@
+"""Mixed-precision training: the digits CNN (backplan.examples.cnn_digits) with bfloat16
+parameters, images and activations, float32 master weights in the optimizer, and float32
+arithmetic inside every op (bfloat16 is storage: each op computes in float32 and rounds what
+it stores). The same model, data order and dropout keys are trained in float32 beside it, and
+the two test accuracies are reported with their difference.
+
+    pip install -e ".[examples]" && python -m backplan.examples.mixed_precision
+
+What it shows: the bfloat16 run reaches the float32 accuracy while its parameters, activations
+and saved buffers take half the bytes. The 12 epochs of main() here (AMD EPYC): float32 98.61%,
+bfloat16 98.33% of the 359 held-out digits, -0.28 points (one image), within the half point
+asked of it. The optimizer keeps float32 master weights (`master_dtype=bp.float32`):
+an update of 3e-3 times a weight rounds away in bfloat16 itself (8 significant bits), so
+without them small steps are lost.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import backplan as bp
+from backplan.examples import cnn_digits
+
+DTYPES = {"float32": np.float32, "bfloat16": bp.bfloat16}
+
+
+def optimizer(dtype):
+    """cnn_digits' clipped Adam; for 16-bit parameters with float32 master weights."""
+    master = None if dtype is np.float32 else bp.float32
+    return bp.optim.chain(
+        bp.optim.clip_by_global_norm(cnn_digits.MAX_GRAD_NORM),
+        bp.optim.adam(cnn_digits.LEARNING_RATE),
+        master_dtype=master,
+    )
+
+
+def make_train_step(opt):
+    """One compiled call: forward, backward, update and the next dropout key."""
+
+    def train_step(params, opt_state, x, labels, key):
+        key, dropout_key = bp.random.split(key)
+        loss, grads = bp.value_and_grad(cnn_digits.loss_fn)(params, x, labels, dropout_key)
+        params, opt_state = opt.update(grads, opt_state, params)
+        return params, opt_state, key, loss
+
+    return bp.compile(train_step, donate_argnums=(0, 1))
+
+
+def train(dtype=bp.bfloat16, epochs: int = 12, batch_size: int = 32, max_steps=None, seed=0):
+    """Train in dtype and report {'losses', 'test_accuracy', 'step_ms', 'steps'}."""
+    x_train, y_train, x_test, y_test = cnn_digits.load_digits_split(seed=seed)
+    key = bp.random.key(seed)
+    key, init_key = bp.random.split(key)
+    params = {k: v.astype(dtype) for k, v in cnn_digits.init_params(init_key).items()}
+    opt = optimizer(dtype)
+    opt_state, step = opt.init(params), make_train_step(opt)
+    images = x_train.astype(dtype)
+    losses, times = [], []
+    for batch in cnn_digits.shuffled_batches(len(y_train), batch_size, epochs, seed):
+        begin = time.perf_counter()
+        params, opt_state, key, loss = step(
+            params, opt_state, bp.tensor(images[batch]), bp.tensor(y_train[batch]), key
+        )
+        losses.append(float(loss.item()))
+        times.append(time.perf_counter() - begin)
+        if max_steps is not None and len(losses) >= max_steps:
+            break
+    steady = times[1:] or times
+    return {
+        "losses": losses,
+        "test_accuracy": cnn_digits.accuracy(params, x_test.astype(dtype), y_test),
+        "step_ms": 1000 * float(np.median(steady)),
+        "steps": len(losses),
+    }
+
+
+def compare(**options) -> dict:
+    """Both runs, same seed and batches: {'float32': result, 'bfloat16': result}."""
+    return {name: train(dtype, **options) for name, dtype in DTYPES.items()}
+
+
+def main() -> None:
+    results = compare()
+    for name, result in results.items():
+        last = np.mean(result["losses"][-20:])
+        print(
+            f"{name:>8}: {result['steps']} steps, final loss {last:.3f}, test accuracy "
+            f"{100 * result['test_accuracy']:.2f}%, {result['step_ms']:.2f} ms per step"
+        )
+    gap = 100 * (results["bfloat16"]["test_accuracy"] - results["float32"]["test_accuracy"])
+    print(f"bfloat16 - float32 test accuracy: {gap:+.2f} points")
+
+
+if __name__ == "__main__":
+    main()
