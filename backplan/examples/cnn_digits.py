@@ -119,20 +119,36 @@ def shuffled_batches(n: int, batch_size: int, epochs: int, seed: int):
 
 def train(epochs: int = 12, batch_size: int = 32, max_steps: int | None = None, seed: int = 0):
     """Train and report: {'losses', 'test_accuracy', 'step_ms', 'steps'}."""
-    x_train, y_train, x_test, y_test = load_digits_split(seed=seed)
     key = bp.random.key(seed)
     key, init_key = bp.random.split(key)
     params = init_params(init_key)
-    opt_state = OPTIMIZER.init(params)
+    return run_training(
+        train_step,
+        params,
+        OPTIMIZER.init(params),
+        key,
+        load_digits_split(seed=seed),
+        dict(epochs=epochs, batch_size=batch_size, max_steps=max_steps, seed=seed),
+    )
+
+
+def run_training(step, params, opt_state, key, split, schedule: dict) -> dict:
+    """The loop of `train` for any compiled step (params, state, x, y, key) -> (params, state,
+    key, loss) and split (x_train, y_train, x_test, y_test), in the dtype the images come in.
+    schedule: epochs, batch_size, max_steps, seed."""
+    x_train, y_train, x_test, y_test = split
     losses, times = [], []
-    for batch in shuffled_batches(len(y_train), batch_size, epochs, seed):
+    batches = shuffled_batches(
+        len(y_train), schedule["batch_size"], schedule["epochs"], schedule["seed"]
+    )
+    for batch in batches:
         begin = time.perf_counter()
-        params, opt_state, key, loss = train_step(
+        params, opt_state, key, loss = step(
             params, opt_state, bp.tensor(x_train[batch]), bp.tensor(y_train[batch]), key
         )
-        losses.append(loss.item())
+        losses.append(float(loss.item()))
         times.append(time.perf_counter() - begin)
-        if max_steps is not None and len(losses) >= max_steps:
+        if schedule["max_steps"] is not None and len(losses) >= schedule["max_steps"]:
             break
     steady = times[1:] or times
     return {

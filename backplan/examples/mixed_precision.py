@@ -16,8 +16,6 @@ without them small steps are lost.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 import backplan as bp
@@ -55,25 +53,11 @@ def train(dtype=bp.bfloat16, epochs: int = 12, batch_size: int = 32, max_steps=N
     key, init_key = bp.random.split(key)
     params = {k: v.astype(dtype) for k, v in cnn_digits.init_params(init_key).items()}
     opt = optimizer(dtype)
-    opt_state, step = opt.init(params), make_train_step(opt)
-    images = x_train.astype(dtype)
-    losses, times = [], []
-    for batch in cnn_digits.shuffled_batches(len(y_train), batch_size, epochs, seed):
-        begin = time.perf_counter()
-        params, opt_state, key, loss = step(
-            params, opt_state, bp.tensor(images[batch]), bp.tensor(y_train[batch]), key
-        )
-        losses.append(float(loss.item()))
-        times.append(time.perf_counter() - begin)
-        if max_steps is not None and len(losses) >= max_steps:
-            break
-    steady = times[1:] or times
-    return {
-        "losses": losses,
-        "test_accuracy": cnn_digits.accuracy(params, x_test.astype(dtype), y_test),
-        "step_ms": 1000 * float(np.median(steady)),
-        "steps": len(losses),
-    }
+    split = (x_train.astype(dtype), y_train, x_test.astype(dtype), y_test)
+    schedule = dict(epochs=epochs, batch_size=batch_size, max_steps=max_steps, seed=seed)
+    return cnn_digits.run_training(
+        make_train_step(opt), params, opt.init(params), key, split, schedule
+    )
 
 
 def compare(**options) -> dict:
