@@ -729,6 +729,13 @@ def test_export_command_argument_spec():
     assert parsed["n"] == 3 and parsed["mode"] == "sum" and parsed["s"].shape == ()
 
 
+def with_this_python_first() -> dict:
+    """The environment where the guide's `python` is the interpreter running the tests (a venv
+    not activated is not first on PATH)."""
+    folder = os.path.dirname(sys.executable)
+    return {**os.environ, "PATH": folder + os.pathsep + os.environ.get("PATH", "")}
+
+
 def test_the_guides_export_commands_train_from_the_copied_file(tmp_path):
     """The export guide's commands, exactly as written: export the demo step, inspect it, copy
     the file to another folder and train with it in a fresh interpreter."""
@@ -736,7 +743,12 @@ def test_the_guides_export_commands_train_from_the_copied_file(tmp_path):
     section = page[page.index("## From the command line") :]
     script = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
     result = subprocess.run(
-        ["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        ["bash", "-e", "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=with_this_python_first(),
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "elsewhere" / "mlp_step.bpz").exists()

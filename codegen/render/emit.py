@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -52,12 +53,20 @@ from backplan.codegen.build.kernel_cache import kernel as _kernel
 '''
 
 
-def header(name: str) -> str:
-    """The generated module's imports: the shared loop machinery, then the kernels of every
-    kernel module (codegen/kernels), so an op's kernel is callable by the name its emitter
-    writes."""
-    kernels = "".join(f"from {module} import *  # noqa: F403\n" for module in kernel_modules())
+def header(name: str, driver: str) -> str:
+    """The generated module's imports: the shared loop machinery, then each kernel module
+    (codegen/kernels) whose kernels the driver calls, by the names their emitters write. Only
+    those: a new kernel module changes no other plan's source, so cached plans stay valid."""
+    called = set(IDENTIFIER.findall(driver))
+    kernels = "".join(
+        f"from {module} import *  # noqa: F403\n"
+        for module in kernel_modules()
+        if called.intersection(sys.modules[module].__all__)
+    )
     return HEADER.format(name=name) + kernels
+
+
+IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
 
 @dataclass
@@ -139,8 +148,8 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
         lifted = (ints, floats)
         params += [INTS, FLOATS]
     kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
-    source = header(graph.name) + "\n" + "\n".join(kernel_lines) + "\n\n"
     driver = driver_source(params, body, "@njit(**JIT_OPTIONS)")
+    source = header(graph.name, driver.source) + "\n" + "\n".join(kernel_lines) + "\n\n"
     source += driver.source
     if lifted is not None:  # the source the first size rendered: its comments show sizes
         source = lowered.plan.shared.setdefault(code_text(source), source)
