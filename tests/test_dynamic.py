@@ -256,3 +256,16 @@ def test_size_dependent_choices_are_those_of_the_first_size(monkeypatch):
     assert "own_gemm_at" in sources[1]  # chosen at batch 5, kept at 11
     fixed = bp.value_and_grad(bp.compile(model, dynamic=False))
     assert "own_gemm_at" not in generate(lower(fixed.trace(W, batch(11)).plan)).source
+
+
+def test_many_batch_sizes_keep_a_bounded_number_of_plans_alive():
+    """Each size's plan holds its arenas: a dynamic entry keeps the 16 most recent sizes, and the
+    fast paths (one per size) are started afresh past 256, so old sizes' plans can be freed."""
+    from backplan.tracer import dynamic, planned
+
+    compiled = bp.compile(lambda x: bp.sum(x * 2.0), dynamic={"x": {0: "batch"}})
+    for n in range(2, 2 + planned.FAST_PATHS_KEPT + 10):
+        assert compiled(np.ones((n, 2), np.float32)).item() == 4.0 * n
+    assert len(dynamic_entry(compiled).sizes()) == dynamic.SIZES_KEPT
+    assert len(compiled._fast) <= planned.FAST_PATHS_KEPT
+    assert compiled.cache_info().traces == 1

@@ -29,6 +29,7 @@ from .trace import current_trace
 STALE = object()  # a fast-path runner's answer when its entry no longer fits the call
 DEFAULT_CACHE_SIZE = 64
 RETRACE_WARNING = 8  # retraces of one function before it warns
+FAST_PATHS_KEPT = 256  # fast paths kept (each call structure and size), then started afresh
 
 
 class RetraceWarning(UserWarning):
@@ -229,6 +230,8 @@ class PlannedFunction:
             runner = self._fast_runner(entry, bound, leaves)
             if runner is not None:
                 entry_key = self._shared_entry_key(self._entry_key(bound))
+                if len(self._fast) >= FAST_PATHS_KEPT:  # a dynamic axis: one per size seen
+                    self._fast = {}  # its runners hold their sizes' plans and arenas alive
                 self._fast[key] = self._last_fast = FastEntry(guard_for(key), runner, entry_key)
         return result
 
