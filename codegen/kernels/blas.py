@@ -90,10 +90,17 @@ def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):
     """out = alpha * op(a) @ op(b) + beta * out for 2-D f32 or f64 arrays whose rows are
     contiguous (rows_contiguous), any row stride: per-head views of a projection, read in
     place. Empty cases are the caller's."""
-    m, n = out.shape
-    k = a.shape[0] if trans_a else a.shape[1]
     scalars = np.empty(2, out.dtype)
     scalars[0], scalars[1] = alpha, beta
+    # Passed down as an array: Numba frees a local array after its last use, and taking its
+    # address (.ctypes.data) is that use, so BLAS read alpha and beta from freed memory.
+    _gemm_rows(trans_a, trans_b, a, b, out, scalars)
+
+
+@njit(cache=True, nogil=True)
+def _gemm_rows(trans_a, trans_b, a, b, out, scalars):
+    m, n = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
     step = out.itemsize
     _XXGEMM(
         115 if out.itemsize == 4 else 100,
