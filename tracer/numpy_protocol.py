@@ -46,6 +46,7 @@ FUNCTIONS = {
     np.max: (lambda a, axis=None, keepdims=False: ops.max(a, axis, keepdims), "bp.max"),
     np.min: (lambda a, axis=None, keepdims=False: ops.min(a, axis, keepdims), "bp.min"),
     np.var: (lambda a, axis=None, keepdims=False, ddof=0: _var(a, axis, keepdims, ddof), "bp.var"),
+    np.cumsum: (lambda a, axis=None: ops.cumsum(a, axis), "bp.cumsum"),
     np.reshape: (lambda a, shape: ops.reshape(a, shape), "bp.reshape"),
     np.transpose: (lambda a, axes=None: ops.transpose(a, *([] if axes is None else [axes])), ""),
     np.swapaxes: (lambda a, axis1, axis2: ops.swapaxes(a, axis1, axis2), "bp.swapaxes"),
