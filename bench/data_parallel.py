@@ -77,8 +77,10 @@ def zero_state_text(vg, bucket_bytes, params, batch) -> str:
     return f"{mine:,} B of {whole:,} B"
 
 
-def interleaved_medians(calls: dict, rounds: int, repeats: int) -> dict:
-    """Median seconds per call of each entry, timed in interleaved rounds."""
+def lockstep_medians(calls: dict, rounds: int, repeats: int) -> dict:
+    """Median seconds per call of each entry, timed in interleaved rounds of a fixed number of
+    calls: every rank makes the same calls, so their collectives match (measure's
+    interleaved_medians picks counts from each process's own timings)."""
     times: dict = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         calls["exchange"] = exchange_alone(step, params, batch)
     if args.zero:
         calls.update(training_steps(vg, args.bucket_bytes, params, batch))
-    medians = interleaved_medians(calls, args.rounds, args.repeats)
+    medians = lockstep_medians(calls, args.rounds, args.repeats)
     if rank == 0:
         report = step.explain(params, *batch)
         exposed = max(medians["step"] - medians["compute"], 0.0)

@@ -16,8 +16,9 @@ import os
 
 import numpy as np
 
-from backplan.bench.data_parallel import interleaved_medians
+from backplan.bench.data_parallel import lockstep_medians
 from backplan.bench.models import MODELS
+from backplan.bench.torch_import import module_of
 
 PORT = 29517
 
@@ -26,8 +27,6 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
-
-    from backplan.bench.peers.torch_models import TORCH_KINDS
 
     parser = argparse.ArgumentParser(description="PyTorch DDP step time (gloo)")
     parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
@@ -41,19 +40,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=size)
     spec = MODELS[args.model]
     data = spec.make_inputs(spec.config, seed=0).cast(np.float32)
-    loss_fn = TORCH_KINDS[spec.kind][0]
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.ParameterDict(
-                {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in data.params.items()}
-            )
-
-        def forward(self, *batch):
-            return loss_fn(dict(self.p), *batch, **spec.static)
-
-    ddp = torch.nn.parallel.DistributedDataParallel(Model())
+    ddp = torch.nn.parallel.DistributedDataParallel(module_of(args.model, data.params))
     batch = tuple(torch.from_numpy(b) for b in data.batch(True))
 
     def step():
@@ -66,7 +53,7 @@ def main(argv=None) -> int:
 
     for _ in range(5):
         step()
-    medians = interleaved_medians({"step": step, "compute": compute}, args.rounds, args.repeats)
+    medians = lockstep_medians({"step": step, "compute": compute}, args.rounds, args.repeats)
     if rank == 0:
         exposed = max(medians["step"] - medians["compute"], 0.0)
         print(

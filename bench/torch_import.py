@@ -32,24 +32,33 @@ def torch_module(name: str, small: bool):
     are the bench model's."""
     import torch
 
+    spec = MODELS[name]
+    data = spec.make_inputs(spec.sizes(small), 0).cast(np.float32)
+    return module_of(name, data.params), tuple(torch.from_numpy(a) for a in data.batch(True))
+
+
+def module_of(name: str, params: dict):
+    """The torch peer's loss function of model `name` as a Module holding copies of `params`
+    (NumPy arrays) as its parameters; calling it with the batch gives the loss."""
+    import torch
+
     from .peers.torch_models import TORCH_KINDS
 
     spec = MODELS[name]
-    data = spec.make_inputs(spec.sizes(small), 0).cast(np.float32)
     loss_fn = TORCH_KINDS[spec.kind][0]
 
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.p = torch.nn.ParameterDict(
-                {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in data.params.items()}
+                {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
             )
 
         def forward(self, *batch):
             return loss_fn(dict(self.p), *batch, **spec.static)
 
     Model.__name__ = f"{name}_module"
-    return Model(), tuple(torch.from_numpy(a) for a in data.batch(True))
+    return Model()
 
 
 def backplan_runner(module, batch):
