@@ -215,8 +215,11 @@ def test_builds_queued_while_a_child_runs_share_the_next_child(tmp_path, monkeyp
             payload, None, None, lambda message: said.setdefault(name, message), f"@{name}"
         )
 
-    driver_builder.submit(build("first"))
-    while not driver_builder._running:
+    # Builds another test left going would hold the builder thread while these queue up.
+    assert driver_builder.wait_for_builds(timeout=120)
+    first = build("first")
+    driver_builder.submit(first)
+    while not any(first in child.builds for child in list(driver_builder._running)):
         time.sleep(0.01)  # the first child has started, with the first build only
     driver_builder.submit(build("second"))
     driver_builder.submit(build("third"))
