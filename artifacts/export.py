@@ -115,30 +115,53 @@ class _ArtifactWriter:
 
 def _compiled_meta(fn: CompiledFunction, args, kwargs, writer: _ArtifactWriter) -> dict:
     call, traced = fn.lookup(args, kwargs)
-    plans = traced.program.plans
     meta = _common_meta("compiled", traced.program.name, call, traced.captured, writer)
     meta["parameters"] = parameters_to_json(inspect.signature(fn.fn))
     meta["captured_requires_grad"] = list(traced.captured_flags)
     meta["captured_names"] = traced.input_names[len(traced.input_names) - len(traced.captured) :]
-    meta["outputs"] = {
-        "tree": treedef_to_json(traced.out_treedef, "output"),
-        "slots": [
-            [kind, item if kind == "tensor" else static_to_json(item, "output")]
-            for kind, item in traced.out_slots
-        ],
-    }
-    meta["region"] = {
-        "n_outputs": plans.n_outputs,
-        "wrt": list(plans.wrt),
-        "saved": [{"source": list(s.source), "reason": s.reason} for s in plans.saved],
-    }
-    meta["plans"] = {"forward": writer.add_plan("forward", plans.forward)}
-    if plans.backward is not None:
-        meta["plans"]["backward"] = writer.add_plan("backward", plans.backward)
-    dynamic = dynamic_meta(fn, call, writer, lambda fitted, n: _region_roles(fitted.at(n)))
+    meta.update(_region_fields(traced, writer, ""))
+    dynamic = dynamic_meta(
+        fn,
+        call,
+        writer,
+        lambda fitted, n: _region_roles(fitted.at(n)),
+        lambda entry, n: _region_fields(_same_captured(entry, traced), writer, f"_at_{n}"),
+    )
     if dynamic is not None:
         meta["dynamic"] = dynamic
     return meta
+
+
+def _region_fields(traced, writer: _ArtifactWriter, suffix: str) -> dict:
+    """meta.json's outputs, region and plans of one traced signature (suffix: a dynamic
+    artifact's plans at sizes 0 and 1 are stored as forward_at_1 and so on)."""
+    plans = traced.program.plans
+    return {
+        "outputs": {
+            "tree": treedef_to_json(traced.out_treedef, "output"),
+            "slots": [
+                [kind, item if kind == "tensor" else static_to_json(item, "output")]
+                for kind, item in traced.out_slots
+            ],
+        },
+        "region": {
+            "n_outputs": plans.n_outputs,
+            "wrt": list(plans.wrt),
+            "saved": [{"source": list(s.source), "reason": s.reason} for s in plans.saved],
+        },
+        "plans": {
+            role: writer.add_plan(role + suffix, plan)
+            for role, plan in _region_roles(plans).items()
+        },
+    }
+
+
+def _same_captured(entry, template):
+    """entry, when it captured the tensors the exported signature captured (the artifact
+    stores them once for every size)."""
+    if [id(t) for t in entry.captured] != [id(t) for t in template.captured]:
+        raise ExportError("the function captures other tensors at this size")
+    return entry
 
 
 def _region_roles(plans) -> dict:
@@ -170,10 +193,24 @@ def _joint_meta(fn, args, kwargs, writer: _ArtifactWriter) -> dict:
         "diff_positions": sorted(diff_paths),
     }
     meta["plans"] = {"joint": writer.add_plan("joint", entry.plan)}
-    dynamic = dynamic_meta(fn, bound, writer, lambda fitted, n: {"joint": fitted.at(n)[0]})
+    dynamic = dynamic_meta(
+        fn,
+        bound,
+        writer,
+        lambda fitted, n: {"joint": fitted.at(n)[0]},
+        lambda other, n: _joint_at(other, entry, writer, n),
+    )
     if dynamic is not None:
         meta["dynamic"] = dynamic
     return meta
+
+
+def _joint_at(other, entry, writer: _ArtifactWriter, n: int) -> dict:
+    """meta.json's fields of the joint plan traced at size n (0 or 1) of a dynamic axis."""
+    _same_captured(other, entry)
+    if (other.n_aux, other.wrt) != (entry.n_aux, entry.wrt):
+        raise ExportError("the function returns other outputs at this size")
+    return {"plans": {"joint": writer.add_plan(f"joint_at_{n}", other.plan)}}
 
 
 def _common_meta(kind: str, name: str, call, captured: list, writer: _ArtifactWriter) -> dict:

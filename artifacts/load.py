@@ -17,12 +17,12 @@ from typing import Any
 from backplan.ir.errors import BackplanError
 
 from .container import ArtifactContents, read_artifact
-from .dynamic import fit_loaded
+from .dynamic import MAX_REASON, fit_loaded
 from .flops import graph_flops
 from .format import ExportError, npy_to_array, parse_json, parse_text
 from .meta import MAX_NAME, check_dtype, check_shape, field, signature_key
 from .plans import machine_memory_bytes, read_plan
-from .rebuild import build_compiled, build_joint, region_plans
+from .rebuild import build_compiled, build_joint, entry_at_size, region_plans
 from .tree import signature_from_json
 
 
@@ -153,6 +153,25 @@ def _make_dynamic(loaded, meta: dict, reader: _MemberReader, kind: str, limits: 
             probes.append(plans["joint"])
     template = loaded.program.plans if kind == "compiled" else loaded.plan
     loaded.make_dynamic(symbol, sizes[0], places, fit_loaded(kind, template, probes, sizes))
+    special = field(dynamic, "special", dict, "meta.json dynamic") if "special" in dynamic else {}
+    if not set(special) <= {"0", "1"}:
+        raise ExportError("meta.json dynamic: special sizes are 0 and 1 only")
+    for size, fields in special.items():
+        _add_special_size(loaded, int(size), fields, reader, kind, limits)
+
+
+def _add_special_size(loaded, size: int, fields, reader: _MemberReader, kind: str, limits) -> None:
+    """The plans traced at size 0 or 1 when exported, or why they could not be."""
+    where = f"meta.json dynamic special {size}"
+    if isinstance(fields, dict) and "refused" in fields:
+        reason = field(fields, "refused", str, where)
+        if not reason.isprintable():
+            raise ExportError(f"{where}: the reason is not printable text")
+        loaded.refuse_size(size, reason[:MAX_REASON])
+        return
+    plans = _read_plans(reader, field(fields, "plans", dict, where), kind, limits.max_bytes)
+    _check_flops({role: graph_flops(plan.graph) for role, plan in plans.items()}, limits.max_flops)
+    loaded.add_size(size, entry_at_size(loaded, fields, plans, loaded.key_at(size)))
 
 
 def _checked_max_flops(max_flops):

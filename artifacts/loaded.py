@@ -55,6 +55,8 @@ class LoadedArtifact(PlannedFunction):
         self._key = key
         self._symbol: str | None = None  # a dynamic artifact's symbol (make_dynamic)
         self._places: list = []  # its (leaf, axis) places
+        self._exported_key = None  # the entry key of the exported (or symbolic) signature
+        self._special: dict[int, str | None] = {}  # size 0/1 -> None (stored) or why not
 
     @property
     def format_version(self) -> int:
@@ -86,17 +88,40 @@ class LoadedArtifact(PlannedFunction):
         if len(sizes) != 1:
             return keys  # match_leaves says which argument does not fit
         (size,) = sizes
-        if size < 2:
+        if size < 2 and (size not in self._special or self._special[size] is not None):
+            self._refuse(size)
+        return list(self.key_at(size).leaves)
+
+    def _refuse(self, size: int):
+        why = self._special.get(size)
+        if size not in self._special:  # written before artifacts stored sizes 0 and 1
             raise ExportError(
                 f"{self.path} was exported with {self._symbol} dynamic, for sizes of 2 or more "
                 f"(0 and 1 broadcast and get plans of their own); the call passed {size}: "
-                "export one at that size"
+                "export it again with this version of backplan, or export one at that size"
             )
+        raise ExportError(
+            f"{self.path} holds no plan for {self._symbol}={size}: tracing the function at "
+            f"that size failed when it was exported ({why})"
+        )
+
+    def key_at(self, size: int) -> SignatureKey:
+        """The exported signature with the dynamic axes at this size."""
+        keys = list(self._key.leaves)
         for p, axis in self._places:
             shape = list(keys[p].shape)
             shape[axis] = size
             keys[p] = dataclasses.replace(keys[p], shape=tuple(shape))
-        return keys
+        return SignatureKey(self._key.treedef, tuple(keys))
+
+    def add_size(self, size: int, entry) -> None:
+        """The entry of size 0 or 1 of a dynamic axis (planned on its own, as compile does)."""
+        self._entries[self._stored_key(self.key_at(size))] = entry
+        self._special[size] = None
+
+    def refuse_size(self, size: int, reason: str) -> None:
+        """Size 0 or 1 could not be traced at export: a call at that size says why."""
+        self._special[size] = reason
 
     def make_dynamic(self, symbol: str, size: int, places: list, fitted) -> None:
         """Run any size of `symbol` through these fitted plans (artifacts/dynamic.py)."""
@@ -110,6 +135,7 @@ class LoadedArtifact(PlannedFunction):
         self._learned = {self._key.leaves[p].path: (rank[p], axis, symbol) for p, axis in places}
         self._entries.clear()
         self._entries[key] = DynamicEntry(template, symbol, size, fitted, None, self._instantiate)
+        self._exported_key = key
 
     def _stored_key(self, key: SignatureKey):
         return key
@@ -123,7 +149,7 @@ class LoadedArtifact(PlannedFunction):
     def explain(self, *args, **kwargs) -> ExplainReport:
         """The same report as bp.explain gives the original (one signature: no arguments
         needed)."""
-        entry = next(iter(self._entries.values()))
+        entry = self._entries.get(self._exported_key) or next(iter(self._entries.values()))
         report = self._report(getattr(entry, "template", entry), None)
         if type(entry) is DynamicEntry:  # the bytes as formulas of the symbol, as bp.explain
             report_of = lambda e: self._report(e, None)  # noqa: E731
@@ -234,9 +260,9 @@ class LoadedFunction(LoadedArtifact):
         values = inline_graph(outer.graph, forward, inputs)[: self.program.n_outputs]
         leaves = [
             item if kind == "static" else Tensor._traced(values[item], outer)
-            for kind, item in self._traced.out_slots
+            for kind, item in traced.out_slots
         ]
-        return unflatten(self._traced.out_treedef, leaves)
+        return unflatten(traced.out_treedef, leaves)
 
     @property
     def signature(self) -> str:

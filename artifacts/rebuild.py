@@ -31,7 +31,7 @@ def build_compiled(
     plans: dict,
     common: dict,
 ):
-    forward, backward = plans["forward"], plans.get("backward")
+    forward = plans["forward"]
     check_inputs(forward.graph, key, captured, "forward plan")
     region = field(meta, "region", dict, "meta.json")
     flags = bool_list(
@@ -40,15 +40,41 @@ def build_compiled(
     wrt = bool_list(region.get("wrt"), len(forward.graph.inputs), "meta.json region wrt")
     if wrt != [k.requires_grad for k in key.leaves if k.kind == "tensor"] + flags:
         raise ExportError("meta.json: wrt flags disagree with the arguments' requires_grad")
-    plans_obj = region_plans(meta, forward, backward, wrt)
-    n_outputs = plans_obj.n_outputs
     names = [k.path for k in key.leaves if k.kind == "tensor"]
     names += captured_names
-    program = RegionProgram(plans_obj, name=common["name"], input_names=names)
-    out_treedef, out_slots = _outputs(meta, n_outputs)
     tensors = [Tensor(a, requires_grad=f) for a, f in zip(captured, flags, strict=True)]
-    traced = TracedFunction(program, out_treedef, out_slots, tensors, tuple(flags), names)
+    traced = compiled_entry(meta, plans, wrt, common["name"], (tensors, tuple(flags), names))
     return LoadedFunction(traced, **common)
+
+
+def compiled_entry(meta: dict, plans: dict, wrt: list[bool], name: str, inputs: tuple):
+    """A compiled signature's entry from meta's outputs and region and its plans; inputs:
+    (captured tensors, their requires_grad flags, input names), shared by a dynamic
+    artifact's entries (its sizes 0 and 1 are entries of their own)."""
+    captured, flags, names = inputs
+    plans_obj = region_plans(meta, plans["forward"], plans.get("backward"), wrt)
+    program = RegionProgram(plans_obj, name=name, input_names=names)
+    out_treedef, out_slots = _outputs(meta, plans_obj.n_outputs)
+    return TracedFunction(program, out_treedef, out_slots, captured, flags, names)
+
+
+def entry_at_size(loaded, fields: dict, plans: dict, key: SignatureKey):
+    """A dynamic artifact's entry at size 0 or 1 (plans traced at that size at export),
+    checked against the signature at that size and the exported entry's outputs: it shares
+    the exported entry's captured tensors, so their gradients land in one place."""
+    arrays = [t.numpy() for t in loaded.captured]
+    if isinstance(loaded, LoadedFunction):
+        check_inputs(plans["forward"].graph, key, arrays, "forward plan")
+        traced, wrt = loaded._traced, list(loaded.program.plans.wrt)
+        if field(fields, "region", dict, "meta.json dynamic special").get("wrt") != wrt:
+            raise ExportError("meta.json dynamic special: wrt flags disagree with the signature")
+        inputs = (traced.captured, traced.captured_flags, traced.input_names)
+        return compiled_entry(fields, plans, wrt, loaded.name, inputs)
+    plan = plans["joint"]
+    check_inputs(plan.graph, key, arrays, "joint plan")
+    entry = loaded._entry
+    _check_joint_outputs(plan.graph, entry.n_aux, entry.wrt)
+    return replace(entry, plan=plan, _runners={})
 
 
 def region_plans(meta: dict, forward, backward, wrt: list[bool]) -> RegionPlans:

@@ -55,10 +55,45 @@ def test_a_dynamic_export_runs_three_batch_sizes_with_each_sizes_values(tmp_path
         if n == 5:
             before = kernel_cache.counts()
     assert kernel_cache.counts().versions == before.versions  # sizes 8, 13: nothing compiled
-    with pytest.raises(bp.ExportError, match="sizes of 2 or more"):
-        forward(W, np.ones((1, 6), np.float32))
     with pytest.raises(bp.ExportError, match=r"f32\[4, 7\]"):
         forward(W, np.ones((4, 7), np.float32))
+
+
+def test_a_dynamic_export_takes_sizes_0_and_1_with_the_compiled_functions_values(tmp_path):
+    """Sizes 0 and 1 get plans of their own in the compiled function (a size-1 axis
+    broadcasts); the artifact stores them, so one export serves every batch size."""
+    example = np.ones((5, 6), np.float32)
+    dynamic = {"x": {0: "batch"}}
+    compiled = bp.compile(model, dynamic=dynamic)
+    joint = bp.value_and_grad(compiled)
+    forward = bp.load(bp.export(compiled, W, example, path=tmp_path / "f.bpz"))
+    step = bp.load(bp.export(joint, W, example, path=tmp_path / "g.bpz"))
+    for n in (0, 1, 2, 5):
+        x = RNG.standard_normal((n, 6)).astype(np.float32)
+        value, grad = joint(W, x)
+        loss = forward(W, x)
+        loss.backward()
+        np.testing.assert_array_equal(loss.numpy(), compiled(W, x).numpy())
+        np.testing.assert_array_equal(W.grad.numpy(), grad.numpy())
+        W.grad = None
+        got_value, got_grad = step(W, x)
+        np.testing.assert_array_equal(got_value.numpy(), value.numpy())
+        np.testing.assert_array_equal(got_grad.numpy(), grad.numpy())
+    assert np.isnan(forward(W, np.ones((0, 6), np.float32)).item())  # a mean of no rows
+    assert forward.cache_info().traces == step.cache_info().traces == 0
+
+
+def test_a_size_the_function_cannot_take_is_refused_by_the_loaded_artifact_saying_why(tmp_path):
+    def second_row(w, x):
+        return bp.sum(x[1] @ w) + bp.sum(x @ w)
+
+    compiled = bp.compile(second_row, dynamic={"x": {0: "batch"}})
+    loaded = bp.load(bp.export(compiled, W, np.ones((4, 6), np.float32), path=tmp_path / "r.bpz"))
+    x = RNG.standard_normal((3, 6)).astype(np.float32)
+    np.testing.assert_array_equal(loaded(W, x).numpy(), compiled(W, x).numpy())
+    for n in (0, 1):
+        with pytest.raises(bp.ExportError, match=rf"holds no plan for batch={n}: tracing .*1"):
+            loaded(W, np.ones((n, 6), np.float32))
 
 
 def test_a_loaded_dynamic_artifact_explains_its_bytes_as_formulas(tmp_path):
