@@ -1,6 +1,9 @@
 """The memory frontier of a step (`fn.memory_frontier(*args)`): the plans the budget option
 chooses from, peak bytes against the FLOPs each adds by recomputing, as a table and a picture.
-Peaks strictly fall as FLOPs rise; `max_peak_bytes=point.peak_bytes` picks that point's plan."""
+Peaks strictly fall as FLOPs rise; `max_peak_bytes=point.peak_bytes` picks that point's plan.
+With `allow_saved_dtype=bp.bfloat16` the plans keeping their saved buffers in bfloat16 are rows
+too: no added FLOPs (a cast each way), but the backward reads rounded values, so they are
+marked as rounding."""
 
 from __future__ import annotations
 
@@ -17,6 +20,12 @@ class FrontierPoint:
     added_flops: int  # beyond the default plan
     recomputed: int  # held values the backward recomputes instead, beyond the default plan's
     saved_bytes: int  # held from the forward into the backward (inputs excluded)
+    saved_dtype: str | None = None  # "bfloat16": saved buffers narrowed, the backward rounds
+
+    @property
+    def rounds(self) -> bool:
+        """Whether the backward reads rounded saved values (a narrower saved dtype)."""
+        return self.saved_dtype is not None
 
 
 @dataclass(frozen=True)
@@ -27,18 +36,10 @@ class MemoryFrontier:
     input_bytes: int
 
     def __str__(self) -> str:
+        rounding = any(p.rounds for p in self.points)
         rows = [("peak", "saved", "added FLOPs", "of the step", "recomputed")]
-        for p in self.points:
-            share = f"+{100 * p.added_flops / max(self.step_flops, 1):.1f}%"
-            rows.append(
-                (
-                    format_bytes(p.peak_bytes),
-                    format_bytes(p.saved_bytes),
-                    f"{p.added_flops:,}",
-                    share,
-                    str(p.recomputed),
-                )
-            )
+        rows[0] += ("saved as",) if rounding else ()
+        rows += [self._row(p, rounding) for p in self.points]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         head = (
@@ -47,7 +48,24 @@ class MemoryFrontier:
             f"{format_bytes(self.input_bytes)}); max_peak_bytes=N runs the first plan whose "
             "peak fits N"
         )
-        return "\n".join([head, *("  " + line for line in lines)])
+        tail = [
+            "  (rounds): the saved buffers are kept in that dtype (allow_saved_dtype): no added "
+            "FLOPs, a cast each way, and the backward reads values rounded to its precision"
+        ]
+        return "\n".join([head, *("  " + line for line in lines), *(tail if rounding else [])])
+
+    def _row(self, p: FrontierPoint, rounding: bool) -> tuple[str, ...]:
+        share = f"+{100 * p.added_flops / max(self.step_flops, 1):.1f}%"
+        row = (
+            format_bytes(p.peak_bytes),
+            format_bytes(p.saved_bytes),
+            f"{p.added_flops:,}",
+            share,
+            str(p.recomputed),
+        )
+        if not rounding:
+            return row
+        return (*row, f"{p.saved_dtype} (rounds)" if p.rounds else "as computed")
 
     def plot(self, path) -> None:
         """Peak bytes against added FLOPs, as PNG or SVG (by the suffix). Needs matplotlib:
@@ -64,7 +82,19 @@ class MemoryFrontier:
         flops = [p.added_flops / 1e6 for p in self.points]
         peaks = [p.peak_bytes / 2**20 for p in self.points]
         axes.step(flops, peaks, where="post", color="#4c72b0")
-        axes.plot(flops, peaks, "o", color="#4c72b0")
+        for rounds, marker, color in ((False, "o", "#4c72b0"), (True, "s", "#c44e52")):
+            chosen = [p for p in self.points if p.rounds == rounds]
+            if chosen:
+                label = f"saved in {chosen[0].saved_dtype} (rounds)" if rounds else "as computed"
+                axes.plot(
+                    [p.added_flops / 1e6 for p in chosen],
+                    [p.peak_bytes / 2**20 for p in chosen],
+                    marker,
+                    color=color,
+                    label=label,
+                )
+        if any(p.rounds for p in self.points):
+            axes.legend()
         axes.set_xlabel("added MFLOPs (recomputation)")
         axes.set_ylabel("step peak (MiB)")
         axes.set_title(f"{self.name}: plans a memory budget chooses from")

@@ -82,6 +82,40 @@ def test_planner_chooses_bfloat16_saved_buffers_only_when_the_budget_needs_them(
         assert {s.dtype for s in _computed_saved(plain)} == {np.dtype(np.float32)}
 
 
+def test_the_frontier_lists_bfloat16_plans_as_rounding_rows_a_budget_runs():
+    x, w = _arguments()
+
+    def make(**options):
+        return bp.value_and_grad(_chain, argnums=(0, 1), **options)
+
+    plain = make().memory_frontier(x, w)
+    front = make(allow_saved_dtype=bp.bfloat16).memory_frontier(x, w)
+    assert not any(p.rounds for p in plain.points)
+    rounding = [p for p in front.points if p.rounds]
+    assert rounding and {p.saved_dtype for p in rounding} == {"bfloat16"}
+    assert front.points[0] == plain.points[0]  # the default plan, full precision, first
+    assert rounding[0].added_flops == 0  # no recomputation: half the saved bytes
+    assert 2 * rounding[0].saved_bytes == front.points[0].saved_bytes
+    assert rounding[-1].peak_bytes < plain.points[-1].peak_bytes
+    peaks = [p.peak_bytes for p in front.points]
+    flops = [p.added_flops for p in front.points]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert flops == sorted(flops)
+    assert "bfloat16 (rounds)" in str(front) and "as computed" in str(front)
+    value, grads = make()(x, w)
+    for point in front.points:  # each row is the plan its peak, as a budget, runs
+        budgeted = make(max_peak_bytes=point.peak_bytes, allow_saved_dtype=bp.bfloat16)
+        report = budgeted.explain(x, w)
+        assert report.peak_bytes == point.peak_bytes
+        kept_as = BF16 if point.rounds else np.dtype(np.float32)
+        assert {s.dtype for s in _computed_saved(report)} == {kept_as}
+        v, g = budgeted(x, w)
+        assert v.numpy() == value.numpy()
+        tolerance = 5e-2 if point.rounds else 1e-5
+        for a, b in zip(grads, g, strict=True):
+            np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=tolerance, atol=tolerance)
+
+
 def test_saved_dtype_and_allow_saved_dtype_exclude_each_other():
     with pytest.raises(ValueError, match="not both"):
         bp.value_and_grad(_chain, saved_dtype=bp.bfloat16, allow_saved_dtype=bp.bfloat16)

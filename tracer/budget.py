@@ -58,6 +58,7 @@ class EvaluatedPoint:
     recomputed: int  # held values recomputed instead, beyond the default plan's
     drop: frozenset
     plans: object
+    saved_dtype: str | None = None  # the saved buffers' narrower dtype (allow_saved_dtype)
 
 
 class BudgetPlanner:
@@ -88,10 +89,28 @@ class BudgetPlanner:
         if key not in self._built:
             plans = self.build(point.drop, narrowed)
             peak = step_peak_bytes(plans, self._n_outputs())
+            dtype = self.allow_dtype if narrowed else None
+            held = self._narrowed_held(point) if narrowed else point.held_bytes
             self._built[key] = EvaluatedPoint(
-                peak, point.held_bytes, point.added_flops, len(point.drop), point.drop, plans
+                peak, held, point.added_flops, len(point.drop), point.drop, plans, dtype
             )
         return self._built[key]
+
+    def _narrowed_held(self, point) -> int:
+        """The bytes point's plan holds from forward to backward with its saved buffers in
+        allow_dtype: each float value it holds (the user's outputs excepted) at the narrower
+        itemsize, as ir/saved_dtype.py stores them."""
+        schedule, narrow = self.choices.schedule, np_dtype(self.allow_dtype).itemsize
+        total = 0
+        for i in schedule.held:
+            if i in point.drop:
+                continue
+            value, nbytes = schedule.values[i], schedule.nbytes[i]
+            wide = np_dtype(value.dtype)
+            if wide.kind == "f" and wide.itemsize > narrow and i not in schedule.outputs:
+                nbytes = nbytes * narrow // wide.itemsize
+            total += nbytes
+        return total
 
     def candidates(self, points: list) -> list[tuple]:
         """(point, narrowed) in the order a budget tries them: fewest added FLOPs first, at
@@ -134,9 +153,12 @@ class BudgetPlanner:
 
     def frontier(self) -> list[EvaluatedPoint]:
         """Every plan built, those another plan beats on both peak and FLOPs left out: peaks
-        strictly fall as added FLOPs rise."""
+        strictly fall as added FLOPs rise. With allow_dtype, the same plans with their saved
+        buffers narrowed are rows too, after the full-precision plan of equal FLOPs (the order
+        fit_peak tries them in, so a row's peak as a budget picks that row or a cheaper one)."""
         evaluated = sorted(
-            (self.evaluate(p) for p in self.points()), key=lambda e: (e.added_flops, e.peak_bytes)
+            (self.evaluate(p, narrowed) for p, narrowed in self.candidates(self.points())),
+            key=lambda e: (e.added_flops, e.saved_dtype is not None, e.peak_bytes),
         )
         kept: list[EvaluatedPoint] = []
         for e in evaluated:
@@ -159,7 +181,13 @@ class BudgetPlanner:
 
     def memory_frontier(self) -> MemoryFrontier:
         points = [
-            FrontierPoint(e.peak_bytes, e.added_flops, e.recomputed, e.saved_bytes)
+            FrontierPoint(
+                e.peak_bytes,
+                e.added_flops,
+                e.recomputed,
+                e.saved_bytes,
+                np_dtype(e.saved_dtype).name if e.saved_dtype else None,
+            )
             for e in self.frontier()
         ]
         return MemoryFrontier(self.name, points, self.step_flops(), self.input_bytes)
@@ -236,9 +264,14 @@ class BudgetPlanner:
         best = frontier[-1]
         default = frontier[0]
         step = max(self.step_flops(), 1)
+        narrowed = (
+            f"keeping its saved buffers in {np_dtype(best.saved_dtype).name} and "
+            if best.saved_dtype
+            else ""
+        )
         text = (
             f"{self.name}: no plan fits {option}={limit:,} bytes. The smallest peak any plan "
-            f"reaches is {format_bytes(best.peak_bytes)}, "
+            f"reaches is {format_bytes(best.peak_bytes)}, {narrowed}"
             f"recomputing {best.recomputed} more value(s) in the backward for "
             f"{best.added_flops:,} added FLOPs (+{100 * best.added_flops / step:.0f}% of the "
             f"step); the default plan peaks at {format_bytes(default.peak_bytes)}. The arrays "
@@ -258,7 +291,7 @@ class BudgetPlanner:
 
     def _narrowing_text(self, best: EvaluatedPoint) -> str:
         """What 16-bit saved buffers would give (or gave) the refused budget."""
-        if self.choices.options.saved_dtype is not None:
+        if self.choices.options.saved_dtype is not None or best.saved_dtype is not None:
             return ""
         if self.allow_dtype is None:
             return (
