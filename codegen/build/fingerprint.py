@@ -31,7 +31,16 @@ def codegen_fingerprint() -> str:
     for path in sorted(paths):
         with open(path, "rb") as f:
             digest.update(os.path.relpath(path, here).encode() + f.read())
+    digest.update(_gemm_blocking().encode())
     return digest.hexdigest()[:16]
+
+
+def _gemm_blocking() -> str:
+    """The GEMM's block sizes, read from this machine's caches and compiled in as constants:
+    a cache folder shared by machines with other caches must not hand one the other's code."""
+    from backplan.codegen.kernels.gemm.blocking import machine_block_sizes
+
+    return repr(machine_block_sizes())
 
 
 # The files a loop kernel's compiled code depends on (what its source imports and inlines).
@@ -52,6 +61,7 @@ GEMM_DEPENDENCIES = tuple(
     f"kernels/gemm/{name}"
     for name in (
         "api.py",
+        "blocking.py",
         "driver.py",
         "kernel.py",
         "pack.py",
@@ -71,4 +81,6 @@ def kernel_fingerprint(gemm: bool = False) -> str:
     for name in KERNEL_DEPENDENCIES + (GEMM_DEPENDENCIES if gemm else ()):
         with open(os.path.join(here, name), "rb") as f:
             digest.update(name.encode() + f.read())
+    if gemm:
+        digest.update(_gemm_blocking().encode())
     return digest.hexdigest()[:16]

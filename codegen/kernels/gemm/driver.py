@@ -15,10 +15,13 @@ than it saves (128x256x256 1.41 in place against 1.26 packed; 32x128x128 0.81 ag
 import numpy as np
 
 from backplan.codegen.jit import njit
+from backplan.codegen.kernels.gemm.blocking import machine_block_sizes
 from backplan.codegen.kernels.gemm.kernel import TILES, micro_kernel_256, micro_kernel_512
 from backplan.codegen.kernels.gemm.pack import pack_a, pack_b
 
-KC, MC, NC = 256, 128, 2048  # elements; measured on Zen 4 (bench/gemm.py)
+# Elements; from this machine's cache sizes (blocking.py): 256, 128, 2048 on Zen 4. Compiled in
+# as constants: the cache keys of the GEMM and of the kernels calling it name them.
+KC, MC, NC = machine_block_sizes()
 _MR512_F32, _NR512_F32 = TILES[512]["f32"][1], TILES[512]["f32"][0] * TILES[512]["f32"][2]
 _MR512_F64, _NR512_F64 = TILES[512]["f64"][1], TILES[512]["f64"][0] * TILES[512]["f64"][2]
 _MR256_F32, _NR256_F32 = TILES[256]["f32"][1], TILES[256]["f32"][0] * TILES[256]["f32"][2]
