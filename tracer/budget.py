@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, replace
 
-from backplan.ir.budget import PlanPoint, cheapest_within, plan_frontier
+from backplan.ir.budget import PlanPoint, cheapest_within, plan_frontier, refined_within
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
 from backplan.ir.peak import joint_calls, predicted_peak, region_calls
@@ -80,6 +80,7 @@ class BudgetPlanner:
         self._narrow_choices = _narrowing(choices, allow_dtype) if allow_dtype else None
         self.narrowed_for: str | None = None  # the budget the narrowed plans were chosen for
         self._built: dict[tuple, EvaluatedPoint] = {}
+        self._points: dict[tuple, list] = {}
 
     def build(self, drop: frozenset = frozenset(), narrowed: bool = False):
         return (self._narrow_choices if narrowed else self.choices).build(drop)
@@ -149,7 +150,40 @@ class BudgetPlanner:
         if not self.choices.differentiated:
             return []  # nothing is differentiated: nothing is held for a backward
         compiled = current_backend() != "reference"
-        return plan_frontier(self.choices.schedule, objective, compiled)
+        key = (objective, compiled)
+        if key not in self._points:
+            self._points[key] = plan_frontier(self.choices.schedule, objective, compiled)
+        return self._points[key]
+
+    def cheapest_saved(self, limit: int) -> EvaluatedPoint | None:
+        """The cheapest plan whose held bytes (as the schedule counts them, a joint plan's
+        too) fit limit, narrowed saved buffers among the candidates with allow_dtype."""
+        for point, narrowed in self.candidates(self.points_for(limit, "saved")):
+            held = self._narrowed_held(point) if narrowed else point.held_bytes
+            if held <= limit:
+                return self.evaluate(point, narrowed)
+        return None
+
+    def points_for(self, limit: int, objective: str = "peak") -> list:
+        """The frontier's points, and a finer plan where the frontier's batches overshoot
+        limit (ir/budget.py refined_within): the budget may pick a plan between two rows.
+        With allow_dtype, also one refined for the narrowed saved bytes (saved_bytes_budget)."""
+        points = self.points(objective)
+        if not points:
+            return points
+        compiled = current_backend() != "reference"
+        limits = [limit - self.input_bytes if objective == "peak" else limit]
+        if self.allow_dtype is not None and objective == "saved":
+            narrowed = self._narrowed_held(points[0])
+            limits.append(limit * points[0].held_bytes // max(narrowed, 1))
+        extra = []
+        for measure_limit in limits:
+            found = refined_within(
+                self.choices.schedule, points, measure_limit, objective, compiled
+            )
+            if found is not None and found not in points + extra:
+                extra.append(found)
+        return points + extra
 
     def frontier(self) -> list[EvaluatedPoint]:
         """Every plan built, those another plan beats on both peak and FLOPs left out: peaks
@@ -197,7 +231,7 @@ class BudgetPlanner:
     def fit_peak(self, limit: int):
         """The plans of the cheapest point whose step peak fits limit; MemoryBudgetError if none."""
         self._check_inputs_fit(limit, "max_peak_bytes")
-        for point, narrowed in self.candidates(self.points()):
+        for point, narrowed in self.candidates(self.points_for(limit)):
             evaluated = self.evaluate(point, narrowed)
             if evaluated.peak_bytes <= limit:
                 self.narrowed_for = f"max_peak_bytes={limit:,}" if narrowed else None
@@ -225,7 +259,7 @@ class BudgetPlanner:
             return default_plans
         if self.allow_dtype is not None:
             return self._fit_saved_narrowed(limit)
-        point = cheapest_within(self.points("saved"), limit, "saved")
+        point = cheapest_within(self.points_for(limit, "saved"), limit, "saved")
         if point is None:
             lowest = min((p.held_bytes for p in self.points("saved")), default=0)
             raise MemoryBudgetError(
@@ -237,7 +271,7 @@ class BudgetPlanner:
 
     def _fit_saved_narrowed(self, limit: int):
         """fit_saved with allow_dtype: the first candidate whose built plans' saved bytes fit."""
-        for point, narrowed in self.candidates(self.points("saved")):
+        for point, narrowed in self.candidates(self.points_for(limit, "saved")):
             plans = self.build(point.drop, narrowed)
             if _saved_bytes(plans) <= limit:
                 self.narrowed_for = f"saved_bytes_budget={limit:,}" if narrowed else None
