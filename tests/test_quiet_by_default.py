@@ -4,9 +4,13 @@ too (the second makes axis 0 dynamic, the third runs its plan); BACKPLAN_VERBOSE
 stage, BACKPLAN_QUIET=1 nothing. Run in fresh processes with an empty cache folder, and the
 threshold at 0 s so that even a fast machine's compile is long enough to be announced."""
 
+import io
 import os
 import subprocess
 import sys
+import time
+
+from backplan.codegen.build import compile_notice
 
 SCRIPT = """
 import numpy as np
@@ -53,3 +57,34 @@ def test_verbose_says_each_stage_and_quiet_says_nothing(tmp_path):
     assert any("loop kernels" in line for line in verbose), verbose
     quiet = stderr_lines(tmp_path / "b", BACKPLAN_PROGRESS_SECONDS="0", BACKPLAN_QUIET="1")
     assert quiet == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _wait_for(stream, text: str) -> None:
+    """Until the notice's timer thread has written text (no timing is asserted)."""
+    deadline = time.monotonic() + 60
+    while text not in stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_on_a_terminal_the_line_names_each_long_compile_and_is_erased_after(monkeypatch):
+    """A 2 s loss function then a 10 s training step: the status line names the step while it
+    compiles (a log gets only the first), and nothing stays on screen once compiles end."""
+    for name in ("BACKPLAN_QUIET", "BACKPLAN_VERBOSE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
+    monkeypatch.setenv("COLUMNS", "200")  # the line is cut to the terminal's width
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    for what in ("@loss", "@train_step"):
+        with compile_notice.compiling(what):
+            with compile_notice.compiling("the library's f32 GEMM"):
+                _wait_for(screen, f"compiling {what} (now the library's f32 GEMM), ")
+            _wait_for(screen, f"compiling {what}, ")
+    written = screen.getvalue()
+    assert "compiling @train_step (now the library's f32 GEMM), " in written, written
+    assert "\n" not in written and written.endswith("\r\x1b[K"), repr(written)

@@ -3,6 +3,11 @@ has already taken more than BACKPLAN_PROGRESS_SECONDS (default 2): what is compi
 long so far. A compile that ends sooner prints nothing; the stage-by-stage lines are
 BACKPLAN_VERBOSE=1's (codegen/build/progress.py), and BACKPLAN_QUIET=1 prints nothing at all.
 
+On a terminal the line is a status line, rewritten each second while anything compiles past the
+threshold and erased when it ends: it names whatever compiles now (a training step's 10 s
+compile after a 2 s loss function's, not only the first), and leaves nothing behind. Elsewhere
+(a log, a pipe) it is printed once, as the first compile passes the threshold.
+
 >>> with compiling("@train_step"):  # around a plan's first call, a library kernel's compile
 ...     pass  # nothing printed: it ended before the threshold
 """
@@ -10,15 +15,18 @@ BACKPLAN_VERBOSE=1's (codegen/build/progress.py), and BACKPLAN_QUIET=1 prints no
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 import time
 from contextlib import contextmanager
 
 _lock = threading.Lock()
-_said = [False]  # the process's one line is printed
+_said = [False]  # the process's one line is printed (where stderr is not a terminal)
 _open: list[tuple[str, float]] = []  # what is compiling now, outermost first, with its start
 _timer: list[threading.Timer] = []
+_shown = [False]  # a terminal's status line is on screen now
+REFRESH_SECONDS = 1.0  # how often a terminal's status line is rewritten
 
 
 def threshold_seconds() -> float:
@@ -51,16 +59,13 @@ def compiling(what: str):
 
 def begin(what: str):
     """compiling() for callers told of a start and an end apart (Numba's compile events)."""
-    if _said[0] or quiet() or verbose():
+    if quiet() or verbose() or (_said[0] and not _terminal()):
         return None
     entry = (what, time.perf_counter())
     with _lock:
         _open.append(entry)
         if len(_open) == 1:
-            timer = threading.Timer(threshold_seconds(), _say_once)
-            timer.daemon = True
-            _timer[:] = [timer]
-            timer.start()
+            _schedule(threshold_seconds())
     return entry
 
 
@@ -70,19 +75,57 @@ def end(entry) -> None:
     with _lock:
         if entry in _open:
             _open.remove(entry)
-        if not _open and _timer:
-            _timer.pop().cancel()
+        if not _open:
+            if _timer:
+                _timer.pop().cancel()
+            if _shown[0]:  # the status line goes: the user's own output starts on a clean line
+                _shown[0] = False
+                _write("\r\x1b[K")
 
 
-def _say_once() -> None:
+def _schedule(seconds: float) -> None:
+    """The next look at what compiles (the lock is held)."""
+    timer = threading.Timer(seconds, _say)
+    timer.daemon = True
+    _timer[:] = [timer]
+    timer.start()
+
+
+def _terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
+def _say() -> None:
+    """Past the threshold: the one line (a log), or the status line rewritten (a terminal)."""
     with _lock:
-        if _said[0] or not _open:
+        if not _open or (_said[0] and not _terminal()):
+            return
+        text = _text(_open)
+        if _terminal():  # one row: a wrapped line could not be rewritten in place
+            _shown[0] = True
+            _write(f"\r\x1b[K{text[: shutil.get_terminal_size().columns - 1]}")
+            _schedule(REFRESH_SECONDS)
             return
         _said[0] = True
-        what, start = _open[0]
-    print(
-        f"backplan: compiling {what}, {time.perf_counter() - start:.0f} s so far (cached for "
-        "later runs; BACKPLAN_VERBOSE=1 shows each stage)",
-        file=sys.stderr,
-        flush=True,
+    _write(f"{text}\n")
+
+
+def _text(open_now: list) -> str:
+    """The outermost compile (a plan's first call) and, inside it, what compiles now."""
+    what, start = open_now[0]
+    inner = f" (now {open_now[-1][0]})" if len(open_now) > 1 else ""
+    return (
+        f"backplan: compiling {what}{inner}, {time.perf_counter() - start:.0f} s so far "
+        "(cached for later runs; BACKPLAN_VERBOSE=1 shows each stage)"
     )
+
+
+def _write(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed at exit: the notice is not worth an error
+        pass

@@ -14,6 +14,8 @@ import os
 CODEGEN_VERSION = "1"
 # The code generator's top folder: every room under it is part of the fingerprint.
 CODEGEN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Files no compiled code depends on (they only print): editing them keeps every cache.
+NOT_FINGERPRINTED = frozenset({os.path.join("build", "compile_notice.py")})
 
 
 @functools.cache
@@ -27,6 +29,7 @@ def codegen_fingerprint() -> str:
         for folder, _, files in os.walk(here)
         for name in files
         if name.endswith(".py")
+        and os.path.relpath(os.path.join(folder, name), here) not in NOT_FINGERPRINTED
     ]
     for path in sorted(paths):
         with open(path, "rb") as f:
