@@ -52,6 +52,7 @@ from .remat import (
     Recomputed,
     forward_nodes,
     held_across,
+    recompute_after,
     recompute_chosen,
     recompute_joint_chosen,
     rematerialize,
@@ -122,6 +123,10 @@ class Stage:
     backward: Graph | None = None
     saved: tuple = ()
     recomputed: tuple = ()
+    # A compiled step that inlines value_and_grad plans and has no backward of its own: the
+    # nodes its inlined losses (and aux outputs) depend on, the part its gradients and
+    # optimizer update follow (None: no value_and_grad inlined).
+    inlined_forward: frozenset | None = None
 
 
 def plan_choices(
@@ -129,12 +134,20 @@ def plan_choices(
     wrt: list[bool],
     options: PipelineOptions | None = None,
     log: PassLog | None = None,
+    inlined: list[Value] = (),
 ) -> PlanChoices:
     """The pipeline up to the choice of what backward recomputes: `build()` finishes it with
-    the default choice, `build(drop)` recomputing also what `drop` names (see PlanChoices)."""
+    the default choice, `build(drop)` recomputing also what `drop` names (see PlanChoices).
+    inlined: values of graph that are the outputs (loss, aux) of value_and_grad plans inlined
+    into it (a compiled training step): with no backward of its own, the step's memory choice
+    is what its inlined gradients recompute instead of holding (split_inlined)."""
     options = options or PipelineOptions()
     log = log or new_log()
-    stage = Stage(traced(graph, log), list(wrt), len(graph.outputs))
+    if inlined and not options.joint:
+        clean, forward = split_inlined(graph, list(inlined), log)
+        stage = Stage(clean, list(wrt), len(graph.outputs), inlined_forward=forward)
+    else:
+        stage = Stage(traced(graph, log), list(wrt), len(graph.outputs))
     stage = differentiate(stage, options, log)
     stage = expand_joint(stage, options, log)
     stage = rematerialize_step(stage, options, log)
@@ -165,7 +178,13 @@ class PlanChoices:
     @property
     def differentiated(self) -> bool:
         """Whether anything is held for a gradient (else no plan recomputes anything)."""
-        return self.joint or self.stage.backward is not None
+        return self.joint or self.stage.backward is not None or self.inlined_gradients
+
+    @property
+    def inlined_gradients(self) -> bool:
+        """A step whose gradients are inlined value_and_grad plans, and no backward of its own:
+        its plan recomputes in that gradient part (held_schedule, recompute_for_budget)."""
+        return self.stage.inlined_forward is not None and self.stage.backward is None
 
     @property
     def schedule(self) -> StepSchedule:
@@ -182,6 +201,8 @@ class PlanChoices:
         if options.joint:
             return self._kept(drop, _plan(narrow_held(stage, options, log).forward, log))
         if stage.backward is None:
+            if self.inlined_gradients:
+                stage = narrow_held(stage, options, log)
             forward = _expanded(stage.forward, log, options.expand)
             plans = RegionPlans(
                 _plan(forward, log, options.donated), None, [], stage.n_outputs, stage.wrt, log
@@ -237,6 +258,21 @@ def attention_fusion_on() -> bool:
     if value not in ("0", "1", ""):
         raise BackplanError(f"BACKPLAN_FUSE_ATTENTION={value!r}: use 1 (the default) or 0")
     return value != "0"
+
+
+def split_inlined(graph: Graph, losses: list[Value], log: PassLog) -> tuple[Graph, frozenset]:
+    """The traced graph cleaned up (as `traced`), and the nodes of it the inlined losses depend
+    on. The losses ride along as extra outputs through the cleanup, whose passes rebuild nodes
+    and map outputs onto the values standing for them; the dead code they kept alive (a loss
+    the step does not return) is removed after."""
+    n = len(graph.outputs)
+    clean = traced(_with_outputs(graph, list(graph.outputs) + losses), log)
+    needed = set(clean.outputs[n:])
+    for node in reversed(clean.nodes):
+        if node in needed:
+            needed.update(node.inputs)
+    clean = dead_code_elimination(_with_outputs(clean, clean.outputs[:n]))
+    return log.record("split_inlined", clean), frozenset(n for n in clean.nodes if n in needed)
 
 
 def traced(graph: Graph, log: PassLog) -> Graph:
@@ -304,6 +340,11 @@ def recompute_for_budget(
     if options.joint:
         joint = recompute_joint_chosen(stage.forward, stage.n_outputs, chosen)
         return replace(stage, forward=log.record("recompute_for_budget", joint))
+    if stage.backward is None:  # a step with inlined gradients (PlanChoices.inlined_gradients)
+        step, forward = recompute_after(stage.forward, set(stage.inlined_forward), chosen)
+        return replace(
+            stage, forward=log.record("recompute_for_budget", step), inlined_forward=forward
+        )
     bwd, saved, more = recompute_chosen(stage.forward, stage.backward, list(stage.saved), chosen)
     bwd = cleanup(log.record("recompute_for_budget", bwd), log)
     return replace(
@@ -377,13 +418,15 @@ def narrow_saved(plans: RegionPlans, options: PipelineOptions, log: PassLog) -> 
 
 
 def narrow_held(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
-    """Joint, with saved_dtype: the forward values the gradient part reads kept in that dtype
-    between the two parts (a cast after each is made, one back before its first gradient
-    reader: ir/saved_dtype.py narrowed_joint)."""
+    """Joint (or a step with inlined gradients), with saved_dtype: the forward values the
+    gradient part reads kept in that dtype between the two parts (a cast after each is made,
+    one back before its first gradient reader: ir/saved_dtype.py narrowed_joint)."""
     if options.saved_dtype is None:
         return stage
     graph = stage.forward
-    forward = forward_nodes(graph, stage.n_outputs)
+    forward = stage.inlined_forward
+    if options.joint:
+        forward = forward_nodes(graph, stage.n_outputs)
     narrowed = narrowed_joint(graph, forward, held_across(graph, forward), options.saved_dtype)
     return replace(stage, forward=log.record("saved_dtype", narrowed))
 
@@ -391,9 +434,11 @@ def narrow_held(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
 def held_schedule(stage: Stage, joint: bool) -> StepSchedule:
     """The memory planner's view of what the gradients hold: the nodes in run order, those
     of the gradient part marked (a region's saved inputs stand for their forward values)."""
-    if joint:
+    if joint or stage.backward is None:  # one plan: value_and_grad's, or a training step's
         graph = stage.forward
-        forward = forward_nodes(graph, stage.n_outputs)
+        forward = stage.inlined_forward
+        if joint:
+            forward = forward_nodes(graph, stage.n_outputs)
         later = {n for n in graph.nodes if n not in forward}
         return step_schedule(graph.nodes, later, graph.outputs, graph.inputs)
     fwd, bwd = stage.forward, stage.backward

@@ -222,25 +222,38 @@ def rematerialize_joint(graph: Graph, n_outputs: int) -> Graph:
     after = sum(v.type.nbytes for v in kept | new_held if v not in inputs)
     if after >= before:
         return graph
-    return _recomputed_in_gradients(graph, n_outputs, chains)
+    return _recomputed_in_gradients(graph, forward, chains)[0]
 
 
 def recompute_joint_chosen(graph: Graph, n_outputs: int, chosen: set[Value]) -> Graph:
     """The memory planner's rewrite of a joint plan: every held value in chosen is recomputed
     in the gradient part from the values still held, by any chain of ops. A new graph."""
-    forward = forward_nodes(graph, n_outputs)
+    return recompute_after(graph, forward_nodes(graph, n_outputs), chosen)[0]
+
+
+def recompute_after(
+    graph: Graph, forward: set[Value], chosen: set[Value]
+) -> tuple[Graph, frozenset[Value]]:
+    """The same rewrite for any split of graph into a forward part (the nodes in forward) and
+    the nodes after it: a compiled training step, whose inlined value_and_grad's forward is
+    the part its losses depend on and whose gradients and optimizer update follow. Returns
+    (a new graph, its forward part)."""
     held = held_across(graph, forward)
     available = (set(held) - chosen) | set(graph.inputs) | _constants(graph)
     chains = {v: _chain(v, available, any_op, None) for v in held if v in chosen}
-    return _recomputed_in_gradients(graph, n_outputs, chains)
+    return _recomputed_in_gradients(graph, forward, chains)
 
 
-def _recomputed_in_gradients(graph: Graph, n_outputs: int, chains: dict) -> Graph:
-    """A copy of graph whose gradient part recomputes each chain (mapped onto the copy)."""
+def _recomputed_in_gradients(
+    graph: Graph, forward: set[Value], chains: dict
+) -> tuple[Graph, frozenset[Value]]:
+    """A copy of graph whose gradient part recomputes each chain (mapped onto the copy), and
+    the copy's forward part."""
     graph, mapping = copy_graph(graph)
     chains = {mapping[v]: [mapping[n] for n in chain] for v, chain in chains.items()}
-    _recompute_in_gradients(graph, forward_nodes(graph, n_outputs), chains)
-    return graph
+    forward = frozenset(mapping[n] for n in forward)
+    _recompute_in_gradients(graph, forward, chains)
+    return graph, forward
 
 
 def _constants(graph: Graph) -> set[Value]:

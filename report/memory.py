@@ -13,17 +13,24 @@ def peak_line(report) -> str:
     """'peak: 98,312 B (96.0 KiB) on the numba backend, at backward kernel 2 (...) at m.py:7:
     inputs ..., scratch ...': the one number a budget is checked against."""
     peak = report.peak
-    step = peak.peak_step
-    if step is None:
+    if peak.peak_step is None:
         return "peak: 0 B (the step runs nothing)"
+    return (
+        f"peak: {format_bytes(peak.peak_bytes)} on the {peak.backend} backend, at "
+        f"{peak_step_words(peak)}"
+    )
+
+
+def peak_step_words(peak) -> str:
+    """'backward kernel 2 (loop: mul) at m.py:7: inputs 1,024 B, scratch ...': where a
+    PeakReport peaks and what it holds there, by category."""
+    step = peak.peak_step
     unit = "kernel" if peak.backend == "numba" else "step"
     where = f"{step.plan} {unit} {_step_in_plan(peak, step)} ({step.what})"
     if step.line:
         where += f" at {step.line}"
     parts = ", ".join(f"{c} {format_bytes(n)}" for c, n in peak.at_peak().items())
-    return (
-        f"peak: {format_bytes(peak.peak_bytes)} on the {peak.backend} backend, at {where}: {parts}"
-    )
+    return f"{where}: {parts}"
 
 
 def _step_in_plan(peak, step) -> int:

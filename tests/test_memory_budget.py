@@ -107,31 +107,37 @@ def _training_step(outer=None, inner=None, saved=None):
     return step
 
 
-def test_a_budget_on_a_training_step_names_the_inlined_value_and_grad():
-    """The step's plan inlines the value_and_grad's and has no backward of its own: a budget
-    on it cannot recompute, and says so, instead of calling the step's one peak the smallest
-    any plan reaches (the value_and_grad alone has lower ones)."""
+def test_a_budget_on_a_training_step_recomputes_in_its_inlined_gradients():
+    """The step's plan inlines the value_and_grad's: a budget on the step recomputes in that
+    gradient part (the dropout mask from its key, bit for bit), down to the smallest peak of
+    the step's own frontier; saved_bytes_budget counts what those gradients read."""
     ws, x, k = arrays()
-    peak = _training_step().explain(ws, x, k).peak_bytes
-    with pytest.raises(
-        bp.MemoryBudgetError,
-        match=r"differentiates nothing itself: its gradients come from the value_and_grad "
-        r"called at test_memory_budget.py:\d+, inlined",
-    ):
-        _training_step(outer=peak - 1)(ws, x, k)
-    with pytest.raises(bp.MemoryBudgetError, match=r"saved_bytes_budget=1,000,000 has nothing to"):
-        _training_step(saved=10**6)(ws, x, k)  # the step saves nothing: no budget can act
+    front = _training_step().memory_frontier(ws, x, k)
+    default, smallest = front.points[0].peak_bytes, front.points[-1].peak_bytes
+    assert smallest < default
+    new_ws, loss = _training_step(outer=smallest)(ws, x, k)
+    plain_ws, plain_loss = _training_step()(ws, x, k)
+    assert _training_step(outer=smallest).explain(ws, x, k).peak_bytes <= smallest
+    np.testing.assert_allclose(loss.numpy(), plain_loss.numpy(), rtol=1e-6)
+    for new, old in zip(new_ws, plain_ws, strict=True):
+        np.testing.assert_allclose(new.numpy(), old.numpy(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(bp.MemoryBudgetError, match=rf"reaches is {smallest:,} B"):
+        _training_step(outer=smallest - 1)(ws, x, k)
+    saved_ws, _ = _training_step(saved=1)(ws, x, k)  # every held value recomputed
+    for new, old in zip(saved_ws, plain_ws, strict=True):
+        np.testing.assert_allclose(new.numpy(), old.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_a_budgeted_value_and_grad_inside_a_compiled_step_is_refused():
-    """Inlined, its recomputation is not kept by the step's plan: the budget would silently
-    not hold, so it is refused with the way out; called on its own it is met."""
+    """Inlined, the step's peak is what a budget must bound: the budget on the value_and_grad
+    is refused, pointing at the step's; called on its own it is met."""
     ws, x, k = arrays()
     smallest = bp.value_and_grad(deep_loss).memory_frontier(ws, x, k).points[-1].peak_bytes
     with pytest.raises(
         bp.MemoryBudgetError,
         match=rf"value_and_grad\(deep_loss, max_peak_bytes={smallest:,}\) at "
-        r"test_memory_budget.py:\d+ is called inside a traced function.*outside bp.compile",
+        r"test_memory_budget.py:\d+ is called inside a traced function.*Give the budget to "
+        rf"the step instead: bp.compile\(step, max_peak_bytes={smallest:,}\)",
     ):
         _training_step(inner=smallest)(ws, x, k)
     assert bp.value_and_grad(deep_loss, max_peak_bytes=smallest).explain(ws, x, k).peak_bytes <= (

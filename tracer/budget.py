@@ -19,6 +19,7 @@ from backplan.ir.peak import joint_calls, predicted_peak, region_calls
 from backplan.ir.pipeline import PlanChoices, RegionPlans
 from backplan.ir.types import np_dtype
 from backplan.report.frontier import FrontierPoint, MemoryFrontier
+from backplan.report.peak_holders import peak_holders
 from backplan.report.wording import format_bytes
 from backplan.runtime.backend import current_backend
 
@@ -42,10 +43,21 @@ def step_peak_bytes(plans, n_outputs: int) -> int:
     included (ir/peak.py: arenas, outputs, saved buffers and gradients of the compiled plans,
     or every IR value its own buffer on the reference interpreter). Outputs written into
     donated inputs are not allocated by the step, as explain() counts them."""
+    return predicted_peak(*_step_calls(plans, n_outputs)).peak_bytes
+
+
+def _step_calls(plans, n_outputs: int) -> tuple[list, str]:
+    """(the plan calls of one step, the backend they are accounted on)."""
     backend = "reference" if current_backend() == "reference" else "numba"
     if isinstance(plans, RegionPlans):
-        return predicted_peak(region_calls(plans), backend).peak_bytes
-    return predicted_peak(joint_calls(plans, n_outputs), backend).peak_bytes
+        return region_calls(plans), backend
+    return joint_calls(plans, n_outputs), backend
+
+
+def holders_text(plans, n_outputs: int) -> str:
+    """What holds the step at its peak, from the same accounting as step_peak_bytes."""
+    calls, backend = _step_calls(plans, n_outputs)
+    return peak_holders(predicted_peak(calls, backend), calls)
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,7 @@ class BudgetPlanner:
         self.narrowed_for: str | None = None  # the budget the narrowed plans were chosen for
         self._built: dict[tuple, EvaluatedPoint] = {}
         self._points: dict[tuple, list] = {}
+        self.recomputed_for: tuple | None = None  # (budget words, point chosen, narrowed)
 
     def build(self, drop: frozenset = frozenset(), narrowed: bool = False):
         return (self._narrow_choices if narrowed else self.choices).build(drop)
@@ -120,6 +133,27 @@ class BudgetPlanner:
         if self.allow_dtype is not None:
             tried += [(p, True) for p in points]
         return sorted(tried, key=lambda c: (c[0].added_flops, c[1]))
+
+    def note(self) -> str:
+        """What explain's summary says about the planner's choice: the saved buffers' dtype,
+        and what a budget made a step with inlined gradients recompute."""
+        return " ".join(t for t in (self.saved_dtype_note(), self._recomputed_note()) if t)
+
+    def _recomputed_note(self) -> str:
+        """A step with inlined gradients lists its value_and_grad's own saved buffers
+        (section 3); under a budget it holds fewer: which plan it runs instead."""
+        if self.recomputed_for is None or not self.choices.inlined_gradients:
+            return ""
+        budget, point, narrowed = self.recomputed_for
+        held = self._narrowed_held(point) if narrowed else point.held_bytes
+        step = max(self.step_flops(), 1)
+        return (
+            f"To fit {budget}, the step recomputes {len(point.drop)} of the values its inlined "
+            f"gradients read instead of holding them: it holds {format_bytes(held)} "
+            f"of them (of {format_bytes(self.choices.schedule.held_bytes())}) for "
+            f"{point.added_flops:,} added FLOPs (+{100 * point.added_flops / step:.1f}% of the "
+            "step)."
+        )
 
     def saved_dtype_note(self) -> str:
         """What explain says about the dtype of the saved buffers the forward computes."""
@@ -235,6 +269,8 @@ class BudgetPlanner:
             evaluated = self.evaluate(point, narrowed)
             if evaluated.peak_bytes <= limit:
                 self.narrowed_for = f"max_peak_bytes={limit:,}" if narrowed else None
+                if point.drop:
+                    self.recomputed_for = (f"max_peak_bytes={limit:,}", point, narrowed)
                 return evaluated.plans
         default = self.evaluate_default()
         if default.peak_bytes <= limit:
@@ -244,18 +280,9 @@ class BudgetPlanner:
     def fit_saved(self, limit: int, default_plans):
         """saved_bytes_budget: the default plans if their saved bytes fit, else the cheapest
         plan whose saved bytes (your own arrays excluded) fit; MemoryBudgetError if none.
-        A step whose gradients come from an inlined value_and_grad saves nothing for a
-        backward of its own: the budget would hold whatever it is and change nothing."""
-        if not self.choices.differentiated and self.inlined:
-            raise MemoryBudgetError(
-                f"{self.name}: saved_bytes_budget={limit:,} has nothing to act on: the step "
-                "differentiates nothing itself (nothing is saved for a backward of it); its "
-                f"gradients come from the value_and_grad called at {', '.join(self.inlined)}, "
-                "inlined into its plan, whose saved values are temporaries of the step. Use "
-                "bp.value_and_grad(loss, max_peak_bytes=N) outside bp.compile, with the "
-                "optimizer update in a compiled call of its own"
-            )
-        if _saved_bytes(default_plans) <= limit:
+        In a step whose gradients come from an inlined value_and_grad, its saved bytes are
+        the forward values those gradients read."""
+        if self._default_saved(default_plans) <= limit:
             return default_plans
         if self.allow_dtype is not None:
             return self._fit_saved_narrowed(limit)
@@ -267,14 +294,33 @@ class BudgetPlanner:
                 f"bytes any plan keeps is {lowest:,} (values the backward reads that nothing "
                 "cheaper rebuilds); raise the budget or use max_peak_bytes"
             )
+        if point.drop:
+            self.recomputed_for = (f"saved_bytes_budget={limit:,}", point, False)
         return self.build(point.drop)
+
+    def _default_saved(self, default_plans) -> int:
+        """The bytes the default plan keeps for its gradients: a region's saved buffers, or,
+        in a step whose gradients are an inlined value_and_grad's, the forward values its
+        gradient part reads (ir/step_schedule.py held), your own arrays excluded."""
+        if self.choices.inlined_gradients:
+            return self.choices.schedule.held_bytes()
+        return _saved_bytes(default_plans)
+
+    def _saved_of(self, point, narrowed: bool, plans) -> int:
+        """A built plan's saved bytes: a region's saved buffers, or what the inlined gradients
+        of a training step read (as the schedule counts them, narrowed or not)."""
+        if not self.choices.inlined_gradients:
+            return _saved_bytes(plans)
+        return self._narrowed_held(point) if narrowed else point.held_bytes
 
     def _fit_saved_narrowed(self, limit: int):
         """fit_saved with allow_dtype: the first candidate whose built plans' saved bytes fit."""
         for point, narrowed in self.candidates(self.points_for(limit, "saved")):
             plans = self.build(point.drop, narrowed)
-            if _saved_bytes(plans) <= limit:
+            if self._saved_of(point, narrowed, plans) <= limit:
                 self.narrowed_for = f"saved_bytes_budget={limit:,}" if narrowed else None
+                if point.drop:
+                    self.recomputed_for = (f"saved_bytes_budget={limit:,}", point, narrowed)
                 return plans
         raise MemoryBudgetError(
             f"{self.name}: saved_bytes_budget={limit:,} cannot be met, even with the saved "
@@ -291,9 +337,7 @@ class BudgetPlanner:
             )
 
     def refusal(self, limit: int, option: str) -> str:
-        """Why no plan fits: the smallest peak, its cost, what dominates it."""
-        if not self.choices.differentiated and self.inlined:
-            return self._inlined_refusal(limit, option)
+        """Why no plan fits: the smallest peak, its cost, what holds it there."""
         frontier = self.frontier()
         best = frontier[-1]
         default = frontier[0]
@@ -306,14 +350,14 @@ class BudgetPlanner:
         text = (
             f"{self.name}: no plan fits {option}={limit:,} bytes. The smallest peak any plan "
             f"reaches is {format_bytes(best.peak_bytes)}, {narrowed}"
-            f"recomputing {best.recomputed} more value(s) in the backward for "
+            f"recomputing {best.recomputed} more value(s) in {self._backward_words()} for "
             f"{best.added_flops:,} added FLOPs (+{100 * best.added_flops / step:.0f}% of the "
             f"step); the default plan peaks at {format_bytes(default.peak_bytes)}. The arrays "
             f"passed in hold {format_bytes(self.input_bytes)} of those."
         )
-        dominant = _dominant(best.plans)
-        if dominant:
-            text += " At that peak the largest buffers are: " + "; ".join(dominant) + "."
+        holders = holders_text(best.plans, self._n_outputs())
+        if holders:
+            text += f" That peak is {holders}."
         return (
             text
             + self._narrowing_text(best)
@@ -322,6 +366,11 @@ class BudgetPlanner:
                 "largest that fits), or a larger budget."
             )
         )
+
+    def _backward_words(self) -> str:
+        if self.choices.inlined_gradients and self.inlined:
+            return f"the gradients of the value_and_grad called at {', '.join(self.inlined)}"
+        return "the backward"
 
     def _narrowing_text(self, best: EvaluatedPoint) -> str:
         """What 16-bit saved buffers would give (or gave) the refused budget."""
@@ -336,26 +385,6 @@ class BudgetPlanner:
         return (
             f" With the saved buffers in {np_dtype(self.allow_dtype).name} "
             f"(allow_saved_dtype) the smallest peak is {format_bytes(narrowed.peak_bytes)}."
-        )
-
-    def _inlined_refusal(self, limit: int, option: str) -> str:
-        """A training step whose backward is an inlined value_and_grad: it has no backward of
-        its own to recompute in, so its one plan is all there is."""
-        default = self.evaluate_default()
-        text = (
-            f"{self.name}: no plan fits {option}={limit:,} bytes: the step peaks at "
-            f"{format_bytes(default.peak_bytes)} (the arrays passed in hold "
-            f"{format_bytes(self.input_bytes)} of those) and differentiates nothing itself: its "
-            f"gradients come from the value_and_grad called at {', '.join(self.inlined)}, "
-            "inlined into its plan, whose values a budget on the step does not recompute."
-        )
-        dominant = _dominant(default.plans)
-        if dominant:
-            text += " At that peak the largest buffers are: " + "; ".join(dominant) + "."
-        return text + (
-            " Ways out: bp.value_and_grad(loss, max_peak_bytes=N) called outside bp.compile "
-            "(recomputing in its backward) with the optimizer update in a compiled call of its "
-            "own, a smaller batch (bp.max_batch), or a larger budget."
         )
 
 
@@ -376,22 +405,6 @@ def _saved_bytes(plans) -> int:
     return sum(s.forward.type.nbytes for s in plans.saved if s.source[0] == "output")
 
 
-def _dominant(plans, count: int = 3) -> list[str]:
-    """The largest values live where the plans peak, with the user's lines (a saved buffer
-    of the backward is named by the forward value it holds)."""
-    forward_of = {}
-    if isinstance(plans, RegionPlans):
-        candidates = [plans.forward] + ([plans.backward] if plans.backward else [])
-        plan = max(candidates, key=lambda p: p.peak_bytes)
-        if plans.backward is not None:
-            saved_inputs = plans.backward.graph.inputs[plans.n_cotangents :]
-            forward_of = {b: s.forward for b, s in zip(saved_inputs, plans.saved, strict=True)}
-    else:
-        plan = plans
-    values = [forward_of.get(v, v) for v in plan.live_at_peak()[:count]]
-    return [f"{v.op} {v.type} ({format_bytes(v.type.nbytes)}) at {v.loc_text}" for v in values]
-
-
 def inlined_budget_refusal(fn, limit: int) -> str:
     """Why a value_and_grad with max_peak_bytes is refused inside a traced function (a
     compiled training step): its joint plan is inlined and the step's plan, made as a whole,
@@ -400,8 +413,7 @@ def inlined_budget_refusal(fn, limit: int) -> str:
     return (
         f"value_and_grad({name}, max_peak_bytes={limit:,}) at {loc_text(user_frame_loc())} is "
         "called inside a traced function (a bp.compile step): its joint plan is inlined into "
-        "the step's, which is planned as a whole and does not keep the recomputation this "
-        "budget chooses, so the budget would not hold. Call the budgeted value_and_grad "
-        "outside bp.compile (it compiles its joint plan itself) and apply the optimizer "
-        "update in a compiled call of its own"
+        "the step's, whose peak (the optimizer update and the step's other buffers included) "
+        "is what a budget must bound. Give the budget to the step instead: "
+        f"bp.compile(step, max_peak_bytes={limit:,}) recomputes in the inlined gradients"
     )

@@ -271,9 +271,8 @@ class CompiledFunction(PlannedFunction):
             donated=donated,
         )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
-        planner = BudgetPlanner(
-            plan_choices(graph, wrt, options), input_bytes, name, self.allow_saved_dtype
-        )
+        choices = plan_choices(graph, wrt, options, inlined=trace.inlined_losses)
+        planner = BudgetPlanner(choices, input_bytes, name, self.allow_saved_dtype)
         planner.inlined = [joint.loc for joint in trace.inner_joints]
         plans = self._plans_within_budget(planner)
         program = RegionProgram(plans, name=name, input_names=names, background=self.background)

@@ -371,7 +371,7 @@ class PlannedFunction:
         report = self._report(entry, bound)
         if entry.planner is not None:
             report.frontier_source = entry.planner.memory_frontier
-            report.saved_dtype_note = entry.planner.saved_dtype_note()
+            report.saved_dtype_note = entry.planner.note()
         symbolic = self._entries.get(self._entry_key(bound))
         if type(symbolic) is DynamicEntry:
             size = self._symbol_of(bound).size

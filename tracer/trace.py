@@ -25,6 +25,7 @@ class Trace:
         self._lifted: dict[int, Value] = {}
         self.floats: dict[Value, str] = {}  # input of a traced Python float -> its argument
         self.inner_joints: list = []  # report.InnerJoint of each value_and_grad inlined here
+        self.inlined_losses: list[Value] = []  # their outputs here (loss, aux): see plan_choices
 
     def value_of(self, tensor) -> Value:
         if tensor._trace is self:

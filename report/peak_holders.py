@@ -1,0 +1,54 @@
+"""What holds a step at its predicted peak, in the words a memory budget's refusal uses: the
+step's own accounting (ir/peak.py), so the bytes named are those the compiled step (or the
+reference interpreter) holds there, not a per-value liveness estimate.
+
+On numba the peak is reached with every plan's scratch arena and every buffer a call returns
+held at once: the refusal names the kernel and line, the bytes per category, and the largest
+buffers (for an arena, the largest values placed in it, with their lines). On the reference
+interpreter it names the step and line and the bytes per category there.
+"""
+
+from __future__ import annotations
+
+from backplan.ir.lowering import lower
+from backplan.ir.peak import PeakReport, PlanCall
+from backplan.ir.printer import format_loc
+
+from .memory import peak_step_words
+from .wording import format_bytes
+
+
+def peak_holders(report: PeakReport, calls: list[PlanCall], count: int = 3) -> str:
+    """'reached at joint kernel 12 (matmul) at m.py:7: inputs 1,024 B, scratch ...; the
+    largest buffers: ...' ('' for a step that holds nothing)."""
+    if report.peak_step is None:
+        return ""
+    largest = _largest_compiled(report, calls, count) if report.backend == "numba" else []
+    text = f"reached at {peak_step_words(report)}"
+    return text + ("; the largest buffers: " + "; ".join(largest) if largest else "")
+
+
+def _largest_compiled(report: PeakReport, calls: list[PlanCall], count: int) -> list[str]:
+    """The largest buffers the compiled calls hold at the peak (the caller's arrays apart),
+    an arena described by the largest values placed in it."""
+    by_label = {c.label: c for c in calls}
+    least = report.peak_bytes // 100  # a 4-byte loss buffer explains nothing
+    held = [(label, b) for label, b in report.buffers if b.category != "constants"]
+    held = [(label, b) for label, b in held if b.nbytes >= least]
+    held.sort(key=lambda lb: -lb[1].nbytes)
+    words = []
+    for label, buffer in held[:count]:
+        if buffer.category != "scratch":
+            words.append(f"{buffer.name} {format_bytes(buffer.nbytes)}")
+            continue
+        call = by_label[label]
+        values = lower(call.plan, call.private_saved).layout.scratch_offsets
+        biggest = sorted(values, key=lambda v: -v.type.nbytes)[:count]
+        inside = ", ".join(_value_words(v) for v in biggest)
+        words.append(f"the {label} plan's scratch arena {format_bytes(buffer.nbytes)} ({inside})")
+    return words
+
+
+def _value_words(value) -> str:
+    where = format_loc(value.loc)
+    return f"{value.op} {value.type}" + (f" at {where}" if where else "")
