@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from backplan.ir.pipeline import PassLog, RegionPlans, SavedSlot
+from backplan.ir.pipeline import PassLog
+from backplan.ir.plans import RegionPlans, SavedSlot
 from backplan.ir.types import is_float
 from backplan.runtime import RegionProgram
 from backplan.tracer.compile import TracedFunction

@@ -169,7 +169,7 @@ def budget_rows(name: str, rounds: int, saved_dtype, timed: bool) -> None:
     fn, params, batch = MODEL_MAKERS[name]()
     rows, step_flops, arrays = plans_under_budgets(fn, params, batch, saved_dtype)
     found = [(label, e) for label, e in rows if e is not None]
-    plans = [e.plans for _, e in found]
+    plans = [e.plans.plan for _, e in found]
     rounding = [e.saved_dtype is not None for _, e in found]
     times = time_plans(plans, arrays, rounds, rounding) if timed else []
     planner = bp.value_and_grad(fn).trace(params, *batch).planner
@@ -196,7 +196,7 @@ def frontier_rows(name: str, rounds: int, saved_dtype, count: int) -> None:
     picked = sorted({round(k * (len(frontier) - 1) / max(count - 1, 1)) for k in range(count)})
     chosen = [frontier[k] for k in picked]
     rounding = [e.saved_dtype is not None for e in chosen]
-    times = time_plans([e.plans for e in chosen], [params, *batch], rounds, rounding)
+    times = time_plans([e.plans.plan for e in chosen], [params, *batch], rounds, rounding)
     step_flops = planner.step_flops()
     print(f"{name}: {len(frontier)} frontier rows, {len(chosen)} timed")
     print("| row | peak | saved | added FLOPs | recomputed | saved as | step (ms) | vs default |")

@@ -37,9 +37,7 @@ from .attention_fusion import fuse_attention
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .errors import BackplanError
 from .graph import Graph, Value, carry_reasons
-from .layout import storage_root
 from .liveness import Plan, plan_liveness
-from .lowering import BackwardMode, LoweredPlan, lower
 from .passes import (
     algebraic_simplification,
     common_subexpression_elimination,
@@ -48,6 +46,7 @@ from .passes import (
     expand_tanh_gelu,
     flatten_shared_matmuls,
 )
+from .plans import JointPlans, RegionPlans, SavedSlot, StepPlans
 from .remat import (
     Recomputed,
     forward_nodes,
@@ -60,7 +59,6 @@ from .remat import (
 )
 from .saved_dtype import narrowed_joint, narrowed_saved
 from .step_schedule import StepSchedule, step_schedule
-from .types import is_float
 from .verify import verify_graph, verify_plan
 
 CLEANUP = (algebraic_simplification, common_subexpression_elimination, dead_code_elimination)
@@ -159,13 +157,14 @@ class PlanChoices:
     """The pipeline's result before the memory choice: `build(drop)` finishes the plans
     recomputing, besides the default choice, the held values `drop` names (ids of `schedule`,
     the memory planner's view: ir/budget.py). A region's build is RegionPlans, a joint one's
-    a Plan. Each build runs the remaining steps afresh (the default one is kept)."""
+    JointPlans; callers read either through StepPlans (ir/plans.py). Each build runs the
+    remaining steps afresh (the default one is kept)."""
 
     stage: Stage
     options: PipelineOptions
     log: PassLog
     _schedule: StepSchedule | None = None
-    _default: RegionPlans | Plan | None = None
+    _default: StepPlans | None = None
 
     @property
     def joint(self) -> bool:
@@ -192,14 +191,15 @@ class PlanChoices:
             self._schedule = held_schedule(self.stage, self.joint)
         return self._schedule
 
-    def build(self, drop: frozenset[int] = frozenset()) -> RegionPlans | Plan:
+    def build(self, drop: frozenset[int] = frozenset()) -> StepPlans:
         if not drop and self._default is not None:
             return self._default
         chosen = {self.schedule.values[i] for i in drop}
         log, options = self.log, self.options
         stage = recompute_for_budget(self.stage, chosen, options, log)
         if options.joint:
-            return self._kept(drop, _plan(narrow_held(stage, options, log).forward, log))
+            plan = _plan(narrow_held(stage, options, log).forward, log)
+            return self._kept(drop, JointPlans(plan, stage.n_outputs, stage.wrt, log))
         if stage.backward is None:
             if self.inlined_gradients:
                 stage = narrow_held(stage, options, log)
@@ -230,16 +230,16 @@ def build_region_plans(
     """A region's default plans: `plan_choices(...).build()` (see PipelineOptions)."""
     options = PipelineOptions(remat=remat, saved_bytes_budget=saved_bytes_budget, expand=expand)
     plans = plan_choices(graph, wrt, options, log).build()
-    assert isinstance(plans, RegionPlans)  # a region's build (not joint)
+    assert isinstance(plans, RegionPlans)  # for the type checker: a region's build
     return plans
 
 
 def build_joint_plan(graph: Graph, wrt: list[bool], log: PassLog | None = None) -> Plan:
     """value_and_grad's default plan: outputs are the original outputs, then
     d(outputs[0])/d(wrt inputs)."""
-    plan = plan_choices(graph, wrt, PipelineOptions(joint=True), log).build()
-    assert isinstance(plan, Plan)  # a joint build
-    return plan
+    plans = plan_choices(graph, wrt, PipelineOptions(joint=True), log).build()
+    assert isinstance(plans, JointPlans)  # for the type checker: a joint build
+    return plans.plan
 
 
 # ---- the steps, in order -----------------------------------------------------------------------
@@ -452,61 +452,6 @@ def held_schedule(stage: Stage, joint: bool) -> StepSchedule:
         alias,
         two_plans=True,
     )
-
-
-# ---- the results -------------------------------------------------------------------------------
-
-
-@dataclass
-class SavedSlot:
-    """Where a saved buffer comes from when the forward runs: ("input", i) is region input i,
-    ("output", j) is forward-plan output j. `forward` is the forward value, `reason` the rule."""
-
-    source: tuple[str, int]
-    forward: Value
-    reason: str
-
-
-@dataclass
-class RegionPlans:
-    """Everything needed to run a region forward now and backward later."""
-
-    forward: Plan  # outputs: the user's outputs, then the saved values it computes
-    backward: Plan | None  # inputs: one cotangent per float output, then the saved buffers
-    saved: list[SavedSlot]
-    n_outputs: int
-    wrt: list[bool]
-    log: PassLog
-    recomputed: list = field(default_factory=list)  # remat.Recomputed: rebuilt, not saved
-
-    @property
-    def n_cotangents(self) -> int:
-        """Backward inputs before the saved buffers: one per float user output."""
-        return sum(is_float(o.dtype) for o in self.forward.graph.outputs[: self.n_outputs])
-
-    @property
-    def donated(self) -> tuple[int, ...]:
-        """Forward inputs whose buffers its outputs may be written into."""
-        return self.forward.donated
-
-    def private_saved_inputs(self) -> tuple[int, ...]:
-        """Backward inputs holding saved buffers that only this region's graph can see:
-        computed by the forward, not a user output, not sharing storage with one."""
-        forward = self.forward.graph
-        public = {storage_root(v) for v in forward.outputs[: self.n_outputs]}
-        public |= set(forward.inputs)
-        return tuple(
-            self.n_cotangents + slot
-            for slot, saved in enumerate(self.saved)
-            if saved.source[0] == "output" and storage_root(saved.forward) not in public
-        )
-
-    def lowered(self, mode: BackwardMode | None = None) -> LoweredPlan:
-        """The forward plan lowered (mode None), or the backward plan in that mode."""
-        if mode is None:
-            return lower(self.forward)
-        private = self.private_saved_inputs() if mode is BackwardMode.CONSUME else ()
-        return lower(self.backward, private)
 
 
 # ---- helpers -----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .pipeline import RegionPlans
+from .plans import RegionPlans
 from .symbolic import SymbolicError, SymbolicPlan, fit_plans
 
 

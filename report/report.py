@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backplan.ir.liveness import Plan
-from backplan.ir.peak import PeakReport, joint_calls, predicted_peak, region_calls
+from backplan.ir.peak import PeakReport, predicted_peak
+from backplan.ir.plans import JointPlans
 from backplan.runtime.backend import current_backend
 from backplan.runtime.program import RegionProgram, SavedBufferInfo
 
@@ -252,9 +253,7 @@ def region_report(
     default, the groups of the backend the program runs on."""
     plans = program.plans
     view = region_view(program)
-    named = {"forward": plans.forward}
-    if plans.backward is not None:
-        named["backward"] = plans.backward
+    named = plans.named
     backend = program.backend or current_backend()
     compiled = region_facts(program) if backend == "numba" else None
     if kernel_groups is None:
@@ -271,7 +270,7 @@ def region_report(
         backend,
         recomputed_infos(program),
         compiled,
-        region_calls(plans),
+        plans.peak_calls(),
     )
 
 
@@ -288,14 +287,15 @@ def joint_report(
 ) -> ExplainReport:
     """The report of value_and_grad's joint plan (outputs: loss, aux, then gradients)."""
     view = joint_view(plan, n_outputs, wrt, input_names, name)
+    plans = JointPlans(plan, n_outputs, list(wrt))
     backend = backend or current_backend()
     compiled = joint_facts(plan) if backend == "numba" else None
     if kernel_groups is None:
-        kernel_groups = planned_groups(_compiled_plans({"joint": plan}, compiled), backend)
+        kernel_groups = planned_groups(_compiled_plans(plans.named, compiled), backend)
     return ExplainReport(
         name,
         view,
-        {"joint": plan},
+        plans.named,
         joint_saved_info(plan, view),
         kernels_from_groups(view, kernel_groups),
         traces,
@@ -303,7 +303,7 @@ def joint_report(
         list(wrt),
         backend,
         compiled=compiled,
-        peak_calls=joint_calls(plan, n_outputs),
+        peak_calls=plans.peak_calls(),
     )
 
 

@@ -180,7 +180,7 @@ def test_the_simulated_peak_is_the_joint_plans_peak():
     choices = entry.planner.choices
     inputs = entry.planner.input_bytes
     for point in plan_frontier(choices.schedule):
-        assert step_peak_bytes(choices.build(point.drop), 1) == inputs + point.peak
+        assert step_peak_bytes(choices.build(point.drop)) == inputs + point.peak
 
 
 def test_first_moves_keep_segments_short():

@@ -31,7 +31,7 @@ def test_the_budget_bench_runs_the_default_and_a_recomputing_plan_compiled():
     ws, x, k = arrays()
     entry = bp.value_and_grad(deep_loss).trace(ws, x, k)
     points = entry.planner.points("saved")
-    plans = [entry.planner.build(points[0].drop), entry.planner.build(points[-1].drop)]
+    plans = [entry.planner.build(points[0].drop).plan, entry.planner.build(points[-1].drop).plan]
     with use_backend("numba"):
         _, outputs, _ = plan_outputs(plans, [ws, x, k])
     assert len(outputs[1]) == 1 + len(ws) and same_outputs(outputs[0], outputs[1])

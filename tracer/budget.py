@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 from backplan.ir.budget import PlanPoint, cheapest_within, plan_frontier, refined_within
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
-from backplan.ir.peak import joint_calls, predicted_peak, region_calls
-from backplan.ir.pipeline import PlanChoices, RegionPlans
+from backplan.ir.peak import predicted_peak
+from backplan.ir.pipeline import PlanChoices
+from backplan.ir.plans import StepPlans
 from backplan.ir.types import np_dtype
 from backplan.report.frontier import FrontierPoint, MemoryFrontier
 from backplan.report.peak_holders import peak_holders
@@ -38,25 +39,23 @@ def checked_budget(value, option: str) -> int | None:
     return int(value)
 
 
-def step_peak_bytes(plans, n_outputs: int) -> int:
+def step_peak_bytes(plans: StepPlans) -> int:
     """The highest number of bytes the step holds on the current backend, the arrays passed in
     included (ir/peak.py: arenas, outputs, saved buffers and gradients of the compiled plans,
     or every IR value its own buffer on the reference interpreter). Outputs written into
     donated inputs are not allocated by the step, as explain() counts them."""
-    return predicted_peak(*_step_calls(plans, n_outputs)).peak_bytes
+    return predicted_peak(*_step_calls(plans)).peak_bytes
 
 
-def _step_calls(plans, n_outputs: int) -> tuple[list, str]:
+def _step_calls(plans: StepPlans) -> tuple[list, str]:
     """(the plan calls of one step, the backend they are accounted on)."""
     backend = "reference" if current_backend() == "reference" else "numba"
-    if isinstance(plans, RegionPlans):
-        return region_calls(plans), backend
-    return joint_calls(plans, n_outputs), backend
+    return plans.peak_calls(), backend
 
 
-def holders_text(plans, n_outputs: int) -> str:
+def holders_text(plans: StepPlans) -> str:
     """What holds the step at its peak, from the same accounting as step_peak_bytes."""
-    calls, backend = _step_calls(plans, n_outputs)
+    calls, backend = _step_calls(plans)
     return peak_holders(predicted_peak(calls, backend), calls)
 
 
@@ -102,7 +101,7 @@ class BudgetPlanner:
         key = (point.drop, narrowed)
         if key not in self._built:
             plans = self.build(point.drop, narrowed)
-            peak = step_peak_bytes(plans, self._n_outputs())
+            peak = step_peak_bytes(plans)
             dtype = self.allow_dtype if narrowed else None
             held = self._narrowed_held(point) if narrowed else point.held_bytes
             self._built[key] = EvaluatedPoint(
@@ -177,9 +176,6 @@ class BudgetPlanner:
             f"to {_significant_bits(dtype)} significant bits."
         )
 
-    def _n_outputs(self) -> int:
-        return self.choices.n_outputs if self.choices.joint else 0
-
     def points(self, objective: str = "peak") -> list:
         if not self.choices.differentiated:
             return []  # nothing is differentiated: nothing is held for a backward
@@ -239,13 +235,7 @@ class BudgetPlanner:
 
     def step_flops(self) -> int:
         plans = self.build()
-        if isinstance(plans, RegionPlans):
-            nodes = plans.forward.graph.nodes + (
-                plans.backward.graph.nodes if plans.backward else []
-            )
-        else:
-            nodes = plans.graph.nodes
-        return sum(node_flops(n) for n in nodes)
+        return sum(node_flops(n) for plan in plans.named.values() for n in plan.graph.nodes)
 
     def memory_frontier(self) -> MemoryFrontier:
         points = [
@@ -304,13 +294,13 @@ class BudgetPlanner:
         gradient part reads (ir/step_schedule.py held), your own arrays excluded."""
         if self.choices.inlined_gradients:
             return self.choices.schedule.held_bytes()
-        return _saved_bytes(default_plans)
+        return default_plans.saved_bytes
 
     def _saved_of(self, point, narrowed: bool, plans) -> int:
         """A built plan's saved bytes: a region's saved buffers, or what the inlined gradients
         of a training step read (as the schedule counts them, narrowed or not)."""
         if not self.choices.inlined_gradients:
-            return _saved_bytes(plans)
+            return plans.saved_bytes
         return self._narrowed_held(point) if narrowed else point.held_bytes
 
     def _fit_saved_narrowed(self, limit: int):
@@ -355,7 +345,7 @@ class BudgetPlanner:
             f"step); the default plan peaks at {format_bytes(default.peak_bytes)}. The arrays "
             f"passed in hold {format_bytes(self.input_bytes)} of those."
         )
-        holders = holders_text(best.plans, self._n_outputs())
+        holders = holders_text(best.plans)
         if holders:
             text += f" That peak is {holders}."
         return (
@@ -397,12 +387,6 @@ def _narrowing(choices: PlanChoices, dtype: str) -> PlanChoices:
 
 def _significant_bits(dtype: str) -> int:
     return {"bf16": 8, "f16": 11, "f32": 24, "f64": 53}[dtype]
-
-
-def _saved_bytes(plans) -> int:
-    if not isinstance(plans, RegionPlans) or plans.backward is None:
-        return 0
-    return sum(s.forward.type.nbytes for s in plans.saved if s.source[0] == "output")
 
 
 def inlined_budget_refusal(fn, limit: int) -> str:

@@ -463,8 +463,10 @@ def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes=None, dtypes=(Non
         name,
         allow_dtype=allow_dtype,
     )
-    plan = planner.build() if max_peak_bytes is None else planner.fit_peak(max_peak_bytes)
-    return JointTrace(plan, trace.captured, aux_treedef, len(aux_leaves), wrt, planner=planner)
+    plans = planner.build() if max_peak_bytes is None else planner.fit_peak(max_peak_bytes)
+    return JointTrace(
+        plans.plan, trace.captured, aux_treedef, len(aux_leaves), wrt, planner=planner
+    )
 
 
 def _grads_like(args, nums, diff_paths, grads, single: bool):
