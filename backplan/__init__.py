@@ -77,6 +77,12 @@ def __getattr__(name: str):
 def zero_grad(params: object) -> None:
     """Clear .grad of every tensor in a pytree (a model's parameters, say). An object of an
     unregistered class holding tensors is refused: its tensors would keep their gradients."""
+    if type(params) is dict:  # a flat dict of tensors, every step of a loop: no tree walk
+        values = params.values()
+        if all(type(v) is Tensor for v in values):
+            for v in values:
+                v.grad = None
+            return
     for leaf in _tree_leaves(params):
         if isinstance(leaf, Tensor):
             leaf.zero_grad()

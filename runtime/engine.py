@@ -83,14 +83,38 @@ def _backward_one(region: Region, index: int, gradient, mode, loc) -> None:
             raise
         if mode is BackwardMode.CONSUME:
             region.mark_freed(FreedBy(loc, region, index))
-        leaf_grads: dict[int, tuple[object, np.ndarray]] = {}
-        for edge, grad in zip(region.input_edges, grads, strict=True):
-            leaf = edge.leaf  # _route's leaf case, inline: a leaf passed twice sums first
-            held = leaf_grads.get(id(leaf))
-            leaf_grads[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
-        with _leaf_grads:
-            for leaf, grad in leaf_grads.values():
-                leaf._accumulate_grad(grad)
+        _to_leaves(region.input_edges, grads)
+
+
+def backward_ready(region: Region, index: int, loc) -> bool:
+    """backward() from the default seed on a region whose gradients its forward already
+    computed (runtime/joint_step.py JointRegion): _backward_one without the seed, the
+    cotangent or the backward plan. False, changing nothing, when they are not ready."""
+    with region.lock:
+        if region.freed_by is not None:
+            raise freed_error([region], region, index, location_text(loc))
+        grads = region.take_gradients()
+        if grads is None:
+            return False
+        region.mark_freed(FreedBy(loc, region, index))
+        if region.distinct_leaves():
+            with _leaf_grads:
+                for edge, grad in zip(region.input_edges, grads, strict=True):
+                    edge.leaf._accumulate_grad(grad)
+        else:
+            _to_leaves(region.input_edges, grads)
+        return True
+
+
+def _to_leaves(edges, grads) -> None:
+    leaf_grads: dict[int, tuple[object, np.ndarray]] = {}
+    for edge, grad in zip(edges, grads, strict=True):
+        leaf = edge.leaf  # a leaf passed twice sums first
+        held = leaf_grads.get(id(leaf))
+        leaf_grads[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
+    with _leaf_grads:
+        for leaf, grad in leaf_grads.values():
+            leaf._accumulate_grad(grad)
 
 
 def _mark_freed(regions: list[Region], by: FreedBy) -> None:

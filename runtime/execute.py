@@ -9,7 +9,13 @@ from .region import Edge, Region
 def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, loc, donate=()):
     """Returns (user outputs, region or None). edges is None when nothing needs a gradient.
     donate: inputs whose buffers the plan may write outputs into (never saved ones).
-    loc: where the user called it (a SourceLoc, or its text), the region's created_at."""
+    loc: where the user called it (a SourceLoc, or its text), the region's created_at.
+    A small compiled step that backward() follows may run as one joint plan (joint_step.py)."""
+    joint = program.joint_step
+    if edges is not None and joint is not None and joint.on:
+        ran = joint.run(program, args, edges, loc)
+        if ran is not None:
+            return ran
     outputs = program.run_forward(list(args), donate)  # the runner empties the list it gets
     user_outputs = outputs[: program.n_outputs]
     if edges is None or program.plans.backward is None:

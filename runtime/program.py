@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backplan.ir.lowering import BackwardMode
-from backplan.ir.pipeline import RegionPlans
+from backplan.ir.plans import RegionPlans
 from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import is_float, np_dtype
 
@@ -66,6 +66,7 @@ class RegionProgram:
         self.saved_info = self._saved_info() if plans.backward else []
         # per saved buffer: (whether it is a forward input, its index among inputs or outputs)
         self.saved_sources = tuple((s.source[0] == "input", s.source[1]) for s in plans.saved)
+        self.joint_step = None  # runtime/joint_step.py: a compiled step's one-plan form
 
     def _differentiable_outputs(self):
         if self.plans.backward is None:

@@ -210,7 +210,16 @@ class Region:
         args += [saved[i] for i in range(len(program.saved_info))]
         release = Release(saved, n_cot) if mode is CONSUME else None
         self.backward_calls += 1
+        if program.joint_step is not None:  # a compiled step learning whether to run as one plan
+            program.joint_step.observe(cotangents, mode)
         return program.run_backward(args, mode, release)
+
+    ready = False  # whether take_gradients() has them (a JointRegion's, until backward)
+
+    def take_gradients(self) -> list | None:
+        """The gradients its forward computed, for backward() from the default seed when
+        every input is a leaf (runtime/joint_step.py); a plain region has none."""
+        return None
 
     def mark_freed(self, by: FreedBy) -> None:
         self._saved.clear()

@@ -99,6 +99,8 @@ def test_value_and_grad_from_many_threads_matches_serial(params):
 
 
 def test_concurrent_backward_of_distinct_graphs_matches_serial():
+    """Close, not equal: which calls run as one joint plan (runtime/joint_step.py) depends on
+    the order calls come in, and the joint plan sums in another order (last bits differ)."""
     forward = bp.compile(model)
 
     def work(thread, call):
@@ -108,7 +110,10 @@ def test_concurrent_backward_of_distinct_graphs_matches_serial():
 
     with use_backend("numba"):
         expected = serial(work)
-        assert_same(run_threads(work), expected)
+        got = run_threads(work)
+    for key, arrays in expected.items():
+        for a, b in zip(got[key], arrays, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=str(key))
 
 
 def test_concurrent_backward_into_a_shared_leaf_loses_no_gradient():

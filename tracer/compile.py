@@ -14,6 +14,7 @@ from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
+from backplan.runtime.joint_step import joint_step_for
 
 from .arguments import ArgumentSpec
 from .budget import BudgetPlanner, checked_budget
@@ -276,6 +277,8 @@ class CompiledFunction(PlannedFunction):
         planner.inlined = [joint.loc for joint in trace.inner_joints]
         plans = self._plans_within_budget(planner)
         program = RegionProgram(plans, name=name, input_names=names, background=self.background)
+        if self.max_peak_bytes is None:  # a budgeted step keeps the plans the budget chose
+            program.joint_step = joint_step_for(graph, plans, options, self.background)
         return TracedFunction(
             program,
             out_treedef,

@@ -244,7 +244,8 @@ class Tensor(TensorMethods):
         data = self._data  # a leaf is concrete: its dtype without the dtype-name lookups
         if self.grad is None and type(array) is np.ndarray and data is not None:
             if array.dtype == data.dtype and array.shape == data.shape:  # a plan's output
-                self.grad = Tensor._from_array(array)
+                fresh = array.base is None  # nobody else's buffer: wrapped as it is
+                self.grad = Tensor._fresh(array) if fresh else Tensor._from_array(array)
                 return
         if data is None:
             array = np.asarray(array, dtype=self.dtype)
@@ -274,6 +275,10 @@ class Tensor(TensorMethods):
             raise BackwardError(
                 f"backward() at {loc_text(where)} on a tensor that does not require grad"
             )
+        grad_fn = self._grad_fn
+        if gradient is None and not retain_graph and grad_fn is not None and grad_fn.ready:
+            if _engine.backward_ready(grad_fn, self._out_index, where):
+                return  # the forward ran one joint plan: its gradients go to the leaves
         gradient = self._seed_gradient(gradient, where)
         if self._grad_fn is None:
             self._accumulate_grad(gradient)

@@ -1,0 +1,166 @@
+"""One plan per step for a small compiled loss that backward() follows.
+
+`loss = step(params, x); loss.backward()` runs two plans (the forward, then the backward reading
+saved buffers), each with its own call's Python; value_and_grad runs one joint plan. For a small
+step that Python is most of the time (mlp_tiny: 2x the joint plan's step). So a compiled
+function whose loss is a float scalar and whose step is small learns, over its first calls,
+whether each call's loss is backward()ed from the default seed (ones, without retain_graph). Once
+it has seen that CALLS_TO_LEARN times, a call runs the joint plan instead: the loss now, the
+gradients kept in the call's region (a JointRegion), which backward() hands to the leaves as
+the backward plan would have computed them. Anything else (another seed, retain_graph, a call
+whose loss is never backward()ed) turns it off for good: that backward() recomputes the saved
+buffers from the call's inputs (held, read-only) and runs the backward plan, so results never
+depend on the guess. BACKPLAN_JOINT_STEP=0 keeps every call on the two plans.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from backplan.ir.flops import node_flops
+from backplan.ir.lowering import BackwardMode
+from backplan.ir.pipeline import PipelineOptions, plan_choices
+from backplan.ir.plans import RegionPlans
+from backplan.ir.types import is_float
+
+from .backend import runner_for
+from .program import RegionProgram
+from .region import Region
+
+CALLS_TO_LEARN = 2  # split calls backward()ed from the default seed before the joint plan runs
+# Steps above this many FLOPs keep two plans: their extra Python is under ~1% of the step, and
+# the joint plan would be one more plan to compile.
+MAX_STEP_FLOPS = 16_000_000
+CONSUME = BackwardMode.CONSUME
+
+
+def joint_step_for(graph, plans: RegionPlans, options: PipelineOptions, background):
+    """A JointStep for a compiled function's traced graph, or None where it cannot stand in
+    for the two plans: more than one output, a loss that is not a float scalar, donated
+    inputs, a saved-bytes budget, or a step above MAX_STEP_FLOPS."""
+    if os.environ.get("BACKPLAN_JOINT_STEP", "1").strip() == "0":
+        return None
+    if plans.backward is None or plans.n_outputs != 1 or options.donated:
+        return None
+    if options.saved_bytes_budget is not None:
+        return None
+    loss = plans.forward.graph.outputs[0]
+    if loss.shape != () or not is_float(loss.dtype):
+        return None
+    nodes = plans.forward.graph.nodes + plans.backward.graph.nodes
+    if sum(node_flops(n) for n in nodes) > MAX_STEP_FLOPS:
+        return None
+    wrt = list(plans.wrt)  # the inputs the region's edges stand for, in the same order
+    joint = PipelineOptions(joint=True, saved_dtype=options.saved_dtype)
+    return JointStep(lambda: plan_choices(graph, wrt, joint).build().plan, background)
+
+
+def default_seed(cotangents: dict, mode: BackwardMode) -> bool:
+    """backward() without arguments on the loss: one cotangent, exactly 1, consuming."""
+    if mode is not CONSUME or len(cotangents) != 1:
+        return False
+    seed = cotangents.get(0)
+    return seed is not None and seed.shape == () and seed.item() == 1
+
+
+class JointStep:
+    """What one compiled signature has learned about its calls, and its joint plan (built on
+    first use). Calls from several threads only race on the guess, never on a result: each
+    region holds its own gradients and inputs."""
+
+    def __init__(self, build_plan, background: bool | None):
+        self._build_plan = build_plan
+        self.background = background
+        self._plan = None
+        self._runners: dict = {}
+        self._building = threading.Lock()
+        self.seen = 0  # split calls whose loss backward() took from the default seed
+        self.off = False  # a call did something else: two plans from now on
+        self._last: list[bool] | None = None  # the last joint call's "its gradients were read"
+
+    @property
+    def on(self) -> bool:
+        return not self.off and self.seen >= CALLS_TO_LEARN
+
+    def observe(self, cotangents: dict, mode: BackwardMode) -> None:
+        """A split call's backward(): one more call that fits, or the end of the guess."""
+        if default_seed(cotangents, mode):
+            self.seen += 1
+        else:
+            self.off = True
+
+    def plan(self):
+        if self._plan is None:
+            with self._building:
+                if self._plan is None:
+                    self._plan = self._build_plan()
+        return self._plan
+
+    def run(self, program: RegionProgram, args: list, edges: list, loc):
+        """(outputs, region) of one call through the joint plan, or None (the previous joint
+        call's gradients were never read: two plans from now on)."""
+        last = self._last
+        if last is not None and not last[0]:
+            self.off = True
+            return None
+        results = runner_for(self.plan(), self._runners, self.background)(list(args))
+        read = [False]
+        self._last = read
+        return results[:1], JointRegion(program, args, results[1:], edges, loc, read, self)
+
+
+class JointRegion(Region):
+    """A region whose gradients the joint plan computed with the forward: backward() from the
+    default seed takes them as they are; any other backward() recomputes the saved buffers
+    from the inputs it holds and runs the region's backward plan. It holds no saved buffer
+    (its table says freed, live_saved_bytes counts none): the gradients wait instead."""
+
+    def __init__(self, program, args, grads, edges, loc, read: list, step: JointStep):
+        super().__init__(program, [], edges, loc)
+        self._args = args
+        self._grads = grads
+        self.ready = True
+        self._read = read
+        self._step = step
+
+    def run_backward(self, cotangents: dict, mode: BackwardMode) -> list:
+        self._read[0] = True
+        grads = self._grads
+        if grads is not None and default_seed(cotangents, mode):
+            self._grads, self.ready = None, False
+            self.backward_calls += 1
+            return grads
+        self._step.off = True
+        if not self._saved and self._args is not None:
+            self._saved = dict(enumerate(self._recomputed_saved()))
+        return super().run_backward(cotangents, mode)
+
+    def take_gradients(self) -> list | None:
+        """The gradients, once, when every input is a leaf (engine.backward_ready)."""
+        grads = self._grads
+        if grads is None or any(edge.leaf is None for edge in self.input_edges):
+            return None
+        self._read[0] = True
+        self._grads = None
+        self.ready = False
+        self.backward_calls += 1
+        return grads
+
+    def distinct_leaves(self) -> bool:
+        edges = self.input_edges
+        return len({id(edge.leaf) for edge in edges}) == len(edges)
+
+    def _recomputed_saved(self) -> list:
+        program, args = self.program, self._args
+        outputs = program.run_forward(list(args))
+        return [args[i] if from_input else outputs[i] for from_input, i in program.saved_sources]
+
+    def mark_freed(self, by) -> None:
+        super().mark_freed(by)
+        self._grads = self._args = None
+        self.ready = False
+
+    def __repr__(self) -> str:
+        waiting = " (gradients computed with the forward, one joint plan)" if self._grads else ""
+        return super().__repr__()[:-1] + waiting + ">"
