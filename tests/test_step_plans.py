@@ -47,4 +47,5 @@ def test_one_peak_function_for_both_forms():
     """(The suite runs on the reference backend, whose accounting step_peak_bytes takes.)"""
     region, joint = builds()
     for plans in (region, joint):
-        assert step_peak_bytes(plans) == predicted_peak(plans.peak_calls(), "reference").peak_bytes > 0
+        predicted = predicted_peak(plans.peak_calls(), "reference").peak_bytes
+        assert step_peak_bytes(plans) == predicted > 0
