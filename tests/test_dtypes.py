@@ -76,6 +76,20 @@ def test_int_with_float_tensor_keeps_the_float_dtype(int_dtype):
     assert (bp.tensor(x) / 2).dtype == np.float64  # true division of integers, as NumPy
 
 
+def test_the_mean_of_bools_is_float32_and_of_integers_float64():
+    """A bool mean is the default float, as JAX (an accuracy beside float32 losses), counted
+    exactly first; integers keep NumPy's float64 (their values may need more than 24 bits)."""
+    pred = np.arange(10) % 3 == 0  # 4 of 10
+    for mean in (bp.mean, bp.compile(bp.mean)):
+        out = mean(bp.tensor(pred))
+        assert out.dtype == np.float32 and out.item() == np.float32(0.4)
+    rows = bp.mean(bp.tensor(pred.reshape(2, 5)), axis=1, keepdims=True)
+    assert rows.dtype == np.float32 and (rows.numpy() == np.float32(0.4)).all()
+    assert bp.tensor(pred).mean().dtype == np.float32
+    assert bp.mean(bp.tensor(np.arange(4))).dtype == np.float64
+    assert np.isnan(bp.mean(bp.tensor(np.zeros(0, bool))).item())
+
+
 @pytest.mark.parametrize("index_dtype", [np.uint8, np.int32])
 def test_small_integer_indices_and_labels_give_the_int64_answers(index_dtype):
     rng = np.random.default_rng(0)

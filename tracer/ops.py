@@ -281,12 +281,17 @@ def sum(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # 
 @located
 @torch_keywords
 def mean(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
-    """mean(x, axis=None, keepdims=False), as np.mean; integer input gives float64."""
-    x = _float_input(x)
+    """mean(x, axis=None, keepdims=False), as np.mean; integer input gives float64, bool input
+    float32 (the default float, as JAX: `mean(pred == y)` meets float32 losses unwidened)."""
+    x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim)
     count = math.prod(x.shape[a] for a in axes)
+    if x._ir_dtype == "bool":  # counted exactly (an int64 sum), then one float32 rounding
+        total = astype(sum(x, axes, keepdims), "f32")
+    else:
+        total = sum(_float_input(x), axes, keepdims)
     # the mean of nothing is nan, as in NumPy, PyTorch and JAX (a 0 would hide an empty batch)
-    return mul(sum(x, axes, keepdims), 1.0 / count if count else math.nan)
+    return mul(total, 1.0 / count if count else math.nan)
 
 
 @located
