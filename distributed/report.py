@@ -45,6 +45,7 @@ class DataParallelReport:
         self.optimizer: str | None = None
         self.state_bytes_per_rank: int | None = None  # optimizer state rank 0 keeps
         self.state_bytes_whole: int | None = None  # the whole optimizer state
+        self.size_note: str | None = None  # why `size` ranks were previewed, when not asked
 
     def add_optimizer(self, name: str, per_rank: int, whole: int) -> None:
         """Report the optimizer state each rank keeps (data_parallel(optimizer=...))."""
@@ -123,6 +124,8 @@ class DataParallelReport:
             f"data-parallel step: {self.layout.name} on {self.size} ranks, buckets of up to "
             f"{self.bucket_bytes:,} B"
         )
+        if self.size_note is not None:
+            text = f"{self.size_note} {text}"
         return [title, *textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")]
 
     def _table(self) -> list[str]:

@@ -166,12 +166,17 @@ class DataParallelStep:
 
     def explain(self, *args, size: int | None = None, **kwargs) -> DataParallelReport:
         """The buckets, when each allreduce may start, when it starts and is waited on, and the
-        bytes each rank sends per step; traces but runs nothing and needs no MPI. size defaults
-        to the number of ranks after bpd.init(), else 2."""
-        world = current_world()
-        size = size or (world.size if world is not None else 2)
+        bytes each rank sends per step; traces but runs nothing and needs no MPI. size: the
+        ranks to preview; by default those of the world bpd.init() found when there are
+        several, else 2 (a script run without mpiexec is one rank, which exchanges nothing),
+        and the report says so and how to preview N ranks."""
+        size, note = preview_size(size, current_world())
         layout = self.layout(args, kwargs)
-        return DataParallelReport(layout, size, self.bucket_bytes, self.split_plan, self.accumulate)
+        report = DataParallelReport(
+            layout, size, self.bucket_bytes, self.split_plan, self.accumulate
+        )
+        report.size_note = note
+        return report
 
     def _differentiated(self, args):
         nums = self.fn.argnums
@@ -272,3 +277,19 @@ def data_parallel(
             raise ValueError("shard_optimizer=True shards an optimizer's state: pass optimizer=")
         return step
     return DataParallelTraining(step, optimizer, shard_optimizer)
+
+
+def preview_size(size, world) -> tuple[int, str | None]:
+    """(ranks to preview, what the report says about a size it chose)."""
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"explain(size=...) is the number of ranks to preview, got {size!r}")
+        return size, None
+    if world is not None and world.size > 1:
+        return world.size, None
+    why = (
+        "this process is the only rank (run without mpiexec)"
+        if world is not None
+        else "bpd.init() has not run here"
+    )
+    return 2, f"Previewed for 2 ranks: {why}; pass size=N to preview N ranks."

@@ -107,6 +107,28 @@ def test_explain_lists_buckets_in_the_order_the_plan_finishes_them():
     assert "bucket 0" in text and "grad['w0']" in text
 
 
+def test_explain_without_mpiexec_previews_two_ranks_and_says_how_to_ask_for_more(monkeypatch):
+    """A script run without mpiexec is one rank, which exchanges nothing: the preview shows 2
+    ranks and says why, unless size= asks for some number or the world has several."""
+    params = init_mlp([8, 16, 4])
+    x, y = (bp.tensor(a) for a in synthetic_classification(16, 8, 4))
+    step = bpd.data_parallel(bp.value_and_grad(mlp_loss))
+    monkeypatch.setattr(world, "_state", {"world": world.World(0, 1)})
+    alone = bpd.explain(step, params, x, y)
+    assert alone.size == 2 and "N=2" in str(alone)
+    said = " ".join(str(alone).split())  # the summary is wrapped
+    assert "the only rank (run without mpiexec); pass size=N to preview N ranks" in said
+    four = bpd.explain(step, params, x, y, size=4)
+    assert four.size == 4 and "N=4" in str(four) and "size=N" not in str(four)
+    monkeypatch.setattr(world, "_state", {"world": world.World(0, 3)})
+    assert bpd.explain(step, params, x, y).size == 3
+    monkeypatch.setattr(world, "_state", {})
+    assert "bpd.init() has not run here" in " ".join(str(bpd.explain(step, params, x, y)).split())
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="number of ranks to preview"):
+            bpd.explain(step, params, x, y, size=bad)
+
+
 def test_explain_says_an_accumulating_step_exchanges_once_per_k_calls():
     params = init_mlp([8, 16, 4])
     x, y = synthetic_classification(16, 8, 4)
