@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from backplan.ir.types import is_float
+from backplan.tracer.float_checks import check_float_when_called
 from backplan.tracer.pytree import difference, flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
@@ -135,9 +137,17 @@ def _same_structure(trees) -> tuple[list, object, list[list]]:
 
 
 def check_hyper(optimizer: str, name: str, value, positive: bool = False, below_one=False):
-    """Check a hyperparameter given as a Python or NumPy number (traced floats are checked by
-    the caller's arithmetic only: their value is unknown while tracing). NaN and infinity are
-    refused too: torch.optim.Adam refuses a NaN rate, and neither makes a usable step."""
+    """Check a hyperparameter given as a Python or NumPy number, or as a compiled function's
+    traced float argument (checked on every call with its value: tracer/float_checks.py).
+    NaN and infinity are refused too: torch.optim.Adam refuses a NaN rate, and neither makes
+    a usable step. Other tensors (a schedule's value) are computed in the step, unchecked."""
+    if isinstance(value, Tensor):
+        if value._data is not None and value._data.size == 1:  # a concrete scalar: its value
+            value = value._data.item()
+        else:
+            check = functools.partial(check_hyper, optimizer, name, positive=positive)
+            check_float_when_called(value, functools.partial(check, below_one=below_one))
+            return
     if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
         return
     if not math.isfinite(value):

@@ -348,6 +348,29 @@ def test_learning_rates_that_are_not_finite_or_negative_are_refused(lr):
             make(lr)
 
 
+def test_a_traced_learning_rate_is_checked_on_every_call():
+    """A Python float passed to a compiled step is traced (a new rate does not retrace), so the
+    optimizer's check runs with each call's value, before the plan, naming the argument."""
+    params = {"w": _ones(3)}
+
+    @bp.compile
+    def step(params, state, lr):
+        grads = {"w": params["w"] * 2.0}
+        return bp.optim.sgd(lr).update(grads, state, params)
+
+    state = bp.optim.sgd(0.1).init(params)
+    new, _ = step(params, state, 0.25)
+    np.testing.assert_allclose(new["w"].numpy(), 0.5)
+    for bad, said in ((-0.1, "lr must be at least 0, got -0.1"), (math.nan, "finite")):
+        with pytest.raises(ValueError, match=said) as refused:
+            step(params, state, bad)
+        assert "argument lr of step(), a traced float" in str(refused.value)
+    assert step(params, state, 0.5)[0]["w"].tolist() == [0.0, 0.0, 0.0]
+    assert step.cache_info().traces == 1
+    with pytest.raises(ValueError, match="lr must be at least 0"):
+        bp.optim.sgd(bp.tensor(np.float32(-1.0)))  # a concrete scalar tensor: its value
+
+
 def test_a_schedule_at_a_negative_step_is_refused():
     """warmup_linear(0.1, 10)(-5) was -0.05: a negative rate that ascends the loss."""
     for schedule in (bp.optim.warmup_linear(0.1, 10), bp.optim.cosine_decay(0.1, 10)):

@@ -22,6 +22,7 @@ from .captured_names import captured_names
 from .donate import check_donated_inputs, donatable, mark_donated
 from .dynamic import checked_dynamic, sizes_planned_apart
 from .fastpath import positions_of
+from .float_checks import float_checks_of, run_float_checks
 from .numpy_args import input_tensor, kept_by_outputs
 from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     DEFAULT_CACHE_SIZE,
@@ -53,6 +54,7 @@ class TracedFunction:
     donated_to: str = ""  # "step() (bp.compile(donate_argnums=(0, 1)))", for the error
     planner: BudgetPlanner | None = None  # the plans this signature could run instead
     inner_joints: tuple = ()  # report.InnerJoint: value_and_grad plans inlined into this one
+    float_checks: tuple = ()  # (input, argument, check) of traced floats: float_checks.py
     rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
     grad_inputs: tuple[int, ...] = field(init=False, repr=False)  # inputs a gradient flows to
 
@@ -96,6 +98,8 @@ def run_traced(traced: TracedFunction, call, record: bool = True):
 
 
 def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
+    if traced.float_checks:
+        run_float_checks(traced.float_checks, tensors, traced.program.name)
     if traced.captured:
         tensors = tensors + traced.captured
     program = traced.program
@@ -290,6 +294,7 @@ class CompiledFunction(PlannedFunction):
             f"{name}() (bp.compile(donate_argnums={self.arguments.donate_nums}))",
             planner,
             tuple(trace.inner_joints),
+            float_checks_of(trace),
         )
 
     def _plans_within_budget(self, planner: BudgetPlanner):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from backplan.ir.graph import Graph, Value
@@ -24,6 +25,8 @@ class Trace:
         self.captured: list = []
         self._lifted: dict[int, Value] = {}
         self.floats: dict[Value, str] = {}  # input of a traced Python float -> its argument
+        # checks of a traced float's value, run on every call (check_float_when_called)
+        self.float_checks: list[tuple[Value, Callable[[float], None]]] = []
         self.inner_joints: list = []  # report.InnerJoint of each value_and_grad inlined here
         self.inlined_losses: list[Value] = []  # their outputs here (loss, aux): see plan_choices
 
