@@ -93,16 +93,13 @@ def backward_ready(region: Region, index: int, loc) -> bool:
     with region.lock:
         if region.freed_by is not None:
             raise freed_error([region], region, index, location_text(loc))
-        grads = region.take_gradients()
-        if grads is None:
+        taken = region.take_gradients()
+        if taken is None:
             return False
         region.mark_freed(FreedBy(loc, region, index))
-        if region.distinct_leaves():
-            with _leaf_grads:
-                for edge, grad in zip(region.input_edges, grads, strict=True):
-                    edge.leaf._accumulate_grad(grad)
-        else:
-            _to_leaves(region.input_edges, grads)
+        with _leaf_grads:
+            for leaf, grad in taken:
+                leaf._add_plan_grad(grad)
         return True
 
 

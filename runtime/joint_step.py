@@ -137,19 +137,22 @@ class JointRegion(Region):
         return super().run_backward(cotangents, mode)
 
     def take_gradients(self) -> list | None:
-        """The gradients, once, when every input is a leaf (engine.backward_ready)."""
+        """(leaf, gradient) once per leaf, a leaf passed twice summed, when every input is a
+        leaf (engine.backward_ready); None, keeping them, otherwise."""
         grads = self._grads
-        if grads is None or any(edge.leaf is None for edge in self.input_edges):
+        if grads is None:
             return None
+        by_leaf: dict[int, tuple] = {}
+        for edge, grad in zip(self.input_edges, grads, strict=True):
+            leaf = edge.leaf
+            if leaf is None:
+                return None
+            held = by_leaf.get(id(leaf))
+            by_leaf[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
         self._read[0] = True
-        self._grads = None
-        self.ready = False
+        self._grads, self.ready = None, False
         self.backward_calls += 1
-        return grads
-
-    def distinct_leaves(self) -> bool:
-        edges = self.input_edges
-        return len({id(edge.leaf) for edge in edges}) == len(edges)
+        return list(by_leaf.values())
 
     def _recomputed_saved(self) -> list:
         program, args = self.program, self._args

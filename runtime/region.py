@@ -217,8 +217,8 @@ class Region:
     ready = False  # whether take_gradients() has them (a JointRegion's, until backward)
 
     def take_gradients(self) -> list | None:
-        """The gradients its forward computed, for backward() from the default seed when
-        every input is a leaf (runtime/joint_step.py); a plain region has none."""
+        """(leaf, gradient) pairs its forward computed, for backward() from the default seed
+        when every input is a leaf (runtime/joint_step.py); a plain region has none."""
         return None
 
     def mark_freed(self, by: FreedBy) -> None:

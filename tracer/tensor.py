@@ -256,6 +256,15 @@ class Tensor(TensorMethods):
             array = array.reshape(shape)
         self.grad = Tensor._from_array(array if self.grad is None else self.grad._data + array)
 
+    def _add_plan_grad(self, array: np.ndarray) -> None:
+        """A gradient a plan computed for this leaf: its dtype and shape by construction, so a
+        first one is wrapped with no checks (a view of a buffer is copied, as _from_array)."""
+        if self.grad is None and self._data is not None:
+            fresh = array.base is None
+            self.grad = Tensor._fresh(array) if fresh else Tensor._from_array(array)
+            return
+        self._accumulate_grad(array)
+
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
         """Run the backward plans from this tensor and add gradients into leaf .grad.
         Without retain_graph, every region reached frees its saved buffers as it goes."""
