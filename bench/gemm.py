@@ -8,6 +8,11 @@ the spread (min-max) across rounds; each round's value is the best of several ~2
 a neighbour's burst on a shared machine spoils one sample, not the round. OpenBLAS's kernels
 depend on OPENBLAS_CORETYPE, read when it loads: run once with and once without it set; the
 first line names it. torch and jax are timed too when installed.
+
+`--dtype bf16`: bfloat16 operands, float32 result. backplan's GEMM reads them as they are
+(widening while it packs); "openblas" is what plans did before, each operand widened into a
+float32 copy and then OpenBLAS's sgemm; torch multiplies its bfloat16 tensors (a bfloat16
+result). 2-D shapes only (batched bf16 products keep their float32 path).
 """
 
 from __future__ import annotations
@@ -44,9 +49,40 @@ def _operands(shape, dtype):
     return a, b, np.empty(lead + (m, n), dtype)
 
 
+def _bf16_runners(shape, width):
+    """bfloat16 operands: the own GEMM reading them, widened copies + OpenBLAS, torch."""
+    import ml_dtypes
+    import numpy as np
+
+    from backplan.bench.internals import blas
+    from backplan.bench.internals import own_gemm as gemm
+
+    _, m, k, n, ta, tb = shape
+    a32, b32, c = _operands(shape, np.float32)
+    a, b = a32.astype(ml_dtypes.bfloat16), b32.astype(ml_dtypes.bfloat16)
+    bits_a, bits_b = a.view(np.uint16), b.view(np.uint16)
+    wide_a, wide_b = np.empty_like(a32), np.empty_like(b32)
+
+    def widened_blas():
+        np.copyto(wide_a, a, casting="unsafe")
+        np.copyto(wide_b, b, casting="unsafe")
+        blas.gemm_f32(ta, tb, wide_a, wide_b, c, 0.0)
+
+    runners = {
+        "backplan": lambda: gemm.gemm(width, ta, tb, 1.0, bits_a, bits_b, 0.0, c),
+        "openblas": widened_blas,
+    }
+    peers = _peer_runners(a32, b32, ta, tb, bf16=True)
+    runners.update({k: v for k, v in peers.items() if k == "torch"})
+    return runners
+
+
 def _runners(shape, dtype, width, threads):
     """name -> zero-argument callable doing the GEMM once."""
     import numpy as np
+
+    if dtype == "bf16":
+        return _bf16_runners(shape, width)
 
     from backplan.bench.internals import blas
     from backplan.bench.internals import gemm_parallel as parallel
@@ -75,7 +111,7 @@ def _runners(shape, dtype, width, threads):
     return runners
 
 
-def _peer_runners(a, b, ta, tb) -> dict:
+def _peer_runners(a, b, ta, tb, bf16=False) -> dict:
     import importlib.util
 
     peers = {}
@@ -84,6 +120,8 @@ def _peer_runners(a, b, ta, tb) -> dict:
 
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         ta_, tb_ = torch.from_numpy(a), torch.from_numpy(b)
+        if bf16:
+            ta_, tb_ = ta_.to(torch.bfloat16), tb_.to(torch.bfloat16)
         ta_ = ta_.transpose(-1, -2) if ta else ta_
         tb_ = tb_.transpose(-1, -2) if tb else tb_
         peers["torch"] = lambda: torch.matmul(ta_, tb_)
@@ -126,7 +164,9 @@ def measure(rounds: int, dtype_name: str, width: int, threads: int = 1, shapes=S
     """{shape: {library: [GFLOP/s per round]}}, rounds interleaved over shapes and libraries."""
     import numpy as np
 
-    dtype = np.float32 if dtype_name == "f32" else np.float64
+    dtype = {"f32": np.float32, "f64": np.float64}.get(dtype_name, dtype_name)
+    if dtype_name == "bf16":
+        shapes = {name: shape for name, shape in shapes.items() if not shape[0]}
     runners = {name: _runners(shape, dtype, width, threads) for name, shape in shapes.items()}
     for fns in runners.values():  # compile and warm
         for fn in fns.values():
@@ -162,7 +202,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="CPUs to pin to (the last T)")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--dtype", choices=("f32", "f64"), default="f32")
+    parser.add_argument("--dtype", choices=("f32", "f64", "bf16"), default="f32")
     parser.add_argument("--isa", choices=("avx512", "avx2"), default=None)
     args = parser.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))[-args.threads :]
@@ -180,7 +220,7 @@ def main(argv=None) -> None:
     from .peak_flops import peak_gflops_f32
 
     width = ISA_WIDTH[isa]
-    per_core = peak_gflops_f32(width) / (1 if args.dtype == "f32" else 2)
+    per_core = peak_gflops_f32(width) / (2 if args.dtype == "f64" else 1)
     print(f"measured FMA peak at {width} bits: {per_core:.1f} {args.dtype} GFLOP/s per core")
     results = measure(args.rounds, args.dtype, width, len(cpus))
     print(format_table(results, per_core * len(cpus)))

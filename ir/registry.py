@@ -69,8 +69,9 @@ class OpDef:
         for key, spec in self.attrs.items():
             if key in attrs:
                 out[key] = check_attr(self.name, key, spec, attrs[key])
-            elif spec.required and spec.default is None:
-                raise BackplanError(f"{self.name}: missing attribute {key!r}")
+            elif spec.default is None:  # optional without a default: absent unless given
+                if spec.required:
+                    raise BackplanError(f"{self.name}: missing attribute {key!r}")
             else:
                 out[key] = spec.default
         return out

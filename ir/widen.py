@@ -7,6 +7,11 @@ sources) keep their 16-bit values. The reference interpreter does the same per o
 (`computes_in_float32`, `compute_attrs`). A compiled fused loop then drops the round trip of a
 value no buffer holds (codegen/render/loops.py `_unrounded`): it rounds once, when it stores.
 
+A matmul of two bfloat16 operands is the exception: it reads them as they are (matmul's
+dtype='f32': float32 products and sums, a float32 result), since the GEMM widens its operands
+into float32 panels while packing them (codegen/kernels/gemm/pack.py). No float32 copy of a
+bfloat16 weight or activation is made for a GEMM to read.
+
     >>> from backplan.ir.graph import Graph
     >>> from backplan.ir.builder import Builder
     >>> g = Graph(); b = Builder(g)
@@ -67,18 +72,40 @@ def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
     origin: dict[Value, Value] = {}
     for node in graph.nodes:
         inputs = [mapping[i] for i in node.inputs]
-        start = len(new.nodes)
+        start, casts_in = len(new.nodes), 0
         if node.op == "astype":
             mapping[node] = _cast(new, inputs[0], node.dtype, node.loc)
+        elif reads_bf16_operands(node, inputs):
+            mapping[node] = _bf16_matmul(new, node, inputs)
         elif computes_in_float32(node):
             mapping[node] = _in_float32(new, node, inputs)
+            casts_in = sum(is_half(i.dtype) for i in inputs)
         else:
             mapping[node] = _add(new, Value(node.op, inputs, node.attrs, node.type, node.loc))
-        casts_in = sum(is_half(i.dtype) for i in inputs) if computes_in_float32(node) else 0
         for value in new.nodes[start + casts_in :]:
             origin[value] = node
     new.outputs = [mapping[o] for o in graph.outputs]
     return new, origin
+
+
+def reads_bf16_operands(node: Value, inputs: list[Value]) -> bool:
+    """A matmul of two bfloat16 arrays (no literals: a literal operand is widened as before),
+    which the GEMM reads without float32 copies."""
+    if node.op != "matmul" or any(i.dtype != "bf16" for i in inputs):
+        return False
+    return not any(_literal_source(i) for i in inputs)
+
+
+def _literal_source(value: Value) -> bool:
+    while moves_data(value.op) and value.inputs:
+        value = value.inputs[0]
+    return value.op == "full"
+
+
+def _bf16_matmul(graph: Graph, node: Value, inputs: list[Value]) -> Value:
+    attrs = {**node.attrs, "dtype": "f32"}
+    product = _add(graph, Value("matmul", inputs, attrs, TensorType("f32", node.shape), node.loc))
+    return _cast(graph, product, node.dtype, node.loc)
 
 
 def _add(graph: Graph, value: Value) -> Value:

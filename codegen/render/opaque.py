@@ -165,7 +165,10 @@ class OpEmitter:
 
 def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     """Whether backplan's GEMM computes this matmul (else BLAS):
-    codegen/kernels/gemm/choice.py."""
+    codegen/kernels/gemm/choice.py. Always for bfloat16 operands (ir/widen.py leaves them
+    unwidened for it): BLAS has no bfloat16."""
+    if node.inputs[0].dtype == "bf16":
+        return decide("own_gemm", True)
     m, n = node.shape[-2:]
     k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
     return decide("own_gemm", use_own_gemm(m, n, k, tb, node.dtype))

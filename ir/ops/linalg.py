@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from ..errors import ShapeError
-from ..registry import OpDef, register
+from ..errors import DtypeError, ShapeError
+from ..registry import AttrSpec, OpDef, register
 from ..shapes import broadcast_shapes, fmt
-from ..types import TensorType
+from ..types import TensorType, np_dtype
 from .common import numeric_only, same_dtype
 
 
@@ -13,12 +13,25 @@ def _matmul_infer(types, attrs):
     a, b = types
     numeric_only(types, "matmul")
     dtype = same_dtype(types, "matmul")
+    if attrs.get("dtype") is not None:  # set by ir/widen.py only
+        if (dtype, attrs["dtype"]) != ("bf16", "f32"):
+            raise DtypeError(
+                f"dtype={attrs['dtype']} is only for bf16 operands summed in f32, got {dtype}"
+            )
+        dtype = "f32"
     if len(a.shape) < 2 or len(b.shape) < 2:
         raise ShapeError("operands need at least 2 dimensions (the tracer handles vectors)")
     if a.shape[-1] != b.shape[-2]:
         raise ShapeError(f"inner dimensions differ: {fmt(a.shape)} @ {fmt(b.shape)}")
     batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
     return TensorType(dtype, batch + (a.shape[-2], b.shape[-1]))
+
+
+def _matmul_reference(a, b, dtype=None):
+    """np.matmul; with dtype (bf16 operands, ir/widen.py) the float32 product of their
+    float32 values (the interpreter has widened them)."""
+    product = np.matmul(a, b)
+    return product if dtype is None else product.astype(np_dtype(dtype))
 
 
 def _matmul_vjp(ctx, g):
@@ -36,10 +49,13 @@ register(
         "matmul",
         (2,),
         _matmul_infer,
-        np.matmul,
+        _matmul_reference,
         "opaque",
         _matmul_vjp,
-        doc="a @ b; saves b when a needs a gradient and a when b does",
+        attrs={"dtype": AttrSpec("dtype", required=False)},
+        doc="a @ b; saves b when a needs a gradient and a when b does. dtype='f32' (set by "
+        "the compiled path, ir/widen.py): bf16 operands read as they are, products and sums "
+        "in float32, a float32 result",
         epilogue=True,
         flops=lambda types, out: 2 * out.size * types[0].shape[-1],
     )

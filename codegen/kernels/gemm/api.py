@@ -12,7 +12,8 @@ from backplan.codegen.kernels.gemm.symbols import call_gemm
 @njit(cache=True, nogil=True)
 def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):
     """c = alpha * op(a) @ op(b) + beta * c for 2-D f32 or f64 arrays of any strides; op
-    transposes when its flag is set; width (512 or 256) picks the register tile.
+    transposes when its flag is set; width (512 or 256) picks the register tile. a and b may
+    both be bfloat16 bits (uint16) with c f32: products and sums are then float32.
 
     >>> import numpy as np
     >>> a, b = np.ones((3, 4), np.float32), np.ones((5, 4), np.float32)
@@ -31,6 +32,8 @@ def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):
         ),
         alpha,
         beta,
+        a.dtype,
+        b.dtype,
     )  # fmt: skip
 
 
@@ -54,14 +57,22 @@ def batched_gemm(width, trans_a, trans_b, a, b, c):
             ),
             1.0,
             0.0,
+            a.dtype,
+            b.dtype,
         )  # fmt: skip
 
 
 if AS_PYTHON:  # the kernels are LLVM intrinsics, which plain Python cannot call
 
+    def _widened(x):
+        """bfloat16 bits (uint16) as the float32 values they are."""
+        return (x.astype("uint32") << 16).view("float32") if x.dtype.kind == "u" else x
+
     def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):  # noqa: F811 - the NumPy twin
+        a, b = _widened(a), _widened(b)
         product = alpha * ((a.T if trans_a else a) @ (b.T if trans_b else b))
         c[...] = product if beta == 0 else product + beta * c  # beta 0: c is not read
 
     def batched_gemm(width, trans_a, trans_b, a, b, c):  # noqa: F811
+        a, b = _widened(a), _widened(b)
         c[...] = (a.swapaxes(1, 2) if trans_a else a) @ (b.swapaxes(1, 2) if trans_b else b)

@@ -10,6 +10,9 @@ B is packed when C has more rows than one row block: read in place, rows of a B 
 Packed, on an Intel AVX-512 core, 7-9 interleaved rounds: mlp dW 0.72 -> 0.94 of OpenBLAS, tf
 fwd (1024 rows) 0.76 -> 0.91. With one row block B is read in place: packing it costs more
 than it saves (128x256x256 1.41 in place against 1.26 packed; 32x128x128 0.81 against 0.45).
+
+A and B may be bfloat16 (uint16 bits) with C float32: pack.py widens them into the float32
+panels, so the products and the sums are float32, as a float32 GEMM of the widened operands.
 """
 
 import numpy as np
@@ -91,7 +94,10 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
     size = c.itemsize
     mr, nr = tile_shape(width, size)
     c_rows = c.strides[1] == size and c.strides[0] % size == 0
-    in_place = m <= mc_max and not trans_b and b.strides[1] == size and b.strides[0] % size == 0
+    in_place = (  # bfloat16 B (2-byte items) is always packed: packing widens it
+        m <= mc_max and not trans_b and b.itemsize == size
+        and b.strides[1] == size and b.strides[0] % size == 0
+    )  # fmt: skip
     ldc = c.strides[0] // size
     for jc in range(0, n, nc_max):
         nc = min(nc_max, n - jc)

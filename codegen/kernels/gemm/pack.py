@@ -5,11 +5,41 @@ the edge are zero), so the kernel reads A with unit stride. A kc x nc block of o
 panels of kc rows of nr values (columns past the edge are zero), each contiguous so that it
 stays in L1 while the A panels stream past it (driver.py says when B is read in place
 instead). Full panels that read across rows of unit-stride data go through the vector
-transpose of transpose_pack; the rest are 2-D slice assignments.
+transpose of transpose_pack; the rest are 2-D slice copies. A bfloat16 operand (uint16 bits)
+is widened into float32 panels here, while it is copied anyway: the micro-kernel reads float32
+and the GEMM needs no widened copy of the operand.
 """
+
+from numba import types
+from numba.extending import overload
 
 from backplan.codegen.jit import njit
 from backplan.codegen.kernels.gemm.transpose_pack import transpose_pack_6, transpose_pack_8
+from backplan.codegen.kernels.half import bf16_to_f32
+
+
+def copy_block(dst, src):
+    """dst[...] = src, widening bfloat16 bits (uint16) into float32 (the NumPy twin)."""
+    if src.dtype.kind == "u":
+        src = (src.astype("uint32") << 16).view("float32")
+    dst[...] = src
+
+
+@overload(copy_block)
+def _copy_block(dst, src):
+    if isinstance(src, types.Array) and src.dtype == types.uint16:
+
+        def widen(dst, src):
+            for i in range(src.shape[0]):
+                for j in range(src.shape[1]):
+                    dst[i, j] = bf16_to_f32(src[i, j])
+
+        return widen
+
+    def copy(dst, src):
+        dst[:, :] = src
+
+    return copy
 
 
 @njit(cache=True, nogil=True)
@@ -27,16 +57,16 @@ def pack_a(width, a, trans_a, i0, mc, p0, kc, mr, out):
         rows = min(mr, i0 + mc - first)
         dst = out[panel * kc * mr : (panel + 1) * kc * mr].reshape((kc, mr))
         if trans_a:
-            dst[:, :rows] = a[p0 : p0 + kc, first : first + rows]
+            copy_block(dst[:, :rows], a[p0 : p0 + kc, first : first + rows])
         elif _transposing(a, rows, mr):
             src = a.ctypes.data + first * a.strides[0] + p0 * a.itemsize
             ld = a.strides[0] // a.itemsize
             if mr == 8:
-                transpose_pack_8(src, ld, kc, dst.ctypes.data, mr, out)
+                transpose_pack_8(src, ld, kc, dst.ctypes.data, mr, out, a)
             else:
-                transpose_pack_6(src, ld, kc, dst.ctypes.data, mr, out)
+                transpose_pack_6(src, ld, kc, dst.ctypes.data, mr, out, a)
         else:
-            dst[:, :rows] = a[first : first + rows, p0 : p0 + kc].T
+            copy_block(dst[:, :rows], a[first : first + rows, p0 : p0 + kc].T)
         if rows < mr:
             dst[:, rows:] = 0
 
@@ -49,16 +79,16 @@ def pack_b(width, b, trans_b, p0, kc, j0, nc, nr, out):
         cols = min(nr, j0 + nc - first)
         dst = out[panel * kc * nr : (panel + 1) * kc * nr].reshape((kc, nr))
         if not trans_b:
-            dst[:, :cols] = b[p0 : p0 + kc, first : first + cols]
+            copy_block(dst[:, :cols], b[p0 : p0 + kc, first : first + cols])
         elif _transposing(b, cols, nr):
             src = b.ctypes.data + first * b.strides[0] + p0 * b.itemsize
             ld = b.strides[0] // b.itemsize
             for group in range(nr // 8):
                 src_rows = src + group * 8 * b.strides[0]
                 transpose_pack_8(
-                    src_rows, ld, kc, dst.ctypes.data + group * 8 * b.itemsize, nr, out
+                    src_rows, ld, kc, dst.ctypes.data + group * 8 * out.itemsize, nr, out, b
                 )
         else:
-            dst[:, :cols] = b[first : first + cols, p0 : p0 + kc].T
+            copy_block(dst[:, :cols], b[first : first + cols, p0 : p0 + kc].T)
         if cols < nr:
             dst[:, cols:] = 0

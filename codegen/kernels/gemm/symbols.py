@@ -4,7 +4,8 @@ Numba links every function a compiled function calls into the caller's own modul
 generates machine code for all of it again: every GEMM entry specialisation, every plan
 driver calling the GEMM, carried its own copy of the whole blocked GEMM and its micro-kernels
 (measured on the mlp's first step: about 1.3 s of LLVM per caller, 5 callers). Here the GEMM is
-one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`), compiled or loaded
+one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`, and
+`backplan_gemm_bf16`: bfloat16 operands, float32 result and sums), compiled or loaded
 from the signed cache the first time anything needs it; callers declare the symbol and call it,
 which costs them a few instructions to compile.
 
@@ -66,12 +67,13 @@ def _matrix(typingctx, address, rows, cols, row_stride, col_stride, like):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_at_addresses(args, alpha, beta, like):
+def _gemm_at_addresses(args, alpha, beta, like, operand):
+    """C of like's dtype; A and B of operand's (like's, or uint16 bfloat16 bits)."""
     width, trans_a, trans_b, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1 = args
     a_rows, a_cols = (k, m) if trans_a else (m, k)
     b_rows, b_cols = (n, k) if trans_b else (k, n)
-    a_matrix = _matrix(a, a_rows, a_cols, a0, a1, like)
-    b_matrix = _matrix(b, b_rows, b_cols, b0, b1, like)
+    a_matrix = _matrix(a, a_rows, a_cols, a0, a1, operand)
+    b_matrix = _matrix(b, b_rows, b_cols, b0, b1, operand)
     c_matrix = _matrix(c, m, n, c0, c1, like)
     slot = _free_slot()
     base = scratch.buffer_of(slot) if slot >= 0 else 0
@@ -117,20 +119,26 @@ def _kept_workspace(width, base, c):
 @njit(cache=True, nogil=True, _nrt=True)
 def _gemm_f32(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
-    return _gemm_at_addresses(args, alpha, beta, np.float32(0))
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.float32(0))
 
 
 @njit(cache=True, nogil=True, _nrt=True)
 def _gemm_f64(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
-    return _gemm_at_addresses(args, alpha, beta, np.float64(0))
+    return _gemm_at_addresses(args, alpha, beta, np.float64(0), np.float64(0))
+
+
+@njit(cache=True, nogil=True, _nrt=True)
+def _gemm_bf16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.uint16(0))
 
 
 # The entries ask for Numba's reference counting (_nrt=True) although a caller's compile may
 # run without it: the GEMM is first compiled when a kernel that calls it is, and a function
 # compiled inside another one inherits that one's settings where it does not set its own (a
 # lean GEMM kernel's compile then failed with "NRT required but not enabled").
-_FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64}
+_FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64, "bf16": _gemm_bf16}
 _registered: set[str] = set()
 
 
@@ -175,15 +183,28 @@ def _register_named(payload: bytes) -> None:
 cache_signing.before_load(PREFIX.encode(), _register_named)
 
 
+def _symbol_dtype(result, operand) -> str | None:
+    """Which GEMM serves C of dtype result with operands of dtype operand (None: none)."""
+    if result == types.float32 and operand == types.uint16:
+        return "bf16"  # bfloat16 bits: Numba has no bfloat16 type
+    if result == operand and result in (types.float32, types.float64):
+        return "f32" if result == types.float32 else "f64"
+    return None
+
+
 @intrinsic
-def call_gemm(typingctx, like, args, alpha, beta):
-    """Call the GEMM symbol for like's dtype with the 15 integers in `args` (see _INTEGERS)."""
-    dtype = like.dtype if isinstance(like, types.DType) else like
-    if dtype not in (types.float32, types.float64):
+def call_gemm(typingctx, like, args, alpha, beta, a_like, b_like):
+    """Call the GEMM symbol for C of like's dtype and A, B of a_like's and b_like's (the
+    same) with the 15 integers in `args` (see _INTEGERS)."""
+    dtype, source, source_b = (
+        t.dtype if isinstance(t, types.DType) else t for t in (like, a_like, b_like)
+    )
+    symbol_dtype = _symbol_dtype(dtype, source)
+    if symbol_dtype is None or source_b != source:
         return None
     if not isinstance(args, types.BaseTuple) or len(args) != _INTEGERS:
         return None
-    name = PREFIX + ("f32" if dtype == types.float32 else "f64")
+    name = PREFIX + symbol_dtype
 
     def codegen(context, builder, signature, arguments):
         ensure_registered(name[len(PREFIX) :])
@@ -204,4 +225,4 @@ def call_gemm(typingctx, like, args, alpha, beta):
         builder.call(function, [*values, alpha_value, beta_value])
         return context.get_dummy_value()
 
-    return types.none(like, args, alpha, beta), codegen
+    return types.none(like, args, alpha, beta, a_like, b_like), codegen

@@ -4,7 +4,9 @@ Packing op(A) = A (rows of A become columns of a panel) and op(B) = B.T reads `l
 a time and writes them interleaved. Per-element Numba indexing costs about 1.7 ns per element
 here; this loop assembles `lanes` values of each panel row in a vector register from `lanes`
 scalar loads and stores them whole (0.26 ns per element for 8 lanes; 32 source rows at once
-were 4x slower per element, so wide panels are copied 8 columns at a time).
+were 4x slower per element, so wide panels are copied 8 columns at a time). A bfloat16 source
+(uint16 bits) is widened to float32 in the register, after the loads: a zero extension and a
+shift of the whole row.
 
     dst[p * dst_ld + q] = src[q * ld + p]     for p < kc, q < lanes
 """
@@ -15,32 +17,47 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 
-def _emit(builder, args, scalar, lanes):
+def _emit(builder, args, scalar, lanes, bf16_source=False):
     src_addr, ld, kc, dst_addr, dst_ld = args
     intp = kc.type
-    ptr = ir.PointerType(scalar)
-    vec = ir.VectorType(scalar, lanes)
-    src = builder.inttoptr(src_addr, ptr)
-    dst = builder.inttoptr(dst_addr, ptr)
+    loaded = ir.IntType(16) if bf16_source else scalar
+    vec, loaded_vec = ir.VectorType(scalar, lanes), ir.VectorType(loaded, lanes)
+    src = builder.inttoptr(src_addr, ir.PointerType(loaded))
+    dst = builder.inttoptr(dst_addr, ir.PointerType(scalar))
     rows = [builder.gep(src, [builder.mul(ir.Constant(intp, q), ld)]) for q in range(lanes)]
     align = 4 if isinstance(scalar, ir.FloatType) else 8
     with cgutils.for_range(builder, kc) as loop:
         p = loop.index
-        row = ir.Constant(vec, ir.Undefined)
+        row = ir.Constant(loaded_vec, ir.Undefined)
         for q in range(lanes):
-            value = builder.load(builder.gep(rows[q], [p]), align=align)
+            value = builder.load(builder.gep(rows[q], [p]), align=2 if bf16_source else align)
             row = builder.insert_element(row, value, ir.Constant(ir.IntType(32), q))
+        if bf16_source:
+            row = _bf16_to_f32(builder, row, lanes)
         # offsets in scalars: a vector type of 6 lanes is padded to 8 in memory
         start = builder.gep(dst, [builder.mul(p, dst_ld)])
         builder.store(row, builder.bitcast(start, ir.PointerType(vec)), align=align)
 
 
+def _bf16_to_f32(builder, bits, lanes):
+    """bfloat16 bit patterns (<lanes x i16>) as float32: the upper halves of float32s."""
+    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), lanes))
+    sixteen = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [16] * lanes)
+    return builder.bitcast(builder.shl(wide, sixteen), ir.VectorType(ir.FloatType(), lanes))
+
+
 def _make(lanes: int):
     @intrinsic
-    def transpose_pack(typingctx, src_addr, ld, kc, dst_addr, dst_ld, like):
+    def transpose_pack(typingctx, src_addr, ld, kc, dst_addr, dst_ld, like, source):
         """dst (kc rows of stride dst_ld) = src (`lanes` rows of stride ld) transposed, in
-        elements of like's dtype (f32 or f64)."""
+        elements: dst holds like's dtype (f32 or f64), src source's (the same, or uint16
+        bfloat16 bits into f32)."""
         if not isinstance(like, types.Array) or like.dtype not in (types.float32, types.float64):
+            return None
+        bf16_source = isinstance(source, types.Array) and source.dtype == types.uint16
+        if not bf16_source and (not isinstance(source, types.Array) or source.dtype != like.dtype):
+            return None
+        if bf16_source and like.dtype != types.float32:
             return None
         scalar = ir.FloatType() if like.dtype == types.float32 else ir.DoubleType()
 
@@ -49,10 +66,10 @@ def _make(lanes: int):
                 context.cast(builder, value, fromty, types.intp)
                 for value, fromty in zip(args[:5], signature.args[:5], strict=True)
             ]
-            _emit(builder, ints, scalar, lanes)
+            _emit(builder, ints, scalar, lanes, bf16_source)
             return context.get_dummy_value()
 
-        return types.void(src_addr, ld, kc, dst_addr, dst_ld, like), codegen
+        return types.void(src_addr, ld, kc, dst_addr, dst_ld, like, source), codegen
 
     return transpose_pack
 
