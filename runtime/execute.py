@@ -12,7 +12,7 @@ def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, lo
     loc: where the user called it (a SourceLoc, or its text), the region's created_at.
     A small compiled step that backward() follows may run as one joint plan (joint_step.py)."""
     joint = program.joint_step
-    if edges is not None and joint is not None and joint.on:
+    if edges is not None and joint is not None:
         ran = joint.run(program, args, edges, loc)
         if ran is not None:
             return ran

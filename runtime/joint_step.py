@@ -8,9 +8,10 @@ whether each call's loss is backward()ed from the default seed (ones, without re
 it has seen that CALLS_TO_LEARN times, a call runs the joint plan instead: the loss now, the
 gradients kept in the call's region (a JointRegion), which backward() hands to the leaves as
 the backward plan would have computed them. Anything else (another seed, retain_graph, a call
-whose loss is never backward()ed) turns it off for good: that backward() recomputes the saved
-buffers from the call's inputs (held, read-only) and runs the backward plan, so results never
-depend on the guess. BACKPLAN_JOINT_STEP=0 keeps every call on the two plans.
+whose loss is never backward()ed, an evaluation call between training steps) sends the next
+calls back to two plans until CALLS_TO_LEARN in a row fit again; such a backward() of a joint
+call recomputes the saved buffers from the call's inputs (held, read-only) and runs the backward
+plan, so results never depend on the guess. BACKPLAN_JOINT_STEP=0 keeps every call on two plans.
 """
 
 from __future__ import annotations
@@ -75,20 +76,16 @@ class JointStep:
         self._plan = None
         self._runners: dict = {}
         self._building = threading.Lock()
-        self.seen = 0  # split calls whose loss backward() took from the default seed
-        self.off = False  # a call did something else: two plans from now on
-        self._last: list[bool] | None = None  # the last joint call's "its gradients were read"
-
-    @property
-    def on(self) -> bool:
-        return not self.off and self.seen >= CALLS_TO_LEARN
+        self.seen = 0  # calls in a row whose loss backward() took from the default seed
+        self._expecting = False  # the last call's backward() has not come yet
 
     def observe(self, cotangents: dict, mode: BackwardMode) -> None:
-        """A split call's backward(): one more call that fits, or the end of the guess."""
-        if default_seed(cotangents, mode):
-            self.seen += 1
-        else:
-            self.off = True
+        """A call's backward(): one more in a row that fits, or a new start."""
+        self.fits(default_seed(cotangents, mode))
+
+    def fits(self, fitting: bool) -> None:
+        self._expecting = False
+        self.seen = self.seen + 1 if fitting else 0
 
     def plan(self):
         if self._plan is None:
@@ -98,16 +95,16 @@ class JointStep:
         return self._plan
 
     def run(self, program: RegionProgram, args: list, edges: list, loc):
-        """(outputs, region) of one call through the joint plan, or None (the previous joint
-        call's gradients were never read: two plans from now on)."""
-        last = self._last
-        if last is not None and not last[0]:
-            self.off = True
+        """(outputs, region) of one call through the joint plan once CALLS_TO_LEARN calls in
+        a row fitted; None (run the two plans) before, and after a call whose loss was never
+        backward()ed."""
+        if self._expecting:
+            self.seen = 0
+        self._expecting = True
+        if self.seen < CALLS_TO_LEARN:
             return None
         results = runner_for(self.plan(), self._runners, self.background)(list(args))
-        read = [False]
-        self._last = read
-        return results[:1], JointRegion(program, args, results[1:], edges, loc, read, self)
+        return results[:1], JointRegion(program, args, results[1:], edges, loc, self)
 
 
 class JointRegion(Region):
@@ -116,22 +113,21 @@ class JointRegion(Region):
     from the inputs it holds and runs the region's backward plan. It holds no saved buffer
     (its table says freed, live_saved_bytes counts none): the gradients wait instead."""
 
-    def __init__(self, program, args, grads, edges, loc, read: list, step: JointStep):
+    def __init__(self, program, args, grads, edges, loc, step: JointStep):
         super().__init__(program, [], edges, loc)
         self._args = args
         self._grads = grads
         self.ready = True
-        self._read = read
         self._step = step
 
     def run_backward(self, cotangents: dict, mode: BackwardMode) -> list:
-        self._read[0] = True
         grads = self._grads
-        if grads is not None and default_seed(cotangents, mode):
+        fitting = grads is not None and default_seed(cotangents, mode)
+        self._step.fits(fitting)
+        if fitting:
             self._grads, self.ready = None, False
             self.backward_calls += 1
             return grads
-        self._step.off = True
         if not self._saved and self._args is not None:
             self._saved = dict(enumerate(self._recomputed_saved()))
         return super().run_backward(cotangents, mode)
@@ -149,7 +145,7 @@ class JointRegion(Region):
                 return None
             held = by_leaf.get(id(leaf))
             by_leaf[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
-        self._read[0] = True
+        self._step.fits(True)
         self._grads, self.ready = None, False
         self.backward_calls += 1
         return list(by_leaf.values())

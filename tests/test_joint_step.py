@@ -61,15 +61,14 @@ def test_a_training_loop_runs_the_joint_plan_with_the_same_gradients():
     assert isinstance(step(p, X).grad_fn, JointRegion)
 
 
-def test_another_seed_recomputes_the_saved_buffers_and_turns_it_off():
+def test_another_seed_recomputes_the_saved_buffers_and_starts_learning_again():
     step, p = bp.compile(loss), params()
     out = learned(step, p)
     (out * 2.0).backward()  # the loss is not the root: its cotangent is 2
     check(p, scale=2.0)
-    bp.zero_grad(p)
-    again = step(p, X)
-    assert not isinstance(again.grad_fn, JointRegion)
-    again.backward()
+    out = learned(step, p)  # two plans again for CALLS_TO_LEARN calls, then one
+    assert isinstance(out.grad_fn, JointRegion)
+    out.backward()
     check(p)
 
 
@@ -97,14 +96,17 @@ def test_a_second_backward_says_freed_as_the_two_plans_do():
     assert str(joint.value).split(" at ")[0] == str(split.value).split(" at ")[0]
 
 
-def test_a_call_whose_loss_is_not_backwarded_turns_it_off():
+def test_an_evaluation_call_between_training_steps_sends_the_next_to_two_plans():
     step, p = bp.compile(loss), params()
-    learned(step, p)  # its gradients are never read
+    learned(step, p)  # an evaluation call: its gradients are never read
     bp.zero_grad(p)
     out = step(p, X)
     assert not isinstance(out.grad_fn, JointRegion)
     out.backward()
     check(p)
+    bp.zero_grad(p)
+    step(p, X)  # a split call whose loss is not backward()ed either
+    assert isinstance(learned(step, p).grad_fn, JointRegion)
 
 
 def test_an_input_from_an_earlier_op_gets_its_gradient_routed_upstream():
