@@ -25,6 +25,6 @@ def node_flops(node: Value) -> int:
         return 0
     opdef = get_op(node.op)
     if opdef.flops is not None:
-        return int(opdef.flops([i.type for i in node.inputs], node.type))
+        return int(opdef.flops([i.type for i in node.inputs], node.type, node.attrs))
     size = max([node.type.size, *(i.type.size for i in node.inputs)])
     return PER_ELEMENT[opdef.cost] * size

@@ -57,9 +57,10 @@ class OpDef:
     alias: bool = False
     loop_tail: bool = False
     epilogue: bool = False
-    # Arithmetic one run does, from the input and output types; None: the cost class's
-    # per-element estimate (ir/flops.py). Set where the work is not proportional to the output.
-    flops: Callable[[list[TensorType], TensorType], int] | None = None
+    # Arithmetic one run does, from the input and output types and the attributes; None: the
+    # cost class's per-element estimate (ir/flops.py). Set where the work is not proportional
+    # to the output.
+    flops: Callable[[list[TensorType], TensorType, dict], int] | None = None
 
     def normalize_attrs(self, attrs: dict) -> dict:
         unknown = set(attrs) - set(self.attrs)

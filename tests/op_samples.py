@@ -323,19 +323,27 @@ def _attention_weights(q, k, scale, causal):
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
-def np_attention(q, k, v, scale, causal):
-    return np.einsum("...ts,...se->...te", _attention_weights(q, k, scale, causal), v)
+def _heads_first(layout, *arrays):
+    """layout "bthd" arrays (B, T, H, D) as (B, H, T, D), or back (the swap is an involution)."""
+    return [np.swapaxes(x, 1, 2) if layout == "bthd" else x for x in arrays]
 
 
-def np_attention_grad(q, k, v, g, scale, causal):
+def np_attention(q, k, v, scale, causal, layout="bhtd"):
+    q, k, v = _heads_first(layout, q, k, v)
+    out = np.einsum("...ts,...se->...te", _attention_weights(q, k, scale, causal), v)
+    return _heads_first(layout, out)[0]
+
+
+def np_attention_grad(q, k, v, g, scale, causal, layout="bhtd"):
     """d/dq, d/dk, d/dv of sum(attention(q, k, v) * g), flattened and concatenated."""
+    q, k, v, g = _heads_first(layout, q, k, v, g)
     w = _attention_weights(q, k, scale, causal)
     dv = np.einsum("...ts,...te->...se", w, g)
     dw = np.einsum("...te,...se->...ts", g, v)
     ds = w * (dw - np.einsum("...ts,...ts->...t", w, dw)[..., None]) * scale
     dq = np.einsum("...ts,...sd->...td", ds, k)
     dk = np.einsum("...ts,...td->...sd", ds, q)
-    return np.concatenate([dq.ravel(), dk.ravel(), dv.ravel()])
+    return np.concatenate([x.ravel() for x in _heads_first(layout, dq, dk, dv)])
 
 
 def public_attention(q, k, v, scale, causal):
@@ -909,6 +917,14 @@ SAMPLES: list[OpSample] = [
         saves=frozenset([IN(0), IN(1), IN(2)]),
         label="causal",
     ),
+    S(  # (batch, length, heads, features): written where a head transpose reads the output
+        "attention",
+        [A((2, 5, 3, 4)), A((2, 6, 3, 4)), A((2, 6, 3, 3))],
+        np_attention,
+        attrs={"scale": 0.5, "causal": True, "layout": "bthd"},
+        saves=frozenset([IN(0), IN(1), IN(2)]),
+        label="bthd",
+    ),
     S(
         "attention_grad",
         [A((2, 5, 4)), A((2, 6, 4)), A((2, 6, 3)), A((2, 5, 3))],
@@ -923,6 +939,14 @@ SAMPLES: list[OpSample] = [
         attrs={"scale": 0.6, "causal": True},
         saves=frozenset([IN(0), IN(1), IN(2), IN(3)]),
         label="causal",
+    ),
+    S(
+        "attention_grad",
+        [A((1, 6, 2, 3)), A((1, 7, 2, 3)), A((1, 7, 2, 2)), A((1, 6, 2, 2))],
+        np_attention_grad,
+        attrs={"scale": 0.6, "causal": False, "layout": "bthd"},
+        saves=frozenset([IN(0), IN(1), IN(2), IN(3)]),
+        label="bthd",
     ),
     # arg-extremes
     _unary(

@@ -294,3 +294,139 @@ def test_attention_bench_runs_every_peer_checked_and_fused_keeps_fewer_bytes():
     fused, unfused = rows["backplan fused"], rows["backplan unfused"]
     assert float(fused[1]) == 1.0  # the ratio column is against fused
     assert float(fused[2]) < float(unfused[2])  # saved KiB: no (T, S) probabilities kept
+
+
+# ---- the "bthd" layout: multi-head attention with no head transposition copies ----------------
+
+
+def multi_head(x, w, wo, heads, causal, hand):
+    """The bench transformer's attention: q, k, v are (B, T, H, D) reshapes of one projection
+    moved to (B, H, T, D); the output moves back and flattens for the output projection."""
+    batch, length, width = x.shape
+    proj = x @ w
+    qkv = [
+        proj[:, :, i * width : (i + 1) * width].reshape(batch, length, heads, width // heads)
+        for i in range(3)
+    ]
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in qkv)
+    if hand:
+        scores = (q @ k.swapaxes(-1, -2)) * 0.5
+        if causal:
+            scores = scores + np.triu(np.full((length, length), -np.inf), 1)
+        out = bp.softmax(scores, axis=-1) @ v
+    else:
+        out = bp.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.5)
+    merged = out.transpose(0, 2, 1, 3).reshape(batch, length, width)
+    return bp.sum(bp.tanh(merged @ wo))
+
+
+def multi_head_grads(x, w, wo, heads, causal, hand=False, backend="numba"):
+    def loss(x, w, wo):
+        return multi_head(x, w, wo, heads, causal, hand)
+
+    args = [bp.tensor(a) for a in (x, w, wo)]
+    with use_backend(backend):
+        fn = bp.value_and_grad(bp.compile(loss), argnums=(0, 1, 2))
+        value, grads = fn(*args)
+        report = bp.explain(fn, *args)
+    return value.numpy(), [g.numpy() for g in grads], report
+
+
+def multi_head_inputs(seed, batch, length, width, dtype):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, length, width)).astype(dtype)
+    w = (rng.standard_normal((width, 3 * width)) / np.sqrt(width)).astype(dtype)
+    wo = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(dtype)
+    return x, w, wo
+
+
+def joint_ir(report) -> str:
+    return "\n".join(line for line in str(report).splitlines() if " = " in line and "%" in line)
+
+
+@pytest.mark.parametrize("length", [1, 7, 33])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_transposes_are_gone_and_results_equal_the_unfused_reference(
+    length, causal, monkeypatch
+):
+    """The attention reads the projection's (B, T, H, D) reshapes and writes (B, T, H, D) for
+    the output projection: no transpose(0, 2, 1, 3) is left in forward or backward; values and
+    gradients equal the unfused form run on the reference interpreter."""
+    x, w, wo = multi_head_inputs(10 + length, 2, length, 12, np.float64)
+    value, grads, report = multi_head_grads(x, w, wo, 3, causal)
+    ir = joint_ir(report)
+    assert "layout='bthd'" in ir and " = attention_grad " in ir
+    assert "perm=(0, 2, 1, 3)" not in ir
+    monkeypatch.setenv("BACKPLAN_FUSE_ATTENTION", "0")
+    want, want_grads, unfused = multi_head_grads(x, w, wo, 3, causal, True, "reference")
+    assert " = attention " not in joint_ir(unfused)
+    np.testing.assert_allclose(value, want, rtol=1e-11)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-11)
+
+
+def test_head_layout_gradients_match_finite_differences_in_float32_compiled():
+    x, w, wo = multi_head_inputs(20, 2, 9, 8, np.float64)
+    _, grads, _ = multi_head_grads(*(a.astype(np.float32) for a in (x, w, wo)), 2, True, True)
+    rng = np.random.default_rng(21)
+    for position, arg in enumerate((x, w, wo)):
+        direction = rng.standard_normal(arg.shape)
+        h, args_plus, args_minus = 1e-6, [x, w, wo], [x, w, wo]
+        args_plus = [a + h * direction if i == position else a for i, a in enumerate(args_plus)]
+        args_minus = [a - h * direction if i == position else a for i, a in enumerate(args_minus)]
+        with use_backend("reference"):
+            plus, minus = (
+                multi_head(*(bp.tensor(a) for a in args), 2, True, True).numpy()
+                for args in (args_plus, args_minus)
+            )
+        numeric = (plus - minus) / (2 * h)
+        np.testing.assert_allclose(np.sum(grads[position] * direction), numeric, rtol=2e-4)
+
+
+def test_head_layout_is_kept_where_the_output_has_another_reader():
+    """An output read as (B, H, T, D) too keeps the "bhtd" layout (and its results)."""
+    x, w, wo = multi_head_inputs(30, 1, 5, 8, np.float64)
+
+    def loss(x, w, wo):
+        proj = x @ w
+        q, k, v = (proj[:, :, i * 8 : (i + 1) * 8].reshape(1, 5, 2, 4).transpose(0, 2, 1, 3)
+                   for i in range(3))  # fmt: skip
+        out = bp.scaled_dot_product_attention(q, k, v)
+        return bp.sum(out.transpose(0, 2, 1, 3).reshape(1, 5, 8) @ wo) + bp.sum(out * out)
+
+    args = [bp.tensor(a) for a in (x, w, wo)]
+    ir = joint_ir(bp.explain(bp.value_and_grad(bp.compile(loss)), *args))
+    assert "layout='bhtd'" in ir and "layout='bthd'" not in ir
+    results = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            results[backend] = bp.value_and_grad(bp.compile(loss))(*args)[1].numpy()
+    np.testing.assert_allclose(results["numba"], results["reference"], rtol=1e-10)
+
+
+def test_bench_transformer_plan_copies_no_heads_and_keeps_its_gradients(monkeypatch):
+    """The bench transformer block (small sizes): its compiled step copies no head tensor (the
+    attention output and dq, dk, dv were each copied between (B, H, T, D) and (B, T, H * D)),
+    and its loss and gradients equal the unfused attention on the reference interpreter."""
+    from backplan.bench.models import BACKPLAN_KINDS, MODELS
+
+    spec = MODELS["transformer"]
+    data = spec.make_inputs(spec.small_config, 0)
+    base = BACKPLAN_KINDS[spec.kind][0]
+
+    def loss(params, x):
+        return base(params, x, **spec.static)
+
+    params = {k: bp.tensor(v) for k, v in data.params.items()}
+    args = [params, *(bp.tensor(b) for b in data.batch(True))]
+    vg = bp.value_and_grad(loss)
+    with use_backend("numba"):
+        source = vg.trace(*args).runner().compiled.source
+        value, grads = vg(*args)
+    assert "attention_forward" in source and "ascontiguousarray" not in source
+    monkeypatch.setenv("BACKPLAN_FUSE_ATTENTION", "0")
+    with use_backend("reference"):
+        want, want_grads = bp.value_and_grad(loss)(*args)
+    np.testing.assert_allclose(value.numpy(), want.numpy(), rtol=1e-11)
+    for name, grad in grads.items():
+        np.testing.assert_allclose(grad.numpy(), want_grads[name].numpy(), rtol=1e-9, atol=1e-12)

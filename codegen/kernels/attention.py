@@ -177,22 +177,44 @@ def _heads_shape(lead, tail) -> tuple:
     return (math.prod(lead[:-1]), lead[-1]) + tuple(tail)
 
 
-def _heads(ctx: OpEmitter, value: Value) -> str:
+def _tokens_first(node: Value) -> bool:
+    """The "bthd" layout: every array is (B, T, H, D), handed to the kernels transposed."""
+    return node.attrs.get("layout", "bhtd") == "bthd"
+
+
+def _heads(ctx: OpEmitter, node: Value, value: Value) -> str:
     """value as a 4-D (batch, heads, length, features) array: a strided view passes as it
-    is when there are exactly two leading axes; otherwise a contiguous reshape."""
+    is when there are exactly two leading axes, or in the "bthd" layout (a transposed view of
+    the (B, T, H, D) value); otherwise a contiguous reshape."""
+    if _tokens_first(node):
+        return f"{ctx.array(value, contiguous=False)}.transpose(0, 2, 1, 3)"
     lead = value.shape[:-2]
     if len(lead) == 2:
         return ctx.array(value, contiguous=False)
     return f"{ctx.array(value)}.reshape({_heads_shape(lead, value.shape[-2:])!r})"
 
 
+def _written(node: Value, buffer: str, shape: tuple) -> str:
+    """The 4-D (batch, heads, length, features) view the kernel writes of a contiguous buffer
+    holding a value of this shape (the node's layout)."""
+    if _tokens_first(node):
+        return f"{buffer}.reshape({tuple(shape)!r}).transpose(0, 2, 1, 3)"
+    return f"{buffer}.reshape({_heads_shape(shape[:-2], shape[-2:])!r})"
+
+
+def _dims(node: Value) -> tuple[int, int, int, int]:
+    """(batch * heads pairs, query length, key length, features) in either layout."""
+    q, k = node.inputs[0].shape, node.inputs[1].shape
+    if _tokens_first(node):
+        return q[0] * q[2], q[1], k[1], q[3]
+    return math.prod(q[:-2]), q[-2], k[-2], q[-1]
+
+
 def _variant(fn: str, node: Value) -> tuple[str, int]:
     """The kernel (parallel over (batch, head) pairs when that pays) and its GEMM width:
     the own GEMM's in parallel (single-threaded, lock-free), else as chosen per shape,
     0 meaning BLAS."""
-    q, k = node.inputs[0], node.inputs[1]
-    pairs = math.prod(q.shape[:-2])
-    t, s, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    pairs, t, s, d = _dims(node)
     parallel = threads() > 1 and pairs > 1 and pairs * t * s * max(d, 1) >= (1 << 16)
     if parallel:
         return f"{fn}_par", vector_width()
@@ -206,20 +228,18 @@ def _scale_and_mask(node: Value) -> str:
 
 @emits("attention")
 def emit_attention(ctx: OpEmitter, node: Value, out: str) -> list[str]:
-    q, k, v = (f"as_read_only({_heads(ctx, x)})" for x in node.inputs)
-    lead = node.inputs[0].shape[:-2]
-    out4 = f"{out}.reshape({_heads_shape(lead, node.shape[-2:])!r})"
+    q, k, v = (f"as_read_only({_heads(ctx, node, x)})" for x in node.inputs)
+    out4 = _written(node, out, node.shape)
     fn, width = decide("attention", _variant("attention_forward", node))
     return [f"{fn}({width}, {q}, {k}, {v}, {out4}, {_scale_and_mask(node)})"]
 
 
 @emits("attention_grad")
 def emit_attention_grad(ctx: OpEmitter, node: Value, out: str) -> list[str]:
-    q, k, v, g = (f"as_read_only({_heads(ctx, x)})" for x in node.inputs)
-    lead, parts, offset = node.inputs[0].shape[:-2], [], 0
+    q, k, v, g = (f"as_read_only({_heads(ctx, node, x)})" for x in node.inputs)
+    parts, offset = [], 0
     for x in node.inputs[:3]:
-        shape = _heads_shape(lead, x.shape[-2:])
-        parts.append(f"{out}[{offset}:{offset + x.type.size}].reshape({shape!r})")
+        parts.append(_written(node, f"{out}[{offset}:{offset + x.type.size}]", x.shape))
         offset += x.type.size
     fn, width = decide("attention", _variant("attention_backward", node))
     return [f"{fn}({width}, {q}, {k}, {v}, {g}, {', '.join(parts)}, {_scale_and_mask(node)})"]

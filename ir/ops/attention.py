@@ -10,6 +10,13 @@ its (T, S) output and the matmuls save it again.
 attention_grad's own derivative (second order) is the derivative of the same computation
 written in primitive ops (`decomposed_grad`), so higher derivatives need no third op.
 The causal mask is PyTorch's is_causal: query i sees keys 0..i (top-left aligned).
+
+`layout` says where the heads axis is. "bhtd" (the default, PyTorch's): q, k, v and the output
+are (..., heads, length, features). "bthd": all four are (batch, length, heads, features), the
+layout a (B, T, H * D) projection has once reshaped, and the one the output projection reads;
+gradients come back in it too. ir/attention_fusion.py picks it where the output's only reader
+is transpose(0, 2, 1, 3), so neither the output nor dq, dk, dv is copied between layouts: the
+kernels read and write (B, T, H, D) arrays through transposed views.
 """
 
 import math
@@ -23,11 +30,32 @@ from ..shapes import fmt
 from ..types import TensorType, np_dtype
 from .common import float_only, same_dtype
 
-ATTRS = {"scale": AttrSpec("float"), "causal": AttrSpec("bool", False, required=False)}
+LAYOUTS = ("bhtd", "bthd")
+ATTRS = {
+    "scale": AttrSpec("float"),
+    "causal": AttrSpec("bool", False, required=False),
+    "layout": AttrSpec("str", "bhtd", choices=LAYOUTS, required=False),
+}
+HEADS_SWAP = (0, 2, 1, 3)  # (B, T, H, D) <-> (B, H, T, D)
 
 
-def attention_type(q: TensorType, k: TensorType, v: TensorType, op: str) -> TensorType:
-    """The shape rule: q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv)."""
+def heads_first(t: TensorType) -> TensorType:
+    """A "bthd" type as the "bhtd" one the same data has once its axes 1 and 2 swap."""
+    return TensorType(t.dtype, tuple(t.shape[i] for i in HEADS_SWAP))
+
+
+def attention_type(
+    q: TensorType, k: TensorType, v: TensorType, op: str, layout: str = "bhtd"
+) -> TensorType:
+    """The shape rule: q (..., T, D), k (..., S, D), v (..., S, Dv) -> (..., T, Dv); in the
+    "bthd" layout q (B, T, H, D), k (B, S, H, D), v (B, S, H, Dv) -> (B, T, H, Dv)."""
+    if layout == "bthd":
+        if not len(q.shape) == len(k.shape) == len(v.shape) == 4:
+            raise ShapeError(
+                f"{op} in layout bthd takes 4-D (batch, length, heads, features) q, k and v, got "
+                f"q {fmt(q.shape)}, k {fmt(k.shape)}, v {fmt(v.shape)}"
+            )
+        return heads_first(attention_type(*(heads_first(x) for x in (q, k, v)), op))
     float_only([q, k, v], op)
     dtype = same_dtype([q, k, v], op)
     if min(len(q.shape), len(k.shape), len(v.shape)) < 2:
@@ -45,12 +73,12 @@ def attention_type(q: TensorType, k: TensorType, v: TensorType, op: str) -> Tens
 
 
 def _attention_infer(types, attrs):
-    return attention_type(*types, "attention")
+    return attention_type(*types, "attention", attrs["layout"])
 
 
 def _grad_infer(types, attrs):
     q, k, v, g = types
-    out = attention_type(q, k, v, "attention_grad")
+    out = attention_type(q, k, v, "attention_grad", attrs["layout"])
     if g != out:
         raise ShapeError(f"the output gradient must be {out}, got {g}")
     return TensorType(out.dtype, (q.size + k.size + v.size,))
@@ -70,17 +98,27 @@ def _probabilities(q, k, scale, causal):
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
-def _attention_ref(q, k, v, scale, causal):
-    return _probabilities(q, k, scale, causal) @ v
+def _swapped(layout: str, *arrays) -> list:
+    """The arrays as "bhtd" views (or back: the swap is its own inverse)."""
+    if layout == "bhtd":
+        return list(arrays)
+    return [np.swapaxes(x, 1, 2) for x in arrays]
 
 
-def _grad_ref(q, k, v, g, scale, causal):
+def _attention_ref(q, k, v, scale, causal, layout="bhtd"):
+    q, k, v = _swapped(layout, q, k, v)
+    return _swapped(layout, _probabilities(q, k, scale, causal) @ v)[0]
+
+
+def _grad_ref(q, k, v, g, scale, causal, layout="bhtd"):
+    q, k, v, g = _swapped(layout, q, k, v, g)
     p = _probabilities(q, k, scale, causal)
     dv = np.swapaxes(p, -1, -2) @ g
     dp = g @ np.swapaxes(v, -1, -2)
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True)) * scale
     dq, dk = ds @ k, np.swapaxes(ds, -1, -2) @ q
-    return np.concatenate([dq.ravel(), dk.ravel(), dv.ravel()]).astype(q.dtype, copy=False)
+    grads = _swapped(layout, dq, dk, dv)
+    return np.concatenate([x.ravel() for x in grads]).astype(q.dtype, copy=False)
 
 
 def unpack(b, packed, types: list[TensorType]) -> list:
@@ -100,8 +138,10 @@ def _attention_vjp(ctx, g):
     return [grad if need else None for grad, need in zip(grads, ctx.needs, strict=True)]
 
 
-def decomposed_grad(b, q, k, v, g, scale: float, causal: bool):
+def decomposed_grad(b, q, k, v, g, scale: float, causal: bool, layout: str = "bhtd"):
     """attention_grad in primitive ops (the derivative of this is attention_grad's)."""
+    if layout == "bthd":
+        q, k, v, g = (b.transpose(x, perm=HEADS_SWAP) for x in (q, k, v, g))
     scores = b.mul(b.matmul(q, b.swap_last2(k)), b.scalar(scale, q.dtype))
     if causal:
         t, s = scores.shape[-2:]
@@ -114,8 +154,10 @@ def decomposed_grad(b, q, k, v, g, scale: float, causal: bool):
     dp = b.matmul(g, b.swap_last2(v))
     dot = b.sum(b.mul(p, dp), axes=last, keepdims=True)
     ds = b.mul(b.mul(p, b.sub(dp, dot)), b.scalar(scale, q.dtype))
-    dq, dk = b.matmul(ds, k), b.matmul(b.swap_last2(ds), q)
-    flat = [b.reshape(x, shape=(x.type.size,)) for x in (dq, dk, dv)]
+    grads = [b.matmul(ds, k), b.matmul(b.swap_last2(ds), q), dv]
+    if layout == "bthd":
+        grads = [b.transpose(x, perm=HEADS_SWAP) for x in grads]
+    flat = [b.reshape(x, shape=(x.type.size,)) for x in grads]
     return b.concatenate(*flat, axis=0)
 
 
@@ -127,15 +169,17 @@ def _grad_vjp(ctx, h):
     inputs = [sub.add_input(ctx.in_type(i)) for i in range(4)]
     cotangent = sub.add_input(h.type)
     b = Builder(sub, ctx.node.loc)
-    packed = decomposed_grad(b, *inputs, ctx.attrs["scale"], ctx.attrs["causal"])
+    packed = decomposed_grad(b, *inputs, **ctx.attrs)
     sub.outputs = [b.sum(b.mul(packed, cotangent), axes=(0,))]
     sub.outputs = append_gradients(sub, list(ctx.needs) + [False])
     grads = iter(inline_graph(ctx.b.graph, sub, [ctx.input(i) for i in range(4)] + [h]))
     return [next(grads) if need else None for need in ctx.needs]
 
 
-def _attention_flops(q: TensorType, k: TensorType, v: TensorType) -> int:
+def _attention_flops(q: TensorType, k: TensorType, v: TensorType, layout: str) -> int:
     """The two products and the softmax: (..., T, S) scores of D-long dots, then Dv-long ones."""
+    if layout == "bthd":
+        q, k, v = (heads_first(x) for x in (q, k, v))
     scores = q.size // max(q.shape[-1], 1) * k.shape[-2]
     return scores * (2 * q.shape[-1] + 2 * v.shape[-1] + 5)
 
@@ -155,7 +199,7 @@ register(
         _attention_vjp,
         attrs=ATTRS,
         doc="softmax(scale * q @ k^T) @ v in one kernel; saves q, k and v, no (T, S) scores",
-        flops=lambda types, out: _attention_flops(*types[:3]),
+        flops=lambda types, out, attrs: _attention_flops(*types[:3], attrs["layout"]),
     )
 )
 register(
@@ -168,6 +212,6 @@ register(
         _grad_vjp,
         attrs=ATTRS,
         doc="dq, dk, dv of attention packed flat; recomputes the probabilities, saves q, k, v, g",
-        flops=lambda types, out: 5 * _attention_flops(*types[:3]) // 2,
+        flops=lambda types, out, attrs: 5 * _attention_flops(*types[:3], attrs["layout"]) // 2,
     )
 )

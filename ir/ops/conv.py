@@ -201,7 +201,7 @@ register(
         _conv_vjp,
         attrs=CONV_ATTRS,
         doc="conv2d(x, w) over NCHW, PyTorch semantics; saves w for dx and x for dw",
-        flops=lambda types, out: _conv_flops(out, types[1]),
+        flops=lambda types, out, attrs: _conv_flops(out, types[1]),
     )
 )
 register(
@@ -214,7 +214,7 @@ register(
         _input_grad_vjp,
         attrs={**CONV_ATTRS, "input_shape": AttrSpec("shape")},
         doc="conv2d's adjoint in its input (a transposed convolution of g with w)",
-        flops=lambda types, out: _conv_flops(types[0], types[1]),
+        flops=lambda types, out, attrs: _conv_flops(types[0], types[1]),
     )
 )
 register(
@@ -227,6 +227,6 @@ register(
         _weight_grad_vjp,
         attrs={**CONV_ATTRS, "weight_shape": AttrSpec("shape")},
         doc="conv2d's adjoint in its weight (correlates x with g)",
-        flops=lambda types, out: _conv_flops(types[1], out),
+        flops=lambda types, out, attrs: _conv_flops(types[1], out),
     )
 )

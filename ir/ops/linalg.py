@@ -57,6 +57,6 @@ register(
         "the compiled path, ir/widen.py): bf16 operands read as they are, products and sums "
         "in float32, a float32 result",
         epilogue=True,
-        flops=lambda types, out: 2 * out.size * types[0].shape[-1],
+        flops=lambda types, out, attrs: 2 * out.size * types[0].shape[-1],
     )
 )
