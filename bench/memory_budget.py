@@ -5,7 +5,7 @@ rounds, what each plan recomputes, and the planner's own time on a step of about
 --frontier N times N rows of fn.memory_frontier instead (peak, saved bytes, added FLOPs, step).
 
     python -m backplan.bench.memory_budget [--rounds 7] [--models mlp_deep,transformer6]
-        [--no-time] [--threads 1] [--saved-dtype bf16] [--frontier 8]
+        [--no-time] [--threads 1] [--saved-dtype bf16] [--frontier 8 [--plot frontier.png]]
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def budget_rows(name: str, rounds: int, saved_dtype, timed: bool) -> None:
         print(f"  {name} {label}: recomputes {recomputed_ops(planner, e) or 'nothing'}")
 
 
-def frontier_rows(name: str, rounds: int, saved_dtype, count: int) -> None:
+def frontier_rows(name: str, rounds: int, saved_dtype, count: int) -> list[dict]:
     """fn.memory_frontier's rows (what max_peak_bytes chooses from, on this backend), up to
     count of them spread along it, each plan compiled and timed side by side."""
     fn, params, batch = MODEL_MAKERS[name]()
@@ -198,16 +198,46 @@ def frontier_rows(name: str, rounds: int, saved_dtype, count: int) -> None:
     rounding = [e.saved_dtype is not None for e in chosen]
     times = time_plans([e.plans.plan for e in chosen], [params, *batch], rounds, rounding)
     step_flops = planner.step_flops()
+    rows = [
+        dict(row=k, peak=e.peak_bytes, saved=e.saved_bytes, recomputed=e.recomputed,
+             added=e.added_flops / step_flops, dtype=e.saved_dtype, ms=ms, ratio=ms / times[0])
+        for k, e, ms in zip(picked, chosen, times, strict=True)
+    ]  # fmt: skip
     print(f"{name}: {len(frontier)} frontier rows, {len(chosen)} timed")
     print("| row | peak | saved | added FLOPs | recomputed | saved as | step (ms) | vs default |")
     print("|---|---|---|---|---|---|---|---|")
-    for k, e in zip(picked, chosen, strict=True):
-        i = chosen.index(e)
+    for r in rows:
         print(
-            f"| {k} | {e.peak_bytes:,} | {e.saved_bytes:,} | "
-            f"+{100 * e.added_flops / step_flops:.1f}% | {e.recomputed} | "
-            f"{e.saved_dtype or 'as computed'} | {times[i]:.2f} | {times[i] / times[0]:.3f}x |"
+            f"| {r['row']} | {r['peak']:,} | {r['saved']:,} | +{100 * r['added']:.1f}% | "
+            f"{r['recomputed']} | {r['dtype'] or 'as computed'} | {r['ms']:.2f} | "
+            f"{r['ratio']:.3f}x |"
         )
+    return rows
+
+
+def plot_frontiers(found: dict[str, list[dict]], path: str) -> None:
+    """One panel per model: step peak against added FLOPs, each timed row labelled with its
+    step time against the default plan's; rows reading bfloat16 saved buffers marked apart."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(4 * len(found), 3.2), dpi=80)
+    for k, (name, rows) in enumerate(found.items()):
+        axes = figure.add_subplot(1, len(found), k + 1)
+        added = [100 * r["added"] for r in rows]
+        peaks = [r["peak"] / 2**20 for r in rows]
+        axes.step(added, peaks, where="post", color="#4c72b0", linewidth=1)
+        for r, x, y in zip(rows, added, peaks, strict=True):
+            axes.plot(
+                x, y, "s" if r["dtype"] else "o", color="#c44e52" if r["dtype"] else "#4c72b0"
+            )
+            axes.annotate(f"{r['ratio']:.2f}x", (x, y), textcoords="offset points", xytext=(4, 4),
+                          fontsize=7)  # fmt: skip
+        axes.set_title(name, fontsize=9)
+        axes.set_xlabel("added FLOPs (% of the step)", fontsize=8)
+        axes.set_ylabel("step peak (MiB)", fontsize=8)
+        axes.tick_params(labelsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
 
 
 def main(argv=None) -> None:
@@ -220,16 +250,20 @@ def main(argv=None) -> None:
         "--saved-dtype", choices=("bf16",), help="also plans allowed bfloat16 saved buffers"
     )
     parser.add_argument("--frontier", type=int, default=0, help="time N frontier rows instead")
+    parser.add_argument("--plot", help="with --frontier: draw the timed rows (PNG, matplotlib)")
     args = parser.parse_args(argv)
     dtype = bp.bfloat16 if args.saved_dtype else None
     print(f"CPU: {cpu_name()}; {pin_process(args.threads)['affinity']}")
     nodes, points, seconds = planning_time()
     print(f"planning (frontier, {points} plans) for a {nodes}-node joint plan: {seconds:.3f} s")
+    found = {}
     for name in args.models.split(","):
         if args.frontier:
-            frontier_rows(name, args.rounds, dtype, args.frontier)
+            found[name] = frontier_rows(name, args.rounds, dtype, args.frontier)
         else:
             budget_rows(name, args.rounds, dtype, not args.no_time)
+    if args.plot and found:
+        plot_frontiers(found, args.plot)
 
 
 if __name__ == "__main__":
