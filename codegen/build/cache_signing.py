@@ -39,6 +39,12 @@ class CacheError(BackplanError, OSError):
     use it rather than run what someone else put there."""
 
 
+class StaleEntry(Exception):
+    """Raised by a before_load hook: the cached function needs something this process cannot
+    give it (a function it calls by symbol, codegen/build/native_calls.py); it is compiled
+    again instead of loaded."""
+
+
 class CacheWarning(UserWarning):
     """A cache file that failed its check was removed; the kernel is compiled again."""
 
@@ -184,9 +190,12 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
         payload = self._read_verified(path)
         if payload is None:
             return None
-        for marker, hook in _BEFORE_LOAD:
-            if marker in payload:
-                hook(payload)
+        try:
+            for marker, hook in _BEFORE_LOAD:
+                if marker in payload:
+                    hook(payload)
+        except StaleEntry:
+            return None  # compiled again, and saved over it
         try:
             return pickle.loads(payload)
         except Exception as exc:

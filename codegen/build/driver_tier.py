@@ -90,11 +90,12 @@ def python_driver(module: types.ModuleType):
     code
     objects bound to a scope of their own: compiling the source again cost an unrolled 48-step
     LSTM's first call 0.05 s, and the module itself must keep the kernels Numba compiles."""
-    from backplan.codegen.build import kernel_cache
+    from backplan.codegen.build import kernel_cache, native_calls
     from backplan.codegen.run import address_calls
 
     scope = dict(module.__dict__, __name__="backplan_python_driver")
     for name, value in list(scope.items()):
+        value = scope[name] = native_calls.unwrapped(value)
         if (name == "run" or name.startswith("run_part")) and hasattr(value, "py_func"):
             function = value.py_func
             scope[name] = types.FunctionType(
