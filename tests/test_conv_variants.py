@@ -1,12 +1,14 @@
 """The library's conv kernels compile one variant per dtype and rank: every array they only
 read is passed read-only (codegen/kernels/conv.as_read_only), whether it is the caller's input
-(read-only) or an intermediate (writable). Before, a two-layer CNN compiled conv2d_gemm twice."""
+(read-only) or an intermediate (writable). Before, a two-layer CNN compiled conv2d_gemm twice.
+The placed BLAS GEMM (gemm_at_f32) compiles one variant per dtype: before, a small MLP's step
+compiled it five times (literal transpose flags, an input's rank, writable operands)."""
 
 import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen.kernels import conv
+from backplan.codegen.kernels import conv, matmul
 from backplan.runtime.backend import use_backend
 
 
@@ -57,3 +59,27 @@ def test_attention_reads_read_only_queries_keys_values_and_gradients(monkeypatch
     read = [s[1:4] for k in forward for s in k.signatures]
     read += [s[1:5] for k in backward for s in k.signatures]
     assert read and all(not t.mutable for group in read for t in group), read
+
+
+@pytest.mark.parametrize("driver", ["inline", "python"])
+def test_every_placed_gemm_of_a_training_step_shares_one_compiled_variant(
+    driver, monkeypatch, tmp_path
+):
+    """Forward products read the caller's 2-D input and an intermediate in the arena; the
+    backward's transpose x^T @ g and g @ w^T: one gemm_at_f32 for all of them."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", driver)
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))  # a cached driver calls no kernel
+    rng = np.random.default_rng(4)
+    w1, w2 = (bp.tensor(rng.standard_normal(s).astype(np.float32)) for s in [(6, 5), (5, 3)])
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+
+    def loss(w1, w2, x):
+        return bp.sum(bp.tanh(bp.tanh(x @ w1) @ w2) ** 2)
+
+    with use_backend("numba"):
+        value, grads = bp.value_and_grad(bp.compile(loss), argnums=(0, 1))(w1, w2, x)
+    expected, expected_grads = bp.value_and_grad(loss, argnums=(0, 1))(w1, w2, x)
+    np.testing.assert_allclose(value.numpy(), expected.numpy(), rtol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
+    assert len(matmul.gemm_at_f32.signatures) == 1, matmul.gemm_at_f32.signatures

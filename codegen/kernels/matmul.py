@@ -11,6 +11,7 @@ from backplan.codegen.kernels.blas import batched_gemm_f32, batched_gemm_f64, ge
 from backplan.codegen.kernels.gemm import batched_gemm as own_batched_gemm
 from backplan.codegen.kernels.gemm import gemm as own_gemm
 from backplan.codegen.kernels.gemm import vector_width
+from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.opaque import OpEmitter, emits, own_gemm_chosen, placed_operands
 from backplan.ir.graph import Value
 
@@ -63,6 +64,7 @@ def own_gemm_at(width, trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out,
 
 
 __all__ = [
+    "as_read_only",
     "batched_gemm_f32",
     "batched_gemm_f64",
     "gemm_at_f32",
@@ -99,9 +101,23 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool) -> list[str] | None:
     (ta, a), (tb, b) = operands
     m, n = node.shape
     sizes = f"np.intp({m}), np.intp({n}), np.intp({node.inputs[0].shape[-1]})"
-    places = ", ".join(f"{w.base}, np.intp({w.offset})" for w in (a, b, out))
-    call = f"own_gemm_at({vector_width()}, " if own else f"gemm_at_{node.dtype}("
-    return [f"{call}{ta}, {tb}, {sizes}, {places})"]
+    if own:
+        places = ", ".join(f"{w.base}, np.intp({w.offset})" for w in (a, b, out))
+        return [f"own_gemm_at({vector_width()}, {ta}, {tb}, {sizes}, {places})"]
+    return [f"gemm_at_{node.dtype}({_one_variant(ta, tb, sizes, (a, b, out))})"]
+
+
+def _one_variant(ta, tb, sizes: str, places) -> str:
+    """The BLAS call's arguments typed alike at every call: the flags as run-time booleans,
+    every base flat, the operands read-only. Literal flags, an input's own rank and a
+    writable operand each made Numba compile gemm_at_f32 (and gemm_f32 and _gemm inside it)
+    again: five variants, about 4 of a small MLP's 9 s first call from a fresh install."""
+    a, b, out = places
+    operands = ", ".join(f"as_read_only({w.base}.reshape(-1)), np.intp({w.offset})" for w in (a, b))
+    return (
+        f"np.bool_({ta}), np.bool_({tb}), {sizes}, {operands}, "
+        f"{out.base}.reshape(-1), np.intp({out.offset})"
+    )
 
 
 def _batched_matmul(node: Value, out: str, a_op, b_op, own: bool) -> list[str]:
