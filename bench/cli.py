@@ -28,6 +28,9 @@ from .suite import Settings, run_suite
 from .threads import apply_threads, prepare_jax_threads
 
 DEFAULT_AGAINST = "numpy,torch,jax"
+# --quick leaves torch.compile out unless named: its cold compile (10-20 s a model, minutes for
+# nine) was most of a quick run from empty caches.
+QUICK_AGAINST = "numpy,torch.eager,jax"
 FEW_CPUS = 4  # at or below this, default thread pools of several libraries fight for cores
 
 
@@ -49,8 +52,8 @@ def add_arguments(parser) -> None:
         default=None,
         help=f"peers, comma-separated, from {', '.join(AGAINST_CHOICES)}; "
         "'torch' means eager and torch.compile; 'none' runs backplan alone "
-        f"(default {DEFAULT_AGAINST}; for compile torch.compile,jax); peers not installed "
-        "are skipped",
+        f"(default {DEFAULT_AGAINST}; with --quick {QUICK_AGAINST}; for compile "
+        "torch.compile,jax); peers not installed are skipped",
     )
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument(
@@ -64,7 +67,8 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a couple of steps per peer, no warm-compile measurement",
+        help="a couple of steps per peer, no warm-compile or measured-peak (tracemalloc) "
+        "measurement, torch.compile only when --against names it",
     )
     parser.add_argument(
         "--small",
@@ -98,7 +102,7 @@ def run(args, out=None) -> int:
             args.against = compile_cli.DEFAULT_AGAINST
         return compile_cli.run(args, out)
     if args.against is None:
-        args.against = DEFAULT_AGAINST
+        args.against = _default_against(args)
     out = out if out is not None else sys.stdout
     try:
         record = read_json(args.from_json) if args.from_json else measure(args)
@@ -199,6 +203,10 @@ def _available(peers, progress) -> tuple[list, list[dict]]:
     return available, skipped
 
 
+def _default_against(args) -> str:
+    return QUICK_AGAINST if args.quick else DEFAULT_AGAINST
+
+
 def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
@@ -210,7 +218,11 @@ def _settings(args) -> Settings:
             raise BenchError(f"--rounds must be at least 1, got {args.rounds}")
         schedule = replace(schedule, rounds=args.rounds)
     return Settings(
-        dtype=args.dtype, small=args.small, schedule=schedule, warm_compile=not args.quick
+        dtype=args.dtype,
+        small=args.small,
+        schedule=schedule,
+        warm_compile=not args.quick,
+        measure_peak=not args.quick,
     )
 
 
@@ -219,7 +231,7 @@ def command_line(args) -> str:
     parts = ["python -m backplan bench"]
     for flag in ("models", "against", "dtype", "threads", "rounds"):
         value = getattr(args, flag)
-        default = {"models": "", "against": DEFAULT_AGAINST, "dtype": "float32"}.get(flag)
+        default = {"models": "", "against": _default_against(args), "dtype": "float32"}.get(flag)
         if value is not None and value != default:
             parts.append(f"--{flag} {value}")
     parts += [

@@ -24,6 +24,7 @@ class Settings:
     small: bool = False
     schedule: Schedule = Schedule()
     warm_compile: bool = True
+    measure_peak: bool = True  # a step under tracemalloc per peer (--quick skips it)
     seed: int = 0
     limit: Limit | None = None  # the cores' measured FMA peak, for each row's % of peak
 
@@ -69,7 +70,7 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
         progress.phase(name, "memory facts")
         _guarded(
             rows[name],
-            lambda runner=runner, row=rows[name]: _memory_facts(runner, row),
+            lambda runner=runner, row=rows[name]: _memory_facts(runner, row, settings),
             what="memory facts",
         )
     if settings.warm_compile:
@@ -154,7 +155,7 @@ def _time_runners(runners: dict, rows: dict, schedule: Schedule, progress) -> No
         rows[name]["step_ms"] = timing.to_dict()
 
 
-def _memory_facts(runner, row: dict) -> None:
+def _memory_facts(runner, row: dict, settings: Settings) -> None:
     saved = runner.saved_bytes()
     if saved is not None:
         row["saved_bytes"] = {
@@ -164,7 +165,7 @@ def _memory_facts(runner, row: dict) -> None:
         }
     planned = runner.planned_peak_bytes()
     row["plan"] = runner.plan_facts()
-    measured = traced_peak_bytes(runner)
+    measured = traced_peak_bytes(runner) if settings.measure_peak else None
     row["peak_bytes"] = {
         "measured": measured,
         "measured_by": "tracemalloc" if measured is not None else None,
