@@ -179,3 +179,18 @@ def test_two_threads_training_apart_each_get_their_own_gradients():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_parameters_the_function_captures_get_their_gradients():
+    w, b = bp.tensor(W, requires_grad=True), bp.tensor(B, requires_grad=True)
+
+    @bp.compile
+    def captured(x):
+        return bp.tanh(x @ w + b).sum()
+
+    for _ in range(CALLS_TO_LEARN + 2):
+        w.grad = b.grad = None
+        out = captured(X)
+        out.backward()
+        check({"w": w, "b": b})
+    assert isinstance(out.grad_fn, JointRegion)
