@@ -3,8 +3,9 @@ scratch arena it keeps and reuses on every call, and the bytes it allocates fres
 the call returns). The numbers are the lowered plan's (`backplan.ir.lowering.lower`, computed
 once per plan and shared with the code generator), donations included (`lowered.donations`).
 Kernel hashes and compile estimates are facts of the rendered source: they are read from the
-plan's one rendering (`lowered.rendered`), which explain makes only when no runner has made it
-yet (on the reference backend) and which the compiled plan then reuses. Nothing is compiled."""
+lowered plan's one rendering (`lowered.rendered`), which explain makes only when no runner has
+made it yet (explain before the first call) and which the compiled plan then reuses. On the
+reference backend explain reads none of this and renders nothing. Nothing is compiled."""
 
 from __future__ import annotations
 
