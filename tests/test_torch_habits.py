@@ -151,3 +151,26 @@ def test_torch_only_functions_name_backplans_spelling():
         bp.cat  # noqa: B018
     with pytest.raises(AttributeError, match=r"no attribute 'nope'$"):
         bp.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_layer_norm_with_torchs_normalized_shape_names_both_spellings(compiled):
+    x = _x((2, 3, 4))
+    weight, bias = np.ones(4, np.float32), np.zeros(4, np.float32)
+
+    def torch_spelling(x, weight, bias):
+        return bp.layer_norm(x, (4,), weight, bias)  # F.layer_norm's argument order
+
+    call = bp.compile(torch_spelling) if compiled else torch_spelling
+    with pytest.raises(bp.ShapeError) as info:
+        call(x, weight, bias)
+    message = str(info.value)
+    assert message.startswith("layer_norm(f32[2,3,4], (4,), ...): the second argument is the")
+    assert "normalized_shape" in message and "call bp.layer_norm(x, weight, bias)" in message
+    assert re.search(r"at test_torch_habits\.py:\d+", message)
+    with pytest.raises(bp.ShapeError, match=r"x\.reshape\(\*x\.shape\[:-2\], -1\)"):
+        bp.layer_norm(x, [3, 4], np.ones((3, 4), np.float32), np.zeros((3, 4), np.float32))
+    want = bp.layer_norm(x, bp.tensor(weight), bp.tensor(bias)).numpy()
+    centred = x.numpy() - x.numpy().mean(-1, keepdims=True)
+    normed = centred / np.sqrt(centred.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(want, normed, rtol=1e-5, atol=1e-6)

@@ -580,11 +580,33 @@ def layer_norm(
     scale and shift (torch's normalized_shape is always the last axis here). Saves x, not the
     normalised copy."""
     x = _float_input(x)
+    _refuse_normalized_shape(weight, x)
     if (weight is None) != (bias is None):
         weight = weight if weight is not None else ones(x.shape[-1:], x._ir_dtype)
         bias = bias if bias is not None else zeros(x.shape[-1:], x._ir_dtype)
     inputs = [x] if weight is None else [x, astype(weight, x.dtype), astype(bias, x.dtype)]
     return apply("layer_norm", inputs, eps=float(eps))
+
+
+def _refuse_normalized_shape(weight, x: Tensor) -> None:
+    """torch's F.layer_norm(x, normalized_shape, weight, bias) passes a shape second, which here
+    is the weight: refused naming both spellings (it failed later as a float() of the bias)."""
+    if not isinstance(weight, tuple | list | int) or isinstance(weight, bool):
+        return
+    shape = tuple(weight) if isinstance(weight, tuple | list) else (weight,)
+    call = "bp.layer_norm(x, weight, bias)"
+    if len(shape) > 1:  # several normalised axes: flatten them into one, then reshape back
+        call = (
+            f"bp.layer_norm(x.reshape(*x.shape[:-{len(shape)}], -1), weight.reshape(-1), "
+            "bias.reshape(-1)).reshape(x.shape)"
+        )
+    dims = ",".join(str(d) for d in x.shape)
+    raise ShapeError(
+        f"layer_norm({x._ir_dtype}[{dims}], {weight!r}, ...): the second argument is the weight, "
+        "but a shape was passed (torch's F.layer_norm(x, normalized_shape, weight, bias)); "
+        "backplan's layer_norm(x, weight=None, bias=None, eps=1e-5) always normalises the last "
+        f"axis and takes no shape: call {call}"
+    )
 
 
 @located
