@@ -62,9 +62,13 @@ def conform(treedef: TreeDef, value, path: str, artifact: str):
     return tuple(items) if kind == "tuple" else items
 
 
-def match_leaves(tree_value, keys: list[LeafKey], artifact: str) -> tuple[list, list[int]]:
+def match_leaves(
+    tree_value, keys: list[LeafKey], artifact: str, symbolic: dict | None = None
+) -> tuple[list, list[int]]:
     """Leaves of an already conformed value, checked against the exported leaf keys; ndarrays
-    become tensors. Returns (leaves, positions of the tensor leaves)."""
+    become tensors. symbolic maps a leaf's position to (axis, symbol) where an axis is dynamic,
+    so a refusal shows the symbol there, not this call's size. Returns (leaves, positions of the
+    tensor leaves)."""
     leaves, _ = flatten(tree_value)
     positions = []
     for i, (leaf, key) in enumerate(zip(leaves, keys, strict=True)):
@@ -73,7 +77,7 @@ def match_leaves(tree_value, keys: list[LeafKey], artifact: str) -> tuple[list, 
         if key.weak and type(leaf) is float:
             leaves[i] = leaf = Tensor._weak_scalar(leaf)  # exported as a traced float
         if key.kind == "tensor":
-            _check_tensor(leaf, key, artifact)
+            _check_tensor(leaf, key, artifact, (symbolic or {}).get(i))
             positions.append(i)
         elif isinstance(leaf, Tensor) or (type(leaf).__name__, leaf) != key.static:
             shown = "a tensor" if isinstance(leaf, Tensor) else repr(leaf)
@@ -81,8 +85,12 @@ def match_leaves(tree_value, keys: list[LeafKey], artifact: str) -> tuple[list, 
     return leaves, positions
 
 
-def _check_tensor(leaf, key: LeafKey, artifact: str) -> None:
-    expected = "a float" if key.weak else f"a tensor {key.dtype}{list(key.shape)}"
+def _check_tensor(leaf, key: LeafKey, artifact: str, dynamic: tuple | None) -> None:
+    dims = [str(d) for d in key.shape]
+    if dynamic is not None:
+        axis, symbol = dynamic
+        dims[axis] = f"{symbol} (any size)"
+    expected = "a float" if key.weak else f"a tensor {key.dtype}[{', '.join(dims)}]"
     if not isinstance(leaf, Tensor):
         raise _mismatch(artifact, key.path, expected, f"{leaf!r} of type {type(leaf).__name__}")
     if leaf._ir_dtype != key.dtype or tuple(leaf.shape) != tuple(key.shape):

@@ -71,7 +71,8 @@ class LoadedArtifact(PlannedFunction):
         bound.apply_defaults()
         arguments = self._conform(dict(bound.arguments))
         keys = self._keys_at(arguments)
-        leaves, positions = match_leaves(arguments, keys, self.path)
+        symbolic = {p: (axis, self._symbol) for p, axis in self._places}
+        leaves, positions = match_leaves(arguments, keys, self.path, symbolic)
         return arguments, leaves, positions, SignatureKey(self._key.treedef, tuple(keys))
 
     def _keys_at(self, arguments: dict) -> list:
@@ -81,16 +82,27 @@ class LoadedArtifact(PlannedFunction):
             return keys
         leaves = flatten(arguments)[0]
         sizes = {
-            tuple(leaves[p].shape)[axis]
+            (keys[p].path, axis): tuple(leaves[p].shape)[axis]
             for p, axis in self._places
             if len(getattr(leaves[p], "shape", ())) == len(keys[p].shape)
         }
-        if len(sizes) != 1:
+        if len(set(sizes.values())) > 1:
+            self._refuse_sizes(sizes)
+        if len(set(sizes.values())) != 1:
             return keys  # match_leaves says which argument does not fit
-        (size,) = sizes
+        (size,) = set(sizes.values())
         if size < 2 and (size not in self._special or self._special[size] is not None):
             self._refuse(size)
         return list(self.key_at(size).leaves)
+
+    def _refuse_sizes(self, sizes: dict):
+        """Arguments sharing the dynamic axis passed it at several sizes (as bp.compile's
+        TracingError says), not a shape the artifact was exported for."""
+        passed = ", ".join(f"{path} has {n} on axis {axis}" for (path, axis), n in sizes.items())
+        raise ExportError(
+            f"{self.path}: the dynamic axis {self._symbol!r} takes any size, one per call, but "
+            f"{passed}; axes sharing a symbol share one size"
+        )
 
     def _refuse(self, size: int):
         why = self._special.get(size)

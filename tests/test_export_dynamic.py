@@ -96,6 +96,33 @@ def test_a_size_the_function_cannot_take_is_refused_by_the_loaded_artifact_sayin
             loaded(W, np.ones((n, 6), np.float32))
 
 
+def test_a_loaded_artifact_names_arguments_passing_its_dynamic_axis_at_two_sizes(tmp_path):
+    """As bp.compile's TracingError: not 'exported for x = f32[5, 6]', which is no shape the
+    artifact needs (it takes any batch)."""
+
+    def paired(w, x, y):
+        return bp.mean((x @ w) * y)
+
+    dynamic = {"x": {0: "batch"}, "y": {0: "batch"}}
+    example = (np.ones((5, 6), np.float32), np.ones((5, 4), np.float32))
+    loaded = bp.load(
+        bp.export(bp.compile(paired), W, *example, path=tmp_path / "p.bpz", dynamic=dynamic)
+    )
+    with pytest.raises(bp.ExportError) as info:
+        loaded(W, np.ones((3, 6), np.float32), np.ones((4, 4), np.float32))
+    message = str(info.value)
+    assert "dynamic axis 'batch'" in message and "f32[5" not in message
+    assert "x has 3 on axis 0, y has 4 on axis 0" in message
+    with pytest.raises(
+        bp.ExportError,
+        match=r"x = a tensor f32\[batch \(any size\), 6\], "
+        r"but the call passed f32\[3, 5\]",
+    ):
+        loaded(W, np.ones((3, 5), np.float32), np.ones((3, 4), np.float32))
+    x, y = RNG.standard_normal((3, 6)).astype(np.float32), np.ones((3, 4), np.float32)
+    np.testing.assert_allclose(loaded(W, x, y).numpy(), paired(W, x, y).numpy(), rtol=1e-6)
+
+
 def test_a_loaded_dynamic_artifact_explains_its_bytes_as_formulas(tmp_path):
     """As bp.explain of the function exported: the symbol, and the bytes as formulas of it
     that give the report's own peak at the exported size."""
