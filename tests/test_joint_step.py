@@ -35,14 +35,19 @@ def check(p, scale=1.0):
         np.testing.assert_allclose(p[name].grad.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
+def two_plans_step(step, p):
+    """One training step that runs on two plans, its gradients checked."""
+    bp.zero_grad(p)
+    out = step(p, X)
+    assert not isinstance(out.grad_fn, JointRegion)
+    out.backward()
+    check(p)
+
+
 def learned(step, p):
     """Call step like a training loop until it runs the joint plan; each step's grads checked."""
     for _ in range(CALLS_TO_LEARN):
-        bp.zero_grad(p)
-        out = step(p, X)
-        assert not isinstance(out.grad_fn, JointRegion)
-        out.backward()
-        check(p)
+        two_plans_step(step, p)
     bp.zero_grad(p)
     return step(p, X)
 
@@ -99,11 +104,7 @@ def test_a_second_backward_says_freed_as_the_two_plans_do():
 def test_an_evaluation_call_between_training_steps_sends_the_next_to_two_plans():
     step, p = bp.compile(loss), params()
     learned(step, p)  # an evaluation call: its gradients are never read
-    bp.zero_grad(p)
-    out = step(p, X)
-    assert not isinstance(out.grad_fn, JointRegion)
-    out.backward()
-    check(p)
+    two_plans_step(step, p)
     bp.zero_grad(p)
     step(p, X)  # a split call whose loss is not backward()ed either
     assert isinstance(learned(step, p).grad_fn, JointRegion)
