@@ -83,7 +83,7 @@ def format_graph(report: GraphReport) -> str:
         lines.append(f"  {i}. {_region_line(region)}")
         buffers, again = region.saved_buffers, recomputed_infos(region.program)
         if buffers or again:
-            states = ["freed" if b.freed else "alive" for b in buffers]
+            states = [region.buffer_state(b) for b in buffers]
             lines.append(format_saved_table(buffers, states, "       ", again, notes=False))
         infos += buffers
         recomputed += again

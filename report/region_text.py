@@ -10,16 +10,25 @@ from backplan.runtime.walk import regions_in_order
 from .recomputed import recomputed_infos
 from .saved_table import format_saved_table
 
+JOINT_STATE = "not held (joint plan)"  # runtime/joint_step.py JointRegion.buffer_state
+JOINT_NOTE = (
+    f"  {JOINT_STATE}: this call ran forward and backward as one plan (compiled losses that\n"
+    "    backward() follows do, from the third call), which kept none of them; backward() takes\n"
+    "    its gradients, another seed or retain_graph=True recomputes them from the inputs first."
+)
+
 
 def saved_table(region: Region) -> str:
     """The live answer to 'which is freed, which is not?': explain()'s table plus a state column
     (values the backward recomputes instead of saving say "recomputed")."""
     buffers = region.saved_buffers
-    states = ["freed" if b.freed else "alive" for b in buffers]
+    states = [region.buffer_state(b) for b in buffers]
     lines = [
         repr(region),
         format_saved_table(buffers, states, recomputed=recomputed_infos(region.program)),
     ]
+    if JOINT_STATE in states:
+        lines.append(JOINT_NOTE)
     if region.freed_by is not None:
         lines += [
             f"  {freed_by_text(region.freed_by)}; a second backward() through it raises "

@@ -150,6 +150,13 @@ class JointRegion(Region):
         self.backward_calls += 1
         return list(by_leaf.values())
 
+    def buffer_state(self, buffer) -> str:
+        """Before backward(), with the gradients waiting, a buffer was never held (the joint
+        plan read it and dropped it), not freed by a backward()."""
+        if buffer.freed and self._grads is not None and not self.freed:
+            return "not held (joint plan)"
+        return super().buffer_state(buffer)
+
     def _recomputed_saved(self) -> list:
         program, args = self.program, self._args
         outputs = program.run_forward(list(args))

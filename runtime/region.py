@@ -143,6 +143,10 @@ class Region:
             buffers.append(SavedBuffer(**fields))
         return buffers
 
+    def buffer_state(self, buffer: SavedBuffer) -> str:
+        """What print(t.grad_fn) says of one saved buffer now: held, or freed by backward()."""
+        return "freed" if buffer.freed else "alive"
+
     def held_arrays(self) -> list[tuple[np.ndarray, bool]]:
         """Each saved array held now, and whether it is the user's own (no region made it)."""
         saved = self.program.plans.saved

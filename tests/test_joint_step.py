@@ -195,3 +195,20 @@ def test_parameters_the_function_captures_get_their_gradients():
         out.backward()
         check({"w": w, "b": b})
     assert isinstance(out.grad_fn, JointRegion)
+
+
+def test_print_grad_fn_of_a_joint_call_says_not_held_not_freed_before_backward():
+    """The quickstart's print(loss.grad_fn) in a training loop: from the third call the
+    buffers were never held, and no backward() has freed them yet."""
+    step, p = bp.compile(loss), params()
+    out = learned(step, p)
+    table = str(out.grad_fn)
+    rows = [line for line in table.splitlines() if "derivative reads" in line]
+    assert rows and all(line.endswith("not held (joint plan)") for line in rows)
+    assert "freed" not in table and "one plan" in table
+    graph = str(out.graph())
+    assert "not held (joint plan)" in graph and " freed" not in graph
+    out.backward()
+    check(p)
+    rows = [line for line in str(out.grad_fn).splitlines() if "derivative reads" in line]
+    assert rows and all(line.endswith("freed") for line in rows)
