@@ -67,14 +67,36 @@ def test_cached_digests_lists_numbas_folder_once_for_many_kernels(tmp_path, monk
     for i in range(300):  # other entries of a long-lived cache
         (numba_files / f"k_{i:020d}.kernel-19.py311.bp.nbi").write_bytes(b"")
     listed = []
-    real_listdir = os.listdir
+    real_scandir = os.scandir
     monkeypatch.setattr(
-        kernel_cache.os, "listdir", lambda path: listed.append(path) or real_listdir(path)
+        kernel_cache.os, "scandir", lambda path: listed.append(path) or real_scandir(path)
     )
     found = kernel_cache.cached_digests(kernels)
     assert found == {k.digest for k in kernels[::3]}
     assert listed == [str(numba_files)]
     assert kernel_cache.is_cached(kernels[0]) and not kernel_cache.is_cached(kernels[1])
+
+
+def test_cached_digests_holds_no_list_of_a_large_cache_folder(tmp_path, monkeypatch):
+    """A plan's first call asks which kernels are cached; the folder's names are scanned one
+    at a time, not listed: 16,790 names held at once were ~1 MiB of a first step's peak."""
+    import tracemalloc
+
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
+    numba_files = tmp_path / "__pycache__"
+    numba_files.mkdir()
+    for i in range(4000):
+        (numba_files / f"k_{i:040d}.kernel-19.py311.bp.nbi").write_bytes(b"")
+    kernels = [_kernel(f"{i:02d}" + "cd" * 31) for i in range(3)]
+    (numba_files / f"{kernels[0].name}.kernel-19.py311.bp.nbi").write_bytes(b"")
+    tracemalloc.start()
+    try:
+        found = kernel_cache.cached_digests(kernels)
+        held = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found == {kernels[0].digest}
+    assert held < 100_000  # 4,000 names of ~70 characters listed at once: ~450,000 B
 
 
 def test_cached_digests_of_a_missing_cache_folder_is_empty_and_creates_nothing(
