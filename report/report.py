@@ -75,6 +75,7 @@ class ExplainReport:
     frontier_source: Callable | None = None  # () -> MemoryFrontier of this signature's plans
     dynamic: str | None = None  # a symbolic signature: its axis, sizes and memory formulas
     saved_dtype_note: str = ""  # the dtype saved buffers are kept in, and why (saved_dtype)
+    joint_step: bool = False  # may run as one joint plan once backward() follows its calls
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -271,6 +272,7 @@ def region_report(
         recomputed_infos(program),
         compiled,
         plans.peak_calls(),
+        joint_step=program.joint_step is not None,
     )
 
 

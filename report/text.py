@@ -252,6 +252,12 @@ def _input_legend(report, plan_name: str, plan) -> list[str]:
 
 
 def kernels_text(report) -> str:
+    """The kernels the plans run, then (for a compiled loss) when a call runs as one plan."""
+    text = _kernels_text(report)
+    return f"{text}\n{JOINT_STEP_NOTE}" if report.joint_step else text
+
+
+def _kernels_text(report) -> str:
     steps = report.view.steps
     free = [k for k in report.kernels if not k.runs_code]
     if not free and not report.fused_kernels:
@@ -296,6 +302,14 @@ def kernels_text(report) -> str:
             + ", ".join(f"{steps[s].label} {steps[s].op} ({k.kind})" for k in free for s in k.steps)
         )
     return "\n".join(lines)
+
+
+JOINT_STEP_NOTE = (
+    "Once two calls in a row had their loss backward()ed from the default seed, a call runs "
+    "as one joint plan instead (as value_and_grad, compiled then): it computes the gradients "
+    "with the loss and holds them, not saved buffers, until backward() ("
+    "BACKPLAN_JOINT_STEP=0 keeps two plans)."
+)
 
 
 def compile_cost_text(report) -> str:

@@ -212,3 +212,11 @@ def test_print_grad_fn_of_a_joint_call_says_not_held_not_freed_before_backward()
     check(p)
     rows = [line for line in str(out.grad_fn).splitlines() if "derivative reads" in line]
     assert rows and all(line.endswith("freed") for line in rows)
+
+
+def test_explain_says_when_the_step_may_run_as_one_plan(monkeypatch):
+    p = params()
+    said = " ".join(str(bp.compile(loss).explain(p, X)).split())
+    assert "a call runs as one joint plan instead (as value_and_grad" in said
+    monkeypatch.setenv("BACKPLAN_JOINT_STEP", "0")
+    assert "one joint plan" not in str(bp.compile(loss).explain(p, X))
