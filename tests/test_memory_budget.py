@@ -293,3 +293,21 @@ def test_max_batch_that_resizes_a_parameter_says_which_leaves_it_resized():
     step, args = _sgd_step()  # nothing donated: w2 (32 rows) looks like data
     with pytest.raises(bp.ShapeError, match=r"max_batch: .*argument 0 \(leaf 1\).*donate_argnums"):
         bp.max_batch(step, args, max_peak_bytes=200_000)
+
+
+def test_a_refusal_where_no_plan_recomputes_says_the_default_plan_is_the_smallest():
+    """One row in the frontier: the refusal says recomputing lowers nothing, not 'recomputing
+    0 more value(s) for 0 added FLOPs; the default plan peaks at' the same number again."""
+
+    def linear(w, x):
+        return bp.sum(x @ w)
+
+    w, x = np.ones((4, 3), np.float32), np.ones((8, 4), np.float32)
+    front = bp.value_and_grad(linear).memory_frontier(w, x)
+    assert len(front.points) == 1
+    smallest = front.points[0].peak_bytes
+    with pytest.raises(bp.MemoryBudgetError) as refused:
+        bp.value_and_grad(linear, max_peak_bytes=smallest - 1)(w, x)
+    text = str(refused.value)
+    assert f"reaches is {smallest:,} B" in text and "the default plan's: recomputing" in text
+    assert "0 more value(s)" not in text and "default plan peaks at" not in text

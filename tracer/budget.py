@@ -337,12 +337,17 @@ class BudgetPlanner:
             if best.saved_dtype
             else ""
         )
+        cost = (
+            f"{narrowed}recomputing {best.recomputed} more value(s) in "
+            f"{self._backward_words()} for {best.added_flops:,} added FLOPs "
+            f"(+{100 * best.added_flops / step:.0f}% of the step); the default plan peaks at "
+            f"{format_bytes(default.peak_bytes)}"
+            if best is not default
+            else f"the default plan's: recomputing in {self._backward_words()} lowers it no further"
+        )
         text = (
             f"{self.name}: no plan fits {option}={limit:,} bytes. The smallest peak any plan "
-            f"reaches is {format_bytes(best.peak_bytes)}, {narrowed}"
-            f"recomputing {best.recomputed} more value(s) in {self._backward_words()} for "
-            f"{best.added_flops:,} added FLOPs (+{100 * best.added_flops / step:.0f}% of the "
-            f"step); the default plan peaks at {format_bytes(default.peak_bytes)}. The arrays "
+            f"reaches is {format_bytes(best.peak_bytes)}, {cost}. The arrays "
             f"passed in hold {format_bytes(self.input_bytes)} of those."
         )
         holders = holders_text(best.plans)
