@@ -201,7 +201,7 @@ class CompiledPlan:
         self._workspaces = WorkspacePool(
             [(storage_dtype(d), n) for d, n in generated.scratch.items()],
             self._output_buffers,
-            frozenset(self.donations),
+            self._returning_outputs(graph),
         )
         self._launch_guard = (
             parallel_guard()
@@ -225,6 +225,18 @@ class CompiledPlan:
             )
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
+
+    def _returning_outputs(self, graph) -> frozenset[int]:
+        """Output buffers that may come back as a donated input in the next call: those
+        paired with one, and any of the same type as one (a training step's new state, which
+        the pairing may have given another input's buffer). A workspace keeps none of them
+        for reuse: its reference would stop that donation."""
+        donated = {
+            (internal_shape(graph.inputs[j].shape), storage_dtype(graph.inputs[j].dtype))
+            for j in self.donations.values()
+        }
+        same = {k for k, kind in enumerate(self._output_buffers) if kind in donated}
+        return frozenset(self.donations) | frozenset(same)
 
     def __call__(self, args: list, donate=()) -> list:
         """donate: inputs whose buffers the caller gives up; outputs paired with them
