@@ -38,6 +38,8 @@ _WHERE = {
     "gemm_scratch": "backplan.codegen.kernels.gemm.scratch",  # packing buffers kept per process
     "cheapest_within": "backplan.ir.budget:cheapest_within",
     "plan_frontier": "backplan.ir.budget:plan_frontier",
+    "checked_memory": "backplan.codegen.run.memory_check:checked_memory",  # the checked mode
+    "measure": "backplan.codegen.run.memory_check:measure",
     "flatten": "backplan.tracer.pytree:flatten",
     # the model's arithmetic per step and where the peak measured once is kept (limits.py)
     "node_flops": "backplan.ir.flops:node_flops",

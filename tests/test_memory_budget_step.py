@@ -131,3 +131,16 @@ def test_saved_bytes_budget_on_a_training_step_is_met_with_the_same_parameters()
     budgeted, plain = three_steps(step), three_steps(train_step())
     for new, old in zip(budgeted[0], plain[0], strict=True):
         np.testing.assert_allclose(new, old, rtol=1e-6, atol=1e-7)
+
+
+def test_the_training_step_budget_bench_measures_what_it_predicts():
+    """bench.memory_budget_train's rows: each plan's saved bytes within its budget, the
+    checked mode's measured peak equal to the predicted one, recomputing adds FLOPs."""
+    from backplan.bench.memory_budget_train import budget_rows
+
+    params = parameters()
+    rows = budget_rows(loss_fn, params, [np.asarray(a) for a in batch()], rounds=1)
+    default, third, fifth = rows.values()
+    assert default["flops"] == 0 and third["flops"] > 0
+    assert third["saved"] <= default["saved"] // 3 and fifth["saved"] <= default["saved"] // 5
+    assert all(r["measured"] == r["peak"] for r in rows.values())
