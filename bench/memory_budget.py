@@ -124,25 +124,33 @@ def plan_outputs(plans, arrays: list) -> tuple[list, list, list]:
     return runners, [[np.array(o) for o in run(list(flat))] for run in runners], flat
 
 
-def same_outputs(first: list, other: list, rtol: float = 1e-4) -> bool:
-    """Within float reassociation of each other (a recomputed plan sums in another order);
-    rtol 3e-2 of each array's norm for plans reading bfloat16 saved buffers."""
-    if rtol > 1e-3:
-        return all(
-            np.linalg.norm(np.ravel(a) - np.ravel(b)) <= rtol * np.linalg.norm(np.ravel(a))
-            for a, b in zip(first, other, strict=True)
-        )
-    return all(np.allclose(a, b, rtol=rtol, atol=1e-6) for a, b in zip(first, other, strict=True))
+def same_outputs(first: list, other: list) -> bool:
+    """Within float reassociation of each other (a recomputed plan sums in another order)."""
+    return all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(first, other, strict=True))
+
+
+def relative_error(first: list, other: list) -> float:
+    """The largest of each output's |other - first| / |first| (norms): what reading rounded
+    (bfloat16) saved buffers changes."""
+    return max(
+        float(np.linalg.norm(np.ravel(b) - np.ravel(a)) / max(np.linalg.norm(np.ravel(a)), 1e-30))
+        for a, b in zip(first, other, strict=True)
+    )
 
 
 def time_plans(plans, arrays: list, rounds: int, rounding=None) -> list[float]:
-    """Median ms per step of each plan, rounds interleaved; refuses plans whose values or
-    gradients differ from the first (default) plan's (rounding[k]: plan k reads bfloat16
-    saved buffers, compared within bfloat16's precision)."""
+    """Median ms per step of each plan, rounds interleaved; refuses full-precision plans whose
+    values or gradients differ from the first (default) plan's; for plan k reading bfloat16
+    saved buffers (rounding[k]) prints the largest relative error of its outputs instead."""
     runners, outputs, flat = plan_outputs(plans, arrays)
     rounding = rounding or [False] * len(plans)
-    for plan, out, rounds_ in zip(plans[1:], outputs[1:], rounding[1:], strict=True):
-        if not same_outputs(outputs[0], out, 3e-2 if rounds_ else 1e-4):
+    for k, (plan, out) in enumerate(zip(plans[1:], outputs[1:], strict=True), start=1):
+        if rounding[k]:
+            print(
+                f"  plan {k} (bfloat16 saved buffers): outputs within "
+                f"{relative_error(outputs[0], out):.2e} of the default plan's (norm)"
+            )
+        elif not same_outputs(outputs[0], out):
             raise RuntimeError(f"{plan.graph.name}: a budgeted plan's outputs differ")
     times = [[] for _ in runners]
     for _ in range(rounds):
