@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
+
 from backplan.ir.flops import node_flops
 from backplan.ir.lowering import BackwardMode
 from backplan.ir.pipeline import PipelineOptions, plan_choices
@@ -111,7 +113,8 @@ class JointRegion(Region):
     """A region whose gradients the joint plan computed with the forward: backward() from the
     default seed takes them as they are; any other backward() recomputes the saved buffers
     from the inputs it holds and runs the region's backward plan. It holds no saved buffer
-    (its table says freed, live_saved_bytes counts none): the gradients wait instead."""
+    (its table says not held): the gradients and its inputs wait instead, and live_saved_bytes
+    counts them."""
 
     def __init__(self, program, args, grads, edges, loc, step: JointStep):
         super().__init__(program, [], edges, loc)
@@ -149,6 +152,18 @@ class JointRegion(Region):
         self._grads, self.ready = None, False
         self.backward_calls += 1
         return list(by_leaf.values())
+
+    def held_arrays(self) -> list:
+        """While its gradients wait for backward(), what the region holds for it is those
+        gradients (allocated by the joint plan) and the inputs it would recompute from (yours
+        where you passed them): live_saved_bytes counts these, not saved buffers it never had."""
+        grads, args = self._grads, self._args
+        if grads is None or args is None:
+            return super().held_arrays()
+        held = [(g, False) for g in grads if isinstance(g, np.ndarray)]
+        return held + [
+            (a, self._is_yours(("input", i))) for i, a in enumerate(args) if isinstance(a, np.ndarray)
+        ]
 
     def buffer_state(self, buffer) -> str:
         """Before backward(), with the gradients waiting, a buffer was never held (the joint

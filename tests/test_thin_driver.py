@@ -14,10 +14,15 @@ from backplan.ir.lowering import lower
 from backplan.runtime.backend import use_backend
 
 # A driver statement: a call whose arguments are names, bools, np.intp(integer) or a float
-# literal a loop kernel takes as a parameter (np.float32(0.5)); a whole array seen as 1-D; or
-# the return.
+# literal a loop kernel takes as a parameter (np.float32(0.5)); a whole array seen as 1-D
+# (`v3.reshape(-1)`, read-only for a library GEMM's operands, so one compiled variant serves
+# every call); or the return.
 NUMBER = r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?"
-ARGUMENT = rf"(?:\w+|np\.intp\(-?\d+\)|np\.float(?:32|64)\({NUMBER}\)|{NUMBER})"
+FLAT = r"\w+\.reshape\(-1\)"
+ARGUMENT = (
+    rf"(?:\w+|np\.intp\(-?\d+\)|np\.bool_\((?:True|False)\)|np\.float(?:32|64)\({NUMBER}\)"
+    rf"|{NUMBER}|{FLAT}|as_read_only\({FLAT}\))"
+)
 CALL = re.compile(rf"(?:bad = )?\w+\(({ARGUMENT}(?:, {ARGUMENT})*)?\)")
 FLATTEN = re.compile(r"v\d+_1d = v\d+\.reshape\(-1\)")
 
