@@ -311,3 +311,13 @@ def test_a_refusal_where_no_plan_recomputes_says_the_default_plan_is_the_smalles
     text = str(refused.value)
     assert f"reaches is {smallest:,} B" in text and "the default plan's: recomputing" in text
     assert "0 more value(s)" not in text and "default plan peaks at" not in text
+
+
+def test_max_batch_refuses_an_array_given_as_args_instead_of_taking_its_rows():
+    """bp.max_batch(fn, x, ...) for a function of one argument: tuple(x) would call fn with
+    each row as an argument ('takes 1 positional argument but 32 were given')."""
+    _, x, _ = arrays()
+    step = bp.compile(lambda x: bp.sum(bp.tanh(x) ** 2))
+    with pytest.raises(TypeError, match=r"got ndarray of shape \(32, 16\); .* pass \(x,\)"):
+        bp.max_batch(step, x, max_peak_bytes=40_000)
+    assert bp.max_batch(step, (x,), max_peak_bytes=40_000) > 0

@@ -38,6 +38,13 @@ def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
     limit = checked_budget(max_peak_bytes, "max_peak_bytes")
     if not hasattr(fn, "with_budget"):
         fn = CompiledFunction(fn)
+    if not isinstance(args, tuple | list):  # an array here would be taken row by row
+        what = getattr(args, "shape", None)
+        raise TypeError(
+            f"max_batch: args is the tuple of the function's arguments for one call, got "
+            f"{type(args).__name__}{'' if what is None else f' of shape {tuple(what)}'}; "
+            "for a function of one argument pass (x,)"
+        )
     resize = _batch_resizer(fn, tuple(args), axis)
 
     def fits(batch: int) -> bool:
