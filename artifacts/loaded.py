@@ -18,6 +18,7 @@ from backplan.tracer.functional import JointCall, JointTrace, _as_diff_arg, run_
 from backplan.tracer.planned import PlannedFunction
 from backplan.tracer.pytree import TreeDef, flatten, unflatten
 from backplan.tracer.signature import BoundCall, SignatureKey
+from backplan.tracer.source import loc_text, user_frame_loc
 from backplan.tracer.tensor import Tensor
 from backplan.tracer.trace import current_trace
 
@@ -63,7 +64,17 @@ class LoadedArtifact(PlannedFunction):
         return self.manifest["format_version"]
 
     def _match(self, args, kwargs) -> tuple[dict, list, list[int], SignatureKey]:
-        """(arguments, leaves, tensor positions, the signature at this call's size)."""
+        """(arguments, leaves, tensor positions, the signature at this call's size); a call
+        the artifact cannot take is refused naming the user's line, as a compiled call is."""
+        try:
+            return self._matched(args, kwargs)
+        except ExportError as exc:
+            loc = user_frame_loc()
+            if loc is None:
+                raise
+            raise ExportError(f"{exc} (the call at {loc_text(loc)})") from None
+
+    def _matched(self, args, kwargs) -> tuple[dict, list, list[int], SignatureKey]:
         try:
             bound = self.__signature__.bind(*args, **kwargs)
         except TypeError as exc:

@@ -2,6 +2,8 @@
 batch sizes with the values of a plan traced for each size alone (the reference interpreter),
 compiled code included; what they cannot take is refused by name."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -113,6 +115,7 @@ def test_a_loaded_artifact_names_arguments_passing_its_dynamic_axis_at_two_sizes
     message = str(info.value)
     assert "dynamic axis 'batch'" in message and "f32[5" not in message
     assert "x has 3 on axis 0, y has 4 on axis 0" in message
+    assert re.search(r"\(the call at test_export_dynamic\.py:\d+\)$", message)
     with pytest.raises(
         bp.ExportError,
         match=r"x = a tensor f32\[batch \(any size\), 6\], "
