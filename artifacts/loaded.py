@@ -170,8 +170,10 @@ class LoadedArtifact(PlannedFunction):
         raise ExportError(f"{self.path}: a loaded artifact runs its exported signature only")
 
     def explain(self, *args, **kwargs) -> ExplainReport:
-        """The same report as bp.explain gives the original (one signature: no arguments
-        needed)."""
+        """The same report as bp.explain gives the original: with no arguments at the exported
+        signature; with arguments at their sizes (a dynamic axis's), as a call would run."""
+        if args or kwargs:
+            return super().explain(*args, **kwargs)
         entry = self._entries.get(self._exported_key) or next(iter(self._entries.values()))
         report = self._report(getattr(entry, "template", entry), None)
         if type(entry) is DynamicEntry:  # the bytes as formulas of the symbol, as bp.explain

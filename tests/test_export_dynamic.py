@@ -126,6 +126,21 @@ def test_a_loaded_artifact_names_arguments_passing_its_dynamic_axis_at_two_sizes
     np.testing.assert_allclose(loaded(W, x, y).numpy(), paired(W, x, y).numpy(), rtol=1e-6)
 
 
+def test_a_loaded_dynamic_artifact_explains_the_size_of_the_arguments_it_is_given(tmp_path):
+    """explain(*args) of a loaded artifact, as bp.explain of the function exported: the peak
+    at the arguments' batch (it gave the exported size's peak whatever they were)."""
+    compiled = bp.compile(model, dynamic={"x": {0: "batch"}})
+    loaded = bp.load(bp.export(compiled, W, np.ones((5, 6), np.float32), path=tmp_path / "e.bpz"))
+    peaks = {}
+    for n in (1, 3, 5, 40):
+        x = np.ones((n, 6), np.float32)
+        peaks[n] = loaded.explain(W, x).peak_bytes
+        assert peaks[n] == compiled.explain(W, x).peak_bytes
+    assert peaks[1] < peaks[3] < peaks[5] < peaks[40]
+    assert loaded.explain().peak_bytes == peaks[5]  # no arguments: the exported signature
+    assert loaded.cache_info().traces == 0
+
+
 def test_a_loaded_dynamic_artifact_explains_its_bytes_as_formulas(tmp_path):
     """As bp.explain of the function exported: the symbol, and the bytes as formulas of it
     that give the report's own peak at the exported size."""
