@@ -68,7 +68,8 @@ def add_arguments(parser) -> None:
         "--quick",
         action="store_true",
         help="a couple of steps per peer, no warm-compile or measured-peak (tracemalloc) "
-        "measurement, torch.compile only when --against names it",
+        "measurement, no wait for backplan's compiled drivers, torch.compile only when "
+        "--against names it",
     )
     parser.add_argument(
         "--small",
@@ -223,6 +224,7 @@ def _settings(args) -> Settings:
         schedule=schedule,
         warm_compile=not args.quick,
         measure_peak=not args.quick,
+        wait_for_drivers=not args.quick,
     )
 
 

@@ -25,6 +25,7 @@ class Settings:
     schedule: Schedule = Schedule()
     warm_compile: bool = True
     measure_peak: bool = True  # a step under tracemalloc per peer (--quick skips it)
+    wait_for_drivers: bool = True  # time backplan once its compiled drivers run (not --quick)
     seed: int = 0
     limit: Limit | None = None  # the cores' measured FMA peak, for each row's % of peak
 
@@ -56,8 +57,10 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
         row["warnings"] = _distinct_messages(caught)
         if cold is None:
             continue
-        if peer.family == "backplan":
+        if peer.family == "backplan" and settings.wait_for_drivers:
             _guarded(row, lambda row=row: _wait_for_compiled_drivers(row), what="driver build")
+        elif peer.family == "backplan":
+            row["note"] = QUICK_DRIVER_NOTE
         check = check_output(runner.output(), reference, settings.dtype)
         row.update(
             first_call_s={"cold": cold, "warm": None},
@@ -79,6 +82,12 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
     _add_ratios(list(rows.values()))
     _add_rates(list(rows.values()), _flops_or_none(spec, inputs), settings.limit)
     return list(rows.values())
+
+
+QUICK_DRIVER_NOTE = (
+    "--quick: steps timed without waiting for compiled drivers still building (some may run "
+    "as Python)"
+)
 
 
 def _wait_for_compiled_drivers(row: dict) -> None:

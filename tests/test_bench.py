@@ -77,6 +77,15 @@ def test_quick_run_checks_every_model_against_the_reference(quick_record):
             assert rows["backplan.compile"]["status"] == "skipped"
 
 
+def test_quick_times_backplan_without_waiting_for_its_compiled_drivers(quick_record):
+    """A quick run from empty caches spent minutes waiting for LSTM drivers to build."""
+    _, text, record, _ = quick_record
+    rows = [r for r in record["results"] if r["peer"] == "backplan" and r["status"] == "ok"]
+    assert rows and all("driver_build_wait_s" not in r for r in rows)
+    assert all(r["note"].startswith("--quick: steps timed without waiting") for r in rows)
+    assert "--quick: steps timed without waiting" in text
+
+
 def test_json_record_has_the_documented_fields(quick_record):
     _, _, record, _ = quick_record
     assert record["schema"] == "backplan-bench/1"
