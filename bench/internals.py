@@ -44,6 +44,12 @@ _WHERE = {
     # the model's arithmetic per step and where the peak measured once is kept (limits.py)
     "node_flops": "backplan.ir.flops:node_flops",
     "cache_dir": "backplan.codegen.build.cache:cache_dir",
+    # a plan's driver compiled afresh, linked or calling the library by address
+    # (driver_compile.py)
+    "driver_tier": "backplan.codegen.build.driver_tier",
+    "compiled_plan": "backplan.codegen.run.compiled:CompiledPlan",
+    "native_calls": "backplan.codegen.build.native_calls",
+    "JIT_OPTIONS": "backplan.codegen.flags:JIT_OPTIONS",
     # the op registry: a reference implementation to check a kernel against
     "get_op": "backplan.ir.registry:get_op",
 }

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
+from backplan.bench.driver_compile import fresh_driver
 from backplan.codegen.build import native_calls
 from backplan.runtime.backend import use_backend
 
@@ -79,15 +80,7 @@ def _values(value, grads) -> list:
 
 def linked_driver(run):
     """The plan's driver compiled with every callee linked into it: the driver as it was."""
-    import types as pytypes
-
-    import numba
-
-    from backplan.codegen.flags import JIT_OPTIONS
-
-    scope = {k: native_calls.unwrapped(v) for k, v in run.py_func.__globals__.items()}
-    function = pytypes.FunctionType(run.py_func.__code__, scope, "run")
-    linked = numba.njit(**{k: v for k, v in JIT_OPTIONS.items() if k != "cache"})(function)
+    linked = fresh_driver(run, linked=True)
     linked.compile(run.signatures[0])
     return linked
 
