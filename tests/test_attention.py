@@ -430,3 +430,21 @@ def test_bench_transformer_plan_copies_no_heads_and_keeps_its_gradients(monkeypa
     np.testing.assert_allclose(value.numpy(), want.numpy(), rtol=1e-11)
     for name, grad in grads.items():
         np.testing.assert_allclose(grad.numpy(), want_grads[name].numpy(), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_query_key_and_value_are_taken_as_torch_takes_them(causal):
+    """bfloat16's NumPy kind is 'V', so the one-float-dtype check refused three bfloat16 inputs
+    ('need one float dtype, got bfloat16, bfloat16, bfloat16'). The result is the float32
+    attention of the same (bfloat16) values, rounded once; a mixed dtype is still refused."""
+    rng = np.random.default_rng(5)
+    q, k, v = (bp.tensor(rng.standard_normal((2, 3, 7, 8)).astype(np.float32)) for _ in range(3))
+    q, k, v = (t.astype(bp.bfloat16) for t in (q, k, v))
+    wide = [t.astype(bp.float32).numpy() for t in (q, k, v)]
+    want = np_attention(*wide, 8**-0.5, causal)
+    for run in (bp.scaled_dot_product_attention, bp.compile(bp.scaled_dot_product_attention)):
+        out = run(q, k, v, is_causal=causal)
+        assert out.dtype == bp.bfloat16
+        np.testing.assert_allclose(out.astype(bp.float32).numpy(), want, rtol=2**-8, atol=1e-6)
+    with pytest.raises(bp.DtypeError, match="bfloat16, float32, bfloat16"):
+        bp.scaled_dot_product_attention(q, k.astype(bp.float32), v)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from backplan.ir.errors import DtypeError, ShapeError
 from backplan.ir.ops.attention import default_scale
+from backplan.ir.types import is_float
 
 from .dispatch import apply
 from .ops import as_tensor, matmul, softmax, swapaxes
@@ -64,7 +65,7 @@ def _same_float_dtype(query, key, value) -> tuple[Tensor, Tensor, Tensor]:
     caller's back (an f64 key would silently lose precision in an f32 attention)."""
     q, k, v = (as_tensor(x) for x in (query, key, value))
     dtypes = [x.dtype for x in (q, k, v)]
-    if len(set(dtypes)) != 1 or q.dtype.kind != "f":
+    if len(set(dtypes)) != 1 or not is_float(q._ir_dtype):  # bfloat16's NumPy kind is "V"
         raise DtypeError(
             "scaled_dot_product_attention: query, key and value need one float dtype, got "
             f"{', '.join(str(d) for d in dtypes)}; cast them with .astype(...) first"
