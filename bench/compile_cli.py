@@ -8,6 +8,7 @@ generated part of BENCHMARKS.md.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from importlib import metadata
@@ -69,6 +70,8 @@ def measure(args) -> dict:
             "models": [m.name for m in models],
             "peers": peers,
             "child_variables": thread_variables(args.threads),
+            # set: every child shares one library folder (compiled once); unset: cold each time
+            "library_cache": os.environ.get("BACKPLAN_LIBRARY_CACHE_DIR"),
         },
         "environment": collect(installed_versions(peers), pinned, load_average()),
         "affinity_text": cpu_list_text(current_affinity()),

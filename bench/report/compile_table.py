@@ -28,9 +28,9 @@ LEGEND = (
     "cold 1st call: the first forward + backward call (`bp.value_and_grad`, `jax.jit("
     "jax.value_and_grad)`, torch loss + `backward()`) in a fresh process with an empty cache "
     "folder: trace, plan and compile everything",
-    "backplan's library kernels (GEMM, math functions), which Numba caches beside the "
-    "installed package once per installation, are as found: the empty folder holds every "
-    "plan's kernels and drivers",
+    "backplan's library kernels (GEMM, conv, rows, math functions) are cached in that "
+    "folder too (library/), so a cold first call compiles them as a fresh install does, "
+    "unless the header names a library folder shared by every child",
     "2nd call: the next call in that process",
     "warm 1st call: the first call in a second fresh process sharing that cache folder "
     "(backplan's kernel cache, inductor's caches); JAX's persistent cache is off, so it "
@@ -90,6 +90,19 @@ def table(record: dict) -> list[str]:
     return [line(COLUMNS), "|" + "|".join("---" for _ in COLUMNS) + "|", *map(line, rows)]
 
 
+def _library_text(run: dict) -> list[str]:
+    """Where the children found backplan's library kernels (records before 2026-11-27 did
+    not say: none)."""
+    if "library_cache" not in run:
+        return []
+    if run["library_cache"] is None:
+        return ["backplan's library kernels: compiled in each cold child (an empty folder)"]
+    return [
+        "backplan's library kernels: one folder for every child (BACKPLAN_LIBRARY_CACHE_DIR="
+        f"{run['library_cache']}), compiled by the first child only"
+    ]
+
+
 def environment_lines(record: dict) -> list[str]:
     env, run = record["environment"], record["run"]
     load = env["load_average_1min"]
@@ -104,6 +117,7 @@ def environment_lines(record: dict) -> list[str]:
         f"children run on CPUs {record['affinity_text']} ({pinning})",
         "thread variables in each child: "
         + (", ".join(f"{k}={v}" for k, v in variables.items()) or "none (library defaults)"),
+        *_library_text(run),
         f"1-min load average: {load['start']:.1f} at start, {load['end']:.1f} at end, "
         f"at most {children:.1f} when a child started (other work on the machine)",
         f"Versions: {versions}; backplan backend {env.get('backplan_backend', '?')}, "
