@@ -137,3 +137,22 @@ def test_a_cached_driver_in_a_new_process_calls_that_process_addresses(model, tm
     assert second["published"] and all(second["published"].values()), second["published"]
     assert any("conv2d" in callee for callee in second["published"])
     assert second["values"] == first["values"]
+
+
+def test_a_cached_driver_naming_a_callee_this_process_lacks_is_compiled_again():
+    """The hook refuses (cache_signing.StaleEntry: the cached driver reads as a miss) rather than
+    load machine code whose call could not be resolved."""
+    from backplan.codegen.build import cache_signing
+
+    class Compiled:  # what symbol_name reads of a compiled function
+        class fndesc:  # noqa: N801
+            modname, qualname = "backplan_kernel_k_missing", "kernel"
+
+        class signature:  # noqa: N801
+            args = ()
+
+    name = native_calls.symbol_name(Compiled)
+    payload = b"object code ... " + name.encode() + b"\0 ..."
+    assert native_calls.callees_in(payload) == ["backplan_kernel_k_missing.kernel"]
+    with pytest.raises(cache_signing.StaleEntry, match="not loaded in this process"):
+        native_calls.resolve_payload(payload)

@@ -190,8 +190,15 @@ def resolve_payload(payload: bytes) -> None:
     symbol with this process's address, compiling or loading each callee first."""
     for encoded in dict.fromkeys(_NAME.findall(payload)):
         name = PREFIX + encoded.decode() + END
-        if name not in _published:
-            publish(_callee(encoded), name)
+        if name in _published:
+            continue
+        try:
+            compiled = _callee(encoded)
+        except UnknownCallee:
+            raise
+        except Exception as error:  # it does not compile here: compiling the driver says why
+            raise UnknownCallee(f"{name[:60]}...: {type(error).__name__}: {error}") from error
+        publish(compiled, name)
 
 
 def _callee(encoded: bytes):
