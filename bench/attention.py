@@ -11,7 +11,9 @@ the same formula under jit. Every peer's gradients are checked against a float64
 reference. Rounds are interleaved; the table has the median ms per step, the ratio to fused
 backplan and, for backplan, the bytes kept from forward for backward (bp.explain). A last
 line times the library's softmax rows (the fused kernel's, and every softmax op's) on the
-attention's scores, (batch * heads * length, length) float32 with a causal mask, in Gelem/s.
+attention's scores, (batch * heads * length, length) float32 with a causal mask, in Gelem/s;
+the last two rate the fused forward and backward kernels against the GEMMs they run on the same
+shapes (bench/attention_rates.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import numpy as np
 
 from .affinity import current_affinity, pin_process
+from .attention_rates import kernel_rates, rate_lines
 from .environment import cpu_name, load_average
 from .measure import interleaved_medians, max_relative_error
 from .threads import apply_threads, prepare_jax_threads
@@ -158,6 +161,9 @@ def main(argv=None) -> int:
         print(f"{name:18} {value:10.2f} {ratio:8.2f} {kept:>10} {errors[name]:12.1e}")
     rate = softmax_rows_rate(batch * heads * length, length, args.seconds)
     print(f"softmax rows ({batch * heads * length} x {length} float32, causal): {rate:.2f} Gelem/s")
+    print(f"kernels on one batch element ({heads} heads), GFLOP/s of their products:")
+    for line in rate_lines(kernel_rates(heads, length, features, args.rounds, args.seconds)):
+        print(f"  {line}")
     return 0 if all(e < 1e-3 for e in errors.values()) else 1
 
 

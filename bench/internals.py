@@ -21,6 +21,7 @@ _WHERE = {
     "mathlib": "backplan.codegen.kernels.mathlib",
     "tanh_f32": "backplan.codegen.kernels.mathlib:tanh_f32",
     "softmax_rows": "backplan.codegen.kernels.rows:softmax_rows",
+    "attention_kernels": "backplan.codegen.kernels.attention",  # attention_rates.py
     "splat": "backplan.codegen.kernels.gemm.kernel:splat",
     "vector_fma": "backplan.codegen.kernels.gemm.kernel:vector_fma",
     # background driver builds, waited for outside timed rounds

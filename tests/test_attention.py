@@ -293,6 +293,9 @@ def test_attention_bench_runs_every_peer_checked_and_fused_keeps_fewer_bytes():
     }
     fused, unfused = rows["backplan fused"], rows["backplan unfused"]
     assert float(fused[1]) == 1.0  # the ratio column is against fused
+    rates = [line.split() for line in done.stdout.splitlines() if "of the GEMM rate" in line]
+    assert [r[0] for r in rates] == ["forward", "backward"]
+    assert all(float(r[2]) > 0 and float(r[7].rstrip(":")) > 0 for r in rates)  # kernel, GEMMs
     assert float(fused[2]) < float(unfused[2])  # saved KiB: no (T, S) probabilities kept
 
 
