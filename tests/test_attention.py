@@ -117,6 +117,8 @@ CASES = {
     "one-key": ((3,), 7, 1, 1, 2, False, np.float64),
     "causal-more-queries": ((), 9, 4, 3, 3, True, np.float32),
     "three-lead-axes": ((2, 1, 2), 5, 6, 4, 3, True, np.float32),
+    # causal blocks stop at the keys their last row sees: 128, 256, then all 300
+    "three-row-blocks-causal": ((1,), 300, 300, 3, 2, True, np.float32),
 }
 
 

@@ -11,6 +11,10 @@ own GEMM, which is single-threaded and allocates its own packing buffers, so thr
     forward   P = softmax(scale * Q_r K^T, masked)      O_r = P V
     backward  P as above   dP = G_r V^T   dV += P^T G_r   dS = P * (dP - rowsum(P * dP)) * scale
               dQ_r = dS K   dK += dS^T Q_r
+
+Under the causal mask a block of rows first..first+R-1 sees keys 0..first+R-1 only: its
+products and softmax rows stop there (K, V, dK, dV cut to those rows), so a long causal
+sequence does about half the work of an unmasked one instead of all of it.
 """
 
 import math
@@ -55,8 +59,9 @@ def _matmul(width, trans_a, trans_b, alpha, a, b, beta, c):
 
 @njit(**_helper)
 def _probabilities(width, q, k, first, p, scale, causal):
-    """p = softmax of the scaled scores of query rows first.. against every key, masked."""
-    _matmul(width, False, True, scale, q[first : first + p.shape[0]], k, 0.0, p)
+    """p = softmax of the scaled scores of query rows first.. against keys 0..p.shape[1]-1
+    (every key, or under the causal mask the keys the block's last row sees), masked."""
+    _matmul(width, False, True, scale, q[first : first + p.shape[0]], k[: p.shape[1]], 0.0, p)
     keys = p.shape[1]
     for i in range(p.shape[0]):
         row = p[i]
@@ -67,17 +72,31 @@ def _probabilities(width, q, k, first, p, scale, causal):
 
 
 @njit(**_helper)
+def _seen(first, rows, keys, causal):
+    """Keys any row of the block first..first+rows-1 sees: under the causal mask, the keys
+    after its last row are zero in every row and take no part in the products."""
+    return min(first + rows, keys) if causal else keys
+
+
+@njit(**_helper)
+def _block(flat, rows, seen):
+    """A C-contiguous (rows, seen) view of a workspace of at least rows * seen elements."""
+    return flat[: rows * seen].reshape((rows, seen))
+
+
+@njit(**_helper)
 def _head_forward(width, q, k, v, out, scale, causal):
     length, keys = q.shape[0], k.shape[0]
     if keys == 0:
         out[:] = 0  # softmax over no keys is empty; its product with v is zero
         return
-    p_block = np.empty((min(ROWS, length), keys), q.dtype)
+    p_flat = np.empty(min(ROWS, length) * keys, q.dtype)
     for first in range(0, length, ROWS):
         rows = min(ROWS, length - first)
-        p = p_block[:rows]
+        seen = _seen(first, rows, keys, causal)
+        p = _block(p_flat, rows, seen)
         _probabilities(width, q, k, first, p, scale, causal)
-        _matmul(width, False, False, 1.0, p, v, 0.0, out[first : first + rows])
+        _matmul(width, False, False, 1.0, p, v[:seen], 0.0, out[first : first + rows])
 
 
 @njit(**_helper)
@@ -88,27 +107,28 @@ def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
     if keys == 0:
         dq[:] = 0
         return
-    p_block = np.empty((min(ROWS, length), keys), q.dtype)
-    ds_block = np.empty((min(ROWS, length), keys), q.dtype)
+    p_flat = np.empty(min(ROWS, length) * keys, q.dtype)
+    ds_flat = np.empty(min(ROWS, length) * keys, q.dtype)
     typed = np.empty(2, q.dtype)  # scale and each row's dot in q's dtype: f32 math stays f32
     typed[0] = scale
     for first in range(0, length, ROWS):
         rows = min(ROWS, length - first)
-        p, ds = p_block[:rows], ds_block[:rows]
+        seen = _seen(first, rows, keys, causal)
+        p, ds = _block(p_flat, rows, seen), _block(ds_flat, rows, seen)
         g_rows = g[first : first + rows]
         _probabilities(width, q, k, first, p, scale, causal)
-        _matmul(width, False, True, 1.0, g_rows, v, 0.0, ds)
-        _matmul(width, True, False, 1.0, p, g_rows, 1.0, dv)
+        _matmul(width, False, True, 1.0, g_rows, v[:seen], 0.0, ds)
+        _matmul(width, True, False, 1.0, p, g_rows, 1.0, dv[:seen])
         for i in range(rows):
             dot = zero_like(p[i, 0])  # a float32 sum for float32 rows (0.0 made it float64)
-            for j in range(keys):
+            for j in range(seen):
                 dot += p[i, j] * ds[i, j]
             typed[1] = dot
             row_dot, row_scale = typed[1], typed[0]
-            for j in range(keys):
+            for j in range(seen):
                 ds[i, j] = p[i, j] * (ds[i, j] - row_dot) * row_scale
-        _matmul(width, False, False, 1.0, ds, k, 0.0, dq[first : first + rows])
-        _matmul(width, True, False, 1.0, ds, q[first : first + rows], 1.0, dk)
+        _matmul(width, False, False, 1.0, ds, k[:seen], 0.0, dq[first : first + rows])
+        _matmul(width, True, False, 1.0, ds, q[first : first + rows], 1.0, dk[:seen])
 
 
 @njit(**_opts)
