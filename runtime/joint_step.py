@@ -29,7 +29,7 @@ from backplan.ir.types import is_float
 
 from .backend import runner_for
 from .program import RegionProgram
-from .region import Region
+from .region import LeafEdges, Region
 
 CALLS_TO_LEARN = 2  # split calls backward()ed from the default seed before the joint plan runs
 # Steps above this many FLOPs keep two plans: their extra Python is under ~1% of the step, and
@@ -141,13 +141,17 @@ class JointRegion(Region):
         grads = self._grads
         if grads is None:
             return None
-        by_leaf: dict[int, tuple] = {}
-        for edge, grad in zip(self.input_edges, grads, strict=True):
-            leaf = edge.leaf
-            if leaf is None:
+        leaves = self._edges
+        if type(leaves) is not LeafEdges:  # Edge objects: made by a read, or some not a leaf
+            leaves = [edge.leaf for edge in leaves]
+            if any(leaf is None for leaf in leaves):
                 return None
-            held = by_leaf.get(id(leaf))
-            by_leaf[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
+        by_leaf = dict(zip(map(id, leaves), zip(leaves, grads)))
+        if len(by_leaf) != len(leaves):  # a leaf passed twice: its gradients sum
+            by_leaf = {}
+            for leaf, grad in zip(leaves, grads, strict=True):
+                held = by_leaf.get(id(leaf))
+                by_leaf[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
         self._step.fits(True)
         self._grads, self.ready = None, False
         self.backward_calls += 1

@@ -3,18 +3,29 @@
 import threading
 import weakref
 
-_live_regions: "weakref.WeakSet" = weakref.WeakSet()
-_lock = threading.Lock()  # a WeakSet must not grow while another thread lists it
+# id(region) -> weak reference, no callback: a WeakSet's add and its removal callback cost
+# every recorded call ~0.8 us of Python. Dead entries wait until the table has doubled since
+# the last sweep (or a region reusing the id replaces them); live_regions skips them.
+_live_regions: dict = {}
+_lock = threading.Lock()  # one thread changes the table at a time; readers copy it under it
+_sweep_at = 1024
 
 
 def track(region) -> None:
+    global _sweep_at
     with _lock:
-        _live_regions.add(region)
+        _live_regions[id(region)] = weakref.ref(region)
+        if len(_live_regions) >= _sweep_at:
+            for key, ref in list(_live_regions.items()):
+                if ref() is None:
+                    del _live_regions[key]
+            _sweep_at = max(1024, 2 * len(_live_regions))
 
 
 def live_regions() -> list:
     with _lock:
-        return list(_live_regions)
+        refs = list(_live_regions.values())
+    return [region for region in (ref() for ref in refs) if region is not None]
 
 
 def live_saved_bytes(yours: bool = False) -> int:

@@ -36,6 +36,16 @@ class Edge:
         return f"Edge({target})"
 
 
+class LeafEdges(list):
+    """The leaf tensors of a call whose differentiated inputs are all leaves, standing for
+    their edges: a Region makes the Edge objects on the first read of input_edges. A compiled
+    step that runs as one joint plan hands its gradients to these leaves (take_gradients) and
+    never reads them, so its calls make no Edge at all. Holding a leaf is what its Edge would
+    hold, so nothing lives longer."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True)
 class SavedBuffer(SavedBufferInfo):
     """A saved buffer as it is now: the plan's facts plus whether backward has freed it."""
@@ -109,12 +119,21 @@ class Region:
         self.program = program
         self.name = program.name
         self._made_at = loc  # a SourceLoc (or its text): created_at makes the text on demand
-        self.input_edges = edges
+        self._edges = edges  # a list of Edge, or LeafEdges made into one when first read
         self._saved: dict[int, np.ndarray] = dict(enumerate(saved))
         self.freed_by: FreedBy | None = None
         self.backward_calls = 0
         self.lock = threading.RLock()  # held by the backward() running through this region
         memory.track(self)
+
+    @property
+    def input_edges(self) -> list[Edge]:
+        """Where each differentiated input's gradient goes, in the plan's order. Two threads
+        reading it first both make equal lists; either one is kept."""
+        edges = self._edges
+        if type(edges) is LeafEdges:
+            edges = self._edges = [Edge(leaf=leaf) for leaf in edges]
+        return edges
 
     @property
     def created_at(self) -> str:

@@ -142,3 +142,5 @@ def test_backplan_run_as_a_script_is_still_backplan_code():
     assert _is_library(_module_name({"__name__": "__main__", "__spec__": ours}))
     assert not _is_library(_module_name({"__name__": "__main__", "__spec__": None}))
     assert not _is_library(_module_name({"__name__": "backplan.demo"}))
+    assert not _is_library("backplan.bench.peers.backplan_peer")  # a training loop's stand-in
+    assert _is_library("backplan.bench.measure")

@@ -14,6 +14,7 @@ from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
+from backplan.runtime.region import LeafEdges
 from backplan.runtime.joint_step import joint_step_for
 
 from .arguments import ArgumentSpec
@@ -106,7 +107,7 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
     grad_inputs = traced.grad_inputs
     edges = loc = None
     if record and grad_inputs:
-        edges = [tensors[i]._edge() for i in grad_inputs]
+        edges = edges_of([tensors[i] for i in grad_inputs])
     if edges is not None or traced.donated:
         loc = user_frame_loc()  # the region's and the donation's line; text made on demand
     donate = donatable(tensors, traced.donated) if traced.donated else ()
@@ -123,6 +124,15 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
         else:
             leaves.append(Tensor._from_array(outputs[item]))
     return traced.rebuild_outputs(leaves)
+
+
+def edges_of(tensors: list):
+    """The region's edges: the tensors themselves (LeafEdges, made into Edge objects only if
+    something reads them) when every one is a leaf, as a training step's parameters are."""
+    for tensor in tensors:
+        if tensor._grad_fn is not None:
+            return [t._edge() for t in tensors]
+    return LeafEdges(tensors)
 
 
 class CompiledFunction(PlannedFunction):

@@ -22,12 +22,15 @@ _NOT_USER_DIRS = tuple(
     }
 )
 _outside_user_code: dict[str, bool] = {}
+_getframe = sys._getframe
 _PLUMBING = frozenset({"apply", "fn", "located_call"})  # dispatch, generated wrappers, located
 
 
 def _is_library(module_name: str) -> bool:
-    if module_name.startswith(("backplan.examples", "backplan.demo")):
-        return False  # the demo and its models are user code
+    if module_name.startswith(("backplan.examples", "backplan.demo", "backplan.bench.peers")):
+        # the demo and its models are user code; so are the bench's runners: their step is
+        # the training loop a user writes, and the call path they time walks what a user's does
+        return False
     return (
         module_name == "backplan"
         or module_name.startswith("backplan.")
@@ -82,7 +85,15 @@ def _facts(frame) -> tuple:
     return facts
 
 
-_given = threading.local()  # .loc: the location a translator names for the ops it calls
+class _Given(threading.local):
+    """.loc: the location a translator names for the ops it calls. A class default, not
+    getattr(local, "loc", None): a missing attribute raises and catches AttributeError inside
+    getattr, which cost every compiled call and backward() 0.4 us twice."""
+
+    loc: SourceLoc | None = None
+
+
+_given = _Given()
 
 
 @contextlib.contextmanager
@@ -90,7 +101,7 @@ def at_location(loc: SourceLoc | None):
     """Ops called inside record `loc` as their user line: code translated from another
     framework (an imported PyTorch module) names the line of the model it came from, not the
     translator's own frames."""
-    outer = getattr(_given, "loc", None)
+    outer = _given.loc
     _given.loc = loc
     try:
         yield
@@ -102,14 +113,15 @@ def user_frame_loc() -> SourceLoc | None:
     """The innermost user frame as a SourceLoc, with up to MAX_USER_FRAMES user frames around
     it (they stop at backplan's own frames, so a traced function's stack ends at its body) and
     the public function called from it. Every op and compiled call asks, so the walk is a
-    dict lookup per frame (what a code object is, worked out once) and one per location."""
-    given = getattr(_given, "loc", None)
+    dict lookup per frame (what a code object is, worked out once) and one per location; the
+    frames are listed again only to make a location not seen before."""
+    given = _given.loc
     if given is not None:
         return given
-    frame = sys._getframe(1)
+    frame = _getframe(1)
     api = None
     known = _code_facts.get
-    while frame is not None:
+    while True:
         code = frame.f_code
         facts = known(id(code))  # by id: hashing a code object hashes its contents
         if facts is None or facts[2] is not code:
@@ -118,30 +130,39 @@ def user_frame_loc() -> SourceLoc | None:
             break
         api = facts[1] or api
         frame = frame.f_back
-    if frame is None:
-        return None
-    key, codes, frames = [api], [], []
+        if frame is None:
+            return None
+    # ids: a code object hashes by its whole content. The instruction offset, not the line:
+    # f_lineno decodes the code's line table on every read (a long module's loop paid
+    # microseconds), and an offset falls on one line.
+    first, key, codes = frame, [api, id(code), frame.f_lasti], [code]
+    frame = frame.f_back
     while frame is not None and len(codes) < MAX_USER_FRAMES:
         code = frame.f_code
-        if codes:
-            facts = known(id(code))
-            if facts is None or facts[2] is not code:
-                facts = _facts(frame)
-            if facts[0] != USER:
-                break
-        # ids: a code object hashes by its whole content. The instruction offset, not the
-        # line: f_lineno decodes the code's line table on every read (a long module's loop
-        # paid microseconds), and an offset falls on one line.
-        key += (id(code), frame.f_lasti)
+        facts = known(id(code))
+        if facts is None or facts[2] is not code:
+            facts = _facts(frame)
+        if facts[0] != USER:
+            break
+        key.append(id(code))
+        key.append(frame.f_lasti)
         codes.append(code)
-        frames.append(frame)
         frame = frame.f_back
-    key, codes = tuple(key), tuple(codes)
+    key = tuple(key)
     cached = _locs.get(key)
     if cached is not None and cached[1] == codes:  # the same code objects, not reused ids
         return cached[0]
+    return _new_loc(key, codes, first, api)
+
+
+def _new_loc(key: tuple, codes: list, frame, api: str | None) -> SourceLoc:
+    """The SourceLoc of len(codes) frames from `frame` outwards, kept for the next call."""
     if len(_locs) > MAX_CACHED:
         _locs.clear()
+    frames = []
+    for _ in codes:
+        frames.append(frame)
+        frame = frame.f_back
     stack = tuple((f.f_code.co_name, f.f_code.co_filename, f.f_lineno) for f in frames)
     loc = SourceLoc(stack, api)
     _locs[key] = (loc, codes)

@@ -146,7 +146,7 @@ class Tensor(TensorMethods):
         tensor._donated = None
         tensor._out_index = 0
         tensor._requires_grad = tensor._weak = False
-        read_only(array)
+        _setflags(array, False)  # read_only(array), inline: every .grad and output comes here
         return tensor
 
     @classmethod
@@ -260,8 +260,9 @@ class Tensor(TensorMethods):
         """A gradient a plan computed for this leaf: its dtype and shape by construction, so a
         first one is wrapped with no checks (a view of a buffer is copied, as _from_array)."""
         if self.grad is None and self._data is not None:
-            fresh = array.base is None
-            self.grad = Tensor._fresh(array) if fresh else Tensor._from_array(array)
+            # a view the plan froze (its reshaped outputs) is nobody's to write: no copy
+            frozen = array.base is None or not array.flags.writeable
+            self.grad = Tensor._fresh(array) if frozen else Tensor._from_array(array)
             return
         self._accumulate_grad(array)
 

@@ -1,0 +1,27 @@
+"""runtime/memory.py keeps every recorded region in a table of weak references without
+callbacks: live_regions lists only live ones, and the dead are swept as the table grows."""
+
+import numpy as np
+
+import backplan as bp
+from backplan.runtime import memory
+
+
+def test_live_regions_lists_the_living_and_the_table_stays_bounded():
+    f = bp.compile(lambda w, x: (w * x).sum())
+    w = bp.tensor(np.ones(3, np.float32), requires_grad=True)
+    x = np.arange(3, dtype=np.float32)
+    kept = [f(w, x) for _ in range(3)]
+    for _ in range(3000):  # each call's region dies with its output
+        f(w, x)
+    regions = memory.live_regions()
+    assert all(out.grad_fn in regions for out in kept)
+    assert len(memory._live_regions) < 2 * max(1024, len(regions)) + 1
+    kept[0].backward()  # freed, still alive while its output is
+
+    def ours():
+        return [r for r in memory.live_regions() if r.input_edges[0].leaf is w]
+
+    assert len(ours()) == 3
+    del kept, regions
+    assert ours() == []
