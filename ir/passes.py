@@ -160,11 +160,13 @@ def expand_layer_norm(graph: Graph, made: dict | None = None) -> Graph:
     normalisation and the elementwise ops around it (as one call it wrote its whole output and
     the next loop read it back). Every compiled plan does it; eager one-op regions do not.
     `made`: see _rewrite."""
-    from .ops.nn import normalise_last_axis
+    from .ops.nn import as_dtype, normalise_last_axis
 
     def expand(b, node: Value, inputs: tuple) -> Value:
-        _, _, y = normalise_last_axis(b, inputs[0], node.attrs["eps"])
-        return y if len(inputs) == 1 else b.add(b.mul(y, inputs[1]), inputs[2])
+        _, _, y = normalise_last_axis(b, inputs[0], node.attrs["eps"])  # float32 for 16-bit
+        if len(inputs) == 3:
+            y = b.add(b.mul(y, as_dtype(b, inputs[1], y.dtype)), as_dtype(b, inputs[2], y.dtype))
+        return as_dtype(b, y, node.dtype)  # one rounding, as layer_norm's own
 
     return _rewrite(graph, lambda n: n.op == "layer_norm", expand, made)
 

@@ -164,3 +164,27 @@ def test_a_16_bit_literal_costs_no_kernel_and_keeps_chains_fused():
     assert [n.attrs["value"] for n in literals] == [float(np.float32(0.1).astype(BF16))]
     kinds = [k.kind for k in group_kernels(wide)]
     assert kinds.count("loop") == 1, kinds
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_compiled_16_bit_layer_norm_rounds_once_as_the_op(dtype):
+    """Compiled plans write layer_norm as primitives (ir/passes.py expand_layer_norm); in the
+    16-bit dtype each row statistic was a buffer rounded on its own (5 bfloat16 ulps off on a
+    4x6 input). They are float32 now: the eager op's values, and torch's bfloat16 layer_norm's
+    one rounding; the gradients too (the derivative rule's statistics are the same values)."""
+    rng = np.random.default_rng(3)
+    x = bp.tensor(rng.standard_normal((4, 6)).astype(np.float32)).astype(dtype)
+    w = bp.tensor(rng.standard_normal(6).astype(np.float32)).astype(dtype)
+    b = bp.tensor(rng.standard_normal(6).astype(np.float32)).astype(dtype)
+    wide = x.astype(bp.float32).numpy().astype(np.float64)
+    centred = wide - wide.mean(-1, keepdims=True)
+    normed = centred / np.sqrt(centred.var(-1, keepdims=True) + 1e-5)
+    want = (normed * w.astype(bp.float32).numpy() + b.astype(bp.float32).numpy()).astype(dtype)
+    for backend in ("numba", "reference"):
+        with use_backend(backend):
+            got = bp.compile(bp.layer_norm)(x, w, b)
+        np.testing.assert_array_equal(got.numpy().view(np.uint16), want.view(np.uint16))
+    eager = bp.value_and_grad(lambda x, w, b: bp.sum(bp.layer_norm(x, w, b)), argnums=(0, 1))
+    compiled = bp.compile(eager)
+    for a, c in zip(eager(x, w, b)[1], compiled(x, w, b)[1], strict=True):
+        np.testing.assert_array_equal(a.numpy().view(np.uint16), c.numpy().view(np.uint16))

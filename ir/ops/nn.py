@@ -6,7 +6,7 @@ from ..errors import DtypeError, ShapeError
 from ..index_check import check_in_range, label_message
 from ..registry import AttrSpec, OpDef, register
 from ..shapes import fmt, normalize_axes, normalize_axis, reduced_shape
-from ..types import TensorType, is_int
+from ..types import TensorType, is_half, is_int
 from .common import float_only
 
 AXIS = {"axis": AttrSpec("int")}
@@ -193,7 +193,10 @@ def _ln_ref(x, *affine, eps):
 def normalise_last_axis(b, x, eps: float):
     """(1/n, 1/std, x normalised) over the last axis, in registry ops: layer_norm's derivative
     rule builds them, and joint plans write layer_norm itself with them (ir/passes.py
-    expand_layer_norm), in the same order, so common-subexpression elimination shares them."""
+    expand_layer_norm), in the same order, so common-subexpression elimination shares them.
+    A 16-bit x is read as float32 and they are float32, as the op itself computes (ir/widen.py):
+    written in bfloat16 each statistic was a buffer rounded on its own."""
+    x = as_dtype(b, x, "f32") if is_half(x.dtype) else x
     dt, last = x.dtype, len(x.shape) - 1
     inv_n = b.scalar(1.0 / max(x.shape[-1], 1), dt)  # no features: it scales only empties
     mean = b.mul(b.sum(x, axes=(last,), keepdims=True), inv_n)
@@ -208,18 +211,26 @@ def _ln_vjp(ctx, g):
     b, x_t = ctx.b, ctx.in_type(0)
     last = len(x_t.shape) - 1
     inv_n, rstd, xhat = normalise_last_axis(b, ctx.input(0), ctx.attrs["eps"])
+    dt = xhat.dtype  # float32 for 16-bit inputs: the gradients are rounded once, at the end
+    g = as_dtype(b, g, dt)
     affine = len(ctx.node.inputs) == 3
     grads = [None] * len(ctx.node.inputs)
     if ctx.needs[0]:
-        gxhat = b.mul(g, ctx.input(1)) if affine else g
+        gxhat = b.mul(g, as_dtype(b, ctx.input(1), dt)) if affine else g
         mean_g = b.mul(b.sum(gxhat, axes=(last,), keepdims=True), inv_n)
         mean_gx = b.mul(b.sum(b.mul(gxhat, xhat), axes=(last,), keepdims=True), inv_n)
-        grads[0] = b.mul(rstd, b.sub(b.sub(gxhat, mean_g), b.mul(xhat, mean_gx)))
+        dx = b.mul(rstd, b.sub(b.sub(gxhat, mean_g), b.mul(xhat, mean_gx)))
+        grads[0] = as_dtype(b, dx, x_t.dtype)
     if affine and ctx.needs[1]:
-        grads[1] = b.sum_to(b.mul(g, xhat), x_t.shape[-1:])
+        grads[1] = as_dtype(b, b.sum_to(b.mul(g, xhat), x_t.shape[-1:]), ctx.in_type(1).dtype)
     if affine and ctx.needs[2]:
-        grads[2] = b.sum_to(g, x_t.shape[-1:])
+        grads[2] = as_dtype(b, b.sum_to(g, x_t.shape[-1:]), ctx.in_type(2).dtype)
     return grads
+
+
+def as_dtype(b, value, dtype: str):
+    """value as dtype, with no cast where it is one already."""
+    return value if value.dtype == dtype else b.astype(value, dtype=dtype)
 
 
 register(
