@@ -88,3 +88,13 @@ def test_on_a_terminal_the_line_names_each_long_compile_and_is_erased_after(monk
     written = screen.getvalue()
     assert "compiling @train_step (now the library's f32 GEMM), " in written, written
     assert "\n" not in written and written.endswith("\r\x1b[K"), repr(written)
+
+
+def test_a_narrow_terminal_loses_the_hint_and_whole_words_never_half_of_one():
+    line = compile_notice._text([("@train_step", time.perf_counter())])
+    assert compile_notice._fitted(line, 500) == line
+    short = compile_notice._fitted(line, 60)
+    assert short == "backplan: compiling @train_step, 0 s so far", short
+    tiny = compile_notice._fitted(line, 30)
+    assert len(tiny) <= 30 and tiny.endswith("...") and line.startswith(tiny[:-3]), tiny
+    assert tiny[:-3] + " " in line + " ", tiny  # ends on a whole word

@@ -106,7 +106,7 @@ def _say() -> None:
         text = _text(_open)
         if _terminal():  # one row: a wrapped line could not be rewritten in place
             _shown[0] = True
-            _write(f"\r\x1b[K{text[: shutil.get_terminal_size().columns - 1]}")
+            _write(f"\r\x1b[K{_fitted(text, shutil.get_terminal_size().columns - 1)}")
             _schedule(REFRESH_SECONDS)
             return
         _said[0] = True
@@ -121,6 +121,18 @@ def _text(open_now: list) -> str:
         f"backplan: compiling {what}{inner}, {time.perf_counter() - start:.0f} s so far "
         "(cached for later runs; BACKPLAN_VERBOSE=1 shows each stage)"
     )
+
+
+def _fitted(text: str, width: int) -> str:
+    """The line within `width` columns: the hint in parentheses goes first, then whole words
+    (a cut word reads as a typo: '...BACKPLAN_VERB')."""
+    if len(text) <= width:
+        return text
+    text = text[: text.rfind(" (cached for later runs")]
+    if len(text) <= width:
+        return text
+    cut = text[: max(width - 3, 0)]
+    return (cut[: cut.rfind(" ")] if " " in cut else cut) + "..."
 
 
 def _write(text: str) -> None:
