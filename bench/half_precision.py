@@ -3,11 +3,16 @@
 everything in bfloat16 against float32, side by side (interleaved rounds, one pinned thread).
 
     python -m backplan.bench.half_precision [--small] [--models mlp,transformer,ln_gelu]
+        [--widened]
+
+--widened adds a third runner in the same rounds: bfloat16 with every GEMM operand widened
+into a float32 copy first, as compiled plans did before the GEMM read bfloat16 itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import numpy as np
@@ -37,15 +42,30 @@ class _Step:
 
     numpy_allocations = False
 
-    def __init__(self, name: str, small: bool, dtype):
+    def __init__(self, name: str, small: bool, dtype, widened: bool = False):
         spec = MODELS[name]
         data = spec.inputs(small, np.float32)
         self.params = {k: bp.tensor(v.astype(dtype)) for k, v in data.params.items()}
         self.batch = [b.astype(dtype) if b.dtype.kind == "f" else b for b in data.batch(True)]
         self.fn = bp.compile(bp.value_and_grad(_bound(spec)))
+        with _gemm_operands_widened() if widened else contextlib.nullcontext():
+            self.step()  # plans are made (and lowered) at the first call
 
     def step(self):
         self.fn(self.params, *self.batch)
+
+
+@contextlib.contextmanager
+def _gemm_operands_widened():
+    """Plans lowered inside widen bfloat16 GEMM operands into float32 copies (the old way)."""
+    from .internals import widen
+
+    keep = widen.reads_bf16_operands
+    widen.reads_bf16_operands = lambda node, inputs: False
+    try:
+        yield
+    finally:
+        widen.reads_bf16_operands = keep
 
 
 def _bound(spec):
@@ -57,6 +77,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--models", default="mlp,transformer,ln_gelu")
+    parser.add_argument("--widened", action="store_true", help="also time the old bf16 GEMMs")
     args = parser.parse_args(argv)
     print(pin_process(1), "BACKPLAN_BACKEND", os.environ.get("BACKPLAN_BACKEND", "numba"))
     schedule = QUICK if args.small else FULL
@@ -68,6 +89,8 @@ def main(argv=None) -> None:
             "f32": _Step(name, args.small, np.float32),
             "bf16": _Step(name, args.small, bp.bfloat16),
         }
+        if args.widened:
+            runners["bf16 widened"] = _Step(name, args.small, bp.bfloat16, widened=True)
         steps = {
             k: schedule.steps_per_round(warm_up(r, schedule.warmup_steps))
             for k, r in runners.items()
@@ -75,6 +98,11 @@ def main(argv=None) -> None:
         timings = timed_rounds(runners, steps, schedule)
         f32_ms, bf16_ms = (timings[k].median * 1e3 for k in ("f32", "bf16"))
         print(f"{name}: step f32 {f32_ms:.2f} ms, bf16 {bf16_ms:.2f} ms ({bf16_ms / f32_ms:.2f}x)")
+        if args.widened:
+            old_ms = timings["bf16 widened"].median * 1e3
+            print(
+                f"{name}: bf16 with widened GEMM operands {old_ms:.2f} ms ({old_ms / f32_ms:.2f}x)"
+            )
 
 
 if __name__ == "__main__":

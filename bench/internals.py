@@ -23,6 +23,8 @@ _WHERE = {
     "softmax_rows": "backplan.codegen.kernels.rows:softmax_rows",
     "attention_kernels": "backplan.codegen.kernels.attention",  # attention_rates.py
     "splat": "backplan.codegen.kernels.gemm.kernel:splat",
+    # bfloat16 GEMM operands widened into float32 copies, as before (half_precision --widened)
+    "widen": "backplan.ir.widen",
     "vector_fma": "backplan.codegen.kernels.gemm.kernel:vector_fma",
     # background driver builds, waited for outside timed rounds
     "driver_builder": "backplan.codegen.build.driver_builder",

@@ -215,3 +215,32 @@ def test_bf16_plan_with_kernels_as_python(tmp_path):
         "print(got.dtype, np.array_equal(got.view(np.uint16), want.view(np.uint16)))\n"
     )
     assert run_with_own_gemm_as_python(script, tmp_path).split() == ["bfloat16", "True"]
+
+
+def test_bf16_products_share_the_gemm_out_on_threads(monkeypatch):
+    """Where a float32 product would get BLAS's threads, a bfloat16 one runs the own GEMM cut
+    in as many blocks (BLAS has no bfloat16): same bits, on one thread or two."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    rng = np.random.default_rng(6)
+    shapes = [(9, 16), (16, 40), (9, 40), (3, 7, 33)]
+    args = [bp.tensor(rng.integers(-4, 5, s).astype(BF16)) for s in shapes]
+    with use_backend("reference"):
+        expected = bp.compile(_products)(*args)
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        with use_backend("numba"):
+            traced = bp.compile(_products)
+            got = traced(*args)
+            runners = traced.trace(*args).runners()
+    finally:
+        numba.set_num_threads(previous)
+    source = "".join(r.compiled.source for r in runners if hasattr(r, "compiled"))
+    assert source.count("own_gemm_at_par(2, ") == 3 and "own_batched_gemm_par(" in source
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(g.numpy().view(np.uint16), e.numpy().view(np.uint16))

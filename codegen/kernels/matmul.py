@@ -6,13 +6,21 @@ compiled once for every plan."""
 
 import math
 
-from backplan.codegen.jit import njit
+from backplan.codegen.jit import AS_PYTHON, njit
 from backplan.codegen.kernels.blas import batched_gemm_f32, batched_gemm_f64, gemm_f32, gemm_f64
 from backplan.codegen.kernels.gemm import batched_gemm as own_batched_gemm
 from backplan.codegen.kernels.gemm import gemm as own_gemm
 from backplan.codegen.kernels.gemm import vector_width
+from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel as own_batched_gemm_par
+from backplan.codegen.kernels.gemm.parallel import gemm_parallel as own_gemm_par
 from backplan.codegen.kernels.views import as_read_only
-from backplan.codegen.render.opaque import OpEmitter, emits, own_gemm_chosen, placed_operands
+from backplan.codegen.render.opaque import (
+    OpEmitter,
+    emits,
+    own_gemm_chosen,
+    own_gemm_parts,
+    placed_operands,
+)
 from backplan.ir.graph import Value
 
 
@@ -63,6 +71,33 @@ def own_gemm_at(width, trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out,
     )
 
 
+@njit(cache=True)
+def own_gemm_at_par(
+    parts, width, trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset
+):
+    """own_gemm_at with C cut in `parts` blocks for as many threads (gemm/parallel.py)."""
+    own_gemm_par(
+        parts,
+        width,
+        trans_a,
+        trans_b,
+        1.0,
+        matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
+        matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
+        0.0,
+        matrix_at(out, out_offset, m, n),
+    )
+
+
+if AS_PYTHON:  # the parallel GEMM runs the micro-kernel intrinsics: its twin is the serial one
+
+    def own_gemm_par(parts, *args):  # noqa: F811
+        own_gemm(*args)
+
+    def own_batched_gemm_par(*args):  # noqa: F811
+        own_batched_gemm(*args)
+
+
 __all__ = [
     "as_read_only",
     "batched_gemm_f32",
@@ -72,26 +107,34 @@ __all__ = [
     "gemm_f32",
     "gemm_f64",
     "own_batched_gemm",
+    "own_batched_gemm_par",
     "own_gemm",
     "own_gemm_at",
+    "own_gemm_par",
+    "own_gemm_at_par",
 ]
 
 
 @emits("matmul")
 def emit_matmul(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     own = own_gemm_chosen(ctx, node)
-    placed = _placed_matmul(ctx, node, own) if len(node.shape) == 2 else None
+    parts = own_gemm_parts(node)
+    placed = _placed_matmul(ctx, node, own, parts) if len(node.shape) == 2 else None
     if placed is not None:
         return placed
     (a, ta), (b, tb) = ctx.operand_2d(node.inputs[0]), ctx.operand_2d(node.inputs[1])
     if len(node.shape) == 2:
+        if own and parts > 1:
+            return [
+                f"own_gemm_par({parts}, {vector_width()}, {ta}, {tb}, 1.0, {a}, {b}, 0.0, {out})"
+            ]
         if own:
             return [f"own_gemm({vector_width()}, {ta}, {tb}, 1.0, {a}, {b}, 0.0, {out})"]
         return [f"gemm_{node.dtype}({ta}, {tb}, {a}, {b}, {out}, 0.0)"]
-    return _batched_matmul(node, out, (a, ta), (b, tb), own)
+    return _batched_matmul(node, out, (a, ta), (b, tb), own, parts)
 
 
-def _placed_matmul(ctx: OpEmitter, node: Value, own: bool) -> list[str] | None:
+def _placed_matmul(ctx: OpEmitter, node: Value, own: bool, parts: int) -> list[str] | None:
     """A 2-D matmul whose operands are C-contiguous where they live: one library call
     taking bases and offsets; None when an operand is not (a copy is made then)."""
     operands = placed_operands(ctx, node)
@@ -103,7 +146,8 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool) -> list[str] | None:
     sizes = f"np.intp({m}), np.intp({n}), np.intp({node.inputs[0].shape[-1]})"
     if own:
         places = ", ".join(f"{w.base}, np.intp({w.offset})" for w in (a, b, out))
-        return [f"own_gemm_at({vector_width()}, {ta}, {tb}, {sizes}, {places})"]
+        call = f"own_gemm_at_par({parts}, " if parts > 1 else "own_gemm_at("
+        return [f"{call}{vector_width()}, {ta}, {tb}, {sizes}, {places})"]
     return [f"gemm_at_{node.dtype}({_one_variant(ta, tb, sizes, (a, b, out))})"]
 
 
@@ -120,7 +164,7 @@ def _one_variant(ta, tb, sizes: str, places) -> str:
     )
 
 
-def _batched_matmul(node: Value, out: str, a_op, b_op, own: bool) -> list[str]:
+def _batched_matmul(node: Value, out: str, a_op, b_op, own: bool, parts: int) -> list[str]:
     operands = []
     batch = node.shape[:-2]
     for value, (expr, trans) in zip(node.inputs, (a_op, b_op), strict=True):
@@ -136,4 +180,6 @@ def _batched_matmul(node: Value, out: str, a_op, b_op, own: bool) -> list[str]:
         operands.append(f"{expr}.reshape(({math.prod(padded)}, {mat[0]}, {mat[1]}))")
     out3 = f"{out}.reshape(({math.prod(batch)}, {node.shape[-2]}, {node.shape[-1]}))"
     call = f"own_batched_gemm({vector_width()}, " if own else f"batched_gemm_{node.dtype}("
+    if own and parts > 1:
+        call = f"own_batched_gemm_par({vector_width()}, "
     return [f"{call}{a_op[1]}, {b_op[1]}, {operands[0]}, {operands[1]}, {out3})"]

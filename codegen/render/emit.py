@@ -30,6 +30,7 @@ from backplan.codegen.render.opaque import (
     Unsupported,
     kernel_modules,
     own_gemm_chosen,
+    own_gemm_parts,
     placed_operands,
     unsupported_reason,
 )
@@ -368,7 +369,7 @@ class _Emitter:
         node, loop = kernel.nodes[0], kernel.epilogue
         self.buffer(node)
         stored = {n for n in loop.all_nodes if n in self.needed}
-        own = own_gemm_chosen(self.ops, node)
+        own = own_gemm_chosen(self.ops, node) and own_gemm_parts(node) == 1
         operands = placed_operands(self.ops, node, flat=True) if own else None
         if operands is None or not stored or chain_terms(loop, stored, self._flat_like):
             body += self.ops.op(node, self.names[node])

@@ -11,7 +11,7 @@ import pkgutil
 import sys
 
 from backplan.codegen.flags import threads
-from backplan.codegen.kernels.gemm.choice import use_own_gemm
+from backplan.codegen.kernels.gemm.choice import blas_threads, use_own_gemm
 from backplan.codegen.render.choices import decide
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.render.scalar import NP_TYPE
@@ -172,6 +172,13 @@ def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     m, n = node.shape[-2:]
     k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
     return decide("own_gemm", use_own_gemm(m, n, k, tb, node.dtype))
+
+
+def own_gemm_parts(node: Value) -> int:
+    """Cores the own GEMM of a bfloat16 matmul shares out (gemm/parallel.py): those a float32
+    product would get from BLAS, which a bfloat16 one cannot call; 1 for every other matmul."""
+    parts = min(threads(), blas_threads()) if node.inputs[0].dtype == "bf16" else 1
+    return decide("own_gemm_parts", parts)
 
 
 def placed_operands(ctx: OpEmitter, node: Value, flat: bool = False):
