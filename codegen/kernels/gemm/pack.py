@@ -14,7 +14,14 @@ from numba import types
 from numba.extending import overload
 
 from backplan.codegen.jit import njit
-from backplan.codegen.kernels.gemm.transpose_pack import transpose_pack_6, transpose_pack_8
+from backplan.codegen.kernels.gemm.transpose_pack import (
+    transpose_pack_6,
+    transpose_pack_8,
+    widen_rows_6,
+    widen_rows_8,
+    widen_rows_16,
+    widen_rows_32,
+)
 from backplan.codegen.kernels.half import bf16_to_f32
 
 
@@ -30,9 +37,10 @@ def _copy_block(dst, src):
     if isinstance(src, types.Array) and src.dtype == types.uint16:
 
         def widen(dst, src):
-            for i in range(src.shape[0]):
-                for j in range(src.shape[1]):
-                    dst[i, j] = bf16_to_f32(src[i, j])
+            if not _widen_by_rows(dst, src):
+                for i in range(src.shape[0]):
+                    for j in range(src.shape[1]):
+                        dst[i, j] = bf16_to_f32(src[i, j])
 
         return widen
 
@@ -40,6 +48,34 @@ def _copy_block(dst, src):
         dst[:, :] = src
 
     return copy
+
+
+@njit(cache=True, nogil=True)
+def _widen_by_rows(dst, src):
+    """Rows of a full panel read from unit-stride bfloat16 rows, one vector each (the
+    elementwise loop over a strided 2-D view stays scalar: ~1 ns per element). False when
+    the block is not such a panel (edges, strided rows): the caller copies elementwise."""
+    cols = src.shape[1]
+    if src.strides[1] != 2 or src.strides[0] % 2 or dst.strides[1] != 4 or dst.strides[0] % 4:
+        return False
+    args = (
+        src.ctypes.data,
+        src.strides[0] // 2,
+        src.shape[0],
+        dst.ctypes.data,
+        dst.strides[0] // 4,
+    )
+    if cols == 32:
+        widen_rows_32(*args)
+    elif cols == 16:
+        widen_rows_16(*args)
+    elif cols == 8:
+        widen_rows_8(*args)
+    elif cols == 6:
+        widen_rows_6(*args)
+    else:
+        return False
+    return True
 
 
 @njit(cache=True, nogil=True)

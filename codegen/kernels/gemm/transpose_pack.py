@@ -76,3 +76,41 @@ def _make(lanes: int):
 
 transpose_pack_8 = _make(8)
 transpose_pack_6 = _make(6)
+
+
+def _emit_rows(builder, args, lanes):
+    """dst[p * dst_ld + q] = widen(src[p * ld + q]): a row of `lanes` bfloat16 values is one
+    vector load, a zero extension and a shift, and one float32 vector store."""
+    src_addr, ld, kc, dst_addr, dst_ld = args
+    bits = ir.VectorType(ir.IntType(16), lanes)
+    src = builder.inttoptr(src_addr, ir.PointerType(ir.IntType(16)))
+    dst = builder.inttoptr(dst_addr, ir.PointerType(ir.FloatType()))
+    with cgutils.for_range(builder, kc) as loop:
+        p = loop.index
+        row_ptr = builder.bitcast(builder.gep(src, [builder.mul(p, ld)]), ir.PointerType(bits))
+        row = _bf16_to_f32(builder, builder.load(row_ptr, align=2), lanes)
+        start = builder.gep(dst, [builder.mul(p, dst_ld)])
+        builder.store(row, builder.bitcast(start, ir.PointerType(row.type)), align=4)
+
+
+def _make_rows(lanes: int):
+    @intrinsic
+    def widen_rows(typingctx, src_addr, ld, kc, dst_addr, dst_ld):
+        """kc rows of `lanes` bfloat16 values (uint16, row stride ld) into float32 rows of
+        stride dst_ld; strides in elements."""
+
+        def codegen(context, builder, signature, args):
+            ints = [
+                context.cast(builder, value, fromty, types.intp)
+                for value, fromty in zip(args, signature.args, strict=True)
+            ]
+            _emit_rows(builder, ints, lanes)
+            return context.get_dummy_value()
+
+        return types.void(src_addr, ld, kc, dst_addr, dst_ld), codegen
+
+    return widen_rows
+
+
+widen_rows_6, widen_rows_8 = _make_rows(6), _make_rows(8)
+widen_rows_16, widen_rows_32 = _make_rows(16), _make_rows(32)
