@@ -32,43 +32,40 @@ def matrix_at(base, offset, rows, cols):
 
 
 @njit(cache=True)
-def gemm_at_f32(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
-    """out (m, n) = op(a) @ op(b); a is (m, k) or, transposed, (k, m); b is (k, n) or (n, k)."""
-    gemm_f32(
-        trans_a,
-        trans_b,
+def operands_at(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
+    """op(a) (m, k) as stored ((k, m) when transposed), op(b) (k, n) as stored and out (m, n),
+    each placed at its offset: what every placed GEMM below multiplies."""
+    return (
         matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
         matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
         matrix_at(out, out_offset, m, n),
-        0.0,
     )
 
 
 @njit(cache=True)
-def gemm_at_f64(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
-    gemm_f64(
-        trans_a,
-        trans_b,
-        matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
-        matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
-        matrix_at(out, out_offset, m, n),
-        0.0,
+def gemm_at_f32(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
+    """out (m, n) = op(a) @ op(b); a is (m, k) or, transposed, (k, m); b is (k, n) or (n, k)."""
+    op_a, op_b, c = operands_at(
+        trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset
     )
+    gemm_f32(trans_a, trans_b, op_a, op_b, c, 0.0)
+
+
+@njit(cache=True)
+def gemm_at_f64(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
+    op_a, op_b, c = operands_at(
+        trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset
+    )
+    gemm_f64(trans_a, trans_b, op_a, op_b, c, 0.0)
 
 
 @njit(cache=True)
 def own_gemm_at(width, trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
     """The own GEMM (codegen/kernels/gemm) on placed operands, as gemm_at_f32."""
-    own_gemm(
-        width,
-        trans_a,
-        trans_b,
-        1.0,
-        matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
-        matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
-        0.0,
-        matrix_at(out, out_offset, m, n),
+    op_a, op_b, c = operands_at(
+        trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset
     )
+    own_gemm(width, trans_a, trans_b, 1.0, op_a, op_b, 0.0, c)
 
 
 @njit(cache=True)
@@ -76,17 +73,10 @@ def own_gemm_at_par(
     parts, width, trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset
 ):
     """own_gemm_at with C cut in `parts` blocks for as many threads (gemm/parallel.py)."""
-    own_gemm_par(
-        parts,
-        width,
-        trans_a,
-        trans_b,
-        1.0,
-        matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
-        matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
-        0.0,
-        matrix_at(out, out_offset, m, n),
+    op_a, op_b, c = operands_at(
+        trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset
     )
+    own_gemm_par(parts, width, trans_a, trans_b, 1.0, op_a, op_b, 0.0, c)
 
 
 if AS_PYTHON:  # the parallel GEMM runs the micro-kernel intrinsics: its twin is the serial one
