@@ -216,19 +216,28 @@ class BudgetPlanner:
         return points + extra
 
     def frontier(self) -> list[EvaluatedPoint]:
-        """Every plan built, those another plan beats on both peak and FLOPs left out: peaks
-        strictly fall as added FLOPs rise. With allow_dtype, the same plans with their saved
-        buffers narrowed are rows too, after the full-precision plan of equal FLOPs (the order
-        fit_peak tries them in, so a row's peak as a budget picks that row or a cheaper one)."""
-        evaluated = sorted(
+        """The plans worth choosing, in the order fit_peak tries them (fewest added FLOPs
+        first; with allow_dtype the narrowed plans too, after the full-precision plan of equal
+        FLOPs): each row lowers the peak of the row before it by at least `worth_lowering`
+        bytes (1%), so peaks strictly fall as added FLOPs rise, and a row's peak as a budget picks
+        that row or a cheaper plan (any plan tried before it peaks above it)."""
+        kept: list[EvaluatedPoint] = []
+        for e in self._evaluated():
+            if not kept or e.peak_bytes <= kept[-1].peak_bytes - worth_lowering(kept[-1]):
+                kept.append(e)
+        return kept or [self.evaluate_default()]
+
+    def smallest(self) -> EvaluatedPoint:
+        """The plan of the lowest peak among all built (a row or not: a refusal's floor)."""
+        return min(self._evaluated(), key=lambda e: e.peak_bytes, default=None) or (
+            self.evaluate_default()
+        )
+
+    def _evaluated(self) -> list[EvaluatedPoint]:
+        return sorted(
             (self.evaluate(p, narrowed) for p, narrowed in self.candidates(self.points())),
             key=lambda e: (e.added_flops, e.saved_dtype is not None, e.peak_bytes),
         )
-        kept: list[EvaluatedPoint] = []
-        for e in evaluated:
-            if not kept or e.peak_bytes < kept[-1].peak_bytes:
-                kept.append(e)
-        return kept or [self.evaluate_default()]
 
     def evaluate_default(self) -> EvaluatedPoint:
         return self.evaluate(PlanPoint(frozenset(), 0, 0, 0))
@@ -328,9 +337,8 @@ class BudgetPlanner:
 
     def refusal(self, limit: int, option: str) -> str:
         """Why no plan fits: the smallest peak, its cost, what holds it there."""
-        frontier = self.frontier()
-        best = frontier[-1]
-        default = frontier[0]
+        best = self.smallest()
+        default = self.evaluate_default()
         step = max(self.step_flops(), 1)
         narrowed = (
             f"keeping its saved buffers in {np_dtype(best.saved_dtype).name} and "
@@ -342,7 +350,7 @@ class BudgetPlanner:
             f"{self._backward_words()} for {best.added_flops:,} added FLOPs "
             f"(+{100 * best.added_flops / step:.0f}% of the step); the default plan peaks at "
             f"{format_bytes(default.peak_bytes)}"
-            if best is not default
+            if best.peak_bytes < default.peak_bytes
             else f"the default plan's: recomputing in {self._backward_words()} lowers it no further"
         )
         text = (
@@ -392,6 +400,16 @@ def _narrowing(choices: PlanChoices, dtype: str) -> PlanChoices:
 
 def _significant_bits(dtype: str) -> int:
     return {"bf16": 8, "f16": 11, "f32": 24, "f64": 53}[dtype]
+
+
+def worth_lowering(row: EvaluatedPoint) -> int:
+    """The least a frontier row must lower the peak of the row before it by: 1% of that peak.
+    A smaller gain is below what a process's memory shows (pages, allocator rounding; the
+    fresh-process check of the prediction allows 5% + 8 MiB) while the plan adds FLOPs or
+    rounds the saved buffers; real steps are far larger (the planner frees values in batches
+    of about 1/24 of the peak on the bench models, one tanh layer is 6-10% in the docs). Such a
+    plan stays a candidate: a budget between rows may still run it (fit_peak tries each)."""
+    return max(1, row.peak_bytes // 100)
 
 
 def inlined_budget_refusal(fn, limit: int) -> str:
