@@ -51,9 +51,14 @@ FULL = Schedule()
 
 
 def time_call(fn) -> float:
+    return timed(fn)[0]
+
+
+def timed(fn) -> tuple[float, object]:
+    """(seconds, result) of one call of fn: a first call, an import, whatever runs once."""
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def warm_up(runner, steps: int) -> float:

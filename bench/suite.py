@@ -63,7 +63,7 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
             row["note"] = QUICK_DRIVER_NOTE
         check = check_output(runner.output(), reference, settings.dtype)
         row.update(
-            first_call_s={"cold": cold, "warm": None},
+            first_call_s={"cold": cold, "warm": None, **runner.first_call_parts()},
             check=check.to_dict(),
             status="ok" if check.ok else "wrong",
         )

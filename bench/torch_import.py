@@ -9,19 +9,20 @@ torch.compile at equal threads.
 driver that runs while it builds) prints, per model, import + first-call time against
 torch.compile's first call, then the medians of interleaved rounds of forward + backward
 steps, and the largest difference of the losses and gradients from torch eager's, relative
-to the largest of them.
+to the largest of them. `python -m backplan bench` runs every bench model this way (its
+backplan.from_torch rows, with any torch peer); this script keeps the one-table view.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 from .affinity import pin_process
-from .measure import interleaved_medians
+from .measure import interleaved_medians, time_call, timed
 from .models import MODELS
+from .peers import imported_peer
 from .threads import apply_threads
 
 MODEL_NAMES = ("cnn", "transformer")
@@ -40,34 +41,14 @@ def torch_module(name: str, small: bool):
 def module_of(name: str, params: dict):
     """The torch peer's loss function of model `name` as a Module holding copies of `params`
     (NumPy arrays) as its parameters; calling it with the batch gives the loss."""
-    import torch
-
-    from .peers.torch_models import TORCH_KINDS
-
-    spec = MODELS[name]
-    loss_fn = TORCH_KINDS[spec.kind][0]
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.ParameterDict(
-                {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
-            )
-
-        def forward(self, *batch):
-            return loss_fn(dict(self.p), *batch, **spec.static)
-
-    Model.__name__ = f"{name}_module"
-    return Model()
+    return imported_peer.module_of(MODELS[name], params)
 
 
 def backplan_runner(module, batch):
     """(import seconds, first step seconds, step, grads of the last step)."""
     import backplan as bp
 
-    start = time.perf_counter()
-    fn, params = bp.from_torch(module, batch)
-    imported = time.perf_counter() - start
+    imported, (fn, params) = timed(lambda: bp.from_torch(module, batch))
     arrays = [b.numpy() for b in batch]
 
     def imported_step(params, *xs):
@@ -75,9 +56,8 @@ def backplan_runner(module, batch):
 
     imported_step.__name__ = fn.__name__
     step = bp.value_and_grad(imported_step)
-    start = time.perf_counter()
-    result = [step(params, *arrays)]
-    first = time.perf_counter() - start
+    first, loss_and_grads = timed(lambda: step(params, *arrays))
+    result = [loss_and_grads]
 
     def run():
         result[0] = step(params, *arrays)
@@ -102,9 +82,7 @@ def torch_runner(module, batch, compiled: bool):
         loss.backward()
         last["loss"] = loss
 
-    start = time.perf_counter()
-    run()
-    first = time.perf_counter() - start
+    first = time_call(run)
 
     def values():
         grads = {f"p.{k}": p.grad for k, p in module.p.items()}

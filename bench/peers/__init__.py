@@ -11,6 +11,7 @@ from .backplan_peer import (
     BackplanReferencePeer,
 )
 from .base import Peer, Runner, SavedBytes, StepOutput
+from .imported_peer import ImportedTorchPeer
 from .jax_peer import JaxPeer
 from .numpy_peer import NumpyPeer, reference_output
 from .torch_peer import TorchCompilePeer, TorchPeer
@@ -22,6 +23,7 @@ PEERS: dict[str, type[Peer]] = {
         BackplanCompilePeer,
         BackplanBackgroundPeer,
         BackplanReferencePeer,
+        ImportedTorchPeer,
         NumpyPeer,
         TorchPeer,
         TorchCompilePeer,
@@ -30,8 +32,10 @@ PEERS: dict[str, type[Peer]] = {
 }
 # What --against accepts: a family name selects all its peers. backplan.reference (backplan
 # on its NumPy reference interpreter) and backplan.background (first calls on it while the
-# plans compile out of process: a `bench compile` cell) are opt-in.
+# plans compile out of process: a `bench compile` cell) are opt-in. backplan.from_torch (the
+# torch peer's model imported with bp.from_torch) comes with any torch peer.
 AGAINST_CHOICES = {
+    "backplan.from_torch": ["backplan.from_torch"],
     "backplan.reference": ["backplan.reference"],
     "backplan.background": ["backplan.background"],
     "numpy": ["numpy"],
@@ -40,6 +44,8 @@ AGAINST_CHOICES = {
     "torch.compile": ["torch.compile"],
     "jax": ["jax"],
 }
+
+IMPORTED = ImportedTorchPeer.name
 
 
 def select_peers(against: list[str]) -> list[Peer]:
@@ -53,6 +59,9 @@ def select_peers(against: list[str]) -> list[Peer]:
     names = ["backplan", "backplan.compile"]
     for family in sorted(against, key=lambda name: not name.startswith("backplan")):
         names += [n for n in AGAINST_CHOICES[family] if n not in names]
+    if IMPORTED not in names and any(n in names for n in AGAINST_CHOICES["torch"]):
+        backplan_rows = sum(n.startswith("backplan") for n in names)
+        names.insert(backplan_rows, IMPORTED)  # the imported model, before the torch rows
     return [PEERS[n]() for n in names]
 
 

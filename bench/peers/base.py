@@ -53,6 +53,10 @@ class Runner(ABC):
         """Anything else the compiler states about its plan (backend, kernel counts)."""
         return None
 
+    def first_call_parts(self) -> dict[str, float]:
+        """Named parts of the cold first call in seconds (an import before the first step)."""
+        return {}
+
 
 class Peer(ABC):
     """A framework the benchmark runs models through."""

@@ -150,6 +150,12 @@ def footnotes(rows: list[dict], threads_set: bool = False) -> list[str]:
                 f"{row['peer']}: {plan['backend']} backend, {plan['kernels']} kernels "
                 f"({plan['fused_kernels']} fused)"
             )
+        first = row.get("first_call_s") or {}
+        if first.get("import") is not None:
+            lines.append(
+                f"{row['peer']}: cold first call {first['cold']:.3f} s = import "
+                f"{first['import']:.3f} s (torch.export, ATen mapping) + the first step"
+            )
         for message in row.get("warnings") or []:
             lines.append(f"{row['peer']} warned: {message}")
         if row.get("note") and row.get("status") in ("ok", "wrong"):

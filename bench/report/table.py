@@ -14,6 +14,7 @@ from .format import (
     threads_set,
     warm_lines,
 )
+from .imported import HEADER, TITLE, imported_rows
 
 
 def align(rows: list[list[str]]) -> list[str]:
@@ -43,9 +44,18 @@ def render_text(record: dict) -> str:
         lines += [f"  {line}  {cells[-1]}" for line, cells in zip(body, table, strict=True)]
         lines += [f"  note: {note}" for note in footnotes(rows, threads_set(record))]
         lines.append("")
+    lines += imported_text(record)
     for skipped in record["skipped_peers"]:
         lines.append(f"skipped {skipped['peer']}: {skipped['reason']}")
     lines += ["", *LEGEND]
     if record["run"].get("warm_compile", True):
         lines += warm_lines(record)
     return "\n".join(lines)
+
+
+def imported_text(record: dict) -> list[str]:
+    """The imported models' summary table, or nothing when the run had none."""
+    rows = imported_rows(record)
+    if not rows:
+        return []
+    return [f"{TITLE}:", *(f"  {line}" for line in align([list(HEADER), *rows])), ""]
