@@ -43,6 +43,8 @@ class InnerJoint:
     input_names: list
     name: str
     loc: str  # where the step called it
+    choices: object = None  # ir.pipeline.PlanChoices of the joint plan (rebuilt under a budget)
+    chosen_for: str | None = None  # the step's budget that made this plan (else the default)
 
     def report(self, backend: str) -> ExplainReport:
         return joint_report(

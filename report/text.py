@@ -42,12 +42,17 @@ def saved_text(report) -> str:
     if report.saved_buffers or report.recomputed or not report.inner:
         parts.append(format_saved_table(report.saved_buffers, recomputed=report.recomputed))
     for joint, inner in report.inner:
+        made = (
+            f"the joint plan's as {joint.chosen_for} makes it, the same values recomputed or "
+            "narrowed as in this step"
+            if joint.chosen_for
+            else "the joint plan's, as value_and_grad(...).explain() prints it"
+        )
         parts.append(
             wrap(
                 f"inside value_and_grad({joint.name}) called at {joint.loc}: its joint plan, "
                 "inlined into this step, keeps these for its backward part; they are "
-                "temporaries of this step and its peak counts them (names and steps are the "
-                "joint plan's, as value_and_grad(...).explain() prints it)"
+                f"temporaries of this step and its peak counts them (names and steps are {made})"
             )
         )
         parts.append(format_saved_table(inner.saved_buffers, recomputed=inner.recomputed))

@@ -5,6 +5,8 @@ added FLOPs is no row, but stays a plan a budget between rows may run, and a ref
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -29,7 +31,7 @@ def arrays():
 
 
 def assert_rows_worth_choosing(points):
-    for before, row in zip(points, points[1:]):
+    for before, row in itertools.pairwise(points):
         assert row.added_flops > before.added_flops
         assert before.peak_bytes - row.peak_bytes >= before.peak_bytes // 100, (
             before,
@@ -51,7 +53,9 @@ def test_a_plan_lowering_the_peak_by_four_bytes_is_no_frontier_row():
         # and a budget under every plan is refused naming the lowest peak, not the row's
         with pytest.raises(bp.MemoryBudgetError) as refused:
             bp.value_and_grad(loss, max_peak_bytes=report.peak_bytes - 1).explain(*arrays())
-        assert f"The smallest peak any plan reaches is {report.peak_bytes:,} B" in str(refused.value)
+        assert f"The smallest peak any plan reaches is {report.peak_bytes:,} B" in str(
+            refused.value
+        )
 
 
 @pytest.mark.parametrize("backend", ["reference", "numba"])

@@ -154,6 +154,38 @@ class BudgetPlanner:
             "step)."
         )
 
+    def chosen(self) -> tuple[frozenset, str | None, str | None]:
+        """(the held values the plans run recompute beyond the default, the dtype their
+        saved buffers are kept in, the option that chose them, in words)."""
+        forced = self.choices.options.saved_dtype
+        dtype = forced or (self.allow_dtype if self.narrowed_for else None)
+        words = f"saved_dtype={np_dtype(forced).name}" if forced else self.narrowed_for
+        if self.recomputed_for is None:
+            return frozenset(), dtype, words
+        return self.recomputed_for[1].drop, dtype, self.recomputed_for[0]
+
+    def inner_choices(self, joints: list[PlanChoices]):
+        """A step with inlined gradients whose plans recompute or narrow held values: the
+        same choice for each inlined joint plan, as (drops, dtype, words), one drop per joint
+        (ids of its schedule). The step's held values are the joint plans' in order (the
+        step inlines their graphs); matched by op, type and line, else None."""
+        drop, dtype, words = self.chosen()
+        if not self.choices.inlined_gradients or (not drop and dtype is None):
+            return None
+        step = self.choices.schedule
+        held = [i for c in joints for i in c.schedule.held]
+        owner = [k for k, c in enumerate(joints) for _ in c.schedule.held]
+        schedules = [c.schedule for c in joints]
+        if [_held_key(step, i) for i in step.held] != [
+            _held_key(schedules[k], i) for k, i in zip(owner, held, strict=True)
+        ]:
+            return None
+        drops: list[set] = [set() for _ in joints]
+        for position, i in enumerate(step.held):
+            if i in drop:
+                drops[owner[position]].add(held[position])
+        return [frozenset(d) for d in drops], dtype, words
+
     def saved_dtype_note(self) -> str:
         """What explain says about the dtype of the saved buffers the forward computes."""
         forced = self.choices.options.saved_dtype
@@ -396,6 +428,19 @@ def _narrowing(choices: PlanChoices, dtype: str) -> PlanChoices:
     built yet)."""
     options = replace(choices.options, saved_dtype=dtype)
     return replace(choices, options=options, _default=None)
+
+
+def _held_key(schedule, i: int) -> tuple:
+    value = schedule.values[i]
+    return value.op, value.shape, value.dtype, value.loc
+
+
+def rebuilt_joint(choices: PlanChoices, drop: frozenset, dtype: str | None):
+    """A value_and_grad's joint plan recomputing the held values drop names, its saved
+    buffers kept in dtype (None: as computed)."""
+    if dtype is not None and choices.options.saved_dtype != dtype:
+        choices = _narrowing(choices, dtype)
+    return choices.build(drop).plan
 
 
 def _significant_bits(dtype: str) -> int:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import replace
 
 from backplan.report.report import ExplainReport, InnerJoint, joint_report, region_report
 
+from .budget import rebuilt_joint
 from .captured_names import captured_names
 from .source import loc_text, user_frame_loc
 
@@ -18,16 +20,41 @@ def explain_traced(traced, cache_info) -> ExplainReport:
     report = region_report(
         traced.program, traces=cache_info.traces, retrace_reason=cache_info.last_miss_reason
     )
-    report.inner = [(joint, joint.report(report.backend)) for joint in traced.inner_joints]
+    joints = inner_as_run(traced.planner, traced.inner_joints)
+    report.inner = [(joint, joint.report(report.backend)) for joint in joints]
     return report
+
+
+def inner_as_run(planner, joints) -> list[InnerJoint]:
+    """The inlined value_and_grad plans as the step runs them: under a budget (or a saved
+    dtype) the step recomputes or narrows some of the values its inlined gradients read, so
+    each joint plan is rebuilt with the same choice (BudgetPlanner.inner_choices); else, or
+    when the step's held values cannot be matched to the joint plans', as traced."""
+    if planner is None or not joints or any(j.choices is None for j in joints):
+        return list(joints)
+    chosen = planner.inner_choices([j.choices for j in joints])
+    if chosen is None:
+        return list(joints)
+    drops, dtype, words = chosen
+    return [
+        replace(j, plan=rebuilt_joint(j.choices, drop, dtype), chosen_for=words)
+        for j, drop in zip(joints, drops, strict=True)
+    ]
 
 
 def inner_joint(entry, call, fn) -> InnerJoint:
     """A value_and_grad call being inlined into an enclosing trace, for that trace's report."""
     names = _joint_input_names(entry, call, fn)
     name = getattr(fn, "__name__", "fn")
+    choices = entry.planner.choices if entry.planner is not None else None
     return InnerJoint(
-        entry.plan, 1 + entry.n_aux, tuple(entry.wrt), names, name, loc_text(user_frame_loc())
+        entry.plan,
+        1 + entry.n_aux,
+        tuple(entry.wrt),
+        names,
+        name,
+        loc_text(user_frame_loc()),
+        choices,
     )
 
 

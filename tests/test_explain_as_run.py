@@ -1,0 +1,86 @@
+"""What explain prints is the plan that runs: a training step compiled with a budget or a saved
+dtype lists, inside its value_and_grad, the saved buffers of the plan the budget chose (the
+values it recomputes are not held, the narrowed ones are bfloat16), and its bytes equal what
+the step's own planner counts for that plan. Nothing here compiles (explain only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+DEPTH, WIDTH, BATCH = 4, 32, 128
+OPT = bp.optim.adam(1e-2)
+
+
+def loss_fn(params, x, y):
+    h = x
+    for w in params["ws"]:
+        h = bp.tanh(h @ w)
+    return bp.mean((h @ params["out"] - y) ** 2)
+
+
+def arguments():
+    rng = np.random.default_rng(1)
+    ws = [
+        bp.tensor((rng.standard_normal((WIDTH, WIDTH)) * 0.3).astype(np.float32))
+        for _ in range(DEPTH)
+    ]
+    params = {
+        "ws": ws,
+        "out": bp.tensor((rng.standard_normal((WIDTH, 2)) * 0.3).astype(np.float32)),
+    }
+    x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
+    return params, OPT.init(params), x, rng.standard_normal((BATCH, 2)).astype(np.float32)
+
+
+def train_step(**options):
+    @bp.compile(donate_argnums=(0, 1), **options)
+    def step(params, state, x, y):
+        loss, grads = bp.value_and_grad(loss_fn)(params, x, y)
+        params, state = OPT.update(grads, state, params)
+        return params, state, loss
+
+    return step
+
+
+def held(report) -> int:
+    """Bytes the inlined gradients hold from the forward, your own arrays excluded."""
+    return report.inner_saved_bytes - report.inner_saved_input_bytes
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_a_budgeted_training_step_lists_the_saved_buffers_of_the_plan_it_runs(backend):
+    with use_backend(backend):
+        points = train_step().memory_frontier(*arguments()).points
+        assert len(points) >= 2
+        default = train_step().explain(*arguments())
+        assert held(default) == points[0].saved_bytes
+        report = train_step(max_peak_bytes=points[-1].peak_bytes).explain(*arguments())
+        assert report.peak_bytes == points[-1].peak_bytes
+        assert held(report) == points[-1].saved_bytes < held(default)
+        text = str(report)
+        assert f"value_and_grad, {report.inner_saved_bytes:,} B" in text
+        assert "as max_peak_bytes=" in text
+
+
+def test_a_saved_bytes_budget_on_a_training_step_lists_what_it_keeps():
+    frontier_saved = train_step().memory_frontier(*arguments()).points[-1].saved_bytes
+    report = train_step(saved_bytes_budget=frontier_saved).explain(*arguments())
+    assert held(report) <= frontier_saved
+    assert "as saved_bytes_budget=" in str(report)
+
+
+@pytest.mark.parametrize("option", ["saved_dtype", "allow_saved_dtype"])
+def test_a_training_step_keeping_bfloat16_lists_bfloat16_saved_buffers(option):
+    default = train_step().explain(*arguments())
+    options = {option: bp.bfloat16}
+    if option == "allow_saved_dtype":
+        options["max_peak_bytes"] = default.peak_bytes - 1  # full precision does not fit
+    report = train_step(**options).explain(*arguments())
+    ((_, inner),) = report.inner
+    computed = [b for b in inner.saved_buffers if not b.is_region_input]
+    assert computed and all(b.dtype == np.dtype(bp.bfloat16) for b in computed)
+    assert held(report) == held(default) // 2
