@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 
 from .affinity import cpu_list_text, current_affinity, pin_process
-from .measure import Schedule, time_call
+from .measure import Schedule, time_call, timed_rounds
 
 DEFAULT_MODELS = ("mlp_tiny", "ln_gelu")
 KINDS = ("tensor", "numpy")
@@ -74,7 +76,8 @@ def add_jax_step(steps: dict, name: str) -> dict:
 
 
 def measure(steps: dict, schedule: Schedule) -> dict:
-    """Median step seconds per kind over interleaved rounds (the order alternates)."""
+    """Median step seconds per kind over the harness's interleaved rounds (each kind leads
+    some rounds)."""
     from backplan.bench.internals import wait_for_builds
 
     for step in steps.values():
@@ -85,14 +88,10 @@ def measure(steps: dict, schedule: Schedule) -> dict:
         for _ in range(schedule.warmup_steps):
             step()
         warm[kind] = statistics.median(time_call(step) for _ in range(3))
-    samples: dict[str, list[float]] = {kind: [] for kind in steps}
-    kinds = list(steps)
-    for r in range(schedule.rounds):
-        shift = r % len(kinds)  # each kind leads some rounds
-        for kind in kinds[shift:] + kinds[:shift]:
-            count = schedule.steps_per_round(warm[kind])
-            samples[kind] += [time_call(steps[kind]) for _ in range(count)]
-    return {kind: statistics.median(s) for kind, s in samples.items()}
+    counts = {kind: schedule.steps_per_round(warm[kind]) for kind in steps}
+    runners = {kind: SimpleNamespace(step=step) for kind, step in steps.items()}
+    timings = timed_rounds(runners, counts, replace(schedule, settle_steps=0))
+    return {kind: timing.median for kind, timing in timings.items()}
 
 
 def main(argv=None) -> None:

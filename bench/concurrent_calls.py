@@ -3,21 +3,21 @@
     python -m backplan.bench.concurrent_calls [--threads 2] [--seconds 3] [--batch 256]
 
 Each thread calls the same `bp.value_and_grad` of a small MLP (serial kernels, BLAS limited
-to one thread so the threads are what runs in parallel) for the given time; rounds alternate
-between 1 and N threads, and the medians of calls per second are printed. Kernels release the
+to one thread so the threads are what runs in parallel) in bursts of 20 calls; the harness's
+interleaved rounds alternate between 1 and N threads for the given time each, and total calls
+per second from the median bursts are printed. Kernels release the
 GIL and every call has its own scratch workspace, so N threads can approach N times one.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import threading
-import time
 
 import numpy as np
 
 import backplan as bp
+from backplan.bench.measure import interleaved_medians
 
 
 def mlp_loss(params, x, labels):
@@ -37,26 +37,54 @@ def make_args(batch: int, rng) -> tuple:
     return params, x, bp.tensor(rng.integers(0, 10, batch))
 
 
-def calls_per_second(step, args, threads: int, seconds: float) -> float:
-    """Total calls per second of `threads` threads each calling step(*args) for `seconds`."""
-    counts = [0] * threads
-    start = threading.Barrier(threads + 1)
+class Gang:
+    """`threads` threads that each call step(*args) `calls` times per burst(): one sample of
+    the harness's timing is one burst, started and ended at barriers so thread start-up is not
+    timed; a call that raises ends the burst and burst() raises it. close() ends the threads."""
 
-    def worker(i):
-        start.wait()
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            step(*args)
-            counts[i] += 1
+    def __init__(self, step, args, threads: int, calls: int):
+        self.step, self.args, self.calls, self.stopping = step, args, calls, False
+        self.error: BaseException | None = None
+        self.start, self.end = threading.Barrier(threads + 1), threading.Barrier(threads + 1)
+        self.pool = [threading.Thread(target=self._work, daemon=True) for _ in range(threads)]
+        for thread in self.pool:
+            thread.start()
 
-    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in pool:
-        t.start()
-    start.wait()
-    began = time.perf_counter()
-    for t in pool:
-        t.join()
-    return sum(counts) / (time.perf_counter() - began)
+    def _work(self) -> None:
+        while True:
+            self.start.wait()
+            if self.stopping:
+                return
+            try:
+                for _ in range(self.calls):
+                    self.step(*self.args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by burst() in the caller
+                self.error = exc
+            self.end.wait()
+
+    def burst(self) -> None:
+        self.start.wait()
+        self.end.wait()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.stopping = True
+        self.start.wait()
+        for thread in self.pool:
+            thread.join()
+
+
+def calls_per_second(step, args, counts: list[int], seconds: float, rounds: int) -> dict:
+    """{threads: total calls per second} for each thread count, from the medians of
+    interleaved rounds of bursts (bench/measure.py); a burst is 20 calls per thread."""
+    gangs = {n: Gang(step, args, n, calls=20) for n in counts}
+    try:
+        medians = interleaved_medians({n: g.burst for n, g in gangs.items()}, rounds, seconds)
+    finally:
+        for gang in gangs.values():
+            gang.close()
+    return {n: 1e3 * n * gangs[n].calls / medians[n] for n in counts}
 
 
 def main(argv=None) -> None:
@@ -76,15 +104,12 @@ def main(argv=None) -> None:
     args = make_args(options.batch, np.random.default_rng(0))
     for _ in range(20):
         step(*args)
-    rates = {1: [], options.threads: []}
-    for _ in range(options.rounds):
-        for n in rates:
-            rates[n].append(calls_per_second(step, args, n, options.seconds))
-    one = statistics.median(rates[1])
-    many = statistics.median(rates[options.threads])
+    rates = calls_per_second(step, args, [1, options.threads], options.seconds, options.rounds)
+    one, many = rates[1], rates[options.threads]
     print(
         f"1 thread: {one:.0f} calls/s; {options.threads} threads: {many:.0f} calls/s "
-        f"({many / one:.2f}x), medians of {options.rounds} rounds of {options.seconds} s"
+        f"({many / one:.2f}x), medians of {options.rounds} interleaved rounds of "
+        f"{options.seconds} s"
     )
 
 

@@ -17,12 +17,12 @@ for the slower rank) less what overlaps compute.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import backplan as bp
 import backplan.distributed as bpd
+from backplan.bench.measure import interleaved_medians
 from backplan.bench.models import BACKPLAN_KINDS, MODELS
 
 
@@ -79,16 +79,9 @@ def zero_state_text(vg, bucket_bytes, params, batch) -> str:
 
 def lockstep_medians(calls: dict, rounds: int, repeats: int) -> dict:
     """Median seconds per call of each entry, timed in interleaved rounds of a fixed number of
-    calls: every rank makes the same calls, so their collectives match (measure's
-    interleaved_medians picks counts from each process's own timings)."""
-    times: dict = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    calls (count=): every rank makes the same calls, so their collectives match."""
+    medians = interleaved_medians(calls, rounds, 0.0, count=repeats)
+    return {name: ms / 1e3 for name, ms in medians.items()}
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+
+from .measure import batch_for, best_ms
 
 # name: (batch, m, k, n, trans_a, trans_b); op(A) is m x k, op(B) is k x n.
 SHAPES = {
@@ -140,24 +141,11 @@ def _peer_runners(a, b, ta, tb, bf16=False) -> dict:
 
 
 def _gflops(fn, flops: float, samples: int = 8, target_s: float = 0.002) -> float:
-    """Best of several short samples: on a shared machine a sample shorter than a scheduler
-    slice is often not preempted, so the best is the library's speed, not the neighbours'."""
-    reps = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        elapsed = time.perf_counter() - start
-        if elapsed >= target_s:
-            break
-        reps *= 2
-    best = elapsed
-    for _ in range(samples - 1):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, time.perf_counter() - start)
-    return flops * reps / best / 1e9
+    """Best of several short samples (bench/measure.py's best_ms, batches of calls lasting
+    target_s): on a shared machine a sample shorter than a scheduler slice is often not
+    preempted, so the best is the library's speed, not the neighbours'."""
+    reps = batch_for(fn, target_s)
+    return flops / best_ms(fn, samples, reps) / 1e6
 
 
 def measure(rounds: int, dtype_name: str, width: int, threads: int = 1, shapes=SHAPES) -> dict:

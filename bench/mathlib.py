@@ -1,20 +1,21 @@
 """Time mathlib's functions in a Numba loop against NumPy/SciPy and show that the loops vectorise.
 
-Run by hand: ``python -m backplan.bench.mathlib [n ...]`` (default 65536 and 16M
-elements, single thread). Prints nanoseconds per element (best of many samples) for ours and
-NumPy/SciPy, their ratio, and whether the compiled loop uses packed AVX-512/AVX2 instructions
-with no scalar libm call left in it. The machine is shared and noisy: compare ratios.
+Run by hand: ``python -m backplan.bench.mathlib [n ...]`` (default 65536 and 16M elements,
+single thread). Prints nanoseconds per element (medians of interleaved rounds of batched calls,
+the harness's timing) for ours and NumPy/SciPy, their ratio, and whether the compiled loop uses
+packed AVX-512/AVX2 instructions with no scalar libm call left in it. The machine is shared and
+noisy: compare ratios.
 """
 
 import re
 import sys
-import time
 
 import numba
 import numpy as np
 from scipy import special
 
 from backplan.bench.internals import mathlib
+from backplan.bench.measure import interleaved_medians
 
 NUMPY_EQUIVALENTS = {
     "exp": np.exp,
@@ -57,21 +58,17 @@ def gelu_tanh_numpy(x, out):
     out *= x.dtype.type(0.5)
 
 
-def best_ns_per_element(n, *calls, samples=25):
-    """Best time per element of each call, alternating them so machine noise hits all alike.
+def ns_per_element(n, *calls, rounds=5, seconds=0.05):
+    """Each call's time per element: medians of interleaved rounds (bench/measure.py), so
+    machine noise hits all alike.
 
     Small arrays are called repeatedly within a sample, so they measure compute throughput
     from cache; 16M-element arrays also measure memory bandwidth.
     """
     inner = max(1, 2_000_000 // n)
-    best = [float("inf")] * len(calls)
-    for _ in range(samples):
-        for index, call in enumerate(calls):
-            start = time.perf_counter()
-            for _ in range(inner):
-                call()
-            best[index] = min(best[index], (time.perf_counter() - start) / inner / n)
-    return [1e9 * seconds for seconds in best]
+    steps = dict(enumerate(calls))
+    medians = interleaved_medians(steps, rounds, seconds, inner=inner)
+    return [1e6 * medians[index] / n for index in steps]
 
 
 def vectorisation(kernel):
@@ -90,7 +87,7 @@ def row(name, kernel, reference, make_input, sizes):
         x = make_input(n)
         out = np.empty_like(x)
         kernel(x, out)
-        ours, theirs = best_ns_per_element(
+        ours, theirs = ns_per_element(
             n, lambda x=x, out=out: kernel(x, out), lambda x=x, out=out: reference(x, out)
         )
         cells.append(f"{ours:8.3f} {theirs:8.3f} {theirs / ours:6.1f}")

@@ -98,15 +98,44 @@ def traced_peak_bytes(runner) -> int | None:
         tracemalloc.stop()
 
 
-def median_ms(step, seconds: float) -> float:
-    """The median of as many calls of step as fit in `seconds` (at least three), in ms."""
+def sample_ms(step, inner: int = 1) -> float:
+    """One sample: `inner` calls of step in a row, in ms per call. A step too short to time
+    alone (nanoseconds per element of a cached array) runs in batches."""
+    start = time.perf_counter()
+    for _ in range(inner):
+        step()
+    return (time.perf_counter() - start) * 1e3 / inner
+
+
+def samples_ms(step, seconds: float, inner: int = 1, count: int | None = None) -> list[float]:
+    """As many samples as fit in `seconds` (at least three), or exactly `count` of them where
+    every process must make the same calls (ranks whose collectives pair up)."""
+    if count is not None:
+        return [sample_ms(step, inner) for _ in range(count)]
     times = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(times) < 3:
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        times.append(sample_ms(step, inner))
+    return times
+
+
+def median_ms(step, seconds: float, inner: int = 1, count: int | None = None) -> float:
+    """The median of samples_ms, in ms per call."""
+    return statistics.median(samples_ms(step, seconds, inner, count))
+
+
+def best_ms(step, samples: int, inner: int = 1) -> float:
+    """The fastest of `samples` samples, in ms per call: for a machine's limit (an FMA peak, a
+    GEMM's rate), where a sample no neighbour preempted is the one that measures it."""
+    return min(sample_ms(step, inner) for _ in range(max(1, samples)))
+
+
+def batch_for(step, seconds: float) -> int:
+    """The calls per sample (a power of two) that make a sample last at least `seconds`."""
+    inner = 1
+    while sample_ms(step, inner) * inner < seconds * 1e3:
+        inner *= 2
+    return inner
 
 
 def max_relative_error(got, want) -> float:
@@ -119,10 +148,23 @@ def max_relative_error(got, want) -> float:
     )
 
 
-def interleaved_medians(steps: dict, rounds: int, seconds: float) -> dict[str, float]:
-    """{name: median over rounds of each round's median ms}; every round runs every step."""
+def interleaved_medians(
+    steps: dict,
+    rounds: int,
+    seconds: float,
+    inner: int | dict = 1,
+    count: int | None = None,
+    settle: int = 0,
+) -> dict[str, float]:
+    """{name: median over rounds of each round's median ms per call}; every round runs every
+    step, so drift in the machine's speed hits all alike. inner: calls per sample (one count,
+    or one per name); count: a fixed number of samples per turn instead of `seconds`; settle:
+    untimed calls before each turn (the previous step's thread pools may still spin)."""
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            samples[name].append(median_ms(step, seconds))
+            for _ in range(settle):
+                step()
+            calls = inner[name] if isinstance(inner, dict) else inner
+            samples[name].append(median_ms(step, seconds, calls, count))
     return {name: statistics.median(values) for name, values in samples.items()}

@@ -11,8 +11,6 @@ rounds, what each plan recomputes, and the planner's own time on a step of about
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
@@ -21,6 +19,7 @@ from backplan.bench.internals import plan_frontier, runner_for
 
 from .affinity import pin_process
 from .environment import cpu_name
+from .measure import interleaved_medians, timed
 from .models import MODELS
 from .models import transformer as transformer_model
 from .peers.backplan_peer import bench_function
@@ -156,23 +155,17 @@ def time_plans(plans, arrays: list, rounds: int, rounding=None) -> list[float]:
             )
         elif not same_outputs(outputs[0], out):
             raise RuntimeError(f"{plan.graph.name}: a budgeted plan's outputs differ")
-    times = [[] for _ in runners]
-    for _ in range(rounds):
-        for i, run in enumerate(runners):
-            args = list(flat)
-            start = time.perf_counter()
-            run(args)
-            times[i].append(time.perf_counter() - start)
-    return [1e3 * statistics.median(t) for t in times]
+    steps = {i: (lambda run=run: run(list(flat))) for i, run in enumerate(runners)}
+    medians = interleaved_medians(steps, rounds, 0.0, count=1)
+    return [medians[i] for i in steps]
 
 
 def planning_time() -> tuple[int, float]:
     fn, params, batch = deep_chain()
     entry = bp.value_and_grad(fn).trace(params, *batch)
     schedule = entry.planner.choices.schedule
-    start = time.perf_counter()
-    points = plan_frontier(schedule)
-    return len(schedule.steps), len(points), time.perf_counter() - start
+    seconds, points = timed(lambda: plan_frontier(schedule))
+    return len(schedule.steps), len(points), seconds
 
 
 def budget_rows(name: str, rounds: int, saved_dtype, timed: bool) -> None:

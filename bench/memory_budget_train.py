@@ -13,8 +13,6 @@ default plan's first.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
@@ -23,6 +21,7 @@ from backplan.bench.internals import checked_memory, measure
 
 from .affinity import pin_process
 from .environment import cpu_name
+from .measure import interleaved_medians
 from .memory_budget import FRACTIONS, MODEL_MAKERS
 
 
@@ -102,14 +101,15 @@ def first_steps(steps: dict, opt, params, batch) -> dict:
 
 def time_steps(running: dict, batch, rounds: int) -> dict:
     """{label: median ms per step}, rounds interleaved, each plan stepping its own state."""
-    times = {label: [] for label in running}
-    for _ in range(rounds):
-        for label, (step, held) in running.items():
-            start = time.perf_counter()
-            held[0], held[1], loss = step(held[0], held[1], *batch)
-            times[label].append(time.perf_counter() - start)
-            del loss
-    return {label: 1e3 * statistics.median(t) for label, t in times.items()}
+
+    def stepping(step, held):
+        def run():
+            held[0], held[1], _ = step(held[0], held[1], *batch)
+
+        return run
+
+    steps = {label: stepping(step, held) for label, (step, held) in running.items()}
+    return interleaved_medians(steps, rounds, 0.0, count=1)
 
 
 def budget_rows(fn, params, batch, rounds: int) -> dict:

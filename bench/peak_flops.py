@@ -8,7 +8,7 @@ GEMM can reach on this core at this width; frequency and the hypervisor are in t
 
 from __future__ import annotations
 
-import time
+from functools import partial
 
 from llvmlite import ir
 from numba import njit, types
@@ -16,6 +16,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from backplan.bench.internals import splat, vector_fma
+from backplan.bench.measure import best_ms, time_call
 
 ACCUMULATORS = 16
 
@@ -61,15 +62,7 @@ def peak_gflops_f32(width: int, seconds: float = 0.05, samples: int = 7) -> floa
     run = fma_chain(lanes)
     run(10, 0.999, 1e-3)
     iterations = 1 << 16
-    while True:
-        start = time.perf_counter()
-        run(iterations, 0.999, 1e-3)
-        if time.perf_counter() - start >= seconds:
-            break
+    while time_call(partial(run, iterations, 0.999, 1e-3)) < seconds:
         iterations *= 2
-    best = float("inf")
-    for _ in range(samples):
-        start = time.perf_counter()
-        run(iterations, 0.999, 1e-3)
-        best = min(best, time.perf_counter() - start)
+    best = best_ms(partial(run, iterations, 0.999, 1e-3), samples) / 1e3
     return 2.0 * ACCUMULATORS * lanes * iterations / best / 1e9

@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 
 def child(models: list[str], cpus: list[int], rounds: int, peer: str) -> dict[str, float]:
@@ -43,18 +42,22 @@ def child(models: list[str], cpus: list[int], rounds: int, peer: str) -> dict[st
         runners[name] = PEERS[peer]().build(spec, spec.inputs(False, np.dtype("float32")))
         runners[name].step()
     driver_builder.wait_for_builds()
-    samples: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(rounds):
-        for name, runner in runners.items():
-            runner.step()
-            times = []
-            deadline = time.perf_counter() + 0.3
-            while time.perf_counter() < deadline or len(times) < 3:
-                start = time.perf_counter()
-                runner.step()
-                times.append(time.perf_counter() - start)
-            samples[name].append(statistics.median(times))
-    return {name: statistics.median(values) for name, values in samples.items()}
+    steps = {name: runner.step for name, runner in runners.items()}
+    medians = this_checkouts_timing().interleaved_medians(steps, rounds, 0.3, settle=1)
+    return {name: ms / 1e3 for name, ms in medians.items()}
+
+
+def this_checkouts_timing():
+    """bench/measure.py beside this file, loaded by path: the same timing for installation A,
+    which may predate it (measure.py needs only the standard library)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measure.py")
+    spec = importlib.util.spec_from_file_location("bench_measure_of_this_checkout", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
 
 
 def run(

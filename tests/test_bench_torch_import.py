@@ -27,7 +27,14 @@ def run_cli(*argv: str) -> tuple[int, str]:
 def test_the_bench_cli_times_the_imported_model_beside_torch_eager(tmp_path):
     path = tmp_path / "run.json"
     code, text = run_cli(
-        "--quick", "--small", "--models", "mlp_tiny", "--against", "torch.eager", "--json", str(path)
+        "--quick",
+        "--small",
+        "--models",
+        "mlp_tiny",
+        "--against",
+        "torch.eager",
+        "--json",
+        str(path),
     )
     rows = {r["peer"]: r for r in json.loads(path.read_text())["results"]}
     assert code == 0, rows
@@ -50,7 +57,11 @@ def test_the_imported_row_comes_with_any_torch_peer_and_only_then():
         return [peer.name for peer in select_peers(list(against))]
 
     assert names("torch") == [
-        "backplan", "backplan.compile", "backplan.from_torch", "torch", "torch.compile"
+        "backplan",
+        "backplan.compile",
+        "backplan.from_torch",
+        "torch",
+        "torch.compile",
     ]
     assert "backplan.from_torch" in names("numpy", "torch.compile")
     assert "backplan.from_torch" not in names("numpy", "jax")
