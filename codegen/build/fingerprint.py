@@ -65,9 +65,12 @@ GEMM_DEPENDENCIES = tuple(
     for name in (
         "api.py",
         "blocking.py",
+        "dot_driver.py",
+        "dot_kernel.py",
         "driver.py",
         "kernel.py",
         "pack.py",
+        "pair_pack.py",
         "scratch.py",
         "symbols.py",
         "transpose_pack.py",

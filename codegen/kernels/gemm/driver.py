@@ -13,6 +13,7 @@ than it saves (128x256x256 1.41 in place against 1.26 packed; 32x128x128 0.81 ag
 
 A and B may be bfloat16 (uint16 bits) with C float32: pack.py widens them into the float32
 panels, so the products and the sums are float32, as a float32 GEMM of the widened operands.
+Where the CPU has AVX512_BF16 the bfloat16 GEMM runs dot_driver.py instead (symbols.py).
 """
 
 import numpy as np
@@ -48,7 +49,7 @@ def _kernel(width, kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta, like):
 
 
 @njit(cache=True, nogil=True)
-def _scale(c, beta):
+def scale_c(c, beta):
     """C = beta * C (k == 0 or alpha == 0); beta == 0 writes zeros without reading C."""
     for i in range(c.shape[0]):
         for j in range(c.shape[1]):
@@ -56,7 +57,7 @@ def _scale(c, beta):
 
 
 @njit(cache=True, nogil=True)
-def _store_edge(tile, nr, c, i, j, rows, cols, alpha, beta):
+def store_edge(tile, nr, c, i, j, rows, cols, alpha, beta):
     """The valid rows x cols corner of an edge tile into C."""
     for r in range(rows):
         for q in range(cols):
@@ -88,7 +89,7 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
     if m == 0 or n == 0:
         return
     if k == 0 or alpha == 0:
-        _scale(c, beta)
+        scale_c(c, beta)
         return
     a_pack, b_pack, tile = work
     size = c.itemsize
@@ -133,4 +134,4 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                             _kernel(
                                 width, kc, a_addr, b_addr, ldb, tile.ctypes.data, nr, 1.0, 0.0, c
                             )
-                            _store_edge(tile, nr, c, i, j, rows, cols, alpha, beta_p)
+                            store_edge(tile, nr, c, i, j, rows, cols, alpha, beta_p)

@@ -40,3 +40,42 @@ def active_isa() -> str:
 def vector_width() -> int:
     """Bits per vector register of the active path: the `width` argument of the GEMM."""
     return ISA_WIDTH[active_isa()]
+
+
+# How a GEMM with bfloat16 operands multiplies: "dot" runs VDPBF16PS on k-pairs (dot_kernel.py),
+# "widen" widens the operands to float32 while packing and runs the float32 micro-kernel.
+BF16_PATHS = ("dot", "widen")
+
+
+def _target_has_bf16_dot() -> bool:
+    """Whether the code Numba generates may use AVX512_BF16: the features it compiles for
+    (NUMBA_CPU_FEATURES when set, else the host's, as LLVM reads them)."""
+    from llvmlite import binding
+    from numba.core import config
+
+    if config.CPU_FEATURES:
+        return "+avx512bf16" in config.CPU_FEATURES.split(",")
+    features = binding.get_host_cpu_features()
+    return bool(features.get("avx512bf16")) and bool(features.get("avx512f"))
+
+
+@functools.cache
+def bf16_gemm_path() -> str:
+    """'dot' where the target has AVX512_BF16 and the 512-bit path is active, else 'widen';
+    BACKPLAN_GEMM_BF16=widen forces the widening path (=dot refuses a host without it: LLVM
+    cannot compile the instruction there)."""
+    forced = os.environ.get("BACKPLAN_GEMM_BF16", "").strip().lower()
+    if forced and forced not in BF16_PATHS:
+        raise GemmIsaError(
+            f"BACKPLAN_GEMM_BF16={forced!r} is not one of {list(BF16_PATHS)}; "
+            "unset it to use VDPBF16PS where the host CPU has AVX512_BF16"
+        )
+    available = _target_has_bf16_dot()
+    if forced == "dot" and not available:
+        raise GemmIsaError(
+            "BACKPLAN_GEMM_BF16='dot' needs a CPU with AVX512_BF16 (VDPBF16PS), which this "
+            "host (or NUMBA_CPU_FEATURES) lacks; unset it to widen bfloat16 operands instead"
+        )
+    if forced:
+        return forced
+    return "dot" if available and active_isa() == "avx512" else "widen"

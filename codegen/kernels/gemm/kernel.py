@@ -78,7 +78,7 @@ def _accumulate(builder, kc, a, b, ldb, vec, mr, nv):
     return [[builder.load(acc) for acc in row] for row in accs]
 
 
-def _store_tile(builder, sums, c, ldc, alpha, beta, vec):
+def store_tile(builder, sums, c, ldc, alpha, beta, vec):
     """C = alpha * sums + beta * C, with C left unread when beta == 0 (it may hold NaN)."""
     intp, lanes, align = ldc.type, vec.count, _align(vec)
     alpha_vec, beta_vec = splat(builder, alpha, vec), splat(builder, beta, vec)
@@ -114,7 +114,7 @@ def _emit_kernel(builder, args, scalar, lanes, mr, nv):
     ptr = ir.PointerType(scalar)
     a, b, c = (builder.inttoptr(addr, ptr) for addr in (a_addr, b_addr, c_addr))
     sums = _accumulate(builder, kc, a, b, ldb, vec, mr, nv)
-    _store_tile(builder, sums, c, ldc, alpha, beta, vec)
+    store_tile(builder, sums, c, ldc, alpha, beta, vec)
 
 
 def _make_kernel(width: int):

@@ -9,6 +9,11 @@ one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`, and
 from the signed cache the first time anything needs it; callers declare the symbol and call it,
 which costs them a few instructions to compile.
 
+`backplan_gemm_bf16` is one of two functions, chosen once per process (isa.bf16_gemm_path):
+VDPBF16PS dot products on k-pair panels where the CPU has AVX512_BF16 (dot_driver.py), else
+operands widened to float32 while packing. Callers name the symbol only, so their compiled
+code (and its cache) is the same either way.
+
 The symbol has to exist in the process before code that calls it is compiled or loaded: the
 call intrinsic registers it while it is compiled, and the signed cache registers it before it
 loads any cached function whose machine code names it (`cache_signing.before_load`).
@@ -26,7 +31,12 @@ from numba.np.arrayobj import make_array, populate_array
 
 from backplan.codegen.build import cache_signing, compile_notice, progress
 from backplan.codegen.jit import load_cached, njit
-from backplan.codegen.kernels.gemm import scratch
+from backplan.codegen.kernels.gemm import isa, scratch
+from backplan.codegen.kernels.gemm.dot_driver import (
+    dot_workspace,
+    dot_workspace_sizes,
+    gemm_blocked_dot,
+)
 from backplan.codegen.kernels.gemm.driver import (
     KC,
     MC,
@@ -116,6 +126,18 @@ def _kept_workspace(width, base, c):
     )
 
 
+@njit(cache=True, nogil=True)
+def _kept_dot_workspace(base):
+    """dot_workspace's buffers inside a slot's kept buffer at `base` (they take fewer bytes
+    than the float32 workspace the buffer is sized for)."""
+    a_size, b_size, tile_size = dot_workspace_sizes(KC, MC, NC)
+    return (
+        scratch.vector_at(base, a_size, np.uint16(0)),
+        scratch.vector_at(base + a_size * 2, b_size, np.uint16(0)),
+        scratch.vector_at(base + (a_size + b_size) * 2, tile_size, np.float32(0)),
+    )
+
+
 @njit(cache=True, nogil=True, _nrt=True)
 def _gemm_f32(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
@@ -134,12 +156,42 @@ def _gemm_bf16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, b
     return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.uint16(0))
 
 
+@njit(cache=True, nogil=True, _nrt=True)
+def _gemm_bf16_dot(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    """The bf16 GEMM on VDPBF16PS (`width` is not read: the kernel is 512-bit)."""
+    a_rows, a_cols = (k, m) if ta else (m, k)
+    b_rows, b_cols = (n, k) if tb else (k, n)
+    a_matrix = _matrix(a, a_rows, a_cols, a0, a1, np.uint16(0))
+    b_matrix = _matrix(b, b_rows, b_cols, b0, b1, np.uint16(0))
+    c_matrix = _matrix(c, m, n, c0, c1, np.float32(0))
+    slot = _free_slot()
+    base = scratch.buffer_of(slot) if slot >= 0 else 0
+    if base == 0:
+        if slot >= 0:
+            scratch.give_back(slot)
+            slot = -1
+        work = dot_workspace(KC, MC, NC)
+    else:
+        work = _kept_dot_workspace(base)
+    gemm_blocked_dot(ta != 0, tb != 0, alpha, a_matrix, b_matrix, beta, c_matrix, work, KC, MC, NC)
+    if slot >= 0:
+        scratch.give_back(slot)
+    return 0
+
+
 # The entries ask for Numba's reference counting (_nrt=True) although a caller's compile may
 # run without it: the GEMM is first compiled when a kernel that calls it is, and a function
 # compiled inside another one inherits that one's settings where it does not set its own (a
 # lean GEMM kernel's compile then failed with "NRT required but not enabled").
 _FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64, "bf16": _gemm_bf16}
 _registered: set[str] = set()
+
+
+def entry(dtype: str):
+    """The dispatcher published as PREFIX + dtype in this process."""
+    if dtype == "bf16" and isa.bf16_gemm_path() == "dot":
+        return _gemm_bf16_dot
+    return _FUNCTIONS[dtype]
 
 
 def ensure_registered(dtype: str) -> None:
@@ -152,8 +204,7 @@ def ensure_registered(dtype: str) -> None:
     with global_compiler_lock:
         if dtype in _registered:
             return
-        dispatcher = _FUNCTIONS[dtype]
-        result = _load_or_compile(dispatcher, dtype)
+        result = _load_or_compile(entry(dtype), dtype)
         address = result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)
         binding.add_symbol(PREFIX + dtype, address)
         _registered.add(dtype)
