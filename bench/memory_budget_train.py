@@ -49,12 +49,14 @@ def variants(fn, opt, params, batch) -> dict:
     planner = train_step(fn, opt).trace(p, opt.init(p), *batch).planner
     held = planner.choices.schedule.held_bytes()
     steps = {"default": (lambda: train_step(fn, opt), held)}
-    for fraction in FRACTIONS[1:]:
-        limit = int(held * fraction)
-        steps[f"saved <= 1/{round(1 / fraction)}"] = (
-            lambda limit=limit: train_step(fn, opt, saved_bytes_budget=limit),
-            limit,
-        )
+    limits = {f"saved <= 1/{round(1 / f)}": int(held * f) for f in FRACTIONS[1:]}
+    fewest = planner.saved_chain(planner.build())[-1].saved  # a lower budget: a higher peak
+    limits[f"saved <= {fewest:,} (the fewest at no higher peak)"] = fewest
+    for label, limit in limits.items():
+        if limit < fewest:
+            print(f"{label}: refused (saved_bytes_budget never gives a higher peak)")
+            continue
+        steps[label] = (lambda limit=limit: train_step(fn, opt, saved_bytes_budget=limit), limit)
     return steps
 
 

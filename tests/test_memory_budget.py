@@ -123,7 +123,12 @@ def test_a_budget_on_a_training_step_recomputes_in_its_inlined_gradients():
         np.testing.assert_allclose(new.numpy(), old.numpy(), rtol=1e-6, atol=1e-7)
     with pytest.raises(bp.MemoryBudgetError, match=rf"reaches is {smallest:,} B"):
         _training_step(outer=smallest - 1)(ws, x, k)
-    saved_ws, _ = _training_step(saved=1)(ws, x, k)  # every held value recomputed
+    planner = _training_step().trace(ws, x, k).planner
+    fewest = planner.saved_chain(planner.build())[-1].saved  # at a peak no higher
+    assert fewest < planner.choices.schedule.held_bytes()
+    saved_ws, _ = _training_step(saved=fewest)(ws, x, k)
+    with pytest.raises(bp.MemoryBudgetError, match="saved_bytes_budget=1 cannot be met"):
+        _training_step(saved=1)(ws, x, k)
     for new, old in zip(saved_ws, plain_ws, strict=True):
         np.testing.assert_allclose(new.numpy(), old.numpy(), rtol=1e-6, atol=1e-7)
 

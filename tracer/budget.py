@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, replace
 
-from backplan.ir.budget import PlanPoint, cheapest_within, plan_frontier, refined_within
+from backplan.ir.budget import PlanPoint, plan_frontier, refined_within
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
 from backplan.ir.peak import predicted_peak
@@ -72,6 +72,18 @@ class EvaluatedPoint:
     saved_dtype: str | None = None  # the saved buffers' narrower dtype (allow_saved_dtype)
 
 
+@dataclass(frozen=True)
+class SavedLink:
+    """A plan of saved_bytes_budget's chain: its saved bytes (as the budget counts them), its
+    step peak, the plans, and the frontier point and narrowing it comes from (None: default)."""
+
+    saved: int
+    peak: int
+    plans: object
+    point: PlanPoint | None = None
+    narrowed: bool = False
+
+
 class BudgetPlanner:
     """The choices of one traced signature and what its plans weigh. allow_dtype (a 16-bit
     float, `allow_saved_dtype=`): a budget may also be met by keeping the saved buffers the
@@ -93,6 +105,7 @@ class BudgetPlanner:
         self._built: dict[tuple, EvaluatedPoint] = {}
         self._points: dict[tuple, list] = {}
         self.recomputed_for: tuple | None = None  # (budget words, point chosen, narrowed)
+        self._chain: list[SavedLink] | None = None  # saved_chain, built once
 
     def build(self, drop: frozenset = frozenset(), narrowed: bool = False):
         return (self._narrow_choices if narrowed else self.choices).build(drop)
@@ -309,25 +322,77 @@ class BudgetPlanner:
         raise MemoryBudgetError(self.refusal(limit, "max_peak_bytes"))
 
     def fit_saved(self, limit: int, default_plans):
-        """saved_bytes_budget: the default plans if their saved bytes fit, else the cheapest
-        plan whose saved bytes (your own arrays excluded) fit; MemoryBudgetError if none.
-        In a step whose gradients come from an inlined value_and_grad, its saved bytes are
-        the forward values those gradients read."""
-        if self._default_saved(default_plans) <= limit:
-            return default_plans
+        """saved_bytes_budget: the first plan of the saved chain (saved_chain) whose saved bytes
+        (your own arrays excluded) fit limit; MemoryBudgetError if none. In a step whose
+        gradients come from an inlined value_and_grad, its saved bytes are the forward values
+        those gradients read. A lower budget never gives a higher peak: along the chain saved
+        bytes fall and peaks never rise, and a lower budget takes a later link."""
+        chain = self.saved_chain(default_plans)
+        for link in chain:
+            if link.saved <= limit:
+                if link.narrowed:
+                    self.narrowed_for = f"saved_bytes_budget={limit:,}"
+                if link.point is not None and link.point.drop:
+                    words = f"saved_bytes_budget={limit:,}"
+                    self.recomputed_for = (words, link.point, link.narrowed)
+                return link.plans
+        raise MemoryBudgetError(self._saved_refusal(limit, chain))
+
+    def saved_chain(self, default_plans) -> list[SavedLink]:
+        """The plans saved_bytes_budget chooses from, fewest added FLOPs first: the default
+        plan, then each candidate (the frontier's points for peak and for saved bytes, and with
+        allow_dtype the same narrowed) that saves fewer bytes than the link before it at a
+        peak no higher. A candidate saving less at a higher peak is left out: a budget that
+        chose it would give a higher peak than a larger budget's plan."""
+        if self._chain is not None:
+            return self._chain
+        default = self.evaluate_default()
+        chain = [SavedLink(self._default_saved(default_plans), default.peak_bytes, default_plans)]
+        for point, narrowed in self._saved_candidates():
+            evaluated = self.evaluate(point, narrowed)
+            saved = self._saved_of(point, narrowed, evaluated.plans)
+            last = chain[-1]
+            if saved < last.saved and evaluated.peak_bytes <= last.peak:
+                chain.append(
+                    SavedLink(saved, evaluated.peak_bytes, evaluated.plans, point, narrowed)
+                )
+        self._chain = chain
+        return chain
+
+    def _saved_candidates(self) -> list[tuple]:
+        seen, points = set(), []
+        for point in self.points("peak") + self.points("saved"):
+            if point.drop not in seen:
+                seen.add(point.drop)
+                points.append(point)
+        built = [(self.evaluate(p, n), p, n) for p, n in self.candidates(points)]
+        built.sort(key=lambda b: (b[0].added_flops, b[2], -b[0].peak_bytes))
+        return [(p, n) for _, p, n in built]
+
+    def _saved_refusal(self, limit: int, chain: list[SavedLink]) -> str:
+        """Why no plan of the saved chain fits: the fewest saved bytes it reaches, and (when
+        plans outside it save fewer) why those are not used."""
+        fewest = chain[-1]
+        text = (
+            f"{self.name}: saved_bytes_budget={limit:,} cannot be met: the fewest saved bytes a "
+            f"plan keeps without a higher peak is {fewest.saved:,} (values the backward reads "
+            "that nothing cheaper rebuilds"
+        )
         if self.allow_dtype is not None:
-            return self._fit_saved_narrowed(limit)
-        point = cheapest_within(self.points_for(limit, "saved"), limit, "saved")
-        if point is None:
-            lowest = min((p.held_bytes for p in self.points("saved")), default=0)
-            raise MemoryBudgetError(
-                f"{self.name}: saved_bytes_budget={limit:,} cannot be met: the fewest saved "
-                f"bytes any plan keeps is {lowest:,} (values the backward reads that nothing "
-                "cheaper rebuilds); raise the budget or use max_peak_bytes"
+            text += f", with the saved buffers in {np_dtype(self.allow_dtype).name}"
+        text += ")"
+        lower = [
+            (self._saved_of(p, n, self.evaluate(p, n).plans), self.evaluate(p, n).peak_bytes)
+            for p, n in self._saved_candidates()
+        ]
+        below = min((pair for pair in lower if pair[0] < fewest.saved), default=None)
+        if below is not None:
+            text += (
+                f"; a plan keeping {below[0]:,} peaks at {format_bytes(below[1])}, above "
+                f"the {format_bytes(fewest.peak)} of the plan keeping {fewest.saved:,}, and a "
+                "lower saved budget never gives a higher peak"
             )
-        if point.drop:
-            self.recomputed_for = (f"saved_bytes_budget={limit:,}", point, False)
-        return self.build(point.drop)
+        return text + "; raise the budget or use max_peak_bytes (the whole step's peak)"
 
     def _default_saved(self, default_plans) -> int:
         """The bytes the default plan keeps for its gradients: a region's saved buffers, or,
@@ -343,21 +408,6 @@ class BudgetPlanner:
         if not self.choices.inlined_gradients:
             return plans.saved_bytes
         return self._narrowed_held(point) if narrowed else point.held_bytes
-
-    def _fit_saved_narrowed(self, limit: int):
-        """fit_saved with allow_dtype: the first candidate whose built plans' saved bytes fit."""
-        for point, narrowed in self.candidates(self.points_for(limit, "saved")):
-            plans = self.build(point.drop, narrowed)
-            if self._saved_of(point, narrowed, plans) <= limit:
-                self.narrowed_for = f"saved_bytes_budget={limit:,}" if narrowed else None
-                if point.drop:
-                    self.recomputed_for = (f"saved_bytes_budget={limit:,}", point, narrowed)
-                return plans
-        raise MemoryBudgetError(
-            f"{self.name}: saved_bytes_budget={limit:,} cannot be met, even with the saved "
-            f"buffers in {np_dtype(self.allow_dtype).name} and every cheaper value recomputed; "
-            "raise the budget or use max_peak_bytes"
-        )
 
     def _check_inputs_fit(self, limit: int, option: str) -> None:
         if limit < self.input_bytes:

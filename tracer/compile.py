@@ -279,19 +279,17 @@ class CompiledFunction(PlannedFunction):
             if call.arguments[p] in self.arguments.donate_names and not call.key.leaves[p].weak
         )
         check_donated_inputs(names, donated, wrt)
-        options = PipelineOptions(
-            remat=self.remat,
-            saved_bytes_budget=self.saved_bytes_budget,
-            saved_dtype=self.saved_dtype,
-            donated=donated,
-        )
+        # saved_bytes_budget is met by the planner (fit_saved), not by stopping the cheap
+        # recomputation early: that gave plans outside the planner's monotone chain
+        options = PipelineOptions(remat=self.remat, saved_dtype=self.saved_dtype, donated=donated)
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
         choices = plan_choices(graph, wrt, options, inlined=trace.inlined_losses)
         planner = BudgetPlanner(choices, input_bytes, name, self.allow_saved_dtype)
         planner.inlined = [joint.loc for joint in trace.inner_joints]
         plans = self._plans_within_budget(planner)
         program = RegionProgram(plans, name=name, input_names=names, background=self.background)
-        if self.max_peak_bytes is None:  # a budgeted step keeps the plans the budget chose
+        if self.max_peak_bytes is None and self.saved_bytes_budget is None:  # a budgeted step
+            # keeps the plans the budget chose
             program.joint_step = joint_step_for(graph, plans, options, self.background)
         return TracedFunction(
             program,

@@ -1,0 +1,78 @@
+"""saved_bytes_budget: a lower budget never gives a higher peak. Swept from the default plan's
+saved bytes down to one byte, on both backends (explain only, nothing compiles), for a compiled
+function and a training step: every budget is met (saved bytes within it) at a peak no higher
+than any larger budget's, or refused, and once refused every lower budget is refused too, the
+refusal saying why and pointing at max_peak_bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_explain_as_run import arguments, held, train_step
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+DEPTH, WIDTH, BATCH = 8, 16, 32
+
+
+def deep_loss(ws, x, k):
+    h = x
+    for i, w in enumerate(ws):
+        h = bp.tanh(h @ w)
+        if i == 2:
+            h = bp.dropout(h, 0.25, k)
+    return (h * h).sum()
+
+
+def deep_arguments():
+    rng = np.random.default_rng(0)
+    ws = [(rng.standard_normal((WIDTH, WIDTH)) * 0.4).astype(np.float32) for _ in range(DEPTH)]
+    params = [bp.tensor(w, requires_grad=True) for w in ws]
+    return params, rng.standard_normal((BATCH, WIDTH)).astype(np.float32), bp.random.key(3)
+
+
+def region_saved(report) -> int:
+    return report.saved_bytes - report.saved_input_bytes
+
+
+CASES = {
+    "compile": (
+        lambda budget: bp.compile(deep_loss, saved_bytes_budget=budget),
+        deep_arguments,
+        region_saved,
+        bp.compile(deep_loss),
+    ),
+    "training step": (
+        lambda budget: train_step(saved_bytes_budget=budget),
+        arguments,
+        held,
+        train_step(),
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_lower_saved_budget_never_gives_a_higher_peak(case, backend):
+    make, args, saved_of, default_fn = CASES[case]
+    with use_backend(backend):
+        default = default_fn.explain(*args())
+        top = saved_of(default)
+        budgets = sorted({max(1, top - top * k // 16) for k in range(17)}, reverse=True)
+        peaks, refused = [], []
+        for budget in budgets:
+            try:
+                report = make(budget).explain(*args())
+            except bp.MemoryBudgetError as error:
+                refused.append(budget)
+                assert "never gives a higher peak" in str(error) or "fewest saved" in str(error)
+                assert "max_peak_bytes" in str(error)
+                continue
+            assert not refused, f"{budget} met after a larger budget {refused[0]} was refused"
+            assert saved_of(report) <= budget
+            peaks.append(report.peak_bytes)
+        assert peaks[0] == default.peak_bytes  # the default plan meets its own saved bytes
+        assert peaks == sorted(peaks, reverse=True), list(zip(budgets, peaks, strict=False))
+        assert len(set(peaks)) >= 2  # some budget lowers the peak
+        assert refused and refused[-1] == 1  # saving nothing is out of reach here
