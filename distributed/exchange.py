@@ -34,11 +34,22 @@ class Exchange:
         for bucket in self.layout.buckets[len(self.started) :]:
             if bucket.ready_step > step:
                 return
-            buffer = np.concatenate([array_of(leaf).ravel() for leaf in bucket.leaves])
-            if self.weight is not None:
-                scale_by_weight(buffer, self.weight)
-            request = self.world.comm.Iallreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
-            self.started.append((bucket, buffer, request))
+            self._start(bucket, array_of)
+
+    def start_rest(self, array_of) -> None:
+        """Start every bucket the compiled step did not start itself (in_plan.py);
+        array_of(leaf index) is this rank's array of that leaf."""
+        done = {bucket.index for bucket, _, _ in self.started}
+        for bucket in self.layout.buckets:
+            if bucket.index not in done:
+                self._start(bucket, lambda leaf: array_of(leaf.index))
+
+    def _start(self, bucket, array_of) -> None:
+        buffer = np.concatenate([array_of(leaf).ravel() for leaf in bucket.leaves])
+        if self.weight is not None:
+            scale_by_weight(buffer, self.weight)
+        request = self.world.comm.Iallreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
+        self.started.append((bucket, buffer, request))
 
     def progress(self) -> None:
         """MPI moves non-blocking collectives along only inside MPI calls (without an
@@ -50,11 +61,11 @@ class Exchange:
         """Wait for each bucket in order and unpack it; unpacking bucket k overlaps the transfer
         of the buckets after it. Returns the loss and gradients in leaf order."""
         results: list = [None] * self.layout.n_leaves
-        for k, (bucket, buffer, request) in enumerate(self.started):
+        for bucket, buffer, request in self.started:
             if self.timeout is None:
                 request.Wait()
             else:
-                wait_or_raise(request, self.timeout, f"the allreduce of bucket {k}")
+                wait_or_raise(request, self.timeout, f"the allreduce of bucket {bucket.index}")
             if self.average and self.weight is None:
                 buffer /= buffer.dtype.type(self.world.size)
             buffer.flags.writeable = False

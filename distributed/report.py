@@ -23,6 +23,7 @@ class BucketRow:
     start_step: int  # when it does start: before this step (plan_steps: after the call)
     steps_after_ready: int  # plan steps left after ready_step, compute a split plan could hide
     bytes_sent: int  # per rank, ring allreduce
+    calls_in_flight: int | None = None  # started inside the call: driver calls run meanwhile
 
 
 class DataParallelReport:
@@ -31,9 +32,18 @@ class DataParallelReport:
     exchange); print() shows them as a table."""
 
     def __init__(
-        self, layout: Layout, size: int, bucket_bytes: int, split: bool = False, accumulate=1
+        self,
+        layout: Layout,
+        size: int,
+        bucket_bytes: int,
+        split: bool = False,
+        accumulate=1,
+        in_plan: dict | None = None,
     ):
         self.layout = layout
+        # bucket index -> (plan step its allreduce starts after, driver calls while in flight),
+        # for the buckets the compiled driver starts itself (distributed/in_plan.py)
+        self.in_plan = in_plan or {}
         self.accumulate = accumulate
         self.split = split
         self.size = size
@@ -53,6 +63,10 @@ class DataParallelReport:
 
     def _row(self, bucket: Bucket) -> BucketRow:
         ready = bucket.ready_step
+        inside = self.in_plan.get(bucket.index)
+        start = ready + 1 if self.split else self.plan_steps
+        if inside is not None:
+            start = max(inside[0], ready) + 1
         return BucketRow(
             index=bucket.index,
             leaves=tuple(leaf.path for leaf in bucket.leaves),
@@ -60,9 +74,10 @@ class DataParallelReport:
             nbytes=bucket.nbytes,
             ready_step=ready,
             ready_text=bucket.ready_leaf.ready_text,
-            start_step=ready + 1 if self.split else self.plan_steps,
+            start_step=start,
             steps_after_ready=self.plan_steps - 1 - ready,
             bytes_sent=ring_bytes_sent(bucket.nbytes, self.size),
+            calls_in_flight=None if inside is None else inside[1],
         )
 
     def __str__(self) -> str:
@@ -99,6 +114,13 @@ class DataParallelReport:
             how = (
                 f"The joint plan of {steps} runs as {len(self.cuts()) + 1} segments, cut after "
                 "each bucket's last write. Each rank adds up the"
+            )
+        elif self.in_plan:
+            how = (
+                f"The joint plan runs forward and backward as one compiled call of {steps}, "
+                f"whose driver starts {len(self.in_plan)} of the buckets itself, right after "
+                "the kernel that finishes each, writing the gradients straight into the bucket "
+                "buffers (no copy). Each rank adds up the"
             )
         else:
             how = (
@@ -165,6 +187,8 @@ class DataParallelReport:
         return sorted({b.ready_step for b in self.buckets if 0 <= b.ready_step < last})
 
     def _start_text(self, row: BucketRow) -> str:
+        if row.calls_in_flight is not None:
+            return f"after s{row.start_step - 1}, inside the call"
         if row.start_step >= self.plan_steps:
             return f"s{self.plan_steps} (call returns)"
         return f"before s{row.start_step} (segment ends)"
@@ -176,6 +200,19 @@ class DataParallelReport:
                 "Overlap: each bucket's allreduce is in flight while the plan steps after its "
                 f"cut run: {hidden}. Without an asynchronous progress thread MPI moves it along "
                 "only inside MPI calls, which the step makes between segments."
+            )
+            return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
+        if self.in_plan:
+            calls = ", ".join(
+                f"bucket {b.index}: {b.calls_in_flight}"
+                for b in self.buckets
+                if b.calls_in_flight is not None
+            )
+            text = (
+                "Overlap: each bucket started inside the call is in flight while the driver's "
+                f"later calls run, and the driver tests it after each (MPI moves a non-blocking "
+                f"collective only inside MPI calls); calls run while in flight: {calls}. The "
+                "step waits for every bucket after the call returns."
             )
             return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
         text = (

@@ -7,7 +7,9 @@ from math import inf
 
 import numpy as np
 
+from backplan.codegen.run.memory_check import checking
 from backplan.runtime import is_grad_enabled
+from backplan.runtime.backend import current_backend
 from backplan.tracer.fastpath import call_key, positions_of
 from backplan.tracer.functional import GradFunction, ValueAndGradFunction
 from backplan.tracer.pytree import flatten, unflatten
@@ -20,6 +22,7 @@ from .buckets import DEFAULT_BUCKET_BYTES
 from .deadline import roll_call, wait_or_raise
 from .errors import RankMismatchError
 from .exchange import Exchange
+from .in_plan import InPlanExchange
 from .layout import Layout, build_layout
 from .report import DataParallelReport
 from .rows import batch_lengths, lengths_digest, row_weight
@@ -37,7 +40,16 @@ class DataParallelStep:
     """A training step over all ranks; see data_parallel."""
 
     def __init__(
-        self, fn, average, bucket_bytes, check_replicas, split_plan, comm, timeout, accumulate=1
+        self,
+        fn,
+        average,
+        bucket_bytes,
+        check_replicas,
+        split_plan,
+        comm,
+        timeout,
+        accumulate=1,
+        overlap=True,
     ):
         if not isinstance(fn, ValueAndGradFunction) or isinstance(fn, GradFunction):
             raise TypeError(
@@ -64,6 +76,8 @@ class DataParallelStep:
         self._comm = comm
         self.timeout = timeout
         self.accumulate = accumulate
+        self.overlap = overlap
+        self._in_plans: dict = {}  # id(joint trace) -> (joint trace, InPlanExchange)
         self._accumulator = Accumulator(accumulate)
         self._layouts: dict = {}
         self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
@@ -94,6 +108,17 @@ class DataParallelStep:
         if self.split_plan:
             exchange.weight = self._agree(world, layout, lengths, args, kwargs)
             return exchange, None, self._run_split(args, kwargs, key, leaves, exchange)
+        in_plan = None
+        if exchange_type is Exchange and self.accumulate == 1:
+            in_plan = self._in_plan(world, args, kwargs, key, leaves, layout)
+        if in_plan is not None:
+            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
+            if exchange.weight is None:  # equal shards: the driver starts the buckets
+                return (
+                    exchange,
+                    None,
+                    self._run_in_plan(in_plan, args, kwargs, key, leaves, exchange),
+                )
         result = self.fn(*args, **kwargs)
         (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
         arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
@@ -101,9 +126,38 @@ class DataParallelStep:
             arrays = self._accumulator.add(layout.fingerprint, lengths, arrays)
             if arrays is None:
                 return None, loss, aux
-        exchange.weight = self._agree(world, layout, lengths, args, kwargs)
+        if in_plan is None:
+            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
         exchange.start(lambda index: arrays[index])
         return exchange, None, aux
+
+    def _in_plan(self, world, args, kwargs, key, leaves, layout) -> InPlanExchange | None:
+        """The exchange inside the compiled step for this signature, when it applies: overlap
+        on, the compiled backend with its kernels built, a driver it can hook."""
+        if not self.overlap or current_backend() != "numba" or checking():
+            return None
+        entry = self._joint_inputs(args, kwargs, key, leaves, arrays=False)
+        found = self._in_plans.get(id(entry))
+        if found is None:
+            compiled = getattr(entry.runner(), "compiled", None)
+            if compiled is None or compiled.driver_tier == "reference":
+                return None  # its kernels are still building: ask again next call
+            found = self._in_plans[id(entry)] = (
+                entry,
+                InPlanExchange(compiled, layout, world.comm),
+            )
+        return found[1] if found[1].active else None
+
+    def _run_in_plan(self, in_plan, args, kwargs, key, leaves, exchange):
+        """Run the hooked driver, start the buckets it could not, return the aux outputs."""
+        entry, arrays = self._joint_inputs(args, kwargs, key, leaves)
+        outputs = in_plan.run(exchange, arrays)
+        positions = exchange.layout.output_positions
+        exchange.start_rest(lambda index: outputs[positions[index]])
+        if not self.fn.has_aux:
+            return None
+        aux = [Tensor._from_array(a) for a in outputs[1 : 1 + entry.n_aux]]
+        return unflatten(entry.aux_treedef, aux)
 
     def _check_arrival(self, world: World, args) -> None:
         if self.timeout is not None:
@@ -129,9 +183,10 @@ class DataParallelStep:
         aux = [Tensor._from_array(a) for a in results[1 : 1 + entry.n_aux]]
         return unflatten(entry.aux_treedef, aux)
 
-    def _joint_inputs(self, args, kwargs, key, leaves):
+    def _joint_inputs(self, args, kwargs, key, leaves, arrays=True):
         """The joint trace and its input arrays, as value_and_grad would pass them; after the
-        first call of a signature without binding it again (as value_and_grad's fast path)."""
+        first call of a signature without binding it again (as value_and_grad's fast path).
+        arrays=False: the joint trace alone."""
         hit = self._inputs.get(key) if key is not None else None
         if hit is None:
             bound, entry = self.fn.lookup(args, kwargs)
@@ -141,7 +196,11 @@ class DataParallelStep:
                 self._inputs[key] = (entry, positions)
         else:
             entry, positions = hit
+            if not arrays:
+                return entry
             tensors = [leaves[i] for i in positions]
+        if not arrays:
+            return entry
         return entry, [t._data for t in tensors] + [t._data for t in entry.captured]
 
     def _segments_of(self, entry, layout: Layout):
@@ -173,10 +232,31 @@ class DataParallelStep:
         size, note = preview_size(size, current_world())
         layout = self.layout(args, kwargs)
         report = DataParallelReport(
-            layout, size, self.bucket_bytes, self.split_plan, self.accumulate
+            layout,
+            size,
+            self.bucket_bytes,
+            self.split_plan,
+            self.accumulate,
+            self._in_plan_starts(args, kwargs, layout),
         )
         report.size_note = note
         return report
+
+    def _in_plan_starts(self, args, kwargs, layout) -> dict:
+        """bucket index -> (plan step, calls in flight) for the buckets the compiled driver
+        would start itself (InPlanExchange.start_of); empty when the step starts them after
+        the call (overlap=False, split_plan, accumulate, the reference backend)."""
+        if not self.overlap or self.split_plan or self.accumulate > 1:
+            return {}
+        if current_backend() != "numba" or checking():
+            return {}
+        entry = self.fn.lookup(args, kwargs)[1]
+        compiled = getattr(entry.runner(), "compiled", None)
+        if compiled is None or compiled.driver_tier == "reference":
+            return {}
+        preview = InPlanExchange(compiled, layout, None)
+        starts = {b.index: preview.start_of(entry.plan, b.index) for b in layout.buckets}
+        return {k: v for k, v in starts.items() if v is not None}
 
     def _differentiated(self, args):
         nums = self.fn.argnums
@@ -223,6 +303,7 @@ def data_parallel(
     accumulate: int = 1,
     optimizer=None,
     shard_optimizer: bool = False,
+    overlap: bool = True,
 ):
     """A training step that runs value_and_grad_fn on this rank's shard and returns the loss
     and gradients averaged over all ranks (summed with average=False), for any pytree of
@@ -271,6 +352,7 @@ def data_parallel(
         comm,
         timeout,
         accumulate,
+        overlap,
     )
     if optimizer is None:
         if shard_optimizer:

@@ -21,6 +21,7 @@ import backplan as bp
 import backplan.distributed as bpd
 from backplan.distributed import sharding, world
 from backplan.distributed.accumulation import Accumulator
+from backplan.distributed.driver_hooks import hook_driver
 from backplan.distributed.segments import run_segments, split_plan
 from backplan.examples.mlp import init_mlp, mlp_loss, synthetic_classification
 from backplan.ir.interpreter import run_plan
@@ -52,14 +53,19 @@ vg = bp.value_and_grad(mlp_loss)
 """
 
 
-def run_script(tmp_path, body: str, ranks: int | None = 2) -> subprocess.CompletedProcess:
+def run_script(
+    tmp_path, body: str, ranks: int | None = 2, backend: str = "reference"
+) -> subprocess.CompletedProcess:
     """Run PRELUDE + body under mpiexec -n ranks (ranks=None: plain python, one rank)."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     command = [sys.executable, str(script)]
     if ranks is not None:
         command = [MPIEXEC, "-n", str(ranks), *command]
-    env = dict(os.environ, BACKPLAN_BACKEND="reference", NUMBA_NUM_THREADS="1")
+    # inline: a driver run as Python while its compiled twin builds rounds differently
+    env = dict(
+        os.environ, BACKPLAN_BACKEND=backend, BACKPLAN_DRIVER="inline", NUMBA_NUM_THREADS="1"
+    )
     return subprocess.run(
         command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path
     )
@@ -141,6 +147,44 @@ def test_explain_says_an_accumulating_step_exchanges_once_per_k_calls():
     assert f"about {per_call:,} B per call" in text
     plain = bpd.explain(bpd.data_parallel(bp.value_and_grad(mlp_loss)), params, x, y, size=2)
     assert "accumulate" not in str(plain)
+
+
+HOOKABLE = """header
+@njit(**JIT_OPTIONS)
+def run(v0, scratch, v7, v9, INTS):
+    # %3 = exp %0 : f32[4]
+    k_a(v0, scratch)
+    v7_1d = v7.reshape(-1)
+    # %7 = sum %3 : f32[4]
+    k_b(scratch, v7_1d)
+    # %8 = mul %3, %3 : f32[4]
+    bad = k_c(scratch, v9)
+    if bad != -1:
+        raise IndexError('%8 mul', bad)
+    # %9 = neg %8 : f32[4]
+    k_d(v9, v9)
+    return (scratch,)
+"""
+
+
+def test_the_driver_starts_each_bucket_after_the_last_statement_touching_it():
+    """A bucket starts after the last statement naming its buffers or a view of them (v7's
+    view v7_1d is written by k_b; v9 is written twice), later calls test the started ones,
+    and the return stays last."""
+    hooked = hook_driver(HOOKABLE, [["v7"], ["v9"]])
+    body = hooked.source.split("def run(")[1].split("\n")
+    assert body[0] == "v0, scratch, v7, v9, INTS, dp_table):"
+    code = [line.strip() for line in body[1:] if line.strip() and not line.strip().startswith("#")]
+    assert code.index("dp_start(dp_table, 0)") == code.index("k_b(scratch, v7_1d)") + 1
+    assert code.index("dp_start(dp_table, 1)") == code.index("k_d(v9, v9)") + 1
+    assert code[code.index("dp_start(dp_table, 0)") + 1 :].count("dp_progress(dp_table)") == 2
+    assert code[-1] == "return (scratch,)"
+    assert hooked.calls_after == (2, 0) and hooked.ir_names[0] == (7,)
+    assert "from backplan.distributed.driver_mpi import" in hooked.source
+    split = HOOKABLE.replace(
+        "def run(", "def run_part0(x):\n    pass\n\n@njit(**JIT_OPTIONS)\ndef run("
+    )
+    assert hook_driver(split, [["v7"]]) is None  # a driver in parts is not hooked
 
 
 def test_gradients_of_the_layer_run_last_are_ready_first():
@@ -260,6 +304,55 @@ def test_two_ranks_average_to_the_full_batch_and_stay_identical(tmp_path):
     assert_ranks_ok(result)
     assert "bucket" in result.stdout and "grad['w0']" in result.stdout
     assert "on 2 ranks" in result.stdout
+
+
+@needs_mpi
+def test_the_compiled_step_starts_buckets_itself_and_equals_the_step_after_the_call(tmp_path):
+    """On the compiled backend the driver writes the gradients into the bucket buffers and
+    starts each allreduce inside the call: the same bits as starting them after the call
+    (overlap=False), a returned gradient is not changed by the next step, explain says where
+    each starts; unequal shards and the unsharded optimizer take the same path bit for bit."""
+    result = run_script(
+        tmp_path,
+        """
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        inside = bpd.data_parallel(vg, bucket_bytes=300)
+        after = bpd.data_parallel(vg, bucket_bytes=300, overlap=False)
+        report = inside.explain(params, xs, ys)
+        assert all(row.calls_in_flight is not None for row in report.buckets), str(report)
+        assert "inside the call" in str(report)
+        assert "inside the call" not in str(after.explain(params, xs, ys))
+        for _ in range(2):
+            loss, grads = inside(params, xs, ys)
+            loss_after, grads_after = after(params, xs, ys)
+            assert loss.item() == loss_after.item()
+            for k in params:
+                assert (grads[k].numpy() == grads_after[k].numpy()).all(), k
+            params = {k: p - 0.1 * grads[k] for k, p in params.items()}
+        l1, g1 = inside(params, xs, ys)
+        before = {k: g.numpy().copy() for k, g in g1.items()}
+        inside({k: p * 2 for k, p in params.items()}, xs, ys)
+        assert all((before[k] == g1[k].numpy()).all() for k in params)
+        opt = bp.optim.sgd(0.1, momentum=0.9)
+        t_in = bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300)
+        t_af = bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300, overlap=False)
+        p_in, s_in = params, t_in.init(params)
+        p_af, s_af = params, t_af.init(params)
+        for _ in range(2):
+            p_in, s_in, _ = t_in(p_in, s_in, xs, ys)
+            p_af, s_af, _ = t_af(p_af, s_af, xs, ys)
+        assert all((p_in[k].numpy() == p_af[k].numpy()).all() for k in params)
+        n = 3 if rank == 0 else 13  # unequal shards: scaled before the sum, after the call
+        l_in, g_in = inside(params, x[:n], y[:n])
+        l_af, g_af = after(params, x[:n], y[:n])
+        assert l_in.item() == l_af.item()
+        assert all((g_in[k].numpy() == g_af[k].numpy()).all() for k in params)
+        print(f"rank {rank} ok")
+        """,
+        backend="numba",
+    )
+    assert_ranks_ok(result)
 
 
 @needs_mpi

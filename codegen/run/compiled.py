@@ -271,6 +271,48 @@ class CompiledPlan:
             self._workspaces.checkin(workspace)
         return self._outputs(returned, outputs)
 
+    def call_into(self, args: list, into: dict, run, extra: tuple) -> list:
+        """One call of `run`, this plan's driver or a variant taking `extra` arguments after
+        its own (distributed/driver_hooks.py), writing the output buffers in `into` (buffer
+        index -> a C-contiguous array of its shape and dtype) instead of new ones: a
+        data-parallel step's gradients land in its bucket buffers, no copy. Needs the kernels
+        built (driver_tier not "reference")."""
+        arrays = [contiguous(a) for a in args]
+        for i in self._scalar_inputs:
+            arrays[i] = arrays[i].reshape(1)
+        for i in self._half_inputs:
+            arrays[i] = arrays[i].view(np.uint16)
+        workspace = self._workspaces.checkout()
+        outputs = workspace.output_arrays(frozenset(into))
+        for j, array in into.items():
+            outputs[j] = array
+        try:
+            with self._launch_guard:
+                returned = run(
+                    *arrays, *self._constants, *workspace.scratch, *outputs, *self._lifted, *extra
+                )
+        except IndexError as exc:
+            raise self._located(exc) from None
+        finally:
+            del arrays
+            self._workspaces.checkin(workspace)
+        return self._outputs(returned, outputs)
+
+    def output_slots(self) -> tuple[list, list]:
+        """(per plan output: the output buffer it is, whole or reshaped, or None for a literal
+        or an array `run` returns; per output buffer: (shape, dtype, its parameter in `run`))."""
+        sources = iter(self._output_sources)
+        per_output = [
+            None if i in self._literal_outputs else next(sources)[0]
+            for i in range(len(self.plan.graph.outputs))
+        ]
+        names = value_names(self.plan.graph)
+        buffers = [
+            (shape, dtype, "v" + names[v][1:])
+            for (shape, dtype), v in zip(self._output_buffers, self.layout.outputs, strict=True)
+        ]
+        return per_output, buffers
+
     def _checked_call(self, args: list, donate) -> list:
         """A call that counts every buffer it holds and compares them with the prediction."""
         predicted, scratch_keys = self._checked
