@@ -277,11 +277,7 @@ class CompiledPlan:
         index -> a C-contiguous array of its shape and dtype) instead of new ones: a
         data-parallel step's gradients land in its bucket buffers, no copy. Needs the kernels
         built (driver_tier not "reference")."""
-        arrays = [contiguous(a) for a in args]
-        for i in self._scalar_inputs:
-            arrays[i] = arrays[i].reshape(1)
-        for i in self._half_inputs:
-            arrays[i] = arrays[i].view(np.uint16)
+        arrays = self._driver_arrays(args)
         workspace = self._workspaces.checkout()
         outputs = workspace.output_arrays(frozenset(into))
         for j, array in into.items():
@@ -431,13 +427,19 @@ class CompiledPlan:
             self._start_build(lambda: self._argument_types(args), f"@{self.plan.graph.name}")
         return run_plan(self.plan, args)
 
-    def _argument_types(self, args: list) -> list:
-        """The types the compiled driver will be called with, as a call would pass them."""
+    def _driver_arrays(self, args: list) -> list:
+        """The inputs as the driver takes them: C-contiguous, scalars as one element, 16-bit
+        floats as their bit patterns."""
         arrays = [contiguous(a) for a in args]
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
         for i in self._half_inputs:
             arrays[i] = arrays[i].view(np.uint16)
+        return arrays
+
+    def _argument_types(self, args: list) -> list:
+        """The types the compiled driver will be called with, as a call would pass them."""
+        arrays = self._driver_arrays(args)
         workspace = self._workspaces.checkout()
         try:
             arrays += self._constants + workspace.scratch + workspace.output_arrays()
