@@ -1,6 +1,7 @@
 """PyTorch habits on backplan tensors: each works as in PyTorch, or raises naming backplan's
 spelling where PyTorch's op of the same name means something else."""
 
+import inspect
 import re
 
 import numpy as np
@@ -174,3 +175,51 @@ def test_layer_norm_with_torchs_normalized_shape_names_both_spellings(compiled):
     centred = x.numpy() - x.numpy().mean(-1, keepdims=True)
     normed = centred / np.sqrt(centred.var(-1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(want, normed, rtol=1e-5, atol=1e-6)
+
+
+class Tensor:
+    """Another framework's tensor (as torch's, also called Tensor): a shape, a dtype and
+    __dlpack__, no __array__."""
+
+    shape, dtype = (2, 3), "float32"
+
+    def __dlpack__(self, stream=None):
+        raise NotImplementedError
+
+
+def test_another_frameworks_tensor_in_an_op_names_it_the_op_and_the_line():
+    x = _x()
+    line = inspect.currentframe().f_lineno + 2
+    with pytest.raises(TypeError) as info:
+        x + Tensor()  # noqa: B018 - the error is the point
+    message = str(info.value)
+    assert message.startswith("add: expected a backplan tensor, a NumPy array or a number")
+    assert "got a test_torch_habits.Tensor of shape (2, 3) and dtype float32" in message
+    assert "bp.from_dlpack(x)" in message
+    assert f"test_torch_habits.py:{line}" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [(None, "got None; an argument or a value computed earlier is missing"), ("x", "a str ('x')")],
+)
+def test_a_value_that_is_no_tensor_names_the_op_and_what_it_is(value, said):
+    with pytest.raises(TypeError, match=r"^relu: expected a backplan tensor") as info:
+        bp.relu(value)
+    assert said in str(info.value)
+    assert "test_torch_habits.py:" in str(info.value)
+
+
+def test_a_torch_tensor_inside_a_compiled_function_names_the_op_and_the_line():
+    torch = pytest.importorskip("torch")
+    step = bp.compile(lambda a: bp.relu(a) * torch.ones(2, 3))
+    with pytest.raises(TypeError, match=r"^mul: .*got a torch\.Tensor of shape \(2, 3\)") as info:
+        step(_x())
+    assert "test_torch_habits.py:" in str(info.value)
+
+
+def test_differentiating_a_torch_tensor_says_it_is_torchs():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"holds a torch\.Tensor of shape \(3,\)") as info:
+        bp.value_and_grad(lambda a: a.sum())(torch.ones(3))
+    assert "bp.from_dlpack(x)" in str(info.value)

@@ -14,8 +14,8 @@ from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.execute import run_forward
-from backplan.runtime.region import LeafEdges
 from backplan.runtime.joint_step import joint_step_for
+from backplan.runtime.region import LeafEdges
 
 from .arguments import ArgumentSpec
 from .budget import BudgetPlanner, checked_budget

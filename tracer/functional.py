@@ -26,6 +26,7 @@ from .dynamic import sizes_planned_apart, symbolic_key
 from .errors import TracingError
 from .fastpath import positions_of
 from .numpy_args import arrays_reader, kept_by_outputs
+from .operand_errors import how_to_pass, what_value_is
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint, inner_joint, named_reason
@@ -396,6 +397,8 @@ def _kind_text(leaf) -> str:
     that cannot be differentiated is."""
     if isinstance(leaf, np.generic):
         return f"a NumPy scalar (numpy.{type(leaf).__name__})"
+    if not isinstance(leaf, Tensor) and type(leaf).__module__ != "builtins":
+        return what_value_is(leaf)  # 'a torch.Tensor of shape ...', not 'a Tensor'
     what = f"{leaf.dtype} tensor" if isinstance(leaf, Tensor) else type(leaf).__name__
     return f"{'an' if what[0] in 'aeiou' else 'a'} {what}"
 
@@ -405,6 +408,8 @@ def _not_differentiable(i: int, leaf, path: str) -> TypeError:
         "pass it as another argument, or mark a dataclass field that is not a tensor with "
         "bp.tree.static_field()"
     )
+    if hasattr(leaf, "__dlpack__") and not isinstance(leaf, Tensor | np.ndarray):
+        fix = how_to_pass(leaf)
     if isinstance(leaf, np.generic) and np.issubdtype(leaf.dtype, np.floating):
         fix = (
             "pass a Python float (float(x)), a 0-d array (np.asarray(x)) or a tensor "

@@ -14,6 +14,7 @@ from backplan.ir.shapes import normalize_axes, normalize_axis
 from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promote_with_scalar
 
 from .dispatch import apply
+from .operand_errors import operand_type_error
 from .source import loc_text, located, user_frame_loc
 from .tensor import Axis, DTypeLike, Tensor, TensorLike
 from .torch_names import (
@@ -58,7 +59,7 @@ def as_tensor(x: TensorLike) -> Tensor:
         return stack([e if isinstance(e, Tensor) else as_tensor(_number(e)) for e in x])
     if isinstance(x, np.ndarray | list | tuple | np.generic):
         return Tensor(x)
-    raise TypeError(f"expected a tensor or array, got {type(x).__name__}")
+    raise operand_type_error(x)
 
 
 def _holds_traced(items) -> bool:

@@ -169,7 +169,7 @@ def _new_loc(key: tuple, codes: list, frame, api: str | None) -> SourceLoc:
     return loc
 
 
-_LOCATED = ("ShapeError", "DtypeError", "BackplanError")
+_LOCATED = ("ShapeError", "DtypeError", "BackplanError", "OperandTypeError")
 _depth = threading.local()
 F = TypeVar("F", bound=Callable[..., Any])
 
