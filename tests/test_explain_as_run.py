@@ -84,3 +84,40 @@ def test_a_training_step_keeping_bfloat16_lists_bfloat16_saved_buffers(option):
     computed = [b for b in inner.saved_buffers if not b.is_region_input]
     assert computed and all(b.dtype == np.dtype(bp.bfloat16) for b in computed)
     assert held(report) == held(default) // 2
+
+
+def deep(ws, x):
+    h = x
+    for w in ws:
+        h = bp.tanh(h @ w)
+    return bp.sum(h * h)
+
+
+def deep_arguments():
+    rng = np.random.default_rng(0)
+    ws = [(rng.standard_normal((64, 64)) * 0.1).astype(np.float32) for _ in range(6)]
+    return ws, rng.standard_normal((256, 64)).astype(np.float32)
+
+
+def test_value_and_grad_of_a_budgeted_compiled_function_plans_under_that_budget():
+    """value_and_grad traces the compiled function into its joint plan: the budget given to
+    bp.compile is that plan's (it was silently ignored: the default plan's peak)."""
+    frontier = bp.value_and_grad(deep).memory_frontier(*deep_arguments())
+    budget = frontier.points[-1].peak_bytes
+    assert budget < frontier.points[0].peak_bytes
+    report = bp.value_and_grad(bp.compile(deep, max_peak_bytes=budget)).explain(*deep_arguments())
+    assert report.peak_bytes <= budget
+    with pytest.raises(ValueError, match=r"bp.compile\(deep, saved_bytes_budget=1,000\)"):
+        bp.value_and_grad(bp.compile(deep, saved_bytes_budget=1000))
+
+
+def test_a_budgeted_compiled_function_inlined_into_another_is_refused():
+    inner = bp.compile(deep, max_peak_bytes=10**6)
+    outer = bp.compile(lambda ws, x: inner(ws, x) * 2)
+    ws, x = deep_arguments()
+    with pytest.raises(
+        bp.MemoryBudgetError,
+        match=r"bp.compile\(deep, max_peak_bytes=1,000,000\) at test_explain_as_run.py:\d+ is "
+        "called inside a traced function",
+    ):
+        outer.explain([bp.tensor(w, requires_grad=True) for w in ws], x)

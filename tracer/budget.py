@@ -519,3 +519,16 @@ def inlined_budget_refusal(fn, limit: int) -> str:
         "is what a budget must bound. Give the budget to the step instead: "
         f"bp.compile(step, max_peak_bytes={limit:,}) recomputes in the inlined gradients"
     )
+
+
+def nested_budget_refusal(fn, budget: str) -> str:
+    """Why a compiled function with a budget is refused when called inside another traced
+    function: its plan is inlined into the enclosing one, made as a whole."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return (
+        f"bp.compile({name}, {budget}) at {loc_text(user_frame_loc())} is called inside a "
+        "traced function: its plan is inlined into the enclosing one, whose peak is what a "
+        "budget must bound, so this budget would not hold. Give it to the outermost "
+        f"function instead (bp.compile(step, {budget.split('=')[0]}=N), or "
+        "bp.value_and_grad(fn, max_peak_bytes=N))"
+    )

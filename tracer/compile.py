@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
+from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.pipeline import PipelineOptions, plan_choices
 from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
@@ -18,7 +19,7 @@ from backplan.runtime.joint_step import joint_step_for
 from backplan.runtime.region import LeafEdges
 
 from .arguments import ArgumentSpec
-from .budget import BudgetPlanner, checked_budget
+from .budget import BudgetPlanner, checked_budget, nested_budget_refusal
 from .captured_names import captured_names
 from .donate import check_donated_inputs, donatable, mark_donated
 from .dynamic import checked_dynamic, sizes_planned_apart
@@ -182,7 +183,12 @@ class CompiledFunction(PlannedFunction):
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
 
     def _call_in_trace(self, args, kwargs):
-        return self.fn(*args, **kwargs)  # nested compiled functions inline
+        """Nested compiled functions inline into the enclosing plan, which is planned as a
+        whole: a budget of this one's would silently not hold there, so it is refused."""
+        budget = compiled_budget_words(self)
+        if budget is not None:
+            raise MemoryBudgetError(nested_budget_refusal(self.fn, budget))
+        return self.fn(*args, **kwargs)
 
     def with_budget(self, max_peak_bytes: int) -> CompiledFunction:
         """The same function compiled with another max_peak_bytes (bp.max_batch asks): the
@@ -313,6 +319,14 @@ class CompiledFunction(PlannedFunction):
         if self.saved_bytes_budget is not None:
             return planner.fit_saved(self.saved_bytes_budget, plans)
         return plans
+
+
+def compiled_budget_words(fn: CompiledFunction) -> str | None:
+    if fn.max_peak_bytes is not None:
+        return f"max_peak_bytes={fn.max_peak_bytes:,}"
+    if fn.saved_bytes_budget is not None:
+        return f"saved_bytes_budget={fn.saved_bytes_budget:,}"
+    return None
 
 
 def _parameter_names(fn) -> list[str] | None:

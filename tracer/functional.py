@@ -21,7 +21,7 @@ from backplan.ir.types import is_float
 from backplan.runtime.backend import current_backend, runner_for
 
 from .budget import BudgetPlanner, checked_budget, inlined_budget_refusal
-from .compile import checked_saved_dtypes, trace_function
+from .compile import CompiledFunction, checked_saved_dtypes, trace_function
 from .dynamic import sizes_planned_apart, symbolic_key
 from .errors import TracingError
 from .fastpath import positions_of
@@ -95,6 +95,8 @@ class ValueAndGradFunction(PlannedFunction):
         self.saved_dtype, self.allow_saved_dtype = checked_saved_dtypes(
             saved_dtype, allow_saved_dtype
         )
+        self._traced_fn = self._take_compiled_options(fn)
+        max_peak_bytes = self.max_peak_bytes
         functools.update_wrapper(self, fn, updated=())  # not fn.__dict__: ours
         self.argnums = argnums
         self.has_aux = has_aux
@@ -105,6 +107,31 @@ class ValueAndGradFunction(PlannedFunction):
         if getattr(fn, "_auto_dynamic", True) and max_peak_bytes is not None:
             self._sizes_apart = sizes_planned_apart("max_peak_bytes")
         self._parameters = _parameter_names(fn) if self._dynamic else None
+
+    def _take_compiled_options(self, fn):
+        """value_and_grad(bp.compile(f, max_peak_bytes=N)): value_and_grad traces f into its
+        joint plan, so the compiled function's budget and saved dtypes are this plan's (where
+        value_and_grad gives none): the function to trace, f itself when they were taken.
+        A saved_bytes_budget there is refused: a joint plan has no saved buffers for it to
+        count (never silently ignored)."""
+        if not isinstance(fn, CompiledFunction):
+            return fn
+        name = getattr(fn, "__name__", "fn")
+        if fn.saved_bytes_budget is not None:
+            raise ValueError(
+                f"value_and_grad(bp.compile({name}, saved_bytes_budget="
+                f"{fn.saved_bytes_budget:,})): value_and_grad plans the forward and the "
+                "gradients as one joint plan, which keeps no saved buffers for that budget to "
+                "count; give max_peak_bytes=N (the step's peak) to value_and_grad or to bp.compile"
+            )
+        taken = (fn.max_peak_bytes, fn.saved_dtype, fn.allow_saved_dtype)
+        if not any(option is not None for option in taken):
+            return fn
+        if self.max_peak_bytes is None:
+            self.max_peak_bytes = fn.max_peak_bytes
+        if self.saved_dtype is None and self.allow_saved_dtype is None:
+            self.saved_dtype, self.allow_saved_dtype = fn.saved_dtype, fn.allow_saved_dtype
+        return fn.fn
 
     def with_budget(self, max_peak_bytes: int):
         """The same function planned with another max_peak_bytes (bp.max_batch asks)."""
@@ -190,7 +217,7 @@ class ValueAndGradFunction(PlannedFunction):
 
     def _build(self, bound: JointCall) -> JointTrace:
         entry = _trace_joint(
-            self.fn,
+            self._traced_fn,
             bound.call,
             bound.diff_paths,
             self.has_aux,
