@@ -137,6 +137,10 @@ def test_transposes_with_one_meaning_still_run():
         ("float", "astype(bp.float32)"),
         ("numel", "x.size"),
         ("zero_", "immutable"),
+        ("std", "bp.sqrt(x.var(axis=d))"),
+        ("expand", "bp.broadcast_to(x, shape)"),
+        ("masked_fill", "bp.where(mask, value, x)"),
+        ("requires_grad_", "bp.tensor(array, requires_grad=True)"),
     ],
 )
 def test_torch_only_methods_name_backplans_spelling(name, spelling):

@@ -97,6 +97,10 @@ TENSOR_SPELLINGS = {
     "dim": "x.ndim",
     "clone": "x itself: tensors are immutable, so a copy is never needed",
     "clamp": "bp.clip(x, lo, hi)",
+    "std": "bp.sqrt(x.var(axis=d)), the population deviation (ddof=0; PyTorch's is unbiased)",
+    "expand": "bp.broadcast_to(x, shape)",
+    "masked_fill": "bp.where(mask, value, x)",
+    "requires_grad_": "bp.tensor(array, requires_grad=True)",
     **{name: _IMMUTABLE for name in ("zero_", "add_", "sub_", "mul_", "div_", "copy_", "fill_")},
 }
 MODULE_SPELLINGS = {
