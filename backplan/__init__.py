@@ -78,13 +78,11 @@ def zero_grad(params: object) -> None:
     """Clear .grad of every tensor in a pytree (a model's parameters, say). An object of an
     unregistered class holding tensors is refused: its tensors would keep their gradients."""
     if type(params) is dict:  # a flat dict of tensors, every step of a loop: no tree walk
-        values = params.values()
-        for v in values:  # a loop, not all(generator): half the cost for a handful of tensors
+        for v in params.values():  # one loop, not all(generator) then another
             if type(v) is not Tensor:
-                break
+                break  # the walk below clears the rest and refuses what it must
+            v.grad = None
         else:
-            for v in values:
-                v.grad = None
             return
     for leaf in _tree_leaves(params):
         if isinstance(leaf, Tensor):

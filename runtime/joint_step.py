@@ -27,7 +27,7 @@ from backplan.ir.pipeline import PipelineOptions, plan_choices
 from backplan.ir.plans import RegionPlans
 from backplan.ir.types import is_float
 
-from .backend import runner_for
+from .backend import current_backend, runner_for
 from .program import RegionProgram
 from .region import LeafEdges, Region
 
@@ -105,7 +105,10 @@ class JointStep:
         self._expecting = True
         if self.seen < CALLS_TO_LEARN:
             return None
-        results = runner_for(self.plan(), self._runners, self.background)(list(args))
+        runner = self._runners.get(current_backend())  # made once per backend, then looked up
+        if runner is None:
+            runner = runner_for(self.plan(), self._runners, self.background)
+        results = runner(list(args))
         return results[:1], JointRegion(program, args, results[1:], edges, loc, self)
 
 
@@ -135,9 +138,9 @@ class JointRegion(Region):
             self._saved = dict(enumerate(self._recomputed_saved()))
         return super().run_backward(cotangents, mode)
 
-    def take_gradients(self) -> list | None:
-        """(leaf, gradient) once per leaf, a leaf passed twice summed, when every input is a
-        leaf (engine.backward_ready); None, keeping them, otherwise."""
+    def take_gradients(self):
+        """(leaf, gradient) pairs, once per leaf, a leaf passed twice summed, when every input
+        is a leaf (engine.backward_ready); None, keeping them, otherwise."""
         grads = self._grads
         if grads is None:
             return None
@@ -146,16 +149,17 @@ class JointRegion(Region):
             leaves = [edge.leaf for edge in leaves]
             if any(leaf is None for leaf in leaves):
                 return None
-        by_leaf = dict(zip(map(id, leaves), zip(leaves, grads)))
-        if len(by_leaf) != len(leaves):  # a leaf passed twice: its gradients sum
-            by_leaf = {}
+        taken = zip(leaves, grads, strict=True)
+        if len(set(map(id, leaves))) != len(leaves):  # a leaf passed twice: its gradients sum
+            by_leaf: dict = {}
             for leaf, grad in zip(leaves, grads, strict=True):
                 held = by_leaf.get(id(leaf))
                 by_leaf[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
+            taken = by_leaf.values()
         self._step.fits(True)
         self._grads, self.ready = None, False
         self.backward_calls += 1
-        return list(by_leaf.values())
+        return taken
 
     def held_arrays(self) -> list:
         """While its gradients wait for backward(), what the region holds for it is those

@@ -120,7 +120,7 @@ class Region:
         self.name = program.name
         self._made_at = loc  # a SourceLoc (or its text): created_at makes the text on demand
         self._edges = edges  # a list of Edge, or LeafEdges made into one when first read
-        self._saved: dict[int, np.ndarray] = dict(enumerate(saved))
+        self._saved: dict[int, np.ndarray] = dict(enumerate(saved)) if saved else {}
         self.freed_by: FreedBy | None = None
         self.backward_calls = 0
         self.lock = threading.RLock()  # held by the backward() running through this region

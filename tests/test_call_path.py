@@ -67,3 +67,37 @@ def test_repeated_backward_gradients_match_the_reference():
         bp.zero_grad(w)
         _loss(w, x).backward()
         np.testing.assert_allclose(w.grad.numpy(), expected.T, rtol=1e-5)
+
+
+def _step(w, x):
+    loss = _loss(w, x)
+    loss.backward()
+    return loss
+
+
+def test_a_joint_step_names_its_call_and_its_backward_lines():
+    """Once the calls run as one joint plan (runtime/joint_step.py), the call's user line is
+    found past the fast path's own frames and backward() hands the gradients over early: the
+    region and the freed message still name the user's lines, through the user's frames."""
+    w = bp.tensor(np.ones((3, 2), np.float32), requires_grad=True)
+    x = bp.tensor(np.ones((4, 3), np.float32))
+    start = inspect.getsourcelines(_step)[1]
+    for _ in range(4):
+        w.grad = None
+        loss = _step(w, x)
+    line = inspect.currentframe().f_lineno
+    assert type(loss.grad_fn).__name__ == "JointRegion"
+    made = f"test_call_path.py:{line - 1} (via _step at test_call_path.py:{start + 1})"
+    assert loss.grad_fn.created_at == made
+    with np.errstate(all="ignore"):
+        expected = (1 - np.tanh(x.numpy() @ w.numpy()) ** 2).T @ x.numpy()
+    np.testing.assert_allclose(w.grad.numpy(), expected.T, rtol=1e-5)
+    again = inspect.currentframe().f_lineno
+    try:
+        loss.backward()
+    except bp.GraphFreedError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a second backward() through a freed graph must raise")
+    assert message.startswith(f"backward() at test_call_path.py:{again + 2} ")
+    assert f"test_call_path.py:{line - 1} (via _step at test_call_path.py:{start + 2})" in message

@@ -59,10 +59,12 @@ class TracedFunction:
     float_checks: tuple = ()  # (input, argument, check) of traced floats: float_checks.py
     rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
     grad_inputs: tuple[int, ...] = field(init=False, repr=False)  # inputs a gradient flows to
+    one_output: bool = field(init=False, repr=False)  # returns output 0 as it is (a loss)
 
     def __post_init__(self):
         self.rebuild_outputs = unflattener(self.out_treedef)
         self.grad_inputs = tuple(i for i, w in enumerate(self.program.plans.wrt) if w)
+        self.one_output = self.out_treedef.kind == "leaf" and self.out_slots == [("tensor", 0)]
 
     def runners(self) -> list:
         return self.program.runners()
@@ -99,7 +101,10 @@ def run_traced(traced: TracedFunction, call, record: bool = True):
     return run_tensors(traced, tensors, record)
 
 
-def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
+def run_tensors(traced: TracedFunction, tensors: list, record: bool = True, skip: int = 0):
+    """run_traced on the graph inputs. skip: how many frames, this one first, lie below
+    PlannedFunction.__call__ by construction (the fast path's fixed chain of calls); the user
+    line's walk passes over them."""
     if traced.float_checks:
         run_float_checks(traced.float_checks, tensors, traced.program.name)
     if traced.captured:
@@ -110,12 +115,15 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True):
     if record and grad_inputs:
         edges = edges_of([tensors[i] for i in grad_inputs])
     if edges is not None or traced.donated:
-        loc = user_frame_loc()  # the region's and the donation's line; text made on demand
+        loc = user_frame_loc(skip)  # the region's and the donation's line; text made on demand
     donate = donatable(tensors, traced.donated) if traced.donated else ()
     outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)
     if traced.donated:
         mark_donated(tensors, traced, loc_text(loc))
     grads = program.differentiable_outputs
+    if traced.one_output:  # a loss: no containers to rebuild
+        grad_fn = region if region is not None and 0 in grads else None
+        return Tensor._from_array(outputs[0], grad_fn=grad_fn)
     leaves = []
     for kind, item in traced.out_slots:
         if kind == "static":
@@ -238,9 +246,9 @@ class CompiledFunction(PlannedFunction):
         def run(leaves):
             if captured and not self._still_valid(traced):
                 return STALE
-            if as_given:
-                return run_tensors(traced, leaves)
-            return run_tensors(traced, [input_tensor(leaves[i], copy) for i, copy in slots])
+            if as_given:  # only PlannedFunction.__call__ calls this: run_tensors, run below it
+                return run_tensors(traced, leaves, skip=2)
+            return run_tensors(traced, [input_tensor(leaves[i], copy) for i, copy in slots], skip=2)
 
         return run
 

@@ -66,7 +66,7 @@ def _public_name(name: str) -> str | None:
 
 USER, LIBRARY, OUTSIDE = 0, 1, 2
 _code_facts: dict = {}  # id(code) -> (USER | LIBRARY | OUTSIDE, public name or None, code)
-_locs: dict = {}  # (api, id(code), line, ...) -> (SourceLoc, codes): repeated lines share one
+_locs: dict = {}  # (api, id(code), offset, ...) -> (SourceLoc, codes): repeated lines share one
 MAX_CACHED = 20_000
 
 
@@ -109,63 +109,60 @@ def at_location(loc: SourceLoc | None):
         _given.loc = outer
 
 
-def user_frame_loc() -> SourceLoc | None:
+def user_frame_loc(skip: int = 0) -> SourceLoc | None:
     """The innermost user frame as a SourceLoc, with up to MAX_USER_FRAMES user frames around
     it (they stop at backplan's own frames, so a traced function's stack ends at its body) and
     the public function called from it. Every op and compiled call asks, so the walk is a
     dict lookup per frame (what a code object is, worked out once) and one per location; the
-    frames are listed again only to make a location not seen before."""
+    frames are listed again only to make a location not seen before. skip: how many frames, the
+    caller's first, are backplan's own by construction (a fast path's fixed chain of calls),
+    passed over in one step: each frame walked costs a frame object and ~0.1 us."""
     given = _given.loc
     if given is not None:
         return given
-    frame = _getframe(1)
+    frame = _getframe(1 + skip)
     api = None
     known = _code_facts.get
-    while True:
-        code = frame.f_code
-        facts = known(id(code))  # by id: hashing a code object hashes its contents
-        if facts is None or facts[2] is not code:
-            facts = _facts(frame)
-        if facts[0] != LIBRARY:
-            break
-        api = facts[1] or api
+    facts = known(id(frame.f_code)) or _facts(frame)  # by id: a code hashes its whole content
+    while facts[0] == LIBRARY:
+        if facts[1] is not None:
+            api = facts[1]
         frame = frame.f_back
         if frame is None:
             return None
+        facts = known(id(frame.f_code)) or _facts(frame)
     # ids: a code object hashes by its whole content. The instruction offset, not the line:
     # f_lineno decodes the code's line table on every read (a long module's loop paid
-    # microseconds), and an offset falls on one line.
-    first, key, codes = frame, [api, id(code), frame.f_lasti], [code]
+    # microseconds), and an offset falls on one line. An id in a kept key cannot name another
+    # code object: _locs holds the codes of its keys, _code_facts those of its own.
+    first, key, depth = frame, [api, id(frame.f_code), frame.f_lasti], 1
     frame = frame.f_back
-    while frame is not None and len(codes) < MAX_USER_FRAMES:
-        code = frame.f_code
-        facts = known(id(code))
-        if facts is None or facts[2] is not code:
-            facts = _facts(frame)
-        if facts[0] != USER:
+    while frame is not None and depth < MAX_USER_FRAMES:
+        code_id = id(frame.f_code)
+        if (known(code_id) or _facts(frame))[0] != USER:
             break
-        key.append(id(code))
-        key.append(frame.f_lasti)
-        codes.append(code)
+        key += (code_id, frame.f_lasti)
+        depth += 1
         frame = frame.f_back
     key = tuple(key)
     cached = _locs.get(key)
-    if cached is not None and cached[1] == codes:  # the same code objects, not reused ids
+    if cached is not None:
         return cached[0]
-    return _new_loc(key, codes, first, api)
+    return _new_loc(key, depth, first, api)
 
 
-def _new_loc(key: tuple, codes: list, frame, api: str | None) -> SourceLoc:
-    """The SourceLoc of len(codes) frames from `frame` outwards, kept for the next call."""
+def _new_loc(key: tuple, depth: int, frame, api: str | None) -> SourceLoc:
+    """The SourceLoc of `depth` frames from `frame` outwards, kept for the next call with the
+    codes its key names (so their ids stay theirs while the entry lives)."""
     if len(_locs) > MAX_CACHED:
         _locs.clear()
     frames = []
-    for _ in codes:
+    for _ in range(depth):
         frames.append(frame)
         frame = frame.f_back
     stack = tuple((f.f_code.co_name, f.f_code.co_filename, f.f_lineno) for f in frames)
     loc = SourceLoc(stack, api)
-    _locs[key] = (loc, codes)
+    _locs[key] = (loc, [f.f_code for f in frames])
     return loc
 
 

@@ -129,12 +129,18 @@ class Tensor(TensorMethods):
 
     @classmethod
     def _from_array(cls, array: np.ndarray, grad_fn=None, out_index: int = 0) -> Tensor:
-        tensor = cls.__new__(cls)
         if type(array) is not np.ndarray:
             array = np.asarray(array)
         if array.base is not None and array.flags.writeable:
             array = array.copy()  # never freeze someone else's buffer (a view of it)
-        tensor._init(array, None, None, grad_fn, out_index)
+        tensor = cls.__new__(cls)  # _init's fields, set here: every recorded output comes here
+        tensor._data = array
+        tensor._value = tensor._trace = tensor.grad = tensor._scalar = tensor._donated = None
+        tensor._grad_fn = grad_fn
+        tensor._requires_grad = grad_fn is not None
+        tensor._out_index = out_index
+        tensor._weak = False
+        _setflags(array, False)  # read_only(array), inline
         return tensor
 
     @classmethod
@@ -261,16 +267,29 @@ class Tensor(TensorMethods):
         first one is wrapped with no checks (a view of a buffer is copied, as _from_array)."""
         if self.grad is None and self._data is not None:
             # a view the plan froze (its reshaped outputs) is nobody's to write: no copy
-            frozen = array.base is None or not array.flags.writeable
-            self.grad = Tensor._fresh(array) if frozen else Tensor._from_array(array)
+            if array.base is None or not array.flags.writeable:
+                self.grad = _fresh(array)
+            else:
+                self.grad = Tensor._from_array(array)
             return
         self._accumulate_grad(array)
 
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
         """Run the backward plans from this tensor and add gradients into leaf .grad.
         Without retain_graph, every region reached frees its saved buffers as it goes."""
-        self._check_live()
+        grad_fn = self._grad_fn
         where = user_frame_loc()  # kept as it is: its text is made when a message needs it
+        if (
+            gradient is None
+            and grad_fn is not None  # a concrete result of a recorded call (traced: no grad_fn)
+            and grad_fn.ready
+            and not retain_graph
+            and not create_graph
+            and self._donated is None
+            and _engine.backward_ready(grad_fn, self._out_index, where)
+        ):
+            return  # the forward ran one joint plan: its gradients went to the leaves
+        self._check_live()
         if self._data is None:
             raise TracingError(
                 f"backward() inside a traced function at {loc_text(where)}; use bp.grad"
@@ -285,10 +304,6 @@ class Tensor(TensorMethods):
             raise BackwardError(
                 f"backward() at {loc_text(where)} on a tensor that does not require grad"
             )
-        grad_fn = self._grad_fn
-        if gradient is None and not retain_graph and grad_fn is not None and grad_fn.ready:
-            if _engine.backward_ready(grad_fn, self._out_index, where):
-                return  # the forward ran one joint plan: its gradients go to the leaves
         gradient = self._seed_gradient(gradient, where)
         if self._grad_fn is None:
             self._accumulate_grad(gradient)
@@ -442,3 +457,6 @@ class Size(int):
 TensorLike = Tensor | np.ndarray | np.generic | float | int | bool | Sequence[Any]
 DTypeLike = str | np.dtype | type
 Axis = int | Sequence[int] | None
+
+
+_fresh = Tensor._fresh  # bound once: .grad of every parameter of every step comes here
