@@ -133,4 +133,8 @@ def inline_graph(target: Graph, source: Graph, args: list[Value]) -> list[Value]
             node.op, [mapping[i] for i in node.inputs], attrs, node.type, node.loc
         )
         target.nodes.append(mapping[node])
+    for value, reason in source.reasons.items():  # why its gradients read a value, for explain
+        if value in mapping:
+            now = mapping[value]
+            target.reasons[now] = joined_reason(target.reasons.get(now), reason)
     return [mapping[o] for o in source.outputs]

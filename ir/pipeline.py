@@ -57,7 +57,7 @@ from .remat import (
     rematerialize,
     rematerialize_joint,
 )
-from .saved_dtype import narrowed_joint, narrowed_saved
+from .saved_dtype import is_saved_narrowing, narrowed_joint, narrowed_saved
 from .step_schedule import StepSchedule, step_schedule
 from .verify import verify_graph, verify_plan
 
@@ -203,9 +203,16 @@ class PlanChoices:
         if stage.backward is None:
             if self.inlined_gradients:
                 stage = narrow_held(stage, options, log)
-            forward = _expanded(stage.forward, log, options.expand)
+            made: dict = {}
+            forward = _expanded(stage.forward, log, options.expand, made)
             plans = RegionPlans(
-                _plan(forward, log, options.donated), None, [], stage.n_outputs, stage.wrt, log
+                _plan(forward, log, options.donated),
+                None,
+                [],
+                stage.n_outputs,
+                stage.wrt,
+                log,
+                inlined_forward=_inlined_after(stage, forward, made),
             )
             return self._kept(drop, plans)
         stage = expand_backward(stage, options, log)
@@ -427,8 +434,13 @@ def narrow_held(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
     forward = stage.inlined_forward
     if options.joint:
         forward = forward_nodes(graph, stage.n_outputs)
-    narrowed = narrowed_joint(graph, forward, held_across(graph, forward), options.saved_dtype)
-    return replace(stage, forward=log.record("saved_dtype", narrowed))
+    moved: dict = {}
+    held = held_across(graph, forward)
+    narrowed = narrowed_joint(graph, forward, held, options.saved_dtype, moved)
+    stage = replace(stage, forward=log.record("saved_dtype", narrowed))
+    if options.joint or not moved:
+        return stage
+    return replace(stage, inlined_forward=frozenset(moved.get(n, n) for n in forward))
 
 
 def held_schedule(stage: Stage, joint: bool) -> StepSchedule:
@@ -469,6 +481,17 @@ def _expanded(forward: Graph, log: PassLog, expand: bool, made: dict | None = No
     if not expand:
         return forward
     return log.record("expand_layer_norm", expand_layer_norm(forward, made))
+
+
+def _inlined_after(stage: Stage, graph: Graph, made: dict) -> frozenset | None:
+    """A step's inlined forward part (with the saved_dtype casts after it) as the nodes of
+    graph, its plan's graph after expanding (`made`: old node -> the nodes standing for it)."""
+    if stage.inlined_forward is None:
+        return None
+    forward = set(stage.inlined_forward)
+    forward.update(n for n in stage.forward.nodes if is_saved_narrowing(n, forward))
+    nodes = set(graph.nodes)
+    return frozenset(new for old in forward for new in made.get(old, [old]) if new in nodes)
 
 
 def _moved(recomputed: Recomputed, made: dict) -> Recomputed:

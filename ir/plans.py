@@ -63,6 +63,9 @@ class RegionPlans:
     wrt: list[bool]
     log: PassLog
     recomputed: list = field(default_factory=list)  # remat.Recomputed: rebuilt, not saved
+    # a step whose gradients are inlined value_and_grad plans: the forward plan's nodes its
+    # inlined losses depend on (what the rest reads from them is what it holds for them)
+    inlined_forward: frozenset | None = None
 
     @property
     def n_cotangents(self) -> int:

@@ -44,15 +44,20 @@ def narrowed_saved(
     return forward, backward, slots
 
 
-def narrowed_joint(graph: Graph, forward: set[Value], held: list[Value], dtype: str) -> Graph:
+def narrowed_joint(
+    graph: Graph, forward: set[Value], held: list[Value], dtype: str, moved: dict | None = None
+) -> Graph:
     """A copy of the joint plan's graph whose held values (forward values its gradient part
     reads; `forward` and `held` as ir/remat.py finds them) are kept in dtype between the two
-    parts. Inputs and the user's outputs are held as they are."""
+    parts. Inputs and the user's outputs are held as they are. `moved`, when given, gets each
+    node of graph -> its copy."""
     kept_as_is = set(graph.inputs) | set(graph.outputs)
     chosen = [v for v in held if v not in kept_as_is and _narrows(v.dtype, dtype)]
     if not chosen:
         return graph
     graph, mapping = copy_graph(graph)
+    if moved is not None:
+        moved.update(mapping)
     forward = {mapping[v] for v in forward}
     for value in (mapping[v] for v in chosen):
         narrow = Value(

@@ -102,7 +102,7 @@ def joint_saved_info(plan: Plan, view: PlanView) -> list[SavedBufferInfo]:
                 nbytes=value.type.nbytes,
                 read_by=tuple(f"{r.op} at {format_loc(r.node.loc)}" for r in readers),
                 last_read_step=labels[readers[-1].index],
-                reason=_reason(value, reasons),
+                reason=saved_reason(value, reasons),
                 is_region_input=buf.kind == "input",
                 written_step=labels[buf.producer] if buf.producer is not None else -1,
                 read_steps=tuple(labels[r.index] for r in readers),
@@ -111,7 +111,7 @@ def joint_saved_info(plan: Plan, view: PlanView) -> list[SavedBufferInfo]:
     return infos
 
 
-def _reason(value: Value, reasons: dict) -> str:
+def saved_reason(value: Value, reasons: dict) -> str:
     """Why value is saved; a saved_dtype copy gives the reason of the value it narrows."""
     if value.op == "astype" and value not in reasons and value.inputs[0] in reasons:
         return f"{reasons[value.inputs[0]]}, kept in {value.dtype} (saved_dtype)"

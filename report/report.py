@@ -24,6 +24,7 @@ from backplan.runtime.program import RegionProgram, SavedBufferInfo
 
 from .compiled import CompiledPlanFacts, joint_facts, region_facts
 from .frontier import MemoryFrontier
+from .inlined_saved import inlined_saved_info
 from .joint_view import joint_saved_info, joint_view
 from .kernels import KernelInfo, kernels_from_groups, planned_groups
 from .plan_view import PlanView, StepInfo, region_view
@@ -78,6 +79,8 @@ class ExplainReport:
     dynamic: str | None = None  # a symbolic signature: its axis, sizes and memory formulas
     saved_dtype_note: str = ""  # the dtype saved buffers are kept in, and why (saved_dtype)
     joint_step: bool = False  # may run as one joint plan once backward() follows its calls
+    # a step with inlined value_and_grad plans: what its own plan holds for their gradients
+    inlined_saved: list | None = None
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -106,11 +109,15 @@ class ExplainReport:
     def inner_saved_bytes(self) -> int:
         """Bytes the value_and_grad plans inlined into this one save for their backward (held
         inside the step, counted in its peak), your own arrays among them included."""
+        if self.inlined_saved is not None:
+            return sum(b.nbytes for b in self.inlined_saved)
         return sum(r.saved_bytes for _, r in self.inner)
 
     @property
     def inner_saved_input_bytes(self) -> int:
         """Of inner_saved_bytes, your own arrays (held by reference, not allocated)."""
+        if self.inlined_saved is not None:
+            return sum(b.nbytes for b in self.inlined_saved if b.is_region_input)
         return sum(r.saved_input_bytes for _, r in self.inner)
 
     @property
@@ -275,7 +282,15 @@ def region_report(
         compiled,
         plans.peak_calls(),
         joint_step=program.joint_step is not None,
+        inlined_saved=_inlined_saved(program),
     )
+
+
+def _inlined_saved(program: RegionProgram) -> list | None:
+    forward = getattr(program.plans, "inlined_forward", None)
+    if forward is None:
+        return None
+    return inlined_saved_info(program.plans.forward, forward, program.input_names)
 
 
 def joint_report(

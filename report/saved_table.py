@@ -24,7 +24,7 @@ MAX_CHAIN_OPS = 4
 def lifetime_text(info) -> str:
     """'f3 -> b7': written at forward step 3, last read at backward step 7."""
     start = "input" if info.written_step < 0 else f"f{info.written_step}"
-    return f"{start} -> b{info.last_read_step}"
+    return f"{start} -> {getattr(info, 'read_phase', 'b')}{info.last_read_step}"
 
 
 def read_by_text(info) -> str:
@@ -32,7 +32,8 @@ def read_by_text(info) -> str:
     ops = [r.split(" at ")[0] for r in info.read_by]
     steps = getattr(info, "read_steps", ())
     if len(steps) == len(ops):
-        return "; ".join(f"b{s} {op}" for s, op in zip(steps, ops, strict=True))
+        phase = getattr(info, "read_phase", "b")  # a training step's rows: forward steps
+        return "; ".join(f"{phase}{s} {op}" for s, op in zip(steps, ops, strict=True))
     return "; ".join(ops)
 
 

@@ -31,9 +31,28 @@ def saved_title(report) -> str:
             f"{format_bytes(report.recomputed_bytes)} not saved"
         )
     if report.inner:
-        n = sum(len(r.saved_buffers) for _, r in report.inner)
+        n = inner_count(report)
         title += f"; {n} more inside value_and_grad, {format_bytes(report.inner_saved_bytes)}"
     return title + ")"
+
+
+def inner_count(report) -> int:
+    """Buffers held for the inlined value_and_grad plans' gradients: the step's own rows."""
+    if report.inlined_saved is not None:
+        return len(report.inlined_saved)
+    return sum(len(r.saved_buffers) for _, r in report.inner)
+
+
+def _step_held_text(report) -> str:
+    calls = ", ".join(f"value_and_grad({j.name}) called at {j.loc}" for j, _ in report.inner)
+    chosen = {j.chosen_for for j, _ in report.inner if j.chosen_for}
+    budget = f" as {', '.join(sorted(chosen))} chose" if chosen else ""
+    return wrap(
+        f"inside {calls}: its forward and gradients are inlined into this step's plan, which "
+        f"holds these values of that forward for the gradients and the update{budget}; they are "
+        "temporaries of this step and its peak counts them (names and steps are this step's "
+        "forward IR, section 2)"
+    )
 
 
 def saved_text(report) -> str:
@@ -41,6 +60,9 @@ def saved_text(report) -> str:
     parts = []
     if report.saved_buffers or report.recomputed or not report.inner:
         parts.append(format_saved_table(report.saved_buffers, recomputed=report.recomputed))
+    if report.inner and report.inlined_saved is not None:
+        parts += [_step_held_text(report), format_saved_table(report.inlined_saved)]
+        return "\n".join(p for p in parts if p)
     for joint, inner in report.inner:
         made = (
             f"the joint plan's as {joint.chosen_for} makes it, the same values recomputed or "
@@ -103,7 +125,7 @@ def _saved_sentence(report) -> str:
 
 def _inner_sentence(report) -> str:
     """A training step: no backward of its own, but the value_and_grad inside it saves."""
-    n = sum(len(r.saved_buffers) for _, r in report.inner)
+    n = inner_count(report)
     calls = ", ".join(f"value_and_grad({j.name}) at {j.loc}" for j, _ in report.inner)
     text = (
         f"No input of the step needs a gradient, so it has no backward of its own; {calls} "
