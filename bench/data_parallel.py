@@ -8,15 +8,19 @@ A measurement, not a test; run it as
 Weak scaling, as the scaling efficiency is defined: every rank holds the model's whole batch
 (mlp 128 rows, transformer 8 sequences), so N ranks train on N times the rows; efficiency is
 the one-rank step time over the N-rank step time (--strong splits one batch instead). Rounds
-interleave three timings on every rank: the data-parallel step, this rank's value_and_grad alone
-(compute) and the exchange alone (the same buckets allreduced, no compute); rank 0 prints their
-medians and step - compute, the exchange as the step sees it (packing, the allreduces, waiting
-for the slower rank) less what overlaps compute.
+interleave the timings on every rank: the data-parallel step (its compiled driver starting the
+allreduces), the same step with overlap=False (allreduces started after the call), this rank's
+value_and_grad alone (compute) and the exchange alone (the same buckets allreduced, no
+compute), and the wait after the call of either step (the exposed wait: what the allreduces
+still take once the plan has run); rank 0 prints their medians and step - compute, the exchange
+as the step sees it (packing, the allreduces, waiting for the slower rank) less what overlaps
+compute.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 
@@ -52,6 +56,19 @@ def exchange_alone(step, params, batch):
         exchange = Exchange(world, layout, True)
         exchange.start(lambda index: arrays[index])
         exchange.finish()
+
+    return run
+
+
+def waited(step, params, batch, seconds: list):
+    """A step call that records how long it waits for its allreduces after the plan ran."""
+    from backplan.distributed.exchange import Exchange
+
+    def run():
+        exchange = step.started((params, *batch), {}, Exchange)[0]
+        start = time.perf_counter()
+        exchange.finish()
+        seconds.append(time.perf_counter() - start)
 
     return run
 
@@ -99,25 +116,43 @@ def main(argv=None) -> int:
     rank, size = bpd.init()
     vg, params, batch = model_step(args.model, rank, size, args.strong)
     step = bpd.data_parallel(vg, bucket_bytes=args.bucket_bytes, split_plan=args.split_plan)
+    after = bpd.data_parallel(vg, bucket_bytes=args.bucket_bytes, overlap=False)
     for _ in range(5):
         step(params, *batch)  # compiles, warms caches
+        after(params, *batch)
     bpd.check_replicas(params)
-    calls = {"step": lambda: step(params, *batch), "compute": lambda: vg(params, *batch)}
+    calls = {
+        "step": lambda: step(params, *batch),
+        "step_after": lambda: after(params, *batch),
+        "compute": lambda: vg(params, *batch),
+    }
+    waits: dict = {"wait": [], "wait_after": []}
     if size > 1:
         calls["exchange"] = exchange_alone(step, params, batch)
+        calls["wait"] = waited(step, params, batch, waits["wait"])
+        calls["wait_after"] = waited(after, params, batch, waits["wait_after"])
     if args.zero:
         calls.update(training_steps(vg, args.bucket_bytes, params, batch))
     medians = lockstep_medians(calls, args.rounds, args.repeats)
     if rank == 0:
         report = step.explain(params, *batch)
+        inside = sum(row.calls_in_flight is not None for row in report.buckets)
         exposed = max(medians["step"] - medians["compute"], 0.0)
-        alone = f"  exchange alone {medians['exchange'] * 1e3:.2f} ms" if size > 1 else ""
+        alone = ""
+        if size > 1:
+            wait, wait_after = (float(np.median(waits[k])) * 1e3 for k in ("wait", "wait_after"))
+            alone = (
+                f"  exchange alone {medians['exchange'] * 1e3:.2f} ms\n"
+                f"wait after the call: started inside {wait:.2f} ms, started after "
+                f"{wait_after:.2f} ms"
+            )
         print(
             f"{args.model}  ranks {size}  rows/rank {batch[0].shape[0]}  "
-            f"buckets {len(report.buckets)}  bytes/step {report.bytes_per_step:,}  "
-            f"split_plan {args.split_plan}\n"
-            f"step {medians['step'] * 1e3:.2f} ms  compute alone {medians['compute'] * 1e3:.2f} ms"
-            f"{alone}  step - compute {exposed * 1e3:.2f} ms"
+            f"buckets {len(report.buckets)} ({inside} started inside the call)  "
+            f"bytes/step {report.bytes_per_step:,}  split_plan {args.split_plan}\n"
+            f"step {medians['step'] * 1e3:.2f} ms  started after the call "
+            f"{medians['step_after'] * 1e3:.2f} ms  compute alone {medians['compute'] * 1e3:.2f} ms"
+            f"  step - compute {exposed * 1e3:.2f} ms{alone}"
         )
         if args.zero:
             print(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 
 import numpy as np
 
@@ -73,6 +74,7 @@ class InPlanExchange:
         self.comm = comm  # None: explain's preview, which runs nothing
         self._maker: TableMaker | None = None
         self._run = None
+        self._previous: list | None = None  # the last call's bucket buffers
 
     def _slots(self, bucket: Bucket, per_output, positions, used) -> list[int] | None:
         if bucket.dtype not in FLOATS:
@@ -103,24 +105,37 @@ class InPlanExchange:
     def run(self, exchange, arrays: list) -> list:
         """Run the joint plan with the exchange inside it; adds the started buckets to
         `exchange` and returns the plan's outputs (the gradients are views of the buckets)."""
-        flats, into = [], {}
-        for bucket, slots in zip(self.buckets, self.slots, strict=True):
-            dtype = np_dtype(bucket.dtype)
-            flat = np.empty(bucket.nbytes // dtype.itemsize, dtype)
+        flats, into = self._bucket_buffers(), {}
+        for flat, slots in zip(flats, self.slots, strict=True):
             offset = 0
             for j in slots:
                 shape = self.buffers[j][0]
                 n = math.prod(shape)
                 into[j] = flat[offset : offset + n].reshape(shape)
                 offset += n
-            flats.append(flat)
         if self._maker is None:
             self._maker = TableMaker(self.comm)
         table = self._maker.table(flats)
         outputs = self.compiled.call_into(arrays, into, self.driver(), (table,))
         for k, (bucket, flat) in enumerate(zip(self.buckets, flats, strict=True)):
             exchange.started.append((bucket, flat, TableRequest(table, k, bucket)))
+        self._previous = flats  # taken again by the next call if nothing holds them then
         return outputs
+
+    def _bucket_buffers(self) -> list[np.ndarray]:
+        """The previous call's bucket buffers when no gradient it returned is held any more
+        (then nobody can see them change), else new ones. The previous call's list is taken
+        in one step, so a call from another thread finds none and makes its own."""
+        previous, self._previous = self._previous, None
+        # 3 references: the list's, the loop variable's and getrefcount's argument
+        if previous is not None and all(sys.getrefcount(f) == 3 for f in previous):
+            for flat in previous:
+                flat.flags.writeable = True
+            return previous
+        return [
+            np.empty(b.nbytes // np_dtype(b.dtype).itemsize, np_dtype(b.dtype))
+            for b in self.buckets
+        ]
 
     def start_of(self, plan, bucket_index: int) -> tuple[int, int] | None:
         """(the plan step after which the bucket's allreduce starts, driver calls that run

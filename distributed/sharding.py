@@ -82,13 +82,17 @@ def shard_buckets(layout: Layout, size: int) -> list[BucketShards]:
     return found
 
 
-def pack_by_rank(shards: BucketShards, arrays: list[np.ndarray], size: int) -> np.ndarray:
+def pack_by_rank(
+    shards: BucketShards, arrays: list[np.ndarray], size: int, packed: np.ndarray | None = None
+) -> np.ndarray:
     """The bucket's arrays (one per parameter, bucket order) flattened and packed rank by rank,
     each rank's shares in a slot of shards.slot(size) elements (zeros after them): what a
-    reduce-scatter of fixed-size blocks hands out."""
+    reduce-scatter of fixed-size blocks hands out. packed: the buffer to pack into (new if
+    None)."""
     flats = [np.asarray(a).reshape(-1) for a in arrays]
     slot = shards.slot(size)
-    packed = np.empty(slot * size, flats[0].dtype)
+    if packed is None:
+        packed = np.empty(slot * size, flats[0].dtype)
     for r in range(size):
         at = r * slot
         for flat, (c, d) in zip(flats, shards.splits, strict=True):
@@ -127,7 +131,9 @@ class ShardedExchange:
         self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
         for shards in self.shards:
             arrays = [array_of(i + 1) for i in shards.params]
-            send = pack_by_rank(shards, arrays, size)
+            dtype = np.asarray(arrays[0]).dtype
+            send = self._buffer("send", shards, shards.slot(size) * size, dtype)
+            pack_by_rank(shards, arrays, size, send)
             if self.weight is not None:
                 scale_by_weight(send, self.weight)
             mine = self._buffer("share", shards, shards.slot(size), send.dtype)
@@ -176,7 +182,10 @@ class ShardedExchange:
         started = []
         for shards in self.shards:
             slot = shards.slot(size)
-            mine = np.zeros(slot, np.asarray(shares[shards.params[0]]).dtype)
+            mine = self._buffer(
+                "share sent", shards, slot, np.asarray(shares[shards.params[0]]).dtype
+            )
+            mine[shards.counts(size)[self.world.rank] :] = 0
             np.concatenate(
                 [np.asarray(shares[i]).reshape(-1) for i in shards.params],
                 out=mine[: shards.counts(size)[self.world.rank]],

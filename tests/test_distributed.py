@@ -334,6 +334,12 @@ def test_the_compiled_step_starts_buckets_itself_and_equals_the_step_after_the_c
         before = {k: g.numpy().copy() for k, g in g1.items()}
         inside({k: p * 2 for k, p in params.items()}, xs, ys)
         assert all((before[k] == g1[k].numpy()).all() for k in params)
+        l3, g3 = inside(params, xs, ys)
+        address = g3["w0"].numpy().ctypes.data
+        del l3, g3
+        l2, g2 = inside(params, xs, ys)  # nothing holds the last buckets: written again
+        assert g2["w0"].numpy().ctypes.data == address
+        assert all((before[k] == g2[k].numpy()).all() for k in params)
         opt = bp.optim.sgd(0.1, momentum=0.9)
         t_in = bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300)
         t_af = bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300, overlap=False)
