@@ -14,6 +14,7 @@ pytest.importorskip("torch", reason="needs PyTorch: pip install 'backplan[torch]
 from backplan.bench import cli, torch_import  # noqa: E402
 from backplan.bench.peers import select_peers  # noqa: E402
 from backplan.bench.report.imported import HEADER, TITLE  # noqa: E402
+from backplan.bench.report.markdown import render_markdown  # noqa: E402
 
 
 def run_cli(*argv: str) -> tuple[int, str]:
@@ -36,7 +37,8 @@ def test_the_bench_cli_times_the_imported_model_beside_torch_eager(tmp_path):
         "--json",
         str(path),
     )
-    rows = {r["peer"]: r for r in json.loads(path.read_text())["results"]}
+    record = json.loads(path.read_text())
+    rows = {r["peer"]: r for r in record["results"]}
     assert code == 0, rows
     imported = rows["backplan.from_torch"]
     assert imported["status"] == "ok" and imported["check"]["ok"]
@@ -50,6 +52,9 @@ def test_the_bench_cli_times_the_imported_model_beside_torch_eager(tmp_path):
     assert cells[0] == "mlp_tiny"
     assert float(cells[1]) > 0 and float(cells[2]) > 0 and float(cells[4].rstrip("x")) > 0
     assert float(cells[6]) == pytest.approx(first["cold"], abs=1e-3) and cells[7] == "-"
+    markdown = "\n".join(render_markdown(record))  # --markdown BENCHMARKS.md: the same table
+    assert f"### {TITLE}" in markdown
+    assert f"| mlp_tiny | {cells[1]} | {cells[2]} | - | {cells[4]} |" in markdown
 
 
 def test_the_imported_row_comes_with_any_torch_peer_and_only_then():

@@ -53,7 +53,7 @@ def _ratio(row: dict, peer: dict | None) -> str:
     step = (peer or {}).get("step_ms")
     if not step or (peer or {}).get("status") != "ok":
         return "-"
-    return f"{row['step_ms']['median'] / step['median']:.3g}x"
+    return f"{row['step_ms']['median'] / step['median']:.2f}x"
 
 
 def _first(row: dict | None) -> float | None:
