@@ -45,7 +45,7 @@ import numpy as np
 import backplan as bp
 from backplan.bench.batch_sizes import loss_of
 from backplan.bench.models import MODELS
-from backplan.codegen.build import kernel_cache
+from backplan.bench.internals import kernel_cache
 name, dynamic, sizes = sys.argv[1], sys.argv[2] == "dynamic", json.loads(sys.argv[3])
 spec = MODELS[name]
 loss, axes = loss_of(spec)

@@ -51,6 +51,7 @@ _WHERE = {
     # (driver_compile.py)
     "driver_tier": "backplan.codegen.build.driver_tier",
     "compiled_plan": "backplan.codegen.run.compiled:CompiledPlan",
+    "kernel_cache": "backplan.codegen.build.kernel_cache",  # kernels made per size (batch_sizes)
     "native_calls": "backplan.codegen.build.native_calls",
     "JIT_OPTIONS": "backplan.codegen.flags:JIT_OPTIONS",
     # the op registry: a reference implementation to check a kernel against
