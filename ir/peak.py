@@ -3,13 +3,16 @@ step, for the executor that runs it, before anything runs.
 
 A step is a sequence of plan calls (a forward, then a backward; or one joint plan). Categories:
 inputs (the caller's arrays), donated (inputs whose buffers outputs are written into),
-constants, scratch (compiled arenas, kept across calls), temporaries (reference interpreter
-only), outputs, saved (forward values the backward reads), gradients.
+constants, scratch (compiled arenas, kept across calls), workspace (what a compiled kernel
+allocates inside itself while it runs: conv2d's im2col columns, ir/kernel_workspace.py),
+temporaries (reference interpreter only), outputs, saved (forward values the backward reads),
+gradients.
 
 - Compiled (numba): every plan of the step keeps its scratch arena and constants for its whole
   life, and a call allocates all its output buffers before its first kernel, holding them until
   the step ends (outputs and gradients go to the caller, saved buffers until the backward
-  returns). The peak is therefore reached at the first kernel of the last call.
+  returns). The buffers therefore peak at the first kernel of the last call; a kernel's own
+  workspace adds to what is held while it runs.
 - Reference: every buffer NumPy allocates (a view lives in its input's buffer:
   ir/reference_storage.py), from the step that writes it to the free of the last value living
   in it; saved values until the backward frees them.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from .kernel_workspace import workspace_bytes
 from .liveness import INPUT_STEP, Plan
 from .lowering import RUN_KINDS, lower
 from .plan_buffers import compiled_buffers
@@ -37,6 +41,7 @@ CATEGORIES = (
     "donated",
     "constants",
     "scratch",
+    "workspace",
     "temporaries",
     "outputs",
     "saved",
@@ -88,7 +93,14 @@ class PeakReport:
 
     @property
     def allocated_peak_bytes(self) -> int:
-        return self.peak_bytes - self.input_bytes
+        """The most bytes of the step's own buffers held at once (what the checked mode's
+        counting allocator sees): the peak less the caller's arrays and the kernels'
+        workspace, which lives inside the kernels."""
+        own = [
+            s.nbytes - sum(s.held.get(c, 0) for c in (*CALLER_OWNED, "workspace"))
+            for s in self.steps
+        ]
+        return max(own, default=0)
 
     def at_peak(self) -> dict:
         """category -> bytes at the peak, categories that hold nothing left out."""
@@ -157,7 +169,8 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes  # allocated on entry, held to the step's end
         for kernel in [k for k in low.kernels if k.kind in RUN_KINDS] or [None]:
-            steps.append(PeakStep(index, call.label, *_kernel_words(kernel), dict(held)))
+            running = dict(held, workspace=workspace_bytes(kernel))
+            steps.append(PeakStep(index, call.label, *_kernel_words(kernel), running))
             index += 1
     buffers = tuple((c.label, b) for c, bs in zip(calls, per_call, strict=True) for b in bs)
     return PeakReport("numba", tuple(steps), buffers)
