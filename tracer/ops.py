@@ -612,9 +612,36 @@ def _refuse_normalized_shape(weight, x: Tensor) -> None:
 
 @located
 def mse_loss(prediction: TensorLike, target: TensorLike) -> Tensor:
-    """mse_loss(prediction, target): mean of squared differences, as torch's default."""
+    """mse_loss(prediction, target): mean of squared differences, as torch's default.
+
+    prediction and target must have one shape (a Python number as target is taken as is):
+    a (N, 1) prediction against (N,) targets would broadcast to an (N, N) grid of every
+    prediction against every target, a wrong loss that trains without an error (torch warns)."""
+    prediction = as_tensor(prediction)
+    if not isinstance(target, int | float):
+        target = as_tensor(target)
+        if target.shape != prediction.shape:
+            raise ShapeError(_mse_shapes_differ(prediction, target))
     diff = sub(prediction, target)
     return mean(mul(diff, diff))
+
+
+def _mse_shapes_differ(prediction: Tensor, target: Tensor) -> str:
+    def typed(t: Tensor) -> str:
+        return f"{t._ir_dtype}[{','.join(map(str, t.shape))}]"
+
+    try:
+        grid = np.broadcast_shapes(prediction.shape, target.shape)
+        why = f"broadcast to {grid}, they would give a wrong loss that trains without an error"
+    except ValueError:
+        why = "they do not broadcast either"
+    fix = ""
+    if [d for d in target.shape if d != 1] == [d for d in prediction.shape if d != 1]:
+        fix = f"; reshape the target: target.reshape({', '.join(map(str, prediction.shape))})"
+    return (
+        f"mse_loss({typed(prediction)}, {typed(target)}): prediction {prediction.shape} and "
+        f"target {target.shape} differ in shape; {why}{fix}"
+    )
 
 
 # The public ops, re-exported by the face (`bp.exp`, ...): add a new op's function here too.
