@@ -197,7 +197,7 @@ def test_another_frameworks_tensor_in_an_op_names_it_the_op_and_the_line():
     with pytest.raises(TypeError) as info:
         x + Tensor()  # noqa: B018 - the error is the point
     message = str(info.value)
-    assert message.startswith("add: expected a backplan tensor, a NumPy array or a number")
+    assert message.startswith("add: expected a backplan tensor or a NumPy array")
     assert "got a test_torch_habits.Tensor of shape (2, 3) and dtype float32" in message
     assert "bp.from_dlpack(x)" in message
     assert f"test_torch_habits.py:{line}" in message
@@ -205,7 +205,11 @@ def test_another_frameworks_tensor_in_an_op_names_it_the_op_and_the_line():
 
 @pytest.mark.parametrize(
     ("value", "said"),
-    [(None, "got None; an argument or a value computed earlier is missing"), ("x", "a str ('x')")],
+    [
+        (None, "got None; an argument or a value computed earlier is missing"),
+        ("x", "a str ('x')"),
+        (0.5, "got a float (0.5); this op takes a tensor, not a Python number: bp.tensor(0.5)"),
+    ],
 )
 def test_a_value_that_is_no_tensor_names_the_op_and_what_it_is(value, said):
     with pytest.raises(TypeError, match=r"^relu: expected a backplan tensor") as info:

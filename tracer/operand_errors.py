@@ -11,7 +11,7 @@ class OperandTypeError(TypeError):
 
 def operand_type_error(value) -> OperandTypeError:
     return OperandTypeError(
-        f"expected a backplan tensor, a NumPy array or a number, got {what_value_is(value)}; "
+        f"expected a backplan tensor or a NumPy array, got {what_value_is(value)}; "
         + how_to_pass(value)
     )
 
@@ -40,4 +40,6 @@ def how_to_pass(value) -> str:
         )
     if value is None:
         return "an argument or a value computed earlier is missing"
+    if isinstance(value, int | float | complex) and not isinstance(value, bool):
+        return f"this op takes a tensor, not a Python number: bp.tensor({value!r}) makes one"
     return "convert it with bp.tensor(...) (numbers, nested lists and NumPy arrays convert)"
