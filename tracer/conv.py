@@ -109,6 +109,7 @@ def _windows(x, kernel, stride, padding, out, fill):
     return stack(taps, axis=-1), (4,)
 
 
+@located
 def max_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
     """Max over kH x kW windows (stride defaults to the kernel; padding counts as -inf), as
     torch.nn.functional.max_pool2d. Ties share the gradient (PyTorch gives it to one)."""
@@ -118,6 +119,7 @@ def max_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
     return _max(windows, axis=axes)
 
 
+@located
 def avg_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
     """Mean over kH x kW windows, zero padding counted (PyTorch's count_include_pad=True)."""
     x = _float_input(x)
@@ -165,11 +167,14 @@ def clip(x, lo=None, hi=None) -> Tensor:
     return x
 
 
+@located
 def arange(start, stop=None, step=1, dtype=None) -> Tensor:
     """Evenly spaced values in [start, stop): int64 for integer arguments, else float32 (as
     torch.arange and jax.numpy.arange), unless dtype is given. A constant of the plan."""
     if stop is None:
         start, stop = 0, start
+    if step == 0:
+        raise ShapeError(f"arange({start}, {stop}, step=0): the step must not be zero")
     if dtype is None:
         ints = all(isinstance(v, int | np.integer) for v in (start, stop, step))
         dtype = "i64" if ints else "f32"

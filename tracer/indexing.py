@@ -32,6 +32,11 @@ def getitem(x: Tensor, key) -> Tensor:
             stops.append(stop)
             steps.append(step)
             keep_shape.append(len(range(start, stop, step)))
+        elif isinstance(item, float | np.floating):
+            raise IndexError(
+                f"index {item!r} on axis {axis} is a float; indices are integers, slices, None, "
+                "..., or integer arrays and tensors"
+            )
         elif _is_int(item):
             index = int(item)
             if not -dim <= index < dim:

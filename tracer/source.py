@@ -166,7 +166,7 @@ def _new_loc(key: tuple, depth: int, frame, api: str | None) -> SourceLoc:
     return loc
 
 
-_LOCATED = ("ShapeError", "DtypeError", "BackplanError", "OperandTypeError")
+_LOCATED = ("ShapeError", "DtypeError", "BackplanError", "OperandTypeError", "IndexError")
 _depth = threading.local()
 F = TypeVar("F", bound=Callable[..., Any])
 

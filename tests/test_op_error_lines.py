@@ -1,0 +1,45 @@
+"""Bad inputs to ops that raised without the user's line (pools, arange, indexing) name the op,
+the values and the line, as the other ops' errors do."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+import backplan as bp
+
+
+def _x(*shape):
+    return bp.tensor(np.zeros(shape, np.float32))
+
+
+CASES = [
+    ("max_pool2d of 3-d", lambda: bp.max_pool2d(_x(3, 8, 8), 2), bp.ShapeError,
+     "max_pool2d: input must be (N, C, H, W), got shape (3, 8, 8)"),
+    ("max_pool2d too big", lambda: bp.max_pool2d(_x(1, 1, 1, 1), 2), bp.ShapeError,
+     "max_pool2d: kernel (2, 2) does not fit input (1, 1)"),
+    ("avg_pool2d padding", lambda: bp.avg_pool2d(_x(1, 1, 4, 4), 2, padding=2), bp.ShapeError,
+     "avg_pool2d: padding must be at most half the kernel, got (2, 2)"),
+    ("arange step 0", lambda: bp.arange(0, 3, 0), bp.ShapeError,
+     "arange(0, 3, step=0): the step must not be zero"),
+    ("index out of range", lambda: _x(2, 3)[5], IndexError,
+     "getitem: index 5 is out of range for axis 0 of size 2"),
+    ("float index", lambda: _x(2, 3)[0, 0.5], IndexError,
+     "getitem: index 0.5 on axis 1 is a float; indices are integers"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "call", "error", "said"), CASES, ids=[c[0] for c in CASES])
+def test_the_error_names_the_op_the_values_and_the_users_line(what, call, error, said):
+    line = inspect.getsourcelines(call)[1]
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value).startswith(said)
+    assert f"test_op_error_lines.py:{line}" in str(info.value)
+
+
+def test_iterating_over_a_tensor_still_stops_at_its_end():
+    rows = [row.numpy().tolist() for row in bp.tensor(np.arange(6.0).reshape(3, 2))]
+    assert rows == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
