@@ -46,6 +46,7 @@ from .passes import (
     expand_tanh_gelu,
     flatten_shared_matmuls,
 )
+from .peak import region_calls
 from .plans import JointPlans, RegionPlans, SavedSlot, StepPlans
 from .remat import (
     Recomputed,
@@ -59,6 +60,7 @@ from .remat import (
 )
 from .saved_dtype import is_saved_narrowing, narrowed_joint, narrowed_saved
 from .step_schedule import StepSchedule, step_schedule
+from .update_order import UpdateOrder, updates_after_gradients
 from .verify import verify_graph, verify_plan
 
 CLEANUP = (algebraic_simplification, common_subexpression_elimination, dead_code_elimination)
@@ -99,7 +101,8 @@ class PipelineOptions:
     of them (eager one-op regions keep the single kernel). saved_dtype: store the saved values
     the forward computes in this dtype (bfloat16). donated: forward inputs whose buffers the
     forward's outputs may be written into (bp.compile(donate_argnums=...)), a fact of the
-    forward plan that its lowering turns into pairs."""
+    forward plan that its lowering turns into pairs. backend: the executor whose peak the
+    plan's order is chosen for ("numba" or "reference": early_updates)."""
 
     joint: bool = False
     remat: bool = True
@@ -107,6 +110,7 @@ class PipelineOptions:
     expand: bool = True
     saved_dtype: str | None = None
     donated: tuple[int, ...] = ()
+    backend: str = "numba"
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,8 @@ class Stage:
     # nodes its inlined losses (and aux outputs) depend on, the part its gradients and
     # optimizer update follow (None: no value_and_grad inlined).
     inlined_forward: frozenset | None = None
+    # and the gradients of those value_and_grad plans (the step's optimizer reads them)
+    inlined_gradients: frozenset = frozenset()
 
 
 def plan_choices(
@@ -133,17 +139,21 @@ def plan_choices(
     options: PipelineOptions | None = None,
     log: PassLog | None = None,
     inlined: list[Value] = (),
+    gradients: list[Value] = (),
 ) -> PlanChoices:
     """The pipeline up to the choice of what backward recomputes: `build()` finishes it with
     the default choice, `build(drop)` recomputing also what `drop` names (see PlanChoices).
     inlined: values of graph that are the outputs (loss, aux) of value_and_grad plans inlined
     into it (a compiled training step): with no backward of its own, the step's memory choice
-    is what its inlined gradients recompute instead of holding (split_inlined)."""
+    is what its inlined gradients recompute instead of holding (split_inlined); gradients:
+    their gradient values, after which the step's optimizer update may run (early_updates)."""
     options = options or PipelineOptions()
     log = log or new_log()
     if inlined and not options.joint:
-        clean, forward = split_inlined(graph, list(inlined), log)
-        stage = Stage(clean, list(wrt), len(graph.outputs), inlined_forward=forward)
+        clean, forward, grads = split_inlined(graph, list(inlined), log, list(gradients))
+        stage = Stage(
+            clean, list(wrt), len(graph.outputs), inlined_forward=forward, inlined_gradients=grads
+        )
     else:
         stage = Stage(traced(graph, log), list(wrt), len(graph.outputs))
     stage = differentiate(stage, options, log)
@@ -188,8 +198,23 @@ class PlanChoices:
     @property
     def schedule(self) -> StepSchedule:
         if self._schedule is None:
-            self._schedule = held_schedule(self.stage, self.joint)
+            self._schedule = held_schedule(self._ordered_stage(), self.joint)
         return self._schedule
+
+    def _ordered_stage(self) -> Stage:
+        """The stage in the order its default plans run (a training step's updates moved
+        right after their gradients where early_updates kept that), so that the memory
+        planner's simulation sees what those plans hold."""
+        if not self.inlined_gradients or not early_updates_on():
+            return self.stage
+        order = getattr(self.build(), "update_order", None)
+        if order is None or not order.kept:
+            return self.stage
+        stage = self.stage
+        graph = updates_after_gradients(
+            stage.forward, stage.inlined_forward, stage.inlined_gradients, self.options.donated
+        )
+        return replace(stage, forward=graph)
 
     def build(self, drop: frozenset[int] = frozenset()) -> StepPlans:
         if not drop and self._default is not None:
@@ -202,19 +227,8 @@ class PlanChoices:
             return self._kept(drop, JointPlans(plan, stage.n_outputs, stage.wrt, log))
         if stage.backward is None:
             if self.inlined_gradients:
-                stage = narrow_held(stage, options, log)
-            made: dict = {}
-            forward = _expanded(stage.forward, log, options.expand, made)
-            plans = RegionPlans(
-                _plan(forward, log, options.donated),
-                None,
-                [],
-                stage.n_outputs,
-                stage.wrt,
-                log,
-                inlined_forward=_inlined_after(stage, forward, made),
-            )
-            return self._kept(drop, plans)
+                return self._kept(drop, early_updates(stage, options, log))
+            return self._kept(drop, _step_plans(stage, options, log))
         stage = expand_backward(stage, options, log)
         stage = order_saved_inputs(stage, log)
         plans = forward_returns_saved(stage, options, log)
@@ -267,19 +281,34 @@ def attention_fusion_on() -> bool:
     return value != "0"
 
 
-def split_inlined(graph: Graph, losses: list[Value], log: PassLog) -> tuple[Graph, frozenset]:
-    """The traced graph cleaned up (as `traced`), and the nodes of it the inlined losses depend
-    on. The losses ride along as extra outputs through the cleanup, whose passes rebuild nodes
-    and map outputs onto the values standing for them; the dead code they kept alive (a loss
-    the step does not return) is removed after."""
-    n = len(graph.outputs)
-    clean = traced(_with_outputs(graph, list(graph.outputs) + losses), log)
-    needed = set(clean.outputs[n:])
+def early_updates_on() -> bool:
+    """BACKPLAN_EARLY_UPDATES=0 keeps a training step's optimizer updates in the traced order
+    (to compare peaks, times and values with the order early_updates chooses)."""
+    value = os.environ.get("BACKPLAN_EARLY_UPDATES", "1").strip()
+    if value not in ("0", "1", ""):
+        raise BackplanError(f"BACKPLAN_EARLY_UPDATES={value!r}: use 1 (the default) or 0")
+    return value != "0"
+
+
+def split_inlined(
+    graph: Graph, losses: list[Value], log: PassLog, gradients: list[Value] = ()
+) -> tuple[Graph, frozenset, frozenset]:
+    """The traced graph cleaned up (as `traced`), the nodes of it the inlined losses depend
+    on, and the values standing for the inlined gradients. The losses and gradients ride along
+    as extra outputs through the cleanup, whose passes rebuild nodes and map outputs onto the
+    values standing for them; the dead code they kept alive (a loss the step does not return)
+    is removed after."""
+    n, k = len(graph.outputs), len(losses)
+    clean = traced(_with_outputs(graph, list(graph.outputs) + losses + list(gradients)), log)
+    needed = set(clean.outputs[n : n + k])
     for node in reversed(clean.nodes):
         if node in needed:
             needed.update(node.inputs)
+    grads = clean.outputs[n + k :]
     clean = dead_code_elimination(_with_outputs(clean, clean.outputs[:n]))
-    return log.record("split_inlined", clean), frozenset(n for n in clean.nodes if n in needed)
+    kept = set(clean.nodes)
+    forward = frozenset(n for n in clean.nodes if n in needed)
+    return log.record("split_inlined", clean), forward, frozenset(g for g in grads if g in kept)
 
 
 def traced(graph: Graph, log: PassLog) -> Graph:
@@ -348,14 +377,52 @@ def recompute_for_budget(
         joint = recompute_joint_chosen(stage.forward, stage.n_outputs, chosen)
         return replace(stage, forward=log.record("recompute_for_budget", joint))
     if stage.backward is None:  # a step with inlined gradients (PlanChoices.inlined_gradients)
-        step, forward = recompute_after(stage.forward, set(stage.inlined_forward), chosen)
+        step, forward, copies = recompute_after(stage.forward, set(stage.inlined_forward), chosen)
         return replace(
-            stage, forward=log.record("recompute_for_budget", step), inlined_forward=forward
+            stage,
+            forward=log.record("recompute_for_budget", step),
+            inlined_forward=forward,
+            inlined_gradients=frozenset(copies[g] for g in stage.inlined_gradients),
         )
     bwd, saved, more = recompute_chosen(stage.forward, stage.backward, list(stage.saved), chosen)
     bwd = cleanup(log.record("recompute_for_budget", bwd), log)
     return replace(
         stage, backward=bwd, saved=tuple(saved), recomputed=stage.recomputed + tuple(more)
+    )
+
+
+def early_updates(stage: Stage, options: PipelineOptions, log: PassLog) -> RegionPlans:
+    """A training step's plans with each optimizer update run right after the gradient it
+    reads is final (ir/update_order.py), where that lowers the step's peak on options.backend;
+    else in the traced order. `plans.update_order` says which was kept and both peaks."""
+    plans = _step_plans(narrow_held(stage, options, log), options, log)
+    if not early_updates_on():
+        return plans
+    graph = updates_after_gradients(
+        stage.forward, stage.inlined_forward, stage.inlined_gradients, options.donated
+    )
+    if graph is None:
+        return plans
+    moved = replace(stage, forward=log.record("updates_after_gradients", graph))
+    early = _step_plans(narrow_held(moved, options, log), options, log)
+    order = UpdateOrder.compared(region_calls(plans), region_calls(early), options.backend)
+    if order.kept:
+        return replace(early, update_order=order)
+    return replace(plans, update_order=order)
+
+
+def _step_plans(stage: Stage, options: PipelineOptions, log: PassLog) -> RegionPlans:
+    """A step with no backward of its own: one forward plan (layer_norm expanded)."""
+    made: dict = {}
+    forward = _expanded(stage.forward, log, options.expand, made)
+    return RegionPlans(
+        _plan(forward, log, options.donated),
+        None,
+        [],
+        stage.n_outputs,
+        stage.wrt,
+        log,
+        inlined_forward=_inlined_after(stage, forward, made),
     )
 
 

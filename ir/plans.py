@@ -66,6 +66,9 @@ class RegionPlans:
     # a step whose gradients are inlined value_and_grad plans: the forward plan's nodes its
     # inlined losses depend on (what the rest reads from them is what it holds for them)
     inlined_forward: frozenset | None = None
+    # a training step: its optimizer updates' order, traced or right after their gradients,
+    # and the peaks of both (ir/update_order.py UpdateOrder; None: nothing to move)
+    update_order: object = None
 
     @property
     def n_cotangents(self) -> int:

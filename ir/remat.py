@@ -233,11 +233,11 @@ def recompute_joint_chosen(graph: Graph, n_outputs: int, chosen: set[Value]) -> 
 
 def recompute_after(
     graph: Graph, forward: set[Value], chosen: set[Value]
-) -> tuple[Graph, frozenset[Value]]:
+) -> tuple[Graph, frozenset[Value], dict[Value, Value]]:
     """The same rewrite for any split of graph into a forward part (the nodes in forward) and
     the nodes after it: a compiled training step, whose inlined value_and_grad's forward is
     the part its losses depend on and whose gradients and optimizer update follow. Returns
-    (a new graph, its forward part)."""
+    (a new graph, its forward part, each old value -> its copy)."""
     held = held_across(graph, forward)
     available = (set(held) - chosen) | set(graph.inputs) | _constants(graph)
     chains = {v: _chain(v, available, any_op, None) for v in held if v in chosen}
@@ -246,14 +246,14 @@ def recompute_after(
 
 def _recomputed_in_gradients(
     graph: Graph, forward: set[Value], chains: dict
-) -> tuple[Graph, frozenset[Value]]:
-    """A copy of graph whose gradient part recomputes each chain (mapped onto the copy), and
-    the copy's forward part."""
+) -> tuple[Graph, frozenset[Value], dict[Value, Value]]:
+    """A copy of graph whose gradient part recomputes each chain (mapped onto the copy), the
+    copy's forward part and the mapping onto the copy."""
     graph, mapping = copy_graph(graph)
     chains = {mapping[v]: [mapping[n] for n in chain] for v, chain in chains.items()}
     forward = frozenset(mapping[n] for n in forward)
     _recompute_in_gradients(graph, forward, chains)
-    return graph, forward
+    return graph, forward, mapping
 
 
 def _constants(graph: Graph) -> set[Value]:

@@ -81,6 +81,9 @@ class ExplainReport:
     joint_step: bool = False  # may run as one joint plan once backward() follows its calls
     # a step with inlined value_and_grad plans: what its own plan holds for their gradients
     inlined_saved: list | None = None
+    # a training step: its optimizer updates' order and the peaks of both orders
+    # (ir/update_order.py UpdateOrder), None when no update could move
+    update_order: object = None
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -283,6 +286,7 @@ def region_report(
         plans.peak_calls(),
         joint_step=program.joint_step is not None,
         inlined_saved=_inlined_saved(program),
+        update_order=getattr(plans, "update_order", None),
     )
 
 

@@ -94,6 +94,7 @@ def summary_text(report) -> str:
     parts.append(_saved_sentence(report))
     parts.append(_recomputed_sentence(report))
     parts.append(report.saved_dtype_note)
+    parts.append(_update_order_sentence(report.update_order))
     parts.append(_peak_sentence(report))
     parts.append(_compiled_sentence(report))
     parts.append(_freeing_sentence(report))
@@ -140,6 +141,25 @@ def _inner_sentence(report) -> str:
             "by reference"
         )
     return text + " (section 3)."
+
+
+def _update_order_sentence(order) -> str:
+    """A training step: whether its optimizer updates run right after their gradients."""
+    if order is None:
+        return ""
+    traced, early = format_bytes(order.traced), format_bytes(order.early)
+    if order.kept:
+        return (
+            "Each optimizer update runs right after the last read of the gradient it needs and "
+            "of the old value it overwrites, so that gradient's buffer is freed at once: peak "
+            f"{early} on the {order.backend} backend, against {traced} with every update after "
+            "every gradient as traced (BACKPLAN_EARLY_UPDATES=0)."
+        )
+    return (
+        "The optimizer updates run after every gradient, as traced: run right after their "
+        f"gradients they would hold {early} at the peak on the {order.backend} backend, "
+        f"against {traced}."
+    )
 
 
 def _recomputed_sentence(report) -> str:

@@ -14,6 +14,7 @@ from backplan.ir.pipeline import PipelineOptions, plan_choices
 from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
 from backplan.runtime import RegionProgram, is_grad_enabled
+from backplan.runtime.backend import current_backend
 from backplan.runtime.execute import run_forward
 from backplan.runtime.joint_step import joint_step_for
 from backplan.runtime.region import LeafEdges
@@ -295,9 +296,16 @@ class CompiledFunction(PlannedFunction):
         check_donated_inputs(names, donated, wrt)
         # saved_bytes_budget is met by the planner (fit_saved), not by stopping the cheap
         # recomputation early: that gave plans outside the planner's monotone chain
-        options = PipelineOptions(remat=self.remat, saved_dtype=self.saved_dtype, donated=donated)
+        options = PipelineOptions(
+            remat=self.remat,
+            saved_dtype=self.saved_dtype,
+            donated=donated,
+            backend="reference" if current_backend() == "reference" else "numba",
+        )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
-        choices = plan_choices(graph, wrt, options, inlined=trace.inlined_losses)
+        choices = plan_choices(
+            graph, wrt, options, inlined=trace.inlined_losses, gradients=trace.inlined_gradients
+        )
         planner = BudgetPlanner(choices, input_bytes, name, self.allow_saved_dtype)
         planner.inlined = [joint.loc for joint in trace.inner_joints]
         plans = self._plans_within_budget(planner)

@@ -297,6 +297,7 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
     if outer is not None:
         values = inline_graph(outer.graph, entry.plan.graph, [outer.value_of(t) for t in tensors])
         outer.inlined_losses.extend(values[: 1 + entry.n_aux])
+        outer.inlined_gradients.extend(values[1 + entry.n_aux :])
         results = [Tensor._traced(v, outer) for v in values]
     else:
         arrays = entry.runner()([t._data for t in tensors])

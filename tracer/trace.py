@@ -29,6 +29,7 @@ class Trace:
         self.float_checks: list[tuple[Value, Callable[[float], None]]] = []
         self.inner_joints: list = []  # report.InnerJoint of each value_and_grad inlined here
         self.inlined_losses: list[Value] = []  # their outputs here (loss, aux): see plan_choices
+        self.inlined_gradients: list[Value] = []  # and their gradients (ir/update_order.py)
 
     def value_of(self, tensor) -> Value:
         if tensor._trace is self:
