@@ -60,12 +60,18 @@ def exchange_alone(step, params, batch):
     return run
 
 
-def waited(step, params, batch, seconds: list):
-    """A step call that records how long it waits for its allreduces after the plan ran."""
+def waited(step, params, batch, seconds: list, done: list | None = None):
+    """A step call that records how long it waits for its allreduces after the plan ran, and
+    in `done` how many of the buckets its driver started had completed by then."""
+    from backplan.distributed.driver_mpi import BUCKET_SLOTS, DONE, HEADER, STATE
     from backplan.distributed.exchange import Exchange
 
     def run():
         exchange = step.started((params, *batch), {}, Exchange)[0]
+        if done is not None:
+            inside = [r for _, _, r in exchange.started if hasattr(r, "table")]
+            complete = [r.table[HEADER + r.k * BUCKET_SLOTS + STATE] == DONE for r in inside]
+            done.append((sum(complete), len(inside)))
         start = time.perf_counter()
         exchange.finish()
         seconds.append(time.perf_counter() - start)
@@ -129,7 +135,7 @@ def main(argv=None) -> int:
     waits: dict = {"wait": [], "wait_after": []}
     if size > 1:
         calls["exchange"] = exchange_alone(step, params, batch)
-        calls["wait"] = waited(step, params, batch, waits["wait"])
+        calls["wait"] = waited(step, params, batch, waits["wait"], waits.setdefault("done", []))
         calls["wait_after"] = waited(after, params, batch, waits["wait_after"])
     if args.zero:
         calls.update(training_steps(vg, args.bucket_bytes, params, batch))
@@ -144,7 +150,9 @@ def main(argv=None) -> int:
             alone = (
                 f"  exchange alone {medians['exchange'] * 1e3:.2f} ms\n"
                 f"wait after the call: started inside {wait:.2f} ms, started after "
-                f"{wait_after:.2f} ms"
+                f"{wait_after:.2f} ms; buckets started inside and complete when the call "
+                f"returned: {sum(d for d, _ in waits['done'])} of "
+                f"{sum(n for _, n in waits['done'])}"
             )
         print(
             f"{args.model}  ranks {size}  rows/rank {batch[0].shape[0]}  "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+import threading
 
 import numpy as np
 
@@ -75,6 +76,7 @@ class InPlanExchange:
         self._maker: TableMaker | None = None
         self._run = None
         self._previous: list | None = None  # the last call's bucket buffers
+        self._taking = threading.Lock()
 
     def _slots(self, bucket: Bucket, per_output, positions, used) -> list[int] | None:
         if bucket.dtype not in FLOATS:
@@ -125,8 +127,9 @@ class InPlanExchange:
     def _bucket_buffers(self) -> list[np.ndarray]:
         """The previous call's bucket buffers when no gradient it returned is held any more
         (then nobody can see them change), else new ones. The previous call's list is taken
-        in one step, so a call from another thread finds none and makes its own."""
-        previous, self._previous = self._previous, None
+        under a lock, so a call from another thread finds none and makes its own."""
+        with self._taking:
+            previous, self._previous = self._previous, None
         # 3 references: the list's, the loop variable's and getrefcount's argument
         if previous is not None and all(sys.getrefcount(f) == 3 for f in previous):
             for flat in previous:
