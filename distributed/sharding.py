@@ -83,14 +83,18 @@ def shard_buckets(layout: Layout, size: int) -> list[BucketShards]:
 
 
 def pack_by_rank(
-    shards: BucketShards, arrays: list[np.ndarray], size: int, packed: np.ndarray | None = None
+    shards: BucketShards,
+    arrays: list[np.ndarray],
+    size: int,
+    packed: np.ndarray | None = None,
+    slot: int | None = None,
 ) -> np.ndarray:
     """The bucket's arrays (one per parameter, bucket order) flattened and packed rank by rank,
-    each rank's shares in a slot of shards.slot(size) elements (zeros after them): what a
-    reduce-scatter of fixed-size blocks hands out. packed: the buffer to pack into (new if
-    None)."""
+    each rank's shares in a slot of shards.slot(size) elements, or `slot` (zeros after them):
+    what a reduce-scatter of fixed-size blocks hands out. packed: the buffer to pack into (new
+    if None)."""
     flats = [np.asarray(a).reshape(-1) for a in arrays]
-    slot = shards.slot(size)
+    slot = shards.slot(size) if slot is None else slot
     if packed is None:
         packed = np.empty(slot * size, flats[0].dtype)
     for r in range(size):
@@ -120,23 +124,35 @@ class ShardedExchange:
         self.mpi = mpi_module()
         self.shards = shard_buckets(layout, world.size)
         self._loss = None
+        self._loss_in_bucket = False
         self._started: list = []
 
     def start(self, array_of) -> None:
-        """array_of(leaf index) -> this rank's array of the loss (0) or a gradient."""
+        """array_of(leaf index) -> this rank's array of the loss (0) or a gradient. The loss
+        rides in the first bucket's reduce-scatter when it has the bucket's dtype: one more
+        element at the end of every rank's slot, so every rank receives the sum (one
+        collective less per step: each is a point where both ranks must be running)."""
         comm, size = self.world.comm, self.world.size
         loss = np.array(array_of(0), copy=True).reshape(1)
-        if self.weight is not None:
-            scale_by_weight(loss, self.weight)
-        self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
-        for shards in self.shards:
+        first = self.shards[0] if self.shards else None
+        self._loss_in_bucket = (
+            first is not None and np.asarray(array_of(first.params[0] + 1)).dtype == loss.dtype
+        )
+        if not self._loss_in_bucket:
+            if self.weight is not None:
+                scale_by_weight(loss, self.weight)
+            self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
+        for k, shards in enumerate(self.shards):
             arrays = [array_of(i + 1) for i in shards.params]
             dtype = np.asarray(arrays[0]).dtype
-            send = self._buffer("send", shards, shards.slot(size) * size, dtype)
-            pack_by_rank(shards, arrays, size, send)
+            slot = shards.slot(size) + (k == 0 and self._loss_in_bucket)
+            send = self._buffer("send", shards, slot * size, dtype)
+            pack_by_rank(shards, arrays, size, send, slot)
+            if k == 0 and self._loss_in_bucket:
+                send[slot - 1 :: slot] = loss[0]
             if self.weight is not None:
                 scale_by_weight(send, self.weight)
-            mine = self._buffer("share", shards, shards.slot(size), send.dtype)
+            mine = self._buffer("share", shards, slot, send.dtype)
             request = comm.Ireduce_scatter_block(send, mine, op=self.mpi.SUM)
             self._started.append((send, mine, request))
 
@@ -144,17 +160,23 @@ class ShardedExchange:
         """(the summed loss, 0-d; parameter position -> this rank's summed 1-D share of its
         gradient), averaged over the ranks unless average=False (weighted by rows when ranks
         hold different numbers)."""
-        loss, request = self._loss
-        self._wait(request, "the allreduce of the loss")
+        loss = None
+        if not self._loss_in_bucket:
+            loss, request = self._loss
+            self._wait(request, "the allreduce of the loss")
         shares: dict[int, np.ndarray] = {}
         rank = self.world.rank
         for shards, (_, mine, request) in zip(self.shards, self._started, strict=True):
             self._wait(request, f"the reduce-scatter of bucket {shards.bucket.index}")
             mine = self._averaged(mine)
+            if loss is None:
+                loss = mine[-1:].copy()  # the first bucket's extra element
             offset = 0
             for i, (counts, _) in zip(shards.params, shards.splits, strict=True):
                 shares[i] = mine[offset : offset + counts[rank]]
                 offset += counts[rank]
+        if self._loss_in_bucket:
+            return loss.reshape(()), shares
         return self._averaged(loss).reshape(()), shares
 
     def _buffer(self, kind: str, shards: BucketShards, n: int, dtype) -> np.ndarray:

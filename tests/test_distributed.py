@@ -594,6 +594,7 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
                 one_losses.append(loss.item())
             assert runs[True][1] == runs[False][1], runs
             np.testing.assert_allclose(runs[True][1], one_losses, rtol=1e-6)
+            assert runs[True][1] == runs[False][1]  # the loss rides the reduce-scatter: same bits
             for k in params:
                 assert (runs[True][0][k].numpy() == runs[False][0][k].numpy()).all(), k
                 np.testing.assert_allclose(runs[True][0][k].numpy(), one[k].numpy(),
