@@ -53,6 +53,7 @@ class StepSchedule:
     producer: dict[int, tuple[int, ...]] = field(init=False)
     position: dict[int, int] = field(init=False)
     held_set: set[int] = field(init=False)
+    held_nbytes: dict[int, int] = field(init=False)
     first_read: dict = field(init=False)
     _base: object = field(init=False)
 
@@ -62,6 +63,7 @@ class StepSchedule:
         self.producer = {i: ins for i, ins, forward in self.steps if forward}
         self.position = {i: s for s, (i, _, _) in enumerate(self.steps)}
         self.held_set = set(self.held)
+        self.held_nbytes = self._held_buffer_bytes()
         self.first_read = {}  # held id -> (first later step reading it, input slot there)
         for step, (_, inputs, forward) in enumerate(self.steps):
             if not forward:
@@ -71,7 +73,24 @@ class StepSchedule:
         self._base = _base_arrays(self)
 
     def held_bytes(self, drop=frozenset()) -> int:
-        return sum(self.nbytes[i] for i in self.held if i not in drop)
+        """Bytes of the buffers the held values keep (held_nbytes), those in drop left out."""
+        return sum(self.held_nbytes[i] for i in self.held if i not in drop)
+
+    def _held_buffer_bytes(self) -> dict[int, int]:
+        """held id -> the bytes it keeps: its own buffer, or for a view the buffer it views
+        (once, at the first held view of it) unless that is held itself or is an input: a
+        held reshape of a value nothing else holds keeps that value's buffer alive."""
+        found, seen = {}, set()
+        for i in self.held:
+            root = i
+            while root in self.view_of:
+                root = self.view_of[root]
+            if root == i or root in self.available or root in self.held_set or root in seen:
+                found[i] = self.nbytes[i]
+            else:
+                seen.add(root)
+                found[i] = self.values[root].type.nbytes
+        return found
 
     def chain_cost(self, start: int, drop: frozenset[int], copied) -> tuple[int, bool]:
         """(flops that recomputing `start` adds beyond the nodes already copied, whether its
@@ -192,7 +211,8 @@ class StepSchedule:
         before, after = live[:boundary], live[boundary:]
         step = boundary + (int(np.argmax(after)) if after.size else 0)
         arenas = int(before.max(initial=0)) + int(after.max(initial=0))
-        peak = arenas + self.held_bytes(drop) + int(nbytes[is_out].sum())
+        peak = arenas + sum(self.nbytes[i] for i in self.held if i not in drop)
+        peak += int(nbytes[is_out].sum())
         return peak, step, tuple(kept.tolist())
 
     def _parents(self, drop, ids: list[int], copy_inputs: list) -> np.ndarray:

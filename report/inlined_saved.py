@@ -43,9 +43,10 @@ def inlined_saved_info(plan: Plan, forward: frozenset, input_names) -> list[Inli
         nbytes, name = value.type.nbytes, names.get(value)
         if roots[value] is not value:
             base = roots[value]
-            nbytes = 0 if base in counted else base.type.nbytes
+            nbytes = 0 if base in counted or base in inputs else base.type.nbytes
             counted.add(base)
-            name = f"{name} (view of {names.get(base, 'an input')})"
+            of = input_label(input_names, inputs[base]) if base in inputs else names[base]
+            name = f"{name} (view of {of})"
         readers = [n for n in graph.nodes if n not in forward and any(i is value for i in n.inputs)]
         mine = value in inputs
         infos.append(

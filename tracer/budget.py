@@ -131,7 +131,7 @@ class BudgetPlanner:
         for i in schedule.held:
             if i in point.drop:
                 continue
-            value, nbytes = schedule.values[i], schedule.nbytes[i]
+            value, nbytes = schedule.values[i], schedule.held_nbytes[i]
             wide = np_dtype(value.dtype)
             if wide.kind == "f" and wide.itemsize > narrow and i not in schedule.outputs:
                 nbytes = nbytes * narrow // wide.itemsize
