@@ -72,8 +72,12 @@ class InPlanExchange:
         self.hooked: HookedDriver | None = (
             hook_driver(compiled.source, names) if self.buckets else None
         )
-        self.comm = comm  # None: explain's preview, which runs nothing
-        self._maker: TableMaker | None = None
+        self._maker: TableMaker | None = None  # None: explain's preview, which runs nothing
+        if comm is not None and self.hooked is not None:
+            try:
+                self._maker = TableMaker(comm)
+            except OSError:  # no libmpi to call into (not Linux, another MPI): after the call
+                self.hooked = None
         self._run = None
         self._previous: list | None = None  # the last call's bucket buffers
         self._taking = threading.Lock()
@@ -115,8 +119,6 @@ class InPlanExchange:
                 n = math.prod(shape)
                 into[j] = flat[offset : offset + n].reshape(shape)
                 offset += n
-        if self._maker is None:
-            self._maker = TableMaker(self.comm)
         table = self._maker.table(flats)
         outputs = self.compiled.call_into(arrays, into, self.driver(), (table,))
         for k, (bucket, flat) in enumerate(zip(self.buckets, flats, strict=True)):

@@ -140,8 +140,8 @@ class DataParallelStep:
         found = self._in_plans.get(id(entry))
         if found is None:
             compiled = getattr(entry.runner(), "compiled", None)
-            if compiled is None or compiled.driver_tier == "reference":
-                return None  # its kernels are still building: ask again next call
+            if compiled is None or compiled.driver_tier != "compiled":
+                return None  # its driver is still building: no stall here, ask next call
             found = self._in_plans[id(entry)] = (
                 entry,
                 InPlanExchange(compiled, layout, world.comm),

@@ -340,6 +340,9 @@ def test_the_compiled_step_starts_buckets_itself_and_equals_the_step_after_the_c
         l2, g2 = inside(params, xs, ys)  # nothing holds the last buckets: written again
         assert g2["w0"].numpy().ctypes.data == address
         assert all((before[k] == g2[k].numpy()).all() for k in params)
+        timed = bpd.data_parallel(vg, bucket_bytes=300, timeout=30)  # waits by MPI_Test
+        l4, g4 = timed(params, xs, ys)
+        assert l4.item() == l2.item() and all((before[k] == g4[k].numpy()).all() for k in params)
         opt = bp.optim.sgd(0.1, momentum=0.9)
         t_in = bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300)
         t_af = bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300, overlap=False)
