@@ -123,8 +123,16 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--shape", default="8,4,128,64", help="batch,heads,length,features")
     parser.add_argument("--seconds", type=float, default=0.3, help="timed per peer and round")
+    parser.add_argument(
+        "--tile", type=int, default=None, help="keys per tile of the kernels' rates (the plan's)"
+    )
+    parser.add_argument(
+        "--rates-only", action="store_true", help="only the kernels' rates against their GEMMs"
+    )
     args = parser.parse_args(argv)
     batch, heads, length, features = (int(n) for n in args.shape.split(","))
+    if args.rates_only:
+        return print_rates(args, heads, length, features)
     settings = pin_process(args.threads)
     settings |= prepare_jax_threads(args.threads, True)
     rng = np.random.default_rng(0)
@@ -161,10 +169,28 @@ def main(argv=None) -> int:
         print(f"{name:18} {value:10.2f} {ratio:8.2f} {kept:>10} {errors[name]:12.1e}")
     rate = softmax_rows_rate(batch * heads * length, length, args.seconds)
     print(f"softmax rows ({batch * heads * length} x {length} float32, causal): {rate:.2f} Gelem/s")
-    print(f"kernels on one batch element ({heads} heads), GFLOP/s of their products:")
-    for line in rate_lines(kernel_rates(heads, length, features, args.rounds, args.seconds)):
-        print(f"  {line}")
+    print_rates(args, heads, length, features)
     return 0 if all(e < 1e-3 for e in errors.values()) else 1
+
+
+def print_rates(args, heads: int, length: int, features: int) -> int:
+    """The fused kernels' rates against their GEMMs on one batch element's heads; with --tile,
+    sequences longer than the tile run key-tiled (two sweeps in backward: 7 products)."""
+    if args.rates_only:
+        pin_process(args.threads)
+        print(f"CPU {cpu_name()}, affinity {current_affinity()}, load {load_average()}")
+    from backplan.bench.internals import attention_kernels
+
+    tile = args.tile or attention_kernels.KEYS
+    mode = "key-tiled" if length > tile else "one tile"
+    print(
+        f"kernels on one batch element ({heads} heads, length {length}, tile {tile}: {mode}), "
+        "GFLOP/s of their products:"
+    )
+    rates = kernel_rates(heads, length, features, args.rounds, args.seconds, tile)
+    for line in rate_lines(rates):
+        print(f"  {line}")
+    return 0
 
 
 def _restore(name: str, value: str | None) -> None:

@@ -23,7 +23,7 @@ def product_flops(heads: int, length: int, features: int) -> dict[str, int]:
     return {"forward": 2 * one * heads, "backward": 5 * one * heads}
 
 
-def _runners(q, k, v, g, scale: float) -> dict:
+def _runners(q, k, v, g, scale: float, tile: int) -> dict:
     """name -> zero-argument call: the kernels and the GEMMs alone, on q, k, v, g."""
     from backplan.bench.internals import attention_kernels, own_gemm
 
@@ -48,22 +48,27 @@ def _runners(q, k, v, g, scale: float) -> dict:
 
     kernels = attention_kernels
     return {
-        "attention forward": lambda: kernels.attention_forward(width, q, k, v, out, scale, False),
+        "attention forward": lambda: kernels.attention_forward(
+            width, q, k, v, out, scale, False, tile
+        ),
         "GEMMs of forward": gemm_forward,
         "attention backward": lambda: kernels.attention_backward(
-            width, q, k, v, g, dq, dk, dv, scale, False
+            width, q, k, v, g, dq, dk, dv, scale, False, tile
         ),
         "GEMMs of backward": gemm_backward,
     }
 
 
-def kernel_rates(heads: int, length: int, features: int, rounds: int, seconds: float) -> dict:
-    """{name: GFLOP/s} of each runner, from interleaved medians, float32, non-causal."""
+def kernel_rates(
+    heads: int, length: int, features: int, rounds: int, seconds: float, tile: int
+) -> dict:
+    """{name: GFLOP/s} of each runner, from interleaved medians, float32, non-causal; keys
+    beyond `tile` run key-tiled (rated on the five products all the same)."""
     rng = np.random.default_rng(2)
     q, k, v, g = (
         rng.standard_normal((1, heads, length, features)).astype(np.float32) for _ in range(4)
     )
-    runners = _runners(q, k, v, g, 1.0 / np.sqrt(features))
+    runners = _runners(q, k, v, g, 1.0 / np.sqrt(features), tile)
     for run in runners.values():
         run()  # compiled (or loaded) outside the timed rounds
     medians = interleaved_medians(runners, rounds, seconds)

@@ -15,6 +15,12 @@ own GEMM, which is single-threaded and allocates its own packing buffers, so thr
 Under the causal mask a block of rows first..first+R-1 sees keys 0..first+R-1 only: its
 products and softmax rows stop there (K, V, dK, dV cut to those rows), so a long causal
 sequence does about half the work of an unmasked one instead of all of it.
+
+Keys beyond `tile` (KEYS from the plan) run key-tiled, so no workspace outgrows (R, tile):
+the forward keeps each row's running max and sum (online softmax) and rescales its output
+rows when the max grows, then divides once; the backward makes two sweeps over the key tiles,
+the first for each row's max, sum and rowsum(P * dP) (products Q K^T and G V^T), the second for
+the gradients as above: seven products where the untiled backward runs five.
 """
 
 import math
@@ -27,7 +33,7 @@ from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.blas import gemm_rows, rows_contiguous
 from backplan.codegen.kernels.gemm import gemm, vector_width
 from backplan.codegen.kernels.gemm.choice import use_own_gemm
-from backplan.codegen.kernels.row_math import zero_like
+from backplan.codegen.kernels.row_math import maxnum, one_like, row_exp, zero_like
 from backplan.codegen.kernels.rows import softmax_row
 from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.choices import decide
@@ -39,6 +45,7 @@ _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": T
 # either: inlining the GEMM calls at each of backward's seven sites tripled its compile time.
 _helper = {**_opts, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 ROWS = 128  # query rows per block: a (128, S) f32 workspace stays in L2 for S up to ~2k
+KEYS = 1024  # keys per tile where a sequence has more: a (128, 1024) f32 workspace is 512 KiB
 
 
 @njit(**_helper)
@@ -85,10 +92,89 @@ def _block(flat, rows, seen):
 
 
 @njit(**_helper)
-def _head_forward(width, q, k, v, out, scale, causal):
+def _scores(width, q, k, first, start, s, scale, causal):
+    """s = scale * Q K^T for query rows first.. against keys start.., masked: one tile."""
+    rows, keys = s.shape
+    _matmul(width, False, True, scale, q[first : first + rows], k[start : start + keys], 0.0, s)
+    if causal:
+        for i in range(rows):
+            for j in range(max(first + i + 1 - start, 0), keys):
+                s[i, j] = -np.inf
+
+
+@njit(**_helper)
+def _exp_online(s, peak, total, factor):
+    """One key tile of an online softmax, per row: the running max `peak` takes in the tile's
+    scores, s becomes exp(s - peak), the running sum `total` is rescaled to the new max and
+    takes in the row's sum, and factor = exp(old max - new max) for what else was summed."""
+    for i in range(s.shape[0]):
+        row = s[i]
+        top = peak[i]
+        for j in range(row.shape[0]):
+            top = maxnum(top, row[j])
+        if top == -np.inf:  # every key so far masked: nothing to add (exp(-inf + inf) is NaN)
+            factor[i] = one_like(top)
+            row[:] = 0
+            continue
+        factor[i] = row_exp(peak[i] - top)
+        added = zero_like(top)
+        for j in range(row.shape[0]):
+            e = row_exp(row[j] - top)
+            row[j] = e
+            added += e
+        total[i] = total[i] * factor[i] + added
+        peak[i] = top
+
+
+@njit(**_helper)
+def _stats(length, dtype):
+    """Per-row running max, running sum, a second running sum and the tile's factor."""
+    peak = np.empty(length, dtype)
+    return peak, np.empty(length, dtype), np.empty(length, dtype), np.empty(length, dtype)
+
+
+@njit(**_helper)
+def _forward_tiled(width, q, k, v, out, scale, causal, tile):
+    """_head_forward over key tiles: out rows accumulate P_t V_t, rescaled as the max grows."""
+    length, keys = q.shape[0], k.shape[0]
+    most = min(ROWS, length)
+    s_flat = np.empty(most * tile, q.dtype)
+    acc = np.empty((most, v.shape[1]), q.dtype)
+    peak, total, _, factor = _stats(most, q.dtype)
+    for first in range(0, length, ROWS):
+        rows = min(ROWS, length - first)
+        seen = _seen(first, rows, keys, causal)
+        peak[:rows] = -np.inf
+        total[:rows] = 0
+        for start in range(0, seen, tile):
+            s = _block(s_flat, rows, min(tile, seen - start))
+            _scores(width, q, k, first, start, s, scale, causal)
+            _exp_online(s, peak[:rows], total[:rows], factor[:rows])
+            if start > 0:
+                _scale_rows(acc[:rows], factor)
+            beta = 0.0 if start == 0 else 1.0
+            _matmul(width, False, False, 1.0, s, v[start : start + s.shape[1]], beta, acc[:rows])
+        for i in range(rows):
+            inverse = one_like(total[i]) / total[i]
+            for d in range(acc.shape[1]):
+                out[first + i, d] = acc[i, d] * inverse
+
+
+@njit(**_helper)
+def _scale_rows(a, factor):
+    for i in range(a.shape[0]):
+        for d in range(a.shape[1]):
+            a[i, d] *= factor[i]
+
+
+@njit(**_helper)
+def _head_forward(width, q, k, v, out, scale, causal, tile):
     length, keys = q.shape[0], k.shape[0]
     if keys == 0:
         out[:] = 0  # softmax over no keys is empty; its product with v is zero
+        return
+    if keys > tile:
+        _forward_tiled(width, q, k, v, out, scale, causal, tile)
         return
     p_flat = np.empty(min(ROWS, length) * keys, q.dtype)
     for first in range(0, length, ROWS):
@@ -100,12 +186,90 @@ def _head_forward(width, q, k, v, out, scale, causal):
 
 
 @njit(**_helper)
-def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
+def _row_sums(width, q, k, v, g, first, seen, tile, s_flat, dp_flat, stats, scale, causal):
+    """The backward's first sweep over one row block's key tiles: each row's max, its sum of
+    exp(s - max) and rowsum(P * dP) unnormalised (dP = G V^T), kept as `stats` (peak, total,
+    dot, factor) for the second."""
+    peak, total, dot, factor = stats
+    rows = peak.shape[0]
+    peak[:] = -np.inf
+    total[:] = 0
+    dot[:] = 0
+    for start in range(0, seen, tile):
+        keys = min(tile, seen - start)
+        s, dp = _block(s_flat, rows, keys), _block(dp_flat, rows, keys)
+        _scores(width, q, k, first, start, s, scale, causal)
+        _matmul(width, False, True, 1.0, g[first : first + rows], v[start : start + keys], 0.0, dp)
+        _exp_online(s, peak, total, factor)
+        for i in range(rows):
+            added = zero_like(total[i])
+            for j in range(keys):
+                added += s[i, j] * dp[i, j]
+            dot[i] = dot[i] * factor[i] + added
+
+
+@njit(**_helper)
+def _tile_gradients(width, q, k, v, g, dq, dk, dv, first, seen, tile, work, stats, scale, causal):
+    """The second sweep: per key tile P = exp(s - max) / total, dP = G V^T, dV += P^T G,
+    dS = P * (dP - rowsum(P * dP)) * scale, dQ += dS K, dK += dS^T Q."""
+    s_flat, dp_flat, typed = work
+    peak, total, dot, _ = stats
+    rows = peak.shape[0]
+    q_rows, g_rows = q[first : first + rows], g[first : first + rows]
+    for i in range(rows):
+        total[i] = one_like(total[i]) / total[i]  # now each row's 1 / sum
+        dot[i] *= total[i]  # now rowsum(P * dP) of the normalised P
+    for start in range(0, seen, tile):
+        keys = min(tile, seen - start)
+        s, ds = _block(s_flat, rows, keys), _block(dp_flat, rows, keys)
+        _scores(width, q, k, first, start, s, scale, causal)
+        for i in range(rows):
+            for j in range(keys):
+                s[i, j] = row_exp(s[i, j] - peak[i]) * total[i]
+        _matmul(width, False, True, 1.0, g_rows, v[start : start + keys], 0.0, ds)
+        _matmul(width, True, False, 1.0, s, g_rows, 1.0, dv[start : start + keys])
+        row_scale = typed[0]
+        for i in range(rows):
+            for j in range(keys):
+                ds[i, j] = s[i, j] * (ds[i, j] - dot[i]) * row_scale
+        beta = 0.0 if start == 0 else 1.0
+        _matmul(
+            width, False, False, 1.0, ds, k[start : start + keys], beta, dq[first : first + rows]
+        )
+        _matmul(width, True, False, 1.0, ds, q_rows, 1.0, dk[start : start + keys])
+
+
+@njit(**_helper)
+def _backward_tiled(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
+    """_head_backward over key tiles: two sweeps per block of rows (_row_sums, then
+    _tile_gradients); dk and dv start at zero."""
+    length, keys = q.shape[0], k.shape[0]
+    most = min(ROWS, length)
+    s_flat, dp_flat = np.empty(most * tile, q.dtype), np.empty(most * tile, q.dtype)
+    typed = np.empty(1, q.dtype)  # the scale in q's dtype: f32 math stays f32
+    typed[0] = scale
+    peak, total, dot, factor = _stats(most, q.dtype)
+    for first in range(0, length, ROWS):
+        rows = min(ROWS, length - first)
+        seen = _seen(first, rows, keys, causal)
+        stats = (peak[:rows], total[:rows], dot[:rows], factor[:rows])
+        _row_sums(width, q, k, v, g, first, seen, tile, s_flat, dp_flat, stats, scale, causal)
+        work = (s_flat, dp_flat, typed)
+        _tile_gradients(
+            width, q, k, v, g, dq, dk, dv, first, seen, tile, work, stats, scale, causal
+        )
+
+
+@njit(**_helper)
+def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
     length, keys = q.shape[0], k.shape[0]
     dk[:] = 0
     dv[:] = 0
     if keys == 0:
         dq[:] = 0
+        return
+    if keys > tile:
+        _backward_tiled(width, q, k, v, g, dq, dk, dv, scale, causal, tile)
         return
     p_flat = np.empty(min(ROWS, length) * keys, q.dtype)
     ds_flat = np.empty(min(ROWS, length) * keys, q.dtype)
@@ -132,40 +296,40 @@ def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
 
 
 @njit(**_opts)
-def attention_forward(width, q, k, v, out, scale, causal):
+def attention_forward(width, q, k, v, out, scale, causal, tile):
     """out[b, h] = softmax(scale * q[b, h] @ k[b, h]^T) @ v[b, h], one pair after another."""
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
-            _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal)
+            _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal, tile)
 
 
 @njit(parallel=True, **_opts)
-def attention_forward_par(width, q, k, v, out, scale, causal):
+def attention_forward_par(width, q, k, v, out, scale, causal, tile):
     heads = q.shape[1]
     for pair in prange(q.shape[0] * heads):
         b, h = pair // heads, pair % heads
-        _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal)
+        _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal, tile)
 
 
 @njit(**_opts)
-def attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal):
+def attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
     """dq, dk, dv of sum(attention(q, k, v) * g), per (batch, head) pair."""
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
             _head_backward(
                 width, q[b, h], k[b, h], v[b, h], g[b, h], dq[b, h], dk[b, h], dv[b, h],
-                scale, causal,
+                scale, causal, tile,
             )  # fmt: skip
 
 
 @njit(parallel=True, **_opts)
-def attention_backward_par(width, q, k, v, g, dq, dk, dv, scale, causal):
+def attention_backward_par(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
     heads = q.shape[1]
     for pair in prange(q.shape[0] * heads):
         b, h = pair // heads, pair % heads
         _head_backward(
             width, q[b, h], k[b, h], v[b, h], g[b, h], dq[b, h], dk[b, h], dv[b, h],
-            scale, causal,
+            scale, causal, tile,
         )  # fmt: skip
 
 
@@ -243,7 +407,8 @@ def _variant(fn: str, node: Value) -> tuple[str, int]:
 
 
 def _scale_and_mask(node: Value) -> str:
-    return f"{node.attrs['scale']!r}, {node.attrs['causal']}"
+    """The kernels' last arguments: scale, causal and the key tile."""
+    return f"{node.attrs['scale']!r}, {node.attrs['causal']}, {KEYS}"
 
 
 @emits("attention")
