@@ -158,6 +158,11 @@ def _read_header(file, path: str) -> tuple[dict, int]:
         header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise TreeFileError(f"load_safetensors: {path}: unreadable header ({exc})") from None
+    except RecursionError:
+        raise TreeFileError(
+            f"load_safetensors: {path}: its header is JSON nested too deeply to read (a "
+            "safetensors header is one level of tensor entries)"
+        ) from None
     if not isinstance(header, dict):
         raise TreeFileError(f"load_safetensors: {path}: the header is not a JSON object")
     return header, 8 + length
@@ -261,6 +266,10 @@ def _tree(tensors: dict, metadata, path: str):
         names, flags = saved["names"], saved["requires_grad"]
     except (ValueError, KeyError, TypeError, ExportError) as exc:
         raise TreeFileError(f"load_safetensors: {path}: unreadable tree metadata ({exc})") from None
+    except RecursionError:
+        raise TreeFileError(
+            f"load_safetensors: {path}: its tree metadata is nested too deeply to read"
+        ) from None
     if (
         not isinstance(names, list)
         or sorted(map(str, names)) != sorted(tensors)

@@ -198,3 +198,19 @@ def test_state_dict_moves_to_torch_without_pickle(tmp_path):
     fresh = torch.nn.Linear(3, 2)
     fresh.load_state_dict(st.load_file(tmp_path / "back.safetensors"))
     np.testing.assert_allclose(fresh.bias.detach().numpy(), 2 * module.bias.detach().numpy())
+
+
+def test_a_header_nested_too_deeply_is_refused_not_a_recursion_error(tmp_path):
+    path = tmp_path / "deep.safetensors"
+    text = b"[" * 100_000 + b"]" * 100_000  # 200 kB, under the header limit
+    path.write_bytes(len(text).to_bytes(8, "little") + text)
+    with pytest.raises(bp.TreeFileError, match="header is JSON nested too deeply"):
+        bp.load_safetensors(path)
+
+
+def test_tree_metadata_nested_too_deeply_is_refused_not_a_recursion_error(tmp_path):
+    deep = '{"kind": "list", "children": [' * 100_000 + '{"kind": "leaf"}' + "]}" * 100_000
+    tree = '{"tree": ' + deep + ', "names": ["x"], "requires_grad": [false]}'
+    path = _write_raw(tmp_path, {"x": F32_4, "__metadata__": {"backplan.tree": tree}}, b"\0" * 8)
+    with pytest.raises(bp.TreeFileError, match="tree metadata is nested too deeply"):
+        bp.load_safetensors(path)
