@@ -10,9 +10,12 @@ depend on OPENBLAS_CORETYPE, read when it loads: run once with and once without 
 first line names it. torch and jax are timed too when installed.
 
 `--dtype bf16`: bfloat16 operands, float32 result. backplan's GEMM reads them as they are
-(widening while it packs); "openblas" is what plans did before, each operand widened into a
-float32 copy and then OpenBLAS's sgemm; torch multiplies its bfloat16 tensors (a bfloat16
-result). 2-D shapes only (batched bf16 products keep their float32 path).
+(VDPBF16PS on k-pairs where the CPU has AVX512_BF16, else widening while it packs: the first
+line names the path); "bp widen" is the widening path in the same rounds, "bp f32" backplan's
+float32 GEMM of the same shape (float32 operands), "bf16/f32" backplan's bf16 rate over it;
+"openblas" is what plans did before, each operand widened into a float32 copy and then
+OpenBLAS's sgemm; torch multiplies its bfloat16 tensors (a bfloat16 result). 2-D shapes only
+(batched bf16 products keep their float32 path).
 """
 
 from __future__ import annotations
@@ -71,11 +74,25 @@ def _bf16_runners(shape, width):
 
     runners = {
         "backplan": lambda: gemm.gemm(width, ta, tb, 1.0, bits_a, bits_b, 0.0, c),
+        "bp widen": _widening_path(width, ta, tb, bits_a, bits_b, c),
+        "bp f32": lambda: gemm.gemm(width, ta, tb, 1.0, a32, b32, 0.0, c),
         "openblas": widened_blas,
     }
     peers = _peer_runners(a32, b32, ta, tb, bf16=True)
     runners.update({k: v for k, v in peers.items() if k == "torch"})
     return runners
+
+
+def _widening_path(width, ta, tb, a, b, c):
+    """The bfloat16 GEMM that widens operands while packing, called by address whichever path
+    this process publishes."""
+    from backplan.bench.internals import gemm_symbols
+
+    m, n = c.shape
+    k = a.shape[0] if ta else a.shape[1]
+    args = (width, ta, tb, m, n, k, a.ctypes.data, *a.strides, b.ctypes.data, *b.strides)
+    args += (c.ctypes.data, *c.strides, 1.0, 0.0)
+    return lambda: gemm_symbols._gemm_bf16(*args)
 
 
 def _runners(shape, dtype, width, threads):
@@ -174,6 +191,7 @@ def format_table(results: dict, peak: float | None = None) -> str:
     with `peak` (GFLOP/s of all the process's cores) backplan's share of it."""
     libs = list(next(iter(results.values())))
     header = f"{'shape':32s}" + "".join(f"{lib:>22s}" for lib in libs) + "   own/blas"
+    header += "   bf16/f32" if "bp f32" in libs else ""
     lines = [header + ("   own/peak" if peak else "")]
     for name, per_lib in results.items():
         row = f"{name:32s}"
@@ -182,6 +200,8 @@ def format_table(results: dict, peak: float | None = None) -> str:
             row += f"{statistics.median(values):8.1f} ({min(values):5.1f}-{max(values):5.1f})"
         own = statistics.median(per_lib["backplan"])
         row += f"   {own / statistics.median(per_lib['openblas']):8.2f}"
+        if "bp f32" in per_lib:
+            row += f"   {own / statistics.median(per_lib['bp f32']):8.2f}"
         lines.append(row + (f"   {own / peak:8.0%}" if peak else ""))
     return "\n".join(lines)
 
@@ -200,15 +220,22 @@ def main(argv=None) -> None:
     from .environment import cpu_name
 
     isa = args.isa or active_isa()
+    path = ""
+    if args.dtype == "bf16":
+        from backplan.bench.internals import bf16_gemm_path
+
+        path = f" (bf16 path {bf16_gemm_path()})"
     print(
-        f"CPU {cpu_name()} pinned to cpus {cpus}; {args.dtype}; backplan ISA {isa}; "
+        f"CPU {cpu_name()} pinned to cpus {cpus}; {args.dtype}; backplan ISA {isa}{path}; "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; "
         f"{args.rounds} interleaved rounds, GFLOP/s median (min-max)"
     )
     from .peak_flops import peak_gflops_f32
 
     width = ISA_WIDTH[isa]
-    per_core = peak_gflops_f32(width) / (2 if args.dtype == "f64" else 1)
+    # VDPBF16PS does the work of two float32 FMAs per issue: bf16's peak is twice float32's
+    scale = {"f64": 0.5, "bf16": 2.0 if path.endswith("dot)") else 1.0}.get(args.dtype, 1.0)
+    per_core = peak_gflops_f32(width) * scale
     print(f"measured FMA peak at {width} bits: {per_core:.1f} {args.dtype} GFLOP/s per core")
     results = measure(args.rounds, args.dtype, width, len(cpus))
     print(format_table(results, per_core * len(cpus)))

@@ -23,6 +23,9 @@ _WHERE = {
     "softmax_rows": "backplan.codegen.kernels.rows:softmax_rows",
     "attention_kernels": "backplan.codegen.kernels.attention",  # attention_rates.py
     "splat": "backplan.codegen.kernels.gemm.kernel:splat",
+    # the bfloat16 GEMM's two paths side by side (gemm.py --dtype bf16)
+    "gemm_symbols": "backplan.codegen.kernels.gemm.symbols",
+    "bf16_gemm_path": "backplan.codegen.kernels.gemm.isa:bf16_gemm_path",
     # bfloat16 GEMM operands widened into float32 copies, as before (half_precision --widened)
     "widen": "backplan.ir.widen",
     "vector_fma": "backplan.codegen.kernels.gemm.kernel:vector_fma",
