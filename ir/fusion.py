@@ -9,6 +9,8 @@
 - `full` nodes are literals, never buffers, when only loops read them.
 - Everything else (matmul, gather, the row composites such as layer_norm) is one kernel each;
   transposes, slices and other reshapes are views.
+- A loop that reads a widening cast of a 16-bit value another loop computes recomputes the
+  cast and reads the 16-bit value: stored, it takes half the bytes of the widened one.
 - A cast that reads back a 16-bit copy of a value used elsewhere too (saved_dtype's copy, read
   by a joint plan's gradient part) never joins the loop that made the copy: there it would hold
   the widened value instead of the 16-bit one.
@@ -179,6 +181,8 @@ def _cheap_cone(
     owner = kernels[home[value]]
     if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
         return []  # stored anyway: read it
+    if _widens_half(value):
+        return [value]  # read the 16-bit value it widens: half the bytes of storing this one
     if not is_cheap(value):
         if frontier is None:
             return None
@@ -194,6 +198,13 @@ def _cheap_cone(
         cone += [v for v in sub if v not in cone]
     cone.append(value)
     return cone if len(cone) <= MAX_RECOMPUTE else None
+
+
+def _widens_half(value: Value) -> bool:
+    """A cast of a 16-bit float value to a wider float (its bits shifted, nothing rounded)."""
+    if value.op != "astype" or is_half(value.dtype) or not is_half(value.inputs[0].dtype):
+        return False
+    return value.dtype in ("f32", "f64")
 
 
 def _readers(kernels: list[Kernel], home, outputs: list[Value]) -> dict[Value, set[int]]:

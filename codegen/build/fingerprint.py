@@ -53,6 +53,7 @@ KERNEL_DEPENDENCIES = (
     "render/kernel_source.py",
     "build/lean_pipeline.py",
     "build/loop_optimisation.py",
+    "kernels/half.py",
     "kernels/mathlib.py",
     "kernels/scalar_functions.py",
     "kernels/views.py",

@@ -10,7 +10,9 @@ branch-light ones (half_to_float_fast5, float_to_half_fast3_rtne); the tests com
 """
 
 import numpy as np
+from llvmlite import ir
 from numba import types
+from numba.core.extending import intrinsic
 
 from .mathlib import _bitcast, _scalar_function
 
@@ -27,15 +29,35 @@ def bf16_to_f32(h):
     return _float(np.uint32(h) << np.uint32(16))
 
 
+@intrinsic
+def _round_to_bf16(typingctx, x):
+    """Round to nearest even by adding 0x7FFF plus the lowest kept bit; a NaN keeps its sign
+    and becomes quiet (adding could carry it into infinity). Written as LLVM IR on i32: Numba
+    widens uint32 arithmetic to 64 bits, and a loop storing bfloat16 then ran its rounding in
+    8 lanes of a 512-bit vector with packs between (1.17 ms against 0.54 ms here for 4M
+    elements of y = 2x + 1, one Zen 4 core; float32 1.03 ms)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        magnitude = builder.and_(bits, ir.Constant(i32, 0x7FFFFFFF))
+        nan = builder.icmp_unsigned(">", magnitude, ir.Constant(i32, 0x7F800000))
+        high = builder.lshr(bits, ir.Constant(i32, 16))
+        odd = builder.and_(high, ir.Constant(i32, 1))
+        rounded = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), odd)
+        quiet = builder.or_(high, ir.Constant(i32, 0x40))
+        chosen = builder.select(nan, quiet, builder.lshr(rounded, ir.Constant(i32, 16)))
+        return builder.trunc(chosen, ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
 @_scalar_function
 def f32_to_bf16(x):
-    """Round to nearest even by adding 0x7FFF plus the lowest kept bit; a NaN keeps its sign
-    and becomes quiet (adding could carry it into infinity)."""
-    b = _bits(np.float32(x))  # uint32 throughout: 16 lanes of a 512-bit vector, not 8
-    nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    odd = (b >> np.uint32(16)) & np.uint32(1)
-    rounded = (b + np.uint32(0x7FFF) + odd) >> np.uint32(16)
-    return np.uint16(((b >> np.uint32(16)) | np.uint32(0x40)) if nan else rounded)
+    """float32 (or a value cast to it) to bfloat16 bits, rounded to nearest even."""
+    return _round_to_bf16(np.float32(x))
 
 
 @_scalar_function

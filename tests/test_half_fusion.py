@@ -1,0 +1,56 @@
+"""What fused 16-bit plans store between loops: the 16-bit value, not its float32 widening."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+import backplan as bp
+from backplan.ir.builder import Builder
+from backplan.ir.fusion import group_kernels, materialized
+from backplan.ir.graph import Graph
+from backplan.ir.types import TensorType
+from backplan.ir.widen import widen
+from backplan.runtime.backend import use_backend
+
+
+def _row_scaled(build, x):
+    h = build.tanh(x)
+    return build.mul(h, build.sum(h, axes=(1,), keepdims=True))
+
+
+def test_a_loop_reading_a_widened_16_bit_value_of_another_loop_reads_the_16_bits():
+    """tanh(x) * sum(tanh(x)) in bfloat16: the product waits for the row sums, so it is a
+    second loop reading tanh(x); it recomputes the widening cast and reads the bfloat16 value
+    (2 bytes an element) instead of a stored float32 copy (4 bytes)."""
+    graph = Graph()
+    build = Builder(graph)
+    x = graph.add_input(TensorType("bf16", (8, 4)))
+    graph.outputs = [_row_scaled(build, x)]
+    wide = widen(graph)
+    kernels = group_kernels(wide)
+    loops = [k for k in kernels if k.kind == "loop" and k.shape == (8, 4)]
+    assert len(loops) == 2, [(k.kind, k.shape) for k in kernels]
+    stored = [v for v in materialized(wide, kernels) if v.shape == (8, 4)]
+    assert [v.dtype for v in stored] == ["bf16", "bf16"], [(v.op, v.dtype) for v in stored]
+
+
+def test_the_16_bit_read_keeps_values_within_rounding_of_float64():
+    """Both executors within a few bfloat16 roundings of the float64 value (they round at
+    different places: docs/ops.md), relative to the terms summed."""
+    rng = np.random.default_rng(5)
+    x = bp.tensor(rng.standard_normal((8, 4)).astype(np.float32)).astype(bp.bfloat16)
+    h = np.tanh(x.astype(bp.float32).numpy().astype(np.float64))
+    want = h * h.sum(axis=1, keepdims=True)
+    bound = (
+        4 * float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps) * np.abs(h) * np.abs(h).sum(1)[:, None]
+    )
+
+    def fn(x):
+        h = bp.tanh(x)
+        return h * bp.sum(h, axis=1, keepdims=True)
+
+    for backend in ("numba", "reference"):
+        with use_backend(backend):
+            got = bp.compile(fn)(x).astype(bp.float32).numpy()
+        assert np.all(np.abs(got - want) <= bound), backend
