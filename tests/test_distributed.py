@@ -54,9 +54,10 @@ vg = bp.value_and_grad(mlp_loss)
 
 
 def run_script(
-    tmp_path, body: str, ranks: int | None = 2, backend: str = "reference"
+    tmp_path, body: str, ranks: int | None = 2, backend: str = "reference", timeout=TIMEOUT_S
 ) -> subprocess.CompletedProcess:
-    """Run PRELUDE + body under mpiexec -n ranks (ranks=None: plain python, one rank)."""
+    """Run PRELUDE + body under mpiexec -n ranks (ranks=None: plain python, one rank).
+    timeout: seconds; a script on the compiled backend compiles its drivers on a cold cache."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     command = [sys.executable, str(script)]
@@ -67,7 +68,7 @@ def run_script(
         os.environ, BACKPLAN_BACKEND=backend, BACKPLAN_DRIVER="inline", NUMBA_NUM_THREADS="1"
     )
     return subprocess.run(
-        command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path
     )
 
 
@@ -357,9 +358,20 @@ def test_the_compiled_step_starts_buckets_itself_and_equals_the_step_after_the_c
         l_af, g_af = after(params, x[:n], y[:n])
         assert l_in.item() == l_af.item()
         assert all((g_in[k].numpy() == g_af[k].numpy()).all() for k in params)
+        # b's gradient is a literal (3), no output buffer: its bucket starts after the call,
+        # after w's bucket, which the driver started; every rank keeps that order
+        mixed = bp.value_and_grad(lambda p, a: bp.sum(bp.relu(a @ p["w"])) + p["b"] * 3.0)
+        mp = {"w": params["w0"], "b": bp.tensor(np.float32(1.0), requires_grad=True)}
+        m_in = bpd.data_parallel(mixed, bucket_bytes=16)
+        started = [row.calls_in_flight is not None for row in m_in.explain(mp, xs).buckets]
+        assert started == [False, True], started
+        (l_in, g_in), (l_af, g_af) = m_in(mp, xs), bpd.data_parallel(mixed, overlap=False)(mp, xs)
+        assert l_in.item() == l_af.item() and g_in["b"].item() == 3.0
+        assert (g_in["w"].numpy() == g_af["w"].numpy()).all()
         print(f"rank {rank} ok")
         """,
         backend="numba",
+        timeout=600,
     )
     assert_ranks_ok(result)
 
