@@ -9,6 +9,7 @@ the largest difference of its parameters after two steps from the traced order's
 time (median of interleaved rounds, each plan stepping its own parameters).
 
     python -m backplan.bench.early_updates [--models readme,mlp_deep,transformer6] [--rounds 7]
+        [--optimizer adam|readme] [--no-budget]
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ OPTIMIZERS = {
 }
 
 
-def variants(fn, opt, params, batch) -> dict:
+def variants(fn, opt, params, batch, budgets: bool = True) -> dict:
     """{(budget label, early): a function making that step, traced}: both orders, without and
     with the budget."""
     p = fresh(params)
@@ -87,7 +88,8 @@ def variants(fn, opt, params, batch) -> dict:
         return make
 
     made = {}
-    for label, budget in (("no budget", {}), ("saved <= 1/3", {"saved_bytes_budget": third})):
+    chosen = (("no budget", {}), ("saved <= 1/3", {"saved_bytes_budget": third}))
+    for label, budget in chosen if budgets else chosen[:1]:
         for early in (False, True):
             made[(label, early)] = maker(budget, early)
     return made
@@ -109,11 +111,11 @@ def facts(make, opt, params, batch) -> dict:
     )
 
 
-def model_rows(name: str, opt_name: str, rounds: int) -> None:
+def model_rows(name: str, opt_name: str, rounds: int, budgets: bool = True) -> None:
     fn, params, batch = MAKERS[name]()
     batch = [bp.tensor(a) for a in batch]
     opt = OPTIMIZERS[opt_name]()
-    makers = variants(fn, opt, params, batch)
+    makers = variants(fn, opt, params, batch, budgets)
     found = {key: facts(make, opt, params, batch) for key, make in makers.items()}
     running = {}
     for key, make in makers.items():
@@ -142,6 +144,7 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default="readme,mlp_deep")
     parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZERS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-budget", action="store_true", help="only the steps without one")
     args = parser.parse_args(argv)
     print(f"CPU: {cpu_name()}; {pin_process(args.threads)['affinity']}")
     print(
@@ -150,7 +153,7 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        model_rows(name, args.optimizer, args.rounds)
+        model_rows(name, args.optimizer, args.rounds, not args.no_budget)
 
 
 if __name__ == "__main__":

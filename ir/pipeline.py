@@ -5,7 +5,9 @@
           | what else to recompute under a memory budget (ir/budget.py)
           -> recompute for budget -> expand the backward -> saved inputs last
           -> forward returns saved values -> saved dtype -> liveness  (PlanChoices.build;
-             a joint plan: saved dtype (narrow_held) -> liveness)
+             a joint plan: saved dtype (narrow_held) -> liveness; a training step with
+             inlined gradients: updates right after their gradients (early_updates, kept
+             where the peak falls) -> saved dtype -> liveness)
           -> lower: fusion -> epilogues -> schedule -> memory plan, donation  (ir/lowering.py)
 
 One route serves both forms (`PipelineOptions.joint`). A compiled function's region gets a
@@ -396,8 +398,8 @@ def early_updates(stage: Stage, options: PipelineOptions, log: PassLog) -> Regio
     reads is final (ir/update_order.py), where that lowers the step's peak on options.backend;
     else in the traced order. `plans.update_order` says which was kept and both peaks."""
     plans = _step_plans(narrow_held(stage, options, log), options, log)
-    if not early_updates_on():
-        return plans
+    if not early_updates_on() or not stage.inlined_gradients:
+        return plans  # (no gradient known: nothing can be said to follow one)
     graph = updates_after_gradients(
         stage.forward, stage.inlined_forward, stage.inlined_gradients, options.donated
     )
