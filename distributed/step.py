@@ -77,6 +77,7 @@ class DataParallelStep:
         self.timeout = timeout
         self.accumulate = accumulate
         self.overlap = overlap
+        self.sharded = False  # set by a ZeRO-1 training step, whose exchange is its own
         self._in_plans: dict = {}  # id(joint trace) -> (joint trace, InPlanExchange)
         self._accumulator = Accumulator(accumulate)
         self._layouts: dict = {}
@@ -245,14 +246,16 @@ class DataParallelStep:
     def _in_plan_starts(self, args, kwargs, layout) -> dict:
         """bucket index -> (plan step, calls in flight) for the buckets the compiled driver
         would start itself (InPlanExchange.start_of); empty when the step starts them after
-        the call (overlap=False, split_plan, accumulate, the reference backend)."""
-        if not self.overlap or self.split_plan or self.accumulate > 1:
+        the call (overlap=False, split_plan, accumulate, ZeRO-1, the reference backend, a plan
+        whose driver stays Python). While the driver builds in the background the step starts
+        them after the call; the report shows what it does once the driver is compiled."""
+        if not self.overlap or self.split_plan or self.accumulate > 1 or self.sharded:
             return {}
         if current_backend() != "numba" or checking():
             return {}
         entry = self.fn.lookup(args, kwargs)[1]
         compiled = getattr(entry.runner(), "compiled", None)
-        if compiled is None or compiled.driver_tier == "reference":
+        if compiled is None or compiled.driver_tier == "reference" or compiled.driver_skipped:
             return {}
         preview = InPlanExchange(compiled, layout, None)
         starts = {b.index: preview.start_of(entry.plan, b.index) for b in layout.buckets}

@@ -46,6 +46,7 @@ class DataParallelTraining:
         if shard_optimizer and step.split_plan:
             raise ValueError("shard_optimizer=True runs the plan as one call; drop split_plan")
         self.step = step
+        step.sharded = shard_optimizer
         self.optimizer = optimizer
         self.shard_optimizer = shard_optimizer
         # one compiled update (fused loops instead of ~10 eager ops per parameter); the same

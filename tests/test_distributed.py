@@ -353,6 +353,8 @@ def test_the_compiled_step_starts_buckets_itself_and_equals_the_step_after_the_c
             p_in, s_in, _ = t_in(p_in, s_in, xs, ys)
             p_af, s_af, _ = t_af(p_af, s_af, xs, ys)
         assert all((p_in[k].numpy() == p_af[k].numpy()).all() for k in params)
+        zero = bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300, shard_optimizer=True)
+        assert "inside the call" not in str(zero.explain(params, zero.init(params), xs, ys))
         n = 3 if rank == 0 else 13  # unequal shards: scaled before the sum, after the call
         l_in, g_in = inside(params, x[:n], y[:n])
         l_af, g_af = after(params, x[:n], y[:n])
