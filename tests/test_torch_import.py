@@ -225,3 +225,14 @@ def test_half_precision_modules_import_in_their_dtype(dtype):
     ref = module(x).float().detach().numpy()
     ulp = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]  # per op rounding may differ
     np.testing.assert_allclose(out.numpy().astype(np.float32), ref, atol=4 * ulp * abs(ref).max())
+
+
+def test_explain_command_refuses_inputs_not_named_as_forwards_parameters(tmp_path, capsys):
+    """They go to forward by position: `y` for forward(self, x) labelled the plan's input y."""
+    from backplan.__main__ import main
+
+    (tmp_path / "mymodel.py").write_text(MODEL_FILE)
+    target = f"{tmp_path / 'mymodel.py'}:Net"
+    assert main(["explain", "--torch", target, "--args", "y: f32[8,3,4,4]"]) != 0
+    error = capsys.readouterr().err
+    assert "--args names y, but Net.forward takes (x)" in error

@@ -4,6 +4,8 @@ arguments are named (params, buffers, inputs, target) so the plan reads `params[
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -22,6 +24,7 @@ def training_step(module: torch.nn.Module, inputs: dict, loss: str = "sum"):
     on inputs {name: array} (in forward's order) with the named loss."""
     if loss not in LOSSES:
         raise TorchImportError(f"--loss {loss!r}: choose one of {', '.join(LOSSES)}")
+    _check_input_names(module, list(inputs))
     examples = tuple(torch.from_numpy(np.array(a)) for a in inputs.values())
     fn, params = from_torch(module, examples)
     graph = fn.imported
@@ -42,6 +45,26 @@ def training_step(module: torch.nn.Module, inputs: dict, loss: str = "sum"):
     trainable = {k: params[k] for k in fn.parameter_names}
     buffers = {k: params[k] for k in fn.buffer_names}
     return value_and_grad(step, has_aux=True), (trainable, buffers, dict(inputs), target)
+
+
+def _check_input_names(module: torch.nn.Module, names: list[str]) -> None:
+    """The inputs are passed to forward by position, so their names must be forward's first
+    parameters in order: `--args "y: ..."` for forward(self, x) labelled x as y in the plan,
+    and two inputs given in another order went to the wrong parameters."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [p.name for p in signature.parameters.values() if p.kind in kinds]
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+        return  # forward(*args): any names
+    if names != params[: len(names)]:
+        owner = type(module).__name__
+        raise TorchImportError(
+            f"--args names {', '.join(names)}, but {owner}.forward takes "
+            f"({', '.join(params)}): name the inputs as forward's parameters, in their order"
+        )
 
 
 def _target(loss: str, out_shape: tuple):
