@@ -13,7 +13,7 @@ from backplan.codegen.kernels.gemm import gemm as own_gemm
 from backplan.codegen.kernels.gemm import vector_width
 from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel as own_batched_gemm_par
 from backplan.codegen.kernels.gemm.parallel import gemm_parallel as own_gemm_par
-from backplan.codegen.kernels.views import as_read_only
+from backplan.codegen.kernels.views import as_read_only, contiguous_view
 from backplan.codegen.render.opaque import (
     OpEmitter,
     emits,
@@ -25,20 +25,16 @@ from backplan.ir.graph import Value
 
 
 @njit(cache=True)
-def matrix_at(base, offset, rows, cols):
-    """The C-contiguous (rows, cols) matrix at element `offset` of a C-contiguous array (a
-    scratch arena, or an input or output array of any number of dimensions)."""
-    return base.reshape(-1)[offset : offset + rows * cols].reshape((rows, cols))
-
-
-@njit(cache=True)
 def operands_at(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
     """op(a) (m, k) as stored ((k, m) when transposed), op(b) (k, n) as stored and out (m, n),
-    each placed at its offset: what every placed GEMM below multiplies."""
+    each the C-contiguous matrix at its element offset of a flat C-contiguous base: what every
+    placed GEMM below multiplies. Views built directly (views.contiguous_view), not by slicing
+    and reshape: Numba compiled a slice and reshape check per base type (two variants, about
+    0.5 s of a cold first call) for sizes the plan's layout already fixed."""
     return (
-        matrix_at(a, a_offset, k if trans_a else m, m if trans_a else k),
-        matrix_at(b, b_offset, n if trans_b else k, k if trans_b else n),
-        matrix_at(out, out_offset, m, n),
+        contiguous_view(a, a_offset, (k if trans_a else m, m if trans_a else k)),
+        contiguous_view(b, b_offset, (n if trans_b else k, k if trans_b else n)),
+        contiguous_view(out, out_offset, (m, n)),
     )
 
 
@@ -134,18 +130,20 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool, parts: int) -> list[s
     (ta, a), (tb, b) = operands
     m, n = node.shape
     sizes = f"np.intp({m}), np.intp({n}), np.intp({node.inputs[0].shape[-1]})"
+    arguments = _one_variant(ta, tb, sizes, (a, b, out))
+    if own and parts > 1:
+        return [f"own_gemm_at_par(np.intp({parts}), {vector_width()}, {arguments})"]
     if own:
-        places = ", ".join(f"{w.base}, np.intp({w.offset})" for w in (a, b, out))
-        call = f"own_gemm_at_par({parts}, " if parts > 1 else "own_gemm_at("
-        return [f"{call}{vector_width()}, {ta}, {tb}, {sizes}, {places})"]
-    return [f"gemm_at_{node.dtype}({_one_variant(ta, tb, sizes, (a, b, out))})"]
+        return [f"own_gemm_at({vector_width()}, {arguments})"]
+    return [f"gemm_at_{node.dtype}({arguments})"]
 
 
 def _one_variant(ta, tb, sizes: str, places) -> str:
-    """The BLAS call's arguments typed alike at every call: the flags as run-time booleans,
-    every base flat, the operands read-only. Literal flags, an input's own rank and a
-    writable operand each made Numba compile gemm_at_f32 (and gemm_f32 and _gemm inside it)
-    again: five variants, about 4 of a small MLP's 9 s first call from a fresh install."""
+    """A placed GEMM's arguments typed alike at every call, BLAS or own: the flags as run-time
+    booleans, every base flat, the operands read-only. Literal flags, an input's own rank and
+    a writable operand each made Numba compile gemm_at_f32 (and gemm_f32 and _gemm inside it)
+    again: five variants, about 4 of a small MLP's 9 s first call from a fresh install; the
+    own GEMM's entry compiled once per pair of transpose flags (three in the mlp's step)."""
     a, b, out = places
     operands = ", ".join(f"as_read_only({w.base}.reshape(-1)), np.intp({w.offset})" for w in (a, b))
     return (

@@ -2,6 +2,8 @@
 
 Both are thin: they pass addresses, sizes and strides to the blocked GEMM, which is compiled
 once per dtype and called by address (gemm/symbols.py), so no caller carries a copy of it.
+`gemm` is inlined where it is called: as a function of its own Numba compiled it once per
+combination of literal flags and operand types at its call sites (two or three per plan).
 """
 
 from backplan.codegen.jit import AS_PYTHON, njit
@@ -9,7 +11,7 @@ from backplan.codegen.kernels.gemm.driver import MC
 from backplan.codegen.kernels.gemm.symbols import call_gemm
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):
     """c = alpha * op(a) @ op(b) + beta * c for 2-D f32 or f64 arrays of any strides; op
     transposes when its flag is set; width (512 or 256) picks the register tile. a and b may

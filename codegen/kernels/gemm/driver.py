@@ -40,7 +40,7 @@ def tile_shape(width, itemsize):
     return (_MR256_F32, _NR256_F32) if itemsize == 4 else (_MR256_F64, _NR256_F64)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")  # one copy per call site, not a variant each
 def _kernel(width, kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta, like):
     if width == 512:
         micro_kernel_512(kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta, like)

@@ -44,8 +44,13 @@ def _copy_block(dst, src):
 
         return widen
 
+    # Loops, not dst[:, :] = src: an array assigned to a slice makes Numba compile the f-string
+    # of its shape-mismatch error (str, join, repr of tuples), about half of the GEMM's cold
+    # compile (12.7 -> 6.7 CPU s per dtype on one core).
     def copy(dst, src):
-        dst[:, :] = src
+        for i in range(src.shape[0]):
+            for j in range(src.shape[1]):
+                dst[i, j] = src[i, j]
 
     return copy
 
