@@ -8,6 +8,7 @@ from numba.core.extending import intrinsic
 from numba.np.linalg import ensure_blas
 
 from backplan.codegen.jit import AS_PYTHON, njit
+from backplan.codegen.kernels.lifetimes import keep_alive
 from backplan.codegen.kernels.scipy_blas import preload_cython_blas
 
 preload_cython_blas()  # saves the 0.2 s import of all of scipy.linalg that ensure_blas does
@@ -85,38 +86,49 @@ def rows_contiguous(x) -> bool:
     return x.shape[1] <= 1 or x.strides[1] == x.itemsize
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):
     """out = alpha * op(a) @ op(b) + beta * out for 2-D f32 or f64 arrays whose rows are
     contiguous (rows_contiguous), any row stride: per-head views of a projection, read in
-    place. Empty cases are the caller's."""
+    place. Empty cases are the caller's. Inlined where it is called, passing _gemm_rows_at
+    addresses and row strides: as a function taking the arrays, Numba compiled it (and
+    _gemm_rows) once per combination of literal flags, layouts and read-only operands at its
+    call sites (three each in a small CNN's step, three in the transformer's attention)."""
     scalars = np.empty(2, out.dtype)
     scalars[0], scalars[1] = alpha, beta
     # Passed down as an array: Numba frees a local array after its last use, and taking its
     # address (.ctypes.data) is that use, so BLAS read alpha and beta from freed memory.
-    _gemm_rows(trans_a, trans_b, a, b, out, scalars)
+    step = out.itemsize
+    _gemm_rows_at(
+        trans_a != 0, trans_b != 0, out.shape[0], out.shape[1],
+        a.shape[0] if trans_a else a.shape[1],
+        a.ctypes.data, max(a.strides[0] // step, a.shape[1], 1),
+        b.ctypes.data, max(b.strides[0] // step, b.shape[1], 1),
+        out.ctypes.data, max(out.strides[0] // step, out.shape[1], 1),
+        scalars,
+    )  # fmt: skip
+    keep_alive((a, b, out))  # for the same reason as scalars
 
 
 @njit(cache=True, nogil=True)
-def _gemm_rows(trans_a, trans_b, a, b, out, scalars):
-    m, n = out.shape
-    k = a.shape[0] if trans_a else a.shape[1]
-    step = out.itemsize
+def _gemm_rows_at(trans_a, trans_b, m, n, k, a, lda, b, ldb, out, ldc, scalars):
+    """BLAS on row-major matrices at addresses a, b, out with row strides in elements; alpha
+    and beta in scalars, whose dtype is theirs."""
     _XXGEMM(
-        115 if out.itemsize == 4 else 100,
+        115 if scalars.itemsize == 4 else 100,
         84 if trans_b else 78,
         84 if trans_a else 78,
         n,
         m,
         k,
         _voidptr(scalars.ctypes.data),
-        _voidptr(b.ctypes.data),
-        max(b.strides[0] // step, b.shape[1], 1),
-        _voidptr(a.ctypes.data),
-        max(a.strides[0] // step, a.shape[1], 1),
-        _voidptr(scalars.ctypes.data + step),
-        _voidptr(out.ctypes.data),
-        max(out.strides[0] // step, n, 1),
+        _voidptr(b),
+        ldb,
+        _voidptr(a),
+        lda,
+        _voidptr(scalars.ctypes.data + scalars.itemsize),
+        _voidptr(out),
+        ldc,
     )
 
 

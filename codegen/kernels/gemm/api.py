@@ -9,6 +9,7 @@ combination of literal flags and operand types at its call sites (two or three p
 from backplan.codegen.jit import AS_PYTHON, njit
 from backplan.codegen.kernels.gemm.driver import MC
 from backplan.codegen.kernels.gemm.symbols import call_gemm
+from backplan.codegen.kernels.lifetimes import keep_alive
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -37,6 +38,7 @@ def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):
         a.dtype,
         b.dtype,
     )  # fmt: skip
+    keep_alive((a, b, c))  # inlined: a temporary operand's last use was its address
 
 
 ROW_BLOCK = MC  # rows of C a GEMM with an epilogue finishes at a time: the GEMM's own row block
