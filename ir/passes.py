@@ -69,6 +69,8 @@ def _simplified(node: Value, inputs: tuple[Value, ...]) -> Value | None:
         return inputs[0]
     if op == "transpose" and node.attrs["perm"] == tuple(range(len(node.shape))):
         return inputs[0]
+    if op == "transpose" and inputs[0].op == "transpose" and undoes(node, inputs[0]):
+        return inputs[0].inputs[0]  # x.T.T: torch's F.linear(x, w.T) imports as two permutes
     if op == "sum" and not node.attrs["axes"] and same_type:
         return inputs[0]
     return None
@@ -95,6 +97,14 @@ def algebraic_simplification(graph: Graph) -> Graph:
         mapping[node] = new
         nodes.append(new)
     return _rebuild(graph, nodes, [mapping.get(o, o) for o in graph.outputs], mapping)
+
+
+def undoes(outer: Value, inner: Value) -> bool:
+    """outer's transpose puts back every axis inner's moved. Only this pair is dropped: other
+    pairs stay two views, as the patterns later passes look for (attention's head layouts)
+    are written."""
+    first, then = inner.attrs["perm"], outer.attrs["perm"]
+    return tuple(first[axis] for axis in then) == tuple(range(len(then)))
 
 
 def _rewrite(graph: Graph, matches, expand, made: dict | None = None) -> Graph:
