@@ -262,9 +262,8 @@ def _place(node: Value, kernels, home, latest_loops: dict, reads: dict, avoid=No
     tail = is_loop_tail(node)
     if is_loop_op(node) or tail:
         shape = node.inputs[0].shape if tail else node.shape
-        target = _joinable_loop(node, shape, kernels, home, latest_loops.get(shape), reads)
-        if target is not None and target == avoid:
-            target = None
+        latest = latest_loops.get(shape)
+        target = _joinable_loop(node, shape, kernels, home, latest, reads, avoid)
         if target is None:
             target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
             reads[target] = set()
@@ -292,11 +291,15 @@ def _has_room(node, target: int, kernels, home, reads: dict) -> bool:
     return len(reads[target] | _outside_reads(node, target, kernels, home)) <= MAX_LOOP_READS
 
 
-def _joinable_loop(node, shape, kernels, home, latest: int | None, reads: dict) -> int | None:
+def _joinable_loop(
+    node, shape, kernels, home, latest: int | None, reads: dict, avoid: int | None = None
+) -> int | None:
     """The latest loop kernel of this iteration shape that computes one of node's inputs, or
     else the latest loop kernel of this shape at all (`latest`, kept by the caller: looking it
     up made grouping quadratic in the plan's length), whichever has every input ready and
-    room for it (MAX_LOOP_NODES, MAX_LOOP_READS)."""
+    room for it (MAX_LOOP_NODES, MAX_LOOP_READS), and is not `avoid` (a read-back cast's
+    copy's loop: the read-back then joins the latest loop instead of opening one of its own,
+    which split bfloat16 ln_gelu's layer-norm gradient into a loop of its own)."""
     sources = [alias_base(i) for i in node.inputs]
     producers = [
         home[s]
@@ -307,6 +310,8 @@ def _joinable_loop(node, shape, kernels, home, latest: int | None, reads: dict) 
         and s not in kernels[home[s]].reductions
     ]
     for target in ([max(producers)] if producers else []) + ([] if latest is None else [latest]):
+        if target == avoid:
+            continue
         if _ready(sources, target, kernels, home) and _has_room(node, target, kernels, home, reads):
             return target
     return None

@@ -54,3 +54,21 @@ def test_the_16_bit_read_keeps_values_within_rounding_of_float64():
         with use_backend(backend):
             got = bp.compile(fn)(x).astype(bp.float32).numpy()
         assert np.all(np.abs(got - want) <= bound), backend
+
+
+def test_a_read_back_cast_joins_the_latest_loop_not_a_loop_of_its_own():
+    """A read-back of a 16-bit copy (ir/fusion.py _read_backs) may not join the loop that made
+    the copy; it joins the latest loop of its shape instead, as any other node (it opened a
+    loop of its own, and bfloat16 ln_gelu's layer-norm gradient read its inputs again)."""
+    graph = Graph()
+    build = Builder(graph)
+    x = graph.add_input(TensorType("f32", (8, 4)))
+    v = build.tanh(x)
+    copy = build.astype(v, dtype="bf16")
+    after_sum = build.mul(x, build.sum(v, axes=(1,), keepdims=True))
+    read_back = build.astype(copy, dtype="f32")
+    graph.outputs = [build.mul(read_back, after_sum), build.mul(v, v)]
+    kernels = group_kernels(graph)
+    loops = [k for k in kernels if k.kind == "loop"]
+    assert len(loops) == 2, [[n.op for n in k.nodes] for k in loops]
+    assert copy in loops[0].nodes and read_back in loops[1].nodes
