@@ -307,3 +307,35 @@ def test_a_list_holding_traced_tensors_becomes_a_tensor_as_eagerly():
     np.testing.assert_allclose(compiled.numpy(), eager.numpy(), rtol=1e-6)
     np.testing.assert_allclose(eager.numpy(), [2.25 + 3.5, -4.0 + 3.5, 12.0 + 3.5], rtol=1e-6)
     assert compiled.dtype == np.float32
+
+
+@pytest.mark.parametrize("not_a_function", [3, {"w": 1.0}])
+def test_compile_of_something_that_is_no_function_is_refused_at_once(not_a_function):
+    with pytest.raises(TypeError, match="bp.compile takes a function, got"):
+        bp.compile(not_a_function)
+    with pytest.raises(TypeError, match="bp.compile takes a function, got"):
+        bp.compile(donate_argnums=(0,))(not_a_function)
+
+
+def _non_scalar_loss(w):
+    return w * 2.0
+
+
+def _loss_without_aux(w):
+    return (w * 2.0).sum()
+
+
+def test_a_differentiated_function_returning_the_wrong_thing_is_named_with_its_line():
+    w = bp.tensor(np.ones((2, 3), np.float32))
+    line = _non_scalar_loss.__code__.co_firstlineno
+    with pytest.raises(bp.TracingError) as info:
+        bp.value_and_grad(_non_scalar_loss)(w)
+    assert f"_non_scalar_loss (test_compile.py:{line}) returned a tensor f32[2, 3]" in str(
+        info.value
+    )
+    line = _loss_without_aux.__code__.co_firstlineno
+    with pytest.raises(bp.TracingError) as info:
+        bp.value_and_grad(_loss_without_aux, has_aux=True)(w)
+    assert f"_loss_without_aux (test_compile.py:{line}) to return (loss, aux), it returned a" in (
+        str(info.value)
+    )

@@ -508,5 +508,16 @@ def compile(  # noqa: A001
         allow_saved_dtype=allow_saved_dtype,
     )
     if fn is None:
-        return lambda f: CompiledFunction(f, **options)
-    return CompiledFunction(fn, **options)
+        return lambda f: CompiledFunction(_callable(f), **options)
+    return CompiledFunction(_callable(fn), **options)
+
+
+def _callable(fn):
+    """bp.compile(3) or bp.compile(params) was taken and failed at the first call, far away."""
+    if not callable(fn):
+        raise TypeError(
+            f"bp.compile takes a function, got {type(fn).__name__} {fn!r:.60}; write "
+            "bp.compile(fn) or @bp.compile above a def (options as keywords: "
+            "bp.compile(fn, donate_argnums=(0,)))"
+        )
+    return fn

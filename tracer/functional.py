@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -465,6 +466,25 @@ def _diff_positions(call, args, nums) -> set[int]:
     return positions
 
 
+def _defined(fn) -> str:
+    """'loss_fn (train.py:12)': the differentiated function and where it is defined."""
+    inner = inspect.unwrap(fn)
+    code = getattr(inner, "__code__", None)
+    name = getattr(inner, "__qualname__", getattr(inner, "__name__", "fn"))
+    if code is None:
+        return name
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+def _returned(value) -> str:
+    """What a differentiated function returned, in words: 'a tensor f32[2, 4]', 'None'."""
+    if isinstance(value, Tensor):
+        return f"a tensor {value._ir_dtype}{list(value.shape)}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
 def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes=None, dtypes=(None, None)):
     """dtypes: (saved_dtype, allow_saved_dtype)."""
     name = getattr(fn, "__name__", "fn")
@@ -472,17 +492,24 @@ def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes=None, dtypes=(Non
     if has_aux:
         result = unflatten(out_treedef, out_leaves)
         if not isinstance(result, tuple) or len(result) != 2:
-            raise TracingError("has_aux=True needs the function to return (loss, aux)")
+            raise TracingError(
+                f"has_aux=True needs {_defined(fn)} to return (loss, aux), it returned "
+                f"{_returned(result)}"
+            )
         loss, aux = result
         aux_leaves, aux_treedef = flatten(aux)
     else:
         if len(out_leaves) != 1:
-            raise TracingError("the differentiated function must return one scalar tensor")
+            raise TracingError(
+                f"the differentiated function {_defined(fn)} must return one scalar tensor, it "
+                f"returned {_returned(unflatten(out_treedef, out_leaves))} (has_aux=True "
+                "returns (loss, aux))"
+            )
         loss, aux_leaves, aux_treedef = out_leaves[0], [], None
     if not isinstance(loss, Tensor) or loss.shape != ():
-        shape = getattr(loss, "shape", type(loss).__name__)
         raise TracingError(
-            f"grad needs a scalar loss, got {shape}; reduce it with .sum() or .mean()"
+            f"grad needs a scalar loss, {_defined(fn)} returned {_returned(loss)}; reduce it "
+            "with .sum() or .mean()"
         )
     if any(not isinstance(a, Tensor) for a in aux_leaves):
         raise TracingError("aux outputs must be tensors")
