@@ -203,14 +203,16 @@ class PlanChoices:
             self._schedule = held_schedule(self._ordered_stage(), self.joint)
         return self._schedule
 
+    def _early_kept(self) -> bool:
+        """Whether the default plan runs its updates right after their gradients."""
+        order = getattr(self.build(), "update_order", None)
+        return order is not None and order.kept
+
     def _ordered_stage(self) -> Stage:
         """The stage in the order its default plans run (a training step's updates moved
         right after their gradients where early_updates kept that), so that the memory
         planner's simulation sees what those plans hold."""
-        if not self.inlined_gradients or not early_updates_on():
-            return self.stage
-        order = getattr(self.build(), "update_order", None)
-        if order is None or not order.kept:
+        if not self.inlined_gradients or not early_updates_on() or not self._early_kept():
             return self.stage
         stage = self.stage
         graph = updates_after_gradients(
@@ -229,7 +231,8 @@ class PlanChoices:
             return self._kept(drop, JointPlans(plan, stage.n_outputs, stage.wrt, log))
         if stage.backward is None:
             if self.inlined_gradients:
-                return self._kept(drop, early_updates(stage, options, log))
+                decided = self._early_kept() if drop else None
+                return self._kept(drop, early_updates(stage, options, log, decided))
             return self._kept(drop, _step_plans(stage, options, log))
         stage = expand_backward(stage, options, log)
         stage = order_saved_inputs(stage, log)
@@ -393,12 +396,15 @@ def recompute_for_budget(
     )
 
 
-def early_updates(stage: Stage, options: PipelineOptions, log: PassLog) -> RegionPlans:
+def early_updates(
+    stage: Stage, options: PipelineOptions, log: PassLog, decided: bool | None = None
+) -> RegionPlans:
     """A training step's plans with each optimizer update run right after the gradient it
     reads is final (ir/update_order.py), where that lowers the step's peak on options.backend;
-    else in the traced order. `plans.update_order` says which was kept and both peaks."""
+    else in the traced order. `plans.update_order` says which was kept and both peaks.
+    decided: the order the default plan kept, which a budget's plans follow (None: compare)."""
     plans = _step_plans(narrow_held(stage, options, log), options, log)
-    if not early_updates_on() or not stage.inlined_gradients:
+    if not early_updates_on() or not stage.inlined_gradients or decided is False:
         return plans  # (no gradient known: nothing can be said to follow one)
     graph = updates_after_gradients(
         stage.forward, stage.inlined_forward, stage.inlined_gradients, options.donated
@@ -407,7 +413,7 @@ def early_updates(stage: Stage, options: PipelineOptions, log: PassLog) -> Regio
         return plans
     moved = replace(stage, forward=log.record("updates_after_gradients", graph))
     early = _step_plans(narrow_held(moved, options, log), options, log)
-    order = UpdateOrder.compared(region_calls(plans), region_calls(early), options.backend)
+    order = UpdateOrder(options.backend, region_calls(plans), region_calls(early), decided)
     if order.kept:
         return replace(early, update_order=order)
     return replace(plans, update_order=order)

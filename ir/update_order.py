@@ -38,39 +38,50 @@ True
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 from .graph import Graph, Value, carry_reasons
 from .layout import storage_root
 from .peak import PlanCall, predicted_peak
 
 
-@dataclass(frozen=True)
 class UpdateOrder:
     """A training step's peak on `backend` ("numba": the compiled plans; "reference"), with its
     updates in the traced order and run right after their gradients; `kept`: the plans use the
-    second order, which holds fewer bytes at the peak. (On the reference interpreter, which
-    allocates every output when it is written, an early adam update holds its new parameter
-    and moments longer than the gradient it frees: there the traced order is kept.)"""
+    second order. Given no `kept`, both peaks are taken now and the second order is kept where
+    it holds fewer bytes (on the reference interpreter, which allocates every output when it is
+    written, an early adam update holds its new parameter and moments longer than the gradient
+    it frees: there the traced order is kept). Given `kept` (a budget's plans follow their
+    default plan's choice), each peak is taken when first asked for."""
 
-    backend: str
-    traced: int
-    early: int
+    def __init__(self, backend: str, traced: list[PlanCall], early: list[PlanCall], kept=None):
+        self.backend = backend
+        self._calls = {"traced": traced, "early": early}
+        self._peaks: dict[str, int] = {}
+        self.kept: bool = self.early < self.traced if kept is None else kept
+
+    def _peak(self, order: str) -> int:
+        if order not in self._peaks:  # two threads may both compute it: the same number
+            self._peaks[order] = predicted_peak(self._calls[order], self.backend).peak_bytes
+        return self._peaks[order]
 
     @property
-    def kept(self) -> bool:
-        return self.early < self.traced
+    def traced(self) -> int:
+        return self._peak("traced")
+
+    @property
+    def early(self) -> int:
+        return self._peak("early")
 
     @property
     def peak_bytes(self) -> int:
         """The peak of the order the plans use."""
         return self.early if self.kept else self.traced
 
-    @classmethod
-    def compared(cls, traced: list[PlanCall], early: list[PlanCall], backend: str):
-        """The two orders' plan calls (ir/peak.py region_calls), their peaks compared."""
-        peaks = (predicted_peak(calls, backend).peak_bytes for calls in (traced, early))
-        return cls(backend, *peaks)
+    def __repr__(self) -> str:
+        return (
+            f"UpdateOrder(backend={self.backend!r}, kept={self.kept}, traced={self.traced}, "
+            f"early={self.early})"
+        )
 
 
 def update_part(graph: Graph, forward, gradients) -> set[Value]:
