@@ -7,43 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_memory_budget_step import OPT, batch, parameters, train_step
 
 import backplan as bp
+from backplan.bench.memory_audit import readme_step
 from backplan.runtime.backend import use_backend
-
-DEPTH, WIDTH, BATCH = 4, 32, 128
-OPT = bp.optim.adam(1e-2)
-
-
-def loss_fn(params, x, y):
-    h = x
-    for w in params["ws"]:
-        h = bp.tanh(h @ w)
-    return bp.mean((h @ params["out"] - y) ** 2)
 
 
 def arguments():
-    rng = np.random.default_rng(1)
-    ws = [
-        bp.tensor((rng.standard_normal((WIDTH, WIDTH)) * 0.3).astype(np.float32))
-        for _ in range(DEPTH)
-    ]
-    params = {
-        "ws": ws,
-        "out": bp.tensor((rng.standard_normal((WIDTH, 2)) * 0.3).astype(np.float32)),
-    }
-    x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
-    return params, OPT.init(params), x, rng.standard_normal((BATCH, 2)).astype(np.float32)
-
-
-def train_step(**options):
-    @bp.compile(donate_argnums=(0, 1), **options)
-    def step(params, state, x, y):
-        loss, grads = bp.value_and_grad(loss_fn)(params, x, y)
-        params, state = OPT.update(grads, state, params)
-        return params, state, loss
-
-    return step
+    params = parameters()
+    return (params, OPT.init(params), *batch())
 
 
 def held(report) -> int:
@@ -123,32 +96,6 @@ def test_a_budgeted_compiled_function_inlined_into_another_is_refused():
         outer.explain([bp.tensor(w, requires_grad=True) for w in ws], x)
 
 
-def readme_like_step():
-    """The README's training step: relu, a softplus written out, clip + adamw, donated."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 16)).astype(np.float32)
-    y = (x @ rng.standard_normal((16, 1)) > 0).astype(np.float32)
-    params = {
-        "w1": bp.tensor(rng.standard_normal((16, 32)).astype(np.float32) * 0.25),
-        "b1": bp.tensor(np.zeros(32, np.float32)),
-        "w2": bp.tensor(rng.standard_normal((32, 1)).astype(np.float32) * 0.25),
-    }
-
-    def loss_fn(params, x, y):
-        logits = bp.relu(x @ params["w1"] + params["b1"]) @ params["w2"]
-        return bp.mean(bp.maximum(logits, 0.0) - logits * y + bp.log(1.0 + bp.exp(-bp.abs(logits))))
-
-    opt = bp.optim.chain(bp.optim.clip_by_global_norm(1.0), bp.optim.adamw(1e-2))
-
-    @bp.compile(donate_argnums=(0, 1))
-    def step(params, state, x, y, loss_weight):
-        loss, grads = bp.value_and_grad(lambda p: loss_fn(p, x, y) * loss_weight)(params)
-        params, state = opt.update(grads, state, params)
-        return params, state, loss
-
-    return step, (params, opt.init(params), x, y, 1.0)
-
-
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 def test_the_readme_step_lists_what_its_own_plan_holds(backend):
     """The step's cleanup merges values the joint plan rebuilds for its gradients (relu's
@@ -156,7 +103,7 @@ def test_the_readme_step_lists_what_its_own_plan_holds(backend):
     plan alone holds the matmul before it, and 1 + exp besides. Section 3 lists the step's
     values, named as its forward IR, and their bytes are what the planner counts."""
     with use_backend(backend):
-        step, args = readme_like_step()
+        step, args, _ = readme_step()
         report = step.explain(*args)
         assert held(report) == report.frontier.points[0].saved_bytes
         ops = {b.op for b in report.inlined_saved if not b.is_region_input}

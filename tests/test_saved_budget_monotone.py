@@ -6,30 +6,17 @@ refusal saying why and pointing at max_peak_bytes."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from test_explain_as_run import arguments, held, train_step
+from test_memory_budget import arrays, deep_loss
 
 import backplan as bp
 from backplan.runtime.backend import use_backend
 
-DEPTH, WIDTH, BATCH = 8, 16, 32
-
-
-def deep_loss(ws, x, k):
-    h = x
-    for i, w in enumerate(ws):
-        h = bp.tanh(h @ w)
-        if i == 2:
-            h = bp.dropout(h, 0.25, k)
-    return (h * h).sum()
-
 
 def deep_arguments():
-    rng = np.random.default_rng(0)
-    ws = [(rng.standard_normal((WIDTH, WIDTH)) * 0.4).astype(np.float32) for _ in range(DEPTH)]
-    params = [bp.tensor(w, requires_grad=True) for w in ws]
-    return params, rng.standard_normal((BATCH, WIDTH)).astype(np.float32), bp.random.key(3)
+    ws, x, key = arrays()
+    return [bp.tensor(w, requires_grad=True) for w in ws], x, key
 
 
 def region_saved(report) -> int:
