@@ -26,6 +26,26 @@ class InlinedSavedInfo(SavedBufferInfo):
     read_phase: str = "f"
 
 
+def held_values(plan: Plan, forward: frozenset) -> list:
+    """The values the step holds for its inlined gradients: forward values the rest reads,
+    and your arrays a derivative rule reads (not those only the update reads: optimizer state,
+    adam's parameters)."""
+    graph = plan.graph
+    inputs = set(graph.inputs)
+    return [v for v in held_across(graph, set(forward)) if v not in inputs or v in graph.reasons]
+
+
+def mark_held(view, plan: Plan, forward: frozenset) -> None:
+    """The step's view (its timeline and plot) shows the values held for the inlined
+    gradients as saved buffers, as section 3 lists them."""
+    names = value_names(plan.graph)
+    inputs = set(plan.graph.inputs)
+    for value in held_values(plan, forward):
+        buf = view.buffers.get(f"f{names[value]}")
+        if buf is not None and value not in inputs and buf.kind == "temporary":
+            buf.kind, buf.saved = "saved", True
+
+
 def inlined_saved_info(plan: Plan, forward: frozenset, input_names) -> list[InlinedSavedInfo]:
     """The held values of a step with inlined gradients, in the order the step first reads
     them after its inlined forward part (your own arrays among them, marked)."""
@@ -33,9 +53,7 @@ def inlined_saved_info(plan: Plan, forward: frozenset, input_names) -> list[Inli
     names = value_names(graph)
     step_of = {node: step for step, node in enumerate(graph.nodes)}
     inputs = {value: i for i, value in enumerate(graph.inputs)}
-    held = [
-        v for v in held_across(graph, set(forward)) if v not in inputs or v in graph.reasons
-    ]  # not your arrays only the update reads (optimizer state, adam's parameters)
+    held = held_values(plan, forward)
     roots = storage_roots(graph)
     counted = {v for v in held if roots[v] is v}  # a view shares its base's buffer: once
     infos = []

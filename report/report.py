@@ -24,7 +24,7 @@ from backplan.runtime.program import RegionProgram, SavedBufferInfo
 
 from .compiled import CompiledPlanFacts, joint_facts, region_facts
 from .frontier import MemoryFrontier
-from .inlined_saved import inlined_saved_info
+from .inlined_saved import inlined_saved_info, mark_held
 from .joint_view import joint_saved_info, joint_view
 from .kernels import KernelInfo, kernels_from_groups, planned_groups
 from .plan_view import PlanView, StepInfo, region_view
@@ -266,6 +266,8 @@ def region_report(
     default, the groups of the backend the program runs on."""
     plans = program.plans
     view = region_view(program)
+    if getattr(plans, "inlined_forward", None) is not None:
+        mark_held(view, plans.forward, plans.inlined_forward)
     named = plans.named
     backend = program.backend or current_backend()
     compiled = region_facts(program) if backend == "numba" else None

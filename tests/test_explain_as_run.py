@@ -106,8 +106,11 @@ def test_the_readme_step_lists_what_its_own_plan_holds(backend):
         step, args, _ = readme_step()
         report = step.explain(*args)
         assert held(report) == report.frontier.points[0].saved_bytes
-        ops = {b.op for b in report.inlined_saved if not b.is_region_input}
-        assert "relu" in ops
+        computed = [b for b in report.inlined_saved if not b.is_region_input]
+        assert "relu" in {b.op for b in computed}
+        # the timeline and plot mark the same values as saved buffers
+        marked = [b for b in report.view.buffers.values() if b.kind == "saved"]
+        assert sorted(b.name for b in marked) == sorted(b.name for b in computed)
         text = " ".join(str(report).split())  # wrapped lines joined
         assert "names and steps are this step's forward IR" in text
         assert f"inside value_and_grad, {report.inner_saved_bytes:,} B" in text
