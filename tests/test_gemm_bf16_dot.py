@@ -181,3 +181,41 @@ def test_the_published_bf16_gemm_follows_the_flag(flag, flushed):
         [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert (float(out) == 0.0) is flushed, out
+
+
+@needs_dot
+def test_bf16_blocks_on_threads_run_the_published_gemm():
+    """The GEMM cut over threads (parallel.py) gives bfloat16 blocks to the published bf16
+    GEMM, here the dot path (told by the flushed denormal), and float32 blocks to its own
+    blocked GEMM: both against float64, batched too."""
+    from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel, gemm_parallel
+
+    rng = np.random.default_rng(13)
+    a, b = rng.standard_normal((40, 24)).astype(BF16), rng.standard_normal((24, 70)).astype(BF16)
+    a[0, :] = 0
+    a[0, 0] = DENORMAL[0]  # row 0 of C: one denormal product each, flushed
+    b[0, :] = 1
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    for rows, cols in [(40, 70), (40, 20)]:  # cut by rows, then by columns
+        c = np.full((rows, cols), np.nan, np.float32)
+        gemm_parallel(
+            2, 512, False, False, 1.0, a[:rows].view(np.uint16), b[:, :cols].view(np.uint16), 0.0, c
+        )
+        assert c[0, 0] == 0.0
+        bound = (
+            4
+            * 26
+            * np.finfo(np.float32).eps
+            * np.abs(a.astype(np.float64))
+            @ np.abs(b.astype(np.float64))
+        )
+        assert np.all(np.abs(c[1:] - want[1:rows, :cols]) <= bound[1:rows, :cols])
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    c32 = np.empty((40, 70), np.float32)
+    gemm_parallel(2, 512, False, False, 1.0, a32, b32, 0.0, c32)
+    assert c32[0, 0] == np.float32(2.0**-127)
+    batched = np.empty((2, 40, 70), np.float32)
+    stack_a = np.stack([a, a]).view(np.uint16)
+    batched_gemm_parallel(512, False, False, stack_a, b.view(np.uint16)[None], batched)
+    assert batched[1, 0, 0] == 0.0
+    np.testing.assert_array_equal(batched[0], batched[1])

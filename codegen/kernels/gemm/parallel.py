@@ -1,10 +1,12 @@
 """The GEMM over several cores: C cut into as many blocks as Numba has threads, along its longer
 side (rows of C with their rows of op(A), or columns with their columns of op(B)), each block a
-single-core blocked GEMM with its own packing buffers; a batch is shared out by entries."""
+single-core blocked GEMM with its own packing buffers; a batch is shared out by entries.
+bfloat16 blocks call the published bf16 GEMM (symbols.py: VDPBF16PS where the CPU has it)."""
 
 import numpy as np
 
 from backplan.codegen.jit import njit, prange
+from backplan.codegen.kernels.gemm.api import gemm
 from backplan.codegen.kernels.gemm.driver import KC, MC, NC, gemm_blocked, tile_shape, workspace
 
 
@@ -24,19 +26,26 @@ def gemm_parallel(parts, width, trans_a, trans_b, alpha, a, b, beta, c):
     mr, nr = tile_shape(width, c.itemsize)
     by_rows = m >= n
     for part in prange(parts):
-        work = workspace(width, c, KC, MC, NC)
         if by_rows:
             i0, i1 = _bounds(part, parts, m, mr)
             a_part = a[:, i0:i1] if trans_a else a[i0:i1, :]
-            gemm_blocked(
-                width, trans_a, trans_b, alpha, a_part, b, beta, c[i0:i1, :], work, KC, MC, NC
-            )
+            _block(width, trans_a, trans_b, alpha, a_part, b, beta, c[i0:i1, :])
         else:
             j0, j1 = _bounds(part, parts, n, nr)
             b_part = b[j0:j1, :] if trans_b else b[:, j0:j1]
-            gemm_blocked(
-                width, trans_a, trans_b, alpha, a, b_part, beta, c[:, j0:j1], work, KC, MC, NC
-            )
+            _block(width, trans_a, trans_b, alpha, a, b_part, beta, c[:, j0:j1])
+
+
+@njit(cache=True, nogil=True)
+def _block(width, trans_a, trans_b, alpha, a, b, beta, c):
+    """One thread's block: bfloat16 operands (uint16 bits) through the published bf16 GEMM,
+    which the widening blocked GEMM here would run at half VDPBF16PS's rate; float32 and
+    float64 through the blocked GEMM with a workspace of the block's own."""
+    if a.itemsize == 2:
+        gemm(width, trans_a, trans_b, alpha, a, b, beta, c)
+    else:
+        work = workspace(width, c, KC, MC, NC)
+        gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, KC, MC, NC)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -44,7 +53,6 @@ def batched_gemm_parallel(width, trans_a, trans_b, a, b, c):
     """batched_gemm (see api.batched_gemm) with the batch entries shared out between threads."""
     last_a, last_b = a.shape[0] - 1, b.shape[0] - 1
     for i in prange(c.shape[0]):
-        work = workspace(width, c, KC, MC, NC)
         index = np.intp(i)  # the prange index is unsigned: min() with a signed int gives float
         a_i, b_i = a[min(index, last_a)], b[min(index, last_b)]
-        gemm_blocked(width, trans_a, trans_b, 1.0, a_i, b_i, 0.0, c[index], work, KC, MC, NC)
+        _block(width, trans_a, trans_b, 1.0, a_i, b_i, 0.0, c[index])
