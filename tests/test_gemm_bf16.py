@@ -242,6 +242,6 @@ def test_bf16_products_share_the_gemm_out_on_threads(monkeypatch):
     finally:
         numba.set_num_threads(previous)
     source = "".join(r.compiled.source for r in runners if hasattr(r, "compiled"))
-    assert source.count("own_gemm_at_par(2, ") == 3 and "own_batched_gemm_par(" in source
+    assert source.count("own_gemm_at_par(np.intp(2), ") == 3 and "own_batched_gemm_par(" in source
     for e, g in zip(expected, got, strict=True):
         np.testing.assert_array_equal(g.numpy().view(np.uint16), e.numpy().view(np.uint16))
