@@ -160,7 +160,7 @@ def test_every_frontier_point_is_the_peak_its_compiled_step_reaches(backend):
     ws = [bp.tensor(rng.standard_normal((64, 64)).astype(np.float32) * 0.2) for _ in range(6)]
     x = bp.tensor(rng.standard_normal((128, 64)).astype(np.float32))
     front = bp.value_and_grad(_deep_tanh).memory_frontier(ws, x)
-    assert len(front.points) >= 3
+    assert len(front.points) >= 2  # rows lowering the peak < 1% are folded (4df373e)
     for point in front.points:
         step = bp.value_and_grad(_deep_tanh, max_peak_bytes=point.peak_bytes)
         measured = _measured(lambda: step(ws, x))  # noqa: B023 - called here
