@@ -1,0 +1,40 @@
+"""bench/compile_profile.py: a cold first call's compiles, by function."""
+
+import numba
+from numba.core import event
+
+from backplan.bench import compile_profile
+from backplan.runtime.backend import use_backend
+
+
+def test_a_compile_nested_in_another_counts_for_itself_and_names_its_caller():
+    @numba.njit
+    def inner(x):
+        return x * 2.0
+
+    @numba.njit
+    def outer(x):
+        return inner(x) + 1
+
+    times = compile_profile.CompileTimes()
+    with event.install_listener("numba:compile", times):
+        outer(1.5)
+    names = {name.rsplit(".", 1)[-1]: name for name in times.exclusive}
+    inner_name, outer_name = names["inner"], names["outer"]
+    assert times.asked_by[inner_name] == outer_name
+    assert inner_name not in times.asked_by.get(outer_name, "")
+    assert list(times.top_level) == [outer_name]
+    outer_total = times.top_level[outer_name]
+    assert outer_total >= times.exclusive[outer_name] + times.exclusive[inner_name] - 1e-9
+    assert times.variants == {inner_name: 1, outer_name: 1}
+
+
+def test_a_models_first_call_lists_its_compiled_loop_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))  # the plan's kernels compile
+    with use_backend("numba"):
+        facts = compile_profile.profile("mlp_tiny", small=True)
+    kernels = [f for f in facts["functions"] if f["name"].startswith("backplan_kernel_")]
+    assert kernels and all(f["variants"] >= 1 and f["cpu_s"] >= 0 for f in kernels)
+    assert 0 < facts["compile_cpu_s"] <= facts["first_call_cpu_s"]
+    text = compile_profile.report(facts, rows=5)
+    assert text.startswith("mlp_tiny: first call") and facts["functions"][0]["name"] in text
