@@ -147,3 +147,18 @@ def test_keys_beyond_the_tile_take_the_tiled_path_and_one_tile_does_not(tmp_path
     tiled_sums = [float(x) for x in tiled[1].split("] ")[1].split()]
     whole_sums = [float(x) for x in whole[1].split("] ")[1].split()]
     np.testing.assert_allclose(tiled_sums, whole_sums, rtol=1e-5)
+
+
+def test_parallel_kernels_take_the_key_tiles_too():
+    """The (batch, head)-parallel variants call the same head kernels with the tile."""
+    q, k, v, g = inputs(np.random.default_rng(12), 3, 21, 40, 3, 2, np.float32)
+    q, k, v, g = (np.concatenate([x, x[:, ::-1]]) for x in (q, k, v, g))  # two batch elements
+    out, dq, dk, dv = (np.empty(x.shape, np.float32) for x in (g, q, k, v))
+    attention.attention_forward_par(vector_width(), q, k, v, out, 0.7, True, 16)
+    attention.attention_backward_par(vector_width(), q, k, v, g, dq, dk, dv, 0.7, True, 16)
+    for b in range(2):
+        one = [x[b : b + 1] for x in (q, k, v, g)]
+        want_out, want_grads = expected(*one, 0.7, True)
+        np.testing.assert_allclose(out[b : b + 1], want_out, rtol=2e-5, atol=2e-5)
+        for got, want in zip((dq, dk, dv), want_grads, strict=True):
+            np.testing.assert_allclose(got[b : b + 1], want, rtol=1e-4, atol=1e-4)
