@@ -69,7 +69,7 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="a couple of steps per peer, no warm-compile or measured-peak (tracemalloc) "
         "measurement, no wait for backplan's compiled drivers, torch.compile only when "
-        "--against names it",
+        "--against names it, backplan.from_torch the same",
     )
     parser.add_argument(
         "--small",
@@ -126,7 +126,7 @@ def _measure(args) -> dict:
     progress = Progress(enabled=not args.quiet)
     models = select_models(_names(args.models))
     against = [] if args.against.strip() == "none" else _names(args.against)
-    peers = select_peers(against)
+    peers = select_peers(against, imported_with_torch=not args.quick)
     thread_settings = pin_process(args.threads)  # before any peer imports its library
     thread_settings |= prepare_jax_threads(args.threads, any(p.name == "jax" for p in peers))
     available, skipped = _available(peers, progress)

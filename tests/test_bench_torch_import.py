@@ -73,6 +73,14 @@ def test_the_imported_row_comes_with_any_torch_peer_and_only_then():
     assert names("backplan.from_torch") == ["backplan", "backplan.compile", "backplan.from_torch"]
 
 
+def test_quick_runs_the_imported_row_only_when_named():
+    def names(*against):
+        return [peer.name for peer in select_peers(list(against), imported_with_torch=False)]
+
+    assert "backplan.from_torch" not in names("numpy", "torch.eager", "jax")
+    assert "backplan.from_torch" in names("torch.eager", "backplan.from_torch")
+
+
 def test_imported_cnn_matches_torch_eager_in_the_table(capsys):
     torch_import.main(
         ["--small", "--rounds", "1", "--seconds", "0.01", "--no-torch-compile", "--models", "cnn"]
