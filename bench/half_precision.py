@@ -7,6 +7,9 @@ everything in bfloat16 against float32, side by side (interleaved rounds, one pi
 
 --widened adds a third runner in the same rounds: bfloat16 with every GEMM operand widened
 into a float32 copy first, as compiled plans did before the GEMM read bfloat16 itself.
+Each step is also timed by the process's CPU time (all its threads, on the one pinned CPU;
+medians printed beside the wall times): on a shared, loaded machine a step's wall time counts
+the neighbours' slices too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
+import time
 
 import numpy as np
 
@@ -48,11 +53,14 @@ class _Step:
         self.params = {k: bp.tensor(v.astype(dtype)) for k, v in data.params.items()}
         self.batch = [b.astype(dtype) if b.dtype.kind == "f" else b for b in data.batch(True)]
         self.fn = bp.compile(bp.value_and_grad(_bound(spec)))
+        self.cpu_ms: list[float] = []
         with _gemm_operands_widened() if widened else contextlib.nullcontext():
             self.step()  # plans are made (and lowered) at the first call
 
     def step(self):
+        start = time.process_time()
         self.fn(self.params, *self.batch)
+        self.cpu_ms.append((time.process_time() - start) * 1e3)
 
 
 @contextlib.contextmanager
@@ -95,9 +103,16 @@ def main(argv=None) -> None:
             k: schedule.steps_per_round(warm_up(r, schedule.warmup_steps))
             for k, r in runners.items()
         }
+        for runner in runners.values():
+            runner.cpu_ms.clear()
         timings = timed_rounds(runners, steps, schedule)
         f32_ms, bf16_ms = (timings[k].median * 1e3 for k in ("f32", "bf16"))
         print(f"{name}: step f32 {f32_ms:.2f} ms, bf16 {bf16_ms:.2f} ms ({bf16_ms / f32_ms:.2f}x)")
+        f32_cpu, bf16_cpu = (statistics.median(runners[k].cpu_ms) for k in ("f32", "bf16"))
+        print(
+            f"{name}: CPU time f32 {f32_cpu:.2f} ms, bf16 {bf16_cpu:.2f} ms "
+            f"({bf16_cpu / f32_cpu:.2f}x)"
+        )
         if args.widened:
             old_ms = timings["bf16 widened"].median * 1e3
             print(
