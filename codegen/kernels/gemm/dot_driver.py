@@ -10,7 +10,7 @@ import numpy as np
 
 from backplan.codegen.jit import njit
 from backplan.codegen.kernels.gemm.dot_kernel import DOT_MR, DOT_NR, dot_micro_kernel
-from backplan.codegen.kernels.gemm.driver import scale_c, store_edge
+from backplan.codegen.kernels.gemm.driver import scaled_only, store_edge
 from backplan.codegen.kernels.gemm.pair_pack import pack_a_pairs, pack_b_pairs
 
 _ALIGN = 32  # uint16 elements: each buffer starts on a 64-byte line
@@ -59,13 +59,10 @@ def _tiles(a_pack, b_pack, tile, c, i0, mc, j0, nc, kp, alpha, beta):
 def gemm_blocked_dot(trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc_max, nc_max):
     """C (float32) = alpha * op(A) @ op(B) + beta * C, A and B bfloat16 bits (uint16), with
     preallocated `work` (see dot_workspace)."""
+    if scaled_only(a, trans_a, c, alpha, beta):
+        return
     m, n = c.shape
     k = a.shape[0] if trans_a else a.shape[1]
-    if m == 0 or n == 0:
-        return
-    if k == 0 or alpha == 0:
-        scale_c(c, beta)
-        return
     a_pack, b_pack, tile = work
     for jc in range(0, n, nc_max):
         nc = min(nc_max, n - jc)

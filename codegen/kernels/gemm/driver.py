@@ -82,15 +82,26 @@ def workspace(width, c, kc_max, mc_max, nc_max):
 
 
 @njit(cache=True, nogil=True)
-def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc_max, nc_max):
-    """C = alpha * op(A) @ op(B) + beta * C with preallocated `work` (see `workspace`)."""
+def scaled_only(a, trans_a, c, alpha, beta):
+    """True when there is nothing to multiply (C empty, k == 0 or alpha == 0): C then holds
+    beta * C already. Both blocked GEMMs (this one and dot_driver's) start here."""
     m, n = c.shape
     k = a.shape[0] if trans_a else a.shape[1]
     if m == 0 or n == 0:
-        return
+        return True
     if k == 0 or alpha == 0:
         scale_c(c, beta)
+        return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc_max, nc_max):
+    """C = alpha * op(A) @ op(B) + beta * C with preallocated `work` (see `workspace`)."""
+    if scaled_only(a, trans_a, c, alpha, beta):
         return
+    m, n = c.shape
+    k = a.shape[0] if trans_a else a.shape[1]
     a_pack, b_pack, tile = work
     size = c.itemsize
     mr, nr = tile_shape(width, size)

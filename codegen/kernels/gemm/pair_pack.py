@@ -135,13 +135,6 @@ def pack_a_pairs(a, trans_a, i0, mc, p0, kc, mr, out):
 
 @njit(cache=True, nogil=True)
 def pack_b_pairs(b, trans_b, p0, kc, j0, nc, nr, out):
-    """Pair panels of op(B)[p0:p0+kc, j0:j0+nc]; op(B) = B.T when trans_b."""
-    size = (kc + 1) // 2 * nr * 2
-    for panel in range((nc + nr - 1) // nr):
-        first = j0 + panel * nr
-        cols = min(nr, j0 + nc - first)
-        dst = out[panel * size : (panel + 1) * size]
-        if trans_b:
-            pack_pairs(b[first : first + cols, p0 : p0 + kc], nr, dst)
-        else:
-            pack_pairs(b[p0 : p0 + kc, first : first + cols].T, nr, dst)
+    """Pair panels of op(B)[p0:p0+kc, j0:j0+nc]; op(B) = B.T when trans_b. A B panel's lanes
+    are columns of op(B), rows of op(B).T: the A panels of op(B).T (B when trans_b)."""
+    pack_a_pairs(b, not trans_b, j0, nc, p0, kc, nr, out)
