@@ -1,6 +1,8 @@
 """runtime/memory.py keeps every recorded region in a table of weak references without
 callbacks: live_regions lists only live ones, and the dead are swept as the table grows."""
 
+import gc
+
 import numpy as np
 
 import backplan as bp
@@ -12,7 +14,10 @@ def test_live_regions_lists_the_living_and_the_table_stays_bounded():
     w = bp.tensor(np.ones(3, np.float32), requires_grad=True)
     x = np.arange(3, dtype=np.float32)
     kept = [f(w, x) for _ in range(3)]
-    for _ in range(3000):  # each call's region dies with its output
+    # earlier tests' garbage (regions in cycles) may have been alive at the last sweep, which
+    # set the next sweep further out: collect it, then call past that point so a sweep runs
+    gc.collect()
+    for _ in range(memory._sweep_at + 3000):  # each call's region dies with its output
         f(w, x)
     regions = memory.live_regions()
     assert all(out.grad_fn in regions for out in kept)
