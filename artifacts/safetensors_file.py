@@ -25,9 +25,10 @@ from backplan.tracer.tensor import Tensor
 from .format import ExportError
 from .tree import dotted_leaf_names, treedef_from_json, treedef_to_json
 from .tree_file import TreeFileError, leaf_array
+from .tree_members import MAX_LEAVES
 
 MAX_HEADER_BYTES = 100 * 2**20  # the reference implementation's limit
-MAX_TENSORS = 1_000_000
+MAX_TENSORS = MAX_LEAVES  # load_tree's limit: 300,000 empty tensors took 48 s and 500 MB
 MAX_NDIM = 64
 TREE_KEY = "backplan.tree"
 TO_FORMAT = {
@@ -176,7 +177,10 @@ def _entries(header: dict, data_bytes: int, path: str) -> list[tuple[str, dict]]
     """Each tensor's entry checked: known dtype, sane shape, a byte range that matches it, and
     ranges that tile the data exactly (no gaps, overlaps or trailing bytes)."""
     if len(header) > MAX_TENSORS:
-        raise TreeFileError(f"load_safetensors: {path} lists {len(header)} tensors")
+        raise TreeFileError(
+            f"load_safetensors: {path} lists {len(header):,} tensors, more than the "
+            f"{MAX_TENSORS:,} a file may hold (load_tree's limit); refused before reading them"
+        )
     entries = [(name, _entry(name, entry, path)) for name, entry in header.items()]
     entries.sort(key=lambda item: item[1]["data_offsets"])
     end = 0

@@ -168,6 +168,13 @@ def test_damaged_or_hostile_files_are_refused(tmp_path, header, body, length, me
         bp.load_safetensors(path)
 
 
+def test_more_tensors_than_load_tree_takes_are_refused_before_reading_them(tmp_path):
+    empty = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    path = _write_raw(tmp_path, {f"t{i}": empty for i in range(100_001)}, b"")
+    with pytest.raises(bp.TreeFileError, match="lists 100,001 tensors, more than the 100,000"):
+        bp.load_safetensors(path)
+
+
 def test_non_json_header_is_refused(tmp_path):
     path = tmp_path / "nan.safetensors"
     text = b'{"x": NaN}'
