@@ -24,6 +24,15 @@ CASES = {
 }
 
 
+def read_only(*arrays):
+    """Read-only views, as compiled plans pass queries, keys, values and gradients: the kernels
+    compile the variant plans use (tests/test_conv_variants.py checks every one is)."""
+    views = tuple(a.view() for a in arrays)
+    for view in views:
+        view.setflags(write=False)
+    return views
+
+
 def inputs(rng, heads, t, s, d, dv, dtype):
     q, k, v = (
         rng.standard_normal((1, heads) + shape).astype(dtype) for shape in ((t, d), (s, d), (s, dv))
@@ -33,6 +42,7 @@ def inputs(rng, heads, t, s, d, dv, dtype):
 
 def run_kernels(width, q, k, v, g, scale, causal, tile):
     out, dq, dk, dv = (np.empty(x.shape, q.dtype) for x in (g, q, k, v))
+    q, k, v, g = read_only(q, k, v, g)
     attention.attention_forward(width, q, k, v, out, scale, causal, tile)
     attention.attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile)
     return out, (dq, dk, dv)
@@ -152,7 +162,7 @@ def test_keys_beyond_the_tile_take_the_tiled_path_and_one_tile_does_not(tmp_path
 def test_parallel_kernels_take_the_key_tiles_too():
     """The (batch, head)-parallel variants call the same head kernels with the tile."""
     q, k, v, g = inputs(np.random.default_rng(12), 3, 21, 40, 3, 2, np.float32)
-    q, k, v, g = (np.concatenate([x, x[:, ::-1]]) for x in (q, k, v, g))  # two batch elements
+    q, k, v, g = read_only(*(np.concatenate([x, x[:, ::-1]]) for x in (q, k, v, g)))  # 2 batch
     out, dq, dk, dv = (np.empty(x.shape, np.float32) for x in (g, q, k, v))
     attention.attention_forward_par(vector_width(), q, k, v, out, 0.7, True, 16)
     attention.attention_backward_par(vector_width(), q, k, v, g, dq, dk, dv, 0.7, True, 16)

@@ -33,7 +33,7 @@ def test_the_bench_cli_times_the_imported_model_beside_torch_eager(tmp_path):
         "--models",
         "mlp_tiny",
         "--against",
-        "torch.eager",
+        "torch.eager,backplan.from_torch",  # --quick runs the imported row when named
         "--json",
         str(path),
     )

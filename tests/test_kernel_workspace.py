@@ -64,4 +64,6 @@ def test_a_conv_kernel_touches_about_the_workspace_it_is_predicted_to():
     )
     grown = int(out.stdout.split()[-1])
     predicted = conv_workspace_elements(64, (16, 16), 12, 4 * 9, 2) * 4  # 2.6 MiB
-    assert 0.9 * predicted <= grown <= 1.05 * predicted, (grown, predicted)
+    # measured 0.90-1.00 of the prediction over runs on one box (how many of the columns'
+    # pages are resident at once varies run to run); without the columns it was counted 0
+    assert 0.8 * predicted <= grown <= 1.05 * predicted, (grown, predicted)
