@@ -16,7 +16,7 @@ COLUMNS = (
     "GFLOP/s (% peak)",
     "1st call s cold/warm",
     "saved MiB excl/incl",
-    "peak MiB meas/plan",
+    "peak MiB tracemalloc/plan",
     "max rel err",
     "check",
 )
