@@ -67,7 +67,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a couple of steps per peer, no warm-compile or measured-peak (tracemalloc) "
+        help="a couple of steps per peer, no warm-compile or measured-peak "
         "measurement, no wait for backplan's compiled drivers, torch.compile only when "
         "--against names it, backplan.from_torch the same",
     )

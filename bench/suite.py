@@ -24,7 +24,7 @@ class Settings:
     small: bool = False
     schedule: Schedule = Schedule()
     warm_compile: bool = True
-    measure_peak: bool = True  # a step under tracemalloc per peer (--quick skips it)
+    measure_peak: bool = True  # the checked mode or tracemalloc per peer (--quick skips it)
     wait_for_drivers: bool = True  # time backplan once its compiled drivers run (not --quick)
     seed: int = 0
     limit: Limit | None = None  # the cores' measured FMA peak, for each row's % of peak
@@ -174,13 +174,35 @@ def _memory_facts(runner, row: dict, settings: Settings) -> None:
         }
     planned = runner.planned_peak_bytes()
     row["plan"] = runner.plan_facts()
-    measured = traced_peak_bytes(runner) if settings.measure_peak else None
     row["peak_bytes"] = {
-        "measured": measured,
-        "measured_by": "tracemalloc" if measured is not None else None,
+        **_measured_peak(runner, settings),
         "planned": planned[0] if planned else None,
         "planned_by": planned[1] if planned else None,
     }
+
+
+def _measured_peak(runner, settings: Settings) -> dict:
+    """The step's measured peak: counted by the compiler's checked mode where it has one
+    (backplan's compiled plans: every buffer they allocate; tracemalloc sees none of it),
+    else tracemalloc's NumPy allocations (the NumPy peer), else nothing (torch, XLA)."""
+    if not settings.measure_peak:
+        return {"measured": None, "measured_by": None}
+    counted = runner.counted_peak_bytes()
+    if counted is not None:
+        return {
+            "measured": counted["bytes"],
+            "measured_by": CHECKED_MODE,
+            "counted": counted["counted"],
+            "counted_predicted": counted["predicted"],
+        }
+    measured = traced_peak_bytes(runner)
+    return {"measured": measured, "measured_by": "tracemalloc" if measured is not None else None}
+
+
+CHECKED_MODE = (
+    "checked mode (BACKPLAN_CHECK_MEMORY=1): every buffer the compiled step allocates, counted, "
+    "plus the arrays passed in"
+)
 
 
 def _warm_compiles(spec, inputs, peers: list[Peer], rows: dict, progress) -> None:

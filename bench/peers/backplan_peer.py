@@ -49,6 +49,32 @@ class PlanFacts(Runner):
         what = "bp.explain peak_bytes (whole step, arrays passed in included)"
         return self.explain().peak_bytes, what
 
+    def counted_peak_bytes(self) -> dict | None:
+        """The step's peak as the checked mode counts it (BACKPLAN_CHECK_MEMORY=1): a twin
+        runner whose compiled plans pass every buffer they allocate or use (arenas, outputs,
+        constants) through one counting allocator, its second step measured (the first
+        compiles; a buffer the plan does not predict raises MemoryCheckError there). What that
+        allocator cannot see, the arrays passed in and a conv kernel's own im2col columns, is
+        taken from the prediction (peak_bytes - allocated_peak_bytes). None where no compiled
+        plan runs (the reference interpreter)."""
+        from backplan.bench.internals import checked_memory, measure
+
+        peak = self.explain().peak
+        if peak.backend != "numba":
+            return None
+        with checked_memory():
+            twin = type(self)(self.spec, self.inputs, background=False)
+            twin.step()
+            with measure() as measured:
+                twin.step()
+        if measured.peak == 0:  # no plan of the twin was built in the checked mode
+            return None
+        return {
+            "bytes": measured.peak + peak.peak_bytes - peak.allocated_peak_bytes,
+            "counted": measured.peak,
+            "predicted": peak.allocated_peak_bytes,
+        }
+
     def plan_facts(self) -> dict | None:
         report = self.explain()
         return {
@@ -61,12 +87,12 @@ class PlanFacts(Runner):
 class ValueAndGradRunner(PlanFacts):
     """step = bp.value_and_grad(loss, argnums=0)(params, *batch): one joint plan."""
 
-    # Both backends allocate step arrays through NumPy; scratch arenas the Numba backend keeps
-    # between steps are allocated before the step and so are not in the measured peak.
+    # Both backends allocate step arrays through NumPy, but tracemalloc sees none of what
+    # compiled kernels use (arenas kept between steps, outputs): counted_peak_bytes counts it.
     numpy_allocations = True
 
     def __init__(self, spec: ModelSpec, inputs: ModelInputs, background: bool | None = None):
-        self.spec = spec
+        self.spec, self.inputs = spec, inputs
         self.params, self.batch = _tensors(spec, inputs, requires_grad=False)
         self.fn = bp.value_and_grad(bench_function(spec), argnums=0, background=background)
         self.result = None
@@ -88,7 +114,7 @@ class CompileRunner(PlanFacts):
     numpy_allocations = True
 
     def __init__(self, spec: ModelSpec, inputs: ModelInputs, background: bool | None = None):
-        self.spec = spec
+        self.spec, self.inputs = spec, inputs
         self.params, self.batch = _tensors(spec, inputs, requires_grad=spec.train)
         self.fn = bp.compile(bench_function(spec), background=background)
         self.value = None
@@ -185,6 +211,10 @@ class OnBackend(Runner):
     def plan_facts(self) -> dict | None:
         with self.use_backend(self.backend):
             return self.runner.plan_facts()
+
+    def counted_peak_bytes(self) -> dict | None:
+        with self.use_backend(self.backend):
+            return self.runner.counted_peak_bytes()
 
 
 class BackplanCompilePeer(Peer):

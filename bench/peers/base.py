@@ -49,6 +49,11 @@ class Runner(ABC):
         """(bytes, what planned them) where a compiler states its plan's peak."""
         return None
 
+    def counted_peak_bytes(self) -> dict | None:
+        """The step's peak counted buffer by buffer by the compiler's own checked mode:
+        {"bytes": comparable with planned_peak_bytes, "counted", "predicted"}, or None."""
+        return None
+
     def plan_facts(self) -> dict | None:
         """Anything else the compiler states about its plan (backend, kernel counts)."""
         return None

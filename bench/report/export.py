@@ -16,7 +16,9 @@ The JSON record (schema "backplan-bench/1"):
 - results: one per model and peer: model, peer, peer_description, status ("ok", "wrong",
   "error", "skipped"), note, step_ms {median, min, max, n}, ratio_to_fastest (median over the
   fastest correct peer's), first_call_s {cold, warm} (seconds), saved_bytes {excluding_inputs,
-  including_inputs, source}, peak_bytes {measured, measured_by, planned, planned_by}, check
+  including_inputs, source}, peak_bytes {measured, measured_by, planned, planned_by; backplan's
+  compiled rows also counted, counted_predicted: the checked mode's own buffers against the
+  plan's, equal when the plan holds what it predicts}, check
   {value_rel_error, grad_rel_error, worst_grad, tolerance, ok}, plan {backend, kernels,
   fused_kernels} (backplan rows), warnings (what the peer warned about on its first call),
   flops_per_step (the model's, bench/limits.py), rate {gflops, peak_fraction} (None untimed)

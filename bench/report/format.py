@@ -16,7 +16,7 @@ COLUMNS = (
     "GFLOP/s (% peak)",
     "1st call s cold/warm",
     "saved MiB excl/incl",
-    "peak MiB tracemalloc/plan",
+    "peak MiB measured/plan",
     "max rel err",
     "check",
 )
@@ -31,7 +31,10 @@ LEGEND = (
     "1st call: cold = the first call in this process (tracing, compiling); warm = a second "
     "first call once the peer's compiler is warm (per peer below)",
     "saved: bytes kept from forward for backward, excluding / including the inputs; "
-    "peak: measured by tracemalloc (NumPy allocations) / planned by the compiler",
+    "peak: measured / planned by the compiler; backplan's compiled steps are measured by the "
+    "checked mode (BACKPLAN_CHECK_MEMORY=1: every buffer its compiled plans allocate, counted, "
+    "plus the arrays passed in), the NumPy peer's by tracemalloc (NumPy allocations); "
+    "python -m backplan.bench.memory measures resident memory in a fresh process",
     "max rel err: against a float64 NumPy reference; check: ok, WRONG, error or skipped",
 )
 
@@ -149,6 +152,13 @@ def footnotes(rows: list[dict], threads_set: bool = False) -> list[str]:
             lines.append(
                 f"{row['peer']}: {plan['backend']} backend, {plan['kernels']} kernels "
                 f"({plan['fused_kernels']} fused)"
+            )
+        peak = row.get("peak_bytes") or {}
+        if peak.get("counted") is not None and peak["counted"] != peak["counted_predicted"]:
+            lines.append(
+                f"{row['peer']}: MEMORY MISMATCH, the checked mode counted {peak['counted']:,} B "
+                f"of the step's own buffers at its peak, the plan predicts "
+                f"{peak['counted_predicted']:,} B"
             )
         first = row.get("first_call_s") or {}
         if first.get("import") is not None:

@@ -1,0 +1,55 @@
+"""The harness's peak column measures what a compiled step holds: backplan's rows are counted
+by the checked mode (BACKPLAN_CHECK_MEMORY's counting allocator, which sees the arenas and
+outputs inside compiled kernels that tracemalloc misses), beside the plan's prediction; a
+difference is printed as a mismatch."""
+
+from __future__ import annotations
+
+from backplan.bench.measure import QUICK
+from backplan.bench.models import MODELS
+from backplan.bench.peers.backplan_peer import BackplanCompilePeer, BackplanPeer
+from backplan.bench.peers.numpy_peer import NumpyPeer
+from backplan.bench.progress import Progress
+from backplan.bench.report.format import footnotes
+from backplan.bench.suite import CHECKED_MODE, Settings, bench_model
+from backplan.runtime.backend import use_backend
+
+
+def test_compiled_rows_are_measured_by_the_checked_mode_and_equal_the_plan():
+    peers = [BackplanPeer(), BackplanCompilePeer(), NumpyPeer()]
+    settings = Settings(small=True, schedule=QUICK, warm_compile=False)
+    with use_backend("numba"):
+        rows = {
+            r["peer"]: r
+            for r in bench_model(MODELS["mlp_tiny"], peers, settings, Progress(enabled=False))
+        }
+    for peer in ("backplan", "backplan.compile"):
+        peak = rows[peer]["peak_bytes"]
+        assert rows[peer]["status"] == "ok", rows[peer]["note"]
+        assert peak["measured_by"] == CHECKED_MODE
+        # the counting allocator saw the step's own buffers (far more than tracemalloc sees)
+        assert peak["counted"] > 0 and peak["counted"] == peak["counted_predicted"]
+        assert peak["measured"] == peak["planned"]
+    assert rows["numpy"]["peak_bytes"]["measured_by"] == "tracemalloc"
+
+
+def test_the_reference_interpreter_falls_back_to_tracemalloc():
+    settings = Settings(small=True, schedule=QUICK, warm_compile=False)
+    with use_backend("reference"):
+        (row,) = bench_model(
+            MODELS["mlp_tiny"], [BackplanPeer()], settings, Progress(enabled=False)
+        )
+    assert row["peak_bytes"]["measured_by"] == "tracemalloc"
+    assert "counted" not in row["peak_bytes"]
+
+
+def test_a_counted_peak_other_than_the_plan_is_printed_as_a_mismatch():
+    row = {
+        "peer": "backplan",
+        "status": "ok",
+        "peak_bytes": {"measured": 9_000, "counted": 5_000, "counted_predicted": 4_096},
+    }
+    (line,) = footnotes([row])
+    assert "MEMORY MISMATCH" in line and "5,000" in line and "4,096" in line
+    row["peak_bytes"]["counted"] = 4_096
+    assert footnotes([row]) == []
