@@ -253,7 +253,8 @@ def test_value_and_grad_and_grad_keep_the_same_cache_books_as_compile():
         fn(x)
         fn(bp.tensor(np.ones(4), requires_grad=make is bp.compile))
         info = fn.cache_info()
-        assert (info.traces, info.misses, info.entries) == (2, 2, 2), make.__name__
+        # the second size makes the axis dynamic: the plan for (3,) gives way to the symbolic one
+        assert (info.traces, info.misses, info.entries) == (2, 2, 1), make.__name__
         assert info.hits >= 1, make.__name__
         assert "(3,) -> (4,)" in info.last_miss_reason, (make.__name__, info.last_miss_reason)
 

@@ -150,10 +150,26 @@ def test_an_axis_becomes_dynamic_at_the_second_size_seen_on_it():
     for n in (5, 7, 9, 12, 5):
         x = batch(n)
         np.testing.assert_allclose(compiled(W, x).numpy(), reference(model, W, x)[0], rtol=1e-5)
-    # the first size's plan (which its calls keep running), then one for every later size
+    # the first size's plan, then one for every size, the first one's again at the end
     assert compiled.cache_info().traces == 2
     assert dynamic_entry(compiled).symbol == "x.shape[0]"
-    assert sorted(dynamic_entry(compiled).sizes()) == [7, 9, 12]
+    assert sorted(dynamic_entry(compiled).sizes()) == [5, 7, 9, 12]
+
+
+def test_the_first_size_runs_the_plan_lookup_gives_once_its_axis_is_dynamic():
+    """explain() and data_parallel run what lookup() gives; a call must run the same plan: after
+    a second size makes the axis dynamic, the first size's own plan and its fast path go."""
+    for fn in (bp.compile(model), bp.value_and_grad(bp.compile(model))):
+        x5 = batch(5)
+        fn(W, x5)
+        own = fn.trace(W, x5)
+        fn(W, batch(7))
+        fn(W, x5)
+        assert sorted(dynamic_entry(fn).sizes()) == [5, 7]  # the call at 5 went through it
+        ran = fn.trace(W, x5)
+        assert ran is not own and ran.runners()  # lookup's entry at 5 is the one that ran
+        assert fn.cache_info().entries == 1  # the first size's own plan is not kept alive
+        assert fn.cache_info().traces == 2
 
 
 def test_automatic_dynamic_axes_can_be_turned_off_and_need_one_changed_axis():

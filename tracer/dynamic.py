@@ -139,6 +139,17 @@ def learn_axis(new: SignatureKey, cached) -> dict | None:
     return None
 
 
+def takes_symbol(key: SignatureKey, learned: dict) -> bool:
+    """Whether calls of this signature find the symbol of `learned` (as find_symbol does: a
+    leaf on a learned axis, every such size 2 or more), so their own plan is never looked up."""
+    sizes = [
+        leaf.shape[learned[leaf.path][1]]
+        for leaf in key.leaves
+        if leaf.path in learned and not leaf.weak and len(leaf.shape) == learned[leaf.path][0]
+    ]
+    return bool(sizes) and all(isinstance(n, int) and n >= 2 for n in sizes)
+
+
 def _size_changes(old: SignatureKey, new: SignatureKey) -> list | None:
     """[(path, rank, axis, old size, new size)] where only tensor sizes differ, else None."""
     changes = []

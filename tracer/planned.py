@@ -21,6 +21,7 @@ from .dynamic import (
     fit_entry,
     learn_axis,
     symbolic_key,
+    takes_symbol,
 )
 from .errors import TracingError
 from .fastpath import call_key, guard_for
@@ -156,6 +157,7 @@ class PlannedFunction:
             return key, f"{reason}; {self._sizes_apart}"
         learned = {p: (r, a, self._display(s)) for p, (r, a, s) in learned.items()}
         self._learned = learned
+        self._forget_sized_plans(learned)
         # one symbol; the leaves it sizes may differ in rank (a batch x[n, 8] and labels[n])
         symbol = next(iter(learned.values()))[2]
         axes = sorted({axis for _, axis, _ in learned.values()})
@@ -163,6 +165,20 @@ class PlannedFunction:
         where = f"axis {axes[0]}" if len(axes) == 1 else f"axes {', '.join(map(str, axes))}"
         reason = f"{reason}; {where} of {paths} is dynamic from now on ({symbol}): one plan"
         return self._entry_key(bound), reason + " for every size"
+
+    def _forget_sized_plans(self, learned: dict) -> None:
+        """Once an axis is dynamic every size on it runs the symbolic plan: the plans traced
+        for one size there (the first size's) and the fast paths running them go, so a call at
+        the first size runs what lookup() gives (explain, data_parallel), as torch.compile's
+        dynamic graph takes over from its first static one."""
+        with self._lookup_lock:
+            for key in tuple(self._entries):
+                signature = self._signature_of_key(key)
+                if signature is not None and takes_symbol(signature, learned):
+                    del self._entries[key]
+            self._fast = {}
+            self._last_fast = None
+            self._most_recent = None
 
     def _display(self, text: str) -> str:
         """Leaf paths as the user names them (value_and_grad binds by position)."""
