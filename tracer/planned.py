@@ -25,6 +25,7 @@ from .dynamic import (
 )
 from .errors import TracingError
 from .fastpath import call_key, guard_for
+from .frozen_reads import frozen_reads
 from .trace import current_trace
 
 STALE = object()  # a fast-path runner's answer when its entry no longer fits the call
@@ -104,6 +105,8 @@ class PlannedFunction:
         self._auto_dynamic = False  # learn a dynamic axis from the second size seen on it
         self._learned: dict = {}  # leaf path -> (rank, axis, symbol), learned automatically
         self._sizes_apart: str | None = None  # why no axis becomes dynamic (a memory budget)
+        self._reads = None  # frozen_reads.FrozenReads of the last trace, None: none to watch
+        self._reread: str | None = None  # a rebound variable, the next trace's miss reason
 
     # ---- what subclasses provide -------------------------------------------------------------
 
@@ -216,6 +219,9 @@ class PlannedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if current_trace() is not None:
             return self._call_in_trace(args, kwargs)
+        reads = self._reads  # None unless the function reads a global or closure number
+        if reads is not None and reads.changed():
+            self._forget_frozen_reads(stacklevel=2)
         grad_enabled = is_grad_enabled()
         last = self._last_fast
         if last is not None:
@@ -251,6 +257,25 @@ class PlannedFunction:
                 self._fast[key] = self._last_fast = FastEntry(guard_for(key), runner, entry_key)
         return result
 
+    def _forget_frozen_reads(self, stacklevel: int) -> None:
+        """A global or closure variable the traces read holds another object now: every plan
+        froze the old one, so the cache is dropped and the next call traces again."""
+        reads = self._reads
+        changed = reads.which() if reads is not None else None
+        if changed is None:  # another thread got here first
+            return
+        self._reads = None
+        self.clear_cache()
+        name = getattr(self.fn, "__qualname__", "the function")
+        self._reread = f"{changed} holds another object than at the last trace"
+        warnings.warn(
+            f"{name} reads {changed}, which was rebound after {name} was traced; the plans "
+            "froze its old value, so it is traced again. Pass what changes as an argument "
+            "(a float argument is traced: a new value costs no retrace).",
+            RetraceWarning,
+            stacklevel=stacklevel + 1,
+        )
+
     def _count_fast_hit(self, entry_key) -> None:
         self._hits += 1
         if entry_key is not self._most_recent:  # the cache moves it only on a switch
@@ -278,12 +303,17 @@ class PlannedFunction:
         """(bound call, entry) for these arguments, tracing on a miss. count_hit: a call
         counts a hit; trace() and explain() only look. Threads that miss one signature at once
         trace it once: the others wait for that entry (see _claim)."""
+        reads = self._reads
+        if reads is not None and reads.changed():
+            self._forget_frozen_reads(stacklevel=3)
         bound = self._bind(args, kwargs)
         key, learned_reason = self._learn_dynamic(bound, self._entry_key(bound))
-        entry, pending = self._claim(key, count_hit, learned_reason)
+        entry, pending = self._claim(key, count_hit, learned_reason or self._reread)
         if pending is None:
             return bound, self._sized(entry, bound)
+        self._reread = None
         try:
+            self._reads = frozen_reads(self.fn)
             entry = self._build_entry(bound)
             with self._lookup_lock:
                 self._traces += 1
