@@ -10,7 +10,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
+import backplan as bp
 from backplan.codegen.build import compile_notice
+from backplan.codegen.run.compiled import plan_label
 
 SCRIPT = """
 import numpy as np
@@ -98,3 +102,20 @@ def test_a_narrow_terminal_loses_the_hint_and_whole_words_never_half_of_one():
     tiny = compile_notice._fitted(line, 30)
     assert len(tiny) <= 30 and tiny.endswith("...") and line.startswith(tiny[:-3]), tiny
     assert tiny[:-3] + " " in line + " ", tiny  # ends on a whole word
+
+
+def test_a_lambda_is_named_by_its_file_and_line():
+    """A lambda's plans are all called `@_lambda_`, which told the user nothing ("compiling
+    @_lambda_ (now @_lambda_)"): the lines name its file and line instead."""
+    line = sys._getframe().f_lineno + 1
+    double = bp.compile(lambda x: bp.tanh(x) * 2.0)
+    plans = double.trace(bp.tensor(np.ones(3, np.float32), requires_grad=True)).program.plans
+    where = f"the lambda at test_quiet_by_default.py:{line}"
+    assert plan_label(plans.forward.graph) == where
+    assert plan_label(plans.backward.graph) == f"{where} (backward)"
+
+    def loss(x):
+        return bp.tanh(x).sum()
+
+    named = bp.compile(loss).trace(bp.tensor(np.ones(3, np.float32))).program.plans
+    assert plan_label(named.forward.graph) == "@loss"

@@ -85,6 +85,19 @@ def lifted_arrays(literals) -> tuple:
     return (np.array(ints, dtype=np.intp), np.array(floats, dtype=np.float64))
 
 
+def plan_label(graph) -> str:
+    """What the compile lines call a plan: `@loss`, `@loss_backward`; a lambda's name says
+    nothing (`@_lambda_`), so it is named by its first op's line: `the lambda at train.py:12`,
+    `the lambda at train.py:12 (backward)`."""
+    name = graph.name
+    if not name.startswith("_lambda_"):
+        return f"@{name}"
+    loc = next((node.loc for node in graph.nodes if node.loc is not None), None)
+    where = f"the lambda at {format_loc(loc)}" if loc is not None else "a lambda"
+    rest = name[len("_lambda_") :].strip("_")
+    return f"{where} ({rest})" if rest else where
+
+
 def switch_line(label: str, was: str, seconds: float) -> str:
     if was == "reference":
         return (
@@ -253,23 +266,7 @@ class CompiledPlan:
         for i in self._half_inputs:
             arrays[i] = arrays[i].view(np.uint16)
         workspace = self._workspaces.checkout()
-        outputs = workspace.output_arrays()
-        try:
-            if self._launch_guard is _NO_GUARD:  # serial kernels: no context manager to enter
-                returned = self._run(
-                    *arrays, *self._constants, *workspace.scratch, *outputs, *self._lifted
-                )
-            else:
-                with self._launch_guard:
-                    returned = self._run(
-                        *arrays, *self._constants, *workspace.scratch, *outputs, *self._lifted
-                    )
-        except IndexError as exc:
-            raise self._located(exc) from None
-        finally:
-            del arrays
-            self._workspaces.checkin(workspace)
-        return self._outputs(returned, outputs)
+        return self._launch(self._run, arrays, workspace, workspace.output_arrays(), ())
 
     def call_into(self, args: list, into: dict, run, extra: tuple) -> list:
         """One call of `run`, this plan's driver or a variant taking `extra` arguments after
@@ -282,15 +279,31 @@ class CompiledPlan:
         outputs = workspace.output_arrays(frozenset(into))
         for j, array in into.items():
             outputs[j] = array
+        return self._launch(run, arrays, workspace, outputs, extra)
+
+    def _launch(self, run, arrays: list, workspace, outputs: list, extra: tuple) -> list:
+        """One call of `run` (the driver, or call_into's variant) on the inputs, constants,
+        scratch, output buffers, lifted arrays and `extra`, under the launch guard; the inputs
+        are let go and the workspace handed back however it ends (a located IndexError)."""
         try:
-            with self._launch_guard:
+            if self._launch_guard is _NO_GUARD:  # serial kernels: no context manager to enter
                 returned = run(
                     *arrays, *self._constants, *workspace.scratch, *outputs, *self._lifted, *extra
                 )
+            else:
+                with self._launch_guard:
+                    returned = run(
+                        *arrays,
+                        *self._constants,
+                        *workspace.scratch,
+                        *outputs,
+                        *self._lifted,
+                        *extra,
+                    )
         except IndexError as exc:
             raise self._located(exc) from None
         finally:
-            del arrays
+            arrays.clear()
             self._workspaces.checkin(workspace)
         return self._outputs(returned, outputs)
 
@@ -406,7 +419,7 @@ class CompiledPlan:
 
     def _first_call(self, arrays: list):
         start = time.perf_counter()
-        label = f"@{self.plan.graph.name}"
+        label = plan_label(self.plan.graph)
         compiling_driver = self.driver_tier == "compiled" and self.driver_seconds is None
         with progress.reporting(
             label,
