@@ -12,7 +12,7 @@ from numba.core.caching import NullCache
 
 from backplan.codegen.build import (
     cache_health,
-    library_cache,  # noqa: F401 (its locator, before any compile)
+    library_cache,  # its locator, before any compile
 )
 from backplan.codegen.build.cache_signing import SignedFunctionCache
 
@@ -58,7 +58,7 @@ class SignedCacheOnDemand:
 
     def _cache(self):
         if self._signed is None:
-            folder = os.path.dirname(self._py_func.__code__.co_filename)
+            folder = library_cache.cache_folder(self._py_func)
             if cache_health.is_unwritable(folder):
                 self._signed = NullCache()
                 return self._signed
@@ -82,9 +82,7 @@ class SignedCacheOnDemand:
             self._cache().save_overload(sig, data)
         except OSError as error:
             if not cache_health.restore_source(self._py_func):
-                cache_health.note_unwritable(
-                    os.path.dirname(self._py_func.__code__.co_filename), error
-                )
+                cache_health.note_unwritable(library_cache.cache_folder(self._py_func), error)
                 self._signed = NullCache()
                 return
             self._signed = None  # the file is new: a cache with its new stamp

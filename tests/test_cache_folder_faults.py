@@ -121,3 +121,39 @@ def test_a_deleted_folder_is_made_again_for_the_next_plan(folder):
             got = fresh_function(9.0)(bp.tensor(x0)).item()
     np.testing.assert_allclose(got, np.sum(np.tanh(x0 * 9.0 + 1.0) * x0), rtol=1e-12)
     assert any(name.startswith("bp_") for name in os.listdir(folder))
+
+
+class _FullDisk:
+    """A function cache whose writes fail as on a full disk."""
+
+    def save_overload(self, sig, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_library_folder_is_named_with_the_setting_that_chose_it(tmp_path, monkeypatch):
+    """A library function (GEMM, conv, row kernels) is cached under BACKPLAN_LIBRARY_CACHE_DIR
+    (codegen/build/library_cache.py), not beside its source: a failed write there named the
+    package's source folder (.../codegen/kernels/gemm), which the user neither chose nor
+    should touch, and told them to move BACKPLAN_CACHE_DIR."""
+    from backplan.codegen.build.library_cache import LibraryLocator, cache_folder
+    from backplan.codegen.jit import SignedCacheOnDemand
+    from backplan.codegen.kernels.gemm import driver
+
+    library = tmp_path / "library"
+    monkeypatch.setenv("BACKPLAN_LIBRARY_CACHE_DIR", str(library))
+    py_func = driver.scaled_only.py_func
+    source_folder = os.path.dirname(py_func.__code__.co_filename)
+    expected = str(library / "codegen" / "kernels" / "gemm")
+    assert cache_folder(py_func) == expected
+    locator = LibraryLocator(py_func, py_func.__code__.co_filename)
+    assert locator.get_cache_path() == expected  # where Numba writes is what the warning says
+    cache = SignedCacheOnDemand(py_func)
+    cache._signed = _FullDisk()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.save_overload(None, None)
+    (warning,) = [w for w in caught if issubclass(w.category, bp.CacheWarning)]
+    message = str(warning.message)
+    assert f"folder {expected} cannot be written" in message, message
+    assert source_folder not in message
+    assert "point BACKPLAN_LIBRARY_CACHE_DIR elsewhere" in message

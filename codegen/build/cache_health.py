@@ -46,10 +46,19 @@ def note_unwritable(folder: str, error: OSError) -> None:
         f"the kernel cache folder {folder} cannot be written ({reason}, errno "
         f"{errno.errorcode.get(error.errno, error.errno)}); this process compiles in memory, so "
         "the next run compiles again (free space, fix the folder's permissions or point "
-        "BACKPLAN_CACHE_DIR elsewhere)",
+        f"{_variable_of(key)} elsewhere)",
         CacheWarning,
         stacklevel=3,
     )
+
+
+def _variable_of(folder: str) -> str:
+    """The setting that chose folder: BACKPLAN_LIBRARY_CACHE_DIR for the library functions'
+    folder when it is set (codegen/build/library_cache.py), else BACKPLAN_CACHE_DIR."""
+    library = os.environ.get("BACKPLAN_LIBRARY_CACHE_DIR")
+    if library and os.path.join(folder, "").startswith(os.path.join(os.path.realpath(library), "")):
+        return "BACKPLAN_LIBRARY_CACHE_DIR"
+    return "BACKPLAN_CACHE_DIR"
 
 
 def probe(folder: str) -> bool:

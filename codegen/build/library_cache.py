@@ -36,6 +36,22 @@ def is_library_file(py_file: str) -> bool:
     return os.path.abspath(py_file).startswith(os.path.join(PACKAGE_ROOT, ""))
 
 
+def library_path(py_file: str) -> str:
+    """The folder a library file's functions are cached in: its path inside the package,
+    under library_folder()."""
+    inside = os.path.relpath(os.path.dirname(os.path.abspath(py_file)), PACKAGE_ROOT)
+    return os.path.join(library_folder(), inside)
+
+
+def cache_folder(py_func) -> str:
+    """Where Numba writes py_func's cache files, the folder a CacheWarning names: a library
+    function's under library_folder() (BACKPLAN_LIBRARY_CACHE_DIR, which the user controls),
+    not the package's source folder; a generated module's beside its source, which is in the
+    kernel cache folder already."""
+    py_file = py_func.__code__.co_filename
+    return library_path(py_file) if is_library_file(py_file) else os.path.dirname(py_file)
+
+
 class LibraryLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
     """Numba's locator for a function of a file inside the backplan package; other files
     (generated plan and kernel modules, which live in the cache folder already) are left to
@@ -44,8 +60,7 @@ class LibraryLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
     def __init__(self, py_func, py_file):
         self._py_file = py_file
         self._lineno = py_func.__code__.co_firstlineno
-        inside = os.path.relpath(os.path.dirname(os.path.abspath(py_file)), PACKAGE_ROOT)
-        self._cache_path = os.path.join(library_folder(), inside)
+        self._cache_path = library_path(py_file)
 
     def get_cache_path(self):
         return self._cache_path
