@@ -42,6 +42,7 @@ class DataParallelStep:
     def __init__(
         self,
         fn,
+        *,  # by name: three of them are booleans a reordering would swap silently
         average,
         bucket_bytes,
         check_replicas,
@@ -348,14 +349,14 @@ def data_parallel(
     """
     step = DataParallelStep(
         value_and_grad_fn,
-        average,
-        bucket_bytes,
-        check_replicas,
-        split_plan,
-        comm,
-        timeout,
-        accumulate,
-        overlap,
+        average=average,
+        bucket_bytes=bucket_bytes,
+        check_replicas=check_replicas,
+        split_plan=split_plan,
+        comm=comm,
+        timeout=timeout,
+        accumulate=accumulate,
+        overlap=overlap,
     )
     if optimizer is None:
         if shard_optimizer:
