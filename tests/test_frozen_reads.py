@@ -86,3 +86,17 @@ def test_only_loaded_variables_of_watched_kinds_are_checked():
         return [x * scale for _ in range(2)]
 
     assert [name for name, _ in frozen_reads(comprehension).globals] == ["scale"]
+
+
+def test_a_number_rebound_to_an_equal_value_is_no_change(monkeypatch):
+    """`lr = base * 0.5` each epoch makes a new float object of the same value: no retrace."""
+    f = bp.compile(scaled)
+    x = bp.tensor([1.0, 1.0])
+    f(x)
+    monkeypatch.setitem(globals(), "scale", float(np.float64(2.0)))  # a new object, equal value
+    assert globals()["scale"] == 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bp.RetraceWarning)
+        np.testing.assert_allclose(f(x).numpy(), [3.0, 4.0])
+        f(x)
+    assert f.cache_info().traces == 1

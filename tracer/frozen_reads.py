@@ -15,7 +15,8 @@ import numpy as np
 
 from .tensor import Tensor
 
-WATCHED = (int, float, np.ndarray, np.generic, Tensor)  # bool is an int
+NUMBERS = (int, float, np.generic)  # bool is an int
+WATCHED = (*NUMBERS, np.ndarray, Tensor)
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _MISSING = object()
 
@@ -47,17 +48,33 @@ class FrozenReads:
         return False
 
     def which(self) -> str | None:
-        """The first variable that changed, as the warning names it, or None."""
+        """The first variable that holds another value, as the warning names it, or None: a
+        number rebound to an equal one (`lr = base * 0.5` each epoch makes a new float) is no
+        change, and refresh() then takes the new objects so the next call's check passes."""
         for cell, value, name in self.cells:
             try:
-                if cell.cell_contents is not value:
+                if not _same(cell.cell_contents, value):
                     return f"the closure variable `{name}`"
             except ValueError:
                 return f"the closure variable `{name}`"
         for name, value in self.globals:
-            if self.scope.get(name, _MISSING) is not value:
+            if not _same(self.scope.get(name, _MISSING), value):
                 return f"the global `{name}`"
         return None
+
+    def refresh(self) -> None:
+        """Take each variable's object now (after which() found every value the same)."""
+        self.cells = tuple((cell, cell.cell_contents, name) for cell, _, name in self.cells)
+        self.globals = tuple((name, self.scope[name]) for name, _ in self.globals)
+
+
+def _same(now, then) -> bool:
+    """The object traced, or a number of the same type and value (NaN equal to NaN)."""
+    if now is then:
+        return True
+    if type(now) is not type(then) or not isinstance(now, NUMBERS):
+        return False
+    return bool(now == then or (now != now and then != then))
 
 
 def frozen_reads(fn) -> FrozenReads | None:

@@ -261,8 +261,11 @@ class PlannedFunction:
         """A global or closure variable the traces read holds another object now: every plan
         froze the old one, so the cache is dropped and the next call traces again."""
         reads = self._reads
-        changed = reads.which() if reads is not None else None
-        if changed is None:  # another thread got here first
+        if reads is None:  # another thread got here first
+            return
+        changed = reads.which()
+        if changed is None:  # a number rebound to an equal one: nothing to trace again
+            reads.refresh()
             return
         self._reads = None
         self.clear_cache()
