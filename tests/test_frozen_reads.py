@@ -42,7 +42,7 @@ def test_a_rebound_global_number_and_tensor_are_read_again(monkeypatch):
     warning = [w for w in caught if issubclass(w.category, bp.RetraceWarning)][0]
     assert (warning.filename, warning.lineno) == (__file__, line)
     info = f.cache_info()
-    assert info.traces == 2 and "the global `scale`" in info.last_miss_reason
+    assert info.traces == 2 and "the global `scale` was rebound" in info.last_miss_reason
     monkeypatch.setitem(globals(), "offset", bp.tensor([10.0, 20.0]))
     with pytest.warns(bp.RetraceWarning, match="the global `offset`"):
         np.testing.assert_allclose(f(x).numpy(), [15.0, 25.0])

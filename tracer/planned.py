@@ -270,7 +270,7 @@ class PlannedFunction:
         self._reads = None
         self.clear_cache()
         name = getattr(self.fn, "__qualname__", "the function")
-        self._reread = f"{changed} holds another object than at the last trace"
+        self._reread = f"{changed} was rebound to another value since the last trace"
         warnings.warn(
             f"{name} reads {changed}, which was rebound after {name} was traced; the plans "
             "froze its old value, so it is traced again. Pass what changes as an argument "
