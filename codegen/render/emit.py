@@ -338,16 +338,7 @@ class _Emitter:
             for node in kernel.all_nodes:
                 if node in stored:
                     self.buffer(node)
-            emitter = LoopEmitter(
-                kernel,
-                set(kernel.computed),
-                stored,
-                self.names,
-                self.literal_of,
-                self.placer.place,
-                rows=True,
-                size_prefix=f"s{stage}_n",
-            )
+            emitter = self._loop_emitter(kernel, stored, f"s{stage}_n", rows=True)
             setup, loop, _ = emitter.emit()
             views += setup
             stages += loop
@@ -378,16 +369,7 @@ class _Emitter:
         for value in loop.all_nodes:
             if value in stored:
                 self.buffer(value)
-        emitter = LoopEmitter(
-            loop,
-            set(loop.computed),
-            stored,
-            self.names,
-            self.literal_of,
-            self.placer.place,
-            rows=True,
-            size_prefix="s0_n",
-        )
+        emitter = self._loop_emitter(loop, stored, "s0_n", rows=True)
         views, stage, _ = emitter.emit()
         out = self.placer.place(node)
         lines, scalars, bases = gemm_epilogue_lines(vector_width(), operands, out, views, stage)
@@ -407,18 +389,25 @@ class _Emitter:
         if terms is not None:
             self._add_chain(kernel.nodes[-1], terms, body)
             return
-        emitter = LoopEmitter(
+        emitter = self._loop_emitter(kernel, stored, "n")
+        views, loop, parallel = emitter.emit()
+        scalars = {**emitter.size_arguments(), **emitter.scalars}
+        body.append(self._call(views + loop, scalars, emitter.bases, parallel))
+
+    def _loop_emitter(self, kernel, stored: set, size_prefix: str, rows: bool = False):
+        """The LoopEmitter of one fused loop: every node it computes, `stored` written to
+        buffers (rows: the loop runs inside a loop over rows, the GEMM epilogue's or a rows
+        run's)."""
+        return LoopEmitter(
             kernel,
             set(kernel.computed),
             stored,
             self.names,
             self.literal_of,
             self.placer.place,
-            size_prefix="n",
+            rows=rows,
+            size_prefix=size_prefix,
         )
-        views, loop, parallel = emitter.emit()
-        scalars = {**emitter.size_arguments(), **emitter.scalars}
-        body.append(self._call(views + loop, scalars, emitter.bases, parallel))
 
     def _flat_like(self, term: Value, out: Value) -> bool:
         """term can be read as a flat array of out's elements, in out's order."""
