@@ -17,11 +17,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 from .affinity import cpu_list_text, current_affinity
+from .child import child_result
 from .environment import cpu_name
 
 # The batch axes of each kind's loss arguments (lstm: xs is (steps, batch, inputs)).
@@ -97,17 +97,8 @@ def run_child(model: str, mode: str, sizes: list[int], cache: str) -> dict:
         "BACKPLAN_DRIVER": "inline",
     }
     env.pop("BACKPLAN_BACKEND", None)
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, model, mode, json.dumps(sizes)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{model} {mode} child failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    command = [sys.executable, "-c", CHILD, model, mode, json.dumps(sizes)]
+    return child_result(command, env, 1800, f"{model} {mode} child")
 
 
 def measure(model: str, rounds: int) -> list[dict]:

@@ -10,11 +10,9 @@ cold/warm ratio of their sum, per backend.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -22,6 +20,8 @@ import numpy as np
 
 import backplan as bp
 from backplan.examples.mlp import init_mlp, mlp_loss
+
+from .child import child_result
 
 CHILD = r"""
 import json, sys, time
@@ -55,15 +55,7 @@ def export_demo(folder: str) -> dict[str, str]:
 def start_once(path: str, kind: str, backend: str, cache: str) -> dict:
     env = {**os.environ, "BACKPLAN_BACKEND": backend, "BACKPLAN_CACHE_DIR": cache}
     env["BACKPLAN_DRIVER_AT_EXIT"] = "kill"  # no build left compiling beside the next timed run
-    result = subprocess.run(
-        [sys.executable, "-I", "-c", CHILD, path, kind],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return child_result([sys.executable, "-I", "-c", CHILD, path, kind], env, 600, "start child")
 
 
 def measure(path: str, kind: str, backend: str, runs: int, folder: str) -> dict:

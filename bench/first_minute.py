@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
+from .child import child_result
 from .environment import cpu_name
 
 CHILD = r"""
@@ -36,17 +36,8 @@ print(json.dumps({"rows": rows, "tier": step.driver_tier}))
 
 
 def run_child(model: str, seconds: float, env: dict) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", CHILD, model, str(seconds)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=seconds + 900,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"first-minute child failed ({done.returncode}):\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    command = [sys.executable, "-I", "-c", CHILD, model, str(seconds)]
+    return child_result(command, env, seconds + 900, "first-minute child")
 
 
 def summary(model: str, result: dict) -> dict:

@@ -15,10 +15,10 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
+from .child import child_result
 from .environment import cpu_name
 
 CHILD = r"""
@@ -44,17 +44,7 @@ PARTS = ("import", "import_cpu", "first_call", "first_call_cpu", "second_call", 
 def start_once(model: str, cache: str, **variables: str) -> dict:
     """One fresh interpreter (-I: no user site, no PYTHON* variables) against `cache`."""
     env = {**os.environ, "BACKPLAN_CACHE_DIR": cache, "BACKPLAN_QUIET": "1", **variables}
-    result = subprocess.run(
-        [sys.executable, "-I", "-c", CHILD, model],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"warm-start child failed ({result.returncode}):\n{result.stderr}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return child_result([sys.executable, "-I", "-c", CHILD, model], env, 900, "warm-start child")
 
 
 def measure(model: str, runs: int, cache: str) -> dict:
