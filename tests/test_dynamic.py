@@ -129,6 +129,32 @@ def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver():
     assert step.cache_info().traces == 1
 
 
+def test_an_axis_made_dynamic_by_a_second_size_compiles_no_loop_kernel_then_nothing():
+    """Without dynamic=: the second size traces the symbolic plan, whose driver is new (the
+    first size's plan was traced for its size) but whose loop kernels are the first size's;
+    every later size, the first one's included, runs that plan, compiling nothing."""
+    step = bp.value_and_grad(bp.compile(model))
+    with use_backend("numba"):
+        step(W, batch(5))
+        before = kernel_cache.counts()
+        step(W, batch(9))
+        second = kernel_cache.counts()
+        driver = step.trace(W, batch(9)).runner().compiled
+        for n in (13, 5):
+            x = batch(n)
+            value, grad = step(W, x)
+            expected_value, expected_grad = reference(model, W, x)
+            np.testing.assert_allclose(value.numpy(), expected_value, rtol=1e-5)
+            np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
+        after = kernel_cache.counts()
+        later = [step.trace(W, batch(n)).runner().compiled for n in (13, 5)]
+    assert second.versions == before.versions  # the symbolic plan's loop kernels: none new
+    assert after == second  # sizes 13 and 5: no kernel loaded or compiled
+    assert all(plan._compiled_run is driver._compiled_run for plan in later)
+    assert len(driver._compiled_run.overloads) == 1
+    assert step.cache_info().traces == 2
+
+
 def test_dynamic_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="does not take"):
         bp.compile(model, dynamic={"y": {0: "batch"}})
