@@ -4,6 +4,7 @@ and returns lists of arrays exactly like the reference interpreter."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import threading
@@ -163,7 +164,7 @@ class CompiledPlan:
         self.loop_kernels = generated.loop_kernels
         start_parallel_runtime()
         kernel_cache.load(self.loop_kernels)
-        module, self.cache_hit, self.miss_reason = cache.load_module(self.source, self.key_parts)
+        module, self.cache_hit, self._why_missed = cache.load_module(self.source, self.key_parts)
         self._compiled_run = self._run = module.run
         self._driver_ready = threading.Event()
         self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
@@ -238,6 +239,11 @@ class CompiledPlan:
             )
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
+
+    @functools.cached_property
+    def miss_reason(self) -> str | None:
+        """Why the plan's module was not in the cache folder (None on a hit)."""
+        return None if self._why_missed is None else self._why_missed()
 
     def _returning_outputs(self, graph) -> frozenset[int]:
         """Output buffers that may come back as a donated input in the next call: those
