@@ -157,3 +157,17 @@ def test_a_full_library_folder_is_named_with_the_setting_that_chose_it(tmp_path,
     assert f"folder {expected} cannot be written" in message, message
     assert source_folder not in message
     assert "point BACKPLAN_LIBRARY_CACHE_DIR elsewhere" in message
+
+
+def test_a_cache_folder_that_is_a_file_is_called_a_file(tmp_path):
+    """BACKPLAN_CACHE_DIR naming a file made the warning say "File exists", as if all was well."""
+    from backplan.codegen.build import cache_health
+
+    path = tmp_path / "kernels"
+    path.write_text("not a folder")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache_health.note_unwritable(str(path), FileExistsError(errno.EEXIST, "File exists"))
+    (warning,) = [w for w in caught if issubclass(w.category, bp.CacheWarning)]
+    message = str(warning.message)
+    assert f"{path} cannot be written (it is a file, not a folder, errno EEXIST)" in message

@@ -38,6 +38,8 @@ def note_unwritable(folder: str, error: OSError) -> None:
     """From now on this process compiles in memory for folder; warn the first time."""
     key = os.path.realpath(folder)
     reason = error.strerror or str(error)
+    if os.path.isfile(folder):  # makedirs says "File exists", which reads as no problem
+        reason = "it is a file, not a folder"
     with _lock:
         if key in _unwritable:
             return
