@@ -113,26 +113,35 @@ MAX_LOOP_NODES = 128
 MAX_LOOP_READS = 128
 
 
-def group_kernels(graph: Graph) -> list[Kernel]:
+def group_kernels(graph: Graph, origin: dict[Value, Value] | None = None) -> list[Kernel]:
+    """The graph's nodes grouped into kernels, in run order. origin: for a graph ir/widen.py
+    made, its node -> the node of the graph it was made from (the casts it added have none)."""
     kernels: list[Kernel] = []
     home: dict[Value, int] = {}
     latest_loops: dict[tuple, int] = {}  # iteration shape -> its latest loop kernel
     reads: dict[int, set[Value]] = {}  # loop kernel -> buffers of other kernels it reads
-    read_backs = _read_backs(graph)
+    read_backs = _read_backs(graph, origin)
     for node in graph.nodes:
         avoid = home.get(read_backs.get(node))
         home[node] = _place(node, kernels, home, latest_loops, reads, avoid)
-    _recompute_cheap_inputs(kernels, home, graph.outputs, frozenset(read_backs.values()))
+    kept = frozenset(read_backs.values())
+    _recompute_cheap_inputs(kernels, home, graph.outputs, kept)
+    _round_where_recomputed(kernels, home, kept, {n: i for i, n in enumerate(graph.nodes)})
     return kernels
 
 
-def _read_backs(graph: Graph) -> dict[Value, Value]:
+def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, Value]:
     """Widening casts of a 16-bit copy of a float value that is read elsewhere too -> the copy.
-    (Inside a fused chain, ir/widen.py rounds a value made only for its 16-bit copy.)"""
+    (Inside a fused chain, ir/widen.py rounds a value made only for its 16-bit copy.) Only the
+    graph's own casts (saved_dtype's read-back, a user's astype) count: a cast ir/widen.py
+    added for an op reading a 16-bit result (bfloat16 layer_norm's rounded output, whose
+    float32 value its gradient reads) is arithmetic like any other."""
     users = graph.users()
     found = {}
     for node in graph.nodes:
         if node.op != "astype" or not is_half(node.inputs[0].dtype) or is_half(node.dtype):
+            continue
+        if origin is not None and node not in origin:
             continue
         copy = alias_base(node.inputs[0])
         if copy.op == "astype" and len(users.get(copy.inputs[0], ())) > 1:
@@ -198,6 +207,34 @@ def _cheap_cone(
         cone += [v for v in sub if v not in cone]
     cone.append(value)
     return cone if len(cone) <= MAX_RECOMPUTE else None
+
+
+def _round_where_recomputed(kernels: list[Kernel], home, kept, order: dict[Value, int]) -> None:
+    """A loop that recomputes a float value and the widening of its 16-bit rounding (made in
+    another loop of its shape) rounds the value itself instead of reading the rounding: one
+    instruction sequence instead of 2 bytes an element read, and the other loop need not store
+    it (bfloat16 ln_gelu stored layer_norm's rounded output in a pass of its own, then read it
+    back beside the input it recomputed the float32 value from). kept: never recomputed."""
+    for k, kernel in enumerate(kernels):
+        if kernel.kind != "loop":
+            continue
+        added = False
+        for value in list(kernel.recomputed):
+            rounding = value.inputs[0] if _widens_half(value) else None
+            if (
+                rounding is None
+                or rounding.op != "astype"
+                or rounding in kept
+                or rounding in kernel.recomputed
+                or home.get(rounding, k) == k
+                or rounding.shape != kernel.shape
+                or rounding.inputs[0] not in kernel.recomputed
+            ):
+                continue
+            kernel.recomputed.append(rounding)
+            added = True
+        if added:
+            kernel.recomputed.sort(key=order.__getitem__)
 
 
 def _widens_half(value: Value) -> bool:

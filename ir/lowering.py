@@ -84,7 +84,7 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         graph, origin = widen_with_origin(plan.graph)
         plan = plan_liveness(graph, plan.donated)
     graph = plan.graph
-    kernels = group_kernels(graph)
+    kernels = group_kernels(graph, origin)
     needed = materialized(graph, kernels)
     kernels = absorb_epilogues(kernels)
     runs = row_runs(kernels)

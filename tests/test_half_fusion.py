@@ -10,7 +10,7 @@ from backplan.ir.builder import Builder
 from backplan.ir.fusion import group_kernels, materialized
 from backplan.ir.graph import Graph
 from backplan.ir.types import TensorType
-from backplan.ir.widen import widen
+from backplan.ir.widen import widen, widen_with_origin
 from backplan.runtime.backend import use_backend
 
 
@@ -72,3 +72,45 @@ def test_a_read_back_cast_joins_the_latest_loop_not_a_loop_of_its_own():
     loops = [k for k in kernels if k.kind == "loop"]
     assert len(loops) == 2, [[n.op for n in k.nodes] for k in loops]
     assert copy in loops[0].nodes and read_back in loops[1].nodes
+
+
+def _rounded_then_read_again(graph, build):
+    """n = x * rowsum(x) in float32 and its bfloat16 rounding c, as bfloat16 layer_norm makes
+    them; c * g (g a bfloat16 row, widened by a loop of its own shape) and n read again after."""
+    x = graph.add_input(TensorType("bf16", (8, 4)))
+    g = graph.add_input(TensorType("bf16", (4,)))
+    wide = build.astype(x, dtype="f32")
+    n = build.mul(wide, build.sum(wide, axes=(1,), keepdims=True))
+    c = build.astype(n, dtype="bf16")
+    y = build.mul(c, g)
+    return c, build.mul(build.astype(y, dtype="f32"), n)
+
+
+def test_a_loop_recomputing_a_value_rounds_it_instead_of_reading_its_16_bit_rounding():
+    """The rounding is the op's own (not a saved_dtype read-back): the loop that recomputes n
+    rounds it too, so no loop stores c between them (bfloat16 ln_gelu stored layer_norm's
+    rounded output in a pass of its own and read it back beside x)."""
+    graph = Graph()
+    build = Builder(graph)
+    c, out = _rounded_then_read_again(graph, build)
+    graph.outputs = [out]
+    wide, origin = widen_with_origin(graph)
+    kernels = group_kernels(wide, origin)
+    stored = [v for v in materialized(wide, kernels) if v.shape == (8, 4)]
+    assert stored == [wide.outputs[0]], [(v.op, v.dtype) for v in stored]
+    rounded_again = [v for k in kernels for v in k.recomputed if origin.get(v) is c]
+    assert [v.dtype for v in rounded_again] == ["bf16"]
+
+
+def test_a_saved_dtype_read_back_is_still_read_not_recomputed():
+    """The same graph with c's widening written in the graph (as saved_dtype's read-back is):
+    the copy stays stored and read, as saved_dtype asks."""
+    graph = Graph()
+    build = Builder(graph)
+    c, _ = _rounded_then_read_again(graph, build)
+    n = c.inputs[0]
+    graph.outputs = [build.mul(build.astype(c, dtype="f32"), build.mul(n, n))]
+    wide, origin = widen_with_origin(graph)
+    kernels = group_kernels(wide, origin)
+    stored = [v for v in materialized(wide, kernels) if v.shape == (8, 4)]
+    assert [origin.get(v) for v in stored if v.dtype == "bf16"] == [c], stored
