@@ -254,13 +254,31 @@ class LoopEmitter:
         depth = reduced.index(True)
         return depth if all(reduced[depth:]) else None
 
+    def _tail_depth(self, red) -> int | None:
+        """Where the innermost run of reduced groups starts, when groups outside it are reduced
+        too (no suffix): the run sums in a scalar, added to the output after it (a channel sum
+        over batch and positions accumulated through memory at every element: a store-to-load
+        chain per element, and no vector code)."""
+        reduced = [bool(set(group) & self.reduced_dims[red]) for group in self.groups]
+        if not reduced or not reduced[-1] or self._suffix_depth(red) is not None:
+            return None
+        depth = len(reduced)
+        while depth > 0 and reduced[depth - 1]:
+            depth -= 1
+        return depth
+
     def _nest(self, mode: str, first_level: int = 0) -> list[str]:
         parallel = mode == "parallel"
-        lines, depth_of = [], {}
+        lines, depth_of, tails = [], {}, set()
         for red in self.kernel.reductions:
             depth_of[red] = self._suffix_depth(red)
             if depth_of[red] is None:
                 lines.append(f"{self.view_name[red]}[:] = {self._init(red)}")
+                depth_of[red] = self._tail_depth(red)
+                if depth_of[red] is not None and depth_of[red] >= first_level:
+                    tails.add(red)
+                else:
+                    depth_of[red] = None
         for level in range(len(self.sizes)):
             if level < first_level:
                 continue
@@ -275,12 +293,22 @@ class LoopEmitter:
         for level in reversed(range(first_level, len(self.sizes))):
             pad = "    " * (level - first_level)
             for red in self.kernel.reductions:
-                if depth_of[red] == level:
-                    lines.append(
-                        f"{pad}{self.view_name[red]}[{self._index(red)}] = "
-                        f"acc_{self.array_name[red]}"
-                    )
+                if depth_of[red] != level:
+                    continue
+                target = f"{self.view_name[red]}[{self._index(red)}]"
+                acc = f"acc_{self.array_name[red]}"
+                if red not in tails:
+                    lines.append(f"{pad}{target} = {acc}")
+                elif red.op == "sum":
+                    lines.append(f"{pad}{target} += {acc}")
+                else:
+                    lines += [pad + line for line in self._combine_into(target, acc)]
         return lines
+
+    @staticmethod
+    def _combine_into(target: str, value: str) -> list[str]:
+        """max of target and value into target, a NaN winning (as the loop's own compare)."""
+        return [f"v_ = {value}", f"if v_ > {target} or v_ != v_:", f"    {target} = v_"]
 
     def _init(self, red) -> str:
         if red.op == "sum":
