@@ -14,6 +14,7 @@ from numba.core.registry import CPUDispatcher
 
 import backplan as bp
 from backplan.codegen import kernels
+from backplan.codegen.build import native_calls
 from backplan.codegen.kernels import matmul
 from backplan.runtime.backend import use_backend
 
@@ -23,7 +24,8 @@ def library_dispatchers() -> dict[str, CPUDispatcher]:
     found = {}
     for info in pkgutil.walk_packages(kernels.__path__, kernels.__name__ + "."):
         module = importlib.import_module(info.name)
-        for name, value in vars(module).items():
+        for name, wrapped in vars(module).items():
+            value = native_calls.unwrapped(wrapped)  # helpers called by address count too
             if isinstance(value, CPUDispatcher) and value.py_func.__module__ == info.name:
                 found[f"{info.name.rsplit('.', 1)[-1]}.{name}"] = value
     return found

@@ -51,15 +51,23 @@ _NAME = re.compile(rb"bp_native_([A-Za-z0-9_-]+)\.")
 
 
 class NativeCallee:
-    """A function a compiled driver calls by address; called from Python it is the function."""
+    """A function a compiled driver calls by address; called from Python it is the function.
+    `widen`, when given, maps the caller's argument types to the ones the callee is compiled
+    for (each a type the caller's converts to, e.g. an array of any layout): callers passing
+    arrays of several layouts then share one compiled callee."""
 
-    __slots__ = ("dispatcher",)
+    __slots__ = ("dispatcher", "widen")
 
-    def __init__(self, dispatcher):
+    def __init__(self, dispatcher, widen=None):
         self.dispatcher = dispatcher
+        self.widen = widen
 
     def __call__(self, *args, **kwargs):
         return self.dispatcher(*args, **kwargs)
+
+    def compiled_for(self, args: tuple):
+        """The callee's compiled version for a call with these argument types."""
+        return _target(self.dispatcher, self.widen(args) if self.widen else args)
 
     def __repr__(self) -> str:
         return f"NativeCallee({_label(self.dispatcher)})"
@@ -100,7 +108,7 @@ class NativeFunction(types.Callable, types.Dummy):
         if kws:
             return None  # drivers pass arguments by position
         args = tuple(types.unliteral(a) for a in args)
-        compiled = _target(self.callee.dispatcher, args)
+        compiled = self.callee.compiled_for(args)
         return Signature(compiled.signature.return_type, args, recvr=self)
 
     def get_call_signatures(self):
@@ -124,7 +132,7 @@ def lower_native_call(context, builder, sig, args):
     result through a pointer, the exception slot), the status propagated as Numba's own call of
     a compiled function does."""
     callee, argument_types, values = sig.args[0].callee, sig.args[1:], args[1:]
-    compiled = _target(callee.dispatcher, tuple(argument_types))
+    compiled = callee.compiled_for(tuple(argument_types))
     target = compiled.signature
     name = publish(compiled)
     converted = [
