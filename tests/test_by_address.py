@@ -38,10 +38,10 @@ print(json.dumps({
 
 
 def test_attention_helpers_are_called_by_address_and_load_in_another_process(tmp_path):
-    """Three heads, causal: both directions against the reference; the compiled kernels name
-    their helpers as symbols, published with this process's addresses (linked, none would be); the GEMM helper compiles once for
-    the plan's read-only views and the kernels' own workspaces; a second process with the same
-    cache folders loads everything and gets the same bits. The library's folder is the suite's
+    """Three heads, causal: both directions against the reference; the kernels' helpers are
+    symbols published with this process's addresses (linked, none would be); the GEMM helper
+    compiles once for the plan's read-only views and the kernels' own workspaces; a second
+    process with the same cache folders loads everything and gets the same bits. The library's folder is the suite's
     (kernels loaded from it call their helpers by address just the same)."""
     env = {
         **os.environ,

@@ -30,8 +30,8 @@ import numpy as np
 from backplan.codegen.build.library_progress import announce_compiles
 from backplan.codegen.flags import FASTMATH, threads
 from backplan.codegen.jit import njit, prange
-from backplan.codegen.kernels.by_address import by_address
 from backplan.codegen.kernels.blas import gemm_rows, rows_contiguous
+from backplan.codegen.kernels.by_address import by_address
 from backplan.codegen.kernels.gemm import gemm, vector_width
 from backplan.codegen.kernels.gemm.choice import use_own_gemm
 from backplan.codegen.kernels.row_math import maxnum, one_like, row_exp, zero_like
