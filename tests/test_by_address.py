@@ -41,8 +41,9 @@ def test_attention_helpers_are_called_by_address_and_load_in_another_process(tmp
     """Three heads, causal: both directions against the reference; the kernels' helpers are
     symbols published with this process's addresses (linked, none would be); the GEMM helper
     compiles once for the plan's read-only views and the kernels' own workspaces; a second
-    process with the same cache folders loads everything and gets the same bits. The library's folder is the suite's
-    (kernels loaded from it call their helpers by address just the same)."""
+    process with the same cache folders loads everything and gets the same bits. The library's
+    folder is the suite's (kernels loaded from it call their helpers by address just the
+    same)."""
     env = {
         **os.environ,
         "BACKPLAN_CACHE_DIR": str(tmp_path / "plans"),
