@@ -45,7 +45,8 @@ _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": T
 # Helpers only the kernels below call: no CPython or C wrapper to compile. They are not inlined
 # (inlining the GEMM calls at each of backward's seven sites tripled its compile time) nor
 # linked: each is called by address (by_address.py), so its machine code is made once and not
-# again in every caller above it (both directions cold, one core: 11.2 -> 6.6 CPU s).
+# again in every caller above it (both directions cold, one core: 11.2 -> 6.0 CPU s). Small
+# leaves stay linked.
 _helper = {**_opts, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 ROWS = 128  # query rows per block: a (128, S) f32 workspace stays in L2 for S up to ~2k
 KEYS = 1024  # keys per tile where a sequence has more: a (128, 1024) f32 workspace is 512 KiB
@@ -81,14 +82,14 @@ def _probabilities(width, q, k, first, p, scale, causal):
         softmax_row(row, row, False)
 
 
-@by_address(**_helper)
+@njit(**_helper)  # a leaf: linked, cheaper than a lookup on load
 def _seen(first, rows, keys, causal):
     """Keys any row of the block first..first+rows-1 sees: under the causal mask, the keys
     after its last row are zero in every row and take no part in the products."""
     return min(first + rows, keys) if causal else keys
 
 
-@by_address(**_helper)
+@njit(**_helper)  # a leaf: linked, cheaper than a lookup on load
 def _block(flat, rows, seen):
     """A C-contiguous (rows, seen) view of a workspace of at least rows * seen elements."""
     return flat[: rows * seen].reshape((rows, seen))
@@ -129,7 +130,7 @@ def _exp_online(s, peak, total, factor):
         peak[i] = top
 
 
-@by_address(**_helper)
+@njit(**_helper)  # a leaf: linked, cheaper than a lookup on load
 def _stats(length, dtype):
     """Per-row running max, running sum, a second running sum and the tile's factor."""
     peak = np.empty(length, dtype)
@@ -163,7 +164,7 @@ def _forward_tiled(width, q, k, v, out, scale, causal, tile):
                 out[first + i, d] = acc[i, d] * inverse
 
 
-@by_address(**_helper)
+@njit(**_helper)  # a leaf: linked, cheaper than a lookup on load
 def _scale_rows(a, factor):
     for i in range(a.shape[0]):
         for d in range(a.shape[1]):
