@@ -149,16 +149,18 @@ def cross_entropy_rows(logits, labels, out, scale):
     if bad != -1:
         return bad
     reduce = out.shape[0] != logits.shape[0] or scale != 1.0
-    total_loss = 0.0
+    total_loss = 0.0  # the sum over rows stays float64
     for r in range(logits.shape[0]):
         label = labels[r]
         row = logits[r]
-        peak = -np.inf
+        # Each row in the logits' dtype, as softmax_row: a float64 peak and sum made every exp
+        # of a float32 row a float64 one (a second exp to compile, and no 16-lane loop).
+        peak = row[0]  # a row exists: no classes means every label is bad (returned above)
         for j in range(n_classes):
-            peak = max(peak, row[j])
-        total = 0.0
+            peak = maxnum(peak, row[j])
+        total = zero_like(peak)
         for j in range(n_classes):
-            total += fast_exp(row[j] - peak)
+            total += row_exp(row[j] - peak)
         loss = (peak - row[label]) + math.log(total)
         if reduce:
             total_loss += loss
