@@ -121,3 +121,26 @@ def test_the_text_reading_declines_what_it_cannot_read():
         and not s.startswith("return")
     ]
     assert declined == _STATEMENTS[9:]
+
+
+def test_a_short_driver_counts_its_statements_without_parsing_them(monkeypatch):
+    """Counted off first lines (a warm first call parses nothing), the count is the parsed one:
+    comments, a block's body and a call's continuation lines are not statements."""
+    body = [
+        "# f0 = matmul(...)  (its IR line)",
+        "a = k_1(x, np.intp(3))",
+        "",
+        "for i in range(2):",
+        "    a = k_2(a,",
+        "            i)",
+        "b = k_3(",
+        "    a, x",
+        ")",
+        "return (a, b)",
+    ]
+    parsed = len(driver_split._statements(body))
+    monkeypatch.setattr(driver_split, "_statements", lambda body: pytest.fail("parsed"))
+    assert driver_split.driver_source(["x"], body, "").statements == parsed == 4
+    monkeypatch.undo()
+    two = driver_split.driver_source(["x"], ["a = x; b = a", "return (b,)"], "")
+    assert two.statements == 3  # a `;` line is parsed: two statements
