@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .graph import Value
 from .layout import storage_root
 from .lowering import LoweredPlan, literal_outputs
 from .printer import format_loc
@@ -56,10 +57,13 @@ def compiled_buffers(
             )
         )
     in_place = lowered.donations
+    first_output: dict[Value, int] = {}  # buffer -> the first graph output it holds (one pass:
+    for i, o in enumerate(graph.outputs):  # a search per buffer was quadratic in the outputs)
+        first_output.setdefault(storage_root(o), i)
     for k, root in enumerate(lowered.layout.outputs):
         if k in in_place:
             continue
-        index = next(i for i, o in enumerate(graph.outputs) if storage_root(o) is root)
+        index = first_output[root]
         found.append(
             PlannedBuffer(f"output {k}", _value_name(root, index), kinds[index], root.type.nbytes)
         )
