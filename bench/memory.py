@@ -19,9 +19,11 @@ the excess left there is what the step itself allocates beyond the prediction.
 
     python -m backplan.bench.memory [--models mlp,mlp_deep] [--scale 8] [--steps train,vg]
 
---scale multiplies the batch (and rows) so the step holds tens of MiB. Steps: "vg" is
-bp.value_and_grad(loss); "train" is the step users write: value_and_grad and adam's update in
-one bp.compile(donate_argnums=(0, 1)) (parameters and optimizer state updated in place).
+--scale multiplies the batch (and rows) so the step holds tens of MiB; transformer6 (the bench
+transformer's block stacked 6 deep, bench.memory_budget) runs at its own size (--scale 1).
+Steps: "vg" is bp.value_and_grad(loss); "train" is the step users write: value_and_grad and
+adam's update in one bp.compile(donate_argnums=(0, 1)) (parameters and optimizer state updated
+in place).
 """
 
 from __future__ import annotations
@@ -52,12 +54,21 @@ def _step(name: str, scale: int, kind: str):
     from backplan.bench.models import MODELS
     from backplan.bench.peers.backplan_peer import bench_function
 
-    spec = MODELS[name]
-    config = {k: v * scale if k in SCALABLE else v for k, v in spec.config.items()}
-    inputs = spec.make_inputs(config, 0).cast(np.float32)
-    params = {k: bp.tensor(v) for k, v in inputs.params.items()}
-    batch = [bp.tensor(a) for a in inputs.batch(True)]
-    loss = bench_function(spec)
+    if name not in MODELS:  # a bench.memory_budget model (transformer6), at its own size
+        from backplan.bench.memory_budget import MODEL_MAKERS
+
+        if name not in MODEL_MAKERS or scale != 1:
+            raise ValueError(f"no bench model {name!r} at scale {scale}")
+        loss, arrays, batch_arrays = MODEL_MAKERS[name]()
+        params = {k: bp.tensor(v) for k, v in arrays.items()}
+        batch = [bp.tensor(a) for a in batch_arrays]
+    else:
+        spec = MODELS[name]
+        config = {k: v * scale if k in SCALABLE else v for k, v in spec.config.items()}
+        inputs = spec.make_inputs(config, 0).cast(np.float32)
+        params = {k: bp.tensor(v) for k, v in inputs.params.items()}
+        batch = [bp.tensor(a) for a in inputs.batch(True)]
+        loss = bench_function(spec)
     if kind == "vg":
         return bp.value_and_grad(loss, background=False), [params, *batch]
     opt = bp.optim.adam(1e-3)
