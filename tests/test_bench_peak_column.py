@@ -53,3 +53,16 @@ def test_a_counted_peak_other_than_the_plan_is_printed_as_a_mismatch():
     assert "MEMORY MISMATCH" in line and "5,000" in line and "4,096" in line
     row["peak_bytes"]["counted"] = 4_096
     assert footnotes([row]) == []
+
+
+def test_the_memory_table_row_has_the_checked_peak_and_timed_frontier_rows():
+    from backplan.bench.memory_table import model_row
+
+    with use_backend("numba"):
+        row = model_row("mlp_tiny", rounds=1, count=2, fresh=False)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    predicted = cells[1]
+    assert cells[2] == f"{predicted} ="  # counted + arrays passed in == printed peak
+    rows, frontier = cells[-1].split(": ", 1)
+    assert rows == "1 of 1" and frontier.startswith(f"{predicted} +0.0% ")
+    assert frontier.endswith(" 1.00x")
