@@ -100,3 +100,34 @@ def test_a_number_rebound_to_an_equal_value_is_no_change(monkeypatch):
         np.testing.assert_allclose(f(x).numpy(), [3.0, 4.0])
         f(x)
     assert f.cache_info().traces == 1
+
+
+def test_a_trace_begun_before_a_rebinding_is_not_cached_after_it(monkeypatch):
+    """Thread T traces a new signature and reads `scale` before the main thread rebinds it;
+    the main thread's next call drops the cache and traces again; T's entry, which froze the
+    old value, must not land in the cache after that drop (it would run silently later)."""
+    import threading
+
+    entered, gate = threading.Event(), threading.Event()
+
+    def slow(x):
+        y = x * scale
+        if x.shape == (3,):  # the signature T traces: hold it after it read scale
+            entered.set()
+            gate.wait(60)
+        return y
+
+    f = bp.compile(slow)
+    two, three = bp.tensor([1.0, 1.0]), bp.tensor([1.0, 1.0, 1.0])
+    f(two)
+    results = {}
+    thread = threading.Thread(target=lambda: results.setdefault("T", f(three).numpy()))
+    thread.start()
+    assert entered.wait(60)
+    monkeypatch.setitem(globals(), "scale", 9.0)
+    with pytest.warns(bp.RetraceWarning, match="the global `scale`"):
+        np.testing.assert_allclose(f(two).numpy(), [9.0, 9.0])
+    gate.set()
+    thread.join(60)
+    np.testing.assert_allclose(results["T"], [2.0, 2.0, 2.0])  # begun before: the old value
+    np.testing.assert_allclose(f(three).numpy(), [9.0, 9.0, 9.0])

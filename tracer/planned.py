@@ -107,6 +107,8 @@ class PlannedFunction:
         self._sizes_apart: str | None = None  # why no axis becomes dynamic (a memory budget)
         self._reads = None  # frozen_reads.FrozenReads of the last trace, None: none to watch
         self._reread: str | None = None  # a rebound variable, the next trace's miss reason
+        self._forgotten = 0  # caches dropped for a rebound variable: a trace begun before
+        # a drop froze the old object, so its entry is not kept (lookup, __call__)
 
     # ---- what subclasses provide -------------------------------------------------------------
 
@@ -246,9 +248,10 @@ class PlannedFunction:
                 self._count_fast_hit(fast.entry_key)
                 self._last_fast = fast
                 return result
+        forgotten = self._forgotten
         bound, entry = self.lookup(args, kwargs)
         result = self._run(entry, bound)
-        if key is not None:
+        if key is not None and forgotten == self._forgotten:
             runner = self._fast_runner(entry, bound, leaves)
             if runner is not None:
                 entry_key = self._shared_entry_key(self._entry_key(bound))
@@ -260,14 +263,16 @@ class PlannedFunction:
     def _forget_frozen_reads(self, stacklevel: int) -> None:
         """A global or closure variable the traces read holds another object now: every plan
         froze the old one, so the cache is dropped and the next call traces again."""
-        reads = self._reads
-        if reads is None:  # another thread got here first
-            return
-        changed = reads.which()
-        if changed is None:  # a number rebound to an equal one: nothing to trace again
-            reads.refresh()
-            return
-        self._reads = None
+        with self._lookup_lock:
+            reads = self._reads
+            if reads is None:  # another thread got here first
+                return
+            changed = reads.which()
+            if changed is None:  # a number rebound to an equal one: nothing to trace again
+                reads.refresh()
+                return
+            self._reads = None
+            self._forgotten += 1
         self.clear_cache()
         name = getattr(self.fn, "__qualname__", "the function")
         self._reread = f"{changed} was rebound to another value since the last trace"
@@ -315,13 +320,15 @@ class PlannedFunction:
         if pending is None:
             return bound, self._sized(entry, bound)
         self._reread = None
+        forgotten = self._forgotten
         try:
             self._reads = frozen_reads(self.fn)
             entry = self._build_entry(bound)
             with self._lookup_lock:
                 self._traces += 1
-                self._remember(key, entry)
-                self._last_key = key
+                if forgotten == self._forgotten:  # else it may have read a rebound variable
+                    self._remember(key, entry)
+                    self._last_key = key
         finally:
             with self._lookup_lock:
                 if self._pending.get(key) is pending:
