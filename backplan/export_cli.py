@@ -8,6 +8,7 @@ the script itself is imported, as exporting it needs its code.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -83,11 +84,18 @@ def load_target(target: str):
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise bp.ExportError(f"{module_part} has no attribute {attr!r}")
+            raise bp.ExportError(f"{module_part} has no attribute {attr!r}{_near(obj, part)}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise bp.ExportError(f"{target} is not a function")
     return obj
+
+
+def _near(obj, name: str) -> str:
+    """'; did you mean loss?' for a mistyped name, from the public names obj holds."""
+    names = [n for n in dir(obj) if not n.startswith("_")]
+    close = difflib.get_close_matches(name, names, n=3)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def _import_script(path: str):

@@ -104,6 +104,7 @@ def test_bad_specs_exit_2_with_the_reason(script, capsys, spec, message):
     "target, args, message",
     [
         ("{script}:nope", ARGS, "has no attribute 'nope'"),
+        ("{script}:mpl", ARGS, "has no attribute 'mpl'; did you mean mlp?"),
         ("{script}", ARGS, "must look like script.py:function"),
         ("{missing}:mlp", ARGS, "no such script"),
         (
