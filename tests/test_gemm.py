@@ -9,8 +9,10 @@ from helpers import run_with_own_gemm_as_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import backplan as bp
 from backplan.codegen.kernels import gemm as own
 from backplan.codegen.kernels.gemm import isa
+from backplan.runtime.backend import use_backend
 
 WIDTHS = (512, 256)
 DIMS = st.sampled_from([0, 1, 2, 7, 8, 9, 16, 17, 31, 33, 64, 127, 130])
@@ -236,3 +238,62 @@ def test_own_gemm_plan_runs_as_plain_python(tmp_path):
     grad = np.einsum("bij,bik->jk", x, 2 * t * (1 - t**2))
     value, grad_sum = map(float, printed.split())
     np.testing.assert_allclose([value, grad_sum], [np.sum(t**2), grad.sum()], rtol=1e-10)
+
+
+def test_large_float32_products_run_the_own_gemm_in_blocks_where_blas_would_thread(monkeypatch):
+    """More than one BLAS thread: a large f32 product (a measured own class) is cut over
+    min(threads, BLAS threads) own GEMM blocks; small, narrow, f64, one thread or a forced
+    choice keep BLAS or the serial own GEMM (use_own_gemm)."""
+    from backplan.codegen.kernels.gemm import choice
+
+    monkeypatch.setattr(choice, "blas_threads", lambda: 2)
+    monkeypatch.setenv("BACKPLAN_GEMM", "auto")
+    wide = isa.vector_width() == 512
+    assert choice.own_parallel_parts(128, 512, 784, "f32", threads=2) == (2 if wide else 1)
+    assert choice.own_parallel_parts(128, 512, 784, "f32", threads=4) == (2 if wide else 1)
+    assert choice.own_parallel_parts(128, 512, 784, "f32", threads=1) == 1
+    assert choice.own_parallel_parts(128, 512, 784, "f64", threads=2) == 1
+    assert choice.own_parallel_parts(512, 10, 512, "f32", threads=2) == 1  # narrow
+    assert choice.own_parallel_parts(64, 128, 128, "f32", threads=2) == 1  # 2**20: one block's
+    assert choice.own_parallel_parts(128, 128, 128, "f32", threads=2) == (2 if wide else 1)
+    monkeypatch.setenv("BACKPLAN_GEMM", "blas")
+    assert choice.own_parallel_parts(128, 512, 784, "f32", threads=2) == 1
+    monkeypatch.setenv("BACKPLAN_GEMM", "own")
+    assert choice.own_parallel_parts(128, 512, 784, "f32", threads=2) == 1
+
+
+@pytest.mark.skipif(isa.vector_width() != 512, reason="the own f32 class is the 512-bit tile's")
+def test_a_two_thread_float32_step_runs_the_parallel_own_gemm_and_matches(monkeypatch):
+    """At two threads with two BLAS threads the mlp-like step's large products are
+    own_gemm_at_par calls (no BLAS, no fused epilogue), and its values and gradients equal the
+    reference interpreter's."""
+    import numba
+
+    from backplan.codegen.kernels.gemm import choice
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread")
+    monkeypatch.setattr(choice, "blas_threads", lambda: 2)
+    rng = np.random.default_rng(11)
+    w0 = bp.tensor(rng.standard_normal((256, 128)).astype(np.float32) * 0.1)
+    w1 = bp.tensor(rng.standard_normal((128, 128)).astype(np.float32) * 0.1)
+    x = bp.tensor(rng.standard_normal((128, 256)).astype(np.float32))
+
+    def loss(w0, w1, x):
+        return bp.sum(bp.tanh(bp.relu(x @ w0) @ w1) ** 2)
+
+    vg = bp.value_and_grad(loss, argnums=(0, 1))
+    previous = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        with use_backend("numba"):
+            value, grads = vg(w0, w1, x)
+            source = vg.trace(w0, w1, x).runner().compiled.source
+    finally:
+        numba.set_num_threads(previous)
+    with use_backend("reference"):
+        want_value, want_grads = vg(w0, w1, x)
+    assert source.count("own_gemm_at_par(np.intp(2)") >= 3, source
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-4)
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)

@@ -11,7 +11,11 @@ import pkgutil
 import sys
 
 from backplan.codegen.flags import threads
-from backplan.codegen.kernels.gemm.choice import blas_threads, use_own_gemm
+from backplan.codegen.kernels.gemm.choice import (
+    blas_threads,
+    own_parallel_parts,
+    use_own_gemm,
+)
 from backplan.codegen.render.choices import decide
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.render.scalar import NP_TYPE
@@ -171,14 +175,22 @@ def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
         return decide("own_gemm", True)
     m, n = node.shape[-2:]
     k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
-    return decide("own_gemm", use_own_gemm(m, n, k, tb, node.dtype))
+    own = use_own_gemm(m, n, k, tb, node.dtype) or _parallel_parts(node) > 1
+    return decide("own_gemm", own)
 
 
 def own_gemm_parts(node: Value) -> int:
-    """Cores the own GEMM of a bfloat16 matmul shares out (gemm/parallel.py): those a float32
-    product would get from BLAS, which a bfloat16 one cannot call; 1 for every other matmul."""
-    parts = min(threads(), blas_threads()) if node.inputs[0].dtype == "bf16" else 1
-    return decide("own_gemm_parts", parts)
+    """Cores the own GEMM shares out (gemm/parallel.py): for a bfloat16 matmul those a float32
+    product would get from BLAS, which a bfloat16 one cannot call; for a large float32 one
+    those BLAS would have had (gemm/choice.own_parallel_parts); 1 for every other matmul."""
+    if node.inputs[0].dtype == "bf16":
+        return decide("own_gemm_parts", min(threads(), blas_threads()))
+    return decide("own_gemm_parts", _parallel_parts(node))
+
+
+def _parallel_parts(node: Value) -> int:
+    m, n = node.shape[-2:]
+    return own_parallel_parts(m, n, node.inputs[0].shape[-1], node.dtype, threads())
 
 
 def placed_operands(ctx: OpEmitter, node: Value, flat: bool = False):

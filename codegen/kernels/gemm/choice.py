@@ -61,3 +61,19 @@ def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str) -> bool:
     if blas_threads() > 1 or m * n * k < MIN_OWN_WORK or n < MIN_OWN_COLUMNS:
         return False
     return (dtype, vector_width()) in OWN_CLASSES
+
+
+def own_parallel_parts(m: int, n: int, k: int, dtype: str, threads: int) -> int:
+    """Blocks the own GEMM cuts C into where BLAS would run on more than one thread (1: no
+    parallel own GEMM; use_own_gemm decides then). A matmul of a measured own class with at
+    least MIN_OWN_WORK per block runs as min(threads, BLAS threads) single-core GEMMs side by
+    side (gemm/parallel.py). Measured at two threads on the 2-vCPU Zen 4 (bench.gemm
+    --threads 2): the mlp's step ran 4.65 ms on OpenBLAS's two threads against 4.83 on the own
+    GEMM's one, and under load (other processes on both CPUs) OpenBLAS's two threads fell to
+    1-20 GFLOP/s on most bench shapes while the own blocks kept 69-100."""
+    parts = min(threads, blas_threads())
+    if forced_choice() != "auto" or parts < 2 or n < MIN_OWN_COLUMNS:
+        return 1
+    if m * n * k < MIN_OWN_WORK * parts or (dtype, vector_width()) not in OWN_CLASSES:
+        return 1
+    return parts
