@@ -14,7 +14,9 @@ step times.
   spread along it, each plan compiled and timed in interleaved rounds (one pinned CPU).
 
     python -m backplan.bench.memory_table [--models mlp,transformer] [--rounds 5] [--frontier 4]
-        [--no-fresh]
+        [--no-fresh] [--clock cpu]
+
+--clock cpu times the frontier's steps by the process's CPU time (bench.memory_budget).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .affinity import pin_process
 from .environment import cpu_name
 from .memory import _step
 from .memory import measure as fresh_measure
-from .memory_budget import time_plans
+from .memory_budget import CLOCK, time_plans
 
 # batch (or rows) multiplier for the fresh-process column: each step then holds >= ~60 MiB
 SCALES = {
@@ -116,8 +118,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--frontier", type=int, default=4, help="frontier rows timed per model")
     parser.add_argument("--no-fresh", action="store_true", help="skip the fresh processes")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="step times")
     args = parser.parse_args(argv)
-    print(f"CPU: {cpu_name()}; {pin_process(1)['affinity']}")
+    CLOCK[0] = args.clock
+    print(f"CPU: {cpu_name()}; {pin_process(1)['affinity']}; clock: {args.clock}")
     print(
         "| model | predicted peak | checked mode (+ arrays passed in) | fresh process: scale, "
         "predicted growth | fresh growth | primed growth | frontier rows timed: peak B, added "
