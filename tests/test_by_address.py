@@ -6,6 +6,7 @@ and a second process loading the kernels from the cache gives the same bits."""
 import os
 
 import numpy as np
+import pytest
 from helpers import script_facts
 
 from backplan.codegen.jit import AS_PYTHON, njit
@@ -81,3 +82,17 @@ def test_a_helper_takes_arrays_of_any_layout_in_one_variant():
     assert caller(a, b) == total(a, b) + total(a[::2], b[::2])
     if not AS_PYTHON:
         assert len(helper.dispatcher.signatures) == 1, helper.dispatcher.signatures
+
+
+def test_a_helper_without_a_python_wrapper_refuses_a_python_call():
+    """Numba would jump into the missing wrapper (a crash): the call raises, naming it."""
+    helper = by_address(cache=False, no_cpython_wrapper=True)(lambda x: x + 1)
+
+    @njit
+    def caller(x):
+        return helper(x)
+
+    assert caller(2) == 3
+    if not AS_PYTHON:
+        with pytest.raises(TypeError, match="<lambda> is called from compiled code only"):
+            helper(2)

@@ -35,9 +35,22 @@ def by_address(arrays: tuple[int, ...] = (), read_only: tuple[int, ...] = (), **
             return dispatcher
         widened = frozenset(arrays) | frozenset(read_only)
         widen = _widening(widened, frozenset(read_only)) if widened else None
+        if options.get("no_cpython_wrapper"):
+            return CompiledOnly(dispatcher, widen)
         return NativeCallee(dispatcher, widen)
 
     return decorate
+
+
+class CompiledOnly(NativeCallee):
+    """A helper compiled without a CPython wrapper: compiled code calls it; a call from
+    Python raises (Numba would jump into a wrapper that does not exist)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs):
+        name = self.dispatcher.py_func.__qualname__
+        raise TypeError(f"{name} is called from compiled code only (no_cpython_wrapper)")
 
 
 def _widening(positions: frozenset, read_only: frozenset):

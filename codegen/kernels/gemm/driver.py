@@ -19,6 +19,7 @@ Where the CPU has AVX512_BF16 the bfloat16 GEMM runs dot_driver.py instead (symb
 import numpy as np
 
 from backplan.codegen.jit import njit
+from backplan.codegen.kernels.by_address import by_address
 from backplan.codegen.kernels.gemm.blocking import machine_block_sizes
 from backplan.codegen.kernels.gemm.kernel import TILES, micro_kernel_256, micro_kernel_512
 from backplan.codegen.kernels.gemm.pack import pack_a, pack_b
@@ -95,7 +96,12 @@ def scaled_only(a, trans_a, c, alpha, beta):
     return False
 
 
-@njit(cache=True, nogil=True)
+# Called by address (by_address.py) from the symbols and the parallel GEMM's blocks: compiled
+# once per dtype. Inlined into each symbol, Numba's inliner deep-copied the function's scope
+# once per block of its IR (about a quarter of the symbol's cold compile); linked, it was
+# optimised and emitted again in every caller. a and b in any layout, read-only; c in any
+# layout. _nrt as the symbols' (symbols.py): it compiles inside the compile of its caller.
+@by_address(arrays=(7,), read_only=(4, 5), cache=True, nogil=True, _nrt=True)
 def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc_max, nc_max):
     """C = alpha * op(A) @ op(B) + beta * C with preallocated `work` (see `workspace`)."""
     if scaled_only(a, trans_a, c, alpha, beta):

@@ -76,15 +76,6 @@ def _matrix(typingctx, address, rows, cols, row_stride, col_stride, like):
     return result_type(address, rows, cols, row_stride, col_stride, like), codegen
 
 
-# The blocked loops (and _gemm_at_addresses) compiled into each dtype's entry, not linked
-# from functions of their own: Numba optimises a callee's LLVM module again inside every
-# caller that links it, so each level of calls above the packing and micro-kernels redid
-# their optimisation (with pack.py's loops: 6.7 -> 4.2-4.4 CPU s per dtype, one core).
-_gemm_blocked_here = njit(nogil=True, inline="always")(
-    getattr(gemm_blocked, "py_func", gemm_blocked)
-)
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _gemm_at_addresses(args, alpha, beta, like, operand):
     """C of like's dtype; A and B of operand's (like's, or uint16 bfloat16 bits)."""
@@ -103,7 +94,7 @@ def _gemm_at_addresses(args, alpha, beta, like, operand):
         work = workspace(width, c_matrix, KC, MC, NC)  # per call, as before buffers were kept
     else:
         work = _kept_workspace(width, base, c_matrix)
-    _gemm_blocked_here(
+    gemm_blocked(
         width, trans_a != 0, trans_b != 0, alpha, a_matrix, b_matrix, beta, c_matrix, work,
         KC, MC, NC,
     )  # fmt: skip
