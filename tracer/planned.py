@@ -25,7 +25,7 @@ from .dynamic import (
 )
 from .errors import TracingError
 from .fastpath import call_key, guard_for
-from .frozen_reads import frozen_reads
+from .frozen_reads import FrozenReads, frozen_reads
 from .trace import current_trace
 
 STALE = object()  # a fast-path runner's answer when its entry no longer fits the call
@@ -105,7 +105,7 @@ class PlannedFunction:
         self._auto_dynamic = False  # learn a dynamic axis from the second size seen on it
         self._learned: dict = {}  # leaf path -> (rank, axis, symbol), learned automatically
         self._sizes_apart: str | None = None  # why no axis becomes dynamic (a memory budget)
-        self._reads = None  # frozen_reads.FrozenReads of the last trace, None: none to watch
+        self._reads: FrozenReads | None = None  # of the last trace; None: none to watch
         self._reread: str | None = None  # a rebound variable, the next trace's miss reason
         self._forgotten = 0  # caches dropped for a rebound variable: a trace begun before
         # a drop froze the old object, so its entry is not kept (lookup, __call__)
