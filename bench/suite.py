@@ -175,10 +175,12 @@ def _memory_facts(runner, row: dict, settings: Settings) -> None:
     planned = runner.planned_peak_bytes()
     row["plan"] = runner.plan_facts()
     row["peak_bytes"] = {
-        **_measured_peak(runner, settings),
+        "measured": None,
+        "measured_by": None,
         "planned": planned[0] if planned else None,
         "planned_by": planned[1] if planned else None,
     }
+    row["peak_bytes"].update(_measured_peak(runner, settings))  # may fail: the rest is kept
 
 
 def _measured_peak(runner, settings: Settings) -> dict:

@@ -51,6 +51,7 @@ class ImportedRunner(PlanFacts):
         import torch
 
         self.spec, self.fn, self.result, self.import_s = spec, None, None, None
+        self.inputs = inputs
         self.module = module_of(spec, inputs.params)
         self.batch = inputs.batch(spec.train)
         self.example = tuple(torch.from_numpy(a.copy()) for a in self.batch)
@@ -73,6 +74,9 @@ class ImportedRunner(PlanFacts):
         if self.fn is None:
             self._import()
         self.result = self.fn(self.params, *self.batch)
+
+    def twin(self):
+        return ImportedRunner(self.spec, self.inputs)
 
     def first_call_parts(self) -> dict:
         return {"import": self.import_s}
