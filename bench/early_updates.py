@@ -24,8 +24,8 @@ import backplan as bp
 from backplan.bench.internals import checked_memory, measure
 
 from .affinity import pin_process
+from .budget_models import MODEL_MAKERS
 from .environment import cpu_name
-from .memory_budget import MODEL_MAKERS
 from .memory_budget_train import fresh, time_steps, train_step
 
 

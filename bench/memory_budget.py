@@ -21,59 +21,9 @@ import backplan as bp
 from backplan.bench.internals import plan_frontier, runner_for
 
 from .affinity import pin_process
+from .budget_models import FRACTIONS, MODEL_MAKERS, deep_chain, transformer6
 from .environment import cpu_name
 from .measure import interleaved_medians
-from .models import MODELS
-from .models import transformer as transformer_model
-from .peers.backplan_peer import bench_function
-
-FRACTIONS = (1, 1 / 3, 1 / 5)
-
-
-def transformer6():
-    """The bench transformer's block stacked 6 deep, each block its own parameters."""
-    spec = MODELS["transformer"]
-    blocks = [spec.inputs(False, np.float32, seed=s) for s in range(6)]
-
-    def stacked(params, x):
-        for i in range(6):
-            x = transformer_model.block(
-                {k[3:]: v for k, v in params.items() if k[:3] == f"b{i}_"}, x, n_heads=4
-            )
-        return bp.mean(x * x)
-
-    params = {f"b{i}_{k}": v for i, b in enumerate(blocks) for k, v in b.params.items()}
-    return stacked, params, blocks[0].batch(True)
-
-
-def mlp_deep():
-    spec = MODELS["mlp_deep"]
-    inputs = spec.inputs(False, np.float32)
-    return bench_function(spec), inputs.params, inputs.batch(True)
-
-
-def deep_chain(layers: int = 1120):
-    """A tanh MLP of 16-wide layers: about 12 joint-plan nodes per layer."""
-    rng = np.random.default_rng(0)
-    params = {
-        f"w{i}": (rng.standard_normal((16, 16)) * 0.3).astype(np.float32) for i in range(layers)
-    }
-
-    def chain(params, x):
-        for i in range(layers):
-            x = bp.tanh(x @ params[f"w{i}"])
-        return bp.mean(x * x)
-
-    return chain, params, (rng.standard_normal((256, 16)).astype(np.float32),)
-
-
-def transformer():
-    spec = MODELS["transformer"]
-    inputs = spec.inputs(False, np.float32)
-    return bench_function(spec), inputs.params, inputs.batch(True)
-
-
-MODEL_MAKERS = {"mlp_deep": mlp_deep, "transformer6": transformer6, "transformer": transformer}
 
 
 def plans_under_budgets(fn, params, batch, saved_dtype=None):

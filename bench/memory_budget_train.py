@@ -20,9 +20,9 @@ import backplan as bp
 from backplan.bench.internals import checked_memory, measure
 
 from .affinity import pin_process
+from .budget_models import FRACTIONS, MODEL_MAKERS
 from .environment import cpu_name
 from .measure import interleaved_medians
-from .memory_budget import FRACTIONS, MODEL_MAKERS
 
 
 def train_step(fn, opt, **budget):

@@ -1,7 +1,8 @@
 """The compiled convolution kernels against the NumPy references for strides, padding larger
 and smaller than the kernel's reach, dilation and groups, in both of the orders the im2col
 columns are filled and read back in (output row by row, or image by image when rows are short
-and images many), and with operands that are not C-contiguous."""
+and images many), and with operands that are not C-contiguous. Operands are read-only as plans
+pass them (conv.as_read_only): a writable one would compile a variant no plan uses."""
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def _operands(case, rng, dtype):
     n, c, h, w, o, (kh, kw), *_, groups = case
     x = rng.standard_normal((n, c, h, w)).astype(dtype)
     weights = rng.standard_normal((o, c // groups, kh, kw)).astype(dtype)
-    return x, weights
+    return conv.as_read_only(x), conv.as_read_only(weights)
 
 
 def _args(attrs):
@@ -48,7 +49,7 @@ def test_conv_kernels_match_the_references(case, dtype):
     tol = 1e-4 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
 
-    g = rng.standard_normal(expected.shape).astype(dtype)
+    g = conv.as_read_only(rng.standard_normal(expected.shape).astype(dtype))
     dx = np.full(x.shape, np.nan, dtype)
     conv.conv2d_input_grad_gemm(g, w, dx, *_args(attrs))
     np.testing.assert_allclose(dx, _input_grad_ref(g, w, x.shape, **attrs), rtol=tol, atol=tol)
@@ -67,7 +68,7 @@ def test_strided_operands_and_outputs_give_the_same_values():
     attrs = _attrs(case)
     wide_x = np.zeros((x.shape[0], 2 * x.shape[1]) + x.shape[2:], np.float32)
     wide_x[::-1, ::2] = x
-    x_view = wide_x[::-1, ::2]
+    x_view = conv.as_read_only(wide_x[::-1, ::2])
     expected = _conv_ref(x, w, **attrs)
     out_base = np.full((expected.shape[0], 2 * expected.shape[1]) + expected.shape[2:], 5.0,
                        np.float32)  # fmt: skip
@@ -76,7 +77,7 @@ def test_strided_operands_and_outputs_give_the_same_values():
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     assert (out_base[:, ::2] == 5.0).all()  # the gaps stay untouched
 
-    g = rng.standard_normal(expected.shape).astype(np.float32)
+    g = conv.as_read_only(rng.standard_normal(expected.shape).astype(np.float32))
     dx_base = np.full(wide_x.shape, 5.0, np.float32)
     conv.conv2d_input_grad_gemm(g, w, dx_base[::-1, ::2], *_args(attrs))
     np.testing.assert_allclose(
