@@ -132,7 +132,19 @@ def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver():
 def test_an_axis_made_dynamic_by_a_second_size_compiles_no_loop_kernel_then_nothing():
     """Without dynamic=: the second size traces the symbolic plan, whose driver is new (the
     first size's plan was traced for its size) but whose loop kernels are the first size's;
-    every later size, the first one's included, runs that plan, compiling nothing."""
+    every later size, the first one's included, runs that plan, compiling nothing. In a fresh
+    process: the counts are the process's, not what other tests left loaded in this worker."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_dynamic as t; t.second_size()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def second_size():
     step = bp.value_and_grad(bp.compile(model))
     with use_backend("numba"):
         step(W, batch(5))
@@ -148,7 +160,9 @@ def test_an_axis_made_dynamic_by_a_second_size_compiles_no_loop_kernel_then_noth
             np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
         after = kernel_cache.counts()
         later = [step.trace(W, batch(n)).runner().compiled for n in (13, 5)]
-    assert second.versions == before.versions  # the symbolic plan's loop kernels: none new
+    # the symbolic plan's loop kernels: none new imported or compiled (a driver found in the
+    # disk cache may load another form of a kernel already imported: a load, not a compile)
+    assert (second.loaded, second.compiled) == (before.loaded, before.compiled)
     assert after == second  # sizes 13 and 5: no kernel loaded or compiled
     assert all(plan._compiled_run is driver._compiled_run for plan in later)
     assert len(driver._compiled_run.overloads) == 1
