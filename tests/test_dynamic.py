@@ -107,6 +107,16 @@ def test_a_function_whose_plan_is_not_a_formula_of_the_size_is_planned_per_size(
     assert compiled.cache_info().traces == 3  # each size its own trace, as without dynamic
 
 
+def run_against_reference(step, sizes) -> None:
+    """The step's value and gradient at each batch size equal the reference interpreter's."""
+    for n in sizes:
+        x = batch(n)
+        value, grad = step(W, x)
+        expected_value, expected_grad = reference(model, W, x)
+        np.testing.assert_allclose(value.numpy(), expected_value, rtol=1e-5)
+        np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
+
+
 def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver():
     compiled = bp.compile(model, dynamic={"x": {0: "batch"}})
     step = bp.value_and_grad(compiled)
@@ -114,12 +124,7 @@ def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver():
         step(W, batch(5))
         first = step.trace(W, batch(5)).runner().compiled
         before = kernel_cache.counts()
-        for n in (9, 13):
-            x = batch(n)
-            value, grad = step(W, x)
-            expected_value, expected_grad = reference(model, W, x)
-            np.testing.assert_allclose(value.numpy(), expected_value, rtol=1e-5)
-            np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
+        run_against_reference(step, (9, 13))
         after = kernel_cache.counts()
         later = step.trace(W, batch(13)).runner().compiled
     assert after.versions == before.versions  # no loop kernel compiled or loaded
@@ -152,12 +157,7 @@ def second_size():
         step(W, batch(9))
         second = kernel_cache.counts()
         driver = step.trace(W, batch(9)).runner().compiled
-        for n in (13, 5):
-            x = batch(n)
-            value, grad = step(W, x)
-            expected_value, expected_grad = reference(model, W, x)
-            np.testing.assert_allclose(value.numpy(), expected_value, rtol=1e-5)
-            np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
+        run_against_reference(step, (13, 5))
         after = kernel_cache.counts()
         later = [step.trace(W, batch(n)).runner().compiled for n in (13, 5)]
     # the symbolic plan's loop kernels: none new imported or compiled (a driver found in the
