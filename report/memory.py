@@ -15,10 +15,30 @@ def peak_line(report) -> str:
     peak = report.peak
     if peak.peak_step is None:
         return "peak: 0 B (the step runs nothing)"
-    return (
+    text = (
         f"peak: {format_bytes(peak.peak_bytes)} on the {peak.backend} backend, at "
         f"{peak_step_words(peak)}"
     )
+    return text + (f". {calls_sentence(report)}" if len(report.call_peaks) > 1 else "")
+
+
+def calls_sentence(report) -> str:
+    """'Calls 1-2 (the forward, then backward()'s plan): peak 3,324 B; from call 3 (one joint
+    plan, ...): 3,448 B, the peak above': which plans run on which call (report.call_peaks)
+    and the peak of each, the one above being the highest."""
+    calls = report.call_peaks
+    parts = []
+    for c, after in zip(calls, [*calls[1:], None], strict=True):
+        if after is None:
+            which = f"from call {c.first_call}" if c.first_call > 1 else "every call"
+        elif after.first_call - 1 == c.first_call:
+            which = f"call {c.first_call}"
+        else:
+            which = f"calls {c.first_call}-{after.first_call - 1}"
+        mark = ", the peak above" if c.peak is report.peak else ""
+        parts.append(f"{which} ({c.runs}): {format_bytes(c.peak.peak_bytes)}{mark}")
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:]
 
 
 def peak_step_words(peak) -> str:

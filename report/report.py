@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backplan.ir.liveness import Plan
-from backplan.ir.peak import PeakReport, predicted_peak
+from backplan.ir.peak import PeakReport, joint_calls, predicted_peak
 from backplan.ir.plans import JointPlans
 from backplan.runtime.backend import current_backend
+from backplan.runtime.joint_step import JOINT_FROM_CALL
 from backplan.runtime.program import RegionProgram, SavedBufferInfo
 
 from .compiled import CompiledPlanFacts, joint_facts, region_facts
@@ -31,6 +32,19 @@ from .plan_view import PlanView, StepInfo, region_view
 from .recomputed import RecomputedInfo, recomputed_infos
 
 STEP_PLANS = ("forward", "backward (consume)", "joint")  # what one default training step runs
+TWO_PLANS = "the forward, then backward()'s plan"
+ONE_JOINT_PLAN = "one joint plan, while each loss is backward()ed from the default seed"
+
+
+@dataclass(frozen=True)
+class CallPeak:
+    """The predicted peak of the calls from `first_call` on (until the next CallPeak's), and
+    what runs them: a small compiled loss runs two plans, then one joint plan
+    (runtime/joint_step.py), whose peak differs."""
+
+    first_call: int
+    runs: str
+    peak: PeakReport
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,8 @@ class ExplainReport:
     dynamic: str | None = None  # a symbolic signature: its axis, sizes and memory formulas
     saved_dtype_note: str = ""  # the dtype saved buffers are kept in, and why (saved_dtype)
     joint_step: bool = False  # may run as one joint plan once backward() follows its calls
+    # that joint plan's calls (ir.peak.PlanCall), run from call JOINT_FROM_CALL; None: no joint step
+    joint_step_calls: list | None = None
     # a step with inlined value_and_grad plans: what its own plan holds for their gradients
     inlined_saved: list | None = None
     # a training step: its optimizer updates' order and the peaks of both orders
@@ -141,15 +157,41 @@ class ExplainReport:
         return self._compiled_sum("output_bytes")
 
     @functools.cached_property
+    def call_peaks(self) -> list[CallPeak]:
+        """Which plans run on which call, each with its predicted peak: one entry, or for a
+        small compiled loss that backward() follows, two plans on calls 1 and 2 and one joint
+        plan from call 3 on (runtime/joint_step.py)."""
+        first = CallPeak(1, TWO_PLANS, predicted_peak(self.peak_calls, self._peak_backend()))
+        if self.joint_step_calls is None:
+            return [first]
+        plan = self.joint_step_calls[0].plan
+        joint = predicted_peak(self.joint_step_calls, self._peak_backend(plan))
+        return [first, CallPeak(JOINT_FROM_CALL, ONE_JOINT_PLAN, joint)]
+
+    @functools.cached_property
     def peak(self) -> PeakReport:
         """The step's predicted peak on the backend that runs it (ir/peak.py): bytes held per
         category at each kernel (compiled) or step (reference), the caller's arrays included.
-        A compiled plan numba cannot compile runs on the reference interpreter: then the
-        whole step is counted that way."""
+        Where calls run different plans (call_peaks), the highest of their peaks (the later
+        on a tie): no call holds more. A compiled plan numba cannot compile runs on the
+        reference interpreter: then the whole step is counted that way."""
+        return max(self.call_peaks, key=lambda c: (c.peak.peak_bytes, c.first_call)).peak
+
+    def peak_on_call(self, n: int) -> PeakReport:
+        """The predicted peak of the n-th call (from 1) of this signature, each earlier call's
+        loss backward()ed from the default seed (a training loop)."""
+        if n < 1:
+            raise ValueError(f"peak_on_call({n!r}): calls are counted from 1")
+        return [c for c in self.call_peaks if c.first_call <= n][-1].peak
+
+    def _peak_backend(self, joint_plan: Plan | None = None) -> str:
         backend = self.backend
-        if self.compiled is not None and any(not f.compiled for f in self.compiled):
+        facts = self.compiled if joint_plan is None else None
+        if backend == "numba" and joint_plan is not None:
+            facts = joint_facts(joint_plan)
+        if facts is not None and any(not f.compiled for f in facts):
             backend = "reference"
-        return predicted_peak(self.peak_calls, backend)
+        return backend
 
     @property
     def peak_bytes(self) -> int:
@@ -287,9 +329,17 @@ def region_report(
         compiled,
         plans.peak_calls(),
         joint_step=program.joint_step is not None,
+        joint_step_calls=_joint_step_calls(program),
         inlined_saved=_inlined_saved(program),
         update_order=getattr(plans, "update_order", None),
     )
+
+
+def _joint_step_calls(program: RegionProgram) -> list | None:
+    """The joint plan a small compiled loss runs once backward() follows its calls (built
+    here if no call has run it yet: planning only, nothing compiles)."""
+    step = program.joint_step
+    return None if step is None else joint_calls(step.plan(), program.plans.n_outputs)
 
 
 def _inlined_saved(program: RegionProgram) -> list | None:

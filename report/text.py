@@ -354,11 +354,10 @@ def _kernels_text(report) -> str:
 JOINT_STEP_NOTE = (
     "Once two calls in a row had their loss backward()ed from the default seed, a call runs "
     "as one joint plan instead (as value_and_grad, compiled then): it computes the gradients "
-    "with the loss and holds them, not saved buffers, until backward() ("
-    "BACKPLAN_JOINT_STEP=0 keeps two plans)."
+    "with the loss and holds them, not saved buffers, until backward() (its peak: section 1's "
+    "peak line). Another backward() (another seed, retain_graph) or a call never backward()ed "
+    "sends the next calls back to two plans (BACKPLAN_JOINT_STEP=0 keeps two plans always)."
 )
-
-
 def compile_cost_text(report) -> str:
     """What a first call compiles. Loop kernels are shared by every plan and cached on disk, so
     only those never compiled on this machine cost time; how many are cached now (and the

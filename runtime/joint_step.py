@@ -32,6 +32,7 @@ from .program import RegionProgram
 from .region import LeafEdges, Region
 
 CALLS_TO_LEARN = 2  # split calls backward()ed from the default seed before the joint plan runs
+JOINT_FROM_CALL = CALLS_TO_LEARN + 1  # the first call that runs the joint plan (explain says so)
 # Steps above this many FLOPs keep two plans: their extra Python is under ~1% of the step, and
 # the joint plan would be one more plan to compile.
 MAX_STEP_FLOPS = 16_000_000
@@ -55,7 +56,7 @@ def joint_step_for(graph, plans: RegionPlans, options: PipelineOptions, backgrou
     if sum(node_flops(n) for n in nodes) > MAX_STEP_FLOPS:
         return None
     wrt = list(plans.wrt)  # the inputs the region's edges stand for, in the same order
-    joint = PipelineOptions(joint=True, saved_dtype=options.saved_dtype)
+    joint = PipelineOptions(joint=True, remat=options.remat, saved_dtype=options.saved_dtype)
     return JointStep(lambda: plan_choices(graph, wrt, joint).build().plan, background)
 
 

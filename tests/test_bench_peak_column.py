@@ -17,10 +17,9 @@ from backplan.bench.suite import CHECKED_MODE, Settings, bench_model
 from backplan.runtime.backend import use_backend
 
 
-def test_compiled_rows_are_measured_by_the_checked_mode_and_equal_the_plan(monkeypatch):
-    # the compile + backward() row's third step would switch to one joint plan (a small loss,
-    # runtime/joint_step.py), which explain's two-plan peak does not describe: two plans here
-    monkeypatch.setenv("BACKPLAN_JOINT_STEP", "0")
+def test_compiled_rows_are_measured_by_the_checked_mode_and_equal_the_plan():
+    # the compile + backward() row's third step runs one joint plan (a small loss,
+    # runtime/joint_step.py): explain's peak for that call is what it is compared with
     peers = [BackplanPeer(), BackplanCompilePeer(), NumpyPeer()]
     settings = Settings(small=True, schedule=QUICK, warm_compile=False)
     with use_backend("numba"):

@@ -54,15 +54,15 @@ class PlanFacts(Runner):
         runner whose compiled plans pass every buffer they allocate or use (arenas, outputs,
         constants) through one counting allocator, its third step measured, as the harness
         times it (the first compiles, the second runs a driver built in the background; a
-        buffer a plan does not predict raises MemoryCheckError). A small compile + backward()
-        step runs one joint plan from its third call (runtime/joint_step.py), which explain's
-        two-plan peak does not describe: the row then says MEMORY MISMATCH. What that
-        allocator cannot see, the arrays passed in and a conv kernel's own im2col columns, is
-        taken from the prediction (peak_bytes - allocated_peak_bytes). None where no compiled
-        plan runs (the reference interpreter)."""
+        buffer a plan does not predict raises MemoryCheckError), against explain's peak for
+        that call (a small compile + backward() step runs one joint plan from its third call,
+        runtime/joint_step.py: report.peak_on_call). What that allocator cannot see, the
+        arrays passed in and a conv kernel's own im2col columns, is taken from the prediction
+        (peak_bytes - allocated_peak_bytes). None where no compiled plan runs (the reference
+        interpreter)."""
         from backplan.bench.internals import checked_memory, measure, wait_for_builds
 
-        peak = self.explain().peak
+        peak = self.explain().peak_on_call(3)
         if peak.backend != "numba":
             return None
         with checked_memory():

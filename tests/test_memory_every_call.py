@@ -1,0 +1,104 @@
+"""What explain prints is what runs on EVERY call, not only the second: calls 1..5 of each step
+are counted by the checked mode (BACKPLAN_CHECK_MEMORY's counting allocator) and each must
+equal the peak explain printed for that call (report.peak_on_call). A small compiled loss that
+backward() follows runs two plans on calls 1-2 and one joint plan from call 3
+(runtime/joint_step.py), whose peak differs: explain prints both and which call runs which."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.bench.early_updates import OPTIMIZERS, readme
+from backplan.bench.models import MODELS
+from backplan.bench.peers.backplan_peer import bench_function
+from backplan.codegen.run.memory_check import checked_memory, measure
+from backplan.runtime.backend import use_backend
+from backplan.runtime.joint_step import JOINT_FROM_CALL
+
+CALLS = 5
+
+
+@pytest.fixture(autouse=True, params=["numba", "reference"])
+def backend(request):
+    with use_backend(request.param), checked_memory():
+        yield request.param
+
+
+def _counted_calls(step) -> list[int]:
+    counted = []
+    for _ in range(CALLS):
+        with measure() as measured:
+            step()
+        counted.append(measured.peak)
+    return counted
+
+
+def _printed(report) -> list[int]:
+    return [report.peak_on_call(n).allocated_peak_bytes for n in range(1, CALLS + 1)]
+
+
+def _mlp_tiny(requires_grad: bool):
+    inputs = MODELS["mlp_tiny"].inputs(small=True, dtype=np.float32)
+    params = {k: bp.tensor(v, requires_grad=requires_grad) for k, v in inputs.params.items()}
+    return params, [bp.tensor(a) for a in inputs.batch(True)]
+
+
+def test_a_compiled_loss_backward_each_call_holds_what_explain_prints_for_it(backend):
+    params, batch = _mlp_tiny(requires_grad=True)
+    loss = bp.compile(bench_function(MODELS["mlp_tiny"]))
+    report = bp.explain(loss, params, *batch)
+
+    def step():
+        bp.zero_grad(params)
+        loss(params, *batch).backward()
+
+    assert _counted_calls(step) == _printed(report)
+    assert [c.first_call for c in report.call_peaks] == [1, JOINT_FROM_CALL]
+    assert f"from call {JOINT_FROM_CALL} on: one joint plan" in str(report)
+    highest = max(c.peak.peak_bytes for c in report.call_peaks)
+    assert report.peak_bytes == highest and report.fits(highest) and not report.fits(highest - 1)
+
+
+def test_a_value_and_grad_step_holds_what_explain_prints_on_every_call(backend):
+    params, batch = _mlp_tiny(requires_grad=False)
+    step = bp.value_and_grad(bench_function(MODELS["mlp_tiny"]))
+    report = bp.explain(step, params, *batch)
+    assert _counted_calls(lambda: step(params, *batch)) == _printed(report)
+    assert len(report.call_peaks) == 1
+
+
+def _training_step(loss, opt, params, batch):
+    """(step(), explain report) of a donated training step: value_and_grad and opt.update in
+    one compiled call, as the README writes it."""
+    held = {"params": params, "state": opt.init(params)}
+
+    @bp.compile(donate_argnums=(0, 1))
+    def train_step(params, state, *batch):
+        value, grads = bp.value_and_grad(loss)(params, *batch)
+        params, state = opt.update(grads, state, params)
+        return params, state, value
+
+    report = bp.explain(train_step, held["params"], held["state"], *batch)
+
+    def step():
+        held["params"], held["state"], _ = train_step(held["params"], held["state"], *batch)
+
+    return step, report
+
+
+def test_the_readme_training_step_holds_what_explain_prints_on_every_call(backend):
+    loss, params, batch = readme()
+    params = {k: bp.tensor(v) for k, v in params.items()}
+    step, report = _training_step(loss, OPTIMIZERS["readme"](), params, batch)
+    del params  # a donated tensor kept alive keeps its old buffer
+    assert _counted_calls(step) == _printed(report)
+
+
+def test_an_adam_training_step_holds_what_explain_prints_on_every_call(backend):
+    params, batch = _mlp_tiny(requires_grad=False)
+    loss = bench_function(MODELS["mlp_tiny"])
+    step, report = _training_step(loss, bp.optim.adam(1e-3), params, batch)
+    del params
+    assert _counted_calls(step) == _printed(report)
