@@ -56,7 +56,9 @@ def test_a_compiled_loss_backward_each_call_holds_what_explain_prints_for_it(bac
 
     assert _counted_calls(step) == _printed(report)
     assert [c.first_call for c in report.call_peaks] == [1, JOINT_FROM_CALL]
-    assert f"from call {JOINT_FROM_CALL} on: one joint plan" in str(report)
+    text = " ".join(str(report).split())  # the peak line, unwrapped
+    assert f"Calls 1-2 (the forward, then backward()'s plan): " in text
+    assert f"from call {JOINT_FROM_CALL} (one joint plan, while each loss" in text
     highest = max(c.peak.peak_bytes for c in report.call_peaks)
     assert report.peak_bytes == highest and report.fits(highest) and not report.fits(highest - 1)
 
