@@ -89,6 +89,7 @@ def training_steps(vg, bucket_bytes, params, batch) -> dict:
         state = train.init(params)
         for _ in range(3):
             train(params, state, *batch)
+        train.step.wait_for_driver(params, *batch, timeout=600)
         calls[name] = lambda train=train, state=state: train(params, state, *batch)
     return calls
 
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
     for _ in range(5):
         step(params, *batch)  # compiles, warms caches
         after(params, *batch)
+    step.wait_for_driver(params, *batch, timeout=600)  # built in the background by default
     bpd.check_replicas(params)
     calls = {
         "step": lambda: step(params, *batch),

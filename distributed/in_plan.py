@@ -15,10 +15,12 @@ import hashlib
 import math
 import sys
 import threading
+import warnings
 
 import numpy as np
 
-from backplan.codegen.build import cache
+from backplan.codegen.build import cache, driver_builder, driver_tier
+from backplan.codegen.jit import load_cached
 from backplan.ir.types import np_dtype
 
 from .buckets import Bucket
@@ -78,7 +80,11 @@ class InPlanExchange:
                 self._maker = TableMaker(comm)
             except OSError:  # no libmpi to call into (not Linux, another MPI): after the call
                 self.hooked = None
-        self._run = None
+        self._run = None  # the hooked driver, once compiled or loaded
+        self._build = None  # its build in a background process, once submitted
+        self.build_error: str | None = None  # why that build failed: buckets start after
+        self._built = threading.Event()
+        self._building = threading.Lock()
         self._previous: list | None = None  # the last call's bucket buffers
         self._taking = threading.Lock()
 
@@ -98,15 +104,78 @@ class InPlanExchange:
 
     @property
     def active(self) -> bool:
-        return self.hooked is not None
+        return self.hooked is not None and self.build_error is None
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the hooked driver is compiled (or loaded from the disk cache)."""
+        return self._run is not None
+
+    def _parts(self) -> dict:
+        parts = dict(self.compiled.key_parts)
+        parts["ir"] = hashlib.sha256(self.hooked.source.encode()).hexdigest()[:24]
+        return parts
 
     def driver(self):
         """The hooked driver (compiled in its first call, then cached on disk like any)."""
         if self._run is None:
-            parts = dict(self.compiled.key_parts)
-            parts["ir"] = hashlib.sha256(self.hooked.source.encode()).hexdigest()[:24]
-            self._run = cache.load_module(self.hooked.source, parts)[0].run
+            self._run = cache.load_module(self.hooked.source, self._parts())[0].run
         return self._run
+
+    def ready(self, inputs) -> bool:
+        """Whether this call may run the hooked driver; inputs() gives the plan's input arrays.
+        Under BACKPLAN_DRIVER=inline it may: its first call compiles it, as the plan's own
+        driver. Otherwise it is compiled once in a background process (as plans' drivers are,
+        codegen/build/driver_builder.py), also when the plan's own driver stays Python because
+        a compiled one would save it little: this one starts the allreduces. Until it is
+        loaded (at once when the disk cache has it) the step starts every bucket after the
+        call, and no call stalls for the compile."""
+        if self._run is not None:
+            return True
+        if driver_tier.driver_mode() == "inline":
+            return True
+        with self._building:
+            if self._build is not None:
+                return False
+            table = np.zeros(HEADER, np.int64)  # the exchange table's type: 1-D int64
+            types = self.compiled.call_types(inputs(), (table,))
+            signature = driver_tier.numba_signature(types)
+            parts = self._parts()
+            run = cache.load_module(self.hooked.source, parts)[0].run
+            if load_cached(run, signature):
+                self._run = run
+                self._built.set()
+                return True
+            self._build = driver_builder.DriverBuild(
+                self.compiled.build_payload(types, self.hooked.source, parts),
+                lambda: _loaded(run, signature),
+                self._switch,
+                self._failed,
+                f"the data-parallel driver of {self.compiled.plan.graph.name}",
+            )
+            driver_builder.submit(self._build)
+        return False
+
+    def _switch(self, dispatcher) -> None:
+        self._run = dispatcher
+        self._built.set()
+
+    def _failed(self, message: str) -> None:
+        self.build_error = message
+        self._built.set()
+        warnings.warn(
+            f"the data-parallel step's driver with the allreduces inside was not built "
+            f"({message}); every bucket's allreduce starts after the call returns",
+            driver_tier.DriverBuildWarning,
+            stacklevel=1,
+        )
+
+    def wait_built(self, timeout: float | None = None) -> bool:
+        """Wait for a background build submitted by ready(); True once the driver is loaded."""
+        if self._build is None and self._run is None:
+            return False
+        self._built.wait(timeout)
+        return self._run is not None
 
     def run(self, exchange, arrays: list) -> list:
         """Run the joint plan with the exchange inside it; adds the started buckets to
@@ -150,6 +219,13 @@ class InPlanExchange:
                 steps = _steps_of(plan, self.hooked.ir_names[k])
                 return (max(steps) if steps else -1), self.hooked.calls_after[k]
         return None
+
+
+def _loaded(dispatcher, signature):
+    """The dispatcher with the version a build process compiled loaded from the disk cache."""
+    if not load_cached(dispatcher, signature):
+        raise RuntimeError(f"the build left no compiled driver in the cache for {signature}")
+    return dispatcher
 
 
 def _steps_of(plan, ir_numbers) -> list[int]:

@@ -56,6 +56,7 @@ class DataParallelReport:
         self.state_bytes_per_rank: int | None = None  # optimizer state rank 0 keeps
         self.state_bytes_whole: int | None = None  # the whole optimizer state
         self.size_note: str | None = None  # why `size` ranks were previewed, when not asked
+        self.driver_note: str | None = None  # when the driver starting the buckets runs
 
     def add_optimizer(self, name: str, per_rank: int, whole: int) -> None:
         """Report the optimizer state each rank keeps (data_parallel(optimizer=...))."""
@@ -82,6 +83,10 @@ class DataParallelReport:
 
     def __str__(self) -> str:
         lines = self._summary() + [""] + self._table() + [""] + self._overlap()
+        if self.driver_note:
+            lines += [""] + textwrap.wrap(
+                self.driver_note, 98, initial_indent="  ", subsequent_indent="  "
+            )
         return "\n".join(lines + self._optimizer_lines())
 
     def _optimizer_lines(self) -> list[str]:

@@ -7,6 +7,7 @@ from math import inf
 
 import numpy as np
 
+from backplan.codegen.build import driver_tier
 from backplan.codegen.run.memory_check import checking
 from backplan.runtime import is_grad_enabled
 from backplan.runtime.backend import current_backend
@@ -135,20 +136,38 @@ class DataParallelStep:
 
     def _in_plan(self, world, args, kwargs, key, leaves, layout) -> InPlanExchange | None:
         """The exchange inside the compiled step for this signature, when it applies: overlap
-        on, the compiled backend with its kernels built, a driver it can hook."""
+        on, the compiled backend with its kernels built, a driver it can hook, compiled (in a
+        background process under BACKPLAN_DRIVER=background: until then, None)."""
         if not self.overlap or current_backend() != "numba" or checking():
             return None
         entry = self._joint_inputs(args, kwargs, key, leaves, arrays=False)
         found = self._in_plans.get(id(entry))
         if found is None:
             compiled = getattr(entry.runner(), "compiled", None)
-            if compiled is None or compiled.driver_tier != "compiled":
-                return None  # its driver is still building: no stall here, ask next call
+            if not _hookable(compiled):
+                return None  # kernels still building, or drivers kept Python: ask next call
             found = self._in_plans[id(entry)] = (
                 entry,
                 InPlanExchange(compiled, layout, world.comm),
             )
-        return found[1] if found[1].active else None
+        in_plan = found[1]
+        if not in_plan.active:
+            return None
+        ready = in_plan.ready(lambda: self._joint_inputs(args, kwargs, key, leaves)[1])
+        return in_plan if ready else None
+
+    def wait_for_driver(self, *args, timeout: float | None = None, **kwargs) -> bool:
+        """Wait until the calls with these arguments run the driver that starts the allreduces
+        itself (compiled in a background process under BACKPLAN_DRIVER=background, after the
+        first call asked for it); True once they do, False when they start every bucket after
+        the call (overlap=False, the reference backend, no bucket it can start, a failed
+        build) or the timeout passed. Benchmarks call it before timing."""
+        key, leaves = call_key(args, kwargs, is_grad_enabled())
+        entry = self._joint_inputs(args, kwargs, key, leaves, arrays=False)
+        found = self._in_plans.get(id(entry))
+        if found is None or not found[1].active:
+            return False
+        return found[1].loaded or found[1].wait_built(timeout)
 
     def _run_in_plan(self, in_plan, args, kwargs, key, leaves, exchange):
         """Run the hooked driver, start the buckets it could not, return the aux outputs."""
@@ -239,28 +258,55 @@ class DataParallelStep:
             self.bucket_bytes,
             self.split_plan,
             self.accumulate,
-            self._in_plan_starts(args, kwargs, layout),
+            starts := self._in_plan_starts(args, kwargs, layout),
         )
         report.size_note = note
+        report.driver_note = self._driver_note(args, kwargs, starts)
         return report
 
     def _in_plan_starts(self, args, kwargs, layout) -> dict:
         """bucket index -> (plan step, calls in flight) for the buckets the compiled driver
         would start itself (InPlanExchange.start_of); empty when the step starts them after
-        the call (overlap=False, split_plan, accumulate, ZeRO-1, the reference backend, a plan
-        whose driver stays Python). While the driver builds in the background the step starts
-        them after the call; the report shows what it does once the driver is compiled."""
+        the call (overlap=False, split_plan, accumulate, ZeRO-1, the reference backend,
+        BACKPLAN_DRIVER=python). While the driver builds in the background the step starts
+        them after the call; the report shows what it does once the driver is compiled (and
+        its driver_note says so)."""
         if not self.overlap or self.split_plan or self.accumulate > 1 or self.sharded:
             return {}
         if current_backend() != "numba" or checking():
             return {}
         entry = self.fn.lookup(args, kwargs)[1]
         compiled = getattr(entry.runner(), "compiled", None)
-        if compiled is None or compiled.driver_tier == "reference" or compiled.driver_skipped:
+        if not _hookable(compiled):
             return {}
         preview = InPlanExchange(compiled, layout, None)
         starts = {b.index: preview.start_of(entry.plan, b.index) for b in layout.buckets}
         return {k: v for k, v in starts.items() if v is not None}
+
+    def _driver_note(self, args, kwargs, starts: dict) -> str | None:
+        """What explain adds when the driver that starts the buckets is not running yet (or
+        never will: BACKPLAN_DRIVER=python)."""
+        mode = driver_tier.driver_mode()
+        if not self.overlap or self.split_plan or self.accumulate > 1 or self.sharded:
+            return None
+        if not starts:
+            if mode == "python" and current_backend() == "numba":
+                return (
+                    "BACKPLAN_DRIVER=python runs every plan's driver as Python, which starts "
+                    "no allreduce: each bucket starts after the call returns."
+                )
+            return None
+        found = self._in_plans.get(id(self.fn.lookup(args, kwargs)[1]))
+        if mode != "background" or (found is not None and found[1].loaded):
+            return None
+        return (
+            "Under BACKPLAN_DRIVER=background this driver, with the allreduces inside, is "
+            "compiled in a background process after the first call (seconds, once: then from "
+            "the disk cache), also when the plan's own driver stays Python because a compiled "
+            "one would save under 5% of a step; calls until it is loaded run the plan's driver "
+            "and start every bucket after the call returns. step.wait_for_driver(*args) waits "
+            "for it."
+        )
 
     def _differentiated(self, args):
         nums = self.fn.argnums
@@ -290,6 +336,16 @@ class DataParallelStep:
         if (highest[2:] == mine[2:]).all() or not self.average:
             return None
         return row_weight(world.comm, lengths, args, kwargs, self.fn.argnums)
+
+
+def _hookable(compiled) -> bool:
+    """Whether the step may run this plan with the exchange inside its driver: the kernels are
+    built, and the plan's driver is compiled, or runs as Python under BACKPLAN_DRIVER=background
+    (the hooked driver is then built in a background process, see InPlanExchange.ready).
+    BACKPLAN_DRIVER=python keeps every driver Python: the buckets start after the call."""
+    if compiled is None or compiled.driver_tier == "reference":
+        return False
+    return compiled.driver_tier == "compiled" or driver_tier.driver_mode() == "background"
 
 
 def _name(value_and_grad_fn) -> str:

@@ -54,19 +54,23 @@ vg = bp.value_and_grad(mlp_loss)
 
 
 def run_script(
-    tmp_path, body: str, ranks: int | None = 2, backend: str = "reference", timeout=TIMEOUT_S
+    tmp_path,
+    body: str,
+    ranks: int | None = 2,
+    backend: str = "reference",
+    timeout=TIMEOUT_S,
+    driver: str = "inline",
 ) -> subprocess.CompletedProcess:
     """Run PRELUDE + body under mpiexec -n ranks (ranks=None: plain python, one rank).
-    timeout: seconds; a script on the compiled backend compiles its drivers on a cold cache."""
+    timeout: seconds; a script on the compiled backend compiles its drivers on a cold cache.
+    driver: BACKPLAN_DRIVER; inline by default, as a driver run as Python while its compiled
+    twin builds rounds differently."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     command = [sys.executable, str(script)]
     if ranks is not None:
         command = [MPIEXEC, "-n", str(ranks), *command]
-    # inline: a driver run as Python while its compiled twin builds rounds differently
-    env = dict(
-        os.environ, BACKPLAN_BACKEND=backend, BACKPLAN_DRIVER="inline", NUMBA_NUM_THREADS="1"
-    )
+    env = dict(os.environ, BACKPLAN_BACKEND=backend, BACKPLAN_DRIVER=driver, NUMBA_NUM_THREADS="1")
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path
     )
@@ -374,6 +378,50 @@ def test_the_compiled_step_starts_buckets_itself_and_equals_the_step_after_the_c
         """,
         backend="numba",
         timeout=600,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_under_background_drivers_a_big_plan_still_starts_its_buckets_inside(tmp_path):
+    """BACKPLAN_DRIVER=background (the default) keeps a big plan's own driver Python (compiled
+    it would save under 5% of a step), but the step's driver with the allreduces inside is
+    built in a background process: the first calls start the buckets after the call (explain
+    says so), then, once it is loaded, inside; the same values as overlap=False within the
+    rounding of a Python-run driver against a compiled one."""
+    result = run_script(
+        tmp_path,
+        """
+        from backplan.distributed.exchange import Exchange
+
+        params = bpd.broadcast(init_mlp([64, 512, 512, 4], seed=rank))
+        bx, by = synthetic_classification(1024, 64, 4)
+        xs, ys = bpd.shard(bx, rank, size), bpd.shard(by, rank, size)
+        inside = bpd.data_parallel(vg)
+        after = bpd.data_parallel(vg, overlap=False)
+        loss, grads = inside(params, xs, ys)
+        compiled = vg.lookup((params, xs, ys), {})[1].runner().compiled
+        assert compiled.driver_skipped and compiled.driver_tier == "python", compiled.driver_tier
+        assert "inside the call" in str(inside.explain(params, xs, ys))
+        assert inside.wait_for_driver(params, xs, ys, timeout=400)
+        assert "in a background process" not in str(inside.explain(params, xs, ys))
+        exchange = inside.started((params, xs, ys), {}, Exchange)[0]
+        kinds = {type(request).__name__ for _, _, request in exchange.started}
+        exchange.finish()
+        assert kinds == {"TableRequest"}, kinds
+        assert not after.wait_for_driver(params, xs, ys)
+        for _ in range(2):
+            (loss, grads), (loss_after, grads_after) = inside(params, xs, ys), after(params, xs, ys)
+            np.testing.assert_allclose(loss.item(), loss_after.item(), rtol=1e-6)
+            for k in params:
+                np.testing.assert_allclose(grads[k].numpy(), grads_after[k].numpy(), rtol=1e-4,
+                                           atol=1e-6)
+            params = {k: p - 0.1 * grads[k] for k, p in params.items()}
+        print(f"rank {rank} ok")
+        """,
+        backend="numba",
+        timeout=600,
+        driver="background",
     )
     assert_ranks_ok(result)
 

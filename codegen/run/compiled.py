@@ -489,11 +489,18 @@ class CompiledPlan:
         except Exception as exc:  # noqa: BLE001 - this call's results are right: keep them
             self._build_failed(label, f"could not start the driver build ({exc!r})")
 
-    def _build_driver(self, types: list, label: str) -> None:
-        """Compile the driver in a child process; switch to it once it is loaded."""
-        payload = {
-            "source": self.source,
-            "parts": self.key_parts,
+    def call_types(self, args: list, extra: tuple = ()) -> list:
+        """The argument types of a driver call with these inputs and `extra` arguments after
+        the driver's own (call_into's), as a driver build compiles for them."""
+        return self._argument_types(args) + driver_tier.argument_types(list(extra))
+
+    def build_payload(self, types: list, source: str | None = None, parts=None) -> dict:
+        """What a driver build child takes: the source whose `run` it compiles (this plan's
+        driver, or a variant calling the same kernels: distributed/in_plan.py) and its cache
+        key parts, the loop kernels, the argument types and the cache folder."""
+        return {
+            "source": self.source if source is None else source,
+            "parts": self.key_parts if parts is None else parts,
             "kernels": [
                 {
                     "digest": k.digest,
@@ -506,6 +513,10 @@ class CompiledPlan:
             "signature": types,
             "folder": os.path.dirname(self.module_path),
         }
+
+    def _build_driver(self, types: list, label: str) -> None:
+        """Compile the driver in a child process; switch to it once it is loaded."""
+        payload = self.build_payload(types)
         if self.driver_tier == "reference":
             announced = progress.announce_background_compile(
                 label, self.loop_kernels, self._driver_statements
