@@ -328,9 +328,16 @@ def test_the_compiled_step_starts_buckets_itself_and_equals_the_step_after_the_c
         assert all(row.calls_in_flight is not None for row in report.buckets), str(report)
         assert "inside the call" in str(report)
         assert "inside the call" not in str(after.explain(params, xs, ys))
+        full_loss, full = vg(params, x, y)  # one process, the whole batch
         for _ in range(2):
             loss, grads = inside(params, xs, ys)
             loss_after, grads_after = after(params, xs, ys)
+            if full is not None:
+                np.testing.assert_allclose(loss.item(), full_loss.item(), rtol=1e-6)
+                for k in params:
+                    np.testing.assert_allclose(grads[k].numpy(), full[k].numpy(), rtol=1e-5,
+                                               atol=1e-7)
+                full = None
             assert loss.item() == loss_after.item()
             for k in params:
                 assert (grads[k].numpy() == grads_after[k].numpy()).all(), k
@@ -753,13 +760,16 @@ def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
 DIES_IN_THE_EXCHANGE = """
 import os, signal
 from backplan.distributed.exchange import Exchange
+from backplan.distributed.in_plan import InPlanExchange
 params = init_mlp([8, 16, 4])
 xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
 bpd.data_parallel(vg)(params, xs, ys)  # traces and compiles with no deadline to miss
 step = bpd.data_parallel(vg, timeout={timeout})
-print(f"rank {{rank}} stepped", flush=True)
+step(params, xs, ys)
+inside = step.wait_for_driver(params, xs, ys)
+print(f"rank {{rank}} stepped, driver starts buckets: {{inside}}", flush=True)
 if rank == 1:  # mid-step: after the roll call and the agreement, before its buckets move
-    Exchange.start = lambda self, array_of: os.kill(os.getpid(), signal.{signal})
+    {where}.{method} = lambda self, *args: os.kill(os.getpid(), signal.{signal})
 try:
     step(params, xs, ys)
 except bpd.RankTimeoutError as error:
@@ -773,7 +783,10 @@ print(f"rank {{rank}} finished")
 def test_a_rank_killed_mid_step_ends_the_job(tmp_path):
     """SIGKILL on rank 1 inside the step: mpiexec (hydra) sees a rank end by a signal and ends
     the others at once, saying so; no rank hangs and none finishes the step."""
-    result = run_script(tmp_path, DIES_IN_THE_EXCHANGE.format(timeout=30, signal="SIGKILL"))
+    script = DIES_IN_THE_EXCHANGE.format(
+        timeout=30, signal="SIGKILL", where="Exchange", method="start"
+    )
+    result = run_script(tmp_path, script)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "rank 0 stepped" in result.stdout and "finished" not in result.stdout, output
@@ -785,11 +798,37 @@ def test_a_rank_stopped_mid_step_times_out_the_others_in_the_exchange(tmp_path):
     """SIGSTOP on rank 1 inside the step, where mpiexec notices nothing: rank 0 waits for the
     bucket's allreduce with the deadline and raises RankTimeoutError saying what did not
     complete, instead of waiting forever."""
-    result = run_script(tmp_path, DIES_IN_THE_EXCHANGE.format(timeout=2, signal="SIGSTOP"))
+    script = DIES_IN_THE_EXCHANGE.format(
+        timeout=2, signal="SIGSTOP", where="Exchange", method="start"
+    )
+    result = run_script(tmp_path, script)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "rank 0 raised RankTimeoutError: the allreduce of bucket 0 did not complete " in output
     assert "within 2 s (data_parallel timeout)" in output and "finished" not in output, output
+
+
+@needs_mpi
+@pytest.mark.parametrize("signal", ["SIGKILL", "SIGSTOP"])
+def test_a_rank_lost_before_its_compiled_step_ends_the_one_whose_driver_started(tmp_path, signal):
+    """On the compiled backend rank 0's driver starts its allreduces inside the call while
+    rank 1 dies (SIGKILL: mpiexec ends the job) or stops (SIGSTOP: rank 0's wait on the
+    started allreduce gives up after the timeout, naming the bucket) before running its plan:
+    the job ends either way, within the subprocess's limit, and no rank finishes the step."""
+    script = DIES_IN_THE_EXCHANGE.format(
+        timeout=2, signal=signal, where="InPlanExchange", method="run"
+    )
+    result = run_script(tmp_path, script, backend="numba", timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 stepped, driver starts buckets: True" in result.stdout, output
+    assert "finished" not in result.stdout, output
+    if signal == "SIGSTOP":
+        assert "rank 0 raised RankTimeoutError: the allreduce of bucket 0 did not complete " in (
+            output
+        )
+    else:
+        assert "signal 9" in output or "rank 0 raised RankTimeoutError" in output, output
 
 
 def test_accumulated_calls_from_four_threads_are_each_added_once():
