@@ -15,7 +15,19 @@ CODEGEN_VERSION = "1"
 # The code generator's top folder: every room under it is part of the fingerprint.
 CODEGEN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Files no compiled code depends on (they only print): editing them keeps every cache.
-NOT_FINGERPRINTED = frozenset({os.path.join("build", "compile_notice.py")})
+# Nor do these compile or generate code: a plan's Python side, its recorded rendering facts and
+# when and where its driver is built.
+NOT_FINGERPRINTED = frozenset(
+    os.path.join(*path.split("/"))
+    for path in (
+        "build/compile_notice.py",
+        "build/plan_facts.py",
+        "build/driver_build.py",
+        "build/driver_builder.py",
+        "build/driver_tier.py",
+        "run/compiled.py",
+    )
+)
 
 
 @functools.cache

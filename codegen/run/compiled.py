@@ -20,6 +20,7 @@ from backplan.codegen.build import (
     driver_builder,
     driver_tier,
     kernel_cache,
+    plan_facts,
     progress,
 )
 from backplan.codegen.flags import flags_text
@@ -49,6 +50,22 @@ def canonical_text(plan: Plan) -> str:
     text = re.sub(r"  # .*$", "", format_graph(plan.graph, plan.frees_after), flags=re.M)
     consts = sorted((k, str(v.dtype), v.shape) for k, v in plan.graph.constants.items())
     return f"{text}\n# constants {consts}"
+
+
+def rendering(lowered: LoweredPlan) -> tuple:
+    """(the plan's rendering, its cache key's parts, whether it was recorded by an earlier
+    process). A fixed-size plan's key needs no rendering, and a rendering recorded under it
+    (codegen/build/plan_facts.py) whose files check is used as it is; a size-generic driver's
+    key is the hash of its rendered code."""
+    if lowered.plan.shared is None:
+        parts = cache.key_parts(canonical_text(lowered.plan), flags_text())
+        key = cache.entry_key(parts)
+        if lowered.rendered is not None:  # rendered already (explain): its facts may be kept
+            return lowered.rendered, parts, plan_facts.recorded(key)
+        found = plan_facts.read(key, lowered)
+        return (found, parts, True) if found is not None else (generate(lowered), parts, False)
+    generated = generate(lowered)
+    return generated, cache.key_parts(code_text(generated.source), flags_text()), False
 
 
 def _output_sources(sources: list, buffers: list) -> list[tuple]:
@@ -154,17 +171,17 @@ class CompiledPlan:
     def __init__(self, lowered: LoweredPlan, background: bool | None = None):
         plan = self.plan = lowered.plan
         start = time.perf_counter()
-        generated = generate(lowered)
+        generated, self.key_parts, recorded = rendering(lowered)
         self.donations = lowered.donations  # output buffer -> donated input
         self.layout = generated.layout
         self.source = generated.source
         self.kernel_count = generated.kernel_count
-        shared_text = code_text(self.source) if generated.literals is not None else None
-        self.key_parts = cache.key_parts(shared_text or canonical_text(plan), flags_text())
         self.loop_kernels = generated.loop_kernels
         start_parallel_runtime()
         kernel_cache.load(self.loop_kernels)
         module, self.cache_hit, self._why_missed = cache.load_module(self.source, self.key_parts)
+        if not recorded:
+            plan_facts.write(cache.entry_key(self.key_parts), lowered, generated)
         self._compiled_run = self._run = module.run
         self._driver_ready = threading.Event()
         self.driver_tier, self.driver_error, self.driver_seconds = "compiled", None, None
