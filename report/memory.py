@@ -97,12 +97,13 @@ def memory_text(report) -> str:
         parts.append(compiled_table(report.compiled))
         parts.append(wrap(donation_note(report)))
         parts.append(wrap(variants_note(report)))
-    parts.append(frontier_text(report.frontier))
+    parts.append(frontier_text(report))
     return "\n".join(p for p in parts if p)
 
 
-def frontier_text(frontier) -> str:
+def frontier_text(report) -> str:
     """The plans max_peak_bytes chooses from, or why there is no choice."""
+    frontier = report.frontier
     if frontier is None:
         return wrap(
             "Memory frontier: not known here (a loaded artifact holds its plans, not the "
@@ -110,11 +111,28 @@ def frontier_text(frontier) -> str:
             "plans max_peak_bytes chooses from."
         )
     if len(frontier.points) < 2:
-        return wrap(
-            "Memory frontier: no plan that recomputes reaches a lower peak than this one, so "
-            "max_peak_bytes below it is refused (bp.MemoryBudgetError says why)."
+        text = wrap(
+            "Memory frontier: no plan that recomputes reaches a lower peak than "
+            f"{format_bytes(frontier.points[0].peak_bytes)}, so max_peak_bytes below it is "
+            "refused (bp.MemoryBudgetError says why)."
         )
-    return "\n".join("  " + line for line in str(frontier).splitlines())
+    else:
+        text = "\n".join("  " + line for line in str(frontier).splitlines())
+    return text + _budgeted_calls_note(report)
+
+
+def _budgeted_calls_note(report) -> str:
+    """A step whose calls run other plans without a budget (a joint step) runs the frontier's
+    chosen plan on every call under one: say so, or its first row reads as a contradiction of
+    the peak line."""
+    if len(report.call_peaks) < 2:
+        return ""
+    later = report.call_peaks[-1]
+    return "\n" + wrap(
+        f"Under max_peak_bytes a row's plan runs on every call, never the joint plan that "
+        f"runs from call {later.first_call} without a budget ({format_bytes(later.peak.peak_bytes)}"
+        "): bp.max_batch answers for the budgeted step."
+    )
 
 
 def reference_paragraph(report) -> str:

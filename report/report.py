@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from backplan.ir.liveness import Plan
 from backplan.ir.peak import PeakReport, joint_calls, predicted_peak
 from backplan.ir.plans import JointPlans
-from backplan.runtime.backend import current_backend
+from backplan.runtime.backend import current_backend, use_backend
 from backplan.runtime.joint_step import JOINT_FROM_CALL
 from backplan.runtime.program import RegionProgram, SavedBufferInfo
 
@@ -33,7 +33,9 @@ from .recomputed import RecomputedInfo, recomputed_infos
 
 STEP_PLANS = ("forward", "backward (consume)", "joint")  # what one default training step runs
 TWO_PLANS = "the forward, then backward()'s plan"
-ONE_JOINT_PLAN = "one joint plan, while each loss is backward()ed from the default seed"
+ONE_JOINT_PLAN = (
+    "one joint plan, no saved buffers held, while each loss is backward()ed from the default seed"
+)
 
 
 @dataclass(frozen=True)
@@ -204,8 +206,15 @@ class ExplainReport:
     def frontier(self) -> MemoryFrontier | None:
         """The plans a memory budget chooses from (fn.memory_frontier(...)): peak bytes against
         the FLOPs each adds by recomputing, the default plan first; None for a report made
-        without its planner (a loaded artifact's)."""
-        return self.frontier_source() if self.frontier_source is not None else None
+        without its planner (a loaded artifact's). Planned for the report's backend, whichever
+        is current when it is first read (printing a numba report under the reference
+        interpreter listed the reference interpreter's peaks beside numba's peak line)."""
+        if self.frontier_source is None:
+            return None
+        if current_backend() == self.backend:
+            return self.frontier_source()
+        with use_backend(self.backend):
+            return self.frontier_source()
 
     def fits(self, nbytes: int) -> bool:
         """Whether the step's predicted peak (peak_bytes) is at most nbytes."""

@@ -58,7 +58,7 @@ def test_a_compiled_loss_backward_each_call_holds_what_explain_prints_for_it(bac
     assert [c.first_call for c in report.call_peaks] == [1, JOINT_FROM_CALL]
     text = " ".join(str(report).split())  # the peak line, unwrapped
     assert f"Calls 1-2 (the forward, then backward()'s plan): " in text
-    assert f"from call {JOINT_FROM_CALL} (one joint plan, while each loss" in text
+    assert f"from call {JOINT_FROM_CALL} (one joint plan, no saved buffers held" in text
     highest = max(c.peak.peak_bytes for c in report.call_peaks)
     assert report.peak_bytes == highest and report.fits(highest) and not report.fits(highest - 1)
 
@@ -104,3 +104,36 @@ def test_an_adam_training_step_holds_what_explain_prints_on_every_call(backend):
     step, report = _training_step(loss, bp.optim.adam(1e-3), params, batch)
     del params
     assert _counted_calls(step) == _printed(report)
+
+
+def test_max_batch_answers_for_the_budgeted_step_on_every_call(backend):
+    """bp.max_batch's batch fits the budget when the step is compiled with it: the plan the
+    budget picks runs on every call (no joint plan from call 3), each call within it."""
+    params, batch = _mlp_tiny(requires_grad=True)
+    fn = bench_function(MODELS["mlp_tiny"])
+    budget = 2 * bp.explain(bp.compile(fn), params, *batch).peak_bytes
+    rows = bp.max_batch(bp.compile(fn), [params, *batch], max_peak_bytes=budget)
+    x, y = (bp.tensor(np.resize(a.numpy(), (rows, *a.shape[1:]))) for a in batch)
+    loss = bp.compile(fn, max_peak_bytes=budget)
+    report = bp.explain(loss, params, x, y)
+    assert len(report.call_peaks) == 1 and report.peak_bytes <= budget
+
+    def step():
+        bp.zero_grad(params)
+        loss(params, x, y).backward()
+
+    counted = _counted_calls(step)
+    assert counted == _printed(report)
+    assert max(counted) + report.peak.input_bytes <= budget
+
+
+def test_the_frontier_a_report_prints_is_planned_for_the_reports_backend(backend):
+    """A report made under one backend and printed under the other listed the other's
+    frontier beside its own peak line."""
+    params, batch = _mlp_tiny(requires_grad=False)
+    step = bp.value_and_grad(bench_function(MODELS["mlp_tiny"]))
+    report = bp.explain(step, params, *batch)
+    other = "reference" if backend == "numba" else "numba"
+    with use_backend(other):
+        rows = [p.peak_bytes for p in report.frontier.points]
+    assert rows[0] == report.peak_bytes
