@@ -34,7 +34,10 @@ def is_unit_reshape(node: Value) -> bool:
 
 
 def is_alias(node: Value) -> bool:
-    return node.op != "input" and (get_op(node.op).alias or is_unit_reshape(node))
+    op = node.op
+    if op == "reshape":
+        return is_unit_reshape(node)
+    return op != "input" and get_op(op).alias
 
 
 def alias_base(value: Value) -> Value:
@@ -136,7 +139,7 @@ def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, 
     graph's own casts (saved_dtype's read-back, a user's astype) count: a cast ir/widen.py
     added for an op reading a 16-bit result (bfloat16 layer_norm's rounded output, whose
     float32 value its gradient reads) is arithmetic like any other."""
-    users = graph.users()
+    users = None  # graph.users(), made at the first widening cast (most plans have none)
     found = {}
     for node in graph.nodes:
         if node.op != "astype" or not is_half(node.inputs[0].dtype) or is_half(node.dtype):
@@ -144,6 +147,7 @@ def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, 
         if origin is not None and node not in origin:
             continue
         copy = alias_base(node.inputs[0])
+        users = graph.users() if users is None else users
         if copy.op == "astype" and len(users.get(copy.inputs[0], ())) > 1:
             found[node] = copy
     return found

@@ -147,7 +147,26 @@ def _input_bytes(calls: list[PlanCall]) -> dict:
     return held
 
 
-def _compiled_report(calls: list[PlanCall]) -> PeakReport:
+def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba") -> int:
+    """predicted_peak(calls, backend).peak_bytes, the same accounting without describing every
+    kernel's step (its ops and line): the memory planner asks it of every plan it weighs, and
+    a 10,000-node plan has 10,000 steps to word."""
+    if backend != "numba":
+        return predicted_peak(calls, backend).peak_bytes
+    lowered, per_call, held = _compiled_held(calls)
+    peak = 0
+    for low, buffers in zip(lowered, per_call, strict=True):
+        for b in buffers:
+            if b.category not in ("constants", "scratch"):
+                held[b.category] += b.nbytes
+        running = [k for k in low.kernels if k.kind in RUN_KINDS] or [None]
+        peak = max(peak, sum(held.values()) + max(workspace_bytes(k) for k in running))
+    return peak
+
+
+def _compiled_held(calls: list[PlanCall]) -> tuple[list, list, dict]:
+    """(each call's lowered plan, its buffers, the bytes held before its first kernel: the
+    caller's arrays, every plan's constants (each array once) and scratch arena)."""
     lowered = [lower(c.plan, c.private_saved) for c in calls]
     per_call = [
         compiled_buffers(low, list(c.output_kinds)) for c, low in zip(calls, lowered, strict=True)
@@ -163,6 +182,11 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
                     held["constants"] += b.nbytes
             elif b.category == "scratch":
                 held["scratch"] += b.nbytes  # every plan of the step keeps its arena
+    return lowered, per_call, held
+
+
+def _compiled_report(calls: list[PlanCall]) -> PeakReport:
+    lowered, per_call, held = _compiled_held(calls)
     steps, index = [], 0
     for call, low, buffers in zip(calls, lowered, per_call, strict=True):
         for b in buffers:

@@ -185,12 +185,12 @@ def forward_nodes(graph: Graph, n_outputs: int) -> set[Value]:
 def held_across(graph: Graph, forward: set[Value]) -> list[Value]:
     """Forward values (and inputs) that gradient nodes read: what the joint plan holds from its
     forward part into its gradient part, in first-read order."""
-    held = {}
+    held, inputs = {}, set(graph.inputs)  # a set: a deep model has a thousand inputs
     for node in graph.nodes:
         if node in forward:
             continue
         for value in node.inputs:
-            if (value in forward or value in graph.inputs) and value.op not in REBUILT_OPS:
+            if (value in forward or value in inputs) and value.op not in REBUILT_OPS:
                 held.setdefault(value, None)
     return list(held)
 

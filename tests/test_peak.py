@@ -73,3 +73,24 @@ def test_fits_takes_numpy_integers():
     report = predicted_peak(region_calls(_mlp_step()), "numba")
     assert report.fits(np.int64(report.peak_bytes))
     assert not report.fits(np.int64(report.peak_bytes - 1))
+
+
+def test_the_planners_peak_bytes_are_the_reports_peak_with_a_convs_workspace():
+    """predicted_peak_bytes (what the memory planner weighs every plan by) is the report's peak,
+    on a region step (both arenas, saved buffers), a joint plan, and a conv whose im2col
+    workspace adds to what is held while it runs (the peak is at that kernel)."""
+    from backplan.ir.peak import predicted_peak_bytes
+
+    rng = np.random.default_rng(0)
+    x = bp.tensor(rng.standard_normal((2, 3, 8, 8)).astype(np.float32))
+    k = bp.tensor(rng.standard_normal((4, 3, 3, 3)).astype(np.float32))
+    conv = bp.value_and_grad(lambda k, x: bp.tanh(bp.conv2d(x, k)).sum())
+    steps = [region_calls(_mlp_step()), joint_calls(conv.trace(k, x).plan, 1)]
+    for calls in steps:
+        report = predicted_peak(calls, "numba")
+        assert predicted_peak_bytes(calls, "numba") == report.peak_bytes
+        assert (
+            predicted_peak_bytes(calls, "reference")
+            == predicted_peak(calls, "reference").peak_bytes
+        )
+    assert report.peak_step.held["workspace"] > 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from backplan.ir.budget import PlanPoint, plan_frontier, refined_within
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
-from backplan.ir.peak import predicted_peak
+from backplan.ir.peak import predicted_peak, predicted_peak_bytes
 from backplan.ir.pipeline import PlanChoices
 from backplan.ir.plans import StepPlans
 from backplan.ir.types import np_dtype
@@ -44,7 +44,7 @@ def step_peak_bytes(plans: StepPlans) -> int:
     included (ir/peak.py: arenas, outputs, saved buffers and gradients of the compiled plans,
     or every IR value its own buffer on the reference interpreter). Outputs written into
     donated inputs are not allocated by the step, as explain() counts them."""
-    return predicted_peak(*_step_calls(plans)).peak_bytes
+    return predicted_peak_bytes(*_step_calls(plans))
 
 
 def _step_calls(plans: StepPlans) -> tuple[list, str]:
