@@ -46,6 +46,44 @@ def plans_under_budgets(fn, params, batch, saved_dtype=None):
     return rows, base.step_flops(), [params, *batch]
 
 
+def recompute_floor(planner, limit: int) -> int:
+    """A lower bound on the FLOPs any plan must add by recomputing (full precision) to hold at
+    most limit saved bytes. The values it stops holding must free the excess, and each is
+    rebuilt by at least its chain back to the values the default plan holds (more when those
+    are dropped too); a forward node in several chains is shared out among them, so summing
+    shares never counts more than a plan copies. Fractional knapsack, most bytes per FLOP
+    first: no recomputation plan adds less, and a target below it needs another means."""
+    schedule = planner.choices.schedule
+    chains = {i: _base_chain(schedule, i) for i in schedule.held}
+    sharing: dict[int, int] = {}
+    for chain in chains.values():
+        for node in chain:
+            sharing[node] = sharing.get(node, 0) + 1
+    items = []
+    for i, chain in chains.items():
+        cost = sum(schedule.flops[n] / sharing[n] for n in chain)
+        items.append((schedule.held_nbytes[i] / max(cost, 1e-9), schedule.held_nbytes[i], cost))
+    floor, excess = 0.0, schedule.held_bytes() - limit
+    for _, nbytes, cost in sorted(items, reverse=True):
+        if excess <= 0:
+            break
+        floor += cost * (min(1.0, excess / nbytes) if nbytes else 1.0)
+        excess -= nbytes
+    return int(floor)
+
+
+def _base_chain(schedule, start: int) -> set[int]:
+    """start and the forward nodes it is computed from, back to the inputs and the values the
+    default plan holds."""
+    chain, stack = {start}, [start]
+    while stack:
+        for i in schedule.producer.get(stack.pop(), ()):
+            if i not in chain and i not in schedule.available and i not in schedule.held_set:
+                chain.add(i)
+                stack.append(i)
+    return chain
+
+
 def recomputed_ops(planner, point) -> str:
     """Which forward ops a plan recomputes, by op and shape, with their share of the added
     FLOPs: where its added time goes."""
@@ -207,8 +245,16 @@ def budget_rows(name: str, rounds: int, saved_dtype, timed: bool) -> None:
             f"| {name} | {label}{dtype} | {e.saved_bytes:,} | {e.peak_bytes:,} | "
             f"+{100 * e.added_flops / step_flops:.1f}% | {step} |"
         )
+    saved = planner.points("saved")[0].held_bytes
     for label, e in found[1:]:
         print(f"  {name} {label}: recomputes {recomputed_ops(planner, e) or 'nothing'}")
+    for fraction in FRACTIONS[1:]:
+        floor = recompute_floor(planner, int(saved * fraction))
+        print(
+            f"  {name} saved <= 1/{round(1 / fraction)}: no recomputation plan adds less than "
+            f"+{100 * floor / step_flops:.1f}% FLOPs (floor: each value no longer held "
+            "recomputed once, most bytes per FLOP first)"
+        )
 
 
 def frontier_rows(name: str, rounds: int, saved_dtype, count: int) -> list[dict]:
