@@ -308,3 +308,13 @@ def test_non_contiguous_and_contiguous_numpy_arguments_share_the_built_driver(
             w, x, labels
         )
     np.testing.assert_allclose(first[1].numpy(), expected[1].numpy(), rtol=1e-10)
+
+
+def test_a_build_limited_to_one_cpu_takes_equal_turns_with_the_steps():
+    """Pinned to one CPU (the child inherits the program's CPUs), a build at a lower priority
+    got about a tenth of the CPU from a busy step loop; with several it leaves them to the steps."""
+    from backplan.codegen.build import driver_build
+
+    assert driver_build.niceness({3}) == 0
+    assert driver_build.niceness({0, 1}) == driver_build.BUILD_NICENESS > 0
+    assert driver_build.niceness(None) == driver_build.BUILD_NICENESS
