@@ -1,7 +1,9 @@
-"""`python -m backplan cache {info,clear}`: where the kernel cache is, what it holds, and a way
-to empty it. Only files backplan names (`bp_*` plans, `k_*` shared loop kernels, and Numba's
-files for them, and the library's signed machine code under `library/`) are touched, so a
-cache folder pointed at a shared place loses nothing else."""
+"""`python -m backplan cache {info,clear,prebuild}`: where the kernel cache is, what it holds, and
+a way to empty it. Only files backplan names (`bp_*` plans, `k_*` shared loop kernels, and
+Numba's files for them, and the library's signed machine code under `library/`) are touched, so
+a cache folder pointed at a shared place loses nothing else. `prebuild` compiles the library
+ahead of time into the installation's prebuilt folder (backplan/prebuild.py), which `clear`
+leaves alone (`prebuild --clear` empties it)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,24 @@ import os
 
 from backplan.codegen.build.cache import cache_dir
 from backplan.codegen.build.library_cache import library_folder
+from backplan.codegen.build.prebuilt_library import prebuilt_folder
 
 PREFIXES = ("bp_", "k_")  # plan modules, shared loop kernels
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("action", choices=("info", "clear"), help="show or empty the cache")
+    parser.add_argument(
+        "action",
+        choices=("info", "clear", "prebuild"),
+        help="show or empty the cache, or compile the library ahead of time",
+    )
+    parser.add_argument("--models", help="prebuild: comma-separated bench models (default all)")
+    parser.add_argument(
+        "--dtypes", default="float32,float64", help="prebuild: comma-separated dtypes"
+    )
+    parser.add_argument(
+        "--clear", action="store_true", help="prebuild: empty the prebuilt folder instead"
+    )
 
 
 def cache_files(directory: str) -> list[str]:
@@ -30,11 +44,12 @@ def cache_files(directory: str) -> list[str]:
     return found + library_files()
 
 
-def library_files() -> list[str]:
-    """The library functions' machine code (codegen/build/library_cache.py): Numba's signed
-    index and data files, nothing else that may sit in that folder."""
+def library_files(top: str | None = None) -> list[str]:
+    """The library functions' machine code (codegen/build/library_cache.py) under top (the
+    library folder by default): Numba's signed index and data files, nothing else that may sit
+    in that folder."""
     found = []
-    for folder, _, names in os.walk(library_folder()):
+    for folder, _, names in os.walk(top or library_folder()):
         found += [
             os.path.join(folder, name)
             for name in sorted(names)
@@ -51,7 +66,28 @@ def _size_text(nbytes: int) -> str:
     return ""
 
 
+def prebuild(args) -> int:
+    """Compile the library into the prebuilt folder, or empty it (--clear)."""
+    from backplan import prebuild as builder
+
+    folder = prebuilt_folder()
+    if args.clear:
+        files = library_files(folder)
+        for path in files:
+            os.unlink(path)
+        print(f"removed {len(files)} files of the prebuilt library from {folder}")
+        return 0
+    models = args.models.split(",") if args.models else builder.default_models()
+    dtypes = args.dtypes.split(",")
+    print(f"compiling the library for {', '.join(models)} ({', '.join(dtypes)}) into {folder}")
+    failed = builder.build(folder, models, dtypes)
+    print(f"prebuilt library: {len(library_files(folder))} files in {folder}")
+    return 1 if failed else 0
+
+
 def run(args) -> int:
+    if args.action == "prebuild":
+        return prebuild(args)
     directory = cache_dir()
     files = cache_files(directory)
     entries = sum(1 for f in files if os.path.dirname(f) == directory and f.endswith(".py"))
@@ -64,6 +100,8 @@ def run(args) -> int:
         plan_files = len(files) - library
         print(f"  entries: {entries} compiled plans ({plan_files} files)")
         print(f"  library: {library} files of compiled library functions in {library_folder()}")
+        prebuilt = len(library_files(prebuilt_folder())) if os.path.isdir(prebuilt_folder()) else 0
+        print(f"  prebuilt library: {prebuilt} files in {prebuilt_folder()} (kept by clear)")
         print(f"  size: {_size_text(nbytes)}")
         return 0
     for path in files:

@@ -156,8 +156,11 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
             return None
         payload, why = verified(os.path.basename(path), data)
         if payload is None:
-            _discard(path, why)
+            self._discard(path, why)
         return payload
+
+    def _discard(self, path: str, why: str) -> None:
+        _discard(path, why)
 
     def _write_signed(self, path: str, payload: bytes) -> None:
         with self._open_for_write(path) as f:
@@ -173,7 +176,7 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
                 return {}
             stamp, overloads = pickle.loads(stream.read())
         except Exception as exc:  # signed by us yet unreadable: treat like a damaged file
-            _discard(self._index_path, f"could not be read ({type(exc).__name__})")
+            self._discard(self._index_path, f"could not be read ({type(exc).__name__})")
             return {}
         return overloads if stamp == self._source_stamp else {}
 
@@ -199,7 +202,7 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
         try:
             return pickle.loads(payload)
         except Exception as exc:
-            _discard(path, f"could not be read ({type(exc).__name__})")
+            self._discard(path, f"could not be read ({type(exc).__name__})")
             return None
 
     def _save_data(self, name, data):
@@ -232,6 +235,16 @@ class _CacheImpl(CompileResultCacheImpl):
     _locator_classes = [*CompileResultCacheImpl._locator_classes]
 
 
+_FALLBACKS: list = []
+
+
+def add_fallback(find) -> None:
+    """find(py_func, filename_base, source_stamp) -> a cache file to load from when a function's
+    own cache has no entry for a signature (the library built ahead of time,
+    codegen/build/prebuilt_library.py), or None; saves still go to the function's own cache."""
+    _FALLBACKS.append(find)
+
+
 def add_locator(locator_class) -> None:
     """Try locator_class before Numba's own locators (once)."""
     if locator_class not in _CacheImpl._locator_classes:
@@ -252,6 +265,9 @@ class SignedFunctionCache(FunctionCache):
             filename_base=self._impl.filename_base,
             source_stamp=(self._impl.locator.get_source_stamp(), dependency_stamp(py_func)),
         )
+        stamp, base = self._cache_file._source_stamp, self._impl.filename_base
+        found = (find(py_func, base, stamp) for find in _FALLBACKS)
+        self._fallbacks = [cache_file for cache_file in found if cache_file is not None]
 
     def load_overload(self, sig, target_context):
         """Numba's load without its refresh of the target context first. The refresh imports
@@ -264,3 +280,15 @@ class SignedFunctionCache(FunctionCache):
         rtsys.initialize(target_context)
         with self._guard_against_spurious_io_errors():
             return self._load_overload(sig, target_context)
+
+    def _load_overload(self, sig, target_context):
+        """Numba's, then each fallback's file for the same key (same source stamp, CPU, bytecode)."""
+        data = super()._load_overload(sig, target_context)
+        if data is not None or not self._enabled or not self._fallbacks:
+            return data
+        key = self._index_key(sig, target_context.codegen())
+        for cache_file in self._fallbacks:
+            data = cache_file.load(key)
+            if data is not None:
+                return self._impl.rebuild(target_context, data)
+        return None

@@ -15,8 +15,8 @@ CODEGEN_VERSION = "1"
 # The code generator's top folder: every room under it is part of the fingerprint.
 CODEGEN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Files no compiled code depends on (they only print): editing them keeps every cache.
-# Nor do these compile or generate code: a plan's Python side, its recorded rendering facts and
-# when and where its driver is built.
+# Nor do these compile or generate code: a plan's Python side, its recorded rendering facts,
+# when and where its driver is built, and where the prebuilt library's files are found.
 NOT_FINGERPRINTED = frozenset(
     os.path.join(*path.split("/"))
     for path in (
@@ -26,6 +26,7 @@ NOT_FINGERPRINTED = frozenset(
         "build/driver_builder.py",
         "build/driver_tier.py",
         "run/compiled.py",
+        "build/prebuilt_library.py",
     )
 )
 

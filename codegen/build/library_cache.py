@@ -36,11 +36,15 @@ def is_library_file(py_file: str) -> bool:
     return os.path.abspath(py_file).startswith(os.path.join(PACKAGE_ROOT, ""))
 
 
+def inside_package(py_file: str) -> str:
+    """A library file's folder relative to the package (`codegen/kernels`)."""
+    return os.path.relpath(os.path.dirname(os.path.abspath(py_file)), PACKAGE_ROOT)
+
+
 def library_path(py_file: str) -> str:
     """The folder a library file's functions are cached in: its path inside the package,
     under library_folder()."""
-    inside = os.path.relpath(os.path.dirname(os.path.abspath(py_file)), PACKAGE_ROOT)
-    return os.path.join(library_folder(), inside)
+    return os.path.join(library_folder(), inside_package(py_file))
 
 
 def cache_folder(py_func) -> str:
@@ -77,3 +81,6 @@ class LibraryLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
 
 
 add_locator(LibraryLocator)
+
+# Its fallback, the library built ahead of time, is in place before any compile too.
+from backplan.codegen.build import prebuilt_library  # noqa: E402,F401

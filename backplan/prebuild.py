@@ -1,0 +1,81 @@
+"""`python -m backplan cache prebuild`: compile backplan's library functions once, ahead of time.
+
+A cold first call spends most of its time compiling the library (GEMM, convolution, attention,
+row kernels: 3-13 CPU s on the bench models) and the rest (0.5-2 s) on its own plan. This
+command, run once after installing (or after upgrading backplan, Numba or the CPU), compiles
+the library variants that the bench models use (each model's first value_and_grad or inference
+call, run by the Python-run driver and by the compiled one, in each dtype asked for) into the
+prebuilt folder (codegen/build/prebuilt_library.py), from which every later process of this
+user loads them instead of compiling. A model that needs a variant the build did not make still
+compiles it, into the user's own library folder, as without the build.
+
+Each pass runs in a child process whose library folder is the prebuilt folder and whose kernel
+cache is a temporary folder (the models' own plans and loop kernels are not kept).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+DTYPES = ("float32", "float64")
+# How the plan runs decides the argument types the library sees: from Python (the first calls)
+# or from the compiled driver (later calls, and its background build).
+DRIVERS = ("python", "inline")
+
+
+def default_models() -> list[str]:
+    from backplan.bench.models import MODELS
+
+    return list(MODELS)
+
+
+def build(folder: str, models: list[str], dtypes=DTYPES, drivers=DRIVERS, echo=print) -> int:
+    """Run every pass into folder; 0 when all passed, else the number of failed passes."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    failed = 0
+    for driver in drivers:
+        for dtype in dtypes:
+            started = time.perf_counter()
+            error = _pass(folder, models, dtype, driver)
+            took = time.perf_counter() - started
+            echo(f"  {dtype}, {driver} driver: {'ok' if not error else 'FAILED'} ({took:.0f} s)")
+            if error:
+                failed += 1
+                echo(error)
+    return failed
+
+
+def _pass(folder: str, models: list[str], dtype: str, driver: str) -> str:
+    """One child process: the models' first calls; '' when it succeeded, else its error."""
+    with tempfile.TemporaryDirectory(prefix="backplan-prebuild-") as plans:
+        env = dict(os.environ, BACKPLAN_LIBRARY_CACHE_DIR=folder, BACKPLAN_CACHE_DIR=plans)
+        env["BACKPLAN_DRIVER"] = driver
+        env.pop("BACKPLAN_PREBUILT_LIBRARY_DIR", None)  # compile everything, read nothing
+        command = [sys.executable, "-m", "backplan.prebuild", dtype, *models]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode == 0:
+        return ""
+    return f"    {' '.join(command)} exited {done.returncode}:\n{done.stderr[-2000:]}"
+
+
+def first_calls(dtype: str, models: list[str]) -> None:
+    """The child's work: each model's first call at its full size (the size picks some
+    variants: the parallel GEMM, the tiled attention)."""
+    import numpy as np
+
+    from backplan.bench.models import MODELS
+    from backplan.bench.peers import PEERS
+
+    peer = PEERS["backplan"]()
+    for name in models:
+        spec = MODELS[name]
+        peer.build(spec, spec.inputs(False, np.dtype(dtype))).step()
+
+
+if __name__ == "__main__":
+    first_calls(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,102 @@
+"""The library built ahead of time (codegen/build/prebuilt_library.py): a process whose own library
+folder is empty loads a library function from the prebuilt folder instead of compiling it, and
+writes nothing of it to its own folder; a prebuilt file that fails its signature check, or a
+prebuilt folder others can write to, is not used (the function compiles, with a warning) and
+nothing in the prebuilt folder is deleted. Fresh processes: one compiles into a folder used as
+the build's, the others load from it."""
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = """
+import json, warnings
+import numpy as np
+from backplan.codegen.kernels import gather
+
+labels = np.array([2, 0, 1], np.int64)
+out = np.empty((3, 4), np.float32)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    bad = gather.one_hot(labels, out)
+stats = gather.one_hot.stats
+print(json.dumps({"bad": int(bad), "out": out.tolist(),
+                  "hits": sum(stats.cache_hits.values()),
+                  "misses": sum(stats.cache_misses.values()),
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+EXPECTED = [[0, 0, 1, 0], [1, 0, 0, 0], [0, 1, 0, 0]]
+
+
+def one_hot_call(library, prebuilt, tmp_path) -> dict:
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(tmp_path / "kernels"),
+        "BACKPLAN_LIBRARY_CACHE_DIR": str(library),
+        "BACKPLAN_PREBUILT_LIBRARY_DIR": str(prebuilt),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def files(folder) -> dict[str, bytes]:
+    found = {}
+    for where, _, names in os.walk(folder):
+        for name in names:
+            if name.startswith("gather.one_hot-"):
+                with open(os.path.join(where, name), "rb") as f:
+                    found[os.path.join(where, name)] = f.read()
+    return found
+
+
+def built(tmp_path):
+    """A prebuilt folder holding one_hot, made as `cache prebuild` makes it: a process whose
+    library folder it is."""
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir(mode=0o700)
+    made = one_hot_call(prebuilt, tmp_path / "unused", tmp_path)
+    assert made["misses"] == 1 and made["out"] == EXPECTED
+    assert any(name.endswith(".nbc") for name in files(prebuilt))
+    return prebuilt
+
+
+def test_a_process_loads_library_functions_from_the_prebuilt_folder_instead_of_compiling(
+    tmp_path,
+):
+    prebuilt = built(tmp_path)
+    own = tmp_path / "own"
+    loaded = one_hot_call(own, prebuilt, tmp_path)
+    assert loaded["hits"] == 1 and loaded["misses"] == 0, loaded
+    assert loaded["out"] == EXPECTED and loaded["bad"] == -1
+    assert loaded["warnings"] == []
+    assert files(own) == {}  # nothing copied or compiled into the user's own folder
+
+
+def test_a_tampered_prebuilt_file_is_not_used_nor_deleted(tmp_path):
+    prebuilt = built(tmp_path)
+    data = next(path for path in files(prebuilt) if path.endswith(".nbc"))
+    with open(data, "r+b") as f:  # one byte of the payload, after the signed header
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    before = files(prebuilt)
+    own = tmp_path / "own"
+    compiled = one_hot_call(own, prebuilt, tmp_path)
+    assert compiled["misses"] == 1 and compiled["hits"] == 0, compiled
+    assert compiled["out"] == EXPECTED
+    assert any("prebuilt library file" in w and "signature" in w for w in compiled["warnings"])
+    assert files(prebuilt) == before  # the installation's folder is left as it was
+    assert files(own)  # compiled into the user's own folder instead
+
+
+def test_a_prebuilt_folder_others_can_write_to_is_refused(tmp_path):
+    prebuilt = built(tmp_path)
+    os.chmod(prebuilt, 0o777)
+    compiled = one_hot_call(tmp_path / "own", prebuilt, tmp_path)
+    assert compiled["misses"] == 1 and compiled["hits"] == 0, compiled
+    assert any("writable by other users" in w for w in compiled["warnings"]), compiled
