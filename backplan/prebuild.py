@@ -55,7 +55,8 @@ def _pass(folder: str, models: list[str], dtype: str, driver: str) -> str:
     with tempfile.TemporaryDirectory(prefix="backplan-prebuild-") as plans:
         env = dict(os.environ, BACKPLAN_LIBRARY_CACHE_DIR=folder, BACKPLAN_CACHE_DIR=plans)
         env["BACKPLAN_DRIVER"] = driver
-        env.pop("BACKPLAN_PREBUILT_LIBRARY_DIR", None)  # compile everything, read nothing
+        # The build's library folder is its prebuilt folder: it compiles, reads no other one.
+        env["BACKPLAN_PREBUILT_LIBRARY_DIR"] = folder
         command = [sys.executable, "-m", "backplan.prebuild", dtype, *models]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode == 0:

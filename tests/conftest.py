@@ -23,6 +23,12 @@ os.environ.setdefault(
     ),
 )
 
+# A library built ahead of time in this checkout (`python -m backplan cache prebuild`) is not
+# read: tests count compiles (tests/test_prebuilt_library.py covers it, with folders of its own).
+os.environ.setdefault(
+    "BACKPLAN_PREBUILT_LIBRARY_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "-"),
+)
 
 MAX_WORKERS = 4  # each worker imports Numba and compiles; more share one disk cache for little gain
 

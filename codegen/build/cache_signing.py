@@ -282,7 +282,7 @@ class SignedFunctionCache(FunctionCache):
             return self._load_overload(sig, target_context)
 
     def _load_overload(self, sig, target_context):
-        """Numba's, then each fallback's file for the same key (same source stamp, CPU, bytecode)."""
+        """Numba's, then each fallback's file for the same key (source stamp, CPU, bytecode)."""
         data = super()._load_overload(sig, target_context)
         if data is not None or not self._enabled or not self._fallbacks:
             return data

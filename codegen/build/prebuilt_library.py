@@ -33,6 +33,7 @@ from backplan.codegen.build.cache_signing import (
 )
 
 FOLDER = "_prebuilt_library"
+READ_ONLY = "the prebuilt library is written only by `python -m backplan cache prebuild`"
 _refused: set[str] = set()  # folders already warned about
 
 
@@ -64,13 +65,15 @@ class PrebuiltCacheFile(SignedIndexDataCacheFile):
     def _discard(self, path: str, why: str) -> None:
         if path not in _refused:
             _refused.add(path)
-            warnings.warn(f"prebuilt library file {path} {why}; not used", CacheWarning, stacklevel=2)
+            warnings.warn(
+                f"prebuilt library file {path} {why}; not used", CacheWarning, stacklevel=2
+            )
 
     def _save_index(self, overloads):
-        raise CacheError("the prebuilt library is written only by `python -m backplan cache prebuild`")
+        raise CacheError(READ_ONLY)
 
     def _save_data(self, name, data):
-        raise CacheError("the prebuilt library is written only by `python -m backplan cache prebuild`")
+        raise CacheError(READ_ONLY)
 
 
 def prebuilt_file(py_func, filename_base: str, source_stamp) -> PrebuiltCacheFile | None:
