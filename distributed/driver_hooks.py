@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 DECORATOR = "@njit(**JIT_OPTIONS)\ndef run("
 TABLE = "dp_table"
-IMPORT = "from backplan.distributed.driver_mpi import dp_progress, dp_start\n"
+IMPORT = "from backplan.distributed.driver_mpi import dp_progress, {start} as dp_start\n"
 _IR_NAME = re.compile(r"^\s*# %(\d+) = ")
 
 
@@ -25,10 +25,14 @@ class HookedDriver:
     calls_after: tuple[int, ...]  # per bucket: driver calls that run while it is in flight
 
 
-def hook_driver(source: str, buffer_names: list[list[str]]) -> HookedDriver | None:
+def hook_driver(
+    source: str, buffer_names: list[list[str]], start: str = "dp_start"
+) -> HookedDriver | None:
     """source with each bucket's start and the progress tests placed; buffer_names: per bucket,
-    the driver's parameters (output buffers) holding its leaves. None when the driver is split
-    into parts (codegen/render/driver_split.py) or has no single `run` to hook."""
+    the driver's parameters (output buffers) holding its leaves; start: the driver_mpi function
+    that starts a bucket for this MPI's handle width (its name is in the source, so drivers
+    for two MPIs are cached apart). None when the driver is split into parts
+    (codegen/render/driver_split.py) or has no single `run` to hook."""
     at = source.find(DECORATOR)
     if at < 0 or "def run_part0(" in source or source.count("\ndef run(") != 1:
         return None
@@ -58,7 +62,7 @@ def hook_driver(source: str, buffer_names: list[list[str]]) -> HookedDriver | No
     new_signature = signature[: signature.rindex(")")] + f", {TABLE}):"
     function = "\n".join(["@njit(**JIT_OPTIONS)", new_signature] + ["    " + x for x in out])
     ir_names = tuple(tuple(_ir_names(statements[s][0])) for s in starts)
-    hooked = head + IMPORT + "\n" + function + "\n"
+    hooked = head + IMPORT.format(start=start) + "\n" + function + "\n"
     return HookedDriver(hooked, tuple(starts), ir_names, tuple(calls_after))
 
 

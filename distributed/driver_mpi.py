@@ -37,8 +37,10 @@ def _handle_type(bits: int) -> ir.IntType:
 @intrinsic
 def _call(typingctx, address, arguments, kinds):
     """address(*arguments) -> int32 (an MPI error code). arguments: a tuple of int64; kinds, a
-    literal string, says what each is: 'p' a pointer, 'i' a C int, 'h' an MPI handle (an int
-    in MPICH, a pointer in Open MPI)."""
+    literal string, says what each is: 'p' a pointer, 'i' a C int, 'h' an MPI handle of 4
+    bytes (an int: MPICH), 'q' one of 8 (a pointer: Open MPI). The widths are letters, not a
+    global, because Numba's disk cache keeps a compiled function whatever a global held when
+    it compiled (a driver build process, which never loads MPI, compiles these too)."""
     if not isinstance(kinds, types.StringLiteral):
         return None
     letters = kinds.literal_value
@@ -47,7 +49,7 @@ def _call(typingctx, address, arguments, kinds):
     def codegen(context, builder, signature, args):
         address_value, tuple_value, _ = args
         pointer = ir.IntType(8).as_pointer()
-        widths = {"p": pointer, "i": ir.IntType(32), "h": ir.IntType(8 * HANDLE_BYTES)}
+        widths = {"p": pointer, "i": ir.IntType(32), "h": ir.IntType(32), "q": ir.IntType(64)}
         argument_types = [widths[k] for k in letters]
         function_type = ir.FunctionType(ir.IntType(32), argument_types)
         function = builder.inttoptr(address_value, function_type.as_pointer())
@@ -65,30 +67,57 @@ def _call(typingctx, address, arguments, kinds):
     return sig, codegen
 
 
-HANDLE_BYTES = 4  # set from mpi4py by fill_table's caller before the first compile (MPICH: 4)
+@njit(nogil=True, cache=True)
+def _started(table, at, error):
+    table[at + ERROR] = error
+    table[at + STATE] = STARTED if error == 0 else DONE
+
+
+@njit(nogil=True, cache=True)
+def _iallreduce_arguments(table, k):
+    at = HEADER + k * BUCKET_SLOTS
+    table[at + REQUEST] = 0
+    return at, (
+        table[IN_PLACE_AT],
+        table[at + ADDRESS],
+        table[at + COUNT],
+        table[at + DATATYPE],
+        table[SUM_AT],
+        table[COMM_AT],
+        table.ctypes.data + 8 * (at + REQUEST),
+    )
 
 
 @njit(nogil=True, cache=True)
 def dp_start(table, k):
-    """Start bucket k's in-place sum over the communicator (MPI_Iallreduce)."""
-    at = HEADER + k * BUCKET_SLOTS
-    base = table.ctypes.data
-    table[at + REQUEST] = 0
-    error = _call(
-        table[IALLREDUCE_AT],
-        (
-            table[IN_PLACE_AT],
-            table[at + ADDRESS],
-            table[at + COUNT],
-            table[at + DATATYPE],
-            table[SUM_AT],
-            table[COMM_AT],
-            base + 8 * (at + REQUEST),
-        ),
-        "ppihhhp",
-    )
-    table[at + ERROR] = error
-    table[at + STATE] = STARTED if error == 0 else DONE
+    """Start bucket k's in-place sum over the communicator (MPI_Iallreduce); MPI handles of 4
+    bytes (MPICH and its derivatives)."""
+    at, arguments = _iallreduce_arguments(table, k)
+    _started(table, at, _call(table[IALLREDUCE_AT], arguments, "ppihhhp"))
+
+
+@njit(nogil=True, cache=True)
+def dp_start_wide(table, k):
+    """dp_start for MPI handles of 8 bytes (Open MPI's are pointers)."""
+    at, arguments = _iallreduce_arguments(table, k)
+    _started(table, at, _call(table[IALLREDUCE_AT], arguments, "ppiqqqp"))
+
+
+def start_function(handle_bytes: int) -> str:
+    """The name of the dp_start variant for this MPI's handle width."""
+    if handle_bytes not in (4, 8):
+        raise OSError(f"this MPI's handles are {handle_bytes} bytes: no calls from the driver")
+    return "dp_start" if handle_bytes == 4 else "dp_start_wide"
+
+
+def handle_bytes() -> int:
+    """The width of this MPI's handles (communicator, datatype and operation alike)."""
+    from mpi4py import MPI
+
+    width = MPI._sizeof(MPI.Comm)
+    if not (MPI._sizeof(MPI.Datatype) == MPI._sizeof(MPI.Op) == width):
+        raise OSError("this MPI's handles differ in size: no calls from the driver")
+    return width
 
 
 @njit(nogil=True, cache=True)
@@ -155,10 +184,7 @@ class TableMaker:
     def __init__(self, comm):
         from mpi4py import MPI
 
-        global HANDLE_BYTES
-        HANDLE_BYTES = MPI._sizeof(MPI.Comm)
-        if not (MPI._sizeof(MPI.Datatype) == MPI._sizeof(MPI.Op) == HANDLE_BYTES):
-            raise OSError("this MPI's handles differ in size: no calls from the driver")
+        self.start = start_function(handle_bytes())  # the hooked driver's dp_start
         library = mpi_library()
         address = lambda name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value  # noqa: E731
         self.header = np.zeros(HEADER, np.int64)

@@ -71,15 +71,16 @@ class InPlanExchange:
                 self.buckets.append(bucket)
                 self.slots.append(slots)
         names = [[self.buffers[j][2] for j in slots] for slots in self.slots]
-        self.hooked: HookedDriver | None = (
-            hook_driver(compiled.source, names) if self.buckets else None
-        )
         self._maker: TableMaker | None = None  # None: explain's preview, which runs nothing
-        if comm is not None and self.hooked is not None:
+        if comm is not None and self.buckets:
             try:
                 self._maker = TableMaker(comm)
             except OSError:  # no libmpi to call into (not Linux, another MPI): after the call
-                self.hooked = None
+                self.buckets, self.slots = [], []
+        start = self._maker.start if self._maker is not None else "dp_start"
+        self.hooked: HookedDriver | None = (
+            hook_driver(compiled.source, names, start) if self.buckets else None
+        )
         self._run = None  # the hooked driver, once compiled or loaded
         self._build = None  # its build in a background process, once submitted
         self.build_error: str | None = None  # why that build failed: buckets start after

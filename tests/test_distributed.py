@@ -192,6 +192,51 @@ def test_the_driver_starts_each_bucket_after_the_last_statement_touching_it():
     assert hook_driver(split, [["v7"]]) is None  # a driver in parts is not hooked
 
 
+@pytest.mark.parametrize("width", [4, 8])
+def test_the_driver_passes_mpi_handles_at_this_mpis_width(width):
+    """The bucket start calls MPI_Iallreduce with handles of 4 bytes (MPICH) or 8 (Open MPI,
+    pointers), chosen by name in the hooked driver's source, so that a driver compiled for one
+    MPI (or in a build process, which loads none) is never called with the other's: here a C
+    callback stands in for MPI_Iallreduce and records what it was given."""
+    import ctypes
+
+    from backplan.distributed import driver_mpi as dm
+
+    handle = ctypes.c_int32 if width == 4 else ctypes.c_int64
+    seen = []
+    signature = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        handle,
+        handle,
+        handle,
+        ctypes.c_void_p,
+    )
+    fake = signature(lambda *args: seen.append(args) or 0)
+    buffer = np.zeros(3, np.float32)
+    table = np.zeros(dm.HEADER + dm.BUCKET_SLOTS, np.int64)
+    table[dm.IALLREDUCE_AT] = ctypes.cast(fake, ctypes.c_void_p).value
+    comm, op, datatype = (
+        (0x44000000, 0x58000003, 0x4C00040A)
+        if width == 4
+        else (0x7F00_1234_5678, 0x7F00_2222_0000, 0x7F00_0000_4444)
+    )
+    table[dm.COMM_AT], table[dm.SUM_AT] = comm, op
+    at = dm.HEADER
+    table[at + dm.ADDRESS], table[at + dm.COUNT] = buffer.ctypes.data, 3
+    table[at + dm.DATATYPE] = datatype
+    getattr(dm, dm.start_function(width))(table, 0)
+    assert len(seen) == 1 and seen[0][1] == buffer.ctypes.data and seen[0][2] == 3
+    assert seen[0][3:6] == (datatype, op, comm)
+    assert table[at + dm.STATE] == dm.STARTED
+    source = hook_driver(HOOKABLE, [["v7"]], dm.start_function(width)).source
+    assert f"{dm.start_function(width)} as dp_start" in source
+    with pytest.raises(OSError, match="handles are 2 bytes"):
+        dm.start_function(2)
+
+
 def test_gradients_of_the_layer_run_last_are_ready_first():
     params = init_mlp([8, 16, 16, 4])
     x, y = synthetic_classification(16, 8, 4)
