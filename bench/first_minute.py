@@ -6,7 +6,9 @@ are shared in one folder, filled by a first untimed process, as after an install
 use) makes `bp.value_and_grad(bp.compile(loss))` and steps it for `--seconds` of wall time from
 the first call. Reported: the cold first call, the median step of calls 2-6 (what a short
 script gets), the steady step (median of the last tenth of the steps), the first step within
-10% of the steady one, and the wall time from the first call to it.
+10% of the steady one, and the wall time from the first call to it; and the first step the
+compiled driver ran, with the wall time to it (None when it never ran: then "steady" is the
+Python-run driver's speed, not compiled speed).
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ from backplan.bench.models import value_and_grad_step
 step, args = value_and_grad_step(sys.argv[1])
 limit = float(sys.argv[2])
 rows = []
+compiled = None
 start = time.perf_counter()
 while not rows or time.perf_counter() - start < limit:
     a = time.perf_counter()
     step(*args)
     rows.append((a - start, time.perf_counter() - a))
-print(json.dumps({"rows": rows, "tier": step.driver_tier}))
+    if compiled is None and step.driver_tier == "compiled":
+        compiled = len(rows) - 1
+print(json.dumps({"rows": rows, "tier": step.driver_tier, "compiled_step": compiled}))
 """
 
 
@@ -55,7 +60,16 @@ def summary(model: str, result: dict) -> dict:
         "first_steady_step": fast,
         "wall_to_steady_s": round(rows[fast][0] + rows[fast][1], 3),
         "tier_at_end": result["tier"],
+        # The first step run by the compiled driver and the wall time to its end; None: none
+        # was (a driver kept as Python by choice, or a build not done when the run ended: then
+        # the "steady" step above is the Python-run driver's).
+        "compiled_step": result.get("compiled_step"),
+        "wall_to_compiled_s": _wall_to(rows, result.get("compiled_step")),
     }
+
+
+def _wall_to(rows: list, index: int | None) -> float | None:
+    return None if index is None else round(rows[index][0] + rows[index][1], 3)
 
 
 def main(argv: list[str] | None = None) -> int:
