@@ -127,12 +127,15 @@ class PlanCall:
     input_kinds: tuple[str, ...]
     private_saved: tuple[int, ...] = ()
     held_from: dict = field(default_factory=dict)
+    # a plan the step keeps compiled but does not run (a joint step's forward and backward,
+    # which ran its first calls): its scratch arena and constants are held, nothing else
+    idle: bool = False
 
 
 def predicted_peak(calls: list[PlanCall], backend: str = "numba") -> PeakReport:
     """The step's predicted peak on `backend` ("numba": the compiled plans; "reference")."""
-    if backend == "reference":
-        return PeakReport("reference", tuple(_reference_steps(calls)))
+    if backend == "reference":  # the interpreter keeps nothing for a plan between its calls
+        return PeakReport("reference", tuple(_reference_steps([c for c in calls if not c.idle])))
     if backend != "numba":
         raise ValueError(f"unknown backend {backend!r}; use 'numba' or 'reference'")
     return _compiled_report(calls)
@@ -141,6 +144,8 @@ def predicted_peak(calls: list[PlanCall], backend: str = "numba") -> PeakReport:
 def _input_bytes(calls: list[PlanCall]) -> dict:
     held = dict.fromkeys(CATEGORIES, 0)
     for call in calls:
+        if call.idle:
+            continue
         for value, kind in zip(call.plan.graph.inputs, call.input_kinds, strict=True):
             if kind in CALLER_OWNED:
                 held[kind] += value.type.nbytes
@@ -189,6 +194,8 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
     lowered, per_call, held = _compiled_held(calls)
     steps, index = [], 0
     for call, low, buffers in zip(calls, lowered, per_call, strict=True):
+        if call.idle:
+            continue
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes  # allocated on entry, held to the step's end
@@ -196,7 +203,9 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
             running = dict(held, workspace=workspace_bytes(kernel))
             steps.append(PeakStep(index, call.label, *_kernel_words(kernel), running))
             index += 1
-    buffers = tuple((c.label, b) for c, bs in zip(calls, per_call, strict=True) for b in bs)
+    buffers = tuple(
+        (c.label, b) for c, bs in zip(calls, per_call, strict=True) if not c.idle for b in bs
+    )
     return PeakReport("numba", tuple(steps), buffers)
 
 

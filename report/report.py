@@ -12,6 +12,7 @@ layout, without compiling.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -346,9 +347,13 @@ def region_report(
 
 def _joint_step_calls(program: RegionProgram) -> list | None:
     """The joint plan a small compiled loss runs once backward() follows its calls (built
-    here if no call has run it yet: planning only, nothing compiles)."""
+    here if no call has run it yet: planning only, nothing compiles), then the forward and
+    backward that ran the first calls: kept compiled, idle, their arenas still held."""
     step = program.joint_step
-    return None if step is None else joint_calls(step.plan(), program.plans.n_outputs)
+    if step is None:
+        return None
+    kept = [dataclasses.replace(c, idle=True) for c in program.plans.peak_calls()]
+    return joint_calls(step.plan(), program.plans.n_outputs) + kept
 
 
 def _inlined_saved(program: RegionProgram) -> list | None:

@@ -65,13 +65,14 @@ class PlanFacts(Runner):
         peak = self.explain().peak_on_call(3)
         if peak.backend != "numba":
             return None
-        with checked_memory():
-            twin = self.twin()
+        with checked_memory(), measure() as measured:  # open across the steps: what earlier
+            twin = self.twin()  # steps left alive (the arenas of plans not run now) counts too
             twin.step()
             wait_for_builds()  # a driver built in the background runs from the next step
             twin.step()
-            with measure() as measured:
-                twin.step()
+            twin.forget()
+            measured.restart_peak()
+            twin.step()
         if measured.peak == 0:  # no plan of the twin was built in the checked mode
             return None
         return {
@@ -79,6 +80,10 @@ class PlanFacts(Runner):
             "counted": measured.peak,
             "predicted": peak.allocated_peak_bytes,
         }
+
+    def forget(self) -> None:
+        """Drop what the last step returned (before a step whose peak is measured)."""
+        self.result = self.value = None
 
     def twin(self):
         """A new runner of the same model and inputs, tracing and compiling afresh."""

@@ -66,6 +66,14 @@ class Measurement:
             for held_name, held_bytes in self.held.values():
                 self.at_peak[held_name] = self.at_peak.get(held_name, 0) + held_bytes
 
+    def restart_peak(self) -> None:
+        """Measure a new peak from what is held now: one measurement open across calls keeps
+        the buffers earlier calls left alive (arenas of plans not run since) in `live`."""
+        self.peak = self.live
+        self.at_peak = {}
+        for name, nbytes in self.held.values():
+            self.at_peak[name] = self.at_peak.get(name, 0) + nbytes
+
     def _remove(self, token: int) -> None:
         found = self.held.pop(token, None)
         if found is not None:
