@@ -160,7 +160,9 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba") -> int:
         return predicted_peak(calls, backend).peak_bytes
     lowered, per_call, held = _compiled_held(calls)
     peak = 0
-    for low, buffers in zip(lowered, per_call, strict=True):
+    for call, low, buffers in zip(calls, lowered, per_call, strict=True):
+        if call.idle:
+            continue
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes

@@ -146,3 +146,23 @@ def test_the_frontier_a_report_prints_is_planned_for_the_reports_backend(backend
     with use_backend(other):
         rows = [p.peak_bytes for p in report.frontier.points]
     assert rows[0] == report.peak_bytes
+
+
+def test_an_idle_plan_adds_its_arena_and_nothing_else(backend):
+    """ir/peak.py: a plan kept compiled but not run (PlanCall.idle) holds its scratch arena
+    and constants on numba, nothing on the reference interpreter; the planner's fast count
+    (predicted_peak_bytes) agrees with the report's."""
+    from backplan.ir.peak import predicted_peak, predicted_peak_bytes
+
+    params, batch = _mlp_tiny(requires_grad=True)
+    report = bp.explain(bp.compile(bench_function(MODELS["mlp_tiny"])), params, *batch)
+    calls = report.joint_step_calls
+    running = [c for c in calls if not c.idle]
+    assert len(running) == 1 and len(calls) == 3  # the joint plan; the forward and backward
+    held, alone = predicted_peak(calls, backend), predicted_peak(running, backend)
+    assert predicted_peak_bytes(calls, backend) == held.peak_bytes
+    if backend == "reference":
+        assert held == alone
+    else:
+        arenas = report.call_peaks[0].peak.at_peak()["scratch"]
+        assert held.peak_bytes == alone.peak_bytes + arenas
