@@ -36,6 +36,7 @@ from backplan.codegen.kernels.gemm import gemm, vector_width
 from backplan.codegen.kernels.gemm.choice import use_own_gemm
 from backplan.codegen.kernels.row_math import maxnum, one_like, row_exp, zero_like
 from backplan.codegen.kernels.rows import softmax_row
+from backplan.codegen.kernels.threads_now import threads_now
 from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.choices import decide
 from backplan.codegen.render.opaque import OpEmitter, emits
@@ -309,6 +310,9 @@ def attention_forward(width, q, k, v, out, scale, causal, tile):
 
 @njit(parallel=True, **_opts)
 def attention_forward_par(width, q, k, v, out, scale, causal, tile):
+    if threads_now() < 2:  # one free core: serial, no pool thread (kernels/threads_now.py)
+        attention_forward(width, q, k, v, out, scale, causal, tile)
+        return
     heads = q.shape[1]
     for pair in prange(q.shape[0] * heads):
         b, h = pair // heads, pair % heads
@@ -328,6 +332,9 @@ def attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
 
 @njit(parallel=True, **_opts)
 def attention_backward_par(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
+    if threads_now() < 2:
+        attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile)
+        return
     heads = q.shape[1]
     for pair in prange(q.shape[0] * heads):
         b, h = pair // heads, pair % heads

@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from backplan.codegen.jit import njit, prange
+from backplan.codegen.kernels.threads_now import threads_now
 from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.ir.graph import Value
 
@@ -89,6 +90,9 @@ def random_uniform_serial(key, out, f64):
 
 @njit(parallel=True, **_opts)
 def random_uniform_par(key, out, f64):
+    if threads_now() < 2:  # one free core: serial, no pool thread (kernels/threads_now.py)
+        random_uniform_serial(key, out, f64)
+        return
     blocks = out.shape[0] if f64 else (out.shape[0] + 1) // 2
     for j in prange(blocks):
         _uniform_block(key[0], key[1], j, out, f64)
@@ -102,6 +106,9 @@ def random_normal_serial(key, out):
 
 @njit(parallel=True, **_opts)
 def random_normal_par(key, out):
+    if threads_now() < 2:
+        random_normal_serial(key, out)
+        return
     for j in prange((out.shape[0] + 1) // 2):
         _normal_block(key[0], key[1], j, out)
 

@@ -12,6 +12,7 @@ from backplan.codegen.flags import FASTMATH
 from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.row_math import maxnum, one_like, row_exp, zero_like
 from backplan.codegen.kernels.scalar_functions import fast_exp
+from backplan.codegen.kernels.threads_now import threads_now
 from backplan.codegen.render.opaque import HOLES, OpEmitter, emits
 from backplan.codegen.render.scalar import NP_TYPE, literal
 from backplan.ir.graph import Value
@@ -64,6 +65,9 @@ def softmax_rows(x, out, log):
 
 @njit(parallel=True, **_opts)
 def softmax_rows_par(x, out, log):
+    if threads_now() < 2:  # one free core: serial, no pool thread (kernels/threads_now.py)
+        softmax_rows(x, out, log)
+        return
     for r in prange(x.shape[0]):
         softmax_row(x[r], out[r], log)
 
@@ -126,6 +130,9 @@ def layer_norm_rows(x, weight, bias, affine, eps, out):
 
 @njit(parallel=True, **_opts)
 def layer_norm_rows_par(x, weight, bias, affine, eps, out):
+    if threads_now() < 2:
+        layer_norm_rows(x, weight, bias, affine, eps, out)
+        return
     for r in prange(x.shape[0]):
         layer_norm_row(x[r], weight, bias, affine, eps, out[r])
 

@@ -29,7 +29,7 @@ from backplan.codegen.render.emit import generate
 from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare
-from backplan.codegen.run.workspace import WorkspacePool, parallel_guard
+from backplan.codegen.run.workspace import WorkspacePool, sized_launch
 from backplan.ir.errors import ExecutionError
 from backplan.ir.flops import node_flops
 from backplan.ir.index_check import format_position
@@ -128,6 +128,18 @@ def switch_line(label: str, was: str, seconds: float) -> str:
 def plan_flops(plan: Plan) -> int:
     """The step's estimated arithmetic (ir/flops.py), what its kernels cost at the least."""
     return sum(node_flops(node) for node in plan.graph.nodes if node.op in OPS)
+
+
+# OpenBLAS runs a GEMM of fewer multiply-adds (m * n * k) than this on one thread.
+BLAS_SERIAL_MACS = 262_144
+
+
+def threaded_blas(plan: Plan) -> bool:
+    """Whether some op of the plan is big enough for OpenBLAS to thread (its step then sizes
+    BLAS's threads to the free cores, codegen/run/workspace.SizedLaunch)."""
+    return any(
+        node_flops(node) > 2 * BLAS_SERIAL_MACS for node in plan.graph.nodes if node.op in OPS
+    )
 
 
 def contiguous(array: np.ndarray) -> np.ndarray:
@@ -234,10 +246,11 @@ class CompiledPlan:
             self._output_buffers,
             self._returning_outputs(graph),
         )
+        parallel = PARALLEL_LAUNCH.search(self.source) or any(
+            k.parallel for k in self.loop_kernels
+        )
         self._launch_guard = (
-            parallel_guard()
-            if PARALLEL_LAUNCH.search(self.source) or any(k.parallel for k in self.loop_kernels)
-            else _NO_GUARD
+            sized_launch(bool(parallel)) if parallel or threaded_blas(plan) else _NO_GUARD
         )
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))

@@ -17,6 +17,9 @@ import threading
 import numba
 import numpy as np
 
+from backplan.codegen.run.blas_pool import BLAS_POOL
+from backplan.codegen.run.free_cores import free_cores
+
 KEEP_IDLE = 4  # workspaces kept per plan after a burst of concurrent calls
 REUSE_BYTES = 1 << 16  # outputs at least this big are reused from the previous call
 
@@ -30,6 +33,44 @@ def parallel_guard():
     if str(numba.config.THREADING_LAYER) in _THREADSAFE_LAYERS:
         return contextlib.nullcontext()
     return _parallel_launch
+
+
+class SizedLaunch:
+    """Around a call that may run threads (parallel kernels, threaded BLAS): holds `lock` (the
+    workqueue layer's, parallel_guard) and sizes the threads to the free cores
+    (codegen/run/free_cores.py): OpenBLAS's count (global, codegen/run/blas_pool.py) and the
+    calling thread's Numba count, given back on the way out. Library parallel kernels run
+    their serial code when the count is 1 (codegen/kernels/threads_now.py)."""
+
+    def __init__(self, lock=None):
+        self._lock = lock
+        self._given_back = threading.local()
+
+    def __enter__(self):
+        if self._lock is not None:
+            self._lock.acquire()
+        free = free_cores()
+        BLAS_POOL.limit(free)
+        wanted = numba.get_num_threads()
+        self._given_back.count = wanted if free < wanted else None
+        if free < wanted:
+            numba.set_num_threads(free)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wanted = self._given_back.count
+        if wanted is not None:
+            self._given_back.count = None
+            numba.set_num_threads(wanted)
+        if self._lock is not None:
+            self._lock.release()
+
+
+def sized_launch(parallel: bool) -> SizedLaunch:
+    """The launch guard of a plan that may run threads: parallel kernels hold the launch lock
+    too where the layer needs one."""
+    lock = parallel_guard() if parallel else None
+    return SizedLaunch(None if isinstance(lock, contextlib.nullcontext) else lock)
 
 
 def arena_bytes(scratch: list[tuple[np.dtype, int]]) -> int:

@@ -8,6 +8,7 @@ import numpy as np
 from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.gemm.api import gemm
 from backplan.codegen.kernels.gemm.driver import KC, MC, NC, gemm_blocked, tile_shape, workspace
+from backplan.codegen.kernels.threads_now import threads_now
 
 
 @njit(cache=True, nogil=True)
@@ -22,6 +23,9 @@ def _bounds(part, parts, length, step):
 def gemm_parallel(parts, width, trans_a, trans_b, alpha, a, b, beta, c):
     """gemm (see api.gemm) with C's longer side cut in `parts` blocks for Numba's threads
     (a count passed in: reading the thread count inside would stop Numba caching this)."""
+    if threads_now() < 2:  # the step found one free core: no pool thread to hand it to
+        _block(width, trans_a, trans_b, alpha, a, b, beta, c)
+        return
     m, n = c.shape
     mr, nr = tile_shape(width, c.itemsize)
     by_rows = m >= n
@@ -51,8 +55,19 @@ def _block(width, trans_a, trans_b, alpha, a, b, beta, c):
 @njit(cache=True, nogil=True, parallel=True)
 def batched_gemm_parallel(width, trans_a, trans_b, a, b, c):
     """batched_gemm (see api.batched_gemm) with the batch entries shared out between threads."""
+    if threads_now() < 2:
+        gemm_serial_batch(width, trans_a, trans_b, a, b, c)
+        return
     last_a, last_b = a.shape[0] - 1, b.shape[0] - 1
     for i in prange(c.shape[0]):
         index = np.intp(i)  # the prange index is unsigned: min() with a signed int gives float
         a_i, b_i = a[min(index, last_a)], b[min(index, last_b)]
         _block(width, trans_a, trans_b, 1.0, a_i, b_i, 0.0, c[index])
+
+
+@njit(cache=True, nogil=True)
+def gemm_serial_batch(width, trans_a, trans_b, a, b, c):
+    """batched_gemm_parallel's entries one after another on the calling thread."""
+    last_a, last_b = a.shape[0] - 1, b.shape[0] - 1
+    for i in range(c.shape[0]):
+        _block(width, trans_a, trans_b, 1.0, a[min(i, last_a)], b[min(i, last_b)], 0.0, c[i])
