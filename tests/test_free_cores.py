@@ -215,3 +215,28 @@ def test_a_parallel_library_kernel_on_one_thread_runs_on_the_caller():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "failures 0" in done.stdout
 
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_parallel_own_gemm_on_one_or_two_threads_matches_numpy(threads):
+    """gemm_parallel and batched_gemm_parallel: the serial code (one thread) and the blocks."""
+    from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel, gemm_parallel
+
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("Numba runs one thread here")
+    rng = np.random.default_rng(threads)
+    a = rng.standard_normal((70, 33)).astype(np.float32)
+    b = rng.standard_normal((9, 33)).astype(np.float32)
+    batch_a = rng.standard_normal((5, 33, 17))
+    batch_b = rng.standard_normal((1, 9, 17))
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        c = np.full((70, 9), np.nan, np.float32)
+        gemm_parallel(2, 512, False, True, 1.0, a, b, 0.0, c)
+        batched = np.full((5, 33, 9), np.nan)
+        batched_gemm_parallel(256, False, True, batch_a, batch_b, batched)
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_allclose(c, a @ b.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batched, batch_a @ batch_b[0].T, rtol=1e-12)
