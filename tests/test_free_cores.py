@@ -124,7 +124,8 @@ def test_blas_pool_takes_a_count_set_by_someone_else_as_its_ceiling():
         pool.limit(8)  # all free: the counts it found
         for setter, *_ in pool._libraries:
             setter(1)  # the user (threadpoolctl) asks for one thread: it stays one
-        pool.limit(8)
+        pool.limit(1)  # a busy machine
+        pool.limit(8)  # free again: back to the user's count, not the one found
         assert pool.counts() == [1] * len(found)
     finally:
         for (setter, *_), count in zip(pool._libraries, found, strict=True):

@@ -58,9 +58,15 @@ class BlasPool:
         self._find = find
         self._libraries = None  # [[set, get, ceiling, count we set or None]]
         self._lock = threading.Lock()
+        self._asked = None  # the last request
 
     def limit(self, threads: int) -> None:
+        """Sizes every library for `threads`; the same request as the last one returns at
+        once (a step's common case), leaving a count someone else set since as it is."""
+        if threads == self._asked:
+            return
         with self._lock:
+            self._asked = threads
             if self._libraries is None:
                 found = (_controls(path) for path in self._find())
                 self._libraries = [[s, g, g(), None] for s, g in filter(None, found)]
