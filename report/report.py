@@ -180,6 +180,15 @@ class ExplainReport:
         reference interpreter: then the whole step is counted that way."""
         return max(self.call_peaks, key=lambda c: (c.peak.peak_bytes, c.first_call)).peak
 
+    @functools.cached_property
+    def joint_step_facts(self) -> CompiledPlanFacts | None:
+        """The joint plan a joint step runs from call 3 as the numba backend compiles it (its
+        arena, kept besides the two plans', and what each call allocates); None without a
+        joint step or off numba."""
+        if self.joint_step_calls is None or self.compiled is None:
+            return None
+        return joint_facts(self.joint_step_calls[0].plan)[0]
+
     def peak_on_call(self, n: int) -> PeakReport:
         """The predicted peak of the n-th call (from 1) of this signature, each earlier call's
         loss backward()ed from the default seed (a training loop)."""
@@ -191,7 +200,7 @@ class ExplainReport:
         backend = self.backend
         facts = self.compiled if joint_plan is None else None
         if backend == "numba" and joint_plan is not None:
-            facts = joint_facts(joint_plan)
+            facts = [self.joint_step_facts or joint_facts(joint_plan)[0]]
         if facts is not None and any(not f.compiled for f in facts):
             backend = "reference"
         return backend

@@ -185,6 +185,13 @@ def _compiled_sentence(report) -> str:
     refused = refused_plans(report)
     if refused:
         text += f"; the {refused} runs on the reference interpreter instead"
+    joint = report.joint_step_facts
+    if joint is not None and joint.compiled:
+        text += (
+            f"; from call {report.call_peaks[-1].first_call} its joint plan keeps "
+            f"{format_bytes(joint.scratch_bytes)} more and allocates "
+            f"{format_bytes(joint.output_bytes)} per call instead"
+        )
     return text + " (section 4)."
 
 
@@ -358,6 +365,8 @@ JOINT_STEP_NOTE = (
     "peak line). Another backward() (another seed, retain_graph) or a call never backward()ed "
     "sends the next calls back to two plans (BACKPLAN_JOINT_STEP=0 keeps two plans always)."
 )
+
+
 def compile_cost_text(report) -> str:
     """What a first call compiles. Loop kernels are shared by every plan and cached on disk, so
     only those never compiled on this machine cost time; how many are cached now (and the

@@ -24,12 +24,13 @@ def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
     """The largest batch (size along `axis` of the data arguments) whose step, compiled with
     max_peak_bytes (fn.with_budget: the plan a budget picks runs on every call), fits it; 0 if
     not even one example fits. fn called without the budget may hold more: a small compiled
-    loss that backward() follows runs one joint plan from its third call (report.call_peaks). fn is a bp.compile, bp.value_and_grad or
-    bp.grad function (or a plain function, compiled here); args the arguments of one call.
-    Data arguments are those not differentiated (value_and_grad's argnums) or, for bp.compile,
-    the tensors and arrays that need no gradient outside donate_argnums (a training step's
-    parameters and optimizer state); the batch is the size along axis of the
-    largest of their leaves, and every data leaf of that size is resized.
+    loss that backward() follows runs one joint plan from its third call (report.call_peaks).
+    fn is a bp.compile, bp.value_and_grad or bp.grad function (or a plain function, compiled
+    here); args the arguments of one call. Data arguments are those not differentiated
+    (value_and_grad's argnums) or, for bp.compile, the tensors and arrays that need no
+    gradient outside donate_argnums (a training step's parameters and optimizer state); the
+    batch is the size along axis of the largest of their leaves, and every data leaf of that
+    size is resized.
 
     >>> import numpy as np, backplan as bp
     >>> step = bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())

@@ -1,0 +1,157 @@
+"""Does every call of a step hold what explain prints for that call? Calls 1..N of each step are
+counted by the checked mode (BACKPLAN_CHECK_MEMORY's counting allocator) in one measurement
+open across the calls, so what earlier calls left alive (the arenas of plans compiled then and
+not run now) counts too, against `report.peak_on_call(n)`: a small compiled loss that
+backward() follows runs two plans on calls 1-2 and one joint plan from call 3
+(runtime/joint_step.py).
+
+Steps, each bench model at its small size: `compile` (loss = bp.compile(f)(...);
+loss.backward()), `vg` (bp.value_and_grad(f)), `train` (value_and_grad and adam's update in
+one bp.compile(donate_argnums=(0, 1))); `--readme` adds the README's training step.
+
+    python -m backplan.bench.memory_calls [--models mlp_tiny,cnn] [--steps compile,vg,train]
+        [--calls 5] [--readme] [--backend numba]
+
+A call whose count differs from its printed peak makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import backplan as bp
+from backplan.bench.internals import checked_memory, measure, use_backend
+from backplan.bench.models import MODELS
+from backplan.bench.peers.backplan_peer import bench_function
+
+from .early_updates import OPTIMIZERS, readme
+
+
+def counted_calls(step, calls: int) -> list[int]:
+    """The most bytes of the step's own buffers held during each of `calls` calls."""
+    counted = []
+    with measure() as measured:
+        for _ in range(calls):
+            measured.restart_peak()
+            step()
+            counted.append(measured.peak)
+    return counted
+
+
+def printed_calls(report, calls: int) -> list[int]:
+    """What explain prints each call holds of its own buffers (the arrays passed in apart)."""
+    return [report.peak_on_call(n).allocated_peak_bytes for n in range(1, calls + 1)]
+
+
+def model_arrays(name: str, requires_grad: bool = False):
+    """(params, batch) of a bench model at its small size, as tensors."""
+    inputs = MODELS[name].inputs(small=True, dtype=np.float32)
+    params = {k: bp.tensor(v, requires_grad=requires_grad) for k, v in inputs.params.items()}
+    return params, [bp.tensor(a) for a in inputs.batch(True)]
+
+
+def compile_step(name: str):
+    """(step, report): loss = bp.compile(f)(params, *batch); loss.backward()."""
+    params, batch = model_arrays(name, requires_grad=True)
+    loss = bp.compile(bench_function(MODELS[name]))
+    report = bp.explain(loss, params, *batch)
+
+    def step():
+        bp.zero_grad(params)  # the last call's gradients go before this call allocates
+        loss(params, *batch).backward()
+
+    return step, report
+
+
+def vg_step(name: str):
+    params, batch = model_arrays(name)
+    fn = bp.value_and_grad(bench_function(MODELS[name]))
+    return (lambda: fn(params, *batch)), bp.explain(fn, params, *batch)
+
+
+def training_step(loss, opt, params, batch):
+    """(step, report) of a donated training step, value_and_grad and opt.update in one
+    compiled call as the README writes it. Each call passes fresh copies of the last call's
+    parameters and state: the caller's arrays, as a first call's (on the reference interpreter
+    a call allocates what it returns, and the measurement would go on counting it)."""
+    held = {"params": params, "state": opt.init(params)}
+
+    @bp.compile(donate_argnums=(0, 1))
+    def train_step(params, state, *batch):
+        value, grads = bp.value_and_grad(loss)(params, *batch)
+        params, state = opt.update(grads, state, params)
+        return params, state, value
+
+    report = bp.explain(train_step, held["params"], held["state"], *batch)
+
+    def step():
+        args = bp.tree.map(lambda t: bp.tensor(t.numpy().copy()), (held["params"], held["state"]))
+        held.clear()
+        held["params"], held["state"], _ = train_step(*args, *batch)
+
+    return step, report
+
+
+def train_step(name: str):
+    params, batch = model_arrays(name)
+    return training_step(bench_function(MODELS[name]), bp.optim.adam(1e-3), params, batch)
+
+
+def readme_step():
+    loss, params, batch = readme()
+    params = {k: bp.tensor(v) for k, v in params.items()}
+    return training_step(loss, OPTIMIZERS["readme"](), params, batch)
+
+
+STEPS = {"compile": compile_step, "vg": vg_step, "train": train_step}
+
+
+def row(label: str, make, calls: int) -> tuple[str, bool]:
+    """One table row (printed and counted per call) and whether they are equal."""
+    with checked_memory():
+        step, report = make()
+        counted = counted_calls(step, calls)
+    printed = printed_calls(report, calls)
+    runs = "; ".join(f"from call {c.first_call}: {c.runs}" for c in report.call_peaks)
+    same = counted == printed
+    cells = " | ".join(
+        f"{p:,}" if p == c else f"{p:,} printed, {c:,} counted"
+        for p, c in zip(printed, counted, strict=True)
+    )
+    return f"| {label} | {runs} | {cells} | {'equal' if same else 'MISMATCH'} |", same
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backplan.bench.memory_calls")
+    trainable = ",".join(n for n, spec in MODELS.items() if spec.train)
+    parser.add_argument("--models", default=trainable)
+    parser.add_argument("--steps", default="compile,vg,train")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--readme", action="store_true", help="the README's training step too")
+    parser.add_argument("--backend", default="numba", choices=("numba", "reference"))
+    args = parser.parse_args(argv)
+    cases = [
+        (f"{name} {kind}", lambda name=name, kind=kind: STEPS[kind](name))
+        for name in args.models.split(",")
+        if name
+        for kind in args.steps.split(",")
+    ]
+    if args.readme:
+        cases.append(("README train_step", readme_step))
+    calls = " | ".join(f"call {n}" for n in range(1, args.calls + 1))
+    print(f"| step ({args.backend}) | plans by call | {calls} | verdict |")
+    print("|" + " --- |" * (args.calls + 3))
+    ok = True
+    with use_backend(args.backend):
+        for label, make in cases:
+            text, same = row(label, make, args.calls)
+            ok = ok and same
+            print(text, flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
