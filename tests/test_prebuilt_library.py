@@ -100,3 +100,17 @@ def test_a_prebuilt_folder_others_can_write_to_is_refused(tmp_path):
     compiled = one_hot_call(tmp_path / "own", prebuilt, tmp_path)
     assert compiled["misses"] == 1 and compiled["hits"] == 0, compiled
     assert any("writable by other users" in w for w in compiled["warnings"]), compiled
+
+
+def test_the_compile_line_names_the_prebuild_while_the_library_compiles_without_it(
+    tmp_path, monkeypatch
+):
+    from backplan.codegen.build import compile_notice
+
+    library = [("@train_step", 0.0), ("the library's f32 GEMM", 0.0)]
+    monkeypatch.setenv("BACKPLAN_PREBUILT_LIBRARY_DIR", str(tmp_path / "absent"))
+    assert "`python -m backplan cache prebuild`" in compile_notice._text(library)
+    assert "cache prebuild" not in compile_notice._text(library[:1])  # a plan's own compile
+    (tmp_path / "built").mkdir(mode=0o700)
+    monkeypatch.setenv("BACKPLAN_PREBUILT_LIBRARY_DIR", str(tmp_path / "built"))
+    assert "cache prebuild" not in compile_notice._text(library)

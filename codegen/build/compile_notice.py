@@ -27,6 +27,7 @@ _open: list[tuple[str, float]] = []  # what is compiling now, outermost first, w
 _timer: list[threading.Timer] = []
 _shown = [False]  # a terminal's status line is on screen now
 REFRESH_SECONDS = 1.0  # how often a terminal's status line is rewritten
+LIBRARY = "the library's "  # how library compiles are named (library_progress.py, gemm/symbols.py)
 
 
 def threshold_seconds() -> float:
@@ -119,8 +120,18 @@ def _text(open_now: list) -> str:
     inner = f" (now {open_now[-1][0]})" if len(open_now) > 1 else ""
     return (
         f"backplan: compiling {what}{inner}, {time.perf_counter() - start:.0f} s so far "
-        "(cached for later runs; BACKPLAN_VERBOSE=1 shows each stage)"
+        f"(cached for later runs; {_hint(open_now)})"
     )
+
+
+def _hint(open_now: list) -> str:
+    """How to skip it: the library's compiles go away with a prebuilt library, which this
+    installation lacks (codegen/build/prebuilt_library.py)."""
+    from backplan.codegen.build.prebuilt_library import prebuilt_folder, usable
+
+    if any(what.startswith(LIBRARY) for what, _ in open_now) and not usable(prebuilt_folder()):
+        return "`python -m backplan cache prebuild` compiles the library once ahead of time"
+    return "BACKPLAN_VERBOSE=1 shows each stage"
 
 
 def _fitted(text: str, width: int) -> str:
