@@ -164,7 +164,9 @@ class ExplainReport:
         """Which plans run on which call, each with its predicted peak: one entry, or for a
         small compiled loss that backward() follows, two plans on calls 1 and 2 and one joint
         plan from call 3 on (runtime/joint_step.py)."""
-        first = CallPeak(1, TWO_PLANS, predicted_peak(self.peak_calls, self._peak_backend()))
+        runs = "one joint plan" if "joint" in self.plans else "the forward plan"
+        runs = TWO_PLANS if "backward" in self.plans else runs
+        first = CallPeak(1, runs, predicted_peak(self.peak_calls, self._peak_backend()))
         if self.joint_step_calls is None:
             return [first]
         plan = self.joint_step_calls[0].plan

@@ -115,3 +115,9 @@ def test_an_idle_plan_adds_its_arena_and_nothing_else(backend):
     else:
         arenas = report.call_peaks[0].peak.at_peak()["scratch"]
         assert held.peak_bytes == alone.peak_bytes + arenas
+
+
+def test_call_peaks_name_the_plans_each_step_runs(backend):
+    """value_and_grad runs one joint plan, a training step (no backward of its own) one plan."""
+    assert [c.runs for c in vg_step("mlp_tiny")[1].call_peaks] == ["one joint plan"]
+    assert [c.runs for c in train_step("mlp_tiny")[1].call_peaks] == ["the forward plan"]
