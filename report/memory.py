@@ -38,6 +38,13 @@ def calls_sentence(report) -> str:
         mark = ", the peak above" if c.peak is report.peak else ""
         parts.append(f"{which} ({c.runs}): {format_bytes(c.peak.peak_bytes)}{mark}")
     text = "; ".join(parts)
+    fallback = report.fallback_peak
+    if fallback is not None:
+        text += (
+            f". A call back on two plans after that (a loss backward()ed from another seed or "
+            f"with retain_graph, or never backward()ed) holds up to "
+            f"{format_bytes(fallback.peak_bytes)}, the joint plan's arena still held"
+        )
     return text[0].upper() + text[1:]
 
 

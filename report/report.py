@@ -98,6 +98,8 @@ class ExplainReport:
     joint_step: bool = False  # may run as one joint plan once backward() follows its calls
     # that joint plan's calls (ir.peak.PlanCall), run from call JOINT_FROM_CALL; None: no joint step
     joint_step_calls: list | None = None
+    # a call back on two plans after the joint plan ran: both plans, the joint plan idle
+    fallback_calls: list | None = None
     # a step with inlined value_and_grad plans: what its own plan holds for their gradients
     inlined_saved: list | None = None
     # a training step: its optimizer updates' order and the peaks of both orders
@@ -190,6 +192,16 @@ class ExplainReport:
         if self.joint_step_calls is None or self.compiled is None:
             return None
         return joint_facts(self.joint_step_calls[0].plan)[0]
+
+    @functools.cached_property
+    def fallback_peak(self) -> PeakReport | None:
+        """A joint step's call back on two plans after the joint plan ran (its loss
+        backward()ed from another seed or with retain_graph, or never backward()ed): the two
+        plans run, the joint plan's arena still held; not part of call_peaks' training loop.
+        None without a joint step."""
+        if self.fallback_calls is None:
+            return None
+        return predicted_peak(self.fallback_calls, self.call_peaks[0].peak.backend)
 
     def peak_on_call(self, n: int) -> PeakReport:
         """The predicted peak of the n-th call (from 1) of this signature, each earlier call's
@@ -351,6 +363,7 @@ def region_report(
         plans.peak_calls(),
         joint_step=program.joint_step is not None,
         joint_step_calls=_joint_step_calls(program),
+        fallback_calls=_fallback_calls(program),
         inlined_saved=_inlined_saved(program),
         update_order=getattr(plans, "update_order", None),
     )
@@ -365,6 +378,15 @@ def _joint_step_calls(program: RegionProgram) -> list | None:
         return None
     kept = [dataclasses.replace(c, idle=True) for c in program.plans.peak_calls()]
     return joint_calls(step.plan(), program.plans.n_outputs) + kept
+
+
+def _fallback_calls(program: RegionProgram) -> list | None:
+    """The forward and backward run again after the joint plan ran, which stays compiled."""
+    step = program.joint_step
+    if step is None:
+        return None
+    idle = dataclasses.replace(joint_calls(step.plan(), program.plans.n_outputs)[0], idle=True)
+    return [*program.plans.peak_calls(), idle]
 
 
 def _inlined_saved(program: RegionProgram) -> list | None:

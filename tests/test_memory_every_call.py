@@ -22,7 +22,7 @@ from backplan.bench.memory_calls import (
 )
 from backplan.bench.models import MODELS
 from backplan.bench.peers.backplan_peer import bench_function
-from backplan.codegen.run.memory_check import checked_memory
+from backplan.codegen.run.memory_check import checked_memory, measure
 from backplan.runtime.backend import use_backend
 from backplan.runtime.joint_step import JOINT_FROM_CALL
 
@@ -121,3 +121,29 @@ def test_call_peaks_name_the_plans_each_step_runs(backend):
     """value_and_grad runs one joint plan, a training step (no backward of its own) one plan."""
     assert [c.runs for c in vg_step("mlp_tiny")[1].call_peaks] == ["one joint plan"]
     assert [c.runs for c in train_step("mlp_tiny")[1].call_peaks] == ["the forward plan"]
+
+
+def test_a_call_back_on_two_plans_holds_the_printed_fallback_peak(backend):
+    """After the joint plan ran, a loss backward()ed from another seed (its forward rerun for
+    the saved buffers), one never backward()ed, and the two-plan calls that follow hold at most
+    report.fallback_peak: the two plans, the joint plan's arena still held. The joint call's
+    default-seed gradients are dropped before the forward reruns (they were held beside it)."""
+    params, batch = model_arrays("mlp_tiny", requires_grad=True)
+    loss = bp.compile(bench_function(MODELS["mlp_tiny"]))
+    report = bp.explain(loss, params, *batch)
+    seeds = [1.0, 1.0, 1.0, 2.0, None, 1.0, 1.0]  # None: the loss is never backward()ed
+    counted = []
+    with measure() as measured:
+        for seed in seeds:
+            measured.restart_peak()
+            bp.zero_grad(params)
+            out = loss(params, *batch)
+            if seed is not None:
+                out.backward(None if seed == 1.0 else bp.tensor(np.float32(seed)))
+            del out
+            counted.append(measured.peak)
+    fallback = report.fallback_peak.allocated_peak_bytes
+    assert counted[:3] == printed_calls(report, 3)
+    assert counted[3] == fallback and counted[4] <= fallback and counted[5:] == [fallback] * 2
+    text = " ".join(str(report).split())
+    assert f"holds up to {report.fallback_peak.peak_bytes:,} B" in text
