@@ -27,7 +27,8 @@ from backplan.bench.internals import checked_memory, measure, use_backend
 from backplan.bench.models import MODELS
 from backplan.bench.peers.backplan_peer import bench_function
 
-from .early_updates import OPTIMIZERS, readme
+from .memory_audit import model_step as audited_step
+from .memory_audit import readme_step as audited_readme_step
 
 
 def counted_calls(step, calls: int) -> list[int]:
@@ -72,38 +73,33 @@ def vg_step(name: str):
     return (lambda: fn(params, *batch)), bp.explain(fn, params, *batch)
 
 
-def training_step(loss, opt, params, batch):
-    """(step, report) of a donated training step, value_and_grad and opt.update in one
-    compiled call as the README writes it. Each call passes fresh copies of the last call's
-    parameters and state: the caller's arrays, as a first call's (on the reference interpreter
-    a call allocates what it returns, and the measurement would go on counting it)."""
-    held = {"params": params, "state": opt.init(params)}
-
-    @bp.compile(donate_argnums=(0, 1))
-    def train_step(params, state, *batch):
-        value, grads = bp.value_and_grad(loss)(params, *batch)
-        params, state = opt.update(grads, state, params)
-        return params, state, value
-
-    report = bp.explain(train_step, held["params"], held["state"], *batch)
+def donated_calls(train_step, args: list):
+    """(step, report) of a training step donating its first two arguments (parameters and
+    optimizer state) and returning their new values first. Each call passes fresh copies of
+    the last call's: the caller's arrays, as a first call's (on the reference interpreter a
+    call allocates what it returns, and the measurement would go on counting it)."""
+    held = list(args)
+    report = bp.explain(train_step, *held)
 
     def step():
-        args = bp.tree.map(lambda t: bp.tensor(t.numpy().copy()), (held["params"], held["state"]))
-        held.clear()
-        held["params"], held["state"], _ = train_step(*args, *batch)
+        fresh = bp.tree.map(lambda t: bp.tensor(t.numpy().copy()), (held[0], held[1]))
+        held[0] = held[1] = None
+        result = train_step(*fresh, *held[2:])
+        held[0], held[1] = result[0], result[1]
 
     return step, report
 
 
 def train_step(name: str):
-    params, batch = model_arrays(name)
-    return training_step(bench_function(MODELS[name]), bp.optim.adam(1e-3), params, batch)
+    """value_and_grad and adam's update in one bp.compile(donate_argnums=(0, 1))."""
+    step, args, _ = audited_step(name, "train")
+    return donated_calls(step, args)
 
 
 def readme_step():
-    loss, params, batch = readme()
-    params = {k: bp.tensor(v) for k, v in params.items()}
-    return training_step(loss, OPTIMIZERS["readme"](), params, batch)
+    """The README's training step as it is written (bench.memory_audit's)."""
+    step, args, _ = audited_readme_step()
+    return donated_calls(step, args)
 
 
 STEPS = {"compile": compile_step, "vg": vg_step, "train": train_step}
