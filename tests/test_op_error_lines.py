@@ -28,6 +28,12 @@ CASES = [
      "getitem: index 5 is out of range for axis 0 of size 2"),
     ("float index", lambda: _x(2, 3)[0, 0.5], IndexError,
      "getitem: index 0.5 on axis 1 is a float; indices are integers"),
+    ("ones of a float", lambda: bp.ones(2.5), bp.ShapeError,
+     "ones: the shape must be an int or a tuple of ints, got 2.5 (float)"),
+    ("zeros of a string", lambda: bp.zeros("3"), bp.ShapeError,
+     "zeros: the shape must be an int or a tuple of ints, got '3' (str)"),
+    ("full of a float size", lambda: bp.full((2, 1.5), 0.0), bp.ShapeError,
+     "full: the shape must be an int or a tuple of ints, got (2, 1.5) (tuple)"),
 ]  # fmt: skip
 
 
@@ -43,3 +49,13 @@ def test_the_error_names_the_op_the_values_and_the_users_line(what, call, error,
 def test_iterating_over_a_tensor_still_stops_at_its_end():
     rows = [row.numpy().tolist() for row in bp.tensor(np.arange(6.0).reshape(3, 2))]
     assert rows == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def test_creation_ops_take_one_int_for_a_1d_shape_as_numpy_does():
+    """bp.ones(2) (a backward() seed written as in NumPy or PyTorch) was a bare TypeError."""
+    assert bp.ones(2).numpy().tolist() == [1.0, 1.0]
+    assert bp.zeros(np.int64(3)).shape == (3,)
+    assert bp.full(2, 7.0, "int32").numpy().tolist() == [7, 7]
+    x = bp.tensor(np.ones((2, 3), np.float32), requires_grad=True)
+    bp.mean(x, axis=1).backward(bp.ones(2))
+    assert np.allclose(x.grad.numpy(), 1 / 3)

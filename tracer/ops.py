@@ -79,24 +79,39 @@ def _number(x):
     return np.asarray(x)
 
 
+def _creation_shape(op: str, shape) -> tuple[int, ...]:
+    """A creation op's shape: a sequence of ints, or one int for a 1-d result (as np.ones(3),
+    torch.ones(3) and bp.random.normal(key, 3) take it); anything else is refused naming it."""
+    if isinstance(shape, int | np.integer) and not isinstance(shape, bool):
+        return (int(shape),)
+    if isinstance(shape, Sequence) and not isinstance(shape, str):
+        if all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in shape):
+            return tuple(int(d) for d in shape)
+    raise ShapeError(
+        f"{op}: the shape must be an int or a tuple of ints, got {shape!r} "
+        f"({type(shape).__name__}); e.g. bp.{op}((2, 3)) or bp.{op}(3)"
+    )
+
+
 @located
 def full(shape: Sequence[int], value: float, dtype: DTypeLike = "float32") -> Tensor:
     """full(shape, value, dtype="float32"), as np.full (argument order shape, value)."""
+    shape = _creation_shape("full", shape)
     if isinstance(value, Tensor):  # a traced float, say: broadcast it instead of baking it in
-        return broadcast_to(astype(value, dtype), tuple(shape))
-    return apply("full", [], value=value, shape=tuple(shape), dtype=dtype_name(dtype))
+        return broadcast_to(astype(value, dtype), shape)
+    return apply("full", [], value=value, shape=shape, dtype=dtype_name(dtype))
 
 
 @located
 def zeros(shape: Sequence[int], dtype: DTypeLike = "float32") -> Tensor:
-    """zeros(shape, dtype="float32")."""
-    return full(shape, 0, dtype)
+    """zeros(shape, dtype="float32"); shape an int or a tuple of ints."""
+    return full(_creation_shape("zeros", shape), 0, dtype)
 
 
 @located
 def ones(shape: Sequence[int], dtype: DTypeLike = "float32") -> Tensor:
-    """ones(shape, dtype="float32")."""
-    return full(shape, 1, dtype)
+    """ones(shape, dtype="float32"); shape an int or a tuple of ints."""
+    return full(_creation_shape("ones", shape), 1, dtype)
 
 
 @located
