@@ -46,7 +46,18 @@ def apply_threads(threads: int | None) -> dict:
         count = min(threads, numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(count)
         settings["numba"] = f"numba.set_num_threads({count})"
+    settings["backplan"] = _backplan_sizing()
     return settings
+
+
+def _backplan_sizing() -> str:
+    """What backplan's steps do with those threads when other processes use the CPUs
+    (codegen/run/free_cores.py): a table run on a busy machine says so."""
+    from backplan.codegen.run.free_cores import adapting
+
+    if not adapting():
+        return "every thread kept (BACKPLAN_ADAPT_THREADS=0)"
+    return "each step runs on the free cores (fewer when other processes use them)"
 
 
 def _limit_blas(threads: int) -> str:
