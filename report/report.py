@@ -98,6 +98,9 @@ class ExplainReport:
     joint_step: bool = False  # may run as one joint plan once backward() follows its calls
     # that joint plan's calls (ir.peak.PlanCall), run from call JOINT_FROM_CALL; None: no joint step
     joint_step_calls: list | None = None
+    # bp.compile(..., background=True): calls run on the reference interpreter while the
+    # kernels build (codegen/run/compiled.py), which the compiled peak does not describe
+    background_build: bool = False
     # a call back on two plans after the joint plan ran: both plans, the joint plan idle
     fallback_calls: list | None = None
     # a step with inlined value_and_grad plans: what its own plan holds for their gradients

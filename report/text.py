@@ -185,6 +185,12 @@ def _compiled_sentence(report) -> str:
     refused = refused_plans(report)
     if refused:
         text += f"; the {refused} runs on the reference interpreter instead"
+    if report.background_build:
+        text += (
+            "; with background=True its calls run on the reference interpreter until the "
+            "kernels are built, holding what section 4's reference paragraph counts plus the "
+            "plans' scratch arenas, not the compiled peak (the checked mode does not count them)"
+        )
     joint = report.joint_step_facts
     if joint is not None and joint.compiled:
         text += (

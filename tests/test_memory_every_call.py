@@ -147,3 +147,12 @@ def test_a_call_back_on_two_plans_holds_the_printed_fallback_peak(backend):
     assert counted[3] == fallback and counted[4] <= fallback and counted[5:] == [fallback] * 2
     text = " ".join(str(report).split())
     assert f"holds up to {report.fallback_peak.peak_bytes:,} B" in text
+
+
+def test_explain_says_background_calls_run_on_the_reference_interpreter(backend):
+    params, batch = model_arrays("mlp_tiny")
+    loss = bench_function(MODELS["mlp_tiny"])
+    say = "with background=True its calls run on the reference interpreter until the kernels"
+    for background, said in ((True, True), (None, False)):
+        report = bp.explain(bp.value_and_grad(loss, background=background), params, *batch)
+        assert (say in " ".join(str(report).split())) == (said and backend == "numba")

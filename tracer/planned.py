@@ -425,6 +425,7 @@ class PlannedFunction:
         See `backplan.explain`."""
         bound, entry = self.lookup(args, kwargs, count_hit=False)
         report = self._report(entry, bound)
+        report.background_build = self.background is True
         if entry.planner is not None:
             report.frontier_source = entry.planner.memory_frontier
             report.saved_dtype_note = entry.planner.note()
