@@ -29,6 +29,8 @@ _WHERE = {
     # bfloat16 GEMM operands widened into float32 copies, as before (half_precision --widened)
     "widen": "backplan.ir.widen",
     "vector_fma": "backplan.codegen.kernels.gemm.kernel:vector_fma",
+    # whether steps size their threads to the free cores (threads.py's report)
+    "adapting_threads": "backplan.codegen.run.free_cores:adapting",
     # background driver builds, waited for outside timed rounds
     "driver_builder": "backplan.codegen.build.driver_builder",
     "wait_for_builds": "backplan.codegen.build.driver_builder:wait_for_builds",

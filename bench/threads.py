@@ -53,9 +53,9 @@ def apply_threads(threads: int | None) -> dict:
 def _backplan_sizing() -> str:
     """What backplan's steps do with those threads when other processes use the CPUs
     (codegen/run/free_cores.py): a table run on a busy machine says so."""
-    from backplan.codegen.run.free_cores import adapting
+    from .internals import adapting_threads
 
-    if not adapting():
+    if not adapting_threads():
         return "every thread kept (BACKPLAN_ADAPT_THREADS=0)"
     return "each step runs on the free cores (fewer when other processes use them)"
 
