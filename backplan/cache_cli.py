@@ -79,10 +79,26 @@ def prebuild(args) -> int:
         return 0
     models = args.models.split(",") if args.models else builder.default_models()
     dtypes = args.dtypes.split(",")
+    refused = _unknown(models, builder.default_models(), "model") + _unknown(
+        dtypes, builder.DTYPES, "dtype"
+    )
+    if refused:  # before any child process starts: each would fail on it, minutes in
+        print("cache prebuild: " + "; ".join(refused))
+        return 2
     print(f"compiling the library for {', '.join(models)} ({', '.join(dtypes)}) into {folder}")
     failed = builder.build(folder, models, dtypes)
     print(f"prebuilt library: {len(library_files(folder))} files in {folder}")
     return 1 if failed else 0
+
+
+def _unknown(names: list[str], known, what: str) -> list[str]:
+    """A sentence per name `prebuild` cannot build for, naming the ones it can."""
+    return [
+        f"unknown {what} {name!r}: --{what}s takes a comma-separated list of "
+        + ", ".join(known)
+        for name in names
+        if name not in known
+    ]
 
 
 def run(args) -> int:

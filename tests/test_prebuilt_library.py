@@ -114,3 +114,16 @@ def test_the_compile_line_names_the_prebuild_while_the_library_compiles_without_
     (tmp_path / "built").mkdir(mode=0o700)
     monkeypatch.setenv("BACKPLAN_PREBUILT_LIBRARY_DIR", str(tmp_path / "built"))
     assert "cache prebuild" not in compile_notice._text(library)
+
+
+def test_prebuild_refuses_an_unknown_model_or_dtype_before_compiling_anything(capsys):
+    """`cache prebuild --models nosuch` started four child processes that each died on a bare
+    KeyError; now nothing starts and the message names what it takes."""
+    from backplan.__main__ import main
+
+    assert main(["cache", "prebuild", "--models", "mlp,nosuch"]) == 2
+    said = capsys.readouterr().out
+    assert "unknown model 'nosuch'" in said and "mlp" in said and "compiling" not in said
+    assert main(["cache", "prebuild", "--models", "mlp", "--dtypes", "float32,int32"]) == 2
+    said = capsys.readouterr().out
+    assert "unknown dtype 'int32'" in said and "float32, float64" in said
