@@ -25,8 +25,10 @@ import warnings
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, IndexDataCacheFile
 from numba.core.runtime import rtsys
 
-from backplan.codegen.build import fingerprint
+from backplan.codegen.build import fingerprint, object_symbols
 from backplan.ir.errors import BackplanError
+
+object_symbols.install()  # cached functions load without parsing their linking bitcode
 
 MAGIC = b"backplan-signed-numba-cache-1\n"
 _LENGTH_BYTES = 8

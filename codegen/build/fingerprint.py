@@ -25,6 +25,7 @@ NOT_FINGERPRINTED = frozenset(
         "build/driver_build.py",
         "build/driver_builder.py",
         "build/driver_tier.py",
+        "build/object_symbols.py",
         "run/compiled.py",
         "build/prebuilt_library.py",
     )
