@@ -85,6 +85,7 @@ class DataParallelStep:
         self._layouts: dict = {}
         self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
         self._inputs: dict = {}  # call key -> (joint trace, positions of its tensors)
+        self._called: set = set()  # call keys this step ran: wait_for_driver traces no other
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
@@ -105,6 +106,8 @@ class DataParallelStep:
         if self._accumulator.last_of_round:
             self._check_arrival(world, args)
         key, leaves = call_key(args, kwargs, is_grad_enabled())
+        if key is not None:
+            self._called.add(key)
         layout = self._layout(args, kwargs, key)
         exchange = exchange_type(world, layout, self.average, self.timeout)
         lengths = batch_lengths(args, kwargs, self.fn.argnums)
@@ -163,6 +166,8 @@ class DataParallelStep:
         the call (overlap=False, the reference backend, no bucket it can start, a failed
         build) or the timeout passed. Benchmarks call it before timing."""
         key, leaves = call_key(args, kwargs, is_grad_enabled())
+        if key is not None and key not in self._called:
+            return False  # a question: a trace at a new size would replace the built entry
         entry = self._joint_inputs(args, kwargs, key, leaves, arrays=False)
         found = self._in_plans.get(id(entry))
         if found is None or not found[1].active:

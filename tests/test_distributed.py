@@ -293,6 +293,18 @@ def test_init_without_mpi4py_says_what_to_install(monkeypatch):
         bpd.init()
 
 
+def test_wait_for_driver_with_arguments_never_called_traces_nothing():
+    """It only asks: a trace at another batch size made the axis dynamic and replaced the
+    entry whose hooked driver was built, so the next step built it again (12 s on 2 ranks)."""
+    x, labels = synthetic_classification(16, 8, 3)
+    params = init_mlp([8, 4, 3], seed=0)
+    step = bpd.data_parallel(bp.value_and_grad(mlp_loss))
+    step(params, x, labels)
+    assert step.fn.cache_info().traces == 1
+    assert step.wait_for_driver(params, x[:5], labels[:5], timeout=0) is False
+    assert step.fn.cache_info().traces == 1 and step.fn.cache_info().entries == 1
+
+
 def test_data_parallel_needs_value_and_grad():
     for not_value_and_grad in (mlp_loss, bp.grad(mlp_loss)):
         with pytest.raises(TypeError, match=r"bp\.value_and_grad\(loss_fn\)"):
