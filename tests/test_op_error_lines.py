@@ -34,6 +34,10 @@ CASES = [
      "zeros: the shape must be an int or a tuple of ints, got '3' (str)"),
     ("full of a float size", lambda: bp.full((2, 1.5), 0.0), bp.ShapeError,
      "full: the shape must be an int or a tuple of ints, got (2, 1.5) (tuple)"),
+    ("ragged lists", lambda: bp.tensor([[1.0, 2.0], [3.0]]), bp.ShapeError,
+     "tensor: nested lists of different lengths cannot make one tensor (its rows hold 2, 1)"),
+    ("ragged lists, dtype", lambda: bp.tensor([[1], [2, 3]], dtype="int32"), bp.ShapeError,
+     "tensor: nested lists of different lengths cannot make one tensor (its rows hold 1, 2)"),
 ]  # fmt: skip
 
 

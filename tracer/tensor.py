@@ -57,7 +57,7 @@ def to_array(data, dtype=None) -> np.ndarray:
     if isinstance(data, np.ndarray | np.generic):
         dtype_name(data.dtype)
         return np.array(data)
-    array = np.array(data)
+    array = _from_nested(data)
     if array.dtype == np.float64:
         array = array.astype(np.float32)  # Python floats make float32, as torch and JAX
     elif array.dtype.kind in "iu" and array.dtype != np.int64:
@@ -66,12 +66,27 @@ def to_array(data, dtype=None) -> np.ndarray:
     return array
 
 
+def _from_nested(data) -> np.ndarray:
+    """np.array(data), whose ValueError for ragged nested lists names no op and no shape."""
+    try:
+        return np.array(data)
+    except ValueError as exc:
+        if not isinstance(data, list | tuple):
+            raise
+        lengths = [len(row) if isinstance(row, list | tuple) else "a number" for row in data]
+        raise ShapeError(
+            f"tensor: nested lists of different lengths cannot make one tensor (its rows hold "
+            f"{', '.join(map(str, lengths[:8]))}{', ...' if len(lengths) > 8 else ''}); pad "
+            "them to one length, or keep one tensor per row"
+        ) from exc
+
+
 def _source_dtype(data):
     if isinstance(data, Tensor):
         return None
     if isinstance(data, np.ndarray | np.generic):
         return data.dtype
-    return np.asarray(data).dtype
+    return _from_nested(data).dtype
 
 
 def _python_ints(array: np.ndarray) -> np.ndarray:
