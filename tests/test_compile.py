@@ -340,3 +340,14 @@ def test_a_differentiated_function_returning_the_wrong_thing_is_named_with_its_l
     assert f"_loss_without_aux (test_compile.py:{line}) to return (loss, aux), it returned a" in (
         str(info.value)
     )
+
+
+def test_argnums_past_the_call_names_the_function_and_the_calling_line():
+    """It said only 'argnums=3 but only 2 positional arguments given'."""
+    w = bp.tensor(np.ones((2, 3), np.float32))
+    defined = _loss_without_aux.__code__.co_firstlineno
+    with pytest.raises(TypeError) as info:
+        bp.value_and_grad(_loss_without_aux, argnums=2)(w)  # the calling line
+    said = str(info.value)
+    assert f"argument 2 of _loss_without_aux (test_compile.py:{defined})" in said
+    assert f"the call at test_compile.py:{info.tb.tb_lineno} passes 1 positional" in said

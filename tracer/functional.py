@@ -31,6 +31,7 @@ from .operand_errors import how_to_pass, what_value_is
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint, inner_joint, named_reason
+from .source import loc_text, user_frame_loc
 from .signature import bind_call, closest_key, miss_reason
 from .tensor import Tensor
 from .trace import current_trace
@@ -163,7 +164,10 @@ class ValueAndGradFunction(PlannedFunction):
         for i in self._nums:
             if i >= len(args):
                 raise TypeError(
-                    f"argnums={self.argnums} but only {len(args)} positional arguments given"
+                    f"argnums={self.argnums} differentiates argument {i} of {_defined(self.fn)}"
+                    f", but the call at {loc_text(user_frame_loc())} passes {len(args)} "
+                    "positional argument(s); argnums counts positional arguments from 0 "
+                    "(pass the differentiated ones by position)"
                 )
         call = bind_call(_positional(self.fn), args, kwargs)
         return JointCall(args, call, _diff_positions(call, args, self._nums))
