@@ -325,3 +325,29 @@ def test_many_batch_sizes_keep_a_bounded_number_of_plans_alive():
     assert len(dynamic_entry(compiled).sizes()) == dynamic.SIZES_KEPT
     assert len(compiled._fast) <= planned.FAST_PATHS_KEPT
     assert compiled.cache_info().traces == 1
+
+
+def test_explain_says_what_arenas_the_other_sizes_called_keep_as_a_call_holds_them():
+    """Each size of a dynamic axis keeps its own compiled plans and scratch arenas: a call at
+    6 rows after one at 4 held 4's arenas too, which explain's per-size peak left out."""
+    from backplan.codegen.run.memory_check import checked_memory, measure
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((5, 7)).astype(np.float32)
+
+    def loss(w, x):
+        return bp.mean(bp.tanh(x @ w) * x.sum())
+
+    step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "n"}}))
+    x4, x6 = (rng.standard_normal((n, 5)).astype(np.float32) for n in (4, 6))
+    with use_backend("numba"), checked_memory(), measure() as held:
+        step(w, x4)
+        held.restart_peak()  # what 4's call left alive stays counted, as the process holds it
+        step(w, x6)
+        report = step.explain(w, x6)
+    kept = re.search(r"those of the other sizes called before it: at most ([\d,]+) B \(4: ", (
+        report.dynamic
+    ))
+    assert kept, report.dynamic
+    predicted = report.peak_on_call(1).allocated_peak_bytes + int(kept[1].replace(",", ""))
+    assert held.peak == predicted

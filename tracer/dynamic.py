@@ -236,6 +236,11 @@ class DynamicEntry:
             entries = list(self._sizes.values())
         return [r for e in entries for r in e.runners()]
 
+    def others(self, size: int) -> list:
+        """(size, entry) of every size kept besides `size`, smallest first."""
+        with self._lock:
+            return sorted((n, e) for n, e in self._sizes.items() if n != size)
+
 
 def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call):
     """(template entry, fitted plans or None, reason or None): the template traced at the
@@ -263,7 +268,7 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
     if entry.fitted is None:
         return (
             f"Dynamic axis {symbol}: each size is planned on its own (sizes {sizes}), "
-            f"because {entry.reason}."
+            f"because {entry.reason}." + _other_sizes_arenas(entry, report_of, size)
         )
     at = [entry.first_size * f for f in (1, *PROBE_FACTORS)]
     reports = [report_of(entry._make(entry.template, entry.fitted, n)) for n in at]
@@ -274,6 +279,28 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
     return (
         f"Dynamic axis {symbol}: one plan for every size, traced once at "
         f"{symbol}={entry.first_size}, planned for sizes {sizes}; {'; '.join(formulas)}."
+        + _other_sizes_arenas(entry, report_of, size)
+    )
+
+
+def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int) -> str:
+    """Each size keeps its own compiled plans and their scratch arenas while it is cached, so
+    a call at this size holds the arenas of the other sizes called before it too (a last,
+    smaller batch of an epoch): the peak above counts this size's alone."""
+    kept = []
+    for n, other in entry.others(size):
+        report = report_of(other)
+        joint = report.joint_step_facts
+        nbytes = (report.compiled_scratch_bytes or 0) + (joint.scratch_bytes if joint else 0)
+        if nbytes:
+            kept.append((n, nbytes))
+    if not kept:
+        return ""
+    each = ", ".join(f"{n}: {b:,} B" for n, b in kept)
+    return (
+        f" Each size keeps its own plans' scratch arenas once called, so a call at {size} "
+        f"holds, besides its peak, those of the other sizes called before it: at most "
+        f"{sum(b for _, b in kept):,} B ({each})."
     )
 
 
