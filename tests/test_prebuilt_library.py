@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import json, warnings
 import numpy as np
@@ -100,6 +102,15 @@ def test_a_prebuilt_folder_others_can_write_to_is_refused(tmp_path):
     compiled = one_hot_call(tmp_path / "own", prebuilt, tmp_path)
     assert compiled["misses"] == 1 and compiled["hits"] == 0, compiled
     assert any("writable by other users" in w for w in compiled["warnings"]), compiled
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a folder to another user needs root")
+def test_a_prebuilt_folder_another_user_built_is_skipped_without_a_warning(tmp_path):
+    prebuilt = built(tmp_path)
+    os.chown(prebuilt, os.getuid() + 4321, -1)
+    compiled = one_hot_call(tmp_path / "own", prebuilt, tmp_path)
+    assert compiled["misses"] == 1 and compiled["hits"] == 0, compiled
+    assert compiled["warnings"] == []  # theirs, signed with their key: not an attack on us
 
 
 def test_the_compile_line_names_the_prebuild_while_the_library_compiles_without_it(

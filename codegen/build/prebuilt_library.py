@@ -45,8 +45,13 @@ def prebuilt_folder() -> str:
 
 def usable(folder: str) -> bool:
     """The folder exists and only its owner (this user) can write to it; a folder others could
-    write to is refused once per process with a warning (its files could run code here)."""
-    if not os.path.isdir(folder):
+    write to is refused once per process with a warning (its files could run code here). One
+    another user built (an installation shared by several users) is skipped without a word:
+    its files carry that user's signature, which this user's key cannot check."""
+    try:
+        if not os.path.isdir(folder) or os.stat(folder).st_uid != os.getuid():
+            return False
+    except OSError:
         return False
     try:
         check_private_folder(folder, "the prebuilt library folder")
