@@ -72,6 +72,8 @@ def measure(args) -> dict:
             "child_variables": thread_variables(args.threads),
             # set: every child shares one library folder (compiled once); unset: cold each time
             "library_cache": os.environ.get("BACKPLAN_LIBRARY_CACHE_DIR"),
+            # a library built ahead of time (`cache prebuild`): the children load from it
+            "prebuilt_library": prebuilt_library_found(),
         },
         "environment": collect(installed_versions(peers), pinned, load_average()),
         "affinity_text": cpu_list_text(current_affinity()),
@@ -161,3 +163,15 @@ def command_line(args) -> str:
         f"--{flag} {getattr(args, flag)}" for flag in ("json", "markdown") if getattr(args, flag)
     ]
     return " ".join(parts)
+
+
+def prebuilt_library_found() -> str | None:
+    """The prebuilt library folder the children will load from, or None (none built, none
+    usable, or BACKPLAN_PREBUILT_LIBRARY_DIR names an empty one)."""
+    from backplan.codegen.build.prebuilt_library import prebuilt_folder, usable
+
+    folder = prebuilt_folder()
+    if not usable(folder):
+        return None
+    has_files = any(names for _, _, names in os.walk(folder))
+    return folder if has_files else None

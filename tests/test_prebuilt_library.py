@@ -138,3 +138,20 @@ def test_prebuild_refuses_an_unknown_model_or_dtype_before_compiling_anything(ca
     assert main(["cache", "prebuild", "--models", "mlp", "--dtypes", "float32,int32"]) == 2
     said = capsys.readouterr().out
     assert "unknown dtype 'int32'" in said and "float32, float64" in said
+
+
+def test_the_compile_harness_says_its_children_load_a_prebuilt_library(tmp_path, monkeypatch):
+    from backplan.bench.compile_cli import prebuilt_library_found
+    from backplan.bench.report.compile_table import _library_text
+
+    folder = tmp_path / "prebuilt"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv("BACKPLAN_PREBUILT_LIBRARY_DIR", str(folder))
+    assert prebuilt_library_found() is None  # built nothing yet
+    (folder / "codegen").mkdir()
+    (folder / "codegen" / "gather.one_hot-63.py311.bp.nbi").write_bytes(b"")
+    assert prebuilt_library_found() == str(folder)
+    line = _library_text({"library_cache": None, "prebuilt_library": str(folder)})[0]
+    assert f"prebuilt library in {folder}" in line
+    cold = _library_text({"library_cache": None, "prebuilt_library": None})[0]
+    assert "compiled in each cold child" in cold

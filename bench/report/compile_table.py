@@ -95,6 +95,12 @@ def _library_text(run: dict) -> list[str]:
     not say: none)."""
     if "library_cache" not in run:
         return []
+    prebuilt = run.get("prebuilt_library")
+    if prebuilt:
+        return [
+            f"backplan's library kernels: loaded from the prebuilt library in {prebuilt} "
+            "(`python -m backplan cache prebuild`), compiled only where it lacks a variant"
+        ]
     if run["library_cache"] is None:
         return ["backplan's library kernels: compiled in each cold child (an empty folder)"]
     return [
