@@ -111,7 +111,7 @@ def test_blas_pool_lowers_and_raises_back_to_the_count_it_found():
         pool.limit(64)
         assert pool.counts() == found  # never above the count it found
     finally:
-        for (setter, _, ceiling, _), count in zip(pool._libraries, found, strict=True):
+        for (setter, *_), count in zip(pool._libraries, found, strict=True):
             setter(count)
 
 
@@ -151,26 +151,38 @@ class CountingPool:
         self.limits.append(threads)
 
 
-def test_the_launch_guard_sizes_numba_and_blas_and_gives_numba_back(monkeypatch):
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("Numba runs one thread here")
+def test_the_launch_guard_sizes_blas_and_leaves_numba_as_it_is(monkeypatch):
     pool = CountingPool()
     monkeypatch.setattr(workspace, "BLAS_POOL", pool)
     monkeypatch.setattr(workspace, "free_cores", lambda: 1)
     before = numba.get_num_threads()
-    numba.set_num_threads(2)
-    try:
-        guard = workspace.sized_launch(parallel=True)
-        with guard:
-            assert numba.get_num_threads() == 1
-        assert numba.get_num_threads() == 2
-        assert pool.limits == [1]
-        monkeypatch.setattr(workspace, "free_cores", lambda: 2)
-        with guard:
-            assert numba.get_num_threads() == 2
-        assert pool.limits == [1, 2]
-    finally:
-        numba.set_num_threads(before)
+    guard = workspace.sized_launch(parallel=True, blas=True)
+    with guard:
+        assert numba.get_num_threads() == before
+    assert pool.limits == [1]
+    monkeypatch.setattr(workspace, "free_cores", lambda: 2)
+    with guard:
+        pass
+    assert pool.limits == [1, 2]
+    assert workspace.sized_launch(parallel=False, blas=False) is None
+
+
+def test_only_plans_calling_blas_on_the_calling_thread_size_it():
+    from backplan.codegen.run.compiled import BLAS_CALL
+
+    calls = [
+        "gemm_at_f32(np.bool_(False), np.bool_(False), np.intp(128)",
+        "batched_gemm_f64(False, True, a, b, out)",
+        "conv2d_input_grad_gemm(g, w, dx, 1, 1, 1, 1, 1, 1, 1)",
+        "attention_forward(512, q, k, v, out, 0.125, False, 1024)",
+    ]
+    inside_parallel_kernels = [
+        "own_gemm_at_par(np.intp(2), 512, np.bool_(True)",
+        "attention_backward_par(512, q, k, v, g, dq, dk, dv, 0.125, False, 1024)",
+        "own_gemm_at(512, np.bool_(False)",
+    ]
+    assert all(BLAS_CALL.search(line) for line in calls)
+    assert not any(BLAS_CALL.search(line) for line in inside_parallel_kernels)
 
 
 SERIAL_ON_ONE_THREAD = textwrap.dedent(
@@ -215,7 +227,6 @@ def test_a_parallel_library_kernel_on_one_thread_runs_on_the_caller():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "failures 0" in done.stdout
-
 
 
 @pytest.mark.parametrize("threads", [1, 2])

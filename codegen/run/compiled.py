@@ -43,6 +43,11 @@ from backplan.ir.types import is_half, np_dtype
 
 # A call into a parallel kernel (generated or from the library) appears in the source as one of:
 PARALLEL_LAUNCH = re.compile(r"parallel=True|\b\w+_par\(")
+# Kernels the driver calls that run BLAS products on the calling thread (not inside a parallel
+# kernel, whose pool threads each call it): the step sizes OpenBLAS's threads around them.
+BLAS_CALL = re.compile(
+    r"\b(?:batched_)?gemm_(?:at_)?f(?:32|64)\(|\bconv2d_\w*gemm\(|\battention_(?:forward|backward)\("
+)
 
 
 def canonical_text(plan: Plan) -> str:
@@ -135,8 +140,8 @@ BLAS_SERIAL_MACS = 262_144
 
 
 def threaded_blas(plan: Plan) -> bool:
-    """Whether some op of the plan is big enough for OpenBLAS to thread (its step then sizes
-    BLAS's threads to the free cores, codegen/run/workspace.SizedLaunch)."""
+    """Whether some op of the plan is big enough for OpenBLAS to thread (a step calling BLAS
+    then sizes its threads to the free cores, codegen/run/workspace.SizedLaunch)."""
     return any(
         node_flops(node) > 2 * BLAS_SERIAL_MACS for node in plan.graph.nodes if node.op in OPS
     )
@@ -246,12 +251,9 @@ class CompiledPlan:
             self._output_buffers,
             self._returning_outputs(graph),
         )
-        parallel = PARALLEL_LAUNCH.search(self.source) or any(
-            k.parallel for k in self.loop_kernels
-        )
-        self._launch_guard = (
-            sized_launch(bool(parallel)) if parallel or threaded_blas(plan) else _NO_GUARD
-        )
+        parallel = PARALLEL_LAUNCH.search(self.source) or any(k.parallel for k in self.loop_kernels)
+        blas = BLAS_CALL.search(self.source) is not None and threaded_blas(plan)
+        self._launch_guard = sized_launch(bool(parallel), blas) or _NO_GUARD
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
             for i, n in generated.literal_outputs.items()

@@ -36,41 +36,39 @@ def parallel_guard():
 
 
 class SizedLaunch:
-    """Around a call that may run threads (parallel kernels, threaded BLAS): holds `lock` (the
-    workqueue layer's, parallel_guard) and sizes the threads to the free cores
-    (codegen/run/free_cores.py): OpenBLAS's count (global, codegen/run/blas_pool.py) and the
-    calling thread's Numba count, given back on the way out. Library parallel kernels run
-    their serial code when the count is 1 (codegen/kernels/threads_now.py)."""
+    """Around a call that runs BLAS products OpenBLAS may thread: holds `lock` (the workqueue
+    layer's, parallel_guard, for plans with parallel kernels too) and sizes OpenBLAS's threads
+    (a global, codegen/run/blas_pool.py) to the free cores (codegen/run/free_cores.py).
+
+    Numba's count is left as it is. Measured in one process at load 11 on the 2-vCPU EPYC,
+    both CPUs, five interleaved rounds (median ms): OpenBLAS sized and Numba kept: cnn 0.63,
+    mlp 20.2, mlp_deep 44.3; both sized (parallel kernels serial when busy): 0.64, 33.2, 59.2,
+    transformer 404; neither: 1.08, 79.0, 50.5, transformer 150. The own GEMM's blocks and
+    prange loops are long enough to gain from the second core's share of a busy machine;
+    OpenBLAS's threaded small products are not (its threads spin at the barrier)."""
 
     def __init__(self, lock=None):
         self._lock = lock
-        self._given_back = threading.local()
 
     def __enter__(self):
         if self._lock is not None:
             self._lock.acquire()
-        free = free_cores()
-        BLAS_POOL.limit(free)
-        wanted = numba.get_num_threads()
-        self._given_back.count = wanted if free < wanted else None
-        if free < wanted:
-            numba.set_num_threads(free)
+        BLAS_POOL.limit(free_cores())
         return self
 
     def __exit__(self, *exc) -> None:
-        wanted = self._given_back.count
-        if wanted is not None:
-            self._given_back.count = None
-            numba.set_num_threads(wanted)
         if self._lock is not None:
             self._lock.release()
 
 
-def sized_launch(parallel: bool) -> SizedLaunch:
-    """The launch guard of a plan that may run threads: parallel kernels hold the launch lock
-    too where the layer needs one."""
+def sized_launch(parallel: bool, blas: bool):
+    """The launch guard of a plan: the launch lock where parallel kernels need one, BLAS sized
+    to the free cores where it calls threaded BLAS products; None when it needs neither."""
     lock = parallel_guard() if parallel else None
-    return SizedLaunch(None if isinstance(lock, contextlib.nullcontext) else lock)
+    lock = None if isinstance(lock, contextlib.nullcontext) else lock
+    if not blas:
+        return lock
+    return SizedLaunch(lock)
 
 
 def arena_bytes(scratch: list[tuple[np.dtype, int]]) -> int:
