@@ -351,3 +351,12 @@ def test_argnums_past_the_call_names_the_function_and_the_calling_line():
     said = str(info.value)
     assert f"argument 2 of _loss_without_aux (test_compile.py:{defined})" in said
     assert f"the call at test_compile.py:{info.tb.tb_lineno} passes 1 positional" in said
+
+
+def test_an_int_argument_to_differentiate_is_named_as_the_argument_with_the_calling_line():
+    """It said 'holds an int64 tensor leaf at <leaf>' and no line."""
+    with pytest.raises(TypeError) as info:
+        bp.grad(_loss_without_aux)(np.arange(3))  # the calling line
+    said = str(info.value)
+    assert "argument 0 of a differentiated function is an int64 tensor (the call at " in said
+    assert f"test_compile.py:{info.tb.tb_lineno})" in said and "<leaf>" not in said

@@ -345,9 +345,9 @@ def test_explain_says_what_arenas_the_other_sizes_called_keep_as_a_call_holds_th
         held.restart_peak()  # what 4's call left alive stays counted, as the process holds it
         step(w, x6)
         report = step.explain(w, x6)
-    kept = re.search(r"those of the other sizes called before it: at most ([\d,]+) B \(4: ", (
-        report.dynamic
-    ))
+    kept = re.search(
+        r"those of the other sizes called before it: at most ([\d,]+) B \(4: ", (report.dynamic)
+    )
     assert kept, report.dynamic
     predicted = report.peak_on_call(1).allocated_peak_bytes + int(kept[1].replace(",", ""))
     assert held.peak == predicted

@@ -31,8 +31,8 @@ from .operand_errors import how_to_pass, what_value_is
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint, inner_joint, named_reason
-from .source import loc_text, user_frame_loc
 from .signature import bind_call, closest_key, miss_reason
+from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import current_trace
 
@@ -448,9 +448,11 @@ def _not_differentiable(i: int, leaf, path: str) -> TypeError:
             "pass a Python float (float(x)), a 0-d array (np.asarray(x)) or a tensor "
             "(bp.tensor(x)) to differentiate it"
         )
+    kind = _kind_text(leaf)
+    what = f"is {kind}" if path == "<leaf>" else f"holds {kind} leaf at {path}"  # the argument
     return TypeError(
-        f"argument {i} of a differentiated function holds {_kind_text(leaf)} leaf at {path}; "
-        f"only float tensors can be differentiated ({fix})"
+        f"argument {i} of a differentiated function {what} (the call at "
+        f"{loc_text(user_frame_loc())}); only float tensors can be differentiated ({fix})"
     )
 
 
