@@ -168,10 +168,10 @@ def command_line(args) -> str:
 def prebuilt_library_found() -> str | None:
     """The prebuilt library folder the children will load from, or None (none built, none
     usable, or BACKPLAN_PREBUILT_LIBRARY_DIR names an empty one)."""
-    from backplan.codegen.build.prebuilt_library import prebuilt_folder, usable
+    from .internals import prebuilt_library
 
-    folder = prebuilt_folder()
-    if not usable(folder):
+    folder = prebuilt_library.prebuilt_folder()
+    if not prebuilt_library.usable(folder):
         return None
     has_files = any(names for _, _, names in os.walk(folder))
     return folder if has_files else None

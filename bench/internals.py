@@ -31,6 +31,8 @@ _WHERE = {
     "vector_fma": "backplan.codegen.kernels.gemm.kernel:vector_fma",
     # whether steps size their threads to the free cores (threads.py's report)
     "adapting_threads": "backplan.codegen.run.free_cores:adapting",
+    # the library built ahead of time, which cold children load from (compile_cli.py)
+    "prebuilt_library": "backplan.codegen.build.prebuilt_library",
     # background driver builds, waited for outside timed rounds
     "driver_builder": "backplan.codegen.build.driver_builder",
     "wait_for_builds": "backplan.codegen.build.driver_builder:wait_for_builds",
