@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from backplan.ir.liveness import Plan
 from backplan.ir.peak import PeakReport, joint_calls, predicted_peak
 from backplan.ir.plans import JointPlans
-from backplan.runtime.backend import current_backend, use_backend
+from backplan.runtime.backend import backend_in_this_thread, current_backend
 from backplan.runtime.joint_step import JOINT_FROM_CALL
 from backplan.runtime.program import RegionProgram, SavedBufferInfo
 
@@ -240,7 +240,7 @@ class ExplainReport:
             return None
         if current_backend() == self.backend:
             return self.frontier_source()
-        with use_backend(self.backend):
+        with backend_in_this_thread(self.backend):  # other threads' steps keep theirs
             return self.frontier_source()
 
     def fits(self, nbytes: int) -> bool:

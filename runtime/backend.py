@@ -20,13 +20,17 @@ from backplan.ir.lowering import LoweredPlan, lower
 from backplan.ir.reference_storage import array_root
 
 BACKENDS = ("numba", "reference")
-_override: list[str] = []
+_override: list[str] = []  # use_backend: the whole process (threads a test starts included)
+_this_thread = threading.local()  # backend_in_this_thread: the calling thread only
 
 
 _DEFAULT = os.environ.get("BACKPLAN_BACKEND", "numba")  # read once: calls are hot
 
 
 def current_backend() -> str:
+    mine = getattr(_this_thread, "name", None)
+    if mine is not None:
+        return mine
     if _override:
         return _override[-1]
     if _DEFAULT not in BACKENDS:
@@ -43,6 +47,20 @@ def use_backend(name: str):
         yield
     finally:
         _override.pop()
+
+
+@contextmanager
+def backend_in_this_thread(name: str):
+    """use_backend for the calling thread alone: a report planning its frontier for its own
+    backend must not switch the backend of the steps other threads run meanwhile."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; use one of {BACKENDS}")
+    before = getattr(_this_thread, "name", None)
+    _this_thread.name = name
+    try:
+        yield
+    finally:
+        _this_thread.name = before
 
 
 class ReferenceRunner:

@@ -7,6 +7,8 @@ the two plans' arenas still held: explain prints both peaks and which call runs 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -23,7 +25,7 @@ from backplan.bench.memory_calls import (
 from backplan.bench.models import MODELS
 from backplan.bench.peers.backplan_peer import bench_function
 from backplan.codegen.run.memory_check import checked_memory, measure
-from backplan.runtime.backend import use_backend
+from backplan.runtime.backend import current_backend, use_backend
 from backplan.runtime.joint_step import JOINT_FROM_CALL
 
 CALLS = 5
@@ -95,6 +97,27 @@ def test_the_frontier_a_report_prints_is_planned_for_the_reports_backend(backend
     with use_backend(other):
         rows = [p.peak_bytes for p in report.frontier.points]
     assert rows[0] == report.peak_bytes
+
+
+def test_a_report_planning_for_its_backend_leaves_other_threads_theirs(backend):
+    """Planning the frontier for the report's backend switched the backend of the whole
+    process: a step another thread ran meanwhile ran on the report's backend."""
+    params, batch = model_arrays("mlp_tiny")
+    report = bp.explain(bp.value_and_grad(bench_function(MODELS["mlp_tiny"])), params, *batch)
+    planned, seen = report.frontier_source, {}
+
+    def source():
+        seen["report"] = current_backend()
+        other = threading.Thread(target=lambda: seen.update(other=current_backend()))
+        other.start()
+        other.join()
+        return planned()
+
+    report.frontier_source = source
+    with use_backend("reference" if backend == "numba" else "numba"):
+        process = current_backend()
+        assert report.frontier.points[0].peak_bytes == report.peak_bytes
+    assert seen == {"report": backend, "other": process}
 
 
 def test_an_idle_plan_adds_its_arena_and_nothing_else(backend):
