@@ -56,8 +56,8 @@ def _backplan_sizing() -> str:
     from .internals import adapting_threads
 
     if not adapting_threads():
-        return "every thread kept (BACKPLAN_ADAPT_THREADS=0)"
-    return "each step runs on the free cores (fewer when other processes use them)"
+        return "OpenBLAS's threads kept (BACKPLAN_ADAPT_THREADS=0)"
+    return "each step runs OpenBLAS on the free cores (fewer when other processes use them)"
 
 
 def _limit_blas(threads: int) -> str:

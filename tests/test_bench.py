@@ -455,7 +455,7 @@ def test_threads_flag_pins_and_records_affinity_and_cpu(restore_affinity, tmp_pa
     settings = env["threads"]["set_by_harness"]
     assert settings["affinity"] == f"os.sched_setaffinity: CPUs {first}"
     assert "threadpoolctl" in settings["blas_and_openmp"]
-    assert settings["backplan"].startswith("each step runs on the free cores")
+    assert settings["backplan"].startswith("each step runs OpenBLAS on the free cores")
     line = f"CPU: {cpu_name()} (1 usable of {os.cpu_count()} logical CPUs; affinity CPUs {first})"
     assert line in text and line in markdown.read_text()
 

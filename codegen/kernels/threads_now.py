@@ -3,7 +3,9 @@
 A library parallel kernel runs its serial code when the count is 1: a prange region on one
 thread still hands its work to a pool thread and waits for it (Numba's workqueue layer), which
 on a busy 2-vCPU box cost 50 us (median, 130-220 us mean) per region against 0.4 us serial.
-The step sets the count to the free cores (codegen/run/workspace.SizedLaunch).
+The count is the caller's (numba.set_num_threads in that thread): a program that set one
+thread no longer pays a pool hand-over per library parallel kernel. Steps do not lower it
+when the machine is busy (codegen/run/workspace.SizedLaunch says why).
 
 Numba's own numba.get_num_threads() inside a cached function works too, but adds an error
 branch with prints; this calls the runtime's `get_num_threads` symbol by name, which the

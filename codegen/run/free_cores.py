@@ -1,5 +1,5 @@
-"""How many of the process's CPUs are free now: the thread count a step's parallel kernels and
-BLAS should use.
+"""How many of the process's CPUs are free now: the thread count a step's BLAS should use
+(codegen/run/workspace.SizedLaunch).
 
 On a small shared machine a second thread only pays when its core is free. A parallel region
 (a prange loop, the own GEMM's blocks, OpenBLAS's threaded GEMM) ends at a barrier; when
