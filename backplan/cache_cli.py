@@ -27,6 +27,12 @@ def add_arguments(parser) -> None:
         "--dtypes", default="float32,float64", help="prebuild: comma-separated dtypes"
     )
     parser.add_argument(
+        "--drivers",
+        default="python",
+        help="prebuild: driver tiers to run the models on (python, inline: slower, compiles the "
+        "plans' drivers too)",
+    )
+    parser.add_argument(
         "--clear", action="store_true", help="prebuild: empty the prebuilt folder instead"
     )
 
@@ -79,14 +85,17 @@ def prebuild(args) -> int:
         return 0
     models = args.models.split(",") if args.models else builder.default_models()
     dtypes = args.dtypes.split(",")
-    refused = _unknown(models, builder.default_models(), "model") + _unknown(
-        dtypes, builder.DTYPES, "dtype"
+    drivers = args.drivers.split(",")
+    refused = (
+        _unknown(models, builder.default_models(), "model")
+        + _unknown(dtypes, builder.DTYPES, "dtype")
+        + _unknown(drivers, builder.DRIVER_CHOICES, "driver")
     )
     if refused:  # before any child process starts: each would fail on it, minutes in
         print("cache prebuild: " + "; ".join(refused))
         return 2
     print(f"compiling the library for {', '.join(models)} ({', '.join(dtypes)}) into {folder}")
-    failed = builder.build(folder, models, dtypes)
+    failed = builder.build(folder, models, dtypes, tuple(drivers))
     print(f"prebuilt library: {len(library_files(folder))} files in {folder}")
     return 1 if failed else 0
 

@@ -4,7 +4,7 @@ A cold first call spends most of its time compiling the library (GEMM, convoluti
 row kernels: 3-13 CPU s on the bench models) and the rest (0.5-2 s) on its own plan. This
 command, run once after installing (or after upgrading backplan, Numba or the CPU), compiles
 the library variants that the bench models use (each model's first value_and_grad or inference
-call, run by the Python-run driver and by the compiled one, in each dtype asked for) into the
+call, in each dtype asked for) into the
 prebuilt folder (codegen/build/prebuilt_library.py), from which every later process of this
 user loads them instead of compiling. A model that needs a variant the build did not make still
 compiles it, into the user's own library folder, as without the build.
@@ -22,9 +22,13 @@ import tempfile
 import time
 
 DTYPES = ("float32", "float64")
-# How the plan runs decides the argument types the library sees: from Python (the first calls)
-# or from the compiled driver (later calls, and its background build).
-DRIVERS = ("python", "inline")
+# How the plan runs could decide the argument types the library sees: from Python (the first
+# calls) or from the compiled driver (later calls, and its background build). Measured on
+# mlp_tiny, mlp, cnn and transformer: a compiled driver asks for no library variant the
+# Python-run first calls did not make (only a local lambda, which is never cached), and passes
+# with it took 3/4 of the build (the plans' drivers compile too), so "inline" is optional.
+DRIVERS = ("python",)
+DRIVER_CHOICES = ("python", "inline")
 
 
 def default_models() -> list[str]:

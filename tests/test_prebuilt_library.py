@@ -138,6 +138,9 @@ def test_prebuild_refuses_an_unknown_model_or_dtype_before_compiling_anything(ca
     assert main(["cache", "prebuild", "--models", "mlp", "--dtypes", "float32,int32"]) == 2
     said = capsys.readouterr().out
     assert "unknown dtype 'int32'" in said and "float32, float64" in said
+    assert main(["cache", "prebuild", "--models", "mlp", "--drivers", "python,compiled"]) == 2
+    said = capsys.readouterr().out
+    assert "unknown driver 'compiled'" in said and "python, inline" in said
 
 
 def test_the_compile_harness_says_its_children_load_a_prebuilt_library(tmp_path, monkeypatch):
