@@ -158,3 +158,21 @@ def test_the_compile_harness_says_its_children_load_a_prebuilt_library(tmp_path,
     assert f"prebuilt library in {folder}" in line
     cold = _library_text({"library_cache": None, "prebuilt_library": None})[0]
     assert "compiled in each cold child" in cold
+
+
+def test_prebuild_clear_removes_only_the_prebuilt_library_files(tmp_path, monkeypatch, capsys):
+    from backplan.__main__ import main
+
+    folder = tmp_path / "prebuilt"
+    (folder / "codegen" / "kernels").mkdir(parents=True)
+    ours = [
+        folder / "codegen" / "kernels" / n
+        for n in ("gather.one_hot-63.py311.bp.nbi", "gather.one_hot-63.py311.bp.1.nbc")
+    ]
+    other = folder / "codegen" / "kernels" / "notes.txt"
+    for path in (*ours, other):
+        path.write_bytes(b"x")
+    monkeypatch.setenv("BACKPLAN_PREBUILT_LIBRARY_DIR", str(folder))
+    assert main(["cache", "prebuild", "--clear"]) == 0
+    assert "removed 2 files of the prebuilt library" in capsys.readouterr().out
+    assert not any(path.exists() for path in ours) and other.exists()
