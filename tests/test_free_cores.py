@@ -252,3 +252,18 @@ def test_the_parallel_own_gemm_on_one_or_two_threads_matches_numpy(threads):
         numba.set_num_threads(before)
     np.testing.assert_allclose(c, a @ b.T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(batched, batch_a @ batch_b[0].T, rtol=1e-12)
+
+
+def test_a_forked_child_sizes_blas_though_the_parent_held_the_pool_lock():
+    """A fork while another thread holds the pool's lock leaves the child a fresh lock."""
+    from backplan.codegen.run.blas_pool import BLAS_POOL
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    with BLAS_POOL._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: the lock it inherited is held by no thread of its own
+            acquired = BLAS_POOL._lock.acquire(timeout=5)
+            os._exit(0 if acquired else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

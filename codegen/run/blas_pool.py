@@ -14,6 +14,7 @@ lowered it; a count someone else set since (threadpoolctl, a user's call) become
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 # (set, get) symbol pairs, by the prefixes OpenBLAS builds use (SciPy's and NumPy's wheels
@@ -87,3 +88,5 @@ class BlasPool:
 
 
 BLAS_POOL = BlasPool()
+if hasattr(os, "register_at_fork"):  # a fork while another thread held the lock: a fresh one
+    os.register_at_fork(after_in_child=lambda: setattr(BLAS_POOL, "_lock", threading.Lock()))
