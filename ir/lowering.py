@@ -1,7 +1,8 @@
 """The last steps of the pipeline: a plan with liveness becomes a lowered plan, the one object
 code generation renders and explain, export and the runtime read.
 
-widen (ops on bfloat16 and float16 compute in float32: ir/widen.py) -> fusion (which nodes
+widen (ops on bfloat16 and float16 compute in float32: ir/widen.py) -> strided copies (a
+reshape of a strided view reads a copy the plan holds: ir/strided_copies.py) -> fusion (which nodes
 share a kernel) -> epilogues (a GEMM takes the loop after it into its row
 blocks: ir/epilogue.py) -> schedule (consecutive row loops become stages of one row kernel,
 sharing a step) -> memory plan (where every buffer lives) -> donation (which outputs are
@@ -21,6 +22,7 @@ from .fusion import Kernel, alias_base, group_kernels, internal_shape, materiali
 from .graph import Value
 from .layout import BufferLayout, plan_layout
 from .liveness import Plan, plan_liveness
+from .strided_copies import copy_strided_reshapes
 from .widen import has_half, widen_with_origin
 
 RUN_KINDS = ("loop", "op")  # kernels that run code; views, aliases and literals cost nothing
@@ -55,6 +57,9 @@ class LoweredPlan:
     # plan widened for 16-bit floats (ir/widen.py): its node -> the node of the plan given
     # (casts into float32 have none); None: the plan given, unchanged
     origin: dict[Value, Value] | None = None
+    # the plan before its strided copies (ir/strided_copies.py), what the reference interpreter
+    # runs: NumPy copies such a reshape itself, a buffer ir/reference_storage.py counts
+    interpreted: Plan | None = None
     rendered: object = None  # what codegen made of it (codegen/render/emit.generate), once
     # output buffer (index in layout.outputs) -> the donated input it is written into
     donations: dict[int, int] = field(default_factory=dict)
@@ -83,7 +88,10 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
         plan = plan_liveness(graph, plan.donated)
-    graph = plan.graph
+    interpreted = plan
+    graph, origin = copy_strided_reshapes(plan.graph, origin)
+    if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)
+        plan = replace_graph(plan, graph)
     kernels = group_kernels(graph, origin)
     needed = materialized(graph, kernels)
     kernels = absorb_epilogues(kernels)
@@ -99,10 +107,19 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     private = [graph.inputs[i] for i in private_saved]
     layout = plan_layout(graph, kernels, buffers, private, steps)
     lowered = LoweredPlan(
-        plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin
+        plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )
     lowered.donations = donation_pairs(lowered)
     return lowered
+
+
+def replace_graph(plan: Plan, graph) -> Plan:
+    """plan's liveness for `graph` (the same inputs and outputs), still sharing the driver of
+    its symbolic plan's sizes (codegen keys that driver by its code)."""
+    new = plan_liveness(graph, plan.donated)
+    new.shared = plan.shared
+    graph.reasons = plan.graph.reasons
+    return new
 
 
 def literal_nodes(kernels: list[Kernel]) -> set[Value]:

@@ -164,7 +164,7 @@ def make_runner(
     backward's lowered plan may reuse private saved buffers after their last read, a forward's
     writes outputs into the inputs its plan donates (`lowered.donations`). background: the
     function's bp.compile(background=...), None for BACKPLAN_DRIVER's."""
-    plan = lowered.plan
+    plan = lowered.interpreted or lowered.plan  # NumPy copies a strided reshape itself
     backend = backend or current_backend()
     if backend == "reference":
         return ReferenceRunner(plan)
