@@ -10,7 +10,8 @@ Codegen's rule is mirrored (codegen/render/placement.py): every buffer is C-cont
 transpose, slice or broadcast derives its strides from its input's, and a reshape of a
 non-contiguous array is placed only when it adds or drops size-1 axes; any other is copied
 (a loop, a GEMM or a library kernel reading it reads the copy). 16-bit values are left as
-they were; a chain over a `full` literal is never a buffer. One copy per view chain (the same views of one buffer), however many reshapes read it.
+they were; a chain over a `full` literal is never a buffer. One copy per view chain (the same
+views of one buffer), however many reshapes read it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from .graph import Graph, Value
 from .layout import reads_its_input, storage_root
 from .reference_storage import c_strides
 from .types import is_half
+
+
+def is_strided_copy(value: Value) -> bool:
+    """A copy this step made (reports call it a copy: the user wrote a reshape)."""
+    return value.op == "astype" and value.dtype == value.inputs[0].dtype
 
 
 def copies_needed(graph: Graph) -> list[Value]:

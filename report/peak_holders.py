@@ -13,6 +13,7 @@ from __future__ import annotations
 from backplan.ir.lowering import lower
 from backplan.ir.peak import PeakReport, PlanCall
 from backplan.ir.printer import format_loc
+from backplan.ir.strided_copies import is_strided_copy
 
 from .memory import peak_step_words
 from .wording import format_bytes
@@ -51,4 +52,5 @@ def _largest_compiled(report: PeakReport, calls: list[PlanCall], count: int) -> 
 
 def _value_words(value) -> str:
     where = format_loc(value.loc)
-    return f"{value.op} {value.type}" + (f" at {where}" if where else "")
+    op = "copy of a strided view" if is_strided_copy(value) else value.op
+    return f"{op} {value.type}" + (f" at {where}" if where else "")

@@ -31,6 +31,7 @@ def fused_qkv(p, x, y):
 
 def arrays(requires_grad: bool):
     rng = np.random.default_rng(3)
+
     def f(*shape, grad=False):
         array = (rng.standard_normal(shape) * 0.3).astype(np.float32)
         return bp.tensor(array, requires_grad=grad)

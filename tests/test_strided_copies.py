@@ -56,3 +56,47 @@ def test_one_copy_and_the_values_of_numpy(shape, copies):
     np.testing.assert_allclose(float(value.numpy()), loss, rtol=1e-10)
     np.testing.assert_allclose(dh.numpy(), dh_want, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(dw.numpy(), dw_want, rtol=1e-9, atol=1e-12)
+
+
+def _graph(build):
+    """A graph of exp(x) (a buffer) viewed by `build`, its result summed."""
+    from backplan.ir.builder import Builder
+    from backplan.ir.graph import Graph
+    from backplan.ir.types import TensorType
+
+    graph = Graph("f")
+    b = Builder(graph)
+    x = graph.add_input(TensorType("f32", (2, 6, 4)))
+    graph.outputs = [build(b, b.exp(x))]
+    return graph
+
+
+def _cols(b, e, first_row, stop):
+    """e[first_row:, :, :stop]."""
+    return b.slice(e, starts=(first_row, 0, 0), stops=(2, 6, stop), steps=(1, 1, 1))
+
+
+@pytest.mark.parametrize(
+    "build, copied",
+    [
+        (lambda b, e: b.reshape(_cols(b, e, 0, 2), shape=(2, 6, 2, 1)), 0),  # a size-1 axis
+        (lambda b, e: b.reshape(_cols(b, e, 0, 2), shape=(2, 12)), 1),  # merges strided axes
+        (lambda b, e: b.reshape(b.transpose(e, perm=(0, 2, 1)), shape=(2, 24)), 1),
+        (lambda b, e: b.reshape(_cols(b, e, 1, 4), shape=(24,)), 0),  # the second batch row
+        (lambda b, e: b.reshape(e, shape=(12, 4)), 0),
+    ],
+)
+def test_a_copy_only_where_the_driver_cannot_view(build, copied):
+    """The rule of codegen/render/placement.py: a leading-axis slice stays contiguous and a
+    reshape adding size-1 axes keeps the strides; merging strided axes needs the copy. The
+    report names it a copy (the user wrote a reshape)."""
+    from backplan.ir.strided_copies import copy_strided_reshapes, is_strided_copy
+    from backplan.report.peak_holders import _value_words
+
+    graph = _graph(build)
+    new, origin = copy_strided_reshapes(graph, None)
+    copies = [n for n in new.nodes if is_strided_copy(n)]
+    assert len(copies) == copied and (new is graph) == (copied == 0)
+    for copy in copies:
+        assert origin[copy].op == "reshape" and _value_words(copy).startswith("copy of")
+        assert new.outputs[0].inputs[0] is copy
