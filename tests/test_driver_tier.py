@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import script_facts
 
 import backplan as bp
 from backplan.codegen.build import driver_builder, driver_tier
@@ -187,9 +188,7 @@ print(json.dumps({"tier": tier, "built": built, "now": plan.driver_tier}))
 
 
 def test_a_next_process_starts_on_the_driver_the_last_one_built(tmp_path):
-    import json
     import os
-    import subprocess
 
     env = {
         **os.environ,
@@ -198,15 +197,7 @@ def test_a_next_process_starts_on_the_driver_the_last_one_built(tmp_path):
     }
 
     def run() -> dict:
-        done = subprocess.run(
-            [sys.executable, "-c", NEXT_PROCESS],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return script_facts(NEXT_PROCESS, env=env, timeout=300)
 
     assert run() == {"tier": "python", "built": True, "now": "compiled"}
     assert run() == {"tier": "compiled", "built": True, "now": "compiled"}

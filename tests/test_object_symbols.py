@@ -2,13 +2,11 @@
 the symbols read off the object code are the ones LLVM finds defined (less internal constants),
 and a function loaded that way still runs, and still links into a function compiled after it."""
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numba
+from helpers import script_facts
 from llvmlite import binding as ll
 
 from backplan.codegen.build import object_symbols
@@ -64,15 +62,7 @@ def test_a_function_loaded_from_the_cache_runs_and_links_into_a_new_one(tmp_path
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
 
     def run():
-        done = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(tmp_path)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return script_facts(SCRIPT, str(tmp_path), env=env, timeout=300)
 
     first, second = run(), run()
     assert first["hits"] == 0 and second["hits"] == 1  # the second process loaded it
