@@ -441,8 +441,9 @@ def _not_differentiable(i: int, leaf, path: str) -> TypeError:
         "pass it as another argument, or mark a dataclass field that is not a tensor with "
         "bp.tree.static_field()"
     )
+    tensors = "float tensors"
     if hasattr(leaf, "__dlpack__") and not isinstance(leaf, Tensor | np.ndarray):
-        fix = how_to_pass(leaf)
+        fix, tensors = how_to_pass(leaf), "backplan's float tensors"  # a float torch tensor too
     if isinstance(leaf, np.generic) and np.issubdtype(leaf.dtype, np.floating):
         fix = (
             "pass a Python float (float(x)), a 0-d array (np.asarray(x)) or a tensor "
@@ -452,7 +453,7 @@ def _not_differentiable(i: int, leaf, path: str) -> TypeError:
     what = f"is {kind}" if path == "<leaf>" else f"holds {kind} leaf at {path}"  # the argument
     return TypeError(
         f"argument {i} of a differentiated function {what} (the call at "
-        f"{loc_text(user_frame_loc())}); only float tensors can be differentiated ({fix})"
+        f"{loc_text(user_frame_loc())}); only {tensors} can be differentiated ({fix})"
     )
 
 
