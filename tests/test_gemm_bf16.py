@@ -1,7 +1,8 @@
 """The own GEMM reads bfloat16 operands (uint16 bits) as they are, widening them into float32
 panels while it packs them (or, on a CPU with AVX512_BF16, packing them in k-pairs for
-VDPBF16PS: test_gemm_bf16_dot.py): float32 products and sums, a float32 result. Compiled plans give a
-matmul of two bfloat16 values to it directly, with no float32 copy of either (ir/widen.py)."""
+VDPBF16PS: test_gemm_bf16_dot.py): float32 products and sums, a float32 result. Compiled plans
+give a matmul of two bfloat16 values to it directly, with no float32 copy of either
+(ir/widen.py)."""
 
 from __future__ import annotations
 

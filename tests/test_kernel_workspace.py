@@ -15,12 +15,12 @@ import backplan as bp
 from backplan.ir.kernel_workspace import conv_workspace_elements
 from backplan.ir.peak import joint_calls, predicted_peak
 
-N, C, H, O = 16, 4, 10, 6  # batch, channels in and out, image side (3x3 kernels, padding 1)
+N, C, H, K = 16, 4, 10, 6  # batch, channels in, image side, channels out (3x3 kernels, padding 1)
 
 
 def _conv_step():
     rng = np.random.default_rng(0)
-    w = bp.tensor(rng.standard_normal((O, C, 3, 3)).astype(np.float32))
+    w = bp.tensor(rng.standard_normal((K, C, 3, 3)).astype(np.float32))
     x = bp.tensor(rng.standard_normal((N, C, H, H)).astype(np.float32))
     step = bp.value_and_grad(lambda w, x: bp.tanh(bp.conv2d(x, w, padding=1)).sum())
     return predicted_peak(joint_calls(step.trace(w, x).plan, 1), "numba")
@@ -28,7 +28,7 @@ def _conv_step():
 
 def test_the_compiled_peak_counts_the_conv_columns_while_the_kernel_runs():
     report = _conv_step()
-    columns = conv_workspace_elements(N, (H, H), O, C * 9, 1) * 4
+    columns = conv_workspace_elements(N, (H, H), K, C * 9, 1) * 4
     conv_steps = [s for s in report.steps if s.what.startswith("conv2d")]
     assert [s.what for s in conv_steps] == ["conv2d", "conv2d_weight_grad"]  # x needs no grad
     assert all(s.held["workspace"] == columns for s in conv_steps)
