@@ -125,6 +125,13 @@ class DataParallelStep:
                     None,
                     self._run_in_plan(in_plan, args, kwargs, key, leaves, exchange),
                 )
+        # a call whose buckets start after it posts its agreement before the plan runs and waits
+        # for it after: the ranks post it together, so the wait finds the others' message there
+        # instead of being one more meeting point after the plan (which met the slower rank's
+        # compute; ZeRO-1's reduce-scatter and all-gather then met it twice more). Accumulating,
+        # the k-th call agrees after adding: a round failing its checks posts nothing
+        early = in_plan is None and self.accumulate == 1
+        agreeing = self._agree_start(world, layout, lengths) if early else None
         result = self.fn(*args, **kwargs)
         (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
         arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
@@ -132,7 +139,9 @@ class DataParallelStep:
             arrays = self._accumulator.add(layout.fingerprint, lengths, arrays)
             if arrays is None:
                 return None, loss, aux
-        if in_plan is None:
+        if agreeing is not None:
+            exchange.weight = self._agree_finish(world, layout, agreeing, lengths, args, kwargs)
+        elif in_plan is None:
             exchange.weight = self._agree(world, layout, lengths, args, kwargs)
         exchange.start(lambda index: arrays[index])
         return exchange, None, aux
@@ -323,13 +332,22 @@ class DataParallelStep:
         the batch arguments' lengths. On a layout mismatch every rank gathers the leaf lists and
         raises the same error, before any gradient moves. Returns this rank's share of the
         global batch when ranks hold different numbers of rows (None when all hold the same)."""
+        agreeing = self._agree_start(world, layout, lengths)
+        return self._agree_finish(world, layout, agreeing, lengths, args, kwargs)
+
+    def _agree_start(self, world: World, layout: Layout, lengths) -> tuple:
+        """Post the agreement's allreduce (non-blocking); _agree_finish waits for it."""
         digest = lengths_digest(lengths)
         mine = np.array([layout.fingerprint, -layout.fingerprint, digest, -digest], np.int64)
         highest = np.empty_like(mine)
+        return mine, highest, world.comm.Iallreduce(mine, highest, op=mpi_module().MAX)
+
+    def _agree_finish(self, world: World, layout: Layout, agreeing, lengths, args, kwargs):
+        """Wait for the agreement _agree_start posted and act on it (see _agree)."""
+        mine, highest, request = agreeing
         if self.timeout is None:
-            world.comm.Allreduce(mine, highest, op=mpi_module().MAX)
+            request.Wait()
         else:
-            request = world.comm.Iallreduce(mine, highest, op=mpi_module().MAX)
             wait_or_raise(request, self.timeout, "the agreement of the step's layouts")
         if (highest[:2] != mine[:2]).any():
             require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)

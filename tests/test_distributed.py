@@ -765,6 +765,57 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
 
 
 @needs_mpi
+def test_a_step_whose_buckets_start_after_the_call_posts_its_agreement_before_the_plan(tmp_path):
+    """ZeRO-1 and overlap=False start their exchange after the plan: the agreement of layouts
+    is posted (non-blocking) before the plan runs and waited for after it, so the ranks meet
+    once after the plan (in the exchange), not once more in the agreement; the values stay
+    those of the step and a mismatch is still caught before any gradient moves."""
+    result = run_script(
+        tmp_path,
+        """
+        from backplan.distributed import sharding
+        events = []
+        class Recording:  # the value_and_grad the step runs, noting when its plan runs
+            def __init__(self, fn):
+                self.fn = fn
+            def __getattr__(self, name):
+                return getattr(self.fn, name)
+            def __call__(self, *args, **kwargs):
+                events.append("plan")
+                return self.fn(*args, **kwargs)
+        params = bpd.broadcast(init_mlp([8, 15, 4], seed=rank))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        opt = bp.optim.adam(0.01)
+        for kind in ("zero1", "after the call"):
+            if kind == "zero1":
+                step = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=True)
+                inner = step.step
+            else:
+                step = inner = bpd.data_parallel(vg, overlap=False)
+            inner.fn = Recording(vg)
+            start, finish = inner._agree_start, inner._agree_finish
+            inner._agree_start = lambda *a: events.append("agreement posted") or start(*a)
+            inner._agree_finish = lambda *a: events.append("agreement waited") or finish(*a)
+            events.clear()
+            if kind == "zero1":
+                state = step.init(params)
+                p, state, loss = step(params, state, xs, ys)
+                plain = bpd.data_parallel(vg, optimizer=opt)
+                q, _, plain_loss = plain(params, plain.init(params), xs, ys)
+                assert all((p[k].numpy() == q[k].numpy()).all() for k in params)
+            else:
+                loss, grads = step(params, xs, ys)
+                plain_loss, plain = bpd.data_parallel(vg, overlap=False)(params, xs, ys)
+                assert all((grads[k].numpy() == plain[k].numpy()).all() for k in params)
+            assert loss.item() == plain_loss.item()
+            assert events == ["agreement posted", "plan", "agreement waited"], (kind, events)
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
 def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
     """accumulate=2: the first call of a round exchanges nothing (rank 1 does not reach its
     first call until rank 0 has finished its own, and a collective there would time out); the
