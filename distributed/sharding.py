@@ -11,6 +11,7 @@ batch; the state is the optimizer's state of a tree like params whose leaves are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -25,11 +26,13 @@ from .rows import scale_by_weight
 from .world import World, mpi_module
 
 
+@lru_cache(maxsize=4096)
 def split(n: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(counts, displs) of n elements over size ranks, the first n % size ranks one more."""
+    """(counts, displs) of n elements over size ranks, the first n % size ranks one more
+    (asked for every parameter on every step: cached, and plain arithmetic)."""
     small, extra = divmod(n, size)
     counts = tuple(small + (r < extra) for r in range(size))
-    displs = tuple(int(x) for x in np.cumsum((0,) + counts[:-1]))
+    displs = tuple(r * small + min(r, extra) for r in range(size))
     return counts, displs
 
 
@@ -122,7 +125,11 @@ class ShardedExchange:
         self.timeout = timeout
         self.weight: float | None = None
         self.mpi = mpi_module()
-        self.shards = shard_buckets(layout, world.size)
+        key = ("shards", layout.fingerprint, world.size)
+        if key not in self.pool:  # the same for every call of the signature
+            shards = shard_buckets(layout, world.size)
+            self.pool[key] = shards, [(s.slot(world.size), s.counts(world.size)) for s in shards]
+        self.shards, self._sizes = self.pool[key]
         self._loss = None
         self._loss_in_bucket = False
         self._started: list = []
@@ -142,10 +149,10 @@ class ShardedExchange:
             if self.weight is not None:
                 scale_by_weight(loss, self.weight)
             self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
-        for k, shards in enumerate(self.shards):
+        for k, (shards, (slot, _)) in enumerate(zip(self.shards, self._sizes, strict=True)):
             arrays = [array_of(i + 1) for i in shards.params]
             dtype = np.asarray(arrays[0]).dtype
-            slot = shards.slot(size) + (k == 0 and self._loss_in_bucket)
+            slot += k == 0 and self._loss_in_bucket
             send = self._buffer("send", shards, slot * size, dtype)
             pack_by_rank(shards, arrays, size, send, slot)
             if k == 0 and self._loss_in_bucket:
@@ -200,19 +207,15 @@ class ShardedExchange:
     def gather(self, shares: list[np.ndarray]) -> list[np.ndarray]:
         """Every parameter whole again from every rank's updated share (shares: this rank's,
         by parameter position); returns the parameters' arrays by position."""
-        size = self.world.size
         started = []
-        for shards in self.shards:
-            slot = shards.slot(size)
+        for shards, (slot, counts) in zip(self.shards, self._sizes, strict=True):
             mine = self._buffer(
                 "share sent", shards, slot, np.asarray(shares[shards.params[0]]).dtype
             )
-            mine[shards.counts(size)[self.world.rank] :] = 0
-            np.concatenate(
-                [np.asarray(shares[i]).reshape(-1) for i in shards.params],
-                out=mine[: shards.counts(size)[self.world.rank]],
-            )
-            full = self._buffer("gathered", shards, slot * size, mine.dtype)
+            n = counts[self.world.rank]
+            mine[n:] = 0
+            np.concatenate([np.asarray(shares[i]).reshape(-1) for i in shards.params], out=mine[:n])
+            full = self._buffer("gathered", shards, slot * self.world.size, mine.dtype)
             request = self.world.comm.Iallgather(mine, full)
             started.append((shards, full, request))
         arrays: list = [None] * len(shares)
@@ -224,7 +227,7 @@ class ShardedExchange:
     def _unpack(self, shards: BucketShards, full, arrays: list) -> None:
         """full holds rank 0's slot of shares of the bucket's parameters, then rank 1's, ...;
         each parameter is its ranks' shares end to end."""
-        slot = shards.slot(self.world.size)
+        slot = self._sizes[self.shards.index(shards)][0]
         offsets = [r * slot for r in range(self.world.size)]
         pieces: dict[int, list] = {i: [] for i in shards.params}
         for r in range(self.world.size):
