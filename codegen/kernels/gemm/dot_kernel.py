@@ -27,29 +27,16 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from backplan.codegen.kernels.gemm.kernel import splat, store_tile
+from backplan.codegen.kernels.half import BFloat
 
 DOT_MR, DOT_NV, DOT_LANES = 8, 2, 16  # an 8 x 32 float32 tile: 16 of the 32 zmm registers
 DOT_NR = DOT_NV * DOT_LANES
 INTRINSIC = "llvm.x86.avx512bf16.dpbf16ps.512"
 
 
-class _BFloat(ir.types.Type):
-    """LLVM's `bfloat` (llvmlite's IR builder has no such type): the intrinsic's operand type.
-    Values of it are only ever bitcast from integer vectors, never computed with here."""
-
-    def _to_string(self):
-        return "bfloat"
-
-    def __eq__(self, other):
-        return isinstance(other, _BFloat)
-
-    def __hash__(self):
-        return hash("bfloat")
-
-
 def _dot_function(module):
     floats = ir.VectorType(ir.FloatType(), DOT_LANES)
-    pairs = ir.VectorType(_BFloat(), 2 * DOT_LANES)
+    pairs = ir.VectorType(BFloat(), 2 * DOT_LANES)
     return cgutils.get_or_insert_function(
         module, ir.FunctionType(floats, [floats, pairs, pairs]), INTRINSIC
     )
@@ -58,7 +45,7 @@ def _dot_function(module):
 def _accumulate(builder, kp, a, b):
     """The pair loop: acc[r][v] = dot(acc[r][v], splat(A word r), B vector v)."""
     intp, words = kp.type, ir.VectorType(ir.IntType(32), DOT_LANES)
-    floats, pairs = ir.VectorType(ir.FloatType(), DOT_LANES), ir.VectorType(_BFloat(), 32)
+    floats, pairs = ir.VectorType(ir.FloatType(), DOT_LANES), ir.VectorType(BFloat(), 32)
     dot = _dot_function(builder.module)
     accs = [
         [cgutils.alloca_once_value(builder, ir.Constant(floats, None)) for _ in range(DOT_NV)]

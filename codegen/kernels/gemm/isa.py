@@ -48,15 +48,10 @@ BF16_PATHS = ("dot", "widen")
 
 
 def _target_has_bf16_dot() -> bool:
-    """Whether the code Numba generates may use AVX512_BF16: the features it compiles for
-    (NUMBA_CPU_FEATURES when set, else the host's, as LLVM reads them)."""
-    from llvmlite import binding
-    from numba.core import config
+    """Whether the code Numba generates may use AVX512_BF16 (kernels/half.py asks the same)."""
+    from backplan.codegen.kernels.half import target_has_avx512bf16
 
-    if config.CPU_FEATURES:
-        return "+avx512bf16" in config.CPU_FEATURES.split(",")
-    features = binding.get_host_cpu_features()
-    return bool(features.get("avx512bf16")) and bool(features.get("avx512f"))
+    return target_has_avx512bf16()
 
 
 @functools.cache
