@@ -14,7 +14,10 @@ value_and_grad alone (compute) and the exchange alone (the same buckets allreduc
 compute), and the wait after the call of either step (the exposed wait: what the allreduces
 still take once the plan has run); rank 0 prints their medians and step - compute, the exchange
 as the step sees it (packing, the allreduces, waiting for the slower rank) less what overlaps
-compute.
+compute. It also prints rank 0's CPU time per call (on a machine shared with other work the
+wall time stretches by whatever else runs there; the CPU time is what the rank itself did):
+the step, the compute, the wait after the call (MPICH spins) and the rest, the step's own work
+besides compute and waiting.
 """
 
 from __future__ import annotations
@@ -60,9 +63,10 @@ def exchange_alone(step, params, batch):
     return run
 
 
-def waited(step, params, batch, seconds: list, done: list | None = None):
-    """A step call that records how long it waits for its allreduces after the plan ran, and
-    in `done` how many of the buckets its driver started had completed by then."""
+def waited(step, params, batch, seconds: list, done: list | None = None, cpu_seconds=None):
+    """A step call that records how long it waits for its allreduces after the plan ran (and
+    in cpu_seconds the CPU time of that wait), and in `done` how many of the buckets its
+    driver started had completed by then."""
     from backplan.distributed.driver_mpi import BUCKET_SLOTS, DONE, HEADER, STATE
     from backplan.distributed.exchange import Exchange
 
@@ -72,9 +76,11 @@ def waited(step, params, batch, seconds: list, done: list | None = None):
             inside = [r for _, _, r in exchange.started if hasattr(r, "table")]
             complete = [r.table[HEADER + r.k * BUCKET_SLOTS + STATE] == DONE for r in inside]
             done.append((sum(complete), len(inside)))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         exchange.finish()
         seconds.append(time.perf_counter() - start)
+        if cpu_seconds is not None:
+            cpu_seconds.append(time.thread_time() - cpu)
 
     return run
 
@@ -101,11 +107,39 @@ def zero_state_text(vg, bucket_bytes, params, batch) -> str:
     return f"{mine:,} B of {whole:,} B"
 
 
-def lockstep_medians(calls: dict, rounds: int, repeats: int) -> dict:
+def lockstep_medians(calls: dict, rounds: int, repeats: int, cpu: dict | None = None) -> dict:
     """Median seconds per call of each entry, timed in interleaved rounds of a fixed number of
-    calls (count=): every rank makes the same calls, so their collectives match."""
+    calls (count=): every rank makes the same calls, so their collectives match. cpu: filled
+    with each entry's median CPU seconds per call (this thread's: on a machine shared with
+    other work the wall time stretches by whatever else runs, the CPU time does not)."""
+    if cpu is not None:
+        calls = {name: _cpu_timed(call, cpu.setdefault(name, [])) for name, call in calls.items()}
     medians = interleaved_medians(calls, rounds, 0.0, count=repeats)
+    if cpu is not None:
+        cpu.update({name: float(np.median(seconds)) for name, seconds in cpu.items()})
     return {name: ms / 1e3 for name, ms in medians.items()}
+
+
+def _cpu_timed(call, seconds: list):
+    def run():
+        start = time.thread_time()
+        call()
+        seconds.append(time.thread_time() - start)
+
+    return run
+
+
+def cpu_text(cpu: dict, waits: dict, size: int) -> str:
+    """Rank 0's CPU time per call: the step, the compute alone, and with several ranks the CPU
+    time of the wait after the call (MPICH spins while it waits) and what the step does besides
+    compute and that wait: the rank's own work for the exchange (the agreement, starting and
+    testing the buckets inside the driver, unpacking) and the step's Python."""
+    text = f"CPU per call: step {cpu['step'] * 1e3:.2f} ms  compute {cpu['compute'] * 1e3:.2f} ms"
+    if size == 1:
+        return text
+    wait = float(np.median(waits["wait_cpu"]))
+    own = cpu["step"] - cpu["compute"] - wait
+    return f"{text}  the wait after the call {wait * 1e3:.2f} ms  the rest {own * 1e3:.2f} ms"
 
 
 def main(argv=None) -> int:
@@ -134,14 +168,17 @@ def main(argv=None) -> int:
         "step_after": lambda: after(params, *batch),
         "compute": lambda: vg(params, *batch),
     }
-    waits: dict = {"wait": [], "wait_after": []}
+    waits: dict = {"wait": [], "wait_after": [], "wait_cpu": []}
     if size > 1:
         calls["exchange"] = exchange_alone(step, params, batch)
-        calls["wait"] = waited(step, params, batch, waits["wait"], waits.setdefault("done", []))
+        calls["wait"] = waited(
+            step, params, batch, waits["wait"], waits.setdefault("done", []), waits["wait_cpu"]
+        )
         calls["wait_after"] = waited(after, params, batch, waits["wait_after"])
     if args.zero:
         calls.update(training_steps(vg, args.bucket_bytes, params, batch))
-    medians = lockstep_medians(calls, args.rounds, args.repeats)
+    cpu: dict = {}
+    medians = lockstep_medians(calls, args.rounds, args.repeats, cpu)
     if rank == 0:
         report = step.explain(params, *batch)
         inside = sum(row.calls_in_flight is not None for row in report.buckets)
@@ -164,11 +201,13 @@ def main(argv=None) -> int:
             f"{medians['step_after'] * 1e3:.2f} ms  compute alone {medians['compute'] * 1e3:.2f} ms"
             f"  step - compute {exposed * 1e3:.2f} ms{alone}"
         )
+        print(cpu_text(cpu, waits, size))
         if args.zero:
             print(
                 f"adam step: unsharded {medians['adam'] * 1e3:.2f} ms  ZeRO-1 "
                 f"{medians['adam_zero1'] * 1e3:.2f} ms  (optimizer state per rank: "
-                f"{zero_state_text(vg, args.bucket_bytes, params, batch)})"
+                f"{zero_state_text(vg, args.bucket_bytes, params, batch)}); CPU per call "
+                f"{cpu['adam'] * 1e3:.2f} / {cpu['adam_zero1'] * 1e3:.2f} ms"
             )
     return 0
 
