@@ -22,7 +22,7 @@ import threading
 import types
 from dataclasses import dataclass
 
-from backplan.codegen.build import cache
+from backplan.codegen.build import cache, code_cache
 from backplan.codegen.jit import AS_PYTHON
 from backplan.codegen.render.kernel_source import KernelSource
 from backplan.codegen.run.address_calls import AddressCall
@@ -86,7 +86,7 @@ def _import(source: KernelSource):
     module.__source_text__ = source.source  # to write the file again if it is deleted
     sys.modules[module.__name__] = module
     # Run the source generated now under the file's name: Numba's cache keys on the file.
-    exec(compile(source.source, path, "exec"), module.__dict__)
+    exec(code_cache.compiled(source.source, path, directory), module.__dict__)
     return module
 
 
