@@ -29,10 +29,14 @@ def is_strided_copy(value: Value) -> bool:
 
 
 def copies_needed(graph: Graph) -> list[Value]:
-    """The reshapes of `graph` that no strides over their input's buffer express."""
+    """The reshapes of `graph` that no strides over their input's buffer express. Only views
+    are walked: any other node's buffer is C-contiguous (what `_strides` falls back to for an
+    input it was not given), and most plans hold few views among thousands of nodes."""
     strides: dict[Value, tuple | None] = {}
     needed = []
     for node in graph.nodes:
+        if node.op not in _VIEWS or is_half(node.dtype):
+            continue
         strides[node] = _strides(node, strides)
         if strides[node] is None:
             needed.append(node)
