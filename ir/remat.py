@@ -240,8 +240,32 @@ def recompute_after(
     (a new graph, its forward part, each old value -> its copy)."""
     held = held_across(graph, forward)
     available = (set(held) - chosen) | set(graph.inputs) | _constants(graph)
-    chains = {v: _chain(v, available, any_op, None) for v in held if v in chosen}
-    return _recomputed_in_gradients(graph, forward, chains)
+    graph, mapping = copy_graph(graph)
+    forward = frozenset(mapping[n] for n in forward)
+    targets = {mapping[v] for v in held if v in chosen}
+    available = {mapping[v] for v in available}
+
+    def chain_of(value: Value, copies: dict) -> list[Value]:
+        # the chain to value less what earlier chains copied already (their own chains are
+        # copied too): each node is walked once, where one chain per value, each walked back
+        # to the values still held, was quadratic in a run of recomputed layers
+        chain = _chain(value, _Either(available, copies), any_op, None)
+        if chain is None:
+            raise ValueError(f"a {value.op} value chosen for recomputation needs a graph input")
+        return chain
+
+    _recompute_in_gradients(graph, forward, targets, chain_of)
+    return graph, forward, mapping
+
+
+class _Either:
+    """Membership in either of two containers (a stop set for _chain)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __contains__(self, value) -> bool:
+        return value in self.first or value in self.second
 
 
 def _recomputed_in_gradients(
@@ -252,7 +276,7 @@ def _recomputed_in_gradients(
     graph, mapping = copy_graph(graph)
     chains = {mapping[v]: [mapping[n] for n in chain] for v, chain in chains.items()}
     forward = frozenset(mapping[n] for n in forward)
-    _recompute_in_gradients(graph, forward, chains)
+    _recompute_in_gradients(graph, forward, chains, lambda value, _copies: chains[value])
     return graph, forward, mapping
 
 
@@ -260,13 +284,14 @@ def _constants(graph: Graph) -> set[Value]:
     return {n for n in graph.nodes if n.op in REBUILT_OPS}
 
 
-def _recompute_in_gradients(graph: Graph, forward: set[Value], chains: dict) -> None:
-    """Copy each chain right before the first gradient node that reads its value."""
+def _recompute_in_gradients(graph: Graph, forward: set[Value], chains, chain_of) -> None:
+    """Copy each chain right before the first gradient node that reads its value. chains: the
+    values rebuilt; chain_of(value, copies made so far): the forward nodes rebuilding it."""
     copies: dict[Value, Value] = {}
     nodes = []
 
     def emit(value: Value) -> Value:
-        for node in chains[value]:
+        for node in chain_of(value, copies):
             if node not in copies:
                 inputs = tuple(copies.get(i, i) for i in node.inputs)
                 copies[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
