@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from .fusion import Kernel, index_map, internal_shape, is_alias
 from .graph import Graph, Value
 from .memory_plan import BufferRequest, assign_memory
-from .registry import get_op
+from .registry import REGISTRY, get_op
 from .types import DTYPES
 
 # Elementwise outputs may overwrite a dying input in place. Off: LLVM cannot prove the two
@@ -29,7 +29,8 @@ IN_PLACE = False
 
 def reads_its_input(value: Value) -> bool:
     """A view or alias: no buffer of its own, it reads its (only) input's."""
-    return value.op != "input" and (is_alias(value) or get_op(value.op).fusion == "view")
+    op = value.op
+    return op != "input" and (is_alias(value) or (REGISTRY.get(op) or get_op(op)).fusion == "view")
 
 
 def storage_root(value: Value) -> Value:
@@ -80,11 +81,15 @@ class BufferLayout:
 def lifetimes(graph: Graph, kernels: list[Kernel], steps: list[int]) -> dict[Value, int]:
     """Last step that reads each storage root (through views); outputs live past the end."""
     last: dict[Value, int] = {}
+    roots: dict[Value, Value] = {}  # storage_root of each input read, asked once
     for step, kernel in zip(steps, kernels, strict=True):
         for node in kernel.computed:
             for inp in node.inputs:
-                root = storage_root(inp)
-                last[root] = max(last.get(root, -1), step)
+                root = roots.get(inp)
+                if root is None:
+                    root = roots[inp] = storage_root(inp)
+                if last.get(root, -1) < step:
+                    last[root] = step
     for out in graph.outputs:
         last[storage_root(out)] = len(kernels)
     return last
@@ -102,8 +107,10 @@ def plan_layout(
     steps: the schedule step of each kernel; kernels fused into one row kernel share a step,
     since their rows interleave (default: one step per kernel)."""
     steps = steps if steps is not None else list(range(len(kernels)))
-    kernel_of = {n: kernel for kernel in kernels for n in kernel.all_nodes}
-    step_of = {n: steps[k] for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
+    kernel_of, step_of = {}, {}
+    for kernel, step in zip(kernels, steps, strict=True):
+        for n in kernel.all_nodes:
+            kernel_of[n], step_of[n] = kernel, step
     last = lifetimes(graph, kernels, steps)
     output_roots = {storage_root(o) for o in graph.outputs}
     layout = BufferLayout()

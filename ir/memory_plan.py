@@ -9,6 +9,8 @@ the last time). Placement is greedy best-fit by decreasing size over the interva
 TFLite's and tinygrad's planners, which keeps arenas close to `lower_bound_bytes`.
 """
 
+import bisect
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,8 +170,15 @@ def _place_best_fit(chains: list[list[BufferRequest]], alignment: int) -> tuple[
     members = sum(len(chain) for chain in chains)
     first_steps, last_steps = np.empty(members, np.int64), np.empty(members, np.int64)
     starts, ends = np.empty(members, np.int64), np.empty(members, np.int64)
-    offsets, placed, end = [0] * len(chains), 0, 0
-    for i in order:
+    offsets, end = [0] * len(chains), 0
+    swept = _largest_by_sweep(chains, order, alignment, offsets)
+    for placed, i in enumerate(order[:swept]):
+        r = chains[i][0]
+        first_steps[placed], last_steps[placed] = r.first_step, r.last_step
+        starts[placed], ends[placed] = offsets[i], offsets[i] + r.nbytes
+        end = max(end, offsets[i] + r.nbytes)
+    placed = swept
+    for i in order[swept:]:
         nbytes, first, last = chains[i][0].nbytes, chains[i][0].first_step, chains[i][-1].last_step
         if nbytes == 0:
             continue  # occupies nothing; stays at offset 0
@@ -181,6 +190,64 @@ def _place_best_fit(chains: list[list[BufferRequest]], alignment: int) -> tuple[
             placed += 1
         end = max(end, offsets[i] + nbytes)
     return offsets, end
+
+
+def _largest_by_sweep(chains: list, order: list[int], alignment: int, offsets: list) -> int:
+    """Place the leading run of `order` whose chains are single buffers of its first (the
+    largest) size, as _tightest_gap would, one after another; returns how many were placed.
+    They come in order of first step, so the placed buffers live at a new one's first step
+    are exactly those live at the same time as it, and they never overlap: a free list of
+    the gaps between them, kept sorted by (size, address) as buffers come and go, gives the
+    tightest gap (the first of equals by address) without scanning every live buffer (a deep
+    uniform MLP's backward places thousands of equal activations, each beside hundreds of
+    held values). The other sizes, and chains that take over a buffer in place, follow the
+    general scan."""
+    nbytes = chains[order[0]][0].nbytes if order else 0
+    if nbytes == 0:
+        return 0
+    run = 0
+    while run < len(order) and len(chains[order[run]]) == 1:
+        if chains[order[run]][0].nbytes != nbytes:
+            break
+        run += 1
+    live_starts: list[int] = []  # the live buffers' offsets, in address order
+    gaps: list[tuple[int, int]] = []  # (size, address) of the gap before each live buffer
+    expiry: list[tuple[int, int]] = []  # heap of (last step, offset)
+    aligned = -(-nbytes // alignment) * alignment  # a buffer's aligned extent
+    for i in order[:run]:
+        r = chains[i][0]
+        while expiry and expiry[0][0] < r.first_step:
+            _free(live_starts, gaps, heapq.heappop(expiry)[1], aligned)
+        k = bisect.bisect_left(gaps, (nbytes, -1))
+        offsets[i] = (
+            gaps[k][1] if k < len(gaps) else (live_starts[-1] + aligned if live_starts else 0)
+        )
+        _take(live_starts, gaps, offsets[i], aligned)
+        heapq.heappush(expiry, (r.last_step, offsets[i]))
+    return run
+
+
+def _take(live_starts: list, gaps: list, offset: int, aligned: int) -> None:
+    """Buffer [offset, offset + aligned) placed at the start of a gap (or past the last)."""
+    k = bisect.bisect_left(live_starts, offset)
+    before = live_starts[k - 1] + aligned if k else 0
+    if k < len(live_starts):
+        gaps.pop(bisect.bisect_left(gaps, (live_starts[k] - before, before)))
+        bisect.insort(gaps, (live_starts[k] - offset - aligned, offset + aligned))
+    bisect.insort(gaps, (offset - before, before))
+    live_starts.insert(k, offset)
+
+
+def _free(live_starts: list, gaps: list, offset: int, aligned: int) -> None:
+    """Buffer at offset no longer live: its gap and the one after it become one."""
+    k = bisect.bisect_left(live_starts, offset)
+    before = live_starts[k - 1] + aligned if k else 0
+    gaps.pop(bisect.bisect_left(gaps, (offset - before, before)))
+    if k + 1 < len(live_starts):
+        nxt = live_starts[k + 1]
+        gaps.pop(bisect.bisect_left(gaps, (nxt - offset - aligned, offset + aligned)))
+        bisect.insort(gaps, (nxt - before, before))
+    live_starts.pop(k)
 
 
 def _tightest_gap(starts: np.ndarray, ends: np.ndarray, nbytes: int, alignment: int) -> int:

@@ -187,6 +187,47 @@ def test_best_fit_places_as_the_plain_scan_does(requests, alignment_bytes):
         assert memory_plan._place_best_fit(chains, alignment_bytes) == expected
 
 
+@st.composite
+def uniform_chains(draw):
+    """Mostly one size, as a deep uniform network's activations are (the run the planner
+    places with a free list, memory_plan._largest_by_sweep), a few of other sizes after
+    them, zero-byte buffers, many ties of first step, sizes off the alignment, and now and
+    then a two-buffer chain that ends the run early."""
+    big = draw(st.sampled_from([64, 100, 192, 4000]))
+    sizes = st.sampled_from([big, big, big, big, 4, 0, 2 * big])
+    chains = []
+    for key in range(draw(st.integers(1, 40))):
+        first = draw(st.integers(-1, 25))
+        last = first + draw(st.sampled_from([0, 1, 2, 3, 8, 30]))
+        chain = [BufferRequest(key, draw(sizes), "f32", first, last)]
+        if draw(st.integers(0, 15)) == 0:
+            nxt = last + draw(st.integers(0, 4))
+            chain.append(BufferRequest((key, 1), chain[0].nbytes, "f32", last, nxt))
+        chains.append(chain)
+    return chains
+
+
+@settings(max_examples=400, deadline=None)
+@given(uniform_chains(), st.sampled_from([4, 64, 256]))
+def test_the_free_list_of_the_largest_size_places_as_the_plain_scan_does(chains, alignment):
+    """The leading run of equal buffers goes through the sorted free list, the rest through
+    the array scan: together, the same offsets and arena end as the plain scan, to the byte
+    (a free list that merged gaps wrongly, or took the last of equal gaps, fails here)."""
+    assert memory_plan._place_best_fit(chains, alignment) == _best_fit_by_scan(chains, alignment)
+
+
+def test_a_deep_uniform_backward_is_placed_by_the_free_list():
+    """Thousands of equal activations, each beside hundreds of held ones: the run the free
+    list places is all of them, and the offsets are the plain scan's."""
+    chains = [
+        [BufferRequest(i, 16384, "f32", i, i + (600 if i % 3 == 0 else 2))] for i in range(900)
+    ]
+    offsets = [0] * len(chains)
+    order = list(range(len(chains)))
+    assert memory_plan._largest_by_sweep(chains, order, 64, offsets) == 900
+    assert memory_plan._place_best_fit(chains, 64) == _best_fit_by_scan(chains, 64)
+
+
 # ---------------------------------------------------------------- in-place hints, by hand
 
 
