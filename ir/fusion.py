@@ -130,10 +130,11 @@ def group_kernels(graph: Graph, origin: dict[Value, Value] | None = None) -> lis
     home: dict[Value, int] = {}
     latest_loops: dict[tuple, int] = {}  # iteration shape -> its latest loop kernel
     reads: dict[int, set[Value]] = {}  # loop kernel -> buffers of other kernels it reads
+    tails: set[Value] = set()  # every reduction placed so far (kernels' lists are long)
     read_backs = _read_backs(graph, origin)
     for node in graph.nodes:
         avoid = home.get(read_backs.get(node))
-        home[node] = _place(node, kernels, home, latest_loops, reads, avoid)
+        home[node] = _place(node, kernels, home, latest_loops, reads, tails, avoid)
     kept = frozenset(read_backs.values())
     _recompute_cheap_inputs(kernels, home, graph.outputs, kept)
     _round_where_recomputed(kernels, home, kept, {n: i for i, n in enumerate(graph.nodes)})
@@ -301,7 +302,7 @@ def _new(kernels, kernel) -> int:
     return len(kernels) - 1
 
 
-def _place(node: Value, kernels, home, latest_loops: dict, reads: dict, avoid=None) -> int:
+def _place(node: Value, kernels, home, latest_loops: dict, reads: dict, tails, avoid=None) -> int:
     """The kernel node joins (a new one if none); never the loop `avoid`."""
     if node.op == "full" or (is_alias(node) and alias_base(node).op == "full"):
         return _new(kernels, Kernel("literal", [node], node.shape))
@@ -311,11 +312,13 @@ def _place(node: Value, kernels, home, latest_loops: dict, reads: dict, avoid=No
     if is_loop_op(node) or tail:
         shape = node.inputs[0].shape if tail else node.shape
         latest = latest_loops.get(shape)
-        target = _joinable_loop(node, shape, kernels, home, latest, reads, avoid)
+        target = _joinable_loop(node, shape, kernels, home, latest, reads, tails, avoid)
         if target is None:
             target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
             reads[target] = set()
         (kernels[target].reductions if tail else kernels[target].nodes).append(node)
+        if tail:
+            tails.add(node)
         reads[target].update(_outside_reads(node, target, kernels, home))
         return target
     kind = "view" if get_op(node.op).fusion == "view" else "op"
@@ -336,11 +339,20 @@ def _has_room(node, target: int, kernels, home, reads: dict) -> bool:
     kernel = kernels[target]
     if len(kernel.nodes) + len(kernel.reductions) >= MAX_LOOP_NODES:
         return False
-    return len(reads[target] | _outside_reads(node, target, kernels, home)) <= MAX_LOOP_READS
+    held = reads[target]
+    added = sum(1 for s in _outside_reads(node, target, kernels, home) if s not in held)
+    return len(held) + added <= MAX_LOOP_READS
 
 
 def _joinable_loop(
-    node, shape, kernels, home, latest: int | None, reads: dict, avoid: int | None = None
+    node,
+    shape,
+    kernels,
+    home,
+    latest: int | None,
+    reads: dict,
+    tails: set,
+    avoid: int | None = None,
 ) -> int | None:
     """The latest loop kernel of this iteration shape that computes one of node's inputs, or
     else the latest loop kernel of this shape at all (`latest`, kept by the caller: looking it
@@ -353,25 +365,29 @@ def _joinable_loop(
         home[s]
         for s in sources
         if s in home
+        and s not in tails
         and kernels[home[s]].kind == "loop"
         and kernels[home[s]].shape == shape
-        and s not in kernels[home[s]].reductions
     ]
     for target in ([max(producers)] if producers else []) + ([] if latest is None else [latest]):
         if target == avoid:
             continue
-        if _ready(sources, target, kernels, home) and _has_room(node, target, kernels, home, reads):
+        if _ready(sources, target, kernels, home, tails) and _has_room(
+            node, target, kernels, home, reads
+        ):
             return target
     return None
 
 
-def _ready(sources, target: int, kernels, home) -> bool:
+def _ready(sources, target: int, kernels, home, tails: set) -> bool:
     """Every input exists before kernel `target` runs (aliases and literals cost nothing, so
-    only the source matters) and none is a reduction that kernel is still accumulating."""
+    only the source matters) and none is a reduction that kernel is still accumulating
+    (tails: every reduction placed, each in the reductions of its home kernel only)."""
     for source in sources:
-        if source in home and kernels[home[source]].kind == "literal":
+        k = home.get(source, -1)
+        if k >= 0 and kernels[k].kind == "literal":
             continue
-        if home.get(source, -1) > target or source in kernels[target].reductions:
+        if k > target or (k == target and source in tails):
             return False
     return True
 
