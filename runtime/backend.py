@@ -21,14 +21,24 @@ from backplan.ir.reference_storage import array_root
 
 BACKENDS = ("numba", "reference")
 _override: list[str] = []  # use_backend: the whole process (threads a test starts included)
-_this_thread = threading.local()  # backend_in_this_thread: the calling thread only
+
+
+class _ThisThread(threading.local):
+    """backend_in_this_thread's choice for the calling thread. The class default answers a
+    thread that never chose: getattr(local, "name", None) raised and caught an AttributeError
+    (its message formatted) on every compiled call, ~1% of a small step's instructions."""
+
+    name: str | None = None
+
+
+_this_thread = _ThisThread()  # backend_in_this_thread: the calling thread only
 
 
 _DEFAULT = os.environ.get("BACKPLAN_BACKEND", "numba")  # read once: calls are hot
 
 
 def current_backend() -> str:
-    mine = getattr(_this_thread, "name", None)
+    mine = _this_thread.name
     if mine is not None:
         return mine
     if _override:
@@ -55,7 +65,7 @@ def backend_in_this_thread(name: str):
     backend must not switch the backend of the steps other threads run meanwhile."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; use one of {BACKENDS}")
-    before = getattr(_this_thread, "name", None)
+    before = _this_thread.name
     _this_thread.name = name
     try:
         yield

@@ -3,11 +3,20 @@
 import threading
 from contextlib import contextmanager
 
-_state = threading.local()
+
+class _GradState(threading.local):
+    """The calling thread's grad mode. The class default answers a thread that never set it,
+    without the AttributeError getattr(local, "enabled", True) raised and caught on every op
+    and compiled call."""
+
+    enabled: bool = True
+
+
+_state = _GradState()
 
 
 def is_grad_enabled() -> bool:
-    return getattr(_state, "enabled", True)
+    return _state.enabled
 
 
 @contextmanager
