@@ -84,12 +84,29 @@ def test_without_proc_stat_every_cpu_counts_as_free(tmp_path, monkeypatch):
     assert sampler.now() == 3
 
 
-def test_adapting_can_be_turned_off(monkeypatch):
-    monkeypatch.setattr(free_cores.FREE_CORES, "now", lambda: 1)
-    monkeypatch.setenv("BACKPLAN_ADAPT_THREADS", "0")
-    assert free_cores.free_cores() == len(free_cores.process_cpus())
-    monkeypatch.setenv("BACKPLAN_ADAPT_THREADS", "1")
+def test_adapting_can_be_turned_off_and_is_read_once_a_window(tmp_path, monkeypatch):
+    machine = FakeMachine(tmp_path, monkeypatch)
+    sampler = free_cores.FreeCores(
+        str(machine.path), clock=lambda: machine.wall, cpu_clock=lambda: machine.own
+    )
+    monkeypatch.setattr(free_cores, "FREE_CORES", sampler)
+    sampler.now()
+    machine.advance(1.0, others_cpus=1.0, own_cpus=1.0)  # another process holds a core
     assert free_cores.free_cores() == 1
+    monkeypatch.setenv("BACKPLAN_ADAPT_THREADS", "0")
+    assert free_cores.free_cores() == 1  # inside the window: the switch is not read per call
+    machine.advance(1.0, others_cpus=1.0, own_cpus=1.0)
+    assert free_cores.free_cores() == 2  # the next window: off, every CPU
+    monkeypatch.setenv("BACKPLAN_ADAPT_THREADS", "1")
+    machine.advance(1.0, others_cpus=1.0, own_cpus=1.0)
+    assert free_cores.free_cores() == 2  # on again: a new window's first sample has no rate
+    machine.advance(1.0, others_cpus=1.0, own_cpus=1.0)
+    assert free_cores.free_cores() == 1
+
+
+def test_busy_ticks_stops_at_the_first_line_that_is_not_a_cpu():
+    text = stat_text(b0=100, s0=50) + "cpu0 999999 0 0 0 0 0 0 0\n"  # after intr: not read
+    assert free_cores.busy_ticks([0], text) == 150
 
 
 def _openblas_controls():

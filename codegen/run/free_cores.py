@@ -12,7 +12,10 @@ The estimate: every SAMPLE_SECONDS, the busy time of the process's CPUs (/proc/s
 ticks) less this process's own CPU time, over the wall time between samples, is what the rest
 of the machine used; the free cores are the CPUs less that, rounded down after a slack of
 SLACK. Until the first window closes every CPU counts as free. Where /proc/stat is missing (not
-Linux) the answer is always every CPU. BACKPLAN_ADAPT_THREADS=0 turns the estimate off.
+Linux) the answer is always every CPU. BACKPLAN_ADAPT_THREADS=0 turns the estimate off (read
+when a window closes, as the CPUs the process may use are: a call between windows costs one
+clock read, not an environment lookup, which raised and caught two KeyErrors per call when
+the variable was unset).
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ def busy_ticks(cpus: list[int], stat_text: str) -> int | None:
     wanted = {f"cpu{c}" for c in cpus}
     total, seen = 0, 0
     for line in stat_text.splitlines():
+        if not line.startswith("cpu"):
+            break  # the CPU lines come first; the next (intr) holds hundreds of numbers
         fields = line.split()
-        if not fields or fields[0] not in wanted:
+        if fields[0] not in wanted:
             continue
         numbers = [int(x) for x in fields[1:9]]
         total += sum(numbers) - numbers[3] - numbers[4]  # less idle and iowait
@@ -81,13 +86,9 @@ class FreeCores:
 
     def _sample(self) -> None:
         wall, own, cpus = self._clock(), self._cpu_clock(), process_cpus()
-        try:
-            with open(self._stat_path) as file:
-                busy = busy_ticks(cpus, file.read())
-        except OSError:
-            busy = None
         self._next = wall + SAMPLE_SECONDS
-        if busy is None:
+        busy = self._busy_ticks(cpus) if adapting() else None
+        if busy is None:  # turned off, or no /proc/stat: every CPU
             self._last, self._count = None, len(cpus)
             return
         last, self._last = self._last, (wall, busy, own, cpus)
@@ -97,12 +98,17 @@ class FreeCores:
         used = (busy - last[1]) / _TICK - (own - last[2])
         self._count = free_count(len(cpus), max(0.0, used) / (wall - last[0]))
 
+    def _busy_ticks(self, cpus: list[int]) -> int | None:
+        try:
+            with open(self._stat_path) as file:
+                return busy_ticks(cpus, file.read())
+        except OSError:
+            return None
+
 
 FREE_CORES = FreeCores()
 
 
 def free_cores() -> int:
     """The CPUs of this process that no other process is using now (see the module text)."""
-    if not adapting():
-        return len(process_cpus())
     return FREE_CORES.now()
