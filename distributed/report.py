@@ -97,13 +97,13 @@ class DataParallelReport:
         else:
             how = (
                 f"sharded (ZeRO-1): each rank keeps the state of its 1/{self.size} of every "
-                "parameter and updates those elements. Each bucket above is reduce-scattered "
-                "instead of allreduced (the loss rides in the first bucket's, one more element "
-                "per rank, when it has the bucket's dtype), all started when the call returns "
-                "and waited on in bucket order before the update; then the updated shares are "
-                "all-gathered, bucket by bucket, all started after the update and waited on "
-                "in bucket order before step() returns: the bytes of one allreduce, in two "
-                "collectives every rank must reach"
+                "parameter and updates those elements. The buckets above of each dtype are "
+                "reduce-scattered end to end in one collective instead of allreduced one by "
+                "one (the loss rides in it, one more element per rank, when it has that "
+                "dtype), started when the call returns and waited on before the update; then "
+                "the updated shares are all-gathered in one collective per dtype, started "
+                "after the update and waited on before step() returns: the bytes of one "
+                "allreduce, in two collectives every rank must reach"
             )
         text = (
             f"Optimizer {self.optimizer}: {self.state_bytes_per_rank:,} B of optimizer state "

@@ -673,6 +673,13 @@ def test_zero1_shares_split_every_parameter_and_pack_rank_by_rank():
     ]
     for k, flat in zip(names, whole, strict=True):
         np.testing.assert_array_equal(flat, params[k].numpy().reshape(-1))
+    # buckets of one dtype travel as one reduce-scatter and one all-gather, in bucket order
+    small = bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=64)
+    layout = small.layout((params, bp.tensor(x), bp.tensor(y)))
+    assert len(layout.buckets) > 2
+    (fused,) = sharding.shard_buckets(layout, 3)
+    in_order = [x.index - 1 for b in layout.buckets for x in b.leaves if x.index != 0]
+    assert list(fused.params) == in_order and sum(fused.counts(3)) == sum(shards.counts(3))
 
 
 def test_shard_optimizer_refuses_what_it_cannot_shard():
@@ -762,6 +769,8 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
     )
     assert_ranks_ok(result)
     assert "of optimizer state per rank" in result.stdout and "ZeRO-1" in result.stdout
+    said = " ".join(result.stdout.split())
+    assert "reduce-scattered end to end in one collective" in said, said
 
 
 @needs_mpi
