@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from backplan.ir.budget import PlanPoint, plan_frontier, refined_within
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
+from backplan.ir.gc_pause import paused_gc
 from backplan.ir.peak import predicted_peak, predicted_peak_bytes
 from backplan.ir.pipeline import PlanChoices
 from backplan.ir.plans import StepPlans
@@ -113,8 +114,9 @@ class BudgetPlanner:
     def evaluate(self, point, narrowed: bool = False) -> EvaluatedPoint:
         key = (point.drop, narrowed)
         if key not in self._built:
-            plans = self.build(point.drop, narrowed)
-            peak = step_peak_bytes(plans)
+            with paused_gc():  # ir/gc_pause.py: full collections walk every plan built so far
+                plans = self.build(point.drop, narrowed)
+                peak = step_peak_bytes(plans)
             dtype = self.allow_dtype if narrowed else None
             held = self._narrowed_held(point) if narrowed else point.held_bytes
             self._built[key] = EvaluatedPoint(
@@ -279,9 +281,12 @@ class BudgetPlanner:
         )
 
     def _evaluated(self) -> list[EvaluatedPoint]:
+        with paused_gc():  # one pause over every row, not one per row
+            evaluated = [
+                self.evaluate(p, narrowed) for p, narrowed in self.candidates(self.points())
+            ]
         return sorted(
-            (self.evaluate(p, narrowed) for p, narrowed in self.candidates(self.points())),
-            key=lambda e: (e.added_flops, e.saved_dtype is not None, e.peak_bytes),
+            evaluated, key=lambda e: (e.added_flops, e.saved_dtype is not None, e.peak_bytes)
         )
 
     def evaluate_default(self) -> EvaluatedPoint:
