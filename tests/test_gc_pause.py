@@ -3,6 +3,7 @@ back as it was after, across nesting, exceptions and threads, and really held wh
 frontier's rows are built and lowered."""
 
 import gc
+import importlib
 import threading
 
 import numpy as np
@@ -85,4 +86,29 @@ def test_the_frontiers_rows_are_built_with_the_collector_paused(monkeypatch):
     x = np.ones((4, 8), np.float32)
     frontier = f.memory_frontier(w, x)
     assert len(frontier.points) >= 1 and states and not any(states)
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("front", ["value_and_grad", "compile"])
+def test_the_pipeline_plans_a_trace_with_the_collector_paused(monkeypatch, front):
+    """The trace's pipeline (autodiff, passes, the default plans) runs paused, for
+    value_and_grad and bp.compile alike; the collector is on again once the call returns."""
+    name = "functional" if front == "value_and_grad" else "compile"
+    module = importlib.import_module(f"backplan.tracer.{name}")
+    states = []
+    original = module.plan_choices
+
+    def recording(*args, **kwargs):
+        states.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "plan_choices", recording)
+    gc.enable()
+    w = bp.tensor(np.full((8, 8), 0.1, np.float32), requires_grad=True)
+    x = np.ones((4, 8), np.float32)
+    if front == "value_and_grad":
+        bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())(w, x)
+    else:
+        bp.compile(lambda w, x: bp.tanh(x @ w).sum())(w, x).backward()
+    assert states == [False]
     assert gc.isenabled()

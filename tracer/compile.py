@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
 from backplan.ir.errors import MemoryBudgetError
+from backplan.ir.gc_pause import paused_gc
 from backplan.ir.pipeline import PipelineOptions, plan_choices
 from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
@@ -303,12 +304,13 @@ class CompiledFunction(PlannedFunction):
             backend="reference" if current_backend() == "reference" else "numba",
         )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
-        choices = plan_choices(
-            graph, wrt, options, inlined=trace.inlined_losses, gradients=trace.inlined_gradients
-        )
-        planner = BudgetPlanner(choices, input_bytes, name, self.allow_saved_dtype)
-        planner.inlined = [joint.loc for joint in trace.inner_joints]
-        plans = self._plans_within_budget(planner)
+        with paused_gc():  # ir/gc_pause.py: the pipeline's objects, no garbage to look for
+            choices = plan_choices(
+                graph, wrt, options, inlined=trace.inlined_losses, gradients=trace.inlined_gradients
+            )
+            planner = BudgetPlanner(choices, input_bytes, name, self.allow_saved_dtype)
+            planner.inlined = [joint.loc for joint in trace.inner_joints]
+            plans = self._plans_within_budget(planner)
         program = RegionProgram(plans, name=name, input_names=names, background=self.background)
         if self.max_peak_bytes is None and self.saved_bytes_budget is None:  # a budgeted step
             # keeps the plans the budget chose

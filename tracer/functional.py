@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from backplan.ir.errors import MemoryBudgetError
+from backplan.ir.gc_pause import paused_gc
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
 from backplan.ir.pipeline import PipelineOptions, plan_choices
@@ -524,13 +525,14 @@ def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes=None, dtypes=(Non
     graph.outputs = [trace.value_of(loss)] + [trace.value_of(a) for a in aux_leaves]
     wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
     saved_dtype, allow_dtype = dtypes
-    planner = BudgetPlanner(
-        plan_choices(graph, wrt, PipelineOptions(joint=True, saved_dtype=saved_dtype)),
-        sum(v.type.nbytes for v in graph.inputs),
-        name,
-        allow_dtype=allow_dtype,
-    )
-    plans = planner.build() if max_peak_bytes is None else planner.fit_peak(max_peak_bytes)
+    with paused_gc():  # ir/gc_pause.py: the pipeline's objects, no garbage to look for
+        planner = BudgetPlanner(
+            plan_choices(graph, wrt, PipelineOptions(joint=True, saved_dtype=saved_dtype)),
+            sum(v.type.nbytes for v in graph.inputs),
+            name,
+            allow_dtype=allow_dtype,
+        )
+        plans = planner.build() if max_peak_bytes is None else planner.fit_peak(max_peak_bytes)
     return JointTrace(
         plans.plan, trace.captured, aux_treedef, len(aux_leaves), wrt, planner=planner
     )
