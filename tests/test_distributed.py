@@ -758,6 +758,24 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
             assert "pass the state step.init(params) returned" in str(error), str(error)
         else:
             raise AssertionError("the unsharded state went unnoticed")
+        # an f64 parameter beside f32 ones: a reduce-scatter and an all-gather per dtype (the
+        # f64 one first, as its bucket is; the f32 loss then travels alone), the same bits
+        mixed = bpd.broadcast({"w": params["w0"], "s": bp.tensor(np.arange(7.0) / 7,
+                                                                   requires_grad=True)})
+        mixed_vg = bp.value_and_grad(
+            lambda p, a: bp.sum(bp.tanh(a @ p["w"])) + bp.sum(p["s"] * p["s"]).astype("float32")
+        )
+        dtypes = [b.dtype for b in bpd.data_parallel(mixed_vg).layout((mixed, xs)).buckets]
+        assert dtypes[0] == "f64" and "f32" in dtypes, dtypes
+        got = {}
+        for shard in (False, True):
+            t = bpd.data_parallel(mixed_vg, optimizer=opt, shard_optimizer=shard, bucket_bytes=64)
+            p, s = mixed, t.init(mixed)
+            for _ in range(2):
+                p, s, loss = t(p, s, xs)
+            got[shard] = p, loss.item()
+        assert got[True][1] == got[False][1]
+        assert all((got[True][0][k].numpy() == got[False][0][k].numpy()).all() for k in mixed)
         report = step.explain(params, state, xs, ys)
         halves = sum((p.numpy().size + 1) // 2 for p in params.values())  # rank 0's shares
         assert report.state_bytes_per_rank == 8 + 2 * 4 * halves, report.state_bytes_per_rank
