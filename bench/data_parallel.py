@@ -85,8 +85,9 @@ def waited(step, params, batch, seconds: list, done: list | None = None, cpu_sec
     return run
 
 
-def training_steps(vg, bucket_bytes, params, batch) -> dict:
-    """Calls of the adam training step, unsharded and sharded (ZeRO-1), from the same params."""
+def training_steps(vg, bucket_bytes, params, batch, parts: dict | None = None) -> dict:
+    """Calls of the adam training step, unsharded and sharded (ZeRO-1), from the same params;
+    parts: filled with the ZeRO-1 step's parts (zero_parts) once the calls are warm."""
     calls = {}
     for name, shard in (("adam", False), ("adam_zero1", True)):
         train = bpd.data_parallel(
@@ -96,8 +97,49 @@ def training_steps(vg, bucket_bytes, params, batch) -> dict:
         for _ in range(3):
             train(params, state, *batch)
         train.step.wait_for_driver(params, *batch, timeout=600)
+        if shard and parts is not None:
+            zero_parts(train, parts)
         calls[name] = lambda train=train, state=state: train(params, state, *batch)
     return calls
+
+
+ZERO_PARTS = {
+    "start": "pack + post the reduce-scatter",
+    "finish": "reduce-scatter wait",
+    "update": "update of the shares",
+    "gather": "all-gather (pack, post, wait, unpack)",
+}
+
+
+def zero_parts(train, parts: dict) -> None:
+    """Record (wall, CPU) seconds of each part of this ZeRO-1 step's calls in parts[name]: the
+    sharded exchange's start, finish and gather, and the compiled update (a measurement in
+    this process only: it wraps the class's methods and the step's update)."""
+    from backplan.distributed.sharding import ShardedExchange
+
+    def timed(name, function):
+        samples = parts.setdefault(name, [])
+
+        def run(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            result = function(*args, **kwargs)
+            samples.append((time.perf_counter() - wall, time.thread_time() - cpu))
+            return result
+
+        return run
+
+    for name in ("start", "finish", "gather"):
+        setattr(ShardedExchange, name, timed(name, getattr(ShardedExchange, name)))
+    train._update = timed("update", train._update)
+
+
+def zero_parts_text(parts: dict) -> str:
+    """The parts' medians, wall / CPU ms per call."""
+    said = []
+    for name, text in ZERO_PARTS.items():
+        wall, cpu = (float(np.median([s[i] for s in parts[name]])) * 1e3 for i in (0, 1))
+        said.append(f"{text} {wall:.2f} / {cpu:.2f}")
+    return "ZeRO-1 parts, median wall / CPU ms per call: " + ", ".join(said)
 
 
 def zero_state_text(vg, bucket_bytes, params, batch) -> str:
@@ -175,8 +217,9 @@ def main(argv=None) -> int:
             step, params, batch, waits["wait"], waits.setdefault("done", []), waits["wait_cpu"]
         )
         calls["wait_after"] = waited(after, params, batch, waits["wait_after"])
+    parts: dict = {}
     if args.zero:
-        calls.update(training_steps(vg, args.bucket_bytes, params, batch))
+        calls.update(training_steps(vg, args.bucket_bytes, params, batch, parts))
     cpu: dict = {}
     medians = lockstep_medians(calls, args.rounds, args.repeats, cpu)
     if rank == 0:
@@ -209,6 +252,7 @@ def main(argv=None) -> int:
                 f"{zero_state_text(vg, args.bucket_bytes, params, batch)}); CPU per call "
                 f"{cpu['adam'] * 1e3:.2f} / {cpu['adam_zero1'] * 1e3:.2f} ms"
             )
+            print(zero_parts_text(parts))
     return 0
 
 
