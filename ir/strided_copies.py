@@ -16,11 +16,14 @@ views of one buffer), however many reshapes read it.
 
 from __future__ import annotations
 
-from .fusion import internal_shape
+import math
+
+from .fusion import internal_shape, is_alias
 from .graph import Graph, Value
 from .layout import reads_its_input, storage_root
 from .reference_storage import c_strides
-from .types import is_half
+from .registry import get_op
+from .types import TensorType, is_half
 
 
 def is_strided_copy(value: Value) -> bool:
@@ -29,42 +32,111 @@ def is_strided_copy(value: Value) -> bool:
 
 
 def copies_needed(graph: Graph) -> list[Value]:
-    """The reshapes of `graph` that no strides over their input's buffer express. Only views
-    are walked: any other node's buffer is C-contiguous (what `_strides` falls back to for an
-    input it was not given), and most plans hold few views among thousands of nodes."""
+    """The reshapes of `graph` that no strides over their input's buffer express."""
+    return [n for n, how in _needed(graph).items() if how == _RESHAPE]
+
+
+_RESHAPE, _LOGSUMEXP = "reshape", "logsumexp"
+
+
+def _needed(graph: Graph) -> dict[Value, object]:
+    """node -> how it reads a copy: _RESHAPE (its input, copied), _LOGSUMEXP (its input
+    transposed so the reduced axes come last, copied), or {operand index: the batch shape a
+    GEMM operand is broadcast to first, or None}. Strides are worked out for views only: any
+    other node's buffer is C-contiguous (what `_strides` falls back to for an input it was
+    not given), and most plans hold few views among thousands of nodes."""
     strides: dict[Value, tuple | None] = {}
-    needed = []
+    needed: dict[Value, object] = {}
     for node in graph.nodes:
-        if node.op not in _VIEWS or is_half(node.dtype):
-            continue
-        strides[node] = _strides(node, strides)
-        if strides[node] is None:
-            needed.append(node)
+        if node.op in _VIEWS:
+            if not is_half(node.dtype):
+                strides[node] = _strides(node, strides)
+                if strides[node] is None:
+                    needed[node] = _RESHAPE
+        elif node.op == "logsumexp" and _scattered_axes(node) and not is_half(node.dtype):
+            needed[node] = _LOGSUMEXP
+        elif _own_kernel(node):
+            operands = _operand_copies(node, strides)
+            if operands:
+                needed[node] = operands
     return needed
+
+
+def _own_kernel(node: Value) -> bool:
+    """A node compiled as a call of its own (codegen/render/opaque.py's emitters), not a
+    fused loop, view, alias or literal (ir/fusion.py's grouping)."""
+    if node.op in ("input", "full", "const") or is_alias(node):
+        return False
+    op = get_op(node.op)
+    return op.scalar is None and not op.loop_tail and op.fusion != "view"
+
+
+def _operand_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
+    """The operands of an op compiled as a call of its own that its emitter would copy in the
+    driver: a literal (np.full there) or a strided view where it reads a C-contiguous array.
+    A GEMM's have rules of their own; concatenate and pad_slice, and attention in its
+    token-first layout or with two leading axes, read strided views as they are."""
+    if node.op == "matmul":
+        return {} if is_half(node.dtype) else _matmul_copies(node, strides)
+    strided_ok = node.op in ("concatenate", "pad_slice") or (
+        node.op in ("attention", "attention_grad")
+        and (node.attrs.get("layout", "bhtd") == "bthd" or len(node.inputs[0].shape) == 4)
+    )
+    found: dict[int, tuple | None] = {}
+    for i, value in enumerate(node.inputs):
+        if is_half(value.dtype):
+            continue
+        shape = internal_shape(value.shape)
+        if _literal(value) and not strided_ok:
+            found[i] = None
+        elif not strided_ok and not _is_contiguous(shape, strides.get(value) or c_strides(shape)):
+            found[i] = None
+    return found
 
 
 def copy_strided_reshapes(
     graph: Graph, origin: dict[Value, Value] | None
 ) -> tuple[Graph, dict[Value, Value] | None]:
-    """(graph with an explicit copy before each reshape of a strided view, each node's node
-    of the graph given: origin composed, the copy standing for its reshape). Unchanged (the
-    same graph and origin) when no reshape needs one."""
-    needed = set(copies_needed(graph))
+    """(graph with an explicit copy wherever compiled code would read one: before each
+    reshape of a strided view, each GEMM operand that is strided where it lives or broadcast
+    over the batch, a logsumexp over axes that are not consecutive; each node's node of the
+    graph given: origin composed, a copy standing for its reader). Unchanged (the same graph
+    and origin) when nothing needs one."""
+    needed = _needed(graph)
     if not needed:
         return graph, origin
     new = Graph(graph.name, list(graph.inputs), [], [], dict(graph.constants))
     mapping: dict[Value, Value] = {v: v for v in graph.inputs}
     copies: dict[tuple, Value] = {}  # view chain (new graph) -> its copy
     source: dict[Value, Value] = {}  # node of new -> node of graph it computes
+
+    def copy_of(viewed: Value, reader: Value) -> Value:
+        chain = _view_chain(viewed)
+        if chain not in copies:
+            copy = Value("astype", [viewed], {"dtype": viewed.dtype}, viewed.type, reader.loc)
+            copies[chain] = _add(new, copy)
+            source[copy] = reader
+        return copies[chain]
+
+    def view(op: str, value: Value, attrs: dict, shape, reader: Value) -> Value:
+        made = _add(new, Value(op, [value], attrs, TensorType(value.dtype, shape), reader.loc))
+        source[made] = reader
+        return made
+
     for node in graph.nodes:
         inputs = [mapping[i] for i in node.inputs]
-        if node in needed:
-            viewed, chain = inputs[0], _view_chain(inputs[0])
-            if chain not in copies:
-                copy = Value("astype", [viewed], {"dtype": viewed.dtype}, viewed.type, node.loc)
-                copies[chain] = _add(new, copy)
-                source[copy] = node
-            inputs = [copies[chain]]
+        how = needed.get(node)
+        if how == _RESHAPE:
+            inputs = [copy_of(inputs[0], node)]
+        elif how == _LOGSUMEXP:
+            mapping[node] = _logsumexp_of_copy(node, inputs[0], copy_of, view, new, source)
+            continue
+        elif how is not None:
+            for i, batch in how.items():
+                if node.op == "matmul":
+                    inputs[i] = _gemm_operand(inputs[i], batch, node, copy_of, view)
+                else:
+                    inputs[i] = copy_of(inputs[i], node)
         if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
             mapping[node] = _add(new, node)
         else:
@@ -74,6 +146,83 @@ def copy_strided_reshapes(
     if origin is None:
         return new, source
     return new, {v: origin[s] for v, s in source.items() if s in origin}
+
+
+def _matmul_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
+    """The operands codegen's GEMM (codegen/kernels/matmul.py) reads only after a copy: one
+    that is not C-contiguous where it lives once a transpose of its last two axes is taken as
+    a flag, or (batched) whose batch is broadcast to the product's other than by a leading 1.
+    index -> the batch shape to broadcast it to first (None: copied as it is)."""
+    batch = tuple(node.shape[:-2])
+    found: dict[int, tuple | None] = {}
+    for i, value in enumerate(node.inputs):
+        source = value.inputs[0] if _absorbed(value) else value
+        if _literal(source):
+            found[i] = None
+            continue
+        padded = (1,) * (len(batch) - len(source.shape[:-2])) + tuple(source.shape[:-2])
+        count = math.prod(padded)
+        if batch and (count not in (1, math.prod(batch)) or (count != 1 and padded != batch)):
+            found[i] = batch
+        else:
+            shape = internal_shape(source.shape)
+            if not _is_contiguous(shape, strides.get(source) or c_strides(shape)):
+                found[i] = None
+    return found
+
+
+def _gemm_operand(operand: Value, batch, reader: Value, copy_of, view) -> Value:
+    """A GEMM operand read from a copy: the array under a transpose of its last two axes
+    (kept as the GEMM's flag, over the copy), broadcast over the batch first when `batch`."""
+    flag = _absorbed(operand)
+    base = operand.inputs[0] if flag else operand
+    if batch is not None:
+        shape = tuple(batch) + tuple(base.shape[-2:])
+        base = view("broadcast_to", base, {"shape": shape}, shape, reader)
+    copied = copy_of(base, reader)
+    if not flag:
+        return copied
+    n, shape = len(base.shape), tuple(base.shape)
+    perm = tuple(range(n - 2)) + (n - 1, n - 2)
+    return view("transpose", copied, {"perm": perm}, shape[:-2] + shape[-1:] + shape[-2:-1], reader)
+
+
+def _absorbed(value: Value) -> bool:
+    """A transpose of the last two axes, which a GEMM takes as a flag (OpEmitter.absorbs)."""
+    n = len(value.shape)
+    return (
+        value.op == "transpose"
+        and n >= 2
+        and value.attrs["perm"] == (tuple(range(n - 2)) + (n - 1, n - 2))
+    )
+
+
+def _scattered_axes(node: Value) -> bool:
+    """A logsumexp over axes that are not consecutive: its kernel reads the reduced axes as
+    one run (codegen/kernels/rows.py), so they are moved last and copied first."""
+    axes = list(node.attrs["axes"])
+    return bool(axes) and axes != list(range(axes[0], axes[-1] + 1))
+
+
+def _logsumexp_of_copy(node: Value, x: Value, copy_of, view, new: Graph, source: dict) -> Value:
+    """logsumexp(x, scattered axes) as a reshape of the logsumexp over the trailing axes of a
+    copy of x with those axes moved last: the same values, in the same order."""
+    axes = list(node.attrs["axes"])
+    kept = [a for a in range(len(x.shape)) if a not in axes]
+    perm = tuple(kept + axes)
+    moved = view("transpose", x, {"perm": perm}, tuple(x.shape[a] for a in perm), node)
+    copy = copy_of(moved, node)
+    tail = tuple(range(len(kept), len(perm)))
+    reduced = tuple(x.shape[a] for a in kept)
+    attrs = {**node.attrs, "axes": tail, "keepdims": False}
+    summed = _add(new, Value("logsumexp", [copy], attrs, TensorType(node.dtype, reduced), node.loc))
+    source[summed] = node
+    return view("reshape", summed, {"shape": tuple(node.shape)}, tuple(node.shape), node)
+
+
+def _literal(value: Value) -> bool:
+    """A chain over a `full` literal: codegen makes it from the number, never a buffer."""
+    return storage_root(value).op == "full"
 
 
 def _strides(node: Value, known: dict) -> tuple | None:

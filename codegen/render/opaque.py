@@ -60,12 +60,26 @@ class OpEmitter:
             if value.op == "reshape":
                 if self._contiguous_chain(value.inputs[0]):
                     return f"{source}.reshape({shape!r})"
-                return f"np.ascontiguousarray({source}).reshape({shape!r})"
+                return self.placed(value) or f"np.ascontiguousarray({source}).reshape({shape!r})"
             return source
         name = self.names[value]
         if contiguous and value not in self.contiguous:
-            return f"np.ascontiguousarray({name})"
+            return self.placed(value) or f"np.ascontiguousarray({name})"
         return name
+
+    def placed(self, value: Value) -> str | None:
+        """value read where it lives when that is C-contiguous (a leading-axis slice of a
+        buffer, size-1 axes moved or dropped): a 1-D slice of its base, reshaped, which NumPy
+        and Numba both take as C order, so no copy is made. None when it is not contiguous
+        there (or is a literal, or no placement is known): the caller copies then, and such a
+        copy must be a planned buffer (ir/strided_copies.py)."""
+        if self.place is None or self._view_chain(value)[0] is None:
+            return None
+        where = self.place(value)
+        if not where.contiguous:
+            return None
+        end = where.offset + math.prod(where.shape)
+        return f"{where.base}[{where.offset}:{end}].reshape({where.shape!r})"
 
     def _view_chain(self, value: Value) -> tuple:
         """(the variable of the array under value's views, the views): equal chains read the
@@ -93,6 +107,9 @@ class OpEmitter:
             shape = internal_shape(node.shape)
             if contiguous:
                 return [f"{name} = {src}.reshape({shape!r})"]
+            placed = self.placed(node)
+            if placed is not None:
+                return [f"{name} = {placed}"]
             chain = self._view_chain(node.inputs[0])
             copied = self.copies.get(chain)
             if copied is not None:  # values are immutable: the first copy holds the same data

@@ -28,7 +28,7 @@ from backplan.codegen.jit import is_cached, load_cached, start_parallel_runtime
 from backplan.codegen.render.emit import generate
 from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
-from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare
+from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare, refuse_uncounted
 from backplan.codegen.run.workspace import WorkspacePool, sized_launch
 from backplan.ir.errors import ExecutionError
 from backplan.ir.flops import node_flops
@@ -265,6 +265,7 @@ class CompiledPlan:
             self._buffer_outputs = [(j, shape) for j, _, shape in self._output_sources]
         self._checked = None  # BACKPLAN_CHECK_MEMORY=1: the buffers a call must hold
         if checking():
+            refuse_uncounted(plan.graph.name, self.source)
             self._checked = (
                 compiled_buffers(lowered),
                 ["scratch"] if generated.scratch else [],

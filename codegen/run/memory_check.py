@@ -5,7 +5,10 @@ buffer.
 
 Numba's own allocations inside jitted code (NRT) never pass here; the compiled plans make none
 that outlive a kernel (arenas and output buffers are passed in), and the outside measurement
-(bench/memory.py: peak resident memory of a fresh process) covers the short-lived ones.
+(bench/memory.py: peak resident memory of a fresh process) covers the short-lived ones. A
+driver statement that allocates (a copy of a strided view, a literal operand made with np.full)
+is refused when the plan is built (refuse_uncounted, naming the line): every copy a plan needs
+is a buffer its memory planner places (ir/strided_copies.py).
 
 `measure()` records, across calls, the bytes of every buffer a step allocates or uses, from
 its first use to its free (a weakref finalizer), and the peak of their sum: tests compare it
@@ -22,6 +25,7 @@ import weakref
 
 import numpy as np
 
+from backplan.codegen.render.driver_allocations import uncounted_allocations
 from backplan.ir.errors import BackplanError
 
 _enabled = [os.environ.get("BACKPLAN_CHECK_MEMORY", "") == "1"]
@@ -137,6 +141,18 @@ def measure():
     at once (buffers they allocated or used: arenas, constants, outputs), m.at_peak names them.
     Counts only plans compiled with the checked mode on."""
     return ALLOCATOR.measuring()
+
+
+def refuse_uncounted(plan_name: str, source: str) -> None:
+    """Raise if the plan's driver allocates an array itself: the counting allocator cannot see
+    it (inside a compiled driver it is Numba's), so the call would hold more than is counted."""
+    allocating = uncounted_allocations(source)
+    if allocating:
+        raise MemoryCheckError(
+            f"@{plan_name}: the compiled driver allocates arrays no plan places or counts "
+            f"(BACKPLAN_CHECK_MEMORY=1): {'; '.join(allocating)}. A copy the driver needs must "
+            "be a node the memory planner places (ir/strided_copies.py)"
+        )
 
 
 def compare(plan_name: str, predicted: list, measured: dict[str, int], why=None) -> None:
