@@ -1,17 +1,21 @@
-"""A reshape of a strided view (a fused qkv projection's q sliced out, then split into heads;
-attention's heads moved back beside the features, then flattened) cannot be a NumPy view: the
-compiled driver would copy it with np.ascontiguousarray, an allocation inside the call that no
-plan counts. This lowering step makes that copy a node of the plan instead (an astype to the
-same dtype, read by the reshape), so the memory planner gives it a buffer (a slice of the
-arena, or an output when it is saved), explain's peak counts it and the checked mode
-(BACKPLAN_CHECK_MEMORY) sees it; the driver's reshape is then of a contiguous buffer.
+"""Every array a compiled driver would copy is a node of the plan instead: a reshape of a
+strided view (a fused qkv projection's q sliced out, then split into heads), a GEMM operand
+that is strided where it lives or broadcast over the batch, an operand of a library kernel
+(softmax, cumsum, cross_entropy, ...) that is a strided view or a literal, a logsumexp over
+axes that are not adjacent. In the driver each would be np.ascontiguousarray or np.full, an
+allocation inside the call that no plan counts; as a node (an astype to the same dtype) the
+memory planner gives it a buffer (a slice of the arena, or an output when it is saved),
+explain's peak counts it and the checked mode (BACKPLAN_CHECK_MEMORY) sees it. The checked
+mode refuses a driver that still allocates (codegen/render/driver_allocations.py).
 
 Codegen's rule is mirrored (codegen/render/placement.py): every buffer is C-contiguous, a
 transpose, slice or broadcast derives its strides from its input's, and a reshape of a
 non-contiguous array is placed only when it adds or drops size-1 axes; any other is copied
-(a loop, a GEMM or a library kernel reading it reads the copy). 16-bit values are left as
-they were; a chain over a `full` literal is never a buffer. One copy per view chain (the same
-views of one buffer), however many reshapes read it.
+(a loop, a GEMM or a library kernel reading it reads the copy). Which operands a kernel reads
+as C-contiguous arrays mirrors the emitters (codegen/kernels/*.py): a change there must
+change _operand_copies too. 16-bit values are left as they were; a chain over a `full`
+literal is never a buffer, except as an operand of a kernel call. One copy per view chain
+(the same views of one buffer), however many readers read it.
 """
 
 from __future__ import annotations
@@ -105,47 +109,61 @@ def copy_strided_reshapes(
     needed = _needed(graph)
     if not needed:
         return graph, origin
-    new = Graph(graph.name, list(graph.inputs), [], [], dict(graph.constants))
-    mapping: dict[Value, Value] = {v: v for v in graph.inputs}
-    copies: dict[tuple, Value] = {}  # view chain (new graph) -> its copy
-    source: dict[Value, Value] = {}  # node of new -> node of graph it computes
-
-    def copy_of(viewed: Value, reader: Value) -> Value:
-        chain = _view_chain(viewed)
-        if chain not in copies:
-            copy = Value("astype", [viewed], {"dtype": viewed.dtype}, viewed.type, reader.loc)
-            copies[chain] = _add(new, copy)
-            source[copy] = reader
-        return copies[chain]
-
-    def view(op: str, value: Value, attrs: dict, shape, reader: Value) -> Value:
-        made = _add(new, Value(op, [value], attrs, TensorType(value.dtype, shape), reader.loc))
-        source[made] = reader
-        return made
-
+    rewrite = _Rewrite(graph)
     for node in graph.nodes:
-        inputs = [mapping[i] for i in node.inputs]
-        how = needed.get(node)
-        if how == _RESHAPE:
-            inputs = [copy_of(inputs[0], node)]
-        elif how == _LOGSUMEXP:
-            mapping[node] = _logsumexp_of_copy(node, inputs[0], copy_of, view, new, source)
-            continue
-        elif how is not None:
-            for i, batch in how.items():
-                if node.op == "matmul":
-                    inputs[i] = _gemm_operand(inputs[i], batch, node, copy_of, view)
-                else:
-                    inputs[i] = copy_of(inputs[i], node)
-        if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
-            mapping[node] = _add(new, node)
-        else:
-            mapping[node] = _add(new, Value(node.op, inputs, node.attrs, node.type, node.loc))
-        source[mapping[node]] = node
-    new.outputs = [mapping[o] for o in graph.outputs]
+        rewrite.node(node, needed.get(node))
+    new, source = rewrite.new, rewrite.source
+    new.outputs = [rewrite.mapping[o] for o in graph.outputs]
     if origin is None:
         return new, source
     return new, {v: origin[s] for v, s in source.items() if s in origin}
+
+
+class _Rewrite:
+    """The new graph as it is built: each node of the old one, its inputs mapped, reading a
+    copy where `_needed` says so."""
+
+    def __init__(self, graph: Graph):
+        self.new = Graph(graph.name, list(graph.inputs), [], [], dict(graph.constants))
+        self.mapping: dict[Value, Value] = {v: v for v in graph.inputs}
+        self.copies: dict[tuple, Value] = {}  # view chain (new graph) -> its copy
+        self.source: dict[Value, Value] = {}  # node of new -> node of graph it computes
+
+    def node(self, node: Value, how) -> None:
+        inputs = [self.mapping[i] for i in node.inputs]
+        if how == _LOGSUMEXP:
+            self.mapping[node] = _logsumexp_of_copy(node, inputs[0], self)
+            return
+        if how == _RESHAPE:
+            inputs = [self.copy_of(inputs[0], node)]
+        elif how is not None:
+            for i, batch in how.items():
+                if node.op == "matmul":
+                    inputs[i] = _gemm_operand(inputs[i], batch, node, self)
+                else:
+                    inputs[i] = self.copy_of(inputs[i], node)
+        if all(a is b for a, b in zip(inputs, node.inputs, strict=True)):
+            made = self.mapping[node] = _add(self.new, node)
+        else:
+            made = Value(node.op, inputs, node.attrs, node.type, node.loc)
+            self.mapping[node] = _add(self.new, made)
+        self.source[made] = node
+
+    def copy_of(self, viewed: Value, reader: Value) -> Value:
+        """A copy of `viewed` (one per view chain), standing for `reader` in reports."""
+        chain = _view_chain(viewed)
+        if chain not in self.copies:
+            copy = Value("astype", [viewed], {"dtype": viewed.dtype}, viewed.type, reader.loc)
+            self.copies[chain] = self.made(copy, reader)
+        return self.copies[chain]
+
+    def view(self, op: str, value: Value, attrs: dict, shape, reader: Value) -> Value:
+        type_ = TensorType(value.dtype, tuple(shape))
+        return self.made(Value(op, [value], attrs, type_, reader.loc), reader)
+
+    def made(self, value: Value, reader: Value) -> Value:
+        self.source[value] = reader
+        return _add(self.new, value)
 
 
 def _matmul_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
@@ -171,20 +189,21 @@ def _matmul_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
     return found
 
 
-def _gemm_operand(operand: Value, batch, reader: Value, copy_of, view) -> Value:
+def _gemm_operand(operand: Value, batch, reader: Value, rewrite: _Rewrite) -> Value:
     """A GEMM operand read from a copy: the array under a transpose of its last two axes
     (kept as the GEMM's flag, over the copy), broadcast over the batch first when `batch`."""
     flag = _absorbed(operand)
     base = operand.inputs[0] if flag else operand
     if batch is not None:
         shape = tuple(batch) + tuple(base.shape[-2:])
-        base = view("broadcast_to", base, {"shape": shape}, shape, reader)
-    copied = copy_of(base, reader)
+        base = rewrite.view("broadcast_to", base, {"shape": shape}, shape, reader)
+    copied = rewrite.copy_of(base, reader)
     if not flag:
         return copied
     n, shape = len(base.shape), tuple(base.shape)
     perm = tuple(range(n - 2)) + (n - 1, n - 2)
-    return view("transpose", copied, {"perm": perm}, shape[:-2] + shape[-1:] + shape[-2:-1], reader)
+    flipped = shape[:-2] + (shape[-1], shape[-2])
+    return rewrite.view("transpose", copied, {"perm": perm}, flipped, reader)
 
 
 def _absorbed(value: Value) -> bool:
@@ -204,20 +223,18 @@ def _scattered_axes(node: Value) -> bool:
     return bool(axes) and axes != list(range(axes[0], axes[-1] + 1))
 
 
-def _logsumexp_of_copy(node: Value, x: Value, copy_of, view, new: Graph, source: dict) -> Value:
+def _logsumexp_of_copy(node: Value, x: Value, rewrite: _Rewrite) -> Value:
     """logsumexp(x, scattered axes) as a reshape of the logsumexp over the trailing axes of a
     copy of x with those axes moved last: the same values, in the same order."""
     axes = list(node.attrs["axes"])
     kept = [a for a in range(len(x.shape)) if a not in axes]
     perm = tuple(kept + axes)
-    moved = view("transpose", x, {"perm": perm}, tuple(x.shape[a] for a in perm), node)
-    copy = copy_of(moved, node)
-    tail = tuple(range(len(kept), len(perm)))
-    reduced = tuple(x.shape[a] for a in kept)
-    attrs = {**node.attrs, "axes": tail, "keepdims": False}
-    summed = _add(new, Value("logsumexp", [copy], attrs, TensorType(node.dtype, reduced), node.loc))
-    source[summed] = node
-    return view("reshape", summed, {"shape": tuple(node.shape)}, tuple(node.shape), node)
+    moved = rewrite.view("transpose", x, {"perm": perm}, [x.shape[a] for a in perm], node)
+    copy = rewrite.copy_of(moved, node)
+    attrs = {**node.attrs, "axes": tuple(range(len(kept), len(perm))), "keepdims": False}
+    reduced = TensorType(node.dtype, tuple(x.shape[a] for a in kept))
+    summed = rewrite.made(Value("logsumexp", [copy], attrs, reduced, node.loc), node)
+    return rewrite.view("reshape", summed, {"shape": tuple(node.shape)}, node.shape, node)
 
 
 def _literal(value: Value) -> bool:
