@@ -12,6 +12,7 @@ import pytest
 from test_codegen import batch_graph, sample_batches
 
 import backplan as bp
+from backplan.bench.memory_audit import model_step
 from backplan.bench.memory_calls import counted_calls, model_arrays, printed_calls
 from backplan.bench.models import MODELS
 from backplan.bench.peers.backplan_peer import bench_function
@@ -56,15 +57,8 @@ def test_no_bench_model_steps_driver_allocates(name):
     loss = bench_function(MODELS[name])
     plans = [bp.value_and_grad(loss).trace(params, *batch).plan]
     plans += _region(bp.compile(loss).trace(params, *batch))
-    opt = bp.optim.adam(1e-3)
-
-    @bp.compile(donate_argnums=(0, 1))
-    def train_step(params, state, *batch):
-        value, grads = bp.value_and_grad(loss)(params, *batch)
-        params, state = opt.update(grads, state, params)
-        return params, state, value
-
-    plans += _region(train_step.trace(params, opt.init(params), *batch))
+    train_step, arguments, _ = model_step(name, "train")
+    plans += _region(train_step.trace(*arguments))
     assert _allocating(plans) == []
 
 
