@@ -20,9 +20,10 @@ literal is never a buffer, except as an operand of a kernel call. One copy per v
 
 from __future__ import annotations
 
+import functools
 import math
 
-from .fusion import internal_shape, is_alias
+from .fusion import internal_shape
 from .graph import Graph, Value
 from .layout import reads_its_input, storage_root
 from .reference_storage import c_strides
@@ -59,20 +60,22 @@ def _needed(graph: Graph) -> dict[Value, object]:
                     needed[node] = _RESHAPE
         elif node.op == "logsumexp" and _scattered_axes(node) and not is_half(node.dtype):
             needed[node] = _LOGSUMEXP
-        elif _own_kernel(node):
+        elif _own_kernel(node.op):
             operands = _operand_copies(node, strides)
             if operands:
                 needed[node] = operands
     return needed
 
 
-def _own_kernel(node: Value) -> bool:
-    """A node compiled as a call of its own (codegen/render/opaque.py's emitters), not a
-    fused loop, view, alias or literal (ir/fusion.py's grouping)."""
-    if node.op in ("input", "full", "const") or is_alias(node):
+@functools.cache
+def _own_kernel(op: str) -> bool:
+    """An op compiled as a call of its own (codegen/render/opaque.py's emitters), not a
+    fused loop, view, alias or literal (ir/fusion.py's grouping). Asked once per op name: a
+    lowering walks every node."""
+    if op in ("input", "full", "const"):
         return False
-    op = get_op(node.op)
-    return op.scalar is None and not op.loop_tail and op.fusion != "view"
+    spec = get_op(op)
+    return spec.scalar is None and not spec.loop_tail and spec.fusion != "view" and not spec.alias
 
 
 def _operand_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
