@@ -19,7 +19,26 @@ def peak_line(report) -> str:
         f"peak: {format_bytes(peak.peak_bytes)} on the {peak.backend} backend, at "
         f"{peak_step_words(peak)}"
     )
-    return text + (f". {calls_sentence(report)}" if len(report.call_peaks) > 1 else "")
+    text += f". {calls_sentence(report)}" if len(report.call_peaks) > 1 else ""
+    return text + retain_sentence(report)
+
+
+def retain_sentence(report) -> str:
+    """What a call holds whose loss is backward()ed with retain_graph=True, then again
+    (report.retain_peak), which the training loop above never does; "" without a backward."""
+    retain = report.retain_peak
+    if retain is None:
+        return ""
+    after = report.retain_after_joint_peak
+    joint = ""
+    if after is not None and after.peak_bytes != retain.peak_bytes:
+        joint = f", {format_bytes(after.peak_bytes)} after the joint plan ran"
+    kept = ", and later calls keep the first one's arena" if retain.backend == "numba" else ""
+    return (
+        f". A loss backward()ed with retain_graph=True, then again, holds "
+        f"{format_bytes(retain.peak_bytes)}{joint} (report.retain_peak): both backward plans "
+        f"run, the first one's gradients held while the second runs{kept}"
+    )
 
 
 def calls_sentence(report) -> str:
@@ -41,8 +60,8 @@ def calls_sentence(report) -> str:
     fallback = report.fallback_peak
     if fallback is not None:
         text += (
-            f". A call back on two plans after that (a loss backward()ed from another seed or "
-            f"with retain_graph, or never backward()ed) holds up to "
+            f". A call back on two plans after that (a loss backward()ed from another seed, or "
+            f"never backward()ed) holds up to "
             f"{format_bytes(fallback.peak_bytes)}, the joint plan's arena still held"
         )
     return text[0].upper() + text[1:]

@@ -103,6 +103,9 @@ class ExplainReport:
     background_build: bool = False
     # a call back on two plans after the joint plan ran: both plans, the joint plan idle
     fallback_calls: list | None = None
+    # a loss backward()ed with retain_graph=True, then again: the forward, the backward that
+    # keeps the saved buffers, then the one that frees them; None without a backward
+    retain_calls: list | None = None
     # a step with inlined value_and_grad plans: what its own plan holds for their gradients
     inlined_saved: list | None = None
     # a training step: its optimizer updates' order and the peaks of both orders
@@ -199,12 +202,33 @@ class ExplainReport:
     @functools.cached_property
     def fallback_peak(self) -> PeakReport | None:
         """A joint step's call back on two plans after the joint plan ran (its loss
-        backward()ed from another seed or with retain_graph, or never backward()ed): the two
-        plans run, the joint plan's arena still held; not part of call_peaks' training loop.
-        None without a joint step."""
+        backward()ed from another seed, or never backward()ed): the two plans run, the joint
+        plan's arena still held; not part of call_peaks' training loop (retain_graph:
+        retain_peak). None without a joint step."""
         if self.fallback_calls is None:
             return None
         return predicted_peak(self.fallback_calls, self.call_peaks[0].peak.backend)
+
+    @functools.cached_property
+    def retain_peak(self) -> PeakReport | None:
+        """A call whose loss is backward()ed with retain_graph=True and then again: the
+        forward, the backward that keeps the saved buffers (its own compiled plan and arena),
+        then the one that frees them, the first one's gradients held (in .grad) while the
+        second runs. Not part of call_peaks' training loop, which backward()s each loss once;
+        after a joint plan ran, retain_after_joint_peak; the calls after such a call hold that
+        backward plan's arena too (it stays compiled). None without a backward."""
+        if self.retain_calls is None:
+            return None
+        return predicted_peak(self.retain_calls, self._peak_backend())
+
+    @functools.cached_property
+    def retain_after_joint_peak(self) -> PeakReport | None:
+        """retain_peak for such a call after the joint plan ran: its arena held too. None
+        without a joint step."""
+        if self.retain_calls is None or self.fallback_calls is None:
+            return None
+        joint_idle = self.fallback_calls[-1:]
+        return predicted_peak(self.retain_calls + joint_idle, self.call_peaks[0].peak.backend)
 
     def peak_on_call(self, n: int) -> PeakReport:
         """The predicted peak of the n-th call (from 1) of this signature, each earlier call's
@@ -367,6 +391,7 @@ def region_report(
         joint_step=program.joint_step is not None,
         joint_step_calls=_joint_step_calls(program),
         fallback_calls=_fallback_calls(program),
+        retain_calls=_retain_calls(program),
         inlined_saved=_inlined_saved(program),
         update_order=getattr(plans, "update_order", None),
     )
@@ -390,6 +415,16 @@ def _fallback_calls(program: RegionProgram) -> list | None:
         return None
     idle = dataclasses.replace(joint_calls(step.plan(), program.plans.n_outputs)[0], idle=True)
     return [*program.plans.peak_calls(), idle]
+
+
+def _retain_calls(program: RegionProgram) -> list | None:
+    """The forward, backward(retain_graph=True)'s plan, then backward()'s."""
+    plans = program.plans
+    if getattr(plans, "backward", None) is None:
+        return None
+    forward, kept = plans.peak_calls(consume=False)
+    again = plans.peak_calls(consume=True)[1]
+    return [forward, dataclasses.replace(kept, label="backward(retain_graph=True)"), again]
 
 
 def _inlined_saved(program: RegionProgram) -> list | None:
