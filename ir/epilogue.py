@@ -29,7 +29,7 @@ def absorb_epilogues(kernels: list[Kernel]) -> list[Kernel]:
     for index, kernel in enumerate(kernels):
         if index in absorbed:
             continue
-        after = _next_running(kernels, index)
+        after = _next_running(kernels, index) if kernel.kind == "op" else None  # GEMMs only
         if after is not None and _absorbs(kernel, kernels[after]):
             absorbed.add(after)
             kernel = replace(kernel, epilogue=kernels[after])
