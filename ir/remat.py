@@ -209,8 +209,9 @@ def rematerialize_joint(graph: Graph, n_outputs: int) -> Graph:
     candidates = [v for v in held if v not in inputs and recomputable(v)]
     kept = set(held) - set(candidates)
     chains = {}
+    stops = kept | inputs | costly | _constants(graph)  # once: a scan of the graph each
     for value in candidates:
-        chain = _chain(value, kept | inputs | costly | _constants(graph))
+        chain = _chain(value, stops)
         if chain is not None:
             chains[value] = chain
     if not chains:
