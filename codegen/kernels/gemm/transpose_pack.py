@@ -78,19 +78,24 @@ transpose_pack_8 = _make(8)
 transpose_pack_6 = _make(6)
 
 
-def _emit_rows(builder, args, lanes):
+def _emit_rows(builder, args, lanes, scalar=None):
     """dst[p * dst_ld + q] = widen(src[p * ld + q]): a row of `lanes` bfloat16 values is one
-    vector load, a zero extension and a shift, and one float32 vector store."""
+    vector load, a zero extension and a shift, and one float32 vector store. With `scalar`
+    (a float type) the rows are copied as they are: one vector load and store per row."""
     src_addr, ld, kc, dst_addr, dst_ld = args
-    bits = ir.VectorType(ir.IntType(16), lanes)
-    src = builder.inttoptr(src_addr, ir.PointerType(ir.IntType(16)))
-    dst = builder.inttoptr(dst_addr, ir.PointerType(ir.FloatType()))
+    item = scalar if scalar is not None else ir.IntType(16)
+    loaded = ir.VectorType(item, lanes)
+    align = 2 if scalar is None else (4 if isinstance(scalar, ir.FloatType) else 8)
+    src = builder.inttoptr(src_addr, ir.PointerType(item))
+    dst = builder.inttoptr(dst_addr, ir.PointerType(ir.FloatType() if scalar is None else scalar))
     with cgutils.for_range(builder, kc) as loop:
         p = loop.index
-        row_ptr = builder.bitcast(builder.gep(src, [builder.mul(p, ld)]), ir.PointerType(bits))
-        row = _bf16_to_f32(builder, builder.load(row_ptr, align=2), lanes)
+        row_ptr = builder.bitcast(builder.gep(src, [builder.mul(p, ld)]), ir.PointerType(loaded))
+        row = builder.load(row_ptr, align=align)
+        if scalar is None:
+            row = _bf16_to_f32(builder, row, lanes)
         start = builder.gep(dst, [builder.mul(p, dst_ld)])
-        builder.store(row, builder.bitcast(start, ir.PointerType(row.type)), align=4)
+        builder.store(row, builder.bitcast(start, ir.PointerType(row.type)), align=max(align, 4))
 
 
 def _make_rows(lanes: int):
@@ -114,3 +119,30 @@ def _make_rows(lanes: int):
 
 widen_rows_6, widen_rows_8 = _make_rows(6), _make_rows(8)
 widen_rows_16, widen_rows_32 = _make_rows(16), _make_rows(32)
+
+
+def _make_copy_rows(lanes: int):
+    @intrinsic
+    def copy_rows(typingctx, src_addr, ld, kc, dst_addr, dst_ld, like):
+        """kc rows of `lanes` values of like's dtype (f32 or f64; row stride ld) into rows of
+        stride dst_ld, in elements: the packs of untransposed panels (pack.py), which a loop
+        over a strided 2-D view copied one scalar at a time (~1 ns per element)."""
+        if not isinstance(like, types.Array) or like.dtype not in (types.float32, types.float64):
+            return None
+        scalar = ir.FloatType() if like.dtype == types.float32 else ir.DoubleType()
+
+        def codegen(context, builder, signature, args):
+            ints = [
+                context.cast(builder, value, fromty, types.intp)
+                for value, fromty in zip(args[:5], signature.args[:5], strict=True)
+            ]
+            _emit_rows(builder, ints, lanes, scalar)
+            return context.get_dummy_value()
+
+        return types.void(src_addr, ld, kc, dst_addr, dst_ld, like), codegen
+
+    return copy_rows
+
+
+copy_rows_4, copy_rows_6, copy_rows_8 = _make_copy_rows(4), _make_copy_rows(6), _make_copy_rows(8)
+copy_rows_16, copy_rows_32 = _make_copy_rows(16), _make_copy_rows(32)
