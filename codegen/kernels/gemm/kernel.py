@@ -108,11 +108,34 @@ def store_tile(builder, sums, c, ldc, alpha, beta, vec):
                     builder.store(new, target, align=align)
 
 
+def prefetch_tile(builder, c, ldc, mr, row_bytes, scalar_bytes):
+    """Ask for the C tile's cache lines (for writing) before the k loop: the tile is read or
+    written only after it, and a C too big for L2 (a 1024 x 256 f32 result is 1 MiB, written
+    again after every k block) otherwise stalls the stores on misses at the end of each call."""
+    i8p = ir.PointerType(ir.IntType(8))
+    fn = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)]),
+        "llvm.prefetch.p0i8",
+    )
+    write, keep, data = (ir.Constant(ir.IntType(32), v) for v in (1, 3, 1))
+    intp = ldc.type
+    # every line a row touches holds one of these: rows need not start on a line
+    offsets = [*range(0, row_bytes, 64), row_bytes - scalar_bytes]
+    for r in range(mr):
+        row = builder.gep(c, [builder.mul(ir.Constant(intp, r), ldc)])
+        for offset in offsets:
+            at = builder.gep(row, [ir.Constant(intp, offset // scalar_bytes)])
+            builder.call(fn, [builder.bitcast(at, i8p), write, keep, data])
+
+
 def _emit_kernel(builder, args, scalar, lanes, mr, nv):
     kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta = args
     vec = ir.VectorType(scalar, lanes)
     ptr = ir.PointerType(scalar)
     a, b, c = (builder.inttoptr(addr, ptr) for addr in (a_addr, b_addr, c_addr))
+    scalar_bytes = 4 if isinstance(scalar, ir.FloatType) else 8
+    prefetch_tile(builder, c, ldc, mr, lanes * nv * scalar_bytes, scalar_bytes)
     sums = _accumulate(builder, kc, a, b, ldb, vec, mr, nv)
     store_tile(builder, sums, c, ldc, alpha, beta, vec)
 
