@@ -46,6 +46,15 @@ def _bf16_to_f32(builder, bits, lanes):
     return builder.bitcast(builder.shl(wide, sixteen), ir.VectorType(ir.FloatType(), lanes))
 
 
+def _addresses(context, builder, signature, args):
+    """The first five arguments (source address and stride, rows, destination address and
+    stride) as intp values."""
+    return [
+        context.cast(builder, value, fromty, types.intp)
+        for value, fromty in zip(args[:5], signature.args[:5], strict=True)
+    ]
+
+
 def _make(lanes: int):
     @intrinsic
     def transpose_pack(typingctx, src_addr, ld, kc, dst_addr, dst_ld, like, source):
@@ -62,10 +71,7 @@ def _make(lanes: int):
         scalar = ir.FloatType() if like.dtype == types.float32 else ir.DoubleType()
 
         def codegen(context, builder, signature, args):
-            ints = [
-                context.cast(builder, value, fromty, types.intp)
-                for value, fromty in zip(args[:5], signature.args[:5], strict=True)
-            ]
+            ints = _addresses(context, builder, signature, args)
             _emit(builder, ints, scalar, lanes, bf16_source)
             return context.get_dummy_value()
 
@@ -105,10 +111,7 @@ def _make_rows(lanes: int):
         stride dst_ld; strides in elements."""
 
         def codegen(context, builder, signature, args):
-            ints = [
-                context.cast(builder, value, fromty, types.intp)
-                for value, fromty in zip(args, signature.args, strict=True)
-            ]
+            ints = _addresses(context, builder, signature, args)
             _emit_rows(builder, ints, lanes)
             return context.get_dummy_value()
 
@@ -132,10 +135,7 @@ def _make_copy_rows(lanes: int):
         scalar = ir.FloatType() if like.dtype == types.float32 else ir.DoubleType()
 
         def codegen(context, builder, signature, args):
-            ints = [
-                context.cast(builder, value, fromty, types.intp)
-                for value, fromty in zip(args[:5], signature.args[:5], strict=True)
-            ]
+            ints = _addresses(context, builder, signature, args)
             _emit_rows(builder, ints, lanes, scalar)
             return context.get_dummy_value()
 
