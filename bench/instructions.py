@@ -155,16 +155,27 @@ def guest_cpu(python: str) -> str:
 
 
 def read_dumps(folder: str) -> dict[str, float]:
-    """Instructions per step from callgrind's dumps: the 'desc: Trigger' line names the model
-    and step count, the 'summary:' (or 'totals:') line holds the instructions executed."""
+    """Instructions per step of each model counted in `folder` (read_events' Ir)."""
+    return {name: events["Ir"] for name, events in read_events(folder).items()}
+
+
+def read_events(folder: str) -> dict[str, dict[str, float]]:
+    """Each event per step from callgrind's dumps: the 'desc: Trigger' line names the model and
+    step count, 'events:' the events counted (Ir; with --cache-sim=yes also the data reads and
+    writes and the misses of the first and last cache levels), 'summary:' (or 'totals:') the
+    counts in that order."""
     counts, M = {}, re.M
     for path in sorted(glob.glob(os.path.join(folder, "callgrind.out*"))):
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
         label = re.search(r"^desc: Trigger: Client Request: backplan-steps (\S+) (\d+)$", text, M)
-        total = re.search(r"^(?:summary|totals): (\d+)", text, M)
+        total = re.search(r"^(?:summary|totals):((?: \d+)+)", text, M)
+        names = re.search(r"^events:((?: \w+)+)", text, M)
         if label and total:
-            counts[label.group(1)] = int(total.group(1)) / int(label.group(2))
+            events = names.group(1).split() if names else ["Ir"]
+            steps = int(label.group(2))
+            numbers = [int(n) / steps for n in total.group(1).split()]
+            counts[label.group(1)] = dict(zip(events, numbers, strict=False))
     return counts
 
 
@@ -178,8 +189,9 @@ def count(
     cpus: list[int],
     out: str,
     env_extra: dict[str, str],
-) -> dict[str, float]:
-    """Warm `cache` natively, then count under callgrind; instructions per step per model."""
+    callgrind: tuple[str, ...] | list[str] = (),
+) -> dict[str, dict[str, float]]:
+    """Warm `cache` natively, then count under callgrind; events per step per model."""
     env = {
         **os.environ,
         **env_extra,
@@ -193,7 +205,7 @@ def count(
     command = [python, "-I", os.path.abspath(__file__), "--child", ",".join(models)]
     command += ["--steps-json", json.dumps(steps), "--warm", str(warm), "--cpu-model", cpu]
     pin = ["taskset", "-c", ",".join(map(str, cpus))]
-    for wrapper in ([], [*CALLGRIND, f"--callgrind-out-file={out}/callgrind.out"]):
+    for wrapper in ([], [*CALLGRIND, *callgrind, f"--callgrind-out-file={out}/callgrind.out"]):
         done = subprocess.run(
             pin + wrapper + command,
             env=env,
@@ -203,7 +215,7 @@ def count(
         )
         if done.returncode != 0:
             raise SystemExit(f"{python}: exit {done.returncode}: {done.stderr.strip()[-800:]}")
-    return read_dumps(out)
+    return read_events(out)
 
 
 def main(argv=None) -> int:
@@ -223,6 +235,12 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", help="a folder to keep callgrind's dumps in (callgrind_annotate)")
     parser.add_argument("--cache-a", help="A's cache folder, kept (default: a new temporary one)")
     parser.add_argument("--cache-b", help="B's cache folder, kept (default: a new temporary one)")
+    parser.add_argument(
+        "--cache-sim",
+        action="store_true",
+        help="simulate the caches too: last-level misses per step beside the instructions "
+        "(equal instructions and a wall-clock gap: memory layout?)",
+    )
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for both sides")
     parser.add_argument("--steps-json", dest="steps_json", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-model", help=argparse.SUPPRESS)
@@ -250,16 +268,20 @@ def main(argv=None) -> int:
         for side, python in (("a", args.a), ("b", args.b)):
             out = os.path.join(keep, f"{side}{round_}")
             os.makedirs(out, exist_ok=True)
+            extra = ["--cache-sim=yes"] if args.cache_sim else []
             counts = count(
-                python, models, steps, args.warm, caches[side], cpu, [args.cpu], out, env
+                python, models, steps, args.warm, caches[side], cpu, [args.cpu], out, env, extra
             )
             results[side].append(counts)
-    print(f"instructions per step under callgrind, CPU as valgrind reports it: {cpu.split(';')[0]}")
-    print(f"{'model':12} {'steps':>6} {'A':>14} {'B':>14} {'B/A':>8}   (dumps: {keep})")
+    print(f"events per step under callgrind, CPU as valgrind reports it: {cpu.split(';')[0]}")
+    print(f"{'model':12} {'steps':>6} {'event':>6} {'A':>14} {'B':>14} {'B/A':>8}   ({keep})")
+    shown = ("Ir", "D1mr", "DLmr", "DLmw") if args.cache_sim else ("Ir",)
     for name in models:
         for a, b in zip(results["a"], results["b"], strict=True):
-            ratio = b[name] / a[name]
-            print(f"{name:12} {steps[name]:6d} {a[name]:14.0f} {b[name]:14.0f} {ratio:8.4f}")
+            for event in shown:
+                x, y = a[name].get(event, 0.0), b[name].get(event, 0.0)
+                ratio = f"{y / x:8.4f}" if x else "       -"
+                print(f"{name:12} {steps[name]:6d} {event:>6} {x:14.0f} {y:14.0f} {ratio}")
     return 0
 
 

@@ -66,3 +66,24 @@ def test_under_callgrind_only_the_counted_steps_count_and_scale_with_the_work(tm
     # 200 and 2000 iterations of one loop: ten times the work, plus a fixed call cost
     assert 8 < counts["large"] / counts["small"] < 11
     assert 200 * 50 < counts["small"] < 200 * 5000  # hundreds of instructions a turn
+
+
+def test_read_events_takes_every_event_the_dump_names_per_step(tmp_path):
+    (tmp_path / "callgrind.out.1").write_text(
+        "events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw\n"
+        "desc: Trigger: Client Request: backplan-steps ln_gelu 4\n"
+        "summary: 400 200 100 4 40 8 0 12 4\n"
+    )
+    events = instructions.read_events(str(tmp_path))["ln_gelu"]
+    assert events == {
+        "Ir": 100,
+        "Dr": 50,
+        "Dw": 25,
+        "I1mr": 1,
+        "D1mr": 10,
+        "D1mw": 2,
+        "ILmr": 0,
+        "DLmr": 3,
+        "DLmw": 1,
+    }
+    assert instructions.read_dumps(str(tmp_path)) == {"ln_gelu": 100}
