@@ -15,6 +15,12 @@ both the warming process and the counted one compile for the CPU valgrind report
 host name and features are set to it before backplan loads): the counted code is the AVX2
 build of the same plans, and each side's cache is filled for that CPU.
 
+Work done per unit of wall time, not per step, is over-counted: a step runs 50-400x slower
+under callgrind, so the free-core sampler (codegen/run/free_cores.py, one /proc/stat read per
+0.25 s, ~128k instructions) runs about once per counted cnn step instead of once per ~400.
+`--env BACKPLAN_ADAPT_THREADS=0` leaves it out; the per-function diff of the kept dumps
+(callgrind_annotate) names what differs.
+
     python -m backplan.bench.instructions --a /tmp/before/bin/python --b python \\
         --models mlp_tiny,cnn,ln_gelu
 """
