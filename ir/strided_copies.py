@@ -93,10 +93,9 @@ def _operand_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
     for i, value in enumerate(node.inputs):
         if is_half(value.dtype):
             continue
-        shape = internal_shape(value.shape)
         if _literal(value) and not strided_ok:
             found[i] = None
-        elif not strided_ok and not _is_contiguous(shape, strides.get(value) or c_strides(shape)):
+        elif not strided_ok and not _contiguous_where_it_lives(value, strides):
             found[i] = None
     return found
 
@@ -185,10 +184,8 @@ def _matmul_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
         count = math.prod(padded)
         if batch and (count not in (1, math.prod(batch)) or (count != 1 and padded != batch)):
             found[i] = batch
-        else:
-            shape = internal_shape(source.shape)
-            if not _is_contiguous(shape, strides.get(source) or c_strides(shape)):
-                found[i] = None
+        elif not _contiguous_where_it_lives(source, strides):
+            found[i] = None
     return found
 
 
@@ -207,6 +204,13 @@ def _gemm_operand(operand: Value, batch, reader: Value, rewrite: _Rewrite) -> Va
     perm = tuple(range(n - 2)) + (n - 1, n - 2)
     flipped = shape[:-2] + (shape[-1], shape[-2])
     return rewrite.view("transpose", copied, {"perm": perm}, flipped, reader)
+
+
+def _contiguous_where_it_lives(value: Value, strides: dict) -> bool:
+    """Only views have strides of their own (`_needed` works them out); any other value is a
+    C-contiguous buffer, asked of thousands of GEMM operands without building its strides."""
+    known = strides.get(value)
+    return not known or _is_contiguous(internal_shape(value.shape), known)
 
 
 def _absorbed(value: Value) -> bool:
