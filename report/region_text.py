@@ -5,6 +5,7 @@ upstream. Registered with runtime/wording.py, which Region.__str__ asks."""
 from __future__ import annotations
 
 from backplan.runtime.region import FreedBy, Region
+from backplan.runtime.saved_once import held_totals
 from backplan.runtime.walk import regions_in_order
 
 from .recomputed import recomputed_infos
@@ -39,11 +40,12 @@ def saved_table(region: Region) -> str:
         ]
     upstream = regions_in_order(region)[1:]
     if upstream:
-        held = sum(r.saved_bytes for r in upstream)
+        held = held_totals(upstream)  # each array once: two regions may save one array
         lines.append(
             f"  {len(upstream)} more region{'s' if len(upstream) != 1 else ''} upstream "
-            f"({held:,} B held) run in the same backward(); t.graph() or bp.explain_graph(t) "
-            "lists them all."
+            f"(holding {held.allocated:,} B they allocated and {held.yours:,} B of your own "
+            "arrays, each array once) run in the same backward(); t.graph() or "
+            "bp.explain_graph(t) lists them all."
         )
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ relate. report/freed_message.py writes the message from them (runtime/wording.py
 from __future__ import annotations
 
 from .errors import FreedFacts, GraphFreedError
+from .saved_once import planned_totals
 from .wording import written
 
 
@@ -34,12 +35,19 @@ def freed_facts(freed: list, root, index: int, loc: str) -> FreedFacts:
         more_freed=tuple(r.name for r in more),
         backward_at=loc,
         more_saved_buffers=sum(len(r.program.saved_info) for r in more),
-        more_saved_bytes=sum(r.planned_saved_bytes for r in more),
+        more_saved_bytes=_once(more),
         earlier_root=by.root_desc,
         now_root=output_desc(root, index),
         reached_root=region is root,
         root_created_at=root.created_at,
     )
+
+
+def _once(regions) -> int:
+    """Bytes the regions saved, each array once (eager `x * bp.exp(x)`: exp saves its output
+    and mul saves the same array as its input)."""
+    totals = planned_totals(regions)
+    return totals.allocated + totals.yours
 
 
 def freed_error(freed: list, root, index: int, loc: str) -> GraphFreedError:

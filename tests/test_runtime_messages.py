@@ -87,9 +87,23 @@ def test_grad_fn_says_how_many_regions_are_upstream_and_how_to_see_them():
     o = bp.sum((a @ w) * 5)
     text = str(o.grad_fn)
     assert "(no saved buffers)" in text
-    assert "2 more regions upstream (72 B held) run in the same backward()" in text
+    assert "2 more regions upstream (holding 0 B they allocated and 72 B of your own" in text
     assert "t.graph() or bp.explain_graph(t)" in text
     assert "upstream" not in str(bp.tanh(a).grad_fn)
+
+
+def test_regions_upstream_count_an_array_two_regions_save_once():
+    # exp saves its output and mul saves the same array as its input; x is your own array
+    x = vec(4)
+    out = bp.sum(x * bp.exp(x))
+    text = str(out.grad_fn)
+    assert "2 more regions upstream (holding 16 B they allocated and 16 B of your own" in text
+    assert out.graph().saved_bytes == 16 and out.graph().input_bytes == 16
+    out.backward()
+    with pytest.raises(bp.GraphFreedError) as info:
+        out.backward()
+    assert info.value.facts.more_saved_bytes == 32  # not 48: exp's output once
+    assert "(3 saved buffers, 32 B)" in str(info.value)
 
 
 def test_regions_take_the_public_name_with_the_primitive_in_brackets():
