@@ -9,6 +9,7 @@ memory, not time. `times` (seconds per kernel, in the same order) gives each its
 from __future__ import annotations
 
 import json
+import math
 
 from backplan.ir.peak import CATEGORIES
 
@@ -18,11 +19,8 @@ PROCESS = 1
 def trace_events(peak, times: list[float] | None = None) -> list[dict]:
     """Trace events: metadata, one complete ("X") event per step, counters ("C") per category."""
     steps = peak.steps
-    if times is not None and len(times) != len(steps):
-        raise ValueError(
-            f"save_trace: {len(times)} times given for {len(steps)} kernels; pass one per kernel "
-            "in the order of report.peak.steps"
-        )
+    if times is not None:
+        times = _checked_times(times, len(steps))
     events = [
         {"ph": "M", "pid": PROCESS, "name": "process_name", "args": {"name": "backplan step"}}
     ]
@@ -67,6 +65,35 @@ def trace_events(peak, times: list[float] | None = None) -> list[dict]:
     return events
 
 
+def _checked_times(times, n_steps: int) -> list[float]:
+    """Seconds per kernel as floats; a string, a wrong count, or a time that is not a finite
+    number >= 0 is refused: a negative or NaN duration would write a trace that tools draw
+    wrongly or (NaN is not JSON) cannot open."""
+    if isinstance(times, str | bytes) or not hasattr(times, "__len__"):
+        raise TypeError(
+            f"save_trace: times is a list of seconds, one per kernel, got {type(times).__name__}"
+        )
+    if len(times) != n_steps:
+        raise ValueError(
+            f"save_trace: {len(times)} times given for {n_steps} kernels; pass one per kernel "
+            "in the order of report.peak.steps"
+        )
+    checked = []
+    for i, value in enumerate(times):
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(
+                f"save_trace: times[{i}] is {value!r}; each kernel's time is a finite number "
+                "of seconds >= 0"
+            )
+        checked.append(seconds)
+    return checked
+
+
 def save_trace(peak, path, times: list[float] | None = None) -> None:
+    events = trace_events(peak, times)  # refused times leave no file behind
     with open(path, "w", encoding="utf-8") as file:
-        json.dump({"traceEvents": trace_events(peak, times), "displayTimeUnit": "ns"}, file)
+        json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, file, allow_nan=False)

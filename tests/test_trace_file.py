@@ -41,3 +41,18 @@ def test_measured_times_set_each_kernels_length(tmp_path):
     assert [e["dur"] for e in events if e["ph"] == "X"] == pytest.approx([t * 1e6 for t in times])
     with pytest.raises(ValueError, match="one per kernel"):
         report.save_trace(tmp_path / "bad.json", times=times[1:])
+
+
+def test_times_that_are_not_seconds_are_refused_and_write_no_file(tmp_path):
+    report = _report()
+    n = len(report.peak.steps)
+    path = tmp_path / "bad.json"
+    for times, error, words in (
+        ([-1.0] * n, ValueError, r"times\[0\] is -1.0"),
+        ([0.001] * (n - 1) + [float("nan")], ValueError, rf"times\[{n - 1}\] is nan"),
+        ([0.001] * (n - 1) + ["fast"], ValueError, rf"times\[{n - 1}\] is 'fast'"),
+        ("a" * n, TypeError, "got str"),
+    ):
+        with pytest.raises(error, match=words):
+            report.save_trace(path, times=times)
+        assert not path.exists()
