@@ -27,7 +27,7 @@ gradients.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .kernel_workspace import workspace_bytes
 from .liveness import INPUT_STEP, Plan
@@ -150,6 +150,40 @@ def _input_bytes(calls: list[PlanCall]) -> dict:
             if kind in CALLER_OWNED:
                 held[kind] += value.type.nbytes
     return held
+
+
+def building_peak(calls: list[PlanCall]) -> PeakReport:
+    """A step compiled with background=True while its kernels build: each call runs on the
+    reference interpreter (its accounting, step by step) and each compiled plan keeps the
+    scratch arena it allocated when it was made, for its first call (codegen/run/workspace.py),
+    from that call on; an idle plan (made by earlier calls) its arena and constants."""
+    running = [c for c in calls if not c.idle]
+    seen = {id(a) for c in running for a in c.plan.graph.constants.values()}
+    kept, constants = 0, 0
+    for call in calls:
+        if call.idle:
+            kept += _arena_bytes(call)
+            for array in call.plan.graph.constants.values():
+                constants += 0 if id(array) in seen else array.nbytes
+                seen.add(id(array))
+    arenas = {}
+    for call in running:
+        kept += _arena_bytes(call)
+        arenas[call.label] = kept
+    steps = tuple(
+        replace(s, held=_plus(s.held, scratch=arenas[s.plan], constants=constants))
+        for s in predicted_peak(running, "reference").steps
+    )
+    return PeakReport("reference", steps)
+
+
+def _arena_bytes(call: PlanCall) -> int:
+    buffers = compiled_buffers(lower(call.plan, call.private_saved), list(call.output_kinds))
+    return sum(b.nbytes for b in buffers if b.category == "scratch")
+
+
+def _plus(held: dict, **more: int) -> dict:
+    return {**held, **{k: held.get(k, 0) + n for k, n in more.items()}}
 
 
 def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba") -> int:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backplan.ir.liveness import Plan
-from backplan.ir.peak import PeakReport, joint_calls, predicted_peak
+from backplan.ir.peak import PeakReport, building_peak, joint_calls, predicted_peak
 from backplan.ir.plans import JointPlans
 from backplan.runtime.backend import backend_in_this_thread, current_backend
 from backplan.runtime.joint_step import JOINT_FROM_CALL
@@ -208,6 +208,24 @@ class ExplainReport:
         if self.fallback_calls is None:
             return None
         return predicted_peak(self.fallback_calls, self.call_peaks[0].peak.backend)
+
+    @functools.cached_property
+    def building_peak(self) -> PeakReport | None:
+        """bp.compile(..., background=True): what its calls hold while the kernels build, on
+        the reference interpreter, the compiled plans' scratch arenas held too (ir/peak.py
+        building_peak); where calls run different plans (call_peaks), the highest. None for a
+        step compiled otherwise."""
+        if not self.background_build:
+            return None
+        ways = [self.building_peak_on_call(c.first_call) for c in self.call_peaks]
+        return max(ways, key=lambda p: p.peak_bytes)
+
+    def building_peak_on_call(self, n: int) -> PeakReport | None:
+        """building_peak of the n-th call (from 1): the plans that call runs (call_peaks)."""
+        if not self.background_build:
+            return None
+        joint = self.joint_step_calls is not None and n >= self.call_peaks[-1].first_call
+        return building_peak(self.joint_step_calls if joint else self.peak_calls)
 
     @functools.cached_property
     def retain_peak(self) -> PeakReport | None:

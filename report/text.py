@@ -186,10 +186,12 @@ def _compiled_sentence(report) -> str:
     if refused:
         text += f"; the {refused} runs on the reference interpreter instead"
     if report.background_build:
+        building = report.building_peak
         text += (
             "; with background=True its calls run on the reference interpreter until the "
-            "kernels are built, holding what section 4's reference paragraph counts plus the "
-            "plans' scratch arenas, not the compiled peak (the checked mode does not count them)"
+            f"kernels are built, holding up to {format_bytes(building.peak_bytes)} meanwhile "
+            "(report.building_peak: the interpreter's buffers plus the plans' scratch arenas), "
+            "not the compiled peak"
         )
     joint = report.joint_step_facts
     if joint is not None and joint.compiled:

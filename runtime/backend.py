@@ -83,16 +83,22 @@ class ReferenceRunner:
         self.kernels = None
 
     def __call__(self, args: list, release=None, donate=()) -> list:
-        caller = _CallerArrays(args)  # weakly: a saved input is freed inside the call
-        on_step = _counting(self.plan, caller) if memory_check.checking() else None
-        outputs = run_plan(self.plan, args, release=release, on_step=on_step)
-        for array in outputs:
-            if array.base is not None and not caller.owns(array_root(array)):
-                array.flags.writeable = False  # a view of our own buffer: wrapped, not copied
-        return outputs
+        return interpret(self.plan, args, release)
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         return False  # nothing is building: its calls stay on the reference interpreter
+
+
+def interpret(plan: Plan, args: list, release=None) -> list:
+    """One call of the plan on the reference interpreter; the checked mode counts each buffer
+    it allocates."""
+    caller = _CallerArrays(args)  # weakly: a saved input is freed inside the call
+    on_step = _counting(plan, caller) if memory_check.checking() else None
+    outputs = run_plan(plan, args, release=release, on_step=on_step)
+    for array in outputs:
+        if array.base is not None and not caller.owns(array_root(array)):
+            array.flags.writeable = False  # a view of our own buffer: wrapped, not copied
+    return outputs
 
 
 class _CallerArrays:
@@ -142,6 +148,8 @@ class CompiledRunner:
         self._owns_all = len(self._owned) == len(plan.graph.inputs)  # a backward plan's case
 
     def __call__(self, args: list, release=None, donate=()) -> list:
+        if self.compiled.driver_tier == "reference":  # the kernels build in the background
+            return self._while_building(args, release)
         outputs = self.compiled(args, donate)
         if release is not None:
             every = getattr(release, "every", None) if self._owns_all else None
@@ -151,6 +159,15 @@ class CompiledRunner:
                 for i in self._owned:
                     release(i)
         return outputs
+
+    def _while_building(self, args: list, release) -> list:
+        """A call while the kernels build: the reference interpreter runs the plan as a
+        ReferenceRunner would (saved inputs freed after their last read, each buffer counted
+        in the checked mode), the compiled plan's arena held meanwhile (counted too)."""
+        plan = self.compiled.stand_in(args)
+        if memory_check.checking():
+            self.compiled.count_kept()
+        return interpret(plan, args, release)
 
     @property
     def driver_tier(self) -> str:

@@ -187,6 +187,7 @@ class CompiledPlan:
 
     def __init__(self, lowered: LoweredPlan, background: bool | None = None):
         plan = self.plan = lowered.plan
+        self._interpreted = lowered.interpreted or plan
         start = time.perf_counter()
         generated, self.key_parts, recorded = rendering(lowered)
         self.donations = lowered.donations  # output buffer -> donated input
@@ -475,9 +476,21 @@ class CompiledPlan:
     def _reference_call(self, args: list) -> list:
         """A call while kernels and driver build in the background: the reference interpreter
         computes it (the same plan; results within rounding of the compiled ones)."""
+        return run_plan(self.stand_in(args), args)
+
+    def stand_in(self, args: list) -> Plan:
+        """The plan the reference interpreter runs while the kernels build (the plan before
+        its strided copies: NumPy copies a strided reshape itself), the build started by the
+        first call to get here."""
         if self._background:
             self._start_build(lambda: self._argument_types(args), f"@{self.plan.graph.name}")
-        return run_plan(self.plan, args)
+        return self._interpreted
+
+    def count_kept(self) -> None:
+        """Checked mode, a call while the kernels build: the scratch arenas this plan keeps
+        (allocated when it was made) are held by the process meanwhile."""
+        for arena in self._workspaces.idle_arenas():
+            ALLOCATOR.use(arena, "scratch")
 
     def _driver_arrays(self, args: list) -> list:
         """The inputs as the driver takes them: C-contiguous, scalars as one element, 16-bit

@@ -141,6 +141,10 @@ class WorkspacePool:
         """Bytes of one workspace's arena (each concurrent call holds its own)."""
         return arena_bytes(self._scratch)
 
+    def idle_arenas(self) -> list:
+        """The arenas of the workspaces no call holds now."""
+        return [w.arena for w in list(self._idle)]
+
     def checkout(self) -> Workspace:
         try:
             return self._idle.pop()
