@@ -106,9 +106,12 @@ class LoopEmitter:
 
     def _collapse(self, shape) -> list[list[int]]:
         def signature(d):
-            # a strided access keeps each of its dimensions as its own loop
+            # a strided access keeps each of its dimensions as its own loop; "absent" is a
+            # string, never False: loop dimension 0 equals False and would merge with one the
+            # access broadcasts over (then read with dimension 0's stride)
             present = tuple(
-                (d if a.strided else True) if d in a.dims else False for a in self.accesses.values()
+                (d if a.strided else "all") if d in a.dims else "absent"
+                for a in self.accesses.values()
             )
             reduced = tuple(d in axes for axes in self.reduced_dims.values())
             row = (self.rows and d == 0,)  # a row kernel keeps axis 0 as its own loop
