@@ -53,3 +53,36 @@ def test_the_numba_frontier_is_planned_on_the_compiled_accounting():
         front = bp.value_and_grad(bench_function(spec)).memory_frontier(params, *batch)
     peaks = [p.peak_bytes for p in front.points]
     assert len(peaks) >= 3 and peaks[-1] < 0.95 * peaks[0]
+
+
+def test_a_compiled_loss_that_backward_follows_meets_a_budget_below_its_default_peak():
+    """bp.compile(f, max_peak_bytes=N) for a loss backward() follows (a forward plan, then a
+    backward plan): the schedule's simulation of the two plans saw no gain in recomputing, so
+    every budget under the default peak was refused ("recomputing in the backward lowers it no
+    further") while a saved_bytes_budget plan of the same function peaked lower. The frontier
+    now has that plan, and the budget runs it, counted by the checked mode."""
+    from backplan.bench.internals import checked_memory, measure
+
+    rng = np.random.default_rng(0)
+    ws = {
+        f"w{i}": bp.tensor(rng.standard_normal((16, 16)).astype(np.float32), requires_grad=True)
+        for i in range(8)
+    }
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+
+    def chain(ws, x):
+        for w in ws.values():
+            x = bp.tanh(x @ w)
+        return bp.mean(x * x)
+
+    with use_backend("numba"), checked_memory():
+        peaks = [p.peak_bytes for p in bp.compile(chain).memory_frontier(ws, x).points]
+        assert len(peaks) > 1 and peaks[-1] < peaks[0]
+        budgeted = bp.compile(chain, max_peak_bytes=peaks[0] - 1)
+        assert bp.explain(budgeted, ws, x).peak_bytes <= peaks[0] - 1
+        with measure() as counted:
+            for _ in range(3):
+                bp.zero_grad(ws)
+                budgeted(ws, x).backward()
+    yours = sum(w.nbytes for w in ws.values()) + x.nbytes
+    assert counted.peak + yours <= peaks[0] - 1

@@ -229,7 +229,11 @@ class BudgetPlanner:
         compiled = current_backend() != "reference"
         key = (objective, compiled)
         if key not in self._points:
-            self._points[key] = plan_frontier(self.choices.schedule, objective, compiled)
+            schedule = self.choices.schedule
+            points = plan_frontier(schedule, objective, compiled)
+            if objective == "peak" and compiled and schedule.two_plans:
+                points = _with_saved_chain(points, self.points("saved"))
+            self._points[key] = points
         return self._points[key]
 
     def cheapest_saved(self, limit: int) -> EvaluatedPoint | None:
@@ -537,3 +541,13 @@ def nested_budget_refusal(fn, budget: str) -> str:
         f"function instead (bp.compile(step, {budget.split('=')[0]}=N), or "
         "bp.value_and_grad(fn, max_peak_bytes=N))"
     )
+
+
+def _with_saved_chain(points: list, saved_chain: list) -> list:
+    """A compiled forward plan and backward plan (a loss backward() follows): the schedule's
+    simulation of their peak leaves out what fused loops hold, so the peak chain can stop at
+    the default plan while plans of the saved chain (each value dropped lowers the held bytes)
+    peak lower once built. Their drop sets join the candidates; frontier() and fit_peak judge
+    every candidate by its built plan's peak (ir/peak.py)."""
+    seen = {p.drop for p in points}
+    return points + [p for p in saved_chain if p.drop not in seen]
