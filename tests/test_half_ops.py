@@ -18,8 +18,10 @@ from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import TensorType, dtype_name, is_float, np_dtype
 
 # bfloat16 keeps 8 significant bits, float16 11: a few roundings of each, relative to the
-# largest value of an output (gradients sum many rounded terms)
-TOL = {"bf16": 3e-2, "f16": 4e-3}
+# largest value of an output (gradients sum many rounded terms). bf16 is the issue's 1e-2: it
+# holds since attention_grad's derivative computes in float32 (its chain rounded after every op
+# put the attention_grad samples' gradients at 1.2-1.6e-2)
+TOL = {"bf16": 1e-2, "f16": 4e-3}
 DRAWS_BY_DTYPE = ("random_uniform", "random_normal")  # their float64 draws are other numbers
 BATCH = 40
 
