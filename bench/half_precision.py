@@ -3,10 +3,12 @@
 everything in bfloat16 against float32, side by side (interleaved rounds, one pinned thread).
 
     python -m backplan.bench.half_precision [--small] [--models mlp,transformer,ln_gelu]
-        [--widened]
+        [--widened] [--float16]
 
---widened adds a third runner in the same rounds: bfloat16 with every GEMM operand widened
-into a float32 copy first, as compiled plans did before the GEMM read bfloat16 itself.
+--widened adds a runner in the same rounds: bfloat16 with every GEMM operand widened into a
+float32 copy first, as compiled plans did before the GEMM read bfloat16 itself. --float16 adds
+one with everything in float16 (its GEMMs, convolutions and attention widen their operands
+into float32 copies; its loops convert like bfloat16's).
 Each step is also timed by the process's CPU time (all its threads, on the one pinned CPU;
 medians printed beside the wall times): on a shared, loaded machine a step's wall time counts
 the neighbours' slices too.
@@ -86,6 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--models", default="mlp,transformer,ln_gelu")
     parser.add_argument("--widened", action="store_true", help="also time the old bf16 GEMMs")
+    parser.add_argument("--float16", action="store_true", help="also time float16 steps")
     args = parser.parse_args(argv)
     print(pin_process(1), "BACKPLAN_BACKEND", os.environ.get("BACKPLAN_BACKEND", "numba"))
     schedule = QUICK if args.small else FULL
@@ -99,25 +102,25 @@ def main(argv=None) -> None:
         }
         if args.widened:
             runners["bf16 widened"] = _Step(name, args.small, bp.bfloat16, widened=True)
+        if args.float16:
+            runners["f16"] = _Step(name, args.small, np.float16)
         steps = {
             k: schedule.steps_per_round(warm_up(r, schedule.warmup_steps))
             for k, r in runners.items()
         }
         for runner in runners.values():
             runner.cpu_ms.clear()
-        timings = timed_rounds(runners, steps, schedule)
-        f32_ms, bf16_ms = (timings[k].median * 1e3 for k in ("f32", "bf16"))
-        print(f"{name}: step f32 {f32_ms:.2f} ms, bf16 {bf16_ms:.2f} ms ({bf16_ms / f32_ms:.2f}x)")
-        f32_cpu, bf16_cpu = (statistics.median(runners[k].cpu_ms) for k in ("f32", "bf16"))
-        print(
-            f"{name}: CPU time f32 {f32_cpu:.2f} ms, bf16 {bf16_cpu:.2f} ms "
-            f"({bf16_cpu / f32_cpu:.2f}x)"
-        )
-        if args.widened:
-            old_ms = timings["bf16 widened"].median * 1e3
-            print(
-                f"{name}: bf16 with widened GEMM operands {old_ms:.2f} ms ({old_ms / f32_ms:.2f}x)"
-            )
+        _report(name, runners, timed_rounds(runners, steps, schedule))
+
+
+def _report(name: str, runners: dict, timings: dict) -> None:
+    """Each 16-bit runner's median wall and process CPU time against float32's."""
+    f32_ms = timings["f32"].median * 1e3
+    f32_cpu = statistics.median(runners["f32"].cpu_ms)
+    for key in (k for k in runners if k != "f32"):
+        ms, cpu = timings[key].median * 1e3, statistics.median(runners[key].cpu_ms)
+        print(f"{name}: step f32 {f32_ms:.2f} ms, {key} {ms:.2f} ms ({ms / f32_ms:.2f}x)")
+        print(f"{name}: CPU time f32 {f32_cpu:.2f} ms, {key} {cpu:.2f} ms ({cpu / f32_cpu:.2f}x)")
 
 
 if __name__ == "__main__":
