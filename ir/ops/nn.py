@@ -6,7 +6,7 @@ from ..errors import DtypeError, ShapeError
 from ..index_check import check_in_range, label_message
 from ..registry import AttrSpec, OpDef, register
 from ..shapes import fmt, normalize_axes, normalize_axis, reduced_shape
-from ..types import TensorType, is_half, is_int
+from ..types import TensorType, compute_dtype, is_half, is_int
 from .common import float_only
 
 AXIS = {"axis": AttrSpec("int")}
@@ -140,17 +140,25 @@ def _ce_ref(logits, labels, reduction):
 
 
 def _ce_vjp(ctx, g):
+    """(softmax - onehot) * g. 16-bit logits: computed in float32, rounded once (as autocast
+    runs the loss in float32): a probability rounded to bfloat16 before `- onehot` left the
+    well-classified rows' gradient 1.6% off (median) and zero where p rounded to 1."""
     b, logits_t = ctx.b, ctx.in_type(0)
-    axis = len(logits_t.shape) - 1
-    probs = b.softmax(ctx.input(0), axis=axis)
-    onehot = b.one_hot(ctx.input(1), depth=logits_t.shape[-1], dtype=logits_t.dtype)
+    axis, stored = len(logits_t.shape) - 1, logits_t.dtype
+    logits = ctx.input(0)
+    if is_half(stored):
+        work = compute_dtype(stored)
+        logits, g = b.astype(logits, dtype=work), b.astype(g, dtype=work)
+    probs = b.softmax(logits, axis=axis)
+    onehot = b.one_hot(ctx.input(1), depth=logits_t.shape[-1], dtype=probs.dtype)
     diff = b.sub(probs, onehot)
     if ctx.attrs["reduction"] == "none":
-        return [b.mul(diff, b.reshape(g, shape=g.shape + (1,))), None]
-    if ctx.attrs["reduction"] == "mean":
-        count = max(ctx.in_type(1).size, 1)
-        g = b.div(g, b.scalar(count, g.dtype))
-    return [b.mul(diff, g), None]
+        grad = b.mul(diff, b.reshape(g, shape=g.shape + (1,)))
+    else:
+        if ctx.attrs["reduction"] == "mean":
+            g = b.div(g, b.scalar(max(ctx.in_type(1).size, 1), g.dtype))
+        grad = b.mul(diff, g)
+    return [grad if grad.dtype == stored else b.astype(grad, dtype=stored), None]
 
 
 register(
