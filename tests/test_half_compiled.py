@@ -247,6 +247,18 @@ def test_a_16_bit_matmul_compiles(dtype):
     assert all(f.unsupported is None for f in report.compiled)
 
 
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_batch_broadcast_16_bit_matmul_matches_the_reference(dtype):
+    """(2, 1, 3, 4) @ (3, 4, 2): both operands are broadcast over the batch before the GEMM.
+    A planned copy of them (a same-dtype 16-bit astype loop) stored the widened float32
+    values unrounded into the 16-bit buffer: NaNs and zeros."""
+    rng = np.random.default_rng(0)
+    a = bp.tensor(rng.standard_normal((2, 1, 3, 4)).astype(dtype))
+    b = bp.tensor(rng.standard_normal((3, 4, 2)).astype(dtype))
+    (expected,), (got,) = _both(lambda a, b: (a @ b,), a, b)
+    _assert_close([expected], [got], TOL[np.dtype(dtype)])
+
+
 def test_float16_overflow_propagates_inf_in_compiled_loops():
     h = bp.tensor(np.array([300.0, 1.0, np.nan], np.float16))
     expected, got = _both(lambda h: (h * h + 1.0,), h)
