@@ -13,8 +13,9 @@ transpose, slice or broadcast derives its strides from its input's, and a reshap
 non-contiguous array is placed only when it adds or drops size-1 axes; any other is copied
 (a loop, a GEMM or a library kernel reading it reads the copy). Which operands a kernel reads
 as C-contiguous arrays mirrors the emitters (codegen/kernels/*.py): a change there must
-change _operand_copies too. 16-bit values are left as they were; a chain over a `full`
-literal is never a buffer, except as an operand of a kernel call. One copy per view chain
+change _operand_copies too. 16-bit views and row-kernel operands are left as they were (a
+GEMM's 16-bit operands are copied, bits unchanged: codegen/render/scalar.py `_astype`); a
+chain over a `full` literal is never a buffer, except as an operand of a kernel call. One copy per view chain
 (the same views of one buffer), however many readers read it.
 """
 
@@ -84,7 +85,7 @@ def _operand_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
     A GEMM's have rules of their own; concatenate and pad_slice, and attention in its
     token-first layout or with two leading axes, read strided views as they are."""
     if node.op == "matmul":
-        return {} if is_half(node.dtype) else _matmul_copies(node, strides)
+        return _matmul_copies(node, strides)
     strided_ok = node.op in ("concatenate", "pad_slice") or (
         node.op in ("attention", "attention_grad")
         and (node.attrs.get("layout", "bhtd") == "bthd" or len(node.inputs[0].shape) == 4)
@@ -176,8 +177,6 @@ def _matmul_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
     batch = tuple(node.shape[:-2])
     found: dict[int, tuple | None] = {}
     for i, value in enumerate(node.inputs):
-        if is_half(value.dtype):  # a same-dtype 16-bit copy loop stores unrounded float32
-            continue  # bits (NaN, 0): the driver copies these as before
         source = value.inputs[0] if _absorbed(value) else value
         if _literal(source):
             found[i] = None

@@ -137,3 +137,27 @@ def test_views_are_not_allocations():
     assert uncounted_allocations(source.replace("v0.reshape(-1)", "np.full((3,), 1.0)")) == [
         "line 2: v1_1d = np.full((3,), 1.0)"
     ]
+
+
+@pytest.mark.parametrize("dtype", [bp.bfloat16, bp.float16])
+def test_a_16_bit_batch_broadcast_matmul_copies_its_bits_into_a_planned_buffer(dtype):
+    """The planned copy of a 16-bit operand moves its stored bits (a copy loop once widened
+    them and stored the float32 value unrounded: NaN and zeros); counted == printed."""
+    rng = np.random.default_rng(1)
+    a = bp.tensor(rng.standard_normal((2, 1, 3, 4)).astype(dtype))
+    b = bp.tensor(rng.standard_normal((3, 4, 2)).astype(dtype))
+
+    def loss(a):
+        return bp.sum((a @ b).astype(np.float32))
+
+    with use_backend("reference"):
+        expected = bp.value_and_grad(loss)(a)
+    with use_backend("numba"), checked_memory():
+        step = bp.value_and_grad(loss)
+        assert _driver_lines(step.trace(a).plan) == []
+        report = bp.explain(step, a)
+        assert counted_calls(lambda: step(a), 3) == printed_calls(report, 3)
+        value, grad = step(a)
+    np.testing.assert_allclose(np.asarray(value), np.asarray(expected[0]), rtol=1e-2)
+    got, want = (np.asarray(g).astype(np.float32) for g in (grad, expected[1]))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

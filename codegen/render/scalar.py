@@ -55,6 +55,8 @@ def _pow(a, b, node) -> str | None:
 def _astype(a, node) -> str | None:
     """Casts into and out of 16-bit storage (ir/widen.py leaves only float32 ones)."""
     source = node.inputs[0].dtype
+    if source == node.dtype and is_half(source):
+        return a  # a copy (ir/strided_copies.py): 16-bit values move as their stored bits
     if is_half(source):
         return f"{source}_to_f32({a})"
     if is_half(node.dtype):
