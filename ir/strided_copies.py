@@ -15,8 +15,8 @@ non-contiguous array is placed only when it adds or drops size-1 axes; any other
 as C-contiguous arrays mirrors the emitters (codegen/kernels/*.py): a change there must
 change _operand_copies too. 16-bit views and row-kernel operands are left as they were (a
 GEMM's 16-bit operands are copied, bits unchanged: codegen/render/scalar.py `_astype`); a
-chain over a `full` literal is never a buffer, except as an operand of a kernel call. One copy per view chain
-(the same views of one buffer), however many readers read it.
+chain over a `full` literal is never a buffer, except as an operand of a kernel call. One
+copy per view chain (the same views of one buffer), however many readers read it.
 """
 
 from __future__ import annotations
