@@ -15,7 +15,9 @@ from .collectives import broadcast, shard
 from .errors import (
     DistributedError,
     MPIUnavailableError,
+    RankFailedError,
     RankMismatchError,
+    RankOutOfStepError,
     RankTimeoutError,
     ReplicaMismatchError,
 )
@@ -40,7 +42,9 @@ __all__ = [
     "DistributedError",
     "ExchangedLeaf",
     "MPIUnavailableError",
+    "RankFailedError",
     "RankMismatchError",
+    "RankOutOfStepError",
     "RankTimeoutError",
     "ReplicaMismatchError",
     "World",

@@ -24,3 +24,14 @@ class ReplicaMismatchError(DistributedError):
 class RankTimeoutError(DistributedError, TimeoutError):
     """A rank did not reach a data-parallel step (or its exchange) within data_parallel's
     timeout; names the ranks not heard from. Uncaught, it ends every rank through MPI_Abort."""
+
+
+class RankFailedError(DistributedError):
+    """Another rank's call of the step raised after the ranks had agreed on the call; names
+    the rank and its error. That rank completed the call's exchange without gradients, so no
+    rank applied anything from the call and the step may be called again."""
+
+
+class RankOutOfStepError(DistributedError):
+    """This rank's earlier call raised where it could not complete the call's exchange (the
+    compiled driver had started it); its collectives no longer pair with the other ranks'."""

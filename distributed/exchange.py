@@ -8,6 +8,7 @@ import numpy as np
 from backplan.tracer.tensor import Tensor
 
 from .deadline import wait_or_raise
+from .failure import check_ranks
 from .layout import Layout
 from .rows import scale_by_weight
 from .world import World, mpi_module
@@ -25,6 +26,7 @@ class Exchange:
         self.weight: float | None = None  # this rank's share of the rows, when ranks differ
         self.mpi = mpi_module()
         self.timeout = timeout  # seconds each wait may take (data_parallel(timeout=...))
+        self.failure: str | None = None  # this rank's call raised: failure.settle
 
     def start(self, array_of) -> None:
         """Start every bucket; array_of(leaf index) is this rank's array of that leaf."""
@@ -43,6 +45,10 @@ class Exchange:
         for bucket in self.layout.buckets:
             if bucket.index not in done:
                 self._start(bucket, lambda leaf: array_of(leaf.index))
+
+    def start_bucket(self, bucket, array_of) -> None:
+        """Start one bucket; array_of(leaf index) is this rank's array of that leaf."""
+        self._start(bucket, lambda leaf: array_of(leaf.index))
 
     def _start(self, bucket, array_of) -> None:
         buffer = np.concatenate([array_of(leaf).ravel() for leaf in bucket.leaves])
@@ -75,4 +81,5 @@ class Exchange:
                 part = buffer[offset : offset + count].reshape(leaf.shape)
                 results[leaf.index] = Tensor._from_array(part)
                 offset += count
+        check_ranks(self.world, results[0]._data, self.failure, self.layout.name)
         return results

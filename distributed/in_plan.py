@@ -25,7 +25,7 @@ from backplan.ir.types import np_dtype
 
 from .buckets import Bucket
 from .driver_hooks import HookedDriver, hook_driver
-from .driver_mpi import BUCKET_SLOTS, ERROR, HEADER, TableMaker, dp_test, dp_wait
+from .driver_mpi import BUCKET_SLOTS, ERROR, HEADER, IDLE, STATE, TableMaker, dp_test, dp_wait
 from .errors import DistributedError
 
 FLOATS = ("f32", "f64")  # IR dtypes MPI sums as FLOAT, DOUBLE
@@ -189,12 +189,23 @@ class InPlanExchange:
                 n = math.prod(shape)
                 into[j] = flat[offset : offset + n].reshape(shape)
                 offset += n
-        table = self._maker.table(flats)
+        table = exchange.table = self._maker.table(flats)  # failure.py reads what started
         outputs = self.compiled.call_into(arrays, into, self.driver(), (table,))
         for k, (bucket, flat) in enumerate(zip(self.buckets, flats, strict=True)):
             exchange.started.append((bucket, flat, TableRequest(table, k, bucket)))
         self._previous = flats  # taken again by the next call if nothing holds them then
         return outputs
+
+    def unstarted(self, table: np.ndarray | None) -> list[Bucket] | None:
+        """The buckets the driver starts, in the order it starts them, when a call that raised
+        had started none of them (table: the call's exchange table, None if never made), so
+        that the rank can post them itself in that order (failure.settle); None when some had
+        started: what the rank then posted cannot be completed."""
+        states = [] if table is None else table[HEADER + STATE :: BUCKET_SLOTS][: len(self.buckets)]
+        if any(state != IDLE for state in states):
+            return None
+        order = sorted(range(len(self.buckets)), key=lambda k: (self.hooked.start_after[k], k))
+        return [self.buckets[k] for k in order]
 
     def _bucket_buffers(self) -> list[np.ndarray]:
         """The previous call's bucket buffers when no gradient it returned is held any more

@@ -22,6 +22,8 @@ from backplan.tracer.tensor import Tensor
 from .agreement import leaf_array
 from .buckets import Bucket
 from .deadline import wait_or_raise
+from .errors import DistributedError
+from .failure import check_ranks
 from .layout import Layout
 from .rows import scale_by_weight
 from .world import World, mpi_module
@@ -145,6 +147,14 @@ class ShardedExchange:
         self._loss = None
         self._loss_in_bucket = False
         self._started: list = []
+        self.failure: str | None = None  # this rank's call raised: failure.settle
+
+    def start_rest(self, array_of) -> None:
+        """Start the exchange unless part of it started (failure.settle): a reduce-scatter
+        packs every bucket of its dtype, so a partly started one cannot be completed."""
+        if self._started or self._loss is not None:
+            raise DistributedError("the ZeRO-1 exchange had partly started")
+        self.start(array_of)
 
     def start(self, array_of) -> None:
         """array_of(leaf index) -> this rank's array of the loss (0) or a gradient. The loss
@@ -194,9 +204,10 @@ class ShardedExchange:
             for i, (counts, _) in zip(shards.params, shards.splits, strict=True):
                 shares[i] = mine[offset : offset + counts[rank]]
                 offset += counts[rank]
-        if self._loss_in_bucket:
-            return loss.reshape(()), shares
-        return self._averaged(loss).reshape(()), shares
+        if not self._loss_in_bucket:
+            loss = self._averaged(loss)
+        check_ranks(self.world, loss, self.failure, self.layout.name)
+        return loss.reshape(()), shares
 
     def _buffer(self, kind: str, shards: BucketShards, n: int, dtype) -> np.ndarray:
         key = (kind, self.layout.fingerprint, shards.bucket.index)

@@ -21,8 +21,9 @@ from .agreement import check_replicas as verify_replicas
 from .agreement import leaf_array, require_same_trees
 from .buckets import DEFAULT_BUCKET_BYTES
 from .deadline import roll_call, wait_or_raise
-from .errors import RankMismatchError
+from .errors import RankMismatchError, RankOutOfStepError
 from .exchange import Exchange
+from .failure import describe_error, settle
 from .in_plan import InPlanExchange
 from .layout import Layout, build_layout
 from .report import DataParallelReport
@@ -86,6 +87,7 @@ class DataParallelStep:
         self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
         self._inputs: dict = {}  # call key -> (joint trace, positions of its tensors)
         self._called: set = set()  # call keys this step ran: wait_for_driver traces no other
+        self._out_of_step: str | None = None  # failure.py: why this rank cannot call again
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
@@ -101,8 +103,11 @@ class DataParallelStep:
     def started(self, args, kwargs, exchange_type):
         """Run this rank's plan and start the exchange of its loss and gradients with an
         exchange_type (Exchange, or ShardedExchange for ZeRO-1). Returns (the exchange, None,
-        aux), or, while accumulating micro-batches, (None, this rank's loss, aux)."""
+        aux), or, while accumulating micro-batches, (None, this rank's loss, aux). A call that
+        raises after the ranks agreed on it completes its exchange first (failure.py)."""
         world = init(self._comm)
+        if self._out_of_step is not None:
+            raise RankOutOfStepError(self._out_of_step)
         if self._accumulator.last_of_round:
             self._check_arrival(world, args)
         key, leaves = call_key(args, kwargs, is_grad_enabled())
@@ -110,16 +115,27 @@ class DataParallelStep:
             self._called.add(key)
         layout = self._layout(args, kwargs, key)
         exchange = exchange_type(world, layout, self.average, self.timeout)
+        exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
         lengths = batch_lengths(args, kwargs, self.fn.argnums)
+        try:
+            return self._run(world, args, kwargs, key, leaves, exchange, lengths, exchange_type)
+        except BaseException as error:
+            self._failed(world, exchange, error, lengths, args, kwargs)
+            raise
+
+    def _run(self, world, args, kwargs, key, leaves, exchange, lengths, exchange_type):
+        """started's work once the call's exchange exists: agree, run the plan, start."""
+        layout = exchange.layout
         if self.split_plan:
-            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
+            self._agreed(exchange, self._agree(world, layout, lengths, args, kwargs))
             return exchange, None, self._run_split(args, kwargs, key, leaves, exchange)
         in_plan = None
         if exchange_type is Exchange and self.accumulate == 1:
             in_plan = self._in_plan(world, args, kwargs, key, leaves, layout)
         if in_plan is not None:
-            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
+            self._agreed(exchange, self._agree(world, layout, lengths, args, kwargs))
             if exchange.weight is None:  # equal shards: the driver starts the buckets
+                exchange.in_driver = in_plan
                 return (
                     exchange,
                     None,
@@ -130,8 +146,8 @@ class DataParallelStep:
         # instead of being one more meeting point after the plan (which met the slower rank's
         # compute; ZeRO-1's reduce-scatter and all-gather then met it twice more). Accumulating,
         # the k-th call agrees after adding: a round failing its checks posts nothing
-        early = in_plan is None and self.accumulate == 1
-        agreeing = self._agree_start(world, layout, lengths) if early else None
+        if in_plan is None and self.accumulate == 1:
+            exchange.agreement = self._agree_start(world, layout, lengths)
         result = self.fn(*args, **kwargs)
         (loss, aux), grads = result if self.fn.has_aux else ((result[0], None), result[1])
         arrays = [leaf_array(loss)] + [leaf_array(g) for g in flatten(grads)[0]]
@@ -139,12 +155,55 @@ class DataParallelStep:
             arrays = self._accumulator.add(layout.fingerprint, lengths, arrays)
             if arrays is None:
                 return None, loss, aux
-        if agreeing is not None:
-            exchange.weight = self._agree_finish(world, layout, agreeing, lengths, args, kwargs)
+        if exchange.agreement is not None:
+            self._finish_agreement(world, exchange, lengths, args, kwargs)
         elif in_plan is None:
-            exchange.weight = self._agree(world, layout, lengths, args, kwargs)
+            self._agreed(exchange, self._agree(world, layout, lengths, args, kwargs))
         exchange.start(lambda index: arrays[index])
         return exchange, None, aux
+
+    @staticmethod
+    def _agreed(exchange, weight) -> None:
+        exchange.weight, exchange.agreed = weight, True
+
+    def _finish_agreement(self, world, exchange, lengths, args, kwargs) -> None:
+        """Wait for the agreement the call posted early (_agree_finish) and note it done."""
+        agreeing, exchange.agreement = exchange.agreement, None  # waited for once, come what may
+        weight = self._agree_finish(world, exchange.layout, agreeing, lengths, args, kwargs)
+        self._agreed(exchange, weight)
+
+    def _failed(self, world, exchange, error, lengths, args, kwargs) -> None:
+        """This rank's call raised `error` after posting its agreement (or after the agreement):
+        complete the call's exchange with NaN so the other ranks raise RankFailedError and all
+        stay in step (failure.settle); where the compiled driver had started the exchange, or
+        completing it fails, the step is out of step and its next call says so."""
+        if exchange.agreement is None and not exchange.agreed:
+            return  # nothing posted, or the agreement itself failed alike on every rank
+        why = "the compiled step had started part of that call's exchange itself"
+        try:
+            first = []
+            if exchange.in_driver is not None:
+                first = exchange.in_driver.unstarted(getattr(exchange, "table", None))
+            if first is not None:
+                if exchange.agreement is not None:
+                    self._finish_agreement(world, exchange, lengths, args, kwargs)
+                settle(exchange, error, first)
+                error.add_note(
+                    f"backplan.distributed: rank {world.rank} completed this call's exchange "
+                    "with NaN in place of its gradients, so the other ranks raised "
+                    "RankFailedError and no rank applied anything from the call: the step "
+                    "may be called again"
+                )
+                return
+        except BaseException as settling:
+            why = f"completing that call's exchange raised {describe_error(settling)}"
+        self._out_of_step = (
+            f"this rank ({world.rank} of {world.size}) raised {describe_error(error)} during an "
+            f"earlier call of the data-parallel step of {_name(self.fn)} after the ranks had "
+            f"agreed on that call, and {why}: the other ranks' collectives of that call no "
+            "longer pair with this rank's, so this step cannot go on. Uncaught, this error "
+            "ends every rank (MPI_Abort); restart from the last checkpoint"
+        )
 
     def _in_plan(self, world, args, kwargs, key, leaves, layout) -> InPlanExchange | None:
         """The exchange inside the compiled step for this signature, when it applies: overlap

@@ -842,6 +842,132 @@ def test_a_step_whose_buckets_start_after_the_call_posts_its_agreement_before_th
     assert_ranks_ok(result)
 
 
+FAILING_PLAN = """
+class Failing:  # the value_and_grad the step runs; raises on this rank while `fail` is set
+    def __init__(self, fn):
+        self.fn, self.fail = fn, False
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+    def __call__(self, *args, **kwargs):
+        if self.fail:
+            raise ValueError("plan failed on purpose")
+        return self.fn(*args, **kwargs)
+params = bpd.broadcast(init_mlp([8, 15, 4], seed=rank))
+xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+"""
+
+
+@needs_mpi
+def test_a_rank_whose_plan_raises_after_the_agreement_leaves_the_ranks_in_step(tmp_path):
+    """Rank 0's plan raises after the call posted its agreement, and the script catches it and
+    calls again. Rank 0 completes the call's exchange with NaN: rank 1 gets RankFailedError
+    naming rank 0 and its error, nothing is applied, and the next call on both ranks pairs
+    with the next call (before: rank 0's next agreement met rank 1's gradient collective, an
+    MPI error). Plain step, unsharded and ZeRO-1 training; unequal rows too."""
+    result = run_script(
+        tmp_path,
+        FAILING_PLAN
+        + textwrap.dedent(
+            """
+        opt = bp.optim.adam(0.01)
+        for kind in ("plain", "unsharded", "zero1", "unequal rows"):
+            rows = (xs, ys) if kind != "unequal rows" else (xs[: 8 - rank], ys[: 8 - rank])
+            if kind in ("plain", "unequal rows"):
+                step = inner = bpd.data_parallel(vg, timeout=60 if kind == "plain" else None)
+                call = lambda p, s: step(p, *rows)
+                state = None
+            else:
+                step = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=kind == "zero1")
+                inner, state = step.step, step.init(params)
+                call = lambda p, s: step(p, s, *rows)
+            failing = inner.fn = Failing(vg)
+            before = call(params, state)
+            failing.fail = rank == 0
+            try:
+                call(params, state)
+                caught = None
+            except Exception as error:
+                caught = error
+            if rank == 0:
+                assert type(caught) is ValueError, (kind, caught)
+                assert "completed this call's exchange with NaN" in caught.__notes__[0]
+            else:
+                assert isinstance(caught, bpd.RankFailedError), (kind, caught)
+                assert "rank 0 of 2 raised ValueError: plan failed on purpose" in str(caught)
+                assert "data-parallel step of mlp_loss()" in str(caught)
+            failing.fail = False
+            after = call(params, state)  # pairs with the same call on the other rank
+            a, b = (before, after) if kind in ("plain", "unequal rows") else (before[0], after[0])
+            a = a[1] if kind in ("plain", "unequal rows") else a
+            b = b[1] if kind in ("plain", "unequal rows") else b
+            assert all((a[k].numpy() == b[k].numpy()).all() for k in params), kind
+        print(f"rank {rank} ok")
+        """
+        ),
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_a_rank_that_raises_around_its_compiled_step_settles_or_says_it_is_out_of_step(tmp_path):
+    """On the compiled backend the driver starts the buckets itself. Rank 0 raising before its
+    driver ran (nothing posted) posts the buckets in the drivers' order with NaN: rank 1 gets
+    RankFailedError and the next call pairs again. Rank 0 raising after its driver returned
+    (as a KeyboardInterrupt deferred through the compiled call would) cannot fix what it
+    posted: its next call raises RankOutOfStepError naming the rank and the first error
+    before any MPI call and, uncaught, ends both ranks (before, either way: its agreement
+    went on to meet whatever rank 1 posted next)."""
+    result = run_script(
+        tmp_path,
+        """
+        from backplan.distributed.in_plan import InPlanExchange
+        params = init_mlp([8, 16, 4])
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        step = bpd.data_parallel(vg, bucket_bytes=300)
+        before = step(params, xs, ys)
+        print(f"rank {rank} driver starts buckets: {step.wait_for_driver(params, xs, ys)}")
+        run = InPlanExchange.run
+        def failing(self, *args):
+            if rank == 0 and where == "before":
+                raise ValueError("failed before the driver")
+            outputs = run(self, *args)
+            if rank == 0 and where == "after":
+                raise ValueError("interrupted after the driver")
+            return outputs
+        InPlanExchange.run = failing
+        for where in ("before", None, "after"):
+            try:
+                loss, grads = step(params, xs, ys)
+            except Exception as error:
+                print(f"rank {rank} caught {type(error).__name__}: {error}", flush=True)
+                continue
+            if where is None:  # the call after the settled one paired: the values before it
+                assert loss.item() == before[0].item()
+                assert all((grads[k].numpy() == before[1][k].numpy()).all() for k in params)
+                print(f"rank {rank} paired again", flush=True)
+        where = None
+        step(params, xs, ys)  # rank 0: RankOutOfStepError, uncaught
+        print(f"rank {rank} finished")
+        """,
+        backend="numba",
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 driver starts buckets: True" in result.stdout, output
+    assert "rank 0 caught ValueError: failed before the driver" in result.stdout, output
+    assert "rank 1 caught RankFailedError: rank 0 of 2 raised ValueError: failed before" in (
+        result.stdout
+    ), output
+    assert "rank 0 paired again" in result.stdout and "rank 1 paired again" in result.stdout
+    assert "rank 0 caught ValueError: interrupted after the driver" in result.stdout, output
+    assert "rank 0 of 2 raised RankOutOfStepError: this rank (0 of 2) raised ValueError: " in (
+        output
+    )
+    assert "compiled step had started part of that call's exchange itself" in output
+    assert "finished" not in result.stdout, output
+
+
 @needs_mpi
 def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
     """accumulate=2: the first call of a round exchanges nothing (rank 1 does not reach its
