@@ -52,8 +52,12 @@ def plan_frontier(
             simulations += 1
             if _measure(trial, objective) < _measure(current, objective):
                 break
-            if len(batch) == 1:
+            if len(batch) == 1:  # the next-ranked single value, while the cap allows
                 locked.add(batch[0])
+                batch = _next_batch(schedule, current, drop, locked, 1, objective)
+                if simulations >= MAX_SIMULATIONS:
+                    batch = []
+                continue
             batch = batch[: len(batch) // 2]
         if not batch:
             batch, trial, tried = _growing(schedule, current, drop, objective, compiled)

@@ -25,6 +25,7 @@ from backplan.report.peak_holders import peak_holders
 from backplan.report.wording import format_bytes
 from backplan.runtime.backend import current_backend
 
+from .built_descent import built_descent
 from .source import loc_text, user_frame_loc
 
 
@@ -233,6 +234,7 @@ class BudgetPlanner:
             points = plan_frontier(schedule, objective, compiled)
             if objective == "peak" and compiled and schedule.two_plans:
                 points = _with_saved_chain(points, self.points("saved"))
+                points = points + built_descent(self, points)
             self._points[key] = points
         return self._points[key]
 

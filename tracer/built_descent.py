@@ -1,0 +1,54 @@
+"""Where the simulation of a forward plan and a backward plan stops, a few moves judged by the
+built plans' peaks.
+
+`bp.compile(loss)` whose result backward() follows runs two compiled plans, each holding its
+arena for the whole call. The step schedule's simulation of them (ir/step_schedule.py) counts
+every value a buffer, while fusion stores an elementwise chain as one buffer and a GEMM's
+epilogue in the GEMM's: its error moves with what is recomputed (on an 8-layer MLP of uneven
+widths it ranked [11, 15, 21, 23, 25] behind plans whose built peaks are 4% higher), so the
+chains of simulated points end above the lowest peak a plan reaches, and budgets between
+were refused although a plan fits them. From the lowest built point, one held value more at
+a time (tried in order of their simulated peaks), a move is kept when the built plan's peak
+(ir/peak.py, what explain prints and the checked mode counts) falls.
+"""
+
+from __future__ import annotations
+
+from backplan.ir.budget import PlanPoint
+
+MAX_BUILT_MOVES = 24  # plans built beyond the simulated chains (each a lowering)
+TRIED_PER_MOVE = 6  # held values tried for each move, best simulated first
+
+
+def built_descent(planner, points: list[PlanPoint]) -> list[PlanPoint]:
+    """The points found beyond `points`, each lowering the built peak of the one before it;
+    planner.evaluate builds them (and keeps them for the frontier and the budgets)."""
+    schedule = planner.choices.schedule
+    best = min(points, key=lambda p: (planner.evaluate(p).peak_bytes, p.added_flops))
+    lowest, found, built = planner.evaluate(best).peak_bytes, [], 0
+    while built < MAX_BUILT_MOVES:
+        moved = False
+        for point in _ranked_moves(schedule, best.drop)[:TRIED_PER_MOVE]:
+            if built >= MAX_BUILT_MOVES:
+                break
+            built += 1
+            peak = planner.evaluate(point).peak_bytes
+            if peak < lowest:
+                best, lowest, moved = point, peak, True
+                found.append(point)
+                break
+        if not moved:
+            break
+    return found
+
+
+def _ranked_moves(schedule, drop: frozenset) -> list[PlanPoint]:
+    """drop with one more held value recomputed, for each held value not in it: lowest
+    simulated peak first, then fewest added FLOPs."""
+    moves = []
+    for i in schedule.held:
+        if i not in drop:
+            more = drop | {i}
+            outcome = schedule.simulate(more, True)
+            moves.append(PlanPoint(more, outcome.peak, outcome.held_bytes, outcome.added_flops))
+    return sorted(moves, key=lambda p: (p.peak, p.added_flops))
