@@ -17,7 +17,11 @@ as the step sees it (packing, the allreduces, waiting for the slower rank) less 
 compute. It also prints rank 0's CPU time per call (on a machine shared with other work the
 wall time stretches by whatever else runs there; the CPU time is what the rank itself did):
 the step, the compute, the wait after the call (MPICH spins) and the rest, the step's own work
-besides compute and waiting.
+besides compute and waiting. With several ranks it also times, call by call on every rank, the
+plan inside the step (the compiled driver's run) and prints the step against its slower rank:
+on a machine shared with other work one rank's core is often taken in turns, so the one-rank
+step over the N-rank step (the efficiency) is that rank's slowdown times slower plan / step,
+the part the exchange itself costs.
 """
 
 from __future__ import annotations
@@ -83,6 +87,58 @@ def waited(step, params, batch, seconds: list, done: list | None = None, cpu_sec
             cpu_seconds.append(time.thread_time() - cpu)
 
     return run
+
+
+def with_plan_times(step, params, batch, records: list):
+    """A step call that records (its wall seconds, the wall and CPU seconds of its plan, the
+    compiled driver that starts the buckets) on this rank; slower_rank_text pairs the ranks'
+    records call by call (every rank makes the same calls, in the same order). A measurement in
+    this process only: it wraps InPlanExchange.run."""
+    from backplan.distributed.in_plan import InPlanExchange
+
+    original, plan = InPlanExchange.run, {}
+
+    def run(self, *args):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        outputs = original(self, *args)
+        plan["times"] = (time.perf_counter() - wall, time.thread_time() - cpu)
+        return outputs
+
+    InPlanExchange.run = run
+
+    def call():
+        plan.clear()
+        start = time.perf_counter()
+        step(params, *batch)
+        records.append((time.perf_counter() - start, *plan.get("times", (np.nan, np.nan))))
+
+    return call
+
+
+def slower_rank_text(records: list, comm) -> str | None:
+    """Rank 0's report of the step against its slower rank (None on the other ranks): per call,
+    the plan of the rank that took longest (on a shared machine, the rank whose core other work
+    took turns on) and what the step took beyond it (the agreement before the plan, the buckets
+    still in flight, the Python of the exchange); the medians over calls, and each rank's plan
+    wall and CPU (wall above CPU: the rank was not running)."""
+    everyone = comm.gather(records, root=0)
+    if everyone is None:
+        return None
+    calls = min(len(r) for r in everyone)
+    step = np.array([everyone[0][i][0] for i in range(calls)]) * 1e3
+    plans = np.array([[r[i][1] for r in everyone] for i in range(calls)]) * 1e3
+    cpus = np.array([[r[i][2] for r in everyone] for i in range(calls)]) * 1e3
+    slower = plans.max(axis=1)
+    each = ", ".join(
+        f"rank {r} {np.median(plans[:, r]):.2f} / {np.median(cpus[:, r]):.2f}"
+        for r in range(len(everyone))
+    )
+    return (
+        f"the step against its slower rank ({calls} calls): step {np.median(step):.2f} ms, the "
+        f"slower rank's plan {np.median(slower):.2f} ms, step - slower plan "
+        f"{np.median(step - slower):.2f} ms, slower plan / step {np.median(slower / step):.2f}; "
+        f"plan wall / CPU ms per rank: {each}"
+    )
 
 
 def training_steps(vg, bucket_bytes, params, batch, parts: dict | None = None) -> dict:
@@ -211,7 +267,9 @@ def main(argv=None) -> int:
         "compute": lambda: vg(params, *batch),
     }
     waits: dict = {"wait": [], "wait_after": [], "wait_cpu": []}
+    records: list = []
     if size > 1:
+        calls["step_plan"] = with_plan_times(step, params, batch, records)
         calls["exchange"] = exchange_alone(step, params, batch)
         calls["wait"] = waited(
             step, params, batch, waits["wait"], waits.setdefault("done", []), waits["wait_cpu"]
@@ -222,6 +280,7 @@ def main(argv=None) -> int:
         calls.update(training_steps(vg, args.bucket_bytes, params, batch, parts))
     cpu: dict = {}
     medians = lockstep_medians(calls, args.rounds, args.repeats, cpu)
+    slower = slower_rank_text(records, bpd.init().comm) if size > 1 else None
     if rank == 0:
         report = step.explain(params, *batch)
         inside = sum(row.calls_in_flight is not None for row in report.buckets)
@@ -245,6 +304,8 @@ def main(argv=None) -> int:
             f"  step - compute {exposed * 1e3:.2f} ms{alone}"
         )
         print(cpu_text(cpu, waits, size))
+        if slower:
+            print(slower)
         if args.zero:
             print(
                 f"adam step: unsharded {medians['adam'] * 1e3:.2f} ms  ZeRO-1 "

@@ -305,6 +305,24 @@ def test_wait_for_driver_with_arguments_never_called_traces_nothing():
     assert step.fn.cache_info().traces == 1 and step.fn.cache_info().entries == 1
 
 
+def test_the_bench_pairs_the_ranks_calls_and_measures_the_step_against_the_slower_plan():
+    """bench.data_parallel's report: per call, the plan of the rank that took longest, and the
+    step beyond it; rank 1's plans are the slower ones in calls 0 and 2, rank 0's in call 1."""
+    from backplan.bench.data_parallel import slower_rank_text
+
+    class Gathered:  # comm.gather(records, root=0) on rank 0 of 2
+        def gather(self, records, root):
+            rank1 = [(0.010, 0.008, 0.004), (0.012, 0.005, 0.004), (0.011, 0.009, 0.005)]
+            return [records, rank1]
+
+    rank0 = [(0.010, 0.004, 0.004), (0.012, 0.010, 0.004), (0.011, 0.004, 0.004)]
+    said = slower_rank_text(rank0, Gathered())
+    # slower plans 8, 10, 9 ms against steps 10, 12, 11: 2 ms beyond it in every call
+    assert "step 11.00 ms, the slower rank's plan 9.00 ms, step - slower plan 2.00 ms" in said
+    assert "slower plan / step 0.82" in said
+    assert "rank 0 4.00 / 4.00, rank 1 8.00 / 4.00" in said
+
+
 def test_data_parallel_needs_value_and_grad():
     for not_value_and_grad in (mlp_loss, bp.grad(mlp_loss)):
         with pytest.raises(TypeError, match=r"bp\.value_and_grad\(loss_fn\)"):
