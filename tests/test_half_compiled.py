@@ -19,7 +19,12 @@ from backplan.codegen.kernels.half import (
     f32_to_bf16,
     f32_to_f16,
     round_to_bf16_shifts,
+    round_to_f16_instruction,
+    round_to_f16_integer,
     target_has_avx512bf16,
+    target_has_f16c,
+    widen_f16_instruction,
+    widen_f16_integer,
 )
 from backplan.runtime.backend import use_backend
 
@@ -155,19 +160,84 @@ def test_float16_rounding_matches_numpy_on_every_exponent_and_rounding_bit():
 
 
 @njit(fastmath={"contract"})
+def _f16_loop_integer(x, y):
+    for i in range(x.size):
+        y[i] = round_to_f16_integer(widen_f16_integer(x[i]) * np.float32(2.0))
+
+
+def test_float16_integer_conversions_vectorise_in_32_bit_lanes():
+    """The conversions without F16C are i32 arithmetic (LLVM IR in codegen/kernels/half.py):
+    written as Numba code they ran in 64-bit lanes, half as many per vector, with packs."""
+    x = np.arange(64, dtype=np.uint16)
+    _f16_loop_integer(x, np.empty_like(x))
+    code = _f16_loop_integer.inspect_llvm(_f16_loop_integer.signatures[0])
+    integer_ops = set(re.findall(r"(?:lshr|shl|and|or|add|sub|select) <\d+ x (i\d+)>", code))
+    assert "i32" in integer_ops and "i64" not in integer_ops, integer_ops
+
+
+@njit
+def _f16_both_ways(patterns, values, widened, rounded):
+    for i in range(patterns.size):
+        widened[0, i] = widen_f16_integer(patterns[i])
+        widened[1, i] = widen_f16_instruction(patterns[i])
+        widened[2, i] = f16_to_f32(patterns[i])
+    for i in range(values.size):
+        rounded[0, i] = round_to_f16_integer(values[i])
+        rounded[1, i] = round_to_f16_instruction(values[i])
+        rounded[2, i] = f32_to_f16(values[i])
+
+
+def _signalling_f16(patterns):
+    """float16 NaNs with the quiet bit clear: VCVTPH2PS sets it, NumPy's astype does not."""
+    return ((patterns & 0x7C00) == 0x7C00) & ((patterns & 0x3FF) != 0) & ((patterns & 0x200) == 0)
+
+
+def test_float16_conversions_with_and_without_f16c_match_numpy_bit_for_bit():
+    """Both float16 paths (the shifts; VCVTPH2PS / VCVTPS2PH, which loops use with F16C) and
+    what loops call, on all 65,536 patterns and on every float32 exponent with all rounding
+    bits: the same bits as NumPy's astype, infinities, NaNs and subnormals included, but that
+    the instruction makes a signalling NaN quiet when it widens (payload and sign kept) and
+    keeps a float32 NaN's payload when it rounds (the shifts store 0x7E00); NaN stays NaN.
+    (All 2^32 float32 patterns agreed on both paths, checked once outside the suite.)"""
+    patterns = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    rng = np.random.default_rng(3)
+    sign_exponent = np.arange(512, dtype=np.uint32)[:, None] << np.uint32(23)
+    low = np.arange(2**14, dtype=np.uint32)[None, :]
+    high = rng.integers(0, 2**9, (512, 2**14), dtype=np.uint32) << np.uint32(14)
+    values = (sign_exponent | high | low).ravel().view(np.float32)
+    widened = np.empty((3, patterns.size), np.float32)
+    rounded = np.empty((3, values.size), np.uint16)
+    _f16_both_ways(patterns, values, widened, rounded)
+    want = patterns.view(np.float16).astype(np.float32).view(np.uint32)
+    np.testing.assert_array_equal(widened[0].view(np.uint32), want)
+    quiet = np.where(_signalling_f16(patterns), want | np.uint32(0x00400000), want)
+    loops = 1 if target_has_f16c() else 0  # the path loops take on this host
+    np.testing.assert_array_equal(widened[1].view(np.uint32), quiet)
+    np.testing.assert_array_equal(widened[2].view(np.uint32), widened[loops].view(np.uint32))
+    nan = np.isnan(values)
+    with np.errstate(all="ignore"):
+        want = values.astype(np.float16).view(np.uint16)
+    for path in rounded:
+        np.testing.assert_array_equal(path[~nan], want[~nan])
+        assert np.isnan(path[nan].view(np.float16)).all()
+    np.testing.assert_array_equal(rounded[0][nan], (want[nan] & 0x8000) | 0x7E00)
+    np.testing.assert_array_equal(rounded[2], rounded[loops])
+
+
+@njit(fastmath={"contract"})
 def _f16_loop(x, y):
     for i in range(x.size):
         y[i] = f32_to_f16(f16_to_f32(x[i]) * np.float32(2.0))
 
 
-def test_float16_loads_and_stores_vectorise_in_32_bit_lanes():
-    """The conversions are i32 arithmetic (LLVM IR in codegen/kernels/half.py): written as
-    Numba code they ran in 64-bit lanes, half as many per vector, with packs between."""
+@pytest.mark.skipif(not target_has_f16c(), reason="the host has no F16C")
+def test_float16_loads_and_stores_are_one_instruction_with_f16c():
+    """A loop on float16 widens with VCVTPH2PS and rounds with VCVTPS2PH, not the dozen
+    integer instructions of the shifts each way."""
     x = np.arange(64, dtype=np.uint16)
     _f16_loop(x, np.empty_like(x))
-    code = _f16_loop.inspect_llvm(_f16_loop.signatures[0])
-    integer_ops = set(re.findall(r"(?:lshr|shl|and|or|add|sub|select) <\d+ x (i\d+)>", code))
-    assert "i32" in integer_ops and "i64" not in integer_ops, integer_ops
+    code = _f16_loop.inspect_asm(_f16_loop.signatures[0])
+    assert "vcvtph2ps" in code and "vcvtps2ph" in code
 
 
 def _both(fn, *args):
