@@ -85,6 +85,9 @@ class ReferenceRunner:
     def __call__(self, args: list, release=None, donate=()) -> list:
         return interpret(self.plan, args, release)
 
+    def release_idle(self) -> None:
+        """Nothing is kept between calls: every buffer is the call's own."""
+
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         return False  # nothing is building: its calls stay on the reference interpreter
 
@@ -172,6 +175,10 @@ class CompiledRunner:
     @property
     def driver_tier(self) -> str:
         return self.compiled.driver_tier
+
+    def release_idle(self) -> None:
+        """Free the scratch arenas no call holds now (WorkspacePool.release_idle)."""
+        self.compiled.release_idle()
 
     def load_driver(self, args: list, donate=()) -> bool:
         """Load the cached compiled driver for these arguments without a call (see

@@ -90,6 +90,10 @@ class JointStep:
         self._expecting = False
         self.seen = self.seen + 1 if fitting else 0
 
+    def runners(self) -> list:
+        """The joint plan's runners made so far (one per backend)."""
+        return list(self._runners.values())
+
     def plan(self):
         if self._plan is None:
             with self._building:

@@ -211,6 +211,7 @@ class DynamicEntry:
         self._sizes: OrderedDict = OrderedDict({size: template})
         self._lock = threading.Lock()
         self.planner = None  # memory budgets are not offered on a symbolic signature
+        self._current = size  # the size the last call ran at (switch_to)
 
     def at(self, size: int, trace_one):
         """The entry at this size: instantiated from the fitted plans, or (when there are
@@ -227,6 +228,20 @@ class DynamicEntry:
                 self._sizes.popitem(last=False)
         return entry
 
+    def switch_to(self, size: int) -> None:
+        """A call runs at `size`: when the last one ran at another, every other size's plans
+        free the scratch arenas they keep idle (made again when that size comes back), so a
+        call holds its own size's arenas alone, as explain's peak for the size counts. A
+        switch costs the next call at the other size one arena allocation."""
+        if self._current == size:
+            return
+        self._current = size
+        for _, other in self.others(size):
+            for runner in _arena_holders(other):
+                release = getattr(runner, "release_idle", None)
+                if release is not None:
+                    release()
+
     def sizes(self) -> list[int]:
         with self._lock:
             return list(self._sizes)
@@ -240,6 +255,14 @@ class DynamicEntry:
         """(size, entry) of every size kept besides `size`, smallest first."""
         with self._lock:
             return sorted((n, e) for n, e in self._sizes.items() if n != size)
+
+
+def _arena_holders(entry) -> list:
+    """The runners of a size's entry that may keep arenas: its plans' (forward, each backward
+    mode, value_and_grad's joint plan) and a compiled step's joint plan (runtime/joint_step)."""
+    runners = list(entry.runners())
+    joint = getattr(getattr(entry, "program", None), "joint_step", None)
+    return runners + joint.runners() if joint is not None else runners
 
 
 def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call):
@@ -284,9 +307,9 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
 
 
 def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int) -> str:
-    """Each size keeps its own compiled plans and their scratch arenas while it is cached, so
-    a call at this size holds the arenas of the other sizes called before it too (a last,
-    smaller batch of an epoch): the peak above counts this size's alone."""
+    """Each size keeps its own compiled plans and their scratch arenas while it is cached; a
+    call at one size frees the other sizes' idle arenas (DynamicEntry.switch_to), so the peak
+    above is all a call at this size holds. Says so, with the arenas a switch frees."""
     kept = []
     for n, other in entry.others(size):
         report = report_of(other)
@@ -298,9 +321,8 @@ def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int) -> str:
         return ""
     each = ", ".join(f"{n}: {b:,} B" for n, b in kept)
     return (
-        f" Each size keeps its own plans' scratch arenas once called, so a call at {size} "
-        f"holds, besides its peak, those of the other sizes called before it: at most "
-        f"{sum(b for _, b in kept):,} B ({each})."
+        f" A call at {size} first frees the scratch arenas the other sizes keep idle ({each}; "
+        "made again when a size comes back), so the peak above is all it holds."
     )
 
 

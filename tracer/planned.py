@@ -55,6 +55,16 @@ class _Tracing(threading.Event):
         self.owner = threading.get_ident()
 
 
+def _switching(runner, switch):
+    """A fast-path runner of one size of a dynamic axis: tells the entry its size first."""
+
+    def run(leaves):
+        switch()
+        return runner(leaves)
+
+    return run
+
+
 class FastEntry:
     """One structural key's fast path: its guard, its runner and the cache entry it runs."""
 
@@ -250,10 +260,14 @@ class PlannedFunction:
                 return result
         forgotten = self._forgotten
         bound, entry = self.lookup(args, kwargs)
+        switch = self._size_switch(bound)
+        if switch is not None:
+            switch()
         result = self._run(entry, bound)
         if key is not None and forgotten == self._forgotten:
             runner = self._fast_runner(entry, bound, leaves)
             if runner is not None:
+                runner = runner if switch is None else _switching(runner, switch)
                 entry_key = self._shared_entry_key(self._entry_key(bound))
                 if len(self._fast) >= FAST_PATHS_KEPT:  # a dynamic axis: one per size seen
                     self._fast = {}  # its runners hold their sizes' plans and arenas alive
@@ -348,6 +362,17 @@ class PlannedFunction:
             self._build, self._fit, bound, call, found, self._with_call
         )
         return DynamicEntry(template, found.symbol, found.size, fitted, reason, self._instantiate)
+
+    def _size_switch(self, bound):
+        """For a call of a symbolic signature: what tells its DynamicEntry that a call runs at
+        this size (switch_to: the other sizes free their idle arenas); None otherwise."""
+        if not self._dynamic and not self._learned:
+            return None
+        symbolic = self._entries.get(self._entry_key(bound))
+        if type(symbolic) is not DynamicEntry:
+            return None
+        size = self._symbol_of(bound).size
+        return lambda: symbolic.switch_to(size)
 
     def _sized(self, entry, bound):
         """The entry for this call's size (itself unless the signature is symbolic)."""

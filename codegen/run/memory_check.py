@@ -78,6 +78,13 @@ class Measurement:
         for name, nbytes in self.held.values():
             self.at_peak[name] = self.at_peak.get(name, 0) + nbytes
 
+    def restart_at_next_use(self) -> None:
+        """Measure a new peak from the next buffer a call allocates or uses: what earlier calls
+        left alive counts where it is still held then (a dynamic axis's call at another size
+        frees the other sizes' idle arenas before it allocates anything)."""
+        self.peak = 0
+        self.at_peak = {}
+
     def _remove(self, token: int) -> None:
         found = self.held.pop(token, None)
         if found is not None:

@@ -145,6 +145,13 @@ class WorkspacePool:
         """The arenas of the workspaces no call holds now."""
         return [w.arena for w in list(self._idle)]
 
+    def release_idle(self) -> None:
+        """Let go of the workspaces no call holds (their arenas and kept outputs are freed once
+        nothing else holds them); the next call makes a new one. A dynamic axis's other sizes
+        do this when a call switches size (tracer/dynamic.py), so that a call holds its own
+        size's arenas alone, as explain's per-size peak counts."""
+        self._idle.clear()
+
     def checkout(self) -> Workspace:
         try:
             return self._idle.pop()
