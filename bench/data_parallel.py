@@ -260,6 +260,7 @@ def main(argv=None) -> int:
         step(params, *batch)  # compiles, warms caches
         after(params, *batch)
     step.wait_for_driver(params, *batch, timeout=600)  # built in the background by default
+    after.wait_for_driver(params, *batch, timeout=600)  # the plan's own, compiled for it
     bpd.check_replicas(params)
     calls = {
         "step": lambda: step(params, *batch),

@@ -60,17 +60,24 @@ def run_script(
     backend: str = "reference",
     timeout=TIMEOUT_S,
     driver: str = "inline",
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     """Run PRELUDE + body under mpiexec -n ranks (ranks=None: plain python, one rank).
     timeout: seconds; a script on the compiled backend compiles its drivers on a cold cache.
     driver: BACKPLAN_DRIVER; inline by default, as a driver run as Python while its compiled
-    twin builds rounds differently."""
+    twin builds rounds differently. env: more environment variables."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     command = [sys.executable, str(script)]
     if ranks is not None:
         command = [MPIEXEC, "-n", str(ranks), *command]
-    env = dict(os.environ, BACKPLAN_BACKEND=backend, BACKPLAN_DRIVER=driver, NUMBA_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        BACKPLAN_BACKEND=backend,
+        BACKPLAN_DRIVER=driver,
+        NUMBA_NUM_THREADS="1",
+        **(env or {}),
+    )
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path
     )
@@ -470,7 +477,8 @@ def test_under_background_drivers_a_big_plan_still_starts_its_buckets_inside(tmp
     it would save under 5% of a step), but the step's driver with the allreduces inside is
     built in a background process: the first calls start the buckets after the call (explain
     says so), then, once it is loaded, inside; the same values as overlap=False within the
-    rounding of a Python-run driver against a compiled one."""
+    rounding of a Python-run driver against a compiled one. overlap=False, which runs the plan's
+    own driver, asks for that one compiled in the background."""
     result = run_script(
         tmp_path,
         """
@@ -499,11 +507,18 @@ def test_under_background_drivers_a_big_plan_still_starts_its_buckets_inside(tmp
                 np.testing.assert_allclose(grads[k].numpy(), grads_after[k].numpy(), rtol=1e-4,
                                            atol=1e-6)
             params = {k: p - 0.1 * grads[k] for k, p in params.items()}
+        # overlap=False runs the plan's own driver, which background mode kept Python: the step
+        # asked for it compiled (every rank waits for the slowest plan), as the overlapped is
+        assert not after.wait_for_driver(params, xs, ys, timeout=400)
+        assert compiled.driver_tier == "compiled" and compiled.driver_skipped is None
         print(f"rank {rank} ok")
         """,
         backend="numba",
         timeout=600,
         driver="background",
+        # a cache folder of its own: a plan's driver compiled once (by this test) is found
+        # compiled in the shared one, and the plan's driver would not be Python to begin with
+        env={"BACKPLAN_CACHE_DIR": str(tmp_path / "cache")},
     )
     assert_ranks_ok(result)
 
