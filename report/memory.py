@@ -33,7 +33,9 @@ def retain_sentence(report) -> str:
     joint = ""
     if after is not None and after.peak_bytes != retain.peak_bytes:
         joint = f", {format_bytes(after.peak_bytes)} after the joint plan ran"
-    kept = ", and later calls keep the first one's arena" if retain.backend == "numba" else ""
+    kept = ""
+    if retain.backend == "numba":
+        kept = "; the first one's arena is held until the next call, which frees it"
     return (
         f". A loss backward()ed with retain_graph=True, then again, holds "
         f"{format_bytes(retain.peak_bytes)}{joint} (report.retain_peak): both backward plans "

@@ -233,8 +233,9 @@ class ExplainReport:
         forward, the backward that keeps the saved buffers (its own compiled plan and arena),
         then the one that frees them, the first one's gradients held (in .grad) while the
         second runs. Not part of call_peaks' training loop, which backward()s each loss once;
-        after a joint plan ran, retain_after_joint_peak; the calls after such a call hold that
-        backward plan's arena too (it stays compiled). None without a backward."""
+        after a joint plan ran, retain_after_joint_peak. The next call frees that backward
+        plan's arena before it runs (RegionProgram.release_retained), so it holds what
+        peak_on_call prints. None without a backward."""
         if self.retain_calls is None:
             return None
         return predicted_peak(self.retain_calls, self._peak_backend())

@@ -11,6 +11,8 @@ def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, lo
     donate: inputs whose buffers the plan may write outputs into (never saved ones).
     loc: where the user called it (a SourceLoc, or its text), the region's created_at.
     A small compiled step that backward() follows may run as one joint plan (joint_step.py)."""
+    if program.retained:  # the last call's backward(retain_graph=True): its arena goes
+        program.release_retained()
     joint = program.joint_step
     if edges is not None and joint is not None:
         ran = joint.run(program, args, edges, loc)

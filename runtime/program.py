@@ -67,6 +67,7 @@ class RegionProgram:
         # per saved buffer: (whether it is a forward input, its index among inputs or outputs)
         self.saved_sources = tuple((s.source[0] == "input", s.source[1]) for s in plans.saved)
         self.joint_step = None  # runtime/joint_step.py: a compiled step's one-plan form
+        self.retained = False  # a backward(retain_graph=True) ran since the last forward
 
     def _differentiable_outputs(self):
         if self.plans.backward is None:
@@ -150,4 +151,16 @@ class RegionProgram:
         return self.runner(None)(args, donate=donate)
 
     def run_backward(self, args: list, mode: BackwardMode, release) -> list:
+        if mode is BackwardMode.RETAIN:
+            self.retained = True
         return self.runner(mode)(args, release)
+
+    def release_retained(self) -> None:
+        """A call after one whose loss was backward()ed with retain_graph=True: the plan that
+        keeps the saved buffers frees the scratch arena it keeps idle (made again the next
+        time it runs), so later calls hold what explain prints for them (peak_on_call) and
+        not that arena too; report.retain_peak counts it for the calls that run it."""
+        self.retained = False
+        for (mode, _), runner in list(self._runners.items()):
+            if mode is BackwardMode.RETAIN:
+                runner.release_idle()

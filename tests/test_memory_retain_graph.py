@@ -61,3 +61,17 @@ def test_after_the_joint_plan_ran_it_holds_that_arena_too(backend):
         assert f", {report.retain_after_joint_peak.peak_bytes:,} B after the joint plan ran" in (
             " ".join(str(report).split())
         )
+
+
+def test_calls_after_a_retain_graph_call_hold_the_peak_printed_for_them(backend, monkeypatch):
+    """The plan that keeps the saved buffers (backward(retain_graph=True)) has an arena of its
+    own, which later calls went on holding beside what explain prints for them; the next call
+    now frees it before it runs. Two plans each call (no joint plan): every call without
+    retain_graph holds report.peak, every call with it report.retain_peak."""
+    monkeypatch.setenv("BACKPLAN_JOINT_STEP", "0")
+    retains = [True, False, False, True, True, False]
+    counted, report = _counted(retains)
+    assert report.joint_step_calls is None
+    plain, retain = report.peak.allocated_peak_bytes, report.retain_peak.allocated_peak_bytes
+    assert counted == [retain if r else plain for r in retains]
+    assert "frees it" in " ".join(str(report).split())
