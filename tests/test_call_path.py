@@ -96,3 +96,30 @@ def test_a_joint_step_names_its_call_and_its_backward_lines():
     message = str(freed.value)
     assert message.startswith(f"backward() at test_call_path.py:{again + 2} ")
     assert f"test_call_path.py:{line - 1} (via _step at test_call_path.py:{start + 2})" in message
+    where = loss.grad_fn.freed_by._where  # the first backward(): the joint plan's hand-over
+    assert where.api == "backward"
+    test_name = "test_a_joint_step_names_its_call_and_its_backward_lines"
+    assert [f[0] for f in where.stack] == ["_step", test_name]
+
+
+def _nested_backward(loss, depth):
+    if depth:
+        return _nested_backward(loss, depth - 1)
+    loss.backward()
+
+
+def test_a_backward_location_keeps_the_innermost_user_frames_only():
+    """backward() named from four nested user functions: the location holds the innermost
+    MAX_USER_FRAMES of them, innermost first, and the api backward."""
+    from backplan.tracer.source import MAX_USER_FRAMES
+
+    w = bp.tensor(np.ones((3, 2), np.float32), requires_grad=True)
+    x = bp.tensor(np.ones((4, 3), np.float32))
+    loss = _loss(w, x)
+    _nested_backward(loss, 3)
+    where = loss.grad_fn.freed_by._where
+    assert where.api == "backward"
+    assert [f[0] for f in where.stack] == ["_nested_backward"] * MAX_USER_FRAMES
+    lines = [f[2] for f in where.stack]
+    first = inspect.getsourcelines(_nested_backward)[1]
+    assert lines == [first + 3] + [first + 2] * (MAX_USER_FRAMES - 1)

@@ -109,41 +109,46 @@ def at_location(loc: SourceLoc | None):
         _given.loc = outer
 
 
-def user_frame_loc(skip: int = 0) -> SourceLoc | None:
+def user_frame_loc(skip: int = 0, api: str | None = None) -> SourceLoc | None:
     """The innermost user frame as a SourceLoc, with up to MAX_USER_FRAMES user frames around
     it (they stop at backplan's own frames, so a traced function's stack ends at its body) and
     the public function called from it. Every op and compiled call asks, so the walk is a
     dict lookup per frame (what a code object is, worked out once) and one per location; the
     frames are listed again only to make a location not seen before. skip: how many frames, the
     caller's first, are backplan's own by construction (a fast path's fixed chain of calls),
-    passed over in one step: each frame walked costs a frame object and ~0.1 us."""
+    passed over in one step: each frame walked costs a frame object and ~0.1 us. api: the
+    public function those skipped frames stand for (Tensor.backward names itself)."""
     given = _given.loc
     if given is not None:
         return given
     frame = _getframe(1 + skip)
-    api = None
     known = _code_facts.get
-    facts = known(id(frame.f_code)) or _facts(frame)  # by id: a code hashes its whole content
+    code = frame.f_code
+    facts = known(id(code)) or _facts(frame)
     while facts[0] == LIBRARY:
         if facts[1] is not None:
             api = facts[1]
         frame = frame.f_back
         if frame is None:
             return None
-        facts = known(id(frame.f_code)) or _facts(frame)
+        code = frame.f_code
+        facts = known(id(code)) or _facts(frame)
     # ids: a code object hashes by its whole content. The instruction offset, not the line:
     # f_lineno decodes the code's line table on every read (a long module's loop paid
     # microseconds), and an offset falls on one line. An id in a kept key cannot name another
-    # code object: _locs holds the codes of its keys, _code_facts those of its own.
-    first, key, depth = frame, [api, id(frame.f_code), frame.f_lasti], 1
-    frame = frame.f_back
-    while frame is not None and depth < MAX_USER_FRAMES:
+    # code object: _locs holds the codes of its keys, _code_facts those of its own. Each f_back
+    # makes a frame object (Python 3.11 creates them on demand): none past the last one kept.
+    first, key, depth = frame, [api, id(code), frame.f_lasti], 1
+    while depth < MAX_USER_FRAMES:
+        frame = frame.f_back
+        if frame is None:
+            break
         code_id = id(frame.f_code)
         if (known(code_id) or _facts(frame))[0] != USER:
             break
-        key += (code_id, frame.f_lasti)
+        key.append(code_id)
+        key.append(frame.f_lasti)
         depth += 1
-        frame = frame.f_back
     key = tuple(key)
     cached = _locs.get(key)
     if cached is not None:

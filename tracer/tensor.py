@@ -293,7 +293,9 @@ class Tensor(TensorMethods):
         """Run the backward plans from this tensor and add gradients into leaf .grad.
         Without retain_graph, every region reached frees its saved buffers as it goes."""
         grad_fn = self._grad_fn
-        where = user_frame_loc()  # kept as it is: its text is made when a message needs it
+        # kept as it is: its text is made when a message needs it. This frame is backward
+        # itself: passed over in one step, named as the walk would have named it
+        where = user_frame_loc(1, "backward")
         if (
             gradient is None
             and grad_fn is not None  # a concrete result of a recorded call (traced: no grad_fn)
