@@ -67,15 +67,15 @@ class _Step:
 
 @contextlib.contextmanager
 def _gemm_operands_widened():
-    """Plans lowered inside widen bfloat16 GEMM operands into float32 copies (the old way)."""
+    """Plans lowered inside widen 16-bit GEMM operands into float32 copies (the old way)."""
     from .internals import widen
 
-    keep = widen.reads_bf16_operands
-    widen.reads_bf16_operands = lambda node, inputs: False
+    keep = widen.reads_half_operands
+    widen.reads_half_operands = lambda node, inputs: False
     try:
         yield
     finally:
-        widen.reads_bf16_operands = keep
+        widen.reads_half_operands = keep
 
 
 def _bound(spec):

@@ -7,10 +7,10 @@ sources) keep their 16-bit values. The reference interpreter does the same per o
 (`computes_in_float32`, `compute_attrs`). A compiled fused loop then drops the round trip of a
 value no buffer holds (codegen/render/loops.py `_unrounded`): it rounds once, when it stores.
 
-A matmul of two bfloat16 operands is the exception: it reads them as they are (matmul's
-dtype='f32': float32 products and sums, a float32 result), since the GEMM widens its operands
-into float32 panels while packing them (codegen/kernels/gemm/pack.py). No float32 copy of a
-bfloat16 weight or activation is made for a GEMM to read.
+A matmul of two bfloat16 (or two float16) operands is the exception: it reads them as they are
+(matmul's dtype='f32': float32 products and sums, a float32 result), since the GEMM widens its
+operands into float32 panels while packing them (codegen/kernels/gemm/pack.py). No float32 copy
+of a 16-bit weight or activation is made for a GEMM to read.
 
     >>> from backplan.ir.graph import Graph
     >>> from backplan.ir.builder import Builder
@@ -75,8 +75,8 @@ def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
         start, casts_in = len(new.nodes), 0
         if node.op == "astype":
             mapping[node] = _cast(new, inputs[0], node.dtype, node.loc)
-        elif reads_bf16_operands(node, inputs):
-            mapping[node] = _bf16_matmul(new, node, inputs)
+        elif reads_half_operands(node, inputs):
+            mapping[node] = _half_matmul(new, node, inputs)
         elif computes_in_float32(node):
             mapping[node] = _in_float32(new, node, inputs)
             casts_in = sum(is_half(i.dtype) for i in inputs)
@@ -88,10 +88,12 @@ def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
     return new, origin
 
 
-def reads_bf16_operands(node: Value, inputs: list[Value]) -> bool:
-    """A matmul of two bfloat16 arrays (no literals: a literal operand is widened as before),
-    which the GEMM reads without float32 copies."""
-    if node.op != "matmul" or any(i.dtype != "bf16" for i in inputs):
+def reads_half_operands(node: Value, inputs: list[Value]) -> bool:
+    """A matmul of two bfloat16 or two float16 arrays (no literals: a literal operand is
+    widened as before), which the GEMM reads without float32 copies."""
+    if node.op != "matmul" or not is_half(inputs[0].dtype):
+        return False
+    if any(i.dtype != inputs[0].dtype for i in inputs):
         return False
     return not any(_literal_source(i) for i in inputs)
 
@@ -102,7 +104,7 @@ def _literal_source(value: Value) -> bool:
     return value.op == "full"
 
 
-def _bf16_matmul(graph: Graph, node: Value, inputs: list[Value]) -> Value:
+def _half_matmul(graph: Graph, node: Value, inputs: list[Value]) -> Value:
     attrs = {**node.attrs, "dtype": "f32"}
     product = _add(graph, Value("matmul", inputs, attrs, TensorType("f32", node.shape), node.loc))
     return _cast(graph, product, node.dtype, node.loc)

@@ -101,6 +101,12 @@ __all__ = [
 ]
 
 
+def as_gemm_operand(expression: str, dtype: str) -> str:
+    """A matmul operand as the GEMM reads it: float16 bits viewed as int16, which tells the
+    GEMM (gemm/symbols.py) float16 from bfloat16 (uint16; Numba has neither type)."""
+    return f"{expression}.view(np.int16)" if dtype == "f16" else expression
+
+
 @emits("matmul")
 def emit_matmul(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     own = own_gemm_chosen(ctx, node)
@@ -109,6 +115,7 @@ def emit_matmul(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     if placed is not None:
         return placed
     (a, ta), (b, tb) = ctx.operand_2d(node.inputs[0]), ctx.operand_2d(node.inputs[1])
+    a, b = (as_gemm_operand(x, v.dtype) for x, v in zip((a, b), node.inputs, strict=True))
     if len(node.shape) == 2:
         if own and parts > 1:
             return [
@@ -130,7 +137,7 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool, parts: int) -> list[s
     (ta, a), (tb, b) = operands
     m, n = node.shape
     sizes = f"np.intp({m}), np.intp({n}), np.intp({node.inputs[0].shape[-1]})"
-    arguments = _one_variant(ta, tb, sizes, (a, b, out))
+    arguments = _one_variant(ta, tb, sizes, (a, b, out), node.inputs[0].dtype)
     if own and parts > 1:
         return [f"own_gemm_at_par(np.intp({parts}), {vector_width()}, {arguments})"]
     if own:
@@ -138,14 +145,17 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool, parts: int) -> list[s
     return [f"gemm_at_{node.dtype}({arguments})"]
 
 
-def _one_variant(ta, tb, sizes: str, places) -> str:
+def _one_variant(ta, tb, sizes: str, places, dtype: str) -> str:
     """A placed GEMM's arguments typed alike at every call, BLAS or own: the flags as run-time
     booleans, every base flat, the operands read-only. Literal flags, an input's own rank and
     a writable operand each made Numba compile gemm_at_f32 (and gemm_f32 and _gemm inside it)
     again: five variants, about 4 of a small MLP's 9 s first call from a fresh install; the
     own GEMM's entry compiled once per pair of transpose flags (three in the mlp's step)."""
     a, b, out = places
-    operands = ", ".join(f"as_read_only({w.base}.reshape(-1)), np.intp({w.offset})" for w in (a, b))
+    operands = ", ".join(
+        f"as_read_only({as_gemm_operand(f'{w.base}.reshape(-1)', dtype)}), np.intp({w.offset})"
+        for w in (a, b)
+    )
     return (
         f"np.bool_({ta}), np.bool_({tb}), {sizes}, {operands}, "
         f"{out.base}.reshape(-1), np.intp({out.offset})"
@@ -156,6 +166,7 @@ def _batched_matmul(node: Value, out: str, a_op, b_op, own: bool, parts: int) ->
     operands = []
     batch = node.shape[:-2]
     for value, (expr, trans) in zip(node.inputs, (a_op, b_op), strict=True):
+        expr = as_gemm_operand(expr, value.dtype)
         source = value.inputs[0] if trans else value
         mat = source.shape[-2:]
         own_batch = source.shape[:-2]

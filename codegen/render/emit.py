@@ -372,7 +372,9 @@ class _Emitter:
         emitter = self._loop_emitter(loop, stored, "s0_n", rows=True)
         views, stage, _ = emitter.emit()
         out = self.placer.place(node)
-        lines, scalars, bases = gemm_epilogue_lines(vector_width(), operands, out, views, stage)
+        lines, scalars, bases = gemm_epilogue_lines(
+            vector_width(), operands, out, views, stage, node.inputs[0].dtype == "f16"
+        )
         scalars.update(emitter.size_arguments(), **emitter.scalars)
         bases.update(emitter.bases)
         body.append(self._call(lines, scalars, bases, False, gemm=True))

@@ -21,16 +21,19 @@ def gemm_epilogue_lines(
     out: Placement,
     views: list[str],
     stage: list[str],
+    float16: bool = False,
 ) -> tuple[list[str], dict, dict]:
     """(lines, scalars, bases) in the form canonical_kernel takes. operands: (transposed?,
-    placement) of a and b as the matmul reads them; out: the matmul's result, (m, n)."""
+    placement) of a and b as the matmul reads them; out: the matmul's result, (m, n);
+    float16: the operands are float16 bits, viewed as int16 for the GEMM (kernels/matmul.py)."""
     (ta, a), (tb, b) = operands
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
     rows = "mat_a[:, block:block_end]" if ta else "mat_a[block:block_end]"
+    mark = ".view(np.int16)" if float16 else ""
     lines = [
-        f"mat_a = contiguous_view(b0, o0, {'(n2, n0)' if ta else '(n0, n2)'})",
-        f"mat_b = contiguous_view(b1, o1, {'(n1, n2)' if tb else '(n2, n1)'})",
+        f"mat_a = contiguous_view(b0, o0, {'(n2, n0)' if ta else '(n0, n2)'}){mark}",
+        f"mat_b = contiguous_view(b1, o1, {'(n1, n2)' if tb else '(n2, n1)'}){mark}",
         "mat_c = contiguous_view(b2, o2, (n0, n1))",
         *views,
         "for block in range(0, n0, ROW_BLOCK):",

@@ -21,6 +21,7 @@ from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.render.scalar import NP_TYPE
 from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
+from backplan.ir.types import is_half
 from backplan.ir.layout import reads_its_input
 
 # Index errors are worded at codegen time with holes for what only the data knows.
@@ -186,9 +187,9 @@ class OpEmitter:
 
 def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     """Whether backplan's GEMM computes this matmul (else BLAS):
-    codegen/kernels/gemm/choice.py. Always for bfloat16 operands (ir/widen.py leaves them
-    unwidened for it): BLAS has no bfloat16."""
-    if node.inputs[0].dtype == "bf16":
+    codegen/kernels/gemm/choice.py. Always for bfloat16 and float16 operands (ir/widen.py
+    leaves them unwidened for it): BLAS has neither."""
+    if is_half(node.inputs[0].dtype):
         return decide("own_gemm", True)
     m, n = node.shape[-2:]
     k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
@@ -197,10 +198,10 @@ def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
 
 
 def own_gemm_parts(node: Value) -> int:
-    """Cores the own GEMM shares out (gemm/parallel.py): for a bfloat16 matmul those a float32
-    product would get from BLAS, which a bfloat16 one cannot call; for a large float32 one
+    """Cores the own GEMM shares out (gemm/parallel.py): for a 16-bit matmul those a float32
+    product would get from BLAS, which a 16-bit one cannot call; for a large float32 one
     those BLAS would have had (gemm/choice.own_parallel_parts); 1 for every other matmul."""
-    if node.inputs[0].dtype == "bf16":
+    if is_half(node.inputs[0].dtype):
         return decide("own_gemm_parts", min(threads(), blas_threads()))
     return decide("own_gemm_parts", _parallel_parts(node))
 

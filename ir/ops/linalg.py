@@ -14,9 +14,10 @@ def _matmul_infer(types, attrs):
     numeric_only(types, "matmul")
     dtype = same_dtype(types, "matmul")
     if attrs.get("dtype") is not None:  # set by ir/widen.py only
-        if (dtype, attrs["dtype"]) != ("bf16", "f32"):
+        if dtype not in ("bf16", "f16") or attrs["dtype"] != "f32":
             raise DtypeError(
-                f"dtype={attrs['dtype']} is only for bf16 operands summed in f32, got {dtype}"
+                f"dtype={attrs['dtype']} is only for bf16 or f16 operands summed in f32, "
+                f"got {dtype}"
             )
         dtype = "f32"
     if len(a.shape) < 2 or len(b.shape) < 2:
@@ -28,7 +29,7 @@ def _matmul_infer(types, attrs):
 
 
 def _matmul_reference(a, b, dtype=None):
-    """np.matmul; with dtype (bf16 operands, ir/widen.py) the float32 product of their
+    """np.matmul; with dtype (16-bit operands, ir/widen.py) the float32 product of their
     float32 values (the interpreter has widened them)."""
     product = np.matmul(a, b)
     return product if dtype is None else product.astype(np_dtype(dtype))

@@ -16,7 +16,8 @@ from backplan.codegen.kernels.lifetimes import keep_alive
 def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):
     """c = alpha * op(a) @ op(b) + beta * c for 2-D f32 or f64 arrays of any strides; op
     transposes when its flag is set; width (512 or 256) picks the register tile. a and b may
-    both be bfloat16 bits (uint16) with c f32: products and sums are then float32.
+    both be bfloat16 bits (uint16) or both float16 bits (int16: matmul.py marks them so) with
+    c f32: products and sums are then float32.
 
     >>> import numpy as np
     >>> a, b = np.ones((3, 4), np.float32), np.ones((5, 4), np.float32)
@@ -69,7 +70,9 @@ def batched_gemm(width, trans_a, trans_b, a, b, c):
 if AS_PYTHON:  # the kernels are LLVM intrinsics, which plain Python cannot call
 
     def _widened(x):
-        """bfloat16 bits (uint16) as the float32 values they are."""
+        """bfloat16 bits (uint16) or float16 bits (int16) as the float32 values they are."""
+        if x.dtype.kind == "i":
+            return x.view("float16").astype("float32")
         return (x.astype("uint32") << 16).view("float32") if x.dtype.kind == "u" else x
 
     def gemm(width, trans_a, trans_b, alpha, a, b, beta, c):  # noqa: F811 - the NumPy twin

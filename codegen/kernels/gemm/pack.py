@@ -6,10 +6,12 @@ panels of kc rows of nr values (columns past the edge are zero), each contiguous
 stays in L1 while the A panels stream past it (driver.py says when B is read in place
 instead). Full panels that read across rows of unit-stride data go through the vector
 transpose of transpose_pack; the rest are 2-D slice copies. A bfloat16 operand (uint16 bits)
-is widened into float32 panels here, while it is copied anyway: the micro-kernel reads float32
-and the GEMM needs no widened copy of the operand.
+or a float16 one (int16 bits, symbols.py) is widened into float32 panels here, while it is
+copied anyway: the micro-kernel reads float32 and the GEMM needs no widened copy of the
+operand.
 """
 
+import numpy as np
 from numba import types
 from numba.extending import overload
 
@@ -28,13 +30,16 @@ from backplan.codegen.kernels.gemm.transpose_pack import (
     widen_rows_16,
     widen_rows_32,
 )
-from backplan.codegen.kernels.half import bf16_to_f32
+from backplan.codegen.kernels.half import bf16_to_f32, f16_to_f32
 
 
 def copy_block(dst, src):
-    """dst[...] = src, widening bfloat16 bits (uint16) into float32 (the NumPy twin)."""
+    """dst[...] = src, widening bfloat16 bits (uint16) or float16 bits (int16) into float32
+    (the NumPy twin)."""
     if src.dtype.kind == "u":
         src = (src.astype("uint32") << 16).view("float32")
+    elif src.dtype.kind == "i":
+        src = src.view("float16").astype("float32")
     dst[...] = src
 
 
@@ -49,6 +54,16 @@ def _copy_block(dst, src):
                         dst[i, j] = bf16_to_f32(src[i, j])
 
         return widen
+
+    if isinstance(src, types.Array) and src.dtype == types.int16:
+
+        def widen_f16(dst, src):
+            if not _widen_by_rows(dst, src):
+                for i in range(src.shape[0]):
+                    for j in range(src.shape[1]):
+                        dst[i, j] = f16_to_f32(np.uint16(src[i, j]))
+
+        return widen_f16
 
     # Loops, not dst[:, :] = src: an array assigned to a slice makes Numba compile the f-string
     # of its shape-mismatch error (str, join, repr of tuples), about half of the GEMM's cold
@@ -101,7 +116,7 @@ def _copy_by_rows(dst, src):
 
 @njit(cache=True, nogil=True)
 def _widen_by_rows(dst, src):
-    """Rows of a full panel read from unit-stride bfloat16 rows, one vector each (the
+    """Rows of a full panel read from unit-stride 16-bit rows, one vector each (the
     elementwise loop over a strided 2-D view stays scalar: ~1 ns per element). False when
     the block is not such a panel (edges, strided rows): the caller copies elementwise."""
     cols = src.shape[1]
@@ -113,6 +128,7 @@ def _widen_by_rows(dst, src):
         src.shape[0],
         dst.ctypes.data,
         dst.strides[0] // 4,
+        src,
     )
     if cols == 32:
         widen_rows_32(*args)

@@ -43,8 +43,9 @@ def gemm_parallel(parts, width, trans_a, trans_b, alpha, a, b, beta, c):
 @njit(cache=True, nogil=True)
 def _block(width, trans_a, trans_b, alpha, a, b, beta, c):
     """One thread's block: bfloat16 operands (uint16 bits) through the published bf16 GEMM,
-    which the widening blocked GEMM here would run at half VDPBF16PS's rate; float32 and
-    float64 through the blocked GEMM with a workspace of the block's own."""
+    which the widening blocked GEMM here would run at half VDPBF16PS's rate, float16 ones
+    (int16 bits) through the published f16 GEMM; float32 and float64 through the blocked GEMM
+    with a workspace of the block's own."""
     if a.itemsize == 2:
         gemm(width, trans_a, trans_b, alpha, a, b, beta, c)
     else:

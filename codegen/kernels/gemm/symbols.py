@@ -4,8 +4,9 @@ Numba links every function a compiled function calls into the caller's own modul
 generates machine code for all of it again: every GEMM entry specialisation, every plan
 driver calling the GEMM, carried its own copy of the whole blocked GEMM and its micro-kernels
 (measured on the mlp's first step: about 1.3 s of LLVM per caller, 5 callers). Here the GEMM is
-one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`, and
-`backplan_gemm_bf16`: bfloat16 operands, float32 result and sums), compiled or loaded
+one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`,
+`backplan_gemm_bf16`: bfloat16 operands, float32 result and sums, and `backplan_gemm_f16`:
+float16 operands widened while packing, float32 result and sums), compiled or loaded
 from the signed cache the first time anything needs it; callers declare the symbol and call it,
 which costs them a few instructions to compile.
 
@@ -78,7 +79,8 @@ def _matrix(typingctx, address, rows, cols, row_stride, col_stride, like):
 
 @njit(cache=True, nogil=True, inline="always")
 def _gemm_at_addresses(args, alpha, beta, like, operand):
-    """C of like's dtype; A and B of operand's (like's, or uint16 bfloat16 bits)."""
+    """C of like's dtype; A and B of operand's (like's, uint16 bfloat16 bits or int16 float16
+    bits)."""
     width, trans_a, trans_b, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1 = args
     a_rows, a_cols = (k, m) if trans_a else (m, k)
     b_rows, b_cols = (n, k) if trans_b else (k, n)
@@ -157,6 +159,14 @@ def _gemm_bf16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, b
 
 
 @njit(cache=True, nogil=True, _nrt=True)
+def _gemm_f16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    """float16 operands, read as int16 arrays: Numba has no float16 type, and int16 tells
+    the packing (pack.py) float16 bits from bfloat16's uint16."""
+    args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.int16(0))
+
+
+@njit(cache=True, nogil=True, _nrt=True)
 def _gemm_bf16_dot(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     """The bf16 GEMM on VDPBF16PS (`width` is not read: the kernel is 512-bit)."""
     a_rows, a_cols = (k, m) if ta else (m, k)
@@ -183,7 +193,7 @@ def _gemm_bf16_dot(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alph
 # run without it: the GEMM is first compiled when a kernel that calls it is, and a function
 # compiled inside another one inherits that one's settings where it does not set its own (a
 # lean GEMM kernel's compile then failed with "NRT required but not enabled").
-_FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64, "bf16": _gemm_bf16}
+_FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64, "bf16": _gemm_bf16, "f16": _gemm_f16}
 _registered: set[str] = set()
 
 
@@ -238,6 +248,8 @@ def _symbol_dtype(result, operand) -> str | None:
     """Which GEMM serves C of dtype result with operands of dtype operand (None: none)."""
     if result == types.float32 and operand == types.uint16:
         return "bf16"  # bfloat16 bits: Numba has no bfloat16 type
+    if result == types.float32 and operand == types.int16:
+        return "f16"  # float16 bits, as generated code marks them (codegen/kernels/matmul.py)
     if result == operand and result in (types.float32, types.float64):
         return "f32" if result == types.float32 else "f64"
     return None

@@ -6,7 +6,8 @@ here; this loop assembles `lanes` values of each panel row in a vector register 
 scalar loads and stores them whole (0.26 ns per element for 8 lanes; 32 source rows at once
 were 4x slower per element, so wide panels are copied 8 columns at a time). A bfloat16 source
 (uint16 bits) is widened to float32 in the register, after the loads: a zero extension and a
-shift of the whole row.
+shift of the whole row; a float16 source (int16 bits: the GEMM's mark for float16, symbols.py)
+by VCVTPH2PS where the code may use F16C, else by the shifts of kernels/half.py.
 
     dst[p * dst_ld + q] = src[q * ld + p]     for p < kc, q < lanes
 """
@@ -16,11 +17,14 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from backplan.codegen.kernels.half import widen_f16_for_target
 
-def _emit(builder, args, scalar, lanes, bf16_source=False):
+
+def _emit(builder, args, scalar, lanes, half=None):
+    """half: None (src holds scalar's type) or "bf16" / "f16" (16-bit bits widened)."""
     src_addr, ld, kc, dst_addr, dst_ld = args
     intp = kc.type
-    loaded = ir.IntType(16) if bf16_source else scalar
+    loaded = ir.IntType(16) if half else scalar
     vec, loaded_vec = ir.VectorType(scalar, lanes), ir.VectorType(loaded, lanes)
     src = builder.inttoptr(src_addr, ir.PointerType(loaded))
     dst = builder.inttoptr(dst_addr, ir.PointerType(scalar))
@@ -30,10 +34,10 @@ def _emit(builder, args, scalar, lanes, bf16_source=False):
         p = loop.index
         row = ir.Constant(loaded_vec, ir.Undefined)
         for q in range(lanes):
-            value = builder.load(builder.gep(rows[q], [p]), align=2 if bf16_source else align)
+            value = builder.load(builder.gep(rows[q], [p]), align=2 if half else align)
             row = builder.insert_element(row, value, ir.Constant(ir.IntType(32), q))
-        if bf16_source:
-            row = _bf16_to_f32(builder, row, lanes)
+        if half:
+            row = _widen(builder, row, lanes, half)
         # offsets in scalars: a vector type of 6 lanes is padded to 8 in memory
         start = builder.gep(dst, [builder.mul(p, dst_ld)])
         builder.store(row, builder.bitcast(start, ir.PointerType(vec)), align=align)
@@ -44,6 +48,20 @@ def _bf16_to_f32(builder, bits, lanes):
     wide = builder.zext(bits, ir.VectorType(ir.IntType(32), lanes))
     sixteen = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [16] * lanes)
     return builder.bitcast(builder.shl(wide, sixteen), ir.VectorType(ir.FloatType(), lanes))
+
+
+def _widen(builder, bits, lanes, half):
+    """16-bit float bit patterns (<lanes x i16>) of dtype half as float32."""
+    if half == "f16":
+        return widen_f16_for_target(builder, bits)
+    return _bf16_to_f32(builder, bits, lanes)
+
+
+def half_source(source, like) -> str | None:
+    """"bf16" for uint16 bits, "f16" for int16 bits (into float32), else None."""
+    if not isinstance(source, types.Array) or like.dtype != types.float32:
+        return None
+    return {types.uint16: "bf16", types.int16: "f16"}.get(source.dtype)
 
 
 def _addresses(context, builder, signature, args):
@@ -60,19 +78,17 @@ def _make(lanes: int):
     def transpose_pack(typingctx, src_addr, ld, kc, dst_addr, dst_ld, like, source):
         """dst (kc rows of stride dst_ld) = src (`lanes` rows of stride ld) transposed, in
         elements: dst holds like's dtype (f32 or f64), src source's (the same, or uint16
-        bfloat16 bits into f32)."""
+        bfloat16 / int16 float16 bits into f32)."""
         if not isinstance(like, types.Array) or like.dtype not in (types.float32, types.float64):
             return None
-        bf16_source = isinstance(source, types.Array) and source.dtype == types.uint16
-        if not bf16_source and (not isinstance(source, types.Array) or source.dtype != like.dtype):
-            return None
-        if bf16_source and like.dtype != types.float32:
+        half = half_source(source, like)
+        if not half and (not isinstance(source, types.Array) or source.dtype != like.dtype):
             return None
         scalar = ir.FloatType() if like.dtype == types.float32 else ir.DoubleType()
 
         def codegen(context, builder, signature, args):
             ints = _addresses(context, builder, signature, args)
-            _emit(builder, ints, scalar, lanes, bf16_source)
+            _emit(builder, ints, scalar, lanes, half)
             return context.get_dummy_value()
 
         return types.void(src_addr, ld, kc, dst_addr, dst_ld, like, source), codegen
@@ -84,10 +100,11 @@ transpose_pack_8 = _make(8)
 transpose_pack_6 = _make(6)
 
 
-def _emit_rows(builder, args, lanes, scalar=None):
-    """dst[p * dst_ld + q] = widen(src[p * ld + q]): a row of `lanes` bfloat16 values is one
-    vector load, a zero extension and a shift, and one float32 vector store. With `scalar`
-    (a float type) the rows are copied as they are: one vector load and store per row."""
+def _emit_rows(builder, args, lanes, scalar=None, half="bf16"):
+    """dst[p * dst_ld + q] = widen(src[p * ld + q]): a row of `lanes` 16-bit values (half:
+    "bf16" or "f16") is one vector load, its widening, and one float32 vector store. With
+    `scalar` (a float type) the rows are copied as they are: one vector load and store per
+    row."""
     src_addr, ld, kc, dst_addr, dst_ld = args
     item = scalar if scalar is not None else ir.IntType(16)
     loaded = ir.VectorType(item, lanes)
@@ -99,23 +116,26 @@ def _emit_rows(builder, args, lanes, scalar=None):
         row_ptr = builder.bitcast(builder.gep(src, [builder.mul(p, ld)]), ir.PointerType(loaded))
         row = builder.load(row_ptr, align=align)
         if scalar is None:
-            row = _bf16_to_f32(builder, row, lanes)
+            row = _widen(builder, row, lanes, half)
         start = builder.gep(dst, [builder.mul(p, dst_ld)])
         builder.store(row, builder.bitcast(start, ir.PointerType(row.type)), align=max(align, 4))
 
 
 def _make_rows(lanes: int):
     @intrinsic
-    def widen_rows(typingctx, src_addr, ld, kc, dst_addr, dst_ld):
-        """kc rows of `lanes` bfloat16 values (uint16, row stride ld) into float32 rows of
-        stride dst_ld; strides in elements."""
+    def widen_rows(typingctx, src_addr, ld, kc, dst_addr, dst_ld, source):
+        """kc rows of `lanes` 16-bit values (source's: uint16 bfloat16 or int16 float16 bits;
+        row stride ld) into float32 rows of stride dst_ld; strides in elements."""
+        if not isinstance(source, types.Array) or source.dtype not in (types.uint16, types.int16):
+            return None
+        half = "f16" if source.dtype == types.int16 else "bf16"
 
         def codegen(context, builder, signature, args):
             ints = _addresses(context, builder, signature, args)
-            _emit_rows(builder, ints, lanes)
+            _emit_rows(builder, ints, lanes, half=half)
             return context.get_dummy_value()
 
-        return types.void(src_addr, ld, kc, dst_addr, dst_ld), codegen
+        return types.void(src_addr, ld, kc, dst_addr, dst_ld, source), codegen
 
     return widen_rows
 
