@@ -57,6 +57,8 @@ _WHERE = {
     # a plan's driver compiled afresh, linked or calling the library by address
     # (driver_compile.py)
     "driver_tier": "backplan.codegen.build.driver_tier",
+    # a plan's address loops compiled one LLVM module each or all in one (one_module.py)
+    "loop_batch": "backplan.codegen.build.loop_batch",
     "compiled_plan": "backplan.codegen.run.compiled:CompiledPlan",
     "kernel_cache": "backplan.codegen.build.kernel_cache",  # kernels made per size (batch_sizes)
     "native_calls": "backplan.codegen.build.native_calls",

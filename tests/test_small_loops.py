@@ -47,12 +47,19 @@ def gradient_checked(loss, shape, seed=0):
 
 
 def compiled_forms(kernels) -> dict[str, list]:
-    """Each address loop form's compiled results, over all of the plan's address kernels."""
+    """The code library of each address loop form the plan's calls ran (a loop compiled alone
+    or with the plan's others: codegen/build/loop_batch.py), over all of its address kernels."""
     found = {"kernel_at": [], "kernel_at_small": []}
     for kernel in kernels:
-        for form in kernel_cache.compiled_forms(kernel.digest)[:-1]:
-            found[form.__name__] += list(form.overloads.values())
+        call = kernel_cache.python_call(kernel_cache.kernel(kernel.digest))
+        for small, form in ((False, "kernel_at"), (True, "kernel_at_small")):
+            if call._libraries[small] is not None:
+                found[form].append(call._libraries[small])
     return found
+
+
+def small_call(kernel):
+    return kernel_cache.python_call(kernel_cache.kernel(kernel.digest))
 
 
 def test_small_calls_run_a_loop_compiled_without_vectorisers():
@@ -60,9 +67,9 @@ def test_small_calls_run_a_loop_compiled_without_vectorisers():
     assert np.prod(small) <= SMALL_LOOP_ELEMENTS
     forms = compiled_forms(gradient_checked(shifted_tanh_sum, small))
     assert forms["kernel_at_small"] and not forms["kernel_at"]
-    for result in forms["kernel_at_small"]:
-        assert type(result.library).__name__ == "Level1CodeLibrary"
-        assert " x float>" not in result.library.get_llvm_str()  # no vector of floats
+    for library in forms["kernel_at_small"]:
+        assert type(library).__name__ == "Level1CodeLibrary"
+        assert " x float>" not in library.get_llvm_str()  # no vector of floats
 
 
 def test_large_calls_run_the_vectorised_loop_and_small_calls_then_share_it():
@@ -70,11 +77,12 @@ def test_large_calls_run_the_vectorised_loop_and_small_calls_then_share_it():
     assert np.prod(large) > SMALL_LOOP_ELEMENTS
     kernels = gradient_checked(scaled_sigmoid_sum, large)
     forms = compiled_forms(kernels)
-    assert any(" x float>" in r.library.get_llvm_str() for r in forms["kernel_at"])
-    full = {k.digest for k in kernels if kernel_cache.compiled_forms(k.digest)[0].overloads}
+    assert any(" x float>" in library.get_llvm_str() for library in forms["kernel_at"])
+    full = {k.digest for k in kernels if small_call(k)._libraries[False] is not None}
 
     resized = gradient_checked(scaled_sigmoid_sum, (5, 7), seed=1)
     assert {k.digest for k in resized} >= full  # the same loop bodies
     for kernel in resized:
         if kernel.digest in full:  # its full loop was there: the small form never compiled
             assert not kernel_cache.compiled_forms(kernel.digest)[1].overloads
+            assert small_call(kernel)._libraries[True] is None

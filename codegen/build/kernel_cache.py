@@ -17,12 +17,13 @@ writes are atomic, and a tampered, corrupt or half-written file is simply rewrit
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import types
 from dataclasses import dataclass
 
-from backplan.codegen.build import cache, code_cache
+from backplan.codegen.build import cache, code_cache, loop_batch
 from backplan.codegen.jit import AS_PYTHON
 from backplan.codegen.render.kernel_source import KernelSource
 from backplan.codegen.run.address_calls import AddressCall
@@ -49,7 +50,8 @@ def kernel(digest: str):
 def load(kernels: list[KernelSource]) -> None:
     """Import every kernel not yet in this process (nothing is compiled here: Numba compiles,
     or loads from its disk cache, on the first call with each argument type). Two threads
-    making plans at once import a shared kernel once."""
+    making plans at once import a shared kernel once. The loops a Python-run first call of
+    these kernels will run are grouped, to compile together (codegen/build/loop_batch.py)."""
     with _loading:
         for source in kernels:
             if source.digest not in _LOADED:
@@ -59,6 +61,27 @@ def load(kernels: list[KernelSource]) -> None:
                 if loops[0] is not None and not AS_PYTHON:
                     _ADDRESS_LOOPS[source.digest] = [loop for loop in loops if loop is not None]
                     _PYTHON_CALLS[id(module.kernel)] = AddressCall(*loops)
+        loop_batch.group(first_calls(kernels))
+
+
+_SIZE = re.compile(r"np\.intp\((\d+)\)")
+
+
+def first_calls(kernels: list[KernelSource]) -> list:
+    """(AddressCall, small) for each call of an address kernel whose sizes are known now (a
+    plan's fixed sizes); a kernel called both small and not is only its full loop (small
+    calls take it once it is compiled). Calls with sizes known only when they run are left
+    out: they compile on their own, as before."""
+    wanted: dict = {}
+    for source in kernels:
+        call = _PYTHON_CALLS.get(id(_LOADED.get(source.digest)))
+        if call is None or len(source.arguments) != len(call._kinds):
+            continue
+        sizes = [_SIZE.fullmatch(source.arguments[i]) for i in call._sizes]
+        if all(sizes):
+            small = call.is_small([int(size.group(1)) for size in sizes])
+            wanted[call] = wanted.get(call, True) and small
+    return [(call, small) for call, small in wanted.items()]
 
 
 _loading = threading.Lock()
@@ -118,7 +141,8 @@ def cached_digests(kernels: list[KernelSource], form: str | None = None) -> set[
 
 def _indexed_kernel_names(wanted: set[str], form: str | None = None) -> set[str]:
     """Of the kernel names wanted, those with a Numba index file (`<name>.kernel-<line>....nbi`,
-    or `.kernel_at-`, `.kernel_at_small-` for the loops of an address kernel); form picks one.
+    or `.kernel_at-`, `.kernel_at_small-` for the loops of an address kernel) or a note of a
+    loop compiled with others (`<name>.kernel_at.batch`); form picks one.
     The folder is scanned entry by entry, never held as a list: a long-lived cache holds tens of
     thousands of files, and the list of their names (16,790 names, about 1 MiB of strings) was
     the largest allocation of a plan's first call, above the step's predicted peak."""
@@ -132,6 +156,9 @@ def _indexed_kernel_names(wanted: set[str], form: str | None = None) -> set[str]
                 kernel = name.partition(".kernel")[0]
                 if kernel in wanted and name.endswith(".nbi"):
                     if any(f".{f}-" in name for f in forms):
+                        found.add(kernel)
+                elif kernel in wanted and name.endswith(".batch"):  # codegen/build/loop_batch.py
+                    if name[len(kernel) + 1 : -len(".batch")] in forms:
                         found.add(kernel)
     except OSError:
         return set()
@@ -152,8 +179,9 @@ class KernelCounts:
 def counts() -> KernelCounts:
     functions = [*_LOADED.values(), *(loop for loops in _ADDRESS_LOOPS.values() for loop in loops)]
     dispatchers = [d for d in functions if hasattr(d, "overloads")]
+    batched = loop_batch.counts  # loop forms compiled together, or loaded from such a batch
     return KernelCounts(
         len(_LOADED),
-        sum(len(d.overloads) for d in dispatchers),
-        sum(sum(d.stats.cache_misses.values()) for d in dispatchers),
+        sum(len(d.overloads) for d in dispatchers) + batched["compiled"] + batched["loaded"],
+        sum(sum(d.stats.cache_misses.values()) for d in dispatchers) + batched["compiled"],
     )

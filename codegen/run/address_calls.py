@@ -31,6 +31,16 @@ _KINDS = {
 }
 
 
+def _parameter_names(loop) -> tuple[str, ...]:
+    code = loop.py_func.__code__
+    return code.co_varnames[: code.co_argcount]
+
+
+def parameter_kinds(loop) -> tuple:
+    """(Numba type name, ctypes type) of each parameter of a loop taking addresses."""
+    return tuple(_KINDS[_kind(name)] for name in _parameter_names(loop))
+
+
 def _kind(name: str) -> str:
     if name.startswith("a"):
         return "address"
@@ -50,16 +60,18 @@ class AddressCall:
 
     def __init__(self, loop, small_loop=None):
         self._loops = (loop, small_loop or loop)  # by whether the call is small
-        names = loop.py_func.__code__.co_varnames[: loop.py_func.__code__.co_argcount]
-        self._kinds = tuple(_KINDS[_kind(name)] for name in names)
+        names = _parameter_names(loop)
+        self._kinds = parameter_kinds(loop)
         self._arrays = tuple(kind is _KINDS["address"] for kind in self._kinds)
         self._sizes = tuple(i for i, name in enumerate(names) if re.fullmatch(r"n\d+", name))
         self._entries = [None, None]
+        self._libraries = [None, None]  # the Numba code library holding each entry's code
         self._lock = threading.RLock()  # a small call may compile the full loop
         # Where the native entry writes its (none) result and would point at an exception;
         # written by every call, read by none: threads may share them.
         self._result = ctypes.create_string_buffer(64)
         self._exception = ctypes.c_void_p()
+        self.group = ()  # [(call, small)] of the plan loading it (codegen/build/loop_batch.py)
 
     def __call__(self, *args):
         small = bool(math.prod([args[i] for i in self._sizes]) <= SMALL_LOOP_ELEMENTS)
@@ -75,31 +87,69 @@ class AddressCall:
                 "loop kernels do not raise; run with BACKPLAN_KERNELS_AS_PYTHON=1 to see the line"
             )
 
+    def is_small(self, sizes: list[int]) -> bool:
+        """Whether a call over these sizes (the loop's size parameters, in order) is small."""
+        return math.prod(sizes) <= SMALL_LOOP_ELEMENTS
+
+    def loop(self, small: bool):
+        return self._loops[small]
+
     def _compile(self, small: bool):
-        from numba import types as numba_types
+        from backplan.codegen.build import loop_batch
 
         with self._lock:
             if small and self._entries[True] is None and self._full_is_ready():
                 self._entries[True] = self._entries[False] or self._compile(False)
+            if self._entries[small] is None and (self, small) in self.group:
+                loop_batch.compile_together(self.group)  # with the plan's other loops
             if self._entries[small] is None:
+                self.needs_compiling(small)  # sets the entry where a batch on disk holds it
+            if self._entries[small] is None:  # Numba's own compile, or its cache
                 loop = self._loops[small]
-                signature = tuple(getattr(numba_types, kind[0]) for kind in self._kinds)
-                loop.compile(signature)
-                compiled = loop.overloads[signature]
+                loop.compile(loop_batch.signature(loop))
+                compiled = loop.overloads[loop_batch.signature(loop)]
                 pointer = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
-                if not pointer:
-                    raise RuntimeError(f"loop kernel {loop.py_func.__module__} has no native entry")
-                prototype = ctypes.CFUNCTYPE(
-                    ctypes.c_int32,
-                    ctypes.c_void_p,
-                    ctypes.c_void_p,
-                    *[kind[1] for kind in self._kinds],
-                )
-                self._entries[small] = prototype(pointer)
+                self.set_entry(small, pointer, compiled.library)
         return self._entries[small]
 
+    def needs_compiling(self, small: bool) -> bool:
+        """Whether this form has no entry yet and no cache holds it; an entry found in a batch
+        on disk (codegen/build/loop_batch.py) is set here."""
+        from backplan.codegen.build import loop_batch
+
+        if self._entries[small] is not None or (small and self._full_is_ready()):
+            return False  # a small call takes the full loop where that one is ready
+        loop = self._loops[small]
+        if loop.overloads or is_cached(loop):
+            return False  # Numba loads it from its cache
+        found = loop_batch.cached_entry(loop)
+        if found is not None:
+            self.set_entry(small, *found)
+            return False
+        return True
+
+    def library(self, small: bool):
+        """The code library holding the loop this form of call runs (None before it runs):
+        Numba's own for a loop compiled alone, a batch's (codegen/build/loop_batch.py)."""
+        return self._libraries[small] or (self._libraries[False] if small else None)
+
+    def set_entry(self, small: bool, pointer: int, library) -> None:
+        """The form's native entry, callable with ctypes, from its address in `library`."""
+        if not pointer:
+            raise RuntimeError(
+                f"loop kernel {self._loops[small].py_func.__module__} has no native entry"
+            )
+        prototype = ctypes.CFUNCTYPE(
+            ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, *[kind[1] for kind in self._kinds]
+        )
+        self._libraries[small] = library
+        self._entries[small] = prototype(pointer)
+
     def _full_is_ready(self) -> bool:
-        return self._entries[False] is not None or is_cached(self._loops[0])
+        from backplan.codegen.build import loop_batch
+
+        full = self._loops[0]
+        return self._entries[False] is not None or is_cached(full) or loop_batch.has_cached(full)
 
 
 _driver_call = threading.local()

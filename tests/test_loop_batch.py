@@ -1,0 +1,100 @@
+"""A plan's address loops compile together on its first Python-run call, in one LLVM module per
+optimisation level (codegen/build/loop_batch.py), with the reference interpreter's values; a
+later process loads that machine code from the cache folder and compiles none of them, a plan
+sharing one of those loops does not compile it again, and a batch file that does not check
+(edited, or signed by another key) is never run: the loops compile again."""
+
+import os
+import textwrap
+
+import numpy as np
+from helpers import script_facts
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import backplan as bp
+    from backplan.codegen.build import kernel_cache, loop_batch
+    from backplan.runtime.backend import use_backend
+
+    def loss(w, x):
+        h = bp.tanh(x @ w + 0.5)
+        return bp.sum(h * h * 0.75) + bp.sum(bp.exp(x * 0.125))
+
+    def other(w, x):  # shares loss's exp loop, and adds loops of its own
+        return bp.sum(bp.exp(x * 0.125)) + bp.sum(bp.sigmoid(x @ w) * 1.5)
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 5)).astype(np.float32)
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    results, digests = {}, {}
+    for name in sys.argv[1].split(","):
+        fn = {"loss": loss, "other": other}[name]
+        for backend in ("numba", "reference"):
+            with use_backend(backend):
+                step = bp.value_and_grad(fn)
+                value, grad = step(bp.tensor(w), bp.tensor(x))
+                if backend == "numba":
+                    plan = step.trace(bp.tensor(w), bp.tensor(x)).runner().compiled
+                    digests[name] = sorted({k.digest for k in plan.loop_kernels})
+            results[f"{name} {backend}"] = [float(value.item()), grad.numpy().tolist()]
+    compiled = [call for call in kernel_cache._PYTHON_CALLS.values() if call._libraries[False]
+                or call._libraries[True]]
+    numba_compiled = sum(sum(loop.stats.cache_misses.values())
+                         for loops in kernel_cache._ADDRESS_LOOPS.values() for loop in loops)
+    print(json.dumps({"values": results, "batch": loop_batch.counts, "digests": digests,
+                      "numba_compiled": numba_compiled, "loops": len(compiled)}))
+""")
+
+
+def facts(folder, plans="loss"):
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(folder), "BACKPLAN_DRIVER": "python"}
+    return script_facts(SCRIPT, plans, env=env)
+
+
+def close(result, plans):
+    for plan in plans.split(","):
+        got, want = result["values"][f"{plan} numba"], result["values"][f"{plan} reference"]
+        assert np.allclose(got[0], want[0], rtol=1e-5)
+        assert np.allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+def batch_files(folder):
+    return sorted(name for name in os.listdir(folder / "__pycache__") if name.endswith(".o"))
+
+
+def test_loops_compile_together_then_load_in_a_later_process(tmp_path):
+    first = facts(tmp_path)
+    close(first, "loss")
+    assert first["loops"] >= 2
+    assert first["batch"] == {"compiled": first["loops"], "loaded": 0}
+    assert first["numba_compiled"] == 0  # none compiled on its own
+    assert batch_files(tmp_path)
+
+    second = facts(tmp_path)
+    assert second["batch"] == {"compiled": 0, "loaded": first["loops"]}
+    assert second["numba_compiled"] == 0
+    assert second["values"] == first["values"]
+
+
+def test_a_plan_sharing_a_loop_does_not_compile_it_again(tmp_path):
+    first = facts(tmp_path, "loss")
+    both = facts(tmp_path, "loss,other")
+    close(both, "loss,other")
+    assert set(both["digests"]["loss"]) & set(both["digests"]["other"])  # a loop in both
+    assert both["values"]["loss numba"] == first["values"]["loss numba"]
+    # loss's loops (the shared one among them) come from its batch; only other's own compile
+    assert both["batch"]["loaded"] == first["loops"]
+    assert both["batch"]["compiled"] + both["numba_compiled"] == both["loops"] - first["loops"]
+
+
+def test_a_batch_file_that_does_not_check_is_never_run(tmp_path):
+    first = facts(tmp_path)
+    for name in batch_files(tmp_path):
+        path = tmp_path / "__pycache__" / name
+        text = path.read_text()
+        path.write_text(text[:-8] + ("0" if text[-8] != "0" else "1") + text[-7:])  # one byte
+    again = facts(tmp_path)
+    close(again, "loss")
+    assert again["values"] == first["values"]
+    assert again["batch"] == {"compiled": first["loops"], "loaded": 0}  # compiled again
