@@ -196,10 +196,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     facts = measure(args.model, args.rounds, args.cpu)
     print(report(facts))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(facts, out, indent=1)
+    _keep(facts, args.json)
     return 0
+
+
+def _keep(facts: dict, path: str | None) -> None:
+    """Every run's figures as JSON, when a path is given."""
+    if path:
+        with open(path, "w") as out:
+            json.dump(facts, out, indent=1)
 
 
 if __name__ == "__main__":
