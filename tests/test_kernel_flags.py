@@ -61,12 +61,14 @@ def test_address_loops_compile_no_wrapper_and_run_through_their_native_entry(mon
 
     assert ADDRESS_KERNEL_JIT_OPTIONS["no_cfunc_wrapper"]
     kernels = compiled_loop_kernels(2, ((6, 4), (4,), (5, 6)))
-    loops = [loop for k in kernels for loop in kernel_cache.compiled_forms(k.digest)[:-1]]
-    compiled = [result for loop in loops for result in loop.overloads.values()]
-    assert compiled  # the first call ran the address loops
-    for result in compiled:  # compiled here or loaded from the disk cache: symbols either way
-        assert result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
-        assert not result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)
+    calls = [kernel_cache.python_call(kernel_cache.kernel(k.digest)) for k in kernels]
+    # each loop a call ran: its code library (its own, or one with the plan's other loops) and
+    # its entry's name there; compiled here or loaded from the disk cache: symbols either way
+    ran = [(c._libraries[s], c._symbols[s]) for c in calls for s in (0, 1) if c._libraries[s]]
+    assert ran  # the first call ran the address loops
+    for library, symbol in ran:
+        assert library.get_pointer_to_function(symbol)
+        assert not library.get_pointer_to_function(f"cfunc.{symbol}")  # Numba's wrapper name
 
 
 def test_serial_kernels_take_the_short_pipeline_and_parallel_ones_numbas():

@@ -58,7 +58,7 @@ def compile_together(wanted) -> None:
             for library in libraries.values():
                 library.finalize()
         for (call, small), (library, symbol) in zip(todo, lowered, strict=True):
-            call.set_entry(small, library.get_pointer_to_function(symbol), library)
+            call.set_entry(small, library.get_pointer_to_function(symbol), library, symbol)
         with _lock:
             counts["compiled"] += len(todo)
         _save(loops, lowered)
@@ -180,8 +180,8 @@ def has_cached(loop) -> bool:
     return os.path.exists(_note_path(loop))
 
 
-def cached_entry(loop) -> tuple[int, object] | None:
-    """(native entry, library) of the loop from a batch on disk (its object loaded once per
+def cached_entry(loop) -> tuple[int, object, str] | None:
+    """(native entry, library, symbol) of the loop from a batch on disk (its object loaded once per
     process), or None when there is none this process can use."""
     note = _read_signed(_note_path(loop))
     if note is None:
@@ -200,7 +200,7 @@ def cached_entry(loop) -> tuple[int, object] | None:
         return None
     with _lock:
         counts["loaded"] += 1
-    return pointer, library
+    return pointer, library, note["symbol"]
 
 
 def _library(name: str):

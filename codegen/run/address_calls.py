@@ -66,6 +66,7 @@ class AddressCall:
         self._sizes = tuple(i for i, name in enumerate(names) if re.fullmatch(r"n\d+", name))
         self._entries = [None, None]
         self._libraries = [None, None]  # the Numba code library holding each entry's code
+        self._symbols = [None, None]  # each entry's name in it
         self._lock = threading.RLock()  # a small call may compile the full loop
         # Where the native entry writes its (none) result and would point at an exception;
         # written by every call, read by none: threads may share them.
@@ -109,7 +110,7 @@ class AddressCall:
                 loop.compile(loop_batch.signature(loop))
                 compiled = loop.overloads[loop_batch.signature(loop)]
                 pointer = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
-                self.set_entry(small, pointer, compiled.library)
+                self.set_entry(small, pointer, compiled.library, compiled.fndesc.llvm_func_name)
         return self._entries[small]
 
     def needs_compiling(self, small: bool) -> bool:
@@ -133,8 +134,9 @@ class AddressCall:
         Numba's own for a loop compiled alone, a batch's (codegen/build/loop_batch.py)."""
         return self._libraries[small] or (self._libraries[False] if small else None)
 
-    def set_entry(self, small: bool, pointer: int, library) -> None:
-        """The form's native entry, callable with ctypes, from its address in `library`."""
+    def set_entry(self, small: bool, pointer: int, library, symbol: str) -> None:
+        """The form's native entry, callable with ctypes, from its address in `library`, where
+        `symbol` names it."""
         if not pointer:
             raise RuntimeError(
                 f"loop kernel {self._loops[small].py_func.__module__} has no native entry"
@@ -142,7 +144,7 @@ class AddressCall:
         prototype = ctypes.CFUNCTYPE(
             ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, *[kind[1] for kind in self._kinds]
         )
-        self._libraries[small] = library
+        self._libraries[small], self._symbols[small] = library, symbol
         self._entries[small] = prototype(pointer)
 
     def _full_is_ready(self) -> bool:
