@@ -18,6 +18,7 @@ from .step_schedule import Outcome, StepSchedule
 
 STEPS_TO_FLOOR = 24  # a move frees about 1/24 of the peak: the frontier's resolution
 MAX_SIMULATIONS = 160  # bounds planning time on very large steps
+SINGLES_TRIED = 3  # single values tried, best ranked first, before batches grow (_growing)
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,17 @@ def plan_frontier(
     simulations = 1
     while simulations < MAX_SIMULATIONS:
         batch = _next_batch(schedule, current, drop, locked, step_bytes, objective)
-        trial = None
+        trial, singles = None, 0
         while batch:
             trial = schedule.simulate(drop | frozenset(batch), compiled)
             simulations += 1
             if _measure(trial, objective) < _measure(current, objective):
                 break
-            if len(batch) == 1:  # the next-ranked single value, while the cap allows
+            if len(batch) == 1:  # the next-ranked single values, a few
                 locked.add(batch[0])
+                singles += 1
                 batch = _next_batch(schedule, current, drop, locked, 1, objective)
-                if simulations >= MAX_SIMULATIONS:
+                if singles >= SINGLES_TRIED or simulations >= MAX_SIMULATIONS:
                     batch = []
                 continue
             batch = batch[: len(batch) // 2]
@@ -145,6 +147,12 @@ def _measure(outcome: Outcome, objective: str) -> int:
 
 def _point(drop: frozenset[int], outcome: Outcome) -> PlanPoint:
     return PlanPoint(drop, outcome.peak, outcome.held_bytes, outcome.added_flops)
+
+
+def ranked_candidates(schedule: StepSchedule, current: Outcome, drop) -> list[int]:
+    """The held values live at current's peak that drop keeps, best first (as _next_batch
+    ranks them: bytes freed per added FLOP, then the segment rule, then forward order)."""
+    return _next_batch(schedule, current, drop, set(), None, "peak")
 
 
 def _next_batch(schedule, current: Outcome, drop, locked, step_bytes, objective) -> list:
