@@ -98,3 +98,63 @@ def test_a_batch_file_that_does_not_check_is_never_run(tmp_path):
     close(again, "loss")
     assert again["values"] == first["values"]
     assert again["batch"] == {"compiled": first["loops"], "loaded": 0}  # compiled again
+
+
+THREADS = textwrap.dedent("""
+    import json, threading
+    import numpy as np
+    import backplan as bp
+    from backplan.codegen.build import kernel_cache, loop_batch
+    from backplan.runtime.backend import use_backend
+
+    def first(w, x):
+        h = x @ w
+        return bp.sum(bp.sin(h) * bp.cos(h) * 1.25) + bp.sum(bp.abs(x) * 0.5)
+
+    def second(w, x):  # first's loops and one of its own
+        h = x @ w
+        return bp.sum(bp.sin(h) * bp.cos(h) * 1.25) + bp.sum(bp.sqrt(bp.abs(x) + 1.0))
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((5, 3)).astype(np.float32)
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    got, start = {}, threading.Barrier(2)
+
+    def run(fn):
+        with use_backend("numba"):
+            step = bp.value_and_grad(fn)
+            step.trace(bp.tensor(w), bp.tensor(x))  # planned: both first calls start together
+            start.wait()
+            value, grad = step(bp.tensor(w), bp.tensor(x))
+        got[fn.__name__] = [float(value.item()), grad.numpy().tolist()]
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    want = {}
+    for fn in (first, second):
+        with use_backend("reference"):
+            value, grad = bp.value_and_grad(fn)(bp.tensor(w), bp.tensor(x))
+        want[fn.__name__] = [float(value.item()), grad.numpy().tolist()]
+    forms = sum(bool(lib) for call in kernel_cache._PYTHON_CALLS.values()
+                for lib in call._libraries)
+    numba_compiled = sum(sum(loop.stats.cache_misses.values())
+                         for loops in kernel_cache._ADDRESS_LOOPS.values() for loop in loops)
+    print(json.dumps({"got": got, "want": want, "forms": forms, "batch": loop_batch.counts,
+                      "numba_compiled": numba_compiled}))
+""")
+
+
+def test_two_threads_making_first_calls_at_once_compile_each_loop_once(tmp_path):
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path), "BACKPLAN_DRIVER": "python"}
+    result = script_facts(THREADS, env=env)
+    for name in ("first", "second"):
+        got, want = result["got"][name], result["want"][name]
+        assert np.allclose(got[0], want[0], rtol=1e-5)
+        assert np.allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+    assert result["forms"] >= 3
+    # every loop form either thread ran was compiled once, in a batch or on its own
+    assert result["batch"]["compiled"] + result["numba_compiled"] == result["forms"]
+    assert result["batch"]["loaded"] == 0
