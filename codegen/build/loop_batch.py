@@ -125,13 +125,15 @@ def _announce(loops: int) -> dict:
 
 @functools.cache
 def environment() -> str:
-    """What a loop's machine code depends on besides its source and form."""
+    """What a loop's machine code depends on besides its source and form: the target Numba
+    compiles for (triple, CPU name and features, NUMBA_CPU_NAME / NUMBA_CPU_FEATURES included,
+    as its own cache keys) and the compiler's versions."""
     import llvmlite
     import numba
-    from llvmlite import binding
+    from numba.core.registry import cpu_target
 
-    features = binding.get_host_cpu_features().flatten()
-    return f"{binding.get_host_cpu_name()}|{features}|{numba.__version__}|{llvmlite.__version__}"
+    target = "|".join(cpu_target.target_context.codegen().magic_tuple())
+    return f"{target}|{numba.__version__}|{llvmlite.__version__}"
 
 
 def _note_path(loop) -> str:
