@@ -129,7 +129,7 @@ def cached_digests(kernels: list[KernelSource], form: str | None = None) -> set[
         forms = compiled_forms(source.digest) if source.digest in _LOADED else []
         if form is not None:
             forms = [f for f in forms if getattr(f, "__name__", "") == form]
-        if any(getattr(f, "overloads", None) for f in forms):
+        if any(getattr(f, "overloads", None) for f in forms) or _ran_here(source.digest, form):
             found.add(source.digest)
         else:
             unknown.append(source)
@@ -137,6 +137,18 @@ def cached_digests(kernels: list[KernelSource], form: str | None = None) -> set[
         indexed = _indexed_kernel_names({source.name for source in unknown}, form)
         found.update(source.digest for source in unknown if source.name in indexed)
     return found
+
+
+def _ran_here(digest: str, form: str | None) -> bool:
+    """Whether a loop of this address kernel has machine code in this process without a Numba
+    overload (compiled with a plan's others, or loaded from such a batch: loop_batch.py)."""
+    if form not in (None, *ADDRESS_FORMS) or digest not in _LOADED:
+        return False
+    call = _PYTHON_CALLS.get(id(_LOADED[digest]))
+    libraries = getattr(call, "_libraries", ())
+    if form is None:
+        return any(libraries)
+    return bool(libraries and libraries[form == "kernel_at_small"])
 
 
 def _indexed_kernel_names(wanted: set[str], form: str | None = None) -> set[str]:
