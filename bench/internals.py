@@ -48,6 +48,9 @@ _WHERE = {
     "gemm_scratch": "backplan.codegen.kernels.gemm.scratch",  # packing buffers kept per process
     "cheapest_within": "backplan.ir.budget:cheapest_within",
     "plan_frontier": "backplan.ir.budget:plan_frontier",
+    # a frontier row's parts timed apart: its plan built, then lowered for its peak
+    "step_peak_bytes": "backplan.tracer.budget:step_peak_bytes",
+    "paused_gc": "backplan.ir.gc_pause:paused_gc",
     "checked_memory": "backplan.codegen.run.memory_check:checked_memory",  # the checked mode
     "measure": "backplan.codegen.run.memory_check:measure",
     "flatten": "backplan.tracer.pytree:flatten",

@@ -202,6 +202,30 @@ def planning_time() -> str:
     )
 
 
+def row_parts(rows: int = 5) -> str:
+    """Where a frontier row's time goes (CPU ms, medians over `rows` rows spread along the
+    10,000-node plan's candidates, each built once on a fresh trace): building its plan (the
+    recomputed copies and liveness), then lowering it for its compiled peak, as
+    memory_frontier does for every row (the collector paused, as the planner runs)."""
+    from backplan.bench.internals import paused_gc, step_peak_bytes
+
+    fn, params, batch = deep_chain()
+    planner = bp.value_and_grad(fn).trace(params, *batch).planner
+    points = planner.points()
+    chosen = [points[round(k * (len(points) - 1) / (rows - 1))] for k in range(rows)][1:]
+    built, lowered = [], []
+    with paused_gc():
+        for point in chosen:
+            seconds, plans = cpu_timed(lambda p=point: planner.build(p.drop))
+            built.append(seconds)
+            lowered.append(cpu_timed(lambda p=plans: step_peak_bytes(p))[0])
+    return (
+        f"a frontier row of it (CPU ms, median of {len(chosen)}): plan built "
+        f"{1000 * statistics.median(built):.0f}, lowered for its peak "
+        f"{1000 * statistics.median(lowered):.0f}"
+    )
+
+
 def step_planning_time() -> str:
     """The transformer x 6 training step's trace (adam, donated) in CPU seconds, its updates
     in the traced order (BACKPLAN_EARLY_UPDATES=0: no plan lowered while tracing) and right
@@ -330,6 +354,7 @@ def main(argv=None) -> None:
     dtype = bp.bfloat16 if args.saved_dtype else None
     print(f"CPU: {cpu_name()}; {pin_process(args.threads)['affinity']}; clock: {args.clock}")
     print(planning_time(), flush=True)
+    print(row_parts(), flush=True)
     print(step_planning_time(), flush=True)
     found = {}
     for name in args.models.split(","):
