@@ -196,6 +196,8 @@ def _measured_peak(runner, settings: Settings) -> dict:
             "measured_by": CHECKED_MODE,
             "counted": counted["counted"],
             "counted_predicted": counted["predicted"],
+            "counted_held": counted.get("held"),
+            "left_alive": counted.get("left_alive"),
         }
     measured = traced_peak_bytes(runner)
     return {"measured": measured, "measured_by": "tracemalloc" if measured is not None else None}

@@ -34,6 +34,8 @@ def test_compiled_rows_are_measured_by_the_checked_mode_and_equal_the_plan():
         # the counting allocator saw the step's own buffers (far more than tracemalloc sees)
         assert peak["counted"] > 0 and peak["counted"] == peak["counted_predicted"]
         assert peak["measured"] == peak["planned"]
+        assert sum(peak["counted_held"].values()) == peak["counted"]
+        assert 0 < peak["left_alive"] <= peak["counted"]  # the arena kept from the last step
     assert rows["numpy"]["peak_bytes"]["measured_by"] == "tracemalloc"
 
 
@@ -55,6 +57,14 @@ def test_a_counted_peak_other_than_the_plan_is_printed_as_a_mismatch():
     }
     (line,) = footnotes([row])
     assert "MEMORY MISMATCH" in line and "5,000" in line and "4,096" in line
+    row["peak_bytes"].update(
+        counted_held={"scratch": 3_000, "output 1": 2_000}, left_alive=3_000
+    )
+    (line,) = footnotes([row])
+    assert line.endswith(
+        "(held at the peak: scratch 3,000, output 1 2,000; 3,000 B of it left alive by the "
+        "earlier steps)"
+    )
     row["peak_bytes"]["counted"] = 4_096
     assert footnotes([row]) == []
 

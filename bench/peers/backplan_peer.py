@@ -58,8 +58,9 @@ class PlanFacts(Runner):
         that call (a small compile + backward() step runs one joint plan from its third call,
         runtime/joint_step.py: report.peak_on_call). What that allocator cannot see, the
         arrays passed in and a conv kernel's own im2col columns, is taken from the prediction
-        (peak_bytes - allocated_peak_bytes). None where no compiled plan runs (the reference
-        interpreter)."""
+        (peak_bytes - allocated_peak_bytes). `held` names the buffers counted at the peak and
+        `left_alive` the bytes the earlier steps left alive, so that a mismatch says what the
+        plan left out. None where no compiled plan runs (the reference interpreter)."""
         from backplan.bench.internals import checked_memory, measure, wait_for_builds
 
         peak = self.explain().peak_on_call(3)
@@ -72,6 +73,7 @@ class PlanFacts(Runner):
             twin.step()
             twin.forget()
             measured.restart_peak()
+            left = measured.live  # what the earlier steps left alive (arenas, kept outputs)
             twin.step()
         if measured.peak == 0:  # no plan of the twin was built in the checked mode
             return None
@@ -79,6 +81,8 @@ class PlanFacts(Runner):
             "bytes": measured.peak + peak.peak_bytes - peak.allocated_peak_bytes,
             "counted": measured.peak,
             "predicted": peak.allocated_peak_bytes,
+            "held": dict(measured.at_peak),  # buffer name -> bytes at the counted peak
+            "left_alive": left,
         }
 
     def forget(self) -> None:

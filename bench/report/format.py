@@ -158,7 +158,7 @@ def footnotes(rows: list[dict], threads_set: bool = False) -> list[str]:
             lines.append(
                 f"{row['peer']}: MEMORY MISMATCH, the checked mode counted {peak['counted']:,} B "
                 f"of the step's own buffers at its peak, the plan predicts "
-                f"{peak['counted_predicted']:,} B"
+                f"{peak['counted_predicted']:,} B" + _held_words(peak)
             )
         first = row.get("first_call_s") or {}
         if first.get("import") is not None:
@@ -256,3 +256,17 @@ def run_lines(record: dict) -> list[str]:
         f"{schedule['warmup_steps']} warm-up step(s)" + (" (--quick)" if run["quick"] else ""),
         cold,
     ]
+
+
+def _held_words(peak: dict) -> str:
+    """What a mismatched count held: its buffers at the peak, largest first, and the bytes the
+    earlier steps left alive (arenas and kept outputs the measured step started with)."""
+    held = peak.get("counted_held")
+    if not held:
+        return ""
+    names = sorted(held.items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{name} {nbytes:,}" for name, nbytes in names[:8])
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    left = peak.get("left_alive")
+    left = f"; {left:,} B of it left alive by the earlier steps" if left is not None else ""
+    return f" (held at the peak: {shown}{more}{left})"
