@@ -18,7 +18,7 @@ from backplan.runtime import no_grad
 from backplan.tracer.pytree import flatten, unflatten
 
 from .master import master_init, master_name, master_update, warn_without_master
-from .tree import check_same_structure, float_leaves
+from .tree import check_same_structure, check_updates, float_leaves
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,23 @@ class Optimizer:
         if self.master_dtype is not None:
             return master_update(self, grads, state, params)
         updates, state = self.transform(grads, state, params)
-        return apply_updates(params, updates), state
+        return _add(params, updates), state
 
     def __repr__(self) -> str:
         return f"bp.optim.{self.name}"
 
 
 def apply_updates(params, updates):
-    """params + updates, leaf by leaf; concrete leaves keep their requires_grad flag."""
+    """params + updates, leaf by leaf; concrete leaves keep their requires_grad flag. The
+    updates must be params' structure, shapes and dtypes: leaves paired by position would add
+    an update to another parameter where dict keys differ, and one that broadcasts or has
+    another dtype would change the parameter's shape or widen it."""
+    check_updates(updates, params, "bp.optim.apply_updates(params, updates)")
+    return _add(params, updates)
+
+
+def _add(params, updates):
+    """apply_updates without its checks: an optimizer's own updates fit its parameters."""
     leaves, treedef = flatten(params)
     deltas, _ = flatten(updates)
     new = []

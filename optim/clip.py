@@ -13,6 +13,11 @@ from .tree import check_hyper, tree_map_n
 def global_norm(tree):
     """sqrt of the sum of squares of every leaf (a 0-d tensor)."""
     leaves, _ = flatten(tree)
+    if not leaves:
+        raise ValueError(
+            "bp.optim.global_norm: the tree holds no tensors, so it has no norm (pass the "
+            "gradients or parameters themselves)"
+        )
     total = None
     for leaf in leaves:
         squares = ops.sum(leaf * leaf)

@@ -54,6 +54,29 @@ def check_same_structure(grads, params, where: str) -> None:
             )
 
 
+def check_updates(updates, params, where: str) -> None:
+    """updates have params' structure, and each leaf is a tensor (or NumPy array) of its
+    parameter's shape and dtype (an update is added to its parameter as it is)."""
+    leaves, treedef = flatten(updates)
+    p_leaves, p_def, paths = flatten(params, paths=True)
+    if treedef != p_def:
+        raise TypeError(
+            f"{where}: updates and params have different structures, at "
+            f"{difference(treedef, p_def)} (updates first; {len(leaves)} vs {len(p_leaves)} "
+            "leaves); pass the updates an optimizer's transform made for these params"
+        )
+    for u, p, path in zip(leaves, p_leaves, paths, strict=True):
+        if not isinstance(u, Tensor | np.ndarray) or (u.shape, str(u.dtype)) != (
+            p.shape,
+            str(p.dtype),
+        ):
+            held = f"{u.dtype} {u.shape}" if hasattr(u, "shape") else type(u).__name__
+            raise TypeError(
+                f"{where}: update {path} is {held}, param {path} is {p.dtype} {p.shape}; "
+                "an update keeps its parameter's shape and dtype"
+            )
+
+
 def check_state(optimizer: str, state, params, moments: tuple[str, ...]) -> None:
     """The state an update reads is the one this optimizer's init(params) built: a dict of a
     step count and one tree per moment, each leaf of its parameter's shape and dtype. A moment

@@ -2,6 +2,7 @@
 eager and compiled steps agree; schedules and clipping; torch itself where installed."""
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -377,3 +378,28 @@ def test_a_schedule_at_a_negative_step_is_refused():
         for step in (-5, bp.tensor(np.int64(-1))):
             with pytest.raises(ValueError, match="step count of at least 0, got -"):
                 schedule(step)
+
+
+def test_apply_updates_refuses_updates_that_do_not_fit_the_params():
+    """bp.optim.apply_updates paired leaves by position: updates whose dict lists the same keys
+    in another order added b's update to a, and one of another shape or dtype broadcast or
+    widened the parameter, all without an error."""
+    params = {"a": bp.tensor(np.zeros(2, np.float32)), "b": bp.tensor(np.zeros(2, np.float32))}
+    ones = np.ones(2, np.float32)
+    bad = {
+        "the same keys in another order": {"b": bp.tensor(ones), "a": bp.tensor(5 * ones)},
+        "update ['b'] is float32 (3, 2)": {"a": bp.tensor(ones), "b": np.ones((3, 2), np.float32)},
+        "update ['a'] is float64 (2,)": {"a": bp.tensor(ones.astype(np.float64)), "b": ones},
+        "update ['b'] is float": {"a": bp.tensor(ones), "b": 1.0},
+    }
+    for message, updates in bad.items():
+        with pytest.raises(TypeError, match=re.escape(message)):
+            bp.optim.apply_updates(params, updates)
+    new = bp.optim.apply_updates(params, {"a": bp.tensor(ones), "b": 2 * ones})
+    np.testing.assert_array_equal(new["b"].numpy(), 2 * ones)
+
+
+def test_global_norm_of_a_tree_without_tensors_says_so():
+    with pytest.raises(ValueError, match="global_norm: the tree holds no tensors"):
+        bp.optim.global_norm({})
+    assert float(bp.optim.global_norm([bp.tensor(np.array([3.0, 4.0]))]).numpy()) == 5.0
