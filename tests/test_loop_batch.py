@@ -11,11 +11,14 @@ import numpy as np
 from helpers import script_facts
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, sys, warnings
     import numpy as np
     import backplan as bp
     from backplan.codegen.build import kernel_cache, loop_batch
     from backplan.runtime.backend import use_backend
+
+    warned = []  # the CacheWarnings of files that failed their check
+    warnings.showwarning = lambda message, *rest, **more: warned.append(str(message))
 
     def loss(w, x):
         h = bp.tanh(x @ w + 0.5)
@@ -53,7 +56,7 @@ SCRIPT = textwrap.dedent("""
             kernel_cache.kernel(k.digest))._libraries)]
         counted = bool(ran) and kernel_cache.cached_digests(ran) == {k.digest for k in ran}
     print(json.dumps({"values": results, "batch": loop_batch.counts, "digests": digests,
-                      "counted": counted,
+                      "counted": counted, "warned": warned,
                       "numba_compiled": numba_compiled, "loops": len(compiled)}))
 """)
 
@@ -109,6 +112,27 @@ def test_a_batch_file_that_does_not_check_is_never_run(tmp_path):
     close(again, "loss")
     assert again["values"] == first["values"]
     assert again["batch"] == {"compiled": first["loops"], "loaded": 0}  # compiled again
+
+
+def test_a_batch_file_or_note_that_does_not_check_is_removed_saying_so(tmp_path):
+    """A truncated object or an edited note is never run, and not left on disk for every later
+    process to reject in silence: it is removed with a CacheWarning naming it, as Numba's
+    signed files are, and the loops compile again."""
+    facts(tmp_path)
+    folder = tmp_path / "__pycache__"
+    (batch,) = batch_files(tmp_path)
+    truncated = (folder / batch).read_text()[:2000]
+    (folder / batch).write_text(truncated)
+    note = sorted(name for name in os.listdir(folder) if name.endswith(".batch"))[0]
+    text = (folder / note).read_text()
+    (folder / note).write_text(text[:-8] + ("0" if text[-8] != "0" else "1") + text[-7:])
+    again = facts(tmp_path)
+    close(again, "loss")
+    assert again["batch"]["loaded"] == 0
+    assert any(batch in w and "truncated" in w and "removed it" in w for w in again["warned"])
+    assert any(note in w and "signature" in w for w in again["warned"])
+    assert not (folder / batch).exists() or (folder / batch).read_text() != truncated
+    assert facts(tmp_path)["warned"] == []  # what the second process wrote checks
 
 
 THREADS = textwrap.dedent("""

@@ -134,7 +134,9 @@ def verified(name: str, data: bytes) -> tuple[bytes | None, str]:
     return payload, ""
 
 
-def _discard(path: str, why: str) -> None:
+def discard(path: str, why: str) -> None:
+    """Remove a cache file that failed its check, saying so: it is never run, and not left for
+    every later process to read and reject again."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -162,7 +164,7 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
         return payload
 
     def _discard(self, path: str, why: str) -> None:
-        _discard(path, why)
+        discard(path, why)
 
     def _write_signed(self, path: str, payload: bytes) -> None:
         with self._open_for_write(path) as f:

@@ -15,8 +15,9 @@ in the cache folder, signed with this user's key like every cache file
 loop form, a small signed note (`<kernel>.<form>.batch`) naming that file and the form's symbol,
 so a later process (or plan) needing any of those loops loads the batch's object once and
 compiles none of them again. No pickle: the note is JSON and the object is LLVM's own bytes,
-read only after the signature is checked. Anything that does not match (another CPU, Numba or
-llvmlite, a kernel source, an edited or unsigned file) is ignored and the loop compiled again.
+read only after the signature is checked. A note for another CPU, Numba or llvmlite or kernel
+source is ignored and the loop compiled again; a file that fails its check (edited, truncated,
+unsigned) is removed with a CacheWarning, as Numba's signed files are.
 """
 
 from __future__ import annotations
@@ -233,10 +234,21 @@ def _unserialize(payload: bytes):
 
 
 def _read_signed(path: str) -> bytes | None:
+    """The payload of a file this user's key signed under its name, or None. A file that fails
+    the check (truncated, edited, planted, signed by another key) is removed with a
+    CacheWarning, as Numba's signed files are (cache_signing.discard): never run, and not left
+    for every later process to read, reject and compile around in silence."""
     try:
-        with open(path) as f:
-            data = bytes.fromhex(f.read())
-    except (OSError, ValueError, UnicodeDecodeError):
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError:
         return None
-    payload, _ = cache_signing.verified(os.path.basename(path), data)
+    try:
+        data = bytes.fromhex(text.decode("ascii"))
+    except ValueError:  # UnicodeDecodeError included
+        cache_signing.discard(path, "is truncated or was not written by backplan (not hex)")
+        return None
+    payload, why = cache_signing.verified(os.path.basename(path), data)
+    if payload is None:
+        cache_signing.discard(path, why)
     return payload
