@@ -20,7 +20,7 @@ if AS_PYTHON:  # plain-Python twins of mathlib's functions (its bit tricks need 
 
     exp_f32 = exp_f64 = math.exp
     log_f32 = log_f64 = math.log
-    tanh_f32 = tanh_f64 = math.tanh
+    tanh_f32 = tanh_f64 = tanh_rational_f32 = math.tanh
     erf_f32 = erf_f64 = math.erf
     sigmoid_f32 = sigmoid_f64 = _sigmoid
     from backplan.codegen.kernels.half_python import (  # noqa: F401 - called by name
@@ -47,6 +47,7 @@ else:
         sigmoid_f64,
         tanh_f32,
         tanh_f64,
+        tanh_rational_f32,
     )
 
 
