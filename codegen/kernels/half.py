@@ -163,8 +163,9 @@ def _widen_f16_instruction(builder, bits16):
     """LLVM's fpext from half: VCVTPH2PS with F16C, one instruction for a vector of eight or
     sixteen where the shifts take about twelve per vector. Exact, subnormals included; a NaN
     keeps its sign and payload and becomes quiet (NumPy keeps a signalling NaN signalling)."""
-    return builder.fpext(builder.bitcast(bits16, _like(bits16, ir.HalfType())),
-                         _like(bits16, ir.FloatType()))
+    return builder.fpext(
+        builder.bitcast(bits16, _like(bits16, ir.HalfType())), _like(bits16, ir.FloatType())
+    )
 
 
 def widen_f16_for_target(builder, bits16):

@@ -21,8 +21,8 @@ from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.render.scalar import NP_TYPE
 from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
-from backplan.ir.types import is_half
 from backplan.ir.layout import reads_its_input
+from backplan.ir.types import is_half
 
 # Index errors are worded at codegen time with holes for what only the data knows.
 HOLES = ("{value}", "{position}")

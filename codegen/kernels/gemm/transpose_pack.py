@@ -58,7 +58,7 @@ def _widen(builder, bits, lanes, half):
 
 
 def half_source(source, like) -> str | None:
-    """"bf16" for uint16 bits, "f16" for int16 bits (into float32), else None."""
+    """Which 16-bit floats source holds: bf16 (uint16 bits), f16 (int16 bits), or None."""
     if not isinstance(source, types.Array) or like.dtype != types.float32:
         return None
     return {types.uint16: "bf16", types.int16: "f16"}.get(source.dtype)
