@@ -377,3 +377,35 @@ def test_calls_alternating_sizes_hold_what_explain_prints_for_each_size(backend,
     assert counted == printed
     if backend == "numba":
         assert "first frees the scratch arenas the other sizes keep idle (4: " in report.dynamic
+
+
+def test_sizes_no_longer_kept_free_their_arenas_on_a_switch_too(monkeypatch):
+    """A size that left the DynamicEntry's kept sizes lives on in the caller's fast path and
+    runs again with its arenas; a switch away from it freed only the kept sizes' arenas, so a
+    later call held the evicted sizes' too, beyond explain's peak. Every call now holds what
+    explain prints for its size."""
+    from backplan.codegen.run.memory_check import checked_memory, measure
+    from backplan.tracer import dynamic
+
+    monkeypatch.setattr(dynamic, "SIZES_KEPT", 2)
+    rng = np.random.default_rng(2)
+    w = bp.tensor(rng.standard_normal((5, 7)).astype(np.float32), requires_grad=True)
+
+    def loss(w, x):
+        return bp.mean(bp.tanh(x @ w) * x.sum())
+
+    step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "n"}}))
+    sizes = [2, 3, 4, 5, 2, 3, 4, 2, 5]  # 2 and 3 leave the kept sizes, then run again
+    xs = {n: bp.tensor(rng.standard_normal((n, 5)).astype(np.float32)) for n in sizes}
+    counted = []
+    with use_backend("numba"), checked_memory(), measure() as held:
+        for n in sizes:
+            held.restart_at_next_use()  # what earlier calls left alive counts while held
+            step(w, xs[n])
+            counted.append(held.peak)
+    other = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "n"}}))  # explain's own
+    with use_backend("numba"):
+        other(w, xs[2])
+        printed = [other.explain(w, xs[n]).peak_on_call(2).allocated_peak_bytes for n in sizes]
+    assert len(set(printed)) > 1
+    assert counted == printed

@@ -14,6 +14,7 @@ without `dynamic`, and `reason` says why in one line (explain prints it)."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -212,6 +213,7 @@ class DynamicEntry:
         self._lock = threading.Lock()
         self.planner = None  # memory budgets are not offered on a symbolic signature
         self._current = size  # the size the last call ran at (switch_to)
+        self._evicted: list = []  # (size, weak runner) of sizes no longer kept (switch_to)
 
     def at(self, size: int, trace_one):
         """The entry at this size: instantiated from the fitted plans, or (when there are
@@ -225,7 +227,7 @@ class DynamicEntry:
         with self._lock:
             entry = self._sizes.setdefault(size, entry)
             while len(self._sizes) > SIZES_KEPT:
-                self._sizes.popitem(last=False)
+                self._evict(*self._sizes.popitem(last=False))
         return entry
 
     def switch_to(self, size: int) -> None:
@@ -236,11 +238,26 @@ class DynamicEntry:
         if self._current == size:
             return
         self._current = size
-        for _, other in self.others(size):
-            for runner in _arena_holders(other):
-                release = getattr(runner, "release_idle", None)
-                if release is not None:
-                    release()
+        runners = [r for _, other in self.others(size) for r in _arena_holders(other)]
+        with self._lock:
+            runners += [ref() for n, ref in self._evicted if n != size]
+        for runner in runners:
+            release = getattr(runner, "release_idle", None)
+            if release is not None:
+                release()
+
+    def _evict(self, size: int, entry) -> None:
+        """A size leaves the kept ones (under self._lock). Its runners may live on where a
+        caller's fast path holds them (tracer/planned.py keeps one per size seen), and run
+        again, keeping their arenas: switch_to frees those too, so that a call still holds its
+        own size's arenas alone (a call at 10 rows after 18 sizes held the first two sizes'
+        arenas, 520 B beyond explain's peak)."""
+        self._evicted = [(n, ref) for n, ref in self._evicted if ref() is not None]
+        for runner in _arena_holders(entry):
+            try:
+                self._evicted.append((size, weakref.ref(runner)))
+            except TypeError:  # cannot be referred to weakly: keeps nothing (the interpreter)
+                pass
 
     def sizes(self) -> list[int]:
         with self._lock:
