@@ -5,6 +5,7 @@ agree within the 16-bit dtype's rounding, and exactly where nothing fuses."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import ml_dtypes
@@ -379,3 +380,42 @@ def test_a_compiled_16_bit_layer_norm_rounds_once_as_the_op(dtype):
     compiled = bp.compile(eager)
     for a, c in zip(eager(x, w, b)[1], compiled(x, w, b)[1], strict=True):
         np.testing.assert_array_equal(a.numpy().view(np.uint16), c.numpy().view(np.uint16))
+
+
+GENERIC = """
+import json
+import ml_dtypes
+import numpy as np
+import backplan as bp
+from backplan.codegen.kernels.half import target_has_avx512bf16, target_has_f16c
+from backplan.runtime.backend import use_backend
+
+x = np.array([1.5, -0.0, 65504, np.inf, np.nan, 6e-8, 3.3, -7.1] * 3, np.float32)
+got = {}
+for name in ("float16", "bfloat16"):
+    dtype = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    with use_backend("numba"):
+        out = bp.compile(lambda a: a * 2.0 + 1.0)(bp.tensor(x.astype(dtype))).numpy()
+    with np.errstate(all="ignore"):
+        want = (x.astype(dtype).astype(np.float32) * 2 + 1).astype(dtype)
+    got[name] = bool(np.array_equal(out.view(np.uint16), want.view(np.uint16)))
+print(json.dumps({"equal": got, "f16c": target_has_f16c(), "bf16": target_has_avx512bf16()}))
+"""
+
+
+def test_half_loops_compile_for_numbas_generic_cpu(tmp_path):
+    """NUMBA_CPU_NAME=generic (portable machine code) makes Numba compile for no CPU features
+    (NUMBA_CPU_FEATURES defaults to ""), where the host's F16C was assumed: LLVM lowered the
+    fpext from half to compiler-rt's __extendhfsf2, which the JIT lacks, and the process ended
+    ("LLVM ERROR: Symbol not found"). The shifts run there, with NumPy's bits."""
+    from helpers import script_facts
+
+    env = {
+        **os.environ,
+        "NUMBA_CPU_NAME": "generic",
+        "BACKPLAN_CACHE_DIR": str(tmp_path),
+        "BACKPLAN_DRIVER": "python",
+    }
+    env.pop("NUMBA_CPU_FEATURES", None)
+    facts = script_facts(GENERIC, env=env)
+    assert facts == {"equal": {"float16": True, "bfloat16": True}, "f16c": False, "bf16": False}

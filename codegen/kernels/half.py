@@ -38,11 +38,13 @@ def bf16_to_f32(h):
 def _target_has(*names: str) -> bool:
     """Whether the code Numba generates may use every one of these CPU features: those it
     compiles for (NUMBA_CPU_FEATURES when set, else the host's, as LLVM reads them). The kernel
-    cache keys on the host's features, so code using them never reaches a host without them."""
+    cache keys on the host's features, so code using them never reaches a host without them.
+    NUMBA_CPU_NAME=generic makes them "" (none): an fpext from half there is a call to
+    compiler-rt's __extendhfsf2, which the JIT lacks (LLVM ERROR ends the process)."""
     from llvmlite import binding
     from numba.core import config
 
-    if config.CPU_FEATURES:
+    if config.CPU_FEATURES is not None:
         return all(f"+{name}" in config.CPU_FEATURES.split(",") for name in names)
     features = binding.get_host_cpu_features()
     return all(bool(features.get(name)) for name in names)
