@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .donation import donation_pairs
 from .epilogue import absorb_epilogues
@@ -72,7 +72,9 @@ class LoweredPlan:
 
 def lower(plan: Plan, private_saved: tuple[int, ...] = ()) -> LoweredPlan:
     """private_saved: indices of saved inputs whose storage may be reused after their last
-    read (the consuming backward variant). Cached per plan and variant."""
+    read (the consuming backward variant). Cached per plan and variant, in `plan.lowered`;
+    the lowered plan points at a copy of `plan` (`detached`), not at `plan` itself, so the
+    two do not hold each other and reference counting frees them."""
     key = tuple(private_saved)
     with _lock:
         if key not in plan.lowered:
@@ -83,7 +85,17 @@ def lower(plan: Plan, private_saved: tuple[int, ...] = ()) -> LoweredPlan:
 _lock = threading.Lock()
 
 
+def detached(plan: Plan) -> Plan:
+    """plan's graph, liveness, donations and shared driver, without its cache of lowerings:
+    what a lowered plan keeps as its `plan` (and `interpreted`). Kept as `plan` itself, each
+    plan and its lowering were a reference cycle (plan.lowered -> LoweredPlan.plan) that only
+    Python's cyclic collector frees: after a 10,086-node memory_frontier, one full collection
+    of ~0.9 s for its 22 plans, where reference counting frees them in ~0.1 s."""
+    return replace(plan, lowered={})
+
+
 def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
+    plan = detached(plan)  # the plan keeps its lowering; the lowering does not keep the plan
     origin = None
     if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
