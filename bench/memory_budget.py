@@ -188,31 +188,34 @@ def planning_time() -> str:
     """The planner's time on a joint plan of about 10,000 nodes, in parts (CPU seconds): the
     trace and pipeline to the default plan; the frontier as the planner simulates it (the
     peaks it ranks plans by); `memory_frontier` as users call it, each row's plan built and
-    lowered for its compiled peak (what max_peak_bytes reads); then the full collection that
-    frees those plans once the function is gone: the planner pauses the cyclic collector while
-    it builds them (ir/gc_pause.py), so that collection is the share it defers."""
-    nodes, traced, simulated, plans, rows, found = _planned_frontier()
-    freed, _ = cpu_timed(gc.collect)  # the function, its entry and the rows' plans: garbage
+    lowered for its compiled peak (what max_peak_bytes reads); then freeing those plans once
+    the function is gone: reference counting as it is dropped, and the full collection after
+    (the planner pauses the cyclic collector while it builds them, ir/gc_pause.py: anything
+    left in cycles would wait for that collection)."""
+    nodes, traced, simulated, plans, rows, found, held = _planned_frontier()
+    dropped, _ = cpu_timed(held.clear)  # the function, its entry and the rows' plans
+    freed, _ = cpu_timed(gc.collect)
     return (
         f"planning a {nodes}-node joint plan (CPU s): trace and default plan "
         f"{traced:.3f}, the planner's frontier ({plans} plans, simulated peaks) "
         f"{simulated:.3f}, memory_frontier ({found} rows, each plan lowered for "
-        f"its compiled peak) {rows:.3f}, then the full collection that frees its plans "
-        f"{freed:.3f} (paused while the planner builds them); trace + "
+        f"its compiled peak) {rows:.3f}, then freeing its plans when the function goes "
+        f"{dropped:.3f} + the full collection after {freed:.3f}; trace + "
         f"planner's frontier {traced + simulated:.3f}"
     )
 
 
 def _planned_frontier() -> tuple:
     """planning_time's parts: (nodes, trace, simulated frontier, its plans, memory_frontier,
-    its rows); the function traced is garbage once this returns."""
+    its rows, [the function, its entry]): clearing that list drops the last references."""
     fn, params, batch = deep_chain()
     step = bp.value_and_grad(fn)
     traced, entry = cpu_timed(lambda: step.trace(params, *batch))
     schedule = entry.planner.choices.schedule
     simulated, points = cpu_timed(lambda: plan_frontier(schedule))
     rows, frontier = cpu_timed(lambda: step.memory_frontier(params, *batch))
-    return len(schedule.steps), traced, simulated, len(points), rows, len(frontier.points)
+    found = (len(schedule.steps), traced, simulated, len(points), rows, len(frontier.points))
+    return (*found, [step, entry])
 
 
 def row_parts(rows: int = 5) -> str:
