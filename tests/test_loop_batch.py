@@ -198,3 +198,35 @@ def test_two_threads_making_first_calls_at_once_compile_each_loop_once(tmp_path)
 def test_loops_that_ran_here_count_as_compiled_without_their_notes(tmp_path):
     """What progress lines and explain call cached includes loops compiled in a batch here."""
     assert facts(tmp_path, "loss", "drop-notes")["counted"] is True
+
+
+EXPLAIN = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import backplan as bp
+    from backplan.runtime.backend import use_backend
+
+    def loss(w, x):
+        h = bp.tanh(x @ w + 0.5)
+        return bp.sum(h * h * 0.75) + bp.sum(bp.exp(x * 0.125))
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 5)).astype(np.float32)
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    with use_backend("numba"):
+        report = bp.value_and_grad(loss).explain(bp.tensor(w), bp.tensor(x))
+    print(json.dumps({"cached": sum(len(f.cached_kernels) for f in report.compiled)}))
+""")
+
+
+def test_a_note_whose_batch_object_is_gone_does_not_count_as_cached(tmp_path):
+    """explain and the progress lines count a loop with a batch note as cached; a note whose
+    object was removed (or one written for another CPU target) compiles its loop again, and
+    is not counted."""
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path), "BACKPLAN_DRIVER": "python"}
+    first = facts(tmp_path)
+    before = script_facts(EXPLAIN, env=env)["cached"]
+    for name in batch_files(tmp_path):
+        os.remove(tmp_path / "__pycache__" / name)
+    after = script_facts(EXPLAIN, env=env)["cached"]
+    assert after == before - first["batch"]["compiled"]

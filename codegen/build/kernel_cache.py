@@ -154,7 +154,7 @@ def _ran_here(digest: str, form: str | None) -> bool:
 def _indexed_kernel_names(wanted: set[str], form: str | None = None) -> set[str]:
     """Of the kernel names wanted, those with a Numba index file (`<name>.kernel-<line>....nbi`,
     or `.kernel_at-`, `.kernel_at_small-` for the loops of an address kernel) or a note of a
-    loop compiled with others (`<name>.kernel_at.batch`); form picks one.
+    loop compiled with others (`<name>.kernel_at.batch`) this process can load; form picks one.
     The folder is scanned entry by entry, never held as a list: a long-lived cache holds tens of
     thousands of files, and the list of their names (16,790 names, about 1 MiB of strings) was
     the largest allocation of a plan's first call, above the step's predicted peak."""
@@ -170,7 +170,8 @@ def _indexed_kernel_names(wanted: set[str], form: str | None = None) -> set[str]
                     if any(f".{f}-" in name for f in forms):
                         found.add(kernel)
                 elif kernel in wanted and name.endswith(".batch"):  # codegen/build/loop_batch.py
-                    if name[len(kernel) + 1 : -len(".batch")] in forms:
+                    usable = name[len(kernel) + 1 : -len(".batch")] in forms
+                    if usable and loop_batch.note_is_usable(entry.path):
                         found.add(kernel)
     except OSError:
         return set()

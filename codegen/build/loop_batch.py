@@ -179,8 +179,25 @@ def _save(loops: list, lowered: list) -> None:
 
 
 def has_cached(loop) -> bool:
-    """Whether a batch note for this loop form is on disk (a prediction, as Numba's index)."""
-    return os.path.exists(_note_path(loop))
+    """Whether a batch on disk holds this loop form for this process (note_is_usable)."""
+    return note_is_usable(_note_path(loop))
+
+
+def note_is_usable(path: str) -> bool:
+    """Whether the batch note at path names machine code this process can load: signed, for
+    this target, its batch object on disk. Progress lines and explain count a loop with such a
+    note as cached (kernel_cache.cached_digests); a note left by another CPU target, or whose
+    object is gone, compiles its loop again and is not counted (a prediction still: the object
+    is checked when loaded)."""
+    note = _read_signed(path) if os.path.exists(path) else None
+    if note is None:
+        return False
+    try:
+        note = json.loads(note)
+        folder = os.path.dirname(path)
+        return note["env"] == environment() and os.path.isfile(os.path.join(folder, note["batch"]))
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def cached_entry(loop) -> tuple[int, object, str] | None:
