@@ -7,8 +7,9 @@ everything in bfloat16 against float32, side by side (interleaved rounds, one pi
 
 --widened adds a runner in the same rounds: bfloat16 with every GEMM operand widened into a
 float32 copy first, as compiled plans did before the GEMM read bfloat16 itself. --float16 adds
-one with everything in float16 (its GEMMs, convolutions and attention widen their operands
-into float32 copies; its loops convert like bfloat16's).
+one with everything in float16 (its matmuls on the own GEMM, which widens while packing;
+convolutions and attention widen their operands into float32 copies; loops convert with
+F16C), and with --widened also float16 with float32 copies for BLAS (the path before).
 Each step is also timed by the process's CPU time (all its threads, on the one pinned CPU;
 medians printed beside the wall times): on a shared, loaded machine a step's wall time counts
 the neighbours' slices too.
@@ -87,7 +88,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--models", default="mlp,transformer,ln_gelu")
-    parser.add_argument("--widened", action="store_true", help="also time the old bf16 GEMMs")
+    parser.add_argument("--widened", action="store_true", help="also time the old 16-bit GEMMs")
     parser.add_argument("--float16", action="store_true", help="also time float16 steps")
     args = parser.parse_args(argv)
     print(pin_process(1), "BACKPLAN_BACKEND", os.environ.get("BACKPLAN_BACKEND", "numba"))
@@ -104,6 +105,8 @@ def main(argv=None) -> None:
             runners["bf16 widened"] = _Step(name, args.small, bp.bfloat16, widened=True)
         if args.float16:
             runners["f16"] = _Step(name, args.small, np.float16)
+        if args.float16 and args.widened:
+            runners["f16 widened"] = _Step(name, args.small, np.float16, widened=True)
         steps = {
             k: schedule.steps_per_round(warm_up(r, schedule.warmup_steps))
             for k, r in runners.items()
