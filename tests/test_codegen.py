@@ -1,5 +1,6 @@
 """Compiled plans equal the reference interpreter: every registry op (through the shared sample
-table, batched so a handful of compiles cover all), forward, backward and joint plans of real
+table, batched so a handful of compiles cover all; each batch's plan also under the checked
+mode, its measured peak against the predicted one), forward, backward and joint plans of real
 models, and inputs are never modified."""
 
 import re
@@ -11,10 +12,12 @@ from op_samples import SAMPLES
 
 import backplan as bp
 from backplan.codegen.run.compiled import CompiledPlan
+from backplan.codegen.run.memory_check import checked_memory, measure
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
 from backplan.ir.interpreter import run_plan
 from backplan.ir.lowering import BackwardMode, lower
+from backplan.ir.peak import joint_calls, predicted_peak
 from backplan.ir.pipeline import build_joint_plan
 from backplan.ir.types import TensorType, dtype_name, is_float
 from backplan.runtime.backend import use_backend
@@ -87,6 +90,20 @@ def test_every_registry_op_compiles_to_the_reference_result(dtype, batch):
             )
         else:
             np.testing.assert_array_equal(g, e, err_msg=name)
+    _check_memory(plan, arrays, samples)
+
+
+def _check_memory(plan, arrays, samples):
+    """The checked mode on the same plan, in the same process (its kernels and driver are
+    loaded already; test_memory_check.py's own numba run of every batch cost a worker about
+    40 s a dtype): the second call's measured peak equals the joint plan's predicted one."""
+    with checked_memory():
+        run = CompiledPlan(lower(plan))
+        run(list(arrays))
+        with measure() as measured:
+            run(list(arrays))
+    predicted = predicted_peak(joint_calls(plan, 1 + len(samples)), "numba")
+    assert measured.peak == predicted.allocated_peak_bytes, [s.id for s in samples]
 
 
 def mlp_params(rng, sizes, dtype=np.float32):

@@ -38,6 +38,9 @@ def _measured(step):
 
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 def test_every_op_sample_holds_what_its_joint_plan_predicts(dtype, backend):
+    """Numba's half runs in test_codegen.py's per-batch test, where the plans are compiled."""
+    if backend == "numba":
+        pytest.skip("checked per batch by test_codegen.py (its plans are loaded there)")
     for samples in sample_batches(dtype):
         graph, arrays, wrt = batch_graph(samples, dtype)
         plan = build_joint_plan(graph, wrt)
