@@ -171,8 +171,14 @@ def check_hyper(optimizer: str, name: str, value, positive: bool = False, below_
             check = functools.partial(check_hyper, optimizer, name, positive=positive)
             check_float_when_called(value, functools.partial(check, below_one=below_one))
             return
-    if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
+    if isinstance(value, bool | np.ndarray) or callable(value):  # a schedule: computed in the step
         return
+    if not isinstance(value, int | float | np.integer | np.floating):
+        # a string or None failed later inside the update, naming `mul`, not this argument
+        raise TypeError(
+            f"bp.optim.{optimizer}: {name} must be a number, a tensor or a schedule (a function "
+            f"of the step count), got {type(value).__name__} {value!r}"
+        )
     if not math.isfinite(value):
         raise ValueError(f"bp.optim.{optimizer}: {name} must be a finite number, got {value!r}")
     if value < 0 or (positive and value == 0) or (below_one and value >= 1):

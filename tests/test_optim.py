@@ -403,3 +403,12 @@ def test_global_norm_of_a_tree_without_tensors_says_so():
     with pytest.raises(ValueError, match="global_norm: the tree holds no tensors"):
         bp.optim.global_norm({})
     assert float(bp.optim.global_norm([bp.tensor(np.array([3.0, 4.0]))]).numpy()) == 5.0
+
+
+@pytest.mark.parametrize("lr", ["0.1", None, [0.1]])
+def test_a_learning_rate_that_is_not_a_number_is_refused_naming_it(lr):
+    """It failed inside the first update with "mul: expected a backplan tensor ... got a str"."""
+    with pytest.raises(TypeError, match=r"bp\.optim\.sgd: lr must be a number, a tensor or a"):
+        bp.optim.sgd(lr)
+    with pytest.raises(TypeError, match=r"bp\.optim\.adam: eps must be a number"):
+        bp.optim.adam(0.1, eps=lr)
