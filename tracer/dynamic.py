@@ -308,7 +308,7 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
     if entry.fitted is None:
         return (
             f"Dynamic axis {symbol}: each size is planned on its own (sizes {sizes}), "
-            f"because {entry.reason}." + _other_sizes_arenas(entry, report_of, size)
+            f"because {entry.reason}." + _other_sizes_arenas(entry, report_of, size, report)
         )
     at = [entry.first_size * f for f in (1, *PROBE_FACTORS)]
     reports = [report_of(entry._make(entry.template, entry.fitted, n)) for n in at]
@@ -319,14 +319,16 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
     return (
         f"Dynamic axis {symbol}: one plan for every size, traced once at "
         f"{symbol}={entry.first_size}, planned for sizes {sizes}; {'; '.join(formulas)}."
-        + _other_sizes_arenas(entry, report_of, size)
+        + _other_sizes_arenas(entry, report_of, size, report)
     )
 
 
-def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int) -> str:
+def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int, this) -> str:
     """Each size keeps its own compiled plans and their scratch arenas while it is cached; a
     call at one size frees the other sizes' idle arenas (DynamicEntry.switch_to), so the peak
-    above is all a call at this size holds. Says so, with the arenas a switch frees."""
+    above is all a call at this size holds. Says so, with the arenas a switch frees; and where
+    this size's joint plan runs, that its calls after a switch hold less than their printed
+    peak, which counts the two plans' arenas as kept idle (the joint plan makes neither)."""
     kept = []
     for n, other in entry.others(size):
         report = report_of(other)
@@ -337,10 +339,17 @@ def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int) -> str:
     if not kept:
         return ""
     each = ", ".join(f"{n}: {b:,} B" for n, b in kept)
-    return (
+    text = (
         f" A call at {size} first frees the scratch arenas the other sizes keep idle ({each}; "
         "made again when a size comes back), so the peak above is all it holds."
     )
+    if getattr(this, "joint_step_facts", None) is not None:
+        text += (
+            " Once its joint plan runs (call 3 on), a call after a switch holds less than its "
+            "printed peak: that counts the forward's and backward's arenas as kept idle, which "
+            "the switch freed and the joint plan does not make again."
+        )
+    return text
 
 
 def _formula(values: list[int], sizes: list[int], symbol: str, here: int, size: int) -> str:
