@@ -326,3 +326,12 @@ def test_max_batch_refuses_an_array_given_as_args_instead_of_taking_its_rows():
     with pytest.raises(TypeError, match=r"got ndarray of shape \(32, 16\); .* pass \(x,\)"):
         bp.max_batch(step, x, max_peak_bytes=40_000)
     assert bp.max_batch(step, (x,), max_peak_bytes=40_000) > 0
+
+
+def test_max_batch_of_an_empty_batch_says_so_instead_of_searching_forever():
+    """Doubling a batch of 0 rows stays 0: the search never ended (and repeating no rows
+    into a larger batch divides by zero)."""
+    step = bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())
+    w, x = bp.tensor(np.ones((8, 8), np.float32)), bp.tensor(np.ones((0, 8), np.float32))
+    with pytest.raises(ValueError, match="max_batch: the data's axis 0 is empty"):
+        bp.max_batch(step, (w, x), max_peak_bytes=8192)

@@ -123,6 +123,11 @@ def _batch_resizer(fn, args: tuple, axis: int) -> _Resizer:
             "differentiated, and tensors that require grad, are parameters)"
         )
     size = max(found)[3]
+    if size == 0:  # doubling from 0 never grows: the search looped forever
+        raise ValueError(
+            f"max_batch: the data's axis {axis} is empty (size 0), so there is no example to "
+            "repeat into larger batches; pass the arguments of a real call (at least one row)"
+        )
     positions: dict[int, set] = {}
     for _, i, k, length in found:
         if length == size:
