@@ -130,6 +130,8 @@ class PlanCall:
     # a plan the step keeps compiled but does not run (a joint step's forward and backward,
     # which ran its first calls): its scratch arena and constants are held, nothing else
     idle: bool = False
+    # False: an idle plan that freed its arena (runtime/joint_step.py), its constants held
+    keeps_arena: bool = True
 
 
 def predicted_peak(calls: list[PlanCall], backend: str = "numba") -> PeakReport:
@@ -162,7 +164,7 @@ def building_peak(calls: list[PlanCall]) -> PeakReport:
     kept, constants = 0, 0
     for call in calls:
         if call.idle:
-            kept += _arena_bytes(call)
+            kept += _arena_bytes(call) if call.keeps_arena else 0
             for array in call.plan.graph.constants.values():
                 constants += 0 if id(array) in seen else array.nbytes
                 seen.add(id(array))
@@ -221,7 +223,7 @@ def _compiled_held(calls: list[PlanCall]) -> tuple[list, list, dict]:
                 if id(array) not in constants_seen:
                     constants_seen.add(id(array))
                     held["constants"] += b.nbytes
-            elif b.category == "scratch":
+            elif b.category == "scratch" and call.keeps_arena:
                 held["scratch"] += b.nbytes  # every plan of the step keeps its arena
     return lowered, per_call, held
 

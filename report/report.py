@@ -418,12 +418,15 @@ def region_report(
 
 def _joint_step_calls(program: RegionProgram) -> list | None:
     """The joint plan a small compiled loss runs once backward() follows its calls (built
-    here if no call has run it yet: planning only, nothing compiles), then the forward and
-    backward that ran the first calls: kept compiled, idle, their arenas still held."""
+    here if no call has run it yet: planning only, nothing compiles). The forward and
+    backward that ran the first calls stay compiled, idle, holding their constants: they
+    free their arenas when it takes over (JointStep.run)."""
     step = program.joint_step
     if step is None:
         return None
-    kept = [dataclasses.replace(c, idle=True) for c in program.plans.peak_calls()]
+    kept = [
+        dataclasses.replace(c, idle=True, keeps_arena=False) for c in program.plans.peak_calls()
+    ]
     return joint_calls(step.plan(), program.plans.n_outputs) + kept
 
 

@@ -197,8 +197,9 @@ def _compiled_sentence(report) -> str:
     if joint is not None and joint.compiled:
         text += (
             f"; from call {report.call_peaks[-1].first_call} its joint plan keeps "
-            f"{format_bytes(joint.scratch_bytes)} more and allocates "
-            f"{format_bytes(joint.output_bytes)} per call instead"
+            f"{format_bytes(joint.scratch_bytes)} and allocates "
+            f"{format_bytes(joint.output_bytes)} per call instead (the two plans free "
+            "their arenas)"
         )
     return text + " (section 4)."
 

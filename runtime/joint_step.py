@@ -81,6 +81,7 @@ class JointStep:
         self._building = threading.Lock()
         self.seen = 0  # calls in a row whose loss backward() took from the default seed
         self._expecting = False  # the last call's backward() has not come yet
+        self._split_idle = False  # the two plans' idle arenas were freed for the joint plan
 
     def observe(self, cotangents: dict, mode: BackwardMode) -> None:
         """A call's backward(): one more in a row that fits, or a new start."""
@@ -109,7 +110,11 @@ class JointStep:
             self.seen = 0
         self._expecting = True
         if self.seen < CALLS_TO_LEARN:
+            self._split_idle = False  # the two plans run: their arenas are in use again
             return None
+        if not self._split_idle:  # the joint plan takes over: the two plans' arenas go
+            program.release_idle()
+            self._split_idle = True
         runner = self._runners.get(current_backend())  # made once per backend, then looked up
         if runner is None:
             runner = runner_for(self.plan(), self._runners, self.background)

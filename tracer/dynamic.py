@@ -326,9 +326,8 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
 def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int, this) -> str:
     """Each size keeps its own compiled plans and their scratch arenas while it is cached; a
     call at one size frees the other sizes' idle arenas (DynamicEntry.switch_to), so the peak
-    above is all a call at this size holds. Says so, with the arenas a switch frees; and where
-    this size's joint plan runs, that its calls after a switch hold less than their printed
-    peak, which counts the two plans' arenas as kept idle (the joint plan makes neither)."""
+    above is all a call at this size holds (a joint plan, once it runs, has freed the two
+    plans' arenas, and explain counts them as gone). Says so, with the arenas a switch frees."""
     kept = []
     for n, other in entry.others(size):
         report = report_of(other)
@@ -343,12 +342,6 @@ def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int, this) -> str:
         f" A call at {size} first frees the scratch arenas the other sizes keep idle ({each}; "
         "made again when a size comes back), so the peak above is all it holds."
     )
-    if getattr(this, "joint_step_facts", None) is not None:
-        text += (
-            " Once its joint plan runs (call 3 on), a call after a switch holds less than its "
-            "printed peak: that counts the forward's and backward's arenas as kept idle, which "
-            "the switch freed and the joint plan does not make again."
-        )
     return text
 
 
