@@ -153,7 +153,9 @@ def test_a_python_run_driver_calls_the_gemm_kernels_loops_taking_addresses(own_g
     for kernel in gemm_kernels:
         assert "@njit(**ADDRESS_KERNEL_JIT_OPTIONS)\ndef kernel_at(" in kernel.source
         assert "contiguous_view_at(" in kernel.source
-        assert kernel_cache.compiled_forms(kernel.digest)[0].overloads  # it ran
+        # it ran: a Numba overload, or machine code compiled with the plan's other loops
+        ran_alone = kernel_cache.compiled_forms(kernel.digest)[0].overloads
+        assert ran_alone or kernel_cache._ran_here(kernel.digest, None)
 
 
 @pytest.mark.parametrize("act", [bp.tanh, bp.gelu], ids=["tanh", "gelu"])

@@ -91,6 +91,31 @@ def test_loops_compile_together_then_load_in_a_later_process(tmp_path):
     assert second["values"] == first["values"]
 
 
+GEMM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import backplan as bp
+    from test_gemm_epilogue import layer_arrays, layer_loss, value_and_grad
+
+    arrays = layer_arrays(np.random.default_rng(4), 7, 33, 127, np.float32)
+    got = value_and_grad(layer_loss(bp.tanh), arrays, "numba")
+    want = value_and_grad(layer_loss(bp.tanh), arrays, "reference")
+    print(json.dumps([float(np.max(np.abs(g - w))) for g, w in zip(got, want)]))
+""")
+
+
+def test_loops_calling_the_own_gemm_load_in_a_later_process(tmp_path):
+    """A batch whose machine code calls the own GEMM by symbol (a GEMM epilogue's loop): a
+    fresh process publishes the symbol before it loads the batch (before, LLVM aborted the
+    second process: "Symbol not found: backplan_gemm_f32")."""
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path), "BACKPLAN_DRIVER": "python"}
+    env |= {"BACKPLAN_GEMM": "own", "PYTHONPATH": os.path.dirname(__file__)}
+    first = script_facts(GEMM_SCRIPT, env=env)
+    assert batch_files(tmp_path)
+    second = script_facts(GEMM_SCRIPT, env=env)
+    assert second == first and max(first) < 1e-3
+
+
 def test_a_plan_sharing_a_loop_does_not_compile_it_again(tmp_path):
     first = facts(tmp_path, "loss")
     both = facts(tmp_path, "loss,other")

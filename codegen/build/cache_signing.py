@@ -197,11 +197,7 @@ class SignedIndexDataCacheFile(IndexDataCacheFile):
         payload = self._read_verified(path)
         if payload is None:
             return None
-        try:
-            for marker, hook in _BEFORE_LOAD:
-                if marker in payload:
-                    hook(payload)
-        except StaleEntry:
+        if not ready_to_load(payload):
             return None  # compiled again, and saved over it
         try:
             return pickle.loads(payload)
@@ -221,6 +217,18 @@ def before_load(marker: bytes, hook) -> None:
     machine code names a symbol (codegen/kernels/gemm/symbols.py) that must exist before it
     loads."""
     _BEFORE_LOAD.append((marker, hook))
+
+
+def ready_to_load(payload: bytes) -> bool:
+    """Run the before_load hooks whose marker the machine code names; False when one says the
+    code cannot be loaded in this process (compile it again instead)."""
+    try:
+        for marker, hook in _BEFORE_LOAD:
+            if marker in payload:
+                hook(payload)
+    except StaleEntry:
+        return False
+    return True
 
 
 def dependency_stamp(py_func) -> str:

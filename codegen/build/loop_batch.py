@@ -139,7 +139,9 @@ def environment() -> str:
 
 def _note_path(loop) -> str:
     module = os.path.splitext(os.path.basename(loop.py_func.__globals__["__file__"]))[0]
-    return os.path.join(cache.cache_path(), "__pycache__", f"{module}.{loop.py_func.__name__}.batch")
+    return os.path.join(
+        cache.cache_path(), "__pycache__", f"{module}.{loop.py_func.__name__}.batch"
+    )
 
 
 def _digest(loop) -> str:
@@ -231,8 +233,8 @@ def _library(name: str):
             if os.path.basename(name) != name or not name.startswith("k_batch_"):
                 return None
             payload = _read_signed(os.path.join(cache.cache_path(), "__pycache__", name))
-            if payload is None:
-                return None
+            if payload is None or not cache_signing.ready_to_load(payload):
+                return None  # the symbols its loops call (the own GEMM) first, or compile
             _LIBRARIES[name] = _unserialize(payload)
         return _LIBRARIES[name]
 
