@@ -60,3 +60,19 @@ def script_facts(script: str, *args: str, env: dict, timeout: int = 600):
     )
     assert done.returncode == 0, f"{args} exit {done.returncode}:\n{done.stderr}"
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def assert_16_bit_gemm_exact(gemm, ta, tb, a, b, bits, rng) -> None:
+    """gemm(ta, tb, alpha, a, b, beta, c) of 16-bit whole-number operands, passed as views of
+    `bits` (the integer type that tells the GEMM their format), equals the float32 product bit
+    for bit: with beta 0 (C's NaNs never read) and with alpha 2, beta 1."""
+    import numpy as np
+
+    expected = (a.T if ta else a).astype(np.float32) @ (b.T if tb else b).astype(np.float32)
+    c = np.full(expected.shape, np.nan, np.float32)
+    gemm(ta, tb, 1.0, a.view(bits), b.view(bits), 0.0, c)
+    np.testing.assert_array_equal(c.view(np.uint32), expected.view(np.uint32))
+    c0 = rng.integers(-3, 4, expected.shape).astype(np.float32)
+    c = c0.copy()
+    gemm(ta, tb, 2.0, a.view(bits), b.view(bits), 1.0, c)
+    np.testing.assert_array_equal(c, 2 * expected + c0)

@@ -7,11 +7,12 @@ give a matmul of two bfloat16 values to it directly, with no float32 copy of eit
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import run_with_own_gemm_as_python
+from helpers import assert_16_bit_gemm_exact, run_with_own_gemm_as_python
 
 import backplan as bp
 from backplan.codegen.kernels import gemm as own
@@ -81,14 +82,7 @@ def test_bf16_gemm_equals_the_float32_gemm_of_widened_operands_bitwise(width):
     for ta, tb in [(False, False), (True, True), (True, False), (False, True)]:
         for m, n, k in SHAPES:
             a, b = _operands(rng, m, n, k, ta, tb, integers=True)
-            expected = _op(a, ta).astype(np.float32) @ _op(b, tb).astype(np.float32)
-            c = np.full((m, n), np.nan, np.float32)
-            own.gemm(width, ta, tb, 1.0, a.view(np.uint16), b.view(np.uint16), 0.0, c)
-            np.testing.assert_array_equal(c.view(np.uint32), expected.view(np.uint32))
-            c0 = rng.integers(-3, 4, (m, n)).astype(np.float32)
-            c = c0.copy()
-            own.gemm(width, ta, tb, 2.0, a.view(np.uint16), b.view(np.uint16), 1.0, c)
-            np.testing.assert_array_equal(c, 2 * expected + c0)
+            assert_16_bit_gemm_exact(partial(own.gemm, width), ta, tb, a, b, np.uint16, rng)
 
 
 def test_bf16_gemm_strided_operands_and_batches():

@@ -7,10 +7,11 @@ float32 products and sums, a float32 result, no float32 copy of either operand
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import numpy as np
 import pytest
-from helpers import run_with_own_gemm_as_python
+from helpers import assert_16_bit_gemm_exact, run_with_own_gemm_as_python
 from llvmlite import ir
 from numba import njit, types
 from numba.core.extending import intrinsic
@@ -35,24 +36,13 @@ def _operands(rng, m, n, k, ta, tb):
     return (rng.integers(-4, 5, s).astype(np.float16) for s in (shape_a, shape_b))
 
 
-def _op(x, trans):
-    return x.T if trans else x
-
-
 @pytest.mark.parametrize("width", (512, 256))
 def test_f16_gemm_equals_the_float32_product_of_widened_operands_bitwise(width):
     rng = np.random.default_rng(11)
     for ta, tb in FLAGS:
         for m, n, k in SHAPES:
             a, b = _operands(rng, m, n, k, ta, tb)
-            expected = _op(a, ta).astype(np.float32) @ _op(b, tb).astype(np.float32)
-            c = np.full((m, n), np.nan, np.float32)
-            own.gemm(width, ta, tb, 1.0, a.view(np.int16), b.view(np.int16), 0.0, c)
-            np.testing.assert_array_equal(c.view(np.uint32), expected.view(np.uint32))
-            c0 = rng.integers(-3, 4, (m, n)).astype(np.float32)
-            c = c0.copy()
-            own.gemm(width, ta, tb, 2.0, a.view(np.int16), b.view(np.int16), 1.0, c)
-            np.testing.assert_array_equal(c, 2 * expected + c0)
+            assert_16_bit_gemm_exact(partial(own.gemm, width), ta, tb, a, b, np.int16, rng)
 
 
 def test_f16_gemm_strided_operands_batches_and_special_values():
