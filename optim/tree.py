@@ -57,22 +57,22 @@ def check_same_structure(grads, params, where: str) -> None:
 def check_updates(updates, params, where: str) -> None:
     """updates have params' structure, and each leaf is a tensor (or NumPy array) of its
     parameter's shape and dtype (an update is added to its parameter as it is)."""
-    leaves, treedef = flatten(updates)
-    p_leaves, p_def, paths = flatten(params, paths=True)
-    if treedef != p_def:
-        raise TypeError(
-            f"{where}: updates and params have different structures, at "
-            f"{difference(treedef, p_def)} (updates first; {len(leaves)} vs {len(p_leaves)} "
-            "leaves); pass the updates an optimizer's transform made for these params"
-        )
-    for u, p, path in zip(leaves, p_leaves, paths, strict=True):
+    pairs = _paired_with_params(
+        updates,
+        params,
+        lambda at, n, n_params: (
+            f"{where}: updates and params have different structures, at {at} (updates first; "
+            f"{n} vs {n_params} leaves); pass the updates an optimizer's transform made for "
+            "these params"
+        ),
+    )
+    for u, p, path in pairs:
         if not isinstance(u, Tensor | np.ndarray) or (u.shape, str(u.dtype)) != (
             p.shape,
             str(p.dtype),
         ):
-            held = f"{u.dtype} {u.shape}" if hasattr(u, "shape") else type(u).__name__
             raise TypeError(
-                f"{where}: update {path} is {held}, param {path} is {p.dtype} {p.shape}; "
+                f"{where}: update {path} is {_held(u)}, param {path} is {p.dtype} {p.shape}; "
                 "an update keeps its parameter's shape and dtype"
             )
 
@@ -110,21 +110,35 @@ def check_wrapper_state(name: str, state, keys: tuple[str, ...], grads, params) 
 
 def check_leaves_like(tree, params, what: str) -> None:
     """tree has params' structure, and each leaf its parameter's shape and dtype."""
+    pairs = _paired_with_params(
+        tree,
+        params,
+        lambda at, n, n_params: (
+            f"{what} does not match the parameters: they differ at {at} (the state first); "
+            "pass the state that init(params) returned for params of this structure, with dict "
+            "keys in the same order"
+        ),
+    )
+    for leaf, p, path in pairs:
+        if not isinstance(leaf, Tensor) or leaf.shape != p.shape or leaf._ir_dtype != p._ir_dtype:
+            raise TypeError(
+                f"{what}{path} is {_held(leaf)}, but param {path} is {p.dtype} {p.shape}; the "
+                "state was built for other parameters: build it with init(params) for these"
+            )
+
+
+def _paired_with_params(tree, params, differ):
+    """(leaf, param, path) for each parameter, once tree has params' structure; differ(at,
+    leaves, param leaves) says where it does not."""
     leaves, treedef = flatten(tree)
     p_leaves, p_def, paths = flatten(params, paths=True)
     if treedef != p_def:
-        raise TypeError(
-            f"{what} does not match the parameters: they differ at "
-            f"{difference(treedef, p_def)} (the state first); pass the state that init(params) "
-            "returned for params of this structure, with dict keys in the same order"
-        )
-    for leaf, p, path in zip(leaves, p_leaves, paths, strict=True):
-        if not isinstance(leaf, Tensor) or leaf.shape != p.shape or leaf._ir_dtype != p._ir_dtype:
-            held = f"{leaf.dtype} {leaf.shape}" if isinstance(leaf, Tensor) else type(leaf).__name__
-            raise TypeError(
-                f"{what}{path} is {held}, but param {path} is {p.dtype} {p.shape}; the state "
-                "was built for other parameters: build it with init(params) for these"
-            )
+        raise TypeError(differ(difference(treedef, p_def), len(leaves), len(p_leaves)))
+    return zip(leaves, p_leaves, paths, strict=True)
+
+
+def _held(leaf) -> str:
+    return f"{leaf.dtype} {leaf.shape}" if hasattr(leaf, "shape") else type(leaf).__name__
 
 
 def tree_map_n(fn, *trees):

@@ -335,3 +335,23 @@ def test_max_batch_of_an_empty_batch_says_so_instead_of_searching_forever():
     w, x = bp.tensor(np.ones((8, 8), np.float32)), bp.tensor(np.ones((0, 8), np.float32))
     with pytest.raises(ValueError, match="max_batch: the data's axis 0 is empty"):
         bp.max_batch(step, (w, x), max_peak_bytes=8192)
+
+
+def test_max_batch_takes_an_integer_axis_and_counts_negative_ones_from_the_end():
+    """axis=1.0 failed deep inside NumPy's take; axis=-2 of 2-D data is axis 0."""
+    step = bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())
+    w, x = bp.tensor(np.ones((8, 8), np.float32)), bp.tensor(np.ones((4, 8), np.float32))
+    with pytest.raises(TypeError, match=r"max_batch: axis must be an integer .*got 1\.0"):
+        bp.max_batch(step, (w, x), max_peak_bytes=8192, axis=1.0)
+    assert bp.max_batch(step, (w, x), 8192, axis=-2) == bp.max_batch(step, (w, x), 8192)
+
+
+def test_max_batch_says_when_its_answer_is_only_the_search_limit(monkeypatch):
+    """A budget every batch fits used to return 2 * MAX_BATCH - 1 as if it were the largest."""
+    import backplan.tracer.max_batch as search
+
+    monkeypatch.setattr(search, "MAX_BATCH", 64)
+    step = bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())
+    w, x = bp.tensor(np.ones((8, 8), np.float32)), bp.tensor(np.ones((4, 8), np.float32))
+    with pytest.warns(UserWarning, match=r"every batch up to 127 rows fits .* may be larger"):
+        assert bp.max_batch(step, (w, x), max_peak_bytes=10**9) == 127

@@ -8,6 +8,9 @@ plans see the same dtypes and shapes a real batch would have.
 
 from __future__ import annotations
 
+import operator
+import warnings
+
 import numpy as np
 
 from backplan.ir.errors import MemoryBudgetError, ShapeError
@@ -48,6 +51,7 @@ def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
             f"{type(args).__name__}{'' if what is None else f' of shape {tuple(what)}'}; "
             "for a function of one argument pass (x,)"
         )
+    axis = _checked_axis(axis)
     resize = _batch_resizer(fn, tuple(args), axis)
 
     def fits(batch: int) -> bool:
@@ -67,10 +71,30 @@ def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
     low, high = 0, resize.size  # fits(low) holds (0 trivially); high is the next to try
     while high <= MAX_BATCH and fits(high):
         low, high = high, high * 2
+    capped = high > MAX_BATCH
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
+    if capped and low == high - 1:  # every size tried fits: low is a lower bound only
+        warnings.warn(
+            f"max_batch: every batch up to {low:,} rows fits in {limit:,} bytes; the search "
+            f"stops there (larger batches were not planned), so the largest that fits may be "
+            "larger",
+            stacklevel=2,
+        )
     return low
+
+
+def _checked_axis(axis) -> int:
+    if isinstance(axis, bool):
+        raise TypeError(f"max_batch: axis must be an integer, got {axis!r}")
+    try:
+        return operator.index(axis)
+    except TypeError:
+        raise TypeError(
+            f"max_batch: axis must be an integer (the batch axis of the data arguments), got "
+            f"{axis!r} of type {type(axis).__name__}"
+        ) from None
 
 
 class _Resizer:
@@ -115,7 +139,7 @@ def _batch_resizer(fn, args: tuple, axis: int) -> _Resizer:
         treedefs.append((leaves, treedef))
         for k, leaf in enumerate(leaves):
             shape = getattr(leaf, "shape", None)
-            if shape is not None and len(shape) > axis and fn.batch_leaf(i, leaf):
+            if shape is not None and -len(shape) <= axis < len(shape) and fn.batch_leaf(i, leaf):
                 found.append((np.prod(shape), i, k, shape[axis]))
     if not found:
         raise ValueError(
