@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from backplan.ir.peak import CATEGORIES
 
+from .loop_peak import loop_sentence
 from .wording import format_bytes, peak_where, wrap
 
 
@@ -20,7 +21,7 @@ def peak_line(report) -> str:
         f"{peak_step_words(peak)}"
     )
     text += f". {calls_sentence(report)}" if len(report.call_peaks) > 1 else ""
-    return text + retain_sentence(report)
+    return text + loop_sentence(report) + retain_sentence(report)
 
 
 def retain_sentence(report) -> str:

@@ -29,6 +29,7 @@ from .frontier import MemoryFrontier
 from .inlined_saved import inlined_saved_info, mark_held
 from .joint_view import joint_saved_info, joint_view
 from .kernels import KernelInfo, kernels_from_groups, planned_groups
+from .loop_peak import holding, kept_output_bytes
 from .plan_view import PlanView, StepInfo, region_view
 from .recomputed import RecomputedInfo, recomputed_infos
 
@@ -256,6 +257,28 @@ class ExplainReport:
             raise ValueError(f"peak_on_call({n!r}): calls are counted from 1")
         return [c for c in self.call_peaks if c.first_call <= n][-1].peak
 
+    @property
+    def returns_gradients(self) -> bool:
+        """value_and_grad's step hands its gradients back; a compiled loss leaves them in .grad."""
+        return "joint" in self.plans
+
+    def loop_peak_on_call(self, n: int) -> PeakReport:
+        """peak_on_call(n) in a loop that keeps the last outputs until the call returns
+        (`loss, grads = step(params, x)`): from call 2 the previous call's results, which the
+        caller's names still hold, are counted too (report/loop_peak.py)."""
+        peak = self.peak_on_call(n)
+        if n == 1:
+            return peak
+        kept = kept_output_bytes(self.peak_on_call(n - 1), self.returns_gradients)
+        return holding(peak, kept)
+
+    @property
+    def loop_peak_bytes(self) -> int:
+        """peak_bytes in a loop that keeps the last outputs until the call returns: the most
+        any call of such a loop holds (loop_peak_on_call), the previous results included."""
+        calls = {1, 2} | {n for c in self.call_peaks for n in (c.first_call, c.first_call + 1)}
+        return max(self.loop_peak_on_call(n).peak_bytes for n in calls)
+
     def _peak_backend(self, joint_plan: Plan | None = None) -> str:
         backend = self.backend
         facts = self.compiled if joint_plan is None else None
@@ -269,7 +292,9 @@ class ExplainReport:
     def peak_bytes(self) -> int:
         """The most bytes the step holds at any point, on the backend that runs it: the arrays
         you pass in, parameters, donated buffers, scratch arenas, outputs, saved buffers and
-        gradients (`peak.at_peak()` splits it by category)."""
+        gradients (`peak.at_peak()` splits it by category). Each call's results are those
+        it allocates: a caller that keeps the last results until the next call returns
+        (`loss, grads = step(params, x)` in a loop) holds them too, loop_peak_bytes."""
         return self.peak.peak_bytes
 
     @functools.cached_property

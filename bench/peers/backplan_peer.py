@@ -46,24 +46,29 @@ class PlanFacts(Runner):
         )
 
     def planned_peak_bytes(self):
-        what = "bp.explain peak_bytes (whole step, arrays passed in included)"
-        return self.explain().peak_bytes, what
+        what = (
+            "bp.explain loop_peak_bytes (whole step, arrays passed in included, the last "
+            "step's results held until the call returns, as the timed loop holds them)"
+        )
+        return self.explain().loop_peak_bytes, what
 
     def counted_peak_bytes(self) -> dict | None:
         """The step's peak as the checked mode counts it (BACKPLAN_CHECK_MEMORY=1): a twin
         runner whose compiled plans pass every buffer they allocate or use (arenas, outputs,
-        constants) through one counting allocator, its third step measured, as the harness
-        times it (the first compiles, the second runs a driver built in the background; a
-        buffer a plan does not predict raises MemoryCheckError), against explain's peak for
-        that call (a small compile + backward() step runs one joint plan from its third call,
-        runtime/joint_step.py: report.peak_on_call). What that allocator cannot see, the
-        arrays passed in and a conv kernel's own im2col columns, is taken from the prediction
-        (peak_bytes - allocated_peak_bytes). `held` names the buffers counted at the peak and
-        `left_alive` the bytes the earlier steps left alive, so that a mismatch says what the
-        plan left out. None where no compiled plan runs (the reference interpreter)."""
+        constants) through one counting allocator, its third step measured as the harness
+        times it, in the loop users write: the second step's results stay bound until the
+        third returns (the first step compiles, the second runs a driver built in the
+        background; a buffer a plan does not predict raises MemoryCheckError). Compared with
+        explain's peak for that call in such a loop, report.loop_peak_on_call(3) (a small
+        compile + backward() step runs one joint plan from its third call,
+        runtime/joint_step.py). What that allocator cannot see, the arrays passed in and a
+        conv kernel's own im2col columns, is taken from the prediction (peak_bytes -
+        allocated_peak_bytes). `held` names the buffers counted at the peak and `left_alive`
+        the bytes the earlier steps left alive, so that a mismatch says what the plan left
+        out. None where no compiled plan runs (the reference interpreter)."""
         from backplan.bench.internals import checked_memory, measure, wait_for_builds
 
-        peak = self.explain().peak_on_call(3)
+        peak = self.explain().loop_peak_on_call(3)
         if peak.backend != "numba":
             return None
         with checked_memory(), measure() as measured:  # open across the steps: what earlier
@@ -71,9 +76,8 @@ class PlanFacts(Runner):
             twin.step()
             wait_for_builds()  # a driver built in the background runs from the next step
             twin.step()
-            twin.forget()
             measured.restart_peak()
-            left = measured.live  # what the earlier steps left alive (arenas, kept outputs)
+            left = measured.live  # what the earlier steps left alive (arenas, last results)
             twin.step()
         if measured.peak == 0:  # no plan of the twin was built in the checked mode
             return None
@@ -84,10 +88,6 @@ class PlanFacts(Runner):
             "held": dict(measured.at_peak),  # buffer name -> bytes at the counted peak
             "left_alive": left,
         }
-
-    def forget(self) -> None:
-        """Drop what the last step returned (before a step whose peak is measured)."""
-        self.result = self.value = None
 
     def twin(self):
         """A new runner of the same model and inputs, tracing and compiling afresh."""

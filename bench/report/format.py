@@ -31,9 +31,11 @@ LEGEND = (
     "1st call: cold = the first call in this process (tracing, compiling); warm = a second "
     "first call once the peer's compiler is warm (per peer below)",
     "saved: bytes kept from forward for backward, excluding / including the inputs; "
-    "peak: measured / planned by the compiler; backplan's compiled steps are measured by the "
-    "checked mode (BACKPLAN_CHECK_MEMORY=1: every buffer its compiled plans allocate, counted, "
-    "plus the arrays passed in), the NumPy peer's by tracemalloc (NumPy allocations); "
+    "peak: measured / planned by the compiler, in the timed loop (the last step's results "
+    "held until the next step returns: backplan's report.loop_peak_bytes); backplan's "
+    "compiled steps are measured by the checked mode (BACKPLAN_CHECK_MEMORY=1: every buffer "
+    "its compiled plans allocate, counted, plus the arrays passed in), the NumPy peer's by "
+    "tracemalloc (NumPy allocations); "
     "python -m backplan.bench.memory measures resident memory in a fresh process",
     "max rel err: against a float64 NumPy reference; check: ok, WRONG, error or skipped",
 )

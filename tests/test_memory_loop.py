@@ -1,0 +1,88 @@
+"""The loop users write keeps the last results bound until the next call returns
+(`loss, grads = vg(params, x)`): from call 2 those outputs are alive beside everything the call
+allocates. explain prints that loop's peak (report.loop_peak_on_call, loop_peak_bytes, the peak
+line's loop sentence) and the checked mode counts exactly it, on both backends; the bench
+harness's peak column measures and plans that same loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.bench.internals import checked_memory, measure
+from backplan.bench.memory_calls import model_arrays
+from backplan.bench.models import MODELS
+from backplan.bench.peers.backplan_peer import CompileRunner, ValueAndGradRunner, bench_function
+from backplan.runtime.backend import use_backend
+
+CALLS = 4  # a compiled loss that backward() follows runs one joint plan from call 3
+
+
+def counted_in_a_loop(call) -> list[int]:
+    """The most bytes of the step's own buffers held during each call of a loop whose names
+    keep the last call's results until the next call returns."""
+    counted, results = [], None
+    with measure() as measured:
+        for _ in range(CALLS):
+            measured.restart_at_next_use()
+            results = call()  # the old results are freed once the call has returned
+            counted.append(measured.peak)
+    del results
+    return counted
+
+
+def printed_for_the_loop(report) -> list[int]:
+    return [report.loop_peak_on_call(n).allocated_peak_bytes for n in range(1, CALLS + 1)]
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_value_and_grad_loop_holds_what_explain_prints_for_it(backend):
+    params, batch = model_arrays("transformer")
+    with use_backend(backend), checked_memory():
+        vg = bp.value_and_grad(bench_function(MODELS["transformer"]))
+        report = bp.explain(vg, params, *batch)
+
+        def call():
+            loss, grads = vg(params, *batch)
+            return loss, grads
+
+        counted = counted_in_a_loop(call)
+    assert counted == printed_for_the_loop(report)
+    kept = sum(a.nbytes for a in params.values()) + 4  # every gradient and the float32 loss
+    assert counted[1] == report.peak_on_call(2).allocated_peak_bytes + kept
+    assert report.loop_peak_bytes == report.peak_bytes + kept
+    assert f"also holds the previous call's {kept:,} B" in " ".join(str(report).split())
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_compiled_loss_loop_keeps_its_loss_not_its_gradients(backend):
+    """`loss = f(params, x); loss.backward()` after bp.zero_grad: the old loss is bound until
+    the call returns, the gradients were cleared."""
+    params, batch = model_arrays("mlp_tiny", requires_grad=True)
+    with use_backend(backend), checked_memory():
+        loss_fn = bp.compile(bench_function(MODELS["mlp_tiny"]))
+        report = bp.explain(loss_fn, params, *batch)
+
+        def call():
+            bp.zero_grad(params)
+            loss = loss_fn(params, *batch)
+            loss.backward()
+            return loss
+
+        counted = counted_in_a_loop(call)
+    assert counted == printed_for_the_loop(report)
+    assert counted[1] == report.peak_on_call(2).allocated_peak_bytes + 4  # the loss alone
+
+
+@pytest.mark.parametrize("runner", [ValueAndGradRunner, CompileRunner])
+def test_the_harness_measures_the_loop_it_times_and_plans_the_same(runner):
+    spec = MODELS["transformer"]
+    with use_backend("numba"):
+        row = runner(spec, spec.inputs(small=True, dtype=np.float32))
+        counted = row.counted_peak_bytes()
+        planned, what = row.planned_peak_bytes()
+        report = row.explain()
+    assert counted["counted"] == counted["predicted"] > 0
+    assert counted["bytes"] == planned == report.loop_peak_bytes > report.peak_bytes
+    assert "loop_peak_bytes" in what
