@@ -246,6 +246,14 @@ class DynamicEntry:
             if release is not None:
                 release()
 
+    def arena_holders(self) -> list:
+        """The runners of every size, kept or evicted but still alive, that may keep arenas:
+        a call of another signature frees their idle ones (tracer/signature_switch.py)."""
+        runners = [r for _, entry in self.others(None) for r in _arena_holders(entry)]
+        with self._lock:
+            evicted = [ref() for _, ref in self._evicted]
+        return runners + [r for r in evicted if r is not None]
+
     def _evict(self, size: int, entry) -> None:
         """A size leaves the kept ones (under self._lock). Its runners may live on where a
         caller's fast path holds them (tracer/planned.py keeps one per size seen), and run

@@ -26,6 +26,7 @@ from .dynamic import (
 from .errors import TracingError
 from .fastpath import call_key, guard_for
 from .frozen_reads import FrozenReads, frozen_reads
+from .signature_switch import release_other_signatures
 from .trace import current_trace
 
 STALE = object()  # a fast-path runner's answer when its entry no longer fits the call
@@ -104,6 +105,7 @@ class PlannedFunction:
         self._traces = self._hits = self._misses = 0
         self._last_key = None
         self._most_recent = None  # the fast path's entry key last moved to the end, or None
+        self._running = None  # the entry key of the last call: a call of another frees its arenas
         self._last_miss_reason: str | None = None
         self._miss_reasons: list[str] = []  # of every retrace, for the warning
         self._warned = False
@@ -253,6 +255,8 @@ class PlannedFunction:
         except TypeError:  # an unhashable static value: the full path says which
             fast = key = None
         if fast is not None:
+            if fast.entry_key is not self._running:
+                self._switch_signature(fast.entry_key)
             result = fast.runner(leaves)
             if result is not STALE:
                 self._count_fast_hit(fast.entry_key)
@@ -260,6 +264,8 @@ class PlannedFunction:
                 return result
         forgotten = self._forgotten
         bound, entry = self.lookup(args, kwargs)
+        self._switch_signature(self._entry_key(bound))
+        self._last_fast = None  # it ran another signature, or is set again below
         switch = self._size_switch(bound)
         if switch is not None:
             switch()
@@ -297,6 +303,19 @@ class PlannedFunction:
             RetraceWarning,
             stacklevel=stacklevel + 1,
         )
+
+    def _switch_signature(self, entry_key) -> None:
+        """A call runs the entry under entry_key: when the last call ran another, the other
+        signatures' plans free their idle arenas first (tracer/signature_switch.py), so a call
+        holds its own signature's alone, as its explain() counts. The fast path's repeated
+        signature (self._last_fast) never gets here."""
+        if entry_key is self._running:
+            return
+        if self._running is not None and entry_key == self._running:
+            self._running = self._shared_entry_key(entry_key)
+            return
+        self._running = self._shared_entry_key(entry_key)
+        release_other_signatures(self._entries, entry_key)
 
     def _count_fast_hit(self, entry_key) -> None:
         self._hits += 1
@@ -507,6 +526,7 @@ class PlannedFunction:
         )
 
     def clear_cache(self) -> None:
+        self._running = None
         self._entries.clear()
         self._fast.clear()
         self._last_fast = None
