@@ -14,6 +14,9 @@ inputs go back in as the next call's donated arrays, counted there already).
 >>> kept = kept_output_bytes(PeakReport("numba", (step,)), gradients_returned=True)
 >>> kept, holding(PeakReport("numba", (step,)), kept).peak_bytes
 (12, 32)
+>>> later = PeakStep(1, "backward", "matmul", "m.py:4", {"inputs": 8, "gradients": 24})
+>>> holding(PeakReport("numba", (step, later)), 4).peak_bytes  # backward() runs later
+32
 """
 
 from __future__ import annotations
@@ -37,10 +40,14 @@ def kept_output_bytes(peak: PeakReport, gradients_returned: bool) -> int:
 
 
 def holding(peak: PeakReport, kept: int) -> PeakReport:
-    """`peak` with `kept` bytes of the previous call's results held across every step."""
+    """`peak` with `kept` bytes of the previous call's results held while the call runs: over
+    every step of a plan the call itself runs, not over backward()'s plan, which runs after
+    `loss = f(params, x)` has let the old loss go."""
     if not kept:
         return peak
-    steps = tuple(replace(s, held={**s.held, KEPT: kept}) for s in peak.steps)
+    steps = tuple(
+        s if s.plan == "backward" else replace(s, held={**s.held, KEPT: kept}) for s in peak.steps
+    )
     return replace(peak, steps=steps)
 
 
@@ -48,13 +55,18 @@ def loop_sentence(report) -> str:
     """'. In a loop that keeps the last results until the call returns (loss, grads =
     step(params, x)), every call from the second also holds the previous call's 196,612 B
     (192.0 KiB): 696,328 B (680.0 KiB) (report.loop_peak_bytes)'; "" when a call hands back
-    nothing it allocated."""
-    kept = report.loop_peak_on_call(2).peak_bytes - report.peak_on_call(2).peak_bytes
+    nothing it allocated. A loss that backward() follows holds the old one while its forward
+    runs, not while backward()'s plan does."""
+    kept = kept_output_bytes(report.peak_on_call(1), report.returns_gradients)
     if kept <= 0:
         return ""
-    example = "loss, grads = step(params, x)" if report.returns_gradients else "out = f(params, x)"
+    example, during = "out = f(params, x)", ""
+    if report.returns_gradients:
+        example = "loss, grads = step(params, x)"
+    elif "backward" in report.plans:
+        example, during = "loss = f(params, x); loss.backward()", " while its forward runs"
     return (
         f". In a loop that keeps the last results until the call returns ({example}), every "
-        f"call from the second also holds the previous call's {format_bytes(kept)}: "
+        f"call from the second also holds the previous call's {format_bytes(kept)}{during}: "
         f"{format_bytes(report.loop_peak_bytes)} (report.loop_peak_bytes)"
     )

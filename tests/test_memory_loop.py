@@ -56,23 +56,33 @@ def test_a_value_and_grad_loop_holds_what_explain_prints_for_it(backend):
 
 
 @pytest.mark.parametrize("backend", ["numba", "reference"])
-def test_a_compiled_loss_loop_keeps_its_loss_not_its_gradients(backend):
+@pytest.mark.parametrize("joint", [True, False])
+def test_a_compiled_loss_loop_keeps_its_loss_while_the_next_one_is_computed(
+    backend, joint, monkeypatch
+):
     """`loss = f(params, x); loss.backward()` after bp.zero_grad: the old loss is bound until
-    the call returns, the gradients were cleared."""
+    the forward returns, so backward()'s plan runs without it, and the gradients were cleared.
+    A small loss runs one joint plan from call 3 (inside the call: the old loss held
+    throughout); without the joint step (as a big step), two plans on every call."""
+    if not joint:
+        monkeypatch.setenv("BACKPLAN_JOINT_STEP", "0")
     params, batch = model_arrays("mlp_tiny", requires_grad=True)
+    counted, loss = [], None
     with use_backend(backend), checked_memory():
         loss_fn = bp.compile(bench_function(MODELS["mlp_tiny"]))
         report = bp.explain(loss_fn, params, *batch)
-
-        def call():
-            bp.zero_grad(params)
-            loss = loss_fn(params, *batch)
-            loss.backward()
-            return loss
-
-        counted = counted_in_a_loop(call)
+        with measure() as measured:
+            for _ in range(CALLS):
+                measured.restart_at_next_use()
+                bp.zero_grad(params)
+                loss = loss_fn(params, *batch)
+                loss.backward()
+                counted.append(measured.peak)
     assert counted == printed_for_the_loop(report)
-    assert counted[1] == report.peak_on_call(2).allocated_peak_bytes + 4  # the loss alone
+    if joint:
+        assert counted[2] == report.peak_on_call(3).allocated_peak_bytes + 4  # the old loss
+    else:
+        assert counted[2] == report.peak_on_call(3).allocated_peak_bytes  # gone by backward()
 
 
 @pytest.mark.parametrize("runner", [ValueAndGradRunner, CompileRunner])
