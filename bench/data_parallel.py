@@ -163,7 +163,7 @@ ZERO_PARTS = {
     "start": "pack + post the reduce-scatter",
     "finish": "reduce-scatter wait",
     "update": "update of the shares",
-    "gather": "all-gather (pack, post, wait, unpack)",
+    "gather": "all-gather (post, wait)",
 }
 
 

@@ -96,13 +96,14 @@ class DataParallelReport:
             how = "every rank keeps the whole state and applies the whole update"
         else:
             how = (
-                f"sharded (ZeRO-1): each rank keeps the state of its 1/{self.size} of every "
-                "parameter and updates those elements. The buckets above of each dtype are "
-                "reduce-scattered end to end in one collective instead of allreduced one by "
-                "one (the loss rides in it, one more element per rank, when it has that "
-                "dtype), started when the call returns and waited on before the update; then "
-                "the updated shares are all-gathered in one collective per dtype, started "
-                "after the update and waited on before step() returns: the bytes of one "
+                f"sharded (ZeRO-1): each rank keeps the state of its contiguous 1/{self.size} "
+                "of each dtype's parameters laid end to end and updates those elements. The "
+                "gradients of each dtype are reduce-scattered in one collective instead of "
+                "allreduced bucket by bucket (the loss rides in it, one more element per "
+                "rank, when it has that dtype), started when the call returns and waited on "
+                "before the update; then the updated ranges are all-gathered in one "
+                "collective per dtype, started after the update and waited on before step() "
+                "returns, into one buffer the new parameters are views of: the bytes of one "
                 "allreduce, in two collectives every rank must reach"
             )
         text = (

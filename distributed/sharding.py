@@ -1,26 +1,33 @@
-"""ZeRO-1: each rank owns a contiguous 1/N of every parameter (flattened, split as bpd.shard
-splits rows: the first n % N ranks hold one more element), keeps the optimizer state of those
-elements only and updates those only. Per dtype (the buckets of that dtype end to end), a
-reduce-scatter gives each rank the sum of its shares of the gradients (the send buffer is packed
-rank by rank), the optimizer updates them, and an all-gather gives every rank every updated
-parameter: the same bytes on the wire as one allreduce. The loss rides in the first
-reduce-scatter when it has that dtype, else travels alone (one allreduce of one element).
+"""ZeRO-1 over flat ranges: the parameters of one dtype, flattened and laid end to end in the
+tree's order, are one flat vector of `total` elements; rank r owns its contiguous range
+[r * block, min((r + 1) * block, total)), block = ceil(total / N) (the last ranks may own fewer
+elements, or none), keeps the optimizer state of those elements only and updates those only.
 
-The shares depend on the parameters alone, not on the buckets, so step.init(params) needs no
-batch; the state is the optimizer's state of a tree like params whose leaves are 1-D shares."""
+Per dtype, a reduce-scatter gives each rank the sum of its range of the gradients: the send
+buffer is the gradients end to end, in `block`-element slots (a slot of block + 1 when the loss
+rides along: it is the last element of every rank's slot, so every rank receives its sum). The
+optimizer updates the range, and an all-gather of the ranges gives every rank the flat vector of
+updated parameters, parameter after parameter: the returned parameters are views of that one
+buffer (no unpacking copy), and on the next call this rank's range of them is a view too. The
+same bytes on the wire as one allreduce.
+
+The ranges depend on the parameters alone (their shapes and dtypes, in flatten order), not on
+the buckets, so step.init(params) needs no batch; the state is the optimizer's state of a tuple
+with one 1-D share per dtype (in the order the dtypes first appear among the parameters)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from backplan.tracer.pytree import flatten, unflatten
+from backplan.ir.types import np_dtype
+from backplan.tracer.pytree import flatten
 from backplan.tracer.tensor import Tensor
 
 from .agreement import leaf_array
-from .buckets import Bucket
 from .deadline import wait_or_raise
 from .errors import DistributedError
 from .failure import check_ranks
@@ -28,122 +35,170 @@ from .layout import Layout
 from .rows import scale_by_weight
 from .world import World, mpi_module
 
-
-@lru_cache(maxsize=4096)
-def split(n: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(counts, displs) of n elements over size ranks, the first n % size ranks one more
-    (asked for every parameter on every step: cached, and plain arithmetic)."""
-    small, extra = divmod(n, size)
-    counts = tuple(small + (r < extra) for r in range(size))
-    displs = tuple(r * small + min(r, extra) for r in range(size))
-    return counts, displs
-
-
-def share_tree(params, rank: int, size: int):
-    """params with each leaf replaced by this rank's 1-D share of it (a view, no copy)."""
-    leaves, treedef = flatten(params)
-    shares = []
-    for leaf in leaves:
-        flat = leaf_array(leaf).reshape(-1)
-        counts, displs = split(flat.size, size)
-        shares.append(Tensor._from_array(flat[displs[rank] : displs[rank] + counts[rank]]))
-    return unflatten(treedef, shares)
+KEPT_GATHERED = 3  # all-gather buffers kept per dtype: the parameters passed in hold one
 
 
 @dataclass(frozen=True)
-class BucketShards:
-    """The gradients of one dtype's buckets end to end (the loss left out), as one bucket:
-    parameter i is leaf index i + 1."""
+class FlatGroup:
+    """The parameters of one dtype as one flat vector, and each rank's range of it."""
 
-    bucket: Bucket
-    params: tuple[int, ...]  # positions among the parameters, in bucket order
-    splits: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (counts, displs) per param
+    dtype: np.dtype
+    params: tuple[int, ...]  # positions among the parameters (flatten order)
+    offsets: tuple[int, ...]  # where each starts in the flat vector
     shapes: tuple[tuple[int, ...], ...]
+    total: int
+    block: int  # elements each rank owns, the last ranks fewer
+    size: int
 
-    def counts(self, size: int) -> list[int]:
-        """Elements of this bucket each rank receives (the sum of its shares)."""
-        return [sum(c[r] for c, _ in self.splits) for r in range(size)]
+    def owned(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) of the flat vector that rank owns."""
+        lo = min(rank * self.block, self.total)
+        return lo, min(lo + self.block, self.total)
 
-    def slot(self, size: int) -> int:
-        """Elements per rank on the wire: the largest rank's, the others' padded to it, so
-        that the fixed-size collectives (reduce_scatter_block, allgather) move the bucket;
-        MPICH's variable-size allgatherv was several times slower here on shared memory."""
-        return max(self.counts(size))
+    def parts(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+        """(k, start, stop, at): parameter k's flat elements [start, stop) lie at [lo, hi)'s
+        offset `at`, for each parameter overlapping [lo, hi)."""
+        found = []
+        for k, offset in enumerate(self.offsets):
+            n = _count(self.shapes[k])
+            start, stop = max(lo, offset), min(hi, offset + n)
+            if start < stop:
+                found.append((k, start - offset, stop - offset, start - lo))
+        return found
 
 
-def shard_buckets(layout: Layout, size: int) -> list[BucketShards]:
-    """The gradients as they travel for ZeRO-1, with each parameter's split over the ranks: one
-    group per dtype, the layout's buckets of that dtype end to end in bucket order (the loss
-    left out). One reduce-scatter and one all-gather per group, not per bucket: this step
-    starts them after the call, where buckets overlap nothing, and on the bench mlp (2
-    buckets, 2 ranks, load 13) one pair per dtype took 1.05-1.22x the unsharded step against
-    1.15-1.30x for a pair per bucket (interleaved, six runs; lower in five)."""
-    groups: dict[str, list] = {}
-    for bucket in layout.buckets:
-        leaves = [leaf for leaf in bucket.leaves if leaf.index != 0]
-        if leaves:
-            groups.setdefault(bucket.dtype, []).append((bucket, leaves))
-    found = []
-    for dtype, buckets in groups.items():
-        leaves = [leaf for _, bucket_leaves in buckets for leaf in bucket_leaves]
-        sizes = [int(np.prod(leaf.shape, dtype=np.int64)) for leaf in leaves]
-        found.append(
-            BucketShards(
-                Bucket(buckets[0][0].index, dtype, tuple(leaves)),
-                tuple(leaf.index - 1 for leaf in leaves),
-                tuple(split(n, size) for n in sizes),
-                tuple(leaf.shape for leaf in leaves),
+
+@lru_cache(maxsize=256)
+def slots(group: FlatGroup, stride: int) -> tuple[tuple, tuple]:
+    """The reduce-scatter's send buffer of `stride`-element slots (block, or block + 1 with the
+    loss last): ((k, start, stop, at) copies, (lo, hi) ranges to zero). Worked out once."""
+    copies, zeros = [], []
+    for rank in range(group.size):
+        lo, hi = group.owned(rank)
+        base = rank * stride
+        copies += [(k, a, b, base + at) for k, a, b, at in group.parts(lo, hi)]
+        if hi - lo < group.block:
+            zeros.append((base + hi - lo, base + group.block))
+    return tuple(copies), tuple(zeros)
+
+
+def _count(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+@lru_cache(maxsize=256)
+def flat_groups(signature: tuple, size: int) -> tuple[FlatGroup, ...]:
+    """signature: (shape, dtype) per parameter, flatten order. One group per dtype, in the
+    order the dtypes first appear."""
+    by_dtype: dict = {}
+    for position, (shape, dtype) in enumerate(signature):
+        by_dtype.setdefault(np.dtype(dtype), []).append((position, tuple(shape)))
+    groups = []
+    for dtype, members in by_dtype.items():
+        offsets, at = [], 0
+        for _, shape in members:
+            offsets.append(at)
+            at += _count(shape)
+        groups.append(
+            FlatGroup(
+                dtype,
+                tuple(p for p, _ in members),
+                tuple(offsets),
+                tuple(s for _, s in members),
+                at,
+                max(1, -(-at // size)),
+                size,
             )
         )
-    return found
+    return tuple(groups)
 
 
-def pack_by_rank(
-    shards: BucketShards,
-    arrays: list[np.ndarray],
-    size: int,
-    packed: np.ndarray | None = None,
-    slot: int | None = None,
-) -> np.ndarray:
-    """The bucket's arrays (one per parameter, bucket order) flattened and packed rank by rank,
-    each rank's shares in a slot of shards.slot(size) elements, or `slot` (zeros after them):
-    what a reduce-scatter of fixed-size blocks hands out. packed: the buffer to pack into (new
-    if None)."""
-    flats = [np.asarray(a).reshape(-1) for a in arrays]
-    slot = shards.slot(size) if slot is None else slot
-    if packed is None:
-        packed = np.empty(slot * size, flats[0].dtype)
-    for r in range(size):
-        at = r * slot
-        for flat, (c, d) in zip(flats, shards.splits, strict=True):
-            packed[at : at + c[r]] = flat[d[r] : d[r] + c[r]]
-            at += c[r]
-        packed[at : (r + 1) * slot] = 0
-    return packed
+def param_signature(arrays) -> tuple:
+    return tuple((a.shape, a.dtype.str) for a in arrays)
+
+
+def groups_of(params, size: int) -> tuple[tuple[FlatGroup, ...], list[np.ndarray]]:
+    """(the flat groups of params over size ranks, params' arrays in flatten order)."""
+    arrays = [leaf_array(leaf) for leaf in flatten(params)[0]]
+    return flat_groups(param_signature(arrays), size), arrays
+
+
+def range_of(group: FlatGroup, arrays: list, rank: int) -> np.ndarray:
+    """This rank's range of the group's parameters (arrays: all parameters, flatten order): a
+    view where they are the views of one buffer a sharded step returned, else a copy."""
+    lo, hi = group.owned(rank)
+    members = [arrays[p] for p in group.params]
+    base = _common_base(group, members)
+    if base is not None:
+        return base[lo:hi]
+    parts = group.parts(lo, hi)
+    if not parts:
+        return np.empty(0, group.dtype)
+    return np.concatenate([members[k].reshape(-1)[a:b] for k, a, b, _ in parts])
+
+
+def _common_base(group: FlatGroup, members: list) -> np.ndarray | None:
+    """The buffer holding the group's parameters end to end, in order, when they are views
+    of one (what gather returned), else None."""
+    base = members[0].base
+    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != group.dtype:
+        return None
+    if not base.flags.c_contiguous or base.size < group.total:
+        return None
+    start, item = base.__array_interface__["data"][0], base.itemsize
+    for member, offset in zip(members, group.offsets, strict=True):
+        if member.base is not base or not member.flags.c_contiguous:
+            return None
+        if member.__array_interface__["data"][0] != start + offset * item:
+            return None
+    return base
+
+
+def flat_shares(params, rank: int, size: int) -> tuple[Tensor, ...]:
+    """This rank's range of each dtype's parameters: the tree the sharded state is made for."""
+    groups, arrays = groups_of(params, size)
+    return tuple(Tensor._fresh(range_of(g, arrays, rank)) for g in groups)
+
+
+def _unused(kept: list):
+    """The buffers of `kept` nothing outside it holds (by reference count: a returned
+    parameter is a view, which holds its buffer)."""
+    for buffer in kept:
+        if sys.getrefcount(buffer) <= _FREE:
+            yield buffer
+
+
+def _free_count() -> int:
+    for buffer in [np.empty(1)]:
+        return sys.getrefcount(buffer)  # the same frame shape as _unused's check
+    raise AssertionError
+
+
+_FREE = _free_count()
 
 
 class ShardedExchange:
     """One step's exchange for ZeRO-1: start(array_of) starts each dtype's reduce-scatter (and
     the loss's allreduce when it travels alone); finish() waits and returns the loss and this
-    rank's summed (averaged) share of every gradient; gather(shares) all-gathers the updated
-    parameters."""
+    rank's summed (averaged) range of every dtype's gradients; gather(ranges) all-gathers the
+    updated parameters."""
 
     def __init__(self, world: World, layout: Layout, average: bool, timeout=None, pool=None):
         self.world = world
-        # receive buffers kept between calls (by the training step): MPICH's reduce-scatter and
-        # all-gather into fresh buffers made the bench mlp's ZeRO-1 step 60-64 ms against
-        # 74-82 ms reusing them (interleaved pairs, 2 ranks); nothing returned points into them
+        # receive buffers kept between calls (by the training step): MPICH's reduce-scatter
+        # into fresh buffers made the bench mlp's ZeRO-1 step 74-82 ms against 60-64 ms
+        # reusing them (interleaved pairs, 2 ranks); the all-gather's, which the returned
+        # parameters are views of, are reused once nothing holds them (_unused)
         self.pool = pool if pool is not None else {}
         self.layout = layout
         self.average = average
         self.timeout = timeout
         self.weight: float | None = None
         self.mpi = mpi_module()
-        key = ("shards", layout.fingerprint, world.size)
+        key = ("groups", layout.fingerprint, world.size)
         if key not in self.pool:  # the same for every call of the signature
-            shards = shard_buckets(layout, world.size)
-            self.pool[key] = shards, [(s.slot(world.size), s.counts(world.size)) for s in shards]
-        self.shards, self._sizes = self.pool[key]
+            self.pool[key] = flat_groups(_layout_signature(layout), world.size)
+        self.groups: tuple[FlatGroup, ...] = self.pool[key]
         self._loss = None
         self._loss_in_bucket = False
         self._started: list = []
@@ -151,66 +206,64 @@ class ShardedExchange:
 
     def start_rest(self, array_of) -> None:
         """Start the exchange unless part of it started (failure.settle): a reduce-scatter
-        packs every bucket of its dtype, so a partly started one cannot be completed."""
+        packs every gradient of its dtype, so a partly started one cannot be completed."""
         if self._started or self._loss is not None:
             raise DistributedError("the ZeRO-1 exchange had partly started")
         self.start(array_of)
 
     def start(self, array_of) -> None:
-        """array_of(leaf index) -> this rank's array of the loss (0) or a gradient. The loss
-        rides in the first bucket's reduce-scatter when it has the bucket's dtype: one more
-        element at the end of every rank's slot, so every rank receives the sum (one
-        collective less per step: each is a point where both ranks must be running)."""
+        """array_of(leaf index) -> this rank's array of the loss (0) or a gradient (parameter
+        position + 1). The loss rides in the first dtype's reduce-scatter when it has that
+        dtype: one more element at the end of every rank's slot, so every rank receives the
+        sum (one collective less per step: each is a point where both ranks must be running)."""
         comm, size = self.world.comm, self.world.size
         loss = np.array(array_of(0), copy=True).reshape(1)
-        first = self.shards[0] if self.shards else None
-        self._loss_in_bucket = (
-            first is not None and np.asarray(array_of(first.params[0] + 1)).dtype == loss.dtype
-        )
+        self._loss_in_bucket = bool(self.groups) and self.groups[0].dtype == loss.dtype
         if not self._loss_in_bucket:
             if self.weight is not None:
                 scale_by_weight(loss, self.weight)
             self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
-        for k, (shards, (slot, _)) in enumerate(zip(self.shards, self._sizes, strict=True)):
-            arrays = [array_of(i + 1) for i in shards.params]
-            dtype = np.asarray(arrays[0]).dtype
-            slot += k == 0 and self._loss_in_bucket
-            send = self._buffer("send", shards, slot * size, dtype)
-            pack_by_rank(shards, arrays, size, send, slot)
-            if k == 0 and self._loss_in_bucket:
-                send[slot - 1 :: slot] = loss[0]
+        for k, group in enumerate(self.groups):
+            with_loss = k == 0 and self._loss_in_bucket
+            stride = group.block + with_loss
+            send = self._buffer("send", k, stride * size, group.dtype)
+            flats = [np.asarray(array_of(p + 1)).reshape(-1) for p in group.params]
+            copies, zeros = slots(group, stride)
+            for j, a, b, at in copies:
+                send[at : at + b - a] = flats[j][a:b]
+            for lo, hi in zeros:
+                send[lo:hi] = 0
+            if with_loss:
+                send[group.block :: stride] = loss[0]
             if self.weight is not None:
                 scale_by_weight(send, self.weight)
-            mine = self._buffer("share", shards, slot, send.dtype)
+            mine = self._buffer("share", k, stride, group.dtype)
             request = comm.Ireduce_scatter_block(send, mine, op=self.mpi.SUM)
-            self._started.append((send, mine, request))
+            self._started.append((mine, request))
 
-    def finish(self) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """(the summed loss, 0-d; parameter position -> this rank's summed 1-D share of its
-        gradient), averaged over the ranks unless average=False (weighted by rows when ranks
-        hold different numbers)."""
+    def finish(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(the summed loss, 0-d; this rank's summed range of each dtype's gradients, 1-D, in
+        group order), averaged over the ranks unless average=False (weighted by rows when
+        ranks hold different numbers)."""
         loss = None
         if not self._loss_in_bucket:
             loss, request = self._loss
             self._wait(request, "the allreduce of the loss")
-        shares: dict[int, np.ndarray] = {}
-        rank = self.world.rank
-        for shards, (_, mine, request) in zip(self.shards, self._started, strict=True):
-            self._wait(request, f"the reduce-scatter of the {shards.bucket.dtype} gradients")
+        ranges = []
+        for group, (mine, request) in zip(self.groups, self._started, strict=True):
+            self._wait(request, f"the reduce-scatter of the {group.dtype} gradients")
             mine = self._averaged(mine)
             if loss is None:
-                loss = mine[-1:].copy()  # the first bucket's extra element
-            offset = 0
-            for i, (counts, _) in zip(shards.params, shards.splits, strict=True):
-                shares[i] = mine[offset : offset + counts[rank]]
-                offset += counts[rank]
+                loss = mine[group.block : group.block + 1].copy()  # the loss's element
+            lo, hi = group.owned(self.world.rank)
+            ranges.append(mine[: hi - lo])
         if not self._loss_in_bucket:
             loss = self._averaged(loss)
         check_ranks(self.world, loss, self.failure, self.layout.name)
-        return loss.reshape(()), shares
+        return loss.reshape(()), ranges
 
-    def _buffer(self, kind: str, shards: BucketShards, n: int, dtype) -> np.ndarray:
-        key = (kind, self.layout.fingerprint, shards.bucket.index)
+    def _buffer(self, kind: str, k: int, n: int, dtype) -> np.ndarray:
+        key = (kind, self.layout.fingerprint, k)
         found = self.pool.get(key)
         if found is None or found.size != n or found.dtype != dtype:
             found = self.pool[key] = np.empty(n, dtype)
@@ -227,35 +280,46 @@ class ShardedExchange:
         else:
             wait_or_raise(request, self.timeout, what)
 
-    def gather(self, shares: list[np.ndarray]) -> list[np.ndarray]:
-        """Every parameter whole again from every rank's updated share (shares: this rank's,
-        by parameter position); returns the parameters' arrays by position."""
+    def gather(self, ranges: list[np.ndarray]) -> list[np.ndarray]:
+        """Every parameter whole again from every rank's updated range (ranges: this rank's,
+        group order); returns the parameters' arrays by position: views of one buffer per
+        dtype, which nothing else writes while they are held."""
         started = []
-        for shards, (slot, counts) in zip(self.shards, self._sizes, strict=True):
-            mine = self._buffer(
-                "share sent", shards, slot, np.asarray(shares[shards.params[0]]).dtype
-            )
-            n = counts[self.world.rank]
-            mine[n:] = 0
-            np.concatenate([np.asarray(shares[i]).reshape(-1) for i in shards.params], out=mine[:n])
-            full = self._buffer("gathered", shards, slot * self.world.size, mine.dtype)
-            request = self.world.comm.Iallgather(mine, full)
-            started.append((shards, full, request))
-        arrays: list = [None] * len(shares)
-        for shards, full, request in started:
-            self._wait(request, f"the all-gather of the {shards.bucket.dtype} parameters")
-            self._unpack(shards, full, arrays)
+        for k, (group, mine) in enumerate(zip(self.groups, ranges, strict=True)):
+            mine = np.asarray(mine).reshape(-1)
+            if mine.size != group.block or mine.dtype != group.dtype:
+                padded = self._buffer("range sent", k, group.block, group.dtype)
+                padded[: mine.size] = mine
+                padded[mine.size :] = 0
+                mine = padded
+            full = self._gathered(k, group)
+            started.append((group, full, self.world.comm.Iallgather(mine, full)))
+        arrays: list = [None] * sum(len(g.params) for g in self.groups)
+        for group, full, request in started:
+            self._wait(request, f"the all-gather of the {group.dtype} parameters")
+            for p, offset, shape in zip(group.params, group.offsets, group.shapes, strict=True):
+                arrays[p] = full[offset : offset + _count(shape)].reshape(shape)
         return arrays
 
-    def _unpack(self, shards: BucketShards, full, arrays: list) -> None:
-        """full holds rank 0's slot of shares of the bucket's parameters, then rank 1's, ...;
-        each parameter is its ranks' shares end to end."""
-        slot = self._sizes[self.shards.index(shards)][0]
-        offsets = [r * slot for r in range(self.world.size)]
-        pieces: dict[int, list] = {i: [] for i in shards.params}
-        for r in range(self.world.size):
-            for i, (counts, _) in zip(shards.params, shards.splits, strict=True):
-                pieces[i].append(full[offsets[r] : offsets[r] + counts[r]])
-                offsets[r] += counts[r]
-        for i, shape in zip(shards.params, shards.shapes, strict=True):
-            arrays[i] = np.concatenate(pieces[i]).reshape(shape)
+    def _gathered(self, k: int, group: FlatGroup) -> np.ndarray:
+        """A buffer for the all-gather: one kept that no returned parameter still holds, else
+        a new one (kept while fewer than KEPT_GATHERED are)."""
+        kept = self.pool.setdefault(("gathered", self.layout.fingerprint, k), [])
+        n = group.block * self.world.size
+        for buffer in _unused(kept):
+            if buffer.size == n and buffer.dtype == group.dtype:
+                return buffer
+        buffer = np.empty(n, group.dtype)
+        if len(kept) < KEPT_GATHERED:
+            kept.append(buffer)
+        return buffer
+
+
+def _layout_signature(layout: Layout) -> tuple:
+    """(shape, dtype) of each gradient, by parameter position: the parameters' own, as
+    gradients have their parameter's shape and dtype."""
+    leaves = sorted(
+        (leaf for bucket in layout.buckets for leaf in bucket.leaves if leaf.index != 0),
+        key=lambda leaf: leaf.index,
+    )
+    return tuple((tuple(leaf.shape), np_dtype(leaf.dtype).str) for leaf in leaves)

@@ -15,7 +15,7 @@ from backplan.tracer.tensor import Tensor
 
 from .agreement import leaf_array
 from .exchange import Exchange
-from .sharding import ShardedExchange, share_tree
+from .sharding import ShardedExchange, flat_shares, groups_of, range_of
 from .world import init
 
 
@@ -57,12 +57,12 @@ class DataParallelTraining:
 
     def init(self, params):
         """The optimizer state this rank keeps: the whole optimizer's init(params), or with
-        shard_optimizer=True the state of a tree like params whose leaves are this rank's 1-D
-        shares (about 1/N of each parameter)."""
+        shard_optimizer=True the state of a tuple with this rank's 1-D range of each dtype's
+        parameters, flattened end to end (about 1/N of them; sharding.py)."""
         if not self.shard_optimizer:
             return self.optimizer.init(params)
         world = init(self.step._comm)
-        return self.optimizer.init(share_tree(params, world.rank, world.size))
+        return self.optimizer.init(flat_shares(params, world.rank, world.size))
 
     def __call__(self, params, state, *batch, **kwargs):
         if self.shard_optimizer:
@@ -98,23 +98,26 @@ class DataParallelTraining:
         exchange, loss, aux = self.step.started((params, *batch), kwargs, exchange_type)
         if exchange is None:
             return params, state, self._loss(loss, aux)
-        loss, grad_shares = exchange.finish()
+        loss, grad_ranges = exchange.finish()
         world = exchange.world
-        shares = share_tree(params, world.rank, world.size)
-        leaves, treedef = flatten(params)
+        groups, arrays = groups_of(params, world.size)
+        if groups != exchange.groups:
+            raise ValueError(_dtype_mismatch(groups, exchange.groups))
+        ranges = tuple(Tensor._fresh(range_of(g, arrays, world.rank)) for g in groups)
         # views of the exchange's pooled receive buffer, read by the update and never returned:
         # wrapped without the copy _from_array makes of a writeable buffer's view (1.3 MB a
         # step on the bench mlp's 2 ranks)
-        grads = unflatten(treedef, [Tensor._fresh(grad_shares[i]) for i in range(len(leaves))])
+        grads = tuple(Tensor._fresh(g) for g in grad_ranges)
         try:
-            new_shares, state = self._update(grads, state, shares)
+            new_ranges, state = self._update(grads, state, ranges)
         except TypeError as error:
             raise TypeError(
                 f"{error}\n(with shard_optimizer=True the state is this rank's share: pass the "
                 "state step.init(params) returned, not optimizer.init(params))"
             ) from error
-        arrays = exchange.gather([leaf_array(t) for t in flatten(new_shares)[0]])
-        new = _like([Tensor._fresh(a) for a in arrays], leaves)
+        gathered = exchange.gather([leaf_array(t) for t in new_ranges])
+        leaves, treedef = flatten(params)
+        new = _like([Tensor._fresh(a) for a in gathered], leaves)
         return unflatten(treedef, new), state, self._loss(Tensor._fresh(loss), aux)
 
     def explain(self, params, state, *batch, size: int | None = None, **kwargs):
@@ -131,7 +134,7 @@ class DataParallelTraining:
         whole = _nbytes(self.optimizer.init(params))
         if not self.shard_optimizer:
             return whole, whole
-        return _nbytes(self.optimizer.init(share_tree(params, 0, size))), whole
+        return _nbytes(self.optimizer.init(flat_shares(params, 0, size))), whole
 
 
 def _like(tensors: list, params: list) -> list:
@@ -139,6 +142,16 @@ def _like(tensors: list, params: list) -> list:
     for tensor, p in zip(tensors, params, strict=True):
         tensor.requires_grad = p.requires_grad
     return tensors
+
+
+def _dtype_mismatch(params, grads) -> str:
+    def text(groups):
+        return ", ".join(f"{g.total:,} {g.dtype} elements" for g in groups)
+
+    return (
+        f"shard_optimizer=True: the parameters hold {text(params)} but their gradients "
+        f"{text(grads)}; a sharded update needs each gradient in its parameter's dtype"
+    )
 
 
 def _nbytes(tree) -> int:

@@ -681,38 +681,42 @@ def test_example_on_two_ranks_follows_the_single_process_losses(tmp_path):
 # ---- sharded optimizer (ZeRO-1) and accumulation -------------------------------------------------
 
 
-def test_zero1_shares_split_every_parameter_and_pack_rank_by_rank():
-    params = init_mlp([8, 5, 3])  # w1 holds 15 elements: 5, 5, 5 on 3 ranks; b1 3: 1, 1, 1
-    x, y = synthetic_classification(16, 8, 3)
-    step = bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=10**6)
-    layout = step.layout((params, bp.tensor(x), bp.tensor(y)))
-    (shards,) = sharding.shard_buckets(layout, 3)
-    names = list(params)
-    assert sorted(names[i] for i in shards.params) == sorted(names)
-    assert sum(shards.counts(3)) == sum(p.numpy().size for p in params.values())
-    arrays = [params[names[i]].numpy() for i in shards.params]
-    packed = sharding.pack_by_rank(shards, arrays, 3)
-    slot = shards.slot(3)
-    assert len(packed) == 3 * slot and slot == max(shards.counts(3))
+def test_zero1_ranges_are_contiguous_and_the_gathered_parameters_are_views_of_one_buffer():
+    """Each rank owns a contiguous range of each dtype's parameters end to end (199 f32
+    elements on 3 ranks: 67, 67, 65); the reduce-scatter's send buffer is the gradients end
+    to end in slots of a rank's range (+ the loss last when it rides along); the all-gather's
+    result is the parameters end to end, so the parameters are views of it and the next
+    call's range of them is a view too (a copy for parameters of another origin)."""
+    params = init_mlp([8, 15, 4])
+    params["s"] = bp.tensor(np.arange(3.0))  # float64: a group of its own
+    groups, arrays = sharding.groups_of(params, 3)
+    f32, f64 = groups
+    assert (f32.dtype, f64.dtype) == (np.float32, np.float64)
+    assert f32.total == 199 and f32.block == 67 and f64.total == 3 and f64.block == 1
+    assert [f32.owned(r) for r in range(3)] == [(0, 67), (67, 134), (134, 199)]
+    flat = np.concatenate([arrays[p].reshape(-1) for p in f32.params])
     for rank in range(3):
-        mine = sharding.share_tree(params, rank, 3)
-        expected = np.concatenate([mine[names[i]].numpy() for i in shards.params])
-        n = shards.counts(3)[rank]
-        np.testing.assert_array_equal(packed[rank * slot : rank * slot + n], expected)
-        assert not packed[rank * slot + n : (rank + 1) * slot].any()  # padding
-    whole = [
-        np.concatenate([sharding.share_tree(params, r, 3)[k].numpy() for r in range(3)])
-        for k in names
-    ]
-    for k, flat in zip(names, whole, strict=True):
-        np.testing.assert_array_equal(flat, params[k].numpy().reshape(-1))
-    # buckets of one dtype travel as one reduce-scatter and one all-gather, in bucket order
-    small = bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=64)
-    layout = small.layout((params, bp.tensor(x), bp.tensor(y)))
-    assert len(layout.buckets) > 2
-    (fused,) = sharding.shard_buckets(layout, 3)
-    in_order = [x.index - 1 for b in layout.buckets for x in b.leaves if x.index != 0]
-    assert list(fused.params) == in_order and sum(fused.counts(3)) == sum(shards.counts(3))
+        lo, hi = f32.owned(rank)
+        np.testing.assert_array_equal(sharding.range_of(f32, arrays, rank), flat[lo:hi])
+    copies, zeros = sharding.slots(f32, 68)  # the loss's slot last
+    send = np.full(3 * 68, np.nan, np.float32)
+    for k, a, b, at in copies:
+        send[at : at + b - a] = arrays[f32.params[k]].reshape(-1)[a:b]
+    for lo, hi in zeros:
+        send[lo:hi] = 0
+    send[67::68] = -1
+    for rank in range(3):
+        lo, hi = f32.owned(rank)
+        block = send[rank * 68 : (rank + 1) * 68]
+        np.testing.assert_array_equal(block[: hi - lo], flat[lo:hi])
+        assert not block[hi - lo : 67].any() and block[67] == -1
+    full = np.zeros(3 * 67, np.float32)
+    full[:199] = flat
+    views = [full[o : o + int(np.prod(s))].reshape(s) for o, s in zip(f32.offsets, f32.shapes)]
+    for rank in range(3):
+        mine = sharding.range_of(f32, [*views, arrays[-1]], rank)
+        assert mine.base is full and (mine == flat[slice(*f32.owned(rank))]).all()
+    assert sharding.range_of(f32, arrays, 0).base is not full
 
 
 def test_shard_optimizer_refuses_what_it_cannot_shard():
@@ -769,10 +773,12 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
                 np.testing.assert_allclose(runs[True][0][k].numpy(), one[k].numpy(),
                                            rtol=1e-5, atol=1e-6)
                 assert runs[True][0][k].requires_grad
+            bases = {id(runs[True][0][k].numpy().base) for k in params}
+            assert len(bases) == 1, "the parameters are views of the all-gather's buffer"
             moment = "momentum" if "momentum" in runs[True][2] else "mu"
-            for k in params:
-                n = params[k].numpy().size
-                assert runs[True][2][moment][k].numpy().size == n // 2 + (rank < n % 2), k
+            n = sum(p.numpy().size for p in params.values())  # 199: 100 and 99
+            (share,) = runs[True][2][moment]
+            assert share.numpy().size == (100, 99)[rank], share.numpy().size
         bpd.check_replicas(runs[True][0])
         rows = bpd.shard(x[:7], rank, size), bpd.shard(y[:7], rank, size)  # 4 and 3 rows
         uneven = [
@@ -810,7 +816,7 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
         assert got[True][1] == got[False][1]
         assert all((got[True][0][k].numpy() == got[False][0][k].numpy()).all() for k in mixed)
         report = step.explain(params, state, xs, ys)
-        halves = sum((p.numpy().size + 1) // 2 for p in params.values())  # rank 0's shares
+        halves = 100  # rank 0's range of the 199 elements
         assert report.state_bytes_per_rank == 8 + 2 * 4 * halves, report.state_bytes_per_rank
         assert report.state_bytes_whole == 8 + 2 * 4 * sum(p.numpy().size for p in params.values())
         if rank == 0:
@@ -821,7 +827,8 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
     assert_ranks_ok(result)
     assert "of optimizer state per rank" in result.stdout and "ZeRO-1" in result.stdout
     said = " ".join(result.stdout.split())
-    assert "reduce-scattered end to end in one collective" in said, said
+    assert "scattered in one collective" in said, said
+    assert "gathered in one collective per dtype" in said, said
 
 
 @needs_mpi
