@@ -67,7 +67,6 @@ class FlatGroup:
         return found
 
 
-
 @lru_cache(maxsize=256)
 def slots(group: FlatGroup, stride: int) -> tuple[tuple, tuple]:
     """The reduce-scatter's send buffer of `stride`-element slots (block, or block + 1 with the

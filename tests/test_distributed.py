@@ -712,9 +712,11 @@ def test_zero1_ranges_are_contiguous_and_the_gathered_parameters_are_views_of_on
         assert not block[hi - lo : 67].any() and block[67] == -1
     full = np.zeros(3 * 67, np.float32)
     full[:199] = flat
-    views = [full[o : o + int(np.prod(s))].reshape(s) for o, s in zip(f32.offsets, f32.shapes)]
+    viewed = list(arrays)
+    for p, o, s in zip(f32.params, f32.offsets, f32.shapes, strict=True):
+        viewed[p] = full[o : o + int(np.prod(s))].reshape(s)
     for rank in range(3):
-        mine = sharding.range_of(f32, [*views, arrays[-1]], rank)
+        mine = sharding.range_of(f32, viewed, rank)
         assert mine.base is full and (mine == flat[slice(*f32.owned(rank))]).all()
     assert sharding.range_of(f32, arrays, 0).base is not full
 
