@@ -34,6 +34,9 @@ class MemoryFrontier:
     points: list[FrontierPoint]  # the default plan first
     step_flops: int  # of the default plan
     input_bytes: int
+    # the lowest peak any plan reaches, where it is below the last row by less than a row must
+    # lower it (1%: no row); a budget from it up to the last row runs it, one under it is refused
+    floor: FrontierPoint | None = None
 
     def __str__(self) -> str:
         rounding = any(p.rounds for p in self.points)
@@ -52,7 +55,23 @@ class MemoryFrontier:
             "  (rounds): the saved buffers are kept in that dtype (allow_saved_dtype): no added "
             "FLOPs, a cast each way, and the backward reads values rounded to its precision"
         ]
-        return "\n".join([head, *("  " + line for line in lines), *(tail if rounding else [])])
+        return "\n".join(
+            [head, *("  " + line for line in lines), *(tail if rounding else []), *self._floor()]
+        )
+
+    def _floor(self) -> list[str]:
+        """The line on the plan under the last row, the lowest peak a refusal names."""
+        if self.floor is None:
+            return []
+        p, last = self.floor, self.points[-1]
+        return [
+            f"  below the last row: {format_bytes(p.peak_bytes)}, "
+            f"{format_bytes(last.peak_bytes - p.peak_bytes)} less for {p.added_flops:,} "
+            f"added FLOPs (+{100 * p.added_flops / max(self.step_flops, 1):.1f}%, "
+            f"{p.recomputed} recomputed), the lowest peak any plan reaches: no row (it "
+            f"lowers the last by under 1%), but max_peak_bytes from {p.peak_bytes:,} below "
+            f"{last.peak_bytes:,} runs it and a budget under it is refused"
+        ]
 
     def _row(self, p: FrontierPoint, rounding: bool) -> tuple[str, ...]:
         share = f"+{100 * p.added_flops / max(self.step_flops, 1):.1f}%"

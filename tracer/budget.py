@@ -303,17 +303,13 @@ class BudgetPlanner:
         return sum(node_flops(n) for plan in plans.named.values() for n in plan.graph.nodes)
 
     def memory_frontier(self) -> MemoryFrontier:
-        points = [
-            FrontierPoint(
-                e.peak_bytes,
-                e.added_flops,
-                e.recomputed,
-                e.saved_bytes,
-                np_dtype(e.saved_dtype).name if e.saved_dtype else None,
-            )
-            for e in self.frontier()
-        ]
-        return MemoryFrontier(self.name, points, self.step_flops(), self.input_bytes)
+        """The frontier's rows, and the smallest plan where it is no row (the floor a refusal
+        names, under the last row by less than worth_lowering)."""
+        rows = self.frontier()
+        points = [_frontier_point(e) for e in rows]
+        floor = self.smallest()
+        below = _frontier_point(floor) if floor.peak_bytes < rows[-1].peak_bytes else None
+        return MemoryFrontier(self.name, points, self.step_flops(), self.input_bytes, below)
 
     # ---- budgets ------------------------------------------------------------------------------
 
@@ -446,9 +442,16 @@ class BudgetPlanner:
             if best.peak_bytes < default.peak_bytes
             else f"the default plan's: recomputing in {self._backward_words()} lowers it no further"
         )
+        last = self.frontier()[-1]
+        row = (
+            f" (under memory_frontier's last row, {format_bytes(last.peak_bytes)}, by less than "
+            "a row must lower it: listed below the rows)"
+            if best.peak_bytes < last.peak_bytes
+            else ""
+        )
         text = (
             f"{self.name}: no plan fits {option}={limit:,} bytes. The smallest peak any plan "
-            f"reaches is {format_bytes(best.peak_bytes)}, {cost}. The arrays "
+            f"reaches is {format_bytes(best.peak_bytes)}{row}, {cost}. The arrays "
             f"passed in hold {format_bytes(self.input_bytes)} of those."
         )
         holders = holders_text(best.plans)
@@ -506,6 +509,11 @@ def rebuilt_joint(choices: PlanChoices, drop: frozenset, dtype: str | None):
 
 def _significant_bits(dtype: str) -> int:
     return {"bf16": 8, "f16": 11, "f32": 24, "f64": 53}[dtype]
+
+
+def _frontier_point(e: EvaluatedPoint) -> FrontierPoint:
+    dtype = np_dtype(e.saved_dtype).name if e.saved_dtype else None
+    return FrontierPoint(e.peak_bytes, e.added_flops, e.recomputed, e.saved_bytes, dtype)
 
 
 def worth_lowering(row: EvaluatedPoint) -> int:

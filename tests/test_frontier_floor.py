@@ -1,0 +1,59 @@
+"""The lowest peak a refusal names is a plan memory_frontier shows: where it is no row (it
+lowers the last row's peak by less than 1%, tracer/budget.py worth_lowering) the frontier lists
+it below the rows as its floor, and the refusal says it is under the last row. A budget under
+the last row ran that unlisted plan, and a refusal quoted a peak the frontier did not have."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+
+def loss(p, x, y):
+    h = x
+    for i in range(4):
+        h = bp.tanh(h @ p[f"w{i}"])
+    return bp.mse_loss(h, y)
+
+
+def arrays(width=32):
+    rng = np.random.default_rng(0)
+    p = {f"w{i}": (rng.standard_normal((width, width)) * 0.3).astype(np.float32) for i in range(4)}
+    x = rng.standard_normal((512, width)).astype(np.float32)
+    return p, x, rng.standard_normal((512, width)).astype(np.float32)
+
+
+def test_the_floor_under_the_last_row_is_listed_and_is_what_a_budget_there_runs():
+    with use_backend("numba"):
+        frontier = bp.value_and_grad(loss).memory_frontier(*arrays())
+        last, floor = frontier.points[-1], frontier.floor
+        assert floor is not None and floor.peak_bytes < last.peak_bytes
+        assert floor.added_flops > last.added_flops
+        text = str(frontier)
+        assert f"below the last row: {floor.peak_bytes:,} B" in text
+        assert "the lowest peak any plan reaches" in text
+        ran = bp.value_and_grad(loss, max_peak_bytes=last.peak_bytes - 1).explain(*arrays())
+        assert ran.peak_bytes == floor.peak_bytes  # the plan a budget under the last row runs
+        with pytest.raises(bp.MemoryBudgetError) as refused:
+            bp.value_and_grad(loss, max_peak_bytes=floor.peak_bytes - 1).explain(*arrays())
+    words = " ".join(str(refused.value).split())
+    assert f"The smallest peak any plan reaches is {floor.peak_bytes:,} B" in words
+    assert f"under memory_frontier's last row, {last.peak_bytes:,} B" in words
+
+
+def test_a_frontier_whose_last_row_is_the_lowest_peak_has_no_floor_line():
+    """On the reference interpreter each recomputed tanh frees a whole buffer: the last row is
+    the lowest peak, and the refusal names it alone."""
+    with use_backend("reference"):
+        frontier = bp.value_and_grad(loss).memory_frontier(*arrays())
+        last = frontier.points[-1]
+        assert len(frontier.points) > 1 and frontier.floor is None
+        assert "below the last row" not in str(frontier)
+        with pytest.raises(bp.MemoryBudgetError) as refused:
+            bp.value_and_grad(loss, max_peak_bytes=last.peak_bytes - 1).explain(*arrays())
+    words = " ".join(str(refused.value).split())
+    assert f"The smallest peak any plan reaches is {last.peak_bytes:,} B" in words
+    assert "memory_frontier's last row" not in words
