@@ -2,7 +2,12 @@
 and exchanged once, on the k-th call, as their mean: the step then returns what one call on the
 k micro-batches at once would (the mean over every rank's k micro-batches). The micro-batches of
 one rank must hold the same number of rows (checked), else the mean of their means would not be
-the mean over their rows."""
+the mean over their rows.
+
+A call of a round that raises before its last (its plan, or its checks) still counts as one of
+the round's k calls, and the round remembers the first failure: the other ranks make no MPI
+call until the round's last call either, so the last call tells them (step.py) and every rank
+drops the round. Rounds thus keep pairing call for call on every rank."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ class Accumulator:
         self.calls = 0  # calls of this round so far
         self._sums: list[np.ndarray] | None = None
         self._signature = None
+        self.failure: str | None = None  # the first call of this round that raised
         self._lock = threading.Lock()
 
     @property
@@ -52,23 +58,35 @@ class Accumulator:
             total /= total.dtype.type(self.steps)
         return sums
 
+    def failed(self, text: str) -> None:
+        """A call of this round before its last raised: count it and note the round's first
+        failure (the round's last call tells the other ranks, see drop)."""
+        with self._lock:
+            self.calls += 1
+            if self.failure is None:
+                self.failure = f"{text} (call {self.calls} of a round of accumulate={self.steps})"
+
+    def drop(self) -> str | None:
+        """End this round without a result (its last call failed, or an earlier one did);
+        returns the failure noted, if any."""
+        with self._lock:
+            failure = self.failure
+            self._sums, self._signature, self.calls, self.failure = None, None, 0, None
+            return failure
+
     def _check(self, signature, lengths) -> None:
+        """Raise for a call unlike the round's first (the round then fails on every rank at its
+        last call: the caller counts the call as failed)."""
         if signature[0] != self._signature[0]:
-            self._reset()
             raise DistributedError(
                 f"data_parallel(accumulate={self.steps}): call {self.calls + 1} of the round "
                 "differentiates parameters of another structure, shapes or dtypes than call 1; "
-                "the k micro-batches of a round must share the parameters (the round restarts)"
+                "the k micro-batches of a round must share the parameters"
             )
         if lengths != self._signature[1]:
-            first = self._signature[1]
-            self._reset()
             raise DistributedError(
                 f"data_parallel(accumulate={self.steps}): call {self.calls + 1} of the round "
                 f"passes batch arguments of {list(lengths)} rows but call 1 passed "
-                f"{list(first)}; micro-batches of one round must hold equal rows, or the mean "
-                "of their means is not the mean over the rows (the round restarts)"
+                f"{list(self._signature[1])}; micro-batches of one round must hold equal rows, "
+                "or the mean of their means is not the mean over the rows"
             )
-
-    def _reset(self) -> None:
-        self._sums, self._signature, self.calls = None, None, 0

@@ -13,7 +13,19 @@ Where the compiled driver had started some buckets itself before the call raised
 sums already hold this rank's real loss, so NaN cannot tell them: the step is marked out of
 step instead, and its next call raises RankOutOfStepError on that rank without touching MPI,
 which, uncaught, ends every rank through MPI_Abort. (Where it had started none, this rank
-posts them in the drivers' order, then the rest, and the call settles as above.)"""
+posts them in the drivers' order, then the rest, and the call settles as above.)
+
+A rank whose call raises before the ranks agreed on it (tracing, a micro-batch's checks) posts
+the agreement anyway, marked failed (step.py): every rank then gathers what failed where and
+the others raise RankFailedError before anything moves. A non-final call of an accumulating
+round that raises is counted and noted; the round's last call tells the others the same way and
+every rank drops the round. A rank whose ZeRO-1 update raises still joins the all-gather, with
+a status beside it, so the others raise RankFailedError instead of returning its garbage.
+
+The rank that raised waits for the other ranks while it settles, and without a data_parallel
+timeout a hung rank would keep it waiting forever: it waits at most SETTLE_S seconds (or the
+timeout), then gives up. Its step is then out of step (the error says so), and its error,
+uncaught, ends every rank through MPI_Abort, the hung one too."""
 
 from __future__ import annotations
 
@@ -22,6 +34,14 @@ import numpy as np
 from backplan.ir.types import np_dtype
 
 from .errors import RankFailedError
+
+SETTLE_S = 120.0  # how long a rank that raised waits for the others to complete the call
+
+
+def settle_seconds(timeout: float | None) -> float:
+    """The deadline of a failed rank's waits: the step's timeout, else SETTLE_S (a rank that
+    raised must not wait forever for one that hangs)."""
+    return SETTLE_S if timeout is None else timeout
 
 
 def describe_error(error: BaseException) -> str:
@@ -44,8 +64,9 @@ def settle(exchange, error: BaseException, first=()) -> None:
     """On the rank whose call raised after the agreement: start the buckets `first` (those
     the other ranks' compiled drivers start, in their order), then what the exchange has not
     started, with NaN for every leaf, and finish it, which tells the other ranks
-    (check_ranks). The caller then raises `error` on this rank."""
+    (check_ranks); each wait settle_seconds at most. The caller then raises `error`."""
     exchange.failure = describe_error(error)
+    exchange.timeout = settle_seconds(exchange.timeout)
     array_of = nan_arrays(exchange.layout)
     for bucket in first:
         exchange.start_bucket(bucket, array_of)
@@ -53,19 +74,57 @@ def settle(exchange, error: BaseException, first=()) -> None:
     exchange.finish()
 
 
+AFTER_AGREEMENT = (
+    "after the ranks had agreed on the call. It completed the call's exchange with NaN in place "
+    "of its gradients, so no rank got gradients or an update from this call"
+)
+BEFORE_AGREEMENT = (
+    "before the ranks had agreed on the call (tracing, or its own checks). It told the other "
+    "ranks in the agreement, so no rank exchanged or applied anything from this call"
+)
+IN_UPDATE = (
+    "in its ZeRO-1 update. It joined the all-gather with a status saying so, so no rank "
+    "returns this call's parameters or state: those passed in still hold"
+)
+
+
 def check_ranks(world, loss: np.ndarray, failure: str | None, name: str) -> None:
     """After a call's exchange, on every rank: raise RankFailedError when another rank's call
     failed (it sent a NaN loss, so every rank's summed loss is NaN and all come here)."""
     if failure is None and not (loss != loss).any():  # NaN is the one value unequal to itself
         return
+    raise_for_others(world, failure, name, AFTER_AGREEMENT)
+
+
+def raise_for_others(world, failure: str | None, name: str, when: str) -> list:
+    """Every rank comes here together once any rank said it failed: gather what failed where;
+    the ranks whose call went well raise RankFailedError naming the failed ranks and their
+    errors, a failed rank gets [(rank, its error)] back (to raise its own). When nobody failed
+    (a real NaN loss), every rank gets []."""
     said = world.comm.allgather(failure)
     failed = [(rank, text) for rank, text in enumerate(said) if text is not None]
-    if not failed or failure is not None:
-        return  # the loss itself is NaN; or this rank failed, and raises its own error
-    who = "; ".join(f"rank {rank} of {world.size} raised {text}" for rank, text in failed)
-    raise RankFailedError(
-        f"{who} during this call of the data-parallel step of {name}(), after the ranks had "
-        "agreed on the call. It completed the call's exchange with NaN in place of its "
-        "gradients, so no rank got gradients or an update from this call and the ranks stay "
+    if failed and failure is None:
+        raise RankFailedError(failed_text(failed, world.size, name, when))
+    return failed
+
+
+def failed_text(failed: list, size: int, name: str, when: str) -> str:
+    """RankFailedError's message: [(rank, its error)], when it failed (the constants above)."""
+    who = "; ".join(f"rank {rank} of {size} raised {text}" for rank, text in failed)
+    return (
+        f"{who} during this call of the data-parallel step of {name}(), {when}; the ranks stay "
         "in step: call the step again to go on (uncaught, this error ends every rank)"
+    )
+
+
+def out_of_step_text(world, error: BaseException, name: str, telling=None, why: str = "") -> str:
+    """RankOutOfStepError's message for a rank whose call raised `error` and could not tell
+    the others (telling: what raised meanwhile, e.g. a RankTimeoutError) or settle (why)."""
+    if telling is not None:
+        why = f"telling the other ranks raised {describe_error(telling)}"
+    return (
+        f"this rank ({world.rank} of {world.size}) raised {describe_error(error)} during an "
+        f"earlier call of the data-parallel step of {name}, and {why}: the other ranks' "
+        "collectives of that call no longer pair with this rank's, so this step cannot go on. "
+        "Uncaught, this error ends every rank (MPI_Abort); restart from the last checkpoint"
     )

@@ -30,7 +30,7 @@ from backplan.tracer.tensor import Tensor
 from .agreement import leaf_array
 from .deadline import wait_or_raise
 from .errors import DistributedError
-from .failure import check_ranks
+from .failure import IN_UPDATE, check_ranks, raise_for_others, settle_seconds
 from .layout import Layout
 from .rows import scale_by_weight
 from .world import World, mpi_module
@@ -279,10 +279,16 @@ class ShardedExchange:
         else:
             wait_or_raise(request, self.timeout, what)
 
-    def gather(self, ranges: list[np.ndarray]) -> list[np.ndarray]:
+    def gather(self, ranges: list[np.ndarray], failure: str | None = None) -> list[np.ndarray]:
         """Every parameter whole again from every rank's updated range (ranges: this rank's,
         group order); returns the parameters' arrays by position: views of one buffer per
-        dtype, which nothing else writes while they are held."""
+        dtype, which nothing else writes while they are held. failure: this rank's update
+        raised (ranges are then its ranges before the update): a status allreduced beside
+        the all-gathers tells every rank, and the others raise RankFailedError."""
+        status = np.array([failure is not None], np.int8)
+        told = self.world.comm.Iallreduce(self.mpi.IN_PLACE, status, op=self.mpi.MAX)
+        if failure is not None:
+            self.timeout = settle_seconds(self.timeout)
         started = []
         for k, (group, mine) in enumerate(zip(self.groups, ranges, strict=True)):
             mine = np.asarray(mine).reshape(-1)
@@ -294,8 +300,12 @@ class ShardedExchange:
             full = self._gathered(k, group)
             started.append((group, full, self.world.comm.Iallgather(mine, full)))
         arrays: list = [None] * sum(len(g.params) for g in self.groups)
-        for group, full, request in started:
+        for group, _, request in started:
             self._wait(request, f"the all-gather of the {group.dtype} parameters")
+        self._wait(told, "the all-gather's status")
+        if status[0]:
+            raise_for_others(self.world, failure, self.layout.name, IN_UPDATE)
+        for group, full, _ in started:
             for p, offset, shape in zip(group.params, group.offsets, group.shapes, strict=True):
                 arrays[p] = full[offset : offset + _count(shape)].reshape(shape)
         return arrays

@@ -21,9 +21,17 @@ from .agreement import check_replicas as verify_replicas
 from .agreement import leaf_array, require_same_trees
 from .buckets import DEFAULT_BUCKET_BYTES
 from .deadline import roll_call, wait_or_raise
-from .errors import RankMismatchError, RankOutOfStepError
+from .errors import RankFailedError, RankMismatchError, RankOutOfStepError
 from .exchange import Exchange
-from .failure import describe_error, settle
+from .failure import (
+    BEFORE_AGREEMENT,
+    describe_error,
+    failed_text,
+    out_of_step_text,
+    raise_for_others,
+    settle,
+    settle_seconds,
+)
 from .in_plan import InPlanExchange
 from .layout import Layout, build_layout
 from .report import DataParallelReport
@@ -32,6 +40,7 @@ from .segments import run_segments, split_plan
 from .training import DataParallelTraining
 from .world import World, current_world, init, mpi_module
 
+LOWEST = np.iinfo(np.int64).min  # a failed rank's agreement numbers: below any rank's
 MISMATCH_FIX = (
     "every rank must differentiate parameters of the same structure, shapes and dtypes "
     "(start them all from bpd.broadcast(params)) with the same bucket_bytes"
@@ -105,36 +114,45 @@ class DataParallelStep:
         """Run this rank's plan and start the exchange of its loss and gradients with an
         exchange_type (Exchange, or ShardedExchange for ZeRO-1). Returns (the exchange, None,
         aux), or, while accumulating micro-batches, (None, this rank's loss, aux). A call that
-        raises after the ranks agreed on it completes its exchange first (failure.py)."""
+        raises after the ranks agreed on it completes its exchange first, one that raises
+        before tells the others in the agreement (failure.py)."""
         world = init(self._comm)
         if self._out_of_step is not None:
             raise RankOutOfStepError(self._out_of_step)
-        if self._accumulator.last_of_round:
+        exchanging = self._accumulator.last_of_round
+        if exchanging:
             self._check_arrival(world, args)
-        key, leaves = call_key(args, kwargs, is_grad_enabled())
-        if key is not None:
-            self._called.add(key)
-        layout = self._layout(args, kwargs, key)
-        exchange = exchange_type(world, layout, self.average, self.timeout)
-        exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
-        lengths = batch_lengths(args, kwargs, self.fn.argnums)
+            if self._accumulator.failure is not None:  # an earlier call of the round raised
+                self._round_failed(world)
+        exchange = lengths = None
         try:
+            key, leaves = call_key(args, kwargs, is_grad_enabled())
+            if key is not None:
+                self._called.add(key)
+            layout = self._layout(args, kwargs, key)
+            exchange = exchange_type(world, layout, self.average, self.timeout)
+            exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
+            exchange.posted = False
+            lengths = batch_lengths(args, kwargs, self.fn.argnums)
             return self._run(world, args, kwargs, key, leaves, exchange, lengths, exchange_type)
         except BaseException as error:
-            self._failed(world, exchange, error, lengths, args, kwargs)
+            if exchange is None or not exchange.posted:
+                self._failed_before_agreement(world, error, exchanging)
+            else:
+                self._failed(world, exchange, error, lengths, args, kwargs)
             raise
 
     def _run(self, world, args, kwargs, key, leaves, exchange, lengths, exchange_type):
         """started's work once the call's exchange exists: agree, run the plan, start."""
         layout = exchange.layout
         if self.split_plan:
-            self._agreed(exchange, self._agree(world, layout, lengths, args, kwargs))
+            self._agreed(exchange, self._agree(world, exchange, lengths, args, kwargs))
             return exchange, None, self._run_split(args, kwargs, key, leaves, exchange)
         in_plan = None
         if exchange_type is Exchange and self.accumulate == 1:
             in_plan = self._in_plan(world, args, kwargs, key, leaves, layout)
         if in_plan is not None:
-            self._agreed(exchange, self._agree(world, layout, lengths, args, kwargs))
+            self._agreed(exchange, self._agree(world, exchange, lengths, args, kwargs))
             if exchange.weight is None:  # equal shards: the driver starts the buckets
                 exchange.in_driver = in_plan
                 return (
@@ -148,7 +166,7 @@ class DataParallelStep:
         # compute; ZeRO-1's reduce-scatter and all-gather then met it twice more). Accumulating,
         # the k-th call agrees after adding: a round failing its checks posts nothing
         if in_plan is None and self.accumulate == 1:
-            exchange.agreement = self._agree_start(world, layout, lengths)
+            exchange.agreement = self._agree_start(world, layout, lengths, exchange)
         if not self.overlap or exchange_type is not Exchange or self.accumulate > 1:
             self._compile_plan_driver(args, kwargs, key, leaves)
         result = self.fn(*args, **kwargs)
@@ -161,7 +179,7 @@ class DataParallelStep:
         if exchange.agreement is not None:
             self._finish_agreement(world, exchange, lengths, args, kwargs)
         elif in_plan is None:
-            self._agreed(exchange, self._agree(world, layout, lengths, args, kwargs))
+            self._agreed(exchange, self._agree(world, exchange, lengths, args, kwargs))
         exchange.start(lambda index: arrays[index])
         return exchange, None, aux
 
@@ -181,7 +199,7 @@ class DataParallelStep:
         stay in step (failure.settle); where the compiled driver had started the exchange, or
         completing it fails, the step is out of step and its next call says so."""
         if exchange.agreement is None and not exchange.agreed:
-            return  # nothing posted, or the agreement itself failed alike on every rank
+            return  # the agreement itself failed alike on every rank (or timed out)
         why = "the compiled step had started part of that call's exchange itself"
         try:
             first = []
@@ -189,7 +207,11 @@ class DataParallelStep:
                 first = exchange.in_driver.unstarted(getattr(exchange, "table", None))
             if first is not None:
                 if exchange.agreement is not None:
-                    self._finish_agreement(world, exchange, lengths, args, kwargs)
+                    exchange.timeout = settle_seconds(exchange.timeout)
+                    try:
+                        self._finish_agreement(world, exchange, lengths, args, kwargs)
+                    except RankFailedError:
+                        return  # another rank failed before the agreement: nothing moved
                 settle(exchange, error, first)
                 error.add_note(
                     f"backplan.distributed: rank {world.rank} completed this call's exchange "
@@ -200,13 +222,55 @@ class DataParallelStep:
                 return
         except BaseException as settling:
             why = f"completing that call's exchange raised {describe_error(settling)}"
-        self._out_of_step = (
-            f"this rank ({world.rank} of {world.size}) raised {describe_error(error)} during an "
-            f"earlier call of the data-parallel step of {_name(self.fn)} after the ranks had "
-            f"agreed on that call, and {why}: the other ranks' collectives of that call no "
-            "longer pair with this rank's, so this step cannot go on. Uncaught, this error "
-            "ends every rank (MPI_Abort); restart from the last checkpoint"
+            self._out_of_step = out_of_step_text(world, error, _name(self.fn), why=why)
+            error.add_note(f"backplan.distributed: {self._out_of_step}")
+            return
+        self._out_of_step = out_of_step_text(world, error, _name(self.fn), why=why)
+
+    def _failed_before_agreement(self, world, error, exchanging: bool) -> None:
+        """This rank's call raised before posting its agreement (tracing, its checks, a
+        micro-batch's plan). On a call the ranks agree on, post the agreement marked failed,
+        so the others raise RankFailedError and all stay in step; on an earlier call of an
+        accumulating round (no MPI call on any rank), count it: the round's last call tells."""
+        if not exchanging:
+            self._accumulator.failed(describe_error(error))
+            error.add_note(
+                f"backplan.distributed: rank {world.rank} counted this call as call "
+                f"{self._accumulator.calls} of its round of accumulate={self.accumulate}; at "
+                "the round's last call every rank raises RankFailedError and drops the round"
+            )
+            return
+        self._accumulator.drop()
+        try:
+            self._tell_others(world, describe_error(error))
+        except BaseException as telling:
+            self._out_of_step = out_of_step_text(world, error, _name(self.fn), telling)
+            error.add_note(f"backplan.distributed: {self._out_of_step}")
+            return
+        error.add_note(
+            f"backplan.distributed: rank {world.rank} raised before the ranks agreed on this "
+            "call and told the other ranks in the agreement (they raised RankFailedError); "
+            "nothing moved: the step may be called again"
         )
+
+    def _tell_others(self, world, failure: str) -> list:
+        """Post this call's agreement marked failed and wait for it (settle_seconds at most):
+        every rank then gathers what failed where (failure.raise_for_others)."""
+        _, _, request = self._agree_start(world, None, None, failed=True)
+        wait_or_raise(request, settle_seconds(self.timeout), "the agreement of the step's layouts")
+        return raise_for_others(world, failure, _bare_name(self.fn), BEFORE_AGREEMENT)
+
+    def _round_failed(self, world) -> None:
+        """The last call of an accumulating round in which this rank's earlier call raised:
+        tell the others (they raise RankFailedError too) and raise it here as well."""
+        failure = self._accumulator.drop()
+        try:
+            failed = self._tell_others(world, failure)
+        except BaseException as telling:
+            self._out_of_step = out_of_step_text(world, telling, _name(self.fn), telling)
+            raise
+        name = _bare_name(self.fn)
+        raise RankFailedError(failed_text(failed, world.size, name, BEFORE_AGREEMENT))
 
     def _in_plan(self, world, args, kwargs, key, leaves, layout) -> InPlanExchange | None:
         """The exchange inside the compiled step for this signature, when it applies: overlap
@@ -411,19 +475,26 @@ class DataParallelStep:
         nums = self.fn.argnums
         return args[nums] if isinstance(nums, int) else tuple(args[i] for i in nums)
 
-    def _agree(self, world: World, layout: Layout, lengths, args, kwargs) -> float | None:
+    def _agree(self, world: World, exchange, lengths, args, kwargs) -> float | None:
         """One 32-byte allreduce per call: max of (fingerprint, -fingerprint) equals this rank's
         own pair on every rank only when all fingerprints are equal; the same for the digest of
         the batch arguments' lengths. On a layout mismatch every rank gathers the leaf lists and
         raises the same error, before any gradient moves. Returns this rank's share of the
-        global batch when ranks hold different numbers of rows (None when all hold the same)."""
-        agreeing = self._agree_start(world, layout, lengths)
-        return self._agree_finish(world, layout, agreeing, lengths, args, kwargs)
+        global batch when ranks hold different numbers of rows (None when all hold the same).
+        The fifth number says whether a rank failed before agreeing (_failed_before_agreement)."""
+        agreeing = self._agree_start(world, exchange.layout, lengths, exchange)
+        return self._agree_finish(world, exchange.layout, agreeing, lengths, args, kwargs)
 
-    def _agree_start(self, world: World, layout: Layout, lengths) -> tuple:
-        """Post the agreement's allreduce (non-blocking); _agree_finish waits for it."""
-        digest = lengths_digest(lengths)
-        mine = np.array([layout.fingerprint, -layout.fingerprint, digest, -digest], np.int64)
+    def _agree_start(self, world: World, layout, lengths, exchange=None, failed=False) -> tuple:
+        """Post the agreement's allreduce (non-blocking); _agree_finish waits for it. failed:
+        this rank's call raised before agreeing (its numbers lowest, so they change no max)."""
+        if failed:
+            mine = np.array([LOWEST] * 4 + [1], np.int64)
+        else:
+            digest = lengths_digest(lengths)
+            mine = np.array([layout.fingerprint, -layout.fingerprint, digest, -digest, 0], np.int64)
+        if exchange is not None:
+            exchange.posted = True
         highest = np.empty_like(mine)
         return mine, highest, world.comm.Iallreduce(mine, highest, op=mpi_module().MAX)
 
@@ -434,6 +505,8 @@ class DataParallelStep:
             request.Wait()
         else:
             wait_or_raise(request, self.timeout, "the agreement of the step's layouts")
+        if highest[4]:
+            raise_for_others(world, None, _bare_name(self.fn), BEFORE_AGREEMENT)
         if (highest[:2] != mine[:2]).any():
             require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
             raise RankMismatchError(
@@ -441,7 +514,7 @@ class DataParallelStep:
                 f"bucket_bytes={self.bucket_bytes}, {len(layout.buckets)} buckets); "
                 f"{MISMATCH_FIX}"
             )
-        if (highest[2:] == mine[2:]).all() or not self.average:
+        if (highest[2:4] == mine[2:4]).all() or not self.average:
             return None
         return row_weight(world.comm, lengths, args, kwargs, self.fn.argnums)
 
@@ -457,7 +530,11 @@ def _hookable(compiled) -> bool:
 
 
 def _name(value_and_grad_fn) -> str:
-    return f"{getattr(value_and_grad_fn.fn, '__name__', 'the loss')}()"
+    return f"{_bare_name(value_and_grad_fn)}()"
+
+
+def _bare_name(value_and_grad_fn) -> str:
+    return getattr(value_and_grad_fn.fn, "__name__", "the loss")
 
 
 def data_parallel(

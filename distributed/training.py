@@ -15,6 +15,7 @@ from backplan.tracer.tensor import Tensor
 
 from .agreement import leaf_array
 from .exchange import Exchange
+from .failure import describe_error, out_of_step_text
 from .sharding import ShardedExchange, flat_shares, groups_of, range_of
 from .world import init
 
@@ -110,15 +111,35 @@ class DataParallelTraining:
         grads = tuple(Tensor._fresh(g) for g in grad_ranges)
         try:
             new_ranges, state = self._update(grads, state, ranges)
-        except TypeError as error:
-            raise TypeError(
-                f"{error}\n(with shard_optimizer=True the state is this rank's share: pass the "
-                "state step.init(params) returned, not optimizer.init(params))"
-            ) from error
+        except BaseException as error:
+            self._update_failed(exchange, ranges, error)
+            if isinstance(error, TypeError):
+                raise TypeError(
+                    f"{error}\n(with shard_optimizer=True the state is this rank's share: pass "
+                    "the state step.init(params) returned, not optimizer.init(params))"
+                ) from error
+            raise
         gathered = exchange.gather([leaf_array(t) for t in new_ranges])
         leaves, treedef = flatten(params)
         new = _like([Tensor._fresh(a) for a in gathered], leaves)
         return unflatten(treedef, new), state, self._loss(Tensor._fresh(loss), aux)
+
+    def _update_failed(self, exchange, ranges, error) -> None:
+        """This rank's update raised: join the all-gather anyway, saying so, so the other ranks
+        raise RankFailedError instead of waiting there for it (or returning what it sent);
+        where that fails (the others gone, or the deadline passed), the step is out of step."""
+        try:
+            exchange.gather([leaf_array(t) for t in ranges], failure=describe_error(error))
+        except BaseException as telling:
+            name = f"{exchange.layout.name}()"
+            self.step._out_of_step = out_of_step_text(exchange.world, error, name, telling)
+            error.add_note(f"backplan.distributed: {self.step._out_of_step}")
+            return
+        error.add_note(
+            f"backplan.distributed: rank {exchange.world.rank} joined this call's all-gather "
+            "saying its update failed, so the other ranks raised RankFailedError and no rank "
+            "returned this call's parameters or state: the step may be called again"
+        )
 
     def explain(self, params, state, *batch, size: int | None = None, **kwargs):
         """The step's report (DataParallelStep.explain) with the optimizer state each rank

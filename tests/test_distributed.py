@@ -951,6 +951,140 @@ def test_a_rank_whose_plan_raises_after_the_agreement_leaves_the_ranks_in_step(t
 
 
 @needs_mpi
+def test_a_rank_that_raises_before_the_agreement_tells_the_others_there(tmp_path):
+    """Rank 0's call raises before the ranks agree on it (tracing a batch of the wrong width):
+    it posts the agreement marked failed, so rank 1 raises RankFailedError instead of waiting,
+    and the next calls pair. Accumulating, rank 0's first micro-batch raises (no MPI call on
+    either rank): the round's last call raises RankFailedError on both ranks, naming rank 0's
+    call 1, and the next round pairs and gives the bytes of a fresh step's round. Before: rank
+    1 waited in the agreement, which rank 0's next call met (the next round's calls shifted)."""
+    result = run_script(
+        tmp_path,
+        FAILING_PLAN
+        + textwrap.dedent(
+            """
+        def outcome(call):
+            try:
+                return call(), None
+            except Exception as error:
+                return None, error
+        step = bpd.data_parallel(vg)
+        before = step(params, xs, ys)
+        _, caught = outcome(lambda: step(params, xs[:, :7] if rank == 0 else xs, ys))
+        if rank == 0:
+            assert not isinstance(caught, bpd.DistributedError), caught
+            assert "told the other ranks in the agreement" in caught.__notes__[-1]
+        else:
+            assert isinstance(caught, bpd.RankFailedError), caught
+            assert "rank 0 of 2 raised " in str(caught), str(caught)
+            assert "before the ranks had agreed on the call" in str(caught)
+        after = step(params, xs, ys)
+        assert all((after[1][k].numpy() == before[1][k].numpy()).all() for k in params)
+        acc = bpd.data_parallel(vg, accumulate=2)
+        failing = acc.fn = Failing(vg)
+        failing.fail = rank == 0
+        _, caught = outcome(lambda: acc(params, xs[:4], ys[:4]))
+        assert (type(caught).__name__ == "ValueError") == (rank == 0), caught
+        failing.fail = False
+        _, caught = outcome(lambda: acc(params, xs[4:], ys[4:]))
+        assert isinstance(caught, bpd.RankFailedError), caught
+        assert "rank 0 of 2 raised ValueError: plan failed on purpose (call 1 of a round" in (
+            str(caught)
+        ), str(caught)
+        fresh = bpd.data_parallel(vg, accumulate=2)
+        for got in (acc, fresh):
+            got(params, xs[:4], ys[:4])
+            loss, grads = got(params, xs[4:], ys[4:])
+            print(f"rank {rank} round", loss.item(), [grads[k].numpy().sum() for k in params])
+        print(f"rank {rank} ok")
+        """
+        ),
+    )
+    assert_ranks_ok(result)
+    for rank in range(2):
+        rounds = [line for line in result.stdout.splitlines() if f"rank {rank} round" in line]
+        assert len(rounds) == 2 and rounds[0] == rounds[1], result.stdout
+
+
+@needs_mpi
+def test_a_rank_whose_zero1_update_raises_tells_the_others_in_the_all_gather(tmp_path):
+    """Rank 0's ZeRO-1 update raises (between the reduce-scatter and the all-gather): it joins
+    the all-gather with a status saying so, rank 1 raises RankFailedError instead of waiting
+    there (before: forever, or returning rank 0's stale range), and the next call, from the
+    same parameters and state, gives the bytes of the unsharded step."""
+    result = run_script(
+        tmp_path,
+        FAILING_PLAN
+        + textwrap.dedent(
+            """
+        opt = bp.optim.adam(0.01)
+        train = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=True)
+        p, state, _ = train(params, train.init(params), xs, ys)
+        update = train._update
+        def failing(*args):
+            raise ValueError("update failed on purpose")
+        if rank == 0:
+            train._update = failing
+        try:
+            train(p, state, xs, ys)
+        except Exception as error:
+            caught = error
+        train._update = update
+        if rank == 0:
+            assert type(caught) is ValueError and "joined this call's all-gather" in (
+                caught.__notes__[-1]
+            ), caught
+        else:
+            assert isinstance(caught, bpd.RankFailedError), caught
+            assert "rank 0 of 2 raised ValueError: update failed on purpose" in str(caught)
+            assert "in its ZeRO-1 update" in str(caught), str(caught)
+        q, _, loss = train(p, state, xs, ys)
+        plain = bpd.data_parallel(vg, optimizer=opt)
+        r, s, _ = plain(params, plain.init(params), xs, ys)
+        r, _, plain_loss = plain(r, s, xs, ys)
+        assert loss.item() == plain_loss.item()
+        assert all((q[k].numpy() == r[k].numpy()).all() for k in params)
+        print(f"rank {rank} ok")
+        """
+        ),
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_a_rank_that_raises_while_another_hangs_ends_the_job_without_a_timeout(tmp_path):
+    """No data_parallel timeout: rank 0's plan raises after the agreement while rank 1's hangs.
+    Rank 0 waits for rank 1 to complete the call's exchange SETTLE_S seconds at most (2 here),
+    then its error, noting that, ends both ranks (MPI_Abort). Before: rank 0 waited forever."""
+    result = run_script(
+        tmp_path,
+        FAILING_PLAN
+        + textwrap.dedent(
+            """
+        import time
+        from backplan.distributed import failure
+        failure.SETTLE_S = 2
+        class Hanging(Failing):
+            def __call__(self, *args, **kwargs):
+                if self.fail and rank == 1:
+                    time.sleep(300)
+                return super().__call__(*args, **kwargs)
+        step = bpd.data_parallel(vg)
+        step(params, xs, ys)
+        hanging = step.fn = Hanging(vg)
+        hanging.fail = True
+        step(params, xs, ys)
+        print(f"rank {rank} finished")
+        """
+        ),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "finished" not in output, output
+    assert "rank 0 of 2 raised ValueError: plan failed on purpose" in output, output
+    assert "RankTimeoutError" in output and "within 2 s" in output, output
+
+
+@needs_mpi
 def test_a_rank_that_raises_around_its_compiled_step_settles_or_says_it_is_out_of_step(tmp_path):
     """On the compiled backend the driver starts the buckets itself. Rank 0 raising before its
     driver ran (nothing posted) posts the buckets in the drivers' order with NaN: rank 1 gets
@@ -1157,5 +1291,5 @@ def test_accumulated_calls_from_four_threads_are_each_added_once():
     with pytest.raises(bpd.DistributedError, match=r"batch arguments of \[3\] rows but call 1"):
         accumulator.add(1, (3,), arrays)
     with pytest.raises(bpd.DistributedError, match="another structure, shapes or dtypes"):
-        accumulator.add(1, (4,), arrays)  # the round restarted: this is its call 1
+        accumulator.add(1, (4,), arrays)  # the round goes on: its call 2
         accumulator.add(2, (4,), arrays)
