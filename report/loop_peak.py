@@ -11,9 +11,8 @@ inputs go back in as the next call's donated arrays, counted there already).
 
 >>> from backplan.ir.peak import PeakReport, PeakStep
 >>> step = PeakStep(0, "joint", "matmul", "m.py:3", {"inputs": 8, "outputs": 4, "gradients": 8})
->>> kept = kept_output_bytes(PeakReport("numba", (step,)), gradients_returned=True)
->>> kept, holding(PeakReport("numba", (step,)), kept).peak_bytes
-(12, 32)
+>>> holding(PeakReport("numba", (step,)), 12).peak_bytes
+32
 >>> later = PeakStep(1, "backward", "matmul", "m.py:4", {"inputs": 8, "gradients": 24})
 >>> holding(PeakReport("numba", (step, later)), 4).peak_bytes  # backward() runs later
 32
@@ -24,19 +23,40 @@ from __future__ import annotations
 from dataclasses import replace
 
 from backplan.ir.peak import PeakReport
+from backplan.ir.reference_storage import storage_roots
 
 from .wording import format_bytes
 
 KEPT = "previous outputs"  # the category the kept results are counted under
 
 
-def kept_output_bytes(peak: PeakReport, gradients_returned: bool) -> int:
-    """Bytes of the results a call of `peak` hands back that the step allocated: at its last
-    kernel (or step) every output is still held, and nothing else of those categories."""
-    if not peak.steps:
-        return 0
-    last = peak.steps[-1].held
-    return last.get("outputs", 0) + (last.get("gradients", 0) if gradients_returned else 0)
+def kept_output_bytes(calls, gradients_returned: bool) -> int:
+    """Bytes of the results the plan calls of one step hand back that the step allocated and
+    the loop does not pass back in: each output of a plan the call runs (backward()'s plan
+    hands its gradients to .grad instead), its buffer counted once (a view lives in its
+    base's), the caller's arrays and constants left out, and so are the outputs that go back
+    in as the next call's donated arrays (a training step's new parameters and optimizer
+    state: each output of a donated input's type, in order, as ir/donation.py pairs them)."""
+    kept = 0
+    for call in calls:
+        if call.idle or call.label == "backward":
+            continue
+        graph = call.plan.graph
+        roots, seen = storage_roots(graph), set()
+        donated = [graph.inputs[i].type for i in call.plan.donated]
+        returned = ("outputs", "gradients") if gradients_returned else ("outputs",)
+        for value, kind in zip(graph.outputs, call.output_kinds, strict=True):
+            if kind not in returned:
+                continue
+            if value.type in donated:
+                donated.remove(value.type)  # passed back in: the next call's argument
+                continue
+            root = roots.get(value, value)
+            if root in seen or root in graph.inputs or getattr(root, "op", None) == "const":
+                continue
+            seen.add(root)
+            kept += root.type.nbytes
+    return kept
 
 
 def holding(peak: PeakReport, kept: int) -> PeakReport:
@@ -57,7 +77,7 @@ def loop_sentence(report) -> str:
     (192.0 KiB): 696,328 B (680.0 KiB) (report.loop_peak_bytes)'; "" when a call hands back
     nothing it allocated. A loss that backward() follows holds the old one while its forward
     runs, not while backward()'s plan does."""
-    kept = kept_output_bytes(report.peak_on_call(1), report.returns_gradients)
+    kept = report.kept_output_bytes(1)
     if kept <= 0:
         return ""
     example, during = "out = f(params, x)", ""

@@ -269,8 +269,14 @@ class ExplainReport:
         peak = self.peak_on_call(n)
         if n == 1:
             return peak
-        kept = kept_output_bytes(self.peak_on_call(n - 1), self.returns_gradients)
-        return holding(peak, kept)
+        return holding(peak, self.kept_output_bytes(n - 1))
+
+    def kept_output_bytes(self, n: int) -> int:
+        """Bytes of the n-th call's results a loop keeps bound through the next call (what it
+        allocated and hands back, less what goes back in as donated arrays)."""
+        joint = self.joint_step_calls is not None and n >= self.call_peaks[-1].first_call
+        calls = self.joint_step_calls if joint else self.peak_calls
+        return kept_output_bytes(calls, self.returns_gradients)
 
     @property
     def loop_peak_bytes(self) -> int:
