@@ -30,23 +30,25 @@ from .wording import format_bytes
 KEPT = "previous outputs"  # the category the kept results are counted under
 
 
-def kept_output_bytes(calls, gradients_returned: bool) -> int:
+def kept_output_bytes(calls, gradients_returned: bool, not_returned=frozenset()) -> int:
     """Bytes of the results the plan calls of one step hand back that the step allocated and
     the loop does not pass back in: each output of a plan the call runs (backward()'s plan
     hands its gradients to .grad instead), its buffer counted once (a view lives in its
     base's), the caller's arrays and constants left out, and so are the outputs that go back
     in as the next call's donated arrays (a training step's new parameters and optimizer
-    state: each output of a donated input's type, in order, as ir/donation.py pairs them)."""
-    kept = 0
+    state: each output of a donated input's type, in order, as ir/donation.py pairs them).
+    not_returned: outputs of the first plan the function drops (bp.grad's value)."""
+    kept, first = 0, True
     for call in calls:
         if call.idle or call.label == "backward":
             continue
+        dropped, first = (not_returned if first else frozenset()), False
         graph = call.plan.graph
         roots, seen = storage_roots(graph), set()
         donated = [graph.inputs[i].type for i in call.plan.donated]
         returned = ("outputs", "gradients") if gradients_returned else ("outputs",)
-        for value, kind in zip(graph.outputs, call.output_kinds, strict=True):
-            if kind not in returned:
+        for i, (value, kind) in enumerate(zip(graph.outputs, call.output_kinds, strict=True)):
+            if kind not in returned or i in dropped:
                 continue
             if value.type in donated:
                 donated.remove(value.type)  # passed back in: the next call's argument
@@ -82,7 +84,9 @@ def loop_sentence(report) -> str:
         return ""
     example, during = "out = f(params, x)", ""
     if report.returns_gradients:
-        example = "loss, grads = step(params, x)"
+        example = (
+            "grads = step(params, x)" if report.not_returned else "loss, grads = step(params, x)"
+        )
     elif "backward" in report.plans:
         example, during = "loss = f(params, x); loss.backward()", " while its forward runs"
     return (

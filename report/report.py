@@ -112,6 +112,9 @@ class ExplainReport:
     # a training step: its optimizer updates' order and the peaks of both orders
     # (ir/update_order.py UpdateOrder), None when no update could move
     update_order: object = None
+    # outputs of the step's first plan its function does not hand back (bp.grad's value):
+    # a loop keeps none of them (loop_peak_on_call)
+    not_returned: frozenset = frozenset()
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -276,7 +279,7 @@ class ExplainReport:
         allocated and hands back, less what goes back in as donated arrays)."""
         joint = self.joint_step_calls is not None and n >= self.call_peaks[-1].first_call
         calls = self.joint_step_calls if joint else self.peak_calls
-        return kept_output_bytes(calls, self.returns_gradients)
+        return kept_output_bytes(calls, self.returns_gradients, self.not_returned)
 
     @property
     def loop_peak_bytes(self) -> int:

@@ -111,3 +111,39 @@ def test_a_donated_training_step_loop_keeps_its_loss_alone(backend):
         counted = counted_calls(step, CALLS)
     assert report.kept_output_bytes(1) == 4  # the float32 loss
     assert counted == printed_calls(report, CALLS, loop=True)
+
+
+def tanh_loss(p, x):
+    h = bp.tanh(x @ p["w1"])
+    return bp.sum((h @ p["w2"]) ** 2)
+
+
+def tanh_loss_with_aux(p, x):
+    h = bp.tanh(x @ p["w1"])
+    return bp.sum((h @ p["w2"]) ** 2), h
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("kind", ["grad", "aux", "forward"])
+def test_grad_aux_and_forward_loops_keep_what_they_return(backend, kind):
+    """bp.grad hands back the gradients alone (its loss is no kept result: counting it printed
+    4 B over the loop), value_and_grad with has_aux the aux too, a compiled forward its
+    output."""
+    rng = np.random.default_rng(0)
+    p = {
+        "w1": bp.tensor(rng.standard_normal((16, 64)).astype(np.float32)),
+        "w2": bp.tensor(rng.standard_normal((64, 32)).astype(np.float32)),
+    }
+    x = bp.tensor(rng.standard_normal((8, 16)).astype(np.float32))
+    fn = {
+        "grad": lambda: bp.grad(tanh_loss),
+        "aux": lambda: bp.value_and_grad(tanh_loss_with_aux, has_aux=True),
+        "forward": lambda: bp.compile(lambda p, x: bp.tanh(x @ p["w1"])),
+    }[kind]()
+    with use_backend(backend), checked_memory():
+        report = bp.explain(fn, p, x)
+        counted = counted_in_a_loop(lambda: fn(p, x))
+    assert counted == printed_for_the_loop(report)
+    kept = {"grad": 16 * 64 * 4 + 64 * 32 * 4, "aux": 4 + 8 * 64 * 4 + 16 * 64 * 4 + 64 * 32 * 4}
+    kept["forward"] = 8 * 64 * 4
+    assert report.kept_output_bytes(1) == kept[kind]

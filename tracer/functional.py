@@ -376,6 +376,11 @@ class GradFunction(ValueAndGradFunction):
         value_aux, grads = super().__call__(*args, **kwargs)
         return (grads, value_aux[1]) if self.has_aux else grads
 
+    def _report(self, entry: JointTrace, bound: JointCall):
+        report = super()._report(entry, bound)
+        report.not_returned = frozenset({0})  # the value: a loop keeps no old one (loop peak)
+        return report
+
 
 def grad(
     fn: Callable[..., Any],
