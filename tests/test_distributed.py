@@ -820,6 +820,9 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
         report = step.explain(params, state, xs, ys)
         halves = 100  # rank 0's range of the 199 elements
         assert report.state_bytes_per_rank == 8 + 2 * 4 * halves, report.state_bytes_per_rank
+        from backplan.tracer.pytree import flatten
+        held = sum(leaf.numpy().nbytes for leaf in flatten(state)[0])  # what this rank keeps
+        assert held == report.state_bytes_per_rank - 8 * rank, (held, rank)
         assert report.state_bytes_whole == 8 + 2 * 4 * sum(p.numpy().size for p in params.values())
         if rank == 0:
             print(report)
