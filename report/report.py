@@ -265,14 +265,16 @@ class ExplainReport:
         """value_and_grad's step hands its gradients back; a compiled loss leaves them in .grad."""
         return "joint" in self.plans
 
-    def loop_peak_on_call(self, n: int) -> PeakReport:
+    def loop_peak_on_call(self, n: int, kept: int | None = None) -> PeakReport:
         """peak_on_call(n) in a loop that keeps the last outputs until the call returns
         (`loss, grads = step(params, x)`): from call 2 the previous call's results, which the
-        caller's names still hold, are counted too (report/loop_peak.py)."""
+        caller's names still hold, are counted too (report/loop_peak.py). kept: the bytes of
+        those results where the previous call ran another signature or size (its report's
+        kept_output_bytes), else this signature's own."""
         peak = self.peak_on_call(n)
-        if n == 1:
-            return peak
-        return holding(peak, self.kept_output_bytes(n - 1))
+        if kept is None:
+            kept = self.kept_output_bytes(n - 1) if n > 1 else 0
+        return holding(peak, kept)
 
     def kept_output_bytes(self, n: int) -> int:
         """Bytes of the n-th call's results a loop keeps bound through the next call (what it

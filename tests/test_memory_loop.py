@@ -147,3 +147,34 @@ def test_grad_aux_and_forward_loops_keep_what_they_return(backend, kind):
     kept = {"grad": 16 * 64 * 4 + 64 * 32 * 4, "aux": 4 + 8 * 64 * 4 + 16 * 64 * 4 + 64 * 32 * 4}
     kept["forward"] = 8 * 64 * 4
     assert report.kept_output_bytes(1) == kept[kind]
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_loop_over_sizes_of_a_dynamic_axis_holds_the_last_calls_results(backend):
+    """`loss, grads = step(w, x)` over batches of 4, 6 and 9 rows: a call after one at another
+    size holds that call's results, which explain's text names and loop_peak_on_call(n,
+    kept=...) counts; the checked mode agrees at every call."""
+    rng = np.random.default_rng(2)
+    w = bp.tensor(rng.standard_normal((5, 7)).astype(np.float32))
+
+    def loss(w, x):
+        return bp.mean(bp.tanh(x @ w) * x.sum()), bp.tanh(x @ w)  # aux: (n, 7)
+
+    step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "n"}}), has_aux=True)
+    xs = {n: bp.tensor(rng.standard_normal((n, 5)).astype(np.float32)) for n in (4, 6, 9)}
+    counted, printed, calls, results, last = [], [], {}, None, None
+    with use_backend(backend), checked_memory(), measure() as held:
+        for n in [4, 6, 4, 6, 9, 4, 4, 6]:
+            held.restart_at_next_use()
+            results = step(w, xs[n])
+            counted.append(held.peak)
+            calls[n] = calls.get(n, 0) + 1
+            report = step.explain(w, xs[n])
+            kept = None if last is None else last.kept_output_bytes(1)
+            printed.append(report.loop_peak_on_call(calls[n], kept).allocated_peak_bytes)
+            last = report
+    del results
+    assert counted == printed
+    assert "a call after one at another size holds that call's results (4: " in " ".join(
+        report.dynamic.split()
+    )

@@ -316,7 +316,9 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
     if entry.fitted is None:
         return (
             f"Dynamic axis {symbol}: each size is planned on its own (sizes {sizes}), "
-            f"because {entry.reason}." + _other_sizes_arenas(entry, report_of, size, report)
+            f"because {entry.reason}."
+            + _other_sizes_arenas(entry, report_of, size, report)
+            + _loop_results(entry, report_of, size, report)
         )
     at = [entry.first_size * f for f in (1, *PROBE_FACTORS)]
     reports = [report_of(entry._make(entry.template, entry.fitted, n)) for n in at]
@@ -328,6 +330,7 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
         f"Dynamic axis {symbol}: one plan for every size, traced once at "
         f"{symbol}={entry.first_size}, planned for sizes {sizes}; {'; '.join(formulas)}."
         + _other_sizes_arenas(entry, report_of, size, report)
+        + _loop_results(entry, report_of, size, report)
     )
 
 
@@ -351,6 +354,20 @@ def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int, this) -> str:
         "made again when a size comes back), so the peak above is all it holds."
     )
     return text
+
+
+def _loop_results(entry: DynamicEntry, report_of, size: int, this) -> str:
+    """In a loop that keeps the last results, a call after one at another size holds that
+    size's results, not its own size's (report.loop_peak_on_call(n, kept=...))."""
+    kept = [(n, report_of(other).kept_output_bytes(1)) for n, other in entry.others(size)]
+    if not any(b for _, b in kept):
+        return ""
+    each = ", ".join(f"{n}: {b:,} B" for n, b in kept)
+    return (
+        f" In a loop that keeps the last results, a call after one at another size holds that "
+        f"call's results ({each}) instead of {this.kept_output_bytes(1):,} B at {size} "
+        "(report.loop_peak_on_call(n, kept=...))."
+    )
 
 
 def _formula(values: list[int], sizes: list[int], symbol: str, here: int, size: int) -> str:
