@@ -57,10 +57,16 @@ class DataParallelReport:
         self.state_bytes_whole: int | None = None  # the whole optimizer state
         self.size_note: str | None = None  # why `size` ranks were previewed, when not asked
         self.driver_note: str | None = None  # when the driver starting the buckets runs
+        self.sharded = False  # ZeRO-1: reduce-scatter and all-gather per dtype (add_sharding)
 
     def add_optimizer(self, name: str, per_rank: int, whole: int) -> None:
         """Report the optimizer state each rank keeps (data_parallel(optimizer=...))."""
         self.optimizer, self.state_bytes_per_rank, self.state_bytes_whole = name, per_rank, whole
+
+    def add_sharding(self, bytes_sent: int) -> None:
+        """A ZeRO-1 step: its gradients travel per dtype, not per bucket; bytes_sent: what one
+        rank sends per step (sharding.bytes_sent)."""
+        self.sharded, self.bytes_sent_per_step = True, bytes_sent
 
     def _row(self, bucket: Bucket) -> BucketRow:
         ready = bucket.ready_step
@@ -142,6 +148,15 @@ class DataParallelReport:
             f"the step returns. Each rank sends about {self.bytes_sent_per_step:,} B per step "
             f"(a ring allreduce sends 2 (N-1)/N of the bytes, N={self.size})."
         )
+        if self.sharded:
+            text = (
+                f"{how} loss and {n_grads} gradient(s), {self.bytes_per_step:,} B (the "
+                f"{len(self.buckets)} bucket(s) below), with the optimizer state sharded "
+                "(ZeRO-1, below): one non-blocking reduce-scatter per dtype when the call "
+                "returns, then the update, then one all-gather per dtype. Each rank sends "
+                f"about {self.bytes_sent_per_step:,} B per step (N-1 of the N slots of each, "
+                f"N={self.size})."
+            )
         if self.accumulate > 1:
             k = self.accumulate
             text += (
@@ -172,10 +187,10 @@ class DataParallelReport:
             (
                 str(b.index),
                 f"{b.nbytes:,}",
-                f"{b.bytes_sent:,}",
+                "-" if self.sharded else f"{b.bytes_sent:,}",
                 b.ready_text,
                 self._start_text(b),
-                "before step() returns",
+                "before the update" if self.sharded else "before step() returns",
                 ", ".join(b.leaves),
             )
             for b in self.buckets
@@ -221,6 +236,12 @@ class DataParallelReport:
                 f"later calls run, and the driver tests it after each (MPI moves a non-blocking "
                 f"collective only inside MPI calls); calls run while in flight: {calls}. The "
                 "step waits for every bucket after the call returns."
+            )
+            return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
+        if self.sharded:
+            text = (
+                "Overlap: none; the reduce-scatters start when the call returns (their slots "
+                "are no buffer the backward writes), the all-gathers after the update."
             )
             return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
         text = (

@@ -324,6 +324,23 @@ class ShardedExchange:
         return buffer
 
 
+def bytes_sent(groups: tuple[FlatGroup, ...], size: int, loss_dtype) -> int:
+    """Bytes one rank sends in a ZeRO-1 step as ShardedExchange posts it, counted as ring
+    algorithms send them: of each dtype's reduce-scatter and all-gather, N - 1 of the N slots;
+    the loss's allreduce when it travels alone and the all-gather's one-byte status, 2 (N - 1)
+    / N of their bytes."""
+    if size <= 1:
+        return 0
+    loss = np.dtype(loss_dtype)
+    sent = 2 * (size - 1) // size  # the status
+    for k, group in enumerate(groups):
+        stride = group.block + (k == 0 and group.dtype == loss)
+        sent += (size - 1) * (stride + group.block) * group.dtype.itemsize
+    if not groups or groups[0].dtype != loss:
+        sent += 2 * (size - 1) * loss.itemsize // size
+    return sent
+
+
 def _layout_signature(layout: Layout) -> tuple:
     """(shape, dtype) of each gradient, by parameter position: the parameters' own, as
     gradients have their parameter's shape and dtype."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from functools import partial
 
+from backplan.ir.types import np_dtype
 from backplan.tracer import compile
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
@@ -16,7 +17,7 @@ from backplan.tracer.tensor import Tensor
 from .agreement import leaf_array
 from .exchange import Exchange
 from .failure import describe_error, out_of_step_text
-from .sharding import ShardedExchange, flat_shares, groups_of, range_of
+from .sharding import ShardedExchange, bytes_sent, flat_shares, groups_of, range_of
 from .world import init
 
 
@@ -147,6 +148,10 @@ class DataParallelTraining:
         report = self.step.explain(params, *batch, size=size, **kwargs)
         name = getattr(self.optimizer, "name", type(self.optimizer).__name__)
         report.add_optimizer(name, *self.state_bytes(params, report.size))
+        if self.shard_optimizer:
+            groups = groups_of(params, report.size)[0]
+            loss_dtype = np_dtype(_loss_dtype(report.layout))
+            report.add_sharding(bytes_sent(groups, report.size, loss_dtype))
         return report
 
     def state_bytes(self, params, size: int) -> tuple[int, int]:
@@ -163,6 +168,10 @@ def _like(tensors: list, params: list) -> list:
     for tensor, p in zip(tensors, params, strict=True):
         tensor.requires_grad = p.requires_grad
     return tensors
+
+
+def _loss_dtype(layout) -> str:
+    return next(leaf.dtype for b in layout.buckets for leaf in b.leaves if leaf.index == 0)
 
 
 def _dtype_mismatch(params, grads) -> str:

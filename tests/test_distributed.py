@@ -823,6 +823,11 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
         from backplan.tracer.pytree import flatten
         held = sum(leaf.numpy().nbytes for leaf in flatten(state)[0])  # what this rank keeps
         assert held == report.state_bytes_per_rank - 8 * rank, (held, rank)
+        posted = [b for k, b in step._buffers.items() if k[0] == "send"]
+        posted += [b[0] for k, b in step._buffers.items() if k[0] == "gathered"]
+        assert len(posted) == 2 and report.bytes_sent_per_step == 1 + sum(
+            b.nbytes * (size - 1) // size for b in posted  # N-1 of N slots, + the status byte
+        ), (report.bytes_sent_per_step, [b.nbytes for b in posted])
         assert report.state_bytes_whole == 8 + 2 * 4 * sum(p.numpy().size for p in params.values())
         if rank == 0:
             print(report)
