@@ -9,7 +9,9 @@ everything in bfloat16 against float32, side by side (interleaved rounds, one pi
 float32 copy first, as compiled plans did before the GEMM read bfloat16 itself. --float16 adds
 one with everything in float16 (its matmuls on the own GEMM, which widens while packing;
 convolutions and attention widen their operands into float32 copies; loops convert with
-F16C), and with --widened also float16 with float32 copies for BLAS (the path before).
+F16C; products below the own GEMM's crossover, 2**20 multiply-adds, on float32 copies for BLAS),
+and with --widened also float16 with float32 copies for BLAS for every product and float16 on
+the own GEMM for every product (the two paths before).
 Each step is also timed by the process's CPU time (all its threads, on the one pinned CPU;
 medians printed beside the wall times): on a shared, loaded machine a step's wall time counts
 the neighbours' slices too.
@@ -50,14 +52,14 @@ class _Step:
 
     numpy_allocations = False
 
-    def __init__(self, name: str, small: bool, dtype, widened: bool = False):
+    def __init__(self, name: str, small: bool, dtype, lowering=contextlib.nullcontext):
         spec = MODELS[name]
         data = spec.inputs(small, np.float32)
         self.params = {k: bp.tensor(v.astype(dtype)) for k, v in data.params.items()}
         self.batch = [b.astype(dtype) if b.dtype.kind == "f" else b for b in data.batch(True)]
         self.fn = bp.compile(bp.value_and_grad(_bound(spec)))
         self.cpu_ms: list[float] = []
-        with _gemm_operands_widened() if widened else contextlib.nullcontext():
+        with lowering():
             self.step()  # plans are made (and lowered) at the first call
 
     def step(self):
@@ -77,6 +79,19 @@ def _gemm_operands_widened():
         yield
     finally:
         widen.reads_half_operands = keep
+
+
+@contextlib.contextmanager
+def _f16_on_own_gemm():
+    """Plans lowered inside read every float16 product unwidened (own GEMM), however small."""
+    from .internals import widen
+
+    keep = widen.MIN_UNWIDENED_WORK, widen.MIN_UNWIDENED_COLUMNS
+    widen.MIN_UNWIDENED_WORK = widen.MIN_UNWIDENED_COLUMNS = 0
+    try:
+        yield
+    finally:
+        widen.MIN_UNWIDENED_WORK, widen.MIN_UNWIDENED_COLUMNS = keep
 
 
 def _bound(spec):
@@ -102,11 +117,12 @@ def main(argv=None) -> None:
             "bf16": _Step(name, args.small, bp.bfloat16),
         }
         if args.widened:
-            runners["bf16 widened"] = _Step(name, args.small, bp.bfloat16, widened=True)
+            runners["bf16 widened"] = _Step(name, args.small, bp.bfloat16, _gemm_operands_widened)
         if args.float16:
             runners["f16"] = _Step(name, args.small, np.float16)
         if args.float16 and args.widened:
-            runners["f16 widened"] = _Step(name, args.small, np.float16, widened=True)
+            runners["f16 widened"] = _Step(name, args.small, np.float16, _gemm_operands_widened)
+            runners["f16 own"] = _Step(name, args.small, np.float16, _f16_on_own_gemm)
         steps = {
             k: schedule.steps_per_round(warm_up(r, schedule.warmup_steps))
             for k, r in runners.items()

@@ -103,11 +103,11 @@ def test_bf16_gemm_strided_operands_and_batches():
         np.testing.assert_allclose(c3[i], wide, rtol=1e-5, atol=1e-5)
 
 
-def _matmul_graph(dtype, transposed=False):
+def _matmul_graph(dtype, transposed=False, m=8, k=4, n=6):
     graph = Graph()
     build = Builder(graph)
-    x = graph.add_input(TensorType(dtype, (8, 4)))
-    w = graph.add_input(TensorType(dtype, (6, 4) if transposed else (4, 6)))
+    x = graph.add_input(TensorType(dtype, (m, k)))
+    w = graph.add_input(TensorType(dtype, (n, k) if transposed else (k, n)))
     rhs = build.transpose(w, perm=(1, 0)) if transposed else w
     graph.outputs = [build.tanh(build.matmul(x, rhs))]
     return graph
@@ -116,9 +116,10 @@ def _matmul_graph(dtype, transposed=False):
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_widen_leaves_16_bit_matmul_operands_unwidened(dtype):
     """No cast into float32 before the GEMM (also through a transpose it takes as a flag):
-    the product is float32 (dtype='f32') and rounds once into the 16-bit dtype after it."""
+    the product is float32 (dtype='f32') and rounds once into the 16-bit dtype after it.
+    (float16 from the own GEMM's crossover, 2**20 multiply-adds: test_gemm_f16.)"""
     for transposed in (False, True):
-        wide = widen(_matmul_graph(dtype, transposed))
+        wide = widen(_matmul_graph(dtype, transposed, 64, 128, 128))
         matmul = next(n for n in wide.nodes if n.op == "matmul")
         assert matmul.attrs == {"dtype": "f32"} and matmul.dtype == "f32"
         assert all(i.dtype == dtype for i in matmul.inputs)
