@@ -101,20 +101,25 @@ def _round_with_instruction(builder, value):
     return builder.bitcast(builder.fptrunc(value, BFloat()), ir.IntType(16))
 
 
-def _bf16_rounding(round_value):
-    """An intrinsic float32 -> bfloat16 bits whose code `round_value(builder, value)` emits."""
+def _conversion(emit, source, result):
+    """An intrinsic `source` -> `result` (a float32 and 16-bit float bits as uint16) whose
+    code `emit(builder, value)` emits: each conversion's instruction and integer paths."""
 
     @intrinsic
-    def rounding(typingctx, x):
-        if x != types.float32:
+    def conversion(typingctx, x):
+        if x != source:
             return None
 
         def codegen(context, builder, signature, args):
-            return round_value(builder, args[0])
+            return emit(builder, args[0])
 
-        return types.uint16(x), codegen
+        return result(x), codegen
 
-    return rounding
+    return conversion
+
+
+_rounding = functools.partial(_conversion, source=types.float32, result=types.uint16)
+_widening = functools.partial(_conversion, source=types.uint16, result=types.float32)
 
 
 def _round_for_target(builder, value):
@@ -125,8 +130,8 @@ def _round_for_target(builder, value):
     return _round_with_shifts(builder, value)
 
 
-round_to_bf16_shifts = _bf16_rounding(_round_with_shifts)  # tests compare it on every host
-_round_to_bf16 = _bf16_rounding(_round_for_target)
+round_to_bf16_shifts = _rounding(_round_with_shifts)  # tests compare it on every host
+_round_to_bf16 = _rounding(_round_for_target)
 
 
 @_scalar_function
@@ -196,26 +201,9 @@ def _i32_like(value, number):
     return _constant_like(value, ir.IntType(32), number & 0xFFFFFFFF)
 
 
-def _f16_widening(widen_value):
-    """An intrinsic float16 bits (uint16) -> float32 whose code `widen_value(builder, bits)`
-    emits."""
-
-    @intrinsic
-    def widening(typingctx, h):
-        if h != types.uint16:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return widen_value(builder, args[0])
-
-        return types.float32(h), codegen
-
-    return widening
-
-
-widen_f16_integer = _f16_widening(_widen_f16_integer)  # tests compare both on every host
-widen_f16_instruction = _f16_widening(_widen_f16_instruction)
-_widen_f16 = _f16_widening(widen_f16_for_target)
+widen_f16_integer = _widening(_widen_f16_integer)  # tests compare both on every host
+widen_f16_instruction = _widening(_widen_f16_instruction)
+_widen_f16 = _widening(widen_f16_for_target)
 
 
 @_scalar_function
@@ -262,25 +250,9 @@ def _round_f16_for_target(builder, value):
     return _round_f16_integer(builder, value)
 
 
-def _f16_rounding(round_value):
-    """An intrinsic float32 -> float16 bits whose code `round_value(builder, value)` emits."""
-
-    @intrinsic
-    def rounding(typingctx, x):
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return round_value(builder, args[0])
-
-        return types.uint16(x), codegen
-
-    return rounding
-
-
-round_to_f16_integer = _f16_rounding(_round_f16_integer)  # tests compare both on every host
-round_to_f16_instruction = _f16_rounding(_round_f16_instruction)
-_round_to_f16 = _f16_rounding(_round_f16_for_target)
+round_to_f16_integer = _rounding(_round_f16_integer)  # tests compare both on every host
+round_to_f16_instruction = _rounding(_round_f16_instruction)
+_round_to_f16 = _rounding(_round_f16_for_target)
 
 
 @_scalar_function

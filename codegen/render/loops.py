@@ -354,6 +354,20 @@ class LoopEmitter:
         users += [r for r in self.kernel.reductions if node in r.inputs]
         return bool(users) and all(n.op == "astype" and is_half(n.dtype) for n in users)
 
+    def _half_rounded(self, node) -> str | None:
+        """The expression of a tanh, or of a gelu with approximate='tanh', whose float32
+        value this loop only rounds into 16 bits (None otherwise): the rational tanh, and the
+        gelu as x * sigmoid(2u) (kernels/scalar_functions.py: more accurate and cheaper than
+        0.5 * x * (1 + tanh(u)), whose cancellation the rational tanh made worse)."""
+        cheaper = {"tanh": "tanh_rational_f32", "gelu": "gelu_tanh_sigmoid_f32"}.get(node.op)
+        if cheaper is None or node.dtype != "f32":
+            return None
+        if node.op == "gelu" and node.attrs.get("approximate") != "tanh":
+            return None
+        if not self._rounded_to_half(node):
+            return None
+        return f"{cheaper}({self.operand(node.inputs[0])})"
+
     def local_name(self, node) -> str:
         return self.same.get(node) or "t" + self.array_name[node][1:]
 
@@ -367,9 +381,9 @@ class LoopEmitter:
             if unrounded is not None:  # rounded to 16 bits only where a buffer stores it
                 self.same[node] = unrounded
                 continue
-            expr = expression(node, [self.operand(i) for i in node.inputs])
-            if node.op == "tanh" and node.dtype == "f32" and self._rounded_to_half(node):
-                expr = f"tanh_rational_f32({self.operand(node.inputs[0])})"
+            expr = self._half_rounded(node) or expression(
+                node, [self.operand(i) for i in node.inputs]
+            )
             if expr in computed:  # a chain recomputed beside its original: compute it once
                 self.same[node] = computed[expr]
                 continue
