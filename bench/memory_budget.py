@@ -188,19 +188,24 @@ def planning_time() -> str:
     """The planner's time on a joint plan of about 10,000 nodes, in parts (CPU seconds): the
     trace and pipeline to the default plan; the frontier as the planner simulates it (the
     peaks it ranks plans by); `memory_frontier` as users call it, each row's plan built and
-    lowered for its compiled peak (what max_peak_bytes reads); then freeing those plans once
-    the function is gone: reference counting as it is dropped, and the full collection after
+    lowered for its compiled peak (what max_peak_bytes reads); a full collection while the
+    function holds them (it walks every object the collector tracks); then freeing those plans
+    once the function is gone: reference counting as it is dropped, and the full collection after
     (the planner pauses the cyclic collector while it builds them, ir/gc_pause.py: anything
     left in cycles would wait for that collection)."""
     nodes, traced, simulated, plans, rows, found, held = _planned_frontier()
+    gc.collect()  # what the planning left for the collector, so the next one only walks
+    tracked = len(gc.get_objects())  # what each full collection walks while the function lives
+    living, _ = cpu_timed(gc.collect)
     dropped, _ = cpu_timed(held.clear)  # the function, its entry and the rows' plans
     freed, _ = cpu_timed(gc.collect)
     return (
         f"planning a {nodes}-node joint plan (CPU s): trace and default plan "
         f"{traced:.3f}, the planner's frontier ({plans} plans, simulated peaks) "
         f"{simulated:.3f}, memory_frontier ({found} rows, each plan lowered for "
-        f"its compiled peak) {rows:.3f}, then freeing its plans when the function goes "
-        f"{dropped:.3f} + the full collection after {freed:.3f}; trace + "
+        f"its compiled peak) {rows:.3f}, a full collection while the function lives "
+        f"{living:.3f} ({tracked:,} objects tracked), then freeing its plans when the "
+        f"function goes {dropped:.3f} + the full collection after {freed:.3f}; trace + "
         f"planner's frontier {traced + simulated:.3f}"
     )
 
