@@ -37,7 +37,10 @@ def kept_output_bytes(calls, gradients_returned: bool, not_returned=frozenset())
     base's), the caller's arrays and constants left out, and so are the outputs that go back
     in as the next call's donated arrays (a training step's new parameters and optimizer
     state: each output of a donated input's type, in order, as ir/donation.py pairs them).
-    not_returned: outputs of the first plan the function drops (bp.grad's value)."""
+    not_returned: outputs of the first plan the function drops (bp.grad's value). An output
+    passed back in without donation (`params = step(params, x)` compiled without
+    donate_argnums) is the next call's argument too: peak_bytes counts it among your arrays
+    and this among the kept results (the checked count, your arrays apart, matches)."""
     kept, first = 0, True
     for call in calls:
         if call.idle or call.label == "backward":
