@@ -74,17 +74,30 @@ def settle(exchange, error: BaseException, first=()) -> None:
     exchange.finish()
 
 
+IN_STEP = (
+    "; the ranks stay in step: call the step again to go on (uncaught, this error ends every rank)"
+)
 AFTER_AGREEMENT = (
-    "after the ranks had agreed on the call. It completed the call's exchange with NaN in place "
-    "of its gradients, so no rank got gradients or an update from this call"
+    "during this call of the data-parallel step of {name}, after the ranks had agreed on the "
+    "call. It completed the call's exchange with NaN in place of its gradients, so no rank got "
+    "gradients or an update from this call" + IN_STEP
 )
 BEFORE_AGREEMENT = (
-    "before the ranks had agreed on the call (tracing, or its own checks). It told the other "
-    "ranks in the agreement, so no rank exchanged or applied anything from this call"
+    "during this call of the data-parallel step of {name}, before the ranks had agreed on the "
+    "call (tracing, or its own checks). It told the other ranks in the agreement, so no rank "
+    "exchanged or applied anything from this call" + IN_STEP
 )
 IN_UPDATE = (
-    "in its ZeRO-1 update. It joined the all-gather with a status saying so, so no rank "
-    "returns this call's parameters or state: those passed in still hold"
+    "during this call of the data-parallel step of {name}, in its ZeRO-1 update. It joined the "
+    "all-gather with a status saying so, so no rank returns this call's parameters or state: "
+    "those passed in still hold" + IN_STEP
+)
+DIVERGED = (
+    "in its update of an earlier call of the data-parallel step of {name} (shard_optimizer="
+    "False: each rank applies the whole update itself), after the ranks had exchanged that "
+    "call's gradients: its parameters and optimizer state are those before that update, the "
+    "other ranks' those after it, so the ranks no longer hold the same parameters and none can "
+    "go on; restart from the last checkpoint (uncaught, this error ends every rank)"
 )
 
 
@@ -111,10 +124,7 @@ def raise_for_others(world, failure: str | None, name: str, when: str) -> list:
 def failed_text(failed: list, size: int, name: str, when: str) -> str:
     """RankFailedError's message: [(rank, its error)], when it failed (the constants above)."""
     who = "; ".join(f"rank {rank} of {size} raised {text}" for rank, text in failed)
-    return (
-        f"{who} during this call of the data-parallel step of {name}(), {when}; the ranks stay "
-        "in step: call the step again to go on (uncaught, this error ends every rank)"
-    )
+    return f"{who} " + when.format(name=f"{name}()")
 
 
 def out_of_step_text(world, error: BaseException, name: str, telling=None, why: str = "") -> str:

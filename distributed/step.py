@@ -25,6 +25,7 @@ from .errors import RankFailedError, RankMismatchError, RankOutOfStepError
 from .exchange import Exchange
 from .failure import (
     BEFORE_AGREEMENT,
+    DIVERGED,
     describe_error,
     failed_text,
     out_of_step_text,
@@ -41,6 +42,7 @@ from .training import DataParallelTraining
 from .world import World, current_world, init, mpi_module
 
 LOWEST = np.iinfo(np.int64).min  # a failed rank's agreement numbers: below any rank's
+FAILED, DIVERGED_KIND = 1, 2  # the agreement's fifth number: this call failed; out of step
 MISMATCH_FIX = (
     "every rank must differentiate parameters of the same structure, shapes and dtypes "
     "(start them all from bpd.broadcast(params)) with the same bucket_bytes"
@@ -98,6 +100,7 @@ class DataParallelStep:
         self._called: set = set()  # call keys this step ran: wait_for_driver traces no other
         self._asked: dict = {}  # id(joint trace) -> (it, its plan): the plan's driver asked for
         self._out_of_step: str | None = None  # failure.py: why this rank cannot call again
+        self._diverged: str | None = None  # an unsharded update raised here (training.py)
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
@@ -122,8 +125,10 @@ class DataParallelStep:
         exchanging = self._accumulator.last_of_round
         if exchanging:
             self._check_arrival(world, args)
-            if self._accumulator.failure is not None:  # an earlier call of the round raised
-                self._round_failed(world)
+        if self._diverged is not None:
+            self._tell_diverged(world, exchanging)
+        if exchanging and self._accumulator.failure is not None:  # an earlier call raised
+            self._round_failed(world)
         exchange = lengths = None
         try:
             key, leaves = call_key(args, kwargs, is_grad_enabled())
@@ -253,12 +258,24 @@ class DataParallelStep:
             "nothing moved: the step may be called again"
         )
 
-    def _tell_others(self, world, failure: str) -> list:
-        """Post this call's agreement marked failed and wait for it (settle_seconds at most):
-        every rank then gathers what failed where (failure.raise_for_others)."""
-        _, _, request = self._agree_start(world, None, None, failed=True)
+    def _tell_others(self, world, failure: str, kind: int = FAILED) -> list:
+        """Post this call's agreement marked failed (kind: FAILED, or DIVERGED_KIND) and wait
+        for it (settle_seconds at most): every rank then gathers what failed where
+        (failure.raise_for_others)."""
+        _, _, request = self._agree_start(world, None, None, failed=kind)
         wait_or_raise(request, settle_seconds(self.timeout), "the agreement of the step's layouts")
-        return raise_for_others(world, failure, _bare_name(self.fn), BEFORE_AGREEMENT)
+        when = DIVERGED if kind == DIVERGED_KIND else BEFORE_AGREEMENT
+        return raise_for_others(world, failure, _bare_name(self.fn), when)
+
+    def _tell_diverged(self, world, exchanging: bool) -> None:
+        """This rank's unsharded update raised in an earlier call: on every call that meets
+        the others, tell them (they raise RankFailedError), and raise RankOutOfStepError."""
+        if exchanging:
+            self._tell_others(world, self._diverged, DIVERGED_KIND)
+        text = DIVERGED.format(name=_name(self.fn))
+        raise RankOutOfStepError(
+            f"this rank ({world.rank} of {world.size}) raised {self._diverged} {text}"
+        )
 
     def _round_failed(self, world) -> None:
         """The last call of an accumulating round in which this rank's earlier call raised:
@@ -489,7 +506,7 @@ class DataParallelStep:
         """Post the agreement's allreduce (non-blocking); _agree_finish waits for it. failed:
         this rank's call raised before agreeing (its numbers lowest, so they change no max)."""
         if failed:
-            mine = np.array([LOWEST] * 4 + [1], np.int64)
+            mine = np.array([LOWEST] * 4 + [int(failed)], np.int64)
         else:
             digest = lengths_digest(lengths)
             mine = np.array([layout.fingerprint, -layout.fingerprint, digest, -digest, 0], np.int64)
@@ -506,7 +523,8 @@ class DataParallelStep:
         else:
             wait_or_raise(request, self.timeout, "the agreement of the step's layouts")
         if highest[4]:
-            raise_for_others(world, None, _bare_name(self.fn), BEFORE_AGREEMENT)
+            when = DIVERGED if highest[4] == DIVERGED_KIND else BEFORE_AGREEMENT
+            raise_for_others(world, None, _bare_name(self.fn), when)
         if (highest[:2] != mine[:2]).any():
             require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
             raise RankMismatchError(

@@ -84,7 +84,18 @@ class DataParallelTraining:
 
     def _unsharded_update(self, params, state, result):
         (loss, aux), grads = result if self.step.fn.has_aux else ((result[0], None), result[1])
-        new, state = self._update(grads, state, params)
+        try:
+            new, state = self._update(grads, state, params)
+        except BaseException as error:
+            if init(self.step._comm).size > 1:
+                self.step._diverged = describe_error(error)
+                error.add_note(
+                    "backplan.distributed: the other ranks applied this call's update, so this "
+                    "rank's parameters no longer match theirs: its next call tells them (they "
+                    "raise RankFailedError) and raises RankOutOfStepError; restart from the "
+                    "last checkpoint"
+                )
+            raise
         leaves, treedef = flatten(params)
         return unflatten(treedef, _like(flatten(new)[0], leaves)), state, self._loss(loss, aux)
 

@@ -1014,11 +1014,14 @@ def test_a_rank_that_raises_before_the_agreement_tells_the_others_there(tmp_path
 
 
 @needs_mpi
-def test_a_rank_whose_zero1_update_raises_tells_the_others_in_the_all_gather(tmp_path):
+def test_a_rank_whose_update_raises_tells_the_others(tmp_path):
     """Rank 0's ZeRO-1 update raises (between the reduce-scatter and the all-gather): it joins
     the all-gather with a status saying so, rank 1 raises RankFailedError instead of waiting
     there (before: forever, or returning rank 0's stale range), and the next call, from the
-    same parameters and state, gives the bytes of the unsharded step."""
+    same parameters and state, gives the bytes of the unsharded step. Unsharded, rank 1 has
+    applied its update when rank 0's raises: rank 0's next call tells rank 1 (RankFailedError:
+    the ranks no longer hold the same parameters) and raises RankOutOfStepError (before: the
+    ranks went on from different parameters, silently)."""
     result = run_script(
         tmp_path,
         FAILING_PLAN
@@ -1048,9 +1051,29 @@ def test_a_rank_whose_zero1_update_raises_tells_the_others_in_the_all_gather(tmp
         q, _, loss = train(p, state, xs, ys)
         plain = bpd.data_parallel(vg, optimizer=opt)
         r, s, _ = plain(params, plain.init(params), xs, ys)
-        r, _, plain_loss = plain(r, s, xs, ys)
+        r2, _, plain_loss = plain(r, s, xs, ys)
         assert loss.item() == plain_loss.item()
-        assert all((q[k].numpy() == r[k].numpy()).all() for k in params)
+        assert all((q[k].numpy() == r2[k].numpy()).all() for k in params)
+        if rank == 0:
+            plain._update = failing
+        try:
+            plain(r, s, xs, ys)
+            caught = None
+        except ValueError as error:
+            caught = error
+        assert (caught is not None) == (rank == 0), caught
+        plain._update = update
+        try:
+            plain(r, s, xs, ys)
+        except Exception as error:
+            caught = error
+        if rank == 0:
+            assert type(caught) is bpd.RankOutOfStepError, caught
+        else:
+            assert isinstance(caught, bpd.RankFailedError), caught
+        said = str(caught)
+        assert "raised ValueError: update failed on purpose in its update of an earlier" in said
+        assert "the ranks no longer hold the same parameters" in said, said
         print(f"rank {rank} ok")
         """
         ),
