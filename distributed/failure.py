@@ -19,8 +19,8 @@ A rank whose call raises before the ranks agreed on it (tracing, a micro-batch's
 the agreement anyway, marked failed (step.py): every rank then gathers what failed where and
 the others raise RankFailedError before anything moves. A non-final call of an accumulating
 round that raises is counted and noted; the round's last call tells the others the same way and
-every rank drops the round. A rank whose ZeRO-1 update raises still joins the all-gather, with
-a status beside it, so the others raise RankFailedError instead of returning its garbage.
+every rank drops the round. A rank whose ZeRO-1 update raises still joins the all-gather, sending
+NaN in place of its range, so the others raise RankFailedError instead of returning it.
 
 The rank that raised waits for the other ranks while it settles, and without a data_parallel
 timeout a hung rank would keep it waiting forever: it waits at most SETTLE_S seconds (or the
@@ -89,8 +89,8 @@ BEFORE_AGREEMENT = (
 )
 IN_UPDATE = (
     "during this call of the data-parallel step of {name}, in its ZeRO-1 update. It joined the "
-    "all-gather with a status saying so, so no rank returns this call's parameters or state: "
-    "those passed in still hold" + IN_STEP
+    "all-gather with NaN in place of its range, so no rank returns this call's parameters or "
+    "state: those passed in still hold" + IN_STEP
 )
 DIVERGED = (
     "in its update of an earlier call of the data-parallel step of {name} (shard_optimizer="

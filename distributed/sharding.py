@@ -283,12 +283,13 @@ class ShardedExchange:
         """Every parameter whole again from every rank's updated range (ranges: this rank's,
         group order); returns the parameters' arrays by position: views of one buffer per
         dtype, which nothing else writes while they are held. failure: this rank's update
-        raised (ranges are then its ranges before the update): a status allreduced beside
-        the all-gathers tells every rank, and the others raise RankFailedError."""
-        status = np.array([failure is not None], np.int8)
-        told = self.world.comm.Iallreduce(self.mpi.IN_PLACE, status, op=self.mpi.MAX)
+        raised (ranges are then ignored): it sends NaN in place of its ranges, every rank
+        finds a NaN at the start of that rank's block (a check of one element per rank, no
+        collective more), and the ranks then gather what failed where (failure.py): the
+        others raise RankFailedError. A real NaN there costs that one gather, nothing else."""
         if failure is not None:
             self.timeout = settle_seconds(self.timeout)
+            ranges = [np.full(g.block, np.nan, g.dtype) for g in self.groups]
         started = []
         for k, (group, mine) in enumerate(zip(self.groups, ranges, strict=True)):
             mine = np.asarray(mine).reshape(-1)
@@ -300,10 +301,12 @@ class ShardedExchange:
             full = self._gathered(k, group)
             started.append((group, full, self.world.comm.Iallgather(mine, full)))
         arrays: list = [None] * sum(len(g.params) for g in self.groups)
-        for group, _, request in started:
+        said_nan = failure is not None
+        for group, full, request in started:
             self._wait(request, f"the all-gather of the {group.dtype} parameters")
-        self._wait(told, "the all-gather's status")
-        if status[0]:
+            starts = full[:: group.block]  # each rank's first element: NaN from a failed rank
+            said_nan = said_nan or bool((starts != starts).any())
+        if said_nan:
             raise_for_others(self.world, failure, self.layout.name, IN_UPDATE)
         for group, full, _ in started:
             for p, offset, shape in zip(group.params, group.offsets, group.shapes, strict=True):
@@ -327,12 +330,11 @@ class ShardedExchange:
 def bytes_sent(groups: tuple[FlatGroup, ...], size: int, loss_dtype) -> int:
     """Bytes one rank sends in a ZeRO-1 step as ShardedExchange posts it, counted as ring
     algorithms send them: of each dtype's reduce-scatter and all-gather, N - 1 of the N slots;
-    the loss's allreduce when it travels alone and the all-gather's one-byte status, 2 (N - 1)
-    / N of their bytes."""
+    the loss's allreduce when it travels alone, 2 (N - 1) / N of its bytes."""
     if size <= 1:
         return 0
     loss = np.dtype(loss_dtype)
-    sent = 2 * (size - 1) // size  # the status
+    sent = 0
     for k, group in enumerate(groups):
         stride = group.block + (k == 0 and group.dtype == loss)
         sent += (size - 1) * (stride + group.block) * group.dtype.itemsize

@@ -137,8 +137,8 @@ class DataParallelTraining:
         return unflatten(treedef, new), state, self._loss(Tensor._fresh(loss), aux)
 
     def _update_failed(self, exchange, ranges, error) -> None:
-        """This rank's update raised: join the all-gather anyway, saying so, so the other ranks
-        raise RankFailedError instead of waiting there for it (or returning what it sent);
+        """This rank's update raised: join the all-gather anyway, with NaN (sharding.gather), so
+        the other ranks raise RankFailedError instead of waiting there (or returning it);
         where that fails (the others gone, or the deadline passed), the step is out of step."""
         try:
             exchange.gather([leaf_array(t) for t in ranges], failure=describe_error(error))

@@ -825,8 +825,8 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
         assert held == report.state_bytes_per_rank - 8 * rank, (held, rank)
         posted = [b for k, b in step._buffers.items() if k[0] == "send"]
         posted += [b[0] for k, b in step._buffers.items() if k[0] == "gathered"]
-        assert len(posted) == 2 and report.bytes_sent_per_step == 1 + sum(
-            b.nbytes * (size - 1) // size for b in posted  # N-1 of N slots, + the status byte
+        assert len(posted) == 2 and report.bytes_sent_per_step == sum(
+            b.nbytes * (size - 1) // size for b in posted  # N-1 of N slots
         ), (report.bytes_sent_per_step, [b.nbytes for b in posted])
         assert report.state_bytes_whole == 8 + 2 * 4 * sum(p.numpy().size for p in params.values())
         if rank == 0:
@@ -1016,7 +1016,7 @@ def test_a_rank_that_raises_before_the_agreement_tells_the_others_there(tmp_path
 @needs_mpi
 def test_a_rank_whose_update_raises_tells_the_others(tmp_path):
     """Rank 0's ZeRO-1 update raises (between the reduce-scatter and the all-gather): it joins
-    the all-gather with a status saying so, rank 1 raises RankFailedError instead of waiting
+    the all-gather with NaN in place of its range, rank 1 raises RankFailedError instead of waiting
     there (before: forever, or returning rank 0's stale range), and the next call, from the
     same parameters and state, gives the bytes of the unsharded step. Unsharded, rank 1 has
     applied its update when rank 0's raises: rank 0's next call tells rank 1 (RankFailedError:
