@@ -112,7 +112,9 @@ class BudgetPlanner:
     def build(self, drop: frozenset = frozenset(), narrowed: bool = False):
         return (self._narrow_choices if narrowed else self.choices).build(drop)
 
-    def evaluate(self, point, narrowed: bool = False) -> EvaluatedPoint:
+    def evaluate(self, point, narrowed: bool = False, plans: bool = True) -> EvaluatedPoint:
+        """point's plan built and its step peak taken, once. plans=False: its peak and costs
+        suffice, so a plan whose plans memory_frontier let go (forget_plans) is not built again."""
         key = (point.drop, narrowed)
         if key not in self._built:
             with paused_gc():  # ir/gc_pause.py: full collections walk every plan built so far
@@ -123,7 +125,29 @@ class BudgetPlanner:
             self._built[key] = EvaluatedPoint(
                 peak, held, point.added_flops, len(point.drop), point.drop, plans, dtype
             )
-        return self._built[key]
+        evaluated = self._built[key]
+        return self.with_plans(evaluated) if plans else evaluated
+
+    def with_plans(self, evaluated: EvaluatedPoint) -> EvaluatedPoint:
+        """evaluated with its plans, built again if memory_frontier let them go: the same plans
+        (building is deterministic: every row's kernels, buffers and offsets hash equal), so
+        the peak found for them still holds."""
+        if evaluated.plans is not None:
+            return evaluated
+        key = (evaluated.drop, evaluated.saved_dtype is not None)
+        with paused_gc():
+            plans = self.build(*key)
+        self._built[key] = evaluated = replace(evaluated, plans=plans)
+        return evaluated
+
+    def forget_plans(self, keys) -> None:
+        """Keep only the peaks and costs of these evaluated plans: memory_frontier builds and
+        lowers every row to read its peak, and a 10,086-node plan's rows kept 185 MiB and
+        1.1 M objects the collector walks alive for as long as the function lived. A default
+        plan (nothing recomputed) is kept: its choices keep it anyway (PlanChoices.build)."""
+        for drop, narrowed in keys:
+            if drop:
+                self._built[drop, narrowed] = replace(self._built[drop, narrowed], plans=None)
 
     def _narrowed_held(self, point) -> int:
         """The bytes point's plan holds from forward to backward with its saved buffers in
@@ -268,35 +292,35 @@ class BudgetPlanner:
                 extra.append(found)
         return points + extra
 
-    def frontier(self) -> list[EvaluatedPoint]:
+    def frontier(self, plans: bool = True) -> list[EvaluatedPoint]:
         """The plans worth choosing, in the order fit_peak tries them (fewest added FLOPs
         first; with allow_dtype the narrowed plans too, after the full-precision plan of equal
         FLOPs): each row lowers the peak of the row before it by at least `worth_lowering`
         bytes (1%), so peaks strictly fall as added FLOPs rise, and a row's peak as a budget picks
         that row or a cheaper plan (any plan tried before it peaks above it)."""
         kept: list[EvaluatedPoint] = []
-        for e in self._evaluated():
+        for e in self._evaluated(plans):
             if not kept or e.peak_bytes <= kept[-1].peak_bytes - worth_lowering(kept[-1]):
                 kept.append(e)
-        return kept or [self.evaluate_default()]
+        return kept or [self.evaluate_default(plans)]
 
-    def smallest(self) -> EvaluatedPoint:
+    def smallest(self, plans: bool = True) -> EvaluatedPoint:
         """The plan of the lowest peak among all built (a row or not: a refusal's floor)."""
-        return min(self._evaluated(), key=lambda e: e.peak_bytes, default=None) or (
-            self.evaluate_default()
+        return min(self._evaluated(plans), key=lambda e: e.peak_bytes, default=None) or (
+            self.evaluate_default(plans)
         )
 
-    def _evaluated(self) -> list[EvaluatedPoint]:
+    def _evaluated(self, plans: bool = True) -> list[EvaluatedPoint]:
         with paused_gc():  # one pause over every row, not one per row
             evaluated = [
-                self.evaluate(p, narrowed) for p, narrowed in self.candidates(self.points())
+                self.evaluate(p, narrowed, plans) for p, narrowed in self.candidates(self.points())
             ]
         return sorted(
             evaluated, key=lambda e: (e.added_flops, e.saved_dtype is not None, e.peak_bytes)
         )
 
-    def evaluate_default(self) -> EvaluatedPoint:
-        return self.evaluate(PlanPoint(frozenset(), 0, 0, 0))
+    def evaluate_default(self, plans: bool = True) -> EvaluatedPoint:
+        return self.evaluate(PlanPoint(frozenset(), 0, 0, 0), plans=plans)
 
     def step_flops(self) -> int:
         plans = self.build()
@@ -304,21 +328,28 @@ class BudgetPlanner:
 
     def memory_frontier(self) -> MemoryFrontier:
         """The frontier's rows, and the smallest plan where it is no row (the floor a refusal
-        names, under the last row by less than worth_lowering)."""
-        rows = self.frontier()
+        names, under the last row by less than worth_lowering). The plans it builds only to
+        read their peaks are let go (forget_plans); those built before it are kept."""
+        before = set(self._built)
+        rows = self.frontier(plans=False)
         points = [_frontier_point(e) for e in rows]
-        floor = self.smallest()
+        floor = self.smallest(plans=False)
         below = _frontier_point(floor) if floor.peak_bytes < rows[-1].peak_bytes else None
+        self.forget_plans(set(self._built) - before)
         return MemoryFrontier(self.name, points, self.step_flops(), self.input_bytes, below)
 
     # ---- budgets ------------------------------------------------------------------------------
 
     def fit_peak(self, limit: int):
-        """The plans of the cheapest point whose step peak fits limit; MemoryBudgetError if none."""
+        """The plans of the cheapest point whose step peak fits limit; MemoryBudgetError if none.
+        The candidates built on the way that did not fit keep their peaks, not their plans."""
         self._check_inputs_fit(limit, "max_peak_bytes")
+        before = set(self._built)
         for point, narrowed in self.candidates(self.points_for(limit)):
-            evaluated = self.evaluate(point, narrowed)
+            evaluated = self.evaluate(point, narrowed, plans=False)
             if evaluated.peak_bytes <= limit:
+                evaluated = self.with_plans(evaluated)
+                self.forget_plans(set(self._built) - before - {(point.drop, narrowed)})
                 self.narrowed_for = f"max_peak_bytes={limit:,}" if narrowed else None
                 if point.drop:
                     self.recomputed_for = (f"max_peak_bytes={limit:,}", point, narrowed)
@@ -426,8 +457,8 @@ class BudgetPlanner:
 
     def refusal(self, limit: int, option: str) -> str:
         """Why no plan fits: the smallest peak, its cost, what holds it there."""
-        best = self.smallest()
-        default = self.evaluate_default()
+        best = self.smallest(plans=False)
+        default = self.evaluate_default(plans=False)
         step = max(self.step_flops(), 1)
         narrowed = (
             f"keeping its saved buffers in {np_dtype(best.saved_dtype).name} and "
@@ -442,7 +473,7 @@ class BudgetPlanner:
             if best.peak_bytes < default.peak_bytes
             else f"the default plan's: recomputing in {self._backward_words()} lowers it no further"
         )
-        last = self.frontier()[-1]
+        last = self.frontier(plans=False)[-1]
         row = (
             f" (under memory_frontier's last row, {format_bytes(last.peak_bytes)}, by less than "
             "a row must lower it: listed below the rows)"
@@ -454,7 +485,7 @@ class BudgetPlanner:
             f"reaches is {format_bytes(best.peak_bytes)}{row}, {cost}. The arrays "
             f"passed in hold {format_bytes(self.input_bytes)} of those."
         )
-        holders = holders_text(best.plans)
+        holders = holders_text(self.with_plans(best).plans)
         if holders:
             text += f" That peak is {holders}."
         return (
