@@ -225,8 +225,8 @@ def _cheap_cone(
     owner = kernels[home[value]]
     if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
         return []  # stored anyway: read it
-    if _widens_half(value):
-        return [value]  # read the 16-bit value it widens: half the bytes of storing this one
+    if _widens_half(value):  # round it here, or read the 16-bit value: half the bytes
+        return _rounded_here(value, kernel, k, kernels, home, kept, depth) or [value]
     if not is_cheap(value):
         if frontier is None:
             return None
@@ -242,6 +242,24 @@ def _cheap_cone(
         cone += [v for v in sub if v not in cone]
     cone.append(value)
     return cone if len(cone) <= MAX_RECOMPUTE else None
+
+
+def _rounded_here(widening, kernel, k, kernels, home, kept, depth) -> list[Value] | None:
+    """[..., rounding, widening] where the float value a 16-bit rounding was made from can be
+    recomputed cheaply in loop k (at least one op, from values stored anyway): the loop
+    rounds it itself and the rounding's loop need not store it (bfloat16 layer_norm's
+    normalised rows were stored by its statistics pass, 2 bytes an element, and read back by
+    the ln_gelu loop that reads x anyway). None where the 16-bit value is to be read."""
+    rounding = widening.inputs[0]
+    if rounding.op != "astype" or rounding in kept or rounding.shape != kernel.shape:
+        return None
+    if rounding not in home or home[rounding] == k:
+        return None
+    source = alias_base(rounding.inputs[0])
+    cone = _cheap_cone(source, kernel, k, kernels, home, kept, None, depth + 1)
+    if not cone and not (home.get(source) == k or source in kernel.recomputed):
+        return None
+    return cone + [rounding, widening]
 
 
 def _round_where_recomputed(kernels: list[Kernel], home, kept, order: dict[Value, int]) -> None:

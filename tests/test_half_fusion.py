@@ -114,3 +114,26 @@ def test_a_saved_dtype_read_back_is_still_read_not_recomputed():
     kernels = group_kernels(wide, origin)
     stored = [v for v in materialized(wide, kernels) if v.shape == (8, 4)]
     assert [origin.get(v) for v in stored if v.dtype == "bf16"] == [c], stored
+
+
+def test_a_loop_reading_only_a_rounding_recomputes_the_value_and_rounds_it_itself():
+    """c = bfloat16(n), n = (x - m) * m with m a row sum (as layer_norm's normalised rows):
+    the loop that reads only c (its column sum makes it a loop of its own) recomputes n from
+    x and the stored row sums and rounds it itself, so the row loop stores no c (bfloat16
+    ln_gelu's statistics pass wrote its 4096x1024 normalised rows, 8 MB, for the next loop to
+    read back beside x)."""
+    graph = Graph()
+    build = Builder(graph)
+    x = graph.add_input(TensorType("bf16", (8, 4)))
+    g = graph.add_input(TensorType("bf16", (4,)))
+    wide = build.astype(x, dtype="f32")
+    m = build.sum(wide, axes=(1,), keepdims=True)
+    c = build.astype(build.mul(build.sub(wide, m), m), dtype="bf16")
+    y = build.mul(c, g)
+    graph.outputs = [build.sum(y, axes=(0,)), build.mul(y, x)]
+    wide, origin = widen_with_origin(graph)
+    kernels = group_kernels(wide, origin)
+    stored = [v for v in materialized(wide, kernels) if v.shape == (8, 4)]
+    assert all(origin.get(v) is not c for v in stored), [(v.op, v.dtype) for v in stored]
+    rounded_again = [v for k in kernels for v in k.recomputed if origin.get(v) is c]
+    assert [v.dtype for v in rounded_again] == ["bf16"]
