@@ -93,38 +93,45 @@ def _cross_entropy(logits, labels, d):
 
 
 @numba.njit(inline="always", **_opts)
-def _views(flat, dims):
-    """(w0, b0, w1, b1, w2, b2) as views of one flat buffer, for layer sizes dims."""
-    views, start = [], 0
-    for i in range(3):
-        rows, cols = dims[i], dims[i + 1]
-        views.append(flat[start : start + rows * cols].reshape((rows, cols)))
-        start += rows * cols
-        views.append(flat[start : start + cols].reshape((1, cols)))
-        start += cols
-    return views
+def _cut(flat, start, rows, cols):
+    """flat[start:] as a (rows, cols) view, and the offset past it."""
+    end = start + rows * cols
+    return flat[start:end].reshape((rows, cols)), end
 
 
 @numba.njit(**_opts)
 def fused_step(x, labels, theta, grads, work, dims):
     """The whole step. theta and grads hold (w0, b0, w1, b1, w2, b2) back to back, work the
     activations and their gradients: one call unboxes five arrays, not fifteen (Numba's
-    dispatcher takes ~1 us per array argument, as much as a layer of this model)."""
-    p, g = _views(theta, dims), _views(grads, dims)
+    dispatcher takes ~1 us per array argument, as much as a layer of this model). Views are cut
+    one by one (no lists: a typed list allocates on every call)."""
+    n0, n1, n2, n3 = dims
     batch = x.shape[0]
-    sizes = (dims[1], dims[2], dims[3], dims[3], dims[2], dims[1])
-    acts, start = [], 0
-    for size in sizes:
-        acts.append(work[start : start + batch * size].reshape((batch, size)))
-        start += batch * size
-    h1, h2, out, d2, d1, d0 = acts
-    _dense_relu(x, p[0], p[1][0], h1, True)
-    _dense_relu(h1, p[2], p[3][0], h2, True)
-    _dense_relu(h2, p[4], p[5][0], out, False)
+    w0, at = _cut(theta, 0, n0, n1)
+    b0, at = _cut(theta, at, 1, n1)
+    w1, at = _cut(theta, at, n1, n2)
+    b1, at = _cut(theta, at, 1, n2)
+    w2, at = _cut(theta, at, n2, n3)
+    b2, at = _cut(theta, at, 1, n3)
+    gw0, at = _cut(grads, 0, n0, n1)
+    gb0, at = _cut(grads, at, 1, n1)
+    gw1, at = _cut(grads, at, n1, n2)
+    gb1, at = _cut(grads, at, 1, n2)
+    gw2, at = _cut(grads, at, n2, n3)
+    gb2, at = _cut(grads, at, 1, n3)
+    h1, at = _cut(work, 0, batch, n1)
+    h2, at = _cut(work, at, batch, n2)
+    out, at = _cut(work, at, batch, n3)
+    d2, at = _cut(work, at, batch, n3)
+    d1, at = _cut(work, at, batch, n2)
+    d0, at = _cut(work, at, batch, n1)
+    _dense_relu(x, w0, b0[0], h1, True)
+    _dense_relu(h1, w1, b1[0], h2, True)
+    _dense_relu(h2, w2, b2[0], out, False)
     loss = _cross_entropy(out, labels, d2)
-    _dense_back(h2, d2, p[4], g[4], g[5][0], d1)
-    _dense_back(h1, d1, p[2], g[2], g[3][0], d0)
-    _dense_back(x, d0, p[0], g[0], g[1][0], x[:0])
+    _dense_back(h2, d2, w2, gw2, gb2[0], d1)
+    _dense_back(h1, d1, w1, gw1, gb1[0], d0)
+    _dense_back(x, d0, w0, gw0, gb0[0], x[:0])
     return loss
 
 
