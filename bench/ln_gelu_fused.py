@@ -165,17 +165,28 @@ def main(argv=None) -> int:
         )
     load_before = load_average()
     medians = interleaved_medians(peers, args.rounds, args.seconds)
-    print(f"python -m backplan.bench.ln_gelu_fused {' '.join(argv or sys.argv[1:])}")
+    shapes = f"x, upstream: ({rows}, {cols}) float32; g, b: ({cols},)"
+    heading = (f"python -m backplan.bench.ln_gelu_fused {' '.join(argv or sys.argv[1:])}", shapes)
+    print_against_hand_fused(heading, args.threads, load_before, settings, medians, errors)
+    return 0 if all(e < 1e-3 for e in errors.values()) else 1
+
+
+def print_against_hand_fused(
+    heading, threads, load_before, settings, medians, errors, unit="ms", scale=1.0
+) -> None:
+    """The table both hand-fused benches print: each peer's median beside the hand-fused step's,
+    under the command, the CPU, the affinity and the load the numbers were taken at."""
+    print(heading[0])
     print(
-        f"CPU {cpu_name()}, affinity {current_affinity()}, {args.threads} thread(s); "
+        f"CPU {cpu_name()}, affinity {current_affinity()}, {threads} thread(s); "
         f"load {load_before} -> {load_average()}; {settings}"
     )
-    print(f"x, upstream: ({rows}, {cols}) float32; g, b: ({cols},)")
-    print(f"{'peer':18} {'median ms':>10} {'x hand-fused':>13} {'max rel err':>12}")
+    for line in heading[1:]:
+        print(line)
+    print(f"{'peer':18} {'median ' + unit:>10} {'x hand-fused':>13} {'max rel err':>12}")
     for name, value in medians.items():
         ratio = value / medians["hand-fused Numba"]
-        print(f"{name:18} {value:10.2f} {ratio:13.2f} {errors[name]:12.1e}")
-    return 0 if all(e < 1e-3 for e in errors.values()) else 1
+        print(f"{name:18} {value * scale:10.2f} {ratio:13.2f} {errors[name]:12.1e}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import sys
 import numba
 import numpy as np
 
-from .affinity import current_affinity, pin_process
-from .environment import cpu_name, load_average
+from .affinity import pin_process
+from .environment import load_average
+from .ln_gelu_fused import print_against_hand_fused
 from .measure import interleaved_medians, max_relative_error
 from .threads import apply_threads
 
@@ -211,15 +212,10 @@ def main(argv=None) -> int:
     errors = {name: _error(step, want_value, want) for name, step in peers.items()}
     load_before = load_average()
     medians = interleaved_medians(peers, args.rounds, args.seconds, inner=20)
-    print(f"python -m backplan.bench.mlp_tiny_fused {' '.join(argv or sys.argv[1:])}")
-    print(
-        f"CPU {cpu_name()}, affinity {current_affinity()}, {args.threads} thread(s); "
-        f"load {load_before} -> {load_average()}; {settings}"
+    heading = (f"python -m backplan.bench.mlp_tiny_fused {' '.join(argv or sys.argv[1:])}",)
+    print_against_hand_fused(
+        heading, args.threads, load_before, settings, medians, errors, unit="us", scale=1e3
     )
-    print(f"{'peer':18} {'median us':>10} {'x hand-fused':>13} {'max rel err':>12}")
-    for name, value in medians.items():
-        ratio = value / medians["hand-fused Numba"]
-        print(f"{name:18} {value * 1e3:10.2f} {ratio:13.2f} {errors[name]:12.1e}")
     return 0 if all(e < 1e-4 for e in errors.values()) else 1
 
 

@@ -76,3 +76,20 @@ def assert_16_bit_gemm_exact(gemm, ta, tb, a, b, bits, rng) -> None:
     c = c0.copy()
     gemm(ta, tb, 2.0, a.view(bits), b.view(bits), 1.0, c)
     np.testing.assert_array_equal(c, 2 * expected + c0)
+
+
+def tanh_chain(ws, x):
+    """A small tanh MLP's loss: the plans memory tests plan, lower and free."""
+    import backplan as bp
+
+    h = x
+    for w in ws:
+        h = bp.tanh(h @ w)
+    return h.sum()
+
+
+def tanh_chain_weights():
+    import numpy as np
+
+    ws = [np.full((16, 16), 0.1, np.float32) for _ in range(4)]
+    return ws, np.ones((32, 16), np.float32)

@@ -5,23 +5,12 @@ budget then builds its row again: the same plan, at the peak the row printed."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from helpers import tanh_chain as chain
+from helpers import tanh_chain_weights as weights
 
 import backplan as bp
 from backplan.tracer.budget import step_peak_bytes
-
-
-def chain(ws, x):
-    h = x
-    for w in ws:
-        h = bp.tanh(h @ w)
-    return h.sum()
-
-
-def weights():
-    ws = [np.full((16, 16), 0.1, np.float32) for _ in range(4)]
-    return ws, np.ones((32, 16), np.float32)
 
 
 def planner_after_frontier():

@@ -9,8 +9,9 @@ from __future__ import annotations
 import gc
 import weakref
 
-import numpy as np
 import pytest
+from helpers import tanh_chain as chain
+from helpers import tanh_chain_weights as weights
 
 import backplan as bp
 from backplan.ir.lowering import lower
@@ -23,18 +24,6 @@ def collector_off():
     gc.disable()
     yield
     (gc.enable if was else gc.disable)()
-
-
-def chain(ws, x):
-    h = x
-    for w in ws:
-        h = bp.tanh(h @ w)
-    return h.sum()
-
-
-def weights():
-    ws = [np.full((16, 16), 0.1, np.float32) for _ in range(4)]
-    return ws, np.ones((32, 16), np.float32)
 
 
 def frontier_refs(front: str) -> tuple[list, int]:
