@@ -89,6 +89,11 @@ class MemoryFrontier:
     def plot(self, path) -> None:
         """Peak bytes against added FLOPs, as PNG or SVG (by the suffix). Needs matplotlib:
         `pip install backplan[plot]`."""
+        self.figure().savefig(os.fspath(path))
+
+    def figure(self):
+        """The plot as a matplotlib Figure: the rows as a falling step, and the floor (the
+        lowest peak, no row) as its own point, so the picture shows what a refusal names."""
         try:
             from matplotlib.figure import Figure
         except ImportError:
@@ -112,10 +117,18 @@ class MemoryFrontier:
                     color=color,
                     label=label,
                 )
-        if any(p.rounds for p in self.points):
+        if self.floor is not None:
+            axes.plot(
+                [self.floor.added_flops / 1e6],
+                [self.floor.peak_bytes / 2**20],
+                "v",
+                color="#55a868",
+                label="lowest peak (no row: under 1% below the last)",
+            )
+        if self.floor is not None or any(p.rounds for p in self.points):
             axes.legend()
         axes.set_xlabel("added MFLOPs (recomputation)")
         axes.set_ylabel("step peak (MiB)")
         axes.set_title(f"{self.name}: plans a memory budget chooses from")
         figure.tight_layout()
-        figure.savefig(os.fspath(path))
+        return figure

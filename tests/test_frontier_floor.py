@@ -57,3 +57,18 @@ def test_a_frontier_whose_last_row_is_the_lowest_peak_has_no_floor_line():
     words = " ".join(str(refused.value).split())
     assert f"The smallest peak any plan reaches is {last.peak_bytes:,} B" in words
     assert "memory_frontier's last row" not in words
+
+
+def test_the_plot_draws_the_floor_as_its_own_point_below_the_rows(tmp_path):
+    pytest.importorskip("matplotlib", reason="pip install 'backplan[plot]'")
+    with use_backend("numba"):
+        frontier = bp.value_and_grad(loss).memory_frontier(*arrays())
+    floor = frontier.floor
+    lines = {line.get_label(): line for line in frontier.figure().axes[0].get_lines()}
+    drawn = [label for label in lines if label.startswith("lowest peak")]
+    assert len(drawn) == 1
+    x, y = lines[drawn[0]].get_xdata()[0], lines[drawn[0]].get_ydata()[0]
+    assert (x, y) == (floor.added_flops / 1e6, floor.peak_bytes / 2**20)
+    assert y < min(p.peak_bytes for p in frontier.points) / 2**20
+    frontier.plot(tmp_path / "frontier.svg")
+    assert "lowest peak" in (tmp_path / "frontier.svg").read_text()
