@@ -493,8 +493,10 @@ class PlannedFunction:
         >>> front.points[0].added_flops
         0
         """
-        entry = self.lookup(args, kwargs, count_hit=False)[1]
-        return entry.planner.memory_frontier()
+        bound, entry = self.lookup(args, kwargs, count_hit=False)
+        if entry.planner is None:  # a dynamic axis's size runs the plans fitted over sizes,
+            entry = self._build(bound)  # which offer no budget: this size planned alone, as
+        return entry.planner.memory_frontier()  # max_peak_bytes (no dynamic axis) plans it
 
     def _plan_runners(self) -> list:
         """The runners every cached signature's plans made so far (a signature's backward
