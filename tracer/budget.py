@@ -117,16 +117,40 @@ class BudgetPlanner:
         suffice, so a plan whose plans memory_frontier let go (forget_plans) is not built again."""
         key = (point.drop, narrowed)
         if key not in self._built:
-            with paused_gc():  # ir/gc_pause.py: full collections walk every plan built so far
-                plans = self.build(point.drop, narrowed)
-                peak = step_peak_bytes(plans)
+            # the default plan is built anyway (its choices keep it: PlanChoices.build)
+            simulated = point.drop and not (plans or narrowed)
+            peak = self.analytic_peak(point.drop) if simulated else None
+            built = None
+            if peak is None:
+                with paused_gc():  # ir/gc_pause.py: full collections walk every plan built
+                    built = self.build(point.drop, narrowed)
+                    peak = step_peak_bytes(built)
             dtype = self.allow_dtype if narrowed else None
             held = self._narrowed_held(point) if narrowed else point.held_bytes
             self._built[key] = EvaluatedPoint(
-                peak, held, point.added_flops, len(point.drop), point.drop, plans, dtype
+                peak, held, point.added_flops, len(point.drop), point.drop, built, dtype
             )
         evaluated = self._built[key]
         return self.with_plans(evaluated) if plans else evaluated
+
+    def analytic_peak(self, drop: frozenset) -> int | None:
+        """drop's step peak without building its plan, where the step schedule's simulation
+        is that peak to the byte (tests/test_analytic_peak.py): the reference interpreter
+        running one plan (value_and_grad's joint plan, or a compiled step whose gradients are
+        inlined), its saved values as computed. Then a row of memory_frontier, or a candidate
+        a budget passes over, costs a simulation (ms) instead of a plan build. None elsewhere:
+        compiled plans fuse loops and place buffers in an arena (ir/peak.py), which the
+        simulation does not model, and a forward and a backward plan also hold the
+        cotangents backward() passes in."""
+        schedule = self.choices.schedule
+        if (
+            current_backend() != "reference"
+            or schedule.two_plans
+            or self.choices.options.saved_dtype is not None
+            or not self.choices.differentiated
+        ):
+            return None
+        return schedule.simulate(drop).peak + self.input_bytes
 
     def with_plans(self, evaluated: EvaluatedPoint) -> EvaluatedPoint:
         """evaluated with its plans, built again if memory_frontier let them go: the same plans
