@@ -332,8 +332,8 @@ def _recompute_over_frontier(blocked: list[Value], k: int, kernels, home, reader
         for value in cone:
             if value not in kernel.recomputed:
                 kernel.recomputed.append(value)
-    for value in blocked:
-        readers[value].discard(k)
+    for value in blocked:  # one input's cone may have recomputed what another's left to read
+        readers.get(value, set()).discard(k)
     for value in frontier:
         readers.setdefault(value, set()).add(k)
 
