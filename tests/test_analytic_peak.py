@@ -156,3 +156,19 @@ def test_compiled_plans_are_still_built_for_their_peaks():
         assert planner.analytic_peak(frozenset()) is None
         row = planner.frontier(plans=False)[0]
         assert row.peak_bytes == _built_peak(planner, row.drop)
+
+
+def test_the_compiled_simulation_stores_no_literal():
+    """Compiled code reads a `full` as a literal (ir/fusion.py), so the compiled simulation
+    leaves it out: on the bench's mlp_deep (32 tanh layers, softmax cross-entropy), where
+    nothing else it models differs from the kernels, its peak is then the built plan's to the
+    byte; counted, the loss's scalar seed put it 4 B above."""
+    from backplan.bench.budget_models import mlp_deep
+
+    fn, params, batch = mlp_deep()
+    with use_backend("numba"):
+        planner = bp.value_and_grad(fn).trace(params, *batch).planner
+        schedule = planner.choices.schedule
+        for point in planner.points()[:3]:
+            simulated = schedule.simulate(point.drop, True).peak + planner.input_bytes
+            assert simulated == _built_peak(planner, point.drop), sorted(point.drop)
