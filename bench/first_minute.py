@@ -9,6 +9,14 @@ script gets), the steady step (median of the last tenth of the steps), the first
 10% of the steady one, and the wall time from the first call to it; and the first step the
 compiled driver ran, with the wall time to it (None when it never ran: then "steady" is the
 Python-run driver's speed, not compiled speed).
+
+A/B: `--variant NAME PYTHON [VAR=VALUE ...]` (repeatable) runs each model under each variant (an
+interpreter, with environment variables set), `--rounds` times, the variants' order alternating
+per round, each run a fresh process with its own empty BACKPLAN_CACHE_DIR; the library folder is
+one per variant. It prints one JSON line per run, then per model and variant the medians:
+`taskset -c 1 python -m backplan.bench.first_minute --models mlp_tiny cnn --rounds 3
+--variant linked .venv/bin/python BACKPLAN_DRIVER_LOOPS=linked
+--variant address .venv/bin/python BACKPLAN_DRIVER_LOOPS=address`.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -40,8 +49,8 @@ print(json.dumps({"rows": rows, "tier": step.driver_tier, "compiled_step": compi
 """
 
 
-def run_child(model: str, seconds: float, env: dict) -> dict:
-    command = [sys.executable, "-I", "-c", CHILD, model, str(seconds)]
+def run_child(model: str, seconds: float, env: dict, python: str | None = None) -> dict:
+    command = [python or sys.executable, "-I", "-c", CHILD, model, str(seconds)]
     return child_result(command, env, seconds + 900, "first-minute child")
 
 
@@ -59,6 +68,8 @@ def summary(model: str, result: dict) -> dict:
         "steps": len(rows),
         "first_steady_step": fast,
         "wall_to_steady_s": round(rows[fast][0] + rows[fast][1], 3),
+        # The target: compiled speed within twice the cold first call's wall time.
+        "steady_over_first_call": round((rows[fast][0] + rows[fast][1]) / rows[0][1], 2),
         "tier_at_end": result["tier"],
         # The first step run by the compiled driver and the wall time to its end; None: none
         # was (a driver kept as Python by choice, or a build not done when the run ended: then
@@ -72,18 +83,65 @@ def _wall_to(rows: list, index: int | None) -> float | None:
     return None if index is None else round(rows[index][0] + rows[index][1], 3)
 
 
+def variant(spec: list[str]) -> tuple[str, str, dict]:
+    """(name, interpreter, environment variables) from `NAME PYTHON [VAR=VALUE ...]`."""
+    if len(spec) < 2 or any("=" not in item for item in spec[2:]):
+        raise SystemExit(f"--variant {' '.join(spec)}: give NAME PYTHON [VAR=VALUE ...]")
+    name, python, *assignments = spec
+    return name, python, dict(item.split("=", 1) for item in assignments)
+
+
+def medians(rows: list[dict]) -> dict:
+    """Per (model, variant): the median of each number over the rounds (None where any run
+    has none: a run that never reached the compiled driver), and each run's value."""
+    keys = (
+        "first_call_s", "early_step_ms", "steady_step_ms", "first_steady_step",
+        "wall_to_steady_s", "steady_over_first_call", "compiled_step", "wall_to_compiled_s",
+    )  # fmt: skip
+    found = {}
+    for model, name in dict.fromkeys((r["model"], r["variant"]) for r in rows):
+        runs = [r for r in rows if r["model"] == model and r["variant"] == name]
+        line = {"model": model, "variant": name, "runs": len(runs)}
+        for key in keys:
+            values = [r[key] for r in runs]
+            line[key] = None if None in values else round(statistics.median(values), 4)
+            line[f"{key}_runs"] = values
+        found[(model, name)] = line
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp_tiny", "mlp", "transformer"])
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--variant", nargs="+", action="append", metavar="NAME PYTHON [VAR=VALUE]",
+        help="a process to run each model in: a name, an interpreter, environment variables",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    library = tempfile.mkdtemp(prefix="backplan-library-")
-    base = {**os.environ, "BACKPLAN_LIBRARY_CACHE_DIR": library, "BACKPLAN_QUIET": "1"}
+    variants = [variant(v) for v in args.variant or [["this", sys.executable]]]
+    libraries = {name: tempfile.mkdtemp(prefix="backplan-library-") for name, _, _ in variants}
     print(json.dumps({"cpu": cpu_name(), "load": os.getloadavg()}))
-    for model in args.models:
-        run_child(model, 0.0, {**base, "BACKPLAN_CACHE_DIR": tempfile.mkdtemp()})  # the library
-        env = {**base, "BACKPLAN_CACHE_DIR": tempfile.mkdtemp()}
-        print(json.dumps(summary(model, run_child(model, args.seconds, env))), flush=True)
+    rows = []
+    for round_ in range(args.rounds):
+        for model in args.models:
+            for name, python, extra in variants[:: -1 if round_ % 2 else 1]:
+                base = {
+                    **os.environ, **extra,
+                    "BACKPLAN_LIBRARY_CACHE_DIR": libraries[name], "BACKPLAN_QUIET": "1",
+                }  # fmt: skip
+                if round_ == 0:  # the library, once per variant and model
+                    empty = {**base, "BACKPLAN_CACHE_DIR": tempfile.mkdtemp()}
+                    run_child(model, 0.0, empty, python)
+                env = {**base, "BACKPLAN_CACHE_DIR": tempfile.mkdtemp()}
+                row = summary(model, run_child(model, args.seconds, env, python))
+                row.update(variant=name, round=round_, load=os.getloadavg()[0])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.rounds > 1 or len(variants) > 1:
+        for line in medians(rows).values():
+            print(json.dumps({"median": True, **line}), flush=True)
     return 0
 
 
