@@ -9,6 +9,7 @@ from backplan.tracer.tensor import Tensor
 
 from .agreement import describe, leaf_array, require_same_trees
 from .errors import DistributedError
+from .half_wire import as_bits
 from .world import init
 
 
@@ -37,7 +38,7 @@ def broadcast(tree, root: int = 0, comm=None):
     received = []
     for leaf in leaves:
         array = np.ascontiguousarray(leaf_array(leaf)).copy()
-        comm.Bcast(array, root=root)
+        comm.Bcast(as_bits(array), root=root)
         received.append(_like(leaf, array))
     return unflatten(treedef, received)
 

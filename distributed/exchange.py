@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from backplan.ir.types import np_dtype
 from backplan.tracer.tensor import Tensor
 
 from .deadline import wait_or_raise
 from .failure import check_ranks
+from .half_wire import summed_dtype
 from .layout import Layout
 from .rows import scale_by_weight
 from .world import World, mpi_module
@@ -52,6 +54,7 @@ class Exchange:
 
     def _start(self, bucket, array_of) -> None:
         buffer = np.concatenate([array_of(leaf).ravel() for leaf in bucket.leaves])
+        buffer = buffer.astype(summed_dtype(buffer.dtype), copy=False)  # 16-bit: summed in f32
         if self.weight is not None:
             scale_by_weight(buffer, self.weight)
         request = self.world.comm.Iallreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
@@ -79,6 +82,9 @@ class Exchange:
             for leaf in bucket.leaves:
                 count = int(np.prod(leaf.shape, dtype=np.int64))
                 part = buffer[offset : offset + count].reshape(leaf.shape)
+                if part.dtype != np_dtype(leaf.dtype):  # a 16-bit bucket, rounded once
+                    part = part.astype(np_dtype(leaf.dtype))
+                    part.flags.writeable = False
                 results[leaf.index] = Tensor._from_array(part)
                 offset += count
         check_ranks(self.world, results[0]._data, self.failure, self.layout.name)

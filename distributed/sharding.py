@@ -31,6 +31,7 @@ from .agreement import leaf_array
 from .deadline import wait_or_raise
 from .errors import DistributedError
 from .failure import IN_UPDATE, check_ranks, raise_for_others, settle_seconds
+from .half_wire import as_bits, summed_dtype
 from .layout import Layout
 from .rows import scale_by_weight
 from .world import World, mpi_module
@@ -113,7 +114,7 @@ def flat_groups(signature: tuple, size: int) -> tuple[FlatGroup, ...]:
 
 
 def param_signature(arrays) -> tuple:
-    return tuple((a.shape, a.dtype.str) for a in arrays)
+    return tuple((a.shape, a.dtype) for a in arrays)  # not dtype.str: bfloat16's is '<V2'
 
 
 def groups_of(params, size: int) -> tuple[tuple[FlatGroup, ...], list[np.ndarray]]:
@@ -199,6 +200,7 @@ class ShardedExchange:
             self.pool[key] = flat_groups(_layout_signature(layout), world.size)
         self.groups: tuple[FlatGroup, ...] = self.pool[key]
         self._loss = None
+        self._loss_dtype = None  # the loss's own dtype (a 16-bit loss is summed in float32)
         self._loss_in_bucket = False
         self._started: list = []
         self.failure: str | None = None  # this rank's call raised: failure.settle
@@ -217,7 +219,9 @@ class ShardedExchange:
         sum (one collective less per step: each is a point where both ranks must be running)."""
         comm, size = self.world.comm, self.world.size
         loss = np.array(array_of(0), copy=True).reshape(1)
-        self._loss_in_bucket = bool(self.groups) and self.groups[0].dtype == loss.dtype
+        self._loss_dtype = loss.dtype
+        loss = loss.astype(summed_dtype(loss.dtype), copy=False)  # 16-bit: summed in float32
+        self._loss_in_bucket = bool(self.groups) and self.groups[0].dtype == self._loss_dtype
         if not self._loss_in_bucket:
             if self.weight is not None:
                 scale_by_weight(loss, self.weight)
@@ -225,7 +229,7 @@ class ShardedExchange:
         for k, group in enumerate(self.groups):
             with_loss = k == 0 and self._loss_in_bucket
             stride = group.block + with_loss
-            send = self._buffer("send", k, stride * size, group.dtype)
+            send = self._buffer("send", k, stride * size, summed_dtype(group.dtype))
             flats = [np.asarray(array_of(p + 1)).reshape(-1) for p in group.params]
             copies, zeros = slots(group, stride)
             for j, a, b, at in copies:
@@ -236,7 +240,7 @@ class ShardedExchange:
                 send[group.block :: stride] = loss[0]
             if self.weight is not None:
                 scale_by_weight(send, self.weight)
-            mine = self._buffer("share", k, stride, group.dtype)
+            mine = self._buffer("share", k, stride, summed_dtype(group.dtype))
             request = comm.Ireduce_scatter_block(send, mine, op=self.mpi.SUM)
             self._started.append((mine, request))
 
@@ -255,9 +259,10 @@ class ShardedExchange:
             if loss is None:
                 loss = mine[group.block : group.block + 1].copy()  # the loss's element
             lo, hi = group.owned(self.world.rank)
-            ranges.append(mine[: hi - lo])
+            ranges.append(mine[: hi - lo].astype(group.dtype, copy=False))  # 16-bit: rounded
         if not self._loss_in_bucket:
             loss = self._averaged(loss)
+        loss = loss.astype(self._loss_dtype, copy=False)
         check_ranks(self.world, loss, self.failure, self.layout.name)
         return loss.reshape(()), ranges
 
@@ -299,7 +304,8 @@ class ShardedExchange:
                 padded[mine.size :] = 0
                 mine = padded
             full = self._gathered(k, group)
-            started.append((group, full, self.world.comm.Iallgather(mine, full)))
+            request = self.world.comm.Iallgather(as_bits(mine), as_bits(full))
+            started.append((group, full, request))
         arrays: list = [None] * sum(len(g.params) for g in self.groups)
         said_nan = failure is not None
         for group, full, request in started:
@@ -350,4 +356,4 @@ def _layout_signature(layout: Layout) -> tuple:
         (leaf for bucket in layout.buckets for leaf in bucket.leaves if leaf.index != 0),
         key=lambda leaf: leaf.index,
     )
-    return tuple((tuple(leaf.shape), np_dtype(leaf.dtype).str) for leaf in leaves)
+    return tuple((tuple(leaf.shape), np_dtype(leaf.dtype)) for leaf in leaves)
