@@ -401,3 +401,43 @@ def test_sizes_no_longer_kept_free_their_arenas_on_a_switch_too(monkeypatch):
         printed = [other.explain(w, xs[n]).peak_on_call(2).allocated_peak_bytes for n in sizes]
     assert len(set(printed)) > 1
     assert counted == printed
+
+
+@pytest.mark.parametrize("kind", ["value_and_grad", "compile"])
+def test_the_first_size_plans_free_their_arenas_when_the_axis_becomes_dynamic(kind):
+    """An axis learned dynamic at the second size seen drops the first size's plans from the
+    cache, but their arenas stayed allocated while anything held the plans: during that call
+    on every driver, and under BACKPLAN_DRIVER=background until the first size's driver build
+    ended (32 rows, then 8: 45,060 B counted at 8 rows against 16,388 printed, the 32-row
+    arena of 28,672 B besides). The dropped plans now free their idle arenas at once: every
+    call holds the peak explain prints for its size."""
+    from backplan.codegen.run.memory_check import checked_memory, measure
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 32)).astype(np.float32) * 0.3
+    xs = {n: rng.standard_normal((n, 32)).astype(np.float32) for n in (64, 16)}
+
+    def loss(w, x):
+        return bp.mean(bp.tanh(bp.tanh(x @ w) @ w) ** 2)
+
+    if kind == "value_and_grad":
+        step = run = bp.value_and_grad(loss)
+    else:
+        w = bp.tensor(w, requires_grad=True)
+        step = bp.compile(loss)
+
+        def run(w, x):
+            w.grad = None
+            step(w, x).backward()
+
+    sizes = [64, 16, 16, 64, 16]
+    counted, printed, calls = [], [], {}
+    with use_backend("numba"), checked_memory(), measure() as held:
+        for n in sizes:
+            held.restart_at_next_use()
+            run(w, xs[n])
+            counted.append(held.peak)
+            calls[n] = calls.get(n, 0) + 1
+            printed.append(step.explain(w, xs[n]).peak_on_call(calls[n]).allocated_peak_bytes)
+    assert step.cache_info().last_miss_reason.endswith("one plan for every size")
+    assert counted == printed

@@ -26,7 +26,7 @@ from .dynamic import (
 from .errors import TracingError
 from .fastpath import call_key, guard_for
 from .frozen_reads import FrozenReads, frozen_reads
-from .signature_switch import release_other_signatures
+from .signature_switch import release_idle_arenas, release_other_signatures
 from .trace import current_trace
 
 STALE = object()  # a fast-path runner's answer when its entry no longer fits the call
@@ -188,14 +188,17 @@ class PlannedFunction:
         for one size there (the first size's) and the fast paths running them go, so a call at
         the first size runs what lookup() gives (explain, data_parallel), as torch.compile's
         dynamic graph takes over from its first static one."""
+        dropped = []
         with self._lookup_lock:
             for key in tuple(self._entries):
                 signature = self._signature_of_key(key)
                 if signature is not None and takes_symbol(signature, learned):
-                    del self._entries[key]
+                    dropped.append(self._entries.pop(key))
             self._fast = {}
             self._last_fast = None
             self._most_recent = None
+        for entry in dropped:  # their arenas go now, not when the last reference does (a
+            release_idle_arenas(entry)  # background driver build holds its plan's runner)
 
     def _display(self, text: str) -> str:
         """Leaf paths as the user names them (value_and_grad binds by position)."""

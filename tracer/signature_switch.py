@@ -21,11 +21,14 @@ def release_other_signatures(entries, key) -> None:
     for stored, entry in tuple(entries.items()):  # one step under the GIL
         if stored is key or stored == key:
             continue
-        if type(entry) is DynamicEntry:
-            holders = entry.arena_holders()
-        else:
-            holders = _arena_holders(entry)
-        for runner in holders:
-            release = getattr(runner, "release_idle", None)
-            if release is not None:
-                release()
+        release_idle_arenas(entry)
+
+
+def release_idle_arenas(entry) -> None:
+    """Free the scratch arenas a cache entry's plans keep idle (a call running them in another
+    thread keeps its own)."""
+    holders = entry.arena_holders() if type(entry) is DynamicEntry else _arena_holders(entry)
+    for runner in holders:
+        release = getattr(runner, "release_idle", None)
+        if release is not None:
+            release()
