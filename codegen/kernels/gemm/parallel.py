@@ -1,13 +1,17 @@
-"""The GEMM over several cores: C cut into as many blocks as Numba has threads, along its longer
-side (rows of C with their rows of op(A), or columns with their columns of op(B)), each block a
-single-core blocked GEMM with its own packing buffers; a batch is shared out by entries.
+"""The GEMM over several cores: gemm_parallel shares one product between the caller and helper
+threads (team.py) or, without futexes, cuts C into as many blocks as Numba has threads, along
+its longer side (rows of C with their rows of op(A), or columns with their columns of op(B)),
+each block a single-core blocked GEMM with its own packing buffers; a batch is shared out by
+entries.
 bfloat16 blocks call the published bf16 GEMM (symbols.py: VDPBF16PS where the CPU has it)."""
 
 import numpy as np
 
 from backplan.codegen.jit import njit, prange
+from backplan.codegen.kernels.atomics import FUTEX_AVAILABLE
 from backplan.codegen.kernels.gemm.api import gemm
 from backplan.codegen.kernels.gemm.driver import KC, MC, NC, gemm_blocked, tile_shape, workspace
+from backplan.codegen.kernels.gemm.team import gemm_team
 from backplan.codegen.kernels.threads_now import threads_now
 
 
@@ -20,9 +24,10 @@ def _bounds(part, parts, length, step):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def gemm_parallel(parts, width, trans_a, trans_b, alpha, a, b, beta, c):
+def gemm_parallel_region(parts, width, trans_a, trans_b, alpha, a, b, beta, c):
     """gemm (see api.gemm) with C's longer side cut in `parts` blocks for Numba's threads
-    (a count passed in: reading the thread count inside would stop Numba caching this)."""
+    (a count passed in: reading the thread count inside would stop Numba caching this).
+    Where the platform has futexes, gemm_parallel is team.gemm_team instead."""
     if threads_now() < 2:  # the step found one free core: no pool thread to hand it to
         _block(width, trans_a, trans_b, alpha, a, b, beta, c)
         return
@@ -72,3 +77,8 @@ def gemm_serial_batch(width, trans_a, trans_b, a, b, c):
     last_a, last_b = a.shape[0] - 1, b.shape[0] - 1
     for i in range(c.shape[0]):
         _block(width, trans_a, trans_b, 1.0, a[min(i, last_a)], b[min(i, last_b)], 0.0, c[i])
+
+
+# Where the platform has futexes the caller and helpers waiting for work share the chunks
+# (gemm/team.py); elsewhere a prange region hands them to Numba's pool.
+gemm_parallel = gemm_team if FUTEX_AVAILABLE else gemm_parallel_region

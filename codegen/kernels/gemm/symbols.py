@@ -255,6 +255,32 @@ def _symbol_dtype(result, operand) -> str | None:
     return None
 
 
+def _entry_type():
+    """The LLVM type of every GEMM symbol: 15 integers, alpha and beta."""
+    integer, real = ir.IntType(64), ir.DoubleType()
+    return ir.FunctionType(integer, [integer] * _INTEGERS + [real, real])
+
+
+def _declared(builder, symbol_dtype: str):
+    """The GEMM symbol for symbol_dtype declared in this module (registered first)."""
+    ensure_registered(symbol_dtype)
+    return cgutils.get_or_insert_function(builder.module, _entry_type(), PREFIX + symbol_dtype)
+
+
+def _call_entry(context, builder, function, signature, arguments):
+    """function(*arguments[1], arguments[2], arguments[3]) cast to the entry's types."""
+    values = [
+        context.cast(builder, value, kind, types.intp)
+        for value, kind in zip(
+            cgutils.unpack_tuple(builder, arguments[1]), signature.args[1], strict=True
+        )
+    ]
+    alpha_value = context.cast(builder, arguments[2], signature.args[2], types.float64)
+    beta_value = context.cast(builder, arguments[3], signature.args[3], types.float64)
+    builder.call(function, [*values, alpha_value, beta_value])
+    return context.get_dummy_value()
+
+
 @intrinsic
 def call_gemm(typingctx, like, args, alpha, beta, a_like, b_like):
     """Call the GEMM symbol for C of like's dtype and A, B of a_like's and b_like's (the
@@ -267,25 +293,39 @@ def call_gemm(typingctx, like, args, alpha, beta, a_like, b_like):
         return None
     if not isinstance(args, types.BaseTuple) or len(args) != _INTEGERS:
         return None
-    name = PREFIX + symbol_dtype
 
     def codegen(context, builder, signature, arguments):
-        ensure_registered(name[len(PREFIX) :])
-        integer, real = ir.IntType(64), ir.DoubleType()
-        function = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(integer, [integer] * _INTEGERS + [real, real]),
-            name,
-        )
-        values = [
-            context.cast(builder, value, kind, types.intp)
-            for value, kind in zip(
-                cgutils.unpack_tuple(builder, arguments[1]), signature.args[1], strict=True
-            )
-        ]
-        alpha_value = context.cast(builder, arguments[2], signature.args[2], types.float64)
-        beta_value = context.cast(builder, arguments[3], signature.args[3], types.float64)
-        builder.call(function, [*values, alpha_value, beta_value])
-        return context.get_dummy_value()
+        function = _declared(builder, symbol_dtype)
+        return _call_entry(context, builder, function, signature, arguments)
 
     return types.none(like, args, alpha, beta, a_like, b_like), codegen
+
+
+@intrinsic
+def gemm_address(typingctx, like, a_like, b_like):
+    """The address of the GEMM symbol call_gemm would call for these dtypes: another thread
+    given it calls the same GEMM (gemm/team.py) through `call_gemm_at`."""
+    dtype, source, source_b = (
+        t.dtype if isinstance(t, types.DType) else t for t in (like, a_like, b_like)
+    )
+    symbol_dtype = _symbol_dtype(dtype, source)
+    if symbol_dtype is None or source_b != source:
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        return builder.ptrtoint(_declared(builder, symbol_dtype), ir.IntType(64))
+
+    return types.intp(like, a_like, b_like), codegen
+
+
+@intrinsic
+def call_gemm_at(typingctx, address, args, alpha, beta):
+    """Call the GEMM at `address` (gemm_address) with the 15 integers in `args`."""
+    if not isinstance(args, types.BaseTuple) or len(args) != _INTEGERS:
+        return None
+
+    def codegen(context, builder, signature, arguments):
+        function = builder.inttoptr(arguments[0], _entry_type().as_pointer())
+        return _call_entry(context, builder, function, signature, arguments)
+
+    return types.none(types.intp, args, alpha, beta), codegen
