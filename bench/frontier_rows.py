@@ -17,8 +17,7 @@ import statistics
 import time
 
 import backplan as bp
-from backplan.runtime.backend import current_backend
-from backplan.tracer.budget import BudgetPlanner
+from backplan.bench.internals import BudgetPlanner, current_backend
 
 from .affinity import pin_process
 from .budget_models import deep_chain

@@ -51,6 +51,8 @@ _WHERE = {
     # a frontier row's parts timed apart: its plan built, then lowered for its peak
     "step_peak_bytes": "backplan.tracer.budget:step_peak_bytes",
     "paused_gc": "backplan.ir.gc_pause:paused_gc",
+    # rows simulated where exact against every row built (frontier_rows.py)
+    "BudgetPlanner": "backplan.tracer.budget:BudgetPlanner",
     "checked_memory": "backplan.codegen.run.memory_check:checked_memory",  # the checked mode
     "measure": "backplan.codegen.run.memory_check:measure",
     "flatten": "backplan.tracer.pytree:flatten",
