@@ -7,6 +7,7 @@ then build no plan; the frontier and the budgets' choices stay what building eve
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -94,6 +95,28 @@ def test_the_analytic_peak_is_the_built_plans_peak_to_the_byte(kinds, step, data
         analytic = planner.analytic_peak(drop)
         assert analytic is not None
         assert analytic == _built_peak(planner, drop), (kinds, step, sorted(drop))
+
+
+@pytest.mark.parametrize("name", ["transformer", "cnn", "lstm12", "ln_gelu", "mlp_deep"])
+def test_the_analytic_peak_is_exact_on_the_bench_models(name):
+    """Attention, convolutions (im2col), recurrent cells, layer norm and GELU, softmax
+    cross-entropy: every frontier point and a few random recomputed sets, small sizes."""
+    from backplan.bench.models import MODELS
+    from backplan.bench.peers.backplan_peer import bench_function
+
+    spec = MODELS[name]
+    inputs = spec.inputs(True, np.float32)
+    with use_backend("reference"):
+        planner = bp.value_and_grad(bench_function(spec)).trace(
+            inputs.params, *inputs.batch(True)
+        ).planner
+        held = planner.choices.schedule.held
+        rng = np.random.default_rng(0)
+        drops = [p.drop for p in planner.points()] + [
+            frozenset(rng.choice(held, size=k, replace=False).tolist()) for k in (1, len(held))
+        ]
+        for drop in drops:
+            assert planner.analytic_peak(drop) == _built_peak(planner, drop), sorted(drop)
 
 
 def _every_row_built(planner: BudgetPlanner) -> BudgetPlanner:
