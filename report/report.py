@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -274,7 +275,12 @@ class ExplainReport:
         peak = self.peak_on_call(n)
         if kept is None:
             kept = self.kept_output_bytes(n - 1) if n > 1 else 0
-        return holding(peak, kept)
+        elif isinstance(kept, bool) or not isinstance(kept, numbers.Integral) or kept < 0:
+            raise TypeError(
+                f"loop_peak_on_call: kept is the bytes the previous call's results hold (its "
+                f"report's kept_output_bytes(n) for its call number n), got {kept!r}"
+            )
+        return holding(peak, int(kept))
 
     def kept_output_bytes(self, n: int) -> int:
         """Bytes of the n-th call's results a loop keeps bound through the next call (what it

@@ -178,3 +178,20 @@ def test_a_loop_over_sizes_of_a_dynamic_axis_holds_the_last_calls_results(backen
     assert "a call after one at another size holds that call's results (4: " in " ".join(
         report.dynamic.split()
     )
+
+
+def test_kept_must_be_a_byte_count():
+    """kept_output_bytes is a method of the report (the n-th call's results): passed without
+    calling it, loop_peak_on_call failed deep in the peak's sum ("unsupported operand type(s)
+    for +: 'int' and 'method'"); now a TypeError saying what kept is."""
+    w = bp.tensor(np.ones((4, 4), np.float32))
+    vg = bp.value_and_grad(lambda w, x: bp.mean(bp.tanh(x @ w)))
+    report = vg.explain(w, np.ones((8, 4), np.float32))
+    other = vg.explain(w, np.ones((3, 4), np.float32))
+    for wrong in (other.kept_output_bytes, 1.5, -4, True):
+        with pytest.raises(TypeError, match=r"kept is the bytes the previous call's results"):
+            report.loop_peak_on_call(2, kept=wrong)
+    kept = other.kept_output_bytes(2)
+    assert kept == 4 * 4 * 4 + 4  # the gradient and the loss
+    with_other = report.loop_peak_on_call(2, kept=kept).allocated_peak_bytes
+    assert with_other == report.peak_on_call(2).allocated_peak_bytes + kept
