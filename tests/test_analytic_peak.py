@@ -16,12 +16,30 @@ from backplan.ir.budget import PlanPoint
 from backplan.runtime.backend import use_backend
 from backplan.tracer.budget import BudgetPlanner, step_peak_bytes
 
-LAYERS = ("tanh", "sin", "diamond", "view", "shared", "relu", "constant", "bfloat16", "exp")
+LAYERS = (
+    "tanh",
+    "sin",
+    "diamond",
+    "view",
+    "shared",
+    "relu",
+    "constant",
+    "bfloat16",
+    "exp",
+    "softmax",
+    "layer_norm",
+    "halves",
+    "gather",
+    "where",
+    "dropout",
+)
+ROWS = np.array([3, 0, 7, 7, 1, 5, 2, 4])
 
 
 def _layer(kind: str, h, kept: list, constant):
     """One layer of the random step: chains, diamonds (a value read twice), a value shared by
-    a later layer, views (reshapes, transposes), a captured constant, a 16-bit round trip."""
+    a later layer, views (reshapes, transposes), a captured constant, a 16-bit round trip,
+    row composites (softmax, layer norm), slices joined, a gather, a select, a random mask."""
     if kind == "tanh":
         return bp.tanh(h)
     if kind == "sin":
@@ -39,6 +57,18 @@ def _layer(kind: str, h, kept: list, constant):
         return bp.tanh(h * constant)
     if kind == "bfloat16":
         return bp.tanh(h.astype(bp.bfloat16)).astype(bp.float32)
+    if kind == "softmax":
+        return bp.softmax(h, axis=-1)
+    if kind == "layer_norm":
+        return bp.layer_norm(h)
+    if kind == "halves":  # slices of one value joined again, in the other order
+        return bp.tanh(bp.concatenate([h[:, 4:], h[:, :4] * 2.0], axis=1))
+    if kind == "gather":
+        return bp.tanh(bp.take(h, ROWS, axis=0))
+    if kind == "where":
+        return bp.where(h > 0.0, bp.tanh(h), h * 0.1)
+    if kind == "dropout":
+        return bp.dropout(bp.tanh(h), 0.25, bp.random.key(len(kept)))
     kept.append(bp.tanh(h))  # "shared": read again by every later shared layer
     return kept[-1] + kept[0] if len(kept) > 1 else kept[-1]
 
