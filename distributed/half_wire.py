@@ -24,3 +24,8 @@ def as_bits(array: np.ndarray) -> np.ndarray:
 def summed_dtype(dtype) -> np.dtype:
     """The dtype MPI adds values of `dtype` in: float32 for the 16-bit floats."""
     return np.dtype(np.float32) if half(dtype) else np.dtype(dtype)
+
+
+def summed_bytes(nbytes: int, dtype) -> int:
+    """The bytes `nbytes` of `dtype` take on the wire where they are summed."""
+    return nbytes * summed_dtype(dtype).itemsize // np.dtype(dtype).itemsize

@@ -6,7 +6,10 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from backplan.ir.types import np_dtype
+
 from .buckets import Bucket, ring_bytes_sent
+from .half_wire import summed_bytes
 from .layout import Layout
 
 
@@ -83,7 +86,9 @@ class DataParallelReport:
             ready_text=bucket.ready_leaf.ready_text,
             start_step=start,
             steps_after_ready=self.plan_steps - 1 - ready,
-            bytes_sent=ring_bytes_sent(bucket.nbytes, self.size),
+            bytes_sent=ring_bytes_sent(  # a 16-bit bucket is summed in float32
+                summed_bytes(bucket.nbytes, np_dtype(bucket.dtype)), self.size
+            ),
             calls_in_flight=None if inside is None else inside[1],
         )
 

@@ -341,11 +341,12 @@ def bytes_sent(groups: tuple[FlatGroup, ...], size: int, loss_dtype) -> int:
         return 0
     loss = np.dtype(loss_dtype)
     sent = 0
-    for k, group in enumerate(groups):
+    for k, group in enumerate(groups):  # a 16-bit reduce-scatter is summed in float32
         stride = group.block + (k == 0 and group.dtype == loss)
-        sent += (size - 1) * (stride + group.block) * group.dtype.itemsize
+        sent += (size - 1) * stride * summed_dtype(group.dtype).itemsize
+        sent += (size - 1) * group.block * group.dtype.itemsize
     if not groups or groups[0].dtype != loss:
-        sent += 2 * (size - 1) * loss.itemsize // size
+        sent += 2 * (size - 1) * summed_dtype(loss).itemsize // size
     return sent
 
 

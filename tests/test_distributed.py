@@ -562,6 +562,13 @@ def test_16_bit_parameters_broadcast_sum_and_shard(tmp_path):
                 for _ in range(2):
                     p, state, loss = train(p, state, xs, ys)
                 stepped[shard] = p, loss.item()
+            report = train.explain(p, state, xs, ys)  # the sharded step's: what it posts
+            posted = [b for k, b in train._buffers.items() if k[0] == "send"]
+            posted += [b[0] for k, b in train._buffers.items() if k[0] == "gathered"]
+            assert posted[0].dtype == np.float32 and posted[-1].dtype == half
+            assert report.bytes_sent_per_step == sum(
+                b.nbytes * (size - 1) // size for b in posted
+            ), (report.bytes_sent_per_step, [(b.nbytes, b.dtype) for b in posted])
             assert stepped[True][1] == stepped[False][1]
             for k in params:
                 assert stepped[True][0][k].numpy().dtype == half
