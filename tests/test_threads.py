@@ -234,3 +234,36 @@ def test_a_trace_that_fails_fails_in_every_waiting_thread():
     for t in threads:
         t.join()
     assert len(errors) == THREADS and fn.cache_info().entries == 0
+
+
+def test_a_signature_evicted_while_its_call_ran_gets_no_fast_path():
+    """cache_size=1: thread A's call traced its signature, and thread B's call of another
+    evicted it before A's call had returned. A then registered its fast path all the same, so
+    the evicted signature kept running (its plans and arenas alive, beyond cache_size) without
+    a trace; now a call registers a fast path only to a signature still cached, and A's
+    signature is traced again."""
+    w = np.ones((4, 4), np.float32)
+    fn = bp.compile(lambda w, x: bp.tanh(x @ w), cache_size=1)
+    running, evicted = threading.Event(), threading.Event()
+    run = fn._run
+
+    def held_run(entry, bound):  # A's call waits, between its lookup and its return, for B
+        result = run(entry, bound)
+        if threading.current_thread().name == "A":
+            running.set()
+            assert evicted.wait(60)
+        return result
+
+    fn._run = held_run
+    a = threading.Thread(target=fn, args=(w, np.ones((2, 4), np.float32)), name="A")
+    a.start()
+    assert running.wait(60)
+    fn(w.astype(np.float64), np.ones((2, 4)))  # B's signature evicts A's
+    evicted.set()
+    a.join()
+    del fn._run
+    assert fn.cache_info().entries == 1
+    traces = fn.cache_info().traces
+    out = fn(w, np.ones((2, 4), np.float32))
+    assert fn.cache_info().traces == traces + 1  # evicted: traced again
+    np.testing.assert_allclose(out.numpy(), np.tanh(np.full((2, 4), 4.0)), rtol=1e-6)

@@ -278,9 +278,14 @@ class PlannedFunction:
             if runner is not None:
                 runner = runner if switch is None else _switching(runner, switch)
                 entry_key = self._shared_entry_key(self._entry_key(bound))
-                if len(self._fast) >= FAST_PATHS_KEPT:  # a dynamic axis: one per size seen
-                    self._fast = {}  # its runners hold their sizes' plans and arenas alive
-                self._fast[key] = self._last_fast = FastEntry(guard_for(key), runner, entry_key)
+                fast = FastEntry(guard_for(key), runner, entry_key)
+                # another thread's call may have evicted the entry meanwhile: a fast path to
+                # it would keep its plans and arenas, beyond cache_size, until cleared
+                with self._lookup_lock:
+                    if entry_key in self._entries:
+                        if len(self._fast) >= FAST_PATHS_KEPT:  # a dynamic axis: one per size
+                            self._fast = {}  # its runners hold their sizes' plans and arenas
+                        self._fast[key] = self._last_fast = fast
         return result
 
     def _forget_frozen_reads(self, stacklevel: int) -> None:
