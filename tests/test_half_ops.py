@@ -94,7 +94,7 @@ def test_every_op_sample_in_16_bits_on_both_executors(half, start, monkeypatch):
     ~100 calls: 2.6x the CPU (f16 batch 40, empty cache: 80 against 30 s; about 5 s a batch
     once the library is compiled). The view form's 16-bit loads and stores, which do not depend
     on the op, stay checked with compiled drivers in test_half_compiled.py (chains, reductions,
-    matmuls, gradients, layer norm) and every op's view form in test_codegen.py (f32, f64)."""
+    matmuls, gradients, layer norm) and every op's view form in test_codegen.py (f64)."""
     monkeypatch.setenv("BACKPLAN_DRIVER", "python")
     batch = _samples()[start : start + BATCH]
     graph, arrays, wrt = _graph(batch, half, half)
