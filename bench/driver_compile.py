@@ -72,7 +72,7 @@ def fresh_driver(run, linked: bool):
         scope = {k: internals.native_calls.unwrapped(v) for k, v in scope.items()}
     function = types.FunctionType(run.py_func.__code__, scope, "run")
     options = {k: v for k, v in internals.JIT_OPTIONS.items() if k != "cache"}
-    return numba.njit(**options)(function)
+    return numba.njit(**options, pipeline_class=run._compiler.pipeline_class)(function)
 
 
 def measure(model: str, rounds: int, seconds: float) -> dict:

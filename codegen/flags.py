@@ -10,7 +10,11 @@ checks, which block vectorisation.
 import numba
 
 from backplan.codegen.build.lean_pipeline import LeanKernelCompiler
-from backplan.codegen.build.loop_optimisation import AddressLoopCompiler, SmallLoopCompiler
+from backplan.codegen.build.loop_optimisation import (
+    AddressLoopCompiler,
+    DriverCompiler,
+    SmallLoopCompiler,
+)
 
 FASTMATH = set({"reassoc", "contract", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
@@ -41,6 +45,9 @@ SMALL_LOOP_KERNEL_JIT_OPTIONS = {**ADDRESS_KERNEL_JIT_OPTIONS, "pipeline_class":
 SMALL_LOOP_ELEMENTS = 4096
 DRIVER_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
 DRIVER_KERNEL_JIT_OPTIONS["forceinline"] = True
+# A driver calling its loops by address (codegen/build/loop_calls.py) is calls and argument
+# conversions: LLVM optimises it lightly (codegen/build/loop_optimisation.py).
+ADDRESS_DRIVER_JIT_OPTIONS = {**JIT_OPTIONS, "pipeline_class": DriverCompiler}
 # Below this a loop runs serial. A parallel kernel compiles about 3x slower than a serial one,
 # and the transformer block (loops of 2**18-2**20 elements) stepped as fast with every loop
 # serial (PERFORMANCE-NOTES.md); streams of several MiB gain from the second core's bandwidth.

@@ -25,7 +25,7 @@ import llvmlite
 import numba
 import numpy as np
 
-from backplan.codegen.build import cache_health, code_cache, native_calls
+from backplan.codegen.build import cache_health, code_cache, loop_calls, native_calls
 from backplan.codegen.build.cache_signing import CacheError, check_private_folder, key_path
 from backplan.codegen.build.fingerprint import codegen_fingerprint, kernel_fingerprint  # noqa: F401 (used via cache.)
 
@@ -179,5 +179,7 @@ def load_module(source: str, parts: dict[str, str]):
             module.__source_text__ = source
             exec(code_cache.compiled(source, path, directory), module.__dict__)
             native_calls.wrap_callees(module.__dict__)  # its driver calls them by address
+            if loop_calls.mode() == "address":
+                loop_calls.wrap_loops(module.__dict__)  # and its loops too
             sys.modules[name] = module
     return module, hit, reason

@@ -17,6 +17,10 @@ A function's own `background=` (bp.compile, bp.value_and_grad) overrides it for 
 True is `reference`, False is `inline`. The builds themselves run in
 codegen/build/driver_builder.py.
 
+BACKPLAN_DRIVER_LOOPS=address makes the compiled driver call the loops its first calls ran by
+address instead of inlining them (codegen/build/loop_calls.py): its compile is then only its
+own statements.
+
 BACKPLAN_DRIVER_AT_EXIT says what happens to a build still running when the program ends:
 `kill` (default: no process outlives the program; the build stops with it, even when the
 program is killed) or `finish` (asked for: it goes on in its detached process and caches the

@@ -10,6 +10,9 @@ optimised once:
 - ADDRESS_LOOP, a loop over many elements: level 2, loops vectorised but not interleaved or
   unrolled, no SLP vectoriser. Cold first calls, one pinned CPU: transformer 2.1-2.6 -> 1.7 s,
   deep MLP 1.3-1.5 -> 1.2-1.3 s; the steps these loops run as fast (73-81 ms, 12 ms).
+- DRIVER, a compiled driver whose loops are called by address (codegen/build/loop_calls.py):
+  level 1, nothing vectorised: its code is argument conversions and calls, with no loop for
+  the level-3 pipeline to improve (BENCHMARKS.md, 31).
 - SMALL_LOOP, a loop over at most SMALL_LOOP_ELEMENTS (codegen/flags.py): level 1, nothing
   vectorised. A cold unrolled LSTM (loops of 128-512 elements) compiled its kernels about 30%
   faster, at the same step time.
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 from llvmlite import binding as llvm
 from numba.core.codegen import JITCodeLibrary
+from numba.core.compiler import CompilerBase, DefaultPassBuilder
 from numba.core.compiler_machinery import register_pass
 from numba.core.typed_passes import NativeLowering
 
@@ -33,6 +37,7 @@ class Optimisation:
 
 ADDRESS_LOOP = Optimisation(level=2, vectorise_loops=True)
 SMALL_LOOP = Optimisation(level=1, vectorise_loops=False)
+DRIVER = Optimisation(level=1, vectorise_loops=False)
 
 
 def _library_class(optimisation: Optimisation) -> type:
@@ -78,3 +83,24 @@ def _compiler(optimisation: Optimisation, name: str) -> type:
 
 AddressLoopCompiler = _compiler(ADDRESS_LOOP, "address_loop")
 SmallLoopCompiler = _compiler(SMALL_LOOP, "small_loop")
+
+
+def _full_pipeline_compiler(optimisation: Optimisation, name: str) -> type:
+    """Numba's whole nopython pipeline (a driver raises with formatted messages, which the
+    lean one does not type), lowering into a library optimised as `optimisation` says."""
+    lowering = _compiler(optimisation, name).lowering_pass
+
+    class Compiler(CompilerBase):
+        def define_pipelines(self):
+            manager = DefaultPassBuilder.define_nopython_pipeline(self.state)
+            manager.passes = [
+                (lowering if kind is NativeLowering else kind, what)
+                for kind, what in manager.passes
+            ]
+            return [manager]
+
+    Compiler.__name__ = Compiler.__qualname__ = f"{name.title().replace('_', '')}Compiler"
+    return Compiler
+
+
+DriverCompiler = _full_pipeline_compiler(DRIVER, "address_driver")

@@ -13,7 +13,8 @@ Loop kernels stay linked: the driver inlines them (codegen/flags.py DRIVER_KERNE
 with its sizes and float literals as constants, and that specialisation is worth its compile
 time: the digits CNN's training step ran 16% slower with every kernel called by address
 (its pooling loops run over 2 to 4 elements), while calling the library functions by address
-measured no slower (BENCHMARKS.md, compile time).
+measured no slower (BENCHMARKS.md, compile time). BACKPLAN_DRIVER_LOOPS=address calls the
+loops by address too (codegen/build/loop_calls.py).
 
 The symbol's name describes the callee: its module, its name and the argument types it was
 compiled for (a pickle, base64 in the name). A driver loaded from the disk cache in another
@@ -182,11 +183,16 @@ def publish(compiled, name: str | None = None) -> str:
     address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
     if not address:
         raise RuntimeError(f"{compiled.fndesc.qualname} has no native entry to call")
+    publish_address(name, address)
+    return name
+
+
+def publish_address(name: str, address: int) -> None:
+    """Make `name` resolve to `address` for code loaded after this in this process."""
     with _publishing:
         if _published.get(name) != address:
             binding.add_symbol(name, address)
             _published[name] = address
-    return name
 
 
 class UnknownCallee(cache_signing.StaleEntry):
@@ -248,7 +254,7 @@ def published_here() -> dict[str, bool]:
     """Each callee published in this process (`module.name(types)`): whether its symbol holds
     the address of the callee's compiled code in this process."""
     with _publishing:
-        published = dict(_published)
+        published = {n: a for n, a in _published.items() if n.startswith(PREFIX)}
     checked = {}
     for name, address in published.items():
         compiled = _callee(name[len(PREFIX) : -len(END)].encode())

@@ -15,7 +15,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from backplan.codegen.build import cache
+from backplan.codegen.build import cache, loop_calls
 from backplan.codegen.flags import parallel_pays
 from backplan.codegen.kernels.gemm import vector_width
 from backplan.codegen.render.add_chains import chain_loops, chain_terms, size_of
@@ -35,6 +35,7 @@ from backplan.codegen.render.opaque import (
     unsupported_reason,
 )
 from backplan.codegen.render.placement import Placer
+from backplan.codegen.render.plain_literals import plain_literals
 from backplan.codegen.render.scalar import NP_TYPE, literal
 from backplan.ir.fusion import alias_base, internal_shape, is_alias
 from backplan.ir.graph import Value
@@ -64,7 +65,11 @@ def header(name: str, driver: str) -> str:
         for module in kernel_modules()
         if called.intersection(sys.modules[module].__all__)
     )
-    return HEADER.format(name=name) + kernels
+    text = HEADER.format(name=name) + kernels
+    if "ADDRESS_DRIVER_JIT_OPTIONS" in driver:  # its loops by address: build/loop_calls.py
+        flags = "import ADDRESS_DRIVER_JIT_OPTIONS, JIT_OPTIONS\n"
+        text = text.replace("import JIT_OPTIONS\n", flags)
+    return text
 
 
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
@@ -148,6 +153,8 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
         body, ints, floats = lift_literals(body)
         lifted = (ints, floats)
         params += [INTS, FLOATS]
+    if loop_calls.mode() == "address":
+        body = plain_literals(body)
     kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
     source, driver = _module_source(lowered.plan.shared, graph.name, kernel_lines, params, body)
     return GeneratedModule(
@@ -171,12 +178,13 @@ def _module_source(shared: dict | None, name: str, kernel_lines: list, params: l
     comments show that size) and its split into parts, found by their code without comments:
     parsing a driver into parts costs an unrolled LSTM's new batch size 60 ms."""
     code = None
+    options = "JIT_OPTIONS" if loop_calls.mode() == "linked" else "ADDRESS_DRIVER_JIT_OPTIONS"
     if shared is not None:
         lines = (line for line in body if not line.lstrip().startswith("#"))
-        code = ("driver", name, *kernel_lines, *params, *lines)
+        code = ("driver", name, options, *kernel_lines, *params, *lines)
         if code in shared:
             return shared[code]
-    driver = driver_source(params, body, "@njit(**JIT_OPTIONS)")
+    driver = driver_source(params, body, f"@njit(**{options})")
     source = header(name, driver.source) + "\n" + "\n".join(kernel_lines) + "\n\n"
     found = (source + driver.source, driver)
     return found if code is None else shared.setdefault(code, found)

@@ -20,6 +20,7 @@ from backplan.codegen.build import (
     driver_builder,
     driver_tier,
     kernel_cache,
+    loop_calls,
     plan_facts,
     progress,
 )
@@ -63,14 +64,14 @@ def rendering(lowered: LoweredPlan) -> tuple:
     (codegen/build/plan_facts.py) whose files check is used as it is; a size-generic driver's
     key is the hash of its rendered code."""
     if lowered.plan.shared is None:
-        parts = cache.key_parts(canonical_text(lowered.plan), flags_text())
+        parts = cache.key_parts(canonical_text(lowered.plan), flags_text() + loop_calls.key_text())
         key = cache.entry_key(parts)
         if lowered.rendered is not None:  # rendered already (explain): its facts may be kept
             return lowered.rendered, parts, plan_facts.recorded(key)
         found = plan_facts.read(key, lowered)
         return (found, parts, True) if found is not None else (generate(lowered), parts, False)
     generated = generate(lowered)
-    return generated, cache.key_parts(code_text(generated.source), flags_text()), False
+    return generated, cache.key_parts(code_text(generated.source), flags_text() + loop_calls.key_text()), False
 
 
 def _output_sources(sources: list, buffers: list) -> list[tuple]:
