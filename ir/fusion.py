@@ -11,6 +11,11 @@
   transposes, slices and other reshapes are views.
 - A loop that reads a widening cast of a 16-bit value another loop computes recomputes the
   cast and reads the 16-bit value: stored, it takes half the bytes of the widened one.
+- A widening cast of a 16-bit value of a smaller shape that every reader reads in place
+  (a bias's widening, broadcast over rows) is recomputed by each larger loop reading it: a
+  shift per element instead of a float32 copy written by a loop of its own, and the loop
+  reading it need not wait for that copy (it may join the loop before it: a 16-bit GEMM's
+  bias add and activation then run in the GEMM's epilogue, ir/epilogue.py).
 - A cast that reads back a 16-bit copy of a value used elsewhere too (saved_dtype's copy, read
   by a joint plan's gradient part) never joins the loop that made the copy: there it would hold
   the widened value instead of the 16-bit one.
@@ -152,11 +157,12 @@ def group_kernels(graph: Graph, origin: dict[Value, Value] | None = None) -> lis
     reads: dict[int, set[Value]] = {}  # loop kernel -> buffers of other kernels it reads
     tails: set[Value] = set()  # every reduction placed so far (kernels' lists are long)
     read_backs = _read_backs(graph, origin)
+    spread = _spread_widenings(graph)
     for node in graph.nodes:
         avoid = home.get(read_backs.get(node))
-        home[node] = _place(node, kernels, home, latest_loops, reads, tails, avoid)
+        home[node] = _place(node, kernels, home, latest_loops, reads, tails, avoid, spread)
     kept = frozenset(read_backs.values())
-    _recompute_cheap_inputs(kernels, home, graph.outputs, kept)
+    _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread)
     _round_where_recomputed(kernels, home, kept, {n: i for i, n in enumerate(graph.nodes)})
     for kernel in kernels:  # grouped: a loop with nothing recomputed or reduced shares the empty
         kernel.recomputed = kernel.recomputed or NONE_HELD
@@ -184,15 +190,42 @@ def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, 
     return found
 
 
+def _spread_widenings(graph: Graph) -> frozenset[Value]:
+    """Widening casts of 16-bit values that only loops read, each directly (not through a
+    view or an alias): a loop of a larger shape reads such a cast broadcast from the right, as
+    it would read the cast's input, so it can recompute the cast from the 16-bit input."""
+    casts = {n for n in graph.nodes if _widens_half(n)}
+    if not casts:
+        return frozenset()
+    for node in graph.nodes:
+        if not is_loop_op(node) and not is_loop_tail(node):
+            casts.difference_update(node.inputs)
+    casts.difference_update(alias_base(o) for o in graph.outputs)
+    casts.difference_update(graph.outputs)
+    return frozenset(casts)
+
+
+def _spreads_into(value: Value, shape, spread) -> bool:
+    """Whether a loop over `shape` recomputes the spread widening `value` (a smaller shape
+    that broadcasts to it from the right)."""
+    if value not in spread or tuple(value.shape) == tuple(shape) or len(value.shape) > len(shape):
+        return False
+    tail = tuple(shape)[len(shape) - len(value.shape) :]
+    return all(d in (1, t) for d, t in zip(value.shape, tail, strict=True))
+
+
 MAX_RECOMPUTE = 4
 
 
-def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value], kept) -> None:
+def _recompute_cheap_inputs(
+    kernels: list[Kernel], home, outputs: list[Value], kept, spread=frozenset()
+) -> None:
     """A loop that reads a value another loop of the same shape computed with a few cheap ops
     from stable inputs recomputes it instead, so that value need not be written and read back.
     Then each loop that still reads several such values made cheaply from fewer expensive ones
     (tanh-GELU's backward reads 1 + tanh, 0.5 (1 + tanh) and 1 - tanh**2) reads those instead.
-    kept: values always read, never recomputed (16-bit copies read back: _read_backs)."""
+    kept: values always read, never recomputed (16-bit copies read back: _read_backs);
+    spread: widenings recomputed by every larger loop reading them (_spread_widenings)."""
     blocked: dict[int, list[Value]] = {}
     for k, kernel in enumerate(kernels):
         if kernel.kind != "loop":
@@ -201,7 +234,7 @@ def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value], k
         for node in list(kernel.computed):
             for inp in node.inputs:
                 source = alias_base(inp)
-                cone = _cheap_cone(source, kernel, k, kernels, home, kept)
+                cone = _cheap_cone(source, kernel, k, kernels, home, kept, spread)
                 if cone is None and source not in reads:
                     reads.append(source)
                 for value in cone or ():
@@ -209,11 +242,11 @@ def _recompute_cheap_inputs(kernels: list[Kernel], home, outputs: list[Value], k
                         kernel.recomputed.append(value)
     readers = _readers(kernels, home, outputs)
     for k, values in blocked.items():
-        _recompute_over_frontier(values, k, kernels, home, readers, kept)
+        _recompute_over_frontier(values, k, kernels, home, readers, kept, spread)
 
 
 def _cheap_cone(
-    value, kernel, k, kernels, home, kept, frontier=None, depth=1
+    value, kernel, k, kernels, home, kept, spread, frontier=None, depth=1
 ) -> list[Value] | None:
     """value and the cheap values it needs, in order, if all can be recomputed in kernel k from
     values that are stored anyway (inputs, reductions, op results, other shapes, literals).
@@ -222,11 +255,13 @@ def _cheap_cone(
     cheap ops split over several loops would otherwise be walked to its start)."""
     if value not in home or home[value] == k or value in kernel.recomputed or value in kept:
         return []
+    if _spreads_into(value, kernel.shape, spread):
+        return [value]  # from its 16-bit input, which the loop may run before (_read_source)
     owner = kernels[home[value]]
     if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
         return []  # stored anyway: read it
     if _widens_half(value):  # round it here, or read the 16-bit value: half the bytes
-        return _rounded_here(value, kernel, k, kernels, home, kept, depth) or [value]
+        return _rounded_here(value, kernel, k, kernels, home, kept, spread, depth) or [value]
     if not is_cheap(value):
         if frontier is None:
             return None
@@ -236,7 +271,9 @@ def _cheap_cone(
         return None  # value and one cheap value per level above it: too many already
     cone = []
     for inp in value.inputs:
-        sub = _cheap_cone(alias_base(inp), kernel, k, kernels, home, kept, frontier, depth + 1)
+        sub = _cheap_cone(
+            alias_base(inp), kernel, k, kernels, home, kept, spread, frontier, depth + 1
+        )
         if sub is None:
             return None
         cone += [v for v in sub if v not in cone]
@@ -244,7 +281,9 @@ def _cheap_cone(
     return cone if len(cone) <= MAX_RECOMPUTE else None
 
 
-def _rounded_here(widening, kernel, k, kernels, home, kept, depth) -> list[Value] | None:
+def _rounded_here(
+    widening, kernel, k, kernels, home, kept, spread, depth
+) -> list[Value] | None:
     """[..., rounding, widening] where the float value a 16-bit rounding was made from can be
     recomputed cheaply in loop k (at least one op, from values stored anyway): the loop
     rounds it itself and the rounding's loop need not store it (bfloat16 layer_norm's
@@ -256,7 +295,7 @@ def _rounded_here(widening, kernel, k, kernels, home, kept, depth) -> list[Value
     if rounding not in home or home[rounding] == k:
         return None
     source = alias_base(rounding.inputs[0])
-    cone = _cheap_cone(source, kernel, k, kernels, home, kept, None, depth + 1)
+    cone = _cheap_cone(source, kernel, k, kernels, home, kept, spread, None, depth + 1)
     if not cone and not (home.get(source) == k or source in kernel.recomputed):
         return None
     return cone + [rounding, widening]
@@ -309,7 +348,9 @@ def _readers(kernels: list[Kernel], home, outputs: list[Value]) -> dict[Value, s
     return readers
 
 
-def _recompute_over_frontier(blocked: list[Value], k: int, kernels, home, readers, kept) -> None:
+def _recompute_over_frontier(
+    blocked: list[Value], k: int, kernels, home, readers, kept, spread
+) -> None:
     """Kernel k recomputes the blocked values it reads from the expensive values under them,
     when that moves fewer bytes: reads saved, plus blocked values nobody else reads (no longer
     written), minus frontier values nobody read before (now written)."""
@@ -317,7 +358,7 @@ def _recompute_over_frontier(blocked: list[Value], k: int, kernels, home, reader
     frontier: set[Value] = set()
     cones = []
     for value in blocked:
-        cone = _cheap_cone(value, kernel, k, kernels, home, kept, frontier)
+        cone = _cheap_cone(value, kernel, k, kernels, home, kept, spread, frontier)
         if cone is None:
             return
         cones.append(cone)
@@ -343,7 +384,9 @@ def _new(kernels, kernel) -> int:
     return len(kernels) - 1
 
 
-def _place(node: Value, kernels, home, latest_loops: dict, reads: dict, tails, avoid=None) -> int:
+def _place(
+    node: Value, kernels, home, latest_loops: dict, reads: dict, tails, avoid=None, spread=()
+) -> int:
     """The kernel node joins (a new one if none); never the loop `avoid`."""
     if node.op == "full" or (is_alias(node) and alias_base(node).op == "full"):
         return _new(kernels, _single("literal", node))
@@ -353,7 +396,7 @@ def _place(node: Value, kernels, home, latest_loops: dict, reads: dict, tails, a
     if is_loop_op(node) or tail:
         shape = node.inputs[0].shape if tail else node.shape
         latest = latest_loops.get(shape)
-        target = _joinable_loop(node, shape, kernels, home, latest, reads, tails, avoid)
+        target = _joinable_loop(node, shape, kernels, home, latest, reads, tails, avoid, spread)
         if target is None:
             target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
             reads[target] = set()
@@ -399,14 +442,16 @@ def _joinable_loop(
     reads: dict,
     tails: set,
     avoid: int | None = None,
+    spread=(),
 ) -> int | None:
     """The latest loop kernel of this iteration shape that computes one of node's inputs, or
     else the latest loop kernel of this shape at all (`latest`, kept by the caller: looking it
     up made grouping quadratic in the plan's length), whichever has every input ready and
     room for it (MAX_LOOP_NODES, MAX_LOOP_READS), and is not `avoid` (a read-back cast's
     copy's loop: the read-back then joins the latest loop instead of opening one of its own,
-    which split bfloat16 ln_gelu's layer-norm gradient into a loop of its own)."""
-    sources = [alias_base(i) for i in node.inputs]
+    which split bfloat16 ln_gelu's layer-norm gradient into a loop of its own). A spread
+    widening counts as its 16-bit input: the loop recomputes it."""
+    sources = [_read_source(alias_base(i), shape, spread) for i in node.inputs]
     producers = [
         home[s]
         for s in sources
@@ -423,6 +468,13 @@ def _joinable_loop(
         ):
             return target
     return None
+
+
+def _read_source(source: Value, shape, spread) -> Value:
+    """What a loop over `shape` reads for source: a spread widening's input (recomputed)."""
+    if _spreads_into(source, shape, spread):
+        return alias_base(source.inputs[0])
+    return source
 
 
 def _ready(sources, target: int, kernels, home, tails: set) -> bool:

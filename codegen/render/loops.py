@@ -46,6 +46,9 @@ class LoopEmitter:
     rows: bool = False  # a stage of a row kernel: the caller loops over axis 0 (as i0)
     size_prefix: str | None = None  # loop sizes become arguments named <prefix><level>
     same: dict = field(default_factory=dict)  # value -> the local of an equal one computed first
+    # float32 values read from buffers whose 16-bit rounding this loop skips where it only
+    # widens it back (a GEMM's result in its epilogue: x @ w + b is rounded once, when stored)
+    unrounded: frozenset = frozenset()
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -331,9 +334,10 @@ class LoopEmitter:
         return f"{self.view_name[key]}[{self._index(key)}]"
 
     def _unrounded(self, node) -> str | None:
-        """For a widening cast of a 16-bit value this loop computed by rounding a float32 one,
-        that float32 value: a fused chain rounds once, when it stores (ir/widen.py rounds
-        after every op; inside a loop nothing holds the rounded value)."""
+        """For a widening cast of a 16-bit value this loop computed by rounding a float32 one
+        (its own, or one of `unrounded`), that float32 value: a fused chain rounds once, when
+        it stores (ir/widen.py rounds after every op; inside a loop nothing holds the rounded
+        value)."""
         if node.op != "astype" or not is_half(node.inputs[0].dtype):
             return None
         inner = alias_base(node.inputs[0])
@@ -342,7 +346,7 @@ class LoopEmitter:
         source = inner.inputs[0]
         if source.dtype != node.dtype or alias_base(source) is not source:
             return None
-        return self.operand(source) if source in self.local else None
+        return self.operand(source) if source in self.local or source in self.unrounded else None
 
     def _rounded_to_half(self, node) -> bool:
         """Whether this loop's only use of node's float32 value is a rounding into 16 bits (a
