@@ -128,6 +128,8 @@ def _runners(shape, dtype, width, threads):
             else (lambda: gemm.gemm(width, ta, tb, 1.0, a, b, 0.0, c)),
             "openblas": lambda: blas_fn(ta, tb, a, b, c, 0.0),
         }
+        if threads > 1:  # the same GEMM on the calling thread alone: what sharing gains
+            runners["bp 1 thread"] = lambda: gemm.gemm(width, ta, tb, 1.0, a, b, 0.0, c)
     runners.update(_peer_runners(a, b, ta, tb))
     return runners
 
@@ -191,20 +193,28 @@ def measure(rounds: int, dtype_name: str, width: int, threads: int = 1, shapes=S
 
 def format_table(results: dict, peak: float | None = None) -> str:
     """One row per shape: each library's median (min-max) GFLOP/s, own over OpenBLAS, and
-    with `peak` (GFLOP/s of all the process's cores) backplan's share of it."""
-    libs = list(next(iter(results.values())))
+    with `peak` (GFLOP/s of all the process's cores) backplan's share of it. Batched shapes
+    have no "bp 1 thread" (a dash)."""
+    libs = list(dict.fromkeys(lib for per_lib in results.values() for lib in per_lib))
     header = f"{'shape':32s}" + "".join(f"{lib:>22s}" for lib in libs) + "   own/blas"
     header += "   bf16/f32" if "bp f32" in libs else ""
+    header += "    own/1t" if "bp 1 thread" in libs else ""
     lines = [header + ("   own/peak" if peak else "")]
     for name, per_lib in results.items():
         row = f"{name:32s}"
         for lib in libs:
-            values = per_lib[lib]
+            values = per_lib.get(lib)
+            if not values:
+                row += f"{'-':>22s}"
+                continue
             row += f"{statistics.median(values):8.1f} ({min(values):5.1f}-{max(values):5.1f})"
         own = statistics.median(per_lib["backplan"])
         row += f"   {own / statistics.median(per_lib['openblas']):8.2f}"
         if "bp f32" in per_lib:
             row += f"   {own / statistics.median(per_lib['bp f32']):8.2f}"
+        if "bp 1 thread" in libs:
+            alone = per_lib.get("bp 1 thread")
+            row += f"   {own / statistics.median(alone):8.2f}" if alone else f"   {'-':>8s}"
         lines.append(row + (f"   {own / peak:8.0%}" if peak else ""))
     return "\n".join(lines)
 

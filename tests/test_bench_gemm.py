@@ -27,3 +27,15 @@ def test_table_reports_share_of_peak_and_own_over_blas():
     assert header.split()[-2:] == ["own/blas", "own/peak"]
     assert row.split()[-2:] == ["2.00", "50%"]
     assert "own/peak" not in gemm.format_table(results)
+
+
+def test_table_at_two_threads_shows_the_gain_over_one_thread():
+    """"bp 1 thread" (2-D shapes only at T > 1): own/1t is backplan over it, a dash without."""
+    results = {
+        "mlp fwd": {"backplan": [180.0], "openblas": [90.0], "bp 1 thread": [100.0]},
+        "attn": {"backplan": [150.0], "openblas": [100.0]},
+    }
+    header, mlp, attn = gemm.format_table(results).splitlines()
+    assert header.split()[-1] == "own/1t"
+    assert mlp.split()[-1] == "1.80" and attn.split()[-1] == "-"
+    assert attn.split()[-3] == "-" and attn.split()[-2] == "1.50"
