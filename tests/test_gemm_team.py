@@ -190,3 +190,48 @@ def test_a_forked_child_starts_helpers_of_its_own():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "child 0 helpers" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_with_one_free_core_the_caller_runs_the_whole_product():
+    """set_free_cores(1) (a busy machine, as a step samples it): no chunk goes to a helper;
+    with two free cores the helpers are allowed again."""
+    from backplan.codegen.kernels.gemm import team
+
+    rng = np.random.default_rng(9)
+    a, b = _operands(rng, np.float32, 257, 65, 257, False, False)
+    c = np.empty((257, 257), np.float32)
+    gemm_parallel(2, WIDTH, False, False, 1.0, a, b, 0.0, c)  # helpers started
+    try:
+        team.set_free_cores(1)
+        before = team.chunks_helped()
+        for _ in range(20):
+            gemm_parallel(2, WIDTH, False, False, 1.0, a, b, 0.0, c)
+        assert team.chunks_helped() == before
+        team.set_free_cores(2)
+        assert int(team._block[team.FREE]) == 2
+    finally:
+        team._block[team.FREE] = 0  # not sampled: every helper allowed
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_plans_sharing_the_gemm_size_its_helpers_to_the_free_cores(monkeypatch):
+    """The launch guard of a plan calling the shared GEMM (and no BLAS) writes the free cores
+    to the GEMM's control block and leaves OpenBLAS alone."""
+    from backplan.codegen.kernels.gemm import team
+    from backplan.codegen.run import workspace
+    from backplan.codegen.run.compiled import SHARED_GEMM_CALL
+
+    assert SHARED_GEMM_CALL.search("own_gemm_at_par(np.intp(2), 512, np.bool_(True)")
+    assert SHARED_GEMM_CALL.search("own_gemm_par(2, 512, False, True, 1.0, a, b, 0.0, out)")
+    assert not SHARED_GEMM_CALL.search("own_gemm_at(512, np.bool_(False)")
+    assert not SHARED_GEMM_CALL.search("own_batched_gemm_par(512, False, True, a, b, c)")
+    limits = []
+    monkeypatch.setattr(workspace.BLAS_POOL, "limit", limits.append)
+    monkeypatch.setattr(workspace, "free_cores", lambda: 1)
+    guard = workspace.sized_launch(parallel=False, blas=False, shared_gemm=True)
+    try:
+        with guard:
+            assert int(team._block[team.FREE]) == 1
+    finally:
+        team._block[team.FREE] = 0
+    assert limits == []
