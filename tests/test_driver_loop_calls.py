@@ -132,16 +132,22 @@ def _calls_loops_by_address(plan) -> None:
     assert all(not kernel_cache.kernel(k.digest).overloads for k in by_address)
 
 
-@pytest.mark.parametrize("which", ["training step", "special values"])
+@pytest.mark.parametrize("which", ["training step", "special values", "split driver"])
 def test_the_driver_calling_loops_by_address_equals_the_python_run_driver_and_the_reference(
     model, monkeypatch, which
 ):
-    if which == "training step":
+    if which == "split driver":  # run calling run_part0, run_part1... (driver_split.py)
+        from backplan.codegen.render import driver_split
+
+        monkeypatch.setattr(driver_split, "SPLIT_ABOVE", 4)
+        monkeypatch.setattr(driver_split, "PART_STATEMENTS", 3)
+    if which != "special values":
         make, arguments = lambda c: bp.value_and_grad(c(model.loss)), model.arguments()
     else:
         make, arguments = lambda c: c(model.special), model.special_arguments()
     compiled, python_run, reference, plan = _three_ways(make, arguments, monkeypatch)
     _calls_loops_by_address(plan)
+    assert (len(plan._driver_parts) > 1) == (which == "split driver")
     assert len(compiled) == len(python_run) == len(reference) >= 2
     for ours, python, expected in zip(compiled, python_run, reference, strict=True):
         assert ours.shape == expected.shape and ours.dtype == expected.dtype
