@@ -3,8 +3,10 @@
 everything in bfloat16 against float32, side by side (interleaved rounds, one pinned thread).
 
     python -m backplan.bench.half_precision [--small] [--models mlp,transformer,ln_gelu]
-        [--widened] [--float16]
+        [--widened] [--float16] [--unspread]
 
+--unspread adds runners whose plans widen a 16-bit operand of a smaller shape (a bias) in a
+loop of its own, as before ir/fusion.py recomputed such widenings where they are read.
 --widened adds a runner in the same rounds: bfloat16 with every GEMM operand widened into a
 float32 copy first, as compiled plans did before the GEMM read bfloat16 itself. --float16 adds
 one with everything in float16 (its matmuls on the own GEMM, which widens while packing;
@@ -94,6 +96,20 @@ def _f16_on_own_gemm():
         widen.MIN_UNWIDENED_WORK, widen.MIN_UNWIDENED_COLUMNS = keep
 
 
+@contextlib.contextmanager
+def _widenings_unspread():
+    """Plans lowered inside give each 16-bit widening of a smaller shape its own loop, read
+    back as float32 (as before ir/fusion.py recomputed them where larger loops read them)."""
+    from .internals import fusion
+
+    keep = fusion._spread_widenings
+    fusion._spread_widenings = lambda graph: frozenset()
+    try:
+        yield
+    finally:
+        fusion._spread_widenings = keep
+
+
 def _bound(spec):
     loss = LOSSES[spec.kind]
     return lambda params, *batch: loss(params, *batch, **spec.static)
@@ -105,6 +121,9 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default="mlp,transformer,ln_gelu")
     parser.add_argument("--widened", action="store_true", help="also time the old 16-bit GEMMs")
     parser.add_argument("--float16", action="store_true", help="also time float16 steps")
+    parser.add_argument(
+        "--unspread", action="store_true", help="also time 16-bit widenings in loops of their own"
+    )
     args = parser.parse_args(argv)
     print(pin_process(1), "BACKPLAN_BACKEND", os.environ.get("BACKPLAN_BACKEND", "numba"))
     schedule = QUICK if args.small else FULL
@@ -120,6 +139,10 @@ def main(argv=None) -> None:
             runners["bf16 widened"] = _Step(name, args.small, bp.bfloat16, _gemm_operands_widened)
         if args.float16:
             runners["f16"] = _Step(name, args.small, np.float16)
+        if args.unspread:
+            runners["bf16 unspread"] = _Step(name, args.small, bp.bfloat16, _widenings_unspread)
+        if args.unspread and args.float16:
+            runners["f16 unspread"] = _Step(name, args.small, np.float16, _widenings_unspread)
         if args.float16 and args.widened:
             runners["f16 widened"] = _Step(name, args.small, np.float16, _gemm_operands_widened)
             runners["f16 own"] = _Step(name, args.small, np.float16, _f16_on_own_gemm)

@@ -28,6 +28,8 @@ _WHERE = {
     "bf16_gemm_path": "backplan.codegen.kernels.gemm.isa:bf16_gemm_path",
     # bfloat16 GEMM operands widened into float32 copies, as before (half_precision --widened)
     "widen": "backplan.ir.widen",
+    # 16-bit widenings in loops of their own, as before (half_precision --unspread)
+    "fusion": "backplan.ir.fusion",
     "vector_fma": "backplan.codegen.kernels.gemm.kernel:vector_fma",
     # whether steps size their threads to the free cores (threads.py's report)
     "adapting_threads": "backplan.codegen.run.free_cores:adapting",
