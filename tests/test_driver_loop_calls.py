@@ -13,8 +13,11 @@ import textwrap
 import numpy as np
 import pytest
 
+from numba.types import Literal
+
 import backplan as bp
 from backplan.codegen.build import kernel_cache, loop_calls
+from backplan.codegen.build.native_calls import callees_in
 from backplan.runtime.backend import use_backend
 
 MODEL = textwrap.dedent(
@@ -126,22 +129,32 @@ def _calls_loops_by_address(plan) -> None:
     assert plan.driver_tier == "compiled"
     (compiled,) = plan._compiled_run.overloads.values()
     code = b"".join(compiled.library.serialize_using_object_code()[2])
-    assert loop_calls.PREFIX.encode() in code
     by_address = [k for k in plan.loop_kernels if k.takes_addresses]
-    assert by_address
+    assert (loop_calls.PREFIX.encode() in code) == bool(by_address)
     assert all(not kernel_cache.kernel(k.digest).overloads for k in by_address)
+    others = {k.name for k in plan.loop_kernels if not k.takes_addresses}
+    called = {name.split(".")[0].removeprefix("backplan_kernel_") for name in callees_in(code)}
+    assert others <= called  # parallel kernels by address too, through native_calls
 
 
-@pytest.mark.parametrize("which", ["training step", "special values", "split driver"])
+@pytest.mark.parametrize(
+    "which", ["training step", "special values", "split driver", "parallel kernels"]
+)
 def test_the_driver_calling_loops_by_address_equals_the_python_run_driver_and_the_reference(
     model, monkeypatch, which
 ):
+    if which == "parallel kernels":  # loops that take no addresses: prange over 91 elements
+        from backplan.codegen import flags
+
+        if flags.threads() < 2:
+            pytest.skip("a parallel kernel needs two threads")
+        monkeypatch.setattr(flags, "PARALLEL_MIN_ELEMENTS", 64)
     if which == "split driver":  # run calling run_part0, run_part1... (driver_split.py)
         from backplan.codegen.render import driver_split
 
         monkeypatch.setattr(driver_split, "SPLIT_ABOVE", 4)
         monkeypatch.setattr(driver_split, "PART_STATEMENTS", 3)
-    if which != "special values":
+    if which in ("training step", "split driver"):
         make, arguments = lambda c: bp.value_and_grad(c(model.loss)), model.arguments()
     else:
         make, arguments = lambda c: c(model.special), model.special_arguments()
@@ -155,8 +168,16 @@ def test_the_driver_calling_loops_by_address_equals_the_python_run_driver_and_th
         # optimised form where the Python-run one took the small one: rounding may differ.
         np.testing.assert_allclose(ours, python, rtol=1e-6, atol=1e-7)  # nan and inf alike
         np.testing.assert_allclose(ours, expected, rtol=2e-5, atol=1e-6)
-    if which == "special values":
+    if which in ("special values", "parallel kernels"):
         assert np.isnan(compiled[0]).any() and np.isinf(compiled[1]).any()
+    if which == "parallel kernels":
+        # Called by address as the library is: compiled once for intp sizes, never again
+        # for each literal size the driver passes (as a linked dispatcher would be).
+        parallel = [kernel_cache.kernel(k.digest) for k in plan.loop_kernels if k.parallel]
+        assert parallel
+        for kernel in parallel:
+            assert kernel.overloads
+            assert not any(isinstance(t, Literal) for key in kernel.overloads for t in key)
 
 
 def _child(tmp_path) -> dict:

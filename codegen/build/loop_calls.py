@@ -80,7 +80,11 @@ class LoopCallee(native_calls.NativeCallee):
 
 def wrap_loops(namespace: dict) -> None:
     """In a generated driver module's namespace, each address kernel (`k_<hash>`) becomes a
-    LoopCallee; other kernels (parallel, allocating ones) stay linked."""
+    LoopCallee; any other kernel (parallel, allocating) a NativeCallee, called by address too:
+    linked, it would be compiled again for each literal size the driver passes it (Numba
+    specialises a dispatcher called from compiled code on literal arguments)."""
+    from numba.core.dispatcher import Dispatcher
+
     from backplan.codegen.build import kernel_cache
 
     for name, value in list(namespace.items()):
@@ -89,6 +93,8 @@ def wrap_loops(namespace: dict) -> None:
         call = kernel_cache.python_call(value)
         if call is not value:
             namespace[name] = LoopCallee(value, call, name)
+        elif isinstance(value, Dispatcher):
+            namespace[name] = native_calls.NativeCallee(value)
 
 
 class LoopFunction(types.Callable, types.Dummy):
