@@ -188,12 +188,14 @@ def _plus(held: dict, **more: int) -> dict:
     return {**held, **{k: held.get(k, 0) + n for k, n in more.items()}}
 
 
-def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba") -> int:
+def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: int = 0) -> int:
     """predicted_peak(calls, backend).peak_bytes, the same accounting without describing every
     kernel's step (its ops and line): the memory planner asks it of every plan it weighs, and
-    a 10,000-node plan has 10,000 steps to word."""
+    a 10,000-node plan has 10,000 steps to word. kept: bytes of the previous call's results a
+    loop holds while every plan but backward()'s runs (report/loop_peak.py holding)."""
     if backend != "numba":
-        return predicted_peak(calls, backend).peak_bytes
+        steps = predicted_peak(calls, backend).steps
+        return max((s.nbytes + _kept_during(s.plan, kept) for s in steps), default=0)
     lowered, per_call, held = _compiled_held(calls)
     peak = 0
     for call, low, buffers in zip(calls, lowered, per_call, strict=True):
@@ -203,8 +205,15 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba") -> int:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes
         running = [k for k in low.kernels if k.kind in RUN_KINDS] or [None]
-        peak = max(peak, sum(held.values()) + max(workspace_bytes(k) for k in running))
+        during = sum(held.values()) + _kept_during(call.label, kept)
+        peak = max(peak, during + max(workspace_bytes(k) for k in running))
     return peak
+
+
+def _kept_during(plan: str, kept: int) -> int:
+    """A loop's kept results are bound while a call's plans run, not while backward()'s
+    runs: `loss = f(params, x)` has let the old loss go by then."""
+    return 0 if plan == "backward" else kept
 
 
 def _compiled_held(calls: list[PlanCall]) -> tuple[list, list, dict]:

@@ -2,7 +2,9 @@
 bind the previous call's results until the new call returns, so from call 2 those outputs are
 alive beside everything the call allocates. explain's `peak_on_call` counts a call whose
 caller dropped the last results first (as `step(params, x)` alone does); `loop_peak_on_call`
-adds what the loop keeps, and the checked mode counts exactly that in such a loop.
+adds what the loop keeps, and the checked mode counts exactly that in such a loop. The peak
+users see and budget against (report.peak_bytes, max_peak_bytes, memory_frontier, max_batch)
+is that loop's: a budget met by one call alone was exceeded from the second.
 
 Which outputs stay with the caller: a value_and_grad step returns its value and gradients; a
 compiled function its outputs (a loss that backward() follows leaves its gradients in .grad,
@@ -37,10 +39,10 @@ def kept_output_bytes(calls, gradients_returned: bool, not_returned=frozenset())
     base's), the caller's arrays and constants left out, and so are the outputs that go back
     in as the next call's donated arrays (a training step's new parameters and optimizer
     state: each output of a donated input's type, in order, as ir/donation.py pairs them).
-    not_returned: outputs of the first plan the function drops (bp.grad's value). An output
-    passed back in without donation (`params = step(params, x)` compiled without
-    donate_argnums) is the next call's argument too: peak_bytes counts it among your arrays
-    and this among the kept results (the checked count, your arrays apart, matches)."""
+    not_returned: outputs of the first plan the loop does not keep: those the function drops
+    (bp.grad's value), and those passed back in without donation (`params = step(params, x)`
+    compiled without donate_argnums, tracer/passed_back.py), which are the next call's
+    arguments, counted among the arrays passed in there."""
     kept, first = 0, True
     for call in calls:
         if call.idle or call.label == "backward":
@@ -77,11 +79,12 @@ def holding(peak: PeakReport, kept: int) -> PeakReport:
 
 
 def loop_sentence(report) -> str:
-    """'. In a loop that keeps the last results until the call returns (loss, grads =
-    step(params, x)), every call from the second also holds the previous call's 196,612 B
-    (192.0 KiB): 696,328 B (680.0 KiB) (report.loop_peak_bytes)'; "" when a call hands back
-    nothing it allocated. A loss that backward() follows holds the old one while its forward
-    runs, not while backward()'s plan does."""
+    """'. That is the loop users write (loss, grads = step(params, x)): every call from the
+    second also holds the previous call's 196,612 B (192.0 KiB), which its names keep bound
+    until the call returns; a call whose caller let them go holds 499,716 B (488.0 KiB)
+    (report.call_peak_bytes)'; "" when a call hands back nothing it allocated. A loss that
+    backward() follows holds the old one while its forward runs, not while backward()'s plan
+    does."""
     kept = report.kept_output_bytes(1)
     if kept <= 0:
         return ""
@@ -92,8 +95,11 @@ def loop_sentence(report) -> str:
         )
     elif "backward" in report.plans:
         example, during = "loss = f(params, x); loss.backward()", " while its forward runs"
+    elif report.passed_back:
+        example = "params, out = step(params, x): the new params are its next arguments"
     return (
-        f". In a loop that keeps the last results until the call returns ({example}), every "
-        f"call from the second also holds the previous call's {format_bytes(kept)}{during}: "
-        f"{format_bytes(report.loop_peak_bytes)} (report.loop_peak_bytes)"
+        f". That is the loop users write ({example}): every call from the second also holds "
+        f"the previous call's {format_bytes(kept)}{during}, which its names keep bound until "
+        f"the call returns; a call whose caller let them go holds "
+        f"{format_bytes(report.call_peak_bytes)} (report.call_peak_bytes)"
     )

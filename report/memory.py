@@ -57,7 +57,7 @@ def calls_sentence(report) -> str:
             which = f"call {c.first_call}"
         else:
             which = f"calls {c.first_call}-{after.first_call - 1}"
-        mark = ", the peak above" if c.peak is report.peak else ""
+        mark = ", the highest" if c.peak is report.call_peak else ""
         parts.append(f"{which} ({c.runs}): {format_bytes(c.peak.peak_bytes)}{mark}")
     text = "; ".join(parts)
     fallback = report.fallback_peak

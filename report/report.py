@@ -116,6 +116,9 @@ class ExplainReport:
     # outputs of the step's first plan its function does not hand back (bp.grad's value):
     # a loop keeps none of them (loop_peak_on_call)
     not_returned: frozenset = frozenset()
+    # outputs of a compiled function a loop passes back in as its next arguments
+    # (`params = step(params, x)`, tracer/passed_back.py): the next call's arrays, not kept ones
+    passed_back: frozenset = frozenset()
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -188,11 +191,23 @@ class ExplainReport:
 
     @functools.cached_property
     def peak(self) -> PeakReport:
-        """The step's predicted peak on the backend that runs it (ir/peak.py): bytes held per
-        category at each kernel (compiled) or step (reference), the caller's arrays included.
-        Where calls run different plans (call_peaks), the highest of their peaks (the later
-        on a tie): no call holds more. A compiled plan numba cannot compile runs on the
-        reference interpreter: then the whole step is counted that way."""
+        """The step's predicted peak on the backend that runs it, in the loop users write
+        (ir/peak.py, report/loop_peak.py): bytes held per category at each kernel (compiled) or
+        step (reference), the caller's arrays included and, from the second call, the previous
+        call's results its names still hold ("previous outputs"). The call of that loop that
+        holds the most (loop_peak_on_call; the later on a tie): no call holds more. A compiled
+        plan numba cannot compile runs on the reference interpreter: then the whole step is
+        counted that way."""
+        return max(
+            (self.loop_peak_on_call(n) for n in self._loop_calls()),
+            key=lambda p: p.peak_bytes,
+        )
+
+    @functools.cached_property
+    def call_peak(self) -> PeakReport:
+        """The peak of a call whose caller let the last results go first (`step(params, x)`
+        alone, or the first call of a loop): where calls run different plans (call_peaks), the
+        highest of their peaks (the later on a tie)."""
         return max(self.call_peaks, key=lambda c: (c.peak.peak_bytes, c.first_call)).peak
 
     @functools.cached_property
@@ -287,14 +302,25 @@ class ExplainReport:
         allocated and hands back, less what goes back in as donated arrays)."""
         joint = self.joint_step_calls is not None and n >= self.call_peaks[-1].first_call
         calls = self.joint_step_calls if joint else self.peak_calls
-        return kept_output_bytes(calls, self.returns_gradients, self.not_returned)
+        not_kept = self.not_returned | self.passed_back
+        return kept_output_bytes(calls, self.returns_gradients, not_kept)
+
+    def _loop_calls(self) -> list[int]:
+        """The calls whose peaks stand for every call of a loop: each first call of a plan
+        change (call_peaks) and the one after it, which also holds the last results."""
+        calls = {1, 2} | {n for c in self.call_peaks for n in (c.first_call, c.first_call + 1)}
+        return sorted(calls)
 
     @property
     def loop_peak_bytes(self) -> int:
-        """peak_bytes in a loop that keeps the last outputs until the call returns: the most
-        any call of such a loop holds (loop_peak_on_call), the previous results included."""
-        calls = {1, 2} | {n for c in self.call_peaks for n in (c.first_call, c.first_call + 1)}
-        return max(self.loop_peak_on_call(n).peak_bytes for n in calls)
+        """peak_bytes (the peak is the loop's): kept as the name the loop figure had."""
+        return self.peak_bytes
+
+    @property
+    def call_peak_bytes(self) -> int:
+        """The most one call holds whose caller let the last results go first: peak_bytes less
+        the previous call's results where the loop's peak holds them (call_peak)."""
+        return self.call_peak.peak_bytes
 
     def _peak_backend(self, joint_plan: Plan | None = None) -> str:
         backend = self.backend
@@ -307,11 +333,12 @@ class ExplainReport:
 
     @property
     def peak_bytes(self) -> int:
-        """The most bytes the step holds at any point, on the backend that runs it: the arrays
-        you pass in, parameters, donated buffers, scratch arenas, outputs, saved buffers and
-        gradients (`peak.at_peak()` splits it by category). Each call's results are those
-        it allocates: a caller that keeps the last results until the next call returns
-        (`loss, grads = step(params, x)` in a loop) holds them too, loop_peak_bytes."""
+        """The most bytes the step holds at any point of the loop users write, on the backend
+        that runs it: the arrays you pass in, parameters, donated buffers, scratch arenas,
+        outputs, saved buffers, gradients and, from the second call, the previous call's
+        results that `loss, grads = step(params, x)` keeps bound until the call returns
+        (`peak.at_peak()` splits it by category). Budgets (max_peak_bytes), memory_frontier,
+        bp.max_batch and fits() bound this figure; call_peak_bytes is one call's alone."""
         return self.peak.peak_bytes
 
     @functools.cached_property
@@ -329,7 +356,7 @@ class ExplainReport:
             return self.frontier_source()
 
     def fits(self, nbytes: int) -> bool:
-        """Whether the step's predicted peak (peak_bytes) is at most nbytes."""
+        """Whether the step's predicted peak in a loop (peak_bytes) is at most nbytes."""
         return self.peak.fits(nbytes)
 
     @property

@@ -93,3 +93,20 @@ def tanh_chain_weights():
 
     ws = [np.full((16, 16), 0.1, np.float32) for _ in range(4)]
     return ws, np.ones((32, 16), np.float32)
+
+
+def counted_in_a_loop(call, calls: int = 4) -> list[int]:
+    """The checked mode's count (codegen/run/memory_check.py: the step's own buffers, the
+    arrays passed in apart) of each call of a loop whose names keep the last call's results
+    bound until the next call returns, as `loss, grads = step(params, x)` does. Open it under
+    checked_memory() for plans compiled there."""
+    from backplan.codegen.run.memory_check import measure
+
+    counted, results = [], None
+    with measure() as measured:
+        for _ in range(calls):
+            measured.restart_at_next_use()
+            results = call()  # the old results are freed once the call has returned
+            counted.append(measured.peak)
+    del results
+    return counted

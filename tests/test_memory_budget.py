@@ -184,8 +184,9 @@ def test_the_simulated_peak_is_the_joint_plans_peak():
     entry = fn.trace(ws, x, k)
     choices = entry.planner.choices
     inputs = entry.planner.input_bytes
+    kept = sum(w.nbytes for w in ws) + 4  # a loop's last gradients and loss, bound throughout
     for point in plan_frontier(choices.schedule):
-        assert step_peak_bytes(choices.build(point.drop)) == inputs + point.peak
+        assert step_peak_bytes(choices.build(point.drop)) == inputs + point.peak + kept
 
 
 def test_first_moves_keep_segments_short():

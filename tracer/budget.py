@@ -21,6 +21,7 @@ from backplan.ir.pipeline import PlanChoices
 from backplan.ir.plans import StepPlans
 from backplan.ir.types import np_dtype
 from backplan.report.frontier import FrontierPoint, MemoryFrontier
+from backplan.report.loop_peak import holding, kept_output_bytes
 from backplan.report.peak_holders import peak_holders
 from backplan.report.wording import format_bytes
 from backplan.runtime.backend import current_backend
@@ -41,12 +42,22 @@ def checked_budget(value, option: str) -> int | None:
     return int(value)
 
 
-def step_peak_bytes(plans: StepPlans) -> int:
-    """The highest number of bytes the step holds on the current backend, the arrays passed in
-    included (ir/peak.py: arenas, outputs, saved buffers and gradients of the compiled plans,
-    or every IR value its own buffer on the reference interpreter). Outputs written into
-    donated inputs are not allocated by the step, as explain() counts them."""
-    return predicted_peak_bytes(*_step_calls(plans))
+def step_peak_bytes(plans: StepPlans, not_kept=frozenset()) -> int:
+    """The highest number of bytes the step holds on the current backend in the loop users
+    write, the arrays passed in included (ir/peak.py: arenas, outputs, saved buffers and
+    gradients of the compiled plans, or every IR value its own buffer on the reference
+    interpreter), and from the second call the previous call's results the caller's names
+    still hold (report/loop_peak.py): what explain's peak_bytes prints. Outputs written into
+    donated inputs are not allocated by the step, as explain() counts them. not_kept: outputs
+    of the first plan a loop does not keep (BudgetPlanner.not_kept)."""
+    calls, backend = _step_calls(plans)
+    return predicted_peak_bytes(calls, backend, _kept(plans, calls, not_kept))
+
+
+def _kept(plans: StepPlans, calls: list, not_kept=frozenset()) -> int:
+    """Bytes of one call's results a loop keeps through the next call (kept_output_bytes):
+    value_and_grad hands back its gradients, a compiled function its outputs."""
+    return kept_output_bytes(calls, "joint" in plans.named, not_kept)
 
 
 def _step_calls(plans: StepPlans) -> tuple[list, str]:
@@ -55,10 +66,11 @@ def _step_calls(plans: StepPlans) -> tuple[list, str]:
     return plans.peak_calls(), backend
 
 
-def holders_text(plans: StepPlans) -> str:
+def holders_text(plans: StepPlans, not_kept=frozenset()) -> str:
     """What holds the step at its peak, from the same accounting as step_peak_bytes."""
     calls, backend = _step_calls(plans)
-    return peak_holders(predicted_peak(calls, backend), calls)
+    peak = holding(predicted_peak(calls, backend), _kept(plans, calls, not_kept))
+    return peak_holders(peak, calls)
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,10 @@ class BudgetPlanner:
         self._points: dict[tuple, list] = {}
         self.recomputed_for: tuple | None = None  # (budget words, point chosen, narrowed)
         self._chain: list[SavedLink] | None = None  # saved_chain, built once
+        # outputs a loop does not keep as the last results: those the function drops (bp.grad's
+        # value) and those passed back in as its next arguments (tracer/passed_back.py)
+        self.not_kept: frozenset = frozenset()
+        self._kept: int | None = None  # kept_bytes, worked out once
 
     def build(self, drop: frozenset = frozenset(), narrowed: bool = False):
         return (self._narrow_choices if narrowed else self.choices).build(drop)
@@ -124,7 +140,7 @@ class BudgetPlanner:
             if peak is None:
                 with paused_gc():  # ir/gc_pause.py: full collections walk every plan built
                     built = self.build(point.drop, narrowed)
-                    peak = step_peak_bytes(built)
+                    peak = step_peak_bytes(built, self.not_kept)
             dtype = self.allow_dtype if narrowed else None
             held = self._narrowed_held(point) if narrowed else point.held_bytes
             self._built[key] = EvaluatedPoint(
@@ -150,7 +166,8 @@ class BudgetPlanner:
             or not self.choices.differentiated
         ):
             return None
-        return schedule.simulate(drop).peak + self.input_bytes
+        # one plan holds a loop's last results throughout (report/loop_peak.py holding)
+        return schedule.simulate(drop).peak + self.input_bytes + self.kept_bytes()
 
     def with_plans(self, evaluated: EvaluatedPoint) -> EvaluatedPoint:
         """evaluated with its plans, built again if memory_frontier let them go: the same plans
@@ -303,7 +320,7 @@ class BudgetPlanner:
         if not points:
             return points
         compiled = current_backend() != "reference"
-        limits = [limit - self.input_bytes if objective == "peak" else limit]
+        limits = [limit] if objective == "saved" else self._simulated_limits(limit)
         if self.allow_dtype is not None and objective == "saved":
             narrowed = self._narrowed_held(points[0])
             limits.append(limit * points[0].held_bytes // max(narrowed, 1))
@@ -315,6 +332,25 @@ class BudgetPlanner:
             if found is not None and found not in points + extra:
                 extra.append(found)
         return points + extra
+
+    def kept_bytes(self) -> int:
+        """The bytes of one call's results a loop keeps bound through the next call: the same
+        for every plan of the signature (recomputing changes no output)."""
+        if self._kept is None:
+            default = self.build()
+            self._kept = _kept(default, default.peak_calls(), self.not_kept)
+        return self._kept
+
+    def _simulated_limits(self, limit: int) -> list[int]:
+        """limit as the schedule's simulation of one call counts it (ir/step_schedule.py: the
+        arrays passed in and a loop's kept results left out). A joint plan holds the kept
+        results throughout; a forward and backward plan not while backward()'s runs, so the
+        limit with them held and without are both targets there."""
+        kept = self.kept_bytes()
+        limits = [limit - self.input_bytes - kept]
+        if kept and self.choices.schedule.two_plans:
+            limits.append(limit - self.input_bytes)
+        return limits
 
     def frontier(self, plans: bool = True) -> list[EvaluatedPoint]:
         """The plans worth choosing, in the order fit_peak tries them (fewest added FLOPs
@@ -509,7 +545,7 @@ class BudgetPlanner:
             f"reaches is {format_bytes(best.peak_bytes)}{row}, {cost}. The arrays "
             f"passed in hold {format_bytes(self.input_bytes)} of those."
         )
-        holders = holders_text(self.with_plans(best).plans)
+        holders = holders_text(self.with_plans(best).plans, self.not_kept)
         if holders:
             text += f" That peak is {holders}."
         return (

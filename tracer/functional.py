@@ -81,6 +81,8 @@ class JointCall:
 class ValueAndGradFunction(PlannedFunction):
     """See `value_and_grad`."""
 
+    not_returned: frozenset = frozenset()  # outputs of the joint plan a call does not return
+
     def __init__(
         self,
         fn,
@@ -229,6 +231,7 @@ class ValueAndGradFunction(PlannedFunction):
             self.has_aux,
             self.max_peak_bytes,
             (self.saved_dtype, self.allow_saved_dtype),
+            self.not_returned,
         )
         entry.background = self.background
         return entry
@@ -372,13 +375,15 @@ def _results_builder(entry, args, nums, has_aux: bool, single: bool):
 class GradFunction(ValueAndGradFunction):
     """See `grad`: the same plans, returning only the gradients."""
 
+    not_returned = frozenset({0})  # the value: a loop keeps no old one (loop peak)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         value_aux, grads = super().__call__(*args, **kwargs)
         return (grads, value_aux[1]) if self.has_aux else grads
 
     def _report(self, entry: JointTrace, bound: JointCall):
         report = super()._report(entry, bound)
-        report.not_returned = frozenset({0})  # the value: a loop keeps no old one (loop peak)
+        report.not_returned = self.not_returned
         return report
 
 
@@ -498,8 +503,11 @@ def _returned(value) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
 
 
-def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes=None, dtypes=(None, None)):
-    """dtypes: (saved_dtype, allow_saved_dtype)."""
+def _trace_joint(
+    fn, call, diff_paths, has_aux, max_peak_bytes=None, dtypes=(None, None), not_returned=()
+):
+    """dtypes: (saved_dtype, allow_saved_dtype); not_returned: the outputs the function
+    drops (bp.grad's value), which a loop does not keep (the budget counts what it keeps)."""
     name = getattr(fn, "__name__", "fn")
     trace, out_leaves, out_treedef = trace_function(_positional(fn), name, call)
     if has_aux:
@@ -537,6 +545,7 @@ def _trace_joint(fn, call, diff_paths, has_aux, max_peak_bytes=None, dtypes=(Non
             name,
             allow_dtype=allow_dtype,
         )
+        planner.not_kept = frozenset(not_returned)
         plans = planner.build() if max_peak_bytes is None else planner.fit_peak(max_peak_bytes)
     return JointTrace(
         plans.plan, trace.captured, aux_treedef, len(aux_leaves), wrt, planner=planner
