@@ -28,7 +28,7 @@ import sys
 import numpy as np
 
 import backplan as bp
-from backplan.bench.internals import checked_memory, measure
+from backplan.bench.internals import checked_memory, count_held, measure
 from backplan.bench.models import MODELS
 from backplan.bench.peers.backplan_peer import bench_function
 
@@ -100,8 +100,9 @@ def printed_facts(step, args) -> dict:
 
 
 def measured_facts(make, n_outputs) -> dict:
-    """The checked mode's peak on a second call of a fresh step, and its buffers by category
-    (a joint plan's outputs: the values first, then gradients)."""
+    """The checked mode's peak on a second call of a fresh step in the loop users write (the
+    first call's results bound until the second returns: what peak_bytes counts), and its
+    buffers by category (a joint plan's outputs: the values first, then gradients)."""
     with checked_memory():
         step, held, _ = make()  # the only reference: a donated argument must be given up
 
@@ -109,10 +110,14 @@ def measured_facts(make, n_outputs) -> dict:
             result = step(*held)
             if n_outputs is None:  # a donating training step: feed its outputs back
                 held[0], held[1] = result[0], result[1]
+                return result[2:]  # the loss: what the loop keeps besides
+            return result
 
-        call()
+        last = call()
         with measure() as measured:
-            call()
+            count_held([leaf.numpy() for leaf in bp.tree.leaves(last)])
+            last = call()  # the old results go once the call has returned
+        del last
     categories: dict[str, int] = {}
     for name, nbytes in measured.at_peak.items():
         category = name
@@ -167,8 +172,9 @@ def fresh_row(name: str, scale: int, kind: str) -> tuple[str, list[str]]:
     found = fresh_measure(name, scale, kind)
     step, args = _step(name, scale, kind)
     report = step.explain(*args)
-    printed = max(int(p.replace(",", "")) for p in PEAK_LINE.findall(str(report)))
-    resident = report.peak.input_bytes + report.peak.at_peak().get("constants", 0)
+    # the first step holds no earlier results: one call's peak (report.call_peak_bytes)
+    printed = report.call_peak_bytes
+    resident = report.call_peak.input_bytes + report.call_peak.at_peak().get("constants", 0)
     expected = printed - resident
     problems = []
     for where, run in (("fresh", found), ("primed", found["primed"])):

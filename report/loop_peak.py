@@ -79,10 +79,10 @@ def holding(peak: PeakReport, kept: int) -> PeakReport:
 
 
 def loop_sentence(report) -> str:
-    """'. That is the loop users write (loss, grads = step(params, x)): every call from the
-    second also holds the previous call's 196,612 B (192.0 KiB), which its names keep bound
-    until the call returns; a call whose caller let them go holds 499,716 B (488.0 KiB)
-    (report.call_peak_bytes)'; "" when a call hands back nothing it allocated. A loss that
+    """'. The peak is that of the loop users write (loss, grads = step(params, x)), in which
+    every call from the second also holds the previous call's 196,612 B (192.0 KiB) (its names
+    keep them bound until the call returns); a call whose caller let them go holds 499,716 B
+    (488.0 KiB) (report.call_peak_bytes)'; "" when a call hands back nothing it allocated. A loss that
     backward() follows holds the old one while its forward runs, not while backward()'s plan
     does."""
     kept = report.kept_output_bytes(1)
@@ -98,8 +98,8 @@ def loop_sentence(report) -> str:
     elif report.passed_back:
         example = "params, out = step(params, x): the new params are its next arguments"
     return (
-        f". That is the loop users write ({example}): every call from the second also holds "
-        f"the previous call's {format_bytes(kept)}{during}, which its names keep bound until "
-        f"the call returns; a call whose caller let them go holds "
+        f". The peak is that of the loop users write ({example}), in which every call from the "
+        f"second also holds the previous call's {format_bytes(kept)}{during} (its names keep "
+        f"them bound until the call returns); a call whose caller let them go holds "
         f"{format_bytes(report.call_peak_bytes)} (report.call_peak_bytes)"
     )

@@ -94,7 +94,7 @@ def summary_text(report) -> str:
     parts.append(_saved_sentence(report))
     parts.append(_recomputed_sentence(report))
     parts.append(report.saved_dtype_note)
-    parts.append(_update_order_sentence(report.update_order))
+    parts.append(_update_order_sentence(report.update_order, report.kept_output_bytes(1)))
     parts.append(_peak_sentence(report))
     parts.append(_compiled_sentence(report))
     parts.append(_freeing_sentence(report))
@@ -143,11 +143,13 @@ def _inner_sentence(report) -> str:
     return text + " (section 3)."
 
 
-def _update_order_sentence(order) -> str:
-    """A training step: whether its optimizer updates run right after their gradients."""
+def _update_order_sentence(order, kept: int = 0) -> str:
+    """A training step: whether its optimizer updates run right after their gradients. The
+    peaks are the loop's, as the peak line's: kept, the last results a loop holds beside each
+    call (ir/update_order.py weighs one call; the same bytes are kept in either order)."""
     if order is None:
         return ""
-    traced, early = format_bytes(order.traced), format_bytes(order.early)
+    traced, early = format_bytes(order.traced + kept), format_bytes(order.early + kept)
     if order.kept:
         return (
             "Each optimizer update runs right after the last read of the gradient it needs and "

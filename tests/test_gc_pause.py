@@ -75,9 +75,9 @@ def test_the_frontiers_rows_are_built_with_the_collector_paused(monkeypatch):
     states = []
     original = budget.step_peak_bytes
 
-    def recording(plans):
+    def recording(plans, not_kept=frozenset()):
         states.append(gc.isenabled())
-        return original(plans)
+        return original(plans, not_kept)
 
     monkeypatch.setattr(budget, "step_peak_bytes", recording)
     gc.enable()

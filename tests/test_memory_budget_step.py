@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.codegen.run.memory_check import checked_memory, measure
+from backplan.codegen.run.memory_check import checked_memory, count_held, measure
 from backplan.runtime.backend import use_backend
 
 DEPTH, WIDTH, BATCH = 4, 32, 128  # 2-3 layers: no plan holds less once compiled (the
@@ -67,6 +67,7 @@ def three_steps(step):
         params, state, loss = step(params, state, x, y)
         losses.append(loss.item())
     with measure() as measured:
+        count_held([loss.numpy()])  # the loop: the second loss bound until the third returns
         params, state, loss = step(params, state, x, y)
     losses.append(loss.item())
     report = step.explain(params, state, x, y)

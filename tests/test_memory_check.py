@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import counted_in_a_loop
 from test_codegen import batch_graph, sample_batches
 
 import backplan as bp
@@ -167,7 +168,7 @@ def _deep_tanh(ws, x):
 @pytest.mark.parametrize("backend", ["numba"], indirect=True)
 def test_every_frontier_point_is_the_peak_its_compiled_step_reaches(backend):
     """memory_frontier's numbers are the compiled step's own accounting: compiled at each
-    point's budget, the checked mode measures exactly that peak."""
+    point's budget, the checked mode measures exactly that peak in a loop."""
     rng = np.random.default_rng(0)
     ws = [bp.tensor(rng.standard_normal((64, 64)).astype(np.float32) * 0.2) for _ in range(6)]
     x = bp.tensor(rng.standard_normal((128, 64)).astype(np.float32))
@@ -175,8 +176,9 @@ def test_every_frontier_point_is_the_peak_its_compiled_step_reaches(backend):
     assert len(front.points) >= 2  # rows lowering the peak < 1% are folded (4df373e)
     for point in front.points:
         step = bp.value_and_grad(_deep_tanh, max_peak_bytes=point.peak_bytes)
-        measured = _measured(lambda: step(ws, x))  # noqa: B023 - called here
-        assert measured.peak + front.input_bytes == point.peak_bytes
+        # in the loop users write: the last loss and gradients bound while the next call runs
+        counted = counted_in_a_loop(lambda: step(ws, x), 3)  # noqa: B023 - called here
+        assert max(counted) + front.input_bytes == point.peak_bytes
 
 
 def test_an_output_fed_back_as_a_donated_input_is_donated(backend):

@@ -62,7 +62,8 @@ def test_a_lower_saved_budget_never_gives_a_higher_peak(case, backend):
             peaks.append(report.peak_bytes)
         # the default plan meets its own saved bytes, run on every call as on the unbudgeted
         # function's first calls (which, small, runs one joint plan from call 3: call_peaks)
-        assert peaks[0] == default.peak_on_call(1).peak_bytes
+        # in a loop: from call 2 the last results bound beside those plans
+        assert peaks[0] == default.loop_peak_on_call(2).peak_bytes
         assert peaks == sorted(peaks, reverse=True), list(zip(budgets, peaks, strict=False))
         assert len(set(peaks)) >= 2  # some budget lowers the peak
         assert refused and refused[-1] == 1  # saving nothing is out of reach here

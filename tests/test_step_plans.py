@@ -7,6 +7,7 @@ import numpy as np
 import backplan as bp
 from backplan.ir.peak import predicted_peak
 from backplan.ir.plans import JointPlans, RegionPlans
+from backplan.report.loop_peak import holding
 from backplan.tracer.budget import step_peak_bytes
 
 W = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
@@ -44,8 +45,10 @@ def test_saved_bytes_are_what_the_region_holds_and_nothing_for_the_joint_plan():
 
 
 def test_one_peak_function_for_both_forms():
-    """(The suite runs on the reference backend, whose accounting step_peak_bytes takes.)"""
+    """(The suite runs on the reference backend, whose accounting step_peak_bytes takes.)
+    Both in the loop users write: the joint plan's loss and gradients (4 + w's 48 B) are
+    bound while the next call runs; the region's loss while its forward runs."""
     region, joint = builds()
-    for plans in (region, joint):
-        predicted = predicted_peak(plans.peak_calls(), "reference").peak_bytes
+    for plans, kept in ((region, 4), (joint, 4 + 4 * 3 * 4)):
+        predicted = holding(predicted_peak(plans.peak_calls(), "reference"), kept).peak_bytes
         assert step_peak_bytes(plans) == predicted > 0

@@ -47,10 +47,10 @@ class PlanFacts(Runner):
 
     def planned_peak_bytes(self):
         what = (
-            "bp.explain loop_peak_bytes (whole step, arrays passed in included, the last "
+            "bp.explain peak_bytes (whole step, arrays passed in included, the last "
             "step's results held until the call returns, as the timed loop holds them)"
         )
-        return self.explain().loop_peak_bytes, what
+        return self.explain().peak_bytes, what
 
     def counted_peak_bytes(self) -> dict | None:
         """The step's peak as the checked mode counts it (BACKPLAN_CHECK_MEMORY=1): a twin

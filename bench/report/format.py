@@ -32,7 +32,7 @@ LEGEND = (
     "first call once the peer's compiler is warm (per peer below)",
     "saved: bytes kept from forward for backward, excluding / including the inputs; "
     "peak: measured / planned by the compiler, in the timed loop (the last step's results "
-    "held until the next step returns: backplan's report.loop_peak_bytes); backplan's "
+    "held until the next step returns: backplan's report.peak_bytes); backplan's "
     "compiled steps are measured by the checked mode (BACKPLAN_CHECK_MEMORY=1: every buffer "
     "its compiled plans allocate, counted, plus the arrays passed in), the NumPy peer's by "
     "tracemalloc (NumPy allocations); "

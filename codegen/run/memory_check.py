@@ -150,6 +150,14 @@ def measure():
     return ALLOCATOR.measuring()
 
 
+def count_held(arrays, name: str = "previous outputs") -> None:
+    """Count arrays allocated before this thread's open measurements in them from now, under
+    name: a loop's last results, which its names keep bound while the next call runs
+    (explain's loop peak counts them so, report/loop_peak.py)."""
+    for array in arrays:
+        ALLOCATOR.use(array, name)
+
+
 def refuse_uncounted(plan_name: str, source: str) -> None:
     """Raise if the plan's driver allocates an array itself: the counting allocator cannot see
     it (inside a compiled driver it is Numba's), so the call would hold more than is counted."""
