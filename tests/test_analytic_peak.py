@@ -224,4 +224,6 @@ def test_the_compiled_simulation_stores_no_literal():
         schedule = planner.choices.schedule
         for point in planner.points()[:3]:
             simulated = schedule.simulate(point.drop, True).peak + planner.input_bytes
+            # the built peak is the loop's: the last loss and gradients bound throughout
+            simulated += planner.kept_bytes()
             assert simulated == _built_peak(planner, point.drop), sorted(point.drop)
