@@ -250,3 +250,22 @@ def test_a_bad_mode_is_refused_with_the_choices(monkeypatch):
     monkeypatch.setenv("BACKPLAN_DRIVER_LOOPS", "inlined")
     with pytest.raises(ValueError, match="BACKPLAN_DRIVER_LOOPS='inlined'; use one of linked"):
         loop_calls.mode()
+
+
+def test_a_size_generic_driver_calling_loops_by_address_takes_each_size_values(model):
+    """One driver for every batch size (its sizes read from lit_i, codegen/render/lift.py):
+    the values of plans traced for each size alone."""
+    w, k, x = model.arguments()
+    step = bp.value_and_grad(bp.compile(model.loss, dynamic={"x": {0: "batch"}}))
+    for n in (5, 3, 8):
+        xs = bp.tensor(np.resize(x.numpy(), (n, *x.shape[1:])) * (1 + n / 10))
+        with use_backend("numba"):
+            got = _arrays(step(w, k, xs))
+            (runner,) = step.trace(w, k, xs).runners()
+        assert "lit_i" in runner.compiled.source
+        _calls_loops_by_address(runner.compiled)
+        with use_backend("reference"):
+            expected = _arrays(bp.value_and_grad(model.loss)(w, k, xs))
+        for ours, want in zip(got, expected, strict=True):
+            np.testing.assert_allclose(ours, want, rtol=2e-5, atol=1e-6)
+    assert step.cache_info().traces == 1
