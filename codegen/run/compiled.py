@@ -44,8 +44,6 @@ from backplan.ir.types import is_half, np_dtype
 
 # A call into a parallel kernel (generated or from the library) appears in the source as one of:
 PARALLEL_LAUNCH = re.compile(r"parallel=True|\b\w+_par\(")
-# The own GEMM shared with helper threads (gemm/team.py): sized to the free cores per step.
-SHARED_GEMM_CALL = re.compile(r"\bown_gemm(?:_at)?_par\(")
 # Kernels the driver calls that run BLAS products on the calling thread (not inside a parallel
 # kernel, whose pool threads each call it): the step sizes OpenBLAS's threads around them.
 BLAS_CALL = re.compile(
@@ -257,8 +255,7 @@ class CompiledPlan:
         )
         parallel = PARALLEL_LAUNCH.search(self.source) or any(k.parallel for k in self.loop_kernels)
         blas = BLAS_CALL.search(self.source) is not None and threaded_blas(plan)
-        shared_gemm = SHARED_GEMM_CALL.search(self.source) is not None
-        self._launch_guard = sized_launch(bool(parallel), blas, shared_gemm) or _NO_GUARD
+        self._launch_guard = sized_launch(bool(parallel), blas) or _NO_GUARD
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
             for i, n in generated.literal_outputs.items()

@@ -17,7 +17,6 @@ import threading
 import numba
 import numpy as np
 
-from backplan.codegen.kernels.gemm.team import set_free_cores
 from backplan.codegen.run.blas_pool import BLAS_POOL
 from backplan.codegen.run.free_cores import free_cores
 
@@ -37,31 +36,24 @@ def parallel_guard():
 
 
 class SizedLaunch:
-    """Around a call that runs BLAS products OpenBLAS may thread, or products the own GEMM
-    shares with its helper threads: holds `lock` (the workqueue layer's, parallel_guard, for
-    plans with parallel kernels too) and sizes OpenBLAS's threads (a global,
-    codegen/run/blas_pool.py) and the GEMM's helpers (gemm/team.set_free_cores) to the free
-    cores (codegen/run/free_cores.py).
+    """Around a call that runs BLAS products OpenBLAS may thread: holds `lock` (the workqueue
+    layer's, parallel_guard, for plans with parallel kernels too) and sizes OpenBLAS's threads
+    (a global, codegen/run/blas_pool.py) to the free cores (codegen/run/free_cores.py).
 
     Numba's count is left as it is. Measured in one process at load 11 on the 2-vCPU EPYC,
     both CPUs, five interleaved rounds (median ms): OpenBLAS sized and Numba kept: cnn 0.63,
     mlp 20.2, mlp_deep 44.3; both sized (parallel kernels serial when busy): 0.64, 33.2, 59.2,
-    transformer 404; neither: 1.08, 79.0, 50.5, transformer 150. The prange loops are long
-    enough to gain from the second core's share of a busy machine; OpenBLAS's threaded small
-    products are not (its threads spin at the barrier), nor the shared GEMM's (team.py)."""
+    transformer 404; neither: 1.08, 79.0, 50.5, transformer 150. The own GEMM's blocks and
+    prange loops are long enough to gain from the second core's share of a busy machine;
+    OpenBLAS's threaded small products are not (its threads spin at the barrier)."""
 
-    def __init__(self, lock=None, blas=True, shared_gemm=False):
+    def __init__(self, lock=None):
         self._lock = lock
-        self._blas, self._shared_gemm = blas, shared_gemm
 
     def __enter__(self):
         if self._lock is not None:
             self._lock.acquire()
-        free = free_cores()
-        if self._blas:
-            BLAS_POOL.limit(free)
-        if self._shared_gemm:
-            set_free_cores(free)
+        BLAS_POOL.limit(free_cores())
         return self
 
     def __exit__(self, *exc) -> None:
@@ -69,15 +61,14 @@ class SizedLaunch:
             self._lock.release()
 
 
-def sized_launch(parallel: bool, blas: bool, shared_gemm: bool = False):
-    """The launch guard of a plan: the launch lock where parallel kernels need one, BLAS and
-    the shared GEMM's helpers sized to the free cores where it calls threaded BLAS products or
-    the shared GEMM; None when it needs none of these."""
+def sized_launch(parallel: bool, blas: bool):
+    """The launch guard of a plan: the launch lock where parallel kernels need one, BLAS sized
+    to the free cores where it calls threaded BLAS products; None when it needs neither."""
     lock = parallel_guard() if parallel else None
     lock = None if isinstance(lock, contextlib.nullcontext) else lock
-    if not blas and not shared_gemm:
+    if not blas:
         return lock
-    return SizedLaunch(lock, blas, shared_gemm)
+    return SizedLaunch(lock)
 
 
 def arena_bytes(scratch: list[tuple[np.dtype, int]]) -> int:

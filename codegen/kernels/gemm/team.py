@@ -67,7 +67,6 @@ GENERATION = 25  # the last product's generation (written by the owner only)
 HELPERS = 26  # helper threads running
 ALLOWED = 27  # helpers that may take part in the current product
 HELPED = 28  # chunks run by helpers since the process started
-FREE = 29  # CPUs no other process uses, as a step last sampled them (0: not sampled)
 PARAMS = 32  # the product: GEMM address, 15 integers (symbols.py), by_rows, step
 ALPHA, BETA = 56, 57  # float64 words
 WORDS = 64
@@ -216,9 +215,6 @@ def gemm_team(parts, width, trans_a, trans_b, alpha, a, b, beta, c):
     block = _lead_block_address()
     helpers = min(parts, threads_now()) - 1
     helpers = min(helpers, atomic_load(_word(block, HELPERS)))
-    free = atomic_load(_word(block, FREE))
-    if free > 0:  # a busy machine: a helper would wait for a core (set_free_cores)
-        helpers = min(helpers, free - 1)
     m, n = c.shape
     k = a.shape[0] if trans_a else a.shape[1]
     if helpers < 1 or m * n * k == 0:
@@ -290,15 +286,6 @@ def _spawn(count: int) -> None:
         name = f"backplan-gemm-helper-{helper}"
         threading.Thread(target=_serve, args=(helper,), name=name, daemon=True).start()
     _block[HELPERS] = count
-
-
-def set_free_cores(count: int) -> None:
-    """Share products with at most count - 1 helpers: the CPUs other processes leave free
-    (codegen/run/free_cores.py), as a step samples them before it runs. On the 2-vCPU EPYC
-    at load 14-16, the mlp and mlp_deep steps ran 1.07-1.41x slower with a helper than
-    without (same plans, Numba's thread count switched between interleaved rounds): a helper
-    woken onto a busy core waits for it, or takes it from the caller."""
-    _block[FREE] = max(int(count), 1)
 
 
 def helpers_running() -> int:
