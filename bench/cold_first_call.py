@@ -1,0 +1,114 @@
+"""Cold first call of backplan and JAX, interleaved, each in a fresh process pinned to one CPU.
+
+    python -m backplan cache prebuild                       # once per installation
+    python -m backplan.bench.cold_first_call mlp_infer mlp transformer --rounds 3 --cpu 1
+
+Each round runs, per model, backplan then JAX in fresh interpreters (empty plan and library
+cache folders, so backplan compiles the plan's loops and loads the prebuilt library; JAX's
+persistent cache off, one XLA thread). Per run: process CPU seconds of building the peer's
+runner and of its first step apart, because the two peers split them differently: JAX's build
+(`jax.numpy.asarray` of the inputs) starts its CPU backend, 0.4-0.5 s, while backplan's build
+does almost nothing and its first step traces, plans and compiles. The table gives medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PEER_NAMES = ("backplan", "jax")
+
+
+def child(peer_name: str, model: str) -> dict:
+    """One cold first call in this (fresh) process."""
+    if peer_name == "jax":
+        os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    import numpy as np
+
+    from backplan.bench.models import MODELS
+    from backplan.bench.peers import PEERS
+
+    spec, peer = MODELS[model], PEERS[peer_name]()
+    inputs = spec.inputs(False, np.dtype("float32"))
+    start = time.process_time()
+    runner = peer.build(spec, inputs)
+    built = time.process_time() - start
+    runner.step()
+    total = time.process_time() - start
+    return {
+        "peer": peer_name,
+        "model": model,
+        "build_cpu_s": built,
+        "step_cpu_s": total - built,
+        "first_call_cpu_s": total,
+        "load_average_1min": os.getloadavg()[0],
+    }
+
+
+def run_one(peer_name: str, model: str, cpu: int | None) -> dict:
+    with tempfile.TemporaryDirectory() as plans, tempfile.TemporaryDirectory() as library:
+        env = {**os.environ, "BACKPLAN_CACHE_DIR": plans, "BACKPLAN_LIBRARY_CACHE_DIR": library}
+        command = [sys.executable, "-m", "backplan.bench.cold_first_call", "--child", peer_name, model]
+        if cpu is not None:
+            command = ["taskset", "-c", str(cpu), *command]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return {"peer": peer_name, "model": model, "error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(runs: list[dict], models: list[str]) -> str:
+    def median(model, peer, key):
+        values = [r[key] for r in runs if r["model"] == model and r["peer"] == peer and key in r]
+        return statistics.median(values) if values else float("nan")
+
+    lines = [
+        "| model | backplan first call | JAX step | JAX build + step | backplan / JAX step "
+        "| backplan / JAX build + step |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for model in models:
+        ours = median(model, "backplan", "first_call_cpu_s")
+        step = median(model, "jax", "step_cpu_s")
+        whole = median(model, "jax", "first_call_cpu_s")
+        lines.append(
+            f"| {model} | {ours:.3f} | {step:.3f} | {whole:.3f} | {ours / step:.2f}x "
+            f"| {ours / whole:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["mlp_infer", "mlp", "transformer"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpu", type=int, help="pin every process to this CPU")
+    parser.add_argument("--json", metavar="PATH", help="write every run here too")
+    parser.add_argument("--child", nargs=2, metavar=("PEER", "MODEL"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return 0
+    runs = []
+    for _ in range(args.rounds):
+        for model in args.models:
+            for peer_name in PEER_NAMES:
+                run = run_one(peer_name, model, args.cpu)
+                print(json.dumps(run), flush=True)
+                runs.append(run)
+    print(table(runs, args.models))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(runs, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
