@@ -71,6 +71,10 @@ _WHERE = {
     "kernel_cache": "backplan.codegen.build.kernel_cache",  # kernels made per size (batch_sizes)
     "native_calls": "backplan.codegen.build.native_calls",
     "JIT_OPTIONS": "backplan.codegen.flags:JIT_OPTIONS",
+    # an address loop's loads and stores, and every kernel module imported as rendering does
+    # (loop_llvm_cost.py)
+    "address_views": "backplan.codegen.kernels.views",
+    "kernel_modules": "backplan.codegen.render.opaque:kernel_modules",
     # the op registry: a reference implementation to check a kernel against
     "get_op": "backplan.ir.registry:get_op",
 }

@@ -23,9 +23,9 @@ def numba_compiles(count: int):
     from numba import types
     from numba.core.registry import cpu_target
 
-    from backplan.codegen.kernels.views import load, origin, store
-    from backplan.codegen.render.opaque import kernel_modules
+    from backplan.bench.internals import address_views, kernel_modules
 
+    load, origin, store = address_views.load, address_views.origin, address_views.store
     kernel_modules()  # as rendering does, before any compile
     cpu_target.target_context.refresh()
     signature = (types.voidptr, types.intp, types.intp, types.intp) + (
