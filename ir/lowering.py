@@ -155,14 +155,31 @@ def schedule_steps(kernels: list[Kernel], runs: list[tuple[int, int]]) -> list[i
     return steps
 
 
+ROW_AXES = ((1,), (0,), (0, 1))  # along a row, down the columns, everything
+
+
 def _row_stage(kernel: Kernel, rows: int | None) -> bool:
-    """A loop over (rows, columns) or (rows, 1) whose reductions only sum or max along a row."""
+    """A loop over (rows, columns) or (rows, 1) whose reductions sum or max along a row, down
+    the columns or over everything (the last two into partial rows per chunk of rows)."""
     shape = internal_shape(kernel.shape)
     if kernel.kind != "loop" or len(shape) != 2 or shape[0] < 2 or _sums_many(kernel):
         return False
     if rows is not None and shape[0] != rows:
         return False
-    return all(r.attrs["axes"] == (1,) and shape[1] > 1 for r in kernel.reductions)
+    return all(
+        r.attrs["axes"] in ROW_AXES and (shape[1] > 1 or r.attrs["axes"] != (1,))
+        for r in kernel.reductions
+    )
+
+
+def _across_rows(kernel: Kernel) -> set[Value]:
+    """The kernel's reductions over the rows: final only once every row has run."""
+    return {r for r in kernel.reductions if 0 in r.attrs["axes"]}
+
+
+def _reads_any(kernel: Kernel, values: set[Value]) -> bool:
+    """Whether the kernel reads one of values (through aliases too)."""
+    return any(alias_base(i) in values for n in kernel.computed for i in n.inputs)
 
 
 def _sums_many(kernel: Kernel) -> bool:
@@ -175,18 +192,20 @@ def _sums_many(kernel: Kernel) -> bool:
 def row_runs(kernels: list[Kernel]) -> list[tuple[int, int]]:
     """[start, end) ranges of kernels that fuse into one row kernel: at least two row stages,
     with only literals and aliases (which emit no code) between them."""
-    runs, start, rows, stages = [], None, None, 0
+    runs, start, rows, stages, across = [], None, None, 0, set()
     for index, kernel in enumerate([*kernels, None]):
         if kernel is not None and kernel.kind in ("literal", "alias") and start is not None:
             continue
-        if kernel is not None and _row_stage(kernel, rows):
+        if kernel is not None and _row_stage(kernel, rows) and not _reads_any(kernel, across):
             if start is None:
                 start, rows = index, internal_shape(kernel.shape)[0]
             stages += 1
+            across |= _across_rows(kernel)
             continue
         if start is not None and stages >= 2:
             runs.append((start, index))
-        start, rows, stages = None, None, 0
+        start, rows, stages, across = None, None, 0, set()
         if kernel is not None and _row_stage(kernel, None):
             start, rows, stages = index, internal_shape(kernel.shape)[0], 1
+            across = _across_rows(kernel)
     return runs

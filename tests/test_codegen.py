@@ -307,8 +307,8 @@ def test_generated_source_runs_as_plain_python_with_the_same_results(tmp_path):
 
 
 def test_parallel_and_chunked_reduction_kernels_equal_reference():
-    """Big enough for prange: row reductions run in parallel over rows; column and full sums
-    run as chunks with partial rows combined at the end."""
+    """Big enough for prange: row reductions run in parallel over rows; a row kernel with column
+    and full sums runs its rows in chunks, with partial rows combined at the end."""
     rng = np.random.default_rng(6)
     shape = (2048, 1024)  # 2**21 elements: codegen/flags.PARALLEL_MIN_ELEMENTS
 
@@ -320,20 +320,29 @@ def test_parallel_and_chunked_reduction_kernels_equal_reference():
         bp.tensor(rng.standard_normal(s).astype(np.float32))
         for s in (shape, shape[1:], shape[1:], shape)
     ]
+    def row_sums(x, g, b, up):
+        return bp.sum(bp.layer_norm(x) * g + b * up, axis=1)
+
     vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
+    rows = bp.compile(row_sums)
     previous = numba.get_num_threads()
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one Numba thread: no loop is parallel")
     try:
         numba.set_num_threads(2)  # an earlier test may have lowered it (bench --threads 1)
         with use_backend("numba"):
-            compiled = vg.trace(*args).runner().compiled
+            compiled = [
+                vg.trace(*args).runner().compiled,
+                rows.trace(*args).program.runner(None).compiled,
+            ]
+        kernels = "".join(k.source for c in compiled for k in c.loop_kernels)
+        assert "for chunk in prange(" in kernels and "for i0 in range(lo, hi)" in kernels
+        assert "for i0 in prange(n0)" in kernels
+        for fn in (lambda *a: vg(*a), rows):
+            ref, got = run_both(fn, *args)
+            assert_trees_close(ref, got, rtol=1e-4, atol=1e-4)
     finally:
         numba.set_num_threads(previous)
-    kernels = "".join(k.source for k in compiled.loop_kernels)
-    assert "for chunk in prange(" in kernels and "for i0 in prange(n0)" in kernels
-    ref, got = run_both(lambda *a: vg(*a), *args)
-    assert_trees_close(ref, got, rtol=1e-4, atol=1e-4)
 
 
 PEAK_SCRIPT = """

@@ -32,6 +32,21 @@ NOT_FINGERPRINTED = frozenset(
 )
 
 
+# The lowering in ir/ that decides what a plan's driver does beyond its IR text (which loops
+# fuse, which run as one loop over rows, where buffers live): a driver cached under the same
+# IR but made by another lowering would run the other lowering's loops.
+LOWERING_FILES = (
+    "lowering.py",
+    "fusion.py",
+    "epilogue.py",
+    "layout.py",
+    "memory_plan.py",
+    "donation.py",
+    "strided_copies.py",
+    "widen.py",
+)
+
+
 @functools.cache
 def codegen_fingerprint() -> str:
     """Numba's cache of a generated kernel keys on the kernel's own source and does not notice
@@ -48,6 +63,10 @@ def codegen_fingerprint() -> str:
     for path in sorted(paths):
         with open(path, "rb") as f:
             digest.update(os.path.relpath(path, here).encode() + f.read())
+    ir_root = os.path.join(os.path.dirname(here), "ir")
+    for name in LOWERING_FILES:
+        with open(os.path.join(ir_root, name), "rb") as f:
+            digest.update(b"ir/" + name.encode() + f.read())
     digest.update(_gemm_blocking().encode())
     return digest.hexdigest()[:16]
 

@@ -24,7 +24,7 @@ from backplan.codegen.render.driver_split import driver_source
 from backplan.codegen.render.epilogue import gemm_epilogue_lines
 from backplan.codegen.render.kernel_source import GEMM_IMPORTS, KernelSource, canonical_kernel
 from backplan.codegen.render.lift import FLOATS, INTS, lift_literals
-from backplan.codegen.render.loops import LoopEmitter
+from backplan.codegen.render.loops import CHUNKS, LoopEmitter
 from backplan.codegen.render.opaque import (
     OpEmitter,
     Unsupported,
@@ -336,7 +336,10 @@ class _Emitter:
     def _rows(self, run, body) -> None:
         """Consecutive loops over the same rows become one loop over rows, each loop a stage
         inside it: a row's data is still in cache when the next stage reads it."""
-        views, stages, scalars, bases = [], [], {}, {}
+        views, stages, scalars, bases, partials = [], [], {}, {}, []
+        rows = internal_shape(run[0].shape)[0]
+        cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
+        parallel = decide("parallel_rows_run", parallel_pays(rows * cols))
         for stage, kernel in enumerate(run):
             if kernel.kind != "loop":
                 continue
@@ -347,17 +350,21 @@ class _Emitter:
                 if node in stored:
                     self.buffer(node)
             emitter = self._loop_emitter(kernel, stored, f"s{stage}_n", rows=True)
+            emitter.row_chunks = parallel
             setup, loop, _ = emitter.emit()
             views += setup
             stages += loop
+            partials.append(emitter.row_partials)
             scalars.update(emitter.size_arguments(), **emitter.scalars)
             bases.update(emitter.bases)
-        rows = internal_shape(run[0].shape)[0]
-        cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
-        parallel = decide("parallel_rows_run", parallel_pays(rows * cols))
         scalars["n0"] = rows
-        lines = [*views, f"for i0 in {'prange' if parallel else 'range'}(n0):"]
-        lines += ["    " + line for line in stages]
+        if parallel and any(p.before for p in partials):
+            lines = row_chunks(views, stages, partials)
+        else:
+            lines = [*views, *(line for p in partials for line in p.before)]
+            lines += [f"for i0 in {'prange' if parallel else 'range'}(n0):"]
+            lines += ["    " + line for line in stages]
+            lines += [line for p in partials for line in p.after]
         body.append(self._call(lines, scalars, bases, parallel))
 
     def _gemm_epilogue(self, kernel, body) -> None:
@@ -440,6 +447,23 @@ class _Emitter:
                 where = self.placer.place(values[k])
                 scalars[f"o{j}"], bases[f"b{j}"] = where.offset, where.base
             body.append(self._call(lines, scalars, bases, False, False))
+
+
+def row_chunks(views: list, stages: list, partials: list) -> list[str]:
+    """A row kernel whose stages reduce over the rows too (a column sum of a gradient): its
+    rows run in chunks, each stage's reductions over rows into the chunk's partial rows,
+    combined after the loop (codegen/render/loops.py RowPartials)."""
+    lines = [*views, *(line for p in partials for line in p.before)]
+    lines += [
+        f"for chunk in prange({CHUNKS}):",
+        f"    lo = chunk * n0 // {CHUNKS}",
+        f"    hi = (chunk + 1) * n0 // {CHUNKS}",
+        *("    " + line for p in partials for line in p.chunk_start),
+        "    for i0 in range(lo, hi):",
+        *("        " + line for line in stages),
+        *("    " + line for p in partials for line in p.chunk_end),
+    ]
+    return lines + [line for p in partials for line in p.after]
 
 
 _WORD = re.compile(r"\b[A-Za-z_]\w*\b")

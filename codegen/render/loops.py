@@ -31,6 +31,19 @@ class Access:
 
 
 @dataclass
+class RowPartials:
+    """A row stage's reductions over the rows: lines before the chunked loop over rows (the
+    partial arrays), at the start and end of each chunk, after it (the combination), and where
+    each column reduction accumulates (a whole reduction uses its register accumulator)."""
+
+    before: list = field(default_factory=list)
+    chunk_start: list = field(default_factory=list)
+    chunk_end: list = field(default_factory=list)
+    after: list = field(default_factory=list)
+    targets: dict = field(default_factory=dict)
+
+
+@dataclass
 class LoopEmitter:
     """Builds the source of one loop kernel. Every array it reads or writes is a view the
     kernel makes itself from a base array, an offset and sizes (and strides) it takes as
@@ -49,6 +62,8 @@ class LoopEmitter:
     # float32 values read from buffers whose 16-bit rounding this loop skips where it only
     # widens it back (a GEMM's result in its epilogue: x @ w + b is rounded once, when stored)
     unrounded: frozenset = frozenset()
+    row_partials: RowPartials | None = None  # a row stage's reductions over rows (emit)
+    row_chunks: bool = False  # a row stage whose caller runs the rows in parallel chunks
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -74,7 +89,8 @@ class LoopEmitter:
         self.sizes = [math.prod(shape[d] for d in group) for group in self.groups]
         setup = self._views()
         if self.rows:  # the row loop is the caller's; emit the rest for row i0
-            return setup, self._nest("serial", first_level=1), False
+            self.row_partials = self._row_partials(self.row_chunks)
+            return setup, self._nest("serial", 1, self.row_partials.targets), False
         mode = self._mode()
         body = self._nest(mode) if mode != "chunked" else self._chunked_nest()
         return setup, body, mode != "serial"
@@ -233,13 +249,66 @@ class LoopEmitter:
             ]
         return lines
 
+    def _row_partials(self, chunked: bool) -> RowPartials:
+        """In a row stage, what its reductions over the rows (a column sum, a whole sum) need
+        around the caller's loop over rows, which then runs in chunks (each reducing into its
+        own partial row, combined after the loop; RowPartials): a row kernel so keeps a
+        layer's parameter gradients in the loop that reads each row once. chunked: the rows
+        run in parallel chunks; else in one serial loop, reducing into the outputs."""
+        parts = RowPartials()
+        for red in self.kernel.reductions:
+            if 0 not in self.reduced_dims[red]:
+                continue
+            if not chunked:
+                self._row_totals(red, parts)
+                continue
+            name = self.array_name[red]
+            kept = [g for g in self.view_groups[red] if g is not None]
+            count = " * ".join(self.size(g) for g in kept) or "1"
+            part, init = f"part_{name}", self._init(red)
+            parts.before.append(f"{part} = np.empty(({CHUNKS}, {count}), {NP_TYPE[red.dtype]})")
+            if self._suffix_depth(red) == 0:  # every axis reduced: a register per chunk
+                parts.chunk_start.append(f"acc_{name} = {init}")
+                parts.chunk_end.append(f"{part}[chunk, 0] = acc_{name}")
+            else:
+                parts.chunk_start.append(f"{part}[chunk] = {init}")
+                parts.targets[red] = f"{part}[chunk, {self._kept_flat_index(kept)}]"
+            combine = self._combine(red, f"{part}[chunk, j]", f"all_{name}")
+            parts.after += [
+                f"out_{name} = {self.view_name[red]}.reshape(({count},))",
+                f"for j in range({count}):",
+                f"    all_{name} = {init}",
+                f"    for chunk in range({CHUNKS}):",
+                *["        " + line for line in combine],
+                f"    out_{name}[j] = all_{name}",
+            ]
+        return parts
+
+    def _row_totals(self, red, parts: RowPartials) -> None:
+        """A reduction over the rows of a serial row kernel: straight into its output (a
+        column sum; nothing allocated, so the kernel keeps its address form) or into its
+        register accumulator, stored after the loop over rows."""
+        name, init = self.array_name[red], self._init(red)
+        if self._suffix_depth(red) == 0:
+            parts.before.append(f"acc_{name} = {init}")
+            parts.after.append(f"{self.view_name[red]}[0] = acc_{name}")
+        else:
+            parts.before.append(f"{self.view_name[red]}[:] = {init}")
+            parts.targets[red] = f"{self.view_name[red]}[{self._index(red)}]"
+
+    def _kept_flat_index(self, groups) -> str:
+        """The flat index of a row stage's kept loop groups (at most the one column group)."""
+        if len(groups) > 1:
+            raise AssertionError("a row stage reduces into at most one column group")
+        return f"i{groups[0]}" if groups else "0"
+
     def _kept_index(self, groups) -> str:
         return ", ".join(f"i{g}" for g in groups) if groups else "0"
 
-    def _combine(self, red, value) -> list[str]:
+    def _combine(self, red, value, acc: str = "acc") -> list[str]:
         if red.op == "sum":
-            return [f"acc += {value}"]
-        return [f"v_ = {value}", "if v_ > acc or v_ != v_:", "    acc = v_"]
+            return [f"{acc} += {value}"]
+        return [f"v_ = {value}", f"if v_ > {acc} or v_ != v_:", f"    {acc} = v_"]
 
     def _group_of(self, dim) -> int | None:
         for g, group in enumerate(self.groups):
@@ -273,12 +342,16 @@ class LoopEmitter:
             depth -= 1
         return depth
 
-    def _nest(self, mode: str, first_level: int = 0) -> list[str]:
+    def _nest(self, mode: str, first_level: int = 0, targets=None) -> list[str]:
+        """targets: reductions that accumulate elsewhere (a row stage's partial rows)."""
         parallel = mode == "parallel"
+        targets = targets or {}
         lines, depth_of, tails = [], {}, set()
         for red in self.kernel.reductions:
             depth_of[red] = self._suffix_depth(red)
-            if depth_of[red] is None:
+            if red in targets:
+                depth_of[red] = None
+            elif depth_of[red] is None:
                 lines.append(f"{self.view_name[red]}[:] = {self._init(red)}")
                 depth_of[red] = self._tail_depth(red)
                 if depth_of[red] is not None and depth_of[red] >= first_level:
@@ -295,7 +368,7 @@ class LoopEmitter:
             loop = "prange" if parallel and level == 0 else "range"
             lines.append(f"{pad}for i{level} in {loop}({self.size(level)}):")
         pad = "    " * (len(self.sizes) - first_level)
-        lines += [pad + line for line in self._body(depth_of)]
+        lines += [pad + line for line in self._body(depth_of, targets)]
         for level in reversed(range(first_level, len(self.sizes))):
             pad = "    " * (level - first_level)
             for red in self.kernel.reductions:
