@@ -340,6 +340,7 @@ class _Emitter:
         rows = internal_shape(run[0].shape)[0]
         cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
         parallel = decide("parallel_rows_run", parallel_pays(rows * cols))
+        local = set() if parallel else self._row_local(run)
         for stage, kernel in enumerate(run):
             if kernel.kind != "loop":
                 continue
@@ -350,7 +351,7 @@ class _Emitter:
                 if node in stored:
                     self.buffer(node)
             emitter = self._loop_emitter(kernel, stored, f"s{stage}_n", rows=True)
-            emitter.row_chunks = parallel
+            emitter.row_chunks, emitter.row_local = parallel, local
             setup, loop, _ = emitter.emit()
             views += setup
             stages += loop
@@ -366,6 +367,31 @@ class _Emitter:
             lines += ["    " + line for line in stages]
             lines += [line for p in partials for line in p.after]
         body.append(self._call(lines, scalars, bases, parallel))
+
+    def _row_local(self, run) -> set[Value]:
+        """Values a serial row kernel's stage stores only for later stages of the same rows:
+        each row's values are read back in the same iteration, so one row of the buffer serves
+        every row (its first row, in cache; the rest of the buffer is never touched). Not an
+        output, and read by no other kernel nor through a view."""
+        shape_of = {n: internal_shape(k.shape) for k in run if k.kind == "loop" for n in k.computed}
+        candidates = {
+            n
+            for k in run
+            if k.kind == "loop"
+            for n in k.nodes
+            if n in self.needed
+            and n in self.layout.scratch_offsets
+            and len(internal_shape(n.shape)) == 2
+            and shape_of[n] == internal_shape(n.shape)
+        }
+        candidates -= {alias_base(o) for o in self.graph.outputs}
+        for node in self.graph.nodes:
+            for value in node.inputs:
+                base = alias_base(value)
+                read_whole_rows = shape_of.get(node) == internal_shape(base.shape)
+                if base in candidates and (value is not base or not read_whole_rows):
+                    candidates.discard(base)
+        return candidates
 
     def _gemm_epilogue(self, kernel, body) -> None:
         """A matmul and the loop after it: one kernel running the loop on each block of rows

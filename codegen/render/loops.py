@@ -11,6 +11,7 @@ from backplan.codegen.render.choices import decide
 from backplan.codegen.render.placement import Placement
 from backplan.codegen.render.scalar import NP_TYPE, expression, literal
 from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
+from backplan.ir.graph import Value
 from backplan.ir.types import is_half, np_dtype
 
 CHUNKS = 16  # reductions across the parallel loop: one partial row per chunk
@@ -64,6 +65,7 @@ class LoopEmitter:
     unrounded: frozenset = frozenset()
     row_partials: RowPartials | None = None  # a row stage's reductions over rows (emit)
     row_chunks: bool = False  # a row stage whose caller runs the rows in parallel chunks
+    row_local: set = field(default_factory=set)  # values kept one row at a time (a row stage)
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -163,6 +165,9 @@ class LoopEmitter:
             present = [
                 g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)
             ]
+            value = key if isinstance(key, Value) else key[0]
+            if value in self.row_local and access.dims == [0, 1]:
+                present = present[1:]  # the current row only: the view is one row
             sizes = [self.size(g) for g in present] or ["1"]
             lines.append(f"{view} = contiguous_view({base}, {offset}, ({', '.join(sizes)},))")
             self.view_groups[key] = present
