@@ -382,6 +382,7 @@ class _Emitter:
             if n in self.needed
             and n in self.layout.scratch_offsets
             and len(internal_shape(n.shape)) == 2
+            and internal_shape(n.shape)[1] > 1  # a (rows, 1) value's readers index it by row
             and shape_of[n] == internal_shape(n.shape)
         }
         candidates -= {alias_base(o) for o in self.graph.outputs}
