@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from backplan.ir.reference_storage import array_root
+
 from .program import RegionProgram
 from .region import Edge, Region
 
@@ -21,6 +25,25 @@ def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, lo
     outputs = program.run_forward(list(args), donate)  # the runner empties the list it gets
     user_outputs = outputs[: program.n_outputs]
     if edges is None or program.plans.backward is None:
+        _freeze_own_views(user_outputs, args, ())
         return user_outputs, None
     saved = [args[i] if from_input else outputs[i] for from_input, i in program.saved_sources]
+    _freeze_own_views(user_outputs, args, saved)
     return user_outputs, Region(program, saved, edges, loc)
+
+
+def _freeze_own_views(outputs: list, args: list, saved: list) -> None:
+    """A compiled plan may return a view of its own output buffer (a reshape of it): read-only,
+    the tensor wrapping it takes it as it is, where it copies a writeable view (someone else's
+    buffer: 4 MB a call for a reshaped 2048x512 result). Views of the caller's arrays and the
+    arrays the backward receives (it may write a dead saved buffer) stay as they are."""
+    callers = None
+    for array in outputs:
+        if not isinstance(array, np.ndarray) or array.base is None or not array.flags.writeable:
+            continue
+        if any(array is s for s in saved):
+            continue
+        if callers is None:
+            callers = {id(array_root(a)) for a in args if isinstance(a, np.ndarray)}
+        if id(array_root(array)) not in callers:
+            array.flags.writeable = False
