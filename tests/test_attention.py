@@ -356,7 +356,12 @@ def test_head_transposes_are_gone_and_results_equal_the_unfused_reference(
 ):
     """The attention reads the projection's (B, T, H, D) reshapes and writes (B, T, H, D) for
     the output projection: no transpose(0, 2, 1, 3) is left in forward or backward; values and
-    gradients equal the unfused form run on the reference interpreter."""
+    gradients equal the unfused form run on the reference interpreter. The driver runs as
+    Python, as a first call does by default: the six plans then share their loops (compiled in
+    one module, sizes as arguments), where a compiled driver compiles each plan's loops again
+    inside its one function; the compiled driver of a bthd plan is
+    test_bench_transformer_plan_copies_no_heads_and_keeps_its_gradients's."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", "python")
     x, w, wo = multi_head_inputs(10 + length, 2, length, 12, np.float64)
     value, grads, report = multi_head_grads(x, w, wo, 3, causal)
     ir = joint_ir(report)
