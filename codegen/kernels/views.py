@@ -85,6 +85,50 @@ def contiguous_view(typingctx, base, offset, shape):
 
 
 @intrinsic
+def contiguous_bits_view(typingctx, base, offset, shape, dtype):
+    """contiguous_view(base, offset, shape).view(dtype) for a dtype of base's item size (float16
+    bits as int16, the GEMM's mark for them). Numba's `.view` in a generated kernel kept a
+    reference to every array the kernel was passed, at every call: a float16 plan's arrays were
+    never freed."""
+    is_dtype = isinstance(dtype, (types.DTypeSpec, types.NumberClass))
+    if not _is_base(base, offset, shape) or not is_dtype:
+        return None
+    item = dtype.dtype
+    if not isinstance(item, types.Integer) or item.bitwidth != getattr(base.dtype, "bitwidth", 0):
+        return None
+    result_type = base.copy(dtype=item, ndim=len(shape), layout="C")
+
+    def codegen(context, builder, signature, args):
+        base_type, offset_type, shape_type, _ = signature.args
+        start = context.cast(builder, args[1], offset_type, types.intp)
+        sizes = _sizes(context, builder, shape_type, args[2])
+        itemsize = context.get_constant(
+            types.intp, context.get_abi_sizeof(context.get_data_type(base_type.dtype))
+        )
+        strides, stride = [], itemsize
+        for size in reversed(sizes):
+            strides.insert(0, stride)
+            stride = builder.mul(stride, size)
+        source = make_array(base_type)(context, builder, args[0])
+        data = builder.bitcast(
+            builder.gep(source.data, [start]), context.get_data_type(item).as_pointer()
+        )
+        view = make_array(result_type)(context, builder)
+        populate_array(
+            view,
+            data=data,
+            shape=sizes,
+            strides=strides,
+            itemsize=source.itemsize,
+            meminfo=source.meminfo,
+            parent=source.parent,
+        )
+        return impl_ret_borrowed(context, builder, result_type, view._getvalue())
+
+    return result_type(base, offset, shape, dtype), codegen
+
+
+@intrinsic
 def strided_view(typingctx, base, offset, shape, strides):
     """The view at element `offset` of base with these sizes and byte strides."""
     if not (_is_base(base, offset, shape) and isinstance(strides, types.BaseTuple)):
@@ -253,7 +297,7 @@ def _aliases_its_base(lhs, args, alias_map, arg_aliases):
     _add_alias(lhs, args[0].name, alias_map, arg_aliases)
 
 
-for _view in (contiguous_view, strided_view):
+for _view in (contiguous_view, contiguous_bits_view, strided_view):
     alias_func_extensions[(_view.__name__, __name__)] = _aliases_its_base
 
 
@@ -261,6 +305,9 @@ if AS_PYTHON:
 
     def contiguous_view(base, offset, shape):  # noqa: F811 - the NumPy twins
         return base[offset : offset + math.prod(shape)].reshape(shape)
+
+    def contiguous_bits_view(base, offset, shape, dtype):  # noqa: F811
+        return contiguous_view(base, offset, shape).view(dtype)
 
     def strided_view(base, offset, shape, strides):  # noqa: F811
         return np.lib.stride_tricks.as_strided(base[offset:], shape, strides)

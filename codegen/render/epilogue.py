@@ -25,15 +25,16 @@ def gemm_epilogue_lines(
 ) -> tuple[list[str], dict, dict]:
     """(lines, scalars, bases) in the form canonical_kernel takes. operands: (transposed?,
     placement) of a and b as the matmul reads them; out: the matmul's result, (m, n);
-    float16: the operands are float16 bits, viewed as int16 for the GEMM (kernels/matmul.py)."""
+    float16: the operands are float16 bits, viewed as int16 for the GEMM (kernels/matmul.py)
+    by views.contiguous_bits_view (Numba's `.view` there kept the kernel's arrays alive)."""
     (ta, a), (tb, b) = operands
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
     rows = "mat_a[:, block:block_end]" if ta else "mat_a[block:block_end]"
-    mark = ".view(np.int16)" if float16 else ""
+    view, mark = ("contiguous_bits_view", ", np.int16") if float16 else ("contiguous_view", "")
     lines = [
-        f"mat_a = contiguous_view(b0, o0, {'(n2, n0)' if ta else '(n0, n2)'}){mark}",
-        f"mat_b = contiguous_view(b1, o1, {'(n1, n2)' if tb else '(n2, n1)'}){mark}",
+        f"mat_a = {view}(b0, o0, {'(n2, n0)' if ta else '(n0, n2)'}{mark})",
+        f"mat_b = {view}(b1, o1, {'(n1, n2)' if tb else '(n2, n1)'}{mark})",
         "mat_c = contiguous_view(b2, o2, (n0, n1))",
         *views,
         "for block in range(0, n0, ROW_BLOCK):",

@@ -44,8 +44,8 @@ from backplan.codegen.flags import (
 )
 from backplan.codegen.kernels.scalar_functions import *  # noqa: F403
 from backplan.codegen.kernels.views import (
-    contiguous_view, contiguous_view_at, load, load_bytes, origin, store, store_bytes,
-    strided_view, strided_view_at,
+    contiguous_bits_view, contiguous_view, contiguous_view_at, load, load_bytes, origin, store,
+    store_bytes, strided_view, strided_view_at,
 )
 '''
 # What a kernel running backplan's GEMM on blocks of rows imports besides
@@ -246,7 +246,7 @@ _NUMPY_SCALARS = {
     "uint8", "uint16", "uint32", "uint64", "bool_",
 }  # fmt: skip
 _BUILTINS = {"range", "prange", "min", "max", "abs", "int", "float", "bool", "len"}
-_VIEWS = {"contiguous_view", "strided_view"}
+_VIEWS = {"contiguous_view", "contiguous_bits_view", "strided_view"}
 # Calls that return nothing and keep no array: the GEMM takes its arrays by address and its
 # packing buffers are its own (codegen/kernels/gemm/symbols.py).
 _RETURNS_NOTHING = {"own_gemm"}
