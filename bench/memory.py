@@ -38,7 +38,8 @@ SCALABLE = ("batch", "rows")
 STEPS = ("train", "vg")
 
 
-def _status(field: str) -> int:
+def proc_status_bytes(field: str) -> int:
+    """A /proc/self/status figure (VmRSS, VmHWM) in bytes: what the kernel says the process holds."""
     with open("/proc/self/status", encoding="ascii") as file:
         for line in file:
             if line.startswith(field + ":"):
@@ -138,9 +139,9 @@ def child(name: str, scale: int, kind: str, primed: int = 0) -> dict:
     packing = _gemm_packing_bytes()
     with open("/proc/self/clear_refs", "w", encoding="ascii") as file:
         file.write("5")
-    before = _status("VmRSS")
+    before = proc_status_bytes("VmRSS")
     result = step(*args)
-    growth = _status("VmHWM") - before
+    growth = proc_status_bytes("VmHWM") - before
     del result
     resident = predicted.input_bytes + predicted.at_peak().get("constants", 0)
     return {

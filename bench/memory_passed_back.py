@@ -23,15 +23,9 @@ import numpy as np
 import backplan as bp
 from backplan.bench.internals import checked_memory, measure
 
+from .memory import proc_status_bytes
+
 CALLS = 4
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as file:
-        for line in file:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def model(width: int):
@@ -97,14 +91,14 @@ def vmhwm(loop: str, width: int) -> None:
             held = step(params, x)
     report = bp.explain(step, params, x)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = _status("VmRSS")
+    before = proc_status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w", encoding="ascii") as file:
         file.write("5")
     if loop == "back":
         params, _loss = step(params, x)
     else:
         held = step(params, x)
-    hwm = _status("VmHWM")
+    hwm = proc_status_bytes("VmHWM")
     del held
     print(
         f"loop={loop} VmRSS_before={before:,} VmHWM={hwm:,} growth={hwm - before:,} "
