@@ -45,9 +45,13 @@ def _is_base(base, offset, shape) -> bool:
     )
 
 
-def _build(context, builder, base_type, result_type, base, offset, shape, strides):
+def _build(context, builder, base_type, result_type, base, offset, shape, strides, item=None):
+    """The view's array struct over base's memory from offset; `item` reads the bytes as
+    another dtype of the same size (a pointer cast, no copy)."""
     source = make_array(base_type)(context, builder, base)
     data = builder.gep(source.data, [offset])
+    if item is not None:
+        data = builder.bitcast(data, context.get_data_type(item).as_pointer())
     view = make_array(result_type)(context, builder)
     populate_array(
         view,
@@ -61,6 +65,18 @@ def _build(context, builder, base_type, result_type, base, offset, shape, stride
     return impl_ret_borrowed(context, builder, result_type, view._getvalue())
 
 
+def _c_strides(context, builder, base_type, sizes) -> list:
+    """Byte strides of a C-contiguous array of base's items with these sizes."""
+    itemsize = context.get_constant(
+        types.intp, context.get_abi_sizeof(context.get_data_type(base_type.dtype))
+    )
+    strides, stride = [], itemsize
+    for size in reversed(sizes):
+        strides.insert(0, stride)
+        stride = builder.mul(stride, size)
+    return strides
+
+
 @intrinsic
 def contiguous_view(typingctx, base, offset, shape):
     """base[offset : offset + prod(shape)].reshape(shape), typed C-contiguous."""
@@ -72,13 +88,7 @@ def contiguous_view(typingctx, base, offset, shape):
         base_type, offset_type, shape_type = signature.args
         start = context.cast(builder, args[1], offset_type, types.intp)
         sizes = _sizes(context, builder, shape_type, args[2])
-        itemsize = context.get_constant(
-            types.intp, context.get_abi_sizeof(context.get_data_type(base_type.dtype))
-        )
-        strides, stride = [], itemsize
-        for size in reversed(sizes):
-            strides.insert(0, stride)
-            stride = builder.mul(stride, size)
+        strides = _c_strides(context, builder, base_type, sizes)
         return _build(context, builder, base_type, result_type, args[0], start, sizes, strides)
 
     return result_type(base, offset, shape), codegen
@@ -102,28 +112,10 @@ def contiguous_bits_view(typingctx, base, offset, shape, dtype):
         base_type, offset_type, shape_type, _ = signature.args
         start = context.cast(builder, args[1], offset_type, types.intp)
         sizes = _sizes(context, builder, shape_type, args[2])
-        itemsize = context.get_constant(
-            types.intp, context.get_abi_sizeof(context.get_data_type(base_type.dtype))
+        strides = _c_strides(context, builder, base_type, sizes)
+        return _build(
+            context, builder, base_type, result_type, args[0], start, sizes, strides, item
         )
-        strides, stride = [], itemsize
-        for size in reversed(sizes):
-            strides.insert(0, stride)
-            stride = builder.mul(stride, size)
-        source = make_array(base_type)(context, builder, args[0])
-        data = builder.bitcast(
-            builder.gep(source.data, [start]), context.get_data_type(item).as_pointer()
-        )
-        view = make_array(result_type)(context, builder)
-        populate_array(
-            view,
-            data=data,
-            shape=sizes,
-            strides=strides,
-            itemsize=source.itemsize,
-            meminfo=source.meminfo,
-            parent=source.parent,
-        )
-        return impl_ret_borrowed(context, builder, result_type, view._getvalue())
 
     return result_type(base, offset, shape, dtype), codegen
 
