@@ -42,16 +42,20 @@ def checked_budget(value, option: str) -> int | None:
     return int(value)
 
 
-def step_peak_bytes(plans: StepPlans, not_kept=frozenset()) -> int:
+def step_peak_bytes(plans: StepPlans, not_kept=frozenset(), kept: int | None = None) -> int:
     """The highest number of bytes the step holds on the current backend in the loop users
     write, the arrays passed in included (ir/peak.py: arenas, outputs, saved buffers and
     gradients of the compiled plans, or every IR value its own buffer on the reference
     interpreter), and from the second call the previous call's results the caller's names
     still hold (report/loop_peak.py): what explain's peak_bytes prints. Outputs written into
     donated inputs are not allocated by the step, as explain() counts them. not_kept: outputs
-    of the first plan a loop does not keep (BudgetPlanner.not_kept)."""
+    of the first plan a loop does not keep (BudgetPlanner.not_kept). kept: those results'
+    bytes when already known (BudgetPlanner.kept_bytes: the same for every plan of a
+    signature), so each plan weighed does not walk its whole graph for them again."""
     calls, backend = _step_calls(plans)
-    return predicted_peak_bytes(calls, backend, _kept(plans, calls, not_kept))
+    if kept is None:
+        kept = _kept(plans, calls, not_kept)
+    return predicted_peak_bytes(calls, backend, kept)
 
 
 def _kept(plans: StepPlans, calls: list, not_kept=frozenset()) -> int:
@@ -140,7 +144,7 @@ class BudgetPlanner:
             if peak is None:
                 with paused_gc():  # ir/gc_pause.py: full collections walk every plan built
                     built = self.build(point.drop, narrowed)
-                    peak = step_peak_bytes(built, self.not_kept)
+                    peak = step_peak_bytes(built, self.not_kept, self.kept_bytes())
             dtype = self.allow_dtype if narrowed else None
             held = self._narrowed_held(point) if narrowed else point.held_bytes
             self._built[key] = EvaluatedPoint(
