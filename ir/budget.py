@@ -102,18 +102,31 @@ def refined_within(
     limit: int,
     objective: str = "peak",
     compiled: bool = False,
+    built=None,
 ) -> PlanPoint | None:
     """A plan that fits limit with fewer added FLOPs than the cheapest frontier point that
     fits, or None. The frontier moves in batches of about 1/STEPS_TO_FLOOR of the peak, so
     the first point under a budget can overshoot it by most of a batch of recomputed values
     (a transformer at 1/3 of its saved bytes: one GEMM output too many, +1.6% of the step's
     FLOPs). From the point before it, one value at a time: the cheapest single value whose
-    recomputation makes the plan fit, else the best-ranked value that lowers the measure."""
-    chosen = cheapest_within(points, limit, objective)
+    recomputation makes the plan fit, else the best-ranked value that lowers the measure.
+    built (compiled plans): point -> its built plan's peak (ir/peak.py), asked of the
+    frontier's points in order of added FLOPs until one fits limit; each trial is then judged
+    by its simulated peak plus what the plan it starts from, its nearest built one, holds
+    beyond its own simulated peak (fusion, literals, the arrays passed in). Judged by the
+    simulation alone, budgets between a transformer's rows (simulated 2-4 MB above the built
+    peaks) found no plan between and ran the next row, with more FLOPs than one that fits."""
+    if built is None:
+        chosen = cheapest_within(points, limit, objective)
+    else:
+        chosen = _cheapest_built_within(points, limit, built)
     if chosen is None or chosen == points[0]:
         return None
     start = points[points.index(chosen) - 1]
-    drop, current = start.drop, schedule.simulate(start.drop, compiled)
+    current = schedule.simulate(start.drop, compiled)
+    if built is not None:
+        limit -= built(start) - current.peak  # the limit on the simulation's scale
+    drop = start.drop
     tries = 0
     while tries < MAX_REFINING and current.added_flops < chosen.added_flops:
         ranked = _next_batch(schedule, current, drop, set(), None, objective)[:REFINE_WIDTH]
@@ -131,6 +144,15 @@ def refined_within(
         if not lower:
             return None
         drop, current = drop | {lower[0][0]}, lower[0][1]
+    return None
+
+
+def _cheapest_built_within(points: list[PlanPoint], limit: int, built) -> PlanPoint | None:
+    """The point with the fewest added FLOPs whose built peak fits limit; points are asked
+    cheapest first, so those after it are not built."""
+    for point in sorted(points, key=lambda p: (p.added_flops, p.peak)):
+        if built(point) <= limit:
+            return point
     return None
 
 

@@ -324,14 +324,18 @@ class BudgetPlanner:
         if not points:
             return points
         compiled = current_backend() != "reference"
-        limits = [limit] if objective == "saved" else self._simulated_limits(limit)
+        built = None
+        if compiled and objective == "peak":  # judged by built peaks (refined_within)
+            limits, built = [limit], lambda p: self.evaluate(p, plans=False).peak_bytes
+        else:
+            limits = [limit] if objective == "saved" else self._simulated_limits(limit)
         if self.allow_dtype is not None and objective == "saved":
             narrowed = self._narrowed_held(points[0])
             limits.append(limit * points[0].held_bytes // max(narrowed, 1))
         extra = []
         for measure_limit in limits:
             found = refined_within(
-                self.choices.schedule, points, measure_limit, objective, compiled
+                self.choices.schedule, points, measure_limit, objective, compiled, built
             )
             if found is not None and found not in points + extra:
                 extra.append(found)
