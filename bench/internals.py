@@ -57,6 +57,7 @@ _WHERE = {
     "BudgetPlanner": "backplan.tracer.budget:BudgetPlanner",
     "checked_memory": "backplan.codegen.run.memory_check:checked_memory",  # the checked mode
     "measure": "backplan.codegen.run.memory_check:measure",
+    "checking": "backplan.codegen.run.memory_check:checking",  # BACKPLAN_CHECK_MEMORY=1 is on
     "count_held": "backplan.codegen.run.memory_check:count_held",  # a loop's last results
     "flatten": "backplan.tracer.pytree:flatten",
     # the model's arithmetic per step and where the peak measured once is kept (limits.py)

@@ -12,6 +12,7 @@ from .deadline import wait_or_raise
 from .failure import check_ranks
 from .half_wire import summed_dtype
 from .layout import Layout
+from .rank_peak import counted
 from .rows import scale_by_weight
 from .world import World, mpi_module
 
@@ -55,6 +56,7 @@ class Exchange:
     def _start(self, bucket, array_of) -> None:
         buffer = np.concatenate([array_of(leaf).ravel() for leaf in bucket.leaves])
         buffer = buffer.astype(summed_dtype(buffer.dtype), copy=False)  # 16-bit: summed in f32
+        counted(buffer, f"bucket {bucket.index}")
         if self.weight is not None:
             scale_by_weight(buffer, self.weight)
         request = self.world.comm.Iallreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
@@ -83,7 +85,10 @@ class Exchange:
                 count = int(np.prod(leaf.shape, dtype=np.int64))
                 part = buffer[offset : offset + count].reshape(leaf.shape)
                 if part.dtype != np_dtype(leaf.dtype):  # a 16-bit bucket, rounded once
-                    part = part.astype(np_dtype(leaf.dtype))
+                    part = counted(part.astype(np_dtype(leaf.dtype)), f"bucket {bucket.index}")
+                    part.flags.writeable = False
+                elif leaf.index == 0:  # the loss: its own array, so that a loop keeping it
+                    part = counted(part.copy(), "loss")  # does not keep the bucket alive
                     part.flags.writeable = False
                 results[leaf.index] = Tensor._from_array(part)
                 offset += count

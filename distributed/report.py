@@ -61,6 +61,12 @@ class DataParallelReport:
         self.size_note: str | None = None  # why `size` ranks were previewed, when not asked
         self.driver_note: str | None = None  # when the driver starting the buckets runs
         self.sharded = False  # ZeRO-1: reduce-scatter and all-gather per dtype (add_sharding)
+        self.rank_peak = None  # rank_peak.RankPeak: what one rank holds, phase by phase
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The most bytes one rank holds in a call of the loop (rank_peak.py), or None."""
+        return None if self.rank_peak is None else self.rank_peak.peak_bytes
 
     def add_optimizer(self, name: str, per_rank: int, whole: int) -> None:
         """Report the optimizer state each rank keeps (data_parallel(optimizer=...))."""
@@ -98,7 +104,10 @@ class DataParallelReport:
             lines += [""] + textwrap.wrap(
                 self.driver_note, 98, initial_indent="  ", subsequent_indent="  "
             )
-        return "\n".join(lines + self._optimizer_lines())
+        lines += self._optimizer_lines()
+        if self.rank_peak is not None:
+            lines += [""] + self.rank_peak.lines()
+        return "\n".join(lines)
 
     def _optimizer_lines(self) -> list[str]:
         if self.optimizer is None:

@@ -33,6 +33,7 @@ from .errors import DistributedError
 from .failure import IN_UPDATE, check_ranks, raise_for_others, settle_seconds
 from .half_wire import as_bits, summed_dtype
 from .layout import Layout
+from .rank_peak import counted
 from .rows import scale_by_weight
 from .world import World, mpi_module
 
@@ -218,7 +219,7 @@ class ShardedExchange:
         dtype: one more element at the end of every rank's slot, so every rank receives the
         sum (one collective less per step: each is a point where both ranks must be running)."""
         comm, size = self.world.comm, self.world.size
-        loss = np.array(array_of(0), copy=True).reshape(1)
+        loss = counted(np.array(array_of(0), copy=True).reshape(1), "loss sent")
         self._loss_dtype = loss.dtype
         loss = loss.astype(summed_dtype(loss.dtype), copy=False)  # 16-bit: summed in float32
         self._loss_in_bucket = bool(self.groups) and self.groups[0].dtype == self._loss_dtype
@@ -257,7 +258,7 @@ class ShardedExchange:
             self._wait(request, f"the reduce-scatter of the {group.dtype} gradients")
             mine = self._averaged(mine)
             if loss is None:
-                loss = mine[group.block : group.block + 1].copy()  # the loss's element
+                loss = counted(mine[group.block : group.block + 1].copy(), "loss")
             lo, hi = group.owned(self.world.rank)
             ranges.append(mine[: hi - lo].astype(group.dtype, copy=False))  # 16-bit: rounded
         if not self._loss_in_bucket:
@@ -271,7 +272,7 @@ class ShardedExchange:
         found = self.pool.get(key)
         if found is None or found.size != n or found.dtype != dtype:
             found = self.pool[key] = np.empty(n, dtype)
-        return found
+        return counted(found, f"ZeRO-1 {kind} {k}")
 
     def _averaged(self, buffer: np.ndarray) -> np.ndarray:
         if self.average and self.weight is None:
@@ -326,11 +327,11 @@ class ShardedExchange:
         n = group.block * self.world.size
         for buffer in _unused(kept):
             if buffer.size == n and buffer.dtype == group.dtype:
-                return buffer
+                return counted(buffer, f"ZeRO-1 gathered {k}")
         buffer = np.empty(n, group.dtype)
         if len(kept) < KEPT_GATHERED:
             kept.append(buffer)
-        return buffer
+        return counted(buffer, f"ZeRO-1 gathered {k}")
 
 
 def bytes_sent(groups: tuple[FlatGroup, ...], size: int, loss_dtype) -> int:

@@ -35,6 +35,7 @@ from .failure import (
 )
 from .in_plan import InPlanExchange
 from .layout import Layout, build_layout
+from .rank_peak import PlanFacts, allreduce_peak
 from .report import DataParallelReport
 from .rows import batch_lengths, lengths_digest, row_weight
 from .segments import run_segments, split_plan
@@ -442,7 +443,18 @@ class DataParallelStep:
         )
         report.size_note = note
         report.driver_note = self._driver_note(args, kwargs, starts)
+        if not self.split_plan and self.accumulate == 1:
+            report.rank_peak = allreduce_peak(
+                layout, starts, self.plan_facts(args, kwargs), self.param_bytes(args), None, 0
+            )
         return report
+
+    def plan_facts(self, args, kwargs) -> PlanFacts:
+        """The joint plan's call at its peak (the highest of the plans its calls run)."""
+        return PlanFacts.of(self.fn.explain(*args, **kwargs).call_peak)
+
+    def param_bytes(self, args) -> int:
+        return sum(leaf_array(x).nbytes for x in flatten(self._differentiated(args))[0])
 
     def _in_plan_starts(self, args, kwargs, layout) -> dict:
         """bucket index -> (plan step, calls in flight) for the buckets the compiled driver

@@ -9,13 +9,17 @@ from __future__ import annotations
 import threading
 from functools import partial
 
+import numpy as np
+
 from backplan.ir.types import np_dtype
+from backplan.runtime import no_grad
 from backplan.tracer import compile
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
 from .agreement import leaf_array
 from .exchange import Exchange
+from .rank_peak import PlanFacts, allreduce_peak, sharded_peak
 from .failure import describe_error, out_of_step_text
 from .sharding import ShardedExchange, bytes_sent, flat_shares, groups_of, range_of
 from .world import init
@@ -163,7 +167,28 @@ class DataParallelTraining:
             groups = groups_of(params, report.size)[0]
             loss_dtype = np_dtype(_loss_dtype(report.layout))
             report.add_sharding(bytes_sent(groups, report.size, loss_dtype))
+        if self.step.accumulate == 1 and not self.step.split_plan:
+            report.rank_peak = self._rank_peak(report, params, state, batch, kwargs)
         return report
+
+    def _rank_peak(self, report, params, state, batch, kwargs):
+        """What one rank holds in the loop `params, state, loss = step(params, state, *batch)`
+        (rank_peak.py); the update's figures from its own compiled plan for these shapes."""
+        plan = self.step.plan_facts((params, *batch), kwargs)
+        mine = self.step.param_bytes((params, *batch))
+        held = _nbytes(state)
+        if not self.shard_optimizer:
+            grads = _zeros_like(params)
+            update = _update_facts(self._update, grads, state, params)
+            return allreduce_peak(report.layout, report.in_plan, plan, mine, update, held)
+        world = init(self.step._comm)
+        rank = world.rank if world.size == report.size else 0
+        shares = flat_shares(params, rank, report.size)
+        update = _update_facts(self._update, _zeros_like(shares), state, shares)
+        groups = groups_of(params, report.size)[0]
+        loss_dtype = np_dtype(_loss_dtype(report.layout))
+        ranges = [leaf_array(x).nbytes for x in shares]
+        return sharded_peak(groups, rank, loss_dtype, plan, update, held, ranges)
 
     def state_bytes(self, params, size: int) -> tuple[int, int]:
         """(the bytes of optimizer state rank 0, which holds the largest shares, keeps; the
@@ -172,6 +197,18 @@ class DataParallelTraining:
         if not self.shard_optimizer:
             return whole, whole
         return _nbytes(self.optimizer.init(flat_shares(params, 0, size))), whole
+
+
+def _zeros_like(tree):
+    leaves, treedef = flatten(tree)
+    return unflatten(treedef, [Tensor._fresh(np.zeros_like(leaf_array(x))) for x in leaves])
+
+
+def _update_facts(update, grads, state, params) -> PlanFacts:
+    """The compiled update's call at its peak: run without recording a backward, as the
+    step runs it (it returns new arrays nobody differentiates)."""
+    with no_grad():
+        return PlanFacts.of(update.explain(grads, state, params).call_peak)
 
 
 def _like(tensors: list, params: list) -> list:

@@ -1380,3 +1380,55 @@ def test_accumulated_calls_from_four_threads_are_each_added_once():
     with pytest.raises(bpd.DistributedError, match="another structure, shapes or dtypes"):
         accumulator.add(1, (4,), arrays)  # the round goes on: its call 2
         accumulator.add(2, (4,), arrays)
+
+
+@needs_mpi
+def test_explain_prints_the_peak_each_rank_holds_counted_to_the_byte(tmp_path):
+    """explain's per-rank peak counts what the exchange adds to the plan (bucket buffers, the
+    ZeRO-1 send, receive and all-gather buffers, the update's outputs, the outputs the plan's
+    workspace keeps): the checked mode counts every buffer the step allocates or keeps, and
+    from the third call of the loop each call's peak equals explain's figure to the byte, on
+    both ranks, for the plain step, the unsharded adam step and ZeRO-1 with an odd number of
+    parameters (rank 1 owns one element less: a padded range)."""
+    result = run_script(
+        tmp_path,
+        """
+        from backplan.codegen.run.memory_check import measure
+        params = bpd.broadcast(init_mlp([64, 257, 3], seed=0))  # w0 64 KiB: kept by the plan
+        x, y = synthetic_classification(32, 64, 3)
+        xs, ys = bp.tensor(bpd.shard(x, rank, size)), bp.tensor(bpd.shard(y, rank, size))
+        said = []
+        for mode in ("plain", "adam", "zero"):
+            if mode == "plain":
+                step = bpd.data_parallel(vg, bucket_bytes=40_000)
+                with measure() as m:
+                    for i in range(4):
+                        if i == 3:
+                            m.restart_peak()
+                        loss, grads = step(params, xs, ys)
+                report = step.explain(params, xs, ys)
+            else:
+                step = bpd.data_parallel(vg, optimizer=bp.optim.adam(1e-3), bucket_bytes=40_000,
+                                         shard_optimizer=mode == "zero")
+                p, state = params, step.init(params)
+                with measure() as m:
+                    for i in range(4):
+                        if i == 3:
+                            m.restart_peak()
+                        p, state, loss = step(p, state, xs, ys)
+                report = step.explain(p, state, xs, ys)
+            peak = report.rank_peak
+            assert m.peak == peak.counted_bytes, (mode, m.peak, peak.counted_bytes, m.at_peak)
+            assert report.peak_bytes == peak.peak_bytes > peak.between.nbytes
+            assert f"Per-rank peak: {peak.peak_bytes:,} B" in str(report)
+            names = " ".join(m.at_peak)
+            assert ("ZeRO-1 send" if mode == "zero" else "bucket") in names, (mode, names)
+            said.append((mode, peak.peak_bytes))
+        assert said[1][1] > said[0][1]  # the update's new parameters and state
+        print(f"rank {rank} ok", said)
+        """,
+        backend="numba",
+        timeout=300,
+        env={"BACKPLAN_CHECK_MEMORY": "1"},
+    )
+    assert_ranks_ok(result)

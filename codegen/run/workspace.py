@@ -104,8 +104,9 @@ class Workspace:
         arrays = []
         previous_outputs = self.previous_outputs
         for i, shape, dtype, reusable in self._slots:
-            if i in given:
+            if i in given:  # the caller's buffer: keep none of ours for this slot
                 arrays.append(None)
+                previous_outputs[i] = None
             elif not reusable:
                 arrays.append(np.empty(shape, dtype))
             else:

@@ -1,0 +1,275 @@
+"""The peak one rank holds in a data-parallel step, in the loop users write (`loss, grads =
+step(params, *batch)`, or `params, state, loss = step(params, state, *batch)` with an
+optimizer): the joint plan's own peak (ir/peak.py) plus what the exchange and the update add.
+
+The step runs in phases, each holding what the one before left alive:
+- the plan: the joint plan's kernels, with its scratch arena and outputs (the gradients are
+  the bucket buffers themselves where the compiled driver starts the buckets, in_plan.py);
+- packing (buckets started after the call): each bucket a new buffer beside the gradients;
+- the update (optimizer=): the summed gradients (views of the buckets, or ZeRO-1's pooled
+  receive buffers) read by the compiled update, which allocates the new parameters and state;
+- held between calls: what stays allocated when the call has returned (arenas, pooled buffers,
+  the caller's arrays and the results the loop keeps), the floor the next call starts from.
+
+Every phase counts the caller's arrays (parameters, batch, optimizer state), every plan's
+scratch arena and constants (kept for the plan's life), the buffers the exchange keeps between
+calls (in-plan bucket buffers, ZeRO-1's send, receive and all-gather buffers) and the previous
+call's results the loop still binds, and the big outputs a plan's workspace keeps for its next
+call (codegen/run/workspace.py) once the step is done with them. The checked mode (BACKPLAN_CHECK_MEMORY=1) counts the
+exchange's buffers too (`counted`), so a test compares its measured peak with `counted_bytes`."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+
+import numpy as np
+
+from backplan.codegen.run.memory_check import ALLOCATOR, checking
+from backplan.codegen.run.workspace import REUSE_BYTES
+from backplan.ir.types import np_dtype
+
+from .half_wire import summed_dtype
+
+NOT_COUNTED = ("batch", "workspace")  # what the checked mode's counting allocator never sees
+
+
+def counted(array: np.ndarray, name: str) -> np.ndarray:
+    """`array` (a buffer the exchange allocated or keeps) counted by the checked mode."""
+    if checking():
+        ALLOCATOR.use(array, name)
+    return array
+
+
+@dataclass(frozen=True)
+class RankPhase:
+    name: str
+    held: dict  # category -> bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.held.values())
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """Bytes one rank holds in each phase of a step (steady loop calls); `peak_bytes` the most."""
+
+    phases: tuple[RankPhase, ...]
+    between: RankPhase  # what stays allocated between two calls
+    not_counted: tuple[str, ...] = NOT_COUNTED  # categories the checked mode never sees
+
+    @property
+    def peak_phase(self) -> RankPhase:
+        return max(self.phases, key=lambda p: p.nbytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_phase.nbytes
+
+    @property
+    def counted_bytes(self) -> int:
+        """The peak as the checked mode counts it: everything but the caller's own arrays
+        (the batch; the parameters too where no update allocated them) and the kernels'
+        workspace (allocated inside them)."""
+        held = self.peak_phase.held
+        return self.peak_bytes - sum(held.get(c, 0) for c in self.not_counted)
+
+    @property
+    def growth_bytes(self) -> int:
+        """What a call newly allocates at its peak over what is held between calls: the growth
+        of peak resident memory over one call (VmHWM after it less VmRSS before it)."""
+        return self.peak_bytes - self.between.nbytes
+
+    def lines(self) -> list[str]:
+        phase = self.peak_phase
+        parts = ", ".join(f"{c} {n:,}" for c, n in phase.held.items() if n)
+        others = "; ".join(f"{p.name} {p.nbytes:,}" for p in self.phases if p is not phase)
+        text = (
+            f"Per-rank peak: {self.peak_bytes:,} B, while {phase.name} ({parts}). Other phases: "
+            f"{others}; held between calls {self.between.nbytes:,} B. Counted as the loop "
+            "holds it from its third call on: the caller's arrays, every compiled plan's "
+            "arena, the exchange's buffers and the results the loop still binds. Not counted: "
+            "what the MPI library allocates for a collective in flight (MPICH on 2 ranks: "
+            "about half of each bucket in flight, freed when it completes)."
+        )
+        return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """Bytes of one compiled plan's call at its peak kernel (ir.peak.PeakReport)."""
+
+    inputs: int  # the caller's arrays it reads
+    kept: int  # scratch arena and constants, held for the plan's life
+    outputs: int  # output buffers (outputs, gradients, saved) it allocates per call
+    workspace: int  # the most a kernel allocates inside itself
+    # outputs of at least REUSE_BYTES: the plan's workspace keeps them after the call, to reuse
+    # in the next one when nobody holds them (codegen/run/workspace.py), so they stay
+    # allocated once the step is done with them
+    reused: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, peak) -> PlanFacts:
+        if not peak.steps:
+            return cls(0, 0, 0, 0)
+        held = peak.steps[-1].held
+        kinds = ("outputs", "gradients", "saved")
+        return cls(
+            inputs=held.get("inputs", 0) + held.get("donated", 0),
+            kept=held.get("scratch", 0) + held.get("constants", 0),
+            outputs=sum(held.get(c, 0) for c in kinds),
+            workspace=max(s.held.get("workspace", 0) for s in peak.steps),
+            reused=tuple(
+                b.nbytes
+                for _, b in peak.buffers
+                if b.category in kinds and b.key.startswith("output") and b.nbytes >= REUSE_BYTES
+            ),
+        )
+
+    def reused_beside(self, leaves) -> int:
+        """Bytes of the kept outputs, less those of `leaves` (the gradients the driver writes
+        into bucket buffers: their slots are never the workspace's)."""
+        left = list(self.reused)
+        for leaf in leaves:
+            if leaf.nbytes in left:
+                left.remove(leaf.nbytes)
+        return sum(left)
+
+
+def _phase(name: str, **held: int) -> RankPhase:
+    return RankPhase(name, {k.replace("_", " "): v for k, v in held.items()})
+
+
+def _summed_bytes(nbytes: int, dtype: str) -> int:
+    dt = np_dtype(dtype)
+    return nbytes // dt.itemsize * summed_dtype(dt).itemsize
+
+
+def bucket_bytes(layout, in_plan: dict) -> tuple[int, int, int]:
+    """(bytes of the buckets the driver writes the gradients into, bytes of the buffers packed
+    after the call, bytes of the 16-bit copies unpacked from float32 sums)."""
+    inside = sum(b.nbytes for b in layout.buckets if b.index in in_plan)
+    after = [b for b in layout.buckets if b.index not in in_plan]
+    packed = sum(_summed_bytes(b.nbytes, b.dtype) for b in after)
+    copies = sum(
+        leaf.nbytes
+        for b in after
+        if summed_dtype(np_dtype(b.dtype)) != np_dtype(b.dtype)
+        for leaf in b.leaves
+    )
+    return inside, packed, copies
+
+
+def loss_bytes(layout) -> int:
+    return next(leaf.nbytes for b in layout.buckets for leaf in b.leaves if leaf.index == 0)
+
+
+def allreduce_peak(
+    layout, in_plan: dict, plan: PlanFacts, params: int, update: PlanFacts | None, state: int
+) -> RankPeak:
+    """The step that allreduces buckets (data_parallel, with or without an unsharded update).
+    The loop keeps the returned gradients (views of the buckets) and loss without an optimizer,
+    the loss (an array of its own) with one."""
+    inside, packed, copies = bucket_bytes(layout, in_plan)
+    loss = loss_bytes(layout)
+    batch = plan.inputs - params
+    up_kept = update.kept if update is not None else 0
+    buckets = inside + packed
+    kept = loss if update is not None else buckets + copies + loss  # what the loop still binds
+    caller = dict(parameters=params, batch=batch, optimizer_state=state, previous_results=kept)
+    arenas = dict(plan_arena=plan.kept, update_arena=up_kept)
+    plan_out = plan.outputs - inside  # the plan's own output buffers beside the buckets
+    written = [leaf for b in layout.buckets if b.index in in_plan for leaf in b.leaves]
+    reused = plan.reused_beside(written)
+    phases = [
+        _phase(
+            "the plan runs",
+            **caller,
+            **arenas,
+            exchange_buffers=inside,
+            plan_outputs=plan_out,
+            workspace=plan.workspace,
+        )
+    ]
+    if packed:
+        phases.append(
+            _phase(
+                "the buckets are packed after the call",
+                **caller,
+                **arenas,
+                exchange_buffers=buckets,
+                plan_outputs=plan_out,
+            )
+        )
+    after = dict(**caller, **arenas, exchange_buffers=buckets + copies, plan_outputs=reused)
+    if update is not None:
+        phases.append(
+            _phase(
+                "the update runs",
+                **after,
+                loss=loss,
+                update_outputs=update.outputs,
+                workspace=update.workspace,
+            )
+        )
+    else:
+        phases.append(_phase("the sums are unpacked", **after, loss=loss))
+    # between calls the loop holds this call's results in place of the last ones; the driver
+    # keeps its bucket buffers (reused when the loop holds no gradient of them), the plan's
+    # workspace its big outputs
+    between = _phase(
+        "between calls",
+        **caller,
+        **arenas,
+        exchange_buffers=inside if update is not None else 0,
+        plan_outputs=reused,
+    )
+    mine = ("batch", "workspace") if update is not None else ("parameters", *NOT_COUNTED)
+    return RankPeak(tuple(phases), between, mine)
+
+
+def sharded_peak(
+    groups, rank: int, loss_dtype, plan: PlanFacts, update: PlanFacts, state: int, ranges
+) -> RankPeak:
+    """The ZeRO-1 step (sharding.ShardedExchange): per dtype a send buffer of every rank's
+    slot, this rank's receive slot and two all-gather buffers (the one the parameters passed in
+    are views of, counted as parameters, and the one this call fills) kept between calls, and
+    a padded range when a rank owns fewer elements than a block. ranges: the bytes of this
+    rank's updated range of each dtype, which the update's workspace keeps after the
+    all-gather has sent them (the big ones, codegen/run/workspace.py)."""
+    loss_dt = np.dtype(loss_dtype)
+    size = groups[0].size if groups else 1
+    pool = params = 0
+    copies = 0  # 16-bit ranges rounded from their float32 sums: copies the update reads
+    for k, group in enumerate(groups):
+        summed = summed_dtype(group.dtype).itemsize
+        stride = group.block + (k == 0 and group.dtype == loss_dt)
+        gathered = group.block * size * group.dtype.itemsize
+        params += gathered
+        pool += stride * size * summed + stride * summed + gathered
+        lo, hi = group.owned(rank)
+        if hi - lo != group.block:
+            pool += group.block * group.dtype.itemsize  # "range sent", padded to a block
+        if summed_dtype(group.dtype) != group.dtype:
+            copies += group.block * group.dtype.itemsize
+    loss = loss_dt.itemsize
+    batch = plan.inputs - sum(g.total * g.dtype.itemsize for g in groups)
+    caller = dict(parameters=params, batch=batch, optimizer_state=state, previous_results=loss)
+    common = dict(**caller, plan_arena=plan.kept, update_arena=update.kept, exchange_buffers=pool)
+    reused = sum(plan.reused)
+    phases = (
+        _phase("the plan runs", **common, plan_outputs=plan.outputs, workspace=plan.workspace),
+        _phase("the reduce-scatter is packed", **common, plan_outputs=plan.outputs, loss=loss),
+        _phase(
+            "the update of this rank's share runs",
+            **common,
+            plan_outputs=reused,
+            loss=loss + copies,
+            update_outputs=update.outputs,
+            workspace=update.workspace,
+        ),
+    )
+    kept_ranges = sum(n for n in ranges if n >= REUSE_BYTES)
+    between = _phase("between calls", **common, plan_outputs=reused, update_outputs=kept_ranges)
+    return RankPeak(phases, between)
