@@ -66,8 +66,27 @@ class LoweredPlan:
 
     @property
     def kernel_count(self) -> int:
-        """Kernels that run code: fused loops and single ops."""
-        return sum(k.kind in RUN_KINDS for k in self.kernels)
+        """Kernels the driver calls: fused loops and single ops, a row kernel's stages once
+        (one loop over the rows runs them all), a constant none (the driver reads the array)."""
+        return len(self.calls())
+
+    def calls(self) -> list[tuple[int, int]]:
+        """[start, end) ranges of `kernels`, one per kernel the driver calls, in run order: a
+        row run is one range (literals and aliases between its stages emit no code), any
+        other kernel that runs code a range of one."""
+        runs = dict(self.row_runs)
+        ranges, index = [], 0
+        while index < len(self.kernels):
+            end = runs.get(index, index + 1)
+            if end > index + 1 or runs_code(self.kernels[index]):
+                ranges.append((index, end))
+            index = end
+        return ranges
+
+
+def runs_code(kernel: Kernel) -> bool:
+    """Whether the driver calls code for this kernel: a loop or an op, not a constant."""
+    return kernel.kind in RUN_KINDS and not (kernel.kind == "op" and kernel.nodes[0].op == "const")
 
 
 def lower(plan: Plan, private_saved: tuple[int, ...] = ()) -> LoweredPlan:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from .kernel_workspace import workspace_bytes
 from .liveness import INPUT_STEP, Plan
-from .lowering import RUN_KINDS, lower
+from .lowering import lower, runs_code
 from .plan_buffers import compiled_buffers
 from .printer import format_loc
 from .reference_storage import storage_roots
@@ -204,9 +204,8 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes
-        running = [k for k in low.kernels if k.kind in RUN_KINDS] or [None]
         during = sum(held.values()) + _kept_during(call.label, kept)
-        peak = max(peak, during + max(workspace_bytes(k) for k in running))
+        peak = max(peak, during + max(_workspace(g) for g in _driver_calls(low)))
     return peak
 
 
@@ -246,9 +245,9 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes  # allocated on entry, held to the step's end
-        for kernel in [k for k in low.kernels if k.kind in RUN_KINDS] or [None]:
-            running = dict(held, workspace=workspace_bytes(kernel))
-            steps.append(PeakStep(index, call.label, *_kernel_words(kernel), running))
+        for group in _driver_calls(low):
+            running = dict(held, workspace=_workspace(group))
+            steps.append(PeakStep(index, call.label, *_kernel_words(group), running))
             index += 1
     buffers = tuple(
         (c.label, b) for c, bs in zip(calls, per_call, strict=True) if not c.idle for b in bs
@@ -256,12 +255,24 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
     return PeakReport("numba", tuple(steps), buffers)
 
 
-def _kernel_words(kernel) -> tuple[str, str]:
-    if kernel is None:
+def _driver_calls(lowered) -> list[list]:
+    """The kernels of each call the driver makes (a row kernel's stages together: one loop
+    over the rows runs them), in run order; [[]] for a plan of views and literals only."""
+    kernels = lowered.kernels
+    return [[k for k in kernels[a:b] if runs_code(k)] for a, b in lowered.calls()] or [[]]
+
+
+def _workspace(group: list) -> int:
+    return max((workspace_bytes(k) for k in group), default=workspace_bytes(None))
+
+
+def _kernel_words(group: list) -> tuple[str, str]:
+    if not group:
         return "no kernels (views and literals only)", ""
-    nodes = kernel.all_nodes
+    nodes = [n for k in group for n in k.all_nodes]
     ops = ", ".join(dict.fromkeys(n.op for n in nodes))
-    what = f"loop: {ops}" if kernel.kind == "loop" else ops
+    rows = f"row loop of {len(group)} stages" if len(group) > 1 else "loop"
+    what = f"{rows}: {ops}" if group[0].kind == "loop" else ops
     lines = [format_loc(n.loc) for n in nodes if n.loc]
     return what, lines[-1] if lines else ""
 

@@ -56,7 +56,7 @@ def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> C
     cached = kernel_cache.cached_digests(kernels)
     return CompiledPlanFacts(
         label,
-        lowered.kernel_count,
+        generated.kernel_count,
         layout.scratch_bytes,
         layout.output_bytes - sum(n for _, _, n in in_place),
         len(layout.reused_saved),

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from backplan.codegen.render.emit import generate
 from backplan.ir.errors import BackplanError
 from backplan.ir.liveness import Plan
-from backplan.ir.lowering import RUN_KINDS, lower
+from backplan.ir.lowering import RUN_KINDS, lower, runs_code
 
 from .plan_view import PlanView
 
@@ -25,6 +26,7 @@ class KernelInfo:
     steps: tuple[int, ...]  # global steps of the view, in run order
     kind: str = "op"
     epilogue: bool = False  # a GEMM that runs the loop after it on each block of its result
+    stages: int = 1  # a row kernel: the loops it runs as stages of one loop over the rows
 
     @property
     def fused(self) -> bool:
@@ -48,20 +50,48 @@ class _Group:
     all_nodes: tuple
     kind: str
     epilogue: object = None
+    stages: int = 1
+
+
+def _driver_groups(lowered) -> list:
+    """The lowered plan's kernels as its driver calls them (LoweredPlan.calls): the stages of
+    a row kernel as one loop, a constant as no kernel (the driver reads the array), a matmul
+    + epilogue that the code generator runs as a BLAS call and then the loop as those two."""
+    apart = generate(lowered).epilogues_apart
+    calls = dict(lowered.calls())
+    groups, index = [], 0
+    while index < len(lowered.kernels):
+        kernel, end = lowered.kernels[index], calls.get(index, index + 1)
+        if end > index + 1:
+            stages = [k for k in lowered.kernels[index:end] if runs_code(k)]
+            nodes = tuple(n for k in stages for n in k.all_nodes)
+            groups.append(_Group(nodes, "loop", stages=len(stages)))
+            groups += [k for k in lowered.kernels[index:end] if not runs_code(k)]
+        elif kernel.kind in RUN_KINDS and not runs_code(kernel):
+            groups.append(_Group(tuple(kernel.all_nodes), "constant"))
+        elif kernel.epilogue is not None and kernel.nodes[0] in apart:
+            groups += [_Group(tuple(kernel.nodes), kernel.kind), kernel.epilogue]
+        else:
+            groups.append(kernel)
+        index = end
+    return groups
 
 
 def _user_groups(lowered) -> list:
-    """The kernels in the nodes of the plan the user's IR shows: a plan widened for 16-bit
-    floats names its casts' ops instead (the first kernel computing a node takes it)."""
+    """The kernels the driver calls, in the nodes of the plan the user's IR shows: a plan
+    widened for 16-bit floats names its casts' ops instead (the first kernel computing a node
+    takes it)."""
+    driver = _driver_groups(lowered)
     if lowered.origin is None:
-        return lowered.kernels
+        return driver
     groups, taken = [], set()
-    for kernel in lowered.kernels:
+    for kernel in driver:
         nodes = dict.fromkeys(lowered.origin[n] for n in kernel.all_nodes if n in lowered.origin)
         nodes = tuple(n for n in nodes if n not in taken)
         taken.update(nodes)
         if nodes:
-            groups.append(_Group(nodes, kernel.kind, getattr(kernel, "epilogue", None)))
+            stages = getattr(kernel, "stages", 1)
+            groups.append(_Group(nodes, kernel.kind, getattr(kernel, "epilogue", None), stages))
     return groups
 
 
@@ -89,7 +119,8 @@ def kernels_from_groups(view: PlanView, groups: Mapping[str, Sequence] | None) -
             covered.update(members)
             kind = getattr(group, "kind", "op")
             epilogue = getattr(group, "epilogue", None) is not None
-            kernels.append(KernelInfo(tuple(sorted(members)), kind, epilogue))
+            stages = getattr(group, "stages", 1)
+            kernels.append(KernelInfo(tuple(sorted(members)), kind, epilogue, stages))
     kernels += [KernelInfo((s.index,), "op") for s in view.steps if s.index not in covered]
     return sorted(kernels, key=lambda k: k.steps[0] if k.steps else -1)
 

@@ -88,7 +88,7 @@ def summary_text(report) -> str:
         fusion = "the reference interpreter runs each IR node on its own"
     parts = [
         f"{report.name} has {report.n_forward_steps} forward and "
-        f"{report.n_backward_steps} backward steps, run as {report.n_kernels} kernels on the "
+        f"{report.n_backward_steps} backward steps, run as {_kernels(report.n_kernels)} on the "
         f"{report.backend} backend ({fusion})."
     ]
     parts.append(_saved_sentence(report))
@@ -316,6 +316,10 @@ def _input_legend(report, plan_name: str, plan) -> list[str]:
     return legend
 
 
+def _kernels(n: int) -> str:
+    return f"{n} kernel{'s' if n != 1 else ''}"
+
+
 def kernels_text(report) -> str:
     """The kernels the plans run, then (for a compiled loss) when a call runs as one plan."""
     text = _kernels_text(report)
@@ -337,7 +341,7 @@ def _kernels_text(report) -> str:
             )
         return text
     lines = [
-        f"{report.n_kernels} kernels for {len(steps)} steps on the {report.backend} "
+        f"{_kernels(report.n_kernels)} for {len(steps)} steps on the {report.backend} "
         f"backend: {report.fused_kernels} fused, and {len(free)} steps that cost no "
         "kernel (views, aliases and literals)."
     ]
@@ -350,10 +354,12 @@ def _kernels_text(report) -> str:
     compile_line = compile_cost_text(report)
     if compile_line:
         lines.append(compile_line)
-    for number, kernel in enumerate(report.kernels):
-        if kernel.fused and kernel.runs_code:
+    running = [k for k in report.kernels if k.runs_code]  # numbered as they run
+    for number, kernel in enumerate(running):
+        if kernel.fused:
             members = ", ".join(f"{steps[s].label} {steps[s].op}" for s in kernel.steps)
             kind = "matmul + epilogue" if kernel.epilogue else kernel.kind
+            kind = f"row loop of {kernel.stages} stages" if kernel.stages > 1 else kind
             lines.append(f"k{number} ({kind}): {members}")
     if any(k.epilogue for k in report.kernels):
         lines.append(

@@ -90,6 +90,9 @@ class GeneratedModule:
     driver_statements: int  # statements of `run`'s body, whose compile time grows with them
     driver_parts: int  # functions run_part0... `run` is split into (0: one function)
     literals: tuple | None = None  # (ints, floats) a size-generic driver takes, or None
+    # GEMMs of matmul + epilogue kernels run as the product, then the loop (a BLAS call or a
+    # copied operand): two calls, which kernel_count counts
+    epilogues_apart: frozenset = frozenset()
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -165,12 +168,13 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
         list(layout.outputs),
         literal_outs,
         sources,
-        lowered.kernel_count,
+        lowered.kernel_count + len(emitter.epilogues_apart),
         layout,
         list(emitter.kernels.values()),
         driver.statements,
         driver.parts,
         lifted,
+        frozenset(emitter.epilogues_apart),
     )
 
 
@@ -230,6 +234,7 @@ class _Emitter:
         self.needed = needed
         self.contiguous = set(graph.inputs)
         self.kernels: dict[str, KernelSource] = {}  # digest -> kernel, in first-call order
+        self.epilogues_apart: set[Value] = set()  # GEMMs whose epilogue loop runs after them
         self.whole = set(graph.inputs) | set(layout.outputs)  # whole C-contiguous arrays
         self.definitions: dict[str, str] = {}  # name -> the driver line defining it, if used
         self.placer = Placer(layout, names, self.whole, self.define)
@@ -408,6 +413,7 @@ class _Emitter:
         if operands is None or not stored or chain_terms(loop, stored, self._flat_like):
             body += self.ops.op(node, self.names[node])
             self._loop(loop, body, unrounded=frozenset([node]))
+            self.epilogues_apart.add(node)
             return
         for value in loop.all_nodes:
             if value in stored:
