@@ -84,6 +84,16 @@ class LoweredPlan:
         return ranges
 
 
+def stored_values(lowered: LoweredPlan) -> set[Value]:
+    """The nodes of the plan given to `lower` that the compiled plan keeps in a buffer (the
+    plan's inputs are the caller's; an alias lives in its base's): the others are literals or
+    computed inside the loop that reads them and never reach memory. A widened or copied plan
+    names its nodes by `origin`."""
+    if lowered.origin is None:
+        return set(lowered.materialized)
+    return {lowered.origin[v] for v in lowered.materialized if v in lowered.origin}
+
+
 def runs_code(kernel: Kernel) -> bool:
     """Whether the driver calls code for this kernel: a loop or an op, not a constant."""
     return kernel.kind in RUN_KINDS and not (kernel.kind == "op" and kernel.nodes[0].op == "const")

@@ -15,7 +15,7 @@ from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import np_dtype
 from backplan.runtime.program import SavedBufferInfo
 
-from .joint_view import saved_reason
+from .joint_view import saved_reason, stored_in
 from .plan_view import input_label
 
 
@@ -46,9 +46,13 @@ def mark_held(view, plan: Plan, forward: frozenset) -> None:
             buf.kind, buf.saved = "saved", True
 
 
-def inlined_saved_info(plan: Plan, forward: frozenset, input_names) -> list[InlinedSavedInfo]:
+def inlined_saved_info(
+    plan: Plan, forward: frozenset, input_names, stored: set | None = None
+) -> list[InlinedSavedInfo]:
     """The held values of a step with inlined gradients, in the order the step first reads
-    them after its inlined forward part (your own arrays among them, marked)."""
+    them after its inlined forward part (your own arrays among them, marked). stored: the
+    values the compiled plan keeps in a buffer; a row of any other is marked fused (None: the
+    reference interpreter, which stores every value)."""
     graph = plan.graph
     names = value_names(graph)
     step_of = {node: step for step, node in enumerate(graph.nodes)}
@@ -82,6 +86,7 @@ def inlined_saved_info(plan: Plan, forward: frozenset, input_names) -> list[Inli
                 is_region_input=mine,
                 written_step=-1 if mine else step_of[value],
                 read_steps=tuple(step_of[r] for r in readers),
+                fused=stored is not None and not stored_in(value, roots, stored, graph),
             )
         )
     return infos

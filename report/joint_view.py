@@ -78,9 +78,15 @@ def _mark_saved(buf: BufferInfo, reader_step: int) -> None:
         buf.start, buf.end = 0, max(buf.end, reader_step)
 
 
-def joint_saved_info(plan: Plan, view: PlanView) -> list[SavedBufferInfo]:
-    """The saved-buffer rows of a joint plan, in the order the forward writes them."""
+def joint_saved_info(
+    plan: Plan, view: PlanView, stored: set | None = None
+) -> list[SavedBufferInfo]:
+    """The saved-buffer rows of a joint plan, in the order the forward writes them. stored:
+    the values the compiled plan keeps in a buffer (ir/lowering.py stored_values); a row of
+    any other is marked fused (computed in the loop that reads it). None: the reference
+    interpreter, which stores every value."""
     graph = plan.graph
+    roots = storage_roots(graph)
     values = {f"f{name}": v for v, name in value_names(graph).items() if v in graph.inputs}
     values.update({step.writes: step.node for step in view.steps})
     reasons = graph.reasons  # recorded by autodiff, carried by every pass (ir/graph.py)
@@ -106,9 +112,17 @@ def joint_saved_info(plan: Plan, view: PlanView) -> list[SavedBufferInfo]:
                 is_region_input=buf.kind == "input",
                 written_step=labels[buf.producer] if buf.producer is not None else -1,
                 read_steps=tuple(labels[r.index] for r in readers),
+                fused=stored is not None and not stored_in(value, roots, stored, graph),
             )
         )
     return infos
+
+
+def stored_in(value: Value, roots: dict, stored: set, graph) -> bool:
+    """Whether value reaches memory in the compiled plan: the caller's array, a stored value,
+    or a view or alias of one (it lives in that buffer)."""
+    root = roots.get(value, value)
+    return value in graph.inputs or root in graph.inputs or value in stored or root in stored
 
 
 def saved_reason(value: Value, reasons: dict) -> str:

@@ -39,10 +39,10 @@ def kept_output_bytes(calls, gradients_returned: bool, not_returned=frozenset())
     base's), the caller's arrays and constants left out, and so are the outputs that go back
     in as the next call's donated arrays (a training step's new parameters and optimizer
     state: each output of a donated input's type, in order, as ir/donation.py pairs them).
-    not_returned: outputs of the first plan the loop does not keep: those the function drops
-    (bp.grad's value), and those passed back in without donation (`params = step(params, x)`
-    compiled without donate_argnums, tracer/passed_back.py), which are the next call's
-    arguments, counted among the arrays passed in there."""
+    not_returned: outputs of the first plan the function drops (bp.grad's value). Results a
+    loop passes back in without donation (`params = step(params, x)`, `x = f(x)`) are counted
+    here too: which results a loop passes back is the loop's, not the function's, and is seen
+    on a second call (tracer/loop_watch.py, report.observed_peak)."""
     kept, first = 0, True
     for call in calls:
         if call.idle or call.label == "backward":
@@ -95,11 +95,40 @@ def loop_sentence(report) -> str:
         )
     elif "backward" in report.plans:
         example, during = "loss = f(params, x); loss.backward()", " while its forward runs"
-    elif report.passed_back:
-        example = "params, out = step(params, x): the new params are its next arguments"
-    return (
+    text = (
         f". The peak is that of the loop users write ({example}), in which every call from the "
         f"second also holds the previous call's {format_bytes(kept)}{during} (its names keep "
         f"them bound until the call returns); a call whose caller let them go holds "
         f"{format_bytes(report.call_peak_bytes)} (report.call_peak_bytes)"
+    )
+    if _may_pass_back(report):
+        text += (
+            ". Results your loop passes back in as the next arguments without donating them "
+            "(params = step(params, x), x = f(x)) are the next call's arrays and count once, "
+            "so that loop holds up to their bytes less"
+        )
+    return text + observed_sentence(report)
+
+
+def _may_pass_back(report) -> bool:
+    """Whether a result (not a gradient) has the type of an argument not donated: one a loop
+    could pass back in. Only the wording follows it; the figures count every result."""
+    if not report.peak_calls:
+        return False
+    call = report.peak_calls[0]
+    graph = call.plan.graph
+    types = [v.type for i, v in enumerate(graph.inputs) if i not in call.plan.donated]
+    outputs = [v for v, k in zip(graph.outputs, call.output_kinds, strict=True) if k == "outputs"]
+    return any(o.type in types for o in outputs)
+
+
+def observed_sentence(report) -> str:
+    """What this process's loop did on the signature's second call, and the peak it held."""
+    seen = report.loop_observed
+    if seen is None:
+        return ""
+    return (
+        f". Seen on this signature's second call, of the first call's results "
+        f"{seen.words()}: this loop holds {format_bytes(report.observed_peak_bytes)} "
+        "(report.observed_peak_bytes)"
     )

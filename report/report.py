@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backplan.ir.liveness import Plan
+from backplan.ir.lowering import lower, stored_values
 from backplan.ir.peak import PeakReport, building_peak, joint_calls, predicted_peak
 from backplan.ir.plans import JointPlans
 from backplan.runtime.backend import backend_in_this_thread, current_backend
@@ -116,9 +117,12 @@ class ExplainReport:
     # outputs of the step's first plan its function does not hand back (bp.grad's value):
     # a loop keeps none of them (loop_peak_on_call)
     not_returned: frozenset = frozenset()
-    # outputs of a compiled function a loop passes back in as its next arguments
-    # (`params = step(params, x)`, tracer/passed_back.py): the next call's arrays, not kept ones
-    passed_back: frozenset = frozenset()
+    # values the unfused plan reads across from its forward part that the compiled plan
+    # computes inside the loop reading them (numba): never stored, so in no saved total
+    fused_saved: list = field(default_factory=list)
+    # what a loop did with the first call's results, seen on this signature's second call
+    # (tracer/loop_watch.py LoopObservation): kept, passed back in, let go; None: not seen yet
+    loop_observed: object = None
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -157,6 +161,16 @@ class ExplainReport:
         if self.inlined_saved is not None:
             return sum(b.nbytes for b in self.inlined_saved if b.is_region_input)
         return sum(r.saved_input_bytes for _, r in self.inner)
+
+    @property
+    def all_fused_saved(self) -> list:
+        """fused_saved, or for a step listing its inlined value_and_grad plans apart (inner
+        without inlined_saved), theirs: the values those plans read across that the compiled
+        plans compute in the loop reading them. Saved totals leave them out; the planner (and
+        memory_frontier's saved column) counts them."""
+        if self.inner and self.inlined_saved is None:
+            return [f for _, r in self.inner for f in r.fused_saved]
+        return list(self.fused_saved)
 
     @property
     def recomputed_bytes(self) -> int:
@@ -302,8 +316,28 @@ class ExplainReport:
         allocated and hands back, less what goes back in as donated arrays)."""
         joint = self.joint_step_calls is not None and n >= self.call_peaks[-1].first_call
         calls = self.joint_step_calls if joint else self.peak_calls
-        not_kept = self.not_returned | self.passed_back
-        return kept_output_bytes(calls, self.returns_gradients, not_kept)
+        return kept_output_bytes(calls, self.returns_gradients, self.not_returned)
+
+    @functools.cached_property
+    def observed_peak(self) -> PeakReport | None:
+        """The peak of the loop this process ran, where a second call of this signature has
+        shown what it does with the last results (loop_observed): the bytes that stayed bound
+        beside that call are held from the second call on; results passed back in as its
+        arguments count once, among the arrays passed in (peak_bytes counts them as kept: an
+        upper bound by those bytes). None before a second call."""
+        seen = self.loop_observed
+        if seen is None:
+            return None
+        return max(
+            (self.loop_peak_on_call(n, kept=seen.kept if n > 1 else 0) for n in self._loop_calls()),
+            key=lambda p: p.peak_bytes,
+        )
+
+    @property
+    def observed_peak_bytes(self) -> int | None:
+        """observed_peak's bytes; None before a second call of this signature."""
+        peak = self.observed_peak
+        return None if peak is None else peak.peak_bytes
 
     def _loop_calls(self) -> list[int]:
         """The calls whose peaks stand for every call of a loop: each first call of a plan
@@ -337,8 +371,12 @@ class ExplainReport:
         that runs it: the arrays you pass in, parameters, donated buffers, scratch arenas,
         outputs, saved buffers, gradients and, from the second call, the previous call's
         results that `loss, grads = step(params, x)` keeps bound until the call returns
-        (`peak.at_peak()` splits it by category). Budgets (max_peak_bytes), memory_frontier,
-        bp.max_batch and fits() bound this figure; call_peak_bytes is one call's alone."""
+        (`peak.at_peak()` splits it by category). Every result counts as kept but those
+        written into donated arguments: exact for such loops and `new = step(params, x)`, an
+        upper bound by the bytes passed back for `params = step(params, x)` without donation
+        (observed_peak_bytes: what this process's loop held, once it ran a second call).
+        Budgets (max_peak_bytes), memory_frontier, bp.max_batch and fits() bound this figure;
+        call_peak_bytes is one call's alone."""
         return self.peak.peak_bytes
 
     @functools.cached_property
@@ -463,6 +501,7 @@ def region_report(
     compiled = region_facts(program) if backend == "numba" else None
     if kernel_groups is None:
         kernel_groups = planned_groups(_compiled_plans(named, compiled), backend)
+    inlined, fused = _split_fused(_inlined_saved(program, _stored(plans.forward, compiled)))
     return ExplainReport(
         program.name,
         view,
@@ -480,8 +519,9 @@ def region_report(
         joint_step_calls=_joint_step_calls(program),
         fallback_calls=_fallback_calls(program),
         retain_calls=_retain_calls(program),
-        inlined_saved=_inlined_saved(program),
+        inlined_saved=inlined,
         update_order=getattr(plans, "update_order", None),
+        fused_saved=fused,
     )
 
 
@@ -518,11 +558,30 @@ def _retain_calls(program: RegionProgram) -> list | None:
     return [forward, dataclasses.replace(kept, label="backward(retain_graph=True)"), again]
 
 
-def _inlined_saved(program: RegionProgram) -> list | None:
+def _inlined_saved(program: RegionProgram, stored: set | None) -> list | None:
     forward = getattr(program.plans, "inlined_forward", None)
     if forward is None:
         return None
-    return inlined_saved_info(program.plans.forward, forward, program.input_names)
+    return inlined_saved_info(program.plans.forward, forward, program.input_names, stored)
+
+
+def _stored(plan: Plan, compiled: list[CompiledPlanFacts] | None) -> set | None:
+    """The values of plan the numba backend keeps in a buffer (ir/lowering.py stored_values);
+    None on the reference interpreter (every value its own buffer), also where the plan runs
+    there because numba cannot compile it."""
+    if compiled is None or not all(f.compiled for f in compiled):
+        return None
+    return stored_values(lower(plan))
+
+
+def _split_fused(infos: list | None) -> tuple[list | None, list]:
+    """(the rows the plan stores, renumbered; the rows fusion keeps out of memory)."""
+    if infos is None:
+        return None, []
+    kept = [i for i in infos if not i.fused]
+    return [dataclasses.replace(i, slot=n) for n, i in enumerate(kept)], [
+        i for i in infos if i.fused
+    ]
 
 
 def joint_report(
@@ -543,11 +602,12 @@ def joint_report(
     compiled = joint_facts(plan) if backend == "numba" else None
     if kernel_groups is None:
         kernel_groups = planned_groups(_compiled_plans(plans.named, compiled), backend)
+    saved, fused = _split_fused(joint_saved_info(plan, view, _stored(plan, compiled)))
     return ExplainReport(
         name,
         view,
         plans.named,
-        joint_saved_info(plan, view),
+        saved,
         kernels_from_groups(view, kernel_groups),
         traces,
         retrace_reason,
@@ -555,6 +615,7 @@ def joint_report(
         backend,
         compiled=compiled,
         peak_calls=plans.peak_calls(),
+        fused_saved=fused,
     )
 
 

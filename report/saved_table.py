@@ -139,3 +139,21 @@ def table_notes(infos: Sequence, recomputed: Sequence = ()) -> list[str]:
     if recomputed:
         lines.extend(RECOMPUTED_NOTE.splitlines())
     return lines
+
+
+def fused_note(fused: Sequence) -> str:
+    """The values the unfused plan reads across that the compiled plan never stores (fused
+    into the loop that reads them): named, so a reader of the reference interpreter's plan
+    sees where they went. Empty when there are none."""
+    if not fused:
+        return ""
+    from .wording import format_bytes, wrap
+
+    names = "; ".join(
+        f"{f.name} ({f.op} at {f.produced_at}, {format_bytes(f.nbytes)})" for f in fused
+    )
+    return wrap(
+        f"Not stored by the compiled plan, so in no total above: {names}. Each is computed "
+        "inside the fused loop that reads it for the gradient; the reference interpreter "
+        "(BACKPLAN_BACKEND=reference) stores them."
+    )

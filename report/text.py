@@ -5,7 +5,7 @@ from __future__ import annotations
 from backplan.ir.text import value_names
 
 from .memory import memory_text, peak_line
-from .saved_table import format_saved_table
+from .saved_table import format_saved_table, fused_note
 from .wording import format_bytes, wrap
 
 
@@ -62,7 +62,9 @@ def saved_text(report) -> str:
         parts.append(format_saved_table(report.saved_buffers, recomputed=report.recomputed))
     if report.inner and report.inlined_saved is not None:
         parts += [_step_held_text(report), format_saved_table(report.inlined_saved)]
+        parts.append(fused_note(report.fused_saved))
         return "\n".join(p for p in parts if p)
+    parts.append(fused_note(report.fused_saved))
     for joint, inner in report.inner:
         made = (
             f"the joint plan's as {joint.chosen_for} makes it, the same values recomputed or "
@@ -78,6 +80,7 @@ def saved_text(report) -> str:
             )
         )
         parts.append(format_saved_table(inner.saved_buffers, recomputed=inner.recomputed))
+        parts.append(fused_note(inner.fused_saved))
     return "\n".join(p for p in parts if p)
 
 
@@ -121,7 +124,20 @@ def _saved_sentence(report) -> str:
             f" ({format_bytes(report.saved_input_bytes)} of them your own inputs, held by "
             "reference, not copied)"
         )
-    return text + "."
+    return text + "." + _fused_words(report.fused_saved)
+
+
+def _fused_words(fused) -> str:
+    """Where the compiled plan keeps fewer values than the unfused plan reads across."""
+    if not fused:
+        return ""
+    n = len(fused)
+    return (
+        f" That is the compiled plan's count: {n} more value{'s' if n != 1 else ''} the "
+        f"gradients read ({format_bytes(sum(f.nbytes for f in fused))}) "
+        f"{'are' if n != 1 else 'is'} computed inside the fused loop that reads "
+        f"{'them' if n != 1 else 'it'}, never stored (section 3)."
+    )
 
 
 def _inner_sentence(report) -> str:
@@ -140,7 +156,7 @@ def _inner_sentence(report) -> str:
             f" and {format_bytes(report.inner_saved_input_bytes)} of your own arrays read "
             "by reference"
         )
-    return text + " (section 3)."
+    return text + " (section 3)." + _fused_words(report.all_fused_saved)
 
 
 def _update_order_sentence(order, kept: int = 0) -> str:

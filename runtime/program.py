@@ -34,6 +34,8 @@ class SavedBufferInfo:
     is_region_input: bool
     written_step: int = -1  # forward step that writes it; -1 for the region's own inputs
     read_steps: tuple[int, ...] = ()  # backward steps that read it
+    # the compiled plan computes it inside the loop that reads it (fusion): never stored
+    fused: bool = False
 
 
 class RegionProgram:

@@ -1,8 +1,10 @@
 """The peak explain prints (report.peak_bytes) and budgets bound is the loop's: what the process
 holds in the loop users write, the arrays passed in included. Measured with the checked mode
 (the step's own buffers) plus the caller's arrays the step did not allocate, per call:
-- a non-donated `params, loss = step(params, x)`: the new parameters are the next call's
-  arguments, held once (counting them also as kept results printed |params| too many);
+- a non-donated `params, loss = step(params, x)` or `x = f(x)`: explain counts every result as
+  kept, an upper bound by the bytes passed back; a second call shows they went back in as its
+  arguments, and report.observed_peak_bytes is what the loop held;
+- `new, loss = step(params, x)` keeps the new params apart: printed exactly, before and after;
 - `grads = step(params, x)` returning gradients of the parameters' structure keeps them apart;
 - a donated training step keeps its loss alone;
 - a value_and_grad budget set at the default plan's one-call peak is met in the loop (the
@@ -52,12 +54,15 @@ def sgd_step():
 
 
 @pytest.mark.parametrize("backend", ["numba", "reference"])
-def test_params_passed_back_without_donation_are_held_once(backend):
+def test_params_passed_back_without_donation_are_held_once_once_seen(backend):
+    """Before a loop runs, explain counts every result as kept (an upper bound by the params
+    passed back, stated); a second call shows the new params came back in as its arguments,
+    and report.observed_peak holds what the process held, call for call."""
     params, x = arrays()
     p_bytes, x_bytes = nbytes(params), nbytes(x)
     with use_backend(backend), checked_memory():
         step = bp.compile(sgd_step())
-        report = bp.explain(step, params, x)
+        before = bp.explain(step, params, x)
         state = {"p": params}
 
         def call():
@@ -65,14 +70,62 @@ def test_params_passed_back_without_donation_are_held_once(backend):
             return value
 
         counted = counted_in_a_loop(call, CALLS)
+        after = bp.explain(step, params, x)
     # call 1 is passed your params; from call 2 the params are the last call's results, which
     # the checked mode counts among the step's buffers: only x is the caller's own then
     held = [counted[0] + p_bytes + x_bytes] + [c + x_bytes for c in counted[1:]]
-    printed = [report.loop_peak_on_call(n).peak_bytes for n in range(1, CALLS + 1)]
-    assert held == printed
-    assert max(held) == report.peak_bytes
-    assert report.kept_output_bytes(1) == 4  # the loss alone: the params go back in
-    assert report.peak_bytes == report.call_peak_bytes + 4
+    assert before.loop_observed is None and before.observed_peak_bytes is None
+    assert before.kept_output_bytes(1) == p_bytes + 4  # stated: every result kept
+    assert before.peak_bytes == max(held) + p_bytes  # the upper bound, by the params
+    seen = after.loop_observed
+    assert (seen.kept, seen.passed_back, seen.let_go) == (4, p_bytes, 0)
+    observed = [after.loop_peak_on_call(n, kept=seen.kept if n > 1 else 0) for n in (1, 2, 3, 4)]
+    assert held == [p.peak_bytes for p in observed]
+    assert after.observed_peak_bytes == max(held)
+    text = " ".join(str(after).split())
+    assert "went back in as its arguments" in text
+    assert f"this loop holds {max(held):,} B" in text
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_new_params_kept_apart_are_held_as_printed(backend):
+    """`new, value = step(params, x)`: the old params stay the arguments, the new ones stay
+    bound beside the next call; the printed peak is exact, and so is what a second call saw.
+    (The rule of shapes this replaces printed |params| too few here.)"""
+    params, x = arrays()
+    with use_backend(backend), checked_memory():
+        step = bp.compile(sgd_step())
+        before = bp.explain(step, params, x)
+        counted = counted_in_a_loop(lambda: step(params, x), CALLS)
+        after = bp.explain(step, params, x)
+    held = [c + nbytes(params) + nbytes(x) for c in counted]
+    assert held == [before.loop_peak_on_call(n).peak_bytes for n in range(1, CALLS + 1)]
+    assert max(held) == before.peak_bytes == after.observed_peak_bytes
+    seen = after.loop_observed
+    assert (seen.kept, seen.passed_back, seen.let_go) == (nbytes(params) + 4, 0, 0)
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_one_array_passed_back_is_held_once_once_seen(backend):
+    """`x = f(x)`: the result is the next call's argument; printed before, it counts as kept
+    too (an upper bound by |x|); seen on a second call, the loop holds one call's peak."""
+    _, x = arrays(rows=32)
+    with use_backend(backend), checked_memory():
+        f = bp.compile(lambda x: bp.tanh(x * 1.5) + 0.5)
+        before = bp.explain(f, x)
+        box = {"x": x}
+
+        def call():
+            box["x"] = f(box["x"])
+
+        counted = counted_in_a_loop(call, CALLS)
+        after = bp.explain(f, x)
+    x_bytes = nbytes(x)
+    # call 1 reads your x; later calls the last result, counted by the checked mode
+    held = [counted[0] + x_bytes] + counted[1:]
+    assert before.peak_bytes == max(held) + x_bytes
+    assert after.loop_observed.passed_back == x_bytes and after.loop_observed.kept == 0
+    assert after.observed_peak_bytes == max(held) == after.call_peak_bytes
 
 
 @pytest.mark.parametrize("backend", ["numba", "reference"])

@@ -125,7 +125,7 @@ class BudgetPlanner:
         self.recomputed_for: tuple | None = None  # (budget words, point chosen, narrowed)
         self._chain: list[SavedLink] | None = None  # saved_chain, built once
         # outputs a loop does not keep as the last results: those the function drops (bp.grad's
-        # value) and those passed back in as its next arguments (tracer/passed_back.py)
+        # value); every other result counts as kept (report/loop_peak.py states it)
         self.not_kept: frozenset = frozenset()
         self._kept: int | None = None  # kept_bytes, worked out once
 

@@ -37,7 +37,6 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     check_background,
 )
 from .pytree import TreeDef, flatten, unflattener
-from .passed_back import passed_back_outputs
 from .reports import explain_traced
 from .signature import bind_call, closest_key, miss_reason
 from .source import loc_text, user_frame_loc
@@ -60,7 +59,6 @@ class TracedFunction:
     planner: BudgetPlanner | None = None  # the plans this signature could run instead
     inner_joints: tuple = ()  # report.InnerJoint: value_and_grad plans inlined into this one
     float_checks: tuple = ()  # (input, argument, check) of traced floats: float_checks.py
-    passed_back: frozenset = frozenset()  # outputs a loop passes back in (passed_back.py)
     rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
     grad_inputs: tuple[int, ...] = field(init=False, repr=False)  # inputs a gradient flows to
     one_output: bool = field(init=False, repr=False)  # returns output 0 as it is (a loss)
@@ -306,16 +304,12 @@ class CompiledFunction(PlannedFunction):
             backend="reference" if current_backend() == "reference" else "numba",
         )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
-        passed_back = passed_back_outputs(
-            call, trace, out_treedef, out_slots, out_leaves, self.arguments.donate_names
-        )
         with paused_gc():  # ir/gc_pause.py: the pipeline's objects, no garbage to look for
             choices = plan_choices(
                 graph, wrt, options, inlined=trace.inlined_losses, gradients=trace.inlined_gradients
             )
             planner = BudgetPlanner(choices, input_bytes, name, self.allow_saved_dtype)
             planner.inlined = [joint.loc for joint in trace.inner_joints]
-            planner.not_kept = passed_back
             plans = self._plans_within_budget(planner)
         program = RegionProgram(plans, name=name, input_names=names, background=self.background)
         if self.max_peak_bytes is None and self.saved_bytes_budget is None:  # a budgeted step
@@ -333,7 +327,6 @@ class CompiledFunction(PlannedFunction):
             planner,
             tuple(trace.inner_joints),
             float_checks_of(trace),
-            passed_back,
         )
 
     def _plans_within_budget(self, planner: BudgetPlanner):

@@ -26,6 +26,7 @@ from .dynamic import (
 from .errors import TracingError
 from .fastpath import call_key, guard_for
 from .frozen_reads import FrozenReads, frozen_reads
+from .loop_watch import LoopWatch
 from .signature_switch import release_idle_arenas, release_other_signatures
 from .trace import current_trace
 
@@ -121,6 +122,7 @@ class PlannedFunction:
         self._reread: str | None = None  # a rebound variable, the next trace's miss reason
         self._forgotten = 0  # caches dropped for a rebound variable: a trace begun before
         # a drop froze the old object, so its entry is not kept (lookup, __call__)
+        self._loop_watch = LoopWatch()  # what a loop does with the results (loop_watch.py)
 
     # ---- what subclasses provide -------------------------------------------------------------
 
@@ -240,6 +242,8 @@ class PlannedFunction:
         if reads is not None and reads.changed():
             self._forget_frozen_reads(stacklevel=2)
         grad_enabled = is_grad_enabled()
+        watch = self._loop_watch
+        seen = watch.before(args, kwargs) if watch.active else None
         last = self._last_fast
         if last is not None:
             leaves = last.guard(args, kwargs, grad_enabled)
@@ -247,6 +251,8 @@ class PlannedFunction:
                 result = last.runner(leaves)
                 if result is not STALE:
                     self._count_fast_hit(last.entry_key)
+                    if watch.active:
+                        watch.after(last.entry_key, seen, result, args, kwargs)
                     return result
         # Not the last signature: find its fast path by key, else bind (tracing on a miss).
         # In this frame, so a RetraceWarning points at the caller's line.
@@ -264,6 +270,8 @@ class PlannedFunction:
             if result is not STALE:
                 self._count_fast_hit(fast.entry_key)
                 self._last_fast = fast
+                if watch.active:
+                    watch.after(fast.entry_key, seen, result, args, kwargs)
                 return result
         forgotten = self._forgotten
         bound, entry = self.lookup(args, kwargs)
@@ -286,6 +294,8 @@ class PlannedFunction:
                         if len(self._fast) >= FAST_PATHS_KEPT:  # a dynamic axis: one per size
                             self._fast = {}  # its runners hold their sizes' plans and arenas
                         self._fast[key] = self._last_fast = fast
+        if watch.active:
+            watch.after(self._shared_entry_key(self._entry_key(bound)), seen, result, args, kwargs)
         return result
 
     def _forget_frozen_reads(self, stacklevel: int) -> None:
@@ -441,6 +451,7 @@ class PlannedFunction:
         self._entries[key] = entry
         self._entries.move_to_end(key)
         self._most_recent = None
+        self._loop_watch.active = True  # a new signature: watch its first two calls
         while len(self._entries) > self.cache_size:
             evicted, _ = self._entries.popitem(last=False)
             kept = [(k, v) for k, v in tuple(self._fast.items()) if v.entry_key != evicted]
@@ -478,6 +489,8 @@ class PlannedFunction:
         bound, entry = self.lookup(args, kwargs, count_hit=False)
         report = self._report(entry, bound)
         report.background_build = self.background is True
+        key = self._shared_entry_key(self._entry_key(bound))
+        report.loop_observed = self._loop_watch.observed.get(key)
         if entry.planner is not None:
             report.frontier_source = entry.planner.memory_frontier
             report.saved_dtype_note = entry.planner.note()

@@ -20,7 +20,6 @@ def explain_traced(traced, cache_info) -> ExplainReport:
     report = region_report(
         traced.program, traces=cache_info.traces, retrace_reason=cache_info.last_miss_reason
     )
-    report.passed_back = traced.passed_back
     joints = inner_as_run(traced.planner, traced.inner_joints)
     report.inner = [(joint, joint.report(report.backend)) for joint in joints]
     return report
