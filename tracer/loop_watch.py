@@ -52,6 +52,12 @@ def _buffer(leaf):
     return array
 
 
+def sizes(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a call's arrays: with the signature's entry key, what an observation is
+    kept under (one plan of a dynamic axis runs every size, whose results differ in bytes)."""
+    return tuple(np.shape(leaf) for leaf in leaves((args, kwargs)) if _buffer(leaf) is not None)
+
+
 def _buffers(tree) -> dict[int, np.ndarray]:
     found = {}
     for leaf in leaves(tree):
@@ -63,7 +69,7 @@ def _buffers(tree) -> dict[int, np.ndarray]:
 
 class LoopWatch:
     """Per compiled function: the last call's results of a signature not yet observed, and
-    each signature's observation (entry key -> LoopObservation)."""
+    each signature's observation ((entry key, sizes) -> LoopObservation)."""
 
     def __init__(self):
         self.observed: dict = {}
@@ -89,9 +95,11 @@ class LoopWatch:
                 kept += nbytes
         return key, LoopObservation(kept, back, gone)
 
-    def after(self, key, seen, result, args: tuple, kwargs: dict) -> None:
-        """At a call's end (key: the signature it ran): keep the observation `before` made
-        if the last call ran the same signature, else follow this call's results."""
+    def after(self, entry_key, seen, result, args: tuple, kwargs: dict) -> None:
+        """At a call's end (entry_key: the signature it ran): keep the observation `before`
+        made if the last call ran the same signature and sizes, else follow this call's
+        results."""
+        key = (entry_key, sizes(args, kwargs))
         if key in self.observed:
             self._last, self.active = None, False
             return

@@ -26,7 +26,7 @@ from .dynamic import (
 from .errors import TracingError
 from .fastpath import call_key, guard_for
 from .frozen_reads import FrozenReads, frozen_reads
-from .loop_watch import LoopWatch
+from .loop_watch import LoopWatch, sizes
 from .signature_switch import release_idle_arenas, release_other_signatures
 from .trace import current_trace
 
@@ -489,7 +489,7 @@ class PlannedFunction:
         bound, entry = self.lookup(args, kwargs, count_hit=False)
         report = self._report(entry, bound)
         report.background_build = self.background is True
-        key = self._shared_entry_key(self._entry_key(bound))
+        key = (self._shared_entry_key(self._entry_key(bound)), sizes(args, kwargs))
         report.loop_observed = self._loop_watch.observed.get(key)
         if entry.planner is not None:
             report.frontier_source = entry.planner.memory_frontier
