@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from backplan.codegen.kernels import conv
+from backplan.codegen.kernels.gemm.isa import vector_width
 from backplan.ir.ops.conv import _conv_ref, _input_grad_ref, _weight_grad_ref
 
 CASES = [
@@ -32,29 +33,33 @@ def _operands(case, rng, dtype):
     return conv.as_read_only(x), conv.as_read_only(weights)
 
 
-def _args(attrs):
+def _args(attrs, width=0):
+    """The kernels' trailing arguments; width 0 multiplies with BLAS, 512 or 256 with
+    backplan's GEMM of that register tile."""
     (sh, sw), (ph, pw), (dh, dw) = attrs["stride"], attrs["padding"], attrs["dilation"]
-    return sh, sw, ph, pw, dh, dw, attrs["groups"]
+    return sh, sw, ph, pw, dh, dw, attrs["groups"], width
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_conv_kernels_match_the_references(case, dtype):
+@pytest.mark.parametrize("gemm", ["blas", "own"])
+def test_conv_kernels_match_the_references(case, dtype, gemm):
     rng = np.random.default_rng(len(case) + case[0])
     x, w = _operands(case, rng, dtype)
     attrs = _attrs(case)
+    args = _args(attrs, vector_width() if gemm == "own" else 0)
     expected = _conv_ref(x, w, **attrs)
     out = np.full(expected.shape, np.nan, dtype)
-    conv.conv2d_gemm(x, w, out, *_args(attrs))
+    conv.conv2d_gemm(x, w, out, *args)
     tol = 1e-4 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
 
     g = conv.as_read_only(rng.standard_normal(expected.shape).astype(dtype))
     dx = np.full(x.shape, np.nan, dtype)
-    conv.conv2d_input_grad_gemm(g, w, dx, *_args(attrs))
+    conv.conv2d_input_grad_gemm(g, w, dx, *args)
     np.testing.assert_allclose(dx, _input_grad_ref(g, w, x.shape, **attrs), rtol=tol, atol=tol)
     dw = np.full(w.shape, np.nan, dtype)
-    conv.conv2d_weight_grad_gemm(x, g, dw, *_args(attrs))
+    conv.conv2d_weight_grad_gemm(x, g, dw, *args)
     want = _weight_grad_ref(x, g, w.shape, **attrs)
     np.testing.assert_allclose(dw, want, rtol=tol, atol=tol * 10)
 
@@ -73,19 +78,19 @@ def test_strided_operands_and_outputs_give_the_same_values():
     out_base = np.full((expected.shape[0], 2 * expected.shape[1]) + expected.shape[2:], 5.0,
                        np.float32)  # fmt: skip
     out = out_base[:, 1::2]
-    conv.conv2d_gemm(x_view, w, out, *_args(attrs))
+    conv.conv2d_gemm(x_view, w, out, *_args(attrs, vector_width()))
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     assert (out_base[:, ::2] == 5.0).all()  # the gaps stay untouched
 
     g = conv.as_read_only(rng.standard_normal(expected.shape).astype(np.float32))
     dx_base = np.full(wide_x.shape, 5.0, np.float32)
-    conv.conv2d_input_grad_gemm(g, w, dx_base[::-1, ::2], *_args(attrs))
+    conv.conv2d_input_grad_gemm(g, w, dx_base[::-1, ::2], *_args(attrs, vector_width()))
     np.testing.assert_allclose(
         dx_base[::-1, ::2], _input_grad_ref(g, w, x.shape, **attrs), rtol=1e-4, atol=1e-4
     )
     assert (dx_base[:, 1::2] == 5.0).all()
     dw = np.empty(w.shape, np.float32)
-    conv.conv2d_weight_grad_gemm(x_view, g, dw, *_args(attrs))
+    conv.conv2d_weight_grad_gemm(x_view, g, dw, *_args(attrs, vector_width()))
     np.testing.assert_allclose(dw, _weight_grad_ref(x, g, w.shape, **attrs), rtol=1e-4, atol=1e-3)
 
 
@@ -96,7 +101,7 @@ def test_both_column_orders_fill_the_same_columns(case, monkeypatch):
     goes by rows, case 1 by images."""
     n, c, h, w_, o, (kh, kw), *_ = case
     attrs = _attrs(case)
-    sh, sw, ph, pw, dh, dw, groups = _args(attrs)
+    sh, sw, ph, pw, dh, dw, groups, _ = _args(attrs)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, c, h, w_))
     oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1

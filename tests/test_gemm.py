@@ -240,6 +240,42 @@ def test_own_gemm_plan_runs_as_plain_python(tmp_path):
     np.testing.assert_allclose([value, grad_sum], [np.sum(t**2), grad.sum()], rtol=1e-10)
 
 
+def test_convolution_products_take_the_own_gemm_unless_narrow(monkeypatch):
+    """conv_gemm_width: the own GEMM's tile width for a convolution's product of a measured own
+    class at any size and BLAS thread count, 0 (BLAS) where C is narrower than the tile, for
+    float64, or under BACKPLAN_GEMM=blas; a plan's conv calls pass the width chosen."""
+    from backplan.codegen.kernels.gemm import choice
+
+    monkeypatch.setenv("BACKPLAN_GEMM", "auto")
+    wide = isa.vector_width() == 512
+    for blas in (1, 2):
+        monkeypatch.setattr(choice, "blas_threads", lambda blas=blas: blas)
+        assert choice.conv_gemm_width(32, 512, 144, "f32") == (512 if wide else 0)
+        assert choice.conv_gemm_width(16, 2048, 9, "f32") == (512 if wide else 0)  # small
+        assert choice.conv_gemm_width(16, 9, 2048, "f32") == 0  # nine columns: padding
+        assert choice.conv_gemm_width(32, 512, 144, "f64") == 0
+    monkeypatch.setenv("BACKPLAN_GEMM", "blas")
+    assert choice.conv_gemm_width(32, 512, 144, "f32") == 0
+    monkeypatch.setenv("BACKPLAN_GEMM", "own")
+    assert choice.conv_gemm_width(16, 9, 2048, "f64") == isa.vector_width()
+
+    monkeypatch.setenv("BACKPLAN_GEMM", "auto")
+    rng = np.random.default_rng(3)
+    x = bp.tensor(rng.standard_normal((8, 4, 6, 6)).astype(np.float32))
+    w = bp.tensor(rng.standard_normal((32, 4, 3, 3)).astype(np.float32))
+
+    def loss(w, x):
+        return bp.sum(bp.conv2d(x, w, padding=1) ** 2)
+
+    vg = bp.value_and_grad(loss, argnums=(0,))
+    with use_backend("numba"):
+        source = vg.trace(w, x).runner().compiled.source
+    own = 512 if wide else 0
+    # forward 32 x 288 x 36, weight gradient 32 x 36 x 288 (n = 36 >= 32)
+    assert re.search(rf"\bconv2d_gemm\(.*, 1, {own}\)", source), source
+    assert re.search(rf"conv2d_weight_grad_gemm\(.*, 1, {own}\)", source), source
+
+
 def test_large_float32_products_run_the_own_gemm_in_blocks_where_blas_would_thread(monkeypatch):
     """More than one BLAS thread: a large f32 product (a measured own class) is cut over
     min(threads, BLAS threads) own GEMM blocks; small, narrow, f64, one thread or a forced

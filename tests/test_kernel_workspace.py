@@ -42,15 +42,16 @@ def test_the_compiled_peak_counts_the_conv_columns_while_the_kernel_runs():
 _MEASURE = """
 import numpy as np
 from backplan.codegen.kernels.conv import conv2d_gemm
+from backplan.codegen.kernels.gemm.isa import vector_width
 def status(field):
     return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field)][0]
 x = np.random.rand(64, 8, 16, 16).astype(np.float32)
 w = np.random.rand(12, 4, 3, 3).astype(np.float32)
 out = np.empty((64, 12, 16, 16), np.float32)
-conv2d_gemm(x, w, out, 1, 1, 1, 1, 1, 1, 2)  # compiles or loads; BLAS's own buffers
+conv2d_gemm(x, w, out, 1, 1, 1, 1, 1, 1, 2, vector_width())  # compiles or loads; the GEMM's own buffers
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
-conv2d_gemm(x, w, out, 1, 1, 1, 1, 1, 1, 2)
+conv2d_gemm(x, w, out, 1, 1, 1, 1, 1, 1, 2, vector_width())
 print(status("VmHWM") - before)
 """
 

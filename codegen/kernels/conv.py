@@ -1,6 +1,7 @@
 """conv2d and its two adjoints over NCHW arrays as im2col + GEMM: the kernel taps of every output
-position become columns of a (C/groups * kH * kW, N * OH * OW) matrix and BLAS multiplies it
-by the weights. Measured on the digits CNN's layers (batch 32; 1->16 channels at 8x8 and
+position become columns of a (C/groups * kH * kW, N * OH * OW) matrix and a GEMM multiplies it
+by the weights: backplan's own where gemm/choice.py's conv_gemm_width picks it (the emitter
+passes the register tile width; 0 is BLAS). Measured on the digits CNN's layers (batch 32; 1->16 channels at 8x8 and
 16->32 at 4x4, 3x3 kernels, one BLAS thread) against direct loops, one task per output plane:
 forward 0.05 / 0.6 ms against 0.7 / 8.7 ms, input gradient 0.04 / 0.4 ms against 1.3 / 9.0 ms,
 weight gradient 0.5 / 1.2 ms against 1.3 / 6.9 ms. The column buffer is C * kH * kW times the
@@ -12,7 +13,10 @@ from backplan.codegen.build.library_progress import announce_compiles
 from backplan.codegen.flags import FASTMATH
 from backplan.codegen.jit import njit
 from backplan.codegen.kernels.blas import gemm_rows
+from backplan.codegen.kernels.gemm.api import gemm as own_gemm
+from backplan.codegen.kernels.gemm.choice import conv_gemm_width
 from backplan.codegen.kernels.views import as_read_only
+from backplan.codegen.render.choices import decide
 from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.ir.graph import Value
 
@@ -165,12 +169,22 @@ def _scatter_planes(product, out, first):
         _copy4(flat, out)
 
 
-# The products go through gemm_rows (one BLAS call, transposes as flags) and every copy is a
+@njit(**_opts)
+def _product(width, trans_a, trans_b, a, b, out):
+    """out = op(a) @ op(b) for C-contiguous 2-D operands: backplan's GEMM with register tile
+    `width` (512 or 256 bits), or BLAS where width is 0."""
+    if width:
+        own_gemm(width, trans_a, trans_b, 1.0, a, b, 0.0, out)
+    else:
+        gemm_rows(trans_a, trans_b, 1.0, a, b, 0.0, out)
+
+
+# The products go through _product (one GEMM call, transposes as flags) and every copy is a
 # plain loop: NumPy's np.dot, ascontiguousarray and array-slice assignment compiled into these
 # functions made conv2d_gemm's cold compile 9.1 s on one pinned EPYC core; written this way
 # 3.5 s (/tmp measurement in the commit message).
 @njit(**_opts)
-def conv2d_gemm(x, w, out, sh, sw, ph, pw, dh, dw, groups):
+def conv2d_gemm(x, w, out, sh, sw, ph, pw, dh, dw, groups, width):
     o_total, cg, kh, kw = w.shape
     og, oh, ow = o_total // groups, out.shape[2], out.shape[3]
     if out.size == 0:
@@ -179,12 +193,12 @@ def conv2d_gemm(x, w, out, sh, sw, ph, pw, dh, dw, groups):
     product = np.empty((og, x.shape[0] * oh * ow), x.dtype)
     for g in range(groups):
         im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
-        gemm_rows(False, False, 1.0, _weight_matrix(w, g * og, og), cols, 0.0, product)
+        _product(width, False, False, _weight_matrix(w, g * og, og), cols, product)
         _scatter_planes(product, out, g * og)
 
 
 @njit(**_opts)
-def conv2d_input_grad_gemm(gout, w, dx, sh, sw, ph, pw, dh, dw, groups):
+def conv2d_input_grad_gemm(gout, w, dx, sh, sw, ph, pw, dh, dw, groups, width):
     o_total, cg, kh, kw = w.shape
     og, oh, ow = o_total // groups, gout.shape[2], gout.shape[3]
     if gout.size == 0:
@@ -197,14 +211,14 @@ def conv2d_input_grad_gemm(gout, w, dx, sh, sw, ph, pw, dh, dw, groups):
         flat[p] = 0
     for g in range(groups):
         weights = _weight_matrix(w, g * og, og)
-        gemm_rows(True, False, 1.0, weights, _group_matrix(gout, g * og, og), 0.0, cols)
+        _product(width, True, False, weights, _group_matrix(gout, g * og, og), cols)
         col2im(cols, summed, g * cg, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
     if summed.ctypes.data != dx.ctypes.data:
         _copy4(summed, dx)
 
 
 @njit(**_opts)
-def conv2d_weight_grad_gemm(x, gout, dw_out, sh, sw, ph, pw, dh, dw, groups):
+def conv2d_weight_grad_gemm(x, gout, dw_out, sh, sw, ph, pw, dh, dw, groups, width):
     o_total, cg, kh, kw = dw_out.shape
     og, oh, ow = o_total // groups, gout.shape[2], gout.shape[3]
     if gout.size == 0:
@@ -214,7 +228,7 @@ def conv2d_weight_grad_gemm(x, gout, dw_out, sh, sw, ph, pw, dh, dw, groups):
     product = np.empty((og, cg * kh * kw), dw_out.dtype)
     for g in range(groups):
         im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
-        gemm_rows(False, True, 1.0, _group_matrix(gout, g * og, og), cols, 0.0, product)
+        _product(width, False, True, _group_matrix(gout, g * og, og), cols, product)
         for o in range(og):
             for c in range(cg):
                 for i in range(kh):
@@ -234,8 +248,23 @@ def _conv_call(ctx: OpEmitter, node: Value, out: str, fn: str) -> list[str]:
     a, b = (ctx.array(v) for v in node.inputs)
     (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
     dh, dw = node.attrs["dilation"]
-    args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}"
+    width = decide("conv_gemm_width", conv_gemm_width(*_product_shape(node, fn), node.dtype))
+    args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}, {width}"
     return [f"{fn}_gemm(as_read_only({a}), as_read_only({b}), {out}, {args})"]
+
+
+def _product_shape(node: Value, fn: str) -> tuple[int, int, int]:
+    """(m, n, k) of the one GEMM per group each conv kernel above runs."""
+    groups = node.attrs["groups"]
+    if fn == "conv2d":  # weights (O/g, C/g*kH*kW) @ columns (C/g*kH*kW, N*OH*OW)
+        (o_total, cg, kh, kw), (n_img, _, oh, ow) = node.inputs[1].shape, node.shape
+        return o_total // groups, n_img * oh * ow, cg * kh * kw
+    if fn == "conv2d_input_grad":  # weights^T (C/g*kH*kW, O/g) @ gradient (O/g, N*OH*OW)
+        (o_total, cg, kh, kw), (n_img, _, oh, ow) = node.inputs[1].shape, node.inputs[0].shape
+        return cg * kh * kw, n_img * oh * ow, o_total // groups
+    # gradient (O/g, N*OH*OW) @ columns^T (N*OH*OW, C/g*kH*kW)
+    (o_total, cg, kh, kw), (n_img, _, oh, ow) = node.shape, node.inputs[1].shape
+    return o_total // groups, cg * kh * kw, n_img * oh * ow
 
 
 @emits("conv2d")

@@ -63,6 +63,22 @@ def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str) -> bool:
     return (dtype, vector_width()) in OWN_CLASSES
 
 
+def conv_gemm_width(m: int, n: int, k: int, dtype: str) -> int:
+    """The register tile width (bits) of backplan's GEMM for a convolution's product
+    (codegen/kernels/conv.py), or 0 for BLAS. Own for a measured own class unless C is
+    narrower than the tile, at any product size and thread count: on one pinned Zen 5 core
+    (OPENBLAS_CORETYPE=Haswell, 7 rounds, thread CPU) the small CNN's products ran own / BLAS
+    0.35 (32x512x144), 0.50 (144x512x32), 0.61 (32x144x512) and 0.64 (16x2048x9: below
+    MIN_OWN_WORK, which matmuls keep from the Intel measurement above), but 1.47 for
+    16x9x2048, nine columns wide. Matmuls of that size stay as use_own_gemm decides."""
+    choice = forced_choice()
+    if choice != "auto":
+        return vector_width() if choice == "own" and dtype in ("f32", "f64") else 0
+    if n < MIN_OWN_COLUMNS or (dtype, vector_width()) not in OWN_CLASSES:
+        return 0
+    return vector_width()
+
+
 def own_parallel_parts(m: int, n: int, k: int, dtype: str, threads: int) -> int:
     """Blocks the own GEMM cuts C into where BLAS would run on more than one thread (1: no
     parallel own GEMM; use_own_gemm decides then). A matmul of a measured own class with at
