@@ -24,12 +24,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from backplan.ir.peak import PeakReport
+from backplan.ir.peak import CATEGORIES, PeakReport
 from backplan.ir.reference_storage import storage_roots
 
 from .wording import format_bytes
 
 KEPT = "previous outputs"  # the category the kept results are counted under
+HELD_CATEGORIES = (*CATEGORIES, KEPT)  # every category a loop's peak step holds bytes under
+
+
+def held_categories(peak: PeakReport) -> list[str]:
+    """The categories any step of peak holds bytes under, in HELD_CATEGORIES order: a table or
+    trace of these adds up to each step's total (the kept results included)."""
+    return [c for c in HELD_CATEGORIES if any(s.held.get(c) for s in peak.steps)]
 
 
 def kept_output_bytes(calls, gradients_returned: bool, not_returned=frozenset()) -> int:

@@ -4,9 +4,7 @@ plan holds instead, so the reader always knows which path a number describes."""
 
 from __future__ import annotations
 
-from backplan.ir.peak import CATEGORIES
-
-from .loop_peak import loop_sentence
+from .loop_peak import held_categories, loop_sentence
 from .wording import format_bytes, peak_where, wrap
 
 
@@ -89,7 +87,7 @@ def _step_in_plan(peak, step) -> int:
 def timeline_table(report, max_rows: int = 14) -> str:
     """The one peak's accounting over the step: a row wherever what is held changes."""
     peak = report.peak
-    categories = [c for c in CATEGORIES if any(s.held.get(c) for s in peak.steps)]
+    categories = held_categories(peak)
     unit = "kernel" if peak.backend == "numba" else "step"
     rows = [(unit, "line", *categories, "total")]
     previous = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 
-from backplan.ir.peak import CATEGORIES
+from .loop_peak import HELD_CATEGORIES
 
 PROCESS = 1
 
@@ -50,7 +50,7 @@ def trace_events(peak, times: list[float] | None = None) -> list[dict]:
                 "args": {"line": step.line, "bytes_held": step.nbytes, "step": step.index},
             }
         )
-        held = {c: step.held.get(c, 0) for c in CATEGORIES}
+        held = {c: step.held.get(c, 0) for c in HELD_CATEGORIES}
         events.append({"ph": "C", "pid": PROCESS, "ts": start, "name": "bytes held", "args": held})
         start += length
     events.append(
@@ -59,7 +59,7 @@ def trace_events(peak, times: list[float] | None = None) -> list[dict]:
             "pid": PROCESS,
             "ts": start,
             "name": "bytes held",
-            "args": dict.fromkeys(CATEGORIES, 0),
+            "args": dict.fromkeys(HELD_CATEGORIES, 0),
         }
     )
     return events
