@@ -50,6 +50,8 @@ _WHERE = {
     "gemm_scratch": "backplan.codegen.kernels.gemm.scratch",  # packing buffers kept per process
     "cheapest_within": "backplan.ir.budget:cheapest_within",
     "plan_frontier": "backplan.ir.budget:plan_frontier",
+    # a plan's FLOPs: what a budget between frontier rows adds (budget_between_rows.py)
+    "node_flops": "backplan.ir.flops:node_flops",
     # a frontier row's parts timed apart: its plan built, then lowered for its peak
     "step_peak_bytes": "backplan.tracer.budget:step_peak_bytes",
     "paused_gc": "backplan.ir.gc_pause:paused_gc",
