@@ -137,7 +137,8 @@ def vmhwm(loop: str, width: int) -> None:
     print(
         f"loop={loop} VmRSS_before={before:,} VmHWM={hwm:,} growth={hwm - before:,} "
         f"printed_peak={report.peak_bytes:,} observed_peak={report.observed_peak_bytes:,} "
-        f"passed_in_first={run.mine + run.rest:,}"
+        f"passed_in_first={run.mine + run.rest:,}",
+        flush=True,
     )
 
 

@@ -19,7 +19,9 @@ class FrontierPoint:
     peak_bytes: int  # the whole step, the arrays passed in included
     added_flops: int  # beyond the default plan
     recomputed: int  # held values the backward recomputes instead, beyond the default plan's
-    saved_bytes: int  # held from the forward into the backward (inputs excluded)
+    # held from the forward into the backward (inputs excluded), in the plan that runs: on
+    # numba a value computed inside the fused loop reading it is not held (report.fused_saved)
+    saved_bytes: int
     saved_dtype: str | None = None  # "bfloat16": saved buffers narrowed, the backward rounds
 
     @property

@@ -21,6 +21,7 @@ from backplan.ir.pipeline import PlanChoices
 from backplan.ir.plans import StepPlans
 from backplan.ir.types import np_dtype
 from backplan.report.frontier import FrontierPoint, MemoryFrontier
+from backplan.report.fused_saved import fused_held_bytes
 from backplan.report.loop_peak import holding, kept_output_bytes
 from backplan.report.peak_holders import peak_holders
 from backplan.report.wording import format_bytes
@@ -88,6 +89,9 @@ class EvaluatedPoint:
     drop: frozenset
     plans: object
     saved_dtype: str | None = None  # the saved buffers' narrower dtype (allow_saved_dtype)
+    # of saved_bytes, those the compiled plan computes in the loop reading them, never stored
+    # (numba; report/fused_saved.py): the frontier's saved column leaves them out
+    fused: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,11 @@ class BudgetPlanner:
                     peak = step_peak_bytes(built, self.not_kept, self.kept_bytes())
             dtype = self.allow_dtype if narrowed else None
             held = self._narrowed_held(point) if narrowed else point.held_bytes
+            fused = 0
+            if built is not None and current_backend() != "reference":
+                fused = fused_held_bytes(built)
             self._built[key] = EvaluatedPoint(
-                peak, held, point.added_flops, len(point.drop), point.drop, built, dtype
+                peak, held, point.added_flops, len(point.drop), point.drop, built, dtype, fused
             )
         evaluated = self._built[key]
         return self.with_plans(evaluated) if plans else evaluated
@@ -612,7 +619,7 @@ def _significant_bits(dtype: str) -> int:
 
 def _frontier_point(e: EvaluatedPoint) -> FrontierPoint:
     dtype = np_dtype(e.saved_dtype).name if e.saved_dtype else None
-    return FrontierPoint(e.peak_bytes, e.added_flops, e.recomputed, e.saved_bytes, dtype)
+    return FrontierPoint(e.peak_bytes, e.added_flops, e.recomputed, e.saved_bytes - e.fused, dtype)
 
 
 def worth_lowering(row: EvaluatedPoint) -> int:
