@@ -50,8 +50,6 @@ _WHERE = {
     "gemm_scratch": "backplan.codegen.kernels.gemm.scratch",  # packing buffers kept per process
     "cheapest_within": "backplan.ir.budget:cheapest_within",
     "plan_frontier": "backplan.ir.budget:plan_frontier",
-    # a plan's FLOPs: what a budget between frontier rows adds (budget_between_rows.py)
-    "node_flops": "backplan.ir.flops:node_flops",
     # a frontier row's parts timed apart: its plan built, then lowered for its peak
     "step_peak_bytes": "backplan.tracer.budget:step_peak_bytes",
     "paused_gc": "backplan.ir.gc_pause:paused_gc",
@@ -62,7 +60,8 @@ _WHERE = {
     "checking": "backplan.codegen.run.memory_check:checking",  # BACKPLAN_CHECK_MEMORY=1 is on
     "count_held": "backplan.codegen.run.memory_check:count_held",  # a loop's last results
     "flatten": "backplan.tracer.pytree:flatten",
-    # the model's arithmetic per step and where the peak measured once is kept (limits.py)
+    # the model's arithmetic per step and where the peak measured once is kept (limits.py);
+    # what a budget between frontier rows adds (budget_between_rows.py)
     "node_flops": "backplan.ir.flops:node_flops",
     "cache_dir": "backplan.codegen.build.cache:cache_dir",
     # a plan's driver compiled afresh, linked or calling the library by address
