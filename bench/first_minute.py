@@ -6,9 +6,10 @@ are shared in one folder, filled by a first untimed process, as after an install
 use) makes `bp.value_and_grad(bp.compile(loss))` and steps it for `--seconds` of wall time from
 the first call. Reported: the cold first call, the median step of calls 2-6 (what a short
 script gets), the steady step (median of the last tenth of the steps), the first step within
-10% of the steady one, and the wall time from the first call to it; and the first step the
-compiled driver ran, with the wall time to it (None when it never ran: then "steady" is the
-Python-run driver's speed, not compiled speed).
+10% of the steady one, and the wall time from the first call to it; and the first step a
+native driver ran (the direct driver from the second call, codegen/build/direct_driver.py, or
+the compiled driver of the background build), with the wall time to it (None when none ran:
+then "steady" is the Python-run driver's speed, not compiled speed) and the tier at the end.
 
 A/B: `--variant NAME PYTHON [VAR=VALUE ...]` (repeatable) runs each model under each variant (an
 interpreter, with environment variables set), `--rounds` times, the variants' order alternating
@@ -43,7 +44,7 @@ while not rows or time.perf_counter() - start < limit:
     a = time.perf_counter()
     step(*args)
     rows.append((a - start, time.perf_counter() - a))
-    if compiled is None and step.driver_tier == "compiled":
+    if compiled is None and step.driver_tier in ("direct", "compiled"):
         compiled = len(rows) - 1
 print(json.dumps({"rows": rows, "tier": step.driver_tier, "compiled_step": compiled}))
 """

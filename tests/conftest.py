@@ -11,6 +11,9 @@ os.environ.setdefault("BACKPLAN_BACKEND", "reference")
 # check compiled drivers, and count compiles, deterministically (tests/test_driver_tier.py covers
 # the background default).
 os.environ.setdefault("BACKPLAN_DRIVER", "inline")
+# Tests of the background build exercise its child process; the direct driver that stands in for
+# it by default (codegen/build/direct_driver.py) is tested in tests/test_direct_driver.py.
+os.environ.setdefault("BACKPLAN_DIRECT_DRIVER", "0")
 # Tests make many cache folders; the library's machine code (codegen/build/library_cache.py) is
 # compiled once for all of them, in a folder of this checkout (tests/test_library_cache.py
 # covers the default, the library inside each cache folder).

@@ -110,3 +110,16 @@ def counted_in_a_loop(call, calls: int = 4) -> list[int]:
             counted.append(measured.peak)
     del results
     return counted
+
+
+def result_arrays(results) -> list:
+    """Every tensor of nested tuples (a value and its gradients, or several outputs), as arrays."""
+    if isinstance(results, (tuple, list)):
+        return [array for part in results for array in result_arrays(part)]
+    return [results.numpy()]
+
+
+def only_plan(compiled_fn, arguments):
+    """The compiled plan of the one runner a call with these arguments has."""
+    (runner,) = compiled_fn.trace(*arguments).runners()
+    return runner.compiled

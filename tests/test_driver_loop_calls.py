@@ -12,7 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
-
+from helpers import only_plan, result_arrays
 from numba.types import Literal
 
 import backplan as bp
@@ -94,18 +94,6 @@ def model(tmp_path, monkeypatch):
     sys.modules.pop("loop_calls_model", None)
 
 
-def _arrays(results) -> list:
-    """Every tensor of nested tuples (a value and its gradients, or several outputs)."""
-    if isinstance(results, (tuple, list)):
-        return [array for part in results for array in _arrays(part)]
-    return [results.numpy()]
-
-
-def _plan(compiled_fn, arguments):
-    (runner,) = compiled_fn.trace(*arguments).runners()
-    return runner.compiled
-
-
 def _three_ways(make, arguments, monkeypatch) -> tuple[list, list, list, object]:
     """(compiled driver calling loops by address, Python-run driver, reference interpreter)
     results of make(compile)(*arguments), and (the compiled plan, _view_forms_compiled before
@@ -113,15 +101,15 @@ def _three_ways(make, arguments, monkeypatch) -> tuple[list, list, list, object]
     with use_backend("numba"):
         plan_before = _view_forms_compiled()
         compiled_fn = make(bp.compile)
-        compiled = _arrays(compiled_fn(*arguments))
-        plan = _plan(compiled_fn, arguments)
+        compiled = result_arrays(compiled_fn(*arguments))
+        plan = only_plan(compiled_fn, arguments)
         monkeypatch.setenv("BACKPLAN_DRIVER", "python")
         python_fn = make(bp.compile)
-        python_run = _arrays(python_fn(*arguments))
-        assert _plan(python_fn, arguments).driver_tier == "python"
+        python_run = result_arrays(python_fn(*arguments))
+        assert only_plan(python_fn, arguments).driver_tier == "python"
         monkeypatch.setenv("BACKPLAN_DRIVER", "inline")
     with use_backend("reference"):
-        reference = _arrays(make(lambda f: f)(*arguments))
+        reference = result_arrays(make(lambda f: f)(*arguments))
     return compiled, python_run, reference, (plan, plan_before)
 
 
@@ -270,12 +258,12 @@ def test_a_size_generic_driver_calling_loops_by_address_takes_each_size_values(m
         xs = bp.tensor(np.resize(x.numpy(), (n, *x.shape[1:])) * (1 + n / 10))
         before = _view_forms_compiled()
         with use_backend("numba"):
-            got = _arrays(step(w, k, xs))
+            got = result_arrays(step(w, k, xs))
             (runner,) = step.trace(w, k, xs).runners()
         assert "lit_i" in runner.compiled.source
         _calls_loops_by_address(runner.compiled, before)
         with use_backend("reference"):
-            expected = _arrays(bp.value_and_grad(model.loss)(w, k, xs))
+            expected = result_arrays(bp.value_and_grad(model.loss)(w, k, xs))
         for ours, want in zip(got, expected, strict=True):
             np.testing.assert_allclose(ours, want, rtol=2e-5, atol=1e-6)
     assert step.cache_info().traces == 1

@@ -44,7 +44,7 @@ PYTHON_STATEMENT_SECONDS = 4e-6
 FLOPS_PER_SECOND = 100e9
 WORTH_FRACTION = 0.05  # a compiled driver is built when it would save more of a step than this
 AT_EXIT_MODES = ("kill", "finish")
-TIERS = ("reference", "python", "compiled")  # what runs a plan's calls, slowest first
+TIERS = ("reference", "python", "direct", "compiled")  # what runs a plan's calls, slowest first
 
 
 class DriverBuildWarning(UserWarning):

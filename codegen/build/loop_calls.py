@@ -131,7 +131,7 @@ def lower_loop_call(context, builder, sig, args):
     result pointer, the exception slot), a failing status propagated."""
     callee = sig.args[0].callee
     kinds = [getattr(types, kind[0]) for kind in callee.call._kinds]
-    name = publish(callee.call, _form(callee.call))
+    name = publish(callee.call, driver_form(callee.call))
     values = []
     for value, given, wanted in zip(args[1:], sig.args[1:], kinds, strict=True):
         if wanted == types.voidptr:
@@ -147,7 +147,7 @@ def lower_loop_call(context, builder, sig, args):
     return context.get_dummy_value()
 
 
-def _form(call) -> bool:
+def driver_form(call) -> bool:
     """Which form the driver calls (True: the small one): the full loop where it is compiled or
     cached (it serves calls of any size at full speed), else the small one where that is,
     else the full one, compiled now."""

@@ -104,3 +104,5 @@ def _full_pipeline_compiler(optimisation: Optimisation, name: str) -> type:
 
 
 DriverCompiler = _full_pipeline_compiler(DRIVER, "address_driver")
+# The code library of a driver emitted without Numba's pipeline (codegen/build/direct_driver.py).
+DriverLibrary = _library_class(DRIVER)

@@ -17,6 +17,7 @@ import numpy as np
 from backplan.codegen.build import (
     cache,
     cache_health,
+    direct_driver,
     driver_builder,
     driver_tier,
     kernel_cache,
@@ -217,17 +218,23 @@ class CompiledPlan:
         ):
             mode = "python"  # a build hands its driver over through the folder: none can
         self._build_lock = threading.Lock()
+        self._direct = False  # whether the second call builds the direct driver
+        self._direct_pending = None  # (its arguments, the plan's label) until it does
+        self._direct_lock = threading.Lock()
+        self.direct_error = None  # why the direct driver was not built, where it was not
+        self.direct_seconds = None  # the direct driver's build, wall seconds
         if hasattr(module.run, "py_func") and mode != "inline":
             compiled = module.run.overloads or is_cached(module.run)
             if mode == "reference" and not compiled:
                 self.driver_tier = "reference"  # kernels and driver build in the child
                 self._background = True
             elif mode == "python" or not compiled:
-                self._run = driver_tier.python_driver(module)
+                self._run = self._python_run = driver_tier.python_driver(module)
                 self.driver_tier = "python"
                 self._background = mode == "background" and driver_tier.worth_compiling(
                     generated.driver_statements, plan_flops(plan)
                 )
+                self._direct = self._background and direct_driver.enabled()
                 if mode == "background" and not self._background:
                     self.driver_skipped = "a compiled driver would save under 5% of a step"
         if not self._background:
@@ -295,6 +302,8 @@ class CompiledPlan:
     def __call__(self, args: list, donate=()) -> list:
         """donate: inputs whose buffers the caller gives up; outputs paired with them
         (self.donations) are written into them instead of into new arrays."""
+        if self._direct_pending is not None:
+            self._build_direct()
         lean = self.first_call_seconds is not None and self.driver_tier != "reference"
         if self._checked is not None and self.driver_tier != "reference":
             return self._checked_call(args, donate)
@@ -481,7 +490,14 @@ class CompiledPlan:
         ):
             returned = self._run(*arrays)
         self.first_call_seconds = time.perf_counter() - start
-        self._start_build(lambda: driver_tier.argument_types(arrays), label)
+        if self._direct:  # the second call builds the direct driver
+            try:
+                self._direct_pending = (direct_driver.described(arrays), label)
+            except direct_driver.Unsupported as why:
+                self.direct_error = str(why)
+                self._start_build(lambda: driver_tier.argument_types(arrays), label)
+        else:
+            self._start_build(lambda: driver_tier.argument_types(arrays), label)
         return returned
 
     def _reference_call(self, args: list) -> list:
@@ -591,6 +607,40 @@ class CompiledPlan:
             "folder": os.path.dirname(self.module_path),
         }
 
+    def _build_direct(self) -> None:
+        """Build the direct driver (codegen/build/direct_driver.py) for calls like the first,
+        in the second call (or wait_for_driver), once: a fraction of a second where the
+        background build of the compiled driver took seconds to minutes. It stands in for that
+        build (its steps within 5% of that driver's, BENCHMARKS.md 31), which starts only where
+        the direct driver cannot be built. A call from another thread meanwhile runs as Python."""
+        if not self._direct_lock.acquire(blocking=False):
+            return
+        try:
+            pending, self._direct_pending = self._direct_pending, None
+            if pending is None:
+                return
+            arguments, label = pending
+            start = time.perf_counter()
+            scope = self._compiled_run.py_func.__globals__
+            driver, self.direct_error = direct_driver.build(
+                self.source, scope, arguments, self._python_run
+            )
+            self.direct_seconds = time.perf_counter() - start
+            if driver is None:
+                with self._build_lock:
+                    self._background = True
+                types = [[str(a.dtype), len(a.shape), "C", a.read_only] for a in arguments]
+                self._start_build(lambda: types, label)
+                return
+            with self._build_lock:
+                self._background = False
+                if self.driver_tier == "python":
+                    self._run = driver
+                    self.driver_tier = "direct"
+            self._driver_ready.set()
+        finally:
+            self._direct_lock.release()
+
     def _build_driver(self, types: list, label: str) -> None:
         """Compile the driver in a child process; switch to it once it is loaded."""
         payload = self.build_payload(types)
@@ -608,8 +658,9 @@ class CompiledPlan:
 
         def ready(dispatcher):
             was = self.driver_tier
-            self._run = dispatcher
-            self.driver_tier = "compiled"
+            with self._build_lock:
+                self._run = dispatcher
+                self.driver_tier = "compiled"
             self.driver_seconds = build.seconds
             self.driver_found_cached = not build.compiled
             if announced or (self._asked_background and progress.verbose()):
@@ -643,8 +694,10 @@ class CompiledPlan:
     def wait_for_driver(self, timeout: float | None = None) -> bool:
         """Wait until the driver is compiled (or its build failed); True when calls now run
         the compiled driver. Plans whose driver is compiled or cached return at once."""
+        if self._direct_pending is not None:
+            self._build_direct()
         self._driver_ready.wait(timeout)
-        return self.driver_tier == "compiled"
+        return self.driver_tier in ("direct", "compiled")
 
     def _donated_buffers(self, args: list, arrays: list, donate) -> dict[int, int]:
         """{output buffer: input} for the donations usable in this call: the input array is

@@ -1,0 +1,497 @@
+"""A plan's driver compiled in a fraction of a second: its statements emitted as LLVM IR directly.
+
+A compiled driver is straight-line calls: loops by the address of their entry, library
+functions (GEMM, rows, conv...) on array views of the arena at constant offsets. Numba spends
+10-55 ms typing and lowering each such statement (BENCHMARKS.md, 31), so a 200-statement driver
+took 7-15 CPU s in a background process, and a short script never ran it. Here the driver's
+source (the text the Python-run driver runs) is read statement by statement (`plan`) into calls
+whose arguments are constants or views of the driver's arguments, and one LLVM function is
+emitted that makes those calls (Numba's native calling convention and array structures, each
+callee's own compiled code by the symbol codegen/build/native_calls.py or loop_calls.py
+publishes for it), optimised at level 1: no Numba typing, lowering or CPython wrapper. It
+takes the tuple of the driver's arguments through ctypes and reads each array's data pointer
+where CPython and NumPy keep them (checked once per process).
+
+Anything the reader does not know (a size read from `lit_i`, a split driver, a statement other
+than a call, a view or a label check) makes the plan `Unsupported`: the plan keeps its
+Python-run driver and its background build as before. A label check that fails (`bad != -1`),
+or a callee returning an error status, makes the compiled call return, and the call is run
+again by the Python-run driver, which raises the error with its message (the calls before it
+wrote only the plan's own buffers).
+
+The driver is made per process for calls like the plan's first (nothing is cached: it
+compiles in about the time a cached driver takes to load); CompiledPlan calls it only with
+arguments of those types and shapes (a plan is made for one signature).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from backplan.codegen.build import loop_calls, native_calls
+
+
+class Unsupported(Exception):
+    """The driver has a statement this reader does not emit."""
+
+
+@dataclass(frozen=True)
+class View:
+    """A C-contiguous view of driver argument `argument`'s buffer: `offset` elements in."""
+
+    argument: int
+    offset: int
+    shape: tuple
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A constant argument: `kind` is its Numba type's name (int64, float32, boolean...)."""
+
+    kind: str
+    value: object
+
+
+@dataclass
+class Call:
+    """One call of the driver: `callee` an AddressCall (a loop) or a library dispatcher;
+    `checked`: its result must be -1 (a label or index check) or the call fails."""
+
+    callee: object
+    arguments: list
+    checked: bool
+    line: int
+
+
+_NUMPY_SCALARS = {
+    "float32": "float32", "float64": "float64", "intp": "int64", "int64": "int64",
+    "int32": "int32", "bool_": "boolean",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Argument:
+    """What the direct driver knows of an argument of `run`: a C-contiguous array."""
+
+    shape: tuple
+    dtype: np.dtype
+    read_only: bool
+
+
+def described(arrays: list) -> list[Argument]:
+    """The arguments of a driver call, as a direct driver for calls like it is built; Unsupported
+    where one is not a C-contiguous array."""
+    if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
+        raise Unsupported("an argument is not a C-contiguous array")
+    return [Argument(a.shape, a.dtype, not a.flags.writeable) for a in arrays]
+
+
+def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
+    """The calls of the generated module's `run`, in order, for a call with these arguments.
+    scope: the module's namespace (loops as their Python-run AddressCall, library functions
+    as their dispatchers)."""
+    tree = ast.parse(source)
+    run = next((f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "run"), None)
+    if run is None:
+        raise Unsupported("no run function")
+    names = [a.arg for a in run.args.args]
+    if len(names) != len(arrays) or run.args.vararg or run.args.kwonlyargs:
+        raise Unsupported("run's parameters are not the call's arrays")
+    reader = _Reader(scope, arrays, names)
+    body = run.body
+    for index, statement in enumerate(body):
+        if reader.skip_next:
+            reader.skip_next = False
+            continue
+        reader.statement(statement, body[index + 1] if index + 1 < len(body) else None)
+    return reader.calls
+
+
+class _Reader:
+    def __init__(self, scope: dict, arrays: list, names: list[str]):
+        self.scope = scope
+        self.arrays = arrays
+        self.local = {
+            name: View(i, 0, a.shape, a.read_only)
+            for i, (name, a) in enumerate(zip(names, arrays, strict=True))
+        }
+        self.calls: list[Call] = []
+        self.skip_next = False
+
+    def statement(self, node, following) -> None:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            self.calls.append(self.call(node.value, checked=False))
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if not isinstance(target, ast.Name):
+                raise Unsupported(f"line {node.lineno}: assignment to {ast.dump(target)}")
+            if target.id == "bad" and _is_label_check(following):
+                self.calls.append(self.call(node.value, checked=True))
+                self.skip_next = True
+            else:
+                value = self.value(node.value)
+                if not isinstance(value, View):
+                    raise Unsupported(f"line {node.lineno}: {target.id} is not an array view")
+                self.local[target.id] = value
+        elif isinstance(node, ast.Pass) or (
+            isinstance(node, ast.Return) and (node.value is None or _is_none(node.value))
+        ):
+            return
+        else:
+            raise Unsupported(f"line {node.lineno}: {type(node).__name__} statement")
+
+    def call(self, node: ast.Call, checked: bool) -> Call:
+        if not isinstance(node.func, ast.Name) or node.keywords:
+            raise Unsupported(f"line {node.lineno}: call of {ast.unparse(node.func)}")
+        if node.func.id.startswith("run"):
+            raise Unsupported(f"line {node.lineno}: a split driver ({node.func.id})")
+        callee = native_calls.unwrapped(self.scope.get(node.func.id))
+        if node.func.id.startswith("k_"):
+            from backplan.codegen.build import kernel_cache
+
+            callee = kernel_cache.python_call(callee)
+        if not (hasattr(callee, "_kinds") or hasattr(callee, "overloads")):
+            raise Unsupported(f"line {node.lineno}: {node.func.id} is not a compiled function")
+        return Call(callee, [self.value(a) for a in node.args], checked, node.lineno)
+
+    def value(self, node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (bool, int, float)):
+            return _constant(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            inner = self.value(node.operand)
+            if isinstance(inner, Scalar) and inner.kind != "boolean":
+                return Scalar(inner.kind, -inner.value)
+        if isinstance(node, ast.Name) and node.id in self.local:
+            return self.local[node.id]
+        if isinstance(node, ast.Call):
+            return self.call_value(node)
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
+            return self.sliced(self.value(node.value), node.slice, node)
+        raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+
+    def call_value(self, node: ast.Call):
+        func = node.func
+        if node.keywords:
+            raise Unsupported(f"line {node.lineno}: keyword arguments")
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "np"
+            and func.attr in _NUMPY_SCALARS
+            and len(node.args) == 1
+        ):
+            inner = self.value(node.args[0])
+            if isinstance(inner, Scalar):
+                return Scalar(_NUMPY_SCALARS[func.attr], _cast(func.attr, inner.value))
+        if isinstance(func, ast.Name) and func.id == "as_read_only" and len(node.args) == 1:
+            view = self.value(node.args[0])
+            if isinstance(view, View):
+                return View(view.argument, view.offset, view.shape, True)
+        if isinstance(func, ast.Attribute) and func.attr == "reshape":
+            view = self.value(func.value)
+            if isinstance(view, View):
+                return self.reshaped(view, node)
+        raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+
+    def reshaped(self, view: View, node: ast.Call) -> View:
+        args = node.args[0].elts if len(node.args) == 1 and isinstance(
+            node.args[0], ast.Tuple
+        ) else node.args
+        sizes = [self.value(a) for a in args]
+        if not all(isinstance(s, Scalar) and s.kind != "boolean" for s in sizes):
+            raise Unsupported(f"line {node.lineno}: reshape to {ast.unparse(node)}")
+        shape = [int(s.value) for s in sizes]
+        count = int(np.prod(view.shape))
+        if shape.count(-1) == 1:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape[shape.index(-1)] = count // known if known else 0
+        if int(np.prod(shape)) != count:
+            raise Unsupported(f"line {node.lineno}: reshape of {view.shape} to {shape}")
+        return View(view.argument, view.offset, tuple(shape), view.read_only)
+
+    def sliced(self, view, piece: ast.Slice, node) -> View:
+        if not isinstance(view, View) or len(view.shape) != 1 or piece.step is not None:
+            raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+        low = self.value(piece.lower) if piece.lower is not None else Scalar("int64", 0)
+        high = self.value(piece.upper) if piece.upper is not None else Scalar(
+            "int64", view.shape[0]
+        )
+        if not (isinstance(low, Scalar) and isinstance(high, Scalar)):
+            raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+        low_at, high_at = int(low.value), int(high.value)
+        if not 0 <= low_at <= high_at <= view.shape[0]:
+            raise Unsupported(f"line {node.lineno}: slice {low_at}:{high_at} of {view.shape}")
+        return View(view.argument, view.offset + low_at, (high_at - low_at,), view.read_only)
+
+
+def _constant(value) -> Scalar:
+    if isinstance(value, bool):
+        return Scalar("boolean", value)
+    if isinstance(value, int):
+        return Scalar("int64", value)
+    return Scalar("float64", value)
+
+
+def _cast(name: str, value):
+    return bool(value) if name == "bool_" else float(value) if "float" in name else int(value)
+
+
+def _is_none(node) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def _is_label_check(node) -> bool:
+    """`if bad != -1: raise ...`: what the driver writes after a call returning a bad label."""
+    if not isinstance(node, ast.If) or node.orelse:
+        return False
+    test = node.test
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "bad"
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.NotEq)
+        and ast.unparse(test.comparators[0]) == "-1"
+        and all(isinstance(s, ast.Raise) for s in node.body)
+    )
+
+
+@dataclass
+class _Target:
+    """How a call is emitted: the symbol of the callee's entry, its Numba signature, and the
+    Numba types of the values the driver passes."""
+
+    symbol: str
+    arguments: tuple
+    return_type: object
+    given: tuple
+
+
+def _targets(calls: list[Call], arrays: list[Argument]) -> list[_Target]:
+    """Each call's callee compiled (or found) and published under its symbol, outside Numba's
+    lowering of the driver."""
+    from numba import from_dtype, types
+
+    found = []
+    for call in calls:
+        given = []
+        for value in call.arguments:
+            if isinstance(value, View):
+                dtype = from_dtype(arrays[value.argument].dtype)
+                given.append(types.Array(dtype, len(value.shape), "C", readonly=value.read_only))
+            else:
+                given.append(getattr(types, value.kind))
+        given = tuple(given)
+        if hasattr(call.callee, "_kinds"):  # a loop: addresses, sizes and float literals
+            kinds = tuple(getattr(types, kind[0]) for kind in call.callee._kinds)
+            if len(kinds) != len(given) or call.checked:
+                raise Unsupported(f"line {call.line}: loop called with {len(given)} arguments")
+            for value, kind in zip(call.arguments, kinds, strict=True):
+                if (kind == types.voidptr) != isinstance(value, View):
+                    raise Unsupported(f"line {call.line}: a loop argument of the wrong kind")
+            symbol = loop_calls.publish(call.callee, loop_calls.driver_form(call.callee))
+            found.append(_Target(symbol, kinds, types.none, given))
+            continue
+        compiled = _existing(call.callee, given) or native_calls.NativeCallee(
+            call.callee
+        ).compiled_for(given)
+        signature = compiled.signature
+        returned = signature.return_type
+        if call.checked != isinstance(returned, types.Integer) or not (
+            call.checked or returned == types.none
+        ):
+            raise Unsupported(f"line {call.line}: a call returning {returned}")
+        if len(signature.args) < len(given):
+            raise Unsupported(f"line {call.line}: too many arguments")
+        found.append(_Target(native_calls.publish(compiled), tuple(signature.args), returned, given))
+    return found
+
+
+def _existing(dispatcher, given: tuple):
+    """A version of the library function compiled already for these arguments, an array's
+    read-only flag aside (the same machine values: a call writing into a buffer the user got
+    back read-only after an earlier call passes it writeable again); None if none is."""
+    from numba import types
+
+    def same(a, b) -> bool:
+        if isinstance(a, types.Array) and isinstance(b, types.Array):
+            return (a.dtype, a.ndim, a.layout) == (b.dtype, b.ndim, b.layout)
+        return a == b
+
+    for key, compiled in list(dispatcher.overloads.items()):
+        if len(key) == len(given) and all(map(same, key, given)):
+            return compiled
+    return None
+
+
+def _emit(context, builder, data, calls, targets) -> object:
+    """The calls, in order; the value: -1, or the number of the first call that failed.
+    data: each driver argument's first element, as a pointer of its item type."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.np.arrayobj import populate_array
+
+    intp = context.get_value_type(types.intp)
+    failed = cgutils.alloca_once_value(builder, intp(-1))
+    done = builder.append_basic_block("driver_done")
+    for number, (call, target) in enumerate(zip(calls, targets, strict=True)):
+        passed = []
+        for value, given, wanted in zip(call.arguments, target.given, target.arguments):
+            if isinstance(value, View):
+                pointer = builder.gep(data[value.argument], [intp(value.offset)])
+                if wanted == types.voidptr:
+                    passed.append(builder.bitcast(pointer, cgutils.voidptr_t))
+                    continue
+                view = context.make_array(given)(context, builder)
+                itemsize = context.get_abi_sizeof(context.get_data_type(given.dtype))
+                populate_array(
+                    view,
+                    data=pointer,
+                    shape=[intp(s) for s in value.shape],
+                    strides=[intp(s) for s in _c_strides(value.shape, itemsize)],
+                    itemsize=itemsize,
+                    meminfo=None,
+                )
+                passed.append(context.cast(builder, view._getvalue(), given, wanted))
+            else:
+                constant = context.get_constant(given, value.value)
+                passed.append(context.cast(builder, constant, given, wanted))
+        for omitted in target.arguments[len(call.arguments) :]:
+            passed.append(context.get_constant_generic(builder, omitted, omitted.value))
+        function_type = context.call_conv.get_function_type(target.return_type, target.arguments)
+        function = cgutils.get_or_insert_function(builder.module, function_type, target.symbol)
+        status, result = context.call_conv.call_function(
+            builder, function, target.return_type, target.arguments, passed
+        )
+        bad = status.is_error
+        if call.checked:
+            wrong = builder.icmp_signed("!=", result, ir.Constant(result.type, -1))
+            bad = builder.or_(bad, wrong)
+        following = builder.append_basic_block(f"call_{number + 1}")
+        with builder.if_then(bad, likely=False):
+            builder.store(intp(number), failed)
+            builder.branch(done)
+        builder.branch(following)
+        builder.position_at_end(following)
+    builder.branch(done)
+    builder.position_at_end(done)
+    return builder.load(failed)
+
+
+def _c_strides(shape: tuple, itemsize: int) -> list[int]:
+    strides, step = [], itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+# Where CPython keeps a tuple's items and NumPy an array's data pointer, in bytes from the
+# object's address (PyTupleObject.ob_item, PyArrayObject_fields.data); checked against the
+# objects of the call the driver is built from (_check_layout).
+TUPLE_ITEMS_AT = 24
+ARRAY_DATA_AT = 16
+
+
+def _check_layout() -> None:
+    import ctypes
+
+    held = (np.zeros(3), np.zeros((2, 2), np.float32)[1:])
+    for i, array in enumerate(held):
+        item = ctypes.c_void_p.from_address(id(held) + TUPLE_ITEMS_AT + 8 * i).value
+        data = ctypes.c_void_p.from_address(id(array) + ARRAY_DATA_AT).value
+        if item != id(array) or (data or 0) != (array.ctypes.data or 0):
+            raise Unsupported("this interpreter's tuples or arrays are laid out differently")
+
+
+def compile_driver(calls: list[Call], arrays: list[Argument]):
+    """Native code running the calls on a tuple of the driver's arguments (arrays of the types
+    and shapes `arrays` describes), returning -1 or the number of the call that failed: (ctypes
+    function taking the tuple, the code library holding it)."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    _check_layout()
+    with global_compiler_lock:
+        return _compiled(calls, arrays)
+
+
+def _compiled(calls: list[Call], arrays: list[Argument]):
+    import ctypes
+
+    from llvmlite import ir
+    from numba import from_dtype, types
+    from numba.core import cgutils
+    from numba.core.registry import cpu_target
+
+    from backplan.codegen.build.loop_optimisation import DriverLibrary
+
+    context = cpu_target.target_context
+    targets = _targets(calls, arrays)
+    codegen = context.codegen()
+    library = DriverLibrary(codegen, "backplan_direct_driver")
+    module = library.create_ir_module("backplan_direct_driver")
+    intp = context.get_value_type(types.intp)
+    function = ir.Function(
+        module, ir.FunctionType(intp, [cgutils.voidptr_t]), "backplan_direct_driver"
+    )
+    builder = ir.IRBuilder(function.append_basic_block("entry"))
+    items = builder.bitcast(function.args[0], cgutils.voidptr_t.as_pointer())
+    data = []
+    for i, array in enumerate(arrays):
+        item = builder.load(builder.gep(items, [intp(TUPLE_ITEMS_AT // 8 + i)]))
+        field = builder.gep(item, [intp(ARRAY_DATA_AT)])
+        pointer = builder.load(builder.bitcast(field, cgutils.voidptr_t.as_pointer()))
+        element = context.get_data_type(from_dtype(array.dtype))
+        data.append(builder.bitcast(pointer, element.as_pointer()))
+    builder.ret(_emit(context, builder, data, calls, targets))
+    library.add_ir_module(module)
+    library.finalize()
+    address = library.get_pointer_to_function(function.name)
+    return ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.py_object)(address), library
+
+
+def enabled() -> bool:
+    """BACKPLAN_DIRECT_DRIVER (default 1): whether a plan whose driver runs as Python while its
+    compiled driver builds in the background runs the direct driver from its second call."""
+    value = os.environ.get("BACKPLAN_DIRECT_DRIVER", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"BACKPLAN_DIRECT_DRIVER={value!r}; use 1 (the default) or 0")
+    return value == "1"
+
+
+class DirectDriver:
+    """The driver emitted directly, called as the compiled driver is (its arguments by
+    position, all arrays of the types it was built for: CompiledPlan makes them so); a call
+    it does not finish (a label out of range, a callee's error) runs again as Python, which
+    raises the error with its message."""
+
+    __slots__ = ("_entry", "_library", "_python", "_count", "calls")
+
+    def __init__(self, entry, library, python_run, count: int, calls: int):
+        self._entry, self._library, self._python = entry, library, python_run
+        self._count, self.calls = count, calls
+
+    def __call__(self, *args):
+        if len(args) == self._count and self._entry(args) == -1:
+            return None
+        return self._python(*args)
+
+
+def build(source: str, scope: dict, arrays: list[Argument], python_run):
+    """(the DirectDriver of the module's `run` for calls with these arguments (`described`),
+    None) or (None, why not: a statement it does not read, or what failed)."""
+    try:
+        calls = plan(source, scope, arrays)
+        entry, library = compile_driver(calls, arrays)
+    except Unsupported as why:
+        return None, str(why)
+    except Exception as error:  # noqa: BLE001 - the Python-run driver serves the calls
+        return None, f"{type(error).__name__}: {error}"
+    return DirectDriver(entry, library, python_run, len(arrays), len(calls)), None
+

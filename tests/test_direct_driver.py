@@ -1,0 +1,223 @@
+"""The direct driver (codegen/build/direct_driver.py): in the default background mode a plan
+whose compiled driver is worth building runs its driver as Python in the first call and, from
+the second, a driver emitted as LLVM IR directly from the same source; no background build
+starts. Its values equal the Python-run driver's (the same kernels) and the reference
+interpreter's within rounding, special values and odd sizes included; a bad label raises the
+Python-run driver's error; a driver it does not read keeps the background build."""
+
+import threading
+
+import numpy as np
+import pytest
+from helpers import only_plan, result_arrays
+
+import backplan as bp
+from backplan.codegen.build import direct_driver, driver_builder
+from backplan.runtime.backend import use_backend
+
+
+@pytest.fixture
+def direct(monkeypatch, tmp_path):
+    """Background mode with the direct driver (the default outside tests), a cache folder of
+    its own; builds of the compiled driver recorded instead of started."""
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+    monkeypatch.setenv("BACKPLAN_DIRECT_DRIVER", "1")
+    submitted = []
+    monkeypatch.setattr(driver_builder, "submit", submitted.append)
+    return submitted
+
+
+def classifier(w1, b1, w2, x, labels):
+    h = bp.relu(x @ w1 + b1)
+    return bp.cross_entropy(h @ w2, labels) + 0.01 * bp.sum(w1 * w1)
+
+
+def classifier_arguments(labels=(0, 4, 2, 1, 3, 3, 0)):
+    rng = np.random.default_rng(11)
+    return (
+        bp.tensor(rng.standard_normal((13, 9)).astype(np.float32)),
+        bp.tensor(rng.standard_normal((1, 9)).astype(np.float32)),
+        bp.tensor(rng.standard_normal((9, 5)).astype(np.float32)),
+        bp.tensor(rng.standard_normal((7, 13)).astype(np.float32)),  # odd sizes
+        bp.tensor(np.array(labels)),
+    )
+
+
+def conv_loss(w, k, x):
+    h = bp.relu(bp.conv2d(x, k))  # a library convolution on 4-D views, then loops
+    return bp.mean(bp.tanh(h.reshape((x.shape[0], -1)) @ w) ** 2)
+
+
+def conv_arguments():
+    rng = np.random.default_rng(7)
+    return (
+        bp.tensor(rng.standard_normal((45, 5)).astype(np.float32)),
+        bp.tensor(rng.standard_normal((3, 1, 3, 3)).astype(np.float32)),
+        bp.tensor(rng.standard_normal((5, 1, 7, 5)).astype(np.float32)),
+    )
+
+
+def special(x, y):
+    z = bp.exp(x) * bp.tanh(y) + bp.maximum(x, y)
+    return bp.sum(z, axis=1), bp.max(z * 0.5 - y, axis=0)
+
+
+def special_arguments():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 13)).astype(np.float32)
+    y = rng.standard_normal((7, 13)).astype(np.float32)
+    x[1, :4] = [np.inf, -np.inf, np.nan, 90.0]  # exp overflows to inf at 90
+    y[2, 3:6] = [np.nan, np.inf, -np.inf]
+    return bp.tensor(x), bp.tensor(y)
+
+
+def _worth_building(monkeypatch) -> None:
+    """Every plan's compiled driver counts as worth building (small test plans are, the conv
+    and the elementwise one may not be by the estimate)."""
+    from backplan.codegen.build import driver_tier
+
+    monkeypatch.setattr(driver_tier, "worth_compiling", lambda *_: True)
+
+
+def _three_calls(make, arguments) -> tuple[list, object, list]:
+    """(the results of three calls of make(bp.compile), the plan, its tiers after each)."""
+    with use_backend("numba"):
+        fn = make(bp.compile)
+        results, tiers = [], []
+        for _ in range(3):
+            results.append(result_arrays(fn(*arguments)))
+            tiers.append(only_plan(fn, arguments).driver_tier)
+    return results, only_plan(fn, arguments), tiers
+
+
+def _reference(make, arguments) -> list:
+    with use_backend("reference"):
+        return result_arrays(make(lambda f: f)(*arguments))
+
+
+@pytest.mark.parametrize(
+    "make, arguments",
+    [
+        (lambda c: bp.value_and_grad(c(classifier), argnums=(0, 1, 2)), classifier_arguments),
+        (lambda c: bp.value_and_grad(c(conv_loss), argnums=(0, 1)), conv_arguments),
+        (lambda c: c(special), special_arguments),
+    ],
+    ids=["classifier", "conv", "special_values"],
+)
+def test_the_second_call_runs_the_direct_driver_with_the_python_run_drivers_values(
+    direct, monkeypatch, make, arguments
+):
+    _worth_building(monkeypatch)
+    results, plan, tiers = _three_calls(make, arguments())
+    assert tiers == ["python", "direct", "direct"], (tiers, plan.direct_error)
+    assert plan.direct_error is None and plan.direct_seconds > 0
+    assert direct == []  # no background build of the compiled driver
+    first, second, third = results
+    for python_run, built, again in zip(first, second, third, strict=True):
+        # The same kernel entries; a small loop may run its quickly compiled form in the first
+        # call and its full one after (rounding of a fused multiply-add apart).
+        np.testing.assert_allclose(built, python_run, rtol=2e-6, atol=1e-7, equal_nan=True)
+        np.testing.assert_array_equal(again, built)
+    for got, expected in zip(second, _reference(make, arguments()), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6, equal_nan=True)
+
+
+def test_special_values_land_where_the_reference_puts_them(direct, monkeypatch):
+    _worth_building(monkeypatch)
+    results, _, tiers = _three_calls(lambda c: c(special), special_arguments())
+    assert tiers[1] == "direct"
+    expected = _reference(lambda c: c(special), special_arguments())
+    both = np.concatenate([r.ravel() for r in results[1]])
+    assert np.isnan(both).any() and np.isinf(both).any()  # the inputs reach the outputs
+    for got, want in zip(results[1], expected, strict=True):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+
+
+def test_a_bad_label_raises_the_python_run_drivers_error(direct, monkeypatch):
+    _worth_building(monkeypatch)
+    step = bp.value_and_grad(bp.compile(classifier), argnums=(0, 1, 2))
+    arguments = classifier_arguments()
+    with use_backend("numba"):
+        step(*arguments)
+        good = result_arrays(step(*arguments))
+        assert only_plan(step, arguments).driver_tier == "direct"
+        bad = classifier_arguments(labels=(0, 4, 2, 1, 3, 7, 0))
+        with pytest.raises(bp.ExecutionError, match=r"label 7 at position 5 is out of range"):
+            step(*bad)
+        again = result_arrays(step(*arguments))  # the plan goes on, on the direct driver
+        assert only_plan(step, arguments).driver_tier == "direct"
+    for x, y in zip(good, again, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_waiting_for_the_driver_after_one_call_builds_it(direct, monkeypatch):
+    _worth_building(monkeypatch)
+    step = bp.value_and_grad(bp.compile(classifier), argnums=(0, 1, 2))
+    arguments = classifier_arguments()
+    with use_backend("numba"):
+        step(*arguments)
+        plan = only_plan(step, arguments)
+        assert plan.driver_tier == "python"
+        assert step.wait_until_compiled(timeout=120)
+        assert plan.driver_tier == "direct" and step.driver_tier == "direct"
+
+
+def test_calls_from_threads_while_it_builds_are_right(direct, monkeypatch):
+    _worth_building(monkeypatch)
+    step = bp.value_and_grad(bp.compile(classifier), argnums=(0, 1, 2))
+    arguments = classifier_arguments()
+    with use_backend("numba"):
+        expected = result_arrays(step(*arguments))
+        found, errors = {}, []
+
+        def worker(key):
+            try:
+                found[key] = [result_arrays(step(*arguments)) for _ in range(3)]
+            except Exception as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert only_plan(step, arguments).driver_tier == "direct"
+    assert not errors, errors
+    for calls in found.values():
+        for call in calls:
+            for got, want in zip(call, expected, strict=True):
+                np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_a_driver_it_does_not_read_keeps_the_background_build(direct, monkeypatch):
+    """A size-generic plan's driver reads its sizes from an array (lit_i): not read here."""
+    _worth_building(monkeypatch)
+    step = bp.value_and_grad(bp.compile(conv_loss, dynamic={"x": {0: "batch"}}))
+    arguments = conv_arguments()
+    with use_backend("numba"):
+        first = result_arrays(step(*arguments))
+        second = result_arrays(step(*arguments))
+        plan = only_plan(step, arguments)
+    assert plan.driver_tier == "python" and "lit_i" in plan.direct_error
+    assert len(direct) == 1  # the compiled driver's background build, as without it
+    for x, y in zip(first, second, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_the_reader_refuses_what_it_does_not_emit():
+    arrays = direct_driver.described([np.zeros(4, np.float32)])
+    for body in ("for i in range(2):\n        pass", "x = v0 + 1", "k_missing(v0, 0)"):
+        source = f"def run(v0):\n    {body}\n"
+        with pytest.raises(direct_driver.Unsupported):
+            direct_driver.plan(source, {}, arrays)
+    with pytest.raises(direct_driver.Unsupported, match="C-contiguous"):
+        direct_driver.described([np.zeros((4, 4), np.float32)[:, ::2]])
+
+
+def test_a_bad_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("BACKPLAN_DIRECT_DRIVER", "yes")
+    with pytest.raises(ValueError, match="BACKPLAN_DIRECT_DRIVER='yes'; use 1"):
+        direct_driver.enabled()
