@@ -30,6 +30,7 @@ from backplan.codegen.jit import is_cached, load_cached, start_parallel_runtime
 from backplan.codegen.render.emit import generate
 from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
+from backplan.codegen.run import compile_garbage
 from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare, refuse_uncounted
 from backplan.codegen.run.workspace import WorkspacePool, sized_launch
 from backplan.ir.errors import ExecutionError
@@ -481,6 +482,7 @@ class CompiledPlan:
         start = time.perf_counter()
         label = plan_label(self.plan.graph)
         compiling_driver = self.driver_tier == "compiled" and self.driver_seconds is None
+        compiled_before = compile_garbage.compiles()
         with progress.reporting(
             label,
             self.loop_kernels,
@@ -489,6 +491,8 @@ class CompiledPlan:
             self._driver_parts if compiling_driver else (),
         ):
             returned = self._run(*arrays)
+        # what Numba's type inference left holds this call's frames, arrays included
+        compile_garbage.collect_if_compiled(compiled_before)
         self.first_call_seconds = time.perf_counter() - start
         if self._direct:  # the second call builds the direct driver
             try:
