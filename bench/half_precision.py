@@ -11,9 +11,8 @@ loop of its own, as before ir/fusion.py recomputed such widenings where they are
 float32 copy first, as compiled plans did before the GEMM read bfloat16 itself. --float16 adds
 one with everything in float16 (its matmuls on the own GEMM, which widens while packing;
 convolutions and attention widen their operands into float32 copies; loops convert with
-F16C; products below the own GEMM's crossover, 2**20 multiply-adds, on float32 copies for BLAS),
-and with --widened also float16 with float32 copies for BLAS for every product and float16 on
-the own GEMM for every product (the two paths before).
+F16C), and with --widened also float16 with float32 copies for BLAS for every product (how
+products below the own GEMM's float32 crossover ran before).
 Each step is also timed by the process's CPU time (all its threads, on the one pinned CPU;
 medians printed beside the wall times): on a shared, loaded machine a step's wall time counts
 the neighbours' slices too.
@@ -84,19 +83,6 @@ def _gemm_operands_widened():
 
 
 @contextlib.contextmanager
-def _f16_on_own_gemm():
-    """Plans lowered inside read every float16 product unwidened (own GEMM), however small."""
-    from .internals import widen
-
-    keep = widen.MIN_UNWIDENED_WORK, widen.MIN_UNWIDENED_COLUMNS
-    widen.MIN_UNWIDENED_WORK = widen.MIN_UNWIDENED_COLUMNS = 0
-    try:
-        yield
-    finally:
-        widen.MIN_UNWIDENED_WORK, widen.MIN_UNWIDENED_COLUMNS = keep
-
-
-@contextlib.contextmanager
 def _widenings_unspread():
     """Plans lowered inside give each 16-bit widening of a smaller shape its own loop, read
     back as float32 (as before ir/fusion.py recomputed them where larger loops read them)."""
@@ -145,7 +131,6 @@ def main(argv=None) -> None:
             runners["f16 unspread"] = _Step(name, args.small, np.float16, _widenings_unspread)
         if args.float16 and args.widened:
             runners["f16 widened"] = _Step(name, args.small, np.float16, _gemm_operands_widened)
-            runners["f16 own"] = _Step(name, args.small, np.float16, _f16_on_own_gemm)
         steps = {
             k: schedule.steps_per_round(warm_up(r, schedule.warmup_steps))
             for k, r in runners.items()

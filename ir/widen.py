@@ -10,12 +10,10 @@ value no buffer holds (codegen/render/loops.py `_unrounded`): it rounds once, wh
 A matmul of two bfloat16 (or two float16) operands is the exception: it reads them as they are
 (matmul's dtype='f32': float32 products and sums, a float32 result), since the GEMM widens its
 operands into float32 panels while packing them (codegen/kernels/gemm/pack.py). No float32 copy
-of a 16-bit weight or activation is made for a GEMM to read. For float16 only from
-MIN_UNWIDENED_WORK multiply-adds per matrix and MIN_UNWIDENED_COLUMNS columns on: a smaller or
-narrower float16 product is widened into float32 copies that BLAS reads, which measured faster
-than the own GEMM there (as for float32: codegen/kernels/gemm/choice.py, whose MIN_OWN_WORK and
-MIN_OWN_COLUMNS these mirror; ir/ cannot import codegen, tests/test_gemm_f16.py ties them).
-bfloat16 products always stay on the own GEMM (its dot-product tile beats the copies).
+of a 16-bit weight or activation is made for a GEMM to read, at any size: small float16
+products went to BLAS on float32 copies until the copies (and, in a plan, the loops making
+them) measured slower than the own GEMM reading float16 (the bench mlp's float16 step 1.03x
+-> 1.00x the float32 one; bench/half_precision.py --float16 --widened).
 
     >>> from backplan.ir.graph import Graph
     >>> from backplan.ir.builder import Builder
@@ -35,8 +33,6 @@ from .registry import get_op
 from .types import TensorType, is_half, np_dtype
 
 MOVES_DATA = ("input", "const", "full")  # besides the view ops: no arithmetic on the values
-MIN_UNWIDENED_WORK = 1 << 20  # a float16 matmul's m * n * k from which the own GEMM reads it
-MIN_UNWIDENED_COLUMNS = 32  # and its n (narrower products are mostly tile padding)
 
 
 def moves_data(op: str) -> bool:
@@ -97,22 +93,12 @@ def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
 
 def reads_half_operands(node: Value, inputs: list[Value]) -> bool:
     """A matmul of two bfloat16 or two float16 arrays (no literals: a literal operand is
-    widened as before), which the GEMM reads without float32 copies; a float16 one only when
-    large enough that the own GEMM beats BLAS on float32 copies (the module's docstring)."""
+    widened as before), which the GEMM reads without float32 copies."""
     if node.op != "matmul" or not is_half(inputs[0].dtype):
         return False
     if any(i.dtype != inputs[0].dtype for i in inputs):
         return False
-    if inputs[0].dtype == "f16" and not own_gemm_sized(node):
-        return False
     return not any(_literal_source(i) for i in inputs)
-
-
-def own_gemm_sized(node: Value) -> bool:
-    """Whether a matmul's per-matrix m * n * k and n reach the own GEMM's float32 crossover."""
-    m, n = node.shape[-2:]
-    k = node.inputs[0].shape[-1]
-    return m * n * k >= MIN_UNWIDENED_WORK and n >= MIN_UNWIDENED_COLUMNS
 
 
 def _literal_source(value: Value) -> bool:

@@ -117,7 +117,7 @@ def _matmul_graph(dtype, transposed=False, m=8, k=4, n=6):
 def test_widen_leaves_16_bit_matmul_operands_unwidened(dtype):
     """No cast into float32 before the GEMM (also through a transpose it takes as a flag):
     the product is float32 (dtype='f32') and rounds once into the 16-bit dtype after it.
-    (float16 from the own GEMM's crossover, 2**20 multiply-adds: test_gemm_f16.)"""
+    (every size of product: test_gemm_f16.)"""
     for transposed in (False, True):
         wide = widen(_matmul_graph(dtype, transposed, 64, 128, 128))
         matmul = next(n for n in wide.nodes if n.op == "matmul")

@@ -1,10 +1,8 @@
 """The own GEMM reads float16 operands as they are: generated code views their bits as int16
 (codegen/kernels/matmul.py), which tells them from bfloat16's uint16, and the packing widens
 them into float32 panels (VCVTPH2PS with F16C, else the shifts of codegen/kernels/half.py):
-float32 products and sums, a float32 result, no float32 copy of either operand
-(ir/widen.py) from the own GEMM's crossover with BLAS on: smaller float16 products are widened
-into float32 copies for BLAS. The compiled tests below lower their tiny products as large ones
-(fixture own_gemm_for_every_f16) to keep their kernels small."""
+float32 products and sums, a float32 result, no float32 copy of either operand at any size
+(ir/widen.py), as for bfloat16."""
 
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ from numba.core.extending import intrinsic
 import backplan as bp
 from backplan.codegen.kernels import gemm as own
 from backplan.codegen.kernels import half
-from backplan.codegen.kernels.gemm import choice
 from backplan.ir import widen as widening
 from backplan.ir.builder import Builder
 from backplan.ir.graph import Graph
@@ -31,13 +28,6 @@ from backplan.runtime.backend import use_backend
 # A call of the own GEMM in generated code: single-core, or shared over cores (the _par
 # forms, which the code uses where the process may run two threads).
 GEMM_CALL = re.compile(r"own_gemm(?:_at)?(?:_par)?\(")
-
-
-@pytest.fixture
-def own_gemm_for_every_f16(monkeypatch):
-    """Every float16 product read unwidened by the own GEMM, whatever its size."""
-    monkeypatch.setattr(widening, "MIN_UNWIDENED_WORK", 0)
-    monkeypatch.setattr(widening, "MIN_UNWIDENED_COLUMNS", 0)
 
 
 SHAPES = [(1, 1, 1), (7, 33, 5), (0, 5, 3), (3, 4, 0), (130, 70, 33), (129, 96, 520)]
@@ -128,7 +118,7 @@ def _loss(p, x):
     return bp.sum((h @ p["w2"].T) ** 2)
 
 
-def test_compiled_f16_step_reads_operands_without_copies(own_gemm_for_every_f16):
+def test_compiled_f16_step_reads_operands_without_copies():
     """A float16 value_and_grad step: its GEMMs read the float16 arrays (viewed as int16 for
     the own GEMM), no loop makes a float32 copy for them, and the loss and gradients are
     within float16 tolerance of the reference interpreter's."""
@@ -163,7 +153,7 @@ def _products(x, w, y, batch):
     return x @ w, x.T @ y, y @ w.T, batch @ batch.swapaxes(1, 2)
 
 
-def test_compiled_f16_products_equal_the_reference_bitwise(own_gemm_for_every_f16):
+def test_compiled_f16_products_equal_the_reference_bitwise():
     """Whole numbers (exact float32 sums, results above 2048 where float16 rounds): the
     compiled products, transposed operands and a batch, bit for bit the reference's."""
     rng = np.random.default_rng(14)
@@ -184,8 +174,6 @@ def test_f16_plan_with_kernels_as_python(tmp_path):
     script = (
         "import numpy as np, backplan as bp\n"
         "from backplan.runtime.backend import use_backend\n"
-        "from backplan.ir import widen\n"
-        "widen.MIN_UNWIDENED_WORK = widen.MIN_UNWIDENED_COLUMNS = 0\n"
         "a = np.arange(12).reshape(3, 4).astype(np.float16)\n"
         "b = (np.arange(20).reshape(5, 4) % 3).astype(np.float16)\n"
         "with use_backend('numba'):\n"
@@ -194,13 +182,6 @@ def test_f16_plan_with_kernels_as_python(tmp_path):
         "print(got.dtype, np.array_equal(got.view(np.uint16), want.view(np.uint16)))\n"
     )
     assert run_with_own_gemm_as_python(script, tmp_path).split() == ["float16", "True"]
-
-
-def test_f16_crossover_mirrors_the_own_gemm_choice():
-    """ir/ cannot import codegen: the float16 widening's thresholds are copies of the
-    float32 crossover the GEMM choice measured, and must move with it."""
-    assert widening.MIN_UNWIDENED_WORK == choice.MIN_OWN_WORK
-    assert widening.MIN_UNWIDENED_COLUMNS == choice.MIN_OWN_COLUMNS
 
 
 def _matmul_casts(dtype, m, k, n):
@@ -214,21 +195,12 @@ def _matmul_casts(dtype, m, k, n):
     return [i.dtype for i in matmul.inputs], matmul.attrs
 
 
-@pytest.mark.parametrize(
-    "m, k, n, unwidened",
-    [
-        (64, 128, 128, True),  # 2**20: the own GEMM's float32 crossover
-        (63, 128, 128, False),  # below it: BLAS on float32 copies measured ahead
-        (4096, 1024, 31, False),  # narrow: the tile would be mostly padding
-        (8, 4, 6, False),
-    ],
-)
-def test_f16_matmul_unwidened_only_from_the_own_gemm_crossover(m, k, n, unwidened):
-    """A float16 product below m*n*k = 2**20 (or narrower than 32 columns) is widened into
-    float32 copies (for BLAS); from there on the own GEMM reads it as stored. bfloat16
-    products are read as stored at every size."""
-    inputs, attrs = _matmul_casts("f16", m, k, n)
-    assert (inputs, attrs) == (
-        (["f16", "f16"], {"dtype": "f32"}) if unwidened else (["f32", "f32"], {})
-    )
-    assert _matmul_casts("bf16", m, k, n) == (["bf16", "bf16"], {"dtype": "f32"})
+@pytest.mark.parametrize("m, k, n", [(64, 128, 128), (63, 128, 128), (4096, 1024, 31), (8, 4, 6)])
+def test_16_bit_matmul_read_unwidened_at_every_size(m, k, n):
+    """A float16 or bfloat16 product of any size (below the float32 crossover with BLAS, or
+    narrower than the register tile, too) is read as stored by the own GEMM: no float32
+    copies (a float16 one under 2**20 multiply-adds or 32 columns used to get them)."""
+    for dtype in ("f16", "bf16"):
+        assert _matmul_casts(dtype, m, k, n) == ([dtype, dtype], {"dtype": "f32"})
+    inputs, attrs = _matmul_casts("f32", m, k, n)
+    assert (inputs, attrs) == (["f32", "f32"], {})

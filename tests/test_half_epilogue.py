@@ -17,7 +17,6 @@ import pytest
 import backplan as bp
 from backplan.codegen.kernels.gemm import isa
 from backplan.ir import fusion
-from backplan.ir import widen as widening
 from backplan.ir.lowering import RUN_KINDS, lower
 from backplan.runtime.backend import use_backend
 
@@ -28,10 +27,8 @@ SHAPES = [(1, 1, 1), (7, 33, 127), (33, 127, 7), (200, 9, 40)]
 
 @pytest.fixture
 def own_gemm(monkeypatch):
-    """Every product on the own GEMM (float16 ones too, however small)."""
+    """Every product on the own GEMM (the float32 ones too, however small)."""
     monkeypatch.setenv("BACKPLAN_GEMM", "own")
-    monkeypatch.setattr(widening, "MIN_UNWIDENED_WORK", 0)
-    monkeypatch.setattr(widening, "MIN_UNWIDENED_COLUMNS", 0)
     isa.active_isa.cache_clear()
     yield monkeypatch
     isa.active_isa.cache_clear()
