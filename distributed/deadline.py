@@ -13,6 +13,7 @@ import numpy as np
 from .errors import RankTimeoutError
 
 ROLL_CALL_TAG = 0x6270  # "bp": apart from any tag a user's own messages are likely to use
+ARRIVAL_TAG = 0x6271  # Arrivals: reached an exchange's waits
 FIRST_PAUSE_S = 2e-5
 LONGEST_PAUSE_S = 2e-3  # wakes at most 500 times a second: no spinning, little added latency
 
@@ -51,10 +52,48 @@ def roll_call(comm, seconds: float, step: str) -> None:
     unfinished(sends, seconds)
 
 
-def wait_or_raise(request, seconds: float, what: str) -> None:
-    """request.Wait() with a deadline: past it, a RankTimeoutError saying what did not finish."""
-    if unfinished([request], seconds):
+class Arrivals:
+    """A one-byte message from each rank to every other as it reaches the waits of an exchange
+    (posted by every rank at the same point of every call, so MPI's order per pair and tag
+    matches each call's messages across ranks). A collective that does not complete says
+    nothing of who is missing; these do: past the deadline, the ranks whose message has not
+    come never reached the waits (stopped or hung before them)."""
+
+    def __init__(self, comm):
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.others = [r for r in range(self.size) if r != self.rank]
+        self._token = np.zeros(1, np.int8)
+        self._inbox = np.zeros(self.size, np.int8)
+        self._sends = [comm.Isend(self._token, dest=r, tag=ARRIVAL_TAG) for r in self.others]
+        self._receives = [
+            comm.Irecv(self._inbox[r : r + 1], source=r, tag=ARRIVAL_TAG) for r in self.others
+        ]
+
+    def missing(self) -> list[int]:
+        """The ranks whose message has not come (yet)."""
+        return [r for r, q in zip(self.others, self._receives, strict=True) if not q.Test()]
+
+    def settle(self, seconds: float) -> None:
+        """Complete the messages once the exchange did (they came before it could)."""
+        unfinished(self._sends + self._receives, seconds)
+
+
+def wait_or_raise(request, seconds: float, what: str, arrivals: Arrivals | None = None) -> None:
+    """request.Wait() with a deadline: past it, a RankTimeoutError saying what did not finish
+    and, given the exchange's arrivals, which ranks never reached it."""
+    if not unfinished([request], seconds):
+        return
+    missing = arrivals.missing() if arrivals is not None else []
+    if missing:
+        names = ", ".join(str(r) for r in missing)
         raise RankTimeoutError(
-            f"{what} did not complete within {seconds:g} s (data_parallel timeout): a rank "
-            "stopped after reaching the step; uncaught, this error ends every rank"
+            f"{what} did not complete within {seconds:g} s (data_parallel timeout): rank "
+            f"{arrivals.rank} of {arrivals.size} waited, but rank{'s' if len(missing) > 1 else ''}"
+            f" {names} never reached it (stopped or hung after reaching the step); uncaught, "
+            "this error ends every rank"
         )
+    said = " (every rank reached it: one stopped during the transfer)" if arrivals else ""
+    raise RankTimeoutError(
+        f"{what} did not complete within {seconds:g} s (data_parallel timeout): a rank "
+        f"stopped after reaching the step{said}; uncaught, this error ends every rank"
+    )

@@ -8,7 +8,7 @@ import numpy as np
 from backplan.ir.types import np_dtype
 from backplan.tracer.tensor import Tensor
 
-from .deadline import wait_or_raise
+from .deadline import Arrivals, wait_or_raise
 from .failure import check_ranks
 from .half_wire import summed_dtype
 from .layout import Layout
@@ -29,6 +29,9 @@ class Exchange:
         self.weight: float | None = None  # this rank's share of the rows, when ranks differ
         self.mpi = mpi_module()
         self.timeout = timeout  # seconds each wait may take (data_parallel(timeout=...))
+        # every rank posts Arrivals in finish() when the step has a timeout (decided here:
+        # a failed rank's settle gives itself one, the others' steps may have none)
+        self.arrivals = timeout is not None
         self.failure: str | None = None  # this rank's call raised: failure.settle
 
     def start(self, array_of) -> None:
@@ -72,11 +75,13 @@ class Exchange:
         """Wait for each bucket in order and unpack it; unpacking bucket k overlaps the transfer
         of the buckets after it. Returns the loss and gradients in leaf order."""
         results: list = [None] * self.layout.n_leaves
+        arrivals = Arrivals(self.world.comm) if self.arrivals else None
         for bucket, buffer, request in self.started:
             if self.timeout is None:
                 request.Wait()
             else:
-                wait_or_raise(request, self.timeout, f"the allreduce of bucket {bucket.index}")
+                what = f"the allreduce of bucket {bucket.index}"
+                wait_or_raise(request, self.timeout, what, arrivals)
             if self.average and self.weight is None:
                 buffer /= buffer.dtype.type(self.world.size)
             buffer.flags.writeable = False
@@ -92,5 +97,7 @@ class Exchange:
                     part.flags.writeable = False
                 results[leaf.index] = Tensor._from_array(part)
                 offset += count
+        if arrivals is not None:
+            arrivals.settle(self.timeout)
         check_ranks(self.world, results[0]._data, self.failure, self.layout.name)
         return results

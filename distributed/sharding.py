@@ -28,7 +28,7 @@ from backplan.tracer.pytree import flatten
 from backplan.tracer.tensor import Tensor
 
 from .agreement import leaf_array
-from .deadline import wait_or_raise
+from .deadline import Arrivals, wait_or_raise
 from .errors import DistributedError
 from .failure import IN_UPDATE, check_ranks, raise_for_others, settle_seconds
 from .half_wire import as_bits, summed_dtype
@@ -204,6 +204,8 @@ class ShardedExchange:
         self._loss_dtype = None  # the loss's own dtype (a 16-bit loss is summed in float32)
         self._loss_in_bucket = False
         self._started: list = []
+        self._arrivals = None  # deadline.Arrivals of the waits in progress (with a timeout)
+        self.arrivals = timeout is not None  # as Exchange.arrivals
         self.failure: str | None = None  # this rank's call raised: failure.settle
 
     def start_rest(self, array_of) -> None:
@@ -250,6 +252,7 @@ class ShardedExchange:
         group order), averaged over the ranks unless average=False (weighted by rows when
         ranks hold different numbers)."""
         loss = None
+        self._arrivals = Arrivals(self.world.comm) if self.arrivals else None
         if not self._loss_in_bucket:
             loss, request = self._loss
             self._wait(request, "the allreduce of the loss")
@@ -264,6 +267,7 @@ class ShardedExchange:
         if not self._loss_in_bucket:
             loss = self._averaged(loss)
         loss = loss.astype(self._loss_dtype, copy=False)
+        self._settle_arrivals()
         check_ranks(self.world, loss, self.failure, self.layout.name)
         return loss.reshape(()), ranges
 
@@ -283,7 +287,12 @@ class ShardedExchange:
         if self.timeout is None:
             request.Wait()
         else:
-            wait_or_raise(request, self.timeout, what)
+            wait_or_raise(request, self.timeout, what, self._arrivals)
+
+    def _settle_arrivals(self) -> None:
+        if self._arrivals is not None:
+            self._arrivals.settle(self.timeout)
+            self._arrivals = None
 
     def gather(self, ranges: list[np.ndarray], failure: str | None = None) -> list[np.ndarray]:
         """Every parameter whole again from every rank's updated range (ranges: this rank's,
@@ -297,6 +306,7 @@ class ShardedExchange:
             self.timeout = settle_seconds(self.timeout)
             ranges = [np.full(g.block, np.nan, g.dtype) for g in self.groups]
         started = []
+        self._arrivals = Arrivals(self.world.comm) if self.arrivals else None
         for k, (group, mine) in enumerate(zip(self.groups, ranges, strict=True)):
             mine = np.asarray(mine).reshape(-1)
             if mine.size != group.block or mine.dtype != group.dtype:
@@ -313,6 +323,7 @@ class ShardedExchange:
             self._wait(request, f"the all-gather of the {group.dtype} parameters")
             starts = full[:: group.block]  # each rank's first element: NaN from a failed rank
             said_nan = said_nan or bool((starts != starts).any())
+        self._settle_arrivals()
         if said_nan:
             raise_for_others(self.world, failure, self.layout.name, IN_UPDATE)
         for group, full, _ in started:

@@ -1321,7 +1321,7 @@ def test_a_rank_killed_mid_step_ends_the_job(tmp_path):
 def test_a_rank_stopped_mid_step_times_out_the_others_in_the_exchange(tmp_path):
     """SIGSTOP on rank 1 inside the step, where mpiexec notices nothing: rank 0 waits for the
     bucket's allreduce with the deadline and raises RankTimeoutError saying what did not
-    complete, instead of waiting forever."""
+    complete and which rank never reached it, instead of waiting forever."""
     script = DIES_IN_THE_EXCHANGE.format(
         timeout=2, signal="SIGSTOP", where="Exchange", method="start"
     )
@@ -1330,6 +1330,41 @@ def test_a_rank_stopped_mid_step_times_out_the_others_in_the_exchange(tmp_path):
     assert result.returncode != 0, output
     assert "rank 0 raised RankTimeoutError: the allreduce of bucket 0 did not complete " in output
     assert "within 2 s (data_parallel timeout)" in output and "finished" not in output, output
+    assert "rank 0 of 2 waited, but rank 1 never reached it" in output, output
+
+
+@needs_mpi
+def test_a_rank_stopped_in_its_zero1_update_is_named_by_the_all_gather_timeout(tmp_path):
+    """SIGSTOP on rank 1 in its ZeRO-1 update (after the reduce-scatter both ranks reached):
+    rank 0's all-gather times out and names rank 1, which never reached it."""
+    result = run_script(
+        tmp_path,
+        """
+        import os, signal
+        params = init_mlp([8, 16, 4])
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        step = bpd.data_parallel(vg, optimizer=bp.optim.adam(0.01), shard_optimizer=True,
+                                 timeout=2)
+        state = step.init(params)
+        params, state, loss = step(params, state, xs, ys)
+        print(f"rank {rank} stepped", flush=True)
+        if rank == 1:
+            step._update = lambda *args: os.kill(os.getpid(), signal.SIGSTOP)
+        try:
+            step(params, state, xs, ys)
+        except bpd.RankTimeoutError as error:
+            print(f"rank {rank} raised RankTimeoutError: {error}", flush=True)
+            os._exit(3)
+        print(f"rank {rank} finished")
+        """,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 stepped" in output and "finished" not in output, output
+    assert "rank 0 raised RankTimeoutError: the all-gather of the float32 parameters did " in (
+        output
+    )
+    assert "rank 0 of 2 waited, but rank 1 never reached it" in output, output
 
 
 @needs_mpi
@@ -1351,6 +1386,7 @@ def test_a_rank_lost_before_its_compiled_step_ends_the_one_whose_driver_started(
         assert "rank 0 raised RankTimeoutError: the allreduce of bucket 0 did not complete " in (
             output
         )
+        assert "rank 1 never reached it" in output, output
     else:
         assert "signal 9" in output or "rank 0 raised RankTimeoutError" in output, output
 
