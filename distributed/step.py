@@ -443,11 +443,16 @@ class DataParallelStep:
         )
         report.size_note = note
         report.driver_note = self._driver_note(args, kwargs, starts)
-        if not self.split_plan and self.accumulate == 1:
+        if self.counts_rank_peak():
             report.rank_peak = allreduce_peak(
                 layout, starts, self.plan_facts(args, kwargs), self.param_bytes(args), None, 0
             )
         return report
+
+    def counts_rank_peak(self) -> bool:
+        """Whether explain counts the per-rank peak (rank_peak.py): for the compiled backend's
+        steps that exchange every call in one plan (not split_plan, not accumulate)."""
+        return current_backend() == "numba" and not self.split_plan and self.accumulate == 1
 
     def plan_facts(self, args, kwargs) -> PlanFacts:
         """The joint plan's call at its peak (the highest of the plans its calls run)."""

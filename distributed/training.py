@@ -167,7 +167,7 @@ class DataParallelTraining:
             groups = groups_of(params, report.size)[0]
             loss_dtype = np_dtype(_loss_dtype(report.layout))
             report.add_sharding(bytes_sent(groups, report.size, loss_dtype))
-        if self.step.accumulate == 1 and not self.step.split_plan:
+        if self.step.counts_rank_peak():
             report.rank_peak = self._rank_peak(report, params, state, batch, kwargs)
         return report
 

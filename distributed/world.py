@@ -4,6 +4,7 @@ never needs it."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -65,7 +66,26 @@ def mpi_module():
     return _mpi()
 
 
+# MPICH's non-blocking allreduce on 2 ranks, picked before MPI starts (mpi4py's import starts
+# it): recursive doubling, each rank sending its whole bucket to the other once and adding the
+# two, in place of the reduce-scatter + all-gather MPICH picks for buckets of 2 MiB, whose two
+# rounds each need both ranks running. The bench mlp's step on 2 ranks spent 3.53-3.71 ms CPU
+# per call against 4.46-4.55 (load 17, BENCHMARKS.md 35); the two sums are the same floats in
+# either order, so every rank still gets the same bits. Set the variable to choose another
+# (MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=auto: MPICH's own choice); other MPIs ignore it.
+ALLREDUCE_ALGORITHM = ("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "sched_recursive_doubling")
+
+
+def _choose_algorithms() -> None:
+    """Set ALLREDUCE_ALGORITHM unless the user did, for a job of 2 ranks launched by a
+    process manager that says its size (PMI_SIZE: MPICH's hydra), before MPI starts."""
+    if "mpi4py.MPI" in sys.modules or os.environ.get("PMI_SIZE") != "2":
+        return
+    os.environ.setdefault(*ALLREDUCE_ALGORITHM)
+
+
 def _mpi():
+    _choose_algorithms()
     try:
         from mpi4py import MPI
     except ImportError as error:
