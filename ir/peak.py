@@ -257,9 +257,19 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
 
 def _driver_calls(lowered) -> list[list]:
     """The kernels of each call the driver makes (a row kernel's stages together: one loop
-    over the rows runs them), in run order; [[]] for a plan of views and literals only."""
+    over the rows runs them; a matmul + epilogue the rendering runs as a BLAS call and then
+    the loop as those two, where the plan was rendered already), in run order; [[]] for a plan
+    of views and literals only."""
     kernels = lowered.kernels
-    return [[k for k in kernels[a:b] if runs_code(k)] for a, b in lowered.calls()] or [[]]
+    apart = getattr(lowered.rendered, "epilogues_apart", ())
+    calls = []
+    for a, b in lowered.calls():
+        group = [k for k in kernels[a:b] if runs_code(k)]
+        if len(group) == 1 and group[0].epilogue is not None and group[0].nodes[0] in apart:
+            calls += [[replace(group[0], epilogue=None)], [group[0].epilogue]]
+        else:
+            calls.append(group)
+    return calls or [[]]
 
 
 def _workspace(group: list) -> int:

@@ -68,6 +68,7 @@ def test_a_matmul_and_its_epilogue_count_as_the_driver_runs_them():
     # each epilogue either runs inside the GEMM (one kernel) or after a BLAS call (two)
     assert len(fused) + len(apart) == sum(k.epilogue is not None for k in lower(plan).kernels)
     assert lower(plan).kernel_count + len(apart) == len(calls)
+    assert len(report.call_peak.steps) == len(calls)  # the timeline: a step per call
 
 
 def test_the_reference_backend_runs_one_kernel_per_step():
