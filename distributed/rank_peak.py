@@ -15,8 +15,11 @@ Every phase counts the caller's arrays (parameters, batch, optimizer state), eve
 scratch arena and constants (kept for the plan's life), the buffers the exchange keeps between
 calls (in-plan bucket buffers, ZeRO-1's send, receive and all-gather buffers) and the previous
 call's results the loop still binds, and the big outputs a plan's workspace keeps for its next
-call (codegen/run/workspace.py) once the step is done with them. The checked mode (BACKPLAN_CHECK_MEMORY=1) counts the
-exchange's buffers too (`counted`), so a test compares its measured peak with `counted_bytes`."""
+call (codegen/run/workspace.py) once the step is done with them; on 2 ranks of MPICH, MPI's
+receive buffer for each bucket in flight (recursive doubling, world.py). The checked mode
+(BACKPLAN_CHECK_MEMORY=1) counts the exchange's buffers too (`counted`), so a test compares its
+measured peak with `counted_bytes` (which leaves out the batch, the kernels' workspace and the
+MPI library's buffers, none of which pass through its allocator)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from backplan.ir.types import np_dtype
 
 from .half_wire import summed_dtype
 
-NOT_COUNTED = ("batch", "workspace")  # what the checked mode's counting allocator never sees
+# what the checked mode's counting allocator never sees
+NOT_COUNTED = ("batch", "workspace", "MPI buffers")
 
 
 def counted(array: np.ndarray, name: str) -> np.ndarray:
@@ -89,9 +93,13 @@ class RankPeak:
             f"Per-rank peak: {self.peak_bytes:,} B, while {phase.name} ({parts}). Other phases: "
             f"{others}; held between calls {self.between.nbytes:,} B. Counted as the loop "
             "holds it from its third call on: the caller's arrays, every compiled plan's "
-            "arena, the exchange's buffers and the results the loop still binds. Not counted: "
-            "what the MPI library allocates for a collective in flight (MPICH on 2 ranks: "
-            "about half of each bucket in flight, freed when it completes)."
+            "arena, the exchange's buffers and the results the loop still binds"
+        )
+        text += (
+            ", and MPI's buffer for each bucket in flight (MPICH's recursive doubling)."
+            if any("MPI buffers" in p.held for p in self.phases)
+            else ". Not counted: what the MPI library allocates for a collective in flight "
+            "(its algorithm's; MPICH's default on 2 ranks: about half of each bucket)."
         )
         return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
 
@@ -166,12 +174,22 @@ def loss_bytes(layout) -> int:
 
 
 def allreduce_peak(
-    layout, in_plan: dict, plan: PlanFacts, params: int, update: PlanFacts | None, state: int
+    layout,
+    in_plan: dict,
+    plan: PlanFacts,
+    params: int,
+    update: PlanFacts | None,
+    state: int,
+    mpi_copies: bool = False,
 ) -> RankPeak:
     """The step that allreduces buckets (data_parallel, with or without an unsharded update).
     The loop keeps the returned gradients (views of the buckets) and loss without an optimizer,
-    the loss (an array of its own) with one."""
+    the loss (an array of its own) with one. mpi_copies: MPI receives each bucket in flight
+    into a buffer of its own size (MPICH's recursive doubling, world.ALLREDUCE_ALGORITHM), held
+    until the bucket completes; counted as if every bucket were in flight at once after the
+    plan (the most it holds: on a busy machine none completes before the step waits)."""
     inside, packed, copies = bucket_bytes(layout, in_plan)
+    in_flight = (inside + packed) if mpi_copies else 0
     loss = loss_bytes(layout)
     batch = plan.inputs - params
     up_kept = update.kept if update is not None else 0
@@ -200,6 +218,17 @@ def allreduce_peak(
                 **arenas,
                 exchange_buffers=buckets,
                 plan_outputs=plan_out,
+            )
+        )
+    if in_flight:
+        phases.append(
+            _phase(
+                "the allreduces are in flight",
+                **caller,
+                **arenas,
+                exchange_buffers=buckets,
+                plan_outputs=plan_out,
+                MPI_buffers=in_flight,
             )
         )
     after = dict(**caller, **arenas, exchange_buffers=buckets + copies, plan_outputs=reused)

@@ -40,7 +40,7 @@ from .report import DataParallelReport
 from .rows import batch_lengths, lengths_digest, row_weight
 from .segments import run_segments, split_plan
 from .training import DataParallelTraining
-from .world import World, current_world, init, mpi_module
+from .world import World, current_world, init, mpi_module, sums_by_recursive_doubling
 
 LOWEST = np.iinfo(np.int64).min  # a failed rank's agreement numbers: below any rank's
 FAILED, DIVERGED_KIND = 1, 2  # the agreement's fifth number: this call failed; out of step
@@ -445,7 +445,13 @@ class DataParallelStep:
         report.driver_note = self._driver_note(args, kwargs, starts)
         if self.counts_rank_peak():
             report.rank_peak = allreduce_peak(
-                layout, starts, self.plan_facts(args, kwargs), self.param_bytes(args), None, 0
+                layout,
+                starts,
+                self.plan_facts(args, kwargs),
+                self.param_bytes(args),
+                None,
+                0,
+                sums_by_recursive_doubling(size),
             )
         return report
 

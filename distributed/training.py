@@ -22,7 +22,7 @@ from .exchange import Exchange
 from .rank_peak import PlanFacts, allreduce_peak, sharded_peak
 from .failure import describe_error, out_of_step_text
 from .sharding import ShardedExchange, bytes_sent, flat_shares, groups_of, range_of
-from .world import init
+from .world import init, sums_by_recursive_doubling
 
 
 class DataParallelTraining:
@@ -180,7 +180,10 @@ class DataParallelTraining:
         if not self.shard_optimizer:
             grads = _zeros_like(params)
             update = _update_facts(self._update, grads, state, params)
-            return allreduce_peak(report.layout, report.in_plan, plan, mine, update, held)
+            doubling = sums_by_recursive_doubling(report.size)
+            return allreduce_peak(
+                report.layout, report.in_plan, plan, mine, update, held, doubling
+            )
         world = init(self.step._comm)
         rank = world.rank if world.size == report.size else 0
         shares = flat_shares(params, rank, report.size)

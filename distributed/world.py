@@ -84,6 +84,19 @@ def _choose_algorithms() -> None:
     os.environ.setdefault(*ALLREDUCE_ALGORITHM)
 
 
+def sums_by_recursive_doubling(size: int) -> bool:
+    """Whether a job of `size` ranks runs its non-blocking allreduces by recursive doubling
+    (ALLREDUCE_ALGORITHM: MPI then holds a receive buffer the size of each bucket in flight):
+    2 ranks, the variable not set otherwise, and MPICH (assumed before MPI starts: the [mpi]
+    extra's)."""
+    name, algorithm = ALLREDUCE_ALGORITHM
+    if size != 2 or os.environ.get(name, algorithm) != algorithm:
+        return False
+    if "mpi4py.MPI" in sys.modules:
+        return sys.modules["mpi4py.MPI"].get_vendor()[0] == "MPICH"
+    return True
+
+
 def _mpi():
     _choose_algorithms()
     try:
