@@ -73,15 +73,23 @@ class LoweredPlan:
     def calls(self) -> list[tuple[int, int]]:
         """[start, end) ranges of `kernels`, one per kernel the driver calls, in run order: a
         row run is one range (literals and aliases between its stages emit no code), any
-        other kernel that runs code a range of one."""
+        other kernel that runs code a range of one; a loop storing nothing runs not at all
+        (every value it computes is recomputed where it is read)."""
         runs = dict(self.row_runs)
         ranges, index = [], 0
         while index < len(self.kernels):
             end = runs.get(index, index + 1)
-            if end > index + 1 or runs_code(self.kernels[index]):
+            if end > index + 1 or self.runs(self.kernels[index]):
                 ranges.append((index, end))
             index = end
         return ranges
+
+    def runs(self, kernel: Kernel) -> bool:
+        """Whether the driver calls code for this kernel (outside a row run): not for a
+        constant, nor for a loop none of whose values needs a buffer."""
+        if kernel.kind == "loop":
+            return any(n in self.materialized for n in kernel.all_nodes)
+        return runs_code(kernel)
 
 
 def stored_values(lowered: LoweredPlan) -> set[Value]:

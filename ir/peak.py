@@ -258,15 +258,22 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
 def _driver_calls(lowered) -> list[list]:
     """The kernels of each call the driver makes (a row kernel's stages together: one loop
     over the rows runs them; a matmul + epilogue the rendering runs as a BLAS call and then
-    the loop as those two, where the plan was rendered already), in run order; [[]] for a plan
-    of views and literals only."""
+    the loop as those two, and a kernel run as several calls as those, where the plan was
+    rendered already), in run order; [[]] for a plan of views and literals only."""
     kernels = lowered.kernels
     apart = getattr(lowered.rendered, "epilogues_apart", ())
-    calls = []
+    calls_of = getattr(lowered.rendered, "calls_of", {})
+
+    def loop(kernel) -> list[list]:  # one step per call it runs as (a long sum's shared adds)
+        return [[kernel]] * (calls_of.get(kernel.nodes[-1], 1) if kernel.nodes else 1)
+
+    calls: list[list] = []
     for a, b in lowered.calls():
         group = [k for k in kernels[a:b] if runs_code(k)]
         if len(group) == 1 and group[0].epilogue is not None and group[0].nodes[0] in apart:
-            calls += [[replace(group[0], epilogue=None)], [group[0].epilogue]]
+            calls += [[replace(group[0], epilogue=None)], *loop(group[0].epilogue)]
+        elif len(group) == 1:
+            calls += loop(group[0])
         else:
             calls.append(group)
     return calls or [[]]

@@ -27,6 +27,7 @@ class KernelInfo:
     kind: str = "op"
     epilogue: bool = False  # a GEMM that runs the loop after it on each block of its result
     stages: int = 1  # a row kernel: the loops it runs as stages of one loop over the rows
+    calls: int = 1  # a long sum of arrays: the shared add kernels it runs as, one call each
 
     @property
     def fused(self) -> bool:
@@ -51,13 +52,21 @@ class _Group:
     kind: str
     epilogue: object = None
     stages: int = 1
+    calls: int = 1
 
 
 def _driver_groups(lowered) -> list:
     """The lowered plan's kernels as its driver calls them (LoweredPlan.calls): the stages of
-    a row kernel as one loop, a constant as no kernel (the driver reads the array), a matmul
-    + epilogue that the code generator runs as a BLAS call and then the loop as those two."""
-    apart = generate(lowered).epilogues_apart
+    a row kernel as one loop, a constant as no kernel (the driver reads the array), nor a loop
+    whose values are all recomputed where they are read, a matmul + epilogue that the code
+    generator runs as a BLAS call and then the loop as those two."""
+    rendered = generate(lowered)
+    apart, calls_of = rendered.epilogues_apart, rendered.calls_of
+
+    def counted(kernel):  # a long sum runs as shared adds, an op may call several kernels
+        n = calls_of.get(kernel.nodes[-1], 1) if kernel.nodes else 1
+        return _Group(tuple(kernel.all_nodes), kernel.kind, calls=n) if n > 1 else kernel
+
     calls = dict(lowered.calls())
     groups, index = [], 0
     while index < len(lowered.kernels):
@@ -69,10 +78,12 @@ def _driver_groups(lowered) -> list:
             groups += [k for k in lowered.kernels[index:end] if not runs_code(k)]
         elif kernel.kind in RUN_KINDS and not runs_code(kernel):
             groups.append(_Group(tuple(kernel.all_nodes), "constant"))
+        elif kernel.kind in RUN_KINDS and not lowered.runs(kernel):
+            groups.append(_Group(tuple(kernel.all_nodes), "recomputed where read"))
         elif kernel.epilogue is not None and kernel.nodes[0] in apart:
-            groups += [_Group(tuple(kernel.nodes), kernel.kind), kernel.epilogue]
+            groups += [_Group(tuple(kernel.nodes), kernel.kind), counted(kernel.epilogue)]
         else:
-            groups.append(kernel)
+            groups.append(counted(kernel))
         index = end
     return groups
 
@@ -90,8 +101,9 @@ def _user_groups(lowered) -> list:
         nodes = tuple(n for n in nodes if n not in taken)
         taken.update(nodes)
         if nodes:
-            stages = getattr(kernel, "stages", 1)
-            groups.append(_Group(nodes, kernel.kind, getattr(kernel, "epilogue", None), stages))
+            stages, calls = getattr(kernel, "stages", 1), getattr(kernel, "calls", 1)
+            epilogue = getattr(kernel, "epilogue", None)
+            groups.append(_Group(nodes, kernel.kind, epilogue, stages, calls))
     return groups
 
 
@@ -119,8 +131,8 @@ def kernels_from_groups(view: PlanView, groups: Mapping[str, Sequence] | None) -
             covered.update(members)
             kind = getattr(group, "kind", "op")
             epilogue = getattr(group, "epilogue", None) is not None
-            stages = getattr(group, "stages", 1)
-            kernels.append(KernelInfo(tuple(sorted(members)), kind, epilogue, stages))
+            stages, calls = getattr(group, "stages", 1), getattr(group, "calls", 1)
+            kernels.append(KernelInfo(tuple(sorted(members)), kind, epilogue, stages, calls))
     kernels += [KernelInfo((s.index,), "op") for s in view.steps if s.index not in covered]
     return sorted(kernels, key=lambda k: k.steps[0] if k.steps else -1)
 

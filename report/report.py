@@ -442,8 +442,9 @@ class ExplainReport:
 
     @property
     def n_kernels(self) -> int:
-        """Kernels that run code (views, aliases and literals cost none)."""
-        return sum(1 for k in self.kernels if k.runs_code)
+        """Kernel calls the plans make (views, aliases, literals and loops whose values are
+        all recomputed where read cost none; a long sum of arrays runs as several)."""
+        return sum(k.calls for k in self.kernels if k.runs_code)
 
     def _compiled_sum(self, name: str) -> int | None:
         if self.compiled is None:

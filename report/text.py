@@ -359,7 +359,7 @@ def _kernels_text(report) -> str:
     lines = [
         f"{_kernels(report.n_kernels)} for {len(steps)} steps on the {report.backend} "
         f"backend: {report.fused_kernels} fused, and {len(free)} steps that cost no "
-        "kernel (views, aliases and literals)."
+        "kernel (views, aliases, literals and loops whose values are recomputed where read)."
     ]
     refused = refused_plans(report)
     if refused:
@@ -376,6 +376,7 @@ def _kernels_text(report) -> str:
             members = ", ".join(f"{steps[s].label} {steps[s].op}" for s in kernel.steps)
             kind = "matmul + epilogue" if kernel.epilogue else kernel.kind
             kind = f"row loop of {kernel.stages} stages" if kernel.stages > 1 else kind
+            kind += f", {kernel.calls} calls" if kernel.calls > 1 else ""
             lines.append(f"k{number} ({kind}): {members}")
     if any(k.epilogue for k in report.kernels):
         lines.append(

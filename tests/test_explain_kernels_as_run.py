@@ -1,7 +1,9 @@
 """explain's kernel count and kernel list are the calls the compiled driver makes: a row kernel
 (ln_gelu's step: every loop over the same rows as stages of one loop) is one kernel, not one per
 stage; a matmul + epilogue kernel that the code generator runs as a BLAS call and then the loop
-is two; the peak timeline has one step per call. Checked against the generated driver's source
+is two; a loop whose values are all recomputed where read is none; a kernel that runs as several
+calls (a long sum's shared adds, pad_slice's zeroing and copy) counts each; the peak timeline
+has one step per call. Checked against the generated driver's source
 (rendered, nothing compiled)."""
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 
 import backplan as bp
+from backplan.bench.memory_audit import model_step
 from backplan.codegen.render.emit import generate
 from backplan.ir.lowering import lower
 from backplan.runtime.backend import use_backend
@@ -76,3 +80,16 @@ def test_the_reference_backend_runs_one_kernel_per_step():
     with use_backend("reference"):
         report = bp.value_and_grad(_ln_gelu, argnums=(0, 1, 2)).explain(*args)
     assert report.n_kernels == len(report.view.steps) and report.fused_kernels == 0
+
+
+@pytest.mark.parametrize("model", ["lstm12", "transformer", "mlp"])
+def test_bench_models_count_every_call_their_drivers_make(model):
+    """A loop whose values are all recomputed where read runs no kernel; a long sum of
+    gradients runs as several shared adds; pad_slice's gradient zeroes, then copies: each as
+    many kernels as the driver calls."""
+    step, args, _ = model_step(model, "vg")
+    with use_backend("numba"):
+        report = step.explain(*args)
+    calls = driver_calls(report.plans["joint"])
+    assert report.n_kernels == len(calls) == report.compiled[0].kernels
+    assert len(report.call_peak.steps) == len(calls)

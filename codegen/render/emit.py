@@ -13,7 +13,7 @@ import math
 import re
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backplan.codegen.build import cache, loop_calls
 from backplan.codegen.flags import parallel_pays
@@ -93,6 +93,10 @@ class GeneratedModule:
     # GEMMs of matmul + epilogue kernels run as the product, then the loop (a BLAS call or a
     # copied operand): two calls, which kernel_count counts
     epilogues_apart: frozenset = frozenset()
+    # a kernel's last node -> the calls it runs as, where more than one (a long sum of arrays
+    # as shared adds, codegen/render/add_chains.py; an op calling several kernels), which
+    # kernel_count counts
+    calls_of: dict = field(default_factory=dict)
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -168,13 +172,16 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
         list(layout.outputs),
         literal_outs,
         sources,
-        lowered.kernel_count + len(emitter.epilogues_apart),
+        lowered.kernel_count
+        + len(emitter.epilogues_apart)
+        + sum(n - 1 for n in emitter.calls_of.values()),
         layout,
         list(emitter.kernels.values()),
         driver.statements,
         driver.parts,
         lifted,
         frozenset(emitter.epilogues_apart),
+        dict(emitter.calls_of),
     )
 
 
@@ -235,6 +242,10 @@ class _Emitter:
         self.contiguous = set(graph.inputs)
         self.kernels: dict[str, KernelSource] = {}  # digest -> kernel, in first-call order
         self.epilogues_apart: set[Value] = set()  # GEMMs whose epilogue loop runs after them
+        # a kernel's last node -> the calls it runs as, where more than one: a long sum as
+        # shared adds, an op whose emitter calls several kernels (pad_slice: zero, then copy)
+        self.calls_of: dict[Value, int] = {}
+        self._calls = 0  # kernel calls rendered so far (_call)
         self.whole = set(graph.inputs) | set(layout.outputs)  # whole C-contiguous arrays
         self.definitions: dict[str, str] = {}  # name -> the driver line defining it, if used
         self.placer = Placer(layout, names, self.whole, self.define)
@@ -308,7 +319,10 @@ class _Emitter:
             else:
                 node = kernel.nodes[0]
                 self.buffer(node)
+                before = self._calls
                 body += self.ops.op(node, self.names[node])
+                if self._calls - before > 1:
+                    self.calls_of[node] = self._calls - before
         return body, constants
 
     def _call(
@@ -321,6 +335,7 @@ class _Emitter:
         gemm: bool = False,
     ) -> str:
         """The call of the shared kernel for these loop lines (gemm: they call the GEMM)."""
+        self._calls += 1
         salt = cache.kernel_fingerprint(gemm)
         imports = GEMM_IMPORTS if gemm else ""
         kernel = canonical_kernel(
@@ -413,7 +428,8 @@ class _Emitter:
         if operands is None or not stored or chain_terms(loop, stored, self._flat_like):
             body += self.ops.op(node, self.names[node])
             self._loop(loop, body, unrounded=frozenset([node]))
-            self.epilogues_apart.add(node)
+            if stored:  # a loop storing nothing is not run (_loop)
+                self.epilogues_apart.add(node)
             return
         for value in loop.all_nodes:
             if value in stored:
@@ -476,7 +492,9 @@ class _Emitter:
         """A long sum of arrays as shared two-term and in-place adds
         (codegen/render/add_chains.py)."""
         values = [out, *terms]
-        for lines, operands in chain_loops(len(terms)):
+        loops = chain_loops(len(terms))
+        self.calls_of[out] = len(loops)
+        for lines, operands in loops:
             scalars, bases = {"n0": size_of(out)}, {}
             for j, k in enumerate(operands):
                 where = self.placer.place(values[k])
