@@ -59,6 +59,8 @@ _WHERE = {
     "measure": "backplan.codegen.run.memory_check:measure",
     "checking": "backplan.codegen.run.memory_check:checking",  # BACKPLAN_CHECK_MEMORY=1 is on
     "count_held": "backplan.codegen.run.memory_check:count_held",  # a loop's last results
+    # the collection after a compiling first call, timed and turned off (compile_garbage.py)
+    "compile_garbage": "backplan.codegen.run.compile_garbage",
     "flatten": "backplan.tracer.pytree:flatten",
     # the model's arithmetic per step and where the peak measured once is kept (limits.py);
     # what a budget between frontier rows adds (budget_between_rows.py)
