@@ -12,7 +12,8 @@ import pytest
 
 import backplan as bp
 from backplan.ir.plans import JointPlans
-from backplan.report.fused_saved import _stored, fused_held_bytes
+from backplan.ir.reference_storage import storage_roots
+from backplan.report.fused_saved import _roots, _stored, fused_held_bytes
 from backplan.report.inlined_saved import inlined_saved_info
 from backplan.report.joint_view import joint_saved_info, joint_view
 from backplan.runtime.backend import use_backend
@@ -90,3 +91,23 @@ def test_a_training_step_with_inlined_gradients_counts_the_same_fused_bytes():
         found = [(fused_held_bytes(p), described(p)) for p in weighed(entry.planner)]
     assert len(found) >= 2
     assert [a for a, _ in found] == [b for _, b in found]
+
+
+def test_each_values_root_from_its_own_view_chain_is_the_whole_graphs():
+    """The roots taken from each value's own chain of views (reshapes that NumPy views and
+    that it copies, transposes, slices) are storage_roots' over the whole graph."""
+    ws, x = arrays(3)
+
+    def views(ws, x):
+        for w in ws:
+            h = bp.tanh(x @ w)
+            t = bp.transpose(bp.reshape(h, (8, 4, 16)), (1, 0, 2))
+            x = bp.reshape(t, (32, 16)) * bp.reshape(h, (32, 1, 16))[:, 0, ::2].sum() + h[::2].sum()
+        return bp.sum(x * x)
+
+    plan = bp.value_and_grad(views).trace(ws, x).plan
+    nodes = plan.graph.nodes
+    whole = storage_roots(plan.graph)
+    assert sum(whole[n] is not n for n in nodes) >= 6  # views of both kinds
+    assert any(n.op == "reshape" and whole[n] is n for n in nodes)  # a reshape NumPy copies
+    assert _roots(nodes) == {n: whole[n] for n in nodes}
