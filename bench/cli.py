@@ -7,8 +7,10 @@ models in one process, interleaved, and print a table (optionally JSON, CSV, Mar
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 from . import compile_cli
@@ -143,7 +145,8 @@ def _measure(args) -> dict:
         progress.note("--small: every model runs at SHRUNK sizes, not the documented ones")
     started, load = time.strftime("%Y-%m-%d %H:%M:%S %Z"), load_average()
     start = time.perf_counter()
-    results = run_suite(models, available, settings, progress)
+    with _quick_drivers(args.quick):
+        results = run_suite(models, available, settings, progress)
     progress.done()
     return {
         "schema": SCHEMA,
@@ -176,6 +179,23 @@ def _measure(args) -> dict:
         "skipped_peers": skipped,
         "results": results,
     }
+
+
+@contextmanager
+def _quick_drivers(quick: bool):
+    """--quick runs backplan's plan drivers as Python (BACKPLAN_DRIVER=python) unless the
+    environment picks a mode: it times a couple of steps without waiting for compiled drivers,
+    and their background builds only took the cores from the peers compiling after them, then
+    were stopped at exit (cold, lstm48's two drivers: 60 of 86 CPU s, and JAX's first call
+    waited for the cores)."""
+    if not quick or "BACKPLAN_DRIVER" in os.environ:
+        yield
+        return
+    os.environ["BACKPLAN_DRIVER"] = "python"
+    try:
+        yield
+    finally:
+        os.environ.pop("BACKPLAN_DRIVER", None)
 
 
 def _limit(args, progress):

@@ -5,6 +5,7 @@ compile time are taken. Each result is a plain dict (the JSON record's "results"
 from __future__ import annotations
 
 import gc
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ def bench_model(spec: ModelSpec, peers: list[Peer], settings: Settings, progress
         if peer.family == "backplan" and settings.wait_for_drivers:
             _guarded(row, lambda row=row: _wait_for_compiled_drivers(row), what="driver build")
         elif peer.family == "backplan":
-            row["note"] = QUICK_DRIVER_NOTE
+            row["note"] = _quick_driver_note()
         check = check_output(runner.output(), reference, settings.dtype)
         row.update(
             first_call_s={"cold": cold, "warm": None, **runner.first_call_parts()},
@@ -88,6 +89,18 @@ QUICK_DRIVER_NOTE = (
     "--quick: steps timed without waiting for compiled drivers still building (some may run "
     "as Python)"
 )
+QUICK_PYTHON_DRIVER_NOTE = (
+    "--quick: steps timed without waiting for compiled drivers: plan drivers run as Python, "
+    "none is built (BACKPLAN_DRIVER=background builds them)"
+)
+
+
+def _quick_driver_note() -> str:
+    """What a --quick row of backplan timed: drivers run as Python (--quick's own choice, see
+    cli._quick_drivers) or whatever BACKPLAN_DRIVER asked for, not waited for."""
+    if os.environ.get("BACKPLAN_DRIVER") == "python":
+        return QUICK_PYTHON_DRIVER_NOTE
+    return QUICK_DRIVER_NOTE
 
 
 def _wait_for_compiled_drivers(row: dict) -> None:

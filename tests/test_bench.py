@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
-from backplan.bench import cli
+from backplan.bench import cli, suite
 from backplan.bench.errors import BenchError
 from backplan.bench.measure import QUICK
 from backplan.bench.models import MODELS, select_models
@@ -84,6 +84,45 @@ def test_quick_times_backplan_without_waiting_for_its_compiled_drivers(quick_rec
     assert rows and all("driver_build_wait_s" not in r for r in rows)
     assert all(r["note"].startswith("--quick: steps timed without waiting") for r in rows)
     assert "--quick: steps timed without waiting" in text
+
+
+def test_quick_runs_drivers_as_python_and_builds_none(monkeypatch, tmp_path):
+    """Background driver builds in a quick run were never waited for, took the cores from the
+    peers compiling after them and were stopped at exit: --quick starts none, and says so."""
+    from backplan.codegen.build import driver_builder
+    from backplan.runtime.backend import use_backend
+
+    builds = []
+    monkeypatch.setattr(driver_builder, "submit", builds.append)
+    monkeypatch.delenv("BACKPLAN_DRIVER", raising=False)
+    path = tmp_path / "run.json"
+    with use_backend("numba"):  # the suite's default is the reference interpreter: no drivers
+        code, _ = run_cli(
+            "--quick", "--small", "--models", "mlp_tiny", "--against", "none", "--json", str(path)
+        )
+    assert code == 0
+    rows = json.loads(path.read_text())["results"]
+    assert {r["peer"] for r in rows} == {"backplan", "backplan.compile"}
+    assert all(r["status"] == "ok" and r["check"]["ok"] for r in rows)
+    assert all(r["note"] == suite.QUICK_PYTHON_DRIVER_NOTE for r in rows)
+    assert builds == []  # mlp_tiny's step is worth a compiled driver: background would build it
+    assert "BACKPLAN_DRIVER" not in os.environ
+
+
+@pytest.mark.parametrize("chosen", [None, "background", "inline"])
+def test_quick_leaves_a_driver_mode_the_environment_picks(monkeypatch, chosen):
+    if chosen is None:
+        monkeypatch.delenv("BACKPLAN_DRIVER", raising=False)
+    else:
+        monkeypatch.setenv("BACKPLAN_DRIVER", chosen)
+    with cli._quick_drivers(quick=False):
+        assert os.environ.get("BACKPLAN_DRIVER") == chosen
+        assert suite._quick_driver_note() == suite.QUICK_DRIVER_NOTE
+    with cli._quick_drivers(quick=True):
+        assert os.environ.get("BACKPLAN_DRIVER") == (chosen or "python")
+        expected = suite.QUICK_DRIVER_NOTE if chosen else suite.QUICK_PYTHON_DRIVER_NOTE
+        assert suite._quick_driver_note() == expected
+    assert os.environ.get("BACKPLAN_DRIVER") == chosen
 
 
 def test_json_record_has_the_documented_fields(quick_record):
