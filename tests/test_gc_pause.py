@@ -75,9 +75,9 @@ def test_the_frontiers_rows_are_built_with_the_collector_paused(monkeypatch):
     states = []
     original = budget.step_peak_bytes
 
-    def recording(plans, not_kept=frozenset()):
+    def recording(*args, **kwargs):
         states.append(gc.isenabled())
-        return original(plans, not_kept)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(budget, "step_peak_bytes", recording)
     gc.enable()

@@ -455,15 +455,17 @@ class BudgetPlanner:
         """The plans saved_bytes_budget chooses from, fewest added FLOPs first: the default
         plan, then each candidate (the frontier's points for peak and for saved bytes, and with
         allow_dtype the same narrowed) that saves fewer bytes than the link before it at a
-        peak no higher. A candidate saving less at a higher peak is left out: a budget that
+        peak no higher. Saved bytes are those explain prints: on numba the compiled plan's
+        (values fused into the loop reading them are never stored: EvaluatedPoint.fused). A candidate saving less at a higher peak is left out: a budget that
         chose it would give a higher peak than a larger budget's plan."""
         if self._chain is not None:
             return self._chain
         default = self.evaluate_default()
-        chain = [SavedLink(self._default_saved(default_plans), default.peak_bytes, default_plans)]
+        saved = self._default_saved(default_plans) - default.fused
+        chain = [SavedLink(saved, default.peak_bytes, default_plans)]
         for point, narrowed in self._saved_candidates():
             evaluated = self.evaluate(point, narrowed)
-            saved = self._saved_of(point, narrowed, evaluated.plans)
+            saved = self._saved_of(point, narrowed, evaluated.plans) - evaluated.fused
             last = chain[-1]
             if saved < last.saved and evaluated.peak_bytes <= last.peak:
                 chain.append(
@@ -495,8 +497,9 @@ class BudgetPlanner:
             text += f", with the saved buffers in {np_dtype(self.allow_dtype).name}"
         text += ")"
         lower = [
-            (self._saved_of(p, n, self.evaluate(p, n).plans), self.evaluate(p, n).peak_bytes)
+            (self._saved_of(p, n, e.plans) - e.fused, e.peak_bytes)
             for p, n in self._saved_candidates()
+            for e in (self.evaluate(p, n),)
         ]
         below = min((pair for pair in lower if pair[0] < fewest.saved), default=None)
         if below is not None:
