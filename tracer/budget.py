@@ -456,8 +456,9 @@ class BudgetPlanner:
         plan, then each candidate (the frontier's points for peak and for saved bytes, and with
         allow_dtype the same narrowed) that saves fewer bytes than the link before it at a
         peak no higher. Saved bytes are those explain prints: on numba the compiled plan's
-        (values fused into the loop reading them are never stored: EvaluatedPoint.fused). A candidate saving less at a higher peak is left out: a budget that
-        chose it would give a higher peak than a larger budget's plan."""
+        (values fused into the loop reading them are never stored: EvaluatedPoint.fused). A
+        candidate saving less at a higher peak is left out: a budget that chose it would give
+        a higher peak than a larger budget's plan."""
         if self._chain is not None:
             return self._chain
         default = self.evaluate_default()
@@ -513,21 +514,17 @@ class BudgetPlanner:
     def _default_saved(self, default_plans) -> int:
         """The bytes the default plan keeps for its gradients: a region's saved buffers, or,
         in a step whose gradients are an inlined value_and_grad's, the forward values its
-        gradient part reads (ir/step_schedule.py held), your own arrays excluded, and on numba
-        those the compiled plan computes in the loop reading them too (_fused)."""
+        gradient part reads (ir/step_schedule.py held), your own arrays excluded."""
         if self.choices.inlined_gradients:
-            return self.choices.schedule.held_bytes() - _fused(default_plans)
+            return self.choices.schedule.held_bytes()
         return default_plans.saved_bytes
 
     def _saved_of(self, point, narrowed: bool, plans) -> int:
         """A built plan's saved bytes: a region's saved buffers, or what the inlined gradients
-        of a training step read (as the schedule counts them, narrowed or not), on numba
-        less what the compiled plan never stores: the figure explain prints for that plan
-        (inner_saved_bytes), so a budget of the default plan's own figure runs it."""
+        of a training step read (as the schedule counts them, narrowed or not)."""
         if not self.choices.inlined_gradients:
             return plans.saved_bytes
-        held = self._narrowed_held(point) if narrowed else point.held_bytes
-        return held - _fused(plans)
+        return self._narrowed_held(point) if narrowed else point.held_bytes
 
     def _check_inputs_fit(self, limit: int, option: str) -> None:
         if limit < self.input_bytes:
@@ -598,12 +595,6 @@ class BudgetPlanner:
             f" With the saved buffers in {np_dtype(self.allow_dtype).name} "
             f"(allow_saved_dtype) the smallest peak is {format_bytes(narrowed.peak_bytes)}."
         )
-
-
-def _fused(plans) -> int:
-    """Bytes of the held values the compiled plan computes inside the loop reading them (never
-    stored; report/fused_saved.py); 0 on the reference interpreter, which stores every value."""
-    return fused_held_bytes(plans) if current_backend() != "reference" else 0
 
 
 def _narrowing(choices: PlanChoices, dtype: str) -> PlanChoices:
