@@ -164,6 +164,57 @@ def test_explain_command_prints_the_training_step_of_a_module_file(tmp_path, cap
         main([*args[:-1], "nll"])
 
 
+# the model the README and docs/interop.md describe (conv1 -> bn1 -> relu -> max_pool2d, conv2 ->
+# relu -> max_pool2d, fc), its forward on lines 14-16 as their tables name them
+GUIDE_MODEL_FILE = """import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+"""
+
+
+def test_the_guides_explain_torch_tables_are_what_the_command_prints(tmp_path, capsys):
+    """README's and docs/interop.md's saved-buffer rows (the README cuts the read-by column)
+    are rows the command prints now, on the numba backend (explain compiles nothing)."""
+    import re
+
+    from backplan.__main__ import main
+    from backplan.runtime.backend import use_backend
+    from test_docs import ROOT
+
+    (tmp_path / "mymodel.py").write_text(GUIDE_MODEL_FILE)
+    args = ["--args", "x: f32[32,3,32,32]", "--loss", "cross_entropy"]
+    with use_backend("numba"):
+        assert main(["explain", "--torch", f"{tmp_path / 'mymodel.py'}:Net", *args]) == 0
+    printed = capsys.readouterr().out.split("\n3. Saved buffers ")[1].split("\n  fN")[0]
+    printed_rows = [re.split(r"\s{2,}", line.strip()) for line in printed.splitlines()[1:]]
+    for page in ("README.md", "docs/interop.md"):
+        text = (ROOT / page).read_text()
+        command = 'explain --torch mymodel.py:Net --args "x: f32[32,3,32,32]" --loss cross_entropy'
+        assert command in text
+        shown = text.split("```text\n3. Saved buffers ")[1].split("\n```")[0].splitlines()
+        assert shown[0] == printed.splitlines()[0], page  # the count and total
+        columns = re.split(r"\s{2,}", shown[1].strip())
+        for line in shown[2:]:
+            row = re.split(r"\s{2,}", line.strip())
+            match = next(r for r in printed_rows if r[0] == row[0])
+            if len(columns) < len(printed_rows[0]):  # the read-by column cut
+                match = match[:4] + match[5:]
+            assert row == match, (page, row, match)
+
+
 def test_the_guides_from_pytorch_block_runs(tmp_path, monkeypatch):
     from test_docs import ROOT, python_blocks, run_blocks
 
