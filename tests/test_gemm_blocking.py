@@ -43,12 +43,15 @@ def test_blocks_follow_each_cache_level():
     base = blocking.block_sizes({1: 32 << 10, 2: 1 << 20, 3: 32 << 20})
     assert base == (256, 128, 2048)
     kc, mc, nc = blocking.block_sizes({1: 48 << 10, 2: 1 << 20, 3: 32 << 20})
-    assert kc == 384 and mc < base[1] and nc < base[2]  # a deeper k block, A and B smaller
-    assert blocking.block_sizes({1: 32 << 10, 2: 512 << 10, 3: 32 << 20})[1] == 64
+    assert kc == 384 and mc == base[1] and nc < base[2]  # a deeper k block, B smaller, A at
+    # the 128-row floor (an eighth of L2 would be 80 rows)
+    assert blocking.block_sizes({1: 48 << 10, 2: 2 << 20, 3: 32 << 20})[1] == 168
+    assert blocking.block_sizes({1: 32 << 10, 2: 2 << 20, 3: 32 << 20})[1] == 256
+    assert blocking.block_sizes({1: 32 << 10, 2: 512 << 10, 3: 32 << 20})[1] == 128  # floor
     assert blocking.block_sizes({1: 32 << 10, 2: 1 << 20, 3: 8 << 20})[2] == 512
     tiny = blocking.block_sizes({1: 1 << 10, 2: 1 << 10, 3: 1 << 10})
     huge = blocking.block_sizes({1: 1 << 30, 2: 1 << 30, 3: 1 << 40})
-    assert tiny == (64, 16, 256) and huge == (1024, 512, 8192)  # clamped
+    assert tiny == (64, 128, 256) and huge == (1024, 512, 8192)  # clamped
     for kc, mc, nc in (tiny, huge, base):
         assert kc % 16 == 0 and mc % 8 == 0 and nc % 32 == 0
 

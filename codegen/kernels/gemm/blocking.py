@@ -4,14 +4,21 @@ Each block is sized to the cache level that holds it while the loops around it r
 (driver.py's BLIS loop order): a kc x nr panel of B is reused by every A panel of a row
 block, so kc is what fills L1 with one panel of the widest tile (32 f32 columns, 128 bytes a
 row); an mc x kc block of packed A streams through the micro-kernel once per B panel, so it
-takes an eighth of L2; a kc x nc block of packed B is reused by every row block, so it takes
-a sixteenth of L3. The fractions are the ones that reproduce the sizes measured best on Zen 4
-(L1d 32 KiB, L2 1 MiB, L3 32 MiB: kc 256, mc 128, nc 2048; bench/gemm.py), and the fallback
-when sysfs says nothing is that machine's caches. Sizes are in elements and serve every tile
+takes an eighth of L2, but never fewer than 128 rows; a kc x nc block of packed B is reused by
+every row block, so it takes a sixteenth of L3. The fractions are the ones that reproduce the
+sizes measured best on Zen 4 (L1d 32 KiB, L2 1 MiB, L3 32 MiB: kc 256, mc 128, nc 2048;
+bench/gemm.py), and the fallback when sysfs says nothing is that machine's caches. The floor
+of 128 rows is Zen 5's (L1d 48 KiB, so kc 384 and an eighth of L2 only 80 rows): a batch of
+128 rows then takes two row blocks, and the GEMM packs B, which it reads in place for one row
+block (driver.py). With 128 rows, one pinned core, thread CPU, medians of 5-7 interleaved
+rounds at load 15-16: mlp's 128x512x784 and 128x512x512 products 200-216 -> 225-236 GFLOP/s,
+in its step 5-10% less time for each of them; the other bench shapes within the noise. Sizes are in elements and serve every tile
 and dtype (f64 blocks take twice the bytes, as they did with fixed sizes).
 
     >>> block_sizes({1: 48 << 10, 2: 2 << 20, 3: 32 << 20})
     (384, 168, 1344)
+    >>> block_sizes({1: 48 << 10, 2: 1 << 20, 3: 32 << 20})  # Zen 5: the floor
+    (384, 128, 1344)
     >>> block_sizes({})  # nothing read: the measured machine's caches
     (256, 128, 2048)
 """
@@ -25,7 +32,7 @@ CACHE_FOLDER = "/sys/devices/system/cpu/cpu0/cache"
 FALLBACK = {1: 32 << 10, 2: 1 << 20, 3: 32 << 20}  # bytes per level: Zen 4, where measured
 PANEL_ROW_BYTES = 128  # one row of the widest B panel: 32 f32 columns (512-bit tile, 2 vectors)
 A_SHARE_OF_L2, B_SHARE_OF_L3 = 8, 16
-KC_RANGE, MC_RANGE, NC_RANGE = (64, 1024), (16, 512), (256, 8192)
+KC_RANGE, MC_RANGE, NC_RANGE = (64, 1024), (128, 512), (256, 8192)  # mc: the floor above
 KC_STEP, MC_STEP, NC_STEP = 16, 8, 32  # mc: a multiple of the 8-row tile; nc: of 32 columns
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
