@@ -202,6 +202,26 @@ def test_only_plans_calling_blas_on_the_calling_thread_size_it():
     assert not any(BLAS_CALL.search(line) for line in inside_parallel_kernels)
 
 
+def test_a_plan_sharing_its_gemm_runs_blas_on_one_thread(monkeypatch):
+    """A plan whose large products share rows with the GEMM's helper threads runs its BLAS
+    products on one thread whatever the free cores (OpenBLAS's second thread would spin on
+    the helper's core after each), and the driver source says which plans those are."""
+    from backplan.codegen.run.compiled import SHARED_GEMM
+
+    pool = CountingPool()
+    monkeypatch.setattr(workspace, "BLAS_POOL", pool)
+    monkeypatch.setattr(workspace, "free_cores", lambda: 2)
+    with workspace.sized_launch(parallel=True, blas=True, shares_gemm=True):
+        pass
+    with workspace.sized_launch(parallel=True, blas=True):
+        pass
+    assert pool.limits == [1, 2]
+    assert SHARED_GEMM.search("own_gemm_at_par(np.intp(2), 512, np.bool_(False)")
+    assert SHARED_GEMM.search("own_gemm_par(2, 512, False, True, 1.0, a, b, 0.0, c)")
+    assert not SHARED_GEMM.search("own_gemm_at(512, np.bool_(False)")
+    assert not SHARED_GEMM.search("own_batched_gemm_par(512, False, True, a, b, out)")
+
+
 SERIAL_ON_ONE_THREAD = textwrap.dedent(
     """
     import threading

@@ -301,8 +301,9 @@ def test_large_float32_products_run_the_own_gemm_in_blocks_where_blas_would_thre
 @pytest.mark.skipif(isa.vector_width() != 512, reason="the own f32 class is the 512-bit tile's")
 def test_a_two_thread_float32_step_runs_the_parallel_own_gemm_and_matches(monkeypatch):
     """At two threads with two BLAS threads the mlp-like step's large products are
-    own_gemm_at_par calls (no BLAS, no fused epilogue), and its values and gradients equal the
-    reference interpreter's."""
+    own_gemm_at_par calls (no BLAS, no fused epilogue), its narrow last layer's products BLAS
+    calls run on one BLAS thread (workspace.sized_launch), and its values and gradients equal
+    the reference interpreter's."""
     import numba
 
     from backplan.codegen.kernels.gemm import choice
@@ -313,23 +314,27 @@ def test_a_two_thread_float32_step_runs_the_parallel_own_gemm_and_matches(monkey
     rng = np.random.default_rng(11)
     w0 = bp.tensor(rng.standard_normal((256, 128)).astype(np.float32) * 0.1)
     w1 = bp.tensor(rng.standard_normal((128, 128)).astype(np.float32) * 0.1)
+    w2 = bp.tensor(rng.standard_normal((128, 24)).astype(np.float32) * 0.1)
     x = bp.tensor(rng.standard_normal((128, 256)).astype(np.float32))
 
-    def loss(w0, w1, x):
-        return bp.sum(bp.tanh(bp.relu(x @ w0) @ w1) ** 2)
+    def loss(w0, w1, w2, x):
+        return bp.sum((bp.tanh(bp.relu(x @ w0) @ w1) @ w2) ** 2)
 
-    vg = bp.value_and_grad(loss, argnums=(0, 1))
+    vg = bp.value_and_grad(loss, argnums=(0, 1, 2))
     previous = numba.get_num_threads()
     try:
         numba.set_num_threads(2)
         with use_backend("numba"):
-            value, grads = vg(w0, w1, x)
-            source = vg.trace(w0, w1, x).runner().compiled.source
+            value, grads = vg(w0, w1, w2, x)
+            compiled = vg.trace(w0, w1, w2, x).runner().compiled
     finally:
         numba.set_num_threads(previous)
     with use_backend("reference"):
-        want_value, want_grads = vg(w0, w1, x)
+        want_value, want_grads = vg(w0, w1, w2, x)
+    source = compiled.source
     assert source.count("own_gemm_at_par(np.intp(2)") >= 3, source
+    assert "gemm_at_f32(" in source, source  # the 24-wide layer: BLAS
+    assert compiled._launch_guard._one_thread
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-4)
     for got, want in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)

@@ -51,6 +51,8 @@ PARALLEL_LAUNCH = re.compile(r"parallel=True|\b\w+_par\(")
 BLAS_CALL = re.compile(
     r"\b(?:batched_)?gemm_(?:at_)?f(?:32|64)\(|\bconv2d_\w*gemm\(|\battention_(?:forward|backward)\("
 )
+# Calls of the GEMM whose rows the caller shares with helper threads (gemm/team.py).
+SHARED_GEMM = re.compile(r"\bown_gemm_(?:at_)?par\(")
 
 
 def canonical_text(plan: Plan) -> str:
@@ -263,7 +265,8 @@ class CompiledPlan:
         )
         parallel = PARALLEL_LAUNCH.search(self.source) or any(k.parallel for k in self.loop_kernels)
         blas = BLAS_CALL.search(self.source) is not None and threaded_blas(plan)
-        self._launch_guard = sized_launch(bool(parallel), blas) or _NO_GUARD
+        shares = SHARED_GEMM.search(self.source) is not None
+        self._launch_guard = sized_launch(bool(parallel), blas, shares) or _NO_GUARD
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
             for i, n in generated.literal_outputs.items()

@@ -47,13 +47,14 @@ class SizedLaunch:
     prange loops are long enough to gain from the second core's share of a busy machine;
     OpenBLAS's threaded small products are not (its threads spin at the barrier)."""
 
-    def __init__(self, lock=None):
+    def __init__(self, lock=None, one_thread: bool = False):
         self._lock = lock
+        self._one_thread = one_thread
 
     def __enter__(self):
         if self._lock is not None:
             self._lock.acquire()
-        BLAS_POOL.limit(free_cores())
+        BLAS_POOL.limit(1 if self._one_thread else free_cores())
         return self
 
     def __exit__(self, *exc) -> None:
@@ -61,14 +62,21 @@ class SizedLaunch:
             self._lock.release()
 
 
-def sized_launch(parallel: bool, blas: bool):
+def sized_launch(parallel: bool, blas: bool, shares_gemm: bool = False):
     """The launch guard of a plan: the launch lock where parallel kernels need one, BLAS sized
-    to the free cores where it calls threaded BLAS products; None when it needs neither."""
+    to the free cores where it calls threaded BLAS products; None when it needs neither.
+
+    shares_gemm: the plan's large products share their rows with the GEMM's helper threads
+    (gemm/team.py); its BLAS products, the small and narrow ones, then run on one thread.
+    OpenBLAS threads a product above 262,144 multiply-adds per thread (mlp's 10-wide layer:
+    128 x 10 x 512 on two) and its worker then spins, for far longer than a step, on the core
+    the helper needs: mlp took 1.29x less time on two cores than on one where mlp_deep, whose
+    narrow products are below the threshold, took 1.57x less (quiet box, BENCHMARKS.md 36)."""
     lock = parallel_guard() if parallel else None
     lock = None if isinstance(lock, contextlib.nullcontext) else lock
     if not blas:
         return lock
-    return SizedLaunch(lock)
+    return SizedLaunch(lock, one_thread=shares_gemm)
 
 
 def arena_bytes(scratch: list[tuple[np.dtype, int]]) -> int:
