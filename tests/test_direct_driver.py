@@ -5,11 +5,14 @@ starts. Its values equal the Python-run driver's (the same kernels) and the refe
 interpreter's within rounding, special values and odd sizes included; a bad label raises the
 Python-run driver's error; a driver it does not read keeps the background build."""
 
+import glob
+import os
+import textwrap
 import threading
 
 import numpy as np
 import pytest
-from helpers import only_plan, result_arrays
+from helpers import only_plan, result_arrays, script_facts
 
 import backplan as bp
 from backplan.codegen.build import direct_driver, driver_builder
@@ -39,7 +42,7 @@ def classifier_arguments(labels=(0, 4, 2, 1, 3, 3, 0)):
         bp.tensor(rng.standard_normal((13, 9)).astype(np.float32)),
         bp.tensor(rng.standard_normal((1, 9)).astype(np.float32)),
         bp.tensor(rng.standard_normal((9, 5)).astype(np.float32)),
-        bp.tensor(rng.standard_normal((7, 13)).astype(np.float32)),  # odd sizes
+        bp.tensor(rng.standard_normal((len(labels), 13)).astype(np.float32)),  # odd sizes
         bp.tensor(np.array(labels)),
     )
 
@@ -123,6 +126,24 @@ def test_the_second_call_runs_the_direct_driver_with_the_python_run_drivers_valu
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6, equal_nan=True)
 
 
+def test_a_split_driver_is_read_part_by_part(direct, monkeypatch):
+    """A driver split into parts (codegen/render/driver_split.py, above 600 statements: an
+    unrolled LSTM's) is read with each part's calls in place."""
+    from backplan.codegen.render import driver_split
+
+    _worth_building(monkeypatch)
+    monkeypatch.setattr(driver_split, "SPLIT_ABOVE", 4)
+    monkeypatch.setattr(driver_split, "PART_STATEMENTS", 3)
+    make = lambda c: bp.value_and_grad(c(classifier), argnums=(0, 1, 2))  # noqa: E731
+    results, plan, tiers = _three_calls(make, classifier_arguments())
+    assert "run_part2(" in plan.source
+    assert tiers == ["python", "direct", "direct"], (tiers, plan.direct_error)
+    for got, want in zip(results[1], results[0], strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    for got, want in zip(results[1], _reference(make, classifier_arguments()), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
 def test_special_values_land_where_the_reference_puts_them(direct, monkeypatch):
     _worth_building(monkeypatch)
     results, _, tiers = _three_calls(lambda c: c(special), special_arguments())
@@ -156,7 +177,7 @@ def test_a_bad_label_raises_the_python_run_drivers_error(direct, monkeypatch):
 def test_waiting_for_the_driver_after_one_call_builds_it(direct, monkeypatch):
     _worth_building(monkeypatch)
     step = bp.value_and_grad(bp.compile(classifier), argnums=(0, 1, 2))
-    arguments = classifier_arguments()
+    arguments = classifier_arguments(labels=(1, 0, 2, 4, 3))  # a plan of its own
     with use_backend("numba"):
         step(*arguments)
         plan = only_plan(step, arguments)
@@ -221,3 +242,56 @@ def test_a_bad_setting_is_refused(monkeypatch):
     monkeypatch.setenv("BACKPLAN_DIRECT_DRIVER", "yes")
     with pytest.raises(ValueError, match="BACKPLAN_DIRECT_DRIVER='yes'; use 1"):
         direct_driver.enabled()
+
+
+NEXT_PROCESS = textwrap.dedent(
+    """
+    import json, sys, warnings
+    sys.path.insert(0, sys.argv[1])
+    import backplan as bp
+    from backplan.runtime.backend import use_backend
+    from test_direct_driver import classifier, classifier_arguments, result_arrays
+
+    with warnings.catch_warnings(record=True) as caught, use_backend("numba"):
+        warnings.simplefilter("always")
+        step = bp.value_and_grad(bp.compile(classifier), argnums=(0, 1, 2))
+        arguments = classifier_arguments()
+        step(*arguments)
+        values = result_arrays(step(*arguments))
+        (runner,) = step.trace(*arguments).runners()
+    plan = runner.compiled
+    print(json.dumps({
+        "tier": plan.driver_tier,
+        "error": plan.direct_error,
+        "cached": plan._run.cached if plan.driver_tier == "direct" else None,
+        "warnings": [str(w.message) for w in caught],
+        "values": [v.ravel().tolist() for v in values],
+    }))
+    """
+)
+
+
+def test_a_next_process_loads_the_direct_driver_and_a_tampered_one_is_built_again(tmp_path):
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(tmp_path / "kernels"),
+        "BACKPLAN_DRIVER": "background",
+        "BACKPLAN_DIRECT_DRIVER": "1",
+    }
+    tests = os.path.dirname(os.path.abspath(__file__))
+    first = script_facts(NEXT_PROCESS, tests, env=env, timeout=600)
+    second = script_facts(NEXT_PROCESS, tests, env=env, timeout=600)
+    assert first["tier"] == second["tier"] == "direct", (first["error"], second["error"])
+    assert (first["cached"], second["cached"]) == (False, True)
+    assert second["values"] == first["values"] and second["warnings"] == []
+    (stored,) = glob.glob(str(tmp_path / "kernels" / "__pycache__" / "bp_direct_*.o"))
+    with open(stored, "rb") as f:
+        text = bytearray(f.read())
+    middle = len(text) // 2  # one hex digit of the signed payload changed
+    text[middle] = ord("0") if text[middle] != ord("0") else ord("1")
+    with open(stored, "wb") as f:
+        f.write(text)
+    third = script_facts(NEXT_PROCESS, tests, env=env, timeout=600)
+    assert third["tier"] == "direct" and third["cached"] is False, third["error"]
+    assert any("bp_direct_" in w for w in third["warnings"]), third["warnings"]
+    assert third["values"] == first["values"]

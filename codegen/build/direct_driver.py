@@ -12,22 +12,25 @@ publishes for it), optimised at level 1: no Numba typing, lowering or CPython wr
 takes the tuple of the driver's arguments through ctypes and reads each array's data pointer
 where CPython and NumPy keep them (checked once per process).
 
-Anything the reader does not know (a size read from `lit_i`, a split driver, a statement other
-than a call, a view or a label check) makes the plan `Unsupported`: the plan keeps its
+Anything the reader does not know (a size read from `lit_i`, a statement other than a call, a
+view, a label check or a split driver's part) makes the plan `Unsupported`: the plan keeps its
 Python-run driver and its background build as before. A label check that fails (`bad != -1`),
 or a callee returning an error status, makes the compiled call return, and the call is run
 again by the Python-run driver, which raises the error with its message (the calls before it
 wrote only the plan's own buffers).
 
-The driver is made per process for calls like the plan's first (nothing is cached: it
-compiles in about the time a cached driver takes to load); CompiledPlan calls it only with
-arguments of those types and shapes (a plan is made for one signature).
+The driver is made for calls like the plan's first, once per process, and kept in the cache
+folder as a signed object file (as loop batches are, codegen/build/loop_batch.py), named by a
+digest of what its code depends on; a later process loads it, each callee's symbol published
+first (cache_signing.ready_to_load). CompiledPlan calls it only with arguments of those types
+and shapes (a plan is made for one signature).
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,60 +99,103 @@ def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
     scope: the module's namespace (loops as their Python-run AddressCall, library functions
     as their dispatchers)."""
     tree = ast.parse(source)
-    run = next((f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "run"), None)
+    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    run = functions.get("run")
     if run is None:
         raise Unsupported("no run function")
     names = [a.arg for a in run.args.args]
     if len(names) != len(arrays) or run.args.vararg or run.args.kwonlyargs:
         raise Unsupported("run's parameters are not the call's arrays")
-    reader = _Reader(scope, arrays, names)
-    body = run.body
-    for index, statement in enumerate(body):
-        if reader.skip_next:
-            reader.skip_next = False
-            continue
-        reader.statement(statement, body[index + 1] if index + 1 < len(body) else None)
+    reader = _Reader(scope, functions)
+    reader.local = {
+        name: View(i, 0, a.shape, a.read_only)
+        for i, (name, a) in enumerate(zip(names, arrays, strict=True))
+    }
+    reader.body(run.body)
     return reader.calls
 
 
 class _Reader:
-    def __init__(self, scope: dict, arrays: list, names: list[str]):
+    def __init__(self, scope: dict, functions: dict):
         self.scope = scope
-        self.arrays = arrays
-        self.local = {
-            name: View(i, 0, a.shape, a.read_only)
-            for i, (name, a) in enumerate(zip(names, arrays, strict=True))
-        }
+        self.functions = functions  # a split driver's parts (codegen/render/driver_split.py)
+        self.local: dict = {}
         self.calls: list[Call] = []
-        self.skip_next = False
+        self.returned = None  # what a part's return statement names
 
-    def statement(self, node, following) -> None:
+    def body(self, statements: list) -> None:
+        skip = False
+        for index, node in enumerate(statements):
+            if skip:
+                skip = False
+                continue
+            following = statements[index + 1] if index + 1 < len(statements) else None
+            skip = self.statement(node, following)
+
+    def statement(self, node, following) -> bool:
+        """Read one statement; True when it read the next one too (a label check)."""
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-            self.calls.append(self.call(node.value, checked=False))
+            if not self.part(node.value, []):
+                self.calls.append(self.call(node.value, checked=False))
         elif isinstance(node, ast.Assign) and len(node.targets) == 1:
             target = node.targets[0]
+            names = target.elts if isinstance(target, ast.Tuple) else [target]
+            if not all(isinstance(t, ast.Name) for t in names):
+                raise Unsupported(f"line {node.lineno}: assignment to {ast.unparse(target)}")
+            if isinstance(node.value, ast.Call) and self.part(node.value, names):
+                return False
             if not isinstance(target, ast.Name):
-                raise Unsupported(f"line {node.lineno}: assignment to {ast.dump(target)}")
-            if target.id == "bad" and _is_label_check(following):
-                self.calls.append(self.call(node.value, checked=True))
-                self.skip_next = True
-            else:
-                value = self.value(node.value)
-                if not isinstance(value, View):
-                    raise Unsupported(f"line {node.lineno}: {target.id} is not an array view")
-                self.local[target.id] = value
-        elif isinstance(node, ast.Pass) or (
-            isinstance(node, ast.Return) and (node.value is None or _is_none(node.value))
+                raise Unsupported(f"line {node.lineno}: assignment to {ast.unparse(target)}")
+            if target.id == "bad" and isinstance(node.value, ast.Call):
+                call = self.call(node.value, checked=_is_label_check(following))
+                self.calls.append(call)
+                self.local["bad"] = call  # a split driver checks it in its next part
+                return call.checked
+            value = self.value(node.value)
+            if not isinstance(value, View):
+                raise Unsupported(f"line {node.lineno}: {target.id} is not an array view")
+            self.local[target.id] = value
+        elif _is_label_check(node) and isinstance(self.local.get("bad"), Call):
+            self.local["bad"].checked = True
+        elif (
+            isinstance(node, ast.Return)
+            and isinstance(node.value, ast.Call)
+            and self.part(node.value, [])
         ):
-            return
-        else:
+            self.returned = []  # the last part returns nothing
+        elif isinstance(node, ast.Return) and node.value is not None and not _is_none(node.value):
+            returned = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            self.returned = [self.value(v) for v in returned]
+        elif not isinstance(node, (ast.Pass, ast.Return)):
             raise Unsupported(f"line {node.lineno}: {type(node).__name__} statement")
+        return False
+
+    def part(self, node: ast.Call, targets: list) -> bool:
+        """Read a call of a split driver's part in place (its parameters bound to the values
+        passed, what it returns to the names assigned); False for any other call."""
+        if not (isinstance(node.func, ast.Name) and node.func.id.startswith("run_part")):
+            return False
+        function = self.functions.get(node.func.id)
+        if function is None or node.keywords or function.args.vararg:
+            raise Unsupported(f"line {node.lineno}: a call of {node.func.id}")
+        parameters = [a.arg for a in function.args.args]
+        if len(parameters) != len(node.args):
+            raise Unsupported(f"line {node.lineno}: {node.func.id} with other arguments")
+        values = [self.value(a) for a in node.args]
+        outer, self.local, self.returned = self.local, dict(zip(parameters, values)), None
+        self.body(function.body)
+        returned, self.local = self.returned or [], outer
+        if len(returned) != len(targets):
+            raise Unsupported(f"line {node.lineno}: {node.func.id} returns {len(returned)}")
+        for target, value in zip(targets, returned, strict=True):
+            self.local[target.id] = value
+        return True
 
     def call(self, node: ast.Call, checked: bool) -> Call:
         if not isinstance(node.func, ast.Name) or node.keywords:
             raise Unsupported(f"line {node.lineno}: call of {ast.unparse(node.func)}")
         if node.func.id.startswith("run"):
-            raise Unsupported(f"line {node.lineno}: a split driver ({node.func.id})")
+            raise Unsupported(f"line {node.lineno}: a call of {node.func.id}")
         callee = native_calls.unwrapped(self.scope.get(node.func.id))
         if node.func.id.startswith("k_"):
             from backplan.codegen.build import kernel_cache
@@ -331,57 +377,94 @@ def _existing(dispatcher, given: tuple):
 
 def _emit(context, builder, data, calls, targets) -> object:
     """The calls, in order; the value: -1, or the number of the first call that failed.
-    data: each driver argument's first element, as a pointer of its item type."""
+    data: each driver argument's first element, as a pointer of its item type. Each call is
+    written as Numba calls a compiled function (a result slot, the exception slot, each
+    argument as its flattened machine values), with one result slot per type and one exception
+    slot for all: a driver of a few hundred calls is a few thousand instructions to write."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
-    from numba.np.arrayobj import populate_array
+    from numba.core.callconv import RETCODE_NONE, RETCODE_OK, excinfo_t
 
     intp = context.get_value_type(types.intp)
     failed = cgutils.alloca_once_value(builder, intp(-1))
+    exception = cgutils.alloca_once(builder, ir.PointerType(excinfo_t), name="excinfo")
+    results: dict = {}
     done = builder.append_basic_block("driver_done")
     for number, (call, target) in enumerate(zip(calls, targets, strict=True)):
-        passed = []
-        for value, given, wanted in zip(call.arguments, target.given, target.arguments):
-            if isinstance(value, View):
-                pointer = builder.gep(data[value.argument], [intp(value.offset)])
-                if wanted == types.voidptr:
-                    passed.append(builder.bitcast(pointer, cgutils.voidptr_t))
-                    continue
-                view = context.make_array(given)(context, builder)
-                itemsize = context.get_abi_sizeof(context.get_data_type(given.dtype))
-                populate_array(
-                    view,
-                    data=pointer,
-                    shape=[intp(s) for s in value.shape],
-                    strides=[intp(s) for s in _c_strides(value.shape, itemsize)],
-                    itemsize=itemsize,
-                    meminfo=None,
-                )
-                passed.append(context.cast(builder, view._getvalue(), given, wanted))
-            else:
-                constant = context.get_constant(given, value.value)
-                passed.append(context.cast(builder, constant, given, wanted))
-        for omitted in target.arguments[len(call.arguments) :]:
-            passed.append(context.get_constant_generic(builder, omitted, omitted.value))
         function_type = context.call_conv.get_function_type(target.return_type, target.arguments)
         function = cgutils.get_or_insert_function(builder.module, function_type, target.symbol)
-        status, result = context.call_conv.call_function(
-            builder, function, target.return_type, target.arguments, passed
+        result_type = function_type.args[0].pointee
+        if str(result_type) not in results:
+            results[str(result_type)] = cgutils.alloca_once(builder, result_type)
+        result = results[str(result_type)]
+        passed = [result, exception]
+        for value, wanted in zip(call.arguments, target.arguments):
+            passed += _machine_values(context, builder, value, wanted, data)
+        for omitted in target.arguments[len(call.arguments) :]:
+            constant = context.get_constant_generic(builder, omitted, omitted.value)
+            passed += context.get_arg_packer([omitted]).as_arguments(builder, [constant])
+        if [v.type for v in passed] != list(function_type.args):
+            raise Unsupported(f"line {call.line}: arguments other than the callee's")
+        code = builder.call(function, passed)
+        bad = builder.and_(
+            builder.icmp_signed("!=", code, RETCODE_OK),
+            builder.icmp_signed("!=", code, RETCODE_NONE),
         )
-        bad = status.is_error
         if call.checked:
-            wrong = builder.icmp_signed("!=", result, ir.Constant(result.type, -1))
+            returned = builder.load(result)
+            wrong = builder.icmp_signed("!=", returned, ir.Constant(returned.type, -1))
             bad = builder.or_(bad, wrong)
+        failure = builder.append_basic_block(f"failed_{number}")
         following = builder.append_basic_block(f"call_{number + 1}")
-        with builder.if_then(bad, likely=False):
-            builder.store(intp(number), failed)
-            builder.branch(done)
-        builder.branch(following)
+        builder.cbranch(bad, failure, following)
+        builder.position_at_end(failure)
+        builder.store(intp(number), failed)
+        builder.branch(done)
         builder.position_at_end(following)
     builder.branch(done)
     builder.position_at_end(done)
     return builder.load(failed)
+
+
+def _machine_values(context, builder, value, wanted, data) -> list:
+    """The machine values a callee taking `wanted` receives for a view or a constant, as
+    Numba's argument packing flattens them (an array: meminfo, parent, item count, item size,
+    data, shape, strides; all but the data pointer constants here)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+
+    intp = context.get_value_type(types.intp)
+    if isinstance(value, View):
+        pointer = builder.gep(data[value.argument], [intp(value.offset)])
+        if wanted == types.voidptr:
+            return [builder.bitcast(pointer, cgutils.voidptr_t)]
+        if not isinstance(wanted, types.Array) or wanted.ndim != len(value.shape):
+            raise Unsupported(f"a view of {len(value.shape)} axes passed as {wanted}")
+        model = context.data_model_manager[wanted]
+        if tuple(model._fields) != _ARRAY_FIELDS:
+            raise Unsupported(f"{wanted} is not laid out as an array")
+        fields = context.get_value_type(wanted).elements
+        itemsize = context.get_abi_sizeof(context.get_data_type(wanted.dtype))
+        count = int(np.prod(value.shape, dtype=np.int64))
+        return [
+            ir.Constant(fields[0], None),
+            ir.Constant(fields[1], None),
+            intp(count),
+            intp(itemsize),
+            builder.bitcast(pointer, fields[4]),
+            *[intp(s) for s in value.shape],
+            *[intp(s) for s in _c_strides(value.shape, itemsize)],
+        ]
+    if isinstance(wanted, types.Boolean):
+        return [ir.Constant(context.data_model_manager[wanted].get_argument_type(), int(value.value))]
+    if isinstance(wanted, (types.Integer, types.Float)):
+        return [context.get_constant(wanted, value.value)]
+    raise Unsupported(f"a constant passed as {wanted}")
+
+
+_ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
 
 
 def _c_strides(shape: tuple, itemsize: int) -> list[int]:
@@ -410,20 +493,17 @@ def _check_layout() -> None:
             raise Unsupported("this interpreter's tuples or arrays are laid out differently")
 
 
-def compile_driver(calls: list[Call], arrays: list[Argument]):
+def compile_driver(calls: list[Call], arrays: list[Argument], name: str):
     """Native code running the calls on a tuple of the driver's arguments (arrays of the types
-    and shapes `arrays` describes), returning -1 or the number of the call that failed: (ctypes
-    function taking the tuple, the code library holding it)."""
+    and shapes `arrays` describes), returning -1 or the number of the call that failed: the code
+    library holding it as the function `name`."""
     from numba.core.compiler_lock import global_compiler_lock
 
-    _check_layout()
     with global_compiler_lock:
-        return _compiled(calls, arrays)
+        return _compiled(calls, arrays, name)
 
 
-def _compiled(calls: list[Call], arrays: list[Argument]):
-    import ctypes
-
+def _compiled(calls: list[Call], arrays: list[Argument], name: str):
     from llvmlite import ir
     from numba import from_dtype, types
     from numba.core import cgutils
@@ -432,14 +512,14 @@ def _compiled(calls: list[Call], arrays: list[Argument]):
     from backplan.codegen.build.loop_optimisation import DriverLibrary
 
     context = cpu_target.target_context
+    context.refresh()  # its constants' registries: a process that only loaded from its cache
     targets = _targets(calls, arrays)
     codegen = context.codegen()
-    library = DriverLibrary(codegen, "backplan_direct_driver")
-    module = library.create_ir_module("backplan_direct_driver")
+    library = DriverLibrary(codegen, name)
+    library.enable_object_caching()  # kept in the cache folder (_save)
+    module = library.create_ir_module(name)
     intp = context.get_value_type(types.intp)
-    function = ir.Function(
-        module, ir.FunctionType(intp, [cgutils.voidptr_t]), "backplan_direct_driver"
-    )
+    function = ir.Function(module, ir.FunctionType(intp, [cgutils.voidptr_t]), name)
     builder = ir.IRBuilder(function.append_basic_block("entry"))
     items = builder.bitcast(function.args[0], cgutils.voidptr_t.as_pointer())
     data = []
@@ -452,8 +532,7 @@ def _compiled(calls: list[Call], arrays: list[Argument]):
     builder.ret(_emit(context, builder, data, calls, targets))
     library.add_ir_module(module)
     library.finalize()
-    address = library.get_pointer_to_function(function.name)
-    return ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.py_object)(address), library
+    return library
 
 
 def enabled() -> bool:
@@ -471,11 +550,17 @@ class DirectDriver:
     it does not finish (a label out of range, a callee's error) runs again as Python, which
     raises the error with its message."""
 
-    __slots__ = ("_entry", "_library", "_python", "_count", "calls")
+    __slots__ = ("_entry", "_library", "_python", "_count", "cached")
 
-    def __init__(self, entry, library, python_run, count: int, calls: int):
-        self._entry, self._library, self._python = entry, library, python_run
-        self._count, self.calls = count, calls
+    def __init__(self, library, name: str, python_run, count: int, cached: bool):
+        import ctypes
+
+        address = library.get_pointer_to_function(name)
+        if not address:
+            raise RuntimeError(f"{name} has no native entry")
+        self._entry = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.py_object)(address)
+        self._library, self._python = library, python_run
+        self._count, self.cached = count, cached  # cached: loaded from the cache folder
 
     def __call__(self, *args):
         if len(args) == self._count and self._entry(args) == -1:
@@ -485,13 +570,86 @@ class DirectDriver:
 
 def build(source: str, scope: dict, arrays: list[Argument], python_run):
     """(the DirectDriver of the module's `run` for calls with these arguments (`described`),
-    None) or (None, why not: a statement it does not read, or what failed)."""
+    None) or (None, why not: a statement it does not read, or what failed). Loaded from the
+    cache folder where an earlier process left it, else built and left there."""
     try:
-        calls = plan(source, scope, arrays)
-        entry, library = compile_driver(calls, arrays)
+        found = cached(source, arrays, python_run)
+        if found is not None:
+            return found, None
+        name = _name(source, arrays)
+        with _made_lock:
+            if name not in _made:
+                _made[name] = compile_driver(plan(source, scope, arrays), arrays, name)
+                _save(_made[name], name)
+        return DirectDriver(_made[name], name, python_run, len(arrays), False), None
     except Unsupported as why:
         return None, str(why)
     except Exception as error:  # noqa: BLE001 - the Python-run driver serves the calls
         return None, f"{type(error).__name__}: {error}"
-    return DirectDriver(entry, library, python_run, len(arrays), len(calls)), None
 
+
+def cached(source: str, arrays: list[Argument], python_run):
+    """The DirectDriver for calls with these arguments made earlier in this process or loaded
+    from the cache folder; None where there is none (a plan's first call then runs as Python)."""
+    _check_layout()
+    name = _name(source, arrays)
+    with _made_lock:
+        if name not in _made:
+            library = _load(name)
+            if library is None:
+                return None
+            _made[name] = library
+    return DirectDriver(_made[name], name, python_run, len(arrays), True)
+
+
+_made: dict = {}  # name -> code library, built or loaded in this process (each symbol once)
+_made_lock = threading.Lock()
+
+
+def _name(source: str, arrays: list[Argument]) -> str:
+    """The driver's symbol, and its cache file's name: a digest of all its machine code
+    depends on (the source names its loops by their source's digest; library functions are
+    called by symbol, resolved when it loads)."""
+    import hashlib
+
+    from backplan.codegen.build import cache, loop_batch
+
+    described = repr([(a.shape, a.dtype.str) for a in arrays])  # read-only: the same code
+    text = "\n".join([source, described, loop_batch.environment(), cache.codegen_fingerprint()])
+    return f"bp_direct_{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+
+def _path(name: str, folder: str) -> str:
+    return os.path.join(folder, "__pycache__", f"{name}.o")
+
+
+def _load(name: str):
+    """The driver's code library from the cache folder (its callees' symbols published first),
+    or None where none is there for this process."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from backplan.codegen.build import cache, cache_signing, loop_batch
+
+    path = _path(name, cache.cache_path())
+    if not os.path.exists(path):
+        return None
+    payload = loop_batch.read_signed(path)
+    if payload is None:
+        return None
+    with global_compiler_lock:
+        if not cache_signing.ready_to_load(payload):
+            return None
+        return loop_batch.unserialize_object(payload, name)
+
+
+def _save(library, name: str) -> None:
+    from backplan.codegen.build import cache, cache_health, loop_batch
+
+    folder = cache.writable_cache_dir()
+    if folder is None:
+        return
+    try:
+        os.makedirs(os.path.join(folder, "__pycache__"), mode=0o700, exist_ok=True)
+        loop_batch.write_signed(_path(name, folder), loop_batch.object_payload(library))
+    except OSError as error:
+        cache_health.note_unwritable(folder, error)

@@ -159,25 +159,31 @@ def _save(loops: list, lowered: list) -> None:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         names = {}
         for library in libraries:
-            obj = library.serialize_using_object_code()[2]
-            body = obj[0] + obj[1]
-            name = f"k_batch_{hashlib.sha256(body).hexdigest()[:24]}.o"
-            head = json.dumps({"object": len(obj[0]), "bitcode": len(obj[1])}).encode()
-            payload = len(head).to_bytes(4, "little") + head + body
-            cache_health.write_atomic(
-                os.path.join(folder, name), cache_signing.signed(name, payload).hex()
-            )
+            payload = object_payload(library)
+            name = f"k_batch_{hashlib.sha256(payload).hexdigest()[:24]}.o"
+            write_signed(os.path.join(folder, name), payload)
             names[id(library)] = name
         env = environment()
         for loop, (library, symbol) in zip(loops, lowered, strict=True):
             note = {"source": _digest(loop), "env": env, "batch": names[id(library)]}
             note["symbol"] = symbol
-            path = _note_path(loop)
-            text = json.dumps(note).encode()
-            signed = cache_signing.signed(os.path.basename(path), text)
-            cache_health.write_atomic(path, signed.hex())
+            write_signed(_note_path(loop), json.dumps(note).encode())
     except OSError as error:
         cache_health.note_unwritable(directory, error)
+
+
+def object_payload(library) -> bytes:
+    """A finalised code library's machine code (and the bitcode Numba keeps beside it), as
+    unserialize_object reads it back."""
+    obj = library.serialize_using_object_code()[2]
+    head = json.dumps({"object": len(obj[0]), "bitcode": len(obj[1])}).encode()
+    return len(head).to_bytes(4, "little") + head + obj[0] + obj[1]
+
+
+def write_signed(path: str, payload: bytes) -> None:
+    """The payload in a file at path, signed under its name with this user's key."""
+    signed = cache_signing.signed(os.path.basename(path), payload)
+    cache_health.write_atomic(path, signed.hex())
 
 
 def has_cached(loop) -> bool:
@@ -191,7 +197,7 @@ def note_is_usable(path: str) -> bool:
     note as cached (kernel_cache.cached_digests); a note left by another CPU target, or whose
     object is gone, compiles its loop again and is not counted (a prediction still: the object
     is checked when loaded)."""
-    note = _read_signed(path) if os.path.exists(path) else None
+    note = read_signed(path) if os.path.exists(path) else None
     if note is None:
         return False
     try:
@@ -205,7 +211,7 @@ def note_is_usable(path: str) -> bool:
 def cached_entry(loop) -> tuple[int, object, str] | None:
     """(native entry, library, symbol) of the loop from a batch on disk (its object loaded once per
     process), or None when there is none this process can use."""
-    note = _read_signed(_note_path(loop))
+    note = read_signed(_note_path(loop))
     if note is None:
         return None
     try:
@@ -232,14 +238,15 @@ def _library(name: str):
         if name not in _LIBRARIES:
             if os.path.basename(name) != name or not name.startswith("k_batch_"):
                 return None
-            payload = _read_signed(os.path.join(cache.cache_path(), "__pycache__", name))
+            payload = read_signed(os.path.join(cache.cache_path(), "__pycache__", name))
             if payload is None or not cache_signing.ready_to_load(payload):
                 return None  # the symbols its loops call (the own GEMM) first, or compile
-            _LIBRARIES[name] = _unserialize(payload)
+            _LIBRARIES[name] = unserialize_object(payload)
         return _LIBRARIES[name]
 
 
-def _unserialize(payload: bytes):
+def unserialize_object(payload: bytes, name: str = "backplan_loops"):
+    """A code library from object_payload's bytes (its symbols resolved first: ready_to_load)."""
     from numba.core.registry import cpu_target
 
     size = int.from_bytes(payload[:4], "little")
@@ -247,12 +254,12 @@ def _unserialize(payload: bytes):
     body = payload[4 + size :]
     obj, bitcode = body[: head["object"]], body[head["object"] :]
     if len(bitcode) != head["bitcode"]:
-        raise ValueError("batch object truncated")
+        raise ValueError("object truncated")
     codegen = cpu_target.target_context.codegen()
-    return codegen.unserialize_library(("backplan_loops", "object", (obj, bitcode)))
+    return codegen.unserialize_library((name, "object", (obj, bitcode)))
 
 
-def _read_signed(path: str) -> bytes | None:
+def read_signed(path: str) -> bytes | None:
     """The payload of a file this user's key signed under its name, or None. A file that fails
     the check (truncated, edited, planted, signed by another key) is removed with a
     CacheWarning, as Numba's signed files are (cache_signing.discard): never run, and not left

@@ -484,6 +484,7 @@ class CompiledPlan:
     def _first_call(self, arrays: list):
         start = time.perf_counter()
         label = plan_label(self.plan.graph)
+        described = self._cached_direct(arrays) if self._direct else None
         compiling_driver = self.driver_tier == "compiled" and self.driver_seconds is None
         compiled_before = compile_garbage.compiles()
         with progress.reporting(
@@ -497,15 +498,27 @@ class CompiledPlan:
         # what Numba's type inference left holds this call's frames, arrays included
         compile_garbage.collect_if_compiled(compiled_before)
         self.first_call_seconds = time.perf_counter() - start
-        if self._direct:  # the second call builds the direct driver
-            try:
-                self._direct_pending = (direct_driver.described(arrays), label)
-            except direct_driver.Unsupported as why:
-                self.direct_error = str(why)
-                self._start_build(lambda: driver_tier.argument_types(arrays), label)
-        else:
+        if described is None:  # no direct driver: not wanted, or not for these arguments
             self._start_build(lambda: driver_tier.argument_types(arrays), label)
+        elif self.driver_tier == "python":
+            self._direct_pending = (described, label)  # the second call builds it
         return returned
+
+    def _cached_direct(self, arrays: list):
+        """The arguments as the direct driver takes them (None where it cannot), switching to
+        the driver where an earlier process (or plan) made it for calls like this first one."""
+        try:
+            described = direct_driver.described(arrays)
+        except direct_driver.Unsupported as why:
+            self.direct_error = str(why)
+            return None
+        try:
+            driver = direct_driver.cached(self.source, described, self._python_run)
+        except Exception:  # noqa: BLE001 - one it cannot load is built in the second call
+            driver = None
+        if driver is not None:
+            self._use_direct(driver)
+        return described
 
     def _reference_call(self, args: list) -> list:
         """A call while kernels and driver build in the background: the reference interpreter
@@ -639,14 +652,17 @@ class CompiledPlan:
                 types = [[str(a.dtype), len(a.shape), "C", a.read_only] for a in arguments]
                 self._start_build(lambda: types, label)
                 return
-            with self._build_lock:
-                self._background = False
-                if self.driver_tier == "python":
-                    self._run = driver
-                    self.driver_tier = "direct"
-            self._driver_ready.set()
+            self._use_direct(driver)
         finally:
             self._direct_lock.release()
+
+    def _use_direct(self, driver) -> None:
+        with self._build_lock:
+            self._background = False
+            if self.driver_tier == "python":
+                self._run = driver
+                self.driver_tier = "direct"
+        self._driver_ready.set()
 
     def _build_driver(self, types: list, label: str) -> None:
         """Compile the driver in a child process; switch to it once it is loaded."""
