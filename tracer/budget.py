@@ -237,11 +237,14 @@ class BudgetPlanner:
             return ""
         budget, point, narrowed = self.recomputed_for
         held = self._narrowed_held(point) if narrowed else point.held_bytes
+        # as the frontier's saved column: on numba the compiled plans' (fused values unstored)
+        held -= self.evaluate(point, narrowed, plans=False).fused
+        total = self.choices.schedule.held_bytes() - self.evaluate_default(plans=False).fused
         step = max(self.step_flops(), 1)
         return (
             f"To fit {budget}, the step recomputes {len(point.drop)} of the values its inlined "
             f"gradients read instead of holding them: it holds {format_bytes(held)} "
-            f"of them (of {format_bytes(self.choices.schedule.held_bytes())}) for "
+            f"of them (of {format_bytes(total)}) for "
             f"{point.added_flops:,} added FLOPs (+{100 * point.added_flops / step:.1f}% of the "
             "step)."
         )
@@ -547,7 +550,7 @@ class BudgetPlanner:
         cost = (
             f"{narrowed}recomputing {best.recomputed} more value(s) in "
             f"{self._backward_words()} for {best.added_flops:,} added FLOPs "
-            f"(+{100 * best.added_flops / step:.0f}% of the step); the default plan peaks at "
+            f"(+{100 * best.added_flops / step:.1f}% of the step); the default plan peaks at "
             f"{format_bytes(default.peak_bytes)}"
             if best.peak_bytes < default.peak_bytes
             else f"the default plan's: recomputing in {self._backward_words()} lowers it no further"
