@@ -143,7 +143,9 @@ def test_a_full_library_folder_is_named_with_the_setting_that_chose_it(tmp_path,
     monkeypatch.setenv("BACKPLAN_LIBRARY_CACHE_DIR", str(library))
     py_func = driver.scaled_only.py_func
     source_folder = os.path.dirname(py_func.__code__.co_filename)
-    expected = str(library / "codegen" / "kernels" / "gemm")
+    from backplan.codegen.build.fingerprint import codegen_fingerprint
+
+    expected = str(library / codegen_fingerprint()[:16] / "codegen" / "kernels" / "gemm")
     assert cache_folder(py_func) == expected
     locator = LibraryLocator(py_func, py_func.__code__.co_filename)
     assert locator.get_cache_path() == expected  # where Numba writes is what the warning says

@@ -57,10 +57,29 @@ def test_library_code_is_cached_signed_in_the_cache_folder_loaded_counted_and_cl
     assert first["misses"] >= 1
     assert any(name.startswith("matmul.gemm_at_f32-") for name in names), names
     assert all(".bp." in name for name in names), names  # signed files only
-    assert all(f.startswith(str(tmp_path / "kernels" / "library" / "codegen")) for f in files)
+    from backplan.codegen.build.fingerprint import codegen_fingerprint
+
+    versioned = tmp_path / "kernels" / "library" / codegen_fingerprint()[:16] / "codegen"
+    assert all(f.startswith(str(versioned)) for f in files)
     second = json.loads(run(["-c", SCRIPT], env).splitlines()[-1])
     assert second == {"hits": 1, "misses": 0}  # loaded from the folder, not compiled
     info = run(["-m", "backplan", "cache", "info"], env)
     assert f"library: {len(library_files(tmp_path))} files" in info, info
     run(["-m", "backplan", "cache", "clear"], env)
     assert library_files(tmp_path) == []
+
+
+def test_checkouts_of_different_codegen_keep_their_own_library_entries(monkeypatch):
+    """A library function's entries are stamped with the codegen fingerprint, so two checkouts
+    of different code sharing the cache folder must not share its index file: each found the
+    other's stale and overwrote it, and every other process compiled the GEMM again."""
+    from backplan.codegen.build import fingerprint, library_cache
+    from backplan.codegen.kernels import matmul
+
+    py_file = matmul.gemm_at_f32.py_func.__code__.co_filename
+    monkeypatch.setattr(fingerprint, "codegen_fingerprint", lambda: "a" * 64)
+    first = library_cache.library_path(py_file)
+    monkeypatch.setattr(fingerprint, "codegen_fingerprint", lambda: "b" * 64)
+    second = library_cache.library_path(py_file)
+    assert first != second
+    assert second.endswith(os.path.join("b" * 16, "codegen", "kernels"))

@@ -41,10 +41,19 @@ def inside_package(py_file: str) -> str:
     return os.path.relpath(os.path.dirname(os.path.abspath(py_file)), PACKAGE_ROOT)
 
 
+def versioned_inside_package(py_file: str) -> str:
+    """The file's path inside the package under a folder named by the codegen fingerprint its
+    entries are stamped with (cache_signing.dependency_stamp): two checkouts of different code
+    sharing one cache folder (a worktree and the main one, two installed versions) keep their
+    own index files instead of each finding the other's stale and overwriting it, which made
+    every other process compile the library's GEMM again."""
+    return os.path.join(fingerprint.codegen_fingerprint()[:16], inside_package(py_file))
+
+
 def library_path(py_file: str) -> str:
     """The folder a library file's functions are cached in: its path inside the package,
     under library_folder()."""
-    return os.path.join(library_folder(), inside_package(py_file))
+    return os.path.join(library_folder(), versioned_inside_package(py_file))
 
 
 def cache_folder(py_func) -> str:

@@ -92,7 +92,7 @@ def prebuilt_file(py_func, filename_base: str, source_stamp) -> PrebuiltCacheFil
         return None
     if not usable(folder):
         return None
-    path = os.path.join(folder, library_cache.inside_package(py_file))
+    path = os.path.join(folder, library_cache.versioned_inside_package(py_file))
     if not os.path.isdir(path):
         return None
     return PrebuiltCacheFile(path, filename_base, source_stamp)
