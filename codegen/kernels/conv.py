@@ -1,8 +1,8 @@
 """conv2d and its two adjoints over NCHW arrays as im2col + GEMM: the kernel taps of every output
 position become columns of a (C/groups * kH * kW, N * OH * OW) matrix and a GEMM multiplies it
 by the weights: backplan's own where gemm/choice.py's conv_gemm_width picks it (the emitter
-passes the register tile width; 0 is BLAS). Measured on the digits CNN's layers (batch 32; 1->16 channels at 8x8 and
-16->32 at 4x4, 3x3 kernels, one BLAS thread) against direct loops, one task per output plane:
+passes the register tile width; 0 is BLAS). Measured on the digits CNN's layers (batch 32;
+1->16 channels at 8x8 and 16->32 at 4x4, 3x3 kernels, one BLAS thread) against direct loops, one task per output plane:
 forward 0.05 / 0.6 ms against 0.7 / 8.7 ms, input gradient 0.04 / 0.4 ms against 1.3 / 9.0 ms,
 weight gradient 0.5 / 1.2 ms against 1.3 / 6.9 ms. The column buffer is C * kH * kW times the
 input; padding is handled while filling it."""
@@ -172,7 +172,8 @@ def _scatter_planes(product, out, first):
 @njit(**_opts)
 def _product(width, trans_a, trans_b, a, b, out):
     """out = op(a) @ op(b) for C-contiguous 2-D operands: backplan's GEMM with register tile
-    `width` (512 or 256 bits), or BLAS where width is 0."""
+    `width` (512 or 256 bits), or BLAS where width is 0. Callers pass the flags as np.bool_:
+    literal flags compiled it (and the GEMM inside) once per pair, two in a CNN's step."""
     if width:
         own_gemm(width, trans_a, trans_b, 1.0, a, b, 0.0, out)
     else:
@@ -193,7 +194,8 @@ def conv2d_gemm(x, w, out, sh, sw, ph, pw, dh, dw, groups, width):
     product = np.empty((og, x.shape[0] * oh * ow), x.dtype)
     for g in range(groups):
         im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
-        _product(width, False, False, _weight_matrix(w, g * og, og), cols, product)
+        weights = _weight_matrix(w, g * og, og)
+        _product(width, np.bool_(False), np.bool_(False), weights, cols, product)
         _scatter_planes(product, out, g * og)
 
 
@@ -211,7 +213,8 @@ def conv2d_input_grad_gemm(gout, w, dx, sh, sw, ph, pw, dh, dw, groups, width):
         flat[p] = 0
     for g in range(groups):
         weights = _weight_matrix(w, g * og, og)
-        _product(width, True, False, weights, _group_matrix(gout, g * og, og), cols)
+        grads = _group_matrix(gout, g * og, og)
+        _product(width, np.bool_(True), np.bool_(False), weights, grads, cols)
         col2im(cols, summed, g * cg, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
     if summed.ctypes.data != dx.ctypes.data:
         _copy4(summed, dx)
@@ -228,7 +231,8 @@ def conv2d_weight_grad_gemm(x, gout, dw_out, sh, sw, ph, pw, dh, dw, groups, wid
     product = np.empty((og, cg * kh * kw), dw_out.dtype)
     for g in range(groups):
         im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
-        _product(width, False, True, _group_matrix(gout, g * og, og), cols, product)
+        grads = _group_matrix(gout, g * og, og)
+        _product(width, np.bool_(False), np.bool_(True), grads, cols, product)
         for o in range(og):
             for c in range(cg):
                 for i in range(kh):
