@@ -1,11 +1,11 @@
 """conv2d and its two adjoints over NCHW arrays as im2col + GEMM: the kernel taps of every output
 position become columns of a (C/groups * kH * kW, N * OH * OW) matrix and a GEMM multiplies it
 by the weights: backplan's own where gemm/choice.py's conv_gemm_width picks it (the emitter
-passes the register tile width; 0 is BLAS). Measured on the digits CNN's layers (batch 32;
-1->16 channels at 8x8 and 16->32 at 4x4, 3x3 kernels, one BLAS thread) against direct loops, one task per output plane:
-forward 0.05 / 0.6 ms against 0.7 / 8.7 ms, input gradient 0.04 / 0.4 ms against 1.3 / 9.0 ms,
-weight gradient 0.5 / 1.2 ms against 1.3 / 6.9 ms. The column buffer is C * kH * kW times the
-input; padding is handled while filling it."""
+passes the register tile width; 0 is BLAS). Measured on the digits CNN's layers (batch 32; 1->16
+channels at 8x8 and 16->32 at 4x4, 3x3 kernels, one BLAS thread) against direct loops, one task
+per output plane: forward 0.05 / 0.6 ms against 0.7 / 8.7 ms, input gradient 0.04 / 0.4 ms
+against 1.3 / 9.0 ms, weight gradient 0.5 / 1.2 ms against 1.3 / 6.9 ms. The column buffer is C
+* kH * kW times the input; padding is handled while filling it."""
 
 import numpy as np
 
