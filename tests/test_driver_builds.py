@@ -40,7 +40,10 @@ with use_backend("numba"):
     plan = step.trace(w, x).runner().compiled
     print(json.dumps({"tier": plan.driver_tier, "module": plan.module_path}), flush=True)
     if sys.argv[1] in ("pid", "hang"):
+        deadline = time.monotonic() + 120  # a build never submitted fails, not hangs
         while not driver_builder._running:  # the builder thread starts the child
+            if time.monotonic() > deadline:
+                sys.exit("no driver build started within 120 s")
             time.sleep(0.01)
         print(json.dumps({"pid": driver_builder._running[0].process.pid}), flush=True)
     if sys.argv[1] == "hang":
