@@ -371,6 +371,8 @@ def main(argv=None) -> None:
         "--clock", choices=("wall", "cpu"), default="wall", help="cpu: steps' CPU time"
     )
     args = parser.parse_args(argv)
+    if args.frontier and args.no_time:
+        parser.error("--frontier times its rows' compiled steps; --no-time cannot apply to it")
     CLOCK[0] = args.clock
     dtype = bp.bfloat16 if args.saved_dtype else None
     print(f"CPU: {cpu_name()}; {pin_process(args.threads)['affinity']}; clock: {args.clock}")

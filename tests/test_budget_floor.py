@@ -6,9 +6,10 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 import backplan as bp
-from backplan.bench.memory_budget import recompute_floor
+from backplan.bench.memory_budget import main, recompute_floor
 
 
 def _planner(depth: int = 6):
@@ -49,3 +50,10 @@ def test_no_plan_adds_fewer_flops_than_the_floor_and_the_floor_is_tight_enough_t
         assert recompute_floor(planner, limit) <= best[limit], limit
     third = total // 3
     assert best[third] > 0 and 2 * recompute_floor(planner, third) >= best[third]
+
+
+def test_the_frontier_bench_refuses_no_time_instead_of_timing_anyway(capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["--frontier", "3", "--no-time"])
+    assert refused.value.code == 2
+    assert "--no-time cannot apply" in capsys.readouterr().err
