@@ -55,7 +55,8 @@ def child(peer_name: str, model: str) -> dict:
 def run_one(peer_name: str, model: str, cpu: int | None) -> dict:
     with tempfile.TemporaryDirectory() as plans, tempfile.TemporaryDirectory() as library:
         env = {**os.environ, "BACKPLAN_CACHE_DIR": plans, "BACKPLAN_LIBRARY_CACHE_DIR": library}
-        command = [sys.executable, "-m", "backplan.bench.cold_first_call", "--child", peer_name, model]
+        module = "backplan.bench.cold_first_call"
+        command = [sys.executable, "-m", module, "--child", peer_name, model]
         if cpu is not None:
             command = ["taskset", "-c", str(cpu), *command]
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)

@@ -24,9 +24,9 @@ import numpy as np
 
 import backplan as bp
 import backplan.distributed as bpd
+from backplan.bench.internals import checking, measure
 from backplan.bench.memory import proc_status_bytes
 from backplan.bench.models import mlp
-from backplan.bench.internals import checking, measure
 
 
 def model(width: int, batch: int, rank: int):

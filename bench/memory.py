@@ -39,7 +39,8 @@ STEPS = ("train", "vg")
 
 
 def proc_status_bytes(field: str) -> int:
-    """A /proc/self/status figure (VmRSS, VmHWM) in bytes: what the kernel says the process holds."""
+    """A /proc/self/status figure (VmRSS, VmHWM) in bytes: what the kernel says the process
+    holds."""
     with open("/proc/self/status", encoding="ascii") as file:
         for line in file:
             if line.startswith(field + ":"):

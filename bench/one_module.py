@@ -27,7 +27,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -90,8 +89,9 @@ def _phase_clock() -> collections.Counter:
 def _one_module(loops: list) -> None:
     """Every loop lowered into one library per optimisation level, each finalised once: what
     a plan's first call does (codegen/build/loop_batch.py), less its cache files."""
-    from backplan.bench.internals import loop_batch
     from numba.core.compiler_lock import global_compiler_lock
+
+    from backplan.bench.internals import loop_batch
 
     with global_compiler_lock:
         libraries, lowered = loop_batch._lower(loops)

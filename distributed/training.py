@@ -19,8 +19,8 @@ from backplan.tracer.tensor import Tensor
 
 from .agreement import leaf_array
 from .exchange import Exchange
-from .rank_peak import PlanFacts, allreduce_peak, sharded_peak
 from .failure import describe_error, out_of_step_text
+from .rank_peak import PlanFacts, allreduce_peak, sharded_peak
 from .sharding import ShardedExchange, bytes_sent, flat_shares, groups_of, range_of
 from .world import init, sums_by_recursive_doubling
 

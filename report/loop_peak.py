@@ -89,9 +89,9 @@ def loop_sentence(report) -> str:
     """'. The peak is that of the loop users write (loss, grads = step(params, x)), in which
     every call from the second also holds the previous call's 196,612 B (192.0 KiB) (its names
     keep them bound until the call returns); a call whose caller let them go holds 499,716 B
-    (488.0 KiB) (report.call_peak_bytes)'; "" when a call hands back nothing it allocated. A loss that
-    backward() follows holds the old one while its forward runs, not while backward()'s plan
-    does."""
+    (488.0 KiB) (report.call_peak_bytes)'; "" when a call hands back nothing it allocated. A
+    loss that backward() follows holds the old one while its forward runs, not while
+    backward()'s plan does."""
     kept = report.kept_output_bytes(1)
     if kept <= 0:
         return ""

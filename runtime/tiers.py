@@ -18,9 +18,10 @@ def slowest_tier(runners: list) -> str | None:
 
 
 def wait_until_compiled(runners: list, timeout: float | None = None) -> bool:
-    """True once every runner's calls run compiled code (a direct or a compiled driver); False when one stays on a slower
-    tier (its build failed, it cannot compile, it runs on the reference backend) or `timeout`
-    seconds passed first. With no runners there is nothing compiled yet: False."""
+    """True once every runner's calls run compiled code (a direct or a compiled driver); False
+    when one stays on a slower tier (its build failed, it cannot compile, it runs on the
+    reference backend) or `timeout` seconds passed first. With no runners there is nothing
+    compiled yet: False."""
     deadline = None if timeout is None else time.monotonic() + timeout
     for runner in runners:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import backplan as bp
-from backplan.ir.budget import PlanPoint
 from backplan.runtime.backend import use_backend
 from backplan.tracer.budget import BudgetPlanner, step_peak_bytes
 
@@ -75,7 +74,10 @@ def _layer(kind: str, h, kept: list, constant):
 
 def _model(kinds: tuple[str, ...], seed: int):
     rng = np.random.default_rng(seed)
-    ws = {f"w{i}": (rng.standard_normal((8, 8)) * 0.3).astype(np.float32) for i in range(len(kinds))}
+    ws = {
+        f"w{i}": (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)
+        for i in range(len(kinds))
+    }
     constant = rng.standard_normal((8, 8)).astype(np.float32)
 
     def loss(ws, x):

@@ -84,7 +84,9 @@ def test_16_bit_layer_runs_bias_and_relu_in_the_gemm_epilogue(own_gemm, monkeypa
 
 @pytest.mark.parametrize("name", DTYPES)
 @pytest.mark.parametrize("m, k, n", SHAPES)
-def test_fused_16_bit_epilogue_rounds_once_and_the_reference_rounds_each_op(own_gemm, name, m, k, n):
+def test_fused_16_bit_epilogue_rounds_once_and_the_reference_rounds_each_op(
+    own_gemm, name, m, k, n
+):
     dtype = DTYPES[name]
     rng = np.random.default_rng(m * 1000 + k * 10 + n)
     x, w, b = layer_arrays(rng, m, k, n, dtype)

@@ -48,7 +48,8 @@ def status(field):
 x = np.random.rand(64, 8, 16, 16).astype(np.float32)
 w = np.random.rand(12, 4, 3, 3).astype(np.float32)
 out = np.empty((64, 12, 16, 16), np.float32)
-conv2d_gemm(x, w, out, 1, 1, 1, 1, 1, 1, 2, vector_width())  # compiles or loads; the GEMM's own buffers
+# compiles or loads; the GEMM's own buffers
+conv2d_gemm(x, w, out, 1, 1, 1, 1, 1, 1, 2, vector_width())
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
 conv2d_gemm(x, w, out, 1, 1, 1, 1, 1, 1, 2, vector_width())

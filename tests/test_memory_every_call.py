@@ -127,8 +127,8 @@ def test_a_report_planning_for_its_backend_leaves_other_threads_theirs(backend):
 
 def test_an_idle_plan_adds_its_arena_and_nothing_else(backend):
     """ir/peak.py: a plan kept compiled but not run (PlanCall.idle) holds its scratch arena
-    (unless it freed it: keeps_arena=False) and constants on numba, nothing on the reference interpreter; the planner's fast count
-    (predicted_peak_bytes) agrees with the report's."""
+    (unless it freed it: keeps_arena=False) and constants on numba, nothing on the reference
+    interpreter; the planner's fast count (predicted_peak_bytes) agrees with the report's."""
     from backplan.ir.peak import predicted_peak, predicted_peak_bytes
 
     params, batch = model_arrays("mlp_tiny", requires_grad=True)

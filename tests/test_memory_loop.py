@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import counted_in_a_loop
 
 import backplan as bp

@@ -74,7 +74,7 @@ def test_the_update_compiled_on_its_own_steps_as_the_eager_one(inner, backend):
         update = bp.compile(opt.update)
         eager, state = params, opt.init(params)
         traced, traced_state = params, opt.init(params)
-        for step in range(4):
+        for _ in range(4):
             grads = {"w": bp.tensor(rng.standard_normal((8, 15)).astype(np.float32))}
             eager, state = opt.update(grads, state, eager)
             traced, traced_state = update(grads, traced_state, traced)

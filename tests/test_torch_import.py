@@ -190,9 +190,10 @@ def test_the_guides_explain_torch_tables_are_what_the_command_prints(tmp_path, c
     are rows the command prints now, on the numba backend (explain compiles nothing)."""
     import re
 
+    from test_docs import ROOT
+
     from backplan.__main__ import main
     from backplan.runtime.backend import use_backend
-    from test_docs import ROOT
 
     (tmp_path / "mymodel.py").write_text(GUIDE_MODEL_FILE)
     args = ["--args", "x: f32[32,3,32,32]", "--loss", "cross_entropy"]
