@@ -117,8 +117,10 @@ class PeakReport:
 @dataclass(frozen=True)
 class PlanCall:
     """One plan run as part of a step. output_kinds: the category of each graph output.
-    input_kinds: per graph input, "inputs", "donated", or "held" (a buffer an earlier call of
-    the step produced, already counted: a backward's saved inputs). held_from: for the
+    input_kinds: per graph input, "inputs", "donated", "held" (a buffer an earlier call of
+    the step produced, already counted: a backward's saved inputs) or "cotangent" (backward()'s
+    seed, or the zeros of an output it did not start from: arrays backward() allocates, not the
+    caller's, counted as gradients while that call runs). held_from: for the
     reference interpreter, input index -> (call, output index) of that earlier buffer."""
 
     label: str
@@ -152,6 +154,16 @@ def _input_bytes(calls: list[PlanCall]) -> dict:
             if kind in CALLER_OWNED:
                 held[kind] += value.type.nbytes
     return held
+
+
+def _cotangent_bytes(call: PlanCall) -> int:
+    """What backward() allocates for a backward plan's cotangent inputs (its seed): held while
+    that call runs, as a gradient (the loss's own), never the caller's array."""
+    return sum(
+        v.type.nbytes
+        for v, kind in zip(call.plan.graph.inputs, call.input_kinds, strict=True)
+        if kind == "cotangent"
+    )
 
 
 def building_peak(calls: list[PlanCall]) -> PeakReport:
@@ -204,7 +216,8 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes
-        during = sum(held.values()) + _kept_during(call.label, kept)
+        seed = _cotangent_bytes(call)
+        during = sum(held.values()) + seed + _kept_during(call.label, kept)
         peak = max(peak, during + max(_workspace(g) for g in _driver_calls(low)))
     return peak
 
@@ -245,10 +258,13 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes  # allocated on entry, held to the step's end
+        seed = _cotangent_bytes(call)  # backward()'s seed: made before it, freed after it
+        held["gradients"] += seed
         for group in _driver_calls(low):
             running = dict(held, workspace=_workspace(group))
             steps.append(PeakStep(index, call.label, *_kernel_words(group), running))
             index += 1
+        held["gradients"] -= seed
     buffers = tuple(
         (c.label, b) for c, bs in zip(calls, per_call, strict=True) if not c.idle for b in bs
     )
@@ -313,6 +329,9 @@ def _reference_steps(calls: list[PlanCall]):
     roots = [storage_roots(c.plan.graph) for c in calls]
     for c, call in enumerate(calls):
         graph, start = call.plan.graph, offsets[c]
+        seed = _cotangent_bytes(call)  # made before the call, freed after it
+        deltas[start]["gradients"] += seed
+        deltas[start + len(graph.nodes)]["gradients"] -= seed
         step_of = {node: step for step, node in enumerate(graph.nodes)}
         kinds: dict = {}
         for o, kind in zip(graph.outputs, call.output_kinds, strict=True):
@@ -411,7 +430,7 @@ def region_calls(plans, consume: bool = True) -> list[PlanCall]:
             "backward",
             backward,
             ("gradients",) * len(backward.graph.outputs),
-            ("inputs",) * n_cot + ("held",) * len(plans.saved),
+            ("cotangent",) * n_cot + ("held",) * len(plans.saved),
             plans.private_saved_inputs() if consume else (),
             held_from=held_from,
         )

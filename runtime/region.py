@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backplan.codegen.run import memory_check
 from backplan.ir.lowering import BackwardMode
 from backplan.ir.types import np_dtype
 
@@ -229,6 +230,8 @@ class Region:
                 ct = np.zeros(out.shape, dtype=np_dtype(out.dtype))
             args.append(ct)
         n_cot = len(args)
+        if memory_check.checking():  # arrays backward() made, held while its plan runs
+            memory_check.count_held(args, "backward()'s cotangents")
         saved = self._saved
         args += [saved[i] for i in range(len(program.saved_info))]
         release = Release(saved, n_cot) if mode is CONSUME else None

@@ -131,7 +131,8 @@ def test_forward_then_backward_holds_both_arenas_saved_buffers_and_gradients(bac
     predicted = predicted_peak(region_calls(loss.trace(x, w).program.plans), backend)
     assert measured.peak == predicted.allocated_peak_bytes
     most = {c: max(s.held[c] for s in predicted.steps) for c in ("saved", "gradients")}
-    assert most["saved"] > 0 and most["gradients"] == 12 * 8 * 4
+    # w's gradient, and while backward()'s plan runs its seed (a float32 1.0 it allocates)
+    assert most["saved"] > 0 and most["gradients"] == 12 * 8 * 4 + 4
 
 
 def test_a_donated_training_step_holds_what_its_plan_predicts(backend):
