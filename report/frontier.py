@@ -66,11 +66,12 @@ class MemoryFrontier:
         if self.floor is None:
             return []
         p, last = self.floor, self.points[-1]
+        rounds = f", saved buffers in {p.saved_dtype} (rounds)" if p.rounds else ""
         return [
             f"  below the last row: {format_bytes(p.peak_bytes)}, "
             f"{format_bytes(last.peak_bytes - p.peak_bytes)} less for {p.added_flops:,} "
             f"added FLOPs (+{100 * p.added_flops / max(self.step_flops, 1):.1f}%, "
-            f"{p.recomputed} recomputed), the lowest peak any plan reaches: no row (it "
+            f"{p.recomputed} recomputed{rounds}), the lowest peak any plan reaches: no row (it "
             f"lowers the last by under 1%), but max_peak_bytes from {p.peak_bytes:,} below "
             f"{last.peak_bytes:,} runs it and a budget under it is refused"
         ]
@@ -125,7 +126,8 @@ class MemoryFrontier:
                 [self.floor.peak_bytes / 2**20],
                 "v",
                 color="#55a868",
-                label="lowest peak (no row: under 1% below the last)",
+                label="lowest peak (no row: under 1% below the last)"
+                + (f", saved in {self.floor.saved_dtype} (rounds)" if self.floor.rounds else ""),
             )
         if self.floor is not None or any(p.rounds for p in self.points):
             axes.legend()

@@ -5,6 +5,8 @@ the last row ran that unlisted plan, and a refusal quoted a peak the frontier di
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -72,3 +74,25 @@ def test_the_plot_draws_the_floor_as_its_own_point_below_the_rows(tmp_path):
     assert y < min(p.peak_bytes for p in frontier.points) / 2**20
     frontier.plot(tmp_path / "frontier.svg")
     assert "lowest peak" in (tmp_path / "frontier.svg").read_text()
+
+
+def test_a_floor_whose_saved_buffers_are_narrowed_says_it_rounds():
+    """With allow_saved_dtype the lowest plan may keep its saved buffers in bfloat16: the
+    floor line, like a row, says so (the backward reads rounded values), and the plot too."""
+    from backplan.bench.budget_models import mlp_deep
+
+    fn, params, batch = mlp_deep()
+    with use_backend("numba"):
+        frontier = bp.value_and_grad(fn, allow_saved_dtype=bp.bfloat16).memory_frontier(
+            params, *batch
+        )
+        plain = bp.value_and_grad(loss).memory_frontier(*arrays())
+    floor = frontier.floor
+    assert floor is not None and floor.rounds and floor.saved_dtype == "bfloat16"
+    line = next(x for x in str(frontier).splitlines() if "below the last row" in x)
+    assert f"{floor.recomputed} recomputed, saved buffers in bfloat16 (rounds))" in line
+    assert plain.floor is not None and not plain.floor.rounds
+    assert "rounds" not in next(x for x in str(plain).splitlines() if "below the last" in x)
+    if importlib.util.find_spec("matplotlib") is not None:
+        labels = [line.get_label() for line in frontier.figure().axes[0].get_lines()]
+        assert "lowest peak (no row: under 1% below the last), saved in bfloat16 (rounds)" in labels
