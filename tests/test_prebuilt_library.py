@@ -176,3 +176,45 @@ def test_prebuild_clear_removes_only_the_prebuilt_library_files(tmp_path, monkey
     assert main(["cache", "prebuild", "--clear"]) == 0
     assert "removed 2 files of the prebuilt library" in capsys.readouterr().out
     assert not any(path.exists() for path in ours) and other.exists()
+
+
+PROBE = (
+    "import json, os, numba\n"
+    "from backplan.codegen.kernels.gemm.choice import blas_threads\n"
+    "print(json.dumps([len(os.sched_getaffinity(0)), numba.get_num_threads(), blas_threads()]))"
+)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="one CPU: the passes on all CPUs are the one-CPU passes",
+)
+def test_prebuild_runs_each_pass_on_every_cpu_and_pinned_to_one(tmp_path, monkeypatch):
+    """The CPUs a process may use choose library variants (own_gemm_at_par or own_gemm_at,
+    BLAS or the own GEMM): a process pinned to one CPU compiled the one-thread variants in
+    its first call when the build had run only on all of them. Each pass's child here runs
+    a probe instead of the models, under the pass's pinning: what Numba and the GEMM choice
+    see there."""
+    from backplan import prebuild
+
+    seen, run = [], subprocess.run
+
+    def probe_instead(command, env, capture_output, text, preexec_fn):
+        assert command[-3:] == ["backplan.prebuild", "float32", "mlp"], command
+        done = run(
+            [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+            preexec_fn=preexec_fn, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        seen.append(json.loads(done.stdout.splitlines()[-1]))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(prebuild.subprocess, "run", probe_instead)
+    said = []
+    assert prebuild.build(str(tmp_path / "built"), ["mlp"], ("float32",), echo=said.append) == 0
+    cpus = len(os.sched_getaffinity(0))
+    assert seen[0][:2] == [cpus, cpus] and seen[1] == [1, 1, 1], seen
+    assert [line.split(":")[0] for line in said] == [
+        "  float32, python driver, all CPUs",
+        "  float32, python driver, one CPU",
+    ]
