@@ -46,6 +46,17 @@ class BufferLayout:
     scratch_elements: dict = field(default_factory=dict)  # dtype -> arena length as that dtype
     reused_saved: dict = field(default_factory=dict)  # value -> saved input it lives in
     scratch_offsets: dict = field(default_factory=dict)  # value -> element offset in its arena
+    # value -> rows its buffer holds, for values a row kernel keeps one row at a time
+    # (ir/row_local.py): a slice of that many rows, not the value's whole shape
+    row_local: dict = field(default_factory=dict)
+
+    def reserved_bytes(self, value: Value) -> int:
+        """The bytes a buffer of the plan holds for value (one item for an empty one)."""
+        rows = self.row_local.get(value)
+        nbytes = value.type.nbytes
+        if rows is not None:
+            nbytes = nbytes // internal_shape(value.shape)[0] * rows
+        return max(nbytes, DTYPES[value.dtype].itemsize)
 
     @property
     def scratch_bytes(self) -> int:
@@ -62,13 +73,13 @@ class BufferLayout:
     def describe(self, names: dict) -> dict:
         """The plan as plain data (value names from the IR text): for reports and exports."""
         where = {
-            names[v]: ["scratch", v.dtype, offset, v.type.nbytes]
+            names[v]: ["scratch", v.dtype, offset, self.reserved_bytes(v)]
             for v, offset in self.scratch_offsets.items()
         }
         where.update({names[v]: ["output", v.dtype, 0, v.type.nbytes] for v in self.outputs})
         where.update(
             {
-                names[v]: ["in saved " + names[s], v.dtype, 0, v.type.nbytes]
+                names[v]: ["in saved " + names[s], v.dtype, 0, self.reserved_bytes(v)]
                 for v, s in self.reused_saved.items()
             }
         )
@@ -101,11 +112,13 @@ def plan_layout(
     buffers: list[Value],
     private_saved: list[Value] = (),
     steps: list[int] | None = None,
+    row_local: dict | None = None,
 ) -> BufferLayout:
     """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
     storage may be reused after their last read (the consuming backward variant only).
     steps: the schedule step of each kernel; kernels fused into one row kernel share a step,
-    since their rows interleave (default: one step per kernel)."""
+    since their rows interleave (default: one step per kernel). row_local: value -> the rows
+    its buffer holds (ir/row_local.py)."""
     steps = steps if steps is not None else list(range(len(kernels)))
     kernel_of, step_of = {}, {}
     for kernel, step in zip(kernels, steps, strict=True):
@@ -113,7 +126,7 @@ def plan_layout(
             kernel_of[n], step_of[n] = kernel, step
     last = lifetimes(graph, kernels, steps)
     output_roots = {storage_root(o) for o in graph.outputs}
-    layout = BufferLayout()
+    layout = BufferLayout(row_local=dict(row_local or {}))
     requests = []
     for value in buffers:
         if value in output_roots:
@@ -122,7 +135,7 @@ def plan_layout(
         requests.append(
             BufferRequest(
                 value,
-                max(value.type.nbytes, DTYPES[value.dtype].itemsize),  # empty: one item
+                layout.reserved_bytes(value),  # empty: one item
                 value.dtype,
                 step_of[value],
                 max(last.get(value, step_of[value]), step_of[value]),

@@ -22,6 +22,7 @@ from .fusion import Kernel, alias_base, group_kernels, internal_shape, materiali
 from .graph import Value
 from .layout import BufferLayout, plan_layout
 from .liveness import Plan, plan_liveness
+from .row_local import row_local_values
 from .strided_copies import copy_strided_reshapes
 from .widen import has_half, widen_with_origin
 
@@ -154,7 +155,8 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         if n in needed and n.op != "const"
     ]
     private = [graph.inputs[i] for i in private_saved]
-    layout = plan_layout(graph, kernels, buffers, private, steps)
+    local = row_local_values(graph, kernels, runs, needed)
+    layout = plan_layout(graph, kernels, buffers, private, steps, local)
     lowered = LoweredPlan(
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )

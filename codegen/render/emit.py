@@ -223,6 +223,8 @@ def buffer_expression(value: Value, layout: BufferLayout, names: dict) -> str:
     """The array a buffer is: a slice of its dtype's scratch arena, or of the dead private
     saved buffer it was placed in."""
     shape = internal_shape(value.shape)
+    if value in layout.row_local:  # kept a row at a time: its rows reserved (ir/row_local.py)
+        shape = (layout.row_local[value], *shape[1:])
     count = math.prod(shape)  # 0 for an empty batch; a scalar is one element
     home = layout.reused_saved.get(value)
     if home is not None:
@@ -361,7 +363,7 @@ class _Emitter:
         rows = internal_shape(run[0].shape)[0]
         cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
         parallel = decide("parallel_rows_run", parallel_pays(rows * cols))
-        local = set() if parallel else self._row_local(run)
+        local = {n for k in run for n in k.all_nodes if n in self.layout.row_local}
         for stage, kernel in enumerate(run):
             if kernel.kind != "loop":
                 continue
@@ -380,7 +382,7 @@ class _Emitter:
             scalars.update(emitter.size_arguments(), **emitter.scalars)
             bases.update(emitter.bases)
         scalars["n0"] = rows
-        if parallel and any(p.before for p in partials):
+        if parallel and (local or any(p.before for p in partials)):  # chunk c: local row c
             lines = row_chunks(views, stages, partials)
         else:
             lines = [*views, *(line for p in partials for line in p.before)]
@@ -388,32 +390,6 @@ class _Emitter:
             lines += ["    " + line for line in stages]
             lines += [line for p in partials for line in p.after]
         body.append(self._call(lines, scalars, bases, parallel))
-
-    def _row_local(self, run) -> set[Value]:
-        """Values a serial row kernel's stage stores only for later stages of the same rows:
-        each row's values are read back in the same iteration, so one row of the buffer serves
-        every row (its first row, in cache; the rest of the buffer is never touched). Not an
-        output, and read by no other kernel nor through a view."""
-        shape_of = {n: internal_shape(k.shape) for k in run if k.kind == "loop" for n in k.computed}
-        candidates = {
-            n
-            for k in run
-            if k.kind == "loop"
-            for n in k.nodes
-            if n in self.needed
-            and n in self.layout.scratch_offsets
-            and len(internal_shape(n.shape)) == 2
-            and internal_shape(n.shape)[1] > 1  # a (rows, 1) value's readers index it by row
-            and shape_of[n] == internal_shape(n.shape)
-        }
-        candidates -= {alias_base(o) for o in self.graph.outputs}
-        for node in self.graph.nodes:
-            for value in node.inputs:
-                base = alias_base(value)
-                read_whole_rows = shape_of.get(node) == internal_shape(base.shape)
-                if base in candidates and (value is not base or not read_whole_rows):
-                    candidates.discard(base)
-        return candidates
 
     def _gemm_epilogue(self, kernel, body) -> None:
         """A matmul and the loop after it: one kernel running the loop on each block of rows

@@ -12,9 +12,12 @@ from backplan.codegen.render.placement import Placement
 from backplan.codegen.render.scalar import NP_TYPE, expression, literal
 from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
 from backplan.ir.graph import Value
+from backplan.ir.row_local import CHUNKS  # a parallel row loop's chunks of rows
 from backplan.ir.types import is_half, np_dtype
 
-CHUNKS = 16  # reductions across the parallel loop: one partial row per chunk
+# reductions across a parallel row loop: one partial row per chunk; a value the loop keeps a
+# row at a time: chunk c in row c of its buffer (view group CHUNK_ROW, indexed by the chunk)
+CHUNK_ROW = "chunk"
 
 
 @dataclass
@@ -65,7 +68,9 @@ class LoopEmitter:
     unrounded: frozenset = frozenset()
     row_partials: RowPartials | None = None  # a row stage's reductions over rows (emit)
     row_chunks: bool = False  # a row stage whose caller runs the rows in parallel chunks
-    row_local: set = field(default_factory=set)  # values kept one row at a time (a row stage)
+    # values kept one row at a time (a row stage; ir/row_local.py): the first row of their
+    # buffer, or in parallel chunks (row_chunks) row `chunk`
+    row_local: set = field(default_factory=set)
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -166,9 +171,12 @@ class LoopEmitter:
                 g for g, group in enumerate(self.groups) if any(d in access.dims for d in group)
             ]
             value = key if isinstance(key, Value) else key[0]
+            sizes = [self.size(g) for g in present] or ["1"]
             if value in self.row_local and access.dims == [0, 1]:
                 present = present[1:]  # the current row only: the view is one row
-            sizes = [self.size(g) for g in present] or ["1"]
+                sizes = [self.size(g) for g in present]
+                if self.row_chunks:  # a row per chunk of rows, indexed by the chunk
+                    present, sizes = [CHUNK_ROW, *present], [str(CHUNKS), *sizes]
             lines.append(f"{view} = contiguous_view({base}, {offset}, ({', '.join(sizes)},))")
             self.view_groups[key] = present
         return lines
@@ -323,7 +331,8 @@ class LoopEmitter:
 
     def _index(self, value) -> str:
         groups = self.view_groups[value]
-        return ", ".join("0" if g is None else f"i{g}" for g in groups) if groups else "0"
+        words = ("0" if g is None else "chunk" if g == CHUNK_ROW else f"i{g}" for g in groups)
+        return ", ".join(words) if groups else "0"
 
     def _suffix_depth(self, red) -> int | None:
         """Depth at which a scalar accumulator works (reduced groups form a suffix), or None

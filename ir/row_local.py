@@ -1,0 +1,66 @@
+"""Values a row kernel keeps one row at a time: the memory plan reserves them CHUNKS rows, not
+all of them (a layer norm + GELU step's scratch arena: [4096, 1024] values the kernel wrote one
+row of, reserved whole and counted whole while the process touched one row, VmHWM half the
+printed peak).
+
+A value qualifies when one stage of a row run (ir/lowering.py row_runs) computes it whole and
+only later stages of the same run read it, element for element in the same row: each row's
+value is read back in the iteration that wrote it. Not an output, read by no other kernel
+(nor by a node of the run that another kernel recomputes) nor through a view. A serial row
+kernel keeps such a value in the first reserved row; a parallel one runs its rows in CHUNKS
+chunks, chunk c in row c (codegen/render/emit.py _rows), so the reservation holds for either,
+whatever the thread count when the plan renders. A run of at most CHUNKS rows saves nothing:
+its values keep their whole buffers.
+"""
+
+from __future__ import annotations
+
+from .fusion import Kernel, alias_base, internal_shape
+from .graph import Graph, Value
+
+CHUNKS = 16  # a parallel row kernel's chunks of rows (one partial row, one local row each)
+
+
+def row_local_values(
+    graph: Graph, kernels: list[Kernel], runs: list[tuple[int, int]], needed: set
+) -> dict[Value, int]:
+    """value -> rows its buffer holds (CHUNKS), for the values each row run keeps one row at
+    a time."""
+    outputs = {alias_base(o) for o in graph.outputs}
+    inputs = set(graph.inputs)
+    local: dict[Value, int] = {}
+    for start, end in runs:
+        loops = [k for k in kernels[start:end] if k.kind == "loop"]
+        rows = internal_shape(loops[0].shape)[0]
+        if rows <= CHUNKS:
+            continue
+        shape_of = {n: internal_shape(k.shape) for k in loops for n in k.computed}
+        # a node of the run that a kernel outside it computes too (a 16-bit value's widening,
+        # recomputed where it is read) reads its inputs' whole buffers there
+        outside = {
+            n for i, k in enumerate(kernels) if not start <= i < end for n in k.computed
+        } & shape_of.keys()
+        candidates = {
+            n
+            for k in loops
+            for n in k.nodes
+            if n in needed
+            and n not in outputs
+            and n not in inputs
+            and n.op != "const"
+            and len(internal_shape(n.shape)) == 2
+            and internal_shape(n.shape)[1] > 1  # a (rows, 1) value's readers index it by row
+            and shape_of[n] == internal_shape(n.shape)
+        }
+        for node in graph.nodes:
+            for value in node.inputs:
+                base = alias_base(value)
+                if base not in candidates:
+                    continue
+                read_whole_rows = node not in outside and shape_of.get(node) == internal_shape(
+                    base.shape
+                )
+                if value is not base or not read_whole_rows:
+                    candidates.discard(base)
+        local.update(dict.fromkeys(candidates, CHUNKS))
+    return local
