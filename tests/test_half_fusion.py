@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 import backplan as bp
 from backplan.ir.builder import Builder
@@ -142,3 +143,29 @@ def test_a_loop_reading_only_a_rounding_recomputes_the_value_and_rounds_it_itsel
     assert all(origin.get(v) is not c for v in stored), [(v.op, v.dtype) for v in stored]
     rounded_again = [v for k in kernels for v in k.recomputed if origin.get(v) is c]
     assert [v.dtype for v in rounded_again] == ["bf16"]
+
+
+@pytest.mark.parametrize("driver", ["inline", "python"])
+@pytest.mark.parametrize("dtype", [bp.bfloat16, np.float16], ids=["bf16", "f16"])
+def test_a_row_kernel_value_another_loop_widens_again_is_stored_whole(monkeypatch, driver, dtype):
+    """The gradient of tanh(layer_norm(x)) in 16 bits: the row kernel of the forward and the
+    first backward terms stores a 16-bit term that the next loop reads again, widening it
+    where it reads (ir/fusion.py spreads the widening). The row kernel had kept that term one
+    row at a time (codegen/render/emit.py _row_local), so the next loop read one row's worth
+    and garbage: gradients of 1e37 against 0.5. Checked against float64 on the reference
+    interpreter, at a shape where every row differs."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", driver)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 40))
+
+    def loss(x):
+        return bp.sum(bp.tanh(bp.layer_norm(x)) * 0.75)
+
+    with use_backend("numba"):
+        value, grad = bp.value_and_grad(loss)(bp.tensor(x.astype(dtype)))
+    with use_backend("reference"):
+        exact = bp.value_and_grad(loss)(bp.tensor(x.astype(dtype).astype(np.float64)))[1].numpy()
+    got = grad.numpy().astype(np.float64)
+    assert grad.dtype == dtype
+    scale = np.abs(exact).max()
+    assert np.abs(got - exact).max() <= 2e-2 * scale, np.abs(got - exact).max() / scale
