@@ -86,3 +86,35 @@ def test_large_calls_run_the_vectorised_loop_and_small_calls_then_share_it():
         if kernel.digest in full:  # its full loop was there: the small form never compiled
             assert not kernel_cache.compiled_forms(kernel.digest)[1].overloads
             assert small_call(kernel)._libraries[True] is None
+
+
+def bf16_layer_norm_gelu_sum(x):
+    return bp.sum(bp.gelu(bp.layer_norm(x), approximate="tanh") * 0.75)
+
+
+def test_large_loops_converting_16_bit_values_are_interleaved_and_match_the_reference():
+    """A big loop that loads or stores bfloat16 is optimised with interleaving (its row sums and
+    conversions keep several vectors in flight: loop_optimisation.HALF_LOOP); a float32 loop of
+    the same body keeps the plain level-2 pipeline, so its compile is unchanged."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((48, 128)).astype(np.float32)
+    x[0, :3] = [np.nan, np.inf, -np.inf]
+    libraries = {}
+    for dtype in (np.float32, bp.bfloat16):
+        with use_backend("numba"):
+            vg = bp.value_and_grad(bf16_layer_norm_gelu_sum)
+            value, grad = vg(bp.tensor(x.astype(dtype)))
+            kernels = vg.trace(bp.tensor(x.astype(dtype))).runner().compiled.loop_kernels
+        with use_backend("reference"):
+            expected, expected_grad = bp.value_and_grad(bf16_layer_norm_gelu_sum)(
+                bp.tensor(x.astype(dtype))
+            )
+        assert grad.dtype == dtype
+        assert np.isnan(value.numpy().astype(np.float32))  # the nan row reaches the sum
+        got, want = grad.numpy().astype(np.float32), expected_grad.numpy().astype(np.float32)
+        assert np.isnan(got[0]).all() and np.isnan(want[0]).all()  # the row holding nan
+        tolerance = 1e-5 if dtype is np.float32 else 2e-2
+        np.testing.assert_allclose(got[1:], want[1:], rtol=tolerance, atol=tolerance)
+        libraries[dtype] = {type(lib).__name__ for lib in compiled_forms(kernels)["kernel_at"]}
+    assert libraries[bp.bfloat16] >= {"Level2InterleavedCodeLibrary"}
+    assert libraries[np.float32] == {"Level2CodeLibrary"}

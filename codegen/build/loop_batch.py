@@ -71,10 +71,7 @@ def _lower(loops: list) -> tuple[dict, list]:
 
     from backplan.codegen.build import loop_optimisation
 
-    levels = {
-        loop_optimisation.AddressLoopCompiler: loop_optimisation.ADDRESS_LOOP,
-        loop_optimisation.SmallLoopCompiler: loop_optimisation.SMALL_LOOP,
-    }
+    levels = loop_optimisation.LOOP_OPTIMISATIONS
     libraries, lowered = {}, []
     for loop in loops:
         pipeline = loop._compiler.pipeline_class

@@ -10,6 +10,12 @@ optimised once:
 - ADDRESS_LOOP, a loop over many elements: level 2, loops vectorised but not interleaved or
   unrolled, no SLP vectoriser. Cold first calls, one pinned CPU: transformer 2.1-2.6 -> 1.7 s,
   deep MLP 1.3-1.5 -> 1.2-1.3 s; the steps these loops run as fast (73-81 ms, 12 ms).
+- HALF_LOOP, an ADDRESS_LOOP that converts 16-bit values (bfloat16, float16): the same, with the
+  loop vectoriser interleaving. Its row sums and the conversions' integer chains then keep more
+  than one vector in flight: the bench ln_gelu's bf16 forward-and-backward loop ran 2.85 ->
+  2.2 ms (level 3 alone: 2.80, unrolling alone: 2.86; the float32 loop ran as fast either way),
+  and its Python-run step 0.76x -> 0.6x the float32 one (BENCHMARKS.md, 33). float32 loops
+  keep ADDRESS_LOOP, so their compile is unchanged.
 - DRIVER, a compiled driver whose loops are called by address (codegen/build/loop_calls.py):
   level 1, nothing vectorised: its code is argument conversions and calls, with no loop for
   the level-3 pipeline to improve (BENCHMARKS.md, 31).
@@ -33,9 +39,11 @@ from backplan.codegen.build.lean_pipeline import LeanKernelCompiler
 class Optimisation:
     level: int
     vectorise_loops: bool
+    interleave_loops: bool = False
 
 
 ADDRESS_LOOP = Optimisation(level=2, vectorise_loops=True)
+HALF_LOOP = Optimisation(level=2, vectorise_loops=True, interleave_loops=True)
 SMALL_LOOP = Optimisation(level=1, vectorise_loops=False)
 DRIVER = Optimisation(level=1, vectorise_loops=False)
 
@@ -50,12 +58,13 @@ def _library_class(optimisation: Optimisation) -> type:
             tuning.speed_level = optimisation.level
             tuning.loop_vectorization = optimisation.vectorise_loops
             tuning.slp_vectorization = False
-            tuning.loop_interleaving = False
+            tuning.loop_interleaving = optimisation.interleave_loops
             tuning.loop_unrolling = False
             builder = llvm.create_pass_builder(self._codegen._tm, tuning)
             builder.getModulePassManager().run(self._final_module, builder)
 
-    Library.__name__ = Library.__qualname__ = f"Level{optimisation.level}CodeLibrary"
+    name = f"Level{optimisation.level}{'Interleaved' * optimisation.interleave_loops}CodeLibrary"
+    Library.__name__ = Library.__qualname__ = name
     return Library
 
 
@@ -82,7 +91,15 @@ def _compiler(optimisation: Optimisation, name: str) -> type:
 
 
 AddressLoopCompiler = _compiler(ADDRESS_LOOP, "address_loop")
+HalfLoopCompiler = _compiler(HALF_LOOP, "half_loop")
 SmallLoopCompiler = _compiler(SMALL_LOOP, "small_loop")
+# How each loop pipeline optimises (codegen/build/loop_batch.py lowers a plan's loops into one
+# library per entry).
+LOOP_OPTIMISATIONS = {
+    AddressLoopCompiler: ADDRESS_LOOP,
+    HalfLoopCompiler: HALF_LOOP,
+    SmallLoopCompiler: SMALL_LOOP,
+}
 
 
 def _full_pipeline_compiler(optimisation: Optimisation, name: str) -> type:

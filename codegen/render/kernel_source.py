@@ -39,8 +39,9 @@ import numpy as np
 from backplan.codegen.jit import njit, prange
 
 from backplan.codegen.flags import (
-    ADDRESS_KERNEL_JIT_OPTIONS, DRIVER_KERNEL_JIT_OPTIONS, KERNEL_JIT_OPTIONS,
-    LEAN_KERNEL_JIT_OPTIONS, PARALLEL_KERNEL_JIT_OPTIONS, SMALL_LOOP_KERNEL_JIT_OPTIONS,
+    ADDRESS_KERNEL_JIT_OPTIONS, DRIVER_KERNEL_JIT_OPTIONS, HALF_LOOP_KERNEL_JIT_OPTIONS,
+    KERNEL_JIT_OPTIONS, LEAN_KERNEL_JIT_OPTIONS, PARALLEL_KERNEL_JIT_OPTIONS,
+    SMALL_LOOP_KERNEL_JIT_OPTIONS,
 )
 from backplan.codegen.kernels.scalar_functions import *  # noqa: F403
 from backplan.codegen.kernels.views import (
@@ -188,13 +189,15 @@ def _literals_as_parameters(body: list[str], params: list[str], arguments: list[
 
 
 def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[str] | None:
-    """`kernel_at` (arrays as addresses, loads and stores), `kernel_at_small` (the same, compiled
-    quickly, for calls over few elements: codegen/run/address_calls.py picks) and `kernel` (the
-    same loop on array views), or None where an array's dtype is unknown or the body uses an
-    array other than in a view. Compiled drivers call `kernel`: inlined there with the plan's
-    sizes as constants, the view form kept its speed where the address form lost some (a CNN's
-    4-deep pooling loops: 41 against 52-62 us per call); it compiles with the driver, in the
-    background, while first calls use `kernel_at` or `kernel_at_small`."""
+    """`kernel_at` (arrays as addresses, loads and stores; a loop converting 16-bit values
+    optimised with interleaving: codegen/build/loop_optimisation.py HALF_LOOP), `kernel_at_small`
+    (the same, compiled quickly, for calls over few elements: codegen/run/address_calls.py
+    picks) and `kernel` (the same loop on array views), or None where an array's dtype is
+    unknown or the body uses an array other than in a view. Compiled drivers call `kernel`:
+    inlined there with the plan's sizes as constants, the view form kept its speed where the
+    address form lost some (a CNN's 4-deep pooling loops: 41 against 52-62 us per call); it
+    compiles with the driver, in the background, while first calls use `kernel_at` or
+    `kernel_at_small`."""
     if any(d is None for d in dtypes.values()):
         return None
     # Views loads_and_stores leaves (a GEMM's operands, codegen/render/epilogue.py) are made from
@@ -203,8 +206,9 @@ def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[st
     if loop is None:
         return None
     at = [*("    " + line for line in loop), "", ""]
+    options = "HALF_LOOP" if converts_16_bit(loop) else "ADDRESS"
     return [
-        "@njit(**ADDRESS_KERNEL_JIT_OPTIONS)",
+        f"@njit(**{options}_KERNEL_JIT_OPTIONS)",
         f"def kernel_at({', '.join(params)}):",
         *at,
         "@njit(**SMALL_LOOP_KERNEL_JIT_OPTIONS)",
@@ -214,6 +218,15 @@ def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[st
         f"def kernel({', '.join(params)}):",
         *("    " + line for line in body),
     ]
+
+
+# The conversions codegen/kernels/half.py gives generated loops for bfloat16 and float16 values.
+_HALF_CONVERSION = re.compile(r"\b(?:bf16_to_f32|f16_to_f32|f32_to_bf16|f32_to_f16)\(")
+
+
+def converts_16_bit(loop: list[str]) -> bool:
+    """Whether a loop body loads or stores bfloat16 or float16 values (through conversions)."""
+    return any(_HALF_CONVERSION.search(line) for line in loop)
 
 
 _ADDRESS_VIEW = re.compile(r"^(\s*\w+ = )(contiguous|strided)_view\((a\d+), (.*)\)$")
