@@ -58,6 +58,18 @@ def alias_base(value: Value) -> Value:
         value = value.inputs[0]
 
 
+class Bases(dict):
+    """value -> alias_base(value), each worked out at its first question: a lowering asks it
+    of every input of every node in several passes (~90,000 times a row of a 10,000-node
+    memory frontier). Values never change op or inputs while a plan is lowered."""
+
+    __slots__ = ()
+
+    def __missing__(self, value: Value) -> Value:
+        base = self[value] = alias_base(value)
+        return base
+
+
 def internal_shape(shape) -> tuple[int, ...]:
     """Compiled code keeps 0-d values as 1-element vectors."""
     return tuple(shape) if shape else (1,)
@@ -148,9 +160,13 @@ MAX_LOOP_NODES = 128
 MAX_LOOP_READS = 128
 
 
-def group_kernels(graph: Graph, origin: dict[Value, Value] | None = None) -> list[Kernel]:
+def group_kernels(
+    graph: Graph, origin: dict[Value, Value] | None = None, bases: Bases | None = None
+) -> list[Kernel]:
     """The graph's nodes grouped into kernels, in run order. origin: for a graph ir/widen.py
-    made, its node -> the node of the graph it was made from (the casts it added have none)."""
+    made, its node -> the node of the graph it was made from (the casts it added have none).
+    bases: alias bases already worked out for this graph (the lowering shares one)."""
+    bases = Bases() if bases is None else bases
     kernels: list[Kernel] = []
     home: dict[Value, int] = {}
     latest_loops: dict[tuple, int] = {}  # iteration shape -> its latest loop kernel
@@ -160,9 +176,9 @@ def group_kernels(graph: Graph, origin: dict[Value, Value] | None = None) -> lis
     spread = _spread_widenings(graph)
     for node in graph.nodes:
         avoid = home.get(read_backs.get(node))
-        home[node] = _place(node, kernels, home, latest_loops, reads, tails, avoid, spread)
+        home[node] = _place(node, kernels, home, latest_loops, reads, tails, avoid, spread, bases)
     kept = frozenset(read_backs.values())
-    _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread)
+    _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases)
     _round_where_recomputed(kernels, home, kept, {n: i for i, n in enumerate(graph.nodes)})
     for kernel in kernels:  # grouped: a loop with nothing recomputed or reduced shares the empty
         kernel.recomputed = kernel.recomputed or NONE_HELD
@@ -218,7 +234,7 @@ MAX_RECOMPUTE = 4
 
 
 def _recompute_cheap_inputs(
-    kernels: list[Kernel], home, outputs: list[Value], kept, spread=frozenset()
+    kernels: list[Kernel], home, outputs: list[Value], kept, spread=frozenset(), bases=None
 ) -> None:
     """A loop that reads a value another loop of the same shape computed with a few cheap ops
     from stable inputs recomputes it instead, so that value need not be written and read back.
@@ -226,6 +242,7 @@ def _recompute_cheap_inputs(
     (tanh-GELU's backward reads 1 + tanh, 0.5 (1 + tanh) and 1 - tanh**2) reads those instead.
     kept: values always read, never recomputed (16-bit copies read back: _read_backs);
     spread: widenings recomputed by every larger loop reading them (_spread_widenings)."""
+    bases = Bases() if bases is None else bases
     blocked: dict[int, list[Value]] = {}
     for k, kernel in enumerate(kernels):
         if kernel.kind != "loop":
@@ -233,20 +250,25 @@ def _recompute_cheap_inputs(
         reads = blocked[k] = []
         for node in list(kernel.computed):
             for inp in node.inputs:
-                source = alias_base(inp)
-                cone = _cheap_cone(source, kernel, k, kernels, home, kept, spread)
+                source = bases[inp]
+                # _cheap_cone's first test, asked here: most inputs are stored anyway
+                if source not in home or home[source] == k or source in kept:
+                    continue
+                if source in kernel.recomputed:
+                    continue
+                cone = _cheap_cone(source, kernel, k, kernels, home, kept, spread, bases=bases)
                 if cone is None and source not in reads:
                     reads.append(source)
                 for value in cone or ():
                     if value not in kernel.recomputed:
                         kernel.recomputed.append(value)
-    readers = _readers(kernels, home, outputs)
+    readers = _readers(kernels, home, outputs, bases)
     for k, values in blocked.items():
-        _recompute_over_frontier(values, k, kernels, home, readers, kept, spread)
+        _recompute_over_frontier(values, k, kernels, home, readers, kept, spread, bases)
 
 
 def _cheap_cone(
-    value, kernel, k, kernels, home, kept, spread, frontier=None, depth=1
+    value, kernel, k, kernels, home, kept, spread, frontier=None, depth=1, bases=None
 ) -> list[Value] | None:
     """value and the cheap values it needs, in order, if all can be recomputed in kernel k from
     values that are stored anyway (inputs, reductions, op results, other shapes, literals).
@@ -271,9 +293,8 @@ def _cheap_cone(
         return None  # value and one cheap value per level above it: too many already
     cone = []
     for inp in value.inputs:
-        sub = _cheap_cone(
-            alias_base(inp), kernel, k, kernels, home, kept, spread, frontier, depth + 1
-        )
+        base = alias_base(inp) if bases is None else bases[inp]
+        sub = _cheap_cone(base, kernel, k, kernels, home, kept, spread, frontier, depth + 1, bases)
         if sub is None:
             return None
         cone += [v for v in sub if v not in cone]
@@ -336,20 +357,23 @@ def _widens_half(value: Value) -> bool:
     return value.dtype in ("f32", "f64")
 
 
-def _readers(kernels: list[Kernel], home, outputs: list[Value]) -> dict[Value, set[int]]:
+def _readers(kernels: list[Kernel], home, outputs: list[Value], bases=None) -> dict:
     """value -> the kernels that read its buffer (graph outputs are read by the caller, -1)."""
-    readers: dict[Value, set[int]] = {alias_base(o): {-1} for o in outputs}
+    bases = Bases() if bases is None else bases
+    readers: dict[Value, set[int]] = {bases[o]: {-1} for o in outputs}
     for k, kernel in enumerate(kernels):
-        for node in kernel.computed:
+        recomputed = kernel.recomputed
+        plain = not (recomputed or kernel.reductions or kernel.epilogue)  # computed: its nodes
+        for node in kernel.nodes if plain else kernel.computed:
             for inp in node.inputs:
-                source = alias_base(inp)
-                if home.get(source) != k and source not in kernel.recomputed:
+                source = bases[inp]
+                if home.get(source) != k and source not in recomputed:
                     readers.setdefault(source, set()).add(k)
     return readers
 
 
 def _recompute_over_frontier(
-    blocked: list[Value], k: int, kernels, home, readers, kept, spread
+    blocked: list[Value], k: int, kernels, home, readers, kept, spread, bases=None
 ) -> None:
     """Kernel k recomputes the blocked values it reads from the expensive values under them,
     when that moves fewer bytes: reads saved, plus blocked values nobody else reads (no longer
@@ -358,7 +382,7 @@ def _recompute_over_frontier(
     frontier: set[Value] = set()
     cones = []
     for value in blocked:
-        cone = _cheap_cone(value, kernel, k, kernels, home, kept, spread, frontier)
+        cone = _cheap_cone(value, kernel, k, kernels, home, kept, spread, frontier, bases=bases)
         if cone is None:
             return
         cones.append(cone)
@@ -385,28 +409,47 @@ def _new(kernels, kernel) -> int:
 
 
 def _place(
-    node: Value, kernels, home, latest_loops: dict, reads: dict, tails, avoid=None, spread=()
+    node: Value,
+    kernels,
+    home,
+    latest_loops: dict,
+    reads: dict,
+    tails,
+    avoid=None,
+    spread=(),
+    bases=None,
 ) -> int:
-    """The kernel node joins (a new one if none); never the loop `avoid`."""
-    if node.op == "full" or (is_alias(node) and alias_base(node).op == "full"):
+    """The kernel node joins (a new one if none); never the loop `avoid`. Asked of every node
+    of every plan lowered (a 10,000-node memory frontier lowers 22): its registry entry is read
+    once and its inputs' bases and homes worked out once, for every kernel it might join."""
+    op = node.op
+    if op == "full":
         return _new(kernels, _single("literal", node))
-    if is_alias(node):
-        return _new(kernels, _single("alias", node))
-    tail = is_loop_tail(node)
-    if is_loop_op(node) or tail:
-        shape = node.inputs[0].shape if tail else node.shape
-        latest = latest_loops.get(shape)
-        target = _joinable_loop(node, shape, kernels, home, latest, reads, tails, avoid, spread)
-        if target is None:
-            target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
-            reads[target] = set()
-        (kernels[target].reductions if tail else kernels[target].nodes).append(node)
-        if tail:
-            tails.add(node)
-        reads[target].update(_outside_reads(node, target, kernels, home))
-        return target
-    kind = "view" if get_op(node.op).fusion == "view" else "op"
-    return _new(kernels, _single(kind, node))
+    spec = REGISTRY.get(op) or get_op(op)
+    if is_unit_reshape(node) if op == "reshape" else spec.alias:
+        base = alias_base(node) if bases is None else bases[node]
+        return _new(kernels, _single("literal" if base.op == "full" else "alias", node))
+    tail = spec.loop_tail
+    if spec.scalar is None and not tail:
+        return _new(kernels, _single("view" if spec.fusion == "view" else "op", node))
+    shape = node.inputs[0].shape if tail else node.shape
+    bases = [alias_base(i) for i in node.inputs] if bases is None else [bases[i] for i in node.inputs]
+    # the buffers node reads, with the kernel each comes from (-1: none; literals are none)
+    read = {}
+    for s in bases:
+        k = home.get(s, -1)
+        if k < 0 or kernels[k].kind != "literal":
+            read[s] = k
+    target = _joinable_loop(bases, shape, kernels, home, latest_loops.get(shape), reads, read,
+                            tails, avoid, spread)
+    if target is None:
+        target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
+        reads[target] = set()
+    (kernels[target].reductions if tail else kernels[target].nodes).append(node)
+    if tail:
+        tails.add(node)
+    reads[target].update(s for s, k in read.items() if k != target)
+    return target
 
 
 def _single(kind: str, node: Value) -> Kernel:
@@ -414,44 +457,37 @@ def _single(kind: str, node: Value) -> Kernel:
     return Kernel(kind, [node], node.shape, NONE_HELD, NONE_HELD)
 
 
-def _outside_reads(node, k: int, kernels, home) -> set[Value]:
-    """The buffers node reads that kernel k does not compute (literals are not buffers)."""
-    sources = {alias_base(i) for i in node.inputs}
-    return {
-        s
-        for s in sources
-        if home.get(s) != k and not (s in home and kernels[home[s]].kind == "literal")
-    }
-
-
-def _has_room(node, target: int, kernels, home, reads: dict) -> bool:
+def _has_room(target: int, kernels, reads: dict, read: dict) -> bool:
+    """Whether loop `target` takes one more node reading `read` (buffer -> its kernel):
+    MAX_LOOP_NODES nodes, MAX_LOOP_READS buffers computed outside it."""
     kernel = kernels[target]
     if len(kernel.nodes) + len(kernel.reductions) >= MAX_LOOP_NODES:
         return False
     held = reads[target]
-    added = sum(1 for s in _outside_reads(node, target, kernels, home) if s not in held)
+    added = sum(1 for s, k in read.items() if k != target and s not in held)
     return len(held) + added <= MAX_LOOP_READS
 
 
 def _joinable_loop(
-    node,
+    bases: list,
     shape,
     kernels,
     home,
     latest: int | None,
     reads: dict,
+    read: dict,
     tails: set,
     avoid: int | None = None,
     spread=(),
 ) -> int | None:
-    """The latest loop kernel of this iteration shape that computes one of node's inputs, or
-    else the latest loop kernel of this shape at all (`latest`, kept by the caller: looking it
-    up made grouping quadratic in the plan's length), whichever has every input ready and
-    room for it (MAX_LOOP_NODES, MAX_LOOP_READS), and is not `avoid` (a read-back cast's
-    copy's loop: the read-back then joins the latest loop instead of opening one of its own,
-    which split bfloat16 ln_gelu's layer-norm gradient into a loop of its own). A spread
-    widening counts as its 16-bit input: the loop recomputes it."""
-    sources = [_read_source(alias_base(i), shape, spread) for i in node.inputs]
+    """The latest loop kernel of this iteration shape that computes one of the node's inputs
+    (bases: each input's alias_base), or else the latest loop kernel of this shape at all
+    (`latest`, kept by the caller: looking it up made grouping quadratic in the plan's length),
+    whichever has every input ready and room for it (MAX_LOOP_NODES, MAX_LOOP_READS), and is
+    not `avoid` (a read-back cast's copy's loop: the read-back then joins the latest loop
+    instead of opening one of its own, which split bfloat16 ln_gelu's layer-norm gradient into
+    a loop of its own). A spread widening counts as its 16-bit input: the loop recomputes it."""
+    sources = [_read_source(s, shape, spread) for s in bases] if spread else bases
     producers = [
         home[s]
         for s in sources
@@ -464,7 +500,7 @@ def _joinable_loop(
         if target == avoid:
             continue
         if _ready(sources, target, kernels, home, tails) and _has_room(
-            node, target, kernels, home, reads
+            target, kernels, reads, read
         ):
             return target
     return None
@@ -490,15 +526,16 @@ def _ready(sources, target: int, kernels, home, tails: set) -> bool:
     return True
 
 
-def materialized(graph: Graph, kernels: list[Kernel]) -> set[Value]:
+def materialized(graph: Graph, kernels: list[Kernel], bases: Bases | None = None) -> set[Value]:
     """Values that need a buffer: outputs, values a loop reads from another kernel (through
     aliases), and every operand of views and ops. Literals and aliases never need one."""
+    bases = Bases() if bases is None else bases
     home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
-    needed = {alias_base(o) for o in graph.outputs} | set(graph.outputs)
+    needed = {bases[o] for o in graph.outputs} | set(graph.outputs)
     for k, kernel in enumerate(kernels):
         for node in kernel.computed:
             for inp in node.inputs:
-                source = alias_base(inp)
+                source = bases[inp]
                 in_loop = kernel.kind in ("loop", "alias")
                 if in_loop and (
                     source in home and home[source] == k or source in kernel.recomputed

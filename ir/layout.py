@@ -139,7 +139,7 @@ def plan_layout(
                 value.dtype,
                 step_of[value],
                 max(last.get(value, step_of[value]), step_of[value]),
-                reuse=_in_place_candidates(value, kernel_of[value], last, step_of),
+                reuse=_in_place_candidates(value, kernel_of[value], last, step_of) if IN_PLACE else (),
             )
         )
     requests = _reuse_saved(requests, private_saved, last, layout)
@@ -177,6 +177,8 @@ def _in_place_candidates(value: Value, kernel: Kernel, last, step_of) -> tuple:
 
 def _reuse_saved(requests, private_saved, last, layout) -> list:
     """Put the largest temporaries into dead private saved buffers, one per lifetime slot."""
+    if not private_saved:
+        return requests  # nothing to reuse (value_and_grad's joint plan, every forward plan)
     occupied: dict[Value, list[tuple[int, int]]] = {s: [] for s in private_saved}
     remaining = []
     for r in sorted(requests, key=lambda r: -r.nbytes):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from .donation import donation_pairs
 from .epilogue import absorb_epilogues
-from .fusion import Kernel, alias_base, group_kernels, internal_shape, materialized
+from .fusion import Bases, Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
 from .layout import BufferLayout, plan_layout
 from .liveness import Plan, plan_liveness
@@ -142,8 +142,9 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     graph, origin = copy_strided_reshapes(plan.graph, origin)
     if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)
         plan = replace_graph(plan, graph)
-    kernels = group_kernels(graph, origin)
-    needed = materialized(graph, kernels)
+    bases = Bases()  # alias bases, shared by the passes that ask them
+    kernels = group_kernels(graph, origin, bases)
+    needed = materialized(graph, kernels, bases)
     kernels = absorb_epilogues(kernels)
     runs = row_runs(kernels)
     steps = schedule_steps(kernels, runs)
