@@ -58,7 +58,7 @@ def _fused(graph, held: list, stored: set, roots: dict, shared: bool) -> int:
             base = roots[value]
             nbytes = 0 if base in counted or base in inputs else base.type.nbytes
             counted.add(base)
-        if not stored_in(value, roots, stored, graph):
+        if not stored_in(value, roots, stored, graph, inputs):
             total += nbytes
     return total
 

@@ -118,11 +118,14 @@ def joint_saved_info(
     return infos
 
 
-def stored_in(value: Value, roots: dict, stored: set, graph) -> bool:
+def stored_in(value: Value, roots: dict, stored: set, graph, inputs=None) -> bool:
     """Whether value reaches memory in the compiled plan: the caller's array, a stored value,
-    or a view or alias of one (it lives in that buffer)."""
+    or a view or alias of one (it lives in that buffer). inputs: graph.inputs as a set, where
+    the caller asks of many values (a list of 1,000 weights scanned per value was most of the
+    memory frontier's saved column)."""
     root = roots.get(value, value)
-    return value in graph.inputs or root in graph.inputs or value in stored or root in stored
+    inputs = graph.inputs if inputs is None else inputs
+    return value in inputs or root in inputs or value in stored or root in stored
 
 
 def saved_reason(value: Value, reasons: dict) -> str:

@@ -407,13 +407,19 @@ class BudgetPlanner:
     def memory_frontier(self) -> MemoryFrontier:
         """The frontier's rows, and the smallest plan where it is no row (the floor a refusal
         names, under the last row by less than worth_lowering). The plans it builds only to
-        read their peaks are let go (forget_plans); those built before it are kept."""
-        before = set(self._built)
-        rows = self.frontier(plans=False)
-        points = [_frontier_point(e) for e in rows]
-        floor = self.smallest(plans=False)
-        below = _frontier_point(floor) if floor.peak_bytes < rows[-1].peak_bytes else None
-        self.forget_plans(set(self._built) - before)
+        read their peaks are let go (forget_plans); those built before it are kept. The
+        collector stays paused until they are let go: resumed with every row's plans alive, its
+        first young collection walked them all (~1.1 M objects, 0.19 s of a 10,086-node
+        frontier) to free none of them (reference counting frees them, ir/lowering.py
+        detached)."""
+        with paused_gc():
+            before = set(self._built)
+            rows = self.frontier(plans=False)
+            points = [_frontier_point(e) for e in rows]
+            floor = self.smallest(plans=False)
+            below = _frontier_point(floor) if floor.peak_bytes < rows[-1].peak_bytes else None
+            del rows, floor  # they hold the plans too
+            self.forget_plans(set(self._built) - before)
         return MemoryFrontier(self.name, points, self.step_flops(), self.input_bytes, below)
 
     # ---- budgets ------------------------------------------------------------------------------
