@@ -17,20 +17,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .fusion import Kernel, index_map, internal_shape
-from .layout import storage_root
+from .layout import Roots
 from .registry import get_op
 
 FREE_KINDS = ("literal", "alias", "view")  # kernels that emit no code of their own
 
 
-def absorb_epilogues(kernels: list[Kernel]) -> list[Kernel]:
-    """kernels with each GEMM followed by its epilogue loop merged into one kernel."""
+def absorb_epilogues(kernels: list[Kernel], roots: Roots | None = None) -> list[Kernel]:
+    """kernels with each GEMM followed by its epilogue loop merged into one kernel. roots:
+    storage roots already worked out for their graph (ir/layout.py Roots)."""
+    roots = Roots() if roots is None else roots
     merged, absorbed = [], set()
     for index, kernel in enumerate(kernels):
         if index in absorbed:
             continue
         after = _next_running(kernels, index) if kernel.kind == "op" else None  # GEMMs only
-        if after is not None and _absorbs(kernel, kernels[after]):
+        if after is not None and _absorbs(kernel, kernels[after], roots):
             absorbed.add(after)
             kernel = replace(kernel, epilogue=kernels[after])
         merged.append(kernel)
@@ -44,7 +46,7 @@ def _next_running(kernels: list[Kernel], index: int) -> int | None:
     return None
 
 
-def _absorbs(gemm: Kernel, loop: Kernel) -> bool:
+def _absorbs(gemm: Kernel, loop: Kernel, roots: Roots) -> bool:
     if gemm.kind != "op" or gemm.epilogue is not None:
         return False
     (node,) = gemm.nodes
@@ -52,10 +54,10 @@ def _absorbs(gemm: Kernel, loop: Kernel) -> bool:
         return False
     if loop.kind != "loop" or loop.reductions or tuple(loop.shape) != tuple(node.shape):
         return False
-    return _reads_rowwise(loop, node)
+    return _reads_rowwise(loop, node, roots)
 
 
-def _reads_rowwise(loop: Kernel, result) -> bool:
+def _reads_rowwise(loop: Kernel, result, roots: Roots) -> bool:
     """The loop reads the GEMM's result, and only element for element (not through a
     transpose or any other view)."""
     shape = internal_shape(loop.shape)
@@ -63,7 +65,7 @@ def _reads_rowwise(loop: Kernel, result) -> bool:
     reads = False
     for node in loop.computed:
         for value in node.inputs:
-            if storage_root(value) is not result:
+            if roots[value] is not result:
                 continue
             base, dims = index_map(value, shape)
             if base is not result or dims != identity:

@@ -40,6 +40,18 @@ def storage_root(value: Value) -> Value:
     return value
 
 
+class Roots(dict):
+    """value -> storage_root(value), each worked out once (from its input's, where it reads
+    that): a lowering asks it of every input of every kernel in several passes. Values never
+    change op or inputs while a plan is lowered."""
+
+    __slots__ = ()
+
+    def __missing__(self, value: Value) -> Value:
+        root = self[value] = self[value.inputs[0]] if reads_its_input(value) else value
+        return root
+
+
 @dataclass
 class BufferLayout:
     outputs: list[Value] = field(default_factory=list)  # roots the caller allocates per call
@@ -89,20 +101,21 @@ class BufferLayout:
         }
 
 
-def lifetimes(graph: Graph, kernels: list[Kernel], steps: list[int]) -> dict[Value, int]:
-    """Last step that reads each storage root (through views); outputs live past the end."""
+def lifetimes(
+    graph: Graph, kernels: list[Kernel], steps: list[int], roots: Roots | None = None
+) -> dict[Value, int]:
+    """Last step that reads each storage root (through views); outputs live past the end.
+    roots: storage roots already worked out for this graph (the lowering shares one)."""
     last: dict[Value, int] = {}
-    roots: dict[Value, Value] = {}  # storage_root of each input read, asked once
+    roots = Roots() if roots is None else roots
     for step, kernel in zip(steps, kernels, strict=True):
         for node in kernel.computed:
             for inp in node.inputs:
-                root = roots.get(inp)
-                if root is None:
-                    root = roots[inp] = storage_root(inp)
+                root = roots[inp]
                 if last.get(root, -1) < step:
                     last[root] = step
     for out in graph.outputs:
-        last[storage_root(out)] = len(kernels)
+        last[roots[out]] = len(kernels)
     return last
 
 
@@ -113,19 +126,22 @@ def plan_layout(
     private_saved: list[Value] = (),
     steps: list[int] | None = None,
     row_local: dict | None = None,
+    roots: Roots | None = None,
 ) -> BufferLayout:
     """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
     storage may be reused after their last read (the consuming backward variant only).
     steps: the schedule step of each kernel; kernels fused into one row kernel share a step,
     since their rows interleave (default: one step per kernel). row_local: value -> the rows
-    its buffer holds (ir/row_local.py)."""
+    its buffer holds (ir/row_local.py). roots: storage roots already worked out for this
+    graph."""
     steps = steps if steps is not None else list(range(len(kernels)))
+    roots = Roots() if roots is None else roots
     kernel_of, step_of = {}, {}
     for kernel, step in zip(kernels, steps, strict=True):
         for n in kernel.all_nodes:
             kernel_of[n], step_of[n] = kernel, step
-    last = lifetimes(graph, kernels, steps)
-    output_roots = {storage_root(o) for o in graph.outputs}
+    last = lifetimes(graph, kernels, steps, roots)
+    output_roots = {roots[o] for o in graph.outputs}
     layout = BufferLayout(row_local=dict(row_local or {}))
     requests = []
     for value in buffers:

@@ -20,7 +20,7 @@ from .donation import donation_pairs
 from .epilogue import absorb_epilogues
 from .fusion import Bases, Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
-from .layout import BufferLayout, plan_layout
+from .layout import BufferLayout, Roots, plan_layout
 from .liveness import Plan, plan_liveness
 from .row_local import row_local_values
 from .strided_copies import copy_strided_reshapes
@@ -145,7 +145,8 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     bases = Bases()  # alias bases, shared by the passes that ask them
     kernels = group_kernels(graph, origin, bases)
     needed = materialized(graph, kernels, bases)
-    kernels = absorb_epilogues(kernels)
+    roots = Roots()  # storage roots, shared as bases are
+    kernels = absorb_epilogues(kernels, roots)
     runs = row_runs(kernels)
     steps = schedule_steps(kernels, runs)
     buffers = [
@@ -157,7 +158,7 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     ]
     private = [graph.inputs[i] for i in private_saved]
     local = row_local_values(graph, kernels, runs, needed)
-    layout = plan_layout(graph, kernels, buffers, private, steps, local)
+    layout = plan_layout(graph, kernels, buffers, private, steps, local, roots)
     lowered = LoweredPlan(
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )

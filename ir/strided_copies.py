@@ -26,7 +26,7 @@ import math
 
 from .fusion import internal_shape
 from .graph import Graph, Value
-from .layout import reads_its_input, storage_root
+from .layout import Roots, reads_its_input, storage_root
 from .reference_storage import c_strides
 from .registry import get_op
 from .types import TensorType, is_half
@@ -53,6 +53,7 @@ def _needed(graph: Graph) -> dict[Value, object]:
     not given), and most plans hold few views among thousands of nodes."""
     strides: dict[Value, tuple | None] = {}
     needed: dict[Value, object] = {}
+    roots = Roots()  # storage roots of the operands asked (_literal), each worked out once
     for node in graph.nodes:
         if node.op in _VIEWS:
             if not is_half(node.dtype):
@@ -62,7 +63,7 @@ def _needed(graph: Graph) -> dict[Value, object]:
         elif node.op == "logsumexp" and _scattered_axes(node) and not is_half(node.dtype):
             needed[node] = _LOGSUMEXP
         elif _own_kernel(node.op):
-            operands = _operand_copies(node, strides)
+            operands = _operand_copies(node, strides, roots)
             if operands:
                 needed[node] = operands
     return needed
@@ -79,13 +80,13 @@ def _own_kernel(op: str) -> bool:
     return spec.scalar is None and not spec.loop_tail and spec.fusion != "view" and not spec.alias
 
 
-def _operand_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
+def _operand_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple | None]:
     """The operands of an op compiled as a call of its own that its emitter would copy in the
     driver: a literal (np.full there) or a strided view where it reads a C-contiguous array.
     A GEMM's have rules of their own; concatenate and pad_slice, and attention in its
     token-first layout or with two leading axes, read strided views as they are."""
     if node.op == "matmul":
-        return _matmul_copies(node, strides)
+        return _matmul_copies(node, strides, roots)
     strided_ok = node.op in ("concatenate", "pad_slice") or (
         node.op in ("attention", "attention_grad")
         and (node.attrs.get("layout", "bhtd") == "bthd" or len(node.inputs[0].shape) == 4)
@@ -94,7 +95,7 @@ def _operand_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
     for i, value in enumerate(node.inputs):
         if is_half(value.dtype):
             continue
-        if _literal(value) and not strided_ok:
+        if _literal(value, roots) and not strided_ok:
             found[i] = None
         elif not strided_ok and not _contiguous_where_it_lives(value, strides):
             found[i] = None
@@ -169,7 +170,7 @@ class _Rewrite:
         return _add(self.new, value)
 
 
-def _matmul_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
+def _matmul_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple | None]:
     """The operands codegen's GEMM (codegen/kernels/matmul.py) reads only after a copy: one
     that is not C-contiguous where it lives once a transpose of its last two axes is taken as
     a flag, or (batched) whose batch is broadcast to the product's other than by a leading 1.
@@ -178,8 +179,12 @@ def _matmul_copies(node: Value, strides: dict) -> dict[int, tuple | None]:
     found: dict[int, tuple | None] = {}
     for i, value in enumerate(node.inputs):
         source = value.inputs[0] if _absorbed(value) else value
-        if _literal(source):
+        if _literal(source, roots):
             found[i] = None
+            continue
+        if not batch:  # a 2-D product (most of a deep plan's): only its layout matters
+            if not _contiguous_where_it_lives(source, strides):
+                found[i] = None
             continue
         padded = (1,) * (len(batch) - len(source.shape[:-2])) + tuple(source.shape[:-2])
         count = math.prod(padded)
@@ -245,9 +250,9 @@ def _logsumexp_of_copy(node: Value, x: Value, rewrite: _Rewrite) -> Value:
     return rewrite.view("reshape", summed, {"shape": tuple(node.shape)}, node.shape, node)
 
 
-def _literal(value: Value) -> bool:
+def _literal(value: Value, roots: Roots | None = None) -> bool:
     """A chain over a `full` literal: codegen makes it from the number, never a buffer."""
-    return storage_root(value).op == "full"
+    return (storage_root(value) if roots is None else roots[value]).op == "full"
 
 
 def _strides(node: Value, known: dict) -> tuple | None:
