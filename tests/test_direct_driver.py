@@ -126,6 +126,29 @@ def test_the_second_call_runs_the_direct_driver_with_the_python_run_drivers_valu
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6, equal_nan=True)
 
 
+def passes_through(x, y):
+    return bp.sum(bp.tanh(x) * y), y.reshape((-1,))
+
+
+def passes_through_arguments():
+    rng = np.random.default_rng(5)
+    return tuple(bp.tensor(rng.standard_normal((3, 7)).astype(np.float32)) for _ in range(2))
+
+
+def test_a_plan_returning_a_view_of_an_argument_keeps_the_python_run_driver(direct, monkeypatch):
+    """An output that is a view of an argument is returned by the driver, not written into a
+    buffer; the direct driver returns nothing, so its second call read no such output (a
+    TypeError). Such a plan keeps the Python-run driver and builds the compiled one."""
+    _worth_building(monkeypatch)
+    results, plan, tiers = _three_calls(lambda c: c(passes_through), passes_through_arguments())
+    assert tiers == ["python", "python", "python"]
+    assert "run returns 1 arrays" in plan.direct_error and len(direct) == 1
+    expected = _reference(lambda c: c(passes_through), passes_through_arguments())
+    for result in results:
+        for got, want in zip(result, expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
 def test_a_split_driver_is_read_part_by_part(direct, monkeypatch):
     """A driver split into parts (codegen/render/driver_split.py, above 600 statements: an
     unrolled LSTM's) is read with each part's calls in place."""

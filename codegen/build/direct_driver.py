@@ -112,6 +112,8 @@ def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
         for i, (name, a) in enumerate(zip(names, arrays, strict=True))
     }
     reader.body(run.body)
+    if reader.returned:  # outputs that are views of its arguments: the caller reads them back
+        raise Unsupported(f"run returns {len(reader.returned)} arrays (outputs it does not write)")
     return reader.calls
 
 
@@ -184,7 +186,7 @@ class _Reader:
         values = [self.value(a) for a in node.args]
         outer, self.local, self.returned = self.local, dict(zip(parameters, values)), None
         self.body(function.body)
-        returned, self.local = self.returned or [], outer
+        returned, self.local, self.returned = self.returned or [], outer, None
         if len(returned) != len(targets):
             raise Unsupported(f"line {node.lineno}: {node.func.id} returns {len(returned)}")
         for target, value in zip(targets, returned, strict=True):
