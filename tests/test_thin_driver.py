@@ -101,3 +101,25 @@ def test_kernels_make_reversed_strided_and_transposed_views_correctly():
         results[backend] = [value.numpy(), *(g.numpy() for g in grads)]
     for expected, got in zip(results["reference"], results["numba"], strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_module_imports_only_the_kernel_modules_its_driver_calls():
+    """A warm process imports what its plan's module names: the LSTM-like cell's driver calls a
+    GEMM and passes read-only operands (views.as_read_only, which every kernel module also
+    exports), so it imports matmul's kernels and not attention's or conv's."""
+    from backplan.codegen.render.emit import kernel_imports
+
+    w, xs = inputs(np.random.default_rng(0), 3, 5, 3, 4)
+    source = generate(lower(bp.value_and_grad(gated).trace(w, xs).plan, ())).source
+    imported = {line.split()[1] for line in source.splitlines() if line.startswith("from ")}
+    assert "as_read_only(" in source and "gemm" in source
+    assert "backplan.codegen.kernels.matmul" in imported
+    assert not imported & {"backplan.codegen.kernels.attention", "backplan.codegen.kernels.conv"}
+    views = "from backplan.codegen.kernels.views import as_read_only\n"
+    assert kernel_imports({"as_read_only"}) == views
+    assert kernel_imports({"as_read_only", "one_hot"}) == (
+        "from backplan.codegen.kernels.gather import *  # noqa: F403\n" + views
+    )
+    assert kernel_imports({"gemm_f32", "unrelated"}) == (
+        "from backplan.codegen.kernels.blas import gemm_f32\n"
+    )

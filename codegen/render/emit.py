@@ -9,6 +9,7 @@ call) is defined just before the first statement that reads it, and not at all o
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
@@ -61,11 +62,7 @@ def header(name: str, driver: str) -> str:
     (codegen/kernels) whose kernels the driver calls, by the names their emitters write. Only
     those: a new kernel module changes no other plan's source, so cached plans stay valid."""
     called = set(IDENTIFIER.findall(driver))
-    kernels = "".join(
-        f"from {module} import *  # noqa: F403\n"
-        for module in kernel_modules()
-        if called.intersection(sys.modules[module].__all__)
-    )
+    kernels = kernel_imports(called)
     text = HEADER.format(name=name) + kernels
     if "ADDRESS_DRIVER_JIT_OPTIONS" in driver:  # its loops by address: build/loop_calls.py
         flags = "import ADDRESS_DRIVER_JIT_OPTIONS, JIT_OPTIONS\n"
@@ -74,6 +71,39 @@ def header(name: str, driver: str) -> str:
 
 
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
+def kernel_imports(called: set) -> str:
+    """The generated module's imports of kernel modules, for a driver calling `called`: each
+    module defining a called name, whole; a called name those only re-export
+    (views.as_read_only, in every kernel module's `__all__`) from where it is defined. A warm
+    process imports what its plan's module names: attention's and conv's kernels, for an LSTM
+    that passed one read-only operand, cost its first call ~10 ms."""
+    modules = kernel_modules()
+    chosen = [m for m in modules if called.intersection(defined_in(m))]
+    lines = [f"from {module} import *  # noqa: F403\n" for module in chosen]
+    left = called.difference(*(sys.modules[m].__all__ for m in chosen))
+    homes: dict[str, list[str]] = {}
+    for module in modules:
+        for name in sorted(left.intersection(sys.modules[module].__all__)):
+            value = getattr(sys.modules[module], name)
+            home = getattr(getattr(value, "py_func", value), "__module__", None) or module
+            homes.setdefault(home, []).append(name)
+            left.discard(name)
+    lines += [f"from {home} import {', '.join(names)}\n" for home, names in sorted(homes.items())]
+    return "".join(lines)
+
+
+@functools.cache
+def defined_in(module: str) -> frozenset:
+    """The names of a kernel module's `__all__` that it defines itself (not re-exports)."""
+    mod = sys.modules[module]
+    return frozenset(
+        name
+        for name in mod.__all__
+        if getattr(getattr(getattr(mod, name), "py_func", getattr(mod, name)), "__module__", None)
+        == module
+    )
 
 
 @dataclass
