@@ -59,3 +59,52 @@ def test_another_signature_between_leaves_it_unobserved():
     assert f.explain(other).loop_observed.kept == other.numpy().nbytes
     assert f.explain(x).loop_observed is None
     assert r.shape != r2.shape == r3.shape
+
+
+def test_a_loop_alternating_two_signatures_observes_each():
+    """train / eval batches: A, B, A, B. Each signature's second call sees its own first call's
+    results (before, B was never observed: A's second call cleared the watch)."""
+    # two dtypes of one shape: two signatures (two sizes of one axis would make it dynamic,
+    # one signature for both)
+    f, a = bp.compile(scaled), f32(16, 8)
+    b = bp.tensor(a.numpy().astype(np.float64))
+    ra = f(a)  # kept: bound until the loop's next A call
+    f(b)  # let go at once
+    ra2 = f(a)
+    f(b)
+    seen_a, seen_b = f.explain(a).loop_observed, f.explain(b).loop_observed
+    assert (seen_a.kept, seen_a.passed_back, seen_a.let_go) == (a.numpy().nbytes, 0, 0)
+    assert (seen_b.kept, seen_b.passed_back, seen_b.let_go) == (0, 0, b.numpy().nbytes)
+    assert ra.shape == ra2.shape
+
+
+def test_a_call_from_another_thread_is_not_the_loops_next_call():
+    """Thread 1 keeps its result; thread 2's calls of the same signature (each letting its
+    result go) are observed as thread 2's loop, never as thread 1's second call."""
+    import threading
+
+    f, x = bp.compile(scaled), f32(16, 8)
+    kept = f(x)
+    def loop():
+        f(x)
+        f(x)
+
+    other = threading.Thread(target=loop)
+    other.start()
+    other.join()
+    seen = f.explain(x).loop_observed
+    # thread 2's pair: its first result let go; thread 1's kept result is not its business
+    assert (seen.kept, seen.passed_back, seen.let_go) == (0, 0, x.numpy().nbytes)
+    assert kept.shape == (16, 8)
+
+
+def test_a_signature_called_once_stops_being_watched():
+    from backplan.tracer.loop_watch import WATCHED_CALLS
+
+    f, x, once = bp.compile(scaled), f32(16, 8), f32(4, 8)
+    f(once)
+    for _ in range(WATCHED_CALLS + 1):
+        f(x)
+    assert not f._loop_watch.active  # nothing waits: one attribute read per call
+    f(once)
+    assert f.explain(once).loop_observed is None

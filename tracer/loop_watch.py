@@ -9,8 +9,12 @@ assumes every result stays bound (report/loop_peak.py), an upper bound by the by
 back, and states it; after one, it prints what this loop holds
 (`report.observed_peak_bytes`).
 
-The watch costs a flattening of the result on a signature's first call and of the arguments
-on its second, then a dictionary lookup per call."""
+Each signature (and each thread: a loop is one thread's calls) is watched apart: a loop that
+alternates signatures (train and eval batches: A, B, A, B) sees A's results on A's second call
+and B's on B's, and a call from another thread is never taken as a loop's next call. The
+watch costs a flattening of the arguments and results on the calls of a function with a
+signature not yet observed, then one attribute read per call; a signature called once waits
+WATCHED_CALLS later calls of the function for its second call, then stops being followed."""
 
 from __future__ import annotations
 
@@ -67,49 +71,77 @@ def _buffers(tree) -> dict[int, np.ndarray]:
     return found
 
 
+WATCHED_CALLS = 64  # calls a signature's results wait for that signature's next call
+
+
+def _stand(results: list, passed: dict) -> LoopObservation:
+    """How results of an earlier call stand when a call is passed the buffers `passed`."""
+    kept = back = gone = 0
+    for ref, nbytes in results:
+        array = ref()
+        if array is None:
+            gone += nbytes
+        elif id(array) in passed:
+            back += nbytes
+        else:
+            kept += nbytes
+    return LoopObservation(kept, back, gone)
+
+
 class LoopWatch:
-    """Per compiled function: the last call's results of a signature not yet observed, and
-    each signature's observation ((entry key, sizes) -> LoopObservation)."""
+    """Per compiled function: each thread's last results of each signature not yet observed,
+    and each signature's observation ((entry key, sizes) -> LoopObservation). Safe to call
+    from several threads: each follows its own calls."""
 
     def __init__(self):
         self.observed: dict = {}
-        self._last = None  # (entry key, [(weakref to buffer, nbytes)]) of the last call
+        # (thread, (entry key, sizes)) -> (call number, [(weakref to buffer, nbytes)])
+        self._waiting: dict = {}
+        self._calls = 0
         self._lock = threading.Lock()
-        self.active = True  # False once the signature last run is observed, until a new trace
+        self.active = True  # False while no signature waits, until a new trace
 
     def before(self, args: tuple, kwargs: dict):
-        """At a call's start: how the last call's results stand, or None (nothing watched)."""
-        last = self._last
-        if last is None:
+        """At a call's start: how this thread's last results of each waiting signature of the
+        call's sizes stand ({key: LoopObservation}), or None (nothing watched). The call's
+        signature is known only at its end (`after`), its sizes now."""
+        if not self._waiting:
             return None
-        key, results = last
+        thread, shapes = threading.get_ident(), sizes(args, kwargs)
+        with self._lock:
+            waiting = [
+                (key, results)
+                for (t, key), (_, results) in self._waiting.items()
+                if t == thread and key[1] == shapes
+            ]
+        if not waiting:
+            return None
         passed = _buffers((args, kwargs))
-        kept = back = gone = 0
-        for ref, nbytes in results:
-            array = ref()
-            if array is None:
-                gone += nbytes
-            elif id(array) in passed:
-                back += nbytes
-            else:
-                kept += nbytes
-        return key, LoopObservation(kept, back, gone)
+        return {key: _stand(results, passed) for key, results in waiting}
 
     def after(self, entry_key, seen, result, args: tuple, kwargs: dict) -> None:
         """At a call's end (entry_key: the signature it ran): keep the observation `before`
-        made if the last call ran the same signature and sizes, else follow this call's
-        results."""
+        made of this thread's last call of the same signature and sizes, else follow this
+        call's results until its next call."""
         key = (entry_key, sizes(args, kwargs))
-        if key in self.observed:
-            self._last, self.active = None, False
-            return
+        thread = threading.get_ident()
         with self._lock:
-            if seen is not None and seen[0] == key:
-                self.observed[key] = seen[1]
-                self._last = None
-                return
-            mine = _buffers((args, kwargs))
-            results = [
-                (weakref.ref(a), a.nbytes) for i, a in _buffers(result).items() if i not in mine
-            ]
-            self._last = (key, results)
+            self._calls += 1
+            if key not in self.observed:
+                if seen is not None and key in seen:
+                    self.observed[key] = seen[key]
+                else:
+                    mine = _buffers((args, kwargs))
+                    results = [
+                        (weakref.ref(a), a.nbytes)
+                        for i, a in _buffers(result).items()
+                        if i not in mine
+                    ]
+                    self._waiting[(thread, key)] = (self._calls, results)
+            oldest = self._calls - WATCHED_CALLS
+            self._waiting = {
+                k: v
+                for k, v in self._waiting.items()
+                if k[1] not in self.observed and v[0] > oldest
+            }
+            self.active = bool(self._waiting)
