@@ -61,6 +61,20 @@ def conv_arguments():
     )
 
 
+def pool_loss(w, x):
+    h = bp.max_pool2d(bp.relu(x * w), 2)  # windows of 2 x 2: loops with axes of two
+    return bp.sum(h * h) + bp.sum(bp.max_pool2d(x, 2))
+
+
+def pool_arguments():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 4, 8, 8)).astype(np.float32)  # 4,096 elements
+    x[0, 0, :2, :2] = x[1, 1, 2:4, 2:4] = 0.75  # ties share their window's gradient
+    x[2, 3, 4, 5] = np.nan  # taken by the max, spread to its window's gradient
+    w = rng.standard_normal((1, 4, 1, 1)).astype(np.float32)
+    return bp.tensor(w), bp.tensor(x)
+
+
 def special(x, y):
     z = bp.exp(x) * bp.tanh(y) + bp.maximum(x, y)
     return bp.sum(z, axis=1), bp.max(z * 0.5 - y, axis=0)
@@ -147,6 +161,34 @@ def test_a_plan_returning_a_view_of_an_argument_keeps_the_python_run_driver(dire
     for result in results:
         for got, want in zip(result, expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_loops_with_axes_of_two_run_at_constant_sizes_with_the_python_run_drivers_values(
+    direct, monkeypatch
+):
+    """A 2 x 2 max pool's loops (forward, counts, masked gradient: axes of two) are compiled
+    at the driver's sizes and linked into it (codegen/build/direct_loops.py); ties, a NaN and
+    the gradient they share come out as the Python-run driver and the reference have them."""
+    from backplan.codegen.build import direct_loops
+
+    _worth_building(monkeypatch)
+    specialised = []
+    original = direct_loops.specialised
+    monkeypatch.setattr(
+        direct_loops,
+        "specialised",
+        lambda call, sizes: specialised.append(sizes) or original(call, sizes),
+    )
+    make = lambda c: bp.value_and_grad(c(pool_loss), argnums=(0, 1))  # noqa: E731
+    results, plan, tiers = _three_calls(make, pool_arguments())
+    assert tiers == ["python", "direct", "direct"], (tiers, plan.direct_error)
+    assert len(specialised) >= 3 and all(list(s.values())[-1] == 2 for s in specialised)
+    both = np.concatenate([r.ravel() for r in results[1]])
+    assert np.isnan(both).any()  # the NaN reaches the value and its window's gradient
+    for python_run, built in zip(results[0], results[1], strict=True):
+        np.testing.assert_array_equal(built, python_run)  # max, counts and shares: exact
+    for got, want in zip(results[1], _reference(make, pool_arguments()), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, equal_nan=True)
 
 
 def test_a_split_driver_is_read_part_by_part(direct, monkeypatch):
@@ -273,12 +315,15 @@ NEXT_PROCESS = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import backplan as bp
     from backplan.runtime.backend import use_backend
-    from test_direct_driver import classifier, classifier_arguments, result_arrays
+    import test_direct_driver as models
+    from test_direct_driver import result_arrays
 
+    model = sys.argv[2] if len(sys.argv) > 2 else "classifier"
     with warnings.catch_warnings(record=True) as caught, use_backend("numba"):
         warnings.simplefilter("always")
-        step = bp.value_and_grad(bp.compile(classifier), argnums=(0, 1, 2))
-        arguments = classifier_arguments()
+        arguments = getattr(models, f"{model.removesuffix('_loss')}_arguments")()
+        argnums = tuple(range(len(arguments) - (model == "classifier") * 2))
+        step = bp.value_and_grad(bp.compile(getattr(models, model)), argnums=argnums)
         step(*arguments)
         values = result_arrays(step(*arguments))
         (runner,) = step.trace(*arguments).runners()
@@ -318,3 +363,24 @@ def test_a_next_process_loads_the_direct_driver_and_a_tampered_one_is_built_agai
     assert third["tier"] == "direct" and third["cached"] is False, third["error"]
     assert any("bp_direct_" in w for w in third["warnings"]), third["warnings"]
     assert third["values"] == first["values"]
+
+
+def test_a_next_process_loads_a_driver_holding_loops_at_constant_sizes(tmp_path):
+    """The loops compiled at the driver's sizes are in its object file: a next process loads
+    it (nothing compiled again) and gets the same values."""
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(tmp_path / "kernels"),
+        "BACKPLAN_DRIVER": "background",
+        "BACKPLAN_DIRECT_DRIVER": "1",
+    }
+    tests = os.path.dirname(os.path.abspath(__file__))
+    first = script_facts(NEXT_PROCESS, tests, "pool_loss", env=env, timeout=600)
+    second = script_facts(NEXT_PROCESS, tests, "pool_loss", env=env, timeout=600)
+    assert first["tier"] == second["tier"] == "direct", (first["error"], second["error"])
+    assert (first["cached"], second["cached"]) == (False, True)
+    assert second["warnings"] == []
+    np.testing.assert_array_equal(
+        np.concatenate([np.array(v, np.float32) for v in second["values"]]),
+        np.concatenate([np.array(v, np.float32) for v in first["values"]]),
+    )

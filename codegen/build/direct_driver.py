@@ -320,10 +320,13 @@ class _Target:
     given: tuple
 
 
-def _targets(calls: list[Call], arrays: list[Argument]) -> list[_Target]:
+def _targets(calls: list[Call], arrays: list[Argument], linked: list) -> list[_Target]:
     """Each call's callee compiled (or found) and published under its symbol, outside Numba's
-    lowering of the driver."""
+    lowering of the driver; a loop with an axis of a few elements compiled at its sizes
+    instead (codegen/build/direct_loops.py), its code library added to `linked`."""
     from numba import from_dtype, types
+
+    from backplan.codegen.build import direct_loops
 
     found = []
     for call in calls:
@@ -342,6 +345,12 @@ def _targets(calls: list[Call], arrays: list[Argument]) -> list[_Target]:
             for value, kind in zip(call.arguments, kinds, strict=True):
                 if (kind == types.voidptr) != isinstance(value, View):
                     raise Unsupported(f"line {call.line}: a loop argument of the wrong kind")
+            sizes = {i: int(call.arguments[i].value) for i in call.callee._sizes}
+            if direct_loops.worth_specialising(list(sizes.values())):
+                compiled = direct_loops.specialised(call.callee, sizes)
+                linked.append(compiled.library)
+                found.append(_Target(compiled.fndesc.llvm_func_name, kinds, types.none, given))
+                continue
             symbol = loop_calls.publish(call.callee, loop_calls.driver_form(call.callee))
             found.append(_Target(symbol, kinds, types.none, given))
             continue
@@ -515,9 +524,12 @@ def _compiled(calls: list[Call], arrays: list[Argument], name: str):
 
     context = cpu_target.target_context
     context.refresh()  # its constants' registries: a process that only loaded from its cache
-    targets = _targets(calls, arrays)
+    linked: list = []
+    targets = _targets(calls, arrays, linked)
     codegen = context.codegen()
     library = DriverLibrary(codegen, name)
+    for code in dict.fromkeys(linked):
+        library.add_linking_library(code)
     library.enable_object_caching()  # kept in the cache folder (_save)
     module = library.create_ir_module(name)
     intp = context.get_value_type(types.intp)

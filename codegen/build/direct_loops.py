@@ -1,0 +1,74 @@
+"""Loops with an axis of a few elements, compiled for the direct driver with their sizes as
+constants and linked into its module.
+
+The direct driver (codegen/build/direct_driver.py) calls each loop's own compiled entry, which
+takes its sizes as arguments: a loop over windows of two (a 2x2 max pool's forward, the
+counts and the masked gradient of its backward) runs its innermost axes as loops of two
+iterations LLVM can neither unroll nor vectorise. The linked driver (its loops inlined with the
+sizes as constants) ran such a CNN's pooling in 67 us against 118 us called by address, and
+its step 1.04-1.17x faster (BENCHMARKS.md, 31). Here a call worth it (`worth_specialising`:
+an innermost axis of at most TINY_AXIS elements in a loop over at least SMALL_LOOP_ELEMENTS)
+gets its own copy of the loop, the sizes bound as constants and the loop inlined (Numba's full
+level-3 pipeline unrolls and vectorises it as in the linked driver); the driver links that
+code into its module, so its cached object file holds it and a later process loads it as it
+is. The price is one small compile per such call in the build (about 0.1 s each); loops of
+longer innermost axes, which gain little from constant sizes, are still called by address.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from backplan.codegen.flags import SMALL_LOOP_ELEMENTS
+
+TINY_AXIS = 4  # an axis this short runs as a loop LLVM cannot vectorise unless it is constant
+_compiled: dict = {}  # (loop, sizes) -> Numba's compiled specialisation, once per process
+_inlined: dict = {}  # loop -> its address form compiled to be inlined
+_lock = threading.Lock()
+
+
+def worth_specialising(sizes: list[int]) -> bool:
+    """Whether a loop call over these sizes (its size parameters in order: outer loops first)
+    gains from constant sizes: an innermost axis of a few elements, in a loop over enough
+    elements that its time shows in a step.
+
+    >>> worth_specialising([2048, 2, 4, 2])  # a 2x2 max pool over 32 x 16 x 8 x 8
+    True
+    >>> worth_specialising([32, 4, 64])  # a bias and ReLU over 4 channels: inner axis long
+    False
+    >>> worth_specialising([8, 2])  # too few elements to show in a step
+    False
+    """
+    return bool(sizes) and sizes[-1] <= TINY_AXIS and math.prod(sizes) >= SMALL_LOOP_ELEMENTS
+
+
+def specialised(call, sizes: dict[int, int]):
+    """Numba's compiled version of the loop `call` (an AddressCall) with the parameters at the
+    positions of `sizes` bound to those values; it takes every parameter as the loop does (the
+    bound ones unused), so the driver passes the same arguments."""
+    from numba import njit
+
+    from backplan.codegen.build import loop_batch
+    from backplan.codegen.flags import DRIVER_KERNEL_JIT_OPTIONS, KERNEL_JIT_OPTIONS
+
+    loop = call.loop(False)
+    key = (loop, tuple(sorted(sizes.items())))
+    with _lock:
+        if key in _compiled:
+            return _compiled[key]
+        if loop not in _inlined:
+            options = {**DRIVER_KERNEL_JIT_OPTIONS, "cache": False}
+            _inlined[loop] = njit(**options)(loop.py_func)
+        names = [f"p{i}" for i in range(len(call._kinds))]
+        passed = [str(sizes[i]) if i in sizes else name for i, name in enumerate(names)]
+        source = f"def constant_sizes({', '.join(names)}):\n    loop({', '.join(passed)})\n"
+        scope = {"loop": _inlined[loop]}
+        exec(compile(source, f"<{loop.py_func.__module__} at constant sizes>", "exec"), scope)
+        options = {**KERNEL_JIT_OPTIONS, "_nrt": False, "no_cpython_wrapper": True}
+        options["cache"] = False  # made from a string: kept in the driver's object file instead
+        wrapper = njit(**options)(scope["constant_sizes"])
+        signature = loop_batch.signature(loop)
+        wrapper.compile(signature)
+        _compiled[key] = wrapper.overloads[signature]
+        return _compiled[key]
