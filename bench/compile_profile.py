@@ -50,6 +50,82 @@ class CompileTimes(event.Listener):
             self.top_level[name] = self.top_level.get(name, 0.0) + total
 
 
+# The stages of a first call, each the functions that do it (module, attribute path); a stage's
+# time is exclusive: a stage inside another (the library loaded while the loops compile)
+# counts for itself.
+STAGES = {
+    "trace": [("backplan.tracer.compile", "trace_function")],
+    "plan (lowering, layout, memory)": [
+        ("backplan.ir.pipeline", "plan_choices"),
+        ("backplan.ir.lowering", "lower"),
+    ],
+    "render (driver and loop sources)": [("backplan.codegen.run.compiled", "rendering")],
+    "load the plan's modules": [
+        ("backplan.codegen.build.kernel_cache", "load"),
+        ("backplan.codegen.build.cache", "load_module"),
+    ],
+    "compile the loops": [("backplan.codegen.build.loop_batch", "compile_together")],
+    "load library functions": [("backplan.codegen.jit", "SignedCacheOnDemand.load_overload")],
+}
+
+
+class StageTimes:
+    """Exclusive thread CPU seconds per stage, by wrapping each stage's functions where they
+    are defined and where other backplan modules imported them by name (undone by `restore`)."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self._stack: list[list] = []  # [stage, start, seconds of nested stages]
+        self._undo: list[tuple] = []
+
+    def install(self) -> None:
+        import importlib
+        import sys
+
+        for stage, functions in STAGES.items():
+            for module_name, path in functions:
+                owner = importlib.import_module(module_name)
+                *outer, name = path.split(".")
+                for part in outer:
+                    owner = getattr(owner, part)
+                original = getattr(owner, name)
+                wrapped = self._wrap(stage, original)
+                places = [owner]
+                if not outer:  # a module function: every module that imported it too
+                    places += [
+                        m
+                        for m in list(sys.modules.values())
+                        if getattr(m, "__name__", "").startswith("backplan")
+                        and m is not owner
+                        and getattr(m, name, None) is original
+                    ]
+                for place in places:
+                    self._undo.append((place, name, original))
+                    setattr(place, name, wrapped)
+
+    def restore(self) -> None:
+        for place, name, original in reversed(self._undo):
+            setattr(place, name, original)
+        self._undo.clear()
+
+    def _wrap(self, stage: str, function):
+        import functools
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            self._stack.append([stage, time.thread_time(), 0.0])
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _, start, nested = self._stack.pop()
+                total = time.thread_time() - start
+                self.seconds[stage] += total - nested
+                if self._stack:
+                    self._stack[-1][2] += total
+
+        return timed
+
+
 def profile(model: str, small: bool) -> dict:
     import numpy as np
 
@@ -58,14 +134,20 @@ def profile(model: str, small: bool) -> dict:
 
     spec, peer = MODELS[model], PEERS["backplan"]()
     inputs = spec.inputs(small, np.dtype("float32"))
-    times = CompileTimes()
-    cpu, wall = time.thread_time(), time.perf_counter()
-    with event.install_listener("numba:compile", times):
-        peer.build(spec, inputs).step()
+    times, stages = CompileTimes(), StageTimes()
+    stages.install()
+    try:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        with event.install_listener("numba:compile", times):
+            peer.build(spec, inputs).step()
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    finally:
+        stages.restore()
     return {
         "model": model,
-        "first_call_cpu_s": time.thread_time() - cpu,
-        "first_call_wall_s": time.perf_counter() - wall,
+        "first_call_cpu_s": cpu,
+        "first_call_wall_s": wall,
+        "stages": stage_breakdown(stages.seconds, times, cpu),
         "compile_cpu_s": sum(times.exclusive.values()),
         "load_average_1min": os.getloadavg()[0],
         "functions": [
@@ -81,12 +163,36 @@ def profile(model: str, small: bool) -> dict:
     }
 
 
+def stage_breakdown(seconds: dict, times: CompileTimes, total: float) -> dict:
+    """The stages' CPU seconds, the loops' compile split into Numba's typing and lowering (the
+    first loop's includes Numba's one-time set-up) and LLVM's optimisation and machine code of
+    the batch (bench/one_module.py; a plan of one loop compiles it alone, LLVM included in
+    its typing and lowering); library functions compiled (not found prebuilt) apart from
+    the stage that asked for them; the rest of the call: running the step, imports."""
+    stages = dict(seconds)
+    exclusive = times.exclusive
+    batch = sum(t for name, t in exclusive.items() if name.startswith(BATCH))
+    loops = sum(t for name, t in exclusive.items() if name.startswith(LOOPS)) - batch
+    batched = stages.pop("compile the loops")
+    stages["loops: Numba typing and lowering"] = loops
+    stages["loops: LLVM optimisation and machine code"] = batch
+    stages["loops: the rest (dispatchers, saving the batch)"] = batched - loops - batch
+    stages["library functions compiled"] = sum(exclusive.values()) - loops - batch
+    stages["the rest (the step, imports)"] = total - sum(stages.values())
+    return stages
+
+
+BATCH, LOOPS = "backplan_kernel_batch", "backplan_kernel_"
+
+
 def report(facts: dict, rows: int) -> str:
     lines = [
         f"{facts['model']}: first call {facts['first_call_cpu_s']:.2f} CPU s "
         f"({facts['first_call_wall_s']:.2f} s wall, load {facts['load_average_1min']:.1f}), "
         f"of which compiling {facts['compile_cpu_s']:.2f} CPU s in "
         f"{sum(f['variants'] for f in facts['functions'])} compiles",
+        "stages (exclusive CPU s):",
+        *(f"  {seconds:7.3f}  {stage}" for stage, seconds in facts["stages"].items()),
         "compiles the call started (with everything nested in them):",
         *(f"  {seconds:7.2f}  {name}" for name, seconds in facts["top_level"][:rows]),
         "per function (exclusive CPU s, variants, first asked by):",

@@ -46,3 +46,26 @@ def test_a_models_first_call_lists_its_compiled_loop_kernels(tmp_path):
     assert 0 < facts["compile_cpu_s"] <= facts["first_call_cpu_s"]
     text = compile_profile.report(facts, rows=5)
     assert text.startswith("mlp_tiny: first call") and facts["functions"][0]["name"] in text
+    stages = facts["stages"]
+    assert abs(sum(stages.values()) - facts["first_call_cpu_s"]) < 1e-6  # they add up
+    assert stages["loops: Numba typing and lowering"] > 0, stages  # an empty cache: they compile
+    assert stages["trace"] > 0 and stages["plan (lowering, layout, memory)"] > 0
+    assert "loops: Numba typing and lowering" in text
+
+
+def test_the_stage_wrappers_time_exclusively_and_are_removed_afterwards():
+    from backplan.codegen.build import loop_batch
+
+    original = loop_batch.compile_together
+    stages = compile_profile.StageTimes()
+    stages.install()
+    try:
+        assert loop_batch.compile_together is not original
+        loop_batch.compile_together([])  # nothing to compile: returns at once
+    finally:
+        stages.restore()
+    assert loop_batch.compile_together is original
+    assert 0 <= stages.seconds["compile the loops"] < 0.5
+    assert all(
+        seconds == 0 for stage, seconds in stages.seconds.items() if stage != "compile the loops"
+    )
