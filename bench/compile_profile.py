@@ -73,8 +73,10 @@ class StageTimes:
     """Exclusive thread CPU seconds per stage, by wrapping each stage's functions where they
     are defined and where other backplan modules imported them by name (undone by `restore`)."""
 
-    def __init__(self):
+    def __init__(self, compiles: CompileTimes | None = None):
         self.seconds = dict.fromkeys(STAGES, 0.0)
+        self._compiles = compiles  # a stage inside a compile (a library function loaded while
+        # a loop is typed) is not that compile's own time either
         self._stack: list[list] = []  # [stage, start, seconds of nested stages]
         self._undo: list[tuple] = []
 
@@ -122,6 +124,8 @@ class StageTimes:
                 self.seconds[stage] += total - nested
                 if self._stack:
                     self._stack[-1][2] += total
+                if self._compiles is not None and self._compiles.stack:
+                    self._compiles.stack[-1][2] += total
 
         return timed
 
@@ -134,7 +138,8 @@ def profile(model: str, small: bool) -> dict:
 
     spec, peer = MODELS[model], PEERS["backplan"]()
     inputs = spec.inputs(small, np.dtype("float32"))
-    times, stages = CompileTimes(), StageTimes()
+    times = CompileTimes()
+    stages = StageTimes(times)
     stages.install()
     try:
         cpu, wall = time.thread_time(), time.perf_counter()
