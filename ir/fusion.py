@@ -251,10 +251,12 @@ def _recompute_cheap_inputs(
         for node in list(kernel.computed):
             for inp in node.inputs:
                 source = bases[inp]
-                # _cheap_cone's first test, asked here: most inputs are stored anyway
-                if source not in home or home[source] == k or source in kept:
+                # _cheap_cone's first tests, asked here: most inputs are stored anyway (an
+                # input, this loop's own value, or a value of a kernel that is no loop)
+                owner = home.get(source, k)
+                if owner == k or source in kept or source in kernel.recomputed:
                     continue
-                if source in kernel.recomputed:
+                if kernels[owner].kind != "loop" and source not in spread:
                     continue
                 cone = _cheap_cone(source, kernel, k, kernels, home, kept, spread, bases=bases)
                 if cone is None and source not in reads:
@@ -368,7 +370,11 @@ def _readers(kernels: list[Kernel], home, outputs: list[Value], bases=None) -> d
             for inp in node.inputs:
                 source = bases[inp]
                 if home.get(source) != k and source not in recomputed:
-                    readers.setdefault(source, set()).add(k)
+                    found = readers.get(source)
+                    if found is None:
+                        readers[source] = {k}
+                    else:
+                        found.add(k)
     return readers
 
 
@@ -533,15 +539,17 @@ def materialized(graph: Graph, kernels: list[Kernel], bases: Bases | None = None
     home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
     needed = {bases[o] for o in graph.outputs} | set(graph.outputs)
     for k, kernel in enumerate(kernels):
-        for node in kernel.computed:
+        in_loop = kernel.kind in ("loop", "alias")  # reads its own and recomputed values
+        recomputed = kernel.recomputed
+        plain = not (recomputed or kernel.reductions or kernel.epilogue)  # computed: its nodes
+        for node in kernel.nodes if plain else kernel.computed:
             for inp in node.inputs:
                 source = bases[inp]
-                in_loop = kernel.kind in ("loop", "alias")
-                if in_loop and (
-                    source in home and home[source] == k or source in kernel.recomputed
-                ):
-                    continue
-                if in_loop and kernels[home[source]].kind == "literal" if source in home else False:
-                    continue
+                if in_loop:
+                    owner = home.get(source)
+                    if owner == k or source in recomputed:
+                        continue
+                    if owner is not None and kernels[owner].kind == "literal":
+                        continue
                 needed.add(source)
     return {v for v in needed if v in home and kernels[home[v]].kind not in ("literal", "alias")}

@@ -3,6 +3,7 @@ f16, f32, f64. Anything else is refused with a DtypeError naming the supported s
 converted. bf16 is ml_dtypes.bfloat16 (the NumPy dtype JAX uses); bf16 and f16 are storage
 dtypes: every op on them computes in float32 and rounds its result once (ir/widen.py)."""
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,8 +103,10 @@ class TensorType:
             n *= d
         return n
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """Worked out once per type: values share their types (a plan's copies keep them), and
+        the memory planner asks every buffer's bytes of every plan it weighs."""
         return self.size * DTYPES[self.dtype].itemsize
 
     def __str__(self) -> str:
