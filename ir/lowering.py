@@ -202,8 +202,10 @@ ROW_AXES = ((1,), (0,), (0, 1))  # along a row, down the columns, everything
 def _row_stage(kernel: Kernel, rows: int | None) -> bool:
     """A loop over (rows, columns) or (rows, 1) whose reductions sum or max along a row, down
     the columns or over everything (the last two into partial rows per chunk of rows)."""
+    if kernel.kind != "loop":
+        return False
     shape = internal_shape(kernel.shape)
-    if kernel.kind != "loop" or len(shape) != 2 or shape[0] < 2 or _sums_many(kernel):
+    if len(shape) != 2 or shape[0] < 2 or _sums_many(kernel):
         return False
     if rows is not None and shape[0] != rows:
         return False
@@ -220,7 +222,7 @@ def _across_rows(kernel: Kernel) -> set[Value]:
 
 def _reads_any(kernel: Kernel, values: set[Value]) -> bool:
     """Whether the kernel reads one of values (through aliases too)."""
-    return any(alias_base(i) in values for n in kernel.computed for i in n.inputs)
+    return bool(values) and any(alias_base(i) in values for n in kernel.computed for i in n.inputs)
 
 
 def _sums_many(kernel: Kernel) -> bool:

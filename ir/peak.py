@@ -218,8 +218,16 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
                 held[b.category] += b.nbytes
         seed = _cotangent_bytes(call)
         during = sum(held.values()) + seed + _kept_during(call.label, kept)
-        peak = max(peak, during + max(_workspace(g) for g in _driver_calls(low)))
+        peak = max(peak, during + _largest_workspace(low))
     return peak
+
+
+def _largest_workspace(lowered) -> int:
+    """The largest workspace any driver call of the plan allocates (_driver_calls' groups,
+    without building them): only a kernel that is one op allocates one (ir/kernel_workspace.py),
+    and every such kernel runs as a call of its own or in a row run, so the largest over the
+    plan's kernels is the largest over its calls (0 for a plan that calls nothing)."""
+    return max((workspace_bytes(k) for k in lowered.kernels if k.kind == "op"), default=0)
 
 
 def _kept_during(plan: str, kept: int) -> int:
