@@ -494,14 +494,13 @@ def _joinable_loop(
     instead of opening one of its own, which split bfloat16 ln_gelu's layer-norm gradient into
     a loop of its own). A spread widening counts as its 16-bit input: the loop recomputes it."""
     sources = [_read_source(s, shape, spread) for s in bases] if spread else bases
-    producers = [
-        home[s]
-        for s in sources
-        if s in home
-        and s not in tails
-        and kernels[home[s]].kind == "loop"
-        and kernels[home[s]].shape == shape
-    ]
+    producers = []
+    for s in sources:
+        k = home.get(s)
+        if k is not None and s not in tails:
+            kernel = kernels[k]
+            if kernel.kind == "loop" and kernel.shape == shape:
+                producers.append(k)
     for target in ([max(producers)] if producers else []) + ([] if latest is None else [latest]):
         if target == avoid:
             continue
