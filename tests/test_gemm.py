@@ -99,6 +99,39 @@ def test_b_read_in_place_and_packed_agree(width):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_a_read_in_place_stays_inside_its_view(width):
+    """A with unit-stride rows is read where it lies (driver.py), its last partial panel
+    packed: views cut from a NaN-filled array (row stride wider than the view, rows reversed),
+    NN and TN, over two row blocks and two k blocks, never read the NaN around them, and an
+    inf inside A reaches exactly the results it should."""
+    from backplan.codegen.kernels.gemm.driver import KC, MC
+
+    rng = np.random.default_rng(4)
+    m, n, k = MC + 11, 45, KC + 7
+    for dtype in (np.float32, np.float64):
+        for ta in (False, True):
+            rows, cols = (k, m) if ta else (m, k)
+            big = np.full((rows + 3, cols + 9), np.nan, dtype)
+            a = big[1 : 1 + rows, 4 : 4 + cols]
+            a[...] = rng.standard_normal(a.shape)
+            b = rng.standard_normal((k, n)).astype(dtype)
+            for operand in (a, a[::-1]):
+                c = np.full((m, n), np.nan, dtype)
+                own.gemm(width, ta, False, 1.0, operand, b, 0.0, c)
+                _check(c, operand, b, ta, False, dtype)
+                c0 = rng.standard_normal((m, n)).astype(dtype)
+                c = c0.copy()
+                own.gemm(width, ta, False, 0.5, operand, b, -1.0, c)
+                _check(c, operand, b, ta, False, dtype, 0.5, -1.0, c0.astype(np.float64))
+            a_inf = a.copy()
+            a_inf[(5, 9) if ta else (9, 5)] = np.inf  # row 9 of op(A) times row 5 of B
+            b_pos = np.abs(b) + 1
+            c = np.full((m, n), np.nan, dtype)
+            own.gemm(width, ta, False, 1.0, a_inf, b_pos, 0.0, c)
+            assert np.all(np.isposinf(c[9])) and np.all(np.isfinite(np.delete(c, 9, axis=0)))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_batched_gemm_with_broadcast_batch(width):
     """Attention-like batches: b shared by every batch entry (batch size 1), or a shared."""
     rng = np.random.default_rng(2)

@@ -1,9 +1,17 @@
 """The blocked GEMM: C = alpha * op(A) @ op(B) + beta * C, one core, any strides.
 
-Loops (BLIS order): column blocks of C (nc), then k blocks (kc), then row blocks (mc) whose
-A is packed into mr-row panels, then nr-wide column panels of B, then the panels of A: the
-kernel's B panel stays in L1 while A panels stream from L2. Tiles cut by the edge of C go
-through a small buffer.
+Loops (BLIS order): column blocks of C (nc), then k blocks (kc), then row blocks (mc), then
+nr-wide column panels of B, then mr-row panels of A: the kernel's B panel stays in L1 while A
+panels stream from L2. Tiles cut by the edge of C go through a small buffer.
+
+A is read where it lies when its rows have unit stride (op(A) = A or A.T): the kernel
+broadcasts A[i + r, p] from lda elements apart instead of from a packed panel; only a last
+panel of fewer than mr rows is packed (zero padded). Packing A was a transposing copy per k
+block that the in-place kernel, as fast as the packed one from L1 (267-277 GFLOP/s either way),
+does not need: on one pinned Zen 5 core, thread CPU, 7 interleaved rounds, the GEMM took
+0.96x the time on the mlp's NN and TN products (128x512x784, 128x512x512, 512x512x128,
+784x512x128), 0.98x on its NT dX, 0.87x on mlp_deep's 256x128x128, 0.93-0.99x on the
+transformer's, and 0.78-0.86x on small odd shapes.
 
 B is packed when C has more rows than one row block: read in place, rows of a B with 512 or
 1024 columns fall 2-4 KiB apart, into a handful of L1 sets, and the panel does not stay in L1.
@@ -21,7 +29,15 @@ import numpy as np
 from backplan.codegen.jit import njit
 from backplan.codegen.kernels.by_address import by_address
 from backplan.codegen.kernels.gemm.blocking import machine_block_sizes
-from backplan.codegen.kernels.gemm.kernel import TILES, micro_kernel_256, micro_kernel_512
+from backplan.codegen.kernels.gemm.kernel import (
+    TILES,
+    micro_kernel_256,
+    micro_kernel_256_a_columns,
+    micro_kernel_256_a_rows,
+    micro_kernel_512,
+    micro_kernel_512_a_columns,
+    micro_kernel_512_a_rows,
+)
 from backplan.codegen.kernels.gemm.pack import pack_a, pack_b
 
 # Elements; from this machine's cache sizes (blocking.py): 256, 128, 2048 on Zen 4. Compiled in
@@ -47,6 +63,23 @@ def _kernel(width, kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta, like):
         micro_kernel_512(kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta, like)
     else:
         micro_kernel_256(kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _kernel_a_in_place(
+    width, columns, kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like
+):
+    """_kernel with A read where it lies: op(A) row-major (columns False: NN) or A row-major
+    and transposed (columns True: TN), lda elements apart."""
+    if width == 512:
+        if columns:
+            micro_kernel_512_a_columns(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+        else:
+            micro_kernel_512_a_rows(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+    elif columns:
+        micro_kernel_256_a_columns(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+    else:
+        micro_kernel_256_a_rows(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
 
 
 @njit(cache=True, nogil=True)
@@ -116,6 +149,10 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
         m <= mc_max and not trans_b and b.itemsize == size
         and b.strides[1] == size and b.strides[0] % size == 0
     )  # fmt: skip
+    # A with unit-stride rows is read where it lies (its full mr-row panels; see the module
+    # docstring); 16-bit A is packed (packing widens it)
+    a_in_place = a.itemsize == size and a.strides[1] == size and a.strides[0] % size == 0
+    lda = a.strides[0] // size
     ldc = c.strides[0] // size
     for jc in range(0, n, nc_max):
         nc = min(nc_max, n - jc)
@@ -130,7 +167,9 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                 pack_b(width, b, trans_b, pc, kc, jc + last, nc % nr, nr, edge)
             for ic in range(0, m, mc_max):
                 mc = min(mc_max, m - ic)
-                pack_a(width, a, trans_a, ic, mc, pc, kc, mr, a_pack)
+                full = mc - mc % mr if a_in_place else 0  # rows read in place
+                if full < mc:  # the rest packed, from the start of a_pack
+                    pack_a(width, a, trans_a, ic + full, mc - full, pc, kc, mr, a_pack)
                 for jr in range(0, nc, nr):
                     j = jc + jr
                     cols = min(nr, nc - jr)
@@ -143,12 +182,25 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                     for ir in range(0, mc, mr):
                         i = ic + ir
                         rows = min(mr, mc - ir)
-                        a_addr = a_pack.ctypes.data + (ir // mr) * kc * mr * size
-                        if rows == mr and cols == nr and c_rows:
-                            c_addr = c.ctypes.data + i * c.strides[0] + j * size
-                            _kernel(width, kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta_p, c)
+                        whole = rows == mr and cols == nr and c_rows
+                        c_addr = c.ctypes.data + i * c.strides[0] + j * size
+                        if not whole:  # through the edge tile, stored by store_edge
+                            c_addr, ldc_p, alpha_p, beta_t = tile.ctypes.data, nr, 1.0, 0.0
                         else:
+                            ldc_p, alpha_p, beta_t = ldc, alpha, beta_p
+                        if ir < full:
+                            a_addr = a.ctypes.data + (
+                                pc * a.strides[0] + i * size if trans_a
+                                else i * a.strides[0] + pc * size
+                            )  # fmt: skip
+                            _kernel_a_in_place(
+                                width, trans_a, kc, a_addr, lda, b_addr, ldb,
+                                c_addr, ldc_p, alpha_p, beta_t, c,
+                            )  # fmt: skip
+                        else:
+                            a_addr = a_pack.ctypes.data + ((ir - full) // mr) * kc * mr * size
                             _kernel(
-                                width, kc, a_addr, b_addr, ldb, tile.ctypes.data, nr, 1.0, 0.0, c
+                                width, kc, a_addr, b_addr, ldb, c_addr, ldc_p, alpha_p, beta_t, c
                             )
+                        if not whole:
                             store_edge(tile, nr, c, i, j, rows, cols, alpha, beta_p)

@@ -51,9 +51,12 @@ def _vec_ptr(builder, base, offset, vec_type):
     return builder.bitcast(builder.gep(base, [offset]), ir.PointerType(vec_type))
 
 
-def _accumulate(builder, kc, a, b, ldb, vec, mr, nv):
-    """The k loop: acc[r][v] += A_panel[p, r] * B[p, v-th vector], in registers after mem2reg."""
+def _accumulate(builder, kc, a, b, ldb, vec, mr, nv, a_steps=None):
+    """The k loop: acc[r][v] += A_panel[p, r] * B[p, v-th vector], in registers after mem2reg.
+    A_panel[p, r] is read at p * step + r * row of a_steps (IR values; packed: mr and 1)."""
     intp, lanes = kc.type, vec.count
+    step, row = a_steps or (ir.Constant(intp, mr), ir.Constant(intp, 1))
+    row_offsets = [builder.mul(ir.Constant(intp, r), row) for r in range(mr)]
     accs = [
         [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(nv)]
         for _ in range(mr)
@@ -68,9 +71,9 @@ def _accumulate(builder, kc, a, b, ldb, vec, mr, nv):
             )
             for v in range(nv)
         ]
-        a_row = builder.mul(p, ir.Constant(intp, mr))
+        a_row = builder.mul(p, step)
         for r in range(mr):
-            a_val = builder.load(builder.gep(a, [builder.add(a_row, ir.Constant(intp, r))]))
+            a_val = builder.load(builder.gep(a, [builder.add(a_row, row_offsets[r])]))
             a_vec = splat(builder, a_val, vec)
             for v in range(nv):
                 acc = builder.load(accs[r][v])
@@ -129,14 +132,16 @@ def prefetch_tile(builder, c, ldc, mr, row_bytes, scalar_bytes):
             builder.call(fn, [builder.bitcast(at, i8p), write, keep, data])
 
 
-def _emit_kernel(builder, args, scalar, lanes, mr, nv):
+def _emit_kernel(builder, args, scalar, lanes, mr, nv, a_layout="packed", lda=None):
     kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta = args
+    one = ir.Constant(kc.type, 1)
+    a_steps = {"packed": None, "rows": (one, lda), "columns": (lda, one)}[a_layout]
     vec = ir.VectorType(scalar, lanes)
     ptr = ir.PointerType(scalar)
     a, b, c = (builder.inttoptr(addr, ptr) for addr in (a_addr, b_addr, c_addr))
     scalar_bytes = 4 if isinstance(scalar, ir.FloatType) else 8
     prefetch_tile(builder, c, ldc, mr, lanes * nv * scalar_bytes, scalar_bytes)
-    sums = _accumulate(builder, kc, a, b, ldb, vec, mr, nv)
+    sums = _accumulate(builder, kc, a, b, ldb, vec, mr, nv, a_steps)
     store_tile(builder, sums, c, ldc, alpha, beta, vec)
 
 
@@ -169,5 +174,45 @@ def _make_kernel(width: int):
     return micro_kernel
 
 
+def _make_in_place_kernel(width: int, a_layout: str):
+    @intrinsic
+    def micro_kernel_in_place(
+        typingctx, kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like
+    ):
+        """The kernel with A read where it lies, not packed: A_panel[p, r] at element
+        r * lda + p ("rows": op(A) row-major, NN) or p * lda + r ("columns": op(A) = A.T of a
+        row-major A, TN)."""
+        if not isinstance(like, types.Array) or like.dtype not in (types.float32, types.float64):
+            return None
+        dtype = like.dtype
+        name = "f32" if dtype == types.float32 else "f64"
+        lanes, mr, nv = TILES[width][name]
+        sig = types.void(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+
+        def codegen(context, builder, signature, args):
+            ints = [
+                context.cast(builder, value, fromty, types.intp)
+                for value, fromty in zip(args[:7], signature.args[:7], strict=True)
+            ]
+            scalars = [
+                context.cast(builder, value, fromty, dtype)
+                for value, fromty in zip(args[7:9], signature.args[7:9], strict=True)
+            ]
+            kc_, a_, lda_, b_, ldb_, c_, ldc_ = ints
+            _emit_kernel(
+                builder, [kc_, a_, b_, ldb_, c_, ldc_, *scalars], _llvm_float(name),
+                lanes, mr, nv, a_layout, lda_,
+            )  # fmt: skip
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return micro_kernel_in_place
+
+
 micro_kernel_512 = _make_kernel(512)
 micro_kernel_256 = _make_kernel(256)
+micro_kernel_512_a_rows = _make_in_place_kernel(512, "rows")
+micro_kernel_512_a_columns = _make_in_place_kernel(512, "columns")
+micro_kernel_256_a_rows = _make_in_place_kernel(256, "rows")
+micro_kernel_256_a_columns = _make_in_place_kernel(256, "columns")
