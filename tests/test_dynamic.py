@@ -300,7 +300,7 @@ def test_size_dependent_choices_are_those_of_the_first_size(monkeypatch):
     from backplan.codegen.render.emit import generate
     from backplan.ir.lowering import lower
 
-    def own_below_8(m, n, k, tb, dtype):
+    def own_below_8(m, n, k, tb, dtype, trans_a=False):
         return m < 8 and k < 8
 
     monkeypatch.setattr(opaque, "use_own_gemm", own_below_8)

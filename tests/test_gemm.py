@@ -132,6 +132,31 @@ def test_a_read_in_place_stays_inside_its_view(width):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_narrow_transposed_products_computed_as_their_transpose(width):
+    """A.T @ B with C narrower than the tile and at least as tall (symbols.py computes C.T =
+    B.T @ A): every width from 1 to the tile's, C contiguous, strided inside a larger array
+    and Fortran-ordered, beta 0 over NaN and beta != 0, match float64."""
+    rng = np.random.default_rng(5)
+    for dtype in (np.float32, np.float64):
+        nr = 32 if width == 512 and dtype == np.float32 else 16 if width == 512 else 8
+        for n in (1, 7, nr - 1, nr):
+            m, k = 3 * nr + 5, 37
+            a, b = _operands(rng, dtype, m, n, k, True, False)
+            c = np.full((m, n), np.nan, dtype)
+            own.gemm(width, True, False, 1.0, a, b, 0.0, c)
+            _check(c, a, b, True, False, dtype)
+            big = np.full((m + 2, n + 6), 5.0, dtype)
+            view, c0 = big[1 : 1 + m, 3 : 3 + n], rng.standard_normal((m, n)).astype(dtype)
+            view[...] = c0
+            own.gemm(width, True, False, -2.0, a, b, 0.5, view)
+            _check(view, a, b, True, False, dtype, -2.0, 0.5, c0.astype(np.float64))
+            assert np.all(big[0] == 5) and np.all(big[:, :3] == 5) and np.all(big[:, 3 + n :] == 5)
+            cf = np.asfortranarray(np.full((m, n), np.nan, dtype))
+            own.gemm(width, True, False, 1.0, a, b, 0.0, cf)
+            _check(cf, a, b, True, False, dtype)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_batched_gemm_with_broadcast_batch(width):
     """Attention-like batches: b shared by every batch entry (batch size 1), or a shared."""
     rng = np.random.default_rng(2)
@@ -227,9 +252,19 @@ def test_choice_table_and_override(monkeypatch):
     assert choice.use_own_gemm(128, 784, 512, True, "f32") == wide
     assert not choice.use_own_gemm(128, 512, 784, False, "f64")  # measured mixed: BLAS
     assert not choice.use_own_gemm(4, 4, 4, False, "i64")
+    monkeypatch.setattr(choice, "small_products_own", lambda: False)  # the Intel table
     assert not choice.use_own_gemm(32, 128, 128, False, "f32")  # small: BLAS is ahead
     assert not choice.use_own_gemm(512, 10, 512, False, "f32")  # narrow: the tile is padding
+    assert not choice.use_own_gemm(512, 10, 128, False, "f32", trans_a=True)
     assert choice.use_own_gemm(64, 128, 128, False, "f32") == wide  # from 2**20 on: own
+    monkeypatch.setattr(choice, "small_products_own", lambda: True)  # Zen 5's
+    assert choice.use_own_gemm(32, 128, 128, False, "f32") == wide  # 512K: own
+    assert choice.use_own_gemm(128, 512, 10, True, "f32") == wide  # a short k too
+    assert not choice.use_own_gemm(16, 64, 64, False, "f32")  # below SMALL_OWN_WORK
+    assert not choice.use_own_gemm(512, 10, 512, False, "f32")  # narrow NN: BLAS
+    assert choice.use_own_gemm(512, 10, 128, False, "f32", trans_a=True) == wide  # as C.T
+    assert not choice.use_own_gemm(512, 10, 128, True, "f32", trans_a=True)
+    assert not choice.use_own_gemm(128, 512, 784, False, "f64")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     if choice.blas_threads() > 1:
         assert not choice.use_own_gemm(128, 784, 512, True, "f32")

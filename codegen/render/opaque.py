@@ -193,7 +193,8 @@ def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
         return decide("own_gemm", True)
     m, n = node.shape[-2:]
     k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
-    own = use_own_gemm(m, n, k, tb, node.dtype) or _parallel_parts(node) > 1
+    ta = ctx.absorbs(node.inputs[0])
+    own = use_own_gemm(m, n, k, tb, node.dtype, trans_a=ta) or _parallel_parts(node) > 1
     return decide("own_gemm", own)
 
 

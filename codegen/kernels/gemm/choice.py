@@ -15,10 +15,20 @@ Small products go to BLAS: on an Intel AVX-512 core (model 207), 7 interleaved r
 OpenBLAS was 0.63-0.81 for m*n*k of 64K-512K (16x64x64, 32x64x64, 32x128x128), 0.28-0.40 where
 n = 10 (a classifier's last layer: the 8x32 tile is two thirds padding), and 0.95-1.41 from
 1M (64x128x128) up.
+
+On Zen 5 (LLVM's CPU name znver5; OPENBLAS_CORETYPE=Haswell as on the measured boxes, A read
+in place by the own GEMM), one pinned core, thread CPU, 7 interleaved rounds, own / OpenBLAS
+time was 0.24-0.62 for every layout of 16x64x64 to 128x512x10 (32K-1M), so there products
+from SMALL_OWN_WORK up take the own GEMM: the mlp's 128x512x10 dX 9.2 against 14.2 us,
+mlp_deep's 256x128x10 3.8 against 7.2. Narrow products (n < 32) stay on BLAS (NN 128x10x512:
+own 21.9, BLAS 20.0 us) except A.T @ B, which the own GEMM computes as its transpose
+(symbols.py): 512x10x128 13.2 against 27.2, 128x10x256 6.1 against 14.4 (128x10x32: 2.15
+against 2.18). Other CPUs keep the rules above, unmeasured for these sizes.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 from backplan.codegen.kernels.gemm.isa import vector_width
@@ -27,6 +37,8 @@ CHOICES = ("own", "blas", "auto")
 OWN_CLASSES = {("f32", 512)}  # (dtype, vector width) measured at or ahead of OpenBLAS
 MIN_OWN_WORK = 1 << 20  # m * n * k below which BLAS is ahead
 MIN_OWN_COLUMNS = 32  # the 512-bit f32 tile's width: narrower products are mostly padding
+SMALL_OWN_CPUS = {"znver5"}  # LLVM host CPU names where the own GEMM wins from SMALL_OWN_WORK
+SMALL_OWN_WORK = 1 << 18  # there: m * n * k from which the own GEMM is ahead (measured to 32K)
 
 
 class GemmChoiceError(ValueError):
@@ -53,14 +65,25 @@ def blas_threads() -> int:
     return cpus or 1
 
 
-def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str) -> bool:
+@functools.cache
+def small_products_own() -> bool:
+    """Whether this CPU is one where the own GEMM was measured ahead on small products."""
+    from llvmlite import binding
+
+    return binding.get_host_cpu_name() in SMALL_OWN_CPUS
+
+
+def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str, trans_a: bool = False) -> bool:
     """Whether generated code calls backplan's GEMM for this matmul (else BLAS)."""
     choice = forced_choice()
     if choice != "auto":
         return choice == "own" and dtype in ("f32", "f64")
-    if blas_threads() > 1 or m * n * k < MIN_OWN_WORK or n < MIN_OWN_COLUMNS:
+    if blas_threads() > 1 or (dtype, vector_width()) not in OWN_CLASSES:
         return False
-    return (dtype, vector_width()) in OWN_CLASSES
+    if small_products_own():
+        narrow_ok = n >= MIN_OWN_COLUMNS or (trans_a and not trans_b)
+        return m * n * k >= SMALL_OWN_WORK and narrow_ok
+    return m * n * k >= MIN_OWN_WORK and n >= MIN_OWN_COLUMNS
 
 
 def conv_gemm_width(m: int, n: int, k: int, dtype: str) -> int:
