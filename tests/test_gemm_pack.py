@@ -57,3 +57,34 @@ def test_products_whose_panels_are_copied_by_rows(width, dtype):
     expected = a.T.astype(np.float64) @ b.astype(np.float64)
     bound = 4 * (k + 2) * np.finfo(dtype).eps * (np.abs(a.T).astype(np.float64) @ np.abs(b))
     assert np.all(np.abs(c - expected) <= bound)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_transposing_pack_of_eight_rows_in_blocks_and_tail(dtype):
+    """transpose_pack_8 moves 8 panel rows at a time through an in-register 8 x 8 transpose
+    and the rest (kc % 8) one by one: for kc around multiples of 8, source rows inside a
+    wider matrix and panel rows inside wider ones (an NT product's 32-wide B panel), dst is
+    src transposed and nothing past the 8 columns or kc rows is written. NaN and inf move
+    like any value."""
+    from numba import njit
+
+    from backplan.codegen.kernels.gemm.transpose_pack import transpose_pack_8
+
+    @njit
+    def transpose(src, kc, dst, dst_ld, out):
+        ld = src.strides[0] // src.itemsize
+        transpose_pack_8(src.ctypes.data, ld, kc, dst.ctypes.data, dst_ld, out, src)
+
+    rng = np.random.default_rng(6)
+    for kc in (0, 1, 7, 8, 9, 16, 23, 64, 70):
+        big = rng.standard_normal((11, kc + 12)).astype(dtype)
+        big[3, 2], big[5, 9 % (kc + 12)] = np.nan, np.inf
+        src = big[1:9, 2 : 2 + kc]
+        for dst_ld in (8, 32):
+            out = np.full((kc + 1) * dst_ld + 3, -7.0, dtype)
+            transpose(src, kc, out[1:], dst_ld, out)
+            panel = out[1 : 1 + kc * dst_ld].reshape(kc, dst_ld) if kc else out[1:1]
+            if kc:
+                np.testing.assert_array_equal(panel[:, :8], src.T)
+                assert np.all(panel[:, 8:] == -7)
+            assert out[0] == -7 and np.all(out[1 + kc * dst_ld :] == -7)
