@@ -177,6 +177,7 @@ class PlanChoices:
     log: PassLog
     _schedule: StepSchedule | None = None
     _default: StepPlans | None = None
+    _joint_split: tuple | None = None  # (forward_nodes, held_across) of a joint stage's graph
 
     @property
     def joint(self) -> bool:
@@ -225,7 +226,10 @@ class PlanChoices:
             return self._default
         chosen = {self.schedule.values[i] for i in drop}
         log, options = self.log, self.options
-        stage = recompute_for_budget(self.stage, chosen, options, log)
+        if options.joint and chosen and self._joint_split is None:
+            forward = forward_nodes(self.stage.forward, self.stage.n_outputs)
+            self._joint_split = (forward, held_across(self.stage.forward, forward))
+        stage = recompute_for_budget(self.stage, chosen, options, log, self._joint_split)
         if options.joint:
             plan = _plan(narrow_held(stage, options, log).forward, log)
             return self._kept(drop, JointPlans(plan, stage.n_outputs, stage.wrt, log))
@@ -373,13 +377,18 @@ def rematerialize_step(stage: Stage, options: PipelineOptions, log: PassLog) -> 
 
 
 def recompute_for_budget(
-    stage: Stage, chosen: set[Value], options: PipelineOptions, log: PassLog
+    stage: Stage,
+    chosen: set[Value],
+    options: PipelineOptions,
+    log: PassLog,
+    split: tuple | None = None,
 ) -> Stage:
-    """The held values a memory budget chose recomputed too (nothing when none was chosen)."""
+    """The held values a memory budget chose recomputed too (nothing when none was chosen).
+    split: a joint stage's (forward_nodes, held_across), kept by PlanChoices."""
     if not chosen:
         return stage
     if options.joint:
-        joint = recompute_joint_chosen(stage.forward, stage.n_outputs, chosen)
+        joint = recompute_joint_chosen(stage.forward, stage.n_outputs, chosen, split)
         return replace(stage, forward=log.record("recompute_for_budget", joint))
     if stage.backward is None:  # a step with inlined gradients (PlanChoices.inlined_gradients)
         step, forward, copies = recompute_after(stage.forward, set(stage.inlined_forward), chosen)

@@ -226,20 +226,28 @@ def rematerialize_joint(graph: Graph, n_outputs: int) -> Graph:
     return _recomputed_in_gradients(graph, forward, chains)[0]
 
 
-def recompute_joint_chosen(graph: Graph, n_outputs: int, chosen: set[Value]) -> Graph:
+def recompute_joint_chosen(
+    graph: Graph, n_outputs: int, chosen: set[Value], split: tuple | None = None
+) -> Graph:
     """The memory planner's rewrite of a joint plan: every held value in chosen is recomputed
-    in the gradient part from the values still held, by any chain of ops. A new graph."""
-    return recompute_after(graph, forward_nodes(graph, n_outputs), chosen)[0]
+    in the gradient part from the values still held, by any chain of ops. A new graph.
+    split: (forward_nodes, held_across) of graph, where the caller keeps them (the planner
+    rewrites one graph once per plan it weighs)."""
+    if split is None:
+        forward = forward_nodes(graph, n_outputs)
+        split = (forward, held_across(graph, forward))
+    return recompute_after(graph, split[0], chosen, split[1])[0]
 
 
 def recompute_after(
-    graph: Graph, forward: set[Value], chosen: set[Value]
+    graph: Graph, forward: set[Value], chosen: set[Value], held: list[Value] | None = None
 ) -> tuple[Graph, frozenset[Value], dict[Value, Value]]:
     """The same rewrite for any split of graph into a forward part (the nodes in forward) and
     the nodes after it: a compiled training step, whose inlined value_and_grad's forward is
     the part its losses depend on and whose gradients and optimizer update follow. Returns
-    (a new graph, its forward part, each old value -> its copy)."""
-    held = held_across(graph, forward)
+    (a new graph, its forward part, each old value -> its copy). held: held_across(graph,
+    forward), where the caller keeps it."""
+    held = held_across(graph, forward) if held is None else held
     available = (set(held) - chosen) | set(graph.inputs) | _constants(graph)
     graph, mapping = copy_graph(graph)
     forward = frozenset(mapping[n] for n in forward)
