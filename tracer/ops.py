@@ -298,16 +298,22 @@ def sum(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:  # 
 @torch_keywords
 def mean(x: TensorLike, axis: Axis = None, keepdims: bool = False) -> Tensor:
     """mean(x, axis=None, keepdims=False), as np.mean; integer input gives float64, bool input
-    float32 (the default float, as JAX: `mean(pred == y)` meets float32 losses unwidened)."""
+    float32 (the default float, as JAX: `mean(pred == y)` meets float32 losses unwidened).
+    A bfloat16 or float16 mean is summed and divided in float32 and rounded once, as PyTorch
+    and JAX compute it: the float16 mean of 262,144 values near 1 is near 1, not the inf
+    its rounded sum would make it."""
     x = as_tensor(x)
     axes = normalize_axes(axis, x.ndim)
     count = math.prod(x.shape[a] for a in axes)
+    # the mean of nothing is nan, as in NumPy, PyTorch and JAX (a 0 would hide an empty batch)
+    scale = 1.0 / count if count else math.nan
+    if x._ir_dtype in ("bf16", "f16"):
+        return astype(mul(sum(astype(x, "f32"), axes, keepdims), scale), x._ir_dtype)
     if x._ir_dtype == "bool":  # counted exactly (an int64 sum), then one float32 rounding
         total = astype(sum(x, axes, keepdims), "f32")
     else:
         total = sum(_float_input(x), axes, keepdims)
-    # the mean of nothing is nan, as in NumPy, PyTorch and JAX (a 0 would hide an empty batch)
-    return mul(total, 1.0 / count if count else math.nan)
+    return mul(total, scale)
 
 
 @located
