@@ -439,15 +439,17 @@ def _place(
     if spec.scalar is None and not tail:
         return _new(kernels, _single("view" if spec.fusion == "view" else "op", node))
     shape = node.inputs[0].shape if tail else node.shape
-    bases = [alias_base(i) for i in node.inputs] if bases is None else [bases[i] for i in node.inputs]
+    inputs = node.inputs
+    bases = [alias_base(i) for i in inputs] if bases is None else [bases[i] for i in inputs]
     # the buffers node reads, with the kernel each comes from (-1: none; literals are none)
     read = {}
     for s in bases:
         k = home.get(s, -1)
         if k < 0 or kernels[k].kind != "literal":
             read[s] = k
-    target = _joinable_loop(bases, shape, kernels, home, latest_loops.get(shape), reads, read,
-                            tails, avoid, spread)
+    target = _joinable_loop(
+        bases, shape, kernels, home, latest_loops.get(shape), reads, read, tails, avoid, spread
+    )
     if target is None:
         target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
         reads[target] = set()

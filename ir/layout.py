@@ -155,7 +155,9 @@ def plan_layout(
                 value.dtype,
                 step_of[value],
                 max(last.get(value, step_of[value]), step_of[value]),
-                reuse=_in_place_candidates(value, kernel_of[value], last, step_of) if IN_PLACE else (),
+                reuse=(
+                    _in_place_candidates(value, kernel_of[value], last, step_of) if IN_PLACE else ()
+                ),
             )
         )
     requests = _reuse_saved(requests, private_saved, last, layout)
