@@ -146,15 +146,21 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
         if lowered.rendered is None:
             shared = lowered.plan.shared
             with pinned(None if shared is None else shared.setdefault("choices", {})):
-                lowered.rendered = _generate(lowered)
+                # another size's driver rendered already: this size's source is that one
+                # (_module_source) if its code is the same, so its IR comments go unused
+                comments = shared is None or not any(k[:1] == ("driver",) for k in shared)
+                lowered.rendered = _generate(lowered, comments) or _generate(lowered, True)
         return lowered.rendered
 
 
 _rendering = threading.Lock()
 
 
-def _generate(lowered: LoweredPlan) -> GeneratedModule:
-    """Render a lowered plan as one module; every decision was made by the lowering."""
+def _generate(lowered: LoweredPlan, comments: bool = True) -> GeneratedModule | None:
+    """Render a lowered plan as one module; every decision was made by the lowering.
+    comments: each call preceded by its IR lines; without them (a size of a symbolic plan
+    whose driver is rendered already: an unrolled LSTM's 780 lines, about a tenth of
+    rendering a new size), None where the code is not that driver's."""
     reason = unsupported_reason(lowered)
     if reason is not None:
         raise Unsupported(reason)
@@ -167,7 +173,7 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
         return literal(base.attrs["value"], base.dtype) if base in literals else None
 
     layout = lowered.layout
-    emitter = _Emitter(graph, names, literal_of, layout, set(lowered.materialized))
+    emitter = _Emitter(graph, names, literal_of, layout, set(lowered.materialized), comments)
     body, constants = emitter.emit(lowered.kernels, lowered.row_runs)
     literal_outs = literal_outputs(lowered)
     sources, returned = _output_sources(graph.outputs, literal_outs, layout.outputs), []
@@ -194,7 +200,10 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
     if loop_calls.mode() == "address":
         body = plain_literals(body)
     kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
-    source, driver = _module_source(lowered.plan.shared, graph.name, kernel_lines, params, body)
+    found = _module_source(lowered.plan.shared, graph.name, kernel_lines, params, body, comments)
+    if found is None:
+        return None
+    source, driver = found
     return GeneratedModule(
         source,
         constants,
@@ -215,10 +224,13 @@ def _generate(lowered: LoweredPlan) -> GeneratedModule:
     )
 
 
-def _module_source(shared: dict | None, name: str, kernel_lines: list, params: list, body: list):
+def _module_source(
+    shared: dict | None, name: str, kernel_lines: list, params: list, body: list, new=True
+):
     """(source, DriverSource). Sizes of one symbolic plan share the first size's source (its
     comments show that size) and its split into parts, found by their code without comments:
-    parsing a driver into parts costs an unrolled LSTM's new batch size 60 ms."""
+    parsing a driver into parts costs an unrolled LSTM's new batch size 60 ms. new: whether
+    a driver not rendered yet may be made of this body (None where it would be)."""
     code = None
     options = "JIT_OPTIONS" if loop_calls.mode() == "linked" else "ADDRESS_DRIVER_JIT_OPTIONS"
     if shared is not None:
@@ -226,6 +238,8 @@ def _module_source(shared: dict | None, name: str, kernel_lines: list, params: l
         code = ("driver", name, options, *kernel_lines, *params, *lines)
         if code in shared:
             return shared[code]
+        if not new:
+            return None
     driver = driver_source(params, body, f"@njit(**{options})")
     source = header(name, driver.source) + "\n" + "\n".join(kernel_lines) + "\n\n"
     found = (source + driver.source, driver)
@@ -264,8 +278,9 @@ def buffer_expression(value: Value, layout: BufferLayout, names: dict) -> str:
 
 
 class _Emitter:
-    def __init__(self, graph, names, literal_of, layout: BufferLayout, needed: set):
+    def __init__(self, graph, names, literal_of, layout: BufferLayout, needed: set, comments=True):
         self.graph = graph
+        self.comments = comments  # each call preceded by its IR lines
         self.names = names
         self.values = {name: value for value, name in names.items()}
         self.literal_of = literal_of
@@ -331,9 +346,12 @@ class _Emitter:
                 continue
             if kernel.kind in ("literal", "alias"):
                 continue
-            recomputed = kernel.recomputed + (kernel.epilogue.recomputed if kernel.epilogue else [])
-            body += [ir_comment(n, self.names) + "  (recomputed here)" for n in recomputed]
-            body += [ir_comment(n, self.names) for n in kernel.all_nodes]
+            if self.comments:
+                recomputed = kernel.recomputed + (
+                    kernel.epilogue.recomputed if kernel.epilogue else []
+                )
+                body += [ir_comment(n, self.names) + "  (recomputed here)" for n in recomputed]
+                body += [ir_comment(n, self.names) for n in kernel.all_nodes]
             if kernel.epilogue is not None:
                 self._gemm_epilogue(kernel, body)
             elif kernel.kind == "loop":
@@ -397,8 +415,11 @@ class _Emitter:
         for stage, kernel in enumerate(run):
             if kernel.kind != "loop":
                 continue
-            body += [ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed]
-            body += [ir_comment(n, self.names) for n in kernel.all_nodes]
+            if self.comments:
+                body += [
+                    ir_comment(n, self.names) + "  (recomputed here)" for n in kernel.recomputed
+                ]
+                body += [ir_comment(n, self.names) for n in kernel.all_nodes]
             stored = {n for n in kernel.all_nodes if n in self.needed}
             for node in kernel.all_nodes:
                 if node in stored:

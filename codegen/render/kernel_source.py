@@ -108,7 +108,31 @@ def canonical_kernel(
     (always so in a parallel kernel); otherwise one per view. imports: lines added to the
     header (GEMM_IMPORTS). dtype_of: the NumPy type name (np.float32) of a plan array, None
     where unknown; a kernel takes addresses only when every array's dtype is known."""
-    renamed, params, arguments = {}, [], []
+    if parallel:
+        lines = _one_view_per_memory(lines, scalars, bases)
+    key = (tuple(lines), tuple(bases.items()), parallel, salt, shared, imports)
+    key += (tuple(dtype_of(a) for a in bases.values()),)
+    found = _RENAMED.get(key)
+    if found is None:
+        found = _renamed(lines, bases, parallel, salt, shared, imports, dtype_of)
+        if len(_RENAMED) >= RENAMED_KEPT:
+            _RENAMED.clear()
+        _RENAMED[key] = found
+    digest, source, words, literals = found
+    arguments = [f"np.intp({scalars[word]})" if array is None else array for word, array in words]
+    return KernelSource(digest, source, parallel, (*arguments, *literals))
+
+
+# (loop lines, bases, ...) -> (digest, source, each parameter's (word, plan array or None),
+# literal arguments): the same loop at another batch size of one symbolic plan (or of a plan
+# rendered again) differs only in its sizes and offsets, the scalars' values, so it is renamed
+# and hashed once (an unrolled LSTM's 210 calls: about a third of rendering a new size).
+_RENAMED: dict = {}
+RENAMED_KEPT = 8192
+
+
+def _renamed(lines, bases, parallel, salt, shared, imports, dtype_of) -> tuple:
+    renamed, params, words = {}, [], []
     counters = dict.fromkeys(_PREFIX, 0)
     parameter_of: dict[str, str] = {}  # the plan's array -> its parameter, when shared
 
@@ -122,17 +146,15 @@ def canonical_kernel(
             counters[kind] += 1
             if kind in _PARAMETERS:
                 params.append(renamed[word])
-                arguments.append(bases[word] if kind == "array" else f"np.intp({scalars[word]})")
+                words.append((word, bases[word] if kind == "array" else None))
             if kind == "array":
                 parameter_of[bases[word]] = renamed[word]
         return renamed[word]
 
-    if parallel:
-        lines = _one_view_per_memory(lines, scalars, bases)
     body = tuple(_NAMES.sub(rename, line) for line in lines)
-    dtypes = tuple((p, dtype_of(a)) for p, a in zip(params, arguments, strict=True) if p[0] == "a")
+    dtypes = tuple((p, dtype_of(a)) for p, (_, a) in zip(params, words, strict=True) if p[0] == "a")
     digest, source, literals = _kernel_text(body, tuple(params), parallel, salt, imports, dtypes)
-    return KernelSource(digest, source, parallel, (*arguments, *literals))
+    return digest, source, tuple(words), literals
 
 
 @functools.lru_cache(maxsize=4096)

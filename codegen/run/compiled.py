@@ -487,14 +487,16 @@ class CompiledPlan:
         described = self._cached_direct(arrays) if self._direct else None
         compiling_driver = self.driver_tier == "compiled" and self.driver_seconds is None
         compiled_before = compile_garbage.compiles()
+        again = self._ran_at_another_size()
         with progress.reporting(
             label,
-            self.loop_kernels,
-            self.cache_hit or not compiling_driver,
+            [] if again else self.loop_kernels,
+            again or self.cache_hit or not compiling_driver,
             self._driver_statements if compiling_driver else 0,
             self._driver_parts if compiling_driver else (),
         ):
             returned = self._run(*arrays)
+        self._ran_here()
         # what Numba's type inference left holds this call's frames, arrays included
         compile_garbage.collect_if_compiled(compiled_before)
         self.first_call_seconds = time.perf_counter() - start
@@ -503,6 +505,19 @@ class CompiledPlan:
         elif self.driver_tier == "python":
             self._direct_pending = (described, label)  # the second call builds it
         return returned
+
+    def _ran_at_another_size(self) -> bool:
+        """Whether another size of this plan's symbolic plan (ir/symbolic.py) ran this driver
+        code in this process already, on the same driver tier: its kernels and driver are
+        compiled, so a first call compiles nothing and needs no compile estimate (which lists
+        the kernel folder: 0.15 s in a long-lived cache, at every new batch size)."""
+        shared = self.plan.shared
+        return shared is not None and (self.source, self.driver_tier) in shared.get("ran", ())
+
+    def _ran_here(self) -> None:
+        shared = self.plan.shared
+        if shared is not None:
+            shared.setdefault("ran", set()).add((self.source, self.driver_tier))
 
     def _cached_direct(self, arrays: list):
         """The arguments as the direct driver takes them (None where it cannot), switching to
