@@ -1,0 +1,87 @@
+"""A new batch size of a symbolic plan (tracer/dynamic.py) costs its first call little: no kernel
+compiled, no listing of the kernel folder for a compile estimate, the loop kernels renamed once
+(codegen/render/kernel_source.py), the IR comments of a driver another size renders not made
+again (codegen/render/emit.py), and the values those of the reference interpreter at every
+size, an empty batch and special values included."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.build import kernel_cache
+from backplan.codegen.render import emit, kernel_source
+from backplan.runtime.backend import use_backend
+
+RNG = np.random.default_rng(3)
+W = bp.tensor(RNG.standard_normal((5, 3)).astype(np.float32), requires_grad=True)
+
+
+def loss(w, x):
+    h = bp.tanh(x @ w)
+    return bp.mean(bp.softmax(h, axis=-1) * h) + bp.sum(h * h)
+
+
+def batch(n: int, special: bool = False):
+    x = RNG.standard_normal((n, 5)).astype(np.float32)
+    if special and n >= 2:
+        x[0, 1], x[1, 3] = np.inf, np.nan
+    return bp.tensor(x)
+
+
+def reference(x):
+    with use_backend("reference"):
+        value, grad = bp.value_and_grad(loss)(W, x)
+    return value.numpy(), grad.numpy()
+
+
+def assert_reference(step, x) -> None:
+    value, grad = step(W, x)
+    expected_value, expected_grad = reference(x)
+    np.testing.assert_allclose(value.numpy(), expected_value, rtol=1e-5, equal_nan=True)
+    np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6, equal_nan=True)
+
+
+def test_a_new_size_lists_no_kernel_folder_and_makes_no_ir_comments(monkeypatch):
+    step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "batch"}}))
+    with use_backend("numba"):
+        assert_reference(step, batch(4))
+        first = step.trace(W, batch(4)).runner().compiled
+        listed, comments = [], []
+        listing, comment = kernel_cache._indexed_kernel_names, emit.ir_comment
+        monkeypatch.setattr(
+            kernel_cache, "_indexed_kernel_names", lambda *a: listed.append(a) or listing(*a)
+        )
+        monkeypatch.setattr(emit, "ir_comment", lambda *a: comments.append(a) or comment(*a))
+        before = kernel_cache.counts()
+        for n in (7, 11, 6):
+            assert_reference(step, batch(n))
+        later = step.trace(W, batch(11)).runner().compiled
+    assert listed == [] and comments == []
+    assert kernel_cache.counts().versions == before.versions
+    assert later.source == first.source and "# %" in later.source  # the first size's comments
+    assert later._compiled_run is first._compiled_run
+    assert step.cache_info().traces == 1
+
+
+@pytest.mark.parametrize("sizes", [(4, 9, 0, 13), (3, 2, 8)])
+def test_every_size_after_the_first_gives_the_reference_values_special_values_included(sizes):
+    step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "batch"}}))
+    with use_backend("numba"):
+        for n in sizes:
+            x = batch(n, special=True)
+            assert_reference(step, x)
+            assert_reference(step, x)  # the second call: the driver its first call chose
+
+
+def test_a_kernel_renamed_again_is_the_kernel_renamed_afresh_with_this_calls_sizes():
+    lines = ["w0 = contiguous_view(b0, o0, n0)", "for i in range(n0):", "    w0[i] = 2.0 * w0[i]"]
+    bases = {"b0": "scratch_f32"}
+    first = kernel_source.canonical_kernel(lines, {"o0": 0, "n0": 12}, bases, False, "salt")
+    again = kernel_source.canonical_kernel(lines, {"o0": 48, "n0": 30}, bases, False, "salt")
+    kernel_source._RENAMED.clear()
+    fresh = kernel_source.canonical_kernel(lines, {"o0": 48, "n0": 30}, bases, False, "salt")
+    assert again == fresh and again.digest == first.digest
+    assert "np.intp(30)" in again.arguments and "np.intp(48)" in again.arguments
+    assert "np.intp(12)" in first.arguments
+    other = kernel_source.canonical_kernel(lines, {"o0": 0, "n0": 12}, bases, False, "other")
+    assert other.digest != first.digest  # the salt is part of what is kept
