@@ -5,6 +5,7 @@ starts. Its values equal the Python-run driver's (the same kernels) and the refe
 interpreter's within rounding, special values and odd sizes included; a bad label raises the
 Python-run driver's error; a driver it does not read keeps the background build."""
 
+import ast
 import glob
 import os
 import textwrap
@@ -278,9 +279,39 @@ def test_calls_from_threads_while_it_builds_are_right(direct, monkeypatch):
                 np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
 
 
-def test_a_driver_it_does_not_read_keeps_the_background_build(direct, monkeypatch):
-    """A size-generic plan's driver reads its sizes from an array (lit_i): not read here."""
+def test_a_size_generic_driver_runs_direct_at_every_batch_size(direct, monkeypatch):
+    """A symbolic plan's driver reads its sizes from lit_i / lit_f: each size's direct driver
+    has that size's numbers written in, from its second call; values as the reference
+    interpreter's at each size, no background build."""
     _worth_building(monkeypatch)
+    step = bp.value_and_grad(bp.compile(conv_loss, dynamic={"x": {0: "batch"}}))
+    w, k, x = conv_arguments()
+    rng = np.random.default_rng(2)
+    with use_backend("numba"):
+        for n in (5, 8, 3, 5):
+            batch = x if n == 5 else bp.tensor(rng.standard_normal((n, 1, 7, 5)).astype(np.float32))
+            first = result_arrays(step(w, k, batch))
+            second = result_arrays(step(w, k, batch))
+            plan = only_plan(step, (w, k, batch))
+            assert plan.driver_tier == "direct", plan.direct_error
+            with use_backend("reference"):
+                expected = result_arrays(bp.value_and_grad(conv_loss)(w, k, batch))
+            for got in (first, second):
+                for y, want in zip(got, expected, strict=True):
+                    np.testing.assert_allclose(y, want, rtol=2e-5, atol=1e-6)
+    assert step.cache_info().traces == 1
+    assert direct == []  # no background build of the compiled driver
+
+
+def test_a_driver_it_does_not_read_keeps_the_background_build(direct, monkeypatch):
+    """A statement the reader refuses (here every lit_i read): the Python-run driver goes on
+    and the compiled driver's background build starts, as without the direct driver."""
+    _worth_building(monkeypatch)
+
+    def refuse(self, view, index, node):
+        raise direct_driver.Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+
+    monkeypatch.setattr(direct_driver._Reader, "literal", refuse)
     step = bp.value_and_grad(bp.compile(conv_loss, dynamic={"x": {0: "batch"}}))
     arguments = conv_arguments()
     with use_backend("numba"):

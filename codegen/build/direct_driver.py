@@ -12,8 +12,13 @@ publishes for it), optimised at level 1: no Numba typing, lowering or CPython wr
 takes the tuple of the driver's arguments through ctypes and reads each array's data pointer
 where CPython and NumPy keep them (checked once per process).
 
-Anything the reader does not know (a size read from `lit_i`, a statement other than a call, a
-view, a label check or a split driver's part) makes the plan `Unsupported`: the plan keeps its
+A size-generic driver (one driver for every batch size of a symbolic plan,
+codegen/render/lift.py) reads its sizes, offsets and scales from the arrays `lit_i` and
+`lit_f`: their values at this plan's size are written into the code as constants, as the
+shapes of its arguments are (a direct driver is made for one size).
+
+Anything the reader does not know (a statement other than a call, a view, a label check or a
+split driver's part) makes the plan `Unsupported`: the plan keeps its
 Python-run driver and its background build as before. A label check that fails (`bad != -1`),
 or a callee returning an error status, makes the compiled call return, and the call is run
 again by the Python-run driver, which raises the error with its message (the calls before it
@@ -84,14 +89,20 @@ class Argument:
     shape: tuple
     dtype: np.dtype
     read_only: bool
+    values: tuple | None = None  # a size-generic driver's lit_i / lit_f: their numbers
 
 
-def described(arrays: list) -> list[Argument]:
+def described(arrays: list, literals: int = 0) -> list[Argument]:
     """The arguments of a driver call, as a direct driver for calls like it is built; Unsupported
-    where one is not a C-contiguous array."""
+    where one is not a C-contiguous array. literals: how many of the last arrays are a
+    size-generic driver's numbers (lit_i, lit_f), whose values the driver is made for."""
     if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
         raise Unsupported("an argument is not a C-contiguous array")
-    return [Argument(a.shape, a.dtype, not a.flags.writeable) for a in arrays]
+    first = len(arrays) - literals
+    return [
+        Argument(a.shape, a.dtype, not a.flags.writeable, tuple(a.tolist()) if i >= first else None)
+        for i, a in enumerate(arrays)
+    ]
 
 
 def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
@@ -106,7 +117,7 @@ def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
     names = [a.arg for a in run.args.args]
     if len(names) != len(arrays) or run.args.vararg or run.args.kwonlyargs:
         raise Unsupported("run's parameters are not the call's arrays")
-    reader = _Reader(scope, functions)
+    reader = _Reader(scope, functions, arrays)
     reader.local = {
         name: View(i, 0, a.shape, a.read_only)
         for i, (name, a) in enumerate(zip(names, arrays, strict=True))
@@ -118,8 +129,9 @@ def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
 
 
 class _Reader:
-    def __init__(self, scope: dict, functions: dict):
+    def __init__(self, scope: dict, functions: dict, arrays: list[Argument] = ()):
         self.scope = scope
+        self.arrays = arrays  # the call's arguments (lit_i / lit_f with their values)
         self.functions = functions  # a split driver's parts (codegen/render/driver_split.py)
         self.local: dict = {}
         self.calls: list[Call] = []
@@ -220,6 +232,8 @@ class _Reader:
             return self.call_value(node)
         if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice):
             return self.sliced(self.value(node.value), node.slice, node)
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            return self.literal(self.value(node.value), node.slice.value, node)
         raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
 
     def call_value(self, node: ast.Call):
@@ -261,6 +275,16 @@ class _Reader:
         if int(np.prod(shape)) != count:
             raise Unsupported(f"line {node.lineno}: reshape of {view.shape} to {shape}")
         return View(view.argument, view.offset, tuple(shape), view.read_only)
+
+    def literal(self, view, index, node) -> Scalar:
+        """lit_i[k] or lit_f[k] of a size-generic driver: the number at this plan's size."""
+        values = self.arrays[view.argument].values if isinstance(view, View) else None
+        if values is None or view.offset != 0 or type(index) is not int:
+            raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+        if not 0 <= index < len(values):
+            raise Unsupported(f"line {node.lineno}: {ast.unparse(node)} of {len(values)}")
+        value = values[index]
+        return Scalar("float64", float(value)) if isinstance(value, float) else _constant(value)
 
     def sliced(self, view, piece: ast.Slice, node) -> View:
         if not isinstance(view, View) or len(view.shape) != 1 or piece.step is not None:
@@ -628,7 +652,8 @@ def _name(source: str, arrays: list[Argument]) -> str:
 
     from backplan.codegen.build import cache, loop_batch
 
-    described = repr([(a.shape, a.dtype.str) for a in arrays])  # read-only: the same code
+    # read-only: the same code; a size-generic driver's numbers are written in as constants
+    described = repr([(a.shape, a.dtype.str, a.values) for a in arrays])
     text = "\n".join([source, described, loop_batch.environment(), cache.codegen_fingerprint()])
     return f"bp_direct_{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 

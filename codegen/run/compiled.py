@@ -523,7 +523,7 @@ class CompiledPlan:
         """The arguments as the direct driver takes them (None where it cannot), switching to
         the driver where an earlier process (or plan) made it for calls like this first one."""
         try:
-            described = direct_driver.described(arrays)
+            described = direct_driver.described(arrays, len(self._lifted))
         except direct_driver.Unsupported as why:
             self.direct_error = str(why)
             return None
