@@ -136,10 +136,12 @@ def plan_layout(
     graph."""
     steps = steps if steps is not None else list(range(len(kernels)))
     roots = Roots() if roots is None else roots
-    kernel_of, step_of = {}, {}
+    kernel_of, step_of = {}, {}  # kernel_of only for in-place candidates (IN_PLACE)
     for kernel, step in zip(kernels, steps, strict=True):
         for n in kernel.all_nodes:
-            kernel_of[n], step_of[n] = kernel, step
+            step_of[n] = step
+            if IN_PLACE:
+                kernel_of[n] = kernel
     last = lifetimes(graph, kernels, steps, roots)
     output_roots = {roots[o] for o in graph.outputs}
     layout = BufferLayout(row_local=dict(row_local or {}))
@@ -148,13 +150,15 @@ def plan_layout(
         if value in output_roots:
             layout.outputs.append(value)
             continue
+        first = step_of[value]
+        read = last.get(value, first)
         requests.append(
             BufferRequest(
                 value,
                 layout.reserved_bytes(value),  # empty: one item
                 value.dtype,
-                step_of[value],
-                max(last.get(value, step_of[value]), step_of[value]),
+                first,
+                read if read > first else first,
                 reuse=(
                     _in_place_candidates(value, kernel_of[value], last, step_of) if IN_PLACE else ()
                 ),

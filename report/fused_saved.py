@@ -82,5 +82,9 @@ def _roots(values: list) -> dict:
 
 
 def _stored(plan) -> set | None:
+    """The values plan's compiled form stores (only tested for membership: a plan given as
+    it was lowered is read from its lowering's own set, not a copy of it)."""
     lowered = lower(plan)
-    return None if unsupported_reason(lowered) is not None else stored_values(lowered)
+    if unsupported_reason(lowered) is not None:
+        return None
+    return lowered.materialized if lowered.origin is None else stored_values(lowered)
