@@ -40,12 +40,17 @@ class Optimisation:
     level: int
     vectorise_loops: bool
     interleave_loops: bool = False
+    unroll_and_slp: bool = False  # loops of constant trip counts unrolled, then SLP-vectorised
 
 
 ADDRESS_LOOP = Optimisation(level=2, vectorise_loops=True)
 HALF_LOOP = Optimisation(level=2, vectorise_loops=True, interleave_loops=True)
 SMALL_LOOP = Optimisation(level=1, vectorise_loops=False)
 DRIVER = Optimisation(level=1, vectorise_loops=False)
+# A loop compiled at constant sizes whose outer loop steps over 16 elements or more
+# (codegen/build/direct_loops.py): unrolled and SLP-vectorised, not loop-vectorised (LLVM
+# vectorises such an outer loop with gathers, up to 2x slower there than scalar code).
+UNROLLED_LOOP = Optimisation(level=3, vectorise_loops=False, unroll_and_slp=True)
 
 
 def _library_class(optimisation: Optimisation) -> type:
@@ -57,13 +62,14 @@ def _library_class(optimisation: Optimisation) -> type:
             tuning = llvm.create_pipeline_tuning_options()
             tuning.speed_level = optimisation.level
             tuning.loop_vectorization = optimisation.vectorise_loops
-            tuning.slp_vectorization = False
+            tuning.slp_vectorization = optimisation.unroll_and_slp
             tuning.loop_interleaving = optimisation.interleave_loops
-            tuning.loop_unrolling = False
+            tuning.loop_unrolling = optimisation.unroll_and_slp
             builder = llvm.create_pass_builder(self._codegen._tm, tuning)
             builder.getModulePassManager().run(self._final_module, builder)
 
-    name = f"Level{optimisation.level}{'Interleaved' * optimisation.interleave_loops}CodeLibrary"
+    kind = "Interleaved" * optimisation.interleave_loops + "Unrolled" * optimisation.unroll_and_slp
+    name = f"Level{optimisation.level}{kind}CodeLibrary"
     Library.__name__ = Library.__qualname__ = name
     return Library
 
@@ -93,6 +99,7 @@ def _compiler(optimisation: Optimisation, name: str) -> type:
 AddressLoopCompiler = _compiler(ADDRESS_LOOP, "address_loop")
 HalfLoopCompiler = _compiler(HALF_LOOP, "half_loop")
 SmallLoopCompiler = _compiler(SMALL_LOOP, "small_loop")
+UnrolledLoopCompiler = _compiler(UNROLLED_LOOP, "unrolled_loop")
 # How each loop pipeline optimises (codegen/build/loop_batch.py lowers a plan's loops into one
 # library per entry).
 LOOP_OPTIMISATIONS = {
