@@ -140,6 +140,22 @@ def plan_flops(plan: Plan) -> int:
     return sum(node_flops(node) for node in plan.graph.nodes if node.op in OPS)
 
 
+def source_calls(source: str, shared: dict | None) -> tuple[bool, bool, bool]:
+    """Whether the driver's source launches parallel kernels, calls BLAS on the calling thread,
+    calls the shared GEMM. The sizes of a symbolic plan share one source, searched once: an
+    unrolled LSTM's is 110 KB, 5 ms of every new batch size's first call."""
+    key = ("source calls", source)
+    found = None if shared is None else shared.get(key)
+    if found is None:
+        found = tuple(
+            pattern.search(source) is not None
+            for pattern in (PARALLEL_LAUNCH, BLAS_CALL, SHARED_GEMM)
+        )
+        if shared is not None:
+            shared[key] = found
+    return found
+
+
 # OpenBLAS runs a GEMM of fewer multiply-adds (m * n * k) than this on one thread.
 BLAS_SERIAL_MACS = 262_144
 
@@ -263,9 +279,9 @@ class CompiledPlan:
             self._output_buffers,
             self._returning_outputs(graph),
         )
-        parallel = PARALLEL_LAUNCH.search(self.source) or any(k.parallel for k in self.loop_kernels)
-        blas = BLAS_CALL.search(self.source) is not None and threaded_blas(plan)
-        shares = SHARED_GEMM.search(self.source) is not None
+        launches, calls_blas, shares = source_calls(self.source, plan.shared)
+        parallel = launches or any(k.parallel for k in self.loop_kernels)
+        blas = calls_blas and threaded_blas(plan)
         self._launch_guard = sized_launch(bool(parallel), blas, shares) or _NO_GUARD
         self._literal_outputs = {
             i: (n.shape, n.attrs["value"], np_dtype(n.dtype))
