@@ -123,3 +123,15 @@ def test_a_plan_module_imports_only_the_kernel_modules_its_driver_calls():
     assert kernel_imports({"gemm_f32", "unrelated"}) == (
         "from backplan.codegen.kernels.blas import gemm_f32\n"
     )
+
+
+def test_a_kernel_name_reexported_under_another_name_is_imported_where_it_resolves():
+    """matmul's kernels re-export the GEMM's `batched_gemm` as `own_batched_gemm`: imported
+    from gemm.api by that name, a plan with a batched 16-bit product failed to import
+    (ImportError: cannot import name 'own_batched_gemm')."""
+    from backplan.codegen.render.emit import kernel_imports
+
+    called = {"own_batched_gemm", "as_read_only"}
+    scope: dict = {}
+    exec(kernel_imports(called), scope)
+    assert called <= scope.keys()

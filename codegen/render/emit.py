@@ -88,6 +88,8 @@ def kernel_imports(called: set) -> str:
         for name in sorted(left.intersection(sys.modules[module].__all__)):
             value = getattr(sys.modules[module], name)
             home = getattr(getattr(value, "py_func", value), "__module__", None) or module
+            if getattr(sys.modules.get(home), name, None) is not value:
+                home = module  # defined there under another name (gemm's batched_gemm)
             homes.setdefault(home, []).append(name)
             left.discard(name)
     lines += [f"from {home} import {', '.join(names)}\n" for home, names in sorted(homes.items())]
