@@ -8,11 +8,12 @@ iterations LLVM can neither unroll nor vectorise. The linked driver (its loops i
 sizes as constants) ran such a CNN's pooling in 67 us against 118 us called by address, and
 its step 1.04-1.17x faster (BENCHMARKS.md, 31). Here a call worth it (`worth_specialising`:
 an innermost axis of at most TINY_AXIS elements in a loop over at least SMALL_LOOP_ELEMENTS)
-gets its own copy of the loop, the sizes bound as constants and the loop inlined (Numba's full
-level-3 pipeline unrolls and vectorises it as in the linked driver); the driver links that
-code into its module, so its cached object file holds it and a later process loads it as it
-is. The price is one small compile per such call in the build (about 0.1 s each); loops of
-longer innermost axes, which gain little from constant sizes, are still called by address.
+gets its own copy of the loop: its source with the sizes assigned at its top, compiled once
+(Numba's full level-3 pipeline unrolls and vectorises it as in the linked driver); the driver
+links that code into its module, so its cached object file holds it and a later process loads
+it as it is. The price is one small compile per such call in the build (the direct driver's
+build for cnn 0.18 -> 0.71 CPU s); loops of longer innermost axes, which gain little from
+constant sizes, are still called by address.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from backplan.codegen.flags import SMALL_LOOP_ELEMENTS
 
 TINY_AXIS = 4  # an axis this short runs as a loop LLVM cannot vectorise unless it is constant
 _compiled: dict = {}  # (loop, sizes) -> Numba's compiled specialisation, once per process
-_inlined: dict = {}  # (loop, unrolled) -> its address form compiled to be inlined
 _lock = threading.Lock()
 
 
@@ -66,28 +66,31 @@ def _options(unrolled: bool) -> dict:
 
 def specialised(call, sizes: dict[int, int]):
     """Numba's compiled version of the loop `call` (an AddressCall) with the parameters at the
-    positions of `sizes` bound to those values; it takes every parameter as the loop does (the
-    bound ones unused), so the driver passes the same arguments."""
+    positions of `sizes` bound to those values: the loop's own source with those parameters
+    assigned at its top (one compile; the parameters stay, unused, so the driver passes the
+    same arguments)."""
+    import inspect
+
     from numba import njit
 
     from backplan.codegen.build import loop_batch
 
     loop = call.loop(False)
     key = (loop, tuple(sorted(sizes.items())))
-    unrolled = _strides_lines(list(sizes.values()))
     with _lock:
         if key in _compiled:
             return _compiled[key]
-        if (loop, unrolled) not in _inlined:
-            options = {**_options(unrolled), "forceinline": True}
-            _inlined[loop, unrolled] = njit(**options)(loop.py_func)
-        names = [f"p{i}" for i in range(len(call._kinds))]
-        passed = [str(sizes[i]) if i in sizes else name for i, name in enumerate(names)]
-        source = f"def constant_sizes({', '.join(names)}):\n    loop({', '.join(passed)})\n"
-        scope = {"loop": _inlined[loop, unrolled]}
-        exec(compile(source, f"<{loop.py_func.__module__} at constant sizes>", "exec"), scope)
-        wrapper = njit(**_options(unrolled))(scope["constant_sizes"])
+        function = loop.py_func
+        names = function.__code__.co_varnames[: function.__code__.co_argcount]
+        lines = inspect.getsource(function).splitlines()
+        head = next(i for i, line in enumerate(lines) if line.startswith("def "))
+        bound = [f"    {names[i]} = {int(value)}" for i, value in sorted(sizes.items())]
+        source = "\n".join([lines[head], *bound, *lines[head + 1 :]]) + "\n"
+        scope = dict(function.__globals__)
+        exec(compile(source, f"<{function.__module__} at constant sizes>", "exec"), scope)
+        unrolled = _strides_lines(list(sizes.values()))
+        compiled = njit(**_options(unrolled))(scope[function.__name__])
         signature = loop_batch.signature(loop)
-        wrapper.compile(signature)
-        _compiled[key] = wrapper.overloads[signature]
+        compiled.compile(signature)
+        _compiled[key] = compiled.overloads[signature]
         return _compiled[key]
