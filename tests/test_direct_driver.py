@@ -417,3 +417,30 @@ def test_a_next_process_loads_a_driver_holding_loops_at_constant_sizes(tmp_path)
         np.concatenate([np.array(v, np.float32) for v in second["values"]]),
         np.concatenate([np.array(v, np.float32) for v in first["values"]]),
     )
+
+
+def test_a_loop_whose_source_cannot_be_read_is_called_by_address(direct, monkeypatch):
+    """No source to compile at constant sizes (inspect raises): the loop is called by its
+    address as before, and the driver's values are the same."""
+    import inspect
+
+    def unreadable(function):
+        raise OSError("no source")
+
+    from backplan.codegen.build import direct_loops
+
+    _worth_building(monkeypatch)
+    monkeypatch.setattr(inspect, "getsource", unreadable)
+    monkeypatch.setattr(direct_driver, "_made", {})
+    monkeypatch.setattr(direct_loops, "_compiled", {})  # none compiled earlier in the process
+    returned = []
+    original = direct_loops.specialised
+    monkeypatch.setattr(
+        direct_loops, "specialised", lambda *a: returned.append(original(*a)) or returned[-1]
+    )
+    make = lambda c: bp.value_and_grad(c(pool_loss), argnums=(0, 1))  # noqa: E731
+    results, plan, tiers = _three_calls(make, pool_arguments())
+    assert tiers == ["python", "direct", "direct"], (tiers, plan.direct_error)
+    assert returned and all(r is None for r in returned)
+    for python_run, built in zip(results[0], results[1], strict=True):
+        np.testing.assert_array_equal(built, python_run)

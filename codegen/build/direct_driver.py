@@ -370,8 +370,10 @@ def _targets(calls: list[Call], arrays: list[Argument], linked: list) -> list[_T
                 if (kind == types.voidptr) != isinstance(value, View):
                     raise Unsupported(f"line {call.line}: a loop argument of the wrong kind")
             sizes = {i: int(call.arguments[i].value) for i in call.callee._sizes}
+            compiled = None
             if direct_loops.worth_specialising(list(sizes.values())):
-                compiled = direct_loops.specialised(call.callee, sizes)
+                compiled = direct_loops.specialised(call.callee, sizes)  # None: no source
+            if compiled is not None:
                 linked.append(compiled.library)
                 found.append(_Target(compiled.fndesc.llvm_func_name, kinds, types.none, given))
                 continue

@@ -68,7 +68,7 @@ def specialised(call, sizes: dict[int, int]):
     """Numba's compiled version of the loop `call` (an AddressCall) with the parameters at the
     positions of `sizes` bound to those values: the loop's own source with those parameters
     assigned at its top (one compile; the parameters stay, unused, so the driver passes the
-    same arguments)."""
+    same arguments); None where the loop's source cannot be read."""
     import inspect
 
     from numba import njit
@@ -82,7 +82,10 @@ def specialised(call, sizes: dict[int, int]):
             return _compiled[key]
         function = loop.py_func
         names = function.__code__.co_varnames[: function.__code__.co_argcount]
-        lines = inspect.getsource(function).splitlines()
+        try:
+            lines = inspect.getsource(function).splitlines()
+        except (OSError, TypeError):  # no source file beside it: called by address instead
+            return None
         head = next(i for i, line in enumerate(lines) if line.startswith("def "))
         bound = [f"    {names[i]} = {int(value)}" for i, value in sorted(sizes.items())]
         source = "\n".join([lines[head], *bound, *lines[head + 1 :]]) + "\n"
