@@ -7,13 +7,12 @@ os.environ.setdefault("BACKPLAN_VERIFY", "1")
 # Semantics tests run plans on the reference interpreter; codegen tests opt into Numba with
 # backplan.runtime.backend.use_backend("numba"), sharing compiled kernels via the disk cache.
 os.environ.setdefault("BACKPLAN_BACKEND", "reference")
-# Plans compile their driver in the first call, as before background builds: the codegen tests
-# check compiled drivers, and count compiles, deterministically (tests/test_driver_tier.py covers
-# the background default).
-os.environ.setdefault("BACKPLAN_DRIVER", "inline")
-# Tests of the background build exercise its child process; the direct driver that stands in for
-# it by default (codegen/build/direct_driver.py) is tested in tests/test_direct_driver.py.
-os.environ.setdefault("BACKPLAN_DIRECT_DRIVER", "0")
+# Plans run their driver as a user's program does (codegen/build/driver_tier.py): the first call
+# runs it as Python, calling the compiled loops; a plan whose compiled driver is worth having runs
+# the direct driver (codegen/build/direct_driver.py) from its second call, and builds the Numba
+# driver in a child process only where the direct driver cannot be read. Tests of the Numba
+# driver itself ask for it with the `compiled_driver` fixture below (BACKPLAN_DRIVER=inline),
+# tests of the child build with `child_builds` (BACKPLAN_DIRECT_DRIVER=0).
 # Tests make many cache folders; the library's machine code (codegen/build/library_cache.py) is
 # compiled once for all of them, in a folder of this checkout (tests/test_library_cache.py
 # covers the default, the library inside each cache folder).
@@ -42,3 +41,18 @@ def pytest_xdist_auto_num_workers(config):
     MAX_WORKERS. Most of the suite's time is Numba compiling, one core per process; on 2 cores
     two workers halve the wall time. `-n 0` runs the suite in one process."""
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+@pytest.fixture
+def compiled_driver(monkeypatch):
+    """The plan's driver compiled by Numba in its first call (BACKPLAN_DRIVER=inline), as
+    bp.compile(fn, background=False) does: for tests of that driver (its source, its compile
+    count, the loops' view forms it inlines)."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", "inline")
+
+
+@pytest.fixture
+def child_builds(monkeypatch):
+    """The compiled driver built in a child process from the second call on, with no direct
+    driver standing in for it (BACKPLAN_DIRECT_DRIVER=0): for tests of that build."""
+    monkeypatch.setenv("BACKPLAN_DIRECT_DRIVER", "0")

@@ -2,7 +2,7 @@
 the reference interpreter, with no compiler in the call, while a child process compiles its
 kernels and drivers (the backward plans .backward() reaches included); then it switches, says so
 on stderr, and reports it (fn.driver_tier, fn.wait_until_compiled). background=False compiles in
-the call whatever BACKPLAN_DRIVER says (tests/conftest.py sets inline; these override it)."""
+the call whatever BACKPLAN_DRIVER says."""
 
 import sys
 
@@ -12,6 +12,8 @@ import pytest
 import backplan as bp
 from backplan.codegen.build import driver_builder, kernel_cache
 from backplan.runtime.backend import use_backend
+
+pytestmark = pytest.mark.usefixtures("child_builds")  # no direct driver in their place
 
 WAIT_S = 300  # a generous bound on a background build on a loaded machine; never asserted on
 
@@ -43,7 +45,7 @@ def close(actual, expected):
 @pytest.fixture
 def fresh_cache(monkeypatch, tmp_path):
     """A cache folder of its own, so nothing this test compiles is cached already; the env's
-    BACKPLAN_DRIVER stays inline (conftest), which background= must override."""
+    BACKPLAN_DRIVER stays the default (background), which background= must override."""
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "1000")  # only the switch line may print
     monkeypatch.setenv("BACKPLAN_VERBOSE", "1")  # the switch is a detail line

@@ -79,8 +79,7 @@ def test_every_registry_op_compiles_to_the_reference_result(dtype, batch, monkey
     function: 1.7-3.8x the CPU of the Python-run driver's batch (f32 batches 0 and 3, empty
     cache, library compiled), so one dtype through it covers the view forms; compiled f32
     drivers are in every model test below."""
-    if dtype == "f32":
-        monkeypatch.setenv("BACKPLAN_DRIVER", "python")
+    monkeypatch.setenv("BACKPLAN_DRIVER", "python" if dtype == "f32" else "inline")
     samples = sample_batches(dtype)[batch]
     graph, arrays, wrt = batch_graph(samples, dtype)
     plan = build_joint_plan(graph, wrt)

@@ -18,9 +18,12 @@ import pytest
 
 from backplan.codegen.build import driver_builder, driver_lock, driver_tier
 
-pytestmark = pytest.mark.skipif(
-    driver_lock.fcntl is None or not os.path.isdir("/proc"), reason="needs flock and /proc"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        driver_lock.fcntl is None or not os.path.isdir("/proc"), reason="needs flock and /proc"
+    ),
+    pytest.mark.usefixtures("child_builds"),  # no direct driver in their place
+]
 
 SCRIPT = """
 import json, sys, time

@@ -14,6 +14,8 @@ import backplan as bp
 from backplan.codegen.build import driver_builder, driver_tier
 from backplan.runtime.backend import use_backend
 
+pytestmark = pytest.mark.usefixtures("child_builds")  # no direct driver in their place
+
 
 def loss(w, x):
     return bp.mean(bp.tanh(x @ w) ** 2)

@@ -9,6 +9,8 @@ import backplan as bp
 from backplan.codegen.build import driver_builder
 from backplan.runtime.backend import use_backend
 
+pytestmark = pytest.mark.usefixtures("child_builds")  # no direct driver in their place
+
 
 @pytest.fixture
 def builds(monkeypatch, tmp_path):

@@ -17,6 +17,8 @@ from backplan.codegen.build import driver_builder
 from backplan.codegen.run.memory_check import checked_memory
 from backplan.runtime.backend import use_backend
 
+pytestmark = pytest.mark.usefixtures("child_builds")  # no direct driver in their place
+
 
 def loss(w, x):
     return bp.mean(bp.tanh(x @ w) ** 2)
