@@ -53,7 +53,9 @@ def rnn(u, xs):
     return bp.sum(h * h)
 
 
-def test_a_split_driver_matches_the_reference_and_reports_its_parts(monkeypatch, capfd):
+def test_a_split_driver_matches_the_reference_and_reports_its_parts(
+    compiled_driver, monkeypatch, capfd
+):
     monkeypatch.setattr(driver_split, "PART_STATEMENTS", 5)
     monkeypatch.setattr(driver_split, "SPLIT_ABOVE", 0)
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0")
