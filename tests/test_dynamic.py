@@ -117,7 +117,7 @@ def run_against_reference(step, sizes) -> None:
         np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-4, atol=1e-6)
 
 
-def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver():
+def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver(compiled_driver):
     compiled = bp.compile(model, dynamic={"x": {0: "batch"}})
     step = bp.value_and_grad(compiled)
     with use_backend("numba"):
@@ -134,11 +134,14 @@ def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver():
     assert step.cache_info().traces == 1
 
 
-def test_an_axis_made_dynamic_by_a_second_size_compiles_no_loop_kernel_then_nothing():
+def test_an_axis_made_dynamic_by_a_second_size_compiles_no_loop_kernel_then_nothing(
+    compiled_driver,
+):
     """Without dynamic=: the second size traces the symbolic plan, whose driver is new (the
     first size's plan was traced for its size) but whose loop kernels are the first size's;
     every later size, the first one's included, runs that plan, compiling nothing. In a fresh
-    process: the counts are the process's, not what other tests left loaded in this worker."""
+    process (the Numba-compiled driver, BACKPLAN_DRIVER=inline, passed on to it): the counts are
+    the process's, not what other tests left loaded in this worker."""
     import os
     import subprocess
     import sys
