@@ -7,7 +7,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from backplan.codegen.build import cache
+
+# The Numba-compiled driver's own disk cache (a plan's module and its driver's machine code).
+pytestmark = pytest.mark.usefixtures("compiled_driver")
 
 SCRIPT = textwrap.dedent("""
     import json, sys
