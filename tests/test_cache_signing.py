@@ -14,6 +14,9 @@ from test_disk_cache import SCRIPT
 
 from backplan.codegen.build import cache, cache_signing
 
+# the Numba-compiled driver's signed cache entries
+pytestmark = pytest.mark.usefixtures("compiled_driver")
+
 
 def run(tmp_path) -> tuple[dict, list[str]]:
     """The script's result in a fresh process, and the warnings it printed about this cache

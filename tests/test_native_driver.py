@@ -18,6 +18,9 @@ from backplan.bench.driver_compile import fresh_driver
 from backplan.codegen.build import native_calls
 from backplan.runtime.backend import use_backend
 
+# the Numba-compiled driver and its calls of library functions by address
+pytestmark = pytest.mark.usefixtures("compiled_driver")
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys
