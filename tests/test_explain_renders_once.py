@@ -21,9 +21,9 @@ def explained(monkeypatch, backend: str):
     rendered = []
     real = emit._generate
 
-    def counting(lowered):
+    def counting(lowered, comments=True):
         rendered.append(lowered)
-        return real(lowered)
+        return real(lowered, comments)
 
     monkeypatch.setattr(emit, "_generate", counting)
     w = bp.tensor(np.ones((4, 3), np.float32), requires_grad=True)
