@@ -56,9 +56,11 @@ def collector_off():
             gc.enable()
 
 
-def test_a_compiling_first_call_leaves_no_outputs_alive(monkeypatch, tmp_path, collector_off):
-    """The driver compiled in the first call (the suite's BACKPLAN_DRIVER=inline); a Python
-    driver whose loop kernels compile in the call is the same path (CompiledPlan._first_call)."""
+def test_a_compiling_first_call_leaves_no_outputs_alive(
+    compiled_driver, monkeypatch, tmp_path, collector_off
+):
+    """The driver compiled in the first call (BACKPLAN_DRIVER=inline); a Python-run driver
+    whose loop kernels compile in the call is the same path (CompiledPlan._first_call)."""
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
     wq, wk, x = arrays()
     with use_backend("reference"):
