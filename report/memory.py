@@ -19,7 +19,27 @@ def peak_line(report) -> str:
         f"{peak_step_words(peak)}"
     )
     text += f". {calls_sentence(report)}" if len(report.call_peaks) > 1 else ""
-    return text + loop_sentence(report) + retain_sentence(report)
+    return text + loop_sentence(report) + budget_sentence(report) + retain_sentence(report)
+
+
+def budget_sentence(report) -> str:
+    """Which figure the function's max_peak_bytes was judged against: this peak, every result
+    counted as kept, and, where a second call showed what this loop holds, that figure too."""
+    budget = report.max_peak_bytes
+    if budget is None:
+        return ""
+    peak = report.peak_bytes
+    text = (
+        f". max_peak_bytes={budget:,} was judged against this peak, every result counted as "
+        f"kept ({format_bytes(budget - peak)} to spare)"
+    )
+    observed = report.observed_peak_bytes
+    if observed is not None and observed != peak:
+        text += (
+            f", not against the {format_bytes(observed)} this loop was seen to hold "
+            "(report.observed_peak_bytes)"
+        )
+    return text
 
 
 def retain_sentence(report) -> str:
@@ -145,7 +165,22 @@ def frontier_text(report) -> str:
         )
     else:
         text = "\n".join("  " + line for line in str(frontier).splitlines())
-    return text + _budgeted_calls_note(report)
+    return text + _budgeted_calls_note(report) + _observed_loop_note(report)
+
+
+def _observed_loop_note(report) -> str:
+    """The frontier's peaks, like every budget, count every result as kept: where this loop
+    was seen to hold less, say so, with both figures."""
+    observed = report.observed_peak_bytes
+    if observed is None or observed >= report.peak_bytes:
+        return ""
+    less = report.peak_bytes - observed
+    return "\n" + wrap(
+        f"These peaks, like max_peak_bytes, bp.max_batch and fits(), count every result as "
+        f"kept until the next call returns; this loop was seen to hold "
+        f"{format_bytes(observed)} (report.observed_peak_bytes), {format_bytes(less)} less "
+        "than the peak line's: results it passed back in or let go."
+    )
 
 
 def _budgeted_calls_note(report) -> str:

@@ -123,6 +123,8 @@ class ExplainReport:
     # what a loop did with the first call's results, seen on this signature's second call
     # (tracer/loop_watch.py LoopObservation): kept, passed back in, let go; None: not seen yet
     loop_observed: object = None
+    # the max_peak_bytes the function was compiled with (judged against peak_bytes), or None
+    max_peak_bytes: int | None = None
 
     # ---- numbers ------------------------------------------------------------------------------
 

@@ -33,7 +33,9 @@ def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
     (value_and_grad's argnums) or, for bp.compile, the tensors and arrays that need no
     gradient outside donate_argnums (a training step's parameters and optimizer state); the
     batch is the size along axis of the largest of their leaves, and every data leaf of that
-    size is resized.
+    size is resized. The budget bounds the step's peak as explain prints it (peak_bytes: every
+    result counted as kept until the next call returns), not the lower one a loop passing its
+    results back in without donating them holds (report.observed_peak_bytes).
 
     >>> import numpy as np, backplan as bp
     >>> step = bp.value_and_grad(lambda w, x: bp.tanh(x @ w).sum())

@@ -491,6 +491,7 @@ class PlannedFunction:
         report.background_build = self.background is True
         key = (self._shared_entry_key(self._entry_key(bound)), sizes(args, kwargs))
         report.loop_observed = self._loop_watch.observed.get(key)
+        report.max_peak_bytes = getattr(self, "max_peak_bytes", None)
         if entry.planner is not None:
             report.frontier_source = entry.planner.memory_frontier
             report.saved_dtype_note = entry.planner.note()
