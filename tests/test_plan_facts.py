@@ -39,7 +39,9 @@ def renders(tmp_path, monkeypatch):
     monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
     done = []
     real = emit._generate
-    monkeypatch.setattr(emit, "_generate", lambda lowered: done.append(lowered) or real(lowered))
+    monkeypatch.setattr(
+        emit, "_generate", lambda lowered, *rest: done.append(lowered) or real(lowered, *rest)
+    )
     return done
 
 
@@ -85,7 +87,7 @@ SCRIPT = textwrap.dedent("""
     import test_plan_facts as t
     from backplan.codegen.render import emit
     renders, real = [], emit._generate
-    emit._generate = lambda lowered: renders.append(1) or real(lowered)
+    emit._generate = lambda lowered, *rest: renders.append(1) or real(lowered, *rest)
     value, grad, compiled = t.step()
     print(json.dumps({"value": value, "grad": grad, "renders": len(renders),
                       "path": compiled.module_path, "source": compiled.source,
