@@ -106,21 +106,3 @@ def test_the_checked_mode_counts_what_explain_prints(backend):
         report = step.explain(*args)
         assert counted_calls(lambda: step(*args), 3) == printed_calls(report, 3)
 
-
-@pytest.mark.parametrize("dtype", [bp.bfloat16, np.float16], ids=["bf16", "f16"])
-def test_a_value_another_loop_widens_again_keeps_its_whole_buffer(dtype):
-    """In 16 bits the row kernel stores a 16-bit term the next loop reads again, widening it
-    where it reads (ir/fusion.py spreads the widening): that term is read outside the run and
-    keeps every row (kept one row deep, the gradient read garbage: inf / nan)."""
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((40, 40))
-
-    def loss(x):
-        return bp.sum(bp.tanh(bp.layer_norm(x)) * 0.75)
-
-    with use_backend("numba"):
-        _, grad = bp.value_and_grad(loss)(bp.tensor(x.astype(dtype)))
-    with use_backend("reference"):
-        exact = bp.value_and_grad(loss)(bp.tensor(x.astype(dtype).astype(np.float64)))[1].numpy()
-    got = grad.numpy().astype(np.float64)
-    assert np.abs(got - exact).max() <= 2e-2 * np.abs(exact).max()
