@@ -221,3 +221,46 @@ def test_donation_is_decided_by_the_pipeline_and_kept_in_the_lowered_plan():
     assert plain.program.plans.forward.donated == ()
     assert plain.program.plans.lowered().donations == {}
     assert not donated.program.runners()  # decided without a runner
+
+
+def test_one_tensor_donated_from_two_threads_at_once_runs_one_call():
+    """Both calls check the tensor is live before either has run: the tensor must be given to
+    one of them before it runs, and the other raise DonatedError (before, in some of the
+    trials, both ran and wrote their results into its one buffer)."""
+    import threading
+
+    @bp.compile(donate_argnums=(0,))
+    def step(w, x):
+        return w - 0.1 * bp.tanh(x @ w), bp.sum(w)
+
+    x = np.full((64, 64), 0.01, np.float32)
+    for _ in range(3):
+        step(bp.tensor(np.ones((64, 64), np.float32)), x)
+    for _ in range(60):
+        w = bp.tensor(np.ones((64, 64), np.float32))
+        start, results = threading.Barrier(2), []
+
+        def call(w=w, start=start, results=results):
+            start.wait()
+            try:
+                results.append(step(w, x)[1].item())
+            except bp.DonatedError:
+                results.append("donated")
+
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results, key=str) == [4096.0, "donated"]
+
+
+def test_a_donating_call_that_raises_leaves_its_argument_usable():
+    @bp.compile(donate_argnums=(0,))
+    def step(w, labels):
+        return w * 2.0, bp.take(w, labels)
+
+    w = bp.tensor(np.ones(4, np.float32))
+    with pytest.raises(Exception):
+        step(w, np.array([0, 9]))
+    np.testing.assert_array_equal(w.numpy(), np.ones(4, np.float32))

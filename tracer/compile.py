@@ -23,7 +23,7 @@ from backplan.runtime.region import LeafEdges
 from .arguments import ArgumentSpec
 from .budget import BudgetPlanner, checked_budget, nested_budget_refusal
 from .captured_names import captured_names
-from .donate import check_donated_inputs, donatable, mark_donated
+from .donate import check_donated_inputs, donatable, mark_donated, unmark_donated
 from .dynamic import checked_dynamic, sizes_planned_apart
 from .fastpath import positions_of
 from .float_checks import float_checks_of, run_float_checks
@@ -118,10 +118,17 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True, skip
         edges = edges_of([tensors[i] for i in grad_inputs])
     if edges is not None or traced.donated:
         loc = user_frame_loc(skip)  # the region's and the donation's line; text made on demand
-    donate = donatable(tensors, traced.donated) if traced.donated else ()
-    outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)
+    donate = ()
     if traced.donated:
+        donate = donatable(tensors, traced.donated)
         mark_donated(tensors, traced, loc_text(loc))
+        try:
+            outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)
+        except BaseException:
+            unmark_donated(tensors, traced)
+            raise
+    else:
+        outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)
     grads = program.differentiable_outputs
     if traced.one_output:  # a loss: no containers to rebuild
         grad_fn = region if region is not None and 0 in grads else None

@@ -4,6 +4,7 @@ the plan may overwrite this call, and marking the donated tensors unusable after
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
@@ -50,10 +51,25 @@ def _overlapping(arrays: list) -> set[int]:
     return shared
 
 
+_claiming = threading.Lock()
+
+
 def mark_donated(tensors: list, traced, loc: str) -> None:
+    """Give the donated tensors to this call before it runs, atomically: the same tensor passed
+    by another thread at the same time then raises DonatedError, instead of both calls writing
+    their results into its one buffer (each having checked it was live before either marked it)."""
     where = f"{traced.donated_to} at {loc}"
+    with _claiming:
+        for i in traced.donated:
+            tensors[i]._check_live()
+        for i in traced.donated:
+            tensors[i]._donated = where
+
+
+def unmark_donated(tensors: list, traced) -> None:
+    """A call that raised gives its donated tensors back (as before it ran)."""
     for i in traced.donated:
-        tensors[i]._donated = where
+        tensors[i]._donated = None
 
 
 def check_donated_inputs(names: list[str], donated: tuple[int, ...], wrt: list[bool]) -> None:
