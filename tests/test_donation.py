@@ -8,6 +8,7 @@ import pytest
 
 import backplan as bp
 from backplan.runtime.backend import use_backend
+from tests.helpers import run_in_threads
 
 
 def mlp_loss(params, x, y):
@@ -240,18 +241,14 @@ def test_one_tensor_donated_from_two_threads_at_once_runs_one_call():
         w = bp.tensor(np.ones((64, 64), np.float32))
         start, results = threading.Barrier(2), []
 
-        def call(w=w, start=start, results=results):
+        def call(_, w=w, start=start, results=results):
             start.wait()
             try:
                 results.append(step(w, x)[1].item())
             except bp.DonatedError:
                 results.append("donated")
 
-        threads = [threading.Thread(target=call) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_in_threads(call, range(2))
         assert sorted(results, key=str) == [4096.0, "donated"]
 
 
@@ -261,6 +258,6 @@ def test_a_donating_call_that_raises_leaves_its_argument_usable():
         return w * 2.0, bp.take(w, labels)
 
     w = bp.tensor(np.ones(4, np.float32))
-    with pytest.raises(Exception):
+    with pytest.raises(bp.ExecutionError, match="index 9"):
         step(w, np.array([0, 9]))
     np.testing.assert_array_equal(w.numpy(), np.ones(4, np.float32))
