@@ -196,7 +196,8 @@ class _Reader:
         if len(parameters) != len(node.args):
             raise Unsupported(f"line {node.lineno}: {node.func.id} with other arguments")
         values = [self.value(a) for a in node.args]
-        outer, self.local, self.returned = self.local, dict(zip(parameters, values)), None
+        outer, self.returned = self.local, None
+        self.local = dict(zip(parameters, values, strict=True))
         self.body(function.body)
         returned, self.local, self.returned = self.returned or [], outer, None
         if len(returned) != len(targets):
@@ -391,7 +392,8 @@ def _targets(calls: list[Call], arrays: list[Argument], linked: list) -> list[_T
             raise Unsupported(f"line {call.line}: a call returning {returned}")
         if len(signature.args) < len(given):
             raise Unsupported(f"line {call.line}: too many arguments")
-        found.append(_Target(native_calls.publish(compiled), tuple(signature.args), returned, given))
+        address = native_calls.publish(compiled)
+        found.append(_Target(address, tuple(signature.args), returned, given))
     return found
 
 
@@ -436,7 +438,7 @@ def _emit(context, builder, data, calls, targets) -> object:
             results[str(result_type)] = cgutils.alloca_once(builder, result_type)
         result = results[str(result_type)]
         passed = [result, exception]
-        for value, wanted in zip(call.arguments, target.arguments):
+        for value, wanted in zip(call.arguments, target.arguments, strict=False):
             passed += _machine_values(context, builder, value, wanted, data)
         for omitted in target.arguments[len(call.arguments) :]:
             constant = context.get_constant_generic(builder, omitted, omitted.value)
@@ -495,7 +497,8 @@ def _machine_values(context, builder, value, wanted, data) -> list:
             *[intp(s) for s in _c_strides(value.shape, itemsize)],
         ]
     if isinstance(wanted, types.Boolean):
-        return [ir.Constant(context.data_model_manager[wanted].get_argument_type(), int(value.value))]
+        argument_type = context.data_model_manager[wanted].get_argument_type()
+        return [ir.Constant(argument_type, int(value.value))]
     if isinstance(wanted, (types.Integer, types.Float)):
         return [context.get_constant(wanted, value.value)]
     raise Unsupported(f"a constant passed as {wanted}")

@@ -9,8 +9,8 @@ typed, lowered code and nothing else:
 
     bytecode -> IR -> inline 'always' callees -> SSA -> types -> strip phis -> lower
 
-It is used only by generated kernels (codegen/render/kernel_source.py); a construct the pipeline does
-not handle fails to type or lower with Numba's own error, which every generated form is tested
+It is used only by generated kernels (codegen/render/kernel_source.py); a construct the pipeline
+does not handle fails to type or lower with Numba's own error, which every generated form is tested
 against (tests/test_codegen.py compiles every registry op).
 """
 

@@ -105,7 +105,8 @@ def futex_wait(typingctx, address, expected):
             raise NotImplementedError("futex_wait needs Linux")
         expected = context.cast(builder, args[1], signature.args[1], types.int64)
         low = builder.and_(expected, ir.Constant(_I64, 0xFFFFFFFF))
-        _syscall(builder, args[0], ir.Constant(_I64, _FUTEX_WAIT_PRIVATE), low, ir.Constant(_I64, 0))
+        wait = ir.Constant(_I64, _FUTEX_WAIT_PRIVATE)
+        _syscall(builder, args[0], wait, low, ir.Constant(_I64, 0))
         return context.get_dummy_value()
 
     return types.none(types.intp, expected), codegen

@@ -75,7 +75,8 @@ def rendering(lowered: LoweredPlan) -> tuple:
         found = plan_facts.read(key, lowered)
         return (found, parts, True) if found is not None else (generate(lowered), parts, False)
     generated = generate(lowered)
-    return generated, cache.key_parts(code_text(generated.source), flags_text() + loop_calls.key_text()), False
+    parts = cache.key_parts(code_text(generated.source), flags_text() + loop_calls.key_text())
+    return generated, parts, False
 
 
 def _output_sources(sources: list, buffers: list) -> list[tuple]:

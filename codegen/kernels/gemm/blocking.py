@@ -12,8 +12,9 @@ of 128 rows is Zen 5's (L1d 48 KiB, so kc 384 and an eighth of L2 only 80 rows):
 128 rows then takes two row blocks, and the GEMM packs B, which it reads in place for one row
 block (driver.py). With 128 rows, one pinned core, thread CPU, medians of 5-7 interleaved
 rounds at load 15-16: mlp's 128x512x784 and 128x512x512 products 200-216 -> 225-236 GFLOP/s,
-in its step 5-10% less time for each of them; the other bench shapes within the noise. Sizes are in elements and serve every tile
-and dtype (f64 blocks take twice the bytes, as they did with fixed sizes).
+in its step 5-10% less time for each of them; the other bench shapes within the noise. Sizes
+are in elements and serve every tile and dtype (f64 blocks take twice the bytes, as they did
+with fixed sizes).
 
     >>> block_sizes({1: 48 << 10, 2: 2 << 20, 3: 32 << 20})
     (384, 168, 1344)
