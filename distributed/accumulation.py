@@ -4,6 +4,11 @@ k micro-batches at once would (the mean over every rank's k micro-batches). The 
 one rank must hold the same number of rows (checked), else the mean of their means would not be
 the mean over their rows.
 
+16-bit gradients (bfloat16, float16) are summed in float32, as the exchange sums them across
+ranks: a bfloat16 running sum keeps 8 bits, so adding k micro-batches rounded k times (the
+k-th addend lost up to 1/256 of the sum each time) where one big batch rounds once. The sums
+stay float32 until the exchange rounds its result into the leaf's dtype, once.
+
 A call of a round that raises before its last (its plan, or its checks) still counts as one of
 the round's k calls, and the round remembers the first failure: the other ranks make no MPI
 call until the round's last call either, so the last call tells them (step.py) and every rank
@@ -16,11 +21,13 @@ import threading
 import numpy as np
 
 from .errors import DistributedError
+from .half_wire import summed_dtype
 
 
 class Accumulator:
     """add(fingerprint, lengths, arrays) -> None for the first k - 1 calls of each round, then
-    the k calls' mean per leaf (fresh arrays the accumulator no longer holds)."""
+    the k calls' mean per leaf (fresh arrays the accumulator no longer holds; float32 for a
+    16-bit leaf)."""
 
     def __init__(self, steps: int):
         self.steps = steps
@@ -44,7 +51,7 @@ class Accumulator:
     def _add(self, fingerprint: int, lengths: tuple, arrays: list) -> list[np.ndarray] | None:
         signature = (fingerprint, lengths)
         if self._sums is None:
-            self._sums = [np.array(a, copy=True) for a in arrays]
+            self._sums = [np.asarray(a).astype(summed_dtype(np.asarray(a).dtype)) for a in arrays]
             self._signature = signature
         else:
             self._check(signature, lengths)

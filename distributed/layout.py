@@ -27,6 +27,11 @@ class Layout:
     fingerprint: int
     output_positions: tuple[int, ...]  # leaf index -> position among the joint plan's outputs
 
+    @property
+    def loss_dtype(self) -> str:
+        """The loss's IR dtype (leaf 0)."""
+        return next(x.dtype for b in self.buckets for x in b.leaves if x.index == 0)
+
     def description(self) -> list[tuple[str, tuple, str]]:
         """(path, shape, dtype) of every gradient in the order of the arguments, then of the
         loss, for error messages (a wrong parameter is named before the loss it changes)."""

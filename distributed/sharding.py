@@ -222,7 +222,8 @@ class ShardedExchange:
         sum (one collective less per step: each is a point where both ranks must be running)."""
         comm, size = self.world.comm, self.world.size
         loss = counted(np.array(array_of(0), copy=True).reshape(1), "loss sent")
-        self._loss_dtype = loss.dtype
+        # the layout's dtype, not the array's: accumulated 16-bit sums arrive as float32
+        self._loss_dtype = np_dtype(self.layout.loss_dtype)
         loss = loss.astype(summed_dtype(loss.dtype), copy=False)  # 16-bit: summed in float32
         self._loss_in_bucket = bool(self.groups) and self.groups[0].dtype == self._loss_dtype
         if not self._loss_in_bucket:

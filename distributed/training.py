@@ -165,7 +165,7 @@ class DataParallelTraining:
         report.add_optimizer(name, *self.state_bytes(params, report.size))
         if self.shard_optimizer:
             groups = groups_of(params, report.size)[0]
-            loss_dtype = np_dtype(_loss_dtype(report.layout))
+            loss_dtype = np_dtype(report.layout.loss_dtype)
             report.add_sharding(bytes_sent(groups, report.size, loss_dtype))
         if self.step.counts_rank_peak():
             report.rank_peak = self._rank_peak(report, params, state, batch, kwargs)
@@ -189,7 +189,7 @@ class DataParallelTraining:
         shares = flat_shares(params, rank, report.size)
         update = _update_facts(self._update, _zeros_like(shares), state, shares)
         groups = groups_of(params, report.size)[0]
-        loss_dtype = np_dtype(_loss_dtype(report.layout))
+        loss_dtype = np_dtype(report.layout.loss_dtype)
         ranges = [leaf_array(x).nbytes for x in shares]
         return sharded_peak(groups, rank, loss_dtype, plan, update, held, ranges)
 
@@ -221,8 +221,6 @@ def _like(tensors: list, params: list) -> list:
     return tensors
 
 
-def _loss_dtype(layout) -> str:
-    return next(leaf.dtype for b in layout.buckets for leaf in b.leaves if leaf.index == 0)
 
 
 def _dtype_mismatch(params, grads) -> str:

@@ -1279,6 +1279,76 @@ def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
     assert_ranks_ok(result)
 
 
+@needs_mpi
+def test_accumulated_16_bit_gradients_are_summed_in_float32_and_rounded_once(tmp_path):
+    """accumulate=4 with bfloat16 and float16 parameters: the micro-batches' gradients are added
+    in float32 and rounded into the 16-bit dtype once, after the sum over the ranks, as one big
+    batch's would be (they were added in 16 bits: bfloat16 keeps 8 bits, so each of the k - 1
+    additions rounded). The reference adds every rank's micro-batch gradients in float32 here;
+    the 16-bit running sum it replaces differs from it on these batches. ZeRO-1 with the same
+    accumulation returns the loss in its dtype and the unsharded step's parameters."""
+    result = run_script(
+        tmp_path,
+        """
+        import ml_dtypes
+        k = 4
+        for half in (ml_dtypes.bfloat16, np.float16):
+            params = bpd.broadcast({n: bp.tensor(v.numpy().astype(half), requires_grad=True)
+                                    for n, v in init_mlp([8, 15, 4], seed=3).items()})
+            x16 = x.astype(half)
+            def micro(r):
+                xs, ys = bpd.shard(x16, r, size), bpd.shard(y, r, size)
+                n = len(xs) // k
+                return [(xs[i * n:(i + 1) * n], ys[i * n:(i + 1) * n]) for i in range(k)]
+            step = bpd.data_parallel(vg, accumulate=k, bucket_bytes=300)
+            for i, batch in enumerate(micro(rank)):
+                loss, grads = step(params, *batch)
+                assert (grads is None) == (i < k - 1)
+            want32, want16 = {}, {}
+            for r in range(size):
+                sums32, sums16 = {}, {}
+                for batch in micro(r):
+                    _, g = vg(params, *batch)
+                    for n in params:
+                        a = g[n].numpy()
+                        sums32[n] = sums32.get(n, 0) + a.astype(np.float32)
+                        sums16[n] = (sums16[n] + a) if n in sums16 else a
+                for n in params:
+                    want32[n] = want32.get(n, 0) + sums32[n] / np.float32(k)
+                    want16[n] = want16.get(n, 0) + sums16[n].astype(np.float32) / np.float32(k)
+            differs = False
+            for n in params:
+                assert grads[n].numpy().dtype == half, (n, grads[n].numpy().dtype)
+                expected = (want32[n] / np.float32(size)).astype(half)
+                got = grads[n].numpy()
+                mismatched = int((got.view(np.uint16) != expected.view(np.uint16)).sum())
+                assert mismatched == 0, (half.__name__, n, mismatched, got.size)
+                rounded_k_times = (want16[n] / np.float32(size)).astype(half)
+                differs |= bool((rounded_k_times != expected).any())
+            assert differs, "these batches do not tell a 16-bit running sum from float32"
+            assert loss.numpy().dtype == vg(params, *micro(rank)[0])[0].numpy().dtype
+            opt = bp.optim.sgd(0.5)
+            stepped = {}
+            for shard in (False, True):
+                train = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=shard, accumulate=k)
+                p, state = params, train.init(params)
+                for batch in micro(rank):
+                    p, state, loss = train(p, state, *batch)
+                stepped[shard] = p, loss
+            assert stepped[True][1].numpy().dtype == stepped[False][1].numpy().dtype
+            assert stepped[True][1].item() == stepped[False][1].item()
+            for n in params:
+                assert stepped[True][0][n].numpy().dtype == half
+                assert (stepped[True][0][n].numpy() == stepped[False][0][n].numpy()).all(), n
+            one, _ = opt.update(grads, opt.init(params), params)
+            for n in params:
+                assert (stepped[False][0][n].numpy() == one[n].numpy()).all(), n
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
 # ---- a rank that dies or stops mid-step ----------------------------------------------------------
 
 DIES_IN_THE_EXCHANGE = """
