@@ -1,5 +1,6 @@
-"""dtypes are kept or refused, never silently changed: uint8 and int32 work end to end, every
-other dtype raises DtypeError naming it and the supported set; int @ float keeps the float."""
+"""dtypes are kept or refused, never silently changed (a big-endian array is stored in native
+order, its values kept): uint8 and int32 work end to end, every other dtype raises DtypeError
+naming it and the supported set; int @ float keeps the float."""
 
 from __future__ import annotations
 
@@ -37,6 +38,66 @@ def test_a_cast_does_not_hide_an_unsupported_source():
         bp.tensor(np.array([1 + 2j]), dtype="float32")  # NumPy would drop the imaginary part
     with pytest.raises(bp.DtypeError, match="int16"):
         bp.tensor([1.0]).astype("int16")
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">f8", ">f2", ">i4", ">i8", ">u1"])
+def test_a_big_endian_array_is_stored_in_native_order_with_its_values(dtype):
+    """A FITS, .mat or network file reads as big-endian: the same values, which NumPy's own
+    arithmetic converts; so does backplan, refusing only a dtype it refuses in any order."""
+    array = (np.arange(6).reshape(2, 3) * 3 + 1).astype(dtype)
+    t = bp.tensor(array)
+    assert t.dtype == array.dtype.newbyteorder("=") and t.dtype.isnative
+    np.testing.assert_array_equal(t.numpy(), array)
+    rows, native_rows = bp.tensor([array[0], array[1]]), bp.tensor([*array.astype(t.dtype)])
+    assert rows.dtype == native_rows.dtype and rows.dtype.isnative  # a list as a native one
+    np.testing.assert_array_equal(rows.numpy(), native_rows.numpy())
+    cast = bp.tensor(array, dtype="float64")
+    np.testing.assert_array_equal(cast.numpy(), array.astype(np.float64))
+    with pytest.raises(bp.DtypeError, match="int16"):
+        bp.tensor(np.ones(2, ">i2"))
+
+
+def test_a_compiled_call_reads_a_big_endian_argument_by_value():
+    """After native arrays took the fast path (and the driver read their buffers in place), a
+    big-endian argument of the same shape must not be read as native bytes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 3)).astype(np.float32)
+    step = bp.compile(bp.value_and_grad(lambda w, x: bp.sum(bp.tanh(x @ w) ** 2)))
+    with use_backend("numba"):
+        want_loss, want_grad = step(w, x)
+        step(w, x)
+        step(w, x)
+        assert step.driver_tier == "direct"
+        loss, grad = step(w.astype(">f4"), x.astype(">f4"))
+        assert step.driver_tier == "direct"
+    assert loss.item() == want_loss.item()
+    np.testing.assert_array_equal(grad.numpy(), want_grad.numpy())
+    assert step.cache_info().traces == 1
+    with use_backend("reference"):
+        ref_loss, ref_grad = step(w.astype(np.float64), x.astype(np.float64))
+    np.testing.assert_allclose(loss.item(), ref_loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_compiled_call_refusing_an_argument_names_it_and_the_line():
+    step = bp.compile(lambda params, x: bp.sum(params["w"] * x))
+    with pytest.raises(bp.DtypeError) as info:
+        step({"w": np.ones(3, np.float32)}, np.ones(3, np.complex64))
+    message = str(info.value)
+    assert "argument x:" in message and "complex64" in message and "test_dtypes.py:" in message
+    with pytest.raises(bp.DtypeError, match=r"argument params\['w'\]: dtype uint64"):
+        step({"w": np.ones(3, np.uint64)}, np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int32, np.int64, np.float16, np.float32])
+def test_a_list_of_numpy_values_keeps_their_dtype(dtype):
+    """As np.array does; an int32 row list was refused as Python ints beyond int64."""
+    rows = [np.arange(3, dtype=dtype), np.arange(3, 6, dtype=dtype)]
+    for data in (rows, [dtype(1), dtype(2)]):
+        t = bp.tensor(data)
+        assert t.dtype == dtype
+        np.testing.assert_array_equal(t.numpy(), np.array(data))
 
 
 def test_python_ints_beyond_int64_are_refused_not_wrapped():

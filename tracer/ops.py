@@ -33,8 +33,9 @@ def tensor(data: Any, dtype: DTypeLike | None = None, requires_grad: bool = Fals
     """tensor(data, dtype=None, requires_grad=False): a new leaf tensor holding a copy of data.
 
     NumPy arrays keep their dtype; Python floats make float32 (as PyTorch and JAX), Python ints
-    int64, bools bool. Supported dtypes: bool, uint8, int32, int64, float32, float64; any other
-    (float16, complex, uint64, datetime, object, ...) raises DtypeError naming the cast to make.
+    int64, bools bool. Supported dtypes: bool, uint8, int32, int64, bfloat16, float16, float32,
+    float64 (a big-endian array is stored in native order); any other (complex, uint64, int16,
+    datetime, object, ...) raises DtypeError naming the cast to make.
     Only float tensors can require grad.
 
     >>> import backplan as bp

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backplan.ir.errors import DtypeError
 from backplan.runtime import is_grad_enabled
 
 from .errors import TracingError
 from .pytree import TreeDef, difference, flatten, unflatten
 from .pytree import leaves as tree_leaves
+from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 
 
@@ -91,7 +93,7 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
         argument = re.match(r"\w*", path).group(0)
         arguments.append(argument)
         if isinstance(leaf, np.ndarray):
-            leaves[i] = leaf = Tensor(leaf)
+            leaves[i] = leaf = _argument_tensor(fn, path, leaf)
         if type(leaf) is float and argument not in static and argument in passed:
             leaves[i] = Tensor._weak_scalar(leaf)
             positions.append(i)
@@ -105,6 +107,17 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
             keys.append(LeafKey(path, "static", static=_static_key(leaf, path)))
     key = SignatureKey(treedef, tuple(keys))
     return BoundCall(key, leaves, positions, signature, sources, arguments)
+
+
+def _argument_tensor(fn, path: str, array: np.ndarray) -> Tensor:
+    """A NumPy argument as a tensor; a dtype backplan refuses names the function, the argument
+    and the caller's line, as an op's error does."""
+    try:
+        return Tensor(array)
+    except DtypeError as exc:
+        loc = user_frame_loc()
+        where = f" at {loc_text(loc)}" if loc is not None else ""
+        raise DtypeError(f"{fn.__qualname__}(): argument {path}: {exc}{where}") from None
 
 
 def _argument_path(path: str) -> str:

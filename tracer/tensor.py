@@ -45,25 +45,34 @@ def _ones_like(data: np.ndarray) -> np.ndarray:
 def to_array(data, dtype=None) -> np.ndarray:
     """A fresh array for a new tensor. NumPy arrays and tensors keep their dtype; Python floats
     make float32 (as PyTorch and JAX), Python ints int64. A dtype outside the supported set
-    raises DtypeError; nothing is converted behind the caller's back."""
+    raises DtypeError; nothing is converted behind the caller's back, but for the byte order:
+    a big-endian float32 (read from a FITS, .mat or network file) holds float32 values, stored
+    in this machine's order as NumPy's own arithmetic would."""
     if dtype is not None:
         target = np_dtype(dtype_name(dtype))
         source = _source_dtype(data)
         if source is not None:
-            dtype_name(source)  # refuse complex, object, ... even when a cast is asked for
+            dtype_name(native_order(source))  # refuse complex, object, ... even when cast
         return np.array(data, dtype=target)
     if isinstance(data, Tensor):
         return np.array(data.numpy())
     if isinstance(data, np.ndarray | np.generic):
-        dtype_name(data.dtype)
-        return np.array(data)
+        native = native_order(data.dtype)
+        dtype_name(native)
+        return np.array(data, dtype=native)
     array = _from_nested(data)
+    array = array.astype(native_order(array.dtype), copy=False)
     if array.dtype == np.float64:
         array = array.astype(np.float32)  # Python floats make float32, as torch and JAX
-    elif array.dtype.kind in "iu" and array.dtype != np.int64:
+    elif array.dtype == np.uint64:  # not int32 or uint8: a list of NumPy values keeps theirs
         array = _python_ints(array)
     dtype_name(array.dtype)
     return array
+
+
+def native_order(dtype: np.dtype) -> np.dtype:
+    """dtype in this machine's byte order: the same values, the only order kernels read."""
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _from_nested(data) -> np.ndarray:
