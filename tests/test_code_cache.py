@@ -1,7 +1,7 @@
 """A generated module's Python code is compiled once: later processes run the signed code object
 kept beside it (codegen/build/code_cache.py), with the values of the first; a code file that
 does not check (edited, signed by another key, written for other source) is never run: the
-source is compiled again and the file rewritten."""
+source is compiled again and the file rewritten, with a CacheWarning for one not signed here."""
 
 import builtins
 import hashlib
@@ -9,11 +9,13 @@ import hmac
 import marshal
 import os
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
 from helpers import script_facts
 
+import backplan as bp
 from backplan.codegen.build import cache_signing, code_cache
 
 SOURCE = "value = 6 * 7\n"
@@ -75,22 +77,32 @@ def _other_key(name, payload):
     return cache_signing.MAGIC + length + mac.digest() + payload
 
 
-@pytest.mark.parametrize("how", ["another key", "edited", "other source"])
+@pytest.mark.parametrize("how", ["another key", "edited", "not hex", "other source"])
 def test_a_code_file_that_does_not_check_is_never_run(folder, compiles, how):
     path = str(folder / "k_example.py")
+    cached = folder / "__pycache__" / "k_example.code"
     planted = "value = 666\n"
     if how == "another key":
         _plant(folder, path, planted, _other_key)
     elif how == "other source":  # signed here, but for another version of the module
         code_cache.compiled(planted, path, str(folder))
+    elif how == "not hex":
+        _plant(folder, path, planted, cache_signing.signed)
+        cached.write_bytes(marshal.dumps(compile(planted, path, "exec")))
     else:
         _plant(folder, path, planted, cache_signing.signed)
-        cached = folder / "__pycache__" / "k_example.code"
         text = cached.read_text()
         cached.write_text(text[:-4] + ("0000" if text[-4:] != "0000" else "1111"))
     compiles.clear()
-    assert run(code_cache.compiled(SOURCE, path, str(folder)))["value"] == 42
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run(code_cache.compiled(SOURCE, path, str(folder)))["value"] == 42
     assert compiles == [path]  # compiled from the source
+    said = [str(w.message) for w in caught if issubclass(w.category, bp.CacheWarning)]
+    if how == "other source":  # this user's own file, for an older plan: nothing to report
+        assert said == []
+    else:  # planted or edited: said, as a kernel's cache file is
+        assert len(said) == 1 and str(cached) in said[0] and "removed it" in said[0]
     compiles.clear()
     assert run(code_cache.compiled(SOURCE, path, str(folder)))["value"] == 42
     assert compiles == []  # the file was written again, for this source

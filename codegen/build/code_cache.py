@@ -10,7 +10,9 @@ and signed with this user's key (codegen/build/cache_signing.py), with the hash 
 of the file name it runs under and of the Python version it was compiled by; a later process
 whose source and file name hash the same runs the loaded code. Anything else (no file, an
 unsigned or edited one, another source or Python) compiles the source as before and writes the
-file again. marshal is only read from files this user signed: it is not safe on untrusted bytes.
+file again; a file this user did not sign is removed with a CacheWarning first, as a kernel's
+cache file is (cache_signing.discard). marshal is only read from files this user signed: it is
+not safe on untrusted bytes.
 """
 
 from __future__ import annotations
@@ -56,11 +58,17 @@ def _load(cached: str, name: str, identity: bytes):
     try:
         with open(cached) as f:
             data = bytes.fromhex(f.read())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except OSError:
         return None
-    payload, _ = cache_signing.verified(name, data)
-    if payload is None or payload[: len(identity)] != identity:
-        return None  # unsigned, edited, or written for other source: compiled and rewritten
+    except (ValueError, UnicodeDecodeError):
+        cache_signing.discard(cached, "is not a code file backplan wrote")
+        return None
+    payload, why = cache_signing.verified(name, data)
+    if payload is None:  # unsigned, edited, planted: removed with a warning, as a kernel's file
+        cache_signing.discard(cached, why)
+        return None
+    if payload[: len(identity)] != identity:
+        return None  # ours, written for other source (an older plan): compiled and rewritten
     try:
         return marshal.loads(payload[len(identity) :])
     except (EOFError, ValueError, TypeError):
