@@ -55,6 +55,19 @@ def first_difference(descriptions: list[list], what: str) -> str | None:
     return None
 
 
+def settings_difference(settings: list[dict]) -> str:
+    """A sentence naming the first rank and setting that differ from rank 0 (settings: each
+    rank's {name: value}, gathered)."""
+    for rank, mine in enumerate(settings[1:], start=1):
+        for name, value in mine.items():
+            if settings[0].get(name) != value:
+                return (
+                    f"rank {rank}'s step has {name}={value!r} but rank 0's has "
+                    f"{name}={settings[0].get(name)!r}"
+                )
+    return "the ranks' steps differ"
+
+
 def require_same_trees(comm, description: list, what: str, fix: str) -> None:
     """Raise RankMismatchError on every rank when any rank's description differs."""
     problem = first_difference(comm.allgather(description), what)

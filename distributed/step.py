@@ -18,7 +18,7 @@ from backplan.tracer.tensor import Tensor
 
 from .accumulation import Accumulator
 from .agreement import check_replicas as verify_replicas
-from .agreement import leaf_array, require_same_trees
+from .agreement import fingerprint, leaf_array, require_same_trees, settings_difference
 from .buckets import DEFAULT_BUCKET_BYTES
 from .deadline import roll_call, wait_or_raise
 from .errors import RankFailedError, RankMismatchError, RankOutOfStepError
@@ -44,6 +44,10 @@ from .world import World, current_world, init, mpi_module, sums_by_recursive_dou
 
 LOWEST = np.iinfo(np.int64).min  # a failed rank's agreement numbers: below any rank's
 FAILED, DIVERGED_KIND = 1, 2  # the agreement's fifth number: this call failed; out of step
+OUTSIDE, KIND = 5, 6  # the agreement's sixth number (buckets started after the call); the kind
+SETTINGS_FIX = (
+    "every rank must call a step made with the same shard_optimizer, average and accumulate"
+)
 MISMATCH_FIX = (
     "every rank must differentiate parameters of the same structure, shapes and dtypes "
     "(start them all from bpd.broadcast(params)) with the same bucket_bytes"
@@ -138,7 +142,7 @@ class DataParallelStep:
             layout = self._layout(args, kwargs, key)
             exchange = exchange_type(world, layout, self.average, self.timeout)
             exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
-            exchange.posted = False
+            exchange.posted = exchange.inside = exchange.all_inside = False
             lengths = batch_lengths(args, kwargs, self.fn.argnums)
             return self._run(world, args, kwargs, key, leaves, exchange, lengths, exchange_type)
         except BaseException as error:
@@ -158,8 +162,12 @@ class DataParallelStep:
         if exchange_type is Exchange and self.accumulate == 1:
             in_plan = self._in_plan(world, args, kwargs, key, leaves, layout)
         if in_plan is not None:
+            exchange.inside = True
             self._agreed(exchange, self._agree(world, exchange, lengths, args, kwargs))
-            if exchange.weight is None:  # equal shards: the driver starts the buckets
+            # equal shards, and every rank's driver starts its buckets: a rank whose hooked
+            # driver is still building starts them all after its call in bucket order, which
+            # MPI would pair with this rank's driver order (other buckets summed together)
+            if exchange.weight is None and exchange.all_inside:
                 exchange.in_driver = in_plan
                 return (
                     exchange,
@@ -516,23 +524,30 @@ class DataParallelStep:
         return args[nums] if isinstance(nums, int) else tuple(args[i] for i in nums)
 
     def _agree(self, world: World, exchange, lengths, args, kwargs) -> float | None:
-        """One 32-byte allreduce per call: max of (fingerprint, -fingerprint) equals this rank's
+        """One 64-byte allreduce per call: max of (fingerprint, -fingerprint) equals this rank's
         own pair on every rank only when all fingerprints are equal; the same for the digest of
-        the batch arguments' lengths. On a layout mismatch every rank gathers the leaf lists and
-        raises the same error, before any gradient moves. Returns this rank's share of the
-        global batch when ranks hold different numbers of rows (None when all hold the same).
-        The fifth number says whether a rank failed before agreeing (_failed_before_agreement)."""
+        the batch arguments' lengths and for the step's kind (exchange, average, accumulate).
+        On a mismatch every rank gathers what differs and raises the same error, before any
+        gradient moves. Returns this rank's share of the global batch when ranks hold different
+        numbers of rows (None when all hold the same). The fifth number says whether a rank
+        failed before agreeing (_failed_before_agreement); the sixth whether a rank starts its
+        buckets after its call (exchange.all_inside: whether every rank's driver starts them,
+        in the driver's order)."""
         agreeing = self._agree_start(world, exchange.layout, lengths, exchange)
-        return self._agree_finish(world, exchange.layout, agreeing, lengths, args, kwargs)
+        weight = self._agree_finish(world, exchange.layout, agreeing, lengths, args, kwargs)
+        exchange.all_inside = not agreeing[1][OUTSIDE]
+        return weight
 
     def _agree_start(self, world: World, layout, lengths, exchange=None, failed=False) -> tuple:
         """Post the agreement's allreduce (non-blocking); _agree_finish waits for it. failed:
         this rank's call raised before agreeing (its numbers lowest, so they change no max)."""
         if failed:
-            mine = np.array([LOWEST] * 4 + [int(failed)], np.int64)
+            mine = np.array([LOWEST] * 4 + [int(failed)] + [LOWEST] * 3, np.int64)
         else:
-            digest = lengths_digest(lengths)
-            mine = np.array([layout.fingerprint, -layout.fingerprint, digest, -digest, 0], np.int64)
+            digest, kind = lengths_digest(lengths), fingerprint(sorted(self._settings(exchange).items()))
+            outside = not getattr(exchange, "inside", False)
+            mine = [layout.fingerprint, -layout.fingerprint, digest, -digest, 0, outside, kind]
+            mine = np.array(mine + [-kind], np.int64)
         if exchange is not None:
             exchange.posted = True
         highest = np.empty_like(mine)
@@ -555,9 +570,19 @@ class DataParallelStep:
                 f"bucket_bytes={self.bucket_bytes}, {len(layout.buckets)} buckets); "
                 f"{MISMATCH_FIX}"
             )
+        if (highest[KIND:] != mine[KIND:]).any():
+            raise RankMismatchError(
+                f"{settings_difference(world.comm.allgather(self._settings(None)))}; "
+                f"{SETTINGS_FIX}"
+            )
         if (highest[2:4] == mine[2:4]).all() or not self.average:
             return None
         return row_weight(world.comm, lengths, args, kwargs, self.fn.argnums)
+
+    def _settings(self, exchange) -> dict:
+        """What every rank's step must share beyond the layout."""
+        sharded = self.sharded or (exchange is not None and not isinstance(exchange, Exchange))
+        return {"shard_optimizer": sharded, "average": self.average, "accumulate": self.accumulate}
 
 
 def _hookable(compiled) -> bool:

@@ -671,6 +671,83 @@ def test_mismatched_ranks_raise_on_every_rank_before_any_gradient_moves(tmp_path
 
 
 @needs_mpi
+def test_ranks_calling_steps_made_differently_raise_instead_of_mixing_their_sums(tmp_path):
+    """A step that averages paired with one that sums, or a ZeRO-1 step with an unsharded one,
+    exchanged buckets of the same layout: every rank got a different answer and none raised
+    (the sharded pair mixed a reduce-scatter with an allreduce). The agreement now carries the
+    step's kind; every rank raises RankMismatchError naming the setting, and a step made alike
+    then runs on every rank."""
+    result = run_script(
+        tmp_path,
+        """
+        params = bpd.broadcast(init_mlp([8, 16, 4]))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        try:
+            bpd.data_parallel(vg, average=rank == 0)(params, xs, ys)
+        except bpd.RankMismatchError as error:
+            assert "rank 1's step has average=False but rank 0's has average=True" in str(error)
+        else:
+            raise AssertionError("a summing rank paired with an averaging one went unnoticed")
+        opt = bp.optim.sgd(0.1)
+        train = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=rank == 1)
+        try:
+            train(params, train.init(params), xs, ys)
+        except bpd.RankMismatchError as error:
+            assert "rank 1's step has shard_optimizer=True" in str(error), str(error)
+        else:
+            raise AssertionError("a sharded rank paired with an unsharded one went unnoticed")
+        loss, grads = bpd.data_parallel(vg)(params, xs, ys)
+        full_loss, _ = vg(params, x, y)
+        np.testing.assert_allclose(loss.item(), full_loss.item(), rtol=1e-6)
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_a_rank_whose_driver_is_still_building_pairs_its_buckets_with_the_others(tmp_path):
+    """Under BACKPLAN_DRIVER=background each rank loads the driver that starts the allreduces
+    when its own build ends, so for some calls one rank starts its buckets inside the call, in
+    the driver's order, and another after it, in bucket order. Here bucket 0 (b's gradient, a
+    literal) starts after the call and bucket 1 inside it: MPI paired rank 0's bucket 1 with
+    rank 1's bucket 0, and both returned wrong sums (NaN) without an error. The agreement now
+    says whether every rank starts them inside; if not, all start them after the call."""
+    result = run_script(
+        tmp_path,
+        """
+        from backplan.distributed.in_plan import InPlanExchange
+        params = init_mlp([8, 16, 4], seed=0)
+        xs = bpd.shard(x, rank, size)
+        mixed = bp.value_and_grad(lambda p, a: bp.sum(bp.relu(a @ p["w"])) + p["b"] * 3.0)
+        mp = {"w": params["w0"], "b": bp.tensor(np.float32(1.0), requires_grad=True)}
+        want_loss, want = bpd.data_parallel(mixed, bucket_bytes=16, overlap=False)(mp, xs)
+        step = bpd.data_parallel(mixed, bucket_bytes=16)
+        started = [row.calls_in_flight is not None for row in step.explain(mp, xs).buckets]
+        assert started == [False, True], started
+        ready, run = InPlanExchange.ready, InPlanExchange.run
+        inside = []
+        InPlanExchange.run = lambda self, *args: inside.append(1) or run(self, *args)
+        for building in (True, False):
+            if rank == 1 and building:  # its driver still building: buckets after the call
+                InPlanExchange.ready = lambda self, inputs: False
+            inside.clear()
+            for _ in range(2):
+                loss, grads = step(mp, xs)
+                assert loss.item() == want_loss.item(), (building, loss.item(), want_loss.item())
+                assert grads["b"].item() == 3.0
+                assert (grads["w"].numpy() == want["w"].numpy()).all(), building
+            assert len(inside) == (0 if building else 2), (building, inside)
+            InPlanExchange.ready = ready
+        print(f"rank {rank} ok")
+        """,
+        backend="numba",
+        timeout=600,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
 def test_a_rank_that_raises_ends_every_rank(tmp_path):
     result = run_script(
         tmp_path,
