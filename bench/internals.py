@@ -79,6 +79,12 @@ _WHERE = {
     # (loop_llvm_cost.py)
     "address_views": "backplan.codegen.kernels.views",
     "kernel_modules": "backplan.codegen.render.opaque:kernel_modules",
+    # the passes a memory_frontier row runs, timed one by one (frontier_parts.py)
+    "budget_module": "backplan.tracer.budget",
+    "pipeline": "backplan.ir.pipeline",
+    "lowering": "backplan.ir.lowering",
+    "layout": "backplan.ir.layout",
+    "peak_module": "backplan.ir.peak",
     # the op registry: a reference implementation to check a kernel against
     "get_op": "backplan.ir.registry:get_op",
 }
