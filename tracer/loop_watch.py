@@ -18,6 +18,7 @@ WATCHED_CALLS later calls of the function for its second call, then stops being 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -71,6 +72,20 @@ def _buffers(tree) -> dict[int, np.ndarray]:
     return found
 
 
+_threads = threading.local()
+_thread_numbers = itertools.count()
+
+
+def thread_number() -> int:
+    """This thread's number, never given to another thread of the process: threading.get_ident()
+    is, once a thread has ended (glibc hands its stack to the next thread), and a new thread's
+    first call would be taken for the second call of the ended thread's loop."""
+    number = getattr(_threads, "number", None)
+    if number is None:
+        number = _threads.number = next(_thread_numbers)
+    return number
+
+
 WATCHED_CALLS = 64  # calls a signature's results wait for that signature's next call
 
 
@@ -107,7 +122,7 @@ class LoopWatch:
         signature is known only at its end (`after`), its sizes now."""
         if not self._waiting:
             return None
-        thread, shapes = threading.get_ident(), sizes(args, kwargs)
+        thread, shapes = thread_number(), sizes(args, kwargs)
         with self._lock:
             waiting = [
                 (key, results)
@@ -124,7 +139,7 @@ class LoopWatch:
         made of this thread's last call of the same signature and sizes, else follow this
         call's results until its next call."""
         key = (entry_key, sizes(args, kwargs))
-        thread = threading.get_ident()
+        thread = thread_number()
         with self._lock:
             self._calls += 1
             if key not in self.observed:
