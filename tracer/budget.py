@@ -132,6 +132,8 @@ class BudgetPlanner:
         # value); every other result counts as kept (report/loop_peak.py states it)
         self.not_kept: frozenset = frozenset()
         self._kept: int | None = None  # kept_bytes, worked out once
+        self.fitted: tuple[str, int] | None = None  # (the budget option met, its bytes)
+        self._offer: str | None = None  # narrowing_offer's words, worked out once
 
     def build(self, drop: frozenset = frozenset(), narrowed: bool = False):
         return (self._narrow_choices if narrowed else self.choices).build(drop)
@@ -231,9 +233,12 @@ class BudgetPlanner:
         return " ".join(t for t in (self.saved_dtype_note(), self._recomputed_note()) if t)
 
     def _recomputed_note(self) -> str:
-        """A step with inlined gradients lists its value_and_grad's own saved buffers
-        (section 3); under a budget it holds fewer: which plan it runs instead."""
-        if self.recomputed_for is None or not self.choices.inlined_gradients:
+        """Under a budget the step holds fewer values than the default plan: which plan it runs
+        instead and what that costs (section 3 of a step with inlined gradients lists its
+        value_and_grad's own saved buffers; a value_and_grad's lists those of the plan that
+        runs, but nowhere else says what the budget added), and, where the budget was met by
+        recomputing in full precision, what bfloat16 saved buffers would cost instead."""
+        if self.recomputed_for is None:
             return ""
         budget, point, narrowed = self.recomputed_for
         held = self._narrowed_held(point) if narrowed else point.held_bytes
@@ -241,12 +246,67 @@ class BudgetPlanner:
         held -= self.evaluate(point, narrowed, plans=False).fused
         total = self.choices.schedule.held_bytes() - self.evaluate_default(plans=False).fused
         step = max(self.step_flops(), 1)
+        readers = (
+            "its inlined gradients read" if self.choices.inlined_gradients else "its backward reads"
+        )
         return (
-            f"To fit {budget}, the step recomputes {len(point.drop)} of the values its inlined "
-            f"gradients read instead of holding them: it holds {format_bytes(held)} "
+            f"To fit {budget}, the step recomputes {len(point.drop)} of the values {readers} "
+            f"instead of holding them: it holds {format_bytes(held)} "
             f"of them (of {format_bytes(total)}) for "
             f"{point.added_flops:,} added FLOPs (+{100 * point.added_flops / step:.1f}% of the "
-            "step)."
+            "step)." + self.narrowing_offer()
+        )
+
+    def narrowing_offer(self, dtype: str = "bf16") -> str:
+        """A budget met by recomputing in full precision, no narrower saved dtype allowed: what
+        allow_saved_dtype=bp.bfloat16 would run for the same budget, when it adds fewer FLOPs
+        (worked out once, when explain asks: a second planner sharing this one's built plans
+        weighs the narrowed candidates, as a budget allowed them would)."""
+        if (
+            self.recomputed_for is None
+            or self.fitted is None
+            or self.allow_dtype is not None
+            or self.choices.options.saved_dtype is not None
+        ):
+            return ""
+        if self._offer is None:
+            self._offer = self._narrowed_alternative(dtype)
+        return self._offer
+
+    def _narrowed_alternative(self, dtype: str) -> str:
+        option, limit = self.fitted
+        other = BudgetPlanner(self.choices, self.input_bytes, self.name, dtype)
+        other.inlined, other.not_kept, other._kept = self.inlined, self.not_kept, self.kept_bytes()
+        other._built = self._built  # the same plans (keys say whether narrowed): none rebuilt
+        before = set(self._built)
+        try:
+            if option == "max_peak_bytes":
+                other.fit_peak(limit)
+            else:
+                other.fit_saved(limit, self.build())
+        except MemoryBudgetError:
+            return ""
+        finally:  # their peaks were all it needed (a narrowed default plan too: no choices
+            for key in set(self._built) - before:  # keep it)
+                self._built[key] = replace(self._built[key], plans=None)
+        if other.narrowed_for is None:
+            return ""  # full precision is the cheapest fit with the narrower dtype allowed too
+        point = other.recomputed_for[1] if other.recomputed_for else None
+        flops = point.added_flops if point else 0
+        _, mine, _ = self.recomputed_for
+        if flops >= mine.added_flops:
+            return ""
+        step = max(self.step_flops(), 1)
+        name = np_dtype(dtype).name
+        cost = (
+            f"for {flops:,} added FLOPs (+{100 * flops / step:.1f}%, {len(point.drop)} "
+            "recomputed)"
+            if point
+            else "with no added FLOPs (nothing recomputed)"
+        )
+        return (
+            f" allow_saved_dtype=bp.{name} would fit it {cost}, the saved buffers kept in {name}: "
+            f"the backward would read them {_rounding_words(dtype)}."
         )
 
     def chosen(self) -> tuple[frozenset, str | None, str | None]:
@@ -299,8 +359,8 @@ class BudgetPlanner:
         )
         return (
             f"The saved buffers the forward computes are kept in {np_dtype(dtype).name} "
-            f"({why}): no added FLOPs (one cast each way), and the backward reads them rounded "
-            f"to {_significant_bits(dtype)} significant bits."
+            f"({why}): no added FLOPs (one cast each way), and the backward reads them "
+            f"{_rounding_words(dtype)}."
         )
 
     def points(self, objective: str = "peak") -> list:
@@ -428,6 +488,7 @@ class BudgetPlanner:
         """The plans of the cheapest point whose step peak fits limit; MemoryBudgetError if none.
         The candidates built on the way that did not fit keep their peaks, not their plans."""
         self._check_inputs_fit(limit, "max_peak_bytes")
+        self.fitted = ("max_peak_bytes", limit)
         before = set(self._built)
         for point, narrowed in self.candidates(self.points_for(limit)):
             evaluated = self.evaluate(point, narrowed, plans=False)
@@ -450,6 +511,7 @@ class BudgetPlanner:
         those gradients read. A lower budget never gives a higher peak: along the chain saved
         bytes fall and peaks never rise, and a lower budget takes a later link."""
         chain = self.saved_chain(default_plans)
+        self.fitted = ("saved_bytes_budget", limit)
         for link in chain:
             if link.saved <= limit:
                 if link.narrowed:
@@ -628,6 +690,20 @@ def rebuilt_joint(choices: PlanChoices, drop: frozenset, dtype: str | None):
 
 def _significant_bits(dtype: str) -> int:
     return {"bf16": 8, "f16": 11, "f32": 24, "f64": 53}[dtype]
+
+
+def _rounding_words(dtype: str) -> str:
+    """What reading a value stored in dtype costs in accuracy: rounded to nearest with p
+    significant bits, each within 2**-p of the value computed (relative; float16 also
+    overflows past its range)."""
+    bits = _significant_bits(dtype)
+    text = (
+        f"rounded to {bits} significant bits (each within 2^-{bits}, "
+        f"{100 * 2.0**-bits:.2g}%, of the value computed"
+    )
+    if dtype == "f16":
+        text += "; beyond +-65,504 it is inf"
+    return text + ")"
 
 
 def _frontier_point(e: EvaluatedPoint) -> FrontierPoint:

@@ -1,0 +1,90 @@
+"""What a budget made the step run, in explain's summary: the values recomputed and the FLOPs
+they add (a value_and_grad's too, not only a training step's inlined gradients), and, where the
+budget was met by recomputing in full precision, what allow_saved_dtype=bp.bfloat16 would run
+for the same budget: the FLOPs of the plan such a step does run, with the rounding it costs."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.runtime.backend import use_backend
+
+
+def loss(p, x, y):
+    h = x
+    for i in range(8):
+        h = bp.tanh(h @ p[f"w{i}"])
+    return bp.mse_loss(h, y)
+
+
+def arrays():
+    rng = np.random.default_rng(0)
+    p = {f"w{i}": (rng.standard_normal((32, 32)) * 0.3).astype(np.float32) for i in range(8)}
+    x = rng.standard_normal((512, 32)).astype(np.float32)
+    return p, x, rng.standard_normal((512, 32)).astype(np.float32)
+
+
+def summary(step) -> str:
+    return " ".join(step.explain(*arrays()).saved_dtype_note.split())
+
+
+def added_flops(step) -> int:
+    """The FLOPs the plan a step runs adds, from its planner's choice (0: nothing recomputed)."""
+    chosen = step.trace(*arrays()).planner.recomputed_for
+    return chosen[1].added_flops if chosen else 0
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_value_and_grad_budget_says_what_it_recomputes_and_what_bfloat16_would_cost(backend):
+    with use_backend(backend):
+        frontier = bp.value_and_grad(loss).memory_frontier(*arrays())
+        assert len(frontier.points) >= 2
+        row = frontier.points[-1]
+        budget = row.peak_bytes
+        step = bp.value_and_grad(loss, max_peak_bytes=budget)
+        text = summary(step)
+        share = f"+{100 * row.added_flops / frontier.step_flops:.1f}% of the step"
+        assert (
+            f"To fit max_peak_bytes={budget:,}, the step recomputes {row.recomputed} of the "
+            f"values its backward reads instead of holding them" in text
+        )  # before, a value_and_grad's summary said nothing of its budget
+        assert f"for {row.added_flops:,} added FLOPs ({share})" in text
+        allowed = bp.value_and_grad(loss, max_peak_bytes=budget, allow_saved_dtype=bp.bfloat16)
+        flops = added_flops(allowed)
+        assert flops < row.added_flops
+        offer = re.search(r"allow_saved_dtype=bp.bfloat16 would fit it (.*?), the saved", text)
+        assert offer is not None, text
+        if flops:
+            assert offer.group(1).startswith(f"for {flops:,} added FLOPs")
+        else:
+            assert offer.group(1) == "with no added FLOPs (nothing recomputed)"
+        assert "rounded to 8 significant bits (each within 2^-8, 0.39%" in text
+        # the step allowed it runs a plan in bfloat16 and says so, offering nothing more
+        assert "kept in bfloat16" in summary(allowed)
+        assert "would fit it" not in summary(allowed)
+
+
+def test_a_budget_the_default_plan_meets_says_nothing_of_recomputing():
+    frontier = bp.value_and_grad(loss).memory_frontier(*arrays())
+    step = bp.value_and_grad(loss, max_peak_bytes=frontier.points[0].peak_bytes)
+    assert "To fit" not in summary(step) and "would fit it" not in summary(step)
+
+
+def test_saved_bytes_budget_of_a_compiled_step_offers_bfloat16_with_what_it_runs():
+    """saved_bytes_budget, a compiled step whose gradients are an inlined value_and_grad."""
+
+    def step_with(**options):
+        return bp.compile(lambda p, x, y: bp.value_and_grad(loss)(p, x, y), **options)
+
+    held = step_with().trace(*arrays()).planner.choices.schedule.held_bytes()
+    budget = held * 2 // 3
+    text = summary(step_with(saved_bytes_budget=budget))
+    assert f"To fit saved_bytes_budget={budget:,}, the step recomputes" in text
+    assert "values its inlined gradients read" in text
+    allowed = step_with(saved_bytes_budget=budget, allow_saved_dtype=bp.bfloat16)
+    assert added_flops(allowed) == 0  # half the bytes in bfloat16: nothing recomputed
+    assert "allow_saved_dtype=bp.bfloat16 would fit it with no added FLOPs" in text
