@@ -85,6 +85,7 @@ def test_a_call_from_another_thread_is_not_the_loops_next_call():
 
     f, x = bp.compile(scaled), f32(16, 8)
     kept = f(x)
+
     def loop():
         f(x)
         f(x)

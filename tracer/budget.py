@@ -299,8 +299,7 @@ class BudgetPlanner:
         step = max(self.step_flops(), 1)
         name = np_dtype(dtype).name
         cost = (
-            f"for {flops:,} added FLOPs (+{100 * flops / step:.1f}%, {len(point.drop)} "
-            "recomputed)"
+            f"for {flops:,} added FLOPs (+{100 * flops / step:.1f}%, {len(point.drop)} recomputed)"
             if point
             else "with no added FLOPs (nothing recomputed)"
         )
