@@ -309,10 +309,13 @@ def _recompute_in_gradients(graph: Graph, forward: set[Value], chains, chain_of)
 
     for node in graph.nodes:
         if node not in forward:
+            reads = False  # a chain's value: the node reads its copy instead
             for value in node.inputs:
-                if value in chains and value not in copies:
-                    emit(value)
-            if any(i in chains for i in node.inputs):
+                if value in chains:
+                    reads = True
+                    if value not in copies:
+                        emit(value)
+            if reads:
                 node.inputs = tuple(copies[i] if i in chains else i for i in node.inputs)
         nodes.append(node)
     graph.nodes = nodes
