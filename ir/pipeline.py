@@ -63,6 +63,7 @@ from .remat import (
 from .saved_dtype import is_saved_narrowing, narrowed_joint, narrowed_saved
 from .step_schedule import StepSchedule, step_schedule
 from .update_order import UpdateOrder, updates_after_gradients
+from .update_order import followed as followed_update_order
 from .verify import verify_graph, verify_plan
 
 CLEANUP = (algebraic_simplification, common_subexpression_elimination, dead_code_elimination)
@@ -413,6 +414,8 @@ def early_updates(
     else in the traced order. `plans.update_order` says which was kept and both peaks.
     decided: the order the default plan kept, which a budget's plans follow (None: compare)."""
     plans = _step_plans(narrow_held(stage, options, log), options, log)
+    if decided is None:
+        decided = followed_update_order()
     if not early_updates_on() or not stage.inlined_gradients or decided is False:
         return plans  # (no gradient known: nothing can be said to follow one)
     graph = updates_after_gradients(

@@ -38,10 +38,32 @@ True
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from .graph import Graph, Value, carry_reasons
 from .layout import storage_root
 from .peak import PlanCall, predicted_peak
+
+_FOLLOWED: ContextVar[bool | None] = ContextVar("followed_update_order", default=None)
+
+
+@contextmanager
+def following(kept: bool | None) -> Iterator[None]:
+    """Plans built inside take this order (True: early) instead of weighing both: a dynamic
+    axis's probe sizes follow the size they are fitted with, whose plan runs at every size
+    (the cheaper order can change with the size; two orders cannot be one plan)."""
+    token = _FOLLOWED.set(kept)
+    try:
+        yield
+    finally:
+        _FOLLOWED.reset(token)
+
+
+def followed() -> bool | None:
+    """The order `following` asks for here, or None: weigh both."""
+    return _FOLLOWED.get()
 
 
 class UpdateOrder:

@@ -317,6 +317,33 @@ def test_size_dependent_choices_are_those_of_the_first_size(monkeypatch):
     assert "own_gemm_at" not in generate(lower(fixed.trace(W, batch(11)).plan)).source
 
 
+def test_a_training_step_whose_cheaper_update_order_changes_with_the_size_is_one_plan():
+    """A compiled step runs each update right after its gradient where that holds fewer bytes
+    (ir/update_order.py), which changes with the batch: here the bias's update runs early at
+    7 and 14 rows and in the traced order at 21. The probes follow the first size's order, so
+    the step is one plan (it was planned per size: "full is transpose on other operands at
+    another size"), and each size's values are the reference interpreter's."""
+    p = {"w": RNG.standard_normal((16, 8)).astype(np.float32), "b": np.zeros(8, np.float32)}
+
+    def sgd_step(p, x):
+        loss, g = bp.value_and_grad(lambda p: bp.mean(bp.tanh(x @ p["w"] + p["b"])))(p)
+        return {k: p[k] - 0.1 * g[k] for k in p}, loss
+
+    step = bp.compile(sgd_step)
+    with use_backend("numba"):
+        for n in (64, 7, 33, 2, 21):  # dynamic at 7: planned at 7, 14 and 21
+            x = RNG.standard_normal((n, 16)).astype(np.float32)
+            new, loss = step(p, x)
+            with use_backend("reference"):
+                want, want_loss = bp.compile(sgd_step, dynamic=False)(p, x)
+            np.testing.assert_allclose(loss.item(), want_loss.item(), rtol=1e-5)
+            for k in p:
+                np.testing.assert_allclose(new[k].numpy(), want[k].numpy(), rtol=1e-5, atol=1e-6)
+        assert step.cache_info().traces == 1 + 1  # the first size, then the one plan
+        assert dynamic_entry(step).reason is None
+        assert "one plan for every size" in step.explain(p, x).dynamic
+
+
 def test_many_batch_sizes_keep_a_bounded_number_of_plans_alive():
     """Each size's plan holds its arenas: a dynamic entry keeps the 16 most recent sizes, and the
     fast paths (one per size) are started afresh past 256, so old sizes' plans can be freed."""

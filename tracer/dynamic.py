@@ -18,6 +18,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
+from backplan.ir import update_order
 from backplan.ir.symbolic import Affine, SymbolicError, fit_number
 
 from .errors import TracingError
@@ -297,7 +298,8 @@ def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call
     template = build(bound)
     sizes = [found.size] + [found.size * f for f in PROBE_FACTORS]
     try:
-        probes = [build(with_call(bound, resized_call(call, found, n))) for n in sizes[1:]]
+        with update_order.following(_update_order_kept(template)):
+            probes = [build(with_call(bound, resized_call(call, found, n))) for n in sizes[1:]]
     except Exception as exc:  # noqa: BLE001 - a probe that fails only means: per size
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return template, None, f"tracing at {found.symbol}={sizes[1]} failed ({first})"
@@ -305,6 +307,14 @@ def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call
         return template, fit([template, *probes], sizes), None
     except SymbolicError as exc:
         return template, None, str(exc)
+
+
+def _update_order_kept(entry) -> bool | None:
+    """Whether a compiled training step's plan runs its updates right after their gradients
+    (ir/update_order.py; None: no such choice, or the entry is value_and_grad's)."""
+    plans = getattr(getattr(entry, "program", None), "plans", None)
+    order = getattr(plans, "update_order", None)
+    return None if order is None else order.kept
 
 
 def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
