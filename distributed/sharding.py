@@ -34,7 +34,7 @@ from .failure import IN_UPDATE, check_ranks, raise_for_others, settle_seconds
 from .half_wire import as_bits, summed_dtype
 from .layout import Layout
 from .rank_peak import counted
-from .rows import scale_by_weight
+from .rows import average_in_place, scale_by_weight
 from .world import World, mpi_module
 
 KEPT_GATHERED = 3  # all-gather buffers kept per dtype: the parameters passed in hold one
@@ -281,7 +281,7 @@ class ShardedExchange:
 
     def _averaged(self, buffer: np.ndarray) -> np.ndarray:
         if self.average and self.weight is None:
-            buffer /= buffer.dtype.type(self.world.size)
+            average_in_place(buffer, self.world.size)
         return buffer
 
     def _wait(self, request, what: str) -> None:

@@ -515,8 +515,9 @@ class DataParallelStep:
             "compiled in a background process after the first call (seconds, once: then from "
             "the disk cache), also when the plan's own driver stays Python because a compiled "
             "one would save under 5% of a step; calls until it is loaded run the plan's driver "
-            "and start every bucket after the call returns. step.wait_for_driver(*args) waits "
-            "for it."
+            "and start every bucket after the call returns, and so do every rank's calls "
+            "until every rank has loaded its own (the ranks start their buckets in one order). "
+            "step.wait_for_driver(*args) waits for it."
         )
 
     def _differentiated(self, args):

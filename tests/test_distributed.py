@@ -330,6 +330,21 @@ def test_the_bench_pairs_the_ranks_calls_and_measures_the_step_against_the_slowe
     assert "rank 0 4.00 / 4.00, rank 1 8.00 / 4.00" in said
 
 
+def test_the_bench_says_where_the_step_cpu_goes():
+    """bench.data_parallel's CPU breakdown of rank 0's step: plan, agreement, bucket waits,
+    finish beyond its waits, and the rest (step less all of them), means over calls (so that
+    the parts add up to the step)."""
+    from backplan.bench.data_parallel import cpu_parts_text
+
+    # (wall, plan wall, plan CPU, step CPU, agreement, bucket waits, finish less its waits)
+    records = [(0.0, 0.0, 0.0025, 0.0040, 0.0004, 0.0006, 0.0002)] * 2
+    records.append((0.0, 0.0, 0.0028, 0.0070, 0.0010, 0.0027, 0.0002))
+    said = cpu_parts_text(records, 0.0021)
+    assert "step 5.00 ms = plan inside the step 2.60 (compute alone 2.10)" in said, said
+    assert "agreement 0.60 + the bucket waits 1.30 + averaging and unpacking 0.20" in said
+    assert "the rest 0.30" in said and "(means of 3 calls)" in said
+
+
 def test_data_parallel_needs_value_and_grad():
     for not_value_and_grad in (mlp_loss, bp.grad(mlp_loss)):
         with pytest.raises(TypeError, match=r"bp\.value_and_grad\(loss_fn\)"):
