@@ -10,17 +10,23 @@ updates on micro-batches step as one update on the big batch would (to rounding)
 
 Eagerly the k - 1 calls between updates skip the wrapped optimizer; inside @bp.compile (where the
 call count is traced) the update is computed every call and selected with where.
+
+The gradients of 16-bit parameters are summed in float32 (state["grads"] is float32 for them):
+a bfloat16 running sum keeps 8 bits and rounded each of the k - 1 additions, where one big
+batch's gradient is rounded once. Their mean is rounded into the parameter's dtype once, before
+the wrapped optimizer (with master_dtype it takes the float32 mean as it is).
 """
 
 from __future__ import annotations
 
+from backplan.ir.types import is_half
 from backplan.runtime import no_grad
 from backplan.tracer import ops
 from backplan.tracer.pytree import flatten, unflatten
 
 from .base import Optimizer
 from .hyper import new_count
-from .tree import check_same_structure, check_wrapper_state, tree_map_n
+from .tree import check_wrapper_state, tree_map_n
 
 STATE_KEYS = ("micro", "grads", "inner")
 
@@ -39,25 +45,24 @@ class Accumulate(Optimizer):
         object.__setattr__(self, "steps", steps)
 
     def init(self, params):
-        """{"micro": updates since the last step (0-d int64), "grads": their gradients' sum,
-        "inner": the wrapped optimizer's state}."""
+        """{"micro": updates since the last step (0-d int64), "grads": their gradients' sum
+        (float32 for 16-bit parameters), "inner": the wrapped optimizer's state}."""
         with no_grad():
             return {
                 "micro": new_count(),
-                "grads": tree_map_n(ops.zeros_like, params),
+                "grads": tree_map_n(_zero_sum, params),
                 "inner": self.inner.init(params),
             }
 
     def update(self, grads, state, params):
         """(new params, new state): unchanged params until the steps-th call of the round."""
         check_wrapper_state(self.name, state, STATE_KEYS, grads, params)
-        where = f"{self.name}.update(grads, state, params): state['grads']"
-        check_same_structure(state["grads"], params, where)
+        _check_sums(state["grads"], params, f"{self.name}.update(grads, state, params)")
         with no_grad():
             return self.step(grads, state, params)
 
     def step(self, grads, state, params):
-        total = tree_map_n(lambda s, g: s + g, state["grads"], grads)
+        total = tree_map_n(lambda s, g: s + ops.astype(g, s._ir_dtype), state["grads"], grads)
         micro = state["micro"] + 1
         if micro._data is not None:  # eager: the count is known
             if int(micro._data) < self.steps:
@@ -70,13 +75,45 @@ class Accumulate(Optimizer):
         )
 
     def _apply(self, total, state, params):
-        mean = tree_map_n(lambda s: s / self.steps, total)
+        keep = self.inner.master_dtype is not None  # it widens the mean to float32 itself
+        mean = tree_map_n(
+            lambda s, p: s / self.steps if keep else ops.astype(s / self.steps, p._ir_dtype),
+            total,
+            params,
+        )
         params, inner = self.inner.step(mean, state["inner"], params)
         fresh = {
             "micro": ops.zeros_like(state["micro"]),
             "grads": tree_map_n(ops.zeros_like, total),
         }
         return params, {**fresh, "inner": inner}
+
+
+def _summed_dtype(param) -> str:
+    """The dtype a parameter's gradients are summed in: float32 for 16-bit floats."""
+    return "f32" if is_half(param._ir_dtype) else param._ir_dtype
+
+
+def _zero_sum(param):
+    return ops.zeros(param.shape, _summed_dtype(param))
+
+
+def _check_sums(sums, params, where: str) -> None:
+    """state["grads"] holds a sum per parameter, of its shape, in its summed dtype."""
+    leaves, treedef, paths = flatten(sums, paths=True)
+    p_leaves, p_treedef = flatten(params)
+    if treedef != p_treedef:
+        raise TypeError(
+            f"{where}: state['grads'] and params have different structures; pass the state "
+            "init(params) built for these params"
+        )
+    for s, p, path in zip(leaves, p_leaves, paths, strict=True):
+        if s.shape != p.shape or s._ir_dtype != _summed_dtype(p):
+            raise TypeError(
+                f"{where}: state['grads']{path} is {s._ir_dtype}{list(s.shape)} but the sum "
+                f"of param {path}'s gradients is {_summed_dtype(p)}{list(p.shape)}; pass the "
+                "state init(params) built for these params"
+            )
 
 
 def _select(due, when_due, otherwise):

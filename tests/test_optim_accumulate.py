@@ -85,3 +85,48 @@ def test_the_update_compiled_on_its_own_steps_as_the_eager_one(inner, backend):
                 traced["w"].numpy(), eager["w"].numpy(), rtol=tolerance, atol=tolerance
             )
         assert not np.array_equal(traced["w"].numpy(), params["w"].numpy())
+
+
+@pytest.mark.filterwarnings("ignore::backplan.optim.PrecisionWarning")
+@pytest.mark.parametrize("master", [False, True], ids=["bf16", "bf16-master"])
+def test_16_bit_gradients_are_summed_in_float32_and_rounded_once(master):
+    """bfloat16 parameters, steps=4: the four gradients are added in float32 (state["grads"]
+    is float32) and their mean rounded into bfloat16 once, or handed as it is to an optimizer
+    with float32 master weights; they were added in bfloat16, which rounded each addition (the
+    sum of these gradients so taken differs from the float32 one). The compiled update gives
+    the eager one's bytes."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(1)
+    shape = (8, 33)
+    params = {"w": bp.tensor(rng.standard_normal(shape).astype(ml_dtypes.bfloat16))}
+    grads = [rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for _ in range(4)]
+    inner = bp.optim.sgd(1.0, master_dtype=bp.float32 if master else None)
+    opt = bp.optim.accumulate(inner, steps=4)
+    state = opt.init(params)
+    assert state["grads"]["w"].numpy().dtype == np.float32
+    update = bp.compile(opt.update)
+    eager, traced, traced_state = params, params, opt.init(params)
+    for g in grads:
+        eager, state = opt.update({"w": bp.tensor(g)}, state, eager)
+        traced, traced_state = update({"w": bp.tensor(g)}, traced_state, traced)
+    total = np.zeros(shape, np.float32)
+    total16 = np.zeros(shape, ml_dtypes.bfloat16)
+    for g in grads:
+        total += g.astype(np.float32)
+        total16 = (total16 + g).astype(ml_dtypes.bfloat16)
+    mean = total / np.float32(4)
+    assert (mean.astype(ml_dtypes.bfloat16) != (total16.astype(np.float32) / 4)).any()
+    w = params["w"].numpy()
+    if master:  # float32 master weights minus the float32 mean, rounded once
+        want = (w.astype(np.float32) - mean).astype(ml_dtypes.bfloat16)
+    else:
+        want = (w.astype(np.float32) - mean.astype(ml_dtypes.bfloat16).astype(np.float32))
+        want = want.astype(ml_dtypes.bfloat16)
+    got = eager["w"].numpy()
+    assert got.dtype == ml_dtypes.bfloat16
+    assert (got.view(np.uint16) == want.view(np.uint16)).all(), int((got != want).sum())
+    assert (traced["w"].numpy().view(np.uint16) == got.view(np.uint16)).all()
+    with pytest.raises(TypeError, match=r"state\['grads'\]\['w'\] is bf16\[8, 33\] but the sum"):
+        opt.update({"w": bp.tensor(grads[0])}, {**state, "grads": params}, eager)
+
