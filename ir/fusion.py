@@ -264,6 +264,9 @@ def _recompute_cheap_inputs(
                 for value in cone or ():
                     if value not in kernel.recomputed:
                         kernel.recomputed.append(value)
+    blocked = {k: values for k, values in blocked.items() if values}  # the others read none
+    if not blocked:
+        return
     readers = _readers(kernels, home, outputs, bases)
     for k, values in blocked.items():
         _recompute_over_frontier(values, k, kernels, home, readers, kept, spread, bases)
