@@ -93,13 +93,13 @@ def backward_ready(region: Region, index: int, loc) -> bool:
     with region.lock:
         if region.freed_by is not None:
             raise freed_error([region], region, index, location_text(loc))
-        taken = region.take_gradients()
+        taken = region.take_gradients(loc, index)  # freed by this backward() if taken
         if taken is None:
             return False
-        region.mark_freed(FreedBy(loc, region, index))
-        with _leaf_grads:
-            for leaf, grad in taken:
-                leaf._add_plan_grad(grad)
+        leaves, grads = taken
+        with _leaf_grads:  # the leaves are tensors: one call adds a whole step's gradients
+            if leaves:
+                leaves[0]._add_plan_grads(leaves, grads)
         return True
 
 

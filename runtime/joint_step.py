@@ -29,7 +29,7 @@ from backplan.ir.types import is_float
 
 from .backend import current_backend, runner_for
 from .program import RegionProgram
-from .region import LeafEdges, Region
+from .region import FreedBy, LeafEdges, Region
 
 CALLS_TO_LEARN = 2  # split calls backward()ed from the default seed before the joint plan runs
 JOINT_FROM_CALL = CALLS_TO_LEARN + 1  # the first call that runs the joint plan (explain says so)
@@ -130,7 +130,7 @@ class JointRegion(Region):
     counts them."""
 
     def __init__(self, program, args, grads, edges, loc, step: JointStep):
-        super().__init__(program, [], edges, loc)
+        Region.__init__(self, program, [], edges, loc)  # once a step: no super() object
         self._args = args
         self._grads = grads
         self.ready = True
@@ -151,9 +151,10 @@ class JointRegion(Region):
             self._saved = dict(enumerate(self._recomputed_saved()))
         return super().run_backward(cotangents, mode)
 
-    def take_gradients(self):
-        """(leaf, gradient) pairs, once per leaf, a leaf passed twice summed, when every input
-        is a leaf (engine.backward_ready); None, keeping them, otherwise."""
+    def take_gradients(self, loc, index: int):
+        """(leaves, gradients), once per leaf, a leaf passed twice summed, when every input is
+        a leaf (engine.backward_ready), the region freed by the backward() at loc; None,
+        keeping them, otherwise. One call: this runs once per training step."""
         grads = self._grads
         if grads is None:
             return None
@@ -162,17 +163,21 @@ class JointRegion(Region):
             leaves = [edge.leaf for edge in leaves]
             if any(leaf is None for leaf in leaves):
                 return None
-        taken = zip(leaves, grads, strict=True)
         if len(set(map(id, leaves))) != len(leaves):  # a leaf passed twice: its gradients sum
             by_leaf: dict = {}
             for leaf, grad in zip(leaves, grads, strict=True):
                 held = by_leaf.get(id(leaf))
                 by_leaf[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
-            taken = by_leaf.values()
-        self._step.fits(True)
-        self._grads, self.ready = None, False
+            leaves = [leaf for leaf, _ in by_leaf.values()]
+            grads = [grad for _, grad in by_leaf.values()]
+        step = self._step  # step.fits(True), inline
+        step._expecting = False
+        step.seen += 1
+        self._grads = self._args = None  # mark_freed's, inline: nothing was saved
+        self.ready = False
         self.backward_calls += 1
-        return taken
+        self.freed_by = FreedBy(loc, self, index, own=True)
+        return leaves, grads
 
     def held_arrays(self) -> list:
         """While its gradients wait for backward(), what the region holds for it is those

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import weakref
+from _thread import RLock as _RLock  # threading.RLock's own, without its Python wrapper call
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,12 +61,14 @@ class FreedBy:
 
     __slots__ = ("_where", "_root_name", "_root_output", "_root_made", "root_ref", "failed")
 
-    def __init__(self, where, root: Region, index: int, failed: bool = False):
+    def __init__(self, where, root: Region, index: int, failed: bool = False, own: bool = False):
         self._where = where  # a SourceLoc (or its text)
         self._root_name = root.name
         self._root_output = index if root.program.n_outputs > 1 else None
         self._root_made = root._made_at
-        self.root_ref = weakref.ref(root)  # weak: a freed graph must not keep another alive
+        # weak: a freed graph must not keep another alive. own: only the root itself holds
+        # this one (a joint step's region), so started_from asks the region, not a reference
+        self.root_ref = None if own else weakref.ref(root)
         self.failed = failed  # it raised part-way, after this region started to reuse its buffers
 
     @property
@@ -84,7 +86,8 @@ class FreedBy:
         return f"`{self._root_name}`{which} (created at {self.root_created_at})"
 
     def started_from(self, region) -> bool:
-        return self.root_ref() is region
+        ref = self.root_ref
+        return region.freed_by is self if ref is None else ref() is region
 
 
 def location_text(where) -> str:
@@ -124,7 +127,7 @@ class Region:
         self._saved: dict[int, np.ndarray] = dict(enumerate(saved)) if saved else {}
         self.freed_by: FreedBy | None = None
         self.backward_calls = 0
-        self.lock = threading.RLock()  # held by the backward() running through this region
+        self.lock = _RLock()  # held by the backward() running through this region
         memory.track(self)
 
     @property
@@ -242,9 +245,10 @@ class Region:
 
     ready = False  # whether take_gradients() has them (a JointRegion's, until backward)
 
-    def take_gradients(self) -> list | None:
-        """(leaf, gradient) pairs its forward computed, for backward() from the default seed
-        when every input is a leaf (runtime/joint_step.py); a plain region has none."""
+    def take_gradients(self, loc, index: int) -> tuple[list, list] | None:
+        """(leaves, gradients) its forward computed, for backward() at loc from the default
+        seed of output index when every input is a leaf, the region then freed by it
+        (runtime/joint_step.py); a plain region has none."""
         return None
 
     def mark_freed(self, by: FreedBy) -> None:

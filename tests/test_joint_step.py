@@ -101,6 +101,28 @@ def test_a_second_backward_says_freed_as_the_two_plans_do():
     assert str(joint.value).split(" at ")[0] == str(split.value).split(" at ")[0]
 
 
+def _second_backward_message(out) -> str:
+    out.backward()
+    with pytest.raises(bp.GraphFreedError) as caught:
+        out.backward()
+    return str(caught.value)
+
+
+def test_the_freed_message_of_a_joint_call_is_the_two_plans_one_word_for_word():
+    """The joint call's backward() marks its region freed itself (FreedBy without a reference
+    to the root it is held by): the message still names both lines and says 'the same graph'."""
+    trained, p = bp.compile(loss), params()
+    learned(trained, p).backward()  # a joint call backward()ed: the next is joint too
+    messages = []
+    for step in (trained, bp.compile(loss)):  # the joint plan, then a first call: two plans
+        bp.zero_grad(p)
+        out = step(p, X)
+        messages.append(_second_backward_message(out))
+        assert isinstance(out.grad_fn, JointRegion) == (step is trained)
+    assert messages[0] == messages[1]
+    assert "same graph" in messages[0] and messages[0].count("test_joint_step.py:") >= 4
+
+
 def test_an_evaluation_call_between_training_steps_sends_the_next_to_two_plans():
     step, p = bp.compile(loss), params()
     learned(step, p)  # an evaluation call: its gradients are never read

@@ -7,6 +7,7 @@ import numpy as np
 
 import backplan as bp
 from backplan.runtime import memory
+from tests.helpers import run_in_threads
 
 
 def test_live_regions_lists_the_living_and_the_table_stays_bounded():
@@ -30,3 +31,28 @@ def test_live_regions_lists_the_living_and_the_table_stays_bounded():
     assert len(ours()) == 3
     del kept, regions
     assert ours() == []
+
+
+def test_regions_made_on_two_threads_while_the_table_is_swept_are_all_listed():
+    """track appends without a lock while a sweep may replace the entries it read: a region
+    one thread makes during the other's sweep must stay listed."""
+    f = bp.compile(lambda w, x: (w * x).sum())
+    w = bp.tensor(np.ones(3, np.float32), requires_grad=True)
+    x = np.arange(3, dtype=np.float32)
+    kept: dict = {0: [], 1: []}
+    errors = []
+
+    def worker(key):
+        try:
+            for i in range(2 * memory._sweep_at + 500):  # several sweeps on the way
+                out = f(w, x)
+                if i % 50 == 0:
+                    kept[key].append(out)
+        except Exception as exc:  # a failure in a thread must fail the test
+            errors.append(exc)
+
+    run_in_threads(worker, [0, 1])
+    assert not errors
+    regions = {id(r) for r in memory.live_regions()}
+    outs = kept[0] + kept[1]
+    assert len(outs) > 2 * 20 and all(id(out.grad_fn) in regions for out in outs)

@@ -61,11 +61,14 @@ class TracedFunction:
     float_checks: tuple = ()  # (input, argument, check) of traced floats: float_checks.py
     rebuild_outputs: Callable = field(init=False, repr=False)  # out_treedef's unflattener
     grad_inputs: tuple[int, ...] = field(init=False, repr=False)  # inputs a gradient flows to
+    every_input_grad: bool = field(init=False, repr=False)  # grad_inputs is every input
     one_output: bool = field(init=False, repr=False)  # returns output 0 as it is (a loss)
 
     def __post_init__(self):
         self.rebuild_outputs = unflattener(self.out_treedef)
-        self.grad_inputs = tuple(i for i, w in enumerate(self.program.plans.wrt) if w)
+        wrt = self.program.plans.wrt
+        self.grad_inputs = tuple(i for i, w in enumerate(wrt) if w)
+        self.every_input_grad = len(self.grad_inputs) == len(wrt)
         self.one_output = self.out_treedef.kind == "leaf" and self.out_slots == [("tensor", 0)]
 
     def runners(self) -> list:
@@ -104,9 +107,9 @@ def run_traced(traced: TracedFunction, call, record: bool = True):
 
 
 def run_tensors(traced: TracedFunction, tensors: list, record: bool = True, skip: int = 0):
-    """run_traced on the graph inputs. skip: how many frames, this one first, lie below
-    PlannedFunction.__call__ by construction (the fast path's fixed chain of calls); the user
-    line's walk passes over them."""
+    """run_traced on the graph inputs. skip: how many frames, this one first, are backplan's
+    own by construction (the fast path's fixed chain of calls, PlannedFunction.__call__ or a
+    wrapper of the runner last); the user line's walk passes over them."""
     if traced.float_checks:
         run_float_checks(traced.float_checks, tensors, traced.program.name)
     if traced.captured:
@@ -115,7 +118,7 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True, skip
     grad_inputs = traced.grad_inputs
     edges = loc = None
     if record and grad_inputs:
-        edges = edges_of([tensors[i] for i in grad_inputs])
+        edges = edges_of(tensors if traced.every_input_grad else [tensors[i] for i in grad_inputs])
     if edges is not None or traced.donated:
         loc = user_frame_loc(skip)  # the region's and the donation's line; text made on demand
     donate = ()
@@ -255,9 +258,11 @@ class CompiledFunction(PlannedFunction):
         def run(leaves):
             if captured and not self._still_valid(traced):
                 return STALE
-            if as_given:  # only PlannedFunction.__call__ calls this: run_tensors, run below it
-                return run_tensors(traced, leaves, skip=2)
-            return run_tensors(traced, [input_tensor(leaves[i], copy) for i, copy in slots], skip=2)
+            # only PlannedFunction.__call__ calls this (itself, or through _switching): the
+            # user line's walk passes over run_tensors, run and the frame that called run
+            if as_given:
+                return run_tensors(traced, leaves, skip=3)
+            return run_tensors(traced, [input_tensor(leaves[i], copy) for i, copy in slots], skip=3)
 
         return run
 

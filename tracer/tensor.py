@@ -298,6 +298,17 @@ class Tensor(TensorMethods):
             return
         self._accumulate_grad(array)
 
+    @staticmethod
+    def _add_plan_grads(leaves: list, arrays: list) -> None:
+        """_add_plan_grad for each leaf (a compiled step's parameters, once a step): a first
+        gradient in the plan's own array, the common case, wrapped here without a call each."""
+        for leaf, array in zip(leaves, arrays, strict=True):
+            if leaf.grad is None and leaf._data is not None:
+                if array.base is None or not array.flags.writeable:
+                    leaf.grad = _fresh(array)
+                    continue
+            leaf._add_plan_grad(array)
+
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
         """Run the backward plans from this tensor and add gradients into leaf .grad.
         Without retain_graph, every region reached frees its saved buffers as it goes."""
