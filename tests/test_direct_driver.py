@@ -16,7 +16,7 @@ import pytest
 from helpers import only_plan, result_arrays, script_facts
 
 import backplan as bp
-from backplan.codegen.build import direct_driver, driver_builder
+from backplan.codegen.build import direct_driver, driver_builder, driver_numbers
 from backplan.runtime.backend import use_backend
 
 
@@ -279,28 +279,123 @@ def test_calls_from_threads_while_it_builds_are_right(direct, monkeypatch):
                 np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
 
 
-def test_a_size_generic_driver_runs_direct_at_every_batch_size(direct, monkeypatch):
-    """A symbolic plan's driver reads its sizes from lit_i / lit_f: each size's direct driver
-    has that size's numbers written in, from its second call; values as the reference
-    interpreter's at each size, no background build."""
+def _counting_builds(monkeypatch) -> list:
+    """The names of the direct drivers compiled from here on (not those loaded)."""
+    built: list = []
+    compile_driver = direct_driver.compile_driver
+
+    def counting(calls, arrays, name):
+        built.append(name)
+        return compile_driver(calls, arrays, name)
+
+    monkeypatch.setattr(direct_driver, "compile_driver", counting)
+    return built
+
+
+def _conv_batch(n: int):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, 1, 7, 5)).astype(np.float32)
+    x[n // 2, 0, 3, :3] = [np.inf, -np.inf, np.nan]
+    return conv_arguments()[:2] + (bp.tensor(x),)
+
+
+def _classifier_batch(n: int):
+    rng = np.random.default_rng(n)
+    labels = rng.integers(0, 5, n)
+    x = rng.standard_normal((n, 13)).astype(np.float32)
+    x[n - 1, :2] = [1e30, -1e30]
+    return classifier_arguments()[:3] + (bp.tensor(x), bp.tensor(labels))
+
+
+@pytest.mark.parametrize(
+    "loss, batch, axes",
+    [
+        (conv_loss, _conv_batch, {"x": {0: "batch"}}),
+        (classifier, _classifier_batch, {"x": {0: "batch"}, "labels": {0: "batch"}}),
+    ],
+    ids=["conv", "classifier"],
+)
+def test_one_direct_driver_serves_every_batch_size_after_the_first(
+    direct, monkeypatch, loss, batch, axes
+):
+    """A symbolic plan's driver reads its sizes from lit_i / lit_f. The first size's direct
+    driver has its numbers written in; from the second size on, the direct driver reads every
+    number (literals and argument sizes) when it runs: built once, in the second size's second
+    call, then run by every new size from its first call, with no build. Values as the
+    reference interpreter's at each size (inf, nan and huge inputs included), one trace, no
+    background build; the first size keeps its own driver when it comes back."""
     _worth_building(monkeypatch)
-    step = bp.value_and_grad(bp.compile(conv_loss, dynamic={"x": {0: "batch"}}))
-    w, k, x = conv_arguments()
-    rng = np.random.default_rng(2)
+    built = _counting_builds(monkeypatch)
+    step = bp.value_and_grad(bp.compile(loss, dynamic=axes))
     with use_backend("numba"):
-        for n in (5, 8, 3, 5):
-            batch = x if n == 5 else bp.tensor(rng.standard_normal((n, 1, 7, 5)).astype(np.float32))
-            first = result_arrays(step(w, k, batch))
-            second = result_arrays(step(w, k, batch))
-            plan = only_plan(step, (w, k, batch))
-            assert plan.driver_tier == "direct", plan.direct_error
+        for n, builds, first_tier in (
+            (5, 1, "python"),
+            (8, 2, "python"),
+            (3, 2, "direct"),
+            (11, 2, "direct"),
+            (5, 2, "direct"),
+        ):
+            arguments = batch(n)
+            first = result_arrays(step(*arguments))
+            plan = only_plan(step, arguments)
+            assert plan.driver_tier == first_tier, (n, plan.direct_error)
+            second = result_arrays(step(*arguments))
+            assert plan.driver_tier == "direct", (n, plan.direct_error)
+            assert len(built) == builds, (n, built)
             with use_backend("reference"):
-                expected = result_arrays(bp.value_and_grad(conv_loss)(w, k, batch))
+                expected = result_arrays(bp.value_and_grad(loss)(*arguments))
             for got in (first, second):
                 for y, want in zip(got, expected, strict=True):
                     np.testing.assert_allclose(y, want, rtol=2e-5, atol=1e-6)
     assert step.cache_info().traces == 1
     assert direct == []  # no background build of the compiled driver
+
+
+def test_a_driver_for_every_size_checks_its_views_when_it_runs(direct):
+    """Views whose bounds are read when the driver runs are checked then: a slice past its
+    array or a reshape of another count makes the call run as Python (which clips the slice,
+    or raises the reshape's error); in bounds, the native code computes it."""
+    import numba
+
+    @numba.njit
+    def total(a, out):
+        out[0] = a.sum()
+
+    source = textwrap.dedent(
+        """
+        def run(v0, out, lit_i):
+            total(v0[lit_i[0]:lit_i[1]].reshape((lit_i[2], -1)), out)
+        """
+    )
+    scope = {"total": total}
+    exec(compile(source, "<driver>", "exec"), scope)
+    ran_as_python = []
+
+    def python_run(*args):
+        ran_as_python.append(args[2].tolist())
+        return scope["run"](*args)
+
+    def arguments(length, lits):
+        return [np.arange(float(length)), np.zeros(1), np.array(lits, dtype=np.intp)]
+
+    made = arguments(10, [2, 8, 3])
+    described = direct_driver.described(made, 1)
+    places = driver_numbers.every_place(described)
+    driver, why = direct_driver.build(source, scope, described, python_run, places)
+    assert driver is not None, why
+    for length, lits, expected in ((10, [2, 8, 3], 27.0), (20, [4, 16, 4], 114.0)):
+        call = arguments(length, lits)
+        driver(*call)
+        assert call[1][0] == expected and ran_as_python == []
+    past_the_end = arguments(20, [4, 30, 4])
+    driver(*past_the_end)
+    assert past_the_end[1][0] == sum(range(4, 20)) and ran_as_python == [[4, 30, 4]]
+    with pytest.raises(ValueError, match="reshape"):
+        driver(*arguments(20, [0, 10, 3]))
+    assert ran_as_python[-1] == [0, 10, 3]
+    # named by no value: another size's arguments find the same driver
+    other = direct_driver.described(arguments(30, [1, 2, 1]), 1)
+    assert direct_driver.cached(source, other, python_run, places) is not None
 
 
 def test_a_driver_it_does_not_read_keeps_the_background_build(direct, monkeypatch):

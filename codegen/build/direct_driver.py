@@ -35,12 +35,25 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from backplan.codegen.build import loop_calls, native_calls
+from backplan.codegen.build.driver_numbers import (
+    ARRAY_DIMENSIONS_AT,
+    Check,
+    Emitter,
+    Runtime,
+    combined,
+    is_runtime,
+    negative,
+    product,
+)
+from backplan.codegen.build.driver_numbers import key as places_key
+from backplan.codegen.build.driver_numbers import value as at_size
 
 
 class Unsupported(Exception):
@@ -49,7 +62,8 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class View:
-    """A C-contiguous view of driver argument `argument`'s buffer: `offset` elements in."""
+    """A C-contiguous view of driver argument `argument`'s buffer: `offset` elements in (the
+    offset and sizes: numbers, or Runtime numbers a driver for every size reads)."""
 
     argument: int
     offset: int
@@ -68,12 +82,14 @@ class Scalar:
 @dataclass
 class Call:
     """One call of the driver: `callee` an AddressCall (a loop) or a library dispatcher;
-    `checked`: its result must be -1 (a label or index check) or the call fails."""
+    `checked`: its result must be -1 (a label or index check) or the call fails; `checks`:
+    bounds of its views the driver checks before calling (driver_numbers.Check)."""
 
     callee: object
     arguments: list
     checked: bool
     line: int
+    checks: list = field(default_factory=list)
 
 
 _NUMPY_SCALARS = {
@@ -105,10 +121,13 @@ def described(arrays: list, literals: int = 0) -> list[Argument]:
     ]
 
 
-def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
+def plan(
+    source: str, scope: dict, arrays: list[Argument], places: frozenset = frozenset()
+) -> list[Call]:
     """The calls of the generated module's `run`, in order, for a call with these arguments.
     scope: the module's namespace (loops as their Python-run AddressCall, library functions
-    as their dispatchers)."""
+    as their dispatchers). places: the literals and argument sizes read when the driver runs
+    (driver_numbers.every_place); every other number is this call's."""
     tree = ast.parse(source)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     run = functions.get("run")
@@ -117,9 +136,9 @@ def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
     names = [a.arg for a in run.args.args]
     if len(names) != len(arrays) or run.args.vararg or run.args.kwonlyargs:
         raise Unsupported("run's parameters are not the call's arrays")
-    reader = _Reader(scope, functions, arrays)
+    reader = _Reader(scope, functions, arrays, places)
     reader.local = {
-        name: View(i, 0, a.shape, a.read_only)
+        name: View(i, 0, _sizes(i, a.shape, places), a.read_only)
         for i, (name, a) in enumerate(zip(names, arrays, strict=True))
     }
     reader.body(run.body)
@@ -128,10 +147,21 @@ def plan(source: str, scope: dict, arrays: list[Argument]) -> list[Call]:
     return reader.calls
 
 
+def _sizes(argument: int, shape: tuple, places: frozenset) -> tuple:
+    return tuple(
+        Runtime("dim", (argument, axis), size) if ("dim", argument, axis) in places else size
+        for axis, size in enumerate(shape)
+    )
+
+
 class _Reader:
-    def __init__(self, scope: dict, functions: dict, arrays: list[Argument] = ()):
+    def __init__(
+        self, scope: dict, functions: dict, arrays: list[Argument] = (), places=frozenset()
+    ):
         self.scope = scope
         self.arrays = arrays  # the call's arguments (lit_i / lit_f with their values)
+        self.places = places  # what is read when the driver runs (every_place)
+        self.checks: list = []  # bounds to check before the next call
         self.functions = functions  # a split driver's parts (codegen/render/driver_split.py)
         self.local: dict = {}
         self.calls: list[Call] = []
@@ -162,6 +192,8 @@ class _Reader:
                 raise Unsupported(f"line {node.lineno}: assignment to {ast.unparse(target)}")
             if target.id == "bad" and isinstance(node.value, ast.Call):
                 call = self.call(node.value, checked=_is_label_check(following))
+                if call.checked:
+                    self.minus_one(following, call)
                 self.calls.append(call)
                 self.local["bad"] = call  # a split driver checks it in its next part
                 return call.checked
@@ -171,6 +203,7 @@ class _Reader:
             self.local[target.id] = value
         elif _is_label_check(node) and isinstance(self.local.get("bad"), Call):
             self.local["bad"].checked = True
+            self.minus_one(node, self.local["bad"])
         elif (
             isinstance(node, ast.Return)
             and isinstance(node.value, ast.Call)
@@ -183,6 +216,15 @@ class _Reader:
         elif not isinstance(node, (ast.Pass, ast.Return)):
             raise Unsupported(f"line {node.lineno}: {type(node).__name__} statement")
         return False
+
+    def minus_one(self, check: ast.If, call: Call) -> None:
+        """A label check compares with -1, written `-lit_i[k]` in a size-generic driver: the
+        code compares with -1, so where k is read when it runs, the call checks it is 1."""
+        number = self.value(check.test.comparators[0])
+        if not isinstance(number, Scalar) or at_size(number.value) != -1:
+            raise Unsupported(f"line {check.lineno}: {ast.unparse(check.test)}")
+        if is_runtime(number.value):
+            call.checks += [Check(number.value, -1), Check(-1, number.value)]
 
     def part(self, node: ast.Call, targets: list) -> bool:
         """Read a call of a split driver's part in place (its parameters bound to the values
@@ -218,7 +260,9 @@ class _Reader:
             callee = kernel_cache.python_call(callee)
         if not (hasattr(callee, "_kinds") or hasattr(callee, "overloads")):
             raise Unsupported(f"line {node.lineno}: {node.func.id} is not a compiled function")
-        return Call(callee, [self.value(a) for a in node.args], checked, node.lineno)
+        arguments = [self.value(a) for a in node.args]
+        checks, self.checks = self.checks, []
+        return Call(callee, arguments, checked, node.lineno, checks)
 
     def value(self, node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (bool, int, float)):
@@ -226,7 +270,7 @@ class _Reader:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             inner = self.value(node.operand)
             if isinstance(inner, Scalar) and inner.kind != "boolean":
-                return Scalar(inner.kind, -inner.value)
+                return Scalar(inner.kind, negative(inner.value))
         if isinstance(node, ast.Name) and node.id in self.local:
             return self.local[node.id]
         if isinstance(node, ast.Call):
@@ -250,7 +294,10 @@ class _Reader:
         ):
             inner = self.value(node.args[0])
             if isinstance(inner, Scalar):
-                return Scalar(_NUMPY_SCALARS[func.attr], _cast(func.attr, inner.value))
+                kind = _NUMPY_SCALARS[func.attr]
+                if is_runtime(inner.value):  # cast where it is read (Emitter.typed)
+                    return Scalar(kind, inner.value)
+                return Scalar(kind, _cast(func.attr, inner.value))
         if isinstance(func, ast.Name) and func.id == "as_read_only" and len(node.args) == 1:
             view = self.value(node.args[0])
             if isinstance(view, View):
@@ -268,13 +315,21 @@ class _Reader:
         sizes = [self.value(a) for a in args]
         if not all(isinstance(s, Scalar) and s.kind != "boolean" for s in sizes):
             raise Unsupported(f"line {node.lineno}: reshape to {ast.unparse(node)}")
-        shape = [int(s.value) for s in sizes]
-        count = int(np.prod(view.shape))
-        if shape.count(-1) == 1:
-            known = int(np.prod([s for s in shape if s != -1]))
-            shape[shape.index(-1)] = count // known if known else 0
-        if int(np.prod(shape)) != count:
+        if any(s.value.floating for s in sizes if is_runtime(s.value)):
+            raise Unsupported(f"line {node.lineno}: reshape to {ast.unparse(node)}")
+        shape = [s.value if is_runtime(s.value) else int(s.value) for s in sizes]
+        count = product(view.shape)
+        inferred = [i for i, s in enumerate(shape) if at_size(s) == -1]
+        if len(inferred) == 1:
+            if is_runtime(shape[inferred[0]]):  # -1 at this size: check it is at every size
+                self.checks += [Check(shape[inferred[0]], -1), Check(-1, shape[inferred[0]])]
+            known = product(s for i, s in enumerate(shape) if i != inferred[0])
+            shape[inferred[0]] = combined("div", count, known)
+        if at_size(product(shape)) != at_size(count):
             raise Unsupported(f"line {node.lineno}: reshape of {view.shape} to {shape}")
+        if is_runtime(count) or any(is_runtime(s) for s in shape):
+            total = product(shape)
+            self.checks += [Check(total, count), Check(count, total)]
         return View(view.argument, view.offset, tuple(shape), view.read_only)
 
     def literal(self, view, index, node) -> Scalar:
@@ -284,8 +339,12 @@ class _Reader:
             raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
         if not 0 <= index < len(values):
             raise Unsupported(f"line {node.lineno}: {ast.unparse(node)} of {len(values)}")
-        value = values[index]
-        return Scalar("float64", float(value)) if isinstance(value, float) else _constant(value)
+        number = values[index]
+        if ("lit", view.argument, index) in self.places:
+            floating = isinstance(number, float)
+            read = Runtime("lit", (view.argument, index), number, floating)
+            return Scalar("float64" if floating else "int64", read)
+        return Scalar("float64", float(number)) if isinstance(number, float) else _constant(number)
 
     def sliced(self, view, piece: ast.Slice, node) -> View:
         if not isinstance(view, View) or len(view.shape) != 1 or piece.step is not None:
@@ -296,10 +355,15 @@ class _Reader:
         )
         if not (isinstance(low, Scalar) and isinstance(high, Scalar)):
             raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
-        low_at, high_at = int(low.value), int(high.value)
-        if not 0 <= low_at <= high_at <= view.shape[0]:
+        if any(is_runtime(s.value) and s.value.floating for s in (low, high)):
+            raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+        low_at, high_at = (s.value if is_runtime(s.value) else int(s.value) for s in (low, high))
+        if not 0 <= at_size(low_at) <= at_size(high_at) <= at_size(view.shape[0]):
             raise Unsupported(f"line {node.lineno}: slice {low_at}:{high_at} of {view.shape}")
-        return View(view.argument, view.offset + low_at, (high_at - low_at,), view.read_only)
+        if any(map(is_runtime, (low_at, high_at, view.shape[0]))):  # in bounds at every size
+            self.checks += [Check(0, low_at), Check(low_at, high_at), Check(high_at, view.shape[0])]
+        offset = combined("add", view.offset, low_at)
+        return View(view.argument, offset, (combined("sub", high_at, low_at),), view.read_only)
 
 
 def _constant(value) -> Scalar:
@@ -319,7 +383,8 @@ def _is_none(node) -> bool:
 
 
 def _is_label_check(node) -> bool:
-    """`if bad != -1: raise ...`: what the driver writes after a call returning a bad label."""
+    """`if bad != -1: raise ...`: what the driver writes after a call returning a bad label
+    (`-lit_i[k]` for the -1 in a size-generic driver, codegen/render/lift.py)."""
     if not isinstance(node, ast.If) or node.orelse:
         return False
     test = node.test
@@ -329,7 +394,7 @@ def _is_label_check(node) -> bool:
         and test.left.id == "bad"
         and len(test.ops) == 1
         and isinstance(test.ops[0], ast.NotEq)
-        and ast.unparse(test.comparators[0]) == "-1"
+        and re.fullmatch(r"-(1|lit_i\[\d+\])", ast.unparse(test.comparators[0])) is not None
         and all(isinstance(s, ast.Raise) for s in node.body)
     )
 
@@ -370,9 +435,12 @@ def _targets(calls: list[Call], arrays: list[Argument], linked: list) -> list[_T
             for value, kind in zip(call.arguments, kinds, strict=True):
                 if (kind == types.voidptr) != isinstance(value, View):
                     raise Unsupported(f"line {call.line}: a loop argument of the wrong kind")
-            sizes = {i: int(call.arguments[i].value) for i in call.callee._sizes}
+            sizes = {i: call.arguments[i].value for i in call.callee._sizes}
             compiled = None
-            if direct_loops.worth_specialising(list(sizes.values())):
+            if any(map(is_runtime, sizes.values())):
+                pass  # sizes read when it runs: the loop's own compiled form
+            elif direct_loops.worth_specialising([int(n) for n in sizes.values()]):
+                sizes = {i: int(n) for i, n in sizes.items()}
                 compiled = direct_loops.specialised(call.callee, sizes)  # None: no source
             if compiled is not None:
                 linked.append(compiled.library)
@@ -414,9 +482,10 @@ def _existing(dispatcher, given: tuple):
     return None
 
 
-def _emit(context, builder, data, calls, targets) -> object:
+def _emit(context, builder, data, calls, targets, items) -> object:
     """The calls, in order; the value: -1, or the number of the first call that failed.
-    data: each driver argument's first element, as a pointer of its item type. Each call is
+    data: each driver argument's first element, as a pointer of its item type; items: each
+    argument's object (an i8 pointer: its sizes read when it runs). Each call is
     written as Numba calls a compiled function (a result slot, the exception slot, each
     argument as its flattened machine values), with one result slot per type and one exception
     slot for all: a driver of a few hundred calls is a few thousand instructions to write."""
@@ -430,7 +499,16 @@ def _emit(context, builder, data, calls, targets) -> object:
     exception = cgutils.alloca_once(builder, ir.PointerType(excinfo_t), name="excinfo")
     results: dict = {}
     done = builder.append_basic_block("driver_done")
+    numbers = Emitter(context, builder, items, data)
     for number, (call, target) in enumerate(zip(calls, targets, strict=True)):
+        if call.checks:  # views' bounds at this size: a call out of them runs as Python
+            inside = builder.append_basic_block(f"checked_{number}")
+            outside = builder.append_basic_block(f"unchecked_{number}")
+            builder.cbranch(numbers.holds(call.checks), inside, outside)
+            builder.position_at_end(outside)
+            builder.store(intp(number), failed)
+            builder.branch(done)
+            builder.position_at_end(inside)
         function_type = context.call_conv.get_function_type(target.return_type, target.arguments)
         function = cgutils.get_or_insert_function(builder.module, function_type, target.symbol)
         result_type = function_type.args[0].pointee
@@ -439,7 +517,7 @@ def _emit(context, builder, data, calls, targets) -> object:
         result = results[str(result_type)]
         passed = [result, exception]
         for value, wanted in zip(call.arguments, target.arguments, strict=False):
-            passed += _machine_values(context, builder, value, wanted, data)
+            passed += _machine_values(context, builder, value, wanted, data, numbers)
         for omitted in target.arguments[len(call.arguments) :]:
             constant = context.get_constant_generic(builder, omitted, omitted.value)
             passed += context.get_arg_packer([omitted]).as_arguments(builder, [constant])
@@ -466,17 +544,18 @@ def _emit(context, builder, data, calls, targets) -> object:
     return builder.load(failed)
 
 
-def _machine_values(context, builder, value, wanted, data) -> list:
+def _machine_values(context, builder, value, wanted, data, numbers: Emitter) -> list:
     """The machine values a callee taking `wanted` receives for a view or a constant, as
     Numba's argument packing flattens them (an array: meminfo, parent, item count, item size,
-    data, shape, strides; all but the data pointer constants here)."""
+    data, shape, strides; all but the data pointer constants here, unless a size is read when
+    the driver runs)."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
 
     intp = context.get_value_type(types.intp)
     if isinstance(value, View):
-        pointer = builder.gep(data[value.argument], [intp(value.offset)])
+        pointer = builder.gep(data[value.argument], [numbers.integer(value.offset)])
         if wanted == types.voidptr:
             return [builder.bitcast(pointer, cgutils.voidptr_t)]
         if not isinstance(wanted, types.Array) or wanted.ndim != len(value.shape):
@@ -486,16 +565,17 @@ def _machine_values(context, builder, value, wanted, data) -> list:
             raise Unsupported(f"{wanted} is not laid out as an array")
         fields = context.get_value_type(wanted).elements
         itemsize = context.get_abi_sizeof(context.get_data_type(wanted.dtype))
-        count = int(np.prod(value.shape, dtype=np.int64))
         return [
             ir.Constant(fields[0], None),
             ir.Constant(fields[1], None),
-            intp(count),
+            numbers.integer(product(value.shape)),
             intp(itemsize),
             builder.bitcast(pointer, fields[4]),
-            *[intp(s) for s in value.shape],
-            *[intp(s) for s in _c_strides(value.shape, itemsize)],
+            *[numbers.integer(s) for s in value.shape],
+            *[numbers.integer(s) for s in _c_strides(value.shape, itemsize)],
         ]
+    if is_runtime(value.value):
+        return [numbers.typed(value.value, value.kind, wanted)]
     if isinstance(wanted, types.Boolean):
         argument_type = context.data_model_manager[wanted].get_argument_type()
         return [ir.Constant(argument_type, int(value.value))]
@@ -507,11 +587,14 @@ def _machine_values(context, builder, value, wanted, data) -> list:
 _ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
 
 
-def _c_strides(shape: tuple, itemsize: int) -> list[int]:
+def _c_strides(shape: tuple, itemsize: int) -> list:
+    """Each axis's stride in bytes (numbers, or Runtime ones where a size is)."""
     strides, step = [], itemsize
     for size in reversed(shape):
         strides.append(step)
-        step *= max(size, 1)
+        # max(size, 1): a size read when it runs is at least 1 where it is at this size (an
+        # empty batch is a size of its own: sizes 0 and 1 are never the symbol)
+        step = combined("mul", step, size if is_runtime(size) or size > 1 else 1)
     return strides[::-1]
 
 
@@ -525,11 +608,13 @@ ARRAY_DATA_AT = 16
 def _check_layout() -> None:
     import ctypes
 
-    held = (np.zeros(3), np.zeros((2, 2), np.float32)[1:])
+    held = (np.zeros(3), np.zeros((2, 5), np.float32)[1:])
     for i, array in enumerate(held):
         item = ctypes.c_void_p.from_address(id(held) + TUPLE_ITEMS_AT + 8 * i).value
         data = ctypes.c_void_p.from_address(id(array) + ARRAY_DATA_AT).value
-        if item != id(array) or (data or 0) != (array.ctypes.data or 0):
+        dims = ctypes.c_void_p.from_address(id(array) + ARRAY_DIMENSIONS_AT).value
+        shape = tuple((ctypes.c_ssize_t * array.ndim).from_address(dims)) if dims else ()
+        if item != id(array) or (data or 0) != (array.ctypes.data or 0) or shape != array.shape:
             raise Unsupported("this interpreter's tuples or arrays are laid out differently")
 
 
@@ -565,14 +650,15 @@ def _compiled(calls: list[Call], arrays: list[Argument], name: str):
     function = ir.Function(module, ir.FunctionType(intp, [cgutils.voidptr_t]), name)
     builder = ir.IRBuilder(function.append_basic_block("entry"))
     items = builder.bitcast(function.args[0], cgutils.voidptr_t.as_pointer())
-    data = []
+    data, objects = [], []
     for i, array in enumerate(arrays):
         item = builder.load(builder.gep(items, [intp(TUPLE_ITEMS_AT // 8 + i)]))
+        objects.append(item)
         field = builder.gep(item, [intp(ARRAY_DATA_AT)])
         pointer = builder.load(builder.bitcast(field, cgutils.voidptr_t.as_pointer()))
         element = context.get_data_type(from_dtype(array.dtype))
         data.append(builder.bitcast(pointer, element.as_pointer()))
-    builder.ret(_emit(context, builder, data, calls, targets))
+    builder.ret(_emit(context, builder, data, calls, targets, objects))
     library.add_ir_module(module)
     library.finalize()
     return library
@@ -611,18 +697,20 @@ class DirectDriver:
         return self._python(*args)
 
 
-def build(source: str, scope: dict, arrays: list[Argument], python_run):
+def build(source: str, scope: dict, arrays: list[Argument], python_run, places=frozenset()):
     """(the DirectDriver of the module's `run` for calls with these arguments (`described`),
     None) or (None, why not: a statement it does not read, or what failed). Loaded from the
-    cache folder where an earlier process left it, else built and left there."""
+    cache folder where an earlier process left it, else built and left there. places: the
+    numbers it reads when it runs (driver_numbers.every_place: a driver for every size)."""
     try:
-        found = cached(source, arrays, python_run)
+        found = cached(source, arrays, python_run, places)
         if found is not None:
             return found, None
-        name = _name(source, arrays)
+        name = _name(source, arrays, places)
         with _made_lock:
             if name not in _made:
-                _made[name] = compile_driver(plan(source, scope, arrays), arrays, name)
+                calls = plan(source, scope, arrays, places)
+                _made[name] = compile_driver(calls, arrays, name)
                 _save(_made[name], name)
         return DirectDriver(_made[name], name, python_run, len(arrays), False), None
     except Unsupported as why:
@@ -631,11 +719,11 @@ def build(source: str, scope: dict, arrays: list[Argument], python_run):
         return None, f"{type(error).__name__}: {error}"
 
 
-def cached(source: str, arrays: list[Argument], python_run):
+def cached(source: str, arrays: list[Argument], python_run, places=frozenset()):
     """The DirectDriver for calls with these arguments made earlier in this process or loaded
     from the cache folder; None where there is none (a plan's first call then runs as Python)."""
     _check_layout()
-    name = _name(source, arrays)
+    name = _name(source, arrays, places)
     with _made_lock:
         if name not in _made:
             library = _load(name)
@@ -649,7 +737,7 @@ _made: dict = {}  # name -> code library, built or loaded in this process (each 
 _made_lock = threading.Lock()
 
 
-def _name(source: str, arrays: list[Argument]) -> str:
+def _name(source: str, arrays: list[Argument], places=frozenset()) -> str:
     """The driver's symbol, and its cache file's name: a digest of all its machine code
     depends on (the source names its loops by their source's digest; library functions are
     called by symbol, resolved when it loads)."""
@@ -657,8 +745,11 @@ def _name(source: str, arrays: list[Argument]) -> str:
 
     from backplan.codegen.build import cache, loop_batch
 
-    # read-only: the same code; a size-generic driver's numbers are written in as constants
-    described = repr([(a.shape, a.dtype.str, a.values) for a in arrays])
+    # read-only: the same code; a size-generic driver's numbers are written in as constants,
+    # but for the places it reads when it runs (then named without their values)
+    described = repr(
+        places_key(arrays, places) if places else [(a.shape, a.dtype.str, a.values) for a in arrays]
+    )
     text = "\n".join([source, described, loop_batch.environment(), cache.codegen_fingerprint()])
     return f"bp_direct_{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 

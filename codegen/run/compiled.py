@@ -19,6 +19,7 @@ from backplan.codegen.build import (
     cache_health,
     direct_driver,
     driver_builder,
+    driver_numbers,
     driver_tier,
     kernel_cache,
     loop_calls,
@@ -240,6 +241,7 @@ class CompiledPlan:
         self._build_lock = threading.Lock()
         self._direct = False  # whether the second call builds the direct driver
         self._direct_pending = None  # (its arguments, the plan's label) until it does
+        self._direct_places = frozenset()  # what it reads when it runs (_generic_places)
         self._direct_lock = threading.Lock()
         self.direct_error = None  # why the direct driver was not built, where it was not
         self.direct_seconds = None  # the direct driver's build, wall seconds
@@ -544,13 +546,30 @@ class CompiledPlan:
         except direct_driver.Unsupported as why:
             self.direct_error = str(why)
             return None
+        self._direct_places = self._generic_places(described)
         try:
-            driver = direct_driver.cached(self.source, described, self._python_run)
+            driver = direct_driver.cached(
+                self.source, described, self._python_run, self._direct_places
+            )
+            if driver is None and self._lifted and not self._direct_places:
+                every = driver_numbers.every_place(described)  # another process's, every size
+                driver = direct_driver.cached(self.source, described, self._python_run, every)
         except Exception:  # noqa: BLE001 - one it cannot load is built in the second call
             driver = None
         if driver is not None:
             self._use_direct(driver)
         return described
+
+    def _generic_places(self, described: list) -> frozenset:
+        """Where another size of this plan's symbolic plan ran in this process, every number
+        the direct driver reads when it runs (driver_numbers.every_place: one driver for every
+        size); none for the first size, whose direct driver has them written in."""
+        shared = self.plan.shared
+        if shared is None or not self._lifted:
+            return frozenset()
+        seen = shared.setdefault("direct_sizes", {}).setdefault(self.source, set())
+        seen.add(tuple(a.shape for a in described))
+        return driver_numbers.every_place(described) if len(seen) > 1 else frozenset()
 
     def _reference_call(self, args: list) -> list:
         """A call while kernels and driver build in the background: the reference interpreter
@@ -675,7 +694,7 @@ class CompiledPlan:
             start = time.perf_counter()
             scope = self._compiled_run.py_func.__globals__
             driver, self.direct_error = direct_driver.build(
-                self.source, scope, arguments, self._python_run
+                self.source, scope, arguments, self._python_run, self._direct_places
             )
             self.direct_seconds = time.perf_counter() - start
             if driver is None:
