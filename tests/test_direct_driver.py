@@ -178,7 +178,7 @@ def test_loops_with_axes_of_two_run_at_constant_sizes_with_the_python_run_driver
     monkeypatch.setattr(
         direct_loops,
         "specialised",
-        lambda call, sizes: specialised.append(sizes) or original(call, sizes),
+        lambda call, sizes, *rest: specialised.append(sizes) or original(call, sizes, *rest),
     )
     make = lambda c: bp.value_and_grad(c(pool_loss), argnums=(0, 1))  # noqa: E731
     results, plan, tiers = _three_calls(make, pool_arguments())
@@ -284,9 +284,9 @@ def _counting_builds(monkeypatch) -> list:
     built: list = []
     compile_driver = direct_driver.compile_driver
 
-    def counting(calls, arrays, name):
+    def counting(calls, arrays, name, *varying):
         built.append(name)
-        return compile_driver(calls, arrays, name)
+        return compile_driver(calls, arrays, name, *varying)
 
     monkeypatch.setattr(direct_driver, "compile_driver", counting)
     return built
@@ -299,6 +299,12 @@ def _conv_batch(n: int):
     return conv_arguments()[:2] + (bp.tensor(x),)
 
 
+def _pool_batch(n: int):
+    w, x = pool_arguments()
+    x = np.concatenate([x.numpy()] * 3)[: 4 * n]  # pool_arguments' ties and NaN; loops worth
+    return w, bp.tensor(np.ascontiguousarray(x))  # binding (12 to 44 rows of 4 x 8 x 8)
+
+
 def _classifier_batch(n: int):
     rng = np.random.default_rng(n)
     labels = rng.integers(0, 5, n)
@@ -308,24 +314,37 @@ def _classifier_batch(n: int):
 
 
 @pytest.mark.parametrize(
-    "loss, batch, axes",
+    "loss, batch, axes, bind_all",
     [
-        (conv_loss, _conv_batch, {"x": {0: "batch"}}),
-        (classifier, _classifier_batch, {"x": {0: "batch"}, "labels": {0: "batch"}}),
+        (conv_loss, _conv_batch, {"x": {0: "batch"}}, False),
+        (classifier, _classifier_batch, {"x": {0: "batch"}, "labels": {0: "batch"}}, False),
+        (pool_loss, _pool_batch, {"x": {0: "batch"}}, False),
+        (pool_loss, _pool_batch, {"x": {0: "batch"}}, True),
     ],
-    ids=["conv", "classifier"],
+    ids=["conv", "classifier", "pool", "pool_sizes_bound"],
 )
 def test_one_direct_driver_serves_every_batch_size_after_the_first(
-    direct, monkeypatch, loss, batch, axes
+    direct, monkeypatch, loss, batch, axes, bind_all
 ):
     """A symbolic plan's driver reads its sizes from lit_i / lit_f. The first size's direct
     driver has its numbers written in; from the second size on, the direct driver reads every
     number (literals and argument sizes) when it runs: built once, in the second size's second
     call, then run by every new size from its first call, with no build. Values as the
-    reference interpreter's at each size (inf, nan and huge inputs included), one trace, no
-    background build; the first size keeps its own driver when it comes back."""
+    reference interpreter's at each size (inf, nan, ties and huge inputs included), one trace,
+    no background build; the first size keeps its own driver when it comes back. Pooling loops
+    (axes of two) are bound at the sizes that did not change between the sizes seen, checked
+    when it runs; pool_sizes_bound binds every size (as if none had changed): at other sizes
+    the checks fail and the loops' own forms run, with the same values."""
+    from backplan.codegen.build import driver_numbers
+
     _worth_building(monkeypatch)
     built = _counting_builds(monkeypatch)
+    monkeypatch.setattr(direct_driver, "_made", {})  # none made by another case in this process
+    guarded = []
+    if bind_all:
+        monkeypatch.setattr(driver_numbers, "varying", lambda seen: frozenset())
+        either = direct_driver._either
+        monkeypatch.setattr(direct_driver, "_either", lambda *a: guarded.append(a[3]) or either(*a))
     step = bp.value_and_grad(bp.compile(loss, dynamic=axes))
     with use_backend("numba"):
         for n, builds, first_tier in (
@@ -346,9 +365,10 @@ def test_one_direct_driver_serves_every_batch_size_after_the_first(
                 expected = result_arrays(bp.value_and_grad(loss)(*arguments))
             for got in (first, second):
                 for y, want in zip(got, expected, strict=True):
-                    np.testing.assert_allclose(y, want, rtol=2e-5, atol=1e-6)
+                    np.testing.assert_allclose(y, want, rtol=2e-5, atol=1e-6, equal_nan=True)
     assert step.cache_info().traces == 1
     assert direct == []  # no background build of the compiled driver
+    assert bool(guarded) == bind_all  # pooling loops at bound sizes, their own forms beside
 
 
 def test_a_driver_for_every_size_checks_its_views_when_it_runs(direct):

@@ -408,12 +408,31 @@ class _Target:
     arguments: tuple
     return_type: object
     given: tuple
+    guard: tuple = ()  # where these checks fail (sizes read when it runs), `otherwise` is called
+    otherwise: str | None = None
 
 
-def _targets(calls: list[Call], arrays: list[Argument], linked: list) -> list[_Target]:
+def _equal(number, expected: int) -> tuple:
+    return (Check(number, expected), Check(expected, number))
+
+
+def _reads(number, places: frozenset) -> bool:
+    """Whether a number read when the driver runs reads one of `places`."""
+    if not is_runtime(number):
+        return False
+    if number.op in ("lit", "dim"):
+        return (number.op, *number.operands) in places
+    return any(_reads(operand, places) for operand in number.operands)
+
+
+def _targets(
+    calls: list[Call], arrays: list[Argument], linked: list, varying=frozenset()
+) -> list[_Target]:
     """Each call's callee compiled (or found) and published under its symbol, outside Numba's
     lowering of the driver; a loop with an axis of a few elements compiled at its sizes
-    instead (codegen/build/direct_loops.py), its code library added to `linked`."""
+    instead (codegen/build/direct_loops.py), its code library added to `linked` (a size read
+    when it runs is bound where it reads none of the `varying` places, and checked: at
+    another size the loop's own form runs)."""
     from numba import from_dtype, types
 
     from backplan.codegen.build import direct_loops
@@ -436,18 +455,24 @@ def _targets(calls: list[Call], arrays: list[Argument], linked: list) -> list[_T
                 if (kind == types.voidptr) != isinstance(value, View):
                     raise Unsupported(f"line {call.line}: a loop argument of the wrong kind")
             sizes = {i: call.arguments[i].value for i in call.callee._sizes}
+            at = {i: int(at_size(n)) for i, n in sizes.items()}
+            # sizes read when it runs that differed between the sizes seen stay parameters
+            bound = {i: at[i] for i, n in sizes.items() if not _reads(n, varying)}
             compiled = None
-            if any(map(is_runtime, sizes.values())):
-                pass  # sizes read when it runs: the loop's own compiled form
-            elif direct_loops.worth_specialising([int(n) for n in sizes.values()]):
-                sizes = {i: int(n) for i, n in sizes.items()}
-                compiled = direct_loops.specialised(call.callee, sizes)  # None: no source
-            if compiled is not None:
-                linked.append(compiled.library)
-                found.append(_Target(compiled.fndesc.llvm_func_name, kinds, types.none, given))
+            if bound and direct_loops.worth_specialising(list(at.values())):
+                unrolled = direct_loops.strides_lines(list(at.values()))
+                compiled = direct_loops.specialised(call.callee, bound, unrolled)  # None: no source
+            guard = tuple(c for i in bound if is_runtime(sizes[i]) for c in _equal(sizes[i], at[i]))
+            symbol = None
+            if compiled is None or guard:
+                symbol = loop_calls.publish(call.callee, loop_calls.driver_form(call.callee))
+            if compiled is None:
+                found.append(_Target(symbol, kinds, types.none, given))
                 continue
-            symbol = loop_calls.publish(call.callee, loop_calls.driver_form(call.callee))
-            found.append(_Target(symbol, kinds, types.none, given))
+            # at these sizes; where they are read when it runs, at other sizes the loop's own
+            linked.append(compiled.library)
+            specialised = compiled.fndesc.llvm_func_name
+            found.append(_Target(specialised, kinds, types.none, given, guard, symbol))
             continue
         compiled = _existing(call.callee, given) or native_calls.NativeCallee(
             call.callee
@@ -523,7 +548,11 @@ def _emit(context, builder, data, calls, targets, items) -> object:
             passed += context.get_arg_packer([omitted]).as_arguments(builder, [constant])
         if [v.type for v in passed] != list(function_type.args):
             raise Unsupported(f"line {call.line}: arguments other than the callee's")
-        code = builder.call(function, passed)
+        if target.guard:  # the loop at constant sizes where they hold, else its own form
+            other = cgutils.get_or_insert_function(builder.module, function_type, target.otherwise)
+            code = _either(builder, numbers.holds(target.guard), function, other, passed)
+        else:
+            code = builder.call(function, passed)
         bad = builder.and_(
             builder.icmp_signed("!=", code, RETCODE_OK),
             builder.icmp_signed("!=", code, RETCODE_NONE),
@@ -542,6 +571,24 @@ def _emit(context, builder, data, calls, targets, items) -> object:
     builder.branch(done)
     builder.position_at_end(done)
     return builder.load(failed)
+
+
+def _either(builder, condition, function, other, passed):
+    """The return code of function(*passed) where condition holds, else of other(*passed)."""
+    chosen = builder.append_basic_block("specialised")
+    general = builder.append_basic_block("general")
+    joined = builder.append_basic_block("joined")
+    builder.cbranch(condition, chosen, general)
+    codes = []
+    for block, callee in ((chosen, function), (general, other)):
+        builder.position_at_end(block)
+        codes.append((builder.call(callee, passed), builder.block))
+        builder.branch(joined)
+    builder.position_at_end(joined)
+    code = builder.phi(codes[0][0].type)
+    for value, block in codes:
+        code.add_incoming(value, block)
+    return code
 
 
 def _machine_values(context, builder, value, wanted, data, numbers: Emitter) -> list:
@@ -618,17 +665,18 @@ def _check_layout() -> None:
             raise Unsupported("this interpreter's tuples or arrays are laid out differently")
 
 
-def compile_driver(calls: list[Call], arrays: list[Argument], name: str):
+def compile_driver(calls: list[Call], arrays: list[Argument], name: str, varying=frozenset()):
     """Native code running the calls on a tuple of the driver's arguments (arrays of the types
     and shapes `arrays` describes), returning -1 or the number of the call that failed: the code
-    library holding it as the function `name`."""
+    library holding it as the function `name`. varying: the places read when it runs that
+    differed between the sizes seen (driver_numbers.varying), never bound as loop sizes."""
     from numba.core.compiler_lock import global_compiler_lock
 
     with global_compiler_lock:
-        return _compiled(calls, arrays, name)
+        return _compiled(calls, arrays, name, varying)
 
 
-def _compiled(calls: list[Call], arrays: list[Argument], name: str):
+def _compiled(calls: list[Call], arrays: list[Argument], name: str, varying: frozenset):
     from llvmlite import ir
     from numba import from_dtype, types
     from numba.core import cgutils
@@ -639,7 +687,7 @@ def _compiled(calls: list[Call], arrays: list[Argument], name: str):
     context = cpu_target.target_context
     context.refresh()  # its constants' registries: a process that only loaded from its cache
     linked: list = []
-    targets = _targets(calls, arrays, linked)
+    targets = _targets(calls, arrays, linked, varying)
     codegen = context.codegen()
     library = DriverLibrary(codegen, name)
     for code in dict.fromkeys(linked):
@@ -697,11 +745,19 @@ class DirectDriver:
         return self._python(*args)
 
 
-def build(source: str, scope: dict, arrays: list[Argument], python_run, places=frozenset()):
+def build(
+    source: str,
+    scope: dict,
+    arrays: list[Argument],
+    python_run,
+    places=frozenset(),
+    varying=frozenset(),
+):
     """(the DirectDriver of the module's `run` for calls with these arguments (`described`),
     None) or (None, why not: a statement it does not read, or what failed). Loaded from the
     cache folder where an earlier process left it, else built and left there. places: the
-    numbers it reads when it runs (driver_numbers.every_place: a driver for every size)."""
+    numbers it reads when it runs (driver_numbers.every_place: a driver for every size);
+    varying: those that differed between the sizes seen (compile_driver)."""
     try:
         found = cached(source, arrays, python_run, places)
         if found is not None:
@@ -710,7 +766,7 @@ def build(source: str, scope: dict, arrays: list[Argument], python_run, places=f
         with _made_lock:
             if name not in _made:
                 calls = plan(source, scope, arrays, places)
-                _made[name] = compile_driver(calls, arrays, name)
+                _made[name] = compile_driver(calls, arrays, name, varying)
                 _save(_made[name], name)
         return DirectDriver(_made[name], name, python_run, len(arrays), False), None
     except Unsupported as why:

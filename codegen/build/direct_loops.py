@@ -43,7 +43,7 @@ def worth_specialising(sizes: list[int]) -> bool:
     return bool(sizes) and sizes[-1] <= TINY_AXIS and math.prod(sizes) >= SMALL_LOOP_ELEMENTS
 
 
-def _strides_lines(sizes: list[int]) -> bool:
+def strides_lines(sizes: list[int]) -> bool:
     """Whether the outermost loop steps over 16 elements or more (a 64-byte line of float32):
     LLVM's loop vectoriser would vectorise it with gathers, a lane a line apart, slower than
     its unrolled scalar and SLP code (a 2x2 max pool over 8 x 8 images: 9 against 17 us; over
@@ -64,11 +64,13 @@ def _options(unrolled: bool) -> dict:
     return options
 
 
-def specialised(call, sizes: dict[int, int]):
+def specialised(call, sizes: dict[int, int], unrolled: bool | None = None):
     """Numba's compiled version of the loop `call` (an AddressCall) with the parameters at the
     positions of `sizes` bound to those values: the loop's own source with those parameters
     assigned at its top (one compile; the parameters stay, unused, so the driver passes the
-    same arguments); None where the loop's source cannot be read."""
+    same arguments); None where the loop's source cannot be read. unrolled: compiled without
+    the loop vectoriser (default: `strides_lines` of `sizes`, which must then be all of the
+    loop's sizes; a driver binding only some of them decides from all)."""
     import inspect
 
     from numba import njit
@@ -76,7 +78,9 @@ def specialised(call, sizes: dict[int, int]):
     from backplan.codegen.build import loop_batch
 
     loop = call.loop(False)
-    key = (loop, tuple(sorted(sizes.items())))
+    if unrolled is None:
+        unrolled = strides_lines(list(sizes.values()))
+    key = (loop, tuple(sorted(sizes.items())), unrolled)
     with _lock:
         if key in _compiled:
             return _compiled[key]
@@ -91,7 +95,6 @@ def specialised(call, sizes: dict[int, int]):
         source = "\n".join([lines[head], *bound, *lines[head + 1 :]]) + "\n"
         scope = dict(function.__globals__)
         exec(compile(source, f"<{function.__module__} at constant sizes>", "exec"), scope)
-        unrolled = _strides_lines(list(sizes.values()))
         compiled = njit(**_options(unrolled))(scope[function.__name__])
         signature = loop_batch.signature(loop)
         compiled.compile(signature)

@@ -72,6 +72,31 @@ def product(numbers) -> object:
     return total
 
 
+def varying(seen: list) -> frozenset:
+    """The places whose numbers differ between the argument lists `seen` (one per size, as
+    direct_driver.described gives them): a driver for every size binds none of them as a
+    loop's constant size (its other sizes are bound, and checked when it runs)."""
+    places: set = set()
+    if len({len(arguments) for arguments in seen}) != 1:
+        return frozenset()
+    for i, column in enumerate(zip(*seen, strict=True)):
+        first = column[0]
+        for other in column[1:]:
+            places.update(
+                ("dim", i, axis)
+                for axis, (m, n) in enumerate(zip(first.shape, other.shape, strict=False))
+                if m != n
+            )
+            places.update(
+                ("lit", i, k)
+                for k, (x, y) in enumerate(
+                    zip(first.values or (), other.values or (), strict=False)
+                )
+                if x != y
+            )
+    return frozenset(places)
+
+
 def every_place(arguments: list) -> frozenset:
     """Every literal and every argument size of a driver call (arguments as
     direct_driver.described gives them): a driver reading all of them when it runs is the same

@@ -54,6 +54,7 @@ BLAS_CALL = re.compile(
 )
 # Calls of the GEMM whose rows the caller shares with helper threads (gemm/team.py).
 SHARED_GEMM = re.compile(r"\bown_gemm_(?:at_)?par\(")
+SIZES_COMPARED = 8  # the sizes' driver arguments a symbolic plan keeps (_generic_places)
 
 
 def canonical_text(plan: Plan) -> str:
@@ -242,6 +243,7 @@ class CompiledPlan:
         self._direct = False  # whether the second call builds the direct driver
         self._direct_pending = None  # (its arguments, the plan's label) until it does
         self._direct_places = frozenset()  # what it reads when it runs (_generic_places)
+        self._direct_varying = frozenset()  # what differed between the sizes seen
         self._direct_lock = threading.Lock()
         self.direct_error = None  # why the direct driver was not built, where it was not
         self.direct_seconds = None  # the direct driver's build, wall seconds
@@ -567,9 +569,14 @@ class CompiledPlan:
         shared = self.plan.shared
         if shared is None or not self._lifted:
             return frozenset()
-        seen = shared.setdefault("direct_sizes", {}).setdefault(self.source, set())
-        seen.add(tuple(a.shape for a in described))
-        return driver_numbers.every_place(described) if len(seen) > 1 else frozenset()
+        seen = shared.setdefault("direct_sizes", {}).setdefault(self.source, [])
+        if described not in seen:
+            seen.append(described)
+            del seen[:-SIZES_COMPARED]
+        if len(seen) < 2:
+            return frozenset()
+        self._direct_varying = driver_numbers.varying(list(seen))
+        return driver_numbers.every_place(described)
 
     def _reference_call(self, args: list) -> list:
         """A call while kernels and driver build in the background: the reference interpreter
@@ -694,7 +701,12 @@ class CompiledPlan:
             start = time.perf_counter()
             scope = self._compiled_run.py_func.__globals__
             driver, self.direct_error = direct_driver.build(
-                self.source, scope, arguments, self._python_run, self._direct_places
+                self.source,
+                scope,
+                arguments,
+                self._python_run,
+                self._direct_places,
+                self._direct_varying,
             )
             self.direct_seconds = time.perf_counter() - start
             if driver is None:
