@@ -338,7 +338,11 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
         formulas.append(f"{what} = {_formula(values, at, symbol, getattr(report, attr), size)}")
     return (
         f"Dynamic axis {symbol}: one plan for every size, traced once at "
-        f"{symbol}={entry.first_size}, planned for sizes {sizes}; {'; '.join(formulas)}."
+        f"{symbol}={entry.first_size}, planned for sizes {sizes}; {'; '.join(formulas)}. "
+        "A new size compiles no kernel: the loops take their sizes as arguments, and a direct "
+        "driver (a plan's, from its second call) is made for the first size with its numbers "
+        "written in, and once more, at the second size, reading them when it runs, for every "
+        "later size."
         + _other_sizes_arenas(entry, report_of, size, report)
         + _loop_results(entry, report_of, size, report)
     )
