@@ -163,7 +163,9 @@ class JointRegion(Region):
             leaves = [edge.leaf for edge in leaves]
             if any(leaf is None for leaf in leaves):
                 return None
-        if len(set(map(id, leaves))) != len(leaves):  # a leaf passed twice: its gradients sum
+        # a leaf passed twice: its gradients sum. Tensors hash by identity (object.__hash__:
+        # equal hashes are one object, so == never runs): half the cost of a set of ids
+        if len({*leaves}) != len(leaves):
             by_leaf: dict = {}
             for leaf, grad in zip(leaves, grads, strict=True):
                 held = by_leaf.get(id(leaf))
