@@ -243,7 +243,6 @@ class CompiledPlan:
         self._direct = False  # whether the second call builds the direct driver
         self._direct_pending = None  # (its arguments, the plan's label) until it does
         self._direct_places = frozenset()  # what it reads when it runs (_generic_places)
-        self._direct_varying = frozenset()  # what differed between the sizes seen
         self._direct_lock = threading.Lock()
         self.direct_error = None  # why the direct driver was not built, where it was not
         self.direct_seconds = None  # the direct driver's build, wall seconds
@@ -573,10 +572,15 @@ class CompiledPlan:
         if described not in seen:
             seen.append(described)
             del seen[:-SIZES_COMPARED]
-        if len(seen) < 2:
+        return driver_numbers.every_place(described) if len(seen) > 1 else frozenset()
+
+    def _varying(self) -> frozenset:
+        """The places whose numbers differed between the sizes seen (driver_numbers.varying):
+        a driver for every size binds none of them as a loop's constant size."""
+        if not self._direct_places:
             return frozenset()
-        self._direct_varying = driver_numbers.varying(list(seen))
-        return driver_numbers.every_place(described)
+        seen = self.plan.shared["direct_sizes"][self.source]
+        return driver_numbers.varying(list(seen))
 
     def _reference_call(self, args: list) -> list:
         """A call while kernels and driver build in the background: the reference interpreter
@@ -706,7 +710,7 @@ class CompiledPlan:
                 arguments,
                 self._python_run,
                 self._direct_places,
-                self._direct_varying,
+                self._varying(),
             )
             self.direct_seconds = time.perf_counter() - start
             if driver is None:
