@@ -1,5 +1,6 @@
 """Accounting of the bytes all live graphs hold in saved buffers."""
 
+import sys
 import threading
 import weakref
 
@@ -50,3 +51,11 @@ def live_saved_bytes(yours: bool = False) -> int:
 
     totals = held_totals(live_regions())
     return totals.yours if yours else totals.allocated
+
+
+def output_reuse_check():
+    """codegen/run/workspace.py's kept_only_for_reuse (whether an array is alive only as an
+    output a compiled plan keeps to write its next call's output into), or None where no
+    compiled plan has run in this process (nothing is kept; the module is not imported)."""
+    workspace = sys.modules.get("backplan.codegen.run.workspace")
+    return None if workspace is None else workspace.kept_only_for_reuse

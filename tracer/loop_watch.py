@@ -4,9 +4,10 @@ caller's names hold them while it runs: `loss, grads = step(params, x)`, `new = 
 x)`), which of them it is passed as arguments (`params = step(params, x)`, `x = f(x)`: held
 once, among the arrays passed in) and which were let go. Each result is followed by its NumPy
 buffer (the base of any view of it, weakly referenced), so a `.numpy()` the caller kept counts
-as holding it. No guess from shapes or the graph: explain's loop peak before a second call
-assumes every result stays bound (report/loop_peak.py), an upper bound by the bytes passed
-back, and states it; after one, it prints what this loop holds
+as holding it; an output the plan keeps only to write the next call's output into it again
+(codegen/run/workspace.py) counts as let go. No guess from shapes or the graph: explain's loop
+peak before a second call assumes every result stays bound (report/loop_peak.py), an upper
+bound by the bytes passed back, and states it; after one, it prints what this loop holds
 (`report.observed_peak_bytes`).
 
 Each signature (and each thread: a loop is one thread's calls) is watched apart: a loop that
@@ -24,6 +25,8 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
+
+from backplan.runtime.memory import output_reuse_check
 
 from .pytree import leaves
 from .tensor import Tensor
@@ -92,12 +95,15 @@ WATCHED_CALLS = 64  # calls a signature's results wait for that signature's next
 def _stand(results: list, passed: dict) -> LoopObservation:
     """How results of an earlier call stand when a call is passed the buffers `passed`."""
     kept = back = gone = 0
+    reused = output_reuse_check()
     for ref, nbytes in results:
         array = ref()
         if array is None:
             gone += nbytes
         elif id(array) in passed:
             back += nbytes
+        elif reused is not None and reused(array):  # the plan writes this call's output in it
+            gone += nbytes
         else:
             kept += nbytes
     return LoopObservation(kept, back, gone)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 
 import numba
 import numpy as np
@@ -123,8 +124,35 @@ class Workspace:
                     previous.flags.writeable = True
                 else:
                     previous = previous_outputs[i] = np.empty(shape, dtype)
+                    _keep_for_reuse(previous)
                 arrays.append(previous)
         return arrays
+
+
+# id -> weak reference of each output a workspace keeps to write again (arrays are unhashable);
+# an entry leaves when its array dies. Only outputs of REUSE_BYTES or more are entered.
+_kept_for_reuse: dict[int, weakref.ref] = {}
+
+
+def _keep_for_reuse(array: np.ndarray) -> None:
+    key = id(array)
+
+    def gone(ref, key=key):
+        if _kept_for_reuse.get(key) is ref:
+            del _kept_for_reuse[key]
+
+    _kept_for_reuse[key] = weakref.ref(array, gone)
+
+
+def kept_only_for_reuse(array: np.ndarray) -> bool:
+    """Whether nothing but a workspace holds `array` (besides the caller's one name): an output
+    of a previous call that the next call writes into again, the same bytes as its output,
+    not a result anyone keeps beside it (tracer/loop_watch.py counts it as let go)."""
+    ref = _kept_for_reuse.get(id(array))
+    if ref is None or ref() is not array:
+        return False
+    # the caller's name, this parameter, getrefcount's argument and the workspace's list
+    return sys.getrefcount(array) <= 4
 
 
 def _reusable(shape, dtype) -> bool:
