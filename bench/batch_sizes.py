@@ -7,8 +7,10 @@ loop kernels it compiled or loaded, and how many functions Numba compiled in it 
 numba.core.compiler.compile_extra, so loads from the disk cache do not count). Declared dynamic
 batch axes against `dynamic=False` (a plan per size), each in a copy of the warm folder, rounds
 interleaved, medians; the driver compiles in the call (BACKPLAN_DRIVER=inline) so that every
-compile is counted where it happens. Each first call's thread CPU time is given too: on a
-shared box the wall clock of a 50 ms call is mostly other processes' time.
+compile is counted where it happens, or with `--driver default` as a user's process runs (the
+first call Python-run, the direct driver from the second: the direct drivers built at each size
+are counted, and the second call's thread CPU given). Each first call's thread CPU time is given
+too: on a shared box the wall clock of a 50 ms call is mostly other processes' time.
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ import numpy as np
 import backplan as bp
 from backplan.bench.batch_sizes import loss_of
 from backplan.bench.models import MODELS
-from backplan.bench.internals import kernel_cache
+from backplan.bench.internals import direct_driver, kernel_cache
+built = [0]
+compile_driver = direct_driver.compile_driver
+def counting_drivers(*args, **kwargs):
+    built[0] += 1
+    return compile_driver(*args, **kwargs)
+direct_driver.compile_driver = counting_drivers
 name, dynamic, sizes = sys.argv[1], sys.argv[2] == "dynamic", json.loads(sys.argv[3])
 spec = MODELS[name]
 loss, axes = loss_of(spec)
@@ -56,15 +64,16 @@ for n in sizes:
     data = spec.make_inputs({**spec.config, "batch": n}, 0).cast(np.float32)
     args = [{k: bp.tensor(v) for k, v in data.params.items()}]
     args += [bp.tensor(b) for b in data.batch(True)]
-    kernels, numba_before = kernel_cache.counts().versions, compiled[0]
+    kernels, numba_before, drivers = kernel_cache.counts().versions, compiled[0], built[0]
     start, cpu = time.perf_counter(), time.thread_time()
     step(*args)
     seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     numba, kernels = compiled[0] - numba_before, kernel_cache.counts().versions - kernels
-    start = time.perf_counter()
+    start, second_cpu = time.perf_counter(), time.thread_time()
     step(*args)
     rows.append({"size": n, "seconds": seconds, "cpu": cpu, "numba": numba, "kernels": kernels,
-                 "step": time.perf_counter() - start})
+                 "step": time.perf_counter() - start, "step_cpu": time.thread_time() - second_cpu,
+                 "drivers": built[0] - drivers, "numba_second": compiled[0] - numba_before - numba})
 print(json.dumps({"calls": rows, "traces": step.cache_info().traces}))
 """
 
@@ -90,19 +99,17 @@ def loss_of(spec):
     return loss, {name: {axis: "batch"} for name, axis in AXES[spec.kind].items()}
 
 
-def run_child(model: str, mode: str, sizes: list[int], cache: str) -> dict:
-    env = {
-        **os.environ,
-        "BACKPLAN_CACHE_DIR": cache,
-        "BACKPLAN_QUIET": "1",
-        "BACKPLAN_DRIVER": "inline",
-    }
+def run_child(model: str, mode: str, sizes: list[int], cache: str, driver: str = "inline") -> dict:
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": cache, "BACKPLAN_QUIET": "1"}
+    env.pop("BACKPLAN_DRIVER", None)
+    if driver == "inline":
+        env["BACKPLAN_DRIVER"] = "inline"
     env.pop("BACKPLAN_BACKEND", None)
     command = [sys.executable, "-c", CHILD, model, mode, json.dumps(sizes)]
     return child_result(command, env, 1800, f"{model} {mode} child")
 
 
-def measure(model: str, rounds: int) -> list[dict]:
+def measure(model: str, rounds: int, driver: str = "inline") -> list[dict]:
     """Per mode: the median of each call's numbers over `rounds` fresh processes, each in a
     copy of one warm folder (filled at the documented size in both modes)."""
     from .models import MODELS
@@ -112,7 +119,7 @@ def measure(model: str, rounds: int) -> list[dict]:
     warm = tempfile.mkdtemp(prefix="bp-batch-sizes-")
     try:
         for mode in ("dynamic", "fixed"):
-            run_child(model, mode, sizes[:1], warm)
+            run_child(model, mode, sizes[:1], warm, driver)
         samples: dict[str, list] = {"dynamic": [], "fixed": []}
         for _ in range(rounds):
             for mode in samples:
@@ -120,7 +127,7 @@ def measure(model: str, rounds: int) -> list[dict]:
                 shutil.rmtree(copy)
                 shutil.copytree(warm, copy)
                 try:
-                    samples[mode].append(run_child(model, mode, sizes, copy))
+                    samples[mode].append(run_child(model, mode, sizes, copy, driver))
                 finally:
                     shutil.rmtree(copy, ignore_errors=True)
     finally:
@@ -140,6 +147,9 @@ def _row(model: str, mode: str, runs: list[dict]) -> dict:
                 "numba": statistics.median(c["numba"] for c in each),
                 "kernels": statistics.median(c["kernels"] for c in each),
                 "step": statistics.median(c.get("step", float("nan")) for c in each),
+                "step_cpu": statistics.median(c.get("step_cpu", float("nan")) for c in each),
+                "drivers": max(c.get("drivers", 0) for c in each),
+                "numba_second": max(c.get("numba_second", 0) for c in each),
             }
         )
     return {"model": model, "mode": mode, "calls": calls, "traces": runs[0]["traces"]}
@@ -156,9 +166,9 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
         f"- CPU: {cpu_name()}; CPUs {cpu_list_text(current_affinity())}; {rounds} round(s), "
         f"medians; load average {os.getloadavg()[0]:.1f} at the end",
         "",
-        "| model | batch axes | 1st call at B s | new size 1st call ms [thread CPU] (2nd call) "
-        "| Numba compiles | loop kernels | 3rd size 1st call ms [thread CPU] (2nd call) | Numba "
-        "compiles | traces |",
+        "| model | batch axes | 1st call at B s | new size 1st call ms [thread CPU] (2nd call "
+        "[CPU]) | Numba compiles (direct drivers built) | loop kernels | 3rd size 1st call ms "
+        "[thread CPU] (2nd call [CPU]) | Numba compiles (direct drivers built) | traces |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -166,16 +176,23 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
         mode = "dynamic" if row["mode"] == "dynamic" else "dynamic=False"
         lines.append(
             f"| {row['model']} (B={first['size']}, then {second['size']}, {third['size']}) "
-            f"| {mode} | {first['seconds']:.2f} | {_ms(second)} | "
-            f"{second['numba']:g} | {second['kernels']:g} | {_ms(third)} | "
-            f"{third['numba']:g} | {row['traces']} |"
+            f"| {mode} | {first['seconds']:.2f} | {_ms(second)} | {_compiles(second)} | "
+            f"{second['kernels']:g} | {_ms(third)} | {_compiles(third)} | {row['traces']} |"
         )
     return "\n".join(lines)
 
 
+def _compiles(call: dict) -> str:
+    """Numba compiles in the size's two calls, and the direct drivers built (default mode)."""
+    numba = call["numba"] + call.get("numba_second", 0)
+    return f"{numba:g} ({call.get('drivers', 0):g})"
+
+
 def _ms(call: dict) -> str:
-    step = call.get("step")
-    after = f" ({step * 1e3:.0f})" if step is not None and step == step else ""
+    step, step_cpu = call.get("step"), call.get("step_cpu")
+    after = f" ({step * 1e3:.1f})" if step is not None and step == step else ""
+    if after and step_cpu is not None and step_cpu == step_cpu:
+        after = f" ({step * 1e3:.1f} [{step_cpu * 1e3:.1f}])"
     cpu = call.get("cpu")
     used = f" [{cpu * 1e3:.0f}]" if cpu is not None and cpu == cpu else ""
     return f"{call['seconds'] * 1e3:.0f}{used}{after}"
@@ -185,9 +202,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backplan.bench.batch_sizes")
     parser.add_argument("--models", default="mlp,cnn,transformer,lstm12")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--driver",
+        choices=("inline", "default"),
+        default="inline",
+        help="inline: every driver compiled in its call (counted there); default: as a user's "
+        "process runs (direct drivers from the second call, counted)",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    rows = [row for model in args.models.split(",") for row in measure(model, args.rounds)]
+    rows = [
+        row for model in args.models.split(",") for row in measure(model, args.rounds, args.driver)
+    ]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

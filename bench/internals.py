@@ -73,6 +73,7 @@ _WHERE = {
     "loop_batch": "backplan.codegen.build.loop_batch",
     "compiled_plan": "backplan.codegen.run.compiled:CompiledPlan",
     "kernel_cache": "backplan.codegen.build.kernel_cache",  # kernels made per size (batch_sizes)
+    "direct_driver": "backplan.codegen.build.direct_driver",  # drivers made per size (batch_sizes)
     "native_calls": "backplan.codegen.build.native_calls",
     "JIT_OPTIONS": "backplan.codegen.flags:JIT_OPTIONS",
     # an address loop's loads and stores, and every kernel module imported as rendering does
