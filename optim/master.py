@@ -2,7 +2,8 @@
 the parameters in float32 (`master`) and the wrapped optimizer's state of those (`inner`); an
 update casts the gradients up, steps the master weights, and returns them rounded to each
 parameter's dtype. Small steps then accumulate in float32 instead of vanishing when a bfloat16
-parameter (8 significant bits) rounds them away.
+parameter (8 significant bits) rounds them away. A parameter already in float32 is its own
+master weight (None in `master`): no second copy of it is kept or returned.
 
     opt = bp.optim.adam(1e-3, master_dtype=bp.float32)
     state = opt.init(params)                          # {"master": ..., "inner": ...}
@@ -59,8 +60,19 @@ def master_name(optimizer: str, master_dtype) -> str:
 
 
 def master_init(optimizer, params) -> dict:
-    master = _cast(params, optimizer.master_dtype)
-    return {"master": master, "inner": optimizer.init_fn(master)}
+    """A parameter already in the master dtype is its own master weight: its slot in `master`
+    is None. A copy there would be the same value as the parameter, and the step would return
+    one buffer as both (a float32 model trained with master_dtype=bp.float32): passed back
+    donated, neither could be written in place, so each step allocated the parameters anew,
+    beside the peak explain printed."""
+    leaves, treedef = flatten(params)
+    dtype = optimizer.master_dtype
+    master = [None if _own_master(p, dtype) else ops.astype(p, dtype) for p in leaves]
+    full = [p if m is None else m for p, m in zip(leaves, master, strict=True)]
+    return {
+        "master": unflatten(treedef, master),
+        "inner": optimizer.init_fn(unflatten(treedef, full)),
+    }
 
 
 def master_update(optimizer, grads, state, params):
@@ -69,11 +81,28 @@ def master_update(optimizer, grads, state, params):
             f"bp.optim.{optimizer.name} keeps master weights (master_dtype): pass the state its "
             "own init(params) built ({'master': ..., 'inner': ...})"
         )
-    master = state["master"]
+    leaves, treedef, paths = flatten(params, paths=True)
+    kept, _, kept_paths = flatten(state["master"], paths=True)
+    by_path = dict(zip(kept_paths, kept, strict=True))
+    for p, q in zip(leaves, paths, strict=True):
+        if q not in by_path and not _own_master(p, optimizer.master_dtype):
+            raise TypeError(
+                f"bp.optim.{optimizer.name}: parameter {q} ({p.dtype}) has no master weight in "
+                "the state; pass the state init(params) built for these parameters"
+            )
+    master = unflatten(treedef, [by_path.get(q, p) for p, q in zip(leaves, paths, strict=True)])
     grads = _cast(grads, optimizer.master_dtype)
     updates, inner = optimizer.transform(grads, state["inner"], master)
     master = tree_map_n(lambda m, u: m + u, master, updates)
-    return _like(master, params), {"master": master, "inner": inner}
+    new = flatten(master)[0]
+    kept = unflatten(
+        treedef, [m if q in by_path else None for m, q in zip(new, paths, strict=True)]
+    )
+    return _like(master, params), {"master": kept, "inner": inner}
+
+
+def _own_master(param, dtype: str) -> bool:
+    return param._ir_dtype == dtype
 
 
 def _cast(tree, dtype: str):

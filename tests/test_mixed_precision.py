@@ -36,6 +36,50 @@ def test_master_weights_keep_steps_that_16_bits_round_away(make):
     assert state["master"]["w"].dtype == np.float32
 
 
+def test_a_float32_parameter_is_its_own_master_weight_and_is_donated_in_place():
+    """One script for every dtype passes master_dtype=bp.float32 to a float32 model too. The
+    master slot of a float32 parameter held the parameter's own buffer and each step returned
+    one buffer as both: donated back, neither was written in place (a fresh allocation a step,
+    beside explain's peak; BACKPLAN_CHECK_MEMORY=1 raised on every call)."""
+    from backplan.codegen.run.memory_check import checked_memory
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 4)).astype(np.float32)
+    h = w[0].astype(bp.bfloat16)
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    opt, plain = bp.optim.adam(1e-2, master_dtype=bp.float32), bp.optim.adam(1e-2)
+    p = {"w": bp.tensor(w), "h": bp.tensor(h)}
+    s = opt.init(p)
+    assert s["master"]["w"] is None and s["master"]["h"].dtype == np.float32
+
+    def loss(p):
+        return bp.mean(bp.tanh(x @ p["w"] + p["h"].astype(bp.float32)))
+
+    @bp.compile(donate_argnums=(0, 1))
+    def step(p, s):
+        value, grads = bp.value_and_grad(loss)(p)
+        return (*opt.update(grads, s, p), value)
+
+    with use_backend("numba"), checked_memory():
+        for _ in range(3):
+            buffer = p["w"].numpy().__array_interface__["data"][0]
+            p, s, _ = step(p, s)  # checked: raises where a buffer is not the predicted one
+            assert p["w"].numpy().__array_interface__["data"][0] == buffer  # written in place
+    eager = {"w": bp.tensor(w), "h": bp.tensor(h)}
+    eager_s = opt.init(eager)
+    only_w, plain_w = {"w": bp.tensor(w)}, {"w": bp.tensor(w)}
+    only_s, plain_s = opt.init(only_w), plain.init(plain_w)
+    for _ in range(3):
+        eager, eager_s = opt.update(bp.grad(loss)(eager), eager_s, eager)
+        g = {"w": bp.tensor(np.full_like(w, 0.5))}
+        only_w, only_s = opt.update(g, only_s, only_w)
+        plain_w, plain_s = plain.update(g, plain_s, plain_w)
+    assert s["master"]["w"] is None and p["h"].dtype == bp.bfloat16
+    np.testing.assert_allclose(p["w"].numpy(), eager["w"].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s["master"]["h"].numpy(), eager_s["master"]["h"].numpy(), rtol=1e-5)
+    np.testing.assert_array_equal(only_w["w"].numpy(), plain_w["w"].numpy())  # as without master
+
+
 def test_master_dtype_is_checked_and_not_ignored_inside_a_chain():
     with pytest.raises(ValueError, match="master weights are kept in"):
         bp.optim.sgd(0.1, master_dtype=bp.bfloat16)
