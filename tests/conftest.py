@@ -1,6 +1,7 @@
 import os
 
 import pytest
+from long_first import long_first
 
 # The verifier runs after every pass in tests.
 os.environ.setdefault("BACKPLAN_VERIFY", "1")
@@ -41,6 +42,14 @@ def pytest_xdist_auto_num_workers(config):
     MAX_WORKERS. Most of the suite's time is Numba compiling, one core per process; on 2 cores
     two workers halve the wall time. `-n 0` runs the suite in one process."""
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (the README's command), the files holding the longest tests run first, so
+    that the run ends on short tests on both workers (tests/long_first.py). A run in one
+    process (`-n 0`, a single file) keeps pytest's order."""
+    if hasattr(config, "workerinput"):
+        items[:] = long_first(items)
 
 
 @pytest.fixture
