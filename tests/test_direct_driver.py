@@ -313,28 +313,33 @@ def _classifier_batch(n: int):
     return classifier_arguments()[:3] + (bp.tensor(x), bp.tensor(labels))
 
 
+PLAIN = ((1, "python"), (1, "direct"), (1, "direct"), (1, "direct"), (1, "direct"))
+POOLING = ((1, "python"), (2, "python"), (2, "direct"), (2, "direct"), (2, "direct"))
+
+
 @pytest.mark.parametrize(
-    "loss, batch, axes, bind_all",
+    "loss, batch, axes, bind_all, expected",
     [
-        (conv_loss, _conv_batch, {"x": {0: "batch"}}, False),
-        (classifier, _classifier_batch, {"x": {0: "batch"}, "labels": {0: "batch"}}, False),
-        (pool_loss, _pool_batch, {"x": {0: "batch"}}, False),
-        (pool_loss, _pool_batch, {"x": {0: "batch"}}, True),
+        (conv_loss, _conv_batch, {"x": {0: "batch"}}, False, PLAIN),
+        (classifier, _classifier_batch, {"x": {0: "batch"}, "labels": {0: "batch"}}, False, PLAIN),
+        (pool_loss, _pool_batch, {"x": {0: "batch"}}, False, POOLING),
+        (pool_loss, _pool_batch, {"x": {0: "batch"}}, True, POOLING),
     ],
     ids=["conv", "classifier", "pool", "pool_sizes_bound"],
 )
-def test_one_direct_driver_serves_every_batch_size_after_the_first(
-    direct, monkeypatch, loss, batch, axes, bind_all
+def test_one_direct_driver_serves_every_batch_size(
+    direct, monkeypatch, loss, batch, axes, bind_all, expected
 ):
-    """A symbolic plan's driver reads its sizes from lit_i / lit_f. The first size's direct
-    driver has its numbers written in; from the second size on, the direct driver reads every
-    number (literals and argument sizes) when it runs: built once, in the second size's second
-    call, then run by every new size from its first call, with no build. Values as the
-    reference interpreter's at each size (inf, nan, ties and huge inputs included), one trace,
-    no background build; the first size keeps its own driver when it comes back. Pooling loops
-    (axes of two) are bound at the sizes that did not change between the sizes seen, checked
-    when it runs; pool_sizes_bound binds every size (as if none had changed): at other sizes
-    the checks fail and the loops' own forms run, with the same values."""
+    """A symbolic plan's driver reads its sizes from lit_i / lit_f; its direct driver reads
+    every number (literals and argument sizes) when it runs, so one serves every size, run by a
+    new size from its first call with no build. It is made in the first size's second call
+    where no loop is bound at that size's numbers (conv, classifier: a second size builds
+    nothing); a plan with loops over axes of two (pooling) keeps a first driver with that size's
+    numbers written in, and the one for every size is made at the second size, its pooling loops
+    bound at the sizes that did not change between the sizes seen (checked when it runs;
+    pool_sizes_bound binds every size, as if none had changed: at other sizes the checks fail
+    and the loops' own forms run). Values as the reference interpreter's at each size (inf,
+    nan, ties and huge inputs included), one trace, no background build."""
     from backplan.codegen.build import driver_numbers
 
     _worth_building(monkeypatch)
@@ -347,13 +352,7 @@ def test_one_direct_driver_serves_every_batch_size_after_the_first(
         monkeypatch.setattr(direct_driver, "_either", lambda *a: guarded.append(a[3]) or either(*a))
     step = bp.value_and_grad(bp.compile(loss, dynamic=axes))
     with use_backend("numba"):
-        for n, builds, first_tier in (
-            (5, 1, "python"),
-            (8, 2, "python"),
-            (3, 2, "direct"),
-            (11, 2, "direct"),
-            (5, 2, "direct"),
-        ):
+        for n, (builds, first_tier) in zip((5, 8, 3, 11, 5), expected, strict=True):
             arguments = batch(n)
             first = result_arrays(step(*arguments))
             plan = only_plan(step, arguments)

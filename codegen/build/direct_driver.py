@@ -412,6 +412,16 @@ class _Target:
     otherwise: str | None = None
 
 
+def _binds(call: Call) -> bool:
+    """Whether the call is a loop a direct driver compiles at its sizes (direct_loops)."""
+    from backplan.codegen.build import direct_loops
+
+    if not hasattr(call.callee, "_kinds"):
+        return False
+    sizes = [int(at_size(call.arguments[i].value)) for i in call.callee._sizes]
+    return direct_loops.worth_specialising(sizes)
+
+
 def _equal(number, expected: int) -> tuple:
     return (Check(number, expected), Check(expected, number))
 
@@ -752,20 +762,29 @@ def build(
     python_run,
     places=frozenset(),
     varying=frozenset(),
+    generic=frozenset(),
 ):
     """(the DirectDriver of the module's `run` for calls with these arguments (`described`),
     None) or (None, why not: a statement it does not read, or what failed). Loaded from the
     cache folder where an earlier process left it, else built and left there. places: the
     numbers it reads when it runs (driver_numbers.every_place: a driver for every size);
-    varying: those that differed between the sizes seen (compile_driver)."""
+    varying: those that differed between the sizes seen (compile_driver). generic: a symbolic
+    plan's first size's every_place: where no loop would be bound at this size's numbers (its
+    steps are then the same either way), the driver for every size is made at once, and a
+    second size builds nothing."""
     try:
         found = cached(source, arrays, python_run, places)
         if found is not None:
             return found, None
+        read = None
+        if generic and not places:
+            calls = plan(source, scope, arrays, generic)
+            if not any(map(_binds, calls)):
+                places, read = generic, calls
         name = _name(source, arrays, places)
         with _made_lock:
             if name not in _made:
-                calls = plan(source, scope, arrays, places)
+                calls = read if read is not None else plan(source, scope, arrays, places)
                 _made[name] = compile_driver(calls, arrays, name, varying)
                 _save(_made[name], name)
         return DirectDriver(_made[name], name, python_run, len(arrays), False), None

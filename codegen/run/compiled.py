@@ -574,6 +574,14 @@ class CompiledPlan:
             del seen[:-SIZES_COMPARED]
         return driver_numbers.every_place(described) if len(seen) > 1 else frozenset()
 
+    def _first_of_sizes(self, described: list) -> frozenset:
+        """For the first size of a symbolic plan, every place its direct driver could read
+        when it runs (direct_driver.build makes the driver for every size at once where that
+        costs its steps nothing); nothing for any other plan or size."""
+        if self._direct_places or not self._lifted or self.plan.shared is None:
+            return frozenset()
+        return driver_numbers.every_place(described)
+
     def _varying(self) -> frozenset:
         """The places whose numbers differed between the sizes seen (driver_numbers.varying):
         a driver for every size binds none of them as a loop's constant size."""
@@ -711,6 +719,7 @@ class CompiledPlan:
                 self._python_run,
                 self._direct_places,
                 self._varying(),
+                self._first_of_sizes(arguments),
             )
             self.direct_seconds = time.perf_counter() - start
             if driver is None:
