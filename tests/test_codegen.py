@@ -457,12 +457,50 @@ def test_row_kernels_merge_consecutive_row_loops_and_equal_reference():
         k.source
         for k in compiled.loop_kernels
         if re.search(
-            r"(\[i0\] = t\d+|\+ i0, t\d+, np\.\w+\))\n {8}(acc\d+ = \w+\n {8})?"
-            r"for i1 in range\(n\d+\):",
+            r"(\[i0\] = t\d+|\+ i0, t\d+, np\.\w+\))\n {8}(row_\w+ = [^\n]+\n {8})*"
+            r"(acc\d+ = \w+\n {8})?for i1 in range\(n\d+\):",
             k.source,
         )
     ]
     assert rows and "np.intp(40)" in compiled.source  # stages nested in one loop over 40 rows
+    ref, got = run_both(lambda *a: vg(*a), *args)
+    assert_trees_close(ref, got, rtol=1e-5, atol=1e-5)
+
+
+def _inner_loop_lines(source: str) -> list[str]:
+    """The lines inside every `for i1` loop of a kernel's source."""
+    inside, depth = [], None
+    for line in source.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if depth is not None and line.strip() and indent <= depth:
+            depth = None
+        if depth is not None:
+            inside.append(line)
+        if line.lstrip().startswith("for i1 in "):
+            depth = indent
+    return inside
+
+
+def test_a_row_stage_reads_each_row_statistic_once_per_row():
+    """A row's mean and 1/std, stored by one stage and read by the next stage's loop over
+    columns, are read once before that loop: the loop's stores go to the same arena, so inside
+    it they were loaded again at every column. Values equal the reference's."""
+    rng = np.random.default_rng(12)
+
+    def ln_gelu(x, g, b, up):
+        y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x
+        return bp.sum(y * up)
+
+    shapes = ((40, 24), (24,), (24,), (40, 24))
+    args = [bp.tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
+    with use_backend("numba"):
+        compiled = vg.trace(*args).runner().compiled
+    sources = [k.source for k in compiled.loop_kernels if "for i1 in " in k.source]
+    assert sources and all(re.search(r"\n +row_\w+ = ", source) for source in sources)
+    for source in sources:
+        inner = _inner_loop_lines(source)
+        assert inner and not [line for line in inner if re.search(r"\[i0\]|, i0\)", line)]
     ref, got = run_both(lambda *a: vg(*a), *args)
     assert_trees_close(ref, got, rtol=1e-5, atol=1e-5)
 

@@ -71,6 +71,9 @@ class LoopEmitter:
     # values kept one row at a time (a row stage; ir/row_local.py): the first row of their
     # buffer, or in parallel chunks (row_chunks) row `chunk`
     row_local: set = field(default_factory=set)
+    # a row stage's reads of one element per row (a row's mean, its 1/std), read once before
+    # the stage's loops over columns: read text -> the local holding it (_nest fills it)
+    row_reads: dict | None = None
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -382,7 +385,14 @@ class LoopEmitter:
             loop = "prange" if parallel and level == 0 else "range"
             lines.append(f"{pad}for i{level} in {loop}({self.size(level)}):")
         pad = "    " * (len(self.sizes) - first_level)
-        lines += [pad + line for line in self._body(depth_of, targets)]
+        if self.rows and first_level == 1 and len(self.sizes) > 1:
+            self.row_reads = {}
+            body = self._body(depth_of, targets)
+            lines = [f"{name} = {read}" for read, name in self.row_reads.items()] + lines
+            self.row_reads = None
+        else:
+            body = self._body(depth_of, targets)
+        lines += [pad + line for line in body]
         for level in reversed(range(first_level, len(self.sizes))):
             pad = "    " * (level - first_level)
             for red in self.kernel.reductions:
@@ -418,7 +428,12 @@ class LoopEmitter:
         if lit is not None:
             return lit
         key = (base, tuple(index_map(value, self.loop_shape)[1]))
-        return f"{self.view_name[key]}[{self._index(key)}]"
+        read = f"{self.view_name[key]}[{self._index(key)}]"
+        if self.row_reads is not None and self.view_groups[key] == [0]:
+            # the stores of the column loops may share the arena with it (to the compiler), so
+            # it would be loaded again at every column: once per row instead
+            return self.row_reads.setdefault(read, f"row_{self.view_name[key]}")
+        return read
 
     def _unrounded(self, node) -> str | None:
         """For a widening cast of a 16-bit value this loop computed by rounding a float32 one
