@@ -12,6 +12,7 @@ from backplan.tracer.tensor import Tensor
 
 from .deadline import Arrivals, wait_or_raise
 from .failure import check_ranks
+from .half_sum import bfloat16_op, sent_in_16_bits
 from .half_wire import summed_dtype
 from .layout import Layout
 from .rank_peak import counted
@@ -35,6 +36,8 @@ class Exchange:
         # a failed rank's settle gives itself one, the others' steps may have none)
         self.arrivals = timeout is not None
         self.failure: str | None = None  # this rank's call raised: failure.settle
+        self.accumulated = False  # set by data_parallel(accumulate=k): float32 sums travel
+        self.averaged: set = set()  # buckets averaged by their MPI operation (half_sum.py)
 
     def start(self, array_of) -> None:
         """Start every bucket; array_of(leaf index) is this rank's array of that leaf."""
@@ -59,10 +62,21 @@ class Exchange:
         self._start(bucket, lambda leaf: array_of(leaf.index))
 
     def _start(self, bucket, array_of) -> None:
-        buffer = np.concatenate([array_of(leaf).ravel() for leaf in bucket.leaves])
+        buffer = np.concatenate([np.asarray(array_of(leaf)).ravel() for leaf in bucket.leaves])
+        scaled = self.weight is not None
+        if sent_in_16_bits(bucket.dtype, self.world.size, scaled, self.accumulated):
+            buffer = buffer.astype(np_dtype(bucket.dtype), copy=False)
+            counted(buffer, f"bucket {bucket.index}")
+            op = bfloat16_op(self.average)
+            if self.average:
+                self.averaged.add(bucket.index)
+            wire = [buffer.view(np.uint16), self.mpi.UINT16_T]
+            request = self.world.comm.Iallreduce(self.mpi.IN_PLACE, wire, op=op)
+            self.started.append((bucket, buffer, request))
+            return
         buffer = buffer.astype(summed_dtype(buffer.dtype), copy=False)  # 16-bit: summed in f32
         counted(buffer, f"bucket {bucket.index}")
-        if self.weight is not None:
+        if scaled:
             scale_by_weight(buffer, self.weight)
         request = self.world.comm.Iallreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
         self.started.append((bucket, buffer, request))
@@ -84,7 +98,7 @@ class Exchange:
             else:
                 what = f"the allreduce of bucket {bucket.index}"
                 wait_or_raise(request, self.timeout, what, arrivals)
-            if self.average and self.weight is None:
+            if self.average and self.weight is None and bucket.index not in self.averaged:
                 average_in_place(buffer, self.world.size)
             buffer.flags.writeable = False
             offset = 0

@@ -32,6 +32,7 @@ from backplan.codegen.run.memory_check import ALLOCATOR, checking
 from backplan.codegen.run.workspace import REUSE_BYTES
 from backplan.ir.types import np_dtype
 
+from .half_sum import sent_in_16_bits
 from .half_wire import summed_dtype
 
 # what the checked mode's counting allocator never sees
@@ -149,22 +150,21 @@ def _phase(name: str, **held: int) -> RankPhase:
     return RankPhase(name, {k.replace("_", " "): v for k, v in held.items()})
 
 
-def _summed_bytes(nbytes: int, dtype: str) -> int:
+def _wire_dtype(dtype: str, size: int) -> np.dtype:
+    """The dtype a bucket packed after the call is summed in (half_sum.py, half_wire.py)."""
     dt = np_dtype(dtype)
-    return nbytes // dt.itemsize * summed_dtype(dt).itemsize
+    return dt if sent_in_16_bits(dtype, size) else summed_dtype(dt)
 
 
-def bucket_bytes(layout, in_plan: dict) -> tuple[int, int, int]:
+def bucket_bytes(layout, in_plan: dict, size: int = 0) -> tuple[int, int, int]:
     """(bytes of the buckets the driver writes the gradients into, bytes of the buffers packed
-    after the call, bytes of the 16-bit copies unpacked from float32 sums)."""
+    after the call, bytes of the 16-bit copies unpacked from float32 sums) on `size` ranks."""
     inside = sum(b.nbytes for b in layout.buckets if b.index in in_plan)
     after = [b for b in layout.buckets if b.index not in in_plan]
-    packed = sum(_summed_bytes(b.nbytes, b.dtype) for b in after)
+    wire = {b.index: _wire_dtype(b.dtype, size) for b in after}
+    packed = sum(b.nbytes // np_dtype(b.dtype).itemsize * wire[b.index].itemsize for b in after)
     copies = sum(
-        leaf.nbytes
-        for b in after
-        if summed_dtype(np_dtype(b.dtype)) != np_dtype(b.dtype)
-        for leaf in b.leaves
+        leaf.nbytes for b in after if wire[b.index] != np_dtype(b.dtype) for leaf in b.leaves
     )
     return inside, packed, copies
 
@@ -181,6 +181,7 @@ def allreduce_peak(
     update: PlanFacts | None,
     state: int,
     mpi_copies: bool = False,
+    size: int = 0,
 ) -> RankPeak:
     """The step that allreduces buckets (data_parallel, with or without an unsharded update).
     The loop keeps the returned gradients (views of the buckets) and loss without an optimizer,
@@ -188,7 +189,7 @@ def allreduce_peak(
     into a buffer of its own size (MPICH's recursive doubling, world.ALLREDUCE_ALGORITHM), held
     until the bucket completes; counted as if every bucket were in flight at once after the
     plan (the most it holds: on a busy machine none completes before the step waits)."""
-    inside, packed, copies = bucket_bytes(layout, in_plan)
+    inside, packed, copies = bucket_bytes(layout, in_plan, size)
     in_flight = (inside + packed) if mpi_copies else 0
     loss = loss_bytes(layout)
     batch = plan.inputs - params

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from backplan.ir.types import np_dtype
 
 from .buckets import Bucket, ring_bytes_sent
+from .half_sum import sent_in_16_bits
 from .half_wire import summed_bytes
 from .layout import Layout
 
@@ -92,11 +93,16 @@ class DataParallelReport:
             ready_text=bucket.ready_leaf.ready_text,
             start_step=start,
             steps_after_ready=self.plan_steps - 1 - ready,
-            bytes_sent=ring_bytes_sent(  # a 16-bit bucket is summed in float32
-                summed_bytes(bucket.nbytes, np_dtype(bucket.dtype)), self.size
-            ),
+            bytes_sent=ring_bytes_sent(self._wire_bytes(bucket), self.size),
             calls_in_flight=None if inside is None else inside[1],
         )
+
+    def _wire_bytes(self, bucket: Bucket) -> int:
+        """The bytes a bucket takes on the wire: a 16-bit bucket summed in float32, bfloat16
+        on two ranks in its own 16 bits (half_sum.py)."""
+        if sent_in_16_bits(bucket.dtype, self.size, accumulated=self.accumulate > 1):
+            return bucket.nbytes
+        return summed_bytes(bucket.nbytes, np_dtype(bucket.dtype))
 
     def __str__(self) -> str:
         lines = self._summary() + [""] + self._table() + [""] + self._overlap()

@@ -117,4 +117,3 @@ def average_in_place(buffer: np.ndarray, size: int) -> None:
         buffer *= buffer.dtype.type(1.0 / size)
     else:
         buffer /= buffer.dtype.type(size)
-

@@ -143,6 +143,7 @@ class DataParallelStep:
             exchange = exchange_type(world, layout, self.average, self.timeout)
             exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
             exchange.posted = exchange.inside = exchange.all_inside = False
+            exchange.accumulated = self.accumulate > 1
             lengths = batch_lengths(args, kwargs, self.fn.argnums)
             return self._run(world, args, kwargs, key, leaves, exchange, lengths, exchange_type)
         except BaseException as error:
@@ -460,6 +461,7 @@ class DataParallelStep:
                 None,
                 0,
                 sums_by_recursive_doubling(size),
+                size,
             )
         return report
 
@@ -545,7 +547,8 @@ class DataParallelStep:
         if failed:
             mine = np.array([LOWEST] * 4 + [int(failed)] + [LOWEST] * 3, np.int64)
         else:
-            digest, kind = lengths_digest(lengths), fingerprint(sorted(self._settings(exchange).items()))
+            digest = lengths_digest(lengths)
+            kind = fingerprint(sorted(self._settings(exchange).items()))
             outside = not getattr(exchange, "inside", False)
             mine = [layout.fingerprint, -layout.fingerprint, digest, -digest, 0, outside, kind]
             mine = np.array(mine + [-kind], np.int64)
@@ -573,8 +576,7 @@ class DataParallelStep:
             )
         if (highest[KIND:] != mine[KIND:]).any():
             raise RankMismatchError(
-                f"{settings_difference(world.comm.allgather(self._settings(None)))}; "
-                f"{SETTINGS_FIX}"
+                f"{settings_difference(world.comm.allgather(self._settings(None)))}; {SETTINGS_FIX}"
             )
         if (highest[2:4] == mine[2:4]).all() or not self.average:
             return None

@@ -182,7 +182,7 @@ class DataParallelTraining:
             update = _update_facts(self._update, grads, state, params)
             doubling = sums_by_recursive_doubling(report.size)
             return allreduce_peak(
-                report.layout, report.in_plan, plan, mine, update, held, doubling
+                report.layout, report.in_plan, plan, mine, update, held, doubling, report.size
             )
         world = init(self.step._comm)
         rank = world.rank if world.size == report.size else 0
@@ -219,8 +219,6 @@ def _like(tensors: list, params: list) -> list:
     for tensor, p in zip(tensors, params, strict=True):
         tensor.requires_grad = p.requires_grad
     return tensors
-
-
 
 
 def _dtype_mismatch(params, grads) -> str:

@@ -596,6 +596,67 @@ def test_16_bit_parameters_broadcast_sum_and_shard(tmp_path):
 
 
 @needs_mpi
+def test_bfloat16_buckets_travel_in_16_bits_on_two_ranks_with_the_float32_sums_bits(tmp_path):
+    """bfloat16 gradients were widened to float32 for the allreduce (twice the bytes on the
+    wire). On two ranks each element is combined once, so an MPI operation adding in float32
+    and rounding once sends 16 bits and gives the float32 path's bits: checked against that
+    path (forced here), averaged and summed, NaN and infinities included; a mean over unequal
+    rows (scaled before the sum) keeps float32 on the wire; explain counts the bytes sent."""
+    result = run_script(
+        tmp_path,
+        """
+        import ml_dtypes
+        from backplan.distributed import exchange
+        half = ml_dtypes.bfloat16
+        params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
+                                for k, v in init_mlp([8, 15, 4], seed=5).items()})
+        xs = bpd.shard(x.astype(half) * (1 + 3 * rank), rank, size)
+        ys = bpd.shard(y, rank, size)
+        def run(average, rows=slice(None), wide=False):
+            exchange.sent_in_16_bits = (lambda *a, **k: False) if wide else sent
+            step = bpd.data_parallel(vg, bucket_bytes=300, average=average)
+            loss, grads = step(params, xs[rows], ys[rows])
+            return loss, {k: g.numpy() for k, g in grads.items()}, step
+        sent, op = exchange.sent_in_16_bits, exchange.bfloat16_op
+        ops = []
+        exchange.bfloat16_op = lambda average: ops.append(average) or op(average)
+        for average in (True, False):
+            for rows in (slice(None), slice(0, 3 + rank)):  # equal, then unequal rows
+                ops.clear()
+                loss, got, step = run(average, rows)
+                n16 = sum(b.dtype == "bf16" for b in step.explain(params, xs, ys).buckets)
+                scaled = average and rows != slice(None)  # a mean weighted by rows
+                assert n16 >= 2 and ops == ([] if scaled else [average] * n16), (ops, rows)
+                loss_wide, want, _ = run(average, rows, wide=True)
+                assert loss.item() == loss_wide.item()
+                for k in params:
+                    assert got[k].dtype == half
+                    assert (got[k].view(np.uint16) == want[k].view(np.uint16)).all(), (k, rows)
+        report = step.explain(params, xs, ys)
+        assert {b.dtype for b in report.buckets} == {"bf16"}  # the loss too
+        assert report.bytes_sent_per_step == sum(b.nbytes for b in report.buckets), str(report)
+        # the operation itself, on values MPI's float32 sum would overflow, NaN, subnormals
+        from mpi4py import MPI
+        from backplan.distributed.half_sum import bfloat16_op
+        values = np.array([np.nan, np.inf, -np.inf, 3e38, 1e-40, 1.0 + rank / 128, -2.5e-3],
+                          np.float32).astype(half)
+        both = MPI.COMM_WORLD.allgather(values)
+        total = both[0].astype(np.float32) + both[1].astype(np.float32)
+        for average in (False, True):
+            buffer = values.copy()
+            MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, [buffer.view(np.uint16), MPI.UINT16_T],
+                                     op=bfloat16_op(average))
+            want = (total * np.float32(0.5 if average else 1.0)).astype(half)
+            same = buffer.view(np.uint16) == want.view(np.uint16)
+            assert (same | (np.isnan(buffer.astype(np.float32)) & np.isnan(
+                want.astype(np.float32)))).all(), (buffer, want)
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
 def test_unequal_shards_weight_each_rank_by_its_rows(tmp_path):
     """7 rows on 2 ranks are 4 and 3: the mean of the two ranks' means is not the batch's mean
     (it differed by 8e-2); weighted by rows it is, in both step modes. Batch arguments that

@@ -121,7 +121,7 @@ def test_16_bit_gradients_are_summed_in_float32_and_rounded_once(master):
     if master:  # float32 master weights minus the float32 mean, rounded once
         want = (w.astype(np.float32) - mean).astype(ml_dtypes.bfloat16)
     else:
-        want = (w.astype(np.float32) - mean.astype(ml_dtypes.bfloat16).astype(np.float32))
+        want = w.astype(np.float32) - mean.astype(ml_dtypes.bfloat16).astype(np.float32)
         want = want.astype(ml_dtypes.bfloat16)
     got = eager["w"].numpy()
     assert got.dtype == ml_dtypes.bfloat16
@@ -129,4 +129,3 @@ def test_16_bit_gradients_are_summed_in_float32_and_rounded_once(master):
     assert (traced["w"].numpy().view(np.uint16) == got.view(np.uint16)).all()
     with pytest.raises(TypeError, match=r"state\['grads'\]\['w'\] is bf16\[8, 33\] but the sum"):
         opt.update({"w": bp.tensor(grads[0])}, {**state, "grads": params}, eager)
-
