@@ -339,10 +339,10 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
     return (
         f"Dynamic axis {symbol}: one plan for every size, traced once at "
         f"{symbol}={entry.first_size}, planned for sizes {sizes}; {'; '.join(formulas)}. "
-        "A new size compiles no kernel: the loops take their sizes as arguments, and a direct "
-        "driver (a plan's, from its second call) is made for the first size with its numbers "
-        "written in, and once more, at the second size, reading them when it runs, for every "
-        "later size."
+        "A new size compiles no kernel: the loops take their sizes as arguments, and a plan's "
+        "direct driver (from its second call) reads each size's numbers when it runs, made once "
+        "for every size (at the first size, or at the second where loops over axes of a few "
+        "elements are compiled at the sizes the two share)."
         + _other_sizes_arenas(entry, report_of, size, report)
         + _loop_results(entry, report_of, size, report)
     )
