@@ -102,6 +102,28 @@ def test_donated_step_allocates_no_new_parameter_memory():
     print(f"peak bytes per step: {peaks}, parameter and state bytes {state_bytes}")
 
 
+def test_a_donated_tensor_still_named_does_not_keep_its_buffer_from_the_next_call():
+    """`initial = params` kept for later, then `p, s, _ = step(p, s, x, y)`: the first call
+    writes into the initial tensors' buffers, which those (now donated, unusable) tensors kept
+    referencing, so the second call saw each buffer shared and allocated the parameters anew:
+    a fresh copy every step while `initial` lived, beside explain's peak (the checked mode
+    raised). A donated tensor lets go of its buffer once the call has it."""
+    from backplan.codegen.run.memory_check import checked_memory
+
+    params, x, y = problem()
+    with use_backend("numba"), checked_memory():
+        step = bp.compile(train_step, donate_argnums=(0, 1))
+        initial = {k: bp.tensor(v) for k, v in params.items()}
+        p, s = initial, OPT.init(initial)
+        first = [address(t) for t in leaves((p, s))]
+        for _ in range(3):
+            p, s, _ = step(p, s, x, y)  # checked: raises where a buffer is not the predicted one
+            assert [address(t) for t in leaves((p, s))] == first
+    assert repr(initial["w"]).startswith("Tensor(<donated f32[8, 8] to train_step()")
+    with pytest.raises(bp.DonatedError):
+        initial["w"].numpy()
+
+
 def test_using_a_donated_tensor_raises_and_names_the_call():
     params, x, y = problem()
     step = bp.compile(train_step, donate_argnums=(0, 1))  # the reference backend marks too

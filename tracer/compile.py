@@ -23,7 +23,13 @@ from backplan.runtime.region import LeafEdges
 from .arguments import ArgumentSpec
 from .budget import BudgetPlanner, checked_budget, nested_budget_refusal
 from .captured_names import captured_names
-from .donate import check_donated_inputs, donatable, mark_donated, unmark_donated
+from .donate import (
+    check_donated_inputs,
+    donatable,
+    mark_donated,
+    release_donated,
+    unmark_donated,
+)
 from .dynamic import checked_dynamic, sizes_planned_apart
 from .fastpath import positions_of
 from .float_checks import float_checks_of, run_float_checks
@@ -130,6 +136,7 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True, skip
         except BaseException:
             unmark_donated(tensors, traced)
             raise
+        release_donated(tensors, traced)
     else:
         outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)
     grads = program.differentiable_outputs

@@ -66,6 +66,17 @@ def mark_donated(tensors: list, traced, loc: str) -> None:
             tensors[i]._donated = where
 
 
+def release_donated(tensors: list, traced) -> None:
+    """After the call: each donated tensor lets go of its buffer (a stand-in of its shape and
+    dtype holding no memory is left for its repr and DonatedError). The call's outputs may live
+    in that buffer now; a donated tensor the caller still names (`initial = params` before
+    the loop) kept it referenced, so the next call saw it shared and could not write in place."""
+    for i in traced.donated:
+        data = tensors[i]._data
+        if data is not None:
+            tensors[i]._data = np.broadcast_to(np.zeros((), data.dtype), data.shape)
+
+
 def unmark_donated(tensors: list, traced) -> None:
     """A call that raised gives its donated tensors back (as before it ran)."""
     for i in traced.donated:
