@@ -533,6 +533,55 @@ def test_a_next_process_loads_a_driver_holding_loops_at_constant_sizes(tmp_path)
     )
 
 
+NEXT_SIZE = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    import backplan as bp
+    from backplan.codegen.build import direct_driver
+    from backplan.runtime.backend import use_backend
+    from test_direct_driver import _conv_batch, conv_loss, result_arrays
+
+    built = []
+    compile_driver = direct_driver.compile_driver
+    direct_driver.compile_driver = lambda *a: built.append(a[2]) or compile_driver(*a)
+    step = bp.value_and_grad(bp.compile(conv_loss, dynamic={"x": {0: "batch"}}))
+    arguments = _conv_batch(int(sys.argv[2]))
+    with use_backend("numba"):
+        first = result_arrays(step(*arguments))
+        (runner,) = step.trace(*arguments).runners()
+        plan = runner.compiled
+        tier, cached = plan.driver_tier, getattr(plan._run, "cached", None)
+        second = result_arrays(step(*arguments))
+    with use_backend("reference"):
+        expected = result_arrays(bp.value_and_grad(conv_loss)(*arguments))
+    for got in (first, second):
+        for y, want in zip(got, expected, strict=True):
+            np.testing.assert_allclose(y, want, rtol=2e-5, atol=1e-6)
+    print(json.dumps({"tier": tier, "cached": cached, "built": len(built),
+                      "error": plan.direct_error, "after": plan.driver_tier}))
+    """
+)
+
+
+def test_a_next_process_runs_the_driver_for_every_size_at_a_size_it_never_saw(tmp_path):
+    """A process that ran one batch size leaves the direct driver for every size in the cache
+    folder: a later process at another size runs it from its first call (loaded, nothing built),
+    with the reference interpreter's values."""
+    env = {
+        **os.environ,
+        "BACKPLAN_CACHE_DIR": str(tmp_path / "kernels"),
+        "BACKPLAN_DRIVER": "background",
+        "BACKPLAN_DIRECT_DRIVER": "1",
+    }
+    tests = os.path.dirname(os.path.abspath(__file__))
+    first = script_facts(NEXT_SIZE, tests, "5", env=env, timeout=600)
+    assert (first["tier"], first["after"], first["built"]) == ("python", "direct", 1), first
+    later = script_facts(NEXT_SIZE, tests, "9", env=env, timeout=600)
+    assert (later["tier"], later["cached"], later["built"]) == ("direct", True, 0), later
+
+
 def test_a_loop_whose_source_cannot_be_read_is_called_by_address(direct, monkeypatch):
     """No source to compile at constant sizes (inspect raises): the loop is called by its
     address as before, and the driver's values are the same."""

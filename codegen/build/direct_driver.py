@@ -34,6 +34,7 @@ and shapes (a plan is made for one signature).
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import threading
@@ -825,8 +826,18 @@ def _name(source: str, arrays: list[Argument], places=frozenset()) -> str:
     described = repr(
         places_key(arrays, places) if places else [(a.shape, a.dtype.str, a.values) for a in arrays]
     )
-    text = "\n".join([source, described, loop_batch.environment(), cache.codegen_fingerprint()])
+    code = _code_text(source)  # a symbolic plan's comments show the size it was rendered at
+    text = "\n".join([code, described, loop_batch.environment(), cache.codegen_fingerprint()])
     return f"bp_direct_{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+
+@functools.lru_cache(maxsize=16)
+def _code_text(source: str) -> str:
+    """The driver's source without its comment lines: the same code for every process that
+    rendered a symbolic plan first at another size (codegen/render/lift.py)."""
+    from backplan.codegen.render.lift import code_text
+
+    return code_text(source)
 
 
 def _path(name: str, folder: str) -> str:
