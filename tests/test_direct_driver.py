@@ -370,6 +370,41 @@ def test_one_direct_driver_serves_every_batch_size(
     assert bool(guarded) == bind_all  # pooling loops at bound sizes, their own forms beside
 
 
+def test_threads_at_different_batch_sizes_share_the_driver_for_every_size(direct, monkeypatch):
+    """Threads calling one dynamic step at four sizes at once, each size new: every call has the
+    reference interpreter's values for its own size, and each size ends on the one direct
+    driver made for every size (one build in all)."""
+    from helpers import run_in_threads
+
+    _worth_building(monkeypatch)
+    built = _counting_builds(monkeypatch)
+    monkeypatch.setattr(direct_driver, "_made", {})
+    step = bp.value_and_grad(bp.compile(conv_loss, dynamic={"x": {0: "batch"}}))
+    sizes = (4, 6, 9, 13)
+    batches = {n: _conv_batch(n) for n in sizes}
+    with use_backend("reference"):
+        expected = {n: result_arrays(bp.value_and_grad(conv_loss)(*b)) for n, b in batches.items()}
+    found, errors = {}, []
+
+    def worker(n):
+        try:
+            found[n] = [result_arrays(step(*batches[n])) for _ in range(4)]
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    with use_backend("numba"):
+        for _ in range(2):
+            step(*batches[4])  # the first size and its driver, before the threads
+        run_in_threads(worker, sizes)
+        tiers = {n: only_plan(step, batches[n]).driver_tier for n in sizes}
+    assert not errors, errors
+    assert tiers == dict.fromkeys(sizes, "direct") and len(built) == 1, (tiers, built)
+    for n, calls in found.items():
+        for call in calls:
+            for got, want in zip(call, expected[n], strict=True):
+                np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
 def test_a_driver_for_every_size_checks_its_views_when_it_runs(direct):
     """Views whose bounds are read when the driver runs are checked then: a slice past its
     array or a reshape of another count makes the call run as Python (which clips the slice,
