@@ -167,7 +167,9 @@ class PlannedFunction:
         if not self._auto_dynamic and self._sizes_apart is None:
             return key, None
         call = self._signature_call(bound)
-        cached = [self._signature_of_key(k) for k in tuple(self._entries)]
+        with self._lookup_lock:
+            stored_keys = tuple(self._entries)
+        cached = [self._signature_of_key(k) for k in stored_keys]
         learned = learn_axis(call.key, [k for k in cached if k is not None])
         if learned is None:
             return key, None
@@ -333,7 +335,9 @@ class PlannedFunction:
             self._running = self._shared_entry_key(entry_key)
             return
         self._running = self._shared_entry_key(entry_key)
-        release_other_signatures(self._entries, entry_key)
+        with self._lookup_lock:  # iterating hashes keys (Python code): threads move them meanwhile
+            entries = tuple(self._entries.items())
+        release_other_signatures(entries, entry_key)
 
     def _count_fast_hit(self, entry_key) -> None:
         self._hits += 1
@@ -348,7 +352,9 @@ class PlannedFunction:
         """The key object the cache holds for this entry: every fast path to it (a tensor and a
         NumPy call of one signature) shares it, so the fast path sees a switch by identity and
         the cache finds the key without comparing it deeply."""
-        for stored in tuple(self._entries):  # one step under the GIL: other threads may move keys
+        with self._lookup_lock:  # iterating hashes keys (Python code): threads move them meanwhile
+            stored_keys = tuple(self._entries)
+        for stored in stored_keys:
             if stored == entry_key:
                 return stored
         return entry_key

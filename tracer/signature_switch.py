@@ -16,9 +16,11 @@ from .dynamic import DynamicEntry, _arena_holders
 
 
 def release_other_signatures(entries, key) -> None:
-    """Free the idle arenas of every cached entry but the one under `key` (entries: entry key
-    -> entry, a PlannedFunction's cache)."""
-    for stored, entry in tuple(entries.items()):  # one step under the GIL
+    """Free the idle arenas of every cached entry but the one under `key` (entries: (entry key,
+    entry) pairs of a PlannedFunction's cache, read under its lock: iterating the OrderedDict's
+    items calls each key's __hash__, Python code, so another thread could move an entry
+    meanwhile and the iteration raised `OrderedDict mutated during iteration`)."""
+    for stored, entry in entries:
         if stored is key or stored == key:
             continue
         release_idle_arenas(entry)
