@@ -25,7 +25,7 @@ IALLREDUCE_AT, TEST_AT, WAIT_AT, COMM_AT, SUM_AT, IN_PLACE_AT, BUCKETS_AT = rang
 STATUS_AT = 8  # 8 slots (64 bytes) MPI may write a status into; nobody reads it
 HEADER = 16
 # per bucket, from HEADER + k * BUCKET_SLOTS
-ADDRESS, COUNT, DATATYPE, STATE, REQUEST, FLAG, ERROR = range(7)
+ADDRESS, COUNT, DATATYPE, STATE, REQUEST, FLAG, ERROR, OP = range(8)
 BUCKET_SLOTS = 8
 IDLE, STARTED, DONE = 0, 1, 2  # STATE
 
@@ -82,7 +82,7 @@ def _iallreduce_arguments(table, k):
         table[at + ADDRESS],
         table[at + COUNT],
         table[at + DATATYPE],
-        table[SUM_AT],
+        table[at + OP],
         table[COMM_AT],
         table.ctypes.data + 8 * (at + REQUEST),
     )
@@ -198,9 +198,16 @@ class TableMaker:
             np.dtype(np.float32): MPI._handleof(MPI.FLOAT),
             np.dtype(np.float64): MPI._handleof(MPI.DOUBLE),
         }
+        self._uint16 = MPI._handleof(MPI.UINT16_T)
 
-    def table(self, buffers: list[np.ndarray]) -> np.ndarray:
-        """A table for these bucket buffers (1-D, C-contiguous, kept alive by the caller)."""
+    def table(self, buffers: list[np.ndarray], average: bool = True) -> np.ndarray:
+        """A table for these bucket buffers (1-D, C-contiguous, kept alive by the caller): each
+        summed by MPI_SUM, a bfloat16 one as its bit patterns by half_sum's operation (two
+        ranks; halved when average)."""
+        from mpi4py import MPI
+
+        from .half_sum import bfloat16_op
+
         table = np.zeros(HEADER + BUCKET_SLOTS * len(buffers), np.int64)
         table[:HEADER] = self.header
         table[BUCKETS_AT] = len(buffers)
@@ -208,5 +215,16 @@ class TableMaker:
             at = HEADER + k * BUCKET_SLOTS
             table[at + ADDRESS] = buffer.ctypes.data
             table[at + COUNT] = buffer.size
-            table[at + DATATYPE] = self.datatypes[buffer.dtype]
+            if buffer.dtype in self.datatypes:
+                table[at + DATATYPE] = self.datatypes[buffer.dtype]
+                table[at + OP] = self.header[SUM_AT]
+            else:  # bfloat16 (in_plan.py starts no other dtype inside)
+                table[at + DATATYPE] = self._uint16
+                table[at + OP] = _signed(MPI._handleof(bfloat16_op(average)))
         return table
+
+
+def _signed(handle: int) -> int:
+    """An MPI handle as the int64 of its bits (mpi4py gives a user operation's MPICH handle,
+    a negative int, as an unsigned 64-bit number)."""
+    return handle - (1 << 64) if handle >= 1 << 63 else handle

@@ -5,8 +5,9 @@ write the gradients straight into the bucket buffers (the driver's output arrays
 them: no pack copy), and the step waits for each bucket after the call.
 
 A bucket starts inside the driver when each of its leaves is an output buffer of its own, of a
-float dtype MPI sums; the others (a gradient that is an input or a constant, half floats) are
-packed and started after the call as before. Ranks holding different numbers of rows scale
+float dtype MPI sums (or bfloat16 on two ranks, summed by half_sum.py's operation); the others
+(a gradient that is an input or a constant, float16, bfloat16 on more ranks) are packed and
+started after the call as before. Ranks holding different numbers of rows scale
 their gradients before the sum: those steps start every bucket after the call."""
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ import numpy as np
 
 from backplan.codegen.build import cache, driver_builder, driver_tier
 from backplan.codegen.jit import load_cached
+from backplan.codegen.run.compiled import storage_dtype
 from backplan.ir.types import np_dtype
 
 from .buckets import Bucket
 from .driver_hooks import HookedDriver, hook_driver
 from .driver_mpi import BUCKET_SLOTS, ERROR, HEADER, IDLE, STATE, TableMaker, dp_test, dp_wait
 from .errors import DistributedError
+from .half_sum import sent_in_16_bits
+from .half_wire import as_bits
 
 FLOATS = ("f32", "f64")  # IR dtypes MPI sums as FLOAT, DOUBLE
 
@@ -59,8 +63,9 @@ class TableRequest:
 class InPlanExchange:
     """Per signature: which buckets start inside the driver, and the driver that starts them."""
 
-    def __init__(self, compiled, layout, comm):
+    def __init__(self, compiled, layout, comm, size: int | None = None):
         self.compiled = compiled
+        self.size = comm.Get_size() if comm is not None else size  # ranks (size: a preview)
         per_output, self.buffers = compiled.output_slots()
         self.buckets, self.slots = [], []  # the buckets started inside, their buffers' indices
         used: set[int] = set()
@@ -90,7 +95,7 @@ class InPlanExchange:
         self._taking = threading.Lock()
 
     def _slots(self, bucket: Bucket, per_output, positions, used) -> list[int] | None:
-        if bucket.dtype not in FLOATS:
+        if bucket.dtype not in FLOATS and not sent_in_16_bits(bucket.dtype, self.size):
             return None
         slots = []
         for leaf in bucket.leaves:
@@ -98,7 +103,8 @@ class InPlanExchange:
             if j is None or j in used or j in slots:
                 return None
             shape, dtype, _ = self.buffers[j]
-            if dtype != np_dtype(bucket.dtype) or math.prod(shape) != math.prod(leaf.shape):
+            # a 16-bit buffer is its bit patterns (uint16) to the driver: storage_dtype
+            if dtype != storage_dtype(bucket.dtype) or math.prod(shape) != math.prod(leaf.shape):
                 return None
             slots.append(j)
         return slots
@@ -187,12 +193,14 @@ class InPlanExchange:
             for j in slots:
                 shape = self.buffers[j][0]
                 n = math.prod(shape)
-                into[j] = flat[offset : offset + n].reshape(shape)
+                into[j] = as_bits(flat[offset : offset + n]).reshape(shape)
                 offset += n
-        table = exchange.table = self._maker.table(flats)  # failure.py reads what started
+        table = exchange.table = self._maker.table(flats, exchange.average)  # read by failure.py
         outputs = self.compiled.call_into(arrays, into, self.driver(), (table,))
         for k, (bucket, flat) in enumerate(zip(self.buckets, flats, strict=True)):
             exchange.started.append((bucket, flat, TableRequest(table, k, bucket)))
+            if exchange.average and bucket.dtype not in FLOATS:  # halved by its operation
+                exchange.averaged.add(bucket.index)
         self._previous = flats  # taken again by the next call if nothing holds them then
         return outputs
 

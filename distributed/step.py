@@ -448,7 +448,7 @@ class DataParallelStep:
             self.bucket_bytes,
             self.split_plan,
             self.accumulate,
-            starts := self._in_plan_starts(args, kwargs, layout),
+            starts := self._in_plan_starts(args, kwargs, layout, size),
         )
         report.size_note = note
         report.driver_note = self._driver_note(args, kwargs, starts)
@@ -477,7 +477,7 @@ class DataParallelStep:
     def param_bytes(self, args) -> int:
         return sum(leaf_array(x).nbytes for x in flatten(self._differentiated(args))[0])
 
-    def _in_plan_starts(self, args, kwargs, layout) -> dict:
+    def _in_plan_starts(self, args, kwargs, layout, size: int) -> dict:
         """bucket index -> (plan step, calls in flight) for the buckets the compiled driver
         would start itself (InPlanExchange.start_of); empty when the step starts them after
         the call (overlap=False, split_plan, accumulate, ZeRO-1, the reference backend,
@@ -492,7 +492,7 @@ class DataParallelStep:
         compiled = getattr(entry.runner(), "compiled", None)
         if not _hookable(compiled):
             return {}
-        preview = InPlanExchange(compiled, layout, None)
+        preview = InPlanExchange(compiled, layout, None, size)
         starts = {b.index: preview.start_of(entry.plan, b.index) for b in layout.buckets}
         return {k: v for k, v in starts.items() if v is not None}
 

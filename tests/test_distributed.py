@@ -230,10 +230,10 @@ def test_the_driver_passes_mpi_handles_at_this_mpis_width(width):
         if width == 4
         else (0x7F00_1234_5678, 0x7F00_2222_0000, 0x7F00_0000_4444)
     )
-    table[dm.COMM_AT], table[dm.SUM_AT] = comm, op
+    table[dm.COMM_AT] = comm
     at = dm.HEADER
     table[at + dm.ADDRESS], table[at + dm.COUNT] = buffer.ctypes.data, 3
-    table[at + dm.DATATYPE] = datatype
+    table[at + dm.DATATYPE], table[at + dm.OP] = datatype, op  # the bucket's own operation
     getattr(dm, dm.start_function(width))(table, 0)
     assert len(seen) == 1 and seen[0][1] == buffer.ctypes.data and seen[0][2] == 3
     assert seen[0][3:6] == (datatype, op, comm)
@@ -652,6 +652,48 @@ def test_bfloat16_buckets_travel_in_16_bits_on_two_ranks_with_the_float32_sums_b
                 want.astype(np.float32)))).all(), (buffer, want)
         print(f"rank {rank} ok")
         """,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_the_compiled_step_starts_bfloat16_buckets_itself_on_two_ranks(tmp_path):
+    """On two ranks a bfloat16 bucket is summed by the step's own MPI operation, so the compiled
+    driver starts it inside the call like a float32 one (the backward writes the gradients into
+    it: no pack copy); they were all started after the call. The same bits as overlap=False,
+    averaged and summed; explain says where each starts."""
+    result = run_script(
+        tmp_path,
+        """
+        import ml_dtypes
+        from backplan.distributed.in_plan import InPlanExchange
+        half = ml_dtypes.bfloat16
+        params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
+                                for k, v in init_mlp([8, 16, 4], seed=2).items()})
+        xs = bpd.shard(x.astype(half) * (1 + rank), rank, size)
+        ys = bpd.shard(y, rank, size)
+        run, inside = InPlanExchange.run, []
+        InPlanExchange.run = lambda self, *args: inside.append(1) or run(self, *args)
+        for average in (True, False):
+            step = bpd.data_parallel(vg, bucket_bytes=300, average=average)
+            after = bpd.data_parallel(vg, bucket_bytes=300, average=average, overlap=False)
+            report = step.explain(params, xs, ys)
+            assert {row.dtype for row in report.buckets} == {"bf16"}
+            assert all(row.calls_in_flight is not None for row in report.buckets), str(report)
+            inside.clear()
+            for _ in range(2):
+                loss, grads = step(params, xs, ys)
+                loss_after, grads_after = after(params, xs, ys)
+                assert loss.item() == loss_after.item()
+                for k in params:
+                    assert grads[k].numpy().dtype == half
+                    bits = grads[k].numpy().view(np.uint16)
+                    assert (bits == grads_after[k].numpy().view(np.uint16)).all(), (k, average)
+            assert len(inside) == 2, inside
+        print(f"rank {rank} ok")
+        """,
+        backend="numba",
+        timeout=600,
     )
     assert_ranks_ok(result)
 
