@@ -200,13 +200,11 @@ class TableMaker:
         }
         self._uint16 = MPI._handleof(MPI.UINT16_T)
 
-    def table(self, buffers: list[np.ndarray], average: bool = True) -> np.ndarray:
+    def table(self, buffers: list[np.ndarray], half_op=None) -> np.ndarray:
         """A table for these bucket buffers (1-D, C-contiguous, kept alive by the caller): each
-        summed by MPI_SUM, a bfloat16 one as its bit patterns by half_sum's operation (two
-        ranks; halved when average)."""
+        summed by MPI_SUM, a bfloat16 one as its bit patterns (uint16) by half_op (the mpi4py
+        Op of half_sum.py)."""
         from mpi4py import MPI
-
-        from .half_sum import bfloat16_op
 
         table = np.zeros(HEADER + BUCKET_SLOTS * len(buffers), np.int64)
         table[:HEADER] = self.header
@@ -220,7 +218,7 @@ class TableMaker:
                 table[at + OP] = self.header[SUM_AT]
             else:  # bfloat16 (in_plan.py starts no other dtype inside)
                 table[at + DATATYPE] = self._uint16
-                table[at + OP] = _signed(MPI._handleof(bfloat16_op(average)))
+                table[at + OP] = _signed(MPI._handleof(half_op))
         return table
 
 

@@ -29,7 +29,7 @@ from .buckets import Bucket
 from .driver_hooks import HookedDriver, hook_driver
 from .driver_mpi import BUCKET_SLOTS, ERROR, HEADER, IDLE, STATE, TableMaker, dp_test, dp_wait
 from .errors import DistributedError
-from .half_sum import sent_in_16_bits
+from .half_sum import bfloat16_op, sent_in_16_bits
 from .half_wire import as_bits
 
 FLOATS = ("f32", "f64")  # IR dtypes MPI sums as FLOAT, DOUBLE
@@ -195,7 +195,10 @@ class InPlanExchange:
                 n = math.prod(shape)
                 into[j] = as_bits(flat[offset : offset + n]).reshape(shape)
                 offset += n
-        table = exchange.table = self._maker.table(flats, exchange.average)  # read by failure.py
+        half_op = None
+        if any(b.dtype not in FLOATS for b in self.buckets):
+            half_op = bfloat16_op(exchange.average)
+        table = exchange.table = self._maker.table(flats, half_op)  # failure.py reads it
         outputs = self.compiled.call_into(arrays, into, self.driver(), (table,))
         for k, (bucket, flat) in enumerate(zip(self.buckets, flats, strict=True)):
             exchange.started.append((bucket, flat, TableRequest(table, k, bucket)))
