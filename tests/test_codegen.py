@@ -467,18 +467,19 @@ def test_row_kernels_merge_consecutive_row_loops_and_equal_reference():
     assert_trees_close(ref, got, rtol=1e-5, atol=1e-5)
 
 
-def _inner_loop_lines(source: str) -> list[str]:
-    """The lines inside every `for i1` loop of a kernel's source."""
-    inside, depth = [], None
+def _inner_loops(source: str) -> list[list[str]]:
+    """The lines inside each `for i1` loop of a kernel's source, one list per loop."""
+    loops, depth = [], None
     for line in source.splitlines():
         indent = len(line) - len(line.lstrip())
         if depth is not None and line.strip() and indent <= depth:
             depth = None
         if depth is not None:
-            inside.append(line)
+            loops[-1].append(line)
         if line.lstrip().startswith("for i1 in "):
             depth = indent
-    return inside
+            loops.append([])
+    return loops
 
 
 def test_a_row_stage_reads_each_row_statistic_once_per_row():
@@ -499,8 +500,34 @@ def test_a_row_stage_reads_each_row_statistic_once_per_row():
     sources = [k.source for k in compiled.loop_kernels if "for i1 in " in k.source]
     assert sources and all(re.search(r"\n +row_\w+ = ", source) for source in sources)
     for source in sources:
-        inner = _inner_loop_lines(source)
+        inner = [line for loop in _inner_loops(source) for line in loop]
         assert inner and not [line for line in inner if re.search(r"\[i0\]|, i0\)", line)]
+    ref, got = run_both(lambda *a: vg(*a), *args)
+    assert_trees_close(ref, got, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rematerialised_chain_in_the_same_row_kernel_computes_once():
+    """The joint plan copies x - mean (and the mean, 1/std, the scaled and shifted value) into
+    its gradient part rather than hold them; in one row kernel the copy's row statistics are
+    equal to the originals (the same ops on equal inputs), so the stage that reads both
+    computes the chain once. Values equal the reference's."""
+    rng = np.random.default_rng(13)
+
+    def ln_gelu(x, g, b, up):
+        y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x
+        return bp.sum(y * up)
+
+    shapes = ((40, 24), (24,), (24,), (40, 24))
+    args = [bp.tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
+    with use_backend("numba"):
+        compiled = vg.trace(*args).runner().compiled
+    (source,) = [k.source for k in compiled.loop_kernels if "tanh_f32(" in k.source]
+    kernel = source[source.rindex("\ndef kernel(") :]  # the variant with views
+    (loop,) = [loop for loop in _inner_loops(kernel) if any("tanh_f32(" in x for x in loop)]
+    centred = [x for x in loop if re.search(r"= \(w\d+\[i0, i1\] - row_\w+\)$", x)]
+    assert len(centred) == 1, centred  # x - mean, once for the forward and the gradients
+    assert sum("tanh_f32(" in x for x in loop) == 1
     ref, got = run_both(lambda *a: vg(*a), *args)
     assert_trees_close(ref, got, rtol=1e-5, atol=1e-5)
 

@@ -25,7 +25,7 @@ from backplan.codegen.render.driver_split import driver_source
 from backplan.codegen.render.epilogue import gemm_epilogue_lines
 from backplan.codegen.render.kernel_source import GEMM_IMPORTS, KernelSource, canonical_kernel
 from backplan.codegen.render.lift import FLOATS, INTS, lift_literals
-from backplan.codegen.render.loops import CHUNKS, LoopEmitter
+from backplan.codegen.render.loops import CHUNKS, LoopEmitter, equal_values
 from backplan.codegen.render.opaque import (
     OpEmitter,
     Unsupported,
@@ -414,6 +414,7 @@ class _Emitter:
         cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
         parallel = decide("parallel_rows_run", parallel_pays(rows * cols))
         local = {n for k in run for n in k.all_nodes if n in self.layout.row_local}
+        equal = equal_values(run)
         for stage, kernel in enumerate(run):
             if kernel.kind != "loop":
                 continue
@@ -427,7 +428,7 @@ class _Emitter:
                 if node in stored:
                     self.buffer(node)
             emitter = self._loop_emitter(kernel, stored, f"s{stage}_n", rows=True)
-            emitter.row_chunks, emitter.row_local = parallel, local
+            emitter.row_chunks, emitter.row_local, emitter.equal = parallel, local, equal
             setup, loop, _ = emitter.emit()
             views += setup
             stages += loop

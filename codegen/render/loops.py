@@ -47,6 +47,30 @@ class RowPartials:
     targets: dict = field(default_factory=dict)
 
 
+def equal_values(run: list) -> dict:
+    """value -> an equal value computed before it in these loops (a row kernel's stages, in
+    order): the same op with the same attributes on equal inputs. The joint plan's
+    rematerialisation copies cheap chains (a row's mean, x - mean, ...) into the gradient part so
+    as not to hold them; where the copy and its original run in one row kernel, both are row
+    statistics stored under two names and each chain was computed twice. Reductions are left
+    out (an equal sum in another loop may add in another order), and 16-bit values (a loop may
+    round a tanh it only rounds with the cheaper rational one)."""
+    first: dict = {}
+    equal: dict = {}
+    for kernel in run:
+        if kernel.kind != "loop":
+            continue
+        for node in kernel.recomputed + kernel.nodes:
+            if is_half(node.dtype) or node in equal:
+                continue
+            inputs = tuple(equal.get(i, i) for i in node.inputs)
+            key = (node.op, repr(sorted(node.attrs.items())), node.dtype, node.shape, inputs)
+            seen = first.setdefault(key, node)
+            if seen is not node:
+                equal[node] = seen
+    return equal
+
+
 @dataclass
 class LoopEmitter:
     """Builds the source of one loop kernel. Every array it reads or writes is a view the
@@ -74,6 +98,9 @@ class LoopEmitter:
     # a row stage's reads of one element per row (a row's mean, its 1/std), read once before
     # the stage's loops over columns: read text -> the local holding it (_nest fills it)
     row_reads: dict | None = None
+    # value -> an equal value computed earlier in the same row kernel (equal_values): where
+    # this stage reads both, it reads that one, so a rematerialised chain computes once
+    equal: dict = field(default_factory=dict)
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -428,6 +455,9 @@ class LoopEmitter:
         if lit is not None:
             return lit
         key = (base, tuple(index_map(value, self.loop_shape)[1]))
+        same = self.equal.get(base)
+        if same is not None and (same, key[1]) in self.view_name:  # read here anyway: its text
+            key = (same, key[1])  # then matches, and _body computes the chain on it once
         read = f"{self.view_name[key]}[{self._index(key)}]"
         if self.row_reads is not None and self.view_groups[key] == [0]:
             # the stores of the column loops may share the arena with it (to the compiler), so
