@@ -141,6 +141,28 @@ def test_the_second_call_runs_the_direct_driver_with_the_python_run_drivers_valu
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-6, equal_nan=True)
 
 
+def test_a_float16_product_read_as_its_bits_runs_the_direct_driver(direct, monkeypatch):
+    """A float16 GEMM reads its operands' bits (`.view(np.int16)`, codegen/render/epilogue.py):
+    the reader took that view for a statement it does not emit, so every float16 plan with a
+    product kept the Python-run driver and its background build."""
+    _worth_building(monkeypatch)
+    arguments = [
+        bp.tensor(a.numpy().astype(np.float16)) if a.dtype == np.float32 else a
+        for a in classifier_arguments()
+    ]
+    make = lambda c: bp.value_and_grad(c(classifier), argnums=(0, 1, 2))  # noqa: E731
+    results, plan, tiers = _three_calls(make, arguments)
+    assert tiers == ["python", "direct", "direct"], (tiers, plan.direct_error)
+    assert direct == []
+    first, second, third = results
+    for python_run, built, again in zip(first, second, third, strict=True):
+        assert built.dtype == np.float16
+        np.testing.assert_allclose(built, python_run, rtol=1e-3, atol=1e-4)
+        np.testing.assert_array_equal(again, built)
+    for got, expected in zip(second, _reference(make, arguments), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
+
+
 def passes_through(x, y):
     return bp.sum(bp.tanh(x) * y), y.reshape((-1,))
 

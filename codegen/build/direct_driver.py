@@ -38,7 +38,7 @@ import functools
 import os
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -70,6 +70,7 @@ class View:
     offset: int
     shape: tuple
     read_only: bool
+    dtype: np.dtype | None = None  # .view(np.int16) of a float16 buffer; None: the argument's
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Call:
     checks: list = field(default_factory=list)
 
 
+_REINTERPRETED = ("int16", "uint16", "int32", "uint32", "int64", "uint64", "float16")
 _NUMPY_SCALARS = {
     "float32": "float32", "float64": "float64", "intp": "int64", "int64": "int64",
     "int32": "int32", "bool_": "boolean",
@@ -302,12 +304,32 @@ class _Reader:
         if isinstance(func, ast.Name) and func.id == "as_read_only" and len(node.args) == 1:
             view = self.value(node.args[0])
             if isinstance(view, View):
-                return View(view.argument, view.offset, view.shape, True)
+                return replace(view, read_only=True)
         if isinstance(func, ast.Attribute) and func.attr == "reshape":
             view = self.value(func.value)
             if isinstance(view, View):
                 return self.reshaped(view, node)
+        if isinstance(func, ast.Attribute) and func.attr == "view" and len(node.args) == 1:
+            view = self.value(func.value)
+            if isinstance(view, View):
+                return self.reinterpreted(view, node)
         raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+
+    def reinterpreted(self, view: View, node: ast.Call) -> View:
+        """`.view(np.int16)` of a float16 buffer (a float16 GEMM reads its bits): the same bytes
+        as another dtype of the same item size."""
+        name = node.args[0]
+        if not (
+            isinstance(name, ast.Attribute)
+            and isinstance(name.value, ast.Name)
+            and name.value.id == "np"
+            and name.attr in _REINTERPRETED
+        ):
+            raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
+        dtype = np.dtype(name.attr)
+        if dtype.itemsize != (view.dtype or self.arrays[view.argument].dtype).itemsize:
+            raise Unsupported(f"line {node.lineno}: {ast.unparse(node)} of another item size")
+        return replace(view, dtype=dtype)
 
     def reshaped(self, view: View, node: ast.Call) -> View:
         args = node.args[0].elts if len(node.args) == 1 and isinstance(
@@ -331,7 +353,7 @@ class _Reader:
         if is_runtime(count) or any(is_runtime(s) for s in shape):
             total = product(shape)
             self.checks += [Check(total, count), Check(count, total)]
-        return View(view.argument, view.offset, tuple(shape), view.read_only)
+        return replace(view, shape=tuple(shape))
 
     def literal(self, view, index, node) -> Scalar:
         """lit_i[k] or lit_f[k] of a size-generic driver: the number at this plan's size."""
@@ -364,7 +386,7 @@ class _Reader:
         if any(map(is_runtime, (low_at, high_at, view.shape[0]))):  # in bounds at every size
             self.checks += [Check(0, low_at), Check(low_at, high_at), Check(high_at, view.shape[0])]
         offset = combined("add", view.offset, low_at)
-        return View(view.argument, offset, (combined("sub", high_at, low_at),), view.read_only)
+        return replace(view, offset=offset, shape=(combined("sub", high_at, low_at),))
 
 
 def _constant(value) -> Scalar:
@@ -453,7 +475,7 @@ def _targets(
         given = []
         for value in call.arguments:
             if isinstance(value, View):
-                dtype = from_dtype(arrays[value.argument].dtype)
+                dtype = from_dtype(value.dtype or arrays[value.argument].dtype)
                 given.append(types.Array(dtype, len(value.shape), "C", readonly=value.read_only))
             else:
                 given.append(getattr(types, value.kind))
