@@ -200,10 +200,10 @@ class TableMaker:
         }
         self._uint16 = MPI._handleof(MPI.UINT16_T)
 
-    def table(self, buffers: list[np.ndarray], half_op=None) -> np.ndarray:
+    def table(self, buffers: list[np.ndarray], half_ops=None) -> np.ndarray:
         """A table for these bucket buffers (1-D, C-contiguous, kept alive by the caller): each
-        summed by MPI_SUM, a bfloat16 one as its bit patterns (uint16) by half_op (the mpi4py
-        Op of half_sum.py)."""
+        summed by MPI_SUM, a 16-bit one as its bit patterns (uint16) by half_ops[its dtype]
+        (mpi4py Ops of half_sum.py)."""
         from mpi4py import MPI
 
         table = np.zeros(HEADER + BUCKET_SLOTS * len(buffers), np.int64)
@@ -216,9 +216,9 @@ class TableMaker:
             if buffer.dtype in self.datatypes:
                 table[at + DATATYPE] = self.datatypes[buffer.dtype]
                 table[at + OP] = self.header[SUM_AT]
-            else:  # bfloat16 (in_plan.py starts no other dtype inside)
+            else:  # bfloat16 or float16 (in_plan.py starts no other dtype inside)
                 table[at + DATATYPE] = self._uint16
-                table[at + OP] = _signed(MPI._handleof(half_op))
+                table[at + OP] = _signed(MPI._handleof(half_ops[buffer.dtype]))
         return table
 
 

@@ -12,7 +12,7 @@ from backplan.tracer.tensor import Tensor
 
 from .deadline import Arrivals, wait_or_raise
 from .failure import check_ranks
-from .half_sum import bfloat16_op, sent_in_16_bits
+from .half_sum import half_op, sent_in_16_bits
 from .half_wire import summed_dtype
 from .layout import Layout
 from .rank_peak import counted
@@ -67,7 +67,7 @@ class Exchange:
         if sent_in_16_bits(bucket.dtype, self.world.size, scaled, self.accumulated):
             buffer = buffer.astype(np_dtype(bucket.dtype), copy=False)
             counted(buffer, f"bucket {bucket.index}")
-            op = bfloat16_op(self.average)
+            op = half_op(bucket.dtype, self.average)
             if self.average:
                 self.averaged.add(bucket.index)
             wire = [buffer.view(np.uint16), self.mpi.UINT16_T]

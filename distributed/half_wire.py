@@ -3,7 +3,7 @@ knows, and MPI sums no 16-bit float), so a 16-bit gradient bucket failed in its 
 'BufferError: DLPack only supports ... float and complex dtypes'. Collectives that move bytes
 (broadcast, all-gather) send the 16-bit patterns as uint16; sums run in float32 (as PyTorch
 DDP's CPU backends do for 16-bit buckets: no rounding per rank added) and are rounded into the
-16-bit dtype once, after the sum; on two ranks bfloat16 buckets travel in 16 bits with the same
+16-bit dtype once, after the sum; on two ranks 16-bit buckets travel in 16 bits with the same
 result (half_sum.py)."""
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ write the gradients straight into the bucket buffers (the driver's output arrays
 them: no pack copy), and the step waits for each bucket after the call.
 
 A bucket starts inside the driver when each of its leaves is an output buffer of its own, of a
-float dtype MPI sums (or bfloat16 on two ranks, summed by half_sum.py's operation); the others
-(a gradient that is an input or a constant, float16, bfloat16 on more ranks) are packed and
-started after the call as before. Ranks holding different numbers of rows scale
+float dtype MPI sums (or bfloat16 and float16 on two ranks, summed by half_sum.py's operations);
+the others (a gradient that is an input or a constant, 16-bit floats on more ranks) are packed
+and started after the call as before. Ranks holding different numbers of rows scale
 their gradients before the sum: those steps start every bucket after the call."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .buckets import Bucket
 from .driver_hooks import HookedDriver, hook_driver
 from .driver_mpi import BUCKET_SLOTS, ERROR, HEADER, IDLE, STATE, TableMaker, dp_test, dp_wait
 from .errors import DistributedError
-from .half_sum import bfloat16_op, sent_in_16_bits
+from .half_sum import half_op, sent_in_16_bits
 from .half_wire import as_bits
 
 FLOATS = ("f32", "f64")  # IR dtypes MPI sums as FLOAT, DOUBLE
@@ -195,10 +195,12 @@ class InPlanExchange:
                 n = math.prod(shape)
                 into[j] = as_bits(flat[offset : offset + n]).reshape(shape)
                 offset += n
-        half_op = None
-        if any(b.dtype not in FLOATS for b in self.buckets):
-            half_op = bfloat16_op(exchange.average)
-        table = exchange.table = self._maker.table(flats, half_op)  # failure.py reads it
+        ops = {
+            np_dtype(b.dtype): half_op(b.dtype, exchange.average)
+            for b in self.buckets
+            if b.dtype not in FLOATS
+        }
+        table = exchange.table = self._maker.table(flats, ops)  # failure.py reads it
         outputs = self.compiled.call_into(arrays, into, self.driver(), (table,))
         for k, (bucket, flat) in enumerate(zip(self.buckets, flats, strict=True)):
             exchange.started.append((bucket, flat, TableRequest(table, k, bucket)))

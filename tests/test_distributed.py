@@ -596,89 +596,122 @@ def test_16_bit_parameters_broadcast_sum_and_shard(tmp_path):
 
 
 @needs_mpi
-def test_bfloat16_buckets_travel_in_16_bits_on_two_ranks_with_the_float32_sums_bits(tmp_path):
-    """bfloat16 gradients were widened to float32 for the allreduce (twice the bytes on the
-    wire). On two ranks each element is combined once, so an MPI operation adding in float32
-    and rounding once sends 16 bits and gives the float32 path's bits: checked against that
-    path (forced here), averaged and summed, NaN and infinities included; a mean over unequal
-    rows (scaled before the sum) keeps float32 on the wire; explain counts the bytes sent."""
+def test_16_bit_buckets_travel_in_16_bits_on_two_ranks_with_the_float32_sums_bits(tmp_path):
+    """bfloat16 and float16 gradients were widened to float32 for the allreduce (twice the
+    bytes on the wire). On two ranks each element is combined once, so an MPI operation adding
+    in float32, halving when averaging and rounding once sends 16 bits and gives the float32
+    path's bits: checked against that path (forced here), averaged and summed; a mean over
+    unequal rows (scaled before the sum) keeps float32 on the wire; explain counts the bytes
+    sent. The operations alone: NaN, infinities, float16 overflow (a mean stays finite),
+    subnormals."""
     result = run_script(
         tmp_path,
         """
         import ml_dtypes
+        from mpi4py import MPI
         from backplan.distributed import exchange
-        half = ml_dtypes.bfloat16
-        params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
-                                for k, v in init_mlp([8, 15, 4], seed=5).items()})
-        xs = bpd.shard(x.astype(half) * (1 + 3 * rank), rank, size)
-        ys = bpd.shard(y, rank, size)
-        def run(average, rows=slice(None), wide=False):
+        sent, op = exchange.sent_in_16_bits, exchange.half_op
+        ops = []
+        exchange.half_op = lambda dtype, average: ops.append(average) or op(dtype, average)
+
+        def run(params, xs, ys, average, rows, wide=False):
             exchange.sent_in_16_bits = (lambda *a, **k: False) if wide else sent
             step = bpd.data_parallel(vg, bucket_bytes=300, average=average)
             loss, grads = step(params, xs[rows], ys[rows])
             return loss, {k: g.numpy() for k, g in grads.items()}, step
-        sent, op = exchange.sent_in_16_bits, exchange.bfloat16_op
-        ops = []
-        exchange.bfloat16_op = lambda average: ops.append(average) or op(average)
-        for average in (True, False):
-            for rows in (slice(None), slice(0, 3 + rank)):  # equal, then unequal rows
-                ops.clear()
-                loss, got, step = run(average, rows)
-                n16 = sum(b.dtype == "bf16" for b in step.explain(params, xs, ys).buckets)
-                scaled = average and rows != slice(None)  # a mean weighted by rows
-                assert n16 >= 2 and ops == ([] if scaled else [average] * n16), (ops, rows)
-                loss_wide, want, _ = run(average, rows, wide=True)
-                assert loss.item() == loss_wide.item()
-                for k in params:
-                    assert got[k].dtype == half
-                    assert (got[k].view(np.uint16) == want[k].view(np.uint16)).all(), (k, rows)
-        report = step.explain(params, xs, ys)
-        assert {b.dtype for b in report.buckets} == {"bf16"}  # the loss too
-        assert report.bytes_sent_per_step == sum(b.nbytes for b in report.buckets), str(report)
-        # the operation itself, on values MPI's float32 sum would overflow, NaN, subnormals
-        from mpi4py import MPI
-        from backplan.distributed.half_sum import bfloat16_op
-        values = np.array([np.nan, np.inf, -np.inf, 3e38, 1e-40, 1.0 + rank / 128, -2.5e-3],
-                          np.float32).astype(half)
-        both = MPI.COMM_WORLD.allgather(values)
-        total = both[0].astype(np.float32) + both[1].astype(np.float32)
-        for average in (False, True):
-            buffer = values.copy()
-            MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, [buffer.view(np.uint16), MPI.UINT16_T],
-                                     op=bfloat16_op(average))
-            want = (total * np.float32(0.5 if average else 1.0)).astype(half)
-            same = buffer.view(np.uint16) == want.view(np.uint16)
-            assert (same | (np.isnan(buffer.astype(np.float32)) & np.isnan(
-                want.astype(np.float32)))).all(), (buffer, want)
+
+        for half in (ml_dtypes.bfloat16, np.float16):
+            params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
+                                    for k, v in init_mlp([8, 15, 4], seed=5).items()})
+            xs = bpd.shard(x.astype(half) * (1 + 3 * rank), rank, size)
+            ys = bpd.shard(y, rank, size)
+            for average in (True, False):
+                for rows in (slice(None), slice(0, 3 + rank)):  # equal, then unequal rows
+                    ops.clear()
+                    loss, got, step = run(params, xs, ys, average, rows)
+                    report = step.explain(params, xs, ys)
+                    scaled = average and rows != slice(None)  # a mean weighted by rows
+                    assert ops == ([] if scaled else [average] * len(report.buckets)), ops
+                    loss_wide, want, _ = run(params, xs, ys, average, rows, wide=True)
+                    assert loss.item() == loss_wide.item()
+                    for k in params:
+                        assert got[k].dtype == half
+                        same = got[k].view(np.uint16) == want[k].view(np.uint16)
+                        assert same.all(), (half, k, average, rows)
+            assert len({b.dtype for b in report.buckets}) == 1  # the loss too is 16-bit
+            assert report.bytes_sent_per_step == sum(b.nbytes for b in report.buckets)
+            values = [np.nan, np.inf, -np.inf, 3e38, 6e4, 1e-40, 3e-8, 1.0 + rank / 128, -2.5e-3]
+            values = np.array(values, np.float32).astype(half)
+            both = MPI.COMM_WORLD.allgather(values)
+            with np.errstate(all="ignore"):
+                total = both[0].astype(np.float32) + both[1].astype(np.float32)
+                for average in (False, True):
+                    buffer = values.copy()
+                    wire = [buffer.view(np.uint16), MPI.UINT16_T]
+                    dtype = "bf16" if half is ml_dtypes.bfloat16 else "f16"
+                    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, wire, op=op(dtype, average))
+                    want = (total * np.float32(0.5 if average else 1.0)).astype(half)
+                    got = buffer.astype(np.float32)
+                    nan = np.isnan(got) & np.isnan(want.astype(np.float32))
+                    same = (buffer.view(np.uint16) == want.view(np.uint16)) | nan
+                    assert same.all(), (half, average, buffer, want)
         print(f"rank {rank} ok")
         """,
     )
     assert_ranks_ok(result)
 
 
+def test_float16_widening_and_rounding_match_numpy_to_the_bit():
+    """half_sum's float16 conversions, which its MPI operation runs: every float16 widened to
+    float32 exactly; float32 values rounded to float16 to nearest even as NumPy does (normals,
+    subnormals, ties between neighbours, overflow to inf, NaN)."""
+    from backplan.distributed.half_sum import _round_float16, _widen_float16
+
+    every = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    words = np.empty(every.size, np.uint32)
+    _widen_float16(every, words)
+    want = every.view(np.float16).astype(np.float32)
+    got = words.view(np.float32)
+    assert ((got == want) | (np.isnan(got) & np.isnan(want))).all()
+    assert ((words >> 31) == (every >> 15)).all()  # signs, of NaN and zero too
+    rng = np.random.default_rng(0)
+    finite = want[np.isfinite(want)].astype(np.float64)
+    finite.sort()
+    ties = ((finite[:-1] + finite[1:]) / 2).astype(np.float32)  # exact: 11 of 24 bits
+    scattered = rng.standard_normal(200_000) * 2.0 ** rng.integers(-30, 18, 200_000)
+    edges = [65504, 65519.99, 65520, 65536, 3e38, np.inf, -np.inf, np.nan, 2.98e-8, 1e-45, -0.0]
+    values = np.concatenate([want, ties, scattered.astype(np.float32), np.float32(edges)])
+    halves = np.empty(values.size, np.uint16)
+    _round_float16(values.view(np.uint32).copy(), halves)
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16)
+    nan = np.isnan(expected) & np.isnan(halves.view(np.float16))
+    assert ((halves == expected.view(np.uint16)) | nan).all()
+
+
 @needs_mpi
-def test_the_compiled_step_starts_bfloat16_buckets_itself_on_two_ranks(tmp_path):
-    """On two ranks a bfloat16 bucket is summed by the step's own MPI operation, so the compiled
-    driver starts it inside the call like a float32 one (the backward writes the gradients into
-    it: no pack copy); they were all started after the call. The same bits as overlap=False,
-    averaged and summed; explain says where each starts."""
+def test_the_compiled_step_starts_16_bit_buckets_itself_on_two_ranks(tmp_path):
+    """On two ranks a bfloat16 or float16 bucket is summed by the step's own MPI operation, so
+    the compiled driver starts it inside the call like a float32 one (the backward writes the
+    gradients into it: no pack copy); they were all started after the call. The same bits as
+    overlap=False, averaged and summed; explain says where each starts."""
     result = run_script(
         tmp_path,
         """
         import ml_dtypes
         from backplan.distributed.in_plan import InPlanExchange
-        half = ml_dtypes.bfloat16
-        params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
-                                for k, v in init_mlp([8, 16, 4], seed=2).items()})
-        xs = bpd.shard(x.astype(half) * (1 + rank), rank, size)
-        ys = bpd.shard(y, rank, size)
         run, inside = InPlanExchange.run, []
         InPlanExchange.run = lambda self, *args: inside.append(1) or run(self, *args)
-        for average in (True, False):
+        for half, average in ((ml_dtypes.bfloat16, True), (ml_dtypes.bfloat16, False),
+                              (np.float16, True)):
+            params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
+                                    for k, v in init_mlp([8, 16, 4], seed=2).items()})
+            xs = bpd.shard(x.astype(half) * (1 + rank), rank, size)
+            ys = bpd.shard(y, rank, size)
             step = bpd.data_parallel(vg, bucket_bytes=300, average=average)
             after = bpd.data_parallel(vg, bucket_bytes=300, average=average, overlap=False)
             report = step.explain(params, xs, ys)
-            assert {row.dtype for row in report.buckets} == {"bf16"}
+            assert len({row.dtype for row in report.buckets}) == 1  # the loss too is 16-bit
             assert all(row.calls_in_flight is not None for row in report.buckets), str(report)
             inside.clear()
             for _ in range(2):
