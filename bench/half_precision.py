@@ -111,6 +111,10 @@ def main(argv=None) -> None:
         "--unspread", action="store_true", help="also time 16-bit widenings in loops of their own"
     )
     args = parser.parse_args(argv)
+    kinds = ", ".join(sorted(LOSSES))
+    for name in args.models.split(","):
+        if name not in MODELS or MODELS[name].kind not in LOSSES:
+            parser.error(f"--models {name}: the models of kind {kinds} run here (not cnn, lstm)")
     print(pin_process(1), "BACKPLAN_BACKEND", os.environ.get("BACKPLAN_BACKEND", "numba"))
     schedule = QUICK if args.small else FULL
     for name in args.models.split(","):
