@@ -702,8 +702,9 @@ def test_the_compiled_step_starts_16_bit_buckets_itself_on_two_ranks(tmp_path):
         from backplan.distributed.in_plan import InPlanExchange
         run, inside = InPlanExchange.run, []
         InPlanExchange.run = lambda self, *args: inside.append(1) or run(self, *args)
-        for half, average in ((ml_dtypes.bfloat16, True), (ml_dtypes.bfloat16, False),
-                              (np.float16, True)):
+        # bfloat16 alone: float16 takes the same path but for its operation (tested above);
+        # a second plan would add its cold compile to the suite
+        for half, average in ((ml_dtypes.bfloat16, True), (ml_dtypes.bfloat16, False)):
             params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
                                     for k, v in init_mlp([8, 16, 4], seed=2).items()})
             xs = bpd.shard(x.astype(half) * (1 + rank), rank, size)
