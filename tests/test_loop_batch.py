@@ -255,3 +255,34 @@ def test_a_note_whose_batch_object_is_gone_does_not_count_as_cached(tmp_path):
         os.remove(tmp_path / "__pycache__" / name)
     after = script_facts(EXPLAIN, env=env)["cached"]
     assert after == before - first["batch"]["compiled"]
+
+
+def test_two_processes_starting_at_once_compile_the_batch_once(tmp_path):
+    """The ranks of `mpiexec -n 2` (or two test workers) make the same plan's first call at the
+    same moment: one compiles the batch while the other waits on its lock
+    (codegen/build/batch_lock.py), then loads it. Both compiled it before, each in full."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path), "BACKPLAN_DRIVER": "python"}
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, "loss"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for process in started:
+        out, _ = process.communicate(timeout=600)
+        assert process.returncode == 0
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for result in results:
+        close(result, "loss")
+        assert result["numba_compiled"] == 0
+    loops = results[0]["loops"]
+    assert loops >= 2
+    assert sorted(r["batch"]["compiled"] for r in results) == [0, loops]
+    assert sorted(r["batch"]["loaded"] for r in results) == [0, loops]
+    assert results[0]["values"] == results[1]["values"]
+    assert [name for name in os.listdir(tmp_path / "__pycache__") if name.endswith(".lock")]

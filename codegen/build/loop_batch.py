@@ -28,7 +28,7 @@ import json
 import os
 import threading
 
-from backplan.codegen.build import cache, cache_health, cache_signing
+from backplan.codegen.build import batch_lock, cache, cache_health, cache_signing
 
 _lock = threading.Lock()
 _LIBRARIES: dict[str, object] = {}  # batch file name -> its loaded library (kept alive)
@@ -45,24 +45,36 @@ def group(calls) -> None:
 
 def compile_together(wanted) -> None:
     """Compile the (AddressCall, small) forms in `wanted` that have no entry yet and are not in
-    a cache, in one library per optimisation level; set each one's entry."""
-    from numba.core import event
+    a cache, in one library per optimisation level; set each one's entry. One process at a
+    time compiles a given batch (codegen/build/batch_lock.py); the others then load it."""
     from numba.core.compiler_lock import global_compiler_lock
 
     with global_compiler_lock:
         todo = [(call, small) for call, small in wanted if call.needs_compiling(small)]
         if len(todo) < 2:
             return  # one loop is one module either way: Numba's own compile and cache
-        loops = [call.loop(small) for call, small in todo]
-        with event.trigger_event("numba:compile", data=_announce(len(loops))):
-            libraries, lowered = _lower(loops)
-            for library in libraries.values():
-                library.finalize()
-        for (call, small), (library, symbol) in zip(todo, lowered, strict=True):
-            call.set_entry(small, library.get_pointer_to_function(symbol), library, symbol)
-        with _lock:
-            counts["compiled"] += len(todo)
-        _save(loops, lowered)
+        with batch_lock.held([_note_path(call.loop(small)) for call, small in todo]):
+            # another process (an MPI rank, a test worker) may have compiled them meanwhile
+            todo = [(call, small) for call, small in todo if call.needs_compiling(small)]
+            if len(todo) >= 2:
+                _compile(todo)
+
+
+def _compile(todo) -> None:
+    """Compile the forms in todo (two or more) into one library per optimisation level, set
+    each one's entry and save the batch."""
+    from numba.core import event
+
+    loops = [call.loop(small) for call, small in todo]
+    with event.trigger_event("numba:compile", data=_announce(len(loops))):
+        libraries, lowered = _lower(loops)
+        for library in libraries.values():
+            library.finalize()
+    for (call, small), (library, symbol) in zip(todo, lowered, strict=True):
+        call.set_entry(small, library.get_pointer_to_function(symbol), library, symbol)
+    with _lock:
+        counts["compiled"] += len(todo)
+    _save(loops, lowered)
 
 
 def _lower(loops: list) -> tuple[dict, list]:
