@@ -13,6 +13,7 @@ from numba.core.caching import NullCache
 from backplan.codegen.build import (
     cache_health,
     library_cache,  # its locator, before any compile
+    runtime_cache,
 )
 from backplan.codegen.build.cache_signing import SignedFunctionCache
 
@@ -24,6 +25,8 @@ AS_PYTHON = os.environ.get("BACKPLAN_KERNELS_AS_PYTHON") == "1"
 # with NUMBA_THREADING_LAYER, is left alone.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
+
+runtime_cache.install()  # Numba's runtime functions from the cache folder, before any compile
 
 
 def compiled_njit(cache: bool = False, **options):
