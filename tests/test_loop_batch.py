@@ -74,7 +74,8 @@ def close(result, plans):
 
 
 def batch_files(folder):
-    return sorted(name for name in os.listdir(folder / "__pycache__") if name.endswith(".o"))
+    names = os.listdir(folder / "__pycache__")  # loop batches; not Numba's runtime (bp_nrt_)
+    return sorted(n for n in names if n.endswith(".o") and not n.startswith("bp_nrt_"))
 
 
 def test_loops_compile_together_then_load_in_a_later_process(tmp_path):
