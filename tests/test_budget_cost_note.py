@@ -88,3 +88,25 @@ def test_saved_bytes_budget_of_a_compiled_step_offers_bfloat16_with_what_it_runs
     allowed = step_with(saved_bytes_budget=budget, allow_saved_dtype=bp.bfloat16)
     assert added_flops(allowed) == 0  # half the bytes in bfloat16: nothing recomputed
     assert "allow_saved_dtype=bp.bfloat16 would fit it with no added FLOPs" in text
+
+
+def test_a_refusal_says_whether_bfloat16_saved_buffers_would_fit_the_budget():
+    """Under the full-precision floor but within what bfloat16 saved buffers reach: the refusal
+    says that allow_saved_dtype=bp.bfloat16 fits it, for the FLOPs the allowed step then adds
+    (before, it said only that the option exists)."""
+    allowed = bp.value_and_grad(loss, allow_saved_dtype=bp.bfloat16).memory_frontier(*arrays())
+    full = bp.value_and_grad(loss).memory_frontier(*arrays())
+    floor = (full.floor or full.points[-1]).peak_bytes
+    lowest = min(p.peak_bytes for p in allowed.points + [allowed.floor] if p is not None)
+    assert lowest < floor - 1
+    budget = floor - 1
+    with pytest.raises(bp.MemoryBudgetError) as refused:
+        bp.value_and_grad(loss, max_peak_bytes=budget).trace(*arrays())
+    words = " ".join(str(refused.value).split())
+    step = bp.value_and_grad(loss, max_peak_bytes=budget, allow_saved_dtype=bp.bfloat16)
+    flops = added_flops(step)
+    cost = f"for {flops:,} added FLOPs" if flops else "with no added FLOPs (nothing recomputed)"
+    assert f"allow_saved_dtype=bp.bfloat16 fits it: {cost}" in words, words
+    assert "rounded to 8 significant bits" in words
+    # max_batch's probes refuse without weighing it, and find the same batch as before
+    assert bp.max_batch(bp.value_and_grad(loss), arrays(), max_peak_bytes=budget) >= 1

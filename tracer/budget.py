@@ -10,6 +10,7 @@ holds. The cheapest plan (fewest added FLOPs) that fits is used; if none fits,
 from __future__ import annotations
 
 import numbers
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from backplan.ir.budget import PlanPoint, plan_frontier, refined_within
@@ -275,6 +276,19 @@ class BudgetPlanner:
 
     def _narrowed_alternative(self, dtype: str) -> str:
         option, limit = self.fitted
+        point = self._narrowed_fit(option, limit, dtype)
+        if point is None:
+            return ""
+        _, mine, _ = self.recomputed_for
+        if (point.added_flops if point else 0) >= mine.added_flops:
+            return ""
+        words = self._offer_words(point, dtype)
+        return f" allow_saved_dtype=bp.{np_dtype(dtype).name} would fit it {words}."
+
+    def _narrowed_fit(self, option: str, limit: int, dtype: str):
+        """The point a budget allowed dtype for its saved buffers runs (False: nothing
+        recomputed), or None where it is refused or keeps full precision. A second planner
+        sharing this one's built plans weighs the candidates; the plans it builds are let go."""
         other = BudgetPlanner(self.choices, self.input_bytes, self.name, dtype)
         other.inlined, other.not_kept, other._kept = self.inlined, self.not_kept, self.kept_bytes()
         other._built = self._built  # the same plans (keys say whether narrowed): none rebuilt
@@ -285,27 +299,26 @@ class BudgetPlanner:
             else:
                 other.fit_saved(limit, self.build())
         except MemoryBudgetError:
-            return ""
+            return None
         finally:  # their peaks were all it needed (a narrowed default plan too: no choices
             for key in set(self._built) - before:  # keep it)
                 self._built[key] = replace(self._built[key], plans=None)
         if other.narrowed_for is None:
-            return ""  # full precision is the cheapest fit with the narrower dtype allowed too
-        point = other.recomputed_for[1] if other.recomputed_for else None
-        flops = point.added_flops if point else 0
-        _, mine, _ = self.recomputed_for
-        if flops >= mine.added_flops:
-            return ""
+            return None  # full precision is the cheapest fit with the narrower dtype allowed too
+        return other.recomputed_for[1] if other.recomputed_for else False
+
+    def _offer_words(self, point, dtype: str) -> str:
         step = max(self.step_flops(), 1)
         name = np_dtype(dtype).name
         cost = (
-            f"for {flops:,} added FLOPs (+{100 * flops / step:.1f}%, {len(point.drop)} recomputed)"
+            f"for {point.added_flops:,} added FLOPs (+{100 * point.added_flops / step:.1f}%, "
+            f"{len(point.drop)} recomputed)"
             if point
             else "with no added FLOPs (nothing recomputed)"
         )
         return (
-            f" allow_saved_dtype=bp.{name} would fit it {cost}, the saved buffers kept in {name}: "
-            f"the backward would read them {_rounding_words(dtype)}."
+            f"{cost}, the saved buffers kept in {name}: the backward would read them "
+            f"{_rounding_words(dtype)}"
         )
 
     def chosen(self) -> tuple[frozenset, str | None, str | None]:
@@ -639,7 +652,7 @@ class BudgetPlanner:
             text += f" That peak is {holders}."
         return (
             text
-            + self._narrowing_text(best)
+            + self._narrowing_text(best, limit)
             + (
                 " Ways out: a smaller batch (bp.max_batch(fn, args, max_peak_bytes=...) says the "
                 "largest that fits), or a larger budget."
@@ -651,11 +664,18 @@ class BudgetPlanner:
             return f"the gradients of the value_and_grad called at {', '.join(self.inlined)}"
         return "the backward"
 
-    def _narrowing_text(self, best: EvaluatedPoint) -> str:
-        """What 16-bit saved buffers would give (or gave) the refused budget."""
+    def _narrowing_text(self, best: EvaluatedPoint, limit: int) -> str:
+        """What 16-bit saved buffers would give (or gave) the refused budget: with no narrower
+        dtype allowed, whether allow_saved_dtype=bp.bfloat16 fits it and for what (not while
+        bp.max_batch probes sizes: brief_refusals)."""
         if self.choices.options.saved_dtype is not None or best.saved_dtype is not None:
             return ""
         if self.allow_dtype is None:
+            point = None if _BRIEF[0] else self._narrowed_fit("max_peak_bytes", limit, "bf16")
+            if point is not None:
+                return (
+                    f" allow_saved_dtype=bp.bfloat16 fits it: {self._offer_words(point, 'bf16')}."
+                )
             return (
                 " allow_saved_dtype=bp.bfloat16 would also let the planner keep the saved "
                 "buffers in bfloat16 (no added FLOPs, a rounding)."
@@ -665,6 +685,20 @@ class BudgetPlanner:
             f" With the saved buffers in {np_dtype(self.allow_dtype).name} "
             f"(allow_saved_dtype) the smallest peak is {format_bytes(narrowed.peak_bytes)}."
         )
+
+
+_BRIEF = [0]  # > 0 while bp.max_batch probes sizes (brief_refusals)
+
+
+@contextmanager
+def brief_refusals():
+    """Refusals that do not weigh bfloat16 saved buffers: bp.max_batch raises and catches one
+    per size too large, and reads none of their words."""
+    _BRIEF[0] += 1
+    try:
+        yield
+    finally:
+        _BRIEF[0] -= 1
 
 
 def _narrowing(choices: PlanChoices, dtype: str) -> PlanChoices:

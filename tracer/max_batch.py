@@ -15,7 +15,7 @@ import numpy as np
 
 from backplan.ir.errors import MemoryBudgetError, ShapeError
 
-from .budget import checked_budget
+from .budget import brief_refusals, checked_budget
 from .compile import CompiledFunction
 from .pytree import flatten, unflatten
 from .tensor import Tensor
@@ -58,7 +58,8 @@ def max_batch(fn, args, max_peak_bytes: int, axis: int = 0) -> int:
 
     def fits(batch: int) -> bool:
         try:
-            fn.with_budget(limit).trace(*resize(batch))
+            with brief_refusals():  # the refusal's words are not read
+                fn.with_budget(limit).trace(*resize(batch))
         except MemoryBudgetError:
             return False
         except ShapeError as error:
