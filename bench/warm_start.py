@@ -47,15 +47,20 @@ def start_once(model: str, cache: str, **variables: str) -> dict:
     return child_result([sys.executable, "-I", "-c", CHILD, model], env, 900, "warm-start child")
 
 
-def measure(model: str, runs: int, cache: str) -> dict:
-    """Fill `cache` with one process (not counted), then `runs` fresh warm ones. The filling
-    process compiles the plan's driver in the call (BACKPLAN_DRIVER=inline): a background build
-    would still be compiling beside the first timed runs."""
-    start_once(model, cache, BACKPLAN_DRIVER="inline")
+def measure(model: str, runs: int, cache: str, fill: str = "inline") -> dict:
+    """Fill `cache` with one process (not counted), then `runs` fresh warm ones. fill "inline":
+    the filling process compiles the plan's Numba driver in the call (BACKPLAN_DRIVER=inline;
+    a background build would still be compiling beside the first timed runs); "default": it runs
+    as a user's process does, its second call building the direct driver the warm processes
+    load (what a user's second process starts with)."""
+    if fill == "inline":
+        start_once(model, cache, BACKPLAN_DRIVER="inline")
+    else:
+        start_once(model, cache)
     load_before = os.getloadavg()
     samples = [start_once(model, cache) for _ in range(runs)]
     load_after = os.getloadavg()
-    row: dict = {"model": model, "runs": runs, "cache_entries": _entries(cache)}
+    row: dict = {"model": model, "runs": runs, "cache_entries": _entries(cache), "fill": fill}
     for part in PARTS:
         values = [s[part] for s in samples]
         row[part] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -101,11 +106,18 @@ def main(argv=None) -> int:
         "--cache-dir",
         help="a kernel cache folder to use and keep (default: a new temporary one)",
     )
+    parser.add_argument(
+        "--fill",
+        choices=("inline", "default"),
+        default="inline",
+        help="how the filling process runs: inline (its Numba driver compiled in the call) or "
+        "default (as a user's process: the direct driver built in its second call)",
+    )
     parser.add_argument("--json", action="store_true", help="print the row as JSON")
     args = parser.parse_args(argv)
     folder = args.cache_dir or tempfile.mkdtemp(prefix="bp-warm-start-")
     try:
-        row = measure(args.model, args.runs, folder)
+        row = measure(args.model, args.runs, folder, args.fill)
     finally:
         if not args.cache_dir:
             shutil.rmtree(folder, ignore_errors=True)
