@@ -123,3 +123,14 @@ def only_plan(compiled_fn, arguments):
     """The compiled plan of the one runner a call with these arguments has."""
     (runner,) = compiled_fn.trace(*arguments).runners()
     return runner.compiled
+
+
+def tamper_signed_file(path) -> None:
+    """Change one hex digit in the middle of a signed cache file, as a disk fault or an
+    editor would: its signature no longer matches."""
+    with open(path, "rb") as f:
+        text = bytearray(f.read())
+    middle = len(text) // 2
+    text[middle] = ord("0") if text[middle] != ord("0") else ord("1")
+    with open(path, "wb") as f:
+        f.write(text)

@@ -482,11 +482,9 @@ def _inner_loops(source: str) -> list[list[str]]:
     return loops
 
 
-def test_a_row_stage_reads_each_row_statistic_once_per_row():
-    """A row's mean and 1/std, stored by one stage and read by the next stage's loop over
-    columns, are read once before that loop: the loop's stores go to the same arena, so inside
-    it they were loaded again at every column. Values equal the reference's."""
-    rng = np.random.default_rng(12)
+def _ln_gelu_compiled(seed: int):
+    """ln_gelu's value_and_grad, its arguments, and its plan compiled on the numba backend."""
+    rng = np.random.default_rng(seed)
 
     def ln_gelu(x, g, b, up):
         y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x
@@ -497,6 +495,14 @@ def test_a_row_stage_reads_each_row_statistic_once_per_row():
     vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
     with use_backend("numba"):
         compiled = vg.trace(*args).runner().compiled
+    return vg, args, compiled
+
+
+def test_a_row_stage_reads_each_row_statistic_once_per_row():
+    """A row's mean and 1/std, stored by one stage and read by the next stage's loop over
+    columns, are read once before that loop: the loop's stores go to the same arena, so inside
+    it they were loaded again at every column. Values equal the reference's."""
+    vg, args, compiled = _ln_gelu_compiled(seed=12)
     sources = [k.source for k in compiled.loop_kernels if "for i1 in " in k.source]
     assert sources and all(re.search(r"\n +row_\w+ = ", source) for source in sources)
     for source in sources:
@@ -511,17 +517,7 @@ def test_a_rematerialised_chain_in_the_same_row_kernel_computes_once():
     its gradient part rather than hold them; in one row kernel the copy's row statistics are
     equal to the originals (the same ops on equal inputs), so the stage that reads both
     computes the chain once. Values equal the reference's."""
-    rng = np.random.default_rng(13)
-
-    def ln_gelu(x, g, b, up):
-        y = bp.gelu(bp.layer_norm(x) * g + b, approximate="tanh") + x
-        return bp.sum(y * up)
-
-    shapes = ((40, 24), (24,), (24,), (40, 24))
-    args = [bp.tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes]
-    vg = bp.value_and_grad(ln_gelu, argnums=(0, 1, 2))
-    with use_backend("numba"):
-        compiled = vg.trace(*args).runner().compiled
+    vg, args, compiled = _ln_gelu_compiled(seed=13)
     (source,) = [k.source for k in compiled.loop_kernels if "tanh_f32(" in k.source]
     kernel = source[source.rindex("\ndef kernel(") :]  # the variant with views
     (loop,) = [loop for loop in _inner_loops(kernel) if any("tanh_f32(" in x for x in loop)]

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import only_plan, result_arrays, script_facts
+from helpers import only_plan, result_arrays, script_facts, tamper_signed_file
 
 import backplan as bp
 from backplan.codegen.build import direct_driver, driver_builder, driver_numbers
@@ -557,12 +557,7 @@ def test_a_next_process_loads_the_direct_driver_and_a_tampered_one_is_built_agai
     assert (first["cached"], second["cached"]) == (False, True)
     assert second["values"] == first["values"] and second["warnings"] == []
     (stored,) = glob.glob(str(tmp_path / "kernels" / "__pycache__" / "bp_direct_*.o"))
-    with open(stored, "rb") as f:
-        text = bytearray(f.read())
-    middle = len(text) // 2  # one hex digit of the signed payload changed
-    text[middle] = ord("0") if text[middle] != ord("0") else ord("1")
-    with open(stored, "wb") as f:
-        f.write(text)
+    tamper_signed_file(stored)  # one hex digit of the signed payload changed
     third = script_facts(NEXT_PROCESS, tests, env=env, timeout=600)
     assert third["tier"] == "direct" and third["cached"] is False, third["error"]
     assert any("bp_direct_" in w for w in third["warnings"]), third["warnings"]

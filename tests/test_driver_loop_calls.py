@@ -12,7 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import only_plan, result_arrays
+from helpers import only_plan, result_arrays, tamper_signed_file
 from numba.types import Literal
 
 import backplan as bp
@@ -193,13 +193,6 @@ def _is_loop_code(name: str) -> bool:
     return name.startswith("k_batch_") or (".kernel_at" in name and name.endswith(".nbc"))
 
 
-def _tamper(path) -> None:
-    text = bytearray(path.read_bytes())
-    middle = len(text) // 2
-    text[middle] = ord("0") if text[middle] != ord("0") else ord("1")
-    path.write_bytes(bytes(text))
-
-
 def test_a_cached_driver_resolves_its_loops_in_a_new_process_and_tampered_files_are_rebuilt(
     model, tmp_path
 ):
@@ -218,7 +211,7 @@ def test_a_cached_driver_resolves_its_loops_in_a_new_process_and_tampered_files_
     loops = [p for p in numba_files.iterdir() if _is_loop_code(p.name)]
     assert loops
     for path in loops:
-        _tamper(path)
+        tamper_signed_file(path)
     third = _child(tmp_path)
     assert (third["tier"], third["hits"], third["misses"]) == ("compiled", 1, 0)
     refused = [w for w in third["warnings"] if any(p.name in w for p in loops)]
@@ -227,7 +220,7 @@ def test_a_cached_driver_resolves_its_loops_in_a_new_process_and_tampered_files_
     drivers = [p for p in numba_files.iterdir() if p.name.startswith("bp_") and p.suffix == ".nbc"]
     assert drivers
     for path in drivers:
-        _tamper(path)
+        tamper_signed_file(path)
     fourth = _child(tmp_path)
     assert (fourth["tier"], fourth["misses"]) == ("compiled", 1)
     assert fourth["values"] == first["values"]

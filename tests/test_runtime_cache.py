@@ -6,7 +6,7 @@ import glob
 import os
 import textwrap
 
-from helpers import script_facts
+from helpers import script_facts, tamper_signed_file
 
 SCRIPT = textwrap.dedent(
     """
@@ -50,12 +50,7 @@ def test_the_runtime_functions_are_compiled_once_then_loaded(tmp_path):
     assert first["values"] == second["values"] == [0.0, 0.0, 0.0, 2.5]
     assert second["warnings"] == []
     (stored,) = glob.glob(str(tmp_path / "kernels" / "__pycache__" / "bp_nrt_*.o"))
-    with open(stored, "rb") as f:
-        text = bytearray(f.read())
-    middle = len(text) // 2  # one hex digit of the signed payload changed
-    text[middle] = ord("0") if text[middle] != ord("0") else ord("1")
-    with open(stored, "wb") as f:
-        f.write(text)
+    tamper_signed_file(stored)  # one hex digit of the signed payload changed
     third = script_facts(SCRIPT, env=env, timeout=300)
     assert third["loaded"] == [] and third["values"] == first["values"]
     assert any("bp_nrt_" in w for w in third["warnings"]), third["warnings"]
