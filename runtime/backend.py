@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from backplan.codegen.run import memory_check
+from backplan.ir.gc_pause import paused_gc
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import OWNED_ROLES, Plan
 from backplan.ir.lowering import LoweredPlan, lower
@@ -222,7 +223,12 @@ def runner_for(plan: Plan, runners: dict, background: bool | None = None):
         with _making_runner:
             found = runners.get(backend)
             if found is None:
-                found = make_runner(lower(plan), backend, background=background)
+                with paused_gc():  # ir/gc_pause.py: lowering's objects are no garbage
+                    lowered = lower(plan)
+                    if plan.shared is not None:  # a size of a symbolic plan (ir/symbolic.py)
+                        found = make_runner(lowered, backend, background=background)
+                if found is None:  # loop kernels may compile here: cycles are collected
+                    found = make_runner(lowered, backend, background=background)
                 runners[backend] = found
     return found
 

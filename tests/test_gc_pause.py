@@ -112,3 +112,44 @@ def test_the_pipeline_plans_a_trace_with_the_collector_paused(monkeypatch, front
         bp.compile(lambda w, x: bp.tanh(x @ w).sum())(w, x).backward()
     assert states == [False]
     assert gc.isenabled()
+
+
+def test_a_new_batch_size_is_planned_with_the_collector_paused(monkeypatch):
+    """A new size of a symbolic plan is instantiated, lowered, rendered and given its runner
+    with the collector off (its objects outlive the call; collections during it promoted them
+    and a full one walked every size's plans), its values still the reference's, and the
+    collector is on again after each call."""
+    from backplan.ir import symbolic
+    from backplan.runtime import backend
+
+    states: dict[str, list] = {"at": [], "lower": [], "runner": []}
+
+    def recording(name, original):
+        def record(*args, **kwargs):
+            states[name].append(gc.isenabled())
+            return original(*args, **kwargs)
+
+        return record
+
+    monkeypatch.setattr(symbolic.SymbolicPlan, "at", recording("at", symbolic.SymbolicPlan.at))
+    monkeypatch.setattr(backend, "lower", recording("lower", backend.lower))
+    monkeypatch.setattr(backend, "make_runner", recording("runner", backend.make_runner))
+
+    def loss(w, x):
+        return bp.tanh(x @ w).sum()
+
+    step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "batch"}}))
+    w = np.linspace(-0.5, 0.5, 24, dtype=np.float32).reshape(6, 4)
+    gc.enable()
+    for n in (5, 8, 3, 11):
+        x = np.linspace(-2, 2, n * 6, dtype=np.float32).reshape(n, 6)
+        value, grad = step(bp.tensor(w), x)
+        assert gc.isenabled()
+        with backend.use_backend("reference"):
+            want, want_grad = step(bp.tensor(w), x)
+        np.testing.assert_allclose(value, want, rtol=1e-5)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert states["at"] and not any(states["at"])  # every new size instantiated paused
+    assert len(states["lower"]) >= 4 and not any(states["lower"])
+    assert states["runner"].count(False) >= 3  # the sizes after the first (shared plans)
+    assert step.cache_info().traces == 1

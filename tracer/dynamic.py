@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from backplan.ir import update_order
+from backplan.ir.gc_pause import paused_gc
 from backplan.ir.symbolic import Affine, SymbolicError, fit_number
 
 from .errors import TracingError
@@ -224,7 +225,13 @@ class DynamicEntry:
             if entry is not None:
                 self._sizes.move_to_end(size)
                 return entry
-        entry = trace_one() if self.fitted is None else self._make(self.template, self.fitted, size)
+        if self.fitted is None:
+            entry = trace_one()
+        else:  # a new size's plan, lowered and rendered paused too (runtime/backend.py): its
+            # objects outlive the call, and a collection promoting them walked every size's
+            # plans (a full collection of 30-50 ms on one new size's first call in a few)
+            with paused_gc():
+                entry = self._make(self.template, self.fitted, size)
         with self._lock:
             entry = self._sizes.setdefault(size, entry)
             while len(self._sizes) > SIZES_KEPT:

@@ -36,6 +36,7 @@ from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare, refu
 from backplan.codegen.run.workspace import WorkspacePool, sized_launch
 from backplan.ir.errors import ExecutionError
 from backplan.ir.flops import node_flops
+from backplan.ir.gc_pause import paused_gc
 from backplan.ir.index_check import format_position
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import Plan
@@ -213,7 +214,8 @@ class CompiledPlan:
         plan = self.plan = lowered.plan
         self._interpreted = lowered.interpreted or plan
         start = time.perf_counter()
-        generated, self.key_parts, recorded = rendering(lowered)
+        with paused_gc():  # ir/gc_pause.py: rendering's objects are no garbage
+            generated, self.key_parts, recorded = rendering(lowered)
         self.donations = lowered.donations  # output buffer -> donated input
         self.layout = generated.layout
         self.source = generated.source
