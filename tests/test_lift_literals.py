@@ -1,0 +1,56 @@
+"""codegen/render/lift.py: every number of a driver body becomes a read of lit_i / lit_f, in
+order, and nothing else changes: names holding digits, strings and comments stay; the body
+lifted in one pass equals the body lifted line by line (the lines a size-generic driver keeps)."""
+
+import re
+
+from backplan.codegen.render.lift import _TOKEN, lift_literals
+
+
+def _line_by_line(body):
+    ints, floats = [], []
+
+    def lift(match):
+        number = match.group(3)
+        if number is None:
+            return match.group(0)
+        if any(c in number for c in ".eE"):
+            floats.append(float(number))
+            return f"lit_f[{len(floats) - 1}]"
+        ints.append(int(number))
+        return f"lit_i[{len(ints) - 1}]"
+
+    return [_TOKEN.sub(lift, line) for line in body], ints, floats
+
+
+BODY = [
+    "# %v12 = add %v3, %v4 {axis=2} : f32[8, 64]",
+    "v12 = scratch_float32[1024:1536].reshape((8, 64))",
+    "k_3a9f(v12, np.intp(8), np.intp(64), np.float32(0.015625), np.float64(1e-05))",
+    "raise ValueError('label 3 out of range 0..9')  # 10 classes",
+    "x2 = v1[0:17, 3:5]  # rows 0..17",
+    'print("a #comment-like 42 in a string", 7.5e+3, .25, 3.)',
+    "",
+    "if bad != -1:",
+    "    return 12",
+]
+
+
+def test_lifting_the_body_at_once_equals_lifting_it_line_by_line():
+    assert lift_literals(BODY) == _line_by_line(BODY)
+    body, ints, floats = lift_literals(BODY)
+    assert ints == [1024, 1536, 8, 64, 8, 64, 0, 17, 3, 5, 1, 12]
+    assert floats == [0.015625, 1e-05, 7.5e3, 0.25, 3.0]
+    assert body[0] == BODY[0]  # a comment keeps its numbers
+    assert body[3] == "raise ValueError('label 3 out of range 0..9')  # 10 classes"
+    assert "k_3a9f(v12" in body[2] and "scratch_float32[lit_i[0]:lit_i[1]]" in body[1]
+    assert len(body) == len(BODY)
+    assert not any(re.search(r"(?<![\w.\[])\d", line) for line in body[1:3])
+
+
+def test_a_statement_of_several_lines_and_an_empty_body_keep_their_shape():
+    body = ["f(1,\n  2.5)", "g(3)  # 4\n# 5"]
+    assert lift_literals(body) == _line_by_line(body)
+    assert lift_literals(body)[0] == ["f(lit_i[0],\n  lit_f[0])", "g(lit_i[1])  # 4\n# 5"]
+    assert lift_literals([]) == ([], [], [])
+    assert lift_literals([""]) == ([""], [], [])
