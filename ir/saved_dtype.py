@@ -8,7 +8,9 @@ copy would add to what is held, not replace it).
 
 The joint plan of value_and_grad (`narrowed_joint`) does the same to the values its gradient
 part reads from its forward part: the narrowing cast runs right after the value is made (a
-forward node: `is_saved_narrowing`), the widening cast just before the first gradient reader.
+forward node: `is_saved_narrowing`), the widening cast just before the first gradient reader
+(in compiled plans ir/widen.py moves it into its readers: a matmul reads the bfloat16 value
+as it is, a fused loop widens it as it reads).
 """
 
 from __future__ import annotations

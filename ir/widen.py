@@ -15,6 +15,14 @@ products went to BLAS on float32 copies until the copies (and, in a plan, the lo
 them) measured slower than the own GEMM reading float16 (the bench mlp's float16 step 1.03x
 -> 1.00x the float32 one; bench/half_precision.py --float16 --widened).
 
+The float32 copy of a bfloat16 array (a saved value kept in bfloat16, ir/saved_dtype.py) is
+not made where a float32 matmul reads it: the matmul reads the bfloat16 array beside its
+float32 operand (the GEMM widens it while packing), and a transpose or reshape of the copy
+becomes the copy of the transposed or reshaped array, so the cast reaches its reader (a
+fused loop widens it as it reads). transformer x 6 with bfloat16 saved buffers: 42 float32
+copies no longer made, the step's peak 136.6 -> 119.8 MB, the step 1.036x -> 0.984x the
+full-precision one (BENCHMARKS.md, 30).
+
     >>> from backplan.ir.graph import Graph
     >>> from backplan.ir.builder import Builder
     >>> g = Graph(); b = Builder(g)
@@ -78,8 +86,10 @@ def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
         start, casts_in = len(new.nodes), 0
         if node.op == "astype":
             mapping[node] = _cast(new, inputs[0], node.dtype, node.loc)
-        elif reads_half_operands(node, inputs):
-            mapping[node] = _half_matmul(new, node, inputs)
+        elif node.op in _CAST_MOVES_PAST and _widens_bfloat16(inputs[0]):
+            mapping[node] = _widened_view(new, node, inputs[0].inputs[0])
+        elif reads_half_operands(node, unwidened := _bfloat16_read_as_is(node, inputs)):
+            mapping[node] = _half_matmul(new, node, unwidened)
         elif computes_in_float32(node):
             mapping[node] = _in_float32(new, node, inputs)
             casts_in = sum(is_half(i.dtype) for i in inputs)
@@ -88,17 +98,67 @@ def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
         for value in new.nodes[start + casts_in :]:
             origin[value] = node
     new.outputs = [mapping[o] for o in graph.outputs]
+    _drop_unread_widenings(new, origin)
     return new, origin
 
 
 def reads_half_operands(node: Value, inputs: list[Value]) -> bool:
-    """A matmul of two bfloat16 or two float16 arrays (no literals: a literal operand is
-    widened as before), which the GEMM reads without float32 copies."""
-    if node.op != "matmul" or not is_half(inputs[0].dtype):
+    """A matmul of two bfloat16 or two float16 arrays, or of one bfloat16 array beside a
+    float32 one (no literals: a literal operand is widened as before), which the GEMM reads
+    without float32 copies."""
+    if node.op != "matmul" or not any(is_half(i.dtype) for i in inputs):
         return False
-    if any(i.dtype != inputs[0].dtype for i in inputs):
+    if {i.dtype for i in inputs} not in ({"bf16"}, {"f16"}, {"bf16", "f32"}):
         return False
     return not any(_literal_source(i) for i in inputs)
+
+
+def _bfloat16_read_as_is(node: Value, inputs: list[Value]) -> list[Value]:
+    """A float32 matmul's operands, each float32 copy of a bfloat16 array (astype, exact: a
+    saved value kept in bfloat16 and widened for the backward, ir/saved_dtype.py) replaced by
+    that array: the GEMM widens it while packing (gemm/symbols.py `backplan_gemm_bf16_f32`),
+    so no float32 copy is made or held for it to read."""
+    if node.op != "matmul" or node.dtype != "f32":
+        return inputs
+    return [i.inputs[0] if _widens_bfloat16(i) else i for i in inputs]
+
+
+# Views of a float32 copy of a bfloat16 array become the float32 copy of the same view of the
+# array: the cast reaches the op reading the view, which then reads the array as it is (a
+# matmul) or widens it in its own loop, where before the copy was made whole for the view.
+_CAST_MOVES_PAST = ("transpose", "reshape")
+
+
+def _widened_view(graph: Graph, view: Value, narrow: Value) -> Value:
+    """view of narrow's float32 copy as the float32 copy of the same view of narrow."""
+    type_ = TensorType(narrow.dtype, view.shape)
+    moved = _add(graph, Value(view.op, (narrow,), view.attrs, type_, view.loc))
+    return _add(graph, Value("astype", (moved,), {"dtype": "f32"}, view.type, view.loc))
+
+
+def _widens_bfloat16(value: Value) -> bool:
+    return (
+        value.op == "astype"
+        and value.dtype == "f32"
+        and value.inputs[0].dtype == "bf16"
+        and not _literal_source(value.inputs[0])
+    )
+
+
+def _drop_unread_widenings(graph: Graph, origin: dict) -> None:
+    """Remove the float32 copies of bfloat16 arrays that no node and no output reads any
+    more: every reader was a matmul reading the array as it is, or a view (_widened_view)."""
+    read = set(graph.outputs)
+    unread = set()
+    for node in reversed(graph.nodes):
+        if node not in read and _widens_bfloat16(node):
+            unread.add(node)
+        else:
+            read.update(node.inputs)
+    if unread:
+        graph.nodes[:] = [n for n in graph.nodes if n not in unread]
+        for node in unread:
+            origin.pop(node, None)
 
 
 def _literal_source(value: Value) -> bool:

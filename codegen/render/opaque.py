@@ -185,11 +185,16 @@ class OpEmitter:
 # loop (codegen/render/emit.py); here so that rendering imports no BLAS.
 
 
+def reads_16_bits(node: Value) -> bool:
+    """Whether a matmul reads a bfloat16 or float16 operand (ir/widen.py leaves it so)."""
+    return any(is_half(i.dtype) for i in node.inputs)
+
+
 def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     """Whether backplan's GEMM computes this matmul (else BLAS):
     codegen/kernels/gemm/choice.py. Always for bfloat16 and float16 operands (ir/widen.py
-    leaves them unwidened for it): BLAS has neither."""
-    if is_half(node.inputs[0].dtype):
+    leaves them unwidened for it, and a bfloat16 one beside a float32 one): BLAS has neither."""
+    if reads_16_bits(node):
         return decide("own_gemm", True)
     m, n = node.shape[-2:]
     k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
@@ -202,7 +207,7 @@ def own_gemm_parts(node: Value) -> int:
     """Cores the own GEMM shares out (gemm/parallel.py): for a 16-bit matmul those a float32
     product would get from BLAS, which a 16-bit one cannot call; for a large float32 one
     those BLAS would have had (gemm/choice.own_parallel_parts); 1 for every other matmul."""
-    if is_half(node.inputs[0].dtype):
+    if reads_16_bits(node):
         return decide("own_gemm_parts", min(threads(), blas_threads()))
     return decide("own_gemm_parts", _parallel_parts(node))
 

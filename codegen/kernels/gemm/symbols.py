@@ -6,7 +6,9 @@ driver calling the GEMM, carried its own copy of the whole blocked GEMM and its 
 (measured on the mlp's first step: about 1.3 s of LLVM per caller, 5 callers). Here the GEMM is
 one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`,
 `backplan_gemm_bf16`: bfloat16 operands, float32 result and sums, and `backplan_gemm_f16`:
-float16 operands widened while packing, float32 result and sums), compiled or loaded
+float16 operands widened while packing, float32 result and sums; `backplan_gemm_bf16_f32` and
+`backplan_gemm_f32_bf16`: one bfloat16 operand beside a float32 one, float32 result and sums,
+only compiled when a plan reads a bfloat16 saved value in a GEMM), compiled or loaded
 from the signed cache the first time anything needs it; callers declare the symbol and call it,
 which costs them a few instructions to compile.
 
@@ -21,6 +23,8 @@ loads any cached function whose machine code names it (`cache_signing.before_loa
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 from llvmlite import binding, ir
@@ -79,12 +83,13 @@ def _matrix(typingctx, address, rows, cols, row_stride, col_stride, like):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _gemm_at_addresses(args, alpha, beta, like, operand):
-    """C of like's dtype; A and B of operand's (like's, uint16 bfloat16 bits or int16 float16
-    bits)."""
+def _gemm_at_addresses(args, alpha, beta, like, operand, operand_b, swappable):
+    """C of like's dtype; A of operand's (like's, uint16 bfloat16 bits or int16 float16 bits)
+    and B of operand_b's (operand's, or like's beside a bfloat16 A). swappable: A and B of
+    one dtype, so that a narrow C may be computed as its transpose (A and B swapped)."""
     width, trans_a, trans_b, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1 = args
     nr = tile_shape(width, _matrix(c, m, n, c0, c1, like).itemsize)[1]
-    if trans_a != 0 and trans_b == 0 and n < nr <= m:
+    if swappable and trans_a != 0 and trans_b == 0 and n < nr <= m:
         # a narrow C of A.T @ B (a classifier's weight gradient): C.T = B.T @ A, whose tiles
         # are across C's long side, reads both operands in place (driver.py) instead of
         # padding n to the tile's width; own 12.6 against OpenBLAS 25.9 us (512x10x128)
@@ -92,7 +97,7 @@ def _gemm_at_addresses(args, alpha, beta, like, operand):
     a_rows, a_cols = (k, m) if trans_a else (m, k)
     b_rows, b_cols = (n, k) if trans_b else (k, n)
     a_matrix = _matrix(a, a_rows, a_cols, a0, a1, operand)
-    b_matrix = _matrix(b, b_rows, b_cols, b0, b1, operand)
+    b_matrix = _matrix(b, b_rows, b_cols, b0, b1, operand_b)
     c_matrix = _matrix(c, m, n, c0, c1, like)
     slot = _free_slot()
     base = scratch.buffer_of(slot) if slot >= 0 else 0
@@ -150,19 +155,19 @@ def _kept_dot_workspace(base):
 @njit(cache=True, nogil=True, _nrt=True)
 def _gemm_f32(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
-    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.float32(0))
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.float32(0), np.float32(0), True)
 
 
 @njit(cache=True, nogil=True, _nrt=True)
 def _gemm_f64(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
-    return _gemm_at_addresses(args, alpha, beta, np.float64(0), np.float64(0))
+    return _gemm_at_addresses(args, alpha, beta, np.float64(0), np.float64(0), np.float64(0), True)
 
 
 @njit(cache=True, nogil=True, _nrt=True)
 def _gemm_bf16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
-    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.uint16(0))
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.uint16(0), np.uint16(0), True)
 
 
 @njit(cache=True, nogil=True, _nrt=True)
@@ -170,7 +175,24 @@ def _gemm_f16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, be
     """float16 operands, read as int16 arrays: Numba has no float16 type, and int16 tells
     the packing (pack.py) float16 bits from bfloat16's uint16."""
     args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
-    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.int16(0))
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.int16(0), np.int16(0), True)
+
+
+@njit(cache=True, nogil=True, _nrt=True)
+def _gemm_bf16_f32(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    """A bfloat16 (uint16 bits), B and C float32: a saved activation read in the backward
+    beside a float32 gradient or weight, with no float32 copy of it (ir/widen.py). A is
+    widened while packing, as in _gemm_bf16's widening path."""
+    args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.uint16(0), np.float32(0), False)
+
+
+@njit(cache=True, nogil=True, _nrt=True)
+def _gemm_f32_bf16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    """A and C float32, B bfloat16: computed as C.T = op(B).T @ op(A).T, the bfloat16 operand
+    first, so that one blocked GEMM (_gemm_bf16_f32's) serves both orders."""
+    args = (width, 1 - tb, 1 - ta, n, m, k, b, b0, b1, a, a0, a1, c, c1, c0)
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.uint16(0), np.float32(0), False)
 
 
 @njit(cache=True, nogil=True, _nrt=True)
@@ -200,7 +222,14 @@ def _gemm_bf16_dot(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alph
 # run without it: the GEMM is first compiled when a kernel that calls it is, and a function
 # compiled inside another one inherits that one's settings where it does not set its own (a
 # lean GEMM kernel's compile then failed with "NRT required but not enabled").
-_FUNCTIONS = {"f32": _gemm_f32, "f64": _gemm_f64, "bf16": _gemm_bf16, "f16": _gemm_f16}
+_FUNCTIONS = {
+    "f32": _gemm_f32,
+    "f64": _gemm_f64,
+    "bf16": _gemm_bf16,
+    "f16": _gemm_f16,
+    "bf16_f32": _gemm_bf16_f32,
+    "f32_bf16": _gemm_f32_bf16,
+}
 _registered: set[str] = set()
 
 
@@ -243,16 +272,23 @@ def _load_or_compile(dispatcher, dtype: str):
 
 
 def _register_named(payload: bytes) -> None:
+    """Register the symbols payload names, whole names only: `backplan_gemm_bf16` is the start
+    of `backplan_gemm_bf16_f32`, and each symbol not used is a cold compile not paid."""
     for dtype in _FUNCTIONS:
-        if (PREFIX + dtype).encode() in payload:
+        if re.search(re.escape((PREFIX + dtype).encode()) + rb"(?![A-Za-z0-9_])", payload):
             ensure_registered(dtype)
 
 
 cache_signing.before_load(PREFIX.encode(), _register_named)
 
 
-def _symbol_dtype(result, operand) -> str | None:
-    """Which GEMM serves C of dtype result with operands of dtype operand (None: none)."""
+def _symbol_dtype(result, operand, operand_b=None) -> str | None:
+    """Which GEMM serves C of dtype result with A of dtype operand and B of operand_b (None:
+    operand's; the result None: none)."""
+    if operand_b is not None and operand_b != operand:
+        if result == types.float32 and {operand, operand_b} == {types.uint16, types.float32}:
+            return "bf16_f32" if operand == types.uint16 else "f32_bf16"
+        return None
     if result == types.float32 and operand == types.uint16:
         return "bf16"  # bfloat16 bits: Numba has no bfloat16 type
     if result == types.float32 and operand == types.int16:
@@ -291,12 +327,12 @@ def _call_entry(context, builder, function, signature, arguments):
 @intrinsic
 def call_gemm(typingctx, like, args, alpha, beta, a_like, b_like):
     """Call the GEMM symbol for C of like's dtype and A, B of a_like's and b_like's (the
-    same) with the 15 integers in `args` (see _INTEGERS)."""
+    same, or one bfloat16 beside float32) with the 15 integers in `args` (see _INTEGERS)."""
     dtype, source, source_b = (
         t.dtype if isinstance(t, types.DType) else t for t in (like, a_like, b_like)
     )
-    symbol_dtype = _symbol_dtype(dtype, source)
-    if symbol_dtype is None or source_b != source:
+    symbol_dtype = _symbol_dtype(dtype, source, source_b)
+    if symbol_dtype is None:
         return None
     if not isinstance(args, types.BaseTuple) or len(args) != _INTEGERS:
         return None
@@ -315,8 +351,8 @@ def gemm_address(typingctx, like, a_like, b_like):
     dtype, source, source_b = (
         t.dtype if isinstance(t, types.DType) else t for t in (like, a_like, b_like)
     )
-    symbol_dtype = _symbol_dtype(dtype, source)
-    if symbol_dtype is None or source_b != source:
+    symbol_dtype = _symbol_dtype(dtype, source, source_b)
+    if symbol_dtype is None:
         return None
 
     def codegen(context, builder, signature, arguments):
