@@ -160,3 +160,17 @@ def test_compiled_step_with_bfloat16_saved_buffers_runs_the_mixed_gemm_and_match
     # the rounding is real: the gradient differs from the full-precision step's
     full = [g.numpy() for g in bp.value_and_grad(_linear)(params, x)[1]]
     assert not np.allclose(results["numba"][2], full[1], rtol=1e-6, atol=0)
+
+
+def test_a_cached_caller_of_the_mixed_gemm_registers_that_symbol_only(monkeypatch):
+    """backplan_gemm_bf16 is the start of backplan_gemm_bf16_f32's name: loading a caller of
+    the mixed GEMM must not compile the bfloat16 one too (a cold compile not needed)."""
+    from backplan.codegen.kernels.gemm import symbols
+
+    registered = []
+    monkeypatch.setattr(symbols, "ensure_registered", registered.append)
+    symbols._register_named(b"\x00call backplan_gemm_bf16_f32\x00backplan_gemm_f32_bf16@plt\x00")
+    assert sorted(registered) == ["bf16_f32", "f32_bf16"]
+    registered.clear()
+    symbols._register_named(b"backplan_gemm_bf16\x00backplan_gemm_f32")
+    assert sorted(registered) == ["bf16", "f32"]
