@@ -85,3 +85,70 @@ def test_a_kernel_renamed_again_is_the_kernel_renamed_afresh_with_this_calls_siz
     assert "np.intp(12)" in first.arguments
     other = kernel_source.canonical_kernel(lines, {"o0": 0, "n0": 12}, bases, False, "other")
     assert other.digest != first.digest  # the salt is part of what is kept
+
+
+def _fresh(*args, **kwargs):
+    kernel_source._RENAMED.clear()
+    kernel_source._PARAMETERS_APART.clear()
+    return kernel_source.canonical_kernel(*args, **kwargs)
+
+
+def test_a_loop_seen_with_other_float_literals_is_that_kernel_with_these_as_arguments():
+    """A mean's 1/n at another batch size: the loop is not renamed again when every float
+    literal of it is a parameter; its kernel, digest and arguments are those renamed afresh,
+    the literal values this call's (the two equal ones one parameter, as renaming makes them)."""
+
+    def lines(scale, shift):
+        return [
+            "w0 = contiguous_view(b0, o0, n0)",
+            "for i in range(n0):",
+            f"    w0[i] = w0[i] * np.float32({scale}) + np.float32({shift}) * np.float32({scale})",
+        ]
+
+    bases = {"b0": "scratch_f32"}
+    dtype = {"scratch_f32": "np.float32"}.get
+    first = _fresh(lines(0.125, 0.5), {"o0": 0, "n0": 8}, bases, False, "salt", dtype_of=dtype)
+    assert "np.float32(0.125)" in first.arguments and "c0_f32" in first.source
+    renamed = []
+    original = kernel_source._renamed
+
+    def counting(*args, **kwargs):
+        renamed.append(args)
+        return original(*args, **kwargs)
+
+    kernel_source._renamed = counting
+    try:
+        again = kernel_source.canonical_kernel(
+            lines(0.0833, 0.5), {"o0": 64, "n0": 12}, bases, False, "salt", dtype_of=dtype
+        )
+        assert not renamed  # found: the same loop, other values
+        # two literals equal at one size and not at another: another loop, renamed
+        other = kernel_source.canonical_kernel(
+            lines(0.5, 0.5), {"o0": 64, "n0": 12}, bases, False, "salt", dtype_of=dtype
+        )
+        assert len(renamed) == 1
+    finally:
+        kernel_source._renamed = original
+    fresh = _fresh(lines(0.0833, 0.5), {"o0": 64, "n0": 12}, bases, False, "salt", dtype_of=dtype)
+    assert again == fresh and again.digest == first.digest
+    assert "np.float32(0.0833)" in again.arguments and "np.float32(0.125)" not in again.arguments
+    assert other == _fresh(lines(0.5, 0.5), {"o0": 64, "n0": 12}, bases, False, "salt", dtype_of=dtype)
+    assert other.arguments.count("np.float32(0.5)") == 1
+
+
+def test_a_loop_keeping_its_float_literals_in_its_code_is_renamed_at_each_value():
+    """A parallel loop (or one whose arrays' dtypes are unknown) keeps its literals in its
+    code: another value is another kernel, never the first one's."""
+    lines = ["w0 = contiguous_view(b0, o0, n0)", "for i in range(n0):"]
+    bases = {"b0": "scratch_f32"}
+    for parallel in (False, True):
+        first = _fresh(
+            [*lines, "    w0[i] = np.float32(0.125) * w0[i]"], {"o0": 0, "n0": 8}, bases,
+            parallel, "salt",
+        )  # fmt: skip
+        again = kernel_source.canonical_kernel(
+            [*lines, "    w0[i] = np.float32(0.25) * w0[i]"], {"o0": 0, "n0": 8}, bases,
+            parallel, "salt",
+        )  # fmt: skip
+        assert first.digest != again.digest
+        assert "np.float32(0.25)" in again.source and "np.float32(0.125)" in first.source

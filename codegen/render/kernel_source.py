@@ -114,10 +114,13 @@ def canonical_kernel(
     key += (tuple(dtype_of(a) for a in bases.values()),)
     found = _RENAMED.get(key)
     if found is None:
+        found = _with_these_literals(lines, key)
+    if found is None:
         found = _renamed(lines, bases, parallel, salt, shared, imports, dtype_of)
-        if len(_RENAMED) >= RENAMED_KEPT:
-            _RENAMED.clear()
-        _RENAMED[key] = found
+        _keep(_RENAMED, key, found)
+        floats, shape_key = _float_literals(lines, key)
+        if floats and found[3] == floats:  # every float literal a parameter: values apart
+            _keep(_PARAMETERS_APART, shape_key, found[:3])
     digest, source, words, literals = found
     arguments = [f"np.intp({scalars[word]})" if array is None else array for word, array in words]
     return KernelSource(digest, source, parallel, (*arguments, *literals))
@@ -129,6 +132,43 @@ def canonical_kernel(
 # and hashed once (an unrolled LSTM's 210 calls: about a third of rendering a new size).
 _RENAMED: dict = {}
 RENAMED_KEPT = 8192
+# The same with each float literal's text a placeholder (its first place among the loop's
+# distinct float literals) -> (digest, source, words), for loops whose every float literal
+# became a parameter (an address kernel: `_literals_as_parameters`): a mean's 1/n or
+# attention's scale differ at another batch size, and only their values, passed as arguments,
+# do; a loop that keeps a literal in its code is found by its own lines alone.
+_PARAMETERS_APART: dict = {}
+
+
+def _keep(cache: dict, key, found) -> None:
+    if len(cache) >= RENAMED_KEPT:
+        cache.clear()
+    cache[key] = found
+
+
+def _float_literals(lines: list[str], key: tuple) -> tuple[tuple, tuple]:
+    """(the loop's distinct float literals as written, in first-use order; the key with each
+    one's text a placeholder)."""
+    texts: list[str] = []
+
+    def placeholder(match: re.Match) -> str:
+        text = match.group(0)
+        if text not in texts:
+            texts.append(text)
+        return f"np.float{match.group(1)}(<{texts.index(text)}>)"
+
+    shaped = tuple(_FLOAT_LITERAL.sub(placeholder, line) for line in lines)
+    return tuple(texts), (shaped, *key[1:])
+
+
+def _with_these_literals(lines: list[str], key: tuple) -> tuple | None:
+    """The renaming of a loop seen with other float literals only, all of them parameters:
+    its digest, source and words, and these literals as its arguments; else None."""
+    if not _PARAMETERS_APART:
+        return None
+    floats, shape_key = _float_literals(lines, key)
+    found = _PARAMETERS_APART.get(shape_key) if floats else None
+    return None if found is None else (*found, floats)
 
 
 def _renamed(lines, bases, parallel, salt, shared, imports, dtype_of) -> tuple:
