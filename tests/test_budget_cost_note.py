@@ -110,3 +110,30 @@ def test_a_refusal_says_whether_bfloat16_saved_buffers_would_fit_the_budget():
     assert "rounded to 8 significant bits" in words
     # max_batch's probes refuse without weighing it, and find the same batch as before
     assert bp.max_batch(bp.value_and_grad(loss), arrays(), max_peak_bytes=budget) >= 1
+
+
+def test_a_refused_saved_bytes_budget_says_whether_bfloat16_saved_buffers_meet_it():
+    """A saved_bytes_budget under the fewest saved bytes any plan keeps: the refusal says what
+    allow_saved_dtype=bp.bfloat16 does with the same budget (before: nothing), and that is
+    what the step allowed it does."""
+
+    def step_with(**options):
+        return bp.compile(lambda p, x, y: bp.value_and_grad(loss)(p, x, y), **options)
+
+    with pytest.raises(bp.MemoryBudgetError) as refused:
+        step_with(saved_bytes_budget=1).trace(*arrays())
+    words = " ".join(str(refused.value).split())
+    found = re.search(r"keeps without a higher peak is ([\d,]+)", words)
+    budget = int(found.group(1).replace(",", "")) - 1
+    with pytest.raises(bp.MemoryBudgetError) as refused:
+        step_with(saved_bytes_budget=budget).trace(*arrays())
+    words = " ".join(str(refused.value).split())
+    assert "allow_saved_dtype=bp.bfloat16 (saved buffers in bfloat16) does not meet it" in words
+    with pytest.raises(bp.MemoryBudgetError) as allowed:
+        step_with(saved_bytes_budget=budget, allow_saved_dtype=bp.bfloat16).trace(*arrays())
+    assert "allow_saved_dtype=bp.bfloat16" not in str(allowed.value).split("cannot be met")[1]
+    # a budget the bfloat16 plans meet says for what
+    met = step_with(saved_bytes_budget=budget * 2, allow_saved_dtype=bp.bfloat16)
+    met.trace(*arrays())
+    text = summary(step_with(saved_bytes_budget=budget * 2))
+    assert "allow_saved_dtype=bp.bfloat16 would fit it" in text

@@ -592,7 +592,20 @@ class BudgetPlanner:
                 f"the {format_bytes(fewest.peak)} of the plan keeping {fewest.saved:,}, and a "
                 "lower saved budget never gives a higher peak"
             )
+        text += self._saved_narrowing_text(limit)
         return text + "; raise the budget or use max_peak_bytes (the whole step's peak)"
+
+    def _saved_narrowing_text(self, limit: int) -> str:
+        """With no narrower dtype allowed, whether allow_saved_dtype=bp.bfloat16 meets the
+        refused saved_bytes_budget, and for what (as a refused max_peak_bytes says)."""
+        if self.allow_dtype is not None or self.choices.options.saved_dtype is not None:
+            return ""
+        if _BRIEF[0]:
+            return ""
+        point = self._narrowed_fit("saved_bytes_budget", limit, "bf16")
+        if point is None:
+            return "; allow_saved_dtype=bp.bfloat16 (saved buffers in bfloat16) does not meet it"
+        return f"; allow_saved_dtype=bp.bfloat16 meets it: {self._offer_words(point, 'bf16')}"
 
     def _default_saved(self, default_plans) -> int:
         """The bytes the default plan keeps for its gradients: a region's saved buffers, or,
