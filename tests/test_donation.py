@@ -283,3 +283,41 @@ def test_a_donating_call_that_raises_leaves_its_argument_usable():
     with pytest.raises(bp.ExecutionError, match="index 9"):
         step(w, np.array([0, 9]))
     np.testing.assert_array_equal(w.numpy(), np.ones(4, np.float32))
+
+
+def _one_value_twice(p, x):
+    y = p["a"] * 0.5 + x
+    return {"a": y, "b": y}  # p["b"] is never read
+
+
+def test_one_value_returned_twice_and_donated_back_is_written_in_place():
+    """The two tensors a step returns for one value hold one array; passed back donated, the
+    one the plan reads is given up (the other is never read, and the call takes both), so
+    the loop runs in one buffer as explain predicts: before, neither was donated, each call
+    allocated its output, and the checked mode raised."""
+    from backplan.codegen.run.memory_check import checked_memory
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 64)).astype(np.float32)
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    with use_backend("numba"), checked_memory():
+        step = bp.compile(_one_value_twice, donate_argnums=(0,))
+        p = {"a": bp.tensor(a), "b": bp.tensor(np.zeros_like(a))}
+        want, places = a, set()
+        for _ in range(5):
+            p = step(p, bp.tensor(x))  # the checked mode raises on an unpredicted allocation
+            want = want * 0.5 + x
+            places.add(p["a"].numpy().ctypes.data)
+            np.testing.assert_allclose(p["a"].numpy(), want, rtol=1e-6)
+            np.testing.assert_array_equal(p["b"].numpy(), p["a"].numpy())
+    assert len(places) <= 2  # the first calls' fresh outputs, then one buffer
+
+
+def test_tensors_over_one_array_that_the_step_reads_both_are_not_donated():
+    """Both read: writing the result into their array would change what the other read."""
+    with use_backend("numba"):
+        step = bp.compile(lambda p: {"a": p["a"] + p["b"], "b": p["a"] * 2.0}, donate_argnums=(0,))
+        shared = bp.tensor(np.arange(4.0, dtype=np.float32))
+        out = step({"a": shared, "b": shared})
+        np.testing.assert_array_equal(out["a"].numpy(), np.arange(4.0) * 2)
+        np.testing.assert_array_equal(out["b"].numpy(), np.arange(4.0) * 2)

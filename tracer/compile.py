@@ -69,9 +69,11 @@ class TracedFunction:
     grad_inputs: tuple[int, ...] = field(init=False, repr=False)  # inputs a gradient flows to
     every_input_grad: bool = field(init=False, repr=False)  # grad_inputs is every input
     one_output: bool = field(init=False, repr=False)  # returns output 0 as it is (a loss)
+    unread_donated: frozenset = field(init=False, repr=False)  # donated inputs no node reads
 
     def __post_init__(self):
         self.rebuild_outputs = unflattener(self.out_treedef)
+        self.unread_donated = _unread(self.program.plans.forward.graph, self.donated)
         wrt = self.program.plans.wrt
         self.grad_inputs = tuple(i for i, w in enumerate(wrt) if w)
         self.every_input_grad = len(self.grad_inputs) == len(wrt)
@@ -79,6 +81,17 @@ class TracedFunction:
 
     def runners(self) -> list:
         return self.program.runners()
+
+
+def _unread(graph, positions) -> frozenset:
+    """The graph inputs at positions that no node and no output of graph reads (the forward
+    plan: a backward or joint plan reads only inputs the forward reads)."""
+    if not positions:
+        return frozenset()
+    read = set(graph.outputs)
+    for node in graph.nodes:
+        read.update(node.inputs)
+    return frozenset(i for i in positions if graph.inputs[i] not in read)
 
 
 def trace_function(fn, name: str, call) -> tuple[Trace, list, TreeDef]:
@@ -129,7 +142,7 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True, skip
         loc = user_frame_loc(skip)  # the region's and the donation's line; text made on demand
     donate = ()
     if traced.donated:
-        donate = donatable(tensors, traced.donated)
+        donate = donatable(tensors, traced.donated, traced.unread_donated)
         mark_donated(tensors, traced, loc_text(loc))
         try:
             outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)

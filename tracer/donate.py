@@ -12,20 +12,54 @@ from numpy.lib.array_utils import byte_bounds
 from .errors import TracingError
 
 
-def donatable(tensors: list, donated: tuple[int, ...]) -> frozenset[int]:
+def donatable(tensors: list, donated: tuple[int, ...], unread=frozenset()) -> frozenset[int]:
     """The donated inputs whose memory nothing else can see: an array NumPy allocated, held only
     by its tensor (no view from .numpy(), no tensor sharing it through detach(), no producer
     behind bp.from_dlpack), overlapping the memory of no other argument (two tensors over one
     array, or a view of it, are never donated). Decided by memory, not by object identity.
-    Others still compute correctly; their outputs just get new buffers."""
-    shared = _overlapping([t._data for t in tensors])
-    return frozenset(i for i in donated if i not in shared and _held_only_by_tensor(tensors[i]))
+    Others still compute correctly; their outputs just get new buffers.
+
+    One exception (`unread`: the input positions the plans never read): donated tensors over
+    one array, all but one unread, as a step returning one value as two outputs passes them
+    back (`return {"a": y, "b": y}`): the one read is donated (the first, when none is), since
+    no read of the others can see it overwritten and the call gives them all up."""
+    arrays = [t._data for t in tensors]
+    extra = {}  # position -> the other donated tensors holding its very array
+    if unread:
+        arrays, extra = _one_owner_per_shared_array(tensors, donated, unread)
+    shared = _overlapping(arrays)
+    shared.update(i for i, array in enumerate(arrays) if array is None)
+    del arrays  # its references would count as holders below
+    return frozenset(
+        i for i in donated if i not in shared and _held_only_by_tensor(tensors[i], extra.get(i, 0))
+    )
 
 
-def _held_only_by_tensor(tensor) -> bool:
-    # references: the tensor's slot and getrefcount's own argument
+def _one_owner_per_shared_array(tensors: list, donated, unread) -> tuple[list, dict]:
+    """(arrays with each group's other members left out, {owner: other members}) for the
+    groups of donated tensors holding one array object, all but at most one unread."""
+    groups: dict[int, list[int]] = {}
+    for i in donated:
+        data = tensors[i]._data
+        if data is not None:
+            groups.setdefault(id(data), []).append(i)
+    arrays, extra = [t._data for t in tensors], {}
+    for members in groups.values():
+        read = [i for i in members if i not in unread]
+        if len(members) < 2 or len(read) > 1:
+            continue
+        owner = read[0] if read else members[0]
+        for i in members:
+            if i != owner:
+                arrays[i] = None
+        extra[owner] = len(members) - 1
+    return arrays, extra
+
+
+def _held_only_by_tensor(tensor, others: int = 0) -> bool:
+    # references: the tensor's slot and getrefcount's own argument (and `others` tensors more)
     data = tensor._data
-    if sys.getrefcount(data) > 3:  # + the local
+    if sys.getrefcount(data) > 3 + others:  # + the local
         return False
     base = data.base
     if base is None:
