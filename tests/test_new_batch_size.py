@@ -152,3 +152,26 @@ def test_a_loop_keeping_its_float_literals_in_its_code_is_renamed_at_each_value(
         )  # fmt: skip
         assert first.digest != again.digest
         assert "np.float32(0.25)" in again.source and "np.float32(0.125)" in first.source
+
+
+def test_a_mean_over_the_batch_renames_no_loop_at_later_sizes_and_gives_the_reference_values(
+    monkeypatch,
+):
+    """The mean's 1/n is a float literal of a loop that differs at every size: from the third
+    size on no loop is renamed (its kernel found with the literal apart) and every size's values
+    are the reference interpreter's, special values included."""
+    step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "batch"}}))
+    renamed = []
+    original = kernel_source._renamed
+    monkeypatch.setattr(
+        kernel_source, "_renamed", lambda *a, **k: renamed.append(a) or original(*a, **k)
+    )
+    with use_backend("numba"):
+        for n in (4, 7):
+            assert_reference(step, batch(n, special=True))
+        renamed.clear()
+        for n in (11, 6, 23, 7):
+            assert_reference(step, batch(n, special=True))
+            assert_reference(step, batch(n))
+    assert renamed == []
+    assert step.cache_info().traces == 1
