@@ -148,7 +148,14 @@ class SymbolicGraph:
         shape = self.shapes.get(position)
         if shape is None:
             return value.type
-        return TensorType(value.dtype, evaluate(shape, n))
+        # a shape: ints and formulas (evaluate's walk cost an unrolled LSTM's size ~1 ms)
+        return TensorType(
+            value.dtype,
+            tuple(
+                d if type(d) is int else d.a + d.c * n if type(d) is Affine else evaluate(d, n)
+                for d in shape
+            ),
+        )
 
 
 def fit_graphs(graphs: list[Graph], sizes: list[int]) -> SymbolicGraph:
