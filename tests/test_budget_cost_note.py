@@ -137,3 +137,27 @@ def test_a_refused_saved_bytes_budget_says_whether_bfloat16_saved_buffers_meet_i
     met.trace(*arrays())
     text = summary(step_with(saved_bytes_budget=budget * 2))
     assert "allow_saved_dtype=bp.bfloat16 would fit it" in text
+
+
+def test_a_refused_saved_bytes_budget_says_what_bfloat16_saved_buffers_meet_it_with():
+    """mlp_deep's training step on numba keeps at least 796,672 saved bytes in full precision
+    and 655,360 with bfloat16 saved buffers: a budget between is refused, the refusal saying
+    what the step allowed bfloat16 runs for it."""
+    from backplan.bench.budget_models import mlp_deep
+
+    fn, params, batch = mlp_deep()
+
+    def step_with(**options):
+        return bp.compile(lambda p, x, y: bp.value_and_grad(fn)(p, x, y), **options)
+
+    budget = 700_000
+    with use_backend("numba"):
+        with pytest.raises(bp.MemoryBudgetError) as refused:
+            step_with(saved_bytes_budget=budget).trace(params, *batch)
+        allowed = step_with(saved_bytes_budget=budget, allow_saved_dtype=bp.bfloat16)
+        chosen = allowed.trace(params, *batch).planner.recomputed_for
+    words = " ".join(str(refused.value).split())
+    flops = chosen[1].added_flops if chosen else 0
+    cost = f"for {flops:,} added FLOPs" if flops else "with no added FLOPs (nothing recomputed)"
+    assert f"allow_saved_dtype=bp.bfloat16 meets it: {cost}" in words, words
+    assert "rounded to 8 significant bits" in words
