@@ -11,12 +11,14 @@ from backplan.codegen.kernels.blas import batched_gemm_f32, batched_gemm_f64, ge
 from backplan.codegen.kernels.gemm import batched_gemm as own_batched_gemm
 from backplan.codegen.kernels.gemm import gemm as own_gemm
 from backplan.codegen.kernels.gemm import vector_width
+from backplan.codegen.kernels.gemm.narrow import narrow_gemm_at
 from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel as own_batched_gemm_par
 from backplan.codegen.kernels.gemm.parallel import gemm_parallel as own_gemm_par
 from backplan.codegen.kernels.views import as_read_only, contiguous_view
 from backplan.codegen.render.opaque import (
     OpEmitter,
     emits,
+    narrow_gemm_chosen,
     own_gemm_chosen,
     own_gemm_parts,
     placed_operands,
@@ -92,6 +94,7 @@ __all__ = [
     "gemm_at_f64",
     "gemm_f32",
     "gemm_f64",
+    "narrow_gemm_at",
     "own_batched_gemm",
     "own_batched_gemm_par",
     "own_gemm",
@@ -142,6 +145,8 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool, parts: int) -> list[s
         return [f"own_gemm_at_par(np.intp({parts}), {vector_width()}, {arguments})"]
     if own:
         return [f"own_gemm_at({vector_width()}, {arguments})"]
+    if len(node.inputs[0].shape) == 2 and narrow_gemm_chosen(ctx, node):
+        return [f"narrow_gemm_at({arguments})"]
     return [f"gemm_at_{node.dtype}({arguments})"]
 
 

@@ -14,6 +14,7 @@ from backplan.codegen.flags import threads
 from backplan.codegen.kernels.gemm.choice import (
     blas_threads,
     own_parallel_parts,
+    use_narrow_gemm,
     use_own_gemm,
 )
 from backplan.codegen.render.choices import decide
@@ -201,6 +202,14 @@ def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     ta = ctx.absorbs(node.inputs[0])
     own = use_own_gemm(m, n, k, tb, node.dtype, trans_a=ta) or _parallel_parts(node) > 1
     return decide("own_gemm", own)
+
+
+def narrow_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
+    """Whether a matmul not on backplan's blocked GEMM runs on its narrow one (else BLAS):
+    gemm/choice.use_narrow_gemm."""
+    m, n = node.shape[-2:]
+    k, ta = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[0])
+    return decide("narrow_gemm", use_narrow_gemm(m, n, k, ta, node.dtype))
 
 
 def own_gemm_parts(node: Value) -> int:

@@ -32,6 +32,7 @@ import functools
 import os
 
 from backplan.codegen.kernels.gemm.isa import vector_width
+from backplan.codegen.kernels.gemm.narrow import NARROW_COLUMNS
 
 CHOICES = ("own", "blas", "auto")
 OWN_CLASSES = {("f32", 512)}  # (dtype, vector width) measured at or ahead of OpenBLAS
@@ -84,6 +85,19 @@ def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str, trans_a: boo
         narrow_ok = n >= MIN_OWN_COLUMNS or (trans_a and not trans_b)
         return m * n * k >= SMALL_OWN_WORK and narrow_ok
     return m * n * k >= MIN_OWN_WORK and n >= MIN_OWN_COLUMNS
+
+
+def use_narrow_gemm(m: int, n: int, k: int, trans_a: bool, dtype: str) -> bool:
+    """Whether a matmul use_own_gemm left to BLAS runs on the narrow GEMM instead (narrow.py):
+    float32 op(A) = A in place, C at most 16 columns, where small products take the own GEMM
+    (same CPUs, sizes and thread rule). On one pinned Zen 5 core (thread CPU, 7 rounds) the
+    mlp's 128x10x512 forward ran 12.5-13.3 us against OpenBLAS's 19.2-20.2.
+    BACKPLAN_GEMM=own or blas keeps the product on that GEMM."""
+    if forced_choice() != "auto" or trans_a or dtype != "f32" or n > NARROW_COLUMNS:
+        return False
+    if blas_threads() > 1 or (dtype, vector_width()) not in OWN_CLASSES:
+        return False
+    return small_products_own() and m * n * k >= SMALL_OWN_WORK
 
 
 def conv_gemm_width(m: int, n: int, k: int, dtype: str) -> int:
