@@ -1,0 +1,125 @@
+"""The narrow float32 GEMM (codegen/kernels/gemm/narrow.py) against float64 NumPy: edge tiles
+(rows not a multiple of 8), every width up to 16, short and empty k, both layouts of B,
+operands and result at offsets of larger bases (nothing outside C written), NaN and infinity;
+the choice that sends a plan's narrow product there, and a step that runs it against the
+reference interpreter."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.kernels.gemm import choice, isa
+from backplan.codegen.kernels.gemm.narrow import NARROW_ROWS, narrow_gemm_at
+from backplan.runtime.backend import use_backend
+
+
+def _run(a, b, trans_b, m, n, k, pad=5):
+    """narrow_gemm_at on operands placed `pad` elements into flat bases, C NaN-filled in a
+    base that is `pad` wider each side: (C, the base around it)."""
+    a_base = np.concatenate([np.full(pad, 9.0, np.float32), a.reshape(-1)])
+    b_base = np.concatenate([np.full(pad, 9.0, np.float32), b.reshape(-1)])
+    out = np.full(m * n + 2 * pad, np.nan, np.float32)
+    out[:pad] = out[pad + m * n :] = 7.0
+    a_base.flags.writeable = b_base.flags.writeable = False  # as the plan passes them
+    narrow_gemm_at(
+        np.bool_(False), np.bool_(trans_b), np.intp(m), np.intp(n), np.intp(k),
+        a_base, np.intp(pad), b_base, np.intp(pad), out, np.intp(pad),
+    )  # fmt: skip
+    return out[pad : pad + m * n].reshape(m, n), np.concatenate([out[:pad], out[pad + m * n :]])
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_narrow_gemm_matches_float64(trans_b):
+    rng = np.random.default_rng(7)
+    for m in (0, 1, 7, NARROW_ROWS, NARROW_ROWS + 1, 31, 128):
+        for n in (1, 3, 10, 15, 16):
+            for k in (0, 1, 5, 77, 512):
+                a = rng.standard_normal((m, k)).astype(np.float32)
+                b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+                got, around = _run(a, b, trans_b, m, n, k)
+                op_b = (b.T if trans_b else b).astype(np.float64)
+                want = a.astype(np.float64) @ op_b
+                bound = 4 * (k + 2) * np.finfo(np.float32).eps * (np.abs(a) @ np.abs(op_b))
+                assert np.all(np.abs(got - want) <= bound + 1e-30), (m, n, k)
+                assert np.all(around == 7.0), (m, n, k)  # nothing written outside C
+
+
+def test_narrow_gemm_propagates_nan_and_infinity():
+    """A NaN or an infinity in a row of A reaches exactly the results it reaches in float64,
+    in a full tile and in the edge tile (rows past the last multiple of 8)."""
+    rng = np.random.default_rng(8)
+    m, n, k = 2 * NARROW_ROWS + 3, 10, 40
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = np.abs(rng.standard_normal((k, n))).astype(np.float32) + 0.5  # positive: inf stays inf
+    for row in (2, m - 1):
+        a[row, 5] = np.inf
+    a[3, 7], a[m - 2, 0] = np.nan, np.nan
+    b[11, 4] = np.nan  # column 4 NaN for every row
+    got, _ = _run(a, b, False, m, n, k)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5)
+    assert np.isposinf(got[2, 0]) and np.isnan(got[3, 0]) and np.isnan(got[0, 4])
+
+
+def test_narrow_gemm_refuses_a_transposed_or_a_wide_c():
+    a = np.ones(4 * 3, np.float32)
+    out = np.zeros(4 * 17, np.float32)
+    with pytest.raises(ValueError, match="narrow_gemm_at"):
+        narrow_gemm_at(False, False, 4, 17, 3, a, 0, np.ones(3 * 17, np.float32), 0, out, 0)
+    with pytest.raises(ValueError, match="narrow_gemm_at"):
+        narrow_gemm_at(True, False, 4, 3, 3, a, 0, np.ones(9, np.float32), 0, out, 0)
+
+
+def test_narrow_choice(monkeypatch):
+    """Where small products take the own GEMM, on one BLAS thread, a float32 product with A not
+    transposed and C at most 16 wide; never when forced, wider, transposed A, f64 or small."""
+    monkeypatch.setenv("BACKPLAN_GEMM", "auto")
+    monkeypatch.setattr(choice, "blas_threads", lambda: 1)
+    monkeypatch.setattr(choice, "small_products_own", lambda: True)
+    wide = isa.vector_width() == 512
+    assert choice.use_narrow_gemm(128, 10, 512, False, "f32") == wide
+    assert choice.use_narrow_gemm(128, 16, 512, False, "f32") == wide
+    assert not choice.use_narrow_gemm(128, 17, 512, False, "f32")
+    assert not choice.use_narrow_gemm(512, 10, 128, True, "f32")  # own GEMM, as C.T
+    assert not choice.use_narrow_gemm(128, 10, 512, False, "f64")
+    assert not choice.use_narrow_gemm(16, 10, 64, False, "f32")  # below SMALL_OWN_WORK
+    monkeypatch.setattr(choice, "small_products_own", lambda: False)
+    assert not choice.use_narrow_gemm(128, 10, 512, False, "f32")
+    monkeypatch.setattr(choice, "small_products_own", lambda: True)
+    monkeypatch.setattr(choice, "blas_threads", lambda: 2)
+    assert not choice.use_narrow_gemm(128, 10, 512, False, "f32")
+    monkeypatch.setattr(choice, "blas_threads", lambda: 1)
+    for forced in ("own", "blas"):
+        monkeypatch.setenv("BACKPLAN_GEMM", forced)
+        assert not choice.use_narrow_gemm(128, 10, 512, False, "f32")
+
+
+@pytest.mark.skipif(isa.vector_width() != 512, reason="the narrow GEMM is the 512-bit tile's")
+def test_a_step_with_a_narrow_last_layer_runs_the_narrow_gemm_and_matches(monkeypatch):
+    """A classifier-like step (67 rows: an edge tile; 10 classes) on one BLAS thread calls
+    narrow_gemm_at for its last layer's forward product, and its value and gradients equal the
+    reference interpreter's."""
+    monkeypatch.setenv("BACKPLAN_GEMM", "auto")
+    monkeypatch.setattr(choice, "blas_threads", lambda: 1)
+    monkeypatch.setattr(choice, "small_products_own", lambda: True)
+    rng = np.random.default_rng(12)
+    w0 = bp.tensor(rng.standard_normal((48, 400)).astype(np.float32) * 0.1)
+    w1 = bp.tensor(rng.standard_normal((400, 10)).astype(np.float32) * 0.1)
+    x = bp.tensor(rng.standard_normal((67, 48)).astype(np.float32))
+
+    def loss(w0, w1, x):
+        return bp.sum(bp.tanh(bp.relu(x @ w0) @ w1) ** 2)
+
+    vg = bp.value_and_grad(loss, argnums=(0, 1))
+    with use_backend("numba"):
+        value, grads = vg(w0, w1, x)
+        source = vg.trace(w0, w1, x).runner().compiled.source
+    with use_backend("reference"):
+        want_value, want_grads = vg(w0, w1, x)
+    assert source.count("narrow_gemm_at(np.bool_(False), np.bool_(False), np.intp(67)") == 1
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
