@@ -6,7 +6,8 @@ computes as a comment above it) is compiled again with the core's cycle counter 
 every statement that calls a function by name (a loop kernel, a GEMM, a row kernel) and once at
 the end, then called with the arguments of a captured step. Per call: the median over steps of
 the cycles up to the next reading, in microseconds (the counter's rate measured against
-perf_counter), and for a GEMM whose call names its sizes (own_gemm_at, gemm_at_*) its rate.
+perf_counter), and for a GEMM whose call names its sizes (own_gemm_at, narrow_gemm_at,
+gemm_at_*) its rate.
 Views and reshapes between calls count with the call after them. The profiled driver computes
 what the plan's driver computes (tests/test_bench_step_profile.py): it is the same source with
 readings added.
@@ -30,7 +31,8 @@ from numba.core.extending import intrinsic
 from .threads import apply_threads
 
 STAMPS = "_ts"  # the argument the profiled driver writes its readings to
-_GEMM_SIZES = {"own_gemm_at": 3, "own_gemm_at_par": 3}  # index of m (then n, k) in the call
+# the index of m (then n, k) in a GEMM call
+_GEMM_SIZES = {"own_gemm_at": 3, "own_gemm_at_par": 3, "narrow_gemm_at": 2}
 
 
 @intrinsic
