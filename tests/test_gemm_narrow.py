@@ -123,3 +123,28 @@ def test_a_step_with_a_narrow_last_layer_runs_the_narrow_gemm_and_matches(monkey
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
     for got, want in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_narrow_gemm_runs_as_plain_python():
+    """BACKPLAN_KERNELS_AS_PYTHON=1: the NumPy twin computes the same product, B either way."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np\n"
+        "from backplan.codegen.kernels.gemm.narrow import narrow_gemm_at\n"
+        "a = np.arange(2 + 9 * 5, dtype=np.float32)\n"
+        "b = np.linspace(-1, 1, 1 + 5 * 3).astype(np.float32)\n"
+        "for tb in (False, True):\n"
+        "    out = np.full(3 + 9 * 3, 7.0, np.float32)\n"
+        "    narrow_gemm_at(False, tb, 9, 3, 5, a, 2, b, 1, out, 3)\n"
+        "    op_b = b[1:].reshape(3, 5).T if tb else b[1:].reshape(5, 3)\n"
+        "    want = a[2:].reshape(9, 5).astype(np.float64) @ op_b\n"
+        "    assert np.allclose(out[3:].reshape(9, 3), want, rtol=1e-6), (out, want)\n"
+        "    assert np.all(out[:3] == 7.0)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, BACKPLAN_KERNELS_AS_PYTHON="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
