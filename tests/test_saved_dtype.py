@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import backplan as bp
+from backplan.runtime.backend import use_backend
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -149,3 +150,35 @@ def test_compiled_joint_plan_stores_and_reads_back_the_bfloat16_copies():
     for got, want in zip(grads["numba", bp.bfloat16], grads["reference", bp.bfloat16], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert not np.allclose(grads["numba", bp.bfloat16][0], grads["numba", None][0], atol=1e-6)
+
+
+
+def _softmax_products(p, x):
+    return bp.sum(bp.softmax(x @ p[0], axis=-1) * (x @ p[1]))
+
+
+def test_allowing_bfloat16_never_refuses_a_saved_budget_full_precision_meets():
+    """The narrowed default's low peak ends the narrowed chain early (every plan saving less
+    peaks higher); below its end the full-precision chain still meets the budget."""
+    rng = np.random.default_rng(0)
+    p = [(rng.standard_normal((64, 64)) * 0.2).astype(np.float32) for _ in range(2)]
+    x = rng.standard_normal((128, 64)).astype(np.float32)
+    vg = bp.value_and_grad(_softmax_products)
+
+    def step(p, x):
+        return vg(p, x)
+
+    with use_backend("numba"):  # the compiled plan's saved bytes (fused values not stored)
+        full = bp.compile(step, saved_bytes_budget=1).explain(p, x)
+        allowed = bp.compile(step, saved_bytes_budget=1, allow_saved_dtype=bp.bfloat16)
+        report = allowed.explain(p, x)
+        assert report.peak_bytes == full.peak_bytes  # the full-precision plan, as without allow
+        assert report.saved_bytes - report.saved_input_bytes <= 1
+        assert BF16 not in {s.dtype for s in report.saved_buffers}
+        narrowed = bp.compile(step, saved_bytes_budget=10**9, allow_saved_dtype=bp.bfloat16)
+        assert narrowed.explain(p, x).peak_bytes <= full.peak_bytes
+        value, grads = allowed(p, x)
+    ref_value, ref_grads = vg(p, x)  # the reference interpreter
+    np.testing.assert_allclose(value.numpy(), ref_value.numpy(), rtol=1e-5)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-4, atol=1e-6)

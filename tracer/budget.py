@@ -129,6 +129,7 @@ class BudgetPlanner:
         self._points: dict[tuple, list] = {}
         self.recomputed_for: tuple | None = None  # (budget words, point chosen, narrowed)
         self._chain: list[SavedLink] | None = None  # saved_chain, built once
+        self._full_chain: list[SavedLink] | None = None  # its full-precision twin (allow_dtype)
         # outputs a loop does not keep as the last results: those the function drops (bp.grad's
         # value); every other result counts as kept (report/loop_peak.py states it)
         self.not_kept: frozenset = frozenset()
@@ -521,8 +522,11 @@ class BudgetPlanner:
         (your own arrays excluded) fit limit; MemoryBudgetError if none. In a step whose
         gradients come from an inlined value_and_grad, its saved bytes are the forward values
         those gradients read. A lower budget never gives a higher peak: along the chain saved
-        bytes fall and peaks never rise, and a lower budget takes a later link."""
+        bytes fall and peaks never rise, and a lower budget takes a later link (with allow_dtype,
+        below the narrowed chain's end the full-precision chain's links follow, peaking above it:
+        _full_precision_tail)."""
         chain = self.saved_chain(default_plans)
+        chain = chain + self._full_precision_tail(default_plans, chain[-1].saved)
         self.fitted = ("saved_bytes_budget", limit)
         for link in chain:
             if link.saved <= limit:
@@ -534,6 +538,17 @@ class BudgetPlanner:
                 return link.plans
         raise MemoryBudgetError(self._saved_refusal(limit, chain))
 
+    def _full_precision_tail(self, default_plans, fewest: int) -> list[SavedLink]:
+        """With allow_dtype, the full-precision chain's links saving fewer than `fewest` (the
+        narrowed chain's end): a narrowed plan's low peak ends its chain early (every plan saving
+        less peaks higher), and allowing a narrower dtype must not refuse a budget full precision
+        meets. Below that end the peak is full precision's, above the narrowed chain's last."""
+        if self.allow_dtype is None:
+            return []
+        if self._full_chain is None:
+            self._full_chain = self._chain_of(default_plans, narrowing=False)
+        return [link for link in self._full_chain if link.saved < fewest]
+
     def saved_chain(self, default_plans) -> list[SavedLink]:
         """The plans saved_bytes_budget chooses from, fewest added FLOPs first: the default
         plan, then each candidate (the frontier's points for peak and for saved bytes, and with
@@ -542,12 +557,17 @@ class BudgetPlanner:
         (values fused into the loop reading them are never stored: EvaluatedPoint.fused). A
         candidate saving less at a higher peak is left out: a budget that chose it would give
         a higher peak than a larger budget's plan."""
-        if self._chain is not None:
-            return self._chain
+        if self._chain is None:
+            self._chain = self._chain_of(default_plans, narrowing=True)
+        return self._chain
+
+    def _chain_of(self, default_plans, narrowing: bool) -> list[SavedLink]:
         default = self.evaluate_default()
         saved = self._default_saved(default_plans) - default.fused
         chain = [SavedLink(saved, default.peak_bytes, default_plans)]
         for point, narrowed in self._saved_candidates():
+            if narrowed and not narrowing:
+                continue
             evaluated = self.evaluate(point, narrowed)
             saved = self._saved_of(point, narrowed, evaluated.plans) - evaluated.fused
             last = chain[-1]
@@ -555,7 +575,6 @@ class BudgetPlanner:
                 chain.append(
                     SavedLink(saved, evaluated.peak_bytes, evaluated.plans, point, narrowed)
                 )
-        self._chain = chain
         return chain
 
     def _saved_candidates(self) -> list[tuple]:
