@@ -228,6 +228,23 @@ def test_a_deep_uniform_backward_is_placed_by_the_free_list():
     assert memory_plan._place_best_fit(chains, 64) == _best_fit_by_scan(chains, 64)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-1, 30), st.integers(0, 12)), min_size=1, max_size=60),
+    st.sampled_from([64, 100, 4000]),
+    st.sampled_from([4, 64, 256]),
+)
+def test_a_run_of_equal_buffers_ends_where_the_most_live_at_once_end(spans, nbytes, alignment):
+    """Buffers of one size take slots of their aligned size, and a buffer goes above the
+    highest slot in use only when no slot below it is free: the arena ends at the most
+    buffers live at one step, in slots, the last one its own size (what a row's peak needs
+    of the placement, without offsets)."""
+    chains = [[BufferRequest(i, nbytes, "f32", f, f + d)] for i, (f, d) in enumerate(spans)]
+    most = max(sum(1 for f, d in spans if f <= step <= f + d) for step in range(-1, 43))
+    aligned = -(-nbytes // alignment) * alignment
+    assert memory_plan._place_best_fit(chains, alignment)[1] == (most - 1) * aligned + nbytes
+
+
 # ---------------------------------------------------------------- in-place hints, by hand
 
 
