@@ -16,7 +16,9 @@ import numpy as np
 
 from .graph import Graph, Value, carry_reasons
 from .liveness import Plan
+from .errors import BackplanError
 from .printer import format_loc
+from .registry import get_op
 from .types import TensorType
 
 
@@ -139,6 +141,8 @@ class SymbolicGraph:
                 self._type(base + j, node, n),
                 node.loc,
             )
+            if node.op in BOUNDED_OPS:
+                _check_bounds(value, n)
             mapping[node] = value
             new.nodes.append(value)
         new.outputs = [mapping[o] for o in graph.outputs]
@@ -156,6 +160,21 @@ class SymbolicGraph:
                 for d in shape
             ),
         )
+
+
+BOUNDED_OPS = frozenset({"slice", "pad_slice"})  # constant bounds fitted at sizes >= the first
+
+
+def _check_bounds(value: Value, n: int) -> None:
+    """A slice's bounds fitted at three sizes (`x[:4]`, `x[3]`, `x[-4:]` on the symbol's axis)
+    may fall outside a smaller size's axis, where the plan would read past the argument: such
+    a size is planned on its own (traced as eager runs it: clamped, or the IndexError)."""
+    try:
+        fits = get_op(value.op).infer([i.type for i in value.inputs], value.attrs) == value.type
+    except BackplanError as exc:
+        raise SymbolicError(f"{_where(value)} at size {n}: {exc}") from None
+    if not fits:
+        raise SymbolicError(f"{_where(value)} at size {n}: its bounds give another shape")
 
 
 def fit_graphs(graphs: list[Graph], sizes: list[int]) -> SymbolicGraph:

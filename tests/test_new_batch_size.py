@@ -175,3 +175,28 @@ def test_a_mean_over_the_batch_renames_no_loop_at_later_sizes_and_gives_the_refe
             assert_reference(step, batch(n))
     assert renamed == []
     assert step.cache_info().traces == 1
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_a_constant_slice_on_the_batch_axis_never_reads_past_a_smaller_size(backend):
+    """x[:4], x[-4:] and x[3] fitted at sizes 8, 16, 24 hold constant bounds; at 3 or 2 rows
+    the fitted plan would read past the argument (rows of the array it views): such a size is
+    traced on its own, clamped as NumPy slices, and x[3] raises eager's IndexError."""
+    w = np.eye(6, dtype=np.float32)
+    big = np.arange(600, dtype=np.float32).reshape(100, 6)  # rows past n: real, known memory
+    functions = {
+        "head": (lambda x, w: x[:4] @ w, lambda x: x[:4]),
+        "tail": (lambda x, w: x[-4:] @ w, lambda x: x[-4:]),
+        "row": (lambda x, w: x[3] @ w, lambda x: x[3]),
+    }
+    with use_backend(backend):
+        for name, (fn, expected) in functions.items():
+            f = bp.compile(fn)
+            for n in (8, 12, 3, 3, 2):
+                x = big[:n]
+                if name == "row" and n <= 3:
+                    with pytest.raises(IndexError, match="index 3 is out of range"):
+                        f(x, w)
+                    continue
+                got = np.asarray(f(x, w))
+                np.testing.assert_array_equal(got, expected(x), err_msg=f"{name} at {n} rows")

@@ -230,8 +230,11 @@ class DynamicEntry:
         else:  # a new size's plan, lowered and rendered paused too (runtime/backend.py): its
             # objects outlive the call, and a collection promoting them walked every size's
             # plans (a full collection of 30-50 ms on one new size's first call in a few)
-            with paused_gc():
-                entry = self._make(self.template, self.fitted, size)
+            try:
+                with paused_gc():
+                    entry = self._make(self.template, self.fitted, size)
+            except SymbolicError:  # a slice's fitted bounds outside this size's axis
+                entry = trace_one()
         with self._lock:
             entry = self._sizes.setdefault(size, entry)
             while len(self._sizes) > SIZES_KEPT:
