@@ -175,6 +175,15 @@ def _check_bounds(value: Value, n: int) -> None:
         raise SymbolicError(f"{_where(value)} at size {n}: {exc}") from None
     if not fits:
         raise SymbolicError(f"{_where(value)} at size {n}: its bounds give another shape")
+    a = value.attrs  # a slice's axis of the operand; pad_slice's of its output
+    dims = value.inputs[0].shape if value.op == "slice" else a["shape"]
+    for dim, start, stop, step in zip(dims, a["starts"], a["stops"], a["steps"], strict=True):
+        count = len(range(start, stop, step))  # x[4::-1] of 4 rows: 0 <= 4 <= 4, 5 rows, row 4
+        if count and not (0 <= start < dim and 0 <= start + (count - 1) * step < dim):
+            raise SymbolicError(
+                f"{_where(value)} at size {n}: slice {start}:{stop}:{step} leaves an axis of "
+                f"size {dim}"
+            )
 
 
 def fit_graphs(graphs: list[Graph], sizes: list[int]) -> SymbolicGraph:

@@ -169,3 +169,19 @@ def test_a_function_whose_plan_is_not_a_formula_of_the_size_is_not_exported_dyna
             path=tmp_path / "s.bpz",
             dynamic={"x": {0: "batch"}},
         )
+
+
+def test_loaded_dynamic_artifact_refuses_a_size_its_constant_slice_leaves(tmp_path):
+    """x[:4] exported at 8 rows runs every size of 4 or more; at 3 rows the fitted plan would
+    read past the argument's end: refused, saying which slice and size."""
+    w = np.eye(6, dtype=np.float32)
+    big = np.arange(100 * 6, dtype=np.float32).reshape(100, 6)
+    path = tmp_path / "head.bpz"
+    bp.export(
+        bp.compile(lambda w, x: x[:4] @ w), w, big[:8], path=path, dynamic={"x": {0: "batch"}}
+    )
+    loaded = bp.load(path)
+    np.testing.assert_array_equal(np.asarray(loaded(w, big[:17])), big[:4])
+    with pytest.raises(bp.ExportError) as info:
+        loaded(w, big[:3])
+    assert "at size 3" in "".join(getattr(info.value, "__notes__", []))

@@ -188,11 +188,13 @@ def test_a_constant_slice_on_the_batch_axis_never_reads_past_a_smaller_size(back
         "head": (lambda x, w: x[:4] @ w, lambda x: x[:4]),
         "tail": (lambda x, w: x[-4:] @ w, lambda x: x[-4:]),
         "row": (lambda x, w: x[3] @ w, lambda x: x[3]),
+        "back": (lambda x, w: x[4::-1] @ w, lambda x: x[4::-1]),  # 4 rows: start 4 = size
+        "skip": (lambda x, w: x[5:] @ w, lambda x: x[5:]),  # a negative length below 5
     }
     with use_backend(backend):
         for name, (fn, expected) in functions.items():
             f = bp.compile(fn)
-            for n in (8, 12, 3, 3, 2):
+            for n in (8, 12, 4, 3, 3, 2):
                 x = big[:n]
                 if name == "row" and n <= 3:
                     with pytest.raises(IndexError, match="index 3 is out of range"):

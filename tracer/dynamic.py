@@ -233,8 +233,12 @@ class DynamicEntry:
             try:
                 with paused_gc():
                     entry = self._make(self.template, self.fitted, size)
-            except SymbolicError:  # a slice's fitted bounds outside this size's axis
-                entry = trace_one()
+            except SymbolicError as out:  # a slice's fitted bounds outside this size's axis
+                try:
+                    entry = trace_one()
+                except Exception as exc:  # a loaded artifact traces nothing: say why it refuses
+                    exc.add_note(f"the plan for every {self.symbol} does not hold: {out}")
+                    raise
         with self._lock:
             entry = self._sizes.setdefault(size, entry)
             while len(self._sizes) > SIZES_KEPT:
