@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from test_gemm_bf16 import SHAPES as BF16_SHAPES
 
 import backplan as bp
 from backplan.codegen.kernels import gemm as own
@@ -22,17 +23,9 @@ from backplan.ir.widen import widen
 from backplan.runtime.backend import use_backend
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-SHAPES = [  # m, n, k: ones, primes, edges of the 8x32 and 6x16 tiles, empty, a long k, a
+SHAPES = [  # test_gemm_bf16's shapes (ones, primes, the tiles' edges, empty, a long k) and a
     # narrow C (n under the tile's width: the f32 GEMM's swapped path, not taken here)
-    (1, 1, 1),
-    (7, 33, 5),
-    (33, 7, 1),
-    (1, 64, 300),
-    (0, 5, 3),
-    (4, 0, 3),
-    (3, 4, 0),
-    (130, 70, 33),
-    (129, 96, 520),
+    *BF16_SHAPES,
     (300, 9, 129),
 ]
 FLAGS = [(False, False), (True, False), (False, True), (True, True)]
