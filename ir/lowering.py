@@ -20,6 +20,7 @@ from .donation import donation_pairs
 from .epilogue import absorb_epilogues
 from .fusion import Bases, Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
+from .grouping_reuse import KEPT, find, grouping_key, read_back, written
 from .layout import BufferLayout, Roots, plan_layout
 from .liveness import Plan, plan_liveness
 from .row_local import row_local_values
@@ -143,11 +144,8 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)
         plan = replace_graph(plan, graph)
     bases = Bases()  # alias bases, shared by the passes that ask them
-    kernels = group_kernels(graph, origin, bases)
-    needed = materialized(graph, kernels, bases)
     roots = Roots()  # storage roots, shared as bases are
-    kernels = absorb_epilogues(kernels, roots)
-    runs = row_runs(kernels)
+    kernels, needed, runs = _grouped(plan, graph, origin, private_saved, bases, roots)
     steps = schedule_steps(kernels, runs)
     buffers = [
         n
@@ -164,6 +162,28 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     )
     lowered.donations = donation_pairs(lowered)
     return lowered
+
+
+def _grouped(plan: Plan, graph, origin, private_saved, bases: Bases, roots: Roots):
+    """(kernels, values that need a buffer, row runs): fusion, epilogues and row runs, or,
+    for a size of a symbolic plan, the grouping of a size lowered before whose sizes answer
+    every question those passes ask alike (ir/grouping_reuse.py)."""
+    kept = None
+    if plan.shared is not None:
+        key, shapes = grouping_key(graph, origin)
+        kept = plan.shared.setdefault(("grouping", private_saved), [])
+        found = find(kept, key)
+        if found is not None:
+            return read_back(found, graph, shapes)
+    kernels = group_kernels(graph, origin, bases)
+    needed = materialized(graph, kernels, bases)
+    kernels = absorb_epilogues(kernels, roots)
+    runs = row_runs(kernels)
+    if kept is not None and len(kept) < KEPT:
+        grouping = written(key, graph, kernels, needed, runs, shapes)
+        if grouping is not None:
+            kept.append(grouping)
+    return kernels, needed, runs
 
 
 def replace_graph(plan: Plan, graph) -> Plan:
