@@ -47,12 +47,12 @@ def start_once(model: str, cache: str, **variables: str) -> dict:
     return child_result([sys.executable, "-I", "-c", CHILD, model], env, 900, "warm-start child")
 
 
-def measure(model: str, runs: int, cache: str, fill: str = "inline") -> dict:
-    """Fill `cache` with one process (not counted), then `runs` fresh warm ones. fill "inline":
-    the filling process compiles the plan's Numba driver in the call (BACKPLAN_DRIVER=inline;
-    a background build would still be compiling beside the first timed runs); "default": it runs
-    as a user's process does, its second call building the direct driver the warm processes
-    load (what a user's second process starts with)."""
+def measure(model: str, runs: int, cache: str, fill: str = "default") -> dict:
+    """Fill `cache` with one process (not counted), then `runs` fresh warm ones. fill "default":
+    the filling process runs as a user's process does, its second call building the direct
+    driver the warm processes load (what a user's second process starts with); "inline": it
+    compiles the plan's Numba driver in the call (BACKPLAN_DRIVER=inline), the default of rows
+    recorded before 2026-11-29, kept to compare with them."""
     if fill == "inline":
         start_once(model, cache, BACKPLAN_DRIVER="inline")
     else:
@@ -109,9 +109,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--fill",
         choices=("inline", "default"),
-        default="inline",
-        help="how the filling process runs: inline (its Numba driver compiled in the call) or "
-        "default (as a user's process: the direct driver built in its second call)",
+        default="default",
+        help="how the filling process runs: default (as a user's process: the direct driver "
+        "built in its second call) or inline (its Numba driver compiled in the call; the "
+        "harness's default before 2026-11-29, to compare with rows recorded then)",
     )
     parser.add_argument("--json", action="store_true", help="print the row as JSON")
     args = parser.parse_args(argv)
