@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 from long_first import long_first
@@ -65,3 +66,14 @@ def child_builds(monkeypatch):
     """The compiled driver built in a child process from the second call on, with no direct
     driver standing in for it (BACKPLAN_DIRECT_DRIVER=0): for tests of that build."""
     monkeypatch.setenv("BACKPLAN_DIRECT_DRIVER", "0")
+
+
+@pytest.fixture(autouse=True)
+def _driver_builds_stopped_after_each_test():
+    """A child driver build a test left running (most tests call a plan twice and never use
+    its compiled driver) is stopped when the test ends, quietly: else it compiles beside the
+    next tests for nothing (driver_builder.stop_builds)."""
+    yield
+    builder = sys.modules.get("backplan.codegen.build.driver_builder")
+    if builder is not None and builder.pending():
+        builder.stop_builds()

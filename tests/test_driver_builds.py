@@ -234,6 +234,70 @@ def test_builds_queued_while_a_child_runs_share_the_next_child(tmp_path, monkeyp
     assert said["second"] == said["third"] != said["first"], said
 
 
+def test_stopped_builds_end_quietly_running_and_queued(tmp_path, monkeypatch):
+    """stop_builds() (what the suite runs after each test) kills the running child and drops
+    the queued build: each ends through on_stopped, none through on_failed (its warning would
+    land in whatever test runs next), and nothing is left pending or running."""
+    monkeypatch.setattr(driver_builder, "_command", lambda: [sys.executable, "-c", FAKE_CHILD])
+    gate = tmp_path / "gate"  # never made: the child would wait forever
+    failed: list[str] = []
+    stopped: list[str] = []
+
+    def build(name: str) -> driver_builder.DriverBuild:
+        payload = {"gate": str(gate), "folder": str(tmp_path)}
+        return driver_builder.DriverBuild(
+            payload, None, None, failed.append, f"@{name}", on_stopped=lambda: stopped.append(name)
+        )
+
+    assert driver_builder.wait_for_builds(timeout=120)
+    first = build("first")
+    driver_builder.submit(first)
+    while not any(first in child.builds for child in list(driver_builder._running)):
+        time.sleep(0.01)
+    child = next(c for c in driver_builder._running if first in c.builds)
+    driver_builder.submit(build("second"))
+    assert driver_builder.stop_builds(timeout=60) == 2
+    assert sorted(stopped) == ["first", "second"] and failed == []
+    assert driver_builder.pending() == 0 and not driver_builder._running
+    assert child.process.poll() is not None  # the child is gone, reaped
+
+
+def test_a_plan_whose_build_was_stopped_keeps_its_driver_and_its_values(tmp_path, monkeypatch):
+    import warnings
+
+    import numpy as np
+
+    import backplan as bp
+    from backplan.runtime.backend import use_backend
+
+    monkeypatch.setenv("BACKPLAN_DRIVER", "background")
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(3)
+    w = bp.tensor(rng.standard_normal((5, 3)).astype(np.float32))
+    x = bp.tensor(rng.standard_normal((23, 5)).astype(np.float32))
+
+    def loss(w, x):
+        return bp.mean(bp.tanh(x @ w) ** 2)
+
+    step = bp.value_and_grad(bp.compile(loss))
+    with use_backend("numba"):
+        plan = step.trace(w, x).runner().compiled
+        with driver_lock.held(plan.module_path), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            first = step(w, x)
+            assert driver_builder.pending() == 1
+            assert driver_builder.stop_builds(timeout=60) == 1
+            assert not plan.wait_for_driver(timeout=5)
+            again = step(w, x)
+        assert not [w_ for w_ in said if issubclass(w_.category, bp.DriverBuildWarning)]
+    assert plan.driver_tier == "python" and "stopped" in plan.driver_error
+    expected = bp.value_and_grad(loss)(w, x)  # the reference interpreter
+    for got in (first, again):
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(expected[0]), rtol=1e-5)
+        for g, e in zip(got[1], expected[1]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6)
+
+
 def test_a_queued_build_compiles_where_its_plan_lives_after_the_cache_folder_changes(
     tmp_path, monkeypatch
 ):

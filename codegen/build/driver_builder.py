@@ -32,11 +32,14 @@ class DriverBuild:
     """One plan's driver to compile in a child process; `on_ready(dispatcher)` is called from
     the builder thread once the compiled driver is loaded, `on_failed(message)` if it never is."""
 
-    def __init__(self, payload: dict, load, on_ready, on_failed, label: str, announced=False):
+    def __init__(
+        self, payload: dict, load, on_ready, on_failed, label: str, announced=False, on_stopped=None
+    ):
         self.payload = payload  # source, key parts, kernels, signature, folder of the cache
         self.load = load  # () -> the compiled dispatcher, loaded from the disk cache
         self.on_ready = on_ready
         self.on_failed = on_failed
+        self.on_stopped = on_stopped  # () when stop_builds() ended it: no warning, no switch
         self.label = label
         self.announced = announced  # a line said it is building: its end is a line too
         # Taken now: the program may change its environment (a test its cache folder) before
@@ -73,6 +76,7 @@ class _Child:
     def __init__(self, builds: list[DriverBuild]):
         self.builds = builds
         self.finished: set[int] = set()
+        self.stopped = False  # by stop_builds(): its unfinished builds end quietly
         self.read_by_builder = False  # else started at exit: nobody reads its reports
         work = tempfile.TemporaryFile()  # unnamed: nothing is left behind, whoever exits first
         work.write(json.dumps([b.payload for b in builds]).encode())
@@ -195,6 +199,12 @@ def _collect(child: _Child) -> None:
         if _exiting[0]:
             return  # the exit handler has it (it took _running as _exiting became True)
     child.process.stdout.close()
+    if child.stopped:
+        child.errors.close()
+        for index, build in enumerate(child.builds):
+            if index not in child.finished:
+                _stopped(build)
+        return
     why = f"the driver build exited with status {status}: {child.error_tail()}"
     child.errors.close()
     for index, build in enumerate(child.builds):
@@ -213,6 +223,30 @@ def wait_for_builds(timeout: float | None = None) -> bool:
     benchmark does before timing steps. False if builds are still going after `timeout`."""
     with _wake:
         return _wake.wait_for(lambda: not _queue and not _busy[0], timeout)
+
+
+def stop_builds(timeout: float = 30.0) -> int:
+    """Drop the queued builds and stop the running children; each plan stays on the driver it
+    runs now, quietly (no DriverBuildWarning). For a test suite between tests: a build left
+    running compiles, beside the next tests, a driver no later test calls. Returns how many
+    builds were stopped; waits up to `timeout` seconds for the builder thread to let go."""
+    with _wake:
+        dropped = list(_queue)
+        _queue.clear()
+        running = list(_running)
+        for child in running:
+            child.stopped = True
+    for build in dropped:
+        _stopped(build)
+    for child in running:
+        child.process.kill()
+    wait_for_builds(timeout)
+    return len(dropped) + sum(len(child.builds) - len(child.finished) for child in running)
+
+
+def _stopped(build: DriverBuild) -> None:
+    if build.on_stopped is not None:
+        build.on_stopped()
 
 
 @atexit.register

@@ -775,8 +775,14 @@ class CompiledPlan:
             lambda message: self._build_failed(label, message),
             label,
             announced,
+            on_stopped=self._build_stopped,
         )
         driver_builder.submit(build)
+
+    def _build_stopped(self) -> None:
+        """driver_builder.stop_builds() ended the build: calls stay on the driver they run."""
+        self.driver_error = "the driver build was stopped"
+        self._driver_ready.set()
 
     def _build_failed(self, label: str, message: str) -> None:
         self.driver_error = message
