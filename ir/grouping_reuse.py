@@ -32,7 +32,7 @@ from .fusion import NONE_HELD, Kernel, is_unit_reshape
 from .graph import Graph
 from .registry import REGISTRY, get_op
 
-KEPT = 4  # groupings kept per plan and backward variant (a size of 1 groups apart)
+KEPT = 6  # groupings kept per symbolic plan (the first size's, two probes', a size of 1...)
 
 
 @dataclass

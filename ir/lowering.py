@@ -135,17 +135,11 @@ def detached(plan: Plan) -> Plan:
 
 def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     plan = detached(plan)  # the plan keeps its lowering; the lowering does not keep the plan
-    origin = None
-    if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
-        graph, origin = widen_with_origin(plan.graph)
-        plan = plan_liveness(graph, plan.donated)
-    interpreted = plan
-    graph, origin = copy_strided_reshapes(plan.graph, origin)
-    if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)
-        plan = replace_graph(plan, graph)
+    groupings = _groupings(plan)
+    plan, graph, origin, interpreted = _prepared(plan)
     bases = Bases()  # alias bases, shared by the passes that ask them
     roots = Roots()  # storage roots, shared as bases are
-    kernels, needed, runs = _grouped(plan, graph, origin, private_saved, bases, roots)
+    kernels, needed, runs = _grouped(groupings, graph, origin, bases, roots)
     steps = schedule_steps(kernels, runs)
     buffers = [
         n
@@ -164,26 +158,55 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     return lowered
 
 
-def _grouped(plan: Plan, graph, origin, private_saved, bases: Bases, roots: Roots):
+def _prepared(plan: Plan):
+    """(plan, its graph, origin, the plan the reference interpreter runs): widened for
+    16-bit floats and given its strided copies, as fusion groups it."""
+    origin = None
+    if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
+        graph, origin = widen_with_origin(plan.graph)
+        plan = plan_liveness(graph, plan.donated)
+    interpreted = plan
+    graph, origin = copy_strided_reshapes(plan.graph, origin)
+    if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)
+        plan = replace_graph(plan, graph)
+    return plan, graph, origin, interpreted
+
+
+def _groupings(plan: Plan) -> list | None:
+    """The groupings kept for the sizes of plan's symbolic plan (None: plan has none). One
+    list for every backward variant: the grouping does not depend on which saved inputs
+    temporaries may take over."""
+    return None if plan.shared is None else plan.shared.setdefault(("grouping",), [])
+
+
+def _grouped(groupings: list | None, graph, origin, bases: Bases, roots: Roots):
     """(kernels, values that need a buffer, row runs): fusion, epilogues and row runs, or,
-    for a size of a symbolic plan, the grouping of a size lowered before whose sizes answer
+    for a size of a symbolic plan, the grouping of a size grouped before whose sizes answer
     every question those passes ask alike (ir/grouping_reuse.py)."""
-    kept = None
-    if plan.shared is not None:
+    if groupings is not None:
         key, shapes = grouping_key(graph, origin)
-        kept = plan.shared.setdefault(("grouping", private_saved), [])
-        found = find(kept, key)
+        found = find(groupings, key)
         if found is not None:
             return read_back(found, graph, shapes)
     kernels = group_kernels(graph, origin, bases)
     needed = materialized(graph, kernels, bases)
     kernels = absorb_epilogues(kernels, roots)
     runs = row_runs(kernels)
-    if kept is not None and len(kept) < KEPT:
+    if groupings is not None and len(groupings) < KEPT:
         grouping = written(key, graph, kernels, needed, runs, shapes)
         if grouping is not None:
-            kept.append(grouping)
+            groupings.append(grouping)
     return kernels, needed, runs
+
+
+def group_ahead(plan: Plan, shared: dict) -> None:
+    """Group `plan` (a probe traced at another size of a symbolic plan whose sizes share
+    `shared`) into its sizes' groupings, so that the first new size finds one even where the
+    first size's dims meet by chance (the transformer's 8 rows x 128 = its 1,024 hidden)."""
+    groupings = shared.setdefault(("grouping",), [])
+    with _lock:
+        _, graph, origin, _ = _prepared(detached(plan))
+        _grouped(groupings, graph, origin, Bases(), Roots())
 
 
 def replace_graph(plan: Plan, graph) -> Plan:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import BackplanError
 from .graph import Graph, Value, carry_reasons
 from .liveness import Plan
-from .errors import BackplanError
+from .lowering import group_ahead
 from .printer import format_loc
 from .registry import get_op
 from .types import TensorType
@@ -272,6 +273,8 @@ def fit_plans(plans: list[Plan], sizes: list[int]) -> SymbolicPlan:
         raise SymbolicError(f"@{graphs[0].name} frees its buffers at other steps at another size")
     symbolic_plan = SymbolicPlan(symbolic, plans[0])
     plans[0].shared = symbolic_plan.shared  # the first size runs the same driver
+    for probe in plans[1:]:  # its grouping, for new sizes unlike the first (ir/grouping_reuse.py)
+        group_ahead(probe, symbolic_plan.shared)
     plans[0].lowered.clear()  # rendered again, size-generic, if it was rendered already
     return symbolic_plan
 

@@ -110,6 +110,24 @@ def test_a_size_of_the_same_answers_reuses_and_one_that_flips_a_unit_test_groups
     assert grouped == [1, 1]
 
 
+def test_a_first_size_whose_dims_meet_leaves_later_sizes_the_probes_groupings(monkeypatch):
+    """At 4 rows the batch meets w's 4 columns (shapes (4,) and rows of 4 alike): the sizes
+    after it find the grouping of a probe traced at 8 or 12 rows, equal to a fresh one."""
+    step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "batch"}}), argnums=(0, 1))
+    with use_backend("reference"):
+        step(W, B, batch(4))
+    symbolic = fitted_plan(step)
+    template = symbolic.plan.graph
+    assert grouping_key(template, None)[0] != grouping_key(symbolic.at(11)[0].graph, None)[0]
+    grouped = []
+    real = lowering.group_kernels
+    monkeypatch.setattr(lowering, "group_kernels", lambda *a: grouped.append(1) or real(*a))
+    plan = symbolic.at(11)[0]
+    reused = written(lowering.lower(plan))
+    assert grouped == []
+    assert reused == written(fresh(plan))
+
+
 @pytest.mark.parametrize("sizes", [(8, 11, 1, 4, 13, 0)])
 def test_every_size_gives_the_reference_values_reused_grouping_or_not(sizes):
     step = bp.value_and_grad(bp.compile(loss, dynamic={"x": {0: "batch"}}), argnums=(0, 1))
