@@ -134,15 +134,15 @@ def verified(name: str, data: bytes) -> tuple[bytes | None, str]:
     return payload, ""
 
 
-def discard(path: str, why: str) -> None:
-    """Remove a cache file that failed its check, saying so: it is never run, and not left for
-    every later process to read and reject again."""
+def discard(path: str, why: str, kind: str = "kernel cache file") -> None:
+    """Remove a cache file that failed its check, saying so (kind names what the file held): it
+    is never run, and not left for every later process to read and reject again."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     warnings.warn(
-        f"kernel cache file {path} {why}; removed it, compiling again", CacheWarning, stacklevel=2
+        f"{kind} {path} {why}; removed it, compiling again", CacheWarning, stacklevel=2
     )
 
 

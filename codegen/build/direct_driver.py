@@ -876,7 +876,7 @@ def _load(name: str):
     path = _path(name, cache.cache_path())
     if not os.path.exists(path):
         return None
-    payload = loop_batch.read_signed(path)
+    payload = loop_batch.read_signed(path, "driver cache file")
     if payload is None:
         return None
     with global_compiler_lock:

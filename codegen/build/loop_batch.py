@@ -268,7 +268,7 @@ def unserialize_object(payload: bytes, name: str = "backplan_loops"):
     return codegen.unserialize_library((name, "object", (obj, bitcode)))
 
 
-def read_signed(path: str) -> bytes | None:
+def read_signed(path: str, kind: str = "kernel cache file") -> bytes | None:
     """The payload of a file this user's key signed under its name, or None. A file that fails
     the check (truncated, edited, planted, signed by another key) is removed with a
     CacheWarning, as Numba's signed files are (cache_signing.discard): never run, and not left
@@ -281,9 +281,9 @@ def read_signed(path: str) -> bytes | None:
     try:
         data = bytes.fromhex(text.decode("ascii"))
     except ValueError:  # UnicodeDecodeError included
-        cache_signing.discard(path, "is truncated or was not written by backplan (not hex)")
+        cache_signing.discard(path, "is truncated or was not written by backplan (not hex)", kind)
         return None
     payload, why = cache_signing.verified(os.path.basename(path), data)
     if payload is None:
-        cache_signing.discard(path, why)
+        cache_signing.discard(path, why, kind)
     return payload

@@ -49,7 +49,7 @@ def compiled_runtime(ctx, original):
     name = f"bp_nrt_{hashlib.sha256(text.encode()).hexdigest()[:32]}.o"
     path = os.path.join(cache.cache_path(), "__pycache__", name)
     if os.path.exists(path):
-        payload = loop_batch.read_signed(path)
+        payload = loop_batch.read_signed(path, "runtime cache file (Numba's runtime functions)")
         if payload is not None:
             return loop_batch.unserialize_object(payload, "nrt")
     folder = cache.writable_cache_dir()
