@@ -10,6 +10,7 @@ on its own instead. Sizes 0 and 1 are never the symbol (a size-1 axis broadcasts
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -273,6 +274,7 @@ def fit_plans(plans: list[Plan], sizes: list[int]) -> SymbolicPlan:
         raise SymbolicError(f"@{graphs[0].name} frees its buffers at other steps at another size")
     symbolic_plan = SymbolicPlan(symbolic, plans[0])
     plans[0].shared = symbolic_plan.shared  # the first size runs the same driver
+    symbolic_plan.shared["first"] = weakref.ref(plans[0])  # keeps its lowering (let_go)
     for probe in plans[1:]:  # its grouping, for new sizes unlike the first (ir/grouping_reuse.py)
         group_ahead(probe, symbolic_plan.shared)
     plans[0].lowered.clear()  # rendered again, size-generic, if it was rendered already

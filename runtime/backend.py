@@ -17,7 +17,7 @@ from backplan.codegen.run import memory_check
 from backplan.ir.gc_pause import paused_gc
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import OWNED_ROLES, Plan
-from backplan.ir.lowering import LoweredPlan, lower
+from backplan.ir.lowering import LoweredPlan, let_go, lower
 from backplan.ir.reference_storage import array_root
 
 BACKENDS = ("numba", "reference")
@@ -230,6 +230,7 @@ def runner_for(plan: Plan, runners: dict, background: bool | None = None):
                 if found is None:  # loop kernels may compile here: cycles are collected
                     found = make_runner(lowered, backend, background=background)
                 runners[backend] = found
+                let_go(plan)  # a later size keeps no lowering once it runs (ir/lowering.py)
     return found
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backplan.ir.lowering import BackwardMode
+from backplan.ir.lowering import BackwardMode, let_go
 from backplan.ir.plans import RegionPlans
 from backplan.ir.text import format_loc, value_names
 from backplan.ir.types import is_float, np_dtype
@@ -139,7 +139,10 @@ class RegionProgram:
         return runner
 
     def _make_runner(self, mode: BackwardMode | None, backend: str):
-        return make_runner(self.plans.lowered(mode), backend, background=self.background)
+        runner = make_runner(self.plans.lowered(mode), backend, background=self.background)
+        for plan in self.plans.named.values():  # a later size keeps no lowering once it runs
+            let_go(plan)
+        return runner
 
     def runners(self) -> list:
         """The runners made so far: the forward's, and each backward mode's once it ran."""
