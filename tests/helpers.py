@@ -134,3 +134,32 @@ def tamper_signed_file(path) -> None:
     text[middle] = ord("0") if text[middle] != ord("0") else ord("1")
     with open(path, "wb") as f:
         f.write(text)
+
+
+def two_layer_step_source(w0_shape, w1_shape, rows, seed):
+    """sum(tanh(relu(x @ w0) @ w1) ** 2)'s value and gradients (w0, w1) on the numba backend,
+    checked against the reference interpreter's; returns the compiled driver's source, so a
+    test can assert which GEMM each product ran."""
+    import numpy as np
+
+    import backplan as bp
+    from backplan.runtime.backend import use_backend
+
+    rng = np.random.default_rng(seed)
+    w0 = bp.tensor(rng.standard_normal(w0_shape).astype(np.float32) * 0.1)
+    w1 = bp.tensor(rng.standard_normal(w1_shape).astype(np.float32) * 0.1)
+    x = bp.tensor(rng.standard_normal((rows, w0_shape[0])).astype(np.float32))
+
+    def loss(w0, w1, x):
+        return bp.sum(bp.tanh(bp.relu(x @ w0) @ w1) ** 2)
+
+    vg = bp.value_and_grad(loss, argnums=(0, 1))
+    with use_backend("numba"):
+        value, grads = vg(w0, w1, x)
+        source = vg.trace(w0, w1, x).runner().compiled.source
+    with use_backend("reference"):
+        want_value, want_grads = vg(w0, w1, x)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
+    return source

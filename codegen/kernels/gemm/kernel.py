@@ -111,6 +111,68 @@ def store_tile(builder, sums, c, ldc, alpha, beta, vec):
                     builder.store(new, target, align=align)
 
 
+def _transposed_columns(builder, sums, lanes):
+    """The tile's columns, two to a vector: sums[r][v] (mr rows, nv vectors of `lanes`) turned
+    into (column q, 1, vector) with column q's mr values then column q + 1's. Each level of
+    two-source shuffles (one vpermt2ps each) joins two vectors holding the same columns of
+    different rows and splits the columns in halves; mr a power of two, 2 * mr == lanes."""
+    out = []
+    for v in range(len(sums[0])):
+        # each vector's contents as (row, column) labels, column-major
+        level = [([(r, q) for q in range(lanes)], sums[r][v]) for r in range(len(sums))]
+        while len({q for _, q in level[0][0]}) > 2:
+            groups = {}  # vectors holding the same columns, in row order
+            for labels, vector in level:
+                groups.setdefault(tuple(sorted({q for _, q in labels})), []).append(
+                    (labels, vector)
+                )
+            level = []
+            for columns, members in groups.items():
+                half = len(columns) // 2
+                for (labels_x, x), (labels_y, y) in zip(members[0::2], members[1::2], strict=True):
+                    where = {label: at for at, label in enumerate(labels_x + labels_y)}
+                    rows = sorted({row for row, _ in labels_x + labels_y})
+                    for part in (columns[:half], columns[half:]):
+                        labels = [(row, q) for q in part for row in rows]
+                        mask = ir.Constant(
+                            ir.VectorType(ir.IntType(32), lanes), [where[lb] for lb in labels]
+                        )
+                        level.append((labels, builder.shuffle_vector(x, y, mask)))
+        for labels, vector in level:
+            out.append((v * lanes + labels[0][1], labels[-1][1] - labels[0][1], vector))
+    return out
+
+
+def store_tile_transposed(builder, sums, c, ldc, alpha, beta, vec):
+    """C = alpha * sums.T + beta * C: tile column q lands in C's row q (ldc apart), its mr
+    values contiguous. The kernel of C.T = op(B).T @ op(A).T when C's rows are the long side
+    (symbols.py): the tile is transposed in registers and stored as half vectors, instead of
+    element by element through the edge tile."""
+    intp, lanes, align = ldc.type, vec.count, _align(vec)
+    mr = len(sums)
+    half = ir.VectorType(vec.element, mr)
+    alpha_vec, beta_vec = splat(builder, alpha, half), splat(builder, beta, half)
+    pieces = []  # (C row, mr values)
+    for first, apart, vector in _transposed_columns(builder, sums, lanes):
+        for at, row in enumerate((first, first + apart)):
+            mask = ir.Constant(
+                ir.VectorType(ir.IntType(32), mr), list(range(at * mr, at * mr + mr))
+            )
+            values = builder.shuffle_vector(vector, ir.Constant(vec, ir.Undefined), mask)
+            target = _vec_ptr(builder, c, builder.mul(ir.Constant(intp, row), ldc), half)
+            pieces.append((values, target))
+    beta_zero = builder.fcmp_ordered("==", beta, ir.Constant(vec.element, 0.0))
+    with builder.if_else(beta_zero) as (overwrite, update):
+        with overwrite:
+            for values, target in pieces:
+                builder.store(builder.fmul(values, alpha_vec), target, align=align)
+        with update:
+            for values, target in pieces:
+                old = builder.load(target, align=align)
+                new = vector_fma(builder, old, beta_vec, builder.fmul(values, alpha_vec))
+                builder.store(new, target, align=align)
+
+
 def prefetch_tile(builder, c, ldc, mr, row_bytes, scalar_bytes):
     """Ask for the C tile's cache lines (for writing) before the k loop: the tile is read or
     written only after it, and a C too big for L2 (a 1024 x 256 f32 result is 1 MiB, written
@@ -132,7 +194,9 @@ def prefetch_tile(builder, c, ldc, mr, row_bytes, scalar_bytes):
             builder.call(fn, [builder.bitcast(at, i8p), write, keep, data])
 
 
-def _emit_kernel(builder, args, scalar, lanes, mr, nv, a_layout="packed", lda=None):
+def _emit_kernel(
+    builder, args, scalar, lanes, mr, nv, a_layout="packed", lda=None, c_transposed=False
+):
     kc, a_addr, b_addr, ldb, c_addr, ldc, alpha, beta = args
     one = ir.Constant(kc.type, 1)
     a_steps = {"packed": None, "rows": (one, lda), "columns": (lda, one)}[a_layout]
@@ -140,9 +204,13 @@ def _emit_kernel(builder, args, scalar, lanes, mr, nv, a_layout="packed", lda=No
     ptr = ir.PointerType(scalar)
     a, b, c = (builder.inttoptr(addr, ptr) for addr in (a_addr, b_addr, c_addr))
     scalar_bytes = 4 if isinstance(scalar, ir.FloatType) else 8
-    prefetch_tile(builder, c, ldc, mr, lanes * nv * scalar_bytes, scalar_bytes)
+    if not c_transposed:  # 32 rows of 8 values: the prefetches cost more than they saved
+        prefetch_tile(builder, c, ldc, mr, lanes * nv * scalar_bytes, scalar_bytes)
     sums = _accumulate(builder, kc, a, b, ldb, vec, mr, nv, a_steps)
-    store_tile(builder, sums, c, ldc, alpha, beta, vec)
+    if c_transposed:
+        store_tile_transposed(builder, sums, c, ldc, alpha, beta, vec)
+    else:
+        store_tile(builder, sums, c, ldc, alpha, beta, vec)
 
 
 def _make_kernel(width: int):
@@ -174,7 +242,7 @@ def _make_kernel(width: int):
     return micro_kernel
 
 
-def _make_in_place_kernel(width: int, a_layout: str):
+def _make_in_place_kernel(width: int, a_layout: str, c_transposed: bool = False):
     @intrinsic
     def micro_kernel_in_place(
         typingctx, kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like
@@ -201,7 +269,7 @@ def _make_in_place_kernel(width: int, a_layout: str):
             kc_, a_, lda_, b_, ldb_, c_, ldc_ = ints
             _emit_kernel(
                 builder, [kc_, a_, b_, ldb_, c_, ldc_, *scalars], _llvm_float(name),
-                lanes, mr, nv, a_layout, lda_,
+                lanes, mr, nv, a_layout, lda_, c_transposed,
             )  # fmt: skip
             return context.get_dummy_value()
 
@@ -216,3 +284,5 @@ micro_kernel_512_a_rows = _make_in_place_kernel(512, "rows")
 micro_kernel_512_a_columns = _make_in_place_kernel(512, "columns")
 micro_kernel_256_a_rows = _make_in_place_kernel(256, "rows")
 micro_kernel_256_a_columns = _make_in_place_kernel(256, "columns")
+# A's rows in place, the tile stored transposed (C column-major: C.T computed as B.T @ A.T)
+micro_kernel_512_a_rows_c_columns = _make_in_place_kernel(512, "rows", c_transposed=True)
