@@ -42,49 +42,47 @@ class Grouping:
 
     key: tuple
     kernels: list  # one tuple per kernel (_write)
-    needed: list[int]  # positions of the values that need a buffer
-    runs: list[tuple[int, int]]
+    needed: tuple[int, ...]  # positions of the values that need a buffer
+    runs: tuple[tuple[int, int], ...]
 
 
 def grouping_key(graph: Graph, origin: dict | None) -> tuple[tuple, list[tuple]]:
     """(key, shapes): everything the grouping reads of the graph, and the shape of each
-    shape class (shapes[c] is class c's shape at this graph's size)."""
+    shape class (shapes[c] is class c's shape at this graph's size). The key is one flat
+    tuple of ints, strings, booleans and None, each variable-length part led by its length
+    (a tuple of atoms: the cyclic collector stops tracking it at its first look)."""
     shapes: dict[tuple, int] = {}
     rows: dict[int, int] = {}
     dims: dict[int, int] | None = {} if origin is not None else None
     position: dict = {}
-    parts = []
+    key: list = [dims is not None]
+    add, extend = key.append, key.extend
     for value in [*graph.inputs, *graph.nodes]:
         position[value] = len(position)
-        shape = value.shape
-        sizes = (
-            shapes.setdefault(shape, len(shapes)),
-            tuple([d if d < 2 else 2 for d in shape]),
-            rows.setdefault(shape[0], len(rows)) if len(shape) == 2 else None,
-            None if dims is None else tuple([dims.setdefault(d, len(dims)) for d in shape]),
-        )
-        op = value.op
+        op, shape = value.op, value.shape
+        add(op)
+        add(value.dtype)
+        add(shapes.setdefault(shape, len(shapes)))
+        add(len(shape))
+        extend([d if d < 2 else 2 for d in shape])  # 0, 1 or more
+        add(rows.setdefault(shape[0], len(rows)) if len(shape) == 2 else None)
+        if dims is not None:
+            extend([dims.setdefault(d, len(dims)) for d in shape])
+            add(value in origin)
         if op == "input":
-            parts.append((value.dtype, sizes))
             continue
+        inputs = value.inputs
+        add(len(inputs))
+        extend([position[i] for i in inputs])
         if op == "reshape":
-            asked = is_unit_reshape(value)
+            add(is_unit_reshape(value))
         elif (REGISTRY.get(op) or get_op(op)).loop_tail:
-            asked = value.attrs.get("axes")
-        else:
-            asked = None
-        parts.append(
-            (
-                op,
-                tuple([position[i] for i in value.inputs]),
-                value.dtype,
-                sizes,
-                asked,
-                dims is not None and value in origin,
-            )
-        )
-    parts.append(tuple([position[o] for o in graph.outputs]))
-    return tuple(parts), list(shapes)
+            axes = value.attrs.get("axes")
+            add(None if axes is None else len(axes))
+            extend(axes or ())
+    add(len(graph.outputs))
+    extend([position[o] for o in graph.outputs])
+    return tuple(key), list(shapes)
 
 
 def written(key: tuple, graph: Graph, kernels: list[Kernel], needed, runs, shapes):
@@ -121,10 +119,10 @@ def _write(kernel: Kernel, position: dict, classes: dict) -> tuple:
     epilogue = kernel.epilogue
     return (
         kernel.kind,
-        [position[n] for n in kernel.nodes],
+        tuple([position[n] for n in kernel.nodes]),
         classes[tuple(kernel.shape)],
-        [position[n] for n in kernel.reductions],
-        [position[n] for n in kernel.recomputed],
+        tuple([position[n] for n in kernel.reductions]),
+        tuple([position[n] for n in kernel.recomputed]),
         None if epilogue is None else _write(epilogue, position, classes),
     )
 
