@@ -56,14 +56,16 @@ def model_step(name: str, rank: int, size: int, strong: bool):
 def exchange_alone(step, params, batch):
     """A call that allreduces the step's buckets of this rank's gradients (computed once)."""
     from backplan.distributed.exchange import Exchange
+    from backplan.distributed.shared_exchange import SharedExchange
 
     loss, grads = step.fn(params, *batch)
     arrays = [np.asarray(loss.numpy())] + [g.numpy() for g in bp.tree.leaves(grads)]
     layout = step.layout((params, *batch))
     world = bpd.init()
+    kind = SharedExchange if step.reduction(world) == "shared" else Exchange
 
     def run():
-        exchange = Exchange(world, layout, True)
+        exchange = kind(world, layout, True)
         exchange.start(lambda index: arrays[index])
         exchange.finish()
 
@@ -92,7 +94,25 @@ def waited(step, params, batch, seconds: list, done: list | None = None, cpu_sec
     return run
 
 
-STEP_PARTS = ("agreement", "bucket waits", "finish")  # CPU seconds each, per call
+STEP_PARTS = ("agreement", "bucket waits", "finish", "pack", "node sums")  # CPU s per call
+
+
+class TimedPlan:
+    """The step's value_and_grad with the wall and CPU time of each call recorded in `plan`
+    ("times"): the plan of a step that sums its buckets after the call (shared_exchange.py)."""
+
+    def __init__(self, fn, plan: dict):
+        self._fn, self._plan = fn, plan
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+    def __call__(self, *args, **kwargs):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return self._fn(*args, **kwargs)
+        finally:
+            self._plan["times"] = (time.perf_counter() - wall, time.thread_time() - cpu)
 
 
 def with_plan_times(step, params, batch, records: list):
@@ -129,6 +149,16 @@ def with_plan_times(step, params, batch, records: list):
     DataParallelStep._agree = cpu_of("agreement", DataParallelStep._agree)
     TableRequest.Wait = cpu_of("bucket waits", TableRequest.Wait)
     Exchange.finish = cpu_of("finish", Exchange.finish)
+    if step.reduction(bpd.init()) == "shared":  # the plan runs as the step's fn, then sums
+        from backplan.distributed.shared_exchange import SharedExchange, SharedRequest
+
+        step.fn = TimedPlan(step.fn, plan)
+        DataParallelStep._agree_start = cpu_of("agreement", DataParallelStep._agree_start)
+        DataParallelStep._finish_agreement = cpu_of("agreement", DataParallelStep._finish_agreement)
+        SharedRequest.Wait = cpu_of("bucket waits", SharedRequest.Wait)
+        SharedExchange._start = cpu_of("pack", SharedExchange._start)
+        SharedRequest._sum_own_part = cpu_of("node sums", SharedRequest._sum_own_part)
+        SharedRequest._read_other_parts = cpu_of("node sums", SharedRequest._read_other_parts)
 
     def call():
         plan.clear()
@@ -136,7 +166,8 @@ def with_plan_times(step, params, batch, records: list):
         step(params, *batch)
         wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
         parts = [plan.get(name, 0.0) for name in STEP_PARTS]
-        parts[2] -= parts[1]  # finish() beyond its waits: averaging and unpacking
+        parts[1] -= parts[4]  # the waits beyond the sums done inside them
+        parts[2] -= parts[1] + parts[4]  # finish() beyond its waits: averaging and unpacking
         records.append((wall, *plan.get("times", (np.nan, np.nan)), cpu, *parts))
 
     return call
@@ -150,13 +181,14 @@ def cpu_parts_text(records: list, compute_cpu: float) -> str:
     other rank has not sent), averaging and unpacking, and the rest (the step's Python)."""
     columns = np.array([r[3:] for r in records]) * 1e3
     plan = float(np.mean([r[2] for r in records])) * 1e3
-    step, agreement, waits, finish = np.mean(columns, axis=0)
-    rest = step - plan - agreement - waits - finish
+    step, agreement, waits, finish, pack, sums = np.mean(columns, axis=0)
+    rest = step - plan - agreement - waits - finish - pack - sums
+    shared = f" + packing {pack:.2f} + the node's sums {sums:.2f}" if pack or sums else ""
     return (
         f"rank 0's step CPU, where it goes (means of {len(records)} calls): step {step:.2f} ms = "
         f"plan inside the step {plan:.2f} (compute alone {compute_cpu * 1e3:.2f}) + the "
-        f"agreement {agreement:.2f} + the bucket waits {waits:.2f} + averaging and unpacking "
-        f"{finish:.2f} + the rest {rest:.2f}"
+        f"agreement {agreement:.2f} + the bucket waits {waits:.2f}{shared} + averaging and "
+        f"unpacking {finish:.2f} + the rest {rest:.2f}"
     )
 
 
@@ -363,7 +395,8 @@ def main(argv=None) -> int:
         print(
             f"{args.model}  ranks {size}  rows/rank {batch[0].shape[0]}  "
             f"buckets {len(report.buckets)} ({inside} started inside the call)  "
-            f"bytes/step {report.bytes_per_step:,}  split_plan {args.split_plan}\n"
+            f"bytes/step {report.bytes_per_step:,}  split_plan {args.split_plan}  "
+            f"reduction {step.reduction(bpd.init())}\n"
             f"step {medians['step'] * 1e3:.2f} ms  started after the call "
             f"{medians['step_after'] * 1e3:.2f} ms  compute alone {medians['compute'] * 1e3:.2f} ms"
             f"  step - compute {exposed * 1e3:.2f} ms{alone}"

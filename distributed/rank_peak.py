@@ -36,7 +36,7 @@ from .half_sum import sent_in_16_bits
 from .half_wire import summed_dtype
 
 # what the checked mode's counting allocator never sees
-NOT_COUNTED = ("batch", "workspace", "MPI buffers")
+NOT_COUNTED = ("batch", "workspace", "MPI buffers", "node window")
 
 
 def counted(array: np.ndarray, name: str) -> np.ndarray:
@@ -96,12 +96,18 @@ class RankPeak:
             "holds it from its third call on: the caller's arrays, every compiled plan's "
             "arena, the exchange's buffers and the results the loop still binds"
         )
-        text += (
-            ", and MPI's buffer for each bucket in flight (MPICH's recursive doubling)."
-            if any("MPI buffers" in p.held for p in self.phases)
-            else ". Not counted: what the MPI library allocates for a collective in flight "
-            "(its algorithm's; MPICH's default on 2 ranks: about half of each bucket)."
-        )
+        if any(p.held.get("node window") for p in self.phases):
+            text += (
+                ", and this rank's segment of the node's shared window the buckets are summed "
+                "in (two buffers of each bucket, float32 for 16-bit ones)."
+            )
+        else:
+            text += (
+                ", and MPI's buffer for each bucket in flight (MPICH's recursive doubling)."
+                if any("MPI buffers" in p.held for p in self.phases)
+                else ". Not counted: what the MPI library allocates for a collective in flight "
+                "(its algorithm's; MPICH's default on 2 ranks: about half of each bucket)."
+            )
         return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
 
 
@@ -182,13 +188,16 @@ def allreduce_peak(
     state: int,
     mpi_copies: bool = False,
     size: int = 0,
+    window: int = 0,
 ) -> RankPeak:
     """The step that allreduces buckets (data_parallel, with or without an unsharded update).
     The loop keeps the returned gradients (views of the buckets) and loss without an optimizer,
     the loss (an array of its own) with one. mpi_copies: MPI receives each bucket in flight
     into a buffer of its own size (MPICH's recursive doubling, world.ALLREDUCE_ALGORITHM), held
     until the bucket completes; counted as if every bucket were in flight at once after the
-    plan (the most it holds: on a busy machine none completes before the step waits)."""
+    plan (the most it holds: on a busy machine none completes before the step waits). window:
+    this rank's segment of the node's shared window (shared_exchange.py), held from the first
+    call on."""
     inside, packed, copies = bucket_bytes(layout, in_plan, size)
     in_flight = (inside + packed) if mpi_copies else 0
     loss = loss_bytes(layout)
@@ -197,7 +206,7 @@ def allreduce_peak(
     buckets = inside + packed
     kept = loss if update is not None else buckets + copies + loss  # what the loop still binds
     caller = dict(parameters=params, batch=batch, optimizer_state=state, previous_results=kept)
-    arenas = dict(plan_arena=plan.kept, update_arena=up_kept)
+    arenas = dict(plan_arena=plan.kept, update_arena=up_kept, node_window=window)
     plan_out = plan.outputs - inside  # the plan's own output buffers beside the buckets
     written = [leaf for b in layout.buckets if b.index in in_plan for leaf in b.leaves]
     reused = plan.reused_beside(written)
@@ -255,7 +264,9 @@ def allreduce_peak(
         exchange_buffers=inside if update is not None else 0,
         plan_outputs=reused,
     )
-    mine = ("batch", "workspace") if update is not None else ("parameters", *NOT_COUNTED)
+    mine = ("batch", "workspace", "node window")
+    if update is None:
+        mine = ("parameters", *NOT_COUNTED)
     return RankPeak(tuple(phases), between, mine)
 
 

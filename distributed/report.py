@@ -63,6 +63,7 @@ class DataParallelReport:
         self.driver_note: str | None = None  # when the driver starting the buckets runs
         self.sharded = False  # ZeRO-1: reduce-scatter and all-gather per dtype (add_sharding)
         self.rank_peak = None  # rank_peak.RankPeak: what one rank holds, phase by phase
+        self.shared = False  # summed through the node's shared window (shared_exchange.py)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -168,6 +169,20 @@ class DataParallelReport:
             f"the step returns. Each rank sends about {self.bytes_sent_per_step:,} B per step "
             f"(a ring allreduce sends 2 (N-1)/N of the bytes, N={self.size})."
         )
+        if self.shared and not self.sharded:
+            text = (
+                f"{how} loss and {n_grads} gradient(s), {self.bytes_per_step:,} B, in "
+                f"{len(self.buckets)} bucket(s) through the node's shared memory (an MPI "
+                "shared window, MPI_Win_allocate_shared; the ranks are on one node): each "
+                "rank copies each bucket into its buffer in the window, then sums its 1/N of "
+                "the bucket's elements straight from every rank's buffer, averaging as it "
+                "goes, and reads the other ranks' parts of the sum from theirs; no MPI "
+                "message, in bucket order before the step returns. Each rank reads about "
+                f"{self.bytes_sent_per_step:,} B of the others' buffers per step (2 (N-1)/N "
+                f"of the bytes, N={self.size}); across nodes (or BACKPLAN_DP_REDUCTION=mpi) "
+                "one non-blocking allreduce (MPI_Iallreduce) per bucket, started inside the "
+                "compiled call, sums them instead."
+            )
         if self.sharded:
             text = (
                 f"{how} loss and {n_grads} gradient(s), {self.bytes_per_step:,} B (the "
@@ -197,7 +212,7 @@ class DataParallelReport:
         header = (
             "bucket",
             "bytes",
-            "sent/rank",
+            "read/rank" if self.shared and not self.sharded else "sent/rank",
             "ready after (can start)",
             "starts",
             "waited on",
@@ -256,6 +271,13 @@ class DataParallelReport:
                 f"later calls run, and the driver tests it after each (MPI moves a non-blocking "
                 f"collective only inside MPI calls); calls run while in flight: {calls}. The "
                 "step waits for every bucket after the call returns."
+            )
+            return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
+        if self.shared and not self.sharded:
+            text = (
+                "Overlap: none; the plan runs as one compiled call, and each rank sums its "
+                "part of every bucket when the call returns (on one core per rank that is "
+                "work of the core that computes, which no overlap could hide)."
             )
             return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
         if self.sharded:

@@ -39,6 +39,7 @@ from .rank_peak import PlanFacts, allreduce_peak
 from .report import DataParallelReport
 from .rows import batch_lengths, lengths_digest, row_weight
 from .segments import run_segments, split_plan
+from .shared_exchange import SharedExchange, previewed, reduction, window_bytes
 from .training import DataParallelTraining
 from .world import World, current_world, init, mpi_module, sums_by_recursive_doubling
 
@@ -106,6 +107,7 @@ class DataParallelStep:
         self._asked: dict = {}  # id(joint trace) -> (it, its plan): the plan's driver asked for
         self._out_of_step: str | None = None  # failure.py: why this rank cannot call again
         self._diverged: str | None = None  # an unsharded update raised here (training.py)
+        self._reduction: str | None = None  # reduction(world), once known
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
@@ -130,6 +132,7 @@ class DataParallelStep:
         exchanging = self._accumulator.last_of_round
         if exchanging:
             self._check_arrival(world, args)
+            self.reduction(world)  # collective in the first: every rank is here (the roll call)
         if self._diverged is not None:
             self._tell_diverged(world, exchanging)
         if exchanging and self._accumulator.failure is not None:  # an earlier call raised
@@ -140,6 +143,8 @@ class DataParallelStep:
             if key is not None:
                 self._called.add(key)
             layout = self._layout(args, kwargs, key)
+            if exchange_type is Exchange and self._reduction == "shared":
+                exchange_type = SharedExchange
             exchange = exchange_type(world, layout, self.average, self.timeout)
             exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
             exchange.posted = exchange.inside = exchange.all_inside = False
@@ -160,7 +165,7 @@ class DataParallelStep:
             self._agreed(exchange, self._agree(world, exchange, lengths, args, kwargs))
             return exchange, None, self._run_split(args, kwargs, key, leaves, exchange)
         in_plan = None
-        if exchange_type is Exchange and self.accumulate == 1:
+        if exchange_type is Exchange and self.accumulate == 1:  # MPI's allreduce
             in_plan = self._in_plan(world, args, kwargs, key, leaves, layout)
         if in_plan is not None:
             exchange.inside = True
@@ -442,16 +447,18 @@ class DataParallelStep:
         and the report says so and how to preview N ranks."""
         size, note = preview_size(size, current_world())
         layout = self.layout(args, kwargs)
+        shared = previewed(self._reduction, size) == "shared" and not self.sharded
         report = DataParallelReport(
             layout,
             size,
             self.bucket_bytes,
             self.split_plan,
             self.accumulate,
-            starts := self._in_plan_starts(args, kwargs, layout, size),
+            starts := {} if shared else self._in_plan_starts(args, kwargs, layout, size),
         )
         report.size_note = note
-        report.driver_note = self._driver_note(args, kwargs, starts)
+        report.shared = shared
+        report.driver_note = None if shared else self._driver_note(args, kwargs, starts)
         if self.counts_rank_peak():
             report.rank_peak = allreduce_peak(
                 layout,
@@ -460,8 +467,9 @@ class DataParallelStep:
                 self.param_bytes(args),
                 None,
                 0,
-                sums_by_recursive_doubling(size),
+                not shared and sums_by_recursive_doubling(size),
                 size,
+                window_bytes(layout) if shared else 0,
             )
         return report
 
@@ -585,7 +593,19 @@ class DataParallelStep:
     def _settings(self, exchange) -> dict:
         """What every rank's step must share beyond the layout."""
         sharded = self.sharded or (exchange is not None and not isinstance(exchange, Exchange))
-        return {"shard_optimizer": sharded, "average": self.average, "accumulate": self.accumulate}
+        return {
+            "shard_optimizer": sharded,
+            "average": self.average,
+            "accumulate": self.accumulate,
+            "reduction": self._reduction,
+        }
+
+    def reduction(self, world: World) -> str:
+        """How this step sums unsharded buckets: "shared" (shared_exchange.py: ranks on one
+        node) or "mpi" (MPI's allreduce, from inside the compiled driver where it can)."""
+        if self._reduction is None:
+            self._reduction = reduction(world.comm) if world.size > 1 else "mpi"
+        return self._reduction
 
 
 def _hookable(compiled) -> bool:

@@ -22,6 +22,7 @@ from .exchange import Exchange
 from .failure import describe_error, out_of_step_text
 from .rank_peak import PlanFacts, allreduce_peak, sharded_peak
 from .sharding import ShardedExchange, bytes_sent, flat_shares, groups_of, range_of
+from .shared_exchange import window_bytes
 from .world import init, sums_by_recursive_doubling
 
 
@@ -180,9 +181,18 @@ class DataParallelTraining:
         if not self.shard_optimizer:
             grads = _zeros_like(params)
             update = _update_facts(self._update, grads, state, params)
-            doubling = sums_by_recursive_doubling(report.size)
+            doubling = not report.shared and sums_by_recursive_doubling(report.size)
+            window = window_bytes(report.layout) if report.shared else 0
             return allreduce_peak(
-                report.layout, report.in_plan, plan, mine, update, held, doubling, report.size
+                report.layout,
+                report.in_plan,
+                plan,
+                mine,
+                update,
+                held,
+                doubling,
+                report.size,
+                window,
             )
         world = init(self.step._comm)
         rank = world.rank if world.size == report.size else 0

@@ -61,11 +61,13 @@ def run_script(
     timeout=TIMEOUT_S,
     driver: str = "inline",
     env: dict | None = None,
+    reduction: str = "shared",
 ) -> subprocess.CompletedProcess:
     """Run PRELUDE + body under mpiexec -n ranks (ranks=None: plain python, one rank).
     timeout: seconds; a script on the compiled backend compiles its drivers on a cold cache.
     driver: BACKPLAN_DRIVER; inline by default, as a driver run as Python while its compiled
-    twin builds rounds differently. env: more environment variables."""
+    twin builds rounds differently. env: more environment variables. reduction:
+    BACKPLAN_DP_REDUCTION ("mpi": MPI's allreduces, started inside the compiled driver)."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     command = [sys.executable, str(script)]
@@ -76,6 +78,7 @@ def run_script(
         BACKPLAN_BACKEND=backend,
         BACKPLAN_DRIVER=driver,
         NUMBA_NUM_THREADS="1",
+        BACKPLAN_DP_REDUCTION=reduction,
         **(env or {}),
     )
     return subprocess.run(
@@ -106,7 +109,7 @@ def test_buckets_fill_in_plan_order_one_dtype_each():
     assert [b.nbytes for b in buckets] == [8, 8, 40, 16]
 
 
-def test_explain_lists_buckets_in_the_order_the_plan_finishes_them():
+def test_explain_lists_buckets_in_the_order_the_plan_finishes_them(monkeypatch):
     params = init_mlp([8, 16, 4])
     x, y = synthetic_classification(16, 8, 4)
     step = bpd.data_parallel(bp.value_and_grad(mlp_loss), bucket_bytes=300)
@@ -122,7 +125,12 @@ def test_explain_lists_buckets_in_the_order_the_plan_finishes_them():
     text = str(report)
     for row in report.buckets:
         assert row.ready_text in text
-    assert "bucket 0" in text and "grad['w0']" in text
+    assert "through the node's shared memory" in text and "grad['w0']" in text
+    assert "Overlap: none" in text and "read/rank" in text
+    monkeypatch.setenv("BACKPLAN_DP_REDUCTION", "mpi")  # MPI's allreduce: what overlaps it
+    text = str(bpd.explain(step, params, bp.tensor(x), bp.tensor(y), size=2))
+    assert "shared memory" not in text and "sent/rank" in text
+    assert "bucket 0" in text and "MPI_Iallreduce" in text
 
 
 def test_explain_without_mpiexec_previews_two_ranks_and_says_how_to_ask_for_more(monkeypatch):
@@ -336,13 +344,19 @@ def test_the_bench_says_where_the_step_cpu_goes():
     the parts add up to the step)."""
     from backplan.bench.data_parallel import cpu_parts_text
 
-    # (wall, plan wall, plan CPU, step CPU, agreement, bucket waits, finish less its waits)
-    records = [(0.0, 0.0, 0.0025, 0.0040, 0.0004, 0.0006, 0.0002)] * 2
-    records.append((0.0, 0.0, 0.0028, 0.0070, 0.0010, 0.0027, 0.0002))
+    # (wall, plan wall, plan CPU, step CPU, agreement, bucket waits, finish less its waits,
+    # packing, the node's sums: both 0 where MPI sums)
+    records = [(0.0, 0.0, 0.0025, 0.0040, 0.0004, 0.0006, 0.0002, 0.0, 0.0)] * 2
+    records.append((0.0, 0.0, 0.0028, 0.0070, 0.0010, 0.0027, 0.0002, 0.0, 0.0))
     said = cpu_parts_text(records, 0.0021)
     assert "step 5.00 ms = plan inside the step 2.60 (compute alone 2.10)" in said, said
     assert "agreement 0.60 + the bucket waits 1.30 + averaging and unpacking 0.20" in said
     assert "the rest 0.30" in said and "(means of 3 calls)" in said
+    assert "+ packing" not in said
+    shared = [r[:7] + (0.0001, 0.0002) for r in records]  # summed in the node's window
+    said = cpu_parts_text(shared, 0.0021)
+    assert "the bucket waits 1.30 + packing 0.10 + the node's sums 0.20 + averaging" in said, said
+    assert "the rest 0.00" in said or "the rest -0.00" in said  # 0.30 less 0.10 + 0.20
 
 
 def test_data_parallel_needs_value_and_grad():
@@ -482,6 +496,7 @@ def test_the_compiled_step_starts_buckets_itself_and_equals_the_step_after_the_c
         """,
         backend="numba",
         timeout=600,
+        reduction="mpi",  # the compiled driver starts MPI's allreduces
     )
     assert_ranks_ok(result)
 
@@ -534,6 +549,7 @@ def test_under_background_drivers_a_big_plan_still_starts_its_buckets_inside(tmp
         # a cache folder of its own: a plan's driver compiled once (by this test) is found
         # compiled in the shared one, and the plan's driver would not be Python to begin with
         env={"BACKPLAN_CACHE_DIR": str(tmp_path / "cache")},
+        reduction="mpi",  # the compiled driver starts MPI's allreduces
     )
     assert_ranks_ok(result)
 
@@ -657,6 +673,7 @@ def test_16_bit_buckets_travel_in_16_bits_on_two_ranks_with_the_float32_sums_bit
                     assert same.all(), (half, average, buffer, want)
         print(f"rank {rank} ok")
         """,
+        reduction="mpi",  # the compiled driver starts MPI's allreduces
     )
     assert_ranks_ok(result)
 
@@ -728,6 +745,7 @@ def test_the_compiled_step_starts_16_bit_buckets_itself_on_two_ranks(tmp_path):
         """,
         backend="numba",
         timeout=600,
+        reduction="mpi",  # the compiled driver starts MPI's allreduces
     )
     assert_ranks_ok(result)
 
@@ -761,6 +779,156 @@ def test_unequal_shards_weight_each_rank_by_its_rows(tmp_path):
             assert "argument 1: 4 rows, argument 2: 5 rows" in str(error), str(error)
         else:
             raise AssertionError("batch arguments of different rows went unnoticed")
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+SUMMED_BOTH_WAYS = """
+import os
+from backplan.distributed.shared_exchange import SharedExchange
+
+def both(make, call):
+    # the same calls with the node's shared window and with MPI's allreduces
+    got = {}
+    for how in ("shared", "mpi"):
+        os.environ["BACKPLAN_DP_REDUCTION"] = how
+        step = make()
+        got[how] = call(step)
+        decided = getattr(step, "step", step)._reduction  # a training step's own step
+        assert decided == how, (how, decided)
+    return got["shared"], got["mpi"]
+
+def same_bits(a, b, what):
+    for k in a:
+        x, y = np.asarray(a[k]), np.asarray(b[k])
+        assert x.dtype == y.dtype and (x.view(np.uint8) == y.view(np.uint8)).all(), (what, k)
+
+def arrays(tree):
+    return {k: v.numpy().copy() for k, v in tree.items()}
+
+def close(a, b, what, rtol=1e-5, atol=1e-7):
+    for k in b:
+        np.testing.assert_allclose(np.asarray(a[k]), b[k].numpy(), rtol=rtol, atol=atol,
+                                   err_msg=f"{what} {k}")
+
+starts = []
+original = SharedExchange._start
+SharedExchange._start = lambda self, *a: starts.append(1) or original(self, *a)
+"""
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_node_window_sums_exactly_as_mpi_and_one_process(tmp_path, ranks):
+    """Ranks on one node sum their buckets through a shared window (shared_exchange.py): each
+    rank sums its part straight from every rank's buffer. On 2 ranks each sum is a + b, as
+    MPI's: the same bits as the MPI path for plain steps (averaged and summed, three calls in
+    a row so both buffers of each bucket are reused), adam, ZeRO-1 (whose reduce-scatter stays
+    MPI's), unequal shards (16 rows on 3 ranks are 6, 5, 5; 7 on 2 are 4 and 3) and
+    accumulate=2; on any number of ranks close to the one-process step on the whole batch. A
+    part summed wrong, read from the wrong buffer or not read back fails both."""
+    result = run_script(
+        tmp_path,
+        SUMMED_BOTH_WAYS
+        + textwrap.dedent(
+            """
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        m = len(x) - len(x) % size  # equal shards: a sum (average=False) of equal means
+        xs, ys = bpd.shard(x[:m], rank, size), bpd.shard(y[:m], rank, size)
+        full_loss, full = vg(params, x[:m], y[:m])
+        exact = size == 2  # MPICH's order of more than two addends is its own
+
+        def steps(step):
+            out = [step(params, xs, ys) for _ in range(3)]
+            assert all(o[0].item() == out[0][0].item() for o in out)
+            return out[-1][0].item(), arrays(out[-1][1]), arrays(out[0][1])
+        for average in (True, False):
+            (l1, g1, first), (l2, g2, _) = both(
+                lambda: bpd.data_parallel(vg, bucket_bytes=300, average=average), steps)
+            same_bits(g1, first, "a returned gradient changed by later calls")
+            scale = 1 if average else size
+            np.testing.assert_allclose(l1, scale * full_loss.item(), rtol=1e-6)
+            close({k: g / scale for k, g in g1.items()}, full, "plain")
+            if exact:
+                assert l1 == l2
+                same_bits(g1, g2, f"plain, average={average}")
+        assert len(starts) == 3 * 2 * 3, len(starts)  # 3 calls x 2 modes x 3 buckets, shared
+
+        rows = [(0, 6), (6, 11), (11, 16)] if size == 3 else [(0, 4), (4, 7)]
+        n = rows[-1][1]
+        lo, hi = rows[rank]
+        (l1, g1), (l2, g2) = both(
+            lambda: bpd.data_parallel(vg, bucket_bytes=300),
+            lambda s: (lambda r: (r[0].item(), arrays(r[1])))(s(params, x[lo:hi], y[lo:hi])))
+        part_loss, part = vg(params, x[:n], y[:n])
+        np.testing.assert_allclose(l1, part_loss.item(), rtol=1e-6)
+        close(g1, part, "unequal shards")
+        if exact:
+            assert l1 == l2
+            same_bits(g1, g2, "unequal shards")
+
+        ma = len(x) - len(x) % (2 * size)  # two equal micro-batches on every rank
+        xa, ya = bpd.shard(x[:ma], rank, size), bpd.shard(y[:ma], rank, size)
+        half = len(xa) // 2
+        micro = [(xa[:half], ya[:half]), (xa[half:], ya[half:])]
+        acc_loss, acc = vg(params, x[:ma], y[:ma])
+        def accumulated(step):
+            step(params, *micro[0])
+            loss, grads = step(params, *micro[1])
+            return loss.item(), arrays(grads)
+        (l1, g1), (l2, g2) = both(
+            lambda: bpd.data_parallel(vg, accumulate=2, bucket_bytes=300), accumulated)
+        np.testing.assert_allclose(l1, acc_loss.item(), rtol=1e-6)
+        close(g1, acc, "accumulate")
+        if exact:
+            same_bits(g1, g2, "accumulate")
+
+        opt = bp.optim.adam(0.01)
+        one, _ = opt.update(full, opt.init(params), params)
+        for sharded in (False, True):
+            def trained(train):
+                p, state = params, train.init(params)
+                for _ in range(2):
+                    p, state, loss = train(p, state, xs, ys)
+                return arrays(p)
+            p1, p2 = both(
+                lambda: bpd.data_parallel(vg, optimizer=opt, shard_optimizer=sharded,
+                                          bucket_bytes=300), trained)
+            if exact:
+                same_bits(p1, p2, f"adam, shard_optimizer={sharded}")
+            train = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=sharded)
+            p, _, _ = train(params, train.init(params), xs, ys)
+            close(arrays(p), one, f"adam, shard_optimizer={sharded}", atol=1e-6)
+        print(f"rank {rank} ok")
+        """
+        ),
+        ranks=ranks,
+        timeout=120,
+    )
+    assert_ranks_ok(result, ranks)
+
+
+@needs_mpi
+def test_ranks_summing_in_the_window_and_by_mpi_raise_instead_of_hanging(tmp_path):
+    """A rank asking for MPI's allreduce (BACKPLAN_DP_REDUCTION=mpi) beside one summing in
+    the node's window would wait for buckets the other never sends: the agreement names the
+    setting on every rank before anything moves."""
+    result = run_script(
+        tmp_path,
+        """
+        import os
+        os.environ["BACKPLAN_DP_REDUCTION"] = ("shared", "mpi")[rank]
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        step = bpd.data_parallel(vg, timeout=30)
+        try:
+            step(params, bpd.shard(x, rank, size), bpd.shard(y, rank, size))
+        except bpd.RankMismatchError as error:
+            assert "reduction" in str(error) and "'shared'" in str(error), str(error)
+            assert "'mpi'" in str(error), str(error)
+        else:
+            raise AssertionError("ranks summing two ways went unnoticed")
         print(f"rank {rank} ok")
         """,
     )
@@ -895,6 +1063,7 @@ def test_a_rank_whose_driver_is_still_building_pairs_its_buckets_with_the_others
         """,
         backend="numba",
         timeout=600,
+        reduction="mpi",  # the compiled driver starts MPI's allreduces
     )
     assert_ranks_ok(result)
 
@@ -1443,6 +1612,7 @@ def test_a_rank_that_raises_around_its_compiled_step_settles_or_says_it_is_out_o
         """,
         backend="numba",
         timeout=600,
+        reduction="mpi",  # the compiled driver starts MPI's allreduces
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
@@ -1676,7 +1846,7 @@ def test_a_rank_lost_before_its_compiled_step_ends_the_one_whose_driver_started(
     script = DIES_IN_THE_EXCHANGE.format(
         timeout=2, signal=signal, where="InPlanExchange", method="run"
     )
-    result = run_script(tmp_path, script, backend="numba", timeout=600)
+    result = run_script(tmp_path, script, backend="numba", timeout=600, reduction="mpi")
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "rank 0 stepped, driver starts buckets: True" in result.stdout, output
@@ -1718,7 +1888,8 @@ def test_accumulated_calls_from_four_threads_are_each_added_once():
 
 
 @needs_mpi
-def test_explain_prints_the_peak_each_rank_holds_counted_to_the_byte(tmp_path):
+@pytest.mark.parametrize("reduction", ["shared", "mpi"])
+def test_explain_prints_the_peak_each_rank_holds_counted_to_the_byte(tmp_path, reduction):
     """explain's per-rank peak counts what the exchange adds to the plan (bucket buffers, the
     ZeRO-1 send, receive and all-gather buffers, the update's outputs, the outputs the plan's
     workspace keeps): the checked mode counts every buffer the step allocates or keeps, and
@@ -1728,6 +1899,7 @@ def test_explain_prints_the_peak_each_rank_holds_counted_to_the_byte(tmp_path):
     result = run_script(
         tmp_path,
         """
+        import os
         from backplan.codegen.run.memory_check import measure
         params = bpd.broadcast(init_mlp([64, 257, 3], seed=0))  # w0 64 KiB: kept by the plan
         x, y = synthetic_classification(32, 64, 3)
@@ -1759,11 +1931,14 @@ def test_explain_prints_the_peak_each_rank_holds_counted_to_the_byte(tmp_path):
             names = " ".join(m.at_peak)
             assert ("ZeRO-1 send" if mode == "zero" else "bucket") in names, (mode, names)
             said.append((mode, peak.peak_bytes))
+            window = "node window" in str(report)  # held by the ranks summing in the window
+            assert window == (mode != "zero" and os.environ["BACKPLAN_DP_REDUCTION"] == "shared")
         assert said[1][1] > said[0][1]  # the update's new parameters and state
         print(f"rank {rank} ok", said)
         """,
         backend="numba",
         timeout=300,
         env={"BACKPLAN_CHECK_MEMORY": "1"},
+        reduction=reduction,
     )
     assert_ranks_ok(result)

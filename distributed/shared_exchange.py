@@ -1,0 +1,144 @@
+"""The exchange of ranks on one node through shared memory (node_window.py) in place of MPI's
+allreduce: each rank packs its bucket into its buffer in the window, then sums its own part of
+the elements straight from every rank's buffer, with the averaging (or nothing, when ranks
+scaled by their rows) folded in, and reads the other ranks' parts of the result from their
+buffers. An allreduce through MPI's shared-memory cells copies each bucket in and out of them
+and adds on the way; here each element is read once from each rank and written twice.
+
+It is the Exchange of exchange.py with another request behind each bucket: the waits, the
+deadlines (deadline.py tests the request), the unpacking and the failure paths (failure.py
+starts NaN buckets through the same _start) are Exchange's. Each element is summed by one rank
+in rank order, so every rank gets the same bits, and on two ranks the bits of MPI's sum."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from backplan.ir.types import np_dtype
+
+from .exchange import Exchange
+from .half_wire import summed_dtype
+from .node_window import DONE, READY, NodeWindow, node_comm, segment_bytes
+from .rank_peak import counted
+from .rows import average_in_place, scale_by_weight
+
+REDUCTION_VARIABLE = "BACKPLAN_DP_REDUCTION"  # "shared" or "mpi"; unset: shared on one node
+_nodes: dict = {}  # id(comm) -> (comm, its node communicator or None)
+_windows: dict = {}  # (id(comm), layout fingerprint) -> NodeWindow
+
+
+def reduction(comm) -> str:
+    """ "shared" when every rank of comm is on this node and BACKPLAN_DP_REDUCTION is not "mpi",
+    else "mpi"; decided once per communicator, collectively (call it on every rank alike)."""
+    found = _nodes.get(id(comm))
+    if found is None or found[0] is not comm:  # every rank splits, whatever it asks for
+        found = _nodes[id(comm)] = (comm, node_comm(comm))
+    wanted = os.environ.get(REDUCTION_VARIABLE, "shared")
+    if wanted not in ("shared", "mpi"):
+        raise ValueError(f"{REDUCTION_VARIABLE} must be 'shared' or 'mpi', got {wanted!r}")
+    return "shared" if wanted == "shared" and found[1] is not None else "mpi"
+
+
+def previewed(decided: str | None, size: int) -> str:
+    """What a step's reduction is (decided) or will be (None: before its first exchanging call,
+    which asks the ranks whether they share one node; previewed as if they do)."""
+    if decided is not None:
+        return decided
+    wanted = os.environ.get(REDUCTION_VARIABLE, "shared")
+    return "shared" if wanted == "shared" and size > 1 else "mpi"
+
+
+def _buckets(layout) -> tuple[list[int], list[np.dtype]]:
+    """Elements and the dtype they are summed in (float32 for 16-bit) of each bucket."""
+    counts = [b.nbytes // np_dtype(b.dtype).itemsize for b in layout.buckets]
+    return counts, [summed_dtype(np_dtype(b.dtype)) for b in layout.buckets]
+
+
+def window_bytes(layout) -> int:
+    """The bytes of one rank's segment of the window the layout's buckets are summed in."""
+    return segment_bytes(*_buckets(layout))
+
+
+def _window(comm, layout) -> NodeWindow:
+    key = (id(comm), layout.fingerprint)
+    window = _windows.get(key)
+    if window is None:
+        window = _windows[key] = NodeWindow(_nodes[id(comm)][1], *_buckets(layout))
+    return window
+
+
+class SharedRequest:
+    """One bucket's sum over the node, tested and waited for like an mpi4py request. Test()
+    does this rank's part once every rank has written the bucket, and completes once every
+    rank has done its part (the part a rank sums is this rank's work, done when it tests)."""
+
+    def __init__(self, window: NodeWindow, k: int, call: int, out: np.ndarray, average: bool):
+        self.window, self.k, self.call, self.out, self.average = window, k, call, out, average
+        self.parity = call % 2
+        self.summed = self.complete = False
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name, so deadline.py waits on either
+        w, k = self.window, self.k
+        if not self.summed:
+            if not w.all_at(READY, k, self.call):
+                return False
+            self._sum_own_part()
+            w.mark(DONE, k, self.call)
+            self.summed = True
+        if not self.complete:
+            if not w.all_at(DONE, k, self.call):
+                return False
+            self._read_other_parts()
+            self.complete = True
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        while not self.Test():
+            os.sched_yield()  # the rank it waits for may share this core
+
+    def _sum_own_part(self) -> None:
+        w, k, part = self.window, self.k, self.window.part(self.window.rank, self.k)
+        out = self.out[part]
+        np.add(w.buffer(0, k, self.parity)[part], w.buffer(1, k, self.parity)[part], out=out)
+        for q in range(2, w.size):
+            out += w.buffer(q, k, self.parity)[part]
+        if self.average:
+            average_in_place(out, w.size)
+        w.buffer(w.rank, k, self.parity)[part] = out  # where the other ranks read it
+
+    def _read_other_parts(self) -> None:
+        w = self.window
+        for q in range(w.size):
+            if q != w.rank:
+                part = w.part(q, self.k)
+                self.out[part] = w.buffer(q, self.k, self.parity)[part]
+
+
+class SharedExchange(Exchange):
+    """Exchange with each bucket summed through the node's shared window (see the module)."""
+
+    def _start(self, bucket, array_of) -> None:
+        window = _window(self.world.comm, self.layout)
+        k = bucket.index
+        window.written[k] += 1
+        call = window.written[k]
+        mine = window.buffer(window.rank, k, call % 2)
+        offset = 0
+        for leaf in bucket.leaves:
+            value = np.asarray(array_of(leaf)).ravel()
+            mine[offset : offset + value.size] = value  # 16-bit values widen to float32 here
+            offset += value.size
+        if self.weight is not None:
+            scale_by_weight(mine, self.weight)
+        window.mark(READY, k, call)
+        out = counted(np.empty(mine.size, mine.dtype), f"bucket {k}")
+        average = self.average and self.weight is None
+        if average:
+            self.averaged.add(k)  # folded into the sum
+        self.started.append((bucket, out, SharedRequest(window, k, call, out, average)))
+
+    def progress(self) -> None:
+        for _, _, request in self.started:
+            request.Test()
