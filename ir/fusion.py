@@ -138,15 +138,22 @@ class Kernel:
     recomputed: list[Value] = field(default_factory=list)  # cheap values of other kernels
     epilogue: Kernel | None = None  # a loop run on each block of a matmul's result (ir/epilogue.py)
 
+    # Both lists are read, never changed, by their callers: a kernel that has nothing but its
+    # nodes (most of a plan's: views, aliases, single ops) hands `nodes` itself, not a copy
+    # (the passes of a lowering ask them ~40,000 times a row of a 10,000-node frontier).
+
     @property
     def all_nodes(self) -> list[Value]:
         """The nodes this kernel is home to (each value has exactly one home)."""
-        after = self.epilogue.all_nodes if self.epilogue is not None else []
-        return self.nodes + self.reductions + after
+        if self.epilogue is None:
+            return self.nodes + self.reductions if self.reductions else self.nodes
+        return self.nodes + self.reductions + self.epilogue.all_nodes
 
     @property
     def computed(self) -> list[Value]:
         """Everything the kernel computes, in order: recomputed values first."""
+        if self.epilogue is None and not self.recomputed and not self.reductions:
+            return self.nodes
         after = self.epilogue.computed if self.epilogue is not None else []
         return self.recomputed + self.nodes + self.reductions + after
 
@@ -179,10 +186,11 @@ def group_kernels(
         home[node] = _place(node, kernels, home, latest_loops, reads, tails, avoid, spread, bases)
     kept = frozenset(read_backs.values())
     _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases)
-    _round_where_recomputed(kernels, home, kept, {n: i for i, n in enumerate(graph.nodes)})
+    _round_where_recomputed(kernels, home, kept, graph)
     for kernel in kernels:  # grouped: a loop with nothing recomputed or reduced shares the empty
-        kernel.recomputed = kernel.recomputed or NONE_HELD
-        kernel.reductions = kernel.reductions or NONE_HELD
+        if kernel.kind == "loop":  # (every other kernel was made with it: _single)
+            kernel.recomputed = kernel.recomputed or NONE_HELD
+            kernel.reductions = kernel.reductions or NONE_HELD
     return kernels
 
 
@@ -210,7 +218,7 @@ def _spread_widenings(graph: Graph) -> frozenset[Value]:
     """Widening casts of 16-bit values that only loops read, each directly (not through a
     view or an alias): a loop of a larger shape reads such a cast broadcast from the right, as
     it would read the cast's input, so it can recompute the cast from the 16-bit input."""
-    casts = {n for n in graph.nodes if _widens_half(n)}
+    casts = {n for n in graph.nodes if n.op == "astype" and _widens_half(n)}
     if not casts:
         return frozenset()
     for node in graph.nodes:
@@ -264,12 +272,20 @@ def _recompute_cheap_inputs(
                 for value in cone or ():
                     if value not in kernel.recomputed:
                         kernel.recomputed.append(value)
-    blocked = {k: values for k, values in blocked.items() if values}  # the others read none
-    if not blocked:
-        return
-    readers = _readers(kernels, home, outputs, bases)
+    # each loop's cones over the frontier, worked out before any loop takes its own: a loop's
+    # cones read only its own recomputed values, which only its own turn changes
+    turns, wanted = [], set()
     for k, values in blocked.items():
-        _recompute_over_frontier(values, k, kernels, home, readers, kept, spread, bases)
+        found = _cones_over_frontier(values, k, kernels, home, kept, spread, bases) if values else None
+        if found is not None:
+            turns.append((k, values, *found))
+            wanted.update(values)
+            wanted.update(found[1])
+    if not turns:
+        return
+    readers = _readers(kernels, home, outputs, bases, wanted)
+    for k, values, cones, frontier in turns:
+        _recompute_over_frontier(values, k, kernels, readers, cones, frontier)
 
 
 def _cheap_cone(
@@ -327,12 +343,13 @@ def _rounded_here(
     return cone + [rounding, widening]
 
 
-def _round_where_recomputed(kernels: list[Kernel], home, kept, order: dict[Value, int]) -> None:
+def _round_where_recomputed(kernels: list[Kernel], home, kept, graph: Graph) -> None:
     """A loop that recomputes a float value and the widening of its 16-bit rounding (made in
     another loop of its shape) rounds the value itself instead of reading the rounding: one
     instruction sequence instead of 2 bytes an element read, and the other loop need not store
     it (bfloat16 ln_gelu stored layer_norm's rounded output in a pass of its own, then read it
     back beside the input it recomputed the float32 value from). kept: never recomputed."""
+    order = None  # node -> its place in graph.nodes, made at the first rounding added
     for k, kernel in enumerate(kernels):
         if kernel.kind != "loop":
             continue
@@ -352,6 +369,8 @@ def _round_where_recomputed(kernels: list[Kernel], home, kept, order: dict[Value
             kernel.recomputed.append(rounding)
             added = True
         if added:
+            if order is None:
+                order = {n: i for i, n in enumerate(graph.nodes)}
             kernel.recomputed.sort(key=order.__getitem__)
 
 
@@ -362,16 +381,21 @@ def _widens_half(value: Value) -> bool:
     return value.dtype in ("f32", "f64")
 
 
-def _readers(kernels: list[Kernel], home, outputs: list[Value], bases=None) -> dict:
-    """value -> the kernels that read its buffer (graph outputs are read by the caller, -1)."""
+def _readers(kernels: list[Kernel], home, outputs: list[Value], bases=None, wanted=None) -> dict:
+    """value -> the kernels that read its buffer (graph outputs are read by the caller, -1),
+    for the values in `wanted` (None: every value)."""
     bases = Bases() if bases is None else bases
-    readers: dict[Value, set[int]] = {bases[o]: {-1} for o in outputs}
+    readers: dict[Value, set[int]] = {
+        bases[o]: {-1} for o in outputs if wanted is None or bases[o] in wanted
+    }
     for k, kernel in enumerate(kernels):
         recomputed = kernel.recomputed
         plain = not (recomputed or kernel.reductions or kernel.epilogue)  # computed: its nodes
         for node in kernel.nodes if plain else kernel.computed:
             for inp in node.inputs:
                 source = bases[inp]
+                if wanted is not None and source not in wanted:
+                    continue
                 if home.get(source) != k and source not in recomputed:
                     found = readers.get(source)
                     if found is None:
@@ -381,22 +405,28 @@ def _readers(kernels: list[Kernel], home, outputs: list[Value], bases=None) -> d
     return readers
 
 
-def _recompute_over_frontier(
-    blocked: list[Value], k: int, kernels, home, readers, kept, spread, bases=None
-) -> None:
-    """Kernel k recomputes the blocked values it reads from the expensive values under them,
-    when that moves fewer bytes: reads saved, plus blocked values nobody else reads (no longer
-    written), minus frontier values nobody read before (now written)."""
+def _cones_over_frontier(blocked: list[Value], k: int, kernels, home, kept, spread, bases):
+    """(each blocked value's cone in kernel k, the expensive values under them: the frontier),
+    or None where one has no cheap cone even over a frontier."""
     kernel = kernels[k]
     frontier: set[Value] = set()
     cones = []
     for value in blocked:
         cone = _cheap_cone(value, kernel, k, kernels, home, kept, spread, frontier, bases=bases)
         if cone is None:
-            return
+            return None
         cones.append(cone)
-    if not cones:
-        return
+    return cones, frontier
+
+
+def _recompute_over_frontier(
+    blocked: list[Value], k: int, kernels, readers, cones: list, frontier: set
+) -> None:
+    """Kernel k recomputes the blocked values it reads from the expensive values under them
+    (cones, frontier: _cones_over_frontier), when that moves fewer bytes: reads saved, plus
+    blocked values nobody else reads (no longer written), minus frontier values nobody read
+    before (now written)."""
+    kernel = kernels[k]
     reads_saved = len(blocked) - len(frontier)
     writes_saved = sum(1 for v in blocked if v not in frontier and readers.get(v) == {k})
     writes_added = sum(1 for v in frontier if not readers.get(v))
