@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from .graph import Graph, Value
 from .registry import REGISTRY, get_op
-from .types import is_half
+from .types import is_float, is_half, np_dtype
 
 
 def is_unit_reshape(node: Value) -> bool:
@@ -195,7 +195,7 @@ def group_kernels(
 
 
 def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, Value]:
-    """Widening casts of a 16-bit copy of a float value that is read elsewhere too -> the copy.
+    """Widening casts of a narrower copy of a float value that is read elsewhere too -> the copy.
     (Inside a fused chain, ir/widen.py rounds a value made only for its 16-bit copy.) Only the
     graph's own casts (saved_dtype's read-back, a user's astype) count: a cast ir/widen.py
     added for an op reading a 16-bit result (bfloat16 layer_norm's rounded output, whose
@@ -203,7 +203,7 @@ def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, 
     users = None  # graph.users(), made at the first widening cast (most plans have none)
     found = {}
     for node in graph.nodes:
-        if node.op != "astype" or not is_half(node.inputs[0].dtype) or is_half(node.dtype):
+        if not _widens_float(node):
             continue
         if origin is not None and node not in origin:
             continue
@@ -212,6 +212,17 @@ def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, 
         if copy.op == "astype" and len(users.get(copy.inputs[0], ())) > 1:
             found[node] = copy
     return found
+
+
+def _widens_float(node: Value) -> bool:
+    """A cast of a float value to a wider float (a 16-bit copy read back in float32, or a
+    float32 copy of a float64 value read back in float64: saved_dtype on a float64 step)."""
+    if node.op != "astype":
+        return False
+    source, target = node.inputs[0].dtype, node.dtype
+    if not (is_float(source) and is_float(target)):
+        return False
+    return np_dtype(source).itemsize < np_dtype(target).itemsize
 
 
 def _spread_widenings(graph: Graph) -> frozenset[Value]:

@@ -152,6 +152,30 @@ def test_compiled_joint_plan_stores_and_reads_back_the_bfloat16_copies():
     assert not np.allclose(grads["numba", bp.bfloat16][0], grads["numba", None][0], atol=1e-6)
 
 
+def test_a_float64_step_stores_and_reads_back_its_float32_saved_copies():
+    """saved_dtype=float32 on a float64 step: the compiled plan stores each float32 copy and
+    its backward reads it (as the reference interpreter does), rather than recomputing the cast,
+    and with it the tanh before it, from float64 values held across to the backward (which
+    read them unrounded and peaked above the full-precision plan)."""
+    from backplan.ir.lowering import lower
+
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal((16, 16)) * 0.5 for _ in range(3)]
+    x = rng.standard_normal((32, 16))
+    grads = {}
+    for backend in ("reference", "numba"):
+        with use_backend(backend):
+            for dtype in (None, bp.float32):
+                step = bp.value_and_grad(_layers, saved_dtype=dtype)
+                grads[backend, dtype] = [g.numpy() for g in step(params, x)[1]]
+    entry = step.lookup((params, x), {}, count_hit=False)[1]
+    assert lower(entry.plan).layout.scratch_elements.get("f32", 0) >= 2 * 32 * 16
+    for got, want in zip(grads["numba", bp.float32], grads["reference", bp.float32], strict=True):
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert not np.allclose(grads["numba", bp.float32][0], grads["numba", None][0], atol=1e-12)
+
+
 
 def _softmax_products(p, x):
     return bp.sum(bp.softmax(x @ p[0], axis=-1) * (x @ p[1]))
