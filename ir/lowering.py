@@ -180,7 +180,9 @@ def _prepared(plan: Plan):
     origin = None
     if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
+        shared = plan.shared  # a symbolic plan's sizes still share one driver
         plan = plan_liveness(graph, plan.donated)
+        plan.shared = shared
     interpreted = plan
     graph, origin = copy_strided_reshapes(plan.graph, origin)
     if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)
