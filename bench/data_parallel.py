@@ -150,9 +150,15 @@ def with_plan_times(step, params, batch, records: list):
     TableRequest.Wait = cpu_of("bucket waits", TableRequest.Wait)
     Exchange.finish = cpu_of("finish", Exchange.finish)
     if step.reduction(bpd.init()) == "shared":  # the plan runs as the step's fn, then sums
-        from backplan.distributed.shared_exchange import SharedExchange, SharedRequest
+        from backplan.distributed.shared_exchange import (
+            SharedExchange,
+            SharedRequest,
+            WindowOutputs,
+        )
 
-        step.fn = TimedPlan(step.fn, plan)
+        step.fn = TimedPlan(step.fn, plan)  # a call the plan writes into the window: below
+        timed_run = TimedPlan(WindowOutputs.run, plan)
+        WindowOutputs.run = lambda self, *args: timed_run(self, *args)
         DataParallelStep._agree_start = cpu_of("agreement", DataParallelStep._agree_start)
         DataParallelStep._finish_agreement = cpu_of("agreement", DataParallelStep._finish_agreement)
         SharedRequest.Wait = cpu_of("bucket waits", SharedRequest.Wait)

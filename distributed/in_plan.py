@@ -35,6 +35,34 @@ from .half_wire import as_bits
 FLOATS = ("f32", "f64")  # IR dtypes MPI sums as FLOAT, DOUBLE
 
 
+def bucket_slots(compiled, layout, eligible) -> tuple[list, list, list]:
+    """(the buckets of an eligible(IR dtype) dtype whose every leaf is an output buffer of its
+    own of the compiled plan, each bucket's buffer indices in leaf order, every output
+    buffer's (shape, dtype, parameter name)): the buckets a call can have the plan write
+    straight into bucket buffers (call_into)."""
+    per_output, buffers = compiled.output_slots()
+    positions, used = layout.output_positions, set()
+    buckets, slots = [], []
+    for bucket in layout.buckets:
+        if not eligible(bucket.dtype):
+            continue
+        mine = []
+        for leaf in bucket.leaves:
+            j = per_output[positions[leaf.index]]
+            if j is None or j in used or j in mine:
+                break
+            shape, dtype, _ = buffers[j]
+            # a 16-bit buffer is its bit patterns (uint16) to the driver: storage_dtype
+            if dtype != storage_dtype(bucket.dtype) or math.prod(shape) != math.prod(leaf.shape):
+                break
+            mine.append(j)
+        else:
+            used.update(mine)
+            buckets.append(bucket)
+            slots.append(mine)
+    return buckets, slots, buffers
+
+
 class TableRequest:
     """One in-driver allreduce, waited for like an mpi4py request (Test, Wait)."""
 
@@ -66,15 +94,10 @@ class InPlanExchange:
     def __init__(self, compiled, layout, comm, size: int | None = None):
         self.compiled = compiled
         self.size = comm.Get_size() if comm is not None else size  # ranks (size: a preview)
-        per_output, self.buffers = compiled.output_slots()
-        self.buckets, self.slots = [], []  # the buckets started inside, their buffers' indices
-        used: set[int] = set()
-        for bucket in layout.buckets:
-            slots = self._slots(bucket, per_output, layout.output_positions, used)
-            if slots is not None:
-                used.update(slots)
-                self.buckets.append(bucket)
-                self.slots.append(slots)
+        # the buckets started inside, their buffers' indices
+        self.buckets, self.slots, self.buffers = bucket_slots(
+            compiled, layout, lambda dtype: dtype in FLOATS or sent_in_16_bits(dtype, self.size)
+        )
         names = [[self.buffers[j][2] for j in slots] for slots in self.slots]
         self._maker: TableMaker | None = None  # None: explain's preview, which runs nothing
         if comm is not None and self.buckets:
@@ -93,21 +116,6 @@ class InPlanExchange:
         self._building = threading.Lock()
         self._previous: list | None = None  # the last call's bucket buffers
         self._taking = threading.Lock()
-
-    def _slots(self, bucket: Bucket, per_output, positions, used) -> list[int] | None:
-        if bucket.dtype not in FLOATS and not sent_in_16_bits(bucket.dtype, self.size):
-            return None
-        slots = []
-        for leaf in bucket.leaves:
-            j = per_output[positions[leaf.index]]
-            if j is None or j in used or j in slots:
-                return None
-            shape, dtype, _ = self.buffers[j]
-            # a 16-bit buffer is its bit patterns (uint16) to the driver: storage_dtype
-            if dtype != storage_dtype(bucket.dtype) or math.prod(shape) != math.prod(leaf.shape):
-                return None
-            slots.append(j)
-        return slots
 
     @property
     def active(self) -> bool:

@@ -12,6 +12,7 @@ in rank order, so every rank gets the same bits, and on two ranks the bits of MP
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -20,6 +21,7 @@ from backplan.ir.types import np_dtype
 
 from .exchange import Exchange
 from .half_wire import summed_dtype
+from .in_plan import bucket_slots
 from .node_window import DONE, READY, NodeWindow, node_comm, segment_bytes
 from .rank_peak import counted
 from .rows import average_in_place, scale_by_weight
@@ -67,6 +69,37 @@ def _window(comm, layout) -> NodeWindow:
     if window is None:
         window = _windows[key] = NodeWindow(_nodes[id(comm)][1], *_buckets(layout))
     return window
+
+
+class WindowOutputs:
+    """Per compiled joint plan: the float32 and float64 buckets whose every leaf is an output
+    buffer of its own (in_plan.bucket_slots), which a call has the plan write straight into
+    this rank's window buffers of the call, so that _start has nothing to copy."""
+
+    def __init__(self, compiled, layout):
+        self.compiled = compiled
+        self.buckets, self.slots, self.buffers = bucket_slots(
+            compiled, layout, lambda dtype: dtype in ("f32", "f64")
+        )
+
+    def run(self, comm, layout, arrays: list) -> list | None:
+        """The plan's outputs, its buckets' leaves written into the window; None when there is
+        no window yet (the first call that exchanges makes it) or the plan cannot be called
+        so (compiled.call_own_into)."""
+        window = _windows.get((id(comm), layout.fingerprint))
+        if window is None or not self.buckets:
+            return None
+        into = {}
+        for bucket, slots in zip(self.buckets, self.slots, strict=True):
+            k = bucket.index
+            flat = window.buffer(window.rank, k, (window.written[k] + 1) % 2)  # the next call's
+            offset = 0
+            for j in slots:
+                shape = self.buffers[j][0]
+                n = math.prod(shape)
+                into[j] = flat[offset : offset + n].reshape(shape)
+                offset += n
+        return self.compiled.call_own_into(arrays, into)
 
 
 class SharedRequest:
@@ -128,7 +161,9 @@ class SharedExchange(Exchange):
         offset = 0
         for leaf in bucket.leaves:
             value = np.asarray(array_of(leaf)).ravel()
-            mine[offset : offset + value.size] = value  # 16-bit values widen to float32 here
+            place = mine[offset : offset + value.size]
+            if value.ctypes.data != place.ctypes.data:  # not written there by the plan
+                place[...] = value  # 16-bit values widen to float32 here
             offset += value.size
         if self.weight is not None:
             scale_by_weight(mine, self.weight)

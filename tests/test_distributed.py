@@ -911,6 +911,69 @@ def test_the_node_window_sums_exactly_as_mpi_and_one_process(tmp_path, ranks):
 
 
 @needs_mpi
+def test_the_compiled_plan_writes_its_gradients_into_the_node_window(tmp_path):
+    """On the compiled backend, from the second call on, the plan writes the float32 buckets'
+    leaves straight into this rank's window buffers of the call (no packing copy): the same
+    bits as MPI's sums and as the packed first call, with aux outputs, an unsharded adam step
+    and gradients held across calls unchanged."""
+    result = run_script(
+        tmp_path,
+        SUMMED_BOTH_WAYS
+        + textwrap.dedent(
+            """
+        from backplan.distributed.shared_exchange import WindowOutputs
+        written = []
+        run = WindowOutputs.run
+        WindowOutputs.run = lambda self, *a: (lambda out: written.append(out is not None) or out)(
+            run(self, *a))
+        from backplan.distributed import shared_exchange
+        outside = []  # per bucket started: leaves not already in this rank's window buffer
+        def counting(self, bucket, array_of):
+            window = shared_exchange._windows.get((id(self.world.comm), self.layout.fingerprint))
+            mine = [] if window is None else [window.buffer(rank, bucket.index, p) for p in (0, 1)]
+            def inside(a):
+                at = np.asarray(a).ctypes.data
+                return any(b.ctypes.data <= at < b.ctypes.data + b.nbytes for b in mine)
+            outside.append(sum(not inside(array_of(leaf)) for leaf in bucket.leaves))
+            return original(self, bucket, array_of)
+        SharedExchange._start = counting
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        aux_vg = bp.value_and_grad(lambda p, a, b: (mlp_loss(p, a, b), a.sum() * 2), has_aux=True)
+
+        def calls(step):
+            out = [step(params, xs, ys) for _ in range(4)]
+            return [(o[0][0].item(), o[0][1].item(), arrays(o[1])) for o in out]
+        shared, mpi = both(lambda: bpd.data_parallel(aux_vg, bucket_bytes=300), calls)
+        assert written[0] is False and all(written[1:4]), written  # the first call makes it
+        buckets = len(outside) // 4
+        assert sum(outside[:buckets]) == 5 and not any(outside[buckets:]), outside  # loss, 4 grads
+        for (l1, a1, g1), (l2, a2, g2) in zip(shared, mpi):
+            assert l1 == l2 and a1 == a2 and np.isclose(a1, xs.sum() * 2, rtol=1e-5)
+            same_bits(g1, g2, "written into the window")
+            same_bits(g1, shared[0][2], "written into the window against packed")
+        held = shared[0][2]
+        full_loss, full = vg(params, x, y)
+        close(held, full, "written into the window")
+
+        opt = bp.optim.adam(0.01)
+        def trained(train):
+            p, state = params, train.init(params)
+            for _ in range(3):
+                p, state, loss = train(p, state, xs, ys)
+            return arrays(p)
+        p1, p2 = both(lambda: bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300), trained)
+        same_bits(p1, p2, "adam")
+        print(f"rank {rank} ok", sum(written), len(written))
+        """
+        ),
+        backend="numba",
+        timeout=300,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
 def test_ranks_summing_in_the_window_and_by_mpi_raise_instead_of_hanging(tmp_path):
     """A rank asking for MPI's allreduce (BACKPLAN_DP_REDUCTION=mpi) beside one summing in
     the node's window would wait for buckets the other never sends: the agreement names the

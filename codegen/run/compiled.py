@@ -357,6 +357,18 @@ class CompiledPlan:
             outputs[j] = array
         return self._launch(run, arrays, workspace, outputs, extra, frozenset(into))
 
+    def call_own_into(self, args: list, into: dict) -> list | None:
+        """call_into with this plan's own driver (compiled or run as Python), once its first
+        call has run (the plan set up, its kernels built); None before then or in the checked
+        mode (which counts buffers of its own): call the plan as usual."""
+        if self.first_call_seconds is None or self.driver_tier == "reference":
+            return None
+        if self._checked is not None:
+            return None
+        if self._direct_pending is not None:
+            self._build_direct()
+        return self.call_into(args, into, self._run, ())
+
     def _launch(
         self, run, arrays: list, workspace, outputs: list, extra: tuple, theirs=frozenset()
     ) -> list:
