@@ -34,7 +34,7 @@ CASES = [(bf16_middle, np.float32), (f16_input, np.float16)]
 @pytest.mark.parametrize("fn,dtype", CASES)
 def test_every_size_of_a_16_bit_plan_runs_one_driver_with_the_reference_values(fn, dtype):
     step = bp.value_and_grad(bp.compile(fn, dynamic={"x": {0: "batch"}}))
-    # (from 16 rows on, bfloat16 softmax keeps rows local: other code, a driver of its own)
+    # (at 17 rows bfloat16 softmax keeps rows local: other code, a driver of its own)
     xs = {n: bp.tensor(RNG.standard_normal((n, 6)).astype(dtype)) for n in (8, 11, 3, 13)}
     with use_backend("numba"):
         for x in xs.values():
