@@ -21,5 +21,8 @@ def test_each_row_pass_is_timed_once_per_row_and_put_back():
         assert found[label][1] == lowered, label
     assert found["lowering"][0] <= found["a row's peak"][0]
     assert {label: _current(w, a) for label, w, a, _ in frontier_parts.PARTS} == before
+    nodes, plans = found[frontier_parts.NODES]
+    assert plans == lowered and nodes >= plans * 6 * 4  # each plan: >= 4 nodes a layer
     text = frontier_parts.parts_text(trace, total, rows, found)
     assert f"({rows} rows;" in text and "      placement:" in text
+    assert f"{nodes:,} nodes lowered" in text and "us a node" in text
