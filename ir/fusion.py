@@ -287,7 +287,9 @@ def _recompute_cheap_inputs(
     # cones read only its own recomputed values, which only its own turn changes
     turns, wanted = [], set()
     for k, values in blocked.items():
-        found = _cones_over_frontier(values, k, kernels, home, kept, spread, bases) if values else None
+        if not values:
+            continue  # reads nothing another loop computes cheaply
+        found = _cones_over_frontier(values, k, kernels, home, kept, spread, bases)
         if found is not None:
             turns.append((k, values, *found))
             wanted.update(values)
@@ -334,9 +336,7 @@ def _cheap_cone(
     return cone if len(cone) <= MAX_RECOMPUTE else None
 
 
-def _rounded_here(
-    widening, kernel, k, kernels, home, kept, spread, depth
-) -> list[Value] | None:
+def _rounded_here(widening, kernel, k, kernels, home, kept, spread, depth) -> list[Value] | None:
     """[..., rounding, widening] where the float value a 16-bit rounding was made from can be
     recomputed cheaply in loop k (at least one op, from values stored anyway): the loop
     rounds it itself and the rounding's loop need not store it (bfloat16 layer_norm's
