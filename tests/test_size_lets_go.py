@@ -15,9 +15,8 @@ RNG = np.random.default_rng(11)
 W = bp.tensor(RNG.standard_normal((5, 7)).astype(np.float32), requires_grad=True)
 
 
-def loss(w, x):
-    h = bp.tanh(x @ w)
-    return bp.mean(bp.softmax(h, axis=-1) * h) + bp.sum(h * x.sum())
+def loss(w, x):  # test_dynamic's alternating-sizes model: its plans' kernels and drivers shared
+    return bp.mean(bp.tanh(x @ w) * x.sum())
 
 
 def entry_of(fn) -> DynamicEntry:
@@ -33,8 +32,13 @@ def size_plans(fn, n) -> list:
     return [entry.plan] if program is None else list(program.plans.named.values())
 
 
-@pytest.mark.parametrize("kind", ["value_and_grad", "compile"])
-def test_a_later_size_lets_its_lowering_go_and_explain_lowers_it_again_to_the_same_peak(kind):
+@pytest.mark.parametrize(
+    "kind,sizes",  # compile's explain at a symbolic size takes ~1 s: fewer calls
+    [("value_and_grad", (4, 6, 9, 6)), ("compile", (4, 9, 9))],
+)
+def test_a_later_size_lets_its_lowering_go_and_explain_lowers_it_again_to_the_same_peak(
+    kind, sizes
+):
     compiled = bp.compile(loss, dynamic={"x": {0: "n"}})
     if kind == "value_and_grad":
         step = run = bp.value_and_grad(compiled)
@@ -48,7 +52,7 @@ def test_a_later_size_lets_its_lowering_go_and_explain_lowers_it_again_to_the_sa
     xs = {n: bp.tensor(RNG.standard_normal((n, 5)).astype(np.float32)) for n in (4, 6, 9)}
     counted, printed, calls = [], [], {}
     with use_backend("numba"), checked_memory(), measure() as held:
-        for n in (4, 6, 9, 6):
+        for n in sizes:
             held.restart_at_next_use()  # what earlier calls left alive counts while held
             run(W, xs[n])
             counted.append(held.peak)
@@ -59,7 +63,7 @@ def test_a_later_size_lets_its_lowering_go_and_explain_lowers_it_again_to_the_sa
             printed.append(report.peak_on_call(calls[n]).allocated_peak_bytes)
     assert all(p.lowered for p in size_plans(step, 4))  # the first size keeps its own
     assert counted == printed
-    assert len(set(counted)) == 3
+    assert len(set(counted)) == len(set(sizes))
 
 
 @pytest.mark.parametrize("n", [6, 9])
