@@ -55,3 +55,24 @@ def _one_lowered(fn, params, batch):
         internals.lowering._lower = original
     assert found
     return found[-1]
+
+
+def test_each_chain_row_is_the_row_before_plus_one_block_and_regroups_only_around_it():
+    """The chain's rows are nested: each graph is the row before's with one block of nodes
+    inserted (the plans weighed after the rows need not be), and its grouping changes only
+    there (what an incremental lowering would reuse):
+    at most one new kernel per node inserted, every other kernel the same nodes once the
+    nodes after the block are renumbered."""
+    fn, params, batch = deep_chain(12)
+    with use_backend("numba"), frontier_digest.described_lowerings() as plans:
+        vg = bp.value_and_grad(fn)
+        vg.trace(params, *batch)
+        vg.memory_frontier(params, *batch)
+    changes = [frontier_digest.row_changes(a, b) for a, b in zip(plans, plans[1:], strict=False)]
+    nested = [c for c in changes if c["one block"]]  # the rows; plans weighed after need not be
+    assert len(nested) >= 4 and changes[0]["one block"]
+    for change in nested:
+        assert change["nodes inserted"] > 0
+        assert change["kernels"] - change["unchanged"] <= change["nodes inserted"]
+        assert 0 < change["same offset"] <= change["buffers"]
+    assert frontier_digest.row_changes(plans[0], plans[0])["unchanged"] == len(plans[0][2])
