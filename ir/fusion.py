@@ -207,10 +207,18 @@ def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, 
             continue
         if origin is not None and node not in origin:
             continue
-        copy = alias_base(node.inputs[0])
+        chain, copy = [node], alias_base(node.inputs[0])
+        while _widens_float(copy):  # a 16-bit copy read back as float64: through float32
+            chain.append(copy)
+            copy = alias_base(copy.inputs[0])
+        if copy.op != "astype":
+            continue
         users = graph.users() if users is None else users
-        if copy.op == "astype" and len(users.get(copy.inputs[0], ())) > 1:
-            found[node] = copy
+        source = copy.inputs[0]
+        while _narrows_float(source) and len(users.get(source, ())) == 1:
+            source = source.inputs[0]  # float64 made float32 on its way to 16 bits
+        if len(users.get(source, ())) > 1:
+            found.update(dict.fromkeys(chain, copy))
     return found
 
 
@@ -223,6 +231,16 @@ def _widens_float(node: Value) -> bool:
     if not (is_float(source) and is_float(target)):
         return False
     return np_dtype(source).itemsize < np_dtype(target).itemsize
+
+
+def _narrows_float(node: Value) -> bool:
+    """A cast of a float value to a narrower float."""
+    if node.op != "astype":
+        return False
+    source, target = node.inputs[0].dtype, node.dtype
+    if not (is_float(source) and is_float(target)):
+        return False
+    return np_dtype(target).itemsize < np_dtype(source).itemsize
 
 
 def _spread_widenings(graph: Graph) -> frozenset[Value]:
