@@ -294,7 +294,7 @@ def test_a_plan_whose_build_was_stopped_keeps_its_driver_and_its_values(tmp_path
     expected = bp.value_and_grad(loss)(w, x)  # the reference interpreter
     for got in (first, again):
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(expected[0]), rtol=1e-5)
-        for g, e in zip(got[1], expected[1]):
+        for g, e in zip(got[1], expected[1], strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6)
 
 

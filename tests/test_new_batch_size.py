@@ -132,7 +132,9 @@ def test_a_loop_seen_with_other_float_literals_is_that_kernel_with_these_as_argu
     fresh = _fresh(lines(0.0833, 0.5), {"o0": 64, "n0": 12}, bases, False, "salt", dtype_of=dtype)
     assert again == fresh and again.digest == first.digest
     assert "np.float32(0.0833)" in again.arguments and "np.float32(0.125)" not in again.arguments
-    assert other == _fresh(lines(0.5, 0.5), {"o0": 64, "n0": 12}, bases, False, "salt", dtype_of=dtype)
+    assert other == _fresh(
+        lines(0.5, 0.5), {"o0": 64, "n0": 12}, bases, False, "salt", dtype_of=dtype
+    )
     assert other.arguments.count("np.float32(0.5)") == 1
 
 
