@@ -27,6 +27,7 @@ from backplan.ir.liveness import Plan
 from backplan.ir.types import dtype_name
 from backplan.tracer.captured_names import captured_names
 from backplan.tracer.compile import CompiledFunction
+from backplan.tracer.dynamic import captured_change
 from backplan.tracer.functional import ValueAndGradFunction
 
 from .container import write_artifact
@@ -157,10 +158,11 @@ def _region_fields(traced, writer: _ArtifactWriter, suffix: str) -> dict:
 
 
 def _same_captured(entry, template):
-    """entry, when it captured the tensors the exported signature captured (the artifact
-    stores them once for every size)."""
-    if [id(t) for t in entry.captured] != [id(t) for t in template.captured]:
-        raise ExportError("the function captures other tensors at this size")
+    """entry, when it captured the tensors the exported signature captured, or arrays equal to
+    them (the artifact stores them once for every size)."""
+    changed = captured_change(template.captured, entry.captured)
+    if changed is not None:
+        raise ExportError(f"at this size {changed}")
     return entry
 
 

@@ -107,6 +107,32 @@ def test_a_function_whose_plan_is_not_a_formula_of_the_size_is_planned_per_size(
     assert compiled.cache_info().traces == 3  # each size its own trace, as without dynamic
 
 
+def test_an_array_made_from_the_size_is_made_at_each_size_not_read_from_the_first():
+    """A NumPy array the function builds from the size is a captured input, not a graph
+    constant: one plan for every size read the first size's array at each size, past its
+    end at a larger one (garbage at 24 and 40 rows after 8 and 16)."""
+
+    def positions(w, x):
+        return (x + np.arange(x.shape[0], dtype=np.float32)[:, None]) @ w
+
+    def same_array_every_size(w, x):  # a new tensor of equal values at each trace: one plan
+        return (x + np.ones((1, 6), np.float32)) @ w
+
+    compiled = bp.compile(bp.value_and_grad(lambda w, x: bp.sum(positions(w, x) ** 2)))
+    same = bp.compile(same_array_every_size)
+    for n in (8, 16, 24, 40, 5):
+        x = batch(n)
+        value, grad = compiled(W, x)
+        want_value, want_grad = reference(lambda w, x: bp.sum(positions(w, x) ** 2), W, x)
+        np.testing.assert_allclose(value.numpy(), want_value, rtol=1e-5)
+        np.testing.assert_allclose(grad.numpy(), want_grad, rtol=1e-5)
+        expected = (x.numpy() + 1.0) @ W.numpy()
+        np.testing.assert_allclose(same(W, x).numpy(), expected, rtol=1e-5, atol=1e-6)
+    entry = dynamic_entry(compiled)
+    assert entry.fitted is None and "captured array 0 (shape (16, 1), f32) changes" in entry.reason
+    assert dynamic_entry(same).fitted is not None
+
+
 def run_against_reference(step, sizes) -> None:
     """The step's value and gradient at each batch size equal the reference interpreter's."""
     for n in sizes:

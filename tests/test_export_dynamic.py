@@ -85,6 +85,25 @@ def test_a_dynamic_export_takes_sizes_0_and_1_with_the_compiled_functions_values
     assert forward.cache_info().traces == step.cache_info().traces == 0
 
 
+CORNERS = np.arange(12, dtype=np.float32).reshape(2, 6)
+
+
+def test_a_dynamic_export_of_a_function_reading_a_numpy_array_takes_sizes_0_and_1(tmp_path):
+    """A NumPy array the function reads is a new tensor at each trace: sizes 0 and 1, traced
+    at export, were refused as capturing other tensors, though their values are the same."""
+
+    def with_corners(w, x):
+        return bp.sum(bp.tanh(bp.concatenate([x, CORNERS], 0) @ w))
+
+    compiled = bp.compile(with_corners, dynamic={"x": {0: "batch"}})
+    loaded = bp.load(bp.export(compiled, W, np.ones((4, 6), np.float32), path=tmp_path / "c.bpz"))
+    for n in (0, 1, 3, 9):
+        x = RNG.standard_normal((n, 6)).astype(np.float32)
+        want = np.tanh(np.concatenate([x, CORNERS]) @ W.numpy()).sum()
+        np.testing.assert_allclose(loaded(W, x).numpy(), want, rtol=1e-5)
+    assert loaded.cache_info().traces == 0
+
+
 def test_a_size_the_function_cannot_take_is_refused_by_the_loaded_artifact_saying_why(tmp_path):
     def second_row(w, x):
         return bp.sum(x[1] @ w) + bp.sum(x @ w)

@@ -18,6 +18,8 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from backplan.ir import update_order
 from backplan.ir.gc_pause import paused_gc
 from backplan.ir.symbolic import Affine, SymbolicError, fit_number
@@ -317,10 +319,39 @@ def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call
     except Exception as exc:  # noqa: BLE001 - a probe that fails only means: per size
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return template, None, f"tracing at {found.symbol}={sizes[1]} failed ({first})"
+    for probe, n in zip(probes, sizes[1:], strict=True):
+        changed = captured_change(template.captured, probe.captured)
+        if changed is not None:  # the fitted plan would read the first size's array
+            return template, None, f"{changed} at {found.symbol}={sizes[0]} and {n}"
     try:
         return template, fit([template, *probes], sizes), None
     except SymbolicError as exc:
         return template, None, str(exc)
+
+
+def captured_change(first: list, other: list) -> str | None:
+    """None when two traces of one function captured the same tensors: the same objects, or
+    arrays of equal dtype, shape and values (a NumPy array the function reads is a new tensor
+    at each trace); else what differs. An array made from the size (np.arange(x.shape[0]))
+    differs: one plan for every size would read the first size's array at every size."""
+    if len(first) != len(other):
+        return f"the function captures {len(first)} arrays at one size, {len(other)} at another"
+    for i, (a, b) in enumerate(zip(first, other, strict=True)):
+        if a is not b and not _equal_arrays(a, b):
+            return (
+                f"captured array {i} (shape {a.shape}, {a._ir_dtype}) changes with the size (an "
+                "array made from the size, e.g. np.arange(x.shape[0]))"
+            )
+    return None
+
+
+def _equal_arrays(a, b) -> bool:
+    if a._data is None or b._data is None:  # a tracer of an enclosing trace: only itself
+        return False
+    if (a._ir_dtype, a.shape, a._requires_grad) != (b._ir_dtype, b.shape, b._requires_grad):
+        return False
+    x, y = np.asarray(a._data), np.asarray(b._data)
+    return bool(np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"))
 
 
 def _update_order_kept(entry) -> bool | None:
