@@ -98,8 +98,8 @@ class RankPeak:
         )
         if any(p.held.get("node window") for p in self.phases):
             text += (
-                ", and this rank's segment of the node's shared window the buckets are summed "
-                "in (two buffers of each bucket, float32 for 16-bit ones)."
+                ", and this rank's segment of the node's shared window the gradients are "
+                "summed in (each buffer twice, for alternate calls; float32 for 16-bit sums)."
             )
         else:
             text += (
@@ -271,7 +271,14 @@ def allreduce_peak(
 
 
 def sharded_peak(
-    groups, rank: int, loss_dtype, plan: PlanFacts, update: PlanFacts, state: int, ranges
+    groups,
+    rank: int,
+    loss_dtype,
+    plan: PlanFacts,
+    update: PlanFacts,
+    state: int,
+    ranges,
+    window: int = 0,
 ) -> RankPeak:
     """The ZeRO-1 step (sharding.ShardedExchange): per dtype a send buffer of every rank's
     slot, this rank's receive slot and two all-gather buffers (the one the parameters passed in
@@ -288,16 +295,23 @@ def sharded_peak(
         stride = group.block + (k == 0 and group.dtype == loss_dt)
         gathered = group.block * size * group.dtype.itemsize
         params += gathered
-        pool += stride * size * summed + stride * summed + gathered
+        # the send buffer lives in the node's window when there is one (shared_sharding.py)
+        pool += (0 if window else stride * size * summed) + stride * summed + gathered
         lo, hi = group.owned(rank)
-        if hi - lo != group.block:
+        if hi - lo != group.block and not window:  # (in the window: padded there)
             pool += group.block * group.dtype.itemsize  # "range sent", padded to a block
         if summed_dtype(group.dtype) != group.dtype:
             copies += group.block * group.dtype.itemsize
     loss = loss_dt.itemsize
     batch = plan.inputs - sum(g.total * g.dtype.itemsize for g in groups)
     caller = dict(parameters=params, batch=batch, optimizer_state=state, previous_results=loss)
-    common = dict(**caller, plan_arena=plan.kept, update_arena=update.kept, exchange_buffers=pool)
+    common = dict(
+        **caller,
+        plan_arena=plan.kept,
+        update_arena=update.kept,
+        node_window=window,
+        exchange_buffers=pool,
+    )
     reused = sum(plan.reused)
     phases = (
         _phase("the plan runs", **common, plan_outputs=plan.outputs, workspace=plan.workspace),

@@ -192,6 +192,14 @@ class DataParallelReport:
                 f"about {self.bytes_sent_per_step:,} B per step (N-1 of the N slots of each, "
                 f"N={self.size})."
             )
+            if self.shared:
+                text += (
+                    " The ranks are on one node: both go through the node's shared memory "
+                    "(an MPI shared window): each rank writes its send buffer there and sums "
+                    "its own slot straight from every rank's, then writes its updated range "
+                    "there and reads every rank's (BACKPLAN_DP_REDUCTION=mpi: MPI's "
+                    "MPI_Ireduce_scatter_block and MPI_Iallgather)."
+                )
         if self.accumulate > 1:
             k = self.accumulate
             text += (

@@ -35,6 +35,7 @@ from .half_wire import as_bits, summed_dtype
 from .layout import Layout
 from .rank_peak import counted
 from .rows import average_in_place, scale_by_weight
+from .shared_sharding import ShardedWindow
 from .world import World, mpi_module
 
 KEPT_GATHERED = 3  # all-gather buffers kept per dtype: the parameters passed in hold one
@@ -207,6 +208,8 @@ class ShardedExchange:
         self._arrivals = None  # deadline.Arrivals of the waits in progress (with a timeout)
         self.arrivals = timeout is not None  # as Exchange.arrivals
         self.failure: str | None = None  # this rank's call raised: failure.settle
+        self.node = False  # set by the step: reduce-scatter and all-gather in the node window
+        self._window = None  # shared_sharding.ShardedWindow, when node
 
     def start_rest(self, array_of) -> None:
         """Start the exchange unless part of it started (failure.settle): a reduce-scatter
@@ -230,10 +233,17 @@ class ShardedExchange:
             if self.weight is not None:
                 scale_by_weight(loss, self.weight)
             self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
+        if self.node:
+            self._window = ShardedWindow(
+                comm, (self.layout.fingerprint,), self.groups, self._loss_in_bucket
+            )
         for k, group in enumerate(self.groups):
             with_loss = k == 0 and self._loss_in_bucket
             stride = group.block + with_loss
-            send = self._buffer("send", k, stride * size, summed_dtype(group.dtype))
+            if self._window is not None:
+                send, call = self._window.send_buffer(k)
+            else:
+                send = self._buffer("send", k, stride * size, summed_dtype(group.dtype))
             flats = [np.asarray(array_of(p + 1)).reshape(-1) for p in group.params]
             copies, zeros = slots(group, stride)
             for j, a, b, at in copies:
@@ -245,7 +255,10 @@ class ShardedExchange:
             if self.weight is not None:
                 scale_by_weight(send, self.weight)
             mine = self._buffer("share", k, stride, summed_dtype(group.dtype))
-            request = comm.Ireduce_scatter_block(send, mine, op=self.mpi.SUM)
+            if self._window is not None:
+                request = self._window.scatter(k, call, mine, stride)
+            else:
+                request = comm.Ireduce_scatter_block(send, mine, op=self.mpi.SUM)
             self._started.append((mine, request))
 
     def finish(self) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -310,6 +323,13 @@ class ShardedExchange:
         self._arrivals = Arrivals(self.world.comm) if self.arrivals else None
         for k, (group, mine) in enumerate(zip(self.groups, ranges, strict=True)):
             mine = np.asarray(mine).reshape(-1)
+            if self._window is not None:  # written into the window, padded with zeros
+                sent, call = self._window.range_buffer(k)
+                sent[: mine.size] = mine
+                sent[mine.size :] = 0
+                full = self._gathered(k, group)
+                started.append((group, full, self._window.gather(k, call, full, group.block)))
+                continue
             if mine.size != group.block or mine.dtype != group.dtype:
                 padded = self._buffer("range sent", k, group.block, group.dtype)
                 padded[: mine.size] = mine

@@ -63,12 +63,16 @@ def window_bytes(layout) -> int:
     return segment_bytes(*_buckets(layout))
 
 
+def node_window(comm, key: tuple, counts: list[int], dtypes: list[np.dtype]) -> NodeWindow:
+    """The window of these buffers for comm under key, made (collectively) on first use."""
+    found = _windows.get((id(comm), *key))
+    if found is None:
+        found = _windows[(id(comm), *key)] = NodeWindow(_nodes[id(comm)][1], counts, dtypes)
+    return found
+
+
 def _window(comm, layout) -> NodeWindow:
-    key = (id(comm), layout.fingerprint)
-    window = _windows.get(key)
-    if window is None:
-        window = _windows[key] = NodeWindow(_nodes[id(comm)][1], *_buckets(layout))
-    return window
+    return node_window(comm, (layout.fingerprint,), *_buckets(layout))
 
 
 class WindowOutputs:
@@ -86,7 +90,7 @@ class WindowOutputs:
         """The plan's outputs, its buckets' leaves written into the window; None when there is
         no window yet (the first call that exchanges makes it) or the plan cannot be called
         so (compiled.call_own_into)."""
-        window = _windows.get((id(comm), layout.fingerprint))
+        window = _windows.get((id(comm), layout.fingerprint))  # _window's key
         if window is None or not self.buckets:
             return None
         into = {}

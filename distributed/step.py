@@ -153,6 +153,7 @@ class DataParallelStep:
             if exchange_type is Exchange and self._reduction == "shared":
                 exchange_type = SharedExchange
             exchange = exchange_type(world, layout, self.average, self.timeout)
+            exchange.node = self._reduction == "shared"  # ZeRO-1's through the window too
             exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
             exchange.posted = exchange.inside = exchange.all_inside = False
             exchange.accumulated = self.accumulate > 1
@@ -484,7 +485,7 @@ class DataParallelStep:
         and the report says so and how to preview N ranks."""
         size, note = preview_size(size, current_world())
         layout = self.layout(args, kwargs)
-        shared = previewed(self._reduction, size) == "shared" and not self.sharded
+        shared = previewed(self._reduction, size) == "shared"
         report = DataParallelReport(
             layout,
             size,

@@ -23,6 +23,7 @@ from .failure import describe_error, out_of_step_text
 from .rank_peak import PlanFacts, allreduce_peak, sharded_peak
 from .sharding import ShardedExchange, bytes_sent, flat_shares, groups_of, range_of
 from .shared_exchange import window_bytes
+from .shared_sharding import sharded_window_bytes
 from .world import init, sums_by_recursive_doubling
 
 
@@ -201,7 +202,8 @@ class DataParallelTraining:
         groups = groups_of(params, report.size)[0]
         loss_dtype = np_dtype(report.layout.loss_dtype)
         ranges = [leaf_array(x).nbytes for x in shares]
-        return sharded_peak(groups, rank, loss_dtype, plan, update, held, ranges)
+        window = sharded_window_bytes(groups, loss_dtype) if report.shared else 0
+        return sharded_peak(groups, rank, loss_dtype, plan, update, held, ranges, window)
 
     def state_bytes(self, params, size: int) -> tuple[int, int]:
         """(the bytes of optimizer state rank 0, which holds the largest shares, keeps; the
