@@ -235,3 +235,39 @@ def test_allowing_bfloat16_never_refuses_a_saved_budget_full_precision_meets():
     np.testing.assert_allclose(value.numpy(), ref_value.numpy(), rtol=1e-5)
     for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def _half_arguments(dtype):
+    rng = np.random.default_rng(11)
+    params = [(rng.standard_normal((16, 16)) * 0.5).astype(dtype) for _ in range(2)]
+    return params, rng.standard_normal((32, 16)).astype(dtype)
+
+
+@pytest.mark.parametrize("asked", [bp.bfloat16, bp.float16])
+@pytest.mark.parametrize("option", ["saved_dtype", "allow_saved_dtype"])
+def test_a_16_bit_saved_dtype_on_a_float16_step_is_refused_with_the_dtype_pair(option, asked):
+    """Nothing a float16 step holds gets narrower in a 2-byte dtype: the option is refused
+    naming both dtypes and the way out, where it was silently ignored (allow_saved_dtype even
+    said the plan 'fits its budget with its saved buffers in full precision')."""
+    params, x = _half_arguments(np.float16)
+    name = np.dtype(asked).name
+    vg = bp.value_and_grad(_layers, **{option: asked})
+    with pytest.raises(ValueError) as caught:
+        vg.explain(params, x)
+    text = str(caught.value)
+    assert f"{option}=bp.{name} cannot narrow" in text
+    assert "held for" not in text and "are float16 (2 bytes)" in text
+    assert f"Drop {option}" in text and "float32 arrays" in text
+    assert "_layers (test_saved_dtype.py:" in text  # the function and where it is defined
+    xt = bp.tensor(x, requires_grad=True)
+    with pytest.raises(ValueError, match=f"{option}=bp.{name} cannot narrow"):
+        bp.compile(lambda x: _layers(params, x), **{option: asked})(xt)
+
+
+def test_16_bit_saved_buffers_of_float32_and_float64_steps_are_still_taken():
+    """The check refuses only what cannot narrow: bfloat16 on float64 and float16 on float32
+    steps store their saved buffers in that dtype (explain lists them)."""
+    for step, asked in ((np.float64, bp.bfloat16), (np.float32, bp.float16)):
+        params, x = _half_arguments(step)
+        report = bp.value_and_grad(_layers, saved_dtype=asked).explain(params, x)
+        assert np.dtype(asked) in {s.dtype for s in _computed_saved(report)}

@@ -44,6 +44,7 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
 )
 from .pytree import TreeDef, flatten, unflattener
 from .reports import explain_traced
+from .saved_dtype_check import check_saved_dtype_narrows
 from .signature import bind_call, closest_key, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
@@ -340,6 +341,7 @@ class CompiledFunction(PlannedFunction):
             choices = plan_choices(
                 graph, wrt, options, inlined=trace.inlined_losses, gradients=trace.inlined_gradients
             )
+            check_saved_dtype_narrows(choices, (self.saved_dtype, self.allow_saved_dtype), name)
             planner = BudgetPlanner(choices, input_bytes, name, self.allow_saved_dtype)
             planner.inlined = [joint.loc for joint in trace.inner_joints]
             plans = self._plans_within_budget(planner)

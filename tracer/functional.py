@@ -32,6 +32,7 @@ from .operand_errors import how_to_pass, what_value_is
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint, inner_joint, named_reason
+from .saved_dtype_check import check_saved_dtype_narrows
 from .signature import bind_call, closest_key, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
@@ -539,8 +540,10 @@ def _trace_joint(
     wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
     saved_dtype, allow_dtype = dtypes
     with paused_gc():  # ir/gc_pause.py: the pipeline's objects, no garbage to look for
+        choices = plan_choices(graph, wrt, PipelineOptions(joint=True, saved_dtype=saved_dtype))
+        check_saved_dtype_narrows(choices, dtypes, _defined(fn))
         planner = BudgetPlanner(
-            plan_choices(graph, wrt, PipelineOptions(joint=True, saved_dtype=saved_dtype)),
+            choices,
             sum(v.type.nbytes for v in graph.inputs),
             name,
             allow_dtype=allow_dtype,
