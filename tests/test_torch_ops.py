@@ -168,6 +168,14 @@ CASES = {
         Fn(lambda x: F.pad(x, (1, 2, 0, 1), value=0.5) * 3 + 1),
         [r(2, 3)],
     ),
+    "cumsum_flip": (
+        Fn(
+            lambda x: (
+                torch.cumsum(x, 0) * torch.flip(x, [0, -1]) + torch.cumsum(torch.flip(x, [1]), -1)
+            )
+        ),
+        [r(4, 3)],
+    ),
     "cross_entropy_ignore_index": (
         Fn(lambda x, t: F.cross_entropy(x, t, ignore_index=1)),
         [r(5, 4), torch.tensor([0, 3, 1, 1, 2])],

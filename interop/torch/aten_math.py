@@ -213,6 +213,11 @@ def argmin_(x, dim=None, keepdim=False):
     return argmin(x, dim, keepdim)
 
 
+@aten("cumsum.default")
+def cumsum(x, dim, dtype=None):
+    return ops.cumsum(_cast(x, dtype), dim)
+
+
 @aten("any.dim", "any.dims", "any.default")
 def any_(x, dim=None, keepdim=False):
     return ops.greater(ops.sum(_bool(x), _axes(dim), keepdim), 0)

@@ -72,6 +72,15 @@ def slice_(x, dim=0, start=None, end=None, step=1):
     return x[tuple(index)]
 
 
+@aten("flip.default")
+def flip(x, dims):
+    """torch.flip: a slice with step -1 on each axis named (no copy in the graph)."""
+    index = [slice(None)] * x.ndim
+    for d in dims:
+        index[d % max(x.ndim, 1)] = slice(None, None, -1)
+    return x[tuple(index)]
+
+
 @aten("select.int")
 def select(x, dim, index):
     where = [slice(None)] * x.ndim
