@@ -310,17 +310,20 @@ def _cpu_timed(call, seconds: list):
     return run
 
 
-def cpu_text(cpu: dict, waits: dict, size: int) -> str:
+def cpu_text(cpu: dict, waits: dict, size: int, shared: bool = False) -> str:
     """Rank 0's CPU time per call: the step, the compute alone, and with several ranks the CPU
     time of the wait after the call (MPICH spins while it waits) and what the step does besides
     compute and that wait: the rank's own work for the exchange (the agreement, starting and
-    testing the buckets inside the driver, unpacking) and the step's Python."""
+    testing the buckets inside the driver, unpacking) and the step's Python. shared: the
+    buckets are summed in the node's window, inside that wait (medians of other calls than
+    the step's, so the rest can read below 0)."""
     text = f"CPU per call: step {cpu['step'] * 1e3:.2f} ms  compute {cpu['compute'] * 1e3:.2f} ms"
     if size == 1:
         return text
     wait = float(np.median(waits["wait_cpu"]))
     own = cpu["step"] - cpu["compute"] - wait
-    return f"{text}  the wait after the call {wait * 1e3:.2f} ms  the rest {own * 1e3:.2f} ms"
+    said = " (the node's sums in it)" if shared else ""
+    return f"{text}  the wait after the call{said} {wait * 1e3:.2f} ms  the rest {own * 1e3:.2f} ms"
 
 
 def hidden_text(medians: dict, cpu: dict) -> str:
@@ -407,7 +410,7 @@ def main(argv=None) -> int:
             f"{medians['step_after'] * 1e3:.2f} ms  compute alone {medians['compute'] * 1e3:.2f} ms"
             f"  step - compute {exposed * 1e3:.2f} ms{alone}"
         )
-        print(cpu_text(cpu, waits, size))
+        print(cpu_text(cpu, waits, size, step.reduction(bpd.init()) == "shared"))
         if size > 1:
             print(hidden_text(medians, cpu))
         if slower:
