@@ -28,6 +28,7 @@ class KernelInfo:
     epilogue: bool = False  # a GEMM that runs the loop after it on each block of its result
     stages: int = 1  # a row kernel: the loops it runs as stages of one loop over the rows
     calls: int = 1  # a long sum of arrays: the shared add kernels it runs as, one call each
+    gemm: str = ""  # a kernel computing a matmul: the GEMM it calls, in words
 
     @property
     def fused(self) -> bool:
@@ -53,6 +54,7 @@ class _Group:
     epilogue: object = None
     stages: int = 1
     calls: int = 1
+    gemm: str = ""
 
 
 def _driver_groups(lowered) -> list:
@@ -61,11 +63,15 @@ def _driver_groups(lowered) -> list:
     whose values are all recomputed where they are read, a matmul + epilogue that the code
     generator runs as a BLAS call and then the loop as those two."""
     rendered = generate(lowered)
-    apart, calls_of = rendered.epilogues_apart, rendered.calls_of
+    apart, calls_of, gemms = rendered.epilogues_apart, rendered.calls_of, rendered.gemms
 
     def counted(kernel):  # a long sum runs as shared adds, an op may call several kernels
         n = calls_of.get(kernel.nodes[-1], 1) if kernel.nodes else 1
-        return _Group(tuple(kernel.all_nodes), kernel.kind, calls=n) if n > 1 else kernel
+        gemm = next((gemms[v] for v in kernel.all_nodes if v in gemms), "")
+        if n > 1 or gemm:
+            epilogue = kernel.epilogue if n == 1 else None
+            return _Group(tuple(kernel.all_nodes), kernel.kind, epilogue, calls=n, gemm=gemm)
+        return kernel
 
     calls = dict(lowered.calls())
     groups, index = [], 0
@@ -81,7 +87,9 @@ def _driver_groups(lowered) -> list:
         elif kernel.kind in RUN_KINDS and not lowered.runs(kernel):
             groups.append(_Group(tuple(kernel.all_nodes), "recomputed where read"))
         elif kernel.epilogue is not None and kernel.nodes[0] in apart:
-            groups += [_Group(tuple(kernel.nodes), kernel.kind), counted(kernel.epilogue)]
+            gemm = gemms.get(kernel.nodes[0], "")
+            product = _Group(tuple(kernel.nodes), kernel.kind, gemm=gemm)
+            groups += [product, counted(kernel.epilogue)]
         else:
             groups.append(counted(kernel))
         index = end
@@ -103,7 +111,8 @@ def _user_groups(lowered) -> list:
         if nodes:
             stages, calls = getattr(kernel, "stages", 1), getattr(kernel, "calls", 1)
             epilogue = getattr(kernel, "epilogue", None)
-            groups.append(_Group(nodes, kernel.kind, epilogue, stages, calls))
+            gemm = getattr(kernel, "gemm", "")
+            groups.append(_Group(nodes, kernel.kind, epilogue, stages, calls, gemm))
     return groups
 
 
@@ -132,7 +141,9 @@ def kernels_from_groups(view: PlanView, groups: Mapping[str, Sequence] | None) -
             kind = getattr(group, "kind", "op")
             epilogue = getattr(group, "epilogue", None) is not None
             stages, calls = getattr(group, "stages", 1), getattr(group, "calls", 1)
-            kernels.append(KernelInfo(tuple(sorted(members)), kind, epilogue, stages, calls))
+            gemm = getattr(group, "gemm", "")
+            info = KernelInfo(tuple(sorted(members)), kind, epilogue, stages, calls, gemm)
+            kernels.append(info)
     kernels += [KernelInfo((s.index,), "op") for s in view.steps if s.index not in covered]
     return sorted(kernels, key=lambda k: k.steps[0] if k.steps else -1)
 

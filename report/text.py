@@ -378,6 +378,7 @@ def _kernels_text(report) -> str:
             kind = f"row loop of {kernel.stages} stages" if kernel.stages > 1 else kind
             kind += f", {kernel.calls} calls" if kernel.calls > 1 else ""
             lines.append(f"k{number} ({kind}): {members}")
+    lines += gemm_lines(report)
     if any(k.epilogue for k in report.kernels):
         lines.append(
             "A matmul + epilogue kernel runs the loop after the product on each block of its "
@@ -390,6 +391,18 @@ def _kernels_text(report) -> str:
             + ", ".join(f"{steps[s].label} {steps[s].op} ({k.kind})" for k in free for s in k.steps)
         )
     return "\n".join(lines)
+
+
+def gemm_lines(report) -> list[str]:
+    """Which GEMM each matmul calls (BLAS, backplan's own, narrow or mixed), as the driver
+    the code generator wrote calls it: one line per GEMM, naming its matmul steps."""
+    steps, by_gemm = report.view.steps, {}
+    for kernel in report.kernels:
+        if kernel.gemm:
+            step = next((s for s in kernel.steps if steps[s].op == "matmul"), kernel.steps[0])
+            matmul = f"{steps[step].label} {steps[step].node.type}"
+            by_gemm.setdefault(kernel.gemm, []).append(matmul)
+    return [f"{gemm} computes {', '.join(matmuls)}" for gemm, matmuls in by_gemm.items()]
 
 
 JOINT_STEP_NOTE = (

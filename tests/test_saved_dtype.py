@@ -176,7 +176,6 @@ def test_a_float64_step_stores_and_reads_back_its_float32_saved_copies():
     assert not np.allclose(grads["numba", bp.float32][0], grads["numba", None][0], atol=1e-12)
 
 
-
 def test_a_float64_step_widens_its_bfloat16_saved_copies_in_the_backward():
     """saved_dtype=bfloat16 on a float64 step reads each copy back through float32: that
     widening is the backward's, not computed beside the rounding in the forward's GEMM epilogue

@@ -23,6 +23,7 @@ from backplan.codegen.render.add_chains import chain_loops, chain_terms, size_of
 from backplan.codegen.render.choices import decide, pinned
 from backplan.codegen.render.driver_split import driver_source
 from backplan.codegen.render.epilogue import gemm_epilogue_lines
+from backplan.codegen.render.gemm_names import epilogue_gemm, gemm_called
 from backplan.codegen.render.kernel_source import GEMM_IMPORTS, KernelSource, canonical_kernel
 from backplan.codegen.render.lift import FLOATS, INTS, lift_literals
 from backplan.codegen.render.loops import CHUNKS, LoopEmitter, equal_values
@@ -129,6 +130,8 @@ class GeneratedModule:
     # as shared adds, codegen/render/add_chains.py; an op calling several kernels), which
     # kernel_count counts
     calls_of: dict = field(default_factory=dict)
+    # each matmul node -> the GEMM its statements call, in words (codegen/render/gemm_names.py)
+    gemms: dict = field(default_factory=dict)
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -223,6 +226,7 @@ def _generate(lowered: LoweredPlan, comments: bool = True) -> GeneratedModule | 
         lifted,
         frozenset(emitter.epilogues_apart),
         dict(emitter.calls_of),
+        dict(emitter.gemms),
     )
 
 
@@ -294,6 +298,7 @@ class _Emitter:
         # a kernel's last node -> the calls it runs as, where more than one: a long sum as
         # shared adds, an op whose emitter calls several kernels (pad_slice: zero, then copy)
         self.calls_of: dict[Value, int] = {}
+        self.gemms: dict[Value, str] = {}  # matmul -> the GEMM it calls, in words
         self._calls = 0  # kernel calls rendered so far (_call)
         self.whole = set(graph.inputs) | set(layout.outputs)  # whole C-contiguous arrays
         self.definitions: dict[str, str] = {}  # name -> the driver line defining it, if used
@@ -372,7 +377,7 @@ class _Emitter:
                 node = kernel.nodes[0]
                 self.buffer(node)
                 before = self._calls
-                body += self.ops.op(node, self.names[node])
+                body += self._op_lines(node)
                 if self._calls - before > 1:
                     self.calls_of[node] = self._calls - before
         return body, constants
@@ -456,7 +461,7 @@ class _Emitter:
         own = own_gemm_chosen(self.ops, node) and own_gemm_parts(node) == 1
         operands = placed_operands(self.ops, node, flat=True) if own else None
         if operands is None or not stored or chain_terms(loop, stored, self._flat_like):
-            body += self.ops.op(node, self.names[node])
+            body += self._op_lines(node)
             self._loop(loop, body, unrounded=frozenset([node]))
             if stored:  # a loop storing nothing is not run (_loop)
                 self.epilogues_apart.add(node)
@@ -468,12 +473,20 @@ class _Emitter:
         views, stage, _ = emitter.emit()
         out = self.placer.place(node)
         half = node.inputs[0].dtype
+        self.gemms[node] = epilogue_gemm(node)
         lines, scalars, bases = gemm_epilogue_lines(
             vector_width(), operands, out, views, stage, half == "f16", reads_16_bits(node)
         )
         scalars.update(emitter.size_arguments(), **emitter.scalars)
         bases.update(emitter.bases)
         body.append(self._call(lines, scalars, bases, False, gemm=True))
+
+    def _op_lines(self, node: Value) -> list[str]:
+        """An opaque op's driver lines; for a matmul, the GEMM they call is noted (gemms)."""
+        lines = self.ops.op(node, self.names[node])
+        if node.op == "matmul":
+            self.gemms[node] = gemm_called(lines, node)
+        return lines
 
     def _loop(self, kernel, body, unrounded=frozenset()) -> None:
         """unrounded: float32 results of other kernels the loop reads unrounded
