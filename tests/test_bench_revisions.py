@@ -32,3 +32,30 @@ def test_threads_beyond_the_usable_cpus_are_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         revisions.main(["--a", sys.executable, "--threads", str(too_many)])
     assert f"--threads {too_many}: this process may use" in capsys.readouterr().err
+
+
+def test_cpu_clock_reaches_the_children_and_times_cpu_not_sleep(monkeypatch, capsys):
+    """--clock cpu: every child is asked for it, the header says so, and a step is timed by
+    CPU time (a step that sleeps costs almost none of it, where the wall clock counts it)."""
+    import subprocess
+    import time
+    import types
+
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return types.SimpleNamespace(returncode=0, stdout='{"mlp_tiny": 0.001}\n', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    args = ["--a", sys.executable, "--models", "mlp_tiny", "--processes", "1", "--cpu", str(cpu)]
+    assert revisions.main([*args, "--clock", "cpu"]) == 0
+    assert len(commands) == 4 and all(c[c.index("--clock") + 1] == "cpu" for c in commands)
+    assert re.search(r"peer backplan, clock cpu$", capsys.readouterr().out, flags=re.M)
+
+    def sleepy():
+        time.sleep(0.002)
+
+    seconds = revisions.cpu_medians({"sleepy": sleepy}, 1, 0.02, time.thread_time)["sleepy"]
+    assert seconds < 0.001  # the 2 ms sleep is not CPU time
