@@ -146,3 +146,20 @@ def test_a_short_driver_counts_its_statements_without_parsing_them(monkeypatch):
     monkeypatch.undo()
     two = driver_split.driver_source(["x"], ["a = x; b = a", "return (b,)"], "")
     assert two.statements == 3  # a `;` line is parsed: two statements
+
+
+def test_a_plan_that_runs_no_kernel_gets_a_driver_that_does_nothing():
+    """Outputs that are all literals and views (zeros_like; the gradient through argmax, a
+    literal zero) leave the driver's body empty: its module failed to compile with an
+    IndentationError at the first call."""
+    zeros_and_views = bp.compile(lambda x: (bp.zeros_like(x), x[1:], x.T))
+    through_argmax = bp.compile(bp.grad(lambda x: bp.sum(bp.argmax(x, 1).astype(bp.float32))))
+    assert driver_split.driver_source(["x"], [], "").source.rstrip().endswith("pass")
+    x = np.arange(48, dtype=np.float32).reshape(8, 6)
+    with use_backend("numba"):
+        for _ in range(3):  # the first calls and the driver that later calls run
+            zeros, tail, transposed = zeros_and_views(x)
+            np.testing.assert_array_equal(zeros.numpy(), np.zeros((8, 6), np.float32))
+            np.testing.assert_array_equal(tail.numpy(), x[1:])
+            np.testing.assert_array_equal(transposed.numpy(), x.T)
+            np.testing.assert_array_equal(through_argmax(x).numpy(), np.zeros((8, 6)))

@@ -86,7 +86,11 @@ def _first_lines(body: list[str]) -> int | None:
 
 
 def _function(name: str, params: list[str], lines: list[str], decorator: str) -> str:
+    """A function of these lines; `pass` where they hold no statement (a plan whose outputs
+    are all literals or views runs no kernel: its driver has nothing to do)."""
     header = f"{decorator}\ndef {name}({', '.join(params)}):\n"
+    if not any(line.strip() and not line.lstrip().startswith("#") for line in lines):
+        lines = [*lines, "pass"]
     return header + "\n".join("    " + line for line in lines) + "\n"
 
 
