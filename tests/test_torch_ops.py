@@ -176,6 +176,13 @@ CASES = {
         ),
         [r(4, 3)],
     ),
+    "repeat": (
+        Fn(
+            lambda x, w: x.repeat(2, 3) * w.repeat(2, 3) + w.repeat(2, 1, 1).sum(0).repeat(2, 3),
+            r(2, 3),
+        ),
+        [r(2, 3)],
+    ),
     "cross_entropy_ignore_index": (
         Fn(lambda x, t: F.cross_entropy(x, t, ignore_index=1)),
         [r(5, 4), torch.tensor([0, 3, 1, 1, 2])],

@@ -50,6 +50,17 @@ def expand(x, size, implicit=False):
     return ops.broadcast_to(x, shape)
 
 
+@aten("repeat.default")
+def repeat(x, repeats):
+    """torch's Tensor.repeat (np.tile): each axis of size d read r times, as a broadcast over
+    a new axis before it and a reshape (repeats may add leading axes)."""
+    shape = (1,) * (len(repeats) - x.ndim) + tuple(x.shape)
+    spread = tuple(d for pair in zip([1] * len(shape), shape, strict=True) for d in pair)
+    tiled = tuple(d for pair in zip(repeats, shape, strict=True) for d in pair)
+    x = ops.broadcast_to(ops.reshape(x, spread), tiled)
+    return ops.reshape(x, tuple(r * d for r, d in zip(repeats, shape, strict=True)))
+
+
 @aten("unsqueeze.default")
 def unsqueeze(x, dim):
     return ops.expand_dims(x, dim)
