@@ -112,3 +112,47 @@ def test_a_narrow_product_names_the_narrow_gemm_where_it_runs(monkeypatch):
     assert by_gemm["backplan's narrow GEMM"] == ["f4"]
     assert calls.count("narrow_gemm_at") == 1
     assert "backplan's narrow GEMM computes f4 f32[512,8]" in str(report)
+
+
+WARM_SCRIPT = """
+import numpy as np, backplan as bp
+def layers(params, x):
+    for w in params:
+        x = bp.tanh(x @ w)
+    return (x * x).mean()
+rng = np.random.default_rng(5)
+params = [(rng.standard_normal((64, 64)) * 0.1).astype(np.float32) for _ in range(3)]
+x = rng.standard_normal((200, 64)).astype(np.float32)
+step = bp.value_and_grad(layers, background=False)
+step(params, x)
+report = step.explain(params, x)
+print(report.n_kernels, sorted(k.gemm for k in report.kernels if k.gemm))
+"""
+
+
+def test_a_warm_process_explains_the_gemms_and_kernel_calls_a_cold_one_does(tmp_path):
+    """A process that loads a plan's rendering facts from the cache (no rendering) explains
+    the same kernel calls and GEMMs as the process that rendered it: the facts keep them.
+    Before, the warm process printed no GEMM line and fewer kernels (a BLAS call and its
+    epilogue loop counted as one)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BACKPLAN_CACHE_DIR": str(tmp_path), "BACKPLAN_GEMM": "blas"}
+    env["BACKPLAN_BACKEND"] = "numba"
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", WARM_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    cold, warm = (run.stdout.strip().splitlines()[-1] for run in runs)
+    assert "BLAS sgemm" in cold
+    assert warm == cold

@@ -94,7 +94,10 @@ def write(key: str, lowered: LoweredPlan, generated: GeneratedModule) -> None:
         "statements": generated.driver_statements,
         "parts": generated.driver_parts,
         "layout": layout_hash(lowered),
+        "nodes": _node_facts(lowered, generated),
     }
+    if facts["nodes"] is None:
+        return
     name = _name(key)
     signed = cache_signing.signed(name, json.dumps(facts).encode())
     cache.write_entry(directory, {name: signed.hex()})
@@ -141,18 +144,43 @@ def read(key: str, lowered: LoweredPlan) -> GeneratedModule | None:
         if source is None:
             return None
         return _generated(
-            lowered, source, facts["constants"], kernels, facts["statements"], facts["parts"]
+            lowered,
+            source,
+            facts["constants"],
+            kernels,
+            (facts["statements"], facts["parts"]),
+            facts["nodes"],
         )
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, IndexError):
         return None
 
 
+def _node_facts(lowered: LoweredPlan, generated: GeneratedModule) -> dict | None:
+    """What rendering found per node (explain reads it: the GEMM each matmul calls, GEMMs
+    whose epilogue runs apart, kernels run as several calls), by position in the plan; None
+    if a node is not one of the plan's (then no facts are kept)."""
+    at = {node: i for i, node in enumerate(lowered.plan.graph.nodes)}
+    found = [*generated.gemms, *generated.epilogues_apart, *generated.calls_of]
+    if any(n not in at for n in found):
+        return None
+    return {
+        "gemms": [[at[n], text] for n, text in generated.gemms.items()],
+        "apart": [at[n] for n in generated.epilogues_apart],
+        "calls_of": [[at[n], count] for n, count in generated.calls_of.items()],
+    }
+
+
 def _generated(
-    lowered: LoweredPlan, source: str, constants: list, kernels: list, statements: int, parts: int
+    lowered: LoweredPlan, source: str, constants: list, kernels: list, driver: tuple, facts: dict
 ) -> GeneratedModule:
     """The rendering put together from the recorded facts and the lowering's own, as
-    emit.generate makes it, and kept with the plan as a rendering is."""
+    emit.generate makes it, and kept with the plan as a rendering is. driver: (statements,
+    parts); facts: _node_facts'."""
     graph, layout = lowered.plan.graph, lowered.layout
+    statements, parts = driver
+    nodes = graph.nodes
+    apart = frozenset(nodes[i] for i in facts["apart"])
+    calls_of = {nodes[i]: count for i, count in facts["calls_of"]}
     literal_outs = literal_outputs(lowered)
     generated = GeneratedModule(
         source,
@@ -161,11 +189,15 @@ def _generated(
         list(layout.outputs),
         literal_outs,
         emit._output_sources(graph.outputs, literal_outs, layout.outputs),  # noqa: SLF001
-        lowered.kernel_count,
+        lowered.kernel_count + len(apart) + sum(n - 1 for n in calls_of.values()),
         layout,
         kernels,
         statements,
         parts,
+        None,
+        apart,
+        calls_of,
+        {nodes[i]: text for i, text in facts["gemms"]},
     )
     with emit._rendering:  # noqa: SLF001 - one rendering per plan, whoever makes it
         if lowered.rendered is None:
