@@ -43,6 +43,12 @@ class CompiledPlanFacts:
         return self.unsupported is None
 
 
+def one_listing():
+    """A report's questions about which kernels are cached answered from one listing of the
+    kernel folder (codegen/build/kernel_cache.py one_listing): explain asks for every plan."""
+    return kernel_cache.one_listing()
+
+
 def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> CompiledPlanFacts:
     """Outputs written into the inputs the plan donates allocate nothing fresh per call."""
     lowered = lower(plan, private_saved)

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from backplan.report.compiled import one_listing
 from backplan.runtime import is_grad_enabled
 from backplan.runtime.tiers import slowest_tier, wait_until_compiled
 
@@ -493,6 +494,10 @@ class PlannedFunction:
         """The plan for this signature as a report (text, DOT, picture); nothing runs.
         See `backplan.explain`."""
         bound, entry = self.lookup(args, kwargs, count_hit=False)
+        with one_listing():  # which kernels are cached: asked for every plan of every size
+            return self._explained(entry, bound, args, kwargs)
+
+    def _explained(self, entry, bound, args, kwargs):
         report = self._report(entry, bound)
         report.background_build = self.background is True
         key = (self._shared_entry_key(self._entry_key(bound)), sizes(args, kwargs))
