@@ -181,9 +181,16 @@ def group_kernels(
     tails: set[Value] = set()  # every reduction placed so far (kernels' lists are long)
     read_backs = _read_backs(graph, origin)
     spread = _spread_widenings(graph)
+    last_op = -1  # the latest kernel that is an op (a GEMM...): a read-back is not hoisted above it
     for node in graph.nodes:
-        avoid = home.get(read_backs.get(node))
-        home[node] = _place(node, kernels, home, latest_loops, reads, tails, avoid, spread, bases)
+        copy = read_backs.get(node)
+        avoid = home.get(copy)
+        k = home[node] = _place(
+            node, kernels, home, latest_loops, reads, tails, avoid, spread, bases,
+            not_before=last_op if copy is not None else -1,
+        )
+        if kernels[k].kind == "op":
+            last_op = k
     kept = frozenset(read_backs.values())
     _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases)
     _round_where_recomputed(kernels, home, kept, graph)
@@ -486,10 +493,15 @@ def _place(
     avoid=None,
     spread=(),
     bases=None,
+    not_before: int = -1,
 ) -> int:
     """The kernel node joins (a new one if none); never the loop `avoid`. Asked of every node
     of every plan lowered (a 10,000-node memory frontier lowers 22): its registry entry is read
-    once and its inputs' bases and homes worked out once, for every kernel it might join."""
+    once and its inputs' bases and homes worked out once, for every kernel it might join.
+    not_before: the latest loop of the shape is joined only if it comes after this kernel
+    (a read-back cast of a narrower saved copy: joined to a loop before the GEMMs that run
+    ahead of its reader, its full-width buffer was held across them, 1 MiB a layer of a
+    float64 MLP with float32 saved values)."""
     op = node.op
     if op == "full":
         return _new(kernels, _single("literal", node))
@@ -509,9 +521,10 @@ def _place(
         k = home.get(s, -1)
         if k < 0 or kernels[k].kind != "literal":
             read[s] = k
-    target = _joinable_loop(
-        bases, shape, kernels, home, latest_loops.get(shape), reads, read, tails, avoid, spread
-    )
+    latest = latest_loops.get(shape)
+    if latest is not None and latest < not_before:
+        latest = None
+    target = _joinable_loop(bases, shape, kernels, home, latest, reads, read, tails, avoid, spread)
     if target is None:
         target = latest_loops[shape] = _new(kernels, Kernel("loop", [], shape))
         reads[target] = set()
