@@ -91,6 +91,8 @@ def assign_memory(
     placements, sizes = {}, {}
     for chains in by_arena.values():
         offsets, end = _place_best_fit(chains, alignment_bytes)
+        if end > _most_live(chains):
+            offsets, end = _best_of_other_orders(chains, alignment_bytes, offsets, end)
         for chain, offset in zip(chains, offsets, strict=True):
             for r in chain:
                 itemsize = DTYPES[r.dtype].itemsize
@@ -160,20 +162,65 @@ def _chains(requests: list[BufferRequest], in_place: dict) -> list[list[BufferRe
     return chains
 
 
-def _place_best_fit(chains: list[list[BufferRequest]], alignment: int) -> tuple[list[int], int]:
+def _most_live(chains: list[list[BufferRequest]]) -> int:
+    """The most bytes the chains hold at one step (each chain its first size throughout, as
+    placed): no placement of them ends lower."""
+    if not chains:
+        return 0
+    first = np.fromiter((c[0].first_step for c in chains), np.int64, len(chains))
+    last = np.fromiter((c[-1].last_step for c in chains), np.int64, len(chains))
+    size = np.fromiter((c[0].nbytes for c in chains), np.int64, len(chains))
+    low = int(first.min())
+    delta = np.zeros(int(last.max()) - low + 2, np.int64)
+    np.add.at(delta, first - low, size)
+    np.add.at(delta, last - low + 1, -size)
+    return int(np.cumsum(delta).max())
+
+
+# Orders tried after the largest-first one when it ends above the most bytes live at once:
+# longest-lived first (a value saved from the forward to the backward beside short-lived ones
+# of another size), then the largest area of bytes by steps, then by first step.
+OTHER_ORDERS = (
+    lambda c: (c[0].first_step - c[-1].last_step, -c[0].nbytes, c[0].first_step),
+    lambda c: (-c[0].nbytes * (c[-1].last_step - c[0].first_step + 1), c[0].first_step),
+    lambda c: (c[0].first_step, -c[0].nbytes),
+)
+
+
+def _best_of_other_orders(chains, alignment: int, offsets: list[int], end: int):
+    """The lowest-ending of the largest-first placement (offsets, end) and the same best fit
+    in each of OTHER_ORDERS, stopping at one that reaches the most bytes live at once (the
+    first of equals: the largest-first placement where no other order does better)."""
+    bound = _most_live(chains)
+    for key in OTHER_ORDERS:
+        order = sorted(range(len(chains)), key=lambda i: key(chains[i]))
+        other, other_end = _place_best_fit(chains, alignment, order)
+        if other_end < end:
+            offsets, end = other, other_end
+        if end <= bound:
+            break
+    return offsets, end
+
+
+def _place_best_fit(
+    chains: list[list[BufferRequest]], alignment: int, order: list[int] | None = None
+) -> tuple[list[int], int]:
     """Largest chain first, each into the tightest gap left by the buffers placed so far that are
     live at the same time (a chain reserves its first, largest size throughout). Returns byte
     offsets and the arena's end in bytes. The placed buffers are kept as arrays: an unrolled
     48-step LSTM places 1,700 chains over as many buffers, and a Python scan of every placed
-    buffer per chain cost its first call half a second."""
-    order = sorted(
-        range(len(chains)), key=lambda i: (-chains[i][0].nbytes, chains[i][0].first_step)
-    )
+    buffer per chain cost its first call half a second. order: the chains' indices in the
+    order they are placed (default largest first, then by first step)."""
+    swept_order = order is None
+    if order is None:
+        order = sorted(
+            range(len(chains)), key=lambda i: (-chains[i][0].nbytes, chains[i][0].first_step)
+        )
     members = sum(len(chain) for chain in chains)
     first_steps, last_steps = np.empty(members, np.int64), np.empty(members, np.int64)
     starts, ends = np.empty(members, np.int64), np.empty(members, np.int64)
     offsets, end = [0] * len(chains), 0
-    swept = _largest_by_sweep(chains, order, alignment, offsets)
+    swept = _largest_by_sweep(chains, order, alignment, offsets) if swept_order else 0
     if swept:  # single buffers of one size: filled as whole arrays, not element by element
         run = [chains[i][0] for i in order[:swept]]
         first_steps[:swept] = [r.first_step for r in run]
