@@ -586,3 +586,33 @@ def test_a_bfloat16_buffer_reuses_bytes_a_float32_one_freed():
     assert shared.peak_bytes == 4096
     assert shared.placements["narrow"].offset == 0
     assert shared.arena_sizes == {("scratch", "f32"): 1024, ("scratch", "bf16"): 2048}
+
+
+def test_a_long_lived_buffer_under_a_larger_short_lived_one_reaches_the_most_live():
+    """Largest first put a float64 value held from step 0 to 4 above a larger float32 one that
+    dies at step 0, so the two buffers made at step 3 found no gap under it: 3,584 bytes where
+    3,072 are live at most (step 3). Placed longest-lived first, the arena is that bound."""
+    held = BufferRequest("held", 1024, "f64", first_step=0, last_step=4)
+    brief = BufferRequest("brief", 1536, "f32", first_step=0, last_step=0)
+    late = BufferRequest("late", 1024, "f64", first_step=3, last_step=4)
+    later = BufferRequest("later", 1024, "f64", first_step=3, last_step=3)
+    requests = [late, held, brief, later]
+    largest_first = memory_plan._place_best_fit([[r] for r in requests], 64)[1]
+    plan = assign_memory(requests, 64, shared=True)
+    assert largest_first == 3584
+    assert plan.peak_bytes == 3072
+    _assert_shared_safe(requests, plan)
+
+
+@settings(max_examples=200, deadline=None)
+@given(schedules(), st.sampled_from([8, 64]))
+def test_no_arena_ends_above_the_largest_first_placement(requests, alignment_bytes):
+    """The other orders are only kept where they end lower."""
+    plan = assign_memory(requests, alignment_bytes, shared=True)
+    others, memory_plan.OTHER_ORDERS = memory_plan.OTHER_ORDERS, ()
+    try:
+        largest_first = assign_memory(requests, alignment_bytes, shared=True)
+    finally:
+        memory_plan.OTHER_ORDERS = others
+    assert plan.peak_bytes <= largest_first.peak_bytes
+    _assert_shared_safe(requests, plan)
