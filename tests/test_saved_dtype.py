@@ -304,3 +304,24 @@ def test_float32_saved_copies_of_a_float64_step_peak_no_higher_than_full_precisi
     assert arenas[bp.float32].scratch_bytes <= arenas[None].scratch_bytes
     assert peaks[bp.float32] <= peaks[None]
     assert not np.allclose(grads[bp.float32][0], grads[None][0], rtol=0, atol=1e-12)
+
+
+def test_a_saved_dtype_plan_peaking_above_full_precision_says_so_with_both_peaks():
+    """float16 saved copies beside float32 (no mixed float16 GEMM: the backward widens them)
+    peak above the full-precision plan: explain says so, with both peaks and the way out,
+    where it only said 'no added FLOPs'. A plan peaking no higher says nothing of it."""
+    params, x = _half_arguments(np.float32)
+    with use_backend("numba"):  # the compiled plans' peaks
+        full = bp.value_and_grad(_layers).explain(params, x).peak_bytes
+        reports = {
+            dtype: bp.value_and_grad(_layers, saved_dtype=dtype).explain(params, x)
+            for dtype in (bp.float16, bp.bfloat16)
+        }
+    assert reports[bp.float16].peak_bytes > full
+    for dtype, report in reports.items():
+        note = report.saved_dtype_note
+        if report.peak_bytes <= full:
+            assert "peaks at" not in note
+            continue
+        assert f"peaks at {report.peak_bytes:,} B" in note and f"above {full:,} B" in note
+        assert f"Drop saved_dtype, or give allow_saved_dtype=bp.{np.dtype(dtype).name}" in note

@@ -373,7 +373,29 @@ class BudgetPlanner:
         return (
             f"The saved buffers the forward computes are kept in {np_dtype(dtype).name} "
             f"({why}): no added FLOPs (one cast each way), and the backward reads them "
-            f"{_rounding_words(dtype)}."
+            f"{_rounding_words(dtype)}.{self._above_full_precision(forced)}"
+        )
+
+    def _above_full_precision(self, forced: str | None) -> str:
+        """With saved_dtype given: where its plan peaks above the same plan in full
+        precision (a float64 step's copies, float16 beside float32, read back through
+        widened copies: only bfloat16 beside float32 has a mixed GEMM), the two peaks and the
+        way out."""
+        if forced is None:
+            return ""
+        options = replace(self.choices.options, saved_dtype=None)
+        full_choices = replace(self.choices, options=options, _default=None)
+        with paused_gc():
+            full = step_peak_bytes(full_choices.build(), self.not_kept, self.kept_bytes())
+        mine = self.evaluate_default().peak_bytes
+        if mine <= full:
+            return ""
+        name = np_dtype(forced).name
+        return (
+            f" That plan peaks at {format_bytes(mine)}, above {format_bytes(full)} with the "
+            "saved buffers in full precision: the full-width copies the backward widens them "
+            f"into add to what is held. Drop saved_dtype, or give allow_saved_dtype=bp.{name} "
+            "with max_peak_bytes, which keeps full precision where that peaks lower."
         )
 
     def points(self, objective: str = "peak") -> list:
