@@ -9,11 +9,17 @@ persistent cache off, one XLA thread). Per run: process CPU seconds of building 
 runner and of its first step apart, because the two peers split them differently: JAX's build
 (`jax.numpy.asarray` of the inputs) starts its CPU backend, 0.4-0.5 s, while backplan's build
 does almost nothing and its first step traces, plans and compiles. The table gives medians.
+
+The figure assumes the library built ahead of time: without `cache prebuild` (or with one made
+before the library's source changed) backplan's first call compiles library kernels too, 4-5 s
+instead of well under one. The run says so in a warning line, before the rounds when no
+prebuilt folder is found and after them when a child compiled library functions anyway.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +29,61 @@ import tempfile
 import time
 
 PEER_NAMES = ("backplan", "jax")
+
+
+@contextlib.contextmanager
+def library_compiles():
+    """Yields the names of the library functions Numba compiles (not loads) inside the block:
+    the prebuilt folder had no entry for them."""
+    from numba.core import event
+
+    from backplan.bench.internals import library_cache
+
+    compiled: list[str] = []
+
+    class Listener(event.Listener):
+        def on_start(self, event_) -> None:
+            func = getattr(event_.data.get("dispatcher"), "py_func", None)
+            code = getattr(func, "__code__", None)
+            if (
+                code is not None
+                and library_cache.is_library_file(code.co_filename)
+                and func.__module__.startswith("backplan.")  # not a plan's loop batch
+            ):
+                compiled.append(func.__qualname__)
+
+        def on_end(self, event_) -> None:
+            pass
+
+    with event.install_listener("numba:compile", Listener()):
+        yield compiled
+
+
+def prebuilt_missing() -> str | None:
+    """Why this installation has no prebuilt library to load (None when it has one)."""
+    from backplan.bench.internals import prebuilt_library
+
+    folder = prebuilt_library.prebuilt_folder()
+    if not os.path.isdir(folder) or not any(files for _, _, files in os.walk(folder)):
+        return f"no prebuilt library in {folder}"
+    if not prebuilt_library.usable(folder):
+        return f"the prebuilt library in {folder} is not usable (owner or permissions)"
+    return None
+
+
+def warning_lines(runs: list[dict]) -> list[str]:
+    """What a reader must know before trusting backplan's column: library functions compiled in
+    the children (the prebuilt library missing or older than the source)."""
+    compiled = [r for r in runs if r.get("library_compiles")]
+    if not compiled:
+        return []
+    names = sorted({name for r in compiled for name in r["library_compiles"]})
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return [
+        f"warning: {len(compiled)} of {sum(r['peer'] == 'backplan' for r in runs)} backplan "
+        f"runs compiled library functions ({shown}): their first call counts library compiles "
+        "a prebuilt installation does not pay; run `python -m backplan cache prebuild`"
+    ]
 
 
 def child(peer_name: str, model: str) -> dict:
@@ -37,17 +98,19 @@ def child(peer_name: str, model: str) -> dict:
 
     spec, peer = MODELS[model], PEERS[peer_name]()
     inputs = spec.inputs(False, np.dtype("float32"))
-    start = time.process_time()
-    runner = peer.build(spec, inputs)
-    built = time.process_time() - start
-    runner.step()
-    total = time.process_time() - start
+    with library_compiles() as compiled:
+        start = time.process_time()
+        runner = peer.build(spec, inputs)
+        built = time.process_time() - start
+        runner.step()
+        total = time.process_time() - start
     return {
         "peer": peer_name,
         "model": model,
         "build_cpu_s": built,
         "step_cpu_s": total - built,
         "first_call_cpu_s": total,
+        "library_compiles": compiled,
         "load_average_1min": os.getloadavg()[0],
     }
 
@@ -97,6 +160,15 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(*args.child)))
         return 0
+    missing = prebuilt_missing()
+    if missing:
+        print(
+            f"warning: {missing}: backplan's first call will compile the library (seconds: "
+            "4-5 s for mlp_infer), which an installation pays once at `python -m backplan "
+            "cache prebuild`",
+            file=sys.stderr,
+            flush=True,
+        )
     runs = []
     for _ in range(args.rounds):
         for model in args.models:
@@ -105,6 +177,8 @@ def main(argv=None) -> int:
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     print(table(runs, args.models))
+    for line in warning_lines(runs):
+        print(line, file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(runs, out, indent=1)

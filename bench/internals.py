@@ -35,6 +35,8 @@ _WHERE = {
     "adapting_threads": "backplan.codegen.run.free_cores:adapting",
     # the library built ahead of time, which cold children load from (compile_cli.py)
     "prebuilt_library": "backplan.codegen.build.prebuilt_library",
+    # which compiles are the library's (cold_first_call.py's warning)
+    "library_cache": "backplan.codegen.build.library_cache",
     # background driver builds, waited for outside timed rounds
     "driver_builder": "backplan.codegen.build.driver_builder",
     "wait_for_builds": "backplan.codegen.build.driver_builder:wait_for_builds",
