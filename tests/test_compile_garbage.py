@@ -86,3 +86,53 @@ def _buffer(array: np.ndarray) -> np.ndarray:
     while array.base is not None:
         array = array.base
     return array
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def _compile_event(inside=lambda: None):
+    from numba.core import event
+
+    with event.trigger_event("numba:compile", data={"dispatcher": None}):
+        inside()
+
+
+def test_a_compile_collects_what_it_made_and_leaves_nothing_frozen(collector_off):
+    """The objects older than the compile are frozen while it runs (its collection walks only
+    what it made), unfrozen after; the cycles it left are freed as it ends."""
+    before = compile_garbage.compiles()
+    left = []
+
+    def compiling():
+        assert gc.get_freeze_count() > 0  # the older objects are out of the collection
+        cycle = _Cycle()
+        left.append(weakref.ref(cycle))
+
+    older = _Cycle()
+    kept_older = weakref.ref(older)
+    _compile_event(lambda: _compile_event(compiling))  # a library compile inside a plan's
+    assert left[0]() is None  # the compile's cycle went at its end, the collector off
+    assert gc.get_freeze_count() == 0
+    assert kept_older() is older  # a live object older than the compile is untouched
+    assert compile_garbage.compiles() > before
+    assert not compile_garbage.collect_if_compiled(before)  # nothing left for a full one
+
+
+def test_objects_the_user_froze_stay_frozen_and_the_full_collection_runs(collector_off):
+    before = compile_garbage.compiles()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        left = []
+        _compile_event(lambda: left.append(weakref.ref(_Cycle())))
+        assert gc.get_freeze_count() == frozen
+        assert left[0]() is not None  # not collected at the compile's end
+        assert compile_garbage.collect_if_compiled(before)
+        assert left[0]() is None
+    finally:
+        gc.unfreeze()
