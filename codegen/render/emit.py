@@ -420,6 +420,7 @@ class _Emitter:
         parallel = decide("parallel_rows_run", parallel_pays(rows * cols))
         local = {n for k in run for n in k.all_nodes if n in self.layout.row_local}
         equal = equal_values(run)
+        row_values: dict = {}  # value -> the local holding its row's element (LoopEmitter)
         for stage, kernel in enumerate(run):
             if kernel.kind != "loop":
                 continue
@@ -434,7 +435,9 @@ class _Emitter:
                     self.buffer(node)
             emitter = self._loop_emitter(kernel, stored, f"s{stage}_n", rows=True)
             emitter.row_chunks, emitter.row_local, emitter.equal = parallel, local, equal
+            emitter.row_values = dict(row_values)
             setup, loop, _ = emitter.emit()
+            row_values.update(emitter.row_values_kept())
             views += setup
             stages += loop
             partials.append(emitter.row_partials)

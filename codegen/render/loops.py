@@ -101,6 +101,9 @@ class LoopEmitter:
     # value -> an equal value computed earlier in the same row kernel (equal_values): where
     # this stage reads both, it reads that one, so a rematerialised chain computes once
     equal: dict = field(default_factory=dict)
+    # value -> the local an earlier stage of the same row kernel holds its row's element in
+    # (row_values): read from there, not stored and loaded back through the arena
+    row_values: dict = field(default_factory=dict)
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -391,6 +394,7 @@ class LoopEmitter:
         parallel = mode == "parallel"
         targets = targets or {}
         lines, depth_of, tails = [], {}, set()
+        self._row_depths, self._tails = depth_of, tails
         for red in self.kernel.reductions:
             depth_of[red] = self._suffix_depth(red)
             if red in targets:
@@ -458,6 +462,8 @@ class LoopEmitter:
         same = self.equal.get(base)
         if same is not None and (same, key[1]) in self.view_name:  # read here anyway: its text
             key = (same, key[1])  # then matches, and _body computes the chain on it once
+        if self.rows and key[0] in self.row_values and self.view_groups[key] == [0]:
+            return self.row_values[key[0]]
         read = f"{self.view_name[key]}[{self._index(key)}]"
         if self.row_reads is not None and self.view_groups[key] == [0]:
             # the stores of the column loops may share the arena with it (to the compiler), so
@@ -503,6 +509,26 @@ class LoopEmitter:
         if not self._rounded_to_half(node):
             return None
         return f"{cheaper}({self.operand(node.inputs[0])})"
+
+    def row_values_kept(self) -> dict:
+        """After emit, for a row stage: value -> the local holding its element of row i0 at the
+        row loop's level, for the stages after it (LoopEmitter.row_values). Only float32 and
+        float64 values: a 16-bit buffer rounds what it stores, so its value is read back. A
+        reduction's accumulator holds the row's result after its loop over columns; a stage
+        with no loop of its own computes every value once per row."""
+        kept = {}
+        if not self.rows:
+            return kept
+        if len(self.sizes) == 1:
+            for node in self.kernel.recomputed + self.kernel.nodes:
+                if node.dtype in ("f32", "f64"):
+                    kept[node] = self.local_name(node)
+        targets = self.row_partials.targets if self.row_partials else {}
+        for red in self.kernel.reductions:
+            row_level = self._row_depths.get(red) == 1 and red not in self._tails
+            if row_level and red not in targets and red.dtype in ("f32", "f64"):
+                kept[red] = f"acc_{self.array_name[red]}"
+        return kept
 
     def local_name(self, node) -> str:
         return self.same.get(node) or "t" + self.array_name[node][1:]
