@@ -107,6 +107,23 @@ def test_a_function_whose_plan_is_not_a_formula_of_the_size_is_planned_per_size(
     assert compiled.cache_info().traces == 3  # each size its own trace, as without dynamic
 
 
+def test_integer_arithmetic_the_first_sizes_multiples_hide_is_planned_per_size():
+    """x[: n // 4 * 4] at 8, then probed at multiples of 16, is n at every probe: a probe at
+    2 * 16 + 1 rows (no common divisor with 16) shows it is not one formula. Before it, the one
+    plan returned 9 rows at 9 (eager 8), 7 at 7 (eager 4)."""
+
+    def whole_fours(w, x):
+        return x[: x.shape[0] // 4 * 4] @ w
+
+    compiled = bp.compile(whole_fours, dynamic={"x": {0: "batch"}})
+    for n in (16, 9, 7, 3, 13):
+        x = batch(n)
+        got = compiled(W, x).numpy()
+        assert got.shape[0] == n // 4 * 4
+        np.testing.assert_allclose(got, (x.numpy()[: n // 4 * 4]) @ W.numpy(), rtol=1e-5)
+    assert dynamic_entry(compiled).fitted is None
+
+
 def test_an_array_made_from_the_size_is_made_at_each_size_not_read_from_the_first():
     """A NumPy array the function builds from the size is a captured input, not a graph
     constant: one plan for every size read the first size's array at each size, past its

@@ -2,11 +2,12 @@
 
 `bp.compile(fn, dynamic={"x": {0: "batch"}})` declares that axis 0 of every tensor in argument
 `x` is the symbol `batch`. The signature then keys on the symbol instead of the size, so every
-batch size finds the same entry. The entry is traced at the size of the first call and at two
-probe sizes (2x and 3x: tracing needs shapes, not data, and nothing compiles); ir/symbolic.py
-fits the three plans into one whose sizes are formulas of the symbol, and each new size is that
-plan instantiated (no trace, the same kernels and driver). Sizes 0 and 1 stay concrete, as
-torch.compile specialises them: a size-1 axis broadcasts and must not be taken for the symbol.
+batch size finds the same entry. The entry is traced at the size of the first call and at three
+probe sizes (2x, 3x and 2x + 1: tracing needs shapes, not data, and nothing compiles);
+ir/symbolic.py fits the four plans into one whose sizes are formulas of the symbol, and each new
+size is that plan instantiated (no trace, the same kernels and driver). Sizes 0 and 1 stay
+concrete, as torch.compile specialises them: a size-1 axis broadcasts and must not be taken for
+the symbol.
 Where the plans do not fit (the function branches on the size, builds arrays from it, reshapes
 batch into another axis in a way that is not a formula), every size gets its own trace, as
 without `dynamic`, and `reason` says why in one line (explain prints it)."""
@@ -28,6 +29,15 @@ from .errors import TracingError
 from .signature import BoundCall, SignatureKey
 
 PROBE_FACTORS = (2, 3)  # the probe sizes, as multiples of the first size (keeps divisibility)
+
+
+def checking_size(first: int) -> int:
+    """A last probe that shares no divisor with the first size (gcd(2s + 1, s) = 1): integer
+    arithmetic on the size that multiples of it cannot tell apart (x[: n // 4 * 4] traced at
+    16, 32 and 48 is x[:n]) shows there as a number that is not one formula."""
+    return 2 * first + 1
+
+
 SIZES_KEPT = 16  # instantiated sizes an entry keeps (least recently used leave first)
 
 
@@ -309,10 +319,10 @@ def _arena_holders(entry) -> list:
 
 def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call):
     """(template entry, fitted plans or None, reason or None): the template traced at the
-    call's size, the probes at 2x and 3x, and their fit. with_call(bound, call) is the bound
-    call a subclass's build takes for a resized signature call."""
+    call's size, the probes at 2x, 3x and checking_size, and their fit. with_call(bound, call)
+    is the bound call a subclass's build takes for a resized signature call."""
     template = build(bound)
-    sizes = [found.size] + [found.size * f for f in PROBE_FACTORS]
+    sizes = [found.size] + [found.size * f for f in PROBE_FACTORS] + [checking_size(found.size)]
     try:
         with update_order.following(_update_order_kept(template)):
             probes = [build(with_call(bound, resized_call(call, found, n))) for n in sizes[1:]]
