@@ -53,7 +53,8 @@ def _ratio(row: dict, peer: dict | None) -> str:
     step = (peer or {}).get("step_ms")
     if not step or (peer or {}).get("status") != "ok":
         return "-"
-    return f"{row['step_ms']['median'] / step['median']:.2f}x"
+    # three significant digits: a torch step slowed by load gave 0.454 / 117.7 ms as "0.00x"
+    return f"{row['step_ms']['median'] / step['median']:.3g}x"
 
 
 def _first(row: dict | None) -> float | None:
