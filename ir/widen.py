@@ -4,8 +4,8 @@ stored. `widen(graph)` writes that down for compiled plans: each such op gets fl
 (astype) and a float32 result that an astype rounds back, so code generation only ever converts
 between 16-bit storage and float32 (codegen/kernels/half.py). Ops that only move data (views,
 sources) keep their 16-bit values. The reference interpreter does the same per op
-(`computes_in_float32`, `compute_attrs`), and a compiled fused loop keeps every round trip (in
-registers): both round each op's result, one definition of the values (docs/ops.md).
+(`computes_in_float32`, `compute_attrs`). A compiled fused loop then drops the round trip of a
+value no buffer holds (codegen/render/loops.py `_unrounded`): it rounds once, when it stores.
 
 A matmul of two bfloat16 (or two float16) operands is the exception: it reads them as they are
 (matmul's dtype='f32': float32 products and sums, a float32 result), since the GEMM widens its

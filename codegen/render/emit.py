@@ -465,14 +465,14 @@ class _Emitter:
         operands = placed_operands(self.ops, node, flat=True) if own else None
         if operands is None or not stored or chain_terms(loop, stored, self._flat_like):
             body += self._op_lines(node)
-            self._loop(loop, body)
+            self._loop(loop, body, unrounded=frozenset([node]))
             if stored:  # a loop storing nothing is not run (_loop)
                 self.epilogues_apart.add(node)
             return
         for value in loop.all_nodes:
             if value in stored:
                 self.buffer(value)
-        emitter = self._loop_emitter(loop, stored, "s0_n", rows=True)
+        emitter = self._loop_emitter(loop, stored, "s0_n", rows=True, unrounded=frozenset([node]))
         views, stage, _ = emitter.emit()
         out = self.placer.place(node)
         half = node.inputs[0].dtype
@@ -491,7 +491,9 @@ class _Emitter:
             self.gemms[node] = gemm_called(lines, node)
         return lines
 
-    def _loop(self, kernel, body) -> None:
+    def _loop(self, kernel, body, unrounded=frozenset()) -> None:
+        """unrounded: float32 results of other kernels the loop reads unrounded
+        (codegen/render/loops.py LoopEmitter.unrounded)."""
         stored = {n for n in kernel.all_nodes if n in self.needed}
         if not stored:  # every value is recomputed where it is read: nothing to run
             body.append("# (not run: its values are recomputed where they are read)")
@@ -503,15 +505,17 @@ class _Emitter:
         if terms is not None:
             self._add_chain(kernel.nodes[-1], terms, body)
             return
-        emitter = self._loop_emitter(kernel, stored, "n")
+        emitter = self._loop_emitter(kernel, stored, "n", unrounded=unrounded)
         views, loop, parallel = emitter.emit()
         scalars = {**emitter.size_arguments(), **emitter.scalars}
         body.append(self._call(views + loop, scalars, emitter.bases, parallel))
 
-    def _loop_emitter(self, kernel, stored: set, size_prefix: str, rows: bool = False):
+    def _loop_emitter(
+        self, kernel, stored: set, size_prefix: str, rows: bool = False, unrounded=frozenset()
+    ):
         """The LoopEmitter of one fused loop: every node it computes, `stored` written to
         buffers (rows: the loop runs inside a loop over rows, the GEMM epilogue's or a rows
-        run's)."""
+        run's; unrounded: LoopEmitter.unrounded)."""
         return LoopEmitter(
             kernel,
             set(kernel.computed),
@@ -521,6 +525,7 @@ class _Emitter:
             self.placer.place,
             rows=rows,
             size_prefix=size_prefix,
+            unrounded=unrounded,
         )
 
     def _flat_like(self, term: Value, out: Value) -> bool:

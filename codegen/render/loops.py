@@ -87,6 +87,9 @@ class LoopEmitter:
     rows: bool = False  # a stage of a row kernel: the caller loops over axis 0 (as i0)
     size_prefix: str | None = None  # loop sizes become arguments named <prefix><level>
     same: dict = field(default_factory=dict)  # value -> the local of an equal one computed first
+    # float32 values read from buffers whose 16-bit rounding this loop skips where it only
+    # widens it back (a GEMM's result in its epilogue: x @ w + b is rounded once, when stored)
+    unrounded: frozenset = frozenset()
     row_partials: RowPartials | None = None  # a row stage's reductions over rows (emit)
     row_chunks: bool = False  # a row stage whose caller runs the rows in parallel chunks
     # values kept one row at a time (a row stage; ir/row_local.py): the first row of their
@@ -468,6 +471,21 @@ class LoopEmitter:
             return self.row_reads.setdefault(read, f"row_{self.view_name[key]}")
         return read
 
+    def _unrounded(self, node) -> str | None:
+        """For a widening cast of a 16-bit value this loop computed by rounding a float32 one
+        (its own, or one of `unrounded`), that float32 value: a fused chain rounds once, when
+        it stores (ir/widen.py rounds after every op; inside a loop nothing holds the rounded
+        value)."""
+        if node.op != "astype" or not is_half(node.inputs[0].dtype):
+            return None
+        inner = alias_base(node.inputs[0])
+        if inner not in self.local or inner.op != "astype" or inner is not node.inputs[0]:
+            return None
+        source = inner.inputs[0]
+        if source.dtype != node.dtype or alias_base(source) is not source:
+            return None
+        return self.operand(source) if source in self.local or source in self.unrounded else None
+
     def _rounded_to_half(self, node) -> bool:
         """Whether this loop's only use of node's float32 value is a rounding into 16 bits (a
         16-bit op computed in float32, ir/widen.py): such a tanh is the cheaper rational one
@@ -521,6 +539,10 @@ class LoopEmitter:
         targets = targets or {}
         lines, computed = [], {}  # expression -> the local holding its value
         for node in self.kernel.recomputed + self.kernel.nodes:
+            unrounded = self._unrounded(node)
+            if unrounded is not None:  # rounded to 16 bits only where a buffer stores it
+                self.same[node] = unrounded
+                continue
             expr = self._half_rounded(node) or expression(
                 node, [self.operand(i) for i in node.inputs]
             )
