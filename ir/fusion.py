@@ -186,7 +186,15 @@ def group_kernels(
         copy = read_backs.get(node)
         avoid = home.get(copy)
         k = home[node] = _place(
-            node, kernels, home, latest_loops, reads, tails, avoid, spread, bases,
+            node,
+            kernels,
+            home,
+            latest_loops,
+            reads,
+            tails,
+            avoid,
+            spread,
+            bases,
             not_before=last_op if copy is not None else -1,
         )
         if kernels[k].kind == "op":
@@ -229,25 +237,24 @@ def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, 
     return found
 
 
-def _widens_float(node: Value) -> bool:
-    """A cast of a float value to a wider float (a 16-bit copy read back in float32, or a
-    float32 copy of a float64 value read back in float64: saved_dtype on a float64 step)."""
+def _float_cast_growth(node: Value) -> int:
+    """Bytes an element gains (> 0) or loses (< 0) in a cast between floats; 0 for any other
+    node. Widening: a 16-bit copy read back in float32, or a float32 copy of a float64 value
+    read back in float64 (saved_dtype on a float64 step)."""
     if node.op != "astype":
-        return False
+        return 0
     source, target = node.inputs[0].dtype, node.dtype
     if not (is_float(source) and is_float(target)):
-        return False
-    return np_dtype(source).itemsize < np_dtype(target).itemsize
+        return 0
+    return np_dtype(target).itemsize - np_dtype(source).itemsize
+
+
+def _widens_float(node: Value) -> bool:
+    return _float_cast_growth(node) > 0
 
 
 def _narrows_float(node: Value) -> bool:
-    """A cast of a float value to a narrower float."""
-    if node.op != "astype":
-        return False
-    source, target = node.inputs[0].dtype, node.dtype
-    if not (is_float(source) and is_float(target)):
-        return False
-    return np_dtype(target).itemsize < np_dtype(source).itemsize
+    return _float_cast_growth(node) < 0
 
 
 def _spread_widenings(graph: Graph) -> frozenset[Value]:
