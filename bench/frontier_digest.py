@@ -98,39 +98,31 @@ def row_changes(before, after) -> dict:
 
 
 @contextmanager
+def recorded_lowerings(record):
+    """Yields the list of record(lowered) of the plans lowered inside it, in order."""
+    owner, found = internals.lowering, []
+    original = owner._lower
+
+    def recording(plan, *args, **kwargs):
+        lowered = original(plan, *args, **kwargs)
+        found.append(record(lowered))
+        return lowered
+
+    owner._lower = recording
+    try:
+        yield found
+    finally:
+        owner._lower = original
+
+
 def described_lowerings():
     """Yields the list of _described plans lowered inside it, in order."""
-    owner, found = internals.lowering, []
-    original = owner._lower
-
-    def describing(plan, *args, **kwargs):
-        lowered = original(plan, *args, **kwargs)
-        found.append(_described(lowered))
-        return lowered
-
-    owner._lower = describing
-    try:
-        yield found
-    finally:
-        owner._lower = original
+    return recorded_lowerings(_described)
 
 
-@contextmanager
 def fingerprinted_lowerings():
     """Yields the list of fingerprints of the plans lowered inside it, in order."""
-    owner, found = internals.lowering, []
-    original = owner._lower
-
-    def fingerprinting(plan, *args, **kwargs):
-        lowered = original(plan, *args, **kwargs)
-        found.append(lowered_fingerprint(lowered))
-        return lowered
-
-    owner._lower = fingerprinting
-    try:
-        yield found
-    finally:
-        owner._lower = original
+    return recorded_lowerings(lowered_fingerprint)
 
 
 def frontier_digest(fn, params, batch) -> tuple[str, list[str], list[int]]:
