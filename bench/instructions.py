@@ -237,7 +237,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--warm", type=int, default=3, help="uncounted steps before counting")
     parser.add_argument("--repeat", type=int, default=1, help="counted processes per side")
-    parser.add_argument("--cpu", type=int, default=0, help="the CPU to pin to")
+    parser.add_argument(
+        "--cpu", type=int, help="the CPU to pin to (default: the first this process may use)"
+    )
     parser.add_argument("--keep", help="a folder to keep callgrind's dumps in (callgrind_annotate)")
     parser.add_argument("--cache-a", help="A's cache folder, kept (default: a new temporary one)")
     parser.add_argument("--cache-b", help="B's cache folder, kept (default: a new temporary one)")
@@ -260,6 +262,8 @@ def main(argv=None) -> int:
         parser.error("--a is required: the Python of the installation to compare against")
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (apt-get install valgrind)")
+    if args.cpu is None:  # under `taskset -c 1` CPU 0 is not this process's to use
+        args.cpu = min(os.sched_getaffinity(0))
     models = args.models.split(",")
     steps = {m: args.steps or DEFAULT_STEPS.get(m, 10) for m in models}
     env = dict(item.split("=", 1) for item in args.env)

@@ -125,7 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="mlp,mlp_tiny,transformer,ln_gelu,lstm12,mlp_deep,cnn")
     parser.add_argument("--processes", type=int, default=3, help="timed processes per side")
     parser.add_argument("--rounds", type=int, default=5, help="rounds within a process")
-    parser.add_argument("--cpu", type=int, default=0, help="the first CPU to pin to")
+    parser.add_argument(
+        "--cpu", type=int, help="the first CPU to pin to (default: the first this process may use)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="CPUs (and threads) per process")
     parser.add_argument(
         "--peer",
@@ -147,6 +149,8 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child.split(","), cpus, args.rounds, args.peer, args.clock)))
         return 0
     usable = sorted(os.sched_getaffinity(0))
+    if args.cpu is None:  # under `taskset -c 1` CPU 0 is not this process's to use
+        args.cpu = usable[0]
     if not 1 <= args.threads <= len(usable) or args.cpu not in usable:
         parser.error(f"--cpu {args.cpu} --threads {args.threads}: this process may use {usable}")
     start = usable.index(args.cpu)

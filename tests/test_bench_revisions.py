@@ -59,3 +59,22 @@ def test_cpu_clock_reaches_the_children_and_times_cpu_not_sleep(monkeypatch, cap
 
     seconds = revisions.cpu_medians({"sleepy": sleepy}, 1, 0.02, time.thread_time)["sleepy"]
     assert seconds < 0.001  # the 2 ms sleep is not CPU time
+
+
+def test_the_default_cpu_is_one_this_process_may_use(monkeypatch, capsys):
+    """Without --cpu the children pin to the first CPU this process may use: under
+    `taskset -c 1` (CPU 0 not usable) the comparison runs there instead of refusing."""
+    import subprocess
+    import types
+
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return types.SimpleNamespace(returncode=0, stdout='{"mlp_tiny": 0.001}\n', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1})
+    assert revisions.main(["--a", sys.executable, "--models", "mlp_tiny", "--processes", "1"]) == 0
+    assert len(commands) == 4 and all(c[c.index("--cpus") + 1] == "1" for c in commands)
+    assert re.search(r"^CPUs \[1\], 1 thread\(s\) per process", capsys.readouterr().out, re.M)
