@@ -167,3 +167,19 @@ def test_no_source_file_is_ignored_by_git():
         text=True,
     ).stdout.split()
     assert not ignored, f".gitignore hides source files: {ignored}"
+
+
+def test_the_build_needs_only_a_setuptools_that_builds_wheels_itself():
+    """`pip install --no-build-isolation -e .` builds with the environment's own tools (pip's
+    `--check-build-dependencies` checks them against these requirements). setuptools builds
+    wheels itself from 70.1; an older one needs the wheel package ("invalid command
+    'bdist_wheel'", as in a venv Python 3.11 made, which holds setuptools 65.5). So the
+    requirements admit no setuptools without bdist_wheel and name nothing else: an environment
+    with setuptools 84 and no wheel package builds."""
+    from packaging.requirements import Requirement
+
+    requires = [Requirement(r) for r in _pyproject()["build-system"]["requires"]]
+    assert [r.name for r in requires] == ["setuptools"], requires
+    (setuptools,) = requires
+    assert not setuptools.specifier.contains("70.0.0") and not setuptools.specifier.contains("65.5")
+    assert setuptools.specifier.contains("70.1.0") and setuptools.specifier.contains("84.2.1")
