@@ -51,15 +51,14 @@ def _needed(graph: Graph) -> dict[Value, object]:
     GEMM operand is broadcast to first, or None}. Strides are worked out for views only: any
     other node's buffer is C-contiguous (what `_strides` falls back to for an input it was
     not given), and most plans hold few views among thousands of nodes."""
-    strides: dict[Value, tuple | None] = {}
+    strides = _Strides()
     needed: dict[Value, object] = {}
     roots = Roots()  # storage roots of the operands asked (_literal), each worked out once
     for node in graph.nodes:
         if node.op in _VIEWS:
-            if not is_half(node.dtype):
-                strides[node] = _strides(node, strides)
-                if strides[node] is None:
-                    needed[node] = _RESHAPE
+            # only a reshape can need a copy; other views' strides are worked out when read
+            if node.op == "reshape" and not is_half(node.dtype) and strides[node] is None:
+                needed[node] = _RESHAPE
         elif node.op == "logsumexp" and _scattered_axes(node) and not is_half(node.dtype):
             needed[node] = _LOGSUMEXP
         elif _own_kernel(node.op):
@@ -213,20 +212,37 @@ def _gemm_operand(operand: Value, batch, reader: Value, rewrite: _Rewrite) -> Va
 
 
 def _contiguous_where_it_lives(value: Value, strides: dict) -> bool:
-    """Only views have strides of their own (`_needed` works them out); any other value is a
+    """Only views have strides of their own (`_Strides` works them out); any other value is a
     C-contiguous buffer, asked of thousands of GEMM operands without building its strides."""
-    known = strides.get(value)
+    known = strides[value] if value.op in _VIEWS else None
     return not known or _is_contiguous(internal_shape(value.shape), known)
+
+
+class _Strides(dict):
+    """view -> its strides in elements as the driver places it (None: a reshape the driver
+    would copy, whose readers read the copy: C-contiguous), worked out when first read, from
+    its input's; any other value (and a 16-bit view) -> None: a C-contiguous buffer. A deep
+    plan's thousands of transposes are GEMM flags whose strides nothing reads (a
+    10,000-node row worked out ~2,200 it never used)."""
+
+    __slots__ = ()
+
+    def __missing__(self, value: Value):
+        chain = []  # the views under value not yet worked out, walked without recursion
+        while value.op in _VIEWS and not is_half(value.dtype) and value not in self:
+            chain.append(value)
+            value = value.inputs[0]
+        for view in reversed(chain):
+            self[view] = _strides(view, self)
+        return self[chain[0]] if chain else None
 
 
 def _absorbed(value: Value) -> bool:
     """A transpose of the last two axes, which a GEMM takes as a flag (OpEmitter.absorbs)."""
-    n = len(value.shape)
-    return (
-        value.op == "transpose"
-        and n >= 2
-        and value.attrs["perm"] == (tuple(range(n - 2)) + (n - 1, n - 2))
-    )
+    if value.op != "transpose":
+        return False
+    n = len(value.type.shape)
+    return n >= 2 and value.attrs["perm"] == (tuple(range(n - 2)) + (n - 1, n - 2))
 
 
 def _scattered_axes(node: Value) -> bool:
