@@ -14,8 +14,6 @@ it was, right after the call.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from .fusion import Kernel, index_map, internal_shape
 from .layout import Roots
 from .registry import get_op
@@ -34,7 +32,14 @@ def absorb_epilogues(kernels: list[Kernel], roots: Roots | None = None) -> list[
         after = _next_running(kernels, index) if kernel.kind == "op" else None  # GEMMs only
         if after is not None and _absorbs(kernel, kernels[after], roots):
             absorbed.add(after)
-            kernel = replace(kernel, epilogue=kernels[after])
+            kernel = Kernel(  # dataclasses.replace, without its keyword round trip
+                kernel.kind,
+                kernel.nodes,
+                kernel.shape,
+                kernel.reductions,
+                kernel.recomputed,
+                epilogue=kernels[after],
+            )
         merged.append(kernel)
     return merged
 

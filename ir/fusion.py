@@ -341,16 +341,18 @@ def _cheap_cone(
     Given a frontier set, an expensive value of the same shape is read instead (added to it).
     Each level down adds a value, so the walk stops MAX_RECOMPUTE levels down (a long chain of
     cheap ops split over several loops would otherwise be walked to its start)."""
-    if value not in home or home[value] == k or value in kernel.recomputed or value in kept:
+    owner = home.get(value)
+    if owner is None or owner == k or value in kernel.recomputed or value in kept:
         return []
-    if _spreads_into(value, kernel.shape, spread):
+    if spread and _spreads_into(value, kernel.shape, spread):
         return [value]  # from its 16-bit input, which the loop may run before (_read_source)
-    owner = kernels[home[value]]
-    if owner.kind != "loop" or value in owner.reductions or value.shape != kernel.shape:
+    owner = kernels[owner]
+    if owner.kind != "loop" or value.type.shape != kernel.shape or value in owner.reductions:
         return []  # stored anyway: read it
-    if _widens_half(value):  # round it here, or read the 16-bit value: half the bytes
+    op = value.op
+    if op == "astype" and _widens_half(value):  # round it here, or read the 16-bit value
         return _rounded_here(value, kernel, k, kernels, home, kept, spread, depth) or [value]
-    if not is_cheap(value):
+    if (REGISTRY.get(op) or get_op(op)).cost != "cheap":  # is_cheap
         if frontier is None:
             return None
         frontier.add(value)
