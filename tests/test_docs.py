@@ -124,6 +124,49 @@ def test_a_block_that_should_raise_and_does_not_fails(tmp_path):
     assert caught.traceback[-1].lineno == 5  # 0-based: the name is on the page's sixth line
 
 
+PRINTS_AS = re.compile(r"<!--\s*prints as (\w+\.py)\s*-->")
+
+
+def printed_outputs(page: Path) -> list[tuple[Block, str, str]]:
+    """(python block, file name, text) for each ```text block marked `<!-- prints as NAME.py
+    -->`: the text is what the python block before it prints, run alone as that file."""
+    lines = page.read_text().splitlines()
+    blocks = python_blocks(page)
+    found = []
+    for i, line in enumerate(lines):
+        marker = PRINTS_AS.search(line)
+        if not marker or i + 1 >= len(lines) or lines[i + 1].strip() != "```text":
+            continue
+        end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
+        block = max((b for b in blocks if b.line < i), key=lambda b: b.line)
+        found.append((block, marker.group(1), "\n".join(lines[i + 2 : end])))
+    return found
+
+
+PRINTED = [(page, *found) for page in PAGES for found in printed_outputs(page)]
+
+
+@pytest.mark.parametrize(
+    "page, block, name, text", PRINTED, ids=[f"{page_id(p)}:{b.line}" for p, b, _, _ in PRINTED]
+)
+def test_a_printed_output_the_guide_shows_is_what_its_block_prints(
+    page, block, name, text, tmp_path
+):
+    """An output shown as a script's (file names and line numbers in it) is that script's:
+    the block saved as the named file and run in a fresh process prints exactly the text."""
+    (tmp_path / name).write_text(block.code + "\n")
+    env = {**os.environ, "BACKPLAN_QUIET": "1"}
+    run = subprocess.run(
+        [sys.executable, name], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.rstrip("\n") == text, f"{page_id(page)}:{block.line} prints:\n{run.stdout}"
+
+
+def test_the_guide_shows_printed_outputs():
+    assert any(page.name == "explain.md" for page, *_ in PRINTED)  # the freed-graph error
+
+
 def test_every_public_name_has_an_api_reference_entry():
     """Functions no page names with `::: backplan.NAME` land on the ops page (its hook lists
     them); every class, exception and warning needs an entry of its own."""
