@@ -208,7 +208,7 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
     if backend != "numba":
         steps = predicted_peak(calls, backend).steps
         return max((s.nbytes + _kept_during(s.plan, kept) for s in steps), default=0)
-    lowered, per_call, held = _compiled_held(calls)
+    lowered, per_call, held = _compiled_held(calls, named=False)  # bytes only: no names
     peak = 0
     for call, low, buffers in zip(calls, lowered, per_call, strict=True):
         if call.idle:
@@ -236,12 +236,14 @@ def _kept_during(plan: str, kept: int) -> int:
     return 0 if plan == "backward" else kept
 
 
-def _compiled_held(calls: list[PlanCall]) -> tuple[list, list, dict]:
+def _compiled_held(calls: list[PlanCall], named: bool = True) -> tuple[list, list, dict]:
     """(each call's lowered plan, its buffers, the bytes held before its first kernel: the
-    caller's arrays, every plan's constants (each array once) and scratch arena)."""
+    caller's arrays, every plan's constants (each array once) and scratch arena). named:
+    the buffers named (compiled_buffers)."""
     lowered = [lower(c.plan, c.private_saved) for c in calls]
     per_call = [
-        compiled_buffers(low, list(c.output_kinds)) for c, low in zip(calls, lowered, strict=True)
+        compiled_buffers(low, list(c.output_kinds), named)
+        for c, low in zip(calls, lowered, strict=True)
     ]
     held = _input_bytes(calls)
     constants_seen: set[int] = set()
