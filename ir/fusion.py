@@ -540,7 +540,10 @@ def _place(
     (kernels[target].reductions if tail else kernels[target].nodes).append(node)
     if tail:
         tails.add(node)
-    reads[target].update(s for s, k in read.items() if k != target)
+    held = reads[target]
+    for s, k in read.items():
+        if k != target:
+            held.add(s)
     return target
 
 
@@ -580,15 +583,15 @@ def _joinable_loop(
     instead of opening one of its own, which split bfloat16 ln_gelu's layer-norm gradient into
     a loop of its own). A spread widening counts as its 16-bit input: the loop recomputes it."""
     sources = [_read_source(s, shape, spread) for s in bases] if spread else bases
-    producers = []
+    producer = -1  # the latest loop of this shape computing an input
     for s in sources:
         k = home.get(s)
-        if k is not None and s not in tails:
+        if k is not None and k > producer and s not in tails:
             kernel = kernels[k]
             if kernel.kind == "loop" and kernel.shape == shape:
-                producers.append(k)
-    for target in ([max(producers)] if producers else []) + ([] if latest is None else [latest]):
-        if target == avoid:
+                producer = k
+    for target in (producer, latest):
+        if target is None or target < 0 or target == avoid:
             continue
         if _ready(sources, target, kernels, home, tails) and _has_room(
             target, kernels, reads, read

@@ -14,6 +14,7 @@ Views and aliases have no storage: reading them extends the life of what they vi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import le
 
 from .fusion import Kernel, index_map, internal_shape, is_alias
 from .graph import Graph, Value
@@ -106,14 +107,24 @@ def lifetimes(
 ) -> dict[Value, int]:
     """Last step that reads each storage root (through views); outputs live past the end.
     roots: storage roots already worked out for this graph (the lowering shares one)."""
-    last: dict[Value, int] = {}
     roots = Roots() if roots is None else roots
-    for step, kernel in zip(steps, kernels, strict=True):
-        for node in kernel.computed:
-            for inp in node.inputs:
-                root = roots[inp]
-                if last.get(root, -1) < step:
-                    last[root] = step
+    if len(steps) != len(kernels):
+        raise ValueError(f"{len(steps)} steps for {len(kernels)} kernels")
+    if all(map(le, steps, steps[1:])):  # steps in run order (schedule_steps): the last is latest
+        last = {
+            roots[inp]: step
+            for step, kernel in zip(steps, kernels, strict=True)
+            for node in kernel.computed
+            for inp in node.inputs
+        }
+    else:
+        last: dict[Value, int] = {}
+        for step, kernel in zip(steps, kernels, strict=True):
+            for node in kernel.computed:
+                for inp in node.inputs:
+                    root = roots[inp]
+                    if last.get(root, -1) < step:
+                        last[root] = step
     for out in graph.outputs:
         last[roots[out]] = len(kernels)
     return last
@@ -136,12 +147,11 @@ def plan_layout(
     graph."""
     steps = steps if steps is not None else list(range(len(kernels)))
     roots = Roots() if roots is None else roots
-    kernel_of, step_of = {}, {}  # kernel_of only for in-place candidates (IN_PLACE)
-    for kernel, step in zip(kernels, steps, strict=True):
-        for n in kernel.all_nodes:
-            step_of[n] = step
-            if IN_PLACE:
-                kernel_of[n] = kernel
+    pairs = zip(kernels, steps, strict=True)
+    step_of = {n: step for kernel, step in pairs for n in kernel.all_nodes}
+    kernel_of = {}  # only for in-place candidates (IN_PLACE)
+    if IN_PLACE:
+        kernel_of = {n: kernel for kernel in kernels for n in kernel.all_nodes}
     last = lifetimes(graph, kernels, steps, roots)
     output_roots = {roots[o] for o in graph.outputs}
     layout = BufferLayout(row_local=dict(row_local or {}))
