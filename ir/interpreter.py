@@ -13,6 +13,7 @@ from .graph import Graph, Value
 from .liveness import INPUT_STEP, Plan
 from .reference_storage import VIEW_OPS, fresh
 from .registry import get_op
+from .rounding_points import Recomputed, Widened
 from .text import format_loc
 from .types import compute_dtype, is_half, np_dtype
 from .widen import compute_attrs, computes_in_float32
@@ -52,8 +53,11 @@ def run_plan(
     on_step: Callable[[int, dict], None] | None = None,
 ) -> list[np.ndarray]:
     """Run plan on args. The list is emptied, so the plan holds the only reference it made.
-    release(i) is called when input i is freed: its owner drops its own reference then."""
-    graph = plan.graph
+    release(i) is called when input i is freed: its owner drops its own reference then.
+    16-bit values are rounded after every op, except where the plan says a compiled loop
+    keeps the float32 value (`unrounded`, `reads_instead`: the plan a lowering gives the
+    interpreter, `lower(plan).interpreted`; ir/rounding_points.py)."""
+    graph, unrounded, reads_instead = plan.graph, plan.unrounded, plan.reads_instead
     env: dict[Value, np.ndarray] = dict(zip(graph.inputs, args, strict=True))
     args.clear()
     input_index = {v: i for i, v in enumerate(graph.inputs)}
@@ -67,13 +71,37 @@ def run_plan(
     with np.errstate(all="ignore"):
         free(INPUT_STEP)
         for step, node in enumerate(graph.nodes):
-            env[node] = evaluate(node, [env[i] for i in node.inputs], graph.constants)
+            wide = unrounded.get(node)
+            if wide is not None:  # not rounded, as the compiled loop computing it
+                env[node] = np.array(_spec(wide, env, graph.constants))
+            else:
+                swaps = reads_instead.get(node)
+                if swaps is None:
+                    arrays = [env[i] for i in node.inputs]
+                else:  # its loop computes an input cast otherwise
+                    arrays = [_read(i, swaps, env, graph.constants) for i in node.inputs]
+                env[node] = evaluate(node, arrays, graph.constants)
             if on_step is not None:
                 on_step(step, env)
             free(step)
     outputs = [env[o] for o in graph.outputs]
     free(plan.return_step)
     return outputs
+
+
+def _read(value: Value, swaps: dict, env: dict, constants: dict):
+    """What a node's loop reads as one of its inputs: the input's value, or how the loop
+    computes it where that differs (ir/rounding_points.py)."""
+    instead = swaps.get(value)
+    return env[value] if instead is None else _spec(instead, env, constants)
+
+
+def _spec(spec, env: dict, constants: dict):
+    if isinstance(spec, Widened):
+        return np.asarray(_spec(spec.of, env, constants)).astype(np_dtype(spec.dtype))
+    if isinstance(spec, Recomputed):
+        return evaluate(spec.node, [_spec(i, env, constants) for i in spec.inputs], constants)
+    return env[spec]
 
 
 def run_graph(graph: Graph, args: list) -> list[np.ndarray]:

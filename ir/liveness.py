@@ -26,6 +26,11 @@ class Plan:
     # Plans instantiated from one symbolic plan (ir/symbolic.py) share this dict: codegen keeps
     # there the size-generic driver they all run (codegen/render/lift.py). None: a plain plan.
     shared: dict | None = field(default=None, repr=False, compare=False)
+    # where the compiled loops keep a fused 16-bit chain in float32 (ir/rounding_points.py),
+    # for the reference interpreter: a widening cast -> the float32 value it holds; a node ->
+    # {input cast: the value its loop reads in the cast's place}
+    unrounded: dict = field(default_factory=dict, repr=False, compare=False)
+    reads_instead: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def return_step(self) -> int:

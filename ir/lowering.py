@@ -23,6 +23,7 @@ from .graph import Value
 from .grouping_reuse import KEPT, find, grouping_key, read_back, written
 from .layout import BufferLayout, Roots, plan_layout
 from .liveness import Plan, plan_liveness
+from .rounding_points import reference_plan, rounding_points
 from .row_local import row_local_values
 from .strided_copies import copy_strided_reshapes
 from .widen import has_half, widen_with_origin
@@ -152,7 +153,7 @@ def detached(plan: Plan) -> Plan:
 def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     plan = detached(plan)  # the plan keeps its lowering; the lowering does not keep the plan
     groupings = _groupings(plan)
-    plan, graph, origin, interpreted = _prepared(plan)
+    plan, graph, origin, interpreted, sources = _prepared(plan)
     bases = Bases()  # alias bases, shared by the passes that ask them
     roots = Roots()  # storage roots, shared as bases are
     kernels, needed, runs = _grouped(groupings, graph, origin, bases, roots)
@@ -171,23 +172,28 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )
     lowered.donations = donation_pairs(lowered)
+    if sources is not None:  # 16-bit values: the interpreter rounds where the loops do
+        lowered.interpreted = reference_plan(interpreted, rounding_points(kernels), sources)
     return lowered
 
 
 def _prepared(plan: Plan):
-    """(plan, its graph, origin, the plan the reference interpreter runs): widened for
-    16-bit floats and given its strided copies, as fusion groups it."""
-    origin = None
+    """(plan, its graph, origin, the plan the reference interpreter runs, and for a plan with
+    16-bit values each node of the graph -> the node of that plan it computes where they
+    differ, else None): widened for 16-bit floats and given its strided copies, as fusion
+    groups it."""
+    origin, sources = None, None
     if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
         shared = plan.shared  # a symbolic plan's sizes still share one driver
         plan = plan_liveness(graph, plan.donated)
         plan.shared = shared
+        sources = {}
     interpreted = plan
-    graph, origin = copy_strided_reshapes(plan.graph, origin)
+    graph, origin = copy_strided_reshapes(plan.graph, origin, sources)
     if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)
         plan = replace_graph(plan, graph)
-    return plan, graph, origin, interpreted
+    return plan, graph, origin, interpreted, sources
 
 
 def _groupings(plan: Plan) -> list | None:
@@ -223,7 +229,7 @@ def group_ahead(plan: Plan, shared: dict) -> None:
     first size's dims meet by chance (the transformer's 8 rows x 128 = its 1,024 hidden)."""
     groupings = shared.setdefault(("grouping",), [])
     with _lock:
-        _, graph, origin, _ = _prepared(detached(plan))
+        _, graph, origin, _, _ = _prepared(detached(plan))
         _grouped(groupings, graph, origin, Bases(), Roots())
 
 

@@ -102,13 +102,14 @@ def _operand_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple |
 
 
 def copy_strided_reshapes(
-    graph: Graph, origin: dict[Value, Value] | None
+    graph: Graph, origin: dict[Value, Value] | None, sources: dict | None = None
 ) -> tuple[Graph, dict[Value, Value] | None]:
     """(graph with an explicit copy wherever compiled code would read one: before each
     reshape of a strided view, each GEMM operand that is strided where it lives or broadcast
     over the batch, a logsumexp over axes that are not consecutive; each node's node of the
     graph given: origin composed, a copy standing for its reader). Unchanged (the same graph
-    and origin) when nothing needs one."""
+    and origin) when nothing needs one. sources, if given, gets each new node -> the node
+    of graph it computes (a copy: its reader)."""
     needed = _needed(graph)
     if not needed:
         return graph, origin
@@ -116,6 +117,8 @@ def copy_strided_reshapes(
     for node in graph.nodes:
         rewrite.node(node, needed.get(node))
     new, source = rewrite.new, rewrite.source
+    if sources is not None:
+        sources.update((v, s) for v, s in source.items() if v is not s)
     new.outputs = [rewrite.mapping[o] for o in graph.outputs]
     if origin is None:
         return new, source

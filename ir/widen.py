@@ -5,7 +5,8 @@ stored. `widen(graph)` writes that down for compiled plans: each such op gets fl
 between 16-bit storage and float32 (codegen/kernels/half.py). Ops that only move data (views,
 sources) keep their 16-bit values. The reference interpreter does the same per op
 (`computes_in_float32`, `compute_attrs`). A compiled fused loop then drops the round trip of a
-value no buffer holds (codegen/render/loops.py `_unrounded`): it rounds once, when it stores.
+value it holds in registers (ir/rounding_points.py, codegen/render/loops.py `_unrounded`): it
+rounds once, when it stores, and the reference interpreter running the lowered plan does too.
 
 A matmul of two bfloat16 (or two float16) operands is the exception: it reads them as they are
 (matmul's dtype='f32': float32 products and sums, a float32 result), since the GEMM widens its

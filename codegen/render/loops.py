@@ -12,6 +12,7 @@ from backplan.codegen.render.placement import Placement
 from backplan.codegen.render.scalar import NP_TYPE, expression, literal
 from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
 from backplan.ir.graph import Value
+from backplan.ir.rounding_points import float32_source
 from backplan.ir.row_local import CHUNKS  # a parallel row loop's chunks of rows
 from backplan.ir.types import is_half, np_dtype
 
@@ -474,17 +475,10 @@ class LoopEmitter:
     def _unrounded(self, node) -> str | None:
         """For a widening cast of a 16-bit value this loop computed by rounding a float32 one
         (its own, or one of `unrounded`), that float32 value: a fused chain rounds once, when
-        it stores (ir/widen.py rounds after every op; inside a loop nothing holds the rounded
-        value)."""
-        if node.op != "astype" or not is_half(node.inputs[0].dtype):
-            return None
-        inner = alias_base(node.inputs[0])
-        if inner not in self.local or inner.op != "astype" or inner is not node.inputs[0]:
-            return None
-        source = inner.inputs[0]
-        if source.dtype != node.dtype or alias_base(source) is not source:
-            return None
-        return self.operand(source) if source in self.local or source in self.unrounded else None
+        it stores. The rule is ir/rounding_points.py's, which the reference interpreter
+        running the lowered plan follows too."""
+        source = float32_source(node, self.local, self.unrounded)
+        return None if source is None else self.operand(source)
 
     def _rounded_to_half(self, node) -> bool:
         """Whether this loop's only use of node's float32 value is a rounding into 16 bits (a
