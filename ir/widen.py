@@ -35,11 +35,14 @@ full-precision one (BENCHMARKS.md, 30).
 
 from __future__ import annotations
 
+from itertools import chain
+from operator import attrgetter
+
 import numpy as np
 
 from .graph import Graph, Value
 from .registry import get_op
-from .types import TensorType, is_half, np_dtype
+from .types import HALF_DTYPES, TensorType, is_half, np_dtype
 
 MOVES_DATA = ("input", "const", "full")  # besides the view ops: no arithmetic on the values
 
@@ -64,7 +67,14 @@ def compute_attrs(attrs: dict) -> dict:
 
 
 def has_half(graph: Graph) -> bool:
-    return any(is_half(v.dtype) for v in graph.inputs + graph.nodes)
+    """Whether any value of graph is a 16-bit float (asked of every plan lowered: the walk
+    is one C-level pass over the values' dtypes)."""
+    dtypes = map(_dtype_of, chain(graph.inputs, graph.nodes))
+    return not _HALF.isdisjoint(dtypes)
+
+
+_dtype_of = attrgetter("type.dtype")
+_HALF = frozenset(HALF_DTYPES)
 
 
 def widen(graph: Graph) -> Graph:
