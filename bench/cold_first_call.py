@@ -10,6 +10,15 @@ runner and of its first step apart, because the two peers split them differently
 (`jax.numpy.asarray` of the inputs) starts its CPU backend, 0.4-0.5 s, while backplan's build
 does almost nothing and its first step traces, plans and compiles. The table gives medians.
 
+`--collect full,end-of-compile` runs backplan's children both ways in each round, interleaved:
+`end-of-compile` is the default (codegen/run/compile_garbage.py: each compile's garbage collected
+as it ends, the older objects frozen), `full` the behaviour before it (no collection at a
+compile's end, one full collection after a compiling call), so the A/B that the change was
+measured with is one command:
+
+    taskset -c 1 python -m backplan.bench.cold_first_call mlp_infer --rounds 5 \
+        --collect full,end-of-compile
+
 The figure assumes the library built ahead of time: without `cache prebuild` (or with one made
 before the library's source changed) backplan's first call compiles library kernels too, 4-5 s
 instead of well under one. The run says so in a warning line, before the rounds when no
@@ -29,6 +38,7 @@ import tempfile
 import time
 
 PEER_NAMES = ("backplan", "jax")
+COLLECTS = ("end-of-compile", "full")
 
 
 @contextlib.contextmanager
@@ -86,8 +96,32 @@ def warning_lines(runs: list[dict]) -> list[str]:
     ]
 
 
-def child(peer_name: str, model: str) -> dict:
-    """One cold first call in this (fresh) process."""
+def full_collection_after_call() -> None:
+    """The collection before compile garbage was collected at each compile's end: the compile
+    counter only counts, and a call that compiled runs one full collection after it."""
+    import gc
+
+    from backplan.bench.internals import compile_garbage as garbage
+
+    def on_start(self, event_) -> None:
+        garbage._compiles[0] = next(garbage._count) + 1
+
+    def collect_if_compiled(before: int) -> bool:
+        if garbage._compiles[0] == before:
+            return False
+        gc.collect()
+        return True
+
+    garbage._CompileCounter.on_start = on_start
+    garbage._CompileCounter.on_end = lambda self, event_: None
+    garbage.collect_if_compiled = collect_if_compiled
+
+
+def child(peer_name: str, model: str, collect: str = "end-of-compile") -> dict:
+    """One cold first call in this (fresh) process; collect: how backplan collects its
+    compiles' garbage (COLLECTS)."""
+    if peer_name == "backplan" and collect == "full":
+        full_collection_after_call()
     if peer_name == "jax":
         os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
         os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
@@ -107,6 +141,7 @@ def child(peer_name: str, model: str) -> dict:
     return {
         "peer": peer_name,
         "model": model,
+        **({"collect": collect} if peer_name == "backplan" else {}),
         "build_cpu_s": built,
         "step_cpu_s": total - built,
         "first_call_cpu_s": total,
@@ -115,11 +150,12 @@ def child(peer_name: str, model: str) -> dict:
     }
 
 
-def run_one(peer_name: str, model: str, cpu: int | None) -> dict:
+def run_one(peer_name: str, model: str, cpu: int | None, collect: str = "end-of-compile") -> dict:
     with tempfile.TemporaryDirectory() as plans, tempfile.TemporaryDirectory() as library:
         env = {**os.environ, "BACKPLAN_CACHE_DIR": plans, "BACKPLAN_LIBRARY_CACHE_DIR": library}
         module = "backplan.bench.cold_first_call"
         command = [sys.executable, "-m", module, "--child", peer_name, model]
+        command += ["--collect", collect]
         if cpu is not None:
             command = ["taskset", "-c", str(cpu), *command]
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -129,23 +165,35 @@ def run_one(peer_name: str, model: str, cpu: int | None) -> dict:
 
 
 def table(runs: list[dict], models: list[str]) -> str:
-    def median(model, peer, key):
-        values = [r[key] for r in runs if r["model"] == model and r["peer"] == peer and key in r]
+    """One row per model and backplan collection mode run (COLLECTS), against JAX."""
+
+    def median(model, peer, key, collect=None):
+        values = [
+            r[key]
+            for r in runs
+            if r["model"] == model
+            and r["peer"] == peer
+            and key in r
+            and (collect is None or r.get("collect") == collect)
+        ]
         return statistics.median(values) if values else float("nan")
 
+    collects = [c for c in COLLECTS if any(r.get("collect") == c for r in runs)]
     lines = [
         "| model | backplan first call | JAX step | JAX build + step | backplan / JAX step "
         "| backplan / JAX build + step |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for model in models:
-        ours = median(model, "backplan", "first_call_cpu_s")
         step = median(model, "jax", "step_cpu_s")
         whole = median(model, "jax", "first_call_cpu_s")
-        lines.append(
-            f"| {model} | {ours:.3f} | {step:.3f} | {whole:.3f} | {ours / step:.2f}x "
-            f"| {ours / whole:.2f}x |"
-        )
+        for collect in collects or [None]:
+            ours = median(model, "backplan", "first_call_cpu_s", collect)
+            label = model if len(collects) < 2 else f"{model} (collect {collect})"
+            lines.append(
+                f"| {label} | {ours:.3f} | {step:.3f} | {whole:.3f} | {ours / step:.2f}x "
+                f"| {ours / whole:.2f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -155,10 +203,22 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpu", type=int, help="pin every process to this CPU")
     parser.add_argument("--json", metavar="PATH", help="write every run here too")
+    parser.add_argument(
+        "--collect",
+        default="end-of-compile",
+        help="how backplan collects its compiles' garbage, one or both, comma-separated: "
+        "end-of-compile (the default: at each compile's end) or full (before: a full "
+        "collection after the compiling call); both are run in each round, alternating order",
+    )
     parser.add_argument("--child", nargs=2, metavar=("PEER", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    collects = args.collect.split(",")
+    if not collects or any(c not in COLLECTS for c in collects):
+        parser.error(
+            f"--collect takes {' or '.join(COLLECTS)} (comma-separated), got {args.collect!r}"
+        )
     if args.child:
-        print(json.dumps(child(*args.child)))
+        print(json.dumps(child(*args.child, collects[0])))
         return 0
     missing = prebuilt_missing()
     if missing:
@@ -170,10 +230,11 @@ def main(argv=None) -> int:
             flush=True,
         )
     runs = []
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
         for model in args.models:
-            for peer_name in PEER_NAMES:
-                run = run_one(peer_name, model, args.cpu)
+            order = collects if i % 2 == 0 else collects[::-1]
+            for peer_name, collect in [("backplan", c) for c in order] + [("jax", collects[0])]:
+                run = run_one(peer_name, model, args.cpu, collect)
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     print(table(runs, args.models))

@@ -56,3 +56,54 @@ def test_the_warning_counts_the_runs_that_compiled_and_names_the_functions():
     assert line.startswith("warning: 1 of 2 backplan runs compiled library functions")
     assert "gemm_blocked, pack_b" in line and "cache prebuild" in line
     assert cold_first_call.warning_lines(runs[1:]) == []
+
+
+_COLLECTION = r"""
+import gc, json, sys
+import numba
+from backplan.bench import cold_first_call
+from backplan.bench.internals import compile_garbage
+if sys.argv[1] == "full":
+    cold_first_call.full_collection_after_call()
+collections = []
+gc.callbacks.append(lambda phase, info: phase == "stop" and collections.append(info["generation"]))
+before = compile_garbage.compiles()
+numba.njit(lambda x: x + 1)(1)
+during = list(collections)
+after = compile_garbage.collect_if_compiled(before)
+print(json.dumps({"during": during, "after": after, "frozen": gc.get_freeze_count()}))
+"""
+
+
+@pytest.mark.parametrize("collect", ["full", "end-of-compile"])
+def test_the_collect_switch_puts_back_the_full_collection_after_a_compiling_call(collect):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _COLLECTION, collect], capture_output=True, text=True, check=True
+    )
+    ran = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ran["frozen"] == 0
+    # end-of-compile: a full collection at the compile's end (older objects frozen), none after
+    # the call; full: none at the compile's end, one full one after the call
+    assert ran["after"] is (collect == "full")
+    if collect == "end-of-compile":
+        assert ran["during"][-1] == 2
+
+
+def test_the_table_has_a_row_per_collect_mode_against_one_jax_column():
+    runs = [
+        {"peer": "backplan", "model": "m", "collect": "full", "first_call_cpu_s": 0.5},
+        {"peer": "backplan", "model": "m", "collect": "end-of-compile", "first_call_cpu_s": 0.4},
+        {"peer": "jax", "model": "m", "first_call_cpu_s": 0.8, "step_cpu_s": 0.1},
+    ]
+    rows = cold_first_call.table(runs, ["m"]).splitlines()[2:]
+    assert rows == [
+        "| m (collect end-of-compile) | 0.400 | 0.100 | 0.800 | 4.00x | 0.50x |",
+        "| m (collect full) | 0.500 | 0.100 | 0.800 | 5.00x | 0.62x |",
+    ]
+    assert cold_first_call.table(runs[1:], ["m"]).splitlines()[2] == (
+        "| m | 0.400 | 0.100 | 0.800 | 4.00x | 0.50x |"
+    )
