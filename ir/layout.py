@@ -30,8 +30,24 @@ IN_PLACE = False
 
 def reads_its_input(value: Value) -> bool:
     """A view or alias: no buffer of its own, it reads its (only) input's."""
+    known = _READS_ITS_INPUT.get(value.op)
+    if known is not None:
+        return known
     op = value.op
-    return op != "input" and (is_alias(value) or (REGISTRY.get(op) or get_op(op)).fusion == "view")
+    if op == "input":
+        known = False
+    else:
+        spec = REGISTRY.get(op) or get_op(op)
+        if spec.fusion != "view" and op == "reshape":
+            return is_alias(value)  # a unit reshape is an alias: the node decides
+        known = spec.fusion == "view" or is_alias(value)
+    _READS_ITS_INPUT[op] = known
+    return known
+
+
+# op -> whether every value of it reads its input's buffer: asked of every value of every plan
+# lowered (Roots), and but for a reshape that is no view the op alone decides it
+_READS_ITS_INPUT: dict[str, bool] = {}
 
 
 def storage_root(value: Value) -> Value:
