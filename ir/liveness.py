@@ -83,19 +83,19 @@ def plan_liveness(graph: Graph, donated: tuple[int, ...] = ()) -> Plan:
     ret = plan.return_step
     for value in graph.inputs:
         plan.first_write[value] = INPUT_STEP
-    for step, node in enumerate(graph.nodes):
-        plan.first_write[node] = step
-        for inp in node.inputs:
-            plan.last_read[inp] = step
+    nodes = graph.nodes
+    plan.first_write.update(zip(nodes, range(len(nodes)), strict=True))
+    # each value's last reader's step (a later reader's overwrites it), in first-read order
+    plan.last_read = {inp: step for step, node in enumerate(nodes) for inp in node.inputs}
     for out in graph.outputs:
         plan.last_read[out] = ret
     outputs = set(graph.outputs)
+    last_read, frees_after = plan.last_read, plan.frees_after
     for value, written in plan.first_write.items():
-        is_input = written == INPUT_STEP
-        if is_input and value.role not in OWNED_ROLES:
-            continue
-        last = plan.last_read.get(value, written)
-        if value in outputs and not is_input:
+        if written == INPUT_STEP:
+            if value.role not in OWNED_ROLES:
+                continue
+        elif value in outputs:
             continue  # handed to the caller
-        plan.frees_after.setdefault(last, []).append(value)
+        frees_after.setdefault(last_read.get(value, written), []).append(value)
     return plan
