@@ -88,7 +88,8 @@ _WHERE = {
     "lowering": "backplan.ir.lowering",
     "layout": "backplan.ir.layout",
     "peak_module": "backplan.ir.peak",
-    # the op registry: a reference implementation to check a kernel against
+    # the op registry: a reference implementation to check a kernel against (and to sum
+    # otherwise: half_ulps.py --floor)
     "get_op": "backplan.ir.registry:get_op",
 }
 

@@ -28,4 +28,4 @@ def test_summary_reads_largest_p99_and_bit_equal_share():
     got = [np.ones(1, np.float16), np.ones(99, np.float16)]
     got[1][0] = np.float16(1.0 + 2.0**-10) * 1  # one element one ulp apart
     line = summary(got, want, np.float16)
-    assert line == "loss 0.00, max 1.00, p99 0.01, bit-equal 99.00% of 100"
+    assert line == "loss 0.00, max 1, p99 0.01, over 1 ulp 0, bit-equal 99.00% of 100"
