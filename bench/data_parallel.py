@@ -66,6 +66,7 @@ def exchange_alone(step, params, batch):
 
     def run():
         exchange = kind(world, layout, True)
+        exchange.windows = step.windows  # the step's window, not a new one each call
         exchange.start(lambda index: arrays[index])
         exchange.finish()
 

@@ -6,6 +6,7 @@ a RankTimeoutError, which, uncaught, ends every rank (the hung one too) through 
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from .errors import RankTimeoutError
 
 ROLL_CALL_TAG = 0x6270  # "bp": apart from any tag a user's own messages are likely to use
 ARRIVAL_TAG = 0x6271  # Arrivals: reached an exchange's waits
+SHARE_TAG = 0x6272  # node_window.py: the names of the ranks' shared segments, and whether mapped
 FIRST_PAUSE_S = 2e-5
 LONGEST_PAUSE_S = 2e-3  # wakes at most 500 times a second: no spinning, little added latency
 
@@ -35,13 +37,22 @@ def roll_call(comm, seconds: float, step: str) -> None:
     """Return once every rank has reached this step; raise RankTimeoutError naming the ranks
     not heard from within seconds. MPI keeps messages between two ranks with one tag in order,
     so each call's roll call matches the same call's on every other rank."""
+    swap(comm, np.zeros(1, np.uint8), seconds, step, ROLL_CALL_TAG)
+
+
+def swap(comm, mine: np.ndarray, seconds: float | None, step: str, tag: int) -> np.ndarray:
+    """Send `mine` (uint8, the same length on every rank) to every other rank and receive
+    theirs: row r of the result is rank r's. Where the ranks must meet without a blocking
+    collective (which waits forever for a rank that stopped before it): past `seconds`
+    (None: no limit) it raises RankTimeoutError naming the ranks not heard from at `step`."""
     rank, size = comm.Get_rank(), comm.Get_size()
     others = [r for r in range(size) if r != rank]
-    token = np.zeros(1, np.int8)
-    inbox = np.zeros(size, np.int8)
-    sends = [comm.Isend(token, dest=r, tag=ROLL_CALL_TAG) for r in others]
-    receives = [comm.Irecv(inbox[r : r + 1], source=r, tag=ROLL_CALL_TAG) for r in others]
-    missing = [others[i] for i in unfinished(receives, seconds)]
+    rows = np.zeros((size, mine.size), np.uint8)
+    rows[rank] = mine
+    sends = [comm.Isend(mine, dest=r, tag=tag) for r in others]
+    receives = [comm.Irecv(rows[r], source=r, tag=tag) for r in others]
+    limit = math.inf if seconds is None else seconds
+    missing = [others[i] for i in unfinished(receives, limit)]
     if missing:
         names = ", ".join(str(r) for r in missing)
         raise RankTimeoutError(
@@ -49,7 +60,8 @@ def roll_call(comm, seconds: float, step: str) -> None:
             f"rank{'s' if len(missing) > 1 else ''} {names} did not arrive (hung, or stopped "
             "before this step); uncaught, this error ends every rank"
         )
-    unfinished(sends, seconds)
+    unfinished(sends, limit)
+    return rows
 
 
 class Arrivals:

@@ -36,6 +36,8 @@ class Exchange:
         # a failed rank's settle gives itself one, the others' steps may have none)
         self.arrivals = timeout is not None
         self.failure: str | None = None  # this rank's call raised: failure.settle
+        self.windows: dict = {}  # the step's node windows (shared_exchange.node_window)
+        self.step_name = "data_parallel()"  # what a deadline's error names (set by the step)
         self.accumulated = False  # set by data_parallel(accumulate=k): float32 sums travel
         self.averaged: set = set()  # buckets averaged by their MPI operation (half_sum.py)
 

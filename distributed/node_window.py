@@ -1,37 +1,122 @@
-"""The buckets of ranks that share one node, in one MPI shared-memory window
-(MPI.Win.Allocate_shared): every rank can read every other rank's bucket buffers as its own
-memory, so a sum over the ranks needs no message and no copy through MPI's cells. Each rank's
-segment holds two counters per bucket (how many times it has written the bucket, and summed its
-part of it) and the bucket buffers twice, used by alternate calls: a rank writes a buffer again
-two calls later, by which time every other rank has passed the next call's wait on it
-(shared_exchange.py), so nobody reads a buffer while it is rewritten.
+"""The buckets of ranks that share one node, in shared memory: every rank maps every other
+rank's segment (a file in /dev/shm, mapped and then unlinked) and reads its bucket buffers as
+its own memory, so a sum over the ranks needs no message and no copy through MPI's cells. Each
+rank's segment holds two counters per bucket (how many times it has written the bucket, and
+summed its part of it) and the bucket buffers twice, used by alternate calls: a rank writes a
+buffer again two calls later, by which time every other rank has passed the next call's wait on
+it (shared_exchange.py), so nobody reads a buffer while it is rewritten.
 
-Memory order: a rank writes its buffer, then bumps its counter (MPI.Win.Sync between them); the
-reader sees the counter, syncs, then reads the buffer."""
+Made without a blocking collective: the ranks swap their segments' names with deadline.swap,
+so a rank that stopped before it is named in a RankTimeoutError after the step's timeout (MPI's
+Comm_split_type and Win_allocate_shared would wait forever), and freed without one: dropping
+the last reference unmaps this rank's view (the memory goes once every rank has), so a step
+frees its windows when it is collected, whenever that happens on each rank.
+
+Memory order: a rank writes its buffer, then bumps its counter (a memory fence between them,
+MPI_Win_sync on a window of this process alone); the reader sees the counter, fences, then
+reads the buffer."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import secrets
+
 import numpy as np
 
+from .deadline import SHARE_TAG, swap
 from .world import mpi_module
 
 LINE = 64  # bytes: counters and buffers start on their own cache lines
 READY, DONE = 0, 1  # the two counters of a bucket: written, and its own part summed
+SHARED_FOLDER = "/dev/shm"  # memory-backed files every process of the node can map
+NAME_BYTES = 96  # a segment's path as sent to the other ranks (NUL-padded)
+_fences: list = []  # the window of this process alone whose Sync is the memory fence
 
 
 def _aligned(n: int) -> int:
     return -(-n // LINE) * LINE
 
 
-def node_comm(comm):
-    """comm split by shared memory when every rank of comm is on this node, else None: the same
-    verdict on every rank (all share one node exactly when each sees all of them there)."""
-    mpi = mpi_module()
-    node = comm.Split_type(mpi.COMM_TYPE_SHARED, key=comm.Get_rank())
-    if node.Get_size() == comm.Get_size():
-        return node
-    node.Free()
-    return None
+def fence() -> None:
+    """A full memory fence (MPI_Win_sync), so the other ranks see writes before it first."""
+    if not _fences:
+        mpi = mpi_module()
+        win = mpi.Win.Create(None, comm=mpi.COMM_SELF)  # this process alone: no meeting
+        win.Lock_all(mpi.MODE_NOCHECK)  # Win_sync needs a passive epoch; held while it lives
+        _fences.append(win)
+    _fences[0].Sync()
+
+
+def _create(nbytes: int):
+    """(path, mapping) of a new segment of nbytes for this rank, or ("", None) where this
+    machine has no shared folder."""
+    path = os.path.join(SHARED_FOLDER, f"backplan-{os.getpid()}-{secrets.token_hex(8)}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return "", None
+    try:
+        os.ftruncate(fd, nbytes)
+        return path, mmap.mmap(fd, nbytes)
+    except OSError:
+        os.unlink(path)
+        return "", None
+    finally:
+        os.close(fd)
+
+
+def _attach(path: str, nbytes: int):
+    """Another rank's segment mapped here, or None when it cannot be (another machine, or not
+    a segment of this user and size)."""
+    if not path.startswith(os.path.join(SHARED_FOLDER, "backplan-")):
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or info.st_size != nbytes:
+            return None
+        return mmap.mmap(fd, nbytes)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def share(comm, nbytes: int, seconds: float | None, step: str, check: bytes = b""):
+    """Every rank's segment of nbytes mapped here (a list in rank order), or None on every
+    rank alike when some rank cannot map every other's (they are not on one node). check:
+    bytes written at the start of this rank's segment and compared in the others' (the probe
+    of shared_exchange.reduction). Two swaps with the deadline (deadline.swap): the names,
+    then whether each rank mapped all; each rank unlinks its file after the second, when
+    every rank has mapped it or given up."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    size_of = max(nbytes, len(check), 1)
+    path, own = _create(size_of)
+    try:
+        if own is not None:
+            own[: len(check)] = check
+        name = np.zeros(NAME_BYTES + len(check), np.uint8)
+        encoded = np.frombuffer(path.encode(), np.uint8)[:NAME_BYTES]
+        name[: encoded.size] = encoded
+        name[NAME_BYTES:] = np.frombuffer(check, np.uint8)
+        names = swap(comm, name, seconds, step, SHARE_TAG)
+        maps = []
+        for q in range(size):
+            theirs = bytes(names[q, :NAME_BYTES]).rstrip(b"\0").decode(errors="replace")
+            mapped = own if q == rank else _attach(theirs, size_of) if theirs else None
+            if mapped is not None and mapped[: len(check)] != bytes(names[q, NAME_BYTES:]):
+                mapped = None  # a file of that name, but not the one rank q wrote
+            maps.append(mapped)
+        mapped_all = all(m is not None for m in maps)
+        verdicts = swap(comm, np.array([mapped_all], np.uint8), seconds, step, SHARE_TAG)
+    finally:
+        if path:
+            os.unlink(path)
+    return maps if verdicts.all() else None
 
 
 def _offsets(counts: list[int], dtypes: list[np.dtype]) -> tuple[list[list[int]], int]:
@@ -52,24 +137,19 @@ def segment_bytes(counts: list[int], dtypes: list[np.dtype]) -> int:
 
 
 class NodeWindow:
-    """Two counters and two buffers per bucket for every rank of a node communicator, allocated
-    together (a collective call: every rank makes the same window at the same point)."""
+    """Two counters and two buffers per bucket for every rank of comm (all on one node), made
+    together (every rank makes the same window at the same point; seconds and step: the
+    deadline and what a RankTimeoutError names if a rank does not come)."""
 
-    def __init__(self, node, counts: list[int], dtypes: list[np.dtype]):
-        mpi = mpi_module()
-        self.rank, self.size = node.Get_rank(), node.Get_size()
+    def __init__(self, comm, counts: list[int], dtypes: list[np.dtype], seconds, step: str):
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.counts, self.dtypes = counts, [np.dtype(d) for d in dtypes]
         n = len(counts)
         self._offsets, self.nbytes = _offsets(counts, self.dtypes)
-        info = mpi.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")  # each rank's segment near its own core
-        self.win = mpi.Win.Allocate_shared(self.nbytes, 1, info, comm=node)
-        info.Free()
-        self.win.Lock_all(mpi.MODE_NOCHECK)  # a passive epoch for Sync, held while it lives
-        segments = []
-        for q in range(self.size):
-            memory, _ = self.win.Shared_query(q)
-            segments.append(np.frombuffer(memory, np.uint8, self.nbytes))
+        maps = share(comm, self.nbytes, seconds, step)
+        if maps is None:
+            raise OSError(f"{step}: the ranks could not map each other's shared memory")
+        segments = [np.frombuffer(m, np.uint8, self.nbytes) for m in maps]
         self._segments = segments
         self.counters = [s[: 2 * n * 8].view(np.int64).reshape(2, n) for s in segments]
         self.written = [0] * n  # calls that wrote each bucket on this rank
@@ -90,7 +170,7 @@ class NodeWindow:
 
     def mark(self, which: int, k: int, value: int) -> None:
         """Publish this rank's counter `which` of bucket k after the writes before it."""
-        self.win.Sync()
+        fence()
         self.counters[self.rank][which, k] = value
 
     def all_at(self, which: int, k: int, value: int) -> bool:
@@ -98,10 +178,5 @@ class NodeWindow:
         before it are visible here)."""
         if any(c[which, k] < value for c in self.counters):
             return False
-        self.win.Sync()
+        fence()
         return True
-
-    def free(self) -> None:
-        self.counters = self._segments = []
-        self.win.Unlock_all()
-        self.win.Free()

@@ -99,7 +99,9 @@ class RankPeak:
         if any(p.held.get("node window") for p in self.phases):
             text += (
                 ", and this rank's segment of the node's shared window the gradients are "
-                "summed in (each buffer twice, for alternate calls; float32 for 16-bit sums)."
+                "summed in (each buffer twice, for alternate calls; float32 for 16-bit sums), "
+                "made in the step's first call that exchanges and freed when the step is "
+                "collected."
             )
         else:
             text += (

@@ -172,9 +172,14 @@ class DataParallelReport:
         if self.shared and not self.sharded:
             text = (
                 f"{how} loss and {n_grads} gradient(s), {self.bytes_per_step:,} B, in "
-                f"{len(self.buckets)} bucket(s) through the node's shared memory (an MPI "
-                "shared window, MPI_Win_allocate_shared; the ranks are on one node): each "
-                "rank copies each bucket into its buffer in the window, then sums its 1/N of "
+                f"{len(self.buckets)} bucket(s) through the node's shared memory (the ranks "
+                "are on one node: each maps every rank's segment, a file in /dev/shm made in "
+                "the step's first call that exchanges and unmapped when the step is "
+                "collected): the compiled plan writes each float32 or float64 bucket's "
+                "gradients straight into this rank's buffer in it (from its second call, "
+                "where each gradient has an output buffer of its own; else, and for 16-bit "
+                "buckets, they are copied there when the call returns), then each rank sums "
+                "its 1/N of "
                 "the bucket's elements straight from every rank's buffer, averaging as it "
                 "goes, and reads the other ranks' parts of the sum from theirs; no MPI "
                 "message, in bucket order before the step returns. Each rank reads about "
@@ -195,7 +200,9 @@ class DataParallelReport:
             if self.shared:
                 text += (
                     " The ranks are on one node: both go through the node's shared memory "
-                    "(an MPI shared window): each rank writes its send buffer there and sums "
+                    "(a segment per rank in /dev/shm, every rank's mapped by each, made in the "
+                    "step's first call and unmapped when the step is collected): each rank "
+                    "writes its send buffer there and sums "
                     "its own slot straight from every rank's, then writes its updated range "
                     "there and reads every rank's (BACKPLAN_DP_REDUCTION=mpi: MPI's "
                     "MPI_Ireduce_scatter_block and MPI_Iallgather)."

@@ -210,6 +210,8 @@ class ShardedExchange:
         self.failure: str | None = None  # this rank's call raised: failure.settle
         self.node = False  # set by the step: reduce-scatter and all-gather in the node window
         self._window = None  # shared_sharding.ShardedWindow, when node
+        self.windows: dict = {}  # the step's node windows (shared_exchange.node_window)
+        self.step_name = "data_parallel()"  # what a deadline's error names (set by the step)
 
     def start_rest(self, array_of) -> None:
         """Start the exchange unless part of it started (failure.settle): a reduce-scatter
@@ -235,7 +237,7 @@ class ShardedExchange:
             self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
         if self.node:
             self._window = ShardedWindow(
-                comm, (self.layout.fingerprint,), self.groups, self._loss_in_bucket
+                self, (self.layout.fingerprint,), self.groups, self._loss_in_bucket
             )
         for k, group in enumerate(self.groups):
             with_loss = k == 0 and self._loss_in_bucket

@@ -22,25 +22,27 @@ from backplan.ir.types import np_dtype
 from .exchange import Exchange
 from .half_wire import summed_dtype
 from .in_plan import bucket_slots
-from .node_window import DONE, READY, NodeWindow, node_comm, segment_bytes
+from .node_window import DONE, READY, NodeWindow, segment_bytes, share
 from .rank_peak import counted
 from .rows import average_in_place, scale_by_weight
 
 REDUCTION_VARIABLE = "BACKPLAN_DP_REDUCTION"  # "shared" or "mpi"; unset: shared on one node
-_nodes: dict = {}  # id(comm) -> (comm, its node communicator or None)
-_windows: dict = {}  # (id(comm), layout fingerprint) -> NodeWindow
+_nodes: dict = {}  # id(comm) -> (comm, whether its ranks map each other's shared memory)
+PROBE = b"backplan node probe"  # written in each rank's probe segment, compared by the others
 
 
-def reduction(comm) -> str:
-    """ "shared" when every rank of comm is on this node and BACKPLAN_DP_REDUCTION is not "mpi",
-    else "mpi"; decided once per communicator, collectively (call it on every rank alike)."""
+def reduction(comm, seconds: float | None = None, step: str = "data_parallel") -> str:
+    """ "shared" when every rank of comm can map every other's shared memory (one node) and
+    BACKPLAN_DP_REDUCTION is not "mpi", else "mpi"; decided once per communicator by probing
+    (node_window.share, with the deadline `seconds` at `step`): call it on every rank alike."""
     found = _nodes.get(id(comm))
-    if found is None or found[0] is not comm:  # every rank splits, whatever it asks for
-        found = _nodes[id(comm)] = (comm, node_comm(comm))
+    if found is None or found[0] is not comm:  # every rank probes, whatever it asks for
+        probed = share(comm, 0, seconds, f"the shared-memory probe of {step}", check=PROBE)
+        found = _nodes[id(comm)] = (comm, probed is not None)
     wanted = os.environ.get(REDUCTION_VARIABLE, "shared")
     if wanted not in ("shared", "mpi"):
         raise ValueError(f"{REDUCTION_VARIABLE} must be 'shared' or 'mpi', got {wanted!r}")
-    return "shared" if wanted == "shared" and found[1] is not None else "mpi"
+    return "shared" if wanted == "shared" and found[1] else "mpi"
 
 
 def previewed(decided: str | None, size: int) -> str:
@@ -63,16 +65,19 @@ def window_bytes(layout) -> int:
     return segment_bytes(*_buckets(layout))
 
 
-def node_window(comm, key: tuple, counts: list[int], dtypes: list[np.dtype]) -> NodeWindow:
-    """The window of these buffers for comm under key, made (collectively) on first use."""
-    found = _windows.get((id(comm), *key))
+def node_window(exchange, key: tuple, counts: list[int], dtypes: list[np.dtype]) -> NodeWindow:
+    """The window of these buffers under key in exchange.windows (its step's: freed with the
+    step), made on first use by every rank alike, with the exchange's deadline."""
+    found = exchange.windows.get(key)
     if found is None:
-        found = _windows[(id(comm), *key)] = NodeWindow(_nodes[id(comm)][1], counts, dtypes)
+        step = f"the allocation of the node window of {exchange.step_name}"
+        window = NodeWindow(exchange.world.comm, counts, dtypes, exchange.timeout, step)
+        found = exchange.windows[key] = window
     return found
 
 
-def _window(comm, layout) -> NodeWindow:
-    return node_window(comm, (layout.fingerprint,), *_buckets(layout))
+def _window(exchange) -> NodeWindow:
+    return node_window(exchange, (exchange.layout.fingerprint,), *_buckets(exchange.layout))
 
 
 class WindowOutputs:
@@ -86,11 +91,11 @@ class WindowOutputs:
             compiled, layout, lambda dtype: dtype in ("f32", "f64")
         )
 
-    def run(self, comm, layout, arrays: list) -> list | None:
+    def run(self, windows: dict, layout, arrays: list) -> list | None:
         """The plan's outputs, its buckets' leaves written into the window; None when there is
         no window yet (the first call that exchanges makes it) or the plan cannot be called
         so (compiled.call_own_into)."""
-        window = _windows.get((id(comm), layout.fingerprint))  # _window's key
+        window = windows.get((layout.fingerprint,))  # _window's key
         if window is None or not self.buckets:
             return None
         into = {}
@@ -157,7 +162,7 @@ class SharedExchange(Exchange):
     """Exchange with each bucket summed through the node's shared window (see the module)."""
 
     def _start(self, bucket, array_of) -> None:
-        window = _window(self.world.comm, self.layout)
+        window = _window(self)
         k = bucket.index
         window.written[k] += 1
         call = window.written[k]

@@ -36,10 +36,10 @@ def sharded_window_bytes(groups, loss_dtype) -> int:
 class ShardedWindow:
     """The window of one ZeRO-1 layout and the requests that read it."""
 
-    def __init__(self, comm, key, groups, loss_in_first: bool):
+    def __init__(self, exchange, key, groups, loss_in_first: bool):
         self.groups = groups
         self.window: NodeWindow = node_window(
-            comm, ("ZeRO-1", *key), *_sizes(groups, loss_in_first)
+            exchange, ("ZeRO-1", *key), *_sizes(groups, loss_in_first)
         )
 
     def send_buffer(self, k: int) -> tuple[np.ndarray, int]:

@@ -115,6 +115,7 @@ class DataParallelStep:
         self._out_of_step: str | None = None  # failure.py: why this rank cannot call again
         self._diverged: str | None = None  # an unsharded update raised here (training.py)
         self._reduction: str | None = None  # reduction(world), once known
+        self.windows: dict = {}  # key -> node_window.NodeWindow: this step's, freed with it
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
@@ -154,6 +155,7 @@ class DataParallelStep:
                 exchange_type = SharedExchange
             exchange = exchange_type(world, layout, self.average, self.timeout)
             exchange.node = self._reduction == "shared"  # ZeRO-1's through the window too
+            exchange.windows, exchange.step_name = self.windows, _name(self.fn)
             exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
             exchange.posted = exchange.inside = exchange.all_inside = False
             exchange.accumulated = self.accumulate > 1
@@ -392,7 +394,7 @@ class DataParallelStep:
                 return None  # kernels still building: ask next call
             found = self._window_outputs[id(entry)] = (entry, WindowOutputs(compiled, layout))
         entry, arrays = self._joint_inputs(args, kwargs, key, leaves)
-        outputs = found[1].run(world.comm, layout, arrays)
+        outputs = found[1].run(self.windows, layout, arrays)
         if outputs is None:
             return None
         positions = layout.output_positions
@@ -642,7 +644,10 @@ class DataParallelStep:
         """How this step sums unsharded buckets: "shared" (shared_exchange.py: ranks on one
         node) or "mpi" (MPI's allreduce, from inside the compiled driver where it can)."""
         if self._reduction is None:
-            self._reduction = reduction(world.comm) if world.size > 1 else "mpi"
+            if world.size == 1:
+                self._reduction = "mpi"
+            else:
+                self._reduction = reduction(world.comm, self.timeout, _name(self.fn))
         return self._reduction
 
 

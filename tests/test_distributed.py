@@ -827,9 +827,9 @@ def test_the_node_window_sums_exactly_as_mpi_and_one_process(tmp_path, ranks):
     rank sums its part straight from every rank's buffer. On 2 ranks each sum is a + b, as
     MPI's: the same bits as the MPI path for plain steps (averaged and summed, three calls in
     a row so both buffers of each bucket are reused), adam, ZeRO-1 (its reduce-scatter and
-    all-gather in a window too), unequal shards (16 rows on 3 ranks are 6, 5, 5; 7 on 2 are 4 and 3) and
-    accumulate=2; on any number of ranks close to the one-process step on the whole batch. A
-    part summed wrong, read from the wrong buffer or not read back fails both."""
+    all-gather in a window too), unequal shards (16 rows on 3 ranks are 6, 5, 5; 7 on 2 are 4
+    and 3) and accumulate=2; on any number of ranks close to the one-process step on the whole
+    batch. A part summed wrong, read from the wrong buffer or not read back fails both."""
     result = run_script(
         tmp_path,
         SUMMED_BOTH_WAYS
@@ -930,7 +930,7 @@ def test_the_compiled_plan_writes_its_gradients_into_the_node_window(tmp_path):
         from backplan.distributed import shared_exchange
         outside = []  # per bucket started: leaves not already in this rank's window buffer
         def counting(self, bucket, array_of):
-            window = shared_exchange._windows.get((id(self.world.comm), self.layout.fingerprint))
+            window = self.windows.get((self.layout.fingerprint,))
             mine = [] if window is None else [window.buffer(rank, bucket.index, p) for p in (0, 1)]
             def inside(a):
                 at = np.asarray(a).ctypes.data
@@ -997,6 +997,127 @@ def test_ranks_summing_in_the_window_and_by_mpi_raise_instead_of_hanging(tmp_pat
         """,
     )
     assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_a_steps_node_windows_are_freed_with_it_and_leave_no_file(tmp_path):
+    """A step's windows (plain, and ZeRO-1's) are mapped while it lives and unmapped once it
+    is collected, on every rank; no segment's file outlives the call that made it. A second
+    step of the same layout makes its own window and sums the same bits."""
+    result = run_script(
+        tmp_path,
+        """
+        import gc, os, weakref
+        def mapped():  # this process's mappings of the ranks' segments (files unlinked)
+            with open("/proc/self/maps") as maps:
+                return sum("/backplan-" in line for line in maps)
+        def files():
+            return [f for f in os.listdir("/dev/shm") if f.startswith(f"backplan-{os.getpid()}-")]
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        before = mapped()
+        step = bpd.data_parallel(vg, timeout=30)
+        loss, grads = step(params, xs, ys)
+        assert step.reduction(bpd.init()) == "shared"
+        (window,) = step.windows.values()
+        assert mapped() == before + size, (mapped(), before)  # every rank's segment, once
+        assert not files(), files()
+        other = bpd.data_parallel(vg, timeout=30)
+        loss2, grads2 = other(params, xs, ys)
+        assert next(iter(other.windows.values())) is not window
+        assert mapped() == before + 2 * size
+        for n in grads:
+            assert (grads[n].numpy() == grads2[n].numpy()).all(), n
+        gone = weakref.ref(window)
+        del step, window, other, loss, grads, loss2, grads2
+        gc.collect()
+        assert gone() is None and mapped() == before, (gone(), mapped(), before)
+        train = bpd.data_parallel(vg, optimizer=bp.optim.adam(0.01), shard_optimizer=True,
+                                  timeout=30)
+        state = train.init(params)
+        p, state, loss = train(params, state, xs, ys)
+        assert mapped() == before + size and not files()
+        del train, state, p, loss
+        gc.collect()
+        assert mapped() == before, (mapped(), before)
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_ranks_that_cannot_map_each_others_memory_sum_by_mpi_alike(tmp_path):
+    """The node probe (shared_exchange.reduction) asks whether every rank maps every other's
+    shared memory, not just whether MPI calls them one node: where rank 1 cannot make its
+    segment (as on another machine), both ranks sum by MPI, with the same bits as the window."""
+    result = run_script(
+        tmp_path,
+        """
+        from backplan.distributed import node_window
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        shared = bpd.data_parallel(vg, timeout=30)
+        want = shared(params, xs, ys)[1]
+        assert shared.reduction(bpd.init()) == "shared"
+        from mpi4py import MPI
+        apart = MPI.COMM_WORLD.Dup()  # a new communicator is probed anew
+        if rank == 1:
+            node_window.SHARED_FOLDER = "/nonexistent-folder"
+        step = bpd.data_parallel(vg, comm=apart, timeout=30)
+        got = step(params, xs, ys)[1]
+        assert step.reduction(bpd.init(apart)) == "mpi" and not step.windows
+        for n in want:
+            assert (want[n].numpy() == got[n].numpy()).all(), n
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+STOPPED_BEFORE_MEETING = """
+import os, signal
+from backplan.distributed import shared_exchange
+params = init_mlp([8, 16, 4])
+xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+bpd.data_parallel(vg)(params, xs, ys)  # traces, compiles and probes with no deadline to miss
+{fresh}
+step = bpd.data_parallel(vg, timeout=2{comm})
+if rank == 1:
+    shared_exchange.{name} = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)
+try:
+    step(params, xs, ys)
+except bpd.RankTimeoutError as error:
+    print(f"rank {{rank}} raised RankTimeoutError: {{error}}", flush=True)
+    os._exit(3)  # ends this rank with its output written; mpiexec then ends the stopped one
+print(f"rank {{rank}} finished")
+"""
+
+
+@needs_mpi
+@pytest.mark.parametrize(
+    "name, where",
+    [
+        ("NodeWindow", "the allocation of the node window of mlp_loss()"),
+        ("share", "the shared-memory probe of mlp_loss()"),
+    ],
+)
+def test_a_rank_stopped_before_the_node_window_is_named_after_the_timeout(tmp_path, name, where):
+    """SIGSTOP on rank 1 where the ranks would make a window together (a new step's first
+    call) or probe their node (a new communicator's first step): rank 0 raises
+    RankTimeoutError naming rank 1 after the step's timeout, as everywhere else in the step,
+    where MPI's Win_allocate_shared or Comm_split_type would have waited forever."""
+    fresh = "from mpi4py import MPI; apart = MPI.COMM_WORLD.Dup()" if name == "share" else ""
+    comm = ", comm=apart" if name == "share" else ""
+    script = STOPPED_BEFORE_MEETING.format(fresh=fresh, comm=comm, name=name)
+    result = run_script(tmp_path, script)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "finished" not in result.stdout, output
+    assert (
+        f"rank 0 raised RankTimeoutError: rank 0 of 2 waited 2 s (data_parallel timeout) at "
+        f"{where}, but rank 1 did not arrive" in output
+    ), output
 
 
 @needs_mpi
