@@ -1075,7 +1075,19 @@ def test_ranks_that_cannot_map_each_others_memory_sum_by_mpi_alike(tmp_path):
     assert_ranks_ok(result)
 
 
-STOPPED_BEFORE_MEETING = """
+# the end of the scripts below: a rank that raises RankTimeoutError says so and ends
+STEP_RAISING_TIMEOUT = """
+try:
+    step(params, xs, ys)
+except bpd.RankTimeoutError as error:
+    print(f"rank {{rank}} raised RankTimeoutError: {{error}}", flush=True)
+    os._exit(3)  # ends this rank with its output written; mpiexec then ends the stopped one
+print(f"rank {{rank}} finished")
+"""
+
+
+STOPPED_BEFORE_MEETING = (
+    """
 import os, signal
 from backplan.distributed import shared_exchange
 params = init_mlp([8, 16, 4])
@@ -1085,13 +1097,9 @@ bpd.data_parallel(vg)(params, xs, ys)  # traces, compiles and probes with no dea
 step = bpd.data_parallel(vg, timeout=2{comm})
 if rank == 1:
     shared_exchange.{name} = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)
-try:
-    step(params, xs, ys)
-except bpd.RankTimeoutError as error:
-    print(f"rank {{rank}} raised RankTimeoutError: {{error}}", flush=True)
-    os._exit(3)  # ends this rank with its output written; mpiexec then ends the stopped one
-print(f"rank {{rank}} finished")
 """
+    + STEP_RAISING_TIMEOUT
+)
 
 
 @needs_mpi
@@ -1936,7 +1944,8 @@ def test_accumulated_16_bit_gradients_are_summed_in_float32_and_rounded_once(tmp
 
 # ---- a rank that dies or stops mid-step ----------------------------------------------------------
 
-DIES_IN_THE_EXCHANGE = """
+DIES_IN_THE_EXCHANGE = (
+    """
 import os, signal
 from backplan.distributed.exchange import Exchange
 from backplan.distributed.in_plan import InPlanExchange
@@ -1949,13 +1958,9 @@ inside = step.wait_for_driver(params, xs, ys)
 print(f"rank {{rank}} stepped, driver starts buckets: {{inside}}", flush=True)
 if rank == 1:  # mid-step: after the roll call and the agreement, before its buckets move
     {where}.{method} = lambda self, *args: os.kill(os.getpid(), signal.{signal})
-try:
-    step(params, xs, ys)
-except bpd.RankTimeoutError as error:
-    print(f"rank {{rank}} raised RankTimeoutError: {{error}}", flush=True)
-    os._exit(3)  # ends this rank with its output written; mpiexec then ends the stopped one
-print(f"rank {{rank}} finished")
 """
+    + STEP_RAISING_TIMEOUT
+)
 
 
 @needs_mpi
