@@ -17,6 +17,7 @@ from backplan.codegen.render.emit import generate
 from backplan.ir.errors import BackplanError
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import RUN_KINDS, lower, runs_code
+from backplan.ir.widen import has_half
 
 from .plan_view import PlanView
 
@@ -37,6 +38,25 @@ class KernelInfo:
     @property
     def runs_code(self) -> bool:
         return self.kind in RUN_KINDS
+
+
+def kept_float32(view: PlanView, plans: Mapping[str, Plan]) -> tuple[int, ...]:
+    """The steps whose 16-bit result a fused loop keeps in float32 for the ops after it,
+    rounding it only where a buffer stores it: the reference interpreter running the plans
+    rounds at the same points (ir/rounding_points.py), so on either backend. () without
+    16-bit values."""
+    if not any(has_half(p.graph) for p in plans.values()):
+        return ()
+    phases, kept = _steps_by_plan(view), set()
+    for name, plan in plans.items():
+        lowered = lower(plan)
+        if lowered.origin is None or name not in phases:
+            continue
+        for source in lowered.interpreted.unrounded.values():
+            step = phases[name][1].get(id(lowered.origin.get(source)))
+            if step is not None:
+                kept.add(step)
+    return tuple(sorted(kept))
 
 
 def planned_groups(plans: Mapping[str, Plan], backend: str) -> dict | None:

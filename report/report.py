@@ -30,7 +30,7 @@ from .compiled import CompiledPlanFacts, joint_facts, region_facts
 from .frontier import MemoryFrontier
 from .inlined_saved import inlined_saved_info, mark_held
 from .joint_view import joint_saved_info, joint_view
-from .kernels import KernelInfo, kernels_from_groups, planned_groups
+from .kernels import KernelInfo, kept_float32, kernels_from_groups, planned_groups
 from .loop_peak import holding, kept_output_bytes
 from .plan_view import PlanView, StepInfo, region_view
 from .recomputed import RecomputedInfo, recomputed_infos
@@ -125,6 +125,8 @@ class ExplainReport:
     loop_observed: object = None
     # the max_peak_bytes the function was compiled with (judged against peak_bytes), or None
     max_peak_bytes: int | None = None
+    # steps whose 16-bit result the fused loops keep in float32, rounded where stored
+    kept_float32: tuple = ()
 
     # ---- numbers ------------------------------------------------------------------------------
 
@@ -525,6 +527,7 @@ def region_report(
         inlined_saved=inlined,
         update_order=getattr(plans, "update_order", None),
         fused_saved=fused,
+        kept_float32=kept_float32(view, named),
     )
 
 
@@ -619,6 +622,7 @@ def joint_report(
         compiled=compiled,
         peak_calls=plans.peak_calls(),
         fused_saved=fused,
+        kept_float32=kept_float32(view, plans.named),
     )
 
 

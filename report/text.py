@@ -337,8 +337,18 @@ def _kernels(n: int) -> str:
 
 
 def kernels_text(report) -> str:
-    """The kernels the plans run, then (for a compiled loss) when a call runs as one plan."""
+    """The kernels the plans run, then where 16-bit results are rounded, then (for a
+    compiled loss) when a call runs as one plan."""
     text = _kernels_text(report)
+    if report.kept_float32:
+        steps = report.view.steps
+        kept = ", ".join(f"{steps[s].label} {steps[s].op}" for s in report.kept_float32)
+        text += (
+            f"\n16-bit values kept in float32 by the fused loop computing them, for the ops "
+            f"after it there (rounded only where a buffer stores them): {kept}. The reference "
+            "backend rounds at the same points, eager ops after every op (docs/ops.md, where "
+            "16-bit results are rounded)."
+        )
     return f"{text}\n{JOINT_STEP_NOTE}" if report.joint_step else text
 
 

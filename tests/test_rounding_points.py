@@ -165,3 +165,13 @@ def test_ln_gelu_step_in_16_bits_equals_the_reference_backend(name):
     for got, want in zip(results["numba"], results["reference"], strict=True):
         assert got.dtype == DTYPES[name]
         assert ulps_apart(got, want, name) <= 1.0
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_explain_names_the_16_bit_results_kept_in_float32(backend):
+    x, w = _inputs("bf16", 64)
+    with use_backend(backend):
+        text = str(bp.explain(bp.compile(chain), x, w))
+        wide = str(bp.explain(bp.compile(chain), x.astype(np.float32), w.astype(np.float32)))
+    assert "(rounded only where a buffer stores them): f0 mul, f1 exp, f2 add." in text
+    assert "16-bit values kept in float32" not in wide
