@@ -179,6 +179,8 @@ def _generate(lowered: LoweredPlan, comments: bool = True) -> GeneratedModule | 
 
     layout = lowered.layout
     emitter = _Emitter(graph, names, literal_of, layout, set(lowered.materialized), comments)
+    if lowered.plan.shared is not None:  # its sizes' loops (codegen/render/loop_template.py)
+        emitter.templates = lowered.plan.shared.setdefault("loop_templates", {})
     body, constants = emitter.emit(lowered.kernels, lowered.row_runs)
     literal_outs = literal_outputs(lowered)
     sources, returned = _output_sources(graph.outputs, literal_outs, layout.outputs), []
@@ -302,6 +304,7 @@ class _Emitter:
         self._calls = 0  # kernel calls rendered so far (_call)
         self.whole = set(graph.inputs) | set(layout.outputs)  # whole C-contiguous arrays
         self.definitions: dict[str, str] = {}  # name -> the driver line defining it, if used
+        self.templates: dict | None = None  # loop lines by their key (render/loop_template.py)
         self.placer = Placer(layout, names, self.whole, self.define)
         self.ops = OpEmitter(
             names,
@@ -526,6 +529,7 @@ class _Emitter:
             rows=rows,
             size_prefix=size_prefix,
             unrounded=unrounded,
+            templates=self.templates,
         )
 
     def _flat_like(self, term: Value, out: Value) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from backplan.codegen.flags import parallel_pays
 from backplan.codegen.render.choices import decide
+from backplan.codegen.render.loop_template import TEMPLATES_KEPT, template_key
 from backplan.codegen.render.placement import Placement
 from backplan.codegen.render.scalar import NP_TYPE, expression, literal
 from backplan.ir.fusion import Kernel, alias_base, index_map, internal_shape
@@ -105,6 +106,9 @@ class LoopEmitter:
     # value -> the local an earlier stage of the same row kernel holds its row's element in
     # (row_values): read from there, not stored and loaded back through the arena
     row_values: dict = field(default_factory=dict)
+    # a symbolic plan's loop lines by what they read of a size (codegen/render/loop_template.py),
+    # shared by its sizes; None: rendered afresh
+    templates: dict | None = None
 
     def size(self, level: int) -> str:
         """A loop's trip count in the source: a name the kernel takes as an argument, so one
@@ -128,21 +132,32 @@ class LoopEmitter:
         self._collect_accesses(shape)
         self.groups = self._collapse(shape)
         self.sizes = [math.prod(shape[d] for d in group) for group in self.groups]
-        setup = self._views()
         if self.rows:  # the row loop is the caller's; emit the rest for row i0
+            setup = self._views()
             self.row_partials = self._row_partials(self.row_chunks)
             return setup, self._nest("serial", 1, self.row_partials.targets), False
         mode = self._mode()
+        key = None if self.templates is None else template_key(self, mode)
+        found = None if key is None else self.templates.get(key)
+        if found is not None:  # another size's lines: this size's sizes, offsets, strides
+            self._arguments()
+            return list(found[0]), list(found[1]), mode != "serial"
+        setup = self._views()
         body = self._nest(mode) if mode != "chunked" else self._chunked_nest()
+        if key is not None and len(self.templates) < TEMPLATES_KEPT:
+            self.templates[key] = (tuple(setup), tuple(body))
         return setup, body, mode != "serial"
 
     def _collect_accesses(self, shape) -> None:
+        self.reads = []  # per input of each computed node: (input, access key, literal text)
         for node in self.kernel.computed:
             for inp in node.inputs:
                 base, dims = index_map(inp, shape)
-                if base in self.local or self.literal_of(base) is not None:
-                    continue
                 key = (base, tuple(dims))  # one array may be read through several index maps
+                lit = self.literal_of(base)
+                self.reads.append((inp, key, lit))
+                if base in self.local or lit is not None:
+                    continue
                 if key not in self.accesses:
                     self.accesses[key] = self._access(base, dims)
         for node in self.kernel.nodes:
@@ -188,13 +203,11 @@ class LoopEmitter:
     def _views(self) -> list[str]:
         """One view per access, made inside the kernel from base `b<j>` at offset `o<j>`
         (strides `d<j>_<axis>` in bytes when strided); their values are in `self.scalars`."""
-        lines, self.scalars, self.bases = [], {}, {}
-        self.view_name, self.view_groups = {}, {}
+        self._arguments()
+        lines, self.view_name, self.view_groups = [], {}, {}
         prefix = self.size_prefix[:-1] if self.size_prefix else ""
         for j, (key, access) in enumerate(self.accesses.items()):
             base, offset, view = f"{prefix}b{j}", f"{prefix}o{j}", f"{prefix}w{j}"
-            self.bases[base] = access.where.base
-            self.scalars[offset] = access.where.offset
             self.view_name[key] = view
             if access.strided:
                 groups = [self._group_of(d) for d in access.dims]
@@ -215,6 +228,21 @@ class LoopEmitter:
             self.view_groups[key] = present
         return lines
 
+    def _arguments(self) -> None:
+        """Each view's base array (self.bases), offset and strides in bytes (self.scalars), by
+        the names _views gives them."""
+        self.scalars, self.bases = {}, {}
+        prefix = self.size_prefix[:-1] if self.size_prefix else ""
+        for j, access in enumerate(self.accesses.values()):
+            self.bases[f"{prefix}b{j}"] = access.where.base
+            self.scalars[f"{prefix}o{j}"] = access.where.offset
+            if not access.strided:
+                continue
+            for axis, dim in enumerate(access.dims):
+                if self._group_of(dim) is not None:
+                    stride = access.where.strides[axis] * access.itemsize
+                    self.scalars[f"{prefix}d{j}_{axis}"] = stride
+
     def _strided_view(self, access, groups, prefix: str, j: int) -> str:
         shape, strides = [], []
         for axis, group in enumerate(groups):
@@ -223,7 +251,6 @@ class LoopEmitter:
                 strides.append("0")
                 continue
             name = f"{prefix}d{j}_{axis}"
-            self.scalars[name] = access.where.strides[axis] * access.itemsize
             shape.append(self.size(group))
             strides.append(name)
         return (
