@@ -31,6 +31,9 @@ class Plan:
     # {input cast: the value its loop reads in the cast's place}
     unrounded: dict = field(default_factory=dict, repr=False, compare=False)
     reads_instead: dict = field(default_factory=dict, repr=False, compare=False)
+    # (input index, layout) of each input whose array arrives in another layout than C order
+    # (ir/argument_layout.py): a compiled call copies it whole on entry, held until it returns
+    copied: tuple = field(default=(), compare=False)
 
     @property
     def return_step(self) -> int:

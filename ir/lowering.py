@@ -186,8 +186,9 @@ def _prepared(plan: Plan):
     if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
         shared = plan.shared  # a symbolic plan's sizes still share one driver
+        copied = plan.copied  # the same inputs: in the same layouts
         plan = plan_liveness(graph, plan.donated)
-        plan.shared = shared
+        plan.shared, plan.copied = shared, copied
         sources = {}
     interpreted = plan
     graph, origin = copy_strided_reshapes(plan.graph, origin, sources)
@@ -237,7 +238,7 @@ def replace_graph(plan: Plan, graph) -> Plan:
     """plan's liveness for `graph` (the same inputs and outputs), still sharing the driver of
     its symbolic plan's sizes (codegen keys that driver by its code)."""
     new = plan_liveness(graph, plan.donated)
-    new.shared = plan.shared
+    new.shared, new.copied = plan.shared, plan.copied
     graph.reasons = plan.graph.reasons
     return new
 

@@ -5,8 +5,9 @@ A step is a sequence of plan calls (a forward, then a backward; or one joint pla
 inputs (the caller's arrays), donated (inputs whose buffers outputs are written into),
 constants, scratch (compiled arenas, kept across calls), workspace (what a compiled kernel
 allocates inside itself while it runs: conv2d's im2col columns, ir/kernel_workspace.py),
-temporaries (reference interpreter only), outputs, saved (forward values the backward reads),
-gradients.
+copies (a compiled call's C-order copy of each argument passed in another layout,
+ir/argument_layout.py, held while that call runs), temporaries (reference interpreter only),
+outputs, saved (forward values the backward reads), gradients.
 
 - Compiled (numba): every plan of the step keeps its scratch arena and constants for its whole
   life, and a call allocates all its output buffers before its first kernel, holding them until
@@ -42,6 +43,7 @@ CATEGORIES = (
     "constants",
     "scratch",
     "workspace",
+    "copies",
     "temporaries",
     "outputs",
     "saved",
@@ -134,6 +136,8 @@ class PlanCall:
     idle: bool = False
     # False: an idle plan that freed its arena (runtime/joint_step.py), its constants held
     keeps_arena: bool = True
+    # Plan.copied: the inputs the compiled call copies whole on entry, held until it returns
+    copied: tuple = ()
 
 
 def predicted_peak(calls: list[PlanCall], backend: str = "numba") -> PeakReport:
@@ -164,6 +168,13 @@ def _cotangent_bytes(call: PlanCall) -> int:
         for v, kind in zip(call.plan.graph.inputs, call.input_kinds, strict=True)
         if kind == "cotangent"
     )
+
+
+def copy_bytes(call: PlanCall) -> int:
+    """Bytes of the C-order copies a compiled call makes of the inputs passed in another layout
+    (PlanCall.copied): the whole of each, whatever the view it copies holds."""
+    inputs = call.plan.graph.inputs
+    return sum(inputs[i].type.nbytes for i, _ in call.copied)
 
 
 def building_peak(calls: list[PlanCall]) -> PeakReport:
@@ -216,7 +227,7 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes
-        seed = _cotangent_bytes(call)
+        seed = _cotangent_bytes(call) + copy_bytes(call)
         during = sum(held.values()) + seed + _kept_during(call.label, kept)
         peak = max(peak, during + _largest_workspace(low))
     return peak
@@ -270,8 +281,9 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
                 held[b.category] += b.nbytes  # allocated on entry, held to the step's end
         seed = _cotangent_bytes(call)  # backward()'s seed: made before it, freed after it
         held["gradients"] += seed
+        copies = copy_bytes(call)  # made on entry, freed when the call returns
         for group in _driver_calls(low):
-            running = dict(held, workspace=_workspace(group))
+            running = dict(held, workspace=_workspace(group), copies=copies)
             steps.append(PeakStep(index, call.label, *_kernel_words(group), running))
             index += 1
         held["gradients"] -= seed
@@ -425,6 +437,7 @@ def region_calls(plans, consume: bool = True) -> list[PlanCall]:
             tuple(
                 "donated" if i in donated else "inputs" for i in range(len(forward.graph.inputs))
             ),
+            copied=forward.copied,
         )
     ]
     if plans.backward is None:
@@ -443,6 +456,7 @@ def region_calls(plans, consume: bool = True) -> list[PlanCall]:
             ("cotangent",) * n_cot + ("held",) * len(plans.saved),
             plans.private_saved_inputs() if consume else (),
             held_from=held_from,
+            copied=backward.copied,
         )
     )
     return calls
@@ -457,5 +471,6 @@ def joint_calls(plan: Plan, n_outputs: int) -> list[PlanCall]:
             plan,
             tuple("outputs" if i < n_outputs else "gradients" for i in range(len(graph.outputs))),
             tuple("donated" if i in plan.donated else "inputs" for i in range(len(graph.inputs))),
+            copied=plan.copied,
         )
     ]

@@ -105,7 +105,9 @@ class PipelineOptions:
     the forward computes in this dtype (bfloat16). donated: forward inputs whose buffers the
     forward's outputs may be written into (bp.compile(donate_argnums=...)), a fact of the
     forward plan that its lowering turns into pairs. backend: the executor whose peak the
-    plan's order is chosen for ("numba" or "reference": early_updates)."""
+    plan's order is chosen for ("numba" or "reference": early_updates). copied: (forward input,
+    layout) of the inputs whose arrays arrive in another layout than C order, which compiled
+    calls copy on entry (ir/argument_layout.py): the plans' peaks count those copies."""
 
     joint: bool = False
     remat: bool = True
@@ -114,6 +116,7 @@ class PipelineOptions:
     saved_dtype: str | None = None
     donated: tuple[int, ...] = ()
     backend: str = "numba"
+    copied: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,7 @@ class PlanChoices:
         return self._kept(drop, narrow_saved(plans, options, log))
 
     def _kept(self, drop: frozenset[int], result):
+        mark_copied(result, self.options.copied)
         if not drop:
             self._default = result
         return result
@@ -592,6 +596,25 @@ def _with_outputs(graph: Graph, outputs: list[Value]) -> Graph:
     """The same nodes in a new graph (lists copied: the caller's own are never changed)."""
     new = Graph(graph.name, list(graph.inputs), list(graph.nodes), outputs, dict(graph.constants))
     return carry_reasons(graph, new)
+
+
+def mark_copied(plans: StepPlans, copied: tuple) -> None:
+    """Say on each plan of the step which of its inputs arrive in another layout than C order
+    (Plan.copied): the forward's (or joint plan's) `copied` inputs, and the backward's saved
+    inputs that are those arrays (the caller's own, read again when backward() runs)."""
+    copied = tuple(copied)
+    if isinstance(plans, JointPlans):
+        plans.plan.copied = copied
+        return
+    plans.forward.copied = copied
+    if plans.backward is not None:
+        layouts = dict(copied)
+        n_cot = plans.n_cotangents
+        plans.backward.copied = tuple(
+            (n_cot + slot, layouts[s.source[1]])
+            for slot, s in enumerate(plans.saved)
+            if s.source[0] == "input" and s.source[1] in layouts
+        )
 
 
 def _plan(graph: Graph, log: PassLog, donated: tuple[int, ...] = ()) -> Plan:

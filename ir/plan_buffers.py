@@ -77,6 +77,21 @@ def compiled_buffers(
     return found
 
 
+def copy_buffers(plan) -> list[PlannedBuffer]:
+    """The C-order copies a compiled call makes on entry of the inputs that arrive in another
+    layout (Plan.copied, ir/argument_layout.py), held until it returns."""
+    inputs = plan.graph.inputs
+    return [
+        PlannedBuffer(
+            f"copy of input {i}",
+            f"copy of input {i} {inputs[i].dtype}{list(inputs[i].shape)} ({word})",
+            "copies",
+            inputs[i].type.nbytes,
+        )
+        for i, word in plan.copied
+    ]
+
+
 def _value_name(value, output_index: int) -> str:
     where = format_loc(value.loc)
     return f"{value.op} {value.type} (output {output_index})" + (f" at {where}" if where else "")

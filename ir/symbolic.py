@@ -260,6 +260,7 @@ class SymbolicPlan:
                 {s: [mapping[v] for v in vs] for s, vs in plan.frees_after.items()},
                 donated=plan.donated,
                 shared=self.shared,
+                copied=plan.copied,
             ),
             mapping,
         )

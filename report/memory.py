@@ -135,8 +135,37 @@ def timeline_table(report, max_rows: int = 14) -> str:
     )
 
 
+def copies_note(report) -> str:
+    """Which of the caller's arrays each compiled call copies into C order (ir/argument_layout.py),
+    named with their layouts and bytes; "" when none is."""
+    if report.compiled is None:
+        return ""
+    names = [b.name for b in report.view.buffers.values() if b.kind == "input"]
+    found = []
+    for call in report.peak_calls:
+        inputs = call.plan.graph.inputs
+        for i, word in call.copied:
+            name = names[i] if call is report.peak_calls[0] and i < len(names) else f"input {i}"
+            found.append(
+                f"copy of {name} ({word}) {format_bytes(inputs[i].type.nbytes)} in the "
+                f"{call.label} call"
+            )
+    if not found:
+        return ""
+    return (
+        "copies: the compiled kernels read their inputs in C order, so each call copies whole "
+        "an array passed in another layout, on entry, and holds the copy until it returns: "
+        f"{'; '.join(found)}. np.ascontiguousarray once, outside the loop, saves a copy per call."
+    )
+
+
 def memory_text(report) -> str:
-    parts = [wrap(peak_line(report)), timeline_table(report), wrap(reference_paragraph(report))]
+    parts = [
+        wrap(peak_line(report)),
+        timeline_table(report),
+        wrap(copies_note(report)),
+        wrap(reference_paragraph(report)),
+    ]
     if report.compiled is None:
         parts.append(wrap(numba_hint()))
     else:

@@ -56,7 +56,9 @@ def joint_step_for(graph, plans: RegionPlans, options: PipelineOptions, backgrou
     if sum(node_flops(n) for n in nodes) > MAX_STEP_FLOPS:
         return None
     wrt = list(plans.wrt)  # the inputs the region's edges stand for, in the same order
-    joint = PipelineOptions(joint=True, remat=options.remat, saved_dtype=options.saved_dtype)
+    joint = PipelineOptions(
+        joint=True, remat=options.remat, saved_dtype=options.saved_dtype, copied=options.copied
+    )
     return JointStep(lambda: plan_choices(graph, wrt, joint).build().plan, background)
 
 

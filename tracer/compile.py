@@ -45,7 +45,7 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
 from .pytree import TreeDef, flatten, unflattener
 from .reports import explain_traced
 from .saved_dtype_check import check_saved_dtype_narrows
-from .signature import bind_call, closest_key, miss_reason
+from .signature import bind_call, closest_key, copied_leaves, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import Trace, tracing
@@ -335,6 +335,7 @@ class CompiledFunction(PlannedFunction):
             saved_dtype=self.saved_dtype,
             donated=donated,
             backend="reference" if current_backend() == "reference" else "numba",
+            copied=copied_leaves(call),
         )
         input_bytes = sum(v.type.nbytes for v in graph.inputs)
         with paused_gc():  # ir/gc_pause.py: the pipeline's objects, no garbage to look for

@@ -1,14 +1,15 @@
 """The fast path of a call to a compiled function: a cheap structural key of the arguments
-(containers, tensor shapes, dtypes and requires_grad, static values) that maps straight to the
-cached plan and to where each tensor sits, skipping signature binding on every call after the
-first. NumPy arrays are leaves of their own kind (tracer/numpy_args.py says how the plan reads
-them). Anything unusual (tracers, arrays of unsupported dtypes, a leaf passed twice, unhashable
-statics) just takes the full path, which raises the errors."""
+(containers, tensor shapes, dtypes, requires_grad and layouts, static values) that maps
+straight to the cached plan and to where each tensor sits, skipping signature binding on every
+call after the first. NumPy arrays are leaves of their own kind (tracer/numpy_args.py says how
+the plan reads them). Anything unusual (tracers, arrays of unsupported dtypes, a leaf passed
+twice, unhashable statics) just takes the full path, which raises the errors."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from backplan.ir.argument_layout import C_ORDER, layout
 from backplan.ir.errors import BackplanError
 from backplan.ir.types import dtype_name
 
@@ -58,7 +59,7 @@ def _walk(tree, leaves: list, grad_enabled: bool, static: bool = False):
         return _tensor_part(tree, leaves, grad_enabled)
     if kind is np.ndarray:
         leaves.append(tree)
-        return ("a", tree.shape, _supported(tree.dtype))
+        return ("a", tree.shape, _supported(tree.dtype), _layout(tree))
     if kind is float and not static:
         leaves.append(tree)
         return "f"
@@ -80,7 +81,8 @@ def _children(values, leaves: list, grad_enabled: bool, static: bool) -> tuple:
             if data is None or value._donated is not None:
                 raise _Unusual
             leaves.append(value)
-            parts.append((data.shape, data.dtype, value._requires_grad and grad_enabled))
+            rg = value._requires_grad and grad_enabled
+            parts.append((data.shape, data.dtype, rg, _layout(data)))
         else:
             parts.append(_walk(value, leaves, grad_enabled, static))
     return tuple(parts)
@@ -91,7 +93,7 @@ def _tensor_part(tensor, leaves: list, grad_enabled: bool) -> tuple:
     if data is None or tensor._donated is not None:
         raise _Unusual  # a tracer, or a donated tensor: the full path raises DonatedError
     leaves.append(tensor)
-    return (data.shape, data.dtype, tensor._requires_grad and grad_enabled)
+    return (data.shape, data.dtype, tensor._requires_grad and grad_enabled, _layout(data))
 
 
 def guard_for(key):
@@ -149,7 +151,7 @@ def _match_float(tree, leaves: list, grad_enabled: bool) -> bool:
 
 
 def _tensor_matcher(part):
-    shape, dtype, requires_grad = part
+    shape, dtype, requires_grad, order = part
 
     def match(tree, leaves: list, grad_enabled: bool) -> bool:
         if type(tree) is not Tensor or tree._donated is not None:
@@ -159,6 +161,8 @@ def _tensor_matcher(part):
             return False
         if (tree._requires_grad and grad_enabled) != requires_grad:
             return False
+        if _layout(data) != order:
+            return False
         leaves.append(tree)
         return True
 
@@ -166,12 +170,12 @@ def _tensor_matcher(part):
 
 
 def _array_matcher(part):
-    _, shape, dtype = part
+    _, shape, dtype, order = part
 
     def match(tree, leaves: list, grad_enabled: bool) -> bool:
         if type(tree) is not np.ndarray or tree.shape != shape:
             return False
-        if not _same_dtype(tree.dtype, dtype):
+        if not _same_dtype(tree.dtype, dtype) or _layout(tree) != order:
             return False
         leaves.append(tree)
         return True
@@ -193,7 +197,7 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
     walks them."""
     count = len(children)
     checks = [
-        (None, *child) if type(child[0]) is tuple else (_matcher(child), None, None, None)
+        (None, *child) if type(child[0]) is tuple else (_matcher(child), None, None, None, None)
         for child in children
     ]
 
@@ -204,7 +208,9 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
             if tuple(tree) != keys:
                 return False
             tree = tree.values()
-        for value, (match_child, shape, dtype, requires_grad) in zip(tree, checks, strict=True):
+        for value, (match_child, shape, dtype, requires_grad, order) in zip(
+            tree, checks, strict=True
+        ):
             if match_child is not None:
                 if not match_child(value, leaves, grad_enabled):
                     return False
@@ -218,10 +224,17 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
                 return False
             if (value._requires_grad and grad_enabled) != requires_grad:
                 return False
+            if _layout(data) != order:
+                return False
             leaves.append(value)
         return True
 
     return match
+
+
+def _layout(array) -> str:
+    """The signature's layout word (ir/argument_layout.py): C order costs one flag read."""
+    return C_ORDER if array.flags.c_contiguous else layout(array)
 
 
 def _same_dtype(dtype, wanted) -> bool:

@@ -33,7 +33,7 @@ from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
 from .reports import explain_joint, inner_joint, named_reason
 from .saved_dtype_check import check_saved_dtype_narrows
-from .signature import bind_call, closest_key, miss_reason
+from .signature import bind_call, closest_key, copied_leaves, miss_reason
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import current_trace
@@ -540,7 +540,8 @@ def _trace_joint(
     wrt = [p in diff_paths for p in call.tensor_positions] + [False] * len(trace.captured)
     saved_dtype, allow_dtype = dtypes
     with paused_gc():  # ir/gc_pause.py: the pipeline's objects, no garbage to look for
-        choices = plan_choices(graph, wrt, PipelineOptions(joint=True, saved_dtype=saved_dtype))
+        options = PipelineOptions(joint=True, saved_dtype=saved_dtype, copied=copied_leaves(call))
+        choices = plan_choices(graph, wrt, options)
         check_saved_dtype_narrows(choices, dtypes, _defined(fn))
         planner = BudgetPlanner(
             choices,

@@ -1,14 +1,17 @@
-"""The signature cache key: pytree structure, shapes, dtypes, requires_grad flags and static
-values, each part named so a miss can say exactly what changed."""
+"""The signature cache key: pytree structure, shapes, dtypes, requires_grad flags, the layout
+of each array (C order or why not: a compiled call copies any other, and the plans' peaks count
+that copy, ir/argument_layout.py) and static values, each part named so a miss can say exactly
+what changed."""
 
 from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from backplan.ir.argument_layout import C_ORDER, copied_inputs, layout
 from backplan.ir.errors import DtypeError
 from backplan.runtime import is_grad_enabled
 
@@ -28,13 +31,15 @@ class LeafKey:
     requires_grad: bool = False
     static: object = None
     weak: bool = False  # a Python float, traced as a weakly typed 0-d tensor
+    layout: str = C_ORDER  # the array as passed (ir/argument_layout.py): "C", "F-order", ...
 
     def describe(self) -> str:
         if self.weak:
             return "traced float"
         if self.kind == "tensor":
             rg = ", requires_grad" if self.requires_grad else ""
-            return f"tensor {self.dtype}{list(self.shape)}{rg}"
+            order = f", {self.layout}" if self.layout != C_ORDER else ""
+            return f"tensor {self.dtype}{list(self.shape)}{rg}{order}"
         return f"static {self.static[1]!r}"
 
 
@@ -92,7 +97,8 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
         path = _argument_path(path)
         argument = re.match(r"\w*", path).group(0)
         arguments.append(argument)
-        if isinstance(leaf, np.ndarray):
+        order = layout(leaf) if isinstance(leaf, np.ndarray) else C_ORDER
+        if isinstance(leaf, np.ndarray):  # read in place on later calls: its own layout counts
             leaves[i] = leaf = _argument_tensor(fn, path, leaf)
         if type(leaf) is float and argument not in static and argument in passed:
             leaves[i] = Tensor._weak_scalar(leaf)
@@ -102,11 +108,21 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
             leaf._check_live()
             positions.append(i)
             rg = bool(leaf.requires_grad and is_grad_enabled())
-            keys.append(LeafKey(path, "tensor", leaf.shape, leaf._ir_dtype, rg, weak=leaf._weak))
+            if order == C_ORDER and leaf._data is not None:
+                order = layout(leaf._data)
+            key = LeafKey(path, "tensor", leaf.shape, leaf._ir_dtype, rg, weak=leaf._weak)
+            keys.append(key if order == C_ORDER else replace(key, layout=order))
         else:
             keys.append(LeafKey(path, "static", static=_static_key(leaf, path)))
     key = SignatureKey(treedef, tuple(keys))
     return BoundCall(key, leaves, positions, signature, sources, arguments)
+
+
+def copied_leaves(call: BoundCall) -> tuple[tuple[int, str], ...]:
+    """(graph input, layout) of each tensor argument passed in another layout than C order:
+    what PipelineOptions.copied takes (a plan's inputs are the tensor leaves, in order)."""
+    layouts = [call.key.leaves[p].layout for p in call.tensor_positions]
+    return copied_inputs(layouts)
 
 
 def _argument_tensor(fn, path: str, array: np.ndarray) -> Tensor:
@@ -187,7 +203,7 @@ def miss_reason(old: SignatureKey | None, new: SignatureKey) -> str:
         elif a.kind == "static":
             changes.append(f"{b.path}: static value {a.static[1]!r} -> {b.static[1]!r}")
         else:
-            for part in ("shape", "dtype", "requires_grad", "weak"):
+            for part in ("shape", "dtype", "requires_grad", "weak", "layout"):
                 if getattr(a, part) != getattr(b, part):
                     changes.append(f"{b.path}: {part} {getattr(a, part)} -> {getattr(b, part)}")
     text = "; ".join(changes) or "captured tensors changed"

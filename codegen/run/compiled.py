@@ -41,7 +41,7 @@ from backplan.ir.index_check import format_position
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import LoweredPlan
-from backplan.ir.plan_buffers import compiled_buffers
+from backplan.ir.plan_buffers import compiled_buffers, copy_buffers
 from backplan.ir.registry import REGISTRY as OPS
 from backplan.ir.text import format_graph, format_loc, value_names
 from backplan.ir.types import is_half, np_dtype
@@ -416,6 +416,7 @@ class CompiledPlan:
     def _checked_call(self, args: list, donate) -> list:
         """A call that counts every buffer it holds and compares them with the prediction."""
         predicted, scratch_keys = self._checked
+        predicted = predicted + self._predicted_copies(args)
         with ALLOCATOR.measuring() as measured:
             for name, array in self.plan.graph.constants.items():
                 ALLOCATOR.use(array, f"const {name}")
@@ -425,9 +426,26 @@ class CompiledPlan:
         compare(self.plan.graph.name, predicted, measured.at_peak, self._why_fresh())
         return outputs
 
+    def _predicted_copies(self, args: list) -> list:
+        """The copies the plan predicts (Plan.copied) of the arguments that arrive in another
+        layout than C order. One it predicts that arrives in C order was copied before the
+        call, its bytes the same: a NumPy argument in the first call (made a tensor in its
+        own order) or saved for a later backward (copied in C order: tracer/numpy_args.py)."""
+        return [
+            b
+            for b, (i, _) in zip(copy_buffers(self.plan), self.plan.copied, strict=True)
+            if not args[i].flags.c_contiguous
+        ]
+
     def _why_fresh(self) -> dict[str, str]:
-        """Why an output planned into a donated input can get a buffer of its own."""
-        return {
+        """Why an output planned into a donated input can get a buffer of its own, and why an
+        input can be copied that the plan did not expect to copy."""
+        copies = {
+            f"copy of input {i}": "its array is not in C order, and the plan was made for one "
+            "that is: its layout is part of the signature (ir/argument_layout.py)"
+            for i in range(len(self.plan.graph.inputs))
+        }
+        return copies | {
             f"output {k}": f"planned into donated input {i}, whose array was not given up "
             "this call (not donated, shared with a view or another tensor, or still held)"
             for k, i in self.donations.items()
@@ -437,7 +455,7 @@ class CompiledPlan:
     def _count(scratch_keys, copies: dict, workspace, outputs, given) -> None:
         """Checked mode: the buffers this call holds, by the names the prediction uses."""
         for i, array in copies.items():
-            ALLOCATOR.use(array, f"copy of input {i} (not C-contiguous)")
+            ALLOCATOR.use(array, f"copy of input {i}")
         for key in scratch_keys:
             ALLOCATOR.use(workspace.arena, key)
         for k, array in enumerate(outputs):

@@ -1,0 +1,166 @@
+"""Arguments in another layout than C order (a transposed weight, a Fortran array, a reversed or
+broadcast view, a strided slice): a compiled call copies each whole into C order on entry
+(codegen/run/compiled.py), and explain's peak, the checked mode's prediction and the signature
+all know it (ir/argument_layout.py, category "copies" in ir/peak.py). A misaligned C-ordered
+array is read in place. Values and gradients against the reference interpreter on the same
+arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.run.memory_check import checked_memory, measure
+from backplan.ir.peak import joint_calls, predicted_peak, region_calls
+from backplan.runtime.backend import use_backend
+
+RNG = np.random.default_rng(3)
+W1 = RNG.standard_normal((8, 16)).astype(np.float32)
+W2 = RNG.standard_normal((4, 16)).astype(np.float32)
+X = RNG.standard_normal((5, 8)).astype(np.float32)
+
+
+def loss(p, x):
+    return bp.sum(bp.tanh(x @ p["w1"]) @ p["w2"].T)
+
+
+def _misaligned(a: np.ndarray) -> np.ndarray:
+    """a's values in a C-ordered array one byte off its element alignment."""
+    out = np.ndarray(a.shape, a.dtype, buffer=bytearray(a.nbytes + 1), offset=1)
+    out[...] = a
+    return out
+
+
+# (w1, w2, x) per layout, and the bytes a compiled call copies of them
+LAYOUTS = {
+    "F-order": (lambda: (np.asfortranarray(W1), np.asfortranarray(W2), X), W1.nbytes + W2.nbytes),
+    "negative strides": (
+        lambda: (
+            np.ascontiguousarray(W1[::-1])[::-1],
+            np.ascontiguousarray(W2[:, ::-1])[:, ::-1],
+            X,
+        ),
+        W1.nbytes + W2.nbytes,
+    ),
+    "broadcast": (
+        lambda: (np.broadcast_to(W1[0], W1.shape), W2, np.broadcast_to(X[1], X.shape)),
+        W1.nbytes + X.nbytes,
+    ),
+    "strided": (lambda: (np.repeat(W1, 2, axis=1)[:, ::2], W2, X), W1.nbytes),
+    "misaligned": (lambda: (_misaligned(W1), W2, _misaligned(X)), 0),
+}
+
+
+def _reference(w1, w2, x):
+    with use_backend("reference"):
+        return bp.value_and_grad(loss)({"w1": w1, "w2": w2}, x)
+
+
+def _close(got, want):
+    value, grads = got
+    want_value, want_grads = want
+    np.testing.assert_allclose(np.asarray(value), np.asarray(want_value), rtol=1e-4, atol=1e-4)
+    for k in want_grads:
+        np.testing.assert_allclose(
+            np.asarray(grads[k]), np.asarray(want_grads[k]), rtol=1e-4, atol=1e-4
+        )
+
+
+STEPS = {
+    "compiled": lambda: bp.compile(bp.value_and_grad(loss)),
+    "dynamic": lambda: bp.compile(bp.value_and_grad(loss), dynamic={"x": {0: "b"}}),
+    "not compiled": lambda: bp.value_and_grad(loss),
+}
+
+
+@pytest.mark.parametrize("step_kind", sorted(STEPS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_value_and_grad_step_counts_the_copies_it_makes(layout, step_kind):
+    """The checked mode passes on every call (the copies are in the plan's prediction), the
+    measured peak is explain's, and explain's peak holds the copies' bytes exactly."""
+    make, copied = LAYOUTS[layout]
+    w1, w2, x = make()
+    assert (layout == "misaligned") == all(a.flags.c_contiguous for a in (w1, w2, x))
+    want = _reference(w1, w2, x)
+    with use_backend("numba"), checked_memory():
+        step = STEPS[step_kind]()
+        args = ({"w1": w1, "w2": w2}, x)
+        for _ in range(2):
+            _close(step(*args), want)
+        with measure() as measured:
+            got = step(*args)
+        _close(got, want)
+        report = step.explain(*args)
+    assert report.call_peak.at_peak().get("copies", 0) == copied
+    if step_kind == "not compiled":
+        plan = step.trace(*args).plan
+        predicted = predicted_peak(joint_calls(plan, 1))
+    else:
+        predicted = predicted_peak(region_calls(step.trace(*args).program.plans))
+    assert measured.peak == predicted.allocated_peak_bytes == report.call_peak.allocated_peak_bytes
+
+
+@pytest.mark.parametrize("layout", ["F-order", "negative strides"])
+def test_a_compiled_loss_and_its_backward_count_the_copies(layout):
+    """bp.compile(loss) then backward() on tensors sharing the arrays' memory (bp.from_dlpack,
+    as a torch user's w.T arrives): the forward copies them, and the backward copies again the
+    saved input that is the caller's array (read where it lives)."""
+    make, copied = LAYOUTS[layout]
+    w1, w2, x = make()
+    want = _reference(w1, w2, x)
+    with use_backend("numba"), checked_memory():
+        step = bp.compile(loss)
+        p = {"w1": bp.from_dlpack(w1), "w2": bp.from_dlpack(w2)}
+        assert not p["w1"].numpy().flags.c_contiguous
+        for t in p.values():
+            t.requires_grad = True
+        xt = bp.tensor(x)
+        measured = []
+        for _ in range(4):  # calls 1-2 run a forward and a backward plan, then one joint plan
+            with measure() as held:
+                value = step(p, xt)
+                value.backward()
+            measured.append(held.peak)
+            _close((value.numpy(), {k: t.grad.numpy() for k, t in p.items()}), want)
+            for t in p.values():
+                t.grad = None
+        report = step.explain(p, xt)
+    calls = region_calls(step.trace(p, xt).program.plans)
+    assert [c.label for c in calls] == ["forward", "backward"]
+    assert sum(calls[0].plan.graph.inputs[i].type.nbytes for i, _ in calls[0].copied) == copied
+    assert calls[1].copied  # x @ w2.T's gradient for x reads w2: saved, the caller's array
+    assert measured[1] == predicted_peak(calls).allocated_peak_bytes
+    predicted = [report.peak_on_call(n).allocated_peak_bytes for n in (1, 2, 3, 4)]
+    assert measured[1:] == predicted[1:]  # the first call also counts its compile's garbage
+    assert report.peak_on_call(3).at_peak()["copies"] == copied
+
+
+def test_a_layout_change_retraces_and_says_so():
+    """The signature keys on the layout: a plan whose peak counted a copy is not reused for a
+    C-ordered array (nor the other way round), on the fast path too."""
+    with use_backend("numba"), checked_memory():
+        step = bp.compile(bp.value_and_grad(loss))
+        c_args = ({"w1": W1, "w2": W2}, X)
+        f_args = ({"w1": np.asfortranarray(W1), "w2": W2}, X)
+        for args in (c_args, c_args, f_args, f_args, c_args, f_args):
+            step(*args)  # the checked mode raises if a plan's prediction is reused wrongly
+        assert step.explain(*f_args).call_peak.at_peak()["copies"] == W1.nbytes
+        assert "copies" not in step.explain(*c_args).call_peak.at_peak()
+        text = " ".join(str(step.explain(*f_args)).split())  # the text wraps
+        reason = step.explain(*f_args).retrace_reason
+    assert "copy of p['w1'] (F-order) 512 B" in text
+    assert reason == "p['w1']: layout C -> F-order"
+
+
+def test_the_reason_for_a_retrace_names_the_layout():
+    from backplan.tracer.signature import bind_call, miss_reason
+
+    def f(x):
+        return x
+
+    old = bind_call(f, (X,), {}).key
+    new = bind_call(f, (np.asfortranarray(X),), {}).key
+    assert old != new
+    assert miss_reason(old, new) == "x: layout C -> F-order"
+    assert bind_call(f, (_misaligned(X),), {}).key == old
