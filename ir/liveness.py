@@ -34,6 +34,9 @@ class Plan:
     # (input index, layout) of each input whose array arrives in another layout than C order
     # (ir/argument_layout.py): a compiled call copies it whole on entry, held until it returns
     copied: tuple = field(default=(), compare=False)
+    # a lowered plan's inputs of `copied` it reads in place instead (ir/in_place_inputs.py):
+    # (input index, layout), the compiled call passing a C-ordered view of the argument
+    in_place: tuple = field(default=(), compare=False)
 
     @property
     def return_step(self) -> int:

@@ -21,6 +21,7 @@ from .epilogue import absorb_epilogues
 from .fusion import Bases, Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
 from .grouping_reuse import KEPT, find, grouping_key, read_back, written
+from .in_place_inputs import read_in_place
 from .layout import BufferLayout, Roots, plan_layout
 from .liveness import Plan, plan_liveness
 from .rounding_points import reference_plan, rounding_points
@@ -191,7 +192,11 @@ def _prepared(plan: Plan):
         plan.shared, plan.copied = shared, copied
         sources = {}
     interpreted = plan
-    graph, origin = copy_strided_reshapes(plan.graph, origin, sources)
+    plan, origin = read_in_place(plan, origin, sources)  # F-order arguments: no copy
+    later = None if sources is None else {}
+    graph, origin = copy_strided_reshapes(plan.graph, origin, later)
+    if later:  # a node copy_strided_reshapes made -> the node of `interpreted` it computes
+        sources.update((v, sources.get(s, s)) for v, s in later.items())
     if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)
         plan = replace_graph(plan, graph)
     return plan, graph, origin, interpreted, sources
@@ -238,7 +243,7 @@ def replace_graph(plan: Plan, graph) -> Plan:
     """plan's liveness for `graph` (the same inputs and outputs), still sharing the driver of
     its symbolic plan's sizes (codegen keys that driver by its code)."""
     new = plan_liveness(graph, plan.donated)
-    new.shared, new.copied = plan.shared, plan.copied
+    new.shared, new.copied, new.in_place = plan.shared, plan.copied, plan.in_place
     graph.reasons = plan.graph.reasons
     return new
 

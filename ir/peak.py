@@ -136,7 +136,8 @@ class PlanCall:
     idle: bool = False
     # False: an idle plan that freed its arena (runtime/joint_step.py), its constants held
     keeps_arena: bool = True
-    # Plan.copied: the inputs the compiled call copies whole on entry, held until it returns
+    # Plan.copied: the inputs passed in another layout than C order, which the compiled call
+    # copies whole on entry (held until it returns) unless its lowering reads them in place
     copied: tuple = ()
 
 
@@ -170,11 +171,12 @@ def _cotangent_bytes(call: PlanCall) -> int:
     )
 
 
-def copy_bytes(call: PlanCall) -> int:
+def copy_bytes(lowered) -> int:
     """Bytes of the C-order copies a compiled call makes of the inputs passed in another layout
-    (PlanCall.copied): the whole of each, whatever the view it copies holds."""
-    inputs = call.plan.graph.inputs
-    return sum(inputs[i].type.nbytes for i, _ in call.copied)
+    (the lowered plan's `copied`: those it does not read in place, ir/in_place_inputs.py): the
+    whole of each, whatever the view it copies holds."""
+    plan = lowered.plan
+    return sum(plan.graph.inputs[i].type.nbytes for i, _ in plan.copied)
 
 
 def building_peak(calls: list[PlanCall]) -> PeakReport:
@@ -227,7 +229,7 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes
-        seed = _cotangent_bytes(call) + copy_bytes(call)
+        seed = _cotangent_bytes(call) + copy_bytes(low)
         during = sum(held.values()) + seed + _kept_during(call.label, kept)
         peak = max(peak, during + _largest_workspace(low))
     return peak
@@ -281,7 +283,7 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
                 held[b.category] += b.nbytes  # allocated on entry, held to the step's end
         seed = _cotangent_bytes(call)  # backward()'s seed: made before it, freed after it
         held["gradients"] += seed
-        copies = copy_bytes(call)  # made on entry, freed when the call returns
+        copies = copy_bytes(low)  # made on entry, freed when the call returns
         for group in _driver_calls(low):
             running = dict(held, workspace=_workspace(group), copies=copies)
             steps.append(PeakStep(index, call.label, *_kernel_words(group), running))

@@ -4,6 +4,8 @@ plan holds instead, so the reader always knows which path a number describes."""
 
 from __future__ import annotations
 
+from backplan.ir.lowering import lower
+
 from .loop_peak import held_categories, loop_sentence
 from .wording import format_bytes, peak_where, wrap
 
@@ -136,27 +138,41 @@ def timeline_table(report, max_rows: int = 14) -> str:
 
 
 def copies_note(report) -> str:
-    """Which of the caller's arrays each compiled call copies into C order (ir/argument_layout.py),
-    named with their layouts and bytes; "" when none is."""
+    """Which of the caller's arrays in another layout than C order each compiled call copies
+    (ir/argument_layout.py), named with their layouts and bytes, and which it reads in place
+    (ir/in_place_inputs.py); "" when every array is in C order."""
     if report.compiled is None:
         return ""
     names = [b.name for b in report.view.buffers.values() if b.kind == "input"]
-    found = []
+    copied, read = [], []
     for call in report.peak_calls:
-        inputs = call.plan.graph.inputs
-        for i, word in call.copied:
-            name = names[i] if call is report.peak_calls[0] and i < len(names) else f"input {i}"
-            found.append(
-                f"copy of {name} ({word}) {format_bytes(inputs[i].type.nbytes)} in the "
-                f"{call.label} call"
-            )
-    if not found:
-        return ""
-    return (
-        "copies: the compiled kernels read their inputs in C order, so each call copies whole "
-        "an array passed in another layout, on entry, and holds the copy until it returns: "
-        f"{'; '.join(found)}. np.ascontiguousarray once, outside the loop, saves a copy per call."
-    )
+        if not call.copied:
+            continue
+        plan = lower(call.plan, call.private_saved).plan
+        inputs = plan.graph.inputs
+        first = call is report.peak_calls[0]
+        for i, word in plan.copied:
+            name = names[i] if first and i < len(names) else f"input {i}"
+            size = format_bytes(inputs[i].type.nbytes)
+            copied.append(f"copy of {name} ({word}) {size} in the {call.label} call")
+        for i, word in plan.in_place:
+            name = names[i] if first and i < len(names) else f"input {i}"
+            read.append(f"{name} ({word}) in the {call.label} call")
+    text = []
+    if copied:
+        text.append(
+            "copies: the compiled kernels read their inputs in C order, so each call copies "
+            "whole an array passed in another layout, on entry, and holds the copy until it "
+            f"returns: {'; '.join(copied)}. np.ascontiguousarray once, outside the loop, saves "
+            "a copy per call."
+        )
+    if read:
+        text.append(
+            "read in place, no copy: "
+            + "; ".join(read)
+            + " (the kernels read it as the transpose of its C-ordered .T)."
+        )
+    return " ".join(text)
 
 
 def memory_text(report) -> str:

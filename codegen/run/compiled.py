@@ -294,6 +294,8 @@ class CompiledPlan:
             for i, n in generated.literal_outputs.items()
         }
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
+        # F-order arguments the plan reads as the transpose of their C-ordered .T (a view)
+        self._in_place = [i for i, _ in plan.in_place]
         self._output_sources = _output_sources(generated.output_sources, self._output_buffers)
         self._buffer_outputs = None
         if not self._literal_outputs and all(j is not None for j, _, _ in self._output_sources):
@@ -335,6 +337,8 @@ class CompiledPlan:
             return self._checked_call(args, donate)
         if not lean or (donate and self.donations):
             return self._general_call(args, donate)
+        for i in self._in_place:
+            args[i] = args[i].T
         arrays = [a if a.flags.c_contiguous else contiguous(a) for a in args]
         args.clear()
         for i in self._scalar_inputs:
@@ -466,6 +470,8 @@ class CompiledPlan:
         """Any call: while the reference interpreter stands in, the first call, donations."""
         if self.driver_tier == "reference":
             return self._reference_call(args)
+        for i in self._in_place:
+            args[i] = args[i].T  # C-ordered where the argument is F-ordered: a view
         arrays = [contiguous(a) for a in args]
         given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
         copies = None
@@ -646,9 +652,12 @@ class CompiledPlan:
         self._workspaces.release_idle()
 
     def _driver_arrays(self, args: list) -> list:
-        """The inputs as the driver takes them: C-contiguous, scalars as one element, 16-bit
-        floats as their bit patterns."""
-        arrays = [contiguous(a) for a in args]
+        """The inputs as the driver takes them: C-contiguous (an F-order argument read in
+        place as its transpose), scalars as one element, 16-bit floats as their bit patterns."""
+        arrays = list(args)
+        for i in self._in_place:
+            arrays[i] = arrays[i].T
+        arrays = [contiguous(a) for a in arrays]
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
         for i in self._half_inputs:
