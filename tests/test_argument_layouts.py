@@ -235,3 +235,25 @@ def test_gradients_for_an_f_order_weight_read_in_place_match_finite_differences(
         _, (rw, rv) = bp.value_and_grad(f, argnums=(0, 1))(np.ascontiguousarray(w), v, x)
     np.testing.assert_allclose(np.asarray(gw), np.asarray(rw), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np.asarray(gv), np.asarray(rv), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["F-order", "negative strides", "broadcast"])
+def test_a_numpy_argument_saved_for_backward_keeps_its_prediction(layout):
+    """x, a NumPy array the backward reads (x.T @ g): the fast path copies it for the backward
+    in its own order (an F-order copy is read in place again), the checked mode passes."""
+    x = {
+        "F-order": np.asfortranarray(X),
+        "negative strides": np.ascontiguousarray(X[::-1])[::-1],
+        "broadcast": np.broadcast_to(X[1], X.shape),
+    }[layout]
+    with use_backend("reference"):
+        p = {"w1": bp.tensor(W1, requires_grad=True), "w2": bp.tensor(W2, requires_grad=True)}
+        bp.compile(loss)(p, np.ascontiguousarray(x)).backward()
+        want = p["w1"].grad.numpy()
+    with use_backend("numba"), checked_memory():
+        step = bp.compile(loss)
+        p = {"w1": bp.tensor(W1, requires_grad=True), "w2": bp.tensor(W2, requires_grad=True)}
+        for _ in range(4):
+            step(p, x).backward()
+            np.testing.assert_allclose(p["w1"].grad.numpy(), want, rtol=1e-5, atol=1e-5)
+            p["w1"].grad = p["w2"].grad = None

@@ -270,7 +270,11 @@ class CompiledFunction(PlannedFunction):
             return None
 
         kept = _kept_inputs(traced.program, traced.donated)
-        slots = [(i, k in kept) for k, i in enumerate(positions)]
+        # a donated copy in C order (outputs are written into it), any other in its own
+        slots = [
+            (i, k in kept and (True if k in traced.donated else "K"))
+            for k, i in enumerate(positions)
+        ]
         as_given = positions == list(range(len(leaves))) and all(
             type(leaf) is Tensor for leaf in leaves
         )  # the leaves are the plan's input tensors, in order: nothing to pick or wrap

@@ -43,21 +43,27 @@ def borrowed(array: np.ndarray) -> np.ndarray:
     return view
 
 
-def copied(array: np.ndarray) -> np.ndarray:
-    """A private C-ordered copy, read-only like every tensor's buffer."""
-    copy = np.array(array, order="C")
+def copied(array: np.ndarray, order: str = "C") -> np.ndarray:
+    """A private copy, read-only like every tensor's buffer: C-ordered, or with order="K" in
+    the array's own order (an F-order array stays one, which a plan reads in place as the
+    transpose of its C-ordered .T: ir/in_place_inputs.py)."""
+    copy = np.array(array, order=order)
     read_only(copy)
     return copy
 
 
-def input_array(leaf, copy: bool) -> np.ndarray:
+def input_array(leaf, copy) -> np.ndarray:
     """A fast-path leaf (tensor, Python float or NumPy array) as the array the plan reads;
-    copy: this input would outlive the call (see the module docstring)."""
+    copy: this input would outlive the call (see the module docstring), True for a C-ordered
+    copy (a donated buffer, which outputs of C order are written into), "K" for one in the
+    array's own order (saved for backward, read by an output)."""
     kind = type(leaf)
     if kind is Tensor:
         return leaf._data
     if kind is float:
         return np.array(leaf, np.float64)
+    if copy == "K":
+        return copied(leaf, "K")
     return copied(leaf) if copy or current_backend() == "reference" else borrowed(leaf)
 
 
@@ -86,7 +92,7 @@ def _reader(kind: type, copy: bool) -> Callable:
     return copied if copy else borrowed
 
 
-def input_tensor(leaf, copy: bool) -> Tensor:
+def input_tensor(leaf, copy) -> Tensor:
     """A fast-path leaf as the tensor the plan takes: Python floats become weak 0-d tensors,
     NumPy arrays borrowed or copied tensors."""
     kind = type(leaf)
