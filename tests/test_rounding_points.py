@@ -6,6 +6,8 @@ before lowering rounds every op's result (PyTorch eager, jax.jit on the CPU)."""
 
 from __future__ import annotations
 
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -175,3 +177,32 @@ def test_explain_names_the_16_bit_results_kept_in_float32(backend):
         wide = str(bp.explain(bp.compile(chain), x.astype(np.float32), w.astype(np.float32)))
     assert "(rounded only where a buffer stores them): f0 mul, f1 exp, f2 add." in text
     assert "16-bit values kept in float32" not in wide
+
+
+@pytest.mark.filterwarnings("ignore::backplan.DriverBuildWarning")
+@pytest.mark.usefixtures("child_builds")
+@pytest.mark.parametrize("name", DTYPES)
+def test_calls_while_a_background_build_runs_give_the_compiled_bits(name, monkeypatch, tmp_path):
+    """bp.compile(..., background=True): the calls made while the kernels build run on the
+    reference interpreter (here the build fails, so they all do); they round where the
+    compiled plan rounds, so a function's results do not change when its build finishes."""
+    from backplan.codegen.build import driver_builder
+
+    monkeypatch.setenv("BACKPLAN_CACHE_DIR", str(tmp_path / "kernels"))
+    failing = [sys.executable, "-c", "import sys; sys.exit('no compiler')"]
+    monkeypatch.setattr(driver_builder, "_command", lambda: failing)
+    x, w = _inputs(name)
+    with use_backend("numba"):
+        building = bp.compile(chain, background=True)
+        first = building(x, w).numpy()
+        assert building.driver_tier == "reference"
+    monkeypatch.undo()
+    with use_backend("numba"):
+        compiled = bp.compile(chain)
+        compiled(x, w)
+        assert compiled.driver_tier != "reference"
+        again = compiled(x, w).numpy()
+    nan = np.isnan(again.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(first.astype(np.float32)), nan)
+    apart = np.abs(_bits(first)[~nan].astype(np.int32) - _bits(again)[~nan].astype(np.int32))
+    assert apart.max() <= 1 and (apart == 0).mean() > 0.99
