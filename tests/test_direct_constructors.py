@@ -1,7 +1,11 @@
-"""copy_graph (ir/graph.py) sets each copy's slots directly, not through Value's constructor:
-every slot must still be what the constructor would give, the inputs the copies' own, the
-attributes a dict of the copy's own, and every value new."""
+"""Objects the memory planner makes thousands of a plan, set field by field instead of through
+their constructors: copy_graph's values (ir/graph.py) and a single node's kernel
+(ir/fusion.py _single). Each must be what its constructor makes: every slot or field equal, the
+inputs the copies' own, the attributes a dict of the copy's own, and every value new."""
 
+from dataclasses import fields
+
+from backplan.ir.fusion import NONE_HELD, Kernel, _single
 from backplan.ir.graph import Graph, Value, copy_graph
 from backplan.ir.types import TensorType
 
@@ -33,3 +37,13 @@ def test_a_copied_value_is_what_the_constructor_makes_of_the_copied_inputs():
     assert new.reasons == {mapping[graph.nodes[1]]: "mul reads it"}
     uids = {v.uid for v in graph.inputs + graph.nodes + new.inputs + new.nodes}
     assert len(uids) == 2 * (len(graph.inputs) + len(graph.nodes))
+
+
+def test_a_single_node_kernel_is_what_the_constructor_makes():
+    for node in _graph().nodes:
+        made = _single("op", node)
+        expected = Kernel("op", [node], node.shape, NONE_HELD, NONE_HELD)
+        assert made == expected  # every field of the dataclass
+        assert {f.name for f in fields(Kernel)} <= set(vars(made))
+        assert made.nodes is not expected.nodes and made.all_nodes == [node]
+        assert made.computed == [node] and made.epilogue is None
