@@ -167,7 +167,8 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         if n in needed and n.op != "const"
     ]
     private = [graph.inputs[i] for i in private_saved]
-    local = row_local_values(graph, kernels, runs, needed)
+    pinned = None if plan.shared is None else plan.shared.setdefault(("row_local",), {})
+    local = row_local_values(graph, kernels, runs, needed, pinned)
     layout = plan_layout(graph, kernels, buffers, private, steps, local, roots)
     lowered = LoweredPlan(
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
