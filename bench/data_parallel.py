@@ -164,8 +164,7 @@ def with_plan_times(step, params, batch, records: list):
         DataParallelStep._finish_agreement = cpu_of("agreement", DataParallelStep._finish_agreement)
         SharedRequest.Wait = cpu_of("bucket waits", SharedRequest.Wait)
         SharedExchange._start = cpu_of("pack", SharedExchange._start)
-        SharedRequest._sum_own_part = cpu_of("node sums", SharedRequest._sum_own_part)
-        SharedRequest._read_other_parts = cpu_of("node sums", SharedRequest._read_other_parts)
+        SharedRequest._sum = cpu_of("node sums", SharedRequest._sum)
 
     def call():
         plan.clear()

@@ -1,8 +1,8 @@
 """The buckets of ranks that share one node, in shared memory: every rank maps every other
 rank's segment (a file in /dev/shm, mapped and then unlinked) and reads its bucket buffers as
 its own memory, so a sum over the ranks needs no message and no copy through MPI's cells. Each
-rank's segment holds two counters per bucket (how many times it has written the bucket, and
-summed its part of it) and the bucket buffers twice, used by alternate calls: a rank writes a
+rank's segment holds a counter per bucket (how many times it has written the bucket) and the
+bucket buffers twice, used by alternate calls: a rank writes a
 buffer again two calls later, by which time every other rank has passed the next call's wait on
 it (shared_exchange.py), so nobody reads a buffer while it is rewritten.
 
@@ -28,7 +28,7 @@ from .deadline import SHARE_TAG, swap
 from .world import mpi_module
 
 LINE = 64  # bytes: counters and buffers start on their own cache lines
-READY, DONE = 0, 1  # the two counters of a bucket: written, and its own part summed
+READY = 0  # the row of the counters: how many times each bucket was written
 SHARED_FOLDER = "/dev/shm"  # memory-backed files every process of the node can map
 NAME_BYTES = 96  # a segment's path as sent to the other ranks (NUL-padded)
 _fences: list = []  # the window of this process alone whose Sync is the memory fence
@@ -121,7 +121,7 @@ def share(comm, nbytes: int, seconds: float | None, step: str, check: bytes = b"
 
 def _offsets(counts: list[int], dtypes: list[np.dtype]) -> tuple[list[list[int]], int]:
     """Where each parity's buffer of each bucket starts in a rank's segment, and its bytes."""
-    offsets, at = [], _aligned(2 * len(counts) * 8)  # the counters first
+    offsets, at = [], _aligned(len(counts) * 8)  # the counters first
     for _parity in range(2):
         row = []
         for count, dtype in zip(counts, dtypes, strict=True):
@@ -137,7 +137,7 @@ def segment_bytes(counts: list[int], dtypes: list[np.dtype]) -> int:
 
 
 class NodeWindow:
-    """Two counters and two buffers per bucket for every rank of comm (all on one node), made
+    """A counter and two buffers per bucket for every rank of comm (all on one node), made
     together (every rank makes the same window at the same point; seconds and step: the
     deadline and what a RankTimeoutError names if a rank does not come)."""
 
@@ -151,7 +151,7 @@ class NodeWindow:
             raise OSError(f"{step}: the ranks could not map each other's shared memory")
         segments = [np.frombuffer(m, np.uint8, self.nbytes) for m in maps]
         self._segments = segments
-        self.counters = [s[: 2 * n * 8].view(np.int64).reshape(2, n) for s in segments]
+        self.counters = [s[: n * 8].view(np.int64).reshape(1, n) for s in segments]
         self.written = [0] * n  # calls that wrote each bucket on this rank
 
     def buffer(self, rank: int, k: int, parity: int) -> np.ndarray:

@@ -4,7 +4,7 @@ start and where it is waited on, and the bytes each rank sends."""
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backplan.ir.types import np_dtype
 
@@ -78,6 +78,15 @@ class DataParallelReport:
         """A ZeRO-1 step: its gradients travel per dtype, not per bucket; bytes_sent: what one
         rank sends per step (sharding.bytes_sent)."""
         self.sharded, self.bytes_sent_per_step = True, bytes_sent
+
+    def summed_in_window(self) -> None:
+        """The buckets are summed in the node's shared memory (shared_exchange.py): each rank
+        reads every other rank's whole bucket, in the dtype it is summed in."""
+        self.shared = True
+        for i, (row, bucket) in enumerate(zip(self.buckets, self.layout.buckets, strict=True)):
+            read = (self.size - 1) * summed_bytes(bucket.nbytes, np_dtype(bucket.dtype))
+            self.buckets[i] = replace(row, bytes_sent=read)
+        self.bytes_sent_per_step = sum(b.bytes_sent for b in self.buckets)
 
     def _row(self, bucket: Bucket) -> BucketRow:
         ready = bucket.ready_step
@@ -178,13 +187,12 @@ class DataParallelReport:
                 "collected): the compiled plan writes each float32 or float64 bucket's "
                 "gradients straight into this rank's buffer in it (from its second call, "
                 "where each gradient has an output buffer of its own; else, and for 16-bit "
-                "buckets, they are copied there when the call returns), then each rank sums "
-                "its 1/N of "
-                "the bucket's elements straight from every rank's buffer, averaging as it "
-                "goes, and reads the other ranks' parts of the sum from theirs; no MPI "
-                "message, in bucket order before the step returns. Each rank reads about "
-                f"{self.bytes_sent_per_step:,} B of the others' buffers per step (2 (N-1)/N "
-                f"of the bytes, N={self.size}); across nodes (or BACKPLAN_DP_REDUCTION=mpi) "
+                "buckets, they are copied there when the call returns), then every rank sums "
+                "the whole bucket straight from every rank's buffer, in rank order, averaging "
+                "as it goes, once every rank has written it; no MPI message, in bucket order "
+                "before the step returns. Each rank reads about "
+                f"{self.bytes_sent_per_step:,} B of the others' buffers per step (N-1 times "
+                f"the bytes, N={self.size}); across nodes (or BACKPLAN_DP_REDUCTION=mpi) "
                 "one non-blocking allreduce (MPI_Iallreduce) per bucket, started inside the "
                 "compiled call, sums them instead."
             )
@@ -290,8 +298,8 @@ class DataParallelReport:
             return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
         if self.shared and not self.sharded:
             text = (
-                "Overlap: none; the plan runs as one compiled call, and each rank sums its "
-                "part of every bucket when the call returns (on one core per rank that is "
+                "Overlap: none; the plan runs as one compiled call, and each rank sums every "
+                "bucket when the call returns (on one core per rank that is "
                 "work of the core that computes, which no overlap could hide)."
             )
             return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")

@@ -1,14 +1,14 @@
 """The exchange of ranks on one node through shared memory (node_window.py) in place of MPI's
-allreduce: each rank packs its bucket into its buffer in the window, then sums its own part of
-the elements straight from every rank's buffer, with the averaging (or nothing, when ranks
-scaled by their rows) folded in, and reads the other ranks' parts of the result from their
-buffers. An allreduce through MPI's shared-memory cells copies each bucket in and out of them
-and adds on the way; here each element is read once from each rank and written twice.
+allreduce: each rank's plan writes its bucket into its buffer in the window (or it is packed
+there), then every rank sums the whole bucket straight from every rank's buffer, with the
+averaging (or nothing, when ranks scaled by their rows) folded in. An allreduce through MPI's
+shared-memory cells copies each bucket in and out of them and adds on the way; here each
+element is read once from each rank and written once.
 
 It is the Exchange of exchange.py with another request behind each bucket: the waits, the
 deadlines (deadline.py tests the request), the unpacking and the failure paths (failure.py
-starts NaN buckets through the same _start) are Exchange's. Each element is summed by one rank
-in rank order, so every rank gets the same bits, and on two ranks the bits of MPI's sum."""
+starts NaN buckets through the same _start) are Exchange's. Every rank sums in rank order, so
+every rank gets the same bits, and on two ranks the bits of MPI's sum."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from backplan.ir.types import np_dtype
 from .exchange import Exchange
 from .half_wire import summed_dtype
 from .in_plan import bucket_slots
-from .node_window import DONE, READY, NodeWindow, segment_bytes, share
+from .node_window import READY, NodeWindow, segment_bytes, share
 from .rank_peak import counted
 from .rows import average_in_place, scale_by_weight
 
@@ -112,27 +112,23 @@ class WindowOutputs:
 
 
 class SharedRequest:
-    """One bucket's sum over the node, tested and waited for like an mpi4py request. Test()
-    does this rank's part once every rank has written the bucket, and completes once every
-    rank has done its part (the part a rank sums is this rank's work, done when it tests)."""
+    """One bucket's sum over the node, tested and waited for like an mpi4py request: Test()
+    completes once every rank has written the bucket, summing every rank's buffer in rank
+    order into out (the summing is this rank's work, done when it tests). Every rank sums the
+    whole bucket itself, so a rank waits for the others' writes only, not for their sums too
+    (one meeting per bucket: on a busy machine each meeting is a wait for a rank off its core);
+    the same bits on every rank, and on two ranks MPI's (a + b)."""
 
     def __init__(self, window: NodeWindow, k: int, call: int, out: np.ndarray, average: bool):
         self.window, self.k, self.call, self.out, self.average = window, k, call, out, average
         self.parity = call % 2
-        self.summed = self.complete = False
+        self.complete = False
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's name, so deadline.py waits on either
-        w, k = self.window, self.k
-        if not self.summed:
-            if not w.all_at(READY, k, self.call):
-                return False
-            self._sum_own_part()
-            w.mark(DONE, k, self.call)
-            self.summed = True
         if not self.complete:
-            if not w.all_at(DONE, k, self.call):
+            if not self.window.all_at(READY, self.k, self.call):
                 return False
-            self._read_other_parts()
+            self._sum()
             self.complete = True
         return True
 
@@ -140,22 +136,13 @@ class SharedRequest:
         while not self.Test():
             os.sched_yield()  # the rank it waits for may share this core
 
-    def _sum_own_part(self) -> None:
-        w, k, part = self.window, self.k, self.window.part(self.window.rank, self.k)
-        out = self.out[part]
-        np.add(w.buffer(0, k, self.parity)[part], w.buffer(1, k, self.parity)[part], out=out)
+    def _sum(self) -> None:
+        w, k, out = self.window, self.k, self.out
+        np.add(w.buffer(0, k, self.parity), w.buffer(1, k, self.parity), out=out)
         for q in range(2, w.size):
-            out += w.buffer(q, k, self.parity)[part]
+            out += w.buffer(q, k, self.parity)
         if self.average:
             average_in_place(out, w.size)
-        w.buffer(w.rank, k, self.parity)[part] = out  # where the other ranks read it
-
-    def _read_other_parts(self) -> None:
-        w = self.window
-        for q in range(w.size):
-            if q != w.rank:
-                part = w.part(q, self.k)
-                self.out[part] = w.buffer(q, self.k, self.parity)[part]
 
 
 class SharedExchange(Exchange):

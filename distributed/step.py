@@ -497,7 +497,8 @@ class DataParallelStep:
             starts := {} if shared else self._in_plan_starts(args, kwargs, layout, size),
         )
         report.size_note = note
-        report.shared = shared
+        if shared:
+            report.summed_in_window()
         report.driver_note = None if shared else self._driver_note(args, kwargs, starts)
         if self.counts_rank_peak():
             report.rank_peak = allreduce_peak(

@@ -121,7 +121,9 @@ def test_explain_lists_buckets_in_the_order_the_plan_finishes_them(monkeypatch):
     ready = [row.ready_step for row in report.buckets]
     assert ready == sorted(ready) and ready[-1] < report.plan_steps
     assert report.bytes_per_step == 4 + sum(p.numpy().nbytes for p in params.values())
-    assert report.bytes_sent_per_step == report.bytes_per_step  # ring, N=2: 2 (N-1)/N = 1
+    assert report.bytes_sent_per_step == report.bytes_per_step  # the other rank's buckets
+    three = bpd.explain(step, params, bp.tensor(x), bp.tensor(y), size=3)
+    assert three.bytes_sent_per_step == 2 * three.bytes_per_step  # each rank reads 2 others'
     text = str(report)
     for row in report.buckets:
         assert row.ready_text in text
