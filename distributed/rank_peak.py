@@ -225,7 +225,10 @@ def allreduce_peak(
     if packed:
         phases.append(
             _phase(
-                "the buckets are packed after the call",
+                # in the window the sums go to buffers of their own (shared_exchange.py)
+                "the buckets are summed after the call"
+                if window
+                else "the buckets are packed after the call",
                 **caller,
                 **arenas,
                 exchange_buffers=buckets,

@@ -2128,6 +2128,10 @@ def test_explain_prints_the_peak_each_rank_holds_counted_to_the_byte(tmp_path, r
             said.append((mode, peak.peak_bytes))
             window = any(p.held.get("node window") for p in peak.phases)  # summing in it
             assert window == shared, (mode, str(report))
+            phases = [p.name for p in peak.phases]
+            if mode != "zero" and shared:  # after the call: summed, nothing packed from call 2
+                assert "the buckets are summed after the call" in phases, (mode, phases)
+                assert "the buckets are packed after the call" not in phases, (mode, phases)
         assert said[1][1] > said[0][1]  # the update's new parameters and state
         print(f"rank {rank} ok", said)
         """,
