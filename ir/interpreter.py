@@ -68,25 +68,28 @@ def run_plan(
             if release is not None and value in input_index:
                 release(input_index[value])
 
+    constants = graph.constants
     with np.errstate(all="ignore"):
         free(INPUT_STEP)
         for step, node in enumerate(graph.nodes):
             wide = unrounded.get(node)
             if wide is not None:  # not rounded, as the compiled loop computing it
-                env[node] = np.array(_spec(wide, env, graph.constants))
-            else:
+                env[node] = np.array(_spec(wide, env, constants))
+            else:  # no local holds the inputs: each is freed at its own step
                 swaps = reads_instead.get(node)
-                if swaps is None:
-                    arrays = [env[i] for i in node.inputs]
-                else:  # its loop computes an input cast otherwise
-                    arrays = [_read(i, swaps, env, graph.constants) for i in node.inputs]
-                env[node] = evaluate(node, arrays, graph.constants)
+                env[node] = evaluate(node, _inputs(node, env, swaps, constants), constants)
             if on_step is not None:
                 on_step(step, env)
             free(step)
     outputs = [env[o] for o in graph.outputs]
     free(plan.return_step)
     return outputs
+
+
+def _inputs(node: Value, env: dict, swaps: dict | None, constants: dict) -> list:
+    if swaps is None:
+        return [env[i] for i in node.inputs]
+    return [_read(i, swaps, env, constants) for i in node.inputs]  # its loop reads otherwise
 
 
 def _read(value: Value, swaps: dict, env: dict, constants: dict):

@@ -7,6 +7,7 @@ before lowering rounds every op's result (PyTorch eager, jax.jit on the CPU)."""
 from __future__ import annotations
 
 import sys
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -206,3 +207,30 @@ def test_calls_while_a_background_build_runs_give_the_compiled_bits(name, monkey
     np.testing.assert_array_equal(np.isnan(first.astype(np.float32)), nan)
     apart = np.abs(_bits(first)[~nan].astype(np.int32) - _bits(again)[~nan].astype(np.int32))
     assert apart.max() <= 1 and (apart == 0).mean() > 0.99
+
+
+def test_a_value_is_freed_at_its_step_when_the_next_step_reads_a_held_value():
+    """The interpreter keeps no reference to a step's inputs past that step: a value freed
+    after the step reading it last is gone when the next step, a cast holding a float32
+    value, runs (the checked mode counts what is alive)."""
+    graph = Graph(name="freed_in_time")
+    b = Builder(graph)
+    x = graph.add_input(TensorType("f32", (5,)))
+    source = b.mul(x, x)
+    rounded = b.astype(source, dtype="bf16")
+    temporary = b.exp(x)
+    last_read = b.neg(temporary)  # temporary's last reader: freed after this step
+    cast = b.astype(rounded, dtype="f32")  # the next step
+    graph.outputs = [b.add(cast, last_read)]
+    plan = reference_plan(plan_liveness(graph), RoundingPoints(held={cast: source}), {})
+    steps = {node: index for index, node in enumerate(graph.nodes)}
+    seen = {}
+
+    def on_step(step, env):
+        if step == steps[temporary]:
+            seen["temporary"] = weakref.ref(env[temporary])
+        if step == steps[cast]:
+            seen["alive"] = seen["temporary"]() is not None
+
+    run_plan(plan, [np.linspace(1, 2, 5, dtype=np.float32)], on_step=on_step)
+    assert seen["alive"] is False
