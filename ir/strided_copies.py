@@ -83,18 +83,19 @@ def _operand_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple |
     """The operands of an op compiled as a call of its own that its emitter would copy in the
     driver: a literal (np.full there) or a strided view where it reads a C-contiguous array.
     A GEMM's have rules of their own; concatenate and pad_slice, and attention in its
-    token-first layout or with two leading axes, read strided views as they are."""
+    token-first layout or with two leading axes, read strided views as they are (attention
+    not a literal: the gradient of a sum of its output, which the emitter would np.full)."""
     if node.op == "matmul":
         return _matmul_copies(node, strides, roots)
+    attention = node.op in ("attention", "attention_grad")
     strided_ok = node.op in ("concatenate", "pad_slice") or (
-        node.op in ("attention", "attention_grad")
-        and (node.attrs.get("layout", "bhtd") == "bthd" or len(node.inputs[0].shape) == 4)
+        attention and (node.attrs.get("layout", "bhtd") == "bthd" or len(node.inputs[0].shape) == 4)
     )
     found: dict[int, tuple | None] = {}
     for i, value in enumerate(node.inputs):
         if is_half(value.dtype):
             continue
-        if _literal(value, roots) and not strided_ok:
+        if _literal(value, roots) and (attention or not strided_ok):  # np.full, else
             found[i] = None
         elif not strided_ok and not _contiguous_where_it_lives(value, strides):
             found[i] = None

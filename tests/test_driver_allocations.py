@@ -80,7 +80,16 @@ READERS = {
         )
     ),
     "logsumexp over axes 0 and 2": lambda x: bp.sum(bp.logsumexp(x.reshape(2, 2, 6), axis=(0, 2))),
+    "attention on the heads of a fused qkv projection": lambda x: _qkv_attention(x),
 }
+
+
+def _qkv_attention(x):
+    """q, k and v sliced out of one projection (a size-1 axis dropped from a strided slice):
+    read in place by the attention kernel, as the plan places them (the driver copied each)."""
+    qkv = bp.reshape(x, (1, 4, 3, 1, 2))
+    q, k, v = (bp.transpose(qkv[:, :, j], (0, 2, 1, 3)) for j in range(3))
+    return bp.sum(bp.softmax(q @ bp.swapaxes(k, -1, -2) * 0.5, axis=-1) @ v)
 
 
 @pytest.mark.parametrize("name", sorted(READERS))
@@ -161,3 +170,18 @@ def test_a_16_bit_batch_broadcast_matmul_copies_its_bits_into_a_planned_buffer(d
     np.testing.assert_allclose(np.asarray(value), np.asarray(expected[0]), rtol=1e-2)
     got, want = (np.asarray(g).astype(np.float32) for g in (grad, expected[1]))
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_reshape_that_only_moves_size_one_axes_is_read_through_an_index():
+    """The driver's form of such a reshape of a strided view: an index NumPy and Numba both
+    take as a view, giving what reshape gives."""
+    from backplan.codegen.render.opaque import size_one_index
+
+    base = np.arange(2 * 5 * 3 * 4, dtype=np.float32).reshape(2, 5, 3, 4)[:, :, 1:2]
+    for after in [(2, 5, 4), (2, 1, 5, 4), (2, 5, 4, 1), (1, 2, 5, 1, 4)]:
+        index = size_one_index(base.shape, after)
+        view = eval(f"base[{index}]")  # noqa: S307 - the index made above
+        assert view.shape == after and np.shares_memory(view, base)
+        np.testing.assert_array_equal(view, base.reshape(after))
+    assert size_one_index((4, 8), (8, 4)) is None  # sizes moved: a copy
+    assert size_one_index((4, 8), (4, 8)) is None  # nothing to do

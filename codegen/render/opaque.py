@@ -33,6 +33,28 @@ class Unsupported(Exception):
     """A pattern codegen does not compile; the plan then runs on the reference interpreter."""
 
 
+def size_one_index(before: tuple, after: tuple) -> str | None:
+    """The index that makes an array of shape `before` one of shape `after` when they differ
+    only by axes of size 1 (`[:, :, 0]` drops one, `[:, None]` adds one): a strided view,
+    where a reshape would copy it (Numba reshapes only contiguous arrays). The memory planner
+    places such a reshape as a view of its input (ir/strided_copies.py), so a copy here would
+    be an allocation no plan counts. None when the sizes differ otherwise, or nothing moves."""
+    if [d for d in before if d != 1] != [d for d in after if d != 1]:
+        return None
+    parts, i, j = [], 0, 0
+    while i < len(before) or j < len(after):
+        if i < len(before) and j < len(after) and before[i] == after[j]:
+            parts.append(":")
+            i, j = i + 1, j + 1
+        elif i < len(before) and before[i] == 1:
+            parts.append("0")
+            i += 1
+        else:  # after[j] == 1: the sizes besides 1 are the same, in order
+            parts.append("None")
+            j += 1
+    return None if all(p == ":" for p in parts) else ", ".join(parts)
+
+
 class OpEmitter:
     def __init__(self, names: dict, literal_of, contiguous: set, place=None, kernel_call=None):
         self.names = names
@@ -62,6 +84,9 @@ class OpEmitter:
             if value.op == "reshape":
                 if self._contiguous_chain(value.inputs[0]):
                     return f"{source}.reshape({shape!r})"
+                index = size_one_index(internal_shape(value.inputs[0].shape), shape)
+                if index is not None and not contiguous:
+                    return f"{source}[{index}]"
                 return self.placed(value) or f"np.ascontiguousarray({source}).reshape({shape!r})"
             return source
         name = self.names[value]
@@ -105,8 +130,11 @@ class OpEmitter:
         name, src = self.names[node], self.array(node.inputs[0], contiguous=False)
         if node.op == "reshape":
             contiguous = node.inputs[0] in self.contiguous
-            self.contiguous.add(node)
             shape = internal_shape(node.shape)
+            index = size_one_index(internal_shape(node.inputs[0].shape), shape)
+            if not contiguous and index is not None:  # strided still: readers copy if they must
+                return [f"{name} = {src}[{index}]"]
+            self.contiguous.add(node)
             if contiguous:
                 return [f"{name} = {src}.reshape({shape!r})"]
             placed = self.placed(node)
