@@ -129,11 +129,15 @@ def child(name: str, scale: int, kind: str, primed: int = 0) -> dict:
     """Run in the fresh process: the first step, its kernels and driver loaded beforehand;
     primed: first run one step of the same model at that scale, so memory libraries touch
     once per process (OpenBLAS's buffers, the thread pool) is already resident."""
-    from backplan.bench.internals import predicted_peak
-
     if primed:
         warm(name, primed, kind)
-    step, args = _step(name, scale, kind)
+    return first_step(*_step(name, scale, kind))
+
+
+def first_step(step, args: list) -> dict:
+    """The step's first call measured from outside, its kernels and driver loaded first."""
+    from backplan.bench.internals import predicted_peak
+
     predicted = predicted_peak(_calls(step, args), "numba")
     compiled, loaded = _load(step, args)
     overloads = len(compiled._compiled_run.overloads)
@@ -155,13 +159,10 @@ def child(name: str, scale: int, kind: str, primed: int = 0) -> dict:
     }
 
 
-def _run_child(function: str, *args) -> str:
+def _run_child(function: str, *args, module: str = "backplan.bench.memory") -> str:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="0", MALLOC_TRIM_THRESHOLD_="0")
     env.setdefault("BACKPLAN_DRIVER", "inline")
-    code = (
-        f"import json; from backplan.bench.memory import {function}; "
-        f"print(json.dumps({function}{args!r}))"
-    )
+    code = f"import json; from {module} import {function}; print(json.dumps({function}{args!r}))"
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
     )
