@@ -1,13 +1,14 @@
 """A value_and_grad step with its weights in C order against the same weights in another layout:
-F-order (np.asfortranarray: a Fortran array, or a torch-style (out, in) weight passed as w.T),
-which the plan reads in place (ir/in_place_inputs.py), and reversed (w[::-1] of a C-ordered
-array), which each call copies whole into C order (counted in explain's peak as `copies`).
+F-order (np.asfortranarray: a Fortran array, or a torch-style (out, in) weight passed as w.T) and
+reversed (w[::-1] of a C-ordered array), which the plan reads in place (ir/in_place_inputs.py;
+a GEMM reading a reversed operand copies it into the scratch arena first).
 
     python -m backplan.bench.argument_layouts --rows 64 --rounds 11 --threads 1
 
 The step: 512 -> 2048 (tanh) -> 1024 (gelu), float32 weights (12 MiB), a sum of squares. Every
 layout runs in one process, rounds interleaved; medians of each round's median per call, the
-ratio to C order, the copies explain prints for one call, and whether the loss is the same.
+ratio to C order, the copies and the peak explain prints for one call, and whether the loss
+is the same.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ def main(argv=None) -> None:
         for _ in range(3):
             losses[name] = float(step(*arguments)[0])
         step.wait_until_compiled()
-        copies[name] = step.explain(*arguments).call_peak.at_peak().get("copies", 0)
+        peak = step.explain(*arguments).call_peak
+        copies[name] = (peak.at_peak().get("copies", 0), peak.peak_bytes)
         calls[name] = lambda arguments=arguments: step(*arguments)
     medians = interleaved_medians(calls, args.rounds, args.seconds, settle=1)
     print(f"rows {args.rows}, load {load_average():.1f}, {args.rounds} interleaved rounds")
     for name, ms in medians.items():
         print(
-            f"  {name:9} {ms:8.2f} ms  {ms / medians['C']:.3f}x C  copies {copies[name]:,} B"
+            f"  {name:9} {ms:8.2f} ms  {ms / medians['C']:.3f}x C  copies {copies[name][0]:,} B"
+            f"  call peak {copies[name][1]:,} B"
             f"  same loss as C: {losses[name] == losses['C']}"
         )
 

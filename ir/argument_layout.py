@@ -1,13 +1,21 @@
-"""How an argument's array is laid out, in the words explain and the signature use: a compiled
-plan reads its inputs in C order, so any other layout is copied whole into C order at every
-call of a plan that takes it (codegen/run/compiled.py `contiguous`), a copy the step's peak
-counts (ir/peak.py, category "copies") and the signature keys on (tracer/signature.py), so a
-plan whose peak assumed one layout is never reused for another.
+"""How an argument's array is laid out, in the words explain and the signature use. A compiled
+plan reads its inputs in C order; three other layouts are views of a C-ordered array, which a
+plan reads in place (ir/in_place_inputs.py): "F-order" (the transpose of its C-ordered .T),
+"broadcast over axis 0" (np.broadcast_to of the array with those axes cut to 1), "reversed
+along axis 1" (a[::-1] of a C-ordered array). Any other ("strided": a slice with steps, mixed
+kinds) is copied whole into C order at every call of a plan that takes it (codegen/run/
+compiled.py `contiguous`), a copy the step's peak counts (ir/peak.py, category "copies"). The
+signature keys on the layout (tracer/signature.py): a plan made for one is never reused for
+another.
 
 >>> import numpy as np
 >>> a = np.ones((4, 3), np.float32)
 >>> [layout(x) for x in (a, a.T, a[::-1], np.broadcast_to(a[0], (4, 3)), a[:, ::2])]
-['C', 'F-order', 'negative strides', 'broadcast', 'strided']
+['C', 'F-order', 'reversed along axis 0', 'broadcast over axis 0', 'strided']
+>>> column = np.ones((4, 1), np.float32)
+>>> b = np.broadcast_to(column, (4, 3))
+>>> layout(b), np.shares_memory(base(b, layout(b)), column), same_layout(b).strides
+('broadcast over axis 1', True, (4, 0))
 """
 
 from __future__ import annotations
@@ -15,22 +23,80 @@ from __future__ import annotations
 import numpy as np
 
 C_ORDER = "C"
+F_ORDER = "F-order"
+BROADCAST = "broadcast over"
+REVERSED = "reversed along"
 
 
 def layout(array: np.ndarray) -> str:
-    """C_ORDER ("C") for an array a plan reads in place (C-contiguous, however aligned);
-    otherwise why it is copied: "F-order" (a transposed matrix, a Fortran array), "broadcast"
-    (a zero stride: np.broadcast_to, expand), "negative strides" (a reversed view), "strided"."""
+    """C_ORDER ("C") for an array a plan reads as it is (C-contiguous, however aligned);
+    otherwise F-order, broadcast over / reversed along the axes named (where the rest is C
+    order), or "strided"."""
     if array.flags.c_contiguous:
         return C_ORDER
     if array.flags.f_contiguous:
-        return "F-order"
-    strides = [s for s, n in zip(array.strides, array.shape, strict=True) if n > 1]
-    if any(s == 0 for s in strides):
-        return "broadcast"
-    if any(s < 0 for s in strides):
-        return "negative strides"
+        return F_ORDER
+    sized = [
+        (k, s) for k, (s, n) in enumerate(zip(array.strides, array.shape, strict=True)) if n > 1
+    ]
+    zero = [k for k, s in sized if s == 0]
+    negative = [k for k, s in sized if s < 0]
+    if zero and not negative and _cut(array, zero).flags.c_contiguous:
+        return _named(BROADCAST, zero)
+    if negative and not zero and _flipped(array, negative).flags.c_contiguous:
+        return _named(REVERSED, negative)
     return "strided"
+
+
+def _named(kind: str, axes: list[int]) -> str:
+    which = "axis" if len(axes) == 1 else "axes"
+    return f"{kind} {which} {', '.join(map(str, axes))}"
+
+
+def layout_axes(word: str) -> tuple[int, ...]:
+    """The axes a broadcast or reversed layout names."""
+    return tuple(int(a) for a in word.split(" ", 3)[3].split(", "))
+
+
+def _cut(array: np.ndarray, axes) -> np.ndarray:
+    return array[tuple(slice(0, 1) if k in axes else slice(None) for k in range(array.ndim))]
+
+
+def _flipped(array: np.ndarray, axes) -> np.ndarray:
+    return array[
+        tuple(slice(None, None, -1) if k in axes else slice(None) for k in range(array.ndim))
+    ]
+
+
+def base(array: np.ndarray, word: str) -> np.ndarray:
+    """The C-ordered array (a view, where `array` has that layout) a plan reading `array` in
+    place takes instead: array.T, the broadcast axes cut to 1, the reversed axes flipped back."""
+    if word == F_ORDER:
+        return array.T
+    if word.startswith(BROADCAST):
+        return _cut(array, layout_axes(word))
+    if word.startswith(REVERSED):
+        return _flipped(array, layout_axes(word))
+    return array
+
+
+def viewed(base_array: np.ndarray, word: str, shape: tuple) -> np.ndarray:
+    """The array of this layout and shape that views `base_array` (what `base` undoes)."""
+    if word == F_ORDER:
+        return base_array.T
+    if word.startswith(BROADCAST):
+        return np.broadcast_to(base_array, shape)
+    if word.startswith(REVERSED):
+        return _flipped(base_array, layout_axes(word))
+    return base_array
+
+
+def same_layout(array: np.ndarray) -> np.ndarray:
+    """A private copy of `array` in its own layout, its C-ordered base copied and viewed back:
+    an F-order array stays F-order, a broadcast view is copied at its compact size and
+    broadcast again (read-only), a reversed view reversed; any other becomes C-ordered."""
+    word = layout(array)
+    return viewed(np.array(base(array, word), order="C"), word, array.shape)
 
 
 def copied_inputs(layouts) -> tuple[tuple[int, str], ...]:

@@ -1,10 +1,14 @@
-"""F-order arguments read where they live: a Fortran array, or a matrix passed transposed
-(`w.T`), is the transpose of a C-ordered array of the reversed shape. The lowering of a plan
-taking one (Plan.copied, ir/argument_layout.py) takes that C-ordered array as its input instead
-and reads the argument as a `transpose` view of it: a GEMM takes it as its transpose flag, a
-loop reads it strided, and any kernel that needs it C-contiguous gets a copy the memory planner
-places and explain's peak counts (ir/strided_copies.py, which runs next). The compiled call
-passes `array.T`, a view (codegen/run/compiled.py): no copy of the whole argument at every call.
+"""Arguments read where they live. A Fortran array, or a matrix passed transposed (`w.T`), is
+the transpose of a C-ordered array of the reversed shape; a broadcast view (np.broadcast_to,
+expand) is a C-ordered array with the broadcast axes of size 1, broadcast; a reversed view
+(a[::-1]) a C-ordered array sliced with step -1 (ir/argument_layout.py names each). The
+lowering of a plan taking one (Plan.copied) takes that C-ordered array as its input instead
+and reads the argument as a `transpose`, `broadcast_to` or `slice` view of it: a GEMM takes a
+transpose as its flag, a loop reads any of them strided (a broadcast axis with stride 0), and
+any kernel that needs its operand C-contiguous gets a copy the memory planner places and
+explain's peak counts (ir/strided_copies.py, which runs next). The compiled call passes the
+C-ordered array, a view of the argument (argument_layout.base; codegen/run/compiled.py): no
+copy of the whole argument at every call.
 
 The reference interpreter runs the plan as it was (LoweredPlan.interpreted), on the arrays as
 given. A donated input, or one an output lives in, keeps its copy (their buffers are paired
@@ -13,17 +17,16 @@ with outputs of the argument's own shape).
 
 from __future__ import annotations
 
+from .argument_layout import BROADCAST, F_ORDER, REVERSED, layout_axes
 from .graph import Graph, Value, carry_reasons
 from .layout import storage_root
 from .liveness import Plan, plan_liveness
 from .types import TensorType
 
-F_ORDER = "F-order"
-
 
 def in_place_inputs(plan: Plan) -> tuple[tuple[int, str], ...]:
-    """(input, layout) of the copied inputs the lowering reads in place: F-order, 2-D or more,
-    neither donated nor the storage of an output."""
+    """(input, layout) of the copied inputs the lowering reads in place: F-order, broadcast or
+    reversed, neither donated nor the storage of an output."""
     if not plan.copied:
         return ()
     inputs = plan.graph.inputs
@@ -31,8 +34,7 @@ def in_place_inputs(plan: Plan) -> tuple[tuple[int, str], ...]:
     return tuple(
         (i, word)
         for i, word in plan.copied
-        if word == F_ORDER
-        and len(inputs[i].shape) >= 2
+        if (word == F_ORDER or word.startswith((BROADCAST, REVERSED)))
         and i not in plan.donated
         and inputs[i] not in kept
     )
@@ -50,21 +52,19 @@ def read_in_place(
         return plan, origin
     graph = plan.graph
     inputs, mapping, views = list(graph.inputs), {}, []
-    for i, _ in chosen:
+    for i, word in chosen:
         value = inputs[i]
-        n = len(value.shape)
-        base = Value(
-            "input", (), {}, TensorType(value.dtype, value.shape[::-1]), value.loc, value.role
-        )
+        shape, op, attrs = _base_and_view(value.shape, word)
+        base = Value("input", (), {}, TensorType(value.dtype, shape), value.loc, value.role)
         inputs[i] = base
-        view = Value("transpose", [base], {"perm": tuple(range(n))[::-1]}, value.type, value.loc)
+        view = Value(op, [base], attrs, value.type, value.loc)
         mapping[value] = view
         views.append(view)
         if sources is not None:
             sources[view] = value
     nodes, source = list(views), {}
     for node in graph.nodes:
-        if node.op == "transpose" and mapping.get(node.inputs[0]) in views:
+        if node.op == "transpose" and _is_transpose_of_base(mapping.get(node.inputs[0]), views):
             made = mapping[node] = _composed(mapping[node.inputs[0]], node, nodes, views)
             if made.op != "input":
                 source[made] = node if origin is None else origin.get(node)
@@ -106,3 +106,28 @@ def _composed(view: Value, node: Value, nodes: list, views: list) -> Value:
     nodes.append(made)
     views.append(made)
     return made
+
+
+def _base_and_view(shape: tuple, word: str) -> tuple[tuple, str, dict]:
+    """(the shape of the C-ordered array a plan takes for an argument of this shape and
+    layout, the view op reading the argument from it, its attributes)."""
+    n = len(shape)
+    if word == F_ORDER:
+        return tuple(shape[::-1]), "transpose", {"perm": tuple(range(n))[::-1]}
+    axes = layout_axes(word)
+    if word.startswith(BROADCAST):
+        cut = tuple(1 if k in axes else d for k, d in enumerate(shape))
+        return cut, "broadcast_to", {"shape": tuple(shape)}
+    return (
+        tuple(shape),
+        "slice",
+        {
+            "starts": tuple(d - 1 if k in axes else 0 for k, d in enumerate(shape)),
+            "stops": tuple(-1 if k in axes else d for k, d in enumerate(shape)),
+            "steps": tuple(-1 if k in axes else 1 for k in range(n)),
+        },
+    )
+
+
+def _is_transpose_of_base(view, views: list) -> bool:
+    return view is not None and view.op == "transpose" and view in views

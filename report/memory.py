@@ -170,7 +170,8 @@ def copies_note(report) -> str:
         text.append(
             "read in place, no copy: "
             + "; ".join(read)
-            + " (the kernels read it as the transpose of its C-ordered .T)."
+            + " (the kernels read each as a view of the C-ordered array under it; one that needs"
+            " an operand in C order copies it into the scratch arena, counted there)."
         )
     return " ".join(text)
 

@@ -34,23 +34,34 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
 
 
 # (w1, w2, x) per layout, and the bytes a compiled call copies of them
+# (w1, w2, x) per layout, the bytes a compiled call copies of them, and the bytes of those not
+# in C order (a copy of each, at most, is what reading them in place can still need)
 LAYOUTS = {
-    "F-order": (lambda: (np.asfortranarray(W1), np.asfortranarray(W2), np.asfortranarray(X)), 0),
+    "F-order": (
+        lambda: (np.asfortranarray(W1), np.asfortranarray(W2), np.asfortranarray(X)),
+        0,
+        W1.nbytes + W2.nbytes + X.nbytes,
+    ),
     "negative strides": (
         lambda: (
             np.ascontiguousarray(W1[::-1])[::-1],
             np.ascontiguousarray(W2[:, ::-1])[:, ::-1],
             X,
         ),
+        0,
         W1.nbytes + W2.nbytes,
     ),
     "broadcast": (
         lambda: (np.broadcast_to(W1[0], W1.shape), W2, np.broadcast_to(X[1], X.shape)),
+        0,
         W1.nbytes + X.nbytes,
     ),
-    "strided": (lambda: (np.repeat(W1, 2, axis=1)[:, ::2], W2, X), W1.nbytes),
-    "misaligned": (lambda: (_misaligned(W1), W2, _misaligned(X)), 0),
+    "strided": (lambda: (np.repeat(W1, 2, axis=1)[:, ::2], W2, X), W1.nbytes, W1.nbytes),
+    "misaligned": (lambda: (_misaligned(W1), W2, _misaligned(X)), 0, 0),
 }
+# read in place with nothing copied at all (a GEMM reads a reversed or broadcast operand only
+# after a copy into the arena, ir/strided_copies.py: counted as scratch)
+NO_COPY_AT_ALL = ("F-order", "misaligned")
 
 
 def _reference(w1, w2, x):
@@ -81,7 +92,7 @@ STEPS = {
 def test_a_value_and_grad_step_counts_the_copies_it_makes(layout, step_kind):
     """The checked mode passes on every call (the copies are in the plan's prediction), the
     measured peak is explain's, and explain's peak holds the copies' bytes exactly."""
-    make, copied = LAYOUTS[layout]
+    make, copied, whole = LAYOUTS[layout]
     w1, w2, x = make()
     assert (layout == "misaligned") == all(a.flags.c_contiguous for a in (w1, w2, x))
     c_order = [np.ascontiguousarray(a) for a in (w1, w2, x)]
@@ -105,7 +116,10 @@ def test_a_value_and_grad_step_counts_the_copies_it_makes(layout, step_kind):
         c_args = ({"w1": c_order[0], "w2": c_order[1]}, c_order[2])
         c_step(*c_args)
         c_peak = c_step.explain(*c_args).call_peak.peak_bytes
-    assert report.call_peak.peak_bytes == c_peak + copied  # read in place: the same peak
+    if layout in NO_COPY_AT_ALL or copied:
+        assert report.call_peak.peak_bytes == c_peak + copied  # in place: the C-order peak
+    else:
+        assert c_peak < report.call_peak.peak_bytes < c_peak + whole  # an operand's copy
     if step_kind == "not compiled":
         plan = step.trace(*args).plan
         predicted = predicted_peak(joint_calls(plan, 1))
@@ -119,7 +133,7 @@ def test_a_compiled_loss_and_its_backward_count_the_copies_or_read_in_place(layo
     """bp.compile(loss) then backward() on tensors sharing the arrays' memory (bp.from_dlpack,
     as a torch user's w.T arrives): the forward copies them, and the backward copies again the
     saved input that is the caller's array (read where it lives)."""
-    make, copied = LAYOUTS[layout]
+    make, copied, _ = LAYOUTS[layout]
     w1, w2, x = make()
     want = _reference(w1, w2, x)
     with use_backend("numba"), checked_memory():
@@ -145,7 +159,7 @@ def test_a_compiled_loss_and_its_backward_count_the_copies_or_read_in_place(layo
     assert len(calls[0].copied) == sum(not a.flags.c_contiguous for a in passed)
     assert calls[1].copied  # x @ w2.T's gradient for x reads w2: saved, the caller's array
     copies = max(s.held.get("copies", 0) for s in predicted_peak(calls).steps)
-    assert copies == (0 if layout == "F-order" else W1.nbytes + W2.nbytes)
+    assert copies == copied == 0  # both read in place
     assert measured[1] == predicted_peak(calls).allocated_peak_bytes
     predicted = [report.peak_on_call(n).allocated_peak_bytes for n in (1, 2, 3, 4)]
     assert measured[1:] == predicted[1:]  # the first call also counts its compile's garbage
@@ -154,7 +168,7 @@ def test_a_compiled_loss_and_its_backward_count_the_copies_or_read_in_place(layo
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_compiled_forward_counts_or_reads_in_place(layout):
-    make, copied = LAYOUTS[layout]
+    make, copied, _ = LAYOUTS[layout]
     w1, w2, x = make()
     args = ({"w1": w1, "w2": w2}, x)
     with use_backend("numba"), checked_memory():
@@ -179,15 +193,18 @@ def test_a_layout_change_retraces_and_says_so():
             step(*args)  # the checked mode raises if a plan's prediction is reused wrongly
         reason = step.explain(*f_args).retrace_reason
         r_args = ({"w1": W1[::-1], "w2": W2}, X)
-        for args in (r_args, c_args, r_args, f_args):
+        s_args = ({"w1": np.repeat(W1, 2, axis=1)[:, ::2], "w2": W2}, X)
+        for args in (r_args, c_args, s_args, r_args, f_args, s_args):
             step(*args)
-        assert step.explain(*r_args).call_peak.at_peak()["copies"] == W1.nbytes
-        for args in (c_args, f_args):
+        assert step.explain(*s_args).call_peak.at_peak()["copies"] == W1.nbytes
+        for args in (c_args, f_args, r_args):
             assert "copies" not in step.explain(*args).call_peak.at_peak()
+        strided_text = " ".join(str(step.explain(*s_args)).split())
         text = " ".join(str(step.explain(*f_args)).split())  # the text wraps
         reversed_text = " ".join(str(step.explain(*r_args)).split())
     assert "read in place, no copy: p['w1'] (F-order) in the forward call" in text
-    assert "copy of p['w1'] (negative strides) 512 B in the forward call" in reversed_text
+    assert "read in place, no copy: p['w1'] (reversed along axis 0)" in reversed_text
+    assert "copy of p['w1'] (strided) 512 B in the forward call" in strided_text
     assert reason == "p['w1']: layout C -> F-order"
 
 

@@ -22,6 +22,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from backplan.ir.argument_layout import same_layout
 from backplan.ir.graph import Graph
 from backplan.ir.layout import storage_root
 from backplan.runtime.backend import current_backend
@@ -45,9 +46,9 @@ def borrowed(array: np.ndarray) -> np.ndarray:
 
 def copied(array: np.ndarray, order: str = "C") -> np.ndarray:
     """A private copy, read-only like every tensor's buffer: C-ordered, or with order="K" in
-    the array's own order (an F-order array stays one, which a plan reads in place as the
-    transpose of its C-ordered .T: ir/in_place_inputs.py)."""
-    copy = np.array(array, order=order)
+    the array's own layout (an F-order, broadcast or reversed array stays one, which a plan
+    reads in place: ir/in_place_inputs.py; a broadcast one copied at its compact size)."""
+    copy = same_layout(array) if order == "K" else np.array(array, order="C")
     read_only(copy)
     return copy
 

@@ -11,7 +11,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from backplan.ir.argument_layout import C_ORDER, copied_inputs, layout
+from backplan.ir.argument_layout import (
+    BROADCAST,
+    C_ORDER,
+    REVERSED,
+    base,
+    copied_inputs,
+    layout,
+    viewed,
+)
 from backplan.ir.errors import DtypeError
 from backplan.runtime import is_grad_enabled
 
@@ -99,7 +107,7 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
         arguments.append(argument)
         order = layout(leaf) if isinstance(leaf, np.ndarray) else C_ORDER
         if isinstance(leaf, np.ndarray):  # read in place on later calls: its own layout counts
-            leaves[i] = leaf = _argument_tensor(fn, path, leaf)
+            leaves[i] = leaf = _argument_tensor(fn, path, leaf, order)
         if type(leaf) is float and argument not in static and argument in passed:
             leaves[i] = Tensor._weak_scalar(leaf)
             positions.append(i)
@@ -125,10 +133,15 @@ def copied_leaves(call: BoundCall) -> tuple[tuple[int, str], ...]:
     return copied_inputs(layouts)
 
 
-def _argument_tensor(fn, path: str, array: np.ndarray) -> Tensor:
-    """A NumPy argument as a tensor; a dtype backplan refuses names the function, the argument
-    and the caller's line, as an op's error does."""
+def _argument_tensor(fn, path: str, array: np.ndarray, order: str = C_ORDER) -> Tensor:
+    """A NumPy argument as a tensor, a copy in the array's own layout (order): later calls
+    pass the array itself, which the plan reads in place (ir/in_place_inputs.py), so this one
+    passes the same layout (a broadcast view copied at its compact size); a dtype backplan
+    refuses names the function, the argument and the caller's line, as an op's error does."""
     try:
+        if order.startswith((BROADCAST, REVERSED)):
+            compact = Tensor(base(array, order))  # checked and copied, in C order
+            return Tensor._from_array(viewed(compact._data, order, array.shape))
         return Tensor(array)
     except DtypeError as exc:
         loc = user_frame_loc()

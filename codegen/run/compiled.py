@@ -34,6 +34,7 @@ from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.run import compile_garbage
 from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare, refuse_uncounted
 from backplan.codegen.run.workspace import WorkspacePool, sized_launch
+from backplan.ir.argument_layout import base
 from backplan.ir.errors import ExecutionError
 from backplan.ir.flops import node_flops
 from backplan.ir.gc_pause import paused_gc
@@ -294,8 +295,8 @@ class CompiledPlan:
             for i, n in generated.literal_outputs.items()
         }
         self._scalar_inputs = [i for i, v in enumerate(graph.inputs) if v.shape == ()]
-        # F-order arguments the plan reads as the transpose of their C-ordered .T (a view)
-        self._in_place = [i for i, _ in plan.in_place]
+        # arguments the plan reads in place, as views of a C-ordered array (argument_layout.base)
+        self._in_place = list(plan.in_place)
         self._output_sources = _output_sources(generated.output_sources, self._output_buffers)
         self._buffer_outputs = None
         if not self._literal_outputs and all(j is not None for j, _, _ in self._output_sources):
@@ -337,8 +338,8 @@ class CompiledPlan:
             return self._checked_call(args, donate)
         if not lean or (donate and self.donations):
             return self._general_call(args, donate)
-        for i in self._in_place:
-            args[i] = args[i].T
+        for i, word in self._in_place:
+            args[i] = base(args[i], word)
         arrays = [a if a.flags.c_contiguous else contiguous(a) for a in args]
         args.clear()
         for i in self._scalar_inputs:
@@ -470,8 +471,8 @@ class CompiledPlan:
         """Any call: while the reference interpreter stands in, the first call, donations."""
         if self.driver_tier == "reference":
             return self._reference_call(args)
-        for i in self._in_place:
-            args[i] = args[i].T  # C-ordered where the argument is F-ordered: a view
+        for i, word in self._in_place:
+            args[i] = base(args[i], word)  # C-ordered where the argument has that layout: a view
         arrays = [contiguous(a) for a in args]
         given = self._donated_buffers(args, arrays, donate) if donate and self.donations else {}
         copies = None
@@ -652,11 +653,11 @@ class CompiledPlan:
         self._workspaces.release_idle()
 
     def _driver_arrays(self, args: list) -> list:
-        """The inputs as the driver takes them: C-contiguous (an F-order argument read in
-        place as its transpose), scalars as one element, 16-bit floats as their bit patterns."""
+        """The inputs as the driver takes them: C-contiguous (an argument read in place as the
+        C-ordered array it views), scalars as one element, 16-bit floats as their bit patterns."""
         arrays = list(args)
-        for i in self._in_place:
-            arrays[i] = arrays[i].T
+        for i, word in self._in_place:
+            arrays[i] = base(arrays[i], word)
         arrays = [contiguous(a) for a in arrays]
         for i in self._scalar_inputs:
             arrays[i] = arrays[i].reshape(1)
