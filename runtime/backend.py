@@ -35,7 +35,7 @@ class _ThisThread(threading.local):
 _this_thread = _ThisThread()  # backend_in_this_thread: the calling thread only
 
 
-_DEFAULT = os.environ.get("BACKPLAN_BACKEND", "numba")  # read once: calls are hot
+_DEFAULT = os.environ.get("BACKPLAN_BACKEND") or "numba"  # read once: calls are hot
 
 
 def current_backend() -> str:

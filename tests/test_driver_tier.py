@@ -137,6 +137,26 @@ def test_an_unknown_driver_mode_is_refused(monkeypatch):
         driver_tier.driver_mode()
 
 
+def test_a_mode_variable_set_empty_means_its_default(monkeypatch):
+    """`BACKPLAN_DRIVER=$MODE python ...` with MODE unset sets it to "": the default, as an
+    empty BACKPLAN_GEMM or BACKPLAN_QUIET is (each raised ValueError naming '')."""
+    import os
+    import subprocess
+    import sys
+
+    from backplan.codegen.build import loop_calls
+
+    for name in ("BACKPLAN_DRIVER", "BACKPLAN_DRIVER_AT_EXIT", "BACKPLAN_DRIVER_LOOPS"):
+        monkeypatch.setenv(name, "")
+    assert driver_tier.driver_mode() == "background"
+    assert driver_tier.at_exit_mode() == "kill"
+    assert loop_calls.mode() == "linked"
+    code = "from backplan.runtime.backend import current_backend; print(current_backend())"
+    env = {**os.environ, "BACKPLAN_BACKEND": ""}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "numba", run.stderr[-2000:]
+
+
 def test_reference_first_calls_compile_nothing_here_then_switch(background, monkeypatch, capfd):
     """BACKPLAN_DRIVER=reference: the first call waits for no compiler; the child compiles the
     kernels and the driver, and later calls run them."""

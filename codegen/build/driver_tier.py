@@ -56,7 +56,7 @@ def driver_mode(background: bool | None = None) -> str:
     """The mode of a plan whose function asked for `background` (None: BACKPLAN_DRIVER's)."""
     if background is not None:
         return "reference" if background else "inline"
-    mode = os.environ.get("BACKPLAN_DRIVER", "background")
+    mode = os.environ.get("BACKPLAN_DRIVER") or "background"
     if mode not in MODES:
         raise ValueError(f"BACKPLAN_DRIVER={mode!r}; use one of {', '.join(MODES)}")
     return mode
@@ -78,7 +78,7 @@ def worth_compiling(statements: int, flops: float) -> bool:
 
 
 def at_exit_mode() -> str:
-    mode = os.environ.get("BACKPLAN_DRIVER_AT_EXIT", "kill")
+    mode = os.environ.get("BACKPLAN_DRIVER_AT_EXIT") or "kill"
     if mode not in AT_EXIT_MODES:
         raise ValueError(
             f"BACKPLAN_DRIVER_AT_EXIT={mode!r}; use one of {', '.join(AT_EXIT_MODES)} (what a "

@@ -47,7 +47,7 @@ FORMS = ("kernel_at", "kernel_at_small")  # by whether the form is the small one
 
 def mode() -> str:
     """BACKPLAN_DRIVER_LOOPS: how a compiled driver reaches the plan's loops."""
-    chosen = os.environ.get("BACKPLAN_DRIVER_LOOPS", "linked")
+    chosen = os.environ.get("BACKPLAN_DRIVER_LOOPS") or "linked"
     if chosen not in MODES:
         raise ValueError(
             f"BACKPLAN_DRIVER_LOOPS={chosen!r}; use one of {', '.join(MODES)} (how a compiled "
