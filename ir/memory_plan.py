@@ -36,6 +36,10 @@ class BufferRequest(NamedTuple):
     last_step: int
     arena: str = "scratch"
     reuse: tuple = ()
+    # reuse may also name a buffer made and last read at this one's first step: the step
+    # reads each element of it before writing this one's there (a GEMM's epilogue writing
+    # over its product, ir/layout.py)
+    in_step: bool = False
 
 
 class Placement(NamedTuple):
@@ -124,13 +128,15 @@ def lower_bound_bytes(requests: list[BufferRequest]) -> dict:
 
 def may_take_over(new: BufferRequest, old: BufferRequest) -> bool:
     """Whether `new` may be written over `old` in place. `old` must outlive its first step, so a
-    chain of takeovers never makes two buffers that are not neighbours in it overlap."""
+    chain of takeovers never makes two buffers that are not neighbours in it overlap; or, for
+    a new one `in_step`, be made and last read at new's first step while taking over nothing
+    itself."""
     return (
         new.arena == old.arena
         and new.dtype == old.dtype
         and new.nbytes <= old.nbytes
         and old.last_step == new.first_step
-        and old.first_step < old.last_step
+        and (old.first_step < old.last_step or (new.in_step and not old.reuse))
     )
 
 

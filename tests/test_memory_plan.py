@@ -54,7 +54,10 @@ def successor_requests(draw, key, earlier):
     reuse = draw(st.permutations([old.key, *extra]))
     first = old.last_step
     last = first + draw(st.integers(0, 6))
-    return BufferRequest(key, items * ITEMSIZE[dtype], dtype, first, last, arena, tuple(reuse))
+    in_step = draw(st.booleans())  # may take over one made and last read at its first step
+    return BufferRequest(
+        key, items * ITEMSIZE[dtype], dtype, first, last, arena, tuple(reuse), in_step
+    )
 
 
 @st.composite
@@ -75,7 +78,7 @@ def legal_takeover(new, old):
         (new.arena, new.dtype) == (old.arena, old.dtype)
         and new.nbytes <= old.nbytes
         and old.last_step == new.first_step
-        and old.first_step < old.last_step
+        and (old.first_step < old.last_step or (new.in_step and not old.reuse))
     )
 
 
@@ -290,6 +293,24 @@ def test_illegal_hint_is_ignored(why, old, new):
     plan = assign_memory([old, new])
     assert plan.in_place == {}, why
     assert_safe([old, new], plan, 64)  # so they share no byte while both are live
+
+
+def test_a_buffer_made_and_read_in_one_step_is_taken_over_in_that_step_only_when_asked():
+    # a GEMM's product (made and last read at step 3) and its epilogue's result (written at
+    # step 3, read until 5): one slot with the hint in_step, two without it
+    product = BufferRequest("product", 256, "f32", 3, 3)
+    result = BufferRequest("result", 256, "f32", 3, 5, reuse=("product",))
+    apart = assign_memory([product, result])
+    assert apart.in_place == {} and apart.arena_bytes() == {("scratch", "f32"): 512}
+    over = assign_memory([product, result._replace(in_step=True)])
+    assert over.in_place == {"result": "product"}
+    assert over.arena_bytes() == {("scratch", "f32"): 256}
+    # a product that takes over a buffer itself is not taken over in its step: three buffers
+    # of one chain would share a slot at step 3
+    operand = BufferRequest("operand", 256, "f32", 1, 3)
+    taker = product._replace(reuse=("operand",), in_step=True)
+    chained = assign_memory([operand, taker, result._replace(in_step=True)])
+    assert "result" not in chained.in_place
 
 
 def test_a_dying_buffer_goes_to_one_taker_only():

@@ -35,9 +35,11 @@ def template_key(emitter, mode: str) -> tuple:
         tuple(n == 1 for n in emitter.sizes),
     ]
     index = {}
+    shared = emitter.shared_views()  # one view for two accesses: sizes may differ in it
     for j, (key, access) in enumerate(emitter.accesses.items()):
         index[key] = j
         parts.append((access.name, tuple(access.dims), access.strided, isinstance(key, tuple)))
+        parts.append(index.get(shared.get(key)))
     kernel = emitter.kernel
     for red in kernel.reductions:
         parts.append((names[red], tuple(sorted(emitter.reduced_dims[red]))))

@@ -206,8 +206,18 @@ class LoopEmitter:
         self._arguments()
         lines, self.view_name, self.view_groups = [], {}, {}
         prefix = self.size_prefix[:-1] if self.size_prefix else ""
+        shared = self.shared_views()
         for j, (key, access) in enumerate(self.accesses.items()):
             base, offset, view = f"{prefix}b{j}", f"{prefix}o{j}", f"{prefix}w{j}"
+            first = shared.get(key)
+            if first is not None:
+                # a result written over the buffer it reads (a GEMM's epilogue over its
+                # product, ir/layout.py): one view for both, so LLVM sees one array, not two
+                # it must check for overlap at run time (then running the loop scalar: 1.39x
+                # a 3-layer tanh MLP's step)
+                self.view_name[key] = self.view_name[first]
+                self.view_groups[key] = self.view_groups[first]
+                continue
             self.view_name[key] = view
             if access.strided:
                 groups = [self._group_of(d) for d in access.dims]
@@ -227,6 +237,22 @@ class LoopEmitter:
             lines.append(f"{view} = contiguous_view({base}, {offset}, ({', '.join(sizes)},))")
             self.view_groups[key] = present
         return lines
+
+    def shared_views(self) -> dict:
+        """Access -> the earlier access whose view it reads and writes through: the same
+        placement and loop dimensions, neither strided (a GEMM's epilogue result written over
+        its product, ir/layout.py)."""
+        first: dict = {}
+        shared = {}
+        for key, access in self.accesses.items():
+            if access.strided:
+                continue
+            where = (access.where, tuple(access.dims))
+            if where in first:
+                shared[key] = first[where]
+            else:
+                first[where] = key
+        return shared
 
     def _arguments(self) -> None:
         """Each view's base array (self.bases), offset and strides in bytes (self.scalars), by
