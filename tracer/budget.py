@@ -561,15 +561,29 @@ class BudgetPlanner:
         raise MemoryBudgetError(self._saved_refusal(limit, chain))
 
     def _full_precision_tail(self, default_plans, fewest: int) -> list[SavedLink]:
-        """With allow_dtype, the full-precision chain's links saving fewer than `fewest` (the
-        narrowed chain's end): a narrowed plan's low peak ends its chain early (every plan saving
-        less peaks higher), and allowing a narrower dtype must not refuse a budget full precision
-        meets. Below that end the peak is full precision's, above the narrowed chain's last."""
+        """With allow_dtype, what follows the narrowed chain's end (`fewest` saved bytes): a
+        narrowed plan's low peak ends its chain early (every plan saving less peaks higher), and
+        allowing a narrower dtype must not refuse a budget full precision meets. First the plans
+        saving fewer than `fewest`, narrowed or not, as a chain of their own (fewest added FLOPs
+        first, each saving less at a peak no higher); then the full-precision chain's links
+        saving fewer than that tail's end. Below `fewest` the peak is above the narrowed chain's
+        last."""
         if self.allow_dtype is None:
             return []
         if self._full_chain is None:
             self._full_chain = self._chain_of(default_plans, narrowing=False)
-        return [link for link in self._full_chain if link.saved < fewest]
+        tail: list[SavedLink] = []
+        for point, narrowed in self._saved_candidates():
+            evaluated = self.evaluate(point, narrowed)
+            saved = self._saved_of(point, narrowed, evaluated.plans) - evaluated.fused
+            if saved < (tail[-1].saved if tail else fewest) and (
+                not tail or evaluated.peak_bytes <= tail[-1].peak
+            ):
+                tail.append(
+                    SavedLink(saved, evaluated.peak_bytes, evaluated.plans, point, narrowed)
+                )
+        end = tail[-1].saved if tail else fewest
+        return tail + [link for link in self._full_chain if link.saved < end]
 
     def saved_chain(self, default_plans) -> list[SavedLink]:
         """The plans saved_bytes_budget chooses from, fewest added FLOPs first: the default
