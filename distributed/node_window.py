@@ -18,9 +18,11 @@ reads the buffer."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
+import time
 
 import numpy as np
 
@@ -48,9 +50,43 @@ def fence() -> None:
     _fences[0].Sync()
 
 
+STALE_S = 600  # a segment file this old whose maker is gone was left by a killed job
+
+
+def remove_stale(folder: str | None = None) -> list[str]:
+    """Remove this user's segment files left behind (their maker killed between making and
+    unlinking one, e.g. by MPI_Abort while it waited for another rank): older than STALE_S
+    and their process gone. The paths removed."""
+    folder = folder or SHARED_FOLDER
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "backplan" or not parts[1].isdigit():
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.stat(path, follow_symlinks=False)
+            if info.st_uid != os.getuid() or now - info.st_mtime < STALE_S:
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 def _create(nbytes: int):
     """(path, mapping) of a new segment of nbytes for this rank, or ("", None) where this
     machine has no shared folder."""
+    remove_stale()
     path = os.path.join(SHARED_FOLDER, f"backplan-{os.getpid()}-{secrets.token_hex(8)}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
