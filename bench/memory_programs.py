@@ -228,7 +228,7 @@ def measure(name: str, scale: int) -> dict:
     """The first step in a fresh process, and in one primed at a quarter of the batch."""
     from .memory import _run_child
 
-    here, primed = __name__, max(scale // 4, 1)
+    here, primed = "backplan.bench.memory_programs", max(scale // 4, 1)  # not __main__
     _run_child("warm", name, scale, primed, module=here)
     runs = [_run_child("child", name, scale, *extra, module=here) for extra in ((), (primed,))]
     fresh, after = (json.loads(out.strip().splitlines()[-1]) for out in runs)

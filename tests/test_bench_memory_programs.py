@@ -24,3 +24,24 @@ def test_unknown_programs_are_named(capsys):
 def test_every_program_is_listed_where_it_can_run():
     assert set(memory_programs.available()) <= set(memory_programs.PROGRAMS)
     assert "mlp_adam" in memory_programs.available()
+
+
+def test_the_fresh_processes_import_the_programs_by_their_module_name(monkeypatch, capsys):
+    """Run as `python -m`, the module is __main__ here; its children import it by name."""
+    import json
+
+    from backplan.bench import memory
+
+    calls = []
+    found = {k: 1 for k in ("predicted_peak", "inputs", "expected_growth", "measured_growth")}
+    found |= {"gemm_packing": 0, "driver_loaded_before": True}
+
+    def fake(function, *args, module):
+        calls.append((function, module))
+        return json.dumps(found) + "\n"
+
+    monkeypatch.setattr(memory, "_run_child", fake)
+    monkeypatch.setattr(memory_programs, "__name__", "__main__")
+    assert memory_programs.main(["--programs", "cnn", "--scale", "1"]) == 0
+    assert calls == [(f, "backplan.bench.memory_programs") for f in ("warm", "child", "child")]
+    assert "| cnn | cnn | 1 | 1 | 1 | 1 | 1 | 0 |" in capsys.readouterr().out
