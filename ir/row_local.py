@@ -14,6 +14,14 @@ its values keep their whole buffers. The sizes of one symbolic plan (ir/symbolic
 first size's answer for each run (`pinned`), so a size on the other side of CHUNKS rows runs the
 same row kernels (the test's bfloat16 softmax at 8 and 17 rows: a new loop kernel and driver
 at 17 before); either answer is exact, it only moves the peak by at most CHUNKS rows.
+
+A row's statistic (a (rows, 1) value: a layer norm's sum, mean and 1/std, a softmax row's max
+and sum) qualifies the same way when only later stages of its run read it, each at its own
+row. Kept whole, the bench ln_gelu step stored ten of them per row into ten 16 KiB rows of the
+arena that nothing read back (the later stages read the row's value from a local since
+codegen forwards it): stores whose addresses all agreed in their low 12 bits with each other
+and with the kernel's row streams (4 KiB aliasing, L1 set conflicts), the address kernel 0.3-0.4
+ms of 4.7 slower (BENCHMARKS.md, 36).
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ def row_local_values(
     local: dict[Value, int] = {}
     for start, end in runs:
         loops = [k for k in kernels[start:end] if k.kind == "loop"]
-        many = internal_shape(loops[0].shape)[0] > CHUNKS
+        rows = internal_shape(loops[0].shape)[0]
+        many = rows > CHUNKS
         if pinned is not None:
             many = pinned.setdefault((graph.name, len(graph.nodes), start, end), many)
         if not many:
@@ -73,4 +82,31 @@ def row_local_values(
                 if value is not base or not read_whole_rows:
                     candidates.discard(base)
         local.update(dict.fromkeys(candidates, CHUNKS))
+        local.update(dict.fromkeys(_row_statistics(graph, loops, rows, needed, outside), CHUNKS))
     return local
+
+
+def _row_statistics(graph: Graph, loops: list[Kernel], rows: int, needed: set, outside) -> set:
+    """The (rows, 1) values a run's stages compute (reductions over a row included) that only
+    the run's own stages read, each element in the iteration of its row: not outputs nor
+    inputs, read by no kernel outside the run and through no view."""
+    stage_of = {n: i for i, k in enumerate(loops) for n in k.computed}
+    outputs = {alias_base(o) for o in graph.outputs}
+    found = {
+        n
+        for k in loops
+        for n in k.nodes + k.reductions
+        if n in needed
+        and n not in outputs
+        and n.op != "const"
+        and internal_shape(n.shape) == (rows, 1)
+    }
+    for node in graph.nodes:
+        for value in node.inputs:
+            base = alias_base(value)
+            if base not in found:
+                continue
+            later_stage = node not in outside and stage_of.get(node, -1) >= stage_of[base]
+            if value is not base or not later_stage or internal_shape(node.shape)[0] != rows:
+                found.discard(base)
+    return found

@@ -229,11 +229,14 @@ class LoopEmitter:
             ]
             value = key if isinstance(key, Value) else key[0]
             sizes = [self.size(g) for g in present] or ["1"]
-            if value in self.row_local and access.dims == [0, 1]:
-                present = present[1:]  # the current row only: the view is one row
+            statistic = internal_shape(value.shape)[1:] == (1,) and 0 in access.dims
+            if value in self.row_local and (access.dims == [0, 1] or statistic):
+                # the current row only: the view is one row (one element for a row statistic)
+                present = [] if statistic else present[1:]
                 sizes = [self.size(g) for g in present]
                 if self.row_chunks:  # a row per chunk of rows, indexed by the chunk
                     present, sizes = [CHUNK_ROW, *present], [str(CHUNKS), *sizes]
+                sizes = sizes or ["1"]
             lines.append(f"{view} = contiguous_view({base}, {offset}, ({', '.join(sizes)},))")
             self.view_groups[key] = present
         return lines
@@ -516,14 +519,20 @@ class LoopEmitter:
         same = self.equal.get(base)
         if same is not None and (same, key[1]) in self.view_name:  # read here anyway: its text
             key = (same, key[1])  # then matches, and _body computes the chain on it once
-        if self.rows and key[0] in self.row_values and self.view_groups[key] == [0]:
+        per_row = self.view_groups[key] == [0] or self._row_statistic(key)
+        if self.rows and key[0] in self.row_values and per_row:
             return self.row_values[key[0]]
         read = f"{self.view_name[key]}[{self._index(key)}]"
-        if self.row_reads is not None and self.view_groups[key] == [0]:
+        if self.row_reads is not None and per_row:
             # the stores of the column loops may share the arena with it (to the compiler), so
             # it would be loaded again at every column: once per row instead
             return self.row_reads.setdefault(read, f"row_{self.view_name[key]}")
         return read
+
+    def _row_statistic(self, key) -> bool:
+        """Whether a read is of a row statistic kept one row at a time (ir/row_local.py): its
+        element of the current row, wherever the row kernel keeps it."""
+        return key[0] in self.row_local and self.view_groups[key] in ([], [CHUNK_ROW])
 
     def _unrounded(self, node) -> str | None:
         """For a widening cast of a 16-bit value this loop computed by rounding a float32 one
