@@ -152,6 +152,7 @@ def _match_float(tree, leaves: list, grad_enabled: bool) -> bool:
 
 def _tensor_matcher(part):
     shape, dtype, requires_grad, order = part
+    c_order = order == C_ORDER
 
     def match(tree, leaves: list, grad_enabled: bool) -> bool:
         if type(tree) is not Tensor or tree._donated is not None:
@@ -161,7 +162,7 @@ def _tensor_matcher(part):
             return False
         if (tree._requires_grad and grad_enabled) != requires_grad:
             return False
-        if _layout(data) != order:
+        if not _same_layout(data, order, c_order):
             return False
         leaves.append(tree)
         return True
@@ -171,11 +172,12 @@ def _tensor_matcher(part):
 
 def _array_matcher(part):
     _, shape, dtype, order = part
+    c_order = order == C_ORDER
 
     def match(tree, leaves: list, grad_enabled: bool) -> bool:
         if type(tree) is not np.ndarray or tree.shape != shape:
             return False
-        if not _same_dtype(tree.dtype, dtype) or _layout(tree) != order:
+        if not _same_dtype(tree.dtype, dtype) or not _same_layout(tree, order, c_order):
             return False
         leaves.append(tree)
         return True
@@ -197,7 +199,9 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
     walks them."""
     count = len(children)
     checks = [
-        (None, *child) if type(child[0]) is tuple else (_matcher(child), None, None, None, None)
+        (None, *child, child[3] == C_ORDER)
+        if type(child[0]) is tuple
+        else (_matcher(child), None, None, None, None, None)
         for child in children
     ]
 
@@ -208,7 +212,7 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
             if tuple(tree) != keys:
                 return False
             tree = tree.values()
-        for value, (match_child, shape, dtype, requires_grad, order) in zip(
+        for value, (match_child, shape, dtype, requires_grad, order, c_order) in zip(
             tree, checks, strict=True
         ):
             if match_child is not None:
@@ -224,12 +228,22 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
                 return False
             if (value._requires_grad and grad_enabled) != requires_grad:
                 return False
-            if _layout(data) != order:
+            if data.flags.c_contiguous:  # _same_layout, inline: the common case is one read
+                if not c_order:
+                    return False
+            elif c_order or layout(data) != order:
                 return False
             leaves.append(value)
         return True
 
     return match
+
+
+def _same_layout(array, order: str, c_order: bool) -> bool:
+    """Whether array has the layout a key part recorded; C order costs one flag read."""
+    if array.flags.c_contiguous:
+        return c_order
+    return not c_order and layout(array) == order
 
 
 def _layout(array) -> str:
