@@ -1,10 +1,11 @@
 """The buckets of ranks that share one node, in shared memory: every rank maps every other
-rank's segment (a file in /dev/shm, mapped and then unlinked) and reads its bucket buffers as
-its own memory, so a sum over the ranks needs no message and no copy through MPI's cells. Each
-rank's segment holds a counter per bucket (how many times it has written the bucket) and the
-bucket buffers twice, used by alternate calls: a rank writes a
-buffer again two calls later, by which time every other rank has passed the next call's wait on
-it (shared_exchange.py), so nobody reads a buffer while it is rewritten.
+rank's segment (a file in /dev/shm, unlinked as soon as made: the other ranks open it as
+/proc/PID/fd/FD while its maker holds it open, so nothing is left behind) and reads its bucket
+buffers as its own memory, so a sum over the ranks needs no message and no copy through MPI's
+cells. Each rank's segment holds a counter per bucket (how many times it has written the
+bucket) and the bucket buffers twice, used by alternate calls: a rank writes a buffer again two
+calls later, by which time every other rank has passed the next call's wait on it
+(shared_exchange.py), so nobody reads a buffer while it is rewritten.
 
 Made without a blocking collective: the ranks swap their segments' names with deadline.swap,
 so a rank that stopped before it is named in a RankTimeoutError after the step's timeout (MPI's
@@ -18,11 +19,11 @@ reads the buffer."""
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
+import re
 import secrets
-import time
+import stat
 
 import numpy as np
 
@@ -50,70 +51,46 @@ def fence() -> None:
     _fences[0].Sync()
 
 
-STALE_S = 600  # a segment file this old whose maker is gone was left by a killed job
-
-
-def remove_stale(folder: str | None = None) -> list[str]:
-    """Remove this user's segment files left behind (their maker killed between making and
-    unlinking one, e.g. by MPI_Abort while it waited for another rank): older than STALE_S
-    and their process gone. The paths removed."""
-    folder = folder or SHARED_FOLDER
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    now = time.time()
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "backplan" or not parts[1].isdigit():
-            continue
-        path = os.path.join(folder, name)
-        try:
-            info = os.stat(path, follow_symlinks=False)
-            if info.st_uid != os.getuid() or now - info.st_mtime < STALE_S:
-                continue
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed.append(path)
-        except OSError:
-            continue
-    return removed
-
-
 def _create(nbytes: int):
-    """(path, mapping) of a new segment of nbytes for this rank, or ("", None) where this
-    machine has no shared folder."""
-    remove_stale()
+    """(fd, mapping) of a new segment of nbytes for this rank, or (-1, None) where this
+    machine has no shared folder. Its file is unlinked at once (no wait between): the other
+    ranks open it as /proc/PID/fd/FD while this rank keeps fd open, so a rank killed at any
+    point leaves nothing behind."""
     path = os.path.join(SHARED_FOLDER, f"backplan-{os.getpid()}-{secrets.token_hex(8)}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
-        return "", None
+        return -1, None
+    os.unlink(path)
     try:
         os.ftruncate(fd, nbytes)
-        return path, mmap.mmap(fd, nbytes)
+        return fd, mmap.mmap(fd, nbytes)
     except OSError:
-        os.unlink(path)
-        return "", None
-    finally:
         os.close(fd)
+        return -1, None
+
+
+_OPENED = re.compile(r"/proc/\d+/fd/\d+")
 
 
 def _attach(path: str, nbytes: int):
     """Another rank's segment mapped here, or None when it cannot be (another machine, or not
     a segment of this user and size)."""
-    if not path.startswith(os.path.join(SHARED_FOLDER, "backplan-")):
+    if not _OPENED.fullmatch(path):
         return None
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        target = os.readlink(path)
+        segment = os.path.join(SHARED_FOLDER, "backplan-")
+        if not (target.startswith(segment) and target.endswith(" (deleted)")):
+            return None
+        fd = os.open(path, os.O_RDWR)
     except OSError:
         return None
     try:
         info = os.fstat(fd)
-        if info.st_uid != os.getuid() or info.st_size != nbytes:
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            return None
+        if info.st_size != nbytes:
             return None
         return mmap.mmap(fd, nbytes)
     except OSError:
@@ -127,11 +104,12 @@ def share(comm, nbytes: int, seconds: float | None, step: str, check: bytes = b"
     rank alike when some rank cannot map every other's (they are not on one node). check:
     bytes written at the start of this rank's segment and compared in the others' (the probe
     of shared_exchange.reduction). Two swaps with the deadline (deadline.swap): the names,
-    then whether each rank mapped all; each rank unlinks its file after the second, when
-    every rank has mapped it or given up."""
+    then whether each rank mapped all; each rank closes its file after the second, when every
+    rank has mapped it or given up."""
     rank, size = comm.Get_rank(), comm.Get_size()
     size_of = max(nbytes, len(check), 1)
-    path, own = _create(size_of)
+    fd, own = _create(size_of)
+    path = f"/proc/{os.getpid()}/fd/{fd}" if own is not None else ""
     try:
         if own is not None:
             own[: len(check)] = check
@@ -150,8 +128,8 @@ def share(comm, nbytes: int, seconds: float | None, step: str, check: bytes = b"
         mapped_all = all(m is not None for m in maps)
         verdicts = swap(comm, np.array([mapped_all], np.uint8), seconds, step, SHARE_TAG)
     finally:
-        if path:
-            os.unlink(path)
+        if own is not None:
+            os.close(fd)  # every rank opened it or gave up (the mapping keeps the memory)
     return maps if verdicts.all() else None
 
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 
 import backplan as bp
 import backplan.distributed as bpd
-from backplan.distributed import node_window, sharding, world
+from backplan.distributed import sharding, world
 from backplan.distributed.accumulation import Accumulator
 from backplan.distributed.driver_hooks import hook_driver
 from backplan.distributed.segments import run_segments, split_plan
@@ -1049,30 +1048,29 @@ def test_a_steps_node_windows_are_freed_with_it_and_leave_no_file(tmp_path):
     assert_ranks_ok(result)
 
 
-def test_segment_files_left_by_a_killed_job_are_removed_and_no_other(tmp_path):
-    """A rank killed while it waits to swap its segment's name never unlinks the file: the next
-    segment made removes this user's files older than STALE_S whose process is gone, and keeps
-    a fresh one (its maker may be waiting for the others), a living process's, and others."""
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
+@needs_mpi
+def test_a_rank_killed_while_the_others_wait_to_share_memory_leaves_no_file(tmp_path):
+    """Rank 1 raises before its first step, so MPI_Abort kills rank 0 while it waits for the
+    others in the node probe (no timeout): its segment's file was unlinked as it was made, so
+    /dev/shm holds nothing of it (the others open it through /proc/PID/fd/FD)."""
+    result = run_script(
+        tmp_path,
+        """
+        import os
+        print(f"rank {rank} pid {os.getpid()}", flush=True)
+        params = init_mlp([8, 16, 4])
+        if rank == 1:
+            import time
+            time.sleep(3)  # rank 0 is waiting in the probe by then
+            raise RuntimeError("rank 1 fails before its first step")
+        bpd.data_parallel(vg)(params, bpd.shard(x, rank, size), bpd.shard(y, rank, size))
+        print(f"rank {rank} finished")
+        """,
     )
-    dead = int(gone.stdout)
-    old = time.time() - node_window.STALE_S - 5
-    files = {
-        f"backplan-{dead}-00aa": old,  # left behind: removed
-        f"backplan-{dead}-00bb": time.time(),  # fresh: kept
-        f"backplan-{os.getpid()}-00cc": old,  # this process lives: kept
-        f"other-{dead}-00dd": old,  # not a segment: kept
-    }
-    for name, mtime in files.items():
-        (tmp_path / name).write_bytes(b"x")
-        os.utime(tmp_path / name, (mtime, mtime))
-    removed = node_window.remove_stale(str(tmp_path))
-    assert removed == [str(tmp_path / f"backplan-{dead}-00aa")]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(list(files)[1:])
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "finished" not in result.stdout, output
+    pid = next(line.split()[-1] for line in result.stdout.splitlines() if "rank 0 pid" in line)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"backplan-{pid}-")], output
 
 
 @needs_mpi
