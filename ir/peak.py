@@ -36,6 +36,7 @@ from .lowering import lower, runs_code
 from .plan_buffers import compiled_buffers
 from .printer import format_loc
 from .reference_storage import storage_roots
+from .widen import has_half
 
 CATEGORIES = (
     "inputs",
@@ -338,6 +339,7 @@ def _reference_steps(calls: list[PlanCall]):
     """Every buffer the interpreter allocates (a view shares its input's: ir/reference_storage),
     held from its step until the free of the last value that lives in it (run_plan's
     accounting); the caller's arrays, constants and views of them allocate nothing."""
+    calls = [_as_interpreted(c) for c in calls]
     total = sum(len(c.plan.graph.nodes) for c in calls)
     inputs = _input_bytes(calls)
     constants = sum(
@@ -392,6 +394,15 @@ def _alias_groups(graph, roots: dict) -> dict:
     for node in graph.nodes:
         groups.setdefault(roots[node], []).append(node)
     return groups
+
+
+def _as_interpreted(call: PlanCall) -> PlanCall:
+    """The call as the reference interpreter runs it: a plan with 16-bit values widened, its
+    float32 values between roundings held where the compiled loops hold them
+    (`lower(plan).interpreted`: ir/widen.py, ir/rounding_points.py)."""
+    if not has_half(call.plan.graph):
+        return call
+    return replace(call, plan=lower(call.plan).interpreted or call.plan)
 
 
 def _reference_end(node, kind, c, calls, offsets, frees, roots, start, total) -> int:

@@ -125,8 +125,12 @@ def test_the_analytic_peak_is_the_built_plans_peak_to_the_byte(kinds, step, data
         held = planner.choices.schedule.held
         drop = frozenset(data.draw(st.lists(st.sampled_from(held), unique=True)) if held else ())
         analytic = planner.analytic_peak(drop)
-        assert analytic is not None
-        assert analytic == _built_peak(planner, drop), (kinds, step, sorted(drop))
+        if "bfloat16" in kinds:
+            # run widened (float32 between roundings), which the simulation does not model:
+            # the row is built and its peak is the widened plan's (test_reference_peak_half)
+            assert analytic is None
+        else:
+            assert analytic == _built_peak(planner, drop), (kinds, step, sorted(drop))
 
 
 @pytest.mark.parametrize("name", ["transformer", "cnn", "lstm12", "ln_gelu", "mlp_deep"])

@@ -20,7 +20,7 @@ from backplan.ir.gc_pause import paused_gc
 from backplan.ir.peak import predicted_peak, predicted_peak_bytes
 from backplan.ir.pipeline import PlanChoices
 from backplan.ir.plans import StepPlans
-from backplan.ir.types import np_dtype
+from backplan.ir.types import is_half, np_dtype
 from backplan.report.frontier import FrontierPoint, MemoryFrontier
 from backplan.report.fused_saved import fused_held_bytes
 from backplan.report.loop_peak import holding, kept_output_bytes
@@ -136,6 +136,7 @@ class BudgetPlanner:
         self._kept: int | None = None  # kept_bytes, worked out once
         self.fitted: tuple[str, int] | None = None  # (the budget option met, its bytes)
         self._offer: str | None = None  # narrowing_offer's words, worked out once
+        self._half: bool | None = None  # _has_half, worked out once
 
     def build(self, drop: frozenset = frozenset(), narrowed: bool = False):
         return (self._narrow_choices if narrowed else self.choices).build(drop)
@@ -172,10 +173,14 @@ class BudgetPlanner:
         a budget passes over, costs a simulation (ms) instead of a plan build. None elsewhere:
         compiled plans fuse loops and place buffers in an arena (ir/peak.py), which the
         simulation does not model, and a forward and a backward plan also hold the
-        cotangents backward() passes in."""
+        cotangents backward() passes in. None too for a step with 16-bit values: the
+        interpreter runs its plan widened, float32 values held from the step computing them
+        to the op that rounds them (ir/peak.py `_as_interpreted`), which the schedule,
+        walking the plan before widening, does not model."""
         schedule = self.choices.schedule
         if (
             current_backend() != "reference"
+            or self._has_half()
             or schedule.two_plans
             or self.choices.options.saved_dtype is not None
             or not self.choices.differentiated
@@ -183,6 +188,12 @@ class BudgetPlanner:
             return None
         # one plan holds a loop's last results throughout (report/loop_peak.py holding)
         return schedule.simulate(drop).peak + self.input_bytes + self.kept_bytes()
+
+    def _has_half(self) -> bool:
+        """Whether a value of the traced step is a 16-bit float (asked once)."""
+        if self._half is None:
+            self._half = any(is_half(v.type.dtype) for v in self.choices.schedule.values)
+        return self._half
 
     def with_plans(self, evaluated: EvaluatedPoint) -> EvaluatedPoint:
         """evaluated with its plans, built again if memory_frontier let them go: the same plans

@@ -1,0 +1,130 @@
+"""On the reference interpreter, the peak explain prints for a plan with 16-bit values is what
+the interpreter holds: it runs the plan widened (float32 values between roundings, each held
+until the op that rounds it reads it: ir/widen.py, ir/rounding_points.py), and explain counts
+that plan, not the one before widening. Counted by the checked mode call for call: bfloat16
+and float16 steps, bfloat16 saved buffers of a float32 step, compile + backward,
+value_and_grad, a donated training step, bench models in bfloat16, and the plans a
+max_peak_bytes budget and memory_frontier choose."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.bench.memory_calls import counted_calls, donated_calls, printed_calls
+from backplan.bench.models import MODELS
+from backplan.bench.peers.backplan_peer import bench_function
+from backplan.codegen.run.memory_check import checked_memory
+from backplan.runtime.backend import use_backend
+
+CALLS = 3
+DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
+
+
+def _arrays(name: str, dtype, requires_grad: bool = False):
+    """A bench model's small parameters and batch, its float arrays in dtype."""
+    inputs = MODELS[name].inputs(small=True, dtype=np.float32)
+    params = {
+        k: bp.tensor(v.astype(dtype), requires_grad=requires_grad)
+        for k, v in inputs.params.items()
+    }
+    batch = [
+        bp.tensor(a.astype(dtype) if a.dtype.kind == "f" else a) for a in inputs.batch(True)
+    ]
+    return params, batch
+
+
+def _printed_and_counted(make) -> tuple[list[int], list[int]]:
+    with use_backend("reference"), checked_memory():
+        step, report = make()
+        counted = counted_calls(step, CALLS)
+    return printed_calls(report, CALLS), counted
+
+
+def _vg(name, dtype, **options):
+    def make():
+        params, batch = _arrays(name, dtype)
+        fn = bp.value_and_grad(bench_function(MODELS[name]), **options)
+        return (lambda: fn(params, *batch)), bp.explain(fn, params, *batch)
+
+    return make
+
+
+def _compiled_backward(name, dtype, **options):
+    def make():
+        params, batch = _arrays(name, dtype, requires_grad=True)
+        loss = bp.compile(bench_function(MODELS[name]), background=False, **options)
+        report = bp.explain(loss, params, *batch)
+
+        def step():
+            bp.zero_grad(params)
+            loss(params, *batch).backward()
+
+        return step, report
+
+    return make
+
+
+def _train(name, dtype):
+    def make():
+        params, batch = _arrays(name, dtype)
+        opt = bp.optim.adam(1e-3)
+        vg = bp.value_and_grad(bench_function(MODELS[name]))
+
+        @bp.compile(donate_argnums=(0, 1), background=False)
+        def train(params, state, *batch):
+            value, grads = vg(params, *batch)
+            params, state = opt.update(grads, state, params)
+            return params, state, value
+
+        return donated_calls(train, [params, opt.init(params), *batch])
+
+    return make
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("name", ["mlp", "ln_gelu", "transformer"])
+def test_value_and_grad_in_16_bits_prints_what_it_holds(name, dtype):
+    printed, counted = _printed_and_counted(_vg(name, DTYPES[dtype]))
+    assert printed == counted
+
+
+@pytest.mark.parametrize("name", ["mlp", "ln_gelu"])
+def test_compile_and_backward_in_bfloat16_prints_what_it_holds(name):
+    printed, counted = _printed_and_counted(_compiled_backward(name, ml_dtypes.bfloat16))
+    assert printed == counted
+
+
+def test_bfloat16_saved_buffers_of_a_float32_step_print_what_they_hold():
+    make = _compiled_backward("ln_gelu", np.float32, saved_dtype=bp.bfloat16)
+    printed, counted = _printed_and_counted(make)
+    assert printed == counted
+
+
+def test_a_bfloat16_training_step_prints_what_it_holds():
+    printed, counted = _printed_and_counted(_train("mlp", ml_dtypes.bfloat16))
+    assert printed == counted
+
+
+def test_budgets_and_frontier_rows_in_bfloat16_hold_what_they_print():
+    """Every memory_frontier row's peak is what the plan a budget of exactly that many bytes
+    picks holds when it runs; that plan fits the budget (the rows are built, not simulated
+    on the plan before widening, which undercounted them)."""
+    name, dtype = "transformer", ml_dtypes.bfloat16
+    with use_backend("reference"):
+        params, batch = _arrays(name, dtype)
+        frontier = bp.value_and_grad(bench_function(MODELS[name])).memory_frontier(
+            params, *batch
+        )
+    rows = [p.peak_bytes for p in frontier.points]
+    assert len(rows) > 1
+    for budget in rows:
+        printed, counted = _printed_and_counted(_vg(name, dtype, max_peak_bytes=budget))
+        assert printed == counted
+        # the budget bounds the loop's peak, the arrays passed in included
+        with use_backend("reference"):
+            fn = bp.value_and_grad(bench_function(MODELS[name]), max_peak_bytes=budget)
+            report = bp.explain(fn, params, *batch)
+        assert report.peak_bytes <= budget
