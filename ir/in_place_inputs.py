@@ -17,7 +17,7 @@ with outputs of the argument's own shape).
 
 from __future__ import annotations
 
-from .argument_layout import BROADCAST, F_ORDER, REVERSED, layout_axes
+from .argument_layout import BROADCAST, F_ORDER, PERMUTED, REVERSED, layout_axes
 from .graph import Graph, Value, carry_reasons
 from .layout import storage_root
 from .liveness import Plan, plan_liveness
@@ -34,7 +34,7 @@ def in_place_inputs(plan: Plan) -> tuple[tuple[int, str], ...]:
     return tuple(
         (i, word)
         for i, word in plan.copied
-        if (word == F_ORDER or word.startswith((BROADCAST, REVERSED)))
+        if (word == F_ORDER or word.startswith((PERMUTED, BROADCAST, REVERSED)))
         and i not in plan.donated
         and inputs[i] not in kept
     )
@@ -115,6 +115,9 @@ def _base_and_view(shape: tuple, word: str) -> tuple[tuple, str, dict]:
     if word == F_ORDER:
         return tuple(shape[::-1]), "transpose", {"perm": tuple(range(n))[::-1]}
     axes = layout_axes(word)
+    if word.startswith(PERMUTED):  # shape = base.transpose(axes).shape
+        inverse = tuple(sorted(range(n), key=lambda k: axes[k]))
+        return tuple(shape[k] for k in inverse), "transpose", {"perm": axes}
     if word.startswith(BROADCAST):
         cut = tuple(1 if k in axes else d for k, d in enumerate(shape))
         return cut, "broadcast_to", {"shape": tuple(shape)}

@@ -274,3 +274,32 @@ def test_a_numpy_argument_saved_for_backward_keeps_its_prediction(layout):
             step(p, x).backward()
             np.testing.assert_allclose(p["w1"].grad.numpy(), want, rtol=1e-5, atol=1e-5)
             p["w1"].grad = p["w2"].grad = None
+
+
+@pytest.mark.parametrize("perm", [(1, 0, 2), (1, 2, 0), (2, 1, 0)])
+def test_a_permuted_argument_is_read_in_place_with_its_gradient(perm):
+    """A torch-style .permute() of a contiguous 3-D array (F-order when all axes reverse):
+    read as a transpose of the C-ordered array under it, its gradient against the reference."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    under = np.ascontiguousarray(x.transpose(np.argsort(perm)))
+    permuted = under.transpose(perm)
+    assert np.array_equal(permuted, x) and not permuted.flags.c_contiguous
+    s = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    w = rng.standard_normal((5, 6)).astype(np.float32)
+
+    def f(x, s, w):
+        return bp.sum(bp.tanh(bp.tanh(x * s) @ w))
+
+    with use_backend("reference"):
+        want = bp.value_and_grad(f, argnums=(0, 2))(x, s, w)
+    with use_backend("numba"), checked_memory():
+        step = bp.compile(bp.value_and_grad(f, argnums=(0, 2)))
+        for _ in range(3):
+            value, (gx, gw) = step(permuted, s, w)
+            np.testing.assert_allclose(float(value), float(want[0]), rtol=1e-5)
+            np.testing.assert_allclose(np.asarray(gx), np.asarray(want[1][0]), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(gw), np.asarray(want[1][1]), rtol=1e-4, atol=1e-5)
+        report = step.explain(permuted, s, w)
+    assert "copies" not in report.call_peak.at_peak()
+    assert "read in place, no copy: x (" in " ".join(str(report).split())
