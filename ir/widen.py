@@ -16,13 +16,13 @@ products went to BLAS on float32 copies until the copies (and, in a plan, the lo
 them) measured slower than the own GEMM reading float16 (the bench mlp's float16 step 1.03x
 -> 1.00x the float32 one; bench/half_precision.py --float16 --widened).
 
-The float32 copy of a bfloat16 array (a saved value kept in bfloat16, ir/saved_dtype.py) is
-not made where a float32 matmul reads it: the matmul reads the bfloat16 array beside its
-float32 operand (the GEMM widens it while packing), and a transpose or reshape of the copy
-becomes the copy of the transposed or reshaped array, so the cast reaches its reader (a
-fused loop widens it as it reads). transformer x 6 with bfloat16 saved buffers: 42 float32
-copies no longer made, the step's peak 136.6 -> 119.8 MB, the step 1.036x -> 0.984x the
-full-precision one (BENCHMARKS.md, 30).
+The float32 copy of a bfloat16 or float16 array (a saved value kept in 16 bits,
+ir/saved_dtype.py) is not made where a float32 matmul reads it: the matmul reads the 16-bit
+array beside its float32 operand (the GEMM widens it while packing), and a transpose or
+reshape of the copy becomes the copy of the transposed or reshaped array, so the cast reaches
+its reader (a fused loop widens it as it reads). transformer x 6 with bfloat16 saved buffers:
+42 float32 copies no longer made, the step's peak 136.6 -> 119.8 MB, the step 1.036x ->
+0.984x the full-precision one (BENCHMARKS.md, 30).
 
     >>> from backplan.ir.graph import Graph
     >>> from backplan.ir.builder import Builder
@@ -97,9 +97,9 @@ def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
         start, casts_in = len(new.nodes), 0
         if node.op == "astype":
             mapping[node] = _cast(new, inputs[0], node.dtype, node.loc)
-        elif node.op in _CAST_MOVES_PAST and _widens_bfloat16(inputs[0]):
+        elif node.op in _CAST_MOVES_PAST and _widens_16_bits(inputs[0]):
             mapping[node] = _widened_view(new, node, inputs[0].inputs[0])
-        elif reads_half_operands(node, unwidened := _bfloat16_read_as_is(node, inputs)):
+        elif reads_half_operands(node, unwidened := _16_bits_read_as_is(node, inputs)):
             mapping[node] = _half_matmul(new, node, unwidened)
         elif computes_in_float32(node):
             mapping[node] = _in_float32(new, node, inputs)
@@ -114,24 +114,25 @@ def widen_with_origin(graph: Graph) -> tuple[Graph, dict[Value, Value]]:
 
 
 def reads_half_operands(node: Value, inputs: list[Value]) -> bool:
-    """A matmul of two bfloat16 or two float16 arrays, or of one bfloat16 array beside a
+    """A matmul of two bfloat16 or two float16 arrays, or of one 16-bit array beside a
     float32 one (no literals: a literal operand is widened as before), which the GEMM reads
     without float32 copies."""
     if node.op != "matmul" or not any(is_half(i.dtype) for i in inputs):
         return False
-    if {i.dtype for i in inputs} not in ({"bf16"}, {"f16"}, {"bf16", "f32"}):
+    if {i.dtype for i in inputs} not in ({"bf16"}, {"f16"}, {"bf16", "f32"}, {"f16", "f32"}):
         return False
     return not any(_literal_source(i) for i in inputs)
 
 
-def _bfloat16_read_as_is(node: Value, inputs: list[Value]) -> list[Value]:
-    """A float32 matmul's operands, each float32 copy of a bfloat16 array (astype, exact: a
-    saved value kept in bfloat16 and widened for the backward, ir/saved_dtype.py) replaced by
-    that array: the GEMM widens it while packing (gemm/symbols.py `backplan_gemm_bf16_f32`),
-    so no float32 copy is made or held for it to read."""
+def _16_bits_read_as_is(node: Value, inputs: list[Value]) -> list[Value]:
+    """A float32 matmul's operands, each float32 copy of a bfloat16 or float16 array (astype,
+    exact: a saved value kept in 16 bits and widened for the backward, ir/saved_dtype.py)
+    replaced by that array: the GEMM widens it while packing (gemm/symbols.py
+    `backplan_gemm_bf16_f32`, `backplan_gemm_f16_f32`), so no float32 copy is made or held
+    for it to read."""
     if node.op != "matmul" or node.dtype != "f32":
         return inputs
-    return [i.inputs[0] if _widens_bfloat16(i) else i for i in inputs]
+    return [i.inputs[0] if _widens_16_bits(i) else i for i in inputs]
 
 
 # Views of a float32 copy of a bfloat16 array become the float32 copy of the same view of the
@@ -147,11 +148,11 @@ def _widened_view(graph: Graph, view: Value, narrow: Value) -> Value:
     return _add(graph, Value("astype", (moved,), {"dtype": "f32"}, view.type, view.loc))
 
 
-def _widens_bfloat16(value: Value) -> bool:
+def _widens_16_bits(value: Value) -> bool:
     return (
         value.op == "astype"
         and value.dtype == "f32"
-        and value.inputs[0].dtype == "bf16"
+        and is_half(value.inputs[0].dtype)
         and not _literal_source(value.inputs[0])
     )
 
@@ -162,7 +163,7 @@ def _drop_unread_widenings(graph: Graph, origin: dict) -> None:
     read = set(graph.outputs)
     unread = set()
     for node in reversed(graph.nodes):
-        if node not in read and _widens_bfloat16(node):
+        if node not in read and _widens_16_bits(node):
             unread.add(node)
         else:
             read.update(node.inputs)

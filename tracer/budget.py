@@ -389,9 +389,10 @@ class BudgetPlanner:
 
     def _above_full_precision(self, forced: str | None) -> str:
         """With saved_dtype given: where its plan peaks above the same plan in full
-        precision (a float64 step's copies, float16 beside float32, read back through
-        widened copies: only bfloat16 beside float32 has a mixed GEMM), the two peaks and the
-        way out."""
+        precision (a float64 step's copies read back through widened copies: the mixed GEMMs
+        read 16-bit copies beside float32 only; or bp.compile's two plans, whose forward
+        keeps the full-width activations in its arena through backward()), the two peaks
+        and the way out."""
         if forced is None:
             return ""
         options = replace(self.choices.options, saved_dtype=None)
@@ -404,8 +405,10 @@ class BudgetPlanner:
         name = np_dtype(forced).name
         return (
             f" That plan peaks at {format_bytes(mine)}, above {format_bytes(full)} with the "
-            "saved buffers in full precision: the full-width copies the backward widens them "
-            f"into add to what is held. Drop saved_dtype, or give allow_saved_dtype=bp.{name} "
+            "saved buffers in full precision: the full-width values held beside the narrow "
+            "copies (the copies the backward widens them into, or the forward's arena kept "
+            "through backward()) add to what is held. Drop saved_dtype, or give "
+            f"allow_saved_dtype=bp.{name} "
             "with max_peak_bytes, which keeps full precision where that peaks lower."
         )
 

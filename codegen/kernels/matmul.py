@@ -140,7 +140,8 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool, parts: int) -> list[s
     (ta, a), (tb, b) = operands
     m, n = node.shape
     sizes = f"np.intp({m}), np.intp({n}), np.intp({node.inputs[0].shape[-1]})"
-    arguments = _one_variant(ta, tb, sizes, (a, b, out), node.inputs[0].dtype)
+    dtypes = tuple(i.dtype for i in node.inputs)
+    arguments = _one_variant(ta, tb, sizes, (a, b, out), dtypes)
     if own and parts > 1:
         return [f"own_gemm_at_par(np.intp({parts}), {vector_width()}, {arguments})"]
     if own:
@@ -150,7 +151,7 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool, parts: int) -> list[s
     return [f"gemm_at_{node.dtype}({arguments})"]
 
 
-def _one_variant(ta, tb, sizes: str, places, dtype: str) -> str:
+def _one_variant(ta, tb, sizes: str, places, dtypes: tuple) -> str:
     """A placed GEMM's arguments typed alike at every call, BLAS or own: the flags as run-time
     booleans, every base flat, the operands read-only. Literal flags, an input's own rank and
     a writable operand each made Numba compile gemm_at_f32 (and gemm_f32 and _gemm inside it)
@@ -159,7 +160,7 @@ def _one_variant(ta, tb, sizes: str, places, dtype: str) -> str:
     a, b, out = places
     operands = ", ".join(
         f"as_read_only({as_gemm_operand(f'{w.base}.reshape(-1)', dtype)}), np.intp({w.offset})"
-        for w in (a, b)
+        for w, dtype in zip((a, b), dtypes, strict=True)
     )
     return (
         f"np.bool_({ta}), np.bool_({tb}), {sizes}, {operands}, "

@@ -478,10 +478,15 @@ class _Emitter:
         emitter = self._loop_emitter(loop, stored, "s0_n", rows=True, unrounded=frozenset([node]))
         views, stage, _ = emitter.emit()
         out = self.placer.place(node)
-        half = node.inputs[0].dtype
         self.gemms[node] = epilogue_gemm(node)
         lines, scalars, bases = gemm_epilogue_lines(
-            vector_width(), operands, out, views, stage, half == "f16", reads_16_bits(node)
+            vector_width(),
+            operands,
+            out,
+            views,
+            stage,
+            tuple(i.dtype == "f16" for i in node.inputs),
+            reads_16_bits(node),
         )
         scalars.update(emitter.size_arguments(), **emitter.scalars)
         bases.update(emitter.bases)

@@ -28,21 +28,24 @@ def gemm_epilogue_lines(
     out: Placement,
     views: list[str],
     stage: list[str],
-    float16: bool = False,
+    float16: tuple[bool, bool] = (False, False),
     whole: bool = False,
 ) -> tuple[list[str], dict, dict]:
     """(lines, scalars, bases) in the form canonical_kernel takes. operands: (transposed?,
     placement) of a and b as the matmul reads them; out: the matmul's result, (m, n);
-    float16: the operands are float16 bits, viewed as int16 for the GEMM (kernels/matmul.py)
+    float16: which operand is float16 bits, viewed as int16 for the GEMM (kernels/matmul.py)
     by views.contiguous_bits_view (Numba's `.view` there kept the kernel's arrays alive);
     whole: one GEMM call for all rows, then the epilogue (16-bit operands: the docstring)."""
     (ta, a), (tb, b) = operands
     m, n = out.shape
     k = a.shape[0] if ta else a.shape[1]
-    view, mark = ("contiguous_bits_view", ", np.int16") if float16 else ("contiguous_view", "")
+    (view_a, mark_a), (view_b, mark_b) = (
+        ("contiguous_bits_view", ", np.int16") if bits else ("contiguous_view", "")
+        for bits in float16
+    )
     lines = [
-        f"mat_a = {view}(b0, o0, {'(n2, n0)' if ta else '(n0, n2)'}{mark})",
-        f"mat_b = {view}(b1, o1, {'(n1, n2)' if tb else '(n2, n1)'}{mark})",
+        f"mat_a = {view_a}(b0, o0, {'(n2, n0)' if ta else '(n0, n2)'}{mark_a})",
+        f"mat_b = {view_b}(b1, o1, {'(n1, n2)' if tb else '(n2, n1)'}{mark_b})",
         "mat_c = contiguous_view(b2, o2, (n0, n1))",
         *views,
     ]

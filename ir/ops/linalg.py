@@ -12,8 +12,9 @@ from .common import numeric_only, same_dtype
 def _matmul_infer(types, attrs):
     a, b = types
     numeric_only(types, "matmul")
-    if attrs.get("dtype") == "f32" and {a.dtype, b.dtype} == {"bf16", "f32"}:
-        dtype = "bf16"  # a bfloat16 saved value beside a float32 operand (ir/widen.py only)
+    if attrs.get("dtype") == "f32" and {a.dtype, b.dtype} in ({"bf16", "f32"}, {"f16", "f32"}):
+        dtype = a.dtype if a.dtype != "f32" else b.dtype  # a 16-bit saved value beside a
+        # float32 operand (ir/widen.py only)
     else:
         dtype = same_dtype(types, "matmul")
     if attrs.get("dtype") is not None:  # set by ir/widen.py only

@@ -8,7 +8,8 @@ one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`,
 `backplan_gemm_bf16`: bfloat16 operands, float32 result and sums, and `backplan_gemm_f16`:
 float16 operands widened while packing, float32 result and sums; `backplan_gemm_bf16_f32` and
 `backplan_gemm_f32_bf16`: one bfloat16 operand beside a float32 one, float32 result and sums,
-only compiled when a plan reads a bfloat16 saved value in a GEMM), compiled or loaded
+only compiled when a plan reads a bfloat16 saved value in a GEMM; `backplan_gemm_f16_f32` and
+`backplan_gemm_f32_f16` the same for float16), compiled or loaded
 from the signed cache the first time anything needs it; callers declare the symbol and call it,
 which costs them a few instructions to compile.
 
@@ -218,6 +219,21 @@ def _gemm_f32_bf16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alph
 
 
 @njit(cache=True, nogil=True, _nrt=True)
+def _gemm_f16_f32(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    """A float16 (int16 bits), B and C float32: a float32 step's saved value kept in float16,
+    read as _gemm_bf16_f32 reads a bfloat16 one (A widened while packing)."""
+    args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.int16(0), np.float32(0), False)
+
+
+@njit(cache=True, nogil=True, _nrt=True)
+def _gemm_f32_f16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    """A and C float32, B float16: C.T = op(B).T @ op(A).T, as _gemm_f32_bf16."""
+    args = (width, 1 - tb, 1 - ta, n, m, k, b, b0, b1, a, a0, a1, c, c1, c0)
+    return _gemm_at_addresses(args, alpha, beta, np.float32(0), np.int16(0), np.float32(0), False)
+
+
+@njit(cache=True, nogil=True, _nrt=True)
 def _gemm_bf16_dot(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     """The bf16 GEMM on VDPBF16PS (`width` is not read: the kernel is 512-bit)."""
     a_rows, a_cols = (k, m) if ta else (m, k)
@@ -251,6 +267,8 @@ _FUNCTIONS = {
     "f16": _gemm_f16,
     "bf16_f32": _gemm_bf16_f32,
     "f32_bf16": _gemm_f32_bf16,
+    "f16_f32": _gemm_f16_f32,
+    "f32_f16": _gemm_f32_f16,
 }
 _registered: set[str] = set()
 
@@ -313,9 +331,13 @@ def _symbol_dtype(result, operand, operand_b=None) -> str | None:
     """Which GEMM serves C of dtype result with A of dtype operand and B of operand_b (None:
     operand's; the result None: none)."""
     if operand_b is not None and operand_b != operand:
-        if result == types.float32 and {operand, operand_b} == {types.uint16, types.float32}:
-            return "bf16_f32" if operand == types.uint16 else "f32_bf16"
-        return None
+        if result != types.float32 or types.float32 not in (operand, operand_b):
+            return None
+        half = operand_b if operand == types.float32 else operand
+        name = {types.uint16: "bf16", types.int16: "f16"}.get(half)
+        if name is None:
+            return None
+        return f"{name}_f32" if operand == half else f"f32_{name}"
     if result == types.float32 and operand == types.uint16:
         return "bf16"  # bfloat16 bits: Numba has no bfloat16 type
     if result == types.float32 and operand == types.int16:
