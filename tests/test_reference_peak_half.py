@@ -14,10 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_half_ops import _graph, _samples
+from test_memory_while_building import failing_build  # noqa: F401 (a fixture)
 
 import backplan as bp
 from backplan.bench.memory_calls import counted_calls, donated_calls, printed_calls
 from backplan.bench.models import MODELS
+from backplan.codegen.build import driver_builder
 from backplan.bench.peers.backplan_peer import bench_function
 from backplan.codegen.run.memory_check import checked_memory, measure
 from backplan.ir.lowering import lower
@@ -173,3 +175,27 @@ def test_registry_ops_together_in_16_bits_print_what_the_reference_holds(indices
     peaks = _op_plan_peaks([samples[i] for i in indices], half)
     if peaks is not None:
         assert peaks[0] == peaks[1], [samples[i].id for i in indices]
+
+
+@pytest.mark.usefixtures("child_builds")
+def test_calls_while_a_bfloat16_step_builds_hold_the_printed_building_peak(failing_build):
+    """background=True: the first calls run the widened plan on the reference interpreter
+    beside the compiled plans' arenas (test_memory_while_building's float32 twin); the build
+    fails so the calls stay there however fast the machine is."""
+
+    def loss(w, x):
+        return bp.mean(bp.tanh(bp.gelu(x @ w) * 1.5) ** 2)
+
+    rng = np.random.default_rng(3)
+    w = bp.tensor(rng.standard_normal((6, 5)).astype(ml_dtypes.bfloat16))
+    x = bp.tensor(rng.standard_normal((11, 6)).astype(ml_dtypes.bfloat16))
+    with use_backend("numba"), checked_memory():
+        fn = bp.value_and_grad(loss, background=True)
+        report = bp.explain(fn, w, x)
+        with pytest.warns(bp.DriverBuildWarning, match="keep running on the reference"):
+            fn(w, x)
+            fn.wait_until_compiled(timeout=60)
+            assert fn.driver_tier == "reference"
+            counted = counted_calls(lambda: fn(w, x), 3)
+            assert driver_builder.wait_for_builds(timeout=60)
+    assert counted == [report.building_peak_on_call(n).allocated_peak_bytes for n in (2, 3, 4)]
