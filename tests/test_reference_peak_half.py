@@ -19,8 +19,8 @@ from test_memory_while_building import failing_build  # noqa: F401 (a fixture)
 import backplan as bp
 from backplan.bench.memory_calls import counted_calls, donated_calls, printed_calls
 from backplan.bench.models import MODELS
-from backplan.codegen.build import driver_builder
 from backplan.bench.peers.backplan_peer import bench_function
+from backplan.codegen.build import driver_builder
 from backplan.codegen.run.memory_check import checked_memory, measure
 from backplan.ir.lowering import lower
 from backplan.ir.peak import joint_calls, predicted_peak
@@ -177,8 +177,8 @@ def test_registry_ops_together_in_16_bits_print_what_the_reference_holds(indices
         assert peaks[0] == peaks[1], [samples[i].id for i in indices]
 
 
-@pytest.mark.usefixtures("child_builds")
-def test_calls_while_a_bfloat16_step_builds_hold_the_printed_building_peak(failing_build):
+@pytest.mark.usefixtures("child_builds", "failing_build")
+def test_calls_while_a_bfloat16_step_builds_hold_the_printed_building_peak():
     """background=True: the first calls run the widened plan on the reference interpreter
     beside the compiled plans' arenas (test_memory_while_building's float32 twin); the build
     fails so the calls stay there however fast the machine is."""
