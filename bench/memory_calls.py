@@ -13,7 +13,11 @@ users write keeps them bound until the next call returns (`loss, grads = step(..
 `report.loop_peak_on_call(n)`.
 
     python -m backplan.bench.memory_calls [--models mlp_tiny,cnn] [--steps compile,vg,train]
-        [--calls 5] [--readme] [--backend numba] [--loop]
+        [--calls 5] [--readme] [--backend numba] [--loop] [--dtype bfloat16]
+
+--dtype float16 / bfloat16: the models' float arrays in that dtype (compile and vg steps): on the
+reference backend the interpreter runs such a plan widened, float32 values held until the op
+rounding them, and that is the plan explain counts.
 
 A call whose count differs from its printed peak makes the exit status 1.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import ml_dtypes
 import numpy as np
 
 import backplan as bp
@@ -54,17 +59,25 @@ def printed_calls(report, calls: int, loop: bool = False) -> list[int]:
     return [peak_on_call(n).allocated_peak_bytes for n in range(1, calls + 1)]
 
 
-def model_arrays(name: str, requires_grad: bool = False):
-    """(params, batch) of a bench model at its small size, as tensors."""
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def model_arrays(name: str, requires_grad: bool = False, dtype: str = "float32"):
+    """(params, batch) of a bench model at its small size, as tensors, float arrays in dtype."""
     inputs = MODELS[name].inputs(small=True, dtype=np.float32)
-    params = {k: bp.tensor(v, requires_grad=requires_grad) for k, v in inputs.params.items()}
-    return params, [bp.tensor(a) for a in inputs.batch(True)]
+    cast = DTYPES[dtype]
+    params = {
+        k: bp.tensor(v.astype(cast), requires_grad=requires_grad) for k, v in inputs.params.items()
+    }
+    return params, [
+        bp.tensor(a.astype(cast) if a.dtype.kind == "f" else a) for a in inputs.batch(True)
+    ]
 
 
-def compile_step(name: str, keep: bool = False):
+def compile_step(name: str, keep: bool = False, dtype: str = "float32"):
     """(step, report): loss = bp.compile(f)(params, *batch); loss.backward(). keep: the loss
     stays bound until the next call's forward returns, as `loss = f(...)` in a loop."""
-    params, batch = model_arrays(name, requires_grad=True)
+    params, batch = model_arrays(name, requires_grad=True, dtype=dtype)
     loss = bp.compile(bench_function(MODELS[name]))
     report = bp.explain(loss, params, *batch)
     held = [None]
@@ -78,10 +91,10 @@ def compile_step(name: str, keep: bool = False):
     return step, report
 
 
-def vg_step(name: str, keep: bool = False):
+def vg_step(name: str, keep: bool = False, dtype: str = "float32"):
     """(step, report): bp.value_and_grad(f)(params, *batch); keep: its results stay bound
     until the next call returns, as `loss, grads = step(...)` in a loop."""
-    params, batch = model_arrays(name)
+    params, batch = model_arrays(name, dtype=dtype)
     fn = bp.value_and_grad(bench_function(MODELS[name]))
     held = [None]
 
@@ -112,8 +125,10 @@ def donated_calls(train_step, args: list, keep: bool = False):
     return step, report
 
 
-def train_step(name: str, keep: bool = False):
+def train_step(name: str, keep: bool = False, dtype: str = "float32"):
     """value_and_grad and adam's update in one bp.compile(donate_argnums=(0, 1))."""
+    if dtype != "float32":
+        raise SystemExit("--dtype other than float32: the compile and vg steps only")
     step, args, _ = audited_step(name, "train")
     return donated_calls(step, args, keep)
 
@@ -153,9 +168,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--loop", action="store_true", help="keep the last results until the next call returns"
     )
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     args = parser.parse_args(argv)
     cases = [
-        (f"{name} {kind}", lambda name=name, kind=kind: STEPS[kind](name, args.loop))
+        (f"{name} {kind}", lambda name=name, kind=kind: STEPS[kind](name, args.loop, args.dtype))
         for name in args.models.split(",")
         if name
         for kind in args.steps.split(",")
