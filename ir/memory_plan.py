@@ -246,7 +246,7 @@ def _place_best_fit(
     if swept:  # single buffers of one size: filled as whole arrays, not element by element
         run = [chains[i][0] for i in order[:swept]]
         first_steps[:swept] = [r.first_step for r in run]
-        last_steps[:swept] = [r.last_step for r in run]
+        last_steps[:swept] = [chains[i][-1].last_step for i in order[:swept]]  # a chain: one
         starts[:swept] = [offsets[i] for i in order[:swept]]
         ends[:swept] = starts[:swept] + run[0].nbytes
         end = int(ends[:swept].max())
@@ -276,15 +276,17 @@ def _largest_by_sweep(chains: list, order: list[int], alignment: int, offsets: l
     their first and past-the-last slot, so that a freed slot joins its neighbours at once
     (a deep uniform MLP's backward places thousands of equal activations, each beside
     hundreds of held values; a sorted free list kept by bisection took 2.5x as long). The
-    other sizes, and chains that take over a buffer in place, follow the general scan."""
+    other sizes, and chains of unequal buffers taking over one another in place, follow the
+    general scan (a chain of equal ones, a GEMM's epilogue result over its product, is one
+    buffer from its first's first step to its last's last: 22% of a 10,000-node frontier
+    went to scanning them)."""
     nbytes = chains[order[0]][0].nbytes if order else 0
     if nbytes == 0:
         return 0
     run = 0
-    while run < len(order) and len(chains[order[run]]) == 1:
-        if chains[order[run]][0].nbytes != nbytes:
-            break
-        run += 1
+    while run < len(order) and all(r.nbytes == nbytes for r in chains[order[run]]):
+        run += 1  # a chain of equal buffers, each taking over the one before at its last
+        # step, holds one slot from its first's first step to its last's last: one buffer
     aligned = -(-nbytes // alignment) * alignment  # a buffer's aligned extent: one slot
     runs: dict[int, int] = {}  # first free slot of a run below the top -> its length
     ends: dict[int, int] = {}  # one past a run's last slot -> its first slot
@@ -319,7 +321,7 @@ def _largest_by_sweep(chains: list, order: list[int], alignment: int, offsets: l
         else:
             slot, top = top, top + 1
         offsets[i] = slot * aligned
-        push(expiry, (r.last_step, slot))
+        push(expiry, (chains[i][-1].last_step, slot))
     return run
 
 
