@@ -214,7 +214,7 @@ def _epilogues_over_products(requests, kernels, step_of, last) -> list:
     by_key = {r.key: k for k, r in enumerate(requests)}
     kernels_at = Counter(step_of[k.nodes[0]] for k in kernels if k.nodes)
     for kernel in kernels:
-        if kernel.epilogue is None:
+        if kernel.epilogue is None or _adds_only(kernel.epilogue):
             continue
         product = kernel.nodes[0]
         at, step = by_key.get(product), step_of[product]
@@ -230,6 +230,13 @@ def _epilogues_over_products(requests, kernels, step_of, last) -> list:
                 requests[k] = new._replace(reuse=(product, *new.reuse), in_step=True)
                 break
     return requests
+
+
+def _adds_only(loop: Kernel) -> bool:
+    """A loop of nothing but adds: codegen may run it as shared add kernels over whole arrays
+    (codegen/render/add_chains.py: the sum written first, the later terms added to it), which
+    would overwrite a product read as a later term before it is read."""
+    return all(n.op == "add" for n in loop.recomputed + loop.nodes)
 
 
 def _in_place_candidates(value: Value, kernel: Kernel, last, step_of) -> tuple:
