@@ -180,6 +180,15 @@ def copy_bytes(lowered) -> int:
     return sum(plan.graph.inputs[i].type.nbytes for i, _ in plan.copied)
 
 
+def argument_copy_bytes(calls: list[PlanCall]) -> int:
+    """The most bytes of argument copies one compiled call of the step makes (copy_bytes),
+    0 where every argument is in C order or read in place."""
+    return max(
+        (copy_bytes(lower(c.plan, c.private_saved)) for c in calls if c.copied and not c.idle),
+        default=0,
+    )
+
+
 def building_peak(calls: list[PlanCall]) -> PeakReport:
     """A step compiled with background=True while its kernels build: each call runs on the
     reference interpreter (its accounting, step by step) and each compiled plan keeps the

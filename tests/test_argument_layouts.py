@@ -303,3 +303,19 @@ def test_a_permuted_argument_is_read_in_place_with_its_gradient(perm):
         report = step.explain(permuted, s, w)
     assert "copies" not in report.call_peak.at_peak()
     assert "read in place, no copy: x (" in " ".join(str(report).split())
+
+
+def test_a_budget_counts_the_copies_and_a_refusal_says_how_to_avoid_them():
+    """max_peak_bytes is judged against the peak with the copies; a refusal names them."""
+    strided = np.repeat(W1, 2, axis=1)[:, ::2]
+    with use_backend("numba"):
+        c_peak = bp.value_and_grad(loss).explain({"w1": W1, "w2": W2}, X).peak_bytes
+        peak = bp.value_and_grad(loss).explain({"w1": strided, "w2": W2}, X).peak_bytes
+        assert peak == c_peak + W1.nbytes
+        fitted = bp.value_and_grad(loss, max_peak_bytes=peak)
+        assert fitted.explain({"w1": strided, "w2": W2}, X).peak_bytes <= peak
+        with pytest.raises(bp.MemoryBudgetError) as refused:
+            bp.value_and_grad(loss, max_peak_bytes=c_peak).explain({"w1": strided, "w2": W2}, X)
+    text = " ".join(str(refused.value).split())
+    assert f"Up to {W1.nbytes} B of it are copies each call makes" in text
+    assert "np.ascontiguousarray" in text

@@ -17,7 +17,7 @@ from backplan.ir.budget import PlanPoint, plan_frontier, refined_within
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
 from backplan.ir.gc_pause import paused_gc
-from backplan.ir.peak import predicted_peak, predicted_peak_bytes
+from backplan.ir.peak import argument_copy_bytes, predicted_peak, predicted_peak_bytes
 from backplan.ir.pipeline import PlanChoices
 from backplan.ir.plans import StepPlans
 from backplan.ir.types import is_half, np_dtype
@@ -729,9 +729,17 @@ class BudgetPlanner:
             f"reaches is {format_bytes(best.peak_bytes)}{row}, {cost}. The arrays "
             f"passed in hold {format_bytes(self.input_bytes)} of those."
         )
-        holders = holders_text(self.with_plans(best).plans, self.not_kept)
+        plans = self.with_plans(best).plans
+        holders = holders_text(plans, self.not_kept)
         if holders:
             text += f" That peak is {holders}."
+        copies = argument_copy_bytes(plans.peak_calls())
+        if copies:
+            text += (
+                f" Up to {format_bytes(copies)} of it are copies each call makes of arguments "
+                "in a layout it cannot read in place (explain names them): pass them "
+                "np.ascontiguousarray(...) once, outside the loop."
+            )
         return (
             text
             + self._narrowing_text(best, limit)
