@@ -17,7 +17,7 @@ from test_half_ops import _graph, _samples
 from test_memory_while_building import failing_build  # noqa: F401 (a fixture)
 
 import backplan as bp
-from backplan.bench.memory_calls import counted_calls, donated_calls, printed_calls
+from backplan.bench.memory_calls import counted_calls, donated_calls, model_arrays, printed_calls
 from backplan.bench.models import MODELS
 from backplan.bench.peers.backplan_peer import bench_function
 from backplan.codegen.build import driver_builder
@@ -28,17 +28,7 @@ from backplan.ir.pipeline import build_joint_plan
 from backplan.runtime.backend import interpret, use_backend
 
 CALLS = 3
-DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
-
-
-def _arrays(name: str, dtype, requires_grad: bool = False):
-    """A bench model's small parameters and batch, its float arrays in dtype."""
-    inputs = MODELS[name].inputs(small=True, dtype=np.float32)
-    params = {
-        k: bp.tensor(v.astype(dtype), requires_grad=requires_grad) for k, v in inputs.params.items()
-    }
-    batch = [bp.tensor(a.astype(dtype) if a.dtype.kind == "f" else a) for a in inputs.batch(True)]
-    return params, batch
+DTYPES = {"bf16": "bfloat16", "f16": "float16"}
 
 
 def _printed_and_counted(make) -> tuple[list[int], list[int]]:
@@ -50,7 +40,7 @@ def _printed_and_counted(make) -> tuple[list[int], list[int]]:
 
 def _vg(name, dtype, **options):
     def make():
-        params, batch = _arrays(name, dtype)
+        params, batch = model_arrays(name, dtype=dtype)
         fn = bp.value_and_grad(bench_function(MODELS[name]), **options)
         return (lambda: fn(params, *batch)), bp.explain(fn, params, *batch)
 
@@ -59,7 +49,7 @@ def _vg(name, dtype, **options):
 
 def _compiled_backward(name, dtype, **options):
     def make():
-        params, batch = _arrays(name, dtype, requires_grad=True)
+        params, batch = model_arrays(name, requires_grad=True, dtype=dtype)
         loss = bp.compile(bench_function(MODELS[name]), background=False, **options)
         report = bp.explain(loss, params, *batch)
 
@@ -74,7 +64,7 @@ def _compiled_backward(name, dtype, **options):
 
 def _train(name, dtype):
     def make():
-        params, batch = _arrays(name, dtype)
+        params, batch = model_arrays(name, dtype=dtype)
         opt = bp.optim.adam(1e-3, master_dtype=bp.float32)
         vg = bp.value_and_grad(bench_function(MODELS[name]))
 
@@ -98,18 +88,18 @@ def test_value_and_grad_in_16_bits_prints_what_it_holds(name, dtype):
 
 @pytest.mark.parametrize("name", ["mlp", "ln_gelu"])
 def test_compile_and_backward_in_bfloat16_prints_what_it_holds(name):
-    printed, counted = _printed_and_counted(_compiled_backward(name, ml_dtypes.bfloat16))
+    printed, counted = _printed_and_counted(_compiled_backward(name, "bfloat16"))
     assert printed == counted
 
 
 def test_bfloat16_saved_buffers_of_a_float32_step_print_what_they_hold():
-    make = _compiled_backward("ln_gelu", np.float32, saved_dtype=bp.bfloat16)
+    make = _compiled_backward("ln_gelu", "float32", saved_dtype=bp.bfloat16)
     printed, counted = _printed_and_counted(make)
     assert printed == counted
 
 
 def test_a_bfloat16_training_step_prints_what_it_holds():
-    printed, counted = _printed_and_counted(_train("mlp", ml_dtypes.bfloat16))
+    printed, counted = _printed_and_counted(_train("mlp", "bfloat16"))
     assert printed == counted
 
 
@@ -117,9 +107,9 @@ def test_budgets_and_frontier_rows_in_bfloat16_hold_what_they_print():
     """Every memory_frontier row's peak is what the plan a budget of exactly that many bytes
     picks holds when it runs; that plan fits the budget (the rows are built, not simulated
     on the plan before widening, which undercounted them)."""
-    name, dtype = "transformer", ml_dtypes.bfloat16
+    name, dtype = "transformer", "bfloat16"
     with use_backend("reference"):
-        params, batch = _arrays(name, dtype)
+        params, batch = model_arrays(name, dtype=dtype)
         frontier = bp.value_and_grad(bench_function(MODELS[name])).memory_frontier(params, *batch)
     rows = [p.peak_bytes for p in frontier.points]
     assert len(rows) > 1
