@@ -1,5 +1,6 @@
 """Arguments read where they live. A Fortran array, or a matrix passed transposed (`w.T`), is
-the transpose of a C-ordered array of the reversed shape; a broadcast view (np.broadcast_to,
+the transpose of a C-ordered array of the reversed shape (any other order of the axes, a
+torch .permute(), a transpose of the array with its axes sorted by stride); a broadcast view (np.broadcast_to,
 expand) is a C-ordered array with the broadcast axes of size 1, broadcast; a reversed view
 (a[::-1]) a C-ordered array sliced with step -1 (ir/argument_layout.py names each). The
 lowering of a plan taking one (Plan.copied) takes that C-ordered array as its input instead
@@ -25,8 +26,8 @@ from .types import TensorType
 
 
 def in_place_inputs(plan: Plan) -> tuple[tuple[int, str], ...]:
-    """(input, layout) of the copied inputs the lowering reads in place: F-order, broadcast or
-    reversed, neither donated nor the storage of an output."""
+    """(input, layout) of the copied inputs the lowering reads in place: F-order, permuted,
+    broadcast or reversed, neither donated nor the storage of an output."""
     if not plan.copied:
         return ()
     inputs = plan.graph.inputs
@@ -43,8 +44,8 @@ def in_place_inputs(plan: Plan) -> tuple[tuple[int, str], ...]:
 def read_in_place(
     plan: Plan, origin: dict | None, sources: dict | None = None
 ) -> tuple[Plan, dict | None]:
-    """(plan taking the C-ordered transpose of each input `in_place_inputs` names, read as a
-    transpose view of it; origin for its nodes). The same plan and origin when there is none.
+    """(plan taking the C-ordered array under each input `in_place_inputs` names, read through
+    a view of it; origin for its nodes). The same plan and origin when there is none.
     sources, if given, gets each new node -> the value of `plan` it computes (the view: the
     input it stands for), for the reference interpreter's rounding (ir/rounding_points.py)."""
     chosen = in_place_inputs(plan)
