@@ -1,15 +1,15 @@
-"""Arguments read where they live. A Fortran array, or a matrix passed transposed (`w.T`), is
-the transpose of a C-ordered array of the reversed shape (any other order of the axes, a
-torch .permute(), a transpose of the array with its axes sorted by stride); a broadcast view (np.broadcast_to,
-expand) is a C-ordered array with the broadcast axes of size 1, broadcast; a reversed view
-(a[::-1]) a C-ordered array sliced with step -1 (ir/argument_layout.py names each). The
-lowering of a plan taking one (Plan.copied) takes that C-ordered array as its input instead
-and reads the argument as a `transpose`, `broadcast_to` or `slice` view of it: a GEMM takes a
-transpose as its flag, a loop reads any of them strided (a broadcast axis with stride 0), and
-any kernel that needs its operand C-contiguous gets a copy the memory planner places and
+"""Arguments read where they live. A Fortran array, or a matrix passed transposed (`w.T`), is the
+transpose of a C-ordered array of the reversed shape (any other order of the axes, a torch
+.permute(), a transpose of the array with its axes sorted by stride); a broadcast view
+(np.broadcast_to, expand) is a C-ordered array with the broadcast axes of size 1, broadcast; a
+reversed view (a[::-1]) a C-ordered array sliced with step -1 (ir/argument_layout.py names
+each). The lowering of a plan taking one (Plan.copied) takes that C-ordered array as its input
+instead and reads the argument as a `transpose`, `broadcast_to` or `slice` view of it: a GEMM
+takes a transpose as its flag, a loop reads any of them strided (a broadcast axis with stride
+0), and any kernel that needs its operand C-contiguous gets a copy the memory planner places and
 explain's peak counts (ir/strided_copies.py, which runs next). The compiled call passes the
-C-ordered array, a view of the argument (argument_layout.base; codegen/run/compiled.py): no
-copy of the whole argument at every call.
+C-ordered array, a view of the argument (argument_layout.base; codegen/run/compiled.py): no copy
+of the whole argument at every call.
 
 The reference interpreter runs the plan as it was (LoweredPlan.interpreted), on the arrays as
 given. A donated input, or one an output lives in, keeps its copy (their buffers are paired
