@@ -63,6 +63,13 @@ class RankPeak:
     phases: tuple[RankPhase, ...]
     between: RankPhase  # what stays allocated between two calls
     not_counted: tuple[str, ...] = NOT_COUNTED  # categories the checked mode never sees
+    first_call: RankPeak | None = None  # the loop's first call, where it differs
+
+    @property
+    def most_bytes(self) -> int:
+        """The most bytes one rank holds in any call of the loop (its first included)."""
+        first = self.first_call.peak_bytes if self.first_call is not None else 0
+        return max(self.peak_bytes, first)
 
     @property
     def peak_phase(self) -> RankPhase:
@@ -93,7 +100,7 @@ class RankPeak:
         text = (
             f"Per-rank peak: {self.peak_bytes:,} B, while {phase.name} ({parts}). Other phases: "
             f"{others}; held between calls {self.between.nbytes:,} B. Counted as the loop "
-            "holds it from its third call on: the caller's arrays, every compiled plan's "
+            "holds it from its second call on: the caller's arrays, every compiled plan's "
             "arena, the exchange's buffers and the results the loop still binds"
         )
         if any(p.held.get("node window") for p in self.phases):
@@ -109,6 +116,13 @@ class RankPeak:
                 if any("MPI buffers" in p.held for p in self.phases)
                 else ". Not counted: what the MPI library allocates for a collective in flight "
                 "(its algorithm's; MPICH's default on 2 ranks: about half of each bucket)."
+            )
+        if self.first_call is not None:
+            first = self.first_call.peak_phase
+            text += (
+                f" The first call holds {first.nbytes:,} B at most, while {first.name}: nothing "
+                "bound from a previous call, the plan's gradients in output buffers of its own"
+                + (" (the window is made after the plan)." if first.held.get("node window") else ".")
             )
         return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
 
@@ -191,6 +205,29 @@ def allreduce_peak(
     mpi_copies: bool = False,
     size: int = 0,
     window: int = 0,
+    into_window: tuple = (),
+) -> RankPeak:
+    """allreduce_call's figures from the loop's second call on, with its first call's.
+    into_window: the gradient leaves the plan writes straight into the node's window from the
+    second call on (shared_exchange.WindowOutputs): no output buffers of the plan's then."""
+    facts = (layout, in_plan, plan, params, update, state, mpi_copies, size, window)
+    steady = allreduce_call(*facts, into_window)
+    first = allreduce_call(*facts, (), first=True)
+    return RankPeak(steady.phases, steady.between, steady.not_counted, first)
+
+
+def allreduce_call(
+    layout,
+    in_plan: dict,
+    plan: PlanFacts,
+    params: int,
+    update: PlanFacts | None,
+    state: int,
+    mpi_copies: bool = False,
+    size: int = 0,
+    window: int = 0,
+    into_window: tuple = (),
+    first: bool = False,
 ) -> RankPeak:
     """The step that allreduces buckets (data_parallel, with or without an unsharded update).
     The loop keeps the returned gradients (views of the buckets) and loss without an optimizer,
@@ -207,16 +244,19 @@ def allreduce_peak(
     up_kept = update.kept if update is not None else 0
     buckets = inside + packed
     kept = loss if update is not None else buckets + copies + loss  # what the loop still binds
+    kept = 0 if first else kept
     caller = dict(parameters=params, batch=batch, optimizer_state=state, previous_results=kept)
     arenas = dict(plan_arena=plan.kept, update_arena=up_kept, node_window=window)
-    plan_out = plan.outputs - inside  # the plan's own output buffers beside the buckets
+    # the plan's own output buffers beside the buckets (and beside the window's, written by
+    # the plan from the second call on)
+    plan_out = plan.outputs - inside - sum(leaf.nbytes for leaf in into_window)
     written = [leaf for b in layout.buckets if b.index in in_plan for leaf in b.leaves]
-    reused = plan.reused_beside(written)
+    reused = plan.reused_beside(written + list(into_window))
     phases = [
         _phase(
             "the plan runs",
             **caller,
-            **arenas,
+            **(arenas | ({"node_window": 0} if first else {})),  # made after the plan, once
             exchange_buffers=inside,
             plan_outputs=plan_out,
             workspace=plan.workspace,
@@ -270,6 +310,8 @@ def allreduce_peak(
         plan_outputs=reused,
     )
     mine = ("batch", "workspace", "node window")
+    if first:  # the caller's own parameters and state; from call 2 the update's outputs
+        mine = ("parameters", "optimizer state", *mine)
     if update is None:
         mine = ("parameters", *NOT_COUNTED)
     return RankPeak(tuple(phases), between, mine)

@@ -67,8 +67,9 @@ class DataParallelReport:
 
     @property
     def peak_bytes(self) -> int | None:
-        """The most bytes one rank holds in a call of the loop (rank_peak.py), or None."""
-        return None if self.rank_peak is None else self.rank_peak.peak_bytes
+        """The most bytes one rank holds in any call of the loop, its first included
+        (rank_peak.py), or None."""
+        return None if self.rank_peak is None else self.rank_peak.most_bytes
 
     def add_optimizer(self, name: str, per_rank: int, whole: int) -> None:
         """Report the optimizer state each rank keeps (data_parallel(optimizer=...))."""

@@ -383,8 +383,9 @@ class DataParallelStep:
     def _run_into_window(self, world, args, kwargs, key, leaves, layout):
         """(this rank's loss and gradients, the aux outputs) of the compiled joint plan with
         the gradients written straight into the node window's buffers of this call
-        (shared_exchange.WindowOutputs), or None to call the plan as usual."""
-        if not self.overlap or current_backend() != "numba" or checking():
+        (shared_exchange.WindowOutputs), or None to call the plan as usual. The checked mode
+        runs it too (counting what the call holds), so that it measures what runs unchecked."""
+        if not self.overlap or current_backend() != "numba":
             return None
         entry = self._joint_inputs(args, kwargs, key, leaves, arrays=False)
         found = self._window_outputs.get(id(entry))
@@ -511,6 +512,7 @@ class DataParallelStep:
                 not shared and sums_by_recursive_doubling(size),
                 size,
                 window_bytes(layout) if shared else 0,
+                self.window_leaves(args, kwargs, layout) if shared else (),
             )
         return report
 
@@ -544,6 +546,20 @@ class DataParallelStep:
         preview = InPlanExchange(compiled, layout, None, size)
         starts = {b.index: preview.start_of(entry.plan, b.index) for b in layout.buckets}
         return {k: v for k, v in starts.items() if v is not None}
+
+    def window_leaves(self, args, kwargs, layout) -> tuple:
+        """The gradient leaves the compiled plan writes straight into the node window from the
+        step's second call on (shared_exchange.WindowOutputs: no output buffer of the plan's
+        own then); none where the step calls the plan as usual (see _run_into_window)."""
+        if not self.overlap or self.split_plan or self.accumulate > 1 or self.sharded:
+            return ()
+        if current_backend() != "numba":
+            return ()
+        compiled = getattr(self.fn.lookup(args, kwargs)[1].runner(), "compiled", None)
+        if compiled is None or compiled.driver_tier == "reference":
+            return ()
+        buckets = WindowOutputs(compiled, layout).buckets
+        return tuple(leaf for bucket in buckets for leaf in bucket.leaves)
 
     def _driver_note(self, args, kwargs, starts: dict) -> str | None:
         """What explain adds when the driver that starts the buckets is not running yet (or

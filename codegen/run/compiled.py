@@ -368,8 +368,8 @@ class CompiledPlan:
         mode (which counts buffers of its own): call the plan as usual."""
         if self.first_call_seconds is None or self.driver_tier == "reference":
             return None
-        if self._checked is not None:
-            return None
+        if self._checked is not None:  # counted, as the plan runs unchecked
+            return self._checked_call(args, (), into)
         if self._direct_pending is not None:
             self._build_direct()
         return self.call_into(args, into, self._run, ())
@@ -418,14 +418,18 @@ class CompiledPlan:
         ]
         return per_output, buffers
 
-    def _checked_call(self, args: list, donate) -> list:
-        """A call that counts every buffer it holds and compares them with the prediction."""
+    def _checked_call(self, args: list, donate, into=None) -> list:
+        """A call that counts every buffer it holds and compares them with the prediction.
+        into: output buffers the caller passed (call_own_into), not the call's to hold."""
         predicted, scratch_keys = self._checked
         predicted = predicted + self._predicted_copies(args)
+        if into:
+            theirs = {f"output {j}" for j in into}
+            predicted = [b for b in predicted if b.key not in theirs]
         with ALLOCATOR.measuring() as measured:
             for name, array in self.plan.graph.constants.items():
                 ALLOCATOR.use(array, f"const {name}")
-            outputs = self._general_call(args, donate, scratch_keys)
+            outputs = self._general_call(args, donate, scratch_keys, into)
             for i in self._literal_outputs:
                 ALLOCATOR.use(outputs[i], f"literal {i}")
         compare(self.plan.graph.name, predicted, measured.at_peak, self._why_fresh())
@@ -467,8 +471,9 @@ class CompiledPlan:
             if k not in given:
                 ALLOCATOR.use(array, f"output {k}")
 
-    def _general_call(self, args: list, donate, scratch_keys=None) -> list:
-        """Any call: while the reference interpreter stands in, the first call, donations."""
+    def _general_call(self, args: list, donate, scratch_keys=None, into=None) -> list:
+        """Any call: while the reference interpreter stands in, the first call, donations.
+        into: output buffers the caller passed (the checked mode's call_own_into)."""
         if self.driver_tier == "reference":
             return self._reference_call(args)
         for i, word in self._in_place:
@@ -486,11 +491,14 @@ class CompiledPlan:
         arrays += self._constants
         workspace = self._workspaces.checkout()
         arrays += workspace.scratch
-        outputs = workspace.output_arrays(given)
+        theirs = frozenset(given) | frozenset(into or ())
+        outputs = workspace.output_arrays(theirs)
         for k, i in given.items():
             outputs[k] = arrays[i]
+        for k, array in (into or {}).items():
+            outputs[k] = array
         if scratch_keys is not None:
-            self._count(scratch_keys, copies, workspace, outputs, given)
+            self._count(scratch_keys, copies, workspace, outputs, theirs)
         arrays += outputs
         arrays += self._lifted
         try:
@@ -506,7 +514,7 @@ class CompiledPlan:
             self._workspaces.checkin(workspace)
             for k in given:
                 outputs[k].flags.writeable = False  # the caller wraps it as an immutable tensor
-        return self._outputs(returned, outputs, frozenset(given))
+        return self._outputs(returned, outputs, theirs)
 
     def _outputs(self, returned: Any, buffers: list, theirs=frozenset()) -> list:
         """The plan's outputs, 16-bit floats viewed back from their bit patterns. Such a view
