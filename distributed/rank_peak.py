@@ -119,10 +119,11 @@ class RankPeak:
             )
         if self.first_call is not None:
             first = self.first_call.peak_phase
+            made = " (the window is made after the plan)" if first.held.get("node window") else ""
             text += (
                 f" The first call holds {first.nbytes:,} B at most, while {first.name}: nothing "
-                "bound from a previous call, the plan's gradients in output buffers of its own"
-                + (" (the window is made after the plan)." if first.held.get("node window") else ".")
+                "bound from a previous call, the plan's gradients in output buffers of its "
+                f"own{made}."
             )
         return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
 
