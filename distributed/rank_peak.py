@@ -97,8 +97,11 @@ class RankPeak:
         phase = self.peak_phase
         parts = ", ".join(f"{c} {n:,}" for c, n in phase.held.items() if n)
         others = "; ".join(f"{p.name} {p.nbytes:,}" for p in self.phases if p is not phase)
+        head = f"Per-rank peak: {self.most_bytes:,} B"
+        if self.most_bytes != self.peak_bytes:  # the first call holds the most
+            head += f" in the first call (below); from the second call on {self.peak_bytes:,} B"
         text = (
-            f"Per-rank peak: {self.peak_bytes:,} B, while {phase.name} ({parts}). Other phases: "
+            f"{head}, while {phase.name} ({parts}). Other phases: "
             f"{others}; held between calls {self.between.nbytes:,} B. Counted as the loop "
             "holds it from its second call on: the caller's arrays, every compiled plan's "
             "arena, the exchange's buffers and the results the loop still binds"
@@ -120,8 +123,10 @@ class RankPeak:
         if self.first_call is not None:
             first = self.first_call.peak_phase
             made = " (the window is made after the plan)" if first.held.get("node window") else ""
+            parts = ", ".join(f"{c} {n:,}" for c, n in first.held.items() if n)
             text += (
-                f" The first call holds {first.nbytes:,} B at most, while {first.name}: nothing "
+                f" The first call holds {first.nbytes:,} B at most, while {first.name} ({parts}): "
+                "nothing "
                 "bound from a previous call, the plan's gradients in output buffers of its "
                 f"own{made}."
             )
