@@ -12,9 +12,9 @@ Steps: "plain" (`loss, grads = step(params, x, y)`), "train" (adam, unsharded) a
 parameters, so a call of the adam step grows by about 90 MB). The calls measured run what
 the step runs by default: on one node the sums in the node's shared window (the plan writing
 into it), with BACKPLAN_DP_REDUCTION=mpi or across nodes the compiled driver starting the
-allreduces (waited for first), or
-with BACKPLAN_CHECK_MEMORY=1 the buckets started after the call, where the checked mode's
-counted peak is printed beside (it equals explain's counted figure to the byte).
+allreduces (waited for first); with BACKPLAN_CHECK_MEMORY=1 the same on the node's window (on
+the MPI path the buckets started after the call), the checked mode's counted peak printed
+beside (it equals explain's counted figure to the byte).
 """
 
 from __future__ import annotations
