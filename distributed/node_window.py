@@ -150,6 +150,12 @@ def segment_bytes(counts: list[int], dtypes: list[np.dtype]) -> int:
     return _offsets(counts, dtypes)[1]
 
 
+def resident_bytes(nbytes: int) -> int:
+    """The memory a segment of nbytes holds once written: whole pages (shared memory is
+    mapped and backed by the page)."""
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 class NodeWindow:
     """A counter and two buffers per bucket for every rank of comm (all on one node), made
     together (every rank makes the same window at the same point; seconds and step: the

@@ -22,7 +22,7 @@ from backplan.ir.types import np_dtype
 from .exchange import Exchange
 from .half_wire import summed_dtype
 from .in_plan import bucket_slots
-from .node_window import READY, NodeWindow, segment_bytes, share
+from .node_window import READY, NodeWindow, resident_bytes, segment_bytes, share
 from .rank_peak import counted
 from .rows import average_in_place, scale_by_weight
 
@@ -61,8 +61,9 @@ def _buckets(layout) -> tuple[list[int], list[np.dtype]]:
 
 
 def window_bytes(layout) -> int:
-    """The bytes of one rank's segment of the window the layout's buckets are summed in."""
-    return segment_bytes(*_buckets(layout))
+    """The memory one rank's segment of the window the layout's buckets are summed in holds
+    (whole pages: what its rank holds of the window; it maps the others' segments too)."""
+    return resident_bytes(segment_bytes(*_buckets(layout)))
 
 
 def node_window(exchange, key: tuple, counts: list[int], dtypes: list[np.dtype]) -> NodeWindow:

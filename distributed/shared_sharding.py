@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from .half_wire import summed_dtype
-from .node_window import READY, NodeWindow, segment_bytes
+from .node_window import READY, NodeWindow, resident_bytes, segment_bytes
 from .shared_exchange import node_window
 
 
@@ -28,9 +28,10 @@ def _sizes(groups, loss_in_first: bool) -> tuple[list[int], list[np.dtype]]:
 
 
 def sharded_window_bytes(groups, loss_dtype) -> int:
-    """One rank's segment of the window a ZeRO-1 step of these groups uses."""
+    """The memory one rank's segment of the window a ZeRO-1 step of these groups uses holds
+    (whole pages)."""
     loss_in_first = bool(groups) and groups[0].dtype == np.dtype(loss_dtype)
-    return segment_bytes(*_sizes(groups, loss_in_first))
+    return resident_bytes(segment_bytes(*_sizes(groups, loss_in_first)))
 
 
 class ShardedWindow:

@@ -1015,9 +1015,14 @@ def test_a_steps_node_windows_are_freed_with_it_and_leave_no_file(tmp_path):
                 return sum("/backplan-" in line for line in maps)
         def files():
             return [f for f in os.listdir("/dev/shm") if f.startswith(f"backplan-{os.getpid()}-")]
+        def mapped_bytes():  # every rank's segment, each the whole pages explain counts
+            spans = [line.split()[0].split("-") for line in open("/proc/self/maps")
+                     if "/backplan-" in line]
+            return sum(int(b, 16) - int(a, 16) for a, b in spans)
+        from backplan.distributed.shared_exchange import window_bytes
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
         xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
-        before = mapped()
+        before, held = mapped(), mapped_bytes()
         step = bpd.data_parallel(vg, timeout=30)
         loss, grads = step(params, xs, ys)
         assert step.reduction(bpd.init()) == "shared"
@@ -1028,6 +1033,8 @@ def test_a_steps_node_windows_are_freed_with_it_and_leave_no_file(tmp_path):
         loss2, grads2 = other(params, xs, ys)
         assert next(iter(other.windows.values())) is not window
         assert mapped() == before + 2 * size
+        # two steps of one layout: two windows, each counted by its own step's explain
+        assert mapped_bytes() - held == 2 * size * window_bytes(step.layout((params, xs, ys)))
         for n in grads:
             assert (grads[n].numpy() == grads2[n].numpy()).all(), n
         gone = weakref.ref(window)
