@@ -356,28 +356,45 @@ def sharded_peak(
         if summed_dtype(group.dtype) != group.dtype:
             copies += group.block * group.dtype.itemsize
     loss = loss_dt.itemsize
-    batch = plan.inputs - sum(g.total * g.dtype.itemsize for g in groups)
-    caller = dict(parameters=params, batch=batch, optimizer_state=state, previous_results=loss)
-    common = dict(
-        **caller,
-        plan_arena=plan.kept,
-        update_arena=update.kept,
-        node_window=window,
-        exchange_buffers=pool,
-    )
+    given = sum(g.total * g.dtype.itemsize for g in groups)  # the caller's own parameters
+    batch = plan.inputs - given
     reused = sum(plan.reused)
-    phases = (
-        _phase("the plan runs", **common, plan_outputs=plan.outputs, workspace=plan.workspace),
-        _phase("the reduce-scatter is packed", **common, plan_outputs=plan.outputs, loss=loss),
-        _phase(
-            "the update of this rank's share runs",
-            **common,
-            plan_outputs=reused,
-            loss=loss + copies,
-            update_outputs=update.outputs,
-            workspace=update.workspace,
-        ),
-    )
+
+    def phases(first: bool) -> tuple:
+        """The call's phases; the first call holds the caller's own parameters and nothing
+        from a previous call, and makes the pool and the window at its exchange."""
+        caller = dict(
+            parameters=given if first else params,
+            batch=batch,
+            optimizer_state=state,
+            previous_results=0 if first else loss,
+        )
+        common = dict(
+            **caller,
+            plan_arena=plan.kept,
+            update_arena=update.kept,
+            node_window=window,
+            exchange_buffers=pool,
+        )
+        before = common | ({"node_window": 0, "exchange_buffers": 0} if first else {})
+        return (
+            _phase("the plan runs", **before, plan_outputs=plan.outputs, workspace=plan.workspace),
+            _phase("the reduce-scatter is packed", **common, plan_outputs=plan.outputs, loss=loss),
+            _phase(
+                "the update of this rank's share runs",
+                **common,
+                plan_outputs=reused,
+                loss=loss + copies,
+                update_outputs=update.outputs,
+                workspace=update.workspace,
+            ),
+        )
+
+    steady = phases(False)
     kept_ranges = sum(n for n in ranges if n >= REUSE_BYTES)
-    between = _phase("between calls", **common, plan_outputs=reused, update_outputs=kept_ranges)
-    return RankPeak(phases, between)
+    common = {k: n for k, n in steady[0].held.items() if k not in ("plan outputs", "workspace")}
+    between = RankPhase(
+        "between calls", common | {"plan outputs": reused, "update outputs": kept_ranges}
+    )
+    first = RankPeak(phases(True), between, ("parameters", "optimizer state", *NOT_COUNTED))
+    return RankPeak(steady, between, first_call=first)

@@ -2154,9 +2154,8 @@ def test_explain_prints_the_peak_each_rank_holds_counted_to_the_byte(tmp_path, r
                         peaks.append(m.peak)
                 report = step.explain(p, state, xs, ys)
             peak = report.rank_peak
-            first = peak.first_call.counted_bytes if peak.first_call else peaks[0]
-            if mode != "zero":  # (ZeRO-1's first call: not previewed)
-                assert peaks[0] == first, (mode, peaks, first, peak.counted_bytes)
+            first = peak.first_call.counted_bytes
+            assert peaks[0] == first, (mode, peaks, first, peak.counted_bytes)
             assert peaks[1:] == [peak.counted_bytes] * 3, (mode, peaks, peak.counted_bytes)
             assert report.peak_bytes == peak.most_bytes >= peak.peak_bytes > peak.between.nbytes
             assert f"Per-rank peak: {report.peak_bytes:,} B" in str(report)
