@@ -103,8 +103,7 @@ def prebuild(args) -> int:
 def _unknown(names: list[str], known, what: str) -> list[str]:
     """A sentence per name `prebuild` cannot build for, naming the ones it can."""
     return [
-        f"unknown {what} {name!r}: --{what}s takes a comma-separated list of "
-        + ", ".join(known)
+        f"unknown {what} {name!r}: --{what}s takes a comma-separated list of " + ", ".join(known)
         for name in names
         if name not in known
     ]

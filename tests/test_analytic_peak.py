@@ -75,8 +75,7 @@ def _layer(kind: str, h, kept: list, constant):
 def _model(kinds: tuple[str, ...], seed: int):
     rng = np.random.default_rng(seed)
     ws = {
-        f"w{i}": (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)
-        for i in range(len(kinds))
+        f"w{i}": (rng.standard_normal((8, 8)) * 0.3).astype(np.float32) for i in range(len(kinds))
     }
     constant = rng.standard_normal((8, 8)).astype(np.float32)
 
@@ -143,9 +142,11 @@ def test_the_analytic_peak_is_exact_on_the_bench_models(name):
     spec = MODELS[name]
     inputs = spec.inputs(True, np.float32)
     with use_backend("reference"):
-        planner = bp.value_and_grad(bench_function(spec)).trace(
-            inputs.params, *inputs.batch(True)
-        ).planner
+        planner = (
+            bp.value_and_grad(bench_function(spec))
+            .trace(inputs.params, *inputs.batch(True))
+            .planner
+        )
         held = planner.choices.schedule.held
         rng = np.random.default_rng(0)
         drops = [p.drop for p in planner.points()] + [

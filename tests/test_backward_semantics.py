@@ -151,9 +151,9 @@ def test_live_saved_bytes_counts_every_graph_and_drops_to_zero(model):
             distinct.append(array)
     yours = [a for a in distinct if any(np.shares_memory(a, t._data) for t in (w1, w2, x))]
     assert bp.live_saved_bytes(yours=True) == sum(a.nbytes for a in yours) > 0
-    assert bp.live_saved_bytes() == sum(a.nbytes for a in distinct) - sum(
-        a.nbytes for a in yours
-    ) > 0
+    assert (
+        bp.live_saved_bytes() == sum(a.nbytes for a in distinct) - sum(a.nbytes for a in yours) > 0
+    )
     out.backward()
     assert bp.live_saved_bytes() == 0 == bp.live_saved_bytes(yours=True)
 

@@ -30,7 +30,7 @@ def test_table_reports_share_of_peak_and_own_over_blas():
 
 
 def test_table_at_two_threads_shows_the_gain_over_one_thread():
-    """"bp 1 thread" (2-D shapes only at T > 1): own/1t is backplan over it, a dash without."""
+    """ "bp 1 thread" (2-D shapes only at T > 1): own/1t is backplan over it, a dash without."""
     results = {
         "mlp fwd": {"backplan": [180.0], "openblas": [90.0], "bp 1 thread": [100.0]},
         "attn": {"backplan": [150.0], "openblas": [100.0]},

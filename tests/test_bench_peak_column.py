@@ -57,9 +57,7 @@ def test_a_counted_peak_other_than_the_plan_is_printed_as_a_mismatch():
     }
     (line,) = footnotes([row])
     assert "MEMORY MISMATCH" in line and "5,000" in line and "4,096" in line
-    row["peak_bytes"].update(
-        counted_held={"scratch": 3_000, "output 1": 2_000}, left_alive=3_000
-    )
+    row["peak_bytes"].update(counted_held={"scratch": 3_000, "output 1": 2_000}, left_alive=3_000)
     (line,) = footnotes([row])
     assert line.endswith(
         "(held at the peak: scratch 3,000, output 1 2,000; 3,000 B of it left alive by the "

@@ -323,6 +323,7 @@ def test_parallel_and_chunked_reduction_kernels_equal_reference():
         bp.tensor(rng.standard_normal(s).astype(np.float32))
         for s in (shape, shape[1:], shape[1:], shape)
     ]
+
     def row_sums(x, g, b, up):  # no row statistic: a layer norm's now run in chunks too
         return bp.sum(x * g + b * up, axis=1)
 

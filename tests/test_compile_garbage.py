@@ -28,6 +28,7 @@ BATCH, SEQ, HEADS, DIM = 2, 5, 2, 3  # sizes no other test compiles
 
 def attention_loss(wq, wk, x):
     """Two-head self-attention (its fused kernel: the call whose typing leaves the cycles)."""
+
     def heads(t):
         return t.reshape(BATCH, SEQ, HEADS, DIM).transpose(0, 2, 1, 3)
 

@@ -72,7 +72,6 @@ def test_the_readme_budget_example_prints_what_its_text_shows(tmp_path, monkeypa
         assert piece in printed, piece
 
 
-
 def deep_loss(params, x):
     for w in params.values():
         x = bp.tanh(x @ w)
@@ -100,9 +99,7 @@ def test_the_explain_page_budget_figures_are_numbas():
             deep_loss, max_peak_bytes=budget, allow_saved_dtype=bp.bfloat16
         ).explain(deep, xb)
         assert narrow.saved_dtype_note == text_block_after(page, "print(report.saved_dtype_note)")
-        rows = bp.value_and_grad(deep_loss, allow_saved_dtype=bp.bfloat16).memory_frontier(
-            deep, xb
-        )
+        rows = bp.value_and_grad(deep_loss, allow_saved_dtype=bp.bfloat16).memory_frontier(deep, xb)
         assert str(rows).rstrip("\n") == text_block_after(page, "print(rows)")
         default = frontier.points[0].peak_bytes
         assert f"({narrow.peak_bytes // 1024} KiB against {default // 1024} KiB" in source

@@ -9,9 +9,10 @@ import pytest
 from backplan.codegen.kernels.gemm import pack
 from backplan.codegen.kernels.gemm.kernel import TILES
 
-ROW_WIDTHS = sorted({mr for w in TILES.values() for lanes, mr, nv in w.values()} | {
-    lanes * nv for w in TILES.values() for lanes, mr, nv in w.values()
-})
+ROW_WIDTHS = sorted(
+    {mr for w in TILES.values() for lanes, mr, nv in w.values()}
+    | {lanes * nv for w in TILES.values() for lanes, mr, nv in w.values()}
+)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

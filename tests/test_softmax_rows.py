@@ -61,9 +61,7 @@ def test_row_helpers_run_as_python_too():
 def test_float32_rows_compile_to_float32_vector_loops():
     """A float64 sum or peak (0.0, a Python float) would show as double arithmetic; a called
     exp or a compare-and-select max would keep the loops scalar."""
-    softmax_row = njit(fastmath=FASTMATH, error_model="numpy", inline="always")(
-        rows._softmax_row
-    )
+    softmax_row = njit(fastmath=FASTMATH, error_model="numpy", inline="always")(rows._softmax_row)
 
     @njit(fastmath=FASTMATH, error_model="numpy")
     def softmax_rows(x, out):

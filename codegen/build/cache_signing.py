@@ -141,9 +141,7 @@ def discard(path: str, why: str, kind: str = "kernel cache file") -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-    warnings.warn(
-        f"{kind} {path} {why}; removed it, compiling again", CacheWarning, stacklevel=2
-    )
+    warnings.warn(f"{kind} {path} {why}; removed it, compiling again", CacheWarning, stacklevel=2)
 
 
 class SignedIndexDataCacheFile(IndexDataCacheFile):

@@ -332,9 +332,11 @@ class _Reader:
         return replace(view, dtype=dtype)
 
     def reshaped(self, view: View, node: ast.Call) -> View:
-        args = node.args[0].elts if len(node.args) == 1 and isinstance(
-            node.args[0], ast.Tuple
-        ) else node.args
+        args = (
+            node.args[0].elts
+            if len(node.args) == 1 and isinstance(node.args[0], ast.Tuple)
+            else node.args
+        )
         sizes = [self.value(a) for a in args]
         if not all(isinstance(s, Scalar) and s.kind != "boolean" for s in sizes):
             raise Unsupported(f"line {node.lineno}: reshape to {ast.unparse(node)}")
@@ -373,8 +375,8 @@ class _Reader:
         if not isinstance(view, View) or len(view.shape) != 1 or piece.step is not None:
             raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")
         low = self.value(piece.lower) if piece.lower is not None else Scalar("int64", 0)
-        high = self.value(piece.upper) if piece.upper is not None else Scalar(
-            "int64", view.shape[0]
+        high = (
+            self.value(piece.upper) if piece.upper is not None else Scalar("int64", view.shape[0])
         )
         if not (isinstance(low, Scalar) and isinstance(high, Scalar)):
             raise Unsupported(f"line {node.lineno}: {ast.unparse(node)}")

@@ -74,7 +74,6 @@ _FIELD = (1 << 20) - 1
 _GENERATIONS = (1 << 23) - 1
 
 
-
 def _never_freed_words(count: int) -> np.ndarray:
     """count zeroed int64 words on their own cache lines, never freed: a helper polling the
     block while the interpreter shuts down reads memory that is still the block."""
