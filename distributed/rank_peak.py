@@ -201,24 +201,13 @@ def loss_bytes(layout) -> int:
     return next(leaf.nbytes for b in layout.buckets for leaf in b.leaves if leaf.index == 0)
 
 
-def allreduce_peak(
-    layout,
-    in_plan: dict,
-    plan: PlanFacts,
-    params: int,
-    update: PlanFacts | None,
-    state: int,
-    mpi_copies: bool = False,
-    size: int = 0,
-    window: int = 0,
-    into_window: tuple = (),
-) -> RankPeak:
-    """allreduce_call's figures from the loop's second call on, with its first call's.
-    into_window: the gradient leaves the plan writes straight into the node's window from the
-    second call on (shared_exchange.WindowOutputs): no output buffers of the plan's then."""
-    facts = (layout, in_plan, plan, params, update, state, mpi_copies, size, window)
-    steady = allreduce_call(*facts, into_window)
-    first = allreduce_call(*facts, (), first=True)
+def allreduce_peak(*facts, into_window: tuple = ()) -> RankPeak:
+    """allreduce_call's figures (its arguments, into_window apart) from the loop's second call
+    on, with its first call's. into_window: the gradient leaves the plan writes straight into
+    the node's window from the second call on (shared_exchange.WindowOutputs): no output
+    buffers of the plan's then."""
+    steady = allreduce_call(*facts, into_window=into_window)
+    first = allreduce_call(*facts, first=True)
     return RankPeak(steady.phases, steady.between, steady.not_counted, first)
 
 

@@ -512,7 +512,7 @@ class DataParallelStep:
                 not shared and sums_by_recursive_doubling(size),
                 size,
                 window_bytes(layout) if shared else 0,
-                self.window_leaves(args, kwargs, layout) if shared else (),
+                into_window=self.window_leaves(args, kwargs, layout) if shared else (),
             )
         return report
 

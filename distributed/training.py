@@ -194,7 +194,11 @@ class DataParallelTraining:
                 doubling,
                 report.size,
                 window,
-                self.step.window_leaves((params, *batch), kwargs, report.layout) if window else (),
+                into_window=(
+                    self.step.window_leaves((params, *batch), kwargs, report.layout)
+                    if window
+                    else ()
+                ),
             )
         world = init(self.step._comm)
         rank = world.rank if world.size == report.size else 0
