@@ -120,7 +120,9 @@ class PeakReport:
 @dataclass(frozen=True)
 class PlanCall:
     """One plan run as part of a step. output_kinds: the category of each graph output.
-    input_kinds: per graph input, "inputs", "donated", "held" (a buffer an earlier call of
+    input_kinds: per graph input, "inputs", "donated", "copied" (a NumPy array the caller
+    passed, which the step copies at the call and holds for its backward: the caller's array
+    and the copy, counted as saved until the step ends), "held" (a buffer an earlier call of
     the step produced, already counted: a backward's saved inputs) or "cotangent" (backward()'s
     seed, or the zeros of an output it did not start from: arrays backward() allocates, not the
     caller's, counted as gradients while that call runs). held_from: for the
@@ -159,7 +161,33 @@ def _input_bytes(calls: list[PlanCall]) -> dict:
         for value, kind in zip(call.plan.graph.inputs, call.input_kinds, strict=True):
             if kind in CALLER_OWNED:
                 held[kind] += value.type.nbytes
+            elif kind == COPIED:  # the caller's array, and backplan's copy of it
+                held["inputs"] += value.type.nbytes
+                held["saved"] += value.type.nbytes
     return held
+
+
+COPIED = "copied"
+
+
+def with_argument_copies(calls: list[PlanCall] | None, inputs) -> list[PlanCall] | None:
+    """The step's calls where the forward inputs `inputs` are NumPy arrays the step copies at
+    the call and holds for the backward (tracer/numpy_args.py): the call taking the forward's
+    inputs (the forward, or a joint step's joint plan) marks them "copied"."""
+    if not calls or not inputs:
+        return calls
+    return [
+        replace(
+            c,
+            input_kinds=tuple(
+                COPIED if i in inputs and kind == "inputs" else kind
+                for i, kind in enumerate(c.input_kinds)
+            ),
+        )
+        if c.label in ("forward", "joint") and not c.idle
+        else c
+        for c in calls
+    ]
 
 
 def _cotangent_bytes(call: PlanCall) -> int:
@@ -381,7 +409,7 @@ def _reference_steps(calls: list[PlanCall]):
             deltas[start + step_of[root]][kind] += root.type.nbytes
             deltas[min(end, total - 1) + 1][kind] -= root.type.nbytes
     held = dict.fromkeys(CATEGORIES, 0)
-    for key in CALLER_OWNED:
+    for key in (*CALLER_OWNED, "saved"):  # saved: copies of the caller's arrays (COPIED)
         held[key] = inputs[key]
     held["constants"] = constants
     index = 0

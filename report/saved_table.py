@@ -13,6 +13,10 @@ INPUT_NOTE = (
     "* your own input: the graph holds a reference to your array, not a copy. Freeing it drops\n"
     "  the graph's reference; the array itself lives on while you still hold it."
 )
+COPY_NOTE = (
+    "(copy): a NumPy array you passed, copied at the call so that changing your array later\n"
+    "  cannot change the gradients: backplan's buffer, in the saved bytes and the peak."
+)
 LEGEND = "fN / bN: forward / backward step N (the N-th op line of that phase's IR, from 0)"
 RECOMPUTED_NOTE = (
     "recomputed: not saved and not in the bytes held between forward and backward; the backward\n"
@@ -82,8 +86,11 @@ def saved_rows(
     header = ("name", "type", "bytes", "produced by", "read by", "lifetime", "why saved")
     rows = [header + (("state",) if states is not None else ())]
     for i, info in enumerate(infos):
-        name = f"{info.name} *" if info.is_region_input else info.name
-        produced = "your input" if info.is_region_input else f"{info.op} at {info.produced_at}"
+        name, produced = info.name, f"{info.op} at {info.produced_at}"
+        if info.is_region_input:
+            name, produced = f"{info.name} *", "your input"
+        elif getattr(info, "copy_of_argument", False):
+            name, produced = f"{info.name} (copy)", f"copy of {info.name} taken at the call"
         row = (
             name,
             _type_text(info),
@@ -136,6 +143,8 @@ def table_notes(infos: Sequence, recomputed: Sequence = ()) -> list[str]:
     lines = [LEGEND]
     if any(info.is_region_input for info in infos):
         lines.extend(INPUT_NOTE.splitlines())
+    if any(getattr(info, "copy_of_argument", False) for info in infos):
+        lines.extend(COPY_NOTE.splitlines())
     if recomputed:
         lines.extend(RECOMPUTED_NOTE.splitlines())
     return lines

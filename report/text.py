@@ -119,11 +119,19 @@ def _saved_sentence(report) -> str:
         f"The forward keeps {n} saved buffer{'s' if n != 1 else ''} for the backward, "
         f"{format_bytes(report.saved_bytes)} in total"
     )
+    copies = sum(b.nbytes for b in report.saved_buffers if getattr(b, "copy_of_argument", 0))
+    held = []
     if report.saved_input_bytes:
-        text += (
-            f" ({format_bytes(report.saved_input_bytes)} of them your own inputs, held by "
-            "reference, not copied)"
+        held.append(
+            f"{format_bytes(report.saved_input_bytes)} of them your own inputs, held by "
+            "reference, not copied"
         )
+    if copies:
+        held.append(
+            f"{format_bytes(copies)} of them copies of the NumPy arrays you pass, taken at the call"
+        )
+    if held:
+        text += f" ({'; '.join(held)})"
     return text + "." + _fused_words(report.fused_saved)
 
 

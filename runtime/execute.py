@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from backplan.codegen.run import memory_check
 from backplan.ir.reference_storage import array_root
 
 from .program import RegionProgram
 from .region import Edge, Region
 
 
-def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, loc, donate=()):
+def run_forward(
+    program: RegionProgram, args: list, edges: list[Edge] | None, loc, donate=(), copies=frozenset()
+):
     """Returns (user outputs, region or None). edges is None when nothing needs a gradient.
     donate: inputs whose buffers the plan may write outputs into (never saved ones).
+    copies: inputs that are copies of the caller's NumPy arrays (the region's own buffers).
     loc: where the user called it (a SourceLoc, or its text), the region's created_at.
     A small compiled step that backward() follows may run as one joint plan (joint_step.py)."""
+    if copies and memory_check.checking():  # backplan's buffers, in explain's saved bytes
+        memory_check.count_held([args[i] for i in copies], "copies of NumPy arguments")
     if program.retained:  # the last call's backward(retain_graph=True): its arena goes
         program.release_retained()
     joint = program.joint_step
     if edges is not None and joint is not None:
-        ran = joint.run(program, args, edges, loc)
+        ran = joint.run(program, args, edges, loc, copies)
         if ran is not None:
             return ran
     outputs = program.run_forward(list(args), donate)  # the runner empties the list it gets
@@ -29,7 +35,7 @@ def run_forward(program: RegionProgram, args: list, edges: list[Edge] | None, lo
         return user_outputs, None
     saved = [args[i] if from_input else outputs[i] for from_input, i in program.saved_sources]
     _freeze_own_views(user_outputs, args, saved)
-    return user_outputs, Region(program, saved, edges, loc)
+    return user_outputs, Region(program, saved, edges, loc, copies)
 
 
 def _freeze_own_views(outputs: list, args: list, saved: list) -> None:

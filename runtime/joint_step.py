@@ -104,7 +104,7 @@ class JointStep:
                     self._plan = self._build_plan()
         return self._plan
 
-    def run(self, program: RegionProgram, args: list, edges: list, loc):
+    def run(self, program: RegionProgram, args: list, edges: list, loc, copies=frozenset()):
         """(outputs, region) of one call through the joint plan once CALLS_TO_LEARN calls in
         a row fitted; None (run the two plans) before, and after a call whose loss was never
         backward()ed."""
@@ -121,7 +121,7 @@ class JointStep:
         if runner is None:
             runner = runner_for(self.plan(), self._runners, self.background)
         results = runner(list(args))
-        return results[:1], JointRegion(program, args, results[1:], edges, loc, self)
+        return results[:1], JointRegion(program, args, results[1:], edges, loc, self, copies)
 
 
 class JointRegion(Region):
@@ -131,8 +131,8 @@ class JointRegion(Region):
     (its table says not held): the gradients and its inputs wait instead, and live_saved_bytes
     counts them."""
 
-    def __init__(self, program, args, grads, edges, loc, step: JointStep):
-        Region.__init__(self, program, [], edges, loc)  # once a step: no super() object
+    def __init__(self, program, args, grads, edges, loc, step: JointStep, copies=frozenset()):
+        Region.__init__(self, program, [], edges, loc, copies)  # once a step: no super()
         self._args = args
         self._grads = grads
         self.ready = True

@@ -36,6 +36,9 @@ class SavedBufferInfo:
     read_steps: tuple[int, ...] = ()  # backward steps that read it
     # the compiled plan computes it inside the loop that reads it (fusion): never stored
     fused: bool = False
+    # a NumPy array the caller passed, copied at the call (tracer/numpy_args.py): backplan's
+    # buffer, not the caller's, counted in the saved bytes and the peak
+    copy_of_argument: bool = False
 
 
 class RegionProgram:

@@ -119,8 +119,13 @@ class Region:
     """Holds saved buffers until backward. Output tensors point at it; it points only upstream,
     so it dies when the last tensor that can reach it does."""
 
-    def __init__(self, program: RegionProgram, saved: list, edges: list[Edge], loc):
+    def __init__(
+        self, program: RegionProgram, saved: list, edges: list[Edge], loc, copies=frozenset()
+    ):
         self.program = program
+        # forward inputs this region holds as copies of the caller's NumPy arrays, taken at
+        # the call (tracer/numpy_args.py): its own buffers, not the caller's
+        self.copies = copies
         self.name = program.name
         self._made_at = loc  # a SourceLoc (or its text): created_at makes the text on demand
         self._edges = edges  # a list of Edge, or LeafEdges made into one when first read
@@ -163,6 +168,8 @@ class Region:
                 fields.update(
                     op=upstream.name, produced_at=upstream.created_at, is_region_input=False
                 )
+            elif self._is_copy(self.program.plans.saved[info.slot].source):
+                fields.update(is_region_input=False, copy_of_argument=True)
             buffers.append(SavedBuffer(**fields))
         return buffers
 
@@ -202,7 +209,15 @@ class Region:
         return self.input_edges[sum(wrt[:index])] if wrt[index] else None
 
     def _is_yours(self, source: tuple[str, int]) -> bool:
-        return source[0] == "input" and self._upstream_of(source) is None
+        return (
+            source[0] == "input"
+            and source[1] not in self.copies
+            and self._upstream_of(source) is None
+        )
+
+    def _is_copy(self, source: tuple[str, int]) -> bool:
+        """Whether a saved forward input is the copy of a NumPy array taken at the call."""
+        return source[0] == "input" and source[1] in self.copies
 
     def _upstream_of(self, source: tuple[str, int]) -> Region | None:
         """The region that produced forward input `source[1]`, when a gradient flows to it."""

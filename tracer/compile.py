@@ -9,11 +9,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
+import numpy as np
+
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.gc_pause import paused_gc
 from backplan.ir.pipeline import PipelineOptions, plan_choices
 from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
+from backplan.report.argument_copies import mark_argument_copies, numpy_saved_inputs
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.backend import current_backend
 from backplan.runtime.execute import run_forward
@@ -123,13 +126,21 @@ def run_traced(traced: TracedFunction, call, record: bool = True):
     needing a gradient) outputs point at a Region holding the saved buffers, so .backward()
     works. Loaded artifacts run through here too, so both paths build regions the same way."""
     tensors = [call.leaves[p] for p in call.tensor_positions]
-    return run_tensors(traced, tensors, record)
+    copies = frozenset(
+        k
+        for k, p in enumerate(call.tensor_positions)
+        if isinstance(call.sources[p], np.ndarray) and k in _saved_inputs(traced.program)
+    )  # bind_call made a tensor of each NumPy argument, a copy: those saved are the region's
+    return run_tensors(traced, tensors, record, copies=copies)
 
 
-def run_tensors(traced: TracedFunction, tensors: list, record: bool = True, skip: int = 0):
+def run_tensors(
+    traced: TracedFunction, tensors: list, record: bool = True, skip: int = 0, copies=frozenset()
+):
     """run_traced on the graph inputs. skip: how many frames, this one first, are backplan's
     own by construction (the fast path's fixed chain of calls, PlannedFunction.__call__ or a
-    wrapper of the runner last); the user line's walk passes over them."""
+    wrapper of the runner last); the user line's walk passes over them. copies: inputs that
+    are copies of the caller's NumPy arrays, taken for this call (the region holds them)."""
     if traced.float_checks:
         run_float_checks(traced.float_checks, tensors, traced.program.name)
     if traced.captured:
@@ -146,13 +157,17 @@ def run_tensors(traced: TracedFunction, tensors: list, record: bool = True, skip
         donate = donatable(tensors, traced.donated, traced.unread_donated)
         mark_donated(tensors, traced, loc_text(loc))
         try:
-            outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)
+            outputs, region = run_forward(
+                program, [t._data for t in tensors], edges, loc, donate, copies
+            )
         except BaseException:
             unmark_donated(tensors, traced)
             raise
         release_donated(tensors, traced)
     else:
-        outputs, region = run_forward(program, [t._data for t in tensors], edges, loc, donate)
+        outputs, region = run_forward(
+            program, [t._data for t in tensors], edges, loc, donate, copies
+        )
     grads = program.differentiable_outputs
     if traced.one_output:  # a loss: no containers to rebuild
         grad_fn = region if region is not None and 0 in grads else None
@@ -279,6 +294,9 @@ class CompiledFunction(PlannedFunction):
             type(leaf) is Tensor for leaf in leaves
         )  # the leaves are the plan's input tensors, in order: nothing to pick or wrap
         captured = bool(traced.captured)
+        saved = _saved_inputs(traced.program)
+        # inputs a NumPy argument reaches as a copy the region holds (saved for backward)
+        copy_slots = [(k, i) for k, (i, copy) in enumerate(slots) if copy == "K" and k in saved]
 
         def run(leaves):
             if captured and not self._still_valid(traced):
@@ -287,12 +305,19 @@ class CompiledFunction(PlannedFunction):
             # user line's walk passes over run_tensors, run and the frame that called run
             if as_given:
                 return run_tensors(traced, leaves, skip=3)
-            return run_tensors(traced, [input_tensor(leaves[i], copy) for i, copy in slots], skip=3)
+            tensors = [input_tensor(leaves[i], copy) for i, copy in slots]
+            copies = NONE
+            if copy_slots:
+                copies = frozenset(k for k, i in copy_slots if type(leaves[i]) is np.ndarray)
+            return run_tensors(traced, tensors, skip=3, copies=copies)
 
         return run
 
     def _report(self, traced: TracedFunction, call):
-        return explain_traced(traced, self.cache_info())
+        report = explain_traced(traced, self.cache_info())
+        copies = numpy_saved_inputs(traced.program, call)  # copied at the call: backplan's
+        mark_argument_copies(report, traced.program, copies)
+        return report
 
     def _fit(self, entries: list[TracedFunction], sizes: list[int]):
         return fit_regions([e.program.plans for e in entries], sizes)
@@ -419,8 +444,15 @@ def checked_saved_dtypes(saved_dtype, allow_saved_dtype) -> tuple[str | None, st
 def _kept_inputs(program: RegionProgram, donated: tuple[int, ...]) -> set[int]:
     """Forward inputs whose buffer outlives the call: read by an output, saved for backward,
     or donated. A NumPy array passed there is copied (tracer/numpy_args.py)."""
-    saved = {slot.source[1] for slot in program.plans.saved if slot.source[0] == "input"}
-    return kept_by_outputs(program.plans.forward.graph) | saved | set(donated)
+    return kept_by_outputs(program.plans.forward.graph) | _saved_inputs(program) | set(donated)
+
+
+NONE = frozenset()
+
+
+def _saved_inputs(program: RegionProgram) -> frozenset[int]:
+    """Forward inputs the backward reads (the region holds them until backward())."""
+    return frozenset(s.source[1] for s in program.plans.saved if s.source[0] == "input")
 
 
 def _captured_flags(captured: list) -> tuple[bool, ...]:
