@@ -177,6 +177,36 @@ def test_special_values_in_vector_body_and_remainder(op, inputs, expected, dtype
             assert (np.signbit(got) == np.signbit(want)).all(), f"{op}_{dtype}: sign of zero"
 
 
+_QUIET_NANS = {  # quiet NaNs of both signs, with and without a payload
+    "f32": np.array([0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFFD00001], np.uint32),
+    "f64": np.array([0x7FF8 << 48, 0xFFF8 << 48, (0x7FF8 << 48) | 12345, 0xFFF9 << 48], np.uint64),
+}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("op", ["tanh", "erf"])
+def test_quiet_nan_passes_through_with_generated_code_flags(op, dtype):
+    # tanh and erf select between two halves and let the polynomial half carry a NaN (no
+    # select of its own): under the flags generated kernels use (NaN kept, not fastmath=True),
+    # a quiet NaN comes back bit for bit, sign and payload, in the vector body and the rest.
+    from backplan.codegen.flags import FASTMATH
+
+    function = getattr(mathlib, mathlib.FUNCTIONS[(op, dtype)])
+
+    @numba.njit(fastmath=FASTMATH, error_model="numpy")
+    def kernel(x, out):
+        for i in range(x.size):
+            out[i] = function(x[i])
+
+    bits = np.tile(_QUIET_NANS[dtype], 67)
+    x = np.concatenate([bits.view(DTYPES[dtype]), np.array([0.5, 3.0, -0.5, -3.0], DTYPES[dtype])])
+    out = np.empty_like(x)
+    kernel(x, out)
+    assert (out[: bits.size].view(bits.dtype) == bits).all(), f"{op}_{dtype} changed a NaN"
+    want = np.tanh(x[bits.size :]) if op == "tanh" else special.erf(x[bits.size :])
+    assert np.max(ulp_errors(out[bits.size :], want.astype(np.float64), dtype)) <= 4.0
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 def test_subnormals_in_and_out(dtype):
     info = np.finfo(DTYPES[dtype])
