@@ -2,9 +2,12 @@
 transpose of a C-ordered array of the reversed shape (any other order of the axes, a torch
 .permute(), a transpose of the array with its axes sorted by stride); a broadcast view
 (np.broadcast_to, expand) is a C-ordered array with the broadcast axes of size 1, broadcast; a
-reversed view (a[::-1]) a C-ordered array sliced with step -1 (ir/argument_layout.py names
-each). The lowering of a plan taking one (Plan.copied) takes that C-ordered array as its input
-instead and reads the argument as a `transpose`, `broadcast_to` or `slice` view of it: a GEMM
+reversed view (a[::-1]) a C-ordered array sliced with step -1; a sliced view (a[:, ::2], a
+column slice, mixed kinds) a slice of a C-ordered span of the array it views, transposed and
+broadcast (ir/argument_layout.py names each). The lowering of a plan taking one (Plan.copied)
+takes that C-ordered array as its input instead and reads the argument as a `transpose`,
+`broadcast_to` or `slice` view of it (a chain of them for a sliced one), checked to stay inside
+it (ir/verify.py verify_input_views) before anything compiles: a GEMM
 takes a transpose as its flag, a loop reads any of them strided (a broadcast axis with stride
 0), and any kernel that needs its operand C-contiguous gets a copy the memory planner places and
 explain's peak counts (ir/strided_copies.py, which runs next). The compiled call passes the
@@ -18,24 +21,44 @@ with outputs of the argument's own shape).
 
 from __future__ import annotations
 
-from .argument_layout import BROADCAST, F_ORDER, PERMUTED, REVERSED, layout_axes
+from .argument_layout import (
+    BROADCAST,
+    F_ORDER,
+    PERMUTED,
+    REVERSED,
+    SLICED,
+    layout_axes,
+    sliced_parts,
+    sliced_shape,
+)
+from .builder import make_value
 from .graph import Graph, Value, carry_reasons
 from .layout import storage_root
 from .liveness import Plan, plan_liveness
 from .types import TensorType
+from .verify import verify_input_views
 
 
 def in_place_inputs(plan: Plan) -> tuple[tuple[int, str], ...]:
     """(input, layout) of the copied inputs the lowering reads in place: F-order, permuted,
-    broadcast or reversed, neither donated nor the storage of an output."""
+    broadcast, reversed or sliced, neither donated nor the storage of an output."""
     if not plan.copied:
         return ()
     inputs = plan.graph.inputs
     kept = {storage_root(o) for o in plan.graph.outputs}
+
+    def _fits(i: int, word: str) -> bool:  # a sliced word names sizes: this input's own?
+        if not word.startswith(SLICED):
+            return False
+        view, shape, broadcast = sliced_shape(word), inputs[i].shape, sliced_parts(word)[5]
+        return len(view) == len(shape) and all(
+            v == n or (broadcast and v == 1) for v, n in zip(view, shape, strict=True)
+        )
+
     return tuple(
         (i, word)
         for i, word in plan.copied
-        if (word == F_ORDER or word.startswith((PERMUTED, BROADCAST, REVERSED)))
+        if (word == F_ORDER or word.startswith((PERMUTED, BROADCAST, REVERSED)) or _fits(i, word))
         and i not in plan.donated
         and inputs[i] not in kept
     )
@@ -55,12 +78,15 @@ def read_in_place(
     inputs, mapping, views = list(graph.inputs), {}, []
     for i, word in chosen:
         value = inputs[i]
-        shape, op, attrs = _base_and_view(value.shape, word)
+        shape, chain = _base_and_views(value.shape, word)
         base = Value("input", (), {}, TensorType(value.dtype, shape), value.loc, value.role)
-        inputs[i] = base
-        view = Value(op, [base], attrs, value.type, value.loc)
+        inputs[i] = view = base
+        for op, attrs in chain:
+            view = make_value(op, [view], attrs, value.loc)
+            views.append(view)
+        if view.type != value.type:
+            raise ValueError(f"input {i} ({value.type}, {word}) read as a view of {view.type}")
         mapping[value] = view
-        views.append(view)
         if sources is not None:
             sources[view] = value
     nodes, source = list(views), {}
@@ -84,9 +110,14 @@ def read_in_place(
         nodes.append(made)
         source[made] = node if origin is None else origin.get(node)
     outputs = [mapping.get(o, o) for o in graph.outputs]
-    used = {v for n in nodes for v in n.inputs} | set(outputs)
-    nodes = [n for n in nodes if n not in views or n in used]  # a view only w.T read: none
+    while True:  # a view only w.T read: none (nor the views under it, for a chain)
+        used = {v for n in nodes for v in n.inputs} | set(outputs)
+        kept = [n for n in nodes if n not in views or n in used]
+        if len(kept) == len(nodes):
+            break
+        nodes = kept
     new = Graph(graph.name, inputs, nodes, outputs, dict(graph.constants))
+    verify_input_views(new, [i for i, _ in chosen])
     carry_reasons(graph, new, mapping)
     read = plan_liveness(new, plan.donated)
     read.shared = plan.shared
@@ -109,27 +140,39 @@ def _composed(view: Value, node: Value, nodes: list, views: list) -> Value:
     return made
 
 
-def _base_and_view(shape: tuple, word: str) -> tuple[tuple, str, dict]:
+def _base_and_views(shape: tuple, word: str) -> tuple[tuple, list]:
     """(the shape of the C-ordered array a plan takes for an argument of this shape and
-    layout, the view op reading the argument from it, its attributes)."""
+    layout, the (view op, attributes) reading the argument from it, in order)."""
     n = len(shape)
     if word == F_ORDER:
-        return tuple(shape[::-1]), "transpose", {"perm": tuple(range(n))[::-1]}
+        return tuple(shape[::-1]), [("transpose", {"perm": tuple(range(n))[::-1]})]
+    if word.startswith(SLICED):
+        span, starts, stops, steps, perm, broadcast = sliced_parts(word)
+        chain = [("slice", {"starts": starts, "stops": stops, "steps": steps})]
+        if perm != tuple(range(n)):
+            chain.append(("transpose", {"perm": perm}))
+        if broadcast:
+            chain.append(("broadcast_to", {"shape": tuple(shape)}))
+        return span, chain
     axes = layout_axes(word)
     if word.startswith(PERMUTED):  # shape = base.transpose(axes).shape
         inverse = tuple(sorted(range(n), key=lambda k: axes[k]))
-        return tuple(shape[k] for k in inverse), "transpose", {"perm": axes}
+        return tuple(shape[k] for k in inverse), [("transpose", {"perm": axes})]
     if word.startswith(BROADCAST):
         cut = tuple(1 if k in axes else d for k, d in enumerate(shape))
-        return cut, "broadcast_to", {"shape": tuple(shape)}
+        return cut, [("broadcast_to", {"shape": tuple(shape)})]
     return (
         tuple(shape),
-        "slice",
-        {
-            "starts": tuple(d - 1 if k in axes else 0 for k, d in enumerate(shape)),
-            "stops": tuple(-1 if k in axes else d for k, d in enumerate(shape)),
-            "steps": tuple(-1 if k in axes else 1 for k in range(n)),
-        },
+        [
+            (
+                "slice",
+                {
+                    "starts": tuple(d - 1 if k in axes else 0 for k, d in enumerate(shape)),
+                    "stops": tuple(-1 if k in axes else d for k, d in enumerate(shape)),
+                    "steps": tuple(-1 if k in axes else 1 for k in range(n)),
+                },
+            )
+        ],
     )
 
 

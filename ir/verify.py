@@ -75,3 +75,80 @@ def verify_plan(plan: Plan) -> None:
             raise VerifyError(f"{names[value]} is freed before it is written")
         if value in graph.outputs and step < plan.return_step:
             raise VerifyError(f"output {names[value]} is freed before return")
+
+
+def verify_input_views(graph: Graph, inputs) -> None:
+    """Every view read from each of these inputs (slice, transpose, broadcast_to, reshape,
+    through any chain of them) stays inside the input's elements: a plan reading an argument
+    in place (ir/in_place_inputs.py) raises here, before anything compiles, instead of reading
+    out of bounds. Each view is walked as (offset, shape, strides) in elements, as the
+    compiled kernels take it."""
+    names = value_names(graph)
+    where: dict[Value, tuple] = {}
+    for i in inputs:
+        value = graph.inputs[i]
+        where[value] = (0, value.shape, _c_strides(value.shape))
+    for node in graph.nodes:
+        if not node.inputs or node.inputs[0] not in where or node.op not in _VIEW_STEPS:
+            continue
+        placed = _VIEW_STEPS[node.op](node, *where[node.inputs[0]])
+        if placed is None:
+            continue  # a reshape that merges strided axes: the lowering copies it
+        offset, shape, strides = placed
+        root = node.inputs[0]
+        while root not in graph.inputs:
+            root = root.inputs[0]
+        size = int(np.prod(root.shape, dtype=np.int64))
+        if 0 not in shape:
+            low = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True) if s < 0)
+            high = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True) if s > 0)
+            if low < 0 or high >= size:
+                raise VerifyError(
+                    f"{names[node]} ({node.op}) reads elements {low}..{high} of "
+                    f"{names[root]}, which has {size} ({root.type})"
+                )
+        where[node] = placed
+
+
+def _c_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return tuple(strides)
+
+
+def _slice_step(node, offset, shape, strides):
+    a = node.attrs
+    offset += sum(s * t for s, t in zip(a["starts"], strides, strict=True))
+    return offset, node.shape, tuple(c * t for c, t in zip(a["steps"], strides, strict=True))
+
+
+def _transpose_step(node, offset, shape, strides):
+    return offset, node.shape, tuple(strides[p] for p in node.attrs["perm"])
+
+
+def _broadcast_step(node, offset, shape, strides):
+    shift = len(node.shape) - len(shape)
+    kept = [
+        0 if n == 1 and node.shape[k + shift] != 1 else s
+        for k, (n, s) in enumerate(zip(shape, strides, strict=True))
+    ]
+    return offset, node.shape, (0,) * shift + tuple(kept)
+
+
+def _reshape_step(node, offset, shape, strides):
+    if [n for n in shape if n != 1] != [n for n in node.shape if n != 1]:
+        if strides != _c_strides(shape):
+            return None
+        return offset, node.shape, _c_strides(node.shape)
+    kept = iter([s for n, s in zip(shape, strides, strict=True) if n != 1])
+    return offset, node.shape, tuple(next(kept) if n != 1 else 0 for n in node.shape)
+
+
+_VIEW_STEPS = {
+    "slice": _slice_step,
+    "transpose": _transpose_step,
+    "broadcast_to": _broadcast_step,
+    "reshape": _reshape_step,
+}

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from backplan.ir import update_order
+from backplan.ir.argument_layout import any_size
 from backplan.ir.gc_pause import paused_gc
 from backplan.ir.symbolic import Affine, SymbolicError, fit_number
 
@@ -171,7 +172,11 @@ def _size_changes(old: SignatureKey, new: SignatureKey) -> list | None:
     for a, b in zip(old.leaves, new.leaves, strict=True):
         if a == b:
             continue
-        if a.kind != "tensor" or replace(a, shape=b.shape) != b or len(a.shape) != len(b.shape):
+        if a.kind != "tensor" or len(a.shape) != len(b.shape):
+            return None
+        if replace(a, shape=b.shape, layout=any_size(a.layout)) != replace(
+            b, layout=any_size(b.layout)
+        ):  # a sliced view's word names its sizes
             return None
         for axis, (m, n) in enumerate(zip(a.shape, b.shape, strict=True)):
             if m != n:
@@ -188,7 +193,7 @@ def symbolic_key(key: SignatureKey, found: SymbolicCall) -> SignatureKey:
         leaf = leaves[p]
         shape = list(leaf.shape)
         shape[axis] = found.symbol
-        leaves[p] = replace(leaf, shape=tuple(shape))
+        leaves[p] = replace(leaf, shape=tuple(shape), layout=any_size(leaf.layout))
     return SignatureKey(key.treedef, tuple(leaves))
 
 
@@ -206,7 +211,7 @@ def resized_call(call: BoundCall, found: SymbolicCall, size: int) -> BoundCall:
     for p, axis in found.places:
         shape = list(keys[p].shape)
         shape[axis] = size
-        keys[p] = replace(keys[p], shape=tuple(shape))
+        keys[p] = replace(keys[p], shape=tuple(shape), layout=any_size(keys[p].layout))
         leaves[p] = _ShapeOnly(tuple(shape), keys[p].dtype)
     key = SignatureKey(call.key.treedef, tuple(keys))
     return replace(call, key=key, leaves=leaves)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backplan.ir.argument_layout import C_ORDER, layout
+from backplan.ir.argument_layout import C_ORDER, STRIDED, layout
 from backplan.ir.errors import BackplanError
 from backplan.ir.types import dtype_name
 
@@ -231,7 +231,7 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
             if data.flags.c_contiguous:  # _same_layout, inline: the common case is one read
                 if not c_order:
                     return False
-            elif c_order or layout(data) != order:
+            elif c_order or (order != STRIDED and layout(data) != order):
                 return False
             leaves.append(value)
         return True
@@ -240,10 +240,11 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
 
 
 def _same_layout(array, order: str, c_order: bool) -> bool:
-    """Whether array has the layout a key part recorded; C order costs one flag read."""
+    """Whether array has the layout a key part recorded; C order costs one flag read. A plan
+    keyed "strided" copies any array not in C order (a sliced view on a dynamic axis)."""
     if array.flags.c_contiguous:
         return c_order
-    return not c_order and layout(array) == order
+    return not c_order and (order == STRIDED or layout(array) == order)
 
 
 def _layout(array) -> str:

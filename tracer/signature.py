@@ -15,6 +15,7 @@ from backplan.ir.argument_layout import (
     BROADCAST,
     C_ORDER,
     REVERSED,
+    SLICED,
     base,
     copied_inputs,
     layout,
@@ -136,10 +137,11 @@ def copied_leaves(call: BoundCall) -> tuple[tuple[int, str], ...]:
 def _argument_tensor(fn, path: str, array: np.ndarray, order: str = C_ORDER) -> Tensor:
     """A NumPy argument as a tensor, a copy in the array's own layout (order): later calls
     pass the array itself, which the plan reads in place (ir/in_place_inputs.py), so this one
-    passes the same layout (a broadcast view copied at its compact size); a dtype backplan
-    refuses names the function, the argument and the caller's line, as an op's error does."""
+    passes the same layout (a broadcast view copied at its compact size, a sliced one with its
+    span); a dtype backplan refuses names the function, the argument and the caller's line, as
+    an op's error does."""
     try:
-        if order.startswith((BROADCAST, REVERSED)):
+        if order.startswith((BROADCAST, REVERSED, SLICED)):
             compact = Tensor(base(array, order))  # checked and copied, in C order
             return Tensor._from_array(viewed(compact._data, order, array.shape))
         return Tensor(array)

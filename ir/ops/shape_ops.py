@@ -137,9 +137,10 @@ def _slice_lengths(shape, starts, stops, steps):
     for dim, start, stop, step in zip(shape, starts, stops, steps, strict=True):
         if step == 0:
             raise ShapeError("slice step cannot be zero")
-        if not (0 <= start <= dim and -1 <= stop <= dim):
+        count = len(range(start, stop, step))
+        if not (0 <= start <= dim and -1 <= stop <= dim) or (count and start == dim):
             raise ShapeError(f"slice {start}:{stop}:{step} is out of range for size {dim}")
-        out.append(len(range(start, stop, step)))
+        out.append(count)
     return tuple(out)
 
 
