@@ -168,11 +168,18 @@ MAX_LOOP_READS = 128
 
 
 def group_kernels(
-    graph: Graph, origin: dict[Value, Value] | None = None, bases: Bases | None = None
+    graph: Graph,
+    origin: dict[Value, Value] | None = None,
+    bases: Bases | None = None,
+    resume=None,
+    journal: list | None = None,
 ) -> list[Kernel]:
     """The graph's nodes grouped into kernels, in run order. origin: for a graph ir/widen.py
     made, its node -> the node of the graph it was made from (the casts it added have none).
-    bases: alias bases already worked out for this graph (the lowering shares one)."""
+    bases: alias bases already worked out for this graph (the lowering shares one).
+    resume: the Journal of a graph whose first nodes are this one's (ir/grouping_resume.py):
+    the placing loop starts after them, from the state it left there. journal, if given,
+    gets this graph's Journal appended."""
     bases = Bases() if bases is None else bases
     kernels: list[Kernel] = []
     home: dict[Value, int] = {}
@@ -182,7 +189,15 @@ def group_kernels(
     read_backs = _read_backs(graph, origin)
     spread = _spread_widenings(graph)
     last_op = -1  # the latest kernel that is an op (a GEMM...): a read-back is not hoisted above it
-    for node in graph.nodes:
+    nodes = graph.nodes
+    if resume is not None and not read_backs and not spread:  # else a node reads ahead
+        from .grouping_resume import resumed_state
+
+        start, kernels, home, latest_loops, reads, tails, last_op = resumed_state(
+            resume, nodes, bases
+        )
+        nodes = nodes[start:]
+    for node in nodes:
         copy = read_backs.get(node)
         avoid = home.get(copy)
         k = home[node] = _place(
@@ -199,6 +214,10 @@ def group_kernels(
         )
         if kernels[k].kind == "op":
             last_op = k
+    if journal is not None:
+        from .grouping_resume import Journal
+
+        journal.append(Journal(graph.nodes, home, kernels, reads))
     kept = frozenset(read_backs.values())
     _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases)
     _round_where_recomputed(kernels, home, kept, graph)

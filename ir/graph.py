@@ -58,6 +58,13 @@ class Graph:
     # derivative rules that asked, as autodiff's walk heard them (append_gradients). Passes
     # move them onto the values standing for the old ones (carry_reasons); explain reads them.
     reasons: dict[Value, str] = field(default_factory=dict, repr=False, compare=False)
+    # The graph whose inputs and first nodes are this one's own objects (copy_graph's `keep`:
+    # a memory plan that recomputes only after them shares them) and, on that graph, a weak
+    # reference to the grouping of the latest plan lowered from a graph sharing them
+    # (ir/grouping_resume.py), where the next one resumes. Nothing may mutate a shared value:
+    # every pass that changes one copies its graph first.
+    shares_prefix_of: Graph | None = field(default=None, repr=False, compare=False)
+    sharer_grouped: object = field(default=None, repr=False, compare=False)
 
     def add_input(self, type_: TensorType, role: str = "arg", loc=None) -> Value:
         value = Value("input", (), {}, type_, loc=loc, role=role)
@@ -104,14 +111,28 @@ def carry_reasons(old: Graph, new: Graph, mapping: dict[Value, Value] | None = N
     return new
 
 
-def copy_graph(graph: Graph, name: str | None = None) -> tuple[Graph, dict[Value, Value]]:
-    """A structural copy with fresh values, so passes never mutate a graph someone else holds."""
+def copy_graph(
+    graph: Graph, name: str | None = None, keep: int = 0
+) -> tuple[Graph, dict[Value, Value]]:
+    """A structural copy with fresh values, so passes never mutate a graph someone else holds.
+    keep > 0: the inputs and the first `keep` nodes are graph's own objects, not copies
+    (`shares_prefix_of`), for a caller that changes only the nodes after them: a memory
+    plan's rows share the part before their first recomputed value (ir/remat.py), and their
+    lowerings resume there (ir/grouping_resume.py)."""
+    keep = keep if keep > 0 and all(i.role for i in graph.inputs) else 0  # else copied as ever
     mapping: dict[Value, Value] = {}
     new = Graph(name=name or graph.name, constants=dict(graph.constants))
-    for inp in graph.inputs:
-        mapping[inp] = new.add_input(inp.type, role=inp.role or "arg", loc=inp.loc)
+    if keep:
+        new.inputs = list(graph.inputs)
+        new.nodes = graph.nodes[:keep]
+        new.shares_prefix_of = graph
+        mapping = dict(zip(new.inputs, new.inputs, strict=True))
+        mapping.update(zip(new.nodes, new.nodes, strict=True))
+    else:
+        for inp in graph.inputs:
+            mapping[inp] = new.add_input(inp.type, role=inp.role or "arg", loc=inp.loc)
     read, nodes = mapping.__getitem__, new.nodes
-    for node in graph.nodes:
+    for node in graph.nodes[keep:] if keep else graph.nodes:
         nodes.append(_copied(node, tuple(map(read, node.inputs))))
         mapping[node] = nodes[-1]
     new.outputs = [mapping[o] for o in graph.outputs]

@@ -20,6 +20,7 @@ from .donation import donation_pairs
 from .epilogue import absorb_epilogues
 from .fusion import Bases, Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
+from .grouping_resume import journal_for, offer_journal
 from .grouping_reuse import KEPT, find, grouping_key, read_back, written
 from .in_place_inputs import read_in_place
 from .layout import BufferLayout, Roots, plan_layout
@@ -67,6 +68,10 @@ class LoweredPlan:
     rendered: object = None  # what codegen made of it (codegen/render/emit.generate), once
     # output buffer (index in layout.outputs) -> the donated input it is written into
     donations: dict[int, int] = field(default_factory=dict)
+    # for a plan whose graph shares its first nodes with another's (a memory plan's row),
+    # what its fusion grouping's placing loop left, where the next such plan resumes
+    # (ir/grouping_resume.py); None for any other plan
+    grouping: object = None
 
     @property
     def kernel_count(self) -> int:
@@ -154,10 +159,13 @@ def detached(plan: Plan) -> Plan:
 def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     plan = detached(plan)  # the plan keeps its lowering; the lowering does not keep the plan
     groupings = _groupings(plan)
+    given = plan.graph  # a row's: it may share its first nodes with the rows before
+    journal = [] if given.shares_prefix_of is not None else None
     plan, graph, origin, interpreted, sources = _prepared(plan)
     bases = Bases()  # alias bases, shared by the passes that ask them
     roots = Roots()  # storage roots, shared as bases are
-    kernels, needed, runs = _grouped(groupings, graph, origin, bases, roots)
+    resume = journal_for(given) if journal is not None else None
+    kernels, needed, runs = _grouped(groupings, graph, origin, bases, roots, resume, journal)
     steps = schedule_steps(kernels, runs)
     buffers = [
         n
@@ -174,6 +182,9 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )
     lowered.donations = donation_pairs(lowered)
+    if journal:
+        lowered.grouping = journal[0]
+        offer_journal(given, journal[0])
     if sources is not None:  # 16-bit values: the interpreter rounds where the loops do
         lowered.interpreted = reference_plan(interpreted, rounding_points(kernels), sources)
     return lowered
@@ -210,16 +221,19 @@ def _groupings(plan: Plan) -> list | None:
     return None if plan.shared is None else plan.shared.setdefault(("grouping",), [])
 
 
-def _grouped(groupings: list | None, graph, origin, bases: Bases, roots: Roots):
+def _grouped(
+    groupings: list | None, graph, origin, bases: Bases, roots: Roots, resume=None, journal=None
+):
     """(kernels, values that need a buffer, row runs): fusion, epilogues and row runs, or,
     for a size of a symbolic plan, the grouping of a size grouped before whose sizes answer
-    every question those passes ask alike (ir/grouping_reuse.py)."""
+    every question those passes ask alike (ir/grouping_reuse.py). resume, journal: see
+    group_kernels."""
     if groupings is not None:
         key, shapes = grouping_key(graph, origin)
         found = find(groupings, key)
         if found is not None:
             return read_back(found, graph, shapes)
-    kernels = group_kernels(graph, origin, bases)
+    kernels = group_kernels(graph, origin, bases, resume, journal)
     needed = materialized(graph, kernels, bases)
     kernels = absorb_epilogues(kernels, roots)
     runs = row_runs(kernels)

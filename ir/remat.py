@@ -249,7 +249,9 @@ def recompute_after(
     forward), where the caller keeps it."""
     held = held_across(graph, forward) if held is None else held
     available = (set(held) - chosen) | set(graph.inputs) | _constants(graph)
-    graph, mapping = copy_graph(graph)
+    # the nodes before the first gradient node reading a chosen value stay as they are
+    # (_recompute_in_gradients changes nothing before it): shared, not copied
+    graph, mapping = copy_graph(graph, keep=_first_reader(graph, forward, chosen))
     forward = frozenset(mapping[n] for n in forward)
     targets = {mapping[v] for v in held if v in chosen}
     available = {mapping[v] for v in available}
@@ -265,6 +267,15 @@ def recompute_after(
 
     _recompute_in_gradients(graph, forward, targets, chain_of)
     return graph, forward, mapping
+
+
+def _first_reader(graph: Graph, forward, chosen: set[Value]) -> int:
+    """The place in graph.nodes of the first node after the forward part reading a value of
+    chosen (len(graph.nodes) if none does)."""
+    for at, node in enumerate(graph.nodes):
+        if node not in forward and not chosen.isdisjoint(node.inputs):
+            return at
+    return len(graph.nodes)
 
 
 class _Either:

@@ -1,0 +1,121 @@
+"""Fusion grouping resumed where a plan's graph stops sharing nodes with one grouped before.
+
+The rows of a memory frontier are the default plan's graph with values recomputed in its
+gradient part: each row keeps the default graph's nodes as they are up to its first
+recomputed value (ir/graph.py copy_graph `keep`, ir/remat.py), and the rows recompute more
+and more, so that shared part shrinks row by row and lies inside the row before's. Grouping
+places nodes one by one in graph order (ir/fusion.py group_kernels), each by what the nodes
+before it were given, so where two graphs' first q nodes are the same objects their kernels
+after q nodes are the same too: a row's grouping starts from the row before's state after
+those nodes (its Journal, kept on the graph the two share) instead of placing them again.
+Only the placing loop resumes; the passes after it (cheap inputs, buffers needed, epilogues,
+layout) read the whole plan and run on it whole. A graph whose grouping reads anything beyond
+the nodes before each one (read-back casts, spread widenings: ir/fusion.py) never resumes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from bisect import bisect_left
+from itertools import compress, count
+from operator import is_not
+
+from .fusion import Kernel
+from .graph import Graph, Value
+
+
+class Journal:
+    """What group_kernels' placing loop left for a graph: the nodes it placed, each one's
+    kernel, the kernels (no pass changes a kernel's kind, shape or node lists after that loop;
+    a kernel that is no loop is never changed at all, so a resumed grouping shares it), where
+    the loops are, and the buffers each loop reads."""
+
+    __slots__ = ("nodes", "homes", "kernels", "loops", "reads", "__weakref__")
+
+    def __init__(self, nodes: list[Value], home: dict, kernels: list[Kernel], reads: dict):
+        self.nodes = nodes
+        self.homes = list(map(home.__getitem__, nodes))
+        self.kernels = list(kernels)
+        self.loops = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"]
+        self.reads = reads.plain() if isinstance(reads, _Reads) else reads
+
+
+def journal_for(graph: Graph) -> Journal | None:
+    """The latest journal of a plan whose graph shares graph's source's first nodes."""
+    source = graph.shares_prefix_of
+    if source is None or source.sharer_grouped is None:
+        return None
+    return source.sharer_grouped()
+
+
+def offer_journal(graph: Graph, journal: Journal) -> None:
+    """journal (of a plan lowered from `graph`) is where the next plan sharing graph's
+    source's first nodes resumes. The source holds it weakly: the lowered plan holds it
+    (LoweredPlan.grouping), so a row whose plans are let go (tracer/budget.py
+    forget_plans) takes its journal with it."""
+    if graph.shares_prefix_of is not None:
+        graph.shares_prefix_of.sharer_grouped = weakref.ref(journal)
+
+
+def shared_length(journal: Journal, nodes: list[Value]) -> int:
+    """How many of nodes' first nodes are the journal's own objects."""
+    shorter = min(len(nodes), len(journal.nodes))
+    return next(compress(count(), map(is_not, journal.nodes, nodes)), shorter)
+
+
+class _Reads(dict):
+    """loop kernel -> buffers of other kernels it reads. A loop the journal placed whole
+    before the shared nodes end reads what the journal says: its set is copied only when the
+    resumed grouping asks about that loop (it may join it)."""
+
+    def __init__(self, earlier: dict, made: int):
+        super().__init__()
+        self.earlier, self.made = earlier, made
+
+    def __missing__(self, k: int) -> set:
+        found = self[k] = set(self.earlier[k])
+        return found
+
+    def plain(self) -> dict:
+        """A dict of every loop's set (those never asked about shared with the journal's)."""
+        made = self.made
+        return {**{k: s for k, s in self.earlier.items() if k < made}, **self}
+
+
+def resumed_state(journal: Journal, nodes: list[Value], bases):
+    """(q, kernels, home, latest_loops, reads, tails, last_op): group_kernels' state after
+    placing nodes[:q], q the nodes shared with the journal's graph, as its loop leaves it."""
+    q = shared_length(journal, nodes)
+    homes = journal.homes
+    made = max(homes[:q], default=-1) + 1  # kernels are made in node order
+    open_ = {k for k in set(homes[q:]) if k < made}  # kernels with nodes on both sides of q
+    after = set(journal.nodes[q:]) if open_ else ()
+    kernels = journal.kernels[:made]  # those that are no loop shared as they are
+    latest_loops: dict[tuple, int] = {}
+    tails: set[Value] = set()
+    for k in journal.loops[: bisect_left(journal.loops, made)]:
+        old = kernels[k]
+        members, reductions = old.nodes, old.reductions
+        if k in open_:
+            members = [n for n in members if n not in after]
+            reductions = [n for n in reductions if n not in after]
+        kernel = kernels[k] = _new_kernel(Kernel)  # Kernel("loop", [*members], shape)
+        kernel.kind, kernel.nodes, kernel.shape = "loop", list(members), old.shape
+        kernel.reductions, kernel.recomputed, kernel.epilogue = list(reductions), [], None
+        tails.update(reductions)
+        latest_loops[old.shape] = k
+    last_op = next((k for k in range(made - 1, -1, -1) if kernels[k].kind == "op"), -1)
+    home = dict(zip(nodes[:q], homes[:q], strict=True))
+    reads = _Reads(journal.reads, made)
+    for k in open_:  # what the nodes it has so far read, as group_kernels' loop collects it
+        found = reads[k] = set()
+        kernel = kernels[k]
+        for node in kernel.nodes + kernel.reductions:
+            for s in map(bases.__getitem__, node.inputs):
+                owner = home.get(s, -1)
+                if owner != k and (owner < 0 or kernels[owner].kind != "literal"):
+                    found.add(s)
+    return q, kernels, home, latest_loops, reads, tails, last_op
+
+
+_new_kernel = object.__new__
