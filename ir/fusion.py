@@ -172,14 +172,15 @@ def group_kernels(
     origin: dict[Value, Value] | None = None,
     bases: Bases | None = None,
     resume=None,
-    journal: list | None = None,
+    record=None,
 ) -> list[Kernel]:
     """The graph's nodes grouped into kernels, in run order. origin: for a graph ir/widen.py
     made, its node -> the node of the graph it was made from (the casts it added have none).
     bases: alias bases already worked out for this graph (the lowering shares one).
-    resume: the Journal of a graph whose first nodes are this one's (ir/grouping_resume.py):
-    the placing loop starts after them, from the state it left there. journal, if given,
-    gets this graph's Journal appended."""
+    resume(nodes, bases): the placing loop's state after the first nodes of the graph, which
+    another graph shared and left (ir/grouping_resume.py resumed_state: (how many, kernels,
+    home, latest_loops, reads, tails, last_op)); the loop places only the nodes after them.
+    record(nodes, home, kernels, reads), if given, is told what the loop left."""
     bases = Bases() if bases is None else bases
     kernels: list[Kernel] = []
     home: dict[Value, int] = {}
@@ -191,11 +192,7 @@ def group_kernels(
     last_op = -1  # the latest kernel that is an op (a GEMM...): a read-back is not hoisted above it
     nodes = graph.nodes
     if resume is not None and not read_backs and not spread:  # else a node reads ahead
-        from .grouping_resume import resumed_state
-
-        start, kernels, home, latest_loops, reads, tails, last_op = resumed_state(
-            resume, nodes, bases
-        )
+        start, kernels, home, latest_loops, reads, tails, last_op = resume(nodes, bases)
         nodes = nodes[start:]
     for node in nodes:
         copy = read_backs.get(node)
@@ -214,10 +211,8 @@ def group_kernels(
         )
         if kernels[k].kind == "op":
             last_op = k
-    if journal is not None:
-        from .grouping_resume import Journal
-
-        journal.append(Journal(graph.nodes, home, kernels, reads))
+    if record is not None:
+        record(graph.nodes, home, kernels, reads)
     kept = frozenset(read_backs.values())
     _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases)
     _round_where_recomputed(kernels, home, kept, graph)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from bisect import bisect_left
+from functools import partial
 from itertools import compress, count
 from operator import is_not
 
@@ -38,6 +39,16 @@ class Journal:
         self.kernels = list(kernels)
         self.loops = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"]
         self.reads = reads.plain() if isinstance(reads, _Reads) else reads
+
+
+def resumer(journal: Journal | None):
+    """group_kernels' `resume` for a journal (None: none)."""
+    return None if journal is None else partial(resumed_state, journal)
+
+
+def recorder(into: list):
+    """group_kernels' `record`, appending the Journal it makes to `into`."""
+    return lambda nodes, home, kernels, reads: into.append(Journal(nodes, home, kernels, reads))
 
 
 def journal_for(graph: Graph) -> Journal | None:

@@ -20,7 +20,7 @@ from .donation import donation_pairs
 from .epilogue import absorb_epilogues
 from .fusion import Bases, Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
-from .grouping_resume import journal_for, offer_journal
+from .grouping_resume import journal_for, offer_journal, recorder, resumer
 from .grouping_reuse import KEPT, find, grouping_key, read_back, written
 from .in_place_inputs import read_in_place
 from .layout import BufferLayout, Roots, plan_layout
@@ -226,14 +226,16 @@ def _grouped(
 ):
     """(kernels, values that need a buffer, row runs): fusion, epilogues and row runs, or,
     for a size of a symbolic plan, the grouping of a size grouped before whose sizes answer
-    every question those passes ask alike (ir/grouping_reuse.py). resume, journal: see
+    every question those passes ask alike (ir/grouping_reuse.py). resume: a Journal to resume
+    from; journal: a list that gets this grouping's (ir/grouping_resume.py); see
     group_kernels."""
     if groupings is not None:
         key, shapes = grouping_key(graph, origin)
         found = find(groupings, key)
         if found is not None:
             return read_back(found, graph, shapes)
-    kernels = group_kernels(graph, origin, bases, resume, journal)
+    record = None if journal is None else recorder(journal)
+    kernels = group_kernels(graph, origin, bases, resumer(resume), record)
     needed = materialized(graph, kernels, bases)
     kernels = absorb_epilogues(kernels, roots)
     runs = row_runs(kernels)

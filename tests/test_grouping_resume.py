@@ -198,14 +198,15 @@ def test_grouping_resumed_after_any_number_of_shared_nodes_is_the_fresh_grouping
     (loops open across q included) gives the kernels grouping it afresh gives."""
     from backplan.ir.fusion import group_kernels
     from backplan.ir.graph import copy_graph
+    from backplan.ir.grouping_resume import recorder, resumer
 
     fn, params, batch = _model(kinds, 0)
     with use_backend("numba"):
         graph = bp.value_and_grad(fn).trace(params, *batch).planner.choices.stage.forward
     journal: list = []
-    group_kernels(graph, journal=journal)
+    group_kernels(graph, record=recorder(journal))
     q = round(at * len(graph.nodes))
     sharer, _ = copy_graph(graph, keep=q)
     fresh = group_kernels(sharer)
-    resumed = group_kernels(sharer, resume=journal[0])
+    resumed = group_kernels(sharer, resume=resumer(journal[0]))
     assert _by_place(sharer, resumed) == _by_place(sharer, fresh)
