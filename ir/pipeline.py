@@ -40,6 +40,7 @@ from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .errors import BackplanError
 from .graph import Graph, Value, carry_reasons
 from .liveness import Plan, plan_liveness
+from .lowering import lower, stored_values
 from .passes import (
     algebraic_simplification,
     common_subexpression_elimination,
@@ -48,7 +49,7 @@ from .passes import (
     expand_tanh_gelu,
     flatten_shared_matmuls,
 )
-from .peak import region_calls
+from .peak import joint_calls, predicted_peak_bytes, region_calls
 from .plans import JointPlans, RegionPlans, SavedSlot, StepPlans
 from .remat import (
     Recomputed,
@@ -60,7 +61,14 @@ from .remat import (
     rematerialize,
     rematerialize_joint,
 )
-from .saved_dtype import is_saved_narrowing, narrowed_joint, narrowed_saved
+from .saved_dtype import (
+    HeldNarrowing,
+    is_saved_narrowing,
+    narrowable,
+    narrowed_joint,
+    narrowed_saved,
+    wider_than,
+)
 from .step_schedule import StepSchedule, step_schedule
 from .update_order import UpdateOrder, updates_after_gradients
 from .update_order import followed as followed_update_order
@@ -235,8 +243,8 @@ class PlanChoices:
             self._joint_split = (forward, held_across(self.stage.forward, forward))
         stage = recompute_for_budget(self.stage, chosen, options, log, self._joint_split)
         if options.joint:
-            plan = _plan(narrow_held(stage, options, log).forward, log)
-            return self._kept(drop, JointPlans(plan, stage.n_outputs, stage.wrt, log))
+            plan, narrowing = joint_plan(stage, options, log)
+            return self._kept(drop, JointPlans(plan, stage.n_outputs, stage.wrt, log, narrowing))
         if stage.backward is None:
             if self.inlined_gradients:
                 decided = self._early_kept() if drop else None
@@ -417,7 +425,7 @@ def early_updates(
     reads is final (ir/update_order.py), where that lowers the step's peak on options.backend;
     else in the traced order. `plans.update_order` says which was kept and both peaks.
     decided: the order the default plan kept, which a budget's plans follow (None: compare)."""
-    plans = _step_plans(narrow_held(stage, options, log), options, log)
+    plans = step_plans_narrowed(stage, options, log)
     if decided is None:
         decided = followed_update_order()
     if not early_updates_on() or not stage.inlined_gradients or decided is False:
@@ -428,16 +436,19 @@ def early_updates(
     if graph is None:
         return plans
     moved = replace(stage, forward=log.record("updates_after_gradients", graph))
-    early = _step_plans(narrow_held(moved, options, log), options, log)
+    early = step_plans_narrowed(moved, options, log)
     order = UpdateOrder(options.backend, region_calls(plans), region_calls(early), decided)
     if order.kept:
         return replace(early, update_order=order)
     return replace(plans, update_order=order)
 
 
-def _step_plans(stage: Stage, options: PipelineOptions, log: PassLog) -> RegionPlans:
-    """A step with no backward of its own: one forward plan (layer_norm expanded)."""
-    made: dict = {}
+def _step_plans(
+    stage: Stage, options: PipelineOptions, log: PassLog, made: dict | None = None
+) -> RegionPlans:
+    """A step with no backward of its own: one forward plan (layer_norm expanded; `made`, when
+    given, gets each node of stage.forward -> the nodes standing for it in that plan)."""
+    made = {} if made is None else made
     forward = _expanded(stage.forward, log, options.expand, made)
     return RegionPlans(
         _plan(forward, log, options.donated),
@@ -515,10 +526,95 @@ def narrow_saved(plans: RegionPlans, options: PipelineOptions, log: PassLog) -> 
     return replace(plans, forward=forward, backward=backward, saved=slots)
 
 
-def narrow_held(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
+def joint_plan(stage: Stage, options: PipelineOptions, log: PassLog):
+    """value_and_grad's plan, and with saved_dtype what it narrowed (narrowed_for_peak)."""
+    full = _plan(stage.forward, log)
+    if options.saved_dtype is None:
+        return full, None
+
+    def build(narrowed: Stage) -> Plan:
+        return _plan(narrowed.forward, log)
+
+    def peak(plan: Plan) -> int:
+        return predicted_peak_bytes(joint_calls(plan, stage.n_outputs))
+
+    return narrowed_for_peak(stage, options, log, full, build, peak, stored_values(lower(full)))
+
+
+def step_plans_narrowed(stage: Stage, options: PipelineOptions, log: PassLog) -> RegionPlans:
+    """A step with inlined gradients: its plans, with saved_dtype narrowed as narrowed_for_peak
+    chooses (what it did in `plans.narrowing`)."""
+    made: dict = {}
+    full = _step_plans(stage, options, log, made)
+    if options.saved_dtype is None:
+        return full
+
+    def build(narrowed: Stage) -> RegionPlans:
+        return _step_plans(narrowed, options, log)
+
+    def peak(plans: RegionPlans) -> int:
+        return predicted_peak_bytes(region_calls(plans))
+
+    stored = stored_values(lower(full.forward))
+    stored = {v for v in stage.forward.nodes if made.get(v, [v])[-1] in stored}
+    plans, narrowing = narrowed_for_peak(stage, options, log, full, build, peak, stored)
+    return replace(plans, narrowing=narrowing)
+
+
+def narrowed_for_peak(stage, options, log, full, build, peak, stored):
+    """(the plan that runs, HeldNarrowing) for saved_dtype on a plan whose gradient part reads
+    forward values (value_and_grad's, or a step's with inlined gradients): of every held value
+    narrowed, only those the compiled plan in full precision stores (`stored`), or none, the
+    one whose compiled peak is lowest (at equal peaks the fewer narrowed). A narrow copy of a
+    value the compiled plan never stores (computed inside the loop that reads it for the
+    gradient) is a buffer where there was none, and its cast splits that loop: a 6-tanh chain
+    and its gradient, one loop storing nothing in full precision (512x256, 1,573,896 B),
+    became a 2-stage row loop storing 16-bit copies (1,623,048 B). Chosen on the compiled
+    plan's peak whichever backend runs it: the reference interpreter runs the same plan (the
+    same values), though it stores every value. build: a narrowed stage -> its plans; peak:
+    plans -> the compiled peak."""
+    every = narrow_held(stage, options, log)
+    offered = _narrowed_count(stage, every)
+    if not offered:
+        return full, None
+    tried = [(peak(full), 0, full)]
+    some = narrow_held(stage, options, log, stored)
+    for narrowed in (every, some) if 0 < _narrowed_count(stage, some) < offered else (every,):
+        plans = build(narrowed)
+        tried.append((peak(plans), _narrowed_count(stage, narrowed), plans))
+    best = min(tried, key=lambda t: (t[0], t[1]))
+    lowest = min(t[0] for t in tried[1:])
+    left = [] if best[1] == offered else _offered(stage, options)
+    if 0 < best[1] < offered:
+        left = [v for v in left if v not in stored]
+    wide = wider_than(left, options.saved_dtype)
+    narrowing = HeldNarrowing(
+        options.saved_dtype, offered, best[1], best[0], tried[0][0], lowest, wide
+    )
+    return best[2], narrowing
+
+
+def _offered(stage: Stage, options: PipelineOptions) -> list[Value]:
+    """The held values of stage that saved_dtype could narrow (ir/saved_dtype.py narrowable)."""
+    forward = stage.inlined_forward
+    if options.joint:
+        forward = forward_nodes(stage.forward, stage.n_outputs)
+    held = held_across(stage.forward, forward)
+    return narrowable(stage.forward, held, options.saved_dtype)
+
+
+def _narrowed_count(stage: Stage, narrowed: Stage) -> int:
+    """Held values narrowed: narrowed_joint adds two casts for each."""
+    return (len(narrowed.forward.nodes) - len(stage.forward.nodes)) // 2
+
+
+def narrow_held(
+    stage: Stage, options: PipelineOptions, log: PassLog, stored: set[Value] | None = None
+) -> Stage:
     """Joint (or a step with inlined gradients), with saved_dtype: the forward values the
     gradient part reads kept in that dtype between the two parts (a cast after each is made,
-    one back before its first gradient reader: ir/saved_dtype.py narrowed_joint)."""
+    one back before its first gradient reader: ir/saved_dtype.py narrowed_joint); with
+    `stored`, only those in it."""
     if options.saved_dtype is None:
         return stage
     graph = stage.forward
@@ -527,7 +623,7 @@ def narrow_held(stage: Stage, options: PipelineOptions, log: PassLog) -> Stage:
         forward = forward_nodes(graph, stage.n_outputs)
     moved: dict = {}
     held = held_across(graph, forward)
-    narrowed = narrowed_joint(graph, forward, held, options.saved_dtype, moved)
+    narrowed = narrowed_joint(graph, forward, held, options.saved_dtype, moved, stored)
     stage = replace(stage, forward=log.record("saved_dtype", narrowed))
     if options.joint or not moved:
         return stage

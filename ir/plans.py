@@ -69,6 +69,8 @@ class RegionPlans:
     # a training step: its optimizer updates' order, traced or right after their gradients,
     # and the peaks of both (ir/update_order.py UpdateOrder; None: nothing to move)
     update_order: object = None
+    # a step with inlined gradients and saved_dtype: what it narrowed (as JointPlans')
+    narrowing: object = None
 
     @property
     def n_cotangents(self) -> int:
@@ -136,6 +138,8 @@ class JointPlans:
     n_outputs: int
     wrt: list[bool]
     log: PassLog | None = None
+    # saved_dtype: what it narrowed and the peaks (ir/saved_dtype.py HeldNarrowing)
+    narrowing: object = None
 
     @property
     def named(self) -> dict[str, Plan]:

@@ -15,10 +15,27 @@ as it is, a fused loop widens it as it reads).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .graph import Graph, Value, copy_graph
 from .types import TensorType, is_float, np_dtype
+
+
+@dataclass(frozen=True)
+class HeldNarrowing:
+    """What saved_dtype did to a plan whose gradient part reads forward values (ir/pipeline.py
+    narrowed_for_peak): of `offered` held values it could keep in dtype, `narrowed` are (the
+    others stay in full precision), so the compiled plan peaks at `peak` bytes against
+    `full_peak` with none narrowed and `narrowed_peak` at best with some; left_wide_bytes:
+    what the values left in full precision hold beyond narrow copies of them."""
+
+    dtype: str
+    offered: int
+    narrowed: int
+    peak: int
+    full_peak: int
+    narrowed_peak: int
+    left_wide_bytes: int = 0
 
 
 def narrowed_saved(
@@ -47,14 +64,20 @@ def narrowed_saved(
 
 
 def narrowed_joint(
-    graph: Graph, forward: set[Value], held: list[Value], dtype: str, moved: dict | None = None
+    graph: Graph,
+    forward: set[Value],
+    held: list[Value],
+    dtype: str,
+    moved: dict | None = None,
+    stored: set[Value] | None = None,
 ) -> Graph:
     """A copy of the joint plan's graph whose held values (forward values its gradient part
     reads; `forward` and `held` as ir/remat.py finds them) are kept in dtype between the two
-    parts. Inputs and the user's outputs are held as they are. `moved`, when given, gets each
-    node of graph -> its copy."""
-    kept_as_is = set(graph.inputs) | set(graph.outputs)
-    chosen = [v for v in held if v not in kept_as_is and _narrows(v.dtype, dtype)]
+    parts. Inputs and the user's outputs are held as they are, and so is a held value not in
+    `stored` (when given: the values the compiled plan in full precision keeps in a buffer),
+    which never reaches memory: a narrow copy of it would be a buffer where there was none.
+    `moved`, when given, gets each node of graph -> its copy."""
+    chosen = narrowable(graph, held, dtype, stored)
     if not chosen:
         return graph
     graph, mapping = copy_graph(graph)
@@ -73,6 +96,25 @@ def narrowed_joint(
             node.inputs = tuple(wide if i is value else i for i in node.inputs)
         graph.nodes.insert(graph.nodes.index(readers[0]), wide)
     return graph
+
+
+def narrowable(
+    graph: Graph, held: list[Value], dtype: str, stored: set[Value] | None = None
+) -> list[Value]:
+    """The held values narrowed_joint keeps in dtype: float values wider than it, not the
+    plan's inputs or outputs, and (with `stored`) only those in it."""
+    kept_as_is = set(graph.inputs) | set(graph.outputs)
+    return [
+        v
+        for v in held
+        if v not in kept_as_is and _narrows(v.dtype, dtype) and (stored is None or v in stored)
+    ]
+
+
+def wider_than(values: list[Value], dtype: str) -> int:
+    """Bytes values hold beyond copies of them in dtype."""
+    narrow = np_dtype(dtype).itemsize
+    return sum(v.type.nbytes - v.type.nbytes * narrow // np_dtype(v.dtype).itemsize for v in values)
 
 
 def is_saved_narrowing(node: Value, forward: set[Value]) -> bool:

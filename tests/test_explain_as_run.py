@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_memory_budget_step import OPT, batch, parameters, train_step
+from test_memory_budget_step import BATCH, DEPTH, OPT, batch, parameters, train_step
 
 import backplan as bp
 from backplan.bench.memory_audit import readme_step
@@ -55,8 +55,12 @@ def test_a_training_step_keeping_bfloat16_lists_bfloat16_saved_buffers(option):
     report = train_step(**options).explain(*arguments())
     ((_, inner),) = report.inner
     computed = [b for b in inner.saved_buffers if not b.is_region_input]
-    assert computed and all(b.dtype == np.dtype(bp.bfloat16) for b in computed)
-    assert held(report) == held(default) // 2
+    # the loss's last product minus y, which the compiled plan computes in the loop reading
+    # it for the gradient (never stored), stays float32 (ir/pipeline.py narrowed_for_peak)
+    wide = [b for b in computed if b.dtype != np.dtype(bp.bfloat16)]
+    assert [b.shape for b in wide] == [(BATCH, 2)] and len(computed) == DEPTH + 1
+    assert "1 of the 5 values the gradient part reads stay in full precision" in str(report)
+    assert held(report) == held(default) // 2 + wide[0].nbytes // 2
 
 
 def deep(ws, x):

@@ -14,11 +14,16 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _chain(x, w):
-    """Each tanh's output is read by its derivative: six f32[64,256] values held."""
+    """Each tanh's output is read by its derivative: six f32[64,256] values held. The loss is
+    the sum times the mean, so the gradient part runs after the whole forward (it reads that
+    sum) and the compiled plan stores what it holds; the gradient of h.sum() alone fuses with
+    the forward into one loop storing nothing, which saved_dtype leaves in full precision
+    (test_values_the_compiled_plan_never_stores_stay_in_full_precision)."""
     h = x * w
     for _ in range(6):
         h = bp.tanh(h * 1.5)
-    return h.sum()
+    total = h.sum()
+    return total * total * (1.0 / (64 * 256))
 
 
 def _arguments():
@@ -41,7 +46,8 @@ def test_value_and_grad_keeps_what_its_gradient_part_reads_in_bfloat16():
     assert {s.dtype for s in full_saved} == {np.dtype(np.float32)}
     assert {s.dtype for s in narrow_saved} == {BF16}
     assert sum(s.nbytes for s in narrow_saved) * 2 == sum(s.nbytes for s in full_saved)
-    assert all("saved_dtype" in s.reason and "tanh derivative" in s.reason for s in narrow_saved)
+    assert all("saved_dtype" in s.reason for s in narrow_saved)
+    assert all("tanh derivative" in s.reason for s in narrow_saved if s.nbytes > 2)
     (v_full, g_full), (v_narrow, g_narrow) = full(x, w), narrow(x, w)
     assert v_full.numpy() == v_narrow.numpy()  # the forward itself is not rounded
     for a, b in zip(g_full, g_narrow, strict=True):
@@ -173,7 +179,8 @@ def test_a_float64_step_stores_and_reads_back_its_float32_saved_copies():
     for got, want in zip(grads["numba", bp.float32], grads["reference", bp.float32], strict=True):
         assert got.dtype == np.float64
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
-    assert not np.allclose(grads["numba", bp.float32][0], grads["numba", None][0], atol=1e-12)
+    narrowed, full = grads["numba", bp.float32][0], grads["numba", None][0]
+    assert not np.allclose(narrowed, full, rtol=0, atol=1e-12)
 
 
 def test_a_float64_step_widens_its_bfloat16_saved_copies_in_the_backward():
@@ -198,7 +205,7 @@ def test_a_float64_step_widens_its_bfloat16_saved_copies_in_the_backward():
                 rounded += 1
                 back = [n for n in computed if n.op == "astype" and n.inputs[0] is node]
                 assert not back, f"kernel {kernel.kind} reads back the copy it rounds"
-    assert rounded >= 3
+    assert rounded >= 2  # the last tanh, computed in the loop reading it, is never stored
     with use_backend("reference"):
         want = [g.numpy() for g in step(params, x)[1]]
     for ours, theirs in zip(got, want, strict=True):
@@ -239,9 +246,9 @@ def test_allowing_bfloat16_never_refuses_a_saved_budget_full_precision_meets():
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def _half_arguments(dtype):
+def _half_arguments(dtype, layers: int = 2):
     rng = np.random.default_rng(11)
-    params = [(rng.standard_normal((16, 16)) * 0.5).astype(dtype) for _ in range(2)]
+    params = [(rng.standard_normal((16, 16)) * 0.5).astype(dtype) for _ in range(layers)]
     return params, rng.standard_normal((32, 16)).astype(dtype)
 
 
@@ -268,9 +275,11 @@ def test_a_16_bit_saved_dtype_on_a_float16_step_is_refused_with_the_dtype_pair(o
 
 def test_16_bit_saved_buffers_of_float32_and_float64_steps_are_still_taken():
     """The check refuses only what cannot narrow: bfloat16 on float64 and float16 on float32
-    steps store their saved buffers in that dtype (explain lists them)."""
+    steps store their saved buffers in that dtype (explain lists them). Three layers: on two,
+    a float64 step's bfloat16 copies do not lower the compiled peak (its GEMMs read float64
+    copies of them), so saved_dtype keeps full precision there (and explain says so)."""
     for step, asked in ((np.float64, bp.bfloat16), (np.float32, bp.float16)):
-        params, x = _half_arguments(step)
+        params, x = _half_arguments(step, layers=3)
         report = bp.value_and_grad(_layers, saved_dtype=asked).explain(params, x)
         assert np.dtype(asked) in {s.dtype for s in _computed_saved(report)}
 

@@ -155,7 +155,7 @@ class BudgetPlanner:
                     built = self.build(point.drop, narrowed)
                     peak = step_peak_bytes(built, self.not_kept, self.kept_bytes())
             dtype = self.allow_dtype if narrowed else None
-            held = self._narrowed_held(point) if narrowed else point.held_bytes
+            held = self._narrowed_held(point, built) if narrowed else point.held_bytes
             fused = 0
             if built is not None and current_backend() != "reference":
                 fused = fused_held_bytes(built)
@@ -216,10 +216,13 @@ class BudgetPlanner:
             if drop:
                 self._built[drop, narrowed] = replace(self._built[drop, narrowed], plans=None)
 
-    def _narrowed_held(self, point) -> int:
+    def _narrowed_held(self, point, plans=None) -> int:
         """The bytes point's plan holds from forward to backward with its saved buffers in
         allow_dtype: each float value it holds (the user's outputs excepted) at the narrower
-        itemsize, as ir/saved_dtype.py stores them."""
+        itemsize, as ir/saved_dtype.py stores them; with its plans built, the values they
+        left in full precision (ir/pipeline.py narrowed_for_peak) at their own."""
+        narrowing = getattr(plans, "narrowing", None)
+        left_wide = 0 if narrowing is None else narrowing.left_wide_bytes
         schedule, narrow = self.choices.schedule, np_dtype(self.allow_dtype).itemsize
         total = 0
         for i in schedule.held:
@@ -230,7 +233,7 @@ class BudgetPlanner:
             if wide.kind == "f" and wide.itemsize > narrow and i not in schedule.outputs:
                 nbytes = nbytes * narrow // wide.itemsize
             total += nbytes
-        return total
+        return total + left_wide
 
     def candidates(self, points: list) -> list[tuple]:
         """(point, narrowed) in the order a budget tries them: fewest added FLOPs first, at
@@ -254,7 +257,7 @@ class BudgetPlanner:
         if self.recomputed_for is None:
             return ""
         budget, point, narrowed = self.recomputed_for
-        held = self._narrowed_held(point) if narrowed else point.held_bytes
+        held = self.evaluate(point, narrowed, plans=False).saved_bytes
         # as the frontier's saved column: on numba the compiled plans' (fused values unstored)
         held -= self.evaluate(point, narrowed, plans=False).fused
         total = self.choices.schedule.held_bytes() - self.evaluate_default(plans=False).fused
@@ -381,10 +384,48 @@ class BudgetPlanner:
             if forced
             else (f"allow_saved_dtype: the memory planner chose it to fit {self.narrowed_for}")
         )
+        name = np_dtype(dtype).name
+        narrowing = self._narrowing()
+        if narrowing is not None and not narrowing.narrowed:
+            kept = self.kept_bytes()  # as explain's peak: the previous call's results held
+            return (
+                f"{why}={name}: the values the gradient part reads stay in full precision: "
+                f"kept in {name}, the compiled plan would peak at "
+                f"{format_bytes(narrowing.narrowed_peak + kept)}, against "
+                f"{format_bytes(narrowing.full_peak + kept)} without: what the narrowing "
+                "adds (the copies the backward widens them into, the loops its casts split, "
+                "the values computed inside the loops that read them, never stored, that "
+                f"{name} copies would store) outweighs what the narrow copies save."
+            )
         return (
-            f"The saved buffers the forward computes are kept in {np_dtype(dtype).name} "
+            f"The saved buffers the forward computes are kept in {name} "
             f"({why}): no added FLOPs (one cast each way), and the backward reads them "
-            f"{_rounding_words(dtype)}.{self._above_full_precision(forced)}"
+            f"{_rounding_words(dtype)}.{self._partly(narrowing)}"
+            f"{self._above_full_precision(forced)}"
+        )
+
+    def _narrowing(self):
+        """What saved_dtype narrowed in the plans that run (ir/saved_dtype.py HeldNarrowing;
+        None: every value it holds, or a plan with a backward of its own)."""
+        drop = self.recomputed_for[1].drop if self.recomputed_for else frozenset()
+        narrowed = self.recomputed_for[2] if self.recomputed_for else bool(self.narrowed_for)
+        evaluated = self._built.get((drop, narrowed))
+        plans = evaluated.plans if evaluated is not None else None
+        if plans is None:
+            with paused_gc():
+                plans = self.build(drop, narrowed)
+        return getattr(plans, "narrowing", None)
+
+    @staticmethod
+    def _partly(narrowing) -> str:
+        if narrowing is None or narrowing.narrowed == narrowing.offered:
+            return ""
+        name = np_dtype(narrowing.dtype).name
+        left = narrowing.offered - narrowing.narrowed
+        return (
+            f" {left} of the {narrowing.offered} values the gradient part reads stay in full "
+            "precision: the compiled plan computes them inside the loop that reads them, never "
+            f"storing them (a {name} copy would be a buffer where there is none)."
         )
 
     def _above_full_precision(self, forced: str | None) -> str:
@@ -432,7 +473,9 @@ class BudgetPlanner:
         for point, narrowed in self.candidates(self.points_for(limit, "saved")):
             held = self._narrowed_held(point) if narrowed else point.held_bytes
             if held <= limit:
-                return self.evaluate(point, narrowed)
+                evaluated = self.evaluate(point, narrowed)
+                if evaluated.saved_bytes <= limit:  # a built plan may narrow less
+                    return evaluated
         return None
 
     def points_for(self, limit: int, objective: str = "peak") -> list:
@@ -689,7 +732,7 @@ class BudgetPlanner:
         of a training step read (as the schedule counts them, narrowed or not)."""
         if not self.choices.inlined_gradients:
             return plans.saved_bytes
-        return self._narrowed_held(point) if narrowed else point.held_bytes
+        return self._narrowed_held(point, plans) if narrowed else point.held_bytes
 
     def _check_inputs_fit(self, limit: int, option: str) -> None:
         if limit < self.input_bytes:
