@@ -173,3 +173,39 @@ def test_a_cache_folder_that_is_a_file_is_called_a_file(tmp_path):
     (warning,) = [w for w in caught if issubclass(w.category, bp.CacheWarning)]
     message = str(warning.message)
     assert f"{path} cannot be written (it is a file, not a folder, errno EEXIST)" in message
+
+
+def test_a_cache_folder_that_cannot_be_made_compiles_in_memory(tmp_path):
+    """BACKPLAN_CACHE_DIR on a read-only mount (or under a file: the same failure of
+    os.makedirs, portably): saving a library function's machine code (mathlib's tanh) raised
+    the OSError of making the folder from inside the handler meant to note it, and the user's
+    first compiled call failed. Now it runs, compiled in memory, with one CacheWarning. A fresh
+    process: which library functions have asked for their cache is per process."""
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    kernels = blocker / "kernels"
+    code = (
+        "import numpy as np, backplan as bp\n"
+        "f = bp.compile(lambda w, x: bp.sum(bp.tanh(x * w + 1.0) ** 2))\n"
+        "w = bp.tensor(np.full(8, 0.5), requires_grad=True)\n"
+        "loss = f(w, bp.tensor(np.linspace(-1.0, 1.0, 32).reshape(4, 8)))\n"
+        "loss.backward()\n"
+        "print(repr(loss.item()), repr(float(w.grad.numpy().sum())))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "BACKPLAN_LIBRARY_CACHE_DIR"}
+    env |= {"BACKPLAN_CACHE_DIR": str(kernels), "BACKPLAN_DRIVER": "python"}
+    env["BACKPLAN_BACKEND"] = "numba"  # the suite runs on the reference interpreter
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    x = np.linspace(-1.0, 1.0, 32).reshape(4, 8)
+    t = np.tanh(x * 0.5 + 1.0)
+    loss, grad = (float(v) for v in out.stdout.split())
+    np.testing.assert_allclose(loss, np.sum(t**2), rtol=1e-12)
+    np.testing.assert_allclose(grad, np.sum(2 * t * (1 - t**2) * x), rtol=1e-9)
+    assert out.stderr.count("CacheWarning") == 1, out.stderr
+    assert f"{kernels} cannot be written (Not a directory" in out.stderr

@@ -17,19 +17,27 @@ import os
 from numba.core.caching import _CacheLocator, _SourceFileBackedLocatorMixin
 
 from backplan.codegen.build import fingerprint
-from backplan.codegen.build.cache import cache_dir
-from backplan.codegen.build.cache_signing import add_locator
+from backplan.codegen.build.cache import cache_dir, cache_path
+from backplan.codegen.build.cache_signing import CacheError, add_locator
 
 PACKAGE_ROOT = os.path.dirname(fingerprint.CODEGEN_ROOT)
 FOLDER = "library"
 
 
 def library_folder() -> str:
-    """The folder the library's files go to (created by the first function that caches)."""
+    """The folder the library's files go to (created by the first function that caches). A
+    kernel cache folder that cannot be made (a read-only mount, a path under a file) still
+    names where it would be: the function's cache then fails to make it and notes the folder
+    unwritable (codegen/jit.py), where raising here failed the user's call."""
     chosen = os.environ.get("BACKPLAN_LIBRARY_CACHE_DIR")
     if chosen:
         return chosen
-    return os.path.join(cache_dir(), FOLDER)
+    try:
+        return os.path.join(cache_dir(), FOLDER)
+    except CacheError:
+        raise  # a folder others can write to is refused, never used
+    except OSError:
+        return os.path.join(cache_path(), FOLDER)
 
 
 def is_library_file(py_file: str) -> bool:
