@@ -196,7 +196,8 @@ class NodeWindow:
     def all_at(self, which: int, k: int, value: int) -> bool:
         """Whether every rank's counter `which` of bucket k reached value (then their writes
         before it are visible here)."""
-        if any(c[which, k] < value for c in self.counters):
-            return False
+        for counters in self.counters:
+            if counters[which, k] < value:
+                return False
         fence()
         return True

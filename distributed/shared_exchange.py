@@ -24,7 +24,8 @@ from .half_wire import summed_dtype
 from .in_plan import bucket_slots
 from .node_window import READY, NodeWindow, resident_bytes, segment_bytes, share
 from .rank_peak import counted
-from .rows import average_in_place, scale_by_weight
+from .node_sum import sum_into
+from .rows import scale_by_weight
 
 REDUCTION_VARIABLE = "BACKPLAN_DP_REDUCTION"  # "shared" or "mpi"; unset: shared on one node
 _nodes: dict = {}  # id(comm) -> (comm, whether its ranks map each other's shared memory)
@@ -78,6 +79,9 @@ def node_window(exchange, key: tuple, counts: list[int], dtypes: list[np.dtype])
 
 
 def _window(exchange) -> NodeWindow:
+    found = exchange.windows.get((exchange.layout.fingerprint,))  # no sizes to work out
+    if found is not None:
+        return found
     return node_window(exchange, (exchange.layout.fingerprint,), *_buckets(exchange.layout))
 
 
@@ -138,12 +142,8 @@ class SharedRequest:
             os.sched_yield()  # the rank it waits for may share this core
 
     def _sum(self) -> None:
-        w, k, out = self.window, self.k, self.out
-        np.add(w.buffer(0, k, self.parity), w.buffer(1, k, self.parity), out=out)
-        for q in range(2, w.size):
-            out += w.buffer(q, k, self.parity)
-        if self.average:
-            average_in_place(out, w.size)
+        w, k = self.window, self.k
+        sum_into([w.buffer(q, k, self.parity) for q in range(w.size)], self.out, self.average)
 
 
 class SharedExchange(Exchange):

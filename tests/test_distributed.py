@@ -709,6 +709,38 @@ def test_float16_widening_and_rounding_match_numpy_to_the_bit():
     assert ((halves == expected.view(np.uint16)) | nan).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_node_sum_adds_and_averages_in_one_pass_to_numpys_bits(dtype):
+    """node_sum.sum_into (each rank's sum of a bucket over the window's buffers) gives the bits
+    of NumPy's rank-order additions followed by rows.average_in_place, on 2 to 5 ranks, summed
+    and averaged, NaN, infinities, overflow, subnormals and signed zeros included (float32 on a
+    power of two ranks: a product with 1/N; on 3 and 5: a division), odd lengths, empty."""
+    from backplan.distributed.node_sum import sum_into
+    from backplan.distributed.rows import average_in_place
+
+    rng = np.random.default_rng(7)
+    edges = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 1e-39, -1e-40, 3e38, -3e38, 1e-310]
+    bits = np.uint32 if dtype is np.float32 else np.uint64
+    for size in (2, 3, 4, 5):
+        for n in (0, 1, 17, 1003):
+            buffers = []
+            for _ in range(size):
+                x = rng.standard_normal(n) * 10.0 ** rng.integers(-40, 38, n)
+                x[: min(n, len(edges))] = rng.permutation(edges)[: min(n, len(edges))]
+                buffers.append(x.astype(dtype))
+            for average in (False, True):
+                with np.errstate(all="ignore"):
+                    want = np.add(buffers[0], buffers[1])
+                    for x in buffers[2:]:
+                        want += x
+                    if average:
+                        average_in_place(want, size)
+                    got = np.full(n, 12345, dtype)
+                    sum_into(buffers, got, average)
+                assert (got.view(bits) == want.view(bits)).all(), (size, n, average)
+            assert n < 2 or not (got == buffers[0]).all()  # it did write
+
+
 @needs_mpi
 def test_the_compiled_step_starts_16_bit_buckets_itself_on_two_ranks(tmp_path):
     """On two ranks a bfloat16 or float16 bucket is summed by the step's own MPI operation, so
