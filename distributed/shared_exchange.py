@@ -22,9 +22,9 @@ from backplan.ir.types import np_dtype
 from .exchange import Exchange
 from .half_wire import summed_dtype
 from .in_plan import bucket_slots
+from .node_sum import sum_into
 from .node_window import READY, NodeWindow, resident_bytes, segment_bytes, share
 from .rank_peak import counted
-from .node_sum import sum_into
 from .rows import scale_by_weight
 
 REDUCTION_VARIABLE = "BACKPLAN_DP_REDUCTION"  # "shared" or "mpi"; unset: shared on one node
