@@ -29,6 +29,10 @@ def unfinished(requests: list, seconds: float) -> list[int]:
         pending = [i for i in pending if not requests[i].Test()]
         if not pending or time.monotonic() > deadline:
             return pending
+        block = getattr(requests[pending[0]], "block", None)  # a node window's: sleeps on it
+        if block is not None:
+            block(max(0.0, min(LONGEST_PAUSE_S, deadline - time.monotonic())))
+            continue
         time.sleep(pause)
         pause = min(pause * 2, LONGEST_PAUSE_S)
 

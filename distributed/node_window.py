@@ -24,9 +24,11 @@ import os
 import re
 import secrets
 import stat
+import time
 
 import numpy as np
 
+from . import futex
 from .deadline import SHARE_TAG, swap
 from .world import mpi_module
 
@@ -35,6 +37,8 @@ READY = 0  # the row of the counters: how many times each bucket was written
 SHARED_FOLDER = "/dev/shm"  # memory-backed files every process of the node can map
 NAME_BYTES = 96  # a segment's path as sent to the other ranks (NUL-padded)
 _fences: list = []  # the window of this process alone whose Sync is the memory fence
+SPIN_S = 5e-5  # a wait spins this long (the ranks' usual skew on idle cores), then sleeps
+SLEEP_S = 0.05  # a sleeping wait looks again at least this often (a wake-up is never lost)
 
 
 def _aligned(n: int) -> int:
@@ -189,9 +193,35 @@ class NodeWindow:
         return slice(start, stop)
 
     def mark(self, which: int, k: int, value: int) -> None:
-        """Publish this rank's counter `which` of bucket k after the writes before it."""
+        """Publish this rank's counter `which` of bucket k after the writes before it, and wake
+        the ranks sleeping until it changes (wait_at)."""
         fence()
         self.counters[self.rank][which, k] = value
+        if futex.available:
+            futex.wake(self._address(self.rank, which, k))
+
+    def _address(self, rank: int, which: int, k: int) -> int:
+        return self.counters[rank].ctypes.data + (which * len(self.counts) + k) * 8
+
+    def wait_at(self, which: int, k: int, value: int, seconds: float = SLEEP_S) -> bool:
+        """Whether every rank's counter `which` of bucket k reached value within about
+        `seconds` (all_at): spin SPIN_S, then sleep on the first counter short of it until its
+        rank marks it (futex.py), looking again at least every SLEEP_S."""
+        start = time.perf_counter()
+        spin_until, end = start + min(SPIN_S, seconds), start + seconds
+        while not self.all_at(which, k, value):
+            now = time.perf_counter()
+            if now >= end:
+                return False
+            if now < spin_until or not futex.available:
+                os.sched_yield()  # the rank it waits for may share this core
+                continue
+            for q, counters in enumerate(self.counters):
+                seen = int(counters[which, k])
+                if seen < value:
+                    futex.wait(self._address(q, which, k), seen, min(SLEEP_S, end - now))
+                    break
+        return True
 
     def all_at(self, which: int, k: int, value: int) -> bool:
         """Whether every rank's counter `which` of bucket k reached value (then their writes

@@ -23,7 +23,7 @@ from .exchange import Exchange
 from .half_wire import summed_dtype
 from .in_plan import bucket_slots
 from .node_sum import sum_into
-from .node_window import READY, NodeWindow, resident_bytes, segment_bytes, share
+from .node_window import READY, SLEEP_S, NodeWindow, resident_bytes, segment_bytes, share
 from .rank_peak import counted
 from .rows import scale_by_weight
 
@@ -139,7 +139,11 @@ class SharedRequest:
 
     def Wait(self) -> None:  # noqa: N802
         while not self.Test():
-            os.sched_yield()  # the rank it waits for may share this core
+            self.block(SLEEP_S)
+
+    def block(self, seconds: float) -> None:
+        """Wait up to `seconds` for every rank's write (deadline.unfinished's pause)."""
+        self.window.wait_at(READY, self.k, self.call, seconds)
 
     def _sum(self) -> None:
         w, k = self.window, self.k

@@ -8,12 +8,10 @@ other rank has posted the next call's, which it does once it has read this call'
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from .half_wire import summed_dtype
-from .node_window import READY, NodeWindow, resident_bytes, segment_bytes
+from .node_window import READY, SLEEP_S, NodeWindow, resident_bytes, segment_bytes
 from .shared_exchange import node_window
 
 
@@ -102,4 +100,8 @@ class WindowRequest:
 
     def Wait(self) -> None:  # noqa: N802
         while not self.Test():
-            os.sched_yield()  # the rank it waits for may share this core
+            self.block(SLEEP_S)
+
+    def block(self, seconds: float) -> None:
+        """Wait up to `seconds` for every rank's write (deadline.unfinished's pause)."""
+        self.window.wait_at(READY, self.index, self.call, seconds)
