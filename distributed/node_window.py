@@ -231,3 +231,23 @@ class NodeWindow:
                 return False
         fence()
         return True
+
+
+class CounterRequest:
+    """Waited for like an mpi4py request, completed by every rank's counter READY of buffer
+    `index` of a window reaching `call` (the subclass's Test() acts on the buffers then)."""
+
+    window: NodeWindow
+    index: int
+    call: int
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name, so deadline.py waits on either
+        raise NotImplementedError
+
+    def Wait(self) -> None:  # noqa: N802
+        while not self.Test():
+            self.block(SLEEP_S)
+
+    def block(self, seconds: float) -> None:
+        """Wait up to `seconds` for every rank's write (deadline.unfinished's pause)."""
+        self.window.wait_at(READY, self.index, self.call, seconds)

@@ -22,8 +22,9 @@ from backplan.ir.types import np_dtype
 from .exchange import Exchange
 from .half_wire import summed_dtype
 from .in_plan import bucket_slots
+from .node_agreement import agreement_window
 from .node_sum import sum_into
-from .node_window import READY, SLEEP_S, NodeWindow, resident_bytes, segment_bytes, share
+from .node_window import READY, CounterRequest, NodeWindow, resident_bytes, segment_bytes, share
 from .rank_peak import counted
 from .rows import scale_by_weight
 
@@ -39,11 +40,21 @@ def reduction(comm, seconds: float | None = None, step: str = "data_parallel") -
     found = _nodes.get(id(comm))
     if found is None or found[0] is not comm:  # every rank probes, whatever it asks for
         probed = share(comm, 0, seconds, f"the shared-memory probe of {step}", check=PROBE)
-        found = _nodes[id(comm)] = (comm, probed is not None)
+        agreeing = None
+        if probed is not None:  # the steps' agreements on this communicator go through it
+            agreeing = agreement_window(comm, seconds, f"the agreement window of {step}")
+        found = _nodes[id(comm)] = (comm, probed is not None, agreeing)
     wanted = os.environ.get(REDUCTION_VARIABLE, "shared")
     if wanted not in ("shared", "mpi"):
         raise ValueError(f"{REDUCTION_VARIABLE} must be 'shared' or 'mpi', got {wanted!r}")
     return "shared" if wanted == "shared" and found[1] else "mpi"
+
+
+def node_agreement(comm):
+    """The communicator's agreement window (node_agreement.py), or None when its ranks do not
+    map each other's memory or reduction() has not probed them yet (every rank alike)."""
+    found = _nodes.get(id(comm))
+    return found[2] if found is not None and found[0] is comm else None
 
 
 def previewed(decided: str | None, size: int) -> str:
@@ -116,7 +127,7 @@ class WindowOutputs:
         return self.compiled.call_own_into(arrays, into)
 
 
-class SharedRequest:
+class SharedRequest(CounterRequest):
     """One bucket's sum over the node, tested and waited for like an mpi4py request: Test()
     completes once every rank has written the bucket, summing every rank's buffer in rank
     order into out (the summing is this rank's work, done when it tests). Every rank sums the
@@ -125,28 +136,20 @@ class SharedRequest:
     the same bits on every rank, and on two ranks MPI's (a + b)."""
 
     def __init__(self, window: NodeWindow, k: int, call: int, out: np.ndarray, average: bool):
-        self.window, self.k, self.call, self.out, self.average = window, k, call, out, average
+        self.window, self.index, self.call, self.out, self.average = window, k, call, out, average
         self.parity = call % 2
         self.complete = False
 
     def Test(self) -> bool:  # noqa: N802 - mpi4py's name, so deadline.py waits on either
         if not self.complete:
-            if not self.window.all_at(READY, self.k, self.call):
+            if not self.window.all_at(READY, self.index, self.call):
                 return False
             self._sum()
             self.complete = True
         return True
 
-    def Wait(self) -> None:  # noqa: N802
-        while not self.Test():
-            self.block(SLEEP_S)
-
-    def block(self, seconds: float) -> None:
-        """Wait up to `seconds` for every rank's write (deadline.unfinished's pause)."""
-        self.window.wait_at(READY, self.k, self.call, seconds)
-
     def _sum(self) -> None:
-        w, k = self.window, self.k
+        w, k = self.window, self.index
         sum_into([w.buffer(q, k, self.parity) for q in range(w.size)], self.out, self.average)
 
 

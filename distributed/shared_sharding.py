@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .half_wire import summed_dtype
-from .node_window import READY, SLEEP_S, NodeWindow, resident_bytes, segment_bytes
+from .node_window import READY, CounterRequest, NodeWindow, resident_bytes, segment_bytes
 from .shared_exchange import node_window
 
 
@@ -80,7 +80,7 @@ def _sum(buffers: list[np.ndarray], part: slice, into: np.ndarray) -> None:
         into += buffer[part]
 
 
-class WindowRequest:
+class WindowRequest(CounterRequest):
     """Tested and waited for like an mpi4py request: once every rank has marked buffer `index`
     of this call, `act` runs once on every rank's buffer (in rank order)."""
 
@@ -97,11 +97,3 @@ class WindowRequest:
         self.act([w.buffer(q, self.index, self.call % 2) for q in range(w.size)])
         self.complete = True
         return True
-
-    def Wait(self) -> None:  # noqa: N802
-        while not self.Test():
-            self.block(SLEEP_S)
-
-    def block(self, seconds: float) -> None:
-        """Wait up to `seconds` for every rank's write (deadline.unfinished's pause)."""
-        self.window.wait_at(READY, self.index, self.call, seconds)

@@ -35,6 +35,7 @@ from .failure import (
 )
 from .in_plan import InPlanExchange
 from .layout import Layout, build_layout
+from .node_agreement import NodeAgreement
 from .rank_peak import PlanFacts, allreduce_peak
 from .report import DataParallelReport
 from .rows import batch_lengths, lengths_digest, row_weight
@@ -42,6 +43,7 @@ from .segments import run_segments, split_plan
 from .shared_exchange import (
     SharedExchange,
     WindowOutputs,
+    node_agreement,
     previewed,
     reduction,
     window_bytes,
@@ -592,9 +594,11 @@ class DataParallelStep:
         return args[nums] if isinstance(nums, int) else tuple(args[i] for i in nums)
 
     def _agree(self, world: World, exchange, lengths, args, kwargs) -> float | None:
-        """One 64-byte allreduce per call: max of (fingerprint, -fingerprint) equals this rank's
-        own pair on every rank only when all fingerprints are equal; the same for the digest of
-        the batch arguments' lengths and for the step's kind (exchange, average, accumulate).
+        """One 64-byte maximum over the ranks per call (MPI's allreduce, or on one node the
+        communicator's agreement window, node_agreement.py): max of (fingerprint, -fingerprint)
+        equals this rank's own pair on every rank only when all fingerprints are equal; the
+        same for the digest of the batch arguments' lengths and for the step's kind (exchange,
+        average, accumulate).
         On a mismatch every rank gathers what differs and raises the same error, before any
         gradient moves. Returns this rank's share of the global batch when ranks hold different
         numbers of rows (None when all hold the same). The fifth number says whether a rank
@@ -620,6 +624,9 @@ class DataParallelStep:
         if exchange is not None:
             exchange.posted = True
         highest = np.empty_like(mine)
+        window = node_agreement(world.comm)
+        if window is not None:  # ranks on one node: through shared memory, no MPI call
+            return mine, highest, NodeAgreement(window, mine, highest)
         return mine, highest, world.comm.Iallreduce(mine, highest, op=mpi_module().MAX)
 
     def _agree_finish(self, world: World, layout: Layout, agreeing, lengths, args, kwargs):

@@ -1058,6 +1058,12 @@ def test_a_steps_node_windows_are_freed_with_it_and_leave_no_file(tmp_path):
         step = bpd.data_parallel(vg, timeout=30)
         loss, grads = step(params, xs, ys)
         assert step.reduction(bpd.init()) == "shared"
+        # the communicator's agreement window (node_agreement.py), made with the node probe by
+        # the first exchanging call and kept while the process lives: a page per rank
+        from backplan.distributed.node_window import resident_bytes
+        from backplan.distributed.shared_exchange import node_agreement
+        agreeing = node_agreement(bpd.init().comm)
+        before, held = before + size, held + size * resident_bytes(agreeing.nbytes)
         (window,) = step.windows.values()
         assert mapped() == before + size, (mapped(), before)  # every rank's segment, once
         assert not files(), files()
