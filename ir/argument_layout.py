@@ -164,6 +164,19 @@ def sliced_shape(word: str) -> tuple:
     return tuple(lengths[k] for k in perm)
 
 
+def stored_bytes(shape: tuple, itemsize: int, word: str) -> int:
+    """The bytes of the C-ordered array under an argument of this shape and layout (base()):
+    what the caller's array occupies, and what a copy in its own layout (same_layout) holds. A
+    broadcast view its compact array, a sliced one its span (the gaps between its elements
+    too), any other its own elements."""
+    if word.startswith(BROADCAST):
+        axes = layout_axes(word)
+        shape = tuple(1 if k in axes else n for k, n in enumerate(shape))
+    elif word.startswith(SLICED):
+        shape = sliced_parts(word)[0]
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
 def copied_inputs(layouts) -> tuple[tuple[int, str], ...]:
     """(input index, layout) of each input a plan copies, from the inputs' layouts in order."""
     return tuple((i, word) for i, word in enumerate(layouts) if word != C_ORDER)

@@ -30,12 +30,14 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field, replace
 
+from .argument_layout import stored_bytes
 from .kernel_workspace import workspace_bytes
 from .liveness import INPUT_STEP, Plan
 from .lowering import lower, runs_code
 from .plan_buffers import compiled_buffers
 from .printer import format_loc
 from .reference_storage import storage_roots
+from .types import DTYPES
 from .widen import has_half
 
 CATEGORIES = (
@@ -154,16 +156,25 @@ def predicted_peak(calls: list[PlanCall], backend: str = "numba") -> PeakReport:
 
 
 def _input_bytes(calls: list[PlanCall]) -> dict:
+    """The caller's arrays, each at the bytes it occupies (a broadcast view its compact array,
+    a sliced one its span: ir/argument_layout.py stored_bytes), and the copies of those saved
+    for a backward, each as big."""
     held = dict.fromkeys(CATEGORIES, 0)
     for call in calls:
         if call.idle:
             continue
-        for value, kind in zip(call.plan.graph.inputs, call.input_kinds, strict=True):
+        layouts = dict(call.copied)
+        for i, (value, kind) in enumerate(
+            zip(call.plan.graph.inputs, call.input_kinds, strict=True)
+        ):
+            nbytes = value.type.nbytes
+            if i in layouts and value.shape and nbytes:
+                nbytes = stored_bytes(value.shape, DTYPES[value.dtype].itemsize, layouts[i])
             if kind in CALLER_OWNED:
-                held[kind] += value.type.nbytes
+                held[kind] += nbytes
             elif kind == COPIED:  # the caller's array, and backplan's copy of it
-                held["inputs"] += value.type.nbytes
-                held["saved"] += value.type.nbytes
+                held["inputs"] += nbytes
+                held["saved"] += nbytes
     return held
 
 

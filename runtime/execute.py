@@ -20,7 +20,9 @@ def run_forward(
     loc: where the user called it (a SourceLoc, or its text), the region's created_at.
     A small compiled step that backward() follows may run as one joint plan (joint_step.py)."""
     if copies and memory_check.checking():  # backplan's buffers, in explain's saved bytes
-        memory_check.count_held([args[i] for i in copies], "copies of NumPy arguments")
+        # each copy's own array: a broadcast view's compact one, a sliced view's span
+        roots = [array_root(args[i]) for i in copies]
+        memory_check.count_held(roots, "copies of NumPy arguments")
     if program.retained:  # the last call's backward(retain_graph=True): its arena goes
         program.release_retained()
     joint = program.joint_step

@@ -19,7 +19,8 @@ import pytest
 
 import backplan as bp
 from backplan.codegen.run.memory_check import checked_memory, measure
-from backplan.ir.argument_layout import SLICED, layout
+from backplan.ir.argument_layout import SLICED, layout, stored_bytes
+from backplan.ir.argument_layout import layout as argument_layout
 from backplan.ir.peak import joint_calls, predicted_peak, region_calls
 from backplan.runtime.backend import use_backend
 
@@ -158,11 +159,15 @@ def test_a_value_and_grad_step_counts_the_copies_it_makes(layout, step_kind):
         c_step = STEPS[step_kind]()
         c_args = ({"w1": c_order[0], "w2": c_order[1]}, c_order[2])
         c_step(*c_args)
-        c_peak = c_step.explain(*c_args).call_peak.peak_bytes
+        c_report = c_step.explain(*c_args).call_peak
+    # the caller's arrays at the bytes they occupy (a broadcast one compact, a slice its span)
+    stored = sum(stored_bytes(a.shape, a.itemsize, argument_layout(a)) for a in (w1, w2, x))
+    assert report.call_peak.input_bytes == stored
+    own, c_own = (r.peak_bytes - r.input_bytes for r in (report.call_peak, c_report))
     if layout in NO_COPY_AT_ALL or copied:
-        assert report.call_peak.peak_bytes == c_peak + copied  # in place: the C-order peak
+        assert own == c_own + copied  # in place: the C-order peak
     else:  # the C-order peak, or above it by a GEMM operand's copy into the arena
-        assert c_peak <= report.call_peak.peak_bytes < c_peak + whole
+        assert c_own <= own < c_own + whole
     if step_kind == "not compiled":
         plan = step.trace(*args).plan
         predicted = predicted_peak(joint_calls(plan, 1))
@@ -482,3 +487,45 @@ def test_a_large_sliced_weight_adds_no_copy_to_the_resident_peak():
     assert copies == 0
     assert grown <= allocated + 512 * 1024, (grown, allocated)  # a few pages of the loop's own
     assert allocated < 64 * 1024
+
+
+def test_inputs_count_what_the_caller_holds():
+    """A broadcast argument is its compact array, a sliced one its span (the gaps between its
+    elements too): report.peak's `inputs` counts those bytes, not the view's logical size."""
+    wide = np.pad(X, ((0, 0), (2, 10)))  # (5, 20)
+    with use_backend("numba"):
+        step = bp.compile(bp.value_and_grad(loss))
+        for x, held in (
+            (np.broadcast_to(X[1], X.shape), X[1].nbytes),
+            (wide[:, 2:10], wide.nbytes),
+            (X, X.nbytes),
+        ):
+            step({"w1": W1, "w2": W2}, x)
+            report = step.explain({"w1": W1, "w2": W2}, x)
+            assert report.call_peak.input_bytes == W1.nbytes + W2.nbytes + held
+
+
+def test_a_sliced_numpy_argument_saved_for_backward_is_counted_at_its_span():
+    """x, a column slice the backward reads (x.T @ g): the fast path copies its span for the
+    backward (read in place again), and every call's measured peak is explain's, the copy at
+    the span's bytes."""
+    wide = np.pad(X, ((0, 0), (2, 10)))  # (5, 20): x's span is all of it
+    x = wide[:, 2:10]
+    with use_backend("reference"):
+        p = {"w1": bp.tensor(W1, requires_grad=True), "w2": bp.tensor(W2, requires_grad=True)}
+        bp.compile(loss)(p, np.ascontiguousarray(x)).backward()
+        want = p["w1"].grad.numpy()
+    measured = []
+    with use_backend("numba"), checked_memory():
+        step = bp.compile(loss)
+        p = {"w1": bp.tensor(W1, requires_grad=True), "w2": bp.tensor(W2, requires_grad=True)}
+        for _ in range(4):
+            with measure() as held:
+                step(p, x).backward()
+            measured.append(held.peak)
+            np.testing.assert_allclose(p["w1"].grad.numpy(), want, rtol=1e-5, atol=1e-5)
+            p["w1"].grad = p["w2"].grad = None
+        report = step.explain(p, x)
+    assert measured == [report.peak_on_call(n).allocated_peak_bytes for n in (1, 2, 3, 4)]
+    tanh_out = X.shape[0] * W1.shape[1] * 4  # tanh(x @ w1), saved beside the copy of x
+    assert report.call_peak.at_peak()["saved"] == wide.nbytes + tanh_out
