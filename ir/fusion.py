@@ -179,8 +179,10 @@ def group_kernels(
     bases: alias bases already worked out for this graph (the lowering shares one).
     resume(nodes, bases): the placing loop's state after the first nodes of the graph, which
     another graph shared and left (ir/grouping_resume.py resumed_state: (how many, kernels,
-    home, latest_loops, reads, tails, last_op)); the loop places only the nodes after them.
-    record(nodes, home, kernels, reads), if given, is told what the loop left."""
+    home, latest_loops, reads, tails, last_op, earlier)); the loop places only the nodes after
+    them, and the loops it placed whole before them take the inputs they recompute from
+    `earlier` (_recompute_cheap_inputs). record(nodes, home, kernels, reads), if given, is
+    told what the loop left, and returns the `noted` dicts _recompute_cheap_inputs fills."""
     bases = Bases() if bases is None else bases
     kernels: list[Kernel] = []
     home: dict[Value, int] = {}
@@ -190,9 +192,9 @@ def group_kernels(
     read_backs = _read_backs(graph, origin)
     spread = _spread_widenings(graph)
     last_op = -1  # the latest kernel that is an op (a GEMM...): a read-back is not hoisted above it
-    nodes = graph.nodes
+    nodes, earlier, noted = graph.nodes, None, None
     if resume is not None and not read_backs and not spread:  # else a node reads ahead
-        start, kernels, home, latest_loops, reads, tails, last_op = resume(nodes, bases)
+        start, kernels, home, latest_loops, reads, tails, last_op, earlier = resume(nodes, bases)
         nodes = nodes[start:]
     for node in nodes:
         copy = read_backs.get(node)
@@ -212,9 +214,9 @@ def group_kernels(
         if kernels[k].kind == "op":
             last_op = k
     if record is not None:
-        record(graph.nodes, home, kernels, reads)
+        noted = record(graph.nodes, home, kernels, reads)
     kept = frozenset(read_backs.values())
-    _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases)
+    _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases, earlier, noted)
     _round_where_recomputed(kernels, home, kept, graph)
     for kernel in kernels:  # grouped: a loop with nothing recomputed or reduced shares the empty
         if kernel.kind == "loop":  # (every other kernel was made with it: _single)
@@ -299,18 +301,39 @@ MAX_RECOMPUTE = 4
 
 
 def _recompute_cheap_inputs(
-    kernels: list[Kernel], home, outputs: list[Value], kept, spread=frozenset(), bases=None
+    kernels: list[Kernel],
+    home,
+    outputs: list[Value],
+    kept,
+    spread=frozenset(),
+    bases=None,
+    earlier=None,
+    noted=None,
 ) -> None:
     """A loop that reads a value another loop of the same shape computed with a few cheap ops
     from stable inputs recomputes it instead, so that value need not be written and read back.
     Then each loop that still reads several such values made cheaply from fewer expensive ones
     (tanh-GELU's backward reads 1 + tanh, 0.5 (1 + tanh) and 1 - tanh**2) reads those instead.
     kept: values always read, never recomputed (16-bit copies read back: _read_backs);
-    spread: widenings recomputed by every larger loop reading them (_spread_widenings)."""
+    spread: widenings recomputed by every larger loop reading them (_spread_widenings).
+    earlier: ({loop: (the values it reads that its cheap cones could not give, what it
+    recomputes)}, {loop: its cones over the frontier}) of loops placed as in a graph grouped
+    before, whose nodes before them were the same (ir/grouping_resume.py): a loop's cones read
+    only those nodes and its own recomputed values, so they are what they were. noted: the
+    same two dicts to fill for this grouping."""
     bases = Bases() if bases is None else bases
     blocked: dict[int, list[Value]] = {}
+    known, known_cones = earlier if earlier is not None else ({}, {})
+    noted, noted_cones = noted if noted is not None else (None, None)
     for k, kernel in enumerate(kernels):
         if kernel.kind != "loop":
+            continue
+        before = known.get(k)
+        if before is not None:
+            blocked[k] = before[0]
+            kernel.recomputed.extend(before[1])
+            if noted is not None:
+                noted[k] = before
             continue
         reads = blocked[k] = []
         for node in list(kernel.computed):
@@ -329,13 +352,20 @@ def _recompute_cheap_inputs(
                 for value in cone or ():
                     if value not in kernel.recomputed:
                         kernel.recomputed.append(value)
+        if noted is not None:
+            noted[k] = (reads, tuple(kernel.recomputed))
     # each loop's cones over the frontier, worked out before any loop takes its own: a loop's
     # cones read only its own recomputed values, which only its own turn changes
     turns, wanted = [], set()
     for k, values in blocked.items():
         if not values:
             continue  # reads nothing another loop computes cheaply
-        found = _cones_over_frontier(values, k, kernels, home, kept, spread, bases)
+        if k in known_cones:
+            found = known_cones[k]
+        else:
+            found = _cones_over_frontier(values, k, kernels, home, kept, spread, bases)
+        if noted_cones is not None:
+            noted_cones[k] = found
         if found is not None:
             turns.append((k, values, *found))
             wanted.update(values)

@@ -31,7 +31,7 @@ class Journal:
     a kernel that is no loop is never changed at all, so a resumed grouping shares it), where
     the loops are, and the buffers each loop reads."""
 
-    __slots__ = ("nodes", "homes", "kernels", "loops", "reads", "__weakref__")
+    __slots__ = ("nodes", "homes", "kernels", "loops", "reads", "cheap", "cones", "__weakref__")
 
     def __init__(self, nodes: list[Value], home: dict, kernels: list[Kernel], reads: dict):
         self.nodes = nodes
@@ -39,6 +39,10 @@ class Journal:
         self.kernels = list(kernels)
         self.loops = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"]
         self.reads = reads.plain() if isinstance(reads, _Reads) else reads
+        # loop -> (values it reads that cheap cones could not give, what it recomputes), and
+        # loop -> its cones over the frontier: filled by group_kernels' cheap-input pass
+        self.cheap: dict[int, tuple] = {}
+        self.cones: dict[int, tuple | None] = {}
 
 
 def resumer(journal: Journal | None):
@@ -47,8 +51,15 @@ def resumer(journal: Journal | None):
 
 
 def recorder(into: list):
-    """group_kernels' `record`, appending the Journal it makes to `into`."""
-    return lambda nodes, home, kernels, reads: into.append(Journal(nodes, home, kernels, reads))
+    """group_kernels' `record`, appending the Journal it makes to `into` (and handing the
+    dicts its cheap-input pass fills)."""
+
+    def record(nodes, home, kernels, reads) -> tuple[dict, dict]:
+        journal = Journal(nodes, home, kernels, reads)
+        into.append(journal)
+        return journal.cheap, journal.cones
+
+    return record
 
 
 def journal_for(graph: Graph) -> Journal | None:
@@ -94,8 +105,10 @@ class _Reads(dict):
 
 
 def resumed_state(journal: Journal, nodes: list[Value], bases):
-    """(q, kernels, home, latest_loops, reads, tails, last_op): group_kernels' state after
-    placing nodes[:q], q the nodes shared with the journal's graph, as its loop leaves it."""
+    """(q, kernels, home, latest_loops, reads, tails, last_op, earlier): group_kernels' state
+    after placing nodes[:q], q the nodes shared with the journal's graph, as its loop leaves
+    it, and what the cheap-input pass found for the loops placed whole before q (earlier:
+    those loops' entries of the journal's cheap and cones)."""
     q = shared_length(journal, nodes)
     homes = journal.homes
     made = max(homes[:q], default=-1) + 1  # kernels are made in node order
@@ -126,7 +139,13 @@ def resumed_state(journal: Journal, nodes: list[Value], bases):
                 owner = home.get(s, -1)
                 if owner != k and (owner < 0 or kernels[owner].kind != "literal"):
                     found.add(s)
-    return q, kernels, home, latest_loops, reads, tails, last_op
+    whole = [k for k in journal.loops[: bisect_left(journal.loops, made)] if k not in open_]
+    cheap, cones = journal.cheap, journal.cones
+    earlier = (
+        {k: cheap[k] for k in whole if k in cheap},
+        {k: cones[k] for k in whole if k in cones},
+    )
+    return q, kernels, home, latest_loops, reads, tails, last_op, earlier
 
 
 _new_kernel = object.__new__

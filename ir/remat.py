@@ -251,7 +251,8 @@ def recompute_after(
     available = (set(held) - chosen) | set(graph.inputs) | _constants(graph)
     # the nodes before the first gradient node reading a chosen value stay as they are
     # (_recompute_in_gradients changes nothing before it): shared, not copied
-    graph, mapping = copy_graph(graph, keep=_first_reader(graph, forward, chosen))
+    start = _first_reader(graph, forward, chosen)
+    graph, mapping = copy_graph(graph, keep=start)
     forward = frozenset(mapping[n] for n in forward)
     targets = {mapping[v] for v in held if v in chosen}
     available = {mapping[v] for v in available}
@@ -265,7 +266,7 @@ def recompute_after(
             raise ValueError(f"a {value.op} value chosen for recomputation needs a graph input")
         return chain
 
-    _recompute_in_gradients(graph, forward, targets, chain_of)
+    _recompute_in_gradients(graph, forward, targets, chain_of, start)
     return graph, forward, mapping
 
 
@@ -304,11 +305,14 @@ def _constants(graph: Graph) -> set[Value]:
     return {n for n in graph.nodes if n.op in REBUILT_OPS}
 
 
-def _recompute_in_gradients(graph: Graph, forward: set[Value], chains, chain_of) -> None:
+def _recompute_in_gradients(
+    graph: Graph, forward: set[Value], chains, chain_of, start: int = 0
+) -> None:
     """Copy each chain right before the first gradient node that reads its value. chains: the
-    values rebuilt; chain_of(value, copies made so far): the forward nodes rebuilding it."""
+    values rebuilt; chain_of(value, copies made so far): the forward nodes rebuilding it.
+    start: no node before graph.nodes[start] is a gradient node reading a chain's value."""
     copies: dict[Value, Value] = {}
-    nodes = []
+    nodes = graph.nodes[:start]
 
     def emit(value: Value) -> Value:
         for node in chain_of(value, copies):
@@ -318,7 +322,7 @@ def _recompute_in_gradients(graph: Graph, forward: set[Value], chains, chain_of)
                 nodes.append(copies[node])
         return copies[value]
 
-    for node in graph.nodes:
+    for node in graph.nodes[start:] if start else graph.nodes:
         if node not in forward:
             reads = False  # a chain's value: the node reads its copy instead
             for value in node.inputs:

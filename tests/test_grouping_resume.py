@@ -192,10 +192,13 @@ def _by_place(graph, kernels) -> list:
 @given(
     kinds=st.lists(st.sampled_from(LAYERS), min_size=2, max_size=8).map(tuple),
     at=st.floats(0.0, 1.0),
+    back=st.integers(0, 12),
 )
-def test_grouping_resumed_after_any_number_of_shared_nodes_is_the_fresh_grouping(kinds, at):
-    """Any q: a graph whose first q nodes are another's grouped from that one's journal
-    (loops open across q included) gives the kernels grouping it afresh gives."""
+def test_grouping_resumed_after_any_number_of_shared_nodes_is_the_fresh_grouping(kinds, at, back):
+    """Any q: a graph whose first q nodes are another's, grouped from that one's journal
+    (loops open across q included), gives the kernels (nodes, reductions, recomputed values)
+    grouping it afresh gives; and so does a third graph sharing fewer nodes, grouped from the
+    journal of that resumed grouping (the rows of a frontier, each from the row before)."""
     from backplan.ir.fusion import group_kernels
     from backplan.ir.graph import copy_graph
     from backplan.ir.grouping_resume import recorder, resumer
@@ -203,10 +206,13 @@ def test_grouping_resumed_after_any_number_of_shared_nodes_is_the_fresh_grouping
     fn, params, batch = _model(kinds, 0)
     with use_backend("numba"):
         graph = bp.value_and_grad(fn).trace(params, *batch).planner.choices.stage.forward
-    journal: list = []
-    group_kernels(graph, record=recorder(journal))
+    first: list = []
+    group_kernels(graph, record=recorder(first))
     q = round(at * len(graph.nodes))
     sharer, _ = copy_graph(graph, keep=q)
-    fresh = group_kernels(sharer)
-    resumed = group_kernels(sharer, resume=resumer(journal[0]))
-    assert _by_place(sharer, resumed) == _by_place(sharer, fresh)
+    second: list = []
+    resumed = group_kernels(sharer, resume=resumer(first[0]), record=recorder(second))
+    assert _by_place(sharer, resumed) == _by_place(sharer, group_kernels(sharer))
+    third, _ = copy_graph(graph, keep=max(q - back, 0))
+    resumed = group_kernels(third, resume=resumer(second[0]))
+    assert _by_place(third, resumed) == _by_place(third, group_kernels(third))
