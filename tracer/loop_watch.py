@@ -62,8 +62,11 @@ def _buffer(leaf):
 
 def sizes(args: tuple, kwargs: dict) -> tuple:
     """The shapes of a call's arrays: with the signature's entry key, what an observation is
-    kept under (one plan of a dynamic axis runs every size, whose results differ in bytes)."""
-    return tuple(np.shape(leaf) for leaf in leaves((args, kwargs)) if _buffer(leaf) is not None)
+    kept under (one plan of a dynamic axis runs every size, whose results differ in bytes).
+    Each leaf is an array or a tensor holding one: its own `.shape` (np.shape of a tensor goes
+    through __array_function__, 0.19 ms for a transformer's 17 arguments, twice a new size's
+    first call)."""
+    return tuple(leaf.shape for leaf in leaves((args, kwargs)) if _buffer(leaf) is not None)
 
 
 def _buffers(tree) -> dict[int, np.ndarray]:

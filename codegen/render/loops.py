@@ -29,11 +29,11 @@ class Access:
     shape: tuple[int, ...]
     where: Placement  # the base array, offset and strides the kernel makes its view from
     itemsize: int
+    # not C-contiguous (transpose, slice): indexed in full through strides, never merged
+    strided: bool = field(init=False)
 
-    @property
-    def strided(self) -> bool:
-        """Not C-contiguous (transpose, slice): indexed in full through strides, never merged."""
-        return not self.where.contiguous
+    def __post_init__(self) -> None:
+        self.strided = not self.where.contiguous
 
 
 @dataclass
@@ -193,11 +193,14 @@ class LoopEmitter:
             return present + reduced + row
 
         groups: list[list[int]] = []
+        last = None  # the signature of the last dim grouped (each dim's worked out once)
         for d in self.active:
-            if groups and signature(groups[-1][-1]) == signature(d) and groups[-1][-1] == d - 1:
+            this = signature(d)
+            if groups and groups[-1][-1] == d - 1 and last == this:
                 groups[-1].append(d)
             else:
                 groups.append([d])
+            last = this
         return groups or [[0]]
 
     def _views(self) -> list[str]:
