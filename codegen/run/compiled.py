@@ -140,9 +140,17 @@ def switch_line(label: str, was: str, seconds: float) -> str:
     return f"{label}: compiled driver ready after {seconds:.1f} s"
 
 
-def plan_flops(plan: Plan) -> int:
-    """The step's estimated arithmetic (ir/flops.py), what its kernels cost at the least."""
-    return sum(node_flops(node) for node in plan.graph.nodes if node.op in OPS)
+def driver_worth_compiling(plan: Plan, statements: int) -> bool:
+    """driver_tier.worth_compiling of the step's estimated arithmetic (ir/flops.py), summed
+    only until it says no: more arithmetic never makes a compiled driver worth more (the whole
+    sum was 0.18 ms of a transformer's first call at every new batch size)."""
+    flops = 0
+    for node in plan.graph.nodes:
+        if node.op in OPS:
+            flops += node_flops(node)
+            if not driver_tier.worth_compiling(statements, flops):
+                return False
+    return driver_tier.worth_compiling(statements, flops)
 
 
 def source_calls(source: str, shared: dict | None) -> tuple[bool, bool, bool]:
@@ -257,8 +265,8 @@ class CompiledPlan:
             elif mode == "python" or not compiled:
                 self._run = self._python_run = driver_tier.python_driver(module)
                 self.driver_tier = "python"
-                self._background = mode == "background" and driver_tier.worth_compiling(
-                    generated.driver_statements, plan_flops(plan)
+                self._background = mode == "background" and driver_worth_compiling(
+                    plan, generated.driver_statements
                 )
                 self._direct = self._background and direct_driver.enabled()
                 if mode == "background" and not self._background:
