@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from .format import (
     parse_json,
     sha256,
 )
+from .replacing_write import write_replacing
 from .signing import SIGNATURE, Authenticity, check_signature, key_bytes, signature_member
 from .zip_end import read_zip_end
 
@@ -70,21 +70,12 @@ def write_artifact(path: str | os.PathLike, members: dict[str, bytes], info: dic
 
 
 def _write_zip(path: str, members: dict[str, bytes]) -> str:
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".bpz-", dir=folder)
-    except OSError as exc:
-        raise ExportError(f"cannot write {path}: {exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as zf:
+    def write(raw) -> None:
+        with zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as zf:
             for name, data in members.items():
                 zf.writestr(name, data, compress_type=compression(name))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+
+    return write_replacing(path, write, lambda text, _: ExportError(text))
 
 
 def compression(name: str) -> int:

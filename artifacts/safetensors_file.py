@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 
 import numpy as np
 
@@ -23,6 +22,8 @@ from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
 from .format import ExportError
+from .replacing_write import write_error as _write_error
+from .replacing_write import write_replacing
 from .tree import dotted_leaf_names, treedef_from_json, treedef_to_json
 from .tree_file import TreeFileError, leaf_array
 from .tree_members import MAX_LEAVES
@@ -109,20 +110,15 @@ def _write(path: str, header: dict, arrays: list[np.ndarray]) -> str:
     never sees half a file, and a failed write leaves the old one."""
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=".safetensors-", dir=folder)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(len(text).to_bytes(8, "little"))
-            file.write(text)
-            for array in arrays:
-                little = np.ascontiguousarray(array, array.dtype.newbyteorder("<"))
-                file.write(little.reshape(-1).view(np.uint8).data)  # bytes: bfloat16 too
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    return path
+
+    def write(file) -> None:
+        file.write(len(text).to_bytes(8, "little"))
+        file.write(text)
+        for array in arrays:
+            little = np.ascontiguousarray(array, array.dtype.newbyteorder("<"))
+            file.write(little.reshape(-1).view(np.uint8).data)  # bytes: bfloat16 too
+
+    return write_replacing(path, write, _write_error("save_safetensors"))
 
 
 def load_safetensors(path, upcast: bool = False):

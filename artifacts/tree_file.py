@@ -21,6 +21,7 @@ from backplan.tracer.tensor import Tensor
 from .container import ZIP_ERRORS as _ZIP_ERRORS
 from .format import ExportError
 from .plans import machine_memory_bytes
+from .replacing_write import default_file_mode, write_error, write_replacing
 from .tree import MAX_DEPTH, leaf_paths, treedef_from_json, treedef_to_json
 from .tree_members import TREE_MEMBER, TreeLimitError, check_zip_end, member_infos, read_array
 
@@ -58,10 +59,12 @@ def save_tree(path, tree) -> str:
     if bf16:
         header["bfloat16"] = bf16
     arrays[TREE_MEMBER] = np.frombuffer(json.dumps(header).encode("utf-8"), np.uint8)
-    path = os.fspath(path)
-    with open(path, "wb") as file:
-        np.savez(file, **arrays)
-    return path
+    return write_replacing(
+        os.fspath(path),
+        lambda file: np.savez(file, **arrays),
+        write_error("save_tree"),
+        mode=default_file_mode(),  # as open() made it before
+    )
 
 
 def leaf_array(leaf, where: str, api: str) -> np.ndarray:
