@@ -90,6 +90,24 @@ def test_a_compiled_call_refusing_an_argument_names_it_and_the_line():
         step({"w": np.ones(3, np.uint64)}, np.ones(3, np.float32))
 
 
+@pytest.mark.parametrize("transform", [bp.value_and_grad, bp.grad])
+def test_a_differentiated_call_refusing_an_argument_names_the_function(transform):
+    """value_and_grad binds by position through a stand-in: its refusal named that stand-in,
+    `_positional.<locals>.call_through(): argument args[1]`, not the user's function and x."""
+
+    def loss(params, x):
+        return bp.sum(params["w"] * x)
+
+    step = transform(loss)
+    with pytest.raises(bp.DtypeError) as info:
+        step({"w": np.ones(3, np.float32)}, np.ones(3, np.complex64))
+    message = str(info.value)
+    assert ".loss(): argument x: dtype complex64" in message, message  # as bp.compile says
+    assert "test_dtypes.py:" in message and "call_through" not in message
+    with pytest.raises(bp.DtypeError, match=r"\.loss\(\): argument params\['w'\]: dtype uint64"):
+        step({"w": np.ones(3, np.uint64)}, np.ones(3, np.float32))
+
+
 @pytest.mark.parametrize("dtype", [np.uint8, np.int32, np.int64, np.float16, np.float32])
 def test_a_list_of_numpy_values_keeps_their_dtype(dtype):
     """As np.array does; an int32 row list was refused as Python ints beyond int64."""

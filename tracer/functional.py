@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from backplan.ir.errors import MemoryBudgetError
+from backplan.ir.errors import DtypeError, MemoryBudgetError
 from backplan.ir.gc_pause import paused_gc
 from backplan.ir.graph import inline_graph
 from backplan.ir.liveness import Plan
@@ -173,7 +173,10 @@ class ValueAndGradFunction(PlannedFunction):
                     "positional argument(s); argnums counts positional arguments from 0 "
                     "(pass the differentiated ones by position)"
                 )
-        call = bind_call(_positional(self.fn), args, kwargs)
+        try:
+            call = bind_call(_positional(self.fn), args, kwargs)
+        except DtypeError as exc:  # "args[1]" as the user's function names it: "x"
+            raise DtypeError(named_reason(self.fn, str(exc))) from None
         return JointCall(args, call, _diff_positions(call, args, self._nums))
 
     def _miss_reason(self, key, stale) -> str | None:
@@ -420,11 +423,14 @@ def _parameter_names(fn) -> list[str]:
 
 
 def _positional(fn):
-    """A stand-in signature (*args, **kwargs) so argnums counts positions, as in JAX."""
+    """A stand-in signature (*args, **kwargs) so argnums counts positions, as in JAX; named as
+    fn, so what names the function names the user's."""
 
     def call_through(*args, **kwargs):
         return fn(*args, **kwargs)
 
+    call_through.__name__ = getattr(fn, "__name__", call_through.__name__)
+    call_through.__qualname__ = getattr(fn, "__qualname__", call_through.__name__)
     return call_through
 
 
