@@ -241,8 +241,9 @@ class LoadedFunction(LoadedArtifact):
         self._entries[self._key] = traced
 
     def _bind(self, args, kwargs) -> BoundCall:
-        _, leaves, positions, key = self._match(args, kwargs)
-        return BoundCall(key, leaves, positions)
+        arguments, leaves, positions, key = self._match(args, kwargs)
+        sources = flatten(arguments)[0]  # as passed: a NumPy array became a tensor, a copy
+        return BoundCall(key, leaves, positions, sources=sources)
 
     def _instantiate(self, template: TracedFunction, fitted, size: int) -> TracedFunction:
         program = template.program

@@ -172,7 +172,7 @@ def _size_changes(old: SignatureKey, new: SignatureKey) -> list | None:
     for a, b in zip(old.leaves, new.leaves, strict=True):
         if a == b:
             continue
-        if a.kind != "tensor" or len(a.shape) != len(b.shape):
+        if a.kind != "tensor" or b.kind != "tensor" or len(a.shape) != len(b.shape):
             return None
         if replace(a, shape=b.shape, layout=any_size(a.layout)) != replace(
             b, layout=any_size(b.layout)
