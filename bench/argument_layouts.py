@@ -1,15 +1,20 @@
 """A value_and_grad step with its arguments in C order against the same arguments in other
 layouts: F-order weights (np.asfortranarray: a Fortran array, or a torch-style (out, in) weight
-passed as w.T), reversed weights (w[::-1] of a C-ordered array) and a broadcast mask, which the
-plan reads in place (ir/in_place_inputs.py; a GEMM reading a reversed operand copies it into
-the scratch arena first), and a strided weight, copied at every call.
+passed as w.T), reversed weights (w[::-1] of a C-ordered array), a broadcast mask and sliced
+views (every other column, column slices, every other row), which the plan reads in place
+(ir/in_place_inputs.py; a GEMM reading a reversed or sliced operand copies it into the scratch
+arena first), and a weight through DLPack, copied at every call.
 
     python -m backplan.bench.argument_layouts --rows 64 --rounds 11 --threads 1 [--memory]
 
 The step: 512 -> 2048 (tanh, times a mask) -> 1024 (gelu), float32 weights (12 MiB), a sum of
 squares; the mask is one row broadcast over the batch (np.broadcast_to), passed as that view
-("broadcast": read with stride 0) or copied into C order (every other row). "strided" passes
-w1[:, ::2] of a wider array: copied at every call, counted as `copies`. Every layout runs in one
+("broadcast": read with stride 0) or copied into C order (every other row). "sliced ::2" passes
+w1[:, ::2] of a wider array, "columns" w1 and w2 as column slices of wider arrays, "rows ::2"
+the mask as every other row of a taller one: read in place as slices of the arrays they view
+(a GEMM copies a sliced operand into the arena first). "DLPack" passes w1[:, ::2] through
+np.from_dlpack, as a torch tensor's slice arrives (the array it views unknown): copied at every
+call, counted as `copies`. Every layout runs in one
 process, rounds interleaved; medians of each round's median per call, the ratio to C order, the
 copies and the peak explain prints for one call, and whether the loss is the same.
 """
@@ -47,8 +52,16 @@ def layouts(w1: np.ndarray, w2: np.ndarray, m: np.ndarray) -> dict:
             full,
         ),
         "broadcast": (w1, w2, m),
-        "strided": (np.repeat(w1, 2, axis=1)[:, ::2], w2, full),
+        "sliced ::2": (np.repeat(w1, 2, axis=1)[:, ::2], w2, full),
+        "columns": (_columns(w1, 256), _columns(w2, 128), full),
+        "rows ::2": (w1, w2, np.repeat(full, 2, axis=0)[1::2]),
+        "DLPack": (np.from_dlpack(np.repeat(w1, 2, axis=1)[:, ::2]), w2, full),
     }
+
+
+def _columns(w: np.ndarray, more: int) -> np.ndarray:
+    """w's values as a column slice of a wider C-ordered array (`more` columns either side)."""
+    return np.pad(w, ((0, 0), (more, more)))[:, more : more + w.shape[1]]
 
 
 def _status(key: str) -> int:
@@ -108,7 +121,7 @@ def main(argv=None) -> None:
         copied, peak = copies[name]
         memory = f"  resident growth {grown[name]:,} B" if args.memory else ""
         print(
-            f"  {name:9} {ms:8.2f} ms  {ms / medians['C']:.3f}x C  copies {copied:,} B"
+            f"  {name:10} {ms:8.2f} ms  {ms / medians['C']:.3f}x C  copies {copied:,} B"
             f"  call peak {peak:,} B{memory}  same loss as C: {losses[name] == losses['C']}"
         )
 
