@@ -13,7 +13,7 @@ from backplan.codegen.build.lean_pipeline import LeanKernelCompiler
 from backplan.codegen.build.loop_optimisation import (
     AddressLoopCompiler,
     DriverCompiler,
-    HalfLoopCompiler,
+    InterleavedLoopCompiler,
     SmallLoopCompiler,
 )
 
@@ -43,8 +43,12 @@ ADDRESS_KERNEL_JIT_OPTIONS = {
     "pipeline_class": AddressLoopCompiler,
 }
 SMALL_LOOP_KERNEL_JIT_OPTIONS = {**ADDRESS_KERNEL_JIT_OPTIONS, "pipeline_class": SmallLoopCompiler}
-# A big loop converting 16-bit values is optimised with the loop vectoriser interleaving too.
-HALF_LOOP_KERNEL_JIT_OPTIONS = {**ADDRESS_KERNEL_JIT_OPTIONS, "pipeline_class": HalfLoopCompiler}
+# A big loop converting 16-bit values or summing into a scalar is optimised with the loop
+# vectoriser interleaving too (codegen/build/loop_optimisation.py INTERLEAVED_LOOP).
+INTERLEAVED_LOOP_KERNEL_JIT_OPTIONS = {
+    **ADDRESS_KERNEL_JIT_OPTIONS,
+    "pipeline_class": InterleavedLoopCompiler,
+}
 SMALL_LOOP_ELEMENTS = 4096
 DRIVER_KERNEL_JIT_OPTIONS = {**LEAN_KERNEL_JIT_OPTIONS, "no_cpython_wrapper": True}
 DRIVER_KERNEL_JIT_OPTIONS["forceinline"] = True

@@ -92,14 +92,15 @@ def bf16_layer_norm_gelu_sum(x):
     return bp.sum(bp.gelu(bp.layer_norm(x), approximate="tanh") * 0.75)
 
 
-def test_large_loops_converting_16_bit_values_are_interleaved_and_match_the_reference():
-    """A big loop that loads or stores bfloat16 is optimised with interleaving (its row sums and
-    conversions keep several vectors in flight: loop_optimisation.HALF_LOOP); a float32 loop of
-    the same body keeps the plain level-2 pipeline, so its compile is unchanged."""
+def test_large_loops_converting_16_bit_values_or_summing_rows_are_interleaved():
+    """A big loop that loads or stores bfloat16, or sums into a scalar (layer norm's row sums,
+    the loss), is optimised with interleaving (several vectors in flight:
+    loop_optimisation.INTERLEAVED_LOOP); a float32 loop that does neither keeps the plain
+    level-2 pipeline, so its compile is unchanged. Values match the reference interpreter."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((48, 128)).astype(np.float32)
     x[0, :3] = [np.nan, np.inf, -np.inf]
-    libraries = {}
+    kinds = {}  # (dtype, whether the loop converts or sums) -> library class names
     for dtype in (np.float32, bp.bfloat16):
         with use_backend("numba"):
             vg = bp.value_and_grad(bf16_layer_norm_gelu_sum)
@@ -115,6 +116,18 @@ def test_large_loops_converting_16_bit_values_are_interleaved_and_match_the_refe
         assert np.isnan(got[0]).all() and np.isnan(want[0]).all()  # the row holding nan
         tolerance = 1e-5 if dtype is np.float32 else 2e-2
         np.testing.assert_allclose(got[1:], want[1:], rtol=tolerance, atol=tolerance)
-        libraries[dtype] = {type(lib).__name__ for lib in compiled_forms(kernels)["kernel_at"]}
-    assert libraries[bp.bfloat16] >= {"Level2InterleavedCodeLibrary"}
-    assert libraries[np.float32] == {"Level2CodeLibrary"}
+        for kernel in kernels:
+            interleaved = "@njit(**INTERLEAVED_LOOP_KERNEL_JIT_OPTIONS)" in kernel.source
+            names = {type(lib).__name__ for lib in compiled_forms([kernel])["kernel_at"]}
+            kinds.setdefault((dtype, interleaved), set()).update(names)
+    assert kinds[(bp.bfloat16, True)] == {"Level2InterleavedCodeLibrary"}
+    assert kinds[(np.float32, True)] == {"Level2InterleavedCodeLibrary"}  # the row sums
+    with use_backend("numba"):  # elementwise, no scalar sum
+        fn = bp.compile(lambda x: bp.tanh(x) * 1.0625 + 0.8125)
+        fn(bp.tensor(x))
+        kernels = [k for r in fn.trace(bp.tensor(x)).runners() for k in r.compiled.loop_kernels]
+    plain = [k for k in kernels if "@njit(**INTERLEAVED_LOOP" not in k.source]
+    assert plain, "the elementwise loop was interleaved"
+    assert {type(lib).__name__ for lib in compiled_forms(plain)["kernel_at"]} == {
+        "Level2CodeLibrary"
+    }

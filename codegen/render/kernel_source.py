@@ -39,7 +39,7 @@ import numpy as np
 from backplan.codegen.jit import njit, prange
 
 from backplan.codegen.flags import (
-    ADDRESS_KERNEL_JIT_OPTIONS, DRIVER_KERNEL_JIT_OPTIONS, HALF_LOOP_KERNEL_JIT_OPTIONS,
+    ADDRESS_KERNEL_JIT_OPTIONS, DRIVER_KERNEL_JIT_OPTIONS, INTERLEAVED_LOOP_KERNEL_JIT_OPTIONS,
     KERNEL_JIT_OPTIONS, LEAN_KERNEL_JIT_OPTIONS, PARALLEL_KERNEL_JIT_OPTIONS,
     SMALL_LOOP_KERNEL_JIT_OPTIONS,
 )
@@ -251,8 +251,9 @@ def _literals_as_parameters(body: list[str], params: list[str], arguments: list[
 
 
 def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[str] | None:
-    """`kernel_at` (arrays as addresses, loads and stores; a loop converting 16-bit values
-    optimised with interleaving: codegen/build/loop_optimisation.py HALF_LOOP), `kernel_at_small`
+    """`kernel_at` (arrays as addresses, loads and stores; a loop converting 16-bit values or
+    summing into a scalar optimised with interleaving: codegen/build/loop_optimisation.py
+    INTERLEAVED_LOOP), `kernel_at_small`
     (the same, compiled quickly, for calls over few elements: codegen/run/address_calls.py
     picks) and `kernel` (the same loop on array views), or None where an array's dtype is
     unknown or the body uses an array other than in a view. Compiled drivers call `kernel`:
@@ -268,7 +269,7 @@ def _address_kernel(params: list[str], body: list[str], dtypes: dict) -> list[st
     if loop is None:
         return None
     at = [*("    " + line for line in loop), "", ""]
-    options = "HALF_LOOP" if converts_16_bit(loop) else "ADDRESS"
+    options = "INTERLEAVED_LOOP" if converts_16_bit(loop) or sums_into_scalar(loop) else "ADDRESS"
     return [
         f"@njit(**{options}_KERNEL_JIT_OPTIONS)",
         f"def kernel_at({', '.join(params)}):",
@@ -289,6 +290,15 @@ _HALF_CONVERSION = re.compile(r"\b(?:bf16_to_f32|f16_to_f32|f32_to_bf16|f32_to_f
 def converts_16_bit(loop: list[str]) -> bool:
     """Whether a loop body loads or stores bfloat16 or float16 values (through conversions)."""
     return any(_HALF_CONVERSION.search(line) for line in loop)
+
+
+_SCALAR_SUM = re.compile(r"^\s*acc\d+ \+= ")  # loops.py's sum into a scalar accumulator
+
+
+def sums_into_scalar(loop: list[str]) -> bool:
+    """Whether a loop body sums into a scalar (a row's sum, a loss): vectorised without
+    interleaving, such a sum has one vector add in flight, a chain of adds' latency."""
+    return any(_SCALAR_SUM.match(line) for line in loop)
 
 
 _ADDRESS_VIEW = re.compile(r"^(\s*\w+ = )(contiguous|strided)_view\((a\d+), (.*)\)$")
