@@ -321,13 +321,16 @@ def sharded_peak(
     state: int,
     ranges,
     window: int = 0,
+    into_window: tuple = (),
 ) -> RankPeak:
     """The ZeRO-1 step (sharding.ShardedExchange): per dtype a send buffer of every rank's
     slot, this rank's receive slot and two all-gather buffers (the one the parameters passed in
     are views of, counted as parameters, and the one this call fills) kept between calls, and
     a padded range when a rank owns fewer elements than a block. ranges: the bytes of this
     rank's updated range of each dtype, which the update's workspace keeps after the
-    all-gather has sent them (the big ones, codegen/run/workspace.py)."""
+    all-gather has sent them (the big ones, codegen/run/workspace.py). into_window: the
+    gradient leaves the plan writes straight into the window's send buffers from the second
+    call on (sharded_outputs.py): no output buffers of the plan's own then."""
     loss_dt = np.dtype(loss_dtype)
     size = groups[0].size if groups else 1
     pool = params = 0
@@ -347,7 +350,7 @@ def sharded_peak(
     loss = loss_dt.itemsize
     given = sum(g.total * g.dtype.itemsize for g in groups)  # the caller's own parameters
     batch = plan.inputs - given
-    reused = sum(plan.reused)
+    written = sum(leaf.nbytes for leaf in into_window)
 
     def phases(first: bool) -> tuple:
         """The call's phases; the first call holds the caller's own parameters and nothing
@@ -366,9 +369,11 @@ def sharded_peak(
             exchange_buffers=pool,
         )
         before = common | ({"node_window": 0, "exchange_buffers": 0} if first else {})
+        outputs = plan.outputs - (0 if first else written)
+        reused = sum(plan.reused) if first else plan.reused_beside(into_window)
         return (
-            _phase("the plan runs", **before, plan_outputs=plan.outputs, workspace=plan.workspace),
-            _phase("the reduce-scatter is packed", **common, plan_outputs=plan.outputs, loss=loss),
+            _phase("the plan runs", **before, plan_outputs=outputs, workspace=plan.workspace),
+            _phase("the reduce-scatter is packed", **common, plan_outputs=outputs, loss=loss),
             _phase(
                 "the update of this rank's share runs",
                 **common,
@@ -383,7 +388,8 @@ def sharded_peak(
     kept_ranges = sum(n for n in ranges if n >= REUSE_BYTES)
     common = {k: n for k, n in steady[0].held.items() if k not in ("plan outputs", "workspace")}
     between = RankPhase(
-        "between calls", common | {"plan outputs": reused, "update outputs": kept_ranges}
+        "between calls",
+        common | {"plan outputs": plan.reused_beside(into_window), "update outputs": kept_ranges},
     )
     first = RankPeak(phases(True), between, ("parameters", "optimizer state", *NOT_COUNTED))
     return RankPeak(steady, between, first_call=first)

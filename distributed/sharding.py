@@ -242,23 +242,24 @@ class ShardedExchange:
         for k, group in enumerate(self.groups):
             with_loss = k == 0 and self._loss_in_bucket
             stride = group.block + with_loss
+            flats = [np.asarray(array_of(p + 1)).reshape(-1) for p in group.params]
             if self._window is not None:
                 send, call = self._window.send_buffer(k)
+                _pack_flat(send, group, flats, loss if with_loss else None)
             else:
                 send = self._buffer("send", k, stride * size, summed_dtype(group.dtype))
-            flats = [np.asarray(array_of(p + 1)).reshape(-1) for p in group.params]
-            copies, zeros = slots(group, stride)
-            for j, a, b, at in copies:
-                send[at : at + b - a] = flats[j][a:b]
-            for lo, hi in zeros:
-                send[lo:hi] = 0
-            if with_loss:
-                send[group.block :: stride] = loss[0]
+                copies, zeros = slots(group, stride)
+                for j, a, b, at in copies:
+                    send[at : at + b - a] = flats[j][a:b]
+                for lo, hi in zeros:
+                    send[lo:hi] = 0
+                if with_loss:
+                    send[group.block :: stride] = loss[0]
             if self.weight is not None:
                 scale_by_weight(send, self.weight)
             mine = self._buffer("share", k, stride, summed_dtype(group.dtype))
             if self._window is not None:
-                request = self._window.scatter(k, call, mine, stride)
+                request = self._window.scatter(k, call, mine)
             else:
                 request = comm.Ireduce_scatter_block(send, mine, op=self.mpi.SUM)
             self._started.append((mine, request))
@@ -366,6 +367,20 @@ class ShardedExchange:
         if len(kept) < KEPT_GATHERED:
             kept.append(buffer)
         return counted(buffer, f"ZeRO-1 gathered {k}")
+
+
+def _pack_flat(send: np.ndarray, group: FlatGroup, flats: list, loss) -> None:
+    """The node window's send buffer of a group (shared_sharding.py): each gradient at its
+    flat offset (left where the plan wrote it there: sharded_outputs.py), zeros to N blocks,
+    then the loss when it rides along."""
+    for flat, offset in zip(flats, group.offsets, strict=True):
+        place = send[offset : offset + flat.size]
+        if flat.ctypes.data != place.ctypes.data:  # not written there by the plan
+            place[...] = flat  # 16-bit values widen to float32 here
+    end = group.block * group.size
+    send[group.total : end] = 0
+    if loss is not None:
+        send[end] = loss[0]
 
 
 def bytes_sent(groups: tuple[FlatGroup, ...], size: int, loss_dtype) -> int:

@@ -1,10 +1,12 @@
 """ZeRO-1's reduce-scatter and all-gather through the node's shared window (node_window.py), for
-ranks on one node (shared_exchange.reduction): per dtype, each rank writes its send buffer (every
-rank's slot) into the window and sums its own slot straight from every rank's buffer into its
-share; after the update it writes its updated range into the window and reads every rank's.
-Each rank sums its own slot, in rank order: on two ranks the bits of MPI's sum. The buffers
-alternate between calls as the unsharded window's do: a rank rewrites one only after every
-other rank has posted the next call's, which it does once it has read this call's."""
+ranks on one node (shared_exchange.reduction): per dtype, each rank's send buffer in the window
+holds the dtype's gradients end to end at their flat offsets (written there by the compiled
+plan, sharded_outputs.py, or packed), zeros up to N blocks, then the loss when it rides along;
+each rank sums its own block (and the loss) straight from every rank's buffer into its share;
+after the update it writes its updated range into the window and reads every rank's. Each rank
+sums in rank order: on two ranks the bits of MPI's sum. The buffers alternate between calls as
+the unsharded window's do: a rank rewrites one only after every other rank has posted the next
+call's, which it does once it has read this call's."""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from .shared_exchange import node_window
 
 
 def _sizes(groups, loss_in_first: bool) -> tuple[list[int], list[np.dtype]]:
-    """Per group the send buffer (every rank's slot, summed dtype), then per group the range
-    buffer (one block of the group's dtype)."""
+    """Per group the send buffer (the group's gradients end to end at their flat offsets,
+    zeros to N blocks, then the loss when it rides along; summed dtype), then per group the
+    range buffer (one block of the group's dtype)."""
     size = groups[0].size if groups else 1
-    sends = [(g.block + (k == 0 and loss_in_first)) * size for k, g in enumerate(groups)]
+    sends = [g.block * size + (k == 0 and loss_in_first) for k, g in enumerate(groups)]
     return sends + [g.block for g in groups], [summed_dtype(g.dtype) for g in groups] + [
         np.dtype(g.dtype) for g in groups
     ]
@@ -55,11 +58,19 @@ class ShardedWindow:
         call = w.written[index]
         return w.buffer(w.rank, index, call % 2), call
 
-    def scatter(self, k: int, call: int, share: np.ndarray, stride: int) -> WindowRequest:
-        """Mark the send buffer written; the request sums this rank's slot into share."""
+    def scatter(self, k: int, call: int, share: np.ndarray) -> WindowRequest:
+        """Mark the send buffer written; the request sums this rank's block of it into share
+        (and the loss, when it rides along, into share's last element)."""
         self.window.mark(READY, k, call)
-        mine = slice(self.window.rank * stride, (self.window.rank + 1) * stride)
-        return WindowRequest(self.window, k, call, lambda buffers: _sum(buffers, mine, share))
+        block = self.groups[k].block
+        mine = slice(self.window.rank * block, (self.window.rank + 1) * block)
+
+        def act(buffers):
+            _sum(buffers, mine, share[:block])
+            if share.size > block:  # the loss, after every rank's blocks
+                _sum(buffers, slice(block * self.window.size, None), share[block:])
+
+        return WindowRequest(self.window, k, call, act)
 
     def gather(self, k: int, call: int, full: np.ndarray, block: int) -> WindowRequest:
         """Mark the range buffer written; the request reads every rank's range into full."""

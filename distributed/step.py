@@ -40,6 +40,7 @@ from .rank_peak import PlanFacts, allreduce_peak
 from .report import DataParallelReport
 from .rows import batch_lengths, lengths_digest, row_weight
 from .segments import run_segments, split_plan
+from .sharded_outputs import ShardedWindowOutputs
 from .shared_exchange import (
     SharedExchange,
     WindowOutputs,
@@ -202,8 +203,9 @@ class DataParallelStep:
         if not self.overlap or exchange_type is not Exchange or self.accumulate > 1:
             self._compile_plan_driver(args, kwargs, key, leaves)
         placed = None
-        if exchange_type is SharedExchange and self.accumulate == 1:
-            placed = self._run_into_window(world, args, kwargs, key, leaves, layout)
+        if self.accumulate == 1 and self._reduction == "shared":
+            if exchange_type is SharedExchange or self.sharded:
+                placed = self._run_into_window(world, args, kwargs, key, leaves, layout)
         if placed is not None:
             arrays, aux = placed
         else:
@@ -395,7 +397,8 @@ class DataParallelStep:
             compiled = getattr(entry.runner(), "compiled", None)
             if compiled is None or compiled.driver_tier == "reference":
                 return None  # kernels still building: ask next call
-            found = self._window_outputs[id(entry)] = (entry, WindowOutputs(compiled, layout))
+            written = self._window_outputs_of(compiled, layout, world.size)
+            found = self._window_outputs[id(entry)] = (entry, written)
         entry, arrays = self._joint_inputs(args, kwargs, key, leaves)
         outputs = found[1].run(self.windows, layout, arrays)
         if outputs is None:
@@ -423,6 +426,13 @@ class DataParallelStep:
             roll_call(world.comm, self.timeout, f"the data-parallel step of {_name(self.fn)}")
         if self.check_replicas:
             verify_replicas(self._differentiated(args), world.comm)
+
+    def _window_outputs_of(self, compiled, layout, size: int):
+        """What the plan writes into the node's window: the buckets (WindowOutputs), or with
+        ZeRO-1 the send buffers (ShardedWindowOutputs)."""
+        if self.sharded:
+            return ShardedWindowOutputs(compiled, layout, size)
+        return WindowOutputs(compiled, layout)
 
     def _run_split(self, args, kwargs, key, leaves, exchange: Exchange):
         """Run the joint plan segment by segment, starting each bucket's allreduce after the
@@ -514,7 +524,7 @@ class DataParallelStep:
                 not shared and sums_by_recursive_doubling(size),
                 size,
                 window_bytes(layout) if shared else 0,
-                into_window=self.window_leaves(args, kwargs, layout) if shared else (),
+                into_window=self.window_leaves(args, kwargs, layout, size) if shared else (),
             )
         return report
 
@@ -549,17 +559,20 @@ class DataParallelStep:
         starts = {b.index: preview.start_of(entry.plan, b.index) for b in layout.buckets}
         return {k: v for k, v in starts.items() if v is not None}
 
-    def window_leaves(self, args, kwargs, layout) -> tuple:
+    def window_leaves(self, args, kwargs, layout, size: int) -> tuple:
         """The gradient leaves the compiled plan writes straight into the node window from the
-        step's second call on (shared_exchange.WindowOutputs: no output buffer of the plan's
-        own then); none where the step calls the plan as usual (see _run_into_window)."""
-        if not self.overlap or self.split_plan or self.accumulate > 1 or self.sharded:
+        step's second call on (shared_exchange.WindowOutputs, with ZeRO-1 on `size` ranks
+        sharded_outputs.ShardedWindowOutputs: no output buffer of the plan's own then); none
+        where the step calls the plan as usual (see _run_into_window)."""
+        if not self.overlap or self.split_plan or self.accumulate > 1:
             return ()
         if current_backend() != "numba":
             return ()
         compiled = getattr(self.fn.lookup(args, kwargs)[1].runner(), "compiled", None)
         if compiled is None or compiled.driver_tier == "reference":
             return ()
+        if self.sharded:
+            return tuple(ShardedWindowOutputs(compiled, layout, size).leaves)
         buckets = WindowOutputs(compiled, layout).buckets
         return tuple(leaf for bucket in buckets for leaf in bucket.leaves)
 

@@ -195,7 +195,7 @@ class DataParallelTraining:
                 report.size,
                 window,
                 into_window=(
-                    self.step.window_leaves((params, *batch), kwargs, report.layout)
+                    self.step.window_leaves((params, *batch), kwargs, report.layout, report.size)
                     if window
                     else ()
                 ),
@@ -208,7 +208,12 @@ class DataParallelTraining:
         loss_dtype = np_dtype(report.layout.loss_dtype)
         ranges = [leaf_array(x).nbytes for x in shares]
         window = sharded_window_bytes(groups, loss_dtype) if report.shared else 0
-        return sharded_peak(groups, rank, loss_dtype, plan, update, held, ranges, window)
+        written = ()
+        if window:
+            written = self.step.window_leaves((params, *batch), kwargs, report.layout, report.size)
+        return sharded_peak(
+            groups, rank, loss_dtype, plan, update, held, ranges, window, into_window=written
+        )
 
     def state_bytes(self, params, size: int) -> tuple[int, int]:
         """(the bytes of optimizer state rank 0, which holds the largest shares, keeps; the

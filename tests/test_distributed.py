@@ -999,6 +999,41 @@ def test_the_compiled_plan_writes_its_gradients_into_the_node_window(tmp_path):
             return arrays(p)
         p1, p2 = both(lambda: bpd.data_parallel(vg, optimizer=opt, bucket_bytes=300), trained)
         same_bits(p1, p2, "adam")
+
+        # ZeRO-1: from the second call the plan writes every gradient into this rank's send
+        # buffer of the window, at its flat offset: nothing packed (225 elements, odd: rank
+        # 1's range padded), the bits of MPI's reduce-scatter and of the unsharded step
+        from backplan.distributed import sharding
+        from backplan.distributed.sharded_outputs import ShardedWindowOutputs
+        zero_written, packed = [], []
+        zero_run, pack = ShardedWindowOutputs.run, sharding._pack_flat
+        ShardedWindowOutputs.run = lambda self, *a: (
+            lambda out: zero_written.append(out is not None) or out)(zero_run(self, *a))
+        def counting_pack(send, group, flats, loss):
+            inside = [send.ctypes.data <= f.ctypes.data < send.ctypes.data + send.nbytes
+                      for f in flats]
+            packed.append(len(flats) - sum(inside))
+            return pack(send, group, flats, loss)
+        sharding._pack_flat = counting_pack
+        odd = bpd.broadcast(init_mlp([8, 17, 4], seed=rank))  # 225 elements
+        def zero_trained(train):
+            p, state = odd, train.init(odd)
+            losses = []
+            for _ in range(4):
+                p, state, loss = train(p, state, xs, ys)
+                losses.append(loss.item())
+            return arrays(p), losses
+        zero = lambda: bpd.data_parallel(vg, optimizer=opt, shard_optimizer=True)
+        z1, z2 = both(zero, zero_trained)
+        assert zero_written == [False, True, True, True], zero_written
+        assert packed == [4, 0, 0, 0], packed  # w0, b0, w1, b1 copied in the first call only
+        same_bits(z1[0], z2[0], "ZeRO-1 written into the window")
+        assert z1[1] == z2[1], (z1[1], z2[1])
+        plain = bpd.data_parallel(vg, optimizer=opt)
+        p, state = odd, plain.init(odd)
+        for _ in range(4):
+            p, state, loss = plain(p, state, xs, ys)
+        same_bits(z1[0], arrays(p), "ZeRO-1 against unsharded")
         print(f"rank {rank} ok", sum(written), len(written))
         """
         ),
