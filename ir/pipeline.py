@@ -515,15 +515,39 @@ def forward_returns_saved(stage: Stage, options: PipelineOptions, log: PassLog) 
 
 def narrow_saved(plans: RegionPlans, options: PipelineOptions, log: PassLog) -> RegionPlans:
     """With saved_dtype, the plans with the saved values their forward computes stored in that
-    dtype (a bfloat16 round trip, ir/saved_dtype.py), planned again."""
+    dtype (a bfloat16 round trip, ir/saved_dtype.py), planned again; kept in full precision
+    where that does not lower the compiled plans' peak (forward, then a consuming backward):
+    a float64 step's GEMMs read float64 copies of narrow saved values, and the forward's
+    arena, held through backward(), takes the full-width values the saved buffers held (3
+    square float32 layers of 64, 128 rows, bfloat16: 311,304 B against 294,928). What it did
+    is `plans.narrowing` (ir/saved_dtype.py HeldNarrowing)."""
     if options.saved_dtype is None:
         return plans
+    graph = plans.forward.graph
     forward, backward, slots = narrowed_saved(
-        plans.forward.graph, plans.backward.graph, plans.saved, plans.n_outputs, options.saved_dtype
+        _with_outputs(graph, list(graph.outputs)),  # narrowed_saved changes its lists
+        plans.backward.graph,
+        plans.saved,
+        plans.n_outputs,
+        options.saved_dtype,
     )
+    offered = sum(
+        new.forward is not old.forward for new, old in zip(slots, plans.saved, strict=True)
+    )
+    if not offered:
+        return plans
     forward = _plan(log.record("saved_dtype", forward), log, options.donated)
     backward = _plan(log.record("saved_dtype", backward), log)
-    return replace(plans, forward=forward, backward=backward, saved=slots)
+    narrowed = replace(plans, forward=forward, backward=backward, saved=slots)
+    peak = predicted_peak_bytes(region_calls(narrowed))
+    full_peak = predicted_peak_bytes(region_calls(plans))
+    if peak < full_peak:
+        narrowing = HeldNarrowing(options.saved_dtype, offered, offered, peak, full_peak, peak)
+        return replace(narrowed, narrowing=narrowing)
+    narrowing = HeldNarrowing(
+        options.saved_dtype, offered, 0, full_peak, full_peak, peak, alternative=narrowed
+    )
+    return replace(plans, narrowing=narrowing)
 
 
 def joint_plan(stage: Stage, options: PipelineOptions, log: PassLog):

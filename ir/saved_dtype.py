@@ -15,7 +15,7 @@ as it is, a fused loop widens it as it reads).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .graph import Graph, Value, copy_graph
 from .types import TensorType, is_float, np_dtype
@@ -36,6 +36,8 @@ class HeldNarrowing:
     full_peak: int
     narrowed_peak: int
     left_wide_bytes: int = 0
+    # with none narrowed, the narrowed plans (explain words their peak as it counts peaks)
+    alternative: object = field(default=None, compare=False, repr=False)
 
 
 def narrowed_saved(

@@ -58,9 +58,8 @@ def test_values_the_compiled_plan_never_stores_stay_in_full_precision(dtype, ask
     np.testing.assert_array_equal(grads, full_grads)  # nothing was rounded
     name = np.dtype(asked).name
     assert f"saved_dtype={name}: the values the gradient part reads stay in full precision" in note
-    assert f"against {full_peak:,} B" in note
-    would = int(note.split("would peak at ")[1].split(" B")[0].replace(",", ""))
-    assert would > full_peak
+    higher = int(note.split("would peak ")[1].split(" B higher")[0].replace(",", ""))
+    assert higher > 0
     with use_backend("reference"):
         _, want = bp.value_and_grad(_chain, saved_dtype=asked)(*args)
     tolerance = 1e-5 if dtype == np.float32 else 1e-12
@@ -84,3 +83,39 @@ def test_a_value_computed_in_the_loop_reading_it_stays_wide_beside_narrowed_ones
         _, want = bp.value_and_grad(_layers, saved_dtype=bp.bfloat16)(params, x)
     for got, ref in zip(grads, want, strict=True):
         np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-12, atol=1e-14)
+
+
+def _compiled_step(params, x, saved_dtype):
+    """(explain's peak, its note, the weights' gradients) of bp.compile(saved_dtype=...) +
+    backward() on the numba backend, the second call's counted peak equal to the predicted."""
+    from backplan.ir.peak import region_calls
+
+    loss = bp.compile(_layers, saved_dtype=saved_dtype)
+    weights = [bp.tensor(w, requires_grad=True) for w in params]
+    with use_backend("numba"), checked_memory():
+        loss(weights, x).backward()
+        for w in weights:
+            w.grad = None
+        with measure() as measured:
+            loss(weights, x).backward()
+        plans = loss.trace(weights, x).program.plans
+        assert measured.peak == predicted_peak(region_calls(plans), "numba").allocated_peak_bytes
+        report = loss.explain(weights, x)
+    return report.peak_bytes, report.saved_dtype_note, [w.grad.numpy() for w in weights]
+
+
+def test_compiled_plans_keep_full_precision_where_narrow_saved_buffers_peak_higher():
+    """Three square float32 layers of 64, 128 rows: narrowed, bp.compile's two plans peaked
+    at 311,304 B against 294,928 (the forward's arena, held through backward(), takes the
+    float32 activations the saved buffers held). Now full precision runs, at its peak."""
+    rng = np.random.default_rng(4)
+    params = [(rng.standard_normal((64, 64)) * 0.4).astype(np.float32) for _ in range(3)]
+    x = bp.tensor(rng.standard_normal((128, 64)).astype(np.float32))  # not a copied argument
+    full_peak, _, full_grads = _compiled_step(params, x, None)
+    for asked in (bp.bfloat16, bp.float16):
+        peak, note, grads = _compiled_step(params, x, asked)
+        assert peak == full_peak
+        for got, want in zip(grads, full_grads, strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert "the values the gradient part reads stay in full precision" in note
+        assert int(note.split("would peak ")[1].split(" B higher")[0].replace(",", "")) > 0
