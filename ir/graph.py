@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import compress, count
+from operator import is_not
 
 import numpy as np
 
@@ -109,6 +110,12 @@ def carry_reasons(old: Graph, new: Graph, mapping: dict[Value, Value] | None = N
         if now in present:
             new.reasons[now] = joined_reason(new.reasons.get(now), reason)
     return new
+
+
+def shared_prefix(nodes: list[Value], others: list[Value]) -> int:
+    """How many first nodes of the two lists are the same objects (copy_graph's `keep`)."""
+    shorter = min(len(nodes), len(others))
+    return next(compress(count(), map(is_not, nodes, others)), shorter)
 
 
 def copy_graph(

@@ -18,11 +18,9 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_left
 from functools import partial
-from itertools import compress, count
-from operator import is_not
 
 from .fusion import Kernel
-from .graph import Graph, Value
+from .graph import Graph, Value, shared_prefix
 
 
 class Journal:
@@ -31,7 +29,17 @@ class Journal:
     a kernel that is no loop is never changed at all, so a resumed grouping shares it), where
     the loops are, and the buffers each loop reads."""
 
-    __slots__ = ("nodes", "homes", "kernels", "loops", "reads", "cheap", "cones", "__weakref__")
+    __slots__ = (
+        "nodes",
+        "homes",
+        "kernels",
+        "loops",
+        "reads",
+        "cheap",
+        "cones",
+        "strided",
+        "__weakref__",
+    )
 
     def __init__(self, nodes: list[Value], home: dict, kernels: list[Kernel], reads: dict):
         self.nodes = nodes
@@ -43,6 +51,9 @@ class Journal:
         # loop -> its cones over the frontier: filled by group_kernels' cheap-input pass
         self.cheap: dict[int, tuple] = {}
         self.cones: dict[int, tuple | None] = {}
+        # (nodes, what ir/strided_copies.py _needed found for them) of the graph before its
+        # strided copies, set by the lowering
+        self.strided: tuple | None = None
 
 
 def resumer(journal: Journal | None):
@@ -79,12 +90,6 @@ def offer_journal(graph: Graph, journal: Journal) -> None:
         graph.shares_prefix_of.sharer_grouped = weakref.ref(journal)
 
 
-def shared_length(journal: Journal, nodes: list[Value]) -> int:
-    """How many of nodes' first nodes are the journal's own objects."""
-    shorter = min(len(nodes), len(journal.nodes))
-    return next(compress(count(), map(is_not, journal.nodes, nodes)), shorter)
-
-
 class _Reads(dict):
     """loop kernel -> buffers of other kernels it reads. A loop the journal placed whole
     before the shared nodes end reads what the journal says: its set is copied only when the
@@ -109,7 +114,7 @@ def resumed_state(journal: Journal, nodes: list[Value], bases):
     after placing nodes[:q], q the nodes shared with the journal's graph, as its loop leaves
     it, and what the cheap-input pass found for the loops placed whole before q (earlier:
     those loops' entries of the journal's cheap and cones)."""
-    q = shared_length(journal, nodes)
+    q = shared_prefix(journal.nodes, nodes)
     homes = journal.homes
     made = max(homes[:q], default=-1) + 1  # kernels are made in node order
     open_ = {k for k in set(homes[q:]) if k < made}  # kernels with nodes on both sides of q

@@ -161,11 +161,15 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     groupings = _groupings(plan)
     given = plan.graph  # a row's: it may share its first nodes with the rows before
     journal = [] if given.shares_prefix_of is not None else None
-    plan, graph, origin, interpreted, sources = _prepared(plan)
+    resume = journal_for(given) if journal is not None else None
+    strided = [] if journal is not None else None  # what its strided copies pass found
+    earlier = resume.strided if resume is not None else None
+    plan, graph, origin, interpreted, sources = _prepared(plan, earlier, strided)
     bases = Bases()  # alias bases, shared by the passes that ask them
     roots = Roots()  # storage roots, shared as bases are
-    resume = journal_for(given) if journal is not None else None
     kernels, needed, runs = _grouped(groupings, graph, origin, bases, roots, resume, journal)
+    if journal and strided:
+        journal[0].strided = strided[0]
     steps = schedule_steps(kernels, runs)
     buffers = [
         n
@@ -190,11 +194,11 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     return lowered
 
 
-def _prepared(plan: Plan):
+def _prepared(plan: Plan, earlier: tuple | None = None, found: list | None = None):
     """(plan, its graph, origin, the plan the reference interpreter runs, and for a plan with
     16-bit values each node of the graph -> the node of that plan it computes where they
     differ, else None): widened for 16-bit floats and given its strided copies, as fusion
-    groups it."""
+    groups it. earlier, found: ir/strided_copies.py copy_strided_reshapes's, for a row."""
     origin, sources = None, None
     if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
@@ -206,7 +210,7 @@ def _prepared(plan: Plan):
     interpreted = plan
     plan, origin = read_in_place(plan, origin, sources)  # F-order arguments: no copy
     later = None if sources is None else {}
-    graph, origin = copy_strided_reshapes(plan.graph, origin, later)
+    graph, origin = copy_strided_reshapes(plan.graph, origin, later, earlier, found)
     if later:  # a node copy_strided_reshapes made -> the node of `interpreted` it computes
         sources.update((v, sources.get(s, s)) for v, s in later.items())
     if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)

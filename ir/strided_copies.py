@@ -25,7 +25,7 @@ import functools
 import math
 
 from .fusion import internal_shape
-from .graph import Graph, Value
+from .graph import Graph, Value, shared_prefix
 from .layout import Roots, reads_its_input, storage_root
 from .reference_storage import c_strides
 from .registry import get_op
@@ -45,16 +45,24 @@ def copies_needed(graph: Graph) -> list[Value]:
 _RESHAPE, _LOGSUMEXP = "reshape", "logsumexp"
 
 
-def _needed(graph: Graph) -> dict[Value, object]:
+def _needed(graph: Graph, earlier: tuple | None = None) -> dict[Value, object]:
     """node -> how it reads a copy: _RESHAPE (its input, copied), _LOGSUMEXP (its input
     transposed so the reduced axes come last, copied), or {operand index: the batch shape a
     GEMM operand is broadcast to first, or None}. Strides are worked out for views only: any
     other node's buffer is C-contiguous (what `_strides` falls back to for an input it was
-    not given), and most plans hold few views among thousands of nodes."""
+    not given), and most plans hold few views among thousands of nodes. earlier: see
+    copy_strided_reshapes."""
     strides = _Strides()
     needed: dict[Value, object] = {}
     roots = Roots()  # storage roots of the operands asked (_literal), each worked out once
-    for node in graph.nodes:
+    nodes = graph.nodes
+    if earlier is not None:
+        shared = shared_prefix(earlier[0], nodes)
+        if earlier[1]:
+            after = set(earlier[0][shared:])
+            needed.update((n, how) for n, how in earlier[1].items() if n not in after)
+        nodes = nodes[shared:]
+    for node in nodes:
         if node.op in _VIEWS:
             # only a reshape can need a copy; other views' strides are worked out when read
             if node.op == "reshape" and not is_half(node.dtype) and strides[node] is None:
@@ -103,15 +111,24 @@ def _operand_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple |
 
 
 def copy_strided_reshapes(
-    graph: Graph, origin: dict[Value, Value] | None, sources: dict | None = None
+    graph: Graph,
+    origin: dict[Value, Value] | None,
+    sources: dict | None = None,
+    earlier: tuple | None = None,
+    found: list | None = None,
 ) -> tuple[Graph, dict[Value, Value] | None]:
     """(graph with an explicit copy wherever compiled code would read one: before each
     reshape of a strided view, each GEMM operand that is strided where it lives or broadcast
     over the batch, a logsumexp over axes that are not consecutive; each node's node of the
     graph given: origin composed, a copy standing for its reader). Unchanged (the same graph
     and origin) when nothing needs one. sources, if given, gets each new node -> the node
-    of graph it computes (a copy: its reader)."""
-    needed = _needed(graph)
+    of graph it computes (a copy: its reader). earlier: (nodes, what `_needed` found for
+    them) of a graph whose first nodes may be this one's (a memory plan's row before,
+    ir/grouping_resume.py): a node's copies follow from the nodes it reads alone, so only
+    the nodes after the shared ones are asked. found, if given, gets (graph.nodes, needed)."""
+    needed = _needed(graph, earlier)
+    if found is not None:
+        found.append((graph.nodes, needed))
     if not needed:
         return graph, origin
     rewrite = _Rewrite(graph)
