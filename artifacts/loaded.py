@@ -8,7 +8,9 @@ import inspect
 
 import numpy as np
 
+from backplan.ir.argument_layout import C_ORDER, copied_inputs, layout
 from backplan.ir.graph import inline_graph
+from backplan.ir.pipeline import mark_copied
 from backplan.ir.types import np_dtype
 from backplan.report.report import ExplainReport, joint_report, region_report
 from backplan.runtime import RegionProgram, is_grad_enabled
@@ -239,6 +241,7 @@ class LoadedFunction(LoadedArtifact):
         self.program = traced.program
         self.captured = traced.captured
         self._entries[self._key] = traced
+        self._layouts: dict = {}  # (id of a traced, Plan.copied) -> it in those layouts
 
     def _bind(self, args, kwargs) -> BoundCall:
         arguments, leaves, positions, key = self._match(args, kwargs)
@@ -256,7 +259,39 @@ class LoadedFunction(LoadedArtifact):
         if outer is not None:
             return self._inline(outer, [leaves[p] for p in positions], traced)
         record = self._prepare_grads(leaves, positions)
-        return run_traced(traced, call, record)
+        return run_traced(self._in_layouts(traced, call), call, record)
+
+    def _in_layouts(self, traced: TracedFunction, call: BoundCall | None) -> TracedFunction:
+        """traced, or (arrays passed in another layout than C order) its plans told which
+        (Plan.copied, as a compiled function's trace is: ir/pipeline.py mark_copied), so they
+        read those in place or count their copies; one such program per layouts, kept."""
+        if call is None:  # explain() with no arguments: the exported layouts
+            return traced
+        words = []
+        for p in call.tensor_positions:
+            data = getattr(call.leaves[p], "_data", None)
+            ordered = data is None or not isinstance(data, np.ndarray)
+            words.append(C_ORDER if ordered or data.flags.c_contiguous else layout(data))
+        copied = copied_inputs(words)
+        if not copied:
+            return traced
+        key = (id(traced), copied)
+        variant = self._layouts.get(key)
+        if variant is None:
+            program = traced.program
+            plans = program.plans
+            plans = dataclasses.replace(
+                plans,
+                forward=dataclasses.replace(plans.forward, lowered={}),
+                backward=plans.backward and dataclasses.replace(plans.backward, lowered={}),
+            )
+            mark_copied(plans, copied)
+            variant = dataclasses.replace(
+                traced,
+                program=RegionProgram(plans, name=program.name, input_names=program.input_names),
+            )
+            self._layouts[key] = variant
+        return variant
 
     def _prepare_grads(self, leaves: list, positions: list[int]) -> bool:
         """Whether to record a region. An input exported with a gradient but passed without
@@ -305,7 +340,7 @@ class LoadedFunction(LoadedArtifact):
 
     def _report(self, traced: TracedFunction, call) -> ExplainReport:
         """Plans, saved buffers, peak bytes."""
-        return region_report(traced.program)
+        return region_report(self._in_layouts(traced, call).program)
 
 
 class LoadedValueAndGrad(LoadedArtifact):

@@ -529,3 +529,35 @@ def test_a_sliced_numpy_argument_saved_for_backward_is_counted_at_its_span():
     assert measured == [report.peak_on_call(n).allocated_peak_bytes for n in (1, 2, 3, 4)]
     tanh_out = X.shape[0] * W1.shape[1] * 4  # tanh(x @ w1), saved beside the copy of x
     assert report.call_peak.at_peak()["saved"] == wide.nbytes + tanh_out
+
+
+def test_a_loaded_artifact_reads_arguments_in_their_layout(tmp_path):
+    """bp.load's function, called with arrays in other layouts than the C-ordered ones it was
+    exported with (tensors over a transposed, reversed or sliced array, a Fortran NumPy
+    array): its plans are told the layouts (one program per layouts), so they read them in
+    place or count their copies, and every call's measured peak is explain's (a copy the plan
+    did not count made the checked mode raise)."""
+
+    def f(w, x):
+        return bp.sum(bp.tanh(x @ w) * w[0])
+
+    path = bp.export(bp.compile(f), W1, X, path=str(tmp_path / "f.bpz"))
+    loaded = bp.load(path)
+    wide = np.pad(W1, ((0, 0), (3, 5)))
+    with use_backend("reference"):
+        want = float(f(W1, X))
+    for w, copied in (
+        (bp.from_dlpack(np.asfortranarray(W1)), 0),
+        (bp.from_dlpack(np.ascontiguousarray(W1[::-1])[::-1]), 0),
+        (bp.from_dlpack(wide)[:, 3:19], 0),
+        (np.asfortranarray(W1), 0),
+        (bp.from_dlpack(wide[:, 3:19]), W1.nbytes),  # its span unknown: copied, counted
+    ):
+        with use_backend("numba"), checked_memory():
+            for _ in range(3):
+                with measure() as measured:
+                    got = float(loaded(w, X))
+                np.testing.assert_allclose(got, want, rtol=1e-5)
+            report = loaded.explain(w, X)
+        assert measured.peak == report.call_peak.allocated_peak_bytes
+        assert report.call_peak.at_peak().get("copies", 0) == copied
