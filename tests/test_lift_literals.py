@@ -4,6 +4,9 @@ lifted in one pass equals the body lifted line by line (the lines a size-generic
 
 import re
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from backplan.codegen.render.lift import _TOKEN, lift_literals
 
 
@@ -54,3 +57,57 @@ def test_a_statement_of_several_lines_and_an_empty_body_keep_their_shape():
     assert lift_literals(body)[0] == ["f(lit_i[0],\n  lit_f[0])", "g(lit_i[1])  # 4\n# 5"]
     assert lift_literals([]) == ([], [], [])
     assert lift_literals([""]) == ([""], [], [])
+
+
+TOKENS = st.sampled_from(
+    [
+        "v12",
+        "k_3a9f",
+        "lit_i",
+        "x2_1d",
+        "np.intp(",
+        "np.float32(",
+        ")",
+        "(",
+        ", ",
+        "[",
+        ":",
+        "]",
+        " ",
+        "-",
+        "+",
+        "*",
+        ".",
+        "=",
+        "0",
+        "7",
+        "128",
+        "1024",
+        "3.",
+        ".25",
+        "0.015625",
+        "1e-05",
+        "7.5e+3",
+        "2E4",
+        "1.5e3x",
+        "12ab",
+        "a.5",
+        "'label 3'",
+        '"a #b 4"',
+        "'it\\'s 9'",
+        "# 10 classes",
+        "#",
+        "..",
+        "0x1f",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(TOKENS, max_size=12).map("".join), max_size=8))
+def test_any_body_lifts_as_the_matching_literal_by_literal_does(body):
+    """The split-based lifting against each match replaced in turn (_line_by_line): the same
+    lines and the same numbers, in order, whatever the tokens around them."""
+    if any("\n" in line for line in body):
+        return
+    assert lift_literals(body) == _line_by_line(body)
