@@ -125,14 +125,19 @@ class SymbolicGraph:
     template: Graph
     shapes: dict[int, tuple]  # position in inputs + nodes -> shape with formulas
     attrs: dict[int, dict]  # node position -> attrs with formulas (only nodes that vary)
+    # per position in shapes: (it, the first position of its dtype and shape); see _types_at
+    _classes: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def at(self, n: int) -> tuple[Graph, dict[Value, Value]]:
         """The graph at size n and the map from the template's values to its values."""
         graph = self.template
         new = Graph(name=graph.name, constants=dict(graph.constants))
         mapping: dict[Value, Value] = {}
+        types = self._types_at(n)
         for i, inp in enumerate(graph.inputs):
-            mapping[inp] = new.add_input(self._type(i, inp, n), role=inp.role or "arg", loc=inp.loc)
+            mapping[inp] = new.add_input(
+                types.get(i, inp.type), role=inp.role or "arg", loc=inp.loc
+            )
         base = len(graph.inputs)
         for j, node in enumerate(graph.nodes):
             attrs = evaluate(self.attrs[j], n) if j in self.attrs else node.attrs
@@ -140,7 +145,7 @@ class SymbolicGraph:
                 node.op,
                 [mapping[i] for i in node.inputs],
                 attrs,
-                self._type(base + j, node, n),
+                types.get(base + j, node.type),
                 node.loc,
             )
             if node.op in BOUNDED_OPS:
@@ -149,6 +154,27 @@ class SymbolicGraph:
             new.nodes.append(value)
         new.outputs = [mapping[o] for o in graph.outputs]
         return carry_reasons(graph, new, mapping), mapping
+
+    def _types_at(self, n: int) -> dict[int, TensorType]:
+        """Each position whose shape is a formula -> its type at size n: one TensorType per
+        distinct (dtype, formula shape), shared as a traced graph's values share theirs (a
+        transformer's 155 such values have 10; each type works its bytes out once)."""
+        classes = self._classes
+        if classes is None:
+            values = self.template.inputs + self.template.nodes
+            first: dict = {}
+            classes = self._classes = [
+                (p, first.setdefault((values[p].dtype, shape), (p, values[p])))
+                for p, shape in self.shapes.items()
+            ]
+        made: dict = {}
+        types = {}
+        for p, (q, value) in classes:
+            found = made.get(q)
+            if found is None:
+                found = made[q] = self._type(q, value, n)
+            types[p] = found
+        return types
 
     def _type(self, position: int, value: Value, n: int) -> TensorType:
         shape = self.shapes.get(position)
