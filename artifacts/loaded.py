@@ -60,6 +60,7 @@ class LoadedArtifact(PlannedFunction):
         self._places: list = []  # its (leaf, axis) places
         self._exported_key = None  # the entry key of the exported (or symbolic) signature
         self._special: dict[int, str | None] = {}  # size 0/1 -> None (stored) or why not
+        self._layouts: dict = {}  # (id of an entry, Plan.copied) -> the entry in those layouts
 
     @property
     def format_version(self) -> int:
@@ -241,7 +242,6 @@ class LoadedFunction(LoadedArtifact):
         self.program = traced.program
         self.captured = traced.captured
         self._entries[self._key] = traced
-        self._layouts: dict = {}  # (id of a traced, Plan.copied) -> it in those layouts
 
     def _bind(self, args, kwargs) -> BoundCall:
         arguments, leaves, positions, key = self._match(args, kwargs)
@@ -265,14 +265,7 @@ class LoadedFunction(LoadedArtifact):
         """traced, or (arrays passed in another layout than C order) its plans told which
         (Plan.copied, as a compiled function's trace is: ir/pipeline.py mark_copied), so they
         read those in place or count their copies; one such program per layouts, kept."""
-        if call is None:  # explain() with no arguments: the exported layouts
-            return traced
-        words = []
-        for p in call.tensor_positions:
-            data = getattr(call.leaves[p], "_data", None)
-            ordered = data is None or not isinstance(data, np.ndarray)
-            words.append(C_ORDER if ordered or data.flags.c_contiguous else layout(data))
-        copied = copied_inputs(words)
+        copied = _copied(call)
         if not copied:
             return traced
         key = (id(traced), copied)
@@ -393,9 +386,23 @@ class LoadedValueAndGrad(LoadedArtifact):
         return dataclasses.replace(template, plan=fitted.at(size)[0], _runners={})
 
     def _run(self, entry: JointTrace, bound: JointCall):
+        entry = self._in_layouts(entry, bound.call)
         return run_joint(
             entry, bound.args, bound.call, bound.diff_paths, self._nums, self.has_aux, self._single
         )
+
+    def _in_layouts(self, entry: JointTrace, call: BoundCall | None) -> JointTrace:
+        """entry, or its joint plan told the layouts of the arrays not in C order (as
+        LoadedFunction._in_layouts), one per layouts, kept."""
+        copied = _copied(call)
+        if not copied:
+            return entry
+        key = (id(entry), copied)
+        variant = self._layouts.get(key)
+        if variant is None:
+            plan = dataclasses.replace(entry.plan, lowered={}, copied=copied)
+            variant = self._layouts[key] = dataclasses.replace(entry, plan=plan, _runners={})
+        return variant
 
     def _conform(self, arguments: dict) -> dict:
         """Each positional argument under the name the function gives it."""
@@ -448,7 +455,21 @@ class LoadedValueAndGrad(LoadedArtifact):
         """The joint plan, the forward values its gradient steps read, peak bytes."""
         names = [k.path for k in self._key.leaves if k.kind == "tensor"]
         names += self._captured_names
+        entry = self._in_layouts(entry, None if bound is None else bound.call)
         return joint_report(entry.plan, 1 + entry.n_aux, entry.wrt, names, self.name)
+
+
+def _copied(call: BoundCall | None) -> tuple:
+    """Plan.copied for this call's arrays: (input, layout) of each not in C order; () with no
+    call (explain() with no arguments: the exported layouts)."""
+    if call is None:
+        return ()
+    words = []
+    for p in call.tensor_positions:
+        data = getattr(call.leaves[p], "_data", None)
+        ordered = not isinstance(data, np.ndarray) or data.flags.c_contiguous
+        words.append(C_ORDER if ordered else layout(data))
+    return copied_inputs(words)
 
 
 def _params_text(treedef: TreeDef, leaf_texts: list[str], loaded: LoadedArtifact) -> str:

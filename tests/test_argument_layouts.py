@@ -561,3 +561,26 @@ def test_a_loaded_artifact_reads_arguments_in_their_layout(tmp_path):
             report = loaded.explain(w, X)
         assert measured.peak == report.call_peak.allocated_peak_bytes
         assert report.call_peak.at_peak().get("copies", 0) == copied
+
+
+def test_a_loaded_value_and_grad_reads_arguments_in_their_layout(tmp_path):
+    """The same for a loaded bp.value_and_grad: its joint plan told the layouts, values and
+    gradients against the reference interpreter, measured == explain's peak."""
+    step = bp.value_and_grad(loss)
+    path = bp.export(step, {"w1": W1, "w2": W2}, X, path=str(tmp_path / "vg.bpz"))
+    loaded = bp.load(path)
+    wide = np.pad(W1, ((0, 0), (3, 5)))
+    for w1, copied in (
+        (bp.from_dlpack(np.asfortranarray(W1)), 0),
+        (bp.from_dlpack(wide)[:, 3:19], 0),
+        (bp.from_dlpack(wide[:, 3:19]), W1.nbytes),
+    ):
+        want = _reference(np.asarray(w1.numpy()), W2, X)
+        with use_backend("numba"), checked_memory():
+            for _ in range(3):
+                with measure() as measured:
+                    got = loaded({"w1": w1, "w2": W2}, X)
+                _close(got, want)
+            report = loaded.explain({"w1": w1, "w2": W2}, X)
+        assert measured.peak == report.call_peak.allocated_peak_bytes
+        assert report.call_peak.at_peak().get("copies", 0) == copied
