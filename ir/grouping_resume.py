@@ -55,6 +55,11 @@ class Journal:
         # strided copies, set by the lowering
         self.strided: tuple | None = None
 
+    def let_go(self) -> None:
+        """Empty: a later row's journal replaced it (its lowered plan still points at it)."""
+        self.nodes, self.homes, self.kernels, self.loops = [], [], [], []
+        self.reads, self.cheap, self.cones, self.strided = {}, {}, {}, None
+
 
 def resumer(journal: Journal | None):
     """group_kernels' `resume` for a journal (None: none)."""
@@ -86,8 +91,13 @@ def offer_journal(graph: Graph, journal: Journal) -> None:
     source's first nodes resumes. The source holds it weakly: the lowered plan holds it
     (LoweredPlan.grouping), so a row whose plans are let go (tracer/budget.py
     forget_plans) takes its journal with it."""
-    if graph.shares_prefix_of is not None:
-        graph.shares_prefix_of.sharer_grouped = weakref.ref(journal)
+    source = graph.shares_prefix_of
+    if source is None:
+        return
+    before = source.sharer_grouped() if source.sharer_grouped is not None else None
+    if before is not None and before is not journal:
+        before.let_go()  # only the latest is resumed from: one row's journal held at a time
+    source.sharer_grouped = weakref.ref(journal)
 
 
 class _Reads(dict):

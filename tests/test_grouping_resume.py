@@ -10,12 +10,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import backplan as bp
 from backplan.bench import frontier_digest, internals
-from backplan.bench.budget_models import deep_chain, mlp_deep
+from backplan.bench.budget_models import MODEL_MAKERS, deep_chain
 from backplan.ir import grouping_resume, remat
 from backplan.runtime.backend import use_backend
 
@@ -151,8 +152,9 @@ def test_the_chain_rows_resume_and_lower_as_fresh_ones():
     assert _same_as_fresh(*deep_chain(40)) >= 3
 
 
-def test_mlp_deep_rows_lower_as_fresh_ones():
-    _same_as_fresh(*mlp_deep())
+@pytest.mark.parametrize("name", ["mlp_deep", "transformer"])
+def test_bench_model_rows_lower_as_fresh_ones(name):
+    _same_as_fresh(*MODEL_MAKERS[name]())
 
 
 def test_a_shared_value_is_the_default_graphs_own_and_never_changed():
