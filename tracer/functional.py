@@ -173,6 +173,7 @@ class ValueAndGradFunction(PlannedFunction):
                     "positional argument(s); argnums counts positional arguments from 0 "
                     "(pass the differentiated ones by position)"
                 )
+        _refuse_foreign_differentiated(args, self._nums)  # before binding refuses it as data
         try:
             call = bind_call(_positional(self.fn), args, kwargs)
         except DtypeError as exc:  # "args[1]" as the user's function names it: "x"
@@ -489,6 +490,17 @@ def _diff_positions(call, args, nums) -> set[int]:
                 positions.add(p)
         start += count
     return positions
+
+
+def _refuse_foreign_differentiated(args, nums) -> None:
+    """A differentiated argument holding another framework's array (a torch tensor) is refused
+    as not differentiable, which says more than binding's refusal of it as an input."""
+    for i in nums:
+        if i < len(args):
+            leaves, _, paths = flatten(args[i], paths=True)
+            for leaf, path in zip(leaves, paths, strict=True):
+                if hasattr(leaf, "__dlpack__") and not isinstance(leaf, Tensor | np.ndarray):
+                    raise _not_differentiable(i, leaf, path)
 
 
 def _defined(fn) -> str:

@@ -25,6 +25,7 @@ from backplan.ir.errors import DtypeError
 from backplan.runtime import is_grad_enabled
 
 from .errors import TracingError
+from .operand_errors import how_to_pass, what_value_is
 from .pytree import TreeDef, difference, flatten, unflatten
 from .pytree import leaves as tree_leaves
 from .source import loc_text, user_frame_loc
@@ -166,6 +167,13 @@ def _static_key(value, path):
             "static value, so the plan would keep the tensors it saw first and never see them "
             "change. Make the class a dataclass, register it with bp.tree.register, or pass its "
             "tensors (a dict) instead"
+        )
+    if hasattr(value, "__dlpack__"):  # a torch tensor is hashable: it would be static
+        raise TracingError(
+            f"argument {path} is {what_value_is(value)}: a compiled function takes backplan "
+            "tensors and NumPy arrays as inputs, and would keep any other object as one static "
+            f"value, its values frozen into the plan; {how_to_pass(value)}"
+            + (f" (the call at {loc_text(loc)})" if (loc := user_frame_loc()) else "")
         )
     try:
         hash(value)
