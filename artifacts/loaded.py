@@ -12,6 +12,7 @@ from backplan.ir.argument_layout import C_ORDER, copied_inputs, layout
 from backplan.ir.graph import inline_graph
 from backplan.ir.pipeline import mark_copied
 from backplan.ir.types import np_dtype
+from backplan.report.argument_copies import mark_argument_copies, numpy_saved_inputs
 from backplan.report.report import ExplainReport, joint_report, region_report
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.tracer.compile import TracedFunction, run_traced
@@ -332,8 +333,12 @@ class LoadedFunction(LoadedArtifact):
         )
 
     def _report(self, traced: TracedFunction, call) -> ExplainReport:
-        """Plans, saved buffers, peak bytes."""
-        return region_report(self._in_layouts(traced, call).program)
+        """Plans, saved buffers, peak bytes (for a call, the copies of its NumPy arguments)."""
+        program = self._in_layouts(traced, call).program
+        report = region_report(program)
+        if call is not None and call.sources:
+            mark_argument_copies(report, program, numpy_saved_inputs(program, call))
+        return report
 
 
 class LoadedValueAndGrad(LoadedArtifact):

@@ -153,7 +153,7 @@ def reference_plan(plan: Plan, points: RoundingPoints, sources: dict) -> Plan:
     for spec, read in late:
         if read is None:  # a node of the lowered graph only (a copy): nothing to keep
             continue
-        for value in _leaves(spec):
+        for value in spec_values(spec):
             last_read[value] = max(last_read.get(value, read), read)
             at = freed_at.get(value)
             if at is not None and at < read:
@@ -165,10 +165,10 @@ def reference_plan(plan: Plan, points: RoundingPoints, sources: dict) -> Plan:
     )
 
 
-def _leaves(spec) -> list[Value]:
+def spec_values(spec) -> list[Value]:
     """The plan's values a spec reads."""
     if isinstance(spec, Widened):
-        return _leaves(spec.of)
+        return spec_values(spec.of)
     if isinstance(spec, Recomputed):
-        return [v for i in spec.inputs for v in _leaves(i)]
+        return [v for i in spec.inputs for v in spec_values(i)]
     return [spec]

@@ -13,15 +13,19 @@ import numpy as np
 from backplan.ir.peak import with_argument_copies
 
 
+def numpy_inputs(call) -> frozenset[int]:
+    """The graph inputs the call passes as NumPy arrays (call: tracer/signature.py BoundCall;
+    its tensor leaves are the graph's first inputs, in order)."""
+    return frozenset(
+        k for k, p in enumerate(call.tensor_positions) if isinstance(call.sources[p], np.ndarray)
+    )
+
+
 def numpy_saved_inputs(program, call) -> frozenset[int]:
     """The forward inputs of `program` the call passes as NumPy arrays that its backward reads
     (call: the bound call, tracer/signature.py BoundCall)."""
     saved = {s.source[1] for s in program.plans.saved if s.source[0] == "input"}
-    return frozenset(
-        k
-        for k, p in enumerate(call.tensor_positions)
-        if k in saved and isinstance(call.sources[p], np.ndarray)
-    )
+    return numpy_inputs(call) & saved
 
 
 def mark_argument_copies(report, program, inputs: frozenset[int]) -> None:

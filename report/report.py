@@ -34,6 +34,7 @@ from .kernels import KernelInfo, kept_float32, kernels_from_groups, planned_grou
 from .loop_peak import holding, kept_output_bytes
 from .plan_view import PlanView, StepInfo, region_view
 from .recomputed import RecomputedInfo, recomputed_infos
+from .widened_saved import widened_inlined_info, widened_saved_info
 
 STEP_PLANS = ("forward", "backward (consume)", "joint")  # what one default training step runs
 TWO_PLANS = "the forward, then backward()'s plan"
@@ -507,6 +508,8 @@ def region_report(
     if kernel_groups is None:
         kernel_groups = planned_groups(_compiled_plans(named, compiled), backend)
     inlined, fused = _split_fused(_inlined_saved(program, _stored(plans.forward, compiled)))
+    if inlined is not None and backend == "reference":  # its widened plan's float32 values
+        inlined = widened_inlined_info(plans.forward, plans, inlined)
     return ExplainReport(
         program.name,
         view,
@@ -609,6 +612,8 @@ def joint_report(
     if kernel_groups is None:
         kernel_groups = planned_groups(_compiled_plans(plans.named, compiled), backend)
     saved, fused = _split_fused(joint_saved_info(plan, view, _stored(plan, compiled)))
+    if backend == "reference":  # the widened plan it runs holds float32 values across too
+        saved = widened_saved_info(plan, n_outputs, view, saved)
     return ExplainReport(
         name,
         view,

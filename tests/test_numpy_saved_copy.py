@@ -123,3 +123,25 @@ def test_each_size_of_a_dynamic_axis_counts_its_copy(backend):
         report = bp.explain(f, w, x)
         assert [b.name for b in report.saved_buffers if b.copy_of_argument] == ["x"]
         assert counted_calls(_step(f, w, x), 2) == printed_calls(report, 2)
+
+
+def test_the_frontier_and_a_budget_count_the_copy(backend):
+    w, x = _arrays()
+    report = bp.explain(bp.compile(_loss), w, x)
+    rows = bp.compile(_loss).memory_frontier(w, x).points
+    tensor_rows = bp.compile(_loss).memory_frontier(w, bp.tensor(x)).points
+    assert rows[0].peak_bytes == report.call_peak.peak_bytes
+    assert rows[0].saved_bytes == report.saved_bytes - report.saved_input_bytes
+    assert [r.peak_bytes - t.peak_bytes for r, t in zip(rows, tensor_rows, strict=True)] == [
+        x.nbytes
+    ] * len(rows)  # every plan here reads x in its backward: each holds the copy
+    budget = tensor_rows[0].peak_bytes  # the default plan fits it with a tensor x only
+    try:
+        f = bp.compile(_loss, max_peak_bytes=budget)
+        chosen = bp.explain(f, w, x)
+    except bp.MemoryBudgetError:
+        assert all(r.peak_bytes > budget for r in rows)
+        return
+    assert chosen.peak_bytes <= budget
+    counted = counted_calls(_step(f, w, x), 2)
+    assert max(counted) <= budget - chosen.peak.input_bytes

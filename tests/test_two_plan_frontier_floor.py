@@ -53,7 +53,9 @@ def test_the_two_plan_frontier_reaches_the_lowest_peak_any_plan_has():
         f = bp.compile(_loss)
         rows = [p.peak_bytes for p in f.memory_frontier(ws, x).points]
         planner = f.lookup((ws, x), {}, count_hit=False)[1].planner
-        floor = _lowest_built_peak(type(planner)(planner.choices, planner.input_bytes, "f"))
+        fresh = type(planner)(planner.choices, planner.input_bytes, "f")
+        fresh.numpy_inputs = planner.numpy_inputs  # x, a NumPy array: copied where saved
+        floor = _lowest_built_peak(fresh)
         assert rows == sorted(rows, reverse=True) and rows[-1] == floor < rows[0]
         budgeted = bp.compile(_loss, max_peak_bytes=floor)
         assert bp.explain(budgeted, ws, x).peak_bytes <= floor

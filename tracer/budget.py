@@ -17,7 +17,12 @@ from backplan.ir.budget import PlanPoint, plan_frontier, refined_within
 from backplan.ir.errors import MemoryBudgetError
 from backplan.ir.flops import node_flops
 from backplan.ir.gc_pause import paused_gc
-from backplan.ir.peak import argument_copy_bytes, predicted_peak, predicted_peak_bytes
+from backplan.ir.peak import (
+    argument_copy_bytes,
+    predicted_peak,
+    predicted_peak_bytes,
+    with_argument_copies,
+)
 from backplan.ir.pipeline import PlanChoices
 from backplan.ir.plans import StepPlans
 from backplan.ir.types import is_half, np_dtype
@@ -25,6 +30,7 @@ from backplan.report.frontier import FrontierPoint, MemoryFrontier
 from backplan.report.fused_saved import fused_held_bytes
 from backplan.report.loop_peak import holding, kept_output_bytes
 from backplan.report.peak_holders import peak_holders
+from backplan.report.widened_saved import widened_held_bytes
 from backplan.report.wording import format_bytes
 from backplan.runtime.backend import current_backend
 
@@ -44,7 +50,9 @@ def checked_budget(value, option: str) -> int | None:
     return int(value)
 
 
-def step_peak_bytes(plans: StepPlans, not_kept=frozenset(), kept: int | None = None) -> int:
+def step_peak_bytes(
+    plans: StepPlans, not_kept=frozenset(), kept: int | None = None, numpy=frozenset()
+) -> int:
     """The highest number of bytes the step holds on the current backend in the loop users
     write, the arrays passed in included (ir/peak.py: arenas, outputs, saved buffers and
     gradients of the compiled plans, or every IR value its own buffer on the reference
@@ -53,8 +61,10 @@ def step_peak_bytes(plans: StepPlans, not_kept=frozenset(), kept: int | None = N
     donated inputs are not allocated by the step, as explain() counts them. not_kept: outputs
     of the first plan a loop does not keep (BudgetPlanner.not_kept). kept: those results'
     bytes when already known (BudgetPlanner.kept_bytes: the same for every plan of a
-    signature), so each plan weighed does not walk its whole graph for them again."""
-    calls, backend = _step_calls(plans)
+    signature), so each plan weighed does not walk its whole graph for them again. numpy:
+    inputs passed as NumPy arrays, each copied at the call where the plan's backward reads it
+    (tracer/numpy_args.py; BudgetPlanner.numpy_inputs)."""
+    calls, backend = _step_calls(plans, numpy)
     if kept is None:
         kept = _kept(plans, calls, not_kept)
     return predicted_peak_bytes(calls, backend, kept)
@@ -66,15 +76,30 @@ def _kept(plans: StepPlans, calls: list, not_kept=frozenset()) -> int:
     return kept_output_bytes(calls, "joint" in plans.named, not_kept)
 
 
-def _step_calls(plans: StepPlans) -> tuple[list, str]:
-    """(the plan calls of one step, the backend they are accounted on)."""
+def _step_calls(plans: StepPlans, numpy=frozenset()) -> tuple[list, str]:
+    """(the plan calls of one step, the backend they are accounted on); the inputs of numpy
+    its backward reads are copies the step holds (ir/peak.py with_argument_copies)."""
     backend = "reference" if current_backend() == "reference" else "numba"
-    return plans.peak_calls(), backend
+    calls = plans.peak_calls()
+    saved = getattr(plans, "saved", None) if numpy else None
+    if saved and getattr(plans, "backward", None) is not None:
+        read = frozenset(s.source[1] for s in saved if s.source[0] == "input")
+        calls = with_argument_copies(calls, numpy & read)
+    return calls, backend
 
 
-def holders_text(plans: StepPlans, not_kept=frozenset()) -> str:
+def _copied_bytes(plans: StepPlans, numpy: frozenset) -> int:
+    """Bytes of the copies of NumPy arguments the plans' backward reads (_step_calls)."""
+    if getattr(plans, "backward", None) is None or not getattr(plans, "saved", None):
+        return 0
+    inputs = plans.forward.graph.inputs
+    read = {s.source[1] for s in plans.saved if s.source[0] == "input"}
+    return sum(inputs[i].type.nbytes for i in read & numpy)
+
+
+def holders_text(plans: StepPlans, not_kept=frozenset(), numpy=frozenset()) -> str:
     """What holds the step at its peak, from the same accounting as step_peak_bytes."""
-    calls, backend = _step_calls(plans)
+    calls, backend = _step_calls(plans, numpy)
     peak = holding(predicted_peak(calls, backend), _kept(plans, calls, not_kept))
     return peak_holders(peak, calls)
 
@@ -93,6 +118,10 @@ class EvaluatedPoint:
     # of saved_bytes, those the compiled plan computes in the loop reading them, never stored
     # (numba; report/fused_saved.py): the frontier's saved column leaves them out
     fused: int = 0
+    # what the step also holds for its gradients: float32 values the reference interpreter
+    # holds for a 16-bit plan (report/widened_saved.py), copies of NumPy arguments the
+    # backward reads (tracer/numpy_args.py); the frontier's saved column adds them
+    more_saved: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,6 +162,9 @@ class BudgetPlanner:
         # outputs a loop does not keep as the last results: those the function drops (bp.grad's
         # value); every other result counts as kept (report/loop_peak.py states it)
         self.not_kept: frozenset = frozenset()
+        # inputs the call it was planned for passed as NumPy arrays: a plan whose backward
+        # reads one holds a copy of it (tracer/numpy_args.py), counted in its peak
+        self.numpy_inputs: frozenset = frozenset()
         self._kept: int | None = None  # kept_bytes, worked out once
         self.fitted: tuple[str, int] | None = None  # (the budget option met, its bytes)
         self._offer: str | None = None  # narrowing_offer's words, worked out once
@@ -153,14 +185,28 @@ class BudgetPlanner:
             if peak is None:
                 with paused_gc():  # ir/gc_pause.py: full collections walk every plan built
                     built = self.build(point.drop, narrowed)
-                    peak = step_peak_bytes(built, self.not_kept, self.kept_bytes())
+                    peak = step_peak_bytes(
+                        built, self.not_kept, self.kept_bytes(), self.numpy_inputs
+                    )
             dtype = self.allow_dtype if narrowed else None
             held = self._narrowed_held(point, built) if narrowed else point.held_bytes
-            fused = 0
+            fused = more = 0
             if built is not None and current_backend() != "reference":
                 fused = fused_held_bytes(built)
+            elif built is not None:  # the interpreter's widened plan holds float32 values too
+                more = widened_held_bytes(built)
+            if built is not None and self.numpy_inputs:
+                more += _copied_bytes(built, self.numpy_inputs)
             self._built[key] = EvaluatedPoint(
-                peak, held, point.added_flops, len(point.drop), point.drop, built, dtype, fused
+                peak,
+                held,
+                point.added_flops,
+                len(point.drop),
+                point.drop,
+                built,
+                dtype,
+                fused,
+                more,
             )
         evaluated = self._built[key]
         return self.with_plans(evaluated) if plans else evaluated
@@ -306,6 +352,7 @@ class BudgetPlanner:
         sharing this one's built plans weighs the candidates; the plans it builds are let go."""
         other = BudgetPlanner(self.choices, self.input_bytes, self.name, dtype)
         other.inlined, other.not_kept, other._kept = self.inlined, self.not_kept, self.kept_bytes()
+        other.numpy_inputs = self.numpy_inputs
         other._built = self._built  # the same plans (keys say whether narrowed): none rebuilt
         before = set(self._built)
         try:
@@ -449,7 +496,9 @@ class BudgetPlanner:
         options = replace(self.choices.options, saved_dtype=None)
         full_choices = replace(self.choices, options=options, _default=None)
         with paused_gc():
-            full = step_peak_bytes(full_choices.build(), self.not_kept, self.kept_bytes())
+            full = step_peak_bytes(
+                full_choices.build(), self.not_kept, self.kept_bytes(), self.numpy_inputs
+            )
         mine = self.evaluate_default().peak_bytes
         if mine <= full:
             return ""
@@ -783,7 +832,7 @@ class BudgetPlanner:
             f"passed in hold {format_bytes(self.input_bytes)} of those."
         )
         plans = self.with_plans(best).plans
-        holders = holders_text(plans, self.not_kept)
+        holders = holders_text(plans, self.not_kept, self.numpy_inputs)
         if holders:
             text += f" That peak is {holders}."
         copies = argument_copy_bytes(plans.peak_calls())
@@ -884,7 +933,8 @@ def _rounding_words(dtype: str) -> str:
 
 def _frontier_point(e: EvaluatedPoint) -> FrontierPoint:
     dtype = np_dtype(e.saved_dtype).name if e.saved_dtype else None
-    return FrontierPoint(e.peak_bytes, e.added_flops, e.recomputed, e.saved_bytes - e.fused, dtype)
+    saved = e.saved_bytes - e.fused + e.more_saved
+    return FrontierPoint(e.peak_bytes, e.added_flops, e.recomputed, saved, dtype)
 
 
 def worth_lowering(row: EvaluatedPoint) -> int:

@@ -16,7 +16,7 @@ from backplan.ir.gc_pause import paused_gc
 from backplan.ir.pipeline import PipelineOptions, plan_choices
 from backplan.ir.symbolic_regions import fit_regions
 from backplan.ir.types import dtype_name, is_float
-from backplan.report.argument_copies import mark_argument_copies, numpy_saved_inputs
+from backplan.report.argument_copies import mark_argument_copies, numpy_inputs, numpy_saved_inputs
 from backplan.runtime import RegionProgram, is_grad_enabled
 from backplan.runtime.backend import current_backend
 from backplan.runtime.execute import run_forward
@@ -126,11 +126,9 @@ def run_traced(traced: TracedFunction, call, record: bool = True):
     needing a gradient) outputs point at a Region holding the saved buffers, so .backward()
     works. Loaded artifacts run through here too, so both paths build regions the same way."""
     tensors = [call.leaves[p] for p in call.tensor_positions]
-    copies = frozenset(
-        k
-        for k, p in enumerate(call.tensor_positions)
-        if isinstance(call.sources[p], np.ndarray) and k in _saved_inputs(traced.program)
-    )  # bind_call made a tensor of each NumPy argument, a copy: those saved are the region's
+    copies = NONE  # a loaded artifact's call keeps no sources: its copies are not told apart
+    if call.sources:  # bind_call made a tensor of each NumPy argument, a copy: those the
+        copies = numpy_inputs(call) & _saved_inputs(traced.program)  # backward reads, held
     return run_tensors(traced, tensors, record, copies=copies)
 
 
@@ -373,6 +371,7 @@ class CompiledFunction(PlannedFunction):
             )
             check_saved_dtype_narrows(choices, (self.saved_dtype, self.allow_saved_dtype), name)
             planner = BudgetPlanner(choices, input_bytes, name, self.allow_saved_dtype)
+            planner.numpy_inputs = numpy_inputs(call)  # each copied where a backward reads it
             planner.inlined = [joint.loc for joint in trace.inner_joints]
             plans = self._plans_within_budget(planner)
         program = RegionProgram(plans, name=name, input_names=names, background=self.background)
@@ -533,8 +532,10 @@ def compile(  # noqa: A001
     may hold at once; backplan recomputes what it must (any op, whole segments between the
     values it keeps) with the fewest added FLOPs, or raises bp.MemoryBudgetError before
     compiling, saying the smallest peak reachable and the ways out. `fn.memory_frontier(...)`
-    lists the plans to choose from. saved_bytes_budget: the same for the bytes saved for
-    backward (your own arrays excluded): met by recomputing, or refused.
+    lists the plans to choose from; the planner counts, as explain does, the copy each call
+    takes of a NumPy argument its backward reads (planned for the kinds of the first call).
+    saved_bytes_budget: the same for the bytes the forward saves for backward (your own
+    arrays and those copies excluded): met by recomputing, or refused.
     saved_dtype=bp.bfloat16 stores the float32 values the forward saves for backward in
     bfloat16 (half the bytes; the backward reads them rounded to 8 significant bits); your own
     arrays and returned outputs that backward reads are held as they are.
