@@ -209,3 +209,24 @@ def test_a_cache_folder_that_cannot_be_made_compiles_in_memory(tmp_path):
     np.testing.assert_allclose(grad, np.sum(2 * t * (1 - t**2) * x), rtol=1e-9)
     assert out.stderr.count("CacheWarning") == 1, out.stderr
     assert f"{kernels} cannot be written (Not a directory" in out.stderr
+
+
+def test_a_full_cache_folder_warns_once_for_it_and_the_library_folder_inside(tmp_path, monkeypatch):
+    """A full disk under BACKPLAN_CACHE_DIR: the library folder inside it and the folder itself
+    each warned, two CacheWarnings for one fault (either may fail first)."""
+    from backplan.codegen.build import cache_health
+
+    top = tmp_path / "kernels"
+    inside = top / "library" / "0123456789abcdef" / "codegen" / "kernels"
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    for first, second in ((inside, top), (top, inside)):
+        monkeypatch.setattr(cache_health, "_unwritable", {})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache_health.note_unwritable(str(first), full)
+            cache_health.note_unwritable(str(second), full)
+            cache_health.note_unwritable(str(tmp_path / "elsewhere"), full)
+        messages = [str(w.message) for w in caught if issubclass(w.category, bp.CacheWarning)]
+        assert len(messages) == 2, messages  # the second folder is another fault
+        assert f"folder {first} cannot be written" in messages[0]
+        assert cache_health.is_unwritable(str(second))

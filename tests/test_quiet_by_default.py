@@ -119,3 +119,18 @@ def test_a_lambda_is_named_by_its_file_and_line():
 
     named = bp.compile(loss).trace(bp.tensor(np.ones(3, np.float32))).program.plans
     assert plan_label(named.forward.graph) == "@loss"
+
+
+def test_a_compile_that_cannot_be_cached_does_not_say_it_is(monkeypatch):
+    """With the cache folder unwritable (a full disk, a read-only mount) the line said `cached
+    for later runs` while the process compiled in memory and the next run compiled again."""
+    from backplan.codegen.build import cache_health
+
+    monkeypatch.setattr(cache_health, "_unwritable", {})
+    line = compile_notice._text([("@train_step", time.perf_counter())])
+    assert "(cached for later runs;" in line
+    monkeypatch.setattr(cache_health, "_unwritable", {"/full/kernels": "No space left on device"})
+    line = compile_notice._text([("@train_step", time.perf_counter())])
+    assert "cached for later runs" not in line
+    assert "(compiled in memory: the cache folder cannot be written;" in line
+    assert compile_notice._fitted(line, 60) == "backplan: compiling @train_step, 0 s so far"

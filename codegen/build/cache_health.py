@@ -35,7 +35,9 @@ def is_unwritable(folder: str) -> bool:
 
 
 def note_unwritable(folder: str, error: OSError) -> None:
-    """From now on this process compiles in memory for folder; warn the first time."""
+    """From now on this process compiles in memory for folder; warn the first time, and not
+    again for a folder inside it or around it (the library's folder inside the cache folder:
+    one full disk, one warning)."""
     key = os.path.realpath(folder)
     reason = error.strerror or str(error)
     if os.path.isfile(folder):  # makedirs says "File exists", which reads as no problem
@@ -43,7 +45,10 @@ def note_unwritable(folder: str, error: OSError) -> None:
     with _lock:
         if key in _unwritable:
             return
+        warned = any(_nested(key, other) for other in _unwritable)
         _unwritable[key] = reason
+    if warned:
+        return
     warnings.warn(
         f"the kernel cache folder {folder} cannot be written ({reason}, errno "
         f"{errno.errorcode.get(error.errno, error.errno)}); this process compiles in memory, so "
@@ -52,6 +57,17 @@ def note_unwritable(folder: str, error: OSError) -> None:
         CacheWarning,
         stacklevel=3,
     )
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether one of two folders lies inside the other."""
+    a, b = os.path.join(a, ""), os.path.join(b, "")
+    return a.startswith(b) or b.startswith(a)
+
+
+def any_unwritable() -> bool:
+    """Whether this process compiles in memory for some folder (nothing it compiles is kept)."""
+    return bool(_unwritable)
 
 
 def _variable_of(folder: str) -> str:

@@ -21,6 +21,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from backplan.codegen.build import cache_health
+
 _lock = threading.Lock()
 _said = [False]  # the process's one line is printed (where stderr is not a terminal)
 _open: list[tuple[str, float]] = []  # what is compiling now, outermost first, with its start
@@ -118,9 +120,12 @@ def _text(open_now: list) -> str:
     """The outermost compile (a plan's first call) and, inside it, what compiles now."""
     what, start = open_now[0]
     inner = f" (now {open_now[-1][0]})" if len(open_now) > 1 else ""
+    kept = "cached for later runs"
+    if cache_health.any_unwritable():
+        kept = "compiled in memory: the cache folder cannot be written"
     return (
         f"backplan: compiling {what}{inner}, {time.perf_counter() - start:.0f} s so far "
-        f"(cached for later runs; {_hint(open_now)})"
+        f"({kept}; {_hint(open_now)})"
     )
 
 
@@ -139,7 +144,7 @@ def _fitted(text: str, width: int) -> str:
     (a cut word reads as a typo: '...BACKPLAN_VERB')."""
     if len(text) <= width:
         return text
-    text = text[: text.rfind(" (cached for later runs")]
+    text = text[: text.rfind(" (")]  # the trailing parenthesis: what is kept, the hint
     if len(text) <= width:
         return text
     cut = text[: max(width - 3, 0)]
