@@ -13,6 +13,9 @@ True
 >>> with pinned(choices):
 ...     decide("own_gemm", False)  # another size: the first size's choice
 True
+>>> with pinned(choices):
+...     chosen("own_gemm", lambda: 1 / 0)  # pinned: the cost model is not asked again
+True
 """
 
 from __future__ import annotations
@@ -42,3 +45,20 @@ def decide(kind: str, value):
     index = _state.counts.get(kind, 0)
     _state.counts[kind] = index + 1
     return choices.setdefault((kind, index), value)
+
+
+_FREE = object()  # no choice recorded at this point yet
+
+
+def chosen(kind: str, compute):
+    """decide(kind, compute()), asking compute() only where no earlier size's choice is pinned
+    at this point: the cost models behind a GEMM's or an attention kernel's variant (and the
+    free cores they read) are asked once per symbolic plan, not at every new size. compute
+    has no side effects: where a choice is pinned its answer went unused before too."""
+    choices = getattr(_state, "choices", None)
+    if choices is None:
+        return compute()
+    index = _state.counts.get(kind, 0)
+    _state.counts[kind] = index + 1
+    found = choices.get((kind, index), _FREE)
+    return choices.setdefault((kind, index), compute()) if found is _FREE else found

@@ -17,7 +17,7 @@ from backplan.codegen.kernels.gemm.choice import (
     use_narrow_gemm,
     use_own_gemm,
 )
-from backplan.codegen.render.choices import decide
+from backplan.codegen.render.choices import chosen, decide
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.render.scalar import NP_TYPE
 from backplan.ir.fusion import alias_base, is_alias
@@ -225,11 +225,14 @@ def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     leaves them unwidened for it, and a bfloat16 one beside a float32 one): BLAS has neither."""
     if reads_16_bits(node):
         return decide("own_gemm", True)
-    m, n = node.shape[-2:]
-    k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
-    ta = ctx.absorbs(node.inputs[0])
-    own = use_own_gemm(m, n, k, tb, node.dtype, trans_a=ta) or _parallel_parts(node) > 1
-    return decide("own_gemm", own)
+
+    def own() -> bool:
+        m, n = node.shape[-2:]
+        k, tb = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[1])
+        ta = ctx.absorbs(node.inputs[0])
+        return use_own_gemm(m, n, k, tb, node.dtype, trans_a=ta) or _parallel_parts(node) > 1
+
+    return chosen("own_gemm", own)
 
 
 def narrow_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
@@ -237,7 +240,7 @@ def narrow_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     gemm/choice.use_narrow_gemm."""
     m, n = node.shape[-2:]
     k, ta = node.inputs[0].shape[-1], ctx.absorbs(node.inputs[0])
-    return decide("narrow_gemm", use_narrow_gemm(m, n, k, ta, node.dtype))
+    return chosen("narrow_gemm", lambda: use_narrow_gemm(m, n, k, ta, node.dtype))
 
 
 def own_gemm_parts(node: Value) -> int:
@@ -245,8 +248,8 @@ def own_gemm_parts(node: Value) -> int:
     product would get from BLAS, which a 16-bit one cannot call; for a large float32 one
     those BLAS would have had (gemm/choice.own_parallel_parts); 1 for every other matmul."""
     if reads_16_bits(node):
-        return decide("own_gemm_parts", min(threads(), blas_threads()))
-    return decide("own_gemm_parts", _parallel_parts(node))
+        return chosen("own_gemm_parts", lambda: min(threads(), blas_threads()))
+    return chosen("own_gemm_parts", lambda: _parallel_parts(node))
 
 
 def _parallel_parts(node: Value) -> int:
