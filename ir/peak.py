@@ -136,6 +136,10 @@ class PlanCall:
     input_kinds: tuple[str, ...]
     private_saved: tuple[int, ...] = ()
     held_from: dict = field(default_factory=dict)
+    # for the reference interpreter, input index -> (call, input index) of an earlier call's
+    # input this call reads as a saved buffer (a backward's saved forward inputs): a COPIED one
+    # is the step's own buffer, freed after this call's last read of it
+    held_inputs: dict = field(default_factory=dict)
     # a plan the step keeps compiled but does not run (a joint step's forward and backward,
     # which ran its first calls): its scratch arena and constants are held, nothing else
     idle: bool = False
@@ -163,19 +167,23 @@ def _input_bytes(calls: list[PlanCall]) -> dict:
     for call in calls:
         if call.idle:
             continue
-        layouts = dict(call.copied)
-        for i, (value, kind) in enumerate(
-            zip(call.plan.graph.inputs, call.input_kinds, strict=True)
-        ):
-            nbytes = value.type.nbytes
-            if i in layouts and value.shape and nbytes:
-                nbytes = stored_bytes(value.shape, DTYPES[value.dtype].itemsize, layouts[i])
+        for _, kind, nbytes in _input_sizes(call):
             if kind in CALLER_OWNED:
                 held[kind] += nbytes
             elif kind == COPIED:  # the caller's array, and backplan's copy of it
                 held["inputs"] += nbytes
                 held["saved"] += nbytes
     return held
+
+
+def _input_sizes(call: PlanCall):
+    """(index, kind, bytes it occupies) of each input of the call."""
+    layouts = dict(call.copied)
+    for i, (value, kind) in enumerate(zip(call.plan.graph.inputs, call.input_kinds, strict=True)):
+        nbytes = value.type.nbytes
+        if i in layouts and value.shape and nbytes:
+            nbytes = stored_bytes(value.shape, DTYPES[value.dtype].itemsize, layouts[i])
+        yield i, kind, nbytes
 
 
 COPIED = "copied"
@@ -406,6 +414,11 @@ def _reference_steps(calls: list[PlanCall]):
         seed = _cotangent_bytes(call)  # made before the call, freed after it
         deltas[start]["gradients"] += seed
         deltas[start + len(graph.nodes)]["gradients"] -= seed
+        for i, kind, nbytes in _input_sizes(call):
+            if kind == COPIED:  # made before the call, freed after the backward's last read
+                end = _copy_end(c, i, calls, offsets, frees, roots, total)
+                deltas[start]["saved"] += nbytes
+                deltas[min(end, total - 1) + 1]["saved"] -= nbytes
         step_of = {node: step for step, node in enumerate(graph.nodes)}
         kinds: dict = {}
         for o, kind in zip(graph.outputs, call.output_kinds, strict=True):
@@ -420,7 +433,7 @@ def _reference_steps(calls: list[PlanCall]):
             deltas[start + step_of[root]][kind] += root.type.nbytes
             deltas[min(end, total - 1) + 1][kind] -= root.type.nbytes
     held = dict.fromkeys(CATEGORIES, 0)
-    for key in (*CALLER_OWNED, "saved"):  # saved: copies of the caller's arrays (COPIED)
+    for key in CALLER_OWNED:
         held[key] = inputs[key]
     held["constants"] = constants
     index = 0
@@ -465,6 +478,20 @@ def _reference_end(node, kind, c, calls, offsets, frees, roots, start, total) ->
             if src_call == c and calls[c].plan.graph.outputs[out] is node:
                 inp = call.plan.graph.inputs[i]
                 views = [v for v, r in roots[later].items() if r is inp]
+                free = max(frees[later].get(v, len(call.plan.graph.nodes)) for v in views)
+                return offsets[later] + max(min(free, _last(call)), 0)
+    return total - 1
+
+
+def _copy_end(c, index, calls, offsets, frees, roots, total) -> int:
+    """The last global step the copy of call c's input `index` (COPIED) is held over: to the
+    free of the last value of the later call reading it as a saved buffer, else the end."""
+    for later in range(c + 1, len(calls)):
+        call = calls[later]
+        for i, source in call.held_inputs.items():
+            if source == (c, index):
+                inp = call.plan.graph.inputs[i]
+                views = [v for v, r in roots[later].items() if r is inp] or [inp]
                 free = max(frees[later].get(v, len(call.plan.graph.nodes)) for v in views)
                 return offsets[later] + max(min(free, _last(call)), 0)
     return total - 1
@@ -517,6 +544,11 @@ def region_calls(plans, consume: bool = True) -> list[PlanCall]:
             ("cotangent",) * n_cot + ("held",) * len(plans.saved),
             plans.private_saved_inputs() if consume else (),
             held_from=held_from,
+            held_inputs={
+                n_cot + slot: (0, s.source[1])
+                for slot, s in enumerate(plans.saved)
+                if s.source[0] == "input"
+            },
             copied=backward.copied,
         )
     )

@@ -145,3 +145,24 @@ def test_the_frontier_and_a_budget_count_the_copy(backend):
     assert chosen.peak_bytes <= budget
     counted = counted_calls(_step(f, w, x), 2)
     assert max(counted) <= budget - chosen.peak.input_bytes
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_a_bench_model_called_with_numpy_batches_holds_what_explain_prints(backend, name):
+    """The copies are freed where the backward last reads them on the reference interpreter
+    (its region lets each saved buffer go), held to the step's end by the compiled plans."""
+    from backplan.bench.memory_calls import model_arrays
+    from backplan.bench.models import MODELS
+    from backplan.bench.peers.backplan_peer import bench_function
+
+    params, batch = model_arrays(name, requires_grad=True)
+    arrays = [t.numpy().copy() for t in batch]
+    f = bp.compile(bench_function(MODELS[name]))
+    report = bp.explain(f, params, *arrays)
+    assert sum(b.nbytes for b in report.saved_buffers if b.copy_of_argument) > 0
+
+    def step():
+        bp.zero_grad(params)
+        f(params, *arrays).backward()
+
+    assert counted_calls(step, CALLS) == printed_calls(report, CALLS)
