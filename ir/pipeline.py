@@ -724,17 +724,28 @@ def mark_copied(plans: StepPlans, copied: tuple) -> None:
     inputs that are those arrays (the caller's own, read again when backward() runs)."""
     copied = tuple(copied)
     if isinstance(plans, JointPlans):
-        plans.plan.copied = copied
+        _mark(plans.plan, copied)
         return
-    plans.forward.copied = copied
+    _mark(plans.forward, copied)
     if plans.backward is not None:
         layouts = dict(copied)
         n_cot = plans.n_cotangents
-        plans.backward.copied = tuple(
-            (n_cot + slot, layouts[s.source[1]])
-            for slot, s in enumerate(plans.saved)
-            if s.source[0] == "input" and s.source[1] in layouts
+        _mark(
+            plans.backward,
+            tuple(
+                (n_cot + slot, layouts[s.source[1]])
+                for slot, s in enumerate(plans.saved)
+                if s.source[0] == "input" and s.source[1] in layouts
+            ),
         )
+
+
+def _mark(plan: Plan, copied: tuple) -> None:
+    """plan.copied = copied, and any lowering made before (a peak compared while planning:
+    narrow_saved) let go: it read the inputs as C-ordered arrays."""
+    if plan.copied != copied:
+        plan.copied = copied
+        plan.lowered.clear()
 
 
 def _plan(graph: Graph, log: PassLog, donated: tuple[int, ...] = ()) -> Plan:

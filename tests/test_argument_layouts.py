@@ -584,3 +584,16 @@ def test_a_loaded_value_and_grad_reads_arguments_in_their_layout(tmp_path):
             report = loaded.explain({"w1": w1, "w2": W2}, X)
         assert measured.peak == report.call_peak.allocated_peak_bytes
         assert report.call_peak.at_peak().get("copies", 0) == copied
+
+
+def test_the_fast_path_gives_a_strided_plan_only_what_it_would_copy_anyway():
+    """A plan keyed "strided" copies its argument: the fast path hands it a sliced view too (a
+    sliced view on a dynamic axis is keyed so), never an array another plan reads in place."""
+    from backplan.tracer.fastpath import _same_layout
+
+    sliced = np.repeat(W1, 2, axis=1)[:, ::2]
+    assert _same_layout(_strided(W1), "strided", False)
+    assert _same_layout(sliced, "strided", False)
+    assert _same_layout(sliced, layout(sliced), False)
+    for other in (np.asfortranarray(W1), W1[::-1], np.broadcast_to(W1[0], W1.shape), W1):
+        assert not _same_layout(other, "strided", False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backplan.ir.argument_layout import C_ORDER, STRIDED, layout
+from backplan.ir.argument_layout import C_ORDER, any_size, layout
 from backplan.ir.errors import BackplanError
 from backplan.ir.types import dtype_name
 
@@ -231,7 +231,7 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
             if data.flags.c_contiguous:  # _same_layout, inline: the common case is one read
                 if not c_order:
                     return False
-            elif c_order or (order != STRIDED and layout(data) != order):
+            elif c_order or (layout(data) != order and any_size(layout(data)) != order):
                 return False
             leaves.append(value)
         return True
@@ -241,10 +241,14 @@ def _container_matcher(kind, children: tuple, keys: tuple | None = None):
 
 def _same_layout(array, order: str, c_order: bool) -> bool:
     """Whether array has the layout a key part recorded; C order costs one flag read. A plan
-    keyed "strided" copies any array not in C order (a sliced view on a dynamic axis)."""
+    keyed "strided" also takes a sliced view (keyed so on a dynamic axis: ir/argument_layout.py
+    any_size), which it copies."""
     if array.flags.c_contiguous:
         return c_order
-    return not c_order and (order == STRIDED or layout(array) == order)
+    if c_order:
+        return False
+    word = layout(array)
+    return word == order or any_size(word) == order
 
 
 def _layout(array) -> str:
