@@ -37,6 +37,7 @@ reused for another (a slice at another place of its root can be another word: it
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import numpy as np
@@ -196,7 +197,7 @@ def _one_block(root: np.ndarray) -> bool:
 
 
 def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
+    return array.ctypes.data  # a little cheaper than __array_interface__, which builds a dict
 
 
 def _sliced(array: np.ndarray) -> str | None:
@@ -211,8 +212,17 @@ def _sliced(array: np.ndarray) -> str | None:
     root = _root(array)
     if array.size == 0 or not _one_block(root) or any(s % item for s in strides):
         return None
+    offset = _address(array) - _address(root)  # of the first element, in the root's bytes
+    return _sliced_word(shape, strides, item, offset, root.nbytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sliced_word(shape: tuple, strides: tuple, item: int, offset: int, nbytes: int) -> str | None:
+    """_sliced for a view of this shape and strides whose first element is `offset` bytes into
+    a root of `nbytes`: the same for every call passing the same slice (kept)."""
+    ndim = len(shape)
     real = sorted(
-        (k for k in range(array.ndim) if shape[k] > 1 and strides[k] != 0),
+        (k for k in range(ndim) if shape[k] > 1 and strides[k] != 0),
         key=lambda k: (-abs(strides[k]), k),
     )
     s = [abs(strides[k]) // item for k in real]
@@ -230,10 +240,9 @@ def _sliced(array: np.ndarray) -> str | None:
     else:
         span, steps = [], []
     # the lowest element's byte offset in the root; the span's shift back from it (elements)
-    low = _address(array) - _address(root)
-    low += sum((shape[k] - 1) * strides[k] for k in real if strides[k] < 0)
-    extent = int(np.prod(span, dtype=np.int64)) * item
-    shift = max(0, -(-(low + extent - root.nbytes) // item))
+    low = offset + sum((shape[k] - 1) * strides[k] for k in real if strides[k] < 0)
+    extent = math.prod(span) * item
+    shift = max(0, -(-(low + extent - nbytes) // item))
     if low < 0 or shift * item > low or (m and (shift + (d[-1] - 1) * steps[-1] + 1 > span[-1])):
         return None
     firsts = [0] * m
@@ -246,13 +255,13 @@ def _sliced(array: np.ndarray) -> str | None:
             slices.append(f"{last}:{first - 1}:{-steps[j]}")
         else:
             slices.append(f"{first}:{last + 1}:{steps[j]}")
-    order = real + [k for k in range(array.ndim) if k not in real]
-    slices += ["0:1:1"] * (array.ndim - m)
-    sizes = span + [1] * (array.ndim - m)
+    order = real + [k for k in range(ndim) if k not in real]
+    slices += ["0:1:1"] * (ndim - m)
+    sizes = span + [1] * (ndim - m)
     word = f"{SLICED} [{', '.join(slices)}] of a {' x '.join(map(str, sizes))} array"
     if order != sorted(order):
-        word += f", axes ({', '.join(str(order.index(k)) for k in range(array.ndim))})"
-    if any(strides[k] == 0 and shape[k] > 1 for k in range(array.ndim)):
+        word += f", axes ({', '.join(str(order.index(k)) for k in range(ndim))})"
+    if any(strides[k] == 0 and shape[k] > 1 for k in range(ndim)):
         word += ", broadcast"
     return word
 
@@ -279,6 +288,7 @@ def _slices(starts, stops, steps) -> tuple:
     )
 
 
+@functools.lru_cache(maxsize=256)
 def span_offset(word: str) -> int:
     """Elements from the span's first to the view's lowest element."""
     span, starts, stops, steps, _, _ = sliced_parts(word)
@@ -296,15 +306,16 @@ def _span(array: np.ndarray, word: str) -> np.ndarray:
     span = sliced_parts(word)[0]
     item, strides, shape = array.itemsize, array.strides, array.shape
     root = _root(array)
-    low = _address(array) - _address(root)
+    address = _address(array)
+    low = address - _address(root)
     low += sum((n - 1) * s for n, s in zip(shape, strides, strict=True) if s < 0)
     first = low - span_offset(word) * item
-    nbytes = int(np.prod(span, dtype=np.int64)) * item
+    nbytes = math.prod(span) * item
     flat = (root if root.flags.c_contiguous else root.T).reshape(-1).view(np.uint8)
     if first < 0 or first + nbytes > flat.size:
         raise ValueError(f"an array of shape {shape}, strides {strides} is not {word}")
     out = flat[first : first + nbytes].view(array.dtype).reshape(span)
     again = viewed(out, word, shape)
-    if again.strides != strides or _address(again) != _address(array):
+    if again.strides != strides or _address(again) != address:
         raise ValueError(f"an array of shape {shape}, strides {strides} is not {word}")
     return out
