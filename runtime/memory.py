@@ -40,8 +40,10 @@ def live_regions() -> list:
 def live_saved_bytes(yours: bool = False) -> int:
     """Bytes of the saved buffers every graph still alive has allocated, each array counted
     once however many regions save it; your own arrays (passed in, leaf tensors) that graphs
-    keep references to are not among them: `live_saved_bytes(yours=True)` gives those. Drops
-    to 0 once each graph has run backward (without retain_graph) or has been released.
+    keep references to are not among them: `live_saved_bytes(yours=True)` gives those. The
+    copy a compiled call takes of a NumPy array you pass, where its backward reads it, is the
+    graph's own: counted here, not in yours. Drops to 0 once each graph has run backward
+    (without retain_graph) or has been released.
 
     >>> import backplan as bp
     >>> bp.live_saved_bytes() >= 0
