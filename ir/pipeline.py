@@ -539,6 +539,8 @@ def narrow_saved(plans: RegionPlans, options: PipelineOptions, log: PassLog) -> 
     forward = _plan(log.record("saved_dtype", forward), log, options.donated)
     backward = _plan(log.record("saved_dtype", backward), log)
     narrowed = replace(plans, forward=forward, backward=backward, saved=slots)
+    for candidate in (plans, narrowed):  # before lowering: the lowering is kept with the plans
+        mark_copied(candidate, options.copied)
     peak = predicted_peak_bytes(region_calls(narrowed))
     full_peak = predicted_peak_bytes(region_calls(plans))
     if peak < full_peak:
@@ -555,9 +557,12 @@ def joint_plan(stage: Stage, options: PipelineOptions, log: PassLog):
     full = _plan(stage.forward, log)
     if options.saved_dtype is None:
         return full, None
+    full.copied = tuple(options.copied)  # before lowering: the lowering is kept with the plan
 
     def build(narrowed: Stage) -> Plan:
-        return _plan(narrowed.forward, log)
+        plan = _plan(narrowed.forward, log)
+        plan.copied = tuple(options.copied)
+        return plan
 
     def peak(plan: Plan) -> int:
         return predicted_peak_bytes(joint_calls(plan, stage.n_outputs))
@@ -572,9 +577,12 @@ def step_plans_narrowed(stage: Stage, options: PipelineOptions, log: PassLog) ->
     full = _step_plans(stage, options, log, made)
     if options.saved_dtype is None:
         return full
+    mark_copied(full, options.copied)  # before lowering: the lowering is kept with the plans
 
     def build(narrowed: Stage) -> RegionPlans:
-        return _step_plans(narrowed, options, log)
+        plans = _step_plans(narrowed, options, log)
+        mark_copied(plans, options.copied)
+        return plans
 
     def peak(plans: RegionPlans) -> int:
         return predicted_peak_bytes(region_calls(plans))
