@@ -2,7 +2,10 @@
 models? Eight of them: an MLP trained with adam (donated), a CNN, an unrolled LSTM, attention,
 a torch module imported with from_torch and trained with adamw, a value_and_grad whose batch
 axis turned dynamic (calls at 64 and 128 rows, then a new size), a deep MLP under
-max_peak_bytes (a recomputing plan) and a step keeping its saved buffers in bfloat16.
+max_peak_bytes (a recomputing plan) and a step keeping its saved buffers in bfloat16; three more:
+a torch module in bfloat16 imported with from_torch and trained with adamw(master_dtype=float32),
+an MLP trained with accumulate(adam, steps=3), and a value_and_grad exported with bp.export and
+run from the file by bp.load.
 
 `--check`: calls 1-5 of each counted by the checked mode (BACKPLAN_CHECK_MEMORY's allocator),
 against `report.peak_on_call(n)`, and with the last results kept bound until the next call
@@ -164,15 +167,89 @@ def bf16_saved(scale: int):
     return "vg", step, [params, _f32(rng, 512 * scale, 512, s=1.0)]
 
 
+def torch_bf16(scale: int):
+    import torch
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.ln = torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024)
+            self.fc2, self.out = torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 16)
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.ln(self.fc1(x)))
+            return self.out(torch.tanh(self.fc2(h)))
+
+    rng, n = _rng(), 512 * scale
+    x = torch.from_numpy(_f32(rng, n, 512, s=1.0)).to(torch.bfloat16)
+    fn, params = bp.from_torch(Net().to(torch.bfloat16), (x,))
+    params = {k: bp.tensor(np.array(v.numpy())) for k, v in params.items()}  # not torch's memory
+    x = bp.tensor(np.array(bp.from_dlpack(x).numpy()))
+    opt = bp.optim.adamw(1e-3, master_dtype=bp.float32)
+    step = _train_step(lambda p, x, y: bp.cross_entropy(fn(p, x), y), opt)
+    return "train", step, [params, opt.init(params), x, rng.integers(0, 16, n)]
+
+
+def accumulate(scale: int):
+    rng, n = _rng(), 256 * scale
+    params = {"w1": _f32(rng, 512, 1024), "b1": np.zeros(1024, np.float32)}
+    params |= {"w2": _f32(rng, 1024, 1024), "w3": _f32(rng, 1024, 10)}
+    params = {k: bp.tensor(v) for k, v in params.items()}
+
+    def loss(p, x, y):
+        h = bp.tanh(bp.relu(x @ p["w1"] + p["b1"]) @ p["w2"])
+        return bp.cross_entropy(h @ p["w3"], y)
+
+    opt = bp.optim.accumulate(bp.optim.adam(1e-3), steps=3)  # calls 1-5 cross a step
+    x, y = _f32(rng, n, 512, s=1.0), rng.integers(0, 10, n)
+    return "train", _train_step(loss, opt), [params, opt.init(params), x, y]
+
+
+def _artifact_loss(p, x, y):
+    h = bp.tanh(bp.gelu(x @ p["w1"] + p["b1"]) @ p["w2"])
+    return bp.cross_entropy(h @ p["w3"], y)
+
+
+def artifact(scale: int):
+    import os
+    import tempfile
+
+    rng, n = _rng(), 512 * scale
+    params = {"w1": _f32(rng, 512, 1024), "b1": np.zeros(1024, np.float32)}
+    params |= {"w2": _f32(rng, 1024, 1024), "w3": _f32(rng, 1024, 10)}
+    args = [{k: bp.tensor(v) for k, v in params.items()}, _f32(rng, n, 512, s=1.0)]
+    args.append(rng.integers(0, 10, n))
+    with tempfile.TemporaryDirectory() as folder:  # load reads the whole file
+        path = os.path.join(folder, "step.bpz")
+        bp.export(bp.value_and_grad(bp.compile(_artifact_loss)), *args, path=path)
+        step = bp.load(path)
+    return "vg", step, args
+
+
 PROGRAMS = {
-    f.__name__: f for f in (mlp_adam, cnn, lstm, attention, from_torch, dynamic, budget, bf16_saved)
+    f.__name__: f
+    for f in (
+        mlp_adam,
+        cnn,
+        lstm,
+        attention,
+        from_torch,
+        dynamic,
+        budget,
+        bf16_saved,
+        torch_bf16,
+        accumulate,
+        artifact,
+    )
 }
 
 
 def available() -> list[str]:
     """The programs this installation runs (from_torch needs the [torch] extra)."""
     has_torch = importlib.util.find_spec("torch") is not None
-    return [name for name in PROGRAMS if has_torch or name != "from_torch"]
+    return [name for name in PROGRAMS if has_torch or name not in ("from_torch", "torch_bf16")]
 
 
 def checked_row(name: str, scale: int, calls: int = 5) -> tuple[str, bool]:
