@@ -274,6 +274,9 @@ def test_half_precision_modules_import_in_their_dtype(dtype):
     assert params["0.weight"].dtype == np.dtype(dtype)
     out = fn(params, x.float().numpy().astype(np.dtype(dtype)))
     assert out.dtype == np.dtype(dtype)
+    # the torch input itself: a bfloat16 one has no NumPy view np.asarray takes (torch raised
+    # "Got unsupported ScalarType BFloat16"); it is read through DLPack
+    np.testing.assert_array_equal(fn(params, x).numpy(), out.numpy())
     ref = module(x).float().detach().numpy()
     ulp = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]  # per op rounding may differ
     np.testing.assert_allclose(out.numpy().astype(np.float32), ref, atol=4 * ulp * abs(ref).max())

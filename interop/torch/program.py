@@ -14,6 +14,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from backplan.tracer import ops
 from backplan.tracer import random as bp_random
+from backplan.tracer.dlpack import from_dlpack
 from backplan.tracer.source import at_location
 from backplan.tracer.tensor import Tensor
 
@@ -111,7 +112,7 @@ class ImportedGraph:
                 )
             return value
         shape, dtype = example
-        tensor = value if isinstance(value, Tensor) else ops.as_tensor(np.asarray(value))
+        tensor = value if isinstance(value, Tensor) else _as_tensor(value)
         if tensor.shape != shape or tensor.dtype != dtype:
             raise TorchImportError(
                 f"{self.owner}: input {i} is {tensor.dtype}{list(tensor.shape)}, the module "
@@ -214,3 +215,11 @@ def _example_type(node):
     if not isinstance(value, torch.Tensor):
         return value
     return tuple(value.shape), np.dtype(str(value.dtype).removeprefix("torch."))
+
+
+def _as_tensor(value) -> Tensor:
+    """An eager call's input: a torch tensor through DLPack (a bfloat16 one has no NumPy view
+    np.asarray could take), anything else through NumPy."""
+    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+        return from_dlpack(value)
+    return ops.as_tensor(np.asarray(value))
