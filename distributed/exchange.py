@@ -30,6 +30,7 @@ class Exchange:
         self.average = average
         self.started: list = []  # (bucket, buffer, request), in bucket order
         self.weight: float | None = None  # this rank's share of the rows, when ranks differ
+        self.weights: list[float] | None = None  # every rank's (the node's 16-bit sums)
         self.mpi = mpi_module()
         self.timeout = timeout  # seconds each wait may take (data_parallel(timeout=...))
         # every rank posts Arrivals in finish() when the step has a timeout (decided here:

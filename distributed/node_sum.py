@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .half_sum import BFLOAT16, CHUNK, FLOAT16, _widen_bfloat16, _widen_float16
+
 PLAIN, TIMES, DIVIDED = 0, 1, 2  # what is done to each sum: nothing, * factor, / factor
 
 
@@ -31,11 +33,7 @@ def sum_into(buffers: list[np.ndarray], out: np.ndarray, average: bool) -> None:
     """out = the sum of buffers (one per rank, at least two) in rank order, divided by their
     number when average (as rows.average_in_place divides)."""
     size = len(buffers)
-    how, factor = PLAIN, out.dtype.type(1)
-    if average:
-        power_of_two = size & (size - 1) == 0
-        how = TIMES if power_of_two else DIVIDED
-        factor = out.dtype.type(1.0 / size) if power_of_two else out.dtype.type(size)
+    how, factor = _averaging(size, average, out.dtype)
     if size == 2:
         _add(buffers[0], buffers[1], out, how, factor)
         return
@@ -43,3 +41,64 @@ def sum_into(buffers: list[np.ndarray], out: np.ndarray, average: bool) -> None:
     for buffer in buffers[2:-1]:
         out += buffer
     _add(out, buffers[-1], out, how, factor)
+
+
+@njit(nogil=True, cache=True)
+def _add_widened(bits, out, kind, first, weighted, weight, how, factor):
+    """out (float32) = bits widened to float32 (bfloat16 or float16 bit patterns, kind), times
+    weight when weighted (0 for a weight of 0: rows.scale_by_weight's fill), added to out
+    unless first, then * factor or / factor (how); in chunks widened into L1 scratch."""
+    words = np.empty(CHUNK, np.uint32)
+    values = words.view(np.float32)
+    for start in range(0, out.size, CHUNK):
+        m = min(CHUNK, out.size - start)
+        if kind == BFLOAT16:
+            _widen_bfloat16(bits[start : start + m], words[:m])
+        else:
+            _widen_float16(bits[start : start + m], words[:m])
+        for j in range(m):
+            v = values[j]
+            if weighted:
+                v = v * weight if weight != 0 else np.float32(0.0)
+            if not first:
+                v = out[start + j] + v
+            if how == TIMES:
+                v = v * factor
+            elif how == DIVIDED:
+                v = v / factor
+            out[start + j] = v
+
+
+def sum_widened_into(
+    buffers: list[np.ndarray], out: np.ndarray, half: str, average: bool, weights=None
+) -> None:
+    """out (float32) = the sum of buffers (each rank's bfloat16 or float16 bit patterns, uint16;
+    half: "bf16" or "f16") widened to float32, in rank order, each first scaled by its rank's
+    weight when ranks hold different rows (weights), divided by their number when average:
+    the bits of widening every rank's values, scaling them (rows.scale_by_weight), adding them
+    up and averaging (sum_into), with no float32 copy of any rank's bucket."""
+    size = len(buffers)
+    how, factor = _averaging(size, average, np.dtype(np.float32))
+    kind = BFLOAT16 if half == "bf16" else FLOAT16
+    for q, buffer in enumerate(buffers):
+        weight = np.float32(weights[q] if weights is not None else 1.0)
+        last = q == size - 1
+        _add_widened(
+            buffer,
+            out,
+            kind,
+            q == 0,
+            weights is not None,
+            weight,
+            how if last else PLAIN,
+            factor if last else np.float32(1.0),
+        )
+
+
+def _averaging(size: int, average: bool, dtype: np.dtype) -> tuple[int, object]:
+    """(how, factor) of rows.average_in_place's rounding for `size` ranks, in dtype."""
+    if not average:
+        return PLAIN, dtype.type(1)
+    if size & (size - 1) == 0:
+        return TIMES, dtype.type(1.0 / size)
+    return DIVIDED, dtype.type(size)

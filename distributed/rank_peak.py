@@ -184,17 +184,34 @@ def _wire_dtype(dtype: str, size: int) -> np.dtype:
     return dt if sent_in_16_bits(dtype, size) else summed_dtype(dt)
 
 
-def bucket_bytes(layout, in_plan: dict, size: int = 0) -> tuple[int, int, int]:
+def bucket_bytes(layout, in_plan: dict, size: int = 0, node: bool = False) -> tuple[int, int, int]:
     """(bytes of the buckets the driver writes the gradients into, bytes of the buffers packed
-    after the call, bytes of the 16-bit copies unpacked from float32 sums) on `size` ranks."""
+    after the call, bytes of the 16-bit copies unpacked from float32 sums) on `size` ranks;
+    node: summed in the node's window (16-bit buckets summed into float32 buffers there)."""
     inside = sum(b.nbytes for b in layout.buckets if b.index in in_plan)
     after = [b for b in layout.buckets if b.index not in in_plan]
-    wire = {b.index: _wire_dtype(b.dtype, size) for b in after}
+    wire = {
+        b.index: summed_dtype(np_dtype(b.dtype)) if node else _wire_dtype(b.dtype, size)
+        for b in after
+    }
     packed = sum(b.nbytes // np_dtype(b.dtype).itemsize * wire[b.index].itemsize for b in after)
     copies = sum(
         leaf.nbytes for b in after if wire[b.index] != np_dtype(b.dtype) for leaf in b.leaves
     )
     return inside, packed, copies
+
+
+def rounded_buckets(layout, in_plan: dict, size: int, node: bool) -> tuple[int, bool]:
+    """(bytes of the float32 sums of the buckets unpacked as 16-bit copies, which nothing
+    returned holds once unpacked; whether the loss is such a copy, not an array of its own)."""
+    after = [b for b in layout.buckets if b.index not in in_plan]
+    sums, loss = 0, False
+    for b in after:
+        wire = summed_dtype(np_dtype(b.dtype)) if node else _wire_dtype(b.dtype, size)
+        if wire != np_dtype(b.dtype):
+            sums += b.nbytes // np_dtype(b.dtype).itemsize * wire.itemsize
+            loss = loss or any(leaf.index == 0 for leaf in b.leaves)
+    return sums, loss
 
 
 def loss_bytes(layout) -> int:
@@ -232,13 +249,18 @@ def allreduce_call(
     plan (the most it holds: on a busy machine none completes before the step waits). window:
     this rank's segment of the node's shared window (shared_exchange.py), held from the first
     call on."""
-    inside, packed, copies = bucket_bytes(layout, in_plan, size)
+    inside, packed, copies = bucket_bytes(layout, in_plan, size, node=bool(window))
     in_flight = (inside + packed) if mpi_copies else 0
     loss = loss_bytes(layout)
     batch = plan.inputs - params
     up_kept = update.kept if update is not None else 0
     buckets = inside + packed
-    kept = loss if update is not None else buckets + copies + loss  # what the loop still binds
+    # what the loop still binds: the gradients (views of the buckets, or the 16-bit copies
+    # rounded from float32 sums, which then hold no sum) and the loss (its own array, or one
+    # of those copies); with an optimizer the loss alone
+    rounded, loss_rounded = rounded_buckets(layout, in_plan, size, bool(window))
+    loss_own = 0 if loss_rounded else loss
+    kept = loss if update is not None else buckets - rounded + copies + loss_own
     kept = 0 if first else kept
     caller = dict(parameters=params, batch=batch, optimizer_state=state, previous_results=kept)
     arenas = dict(plan_arena=plan.kept, update_arena=up_kept, node_window=window)
@@ -287,13 +309,13 @@ def allreduce_call(
             _phase(
                 "the update runs",
                 **after,
-                loss=loss,
+                loss=loss_own,
                 update_outputs=update.outputs,
                 workspace=update.workspace,
             )
         )
     else:
-        phases.append(_phase("the sums are unpacked", **after, loss=loss))
+        phases.append(_phase("the sums are unpacked", **after, loss=loss_own))
     # between calls the loop holds this call's results in place of the last ones; the driver
     # keeps its bucket buffers (reused when the loop holds no gradient of them), the plan's
     # workspace its big outputs

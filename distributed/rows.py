@@ -55,6 +55,12 @@ def row_weight(comm, lengths: tuple[int, ...], args, kwargs, argnums) -> float |
     """This rank's share of the global batch, n_rank / sum of n (None: no argument's length
     differs); the same verdict on every rank (all of them gather the same lengths), so a
     refusal is raised everywhere together."""
+    weights = row_weights(comm, lengths, args, kwargs, argnums)
+    return None if weights is None else weights[comm.Get_rank()]
+
+
+def row_weights(comm, lengths: tuple[int, ...], args, kwargs, argnums) -> list[float] | None:
+    """Every rank's share of the global batch (row_weight's, in rank order), or None."""
     gathered = comm.allgather(lengths)
     rows = ranks_rows(gathered, lambda j: _path(args, kwargs, argnums, j))
     if rows is None:
@@ -62,7 +68,7 @@ def row_weight(comm, lengths: tuple[int, ...], args, kwargs, argnums) -> float |
     total = sum(rows)
     if total == 0:
         raise RankMismatchError("every rank passed a batch of 0 rows: there is no mean to take")
-    return rows[comm.Get_rank()] / total
+    return [n / total for n in rows]
 
 
 def ranks_rows(gathered: list[tuple[int, ...]], path_of) -> list[int] | None:

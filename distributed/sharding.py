@@ -196,6 +196,7 @@ class ShardedExchange:
         self.average = average
         self.timeout = timeout
         self.weight: float | None = None
+        self.weights: list[float] | None = None
         self.mpi = mpi_module()
         key = ("groups", layout.fingerprint, world.size)
         if key not in self.pool:  # the same for every call of the signature

@@ -20,16 +20,17 @@ import numpy as np
 from backplan.ir.types import np_dtype
 
 from .exchange import Exchange
-from .half_wire import summed_dtype
+from .half_wire import as_bits, summed_dtype
 from .in_plan import bucket_slots
 from .node_agreement import agreement_window
-from .node_sum import sum_into
+from .node_sum import sum_into, sum_widened_into
 from .node_window import READY, CounterRequest, NodeWindow, resident_bytes, segment_bytes, share
 from .rank_peak import counted
 from .rows import scale_by_weight
 
 REDUCTION_VARIABLE = "BACKPLAN_DP_REDUCTION"  # "shared" or "mpi"; unset: shared on one node
 _nodes: dict = {}  # id(comm) -> (comm, whether its ranks map each other's shared memory)
+HALVES = ("bf16", "f16")  # IR dtypes whose buckets the window holds as bit patterns
 PROBE = b"backplan node probe"  # written in each rank's probe segment, compared by the others
 
 
@@ -66,10 +67,19 @@ def previewed(decided: str | None, size: int) -> str:
     return "shared" if wanted == "shared" and size > 1 else "mpi"
 
 
-def _buckets(layout) -> tuple[list[int], list[np.dtype]]:
-    """Elements and the dtype they are summed in (float32 for 16-bit) of each bucket."""
+def _buckets(layout, accumulated: bool = False) -> tuple[list[int], list[np.dtype]]:
+    """Elements and window dtype of each bucket: a 16-bit bucket's bit patterns (uint16: the
+    plan writes them there, the sum widens them, node_sum.sum_widened_into), or float32 where
+    it holds accumulated float32 sums; other dtypes their own."""
     counts = [b.nbytes // np_dtype(b.dtype).itemsize for b in layout.buckets]
-    return counts, [summed_dtype(np_dtype(b.dtype)) for b in layout.buckets]
+    dtypes = [_window_dtype(b.dtype, accumulated) for b in layout.buckets]
+    return counts, dtypes
+
+
+def _window_dtype(dtype: str, accumulated: bool) -> np.dtype:
+    if dtype in HALVES and not accumulated:
+        return np.dtype(np.uint16)
+    return summed_dtype(np_dtype(dtype))
 
 
 def window_bytes(layout) -> int:
@@ -93,18 +103,20 @@ def _window(exchange) -> NodeWindow:
     found = exchange.windows.get((exchange.layout.fingerprint,))  # no sizes to work out
     if found is not None:
         return found
-    return node_window(exchange, (exchange.layout.fingerprint,), *_buckets(exchange.layout))
+    sizes = _buckets(exchange.layout, exchange.accumulated)
+    return node_window(exchange, (exchange.layout.fingerprint,), *sizes)
 
 
 class WindowOutputs:
-    """Per compiled joint plan: the float32 and float64 buckets whose every leaf is an output
-    buffer of its own (in_plan.bucket_slots), which a call has the plan write straight into
-    this rank's window buffers of the call, so that _start has nothing to copy."""
+    """Per compiled joint plan: the float32, float64, bfloat16 and float16 buckets (16-bit ones
+    as their bit patterns) whose every leaf is an output buffer of its own (in_plan.
+    bucket_slots), which a call has the plan write straight into this rank's window buffers of
+    the call, so that _start has nothing to copy (used by steps that do not accumulate)."""
 
     def __init__(self, compiled, layout):
         self.compiled = compiled
         self.buckets, self.slots, self.buffers = bucket_slots(
-            compiled, layout, lambda dtype: dtype in ("f32", "f64")
+            compiled, layout, lambda dtype: dtype in ("f32", "f64", *HALVES)
         )
 
     def run(self, windows: dict, layout, arrays: list) -> list | None:
@@ -137,6 +149,8 @@ class SharedRequest(CounterRequest):
 
     def __init__(self, window: NodeWindow, k: int, call: int, out: np.ndarray, average: bool):
         self.window, self.index, self.call, self.out, self.average = window, k, call, out, average
+        self.half: str | None = None  # a 16-bit bucket's IR dtype: its buffers hold bit patterns
+        self.weights: list[float] | None = None  # every rank's, applied as the sum widens
         self.parity = call % 2
         self.complete = False
 
@@ -150,7 +164,11 @@ class SharedRequest(CounterRequest):
 
     def _sum(self) -> None:
         w, k = self.window, self.index
-        sum_into([w.buffer(q, k, self.parity) for q in range(w.size)], self.out, self.average)
+        buffers = [w.buffer(q, k, self.parity) for q in range(w.size)]
+        if self.half is not None:  # bit patterns, widened as they are added
+            sum_widened_into(buffers, self.out, self.half, self.average, self.weights)
+        else:
+            sum_into(buffers, self.out, self.average)
 
 
 class SharedExchange(Exchange):
@@ -162,21 +180,25 @@ class SharedExchange(Exchange):
         window.written[k] += 1
         call = window.written[k]
         mine = window.buffer(window.rank, k, call % 2)
+        bits = mine.dtype == np.uint16  # a 16-bit bucket's bit patterns (_window_dtype)
         offset = 0
         for leaf in bucket.leaves:
             value = np.asarray(array_of(leaf)).ravel()
             place = mine[offset : offset + value.size]
             if value.ctypes.data != place.ctypes.data:  # not written there by the plan
-                place[...] = value  # 16-bit values widen to float32 here
+                place[...] = as_bits(value) if bits else value  # accumulated: f32 sums
             offset += value.size
-        if self.weight is not None:
+        if self.weight is not None and not bits:  # (16-bit: every rank's, in the sum)
             scale_by_weight(mine, self.weight)
         window.mark(READY, k, call)
-        out = counted(np.empty(mine.size, mine.dtype), f"bucket {k}")
+        out = counted(np.empty(mine.size, np.float32 if bits else mine.dtype), f"bucket {k}")
         average = self.average and self.weight is None
         if average:
             self.averaged.add(k)  # folded into the sum
-        self.started.append((bucket, out, SharedRequest(window, k, call, out, average)))
+        request = SharedRequest(window, k, call, out, average)
+        if bits:
+            request.half, request.weights = bucket.dtype, self.weights
+        self.started.append((bucket, out, request))
 
     def progress(self) -> None:
         for _, _, request in self.started:

@@ -38,7 +38,7 @@ from .layout import Layout, build_layout
 from .node_agreement import NodeAgreement
 from .rank_peak import PlanFacts, allreduce_peak
 from .report import DataParallelReport
-from .rows import batch_lengths, lengths_digest, row_weight
+from .rows import batch_lengths, lengths_digest, row_weights
 from .segments import run_segments, split_plan
 from .sharded_outputs import ShardedWindowOutputs
 from .shared_exchange import (
@@ -224,14 +224,16 @@ class DataParallelStep:
         return exchange, None, aux
 
     @staticmethod
-    def _agreed(exchange, weight) -> None:
-        exchange.weight, exchange.agreed = weight, True
+    def _agreed(exchange, weights) -> None:
+        """Note the call agreed; weights: every rank's share of the rows (None: equal)."""
+        exchange.weights, exchange.agreed = weights, True
+        exchange.weight = None if weights is None else weights[exchange.world.rank]
 
     def _finish_agreement(self, world, exchange, lengths, args, kwargs) -> None:
         """Wait for the agreement the call posted early (_agree_finish) and note it done."""
         agreeing, exchange.agreement = exchange.agreement, None  # waited for once, come what may
-        weight = self._agree_finish(world, exchange.layout, agreeing, lengths, args, kwargs)
-        self._agreed(exchange, weight)
+        weights = self._agree_finish(world, exchange.layout, agreeing, lengths, args, kwargs)
+        self._agreed(exchange, weights)
 
     def _failed(self, world, exchange, error, lengths, args, kwargs) -> None:
         """This rank's call raised `error` after posting its agreement (or after the agreement):
@@ -606,22 +608,22 @@ class DataParallelStep:
         nums = self.fn.argnums
         return args[nums] if isinstance(nums, int) else tuple(args[i] for i in nums)
 
-    def _agree(self, world: World, exchange, lengths, args, kwargs) -> float | None:
+    def _agree(self, world: World, exchange, lengths, args, kwargs) -> list[float] | None:
         """One 64-byte maximum over the ranks per call (MPI's allreduce, or on one node the
         communicator's agreement window, node_agreement.py): max of (fingerprint, -fingerprint)
         equals this rank's own pair on every rank only when all fingerprints are equal; the
         same for the digest of the batch arguments' lengths and for the step's kind (exchange,
         average, accumulate).
         On a mismatch every rank gathers what differs and raises the same error, before any
-        gradient moves. Returns this rank's share of the global batch when ranks hold different
+        gradient moves. Returns every rank's share of the global batch when ranks hold different
         numbers of rows (None when all hold the same). The fifth number says whether a rank
         failed before agreeing (_failed_before_agreement); the sixth whether a rank starts its
         buckets after its call (exchange.all_inside: whether every rank's driver starts them,
         in the driver's order)."""
         agreeing = self._agree_start(world, exchange.layout, lengths, exchange)
-        weight = self._agree_finish(world, exchange.layout, agreeing, lengths, args, kwargs)
+        weights = self._agree_finish(world, exchange.layout, agreeing, lengths, args, kwargs)
         exchange.all_inside = not agreeing[1][OUTSIDE]
-        return weight
+        return weights
 
     def _agree_start(self, world: World, layout, lengths, exchange=None, failed=False) -> tuple:
         """Post the agreement's allreduce (non-blocking); _agree_finish waits for it. failed:
@@ -665,7 +667,7 @@ class DataParallelStep:
             )
         if (highest[2:4] == mine[2:4]).all() or not self.average:
             return None
-        return row_weight(world.comm, lengths, args, kwargs, self.fn.argnums)
+        return row_weights(world.comm, lengths, args, kwargs, self.fn.argnums)
 
     def _settings(self, exchange) -> dict:
         """What every rank's step must share beyond the layout."""

@@ -741,6 +741,45 @@ def test_the_node_sum_adds_and_averages_in_one_pass_to_numpys_bits(dtype):
             assert n < 2 or not (got == buffers[0]).all()  # it did write
 
 
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+def test_the_node_sum_of_16_bit_buckets_widens_as_it_adds_to_the_float32_sums_bits(half):
+    """node_sum.sum_widened_into (the node's sum of a 16-bit bucket held as bit patterns in the
+    window) gives the bits of widening every rank's values to float32, scaling each by its
+    rank's weight (rows.scale_by_weight, 0 for a rank of 0 rows), adding them in rank order and
+    averaging (rows.average_in_place), on 2 to 4 ranks, every 16-bit pattern (NaN, infinities,
+    subnormals) at random; where two ranks both hold a NaN only NaN-ness is compared (which
+    payload an addition of two NaNs keeps is the compiled loop's operand order)."""
+    from backplan.distributed.node_sum import sum_widened_into
+    from backplan.distributed.rows import average_in_place, scale_by_weight
+    from backplan.ir.types import np_dtype
+
+    dtype = np_dtype(half)
+    rng = np.random.default_rng(11)
+    for size in (2, 3, 4):
+        for n in (0, 1, 4097, 9001):  # across the widening's 4096-element chunks
+            bits = [rng.integers(0, 1 << 16, n, dtype=np.uint16) for _ in range(size)]
+            cases = [(None, False), (None, True), ([0.0] + [1 / (size - 1)] * (size - 1), False)]
+            cases.append(([0.25, 0.75] + [0.0] * (size - 2), False))
+            for weights, average in cases:
+                wide = [b.view(dtype).astype(np.float32) for b in bits]
+                with np.errstate(all="ignore"):
+                    if weights is not None:
+                        for w, values in zip(weights, wide, strict=True):
+                            scale_by_weight(values, w)
+                    want = np.add(wide[0], wide[1])
+                    for values in wide[2:]:
+                        want += values
+                    if average:
+                        average_in_place(want, size)
+                got = np.full(n, 3.0, np.float32)
+                sum_widened_into(bits, got, half, average, weights)
+                nan = np.isnan(got) & np.isnan(want)
+                same = (got.view(np.uint32) == want.view(np.uint32)) | nan
+                assert same.all(), (size, n, weights, average, got[~same][:4], want[~same][:4])
+                several = sum(np.isnan(w) for w in wide) > 1  # NaN + NaN: payload unspecified
+                assert (got.view(np.uint32) == want.view(np.uint32))[~several].all()
+
+
 @needs_mpi
 def test_the_compiled_step_starts_16_bit_buckets_itself_on_two_ranks(tmp_path):
     """On two ranks a bfloat16 or float16 bucket is summed by the step's own MPI operation, so
@@ -1039,6 +1078,78 @@ def test_the_compiled_plan_writes_its_gradients_into_the_node_window(tmp_path):
         ),
         backend="numba",
         timeout=300,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
+def test_16_bit_buckets_are_written_into_the_window_in_16_bits_and_summed_widening(tmp_path):
+    """bfloat16 and float16 buckets: the window holds their bit patterns, the compiled plan
+    writes them there from the second call (nothing copied, nothing widened to a float32 copy),
+    and the sum widens every rank's values to float32 as it adds them (each scaled by its
+    rank's weight when ranks hold different rows), rounded once when unpacked: the bits of
+    MPI's path (16 bits on the wire, or float32 sums of scaled values for unequal rows),
+    averaged or summed; the checked mode's peak equals explain's on every call."""
+    result = run_script(
+        tmp_path,
+        SUMMED_BOTH_WAYS
+        + textwrap.dedent(
+            """
+        import ml_dtypes
+        from backplan.codegen.run.memory_check import measure
+        from backplan.distributed.shared_exchange import WindowOutputs
+        written, copied = [], []
+        run = WindowOutputs.run
+        WindowOutputs.run = lambda self, *a: (lambda out: written.append(out is not None) or out)(
+            run(self, *a))
+        def counting(self, bucket, array_of):
+            window = self.windows.get((self.layout.fingerprint,))
+            if window is not None:
+                mine = [window.buffer(rank, bucket.index, p) for p in (0, 1)]
+                assert mine[0].dtype == np.uint16, mine[0].dtype
+                inside = lambda a: any(b.ctypes.data <= np.asarray(a).ctypes.data
+                                       < b.ctypes.data + b.nbytes for b in mine)
+                copied.append(sum(not inside(array_of(leaf)) for leaf in bucket.leaves))
+            return original(self, bucket, array_of)
+        SharedExchange._start = counting
+        for half in (ml_dtypes.bfloat16, np.float16):
+            params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
+                                    for k, v in init_mlp([8, 15, 4], seed=5).items()})
+            for average in (True, False):
+                for rows in ((0, 10), (0, 5 + 2 * rank)):  # equal, then 5 and 7 rows
+                    xs = bp.tensor(bpd.shard(x, rank, size)[slice(*rows)].astype(half))
+                    ys = bp.tensor(bpd.shard(y, rank, size)[slice(*rows)])
+                    def calls(step):
+                        out = [step(params, xs, ys)]
+                        copied.clear()  # call 1 made the window: its buckets were copied in
+                        out += [step(params, xs, ys) for _ in range(2)]
+                        return [(o[0].item(), arrays(o[1])) for o in out], list(copied)
+                    written.clear()
+                    (shared, inside), (mpi, _) = both(
+                        lambda: bpd.data_parallel(vg, bucket_bytes=300, average=average), calls)
+                    assert written == [False, True, True], written
+                    assert inside and not any(inside), inside  # calls 2, 3: by the plan
+                    for (l1, g1), (l2, g2) in zip(shared, mpi):
+                        assert l1 == l2, (half, average, rows, l1, l2)
+                        same_bits(g1, g2, (half, average, rows))
+                        assert all(g.dtype == half for g in g1.values())
+            os.environ["BACKPLAN_DP_REDUCTION"] = "shared"
+            step = bpd.data_parallel(vg, bucket_bytes=300)
+            with measure() as m:
+                peaks = []
+                for _ in range(3):
+                    m.restart_peak()
+                    loss, grads = step(params, xs, ys)  # held, as a loop holds them
+                    peaks.append(m.peak)
+            peak = step.explain(params, xs, ys).rank_peak
+            assert peaks == [peak.first_call.counted_bytes] + [peak.counted_bytes] * 2, (
+                half, peaks, peak.first_call.counted_bytes, peak.counted_bytes)
+        print(f"rank {rank} ok")
+        """
+        ),
+        backend="numba",
+        timeout=300,
+        env={"BACKPLAN_CHECK_MEMORY": "1"},
     )
     assert_ranks_ok(result)
 
