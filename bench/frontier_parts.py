@@ -32,6 +32,7 @@ PARTS = (
     ("strided copies", "lowering", "copy_strided_reshapes", 2),
     ("fusion grouping", "lowering", "group_kernels", 2),
     ("cheap inputs recomputed", "fusion", "_recompute_cheap_inputs", 3),
+    ("state resumed where rows share nodes", "grouping_resume", "resumed_state", 3),
     ("buffers needed", "lowering", "materialized", 2),
     ("epilogues", "lowering", "absorb_epilogues", 2),
     ("row runs", "lowering", "row_runs", 2),

@@ -87,6 +87,7 @@ _WHERE = {
     "pipeline": "backplan.ir.pipeline",
     "lowering": "backplan.ir.lowering",
     "layout": "backplan.ir.layout",
+    "grouping_resume": "backplan.ir.grouping_resume",
     "peak_module": "backplan.ir.peak",
     # the op registry: a reference implementation to check a kernel against (and to sum
     # otherwise: half_ulps.py --floor)
