@@ -10,7 +10,6 @@ broadcast) only move the offset and change shape and strides.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from backplan.ir.fusion import internal_shape
@@ -25,11 +24,10 @@ class Placement:
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # elements
 
-    @functools.cached_property
+    @property
     def contiguous(self) -> bool:
-        """C-contiguous: the view is base[offset:offset + size].reshape(shape). Worked out once
-        per placement (a loop's collapse asks it per access and dimension: ~800 times a
-        transformer's rendering)."""
+        """C-contiguous: the view is base[offset:offset + size].reshape(shape). (A loop's
+        accesses ask it once each: loops.Access.strided.)"""
         if 0 in self.shape:
             return True
         expected = 1
