@@ -7,8 +7,9 @@ along axis 1" (a[::-1] of a C-ordered array). Any other view whose root (the arr
 of its .base chain) is C-ordered is "sliced" (a[:, ::2], a column slice a[:, :3], every other
 row, mixed kinds): a slice of a C-ordered span of that root, its axes then permuted and
 broadcast (the word names the slice, the span's shape, the order and whether it broadcasts, so
-a plan is exact for it). Any other ("strided": a view of a torch tensor, overlapping strides,
-strides not in whole items) is copied whole into C order at every call of a plan that takes it
+a plan is exact for it), where the span is at most SPAN_LIMIT times the view's elements. Any
+other ("strided": a view of a torch tensor, overlapping strides, strides not in whole items,
+a view that is mostly gaps) is copied whole into C order at every call of a plan that takes it
 (codegen/run/compiled.py `contiguous`), a copy the step's peak counts (ir/peak.py, category
 "copies"). The signature keys on the layout (tracer/signature.py): a plan made for one is never
 reused for another (a slice at another place of its root can be another word: its span shifts).
@@ -48,6 +49,10 @@ BROADCAST = "broadcast over"
 REVERSED = "reversed along"
 PERMUTED = "axes permuted"  # "axes permuted (1, 0, 2)": a.transpose(1, 0, 2) of a C array
 STRIDED = "strided"  # any other view: copied into C order at every call
+# a view is read as a slice of its span only where the span holds at most this many times its
+# elements: the first call's tensor and a NumPy argument saved for backward copy the span, and
+# `inputs` counts it (a column a[:, :1] of a 4096-wide array would copy 4096 times its bytes)
+SPAN_LIMIT = 2
 SLICED = "sliced"  # "sliced [0:4:1, 1:3:1] of a 4 x 6 array, axes (1, 0), broadcast"
 
 
@@ -239,6 +244,8 @@ def _sliced_word(shape: tuple, strides: tuple, item: int, offset: int, nbytes: i
             return None
     else:
         span, steps = [], []
+    if math.prod(span) > SPAN_LIMIT * math.prod(d):
+        return None  # mostly gaps: copying the view costs less than holding or copying its span
     # the lowest element's byte offset in the root; the span's shift back from it (elements)
     low = offset + sum((shape[k] - 1) * strides[k] for k in real if strides[k] < 0)
     extent = math.prod(span) * item
