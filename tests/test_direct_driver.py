@@ -659,3 +659,37 @@ def test_a_loop_whose_source_cannot_be_read_is_called_by_address(direct, monkeyp
     assert returned and all(r is None for r in returned)
     for python_run, built in zip(results[0], results[1], strict=True):
         np.testing.assert_array_equal(built, python_run)
+
+
+def gemm_bound_loss(w, x):
+    return bp.mean(bp.tanh(x @ w) ** 2)
+
+
+@pytest.mark.parametrize(("rows", "runs_direct"), [(128, True), (4096, False)])
+def test_a_gemm_bound_step_skips_the_compiled_driver_but_runs_the_direct_one(
+    direct, rows, runs_direct
+):
+    # A 512-wide GEMM step's Python-run driver costs under 5% of it (no compiled driver
+    # build) but over 1% (driver_tier.DIRECT_WORTH_FRACTION) at 128 rows: the second call
+    # emits the direct driver in the process; at 4,096 rows Python's share is under 1% and
+    # calls stay Python. Either way nothing is built beside the steps, the values the same.
+    rng = np.random.default_rng(2)
+    w = bp.tensor((0.05 * rng.standard_normal((512, 512))).astype(np.float32))
+    x = bp.tensor(rng.standard_normal((rows, 512)).astype(np.float32))
+    with use_backend("numba"):
+        step = bp.value_and_grad(bp.compile(gemm_bound_loss))
+        results, tiers = [], []
+        for _ in range(3):
+            results.append(result_arrays(step(w, x)))
+            tiers.append(only_plan(step, (w, x)).driver_tier)
+        plan = only_plan(step, (w, x))
+    assert direct == [] and "under 5% of a step" in plan.driver_skipped
+    assert tiers == ["python"] + ["direct" if runs_direct else "python"] * 2
+    assert plan.wait_for_driver(timeout=0) is runs_direct  # nothing is coming either way
+    for later in results[1:]:
+        for got, first in zip(later, results[0], strict=True):
+            np.testing.assert_array_equal(got, first)
+    with use_backend("reference"):
+        expected = result_arrays(bp.value_and_grad(gemm_bound_loss)(w, x))
+    for got, want in zip(results[-1], expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)

@@ -43,6 +43,12 @@ MODES = ("background", "inline", "reference", "python")
 PYTHON_STATEMENT_SECONDS = 4e-6
 FLOPS_PER_SECOND = 100e9
 WORTH_FRACTION = 0.05  # a compiled driver is built when it would save more of a step than this
+# The direct driver (codegen/build/direct_driver.py) is emitted in the second call in a tenth of
+# a second, in the process, with no build beside the steps: it is worth more than this share.
+# The mlp bench step (784-512-512-10, batch 128, one pinned Zen 5 core) ran 2.07 ms a step with
+# its Python-run driver against 1.90 direct and 1.91 compiled (thread CPU, interleaved; the
+# compiled driver's 5% rule had skipped it: its GEMMs run at 250 GFLOP/s, not 100).
+DIRECT_WORTH_FRACTION = 0.01
 AT_EXIT_MODES = ("kill", "finish")
 TIERS = ("reference", "python", "direct", "compiled")  # what runs a plan's calls, slowest first
 
@@ -62,19 +68,24 @@ def driver_mode(background: bool | None = None) -> str:
     return mode
 
 
-def worth_compiling(statements: int, flops: float) -> bool:
+def worth_compiling(statements: int, flops: float, fraction: float = WORTH_FRACTION) -> bool:
     """Whether a compiled driver would make a step noticeably faster than running the driver
-    as Python: a small step (mlp_tiny, an unrolled LSTM) spends most of its time in Python
-    between kernels, a big one (a 784-512-512 MLP, a transformer block) almost none, and there
-    a background build would only take a core from the steps for seconds to minutes.
+    as Python (by more than `fraction` of it): a small step (mlp_tiny, an unrolled LSTM) spends
+    most of its time in Python between kernels, a big one (a transformer block) almost none,
+    and there a background build would only take a core from the steps for seconds to minutes.
+    The direct driver, emitted in a tenth of a second, is worth a smaller share.
 
     >>> worth_compiling(26, 651_264)  # mlp_tiny's training step
     True
     >>> worth_compiling(27, 513_000_000)  # the 784-512-512-10 MLP at batch 128
     False
+    >>> worth_compiling(27, 513_000_000, DIRECT_WORTH_FRACTION)  # ... its direct driver
+    True
+    >>> worth_compiling(27, 20_000_000_000, DIRECT_WORTH_FRACTION)
+    False
     """
     saved = statements * PYTHON_STATEMENT_SECONDS
-    return saved > WORTH_FRACTION * (saved + flops / FLOPS_PER_SECOND)
+    return saved > fraction * (saved + flops / FLOPS_PER_SECOND)
 
 
 def at_exit_mode() -> str:

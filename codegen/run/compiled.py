@@ -140,7 +140,9 @@ def switch_line(label: str, was: str, seconds: float) -> str:
     return f"{label}: compiled driver ready after {seconds:.1f} s"
 
 
-def driver_worth_compiling(plan: Plan, statements: int) -> bool:
+def driver_worth_compiling(
+    plan: Plan, statements: int, fraction: float = driver_tier.WORTH_FRACTION
+) -> bool:
     """driver_tier.worth_compiling of the step's estimated arithmetic (ir/flops.py), summed
     only until it says no: more arithmetic never makes a compiled driver worth more (the whole
     sum was 0.18 ms of a transformer's first call at every new batch size)."""
@@ -148,9 +150,9 @@ def driver_worth_compiling(plan: Plan, statements: int) -> bool:
     for node in plan.graph.nodes:
         if node.op in OPS:
             flops += node_flops(node)
-            if not driver_tier.worth_compiling(statements, flops):
+            if not driver_tier.worth_compiling(statements, flops, fraction):
                 return False
-    return driver_tier.worth_compiling(statements, flops)
+    return driver_tier.worth_compiling(statements, flops, fraction)
 
 
 def source_calls(source: str, shared: dict | None) -> tuple[bool, bool, bool]:
@@ -268,7 +270,13 @@ class CompiledPlan:
                 self._background = mode == "background" and driver_worth_compiling(
                     plan, generated.driver_statements
                 )
-                self._direct = self._background and direct_driver.enabled()
+                self._direct = direct_driver.enabled() and (
+                    self._background
+                    or mode == "background"
+                    and driver_worth_compiling(
+                        plan, generated.driver_statements, driver_tier.DIRECT_WORTH_FRACTION
+                    )
+                )
                 if mode == "background" and not self._background:
                     self.driver_skipped = "a compiled driver would save under 5% of a step"
         if not self._background:
@@ -711,7 +719,7 @@ class CompiledPlan:
         args: the inputs of a call. True when the build starts; calls switch once it is loaded
         (wait_for_driver)."""
         with self._build_lock:
-            if self.driver_skipped is None or self.driver_tier != "python":
+            if self.driver_skipped is None or self.driver_tier not in ("python", "direct"):
                 return False
             self.driver_skipped = None
             self._background = True
@@ -780,6 +788,8 @@ class CompiledPlan:
                 self._first_of_sizes(arguments),
             )
             self.direct_seconds = time.perf_counter() - start
+            if driver is None and self.driver_skipped is not None:
+                return  # no compiled driver worth its build either: calls stay Python
             if driver is None:
                 with self._build_lock:
                     self._background = True
