@@ -254,6 +254,7 @@ class CompiledPlan:
             mode = "python"  # a build hands its driver over through the folder: none can
         self._build_lock = threading.Lock()
         self._direct = False  # whether the second call builds the direct driver
+        self._compiled_coming = False  # build_skipped_driver started the compiled driver's build
         self._direct_pending = None  # (its arguments, the plan's label) until it does
         self._direct_places = frozenset()  # what it reads when it runs (_generic_places)
         self._direct_lock = threading.Lock()
@@ -723,6 +724,8 @@ class CompiledPlan:
                 return False
             self.driver_skipped = None
             self._background = True
+            self._compiled_coming = True  # a direct driver built meanwhile does not end the wait
+            self._direct_pending = None  # nor is one needed: the compiled driver is coming
             self._driver_ready.clear()
         self._start_build(lambda: self._argument_types(list(args)), plan_label(self.plan.graph))
         return True
@@ -806,6 +809,8 @@ class CompiledPlan:
             if self.driver_tier == "python":
                 self._run = driver
                 self.driver_tier = "direct"
+            if self._compiled_coming:  # build_skipped_driver's build: wait_for_driver waits it
+                return
         self._driver_ready.set()
 
     def _build_driver(self, types: list, label: str) -> None:
