@@ -28,6 +28,7 @@ from .liveness import Plan, plan_liveness
 from .rounding_points import reference_plan, rounding_points
 from .row_local import row_local_values
 from .strided_copies import copy_strided_reshapes
+from .wide_reads import reads_wide_copies, wide_copies_read_as_is
 from .widen import has_half, widen_with_origin
 
 RUN_KINDS = ("loop", "op")  # kernels that run code; views, aliases and literals cost nothing
@@ -208,6 +209,11 @@ def _prepared(plan: Plan, earlier: tuple | None = None, found: list | None = Non
         plan.shared, plan.copied = shared, copied
         sources = {}
     interpreted = plan
+    if sources is None and reads_wide_copies(plan.graph):  # float32 read by float64 GEMMs
+        graph, origin = wide_copies_read_as_is(plan.graph)
+        shared, copied = plan.shared, plan.copied
+        plan = plan_liveness(graph, plan.donated)
+        plan.shared, plan.copied = shared, copied
     plan, origin = read_in_place(plan, origin, sources)  # F-order arguments: no copy
     later = None if sources is None else {}
     graph, origin = copy_strided_reshapes(plan.graph, origin, later, earlier, found)

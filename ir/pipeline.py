@@ -39,6 +39,7 @@ from .attention_fusion import fuse_attention
 from .autodiff import append_gradients, backward_graph, reaching_inputs
 from .errors import BackplanError
 from .graph import Graph, Value, carry_reasons
+from .layout import storage_root
 from .liveness import Plan, plan_liveness
 from .lowering import lower, stored_values
 from .passes import (
@@ -541,8 +542,9 @@ def narrow_saved(plans: RegionPlans, options: PipelineOptions, log: PassLog) -> 
     narrowed = replace(plans, forward=forward, backward=backward, saved=slots)
     for candidate in (plans, narrowed):  # before lowering: the lowering is kept with the plans
         mark_copied(candidate, options.copied)
-    peak = predicted_peak_bytes(region_calls(narrowed))
-    full_peak = predicted_peak_bytes(region_calls(plans))
+    kept = _outputs_kept(plans)  # the same for both: it only moves where the peak falls
+    peak = predicted_peak_bytes(region_calls(narrowed), kept=kept)
+    full_peak = predicted_peak_bytes(region_calls(plans), kept=kept)
     if peak < full_peak:
         narrowing = HeldNarrowing(options.saved_dtype, offered, offered, peak, full_peak, peak)
         return replace(narrowed, narrowing=narrowing)
@@ -550,6 +552,25 @@ def narrow_saved(plans: RegionPlans, options: PipelineOptions, log: PassLog) -> 
         options.saved_dtype, offered, 0, full_peak, full_peak, peak, alternative=narrowed
     )
     return replace(plans, narrowing=narrowing)
+
+
+def _outputs_kept(plans: RegionPlans) -> int:
+    """Bytes of the user's outputs a loop keeps bound while the next call's forward runs
+    (report/loop_peak.py kept_output_bytes, for a function that returns them all): each
+    output's own buffer once, not an input or a literal."""
+    graph = plans.forward.graph
+    seen, kept = set(), 0
+    donated = [graph.inputs[i].type for i in plans.forward.donated]
+    for value in graph.outputs[: plans.n_outputs]:
+        if value.type in donated:  # passed back in: the next call's argument
+            donated.remove(value.type)
+            continue
+        root = storage_root(value)
+        if root in seen or root in graph.inputs or root.op in ("const", "full"):
+            continue
+        seen.add(root)
+        kept += root.type.nbytes
+    return kept
 
 
 def joint_plan(stage: Stage, options: PipelineOptions, log: PassLog):

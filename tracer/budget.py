@@ -453,13 +453,14 @@ class BudgetPlanner:
 
     def _narrowing_peaks(self, narrowing) -> tuple[int, int]:
         """(the peak of the plans that run, the one the narrowed plans would reach), both
-        counted as step_peak_bytes counts (the previous call's results held; the copies of
-        NumPy arguments held for backward, the same in both, are explain's alone)."""
+        counted as step_peak_bytes counts (the previous call's results held, and the copies
+        of NumPy arguments the backward reads)."""
         kept = self.kept_bytes()
         if narrowing.alternative is None:  # one plan: its results are held throughout
             return narrowing.full_peak + kept, narrowing.narrowed_peak + kept
         mine = self.evaluate_default(plans=False).peak_bytes
-        return mine, step_peak_bytes(narrowing.alternative, self.not_kept, kept)
+        alternative = narrowing.alternative
+        return mine, step_peak_bytes(alternative, self.not_kept, kept, self.numpy_inputs)
 
     def _narrowing(self):
         """What saved_dtype narrowed in the plans that run (ir/saved_dtype.py HeldNarrowing;

@@ -219,11 +219,17 @@ def reads_16_bits(node: Value) -> bool:
     return any(is_half(i.dtype) for i in node.inputs)
 
 
+def reads_mixed(node: Value) -> bool:
+    """Whether a matmul reads operands of two dtypes (ir/widen.py, ir/wide_reads.py), which
+    only backplan's GEMM takes."""
+    return len({i.dtype for i in node.inputs}) > 1
+
+
 def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     """Whether backplan's GEMM computes this matmul (else BLAS):
     codegen/kernels/gemm/choice.py. Always for bfloat16 and float16 operands (ir/widen.py
     leaves them unwidened for it, and a bfloat16 one beside a float32 one): BLAS has neither."""
-    if reads_16_bits(node):
+    if reads_16_bits(node) or reads_mixed(node):
         return decide("own_gemm", True)
 
     def own() -> bool:

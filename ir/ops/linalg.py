@@ -12,6 +12,8 @@ from .common import numeric_only, same_dtype
 def _matmul_infer(types, attrs):
     a, b = types
     numeric_only(types, "matmul")
+    if attrs.get("dtype") == "f64" and {a.dtype, b.dtype} == {"f32", "f64"}:
+        return _matmul_type("f64", a, b)  # a float32 value beside float64 (ir/wide_reads.py)
     if attrs.get("dtype") == "f32" and {a.dtype, b.dtype} in ({"bf16", "f32"}, {"f16", "f32"}):
         dtype = a.dtype if a.dtype != "f32" else b.dtype  # a 16-bit saved value beside a
         # float32 operand (ir/widen.py only)
@@ -24,6 +26,10 @@ def _matmul_infer(types, attrs):
                 f"got {dtype}"
             )
         dtype = "f32"
+    return _matmul_type(dtype, a, b)
+
+
+def _matmul_type(dtype: str, a, b) -> TensorType:
     if len(a.shape) < 2 or len(b.shape) < 2:
         raise ShapeError("operands need at least 2 dimensions (the tracer handles vectors)")
     if a.shape[-1] != b.shape[-2]:

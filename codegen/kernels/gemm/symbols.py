@@ -9,7 +9,8 @@ one C-callable symbol per dtype (`backplan_gemm_f32`, `backplan_gemm_f64`,
 float16 operands widened while packing, float32 result and sums; `backplan_gemm_bf16_f32` and
 `backplan_gemm_f32_bf16`: one bfloat16 operand beside a float32 one, float32 result and sums,
 only compiled when a plan reads a bfloat16 saved value in a GEMM; `backplan_gemm_f16_f32` and
-`backplan_gemm_f32_f16` the same for float16), compiled or loaded
+`backplan_gemm_f32_f16` the same for float16; `backplan_gemm_f32_f64` and `backplan_gemm_f64_f32`
+one float32 operand beside a float64 one, float64 result and sums), compiled or loaded
 from the signed cache the first time anything needs it; callers declare the symbol and call it,
 which costs them a few instructions to compile.
 
@@ -234,6 +235,22 @@ def _gemm_f32_f16(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha
 
 
 @njit(cache=True, nogil=True, _nrt=True)
+def _gemm_f32_f64(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    """A float32, B and C float64: a float64 step's saved value kept in float32, read by a
+    weight gradient's GEMM as it is (widened while packing) instead of through a float64 copy
+    (ir/wide_reads.py)."""
+    args = (width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1)
+    return _gemm_at_addresses(args, alpha, beta, np.float64(0), np.float32(0), np.float64(0), False)
+
+
+@njit(cache=True, nogil=True, _nrt=True)
+def _gemm_f64_f32(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
+    """A and C float64, B float32: C.T = op(B).T @ op(A).T, as _gemm_f32_bf16."""
+    args = (width, 1 - tb, 1 - ta, n, m, k, b, b0, b1, a, a0, a1, c, c1, c0)
+    return _gemm_at_addresses(args, alpha, beta, np.float64(0), np.float32(0), np.float64(0), False)
+
+
+@njit(cache=True, nogil=True, _nrt=True)
 def _gemm_bf16_dot(width, ta, tb, m, n, k, a, a0, a1, b, b0, b1, c, c0, c1, alpha, beta):
     """The bf16 GEMM on VDPBF16PS (`width` is not read: the kernel is 512-bit)."""
     a_rows, a_cols = (k, m) if ta else (m, k)
@@ -269,6 +286,8 @@ _FUNCTIONS = {
     "f32_bf16": _gemm_f32_bf16,
     "f16_f32": _gemm_f16_f32,
     "f32_f16": _gemm_f32_f16,
+    "f32_f64": _gemm_f32_f64,
+    "f64_f32": _gemm_f64_f32,
 }
 _registered: set[str] = set()
 
@@ -331,6 +350,8 @@ def _symbol_dtype(result, operand, operand_b=None) -> str | None:
     """Which GEMM serves C of dtype result with A of dtype operand and B of operand_b (None:
     operand's; the result None: none)."""
     if operand_b is not None and operand_b != operand:
+        if result == types.float64 and {operand, operand_b} == {types.float32, types.float64}:
+            return "f32_f64" if operand == types.float32 else "f64_f32"
         if result != types.float32 or types.float32 not in (operand, operand_b):
             return None
         half = operand_b if operand == types.float32 else operand

@@ -21,10 +21,11 @@ from backplan.codegen.kernels.half import widen_f16_for_target
 
 
 def _emit(builder, args, scalar, lanes, half=None):
-    """half: None (src holds scalar's type) or "bf16" / "f16" (16-bit bits widened)."""
+    """half: None (src holds scalar's type), "bf16" / "f16" (16-bit bits widened) or "f32"
+    (float32 values widened to scalar, float64)."""
     src_addr, ld, kc, dst_addr, dst_ld = args
     intp = kc.type
-    loaded = ir.IntType(16) if half else scalar
+    loaded = ir.FloatType() if half == "f32" else (ir.IntType(16) if half else scalar)
     vec, loaded_vec = ir.VectorType(scalar, lanes), ir.VectorType(loaded, lanes)
     src = builder.inttoptr(src_addr, ir.PointerType(loaded))
     dst = builder.inttoptr(dst_addr, ir.PointerType(scalar))
@@ -37,9 +38,12 @@ def _emit(builder, args, scalar, lanes, half=None):
         p = builder.add(loop.index, done)
         row = ir.Constant(loaded_vec, ir.Undefined)
         for q in range(lanes):
-            value = builder.load(builder.gep(rows[q], [p]), align=2 if half else align)
+            load_align = 4 if half == "f32" else (2 if half else align)
+            value = builder.load(builder.gep(rows[q], [p]), align=load_align)
             row = builder.insert_element(row, value, ir.Constant(ir.IntType(32), q))
-        if half:
+        if half == "f32":
+            row = builder.fpext(row, vec)
+        elif half:
             row = _widen(builder, row, lanes, half)
         # offsets in scalars: a vector type of 6 lanes is padded to 8 in memory
         start = builder.gep(dst, [builder.mul(p, dst_ld)])
@@ -103,8 +107,13 @@ def _widen(builder, bits, lanes, half):
 
 
 def half_source(source, like) -> str | None:
-    """Which 16-bit floats source holds: bf16 (uint16 bits), f16 (int16 bits), or None."""
-    if not isinstance(source, types.Array) or like.dtype != types.float32:
+    """Which narrower floats source holds: bf16 (uint16 bits), f16 (int16 bits), f32 beside a
+    float64 like, or None."""
+    if not isinstance(source, types.Array):
+        return None
+    if like.dtype == types.float64 and source.dtype == types.float32:
+        return "f32"
+    if like.dtype != types.float32:
         return None
     return {types.uint16: "bf16", types.int16: "f16"}.get(source.dtype)
 
