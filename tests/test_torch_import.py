@@ -164,6 +164,21 @@ def test_explain_command_prints_the_training_step_of_a_module_file(tmp_path, cap
         main([*args[:-1], "nll"])
 
 
+def test_explain_command_takes_a_bfloat16_input(tmp_path, capsys):
+    """`--args "x: bf16[...]"` raised a traceback: torch.from_numpy takes no ml_dtypes array."""
+    from backplan.__main__ import main
+
+    (tmp_path / "half.py").write_text(
+        "import torch\n\n\n"
+        "def Net():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(6, 4)).to(torch.bfloat16)\n"
+    )
+    args = ["explain", "--torch", f"{tmp_path / 'half.py'}:Net", "--args", "input: bf16[5,6]"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "inputs['input']: bf16[5,6]" in text and "params['0.weight']: bf16[4,6]" in text
+
+
 # the model the README and docs/interop.md describe (conv1 -> bn1 -> relu -> max_pool2d, conv2 ->
 # relu -> max_pool2d, fc), its forward on lines 14-16 as their tables name them
 GUIDE_MODEL_FILE = """import torch.nn.functional as F

@@ -9,6 +9,7 @@ import inspect
 import numpy as np
 import torch
 
+from backplan.ir.types import BFLOAT16
 from backplan.tracer import ops
 from backplan.tracer import random as bp_random
 from backplan.tracer.functional import value_and_grad
@@ -25,7 +26,7 @@ def training_step(module: torch.nn.Module, inputs: dict, loss: str = "sum"):
     if loss not in LOSSES:
         raise TorchImportError(f"--loss {loss!r}: choose one of {', '.join(LOSSES)}")
     _check_input_names(module, list(inputs))
-    examples = tuple(torch.from_numpy(np.array(a)) for a in inputs.values())
+    examples = tuple(_torch_array(np.array(a)) for a in inputs.values())
     fn, params = from_torch(module, examples)
     graph = fn.imported
     key = bp_random.key(0) if graph.dropouts else None
@@ -45,6 +46,14 @@ def training_step(module: torch.nn.Module, inputs: dict, loss: str = "sum"):
     trainable = {k: params[k] for k in fn.parameter_names}
     buffers = {k: params[k] for k in fn.buffer_names}
     return value_and_grad(step, has_aux=True), (trainable, buffers, dict(inputs), target)
+
+
+def _torch_array(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor of the array's values; torch.from_numpy takes no bfloat16 (an ml_dtypes
+    array), so its bits cross as int16 and are viewed as torch.bfloat16."""
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _check_input_names(module: torch.nn.Module, names: list[str]) -> None:
