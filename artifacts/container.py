@@ -105,6 +105,8 @@ def read_artifact(path: str | os.PathLike, key=None) -> ArtifactContents:
     where = os.fspath(path)
     if key is not None:
         key_bytes(key)  # a bad key is the caller's mistake: say so before reading anything
+    if os.path.isdir(where):
+        raise ExportError(f"{where}: a folder, not an artifact file (a .bpz bp.export wrote)")
     if not os.path.isfile(where):
         raise ExportError(f"{where}: no such artifact file")
     try:

@@ -786,3 +786,11 @@ def test_a_value_and_grad_artifact_names_the_keyword_arguments_it_takes(tmp_path
     assert scaled(w, x, scale=3.0)[0].item() == 72.0  # a passed float is traced
     with pytest.raises(bp.ExportError, match=r"keyword argument\(s\) \['scale'\] .* passed none"):
         scaled(w, x)
+
+
+def test_loading_a_folder_says_it_is_a_folder(tmp_path):
+    """bp.load of a folder said `no such artifact file`, as if nothing were there."""
+    with pytest.raises(bp.ExportError, match="a folder, not an artifact file"):
+        bp.load(tmp_path)
+    with pytest.raises(bp.ExportError, match="no such artifact file"):
+        bp.load(tmp_path / "missing.bpz")
