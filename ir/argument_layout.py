@@ -325,4 +325,7 @@ def _span(array: np.ndarray, word: str) -> np.ndarray:
     again = viewed(out, word, shape)
     if again.strides != strides or _address(again) != address:
         raise ValueError(f"an array of shape {shape}, strides {strides} is not {word}")
+    # The span comes from the writeable root: a read-only view keeps its span read-only, or
+    # the driver sees another argument type and compiles again inside the call.
+    out.flags.writeable = array.flags.writeable
     return out

@@ -350,9 +350,10 @@ def test_a_build_by_other_code_generator_files_is_refused_with_the_reason(tmp_pa
 def test_non_contiguous_and_contiguous_numpy_arguments_share_the_built_driver(
     tmp_path, monkeypatch
 ):
-    """NumPy arguments reach the plan read-only; a non-contiguous one is copied, and the copy
-    stays read-only, so the driver built for the first call serves both (a writeable copy was
-    another argument type: the driver compiled again, inside the call)."""
+    """NumPy arguments reach the plan read-only; a non-contiguous one is copied or, sliced, read
+    in place through the span it covers, and the copy or span stays read-only, so the driver
+    built for the first call serves every call (a writeable one was another argument type: the
+    driver compiled again, inside the call)."""
     import numpy as np
 
     import backplan as bp
