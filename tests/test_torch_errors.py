@@ -145,3 +145,28 @@ def test_python_arguments_are_fixed_at_import_and_checked_at_calls():
     called = r"called with 2 positional argument\(s\), imported with 2 .* keywords \['scale'\]"
     with pytest.raises(bp.TorchImportError, match=called):
         fn(params, x.numpy(), 3)
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)  # float32
+
+    def forward(self, x):
+        return self.fc(x)  # MIXED
+
+
+def test_a_product_of_two_dtypes_torch_refuses_is_refused_with_the_line():
+    """torch.export takes a float32 Linear on a bfloat16 input, which torch's own call refuses
+    ('mat1 and mat2 must have the same dtype'); the imported function computed it in float32."""
+    x = torch.randn(5, 6).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        Mixed()(x)
+    fn, params = bp.from_torch(Mixed(), (x,))
+    with pytest.raises(bp.TorchImportError) as info:
+        fn(params, bp.from_dlpack(x))
+    message = str(info.value)
+    assert "addmm of f32[4], bf16[5,6], f32[6,4]" in message, message
+    assert f"at fc at test_torch_errors.py:{_line('# MIXED')}" in message
+    fn, params = bp.from_torch(Mixed().to(torch.bfloat16), (x,))  # one dtype: imported
+    assert fn(params, bp.from_dlpack(x)).dtype == bp.bfloat16

@@ -16,13 +16,29 @@ from .errors import TorchImportError
 from .table import aten
 
 
+def _same_dtype(op: str, *operands) -> None:
+    """torch multiplies and convolves only operands of one dtype ("mat1 and mat2 must have the
+    same dtype"); torch.export does not check it, and NumPy's promotion would compute what
+    torch refuses (a float32 module on a bfloat16 input, in float32)."""
+    present = [t for t in operands if t is not None]
+    if len({t.dtype for t in present}) > 1:
+        shown = ", ".join(f"{t._ir_dtype}[{','.join(map(str, t.shape))}]" for t in present)
+        raise TorchImportError(
+            f"{op} of {shown}: torch refuses a product of two dtypes "
+            "(its eager call raises 'must have the same dtype'); cast the module "
+            "(module.to(dtype)) or the input to one dtype"
+        )
+
+
 @aten("mm.default", "bmm.default", "matmul.default")
 def matmul(a, b):
+    _same_dtype("matmul", a, b)
     return ops.matmul(a, b)
 
 
 @aten("addmm.default")
 def addmm(bias, a, b, beta=1, alpha=1):
+    _same_dtype("addmm", bias, a, b)
     product = ops.matmul(a, b)
     product = product if alpha == 1 else ops.mul(product, alpha)
     return ops.add(bias if beta == 1 else ops.mul(bias, beta), product)
@@ -33,6 +49,7 @@ def convolution(x, w, b, stride, padding, dilation, transposed, output_padding, 
     if transposed or x.ndim != 4:
         kind = "transposed" if transposed else f"{x.ndim - 2}-D"
         raise TorchImportError(f"convolution: backplan maps 2-D convolutions, this one is {kind}")
+    _same_dtype("convolution", x, w, b)
     return conv2d(x, w, b, tuple(stride), tuple(padding), tuple(dilation), groups)
 
 

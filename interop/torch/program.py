@@ -156,9 +156,12 @@ class ImportedGraph:
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
         kwargs = {k: v for k, v in kwargs.items() if k not in _PLACEMENT}
         with at_location(step.loc):
-            if step.handler.wants_context:
-                return step.handler(ctx, *args, **kwargs)
-            return step.handler(*args, **kwargs)
+            try:
+                if step.handler.wants_context:
+                    return step.handler(ctx, *args, **kwargs)
+                return step.handler(*args, **kwargs)
+            except TorchImportError as exc:  # a mapping's refusal: name the module and line
+                raise TorchImportError(f"{self.owner}: {exc}, at {step.place}") from None
 
     def _results(self, env):
         user, buffers = [], {}
