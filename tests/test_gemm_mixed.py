@@ -201,7 +201,6 @@ def test_float16_saved_buffers_under_compile_are_read_by_the_mixed_gemm_below_fu
     precision: 5,255,176 against 4,472,840 B on a 4-layer MLP; bfloat16 4,206,600). Values
     against the reference interpreter."""
     from backplan.codegen.run.memory_check import checked_memory, measure
-    from backplan.ir.peak import predicted_peak, region_calls
 
     rng = np.random.default_rng(4)
     arrays = [(rng.standard_normal((32, 32)) * 0.4).astype(np.float32) for _ in range(6)]
@@ -216,9 +215,9 @@ def test_float16_saved_buffers_under_compile_are_read_by_the_mixed_gemm_below_fu
                 p.grad = None
             with measure() as measured:
                 loss(params, x).backward()
-            predicted = predicted_peak(region_calls(loss.trace(params, x).program.plans), "numba")
-            assert measured.peak == predicted.allocated_peak_bytes
             report = loss.explain(params, x)
+            # x is a NumPy array the backward reads: the call's copy of it is in the peak
+            assert measured.peak == report.peak.allocated_peak_bytes
         peaks[saved] = report.peak_bytes
         grads[saved] = [p.grad.numpy() for p in params]
         if saved is bp.float16:
