@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .graph import Graph, Value
 from .types import TensorType
-from .widen import has_half
+from .widen import drop_unread, has_half
 
 _MOVES_PAST = ("transpose",)
 
@@ -83,14 +83,4 @@ def _add(graph: Graph, value: Value) -> Value:
 
 def _drop_unread_copies(graph: Graph, origin: dict) -> None:
     """Remove the float64 copies (and moved views' copies) nothing reads any more."""
-    read = set(graph.outputs)
-    unread = set()
-    for node in reversed(graph.nodes):
-        if node not in read and _wide_copy(node):
-            unread.add(node)
-        else:
-            read.update(node.inputs)
-    if unread:
-        graph.nodes[:] = [n for n in graph.nodes if n not in unread]
-        for node in unread:
-            origin.pop(node, None)
+    drop_unread(graph, origin, _wide_copy)

@@ -160,10 +160,15 @@ def _widens_16_bits(value: Value) -> bool:
 def _drop_unread_widenings(graph: Graph, origin: dict) -> None:
     """Remove the float32 copies of bfloat16 arrays that no node and no output reads any
     more: every reader was a matmul reading the array as it is, or a view (_widened_view)."""
+    drop_unread(graph, origin, _widens_16_bits)
+
+
+def drop_unread(graph: Graph, origin: dict, removable) -> None:
+    """Remove the nodes `removable` accepts that no node and no output reads any more."""
     read = set(graph.outputs)
     unread = set()
     for node in reversed(graph.nodes):
-        if node not in read and _widens_16_bits(node):
+        if node not in read and removable(node):
             unread.add(node)
         else:
             read.update(node.inputs)
