@@ -307,6 +307,13 @@ def span_offset(word: str) -> int:
     return offset
 
 
+def _same_steps(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of one shape step through memory alike: an axis of one element
+    has any stride (NumPy keeps the stride its parent had there, e.g. 16 for (3, 1) taken
+    every other column of a (3, 2) array, where the span's view has 8)."""
+    return all(n <= 1 or s == t for n, s, t in zip(a.shape, a.strides, b.strides, strict=True))
+
+
 def _span(array: np.ndarray, word: str) -> np.ndarray:
     """The C-ordered span a SLICED view reads (a view of its root's memory): numpy checks
     the span lies inside the root; the view of it must be `array` itself."""
@@ -323,7 +330,7 @@ def _span(array: np.ndarray, word: str) -> np.ndarray:
         raise ValueError(f"an array of shape {shape}, strides {strides} is not {word}")
     out = flat[first : first + nbytes].view(array.dtype).reshape(span)
     again = viewed(out, word, shape)
-    if again.strides != strides or _address(again) != address:
+    if not _same_steps(again, array) or _address(again) != address:
         raise ValueError(f"an array of shape {shape}, strides {strides} is not {word}")
     # The span comes from the writeable root: a read-only view keeps its span read-only, or
     # the driver sees another argument type and compiles again inside the call.

@@ -402,6 +402,38 @@ def test_a_sliced_3d_argument_is_read_in_place_with_its_gradient(kind):
     _read_in_place_with_gradients(x, rng)
 
 
+def test_a_slice_with_an_axis_of_one_element_is_read_whatever_stride_numpy_gave_it():
+    """Every other column of a (3, 2) array is (3, 1) with strides (16, 16): NumPy keeps the
+    parent's stride on the one-element axis, where the span's view has 8. Read in place
+    (before: 'is not sliced [0:5:2, 0:1:1]' raised at the call), values equal NumPy's."""
+    rng = np.random.default_rng(12)
+    wide = np.zeros((3, 2))
+    wide[:, ::2] = rng.standard_normal((3, 1))
+    x, y = wide[:, ::2], rng.standard_normal((2, 3, 4))
+    assert x.strides == (16, 16) and layout(x).startswith(SLICED), layout(x)
+    with use_backend("numba"), checked_memory():
+        got = bp.compile(lambda y, x: y - x)(y, x)
+    np.testing.assert_array_equal(got.numpy(), y - x)
+    x3 = SLICED_3D["every other row"](rng.standard_normal((3, 4, 1)).astype(np.float32))
+    _read_in_place_with_gradients_1(x3, rng)
+
+
+def _read_in_place_with_gradients_1(x: np.ndarray, rng) -> None:
+    """x, a view with a one-element last axis, against the reference interpreter, its
+    gradient included, the checked mode on."""
+    s = rng.standard_normal(x.shape).astype(np.float32)
+
+    def f(x, s):
+        return bp.sum(bp.tanh(x * s))
+
+    with use_backend("reference"):
+        want = bp.value_and_grad(f)(x, s)
+    with use_backend("numba"), checked_memory():
+        value, gx = bp.compile(bp.value_and_grad(f))(x, s)
+    np.testing.assert_allclose(float(value), float(want[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(want[1]), rtol=1e-5)
+
+
 def test_a_view_reading_outside_its_input_is_refused_before_it_compiles():
     """ir/verify.py verify_input_views: a slice, transpose or broadcast chain over an input
     that reaches past its elements raises naming both; one inside passes. A reversed slice
