@@ -1544,6 +1544,27 @@ def test_example_on_two_ranks_follows_the_single_process_losses(tmp_path):
     assert gap < 1e-5, result.stdout
 
 
+@needs_mpi
+def test_a_data_parallel_program_ends_without_mpi_warnings_in_its_output(tmp_path):
+    """The memory fence's window (node_window.fence) is freed before MPI_Finalize: left
+    locked, MPICH's UCX transport printed "UCX WARN object ... was not returned to mpool
+    ucp_rkeys" (to stdout) on every rank as the user's program ended."""
+    result = run_script(
+        tmp_path,
+        """
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=0))
+        step = bpd.data_parallel(vg)
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        for _ in range(3):
+            loss, grads = step(params, xs, ys)
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+    output = result.stdout + result.stderr
+    assert "not returned to mpool" not in output and "WARN" not in output, output
+
+
 # ---- sharded optimizer (ZeRO-1) and accumulation -------------------------------------------------
 
 
