@@ -80,6 +80,8 @@ def test_a_truncated_entry_is_removed_and_recompiled_once(tmp_path):
     again, warned = run(tmp_path)
     assert again["value"] == first["value"] and again["grad"] == first["grad"]
     assert any("is truncated" in line for line in warned)
+    # each warning names the user's line (the script run with -c), not backplan's or Numba's
+    assert all(line.startswith("<string>:") for line in warned), warned
     healthy, warned = run(tmp_path)
     assert not warned and healthy["numba_cache_hits"] >= 1
 

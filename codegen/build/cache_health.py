@@ -21,7 +21,7 @@ import tempfile
 import threading
 import warnings
 
-from backplan.codegen.build.cache_signing import CacheWarning
+from backplan.codegen.build.cache_signing import CacheWarning, user_stacklevel
 
 PROBE_BYTES = 4096  # a full disk may still make an empty file: write some bytes too
 
@@ -55,7 +55,7 @@ def note_unwritable(folder: str, error: OSError) -> None:
         "the next run compiles again (free space, fix the folder's permissions or point "
         f"{_variable_of(key)} elsewhere)",
         CacheWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -19,6 +19,7 @@ import io
 import os
 import pickle
 import stat
+import sys
 import tempfile
 import warnings
 
@@ -141,7 +142,39 @@ def discard(path: str, why: str, kind: str = "kernel cache file") -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-    warnings.warn(f"{kind} {path} {why}; removed it, compiling again", CacheWarning, stacklevel=2)
+    warnings.warn(
+        f"{kind} {path} {why}; removed it, compiling again",
+        CacheWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+# Modules a cache warning passes through on its way out: Numba loading a cache file, imports
+_NOT_THE_USERS = {"numba", "llvmlite", "importlib", "threading", "concurrent"}
+_NOT_THE_USERS |= {"functools", "contextlib", "runpy", "warnings"}
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel, from the function that calls it, of the first frame
+    outside backplan and what it runs through (the user's line that compiled or loaded the
+    kernel); 2, the caller's caller, where no frame is the user's."""
+    frame, level = sys._getframe(1), 1  # the function that warns
+    while True:
+        frame = frame.f_back
+        while frame is not None and _bootstrap(frame):  # warnings does not count these
+            frame = frame.f_back
+        if frame is None:
+            return 2
+        level += 1
+        top = (frame.f_globals.get("__name__") or "").partition(".")[0]
+        if not top.startswith("backplan") and top not in _NOT_THE_USERS:  # generated kernel
+            return level  # modules are backplan_kernels_*
+
+
+def _bootstrap(frame) -> bool:
+    """A frame of the import machinery, which warnings.warn skips as it counts stacklevel."""
+    filename = frame.f_code.co_filename
+    return "importlib" in filename and "_bootstrap" in filename
 
 
 class SignedIndexDataCacheFile(IndexDataCacheFile):

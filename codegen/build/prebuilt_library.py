@@ -30,6 +30,7 @@ from backplan.codegen.build.cache_signing import (
     SignedIndexDataCacheFile,
     add_fallback,
     check_private_folder,
+    user_stacklevel,
 )
 
 FOLDER = "_prebuilt_library"
@@ -58,7 +59,11 @@ def usable(folder: str) -> bool:
     except CacheError as refused:
         if folder not in _refused:
             _refused.add(folder)
-            warnings.warn(f"{refused}; compiling the library instead", CacheWarning, stacklevel=2)
+            warnings.warn(
+                f"{refused}; compiling the library instead",
+                CacheWarning,
+                stacklevel=user_stacklevel(),
+            )
         return False
     return True
 
@@ -71,7 +76,9 @@ class PrebuiltCacheFile(SignedIndexDataCacheFile):
         if path not in _refused:
             _refused.add(path)
             warnings.warn(
-                f"prebuilt library file {path} {why}; not used", CacheWarning, stacklevel=2
+                f"prebuilt library file {path} {why}; not used",
+                CacheWarning,
+                stacklevel=user_stacklevel(),
             )
 
     def _save_index(self, overloads):
