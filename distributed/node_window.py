@@ -53,14 +53,14 @@ def fence() -> None:
         win = mpi.Win.Create(None, comm=mpi.COMM_SELF)  # this process alone: no meeting
         win.Lock_all(mpi.MODE_NOCHECK)  # Win_sync needs a passive epoch; held while it lives
         _fences.append(win)
-        atexit.register(_free_fences)  # after mpi4py's MPI_Finalize hook: runs before it
+        atexit.register(_free_fences)  # registered after MPI_Finalize's hook: runs before it
     _fences[0].Sync()
 
 
 def _free_fences() -> None:
     """Free the fence window before MPI_Finalize: a window still locked then leaves its
     remote keys to MPI's transport (UCX prints "object ... was not returned to mpool
-    ucp_rkeys" on every rank's stderr as the program ends)."""
+    ucp_rkeys" on every rank's stdout as the program ends)."""
     mpi = mpi_module()
     while _fences:
         win = _fences.pop()
