@@ -310,9 +310,12 @@ def _recompute_in_gradients(
 ) -> None:
     """Copy each chain right before the first gradient node that reads its value. chains: the
     values rebuilt; chain_of(value, copies made so far): the forward nodes rebuilding it.
-    start: no node before graph.nodes[start] is a gradient node reading a chain's value."""
+    start: no node before graph.nodes[start] is a gradient node reading a chain's value.
+    A copy the gradients read keeps the value's derivative reasons (explain's why-saved column:
+    without them a recomputed astype read as a saved_dtype copy of its input)."""
     copies: dict[Value, Value] = {}
     nodes = graph.nodes[:start]
+    reasons = graph.reasons
 
     def emit(value: Value) -> Value:
         for node in chain_of(value, copies):
@@ -320,6 +323,8 @@ def _recompute_in_gradients(
                 inputs = tuple(copies.get(i, i) for i in node.inputs)
                 copies[node] = Value(node.op, inputs, node.attrs, node.type, node.loc)
                 nodes.append(copies[node])
+        if value in reasons:
+            reasons[copies[value]] = reasons[value]
         return copies[value]
 
     for node in graph.nodes[start:] if start else graph.nodes:
