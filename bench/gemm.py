@@ -7,7 +7,12 @@ interleaved (each round times every shape and library once) and the table shows 
 the spread (min-max) across rounds; each round's value is the best of several ~2 ms samples, so
 a neighbour's burst on a shared machine spoils one sample, not the round. OpenBLAS's kernels
 depend on OPENBLAS_CORETYPE, read when it loads: run once with and once without it set; the
-first line names it. torch and jax are timed too when installed.
+first line names it. torch and jax are timed too when installed (own/torch: backplan's rate
+over torch's; torch/peak beside own/peak), jax on one Eigen thread at T = 1.
+
+`--models mlp,transformer,mlp_deep,cnn` times every GEMM shape of those models' value_and_grad
+steps instead of the fixed list (model_gemms.py), "backplan" on the GEMM explain names for each
+(its blocked GEMM on one core or N, its narrow GEMM, or BLAS), at the run's thread count.
 
 `--dtype bf16`: bfloat16 operands, float32 result. backplan's GEMM reads them as they are
 (VDPBF16PS on k-pairs where the CPU has AVX512_BF16, else widening while it packs: the first
@@ -98,12 +103,16 @@ def _widening_path(width, ta, tb, a, b, c):
     return lambda: gemm_symbols._gemm_bf16(*args)
 
 
-def _runners(shape, dtype, width, threads):
-    """name -> zero-argument callable doing the GEMM once."""
+def _runners(shape, dtype, width, threads, path=None):
+    """name -> zero-argument callable doing the GEMM once. `path` (model_gemms.py: "own",
+    "own xN", "narrow", "blas"): "backplan" is the GEMM the model's plan calls for the shape;
+    None: backplan's blocked GEMM, on every thread of the run."""
     import numpy as np
 
     if dtype == "bf16":
         return _bf16_runners(shape, width)
+    if path is not None:
+        return _plan_runners(shape, dtype, width, path)
 
     from backplan.bench.internals import blas
     from backplan.bench.internals import gemm_parallel as parallel
@@ -130,6 +139,34 @@ def _runners(shape, dtype, width, threads):
         }
         if threads > 1:  # the same GEMM on the calling thread alone: what sharing gains
             runners["bp 1 thread"] = lambda: gemm.gemm(width, ta, tb, 1.0, a, b, 0.0, c)
+    runners.update(_peer_runners(a, b, ta, tb))
+    return runners
+
+
+def _plan_runners(shape, dtype, width, path) -> dict:
+    """'backplan' on the GEMM a plan calls (path), beside OpenBLAS, torch and JAX."""
+    from backplan.bench.internals import blas, narrow_gemm_at
+    from backplan.bench.internals import gemm_parallel as parallel
+    from backplan.bench.internals import own_gemm as gemm
+
+    batch, m, k, n, ta, tb = shape
+    a, b, c = _operands(shape, dtype)
+    parts = int(path.split("x")[1]) if path.startswith("own x") else 1
+    if batch:
+        own = (
+            (lambda: parallel.batched_gemm_parallel(width, ta, tb, a, b, c))
+            if parts > 1
+            else (lambda: gemm.batched_gemm(width, ta, tb, a, b, c))
+        )
+        runners = {"backplan": own, "openblas": lambda: blas.batched_gemm_f32(ta, tb, a, b, c)}
+    else:
+        flat_a, flat_b, flat_c = a.reshape(-1), b.reshape(-1), c.reshape(-1)
+        own = {
+            "own": lambda: gemm.gemm(width, ta, tb, 1.0, a, b, 0.0, c),
+            "narrow": lambda: narrow_gemm_at(ta, tb, m, n, k, flat_a, 0, flat_b, 0, flat_c, 0),
+            "blas": lambda: blas.gemm_f32(ta, tb, a, b, c, 0.0),
+        }.get(path, lambda: parallel.gemm_parallel(parts, width, ta, tb, 1.0, a, b, 0.0, c))
+        runners = {"backplan": own, "openblas": lambda: blas.gemm_f32(ta, tb, a, b, c, 0.0)}
     runners.update(_peer_runners(a, b, ta, tb))
     return runners
 
@@ -171,23 +208,32 @@ def _gflops(fn, flops: float, samples: int = 8, target_s: float = 0.002) -> floa
 
 
 def measure(rounds: int, dtype_name: str, width: int, threads: int = 1, shapes=SHAPES) -> dict:
-    """{shape: {library: [GFLOP/s per round]}}, rounds interleaved over shapes and libraries."""
+    """{shape: {library: [GFLOP/s per round]}}, rounds interleaved over shapes and libraries.
+    A shape is (batch, m, k, n, trans_a, trans_b) or a model_gemms.GemmShape (its plan's
+    GEMM as "backplan")."""
     import numpy as np
 
     dtype = {"f32": np.float32, "f64": np.float64}.get(dtype_name, dtype_name)
+    paths = {name: getattr(shape, "path", None) for name, shape in shapes.items()}
+    shapes = {name: getattr(shape, "shape", shape) for name, shape in shapes.items()}
     if dtype_name == "bf16":
         shapes = {name: shape for name, shape in shapes.items() if not shape[0]}
-    runners = {name: _runners(shape, dtype, width, threads) for name, shape in shapes.items()}
+    runners = {
+        name: _runners(shape, dtype, width, threads, paths[name]) for name, shape in shapes.items()
+    }
     for fns in runners.values():  # compile and warm
         for fn in fns.values():
             fn()
     results = {name: {lib: [] for lib in fns} for name, fns in runners.items()}
-    for _ in range(rounds):
+    for turn in range(rounds):
         for name, fns in runners.items():
             batch, m, k, n, _, _ = shapes[name]
             flops = 2.0 * max(batch, 1) * m * k * n
-            for lib, fn in fns.items():
-                results[name][lib].append(_gflops(fn, flops))
+            libs = list(fns)
+            # each round starts at the next library: none is always timed right after the
+            # same neighbour (a pool thread another library left spinning slows what follows)
+            for lib in libs[turn % len(libs) :] + libs[: turn % len(libs)]:
+                results[name][lib].append(_gflops(fns[lib], flops))
     return results
 
 
@@ -199,7 +245,9 @@ def format_table(results: dict, peak: float | None = None) -> str:
     header = f"{'shape':32s}" + "".join(f"{lib:>22s}" for lib in libs) + "   own/blas"
     header += "   bf16/f32" if "bp f32" in libs else ""
     header += "    own/1t" if "bp 1 thread" in libs else ""
-    lines = [header + ("   own/peak" if peak else "")]
+    header += "  own/torch" if "torch" in libs else ""
+    header += "   own/peak" if peak else ""
+    lines = [header + (" torch/peak" if peak and "torch" in libs else "")]
     for name, per_lib in results.items():
         row = f"{name:32s}"
         for lib in libs:
@@ -215,7 +263,12 @@ def format_table(results: dict, peak: float | None = None) -> str:
         if "bp 1 thread" in libs:
             alone = per_lib.get("bp 1 thread")
             row += f"   {own / statistics.median(alone):8.2f}" if alone else f"   {'-':>8s}"
-        lines.append(row + (f"   {own / peak:8.0%}" if peak else ""))
+        torch = statistics.median(per_lib["torch"]) if per_lib.get("torch") else None
+        if "torch" in libs:
+            row += f"   {own / torch:8.2f}" if torch else f"   {'-':>8s}"
+        if peak:
+            row += f"   {own / peak:8.0%}" + (f"   {torch / peak:8.0%}" if torch else "")
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -225,9 +278,21 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dtype", choices=("f32", "f64", "bf16"), default="f32")
     parser.add_argument("--isa", choices=("avx512", "avx2"), default=None)
+    parser.add_argument(
+        "--models",
+        default=None,
+        help="comma-separated bench models (mlp,transformer,mlp_deep,cnn): time every GEMM "
+        "shape of their value_and_grad steps on the GEMM explain names for it, not the fixed list",
+    )
     args = parser.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))[-args.threads :]
     os.sched_setaffinity(0, cpus)  # before OpenBLAS loads: it sizes its pool from the mask
+    from .threads import prepare_jax_threads
+
+    # before jax loads: at one thread XLA's Eigen pool is off, as in the model harness (its
+    # thread, left spinning after a call, ran whatever was timed next at 1/5 of its rate:
+    # OpenBLAS's 32x10x128 product at 10 against 48 GFLOP/s)
+    prepare_jax_threads(len(cpus), jax_selected=True)
     from backplan.bench.internals import ISA_WIDTH, active_isa
 
     from .environment import cpu_name
@@ -250,7 +315,15 @@ def main(argv=None) -> None:
     scale = {"f64": 0.5, "bf16": 2.0 if path.endswith("dot)") else 1.0}.get(args.dtype, 1.0)
     per_core = peak_gflops_f32(width) * scale
     print(f"measured FMA peak at {width} bits: {per_core:.1f} {args.dtype} GFLOP/s per core")
-    results = measure(args.rounds, args.dtype, width, len(cpus))
+    shapes = SHAPES
+    if args.models:
+        from .model_gemms import shapes_of
+        from .threads import apply_threads
+
+        apply_threads(len(cpus))  # the plans' GEMM choices depend on the threads
+        shapes = shapes_of(args.models.split(","))
+        print(f"shapes of {args.models}'s value_and_grad steps, 'backplan' on the GEMM each calls")
+    results = measure(args.rounds, args.dtype, width, len(cpus), shapes)
     print(format_table(results, per_core * len(cpus)))
 
 

@@ -16,6 +16,10 @@ _WHERE = {
     "blas": "backplan.codegen.kernels.blas",
     "own_gemm": "backplan.codegen.kernels.gemm",
     "gemm_parallel": "backplan.codegen.kernels.gemm.parallel",
+    # the products of the bench models' plans, on the GEMM each calls (model_gemms.py)
+    "narrow_gemm_at": "backplan.codegen.kernels.gemm.narrow:narrow_gemm_at",
+    "conv_product_shape": "backplan.codegen.kernels.conv:_product_shape",
+    "conv_gemm_width": "backplan.codegen.kernels.gemm.choice:conv_gemm_width",
     "ISA_WIDTH": "backplan.codegen.kernels.gemm:ISA_WIDTH",
     "active_isa": "backplan.codegen.kernels.gemm:active_isa",
     "mathlib": "backplan.codegen.kernels.mathlib",

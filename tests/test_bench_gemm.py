@@ -39,3 +39,57 @@ def test_table_at_two_threads_shows_the_gain_over_one_thread():
     assert header.split()[-1] == "own/1t"
     assert mlp.split()[-1] == "1.80" and attn.split()[-1] == "-"
     assert attn.split()[-3] == "-" and attn.split()[-2] == "1.50"
+
+
+def test_table_puts_own_over_torch_and_torchs_share_of_peak_beside_backplans():
+    results = {"mlp fwd": {"backplan": [200.0], "openblas": [100.0], "torch": [160.0]}}
+    header, row = gemm.format_table(results, peak=250.0).splitlines()
+    assert header.split()[-4:] == ["own/blas", "own/torch", "own/peak", "torch/peak"]
+    assert row.split()[-4:] == ["2.00", "1.25", "80%", "64%"]
+
+
+def test_explains_gemm_words_name_the_path_the_harness_times():
+    from backplan.bench.model_gemms import path_of
+
+    assert path_of("backplan's GEMM + epilogue") == "own"
+    assert path_of("backplan's GEMM on 2 cores") == "own x2"
+    assert path_of("backplan's batched GEMM") == "own"
+    assert path_of("backplan's narrow GEMM") == "narrow"
+    assert path_of("BLAS sgemm") == "blas"
+    with pytest.raises(ValueError, match="no GEMM path"):
+        path_of("")
+
+
+def test_every_product_of_the_mlp_step_is_a_shape_with_its_transposes_and_flops():
+    """The mlp (784-512-512-10, batch 128): three forward products, the backward's three
+    weight gradients (A^T @ B) and two input gradients (B^T read in place, none for x); their
+    FLOPs are the step's GEMM FLOPs, each product once."""
+    from backplan.bench.model_gemms import model_shapes
+
+    shapes = [shape for _, shape in model_shapes("mlp")]
+    flops = sum(2 * s.m * s.k * s.n for s in shapes)
+    layers = [(784, 512), (512, 512), (512, 10)]
+    expected = sum(2 * 128 * i * o for i, o in layers) * 3 - 2 * 128 * 784 * 512
+    assert flops == expected and len(shapes) == 8
+    assert {(s.m, s.k, s.n) for s in shapes if s.trans_a and not s.trans_b} == {
+        (784, 128, 512), (512, 128, 512), (512, 128, 10)
+    }  # fmt: skip
+    assert {(s.m, s.k, s.n) for s in shapes if s.trans_b and not s.trans_a} == {
+        (128, 512, 512), (128, 10, 512)
+    }  # fmt: skip
+    assert all(s.batch == 0 and s.path in ("own", "narrow", "blas") for s in shapes)
+
+
+def test_a_cnn_step_lists_its_convolutions_products():
+    """The three im2col products of each conv layer (forward, input and weight gradients;
+    the first layer's input gradient is not computed) with conv.py's transposes."""
+    from backplan.bench.model_gemms import model_shapes
+
+    convs = [(what.split()[0], s) for what, s in model_shapes("cnn") if what.startswith("conv")]
+    ops = sorted(op for op, _ in convs)
+    assert ops == ["conv2d", "conv2d", "conv2d_input_grad"] + ["conv2d_weight_grad"] * 2
+    flags = {op: (s.trans_a, s.trans_b) for op, s in convs}
+    assert flags == {"conv2d": (False, False), "conv2d_input_grad": (True, False),
+                     "conv2d_weight_grad": (False, True)}  # fmt: skip
+    # the second layer's forward: weights (32, 16*9) @ columns (16*9, 32*4*4)
+    assert any((s.m, s.k, s.n) == (32, 144, 512) for op, s in convs if op == "conv2d")
