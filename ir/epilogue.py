@@ -21,16 +21,35 @@ from .registry import get_op
 FREE_KINDS = ("literal", "alias", "view")  # kernels that emit no code of their own
 
 
-def absorb_epilogues(kernels: list[Kernel], roots: Roots | None = None) -> list[Kernel]:
+def absorb_epilogues(
+    kernels: list[Kernel],
+    roots: Roots | None = None,
+    known: tuple[list, dict] | None = None,
+    into: dict | None = None,
+) -> list[Kernel]:
     """kernels with each GEMM followed by its epilogue loop merged into one kernel. roots:
-    storage roots already worked out for their graph (ir/layout.py Roots)."""
+    storage roots already worked out for their graph (ir/layout.py Roots). known: (for each
+    of the first kernels whether it is a grouping's it resumed from, unchanged:
+    ir/grouping_resume.py unchanged; that grouping's `into`): a kernel and the next one that
+    runs code both unchanged (so are the kernels between, which emit none) are merged or not
+    as they were there. into: a dict that gets, for each kernel followed by one that runs
+    code, whether it took that one."""
     roots = Roots() if roots is None else roots
+    same, earlier = known if known is not None else ((), None)
     merged, absorbed = [], set()
     for index, kernel in enumerate(kernels):
         if index in absorbed:
             continue
         after = _next_running(kernels, index) if kernel.kind == "op" else None  # GEMMs only
-        if after is not None and _absorbs(kernel, kernels[after], roots):
+        if after is None:
+            merged.append(kernel)
+            continue
+        takes = earlier.get(index) if after < len(same) and same[index] and same[after] else None
+        if takes is None:
+            takes = _absorbs(kernel, kernels[after], roots)
+        if into is not None:
+            into[index] = takes
+        if takes:
             absorbed.add(after)
             kernel = Kernel(  # dataclasses.replace, without its keyword round trip
                 kernel.kind,

@@ -8,9 +8,13 @@ places nodes one by one in graph order (ir/fusion.py group_kernels), each by wha
 before it were given, so where two graphs' first q nodes are the same objects their kernels
 after q nodes are the same too: a row's grouping starts from the row before's state after
 those nodes (its Journal, kept on the graph the two share) instead of placing them again.
-Only the placing loop resumes; the passes after it (cheap inputs, buffers needed, epilogues,
-layout) read the whole plan and run on it whole. A graph whose grouping reads anything beyond
-the nodes before each one (read-back casts, spread widenings: ir/fusion.py) never resumes.
+The placing loop resumes; so do the cheap-input cones of the loops placed whole before the
+shared nodes end. After grouping, a GEMM before that point (a kernel that is no loop: the
+journal's own) followed by a loop whose nodes, reductions and recomputed values are the
+journal's loop's, the same objects (`unchanged`), takes that loop as its epilogue or not as
+it did there (ir/epilogue.py). The other passes (buffers needed, layout) read the whole
+plan. A graph whose grouping reads anything beyond the nodes before each one (read-back
+casts, spread widenings: ir/fusion.py) never resumes.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Journal:
         "cheap",
         "cones",
         "strided",
+        "absorbed",
         "__weakref__",
     )
 
@@ -54,16 +59,49 @@ class Journal:
         # (nodes, what ir/strided_copies.py _needed found for them) of the graph before its
         # strided copies, set by the lowering
         self.strided: tuple | None = None
+        # kernel followed by one that runs code -> whether it took that one as its epilogue
+        # (ir/epilogue.py), set by the lowering once that pass ran
+        self.absorbed: dict | None = None
 
     def let_go(self) -> None:
         """Empty: a later row's journal replaced it (its lowered plan still points at it)."""
         self.nodes, self.homes, self.kernels, self.loops = [], [], [], []
         self.reads, self.cheap, self.cones, self.strided = {}, {}, {}, None
+        self.absorbed = None
 
 
-def resumer(journal: Journal | None):
-    """group_kernels' `resume` for a journal (None: none)."""
-    return None if journal is None else partial(resumed_state, journal)
+def resumer(journal: Journal | None, made: list | None = None):
+    """group_kernels' `resume` for a journal (None: none). made, if given, gets how many of
+    the journal's first kernels the resumed grouping starts from (see `unchanged`)."""
+    return None if journal is None else partial(resumed_state, journal, taken=made)
+
+
+def unchanged(journal: Journal | None, kernels: list[Kernel], made: list) -> list[bool]:
+    """For each of the first kernels a grouping resumed from journal took from it (made, as
+    resumer filled it: empty when it did not resume), whether it is the journal's unchanged
+    once grouping ended: the same object (a kernel that is no loop), or a loop of the same
+    nodes, reductions and recomputed values, the same objects in the same order. Their nodes
+    are then the shared graph's, and so are the inputs those read (each before its reader),
+    with the same kernels: whatever a pass after grouping finds for such a kernel from it and
+    its inputs' kernels, it found for the journal's. [] where nothing is known."""
+    if journal is None or not made or journal.absorbed is None:
+        return []
+    count = made[0]
+    old = journal.kernels
+    if len(old) < count or len(kernels) < count:
+        return []
+    return [
+        new is was
+        or (
+            new.kind == "loop"
+            and was.kind == "loop"
+            and new.shape == was.shape
+            and new.nodes == was.nodes
+            and new.reductions == was.reductions
+            and new.recomputed == was.recomputed
+        )
+        for new, was in zip(kernels[:count], old[:count], strict=True)
+    ]
 
 
 def recorder(into: list):
@@ -119,14 +157,17 @@ class _Reads(dict):
         return {**{k: s for k, s in self.earlier.items() if k < made}, **self}
 
 
-def resumed_state(journal: Journal, nodes: list[Value], bases):
+def resumed_state(journal: Journal, nodes: list[Value], bases, taken: list | None = None):
     """(q, kernels, home, latest_loops, reads, tails, last_op, earlier): group_kernels' state
     after placing nodes[:q], q the nodes shared with the journal's graph, as its loop leaves
     it, and what the cheap-input pass found for the loops placed whole before q (earlier:
-    those loops' entries of the journal's cheap and cones)."""
+    those loops' entries of the journal's cheap and cones). taken, if given, gets how many
+    kernels that state takes from the journal."""
     q = shared_prefix(journal.nodes, nodes)
     homes = journal.homes
     made = max(homes[:q], default=-1) + 1  # kernels are made in node order
+    if taken is not None:
+        taken.append(made)
     open_ = {k for k in set(homes[q:]) if k < made}  # kernels with nodes on both sides of q
     after = set(journal.nodes[q:]) if open_ else ()
     kernels = journal.kernels[:made]  # those that are no loop shared as they are

@@ -20,7 +20,7 @@ from .donation import donation_pairs
 from .epilogue import absorb_epilogues
 from .fusion import Bases, Kernel, alias_base, group_kernels, internal_shape, materialized
 from .graph import Value
-from .grouping_resume import journal_for, offer_journal, recorder, resumer
+from .grouping_resume import journal_for, offer_journal, recorder, resumer, unchanged
 from .grouping_reuse import KEPT, find, grouping_key, read_back, written
 from .in_place_inputs import read_in_place
 from .layout import BufferLayout, Roots, plan_layout
@@ -245,9 +245,15 @@ def _grouped(
         if found is not None:
             return read_back(found, graph, shapes)
     record = None if journal is None else recorder(journal)
-    kernels = group_kernels(graph, origin, bases, resumer(resume), record)
+    made: list[int] = []  # how many kernels the grouping took from `resume`
+    kernels = group_kernels(graph, origin, bases, resumer(resume, made), record)
     needed = materialized(graph, kernels, bases)
-    kernels = absorb_epilogues(kernels, roots)
+    same = unchanged(resume, kernels, made)  # those the resumed journal's, unchanged
+    known = (same, resume.absorbed) if same else None
+    absorbed: dict | None = {} if journal else None
+    kernels = absorb_epilogues(kernels, roots, known, absorbed)
+    if journal:  # where the next row resumes from, which GEMMs took their loops too
+        journal[0].absorbed = absorbed
     runs = row_runs(kernels)
     if groupings is not None and len(groupings) < KEPT:
         grouping = written(key, graph, kernels, needed, runs, shapes)
