@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from backplan.codegen.run import memory_check
+from backplan.codegen.run.arena_memory import offer, withdraw_offers
 from backplan.ir.gc_pause import paused_gc
 from backplan.ir.interpreter import run_plan
 from backplan.ir.liveness import OWNED_ROLES, Plan
@@ -22,6 +23,16 @@ from backplan.ir.reference_storage import array_root
 
 BACKENDS = ("numba", "reference")
 _override: list[str] = []  # use_backend: the whole process (threads a test starts included)
+
+
+def offer_arenas(reservations) -> None:
+    """A size switch offers the arenas it freed to the next size's (codegen/run/arena_memory)."""
+    offer(reservations)
+
+
+def withdraw_arena_offers() -> None:
+    """The offers a call did not take are dropped at its end."""
+    withdraw_offers()
 
 
 class _ThisThread(threading.local):
@@ -86,8 +97,9 @@ class ReferenceRunner:
     def __call__(self, args: list, release=None, donate=()) -> list:
         return interpret(self.plan, args, release)
 
-    def release_idle(self) -> None:
+    def release_idle(self) -> list:
         """Nothing is kept between calls: every buffer is the call's own."""
+        return []
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         return False  # nothing is building: its calls stay on the reference interpreter
@@ -177,9 +189,10 @@ class CompiledRunner:
     def driver_tier(self) -> str:
         return self.compiled.driver_tier
 
-    def release_idle(self) -> None:
-        """Free the scratch arenas no call holds now (WorkspacePool.release_idle)."""
-        self.compiled.release_idle()
+    def release_idle(self) -> list:
+        """Free the scratch arenas no call holds now (WorkspacePool.release_idle); returns
+        their reservations."""
+        return self.compiled.release_idle()
 
     def load_driver(self, args: list, donate=()) -> bool:
         """Load the cached compiled driver for these arguments without a call (see

@@ -163,12 +163,12 @@ class RegionProgram:
             self.retained = True
         return self.runner(mode)(args, release)
 
-    def release_idle(self) -> None:
+    def release_idle(self) -> list:
         """Every plan of this program frees the scratch arenas it keeps idle (made again when
         it next runs): the joint plan of a compiled step runs instead of them from call 3
-        (runtime/joint_step.py), and explain counts them as gone from then on."""
-        for runner in list(self._runners.values()):
-            runner.release_idle()
+        (runtime/joint_step.py), and explain counts them as gone from then on. Returns the
+        freed arenas' reservations (codegen/run/arena_memory.py)."""
+        return [r for runner in list(self._runners.values()) for r in runner.release_idle()]
 
     def release_retained(self) -> None:
         """A call after one whose loss was backward()ed with retain_graph=True: the plan that

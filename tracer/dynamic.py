@@ -25,6 +25,7 @@ from backplan.ir import update_order
 from backplan.ir.argument_layout import any_size
 from backplan.ir.gc_pause import paused_gc
 from backplan.ir.symbolic import Affine, SymbolicError, fit_number
+from backplan.runtime.backend import offer_arenas
 
 from .errors import TracingError
 from .signature import BoundCall, SignatureKey
@@ -262,21 +263,27 @@ class DynamicEntry:
                 self._evict(*self._sizes.popitem(last=False))
         return entry
 
-    def switch_to(self, size: int) -> None:
+    def switch_to(self, size: int) -> bool:
         """A call runs at `size`: when the last one ran at another, every other size's plans
         free the scratch arenas they keep idle (made again when that size comes back), so a
         call holds its own size's arenas alone, as explain's peak for the size counts. A
-        switch costs the next call at the other size one arena allocation."""
+        switch costs the next call at the other size one arena allocation, which grows over
+        the freed arenas' pages (offered: codegen/run/arena_memory.py; the caller withdraws
+        offers its call did not take: True when it offered any)."""
         if self._current == size:
-            return
+            return False
         self._current = size
         runners = [r for _, other in self.others(size) for r in _arena_holders(other)]
         with self._lock:
             runners += [ref() for n, ref in self._evicted if n != size]
+        freed = []
         for runner in runners:
             release = getattr(runner, "release_idle", None)
             if release is not None:
-                release()
+                freed += release() or ()
+        if freed:
+            offer_arenas(freed)
+        return bool(freed)
 
     def arena_holders(self) -> list:
         """The runners of every size, kept or evicted but still alive, that may keep arenas:

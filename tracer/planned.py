@@ -13,6 +13,7 @@ from typing import Any
 
 from backplan.report.compiled import one_listing
 from backplan.runtime import is_grad_enabled
+from backplan.runtime.backend import withdraw_arena_offers
 from backplan.runtime.tiers import slowest_tier, wait_until_compiled
 
 from .dynamic import (
@@ -62,10 +63,21 @@ def _switching(runner, switch):
     """A fast-path runner of one size of a dynamic axis: tells the entry its size first."""
 
     def run(leaves):
-        switch()
-        return runner(leaves)
+        return _switched(switch, runner, leaves)
 
     return run
+
+
+def _switched(switch, run, *args):
+    """run(*args) after switch() told a dynamic axis's entry the call's size; the arenas the
+    switch freed and offered to this size's arena (codegen/run/arena_memory.py) are withdrawn
+    when the call did not take them, so that no call holds another size's memory."""
+    if not switch():
+        return run(*args)
+    try:
+        return run(*args)
+    finally:
+        withdraw_arena_offers()
 
 
 class FastEntry:
@@ -281,9 +293,10 @@ class PlannedFunction:
         self._switch_signature(self._entry_key(bound))
         self._last_fast = None  # it ran another signature, or is set again below
         switch = self._size_switch(bound)
-        if switch is not None:
-            switch()
-        result = self._run(entry, bound)
+        if switch is None:
+            result = self._run(entry, bound)
+        else:
+            result = _switched(switch, self._run, entry, bound)
         if key is not None and forgotten == self._forgotten:
             runner = self._fast_runner(entry, bound, leaves)
             if runner is not None:

@@ -673,9 +673,10 @@ class CompiledPlan:
         for arena in self._workspaces.idle_arenas():
             ALLOCATOR.use(arena, "scratch")
 
-    def release_idle(self) -> None:
-        """Free the scratch arenas (and kept outputs) of the workspaces no call holds now."""
-        self._workspaces.release_idle()
+    def release_idle(self) -> list:
+        """Free the scratch arenas (and kept outputs) of the workspaces no call holds now;
+        returns their reservations (codegen/run/arena_memory.py)."""
+        return self._workspaces.release_idle()
 
     def _driver_arrays(self, args: list) -> list:
         """The inputs as the driver takes them: C-contiguous (an argument read in place as the

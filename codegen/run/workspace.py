@@ -18,6 +18,7 @@ import weakref
 import numba
 import numpy as np
 
+from backplan.codegen.run.arena_memory import OFFERED, new_arena, take_offer
 from backplan.codegen.run.blas_pool import BLAS_POOL
 from backplan.codegen.run.free_cores import free_cores
 
@@ -88,12 +89,22 @@ def arena_bytes(scratch: list[tuple[np.dtype, int]]) -> int:
 
 class Workspace:
     """The scratch arena (one buffer, seen as each dtype the plan places in it: ir/layout.py
-    plans them in the same bytes) and the outputs of this workspace's previous call."""
+    plans them in the same bytes) and the outputs of this workspace's previous call. A big
+    arena lies in a reservation of address space (codegen/run/arena_memory.py): `reservation`,
+    one a size switch freed, to grow over its pages."""
 
     def __init__(
-        self, scratch: list[tuple[np.dtype, int]], output_buffers: list, donatable=frozenset()
+        self,
+        scratch: list[tuple[np.dtype, int]],
+        output_buffers: list,
+        donatable=frozenset(),
+        reservation=None,
     ):
-        self.arena = np.empty(arena_bytes(scratch), np.uint8)
+        nbytes = arena_bytes(scratch)
+        if reservation is None:
+            self.arena, self.reservation = new_arena(nbytes)
+        else:
+            self.arena, self.reservation = reservation.arena(nbytes), reservation
         self.scratch = [self.arena[: max(n, 1) * np.dtype(d).itemsize].view(d) for d, n in scratch]
         self.output_buffers = output_buffers  # (shape, dtype) of each per-call output
         self.previous_outputs = [None] * len(output_buffers)
@@ -179,9 +190,12 @@ class WorkspacePool:
         self._scratch = scratch
         self._output_buffers = output_buffers
         self._donatable = donatable
-        self._idle = [Workspace(scratch, output_buffers, donatable)]
+        self._idle = [self._new_workspace()]
         self._made = 1  # workspaces held, idle or checked out
         self._alone = 0  # calls in a row that found every other workspace idle
+
+    def _new_workspace(self, reservation=None) -> Workspace:
+        return Workspace(self._scratch, self._output_buffers, self._donatable, reservation)
 
     @property
     def scratch_bytes(self) -> int:
@@ -192,12 +206,17 @@ class WorkspacePool:
         """The arenas of the workspaces no call holds now."""
         return [w.arena for w in list(self._idle)]
 
-    def release_idle(self) -> None:
+    def release_idle(self) -> list:
         """Let go of the workspaces no call holds (their arenas and kept outputs are freed once
         nothing else holds them); the next call makes a new one. A dynamic axis's other sizes
         do this when a call switches size (tracer/dynamic.py), so that a call holds its own
-        size's arenas alone, as explain's per-size peak counts."""
-        self._drop(len(self._idle))
+        size's arenas alone, as explain's per-size peak counts. Returns the reservations of
+        the arenas let go, which the switch offers to the next size's arena."""
+        dropped = self._idle[:]
+        self._drop(len(dropped))
+        reservations = [w.reservation for w in dropped if w.reservation is not None]
+        del dropped  # the workspaces' views of the reservations go with them
+        return reservations
 
     def _drop(self, count: int) -> None:
         del self._idle[:count]
@@ -210,7 +229,11 @@ class WorkspacePool:
         except IndexError:
             self._made += 1
             self._alone = 0
-            return Workspace(self._scratch, self._output_buffers, self._donatable)
+            return self._new_workspace(take_offer(self.scratch_bytes) if OFFERED else None)
+        if OFFERED and workspace.reservation is not None:  # a size switch freed arenas
+            offered = take_offer(workspace.arena.nbytes)
+            if offered is not None:  # grow over the freed pages rather than fault in fresh ones
+                workspace = self._new_workspace(offered)
         if len(idle) + 1 < self._made:  # another call holds one now
             self._alone = 0
         elif idle:  # spares of a burst, and this call runs alone

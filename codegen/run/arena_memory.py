@@ -1,0 +1,131 @@
+"""Scratch arenas in reserved address space, so that a new batch size's arena grows over the
+previous size's pages instead of faulting all of its bytes in fresh.
+
+A new size's first call used to fault its whole arena in: the transformer's 12-row arena, 44 MB,
+cost ~2 ms of the kernel zeroing pages (more, and far more under load, than the planning cuts
+left to make), while the previous size's 29 MB arena, full of pages, had just been freed at the
+switch (tracer/dynamic.py). An arena of RESERVE_FROM bytes or more is now the 2 MiB-aligned
+start of a private anonymous mapping that reserves RESERVE_FACTOR times its bytes of address
+space (MAP_NORESERVE: no memory until touched), advised for transparent huge pages. When a size
+switch frees idle arenas, their mappings are offered (`offering`); the next workspace a call
+checks out takes the best one over (codegen/run/workspace.py): the pages already there stay,
+only the bytes beyond them fault, and pages past the new arena's end are given back
+(MADV_DONTNEED), so the process holds the new size's arena alone, as explain counts. Offers not
+taken by the end of the call are dropped (`withdraw_offers`).
+
+Measured on the 2-vCPU EPYC, one thread (/tmp scripts in BENCHMARKS 31): a 44 MB arena written
+once costs 3.1 ms from np.empty (its unaligned first and last 2 MiB fault 4 KiB at a time: 547
+faults), 2.0 ms from an aligned reservation (36 faults), 1.4 ms grown over a 29 MB one (7
+faults); writing it when faulted already costs 1.0 ms.
+
+Elsewhere than Linux, or under strict overcommit (vm.overcommit_memory = 2, where a reservation
+counts against the commit limit whatever its flags), arenas are plain NumPy arrays as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+
+import numpy as np
+
+HUGE_PAGE = 1 << 21
+RESERVE_FROM = 4 << 20  # smaller arenas come from malloc's free lists: no faults to save
+RESERVE_FACTOR = 4  # address space reserved per arena byte: later sizes up to 4x fit in place
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value (Python < 3.13)
+
+
+def _reservations_work() -> bool:
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return False
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() != "2"
+    except OSError:
+        return False
+
+
+RESERVING = _reservations_work()
+
+
+class Reservation:
+    """Address space for one arena at a time, of up to `capacity` bytes, from a 2 MiB boundary.
+
+    Arrays over it keep its mapping alive (their base is the mmap object): it is unmapped when
+    the last one and the reservation are gone."""
+
+    __slots__ = ("_map", "_start", "capacity", "spanned")
+
+    def __init__(self, nbytes: int):
+        length = _round_up(max(nbytes, 1) * RESERVE_FACTOR, HUGE_PAGE) + HUGE_PAGE
+        self._map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        address = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
+        self._start = -address % HUGE_PAGE
+        self.capacity = length - self._start
+        self.spanned = 0  # bytes the last arena over it spanned: pages may be held up to there
+
+    def arena(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of nbytes over the start; pages the last arena held past its end are
+        given back first."""
+        if nbytes > self.capacity:
+            raise ValueError(f"an arena of {nbytes} bytes in a reservation of {self.capacity}")
+        keep = _round_up(nbytes, mmap.PAGESIZE)
+        if self.spanned > keep:
+            self._map.madvise(mmap.MADV_DONTNEED, self._start + keep, self.spanned - keep)
+        self.spanned = nbytes
+        return np.frombuffer(self._map, np.uint8, count=nbytes, offset=self._start)
+
+    def unviewed(self) -> bool:
+        """No array views it any more (this object's reference and getrefcount's argument)."""
+        return sys.getrefcount(self._map) == 2
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def new_arena(nbytes: int) -> tuple[np.ndarray, Reservation | None]:
+    """(arena, its reservation or None): reserved when big enough and the platform allows."""
+    if RESERVING and nbytes >= RESERVE_FROM:
+        try:
+            reservation = Reservation(nbytes)
+        except OSError:  # address space or mappings exhausted: a plain array, as before
+            pass
+        else:
+            return reservation.arena(nbytes), reservation
+    return np.empty(nbytes, np.uint8), None
+
+
+# Reservations a size switch freed, for the next checked-out workspace to take over. Read
+# without the lock on every checkout (an empty list: nothing to do); taken under it, so that two
+# threads never build arenas over one reservation.
+OFFERED: list[Reservation] = []
+_offers_lock = threading.Lock()
+
+
+def offer(reservations) -> None:
+    """Offer freed reservations nothing views any more (the rest are let go)."""
+    free = [r for r in reservations if r.unviewed()]
+    with _offers_lock:
+        OFFERED.extend(free)
+
+
+def take_offer(nbytes: int) -> Reservation | None:
+    """The offered reservation that fits nbytes holding the most pages (the others are dropped:
+    one call takes one offer); None for an arena too small to reserve (the offers stay)."""
+    if nbytes < RESERVE_FROM or not RESERVING:
+        return None
+    with _offers_lock:
+        offers = OFFERED[:]
+        OFFERED.clear()
+    fitting = [r for r in offers if r.capacity >= nbytes and r.unviewed()]
+    return max(fitting, key=lambda r: min(r.spanned, nbytes), default=None)
+
+
+def withdraw_offers() -> None:
+    """Drop every offer (the call that made them ended without taking one)."""
+    with _offers_lock:
+        OFFERED.clear()
