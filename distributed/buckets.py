@@ -4,7 +4,9 @@ plan, so it is tested without MPI."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024  # PyTorch DDP uses 25 MiB over networks; ours is 2 MiB
 
@@ -42,6 +44,17 @@ class Bucket:
     @property
     def ready_step(self) -> int:
         return self.ready_leaf.ready_step
+
+    @cached_property
+    def unpacking(self) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
+        """(leaf index, start, stop, shape) of each leaf in the bucket's flat buffer (worked
+        out once: every call unpacks its buckets so)."""
+        found, start = [], 0
+        for leaf in self.leaves:
+            stop = start + math.prod(leaf.shape)
+            found.append((leaf.index, start, stop, leaf.shape))
+            start = stop
+        return tuple(found)
 
 
 def plan_buckets(leaves: list[ExchangedLeaf], bucket_bytes: int) -> list[Bucket]:

@@ -3,8 +3,6 @@ allreduce, started as soon as its last leaf exists, waited on in bucket order at
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from backplan.ir.types import np_dtype
@@ -31,7 +29,6 @@ class Exchange:
         self.started: list = []  # (bucket, buffer, request), in bucket order
         self.weight: float | None = None  # this rank's share of the rows, when ranks differ
         self.weights: list[float] | None = None  # every rank's (the node's 16-bit sums)
-        self.mpi = mpi_module()
         self.timeout = timeout  # seconds each wait may take (data_parallel(timeout=...))
         # every rank posts Arrivals in finish() when the step has a timeout (decided here:
         # a failed rank's settle gives itself one, the others' steps may have none)
@@ -41,6 +38,11 @@ class Exchange:
         self.step_name = "data_parallel()"  # what a deadline's error names (set by the step)
         self.accumulated = False  # set by data_parallel(accumulate=k): float32 sums travel
         self.averaged: set = set()  # buckets averaged by their MPI operation (half_sum.py)
+
+    @property
+    def mpi(self):
+        """The mpi4py MPI module (looked up when MPI is called, not per step)."""
+        return mpi_module()
 
     def start(self, array_of) -> None:
         """Start every bucket; array_of(leaf index) is this rank's array of that leaf."""
@@ -104,18 +106,16 @@ class Exchange:
             if self.average and self.weight is None and bucket.index not in self.averaged:
                 average_in_place(buffer, self.world.size)
             buffer.flags.writeable = False
-            offset = 0
-            for leaf in bucket.leaves:
-                count = math.prod(leaf.shape)
-                part = buffer[offset : offset + count].reshape(leaf.shape)
-                if part.dtype != np_dtype(leaf.dtype):  # a 16-bit bucket, rounded once
-                    part = counted(part.astype(np_dtype(leaf.dtype)), f"bucket {bucket.index}")
+            dtype = np_dtype(bucket.dtype)  # every leaf's
+            for index, start, stop, shape in bucket.unpacking:
+                part = buffer[start:stop].reshape(shape)
+                if part.dtype != dtype:  # a 16-bit bucket, rounded once
+                    part = counted(part.astype(dtype), f"bucket {bucket.index}")
                     part.flags.writeable = False
-                elif leaf.index == 0:  # the loss: its own array, so that a loop keeping it
+                elif index == 0:  # the loss: its own array, so that a loop keeping it
                     part = counted(part.copy(), "loss")  # does not keep the bucket alive
                     part.flags.writeable = False
-                results[leaf.index] = Tensor._from_array(part)
-                offset += count
+                results[index] = Tensor._from_array(part)
         if arrivals is not None:
             arrivals.settle(self.timeout)
         check_ranks(self.world, results[0]._data, self.failure, self.layout.name)

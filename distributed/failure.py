@@ -104,8 +104,13 @@ DIVERGED = (
 def check_ranks(world, loss: np.ndarray, failure: str | None, name: str) -> None:
     """After a call's exchange, on every rank: raise RankFailedError when another rank's call
     failed (it sent a NaN loss, so every rank's summed loss is NaN and all come here)."""
-    if failure is None and not (loss != loss).any():  # NaN is the one value unequal to itself
-        return
+    if failure is None:  # NaN is the one value unequal to itself
+        if loss.size == 1:  # the usual scalar loss: compared without NumPy's reduction
+            value = loss.item()
+            if value == value:
+                return
+        elif not (loss != loss).any():
+            return
     raise_for_others(world, failure, name, AFTER_AGREEMENT)
 
 

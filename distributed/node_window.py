@@ -191,12 +191,18 @@ class NodeWindow:
         self._segments = segments
         self.counters = [s[: n * 8].view(np.int64).reshape(1, n) for s in segments]
         self.written = [0] * n  # calls that wrote each bucket on this rank
+        self._views: dict = {}  # (rank, k, parity) -> buffer(): made once, not per call
 
     def buffer(self, rank: int, k: int, parity: int) -> np.ndarray:
-        """Rank `rank`'s buffer of bucket k for calls of this parity (a 1-D array)."""
-        at = self._offsets[parity][k]
-        dtype = self.dtypes[k]
-        return self._segments[rank][at : at + self.counts[k] * dtype.itemsize].view(dtype)
+        """Rank `rank`'s buffer of bucket k for calls of this parity (a 1-D array, the same
+        view object every time)."""
+        found = self._views.get((rank, k, parity))
+        if found is None:
+            at = self._offsets[parity][k]
+            dtype = self.dtypes[k]
+            found = self._segments[rank][at : at + self.counts[k] * dtype.itemsize].view(dtype)
+            self._views[(rank, k, parity)] = found
+        return found
 
     def part(self, rank: int, k: int) -> slice:
         """The elements of bucket k that `rank` sums: contiguous, split on cache lines."""

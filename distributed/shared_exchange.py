@@ -118,6 +118,8 @@ class WindowOutputs:
         self.buckets, self.slots, self.buffers = bucket_slots(
             compiled, layout, lambda dtype: dtype in ("f32", "f64", *HALVES)
         )
+        self.written = frozenset(bucket.index for bucket in self.buckets)  # by a run()
+        self._into: dict = {}  # the buckets' parities -> (window, the views run() passes)
 
     def run(self, windows: dict, layout, arrays: list) -> list | None:
         """The plan's outputs, its buckets' leaves written into the window; None when there is
@@ -126,17 +128,24 @@ class WindowOutputs:
         window = windows.get((layout.fingerprint,))  # _window's key
         if window is None or not self.buckets:
             return None
+        parities = tuple((window.written[b.index] + 1) % 2 for b in self.buckets)  # next call's
+        found = self._into.get(parities)
+        if found is None or found[0] is not window:
+            found = self._into[parities] = (window, self._views(window, parities))
+        return self.compiled.call_own_into(arrays, found[1])
+
+    def _views(self, window: NodeWindow, parities: tuple[int, ...]) -> dict:
+        """{output buffer: its place in this rank's window buffer of the parity}."""
         into = {}
-        for bucket, slots in zip(self.buckets, self.slots, strict=True):
-            k = bucket.index
-            flat = window.buffer(window.rank, k, (window.written[k] + 1) % 2)  # the next call's
+        for bucket, slots, parity in zip(self.buckets, self.slots, parities, strict=True):
+            flat = window.buffer(window.rank, bucket.index, parity)
             offset = 0
             for j in slots:
                 shape = self.buffers[j][0]
                 n = math.prod(shape)
                 into[j] = flat[offset : offset + n].reshape(shape)
                 offset += n
-        return self.compiled.call_own_into(arrays, into)
+        return into
 
 
 class SharedRequest(CounterRequest):
@@ -171,8 +180,22 @@ class SharedRequest(CounterRequest):
             sum_into(buffers, self.out, self.average)
 
 
+def _pack(bucket, array_of, mine: np.ndarray, bits: bool) -> None:
+    """Copy the bucket's leaves into this rank's window buffer, but for those already there."""
+    offset = 0
+    for leaf in bucket.leaves:
+        value = np.asarray(array_of(leaf)).ravel()
+        place = mine[offset : offset + value.size]
+        if value.ctypes.data != place.ctypes.data:  # not written there by the plan
+            place[...] = as_bits(value) if bits else value  # accumulated: f32 sums
+        offset += value.size
+
+
 class SharedExchange(Exchange):
-    """Exchange with each bucket summed through the node's shared window (see the module)."""
+    """Exchange with each bucket summed through the node's shared window (see the module).
+    in_window: the buckets the plan wrote into this call's window buffers (WindowOutputs)."""
+
+    in_window: frozenset = frozenset()
 
     def _start(self, bucket, array_of) -> None:
         window = _window(self)
@@ -181,13 +204,8 @@ class SharedExchange(Exchange):
         call = window.written[k]
         mine = window.buffer(window.rank, k, call % 2)
         bits = mine.dtype == np.uint16  # a 16-bit bucket's bit patterns (_window_dtype)
-        offset = 0
-        for leaf in bucket.leaves:
-            value = np.asarray(array_of(leaf)).ravel()
-            place = mine[offset : offset + value.size]
-            if value.ctypes.data != place.ctypes.data:  # not written there by the plan
-                place[...] = as_bits(value) if bits else value  # accumulated: f32 sums
-            offset += value.size
+        if k not in self.in_window:  # the plan wrote it there (WindowOutputs): nothing to pack
+            _pack(bucket, array_of, mine, bits)
         if self.weight is not None and not bits:  # (16-bit: every rank's, in the sum)
             scale_by_weight(mine, self.weight)
         window.mark(READY, k, call)

@@ -11,7 +11,7 @@ from backplan.codegen.build import driver_tier
 from backplan.codegen.run.memory_check import checking
 from backplan.runtime import is_grad_enabled
 from backplan.runtime.backend import current_backend
-from backplan.tracer.fastpath import call_key, positions_of
+from backplan.tracer.fastpath import call_key, guard_for, positions_of
 from backplan.tracer.functional import GradFunction, ValueAndGradFunction
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
@@ -119,6 +119,9 @@ class DataParallelStep:
         self._diverged: str | None = None  # an unsharded update raised here (training.py)
         self._reduction: str | None = None  # reduction(world), once known
         self.windows: dict = {}  # key -> node_window.NodeWindow: this step's, freed with it
+        self._kinds: dict = {}  # _settings' values -> their fingerprint (_kind)
+        self._last_key: tuple | None = None  # (the last new call key, its fastpath guard)
+        self._lengths: dict = {}  # call key -> rows.batch_lengths of its arguments
 
     def __call__(self, *args, **kwargs):
         world = init(self._comm)
@@ -150,9 +153,7 @@ class DataParallelStep:
             self._round_failed(world)
         exchange = lengths = None
         try:
-            key, leaves = call_key(args, kwargs, is_grad_enabled())
-            if key is not None:
-                self._called.add(key)
+            key, leaves = self._call_key(args, kwargs)
             layout = self._layout(args, kwargs, key)
             if exchange_type is Exchange and self._reduction == "shared":
                 exchange_type = SharedExchange
@@ -162,7 +163,7 @@ class DataParallelStep:
             exchange.agreement, exchange.agreed, exchange.in_driver = None, False, None
             exchange.posted = exchange.inside = exchange.all_inside = False
             exchange.accumulated = self.accumulate > 1
-            lengths = batch_lengths(args, kwargs, self.fn.argnums)
+            lengths = self._batch_lengths(args, kwargs, key)
             return self._run(world, args, kwargs, key, leaves, exchange, lengths, exchange_type)
         except BaseException as error:
             if exchange is None or not exchange.posted:
@@ -170,6 +171,30 @@ class DataParallelStep:
             else:
                 self._failed(world, exchange, error, lengths, args, kwargs)
             raise
+
+    def _call_key(self, args, kwargs) -> tuple:
+        """fastpath.call_key's (key, leaves), the last call's key again when its guard matches
+        (a few comparisons per leaf instead of building and hashing a key)."""
+        grad_enabled = is_grad_enabled()
+        last = self._last_key  # read once: another thread may replace it
+        if last is not None:
+            leaves = last[1](args, kwargs, grad_enabled)
+            if leaves is not None:
+                return last[0], leaves
+        key, leaves = call_key(args, kwargs, grad_enabled)
+        if key is not None:
+            self._called.add(key)
+            self._last_key = (key, guard_for(key))
+        return key, leaves
+
+    def _batch_lengths(self, args, kwargs, key) -> tuple[int, ...]:
+        """rows.batch_lengths, once per call key (whose shapes it is read from)."""
+        found = self._lengths.get(key) if key is not None else None
+        if found is None:
+            found = batch_lengths(args, kwargs, self.fn.argnums)
+            if key is not None:
+                self._lengths[key] = found
+        return found
 
     def _run(self, world, args, kwargs, key, leaves, exchange, lengths, exchange_type):
         """started's work once the call's exchange exists: agree, run the plan, start."""
@@ -205,7 +230,7 @@ class DataParallelStep:
         placed = None
         if self.accumulate == 1 and self._reduction == "shared":
             if exchange_type is SharedExchange or self.sharded:
-                placed = self._run_into_window(world, args, kwargs, key, leaves, layout)
+                placed = self._run_into_window(world, args, kwargs, key, leaves, exchange)
         if placed is not None:
             arrays, aux = placed
         else:
@@ -386,13 +411,15 @@ class DataParallelStep:
             return False
         return found[1].loaded or found[1].wait_built(timeout)
 
-    def _run_into_window(self, world, args, kwargs, key, leaves, layout):
+    def _run_into_window(self, world, args, kwargs, key, leaves, exchange):
         """(this rank's loss and gradients, the aux outputs) of the compiled joint plan with
         the gradients written straight into the node window's buffers of this call
         (shared_exchange.WindowOutputs), or None to call the plan as usual. The checked mode
-        runs it too (counting what the call holds), so that it measures what runs unchecked."""
+        runs it too (counting what the call holds), so that it measures what runs unchecked.
+        Tells the exchange which buckets need no packing (SharedExchange.in_window)."""
         if not self.overlap or current_backend() != "numba":
             return None
+        layout = exchange.layout
         entry = self._joint_inputs(args, kwargs, key, leaves, arrays=False)
         found = self._window_outputs.get(id(entry))
         if found is None:
@@ -405,6 +432,8 @@ class DataParallelStep:
         outputs = found[1].run(self.windows, layout, arrays)
         if outputs is None:
             return None
+        if isinstance(found[1], WindowOutputs):
+            exchange.in_window = found[1].written
         positions = layout.output_positions
         mine = [outputs[positions[index]] for index in range(layout.n_leaves)]
         if not self.fn.has_aux:
@@ -632,7 +661,7 @@ class DataParallelStep:
             mine = np.array([LOWEST] * 4 + [int(failed)] + [LOWEST] * 3, np.int64)
         else:
             digest = lengths_digest(lengths)
-            kind = fingerprint(sorted(self._settings(exchange).items()))
+            kind = self._kind(exchange)
             outside = not getattr(exchange, "inside", False)
             mine = [layout.fingerprint, -layout.fingerprint, digest, -digest, 0, outside, kind]
             mine = np.array(mine + [-kind], np.int64)
@@ -668,6 +697,15 @@ class DataParallelStep:
         if (highest[2:4] == mine[2:4]).all() or not self.average:
             return None
         return row_weights(world.comm, lengths, args, kwargs, self.fn.argnums)
+
+    def _kind(self, exchange) -> int:
+        """The fingerprint of _settings (hashed once per set of settings, not per call)."""
+        settings = self._settings(exchange)
+        values = tuple(settings.values())
+        found = self._kinds.get(values)
+        if found is None:
+            found = self._kinds[values] = fingerprint(sorted(settings.items()))
+        return found
 
     def _settings(self, exchange) -> dict:
         """What every rank's step must share beyond the layout."""

@@ -859,6 +859,42 @@ def test_unequal_shards_weight_each_rank_by_its_rows(tmp_path):
     assert_ranks_ok(result)
 
 
+@needs_mpi
+def test_a_step_whose_batches_change_averages_each_call_to_its_full_batch(tmp_path):
+    """The step keeps the last call's key (matched by its guard) and each key's batch lengths
+    between calls: compiled calls whose shards change (8 + 8 rows, 5 + 3, 3 + 5, back) each
+    equal value_and_grad of that call's whole batch, the plan writing into the node window
+    from the second call of each signature; a stale key or stale lengths would weight the
+    ranks by another call's rows."""
+    result = run_script(
+        tmp_path,
+        """
+        from backplan.distributed.shared_exchange import WindowOutputs
+        written = []
+        run = WindowOutputs.run
+        WindowOutputs.run = lambda self, *a: (lambda out: written.append(out is not None) or out)(
+            run(self, *a))
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        step = bpd.data_parallel(vg, bucket_bytes=300)
+        for rows in ((8, 8), (5, 3), (3, 5), (8, 8), (5, 3), (3, 5)):
+            start = sum(rows[:rank])
+            xs, ys = x[start : start + rows[rank]], y[start : start + rows[rank]]
+            full_loss, full = vg(params, x[: sum(rows)], y[: sum(rows)])
+            for _ in range(2):
+                loss, grads = step(params, xs, ys)
+                np.testing.assert_allclose(loss.item(), full_loss.item(), rtol=1e-6)
+                for name in params:
+                    np.testing.assert_allclose(grads[name].numpy(), full[name].numpy(),
+                                               rtol=1e-5, atol=1e-7, err_msg=f"{rows} {name}")
+        assert written[-6:] == [True] * 6, written  # every signature's plan writes the window
+        print(f"rank {rank} ok")
+        """,
+        backend="numba",
+        timeout=300,
+    )
+    assert_ranks_ok(result)
+
+
 SUMMED_BOTH_WAYS = """
 import os
 from backplan.distributed.shared_exchange import SharedExchange
