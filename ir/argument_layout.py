@@ -50,7 +50,7 @@ REVERSED = "reversed along"
 PERMUTED = "axes permuted"  # "axes permuted (1, 0, 2)": a.transpose(1, 0, 2) of a C array
 STRIDED = "strided"  # any other view: copied into C order at every call
 # a view is read as a slice of its span only where the span holds at most this many times its
-# elements: the first call's tensor and a NumPy argument saved for backward copy the span, and
+# elements: a NumPy argument saved for backward (or read by an output) copies the span, and
 # `inputs` counts it (a column a[:, :1] of a 4096-wide array would copy 4096 times its bytes)
 SPAN_LIMIT = 2
 SLICED = "sliced"  # "sliced [0:4:1, 1:3:1] of a 4 x 6 array, axes (1, 0), broadcast"

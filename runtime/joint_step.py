@@ -93,6 +93,14 @@ class JointStep:
         self._expecting = False
         self.seen = self.seen + 1 if fitting else 0
 
+    def take_over_before_copies(self, program) -> None:
+        """Free the two plans' idle arenas now if this call is the one the joint plan takes
+        over (run would free them): a call copying NumPy arguments makes its copies before
+        run, and explain counts the copies beside the joint plan's arena, not the two plans'."""
+        if not self._expecting and self.seen >= CALLS_TO_LEARN and not self._split_idle:
+            program.release_idle()
+            self._split_idle = True
+
     def runners(self) -> list:
         """The joint plan's runners made so far (one per backend)."""
         return list(self._runners.values())

@@ -658,7 +658,8 @@ class BudgetPlanner:
 
     def fit_saved(self, limit: int, default_plans):
         """saved_bytes_budget: the first plan of the saved chain (saved_chain) whose saved bytes
-        (your own arrays excluded) fit limit; MemoryBudgetError if none. In a step whose
+        (your own arrays excluded, the copies of NumPy arguments the backward reads counted, as
+        explain's saved bytes count them) fit limit; MemoryBudgetError if none. In a step whose
         gradients come from an inlined value_and_grad, its saved bytes are the forward values
         those gradients read. A lower budget never gives a higher peak: along the chain saved
         bytes fall and peaks never rise, and a lower budget takes a later link (with allow_dtype,
@@ -765,6 +766,8 @@ class BudgetPlanner:
                 "lower saved budget never gives a higher peak"
             )
         text += self._saved_narrowing_text(limit)
+        copies = self._numpy_copies_text(fewest.plans)
+        text += f";{copies[:-1]}" if copies else ""
         return text + "; raise the budget or use max_peak_bytes (the whole step's peak)"
 
     def _saved_narrowing_text(self, limit: int) -> str:
@@ -785,13 +788,13 @@ class BudgetPlanner:
         gradient part reads (ir/step_schedule.py held), your own arrays excluded."""
         if self.choices.inlined_gradients:
             return self.choices.schedule.held_bytes()
-        return default_plans.saved_bytes
+        return default_plans.saved_bytes + _copied_bytes(default_plans, self.numpy_inputs)
 
     def _saved_of(self, point, narrowed: bool, plans) -> int:
         """A built plan's saved bytes: a region's saved buffers, or what the inlined gradients
         of a training step read (as the schedule counts them, narrowed or not)."""
-        if not self.choices.inlined_gradients:
-            return plans.saved_bytes
+        if not self.choices.inlined_gradients:  # the copies of NumPy arguments it reads too
+            return plans.saved_bytes + _copied_bytes(plans, self.numpy_inputs)
         return self._narrowed_held(point, plans) if narrowed else point.held_bytes
 
     def _check_inputs_fit(self, limit: int, option: str) -> None:
@@ -843,6 +846,7 @@ class BudgetPlanner:
                 "in a layout it cannot read in place (explain names them): pass them "
                 "np.ascontiguousarray(...) once, outside the loop."
             )
+        text += self._numpy_copies_text(plans)
         return (
             text
             + self._narrowing_text(best, limit)
@@ -850,6 +854,18 @@ class BudgetPlanner:
                 " Ways out: a smaller batch (bp.max_batch(fn, args, max_peak_bytes=...) says the "
                 "largest that fits), or a larger budget."
             )
+        )
+
+    def _numpy_copies_text(self, plans) -> str:
+        """What of a refused budget the copies of NumPy arguments the backward reads take."""
+        copied = _copied_bytes(plans, self.numpy_inputs)
+        if not copied:
+            return ""
+        return (
+            f" {format_bytes(copied)} of the saved bytes are copies of NumPy arguments the "
+            "backward reads, taken at the call so that changing your arrays later cannot "
+            "change the gradients: passing bp.tensor(...) of them (made once, outside the "
+            "loop) saves those bytes."
         )
 
     def _backward_words(self) -> str:

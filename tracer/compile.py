@@ -36,7 +36,7 @@ from .donate import (
 from .dynamic import checked_dynamic, sizes_planned_apart
 from .fastpath import positions_of
 from .float_checks import float_checks_of, run_float_checks
-from .numpy_args import input_tensor, kept_by_outputs
+from .numpy_args import input_tensor, kept_by_outputs, reference_copies
 from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     DEFAULT_CACHE_SIZE,
     STALE,
@@ -48,7 +48,7 @@ from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
 from .pytree import TreeDef, flatten, unflattener
 from .reports import explain_traced
 from .saved_dtype_check import check_saved_dtype_narrows
-from .signature import bind_call, closest_key, copied_leaves, miss_reason
+from .signature import bind_call, closest_key, copied_leaves, miss_reason, numpy_apart
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import Trace, tracing
@@ -127,9 +127,40 @@ def run_traced(traced: TracedFunction, call, record: bool = True):
     works. Loaded artifacts run through here too, so both paths build regions the same way."""
     tensors = [call.leaves[p] for p in call.tensor_positions]
     copies = NONE  # a loaded artifact's call keeps no sources: its copies are not told apart
-    if call.sources:  # bind_call made a tensor of each NumPy argument, a copy: those the
-        copies = numpy_inputs(call) & _saved_inputs(traced.program)  # backward reads, held
+    if call.sources:  # NumPy arguments: those the backward reads are copies the region holds
+        copies = numpy_inputs(call) & _saved_inputs(traced.program)
+        if call.borrowed:  # views of the caller's arrays: copied where they outlive the call
+            tensors = _owned_where_kept(traced, call, tensors)
     return run_tensors(traced, tensors, record, copies=copies)
+
+
+def _owned_where_kept(traced: TracedFunction, call, tensors: list) -> list:
+    """The first call's tensors with each NumPy argument bind_call wrapped as a view copied
+    where the fast path copies it (input_slots): the same buffers as every later call."""
+    sources = [call.sources[p] for p in call.tensor_positions]
+    slots = input_slots(traced, sources, current_backend() == "reference")
+    owned = list(tensors)
+    for k, p in enumerate(call.tensor_positions):
+        if p in call.borrowed and slots[k]:
+            owned[k] = input_tensor(sources[k], slots[k])
+    return owned
+
+
+def input_slots(traced: TracedFunction, leaves: list, reference: bool) -> list:
+    """Per graph input passed as `leaves` (the fast path's, in the plan's order): the copy
+    input_array makes of a NumPy one (tracer/numpy_args.py): True (C order: a donated buffer,
+    outputs are written into it; on the reference interpreter any kept or non-C array), "K"
+    (its own order: saved for backward, or read by an output), or False (borrowed)."""
+    program = traced.program
+    kept = _kept_inputs(program, traced.donated, reference)
+    if reference:
+        return [
+            ("K" if k in kept and k not in traced.donated else True) if copy else False
+            for k, copy in enumerate(reference_copies(program.plans.forward.graph, kept, leaves))
+        ]
+    return [
+        (True if k in traced.donated else "K") if k in kept else False for k in range(len(leaves))
+    ]
 
 
 def run_tensors(
@@ -263,7 +294,10 @@ class CompiledFunction(PlannedFunction):
         return not getattr(leaf, "requires_grad", False)
 
     def _bind(self, args, kwargs):
-        return bind_call(self.fn, args, kwargs, self._static_names)
+        call = bind_call(self.fn, args, kwargs, self._static_names)
+        if self.max_peak_bytes is None and self.saved_bytes_budget is None:
+            return call
+        return numpy_apart(call)  # the budget holds for the kind of array each call passes
 
     def _still_valid(self, traced: TracedFunction) -> bool:
         return _captured_flags(traced.captured) == traced.captured_flags
@@ -282,19 +316,19 @@ class CompiledFunction(PlannedFunction):
         if positions is None:
             return None
 
-        kept = _kept_inputs(traced.program, traced.donated)
+        picked = [leaves[i] for i in positions]
         # a donated copy in C order (outputs are written into it), any other in its own
-        slots = [
-            (i, k in kept and (True if k in traced.donated else "K"))
-            for k, i in enumerate(positions)
-        ]
+        slots = list(zip(positions, input_slots(traced, picked, False), strict=True))
+        interpreted = list(zip(positions, input_slots(traced, picked, True), strict=True))
         as_given = positions == list(range(len(leaves))) and all(
             type(leaf) is Tensor for leaf in leaves
         )  # the leaves are the plan's input tensors, in order: nothing to pick or wrap
         captured = bool(traced.captured)
         saved = _saved_inputs(traced.program)
         # inputs a NumPy argument reaches as a copy the region holds (saved for backward)
-        copy_slots = [(k, i) for k, (i, copy) in enumerate(slots) if copy == "K" and k in saved]
+        copy_slots = [(k, i) for k, (i, copy) in enumerate(slots) if copy and k in saved]
+        joint = traced.program.joint_step
+        record = bool(traced.grad_inputs)  # run_tensors records a region: the joint plan may run
 
         def run(leaves):
             if captured and not self._still_valid(traced):
@@ -303,7 +337,10 @@ class CompiledFunction(PlannedFunction):
             # user line's walk passes over run_tensors, run and the frame that called run
             if as_given:
                 return run_tensors(traced, leaves, skip=3)
-            tensors = [input_tensor(leaves[i], copy) for i, copy in slots]
+            if copy_slots and joint is not None and record:  # the copies come before run:
+                joint.take_over_before_copies(traced.program)  # a joint plan frees arenas first
+            chosen = interpreted if current_backend() == "reference" else slots
+            tensors = [input_tensor(leaves[i], copy) for i, copy in chosen]
             copies = NONE
             if copy_slots:
                 copies = frozenset(k for k, i in copy_slots if type(leaves[i]) is np.ndarray)
@@ -440,10 +477,14 @@ def checked_saved_dtypes(saved_dtype, allow_saved_dtype) -> tuple[str | None, st
     return checked_saved_dtype(saved_dtype), checked_saved_dtype(allow_saved_dtype)
 
 
-def _kept_inputs(program: RegionProgram, donated: tuple[int, ...]) -> set[int]:
-    """Forward inputs whose buffer outlives the call: read by an output, saved for backward,
-    or donated. A NumPy array passed there is copied (tracer/numpy_args.py)."""
-    return kept_by_outputs(program.plans.forward.graph) | _saved_inputs(program) | set(donated)
+def _kept_inputs(
+    program: RegionProgram, donated: tuple[int, ...], reference: bool = False
+) -> set[int]:
+    """Forward inputs whose buffer outlives the call: read by an output (in the compiled
+    plan's buffers, or NumPy's on the reference interpreter), saved for backward, or donated.
+    A NumPy array passed there is copied (tracer/numpy_args.py)."""
+    graph = program.plans.forward.graph
+    return kept_by_outputs(graph, reference) | _saved_inputs(program) | set(donated)
 
 
 NONE = frozenset()
@@ -533,9 +574,11 @@ def compile(  # noqa: A001
     values it keeps) with the fewest added FLOPs, or raises bp.MemoryBudgetError before
     compiling, saying the smallest peak reachable and the ways out. `fn.memory_frontier(...)`
     lists the plans to choose from; the planner counts, as explain does, the copy each call
-    takes of a NumPy argument its backward reads (planned for the kinds of the first call).
+    takes of a NumPy argument its backward reads: under a budget a NumPy array and a tensor
+    are different signatures, each planned for what it holds (a switch retraces).
     saved_bytes_budget: the same for the bytes the forward saves for backward (your own
-    arrays and those copies excluded): met by recomputing, or refused.
+    arrays excluded, those copies counted, as explain's saved bytes count them): met by
+    recomputing, or refused.
     saved_dtype=bp.bfloat16 stores the float32 values the forward saves for backward in
     bfloat16 (half the bytes; the backward reads them rounded to 8 significant bits); your own
     arrays and returned outputs that backward reads are held as they are.

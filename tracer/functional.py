@@ -27,7 +27,7 @@ from .compile import CompiledFunction, checked_saved_dtypes, trace_function
 from .dynamic import sizes_planned_apart, symbolic_key
 from .errors import TracingError
 from .fastpath import positions_of
-from .numpy_args import arrays_reader, kept_by_outputs
+from .numpy_args import arrays_reader, kept_by_outputs, reference_copies
 from .operand_errors import how_to_pass, what_value_is
 from .planned import PlannedFunction, check_background
 from .pytree import flatten, unflatten, unflattener
@@ -314,7 +314,10 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
         outer.inlined_gradients.extend(values[1 + entry.n_aux :])
         results = [Tensor._traced(v, outer) for v in values]
     else:
-        arrays = entry.runner()([t._data for t in tensors])
+        arrays = [t._data for t in tensors]
+        if getattr(call, "borrowed", None):  # views of the caller's arrays (bind_call)
+            arrays = _owned_where_kept(entry, call, arrays)
+        arrays = entry.runner()(arrays)
         results = [Tensor._from_array(a) for a in arrays]
     n_aux = entry.n_aux
     value, aux, grads = results[0], results[1 : 1 + n_aux], results[1 + n_aux :]
@@ -324,16 +327,38 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
     return value, grads
 
 
+def _owned_where_kept(entry: JointTrace, call, arrays: list) -> list:
+    """The first call's arrays with each NumPy argument bind_call wrapped as a view copied
+    where the fast path's reader copies it (_joint_reader): the same buffers as later calls."""
+    positions = call.tensor_positions
+    sources = [call.sources[p] for p in positions]
+    read = _joint_reader(entry, sources)
+    owned = read(sources, current_backend() == "reference")
+    return [
+        owned[k] if p in call.borrowed else array
+        for k, (p, array) in enumerate(zip(positions, arrays, strict=False))
+    ] + arrays[len(positions) :]
+
+
+def _joint_reader(entry: JointTrace, leaves: list):
+    """arrays_reader for a joint plan's inputs passed as `leaves` (in the plan's order): a
+    NumPy array copied only where an output reads it (and, on the reference interpreter, where
+    it is not in C order), else borrowed."""
+    graph = entry.plan.graph
+    kept = kept_by_outputs(graph)
+    interpreted = reference_copies(graph, kept_by_outputs(graph, reference=True), leaves)
+    return arrays_reader(
+        [type(leaf) for leaf in leaves], [k in kept for k in range(len(leaves))], interpreted
+    )
+
+
 def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
     """A call for later calls with the same key: arrays in, tensors out, no binding; how the
     leaves are read and how the outputs are shaped is worked out here, once."""
     positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
     if positions is None:
         return None
-    kept = kept_by_outputs(entry.plan.graph)
-    read = arrays_reader(
-        [type(leaves[i]) for i in positions], [k in kept for k in range(len(positions))]
-    )
+    read = _joint_reader(entry, [leaves[i] for i in positions])
     pick = None if positions == list(range(len(leaves))) else itemgetter(*positions)
     captured, runners = entry.captured, entry._runners
     build_results = _results_builder(entry, args, nums, has_aux, single)

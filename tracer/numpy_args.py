@@ -8,7 +8,13 @@ made only where the array would outlive the call:
 - an output is the argument itself or a view of it (the caller would see the result change);
 - a forward input saved for a later `.backward()` (`bp.compile`; backward reads it later);
 - a donated argument (the call writes its results into the buffer it is given);
-- the reference interpreter runs the plan (NumPy ops may return views of their inputs).
+- on the reference interpreter, an output NumPy makes a view of the argument (a transpose, a
+  slice: ir/reference_storage.py), and an argument not in C order (copied in C order, which
+  the interpreter's storage model assumes of its inputs).
+
+The first call of a signature does the same (tracer/signature.py bind_call wraps each native
+NumPy array as a read-only view): what explain prints for a call is what it holds, first call
+included, on both backends.
 
 So changing the array after a call never changes what the call returned, nor the gradients a
 later backward computes. Changing it from another thread *during* the call is a data race, as
@@ -25,15 +31,21 @@ import numpy as np
 from backplan.ir.argument_layout import same_layout
 from backplan.ir.graph import Graph
 from backplan.ir.layout import storage_root
+from backplan.ir.reference_storage import storage_roots
 from backplan.runtime.backend import current_backend
 
 from .tensor import Tensor, read_only
 
 
-def kept_by_outputs(graph: Graph) -> set[int]:
-    """Graph inputs whose buffer an output reads: the input itself or a view of it."""
+def kept_by_outputs(graph: Graph, reference: bool = False) -> set[int]:
+    """Graph inputs whose buffer an output reads: the input itself or a view of it, in the
+    compiled plan's buffers or (reference) in NumPy's, where a transpose or a slice is a view."""
     index = {v: i for i, v in enumerate(graph.inputs)}
-    roots = (storage_root(out) for out in graph.outputs)
+    if reference:
+        found = storage_roots(graph)
+        roots = (found.get(out, out) for out in graph.outputs)
+    else:
+        roots = (storage_root(out) for out in graph.outputs)
     return {index[root] for root in roots if root in index}
 
 
@@ -56,8 +68,9 @@ def copied(array: np.ndarray, order: str = "C") -> np.ndarray:
 def input_array(leaf, copy) -> np.ndarray:
     """A fast-path leaf (tensor, Python float or NumPy array) as the array the plan reads;
     copy: this input would outlive the call (see the module docstring), True for a C-ordered
-    copy (a donated buffer, which outputs of C order are written into), "K" for one in the
-    array's own order (saved for backward, read by an output)."""
+    copy (a donated buffer, which outputs of C order are written into; the reference
+    interpreter's), "K" for one in the array's own order (saved for backward, read by an
+    output), False for none (a read-only view of the caller's array)."""
     kind = type(leaf)
     if kind is Tensor:
         return leaf._data
@@ -65,24 +78,37 @@ def input_array(leaf, copy) -> np.ndarray:
         return np.array(leaf, np.float64)
     if copy == "K":
         return copied(leaf, "K")
-    return copied(leaf) if copy or current_backend() == "reference" else borrowed(leaf)
+    return copied(leaf) if copy else borrowed(leaf)
 
 
-def arrays_reader(kinds: list[type], copies: list[bool]) -> Callable[[list, bool], list]:
+def arrays_reader(
+    kinds: list[type], copies: list[bool], interpreted: list[bool]
+) -> Callable[[list, bool], list]:
     """For one signature: read(leaves, reference) gives the arrays the plan reads from the
     fast path's leaves, whose kinds (Tensor, float, np.ndarray) the signature fixes; copies:
-    which inputs outlive the call; reference: the reference interpreter runs the plan."""
+    which inputs outlive the call when the compiled plan runs, interpreted: when the reference
+    interpreter runs it (reference_copies)."""
     if all(kind is Tensor for kind in kinds):
         data = attrgetter("_data")
         return lambda leaves, reference: list(map(data, leaves))
     compiled = [_reader(kind, copy) for kind, copy in zip(kinds, copies, strict=True)]
-    interpreted = [_reader(kind, True) for kind in kinds]
+    by_reference = [_reader(kind, copy) for kind, copy in zip(kinds, interpreted, strict=True)]
 
     def read(leaves: list, reference: bool) -> list:
-        readers = interpreted if reference else compiled
+        readers = by_reference if reference else compiled
         return [reader(leaf) for reader, leaf in zip(readers, leaves, strict=True)]
 
     return read
+
+
+def reference_copies(graph: Graph, kept: set[int], leaves: list) -> list[bool]:
+    """Which of the fast path's leaves the reference interpreter gets as copies: those kept
+    (kept_by_outputs(graph, reference=True), saved, donated), and NumPy arrays not in C order
+    (its storage model reads every input as C-contiguous: ir/reference_storage.py)."""
+    return [
+        k in kept or (type(leaf) is np.ndarray and not leaf.flags.c_contiguous)
+        for k, leaf in enumerate(leaves)
+    ]
 
 
 def _reader(kind: type, copy: bool) -> Callable:

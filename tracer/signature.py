@@ -22,6 +22,7 @@ from backplan.ir.argument_layout import (
     viewed,
 )
 from backplan.ir.errors import DtypeError
+from backplan.ir.types import dtype_name
 from backplan.runtime import is_grad_enabled
 
 from .errors import TracingError
@@ -29,6 +30,7 @@ from .operand_errors import how_to_pass, what_value_is
 from .pytree import TreeDef, difference, flatten, unflatten
 from .pytree import leaves as tree_leaves
 from .source import loc_text, user_frame_loc
+from .numpy_args import borrowed
 from .tensor import Tensor
 
 
@@ -42,6 +44,9 @@ class LeafKey:
     static: object = None
     weak: bool = False  # a Python float, traced as a weakly typed 0-d tensor
     layout: str = C_ORDER  # the array as passed (ir/argument_layout.py): "C", "F-order", ...
+    # passed as a NumPy array, where that is part of the signature (numpy_apart: a memory
+    # budget plans the copy of one its backward reads)
+    numpy: bool = False
 
     def describe(self) -> str:
         if self.weak:
@@ -49,7 +54,8 @@ class LeafKey:
         if self.kind == "tensor":
             rg = ", requires_grad" if self.requires_grad else ""
             order = f", {self.layout}" if self.layout != C_ORDER else ""
-            return f"tensor {self.dtype}{list(self.shape)}{rg}{order}"
+            kind = "NumPy array" if self.numpy else "tensor"
+            return f"{kind} {self.dtype}{list(self.shape)}{rg}{order}"
         return f"static {self.static[1]!r}"
 
 
@@ -80,6 +86,9 @@ class BoundCall:
     signature: inspect.Signature | None = None
     sources: list = field(default_factory=list)  # each leaf as passed (floats before tracing)
     arguments: list = field(default_factory=list)  # the parameter name each leaf belongs to
+    # leaf positions whose tensor is a read-only view of the caller's NumPy array, not a copy:
+    # the call copies those that outlive it, as later calls do (tracer/numpy_args.py)
+    borrowed: frozenset = frozenset()
 
     def call(self, fn, leaves):
         """Call fn with these leaves put back into the original argument structure."""
@@ -102,7 +111,7 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
     bound.apply_defaults()
     leaves, treedef, paths = flatten(dict(bound.arguments), paths=True)
     sources = list(leaves)
-    keys, positions, arguments = [], [], []
+    keys, positions, arguments, views = [], [], [], set()
     for i, (leaf, path) in enumerate(zip(leaves, paths, strict=True)):
         path = _argument_path(path)
         argument = re.match(r"\w*", path).group(0)
@@ -110,6 +119,8 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
         order = layout(leaf) if isinstance(leaf, np.ndarray) else C_ORDER
         if isinstance(leaf, np.ndarray):  # read in place on later calls: its own layout counts
             leaves[i] = leaf = _argument_tensor(fn, path, leaf, order)
+            if sources[i].dtype.isnative:  # a view of the caller's memory: no copy made
+                views.add(i)
         if type(leaf) is float and argument not in static and argument in passed:
             leaves[i] = Tensor._weak_scalar(leaf)
             positions.append(i)
@@ -125,7 +136,23 @@ def bind_call(fn, args: tuple, kwargs: dict, static: frozenset = frozenset()) ->
         else:
             keys.append(LeafKey(path, "static", static=_static_key(leaf, path)))
     key = SignatureKey(treedef, tuple(keys))
-    return BoundCall(key, leaves, positions, signature, sources, arguments)
+    return BoundCall(key, leaves, positions, signature, sources, arguments, frozenset(views))
+
+
+def numpy_apart(call: BoundCall) -> BoundCall:
+    """call with its NumPy arguments told apart from tensors in the signature: a budgeted
+    function (max_peak_bytes, saved_bytes_budget) plans each kind on its own, so the plan a
+    call runs counts the copy it takes of a NumPy array its backward reads (a plan chosen for
+    tensors would leave that copy out of the budget). One trace per kind passed."""
+    leaves = list(call.key.leaves)
+    found = False
+    for p in call.tensor_positions:
+        if isinstance(call.sources[p], np.ndarray):
+            leaves[p] = replace(leaves[p], numpy=True)
+            found = True
+    if not found:
+        return call
+    return replace(call, key=SignatureKey(call.key.treedef, tuple(leaves)))
 
 
 def copied_leaves(call: BoundCall) -> tuple[tuple[int, str], ...]:
@@ -136,12 +163,16 @@ def copied_leaves(call: BoundCall) -> tuple[tuple[int, str], ...]:
 
 
 def _argument_tensor(fn, path: str, array: np.ndarray, order: str = C_ORDER) -> Tensor:
-    """A NumPy argument as a tensor, a copy in the array's own layout (order): later calls
-    pass the array itself, which the plan reads in place (ir/in_place_inputs.py), so this one
-    passes the same layout (a broadcast view copied at its compact size, a sliced one with its
-    span); a dtype backplan refuses names the function, the argument and the caller's line, as
-    an op's error does."""
+    """A NumPy argument as a tensor: a read-only view of the caller's array, no copy, in the
+    array's own layout, as later calls pass it (the plan reads it in place,
+    ir/in_place_inputs.py; the call copies it only where it outlives the call:
+    tracer/numpy_args.py). An array in another byte order is converted (a copy, its values in
+    this machine's order); a dtype backplan refuses names the function, the argument and the
+    caller's line, as an op's error does."""
     try:
+        if array.dtype.isnative:
+            dtype_name(array.dtype)  # refuses complex, object, ... as Tensor(array) does
+            return Tensor._from_array(borrowed(array))
         if order.startswith((BROADCAST, REVERSED, SLICED)):
             compact = Tensor(base(array, order))  # checked and copied, in C order
             return Tensor._from_array(viewed(compact._data, order, array.shape))
@@ -229,6 +260,13 @@ def miss_reason(old: SignatureKey | None, new: SignatureKey) -> str:
             for part in ("shape", "dtype", "requires_grad", "weak", "layout"):
                 if getattr(a, part) != getattr(b, part):
                     changes.append(f"{b.path}: {part} {getattr(a, part)} -> {getattr(b, part)}")
+            if a.numpy != b.numpy:
+                kinds = ("a tensor", "a NumPy array")
+                changes.append(
+                    f"{b.path}: {kinds[a.numpy]} -> {kinds[b.numpy]} (under a memory budget "
+                    "each kind is planned apart: a NumPy array the backward reads is copied at "
+                    "the call, and the budget counts that copy)"
+                )
     text = "; ".join(changes) or "captured tensors changed"
     if not is_grad_enabled() and any(a.requires_grad for a in old.leaves if a.kind == "tensor"):
         text += f" ({NO_GRAD_NOTE})"
