@@ -4,6 +4,10 @@ operands and result at offsets of larger bases (nothing outside C written), NaN 
 the choice that sends a plan's narrow product there, and a step that runs it against the
 reference interpreter."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from helpers import two_layer_step_source
@@ -131,3 +135,40 @@ def test_narrow_gemm_runs_as_plain_python():
     env = dict(os.environ, BACKPLAN_KERNELS_AS_PYTHON="1")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_EDGE_IN_FRESH_MEMORY = """
+import os
+import subprocess
+import sys
+
+import numpy as np
+from backplan.codegen.kernels.gemm.narrow import narrow_gemm_at
+rng = np.random.default_rng(3)
+for m, k in ((300, 512), (13, 2048), (9, 128)):
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, 10)).astype(np.float32)
+    out = np.full(m * 10, np.nan, np.float32)
+    narrow_gemm_at(np.bool_(False), np.bool_(False), np.intp(m), np.intp(10), np.intp(k),
+                   a.reshape(-1), np.intp(0), b.reshape(-1), np.intp(0), out, np.intp(0))
+    want = a.astype(np.float64) @ b
+    print(m, k, float(np.abs(out.reshape(m, 10) - want).max() / np.abs(want).max()))
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="glibc's malloc tunables")
+def test_the_edge_block_lives_until_the_kernel_has_read_it():
+    """Rows past the last full tile are copied into a block the kernel reads by address: that
+    block was freed once its address was taken, before the kernel read it. With glibc mapping
+    every block and unmapping it when freed, the read faulted (the process died, SIGSEGV, on
+    300 x 512 @ 512 x 10, the product a batch of 300 rows makes in a 10-class last layer);
+    with the default malloc the kernel read freed memory, which another thread may reuse."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="0", MALLOC_TRIM_THRESHOLD_="0")
+    done = subprocess.run(
+        [sys.executable, "-c", _EDGE_IN_FRESH_MEMORY],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    rows = [line.split() for line in done.stdout.strip().splitlines()]
+    assert [(int(m), int(k)) for m, k, _ in rows] == [(300, 512), (13, 2048), (9, 128)]
+    assert all(float(error) < 1e-5 for _, _, error in rows), rows

@@ -6,7 +6,10 @@ into a k x 16 panel, zero-padded past its n columns (32 KiB for k = 512: it stay
 one 8 x 16 micro-kernel (kernel.py's, one vector per row) walks A's rows where they lie: per k
 step one B vector, 8 broadcasts of A, 8 FMAs. Each tile lands in a 16-wide scratch tile whose
 first n columns are copied into C (a 16-wide store would write past C's rows). Rows past the
-last full tile of 8 are copied into a zero-padded block first (the kernel reads 8 rows).
+last full tile of 8 are copied into a zero-padded block first (the kernel reads 8 rows), held
+by keep_alive until the kernel has read it: its address was its last use, and Numba freed it
+before the kernel ran (a fresh process mapping every block, MALLOC_MMAP_THRESHOLD_=0, crashed
+on a 300 x 512 @ 512 x 10 product; otherwise the kernel read freed memory).
 
 Sums run in k order, one FMA per step, as the blocked GEMM's. Measured on one pinned Zen 5 core
 (thread CPU, 7 rounds, 128 x 10 x 512): 12.5-13.3 us against OpenBLAS's 19.2-20.2.
@@ -19,6 +22,7 @@ from numba.core.extending import intrinsic
 
 from backplan.codegen.jit import AS_PYTHON, njit
 from backplan.codegen.kernels.gemm.kernel import _emit_kernel as emit_kernel  # kernel.py's tile
+from backplan.codegen.kernels.lifetimes import keep_alive
 
 NARROW_LANES = 16  # one 512-bit f32 vector: C's columns padded to it
 NARROW_COLUMNS = NARROW_LANES  # the widest C this GEMM computes
@@ -73,9 +77,11 @@ def narrow_gemm_at(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out
                 for p in range(k):
                     edge[r * k + p] = a[a_offset + (i + r) * k + p]
             narrow_kernel(k, edge.ctypes.data, k, panel.ctypes.data, tile.ctypes.data)
+            keep_alive((edge,))  # its address was its last use: freed before the kernel read it
         for r in range(rows):
             for j in range(n):
                 out[out_offset + (i + r) * n + j] = tile[r * NARROW_LANES + j]
+    keep_alive((panel, tile))
 
 
 if AS_PYTHON:  # the micro-kernel is an LLVM intrinsic, which plain Python cannot call
