@@ -145,7 +145,7 @@ def _runners(shape, dtype, width, threads, path=None):
 
 def _plan_runners(shape, dtype, width, path) -> dict:
     """'backplan' on the GEMM a plan calls (path), beside OpenBLAS, torch and JAX."""
-    from backplan.bench.internals import blas, narrow_gemm_at
+    from backplan.bench.internals import blas, narrow_gemm_at, row_dots
     from backplan.bench.internals import gemm_parallel as parallel
     from backplan.bench.internals import own_gemm as gemm
 
@@ -164,6 +164,7 @@ def _plan_runners(shape, dtype, width, path) -> dict:
         own = {
             "own": lambda: gemm.gemm(width, ta, tb, 1.0, a, b, 0.0, c),
             "narrow": lambda: narrow_gemm_at(ta, tb, m, n, k, flat_a, 0, flat_b, 0, flat_c, 0),
+            "row dots": lambda: row_dots(a, b, c),  # a @ b.T: the only layout it is chosen for
             "blas": lambda: blas.gemm_f32(ta, tb, a, b, c, 0.0),
         }.get(path, lambda: parallel.gemm_parallel(parts, width, ta, tb, 1.0, a, b, 0.0, c))
         runners = {"backplan": own, "openblas": lambda: blas.gemm_f32(ta, tb, a, b, c, 0.0)}

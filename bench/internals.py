@@ -20,6 +20,8 @@ _WHERE = {
     "narrow_gemm_at": "backplan.codegen.kernels.gemm.narrow:narrow_gemm_at",
     "conv_product_shape": "backplan.codegen.kernels.conv:_product_shape",
     "conv_gemm_width": "backplan.codegen.kernels.gemm.choice:conv_gemm_width",
+    "ROW_DOTS": "backplan.codegen.kernels.gemm.choice:ROW_DOTS",
+    "row_dots": "backplan.codegen.kernels.gemm.row_dots:row_dots",
     "ISA_WIDTH": "backplan.codegen.kernels.gemm:ISA_WIDTH",
     "active_isa": "backplan.codegen.kernels.gemm:active_isa",
     "mathlib": "backplan.codegen.kernels.mathlib",

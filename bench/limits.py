@@ -70,9 +70,7 @@ def measured_limit(threads: int) -> Limit:
         return Limit(known[key], width, threads, "cached")
     from .peak_flops import peak_gflops_f32
 
-    # Many short samples, best kept: on a shared machine a 50 ms sample always shares the core
-    # (a third of the peak under load 10 on 2 CPUs), one of 300 2 ms samples rarely does.
-    per_core = peak_gflops_f32(width, seconds=0.002, samples=300)
+    per_core = peak_gflops_f32(width)  # many short samples, the best kept
     if path is not None:
         _write(path, {**known, key: per_core})
     return Limit(per_core, width, threads, "now")

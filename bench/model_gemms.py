@@ -4,8 +4,8 @@ bench/gemm.py's `--models mlp,transformer,...` times these shapes instead of its
 each model's value_and_grad step is explained at the thread count of the run, and every matmul
 of its plan becomes a shape (a transpose the GEMM reads in place a flag), timed on the GEMM
 explain names for it (backplan's blocked GEMM, on one core or several, its narrow GEMM, or BLAS
-sgemm); a convolution's product (conv.py's im2col GEMM, on backplan's GEMM or BLAS as
-conv_gemm_width picks) and the products of the fused attention kernel and its gradient (as
+sgemm); a convolution's product (conv.py's im2col GEMM, on backplan's GEMM, row dots or BLAS
+as conv_gemm_width picks) and the products of the fused attention kernel and its gradient (as
 batched GEMMs over batch x heads: bench.attention times the fused kernel itself) are added.
 The same shape used again in a model is timed once and its count shown.
 """
@@ -29,7 +29,7 @@ class GemmShape:
     n: int
     trans_a: bool
     trans_b: bool
-    path: str  # "own", "own xN" (on N cores), "narrow" or "blas"
+    path: str  # "own", "own xN" (on N cores), "narrow", "row dots" or "blas"
 
     @property
     def shape(self) -> tuple:
@@ -80,12 +80,13 @@ def matmul_shape(node, gemm_words: str) -> GemmShape:
 
 def conv_shape(node) -> GemmShape:
     """The product conv.py's kernel for this node runs (one group: the bench CNN's)."""
-    from .internals import conv_gemm_width, conv_product_shape
+    from .internals import ROW_DOTS, conv_gemm_width, conv_product_shape
 
     m, n, k = conv_product_shape(node, node.op)
     ta, tb = CONV_OPS[node.op]
-    own = conv_gemm_width(m, n, k, node.dtype)
-    return GemmShape(0, m, k, n, ta, tb, "own" if own else "blas")
+    width = conv_gemm_width(m, n, k, node.dtype, trans_b=tb)
+    path = {0: "blas", ROW_DOTS: "row dots"}.get(width, "own")
+    return GemmShape(0, m, k, n, ta, tb, path)
 
 
 def attention_shapes(node) -> list[GemmShape]:

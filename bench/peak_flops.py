@@ -56,8 +56,11 @@ def fma_chain(lanes_f32: int):
     return run
 
 
-def peak_gflops_f32(width: int, seconds: float = 0.05, samples: int = 7) -> float:
-    """Best of `samples` runs of about `seconds` each, in f32 GFLOP/s (f64 peaks at half)."""
+def peak_gflops_f32(width: int, seconds: float = 0.002, samples: int = 300) -> float:
+    """Best of `samples` runs of about `seconds` each, in f32 GFLOP/s (f64 peaks at half).
+    Many short samples: on a shared machine a 50 ms sample always shares the core (bench.gemm
+    printed a peak of 61-75 GFLOP/s at load 13 beside GEMMs at 250), one of 300 2 ms samples
+    rarely does."""
     lanes = width // 32
     run = fma_chain(lanes)
     run(10, 0.999, 1e-3)

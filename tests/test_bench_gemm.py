@@ -93,3 +93,8 @@ def test_a_cnn_step_lists_its_convolutions_products():
                      "conv2d_weight_grad": (False, True)}  # fmt: skip
     # the second layer's forward: weights (32, 16*9) @ columns (16*9, 32*4*4)
     assert any((s.m, s.k, s.n) == (32, 144, 512) for op, s in convs if op == "conv2d")
+    from backplan.codegen.kernels.gemm.isa import vector_width
+
+    if vector_width() == 512:  # the first layer's weight gradient, 16 x 9 over k = 2048
+        (first,) = [s for op, s in convs if op == "conv2d_weight_grad" and s.n == 9]
+        assert (first.m, first.k, first.path) == (16, 2048, "row dots")

@@ -14,7 +14,8 @@ from backplan.codegen.flags import FASTMATH
 from backplan.codegen.jit import njit
 from backplan.codegen.kernels.blas import gemm_rows
 from backplan.codegen.kernels.gemm.api import gemm as own_gemm
-from backplan.codegen.kernels.gemm.choice import conv_gemm_width
+from backplan.codegen.kernels.gemm.choice import ROW_DOTS, conv_gemm_width
+from backplan.codegen.kernels.gemm.row_dots import row_dots
 from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.choices import decide
 from backplan.codegen.render.opaque import OpEmitter, emits
@@ -172,9 +173,12 @@ def _scatter_planes(product, out, first):
 @njit(**_opts)
 def _product(width, trans_a, trans_b, a, b, out):
     """out = op(a) @ op(b) for C-contiguous 2-D operands: backplan's GEMM with register tile
-    `width` (512 or 256 bits), or BLAS where width is 0. Callers pass the flags as np.bool_:
-    literal flags compiled it (and the GEMM inside) once per pair, two in a CNN's step."""
-    if width:
+    `width` (512 or 256 bits), row dot products where width is ROW_DOTS (a @ b.T only), or
+    BLAS where width is 0. Callers pass the flags as np.bool_: literal flags compiled it (and
+    the GEMM inside) once per pair, two in a CNN's step."""
+    if width == ROW_DOTS and trans_b and not trans_a:
+        row_dots(a, b, out)
+    elif width > ROW_DOTS:
         own_gemm(width, trans_a, trans_b, 1.0, a, b, 0.0, out)
     else:
         gemm_rows(trans_a, trans_b, 1.0, a, b, 0.0, out)
@@ -252,7 +256,9 @@ def _conv_call(ctx: OpEmitter, node: Value, out: str, fn: str) -> list[str]:
     a, b = (ctx.array(v) for v in node.inputs)
     (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
     dh, dw = node.attrs["dilation"]
-    width = decide("conv_gemm_width", conv_gemm_width(*_product_shape(node, fn), node.dtype))
+    nt = fn == "conv2d_weight_grad"  # the one product of the three that reads B transposed
+    width = conv_gemm_width(*_product_shape(node, fn), node.dtype, trans_b=nt)
+    width = decide("conv_gemm_width", width)
     args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}, {width}"
     return [f"{fn}_gemm(as_read_only({a}), as_read_only({b}), {out}, {args})"]
 

@@ -33,6 +33,7 @@ import os
 
 from backplan.codegen.kernels.gemm.isa import vector_width
 from backplan.codegen.kernels.gemm.narrow import NARROW_COLUMNS
+from backplan.codegen.kernels.gemm.row_dots import ROW_DOT_MAX_OUTPUTS, ROW_DOT_MIN_K
 
 CHOICES = ("own", "blas", "auto")
 OWN_CLASSES = {("f32", 512)}  # (dtype, vector width) measured at or ahead of OpenBLAS
@@ -100,19 +101,27 @@ def use_narrow_gemm(m: int, n: int, k: int, trans_a: bool, dtype: str) -> bool:
     return small_products_own() and m * n * k >= SMALL_OWN_WORK
 
 
-def conv_gemm_width(m: int, n: int, k: int, dtype: str) -> int:
+ROW_DOTS = 1  # conv_gemm_width's answer for gemm/row_dots.py (C = A @ B.T as row dot products)
+
+
+def conv_gemm_width(m: int, n: int, k: int, dtype: str, trans_b: bool = False) -> int:
     """The register tile width (bits) of backplan's GEMM for a convolution's product
     (codegen/kernels/conv.py), or 0 for BLAS. Own for a measured own class unless C is
     narrower than the tile, at any product size and thread count: on one pinned Zen 5 core
     (OPENBLAS_CORETYPE=Haswell, 7 rounds, thread CPU) the small CNN's products ran own / BLAS
     0.35 (32x512x144), 0.50 (144x512x32), 0.61 (32x144x512) and 0.64 (16x2048x9: below
     MIN_OWN_WORK, which matmuls keep from the Intel measurement above), but 1.47 for
-    16x9x2048, nine columns wide. Matmuls of that size stay as use_own_gemm decides."""
+    16x9x2048, nine columns wide. Matmuls of that size stay as use_own_gemm decides.
+    A weight gradient's A @ B.T with a small C over a long k (that 16x9x2048: 38 GFLOP/s on
+    OpenBLAS, 43 on torch) runs as row dot products (ROW_DOTS, gemm/row_dots.py: 106)."""
     choice = forced_choice()
     if choice != "auto":
         return vector_width() if choice == "own" and dtype in ("f32", "f64") else 0
-    if n < MIN_OWN_COLUMNS or (dtype, vector_width()) not in OWN_CLASSES:
+    if (dtype, vector_width()) not in OWN_CLASSES:
         return 0
+    if n < MIN_OWN_COLUMNS:
+        small = m * n <= ROW_DOT_MAX_OUTPUTS and k >= ROW_DOT_MIN_K
+        return ROW_DOTS if trans_b and small else 0
     return vector_width()
 
 
