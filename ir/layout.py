@@ -175,26 +175,25 @@ def plan_layout(
     output_roots = {roots[o] for o in graph.outputs}
     layout = BufferLayout(row_local=dict(row_local or {}))
     requests = []
+    add, read_last, rows = requests.append, last.get, layout.row_local
     for value in buffers:
         if value in output_roots:
             layout.outputs.append(value)
             continue
         first = step_of[value]
-        read = last.get(value, first)
-        requests.append(
-            BufferRequest(
-                value,
-                layout.reserved_bytes(value),  # empty: one item
-                value.dtype,
-                first,
-                read if read > first else first,
-                reuse=(
-                    _in_place_candidates(value, kernel_of[value], last, step_of) if IN_PLACE else ()
-                ),
-            )
-        )
+        read = read_last(value, first)
+        nbytes = value.type.nbytes
+        if not nbytes or value in rows:
+            nbytes = layout.reserved_bytes(value)  # empty: one item; row-local: its rows
+        # positional, the fields' defaults after them: a lowering makes one a buffer (~5,500 a
+        # row of a 10,000-node memory frontier), and keywords took twice as long
+        request = BufferRequest(value, nbytes, value.dtype, first, read if read > first else first)
+        if IN_PLACE:
+            candidates = _in_place_candidates(value, kernel_of[value], last, step_of)
+            request = request._replace(reuse=candidates)
+        add(request)
     if EPILOGUE_OVER_PRODUCT:
-        requests = _epilogues_over_products(requests, kernels, step_of, last)
+        requests = _epilogues_over_products(requests, kernels, step_of, last, steps)
     requests = _reuse_saved(requests, private_saved, last, layout)
     assignment = assign_memory(requests, shared=True)
     for (_arena, dtype), size in assignment.arena_sizes.items():
@@ -204,7 +203,7 @@ def plan_layout(
     return layout
 
 
-def _epilogues_over_products(requests, kernels, step_of, last) -> list:
+def _epilogues_over_products(requests, kernels, step_of, last, steps) -> list:
     """A GEMM's epilogue writes one of its results over the GEMM's product, where only the
     epilogue reads the product (element for element, ir/epilogue.py) and the two have one
     dtype and size: the epilogue reads each element of a row before it writes that element,
@@ -212,14 +211,20 @@ def _epilogues_over_products(requests, kernels, step_of, last) -> list:
     saved copies held both across each layer: its forward's arena 1.5 -> 1.0 MiB, 3 x
     tanh(x @ w), 512 x 256)."""
     by_key = {r.key: k for k, r in enumerate(requests)}
-    kernels_at = Counter(step_of[k.nodes[0]] for k in kernels if k.nodes)
+    kernels_at = None  # kernels with nodes at each step, counted where a step has several
+    every_kernel_at = Counter(steps)  # at least those: one there has them all
     for kernel in kernels:
         if kernel.epilogue is None or _adds_only(kernel.epilogue):
             continue
         product = kernel.nodes[0]
         at, step = by_key.get(product), step_of[product]
-        if at is None or last.get(product, -1) != step or kernels_at[step] != 1:
-            continue  # read later, or a step shared with other kernels (a row kernel's)
+        if at is None or last.get(product, -1) != step:
+            continue  # read later
+        if every_kernel_at[step] != 1:
+            if kernels_at is None:
+                kernels_at = Counter(step_of[k.nodes[0]] for k in kernels if k.nodes)
+            if kernels_at[step] != 1:
+                continue  # a step shared with other kernels (a row kernel's)
         old = requests[at]
         for value in kernel.epilogue.nodes:
             k = by_key.get(value)
@@ -227,7 +232,16 @@ def _epilogues_over_products(requests, kernels, step_of, last) -> list:
                 continue
             new = requests[k]
             if (new.dtype, new.nbytes, new.first_step) == (old.dtype, old.nbytes, old.first_step):
-                requests[k] = new._replace(reuse=(product, *new.reuse), in_step=True)
+                requests[k] = BufferRequest(  # new._replace(reuse=..., in_step=True), directly
+                    new.key,
+                    new.nbytes,
+                    new.dtype,
+                    new.first_step,
+                    new.last_step,
+                    new.arena,
+                    (product, *new.reuse),
+                    True,
+                )
                 break
     return requests
 
