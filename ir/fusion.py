@@ -679,18 +679,21 @@ def materialized(graph: Graph, kernels: list[Kernel], bases: Bases | None = None
     bases = Bases() if bases is None else bases
     home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
     needed = {bases[o] for o in graph.outputs} | set(graph.outputs)
+    base_of, add_all = bases.__getitem__, needed.update
     for k, kernel in enumerate(kernels):
-        in_loop = kernel.kind in ("loop", "alias")  # reads its own and recomputed values
         recomputed = kernel.recomputed
         plain = not (recomputed or kernel.reductions or kernel.epilogue)  # computed: its nodes
-        for node in kernel.nodes if plain else kernel.computed:
-            for inp in node.inputs:
+        if kernel.kind not in ("loop", "alias"):  # every operand from a buffer
+            for node in kernel.nodes if plain else kernel.computed:
+                add_all(map(base_of, node.inputs))
+            continue
+        for node in kernel.nodes if plain else kernel.computed:  # its own and recomputed values
+            for inp in node.inputs:  # are computed in place
                 source = bases[inp]
-                if in_loop:
-                    owner = home.get(source)
-                    if owner == k or source in recomputed:
-                        continue
-                    if owner is not None and kernels[owner].kind == "literal":
-                        continue
+                owner = home.get(source)
+                if owner == k or source in recomputed:
+                    continue
+                if owner is not None and kernels[owner].kind == "literal":
+                    continue
                 needed.add(source)
     return {v for v in needed if v in home and kernels[home[v]].kind not in ("literal", "alias")}
