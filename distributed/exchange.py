@@ -46,7 +46,8 @@ class Exchange:
 
     def start(self, array_of) -> None:
         """Start every bucket; array_of(leaf index) is this rank's array of that leaf."""
-        self.start_ready(float("inf"), lambda leaf: array_of(leaf.index))
+        for bucket in self.layout.buckets[len(self.started) :]:
+            self._start(bucket, lambda leaf: array_of(leaf.index))
 
     def start_ready(self, step: float, array_of) -> None:
         for bucket in self.layout.buckets[len(self.started) :]:

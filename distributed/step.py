@@ -680,21 +680,22 @@ class DataParallelStep:
             request.Wait()
         else:
             wait_or_raise(request, self.timeout, "the agreement of the step's layouts")
+        highest, mine = highest.tolist(), mine.tolist()  # 8 numbers: compared as Python ints
         if highest[4]:
             when = DIVERGED if highest[4] == DIVERGED_KIND else BEFORE_AGREEMENT
             raise_for_others(world, None, _bare_name(self.fn), when)
-        if (highest[:2] != mine[:2]).any():
+        if highest[:2] != mine[:2]:
             require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
             raise RankMismatchError(
                 f"ranks split the gradients into buckets differently (this rank, {world.rank}: "
                 f"bucket_bytes={self.bucket_bytes}, {len(layout.buckets)} buckets); "
                 f"{MISMATCH_FIX}"
             )
-        if (highest[KIND:] != mine[KIND:]).any():
+        if highest[KIND:] != mine[KIND:]:
             raise RankMismatchError(
                 f"{settings_difference(world.comm.allgather(self._settings(None)))}; {SETTINGS_FIX}"
             )
-        if (highest[2:4] == mine[2:4]).all() or not self.average:
+        if highest[2:4] == mine[2:4] or not self.average:
             return None
         return row_weights(world.comm, lengths, args, kwargs, self.fn.argnums)
 

@@ -860,6 +860,48 @@ def test_unequal_shards_weight_each_rank_by_its_rows(tmp_path):
 
 
 @needs_mpi
+def test_a_marked_counter_wakes_a_sleeping_rank_and_makes_no_system_call_otherwise(tmp_path):
+    """node_window's waits sleep on the other rank's counter (futex); mark() wakes them only
+    when a rank raised its byte in the marker's sleepers' line. Rank 0 sleeps on bucket 0's
+    counter with a 30 s limit: rank 1's mark half a second later wakes it (a missed wake-up
+    would keep it 30 s), with one wake-up call; marks while nobody sleeps make none."""
+    result = run_script(
+        tmp_path,
+        """
+        import time
+        from backplan.distributed import futex, node_window
+        from backplan.distributed.node_window import READY, NodeWindow
+        from backplan.distributed.world import current_world
+        assert futex.available
+        node_window.SLEEP_S = 30.0
+        woken = []
+        wake = futex.wake
+        futex.wake = lambda address: woken.append(address) or wake(address)
+        comm = current_world().comm
+        w = NodeWindow(comm, [4, 4], [np.dtype(np.float32)] * 2, 30, "the test's window")
+        comm.Barrier()
+        if rank == 1:
+            time.sleep(0.5)  # rank 0 sleeps on bucket 0's counter by then
+            w.mark(READY, 0, 1)
+            assert len(woken) == 1, woken
+        else:
+            w.mark(READY, 0, 1)  # its own first, as a step does: rank 1 is not waiting
+            start = time.perf_counter()
+            assert w.wait_at(READY, 0, 1, seconds=60)
+            assert time.perf_counter() - start < 20  # woken by the mark, not the 30 s limit
+            assert w._sleepers[1].tobytes() == bytes(64)  # its byte lowered again
+        comm.Barrier()
+        w.mark(READY, 1, 1)  # nobody sleeps: no wake-up call
+        comm.Barrier()
+        assert w.wait_at(READY, 1, 1, seconds=5)
+        assert len(woken) == (1 if rank == 1 else 0), woken
+        print(f"rank {rank} ok")
+        """,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
 def test_a_step_whose_batches_change_averages_each_call_to_its_full_batch(tmp_path):
     """The step keeps the last call's key (matched by its guard) and each key's batch lengths
     between calls: compiled calls whose shards change (8 + 8 rows, 5 + 3, 3 + 5, back) each
