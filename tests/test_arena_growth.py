@@ -8,6 +8,7 @@ interpreter's (odd sizes, 1 and 0 rows included) and each call holds what explai
 from __future__ import annotations
 
 import gc
+import tracemalloc
 import weakref
 
 import numpy as np
@@ -60,6 +61,31 @@ def test_a_smaller_arena_gives_back_the_pages_past_its_end():
     kept = -(-end // arena_memory.mmap.PAGESIZE) * arena_memory.mmap.PAGESIZE
     assert (again[:kept] == 255).all()
     assert (again[kept:] == 0).all()  # given back (MADV_DONTNEED): zero pages when touched
+
+
+def _numpy_traced() -> int:
+    """Bytes tracemalloc holds in NumPy's domain now."""
+    traces = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)]
+    )
+    return sum(stat.size for stat in traces.statistics("filename"))
+
+
+def test_tracemalloc_sees_an_arena_as_it_saw_np_empty():
+    tracemalloc.start()
+    try:
+        before = _numpy_traced()
+        reservation = Reservation(5 * MB)
+        arena = reservation.arena(5 * MB)
+        assert _numpy_traced() - before == 5 * MB
+        del arena
+        grown = reservation.arena(8 * MB)  # the trace follows the arena's length
+        assert _numpy_traced() - before == 8 * MB
+        del grown, reservation
+        gc.collect()
+        assert _numpy_traced() == before  # untracked with the mapping
+    finally:
+        tracemalloc.stop()
 
 
 def test_an_arena_beyond_the_reservation_is_refused():

@@ -18,15 +18,21 @@ once costs 3.1 ms from np.empty (its unaligned first and last 2 MiB fault 4 KiB 
 faults), 2.0 ms from an aligned reservation (36 faults), 1.4 ms grown over a 29 MB one (7
 faults); writing it when faulted already costs 1.0 ms.
 
+An arena is reported to tracemalloc in NumPy's domain, as np.empty's was (PyTraceMalloc_Track
+for its bytes, again at each new length; untracked when the mapping goes), so a tracemalloc
+measurement of a step sees the same arena bytes as before.
+
 Elsewhere than Linux, or under strict overcommit (vm.overcommit_memory = 2, where a reservation
 counts against the commit limit whatever its flags), arenas are plain NumPy arrays as before.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -47,6 +53,24 @@ def _reservations_work() -> bool:
 
 
 RESERVING = _reservations_work()
+NUMPY_DOMAIN = 389047  # np.lib.tracemalloc_domain: where NumPy reports its array buffers
+
+
+def _tracemalloc_calls():
+    """(track, untrack): CPython's PyTraceMalloc_Track / _Untrack (no-ops while tracemalloc is
+    not tracing), or None where ctypes cannot reach them."""
+    api = ctypes.pythonapi
+    try:
+        track, untrack = api.PyTraceMalloc_Track, api.PyTraceMalloc_Untrack
+    except AttributeError:
+        return None
+    track.argtypes = [ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t]
+    untrack.argtypes = [ctypes.c_uint, ctypes.c_size_t]
+    track.restype = untrack.restype = ctypes.c_int
+    return track, untrack
+
+
+_TRACEMALLOC = _tracemalloc_calls()
 
 
 class Reservation:
@@ -66,6 +90,11 @@ class Reservation:
         self._start = -address % HUGE_PAGE
         self.capacity = length - self._start
         self.spanned = 0  # bytes the last arena over it spanned: pages may be held up to there
+        if _TRACEMALLOC is not None:  # its arena leaves tracemalloc's count with the mapping
+            untrack = weakref.finalize(
+                self._map, _TRACEMALLOC[1], NUMPY_DOMAIN, address + self._start
+            )
+            untrack.atexit = False
 
     def arena(self, nbytes: int) -> np.ndarray:
         """A uint8 array of nbytes over the start; pages the last arena held past its end are
@@ -76,7 +105,10 @@ class Reservation:
         if self.spanned > keep:
             self._map.madvise(mmap.MADV_DONTNEED, self._start + keep, self.spanned - keep)
         self.spanned = nbytes
-        return np.frombuffer(self._map, np.uint8, count=nbytes, offset=self._start)
+        arena = np.frombuffer(self._map, np.uint8, count=nbytes, offset=self._start)
+        if _TRACEMALLOC is not None:  # as NumPy reports np.empty's buffer (replaces a last one)
+            _TRACEMALLOC[0](NUMPY_DOMAIN, arena.ctypes.data, nbytes)
+        return arena
 
     def unviewed(self) -> bool:
         """No array views it any more (this object's reference and getrefcount's argument)."""
