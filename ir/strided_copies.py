@@ -8,6 +8,10 @@ memory planner gives it a buffer (a slice of the arena, or an output when it is 
 explain's peak counts it and the checked mode (BACKPLAN_CHECK_MEMORY) sees it. The checked
 mode refuses a driver that still allocates (codegen/render/driver_allocations.py).
 
+A 2-D float32 / float64 GEMM reads an operand that is strided where it lives in place
+(reads_strided_operand): backplan's GEMM takes any strides; only a literal operand, a 16-bit
+one and a batched product's operands are copied.
+
 Codegen's rule is mirrored (codegen/render/placement.py): every buffer is C-contiguous, a
 transpose, slice or broadcast derives its strides from its input's, and a reshape of a
 non-contiguous array is placed only when it adds or drops size-1 axes; any other is copied
@@ -203,7 +207,7 @@ def _matmul_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple | 
             found[i] = None
             continue
         if not batch:  # a 2-D product (most of a deep plan's): only its layout matters
-            if not _contiguous_where_it_lives(source, strides):
+            if not _contiguous_where_it_lives(source, strides) and not _strided_gemm_dtypes(node):
                 found[i] = None
             continue
         padded = (1,) * (len(batch) - len(source.shape[:-2])) + tuple(source.shape[:-2])
@@ -213,6 +217,28 @@ def _matmul_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple | 
         elif not _contiguous_where_it_lives(source, strides):
             found[i] = None
     return found
+
+
+def reads_strided_operand(node: Value) -> bool:
+    """Whether a 2-D float32 or float64 matmul reads an operand strided where it lives (a
+    sliced, reversed or broadcast view: w[:, ::2], w[::-1], a column block), which backplan's
+    GEMM then reads in place (codegen/kernels/matmul.py own_gemm_strided_at: it takes any
+    strides, negative and zero included) instead of a copy in the arena: codegen runs such a
+    product on it, never on BLAS (codegen/render/opaque.py own_gemm_chosen)."""
+    if node.op != "matmul" or len(node.shape) != 2 or not _strided_gemm_dtypes(node):
+        return False
+    strides = _Strides()
+    for value in node.inputs:
+        source = value.inputs[0] if _absorbed(value) else value
+        if not _literal(source) and not _contiguous_where_it_lives(source, strides):
+            return True
+    return False
+
+
+def _strided_gemm_dtypes(node: Value) -> bool:
+    """A product the strided GEMM entry takes: float32 or float64 operands and result, one
+    dtype (16-bit operands are copied, as the GEMM's widening pack reads them)."""
+    return node.dtype in ("f32", "f64") and all(v.dtype == node.dtype for v in node.inputs)
 
 
 def _gemm_operand(operand: Value, batch, reader: Value, rewrite: _Rewrite) -> Value:

@@ -157,7 +157,7 @@ def test_a_donated_numpy_argument_is_copied_on_the_first_call_as_on_later_ones(b
     f = bp.compile(step, donate_argnums=(0,))
     p = np.arange(6.0, dtype=np.float32)
     g = np.ones(6, np.float32)
-    for n in range(3):
+    for _ in range(3):
         out = f(p, g)
         np.testing.assert_array_equal(p, np.arange(6.0, dtype=np.float32))
         np.testing.assert_array_equal(out.numpy(), p - 0.5)

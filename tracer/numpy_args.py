@@ -32,7 +32,6 @@ from backplan.ir.argument_layout import same_layout
 from backplan.ir.graph import Graph
 from backplan.ir.layout import storage_root
 from backplan.ir.reference_storage import storage_roots
-from backplan.runtime.backend import current_backend
 
 from .tensor import Tensor, read_only
 

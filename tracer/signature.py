@@ -26,11 +26,11 @@ from backplan.ir.types import dtype_name
 from backplan.runtime import is_grad_enabled
 
 from .errors import TracingError
+from .numpy_args import borrowed
 from .operand_errors import how_to_pass, what_value_is
 from .pytree import TreeDef, difference, flatten, unflatten
 from .pytree import leaves as tree_leaves
 from .source import loc_text, user_frame_loc
-from .numpy_args import borrowed
 from .tensor import Tensor
 
 

@@ -14,7 +14,7 @@ from backplan.codegen.kernels.gemm import vector_width
 from backplan.codegen.kernels.gemm.narrow import narrow_gemm_at
 from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel as own_batched_gemm_par
 from backplan.codegen.kernels.gemm.parallel import gemm_parallel as own_gemm_par
-from backplan.codegen.kernels.views import as_read_only, contiguous_view
+from backplan.codegen.kernels.views import as_read_only, contiguous_view, strided_view
 from backplan.codegen.render.opaque import (
     OpEmitter,
     emits,
@@ -23,7 +23,9 @@ from backplan.codegen.render.opaque import (
     own_gemm_parts,
     placed_operands,
 )
+from backplan.ir.fusion import alias_base
 from backplan.ir.graph import Value
+from backplan.ir.strided_copies import reads_strided_operand
 
 
 @njit(cache=True)
@@ -77,6 +79,56 @@ def own_gemm_at_par(
     own_gemm_par(parts, width, trans_a, trans_b, 1.0, op_a, op_b, 0.0, c)
 
 
+@njit(cache=True)
+def strided_operands_at(trans_a, trans_b, m, n, k, a, a_offset, a_strides, b, b_offset, b_strides):
+    """op(a) and op(b) as operands_at makes them, each a view of its flat base at its element
+    offset with these element strides (any: negative for a reversed view, 0 for a broadcast
+    one, a multiple of the row for a sliced one)."""
+    itemsize = a.itemsize
+    return (
+        strided_view(
+            a,
+            a_offset,
+            (k if trans_a else m, m if trans_a else k),
+            (a_strides[0] * itemsize, a_strides[1] * itemsize),
+        ),
+        strided_view(
+            b,
+            b_offset,
+            (n if trans_b else k, k if trans_b else n),
+            (b_strides[0] * itemsize, b_strides[1] * itemsize),
+        ),
+    )
+
+
+@njit(cache=True)
+def own_gemm_strided_at(
+    width, trans_a, trans_b, m, n, k, a, a_offset, a_strides, b, b_offset, b_strides, out,
+    out_offset,
+):  # fmt: skip
+    """The own GEMM on operands strided where they live, read in place: a sliced, reversed or
+    broadcast view the plan would otherwise copy into its arena (ir/strided_copies.py
+    reads_strided_operand); out C-contiguous at its offset, as own_gemm_at's."""
+    op_a, op_b = strided_operands_at(
+        trans_a, trans_b, m, n, k, a, a_offset, a_strides, b, b_offset, b_strides
+    )
+    c = contiguous_view(out, out_offset, (m, n))
+    own_gemm(width, trans_a, trans_b, 1.0, op_a, op_b, 0.0, c)
+
+
+@njit(cache=True)
+def own_gemm_strided_at_par(
+    parts, width, trans_a, trans_b, m, n, k, a, a_offset, a_strides, b, b_offset, b_strides,
+    out, out_offset,
+):  # fmt: skip
+    """own_gemm_strided_at with C cut in `parts` blocks for as many threads."""
+    op_a, op_b = strided_operands_at(
+        trans_a, trans_b, m, n, k, a, a_offset, a_strides, b, b_offset, b_strides
+    )
+    c = contiguous_view(out, out_offset, (m, n))
+    own_gemm_par(parts, width, trans_a, trans_b, 1.0, op_a, op_b, 0.0, c)
+
+
 if AS_PYTHON:  # the parallel GEMM runs the micro-kernel intrinsics: its twin is the serial one
 
     def own_gemm_par(parts, *args):  # noqa: F811
@@ -101,6 +153,8 @@ __all__ = [
     "own_gemm_at",
     "own_gemm_par",
     "own_gemm_at_par",
+    "own_gemm_strided_at",
+    "own_gemm_strided_at_par",
 ]
 
 
@@ -115,6 +169,8 @@ def emit_matmul(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     own = own_gemm_chosen(ctx, node)
     parts = own_gemm_parts(node)
     placed = _placed_matmul(ctx, node, own, parts) if len(node.shape) == 2 else None
+    if placed is None and own and len(node.shape) == 2:
+        placed = _strided_matmul(ctx, node, parts)
     if placed is not None:
         return placed
     (a, ta), (b, tb) = ctx.operand_2d(node.inputs[0]), ctx.operand_2d(node.inputs[1])
@@ -149,6 +205,38 @@ def _placed_matmul(ctx: OpEmitter, node: Value, own: bool, parts: int) -> list[s
     if len(node.inputs[0].shape) == 2 and narrow_gemm_chosen(ctx, node):
         return [f"narrow_gemm_at({arguments})"]
     return [f"gemm_at_{node.dtype}({arguments})"]
+
+
+def _strided_matmul(ctx: OpEmitter, node: Value, parts: int) -> list[str] | None:
+    """A 2-D matmul with an operand strided where it lives (ir/strided_copies.py
+    reads_strided_operand): backplan's GEMM reads both where they are, each as (flat base,
+    offset, element strides); None when an operand is a literal or 16-bit, or nothing is
+    placed (the views are made in the driver then)."""
+    if ctx.place is None or not reads_strided_operand(node):
+        return None
+    operands = []
+    for value in node.inputs:
+        trans = ctx.absorbs(value)
+        source = value.inputs[0] if trans else value
+        if ctx.literal_of(alias_base(source)) is not None:
+            return None
+        where = ctx.place(source, flat=False)
+        if len(where.strides) != 2:
+            return None
+        strides = ", ".join(f"np.intp({s})" for s in where.strides)
+        array = f"as_read_only({where.base}.reshape(-1)), np.intp({where.offset}), ({strides})"
+        operands.append((trans, array))
+    out = ctx.place(node, flat=False)
+    (ta, a), (tb, b) = operands
+    m, n = node.shape
+    arguments = (
+        f"np.bool_({ta}), np.bool_({tb}), np.intp({m}), np.intp({n}), "
+        f"np.intp({node.inputs[0].shape[-1]}), {a}, {b}, {out.base}.reshape(-1), "
+        f"np.intp({out.offset})"
+    )
+    if parts > 1:
+        return [f"own_gemm_strided_at_par(np.intp({parts}), {vector_width()}, {arguments})"]
+    return [f"own_gemm_strided_at({vector_width()}, {arguments})"]
 
 
 def _one_variant(ta, tb, sizes: str, places, dtypes: tuple) -> str:

@@ -10,7 +10,7 @@ import re
 from backplan.ir.graph import Value
 from backplan.ir.types import is_half
 
-_PARTS = re.compile(r"own_(?:batched_)?gemm(?:_at)?_par\((?:np\.intp\()?(\d+)")
+_PARTS = re.compile(r"own_(?:batched_)?gemm(?:_at|_strided_at)?_par\((?:np\.intp\()?(\d+)")
 _BLAS = {"f32": "sgemm", "f64": "dgemm"}
 
 

@@ -23,6 +23,7 @@ from backplan.codegen.render.scalar import NP_TYPE
 from backplan.ir.fusion import alias_base, is_alias
 from backplan.ir.graph import Value
 from backplan.ir.layout import reads_its_input
+from backplan.ir.strided_copies import reads_strided_operand
 from backplan.ir.types import is_half
 
 # Index errors are worded at codegen time with holes for what only the data knows.
@@ -228,8 +229,12 @@ def reads_mixed(node: Value) -> bool:
 def own_gemm_chosen(ctx: OpEmitter, node: Value) -> bool:
     """Whether backplan's GEMM computes this matmul (else BLAS):
     codegen/kernels/gemm/choice.py. Always for bfloat16 and float16 operands (ir/widen.py
-    leaves them unwidened for it, and a bfloat16 one beside a float32 one): BLAS has neither."""
+    leaves them unwidened for it, and a bfloat16 one beside a float32 one): BLAS has neither;
+    and for a 2-D product reading an operand strided where it lives, which backplan's GEMM
+    reads in place (ir/strided_copies.py reads_strided_operand: no copy in the arena)."""
     if reads_16_bits(node) or reads_mixed(node):
+        return decide("own_gemm", True)
+    if reads_strided_operand(node):  # read in place, no copy: BLAS takes unit strides only
         return decide("own_gemm", True)
 
     def own() -> bool:
