@@ -172,3 +172,21 @@ def test_the_edge_block_lives_until_the_kernel_has_read_it():
     rows = [line.split() for line in done.stdout.strip().splitlines()]
     assert [(int(m), int(k)) for m, k, _ in rows] == [(300, 512), (13, 2048), (9, 128)]
     assert all(float(error) < 1e-5 for _, _, error in rows), rows
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_a_c_of_at_most_twelve_columns_is_computed_as_row_dot_products(trans_b):
+    """The mlp's 10-class layer: the same sums as row_dots over B's columns, to the bit (the
+    micro-kernel sums in k order, one FMA a step: other roundings)."""
+    from backplan.codegen.kernels.gemm.narrow import ROW_DOT_COLUMNS
+    from backplan.codegen.kernels.gemm.row_dots import row_dots
+
+    rng = np.random.default_rng(11)
+    m, k = 37, 515
+    for n in (1, 10, ROW_DOT_COLUMNS):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+        got, _ = _run(a, b, trans_b, m, n, k)
+        want = np.empty((m, n), np.float32)
+        row_dots(a, b if trans_b else np.ascontiguousarray(b.T), want)
+        np.testing.assert_array_equal(got, want)

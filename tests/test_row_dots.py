@@ -76,3 +76,14 @@ def test_compiled_first_layer_gradient_matches_the_reference_with_nan_in_one_ima
         with use_backend(backend):
             grads[backend] = bp.value_and_grad(bp.compile(loss))(w, clean)[1].numpy()
     np.testing.assert_allclose(grads["numba"], grads["reference"], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("m,n", [(4, 2), (5, 3), (8, 9), (3, 1), (6, 4)])
+def test_every_block_and_remainder_of_rows_writes_its_own_sums(m, n):
+    """4 x 2 blocks, B's odd last row, A's last rows: each output a distinct integer sum."""
+    k = 33
+    a = (np.arange(m * k).reshape(m, k) % 7).astype(np.float32)
+    b = (np.arange(n * k).reshape(n, k) % 5 - 2).astype(np.float32)
+    out = np.full((m, n), np.nan, np.float32)
+    row_dots(a, b, out)
+    np.testing.assert_array_equal(out, a.astype(np.float64) @ b.T.astype(np.float64))

@@ -113,7 +113,7 @@ def conv_gemm_width(m: int, n: int, k: int, dtype: str, trans_b: bool = False) -
     MIN_OWN_WORK, which matmuls keep from the Intel measurement above), but 1.47 for
     16x9x2048, nine columns wide. Matmuls of that size stay as use_own_gemm decides.
     A weight gradient's A @ B.T with a small C over a long k (that 16x9x2048: 38 GFLOP/s on
-    OpenBLAS, 43 on torch) runs as row dot products (ROW_DOTS, gemm/row_dots.py: 106)."""
+    OpenBLAS, 43 on torch) runs as row dot products (ROW_DOTS, gemm/row_dots.py: 138)."""
     choice = forced_choice()
     if choice != "auto":
         return vector_width() if choice == "own" and dtype in ("f32", "f64") else 0

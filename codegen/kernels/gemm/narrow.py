@@ -13,6 +13,15 @@ on a 300 x 512 @ 512 x 10 product; otherwise the kernel read freed memory).
 
 Sums run in k order, one FMA per step, as the blocked GEMM's. Measured on one pinned Zen 5 core
 (thread CPU, 7 rounds, 128 x 10 x 512): 12.5-13.3 us against OpenBLAS's 19.2-20.2.
+
+Where C is at most ROW_DOT_COLUMNS wide, B's columns are copied into rows (a k x n
+transposition, nothing when B comes transposed) and C's elements are computed as dot products
+of rows (row_dots.py: 4 x 2 blocks of sums, no lane of padding). On one pinned Zen 5 core (9
+interleaved rounds, load ~13, /tmp/mlp39/fwd2.py) in GFLOP/s, copy included, against this
+micro-kernel: 128 x 512 @ 512 x 10 (the mlp's last layer) 130.6 / 93.9, 256 x 128 @ 128 x 10
+(mlp_deep's) 118.3 / 87.8, 1024 x 256 @ 256 x 10 152.6 / 117.2, 64 x 1024 @ 1024 x 10 105.2 /
+91.2, 128 x 64 @ 64 x 10 78.2 / 63.2, 300 x 512 @ 512 x 3 97.1 / 35.6; at 16 columns the
+micro-kernel is ahead (127.6 / 153.8).
 """
 
 import numpy as np
@@ -22,11 +31,13 @@ from numba.core.extending import intrinsic
 
 from backplan.codegen.jit import AS_PYTHON, njit
 from backplan.codegen.kernels.gemm.kernel import _emit_kernel as emit_kernel  # kernel.py's tile
+from backplan.codegen.kernels.gemm.row_dots import row_dots
 from backplan.codegen.kernels.lifetimes import keep_alive
 
 NARROW_LANES = 16  # one 512-bit f32 vector: C's columns padded to it
 NARROW_COLUMNS = NARROW_LANES  # the widest C this GEMM computes
 NARROW_ROWS = 8  # rows of C per micro-kernel call (8 measured ahead of 4, 12 and 16)
+ROW_DOT_COLUMNS = 12  # C up to this wide: row dot products (gemm/row_dots.py) instead
 
 
 @intrinsic
@@ -59,6 +70,18 @@ def narrow_gemm_at(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out
     never transposed here."""
     if trans_a or n > NARROW_COLUMNS:
         raise ValueError("narrow_gemm_at: A transposed or C wider than 16 columns")
+    if n <= ROW_DOT_COLUMNS:  # C's elements as dot products of A's rows and B's columns
+        op_a = a[a_offset : a_offset + m * k].reshape((m, k))
+        c = out[out_offset : out_offset + m * n].reshape((m, n))
+        if trans_b:  # B's columns are the rows of the (n, k) matrix there
+            row_dots(op_a, b[b_offset : b_offset + n * k].reshape((n, k)), c)
+            return
+        columns = np.empty((n, k), np.float32)
+        for p in range(k):
+            for j in range(n):
+                columns[j, p] = b[b_offset + p * n + j]
+        row_dots(op_a, columns, c)
+        return
     panel = np.zeros(max(k, 1) * NARROW_LANES, np.float32)
     for p in range(k):
         for j in range(n):
