@@ -860,6 +860,50 @@ def test_unequal_shards_weight_each_rank_by_its_rows(tmp_path):
 
 
 @needs_mpi
+def test_explain_says_when_each_node_sum_runs_as_the_step_runs_it(tmp_path):
+    """explain's table on one node says each bucket's sum starts when the call returns (s{N})
+    and is waited on before step() returns, in bucket order, each rank reading the other's
+    bucket bytes: the compiled step's calls (numba backend, the plan writing into the window)
+    run the plan, then sum each bucket in that order, from buffers of those bytes."""
+    result = run_script(
+        tmp_path,
+        """
+        from backplan.distributed import shared_exchange
+        from backplan.distributed.shared_exchange import SharedRequest, WindowOutputs
+        events = []
+        run, summed = WindowOutputs.run, SharedRequest._sum
+        def running(self, *a):
+            out = run(self, *a)
+            events.append(("plan returned", out is not None))
+            return out
+        def summing(self):
+            other = self.window.buffer(1 - rank, self.index, self.parity)
+            events.append(("sum", self.index, other.nbytes))
+            return summed(self)
+        WindowOutputs.run, SharedRequest._sum = running, summing
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        step = bpd.data_parallel(vg, bucket_bytes=300)
+        report = bpd.explain(step, params, xs, ys)
+        for _ in range(3):
+            step(params, xs, ys)
+        text = str(report)
+        assert f"s{report.plan_steps} (call returns)" in text, text
+        rows = report.buckets
+        assert len(rows) > 1 and all(row.start_step == report.plan_steps for row in rows)
+        assert all(row.calls_in_flight is None for row in rows)  # none inside the call
+        expected = [("plan returned", True)] + [("sum", r.index, r.bytes_sent) for r in rows]
+        assert events[-len(expected):] == expected, (events, expected)  # the third call
+        assert events[-2 * len(expected):-len(expected)] == expected, events  # the second
+        print(f"rank {rank} ok")
+        """,
+        backend="numba",
+        timeout=300,
+    )
+    assert_ranks_ok(result)
+
+
+@needs_mpi
 def test_a_marked_counter_wakes_a_sleeping_rank_and_makes_no_system_call_otherwise(tmp_path):
     """node_window's waits sleep on the other rank's counter (futex); mark() wakes them only
     when a rank raised its byte in the marker's sleepers' line. Rank 0 sleeps on bucket 0's
