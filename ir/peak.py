@@ -10,10 +10,11 @@ ir/argument_layout.py, held while that call runs), temporaries (reference interp
 outputs, saved (forward values the backward reads), gradients.
 
 - Compiled (numba): every plan of the step keeps its scratch arena and constants for its whole
-  life, and a call allocates all its output buffers before its first kernel, holding them until
-  the step ends (outputs and gradients go to the caller, saved buffers until the backward
-  returns). The buffers therefore peak at the first kernel of the last call; a kernel's own
-  workspace adds to what is held while it runs.
+  life (a forward and the backward() consuming it share one arena, the larger's size), and a
+  call allocates all its output buffers before its first kernel, holding them until the step
+  ends (outputs and gradients go to the caller, saved buffers until the backward returns).
+  The buffers therefore peak at the first kernel of the last call; a kernel's own workspace
+  adds to what is held while it runs.
 - Reference: every buffer NumPy allocates (a view lives in its input's buffer:
   ir/reference_storage.py), from the step that writes it to the free of the last value living
   in it; saved values until the backward frees them.
@@ -148,6 +149,10 @@ class PlanCall:
     # Plan.copied: the inputs passed in another layout than C order, which the compiled call
     # copies whole on entry (held until it returns) unless its lowering reads them in place
     copied: tuple = ()
+    # compiled: the plan draws its scratch arena from the one the step's other such calls
+    # share (a forward and the backward() consuming it: runtime/program.py), so the step
+    # holds one arena of the largest's size, not one each
+    shares_arena: bool = False
 
 
 def predicted_peak(calls: list[PlanCall], backend: str = "numba") -> PeakReport:
@@ -250,9 +255,13 @@ def building_peak(calls: list[PlanCall]) -> PeakReport:
             for array in call.plan.graph.constants.values():
                 constants += 0 if id(array) in seen else array.nbytes
                 seen.add(id(array))
-    arenas = {}
-    for call in running:
-        kept += _arena_bytes(call)
+    arenas, shared = {}, 0
+    for call in running:  # a shared arena grows to the largest plan made so far
+        if call.shares_arena:
+            grown = max(shared, _arena_bytes(call))
+            kept, shared = kept + grown - shared, grown
+        else:
+            kept += _arena_bytes(call)
         arenas[call.label] = kept
     steps = tuple(
         replace(s, held=_plus(s.held, scratch=arenas[s.plan], constants=constants))
@@ -317,6 +326,7 @@ def _compiled_held(calls: list[PlanCall], named: bool = True) -> tuple[list, lis
     ]
     held = _input_bytes(calls)
     constants_seen: set[int] = set()
+    shared = 0  # the one arena the sharing calls draw from: the largest of theirs
     for call, buffers in zip(calls, per_call, strict=True):
         for b in buffers:
             if b.category == "constants":
@@ -325,7 +335,11 @@ def _compiled_held(calls: list[PlanCall], named: bool = True) -> tuple[list, lis
                     constants_seen.add(id(array))
                     held["constants"] += b.nbytes
             elif b.category == "scratch" and call.keeps_arena:
-                held["scratch"] += b.nbytes  # every plan of the step keeps its arena
+                if call.shares_arena:
+                    shared = max(shared, b.nbytes)
+                else:
+                    held["scratch"] += b.nbytes  # every other plan of the step keeps its own
+    held["scratch"] += shared
     return lowered, per_call, held
 
 
@@ -526,6 +540,7 @@ def region_calls(plans, consume: bool = True) -> list[PlanCall]:
                 "donated" if i in donated else "inputs" for i in range(len(forward.graph.inputs))
             ),
             copied=forward.copied,
+            shares_arena=True,
         )
     ]
     if plans.backward is None:
@@ -544,6 +559,7 @@ def region_calls(plans, consume: bool = True) -> list[PlanCall]:
             ("cotangent",) * n_cot + ("held",) * len(plans.saved),
             plans.private_saved_inputs() if consume else (),
             held_from=held_from,
+            shares_arena=consume,
             held_inputs={
                 n_cot + slot: (0, s.source[1])
                 for slot, s in enumerate(plans.saved)

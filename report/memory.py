@@ -284,7 +284,11 @@ def compiled_paragraph(report) -> str:
         "allocated fresh on every call."
     )
     if not report.view.joint:
-        text += " A backward call holds its saved buffers and incoming gradients until it returns."
+        text += (
+            " The forward and backward() draw their scratch from one arena of the larger's "
+            "size (they never run at once in a step). A backward call holds its saved buffers "
+            "and incoming gradients until it returns."
+        )
     return text
 
 

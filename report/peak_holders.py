@@ -35,6 +35,10 @@ def _largest_compiled(report: PeakReport, calls: list[PlanCall], count: int) -> 
     by_label = {c.label: c for c in calls}
     least = report.peak_bytes // 100  # a 4-byte loss buffer explains nothing
     held = [(label, b) for label, b in report.buffers if b.category != "constants"]
+    sharing = [(label, b) for label, b in held if _shared_arena(by_label, label, b)]
+    if len(sharing) > 1:  # one arena, the largest plan's size (ir/peak.py shares_arena)
+        largest = max(sharing, key=lambda lb: lb[1].nbytes)
+        held = [lb for lb in held if lb not in sharing or lb is largest]
     held = [(label, b) for label, b in held if b.nbytes >= least]
     held.sort(key=lambda lb: -lb[1].nbytes)
     words = []
@@ -46,8 +50,15 @@ def _largest_compiled(report: PeakReport, calls: list[PlanCall], count: int) -> 
         values = lower(call.plan, call.private_saved).layout.scratch_offsets
         biggest = sorted(values, key=lambda v: -v.type.nbytes)[:count]
         inside = ", ".join(_value_words(v) for v in biggest)
-        words.append(f"the {label} plan's scratch arena {format_bytes(buffer.nbytes)} ({inside})")
+        whose = f"the {label} plan's scratch arena"
+        if len(sharing) > 1 and _shared_arena(by_label, label, buffer):
+            whose = f"the scratch arena the plans share, the {label} plan's size,"
+        words.append(f"{whose} {format_bytes(buffer.nbytes)} ({inside})")
     return words
+
+
+def _shared_arena(by_label: dict, label: str, buffer) -> bool:
+    return buffer.category == "scratch" and by_label[label].shares_arena
 
 
 def _value_words(value) -> str:

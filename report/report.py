@@ -184,9 +184,15 @@ class ExplainReport:
 
     @property
     def compiled_scratch_bytes(self) -> int | None:
-        """Scratch arenas the compiled forward and backward() keep and reuse across calls (the
-        joint plan's for value_and_grad); None unless the backend is numba."""
-        return self._compiled_sum("scratch_bytes")
+        """Scratch the compiled step keeps and reuses across calls: one arena the forward and
+        backward() share, the larger plan's size (runtime/program.py), or the joint plan's for
+        value_and_grad; None unless the backend is numba."""
+        if self.compiled is None:
+            return None
+        return max(
+            (f.scratch_bytes for f in self.compiled if f.plan in STEP_PLANS and f.compiled),
+            default=0,
+        )
 
     @property
     def compiled_output_bytes(self) -> int | None:

@@ -154,11 +154,11 @@ class CompiledRunner:
 
     backend = "numba"
 
-    def __init__(self, lowered: LoweredPlan, background: bool | None = None):
+    def __init__(self, lowered: LoweredPlan, background: bool | None = None, arenas=None):
         from backplan.codegen.run.compiled import CompiledPlan
 
         plan = self.plan = lowered.plan
-        self.compiled = CompiledPlan(lowered, background)
+        self.compiled = CompiledPlan(lowered, background, arenas)
         self.kernels = self.compiled.kernel_count
         self._owned = [i for i, v in enumerate(plan.graph.inputs) if v.role in OWNED_ROLES]
         self._owns_all = len(self._owned) == len(plan.graph.inputs)  # a backward plan's case
@@ -207,11 +207,14 @@ def make_runner(
     lowered: LoweredPlan,
     backend: str | None = None,
     background: bool | None = None,
+    arenas=None,
 ):
     """The runner of a lowered plan on this backend (the current one by default); a consuming
     backward's lowered plan may reuse private saved buffers after their last read, a forward's
     writes outputs into the inputs its plan donates (`lowered.donations`). background: the
-    function's bp.compile(background=...), None for BACKPLAN_DRIVER's."""
+    function's bp.compile(background=...), None for BACKPLAN_DRIVER's. arenas: a
+    codegen/run/workspace.py ArenaPool a compiled plan draws its scratch from, shared with
+    other plans (None: its own)."""
     plan = lowered.interpreted or lowered.plan  # NumPy copies a strided reshape itself
     backend = backend or current_backend()
     if backend == "reference":
@@ -219,7 +222,7 @@ def make_runner(
     from backplan.codegen.render.opaque import Unsupported
 
     try:
-        return CompiledRunner(lowered, background)
+        return CompiledRunner(lowered, background, arenas)
     except Unsupported as exc:
         warnings.warn(
             f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3

@@ -59,6 +59,7 @@ class RegionProgram:
         self.name = name
         self.backend = backend  # None: the backend current when it first runs
         self._runners: dict = {}
+        self._arenas = None  # _shared_arenas: the compiled forward's and consuming backward's
         self._making_runner = threading.Lock()  # threads calling first share one compile
         self.input_names = input_names  # argument paths of the forward inputs, when known
         self.n_outputs = plans.n_outputs
@@ -142,10 +143,27 @@ class RegionProgram:
         return runner
 
     def _make_runner(self, mode: BackwardMode | None, backend: str):
-        runner = make_runner(self.plans.lowered(mode), backend, background=self.background)
+        arenas = self._shared_arenas(backend) if mode is not BackwardMode.RETAIN else None
+        runner = make_runner(
+            self.plans.lowered(mode), backend, background=self.background, arenas=arenas
+        )
         for plan in self.plans.named.values():  # a later size keeps no lowering once it runs
             let_go(plan)
         return runner
+
+    def _shared_arenas(self, backend: str):
+        """The scratch arenas the forward and the consuming backward draw from (compiled
+        plans): a step runs one, then the other, so it holds one arena of the larger's size
+        (ir/peak.py PlanCall.shares_arena). A backward(retain_graph=True)'s plan keeps an arena
+        of its own: RegionProgram.release_retained frees it alone. None on the reference
+        backend, which keeps nothing between calls."""
+        if backend != "numba":
+            return None
+        if self._arenas is None:
+            from backplan.codegen.run.workspace import ArenaPool
+
+            self._arenas = ArenaPool()
+        return self._arenas
 
     def runners(self) -> list:
         """The runners made so far: the forward's, and each backward mode's once it ran."""

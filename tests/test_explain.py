@@ -612,7 +612,8 @@ def test_numba_report_states_the_compiled_layout_without_compiling(
     ]
     step = [g for name, g in layouts.items() if name != "backward (retain)"]
     assert report.n_kernels == sum(g.kernel_count for g in step)
-    assert report.compiled_scratch_bytes == sum(g.layout.scratch_bytes for g in step)
+    # the forward and backward() share one arena, the larger's size (runtime/program.py)
+    assert report.compiled_scratch_bytes == max(g.layout.scratch_bytes for g in step)
     assert report.compiled_output_bytes == sum(g.layout.output_bytes for g in step)
     memory = " ".join(str(report).split("4. Memory")[1].split("5. Kernels")[0].split())
     assert "Reference interpreter (BACKPLAN_BACKEND=reference)" in memory

@@ -318,14 +318,13 @@ def test_float32_saved_copies_of_a_float64_step_peak_no_higher_than_full_precisi
     assert not np.allclose(grads[bp.float32][0], grads[None][0], rtol=0, atol=1e-12)
 
 
-def test_a_saved_dtype_plan_that_would_peak_above_full_precision_keeps_full_precision():
-    """bp.compile's forward and backward() plans of this 2-layer step would peak higher with
-    16-bit saved buffers (the float32 activations leave the saved buffers for the forward's
-    arena, kept through backward(), and the consuming backward has no dead float32 saved
-    buffer to put its temporaries in): the plans keep full precision, at its peak, and explain
-    says by how much narrowing would raise it (before: the narrowed plans ran, 1.14x above).
-    value_and_grad's plans of the same step peak lower with either 16-bit dtype (the GEMMs
-    read the copies as they are): those keep their saved buffers narrow."""
+def test_a_saved_dtype_plan_runs_narrowed_where_it_peaks_below_full_precision():
+    """This 2-layer step's value_and_grad plans peak lower with either 16-bit dtype (the GEMMs
+    read the copies as they are), and so do bp.compile's forward and backward() since they
+    share one scratch arena (runtime/program.py): both keep their saved buffers narrow. While
+    the forward's arena was held through backward(), the float32 activations leaving the saved
+    buffers for it made the compiled plans peak higher narrowed (1.14x before that was
+    guarded), and full precision ran."""
     params, x = _half_arguments(np.float32)
     grads = [bp.tensor(w, requires_grad=True) for w in params]
     with use_backend("numba"):  # the compiled plans' peaks
@@ -344,13 +343,8 @@ def test_a_saved_dtype_plan_that_would_peak_above_full_precision_keeps_full_prec
         }
     for (path, dtype), report in reports.items():
         note, name = report.saved_dtype_note, np.dtype(dtype).name
-        if path == "value_and_grad":
-            assert report.peak_bytes < full[path]
-            assert f"kept in {name} (saved_dtype)" in note and "stay in full" not in note
-            assert BF16 not in {s.dtype for s in _computed_saved(report)} or dtype is bp.bfloat16
-            continue
-        assert report.peak_bytes == full[path]
-        assert {s.dtype for s in _computed_saved(report)} == {np.dtype(np.float32)}
-        assert f"saved_dtype={name}: the values the gradient part reads stay in full" in note
-        higher = int(note.split("would peak ")[1].split(" B higher")[0].replace(",", ""))
-        assert higher > 0
+        assert report.peak_bytes < full[path], path
+        assert f"kept in {name} (saved_dtype)" in note and "stay in full" not in note
+        assert BF16 not in {s.dtype for s in _computed_saved(report)} or dtype is bp.bfloat16
+        if path == "compile":
+            assert np.dtype(dtype) in {s.dtype for s in _computed_saved(report)}

@@ -4,6 +4,7 @@ and returns lists of arrays exactly like the reference interpreter."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -33,7 +34,7 @@ from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.run import compile_garbage
 from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare, refuse_uncounted
-from backplan.codegen.run.workspace import WorkspacePool, sized_launch
+from backplan.codegen.run.workspace import ArenaPool, WorkspacePool, sized_launch
 from backplan.ir.argument_layout import base
 from backplan.ir.errors import ExecutionError
 from backplan.ir.flops import node_flops
@@ -219,9 +220,13 @@ _NO_GUARD = contextlib.nullcontext()
 class CompiledPlan:
     """Calling it runs the whole plan in one compiled function. background: the function's own
     choice (True: first calls on the reference interpreter while a child compiles; False:
-    compile in the first call; None: BACKPLAN_DRIVER's, see codegen/build/driver_tier.py)."""
+    compile in the first call; None: BACKPLAN_DRIVER's, see codegen/build/driver_tier.py).
+    arenas: the ArenaPool (codegen/run/workspace.py) its calls draw their scratch arena from,
+    shared with plans that never run inside its calls; None: one of its own."""
 
-    def __init__(self, lowered: LoweredPlan, background: bool | None = None):
+    def __init__(
+        self, lowered: LoweredPlan, background: bool | None = None, arenas: ArenaPool | None = None
+    ):
         plan = self.plan = lowered.plan
         self._interpreted = lowered.interpreted or plan
         start = time.perf_counter()
@@ -302,6 +307,7 @@ class CompiledPlan:
             [(storage_dtype(d), n) for d, n in generated.scratch.items()],
             self._output_buffers,
             self._returning_outputs(graph),
+            arenas,
         )
         launches, calls_blas, shares = source_calls(self.source, plan.shared)
         parallel = launches or any(k.parallel for k in self.loop_kernels)
@@ -439,7 +445,7 @@ class CompiledPlan:
         """A call that counts every buffer it holds and compares them with the prediction.
         into: output buffers the caller passed (call_own_into), not the call's to hold."""
         predicted, scratch_keys = self._checked
-        predicted = predicted + self._predicted_copies(args)
+        predicted = self._shared_arena(predicted) + self._predicted_copies(args)
         if into:
             theirs = {f"output {j}" for j in into}
             predicted = [b for b in predicted if b.key not in theirs]
@@ -451,6 +457,15 @@ class CompiledPlan:
                 ALLOCATOR.use(outputs[i], f"literal {i}")
         compare(self.plan.graph.name, predicted, measured.at_peak, self._why_fresh())
         return outputs
+
+    def _shared_arena(self, predicted: list) -> list:
+        """The predicted buffers with the scratch arena at the size its pool hands out: the
+        largest scratch of the plans sharing it (a forward and its consuming backward), as
+        ir/peak.py counts it; this plan's own where it draws from a pool of its own."""
+        size = self._workspaces.arena_bytes
+        return [
+            dataclasses.replace(b, nbytes=size) if b.category == "scratch" else b for b in predicted
+        ]
 
     def _predicted_copies(self, args: list) -> list:
         """The copies the plan predicts (Plan.copied) of the arguments that arrive in another

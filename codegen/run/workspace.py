@@ -87,25 +87,135 @@ def arena_bytes(scratch: list[tuple[np.dtype, int]]) -> int:
     return max((max(n, 1) * np.dtype(d).itemsize for d, n in scratch), default=0)
 
 
-class Workspace:
-    """The scratch arena (one buffer, seen as each dtype the plan places in it: ir/layout.py
-    plans them in the same bytes) and the outputs of this workspace's previous call. A big
-    arena lies in a reservation of address space (codegen/run/arena_memory.py): `reservation`,
-    one a size switch freed, to grow over its pages."""
+class Arena:
+    """One raw scratch buffer, and the views of it each plan reading it uses: every dtype a
+    plan places in its arena views the same bytes (ir/layout.py). The views are the arena's
+    own, so an arena let go takes them with it, and a plan checking it out again finds them.
+    A big arena lies in a reservation of address space (codegen/run/arena_memory.py):
+    `reservation`, one a size switch freed, to grow over its pages."""
 
-    def __init__(
-        self,
-        scratch: list[tuple[np.dtype, int]],
-        output_buffers: list,
-        donatable=frozenset(),
-        reservation=None,
-    ):
-        nbytes = arena_bytes(scratch)
+    __slots__ = ("raw", "nbytes", "reservation", "_views")
+
+    def __init__(self, nbytes: int, reservation=None):
         if reservation is None:
-            self.arena, self.reservation = new_arena(nbytes)
+            self.raw, self.reservation = new_arena(nbytes)
         else:
-            self.arena, self.reservation = reservation.arena(nbytes), reservation
-        self.scratch = [self.arena[: max(n, 1) * np.dtype(d).itemsize].view(d) for d, n in scratch]
+            self.raw, self.reservation = reservation.arena(nbytes), reservation
+        self.nbytes = nbytes
+        self._views: dict = {}
+
+    def views(self, scratch: tuple) -> list:
+        """The arena seen as each (dtype, length) of `scratch` (a plan's layout)."""
+        found = self._views.get(scratch)
+        if found is None:
+            raw = self.raw
+            found = [raw[: max(n, 1) * np.dtype(d).itemsize].view(d) for d, n in scratch]
+            self._views[scratch] = found
+        return found
+
+
+class _Spares:
+    """A pool's idle items and the counts that let a burst's spares go: calls running at once
+    each take one (made when none is idle), up to KEEP_IDLE stay for the next burst, and once
+    ALONE_BEFORE_TRIM calls in a row ran with no other holding one, the spares go. list.pop and
+    list.append are atomic under the GIL, so no lock: a race on the counts only delays or
+    hastens freeing spares that no call holds."""
+
+    def __init__(self):
+        self._idle: list = []
+        self._made = 0  # items held, idle or checked out
+        self._alone = 0  # calls in a row that found every other item idle
+
+    def _take(self):
+        """An idle item, or None where the caller makes one (counted as made)."""
+        idle = self._idle
+        try:
+            item = idle.pop()
+        except IndexError:
+            self._made += 1
+            self._alone = 0
+            return None
+        if len(idle) + 1 < self._made:  # another call holds one now
+            self._alone = 0
+        elif idle:  # spares of a burst, and this call runs alone
+            self._alone += 1
+            if self._alone >= ALONE_BEFORE_TRIM:
+                self._alone = 0
+                self._drop(len(idle))
+        return item
+
+    def _put(self, item, keep: bool = True) -> None:
+        if keep and len(self._idle) < KEEP_IDLE:
+            self._idle.append(item)
+        else:
+            self._made -= 1
+
+    def _drop(self, count: int) -> None:
+        del self._idle[:count]
+        self._made -= count
+
+
+class ArenaPool(_Spares):
+    """Scratch arenas checked out per call, one size: the largest any plan drawing from the pool
+    needs. A compiled function's forward and the backward() that consumes its saved buffers
+    draw from one pool (runtime/program.py): a call holds one arena while its plan runs and
+    returns it, so the step holds max(forward, backward) scratch where two arenas of their own
+    held the sum (ir/peak.py counts it so). Calls running at once each hold their own. An arena
+    smaller than the pool's size (checked in while a larger plan joined) is let go, never
+    handed out."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def need(self, nbytes: int) -> None:
+        """A plan drawing from the pool needs `nbytes`: a larger size lets the idle arenas go
+        and allocates one of it, as a plan of its own allocated its arena when it was made."""
+        if nbytes > self.nbytes or not self._made:
+            self.nbytes = max(nbytes, self.nbytes)
+            self._drop(len(self._idle))
+            self._idle.append(Arena(self.nbytes))
+            self._made += 1
+
+    def idle_arenas(self) -> list:
+        return [a.raw for a in list(self._idle)]
+
+    def release_idle(self) -> list:
+        """Let go of the idle arenas; returns their reservations (a size switch offers them to
+        the next size's arena, codegen/run/arena_memory.py)."""
+        dropped = self._idle[:]
+        self._drop(len(dropped))
+        reservations = [a.reservation for a in dropped if a.reservation is not None]
+        del dropped  # the arenas' views of the reservations go with them
+        return reservations
+
+    def checkout(self) -> Arena:
+        while True:
+            arena = self._take()
+            if arena is None:
+                return Arena(self.nbytes, take_offer(self.nbytes) if OFFERED else None)
+            if arena.nbytes < self.nbytes:  # too small for a plan that joined since: let go
+                self._made -= 1
+                continue
+            if OFFERED and arena.reservation is not None:  # a size switch freed arenas
+                offered = take_offer(arena.nbytes)
+                if offered is not None:  # grow over the freed pages rather than fault fresh ones
+                    arena = Arena(arena.nbytes, offered)
+            return arena
+
+    def checkin(self, arena: Arena) -> None:
+        self._put(arena, arena.nbytes >= self.nbytes)
+
+
+class Workspace:
+    """The outputs of this workspace's previous call, and while a call holds it, the scratch
+    arena (an ArenaPool's) and its views as this plan's dtypes."""
+
+    def __init__(self, output_buffers: list, donatable=frozenset()):
+        self.held = None  # the Arena a call holds, checked out of its plan's ArenaPool
+        self.arena = None  # its raw bytes (the checked mode counts them)
+        self.reservation = None  # its reservation of address space, if it lies in one
+        self.scratch: list | tuple = ()  # its views as the plan's dtypes
         self.output_buffers = output_buffers  # (shape, dtype) of each per-call output
         self.previous_outputs = [None] * len(output_buffers)
         self.donatable = donatable  # outputs that may go back in as donated inputs: not kept
@@ -173,78 +283,79 @@ def _reusable(shape, dtype) -> bool:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize >= REUSE_BYTES
 
 
-class WorkspacePool:
+class WorkspacePool(_Spares):
     """Workspaces checked out per call; list.pop and list.append are atomic under the GIL, so
     the pool needs no lock of its own.
 
     Calls running at once each hold a workspace, and up to KEEP_IDLE stay for the next burst;
-    once ALONE_BEFORE_TRIM calls in a row ran with no other call holding one, the spares go, so
-    a loop in one thread after concurrent calls holds one arena and its kept outputs again, as
-    explain counts (four arenas of a 3,001-row MLP kept 296 MB beyond its 86 MB for good). The
-    counts are read and written without a lock: a race only delays or hastens freeing spares
-    that no call holds."""
+    once ALONE_BEFORE_TRIM calls in a row ran with no other call holding one, the spares go
+    (_Spares), so a loop in one thread after concurrent calls holds one arena and its kept
+    outputs again, as explain counts (four arenas of a 3,001-row MLP kept 296 MB beyond its
+    86 MB for good).
+
+    arenas: the ArenaPool its calls draw their scratch from, shared with the plans that never
+    run inside one of its calls (a forward and the backward() consuming it); None: one of its
+    own. A plan with no scratch draws none."""
 
     def __init__(
-        self, scratch: list[tuple[np.dtype, int]], output_buffers: list, donatable=frozenset()
+        self,
+        scratch: list[tuple[np.dtype, int]],
+        output_buffers: list,
+        donatable=frozenset(),
+        arenas: ArenaPool | None = None,
     ):
-        self._scratch = scratch
+        self._scratch = tuple((np.dtype(d), n) for d, n in scratch)
         self._output_buffers = output_buffers
         self._donatable = donatable
-        self._idle = [self._new_workspace()]
-        self._made = 1  # workspaces held, idle or checked out
-        self._alone = 0  # calls in a row that found every other workspace idle
-
-    def _new_workspace(self, reservation=None) -> Workspace:
-        return Workspace(self._scratch, self._output_buffers, self._donatable, reservation)
+        self._arenas = None
+        if self._scratch:
+            self._arenas = ArenaPool() if arenas is None else arenas
+            self._arenas.need(arena_bytes(scratch))
+        super().__init__()
+        self._idle.append(Workspace(output_buffers, donatable))
+        self._made = 1
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of one workspace's arena (each concurrent call holds its own)."""
+        """Bytes of this plan's own scratch (each concurrent call holds an arena at least as
+        big: arena_bytes, the shared pool's size)."""
         return arena_bytes(self._scratch)
 
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the arena a call of this plan holds: its pool's size, the largest scratch
+        of the plans sharing it (0 without scratch)."""
+        return 0 if self._arenas is None else self._arenas.nbytes
+
     def idle_arenas(self) -> list:
-        """The arenas of the workspaces no call holds now."""
-        return [w.arena for w in list(self._idle)]
+        """The arenas no call holds now (a shared pool's: every plan drawing from it)."""
+        return [] if self._arenas is None else self._arenas.idle_arenas()
 
     def release_idle(self) -> list:
-        """Let go of the workspaces no call holds (their arenas and kept outputs are freed once
-        nothing else holds them); the next call makes a new one. A dynamic axis's other sizes
-        do this when a call switches size (tracer/dynamic.py), so that a call holds its own
-        size's arenas alone, as explain's per-size peak counts. Returns the reservations of
-        the arenas let go, which the switch offers to the next size's arena."""
-        dropped = self._idle[:]
-        self._drop(len(dropped))
-        reservations = [w.reservation for w in dropped if w.reservation is not None]
-        del dropped  # the workspaces' views of the reservations go with them
-        return reservations
-
-    def _drop(self, count: int) -> None:
-        del self._idle[:count]
-        self._made -= count
+        """Let go of the workspaces no call holds (their kept outputs are freed once nothing
+        else holds them) and of the idle arenas of its pool (a shared pool's too); the next
+        call makes new ones. A dynamic axis's other sizes do this when a call switches size
+        (tracer/dynamic.py), so that a call holds its own size's arenas alone, as explain's
+        per-size peak counts. Returns the reservations of the arenas let go, which the switch
+        offers to the next size's arena."""
+        self._drop(len(self._idle))
+        return [] if self._arenas is None else self._arenas.release_idle()
 
     def checkout(self) -> Workspace:
-        idle = self._idle
-        try:
-            workspace = idle.pop()
-        except IndexError:
-            self._made += 1
-            self._alone = 0
-            return self._new_workspace(take_offer(self.scratch_bytes) if OFFERED else None)
-        if OFFERED and workspace.reservation is not None:  # a size switch freed arenas
-            offered = take_offer(workspace.arena.nbytes)
-            if offered is not None:  # grow over the freed pages rather than fault in fresh ones
-                workspace = self._new_workspace(offered)
-        if len(idle) + 1 < self._made:  # another call holds one now
-            self._alone = 0
-        elif idle:  # spares of a burst, and this call runs alone
-            self._alone += 1
-            if self._alone >= ALONE_BEFORE_TRIM:
-                self._alone = 0
-                self._drop(len(idle))
+        workspace = self._take()
+        if workspace is None:
+            workspace = Workspace(self._output_buffers, self._donatable)
+        arenas = self._arenas
+        if arenas is not None:
+            arena = workspace.held = arenas.checkout()
+            workspace.arena, workspace.reservation = arena.raw, arena.reservation
+            workspace.scratch = arena.views(self._scratch)
         return workspace
 
     def checkin(self, workspace: Workspace) -> None:
-        if len(self._idle) < KEEP_IDLE:
-            self._idle.append(workspace)
-        else:
-            self._made -= 1
+        arenas = self._arenas
+        if arenas is not None:  # the arena goes back to its pool: the workspace keeps no view
+            arenas.checkin(workspace.held)
+            workspace.held = workspace.arena = workspace.reservation = None
+            workspace.scratch = ()
+        self._put(workspace)
