@@ -201,7 +201,8 @@ def _prepared(plan: Plan, earlier: tuple | None = None, found: list | None = Non
     differ, else None): widened for 16-bit floats and given its strided copies, as fusion
     groups it. earlier, found: ir/strided_copies.py copy_strided_reshapes's, for a row."""
     origin, sources = None, None
-    if has_half(plan.graph):  # the same inputs and outputs; a plan of its own for the casts
+    half = has_half(plan.graph)
+    if half:  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
         shared = plan.shared  # a symbolic plan's sizes still share one driver
         copied = plan.copied  # the same inputs: in the same layouts
@@ -209,7 +210,7 @@ def _prepared(plan: Plan, earlier: tuple | None = None, found: list | None = Non
         plan.shared, plan.copied = shared, copied
         sources = {}
     interpreted = plan
-    if sources is None and reads_wide_copies(plan.graph):  # float32 read by float64 GEMMs
+    if not half and reads_wide_copies(plan.graph, half):  # float32 read by float64 GEMMs
         graph, origin = wide_copies_read_as_is(plan.graph)
         shared, copied = plan.shared, plan.copied
         plan = plan_liveness(graph, plan.donated)

@@ -16,10 +16,10 @@ from .widen import drop_unread, has_half
 _MOVES_PAST = ("transpose",)
 
 
-def reads_wide_copies(graph: Graph) -> bool:
+def reads_wide_copies(graph: Graph, half: bool | None = None) -> bool:
     """Whether a float64 matmul of graph (no 16-bit values) reads a float64 copy of a float32
-    value, directly or through a transpose."""
-    if has_half(graph):
+    value, directly or through a transpose. half: has_half(graph), where the caller asked it."""
+    if has_half(graph) if half is None else half:
         return False
     return any(
         n.op == "matmul"
