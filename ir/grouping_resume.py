@@ -43,6 +43,7 @@ class Journal:
         "cones",
         "strided",
         "absorbed",
+        "known",
         "__weakref__",
     )
 
@@ -62,12 +63,15 @@ class Journal:
         # kernel followed by one that runs code -> whether it took that one as its epilogue
         # (ir/epilogue.py), set by the lowering once that pass ran
         self.absorbed: dict | None = None
+        # (alias bases, storage roots) of the shared graph's values (ir/lowering.py
+        # sources_known), handed from row to row
+        self.known: tuple | None = None
 
     def let_go(self) -> None:
         """Empty: a later row's journal replaced it (its lowered plan still points at it)."""
         self.nodes, self.homes, self.kernels, self.loops = [], [], [], []
         self.reads, self.cheap, self.cones, self.strided = {}, {}, {}, None
-        self.absorbed = None
+        self.absorbed, self.known = None, None
 
 
 def resumer(journal: Journal | None, made: list | None = None):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 from .donation import donation_pairs
 from .epilogue import absorb_epilogues
@@ -166,11 +167,15 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     strided = [] if journal is not None else None  # what its strided copies pass found
     earlier = resume.strided if resume is not None else None
     plan, graph, origin, interpreted, sources = _prepared(plan, earlier, strided)
-    bases = Bases()  # alias bases, shared by the passes that ask them
-    roots = Roots()  # storage roots, shared as bases are
+    # alias bases and storage roots, shared by the passes that ask them; a row's start from
+    # those of the graph it shares its first values with (sources_known)
+    known = None if journal is None else sources_known(given.shares_prefix_of, resume)
+    bases = Bases() if known is None else Bases(known[0])
+    roots = Roots() if known is None else Roots(known[1])
     kernels, needed, runs = _grouped(groupings, graph, origin, bases, roots, resume, journal)
-    if journal and strided:
-        journal[0].strided = strided[0]
+    if journal:
+        journal[0].strided = strided[0] if strided else None
+        journal[0].known = known
     steps = schedule_steps(kernels, runs)
     buffers = [
         n
@@ -193,6 +198,20 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     if sources is not None:  # 16-bit values: the interpreter rounds where the loops do
         lowered.interpreted = reference_plan(interpreted, rounding_points(kernels), sources)
     return lowered
+
+
+def sources_known(source, journal) -> tuple[Bases, Roots]:
+    """(alias bases, storage roots) of every value of `source`, the graph a row shares its
+    first values with: worked out once a frontier (the journal of the row before has them),
+    they answer for the row's shared values, which are source's own (each follows from the
+    value and those it reads, never changed), and a row's lowering asks them of every
+    value it reads."""
+    if journal is not None and journal.known is not None:
+        return journal.known
+    bases, roots = Bases(), Roots()
+    for value in chain(source.inputs, source.nodes):
+        _ = bases[value], roots[value]  # filled on the first ask
+    return bases, roots
 
 
 def _prepared(plan: Plan, earlier: tuple | None = None, found: list | None = None):
