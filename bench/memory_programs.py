@@ -5,7 +5,8 @@ axis turned dynamic (calls at 64 and 128 rows, then a new size), a deep MLP unde
 max_peak_bytes (a recomputing plan) and a step keeping its saved buffers in bfloat16; three more:
 a torch module in bfloat16 imported with from_torch and trained with adamw(master_dtype=float32),
 an MLP trained with accumulate(adam, steps=3), and a value_and_grad exported with bp.export and
-run from the file by bp.load.
+run from the file by bp.load; two more: such an artifact exported with dynamic= and run at a
+batch of 300 x scale + 4 rows, and a function mixing float64 and bfloat16.
 
 `--check`: calls 1-5 of each counted by the checked mode (BACKPLAN_CHECK_MEMORY's allocator),
 against `report.peak_on_call(n)`, and with the last results kept bound until the next call
@@ -228,6 +229,43 @@ def artifact(scale: int):
     return "vg", step, args
 
 
+def any_batch(scale: int):
+    """An artifact exported with dynamic= (any batch size) and run from the file at a batch that
+    is not a multiple of 8: its 10-class last layer's product takes the narrow GEMM's edge
+    block, which the fresh children (every block its own mapping) caught read after it was
+    freed."""
+    import os
+    import tempfile
+
+    rng, n = _rng(), 300 * scale + 4
+    params = {"w1": _f32(rng, 512, 1024), "b1": np.zeros(1024, np.float32)}
+    params |= {"w2": _f32(rng, 1024, 1024), "w3": _f32(rng, 1024, 10)}
+    params = {k: bp.tensor(v) for k, v in params.items()}
+    x, y = _f32(rng, 64, 512, s=1.0), rng.integers(0, 10, 64)  # exported at 64 rows
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "step.bpz")
+        step = bp.value_and_grad(bp.compile(_artifact_loss))
+        bp.export(step, params, x, y, path=path, dynamic={"x": {0: "n"}, "y": {0: "n"}})
+        step = bp.load(path)
+    return "vg", step, [params, _f32(rng, n, 512, s=1.0), rng.integers(0, 10, n)]
+
+
+def mixed_dtypes(scale: int):
+    """float64 and bfloat16 in one function: a float64 layer, its output cast to bfloat16 for
+    a bfloat16 layer, the loss in float64 (dgemm, the bf16 GEMM and casts in one joint plan)."""
+    rng, n = _rng(), 256 * scale
+    params = {"w1": bp.tensor(_f32(rng, 512, 1024).astype(np.float64))}
+    params["w2"] = bp.tensor(_f32(rng, 1024, 256).astype(bp.bfloat16))
+
+    def loss(p, x):
+        h = bp.tanh(x.astype(bp.float64) @ p["w1"])
+        h = bp.gelu(h.astype(bp.bfloat16) @ p["w2"])
+        return bp.mean(h.astype(bp.float64) ** 2)
+
+    x = bp.tensor(_f32(rng, n, 512, s=1.0).astype(bp.bfloat16))
+    return "vg", bp.value_and_grad(loss, background=False), [params, x]
+
+
 PROGRAMS = {
     f.__name__: f
     for f in (
@@ -242,6 +280,8 @@ PROGRAMS = {
         torch_bf16,
         accumulate,
         artifact,
+        any_batch,
+        mixed_dtypes,
     )
 }
 

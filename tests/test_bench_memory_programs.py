@@ -8,7 +8,7 @@ import pytest
 from backplan.bench import memory_programs
 
 
-@pytest.mark.parametrize("name", ["attention", "artifact"])
+@pytest.mark.parametrize("name", ["attention", "artifact", "any_batch", "mixed_dtypes"])
 def test_each_call_holds_what_explain_prints(name):
     text, same = memory_programs.checked_row(name, 1, calls=3)
     assert same, text
