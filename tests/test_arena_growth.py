@@ -88,6 +88,39 @@ def test_tracemalloc_sees_an_arena_as_it_saw_np_empty():
         tracemalloc.stop()
 
 
+def _resident(reservation: Reservation) -> int:
+    """Bytes of the reservation's mapping in memory now (/proc/self/smaps, its VMAs' Rss)."""
+    start = np.frombuffer(reservation._map, np.uint8, count=1).ctypes.data
+    end, total, inside = start + len(reservation._map), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low < end and high > start
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_the_process_holds_the_arenas_bytes_not_its_last_huge_page():
+    """Huge pages for the arena's whole 2 MiB blocks only: its last, partial one mapped as a
+    huge page held up to 2 MiB more than the arena (np.empty's array never did)."""
+    page = arena_memory.mmap.PAGESIZE
+    for nbytes in (5 * MB + page, 9_000_000):
+        reservation = Reservation(nbytes)
+        arena = reservation.arena(nbytes)
+        arena[:] = 1
+        assert _resident(reservation) == -(-nbytes // page) * page, nbytes
+        del arena
+        grown = reservation.arena(12_000_000)
+        grown[:] = 1
+        assert _resident(reservation) == -(-12_000_000 // page) * page, nbytes
+        del grown
+        reservation.arena(nbytes)  # shrunk again: the pages past its end given back
+        assert _resident(reservation) == -(-nbytes // page) * page, nbytes
+
+
 def test_an_arena_beyond_the_reservation_is_refused():
     reservation = Reservation(4 * MB)
     with pytest.raises(ValueError, match="reservation of"):

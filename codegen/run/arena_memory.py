@@ -6,17 +6,22 @@ cost ~2 ms of the kernel zeroing pages (more, and far more under load, than the 
 left to make), while the previous size's 29 MB arena, full of pages, had just been freed at the
 switch (tracer/dynamic.py). An arena of RESERVE_FROM bytes or more is now the 2 MiB-aligned
 start of a private anonymous mapping that reserves RESERVE_FACTOR times its bytes of address
-space (MAP_NORESERVE: no memory until touched), advised for transparent huge pages. When a size
-switch frees idle arenas, their mappings are offered (`offering`); the next workspace a call
+space (MAP_NORESERVE: no memory until touched), its whole 2 MiB blocks advised for transparent
+huge pages (the last, partial one in 4 KiB pages: a huge page there would hold up to 2 MiB past
+the arena, which explain does not count). When a size switch frees idle arenas, their mappings
+are offered (`offer`); the next workspace a call
 checks out takes the best one over (codegen/run/workspace.py): the pages already there stay,
 only the bytes beyond them fault, and pages past the new arena's end are given back
 (MADV_DONTNEED), so the process holds the new size's arena alone, as explain counts. Offers not
 taken by the end of the call are dropped (`withdraw_offers`).
 
-Measured on the 2-vCPU EPYC, one thread (/tmp scripts in BENCHMARKS 31): a 44 MB arena written
-once costs 3.1 ms from np.empty (its unaligned first and last 2 MiB fault 4 KiB at a time: 547
-faults), 2.0 ms from an aligned reservation (36 faults), 1.4 ms grown over a 29 MB one (7
-faults); writing it when faulted already costs 1.0 ms.
+Measured on the 2-vCPU EPYC, one thread (scripts in BENCHMARKS 31): a 44 MB arena written once
+costs 3.2 ms from np.empty (539 faults: its unaligned first and last 2 MiB fault 4 KiB at a
+time), 2.4 ms from a reservation (27 faults), 2.2 ms grown over a 29 MB one (520 faults: the 29
+MB arena's last, partial block keeps its 4 KiB page table, so the rest of that block faults 4
+KiB at a time; 1.4 ms and 7 faults if every block took huge pages); written when faulted
+already 1.1 ms. Under load, fresh pages also cost the most system time (BENCHMARKS 31): the
+pages kept are exempt.
 
 An arena is reported to tracemalloc in NumPy's domain, as np.empty's was (PyTraceMalloc_Track
 for its bytes, again at each new length; untracked when the mapping goes), so a tracemalloc
@@ -79,17 +84,16 @@ class Reservation:
     Arrays over it keep its mapping alive (their base is the mmap object): it is unmapped when
     the last one and the reservation are gone."""
 
-    __slots__ = ("_map", "_start", "capacity", "spanned")
+    __slots__ = ("_map", "_start", "_huge", "capacity", "spanned")
 
     def __init__(self, nbytes: int):
         length = _round_up(max(nbytes, 1) * RESERVE_FACTOR, HUGE_PAGE) + HUGE_PAGE
         self._map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
         address = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
         self._start = -address % HUGE_PAGE
         self.capacity = length - self._start
         self.spanned = 0  # bytes the last arena over it spanned: pages may be held up to there
+        self._huge = -1  # bytes from the start advised for huge pages (-1: not advised yet)
         if _TRACEMALLOC is not None:  # its arena leaves tracemalloc's count with the mapping
             untrack = weakref.finalize(
                 self._map, _TRACEMALLOC[1], NUMPY_DOMAIN, address + self._start
@@ -101,14 +105,27 @@ class Reservation:
         given back first."""
         if nbytes > self.capacity:
             raise ValueError(f"an arena of {nbytes} bytes in a reservation of {self.capacity}")
-        keep = _round_up(nbytes, mmap.PAGESIZE)
+        keep, whole = _round_up(nbytes, mmap.PAGESIZE), nbytes // HUGE_PAGE * HUGE_PAGE
         if self.spanned > keep:
             self._map.madvise(mmap.MADV_DONTNEED, self._start + keep, self.spanned - keep)
         self.spanned = nbytes
+        self._advise_huge(whole)
         arena = np.frombuffer(self._map, np.uint8, count=nbytes, offset=self._start)
         if _TRACEMALLOC is not None:  # as NumPy reports np.empty's buffer (replaces a last one)
             _TRACEMALLOC[0](NUMPY_DOMAIN, arena.ctypes.data, nbytes)
         return arena
+
+    def _advise_huge(self, whole: int) -> None:
+        """Huge pages for the arena's whole 2 MiB blocks only: a fault in its last, partial
+        block would map 2 MiB, up to 2 MiB beyond the arena held (as np.empty's array, whose
+        mapping ends with it, never did); past `whole` pages are 4 KiB, whatever the system's
+        THP mode."""
+        if whole == self._huge or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+            return
+        if whole:
+            self._map.madvise(mmap.MADV_HUGEPAGE, self._start, whole)
+        self._map.madvise(mmap.MADV_NOHUGEPAGE, self._start + whole)
+        self._huge = whole
 
     def unviewed(self) -> bool:
         """No array views it any more (this object's reference and getrefcount's argument)."""
