@@ -111,3 +111,19 @@ def test_a_refusal_says_what_the_numpy_copies_take(backend, option):
     with pytest.raises(bp.MemoryBudgetError) as refused:
         bp.explain(bp.compile(_loss, **{option: budget}), w1, w2, bp.tensor(x))
     assert "copies of NumPy arguments" not in str(refused.value)
+
+
+def test_the_frontier_of_a_later_numpy_call_counts_its_copy(backend):
+    """Without a budget the plans do not depend on the kind passed (one trace), but the
+    frontier a NumPy call is shown counts its copy, whichever kind came first."""
+    w1, w2, x = _arrays()
+    f = bp.compile(_loss)
+    tensor_rows = f.memory_frontier(w1, w2, bp.tensor(x)).points
+    rows = f.memory_frontier(w1, w2, x).points
+    assert f.cache_info().traces == 1
+    fresh = bp.compile(_loss).memory_frontier(w1, w2, x).points
+    assert [r.peak_bytes for r in rows] == [r.peak_bytes for r in fresh]
+    assert [r.peak_bytes - t.peak_bytes for r, t in zip(rows, tensor_rows, strict=True)] == [
+        x.nbytes
+    ] * len(rows)
+    assert bp.explain(f, w1, w2, x).frontier.points[0].peak_bytes == rows[0].peak_bytes

@@ -71,13 +71,20 @@ def test_no_copy_of_a_numpy_argument_exists_while_the_first_call_traces(backend,
     assert seen == [0]  # x was allocated before tracing started: a copy of it would show
 
 
+@pytest.mark.parametrize("order", ["C order", "F order", "sliced"])
 @pytest.mark.parametrize("kind", STEPS)
-def test_the_reference_interpreter_holds_no_uncounted_copy_on_any_call(backend, kind):
+def test_the_reference_interpreter_holds_no_uncounted_copy_on_any_call(backend, kind, order):
     """What NumPy allocates during each call (tracemalloc's peak: Python's objects too, a few
-    KB) against explain's allocated peak for that call: a 2 MiB copy of x would show."""
+    KB) against explain's allocated peak for that call: a 2 MiB copy of x would show. An
+    array not in C order is read in its own layout, as a tensor's array is."""
     if backend != "reference":
         pytest.skip("a compiled first call also compiles: tracemalloc sees that")
-    x = np.random.default_rng(2).standard_normal((4096, 128)).astype(np.float32)
+    wide = np.random.default_rng(2).standard_normal((4096, 256)).astype(np.float32)
+    x = {
+        "C order": np.ascontiguousarray(wide[:, :128]),
+        "F order": np.asfortranarray(wide[:, :128]),
+        "sliced": wide[:, ::2],
+    }[order]
     w = bp.tensor(np.ones((128, 8), np.float32), requires_grad=True)
     f = _make(kind)
     report = bp.explain(f, w, x)
@@ -168,3 +175,24 @@ def test_a_big_endian_array_is_read_as_its_values(backend):
     f = bp.compile(lambda x: x * 2.0)
     for _ in range(2):
         np.testing.assert_array_equal(f(x).numpy(), np.arange(8.0).reshape(2, 4) * 2)
+
+
+def _reshaping(w, x):
+    return bp.sum(bp.tanh(bp.reshape(bp.transpose(x), (-1,)) * 2.0)) + bp.sum(x @ w)
+
+
+@pytest.mark.parametrize("order", ["F order", "sliced", "reversed"])
+def test_a_reshape_of_an_argument_not_in_c_order_holds_what_explain_prints(backend, order):
+    """The reference interpreter's storage model reads inputs as C-contiguous, so a reshape of
+    an argument in another layout gets it in C order (a copy); any other reader reads it in
+    its own layout."""
+    x = _arguments()[order]
+    w = bp.tensor(np.random.default_rng(5).standard_normal((16, 8)).astype(np.float32))
+    w.requires_grad = True
+    f = bp.value_and_grad(_reshaping)
+    report = bp.explain(f, w, x)
+    assert counted_calls(lambda: f(w, x), CALLS) == printed_calls(report, CALLS)
+    value, grad = f(w, x)
+    want_value, want_grad = bp.value_and_grad(_reshaping)(w, bp.tensor(np.ascontiguousarray(x)))
+    np.testing.assert_allclose(value.numpy(), want_value.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), want_grad.numpy(), rtol=1e-5)

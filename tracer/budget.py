@@ -346,6 +346,23 @@ class BudgetPlanner:
         words = self._offer_words(point, dtype)
         return f" allow_saved_dtype=bp.{np_dtype(dtype).name} would fit it {words}."
 
+    def for_numpy_inputs(self, numpy: frozenset) -> BudgetPlanner:
+        """This planner for a call passing the inputs `numpy` as NumPy arrays: itself when
+        they are the ones it was made for, else a sibling weighing the same choices with each
+        copy the backward reads counted (its plans built again: their peaks differ), made once
+        per set. A function without a budget runs the same plans whatever kind a call passes;
+        its frontier and explain's follow the call's kinds."""
+        if numpy == self.numpy_inputs:
+            return self
+        siblings = self.__dict__.setdefault("_siblings", {})
+        other = siblings.get(numpy)
+        if other is None:
+            other = BudgetPlanner(self.choices, self.input_bytes, self.name, self.allow_dtype)
+            other.inlined, other.not_kept = self.inlined, self.not_kept
+            other.numpy_inputs = numpy
+            siblings[numpy] = other
+        return other
+
     def _narrowed_fit(self, option: str, limit: int, dtype: str):
         """The point a budget allowed dtype for its saved buffers runs (False: nothing
         recomputed), or None where it is refused or keeps full precision. A second planner

@@ -149,14 +149,16 @@ def _owned_where_kept(traced: TracedFunction, call, tensors: list) -> list:
 def input_slots(traced: TracedFunction, leaves: list, reference: bool) -> list:
     """Per graph input passed as `leaves` (the fast path's, in the plan's order): the copy
     input_array makes of a NumPy one (tracer/numpy_args.py): True (C order: a donated buffer,
-    outputs are written into it; on the reference interpreter any kept or non-C array), "K"
-    (its own order: saved for backward, or read by an output), or False (borrowed)."""
+    outputs are written into it; on the reference interpreter an array not in C order that a
+    reshape reads), "K" (its own order: saved for backward, or read by an output), or False
+    (borrowed: read where it is)."""
     program = traced.program
     kept = _kept_inputs(program, traced.donated, reference)
     if reference:
+        graph = program.plans.forward.graph
         return [
-            ("K" if k in kept and k not in traced.donated else True) if copy else False
-            for k, copy in enumerate(reference_copies(program.plans.forward.graph, kept, leaves))
+            True if copy and k in traced.donated else copy
+            for k, copy in enumerate(reference_copies(graph, kept, leaves))
         ]
     return [
         (True if k in traced.donated else "K") if k in kept else False for k in range(len(leaves))
@@ -347,6 +349,11 @@ class CompiledFunction(PlannedFunction):
             return run_tensors(traced, tensors, skip=3, copies=copies)
 
         return run
+
+    def _planner(self, entry: TracedFunction, call):
+        """The planner counting the copies this call's NumPy arguments take: a function
+        without a budget runs one plan for tensors and arrays, first called with either."""
+        return entry.planner.for_numpy_inputs(numpy_inputs(call))
 
     def _report(self, traced: TracedFunction, call):
         report = explain_traced(traced, self.cache_info())

@@ -9,8 +9,8 @@ made only where the array would outlive the call:
 - a forward input saved for a later `.backward()` (`bp.compile`; backward reads it later);
 - a donated argument (the call writes its results into the buffer it is given);
 - on the reference interpreter, an output NumPy makes a view of the argument (a transpose, a
-  slice: ir/reference_storage.py), and an argument not in C order (copied in C order, which
-  the interpreter's storage model assumes of its inputs).
+  slice: ir/reference_storage.py), and an argument not in C order that a reshape reads
+  (copied in C order, which the interpreter's storage model assumes of its inputs).
 
 The first call of a signature does the same (tracer/signature.py bind_call wraps each native
 NumPy array as a read-only view): what explain prints for a call is what it holds, first call
@@ -100,21 +100,41 @@ def arrays_reader(
     return read
 
 
-def reference_copies(graph: Graph, kept: set[int], leaves: list) -> list[bool]:
-    """Which of the fast path's leaves the reference interpreter gets as copies: those kept
-    (kept_by_outputs(graph, reference=True), saved, donated), and NumPy arrays not in C order
-    (its storage model reads every input as C-contiguous: ir/reference_storage.py)."""
+def reference_copies(graph: Graph, kept: set[int], leaves: list) -> list:
+    """The copy the reference interpreter gets of each of the fast path's leaves (input_array's
+    `copy`): True (C order) for a NumPy array not in C order that a reshape reads
+    (reshaped_inputs: the interpreter's storage model, which says whether NumPy's reshape is
+    a view, reads every input as C-contiguous), "K" for any other kept one
+    (kept_by_outputs(graph, reference=True), saved, donated), False for the rest: read where
+    they are, in their own layout, as a tensor's array is."""
+    arrays = [type(leaf) is np.ndarray for leaf in leaves]
+    reshaped = reshaped_inputs(graph) if any(arrays) else ()
     return [
-        k in kept or (type(leaf) is np.ndarray and not leaf.flags.c_contiguous)
-        for k, leaf in enumerate(leaves)
+        True
+        if array and k in reshaped and not leaf.flags.c_contiguous
+        else ("K" if k in kept else False)
+        for k, (leaf, array) in enumerate(zip(leaves, arrays, strict=True))
     ]
 
 
-def _reader(kind: type, copy: bool) -> Callable:
+def reshaped_inputs(graph: Graph) -> set[int]:
+    """Graph inputs a reshape reads, directly or through views living in their buffer."""
+    roots = storage_roots(graph)
+    index = {v: i for i, v in enumerate(graph.inputs)}
+    return {
+        index[roots[node.inputs[0]]]
+        for node in graph.nodes
+        if node.op == "reshape" and roots.get(node.inputs[0]) in index
+    }
+
+
+def _reader(kind: type, copy) -> Callable:
     if kind is Tensor:
         return attrgetter("_data")
     if kind is float:
         return lambda leaf: np.array(leaf, np.float64)
+    if copy == "K":
+        return lambda leaf: copied(leaf, "K")
     return copied if copy else borrowed
 
 

@@ -517,7 +517,7 @@ class PlannedFunction:
         report.loop_observed = self._loop_watch.observed.get(key)
         report.max_peak_bytes = getattr(self, "max_peak_bytes", None)
         if entry.planner is not None:
-            report.frontier_source = entry.planner.memory_frontier
+            report.frontier_source = self._planner(entry, bound).memory_frontier
             report.saved_dtype_note = entry.planner.note()
         symbolic = self._entries.get(self._entry_key(bound))
         if type(symbolic) is DynamicEntry:
@@ -542,7 +542,11 @@ class PlannedFunction:
         bound, entry = self.lookup(args, kwargs, count_hit=False)
         if entry.planner is None:  # a dynamic axis's size runs the plans fitted over sizes,
             entry = self._build(bound)  # which offer no budget: this size planned alone, as
-        return entry.planner.memory_frontier()  # max_peak_bytes (no dynamic axis) plans it
+        return self._planner(entry, bound).memory_frontier()  # max_peak_bytes plans it
+
+    def _planner(self, entry, bound):
+        """The entry's budget planner for this call (bp.compile: for its NumPy arguments)."""
+        return entry.planner
 
     def _plan_runners(self) -> list:
         """The runners every cached signature's plans made so far (a signature's backward
