@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .half_wire import summed_dtype
+from .node_sum import sum_into
 from .node_window import READY, CounterRequest, NodeWindow, resident_bytes, segment_bytes
 from .shared_exchange import node_window
 
@@ -58,17 +59,19 @@ class ShardedWindow:
         call = w.written[index]
         return w.buffer(w.rank, index, call % 2), call
 
-    def scatter(self, k: int, call: int, share: np.ndarray) -> WindowRequest:
+    def scatter(self, k: int, call: int, share: np.ndarray, average: bool) -> WindowRequest:
         """Mark the send buffer written; the request sums this rank's block of it into share
-        (and the loss, when it rides along, into share's last element)."""
+        (and the loss, when it rides along, into share's last element), averaged over the
+        ranks as it sums when `average` (node_sum.sum_into: rows.average_in_place's bits)."""
         self.window.mark(READY, k, call)
         block = self.groups[k].block
         mine = slice(self.window.rank * block, (self.window.rank + 1) * block)
 
         def act(buffers):
-            _sum(buffers, mine, share[:block])
+            sum_into([b[mine] for b in buffers], share[:block], average)
             if share.size > block:  # the loss, after every rank's blocks
-                _sum(buffers, slice(block * self.window.size, None), share[block:])
+                loss = slice(block * self.window.size, None)
+                sum_into([b[loss] for b in buffers], share[block:], average)
 
         return WindowRequest(self.window, k, call, act)
 
@@ -82,13 +85,6 @@ class ShardedWindow:
                 full[q * block : (q + 1) * block] = buffer[:block]
 
         return WindowRequest(self.window, index, call, read)
-
-
-def _sum(buffers: list[np.ndarray], part: slice, into: np.ndarray) -> None:
-    """into = the sum over the ranks' buffers of `part`, in rank order."""
-    np.add(buffers[0][part], buffers[1][part], out=into)
-    for buffer in buffers[2:]:
-        into += buffer[part]
 
 
 class WindowRequest(CounterRequest):
