@@ -4,7 +4,6 @@ and returns lists of arrays exactly like the reference interpreter."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import re
@@ -463,9 +462,7 @@ class CompiledPlan:
         largest scratch of the plans sharing it (a forward and its consuming backward), as
         ir/peak.py counts it; this plan's own where it draws from a pool of its own."""
         size = self._workspaces.arena_bytes
-        return [
-            dataclasses.replace(b, nbytes=size) if b.category == "scratch" else b for b in predicted
-        ]
+        return [b._replace(nbytes=size) if b.category == "scratch" else b for b in predicted]
 
     def _predicted_copies(self, args: list) -> list:
         """The copies the plan predicts (Plan.copied) of the arguments that arrive in another
