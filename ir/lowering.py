@@ -363,8 +363,9 @@ def row_runs(kernels: list[Kernel]) -> list[tuple[int, int]]:
     with only literals and aliases (which emit no code) between them."""
     runs, start, rows, stages, across = [], None, None, 0, set()
     for index, kernel in enumerate([*kernels, None]):
-        if kernel is not None and kernel.kind in ("literal", "alias") and start is not None:
-            continue
+        if kernel is not None and kernel.kind != "loop":  # no row stage
+            if start is None or kernel.kind in ("literal", "alias"):
+                continue  # no run open to close (most kernels: ops, views), or no code in one
         if kernel is not None and _row_stage(kernel, rows) and not _reads_any(kernel, across):
             if start is None:
                 start, rows = index, internal_shape(kernel.shape)[0]
