@@ -208,11 +208,12 @@ class ArenaPool(_Spares):
 
 
 class Workspace:
-    """The outputs of this workspace's previous call, and while a call holds it, the scratch
-    arena (an ArenaPool's) and its views as this plan's dtypes."""
+    """The outputs of this workspace's previous call, and the scratch arena its call runs in,
+    with its views as this plan's dtypes: the workspace's own for good, or a shared ArenaPool's
+    while a call holds the workspace (WorkspacePool)."""
 
     def __init__(self, output_buffers: list, donatable=frozenset()):
-        self.held = None  # the Arena a call holds, checked out of its plan's ArenaPool
+        self.held = None  # the Arena its call runs in (its own, or a shared pool's)
         self.arena = None  # its raw bytes (the checked mode counts them)
         self.reservation = None  # its reservation of address space, if it lies in one
         self.scratch: list | tuple = ()  # its views as the plan's dtypes
@@ -293,9 +294,10 @@ class WorkspacePool(_Spares):
     outputs again, as explain counts (four arenas of a 3,001-row MLP kept 296 MB beyond its
     86 MB for good).
 
-    arenas: the ArenaPool its calls draw their scratch from, shared with the plans that never
-    run inside one of its calls (a forward and the backward() consuming it); None: one of its
-    own. A plan with no scratch draws none."""
+    arenas: the ArenaPool its calls draw their scratch from while they run, shared with the
+    plans that never run inside one of its calls (a forward and the backward() consuming it);
+    None: each workspace keeps an arena of its own, for good (no pool to go through: a call
+    of a small joint step is ~30 us). A plan with no scratch holds none."""
 
     def __init__(
         self,
@@ -307,49 +309,68 @@ class WorkspacePool(_Spares):
         self._scratch = tuple((np.dtype(d), n) for d, n in scratch)
         self._output_buffers = output_buffers
         self._donatable = donatable
-        self._arenas = None
-        if self._scratch:
-            self._arenas = ArenaPool() if arenas is None else arenas
+        self._arenas = arenas if self._scratch else None
+        if self._arenas is not None:
             self._arenas.need(arena_bytes(scratch))
         super().__init__()
-        self._idle.append(Workspace(output_buffers, donatable))
+        self._idle.append(self._new_workspace())
         self._made = 1
+
+    def _new_workspace(self, reservation=None) -> Workspace:
+        """A workspace, with an arena of its own unless its calls draw from a shared pool.
+        reservation: one a size switch freed, to build that arena over its pages."""
+        workspace = Workspace(self._output_buffers, self._donatable)
+        if self._scratch and self._arenas is None:
+            _attach(workspace, Arena(self.scratch_bytes, reservation), self._scratch)
+        return workspace
 
     @property
     def scratch_bytes(self) -> int:
         """Bytes of this plan's own scratch (each concurrent call holds an arena at least as
-        big: arena_bytes, the shared pool's size)."""
+        big: arena_bytes, a shared pool's size)."""
         return arena_bytes(self._scratch)
 
     @property
     def arena_bytes(self) -> int:
-        """Bytes of the arena a call of this plan holds: its pool's size, the largest scratch
-        of the plans sharing it (0 without scratch)."""
-        return 0 if self._arenas is None else self._arenas.nbytes
+        """Bytes of the arena a call of this plan holds: its shared pool's size, the largest
+        scratch of the plans sharing it, or its own scratch (0 without scratch)."""
+        return self.scratch_bytes if self._arenas is None else self._arenas.nbytes
 
     def idle_arenas(self) -> list:
         """The arenas no call holds now (a shared pool's: every plan drawing from it)."""
-        return [] if self._arenas is None else self._arenas.idle_arenas()
+        if self._arenas is not None:
+            return self._arenas.idle_arenas()
+        return [w.arena for w in list(self._idle) if w.arena is not None]
 
     def release_idle(self) -> list:
-        """Let go of the workspaces no call holds (their kept outputs are freed once nothing
-        else holds them) and of the idle arenas of its pool (a shared pool's too); the next
-        call makes new ones. A dynamic axis's other sizes do this when a call switches size
-        (tracer/dynamic.py), so that a call holds its own size's arenas alone, as explain's
-        per-size peak counts. Returns the reservations of the arenas let go, which the switch
-        offers to the next size's arena."""
-        self._drop(len(self._idle))
-        return [] if self._arenas is None else self._arenas.release_idle()
+        """Let go of the workspaces no call holds (their kept outputs and own arenas are freed
+        once nothing else holds them) and of the idle arenas of its shared pool (every plan
+        drawing from it); the next call makes new ones. A dynamic axis's other sizes do this
+        when a call switches size (tracer/dynamic.py), so that a call holds its own size's
+        arenas alone, as explain's per-size peak counts. Returns the reservations of the arenas
+        let go, which the switch offers to the next size's arena."""
+        dropped = self._idle[:]
+        self._drop(len(dropped))
+        if self._arenas is not None:
+            return self._arenas.release_idle()
+        reservations = [w.reservation for w in dropped if w.reservation is not None]
+        del dropped  # the workspaces' views of the reservations go with them
+        return reservations
 
     def checkout(self) -> Workspace:
         workspace = self._take()
-        if workspace is None:
-            workspace = Workspace(self._output_buffers, self._donatable)
         arenas = self._arenas
         if arenas is not None:
-            arena = workspace.held = arenas.checkout()
-            workspace.arena, workspace.reservation = arena.raw, arena.reservation
-            workspace.scratch = arena.views(self._scratch)
+            if workspace is None:
+                workspace = Workspace(self._output_buffers, self._donatable)
+            _attach(workspace, arenas.checkout(), self._scratch)
+        elif workspace is None:
+            offered = take_offer(self.scratch_bytes) if OFFERED and self._scratch else None
+            workspace = self._new_workspace(offered)
+        elif OFFERED and workspace.reservation is not None:  # a size switch freed arenas
+            offered = take_offer(workspace.arena.nbytes)
+            if offered is not None:  # grow over the freed pages rather than fault in fresh ones
+                workspace = self._new_workspace(offered)
         return workspace
 
     def checkin(self, workspace: Workspace) -> None:
@@ -359,3 +380,10 @@ class WorkspacePool(_Spares):
             workspace.held = workspace.arena = workspace.reservation = None
             workspace.scratch = ()
         self._put(workspace)
+
+
+def _attach(workspace: Workspace, arena: Arena, scratch: tuple) -> None:
+    """The workspace's call runs in `arena`, seen as the plan's dtypes."""
+    workspace.held = arena
+    workspace.arena, workspace.reservation = arena.raw, arena.reservation
+    workspace.scratch = arena.views(scratch)
