@@ -173,6 +173,7 @@ def group_kernels(
     bases: Bases | None = None,
     resume=None,
     record=None,
+    homes: list | None = None,
 ) -> list[Kernel]:
     """The graph's nodes grouped into kernels, in run order. origin: for a graph ir/widen.py
     made, its node -> the node of the graph it was made from (the casts it added have none).
@@ -182,7 +183,9 @@ def group_kernels(
     home, latest_loops, reads, tails, last_op, earlier)); the loop places only the nodes after
     them, and the loops it placed whole before them take the inputs they recompute from
     `earlier` (_recompute_cheap_inputs). record(nodes, home, kernels, reads), if given, is
-    told what the loop left, and returns the `noted` dicts _recompute_cheap_inputs fills."""
+    told what the loop left, and returns the `noted` dicts _recompute_cheap_inputs fills.
+    homes, if given, gets each node -> the index of the kernel it is in (materialized's
+    `home`: no later pass of grouping moves a node)."""
     bases = Bases() if bases is None else bases
     kernels: list[Kernel] = []
     home: dict[Value, int] = {}
@@ -222,6 +225,8 @@ def group_kernels(
         if kernel.kind == "loop":  # (every other kernel was made with it: _single)
             kernel.recomputed = kernel.recomputed or NONE_HELD
             kernel.reductions = kernel.reductions or NONE_HELD
+    if homes is not None:
+        homes.append(home)
     return kernels
 
 
@@ -673,11 +678,15 @@ def _ready(sources, target: int, kernels, home, tails: set) -> bool:
     return True
 
 
-def materialized(graph: Graph, kernels: list[Kernel], bases: Bases | None = None) -> set[Value]:
+def materialized(
+    graph: Graph, kernels: list[Kernel], bases: Bases | None = None, home: dict | None = None
+) -> set[Value]:
     """Values that need a buffer: outputs, values a loop reads from another kernel (through
-    aliases), and every operand of views and ops. Literals and aliases never need one."""
+    aliases), and every operand of views and ops. Literals and aliases never need one.
+    home: each node -> its kernel's index, where grouping gave it (group_kernels' homes)."""
     bases = Bases() if bases is None else bases
-    home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
+    if home is None:
+        home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
     needed = {bases[o] for o in graph.outputs} | set(graph.outputs)
     base_of, add_all = bases.__getitem__, needed.update
     for k, kernel in enumerate(kernels):

@@ -266,8 +266,9 @@ def _grouped(
             return read_back(found, graph, shapes)
     record = None if journal is None else recorder(journal)
     made: list[int] = []  # how many kernels the grouping took from `resume`
-    kernels = group_kernels(graph, origin, bases, resumer(resume, made), record)
-    needed = materialized(graph, kernels, bases)
+    homes: list[dict] = []  # each node -> its kernel, as grouping placed it
+    kernels = group_kernels(graph, origin, bases, resumer(resume, made), record, homes)
+    needed = materialized(graph, kernels, bases, homes[0])
     same = unchanged(resume, kernels, made)  # those the resumed journal's, unchanged
     known = (same, resume.absorbed) if same else None
     absorbed: dict | None = {} if journal else None
