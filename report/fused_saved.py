@@ -69,6 +69,9 @@ def _roots(values: list) -> dict:
     (C-contiguous there, as storage_roots takes it), is all that decides it."""
     roots = {}
     for value in values:
+        if value.op not in VIEW_OPS or is_half(value.dtype):
+            roots[value] = value  # no view: its own buffer (most held values)
+            continue
         chain, node = [], value
         while node.op in VIEW_OPS and not is_half(node.dtype):
             chain.append(node)
