@@ -70,7 +70,7 @@ def measured_limit(threads: int) -> Limit:
         return Limit(known[key], width, threads, "cached")
     from .peak_flops import peak_gflops_f32
 
-    per_core = peak_gflops_f32(width)  # many short samples, the best kept
+    per_core = peak_gflops_f32(width, seconds=0.002, samples=300)  # short samples, the best
     if path is not None:
         _write(path, {**known, key: per_core})
     return Limit(per_core, width, threads, "now")
