@@ -8,6 +8,7 @@ interpreter's (odd sizes, 1 and 0 rows included) and each call holds what explai
 from __future__ import annotations
 
 import gc
+import threading
 import tracemalloc
 import weakref
 
@@ -244,3 +245,31 @@ def test_an_offer_the_call_does_not_take_is_unmapped_when_it_ends(monkeypatch):
     assert [ref() for ref in made] == [None] * len(made)  # every reservation unmapped
     with use_backend("reference"):
         np.testing.assert_allclose(value.numpy(), mlp_loss(W1, W2, x).numpy(), rtol=1e-5)
+
+
+def test_threads_switching_sizes_get_the_serial_results(monkeypatch):
+    """Calls at different sizes from several threads: offers made by one thread's switch may
+    be taken by another's checkout, never by two (two arenas over one reservation would mix
+    their bytes)."""
+    monkeypatch.setattr(arena_memory, "RESERVE_FROM", 1)
+    step = bp.value_and_grad(bp.compile(mlp_loss, dynamic={"x": {0: "batch"}}), argnums=(0, 1))
+    sizes = (8, 12, 17, 9, 33)
+    xs = {n: RNG.standard_normal((n, 6)).astype(np.float32) for n in sizes}
+    with use_backend("numba"):
+        serial = {n: step(W1, W2, xs[n]) for n in sizes}
+        wrong = []
+
+        def calls(k):
+            for r in range(15):
+                n = sizes[(k + r) % len(sizes)]
+                value, grads = step(W1, W2, xs[n])
+                for got, want in zip((value, *grads), (serial[n][0], *serial[n][1]), strict=True):
+                    if not np.allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6):
+                        wrong.append((k, r, n))
+
+        threads = [threading.Thread(target=calls, args=(k,)) for k in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert wrong == []
