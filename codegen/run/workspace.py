@@ -104,14 +104,24 @@ class Arena:
         self.nbytes = nbytes
         self._views: dict = {}
 
-    def views(self, scratch: tuple) -> list:
-        """The arena seen as each (dtype, length) of `scratch` (a plan's layout)."""
-        found = self._views.get(scratch)
+    def views(self, layout: Layout) -> list:
+        """The arena seen as each (dtype, length) of a plan's scratch layout."""
+        found = self._views.get(layout)
         if found is None:
             raw = self.raw
-            found = [raw[: max(n, 1) * np.dtype(d).itemsize].view(d) for d, n in scratch]
-            self._views[scratch] = found
+            found = [raw[: max(n, 1) * np.dtype(d).itemsize].view(d) for d, n in layout.scratch]
+            self._views[layout] = found
         return found
+
+
+class Layout:
+    """A plan's scratch, (dtype, length) pairs, as a key of an Arena's views: hashed by
+    identity (a tuple of dtypes hashes each dtype on every call's lookup)."""
+
+    __slots__ = ("scratch",)
+
+    def __init__(self, scratch: tuple):
+        self.scratch = scratch
 
 
 class _Spares:
@@ -307,6 +317,7 @@ class WorkspacePool(_Spares):
         arenas: ArenaPool | None = None,
     ):
         self._scratch = tuple((np.dtype(d), n) for d, n in scratch)
+        self._layout = Layout(self._scratch)
         self._output_buffers = output_buffers
         self._donatable = donatable
         self._arenas = arenas if self._scratch else None
@@ -321,7 +332,7 @@ class WorkspacePool(_Spares):
         reservation: one a size switch freed, to build that arena over its pages."""
         workspace = Workspace(self._output_buffers, self._donatable)
         if self._scratch and self._arenas is None:
-            _attach(workspace, Arena(self.scratch_bytes, reservation), self._scratch)
+            _attach(workspace, Arena(self.scratch_bytes, reservation), self._layout)
         return workspace
 
     @property
@@ -360,10 +371,13 @@ class WorkspacePool(_Spares):
     def checkout(self) -> Workspace:
         workspace = self._take()
         arenas = self._arenas
-        if arenas is not None:
+        if arenas is not None:  # _attach, inline: two plans' calls a step go through here
             if workspace is None:
                 workspace = Workspace(self._output_buffers, self._donatable)
-            _attach(workspace, arenas.checkout(), self._scratch)
+            arena = workspace.held = arenas.checkout()
+            workspace.arena, workspace.reservation = arena.raw, arena.reservation
+            views = arena._views.get(self._layout)
+            workspace.scratch = arena.views(self._layout) if views is None else views
         elif workspace is None:
             offered = take_offer(self.scratch_bytes) if OFFERED and self._scratch else None
             workspace = self._new_workspace(offered)
@@ -382,8 +396,8 @@ class WorkspacePool(_Spares):
         self._put(workspace)
 
 
-def _attach(workspace: Workspace, arena: Arena, scratch: tuple) -> None:
+def _attach(workspace: Workspace, arena: Arena, layout: Layout) -> None:
     """The workspace's call runs in `arena`, seen as the plan's dtypes."""
     workspace.held = arena
     workspace.arena, workspace.reservation = arena.raw, arena.reservation
-    workspace.scratch = arena.views(scratch)
+    workspace.scratch = arena.views(layout)
