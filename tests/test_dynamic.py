@@ -177,6 +177,22 @@ def test_a_second_batch_size_compiles_nothing_and_runs_the_same_driver(compiled_
     assert step.cache_info().traces == 1
 
 
+def test_two_processes_first_called_at_other_sizes_render_one_driver_source():
+    """A size-generic driver's file is its cache entry: the text rendered at one process's
+    first size must be the text another process renders at its own, or each rewrites the file
+    and Numba, whose index is stamped with it, compiles the driver again. Two functions (each
+    its own symbolic plan, as two processes have) first called at 5 and 11 rows."""
+    from backplan.codegen.render.emit import generate
+    from backplan.ir.lowering import lower
+
+    sources = []
+    for n in (5, 11):
+        step = bp.value_and_grad(bp.compile(model, dynamic={"x": {0: "batch"}}))
+        sources.append(generate(lower(step.trace(W, batch(n)).plan)).source)
+    assert sources[0] == sources[1]
+    assert "[n," in sources[0]  # the IR lines above the statements show no size
+
+
 def test_an_axis_made_dynamic_by_a_second_size_compiles_no_loop_kernel_then_nothing(
     compiled_driver,
 ):

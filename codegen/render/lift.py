@@ -1,8 +1,12 @@
 """A size-generic driver: every number in the driver's code becomes a read of one of two
 arrays it takes (`lit_i` for integers, `lit_f` for floats), so the plans of one symbolic plan
 (ir/symbolic.py) at different sizes render one driver source, compiled once, and each size
-passes its own sizes, offsets and scales. Comments and strings are left as they are; the
-kernels the driver calls already take every size as an argument.
+passes its own sizes, offsets and scales. Strings are left as they are; a comment (the IR line
+above each statement) keeps its value names but shows every number as `n`: with the sizes in
+them, a process whose first size was another rendered other text for the same cache entry,
+which rewrote the file, and Numba, whose index is stamped with the file, compiled the driver
+again (a loaded dynamic artifact at 4,000 rows after one at 1,000: 30-70 s). The kernels the
+driver calls already take every size as an argument.
 
 >>> body, ints, floats = lift_literals(["k_1(v0, np.intp(12), np.float32(0.05))"])
 >>> body, ints, floats
@@ -44,9 +48,9 @@ def _lifted(text: str, ints: list[int], floats: list[float]) -> str:
     parts = _TOKEN.split(text)  # text, string, comment, number, text, string, ...
     for k in range(3, len(parts), 4):
         number = parts[k]
-        if number is None:  # a string or a comment: kept as it is
+        if number is None:  # a string, kept as it is, or a comment, its numbers hidden
             string = parts[k - 2]
-            parts[k] = string if string is not None else parts[k - 1]
+            parts[k] = string if string is not None else _sizeless(parts[k - 1])
         elif number.isdigit():
             parts[k] = f"{INTS}[{len(ints)}]"
             ints.append(int(number))
@@ -55,6 +59,14 @@ def _lifted(text: str, ints: list[int], floats: list[float]) -> str:
             floats.append(float(number))
         parts[k - 2] = parts[k - 1] = ""
     return "".join(parts)
+
+
+# A number in a comment that is not part of a name (%12, f32): the IR line's sizes and scales.
+_COMMENT_NUMBER = re.compile(r"(?<![%\w.])(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?(?![\w])")
+
+
+def _sizeless(comment: str) -> str:
+    return _COMMENT_NUMBER.sub("n", comment)
 
 
 def code_text(source: str) -> str:
