@@ -143,7 +143,8 @@ class RegionProgram:
         return runner
 
     def _make_runner(self, mode: BackwardMode | None, backend: str):
-        arenas = self._shared_arenas(backend) if mode is not BackwardMode.RETAIN else None
+        shared = mode is not BackwardMode.RETAIN and self.plans.backward is not None
+        arenas = self._shared_arenas(backend) if shared else None
         runner = make_runner(
             self.plans.lowered(mode), backend, background=self.background, arenas=arenas
         )
@@ -155,8 +156,9 @@ class RegionProgram:
         """The scratch arenas the forward and the consuming backward draw from (compiled
         plans): a step runs one, then the other, so it holds one arena of the larger's size
         (ir/peak.py PlanCall.shares_arena). A backward(retain_graph=True)'s plan keeps an arena
-        of its own: RegionProgram.release_retained frees it alone. None on the reference
-        backend, which keeps nothing between calls."""
+        of its own: RegionProgram.release_retained frees it alone, and a forward with no
+        backward (nothing needs a gradient) keeps its own: no pool on each call. None on the
+        reference backend, which keeps nothing between calls."""
         if backend != "numba":
             return None
         if self._arenas is None:

@@ -189,3 +189,19 @@ def test_backward_with_retain_graph_keeps_an_arena_of_its_own():
     assert counted == report.retain_peak.allocated_peak_bytes
     retain = loss.trace(params, x).program.plans.lowered(BackwardMode.RETAIN).layout.scratch_bytes
     assert report.retain_peak.at_peak()["scratch"] == max(forward, backward) + retain
+
+
+def test_a_forward_nothing_differentiates_keeps_its_own_arena():
+    """No backward to share with: the forward keeps its arena in its workspace (no pool on each
+    call), and explain and the checked mode count it as before."""
+    params, x = _mlp_arrays(seed=6)
+    frozen = [bp.tensor(p.numpy()) for p in params]
+    loss = bp.compile(_tanh_mlp)
+    report = bp.explain(loss, frozen, x)
+    program = loss.trace(frozen, x).program
+    assert program.plans.backward is None
+    counted = counted_calls(lambda: loss(frozen, x), 3)
+    assert counted == printed_calls(report, 3)
+    assert program._arenas is None
+    pool = program.runner(None).compiled._workspaces
+    assert [a.nbytes for a in pool.idle_arenas()] == [report.peak.at_peak()["scratch"]]
