@@ -8,8 +8,53 @@ from .builder import make_value
 from .errors import BackplanError, VerifyError
 from .graph import Graph, Value
 from .liveness import INPUT_STEP, OWNED_ROLES, Plan
+from .registry import get_op
 from .text import value_names
-from .types import np_dtype
+from .types import TensorType, np_dtype
+
+# The registry's answer for (op, input types, attributes), kept: a rule's `infer` reads only
+# those, and the tests verify every graph after every pass, so the same nodes are derived
+# again dozens of times (a saved-bytes budget sweep spent 57% of its CPU here). Only
+# attributes of plain values are keys (their Python type in the key: 1, 1.0 and True stay
+# apart); any other node is derived anew. An op registered again is another OpDef: its
+# entries are not reused.
+_DERIVED: dict[tuple, tuple[object, TensorType]] = {}
+_DERIVED_MAX = 1 << 16
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _plain_key(value):
+    """A hashable key telling apart every plain value (tuples of them included), else None."""
+    if isinstance(value, _PLAIN):
+        return (type(value), repr(value) if isinstance(value, float) else value)
+    if isinstance(value, tuple):
+        keys = tuple(_plain_key(v) for v in value)
+        return None if None in keys else (tuple, keys)
+    return None
+
+
+def derived_type(node: Value) -> TensorType:
+    """The type the registry's rule gives `node`'s op, input types and attributes (what
+    make_value would build); raises as make_value does."""
+    attrs = []
+    for name, value in node.attrs.items():
+        key = _plain_key(value)
+        if key is None:
+            return make_value(node.op, node.inputs, node.attrs).type
+        attrs.append((name, key))
+    key = (node.op, tuple(i.type for i in node.inputs), tuple(attrs))
+    opdef = get_op(node.op)
+    try:
+        entry = _DERIVED.get(key)
+    except TypeError:  # a dimension that is not hashable
+        return make_value(node.op, node.inputs, node.attrs).type
+    if entry is not None and entry[0] is opdef:
+        return entry[1]
+    derived = make_value(node.op, node.inputs, node.attrs).type
+    if len(_DERIVED) >= _DERIVED_MAX:
+        _DERIVED.clear()
+    _DERIVED[key] = (opdef, derived)
+    return derived
 
 
 def verify_graph(graph: Graph) -> None:
@@ -19,31 +64,37 @@ def verify_graph(graph: Graph) -> None:
         if value.op != "input" or value in defined:
             raise VerifyError(f"bad graph input {value}")
         defined.add(value)
-    names = value_names(graph)
+    named: dict = {}
+
+    def names_of() -> dict:  # the printed names, made only for an error's message
+        if not named:
+            named.update(value_names(graph))
+        return named
+
     for node in graph.nodes:
         if node in defined:
-            raise VerifyError(f"{names[node]} is defined twice")
+            raise VerifyError(f"{names_of()[node]} is defined twice")
         for inp in node.inputs:
             if inp not in defined:
                 raise VerifyError(
-                    f"{names[node]} ({node.op}) reads a value defined later or elsewhere"
+                    f"{names_of()[node]} ({node.op}) reads a value defined later or elsewhere"
                 )
         try:
-            expected = make_value(node.op, node.inputs, node.attrs).type
+            expected = derived_type(node)
         except BackplanError as exc:
-            raise VerifyError(f"{names[node]}: {exc}") from None
+            raise VerifyError(f"{names_of()[node]}: {exc}") from None
         if expected != node.type:
             raise VerifyError(
-                f"{names[node]} ({node.op}) has type {node.type}, rule gives {expected}"
+                f"{names_of()[node]} ({node.op}) has type {node.type}, rule gives {expected}"
             )
         if node.op == "const" and node.attrs["name"] not in graph.constants:
-            raise VerifyError(f"{names[node]} names a missing constant")
+            raise VerifyError(f"{names_of()[node]} names a missing constant")
         if node.op == "const":
             array = graph.constants[node.attrs["name"]]
             if not isinstance(array, np.ndarray) or array.dtype != np_dtype(node.dtype):
-                raise VerifyError(f"{names[node]}: constant is not a {node.dtype} array")
+                raise VerifyError(f"{names_of()[node]}: constant is not a {node.dtype} array")
             if tuple(array.shape) != node.shape:
-                raise VerifyError(f"{names[node]}: constant has shape {array.shape}")
+                raise VerifyError(f"{names_of()[node]}: constant has shape {array.shape}")
         defined.add(node)
     for out in graph.outputs:
         if out not in defined:
