@@ -11,6 +11,7 @@ TFLite's and tinygrad's planners, which keeps arenas close to `lower_bound_bytes
 
 import heapq
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -147,7 +148,7 @@ def _resolve_in_place(requests: list[BufferRequest]) -> dict:
     """Taker key -> taken key; earlier writers (then earlier requests) choose first."""
     by_key = {r.key: r for r in requests}
     in_place, taken = {}, set()
-    for new in sorted(requests, key=lambda r: r.first_step):
+    for new in sorted(requests, key=_first_step):
         for key in new.reuse:
             old = by_key.get(key)
             if old is not None and key not in taken and may_take_over(new, old):
@@ -155,6 +156,9 @@ def _resolve_in_place(requests: list[BufferRequest]) -> dict:
                 taken.add(key)
                 break
     return in_place
+
+
+_first_step = attrgetter("first_step")  # a request's, as sort keys (no lambda call each)
 
 
 def _chains(requests: list[BufferRequest], in_place: dict) -> list[list[BufferRequest]]:
@@ -238,9 +242,8 @@ def _place_best_fit(
     order they are placed (default largest first, then by first step)."""
     swept_order = order is None
     if order is None:
-        order = sorted(
-            range(len(chains)), key=lambda i: (-chains[i][0].nbytes, chains[i][0].first_step)
-        )
+        keys = [(-chain[0].nbytes, chain[0].first_step) for chain in chains]  # one pass
+        order = sorted(range(len(chains)), key=keys.__getitem__)
     members = sum(len(chain) for chain in chains)
     first_steps, last_steps = np.empty(members, np.int64), np.empty(members, np.int64)
     starts, ends = np.empty(members, np.int64), np.empty(members, np.int64)
