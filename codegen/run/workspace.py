@@ -200,6 +200,16 @@ class ArenaPool(_Spares):
         return reservations
 
     def checkout(self) -> Arena:
+        idle = self._idle
+        if len(idle) == 1 and self._made == 1 and not OFFERED:  # one call at a time: the
+            try:  # usual case, without _take's counting (nothing to trim: no spare)
+                arena = idle.pop()
+            except IndexError:  # another thread took it meanwhile
+                pass
+            else:
+                if arena.nbytes >= self.nbytes:
+                    return arena
+                self._made -= 1  # too small for a plan that joined since: let go
         while True:
             arena = self._take()
             if arena is None:
@@ -214,7 +224,10 @@ class ArenaPool(_Spares):
             return arena
 
     def checkin(self, arena: Arena) -> None:
-        self._put(arena, arena.nbytes >= self.nbytes)
+        if arena.nbytes >= self.nbytes and len(self._idle) < KEEP_IDLE:  # _put, inline
+            self._idle.append(arena)
+        else:
+            self._made -= 1
 
 
 class Workspace:
