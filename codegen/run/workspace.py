@@ -382,7 +382,15 @@ class WorkspacePool(_Spares):
         return reservations
 
     def checkout(self) -> Workspace:
-        workspace = self._take()
+        idle = self._idle
+        workspace = None
+        if len(idle) == 1 and self._made == 1:  # one call at a time: no spare to count
+            try:
+                workspace = idle.pop()
+            except IndexError:  # another thread took it meanwhile
+                pass
+        if workspace is None:
+            workspace = self._take()
         arenas = self._arenas
         if arenas is not None:  # _attach, inline: two plans' calls a step go through here
             if workspace is None:
@@ -406,7 +414,10 @@ class WorkspacePool(_Spares):
             arenas.checkin(workspace.held)
             workspace.held = workspace.arena = workspace.reservation = None
             workspace.scratch = ()
-        self._put(workspace)
+        if len(self._idle) < KEEP_IDLE:  # _put, inline: every call goes through here
+            self._idle.append(workspace)
+        else:
+            self._made -= 1
 
 
 def _attach(workspace: Workspace, arena: Arena, layout: Layout) -> None:
