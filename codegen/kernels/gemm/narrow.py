@@ -17,7 +17,7 @@ Sums run in k order, one FMA per step, as the blocked GEMM's. Measured on one pi
 Where C is at most ROW_DOT_COLUMNS wide, B's columns are copied into rows (a k x n
 transposition, nothing when B comes transposed) and C's elements are computed as dot products
 of rows (row_dots.py: 4 x 2 blocks of sums, no lane of padding). On one pinned Zen 5 core (9
-interleaved rounds, load ~13, /tmp/mlp39/fwd2.py) in GFLOP/s, copy included, against this
+interleaved rounds, load ~13, each kernel timed alone) in GFLOP/s, copy included, against this
 micro-kernel: 128 x 512 @ 512 x 10 (the mlp's last layer) 130.6 / 93.9, 256 x 128 @ 128 x 10
 (mlp_deep's) 118.3 / 87.8, 1024 x 256 @ 256 x 10 152.6 / 117.2, 64 x 1024 @ 1024 x 10 105.2 /
 91.2, 128 x 64 @ 64 x 10 78.2 / 63.2, 300 x 512 @ 512 x 3 97.1 / 35.6; at 16 columns the
