@@ -55,6 +55,7 @@ _WHERE = {
     "joint_calls": "backplan.ir.peak:joint_calls",
     "region_calls": "backplan.ir.peak:region_calls",
     "donatable": "backplan.tracer.donate:donatable",  # loading a driver before a first call
+    "BackwardMode": "backplan.ir.lowering:BackwardMode",  # and a backward()'s runner
     "gemm_scratch": "backplan.codegen.kernels.gemm.scratch",  # packing buffers kept per process
     "cheapest_within": "backplan.ir.budget:cheapest_within",
     "plan_frontier": "backplan.ir.budget:plan_frontier",
