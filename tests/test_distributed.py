@@ -1170,11 +1170,11 @@ def test_the_compiled_plan_writes_its_gradients_into_the_node_window(tmp_path):
         zero_run, pack = ShardedWindowOutputs.run, sharding._pack_flat
         ShardedWindowOutputs.run = lambda self, *a: (
             lambda out: zero_written.append(out is not None) or out)(zero_run(self, *a))
-        def counting_pack(send, group, flats, loss):
+        def counting_pack(send, group, flats, loss, *written):
             inside = [send.ctypes.data <= f.ctypes.data < send.ctypes.data + send.nbytes
                       for f in flats]
             packed.append(len(flats) - sum(inside))
-            return pack(send, group, flats, loss)
+            return pack(send, group, flats, loss, *written)
         sharding._pack_flat = counting_pack
         odd = bpd.broadcast(init_mlp([8, 17, 4], seed=rank))  # 225 elements
         def zero_trained(train):
