@@ -1791,6 +1791,13 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
             (share,) = runs[True][2][moment]
             assert share.numpy().size == (100, 99)[rank], share.numpy().size
         bpd.check_replicas(runs[True][0])
+        # the parameters the last call returned are read in place (its gather's buffer), equal
+        # arrays of another buffer are copied from: the same update either way
+        p, _, state = runs[True]
+        viewed = step(p, state, xs, ys)[0]
+        copied = step({k: bp.tensor(v.numpy() + 0, requires_grad=True) for k, v in p.items()},
+                      state, xs, ys)[0]
+        assert all((viewed[k].numpy() == copied[k].numpy()).all() for k in p)
         rows = bpd.shard(x[:7], rank, size), bpd.shard(y[:7], rank, size)  # 4 and 3 rows
         uneven = [
             bpd.data_parallel(vg, optimizer=opt, shard_optimizer=shard)
