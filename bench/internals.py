@@ -28,6 +28,8 @@ _WHERE = {
     "tanh_f32": "backplan.codegen.kernels.mathlib:tanh_f32",
     "softmax_rows": "backplan.codegen.kernels.rows:softmax_rows",
     "attention_kernels": "backplan.codegen.kernels.attention",  # attention_rates.py
+    "attention_variant": "backplan.codegen.kernels.attention:_variant",  # its GEMM path
+    "threads": "backplan.codegen.flags:threads",
     "splat": "backplan.codegen.kernels.gemm.kernel:splat",
     # the bfloat16 GEMM's two paths side by side (gemm.py --dtype bf16)
     "gemm_symbols": "backplan.codegen.kernels.gemm.symbols",
