@@ -24,6 +24,7 @@ Which op is which is read from its registry entry; no op is named here (but asty
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from .graph import Graph, Value
@@ -679,17 +680,45 @@ def _ready(sources, target: int, kernels, home, tails: set) -> bool:
 
 
 def materialized(
-    graph: Graph, kernels: list[Kernel], bases: Bases | None = None, home: dict | None = None
+    graph: Graph,
+    kernels: list[Kernel],
+    bases: Bases | None = None,
+    home: dict | None = None,
+    known: tuple | None = None,
+    noted: list | None = None,
 ) -> set[Value]:
     """Values that need a buffer: outputs, values a loop reads from another kernel (through
     aliases), and every operand of views and ops. Literals and aliases never need one.
-    home: each node -> its kernel's index, where grouping gave it (group_kernels' homes)."""
+    home: each node -> its kernel's index, where grouping gave it (group_kernels' homes).
+    known: (for each of the first kernels, whether it is unchanged from the kernel a plan
+    grouped before had there: ir/grouping_resume.py `unchanged`; what each of that plan's
+    first kernels read from other kernels, as `noted` got it): an unchanged kernel reads
+    what it read there (its nodes, and the inputs those read, are the shared graph's, with
+    the same kernels), so only the others are walked (a memory frontier's row: the kernels
+    from its first recomputed value on, ~45% of them). noted, if given, gets a list of what
+    each of the first kernels reads (each kernel's where nothing is known), for the next."""
     bases = Bases() if bases is None else bases
     if home is None:
         home = {n: k for k, kernel in enumerate(kernels) for n in kernel.all_nodes}
     needed = {bases[o] for o in graph.outputs} | set(graph.outputs)
     base_of, add_all = bases.__getitem__, needed.update
-    for k, kernel in enumerate(kernels):
+    first, reads = 0, None
+    if known is not None:
+        same, before = known
+        first = len(same)
+        reads = before[:first]
+        for k in range(first):
+            if not same[k]:
+                reads[k] = _reads_of(k, kernels[k], base_of, home)
+        add_all(itertools.chain.from_iterable(reads))
+    elif noted is not None:
+        first = len(kernels)
+        reads = [_reads_of(k, kernel, base_of, home) for k, kernel in enumerate(kernels)]
+        add_all(itertools.chain.from_iterable(reads))
+    if noted is not None:
+        noted.append(reads)
+    for k in range(first, len(kernels)):
+        kernel = kernels[k]
         recomputed = kernel.recomputed
         plain = not (recomputed or kernel.reductions or kernel.epilogue)  # computed: its nodes
         if kernel.kind not in ("loop", "alias"):  # every operand from a buffer
@@ -706,3 +735,18 @@ def materialized(
                     continue
                 needed.add(source)
     return {v for v in needed if v in home and kernels[home[v]].kind not in ("literal", "alias")}
+
+
+def _reads_of(k: int, kernel: Kernel, base_of, home: dict) -> tuple[Value, ...]:
+    """What kernel k adds to materialized's values (a literal's values among them: they are
+    left out at its end with every value no buffer holds)."""
+    nodes = kernel.computed
+    if kernel.kind not in ("loop", "alias"):
+        return tuple(base_of(i) for node in nodes for i in node.inputs)
+    recomputed = kernel.recomputed
+    return tuple(
+        source
+        for node in nodes
+        for source in map(base_of, node.inputs)
+        if home.get(source) != k and source not in recomputed
+    )

@@ -12,9 +12,10 @@ The placing loop resumes; so do the cheap-input cones of the loops placed whole 
 shared nodes end. After grouping, a GEMM before that point (a kernel that is no loop: the
 journal's own) followed by a loop whose nodes, reductions and recomputed values are the
 journal's loop's, the same objects (`unchanged`), takes that loop as its epilogue or not as
-it did there (ir/epilogue.py). The other passes (buffers needed, layout) read the whole
-plan. A graph whose grouping reads anything beyond the nodes before each one (read-back
-casts, spread widenings: ir/fusion.py) never resumes.
+it did there (ir/epilogue.py), and each such kernel reads what it read there (ir/fusion.py
+materialized: the buffers needed are walked only for the other kernels). The other passes
+(layout, lifetimes) read the whole plan. A graph whose grouping reads anything beyond the
+nodes before each one (read-back casts, spread widenings: ir/fusion.py) never resumes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Journal:
         "strided",
         "absorbed",
         "known",
+        "reads_out",
         "__weakref__",
     )
 
@@ -66,12 +68,15 @@ class Journal:
         # (alias bases, storage roots) of the shared graph's values (ir/lowering.py
         # sources_known), handed from row to row
         self.known: tuple | None = None
+        # what each of the first kernels reads from other kernels (ir/fusion.py materialized's
+        # `noted`), set by the lowering: a row's unchanged kernels read the same
+        self.reads_out: list | None = None
 
     def let_go(self) -> None:
         """Empty: a later row's journal replaced it (its lowered plan still points at it)."""
         self.nodes, self.homes, self.kernels, self.loops = [], [], [], []
         self.reads, self.cheap, self.cones, self.strided = {}, {}, {}, None
-        self.absorbed, self.known = None, None
+        self.absorbed, self.known, self.reads_out = None, None, None
 
 
 def resumer(journal: Journal | None, made: list | None = None):

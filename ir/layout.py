@@ -160,18 +160,23 @@ def plan_layout(
     steps: list[int] | None = None,
     row_local: dict | None = None,
     roots: Roots | None = None,
+    written: list[int] | None = None,
 ) -> BufferLayout:
     """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
     storage may be reused after their last read (the consuming backward variant only).
     steps: the schedule step of each kernel; kernels fused into one row kernel share a step,
     since their rows interleave (default: one step per kernel). row_local: value -> the rows
     its buffer holds (ir/row_local.py). roots: storage roots already worked out for this
-    graph."""
+    graph. written: the step each buffer is written at, where the caller listed the buffers
+    kernel by kernel (the lowering does): else a map of every node's step is made for them
+    (~11,000 nodes a row of a 10,000-node memory frontier, for ~5,500 buffers)."""
     steps = steps if steps is not None else list(range(len(kernels)))
     roots = Roots() if roots is None else roots
-    pairs = zip(kernels, steps, strict=True)
-    step_of = {n: step for kernel, step in pairs for n in kernel.all_nodes}
-    kernel_of = {}  # only for in-place candidates (IN_PLACE)
+    kernel_of, step_of = {}, {}  # every node's kernel and step: in-place candidates ask them
+    if written is None or IN_PLACE:
+        pairs = zip(kernels, steps, strict=True)
+        step_of = {n: step for kernel, step in pairs for n in kernel.all_nodes}
+        written = list(map(step_of.__getitem__, buffers))
     if IN_PLACE:
         kernel_of = {n: kernel for kernel in kernels for n in kernel.all_nodes}
     last = lifetimes(graph, kernels, steps, roots)
@@ -179,11 +184,10 @@ def plan_layout(
     layout = BufferLayout(row_local=dict(row_local or {}))
     requests = []
     add, read_last, rows = requests.append, last.get, layout.row_local
-    for value in buffers:
+    for value, first in zip(buffers, written, strict=True):
         if value in output_roots:
             layout.outputs.append(value)
             continue
-        first = step_of[value]
         read = read_last(value, first)
         nbytes = value.type.nbytes
         if not nbytes or value in rows:
@@ -196,17 +200,17 @@ def plan_layout(
             request = request._replace(reuse=candidates)
         add(request)
     if EPILOGUE_OVER_PRODUCT:
-        requests = _epilogues_over_products(requests, kernels, step_of, last, steps)
+        requests = _epilogues_over_products(requests, kernels, last, steps)
     requests = _reuse_saved(requests, private_saved, last, layout)
     assignment = assign_memory(requests, shared=True)
     for (_arena, dtype), size in assignment.arena_sizes.items():
         layout.scratch_elements[dtype] = size
-    for r in requests:
-        layout.scratch_offsets[r.key] = assignment.placements[r.key].offset
+    placements = assignment.placements
+    layout.scratch_offsets = {r.key: placements[r.key].offset for r in requests}
     return layout
 
 
-def _epilogues_over_products(requests, kernels, step_of, last, steps) -> list:
+def _epilogues_over_products(requests, kernels, last, steps) -> list:
     """A GEMM's epilogue writes one of its results over the GEMM's product, where only the
     epilogue reads the product (element for element, ir/epilogue.py) and the two have one
     dtype and size: the epilogue reads each element of a row before it writes that element,
@@ -215,17 +219,20 @@ def _epilogues_over_products(requests, kernels, step_of, last, steps) -> list:
     tanh(x @ w), 512 x 256)."""
     by_key = {r.key: k for k, r in enumerate(requests)}
     kernels_at = None  # kernels with nodes at each step, counted where a step has several
-    every_kernel_at = Counter(steps)  # at least those: one there has them all
-    for kernel in kernels:
+    shares_step = _step_sharing(steps)  # whether a kernel's step is another's too
+    for index, kernel in enumerate(kernels):
         if kernel.epilogue is None or _adds_only(kernel.epilogue):
             continue
         product = kernel.nodes[0]
-        at, step = by_key.get(product), step_of[product]
-        if at is None or last.get(product, -1) != step:
+        at = by_key.get(product)
+        if at is None:
+            continue  # no buffer of the arena (an output)
+        step = requests[at].first_step  # the kernel's (its nodes are written at its step)
+        if last.get(product, -1) != step:
             continue  # read later
-        if every_kernel_at[step] != 1:
+        if shares_step(index):
             if kernels_at is None:
-                kernels_at = Counter(step_of[k.nodes[0]] for k in kernels if k.nodes)
+                kernels_at = Counter(s for k, s in zip(kernels, steps, strict=True) if k.nodes)
             if kernels_at[step] != 1:
                 continue  # a step shared with other kernels (a row kernel's)
         old = requests[at]
@@ -247,6 +254,24 @@ def _epilogues_over_products(requests, kernels, step_of, last, steps) -> list:
                 )
                 break
     return requests
+
+
+def _step_sharing(steps: list[int]):
+    """index -> whether another kernel has the step of kernel `index`. Steps in run order
+    (schedule_steps: a row kernel's stages share its first's) put equal steps side by side,
+    so the neighbours answer; any other order is counted."""
+    if all(map(le, steps, steps[1:])):
+        last = len(steps) - 1
+
+        def shares(index: int) -> bool:
+            step = steps[index]
+            return (index > 0 and steps[index - 1] == step) or (
+                index < last and steps[index + 1] == step
+            )
+
+        return shares
+    every = Counter(steps)
+    return lambda index: every[steps[index]] != 1
 
 
 def _adds_only(loop: Kernel) -> bool:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass, field, replace
+from copy import copy
+from dataclasses import dataclass, field
 from itertools import chain
 
 from .donation import donation_pairs
@@ -154,8 +155,12 @@ def detached(plan: Plan) -> Plan:
     what a lowered plan keeps as its `plan` (and `interpreted`). Kept as `plan` itself, each
     plan and its lowering were a reference cycle (plan.lowered -> LoweredPlan.plan) that only
     Python's cyclic collector frees: after a 10,086-node memory_frontier, one full collection
-    of ~0.9 s for its 22 plans, where reference counting frees them in ~0.1 s."""
-    return replace(plan, lowered={})
+    of ~0.9 s for its 22 plans, where reference counting frees them in ~0.1 s. A shallow
+    copy, not dataclasses.replace, which reads every field: liveness not worked out yet
+    (ir/liveness.py) stays so."""
+    plan = copy(plan)
+    plan.lowered = {}
+    return plan
 
 
 def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
@@ -177,17 +182,11 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         journal[0].strided = strided[0] if strided else None
         journal[0].known = known
     steps = schedule_steps(kernels, runs)
-    buffers = [
-        n
-        for k in kernels
-        if k.kind in RUN_KINDS
-        for n in k.all_nodes
-        if n in needed and n.op != "const"
-    ]
+    buffers, written = _buffers(kernels, steps, needed)
     private = [graph.inputs[i] for i in private_saved]
     pinned = None if plan.shared is None else plan.shared.setdefault(("row_local",), {})
     local = row_local_values(graph, kernels, runs, needed, pinned)
-    layout = plan_layout(graph, kernels, buffers, private, steps, local, roots)
+    layout = plan_layout(graph, kernels, buffers, private, steps, local, roots, written)
     lowered = LoweredPlan(
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )
@@ -198,6 +197,21 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     if sources is not None:  # 16-bit values: the interpreter rounds where the loops do
         lowered.interpreted = reference_plan(interpreted, rounding_points(kernels), sources)
     return lowered
+
+
+def _buffers(kernels: list[Kernel], steps: list[int], needed: set[Value]):
+    """(the values that get storage, in kernel order: those needed of the kernels that run
+    code, constants aside; the step each is written at), the steps read in the same walk
+    (plan_layout asks them of its buffers only)."""
+    buffers, written = [], []
+    add, at = buffers.append, written.append
+    for kernel, step in zip(kernels, steps, strict=True):
+        if kernel.kind in RUN_KINDS:
+            for n in kernel.all_nodes:
+                if n in needed and n.op != "const":
+                    add(n)
+                    at(step)
+    return buffers, written
 
 
 def sources_known(source, journal) -> tuple[Bases, Roots]:
@@ -268,8 +282,13 @@ def _grouped(
     made: list[int] = []  # how many kernels the grouping took from `resume`
     homes: list[dict] = []  # each node -> its kernel, as grouping placed it
     kernels = group_kernels(graph, origin, bases, resumer(resume, made), record, homes)
-    needed = materialized(graph, kernels, bases, homes[0])
     same = unchanged(resume, kernels, made)  # those the resumed journal's, unchanged
+    reads = resume.reads_out if same else None  # what its first kernels read from others
+    noted: list | None = [] if journal else None
+    reads_known = (same, reads) if reads is not None and len(reads) >= len(same) else None
+    needed = materialized(graph, kernels, bases, homes[0], reads_known, noted)
+    if journal:
+        journal[0].reads_out = noted[0]
     known = (same, resume.absorbed) if same else None
     absorbed: dict | None = {} if journal else None
     kernels = absorb_epilogues(kernels, roots, known, absorbed)
