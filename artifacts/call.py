@@ -12,6 +12,8 @@ import dataclasses
 
 import numpy as np
 
+from backplan.ir.types import dtype_name
+from backplan.tracer.numpy_args import borrowed
 from backplan.tracer.pytree import TreeDef, flatten
 from backplan.tracer.signature import LeafKey
 from backplan.tracer.tensor import Tensor
@@ -66,14 +68,16 @@ def match_leaves(
     tree_value, keys: list[LeafKey], artifact: str, symbolic: dict | None = None
 ) -> tuple[list, list[int]]:
     """Leaves of an already conformed value, checked against the exported leaf keys; ndarrays
-    become tensors. symbolic maps a leaf's position to (axis, symbol) where an axis is dynamic,
-    so a refusal shows the symbol there, not this call's size. Returns (leaves, positions of the
-    tensor leaves)."""
+    become tensors, each a read-only view of the caller's array (no copy: the call copies
+    what outlives it, as a compiled call does, tracer/numpy_args.py; an array in another byte
+    order is converted, a copy). symbolic maps a leaf's position to (axis, symbol) where an
+    axis is dynamic, so a refusal shows the symbol there, not this call's size. Returns
+    (leaves, positions of the tensor leaves)."""
     leaves, _ = flatten(tree_value)
     positions = []
     for i, (leaf, key) in enumerate(zip(leaves, keys, strict=True)):
         if isinstance(leaf, np.ndarray):
-            leaves[i] = leaf = Tensor(leaf)
+            leaves[i] = leaf = _argument_tensor(leaf)
         if key.weak and type(leaf) is float:
             leaves[i] = leaf = Tensor._weak_scalar(leaf)  # exported as a traced float
         if key.kind == "tensor":
@@ -83,6 +87,21 @@ def match_leaves(
             shown = "a tensor" if isinstance(leaf, Tensor) else repr(leaf)
             raise _mismatch(artifact, key.path, f"the static value {key.static[1]!r}", shown)
     return leaves, positions
+
+
+def borrowed_leaves(sources: list, positions: list[int]) -> frozenset[int]:
+    """The tensor positions match_leaves read in place: NumPy arrays in this machine's byte
+    order (BoundCall.borrowed)."""
+    return frozenset(
+        p for p in positions if isinstance(sources[p], np.ndarray) and sources[p].dtype.isnative
+    )
+
+
+def _argument_tensor(array: np.ndarray) -> Tensor:
+    if not array.dtype.isnative:
+        return Tensor(array)  # its values in this machine's order: a copy
+    dtype_name(array.dtype)  # refuses complex, object, ... as Tensor(array) does
+    return Tensor._from_array(borrowed(array))
 
 
 def _check_tensor(leaf, key: LeafKey, artifact: str, dynamic: tuple | None) -> None:

@@ -25,7 +25,7 @@ from backplan.tracer.source import loc_text, user_frame_loc
 from backplan.tracer.tensor import Tensor
 from backplan.tracer.trace import current_trace
 
-from .call import conform, match_leaves
+from .call import borrowed_leaves, conform, match_leaves
 from .format import ExportError
 from .signing import Authenticity
 from .tree import render_tree
@@ -246,8 +246,9 @@ class LoadedFunction(LoadedArtifact):
 
     def _bind(self, args, kwargs) -> BoundCall:
         arguments, leaves, positions, key = self._match(args, kwargs)
-        sources = flatten(arguments)[0]  # as passed: a NumPy array became a tensor, a copy
-        return BoundCall(key, leaves, positions, sources=sources)
+        sources = flatten(arguments)[0]  # as passed: a NumPy array became a view of it
+        borrowed = borrowed_leaves(sources, positions)
+        return BoundCall(key, leaves, positions, sources=sources, borrowed=borrowed)
 
     def _instantiate(self, template: TracedFunction, fitted, size: int) -> TracedFunction:
         program = template.program
@@ -304,8 +305,9 @@ class LoadedFunction(LoadedArtifact):
         record = any(flags) or (enabled and any(self._traced.captured_flags))
         if record:
             for p, flag, w in zip(positions, flags, wrt, strict=True):
-                if w and not flag:
-                    leaves[p] = Tensor(leaves[p].numpy(), requires_grad=True)
+                if w and not flag:  # the same buffer: a view of a NumPy argument stays one
+                    leaves[p] = stand_in = Tensor._from_array(leaves[p]._data)
+                    stand_in.requires_grad = True
         return record
 
     def _inline(self, outer, tensors: list, traced: TracedFunction):
@@ -373,7 +375,9 @@ class LoadedValueAndGrad(LoadedArtifact):
     def _bind(self, args, kwargs) -> JointCall:
         args = tuple(_as_diff_arg(a) if i in self._nums else a for i, a in enumerate(args))
         arguments, leaves, positions, key = self._match(args, kwargs)
-        call = BoundCall(key, leaves, positions)
+        sources = flatten(arguments)[0]  # as passed: a NumPy array became a view of it
+        borrowed = borrowed_leaves(sources, positions)
+        call = BoundCall(key, leaves, positions, sources=sources, borrowed=borrowed)
         return JointCall(arguments["args"], call, self._diff_positions)
 
     def _entry_key(self, bound: JointCall):

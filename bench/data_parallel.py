@@ -224,22 +224,45 @@ def slower_rank_text(records: list, comm) -> str | None:
     )
 
 
-def training_steps(vg, bucket_bytes, params, batch, parts: dict | None = None) -> dict:
-    """Calls of the adam training step, unsharded and sharded (ZeRO-1), from the same params;
-    parts: filled with the ZeRO-1 step's parts (zero_parts) once the calls are warm."""
+def training_steps(
+    vg, bucket_bytes, params, batch, parts: dict | None = None, faults: dict | None = None
+) -> dict:
+    """Calls of the adam training step, unsharded and sharded (ZeRO-1), each from the same
+    params, as a training loop makes them: `params, state, loss = step(params, state, *batch)`,
+    the returned parameters and state passed to the next call (a step given the same arrays
+    every call measures another program: ZeRO-1 then copies this rank's range out of
+    parameters that are not the views it returned, and the unsharded update's fresh outputs
+    find the last call's free). parts: filled with the ZeRO-1 step's parts (zero_parts) once
+    the calls are warm; faults: each step's minor page faults per call (this thread's)."""
     calls = {}
     for name, shard in (("adam", False), ("adam_zero1", True)):
         train = bpd.data_parallel(
             vg, bucket_bytes=bucket_bytes, optimizer=bp.optim.adam(1e-3), shard_optimizer=shard
         )
-        state = train.init(params)
+        held = [params, train.init(params)]
         for _ in range(3):
-            train(params, state, *batch)
-        train.step.wait_for_driver(params, *batch, timeout=600)
+            held[:2] = train(*held, *batch)[:2]
+        train.step.wait_for_driver(held[0], *batch, timeout=600)
         if shard and parts is not None:
             zero_parts(train, parts)
-        calls[name] = lambda train=train, state=state: train(params, state, *batch)
+        calls[name] = _loop_call(train, held, batch, None if faults is None else faults, name)
     return calls
+
+
+def _loop_call(train, held: list, batch, faults: dict | None, name: str):
+    """One call of the training loop on held = [params, state], which it replaces; counts its
+    minor page faults in faults[name] (a list of per-call counts)."""
+    import resource
+
+    counts = faults.setdefault(name, []) if faults is not None else None
+
+    def run():
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt if counts is not None else 0
+        held[:2] = train(*held, *batch)[:2]
+        if counts is not None:
+            counts.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+
+    return run
 
 
 ZERO_PARTS = {
@@ -382,8 +405,9 @@ def main(argv=None) -> int:
         )
         calls["wait_after"] = waited(after, params, batch, waits["wait_after"])
     parts: dict = {}
+    faults: dict = {}
     if args.zero:
-        calls.update(training_steps(vg, args.bucket_bytes, params, batch, parts))
+        calls.update(training_steps(vg, args.bucket_bytes, params, batch, parts, faults))
     cpu: dict = {}
     medians = lockstep_medians(calls, args.rounds, args.repeats, cpu)
     slower = slower_rank_text(records, bpd.init().comm) if size > 1 else None
@@ -418,10 +442,13 @@ def main(argv=None) -> int:
             print(cpu_parts_text(records, cpu["compute"]))
         if args.zero:
             print(
-                f"adam step: unsharded {medians['adam'] * 1e3:.2f} ms  ZeRO-1 "
-                f"{medians['adam_zero1'] * 1e3:.2f} ms  (optimizer state per rank: "
+                f"adam step in a training loop (params and state passed on): unsharded "
+                f"{medians['adam'] * 1e3:.2f} ms  ZeRO-1 {medians['adam_zero1'] * 1e3:.2f} ms  "
+                f"(optimizer state per rank: "
                 f"{zero_state_text(vg, args.bucket_bytes, params, batch)}); CPU per call "
-                f"{cpu['adam'] * 1e3:.2f} / {cpu['adam_zero1'] * 1e3:.2f} ms"
+                f"{cpu['adam'] * 1e3:.2f} / {cpu['adam_zero1'] * 1e3:.2f} ms (ZeRO-1 / "
+                f"unsharded {cpu['adam_zero1'] / cpu['adam']:.3f}); minor page faults per call "
+                f"{np.mean(faults['adam']):.0f} / {np.mean(faults['adam_zero1']):.0f}"
             )
             print(zero_parts_text(parts))
     return 0

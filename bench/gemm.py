@@ -158,7 +158,8 @@ def _plan_runners(shape, dtype, width, path) -> dict:
             if parts > 1
             else (lambda: gemm.batched_gemm(width, ta, tb, a, b, c))
         )
-        runners = {"backplan": own, "openblas": lambda: blas.batched_gemm_f32(ta, tb, a, b, c)}
+        batched_blas = lambda: blas.batched_gemm_f32(ta, tb, a, b, c)  # noqa: E731
+        runners = {"backplan": batched_blas if path == "blas" else own, "openblas": batched_blas}
     else:
         flat_a, flat_b, flat_c = a.reshape(-1), b.reshape(-1), c.reshape(-1)
         own = {

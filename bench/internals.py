@@ -28,6 +28,8 @@ _WHERE = {
     "tanh_f32": "backplan.codegen.kernels.mathlib:tanh_f32",
     "softmax_rows": "backplan.codegen.kernels.rows:softmax_rows",
     "attention_kernels": "backplan.codegen.kernels.attention",  # attention_rates.py
+    "attention_variant": "backplan.codegen.kernels.attention:_variant",  # its GEMM path
+    "threads": "backplan.codegen.flags:threads",
     "splat": "backplan.codegen.kernels.gemm.kernel:splat",
     # the bfloat16 GEMM's two paths side by side (gemm.py --dtype bf16)
     "gemm_symbols": "backplan.codegen.kernels.gemm.symbols",
@@ -55,6 +57,7 @@ _WHERE = {
     "joint_calls": "backplan.ir.peak:joint_calls",
     "region_calls": "backplan.ir.peak:region_calls",
     "donatable": "backplan.tracer.donate:donatable",  # loading a driver before a first call
+    "BackwardMode": "backplan.ir.lowering:BackwardMode",  # and a backward()'s runner
     "gemm_scratch": "backplan.codegen.kernels.gemm.scratch",  # packing buffers kept per process
     "cheapest_within": "backplan.ir.budget:cheapest_within",
     "plan_frontier": "backplan.ir.budget:plan_frontier",

@@ -89,6 +89,18 @@ def conv_shape(node) -> GemmShape:
     return GemmShape(0, m, k, n, ta, tb, path)
 
 
+def attention_path(node) -> str:
+    """The GEMM the attention kernel runs its products on (attention.py's variant): the own
+    GEMM, one product per thread ("own xN": the kernel runs (batch, head) pairs on N threads
+    side by side), or BLAS where the shape's rule picks it (width 0)."""
+    from .internals import attention_variant, threads
+
+    name, width = attention_variant(node.op, node)
+    if not width:
+        return "blas"
+    return f"own x{threads()}" if name.endswith("_par") else "own"
+
+
 def attention_shapes(node) -> list[GemmShape]:
     """The products of attention over (batch, time, heads, dim) operands: Q K^T and P V
     forward; the gradient adds dS^T Q and P^T dO (and dO V^T, dS K: the forward's shapes)."""
@@ -96,12 +108,13 @@ def attention_shapes(node) -> list[GemmShape]:
     batch, t, heads, d = q.shape
     s = node.inputs[1].shape[1]
     bh = batch * heads
+    path = attention_path(node)
     shapes = [
-        GemmShape(bh, t, d, s, False, True, "own"),
-        GemmShape(bh, t, s, d, False, False, "own"),
+        GemmShape(bh, t, d, s, False, True, path),
+        GemmShape(bh, t, s, d, False, False, path),
     ]
     if node.op == "attention_grad":
-        shapes.append(GemmShape(bh, s, t, d, True, False, "own"))
+        shapes.append(GemmShape(bh, s, t, d, True, False, path))
     return shapes
 
 

@@ -27,6 +27,7 @@ class ShardedWindowOutputs:
         groups = flat_groups(_layout_signature(layout), size)
         self.places: list[tuple[int, list]] = []  # (group, [(buffer j, offset, shape)])
         self.leaves = []  # the layout's leaves written so (explain: rank_peak)
+        self._into: dict = {}  # the groups' parities -> (window, the views run() passes)
         by_index = {leaf.index: leaf for b in layout.buckets for leaf in b.leaves}
         for k, group in enumerate(groups):
             if group.dtype not in WRITTEN:
@@ -44,6 +45,8 @@ class ShardedWindowOutputs:
                 self.leaves.append(by_index[p + 1])
             if members:
                 self.places.append((k, members))
+        # the parameter positions whose gradients a run() writes in place: nothing to pack
+        self.written = frozenset(leaf.index - 1 for leaf in self.leaves)
 
     def run(self, windows: dict, layout, arrays: list) -> list | None:
         """The plan's outputs, those gradients written into this rank's send buffers of the
@@ -52,9 +55,17 @@ class ShardedWindowOutputs:
         window = windows.get(("ZeRO-1", layout.fingerprint))  # ShardedWindow's key
         if window is None or not self.places:
             return None
+        parities = tuple((window.written[k] + 1) % 2 for k, _ in self.places)  # next call's
+        found = self._into.get(parities)
+        if found is None or found[0] is not window:
+            found = self._into[parities] = (window, self._views(window, parities))
+        return self.compiled.call_own_into(arrays, found[1])
+
+    def _views(self, window, parities: tuple[int, ...]) -> dict:
+        """{output buffer: its place in this rank's send buffer of the parity}."""
         into = {}
-        for k, members in self.places:
-            flat = window.buffer(window.rank, k, (window.written[k] + 1) % 2)  # the next call's
+        for (k, members), parity in zip(self.places, parities, strict=True):
+            flat = window.buffer(window.rank, k, parity)
             for j, offset, shape in members:
                 into[j] = flat[offset : offset + math.prod(shape)].reshape(shape)
-        return self.compiled.call_own_into(arrays, into)
+        return into

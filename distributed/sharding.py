@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -213,6 +214,9 @@ class ShardedExchange:
         self.node = False  # set by the step: reduce-scatter and all-gather in the node window
         self._window = None  # shared_sharding.ShardedWindow, when node
         self.windows: dict = {}  # the step's node windows (shared_exchange.node_window)
+        # parameter positions whose gradients the plan wrote into this call's send buffers
+        # (sharded_outputs.ShardedWindowOutputs, set by the step): nothing to pack
+        self.in_window: frozenset = frozenset()
         self.step_name = "data_parallel()"  # what a deadline's error names (set by the step)
 
     def start_rest(self, array_of) -> None:
@@ -238,16 +242,14 @@ class ShardedExchange:
                 scale_by_weight(loss, self.weight)
             self._loss = (loss, comm.Iallreduce(self.mpi.IN_PLACE, loss, op=self.mpi.SUM))
         if self.node:
-            self._window = ShardedWindow(
-                self, (self.layout.fingerprint,), self.groups, self._loss_in_bucket
-            )
+            self._window = self._sharded_window()
         for k, group in enumerate(self.groups):
             with_loss = k == 0 and self._loss_in_bucket
             stride = group.block + with_loss
             flats = [np.asarray(array_of(p + 1)).reshape(-1) for p in group.params]
             if self._window is not None:
                 send, call = self._window.send_buffer(k)
-                _pack_flat(send, group, flats, loss if with_loss else None)
+                _pack_flat(send, group, flats, loss if with_loss else None, self.in_window)
             else:
                 send = self._buffer("send", k, stride * size, summed_dtype(group.dtype))
                 copies, zeros = slots(group, stride)
@@ -267,6 +269,44 @@ class ShardedExchange:
             else:
                 request = comm.Ireduce_scatter_block(send, mine, op=self.mpi.SUM)
             self._started.append((mine, request, averaged))
+
+    def _sharded_window(self) -> ShardedWindow:
+        """The layout's ShardedWindow, made once and kept while its node window is the
+        step's (a lookup instead of working out the buffers' sizes on every call)."""
+        key = ("window", self.layout.fingerprint, self._loss_in_bucket)
+        found = self.pool.get(key)
+        if found is None or self.windows.get(found.key) is not found.window:
+            found = ShardedWindow(self, (self.layout.fingerprint,), self.groups, key[2])
+            self.pool[key] = found
+        return found
+
+    def owned_range(self, k: int, arrays: list) -> np.ndarray:
+        """This rank's range of group k's parameters (arrays: all parameters, flatten order):
+        a view of the buffer the last call's gather returned when arrays hold its very views
+        (the loop `params, state, loss = step(params, state, *batch)`: checked by identity,
+        and those arrays are read-only), else range_of's."""
+        group = self.groups[k]
+        last = self.pool.get(("returned", self.layout.fingerprint, k))
+        if last is not None:
+            full = last[0]()
+            if full is not None and all(
+                ref() is arrays[p] for ref, p in zip(last[1], group.params, strict=True)
+            ):
+                lo, hi = group.owned(self.world.rank)
+                return full[lo:hi]
+        return range_of(group, arrays, self.world.rank)
+
+    def same_groups(self, arrays: list) -> bool:
+        """Whether the parameters (arrays, flatten order) have their gradients' shapes and
+        dtypes: then their flat groups are this exchange's (compared member by member, not
+        by making and hashing their signature on every call)."""
+        if len(arrays) != sum(len(g.params) for g in self.groups):
+            return False
+        for group in self.groups:
+            for p, shape in zip(group.params, group.shapes, strict=True):
+                if arrays[p].dtype != group.dtype or arrays[p].shape != shape:
+                    return False
+        return True
 
     def finish(self) -> tuple[np.ndarray, list[np.ndarray]]:
         """(the summed loss, 0-d; this rank's summed range of each dtype's gradients, 1-D, in
@@ -354,9 +394,11 @@ class ShardedExchange:
         self._settle_arrivals()
         if said_nan:
             raise_for_others(self.world, failure, self.layout.name, IN_UPDATE)
-        for group, full, _ in started:
+        for k, (group, full, _) in enumerate(started):
             for p, offset, shape in zip(group.params, group.offsets, group.shapes, strict=True):
                 arrays[p] = full[offset : offset + _count(shape)].reshape(shape)
+            views = tuple(weakref.ref(arrays[p]) for p in group.params)
+            self.pool[("returned", self.layout.fingerprint, k)] = (weakref.ref(full), views)
         return arrays
 
     def _gathered(self, k: int, group: FlatGroup) -> np.ndarray:
@@ -373,11 +415,13 @@ class ShardedExchange:
         return counted(buffer, f"ZeRO-1 gathered {k}")
 
 
-def _pack_flat(send: np.ndarray, group: FlatGroup, flats: list, loss) -> None:
+def _pack_flat(send: np.ndarray, group: FlatGroup, flats: list, loss, written=frozenset()) -> None:
     """The node window's send buffer of a group (shared_sharding.py): each gradient at its
-    flat offset (left where the plan wrote it there: sharded_outputs.py), zeros to N blocks,
-    then the loss when it rides along."""
-    for flat, offset in zip(flats, group.offsets, strict=True):
+    flat offset (left where the plan wrote it there: sharded_outputs.py, `written` the
+    positions of those parameters), zeros to N blocks, then the loss when it rides along."""
+    for p, flat, offset in zip(group.params, flats, group.offsets, strict=True):
+        if p in written:
+            continue
         place = send[offset : offset + flat.size]
         if flat.ctypes.data != place.ctypes.data:  # not written there by the plan
             place[...] = flat  # 16-bit values widen to float32 here

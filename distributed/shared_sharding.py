@@ -41,9 +41,8 @@ class ShardedWindow:
 
     def __init__(self, exchange, key, groups, loss_in_first: bool):
         self.groups = groups
-        self.window: NodeWindow = node_window(
-            exchange, ("ZeRO-1", *key), *_sizes(groups, loss_in_first)
-        )
+        self.key = ("ZeRO-1", *key)  # in the step's windows
+        self.window: NodeWindow = node_window(exchange, self.key, *_sizes(groups, loss_in_first))
 
     def send_buffer(self, k: int) -> tuple[np.ndarray, int]:
         """(this rank's send buffer of group k for this call, the call's number)."""

@@ -432,8 +432,7 @@ class DataParallelStep:
         outputs = found[1].run(self.windows, layout, arrays)
         if outputs is None:
             return None
-        if isinstance(found[1], WindowOutputs):
-            exchange.in_window = found[1].written
+        exchange.in_window = found[1].written  # buckets, or with ZeRO-1 parameter positions
         positions = layout.output_positions
         mine = [outputs[positions[index]] for index in range(layout.n_leaves)]
         if not self.fn.has_aux:

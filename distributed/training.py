@@ -21,7 +21,7 @@ from .agreement import leaf_array
 from .exchange import Exchange
 from .failure import describe_error, out_of_step_text
 from .rank_peak import PlanFacts, allreduce_peak, sharded_peak
-from .sharding import ShardedExchange, bytes_sent, flat_shares, groups_of, range_of
+from .sharding import ShardedExchange, bytes_sent, flat_shares, groups_of
 from .shared_exchange import window_bytes
 from .shared_sharding import sharded_window_bytes
 from .world import init, sums_by_recursive_doubling
@@ -118,11 +118,14 @@ class DataParallelTraining:
         if exchange is None:
             return params, state, self._loss(loss, aux)
         loss, grad_ranges = exchange.finish()
-        world = exchange.world
-        groups, arrays = groups_of(params, world.size)
-        if groups != exchange.groups:
+        leaves, treedef = flatten(params)
+        arrays = [leaf_array(leaf) for leaf in leaves]
+        if not exchange.same_groups(arrays):
+            groups = groups_of(params, exchange.world.size)[0]
             raise ValueError(_dtype_mismatch(groups, exchange.groups))
-        ranges = tuple(Tensor._fresh(range_of(g, arrays, world.rank)) for g in groups)
+        ranges = tuple(
+            Tensor._fresh(exchange.owned_range(k, arrays)) for k in range(len(exchange.groups))
+        )
         # views of the exchange's pooled receive buffer, read by the update and never returned:
         # wrapped without the copy _from_array makes of a writeable buffer's view (1.3 MB a
         # step on the bench mlp's 2 ranks)
@@ -138,7 +141,6 @@ class DataParallelTraining:
                 ) from error
             raise
         gathered = exchange.gather([leaf_array(t) for t in new_ranges])
-        leaves, treedef = flatten(params)
         new = _like([Tensor._fresh(a) for a in gathered], leaves)
         return unflatten(treedef, new), state, self._loss(Tensor._fresh(loss), aux)
 

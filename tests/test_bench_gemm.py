@@ -99,3 +99,20 @@ def test_a_cnn_step_lists_its_convolutions_products():
     if vector_width() == 512:  # the first layer's weight gradient, 16 x 9 over k = 2048
         (first,) = [s for op, s in convs if op == "conv2d_weight_grad" and s.n == 9]
         assert (first.m, first.k, first.path) == (16, 2048, "row dots")
+
+
+def test_attention_products_are_timed_on_the_gemm_the_kernel_runs(monkeypatch):
+    """The attention kernel's products: the own GEMM on one core, side by side on N threads
+    (its parallel variant), or BLAS (width 0): the harness times that, not always one core."""
+    from types import SimpleNamespace
+
+    from backplan.bench import internals, model_gemms
+
+    monkeypatch.setattr(internals, "threads", lambda: 2, raising=False)
+    node = SimpleNamespace(op="attention")
+    for variant, path in [(("attention", 512), "own"), (("attention_par", 256), "own x2"),
+                          (("attention", 0), "blas")]:  # fmt: skip
+        monkeypatch.setattr(
+            internals, "attention_variant", lambda fn, n, v=variant: v, raising=False
+        )
+        assert model_gemms.attention_path(node) == path

@@ -1170,11 +1170,11 @@ def test_the_compiled_plan_writes_its_gradients_into_the_node_window(tmp_path):
         zero_run, pack = ShardedWindowOutputs.run, sharding._pack_flat
         ShardedWindowOutputs.run = lambda self, *a: (
             lambda out: zero_written.append(out is not None) or out)(zero_run(self, *a))
-        def counting_pack(send, group, flats, loss):
+        def counting_pack(send, group, flats, loss, *written):
             inside = [send.ctypes.data <= f.ctypes.data < send.ctypes.data + send.nbytes
                       for f in flats]
             packed.append(len(flats) - sum(inside))
-            return pack(send, group, flats, loss)
+            return pack(send, group, flats, loss, *written)
         sharding._pack_flat = counting_pack
         odd = bpd.broadcast(init_mlp([8, 17, 4], seed=rank))  # 225 elements
         def zero_trained(train):
@@ -1791,6 +1791,13 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
             (share,) = runs[True][2][moment]
             assert share.numpy().size == (100, 99)[rank], share.numpy().size
         bpd.check_replicas(runs[True][0])
+        # the parameters the last call returned are read in place (its gather's buffer), equal
+        # arrays of another buffer are copied from: the same update either way
+        p, _, state = runs[True]
+        viewed = step(p, state, xs, ys)[0]
+        copied = step({k: bp.tensor(v.numpy() + 0, requires_grad=True) for k, v in p.items()},
+                      state, xs, ys)[0]
+        assert all((viewed[k].numpy() == copied[k].numpy()).all() for k in p)
         rows = bpd.shard(x[:7], rank, size), bpd.shard(y[:7], rank, size)  # 4 and 3 rows
         uneven = [
             bpd.data_parallel(vg, optimizer=opt, shard_optimizer=shard)

@@ -217,6 +217,59 @@ def test_overlap_is_decided_by_byte_ranges():
     assert _overlapping([base[0:5], base[5:10]]) == set()
 
 
+def test_grouping_by_owner_finds_every_overlap_the_byte_ranges_find():
+    """The owner shortcut (arrays over different owning arrays never overlap) against comparing
+    every byte range: views of one array, arrays owning their memory, zero-size arrays, and
+    memory owned outside NumPy (a bytearray, a memory map's buffer) in one list."""
+    from backplan.tracer.donate import _overlapping, _overlapping_ranges
+
+    rng = np.random.default_rng(3)
+    owners = [np.zeros(40), np.zeros((6, 7), np.float32), np.zeros(40)]
+    foreign = np.frombuffer(bytearray(320), np.float64)  # its owner is a bytearray
+    pieces = [
+        lambda o: o,
+        lambda o: o.reshape(-1)[3:9],
+        lambda o: o.reshape(-1)[::5],
+        lambda o: o.reshape(-1)[30:],
+        lambda o: o.reshape(-1)[:0],
+        lambda o: o.T if o.ndim == 2 else o[::-1],
+    ]
+    for _ in range(200):
+        count = int(rng.integers(1, 7))
+        arrays = [
+            pieces[rng.integers(len(pieces))](owners[rng.integers(len(owners))])
+            for _ in range(count)
+        ]
+        for _ in range(int(rng.integers(0, 3))):
+            start = int(rng.integers(0, 30))
+            arrays.insert(int(rng.integers(len(arrays) + 1)), foreign[start : start + 8])
+        if rng.random() < 0.2:
+            arrays.append(None)
+        assert _overlapping(arrays) == _overlapping_ranges(arrays)
+
+
+def test_a_donated_tensor_keeps_a_stand_in_holding_no_memory():
+    from backplan.tracer.donate import stand_in
+
+    for array in (np.ones((3, 4), np.float32), np.ones((), np.int64), np.ones((2, 0, 5))):
+        kept = stand_in(array)
+        assert (kept.shape, kept.dtype) == (array.shape, array.dtype)
+        assert not kept.flags.writeable and not kept.any()
+        assert all(stride == 0 for stride in kept.strides)
+    half = stand_in(bp.tensor(np.ones((2, 3), np.float32)).astype(bp.bfloat16).numpy())
+    assert half.shape == (2, 3) and half.dtype == np.dtype(bp.bfloat16)
+
+    @bp.compile(donate_argnums=0)
+    def step(w):
+        return w * 2.0
+
+    w = bp.tensor(np.ones((4, 4), np.float32))
+    step(w)
+    assert all(stride == 0 for stride in w._data.strides)
+    with pytest.raises(bp.DonatedError):
+        w + 1.0
+
+
 def test_donating_an_argument_that_requires_grad_is_refused():
     @bp.compile(donate_argnums=0)
     def scale(w):

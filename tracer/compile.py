@@ -143,6 +143,8 @@ def _owned_where_kept(traced: TracedFunction, call, tensors: list) -> list:
     for k, p in enumerate(call.tensor_positions):
         if p in call.borrowed and slots[k]:
             owned[k] = input_tensor(sources[k], slots[k])
+            if tensors[k].requires_grad:  # a loaded function's stand-in (artifacts/loaded.py)
+                owned[k].requires_grad = True
     return owned
 
 

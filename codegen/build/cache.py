@@ -61,11 +61,18 @@ def cache_dir() -> str:
 
 @functools.cache
 def _cpu() -> str:
-    """The host CPU's name and a hash of its features (asked of LLVM once per process)."""
+    """The host CPU's name and a hash of its features (asked of LLVM once per process), and
+    the target Numba compiles for where NUMBA_CPU_NAME or NUMBA_CPU_FEATURES names another (an
+    AVX2 machine emulated on an AVX-512 one must not load the AVX-512 host's plans)."""
     from llvmlite import binding
+    from numba.core import config
 
     features = binding.get_host_cpu_features().flatten()
-    return f"{binding.get_host_cpu_name()}:{hashlib.sha256(features.encode()).hexdigest()[:12]}"
+    key = f"{binding.get_host_cpu_name()}:{hashlib.sha256(features.encode()).hexdigest()[:12]}"
+    if config.CPU_NAME is None and config.CPU_FEATURES is None:
+        return key
+    target = f"{config.CPU_NAME}|{config.CPU_FEATURES}"
+    return f"{key}:{hashlib.sha256(target.encode()).hexdigest()[:12]}"
 
 
 def key_parts(ir_text: str, flags: str) -> dict[str, str]:

@@ -35,7 +35,7 @@ def bf16_to_f32(h):
     return _float(np.uint32(h) << np.uint32(16))
 
 
-def _target_has(*names: str) -> bool:
+def target_has(*names: str) -> bool:
     """Whether the code Numba generates may use every one of these CPU features: those it
     compiles for (NUMBA_CPU_FEATURES when set, else the host's, as LLVM reads them). The kernel
     cache keys on the host's features, so code using them never reaches a host without them.
@@ -52,12 +52,12 @@ def _target_has(*names: str) -> bool:
 
 def target_has_avx512bf16() -> bool:
     """Whether the code may use AVX512_BF16 (VCVTNEPS2BF16, VDPBF16PS)."""
-    return _target_has("avx512bf16", "avx512f")
+    return target_has("avx512bf16", "avx512f")
 
 
 def target_has_f16c() -> bool:
     """Whether the code may use F16C (VCVTPH2PS, VCVTPS2PH): every x86-64 CPU since 2012."""
-    return _target_has("f16c")
+    return target_has("f16c")
 
 
 class BFloat(ir.types.Type):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import os
 
-from backplan.codegen.kernels.gemm.isa import vector_width
+from backplan.codegen.kernels.gemm.isa import target_cpu_name, vector_width
 from backplan.codegen.kernels.gemm.narrow import NARROW_COLUMNS
 from backplan.codegen.kernels.gemm.row_dots import ROW_DOT_MAX_OUTPUTS, ROW_DOT_MIN_K
 
@@ -69,10 +69,9 @@ def blas_threads() -> int:
 
 @functools.cache
 def small_products_own() -> bool:
-    """Whether this CPU is one where the own GEMM was measured ahead on small products."""
-    from llvmlite import binding
-
-    return binding.get_host_cpu_name() in SMALL_OWN_CPUS
+    """Whether the target CPU (NUMBA_CPU_NAME, else the host) is one where the own GEMM was
+    measured ahead on small products."""
+    return target_cpu_name() in SMALL_OWN_CPUS
 
 
 def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str, trans_a: bool = False) -> bool:

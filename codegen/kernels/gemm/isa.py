@@ -1,9 +1,12 @@
 """Which vector width the GEMM micro-kernel uses, decided once per process.
 
-AVX-512 where the host CPU has it (read from LLVM's host features, the same that Numba compiles
-for), AVX2 otherwise. BACKPLAN_GEMM_ISA=avx2 forces the 256-bit path, so tests cover both on an
-AVX-512 machine; a 512-bit tile still compiles (and runs correctly, split in halves) on an
-AVX2-only CPU, it is only slower.
+AVX-512 where the code Numba generates may use it (the host's features as LLVM reads them, or
+NUMBA_CPU_FEATURES when set: kernels/half.py asks the same), AVX2 otherwise. So an AVX2 machine
+can be emulated on an AVX-512 one for the whole process: NUMBA_CPU_NAME=znver3 with
+NUMBA_CPU_FEATURES listing no avx512 feature (bench/isa_env.py prints such a setting for every
+peer) compiles every kernel for AVX2 and gives the GEMM its 256-bit tile. BACKPLAN_GEMM_ISA=avx2
+forces the 256-bit tile alone, so tests cover both on an AVX-512 machine; a 512-bit tile still
+compiles (and runs correctly, split in halves) on an AVX2-only target, it is only slower.
 """
 
 import functools
@@ -17,15 +20,23 @@ class GemmIsaError(ValueError):
 
 
 def _host_has_avx512() -> bool:
-    from llvmlite import binding
+    """Whether Numba's target has AVX-512F (NUMBA_CPU_FEATURES when set, else the host's)."""
+    from backplan.codegen.kernels.half import target_has
 
-    features = binding.get_host_cpu_features()
-    return bool(features.get("avx512f"))
+    return target_has("avx512f")
+
+
+def target_cpu_name() -> str:
+    """The CPU Numba compiles for: NUMBA_CPU_NAME when set, else the host's as LLVM names it."""
+    from llvmlite import binding
+    from numba.core import config
+
+    return config.CPU_NAME or binding.get_host_cpu_name()
 
 
 @functools.cache
 def active_isa() -> str:
-    """'avx512' or 'avx2': the environment's choice, else the host's best."""
+    """'avx512' or 'avx2': the environment's choice, else the target's best."""
     forced = os.environ.get("BACKPLAN_GEMM_ISA", "").strip().lower()
     if forced:
         if forced not in ISA_WIDTH:
