@@ -9,6 +9,7 @@ arguments are rebuilt in the exported order before they are flattened.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -113,7 +114,22 @@ def _check_tensor(leaf, key: LeafKey, artifact: str, dynamic: tuple | None) -> N
     if not isinstance(leaf, Tensor):
         raise _mismatch(artifact, key.path, expected, f"{leaf!r} of type {type(leaf).__name__}")
     if leaf._ir_dtype != key.dtype or tuple(leaf.shape) != tuple(key.shape):
-        raise _mismatch(artifact, key.path, expected, f"{leaf._ir_dtype}{list(leaf.shape)}")
+        error = _mismatch(artifact, key.path, expected, f"{leaf._ir_dtype}{list(leaf.shape)}")
+        if leaf._ir_dtype == key.dtype and dynamic is None and len(leaf.shape) == len(key.shape):
+            error.args = (error.args[0] + _dynamic_hint(key.path, key.shape, leaf.shape),)
+        raise error
+
+
+def _dynamic_hint(path: str, exported: tuple, passed: tuple) -> str:
+    """How to export an artifact that takes the sizes a call passed: the axes that differ made
+    dynamic, in bp.export's dynamic= form, keyed by the argument's name."""
+    axes = [axis for axis, (a, b) in enumerate(zip(exported, passed, strict=True)) if a != b]
+    argument = re.split(r"[\[.]", path, maxsplit=1)[0]
+    spec = ", ".join(f"{axis}: {'batch' if axis == 0 else f'n{axis}'!r}" for axis in axes)
+    return (
+        f", or, if the function takes any size there, export with dynamic={{{argument!r}: "
+        f"{{{spec}}}}} (the same symbol on the matching axes of the other arguments)"
+    )
 
 
 def _mismatch(artifact: str, path: str, expected: str, got: str) -> ExportError:

@@ -2,6 +2,7 @@
 batch sizes with the values of a plan traced for each size alone (the reference interpreter),
 compiled code included; what they cannot take is refused by name."""
 
+import ast
 import re
 
 import numpy as np
@@ -207,3 +208,22 @@ def test_loaded_dynamic_artifact_refuses_a_size_its_constant_slice_leaves(tmp_pa
     with pytest.raises(bp.ExportError) as info:
         loaded(w, big[:3])
     assert "at size 3" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_a_fixed_artifact_refusing_another_batch_says_the_dynamic_export_that_takes_it(tmp_path):
+    """The refusal's dynamic= spec, copied into bp.export, gives an artifact taking that size."""
+    example, other = np.ones((5, 6), np.float32), RNG.standard_normal((3, 6)).astype(np.float32)
+    fixed = bp.load(bp.export(bp.compile(model), W, example, path=tmp_path / "fixed.bpz"))
+    with pytest.raises(bp.ExportError, match=r"f32\[3, 6\]") as refused:
+        fixed(W, other)
+    spec = re.search(r"dynamic=(\{.*?\}\})", str(refused.value)).group(1)
+    assert spec == "{'x': {0: 'batch'}}"
+    any_batch = bp.load(
+        bp.export(
+            bp.compile(model), W, example, path=tmp_path / "any.bpz", dynamic=ast.literal_eval(spec)
+        )
+    )
+    np.testing.assert_allclose(any_batch(W, other).numpy(), expected(other)[0], rtol=1e-5)
+    with pytest.raises(bp.ExportError) as other_dtype:
+        fixed(W, example.astype(np.float64))
+    assert "dynamic=" not in str(other_dtype.value)
