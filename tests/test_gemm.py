@@ -315,13 +315,17 @@ def test_convolution_products_take_the_own_gemm_unless_narrow(monkeypatch):
     from backplan.codegen.kernels.gemm import choice
 
     monkeypatch.setenv("BACKPLAN_GEMM", "auto")
-    wide = isa.vector_width() == 512
-    for blas in (1, 2):
+    for width, blas in [(512, 1), (512, 2), (256, 1), (256, 2)]:
+        monkeypatch.setattr(choice, "vector_width", lambda width=width: width)
         monkeypatch.setattr(choice, "blas_threads", lambda blas=blas: blas)
-        assert choice.conv_gemm_width(32, 512, 144, "f32") == (512 if wide else 0)
-        assert choice.conv_gemm_width(16, 2048, 9, "f32") == (512 if wide else 0)  # small
+        assert choice.conv_gemm_width(32, 512, 144, "f32") == width
+        # small: the own GEMM on 512 bits; on 256 bits BLAS below CONV_OWN_MIN_K
+        assert choice.conv_gemm_width(16, 2048, 9, "f32") == (512 if width == 512 else 0)
+        assert choice.conv_gemm_width(144, 512, 32, "f32") == (512 if width == 512 else 0)
         assert choice.conv_gemm_width(16, 9, 2048, "f32") == 0  # nine columns: padding
+        assert choice.conv_gemm_width(16, 9, 2048, "f32", trans_b=True) == choice.ROW_DOTS
         assert choice.conv_gemm_width(32, 512, 144, "f64") == 0
+    monkeypatch.undo()
     monkeypatch.setenv("BACKPLAN_GEMM", "blas")
     assert choice.conv_gemm_width(32, 512, 144, "f32") == 0
     monkeypatch.setenv("BACKPLAN_GEMM", "own")
@@ -338,10 +342,10 @@ def test_convolution_products_take_the_own_gemm_unless_narrow(monkeypatch):
     vg = bp.value_and_grad(loss, argnums=(0,))
     with use_backend("numba"):
         source = vg.trace(w, x).runner().compiled.source
-    own = 512 if wide else 0
-    # forward 32 x 288 x 36, weight gradient 32 x 36 x 288 (n = 36 >= 32)
-    assert re.search(rf"\bconv2d_gemm\(.*, 1, {own}\)", source), source
-    assert re.search(rf"conv2d_weight_grad_gemm\(.*, 1, {own}\)", source), source
+    width = isa.vector_width()
+    # forward 32 x 288 x 36 (k = 36: BLAS on 256 bits), weight gradient 32 x 36 x 288
+    assert re.search(rf"\bconv2d_gemm\(.*, 1, {512 if width == 512 else 0}\)", source), source
+    assert re.search(rf"conv2d_weight_grad_gemm\(.*, 1, {width}\)", source), source
 
 
 def test_large_float32_products_run_the_own_gemm_in_blocks_where_blas_would_thread(monkeypatch):

@@ -101,6 +101,9 @@ def use_narrow_gemm(m: int, n: int, k: int, trans_a: bool, dtype: str) -> bool:
 
 
 ROW_DOTS = 1  # conv_gemm_width's answer for gemm/row_dots.py (C = A @ B.T as row dot products)
+# Convolution products on the 256-bit tile: own from CONV_OWN_MIN_K, row dots as on 512 bits
+CONV_OWN_CLASSES = {("f32", 256)}
+CONV_OWN_MIN_K = 64
 
 
 def conv_gemm_width(m: int, n: int, k: int, dtype: str, trans_b: bool = False) -> int:
@@ -112,16 +115,26 @@ def conv_gemm_width(m: int, n: int, k: int, dtype: str, trans_b: bool = False) -
     MIN_OWN_WORK, which matmuls keep from the Intel measurement above), but 1.47 for
     16x9x2048, nine columns wide. Matmuls of that size stay as use_own_gemm decides.
     A weight gradient's A @ B.T with a small C over a long k (that 16x9x2048: 38 GFLOP/s on
-    OpenBLAS, 43 on torch) runs as row dot products (ROW_DOTS, gemm/row_dots.py: 138)."""
+    OpenBLAS, 43 on torch) runs as row dot products (ROW_DOTS, gemm/row_dots.py: 138).
+
+    On the 256-bit tile (an AVX2 target: measured with every kernel compiled for znver3 on
+    one Zen 4 core, bench/isa_env.py's setting, OPENBLAS_CORETYPE=Haswell, 7 interleaved
+    rounds, load ~20) the same CNN's products ran own / OpenBLAS 1.49 (32x512x144, torch 0.93x
+    own) and 1.39 (32x144x512), but 0.68 for k = 9 (16x2048x9) and 0.97 for k = 32
+    (144x512x32): own from CONV_OWN_MIN_K; the 16x9x2048 weight gradient as row dots 64.9
+    GFLOP/s against OpenBLAS 28.8 and torch 30.0."""
     choice = forced_choice()
     if choice != "auto":
         return vector_width() if choice == "own" and dtype in ("f32", "f64") else 0
-    if (dtype, vector_width()) not in OWN_CLASSES:
+    width = vector_width()
+    if (dtype, width) not in OWN_CLASSES and (dtype, width) not in CONV_OWN_CLASSES:
         return 0
     if n < MIN_OWN_COLUMNS:
         small = m * n <= ROW_DOT_MAX_OUTPUTS and k >= ROW_DOT_MIN_K
         return ROW_DOTS if trans_b and small else 0
-    return vector_width()
+    if (dtype, width) not in OWN_CLASSES and k < CONV_OWN_MIN_K:
+        return 0
+    return width
 
 
 def own_parallel_parts(m: int, n: int, k: int, dtype: str, threads: int) -> int:
