@@ -14,6 +14,7 @@ import re
 import numpy as np
 
 from backplan.ir.types import dtype_name
+from backplan.runtime.execute import count_argument_copy
 from backplan.tracer.numpy_args import borrowed
 from backplan.tracer.pytree import TreeDef, flatten
 from backplan.tracer.signature import LeafKey
@@ -99,8 +100,10 @@ def borrowed_leaves(sources: list, positions: list[int]) -> frozenset[int]:
 
 
 def _argument_tensor(array: np.ndarray) -> Tensor:
-    if not array.dtype.isnative:
-        return Tensor(array)  # its values in this machine's order: a copy
+    if not array.dtype.isnative:  # its values in this machine's order: a copy explain counts
+        converted = Tensor(array)
+        count_argument_copy(converted._data)
+        return converted
     dtype_name(array.dtype)  # refuses complex, object, ... as Tensor(array) does
     return Tensor._from_array(borrowed(array))
 

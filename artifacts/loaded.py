@@ -12,12 +12,17 @@ from backplan.ir.argument_layout import C_ORDER, copied_inputs, layout
 from backplan.ir.graph import inline_graph
 from backplan.ir.pipeline import mark_copied
 from backplan.ir.types import np_dtype
-from backplan.report.argument_copies import mark_argument_copies, numpy_saved_inputs
+from backplan.report.argument_copies import (
+    mark_argument_copies,
+    mark_call_copies,
+    numpy_saved_inputs,
+)
 from backplan.report.report import ExplainReport, joint_report, region_report
 from backplan.runtime import RegionProgram, is_grad_enabled
-from backplan.tracer.compile import TracedFunction, run_traced
+from backplan.tracer.compile import TracedFunction, region_copies, run_traced
 from backplan.tracer.dynamic import DynamicEntry, SymbolicCall, dynamic_text, symbolic_key
 from backplan.tracer.functional import JointCall, JointTrace, _as_diff_arg, run_joint
+from backplan.tracer.numpy_args import joint_copies
 from backplan.tracer.planned import PlannedFunction
 from backplan.tracer.pytree import TreeDef, flatten, unflatten
 from backplan.tracer.signature import BoundCall, SignatureKey
@@ -336,10 +341,11 @@ class LoadedFunction(LoadedArtifact):
 
     def _report(self, traced: TracedFunction, call) -> ExplainReport:
         """Plans, saved buffers, peak bytes (for a call, the copies of its NumPy arguments)."""
-        program = self._in_layouts(traced, call).program
-        report = region_report(program)
+        variant = self._in_layouts(traced, call)
+        report = region_report(variant.program)
         if call is not None and call.sources:
-            mark_argument_copies(report, program, numpy_saved_inputs(program, call))
+            copies = numpy_saved_inputs(variant.program, call)
+            mark_argument_copies(report, variant.program, copies, *region_copies(variant, call))
         return report
 
 
@@ -465,7 +471,10 @@ class LoadedValueAndGrad(LoadedArtifact):
         names = [k.path for k in self._key.leaves if k.kind == "tensor"]
         names += self._captured_names
         entry = self._in_layouts(entry, None if bound is None else bound.call)
-        return joint_report(entry.plan, 1 + entry.n_aux, entry.wrt, names, self.name)
+        report = joint_report(entry.plan, 1 + entry.n_aux, entry.wrt, names, self.name)
+        if bound is not None:
+            mark_call_copies(report, frozenset(), *joint_copies(entry, bound.call))
+        return report
 
 
 def _copied(call: BoundCall | None) -> tuple:

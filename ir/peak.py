@@ -6,7 +6,8 @@ inputs (the caller's arrays), donated (inputs whose buffers outputs are written 
 constants, scratch (compiled arenas, kept across calls), workspace (what a compiled kernel
 allocates inside itself while it runs: conv2d's im2col columns, ir/kernel_workspace.py),
 copies (a compiled call's C-order copy of each argument passed in another layout,
-ir/argument_layout.py, held while that call runs), temporaries (reference interpreter only),
+ir/argument_layout.py, and a NumPy argument the call copies for itself alone: held while that
+call runs), temporaries (reference interpreter only),
 outputs, saved (forward values the backward reads), gradients.
 
 - Compiled (numba): every plan of the step keeps its scratch arena and constants for its whole
@@ -125,11 +126,15 @@ class PlanCall:
     """One plan run as part of a step. output_kinds: the category of each graph output.
     input_kinds: per graph input, "inputs", "donated", "copied" (a NumPy array the caller
     passed, which the step copies at the call and holds for its backward: the caller's array
-    and the copy, counted as saved until the step ends), "held" (a buffer an earlier call of
-    the step produced, already counted: a backward's saved inputs) or "cotangent" (backward()'s
-    seed, or the zeros of an output it did not start from: arrays backward() allocates, not the
-    caller's, counted as gradients while that call runs). held_from: for the
-    reference interpreter, input index -> (call, output index) of that earlier buffer."""
+    and the copy, counted as saved until the step ends), "copied out" (a NumPy array an output
+    reads, copied at the call: the copy is that output, held to the step's end), "copied in"
+    (a NumPy array copied for the call alone, held while it runs: another byte order, or on
+    the reference interpreter an array not in C order that a reshape reads), "held" (a buffer
+    an earlier call of the step produced, already counted: a backward's saved inputs) or
+    "cotangent" (backward()'s seed, or the zeros of an output it did not start from: arrays
+    backward() allocates, not the caller's, counted as gradients while that call runs).
+    held_from: for the reference interpreter, input index -> (call, output index) of that
+    earlier buffer."""
 
     label: str
     plan: Plan
@@ -172,12 +177,17 @@ def _input_bytes(calls: list[PlanCall]) -> dict:
     for call in calls:
         if call.idle:
             continue
-        for _, kind, nbytes in _input_sizes(call):
+        for i, kind, nbytes in _input_sizes(call):
             if kind in CALLER_OWNED:
                 held[kind] += nbytes
             elif kind == COPIED:  # the caller's array, and backplan's copy of it
                 held["inputs"] += nbytes
                 held["saved"] += nbytes
+            elif kind == COPIED_OUT:  # the copy is an output: held from the call on
+                held["inputs"] += nbytes
+                held["outputs"] += call.plan.graph.inputs[i].type.nbytes
+            elif kind == COPIED_IN:  # the copy is counted while its call runs (_copied_in)
+                held["inputs"] += nbytes
     return held
 
 
@@ -192,19 +202,25 @@ def _input_sizes(call: PlanCall):
 
 
 COPIED = "copied"
+COPIED_OUT = "copied out"
+COPIED_IN = "copied in"
 
 
-def with_argument_copies(calls: list[PlanCall] | None, inputs) -> list[PlanCall] | None:
+def with_argument_copies(
+    calls: list[PlanCall] | None, inputs, copy: str = COPIED
+) -> list[PlanCall] | None:
     """The step's calls where the forward inputs `inputs` are NumPy arrays the step copies at
-    the call and holds for the backward (tracer/numpy_args.py): the call taking the forward's
-    inputs (the forward, or a joint step's joint plan) marks them "copied"."""
+    the call (tracer/numpy_args.py): the call taking the forward's inputs (the forward, or a
+    joint step's joint plan) marks them `copy`: COPIED (held for the backward), COPIED_OUT
+    (an output reads it) or COPIED_IN (held while the call runs); an input marked already
+    keeps its mark."""
     if not calls or not inputs:
         return calls
     return [
         replace(
             c,
             input_kinds=tuple(
-                COPIED if i in inputs and kind == "inputs" else kind
+                copy if i in inputs and kind == "inputs" else kind
                 for i, kind in enumerate(c.input_kinds)
             ),
         )
@@ -221,6 +237,16 @@ def _cotangent_bytes(call: PlanCall) -> int:
         v.type.nbytes
         for v, kind in zip(call.plan.graph.inputs, call.input_kinds, strict=True)
         if kind == "cotangent"
+    )
+
+
+def _copied_in(call: PlanCall) -> int:
+    """Bytes of the NumPy arguments copied for this call alone (COPIED_IN), held while it runs."""
+    if COPIED_IN not in call.input_kinds:
+        return 0
+    inputs = call.plan.graph.inputs
+    return sum(
+        inputs[i].type.nbytes for i, kind in enumerate(call.input_kinds) if kind == COPIED_IN
     )
 
 
@@ -295,7 +321,7 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes
-        seed = _cotangent_bytes(call) + copy_bytes(low)
+        seed = _cotangent_bytes(call) + copy_bytes(low) + _copied_in(call)
         during = sum(held.values()) + seed + _kept_during(call.label, kept)
         peak = max(peak, during + _largest_workspace(low))
     return peak
@@ -354,7 +380,7 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
                 held[b.category] += b.nbytes  # allocated on entry, held to the step's end
         seed = _cotangent_bytes(call)  # backward()'s seed: made before it, freed after it
         held["gradients"] += seed
-        copies = copy_bytes(low)  # made on entry, freed when the call returns
+        copies = copy_bytes(low) + _copied_in(call)  # made on entry, freed when it returns
         for group in _driver_calls(low):
             running = dict(held, workspace=_workspace(group), copies=copies)
             steps.append(PeakStep(index, call.label, *_kernel_words(group), running))
@@ -433,6 +459,11 @@ def _reference_steps(calls: list[PlanCall]):
                 end = _copy_end(c, i, calls, offsets, frees, roots, total)
                 deltas[start]["saved"] += nbytes
                 deltas[min(end, total - 1) + 1]["saved"] -= nbytes
+            elif kind == COPIED_OUT:  # an output: held to the step's end
+                deltas[start]["outputs"] += graph.inputs[i].type.nbytes
+            elif kind == COPIED_IN:  # made before the call, freed when it returns
+                deltas[start]["copies"] += graph.inputs[i].type.nbytes
+                deltas[start + len(graph.nodes)]["copies"] -= graph.inputs[i].type.nbytes
         step_of = {node: step for step, node in enumerate(graph.nodes)}
         kinds: dict = {}
         for o, kind in zip(graph.outputs, call.output_kinds, strict=True):

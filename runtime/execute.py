@@ -40,6 +40,14 @@ def run_forward(
     return user_outputs, Region(program, saved, edges, loc, copies)
 
 
+def count_argument_copy(array: np.ndarray) -> np.ndarray:
+    """array, a copy of a caller's NumPy argument made for a call (tracer/numpy_args.py),
+    counted by the checked mode's open measurements while it lives, as explain counts it."""
+    if memory_check.checking():
+        memory_check.count_held([array_root(array)], "copies of NumPy arguments")
+    return array
+
+
 def _freeze_own_views(outputs: list, args: list, saved: list) -> None:
     """A compiled plan may return a view of its own output buffer (a reshape of it): read-only,
     the tensor wrapping it takes it as it is, where it copies a writeable view (someone else's

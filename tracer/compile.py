@@ -36,7 +36,7 @@ from .donate import (
 from .dynamic import checked_dynamic, sizes_planned_apart
 from .fastpath import positions_of
 from .float_checks import float_checks_of, run_float_checks
-from .numpy_args import input_tensor, kept_by_outputs, reference_copies
+from .numpy_args import call_copies, input_tensor, kept_by_outputs, reference_copies
 from .planned import (  # noqa: F401  (CacheInfo, RetraceWarning: public)
     DEFAULT_CACHE_SIZE,
     STALE,
@@ -360,7 +360,7 @@ class CompiledFunction(PlannedFunction):
     def _report(self, traced: TracedFunction, call):
         report = explain_traced(traced, self.cache_info())
         copies = numpy_saved_inputs(traced.program, call)  # copied at the call: backplan's
-        mark_argument_copies(report, traced.program, copies)
+        mark_argument_copies(report, traced.program, copies, *region_copies(traced, call))
         return report
 
     def _fit(self, entries: list[TracedFunction], sizes: list[int]):
@@ -497,6 +497,16 @@ def _kept_inputs(
 
 
 NONE = frozenset()
+
+
+def region_copies(traced: TracedFunction, call) -> tuple[frozenset, frozenset]:
+    """(kept, during) copies of the call's NumPy arguments for the forward plan on the
+    backend running now (numpy_args.call_copies): what explain counts beside the saved ones."""
+    if not call.sources:
+        return NONE, NONE
+    graph = traced.program.plans.forward.graph
+    sources = [call.sources[p] for p in call.tensor_positions]
+    return call_copies(graph, sources, traced.donated, current_backend() == "reference")
 
 
 def _saved_inputs(program: RegionProgram) -> frozenset[int]:

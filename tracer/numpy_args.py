@@ -16,6 +16,10 @@ The first call of a signature does the same (tracer/signature.py bind_call wraps
 NumPy array as a read-only view): what explain prints for a call is what it holds, first call
 included, on both backends.
 
+explain counts each of these copies where it is made (report/argument_copies.py: saved ones as
+saved, call_copies' as outputs or for the call's duration), and so does the checked mode
+(runtime/execute.py count_argument_copy).
+
 So changing the array after a call never changes what the call returned, nor the gradients a
 later backward computes. Changing it from another thread *during* the call is a data race, as
 it is for any NumPy function given that array.
@@ -32,6 +36,8 @@ from backplan.ir.argument_layout import same_layout
 from backplan.ir.graph import Graph
 from backplan.ir.layout import storage_root
 from backplan.ir.reference_storage import storage_roots
+from backplan.runtime.backend import current_backend
+from backplan.runtime.execute import count_argument_copy
 
 from .tensor import Tensor, read_only
 
@@ -61,7 +67,7 @@ def copied(array: np.ndarray, order: str = "C") -> np.ndarray:
     reads in place: ir/in_place_inputs.py; a broadcast one copied at its compact size)."""
     copy = same_layout(array) if order == "K" else np.array(array, order="C")
     read_only(copy)
-    return copy
+    return count_argument_copy(copy)
 
 
 def input_array(leaf, copy) -> np.ndarray:
@@ -115,6 +121,34 @@ def reference_copies(graph: Graph, kept: set[int], leaves: list) -> list:
         else ("K" if k in kept else False)
         for k, (leaf, array) in enumerate(zip(leaves, arrays, strict=True))
     ]
+
+
+def call_copies(
+    graph: Graph, leaves: list, donated=(), reference: bool = False
+) -> tuple[frozenset[int], frozenset[int]]:
+    """(kept, during): the graph inputs passed as NumPy arrays in `leaves` (the plan's order)
+    that the call copies because an output reads them (kept_by_outputs: the copy is that
+    output), and those it copies for the call alone: an array in another byte order (its
+    values converted), and on the reference interpreter one not in C order that a reshape
+    reads (reference_copies). Donated ones are left out (written with outputs)."""
+    arrays = {k for k, leaf in enumerate(leaves) if isinstance(leaf, np.ndarray)} - set(donated)
+    if not arrays:
+        return frozenset(), frozenset()
+    kept = kept_by_outputs(graph, reference) & arrays
+    during = {k for k in arrays if not leaves[k].dtype.isnative}
+    if reference:
+        reshaped = reshaped_inputs(graph) & arrays
+        during |= {k for k in reshaped if not leaves[k].flags.c_contiguous}
+    return frozenset(kept), frozenset(during)
+
+
+def joint_copies(entry, call) -> tuple[frozenset[int], frozenset[int]]:
+    """call_copies for a joint plan's call (entry: tracer/functional.py JointTrace) on the
+    backend running now: the copies explain counts (a joint plan saves nothing past it)."""
+    if not getattr(call, "sources", None):
+        return frozenset(), frozenset()
+    sources = [call.sources[p] for p in call.tensor_positions]
+    return call_copies(entry.plan.graph, sources, (), current_backend() == "reference")
 
 
 def reshaped_inputs(graph: Graph) -> set[int]:

@@ -7,10 +7,12 @@ import inspect
 import re
 from dataclasses import replace
 
+from backplan.report.argument_copies import mark_call_copies
 from backplan.report.report import ExplainReport, InnerJoint, joint_report, region_report
 
 from .budget import rebuilt_joint
 from .captured_names import captured_names
+from .numpy_args import joint_copies
 from .source import loc_text, user_frame_loc
 
 
@@ -67,7 +69,7 @@ def explain_joint(entry, call, fn, cache_info) -> ExplainReport:
     """The report of one signature of value_and_grad: its joint plan."""
     names = _joint_input_names(entry, call, fn)
     name = getattr(fn, "__name__", "fn")
-    return joint_report(
+    report = joint_report(
         entry.plan,
         1 + entry.n_aux,
         entry.wrt,
@@ -76,6 +78,8 @@ def explain_joint(entry, call, fn, cache_info) -> ExplainReport:
         traces=cache_info.traces,
         retrace_reason=cache_info.last_miss_reason,
     )
+    mark_call_copies(report, frozenset(), *joint_copies(entry, call))
+    return report
 
 
 def named_reason(fn, reason: str) -> str:

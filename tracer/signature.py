@@ -24,6 +24,7 @@ from backplan.ir.argument_layout import (
 from backplan.ir.errors import DtypeError
 from backplan.ir.types import dtype_name
 from backplan.runtime import is_grad_enabled
+from backplan.runtime.execute import count_argument_copy
 
 from .errors import TracingError
 from .numpy_args import borrowed
@@ -175,8 +176,11 @@ def _argument_tensor(fn, path: str, array: np.ndarray, order: str = C_ORDER) -> 
             return Tensor._from_array(borrowed(array))
         if order.startswith((BROADCAST, REVERSED, SLICED)):
             compact = Tensor(base(array, order))  # checked and copied, in C order
+            count_argument_copy(compact._data)
             return Tensor._from_array(viewed(compact._data, order, array.shape))
-        return Tensor(array)
+        converted = Tensor(array)
+        count_argument_copy(converted._data)  # explain counts it (numpy_args.call_copies)
+        return converted
     except DtypeError as exc:
         loc = user_frame_loc()
         where = f" at {loc_text(loc)}" if loc is not None else ""
