@@ -32,6 +32,8 @@ PARTS = (
     ("strided copies", "lowering", "copy_strided_reshapes", 2),
     ("fusion grouping", "lowering", "group_kernels", 2),
     ("cheap inputs recomputed", "fusion", "_recompute_cheap_inputs", 3),
+    ("their cones over the frontier", "fusion", "_cones_over_frontier", 4),
+    ("readers of the values those weigh", "fusion", "_readers", 4),
     ("state resumed where rows share nodes", "grouping_resume", "resumed_state", 3),
     ("buffers needed", "lowering", "materialized", 2),
     ("epilogues", "lowering", "absorb_epilogues", 2),
