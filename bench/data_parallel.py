@@ -245,6 +245,8 @@ def training_steps(
         train.step.wait_for_driver(held[0], *batch, timeout=600)
         if shard and parts is not None:
             zero_parts(train, parts)
+        elif parts is not None:  # the unsharded step's update of every parameter, to compare
+            train._update = _timed(parts, "unsharded update", train._update)
         calls[name] = _loop_call(train, held, batch, None if faults is None else faults, name)
     return calls
 
@@ -279,29 +281,39 @@ def zero_parts(train, parts: dict) -> None:
     this process only: it wraps the class's methods and the step's update)."""
     from backplan.distributed.sharding import ShardedExchange
 
-    def timed(name, function):
-        samples = parts.setdefault(name, [])
-
-        def run(*args, **kwargs):
-            wall, cpu = time.perf_counter(), time.thread_time()
-            result = function(*args, **kwargs)
-            samples.append((time.perf_counter() - wall, time.thread_time() - cpu))
-            return result
-
-        return run
-
     for name in ("start", "finish", "gather"):
-        setattr(ShardedExchange, name, timed(name, getattr(ShardedExchange, name)))
-    train._update = timed("update", train._update)
+        setattr(ShardedExchange, name, _timed(parts, name, getattr(ShardedExchange, name)))
+    train._update = _timed(parts, "update", train._update)
+
+
+def _timed(parts: dict, name: str, function):
+    """function, recording the (wall, CPU) seconds of each call in parts[name]."""
+    samples = parts.setdefault(name, [])
+
+    def run(*args, **kwargs):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        result = function(*args, **kwargs)
+        samples.append((time.perf_counter() - wall, time.thread_time() - cpu))
+        return result
+
+    return run
 
 
 def zero_parts_text(parts: dict) -> str:
-    """The parts' medians, wall / CPU ms per call."""
+    """The parts' medians, wall / CPU ms per call, and the unsharded step's update of every
+    parameter beside them (its fresh outputs' page faults show there)."""
     said = []
     for name, text in ZERO_PARTS.items():
-        wall, cpu = (float(np.median([s[i] for s in parts[name]])) * 1e3 for i in (0, 1))
-        said.append(f"{text} {wall:.2f} / {cpu:.2f}")
-    return "ZeRO-1 parts, median wall / CPU ms per call: " + ", ".join(said)
+        said.append(f"{text} {_medians_text(parts[name])}")
+    text = "ZeRO-1 parts, median wall / CPU ms per call: " + ", ".join(said)
+    if parts.get("unsharded update"):
+        text += f"; the unsharded step's update {_medians_text(parts['unsharded update'])}"
+    return text
+
+
+def _medians_text(samples: list) -> str:
+    wall, cpu = (float(np.median([s[i] for s in samples])) * 1e3 for i in (0, 1))
+    return f"{wall:.2f} / {cpu:.2f}"
 
 
 def zero_state_text(vg, bucket_bytes, params, batch) -> str:
