@@ -115,3 +115,22 @@ def test_liveness_is_worked_out_from_the_graph_as_planned():
     assert plan.frees_after == {1: [y]}
     other.last_read = {}
     assert other.last_read == {} and other.frees_after == {1: [y]}
+
+
+def test_liveness_read_from_many_threads_at_once_is_filled_once():
+    """Threads reading a new plan's liveness together all get the same maps (one fill)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    graph = Graph()
+    x = graph.add_input(TensorType("f32", (4,)))
+    nodes, value = [], x
+    for _ in range(2000):
+        value = Value("neg", (value,), {}, TensorType("f32", (4,)))
+        nodes.append(value)
+    graph.nodes, graph.outputs = nodes, [value]
+    for _ in range(5):
+        plan = plan_liveness(graph)
+        with ThreadPoolExecutor(8) as pool:
+            read = list(pool.map(lambda p: (p.frees_after, p.last_read), [plan] * 8))
+        assert all(f is read[0][0] and last is read[0][1] for f, last in read)
+        assert (plan.first_write, plan.last_read, plan.frees_after) == _eager(plan)
