@@ -372,14 +372,9 @@ def main(argv=None) -> int:
             ok = ok and same
             print(text, flush=True)
         return 0 if ok else 1
-    from .memory import row
+    from .memory import HEADER, row
 
-    print(
-        "| program | step | scale | predicted peak | arrays passed in | predicted growth | "
-        "measured growth (VmHWM - VmRSS), fresh process | GEMM packing buffers | not "
-        "predicted | measured growth, primed process | GEMM packing buffers | not predicted |"
-    )
-    print("|" + " --- |" * 12)
+    print(HEADER.format(what="program"))
     for name in names:
         found = measure(name, args.scale)
         if not (found["driver_loaded_before"] and found["primed"]["driver_loaded_before"]):

@@ -44,4 +44,4 @@ def test_the_fresh_processes_import_the_programs_by_their_module_name(monkeypatc
     monkeypatch.setattr(memory_programs, "__name__", "__main__")
     assert memory_programs.main(["--programs", "cnn", "--scale", "1"]) == 0
     assert calls == [(f, "backplan.bench.memory_programs") for f in ("warm", "child", "child")]
-    assert "| cnn | cnn | 1 | 1 | 1 | 1 | 1 | 0 |" in capsys.readouterr().out
+    assert "| cnn | cnn | 1 | 1 | 1 | 1 | 1 | 0 / 0 |" in capsys.readouterr().out

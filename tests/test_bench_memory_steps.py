@@ -19,6 +19,7 @@ def test_a_first_step_is_compared_with_the_whole_peak(kind):
     assert predicted.at_peak().get("workspace", 0) > 0
     assert found["expected_growth"] == predicted.peak_bytes - predicted.input_bytes
     assert found["expected_growth"] > predicted.allocated_peak_bytes
+    assert isinstance(found["gemm_packing_written"], int)
     if kind == "compile":
         plans = {s.plan for s in predicted.steps}
         assert plans == {"forward", "backward"}
