@@ -4,6 +4,7 @@ import sys
 import tomllib
 
 import pytest
+from cpu_per_test import CpuPerTest
 from hypothesis import HealthCheck, settings
 from long_first import long_first
 
@@ -69,6 +70,21 @@ if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller, or a run in one p
     _package_bytecode_compiled()
 
 MAX_WORKERS = 4  # each worker imports Numba and compiles; more share one disk cache for little gain
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-per-test",
+        metavar="PATH",
+        help="write each test's CPU seconds (own + children) to PATH (tests/cpu_per_test.py)",
+    )
+
+
+def pytest_configure(config):
+    path = config.getoption("--cpu-per-test")
+    if path:
+        worker = getattr(config, "workerinput", {}).get("workerid")
+        config.pluginmanager.register(CpuPerTest(os.path.abspath(path), worker), "cpu-per-test")
 
 
 @pytest.hookimpl(optionalhook=True)
