@@ -93,6 +93,113 @@ def assert_ranks_ok(result, ranks: int = 2) -> None:
         assert f"rank {rank} ok" in result.stdout, detail
 
 
+# ---- several tests' scripts in one mpiexec launch ------------------------------------------------
+# Each `mpiexec -n 2` costs ~1.3 CPU s before a script runs (two interpreters importing backplan,
+# NumPy and mpi4py, MPI's start). Scripts that leave no state a later one would see (no module
+# patched, no environment changed, the reference backend) run one after another in one launch,
+# each in its own namespace, its output in a file per rank; each test reads its own script's
+# outputs, so a failure names that test and shows that script's traceback on each rank.
+
+ONE_LAUNCH_RUNNER = """
+import contextlib, faulthandler, gc, os, sys, traceback
+from mpi4py import MPI
+
+for name in sys.argv[2:]:
+    with open(f"{name}.rank{MPI.COMM_WORLD.rank}.out", "w", buffering=1) as out:
+        faulthandler.dump_traceback_later(float(sys.argv[1]), exit=True, file=out)
+        saved = dict(os.environ)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                with open(f"{name}.py") as source:
+                    code = compile(source.read(), f"{name}.py", "exec")
+                exec(code, {"__name__": "__main__", "__file__": f"{name}.py"})
+            except BaseException:
+                traceback.print_exc()
+                print("script failed")
+            else:
+                print("script passed")
+            os.environ.clear()
+            os.environ.update(saved)
+            gc.collect()  # what the script made is let go, as at its process's end
+            MPI.COMM_WORLD.Barrier()  # a rank that hangs in the script: the timeout names it
+        faulthandler.cancel_dump_traceback_later()
+"""
+
+
+def in_one_launch(body: str, reduction: str = "shared"):
+    """Marks a test whose script (PRELUDE + body, two ranks, the reference backend,
+    BACKPLAN_DP_REDUCTION=reduction) runs in the launch the `launched` fixture shares."""
+
+    def mark(test):
+        test.one_launch = (textwrap.dedent(body), reduction)
+        return test
+
+    return mark
+
+
+_launches: dict = {}  # the scripts' names -> (folder of their outputs, the launch's result)
+
+
+@pytest.fixture
+def launched(request, tmp_path_factory):
+    """A callable giving this test's script's result (stdout: each rank's output; returncode 0
+    when it passed on both ranks). The first test of this process to ask starts one launch of
+    every such script of the session, in the session's order."""
+    scripts = {
+        item.function.__name__: item.function.one_launch
+        for item in request.session.items
+        if hasattr(getattr(item, "function", None), "one_launch")
+    }
+    if tuple(scripts) not in _launches:
+        folder = tmp_path_factory.mktemp("one_launch")
+        for name, (body, reduction) in scripts.items():
+            chosen = f"import os\nos.environ['BACKPLAN_DP_REDUCTION'] = {reduction!r}\n"
+            (folder / f"{name}.py").write_text(chosen + PRELUDE + body)
+        (folder / "runner.py").write_text(ONE_LAUNCH_RUNNER)
+        env = dict(os.environ, BACKPLAN_BACKEND="reference", BACKPLAN_DRIVER="inline")
+        env["NUMBA_NUM_THREADS"] = "1"
+        command = [MPIEXEC, "-n", "2", sys.executable, "runner.py", str(TIMEOUT_S), *scripts]
+        try:
+            launch = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S * (len(scripts) + 1),
+                env=env,
+                cwd=folder,
+            )
+        except subprocess.TimeoutExpired as expired:
+            launch = subprocess.CompletedProcess(command, -1, str(expired.stdout), str(expired))
+        _launches[tuple(scripts)] = folder, launch
+    folder, launch = _launches[tuple(scripts)]
+    return lambda: _script_result(folder, launch, request.function.__name__)
+
+
+def _last_started(folder) -> str:
+    started = sorted(folder.glob("*.rank*.out"), key=lambda path: path.stat().st_mtime_ns)
+    return started[-1].name.split(".")[0] if started else "its start"
+
+
+def _script_result(folder, launch, name: str) -> subprocess.CompletedProcess:
+    """One script's outputs in a launch, as if it had run alone."""
+    outputs, passed = [], True
+    for rank in range(2):
+        path = folder / f"{name}.rank{rank}.out"
+        text = path.read_text() if path.exists() else ""
+        if not text.rstrip().endswith("script passed"):
+            passed = False
+            if not path.exists():
+                text = f"(not started: the launch ended in {_last_started(folder)})\n"
+            elif "script failed" not in text:
+                text += "(did not finish: it timed out or the launch ended in it)\n"
+        outputs.append(f"--- rank {rank}, {name} ---\n{text}")
+    stderr = (
+        f"the launch in {folder}: return code {launch.returncode}\n"
+        f"its stdout:\n{launch.stdout}\nits stderr:\n{launch.stderr}"
+    )
+    return subprocess.CompletedProcess(launch.args, 0 if passed else 1, "".join(outputs), stderr)
+
+
 # ---- in this process, no MPI ---------------------------------------------------------------------
 
 
@@ -376,10 +483,8 @@ def test_data_parallel_needs_value_and_grad():
 
 
 @needs_mpi
-def test_two_ranks_average_to_the_full_batch_and_stay_identical(tmp_path):
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))  # rank 0's weights everywhere
         step = bpd.data_parallel(vg, check_replicas=True, bucket_bytes=300)
         xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
@@ -418,7 +523,9 @@ def test_two_ranks_average_to_the_full_batch_and_stay_identical(tmp_path):
             print(report)
         print(f"rank {rank} ok")
         """,
-    )
+)
+def test_two_ranks_average_to_the_full_batch_and_stay_identical(launched):
+    result = launched()
     assert_ranks_ok(result)
     assert "bucket" in result.stdout and "grad['w0']" in result.stdout
     assert "on 2 ranks" in result.stdout
@@ -557,16 +664,8 @@ def test_under_background_drivers_a_big_plan_still_starts_its_buckets_inside(tmp
 
 
 @needs_mpi
-def test_16_bit_parameters_broadcast_sum_and_shard(tmp_path):
-    """bfloat16 and float16 parameters: mpi4py takes no bfloat16 and MPI sums no 16-bit float,
-    so every 16-bit gradient bucket failed in its allreduce (BufferError: DLPack only supports
-    ... float and complex dtypes) and ZeRO-1 lost bfloat16 in its layout ('dtype |V2 is not
-    supported'). Broadcast and all-gather move the bits, sums run in float32 and are rounded
-    once: the gradients keep their dtype and follow the one-process step on the whole batch;
-    ZeRO-1 gives the unsharded step's bytes. Unequal rows (4 and 3) on the plain step."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         import ml_dtypes
         for half in (ml_dtypes.bfloat16, np.float16):
             start = {k: bp.tensor(v.numpy().astype(half), requires_grad=True)
@@ -609,8 +708,16 @@ def test_16_bit_parameters_broadcast_sum_and_shard(tmp_path):
             bpd.check_replicas(stepped[True][0])
         print(f"rank {rank} ok")
         """,
-        reduction="mpi",  # reads the MPI send buffers' bytes
-    )
+    reduction="mpi",  # reads the MPI send buffers' bytes
+)
+def test_16_bit_parameters_broadcast_sum_and_shard(launched):
+    """bfloat16 and float16 parameters: mpi4py takes no bfloat16 and MPI sums no 16-bit float,
+    so every 16-bit gradient bucket failed in its allreduce (BufferError: DLPack only supports
+    ... float and complex dtypes) and ZeRO-1 lost bfloat16 in its layout ('dtype |V2 is not
+    supported'). Broadcast and all-gather move the bits, sums run in float32 and are rounded
+    once: the gradients keep their dtype and follow the one-process step on the whole batch;
+    ZeRO-1 gives the unsharded step's bytes. Unequal rows (4 and 3) on the plain step."""
+    result = launched()
     assert_ranks_ok(result)
 
 
@@ -825,13 +932,8 @@ def test_the_compiled_step_starts_16_bit_buckets_itself_on_two_ranks(tmp_path):
 
 
 @needs_mpi
-def test_unequal_shards_weight_each_rank_by_its_rows(tmp_path):
-    """7 rows on 2 ranks are 4 and 3: the mean of the two ranks' means is not the batch's mean
-    (it differed by 8e-2); weighted by rows it is, in both step modes. Batch arguments that
-    disagree about a rank's rows are refused on every rank."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
         x7, y7 = x[:7], y[:7]
         rows = (slice(0, 4), slice(4, 7))[rank]  # as bpd.shard(x7, rank, size) splits them
@@ -855,7 +957,12 @@ def test_unequal_shards_weight_each_rank_by_its_rows(tmp_path):
             raise AssertionError("batch arguments of different rows went unnoticed")
         print(f"rank {rank} ok")
         """,
-    )
+)
+def test_unequal_shards_weight_each_rank_by_its_rows(launched):
+    """7 rows on 2 ranks are 4 and 3: the mean of the two ranks' means is not the batch's mean
+    (it differed by 8e-2); weighted by rows it is, in both step modes. Batch arguments that
+    disagree about a rank's rows are refused on every rank."""
+    result = launched()
     assert_ranks_ok(result)
 
 
@@ -1489,10 +1596,8 @@ def test_one_rank_without_mpiexec_is_the_plain_step(tmp_path):
 
 
 @needs_mpi
-def test_mismatched_ranks_raise_on_every_rank_before_any_gradient_moves(tmp_path):
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         def expect_mismatch(params, *pieces):
             try:
                 bpd.data_parallel(vg)(params, bpd.shard(x, rank, size), bpd.shard(y, rank, size))
@@ -1519,20 +1624,15 @@ def test_mismatched_ranks_raise_on_every_rank_before_any_gradient_moves(tmp_path
             raise AssertionError("broadcast mismatch went unnoticed")
         print(f"rank {rank} ok")
         """,
-    )
+)
+def test_mismatched_ranks_raise_on_every_rank_before_any_gradient_moves(launched):
+    result = launched()
     assert_ranks_ok(result)
 
 
 @needs_mpi
-def test_ranks_calling_steps_made_differently_raise_instead_of_mixing_their_sums(tmp_path):
-    """A step that averages paired with one that sums, or a ZeRO-1 step with an unsharded one,
-    exchanged buckets of the same layout: every rank got a different answer and none raised
-    (the sharded pair mixed a reduce-scatter with an allreduce). The agreement now carries the
-    step's kind; every rank raises RankMismatchError naming the setting, and a step made alike
-    then runs on every rank."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         params = bpd.broadcast(init_mlp([8, 16, 4]))
         xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
         try:
@@ -1554,7 +1654,14 @@ def test_ranks_calling_steps_made_differently_raise_instead_of_mixing_their_sums
         np.testing.assert_allclose(loss.item(), full_loss.item(), rtol=1e-6)
         print(f"rank {rank} ok")
         """,
-    )
+)
+def test_ranks_calling_steps_made_differently_raise_instead_of_mixing_their_sums(launched):
+    """A step that averages paired with one that sums, or a ZeRO-1 step with an unsharded one,
+    exchanged buckets of the same layout: every rank got a different answer and none raised
+    (the sharded pair mixed a reduce-scatter with an allreduce). The agreement now carries the
+    step's kind; every rank raises RankMismatchError naming the setting, and a step made alike
+    then runs on every rank."""
+    result = launched()
     assert_ranks_ok(result)
 
 
@@ -1750,14 +1857,8 @@ def test_shard_optimizer_refuses_what_it_cannot_shard():
 
 
 @needs_mpi
-def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(tmp_path):
-    """ZeRO-1 on 2 ranks: each rank keeps half of every moment, and three steps of sgd with
-    momentum and of adam give the bytes of the unsharded step (and the one-process run on the
-    whole batch to f32 rounding), with ranks of 4 and 3 rows too; explain reports the state per
-    rank."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         params = bpd.broadcast(init_mlp([8, 15, 4], seed=rank))  # b0: 15 elements, 8 and 7
         xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
         for opt in (bp.optim.sgd(0.1, momentum=0.9), bp.optim.adam(0.01)):
@@ -1849,8 +1950,14 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
             print(report)
         print(f"rank {rank} ok")
         """,
-        reduction="mpi",  # reads the MPI send buffers' bytes
-    )
+    reduction="mpi",  # reads the MPI send buffers' bytes
+)
+def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(launched):
+    """ZeRO-1 on 2 ranks: each rank keeps half of every moment, and three steps of sgd with
+    momentum and of adam give the bytes of the unsharded step (and the one-process run on the
+    whole batch to f32 rounding), with ranks of 4 and 3 rows too; explain reports the state per
+    rank."""
+    result = launched()
     assert_ranks_ok(result)
     assert "of optimizer state per rank" in result.stdout and "ZeRO-1" in result.stdout
     said = " ".join(result.stdout.split())
@@ -1859,14 +1966,8 @@ def test_sharded_optimizer_steps_exactly_as_unsharded_and_close_to_one_process(t
 
 
 @needs_mpi
-def test_a_step_whose_buckets_start_after_the_call_posts_its_agreement_before_the_plan(tmp_path):
-    """ZeRO-1 and overlap=False start their exchange after the plan: the agreement of layouts
-    is posted (non-blocking) before the plan runs and waited for after it, so the ranks meet
-    once after the plan (in the exchange), not once more in the agreement; the values stay
-    those of the step and a mismatch is still caught before any gradient moves."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         from backplan.distributed import sharding
         events = []
         class Recording:  # the value_and_grad the step runs, noting when its plan runs
@@ -1905,7 +2006,13 @@ def test_a_step_whose_buckets_start_after_the_call_posts_its_agreement_before_th
             assert events == ["agreement posted", "plan", "agreement waited"], (kind, events)
         print(f"rank {rank} ok")
         """,
-    )
+)
+def test_a_step_whose_buckets_start_after_the_call_posts_its_agreement_before_the_plan(launched):
+    """ZeRO-1 and overlap=False start their exchange after the plan: the agreement of layouts
+    is posted (non-blocking) before the plan runs and waited for after it, so the ranks meet
+    once after the plan (in the exchange), not once more in the agreement; the values stay
+    those of the step and a mismatch is still caught before any gradient moves."""
+    result = launched()
     assert_ranks_ok(result)
 
 
@@ -1925,17 +2032,10 @@ xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
 
 
 @needs_mpi
-def test_a_rank_whose_plan_raises_after_the_agreement_leaves_the_ranks_in_step(tmp_path):
-    """Rank 0's plan raises after the call posted its agreement, and the script catches it and
-    calls again. Rank 0 completes the call's exchange with NaN: rank 1 gets RankFailedError
-    naming rank 0 and its error, nothing is applied, and the next call on both ranks pairs
-    with the next call (before: rank 0's next agreement met rank 1's gradient collective, an
-    MPI error). Plain step, unsharded and ZeRO-1 training; unequal rows too."""
-    result = run_script(
-        tmp_path,
-        FAILING_PLAN
-        + textwrap.dedent(
-            """
+@in_one_launch(
+    FAILING_PLAN
+    + textwrap.dedent(
+        """
         opt = bp.optim.adam(0.01)
         for kind in ("plain", "unsharded", "zero1", "unequal rows"):
             rows = (xs, ys) if kind != "unequal rows" else (xs[: 8 - rank], ys[: 8 - rank])
@@ -1970,24 +2070,23 @@ def test_a_rank_whose_plan_raises_after_the_agreement_leaves_the_ranks_in_step(t
             assert all((a[k].numpy() == b[k].numpy()).all() for k in params), kind
         print(f"rank {rank} ok")
         """
-        ),
-    )
+    ),
+)
+def test_a_rank_whose_plan_raises_after_the_agreement_leaves_the_ranks_in_step(launched):
+    """Rank 0's plan raises after the call posted its agreement, and the script catches it and
+    calls again. Rank 0 completes the call's exchange with NaN: rank 1 gets RankFailedError
+    naming rank 0 and its error, nothing is applied, and the next call on both ranks pairs
+    with the next call (before: rank 0's next agreement met rank 1's gradient collective, an
+    MPI error). Plain step, unsharded and ZeRO-1 training; unequal rows too."""
+    result = launched()
     assert_ranks_ok(result)
 
 
 @needs_mpi
-def test_a_rank_that_raises_before_the_agreement_tells_the_others_there(tmp_path):
-    """Rank 0's call raises before the ranks agree on it (tracing a batch of the wrong width):
-    it posts the agreement marked failed, so rank 1 raises RankFailedError instead of waiting,
-    and the next calls pair. Accumulating, rank 0's first micro-batch raises (no MPI call on
-    either rank): the round's last call raises RankFailedError on both ranks, naming rank 0's
-    call 1, and the next round pairs and gives the bytes of a fresh step's round. Before: rank
-    1 waited in the agreement, which rank 0's next call met (the next round's calls shifted)."""
-    result = run_script(
-        tmp_path,
-        FAILING_PLAN
-        + textwrap.dedent(
-            """
+@in_one_launch(
+    FAILING_PLAN
+    + textwrap.dedent(
+        """
         def outcome(call):
             try:
                 return call(), None
@@ -2025,25 +2124,24 @@ def test_a_rank_that_raises_before_the_agreement_tells_the_others_there(tmp_path
         assert all((rounds[0][1][k].numpy() == rounds[1][1][k].numpy()).all() for k in params)
         print(f"rank {rank} ok")
         """
-        ),
-    )
+    ),
+)
+def test_a_rank_that_raises_before_the_agreement_tells_the_others_there(launched):
+    """Rank 0's call raises before the ranks agree on it (tracing a batch of the wrong width):
+    it posts the agreement marked failed, so rank 1 raises RankFailedError instead of waiting,
+    and the next calls pair. Accumulating, rank 0's first micro-batch raises (no MPI call on
+    either rank): the round's last call raises RankFailedError on both ranks, naming rank 0's
+    call 1, and the next round pairs and gives the bytes of a fresh step's round. Before: rank
+    1 waited in the agreement, which rank 0's next call met (the next round's calls shifted)."""
+    result = launched()
     assert_ranks_ok(result)
 
 
 @needs_mpi
-def test_a_rank_whose_update_raises_tells_the_others(tmp_path):
-    """Rank 0's ZeRO-1 update raises (between the reduce-scatter and the all-gather): it joins
-    the all-gather with NaN in place of its range, rank 1 raises RankFailedError instead of waiting
-    there (before: forever, or returning rank 0's stale range), and the next call, from the
-    same parameters and state, gives the bytes of the unsharded step. Unsharded, rank 1 has
-    applied its update when rank 0's raises: rank 0's next call tells rank 1 (RankFailedError:
-    the ranks no longer hold the same parameters) and raises RankOutOfStepError (before: the
-    ranks went on from different parameters, silently)."""
-    result = run_script(
-        tmp_path,
-        FAILING_PLAN
-        + textwrap.dedent(
-            """
+@in_one_launch(
+    FAILING_PLAN
+    + textwrap.dedent(
+        """
         opt = bp.optim.adam(0.01)
         train = bpd.data_parallel(vg, optimizer=opt, shard_optimizer=True)
         p, state, _ = train(params, train.init(params), xs, ys)
@@ -2093,8 +2191,17 @@ def test_a_rank_whose_update_raises_tells_the_others(tmp_path):
         assert "the ranks no longer hold the same parameters" in said, said
         print(f"rank {rank} ok")
         """
-        ),
-    )
+    ),
+)
+def test_a_rank_whose_update_raises_tells_the_others(launched):
+    """Rank 0's ZeRO-1 update raises (between the reduce-scatter and the all-gather): it joins
+    the all-gather with NaN in place of its range, rank 1 raises RankFailedError instead of waiting
+    there (before: forever, or returning rank 0's stale range), and the next call, from the
+    same parameters and state, gives the bytes of the unsharded step. Unsharded, rank 1 has
+    applied its update when rank 0's raises: rank 0's next call tells rank 1 (RankFailedError:
+    the ranks no longer hold the same parameters) and raises RankOutOfStepError (before: the
+    ranks went on from different parameters, silently)."""
+    result = launched()
     assert_ranks_ok(result)
 
 
@@ -2193,14 +2300,8 @@ def test_a_rank_that_raises_around_its_compiled_step_settles_or_says_it_is_out_o
 
 
 @needs_mpi
-def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
-    """accumulate=2: the first call of a round exchanges nothing (rank 1 does not reach its
-    first call until rank 0 has finished its own, and a collective there would time out); the
-    second returns the 4 micro-batches' mean over both ranks, the whole batch's; with a sharded
-    optimizer it steps as one step on the whole batch."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         from mpi4py import MPI
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
         xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
@@ -2236,21 +2337,19 @@ def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(tmp_path):
             raise AssertionError("micro-batches of different rows went unnoticed")
         print(f"rank {rank} ok")
         """,
-    )
+)
+def test_accumulate_exchanges_once_per_k_calls_as_one_big_batch(launched):
+    """accumulate=2: the first call of a round exchanges nothing (rank 1 does not reach its
+    first call until rank 0 has finished its own, and a collective there would time out); the
+    second returns the 4 micro-batches' mean over both ranks, the whole batch's; with a sharded
+    optimizer it steps as one step on the whole batch."""
+    result = launched()
     assert_ranks_ok(result)
 
 
 @needs_mpi
-def test_accumulated_16_bit_gradients_are_summed_in_float32_and_rounded_once(tmp_path):
-    """accumulate=4 with bfloat16 and float16 parameters: the micro-batches' gradients are added
-    in float32 and rounded into the 16-bit dtype once, after the sum over the ranks, as one big
-    batch's would be (they were added in 16 bits: bfloat16 keeps 8 bits, so each of the k - 1
-    additions rounded). The reference adds every rank's micro-batch gradients in float32 here;
-    the 16-bit running sum it replaces differs from it on these batches. ZeRO-1 with the same
-    accumulation returns the loss in its dtype and the unsharded step's parameters."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         import ml_dtypes
         k = 4
         for half in (ml_dtypes.bfloat16, np.float16):
@@ -2306,7 +2405,15 @@ def test_accumulated_16_bit_gradients_are_summed_in_float32_and_rounded_once(tmp
                 assert (stepped[False][0][n].numpy() == one[n].numpy()).all(), n
         print(f"rank {rank} ok")
         """,
-    )
+)
+def test_accumulated_16_bit_gradients_are_summed_in_float32_and_rounded_once(launched):
+    """accumulate=4 with bfloat16 and float16 parameters: the micro-batches' gradients are added
+    in float32 and rounded into the 16-bit dtype once, after the sum over the ranks, as one big
+    batch's would be (they were added in 16 bits: bfloat16 keeps 8 bits, so each of the k - 1
+    additions rounded). The reference adds every rank's micro-batch gradients in float32 here;
+    the 16-bit running sum it replaces differs from it on these batches. ZeRO-1 with the same
+    accumulation returns the loss in its dtype and the unsharded step's parameters."""
+    result = launched()
     assert_ranks_ok(result)
 
 
