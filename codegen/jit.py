@@ -12,6 +12,7 @@ from numba.core.caching import NullCache
 
 from backplan.codegen.build import (
     cache_health,
+    compile_lock,
     library_cache,  # its locator, before any compile
     runtime_cache,
 )
@@ -55,6 +56,7 @@ class SignedCacheOnDemand:
     def __init__(self, py_func):
         self._py_func = py_func
         self._signed = None
+        self._locks: dict[str, str] = {}  # signature -> the compile lock it holds until saved
 
     def __getattr__(self, name: str):
         return getattr(self._cache(), name)
@@ -75,12 +77,35 @@ class SignedCacheOnDemand:
         return self._signed
 
     def load_overload(self, sig, target_context):
+        """The cached machine code for sig, or None: then this process compiles it, holding
+        the function's compile lock (codegen/build/compile_lock.py) until save_overload, and
+        a process that waited for another's lock looks again first."""
+        data = self._loaded(sig, target_context)
+        cache = self._cache()
+        if data is None and not isinstance(cache, NullCache):
+            lock = compile_lock.lock_path(cache._cache_path, cache._impl.filename_base, sig)
+            self._locks[str(sig)] = lock
+            if compile_lock.take(lock):
+                data = self._loaded(sig, target_context)  # what the holder saved
+                if data is not None:
+                    compile_lock.release(self._locks.pop(str(sig)))
+        return data
+
+    def _loaded(self, sig, target_context):
         try:
             return self._cache().load_overload(sig, target_context)
         except OSError:  # the module file or the folder is gone: compile (saving restores)
             return None
 
     def save_overload(self, sig, data):
+        try:
+            self._saved(sig, data)
+        finally:
+            lock = self._locks.pop(str(sig), None)
+            if lock is not None:
+                compile_lock.release(lock)
+
+    def _saved(self, sig, data):
         try:
             self._cache().save_overload(sig, data)
         except OSError as error:
@@ -89,7 +114,7 @@ class SignedCacheOnDemand:
                 self._signed = NullCache()
                 return
             self._signed = None  # the file is new: a cache with its new stamp
-            self.save_overload(sig, data)
+            self._saved(sig, data)
 
 
 def _as_os_error(error: Exception) -> OSError:

@@ -1,0 +1,107 @@
+"""A cached function compiles in one process at a time (codegen/build/compile_lock.py): a
+process that finds another compiling the same function and signature waits for it, then loads
+what it saved instead of compiling it again (MPI ranks started together each compiled every
+library function and inline driver of their plans)."""
+
+import subprocess
+import sys
+import time
+
+from numba import types
+
+from backplan.codegen.build import compile_lock
+
+MODULE = """
+from backplan.codegen.jit import compiled_njit
+
+
+@compiled_njit(cache=True)
+def twice(x):
+    return 2 * x
+"""
+
+WAITER = """
+import importlib.util, sys
+from backplan.codegen.build import compile_lock
+taken = compile_lock.take
+def take(path):
+    waited = taken(path)
+    print("waited", waited, flush=True)
+    return waited
+compile_lock.take = take
+spec = importlib.util.spec_from_file_location("library_like", sys.argv[1])
+module = sys.modules["library_like"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print("calling", flush=True)
+assert module.twice(21) == 42
+print("misses", sum(module.twice.stats.cache_misses.values()), flush=True)
+print("hits", sum(module.twice.stats.cache_hits.values()), flush=True)
+"""
+
+
+def _load(path, monkeypatch):
+    """The module as a fresh process has it (importable by name: the saved code refers to it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("library_like", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "library_like", module)
+    spec.loader.exec_module(module)
+    return module.twice
+
+
+def test_a_process_finding_the_function_compiling_elsewhere_loads_what_was_saved(
+    tmp_path, monkeypatch
+):
+    """This process holds twice(int64)'s lock, as a compiling process does; a second process
+    calling twice(21) waits instead of compiling, and once this one has compiled and saved it
+    (which releases the lock) loads the saved code: no compile of its own."""
+    path = tmp_path / "library_like.py"
+    path.write_text(MODULE)
+    twice = _load(path, monkeypatch)
+    cache = twice._cache._cache()
+    lock = compile_lock.lock_path(cache._cache_path, cache._impl.filename_base, (types.int64,))
+    assert not compile_lock.take(lock)  # nobody held it
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", WAITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert waiter.stdout.readline() == "calling\n"
+        time.sleep(1.0)  # the waiter is in its call by now (it passes either way if not)
+        assert twice(21) == 42 and sum(twice.stats.cache_misses.values()) == 1
+        assert lock not in compile_lock._held  # saving released it
+        out, _ = waiter.communicate(timeout=120)
+    finally:
+        waiter.kill()
+        compile_lock.release(lock)
+    assert waiter.returncode == 0, out
+    assert "misses 0" in out and "hits 1" in out, out
+
+
+def test_a_lock_held_by_another_process_is_waited_for_and_then_taken(tmp_path):
+    """take() says whether it waited: False when free or held by this process already, True
+    when another process held it first (its compile may be in the cache now)."""
+    lock = str(tmp_path / "f.lock")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from backplan.codegen.build import compile_lock\n"
+            "compile_lock.take(sys.argv[1]); print('held', flush=True); time.sleep(0.5)",
+            lock,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert compile_lock.take(lock)  # waited for the holder to exit
+        assert not compile_lock.take(lock)  # this process holds it: no wait, no deadlock
+    finally:
+        holder.kill()
+        holder.wait()
+        compile_lock.release(lock)
+    assert lock not in compile_lock._held
+    assert not compile_lock.take(lock)
+    compile_lock.release(lock)
