@@ -7,9 +7,9 @@ the function's cache entry and the signature; a process that had to wait looks i
 again and loads what the holder saved. Loop batches have their own lock (batch_lock.py), child
 driver builds theirs (driver_lock.py); this one covers what compiles in the calling process.
 
-The lock is released when the compile is saved; the system releases it when its holder exits
-or dies. A compile that raises keeps it until its process ends, so a waiter gives up after
-WAIT_S and compiles on its own: at worst the old cost, never a hang.
+The lock is released, and its file removed, when the compile is saved; the system releases it
+when its holder exits or dies. A compile that raises keeps it until its process ends, so a
+waiter gives up after WAIT_S and compiles on its own: at worst the old cost, never a hang.
 """
 
 from __future__ import annotations
@@ -59,6 +59,14 @@ def take(path: str) -> bool:
 
 
 def release(path: str) -> None:
+    """Let go of the lock and remove its file, so that none is left in the cache folder (which
+    holds signed entries only). A process that opened the file before it was removed still gets
+    the lock on it, and one that came later makes a new file: at worst both compile, as without
+    a lock, and both save the same code."""
     fd = _held.pop(path, None)
     if fd is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
         os.close(fd)  # releases the lock
