@@ -8,6 +8,7 @@ import errno
 import os
 
 import numba
+import numba.core.event
 from numba.core.caching import NullCache
 
 from backplan.codegen.build import (
@@ -105,6 +106,11 @@ class SignedCacheOnDemand:
             if lock is not None:
                 compile_lock.release(lock)
 
+    def release_locks(self) -> None:
+        """A compile that raised saves nothing: its locks go now, not at the process's end."""
+        while self._locks:
+            compile_lock.release(self._locks.popitem()[1])
+
     def _saved(self, sig, data):
         try:
             self._cache().save_overload(sig, data)
@@ -115,6 +121,24 @@ class SignedCacheOnDemand:
                 return
             self._signed = None  # the file is new: a cache with its new stamp
             self._saved(sig, data)
+
+
+class _FailedCompiles(numba.core.event.Listener):
+    """Releases the compile locks of a function whose compile raised (a typing error, or
+    Numba's own retry with literal arguments), so that no other process waits for it."""
+
+    def on_start(self, event):
+        pass
+
+    def on_end(self, event):
+        # Event.is_failed is inverted in Numba (`_exc_details is None`): read the details
+        failed = getattr(event, "_exc_details", None) is not None
+        cache = getattr(event.data["dispatcher"], "_cache", None)
+        if failed and isinstance(cache, SignedCacheOnDemand):
+            cache.release_locks()
+
+
+numba.core.event.register("numba:compile", _FailedCompiles())
 
 
 def _as_os_error(error: Exception) -> OSError:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import numba
+import pytest
 from numba import types
 
 from backplan.codegen.build import compile_lock
@@ -18,6 +20,11 @@ from backplan.codegen.jit import compiled_njit
 @compiled_njit(cache=True)
 def twice(x):
     return 2 * x
+
+
+@compiled_njit(cache=True)
+def untypable(x):
+    return x.no_such_attribute
 """
 
 WAITER = """
@@ -39,7 +46,7 @@ print("hits", sum(module.twice.stats.cache_hits.values()), flush=True)
 """
 
 
-def _load(path, monkeypatch):
+def _load(path, monkeypatch, name="twice"):
     """The module as a fresh process has it (importable by name: the saved code refers to it)."""
     import importlib.util
 
@@ -47,7 +54,7 @@ def _load(path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "library_like", module)
     spec.loader.exec_module(module)
-    return module.twice
+    return getattr(module, name)
 
 
 def test_a_process_finding_the_function_compiling_elsewhere_loads_what_was_saved(
@@ -105,3 +112,16 @@ def test_a_lock_held_by_another_process_is_waited_for_and_then_taken(tmp_path):
     assert lock not in compile_lock._held
     assert not compile_lock.take(lock)
     compile_lock.release(lock)
+
+
+def test_a_compile_that_raises_lets_its_lock_go(tmp_path, monkeypatch):
+    """A typing error saves nothing: the lock it took on its cache miss is released as the
+    compile raises, so no other process waits WAIT_S for a compile that will never be saved."""
+    path = tmp_path / "library_like.py"
+    path.write_text(MODULE)
+    untypable = _load(path, monkeypatch, "untypable")
+    held = set(compile_lock._held)
+    with pytest.raises(numba.core.errors.TypingError, match="no_such_attribute"):
+        untypable(1)
+    assert set(compile_lock._held) == held
+    assert not list(tmp_path.glob("__pycache__/*.lock"))
