@@ -1,5 +1,6 @@
 """Small shared helpers for tests."""
 
+import functools
 import inspect
 import json
 import os
@@ -163,3 +164,43 @@ def two_layer_step_source(w0_shape, w1_shape, rows, seed):
     for got, want in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
     return source
+
+
+@functools.cache
+def bench_symbolic_plan(name: str, dtype: str, small: bool = False):
+    """The fitted symbolic plan (ir/symbolic.py) of a bench model's value_and_grad, dynamic on
+    its batch axes, traced once on the reference backend (small: its small_config)."""
+    import numpy as np
+
+    import backplan as bp
+    from backplan.bench.batch_sizes import loss_of
+    from backplan.bench.models import MODELS
+    from backplan.runtime.backend import use_backend
+    from backplan.tracer.dynamic import DynamicEntry
+
+    spec = MODELS[name]
+    loss, axes = loss_of(spec)
+    step = bp.value_and_grad(bp.compile(loss, dynamic=axes))
+    cast = np.float32 if dtype == "float32" else bp.bfloat16
+    data = spec.make_inputs(spec.small_config if small else spec.config, 0).cast(cast)
+    args = [{k: bp.tensor(v) for k, v in data.params.items()}]
+    with use_backend("reference"):
+        step(*args, *(bp.tensor(b) for b in data.batch(True)))
+    (entry,) = [e for e in step._entries.values() if isinstance(e, DynamicEntry)]
+    assert entry.fitted is not None, entry.reason
+    return entry.fitted
+
+
+def written_module(module) -> tuple:
+    """What a rendering (codegen/render/emit.GeneratedModule) writes: its source, lifted
+    literals, loop kernels (source, digest, arguments) and counts."""
+    kernels = [(k.digest, k.source, k.parallel, k.arguments) for k in module.loop_kernels]
+    return (
+        module.source,
+        module.literals,
+        kernels,
+        module.constant_names,
+        module.scratch,
+        module.kernel_count,
+        module.driver_statements,
+    )

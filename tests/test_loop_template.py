@@ -4,21 +4,14 @@ transformer, LSTM and CNN, in float32 and bfloat16, renders the same module, lif
 and loop kernels (source, digest, arguments) with the templates of the sizes before as with
 none; and later sizes do take their loops' lines from the templates."""
 
-import functools
-
-import numpy as np
 import pytest
+from helpers import bench_symbolic_plan, written_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import backplan as bp
-from backplan.bench.batch_sizes import loss_of
-from backplan.bench.models import MODELS
-from backplan.codegen.render import emit, loops
+from backplan.codegen.render import emit, loops, substitution
 from backplan.codegen.render.choices import pinned
 from backplan.ir import lowering
-from backplan.runtime.backend import use_backend
-from backplan.tracer.dynamic import DynamicEntry
 
 # the LSTM at its small sizes (2 steps, 4 hidden): its 12 steps at 8 rows lower for ~0.3 s a size
 CASES = [
@@ -28,19 +21,7 @@ CASES = [
 ]
 
 
-@functools.cache
-def _fitted(name: str, dtype: str, small: bool = False):
-    spec = MODELS[name]
-    loss, axes = loss_of(spec)
-    step = bp.value_and_grad(bp.compile(loss, dynamic=axes))
-    cast = np.float32 if dtype == "float32" else bp.bfloat16
-    data = spec.make_inputs(spec.small_config if small else spec.config, 0).cast(cast)
-    args = [{k: bp.tensor(v) for k, v in data.params.items()}]
-    with use_backend("reference"):
-        step(*args, *(bp.tensor(b) for b in data.batch(True)))
-    (entry,) = [e for e in step._entries.values() if isinstance(e, DynamicEntry)]
-    assert entry.fitted is not None, entry.reason
-    return entry.fitted
+_fitted = bench_symbolic_plan
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{d}" for m, d, _ in CASES])
@@ -61,17 +42,7 @@ def _rendered(lowered, templates):
         shared["loop_templates"] = kept if kept is not None else templates
 
 
-def _written(module) -> tuple:
-    kernels = [(k.digest, k.source, k.parallel, k.arguments) for k in module.loop_kernels]
-    return (
-        module.source,
-        module.literals,
-        kernels,
-        module.constant_names,
-        module.scratch,
-        module.kernel_count,
-        module.driver_statements,
-    )
+_written = written_module
 
 
 @settings(max_examples=25, deadline=None)
@@ -86,6 +57,9 @@ def test_later_sizes_take_their_loops_from_the_templates(monkeypatch):
     symbolic = _fitted("transformer", "float32")
     at_12 = lowering.lower(symbolic.at(12)[0])
     monkeypatch.setitem(at_12.plan.shared, "loop_templates", {})  # none kept yet
+    # sizes rendered, not substituted from a recipe (codegen/render/substitution.py)
+    monkeypatch.setitem(at_12.plan.shared, "recipes", [])
+    monkeypatch.setattr(substitution, "RECIPES_KEPT", 0)
     fresh, taken = [], []
     real_views = loops.LoopEmitter._views
     real_arguments = loops.LoopEmitter._arguments

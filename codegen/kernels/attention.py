@@ -38,7 +38,7 @@ from backplan.codegen.kernels.row_math import maxnum, one_like, row_exp, zero_li
 from backplan.codegen.kernels.rows import softmax_row
 from backplan.codegen.kernels.threads_now import threads_now
 from backplan.codegen.kernels.views import as_read_only
-from backplan.codegen.render.choices import decide
+from backplan.codegen.render.choices import chosen
 from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.ir.graph import Value
 
@@ -426,7 +426,7 @@ def _scale_and_mask(node: Value) -> str:
 def emit_attention(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     q, k, v = (f"as_read_only({_heads(ctx, node, x)})" for x in node.inputs)
     out4 = _written(node, out, node.shape)
-    fn, width = decide("attention", _variant("attention_forward", node))
+    fn, width = chosen("attention", lambda: _variant("attention_forward", node))
     return [f"{fn}({width}, {q}, {k}, {v}, {out4}, {_scale_and_mask(node)})"]
 
 
@@ -437,5 +437,5 @@ def emit_attention_grad(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     for x in node.inputs[:3]:
         parts.append(_written(node, f"{out}[{offset}:{offset + x.type.size}]", x.shape))
         offset += x.type.size
-    fn, width = decide("attention", _variant("attention_backward", node))
+    fn, width = chosen("attention", lambda: _variant("attention_backward", node))
     return [f"{fn}({width}, {q}, {k}, {v}, {g}, {', '.join(parts)}, {_scale_and_mask(node)})"]

@@ -17,7 +17,7 @@ from backplan.codegen.kernels.gemm.api import gemm as own_gemm
 from backplan.codegen.kernels.gemm.choice import ROW_DOTS, conv_gemm_width
 from backplan.codegen.kernels.gemm.row_dots import row_dots
 from backplan.codegen.kernels.views import as_read_only
-from backplan.codegen.render.choices import decide
+from backplan.codegen.render.choices import chosen
 from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.ir.graph import Value
 
@@ -257,8 +257,10 @@ def _conv_call(ctx: OpEmitter, node: Value, out: str, fn: str) -> list[str]:
     (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
     dh, dw = node.attrs["dilation"]
     nt = fn == "conv2d_weight_grad"  # the one product of the three that reads B transposed
-    width = conv_gemm_width(*_product_shape(node, fn), node.dtype, trans_b=nt)
-    width = decide("conv_gemm_width", width)
+    width = chosen(
+        "conv_gemm_width",
+        lambda: conv_gemm_width(*_product_shape(node, fn), node.dtype, trans_b=nt),
+    )
     args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}, {width}"
     return [f"{fn}_gemm(as_read_only({a}), as_read_only({b}), {out}, {args})"]
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from backplan.codegen.build import cache, loop_calls
 from backplan.codegen.flags import parallel_pays
 from backplan.codegen.kernels.gemm import vector_width
+from backplan.codegen.render import substitution
 from backplan.codegen.render.add_chains import chain_loops, chain_terms, size_of
-from backplan.codegen.render.choices import decide, pinned
+from backplan.codegen.render.choices import chosen, pinned
 from backplan.codegen.render.driver_split import driver_source
 from backplan.codegen.render.epilogue import gemm_epilogue_lines
 from backplan.codegen.render.gemm_names import epilogue_gemm, gemm_called
@@ -132,6 +133,8 @@ class GeneratedModule:
     calls_of: dict = field(default_factory=dict)
     # each matmul node -> the GEMM its statements call, in words (codegen/render/gemm_names.py)
     gemms: dict = field(default_factory=dict)
+    # what the sizes of a symbolic plan find their shared driver by (driver_code), or None
+    code: tuple | None = None
 
 
 def ir_comment(node: Value, names: dict) -> str:
@@ -150,11 +153,22 @@ def generate(lowered: LoweredPlan) -> GeneratedModule:
     with _rendering:
         if lowered.rendered is None:
             shared = lowered.plan.shared
-            with pinned(None if shared is None else shared.setdefault("choices", {})):
+            recipes = None if shared is None else shared.setdefault("recipes", [])
+            for recipe in recipes or ():  # a size as its literals (render/substitution.py)
+                lowered.rendered = substitution.apply(recipe, lowered)
+                if lowered.rendered is not None:
+                    return lowered.rendered
+            choices = None if shared is None else shared.setdefault("choices", {})
+            with pinned(choices):
                 # another size's driver rendered already: this size's source is that one
                 # (_module_source) if its code is the same, so its IR comments go unused
                 comments = shared is None or not any(k[:1] == ("driver",) for k in shared)
                 lowered.rendered = _generate(lowered, comments) or _generate(lowered, True)
+            refused = None if shared is None else shared.setdefault("recipes refused", [])
+            if recipes is not None and len(recipes) + len(refused) < substitution.RECIPES_KEPT:
+                recipe = substitution.recorded(lowered, lowered.rendered, choices, refused)
+                if recipe is not None:
+                    recipes.append(recipe)
         return lowered.rendered
 
 
@@ -166,6 +180,66 @@ def _generate(lowered: LoweredPlan, comments: bool = True) -> GeneratedModule | 
     comments: each call preceded by its IR lines; without them (a size of a symbolic plan
     whose driver is rendered already: an unrolled LSTM's 780 lines, about a tenth of
     rendering a new size), None where the code is not that driver's."""
+    shared = lowered.plan.shared
+    # its sizes' loops (codegen/render/loop_template.py)
+    templates = None if shared is None else shared.setdefault("loop_templates", {})
+    rendered = rendered_body(lowered, comments, templates)
+    body, params, lifted = rendered.body, rendered.params, None
+    if shared is not None:  # one driver for every size (codegen/render/lift.py)
+        body, ints, floats = lift_literals(body)
+        lifted = (ints, floats)
+        params += [INTS, FLOATS]
+    if loop_calls.mode() == "address":
+        body = plain_literals(body)
+    kernel_lines = rendered.kernel_lines()
+    code = driver_code(shared, lowered.plan.graph.name, kernel_lines, params, body)
+    found = _module_source(
+        shared, code, lowered.plan.graph.name, kernel_lines, params, body, comments
+    )
+    if found is None:
+        return None
+    source, driver = found
+    emitter, layout = rendered.emitter, lowered.layout
+    return GeneratedModule(
+        source,
+        rendered.constants,
+        rendered.scratch,
+        list(layout.outputs),
+        rendered.literal_outs,
+        rendered.sources,
+        lowered.kernel_count
+        + len(emitter.epilogues_apart)
+        + sum(n - 1 for n in emitter.calls_of.values()),
+        layout,
+        list(emitter.kernels.values()),
+        driver.statements,
+        driver.parts,
+        lifted,
+        frozenset(emitter.epilogues_apart),
+        dict(emitter.calls_of),
+        dict(emitter.gemms),
+        code,
+    )
+
+
+@dataclass
+class RenderedBody:
+    """A plan's driver body before its literals are lifted, and what the module is made of."""
+
+    body: list[str]
+    params: list[str]
+    constants: list[str]
+    scratch: dict
+    literal_outs: dict
+    sources: list
+    emitter: _Emitter
+
+    def kernel_lines(self) -> list[str]:
+        return [f'{k.name} = _kernel("{k.digest}")' for k in self.emitter.kernels.values()]
+
+
+def rendered_body(lowered: LoweredPlan, comments: bool, templates: dict | None) -> RenderedBody:
+    """The driver's statements (with their definitions) and parameters of a lowered plan."""
     reason = unsupported_reason(lowered)
     if reason is not None:
         raise Unsupported(reason)
@@ -179,8 +253,7 @@ def _generate(lowered: LoweredPlan, comments: bool = True) -> GeneratedModule | 
 
     layout = lowered.layout
     emitter = _Emitter(graph, names, literal_of, layout, set(lowered.materialized), comments)
-    if lowered.plan.shared is not None:  # its sizes' loops (codegen/render/loop_template.py)
-        emitter.templates = lowered.plan.shared.setdefault("loop_templates", {})
+    emitter.templates = templates
     body, constants = emitter.emit(lowered.kernels, lowered.row_runs)
     literal_outs = literal_outputs(lowered)
     sources, returned = _output_sources(graph.outputs, literal_outs, layout.outputs), []
@@ -199,51 +272,28 @@ def _generate(lowered: LoweredPlan, comments: bool = True) -> GeneratedModule | 
         + [f"scratch_{d}" for d in scratch]
         + [names[v] for v in layout.outputs]
     )
-    lifted = None
-    if lowered.plan.shared is not None:  # one driver for every size (codegen/render/lift.py)
-        body, ints, floats = lift_literals(body)
-        lifted = (ints, floats)
-        params += [INTS, FLOATS]
-    if loop_calls.mode() == "address":
-        body = plain_literals(body)
-    kernel_lines = [f'{k.name} = _kernel("{k.digest}")' for k in emitter.kernels.values()]
-    found = _module_source(lowered.plan.shared, graph.name, kernel_lines, params, body, comments)
-    if found is None:
+    return RenderedBody(body, params, constants, scratch, literal_outs, sources, emitter)
+
+
+def driver_code(shared: dict | None, name: str, kernel_lines: list, params: list, body: list):
+    """What the sizes of one symbolic plan find their shared driver by: its code without
+    comments (None for a plain plan)."""
+    if shared is None:
         return None
-    source, driver = found
-    return GeneratedModule(
-        source,
-        constants,
-        scratch,
-        list(layout.outputs),
-        literal_outs,
-        sources,
-        lowered.kernel_count
-        + len(emitter.epilogues_apart)
-        + sum(n - 1 for n in emitter.calls_of.values()),
-        layout,
-        list(emitter.kernels.values()),
-        driver.statements,
-        driver.parts,
-        lifted,
-        frozenset(emitter.epilogues_apart),
-        dict(emitter.calls_of),
-        dict(emitter.gemms),
-    )
+    options = "JIT_OPTIONS" if loop_calls.mode() == "linked" else "ADDRESS_DRIVER_JIT_OPTIONS"
+    lines = (line for line in body if not line.lstrip().startswith("#"))
+    return ("driver", name, options, *kernel_lines, *params, *lines)
 
 
 def _module_source(
-    shared: dict | None, name: str, kernel_lines: list, params: list, body: list, new=True
+    shared: dict | None, code, name: str, kernel_lines: list, params: list, body: list, new=True
 ):
     """(source, DriverSource). Sizes of one symbolic plan share the first size's source (its
-    comments show that size) and its split into parts, found by their code without comments:
-    parsing a driver into parts costs an unrolled LSTM's new batch size 60 ms. new: whether
-    a driver not rendered yet may be made of this body (None where it would be)."""
-    code = None
+    comments show that size) and its split into parts, found by their code without comments
+    (driver_code): parsing a driver into parts costs an unrolled LSTM's new batch size 60 ms.
+    new: whether a driver not rendered yet may be made of this body (None where it would be)."""
     options = "JIT_OPTIONS" if loop_calls.mode() == "linked" else "ADDRESS_DRIVER_JIT_OPTIONS"
-    if shared is not None:
-        lines = (line for line in body if not line.lstrip().startswith("#"))
-        code = ("driver", name, options, *kernel_lines, *params, *lines)
+    if code is not None:
         if code in shared:
             return shared[code]
         if not new:
@@ -420,7 +470,7 @@ class _Emitter:
         views, stages, scalars, bases, partials = [], [], {}, {}, []
         rows = internal_shape(run[0].shape)[0]
         cols = max(math.prod(internal_shape(k.shape)) for k in run if k.kind == "loop") // rows
-        parallel = decide("parallel_rows_run", parallel_pays(rows * cols))
+        parallel = chosen("parallel_rows_run", lambda: parallel_pays(rows * cols))
         local = {n for k in run for n in k.all_nodes if n in self.layout.row_local}
         equal = equal_values(run)
         row_values: dict = {}  # value -> the local holding its row's element (LoopEmitter)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from backplan.codegen.flags import parallel_pays
-from backplan.codegen.render.choices import decide
+from backplan.codegen.render.choices import chosen
 from backplan.codegen.render.loop_template import TEMPLATES_KEPT, template_key
 from backplan.codegen.render.placement import Placement
 from backplan.codegen.render.scalar import NP_TYPE, expression, literal
@@ -297,8 +297,13 @@ class LoopEmitter:
     def _mode(self) -> str:
         """serial; parallel (prange over the outer loop); or chunked: prange over chunks of the
         outer loop, each reducing into its own partial row, combined at the end."""
-        serial = not parallel_pays(math.prod(self.sizes)) or self.sizes[0] < 2
-        if decide("serial_loop", serial):
+        # asked only where no earlier size's choice is pinned (its comparisons of this size's
+        # numbers would be guards of a rendering as a substitution: render/substitution.py)
+        serial = chosen(
+            "serial_loop",
+            lambda: not parallel_pays(math.prod(self.sizes)) or self.sizes[0] < 2,
+        )
+        if serial:
             return "serial"
         return "chunked" if self._crossing() else "parallel"
 

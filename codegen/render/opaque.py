@@ -207,8 +207,10 @@ class OpEmitter:
     def row_kernel(self, fn: str, rows: int, cols: int) -> str:
         """Library row kernels (exp, rsqrt per element) gain from threads at smaller sizes
         than fused loops; compiled once per installation, not per plan."""
-        parallel = rows * cols >= (1 << 15) and rows > 1 and threads() > 1
-        return f"{fn}_par" if decide("parallel_rows", parallel) else fn
+        parallel = chosen(
+            "parallel_rows", lambda: rows * cols >= (1 << 15) and rows > 1 and threads() > 1
+        )
+        return f"{fn}_par" if parallel else fn
 
 
 # matmul's operands, read by its emitter (codegen/kernels/matmul.py) and by a GEMM epilogue's

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from backplan.codegen.render.traced_numbers import Traced, note_float
 from backplan.ir.registry import get_op
 from backplan.ir.types import is_half, np_dtype
 
@@ -23,6 +24,8 @@ NP_TYPE = {  # what a value is stored as in generated code: 16-bit floats as the
 
 
 def literal(value, dtype: str) -> str:
+    if type(value) is Traced and dtype in ("f32", "f64"):  # its marker (render/substitution.py)
+        return f"{NP_TYPE[dtype]}({value.float_text()})"
     if is_half(dtype):  # the bit pattern of the value rounded once from float32
         bits = np.array(value, np.float32).astype(np_dtype(dtype)).view(np.uint16)
         return f"np.uint16({int(bits)})"
@@ -34,6 +37,7 @@ def literal(value, dtype: str) -> str:
         return f"{NP_TYPE[dtype]}({'np.inf' if value > 0 else '-np.inf'})"
     if dtype in ("u8", "i32", "i64"):
         return f"{NP_TYPE[dtype]}({int(value)})"
+    note_float(value)
     return f"{NP_TYPE[dtype]}({float(value)!r})"
 
 
