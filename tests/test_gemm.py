@@ -257,6 +257,9 @@ def test_choice_table_and_override(monkeypatch):
     assert not choice.use_own_gemm(512, 10, 512, False, "f32")  # narrow: the tile is padding
     assert not choice.use_own_gemm(512, 10, 128, False, "f32", trans_a=True)
     assert choice.use_own_gemm(64, 128, 128, False, "f32") == wide  # from 2**20 on: own
+    assert choice.use_own_gemm(128, 512, 10, True, "f32") == wide  # k <= SHORT_K: C's stores
+    assert not choice.use_own_gemm(32, 128, 10, True, "f32")  # below SMALL_OWN_WORK
+    assert not choice.use_own_gemm(128, 10, 512, False, "f32")  # narrow: BLAS
     monkeypatch.setattr(choice, "small_products_own", lambda: True)  # Zen 5's
     assert choice.use_own_gemm(32, 128, 128, False, "f32") == wide  # 512K: own
     assert choice.use_own_gemm(128, 512, 10, True, "f32") == wide  # a short k too

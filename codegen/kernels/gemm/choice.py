@@ -23,7 +23,12 @@ from SMALL_OWN_WORK up take the own GEMM: the mlp's 128x512x10 dX 9.2 against 14
 mlp_deep's 256x128x10 3.8 against 7.2. Narrow products (n < 32) stay on BLAS (NN 128x10x512:
 own 21.9, BLAS 20.0 us) except A.T @ B, which the own GEMM computes as its transpose
 (symbols.py): 512x10x128 13.2 against 27.2, 128x10x256 6.1 against 14.4 (128x10x32: 2.15
-against 2.18). Other CPUs keep the rules above, unmeasured for these sizes.
+against 2.18). Other CPUs keep the rules above, unmeasured for these sizes, but for a short
+k: on one pinned Zen 4 core (znver4, AVX-512, OPENBLAS_CORETYPE unset, 7 interleaved rounds,
+load ~25) the products over k = 10 with a wide C, the classifier layer's input gradient, ran
+own at 74.9 GFLOP/s against OpenBLAS's 55.3 and torch's 64.5 (128x512x10), 84.4 against 66.5
+and 63.2 (256x128x10), so from SMALL_OWN_WORK a product over k <= SHORT_K with C at least 32
+wide takes the own GEMM there too (the narrow ones kept BLAS: own / OpenBLAS 0.42-0.61).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ MIN_OWN_WORK = 1 << 20  # m * n * k below which BLAS is ahead
 MIN_OWN_COLUMNS = 32  # the 512-bit f32 tile's width: narrower products are mostly padding
 SMALL_OWN_CPUS = {"znver5"}  # LLVM host CPU names where the own GEMM wins from SMALL_OWN_WORK
 SMALL_OWN_WORK = 1 << 18  # there: m * n * k from which the own GEMM is ahead (measured to 32K)
+SHORT_K = 16  # elsewhere: a product over this k or shorter takes the own GEMM from SMALL_OWN_WORK
 
 
 class GemmChoiceError(ValueError):
@@ -84,6 +90,8 @@ def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str, trans_a: boo
     if small_products_own():
         narrow_ok = n >= MIN_OWN_COLUMNS or (trans_a and not trans_b)
         return m * n * k >= SMALL_OWN_WORK and narrow_ok
+    if k <= SHORT_K and n >= MIN_OWN_COLUMNS:  # C's stores are the work: see the docstring
+        return m * n * k >= SMALL_OWN_WORK
     return m * n * k >= MIN_OWN_WORK and n >= MIN_OWN_COLUMNS
 
 
