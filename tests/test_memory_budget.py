@@ -3,6 +3,8 @@ before anything compiles; the frontier of plans it chooses from; bp.max_batch.""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -356,3 +358,30 @@ def test_max_batch_says_when_its_answer_is_only_the_search_limit(monkeypatch):
     w, x = bp.tensor(np.ones((8, 8), np.float32)), bp.tensor(np.ones((4, 8), np.float32))
     with pytest.warns(UserWarning, match=r"every batch up to 127 rows fits .* may be larger"):
         assert bp.max_batch(step, (w, x), max_peak_bytes=10**9) == 127
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS")
+def test_max_batch_plans_a_large_candidate_without_writing_its_batch():
+    """Each candidate's batch is zeros of the leaf's dtype and C order (tracing reads no
+    values); repeating the rows wrote the whole batch: 1 GiB resident for this 2^22-row
+    candidate (4 GiB and minutes at MAX_BATCH rows, where a budget was generous)."""
+    from backplan.tracer.max_batch import _batch_resizer
+
+    step = bp.value_and_grad(lambda w, x, y: bp.mean(bp.tanh(x @ w)) + bp.sum(y))
+    w = bp.tensor(np.ones((64, 64), np.float32))
+    x = bp.tensor(np.asfortranarray(np.arange(8 * 64, dtype=np.float32).reshape(8, 64)))
+    labels = np.arange(8)
+    resize = _batch_resizer(step, (w, x, labels), 0)
+    before = _resident_bytes()
+    w2, big, big_labels = resize(2**22)
+    assert _resident_bytes() - before < 64 * 2**20  # of 1 GiB + 32 MiB
+    assert w2 is w
+    assert big.shape == (2**22, 64) and big.numpy().dtype == np.float32
+    assert big.numpy().flags.c_contiguous and big_labels.dtype == labels.dtype
+    assert big_labels.shape == (2**22,)
