@@ -242,6 +242,7 @@ class Workspace:
         self.scratch: list | tuple = ()  # its views as the plan's dtypes
         self.output_buffers = output_buffers  # (shape, dtype) of each per-call output
         self.previous_outputs = [None] * len(output_buffers)
+        self.older_outputs = [None] * len(output_buffers)  # the call's before that
         self.donatable = donatable  # outputs that may go back in as donated inputs: not kept
         self._slots = [
             (i, shape, dtype, _reusable(shape, dtype) and i not in donatable)
@@ -250,27 +251,43 @@ class Workspace:
         self._any_reused = any(slot[3] for slot in self._slots)
 
     def output_arrays(self, given=()) -> list:
-        """Fresh output buffers, except that a big buffer from this workspace's previous call
+        """Fresh output buffers, except that a big buffer of this workspace's last two calls
         that nobody holds any more is reused: no new pages to fault in (16 MiB outputs cost
-        ~1 ms each). Only the thread holding the workspace looks at them. Slots in `given` are
-        left None: the caller fills them with donated inputs."""
+        ~1 ms each). Two generations, because a loop that rebinds its results
+        (`p, s = update(g, s, p)`, `loss, grads = step(params, x)`) still holds the last call's
+        while the next one runs: that call writes into the one before's, which the rebinding
+        let go. A buffer anyone holds (a name, a view, a list of results) is never handed out:
+        its reference count says so. Only the thread holding the workspace looks at them.
+        Slots in `given` are left None: the caller fills them with donated inputs."""
         if not (given or self._any_reused):
             return [np.empty(shape, dtype) for shape, dtype in self.output_buffers]
         arrays = []
-        previous_outputs = self.previous_outputs
+        previous_outputs, older_outputs = self.previous_outputs, self.older_outputs
         for i, shape, dtype, reusable in self._slots:
             if i in given:  # the caller's buffer: keep none of ours for this slot
                 arrays.append(None)
-                previous_outputs[i] = None
+                previous_outputs[i] = older_outputs[i] = None
             elif not reusable:
                 arrays.append(np.empty(shape, dtype))
             else:
                 previous = previous_outputs[i]
                 if previous is not None and sys.getrefcount(previous) == 3:  # list, local, arg
                     previous.flags.writeable = True
-                else:
-                    previous = previous_outputs[i] = np.empty(shape, dtype)
-                    _keep_for_reuse(previous)
+                    arrays.append(previous)
+                    older = older_outputs[i]
+                    if older is not None and sys.getrefcount(older) == 3:  # idle too: let go,
+                        older_outputs[i] = None  # a loop that drops its results needs one
+                    continue
+                older = older_outputs[i]
+                if older is not None and sys.getrefcount(older) == 3:
+                    older.flags.writeable = True  # the last call's stays next in line
+                    older_outputs[i], previous_outputs[i] = previous, older
+                    arrays.append(older)
+                    continue
+                del older  # held by the caller (or None): the workspace lets it go
+                older_outputs[i] = previous
+                previous = previous_outputs[i] = np.empty(shape, dtype)
+                _keep_for_reuse(previous)
                 arrays.append(previous)
         return arrays
 
