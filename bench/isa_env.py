@@ -11,14 +11,25 @@ library can be told to use no instruction past AVX2 (the CPU's caches and clock 
                      MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL's sgemm), ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN)
     JAX              XLA_FLAGS=--xla_cpu_max_isa=AVX2 (appended to any XLA_FLAGS set)
 
+Two libraries pick some kernels by CPUID whatever these say (seen with `perf record` on a Zen 4
+core, jax 0.10.2 and torch 2.14's MKL 2024.2): XLA runs its matmuls as YNNPACK fusions, whose
+dot kernels stay AVX-512 (`ynn::dot_fp32_5x64x1_1x16x1_avx512`, zmm registers) under
+--xla_cpu_max_isa=AVX2 (only XLA's own generated code is capped; no flag caps YNNPACK, and
+--xla_cpu_experimental_ynn_fusion_type=reduce drops its dots altogether, another algorithm),
+so JAX's GEMMs here are an AVX-512 JAX's; MKL's sgemm on an AMD CPU is its AVX2 kernel
+(`mkl_blas_def_sgemm_kernel_0_zen`, ymm only) with or without MKL_ENABLE_INSTRUCTIONS, so
+torch's GEMMs are AVX2 either way. On a core whose 512-bit FMAs are double-pumped (Zen 4)
+both widths have the same FMA peak: there the emulation changes instructions, tiles and
+register counts, not the peak.
+
     python -m backplan.bench.isa_env avx2            # the assignments, for `env` or a shell
     python -m backplan.bench.isa_env avx2 --check    # each peer, in a child with them, reports
 
 `--check` asks each library what it runs: backplan its GEMM path and the zmm registers in its
 compiled GEMM's machine code (none on AVX2), torch its ATen capability and what MKL_VERBOSE
 and ONEDNN_VERBOSE name, OpenBLAS its core type (threadpoolctl), and for every GEMM library
-the rate of one 1024^3 float32 product on one core against the 256-bit FMA peak: a library
-over that peak still runs 512-bit code.
+the rate of one 256^3 float32 product on one core against the 256-bit FMA peak: a library
+over that peak still runs 512-bit code (where 512-bit FMAs are faster than 256-bit ones).
 """
 
 from __future__ import annotations
@@ -91,7 +102,7 @@ def _rate(fn, flops: float) -> float:
 
 
 def report() -> dict:
-    """What each library in this process says it runs, and its 1024^3 GEMM rate on one core
+    """What each library in this process says it runs, and its 256^3 GEMM rate on one core
     (run pinned to one CPU, in a child started with the environment under test)."""
     import numpy as np
 
@@ -100,7 +111,7 @@ def report() -> dict:
 
     from .peak_flops import peak_gflops_f32
 
-    n = 1024
+    n = 256
     flops = 2.0 * n**3
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
