@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from backplan.codegen.build import kernel_cache
 from backplan.codegen.build.progress import driver_seconds, estimate, fresh_twins
+from backplan.codegen.kernels.gemm.packing import packing_bytes
 from backplan.codegen.render.emit import generate
 from backplan.codegen.render.opaque import unsupported_reason
 from backplan.ir.donation import donated_outputs
@@ -37,6 +38,9 @@ class CompiledPlanFacts:
     compile_seconds: float = 0.0  # predicted compile time: every loop kernel and the driver
     driver_seconds: float = 0.0  # of which the driver's (in the background by default)
     donated: tuple = ()  # (output index, donated input (index, or name), bytes): in place
+    # pages of backplan's GEMM packing panels its products can touch, kept by the process
+    # beyond the plan's buffers (codegen/kernels/gemm/packing.py)
+    packing_bytes: int = 0
 
     @property
     def compiled(self) -> bool:
@@ -71,6 +75,7 @@ def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> C
         compile_seconds=estimate(kernels, False, generated.driver_statements).seconds,
         driver_seconds=driver_seconds(generated.driver_statements, fresh_twins(kernels)),
         donated=tuple(in_place),
+        packing_bytes=packing_bytes(generated.gemms, lowered.plan.graph.nodes),
     )
 
 

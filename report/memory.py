@@ -188,6 +188,7 @@ def memory_text(report) -> str:
     else:
         parts.append(wrap(compiled_paragraph(report)))
         parts.append(compiled_table(report.compiled))
+        parts.append(wrap(packing_note(report)))
         parts.append(wrap(donation_note(report)))
         parts.append(wrap(variants_note(report)))
     parts.append(frontier_text(report))
@@ -290,6 +291,20 @@ def compiled_paragraph(report) -> str:
             "and incoming gradients until it returns."
         )
     return text
+
+
+def packing_note(report) -> str:
+    """What backplan's GEMM keeps beside the peak: its packing panels, per thread, for the
+    process (report.packing_bytes); '' where no product runs on it."""
+    packing = report.packing_bytes
+    if not packing:
+        return ""
+    return (
+        f"Beyond the peak, backplan's GEMM packs its operands into panels each thread keeps for "
+        f"the process's life: up to {format_bytes(packing)} for these products (the pages they "
+        "can touch, every operand counted as packed; `report.packing_bytes`), held from the "
+        "first GEMM on and shared by every compiled function."
+    )
 
 
 def compiled_table(facts) -> str:

@@ -195,6 +195,18 @@ class ExplainReport:
         )
 
     @property
+    def packing_bytes(self) -> int | None:
+        """Bytes of backplan's GEMM packing panels the step's products can make resident: the
+        buffers each thread running the GEMM keeps for the process's life (malloc'ed once,
+        shared by every compiled function), at most the pages its products pack into, as if
+        every operand were packed (codegen/kernels/gemm/packing.py). Beyond `peak_bytes`,
+        which the memory planner meets and which BLAS products, packing in OpenBLAS's own
+        buffers, do not add to either; None unless the backend is numba."""
+        if self.compiled is None:
+            return None
+        return max((f.packing_bytes for f in self.compiled if f.compiled), default=0)
+
+    @property
     def compiled_output_bytes(self) -> int | None:
         """Bytes the compiled forward and backward() (or the joint plan) allocate fresh on every
         call; None unless the backend is numba."""
