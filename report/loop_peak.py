@@ -119,14 +119,24 @@ def loop_sentence(report) -> str:
 
 def _may_pass_back(report) -> bool:
     """Whether a result (not a gradient) has the type of an argument not donated: one a loop
-    could pass back in. Only the wording follows it; the figures count every result."""
+    could pass back in. Results that go back in as the donated arguments (each output of a
+    donated input's type, in order, as kept_output_bytes pairs them) are not: a training
+    step whose new weights have the batch's type passes them back donated. Only the wording
+    follows it; the figures count every result."""
     if not report.peak_calls:
         return False
     call = report.peak_calls[0]
     graph = call.plan.graph
     types = [v.type for i, v in enumerate(graph.inputs) if i not in call.plan.donated]
-    outputs = [v for v, k in zip(graph.outputs, call.output_kinds, strict=True) if k == "outputs"]
-    return any(o.type in types for o in outputs)
+    donated = [graph.inputs[i].type for i in call.plan.donated]
+    for value, kind in zip(graph.outputs, call.output_kinds, strict=True):
+        if kind != "outputs":
+            continue
+        if value.type in donated:
+            donated.remove(value.type)  # passed back in as the next call's donated argument
+        elif value.type in types:
+            return True
+    return False
 
 
 def observed_sentence(report) -> str:

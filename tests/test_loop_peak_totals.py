@@ -222,3 +222,21 @@ def test_a_compiled_loss_under_a_budget_holds_its_printed_peak_in_a_loop(backend
     held = [c + nbytes(params) + nbytes(x) for c in counted]
     assert held == [report.loop_peak_on_call(n).peak_bytes for n in range(1, CALLS + 1)]
     assert max(held) == report.peak_bytes <= budget
+
+
+def test_the_pass_back_sentence_is_left_out_where_every_result_goes_back_donated():
+    """The batch has the weights' type (f32[8, 8]); the new weights go back in donated, so
+    no result could be passed back undonated: explain said one could. Without donation the
+    sentence stays, as does every figure."""
+    rng = np.random.default_rng(4)
+    w = bp.tensor(rng.standard_normal((8, 8)).astype(np.float32))
+    x = bp.tensor(rng.standard_normal((8, 8)).astype(np.float32))
+
+    def step(w, x):
+        loss, grad = bp.value_and_grad(lambda w: bp.mean(bp.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * grad, loss
+
+    sentence = "passes back in as the next arguments without donating"
+    donated = " ".join(str(bp.compile(step, donate_argnums=0).explain(w, x)).split())
+    assert "the loop users write" in donated and sentence not in donated
+    assert sentence in " ".join(str(bp.compile(step).explain(w, x)).split())
