@@ -212,15 +212,15 @@ def with_argument_copies(
     """The step's calls where the forward inputs `inputs` are NumPy arrays the step copies at
     the call (tracer/numpy_args.py): the call taking the forward's inputs (the forward, or a
     joint step's joint plan) marks them `copy`: COPIED (held for the backward), COPIED_OUT
-    (an output reads it) or COPIED_IN (held while the call runs); an input marked already
-    keeps its mark."""
+    (an output reads it, or is written into it: a donated one) or COPIED_IN (held while the
+    call runs); an input marked already keeps its mark."""
     if not calls or not inputs:
         return calls
     return [
         replace(
             c,
             input_kinds=tuple(
-                copy if i in inputs and kind == "inputs" else kind
+                copy if i in inputs and kind in CALLER_OWNED else kind
                 for i, kind in enumerate(c.input_kinds)
             ),
         )

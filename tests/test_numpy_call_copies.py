@@ -127,3 +127,14 @@ def test_a_reshape_of_an_f_order_argument_counts_the_reference_interpreters_copy
     got = f(w, x)
     np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-5)
     np.testing.assert_allclose(got[1].numpy(), want[1].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_donated_numpy_argument_counts_the_copy_its_outputs_are_written_into(backend):
+    """The caller's array is never written: the call copies it (C order) and, compiled, writes
+    the outputs into the copy; the interpreter reads the copy for the call."""
+    p, g = _x(), _x() * 0.5
+    f = bp.compile(lambda p, g: p - 0.5 * g, donate_argnums=(0,))
+    _check_calls(backend, f, (p, g), lambda: f(p, g))
+    before = p.copy()
+    np.testing.assert_allclose(f(p, g).numpy(), before - 0.5 * g, rtol=1e-6)
+    np.testing.assert_array_equal(p, before)

@@ -130,12 +130,14 @@ def call_copies(
     that the call copies because an output reads them (kept_by_outputs: the copy is that
     output), and those it copies for the call alone: an array in another byte order (its
     values converted), and on the reference interpreter one not in C order that a reshape
-    reads (reference_copies). Donated ones are left out (written with outputs)."""
-    arrays = {k for k, leaf in enumerate(leaves) if isinstance(leaf, np.ndarray)} - set(donated)
+    reads (reference_copies). A donated one is copied in C order: outputs are written into the
+    copy where the plan is compiled (kept), the interpreter reads it for the call (during)."""
+    arrays = {k for k, leaf in enumerate(leaves) if isinstance(leaf, np.ndarray)}
     if not arrays:
         return frozenset(), frozenset()
-    kept = kept_by_outputs(graph, reference) & arrays
-    during = {k for k in arrays if not leaves[k].dtype.isnative}
+    given = arrays & set(donated)
+    kept = kept_by_outputs(graph, reference) & arrays | (set() if reference else given)
+    during = {k for k in arrays if not leaves[k].dtype.isnative} | (given if reference else set())
     if reference:
         reshaped = reshaped_inputs(graph) & arrays
         during |= {k for k in reshaped if not leaves[k].flags.c_contiguous}
