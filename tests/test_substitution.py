@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import backplan as bp
 from backplan.bench.batch_sizes import loss_of
 from backplan.bench.models import MODELS
+from backplan.codegen.build import loop_calls
 from backplan.codegen.render import emit, substitution
 from backplan.codegen.render.choices import pinned
 from backplan.codegen.render.traced_numbers import Traced, Untraceable, recording
@@ -138,6 +139,14 @@ def test_a_structure_unlike_the_recorded_one_is_rendered():
     other = dataclasses.replace(recipe, key=("another structure",))
     assert substitution.apply(other, lowered) is None
     assert substitution.apply(recipe, lowered) is not None
+
+
+def test_a_recipe_applies_only_where_drivers_call_loops_as_they_did(monkeypatch):
+    recipe = _recipe("transformer", "float32", False, 8)
+    lowered = lowering.lower(_fitted("transformer", "float32").at(12)[0])
+    now = loop_calls.mode()
+    monkeypatch.setenv("BACKPLAN_DRIVER_LOOPS", next(m for m in loop_calls.MODES if m != now))
+    assert substitution.apply(recipe, lowered) is None
 
 
 def test_a_refused_tracing_keeps_no_recipe_and_says_why(monkeypatch):

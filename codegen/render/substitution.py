@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from backplan.codegen.build import loop_calls
+from backplan.codegen.flags import flags_text
 from backplan.codegen.render.choices import pinned
 from backplan.codegen.render.kernel_source import KernelSource
 from backplan.codegen.render.lift import FLOATS, INTS, _sizeless
@@ -49,6 +50,13 @@ class Recipe:
     generated: object  # the recorded size's GeneratedModule (its source, kernels, counts)
     positions: dict  # the recorded size's value -> its position (for the per-node facts)
     guard_texts: list  # each guard, for telling which one a size fails
+    environment: tuple = ()  # what the code depends on beside the plan (_environment)
+
+
+def _environment() -> tuple:
+    """What a rendering reads of the process (how drivers call loops, fastmath and threads):
+    a recipe applies only where it is what it was."""
+    return (loop_calls.mode(), flags_text())
 
 
 def structure_key(lowered: LoweredPlan) -> tuple | None:
@@ -298,7 +306,10 @@ def record(lowered: LoweredPlan, generated, choices: dict) -> Recipe | None:
     if arguments(numbers) != [k.arguments for k in generated.loop_kernels]:
         raise NoRecipe("the loop kernels' arguments evaluated differ from the size's own")
     positions = {v: i for i, v in enumerate(graph.inputs + graph.nodes)}
-    return Recipe((key, fixed), guards, literals, arguments, generated, positions, kept)
+    environment = _environment()
+    return Recipe(
+        (key, fixed), guards, literals, arguments, generated, positions, kept, environment
+    )
 
 
 def _arguments_text(kernels, marked: list) -> str:
@@ -334,6 +345,8 @@ def apply(recipe: Recipe, lowered: LoweredPlan):
     recipe's structure or one of its guards does not hold at its size."""
     from backplan.codegen.render.emit import GeneratedModule, _output_sources  # emit imports this
 
+    if _environment() != recipe.environment:
+        return None
     key = structure_key(lowered)
     numbers, fixed = leaves(lowered)
     if (key, fixed) != recipe.key or not recipe.guards(numbers):
