@@ -16,6 +16,8 @@ from backplan.codegen.build.progress import driver_seconds, estimate, fresh_twin
 from backplan.codegen.kernels.gemm.packing import packing_bytes
 from backplan.codegen.render.emit import generate
 from backplan.codegen.render.opaque import unsupported_reason
+from backplan.codegen.run.compiled import output_buffers, returning_outputs
+from backplan.codegen.run.workspace import reused_output_bytes
 from backplan.ir.donation import donated_outputs
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import lower
@@ -41,6 +43,9 @@ class CompiledPlanFacts:
     # pages of backplan's GEMM packing panels its products can touch, kept by the process
     # beyond the plan's buffers (codegen/kernels/gemm/packing.py)
     packing_bytes: int = 0
+    # one generation of its large outputs, kept between calls to write the next call's into
+    # (codegen/run/workspace.py): resident beside the results a loop holds
+    reused_output_bytes: int = 0
 
     @property
     def compiled(self) -> bool:
@@ -63,6 +68,8 @@ def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> C
     generated = generate(lowered)  # source only: cheap, nothing compiled
     kernels = generated.loop_kernels
     in_place = donated_outputs(lowered)
+    buffers = output_buffers(generated)
+    reused = reused_output_bytes(buffers, returning_outputs(plan.graph, buffers, lowered.donations))
     cached = kernel_cache.cached_digests(kernels)
     return CompiledPlanFacts(
         label,
@@ -76,6 +83,7 @@ def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> C
         driver_seconds=driver_seconds(generated.driver_statements, fresh_twins(kernels)),
         donated=tuple(in_place),
         packing_bytes=packing_bytes(generated.gemms, lowered.plan.graph.nodes),
+        reused_output_bytes=reused,
     )
 
 

@@ -212,6 +212,37 @@ class ExplainReport:
         call; None unless the backend is numba."""
         return self._compiled_sum("output_bytes")
 
+    @property
+    def compiled_reused_output_bytes(self) -> int | None:
+        """Bytes of the large outputs (results and saved buffers, 64 KiB or more, none that
+        goes back in donated) the compiled plans keep between calls to write the next call's
+        into (codegen/run/workspace.py): one generation beside the results a loop holds, so a
+        loop that rebinds its results faults in no new pages. Resident between calls, as the
+        scratch arenas are; the joint plan's too where a joint step runs. None unless the
+        backend is numba."""
+        kept = self._compiled_sum("reused_output_bytes")
+        joint = self.joint_step_facts
+        if kept is not None and joint is not None and joint.compiled:
+            kept += joint.reused_output_bytes
+        return kept
+
+    @property
+    def loop_resident_bytes(self) -> int:
+        """The step's own bytes that stay resident between calls of the loop users write
+        (`loss, grads = step(params, x)`, `p, s = update(g, s, p)`), the arguments and
+        constants aside: the scratch arenas, the results the loop keeps bound
+        (kept_output_bytes) and the generation before them the compiled plans keep to write
+        the next call's into (compiled_reused_output_bytes); on the reference backend the
+        results alone."""
+        kept = self.kept_output_bytes(self.call_peaks[-1].first_call)  # the steady loop's
+        if self.compiled is None:
+            return kept
+        scratch = self.compiled_scratch_bytes
+        joint = self.joint_step_facts
+        if joint is not None and joint.compiled:
+            scratch += joint.scratch_bytes
+        return scratch + kept + self.compiled_reused_output_bytes
+
     @functools.cached_property
     def call_peaks(self) -> list[CallPeak]:
         """Which plans run on which call, each with its predicted peak: one entry, or for a

@@ -208,6 +208,15 @@ def _compiled_sentence(report) -> str:
         f"{format_bytes(report.compiled_scratch_bytes)} of scratch arenas across calls and "
         f"allocates {format_bytes(report.compiled_output_bytes)} fresh per call"
     )
+    reused = report.compiled_reused_output_bytes
+    if reused:
+        text += (
+            f", and keeps one generation of its large outputs, {format_bytes(reused)}, between "
+            "calls to write the next call's into (a loop that rebinds its results faults in no "
+            "new pages): the loop users write holds "
+            f"{format_bytes(report.loop_resident_bytes)} between calls, arenas and results "
+            "included (report.loop_resident_bytes)"
+        )
     refused = refused_plans(report)
     if refused:
         text += f"; the {refused} runs on the reference interpreter instead"

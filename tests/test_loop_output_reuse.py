@@ -6,14 +6,18 @@ anyone still holds is never written: a caller keeping three generations gets thr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
 
 import numpy as np
+import pytest
+from helpers import counted_in_a_loop
 
 import backplan as bp
+from backplan.bench.internals import checked_memory
 from backplan.runtime.backend import use_backend
 
 N = 262_144  # 1 MiB of float32 a result: above the reuse threshold, and glibc returns such
@@ -38,32 +42,80 @@ def _loop(step, p, g, calls: int) -> tuple:
 
 
 CHILD = """
-import resource, sys
+import gc, json, resource, sys
 sys.path.insert(0, sys.argv[1])
 import backplan as bp
 from test_loop_output_reuse import _arguments, _loop, _update
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
 step = bp.compile(_update)
 p, g = _arguments()
+report = bp.explain(step, p, g)
 results = _loop(step, p, g, 4)  # warm: compiled, both generations made
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
     results = step(results[0], g)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
+looping = status("VmRSS")  # between calls: the results bound, the generation before kept
+del results
+for runner in step.trace(p, g).runners():  # the workspaces, their kept outputs with them
+    runner.release_idle()
+gc.collect()
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM starts again from VmRSS
+results = _loop(step, p, g, 6)
+print(json.dumps({
+    "faults": faults,
+    "between": looping - base,
+    "peak": status("VmHWM") - base,
+    "resident": report.loop_resident_bytes,
+    "kept": report.compiled_reused_output_bytes,
+    "printed_peak": report.peak.allocated_peak_bytes,
+    "text": str(report),
+}))
 """
 
 
-def test_a_loop_that_rebinds_its_results_faults_in_no_pages():
-    """In a fresh process whose allocator hands every block of 128 KiB or more back to the
-    system when freed (glibc's fixed mmap threshold; by default it does so for blocks above
-    32 MiB, and for smaller ones as its heap's top is trimmed): 771 minor faults a call when
-    each call took fresh memory for its results."""
+@pytest.fixture(scope="module")
+def child_loop() -> dict:
+    """The loop in a fresh process whose allocator hands every block of 128 KiB or more back to
+    the system when freed (glibc's fixed mmap threshold; by default it does so for blocks
+    above 32 MiB, and for smaller ones as its heap's top is trimmed), so that its resident
+    bytes are the arrays alive: faults a call and resident bytes, against explain."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "BACKPLAN_BACKEND": "numba"}
     child = [sys.executable, "-c", CHILD, os.path.dirname(__file__)]
     done = subprocess.run(child, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    per_call = float(done.stdout.split()[-1])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_loop_that_rebinds_its_results_faults_in_no_pages(child_loop):
+    """771 minor faults a call when each call took fresh memory for its results."""
     pages = 3 * N * 4 // 4096
+    per_call = child_loop["faults"]
     assert per_call < pages / 16, f"{per_call} minor faults a call for {pages} pages of results"
+
+
+def _near(measured: int, printed: int) -> bool:
+    """Equal but for the allocator's page of header a block and the loop's few objects."""
+    return abs(measured - printed) <= 64 * 1024
+
+
+def test_what_the_loop_keeps_resident_is_what_explain_prints(child_loop):
+    """Between calls: the results bound and the generation before them, which the next call
+    writes into (3 MiB each); over the loop's calls: the peak explain prints for that loop."""
+    assert child_loop["kept"] == 3 * N * 4
+    assert child_loop["resident"] == 6 * N * 4
+    assert _near(child_loop["between"], child_loop["resident"]), child_loop
+    assert _near(child_loop["peak"], child_loop["printed_peak"]), child_loop
+    text = " ".join(child_loop["text"].split())
+    assert f"holds {child_loop['resident']:,} B" in text
+    assert "(report.loop_resident_bytes)" in text
 
 
 def test_the_loop_matches_the_reference_interpreter():
@@ -113,3 +165,24 @@ def test_two_threads_looping_on_one_function_each_get_their_own_results():
     for mine, serial in zip(got, want, strict=True):
         for a, b in zip(mine, serial, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@use_backend("numba")
+def test_the_checked_mode_counts_the_rebinding_loop_as_explain_prints_it():
+    """Each call of `results = step(results[0], g)` holds the last results (one of them passed
+    back in) and writes into the generation before: counted to the byte as explain prints it."""
+    p, g = _arguments()
+    with checked_memory():
+        step = bp.compile(_update)
+        report = bp.explain(step, p, g)
+        last = [p]
+
+        def call():
+            results = step(last[0], g)
+            last[0] = results[0]
+            return results
+
+        counted = counted_in_a_loop(call, 5)
+    printed = [report.loop_peak_on_call(n).allocated_peak_bytes for n in range(1, 6)]
+    assert counted == printed
+    assert printed[1:] == [report.loop_resident_bytes] * 4  # the results and the generation kept

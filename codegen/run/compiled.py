@@ -33,7 +33,12 @@ from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
 from backplan.codegen.run import compile_garbage
 from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare, refuse_uncounted
-from backplan.codegen.run.workspace import ArenaPool, WorkspacePool, sized_launch
+from backplan.codegen.run.workspace import (
+    ArenaPool,
+    WorkspacePool,
+    reused_output_bytes,
+    sized_launch,
+)
 from backplan.ir.argument_layout import base
 from backplan.ir.errors import ExecutionError
 from backplan.ir.flops import node_flops
@@ -216,6 +221,24 @@ _setflags = np.ndarray.setflags
 _NO_GUARD = contextlib.nullcontext()
 
 
+def output_buffers(generated) -> list:
+    """(shape, dtype) of each output buffer a call of the rendered plan allocates."""
+    return [(internal_shape(v.shape), storage_dtype(v.dtype)) for v in generated.output_buffers]
+
+
+def returning_outputs(graph, buffers: list, donations: dict) -> frozenset[int]:
+    """Output buffers that may come back as a donated input in the next call: those paired
+    with one (donations: output buffer -> donated input), and any of the same type as one (a
+    training step's new state, which the pairing may have given another input's buffer). A
+    workspace keeps none of them for reuse: its reference would stop that donation."""
+    donated = {
+        (internal_shape(graph.inputs[j].shape), storage_dtype(graph.inputs[j].dtype))
+        for j in donations.values()
+    }
+    same = {k for k, kind in enumerate(buffers) if kind in donated}
+    return frozenset(donations) | frozenset(same)
+
+
 class CompiledPlan:
     """Calling it runs the whole plan in one compiled function. background: the function's own
     choice (True: first calls on the reference interpreter while a child compiles; False:
@@ -295,9 +318,7 @@ class CompiledPlan:
             _as_bits(np.ascontiguousarray(graph.constants[c])) for c in generated.constant_names
         ]
         self._lifted = lifted_arrays(generated.literals)  # this size's numbers, or ()
-        self._output_buffers = [
-            (internal_shape(v.shape), storage_dtype(v.dtype)) for v in generated.output_buffers
-        ]
+        self._output_buffers = output_buffers(generated)
         self._half_inputs = [i for i, v in enumerate(graph.inputs) if is_half(v.dtype)]
         self._half_outputs = [
             (i, np_dtype(v.dtype)) for i, v in enumerate(graph.outputs) if is_half(v.dtype)
@@ -339,16 +360,7 @@ class CompiledPlan:
         return None if self._why_missed is None else self._why_missed()
 
     def _returning_outputs(self, graph) -> frozenset[int]:
-        """Output buffers that may come back as a donated input in the next call: those
-        paired with one, and any of the same type as one (a training step's new state, which
-        the pairing may have given another input's buffer). A workspace keeps none of them
-        for reuse: its reference would stop that donation."""
-        donated = {
-            (internal_shape(graph.inputs[j].shape), storage_dtype(graph.inputs[j].dtype))
-            for j in self.donations.values()
-        }
-        same = {k for k, kind in enumerate(self._output_buffers) if kind in donated}
-        return frozenset(self.donations) | frozenset(same)
+        return returning_outputs(graph, self._output_buffers, self.donations)
 
     def __call__(self, args: list, donate=()) -> list:
         """donate: inputs whose buffers the caller gives up; outputs paired with them
@@ -913,6 +925,12 @@ class CompiledPlan:
     def output_bytes(self) -> int:
         """Bytes allocated fresh on every call for what the call returns."""
         return sum(int(np.prod(s)) * d.itemsize for s, d in self._output_buffers)
+
+    @property
+    def reused_output_bytes(self) -> int:
+        """Bytes of the outputs a workspace keeps between calls to write the next call's into
+        (one generation: codegen/run/workspace.py)."""
+        return reused_output_bytes(self._output_buffers, self._workspaces._donatable)
 
     def _located(self, exc: Exception) -> ExecutionError:
         """Generated code names the failing value (%12) and, for a bad index, passes its flat

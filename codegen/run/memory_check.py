@@ -60,10 +60,12 @@ class Measurement:
         self.at_peak: dict[str, int] = {}
 
     def _add(self, token: int, name: str, nbytes: int) -> None:
-        if token in self.held:
-            return
-        self.held[token] = (name, nbytes)
-        self.live += nbytes
+        """A buffer used: counted once while it lives, and the peak read again (after
+        restart_at_next_use, a call whose every buffer an earlier call made, a workspace's
+        kept outputs and arena, holds them all)."""
+        if token not in self.held:
+            self.held[token] = (name, nbytes)
+            self.live += nbytes
         if self.live > self.peak:
             self.peak = self.live
             self.at_peak = {}

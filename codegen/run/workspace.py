@@ -318,6 +318,18 @@ def kept_only_for_reuse(array: np.ndarray) -> bool:
     return sys.getrefcount(array) <= 4
 
 
+def reused_output_bytes(output_buffers, donatable=frozenset()) -> int:
+    """Bytes of one generation of the outputs a workspace writes again ((shape, dtype) of each
+    output buffer; donatable: those that go back in as donated inputs, never kept): what it
+    keeps between calls beside the results the caller holds, to write the next call's into
+    (Workspace.output_arrays)."""
+    return sum(
+        int(np.prod(shape)) * np.dtype(dtype).itemsize
+        for i, (shape, dtype) in enumerate(output_buffers)
+        if i not in donatable and _reusable(shape, dtype)
+    )
+
+
 def _reusable(shape, dtype) -> bool:
     """Worth reusing: below REUSE_BYTES, np.empty is cheaper than the checks (it takes memory
     from the allocator's free lists, no page faults)."""
