@@ -169,8 +169,9 @@ def _compare(symbol: str, apply):
             _refuse(other)
             return NotImplemented
         answer = bool(apply(self.value, found[1]))
-        held = symbol if answer else _OPPOSITE[symbol]  # the comparison that held
-        _current().guard(f"({self.text}{held}{found[0]})")
+        if found[0] != self.text:  # one expression against itself holds at every size
+            held = symbol if answer else _OPPOSITE[symbol]  # the comparison that held
+            _current().guard(f"({self.text}{held}{found[0]})")
         return answer
 
     return method
