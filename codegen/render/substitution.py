@@ -22,6 +22,7 @@ exactly (its driver code, its integer and float literals); anything the tracing 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -47,8 +48,9 @@ class Recipe:
     guards: object  # L -> whether every guard holds
     literals: object  # L -> (ints, floats)
     arguments: object  # L -> each loop kernel's arguments (KernelSource.arguments)
-    generated: object  # the recorded size's GeneratedModule (its source, kernels, counts)
-    positions: dict  # the recorded size's value -> its position (for the per-node facts)
+    # the recorded size's GeneratedModule with its per-node facts (epilogues_apart, calls_of,
+    # gemms) by value position and no layout: a recipe holds none of that size's graph
+    generated: object
     guard_texts: list  # each guard, for telling which one a size fails
     environment: tuple = ()  # what the code depends on beside the plan (_environment)
 
@@ -305,11 +307,18 @@ def record(lowered: LoweredPlan, generated, choices: dict) -> Recipe | None:
         raise NoRecipe("the literals evaluated differ from the size's own")
     if arguments(numbers) != [k.arguments for k in generated.loop_kernels]:
         raise NoRecipe("the loop kernels' arguments evaluated differ from the size's own")
-    positions = {v: i for i, v in enumerate(graph.inputs + graph.nodes)}
-    environment = _environment()
-    return Recipe(
-        (key, fixed), guards, literals, arguments, generated, positions, kept, environment
+    at = {v: i for i, v in enumerate(graph.inputs + graph.nodes)}
+    kept_module = dataclasses.replace(
+        generated,
+        output_buffers=[],
+        literal_outputs={},
+        output_sources=[],
+        layout=None,
+        epilogues_apart=frozenset(at[n] for n in generated.epilogues_apart),
+        calls_of={at[n]: count for n, count in generated.calls_of.items()},
+        gemms={at[n]: text for n, text in generated.gemms.items()},
     )
+    return Recipe((key, fixed), guards, literals, arguments, kept_module, kept, _environment())
 
 
 def _arguments_text(kernels, marked: list) -> str:
@@ -355,7 +364,6 @@ def apply(recipe: Recipe, lowered: LoweredPlan):
     made = recipe.generated
     graph = lowered.plan.graph
     values = graph.inputs + graph.nodes
-    at = recipe.positions
     layout = lowered.layout
     literal_outs = literal_outputs(lowered)
     return GeneratedModule(
@@ -374,9 +382,9 @@ def apply(recipe: Recipe, lowered: LoweredPlan):
         made.driver_statements,
         made.driver_parts,
         (ints, floats),
-        frozenset(values[at[n]] for n in made.epilogues_apart),
-        {values[at[n]]: count for n, count in made.calls_of.items()},
-        {values[at[n]]: text for n, text in made.gemms.items()},
+        frozenset(values[i] for i in made.epilogues_apart),
+        {values[i]: count for i, count in made.calls_of.items()},
+        {values[i]: text for i, text in made.gemms.items()},
         made.code,
     )
 
