@@ -92,6 +92,12 @@ class SignedCacheOnDemand:
                     compile_lock.release(self._locks.pop(str(sig)))
         return data
 
+    def load_saved(self, sig, target_context):
+        """The cached machine code for sig, or None, taking no lock: for a caller that only
+        looks (load_cached), so that no lock is held for a compile this process never does
+        (a build process, or another rank, would wait WAIT_S for it)."""
+        return self._loaded(sig, target_context)
+
     def _loaded(self, sig, target_context):
         try:
             return self._cache().load_overload(sig, target_context)
@@ -176,11 +182,12 @@ def start_parallel_runtime() -> None:
 
 def load_cached(dispatcher, signature) -> bool:
     """Add the dispatcher's compiled version for `signature` from its (signed) disk cache, as
-    Numba's own compile does before compiling; False when the cache has none. Never compiles."""
+    Numba's own compile does before compiling; False when the cache has none. Never compiles,
+    and takes no compile lock (a miss here is often compiled by a build process)."""
     from numba.core.compiler_lock import global_compiler_lock
 
     with global_compiler_lock:
-        compiled = dispatcher._cache.load_overload(signature, dispatcher.targetctx)
+        compiled = saved_overload(dispatcher, signature)
         if compiled is None:
             return False
         dispatcher.targetctx.insert_user_function(
@@ -188,6 +195,13 @@ def load_cached(dispatcher, signature) -> bool:
         )
         dispatcher.add_overload(compiled)
         return True
+
+
+def saved_overload(dispatcher, signature):
+    """The dispatcher's cached machine code for signature, or None; no compile lock taken."""
+    cache = dispatcher._cache
+    look = getattr(cache, "load_saved", cache.load_overload)
+    return look(signature, dispatcher.targetctx)
 
 
 def is_cached(dispatcher) -> bool:

@@ -3,6 +3,7 @@ process that finds another compiling the same function and signature waits for i
 what it saved instead of compiling it again (MPI ranks started together each compiled every
 library function and inline driver of their plans)."""
 
+import os
 import subprocess
 import sys
 import time
@@ -125,3 +126,103 @@ def test_a_compile_that_raises_lets_its_lock_go(tmp_path, monkeypatch):
         untypable(1)
     assert set(compile_lock._held) == held
     assert not list(tmp_path.glob("__pycache__/*.lock"))
+
+
+def test_looking_in_the_cache_takes_no_lock(tmp_path, monkeypatch):
+    """load_cached only looks: a miss there is often compiled by a build process, or by
+    another rank, which must not wait WAIT_S for a lock this process holds and never uses."""
+    from backplan.codegen.jit import load_cached
+
+    path = tmp_path / "library_like.py"
+    path.write_text(MODULE)
+    twice = _load(path, monkeypatch)
+    held = dict(compile_lock._held)
+    assert not load_cached(twice, (types.int64,))
+    assert compile_lock._held == held  # before: held until this process exited
+
+
+HOLDER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("compile_lock", sys.argv[2])
+compile_lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compile_lock)  # alone: a holder up in milliseconds, not seconds
+compile_lock.take(sys.argv[1]); print("held", flush=True)
+sys.stdin.readline()
+compile_lock.release(sys.argv[1]); compile_lock.take(sys.argv[1]); print("again", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_waiter_whose_lock_file_was_removed_waits_for_the_new_one(tmp_path):
+    """A waiter opened the file before its holder removed it on release; a newcomer (here the
+    holder itself) made a new file and holds it. The waiter's lock on the removed file guards
+    nothing: it waits for the file at the path instead, so two never compile at once."""
+    import threading
+
+    lock = str(tmp_path / "f.lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, lock, compile_lock.__file__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    waited = []
+    try:
+        assert holder.stdout.readline() == "held\n"
+        waiter = threading.Thread(target=lambda: waited.append(compile_lock.take(lock)))
+        waiter.start()
+        time.sleep(0.3)  # the waiter has opened the first file and polls its lock
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "again\n"
+        holder.stdin.close()  # the holder exits: its lock on the new file goes
+        waiter.join(timeout=60)
+        assert waited == [True]
+        assert os.fstat(compile_lock._held[lock]).st_ino == os.stat(lock).st_ino
+    finally:
+        holder.kill()
+        holder.wait()
+        compile_lock.release(lock)
+
+
+def test_a_holder_killed_with_sigkill_leaves_its_file_and_no_wait(tmp_path):
+    """The system releases a dead holder's flock: the next process takes the lock at once,
+    on the file the dead one left, and removes it when done."""
+    lock = str(tmp_path / "f.lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, lock, compile_lock.__file__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert holder.stdout.readline() == b"held\n"
+    holder.kill()
+    holder.wait()
+    assert os.path.exists(lock)
+    assert not compile_lock.take(lock)  # no holder left: no wait
+    compile_lock.release(lock)
+    assert not os.path.exists(lock)
+
+
+def test_no_flock_or_no_file_compiles_without_the_lock(tmp_path, monkeypatch):
+    """A file system without flock (ENOLCK), a lock file left unreadable or a folder that
+    cannot be written: take() neither raises nor holds anything, and the caller compiles."""
+    import errno
+    import fcntl
+
+    lock = str(tmp_path / "f.lock")
+
+    def no_flock(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(fcntl, "flock", no_flock)
+        compile_lock.take(lock)
+    assert lock not in compile_lock._held
+    if os.geteuid() == 0:
+        return  # root opens any file
+    os.chmod(lock, 0)
+    assert not compile_lock.take(lock) and lock not in compile_lock._held
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    assert not compile_lock.take(str(folder / "f.lock"))
+    assert str(folder / "f.lock") not in compile_lock._held

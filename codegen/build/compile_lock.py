@@ -7,9 +7,11 @@ the function's cache entry and the signature; a process that had to wait looks i
 again and loads what the holder saved. Loop batches have their own lock (batch_lock.py), child
 driver builds theirs (driver_lock.py); this one covers what compiles in the calling process.
 
-The lock is released, and its file removed, when the compile is saved; the system releases it
-when its holder exits or dies. A compile that raises keeps it until its process ends, so a
-waiter gives up after WAIT_S and compiles on its own: at worst the old cost, never a hang.
+The lock is released, and its file removed, when the compile is saved or raises; the system
+releases it when its holder exits or dies. A holder that neither saves nor exits (stopped, or
+stuck) is waited for WAIT_S at most, then the waiter compiles on its own: at worst the old
+cost, never a hang. A folder where the file cannot be made or locked (read-only, full, a file
+system without flock) compiles without the lock.
 """
 
 from __future__ import annotations
@@ -39,30 +41,55 @@ def take(path: str) -> bool:
     held it first, so that what it compiled may be in the cache now."""
     if fcntl is None or path in _held:
         return False
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:  # an unwritable folder: nothing is cached there either
-        return False
     waited, deadline = False, time.monotonic() + WAIT_S
     while True:
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # an unwritable or full folder: nothing is cached there either
+            return waited
+        locked = _lock(fd, deadline)
+        if locked is None:  # no flock here, or waited WAIT_S: compile without it
+            os.close(fd)
+            return True
+        waited = waited or locked
+        if _is_the_file_at(fd, path):
+            _held[path] = fd
+            return waited
+        # the holder removed the file as it let go, and a newcomer may hold a new one there:
+        # this lock guards nothing, so take the file that is at the path now
+        os.close(fd)
+
+
+def _lock(fd: int, deadline: float) -> bool | None:
+    """Lock fd, waiting until the deadline: whether it waited, or None if it gave up or the
+    file system has no flock (ENOLCK, EOPNOTSUPP)."""
+    waited = False
+    while True:
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            return waited
         except BlockingIOError:
             waited = True
             if time.monotonic() > deadline:
-                os.close(fd)
-                return True
+                return None
             time.sleep(POLL_S)
-    _held[path] = fd
-    return waited
+        except OSError:
+            return None
+
+
+def _is_the_file_at(fd: int, path: str) -> bool:
+    try:
+        there = os.stat(path)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def release(path: str) -> None:
     """Let go of the lock and remove its file, so that none is left in the cache folder (which
-    holds signed entries only). A process that opened the file before it was removed still gets
-    the lock on it, and one that came later makes a new file: at worst both compile, as without
-    a lock, and both save the same code."""
+    holds signed entries only). The file goes while it is still locked: a process that opened it
+    before and gets the lock then finds no file at the path and takes a new one (take)."""
     fd = _held.pop(path, None)
     if fd is not None:
         try:

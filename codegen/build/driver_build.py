@@ -16,7 +16,7 @@ import warnings
 
 from backplan.codegen.build import cache, driver_lock, fingerprint, kernel_cache
 from backplan.codegen.build.driver_tier import numba_signature
-from backplan.codegen.jit import start_parallel_runtime
+from backplan.codegen.jit import saved_overload, start_parallel_runtime
 from backplan.codegen.render.kernel_source import KernelSource
 
 
@@ -42,7 +42,7 @@ def build(payload: dict) -> tuple[str | None, bool]:
         warnings.simplefilter("always")
         module.run.compile(signature)
     compiled = bool(module.run.stats.cache_misses)
-    if module.run._cache.load_overload(signature, module.run.targetctx) is None:
+    if saved_overload(module.run, signature) is None:
         said = " | ".join(str(w.message) for w in caught[-3:])
         return f"Numba compiled the driver but did not cache it ({said or 'no warning'})", compiled
     return None, compiled
