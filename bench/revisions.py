@@ -159,7 +159,12 @@ def main(argv=None) -> int:
         parser.error("--a is required: the Python of the installation to compare against")
     models = args.models.split(",")
     caches = {side: tempfile.mkdtemp(prefix=f"backplan-revision-{side}-") for side in "ab"}
-    pythons = {"a": args.a, "b": args.b}
+    # children run in the temporary folder: a relative path (.venv/bin/python) must not
+    # name a file there; a bare name (python) is still looked up on PATH
+    pythons = {
+        side: os.path.abspath(path) if os.sep in path else path
+        for side, path in (("a", args.a), ("b", args.b))
+    }
     for side in "ab":  # warm each cache: compile kernels and drivers once, not timed
         run(pythons[side], models, cpus, 1, caches[side], args.peer, args.clock)
     results: dict[str, list[dict]] = {"a": [], "b": []}

@@ -78,3 +78,22 @@ def test_the_default_cpu_is_one_this_process_may_use(monkeypatch, capsys):
     assert revisions.main(["--a", sys.executable, "--models", "mlp_tiny", "--processes", "1"]) == 0
     assert len(commands) == 4 and all(c[c.index("--cpus") + 1] == "1" for c in commands)
     assert re.search(r"^CPUs \[1\], 1 thread\(s\) per process", capsys.readouterr().out, re.M)
+
+
+def test_a_relative_python_path_reaches_the_children_absolute(monkeypatch, capsys):
+    """The children run in the temporary folder: `--a .venv/bin/python` is made absolute
+    there (it failed with FileNotFoundError); a bare `python` stays a PATH lookup."""
+    import subprocess
+    import types
+
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        return types.SimpleNamespace(returncode=0, stdout='{"mlp_tiny": 0.001}\n', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    cpu = str(sorted(os.sched_getaffinity(0))[0])
+    args = ["--a", os.path.join(".venv", "bin", "python"), "--b", "python", "--cpu", cpu]
+    assert revisions.main([*args, "--models", "mlp_tiny", "--processes", "1"]) == 0
+    assert {c[0] for c in commands} == {os.path.abspath(args[1]), "python"}
