@@ -173,6 +173,7 @@ def test_substituted_sizes_run_as_the_reference_interpreter(name, monkeypatch):
         return found
 
     monkeypatch.setattr(substitution, "apply", counting)
+    monkeypatch.setenv("BACKPLAN_DRIVER", "python")  # the literals the driver reads, uncompiled
     spec = MODELS[name]
     loss, axes = loss_of(spec)
     step = bp.value_and_grad(bp.compile(loss, dynamic=axes))
