@@ -226,3 +226,29 @@ def test_no_flock_or_no_file_compiles_without_the_lock(tmp_path, monkeypatch):
     folder.mkdir(mode=0o500)
     assert not compile_lock.take(str(folder / "f.lock"))
     assert str(folder / "f.lock") not in compile_lock._held
+
+
+def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
+    """A process forked while this one compiles (a thread starting worker processes) shares
+    the lock file's descriptor: once this one releases, a process waiting on that file must
+    get it, not wait until the child exits."""
+    lock = str(tmp_path / "f.lock")
+    assert not compile_lock.take(lock)
+    waiting = os.open(lock, os.O_RDWR)  # as a waiter opened it before the release
+    ready, tell = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child only sleeps
+        os.write(tell, b"x")  # its fork handlers have run
+        time.sleep(30)
+        os._exit(0)
+    try:
+        assert os.read(ready, 1) == b"x"
+        compile_lock.release(lock)
+        import fcntl
+
+        fcntl.flock(waiting, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raised before: the child held it
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        for fd in (waiting, ready, tell):
+            os.close(fd)

@@ -47,7 +47,7 @@ def take(path: str) -> bool:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:  # an unwritable or full folder: nothing is cached there either
             return waited
-        locked = _lock(fd, deadline)
+        locked = _lock(fd, path, deadline)
         if locked is None:  # no flock here, or waited WAIT_S: compile without it
             os.close(fd)
             return True
@@ -60,9 +60,10 @@ def take(path: str) -> bool:
         os.close(fd)
 
 
-def _lock(fd: int, deadline: float) -> bool | None:
-    """Lock fd, waiting until the deadline: whether it waited, or None if it gave up or the
-    file system has no flock (ENOLCK, EOPNOTSUPP)."""
+def _lock(fd: int, path: str, deadline: float) -> bool | None:
+    """Lock fd, waiting until the deadline or until its file is no longer the one at path
+    (released, and held on by a process its holder forked): whether it waited, or None if it
+    gave up or the file system has no flock (ENOLCK, EOPNOTSUPP)."""
     waited = False
     while True:
         try:
@@ -72,6 +73,8 @@ def _lock(fd: int, deadline: float) -> bool | None:
             waited = True
             if time.monotonic() > deadline:
                 return None
+            if not _is_the_file_at(fd, path):
+                return True  # take() opens the file at the path now
             time.sleep(POLL_S)
         except OSError:
             return None
@@ -84,6 +87,18 @@ def _is_the_file_at(fd: int, path: str) -> bool:
         return False
     mine = os.fstat(fd)
     return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _forget_in_child() -> None:
+    """A forked child does not compile what its parent was compiling: it closes its copies of
+    the parent's lock files, which would otherwise keep them locked until the child exits."""
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def release(path: str) -> None:
