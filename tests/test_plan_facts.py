@@ -85,14 +85,26 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
     import test_plan_facts as t
+    from backplan.codegen.build.fingerprint import codegen_fingerprint
     from backplan.codegen.render import emit
     renders, real = [], emit._generate
     emit._generate = lambda lowered, *rest: renders.append(1) or real(lowered, *rest)
     value, grad, compiled = t.step()
     print(json.dumps({"value": value, "grad": grad, "renders": len(renders),
                       "path": compiled.module_path, "source": compiled.source,
-                      "kernel": compiled.loop_kernels[0].name}))
+                      "kernel": compiled.loop_kernels[0].name,
+                      "code": codegen_fingerprint()}))
 """)
+
+
+def _same_code_generator(first, later):
+    """The plans' cache key covers every file of the code generator (fingerprint.py): a
+    checkout edited or rebased while this test runs gives the later process another key, an
+    entry of its own and a rendering, which is right, and not what this test is about."""
+    assert later["code"] == first["code"], (
+        "the code generator's files changed while the test ran (an edit or a rebase of this "
+        "checkout): the later process's plan has another cache key; run it again"
+    )
 
 
 def fresh_process(cache_dir):
@@ -119,11 +131,13 @@ def test_edited_files_are_never_run_a_fresh_process_renders_and_rewrites_them(tm
         with open(path, "a") as f:
             f.write(planted)
     second = fresh_process(tmp_path)
+    _same_code_generator(first, second)
     assert second["renders"] == 1 and not marker.exists()
     assert (second["value"], second["grad"]) == (first["value"], first["grad"])
     assert open(first["path"]).read() == first["source"] == second["source"]
     assert kernel.read_text() == generated_kernel
     third = fresh_process(tmp_path)
+    _same_code_generator(first, third)
     assert third["renders"] == 0 and (third["value"], third["grad"]) == (
         first["value"],
         first["grad"],
