@@ -1,8 +1,8 @@
 """Per-call working memory of a compiled plan, safe under threads.
 
 Kernels release the GIL, so two threads calling one compiled function run at once. Each call
-checks out a workspace (the scratch arenas and the output buffers of that workspace's previous
-call) from a small pool and returns it afterwards: concurrent calls never share bytes, and a
+checks out a workspace (the scratch arenas and the output buffers of that workspace's last two
+calls) from a small pool and returns it afterwards: concurrent calls never share bytes, and a
 single thread keeps reusing one warm workspace. Only launches of parallel kernels are
 serialised, and only under Numba's workqueue threading layer, which aborts the process when
 two threads enter it at once.
@@ -24,7 +24,7 @@ from backplan.codegen.run.free_cores import free_cores
 
 KEEP_IDLE = 4  # workspaces kept per plan after a burst of concurrent calls
 ALONE_BEFORE_TRIM = 8  # calls in a row with no other in flight before a burst's spares go
-REUSE_BYTES = 1 << 16  # outputs at least this big are reused from the previous call
+REUSE_BYTES = 1 << 16  # outputs at least this big are reused from the last two calls
 
 # The threading layers Numba documents as safe to enter from several threads at once.
 _THREADSAFE_LAYERS = ("tbb", "omp", "threadsafe")
@@ -231,7 +231,7 @@ class ArenaPool(_Spares):
 
 
 class Workspace:
-    """The outputs of this workspace's previous call, and the scratch arena its call runs in,
+    """The outputs of this workspace's last two calls, and the scratch arena its call runs in,
     with its views as this plan's dtypes: the workspace's own for good, or a shared ArenaPool's
     while a call holds the workspace (WorkspacePool)."""
 
