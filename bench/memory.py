@@ -231,10 +231,28 @@ def measure(name: str, scale: int, kind: str = "train") -> dict:
     """The first step in a fresh process, and in a fresh process primed by a step at 1/4 of
     the scale."""
     primed = max(scale // 4, 1)
-    _run_child("warm", name, scale, kind, primed)
-    fresh = json.loads(_run_child("child", name, scale, kind).strip().splitlines()[-1])
-    after = json.loads(_run_child("child", name, scale, kind, primed).strip().splitlines()[-1])
+    runs = [("warm", name, scale, kind, primed), ("child", name, scale, kind)]
+    runs.append(("child", name, scale, kind, primed))
+    fresh, after = retried_children(runs)
     return dict(fresh, model=name, step=kind, scale=scale, primed=after)
+
+
+def retried_children(runs: list, module: str = "backplan.bench.memory") -> list[dict]:
+    """The children's results after the warm one; once more, warm first, where a child found
+    no compiled driver to load before its step (it compiled inside it: a void reading). Seen
+    on 2026-11-29 for the bench lstm48 (x256) and a budget program: the plan's source file in
+    the shared disk cache was rewritten between the warm child and the fresh one (its content
+    the same in three processes of this tree, in any order of sizes; written by another
+    process, not found), and Numba's cache, keyed on the file's time, compiled again."""
+    found: list[dict] = []
+    for attempt in range(2):
+        _run_child(*runs[0], module=module)
+        found = [
+            json.loads(_run_child(*run, module=module).strip().splitlines()[-1]) for run in runs[1:]
+        ]
+        if all(f["driver_loaded_before"] for f in found) or attempt:
+            return found
+    return found
 
 
 def _rest(found: dict) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 
 import numpy as np
@@ -343,12 +342,11 @@ def child(name: str, scale: int, primed: int = 0) -> dict:
 
 def measure(name: str, scale: int) -> dict:
     """The first step in a fresh process, and in one primed at a quarter of the batch."""
-    from .memory import _run_child
+    from .memory import retried_children
 
     here, primed = "backplan.bench.memory_programs", max(scale // 4, 1)  # not __main__
-    _run_child("warm", name, scale, primed, module=here)
-    runs = [_run_child("child", name, scale, *extra, module=here) for extra in ((), (primed,))]
-    fresh, after = (json.loads(out.strip().splitlines()[-1]) for out in runs)
+    runs = [("warm", name, scale, primed), ("child", name, scale), ("child", name, scale, primed)]
+    fresh, after = retried_children(runs, module=here)
     kind = PROGRAMS[name].__name__  # the row's step column: the program
     return dict(fresh, model=name, step=kind, scale=scale, primed=after)
 

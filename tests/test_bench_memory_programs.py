@@ -45,3 +45,25 @@ def test_the_fresh_processes_import_the_programs_by_their_module_name(monkeypatc
     assert memory_programs.main(["--programs", "cnn", "--scale", "1"]) == 0
     assert calls == [(f, "backplan.bench.memory_programs") for f in ("warm", "child", "child")]
     assert "| cnn | cnn | 1 | 1 | 1 | 1 | 1 | 0 / 0 |" in capsys.readouterr().out
+
+
+def test_a_child_that_compiled_its_driver_in_the_step_is_run_again_once(monkeypatch):
+    """A void reading (the driver compiled inside the measured step) is retaken, warm first."""
+    import json
+
+    from backplan.bench import memory
+
+    calls = []
+    loaded = iter([False, True, True, True])
+
+    def fake(function, *args, module):
+        calls.append(function)
+        if function == "warm":
+            return ""
+        return json.dumps({"driver_loaded_before": next(loaded), "measured_growth": 1}) + "\n"
+
+    monkeypatch.setattr(memory, "_run_child", fake)
+    runs = [("warm", "cnn", 1, 1), ("child", "cnn", 1), ("child", "cnn", 1, 1)]
+    found = memory.retried_children(runs, module="backplan.bench.memory_programs")
+    assert calls == ["warm", "child", "child", "warm", "child", "child"]
+    assert all(f["driver_loaded_before"] for f in found)
