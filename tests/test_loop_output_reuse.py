@@ -18,6 +18,7 @@ from helpers import counted_in_a_loop
 
 import backplan as bp
 from backplan.bench.internals import checked_memory
+from backplan.codegen.run.workspace import Workspace
 from backplan.runtime.backend import use_backend
 
 N = 262_144  # 1 MiB of float32 a result: above the reuse threshold, and glibc returns such
@@ -60,6 +61,11 @@ before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
     results = step(results[0], g)
 faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):  # the loop started again from arrays it does not hold (a new epoch)
+    results = None
+    results = _loop(step, p, g, 3)
+restarted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 30
 looping = status("VmRSS")  # between calls: the results bound, the generation before kept
 del results
 for runner in step.trace(p, g).runners():  # the workspaces, their kept outputs with them
@@ -71,6 +77,7 @@ with open("/proc/self/clear_refs", "w") as f:
 results = _loop(step, p, g, 6)
 print(json.dumps({
     "faults": faults,
+    "restarted": restarted,
     "between": looping - base,
     "peak": status("VmHWM") - base,
     "resident": report.loop_resident_bytes,
@@ -98,6 +105,15 @@ def test_a_loop_that_rebinds_its_results_faults_in_no_pages(child_loop):
     """771 minor faults a call when each call took fresh memory for its results."""
     pages = 3 * N * 4 // 4096
     per_call = child_loop["faults"]
+    assert per_call < pages / 16, f"{per_call} minor faults a call for {pages} pages of results"
+
+
+def test_a_loop_started_again_finds_both_generations(child_loop):
+    """Ten loops of three calls, each from the arrays passed in at first: the last loop's two
+    generations are unheld on the first call, and the older is still there on the second
+    (256 faults a call when it was let go at once)."""
+    pages = 3 * N * 4 // 4096
+    per_call = child_loop["restarted"]
     assert per_call < pages / 16, f"{per_call} minor faults a call for {pages} pages of results"
 
 
@@ -186,3 +202,15 @@ def test_the_checked_mode_counts_the_rebinding_loop_as_explain_prints_it():
     printed = [report.loop_peak_on_call(n).allocated_peak_bytes for n in range(1, 6)]
     assert counted == printed
     assert printed[1:] == [report.loop_resident_bytes] * 4  # the results and the generation kept
+
+
+def test_a_loop_that_drops_its_results_keeps_one_generation():
+    workspace = Workspace([((N,), np.dtype(np.float32))])
+    first = workspace.output_arrays()[0]
+    second = workspace.output_arrays()[0]  # the first still held: a new buffer
+    assert not np.shares_memory(first, second)
+    del first, second  # both generations unheld now
+    workspace.output_arrays()  # results dropped at once: the older waits one call more
+    assert workspace.older_outputs[0] is not None
+    workspace.output_arrays()
+    assert workspace.older_outputs[0] is None  # let go: one generation kept

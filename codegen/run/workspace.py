@@ -25,6 +25,10 @@ from backplan.codegen.run.free_cores import free_cores
 KEEP_IDLE = 4  # workspaces kept per plan after a burst of concurrent calls
 ALONE_BEFORE_TRIM = 8  # calls in a row with no other in flight before a burst's spares go
 REUSE_BYTES = 1 << 16  # outputs at least this big are reused from the last two calls
+# calls in a row that find both generations unheld before the older is let go: a loop that
+# drops its results keeps one; a loop starting again from arrays it does not hold (a new
+# epoch, a benchmark's batch) finds the older still there on its second call
+IDLE_BEFORE_LETTING_GO = 2
 
 # The threading layers Numba documents as safe to enter from several threads at once.
 _THREADSAFE_LAYERS = ("tbb", "omp", "threadsafe")
@@ -243,6 +247,7 @@ class Workspace:
         self.output_buffers = output_buffers  # (shape, dtype) of each per-call output
         self.previous_outputs = [None] * len(output_buffers)
         self.older_outputs = [None] * len(output_buffers)  # the call's before that
+        self._idle_calls = [0] * len(output_buffers)  # calls in a row both stayed unheld
         self.donatable = donatable  # outputs that may go back in as donated inputs: not kept
         self._slots = [
             (i, shape, dtype, _reusable(shape, dtype) and i not in donatable)
@@ -275,9 +280,13 @@ class Workspace:
                     previous.flags.writeable = True
                     arrays.append(previous)
                     older = older_outputs[i]
-                    if older is not None and sys.getrefcount(older) == 3:  # idle too: let go,
-                        older_outputs[i] = None  # a loop that drops its results needs one
+                    if older is not None and sys.getrefcount(older) == 3:  # idle too
+                        self._idle_calls[i] += 1
+                        if self._idle_calls[i] >= IDLE_BEFORE_LETTING_GO:
+                            older_outputs[i] = None  # a loop that drops its results needs one
+                            self._idle_calls[i] = 0
                     continue
+                self._idle_calls[i] = 0
                 older = older_outputs[i]
                 if older is not None and sys.getrefcount(older) == 3:
                     older.flags.writeable = True  # the last call's stays next in line
