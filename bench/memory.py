@@ -239,11 +239,11 @@ def measure(name: str, scale: int, kind: str = "train") -> dict:
 
 def retried_children(runs: list, module: str = "backplan.bench.memory") -> list[dict]:
     """The children's results after the warm one; once more, warm first, where a child found
-    no compiled driver to load before its step (it compiled inside it: a void reading). Seen
-    on 2026-11-29 for the bench lstm48 (x256) and a budget program: the plan's source file in
-    the shared disk cache was rewritten between the warm child and the fresh one (its content
-    the same in three processes of this tree, in any order of sizes; written by another
-    process, not found), and Numba's cache, keyed on the file's time, compiled again."""
+    no compiled driver to load before its step (it compiled inside it: a void reading; a
+    budget program's first fresh child did so once and not again). Not a cure for a plan
+    whose driver never loads before the step: the bench lstm48 at x256 compiled it inside
+    three fresh children in a row on 2026-11-29 (load_driver found none; the primed child,
+    at x64 first, loaded it), which the row still flags."""
     found: list[dict] = []
     for attempt in range(2):
         _run_child(*runs[0], module=module)
