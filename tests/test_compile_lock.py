@@ -6,6 +6,7 @@ library function and inline driver of their plans)."""
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numba
@@ -157,8 +158,6 @@ def test_a_waiter_whose_lock_file_was_removed_waits_for_the_new_one(tmp_path):
     """A waiter opened the file before its holder removed it on release; a newcomer (here the
     holder itself) made a new file and holds it. The waiter's lock on the removed file guards
     nothing: it waits for the file at the path instead, so two never compile at once."""
-    import threading
-
     lock = str(tmp_path / "f.lock")
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, lock, compile_lock.__file__],
@@ -252,3 +251,31 @@ def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
         os.waitpid(child, 0)
         for fd in (waiting, ready, tell):
             os.close(fd)
+
+
+def test_a_long_wait_names_the_process_it_waits_for(tmp_path, monkeypatch, capsys):
+    """A holder stopped or stuck is waited for up to WAIT_S: the process's compile line
+    (compile_notice) says so, with the holder's pid, instead of a silent pause."""
+    from backplan.codegen.build import compile_notice
+
+    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0.1")
+    monkeypatch.delenv("BACKPLAN_QUIET", raising=False)
+    monkeypatch.delenv("BACKPLAN_VERBOSE", raising=False)
+    monkeypatch.setattr(compile_notice, "_said", [False])
+    lock = str(tmp_path / "twice-5.py311.0123.lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, lock, compile_lock.__file__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        threading.Timer(1.0, holder.kill).start()  # stuck for a second, then gone
+        assert compile_lock.take(lock)
+    finally:
+        holder.kill()
+        holder.wait()
+        compile_lock.release(lock)
+    err = capsys.readouterr().err
+    assert f"twice (process {holder.pid} compiles it; this one waits up to 300 s" in err, err

@@ -54,6 +54,7 @@ def take(path: str) -> bool:
         waited = waited or locked
         if _is_the_file_at(fd, path):
             _held[path] = fd
+            _say_holder(fd)
             return waited
         # the holder removed the file as it let go, and a newcomer may hold a new one there:
         # this lock guards nothing, so take the file that is at the path now
@@ -64,20 +65,48 @@ def _lock(fd: int, path: str, deadline: float) -> bool | None:
     """Lock fd, waiting until the deadline or until its file is no longer the one at path
     (released, and held on by a process its holder forked): whether it waited, or None if it
     gave up or the file system has no flock (ENOLCK, EOPNOTSUPP)."""
-    waited = False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return waited
-        except BlockingIOError:
-            waited = True
-            if time.monotonic() > deadline:
+    notice = None  # the process's compile line names the wait once it is long (compile_notice)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return notice is not None
+            except BlockingIOError:
+                if notice is None:
+                    from backplan.codegen.build import compile_notice  # only a waiter needs it
+
+                    notice = compile_notice.begin(_waiting_for(fd, path)) or ()
+                if time.monotonic() > deadline:
+                    return None
+                if not _is_the_file_at(fd, path):
+                    return True  # take() opens the file at the path now
+                time.sleep(POLL_S)
+            except OSError:
                 return None
-            if not _is_the_file_at(fd, path):
-                return True  # take() opens the file at the path now
-            time.sleep(POLL_S)
-        except OSError:
-            return None
+    finally:
+        if notice:
+            from backplan.codegen.build import compile_notice
+
+            compile_notice.end(notice)
+
+
+def _say_holder(fd: int) -> None:
+    """The holder's pid in the file, for a waiter's line (a full disk leaves it empty)."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+
+
+def _waiting_for(fd: int, path: str) -> str:
+    """`<function> (process <pid> compiles it; this one waits up to WAIT_S s to load it)`."""
+    try:
+        pid = os.pread(fd, 32, 0).decode().strip() or "?"
+    except (OSError, UnicodeDecodeError):
+        pid = "?"
+    name = os.path.basename(path).split("-")[0]
+    return f"{name} (process {pid} compiles it; this one waits up to {WAIT_S:.0f} s to load it)"
 
 
 def _is_the_file_at(fd: int, path: str) -> bool:
