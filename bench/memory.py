@@ -239,11 +239,10 @@ def measure(name: str, scale: int, kind: str = "train") -> dict:
 
 def retried_children(runs: list, module: str = "backplan.bench.memory") -> list[dict]:
     """The children's results after the warm one; once more, warm first, where a child found
-    no compiled driver to load before its step (it compiled inside it: a void reading; a
-    budget program's first fresh child did so once and not again). Not a cure for a plan
-    whose driver never loads before the step: the bench lstm48 at x256 compiled it inside
-    three fresh children in a row on 2026-11-29 (load_driver found none; the primed child,
-    at x64 first, loaded it), which the row still flags."""
+    no compiled driver to load before its step (it compiled inside it: a void reading). The
+    disk cache's key holds a hash of backplan's code generator: a child importing a tree that
+    changed since the warm child ran (an editable install updated meanwhile) finds no driver
+    for its key (the bench lstm48's fresh child, three times, 2026-11-29)."""
     found: list[dict] = []
     for attempt in range(2):
         _run_child(*runs[0], module=module)
