@@ -112,8 +112,15 @@ class SignedCacheOnDemand:
             if lock is not None:
                 compile_lock.release(lock)
 
-    def release_locks(self) -> None:
-        """A compile that raised saves nothing: its locks go now, not at the process's end."""
+    def release_locks(self, args=None) -> None:
+        """A compile that raised saves nothing: its lock goes now, not at the process's end.
+        args: the failed compile's argument types; only that signature's lock goes (an outer
+        compile of another signature of this function still holds its own), or every lock of
+        the function where its signature was given another way."""
+        lock = self._locks.pop(str(tuple(args)), None) if args is not None else None
+        if lock is not None:
+            compile_lock.release(lock)
+            return
         while self._locks:
             compile_lock.release(self._locks.popitem()[1])
 
@@ -141,7 +148,7 @@ class _FailedCompiles(numba.core.event.Listener):
         failed = getattr(event, "_exc_details", None) is not None
         cache = getattr(event.data["dispatcher"], "_cache", None)
         if failed and isinstance(cache, SignedCacheOnDemand):
-            cache.release_locks()
+            cache.release_locks(event.data.get("args"))
 
 
 numba.core.event.register("numba:compile", _FailedCompiles())

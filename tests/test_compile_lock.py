@@ -279,3 +279,22 @@ def test_a_long_wait_names_the_process_it_waits_for(tmp_path, monkeypatch, capsy
         compile_lock.release(lock)
     err = capsys.readouterr().err
     assert f"twice (process {holder.pid} compiles it; this one waits up to 300 s" in err, err
+
+
+def test_a_failed_compile_lets_only_its_own_signature_go(tmp_path, monkeypatch):
+    """A compile of untypable(int64) that raises while the same function's float64 compile
+    holds its lock (a nested compile, as typing tries one) releases its own lock only."""
+    path = tmp_path / "library_like.py"
+    path.write_text(MODULE)
+    untypable = _load(path, monkeypatch, "untypable")
+    cache = untypable._cache._cache()
+    outer = compile_lock.lock_path(cache._cache_path, cache._impl.filename_base, (types.float64,))
+    assert not compile_lock.take(outer)
+    untypable._cache._locks[str((types.float64,))] = outer
+    try:
+        with pytest.raises(numba.core.errors.TypingError, match="no_such_attribute"):
+            untypable(1)
+        assert outer in compile_lock._held  # before: released with the int64 compile's
+    finally:
+        untypable._cache.release_locks()
+    assert outer not in compile_lock._held
