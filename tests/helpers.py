@@ -204,3 +204,17 @@ def written_module(module) -> tuple:
         module.kernel_count,
         module.driver_statements,
     )
+
+
+def step_of(kind: str, f, w, x):
+    """One training step as users write it: clear w's gradient, call f, and for a compiled
+    loss ("compile") call backward() on its result."""
+    import backplan as bp
+
+    def step():
+        bp.zero_grad(w)
+        result = f(w, x)
+        if kind == "compile":
+            result.backward()
+
+    return step

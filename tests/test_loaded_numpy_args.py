@@ -10,6 +10,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from helpers import step_of
 
 import backplan as bp
 from backplan.bench.memory_calls import counted_calls, printed_calls
@@ -33,16 +34,6 @@ def _loaded(kind: str, tmp_path, w, x, fn=_loss):
     compiled = bp.compile(fn)
     exported = compiled if kind == "compile" else bp.value_and_grad(compiled)
     return bp.load(bp.export(exported, w, x, path=tmp_path / f"{kind}.bpz"))
-
-
-def _step(kind: str, f, w, x):
-    def step():
-        bp.zero_grad(w)
-        result = f(w, x)
-        if kind == "compile":
-            result.backward()
-
-    return step
 
 
 def _arguments():
@@ -87,7 +78,7 @@ def test_every_call_of_a_loaded_function_holds_what_explain_prints(tmp_path, bac
     w = _weights()
     f = _loaded(kind, tmp_path, w, np.ascontiguousarray(x))
     report = f.explain(w, x)
-    assert counted_calls(_step(kind, f, w, x), CALLS) == printed_calls(report, CALLS)
+    assert counted_calls(step_of(kind, f, w, x), CALLS) == printed_calls(report, CALLS)
     with use_backend("reference"):  # the interpreter's results: the oracle
         want = bp.value_and_grad(_loss)(w, bp.tensor(np.ascontiguousarray(x)))
     for _ in range(2):

@@ -11,6 +11,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from helpers import step_of
 
 import backplan as bp
 from backplan.bench.memory_calls import counted_calls, printed_calls
@@ -35,16 +36,6 @@ def _make(kind: str, fn=_loss):
     return {"compile": bp.compile, "vg": bp.value_and_grad, "grad": bp.grad}[kind](fn)
 
 
-def _step(kind: str, f, w, x):
-    def step():
-        bp.zero_grad(w)
-        result = f(w, x)
-        if kind == "compile":
-            result.backward()
-
-    return step
-
-
 def _numpy_blocks(nbytes: int) -> int:
     """NumPy buffers of exactly nbytes allocated since tracemalloc started, alive now."""
     snapshot = tracemalloc.take_snapshot()
@@ -65,7 +56,7 @@ def test_no_copy_of_a_numpy_argument_exists_while_the_first_call_traces(backend,
     f = _make(kind, loss)
     tracemalloc.start()
     try:
-        _step(kind, f, w, x)()
+        step_of(kind, f, w, x)()
     finally:
         tracemalloc.stop()
     assert seen == [0]  # x was allocated before tracing started: a copy of it would show
@@ -88,7 +79,7 @@ def test_the_reference_interpreter_holds_no_uncounted_copy_on_any_call(backend, 
     w = bp.tensor(np.ones((128, 8), np.float32), requires_grad=True)
     f = _make(kind)
     report = bp.explain(f, w, x)
-    step = _step(kind, f, w, x)
+    step = step_of(kind, f, w, x)
     for n in range(1, CALLS + 1):
         tracemalloc.start()
         try:
@@ -119,7 +110,7 @@ def test_every_call_from_the_first_holds_what_explain_prints(backend, kind, orde
     w.requires_grad = True
     f = _make(kind)
     report = bp.explain(f, w, x)
-    counted = counted_calls(_step(kind, f, w, x), CALLS)
+    counted = counted_calls(step_of(kind, f, w, x), CALLS)
     assert counted == printed_calls(report, CALLS)
     g = _make(kind)  # the same results as with x a tensor, on every call
     for _ in range(2):
