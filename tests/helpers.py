@@ -218,3 +218,18 @@ def step_of(kind: str, f, w, x):
             result.backward()
 
     return step
+
+
+def numpy_argument_layouts() -> dict:
+    """One (48, 16) float32 argument in each memory layout a user's array comes in (C order,
+    F order, a column slice, reversed rows): the layouts the kernels read in place."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((48, 32)).astype(np.float32)
+    return {
+        "C order": rng.standard_normal((48, 16)).astype(np.float32),
+        "F order": np.asfortranarray(rng.standard_normal((48, 16)).astype(np.float32)),
+        "sliced": wide[:, ::2],
+        "reversed": rng.standard_normal((48, 16)).astype(np.float32)[::-1],
+    }

@@ -154,17 +154,23 @@ sys.stdin.readline()
 """
 
 
+def _holder(lock: str, text: bool = True) -> subprocess.Popen:
+    """A process running HOLDER on `lock`: it prints "held" once it holds the lock; each line
+    written to its stdin moves it on (release and take again, then exit)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", HOLDER, lock, compile_lock.__file__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=text,
+    )
+
+
 def test_a_waiter_whose_lock_file_was_removed_waits_for_the_new_one(tmp_path):
     """A waiter opened the file before its holder removed it on release; a newcomer (here the
     holder itself) made a new file and holds it. The waiter's lock on the removed file guards
     nothing: it waits for the file at the path instead, so two never compile at once."""
     lock = str(tmp_path / "f.lock")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, lock, compile_lock.__file__],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = _holder(lock)
     waited = []
     try:
         assert holder.stdout.readline() == "held\n"
@@ -188,11 +194,7 @@ def test_a_holder_killed_with_sigkill_leaves_its_file_and_no_wait(tmp_path):
     """The system releases a dead holder's flock: the next process takes the lock at once,
     on the file the dead one left, and removes it when done."""
     lock = str(tmp_path / "f.lock")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, lock, compile_lock.__file__],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
+    holder = _holder(lock, text=False)
     assert holder.stdout.readline() == b"held\n"
     holder.kill()
     holder.wait()
@@ -263,12 +265,7 @@ def test_a_long_wait_names_the_process_it_waits_for(tmp_path, monkeypatch, capsy
     monkeypatch.delenv("BACKPLAN_VERBOSE", raising=False)
     monkeypatch.setattr(compile_notice, "_said", [False])
     lock = str(tmp_path / "twice-5.py311.0123.lock")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, lock, compile_lock.__file__],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = _holder(lock)
     try:
         assert holder.stdout.readline() == "held\n"
         threading.Timer(1.0, holder.kill).start()  # stuck for a second, then gone

@@ -10,7 +10,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from helpers import step_of
+from helpers import numpy_argument_layouts, step_of
 
 import backplan as bp
 from backplan.bench.memory_calls import counted_calls, printed_calls
@@ -34,17 +34,6 @@ def _loaded(kind: str, tmp_path, w, x, fn=_loss):
     compiled = bp.compile(fn)
     exported = compiled if kind == "compile" else bp.value_and_grad(compiled)
     return bp.load(bp.export(exported, w, x, path=tmp_path / f"{kind}.bpz"))
-
-
-def _arguments():
-    rng = np.random.default_rng(3)
-    wide = rng.standard_normal((48, 32)).astype(np.float32)
-    return {
-        "C order": rng.standard_normal((48, 16)).astype(np.float32),
-        "F order": np.asfortranarray(rng.standard_normal((48, 16)).astype(np.float32)),
-        "sliced": wide[:, ::2],
-        "reversed": rng.standard_normal((48, 16)).astype(np.float32)[::-1],
-    }
 
 
 def _weights():
@@ -74,7 +63,7 @@ def test_a_loaded_value_and_grad_holds_no_copy_of_a_numpy_argument(tmp_path):
 @pytest.mark.parametrize("kind", ["compile", "vg"])
 @pytest.mark.parametrize("order", ["C order", "F order", "sliced", "reversed"])
 def test_every_call_of_a_loaded_function_holds_what_explain_prints(tmp_path, backend, kind, order):
-    x = _arguments()[order]
+    x = numpy_argument_layouts()[order]
     w = _weights()
     f = _loaded(kind, tmp_path, w, np.ascontiguousarray(x))
     report = f.explain(w, x)

@@ -11,7 +11,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from helpers import step_of
+from helpers import numpy_argument_layouts, step_of
 
 import backplan as bp
 from backplan.bench.memory_calls import counted_calls, printed_calls
@@ -91,21 +91,10 @@ def test_the_reference_interpreter_holds_no_uncounted_copy_on_any_call(backend, 
         assert printed <= measured < printed + x.nbytes // 8, (n, measured, printed)
 
 
-def _arguments():
-    rng = np.random.default_rng(3)
-    wide = rng.standard_normal((48, 32)).astype(np.float32)
-    return {
-        "C order": rng.standard_normal((48, 16)).astype(np.float32),
-        "F order": np.asfortranarray(rng.standard_normal((48, 16)).astype(np.float32)),
-        "sliced": wide[:, ::2],
-        "reversed": rng.standard_normal((48, 16)).astype(np.float32)[::-1],
-    }
-
-
 @pytest.mark.parametrize("kind", STEPS)
 @pytest.mark.parametrize("order", ["C order", "F order", "sliced", "reversed"])
 def test_every_call_from_the_first_holds_what_explain_prints(backend, kind, order):
-    x = _arguments()[order]
+    x = numpy_argument_layouts()[order]
     w = bp.tensor(np.random.default_rng(4).standard_normal((16, 8)).astype(np.float32))
     w.requires_grad = True
     f = _make(kind)
@@ -179,7 +168,7 @@ def test_a_reshape_of_an_argument_not_in_c_order_holds_what_explain_prints(backe
     """The reference interpreter's storage model reads inputs as C-contiguous, so a reshape of
     an argument in another layout gets it in C order (a copy); any other reader reads it in
     its own layout."""
-    x = _arguments()[order]
+    x = numpy_argument_layouts()[order]
     w = bp.tensor(np.random.default_rng(5).standard_normal((16, 8)).astype(np.float32))
     w.requires_grad = True
     f = bp.value_and_grad(_reshaping)
