@@ -278,6 +278,33 @@ def test_a_long_wait_names_the_process_it_waits_for(tmp_path, monkeypatch, capsy
     assert f"twice (process {holder.pid} compiles it; this one waits up to 300 s" in err, err
 
 
+def test_the_wait_is_set_by_an_environment_variable(tmp_path, monkeypatch, capsys):
+    """BACKPLAN_COMPILE_LOCK_WAIT_SECONDS bounds the wait for a holder that never lets go: the
+    waiter gives up while the holder still holds the lock and compiles without it (take() says
+    it waited; the lock is not this process's), and its compile line names the setting's wait.
+    A value that is not a number keeps WAIT_S."""
+    from backplan.codegen.build import compile_notice
+
+    monkeypatch.setenv("BACKPLAN_COMPILE_LOCK_WAIT_SECONDS", "x")
+    assert compile_lock.wait_seconds() == compile_lock.WAIT_S
+    monkeypatch.setenv("BACKPLAN_COMPILE_LOCK_WAIT_SECONDS", "0.3")
+    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0.1")
+    monkeypatch.delenv("BACKPLAN_QUIET", raising=False)
+    monkeypatch.delenv("BACKPLAN_VERBOSE", raising=False)
+    monkeypatch.setattr(compile_notice, "_said", [False])
+    lock = str(tmp_path / "stuck-5.py311.0123.lock")
+    holder = _holder(lock)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert compile_lock.take(lock)  # gave up waiting
+        assert holder.poll() is None and lock not in compile_lock._held
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert f"stuck (process {holder.pid} compiles it; this one waits up to 0.3 s" in err, err
+
+
 def test_a_failed_compile_lets_only_its_own_signature_go(tmp_path, monkeypatch):
     """A compile of untypable(int64) that raises while the same function's float64 compile
     holds its lock (a nested compile, as typing tries one) releases its own lock only."""

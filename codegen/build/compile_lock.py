@@ -9,9 +9,10 @@ driver builds theirs (driver_lock.py); this one covers what compiles in the call
 
 The lock is released, and its file removed, when the compile is saved or raises; the system
 releases it when its holder exits or dies. A holder that neither saves nor exits (stopped, or
-stuck) is waited for WAIT_S at most, then the waiter compiles on its own: at worst the old
-cost, never a hang. A folder where the file cannot be made or locked (read-only, full, a file
-system without flock) compiles without the lock.
+stuck) is waited for wait_seconds() at most (WAIT_S, or BACKPLAN_COMPILE_LOCK_WAIT_SECONDS),
+then the waiter compiles on its own: at worst the old cost, never a hang. A folder where the
+file cannot be made or locked (read-only, full, a file system without flock) compiles without
+the lock.
 """
 
 from __future__ import annotations
@@ -25,9 +26,19 @@ try:
 except ImportError:  # Windows: no lock, and at worst a function compiled twice
     fcntl = None
 
-WAIT_S = 300.0
+WAIT_S = 300.0  # the default of wait_seconds()
 POLL_S = 0.05
 _held: dict[str, int] = {}  # lock path -> descriptor, this process's (Numba compiles one at a time)
+
+
+def wait_seconds() -> float:
+    """How long a waiter waits for another process's compile: BACKPLAN_COMPILE_LOCK_WAIT_SECONDS
+    (0: never wait, compile at once), else WAIT_S. Read at each wait, so a test or a program may
+    set it after import; a value that is not a number keeps the default."""
+    try:
+        return max(0.0, float(os.environ.get("BACKPLAN_COMPILE_LOCK_WAIT_SECONDS", WAIT_S)))
+    except ValueError:
+        return WAIT_S
 
 
 def lock_path(cache_folder: str, filename_base: str, signature) -> str:
@@ -41,14 +52,14 @@ def take(path: str) -> bool:
     held it first, so that what it compiled may be in the cache now."""
     if fcntl is None or path in _held:
         return False
-    waited, deadline = False, time.monotonic() + WAIT_S
+    waited, deadline = False, time.monotonic() + wait_seconds()
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:  # an unwritable or full folder: nothing is cached there either
             return waited
         locked = _lock(fd, path, deadline)
-        if locked is None:  # no flock here, or waited WAIT_S: compile without it
+        if locked is None:  # no flock here, or waited wait_seconds(): compile without it
             os.close(fd)
             return True
         waited = waited or locked
@@ -100,13 +111,16 @@ def _say_holder(fd: int) -> None:
 
 
 def _waiting_for(fd: int, path: str) -> str:
-    """`<function> (process <pid> compiles it; this one waits up to WAIT_S s to load it)`."""
+    """`<function> (process <pid> compiles it; this one waits up to <wait_seconds()> s to load
+    it)`."""
     try:
         pid = os.pread(fd, 32, 0).decode().strip() or "?"
     except (OSError, UnicodeDecodeError):
         pid = "?"
     name = os.path.basename(path).split("-")[0]
-    return f"{name} (process {pid} compiles it; this one waits up to {WAIT_S:.0f} s to load it)"
+    return (
+        f"{name} (process {pid} compiles it; this one waits up to {wait_seconds():g} s to load it)"
+    )
 
 
 def _is_the_file_at(fd: int, path: str) -> bool:
