@@ -13,6 +13,8 @@ from backplan.ir.symbolic import SymbolicError, fit_plans
 from backplan.ir.symbolic_regions import fit_regions
 from backplan.tracer.dynamic import PROBE_FACTORS, DynamicEntry, checked_dynamic, resized_call
 from backplan.tracer.planned import PlannedFunction
+from backplan.tracer.source import loc_text
+from backplan.tracer.traced_size import guard_text
 
 from .format import ExportError
 
@@ -60,6 +62,13 @@ def dynamic_meta(fn, bound, writer, roles_at, special_at) -> dict | None:
         raise ExportError(
             f"cannot export axis {entry.symbol} as dynamic: {entry.reason}; export one size "
             "(without dynamic=) per size you need"
+        )
+    if entry.guards is not None and entry.guards.checks:
+        expr, want, loc = entry.guards.checks[0]
+        raise ExportError(
+            f"cannot export axis {entry.symbol} as dynamic: the function decides on a size it "
+            f"reads ({guard_text(expr)} at {loc_text(loc)}), which the artifact cannot check "
+            "again at another size; export one size (without dynamic=) per size you need"
         )
     sizes = [found.size * f for f in (1, *PROBE_FACTORS)]
     plans = {

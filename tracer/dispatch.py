@@ -22,6 +22,7 @@ from .errors import TracingError
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import current_trace
+from .traced_size import active_log, plain
 
 _eager_programs: dict[tuple, RegionProgram] = {}
 
@@ -36,6 +37,8 @@ def apply(op: str, inputs: list, **attrs):
             raise _tensor_attribute(op, name, value, loc)
     trace = current_trace()
     if trace is not None:
+        if active_log() is not None:  # the user's sizes enter the plan as plain ints
+            attrs = plain(attrs)
         values = [trace.value_of(t) for t in inputs]
         value = make_value(op, values, attrs, loc)
         trace.graph.nodes.append(value)

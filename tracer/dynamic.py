@@ -29,6 +29,7 @@ from backplan.runtime.backend import offer_arenas
 
 from .errors import TracingError
 from .signature import BoundCall, SignatureKey
+from .traced_size import Guards, fit_guards, reading_sizes
 
 PROBE_FACTORS = (2, 3)  # the probe sizes, as multiples of the first size (keeps divisibility)
 
@@ -222,8 +223,9 @@ class DynamicEntry:
     """The cache entry of a symbolic signature: the entry traced at the first size (template),
     the fitted plans (or the reason there are none), and the entries instantiated per size."""
 
-    def __init__(self, template, symbol: str, size: int, fitted, reason: str | None, make):
+    def __init__(self, template, symbol, size, fitted, reason, make, guards: Guards | None = None):
         self.template = template
+        self.guards = guards  # what a size must repeat of the user's code (traced_size.py)
         self.symbol = symbol
         self.first_size = size
         self.fitted = fitted  # what make(template, fitted, n) instantiates; None: per size
@@ -243,8 +245,8 @@ class DynamicEntry:
             if entry is not None:
                 self._sizes.move_to_end(size)
                 return entry
-        if self.fitted is None:
-            entry = trace_one()
+        if self.fitted is None or (self.guards and self.guards.hold_at(size) is not None):
+            entry = trace_one()  # per size; or the user's code decides otherwise at this size
         else:  # a new size's plan, lowered and rendered paused too (runtime/backend.py): its
             # objects outlive the call, and a collection promoting them walked every size's
             # plans (a full collection of 30-50 ms on one new size's first call in a few)
@@ -330,25 +332,34 @@ def _arena_holders(entry) -> list:
 
 
 def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call):
-    """(template entry, fitted plans or None, reason or None): the template traced at the
-    call's size, the probes at 2x, 3x and checking_size, and their fit. with_call(bound, call)
-    is the bound call a subclass's build takes for a resized signature call."""
-    template = build(bound)
+    """(template entry, fitted plans or None, reason or None, guards or None): the template
+    traced at the call's size, the probes at 2x, 3x and checking_size, their fit, and what
+    the user's code did with the sizes it read (tracer/traced_size.py), which every other
+    size must repeat for the fitted plans to hold there. with_call(bound, call) is the bound
+    call a subclass's build takes for a resized signature call."""
+    with reading_sizes() as first:
+        template = build(bound)
     sizes = [found.size] + [found.size * f for f in PROBE_FACTORS] + [checking_size(found.size)]
+    logs = [first]
     try:
         with update_order.following(_update_order_kept(template)):
-            probes = [build(with_call(bound, resized_call(call, found, n))) for n in sizes[1:]]
+            probes = []
+            for n in sizes[1:]:
+                with reading_sizes() as log:
+                    probes.append(build(with_call(bound, resized_call(call, found, n))))
+                logs.append(log)
     except Exception as exc:  # noqa: BLE001 - a probe that fails only means: per size
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return template, None, f"tracing at {found.symbol}={sizes[1]} failed ({first})"
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return template, None, f"tracing at {found.symbol}={sizes[1]} failed ({first_line})", None
     for probe, n in zip(probes, sizes[1:], strict=True):
         changed = captured_change(template.captured, probe.captured)
         if changed is not None:  # the fitted plan would read the first size's array
-            return template, None, f"{changed} at {found.symbol}={sizes[0]} and {n}"
+            return template, None, f"{changed} at {found.symbol}={sizes[0]} and {n}", None
     try:
-        return template, fit([template, *probes], sizes), None
+        fitted = fit([template, *probes], sizes)
+        return template, fitted, None, fit_guards(logs, sizes, found.symbol)
     except SymbolicError as exc:
-        return template, None, str(exc)
+        return template, None, str(exc), None
 
 
 def captured_change(first: list, other: list) -> str | None:

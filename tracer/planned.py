@@ -415,10 +415,12 @@ class PlannedFunction:
         if found is None:
             return self._build(bound)
         call = self._signature_call(bound)
-        template, fitted, reason = fit_entry(
+        template, fitted, reason, guards = fit_entry(
             self._build, self._fit, bound, call, found, self._with_call
         )
-        return DynamicEntry(template, found.symbol, found.size, fitted, reason, self._instantiate)
+        return DynamicEntry(
+            template, found.symbol, found.size, fitted, reason, self._instantiate, guards
+        )
 
     def _size_switch(self, bound):
         """For a call of a symbolic signature: what tells its DynamicEntry that a call runs at

@@ -17,6 +17,7 @@ from backplan.runtime import engine as _engine
 from .errors import DonatedError, TracingError
 from .source import loc_text, user_frame_loc
 from .tensor_methods import TensorMethods
+from .traced_size import TracedSize, active_log, from_user
 
 
 def read_only(array: np.ndarray) -> None:
@@ -213,7 +214,17 @@ class Tensor(TensorMethods):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._value.shape if self._data is None else self._data.shape
+        if self._data is None:
+            return self._traced_shape(2)
+        return self._data.shape
+
+    def _traced_shape(self, depth: int) -> tuple[int, ...]:
+        """A tracer's shape; while a dynamic axis is traced, the user's code (`depth` frames
+        up) reads sizes that record what it does with them (tracer/traced_size.py)."""
+        log = active_log()
+        if log is not None and from_user(depth):
+            return log.shape(self._value.shape)
+        return self._value.shape
 
     @property
     def dtype(self) -> np.dtype:
@@ -227,7 +238,7 @@ class Tensor(TensorMethods):
     def size(self) -> Size:
         """The number of elements, as NumPy's `a.size`; also callable as PyTorch's `x.size()`
         (the shape) and `x.size(dim)` (one dimension)."""
-        shape = self.shape
+        shape = self._data.shape if self._data is not None else self._traced_shape(2)
         return Size(math.prod(shape), shape)  # not np.prod: ~20x the cost on a small tuple
 
     @property
@@ -235,9 +246,12 @@ class Tensor(TensorMethods):
         return self.size * self.dtype.itemsize
 
     def __len__(self) -> int:
-        if not self.shape:
+        shape = self._data.shape if self._data is not None else self._traced_shape(2)
+        if not shape:
             raise TypeError("len() of a 0-d tensor")
-        return self.shape[0]
+        if isinstance(shape[0], TracedSize):  # len() makes it a plain int: followed no further
+            shape[0]._log.lost.append(user_frame_loc())
+        return shape[0]
 
     # ---- autograd ------------------------------------------------------------------------------
 

@@ -1,0 +1,101 @@
+"""Python ints computed from a dynamic size (tracer/traced_size.py): a slice bound, a reshape,
+a loop count or a branch that agrees at every traced size and differs at another never gives
+a wrong result there (that size is traced on its own), and size reads that are formulas of the
+size keep one plan for every size."""
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.artifacts.format import ExportError
+
+
+def sliced(x):
+    return x[: x.shape[0] // 4 * 4] * 2.0
+
+
+def halves(x):
+    n = x.shape[0]
+    return bp.sum(x[: n // 2 * 2].reshape(n // 2, 4), axis=1)
+
+
+def looped(x):
+    y = x
+    for _ in range(x.shape[0] // 8):
+        y = y * 2.0
+    return y
+
+
+def branched(x):
+    if x.shape[0] > 8:
+        return x * 2.0
+    return x * 3.0
+
+
+def capped(x):
+    return x[: min(x.shape[0], 100)] * 2.0
+
+
+def of_intermediate(x):
+    h = bp.tanh(x)
+    if h.shape[0] % 2 == 0:
+        return h + 1.0
+    return h - 1.0
+
+
+def by_len(x):
+    return x * 2.0 if len(x) > 8 else x * 3.0
+
+
+def by_size_method(x):
+    return x * 2.0 if x.size(0) >= 9 else x * 3.0
+
+
+CASES = [sliced, halves, looped, branched, capped, of_intermediate, by_len, by_size_method]
+
+
+def rows(n: int):
+    return bp.tensor(np.arange(2 * n, dtype=np.float32).reshape(n, 2) / 7.0)
+
+
+def each_size_alone(fn, x):
+    return bp.compile(fn, dynamic=False)(x).numpy()
+
+
+@pytest.mark.parametrize("fn", CASES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("declared", [False, True], ids=["automatic", "declared"])
+def test_a_size_the_users_code_decides_on_never_gives_a_wrong_result(fn, declared):
+    compiled = bp.compile(fn, dynamic={"x": {0: "n"}} if declared else None)
+    for n in (16, 32, 9, 5, 200, 150, 7, 33, 40):
+        got, want = compiled(rows(n)).numpy(), each_size_alone(fn, rows(n))
+        assert got.shape == want.shape, (fn.__name__, n)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_branch_every_traced_size_takes_keeps_one_plan_where_it_holds():
+    compiled = bp.compile(branched, dynamic={"x": {0: "n"}})
+    for n in (16, 40, 100, 9):
+        np.testing.assert_allclose(compiled(rows(n)).numpy(), rows(n).numpy() * 2.0)
+    assert compiled.cache_info().traces == 1  # traced at 16 (probes 32, 48, 33): all > 8
+    np.testing.assert_allclose(compiled(rows(5)).numpy(), rows(5).numpy() * 3.0)
+    assert compiled.cache_info().traces == 2  # 5 > 8 is False: 5 traced on its own
+
+
+def test_sizes_read_as_formulas_keep_one_plan():
+    def model(w, x):
+        n, d = x.shape
+        h = bp.tanh(x.reshape(n, d) @ w)
+        return bp.mean(h.reshape(h.shape[0] * 2, -1)) + float(d)
+
+    w = bp.tensor(np.ones((4, 6), np.float32) / 10)
+    compiled = bp.compile(model, dynamic={"x": {0: "n"}})
+    for n in (8, 13, 50):
+        x = bp.tensor(np.linspace(-1, 1, 4 * n, dtype=np.float32).reshape(n, 4))
+        np.testing.assert_allclose(compiled(w, x).numpy(), model(w, x).numpy(), rtol=1e-5)
+    assert compiled.cache_info().traces == 1
+
+
+def test_a_size_decision_refuses_a_dynamic_export_naming_the_line(tmp_path):
+    compiled = bp.compile(branched)
+    with pytest.raises(ExportError, match=r"size > 8 at .*test_dynamic_guards.py:\d+"):
+        bp.export(compiled, rows(16), path=tmp_path / "b.bpz", dynamic={"x": {0: "n"}})
