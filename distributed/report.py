@@ -12,6 +12,7 @@ from .buckets import Bucket, ring_bytes_sent
 from .half_sum import sent_in_16_bits
 from .half_wire import summed_bytes
 from .layout import Layout
+from .shared_exchange import SPLIT_BYTES, SPLIT_RANKS, bytes_read
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,11 @@ class DataParallelReport:
 
     def summed_in_window(self) -> None:
         """The buckets are summed in the node's shared memory (shared_exchange.py): each rank
-        reads every other rank's whole bucket, in the dtype it is summed in."""
+        reads every other rank's whole bucket, or its share of a bucket summed in parts and the
+        others' summed parts (shared_exchange.bytes_read), in the dtype it is summed in."""
         self.shared = True
         for i, (row, bucket) in enumerate(zip(self.buckets, self.layout.buckets, strict=True)):
-            read = (self.size - 1) * summed_bytes(bucket.nbytes, np_dtype(bucket.dtype))
-            self.buckets[i] = replace(row, bytes_sent=read)
+            self.buckets[i] = replace(row, bytes_sent=bytes_read(bucket, self.size))
         self.bytes_sent_per_step = sum(b.bytes_sent for b in self.buckets)
 
     def _row(self, bucket: Bucket) -> BucketRow:
@@ -191,10 +192,13 @@ class DataParallelReport:
                 "16-bit buckets as their 16 bits), then every rank sums the whole bucket "
                 "straight from every rank's buffer, in rank order (16-bit values widened to "
                 "float32 as they are added, rounded once when unpacked), averaging as it goes, "
-                "once every rank has written it; no MPI message, in bucket order "
+                f"once every rank has written it; on {SPLIT_RANKS} ranks or more a bucket of "
+                f"{SPLIT_BYTES:,} B or more is summed in parts instead (each rank sums 1/N "
+                "of it and copies the others' summed parts); no MPI message, in bucket order "
                 "before the step returns. Each rank reads about "
                 f"{self.bytes_sent_per_step:,} B of the others' buffers per step (N-1 times "
-                f"the bytes, N={self.size}); across nodes (or BACKPLAN_DP_REDUCTION=mpi) "
+                f"the bytes, 2 (N-1)/N summed in parts, N={self.size}); across nodes (or "
+                "BACKPLAN_DP_REDUCTION=mpi) "
                 "one non-blocking allreduce (MPI_Iallreduce) per bucket, started inside the "
                 "compiled call, sums them instead."
             )

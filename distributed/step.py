@@ -553,7 +553,7 @@ class DataParallelStep:
                 0,
                 not shared and sums_by_recursive_doubling(size),
                 size,
-                window_bytes(layout) if shared else 0,
+                window_bytes(layout, size) if shared else 0,
                 into_window=self.window_leaves(args, kwargs, layout, size) if shared else (),
             )
         return report

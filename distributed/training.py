@@ -185,7 +185,7 @@ class DataParallelTraining:
             grads = _zeros_like(params)
             update = _update_facts(self._update, grads, state, params)
             doubling = not report.shared and sums_by_recursive_doubling(report.size)
-            window = window_bytes(report.layout) if report.shared else 0
+            window = window_bytes(report.layout, report.size) if report.shared else 0
             return allreduce_peak(
                 report.layout,
                 report.in_plan,

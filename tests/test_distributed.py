@@ -1131,12 +1131,18 @@ def test_the_node_window_sums_exactly_as_mpi_and_one_process(tmp_path, ranks):
     a row so both buffers of each bucket are reused), adam, ZeRO-1 (its reduce-scatter and
     all-gather in a window too), unequal shards (16 rows on 3 ranks are 6, 5, 5; 7 on 2 are 4
     and 3) and accumulate=2; on any number of ranks close to the one-process step on the whole
-    batch. A part summed wrong, read from the wrong buffer or not read back fails both."""
+    batch. On 3 ranks every bucket is summed in parts (SPLIT_BYTES lowered: each rank sums its
+    1/3 and copies the others'), the same bits as summed whole by every rank. A part summed
+    wrong, read from the wrong buffer or not read back fails both."""
     result = run_script(
         tmp_path,
         SUMMED_BOTH_WAYS
         + textwrap.dedent(
             """
+        from backplan.distributed import shared_exchange
+        parted = size >= shared_exchange.SPLIT_RANKS
+        if parted:  # every bucket below (bucket_bytes=300) summed in parts
+            shared_exchange.SPLIT_BYTES = 64
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
         m = len(x) - len(x) % size  # equal shards: a sum (average=False) of equal means
         xs, ys = bpd.shard(x[:m], rank, size), bpd.shard(y[:m], rank, size)
@@ -1158,6 +1164,20 @@ def test_the_node_window_sums_exactly_as_mpi_and_one_process(tmp_path, ranks):
                 assert l1 == l2
                 same_bits(g1, g2, f"plain, average={average}")
         assert len(starts) == 3 * 2 * 3, len(starts)  # 3 calls x 2 modes x 3 buckets, shared
+        if parted:  # the same calls summed in parts, then whole by every rank
+            os.environ["BACKPLAN_DP_REDUCTION"] = "shared"
+            got = []
+            for split in (64, 1 << 40):
+                shared_exchange.SPLIT_BYTES = split
+                step = bpd.data_parallel(vg, bucket_bytes=300, average=False)
+                got.append(steps(step))
+                (window,) = step.windows.values()  # per bucket: its buffer, its part's
+                parts = window.counts[len(window.counts) // 2 :]
+                assert all(parts) if split == 64 else not any(parts), (split, parts)
+            shared_exchange.SPLIT_BYTES = 64
+            assert got[0][0] == got[1][0] == l1
+            same_bits(got[0][1], got[1][1], "summed in parts against summed whole")
+            same_bits(got[0][1], g1, "summed in parts, again")
 
         rows = [(0, 6), (6, 11), (11, 16)] if size == 3 else [(0, 4), (4, 7)]
         n = rows[-1][1]
@@ -1447,7 +1467,7 @@ def test_a_steps_node_windows_are_freed_with_it_and_leave_no_file(tmp_path):
         assert next(iter(other.windows.values())) is not window
         assert mapped() == before + 2 * size
         # two steps of one layout: two windows, each counted by its own step's explain
-        assert mapped_bytes() - held == 2 * size * window_bytes(step.layout((params, xs, ys)))
+        assert mapped_bytes() - held == 2 * size * window_bytes(step.layout((params, xs, ys)), size)
         for n in grads:
             assert (grads[n].numpy() == grads2[n].numpy()).all(), n
         gone = weakref.ref(window)
