@@ -15,6 +15,7 @@ from backplan.codegen.build import (
     cache_health,
     compile_lock,
     library_cache,  # its locator, before any compile
+    process_memory,  # counts what loads and compiles leave resident
     runtime_cache,
 )
 from backplan.codegen.build.cache_signing import SignedFunctionCache
@@ -100,7 +101,8 @@ class SignedCacheOnDemand:
 
     def _loaded(self, sig, target_context):
         try:
-            return self._cache().load_overload(sig, target_context)
+            with process_memory.loading():
+                return self._cache().load_overload(sig, target_context)
         except OSError:  # the module file or the folder is gone: compile (saving restores)
             return None
 

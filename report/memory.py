@@ -4,6 +4,7 @@ plan holds instead, so the reader always knows which path a number describes."""
 
 from __future__ import annotations
 
+from backplan.codegen.build import process_memory
 from backplan.ir.lowering import lower
 
 from .loop_peak import held_categories, loop_sentence
@@ -189,6 +190,7 @@ def memory_text(report) -> str:
         parts.append(wrap(compiled_paragraph(report)))
         parts.append(compiled_table(report.compiled))
         parts.append(wrap(packing_note(report)))
+        parts.append(wrap(process_note(report)))
         parts.append(wrap(donation_note(report)))
         parts.append(wrap(variants_note(report)))
     parts.append(frontier_text(report))
@@ -304,6 +306,23 @@ def packing_note(report) -> str:
         f"the process's life: up to {format_bytes(packing)} for these products (the pages they "
         "can touch, every operand counted as packed; `report.packing_bytes`), held from the "
         "first GEMM on and shared by every compiled function."
+    )
+
+
+def process_note(report) -> str:
+    """What the process holds once for compiled code, measured (report.process_bytes); shown
+    once this step ran here, '' before: explain runs nothing, and a figure that depends on what
+    else the process loaded before would change the text of a step that never ran."""
+    held = report.process_bytes
+    if not (report.ran_here and held):
+        return ""
+    loads, compiles = process_memory.counts()
+    return (
+        f"Beyond the peak too, this process holds {format_bytes(held)} for compiled code, "
+        f"measured: its resident memory grew by that while backplan loaded {loads:,} kernel(s) "
+        f"from the disk cache and Numba compiled {compiles:,} (LLVM's own code, the kernels' "
+        "machine code, what compiling left resident; `report.process_bytes`). Once a process, "
+        "shared by every compiled function, and not in the peak: a budget bounds the step."
     )
 
 

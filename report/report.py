@@ -18,6 +18,7 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from backplan.codegen.build import process_memory
 from backplan.ir.liveness import Plan
 from backplan.ir.lowering import lower, stored_values
 from backplan.ir.peak import PeakReport, building_peak, joint_calls, predicted_peak
@@ -126,6 +127,7 @@ class ExplainReport:
     loop_observed: object = None
     # the max_peak_bytes the function was compiled with (judged against peak_bytes), or None
     max_peak_bytes: int | None = None
+    ran_here: bool = False  # a call of this signature ran compiled in this process
     # steps whose 16-bit result the fused loops keep in float32, rounded where stored
     kept_float32: tuple = ()
 
@@ -205,6 +207,19 @@ class ExplainReport:
         if self.compiled is None:
             return None
         return max((f.packing_bytes for f in self.compiled if f.compiled), default=0)
+
+    @property
+    def process_bytes(self) -> int | None:
+        """Bytes this process holds for compiled code, beside every step's peak, measured: the
+        growth of its resident memory while backplan loaded kernels from the disk cache or
+        Numba compiled them, all functions together, so far (read when asked; a first call
+        loading this step's kernels adds to it): LLVM's own code that linking touches, the
+        kernels' machine code, and what a compile leaves resident
+        (codegen/build/process_memory.py). Once a process, never a step's, so not in
+        `peak_bytes` and not met by budgets; None unless the backend is numba."""
+        if self.compiled is None:
+            return None
+        return process_memory.code_bytes()
 
     @property
     def compiled_output_bytes(self) -> int | None:

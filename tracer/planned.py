@@ -517,6 +517,10 @@ class PlannedFunction:
         report.background_build = self.background is True
         key = (self._shared_entry_key(self._entry_key(bound)), sizes(args, kwargs))
         report.loop_observed = self._loop_watch.observed.get(key)
+        report.ran_here = any(
+            getattr(getattr(r, "compiled", None), "first_call_seconds", None) is not None
+            for r in entry.runners()
+        )
         report.max_peak_bytes = getattr(self, "max_peak_bytes", None)
         if entry.planner is not None:
             report.frontier_source = self._planner(entry, bound).memory_frontier

@@ -1,0 +1,84 @@
+"""What this process holds for compiled code, measured: the growth of its resident memory while
+backplan loaded kernels from the disk cache or Numba compiled them.
+
+A step's peak (ir/peak.py) counts the buffers the step holds; a process also holds, once, what
+running compiled code needs: the pages of LLVM's own code that linking touches, the machine
+code and the Numba objects of every kernel loaded, and after a compile what the compiler left
+resident (freed to malloc but not returned, or kept by Numba). None of it is a step's, and none
+of it goes when a step ends. Each load (SignedCacheOnDemand.load_overload) and each compile
+(Numba's "numba:compile" event) is one window: the resident bytes when the first open window
+starts and when the last one ends, their growth added up. Windows of two threads at once make
+one. The step's own buffers are never allocated inside a window (a kernel loads before it runs),
+but another thread's allocations meanwhile are counted too: the figure is the process's, read
+from /proc/self/statm, where the kernel says how many pages it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+from numba.core import event
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_lock = threading.Lock()
+_state = {"open": 0, "start": 0, "held": 0, "loads": 0, "compiles": 0}
+_statm: list = [None, None]  # (process id, file descriptor): a forked child opens its own
+
+
+def resident_bytes() -> int | None:
+    """The process's resident bytes (VmRSS), or None where /proc/self/statm is not there."""
+    pid = os.getpid()
+    try:
+        if _statm[0] != pid:
+            _statm[:] = [pid, os.open("/proc/self/statm", os.O_RDONLY)]
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
+    except OSError:
+        return None
+
+
+def _enter(kind: str) -> None:
+    with _lock:
+        _state[kind] += 1
+        _state["open"] += 1
+        if _state["open"] == 1:
+            _state["start"] = resident_bytes() or 0
+
+
+def _leave() -> None:
+    with _lock:
+        _state["open"] -= 1
+        if _state["open"] == 0 and _state["start"]:
+            _state["held"] += max((resident_bytes() or 0) - _state["start"], 0)
+
+
+@contextlib.contextmanager
+def loading():
+    """A window around a load of machine code from the disk cache."""
+    _enter("loads")
+    try:
+        yield
+    finally:
+        _leave()
+
+
+class _Compiles(event.Listener):
+    def on_start(self, event_) -> None:
+        _enter("compiles")
+
+    def on_end(self, event_) -> None:
+        _leave()
+
+
+event.register("numba:compile", _Compiles())
+
+
+def code_bytes() -> int:
+    """Bytes this process's resident memory grew by while backplan loaded or compiled code."""
+    return _state["held"]
+
+
+def counts() -> tuple[int, int]:
+    """(loads, compiles) measured so far in this process."""
+    return _state["loads"], _state["compiles"]
