@@ -374,3 +374,63 @@ def test_tensors_over_one_array_that_the_step_reads_both_are_not_donated():
         out = step({"a": shared, "b": shared})
         np.testing.assert_array_equal(out["a"].numpy(), np.arange(4.0) * 2)
         np.testing.assert_array_equal(out["b"].numpy(), np.arange(4.0) * 2)
+
+
+def _tensor_over(array):
+    """A tensor holding this very array (bp.tensor would copy it)."""
+    array.flags.writeable = False
+    return bp.Tensor._from_array(array)
+
+
+def test_the_owner_shortcut_gives_the_answer_of_the_memory_check():
+    """donatable answers without comparing memory when each donated array is held by its tensor
+    alone and owns its memory (or is the one view of an owner): over random arguments (views,
+    shared arrays, one tensor passed twice, extra references, memory NumPy does not own) its
+    answer, when it gives one, is the full check's."""
+    from backplan.tracer.donate import _owning_arrays_held_once, donatable_by_memory
+
+    rng = np.random.default_rng(7)
+    answered = refused = 0
+    for _ in range(400):
+        tensors, held = [], []
+        for _ in range(int(rng.integers(1, 6))):
+            kind = rng.integers(7)
+            owner = np.zeros(int(rng.integers(2, 12)), np.float32)
+            if kind == 0 and tensors:  # one tensor passed again
+                tensors.append(tensors[int(rng.integers(len(tensors)))])
+            elif kind == 1:  # the one view of its owner (a 0-d output is one)
+                tensors.append(_tensor_over(owner[: owner.size // 2]))
+            elif kind == 2:  # a view whose owner the caller holds too
+                held.append(owner)
+                tensors.append(_tensor_over(owner[1:]))
+            elif kind == 3 and tensors:  # over another argument's memory
+                tensors.append(_tensor_over(tensors[-1]._data.reshape(-1)[:1]))
+            elif kind == 4:  # memory NumPy does not own
+                tensors.append(bp.from_dlpack(np.zeros(3, np.float32)))
+            elif kind == 5:  # an owning array the caller holds too
+                held.append(owner)
+                tensors.append(_tensor_over(owner))
+            else:
+                tensors.append(_tensor_over(owner))
+            del owner
+        donated = tuple(sorted({int(i) for i in rng.integers(0, len(tensors), 3)}))
+        quick = _owning_arrays_held_once(tensors, donated)
+        if quick is None:
+            refused += 1
+        else:
+            answered += 1
+            assert quick == donatable_by_memory(tensors, donated)
+    assert answered > 30 and refused > 30  # both ways are taken
+
+
+def test_one_tensor_passed_twice_and_donated_is_not_written_in_place():
+    """The same tensor in two places (both donated, or one donated and one read) is one memory:
+    writing an output into it would change what the other place reads."""
+    with use_backend("numba"):
+        both = bp.compile(_two_outputs, donate_argnums=(0, 1))
+        first = bp.compile(_two_outputs, donate_argnums=(0,))
+        for fn in (both, first, both, first):
+            a = bp.tensor(np.arange(4.0))
+            outs = fn(a, a)
+            np.testing.assert_array_equal(outs[0].numpy(), np.arange(4.0) + 1.0)
+            np.testing.assert_array_equal(outs[1].numpy(), np.arange(4.0) * 10.0)
