@@ -131,6 +131,42 @@ def test_a_read_in_place_stays_inside_its_view(width):
             assert np.all(np.isposinf(c[9])) and np.all(np.isfinite(np.delete(c, 9, axis=0)))
 
 
+def test_the_256_bit_tiles_last_rows_run_as_four_row_tiles():
+    """A row block of 6k + 2 or 6k + 4 rows ends in 4-row tiles on the 256-bit path (driver.py):
+    NN and TN, A a view inside NaN, C's columns ending in an edge panel, beta 0 (C unread) and
+    not, and an inf in a row of the last 4-row tile reaches that row only."""
+    from backplan.codegen.kernels.gemm.driver import MC, four_row_start
+
+    assert [four_row_start(256, 6, mc, True) for mc in (128, 16, 8, 4, 12, 7, 2)] == [
+        120, 12, 0, 0, 12, 7, 2,
+    ]  # fmt: skip
+    assert four_row_start(512, 8, 128, True) == 128 and four_row_start(256, 6, 128, False) == 128
+    rng = np.random.default_rng(5)
+    n, k = 40, 37
+    for dtype in (np.float32, np.float64):
+        for m in (4, 8, 16, MC, MC + 4, 2 * MC + 8):
+            for ta in (False, True):
+                rows, cols = (k, m) if ta else (m, k)
+                big = np.full((rows + 2, cols + 5), np.nan, dtype)
+                a = big[1 : 1 + rows, 2 : 2 + cols]
+                a[...] = rng.standard_normal(a.shape)
+                b = rng.standard_normal((k, n)).astype(dtype)
+                c = np.full((m, n), np.nan, dtype)
+                own.gemm(256, ta, False, 1.0, a, b, 0.0, c)
+                _check(c, a, b, ta, False, dtype)
+                c0 = rng.standard_normal((m, n)).astype(dtype)
+                c = c0.copy()
+                own.gemm(256, ta, False, 2.0, a, b, 0.5, c)
+                _check(c, a, b, ta, False, dtype, 2.0, 0.5, c0.astype(np.float64))
+                last = m - 2  # in the block's last 4-row tile
+                a_inf = a.copy()
+                a_inf[(3, last) if ta else (last, 3)] = np.inf
+                c = np.full((m, n), np.nan, dtype)
+                own.gemm(256, ta, False, 1.0, a_inf, np.abs(b) + 1, 0.0, c)
+                assert np.all(np.isposinf(c[last]))
+                assert np.all(np.isfinite(np.delete(c, last, axis=0)))
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_narrow_transposed_products_computed_as_their_transpose(width):
     """A.T @ B with C narrower than the tile and at least as tall (symbols.py computes C.T =

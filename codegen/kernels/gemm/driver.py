@@ -19,6 +19,11 @@ Packed, on an Intel AVX-512 core, 7-9 interleaved rounds: mlp dW 0.72 -> 0.94 of
 fwd (1024 rows) 0.76 -> 0.91. With one row block B is read in place: packing it costs more
 than it saves (128x256x256 1.41 in place against 1.26 packed; 32x128x128 0.81 against 0.45).
 
+On the 256-bit tile (6 x 16) a row block of 6k + 2 or 6k + 4 rows, A in place, ends in one or
+two 4-row tiles (8 accumulators) instead of a 6-row tile through the edge buffer (the mlp's 128
+rows: 21 tiles + 2 rows, now 20 + 4 + 4): emulated AVX2 on one Zen 4 core (bench/isa_env.py),
+thread CPU, 5 interleaved rounds, the mlp's products 99-102 -> 103-106 GFLOP/s.
+
 A column-major C (C.T of a row-major result: symbols.py computes a wide-C NT product that
 way) has its full tiles over A's rows in place stored transposed by the kernel
 (kernel.store_tile_transposed); other tiles of such a C go through the edge tile.
@@ -34,10 +39,13 @@ from backplan.codegen.jit import njit
 from backplan.codegen.kernels.by_address import by_address
 from backplan.codegen.kernels.gemm.blocking import machine_block_sizes
 from backplan.codegen.kernels.gemm.kernel import (
+    REMAINDER_ROWS,
     TILES,
     micro_kernel_256,
     micro_kernel_256_a_columns,
+    micro_kernel_256_a_columns_4,
     micro_kernel_256_a_rows,
+    micro_kernel_256_a_rows_4,
     micro_kernel_512,
     micro_kernel_512_a_columns,
     micro_kernel_512_a_rows,
@@ -85,6 +93,28 @@ def _kernel_a_in_place(
         micro_kernel_256_a_columns(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
     else:
         micro_kernel_256_a_rows(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _kernel_a_in_place_4(columns, kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like):
+    """The 256-bit kernel's 4-row tile, A in place (see _kernel_a_in_place)."""
+    if columns:
+        micro_kernel_256_a_columns_4(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+    else:
+        micro_kernel_256_a_rows_4(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
+
+
+@njit(cache=True, nogil=True)
+def four_row_start(width, mr, mc, a_in_place):
+    """Where a row block's 4-row tiles start (mc: none): the 256-bit tile's 6 rows leave 2 or
+    4 at the end of most blocks (128 = 21 * 6 + 2), which the 6-row kernel ran through the
+    edge buffer at a 6-row tile's cost; two 4-row tiles (for 2 left: 6 + 2 = 4 + 4) or one
+    run them in place."""
+    left = mc % mr
+    tiled = 8 if left == 2 else 4  # the rows the 4-row tiles take
+    if width != 256 or not a_in_place or mr != 6 or left not in (2, 4) or mc < tiled:
+        return mc
+    return mc - tiled
 
 
 @njit(cache=True, nogil=True)
@@ -179,7 +209,10 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                 pack_b(width, b, trans_b, pc, kc, jc + last, nc % nr, nr, edge)
             for ic in range(0, m, mc_max):
                 mc = min(mc_max, m - ic)
+                fours = four_row_start(width, mr, mc, a_in_place)
                 full = mc - mc % mr if a_in_place else 0  # rows read in place
+                if fours < mc:  # the last rows as 4-row tiles, in place
+                    full = mc
                 if full < mc:  # the rest packed, from the start of a_pack
                     pack_a(width, a, trans_a, ic + full, mc - full, pc, kc, mr, a_pack)
                 for jr in range(0, nc, nr):
@@ -191,7 +224,7 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                     else:
                         b_addr = b_pack.ctypes.data + (jr // nr) * kc * nr * size
                         ldb = nr
-                    for ir in range(0, mc, mr):
+                    for ir in range(0, fours, mr):
                         i = ic + ir
                         rows = min(mr, mc - ir)
                         whole = rows == mr and cols == nr and c_rows
@@ -223,3 +256,20 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
                             )
                         if not whole:
                             store_edge(tile, nr, c, i, j, rows, cols, alpha, beta_p)
+                    for ir in range(fours, mc, REMAINDER_ROWS):
+                        i = ic + ir
+                        a_addr = a.ctypes.data + (
+                            pc * a.strides[0] + i * size if trans_a
+                            else i * a.strides[0] + pc * size
+                        )  # fmt: skip
+                        if cols == nr and c_rows:
+                            _kernel_a_in_place_4(
+                                trans_a, kc, a_addr, lda, b_addr, ldb,
+                                c.ctypes.data + i * c.strides[0] + j * size, ldc, alpha, beta_p, c,
+                            )  # fmt: skip
+                        else:
+                            _kernel_a_in_place_4(
+                                trans_a, kc, a_addr, lda, b_addr, ldb,
+                                tile.ctypes.data, nr, 1.0, 0.0, c,
+                            )  # fmt: skip
+                            store_edge(tile, nr, c, i, j, REMAINDER_ROWS, cols, alpha, beta_p)

@@ -242,19 +242,22 @@ def _make_kernel(width: int):
     return micro_kernel
 
 
-def _make_in_place_kernel(width: int, a_layout: str, c_transposed: bool = False):
+def _make_in_place_kernel(
+    width: int, a_layout: str, c_transposed: bool = False, rows: int | None = None
+):
     @intrinsic
     def micro_kernel_in_place(
         typingctx, kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like
     ):
         """The kernel with A read where it lies, not packed: A_panel[p, r] at element
         r * lda + p ("rows": op(A) row-major, NN) or p * lda + r ("columns": op(A) = A.T of a
-        row-major A, TN)."""
+        row-major A, TN); `rows` rows of the tile when set, else the tile's mr."""
         if not isinstance(like, types.Array) or like.dtype not in (types.float32, types.float64):
             return None
         dtype = like.dtype
         name = "f32" if dtype == types.float32 else "f64"
         lanes, mr, nv = TILES[width][name]
+        mr = rows or mr
         sig = types.void(kc, a_addr, lda, b_addr, ldb, c_addr, ldc, alpha, beta, like)
 
         def codegen(context, builder, signature, args):
@@ -284,5 +287,11 @@ micro_kernel_512_a_rows = _make_in_place_kernel(512, "rows")
 micro_kernel_512_a_columns = _make_in_place_kernel(512, "columns")
 micro_kernel_256_a_rows = _make_in_place_kernel(256, "rows")
 micro_kernel_256_a_columns = _make_in_place_kernel(256, "columns")
+# The 256-bit tile's last rows of a block whose height is not a multiple of its 6: two or four
+# rows left are run as one or two 4-row tiles (8 accumulators) instead of a 6-row tile through
+# the edge buffer (driver.py)
+REMAINDER_ROWS = 4
+micro_kernel_256_a_rows_4 = _make_in_place_kernel(256, "rows", rows=REMAINDER_ROWS)
+micro_kernel_256_a_columns_4 = _make_in_place_kernel(256, "columns", rows=REMAINDER_ROWS)
 # A's rows in place, the tile stored transposed (C column-major: C.T computed as B.T @ A.T)
 micro_kernel_512_a_rows_c_columns = _make_in_place_kernel(512, "rows", c_transposed=True)
