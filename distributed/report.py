@@ -8,11 +8,12 @@ from dataclasses import dataclass, replace
 
 from backplan.ir.types import np_dtype
 
+from . import shared_exchange
 from .buckets import Bucket, ring_bytes_sent
 from .half_sum import sent_in_16_bits
 from .half_wire import summed_bytes
 from .layout import Layout
-from .shared_exchange import SPLIT_BYTES, SPLIT_RANKS, bytes_read
+from .shared_exchange import bytes_read
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,11 @@ class DataParallelReport:
                 "16-bit buckets as their 16 bits), then every rank sums the whole bucket "
                 "straight from every rank's buffer, in rank order (16-bit values widened to "
                 "float32 as they are added, rounded once when unpacked), averaging as it goes, "
-                f"once every rank has written it; on {SPLIT_RANKS} ranks or more a bucket of "
-                f"{SPLIT_BYTES:,} B or more is summed in parts instead (each rank sums 1/N "
-                "of it and copies the others' summed parts); no MPI message, in bucket order "
+                "once every rank has written it; on "
+                f"{shared_exchange.SPLIT_RANKS} ranks or more a bucket of "
+                f"{shared_exchange.SPLIT_BYTES:,} B or more is summed in parts instead (each "
+                "rank sums 1/N of it and copies the others' summed parts); no MPI message, in "
+                "bucket order "
                 "before the step returns. Each rank reads about "
                 f"{self.bytes_sent_per_step:,} B of the others' buffers per step (N-1 times "
                 f"the bytes, 2 (N-1)/N summed in parts, N={self.size}); across nodes (or "
@@ -305,7 +308,8 @@ class DataParallelReport:
         if self.shared and not self.sharded:
             text = (
                 "Overlap: none; the plan runs as one compiled call, and each rank sums every "
-                "bucket when the call returns (on one core per rank that is "
+                "bucket (or its part of one summed in parts) when the call returns (on one core "
+                "per rank that is "
                 "work of the core that computes, which no overlap could hide)."
             )
             return textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent="  ")
