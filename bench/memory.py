@@ -14,12 +14,12 @@ counted from their table and shown apart, allocated and written: a buffer is all
 and written only as far as the products packed into it reach (the bench attention's two
 threads allocated 8.9 MB of them and wrote a fraction), so "not predicted" takes the pages the
 step wrote (their mappings' Rss in /proc/self/smaps, gained over the step). What remains is not
-predicted: memory libraries touch
-on a process's first calls of their code (OpenBLAS's per-thread packing buffers for these
-shapes, Numba's thread pool), allocations inside kernels (partial sums, im2col columns) and
-page rounding. A second fresh process is primed first with one step of the same model at 1/4
-of the batch, so what libraries touch once per process is resident before the measured step:
-the excess left there is what the step itself allocates beyond the prediction.
+predicted: memory libraries touch on a process's first calls of their code (OpenBLAS's
+per-thread packing buffers for these shapes, Numba's thread pool) and page rounding (conv2d's
+im2col columns are a buffer of the arena, ir/kernel_workspace.py). A second fresh process is
+primed first with one step of the same model at 1/4 of the batch, so what libraries touch once
+per process is resident before the measured step: the excess left there is what the step
+itself allocates beyond the prediction.
 
     python -m backplan.bench.memory [--models mlp,mlp_deep] [--scale 8] [--steps train,vg,compile]
 
@@ -30,11 +30,8 @@ adam's update in one bp.compile(donate_argnums=(0, 1)) (parameters and optimizer
 in place); "compile" is `loss = bp.compile(f)(params, *batch); loss.backward()`, a forward and
 the backward() consuming it (both plans' runners made and the forward's driver loaded first).
 
-The growth is compared with `peak_bytes` less the arrays passed in and the constants, never with
-`allocated_peak_bytes`: that one leaves out what kernels allocate inside themselves while they
-run (the `workspace` category: conv2d's im2col columns), which the checked mode's allocator
-cannot see but the process holds (the bench cnn's compile + backward() at batch 2048: 23.1 MB
-of its 55.7 MB).
+The growth is compared with `peak_bytes` less the arrays passed in and the constants, which is
+`allocated_peak_bytes` less the constants: no kernel allocates inside itself.
 """
 
 from __future__ import annotations

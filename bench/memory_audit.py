@@ -144,9 +144,7 @@ def audit(label: str, make) -> tuple[str, list[str]]:
     allocated = report.peak.allocated_peak_bytes
     if measured["peak"] != allocated:
         problems.append(f"checked mode {measured['peak']:,} != predicted {allocated:,}")
-    # yours (passed in), and the im2col columns a conv kernel allocates while it runs
-    # (workspace: in the printed peak, seen only by the fresh-process check)
-    unseen = ("inputs", "donated", "workspace")
+    unseen = ("inputs", "donated")  # yours, passed in
     mine = {c: n for c, n in facts["categories"].items() if c not in unseen}
     if report.peak.backend == "numba" and mine != measured["categories"]:  # the reference
         # interpreter names each buffer by its node, not by category

@@ -19,6 +19,7 @@ from operator import le
 
 from .fusion import Kernel, index_map, internal_shape, is_alias
 from .graph import Graph, Value
+from .kernel_workspace import WorkspaceOf, workspace_elements
 from .memory_plan import BufferRequest, assign_memory
 from .registry import REGISTRY, get_op
 from .types import DTYPES
@@ -84,6 +85,9 @@ class BufferLayout:
     # value -> rows its buffer holds, for values a row kernel keeps one row at a time
     # (ir/row_local.py): a slice of that many rows, not the value's whole shape
     row_local: dict = field(default_factory=dict)
+    # kernel node -> (element offset in its dtype's arena, elements) of the workspace the
+    # kernel is passed (ir/kernel_workspace.py), held at the kernel's step only
+    workspaces: dict = field(default_factory=dict)
 
     def reserved_bytes(self, value: Value) -> int:
         """The bytes a buffer of the plan holds for value (one item for an empty one)."""
@@ -202,12 +206,33 @@ def plan_layout(
     if EPILOGUE_OVER_PRODUCT:
         requests = _epilogues_over_products(requests, kernels, last, steps)
     requests = _reuse_saved(requests, private_saved, last, layout)
-    assignment = assign_memory(requests, shared=True)
+    workspaces = _workspace_requests(kernels, steps)
+    assignment = assign_memory(requests + [r for r, _ in workspaces], shared=True)
     for (_arena, dtype), size in assignment.arena_sizes.items():
         layout.scratch_elements[dtype] = size
     placements = assignment.placements
     layout.scratch_offsets = {r.key: placements[r.key].offset for r in requests}
+    for r, elements in workspaces:
+        layout.workspaces[r.key.node] = (placements[r.key].offset, elements)
     return layout
+
+
+def _workspace_requests(kernels: list[Kernel], steps: list[int]) -> list[tuple]:
+    """(a buffer of the arena, the elements the kernel reads of it) for each kernel that works
+    in one (ir/kernel_workspace.py), live at its step alone: it shares bytes with buffers whose
+    lives end before or start after it. At least one item, as an empty buffer: a size of a
+    symbolic plan with an empty batch keeps the structure of the others."""
+    found = []
+    for kernel, step in zip(kernels, steps, strict=True):
+        if kernel.kind != "op":
+            continue
+        elements = workspace_elements(kernel)
+        if elements is not None:
+            node = kernel.nodes[0]
+            nbytes = max(elements, 1) * DTYPES[node.dtype].itemsize
+            request = BufferRequest(WorkspaceOf(node), nbytes, node.dtype, step, step)
+            found.append((request, elements))
+    return found
 
 
 def _epilogues_over_products(requests, kernels, last, steps) -> list:

@@ -3,9 +3,9 @@ step, for the executor that runs it, before anything runs.
 
 A step is a sequence of plan calls (a forward, then a backward; or one joint plan). Categories:
 inputs (the caller's arrays), donated (inputs whose buffers outputs are written into),
-constants, scratch (compiled arenas, kept across calls), workspace (what a compiled kernel
-allocates inside itself while it runs: conv2d's im2col columns, ir/kernel_workspace.py),
-copies (a compiled call's C-order copy of each argument passed in another layout,
+constants, scratch (compiled arenas, kept across calls: a library kernel's workspace, conv2d's
+im2col columns, is a buffer of its plan's arena, ir/kernel_workspace.py), copies (a compiled
+call's C-order copy of each argument passed in another layout,
 ir/argument_layout.py, and a NumPy argument the call copies for itself alone: held while that
 call runs), temporaries (reference interpreter only),
 outputs, saved (forward values the backward reads), gradients.
@@ -14,8 +14,7 @@ outputs, saved (forward values the backward reads), gradients.
   life (a forward and the backward() consuming it share one arena, the larger's size), and a
   call allocates all its output buffers before its first kernel, holding them until the step
   ends (outputs and gradients go to the caller, saved buffers until the backward returns).
-  The buffers therefore peak at the first kernel of the last call; a kernel's own workspace
-  adds to what is held while it runs.
+  The buffers therefore peak at the first kernel of the last call.
 - Reference: every buffer NumPy allocates (a view lives in its input's buffer:
   ir/reference_storage.py), from the step that writes it to the free of the last value living
   in it; saved values until the backward frees them.
@@ -33,7 +32,6 @@ import numbers
 from dataclasses import dataclass, field, replace
 
 from .argument_layout import stored_bytes
-from .kernel_workspace import workspace_bytes
 from .liveness import INPUT_STEP, Plan
 from .lowering import lower, runs_code
 from .plan_buffers import compiled_buffers
@@ -47,7 +45,6 @@ CATEGORIES = (
     "donated",
     "constants",
     "scratch",
-    "workspace",
     "copies",
     "temporaries",
     "outputs",
@@ -101,12 +98,8 @@ class PeakReport:
     @property
     def allocated_peak_bytes(self) -> int:
         """The most bytes of the step's own buffers held at once (what the checked mode's
-        counting allocator sees): the peak less the caller's arrays and the kernels'
-        workspace, which lives inside the kernels."""
-        own = [
-            s.nbytes - sum(s.held.get(c, 0) for c in (*CALLER_OWNED, "workspace"))
-            for s in self.steps
-        ]
+        counting allocator sees): the peak less the caller's arrays."""
+        own = [s.nbytes - sum(s.held.get(c, 0) for c in CALLER_OWNED) for s in self.steps]
         return max(own, default=0)
 
     def at_peak(self) -> dict:
@@ -323,16 +316,8 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
                 held[b.category] += b.nbytes
         seed = _cotangent_bytes(call) + copy_bytes(low) + _copied_in(call)
         during = sum(held.values()) + seed + _kept_during(call.label, kept)
-        peak = max(peak, during + _largest_workspace(low))
+        peak = max(peak, during)
     return peak
-
-
-def _largest_workspace(lowered) -> int:
-    """The largest workspace any driver call of the plan allocates (_driver_calls' groups,
-    without building them): only a kernel that is one op allocates one (ir/kernel_workspace.py),
-    and every such kernel runs as a call of its own or in a row run, so the largest over the
-    plan's kernels is the largest over its calls (0 for a plan that calls nothing)."""
-    return max((workspace_bytes(k) for k in lowered.kernels if k.kind == "op"), default=0)
 
 
 def _kept_during(plan: str, kept: int) -> int:
@@ -382,7 +367,7 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
         held["gradients"] += seed
         copies = copy_bytes(low) + _copied_in(call)  # made on entry, freed when it returns
         for group in _driver_calls(low):
-            running = dict(held, workspace=_workspace(group), copies=copies)
+            running = dict(held, copies=copies)
             steps.append(PeakStep(index, call.label, *_kernel_words(group), running))
             index += 1
         held["gradients"] -= seed
@@ -414,10 +399,6 @@ def _driver_calls(lowered) -> list[list]:
         else:
             calls.append(group)
     return calls or [[]]
-
-
-def _workspace(group: list) -> int:
-    return max((workspace_bytes(k) for k in group), default=workspace_bytes(None))
 
 
 def _kernel_words(group: list) -> tuple[str, str]:

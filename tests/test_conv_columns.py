@@ -9,6 +9,7 @@ import pytest
 
 from backplan.codegen.kernels import conv
 from backplan.codegen.kernels.gemm.isa import vector_width
+from backplan.ir.kernel_workspace import conv_workspace_elements
 from backplan.ir.ops.conv import _conv_ref, _input_grad_ref, _weight_grad_ref
 
 CASES = [
@@ -33,6 +34,14 @@ def _operands(case, rng, dtype):
     return conv.as_read_only(x), conv.as_read_only(weights)
 
 
+def _work(out_shape, weight_shape, groups, dtype):
+    """The workspace a plan passes the kernels (ir/kernel_workspace.py), NaN-filled: a
+    kernel must write every element it reads."""
+    n, o, oh, ow = out_shape
+    taps = weight_shape[1] * weight_shape[2] * weight_shape[3]
+    return np.full(conv_workspace_elements(n, (oh, ow), o, taps, groups), np.nan, dtype)
+
+
 def _args(attrs, width=0):
     """The kernels' trailing arguments; width 0 multiplies with BLAS, 512 or 256 with
     backplan's GEMM of that register tile."""
@@ -50,16 +59,17 @@ def test_conv_kernels_match_the_references(case, dtype, gemm):
     args = _args(attrs, vector_width() if gemm == "own" else 0)
     expected = _conv_ref(x, w, **attrs)
     out = np.full(expected.shape, np.nan, dtype)
-    conv.conv2d_gemm(x, w, out, *args)
+    work = _work(expected.shape, w.shape, attrs["groups"], dtype)
+    conv.conv2d_gemm(x, w, out, work, *args)
     tol = 1e-4 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
 
     g = conv.as_read_only(rng.standard_normal(expected.shape).astype(dtype))
     dx = np.full(x.shape, np.nan, dtype)
-    conv.conv2d_input_grad_gemm(g, w, dx, *args)
+    conv.conv2d_input_grad_gemm(g, w, dx, work, *args)
     np.testing.assert_allclose(dx, _input_grad_ref(g, w, x.shape, **attrs), rtol=tol, atol=tol)
     dw = np.full(w.shape, np.nan, dtype)
-    conv.conv2d_weight_grad_gemm(x, g, dw, *args)
+    conv.conv2d_weight_grad_gemm(x, g, dw, work, *args)
     want = _weight_grad_ref(x, g, w.shape, **attrs)
     np.testing.assert_allclose(dw, want, rtol=tol, atol=tol * 10)
 
@@ -78,19 +88,20 @@ def test_strided_operands_and_outputs_give_the_same_values():
     out_base = np.full((expected.shape[0], 2 * expected.shape[1]) + expected.shape[2:], 5.0,
                        np.float32)  # fmt: skip
     out = out_base[:, 1::2]
-    conv.conv2d_gemm(x_view, w, out, *_args(attrs, vector_width()))
+    work = _work(expected.shape, w.shape, attrs["groups"], np.float32)
+    conv.conv2d_gemm(x_view, w, out, work, *_args(attrs, vector_width()))
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
     assert (out_base[:, ::2] == 5.0).all()  # the gaps stay untouched
 
     g = conv.as_read_only(rng.standard_normal(expected.shape).astype(np.float32))
     dx_base = np.full(wide_x.shape, 5.0, np.float32)
-    conv.conv2d_input_grad_gemm(g, w, dx_base[::-1, ::2], *_args(attrs, vector_width()))
+    conv.conv2d_input_grad_gemm(g, w, dx_base[::-1, ::2], work, *_args(attrs, vector_width()))
     np.testing.assert_allclose(
         dx_base[::-1, ::2], _input_grad_ref(g, w, x.shape, **attrs), rtol=1e-4, atol=1e-4
     )
     assert (dx_base[:, 1::2] == 5.0).all()
     dw = np.empty(w.shape, np.float32)
-    conv.conv2d_weight_grad_gemm(x_view, g, dw, *_args(attrs, vector_width()))
+    conv.conv2d_weight_grad_gemm(x_view, g, dw, work, *_args(attrs, vector_width()))
     np.testing.assert_allclose(dw, _weight_grad_ref(x, g, w.shape, **attrs), rtol=1e-4, atol=1e-3)
 
 

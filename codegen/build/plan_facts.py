@@ -62,6 +62,7 @@ def layout_hash(lowered: LoweredPlan) -> str:
             sorted((names[v], names[s]) for v, s in layout.reused_saved.items()),
             [names[v] for v in layout.outputs],
             sorted(layout.scratch_elements.items()),
+            sorted((names[v], o, n) for v, (o, n) in layout.workspaces.items()),
         ]
     )
     return hashlib.sha256(text.encode()).hexdigest()

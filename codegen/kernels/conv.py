@@ -5,7 +5,13 @@ passes the register tile width; 0 is BLAS). Measured on the digits CNN's layers 
 channels at 8x8 and 16->32 at 4x4, 3x3 kernels, one BLAS thread) against direct loops, one task
 per output plane: forward 0.05 / 0.6 ms against 0.7 / 8.7 ms, input gradient 0.04 / 0.4 ms
 against 1.3 / 9.0 ms, weight gradient 0.5 / 1.2 ms against 1.3 / 6.9 ms. The column buffer is C
-* kH * kW times the input; padding is handled while filling it."""
+* kH * kW times the input; padding is handled while filling it.
+
+The columns, one group's product or gradient rows and one group's weights live in `work`, a 1-D
+slice of the plan's scratch arena the driver passes (ir/kernel_workspace.py sizes it, in that
+order): nothing is allocated here per call. Operands from a plan are C order, so the
+np.ascontiguousarray calls below return them as they are; only a direct call with strided
+operands copies."""
 
 import numpy as np
 
@@ -124,34 +130,41 @@ def _copy4(source, out):
 
 
 @njit(**_opts)
-def _group_matrix(a, first, count):
-    """a[:, first:first+count] of an (N, C, H, W) array as a (count, N*H*W) matrix: a plane
-    at a time, flat (a small CNN's 32x32x4x4 gradient 12.4 -> 2.3 us)."""
+def _group_matrix(a, first, out):
+    """out = a[:, first:first+count] of an (N, C, H, W) array as a (count, N*H*W) matrix: a
+    plane at a time, flat (a small CNN's 32x32x4x4 gradient 12.4 -> 2.3 us)."""
     ac = np.ascontiguousarray(a)
     n_total, chans, height, width = ac.shape
-    plane, af = height * width, ac.reshape(-1)
-    out = np.empty((count, n_total * plane), a.dtype)
-    of = out.reshape(-1)
-    for o in range(count):
+    plane, af, of = height * width, ac.reshape(-1), out.reshape(-1)
+    for o in range(out.shape[0]):
         for n in range(n_total):
             s, d = (n * chans + first + o) * plane, (o * n_total + n) * plane
             for p in range(plane):
                 of[_u(d + p)] = af[_u(s + p)]
-    return out
 
 
 @njit(**_opts)
-def _weight_matrix(w, first, count):
-    """w[first:first+count] of (O, C/groups, kH, kW) weights as a (count, C/groups*kH*kW)
-    matrix."""
+def _weight_matrix(w, first, out):
+    """out = w[first:first+count] of (O, C/groups, kH, kW) weights as a (count,
+    C/groups*kH*kW) matrix."""
     cg, kh, kw = w.shape[1], w.shape[2], w.shape[3]
-    out = np.empty((count, cg * kh * kw), w.dtype)
-    for o in range(count):
+    for o in range(out.shape[0]):
         for c in range(cg):
             for i in range(kh):
                 for j in range(kw):
                     out[o, (c * kh + i) * kw + j] = w[first + o, c, i, j]
-    return out
+
+
+@njit(**_opts)
+def _carve(work, taps, positions, group_out):
+    """(columns: taps x positions, one group's rows over the positions: group_out x
+    positions, one group's weights: group_out x taps), consecutive slices of the 1-D workspace
+    in ir/kernel_workspace.py's order."""
+    a, b = taps * positions, group_out * positions
+    cols = work[:a].reshape((taps, positions))
+    rows = work[a : a + b].reshape((group_out, positions))
+    weights = work[a + b : a + b + group_out * taps].reshape((group_out, taps))
+    return cols, rows, weights
 
 
 @njit(**_opts)
@@ -189,35 +202,36 @@ def _product(width, trans_a, trans_b, a, b, out):
 # functions made conv2d_gemm's cold compile 9.1 s on one pinned EPYC core; written this way
 # 3.5 s (/tmp measurement in the commit message).
 @njit(**_opts)
-def conv2d_gemm(x, w, out, sh, sw, ph, pw, dh, dw, groups, width):
+def conv2d_gemm(x, w, out, work, sh, sw, ph, pw, dh, dw, groups, width):
     o_total, cg, kh, kw = w.shape
     og, oh, ow = o_total // groups, out.shape[2], out.shape[3]
     if out.size == 0:
         return
-    cols = np.empty((cg * kh * kw, x.shape[0] * oh * ow), x.dtype)
-    product = np.empty((og, x.shape[0] * oh * ow), x.dtype)
+    positions = x.shape[0] * oh * ow
+    cols, product, weights = _carve(work, cg * kh * kw, positions, og)
     for g in range(groups):
         im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
-        weights = _weight_matrix(w, g * og, og)
+        _weight_matrix(w, g * og, weights)
         _product(width, np.bool_(False), np.bool_(False), weights, cols, product)
         _scatter_planes(product, out, g * og)
 
 
 @njit(**_opts)
-def conv2d_input_grad_gemm(gout, w, dx, sh, sw, ph, pw, dh, dw, groups, width):
+def conv2d_input_grad_gemm(gout, w, dx, work, sh, sw, ph, pw, dh, dw, groups, width):
     o_total, cg, kh, kw = w.shape
     og, oh, ow = o_total // groups, gout.shape[2], gout.shape[3]
     if gout.size == 0:
         dx[:] = 0
         return
-    cols = np.empty((cg * kh * kw, gout.shape[0] * oh * ow), dx.dtype)
+    positions = gout.shape[0] * oh * ow
+    cols, grads, weights = _carve(work, cg * kh * kw, positions, og)
     summed = np.ascontiguousarray(dx)  # dx itself when C order (col2im's), else a copy
     flat = summed.reshape(-1)
     for p in range(flat.size):
         flat[p] = 0
     for g in range(groups):
-        weights = _weight_matrix(w, g * og, og)
-        grads = _group_matrix(gout, g * og, og)
+        _weight_matrix(w, g * og, weights)
+        _group_matrix(gout, g * og, grads)
         _product(width, np.bool_(True), np.bool_(False), weights, grads, cols)
         col2im(cols, summed, g * cg, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
     if summed.ctypes.data != dx.ctypes.data:
@@ -225,17 +239,17 @@ def conv2d_input_grad_gemm(gout, w, dx, sh, sw, ph, pw, dh, dw, groups, width):
 
 
 @njit(**_opts)
-def conv2d_weight_grad_gemm(x, gout, dw_out, sh, sw, ph, pw, dh, dw, groups, width):
+def conv2d_weight_grad_gemm(x, gout, dw_out, work, sh, sw, ph, pw, dh, dw, groups, width):
     o_total, cg, kh, kw = dw_out.shape
     og, oh, ow = o_total // groups, gout.shape[2], gout.shape[3]
     if gout.size == 0:
         dw_out[:] = 0
         return
-    cols = np.empty((cg * kh * kw, x.shape[0] * oh * ow), x.dtype)
-    product = np.empty((og, cg * kh * kw), dw_out.dtype)
+    # the product (og x taps) where the other two keep their weights
+    cols, grads, product = _carve(work, cg * kh * kw, x.shape[0] * oh * ow, og)
     for g in range(groups):
         im2col(x, g * cg, cols, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw)
-        grads = _group_matrix(gout, g * og, og)
+        _group_matrix(gout, g * og, grads)
         _product(width, np.bool_(False), np.bool_(True), grads, cols, product)
         for o in range(og):
             for c in range(cg):
@@ -262,7 +276,8 @@ def _conv_call(ctx: OpEmitter, node: Value, out: str, fn: str) -> list[str]:
         lambda: conv_gemm_width(*_product_shape(node, fn), node.dtype, trans_b=nt),
     )
     args = f"{sh}, {sw}, {ph}, {pw}, {dh}, {dw}, {node.attrs['groups']}, {width}"
-    return [f"{fn}_gemm(as_read_only({a}), as_read_only({b}), {out}, {args})"]
+    work = ctx.workspace(node)  # a slice of the arena (ir/kernel_workspace.py)
+    return [f"{fn}_gemm(as_read_only({a}), as_read_only({b}), {out}, {work}, {args})"]
 
 
 def _product_shape(node: Value, fn: str) -> tuple[int, int, int]:

@@ -335,6 +335,12 @@ def buffer_expression(value: Value, layout: BufferLayout, names: dict) -> str:
     return f"scratch_{value.dtype}[{offset}:{offset + count}].reshape({shape!r})"
 
 
+def workspace_expression(node: Value, layout: BufferLayout) -> str:
+    """The 1-D slice of its dtype's scratch arena a kernel works in (ir/kernel_workspace.py)."""
+    offset, count = layout.workspaces[node]
+    return f"scratch_{node.dtype}[{offset}:{offset + count}]"
+
+
 class _Emitter:
     def __init__(self, graph, names, literal_of, layout: BufferLayout, needed: set, comments=True):
         self.graph = graph
@@ -362,6 +368,7 @@ class _Emitter:
             self.contiguous,
             self.placer.place,
             lambda lines, scalars, bases: self._call(lines, scalars, bases, False, False),
+            lambda node: workspace_expression(node, layout),
         )
 
     def define(self, name: str, line: str) -> None:

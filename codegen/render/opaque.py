@@ -57,12 +57,16 @@ def size_one_index(before: tuple, after: tuple) -> str | None:
 
 
 class OpEmitter:
-    def __init__(self, names: dict, literal_of, contiguous: set, place=None, kernel_call=None):
+    def __init__(
+        self, names: dict, literal_of, contiguous: set, place=None, kernel_call=None, workspace=None
+    ):
         self.names = names
         self.literal_of = literal_of
         self.contiguous = contiguous  # values whose variable is a C-contiguous array
         self.place = place  # value -> Placement (codegen/render/placement.py)
         self.kernel_call = kernel_call  # (lines, scalars, bases) -> call of a shared kernel
+        # node -> the arena slice its kernel works in (ir/kernel_workspace.py)
+        self.workspace = workspace
         # A strided view reshaped twice (attention's heads moved back beside the features, then
         # flattened for a bias sum and for a GEMM, or the same transpose recomputed) is copied
         # once: _view_chain of the view -> the variable holding the copy.

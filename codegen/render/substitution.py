@@ -86,6 +86,7 @@ def _key(lowered: LoweredPlan, at: dict) -> tuple:
         tuple((at[v], at[s]) for v, s in layout.reused_saved.items()),
         tuple(at[v] for v in layout.scratch_offsets),
         tuple(at[v] for v in layout.row_local),
+        tuple(at[v] for v in layout.workspaces),
         lowered.origin is None,
     )
 
@@ -117,6 +118,8 @@ def leaves(lowered: LoweredPlan) -> tuple[list, list]:
     out += layout.scratch_elements.values()
     out += layout.scratch_offsets.values()
     out += layout.row_local.values()
+    for offset, elements in layout.workspaces.values():
+        out += (offset, elements)
     return out, fixed
 
 
@@ -212,6 +215,9 @@ def traced_copy(lowered: LoweredPlan) -> tuple[LoweredPlan, int]:
         reused_saved={new[v]: new[s] for v, s in layout.reused_saved.items()},
         scratch_offsets={new[v]: tracer.leaf(o) for v, o in layout.scratch_offsets.items()},
         row_local={new[v]: tracer.leaf(r) for v, r in layout.row_local.items()},
+        workspaces={
+            new[v]: (tracer.leaf(o), tracer.leaf(n)) for v, (o, n) in layout.workspaces.items()
+        },
     )
     plan = copy.copy(lowered.plan)
     plan.graph, plan.shared = copied, None
