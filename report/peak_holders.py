@@ -14,6 +14,7 @@ from backplan.ir.lowering import lower
 from backplan.ir.peak import PeakReport, PlanCall
 from backplan.ir.printer import format_loc
 from backplan.ir.strided_copies import is_strided_copy
+from backplan.ir.types import DTYPES
 
 from .memory import peak_step_words
 from .wording import format_bytes
@@ -47,9 +48,7 @@ def _largest_compiled(report: PeakReport, calls: list[PlanCall], count: int) -> 
             words.append(f"{buffer.name} {format_bytes(buffer.nbytes)}")
             continue
         call = by_label[label]
-        values = lower(call.plan, call.private_saved).layout.scratch_offsets
-        biggest = sorted(values, key=lambda v: -v.type.nbytes)[:count]
-        inside = ", ".join(_value_words(v) for v in biggest)
+        inside = ", ".join(_arena_words(lower(call.plan, call.private_saved).layout, count))
         whose = f"the {label} plan's scratch arena"
         if len(sharing) > 1 and _shared_arena(by_label, label, buffer):
             whose = f"the scratch arena the plans share, the {label} plan's size,"
@@ -59,6 +58,18 @@ def _largest_compiled(report: PeakReport, calls: list[PlanCall], count: int) -> 
 
 def _shared_arena(by_label: dict, label: str, buffer) -> bool:
     return buffer.category == "scratch" and by_label[label].shares_arena
+
+
+def _arena_words(layout, count: int) -> list[str]:
+    """The largest buffers placed in a plan's arena: its values and the workspaces its
+    kernels work in (ir/kernel_workspace.py), each with its line."""
+    held = [(v.type.nbytes, _value_words(v)) for v in layout.scratch_offsets]
+    for node, (_, elements) in layout.workspaces.items():
+        nbytes, where = elements * DTYPES[node.dtype].itemsize, format_loc(node.loc)
+        words = f"{node.op}'s workspace {format_bytes(nbytes)}"
+        held.append((nbytes, words + (f" at {where}" if where else "")))
+    held.sort(key=lambda nw: -nw[0])
+    return [words for _, words in held[:count]]
 
 
 def _value_words(value) -> str:

@@ -56,6 +56,15 @@ def test_the_columns_are_a_buffer_of_the_arena_live_at_their_kernel_only():
     assert report.allocated_peak_bytes == report.peak_bytes - report.input_bytes
 
 
+def test_a_refused_budget_names_the_workspace_among_the_arenas_largest_buffers():
+    w, x = _conv_inputs()
+    step = bp.value_and_grad(_conv_loss, max_peak_bytes=100_000)
+    with use_backend("numba"), pytest.raises(bp.MemoryBudgetError) as refused:
+        step(w, x)
+    columns = conv_workspace_elements(N, (H, H), K, C * 9, 1) * 4
+    assert f"conv2d's workspace {columns:,} B" in str(refused.value)
+
+
 def test_the_checked_mode_counts_what_explain_prints_to_the_byte():
     """Every byte of the workspace goes through the counting allocator (it is the arena's)."""
     w, x = _conv_inputs()
