@@ -75,6 +75,11 @@ class LoweredPlan:
     # what its fusion grouping's placing loop left, where the next such plan resumes
     # (ir/grouping_resume.py); None for any other plan
     grouping: object = None
+    # (op, dtype) of the node of each kernel that is one op, each once, in kernel order:
+    # noted by the lowering's walk of its kernels (_buffers), so that whether codegen renders
+    # every op (codegen/render/opaque.py unsupported_reason) walks no kernel again; None:
+    # not noted (a lowered plan made otherwise), the kernels are read
+    op_kinds: tuple | None = None
 
     @property
     def kernel_count(self) -> int:
@@ -182,7 +187,7 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         journal[0].strided = strided[0] if strided else None
         journal[0].known = known
     steps = schedule_steps(kernels, runs)
-    buffers, written = _buffers(kernels, steps, needed)
+    buffers, written, op_kinds = _buffers(kernels, steps, needed)
     private = [graph.inputs[i] for i in private_saved]
     pinned = None if plan.shared is None else plan.shared.setdefault(("row_local",), {})
     local = row_local_values(graph, kernels, runs, needed, pinned)
@@ -191,6 +196,7 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )
     lowered.donations = donation_pairs(lowered)
+    lowered.op_kinds = op_kinds
     if journal:
         lowered.grouping = journal[0]
         offer_journal(given, journal[0])
@@ -201,17 +207,25 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
 
 def _buffers(kernels: list[Kernel], steps: list[int], needed: set[Value]):
     """(the values that get storage, in kernel order: those needed of the kernels that run
-    code, constants aside; the step each is written at), the steps read in the same walk
-    (plan_layout asks them of its buffers only)."""
-    buffers, written = [], []
+    code, constants aside; the step each is written at; LoweredPlan.op_kinds), the steps and
+    ops read in the same walk (plan_layout asks the steps of its buffers only)."""
+    buffers, written, ops = [], [], {}
     add, at = buffers.append, written.append
     for kernel, step in zip(kernels, steps, strict=True):
-        if kernel.kind in RUN_KINDS:
+        kind = kernel.kind
+        if kind in RUN_KINDS:
             for n in kernel.all_nodes:
                 if n in needed and n.op != "const":
                     add(n)
                     at(step)
-    return buffers, written
+            if kind == "op":  # its node (an epilogue's follow it in all_nodes)
+                node = kernel.nodes[0]
+                dtypes = ops.get(node.op)
+                if dtypes is None:
+                    dtypes = ops[node.op] = {}
+                dtypes.setdefault(node.type.dtype, step)
+    kinds = sorted((at, op, dtype) for op, d in ops.items() for dtype, at in d.items())
+    return buffers, written, tuple((op, dtype) for _, op, dtype in kinds)
 
 
 def sources_known(source, journal) -> tuple[Bases, Roots]:

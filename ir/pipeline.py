@@ -191,6 +191,7 @@ class PlanChoices:
     _schedule: StepSchedule | None = None
     _default: StepPlans | None = None
     _joint_split: tuple | None = None  # (forward_nodes, held_across) of a joint stage's graph
+    _no_forward_casts: bool | None = None  # _held_known: no astype among its forward nodes
 
     @property
     def joint(self) -> bool:
@@ -242,10 +243,13 @@ class PlanChoices:
         if options.joint and chosen and self._joint_split is None:
             forward = forward_nodes(self.stage.forward, self.stage.n_outputs)
             self._joint_split = (forward, held_across(self.stage.forward, forward))
-        stage = recompute_for_budget(self.stage, chosen, options, log, self._joint_split)
+        held = [] if chosen and self._held_known() else None
+        stage = recompute_for_budget(self.stage, chosen, options, log, self._joint_split, held)
         if options.joint:
             plan, narrowing = joint_plan(stage, options, log)
-            return self._kept(drop, JointPlans(plan, stage.n_outputs, stage.wrt, log, narrowing))
+            plans = JointPlans(plan, stage.n_outputs, stage.wrt, log, narrowing)
+            plans.held_values = None if held is None else tuple(held)
+            return self._kept(drop, plans)
         if stage.backward is None:
             if self.inlined_gradients:
                 decided = self._early_kept() if drop else None
@@ -255,6 +259,17 @@ class PlanChoices:
         stage = order_saved_inputs(stage, log)
         plans = forward_returns_saved(stage, options, log)
         return self._kept(drop, narrow_saved(plans, options, log))
+
+    def _held_known(self) -> bool:
+        """Whether a joint plan recomputing held values knows what it holds from the rewrite
+        (ir/remat.py held_recomputed): no saved_dtype (whose casts rewrite the graph after
+        it), and no narrowing cast in the forward part (asked once)."""
+        if not self.options.joint or self.options.saved_dtype is not None:
+            return False
+        if self._no_forward_casts is None:
+            forward = self._joint_split[0]
+            self._no_forward_casts = not any(n.op == "astype" for n in forward)
+        return self._no_forward_casts
 
     def _kept(self, drop: frozenset[int], result):
         mark_copied(result, self.options.copied)
@@ -396,13 +411,15 @@ def recompute_for_budget(
     options: PipelineOptions,
     log: PassLog,
     split: tuple | None = None,
+    held_into: list | None = None,
 ) -> Stage:
     """The held values a memory budget chose recomputed too (nothing when none was chosen).
-    split: a joint stage's (forward_nodes, held_across), kept by PlanChoices."""
+    split: a joint stage's (forward_nodes, held_across), kept by PlanChoices. held_into: a
+    joint stage's, gets what its plan holds (ir/remat.py recompute_joint_chosen)."""
     if not chosen:
         return stage
     if options.joint:
-        joint = recompute_joint_chosen(stage.forward, stage.n_outputs, chosen, split)
+        joint = recompute_joint_chosen(stage.forward, stage.n_outputs, chosen, split, held_into)
         return replace(stage, forward=log.record("recompute_for_budget", joint))
     if stage.backward is None:  # a step with inlined gradients (PlanChoices.inlined_gradients)
         step, forward, copies = recompute_after(stage.forward, set(stage.inlined_forward), chosen)

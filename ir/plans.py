@@ -140,6 +140,10 @@ class JointPlans:
     log: PassLog | None = None
     # saved_dtype: what it narrowed and the peaks (ir/saved_dtype.py HeldNarrowing)
     narrowing: object = None
+    # a plan recomputing held values: the values its gradient part reads from its forward
+    # part, graph inputs left out, as the rewrite knew them (ir/remat.py held_recomputed);
+    # None where unknown (report/fused_saved.py then walks the graph)
+    held_values: tuple | None = None
 
     @property
     def named(self) -> dict[str, Plan]:

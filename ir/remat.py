@@ -227,16 +227,36 @@ def rematerialize_joint(graph: Graph, n_outputs: int) -> Graph:
 
 
 def recompute_joint_chosen(
-    graph: Graph, n_outputs: int, chosen: set[Value], split: tuple | None = None
+    graph: Graph,
+    n_outputs: int,
+    chosen: set[Value],
+    split: tuple | None = None,
+    held_into: list | None = None,
 ) -> Graph:
     """The memory planner's rewrite of a joint plan: every held value in chosen is recomputed
     in the gradient part from the values still held, by any chain of ops. A new graph.
     split: (forward_nodes, held_across) of graph, where the caller keeps them (the planner
-    rewrites one graph once per plan it weighs)."""
+    rewrites one graph once per plan it weighs). held_into, if given, gets the new graph's
+    held values that are no graph input (held_recomputed)."""
     if split is None:
         forward = forward_nodes(graph, n_outputs)
         split = (forward, held_across(graph, forward))
-    return recompute_after(graph, split[0], chosen, split[1])[0]
+    new, _, mapping = recompute_after(graph, split[0], chosen, split[1])
+    if held_into is not None:
+        held_into.extend(held_recomputed(split[1], chosen, mapping))
+    return new
+
+
+def held_recomputed(held: list[Value], chosen: set[Value], mapping: dict) -> list[Value]:
+    """held_across of recompute_after's graph, the graph inputs left out, without walking it:
+    the gradient nodes read what they read before, each chosen value's copy instead of it,
+    and the copies read only copies, inputs, constants and the held values not chosen. So
+    the held values not chosen (their copies: the same objects where copy_graph kept them),
+    in the old graph's first-read order (the copies read some of them earlier). Exact where no
+    forward node is a narrowing cast (forward_nodes counts such a cast of a forward value as
+    forward: a copy of one, or one whose input is now a copy, moves across the split);
+    PlanChoices asks only then."""
+    return [mapping[v] for v in held if v not in chosen and v.op != "input"]
 
 
 def recompute_after(

@@ -30,7 +30,9 @@ def fused_held_bytes(plans) -> int:
         if stored is None:
             return 0
         graph = plan.graph
-        held = held_across(graph, forward_nodes(graph, plans.n_outputs))
+        held = plans.held_values  # a memory frontier row's, known from its rewrite
+        if held is None:
+            held = held_across(graph, forward_nodes(graph, plans.n_outputs))
         return _fused(graph, held, stored, _roots(held), shared=False)
     if getattr(plans, "inlined_forward", None) is not None:
         stored = _stored(plans.forward)

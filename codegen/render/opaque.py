@@ -338,14 +338,14 @@ def unsupported_reason(lowered) -> str | None:
     """Why codegen cannot render this lowered plan (it then runs on the reference
     interpreter), or None: known before rendering, so reports need not render to ask."""
     table = emitters()
-    for kernel in lowered.kernels:
-        if kernel.kind != "op":
+    kinds = lowered.op_kinds  # each op kernel's (op, dtype), in kernel order
+    if kinds is None:
+        kinds = [(k.nodes[0].op, k.nodes[0].dtype) for k in lowered.kernels if k.kind == "op"]
+    for op, dtype in kinds:
+        if op == "const":
             continue
-        node = kernel.nodes[0]
-        if node.op == "const":
-            continue
-        if node.op not in table:
-            return f"no compiled form for {node.op}"
-        if node.op == "matmul" and node.dtype not in ("f32", "f64"):
+        if op not in table:
+            return f"no compiled form for {op}"
+        if op == "matmul" and dtype not in ("f32", "f64"):
             return "integer matmul"  # 16-bit float matmuls are widened to float32 (ir/widen.py)
     return None

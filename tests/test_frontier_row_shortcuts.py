@@ -1,0 +1,123 @@
+"""What a memory frontier's rows take from their rewrite and lowering instead of walking their
+graphs again must be what the walks give: the held values a recomputing joint plan knows from
+ir/remat.py (held_recomputed) are held_across of its graph, the graph inputs left out, and
+the fused bytes of the saved column follow from them alike; the op kernels a lowering notes
+(LoweredPlan.op_kinds) are its kernels'; lifetimes, which asks storage roots of views only,
+gives each root the latest read of it or of any view of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backplan as bp
+from backplan.codegen.render.opaque import unsupported_reason
+from backplan.ir.layout import Roots, lifetimes, storage_root
+from backplan.ir.lowering import lower
+from backplan.ir.plans import JointPlans
+from backplan.ir.remat import forward_nodes, held_across
+from backplan.report import fused_saved
+from backplan.runtime.backend import use_backend
+
+
+def chain(ws, x):
+    for w in ws:
+        x = bp.tanh(x @ w)
+    return bp.mean(x * x)
+
+
+def viewed(ws, x):
+    """Held reshapes and transposes of values the gradients read."""
+    for w in ws:
+        h = bp.tanh(x @ w)
+        x = bp.reshape(bp.transpose(bp.reshape(h, (8, 4, 16)), (1, 0, 2)), (32, 16)) * h
+    return bp.sum(x * x)
+
+
+def cast(ws, x):
+    """A narrowing cast in the forward part: its rows walk their graphs."""
+    for w in ws:
+        x = bp.tanh(x @ w).astype(np.float16).astype(np.float32)
+    return bp.sum(x * x)
+
+
+def arrays(n=5):
+    rng = np.random.default_rng(0)
+    ws = [(rng.standard_normal((16, 16)) * 0.3).astype(np.float32) for _ in range(n)]
+    return ws, rng.standard_normal((32, 16)).astype(np.float32)
+
+
+def _rows(fn, **options):
+    """The planner and every recomputing plan of its frontier, built, and plans recomputing
+    the first held values, one more each time (a frontier may have no such row)."""
+    ws, x = arrays()
+    step = bp.value_and_grad(fn, **options)
+    planner = step.trace(ws, x).planner
+    held = planner.choices.schedule.held
+    drops = [p.drop for p in planner.points() if p.drop]
+    drops += [frozenset(held[: k + 1]) for k in range(0, len(held), 2)]
+    return planner, [planner.build(drop) for drop in drops]
+
+
+def _walked(plans: JointPlans) -> list:
+    graph = plans.plan.graph
+    held = held_across(graph, forward_nodes(graph, plans.n_outputs))
+    return [v for v in held if v.op != "input"]
+
+
+@pytest.mark.parametrize("fn", [chain, viewed])
+def test_a_rows_held_values_are_what_its_graph_holds(fn):
+    with use_backend("numba"):
+        _, rows = _rows(fn)
+        assert len(rows) >= 2
+        for plans in rows:
+            assert plans.held_values is not None
+            assert len(set(plans.held_values)) == len(plans.held_values)
+            assert set(plans.held_values) == set(_walked(plans))
+            known = fused_saved.fused_held_bytes(plans)
+            plans.held_values = None  # walked, as for any other plan
+            assert fused_saved.fused_held_bytes(plans) == known
+
+
+def test_rows_with_a_forward_cast_or_a_saved_dtype_walk_their_graphs():
+    with use_backend("numba"):
+        planner, rows = _rows(cast)
+        assert rows and all(plans.held_values is None for plans in rows)
+        _, rows = _rows(chain, saved_dtype=bp.bfloat16)
+        assert rows and all(plans.held_values is None for plans in rows)
+
+
+def _walked_lifetimes(lowered) -> dict:
+    """Each storage root's latest read, every input of every node a kernel computes asked."""
+    last = {}
+    for step, kernel in zip(lowered.steps, lowered.kernels, strict=True):
+        for node in kernel.computed:
+            for value in node.inputs:
+                root = storage_root(value)
+                last[root] = max(last.get(root, -1), step)
+    for out in lowered.plan.graph.outputs:
+        last[storage_root(out)] = len(lowered.kernels)
+    return last
+
+
+@pytest.mark.parametrize("fn", [chain, viewed, cast])
+def test_lifetimes_and_op_kinds_are_the_kernels(fn):
+    _, rows = _rows(fn)
+    for plans in rows:
+        lowered = lower(plans.plan)
+        graph = lowered.plan.graph
+        found = lifetimes(graph, lowered.kernels, lowered.steps, Roots())
+        assert found == _walked_lifetimes(lowered)
+        ops = [(k.nodes[0].op, k.nodes[0].dtype) for k in lowered.kernels if k.kind == "op"]
+        assert list(lowered.op_kinds) == list(dict.fromkeys(ops))
+        assert unsupported_reason(lowered) is None
+
+
+def test_an_op_without_a_compiled_form_is_named_from_the_noted_kinds():
+    ws, x = arrays()
+    lowered = lower(bp.value_and_grad(chain).trace(ws, x).planner.build().plan)
+    table = {"matmul": None}
+    lowered.op_kinds = (("const", "f32"), ("sort", "f32"), *table.items())
+    assert unsupported_reason(lowered) == "no compiled form for sort"
+    lowered.op_kinds = (("matmul", "i32"),)
+    assert unsupported_reason(lowered) == "integer matmul"
