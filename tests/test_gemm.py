@@ -284,7 +284,8 @@ def test_choice_table_and_override(monkeypatch):
         choice.use_own_gemm(128, 512, 784, False, "f32")
     monkeypatch.setenv("BACKPLAN_GEMM", "auto")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    wide = isa.vector_width() == 512
+    monkeypatch.setattr(choice, "vector_width", lambda: 512)  # the 512-bit tile's table
+    wide = True
     assert choice.use_own_gemm(128, 784, 512, True, "f32") == wide
     assert not choice.use_own_gemm(128, 512, 784, False, "f64")  # measured mixed: BLAS
     assert not choice.use_own_gemm(4, 4, 4, False, "i64")
@@ -307,6 +308,30 @@ def test_choice_table_and_override(monkeypatch):
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     if choice.blas_threads() > 1:
         assert not choice.use_own_gemm(128, 784, 512, True, "f32")
+
+
+def test_choice_on_the_256_bit_tile(monkeypatch):
+    """AVX2's f32 tile: own from 2**20 multiply-adds over k > SHORT_K with C 32 wide, a narrow
+    A.T @ B (run as its transpose) from 2**18; BLAS for a short k, other narrow products,
+    f64 and more than one BLAS thread."""
+    from backplan.codegen.kernels.gemm import choice
+
+    monkeypatch.setenv("BACKPLAN_GEMM", "auto")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    monkeypatch.setattr(choice, "vector_width", lambda: 256)
+    assert choice.use_own_gemm(128, 512, 784, False, "f32")  # the mlp's forward
+    assert choice.use_own_gemm(128, 512, 512, True, "f32")  # its NT input gradient
+    assert choice.use_own_gemm(784, 512, 128, False, "f32", trans_a=True)  # TN weights
+    assert choice.use_own_gemm(128, 128, 256, False, "f32", trans_a=True)  # mlp_deep's
+    assert choice.use_own_gemm(512, 10, 128, False, "f32", trans_a=True)  # narrow, as C.T
+    assert not choice.use_own_gemm(64, 10, 128, False, "f32", trans_a=True)  # below 2**18
+    assert not choice.use_own_gemm(128, 10, 512, False, "f32")  # narrow NN: BLAS
+    assert not choice.use_own_gemm(128, 512, 10, True, "f32")  # k = 10: BLAS
+    assert not choice.use_own_gemm(32, 128, 128, False, "f32")  # below 2**20
+    assert not choice.use_own_gemm(128, 512, 784, False, "f64")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    if choice.blas_threads() > 1:
+        assert not choice.use_own_gemm(128, 512, 784, False, "f32")
 
 
 def test_parallel_gemm_blocks_cover_c_exactly():

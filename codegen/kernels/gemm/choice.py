@@ -5,7 +5,9 @@ over OpenBLAS GFLOP/s on the mlp, transformer and attention shapes (NN, TN, NT a
 three runs each:
     f32, 512-bit tile:   0.95-1.21 (OPENBLAS_CORETYPE unset), 0.96-1.32 (Haswell)  -> own
                          (below 1.0 only tf dX and attention q@k^T, in one run each)
-    f32, 256-bit tile:   0.77-0.96                                                 -> BLAS
+    f32, 256-bit tile:   0.77-0.96 (6-row tiles only)                               -> BLAS
+                         since a block's last rows run as 4-row tiles (driver.py): own,
+                         see OWN_256 below
     f64, 512-bit tile:   0.83-1.17, no shape class consistently ahead              -> BLAS
 Own GEMM runs on one core; with more than one BLAS thread available OpenBLAS splits the work,
 so own is picked only when BLAS would run single-threaded too (one CPU in the process's
@@ -47,6 +49,19 @@ MIN_OWN_COLUMNS = 32  # the 512-bit f32 tile's width: narrower products are most
 SMALL_OWN_CPUS = {"znver5"}  # LLVM host CPU names where the own GEMM wins from SMALL_OWN_WORK
 SMALL_OWN_WORK = 1 << 18  # there: m * n * k from which the own GEMM is ahead (measured to 32K)
 SHORT_K = 16  # elsewhere: a product over this k or shorter takes the own GEMM from SMALL_OWN_WORK
+# The 256-bit f32 tile (AVX2 targets), one thread: own from MIN_OWN_WORK for C at least
+# MIN_OWN_COLUMNS wide over k > SHORT_K, and a narrow A.T @ B (computed as its transpose,
+# symbols.py) from SMALL_OWN_WORK; BLAS for a short k and other narrow products. Measured with
+# every kernel compiled for AVX2 (bench/isa_env.py) on one pinned Zen 4 core, OPENBLAS_CORETYPE
+# =Haswell, 7 interleaved rounds, load 6-19, GFLOP/s own / OpenBLAS / torch (MKL's AVX2
+# kernel): mlp 128x512@512x512 96.5 / 93.1 / 100.0 and its NT 104.2 / 93.0 / 100.0, TN
+# 512x128^T@128x512 101.0 / 101.7 / 98.0; mlp_deep 256x128@128x128 108.9 / 98.0 / 98.5, NT
+# 108.5 / 98.3 / 98.4, TN 97.1 / 85.3 / 94.2; transformer 1024x256@256x256 111.5 / 105.1 /
+# 100.9, TN 103.7 / 95.7 / 97.0, attention 32x(128x64@128x64^T) 102.6 / 85.7 / 82.2;
+# narrow A.T @ B 128x512^T@128x10 67.0 / 37.7 / 11.3, 256x128^T@256x10 79.3 / 35.6 / 13.7;
+# but k = 10: 128x10@512x10^T 56.8 / 64.8 / 65.4, 256x10@128x10^T 65.8 / 66.0 / 64.0, and
+# n = 10: 128x512@512x10 52.6 / 56.1 / 14.7 (BLAS). Two threads keep BLAS (unmeasured).
+OWN_256 = ("f32", 256)
 
 
 class GemmChoiceError(ValueError):
@@ -85,7 +100,15 @@ def use_own_gemm(m: int, n: int, k: int, trans_b: bool, dtype: str, trans_a: boo
     choice = forced_choice()
     if choice != "auto":
         return choice == "own" and dtype in ("f32", "f64")
-    if blas_threads() > 1 or (dtype, vector_width()) not in OWN_CLASSES:
+    if blas_threads() > 1:
+        return False
+    if (dtype, vector_width()) == OWN_256:
+        if k <= SHORT_K:
+            return False
+        if n < MIN_OWN_COLUMNS:
+            return trans_a and not trans_b and m * n * k >= SMALL_OWN_WORK
+        return m * n * k >= MIN_OWN_WORK
+    if (dtype, vector_width()) not in OWN_CLASSES:
         return False
     if small_products_own():
         narrow_ok = n >= MIN_OWN_COLUMNS or (trans_a and not trans_b)
