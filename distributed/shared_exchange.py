@@ -5,12 +5,14 @@ nothing, when ranks scaled by their rows) folded in. An allreduce through MPI's 
 cells copies each bucket in and out of them and adds on the way; here each element is read
 once from each rank and written once.
 
-A bucket of SPLIT_BYTES or more is summed in parts, as a reduce-scatter then an all-gather:
-each rank sums its own part (NodeWindow.part) into its sums and into a buffer of its own in
-the window, marks it, and copies the other ranks' summed parts from theirs; the ranks sum at
-the same time instead of each summing the whole bucket (on the bench mlp's two ranks the sums
-took 0.48 ms of a rank's CPU a step, the parts and the copies take less; a second meeting per
-bucket). A smaller bucket is summed whole by every rank: one meeting.
+On SPLIT_RANKS ranks or more a bucket of SPLIT_BYTES or more is summed in parts, as a
+reduce-scatter then an all-gather: each rank sums its own part (NodeWindow.part) into its sums
+and into a buffer of its own in the window, marks it, and copies the other ranks' summed parts
+from theirs, reading 2 (N-1)/N of the bucket from the others instead of N-1 times it, for a
+second meeting per bucket. On two ranks that moves about as many bytes through memory as the
+whole sum (the copy that publishes a part, the other half read back) and measured slower (the
+bench mlp: 5.62-5.68 ms CPU a step against 5.33-5.40), so two ranks, and smaller buckets, are
+summed whole by every rank: one meeting.
 
 It is the Exchange of exchange.py with another request behind each bucket: the waits, the
 deadlines (deadline.py tests the request), the unpacking and the failure paths (failure.py
@@ -48,8 +50,8 @@ REDUCTION_VARIABLE = "BACKPLAN_DP_REDUCTION"  # "shared" or "mpi"; unset: shared
 _nodes: dict = {}  # id(comm) -> (comm, whether its ranks map each other's shared memory)
 HALVES = ("bf16", "f16")  # IR dtypes whose buckets the window holds as bit patterns
 PROBE = b"backplan node probe"  # written in each rank's probe segment, compared by the others
-SPLIT_BYTES = 1 << 18  # a bucket of this many summed bytes or more is summed in parts,
-SPLIT_RANKS = 3  # on this many ranks or more
+SPLIT_BYTES = 1 << 18  # summed bytes from which a bucket is summed in parts (see the module)
+SPLIT_RANKS = 3  # ranks from which buckets are summed in parts
 
 
 def reduction(comm, seconds: float | None = None, step: str = "data_parallel") -> str:
