@@ -382,8 +382,14 @@ class CompiledPlan:
         for i in self._half_inputs:
             arrays[i] = arrays[i].view(np.uint16)
         workspace = self._workspaces.checkout()
-        if not given:
-            return self._launch(self._run, arrays, workspace, workspace.output_arrays(), ())
+        if given:
+            return self._launch_into_donated(arrays, workspace, given)
+        return self._launch(self._run, arrays, workspace, workspace.output_arrays(), ())
+
+    def _launch_into_donated(self, arrays: list, workspace, given: dict) -> list:
+        """The lean call with the outputs in `given` ({output buffer: input}) written into
+        those donated inputs: a training step donating its parameters and optimizer state
+        every call runs here, not the general call (the README's step: 66 -> 57 us a call)."""
         outputs = workspace.output_arrays(given)
         for k, i in given.items():
             outputs[k] = arrays[i]
@@ -573,6 +579,8 @@ class CompiledPlan:
         in) is read-only: nothing else holds the buffer, so the tensor wrapping it need not
         copy it (a float16 mlp step copied its weight gradients, 0.2-0.4 ms each)."""
         outputs = self._stored_outputs(returned, buffers)
+        if not self._half_outputs:  # every call: no set of ids made where nothing reads it
+            return outputs
         own = {id(b) for j, b in enumerate(buffers) if j not in theirs}
         for i, dtype in self._half_outputs:
             bits = outputs[i]
