@@ -251,6 +251,18 @@ def training_steps(
     return calls
 
 
+def _counting_faults(call, counts: list):
+    """call, appending the minor page faults of each of its calls (this thread's) to counts."""
+    import resource
+
+    def run():
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        call()
+        counts.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+
+    return run
+
+
 def _loop_call(train, held: list, batch, faults: dict | None, name: str):
     """One call of the training loop on held = [params, state], which it replaces; counts its
     minor page faults in faults[name] (a list of per-call counts)."""
@@ -402,8 +414,9 @@ def main(argv=None) -> int:
     step.wait_for_driver(params, *batch, timeout=600)  # built in the background by default
     after.wait_for_driver(params, *batch, timeout=600)  # the plan's own, compiled for it
     bpd.check_replicas(params)
+    step_faults: list = []  # minor page faults of each timed step call (this thread's)
     calls = {
-        "step": lambda: step(params, *batch),
+        "step": _counting_faults(lambda: step(params, *batch), step_faults),
         "step_after": lambda: after(params, *batch),
         "compute": lambda: vg(params, *batch),
     }
@@ -446,7 +459,10 @@ def main(argv=None) -> int:
             f"{medians['step_after'] * 1e3:.2f} ms  compute alone {medians['compute'] * 1e3:.2f} ms"
             f"  step - compute {exposed * 1e3:.2f} ms{alone}"
         )
-        print(cpu_text(cpu, waits, size, step.reduction(bpd.init()) == "shared"))
+        print(
+            f"{cpu_text(cpu, waits, size, step.reduction(bpd.init()) == 'shared')}  minor page "
+            f"faults per step call {np.mean(step_faults):.1f}"
+        )
         if size > 1:
             print(hidden_text(medians, cpu))
         if slower:
