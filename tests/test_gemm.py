@@ -82,15 +82,16 @@ def test_gemm_strided_views_and_multiple_k_blocks(width):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_b_read_in_place_and_packed_agree(width):
-    """One row block of C reads B in place, more rows pack it (driver.py): both, with an edge
-    panel, k over two k blocks, and B's rows strided, match float64."""
-    from backplan.codegen.kernels.gemm.driver import MC
+    """One row block of C reads B in place, more rows pack it (driver.py; on 256 bits from
+    IN_PLACE_ROWS_256 rows): both, with an edge panel, k over two k blocks, and B's rows
+    strided, match float64."""
+    from backplan.codegen.kernels.gemm.driver import IN_PLACE_ROWS_256, MC
 
     rng = np.random.default_rng(3)
     for dtype in (np.float32, np.float64):
         b = rng.standard_normal((300, 140)).astype(dtype)[:, ::2]  # 300 x 70, strided columns
         b_rows = np.ascontiguousarray(b)
-        for m in (MC, MC + 1, 3 * MC + 5):
+        for m in (IN_PLACE_ROWS_256, IN_PLACE_ROWS_256 + 1, MC, MC + 1, 3 * MC + 5):
             a = rng.standard_normal((m, 300)).astype(dtype)
             for operand in (b, b_rows):
                 c = np.full((m, 70), np.nan, dtype)

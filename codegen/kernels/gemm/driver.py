@@ -18,6 +18,12 @@ B is packed when C has more rows than one row block: read in place, rows of a B 
 Packed, on an Intel AVX-512 core, 7-9 interleaved rounds: mlp dW 0.72 -> 0.94 of OpenBLAS, tf
 fwd (1024 rows) 0.76 -> 0.91. With one row block B is read in place: packing it costs more
 than it saves (128x256x256 1.41 in place against 1.26 packed; 32x128x128 0.81 against 0.45).
+The 256-bit tile reads B in place only up to IN_PLACE_ROWS_256 rows of C: its 16-column panel
+read in place ran at 85-105 GFLOP/s depending on where the operands lay (emulated AVX2 on a
+Zen 4 core, thread CPU, six allocations each: 128x512x512 86.0-100.5 in place against
+95.9-100.2 packed, 128x512x784 84.8-98.0 against 93.3-95.4, 128x128x256 90.3-104.7 against
+97.2-100.9), while with 64 rows packing costs more (64x512x512 87.9-103.3 against 88.6-94.5;
+32x512x144 84.9-97.4 against 68.9-74.6).
 
 On the 256-bit tile (6 x 16) a row block of 6k + 2 or 6k + 4 rows, A in place, ends in one or
 two 4-row tiles (8 accumulators) instead of a 6-row tile through the edge buffer (the mlp's 128
@@ -53,6 +59,7 @@ from backplan.codegen.kernels.gemm.kernel import (
 )
 from backplan.codegen.kernels.gemm.pack import pack_a, pack_b
 
+IN_PLACE_ROWS_256 = 64  # rows of C up to which the 256-bit tile reads B in place (see above)
 # Elements; from this machine's cache sizes (blocking.py): 256, 128, 2048 on Zen 4. Compiled in
 # as constants: the cache keys of the GEMM and of the kernels calling it name them.
 KC, MC, NC = machine_block_sizes()
@@ -182,6 +189,7 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
     c_rows = c.strides[1] == size and c.strides[0] % size == 0
     in_place = (  # bfloat16 B (2-byte items) is always packed: packing widens it
         m <= mc_max and not trans_b and b.itemsize == size
+        and (width != 256 or m <= IN_PLACE_ROWS_256)
         and b.strides[1] == size and b.strides[0] % size == 0
     )  # fmt: skip
     # A with unit-stride rows is read where it lies (its full mr-row panels; see the module
