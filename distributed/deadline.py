@@ -20,8 +20,10 @@ FIRST_PAUSE_S = 2e-5
 LONGEST_PAUSE_S = 2e-3  # wakes at most 500 times a second: no spinning, little added latency
 
 
-def unfinished(requests: list, seconds: float) -> list[int]:
-    """Wait until every request completes or `seconds` pass; the positions still pending."""
+def unfinished(requests: list, seconds: float, progress=None) -> list[int]:
+    """Wait until every request completes or `seconds` pass; the positions still pending.
+    progress: called between the waits on a node window's counters, which make no MPI call
+    (Arrivals.progress: MPI moves the arrival messages only inside MPI calls)."""
     deadline = time.monotonic() + seconds
     pending = list(range(len(requests)))
     pause = FIRST_PAUSE_S
@@ -31,6 +33,8 @@ def unfinished(requests: list, seconds: float) -> list[int]:
             return pending
         block = getattr(requests[pending[0]], "block", None)  # a node window's: sleeps on it
         if block is not None:
+            if progress is not None:
+                progress()
             block(max(0.0, min(LONGEST_PAUSE_S, deadline - time.monotonic())))
             continue
         time.sleep(pause)
@@ -85,6 +89,13 @@ class Arrivals:
             comm.Irecv(self._inbox[r : r + 1], source=r, tag=ARRIVAL_TAG) for r in self.others
         ]
 
+    def progress(self) -> None:
+        """Let MPI move the messages along (a test of each): a rank waiting on the node
+        window's counters makes no other MPI call, and a message neither its sender nor its
+        receiver progressed would name a rank that did reach the waits."""
+        if self.others:
+            self._sends[0].Testall(self._sends + self._receives)
+
     def missing(self) -> list[int]:
         """The ranks whose message has not come (yet)."""
         return [r for r, q in zip(self.others, self._receives, strict=True) if not q.Test()]
@@ -97,7 +108,7 @@ class Arrivals:
 def wait_or_raise(request, seconds: float, what: str, arrivals: Arrivals | None = None) -> None:
     """request.Wait() with a deadline: past it, a RankTimeoutError saying what did not finish
     and, given the exchange's arrivals, which ranks never reached it."""
-    if not unfinished([request], seconds):
+    if not unfinished([request], seconds, arrivals.progress if arrivals is not None else None):
         return
     missing = arrivals.missing() if arrivals is not None else []
     if missing:

@@ -2489,6 +2489,49 @@ def test_a_rank_stopped_mid_step_times_out_the_others_in_the_exchange(tmp_path):
 
 
 @needs_mpi
+def test_a_rank_stopped_in_its_part_of_a_sum_is_not_blamed_on_the_others(tmp_path):
+    """3 ranks on one node, every bucket summed in parts: rank 2 stops (SIGSTOP) after summing
+    its part, before marking it. Ranks 0 and 1 wait on the window's counters (no MPI call
+    there) and time out; each says every rank reached the exchange, and neither names the
+    other, which did (their arrival messages are moved along while they wait: without that
+    a rank named a healthy one in 2 of 3 runs)."""
+    result = run_script(
+        tmp_path,
+        """
+        import os, signal
+        from backplan.distributed import shared_exchange
+        shared_exchange.SPLIT_BYTES = 64
+        params = bpd.broadcast(init_mlp([8, 16, 4], seed=0))
+        xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
+        bpd.data_parallel(vg)(params, xs, ys)  # compiled before the deadline counts
+        step = bpd.data_parallel(vg, timeout=2)
+        step(params, xs, ys)
+        if rank == 2:
+            summed = shared_exchange.SharedRequest._sum
+            def stopping(self):
+                summed(self)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            shared_exchange.SharedRequest._sum = stopping
+        try:
+            step(params, xs, ys)
+        except bpd.RankTimeoutError as error:
+            print(f"rank {rank} raised RankTimeoutError: {error}", flush=True)
+            os._exit(3)
+        print(f"rank {rank} finished")
+        """,
+        ranks=3,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "finished" not in output, output
+    for r in (0, 1):
+        said = f"rank {r} raised RankTimeoutError: the allreduce of bucket 0 did not complete "
+        assert said in output, output
+    assert output.count("every rank reached it: one stopped during the transfer") == 2, output
+    assert "never reached it" not in output, output
+
+
+@needs_mpi
 def test_a_rank_stopped_in_its_zero1_update_is_named_by_the_all_gather_timeout(tmp_path):
     """SIGSTOP on rank 1 in its ZeRO-1 update (after the reduce-scatter both ranks reached):
     rank 0's all-gather times out and names rank 1, which never reached it."""
