@@ -221,7 +221,8 @@ def group_kernels(
         noted = record(graph.nodes, home, kernels, reads)
     kept = frozenset(read_backs.values())
     _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases, earlier, noted)
-    _round_where_recomputed(kernels, home, kept, graph)
+    if any(n.op == "astype" for n in graph.nodes):  # it rounds only where a cast widens
+        _round_where_recomputed(kernels, home, kept, graph)
     for kernel in kernels:  # grouped: a loop with nothing recomputed or reduced shares the empty
         if kernel.kind == "loop":  # (every other kernel was made with it: _single)
             kernel.recomputed = kernel.recomputed or NONE_HELD
@@ -240,7 +241,7 @@ def _read_backs(graph: Graph, origin: dict[Value, Value] | None) -> dict[Value, 
     users = None  # graph.users(), made at the first widening cast (most plans have none)
     found = {}
     for node in graph.nodes:
-        if not _widens_float(node):
+        if node.op != "astype" or not _widens_float(node):  # the op asked inline: every node
             continue
         if origin is not None and node not in origin:
             continue
@@ -483,14 +484,24 @@ def _readers(kernels: list[Kernel], home, outputs: list[Value], bases=None, want
     readers: dict[Value, set[int]] = {
         bases[o]: {-1} for o in outputs if wanted is None or bases[o] in wanted
     }
+    # the inputs that stand for a wanted value: itself, or an alias of it (every alias is the
+    # node of an alias or literal kernel, ir/fusion.py _place): each input is asked of this
+    # small set, its base looked up only where it is in it (a lowering's bases hold every
+    # value of the plan, and ~23,000 inputs a row of a 10,000-node frontier missed its cache)
+    asked = None
+    if wanted is not None:
+        asked = set(wanted)
+        asked.update(
+            k.nodes[0] for k in kernels if k.kind in _ALIASES and bases[k.nodes[0]] in wanted
+        )
     for k, kernel in enumerate(kernels):
         recomputed = kernel.recomputed
         plain = not (recomputed or kernel.reductions or kernel.epilogue)  # computed: its nodes
         for node in kernel.nodes if plain else kernel.computed:
             for inp in node.inputs:
-                source = bases[inp]
-                if wanted is not None and source not in wanted:
+                if asked is not None and inp not in asked:
                     continue
+                source = bases[inp]
                 if home.get(source) != k and source not in recomputed:
                     found = readers.get(source)
                     if found is None:
@@ -498,6 +509,9 @@ def _readers(kernels: list[Kernel], home, outputs: list[Value], bases=None, want
                     else:
                         found.add(k)
     return readers
+
+
+_ALIASES = ("alias", "literal")  # kernels whose node may be an alias (_place)
 
 
 def _cones_over_frontier(blocked: list[Value], k: int, kernels, home, kept, spread, bases):

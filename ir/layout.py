@@ -326,8 +326,15 @@ def _step_sharing(steps: list[int]):
 def _adds_only(loop: Kernel) -> bool:
     """A loop of nothing but adds: codegen may run it as shared add kernels over whole arrays
     (codegen/render/add_chains.py: the sum written first, the later terms added to it), which
-    would overwrite a product read as a later term before it is read."""
-    return all(n.op == "add" for n in loop.recomputed + loop.nodes)
+    would overwrite a product read as a later term before it is read. (Each list walked
+    apart, the first other op ends it: asked of every GEMM epilogue of every plan lowered.)"""
+    for n in loop.nodes:
+        if n.op != "add":
+            return False
+    for n in loop.recomputed:
+        if n.op != "add":
+            return False
+    return True
 
 
 def _in_place_candidates(value: Value, kernel: Kernel, last, step_of) -> tuple:

@@ -91,11 +91,16 @@ def assign_memory(
     (0, {('scratch', 'f32'): 64})
     """
     _check(requests, alignment_bytes)
-    in_place = _resolve_in_place(requests)
+    by_key = {r.key: r for r in requests}
+    in_place = _resolve_in_place(requests, by_key)
+    chains = _chains(requests, in_place, by_key)
     by_arena: dict[tuple, list[list[BufferRequest]]] = {}
-    for chain in _chains(requests, in_place):
-        group = (chain[0].arena,) if shared else (chain[0].arena, chain[0].dtype)
-        by_arena.setdefault(group, []).append(chain)
+    if shared and len({r.arena for r in requests}) == 1:  # one arena (a plan's scratch)
+        by_arena[(requests[0].arena,)] = chains
+    else:
+        for chain in chains:
+            group = (chain[0].arena,) if shared else (chain[0].arena, chain[0].dtype)
+            by_arena.setdefault(group, []).append(chain)
     placements, sizes = {}, {}
     for chains in by_arena.values():
         offsets, end = _place_best_fit(chains, alignment_bytes)
@@ -104,14 +109,13 @@ def assign_memory(
         itemsizes: dict[str, int] = {}  # of this arena's dtypes, each looked up once
         for chain, offset in zip(chains, offsets, strict=True):
             for r in chain:
-                itemsize = itemsizes.get(r.dtype)
+                key, nbytes, dtype, _, _, arena, _, _ = r  # its fields, unpacked at once
+                itemsize = itemsizes.get(dtype)
                 if itemsize is None:
-                    itemsize = itemsizes[r.dtype] = DTYPES[r.dtype].itemsize
-                    sizes[(r.arena, r.dtype)] = -(-end // itemsize)
+                    itemsize = itemsizes[dtype] = DTYPES[dtype].itemsize
+                    sizes[(arena, dtype)] = -(-end // itemsize)
                 # Placement(...) without its constructor's call: ~5,500 a row of a frontier
-                placements[r.key] = _placement(
-                    Placement, (r.arena, r.dtype, offset // itemsize, r.nbytes)
-                )
+                placements[key] = _placement(Placement, (arena, dtype, offset // itemsize, nbytes))
     return MemoryAssignment(placements, sizes, in_place, shared)
 
 
@@ -150,9 +154,10 @@ def may_take_over(new: BufferRequest, old: BufferRequest) -> bool:
     )
 
 
-def _resolve_in_place(requests: list[BufferRequest]) -> dict:
-    """Taker key -> taken key; earlier writers (then earlier requests) choose first."""
-    by_key = {r.key: r for r in requests}
+def _resolve_in_place(requests: list[BufferRequest], by_key: dict | None = None) -> dict:
+    """Taker key -> taken key; earlier writers (then earlier requests) choose first. by_key:
+    each request by its key, where the caller made it."""
+    by_key = {r.key: r for r in requests} if by_key is None else by_key
     in_place, taken = {}, set()
     for new in sorted([r for r in requests if r.reuse], key=_first_step):  # stable: as all
         for key in new.reuse:
@@ -167,9 +172,14 @@ def _resolve_in_place(requests: list[BufferRequest]) -> dict:
 _first_step = attrgetter("first_step")  # a request's, as sort keys (no lambda call each)
 
 
-def _chains(requests: list[BufferRequest], in_place: dict) -> list[list[BufferRequest]]:
-    """Buffers grouped into chains that share one offset, each taking over its predecessor."""
-    by_key = {r.key: r for r in requests}
+def _chains(
+    requests: list[BufferRequest], in_place: dict, by_key: dict | None = None
+) -> list[list[BufferRequest]]:
+    """Buffers grouped into chains that share one offset, each taking over its predecessor.
+    by_key: each request by its key, where the caller made it."""
+    if not in_place:  # no takeovers: each buffer a chain of its own
+        return [[r] for r in requests]
+    by_key = {r.key: r for r in requests} if by_key is None else by_key
     taker_of = {old: new for new, old in in_place.items()}
     chains = []
     for r in requests:
@@ -295,10 +305,14 @@ def _largest_by_sweep(chains: list, order: list[int], alignment: int, offsets: l
     nbytes = chains[order[0]][0].nbytes if order else 0
     if nbytes == 0:
         return 0
-    run = 0
-    while run < len(order) and all(r.nbytes == nbytes for r in chains[order[run]]):
-        run += 1  # a chain of equal buffers, each taking over the one before at its last
-        # step, holds one slot from its first's first step to its last's last: one buffer
+    run, count = 0, len(order)
+    while run < count:  # a chain of equal buffers, each taking over the one before at its
+        chain = chains[order[run]]  # last step, holds one slot from its first's first step
+        if chain[0].nbytes != nbytes:  # to its last's last: one buffer
+            break
+        if len(chain) > 1 and any(r.nbytes != nbytes for r in chain):
+            break
+        run += 1
     aligned = -(-nbytes // alignment) * alignment  # a buffer's aligned extent: one slot
     runs: dict[int, int] = {}  # first free slot of a run below the top -> its length
     ends: dict[int, int] = {}  # one past a run's last slot -> its first slot

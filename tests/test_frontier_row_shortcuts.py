@@ -121,3 +121,30 @@ def test_an_op_without_a_compiled_form_is_named_from_the_noted_kinds():
     assert unsupported_reason(lowered) == "no compiled form for sort"
     lowered.op_kinds = (("matmul", "i32"),)
     assert unsupported_reason(lowered) == "integer matmul"
+
+
+def biased(ws, x):
+    """Broadcast biases (aliases the loops read) and a 16-bit cast."""
+    for w in ws:
+        b = bp.sum(w, axis=0)
+        x = bp.tanh(x @ w + b) * bp.reshape(b, (1, 16))
+    return bp.sum(x.astype(bp.bfloat16).astype(np.float32) * x)
+
+
+@pytest.mark.parametrize("fn, aliases", [(viewed, False), (biased, True)])
+def test_readers_of_the_values_asked_are_those_of_every_value(fn, aliases):
+    """_readers asks each input whether it stands for a wanted value (itself or an alias of
+    one) before looking its base up: the same readers as the walk of every value."""
+    from backplan.ir.fusion import Bases, _readers, group_kernels
+
+    ws, x = arrays()
+    graph = bp.value_and_grad(fn).trace(ws, x).planner.build().plan.graph
+    homes: list = []
+    kernels = group_kernels(graph, None, Bases(), homes=homes)
+    every = _readers(kernels, homes[0], graph.outputs, Bases())
+    aliased = [k.nodes[0] for k in kernels if k.kind in ("alias", "literal")]
+    assert any(Bases()[a] is not a for a in aliased) == aliases  # loops reading aliases
+    values = list(every)
+    for wanted in (set(values), set(values[::3]), set(values[1::2])):
+        asked = _readers(kernels, homes[0], graph.outputs, Bases(), wanted)
+        assert asked == {v: r for v, r in every.items() if v in wanted}
