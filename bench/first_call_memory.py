@@ -33,8 +33,7 @@ HEADER = (
 
 def child(name: str, scale: int, kind: str) -> dict:
     """Run in the fresh process: the step's first call, its kernels loaded by it."""
-    from backplan.bench.internals import predicted_peak
-    from backplan.codegen.build import process_memory
+    from backplan.bench.internals import predicted_peak, process_memory
 
     step, args = _step(name, scale, kind)
     predicted = predicted_peak(_calls(step, args), "numba")

@@ -30,6 +30,8 @@ _WHERE = {
     "attention_kernels": "backplan.codegen.kernels.attention",  # attention_rates.py
     "attention_variant": "backplan.codegen.kernels.attention:_variant",  # its GEMM path
     "threads": "backplan.codegen.flags:threads",
+    # what a process measured it loaded for compiled code (first_call_memory.py)
+    "process_memory": "backplan.codegen.build.process_memory",
     "splat": "backplan.codegen.kernels.gemm.kernel:splat",
     # the bfloat16 GEMM's two paths side by side (gemm.py --dtype bf16)
     "gemm_symbols": "backplan.codegen.kernels.gemm.symbols",
