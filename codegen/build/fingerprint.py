@@ -16,7 +16,8 @@ CODEGEN_VERSION = "1"
 CODEGEN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Files no compiled code depends on (they only print): editing them keeps every cache.
 # Nor do these compile or generate code: a plan's Python side, its recorded rendering facts,
-# when and where its driver is built, and where the prebuilt library's files are found.
+# when and where its driver is built, where the prebuilt library's files are found, and what
+# loads and compiles leave resident (process_memory.py, which only measures).
 NOT_FINGERPRINTED = frozenset(
     os.path.join(*path.split("/"))
     for path in (
@@ -28,6 +29,7 @@ NOT_FINGERPRINTED = frozenset(
         "build/object_symbols.py",
         "run/compiled.py",
         "build/prebuilt_library.py",
+        "build/process_memory.py",
     )
 )
 
