@@ -86,6 +86,23 @@ def rows_contiguous(x) -> bool:
     return x.shape[1] <= 1 or x.strides[1] == x.itemsize
 
 
+@intrinsic
+def _scalars_on_stack(typingctx, alpha, beta, like):
+    """The address of two values of `like`'s dtype, alpha then beta, in the calling function's
+    stack frame (allocated once, in its entry block): BLAS reads them by pointer, and an
+    np.empty(2) for them was an allocation per product."""
+    dtype = like.dtype
+
+    def codegen(context, builder, signature, args):
+        pair = cgutils.alloca_once(builder, context.get_value_type(dtype), size=2)
+        for index, (value, kind) in enumerate(zip(args[:2], signature.args[:2], strict=True)):
+            at = builder.gep(pair, [context.get_constant(types.intp, index)])
+            builder.store(context.cast(builder, value, kind, dtype), at)
+        return builder.ptrtoint(pair, context.get_value_type(types.intp))
+
+    return types.intp(alpha, beta, like), codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):
     """out = alpha * op(a) @ op(b) + beta * out for 2-D f32 or f64 arrays whose rows are
@@ -94,10 +111,7 @@ def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):
     addresses and row strides: as a function taking the arrays, Numba compiled it (and
     _gemm_rows) once per combination of literal flags, layouts and read-only operands at its
     call sites (three each in a small CNN's step, three in the transformer's attention)."""
-    scalars = np.empty(2, out.dtype)
-    scalars[0], scalars[1] = alpha, beta
-    # Passed down as an array: Numba frees a local array after its last use, and taking its
-    # address (.ctypes.data) is that use, so BLAS read alpha and beta from freed memory.
+    scalars = _scalars_on_stack(alpha, beta, out)  # an address, valid until the caller returns
     step = out.itemsize
     _gemm_rows_at(
         trans_a != 0, trans_b != 0, out.shape[0], out.shape[1],
@@ -105,28 +119,28 @@ def gemm_rows(trans_a, trans_b, alpha, a, b, beta, out):
         a.ctypes.data, max(a.strides[0] // step, a.shape[1], 1),
         b.ctypes.data, max(b.strides[0] // step, b.shape[1], 1),
         out.ctypes.data, max(out.strides[0] // step, out.shape[1], 1),
-        scalars,
+        scalars, step,
     )  # fmt: skip
-    keep_alive((a, b, out))  # for the same reason as scalars
+    keep_alive((a, b, out))  # their addresses were their last use: alive until BLAS returns
 
 
 @njit(cache=True, nogil=True)
-def _gemm_rows_at(trans_a, trans_b, m, n, k, a, lda, b, ldb, out, ldc, scalars):
+def _gemm_rows_at(trans_a, trans_b, m, n, k, a, lda, b, ldb, out, ldc, scalars, itemsize):
     """BLAS on row-major matrices at addresses a, b, out with row strides in elements; alpha
-    and beta in scalars, whose dtype is theirs."""
+    and beta at address scalars, in the matrices' dtype (itemsize 4: float32, else float64)."""
     _XXGEMM(
-        115 if scalars.itemsize == 4 else 100,
+        115 if itemsize == 4 else 100,
         84 if trans_b else 78,
         84 if trans_a else 78,
         n,
         m,
         k,
-        _voidptr(scalars.ctypes.data),
+        _voidptr(scalars),
         _voidptr(b),
         ldb,
         _voidptr(a),
         lda,
-        _voidptr(scalars.ctypes.data + scalars.itemsize),
+        _voidptr(scalars + itemsize),
         _voidptr(out),
         ldc,
     )
