@@ -108,14 +108,15 @@ def test_compiled_conv_values_and_gradients_equal_the_reference(case):
                 np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
 
 
-def test_from_its_second_call_a_conv_step_allocates_nothing_in_compiled_code(monkeypatch):
-    """Numba's allocation count (NRT) over calls 3..6 of a compiled conv step: its kernels
-    allocated their columns, products and weights on every call (16 allocations a call of
-    this step). Every product on backplan's GEMM: BLAS's gemm_rows allocates its two 16-byte
-    scalars (alpha, beta) on each call, a few bytes glibc hands back at once."""
+@pytest.mark.parametrize("gemm", ["own", "blas"])
+def test_from_its_second_call_a_conv_step_allocates_nothing_in_compiled_code(gemm, monkeypatch):
+    """Numba's allocation count (NRT) over calls 3..6 of a compiled conv step, every product
+    on backplan's GEMM or on BLAS: its kernels allocated their columns, products and weights
+    on every call (15 allocations a call of this step), and BLAS's alpha and beta (gemm_rows)
+    one per product."""
     from numba.core.runtime import _nrt_python, rtsys
 
-    monkeypatch.setenv("BACKPLAN_GEMM", "own")
+    monkeypatch.setenv("BACKPLAN_GEMM", gemm)
     rng = np.random.default_rng(2)
     w1 = bp.tensor(rng.standard_normal((8, 3, 3, 3)).astype(np.float32))
     w2 = bp.tensor(rng.standard_normal((8, 8, 3, 3)).astype(np.float32))
