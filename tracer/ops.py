@@ -14,6 +14,7 @@ from backplan.ir.shapes import normalize_axes, normalize_axis
 from backplan.ir.types import dtype_name, is_float, is_int, promote_types, promote_with_scalar
 
 from .dispatch import apply
+from .float64_promotion import check_promotion
 from .operand_errors import operand_type_error
 from .source import loc_text, located, user_frame_loc
 from .tensor import Axis, DTypeLike, Tensor, TensorLike
@@ -147,7 +148,7 @@ def _is_weak_tensor(x) -> bool:
     return isinstance(x, Tensor) and x._weak
 
 
-def _operands(a, b) -> tuple[Tensor, Tensor]:
+def _operands(a, b, op: str = "this op") -> tuple[Tensor, Tensor]:
     """Promote two operands; Python scalars are weak (2.0 * f32 tensor stays f32), and so are
     traced Python floats (lr * f32 tensor stays f32)."""
     a_scalar, b_scalar = _is_weak_scalar(a), _is_weak_scalar(b)
@@ -163,10 +164,10 @@ def _operands(a, b) -> tuple[Tensor, Tensor]:
         a_weak, b_weak = _operands_strong(a, b)
         a_weak._weak = b_weak._weak = True  # lr * 0.5 is still a weak float
         return a_weak, b_weak
-    return _operands_strong(a, b)
+    return _operands_strong(a, b, op)
 
 
-def _operands_strong(a, b) -> tuple[Tensor, Tensor]:
+def _operands_strong(a, b, op: str = "this op") -> tuple[Tensor, Tensor]:
     a_scalar, b_scalar = _is_weak_scalar(a), _is_weak_scalar(b)
     if a_scalar and b_scalar:
         raise TypeError("at least one operand must be a tensor")
@@ -180,12 +181,13 @@ def _operands_strong(a, b) -> tuple[Tensor, Tensor]:
         return full((), int(a) if isinstance(a, bool) else a, dtype), astype(b, dtype)
     a, b = as_tensor(a), as_tensor(b)
     dtype = promote_types(a._ir_dtype, b._ir_dtype)
+    check_promotion(op, a, b, dtype)
     return astype(a, dtype), astype(b, dtype)
 
 
 def _binary(op: str) -> Callable[[TensorLike, TensorLike], Tensor]:
     def fn(a: TensorLike, b: TensorLike) -> Tensor:
-        return apply(op, list(_operands(a, b)))
+        return apply(op, list(_operands(a, b, op)))
 
     fn.__name__ = op
     fn.__doc__ = (
@@ -205,7 +207,7 @@ less, less_equal, greater, greater_equal, equal, not_equal = (
 @located
 def div(a: TensorLike, b: TensorLike) -> Tensor:
     """div(a, b) = a / b: true division; integer operands give float64, as NumPy."""
-    a, b = _operands(a, b)
+    a, b = _operands(a, b, "div")
     if not is_float(a._ir_dtype):
         a, b = astype(a, "f64"), astype(b, "f64")  # true division, as NumPy
     return apply("div", [a, b])
@@ -214,7 +216,7 @@ def div(a: TensorLike, b: TensorLike) -> Tensor:
 @located
 def pow(a: TensorLike, b: TensorLike) -> Tensor:  # noqa: A001 - mirrors numpy/torch naming
     """pow(a, b) = a ** b, elementwise with broadcasting."""
-    return apply("pow", list(_operands(a, b)))
+    return apply("pow", list(_operands(a, b, "pow")))
 
 
 def _float_input(x) -> Tensor:
@@ -520,7 +522,7 @@ def stack(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
 @located
 def matmul(a: TensorLike, b: TensorLike) -> Tensor:
     """a @ b with NumPy semantics: batched, broadcasting, 1-D operands as vectors."""
-    a, b = _operands(a, b)
+    a, b = _operands(a, b, "matmul")
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul: operands must not be scalars, got {a.shape} @ {b.shape}")
     a2 = reshape(a, (1,) + a.shape) if a.ndim == 1 else a
