@@ -18,7 +18,7 @@ from numba.core.caching import _CacheLocator, _SourceFileBackedLocatorMixin
 
 from backplan.codegen.build import fingerprint
 from backplan.codegen.build.cache import cache_dir, cache_path
-from backplan.codegen.build.cache_signing import CacheError, add_locator
+from backplan.codegen.build.cache_signing import CacheError, add_locator, check_private_folder
 
 PACKAGE_ROOT = os.path.dirname(fingerprint.CODEGEN_ROOT)
 FOLDER = "library"
@@ -31,13 +31,26 @@ def library_folder() -> str:
     unwritable (codegen/jit.py), where raising here failed the user's call."""
     chosen = os.environ.get("BACKPLAN_LIBRARY_CACHE_DIR")
     if chosen:
-        return chosen
+        return _private(chosen)
     try:
-        return os.path.join(cache_dir(), FOLDER)
+        return _private(os.path.join(cache_dir(), FOLDER))
     except CacheError:
         raise  # a folder others can write to is refused, never used
     except OSError:
         return os.path.join(cache_path(), FOLDER)
+
+
+def _private(folder: str) -> str:
+    """The folder, made 0700 as the kernel cache folder is (Numba would make it by the umask),
+    and refused as that folder is where others may write to it (a `library` link into a shared
+    folder, a BACKPLAN_LIBRARY_CACHE_DIR of mode 777): its files are loaded into this process.
+    One that cannot be made is left to the function's cache (codegen/jit.py notes it)."""
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError:
+        return folder
+    check_private_folder(folder, "the library cache folder")
+    return folder
 
 
 def is_library_file(py_file: str) -> bool:
