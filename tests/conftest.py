@@ -4,6 +4,7 @@ import sys
 import tomllib
 
 import pytest
+from backend_intent import backends_run, unstated_intent
 from cpu_per_test import CpuPerTest
 from hypothesis import HealthCheck, settings
 from long_first import long_first
@@ -21,7 +22,9 @@ settings.load_profile("backplan-suite")
 # The verifier runs after every pass in tests.
 os.environ.setdefault("BACKPLAN_VERIFY", "1")
 # Semantics tests run plans on the reference interpreter; codegen tests opt into Numba with
-# backplan.runtime.backend.use_backend("numba"), sharing compiled kernels via the disk cache.
+# @pytest.mark.numba or backplan.runtime.backend.use_backend("numba"), sharing compiled kernels
+# via the disk cache. A test named for the compiled path whose plans all ran on the interpreter
+# fails unless marked @pytest.mark.reference (tests/backend_intent.py).
 os.environ.setdefault("BACKPLAN_BACKEND", "reference")
 # Plans run their driver as a user's program does (codegen/build/driver_tier.py): the first call
 # runs it as Python, calling the compiled loops; a plan whose compiled driver is worth having runs
@@ -81,6 +84,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "numba: run the test's plans compiled by Numba")
+    config.addinivalue_line(
+        "markers", "reference: the test means the reference interpreter (tests/backend_intent.py)"
+    )
     path = config.getoption("--cpu-per-test")
     if path:
         worker = getattr(config, "workerinput", {}).get("workerid")
@@ -141,3 +148,22 @@ def _driver_builds_stopped_after_each_test():
     builder = sys.modules.get("backplan.codegen.build.driver_builder")
     if builder is not None and builder.pending():
         builder.stop_builds()
+
+
+@pytest.fixture(autouse=True)
+def _backend_as_meant(request):
+    """@pytest.mark.numba runs the test's plans compiled; a test named for the compiled path
+    that ran plans only on the interpreter fails unless marked reference (backend_intent.py)."""
+    from backplan.runtime.backend import use_backend
+
+    node = request.node
+    if node.get_closest_marker("numba") is not None:
+        with use_backend("numba"):
+            yield
+        return
+    with backends_run() as made:
+        yield
+    if node.get_closest_marker("reference") is None:
+        why = unstated_intent(node, made)
+        if why is not None:
+            pytest.fail(why, pytrace=False)

@@ -96,6 +96,7 @@ def test_shape_errors_name_the_op_shapes_and_the_users_line():
         bp.tensor(f32(3)) + bp.tensor(f32(4))
 
 
+@pytest.mark.reference
 def test_nested_compiled_functions_inline_into_one_region():
     @bp.compile
     def inner(x):
@@ -115,6 +116,7 @@ def test_nested_compiled_functions_inline_into_one_region():
     np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-5)
 
 
+@pytest.mark.reference
 def test_compiled_regions_chain_with_eager_ops_and_other_regions():
     @bp.compile
     def layer(w, x):
@@ -208,6 +210,7 @@ def test_indexing_slicing_and_gather_with_gradients():
         x[7]
 
 
+@pytest.mark.numba
 def test_fast_path_uses_the_tensors_of_each_call_and_falls_back_when_unusual():
     @bp.compile
     def weighted(a, b, scale=2.0):

@@ -48,6 +48,7 @@ def fd_check(fn, x, rng, eps=1e-6):
     )
 
 
+@pytest.mark.numba
 @pytest.mark.parametrize("kernel,stride,padding", POOLS, ids=["2x2", "3x2-s21-p10", "3x3-s2-p1"])
 def test_pooling_matches_numpy_eager_and_compiled_with_gradients(kernel, stride, padding):
     rng = np.random.default_rng(1)

@@ -417,6 +417,7 @@ def test_init_without_mpi4py_says_what_to_install(monkeypatch):
         bpd.init()
 
 
+@pytest.mark.reference
 def test_wait_for_driver_with_arguments_never_called_traces_nothing():
     """It only asks: a trace at another batch size made the axis dynamic and replaced the
     entry whose hooked driver was built, so the next step built it again (12 s on 2 ranks)."""

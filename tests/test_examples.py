@@ -8,6 +8,7 @@ import pytest
 import backplan as bp
 
 
+@pytest.mark.reference
 def test_cnn_digits_learns_in_one_compiled_donating_call():
     pytest.importorskip("sklearn")
     from backplan.examples import cnn_digits

@@ -62,6 +62,7 @@ def test_a_dynamic_export_runs_three_batch_sizes_with_each_sizes_values(tmp_path
         forward(W, np.ones((4, 7), np.float32))
 
 
+@pytest.mark.reference
 def test_a_dynamic_export_takes_sizes_0_and_1_with_the_compiled_functions_values(tmp_path):
     """Sizes 0 and 1 get plans of their own in the compiled function (a size-1 axis
     broadcasts); the artifact stores them, so one export serves every batch size."""

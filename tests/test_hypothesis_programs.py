@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scipy import special
@@ -481,6 +482,7 @@ SETTINGS = settings(
 )
 
 
+@pytest.mark.reference
 @SETTINGS
 @given(program=programs(), seed=st.integers(0, 2**16))
 @example(program=DOT, seed=0)

@@ -198,6 +198,7 @@ def mlp_loss(params, x, y):
     return ((h - y) ** 2).mean()
 
 
+@pytest.mark.reference
 def test_compiled_step_equals_eager_step_with_traced_learning_rate():
     params, _ = make_problem(5)
     rng = np.random.default_rng(5)
@@ -228,6 +229,7 @@ def test_compiled_step_equals_eager_step_with_traced_learning_rate():
     assert step.cache_info().traces == 1  # four learning rates, one trace
 
 
+@pytest.mark.reference
 def test_compiled_step_with_a_cosine_schedule_does_not_retrace():
     params, _ = make_problem(6)
     rng = np.random.default_rng(6)

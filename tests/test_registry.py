@@ -312,6 +312,7 @@ def test_ir_gradients_match_finite_differences(sample, dtype):
 EAGER_CASES = [c for c in CASES if c.values[0].op not in NO_EAGER_FORM]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("sample,dtype", EAGER_CASES)
 def test_eager_and_compiled_gradients_agree_with_finite_differences(sample, dtype):
     arrays = sample.inputs(dtype)

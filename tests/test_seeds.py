@@ -476,6 +476,7 @@ def test_seed2_shared_subgraph_graph_shows_shared_part_and_its_bytes(mode):
     assert not facts.loop  # the two losses came from different lines
 
 
+@pytest.mark.reference
 def test_seed2_compiled_loop_reusing_y_names_the_loop():
     """Seed 2, compiled: the loop's line built both graphs; the fix moves y's line into it."""
     x, t, a = shared_subgraph_setup()

@@ -98,6 +98,7 @@ def test_the_gradient_of_sqrt_at_zero_inf_and_subnormals_agrees_with_the_referen
     np.testing.assert_allclose(grads["numba"], exact, rtol=2e-6)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_eager_ops_give_ieee_results_without_numpy_warnings_as_compiled_ones_do(requires_grad):
     """1 / sqrt(0) and log(0) are inf and -inf on every path, with no RuntimeWarning from inside

@@ -141,6 +141,7 @@ def test_a_structure_unlike_the_recorded_one_is_rendered():
     assert substitution.apply(recipe, lowered) is not None
 
 
+@pytest.mark.reference
 def test_a_recipe_applies_only_where_drivers_call_loops_as_they_did(monkeypatch):
     recipe = _recipe("transformer", "float32", False, 8)
     lowered = lowering.lower(_fitted("transformer", "float32").at(12)[0])

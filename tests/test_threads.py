@@ -236,6 +236,7 @@ def test_a_trace_that_fails_fails_in_every_waiting_thread():
     assert len(errors) == THREADS and fn.cache_info().entries == 0
 
 
+@pytest.mark.reference
 def test_a_signature_evicted_while_its_call_ran_gets_no_fast_path():
     """cache_size=1: thread A's call traced its signature, and thread B's call of another
     evicted it before A's call had returned. A then registered its fast path all the same, so

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 
 import backplan as bp
 from backplan.codegen.render.emit import generate
@@ -22,6 +23,7 @@ def transposes(lines: list[str]) -> list[str]:
     return re.findall(r"= transpose %\d+ \{perm=\(([\d, ]+)\)\}", "\n".join(lines))
 
 
+@pytest.mark.reference
 def test_a_transpose_of_a_transpose_is_the_value_itself_and_the_gemm_copies_nothing():
     rng = np.random.default_rng(0)
     w, x = rng.standard_normal((5, 4)), rng.standard_normal((3, 5))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 import backplan as bp
 from backplan.codegen.run.workspace import ALONE_BEFORE_TRIM, KEEP_IDLE, WorkspacePool
@@ -58,6 +59,7 @@ def test_a_burst_beyond_the_kept_count_keeps_only_that_many():
     assert len(pool.idle_arenas()) == 1
 
 
+@pytest.mark.numba
 def test_a_compiled_function_from_threads_then_one_thread_matches_serial():
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     xs = [np.random.default_rng(i).standard_normal((32, 64)).astype(np.float32) for i in range(4)]
