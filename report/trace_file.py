@@ -3,7 +3,8 @@ kernel in the predicted order, and a counter track per memory category with the 
 a step opens in ui.perfetto.dev or chrome://tracing beside a PyTorch profile.
 
 Without measured times each kernel gets one microsecond, in order: the picture shows order and
-memory, not time. `times` (seconds per kernel, in the same order) gives each its measured length.
+memory, not time. `times` (seconds per kernel, in the same order, or `fn.profile(*args)`, which
+measures them: tracer/kernel_profile.py) gives each its measured length.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ PROCESS = 1
 def trace_events(peak, times: list[float] | None = None) -> list[dict]:
     """Trace events: metadata, one complete ("X") event per step, counters ("C") per category."""
     steps = peak.steps
+    times = getattr(times, "seconds", times)  # fn.profile(*args)'s KernelProfile
     if times is not None:
         times = _checked_times(times, len(steps))
     events = [

@@ -505,6 +505,15 @@ class PlannedFunction:
             raise TracingError("trace() cannot be called inside a traced function")
         return self.lookup(args, kwargs, count_hit=False)[1]
 
+    def profile(self, *args, repeat: int = 5, warmup: int = 3, **kwargs):
+        """The measured seconds of each kernel a call runs, in the order of explain's
+        report.peak.steps: `report.save_trace(path, times=fn.profile(*args))`. The call runs
+        warmup + 1 + 2 * repeat times (donated arguments copied each time). See
+        tracer/kernel_profile.py for what a kernel's time includes."""
+        from .kernel_profile import profile
+
+        return profile(self, args, kwargs, repeat, warmup)
+
     def explain(self, *args, **kwargs):
         """The plan for this signature as a report (text, DOT, picture); nothing runs.
         See `backplan.explain`."""

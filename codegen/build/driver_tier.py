@@ -105,8 +105,15 @@ def python_driver(module: types.ModuleType):
     code
     objects bound to a scope of their own: compiling the source again cost an unrolled 48-step
     LSTM's first call 0.05 s, and the module itself must keep the kernels Numba compiles."""
-    from backplan.codegen.build import kernel_cache, native_calls
     from backplan.codegen.run import address_calls
+
+    return address_calls.with_addresses(python_scope(module)["run"])
+
+
+def python_scope(module: types.ModuleType) -> dict:
+    """The scope python_driver's functions run in: the module's names, its `run` and
+    `run_part_i` as plain Python functions of this scope, its kernels called as Python."""
+    from backplan.codegen.build import kernel_cache, native_calls
 
     scope = dict(module.__dict__, __name__="backplan_python_driver")
     for name, value in list(scope.items()):
@@ -118,7 +125,7 @@ def python_driver(module: types.ModuleType):
             )
         elif name.startswith("k_"):
             scope[name] = kernel_cache.python_call(value)
-    return address_calls.with_addresses(scope["run"])
+    return scope
 
 
 def argument_types(arrays: list) -> list:

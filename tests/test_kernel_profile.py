@@ -1,0 +1,63 @@
+"""fn.profile(*args) (tracer/kernel_profile.py): measured seconds per kernel, one per step of
+explain's report.peak.steps, that report.save_trace writes as each kernel's length; the
+kernels' sum fits inside the timed call; donated arguments stay the caller's."""
+
+import json
+
+import numpy as np
+import pytest
+
+import backplan as bp
+
+pytestmark = pytest.mark.numba
+
+RNG = np.random.default_rng(0)
+PARAMS = {
+    "w1": bp.tensor(RNG.standard_normal((16, 32)).astype(np.float32) * 0.2),
+    "w2": bp.tensor(RNG.standard_normal((32, 4)).astype(np.float32) * 0.2),
+}
+X = RNG.standard_normal((64, 16)).astype(np.float32)
+
+
+def loss(p, x):
+    return bp.mean(bp.softmax(bp.tanh(x @ p["w1"]) @ p["w2"], axis=-1) ** 2)
+
+
+def test_each_kernel_gets_its_measured_seconds_in_the_trace(tmp_path):
+    step = bp.value_and_grad(loss)
+    profile = step.profile(PARAMS, X, repeat=3)
+    report = step.explain(PARAMS, X)
+    assert len(profile.seconds) == len(report.peak.steps) > 3
+    assert all(np.isfinite(s) and s > 0 for s in profile.seconds)
+    assert sum(profile.seconds) <= profile.timed_call_seconds
+    assert profile.call_seconds > 0 and str(profile).startswith(f"{len(report.peak.steps)} kernels")
+    path = tmp_path / "step.json"
+    report.save_trace(path, times=profile)
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [e["dur"] for e in kernels] == pytest.approx([s * 1e6 for s in profile.seconds])
+
+
+def test_a_donated_training_step_is_profiled_on_copies():
+    opt = bp.optim.adam(1e-3)
+    state = opt.init(PARAMS)
+
+    @bp.compile(donate_argnums=(0, 1))
+    def train(p, s, x):
+        value, grads = bp.value_and_grad(loss)(p, x)
+        p, s = opt.update(grads, s, p)
+        return p, s, value
+
+    profile = train.profile(PARAMS, state, X, repeat=2, warmup=2)
+    assert len(profile.seconds) == len(train.explain(PARAMS, state, X).peak.steps)
+    assert float(bp.sum(PARAMS["w1"])) == pytest.approx(float(np.sum(PARAMS["w1"].numpy())))
+
+
+@pytest.mark.reference
+def test_a_step_on_the_interpreter_or_a_bad_repeat_is_refused():
+    from backplan.runtime.backend import use_backend
+
+    step = bp.value_and_grad(loss)
+    with pytest.raises(ValueError, match="repeat is the number of timed calls"):
+        step.profile(PARAMS, X, repeat=0)
+    with use_backend("reference"), pytest.raises(RuntimeError, match="reference interpreter"):
+        step.profile(PARAMS, X, repeat=1, warmup=1)
