@@ -29,6 +29,7 @@ from backplan.runtime.backend import offer_arenas
 
 from .errors import TracingError
 from .signature import BoundCall, SignatureKey
+from .source import loc_text, user_frame_loc
 from .traced_size import Guards, fit_guards, reading_sizes
 
 PROBE_FACTORS = (2, 3)  # the probe sizes, as multiples of the first size (keeps divisibility)
@@ -120,7 +121,8 @@ def find_symbol(
             if seen != size:
                 raise TracingError(
                     f"dynamic axis {symbol!r}: {leaf.path} has size {size} on axis {axis} "
-                    f"where another argument has {seen}; axes sharing a symbol share one size"
+                    f"where another argument has {seen}; axes sharing a symbol share one size "
+                    f"(the call at {loc_text(user_frame_loc())})"
                 )
             places.append((p, axis % len(leaf.shape)))
     if not found:
