@@ -31,7 +31,7 @@ from .rounding_points import reference_plan, rounding_points
 from .row_local import row_local_values
 from .strided_copies import copy_strided_reshapes
 from .wide_reads import reads_wide_copies, wide_copies_read_as_is
-from .widen import has_half, widen_with_origin
+from .widen import half_among, value_dtypes, widen_with_origin
 
 RUN_KINDS = ("loop", "op")  # kernels that run code; views, aliases and literals cost nothing
 
@@ -248,7 +248,8 @@ def _prepared(plan: Plan, earlier: tuple | None = None, found: list | None = Non
     differ, else None): widened for 16-bit floats and given its strided copies, as fusion
     groups it. earlier, found: ir/strided_copies.py copy_strided_reshapes's, for a row."""
     origin, sources = None, None
-    half = has_half(plan.graph)
+    dtypes = value_dtypes(plan.graph)
+    half = half_among(dtypes)
     if half:  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)
         shared = plan.shared  # a symbolic plan's sizes still share one driver
@@ -257,7 +258,8 @@ def _prepared(plan: Plan, earlier: tuple | None = None, found: list | None = Non
         plan.shared, plan.copied = shared, copied
         sources = {}
     interpreted = plan
-    if not half and reads_wide_copies(plan.graph, half):  # float32 read by float64 GEMMs
+    # float32 read by float64 GEMMs (none without a float64 value: the scan is skipped)
+    if not half and "f64" in dtypes and reads_wide_copies(plan.graph, half):
         graph, origin = wide_copies_read_as_is(plan.graph)
         shared, copied = plan.shared, plan.copied
         plan = plan_liveness(graph, plan.donated)

@@ -73,6 +73,17 @@ def has_half(graph: Graph) -> bool:
     return not _HALF.isdisjoint(dtypes)
 
 
+def value_dtypes(graph: Graph) -> set[str]:
+    """The dtypes of graph's values (one C-level pass): has_half's answer and whether any
+    value is float64 at once (ir/lowering.py asks both of every plan it lowers)."""
+    return set(map(_dtype_of, chain(graph.inputs, graph.nodes)))
+
+
+def half_among(dtypes) -> bool:
+    """Whether a 16-bit float is among these dtypes (has_half, given value_dtypes)."""
+    return not _HALF.isdisjoint(dtypes)
+
+
 _dtype_of = attrgetter("type.dtype")
 _HALF = frozenset(HALF_DTYPES)
 

@@ -148,3 +148,15 @@ def test_readers_of_the_values_asked_are_those_of_every_value(fn, aliases):
     for wanted in (set(values), set(values[::3]), set(values[1::2])):
         asked = _readers(kernels, homes[0], graph.outputs, Bases(), wanted)
         assert asked == {v: r for v, r in every.items() if v in wanted}
+
+
+def test_value_dtypes_answer_has_half_and_the_float64_question():
+    from backplan.ir.widen import half_among, has_half, value_dtypes
+
+    ws, x = arrays()
+    for fn in (chain, cast):
+        graph = bp.value_and_grad(fn).trace(ws, x).planner.build().plan.graph
+        dtypes = value_dtypes(graph)
+        assert half_among(dtypes) == has_half(graph) == (fn is cast)
+        assert dtypes == {v.dtype for v in [*graph.inputs, *graph.nodes]}
+        assert "f64" not in dtypes
