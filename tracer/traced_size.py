@@ -22,7 +22,15 @@ from backplan.ir.symbolic import Affine, SymbolicError, fit_number
 
 from .source import LIBRARY, _facts, loc_text, user_frame_loc
 
-_state = threading.local()
+
+class _State(threading.local):
+    """.log: the SizeLog being recorded in this thread. A class default, not getattr(local,
+    "log", None): every traced tensor's shape read asks, and a missing attribute raises and
+    catches an AttributeError each time."""
+
+    log: SizeLog | None = None
+
+
 _getframe = sys._getframe
 
 
@@ -44,8 +52,11 @@ class SizeLog:
         return tuple(out)
 
 
+_state = _State()
+
+
 def active_log() -> SizeLog | None:
-    return getattr(_state, "log", None)
+    return _state.log
 
 
 @contextmanager
