@@ -1,8 +1,8 @@
 """The GEMM over several cores: gemm_parallel shares one product between the caller and helper
 threads (team.py) or, without futexes, cuts C into as many blocks as Numba has threads, along
 its longer side (rows of C with their rows of op(A), or columns with their columns of op(B)),
-each block a single-core blocked GEMM with its own packing buffers; a batch is shared out by
-entries.
+each block the single-core GEMM, packing into a buffer of the kept slots (gemm/scratch.py); a
+batch is shared out by entries.
 bfloat16 blocks call the published bf16 GEMM (symbols.py: VDPBF16PS where the CPU has it)."""
 
 import numpy as np
@@ -10,7 +10,7 @@ import numpy as np
 from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.atomics import FUTEX_AVAILABLE
 from backplan.codegen.kernels.gemm.api import gemm
-from backplan.codegen.kernels.gemm.driver import KC, MC, NC, gemm_blocked, tile_shape, workspace
+from backplan.codegen.kernels.gemm.driver import tile_shape
 from backplan.codegen.kernels.gemm.team import gemm_team
 from backplan.codegen.kernels.threads_now import threads_now
 
@@ -47,15 +47,12 @@ def gemm_parallel_region(parts, width, trans_a, trans_b, alpha, a, b, beta, c):
 
 @njit(cache=True, nogil=True)
 def _block(width, trans_a, trans_b, alpha, a, b, beta, c):
-    """One thread's block: bfloat16 operands (uint16 bits) through the published bf16 GEMM,
-    which the widening blocked GEMM here would run at half VDPBF16PS's rate, float16 ones
-    (int16 bits) through the published f16 GEMM; float32 and float64 through the blocked GEMM
-    with a workspace of the block's own."""
-    if a.itemsize == 2:
-        gemm(width, trans_a, trans_b, alpha, a, b, beta, c)
-    else:
-        work = workspace(width, c, KC, MC, NC)
-        gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, KC, MC, NC)
+    """One thread's block, through the published single-thread GEMM of its dtype (bfloat16
+    on VDPBF16PS where the CPU has it), which packs into a buffer the thread takes from the
+    kept slots (gemm/scratch.py). A workspace of the block's own, allocated here, was a few
+    MB (MC x KC + NC x KC elements, whatever the block's size) per block per call: a batch of
+    32 small products made 96 allocations a call."""
+    gemm(width, trans_a, trans_b, alpha, a, b, beta, c)
 
 
 @njit(cache=True, nogil=True, parallel=True)
