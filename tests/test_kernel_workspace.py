@@ -142,6 +142,42 @@ def test_from_its_second_call_a_conv_step_allocates_nothing_in_compiled_code(gem
     assert counts[2:] == [0, 0, 0, 0], counts
 
 
+def test_a_batched_product_shared_out_by_entries_allocates_no_packing_buffers():
+    """Each entry of a batched product on the parallel (or one-core batch) path packed into a
+    workspace of its own, MC x KC + NC x KC elements whatever the entry's size: three
+    allocations per entry per call. It packs into a kept slot now: a call allocates what
+    boxing its three arrays does, as a function doing nothing with them."""
+    from numba.core.runtime import _nrt_python, rtsys
+
+    from backplan.codegen.jit import njit
+    from backplan.codegen.kernels.gemm.isa import vector_width
+    from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel, gemm_serial_batch
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((8, 16, 24)).astype(np.float32)
+    b = rng.standard_normal((8, 24, 12)).astype(np.float32)
+    c = np.empty((8, 16, 12), np.float32)
+    nothing = njit(lambda a, b, c: None)
+
+    def allocations(call) -> int:
+        call()  # compiled, slots taken
+        before = rtsys.get_allocation_stats().alloc
+        call()
+        return rtsys.get_allocation_stats().alloc - before
+
+    was_counting = _nrt_python.memsys_stats_enabled()
+    _nrt_python.memsys_enable_stats()
+    try:
+        boxing = allocations(lambda: nothing(a, b, c))
+        for batched in (batched_gemm_parallel, gemm_serial_batch):
+            made = allocations(lambda: batched(vector_width(), False, False, a, b, c))  # noqa: B023
+            assert made == boxing, (batched, made, boxing)
+            np.testing.assert_allclose(c, a @ b, rtol=1e-5, atol=1e-5)
+    finally:
+        if not was_counting:
+            _nrt_python.memsys_disable_stats()
+
+
 _RESIDENT = """
 import json, sys
 import numpy as np
