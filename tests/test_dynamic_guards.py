@@ -99,3 +99,30 @@ def test_a_size_decision_refuses_a_dynamic_export_naming_the_line(tmp_path):
     compiled = bp.compile(branched)
     with pytest.raises(ExportError, match=r"size > 8 at .*test_dynamic_guards.py:\d+"):
         bp.export(compiled, rows(16), path=tmp_path / "b.bpz", dynamic={"x": {0: "n"}})
+
+
+def halved_then_compared(x):
+    return x * 2.0 if x.shape[0] / 2 > 4 else x * 3.0
+
+
+def as_float(x):
+    return x * 2.0 if float(x.shape[0]) > 8 else x * 3.0
+
+
+def scaled_by_float(x):
+    return x * 2.0 if x.shape[0] * 0.5 > 4 else x * 3.0
+
+
+def by_bit_length(x):
+    return x * 2.0 if x.shape[0].bit_length() > 4 else x * 3.0
+
+
+@pytest.mark.parametrize(
+    "fn", [halved_then_compared, as_float, scaled_by_float, by_bit_length], ids=lambda f: f.__name__
+)
+def test_a_size_turned_into_a_float_or_bit_count_never_gives_a_wrong_result(fn):
+    """n / 2, float(n), n * 0.5 and n.bit_length() leave the int: the branch on them is
+    decided at every traced size (16, 32, 48, 33) alike, and differently at 6."""
+    compiled = bp.compile(fn, dynamic={"x": {0: "n"}})
+    for n in (16, 6, 40, 5):
+        np.testing.assert_allclose(compiled(rows(n)).numpy(), each_size_alone(fn, rows(n)))

@@ -94,17 +94,32 @@ _AFFINE = {"add", "sub", "neg", "pos"}
 
 def _binary(name: str, op, reflected: bool = False):
     def method(self, other):
+        if isinstance(other, float):
+            return _to_float(self, name, op, other, reflected)
         if not isinstance(other, int):
             return getattr(int, f"__{'r' if reflected else ''}{name}__")(self, other)
         a, b = (other, self) if reflected else (self, other)
         value = op(int(a), int(b))
         if not from_user(1):
             return value
+        if name == "truediv":  # a float: held to its traced value exactly
+            self._log.seen.append(((name, _expr(a), _expr(b)), value, user_frame_loc()))
+            return value
         expr = (name, _expr(a), _expr(b))
         scaled = name == "mul" and not (isinstance(a, TracedSize) and isinstance(b, TracedSize))
         return self._result(value, expr, record=name not in _AFFINE and not scaled)
 
     return method
+
+
+def _to_float(self, name: str, op, other: float, reflected: bool) -> float:
+    """`n * 0.5`, `n / 2.0`: a float the user's code may decide on (`> 4`) and that no later
+    operation reports, so its value at each size must be the traced one."""
+    a, b = (other, self) if reflected else (self, other)
+    value = op(float(int(a)) if a is self else a, float(int(b)) if b is self else b)
+    if from_user(2):
+        self._log.seen.append(((name, _expr(a), _expr(b)), value, user_frame_loc()))
+    return value
 
 
 def _compare(name: str, op):
@@ -142,6 +157,19 @@ class TracedSize(int):
             self._log.seen.append((expr, value, user_frame_loc()))
         return TracedSize(value, self._log, expr)
 
+    def __float__(self) -> float:
+        """float(n), math.sqrt(n), np.float32(n): a float held to its traced value exactly."""
+        value = float(int(self))
+        if from_user(1):
+            self._log.seen.append((("float", self._expr), value, user_frame_loc()))
+        return value
+
+    def bit_length(self) -> int:
+        value = int(self).bit_length()
+        if not from_user(1):
+            return value
+        return self._result(value, ("bit_length", self._expr), record=True)
+
     def __bool__(self) -> bool:
         value = int(self) != 0
         if from_user(1):
@@ -156,6 +184,8 @@ class TracedSize(int):
     __add__, __radd__ = _binary("add", operator.add), _binary("add", operator.add, True)
     __sub__, __rsub__ = _binary("sub", operator.sub), _binary("sub", operator.sub, True)
     __mul__, __rmul__ = _binary("mul", operator.mul), _binary("mul", operator.mul, True)
+    __truediv__ = _binary("truediv", operator.truediv)
+    __rtruediv__ = _binary("truediv", operator.truediv, True)
     __floordiv__ = _binary("floordiv", operator.floordiv)
     __rfloordiv__ = _binary("floordiv", operator.floordiv, True)
     __mod__, __rmod__ = _binary("mod", operator.mod), _binary("mod", operator.mod, True)
@@ -179,7 +209,8 @@ def _expr(x):
 
 _OPS = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul,
-    "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow,
+    "floordiv": operator.floordiv, "truediv": operator.truediv, "float": float,
+    "bit_length": int.bit_length, "mod": operator.mod, "pow": operator.pow,
     "lshift": operator.lshift, "rshift": operator.rshift, "and": operator.and_,
     "or": operator.or_, "xor": operator.xor, "neg": operator.neg, "pos": operator.pos,
     "abs": operator.abs, "invert": operator.invert, "lt": operator.lt, "le": operator.le,
@@ -241,7 +272,7 @@ def fit_guards(logs: list[SizeLog], sizes: list[int], symbol: str) -> Guards:
     checks = []
     for j, (expr, value, loc) in enumerate(first.seen):
         values = [log.seen[j][1] for log in logs]
-        if type(value) is bool:
+        if type(value) in (bool, float):  # decisions, and floats no later operation reports
             if any(v != value for v in values):
                 seen = ", ".join(f"{v} at {symbol}={n}" for v, n in zip(values, sizes, strict=True))
                 raise SymbolicError(f"{_what(expr, None)} at {loc_text(loc)} is {seen}")
@@ -253,7 +284,7 @@ def fit_guards(logs: list[SizeLog], sizes: list[int], symbol: str) -> Guards:
 
 
 _TEXT = {
-    "add": "+", "sub": "-", "mul": "*", "floordiv": "//", "mod": "%", "pow": "**",
+    "add": "+", "sub": "-", "mul": "*", "floordiv": "//", "truediv": "/", "mod": "%", "pow": "**",
     "lshift": "<<", "rshift": ">>", "and": "&", "or": "|", "xor": "^", "lt": "<", "le": "<=",
     "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
 }  # fmt: skip
