@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_frontier_saved_fused import arrays, chain, viewed  # the same small models
 
 import backplan as bp
 from backplan.codegen.render.opaque import unsupported_reason
@@ -20,31 +21,11 @@ from backplan.report import fused_saved
 from backplan.runtime.backend import use_backend
 
 
-def chain(ws, x):
-    for w in ws:
-        x = bp.tanh(x @ w)
-    return bp.mean(x * x)
-
-
-def viewed(ws, x):
-    """Held reshapes and transposes of values the gradients read."""
-    for w in ws:
-        h = bp.tanh(x @ w)
-        x = bp.reshape(bp.transpose(bp.reshape(h, (8, 4, 16)), (1, 0, 2)), (32, 16)) * h
-    return bp.sum(x * x)
-
-
 def cast(ws, x):
     """A narrowing cast in the forward part: its rows walk their graphs."""
     for w in ws:
         x = bp.tanh(x @ w).astype(np.float16).astype(np.float32)
     return bp.sum(x * x)
-
-
-def arrays(n=5):
-    rng = np.random.default_rng(0)
-    ws = [(rng.standard_normal((16, 16)) * 0.3).astype(np.float32) for _ in range(n)]
-    return ws, rng.standard_normal((32, 16)).astype(np.float32)
 
 
 def _rows(fn, **options):
