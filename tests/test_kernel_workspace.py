@@ -2,10 +2,13 @@
 to them as an argument: a compiled conv step allocates nothing inside its kernels, the checked
 mode counts every byte explain prints, and the process holds from its second call what it held
 after its first. Allocated inside the kernels on every call, from the second call glibc served
-the columns from its heap and kept them: the bench CNN held 22-56 MB more than printed."""
+the columns from its heap and kept them: the bench CNN held 22-56 MB more than printed. The
+library's other per-call allocations are counted the same way (Numba's allocation count): the
+batched GEMM's packing buffers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -114,8 +117,6 @@ def test_from_its_second_call_a_conv_step_allocates_nothing_in_compiled_code(gem
     on backplan's GEMM or on BLAS: its kernels allocated their columns, products and weights
     on every call (15 allocations a call of this step), and BLAS's alpha and beta (gemm_rows)
     one per product."""
-    from numba.core.runtime import _nrt_python, rtsys
-
     monkeypatch.setenv("BACKPLAN_GEMM", gemm)
     rng = np.random.default_rng(2)
     w1 = bp.tensor(rng.standard_normal((8, 3, 3, 3)).astype(np.float32))
@@ -126,19 +127,13 @@ def test_from_its_second_call_a_conv_step_allocates_nothing_in_compiled_code(gem
         h = bp.relu(bp.conv2d(x, w1, padding=1))
         return bp.sum(bp.tanh(bp.conv2d(h, w2, padding=1, stride=2)))
 
-    was_counting = _nrt_python.memsys_stats_enabled()
-    _nrt_python.memsys_enable_stats()
-    try:
-        with use_backend("numba"):
-            step = bp.value_and_grad(loss, argnums=(0, 1))
-            counts = []
-            for _ in range(6):
-                before = rtsys.get_allocation_stats().alloc
-                step(w1, w2, x)
-                counts.append(rtsys.get_allocation_stats().alloc - before)
-    finally:
-        if not was_counting:
-            _nrt_python.memsys_disable_stats()
+    with use_backend("numba"), _allocations_counted() as allocated:
+        step = bp.value_and_grad(loss, argnums=(0, 1))
+        counts = []
+        for _ in range(6):
+            before = allocated()
+            step(w1, w2, x)
+            counts.append(allocated() - before)
     assert counts[2:] == [0, 0, 0, 0], counts
 
 
@@ -147,8 +142,6 @@ def test_a_batched_product_shared_out_by_entries_allocates_no_packing_buffers():
     workspace of its own, MC x KC + NC x KC elements whatever the entry's size: three
     allocations per entry per call. It packs into a kept slot now: a call allocates what
     boxing its three arrays does, as a function doing nothing with them."""
-    from numba.core.runtime import _nrt_python, rtsys
-
     from backplan.codegen.jit import njit
     from backplan.codegen.kernels.gemm.isa import vector_width
     from backplan.codegen.kernels.gemm.parallel import batched_gemm_parallel, gemm_serial_batch
@@ -159,20 +152,31 @@ def test_a_batched_product_shared_out_by_entries_allocates_no_packing_buffers():
     c = np.empty((8, 16, 12), np.float32)
     nothing = njit(lambda a, b, c: None)
 
-    def allocations(call) -> int:
-        call()  # compiled, slots taken
-        before = rtsys.get_allocation_stats().alloc
-        call()
-        return rtsys.get_allocation_stats().alloc - before
+    with _allocations_counted() as allocated:
 
-    was_counting = _nrt_python.memsys_stats_enabled()
-    _nrt_python.memsys_enable_stats()
-    try:
+        def allocations(call) -> int:
+            call()  # compiled, slots taken
+            before = allocated()
+            call()
+            return allocated() - before
+
         boxing = allocations(lambda: nothing(a, b, c))
         for batched in (batched_gemm_parallel, gemm_serial_batch):
             made = allocations(lambda: batched(vector_width(), False, False, a, b, c))  # noqa: B023
             assert made == boxing, (batched, made, boxing)
             np.testing.assert_allclose(c, a @ b, rtol=1e-5, atol=1e-5)
+
+
+@contextlib.contextmanager
+def _allocations_counted():
+    """A function giving the number of allocations Numba's runtime has made (every np.empty
+    in compiled code, and a meminfo per array a Python call boxes), counted while inside."""
+    from numba.core.runtime import _nrt_python, rtsys
+
+    was_counting = _nrt_python.memsys_stats_enabled()
+    _nrt_python.memsys_enable_stats()
+    try:
+        yield lambda: rtsys.get_allocation_stats().alloc
     finally:
         if not was_counting:
             _nrt_python.memsys_disable_stats()
