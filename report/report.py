@@ -547,7 +547,21 @@ class ExplainReport:
         held per category (`peak`). Open it in ui.perfetto.dev or chrome://tracing."""
         from .trace_file import save_trace
 
-        save_trace(self.peak, path, times)
+        save_trace(self._traced_peak(times), path, times)
+
+    def _traced_peak(self, times) -> PeakReport:
+        """The peak whose steps `times` measured: fn.profile times calls of a loop from its
+        fourth on, which may run other plans than the call explain's peak is at (a compiled
+        loss with backward(): two plans on calls 1-2, one joint plan from call 3). Then the
+        latest loop call running as many kernels; else the peak (save_trace says the counts)."""
+        count = len(getattr(times, "seconds", ()))
+        if not count or count == len(self.peak.steps):
+            return self.peak
+        for n in reversed(self._loop_calls()):
+            peak = self.loop_peak_on_call(n)
+            if len(peak.steps) == count:
+                return peak
+        return self.peak
 
     def plot(self, path, max_buffers: int = 60) -> None:
         """Write the memory timeline as PNG or SVG (by the file's suffix). Needs matplotlib:

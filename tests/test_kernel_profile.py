@@ -61,3 +61,16 @@ def test_a_step_on_the_interpreter_or_a_bad_repeat_is_refused():
         step.profile(PARAMS, X, repeat=0)
     with use_backend("reference"), pytest.raises(RuntimeError, match="reference interpreter"):
         step.profile(PARAMS, X, repeat=1, warmup=1)
+
+
+def test_a_compiled_loss_is_profiled_with_its_backward_as_the_loop_runs_it(tmp_path):
+    params = {k: bp.tensor(v.numpy(), requires_grad=True) for k, v in PARAMS.items()}
+    compiled = bp.compile(loss)
+    profile = compiled.profile(params, X, repeat=2, warmup=3)
+    assert all(p.grad is None for p in params.values())  # the caller's gradients untouched
+    report = compiled.explain(params, X)
+    path = tmp_path / "loss.json"
+    report.save_trace(path, times=profile)  # from call 3 one joint plan: its kernels
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(kernels) == len(profile.seconds)
+    assert {e["cat"] for e in kernels} == {"joint"}

@@ -7,7 +7,9 @@ times with each compiled plan's kernels timed (runtime/kernel_times.py) and `rep
 untimed; each kernel's time is its median over the timed calls. A timed call runs the plan's
 driver as Python calling the same compiled kernels, so a kernel's seconds include the few
 microseconds of Python before it, and the kernels' sum is at most the timed call's wall time
-(`timed_call_seconds`); `call_seconds` is the untimed call's, for comparison."""
+(`timed_call_seconds`); `call_seconds` is the untimed call's, for comparison. A compiled
+function returning a scalar loss that requires grad is called with its backward(), the step
+explain counts (the arguments' .grad are put back as they were after each call)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import numpy as np
 
 from backplan.runtime.kernel_times import measuring
 
-from .pytree import tree_map
+from .pytree import flatten, tree_map
 from .tensor import Tensor
 
 
@@ -54,11 +56,19 @@ def profile(fn, args: tuple, kwargs: dict, repeat: int, warmup: int) -> KernelPr
         )
     donated = set(getattr(getattr(fn, "arguments", None), "donate_nums", ()) or ())
 
+    leaves = [t for t in flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad]
+
     def call():
         fresh = tuple(_copied(a) if i in donated else a for i, a in enumerate(args))
+        grads = [t.grad for t in leaves]
         start = time.perf_counter()
-        fn(*fresh, **kwargs)
-        return time.perf_counter() - start
+        out = fn(*fresh, **kwargs)
+        if isinstance(out, Tensor) and out.grad_fn is not None and out.shape == ():
+            out.backward()  # a compiled loss: the step explain counts is call + backward()
+        seconds = time.perf_counter() - start
+        for t, g in zip(leaves, grads, strict=True):
+            t.grad = g  # the caller's gradients as they were
+        return seconds
 
     for _ in range(warmup):
         call()
