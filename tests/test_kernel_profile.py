@@ -74,3 +74,24 @@ def test_a_compiled_loss_is_profiled_with_its_backward_as_the_loop_runs_it(tmp_p
     kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(kernels) == len(profile.seconds)
     assert {e["cat"] for e in kernels} == {"joint"}
+
+
+def test_another_threads_compiled_calls_stay_out_of_the_profile():
+    """measuring() swaps CompiledPlan.__call__ for the whole process: a compiled function
+    another thread calls meanwhile must not add its plan to this thread's profile (a
+    profile beside a serving thread failed with 'different plans from call to call')."""
+    import threading
+
+    from backplan.runtime.kernel_times import measuring
+
+    other = bp.compile(lambda x: bp.exp(x) + 1.0)
+    y = bp.tensor(np.ones((64, 64), np.float32))
+    other(y)
+    other(y)
+    got = []
+    with measuring() as calls:
+        thread = threading.Thread(target=lambda: got.append(other(y).numpy()))
+        thread.start()
+        thread.join()
+    assert calls == []
+    np.testing.assert_allclose(got[0], np.e + 1.0, rtol=1e-6)

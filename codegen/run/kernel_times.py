@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import sys
-import time
 
 from backplan.codegen.build import driver_tier
 from backplan.codegen.run import address_calls
@@ -61,12 +60,12 @@ def timed_source(source: str) -> tuple[str, int]:
     return "\n\n".join(ast.unparse(f) for f in functions), timed
 
 
-def timed_driver(plan, readings: list):
-    """A stand-in for `plan`'s driver (a codegen/run/compiled.py CompiledPlan) appending a
-    perf_counter reading to `readings` before each call by name and at the end."""
+def timed_driver(plan, stamp):
+    """A stand-in for `plan`'s driver (a codegen/run/compiled.py CompiledPlan) calling `stamp`
+    (which takes a reading) before each call by name and at the end."""
     module = sys.modules[plan._compiled_run.__module__]
     source, _ = timed_source(plan.source)
     scope = driver_tier.python_scope(module)
-    scope[STAMP] = lambda: readings.append(time.perf_counter())
+    scope[STAMP] = stamp
     exec(compile(source, f"<timed {plan.plan.graph.name}>", "exec"), scope)
     return address_calls.with_addresses(scope["run"])
