@@ -126,3 +126,15 @@ def test_a_size_turned_into_a_float_or_bit_count_never_gives_a_wrong_result(fn):
     compiled = bp.compile(fn, dynamic={"x": {0: "n"}})
     for n in (16, 6, 40, 5):
         np.testing.assert_allclose(compiled(rows(n)).numpy(), each_size_alone(fn, rows(n)))
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["automatic", "declared"])
+def test_a_size_returned_as_a_python_value_is_each_calls_own(declared):
+    compiled = bp.compile(
+        lambda x: (bp.sum(x), x.shape[0], x.shape[0] > 8),
+        dynamic={"x": {0: "n"}} if declared else None,
+    )
+    for n in (16, 32, 5, 40, 33):
+        total, size, large = compiled(rows(n))
+        assert (size, large) == (n, n > 8) and type(size) is int  # not the traced size's
+        np.testing.assert_allclose(total.numpy(), rows(n).numpy().sum(), rtol=1e-6)

@@ -52,6 +52,7 @@ from .signature import bind_call, closest_key, copied_leaves, miss_reason, numpy
 from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 from .trace import Trace, tracing
+from .traced_size import plain
 
 
 @dataclass
@@ -387,7 +388,7 @@ class CompiledFunction(PlannedFunction):
                 out_slots.append(("tensor", len(outputs)))
                 outputs.append(trace.value_of(leaf))
             else:
-                out_slots.append(("static", leaf))
+                out_slots.append(("static", plain(leaf)))  # a size read: its int at this size
         graph.outputs = outputs
         captured_flags = _captured_flags(trace.captured)
         wrt = [call.key.leaves[p].requires_grad for p in call.tensor_positions] + list(

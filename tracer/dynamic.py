@@ -354,7 +354,9 @@ def fit_entry(build, fit, bound, call: BoundCall, found: SymbolicCall, with_call
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return template, None, f"tracing at {found.symbol}={sizes[1]} failed ({first_line})", None
     for probe, n in zip(probes, sizes[1:], strict=True):
-        changed = captured_change(template.captured, probe.captured)
+        changed = captured_change(template.captured, probe.captured) or _returned_change(
+            template, probe
+        )
         if changed is not None:  # the fitted plan would read the first size's array
             return template, None, f"{changed} at {found.symbol}={sizes[0]} and {n}", None
     try:
@@ -377,6 +379,18 @@ def captured_change(first: list, other: list) -> str | None:
                 f"captured array {i} (shape {a.shape}, {a._ir_dtype}) changes with the size (an "
                 "array made from the size, e.g. np.arange(x.shape[0]))"
             )
+    return None
+
+
+def _returned_change(first, other) -> str | None:
+    """What differs between two traces' Python values among the results (`return loss,
+    x.shape[0]`): the fitted plan would return the first size's value at every size."""
+    slots = [getattr(e, "out_slots", None) for e in (first, other)]
+    if slots[0] is None or slots[1] is None:
+        return None
+    for i, (a, b) in enumerate(zip(*slots, strict=True)):
+        if a[0] == "static" and b[0] == "static" and a[1] != b[1]:
+            return f"result {i} is the Python value {a[1]!r} at one size, {b[1]!r} at another"
     return None
 
 
