@@ -122,9 +122,14 @@ class BufferLayout:
                 for v, s in self.reused_saved.items()
             }
         )
+        workspaces = {  # the arena bytes a kernel works in at its step (ir/kernel_workspace.py)
+            names[v]: [v.dtype, offset, count * DTYPES[v.dtype].itemsize]
+            for v, (offset, count) in self.workspaces.items()
+        }
         return {
             "scratch_elements": dict(sorted(self.scratch_elements.items())),
             "buffers": dict(sorted(where.items(), key=lambda kv: int(kv[0][1:]))),
+            "workspaces": dict(sorted(workspaces.items(), key=lambda kv: int(kv[0][1:]))),
         }
 
 

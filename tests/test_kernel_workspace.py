@@ -20,6 +20,7 @@ from backplan.codegen.render.emit import generate
 from backplan.ir.kernel_workspace import conv_workspace_elements
 from backplan.ir.lowering import lower
 from backplan.ir.peak import joint_calls, predicted_peak
+from backplan.ir.printer import value_names
 from backplan.runtime.backend import use_backend
 from tests.helpers import script_facts
 
@@ -54,6 +55,8 @@ def test_the_columns_are_a_buffer_of_the_arena_live_at_their_kernel_only():
     first = next(iter(layout.workspaces.values()))[0]
     source = generate(lowered).source  # rendered, not compiled: the call passes the slice
     assert f"scratch_f32[{first}:{first + columns}], 1, 1, 1, 1, 1, 1, 1," in source
+    described = layout.describe(value_names(lowered.plan.graph))
+    assert [b for _, _, b in described["workspaces"].values()] == [columns * 4] * 2  # exports'
     report = predicted_peak(joint_calls(plan, 1), "numba")
     assert "workspace" not in report.at_peak()
     assert report.allocated_peak_bytes == report.peak_bytes - report.input_bytes
