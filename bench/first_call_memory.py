@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from .memory import _calls, _run_child, _step, proc_status_bytes
+from .memory import _calls, _run_child, _step, high_water_growth
 
 HERE = "backplan.bench.first_call_memory"
 HEADER = (
@@ -38,12 +38,7 @@ def child(name: str, scale: int, kind: str) -> dict:
     step, args = _step(name, scale, kind)
     predicted = predicted_peak(_calls(step, args), "numba")
     held = process_memory.code_bytes()
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as file:
-        file.write("5")
-    before = proc_status_bytes("VmRSS")
-    result = step(*args)
-    growth = proc_status_bytes("VmHWM") - before
-    del result
+    growth = high_water_growth(step, args)
     resident = predicted.input_bytes + predicted.at_peak().get("constants", 0)
     return {
         "expected_growth": predicted.peak_bytes - resident,

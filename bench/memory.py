@@ -186,6 +186,18 @@ def child(name: str, scale: int, kind: str, primed: int = 0) -> dict:
     return first_step(*_step(name, scale, kind))
 
 
+def high_water_growth(step, args: list) -> int:
+    """How far one call of step lifts the process's resident high-water mark (VmHWM, reset
+    first) above its resident bytes before the call."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as file:
+        file.write("5")
+    before = proc_status_bytes("VmRSS")
+    result = step(*args)
+    growth = proc_status_bytes("VmHWM") - before
+    del result
+    return growth
+
+
 def first_step(step, args: list) -> dict:
     """The step's first call measured from outside, its kernels and driver loaded first."""
     from backplan.bench.internals import predicted_peak
@@ -194,12 +206,7 @@ def first_step(step, args: list) -> dict:
     compiled, loaded = _load(step, args)
     overloads = len(compiled._compiled_run.overloads)
     packing, written = _gemm_packing_bytes(), _gemm_packing_resident()
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as file:
-        file.write("5")
-    before = proc_status_bytes("VmRSS")
-    result = step(*args)
-    growth = proc_status_bytes("VmHWM") - before
-    del result
+    growth = high_water_growth(step, args)
     resident = predicted.input_bytes + predicted.at_peak().get("constants", 0)
     return {
         "predicted_peak": predicted.peak_bytes,
