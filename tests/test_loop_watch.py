@@ -141,20 +141,35 @@ def test_a_new_thread_with_an_ended_threads_ident_is_not_its_loop(monkeypatch):
     (before, thread 1's result was taken as kept beside thread 2's call). The OS reuses an
     ident only when no other thread starts between (not so under a loaded test run), so both
     threads are given one ident here (they run one after the other)."""
-    import _thread
     import threading
 
-    monkeypatch.setattr(threading, "get_ident", lambda: 424242)
-    monkeypatch.setattr(_thread, "get_ident", lambda: 424242)
+    from backplan.runtime import kernel_times
+    from backplan.tracer import loop_watch, planned
+
+    class OneIdent:
+        """threading as backplan's modules see it: every thread given one ident. threading's
+        own get_ident stays real (patching it makes join() take the ended thread for the
+        current one)."""
+
+        def __getattr__(self, name):
+            return getattr(threading, name)
+
+        @staticmethod
+        def get_ident():
+            return 424242
+
+    one_ident = OneIdent()
+    for module in (loop_watch, planned, kernel_times):
+        monkeypatch.setattr(module, "threading", one_ident)
     f, x = bp.compile(scaled), f32(16, 8)
     kept, idents = [], []
 
     def first():
-        idents.append(threading.get_ident())
+        idents.append(one_ident.get_ident())
         kept.append(f(x))
 
     def second():
-        idents.append(threading.get_ident())
+        idents.append(one_ident.get_ident())
         f(x)
 
     for target in (first, second):
