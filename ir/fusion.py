@@ -183,7 +183,7 @@ def group_kernels(
     another graph shared and left (ir/grouping_resume.py resumed_state: (how many, kernels,
     home, latest_loops, reads, tails, last_op, earlier)); the loop places only the nodes after
     them, and the loops it placed whole before them take the inputs they recompute from
-    `earlier` (_recompute_cheap_inputs). record(nodes, home, kernels, reads), if given, is
+    `earlier` (_recompute_cheap_inputs). record(nodes, home, kernels, reads, loops), if given, is
     told what the loop left, and returns the `noted` dicts _recompute_cheap_inputs fills.
     homes, if given, gets each node -> the index of the kernel it is in (materialized's
     `home`: no later pass of grouping moves a node)."""
@@ -217,16 +217,22 @@ def group_kernels(
         )
         if kernels[k].kind == "op":
             last_op = k
+    # every loop's index, in order: `reads` has one entry per loop (a resumed grouping's
+    # holds the journal's loops before it in `plain`), so no pass walks every kernel for them
+    reads = reads.plain() if hasattr(reads, "plain") else reads
+    loops = sorted(reads)
     if record is not None:
-        noted = record(graph.nodes, home, kernels, reads)
+        noted = record(graph.nodes, home, kernels, reads, loops)
     kept = frozenset(read_backs.values())
-    _recompute_cheap_inputs(kernels, home, graph.outputs, kept, spread, bases, earlier, noted)
+    _recompute_cheap_inputs(
+        kernels, home, graph.outputs, kept, spread, bases, earlier, noted, loops
+    )
     if any(n.op == "astype" for n in graph.nodes):  # it rounds only where a cast widens
         _round_where_recomputed(kernels, home, kept, graph)
-    for kernel in kernels:  # grouped: a loop with nothing recomputed or reduced shares the empty
-        if kernel.kind == "loop":  # (every other kernel was made with it: _single)
-            kernel.recomputed = kernel.recomputed or NONE_HELD
-            kernel.reductions = kernel.reductions or NONE_HELD
+    for k in loops:  # grouped: a loop with nothing recomputed or reduced shares the empty
+        kernel = kernels[k]  # (every other kernel was made with it: _single)
+        kernel.recomputed = kernel.recomputed or NONE_HELD
+        kernel.reductions = kernel.reductions or NONE_HELD
     if homes is not None:
         homes.append(home)
     return kernels
@@ -316,6 +322,7 @@ def _recompute_cheap_inputs(
     bases=None,
     earlier=None,
     noted=None,
+    loops: list[int] | None = None,
 ) -> None:
     """A loop that reads a value another loop of the same shape computed with a few cheap ops
     from stable inputs recomputes it instead, so that value need not be written and read back.
@@ -327,14 +334,16 @@ def _recompute_cheap_inputs(
     recomputes)}, {loop: its cones over the frontier}) of loops placed as in a graph grouped
     before, whose nodes before them were the same (ir/grouping_resume.py): a loop's cones read
     only those nodes and its own recomputed values, so they are what they were. noted: the
-    same two dicts to fill for this grouping."""
+    same two dicts to fill for this grouping. loops: every loop kernel's index, in order,
+    where the caller knows them."""
     bases = Bases() if bases is None else bases
     blocked: dict[int, list[Value]] = {}
     known, known_cones = earlier if earlier is not None else ({}, {})
     noted, noted_cones = noted if noted is not None else (None, None)
-    for k, kernel in enumerate(kernels):
-        if kernel.kind != "loop":
-            continue
+    if loops is None:
+        loops = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"]
+    for k in loops:
+        kernel = kernels[k]
         before = known.get(k)
         if before is not None:
             blocked[k] = before[0]

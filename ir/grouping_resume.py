@@ -49,11 +49,20 @@ class Journal:
         "__weakref__",
     )
 
-    def __init__(self, nodes: list[Value], home: dict, kernels: list[Kernel], reads: dict):
+    def __init__(
+        self,
+        nodes: list[Value],
+        home: dict,
+        kernels: list[Kernel],
+        reads: dict,
+        loops: list[int] | None = None,
+    ):
         self.nodes = nodes
         self.homes = list(map(home.__getitem__, nodes))
         self.kernels = list(kernels)
-        self.loops = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"]
+        if loops is None:  # every loop's index, in order (group_kernels knows them)
+            loops = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"]
+        self.loops = list(loops)
         self.reads = reads.plain() if isinstance(reads, _Reads) else reads
         # loop -> (values it reads that cheap cones could not give, what it recomputes), and
         # loop -> its cones over the frontier: filled by group_kernels' cheap-input pass
@@ -117,8 +126,8 @@ def recorder(into: list):
     """group_kernels' `record`, appending the Journal it makes to `into` (and handing the
     dicts its cheap-input pass fills)."""
 
-    def record(nodes, home, kernels, reads) -> tuple[dict, dict]:
-        journal = Journal(nodes, home, kernels, reads)
+    def record(nodes, home, kernels, reads, loops=None) -> tuple[dict, dict]:
+        journal = Journal(nodes, home, kernels, reads, loops)
         into.append(journal)
         return journal.cheap, journal.cones
 

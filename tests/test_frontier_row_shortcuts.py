@@ -141,3 +141,19 @@ def test_value_dtypes_answer_has_half_and_the_float64_question():
         assert half_among(dtypes) == has_half(graph) == (fn is cast)
         assert dtypes == {v.dtype for v in [*graph.inputs, *graph.nodes]}
         assert "f64" not in dtypes
+
+
+def test_a_grouping_knows_its_loops_from_what_each_reads():
+    """group_kernels takes every loop's index from its reads (a resumed grouping's from the
+    journal's too) instead of walking the kernels: each row's journal lists its loops as the
+    walk does, rows resumed from the row before among them."""
+    planner, rows = _rows(chain)
+    journals = 0
+    for plans in rows:
+        journal = lower(plans.plan).grouping
+        if journal is None:
+            continue
+        journals += 1
+        walked = [k for k, kernel in enumerate(journal.kernels) if kernel.kind == "loop"]
+        assert journal.loops == walked and walked
+    assert journals >= 3
