@@ -101,8 +101,10 @@ class SignedCacheOnDemand:
 
     def _loaded(self, sig, target_context):
         try:
-            with process_memory.loading():
-                return self._cache().load_overload(sig, target_context)
+            with process_memory.loading() as look:
+                data = self._cache().load_overload(sig, target_context)
+                look.found = data is not None
+                return data
         except OSError:  # the module file or the folder is gone: compile (saving restores)
             return None
 

@@ -24,16 +24,49 @@ MIB = 1 << 20
 def test_a_window_counts_what_stays_resident_once_however_nested():
     before = process_memory.code_bytes()
     loads = process_memory.counts()[0]
-    with process_memory.loading():
-        with process_memory.loading():  # a load inside a load (a library function's) is one
+    with process_memory.loading() as outer:
+        with process_memory.loading() as inner:  # a load inside a load (a library's) is one
             kept = mmap.mmap(-1, 4 * MIB)  # new pages: the heap's already resident ones aside
             np.frombuffer(kept, np.uint8)[::4096] = 1  # every page written: resident
+            inner.found = True
+        outer.found = True
+    with process_memory.loading():  # a look that found nothing is no load
+        pass
     grown = process_memory.code_bytes() - before
     assert process_memory.counts()[0] == loads + 2
     assert 4 * MIB <= grown < 6 * MIB, grown
     with process_memory.loading():
         del kept  # what a window frees is not taken off what earlier windows held
     assert process_memory.code_bytes() - before == grown
+
+
+COUNTS = """
+import numpy as np
+import backplan as bp
+from backplan.codegen.build import process_memory
+from backplan.runtime.backend import use_backend
+
+with use_backend("numba"):
+    bp.compile(lambda x: bp.tanh(x) * 2.0 + 1.0)(bp.tensor(np.ones((8, 8), np.float32)))
+print(*process_memory.counts())
+"""
+
+
+def test_explains_loads_are_kernels_found_in_the_disk_cache_not_looks(tmp_path):
+    """An empty cache: every look misses and each kernel compiles, so none was loaded
+    (explain said 'loaded 7 kernel(s) from the disk cache' for 7 misses); the same cache
+    again: loads, no compile."""
+    env = dict(os.environ, BACKPLAN_CACHE_DIR=str(tmp_path))
+    counts = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", COUNTS], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr
+        counts.append(tuple(int(n) for n in out.stdout.split()[-2:]))
+    (cold_loads, cold_compiles), (warm_loads, warm_compiles) = counts
+    assert cold_loads == 0 and cold_compiles > 0
+    assert warm_loads > 0 and warm_compiles == 0
 
 
 CHILD = """

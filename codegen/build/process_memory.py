@@ -38,9 +38,10 @@ def resident_bytes() -> int | None:
         return None
 
 
-def _enter(kind: str) -> None:
+def _enter(kind: str | None) -> None:
     with _lock:
-        _state[kind] += 1
+        if kind is not None:
+            _state[kind] += 1
         _state["open"] += 1
         if _state["open"] == 1:
             _state["start"] = resident_bytes() or 0
@@ -53,14 +54,25 @@ def _leave() -> None:
             _state["held"] += max((resident_bytes() or 0) - _state["start"], 0)
 
 
+class _Look:
+    """One look in the disk cache; `found` once it loaded machine code (a miss is no load)."""
+
+    found = False
+
+
 @contextlib.contextmanager
 def loading():
-    """A window around a load of machine code from the disk cache."""
-    _enter("loads")
+    """A window around a look for machine code in the disk cache: its memory is counted
+    either way, a load only where the caller sets `found` on what it yields."""
+    _enter(None)
+    look = _Look()
     try:
-        yield
+        yield look
     finally:
         _leave()
+        if look.found:
+            with _lock:
+                _state["loads"] += 1
 
 
 class _Compiles(event.Listener):
