@@ -3,6 +3,8 @@ a loop count or a branch that agrees at every traced size and differs at another
 a wrong result there (that size is traced on its own), and size reads that are formulas of the
 size keep one plan for every size."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -138,3 +140,14 @@ def test_a_size_returned_as_a_python_value_is_each_calls_own(declared):
         total, size, large = compiled(rows(n))
         assert (size, large) == (n, n > 8) and type(size) is int  # not the traced size's
         np.testing.assert_allclose(total.numpy(), rows(n).numpy().sum(), rtol=1e-6)
+
+
+def test_explain_says_which_sizes_decide_apart_from_the_one_plan():
+    compiled = bp.compile(branched, dynamic={"x": {0: "n"}})
+    for n in (16, 40, 5):
+        compiled(rows(n))
+    at_five = compiled.explain(rows(5)).dynamic
+    assert at_five.startswith("Dynamic axis n: at n=5 the function decides otherwise")
+    assert re.search(r"size > 8 is False at .*test_dynamic_guards.py:\d+", at_five)
+    at_forty = compiled.explain(rows(40)).dynamic
+    assert "one plan for every size" in at_forty and "Size 5 runs a plan of its own" in at_forty

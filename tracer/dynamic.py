@@ -228,6 +228,7 @@ class DynamicEntry:
     def __init__(self, template, symbol, size, fitted, reason, make, guards: Guards | None = None):
         self.template = template
         self.guards = guards  # what a size must repeat of the user's code (traced_size.py)
+        self.decided_apart: dict[int, str] = {}  # size -> the guard it fails (its own plan)
         self.symbol = symbol
         self.first_size = size
         self.fitted = fitted  # what make(template, fitted, n) instantiates; None: per size
@@ -247,8 +248,12 @@ class DynamicEntry:
             if entry is not None:
                 self._sizes.move_to_end(size)
                 return entry
-        if self.fitted is None or (self.guards and self.guards.hold_at(size) is not None):
+        failed = self.guards.hold_at(size) if self.fitted is not None and self.guards else None
+        if self.fitted is None or failed is not None:
             entry = trace_one()  # per size; or the user's code decides otherwise at this size
+            if failed is not None:
+                with self._lock:
+                    self.decided_apart[size] = failed
         else:  # a new size's plan, lowered and rendered paused too (runtime/backend.py): its
             # objects outlive the call, and a collection promoting them walked every size's
             # plans (a full collection of 30-50 ms on one new size's first call in a few)
@@ -424,6 +429,9 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
             + _other_sizes_arenas(entry, report_of, size, report)
             + _loop_results(entry, report_of, size, report)
         )
+    apart = _decided_apart(entry, size)
+    if size in entry.decided_apart:
+        return apart + _other_sizes_arenas(entry, report_of, size, report)
     at = [entry.first_size * f for f in (1, *PROBE_FACTORS)]
     reports = [report_of(entry._make(entry.template, entry.fitted, n)) for n in at]
     formulas = []
@@ -437,9 +445,31 @@ def dynamic_text(entry: DynamicEntry, report_of, size: int, report) -> str:
         "direct driver (from its second call) reads each size's numbers when it runs, made once "
         "for every size (at the first size, or at the second where loops over axes of a few "
         "elements are compiled at the sizes the two share)."
+        + (" " + apart if apart else "")
         + _other_sizes_arenas(entry, report_of, size, report)
         + _loop_results(entry, report_of, size, report)
     )
+
+
+def _decided_apart(entry: DynamicEntry, size: int) -> str:
+    """The sizes traced on their own because the function's code decides otherwise there
+    (tracer/traced_size.py guards): the one plan's formulas do not describe them."""
+    with entry._lock:
+        apart = dict(entry.decided_apart)
+    if not apart:
+        return ""
+    if size in apart:
+        return (
+            f"Dynamic axis {entry.symbol}: at {entry.symbol}={size} the function decides "
+            f"otherwise than where it was traced ({apart[size]}), so this size is traced and "
+            "planned on its own; this report's figures are that plan's."
+        )
+    sizes = ", ".join(str(n) for n in sorted(apart))
+    which = f"Sizes {sizes} run plans" if len(apart) > 1 else f"Size {sizes} runs a plan"
+    return (
+        f"{which} of their own: the function decides otherwise there "
+        f"({entry.symbol}={min(apart)}: {apart[min(apart)]})."
+    ).replace("a plan of their own", "a plan of its own")
 
 
 def _other_sizes_arenas(entry: DynamicEntry, report_of, size: int, this) -> str:
