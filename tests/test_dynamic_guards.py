@@ -119,8 +119,14 @@ def by_bit_length(x):
     return x * 2.0 if x.shape[0].bit_length() > 4 else x * 3.0
 
 
+def rounded_to_tens(x):
+    return x * 2.0 if round(x.shape[0], -1) > 10 else x * 3.0
+
+
 @pytest.mark.parametrize(
-    "fn", [halved_then_compared, as_float, scaled_by_float, by_bit_length], ids=lambda f: f.__name__
+    "fn",
+    [halved_then_compared, as_float, scaled_by_float, by_bit_length, rounded_to_tens],
+    ids=lambda f: f.__name__,
 )
 def test_a_size_turned_into_a_float_or_bit_count_never_gives_a_wrong_result(fn):
     """n / 2, float(n), n * 0.5 and n.bit_length() leave the int: the branch on them is

@@ -164,6 +164,13 @@ class TracedSize(int):
             self._log.seen.append((("float", self._expr), value, user_frame_loc()))
         return value
 
+    def __round__(self, ndigits=None):
+        """round(n) is n; round(n, -1) a number of the size recorded like n // 10 * 10."""
+        value = int.__round__(int(self), ndigits) if ndigits is not None else int(self)
+        if ndigits is None or not from_user(1):
+            return value
+        return self._result(value, ("round", self._expr, ndigits), record=True)
+
     def bit_length(self) -> int:
         value = int(self).bit_length()
         if not from_user(1):
@@ -210,7 +217,7 @@ def _expr(x):
 _OPS = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul,
     "floordiv": operator.floordiv, "truediv": operator.truediv, "float": float,
-    "bit_length": int.bit_length, "mod": operator.mod, "pow": operator.pow,
+    "bit_length": int.bit_length, "round": round, "mod": operator.mod, "pow": operator.pow,
     "lshift": operator.lshift, "rshift": operator.rshift, "and": operator.and_,
     "or": operator.or_, "xor": operator.xor, "neg": operator.neg, "pos": operator.pos,
     "abs": operator.abs, "invert": operator.invert, "lt": operator.lt, "le": operator.le,
@@ -306,6 +313,6 @@ def _text(expr) -> str:
         return str(expr)
     if expr[0] == "size":
         return "size"
-    if len(expr) == 2:
-        return f"{expr[0]}({_text(expr[1])})"
+    if len(expr) == 2 or expr[0] == "round":
+        return f"{expr[0]}({', '.join(_text(e) for e in expr[1:])})"
     return f"{_text(expr[1])} {_TEXT[expr[0]]} {_text(expr[2])}"
