@@ -157,3 +157,14 @@ def test_explain_says_which_sizes_decide_apart_from_the_one_plan():
     assert re.search(r"size > 8 is False at .*test_dynamic_guards.py:\d+", at_five)
     at_forty = compiled.explain(rows(40)).dynamic
     assert "one plan for every size" in at_forty and "Size 5 runs a plan of its own" in at_forty
+
+
+def test_the_retrace_reason_of_a_size_traced_by_a_guard_names_the_guard():
+    """cache_info and explain's 'The last retrace happened because' said 'first call' for the
+    second trace, made because the code decides otherwise at that size."""
+    compiled = bp.compile(branched, dynamic={"x": {0: "n"}})
+    compiled(rows(16))
+    compiled(rows(5))
+    info = compiled.cache_info()
+    assert info.traces == 2
+    assert "n=5" in info.last_miss_reason and "size > 8" in info.last_miss_reason

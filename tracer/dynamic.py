@@ -242,7 +242,7 @@ class DynamicEntry:
 
     def at(self, size: int, trace_one):
         """The entry at this size: instantiated from the fitted plans, or (when there are
-        none) traced by trace_one() like any other signature."""
+        none) traced by trace_one(why) like any other signature (why: the retrace reason)."""
         with self._lock:
             entry = self._sizes.get(size)
             if entry is not None:
@@ -250,7 +250,13 @@ class DynamicEntry:
                 return entry
         failed = self.guards.hold_at(size) if self.fitted is not None and self.guards else None
         if self.fitted is None or failed is not None:
-            entry = trace_one()  # per size; or the user's code decides otherwise at this size
+            why = (  # per size; or the user's code decides otherwise at this size
+                f"{self.symbol}={size} is planned on its own: {self.reason}"
+                if failed is None
+                else f"at {self.symbol}={size} the function decides otherwise than where it "
+                f"was traced ({failed})"
+            )
+            entry = trace_one(why)
             if failed is not None:
                 with self._lock:
                     self.decided_apart[size] = failed
@@ -262,7 +268,7 @@ class DynamicEntry:
                     entry = self._make(self.template, self.fitted, size)
             except SymbolicError as out:  # a slice's fitted bounds outside this size's axis
                 try:
-                    entry = trace_one()
+                    entry = trace_one(f"the plan for every {self.symbol} does not hold: {out}")
                 except Exception as exc:  # a loaded artifact traces nothing: say why it refuses
                     exc.add_note(f"the plan for every {self.symbol} does not hold: {out}")
                     raise

@@ -438,13 +438,15 @@ class PlannedFunction:
         if type(entry) is not DynamicEntry:
             return entry
         found = self._symbol_of(bound)
-        return entry.at(found.size, lambda: self._trace_size(bound))
+        return entry.at(found.size, lambda why: self._trace_size(bound, why))
 
-    def _trace_size(self, bound):
-        """A symbolic signature whose plans do not fit traces each size (entry.reason)."""
+    def _trace_size(self, bound, why: str):
+        """A symbolic signature whose plans do not fit, or not at this size, traces the size
+        (why: the retrace reason cache_info and explain give)."""
         entry = self._build(bound)
         with self._lookup_lock:
             self._traces += 1
+            self._last_miss_reason = why
         return entry
 
     def _claim(self, key, count_hit: bool, reason: str | None = None):
