@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .errors import BackplanError, ShapeError
 from .graph import Graph, Value
 from .registry import get_op
@@ -19,9 +21,16 @@ def make_value(op: str, inputs, attrs: dict, loc=None) -> Value:
         check_size(type_.shape)
     except (ShapeError, BackplanError) as exc:
         kinds = ", ".join(str(i.type) for i in inputs)
-        where = f" at {loc[0]}:{loc[1]}" if loc else ""
+        where = f" at {_where(loc)}" if loc else ""
         raise type(exc)(f"{op}({kinds}): {exc}{where}") from None
     return Value(op, inputs, attrs, type_, loc)
+
+
+def _where(loc) -> str:
+    """The user's line as every other error names it (runtime/location.loc_text: the file's
+    name, and the user functions it went through), not the file's full path."""
+    text = getattr(loc, "text", None)
+    return text if text is not None else f"{os.path.basename(loc[0])}:{loc[1]}"
 
 
 class Builder:

@@ -63,3 +63,13 @@ def test_creation_ops_take_one_int_for_a_1d_shape_as_numpy_does():
     x = bp.tensor(np.ones((2, 3), np.float32), requires_grad=True)
     bp.mean(x, axis=1).backward(bp.ones(2))
     assert np.allclose(x.grad.numpy(), 1 / 3)
+
+
+def test_a_traced_shape_error_names_the_file_as_every_other_error_does():
+    """The graph builder's errors said the file's full path; every other error its name."""
+    fn = bp.compile(lambda x: bp.sum(x.reshape(3, 3)))
+    with pytest.raises(bp.ShapeError) as caught:
+        fn(np.zeros(10, np.float32))
+    message = str(caught.value)
+    assert message.startswith("reshape(f32[10]): cannot reshape (10,) into (3, 3) at ")
+    assert "test_op_error_lines.py:" in message and __file__ not in message
