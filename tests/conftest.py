@@ -93,6 +93,22 @@ def _rewrite_one(path: str) -> None:
 _REWRITING: list = []  # the controller's config, for the processes _tests_rewritten forks
 
 
+def _files_asked_for(config, root: str) -> set[str]:
+    """The test files of this folder the run collects: those named on the command line (a
+    file, or a folder holding them), every one when none is named (testpaths)."""
+    import glob
+
+    named = [arg.split("::")[0] for arg in config.args] or [root]
+    files = set()
+    for arg in named:
+        path = os.path.abspath(os.path.join(str(config.invocation_params.dir), arg))
+        if os.path.isdir(path) and os.path.commonpath([path, root]) in (path, root):
+            files.update(glob.glob(os.path.join(root, "test_*.py")))
+        elif os.path.dirname(path) == root and os.path.basename(path).startswith("test_"):
+            files.add(path)
+    return {f for f in files if f.endswith(".py") and os.path.isfile(f)}
+
+
 def _tests_rewritten(config) -> None:
     """The test files' asserts rewritten once, on every core, before the workers start. pytest
     rewrites each test module as it imports it and caches the result beside it, but not under
@@ -103,11 +119,12 @@ def _tests_rewritten(config) -> None:
     the source's time and size. Any failure here (a pytest without these helpers) leaves the
     rewriting to the workers."""
     import concurrent.futures
-    import glob
     import multiprocessing
 
     root = os.path.dirname(os.path.abspath(__file__))
-    files = sorted(glob.glob(os.path.join(root, "test_*.py")))
+    files = sorted(_files_asked_for(config, root))
+    if not files:
+        return
     _REWRITING[:] = [config]
     try:
         processes = max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
