@@ -40,8 +40,9 @@ def import_graph(folder: str, root: Path = ROOT) -> dict[str, set[str]]:
     return graph
 
 
-def _without_type_checking_blocks(source: str) -> str:
-    """`if TYPE_CHECKING:` imports never run; they name types for the reader and the checker."""
+def _without_type_checking_blocks(source: str) -> ast.Module:
+    """`if TYPE_CHECKING:` imports never run; they name types for the reader and the checker.
+    The tree, not its text again: unparsing and parsing every module took most of this test."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -49,7 +50,7 @@ def _without_type_checking_blocks(source: str) -> str:
             node.body = [
                 s for s in body if not (isinstance(s, ast.If) and _names_type_checking(s.test))
             ] or [ast.Pass()]
-    return ast.unparse(tree)
+    return tree
 
 
 def _names_type_checking(test: ast.expr) -> bool:

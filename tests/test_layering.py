@@ -33,11 +33,12 @@ def module_name(layer: str, path: Path, root: Path = ROOT) -> str:
     return ".".join(("backplan", layer, *parts))
 
 
-def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+def imported_modules(source: str | ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
     """(line, absolute module name) for every import statement and every
-    importlib.import_module / __import__ call with a literal name."""
+    importlib.import_module / __import__ call with a literal name (source: text, or its tree)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source) if isinstance(source, str) else source
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
