@@ -56,7 +56,11 @@ def test_explains_loads_are_kernels_found_in_the_disk_cache_not_looks(tmp_path):
     """An empty cache: every look misses and each kernel compiles, so none was loaded
     (explain said 'loaded 7 kernel(s) from the disk cache' for 7 misses); the same cache
     again: loads, no compile."""
-    env = dict(os.environ, BACKPLAN_CACHE_DIR=str(tmp_path))
+    env = dict(  # the library's folder too: the suite's shared one may hold loadable code
+        os.environ,
+        BACKPLAN_CACHE_DIR=str(tmp_path),
+        BACKPLAN_LIBRARY_CACHE_DIR=str(tmp_path / "library"),
+    )
     counts = []
     for _ in range(2):
         out = subprocess.run(
