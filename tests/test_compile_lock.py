@@ -255,15 +255,20 @@ def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
             os.close(fd)
 
 
-def test_a_long_wait_names_the_process_it_waits_for(tmp_path, monkeypatch, capsys):
-    """A holder stopped or stuck is waited for up to WAIT_S: the process's compile line
-    (compile_notice) says so, with the holder's pid, instead of a silent pause."""
+def _compile_lines_shown(monkeypatch) -> None:
+    """The compile line printed after 0.1 s, as in a terminal with no quiet setting."""
     from backplan.codegen.build import compile_notice
 
     monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0.1")
     monkeypatch.delenv("BACKPLAN_QUIET", raising=False)
     monkeypatch.delenv("BACKPLAN_VERBOSE", raising=False)
     monkeypatch.setattr(compile_notice, "_said", [False])
+
+
+def test_a_long_wait_names_the_process_it_waits_for(tmp_path, monkeypatch, capsys):
+    """A holder stopped or stuck is waited for up to WAIT_S: the process's compile line
+    (compile_notice) says so, with the holder's pid, instead of a silent pause."""
+    _compile_lines_shown(monkeypatch)
     lock = str(tmp_path / "twice-5.py311.0123.lock")
     holder = _holder(lock)
     try:
@@ -283,15 +288,10 @@ def test_the_wait_is_set_by_an_environment_variable(tmp_path, monkeypatch, capsy
     waiter gives up while the holder still holds the lock and compiles without it (take() says
     it waited; the lock is not this process's), and its compile line names the setting's wait.
     A value that is not a number keeps WAIT_S."""
-    from backplan.codegen.build import compile_notice
-
     monkeypatch.setenv("BACKPLAN_COMPILE_LOCK_WAIT_SECONDS", "x")
     assert compile_lock.wait_seconds() == compile_lock.WAIT_S
     monkeypatch.setenv("BACKPLAN_COMPILE_LOCK_WAIT_SECONDS", "0.3")
-    monkeypatch.setenv("BACKPLAN_PROGRESS_SECONDS", "0.1")
-    monkeypatch.delenv("BACKPLAN_QUIET", raising=False)
-    monkeypatch.delenv("BACKPLAN_VERBOSE", raising=False)
-    monkeypatch.setattr(compile_notice, "_said", [False])
+    _compile_lines_shown(monkeypatch)
     lock = str(tmp_path / "stuck-5.py311.0123.lock")
     holder = _holder(lock)
     try:
