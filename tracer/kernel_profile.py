@@ -6,8 +6,9 @@ make each plan's timed driver, then `repeat`
 times with each compiled plan's kernels timed (runtime/kernel_times.py) and `repeat` times
 untimed; each kernel's time is its median over the timed calls. A timed call runs the plan's
 driver as Python calling the same compiled kernels, so a kernel's seconds include the few
-microseconds of Python before it, and the kernels' sum is at most the timed call's wall time
-(`timed_call_seconds`); `call_seconds` is the untimed call's, for comparison. A compiled
+microseconds of Python before it; within each timed call the kernels' sum is at most that call's
+wall time (`kernel_shares`: the medians' sum against the median call need not be);
+`call_seconds` is the untimed call's, for comparison. A compiled
 function returning a scalar loss that requires grad is called with its backward(), the step
 explain counts (the arguments' .grad are put back as they were after each call)."""
 
@@ -31,7 +32,8 @@ class KernelProfile:
 
     kernels: tuple[tuple[str, float], ...]
     call_seconds: float  # a call as it runs untimed
-    timed_call_seconds: float  # a call with its kernels timed: at least sum(seconds)
+    timed_call_seconds: float  # the median call with its kernels timed
+    kernel_shares: tuple[float, ...] = ()  # per timed call: its kernels' seconds / its wall time
 
     @property
     def seconds(self) -> list[float]:
@@ -86,11 +88,15 @@ def profile(fn, args: tuple, kwargs: dict, repeat: int, warmup: int) -> KernelPr
             "profile: the calls ran no compiled plan, or different plans from call to call "
             f"({len(shapes)} different sequences); is the backend the reference interpreter?"
         )
-    kernels = []
+    kernels, sums = [], np.zeros(repeat)
     for j, (name, _) in enumerate(runs[0]):
         per_call = np.array([np.diff(calls[j][1]) for calls in runs])
         kernels += [(name, float(s)) for s in np.median(per_call, axis=0)]
-    return KernelProfile(tuple(kernels), statistics.median(untimed), statistics.median(timed))
+        sums += per_call.sum(axis=1)
+    shares = tuple(float(k / t) for k, t in zip(sums, timed, strict=True))
+    return KernelProfile(
+        tuple(kernels), statistics.median(untimed), statistics.median(timed), shares
+    )
 
 
 def _copied(tree):
