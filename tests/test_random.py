@@ -235,3 +235,19 @@ def test_bernoulli_draws_the_same_numbers_whichever_way_p_arrives():
     np.testing.assert_array_equal(traced(key, 0.3).numpy(), eager)
     np.testing.assert_array_equal(constant(key).numpy(), eager)
     assert 0 < eager.sum() < 64
+
+
+@pytest.mark.parametrize("dtype", [bp.bfloat16, bp.float16])
+def test_a_16_bit_dropout_zeroes_the_rate_asked_with_the_float32_mask(dtype):
+    """A bfloat16 draw has 2**8 values in [0.5, 1): rate 0.1 kept 0.8964 (the mean 0.5% low)
+    and rate 0.001 kept every element. The mask is now the float32 one, whatever x's dtype."""
+    key = bp.random.key(5)
+    ones32 = bp.ones((1000, 1000))
+    for rate in (0.1, 0.001):
+        want = bp.dropout(ones32, rate, key).numpy() != 0
+        got = bp.dropout(bp.ones((1000, 1000), dtype=dtype), rate, key).numpy() != 0
+        np.testing.assert_array_equal(got, want)
+        assert abs(got.mean() - (1 - rate)) < 4 * np.sqrt(rate * (1 - rate) / got.size)
+    as_tensor = bp.dropout(bp.ones((1000, 1000), dtype=dtype), bp.tensor(np.float32(0.1)), key)
+    assert as_tensor.dtype == dtype
+    np.testing.assert_array_equal(as_tensor.numpy() != 0, bp.dropout(ones32, 0.1, key).numpy() != 0)

@@ -103,7 +103,9 @@ def bernoulli(k, p=0.5, shape=None) -> Tensor:
 def dropout(x, rate, k) -> Tensor:
     """Inverted dropout: each element is zeroed with probability `rate` and the survivors are
     scaled by 1 / (1 - rate), so the expected value is unchanged; rate == 0 returns x. The mask
-    is a pure function of k, so backward recomputes it bit for bit instead of saving it.
+    is a pure function of k, so backward recomputes it bit for bit instead of saving it. For
+    bfloat16 / float16 x it is drawn in float32 (the same mask as a float32 x): a 16-bit draw
+    holds too few values below 1, so the rate kept would drift from `rate` (0.001 kept all).
 
     >>> import backplan as bp
     >>> y = bp.dropout(bp.ones((4,)), 0.5, bp.random.key(0))
@@ -113,10 +115,11 @@ def dropout(x, rate, k) -> Tensor:
     x = as_tensor(x)
     if not is_float(x._ir_dtype):
         raise TypeError(f"bp.dropout: x must be a float tensor, got {x.dtype}")
+    draw = _draw_dtype(x._ir_dtype)  # 16-bit x: a float32 draw; bf16's would drop 0.4% more
     if isinstance(rate, Tensor):
-        keep = sub(1.0, astype(rate, x._ir_dtype))
-        u = uniform(k, x.shape, x._ir_dtype)
-        return where(less(u, keep), x / keep, full((), 0, x._ir_dtype))
+        keep = sub(1.0, astype(rate, draw))
+        u = uniform(k, x.shape, draw)
+        return where(less(u, keep), astype(x / keep, x._ir_dtype), full((), 0, x._ir_dtype))
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < 1:
         raise ValueError(
             f"bp.dropout: rate must be a number in [0, 1), got {rate!r} (rate is the fraction "
@@ -125,5 +128,5 @@ def dropout(x, rate, k) -> Tensor:
     if rate == 0:
         return x
     keep = 1.0 - float(rate)
-    mask = less(uniform(k, x.shape, x._ir_dtype), keep)
+    mask = less(uniform(k, x.shape, draw), keep)
     return where(mask, mul(x, 1.0 / keep), full((), 0, x._ir_dtype))
