@@ -127,6 +127,29 @@ def test_progress_counts_kernels_compiled_in_either_form(driver, monkeypatch, tm
     assert done >= 1 and done + cached == total, ready
 
 
+def test_a_kernel_predicted_cached_that_compiles_counts_as_one_more_to_compile(monkeypatch, capfd):
+    """The cached count is a prediction (an index on disk may hold other argument types): a
+    first call at a new size printed "8/7 kernels compiled" and "ready: 10 kernels compiled, 5
+    cached, 12 in all". Such a kernel now moves from cached to compiled, so the lines add up."""
+    from backplan.codegen.build import progress
+
+    monkeypatch.setattr(progress, "LINE_INTERVAL", 0.0)
+    guess = progress.CompileEstimate(4, 2, 1.0, frozenset({"a", "b"}))
+    capfd.readouterr()
+    lines = progress._Lines("@f", guess, set())
+    for digest in ("c", "a", "d", "c"):
+        lines.kernel_done(digest)
+    lines.done()
+    said = [line.split(": ", 2)[2] for line in capfd.readouterr().err.splitlines()]
+    assert said[0].startswith("compiling 2 of 4 loop kernels (2 cached)")
+    assert [line.split(",")[0] for line in said[1:4]] == [
+        "1/2 kernels compiled",
+        "2/3 kernels compiled",
+        "3/3 kernels compiled",
+    ]
+    assert said[4].startswith("ready: 3 kernels compiled, 1 cached, 4 in all"), said
+
+
 def test_a_forward_only_plan_under_no_grad_shares_the_training_plans_kernels(monkeypatch):
     """bp.no_grad() retraces (a forward-only plan, no saved buffers). Where its loops have the
     bodies the training forward has (an MLP: bias + relu loops), it compiles no new kernel; a

@@ -22,6 +22,7 @@ NOT_FINGERPRINTED = frozenset(
     os.path.join(*path.split("/"))
     for path in (
         "build/compile_notice.py",
+        "build/progress.py",
         "build/plan_facts.py",
         "build/driver_build.py",
         "build/driver_builder.py",
