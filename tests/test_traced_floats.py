@@ -223,3 +223,21 @@ def test_a_numpy_scalar_to_differentiate_is_named_with_what_to_pass():
     with pytest.raises(TypeError, match=r"a NumPy scalar \(numpy\.float64\).*float\(x\)"):
         vg(np.float64(3.0))
     assert vg(float(np.float64(3.0)))[1] == 2.0
+
+
+def test_a_list_of_traced_floats_makes_the_float32_tensor_it_makes_eagerly():
+    """Python floats passed to a compiled function are traced as weak 0-d float64 inputs;
+    stacked as they were, bp.tensor([a, b]) and bp.sum([a, b]) gave float64 compiled where
+    the same call gives float32 eagerly."""
+
+    def made(values, w):
+        return bp.tensor(values), bp.sum(values), bp.as_tensor([values[0], 1.0]) * w
+
+    w = bp.tensor(f32(2))
+    eager = made([0.25, 0.5], w)
+    compiled = bp.compile(made)([0.25, 0.5], w)
+    for e, c in zip(eager, compiled, strict=True):
+        assert c.dtype == e.dtype == np.float32
+        np.testing.assert_array_equal(c.numpy(), e.numpy())
+    doubles = bp.compile(lambda v, d: bp.tensor([v[0], d]))([0.5], bp.tensor(np.float64(2.0)))
+    assert doubles.dtype == np.float64  # a float64 element still promotes

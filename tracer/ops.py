@@ -58,7 +58,7 @@ def as_tensor(x: TensorLike) -> Tensor:
     if isinstance(x, list | tuple) and current_trace() is not None and _holds_traced(x):
         # np.asarray cannot read a traced value: stack the elements instead, as eagerly (and
         # jnp.asarray) a list of tensors and numbers becomes one tensor
-        return stack([e if isinstance(e, Tensor) else as_tensor(_number(e)) for e in x])
+        return stack([_element(e) for e in x])
     if isinstance(x, np.ndarray | list | tuple | np.generic):
         return Tensor(x)
     raise operand_type_error(x)
@@ -70,6 +70,15 @@ def _holds_traced(items) -> bool:
         or (isinstance(i, list | tuple) and _holds_traced(i))
         for i in items
     )
+
+
+def _element(e) -> Tensor:
+    """One element of a list made a tensor while tracing: a Python float passed to the compiled
+    function (a weakly typed 0-d input) makes float32 there, as the same float does eagerly;
+    stacked as it was traced, `bp.tensor([lr, 2.0])` was float64 compiled, float32 eagerly."""
+    if not isinstance(e, Tensor):
+        return as_tensor(_number(e))
+    return astype(e, "f32") if e._weak else e
 
 
 def _number(x):
