@@ -134,10 +134,17 @@ class BufferLayout:
 
 
 def lifetimes(
-    graph: Graph, kernels: list[Kernel], steps: list[int], roots: Roots | None = None
+    graph: Graph,
+    kernels: list[Kernel],
+    steps: list[int],
+    roots: Roots | None = None,
+    read: dict | None = None,
 ) -> dict[Value, int]:
     """Last step that reads each storage root (through views); outputs live past the end.
-    roots: storage roots already worked out for this graph (the lowering shares one)."""
+    roots: storage roots already worked out for this graph (the lowering shares one). read:
+    each value the kernels' computed nodes read -> the step of its latest read, where the
+    caller walked them already (ir/lowering.py _buffers; steps in run order): taken over
+    and changed, not copied."""
     roots = Roots() if roots is None else roots
     if len(steps) != len(kernels):
         raise ValueError(f"{len(steps)} steps for {len(kernels)} kernels")
@@ -146,12 +153,14 @@ def lifetimes(
         # kernels that run no code hold those (_views_read_last), and a lowering's storage
         # roots asked of every input were a third of this walk (~23,000 a row of a
         # 10,000-node memory frontier, most of them values that are their own root)
-        last = {
-            inp: step
-            for step, kernel in zip(steps, kernels, strict=True)
-            for node in kernel.computed
-            for inp in node.inputs
-        }
+        last = read
+        if last is None:
+            last = {
+                inp: step
+                for step, kernel in zip(steps, kernels, strict=True)
+                for node in kernel.computed
+                for inp in node.inputs
+            }
         _views_read_last(kernels, roots, last)
     else:
         last: dict[Value, int] = {}
@@ -194,6 +203,7 @@ def plan_layout(
     row_local: dict | None = None,
     roots: Roots | None = None,
     written: list[int] | None = None,
+    read: dict | None = None,
 ) -> BufferLayout:
     """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
     storage may be reused after their last read (the consuming backward variant only).
@@ -202,7 +212,8 @@ def plan_layout(
     its buffer holds (ir/row_local.py). roots: storage roots already worked out for this
     graph. written: the step each buffer is written at, where the caller listed the buffers
     kernel by kernel (the lowering does): else a map of every node's step is made for them
-    (~11,000 nodes a row of a 10,000-node memory frontier, for ~5,500 buffers)."""
+    (~11,000 nodes a row of a 10,000-node memory frontier, for ~5,500 buffers). read: each
+    value read -> its latest step, where the caller walked the kernels (lifetimes)."""
     steps = steps if steps is not None else list(range(len(kernels)))
     roots = Roots() if roots is None else roots
     kernel_of, step_of = {}, {}  # every node's kernel and step: in-place candidates ask them
@@ -212,7 +223,7 @@ def plan_layout(
         written = list(map(step_of.__getitem__, buffers))
     if IN_PLACE:
         kernel_of = {n: kernel for kernel in kernels for n in kernel.all_nodes}
-    last = lifetimes(graph, kernels, steps, roots)
+    last = lifetimes(graph, kernels, steps, roots, read)
     output_roots = {roots[o] for o in graph.outputs}
     layout = BufferLayout(row_local=dict(row_local or {}))
     requests = []
@@ -221,13 +232,25 @@ def plan_layout(
         if value in output_roots:
             layout.outputs.append(value)
             continue
-        read = read_last(value, first)
+        latest = read_last(value, first)
         nbytes = value.type.nbytes
         if not nbytes or value in rows:
             nbytes = layout.reserved_bytes(value)  # empty: one item; row-local: its rows
-        # positional, the fields' defaults after them: a lowering makes one a buffer (~5,500 a
-        # row of a 10,000-node memory frontier), and keywords took twice as long
-        request = BufferRequest(value, nbytes, value.dtype, first, read if read > first else first)
+        # every field given, without the named tuple's generated __new__: a lowering makes
+        # one a buffer (~5,500 a row of a 10,000-node memory frontier)
+        request = _request(
+            BufferRequest,
+            (
+                value,
+                nbytes,
+                value.dtype,
+                first,
+                latest if latest > first else first,
+                "scratch",
+                (),
+                False,
+            ),
+        )
         if IN_PLACE:
             candidates = _in_place_candidates(value, kernel_of[value], last, step_of)
             request = request._replace(reuse=candidates)
@@ -244,6 +267,9 @@ def plan_layout(
     for r, elements in workspaces:
         layout.workspaces[r.key.node] = (placements[r.key].offset, elements)
     return layout
+
+
+_request = tuple.__new__  # BufferRequest(*fields), as memory_plan's _placement makes Placements
 
 
 def _workspace_requests(kernels: list[Kernel], steps: list[int]) -> list[tuple]:

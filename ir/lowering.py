@@ -187,11 +187,11 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
         journal[0].strided = strided[0] if strided else None
         journal[0].known = known
     steps = schedule_steps(kernels, runs)
-    buffers, written, op_kinds = _buffers(kernels, steps, needed)
+    buffers, written, op_kinds, read = _buffers(kernels, steps, needed)
     private = [graph.inputs[i] for i in private_saved]
     pinned = None if plan.shared is None else plan.shared.setdefault(("row_local",), {})
     local = row_local_values(graph, kernels, runs, needed, pinned)
-    layout = plan_layout(graph, kernels, buffers, private, steps, local, roots, written)
+    layout = plan_layout(graph, kernels, buffers, private, steps, local, roots, written, read)
     lowered = LoweredPlan(
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )
@@ -207,11 +207,17 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
 
 def _buffers(kernels: list[Kernel], steps: list[int], needed: set[Value]):
     """(the values that get storage, in kernel order: those needed of the kernels that run
-    code, constants aside; the step each is written at; LoweredPlan.op_kinds), the steps and
-    ops read in the same walk (plan_layout asks the steps of its buffers only)."""
-    buffers, written, ops = [], [], {}
+    code, constants aside; the step each is written at; LoweredPlan.op_kinds; each value read
+    -> the step of its latest read, as ir/layout.py lifetimes starts from), the steps, ops
+    and reads taken in the same walk (plan_layout asks the steps of its buffers only, and a
+    second walk of every kernel's inputs for lifetimes cost a row of a 10,000-node memory
+    frontier ~1-2 ms, mostly cache misses on kernels and nodes this walk has just read)."""
+    buffers, written, ops, read = [], [], {}, {}
     add, at = buffers.append, written.append
     for kernel, step in zip(kernels, steps, strict=True):
+        for node in kernel.computed:  # steps rise (schedule_steps): the last read wins
+            for inp in node.inputs:
+                read[inp] = step
         kind = kernel.kind
         if kind in RUN_KINDS:
             for n in kernel.all_nodes:
@@ -225,7 +231,7 @@ def _buffers(kernels: list[Kernel], steps: list[int], needed: set[Value]):
                     dtypes = ops[node.op] = {}
                 dtypes.setdefault(node.type.dtype, step)
     kinds = sorted((at, op, dtype) for op, d in ops.items() for dtype, at in d.items())
-    return buffers, written, tuple((op, dtype) for _, op, dtype in kinds)
+    return buffers, written, tuple((op, dtype) for _, op, dtype in kinds), read
 
 
 def sources_known(source, journal) -> tuple[Bases, Roots]:
