@@ -46,6 +46,7 @@ class Journal:
         "absorbed",
         "known",
         "reads_out",
+        "dtypes",
         "__weakref__",
     )
 
@@ -80,12 +81,15 @@ class Journal:
         # what each of the first kernels reads from other kernels (ir/fusion.py materialized's
         # `noted`), set by the lowering: a row's unchanged kernels read the same
         self.reads_out: list | None = None
+        # each dtype's first place among the shared graph's values (ir/widen.py row_dtypes),
+        # handed from row to row
+        self.dtypes: dict | None = None
 
     def let_go(self) -> None:
         """Empty: a later row's journal replaced it (its lowered plan still points at it)."""
         self.nodes, self.homes, self.kernels, self.loops = [], [], [], []
         self.reads, self.cheap, self.cones, self.strided = {}, {}, {}, None
-        self.absorbed, self.known, self.reads_out = None, None, None
+        self.absorbed, self.known, self.reads_out, self.dtypes = None, None, None, None
 
 
 def resumer(journal: Journal | None, made: list | None = None):

@@ -31,7 +31,7 @@ from .rounding_points import reference_plan, rounding_points
 from .row_local import row_local_values
 from .strided_copies import copy_strided_reshapes
 from .wide_reads import reads_wide_copies, wide_copies_read_as_is
-from .widen import half_among, value_dtypes, widen_with_origin
+from .widen import half_among, row_dtypes, value_dtypes, widen_with_origin
 
 RUN_KINDS = ("loop", "op")  # kernels that run code; views, aliases and literals cost nothing
 
@@ -176,7 +176,10 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     resume = journal_for(given) if journal is not None else None
     strided = [] if journal is not None else None  # what its strided copies pass found
     earlier = resume.strided if resume is not None else None
-    plan, graph, origin, interpreted, sources = _prepared(plan, earlier, strided)
+    dtypes = first = None  # a row's dtypes, its shared values' from the rows before
+    if journal is not None:
+        dtypes, first = row_dtypes(given, resume.dtypes if resume is not None else None)
+    plan, graph, origin, interpreted, sources = _prepared(plan, earlier, strided, dtypes)
     # alias bases and storage roots, shared by the passes that ask them; a row's start from
     # those of the graph it shares its first values with (sources_known)
     known = None if journal is None else sources_known(given.shares_prefix_of, resume)
@@ -186,6 +189,7 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     if journal:
         journal[0].strided = strided[0] if strided else None
         journal[0].known = known
+        journal[0].dtypes = first
     steps = schedule_steps(kernels, runs)
     buffers, written, op_kinds, read = _buffers(kernels, steps, needed)
     private = [graph.inputs[i] for i in private_saved]
@@ -248,13 +252,16 @@ def sources_known(source, journal) -> tuple[Bases, Roots]:
     return bases, roots
 
 
-def _prepared(plan: Plan, earlier: tuple | None = None, found: list | None = None):
+def _prepared(
+    plan: Plan, earlier: tuple | None = None, found: list | None = None, dtypes: set | None = None
+):
     """(plan, its graph, origin, the plan the reference interpreter runs, and for a plan with
     16-bit values each node of the graph -> the node of that plan it computes where they
     differ, else None): widened for 16-bit floats and given its strided copies, as fusion
-    groups it. earlier, found: ir/strided_copies.py copy_strided_reshapes's, for a row."""
+    groups it. earlier, found: ir/strided_copies.py copy_strided_reshapes's, for a row.
+    dtypes: value_dtypes of plan's graph, where the caller knows them (a row: row_dtypes)."""
     origin, sources = None, None
-    dtypes = value_dtypes(plan.graph)
+    dtypes = value_dtypes(plan.graph) if dtypes is None else dtypes
     half = half_among(dtypes)
     if half:  # the same inputs and outputs; a plan of its own for the casts
         graph, origin = widen_with_origin(plan.graph)

@@ -40,7 +40,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .graph import Graph, Value
+from .graph import Graph, Value, shared_prefix
 from .registry import get_op
 from .types import HALF_DTYPES, TensorType, is_half, np_dtype
 
@@ -77,6 +77,22 @@ def value_dtypes(graph: Graph) -> set[str]:
     """The dtypes of graph's values (one C-level pass): has_half's answer and whether any
     value is float64 at once (ir/lowering.py asks both of every plan it lowers)."""
     return set(map(_dtype_of, chain(graph.inputs, graph.nodes)))
+
+
+def row_dtypes(graph: Graph, first: dict | None = None) -> tuple[set[str], dict]:
+    """(value_dtypes(graph), each dtype's first place among the values of the graph whose
+    inputs and first nodes graph shares: graph.shares_prefix_of, ir/graph.py copy_graph):
+    the shared values' dtypes from those places, only the nodes after them read. first: those
+    places, where a row before worked them out (a memory frontier's rows share one graph)."""
+    source = graph.shares_prefix_of
+    if first is None:
+        dtypes = list(map(_dtype_of, chain(source.inputs, source.nodes)))
+        first = {dtype: dtypes.index(dtype) for dtype in set(dtypes)}
+    shared = shared_prefix(source.nodes, graph.nodes)
+    end = len(source.inputs) + shared  # the inputs are source's own too
+    found = {dtype for dtype, at in first.items() if at < end}
+    found.update(map(_dtype_of, graph.nodes[shared:]))
+    return found, first
 
 
 def half_among(dtypes) -> bool:

@@ -14,7 +14,7 @@ from test_frontier_saved_fused import arrays, chain, viewed  # the same small mo
 import backplan as bp
 from backplan.codegen.render.opaque import unsupported_reason
 from backplan.ir.layout import Roots, lifetimes, storage_root
-from backplan.ir.lowering import lower
+from backplan.ir.lowering import _buffers, lower
 from backplan.ir.plans import JointPlans
 from backplan.ir.remat import forward_nodes, held_across
 from backplan.report import fused_saved
@@ -89,6 +89,9 @@ def test_lifetimes_and_op_kinds_are_the_kernels(fn):
         graph = lowered.plan.graph
         found = lifetimes(graph, lowered.kernels, lowered.steps, Roots())
         assert found == _walked_lifetimes(lowered)
+        # the latest reads the lowering takes in its walk for the buffers, as it lays out
+        read = _buffers(lowered.kernels, lowered.steps, lowered.materialized)[3]
+        assert lifetimes(graph, lowered.kernels, lowered.steps, Roots(), read) == found
         ops = [(k.nodes[0].op, k.nodes[0].dtype) for k in lowered.kernels if k.kind == "op"]
         assert list(lowered.op_kinds) == list(dict.fromkeys(ops))
         assert unsupported_reason(lowered) is None
@@ -141,6 +144,35 @@ def test_value_dtypes_answer_has_half_and_the_float64_question():
         assert half_among(dtypes) == has_half(graph) == (fn is cast)
         assert dtypes == {v.dtype for v in [*graph.inputs, *graph.nodes]}
         assert "f64" not in dtypes
+
+
+@pytest.mark.parametrize("fn", [chain, cast, biased])
+def test_a_rows_dtypes_from_its_shared_values_are_its_values(fn):
+    """row_dtypes reads only the nodes after those a row shares, the shared ones' dtypes
+    from where each first appears in the graph shared (worked out once, or handed on):
+    value_dtypes of the row's graph, and the first places the same from either."""
+    from backplan.ir.widen import row_dtypes, value_dtypes
+
+    _, rows = _rows(fn)
+    graphs = [plans.plan.graph for plans in rows if plans.plan.graph.shares_prefix_of]
+    assert len(graphs) >= 2
+    first = None
+    for graph in graphs:
+        found, given = row_dtypes(graph, first)
+        assert found == value_dtypes(graph) == row_dtypes(graph)[0]
+        assert given == row_dtypes(graph)[1]
+        first = given
+    # a dtype only after the shared nodes counts; one the shared graph has only later does not
+    from backplan.ir.graph import Value, copy_graph
+    from backplan.ir.types import TensorType
+
+    source = graphs[0].shares_prefix_of
+    row, _ = copy_graph(source, keep=1)
+    row.nodes = row.nodes[:1]
+    assert row_dtypes(row, first)[0] == value_dtypes(row) == {"f32"}
+    last = row.nodes[-1]
+    row.nodes.append(Value("astype", (last,), {"dtype": "f64"}, TensorType("f64", last.shape)))
+    assert row_dtypes(row, first)[0] == value_dtypes(row) == {"f32", "f64"}
 
 
 def test_a_grouping_knows_its_loops_from_what_each_reads():
