@@ -6,7 +6,10 @@ the children it waited for (mpiexec ranks, fresh interpreters, driver builds). E
 appends its rows to `cpu.json.<worker>.jsonl` as it goes; the process that ends the run (the
 xdist controller, or the only process with `-n 0`) reads them back, writes `cpu.json` (rows, per
 file totals, each worker's whole-process CPU) and prints the largest files and tests.
-Wall time says little on a shared box; CPU seconds compare across loads.
+Wall time says little on a shared box; CPU seconds compare across loads. Each row keeps its
+wall seconds too: on an idle box a test whose wall time exceeds its CPU (own + children) left a
+core idle for the difference (a sleep, a timeout waited out, a lock), the part of the suite's
+wall time no CPU cut shortens; the report lists the largest such waits.
 
 `python tests/cpu_per_test.py before.json after.json` prints the files' CPU side by side.
 """
@@ -18,6 +21,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 import pytest
 
@@ -40,13 +44,16 @@ class CpuPerTest:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
         own0, kids0 = _cpu()
+        wall0 = time.perf_counter()
         yield
+        wall1 = time.perf_counter()
         own1, kids1 = _cpu()
         row = {
             "test": item.nodeid,
             "file": item.path.name,
             "self_s": round(own1 - own0, 3),
             "children_s": round(kids1 - kids0, 3),
+            "wall_s": round(wall1 - wall0, 3),
             "worker": self.worker or "main",
         }
         self._rows.write(json.dumps(row) + "\n")
@@ -118,7 +125,16 @@ def _report(summary: dict, top: int = 15) -> str:
             f"  {row['self_s'] + row['children_s']:8.1f}"
             f"  ({row['self_s']:.1f} + {row['children_s']:.1f})  {row['test']}"
         )
+    waits = sorted(summary["tests"], key=lambda r: -_waited(r))[:top]
+    if waits and _waited(waits[0]) > 0:
+        lines.append("largest waits (wall - CPU s: a core idle there on an idle box; wall):")
+        lines.extend(f"  {_waited(r):8.1f}  ({r['wall_s']:.1f})  {r['test']}" for r in waits)
     return "\n".join(lines) + "\n"
+
+
+def _waited(row: dict) -> float:
+    """Wall seconds a test spent beyond its CPU (rows written before wall_s was kept: 0)."""
+    return row.get("wall_s", 0.0) - row["self_s"] - row["children_s"]
 
 
 def _compare(before: str, after: str) -> str:
