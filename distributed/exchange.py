@@ -20,7 +20,10 @@ from .world import World, mpi_module
 
 class Exchange:
     """start_ready(step, array_of) starts every bucket whose leaves are all written by `step`;
-    progress() lets MPI move started buckets along; finish() waits and unpacks."""
+    progress() lets MPI move started buckets along; finish() waits and unpacks (waits_first:
+    waits for every bucket before it unpacks any)."""
+
+    waits_first = False
 
     def __init__(self, world: World, layout: Layout, average: bool, timeout=None):
         self.world = world
@@ -93,17 +96,23 @@ class Exchange:
         if self.started:
             self.mpi.Request.Testall([request for _, _, request in self.started])
 
+    def _wait(self, bucket, request, arrivals) -> None:
+        if self.timeout is None:
+            request.Wait()
+        else:
+            what = f"the allreduce of bucket {bucket.index}"
+            wait_or_raise(request, self.timeout, what, arrivals)
+
     def finish(self) -> list[Tensor]:
         """Wait for each bucket in order and unpack it; unpacking bucket k overlaps the transfer
         of the buckets after it. Returns the loss and gradients in leaf order."""
         results: list = [None] * self.layout.n_leaves
         arrivals = Arrivals(self.world.comm) if self.arrivals else None
+        if self.waits_first:  # every bucket complete before any is unpacked
+            for bucket, _, request in self.started:
+                self._wait(bucket, request, arrivals)
         for bucket, buffer, request in self.started:
-            if self.timeout is None:
-                request.Wait()
-            else:
-                what = f"the allreduce of bucket {bucket.index}"
-                wait_or_raise(request, self.timeout, what, arrivals)
+            self._wait(bucket, request, arrivals)
             if self.average and self.weight is None and bucket.index not in self.averaged:
                 average_in_place(buffer, self.world.size)
             buffer.flags.writeable = False

@@ -12,6 +12,7 @@ from numba import njit
 
 from .half_sum import BFLOAT16, CHUNK, FLOAT16, _widen_bfloat16, _widen_float16
 
+CHUNK_IN_PLACE = 1 << 14  # elements summed at once in scratch by sum_in_place (L2-sized)
 PLAIN, TIMES, DIVIDED = 0, 1, 2  # what is done to each sum: nothing, * factor, / factor
 
 
@@ -41,6 +42,26 @@ def sum_into(buffers: list[np.ndarray], out: np.ndarray, average: bool) -> None:
     for buffer in buffers[2:-1]:
         out += buffer
     _add(out, buffers[-1], out, how, factor)
+
+
+def sum_in_place(buffers: list[np.ndarray], rank: int, average: bool) -> None:
+    """buffers[rank] = the sum of buffers in rank order (sum_into's bits), averaged when
+    average, written over that rank's own buffer: on two ranks one pass that reads each
+    element before it writes it; on more, in chunks summed in scratch, so that buffers[rank]
+    is read before it is written."""
+    out = buffers[rank]
+    if len(buffers) == 2 or out.size == 0:
+        sum_into(buffers, out, average)
+        return
+    how, factor = _averaging(len(buffers), average, out.dtype)
+    scratch = np.empty(min(out.size, CHUNK_IN_PLACE), out.dtype)
+    for start in range(0, out.size, scratch.size):
+        stop = min(out.size, start + scratch.size)
+        part = scratch[: stop - start]
+        np.add(buffers[0][start:stop], buffers[1][start:stop], out=part)
+        for buffer in buffers[2:-1]:
+            part += buffer[start:stop]
+        _add(part, buffers[-1][start:stop], out[start:stop], how, factor)
 
 
 @njit(nogil=True, cache=True)

@@ -3,10 +3,13 @@ rank's segment (a file in /dev/shm, unlinked as soon as made: the other ranks op
 /proc/PID/fd/FD while its maker holds it open, so nothing is left behind) and reads its bucket
 buffers as its own memory, so a sum over the ranks needs no message and no copy through MPI's
 cells. Each rank's segment holds a counter per bucket (how many times it has written the
-bucket), a line of bytes saying which ranks sleep on those counters, and the bucket buffers
-twice, used by alternate calls: a rank writes a buffer again two calls later, by which time
-every other rank has passed the next call's wait on it (shared_exchange.py), so nobody reads a
-buffer while it is rewritten.
+bucket), a line of bytes saying which ranks sleep on those counters, a line of words saying
+which results a rank still held (shared_exchange.publish_holds), and the bucket buffers once
+per generation, used by successive calls in turn: a rank writes a buffer again two calls later
+or more, by which time every other rank has passed the next call's wait on it
+(shared_exchange.py), so nobody reads a buffer while it is rewritten. A window aligned on pages
+keeps every rank's file open, so that stitched() maps parts of several ranks' buffers end to
+end (window_views.py).
 
 Made without a blocking collective: the ranks swap their segments' names with deadline.swap,
 so a rank that stopped before it is named in a RankTimeoutError after the step's timeout (MPI's
@@ -27,11 +30,13 @@ import re
 import secrets
 import stat
 import time
+import weakref
 
 import numpy as np
 
 from . import futex
 from .deadline import SHARE_TAG, swap
+from .window_views import PAGE, stitched
 from .world import mpi_module
 
 LINE = 64  # bytes: counters and buffers start on their own cache lines
@@ -93,9 +98,9 @@ def _create(nbytes: int):
 _OPENED = re.compile(r"/proc/\d+/fd/\d+")
 
 
-def _attach(path: str, nbytes: int):
+def _attach(path: str, nbytes: int, keep: dict | None = None):
     """Another rank's segment mapped here, or None when it cannot be (another machine, or not
-    a segment of this user and size)."""
+    a segment of this user and size). keep: {id of the mapping: a descriptor of its file}."""
     if not _OPENED.fullmatch(path):
         return None
     try:
@@ -112,62 +117,92 @@ def _attach(path: str, nbytes: int):
             return None
         if info.st_size != nbytes:
             return None
-        return mmap.mmap(fd, nbytes)
+        mapped = mmap.mmap(fd, nbytes)
+        if keep is not None:  # its file kept open too (window_views.stitched maps it again)
+            keep[_attached_key(mapped)] = os.dup(fd)
+        return mapped
     except OSError:
         return None
     finally:
         os.close(fd)
 
 
-def share(comm, nbytes: int, seconds: float | None, step: str, check: bytes = b""):
+def _attached_key(mapped) -> int:
+    return id(mapped)
+
+
+def share(
+    comm, nbytes: int, seconds: float | None, step: str, check: bytes = b"", fds: list | None = None
+):
     """Every rank's segment of nbytes mapped here (a list in rank order), or None on every
     rank alike when some rank cannot map every other's (they are not on one node). check:
     bytes written at the start of this rank's segment and compared in the others' (the probe
     of shared_exchange.reduction). Two swaps with the deadline (deadline.swap): the names,
     then whether each rank mapped all; each rank closes its file after the second, when every
-    rank has mapped it or given up."""
+    rank has mapped it or given up. fds: filled with a descriptor of every rank's file, in
+    rank order (the caller closes them), when every rank mapped all."""
     rank, size = comm.Get_rank(), comm.Get_size()
     size_of = max(nbytes, len(check), 1)
     fd, own = _create(size_of)
     path = f"/proc/{os.getpid()}/fd/{fd}" if own is not None else ""
+    kept: dict | None = {} if fds is not None else None  # id of a mapping -> its file's dup
+    maps: list = []
+    shared = False
     try:
         if own is not None:
             own[: len(check)] = check
+            if kept is not None:
+                kept[_attached_key(own)] = os.dup(fd)
         name = np.zeros(NAME_BYTES + len(check), np.uint8)
         encoded = np.frombuffer(path.encode(), np.uint8)[:NAME_BYTES]
         name[: encoded.size] = encoded
         name[NAME_BYTES:] = np.frombuffer(check, np.uint8)
         names = swap(comm, name, seconds, step, SHARE_TAG)
-        maps = []
         for q in range(size):
             theirs = bytes(names[q, :NAME_BYTES]).rstrip(b"\0").decode(errors="replace")
-            mapped = own if q == rank else _attach(theirs, size_of) if theirs else None
+            mapped = own if q == rank else _attach(theirs, size_of, kept) if theirs else None
             if mapped is not None and mapped[: len(check)] != bytes(names[q, NAME_BYTES:]):
                 mapped = None  # a file of that name, but not the one rank q wrote
             maps.append(mapped)
         mapped_all = all(m is not None for m in maps)
         verdicts = swap(comm, np.array([mapped_all], np.uint8), seconds, step, SHARE_TAG)
+        shared = bool(verdicts.all())
     finally:
         if own is not None:
             os.close(fd)  # every rank opened it or gave up (the mapping keeps the memory)
-    return maps if verdicts.all() else None
+        if kept is not None:
+            if shared:
+                fds.extend(kept.pop(_attached_key(m)) for m in maps)
+            for extra in kept.values():  # not shared, or a mapping found not to be rank q's
+                os.close(extra)
+    return maps if shared else None
 
 
-def _offsets(counts: list[int], dtypes: list[np.dtype]) -> tuple[list[list[int]], int]:
-    """Where each parity's buffer of each bucket starts in a rank's segment, and its bytes."""
-    offsets, at = [], _aligned(len(counts) * 8) + LINE  # the counters, then the sleepers' line
-    for _parity in range(2):
+def _offsets(
+    counts: list[int], dtypes: list[np.dtype], generations: int = 2, align: int = LINE
+) -> tuple[list[list[int]], int]:
+    """Where each generation's buffer of each bucket starts in a rank's segment (on `align`
+    bytes), and its bytes: the counters, the sleepers' line and the holds' line first."""
+    offsets, at = [], _aligned(len(counts) * 8) + 2 * LINE
+
+    def placed(n: int) -> int:
+        return -(-n // align) * align
+
+    for _generation in range(generations):
         row = []
         for count, dtype in zip(counts, dtypes, strict=True):
+            at = placed(at)
             row.append(at)
             at = _aligned(at + count * np.dtype(dtype).itemsize)
         offsets.append(row)
-    return offsets, at
+    return offsets, placed(at)
 
 
-def segment_bytes(counts: list[int], dtypes: list[np.dtype]) -> int:
+def segment_bytes(
+    counts: list[int], dtypes: list[np.dtype], generations: int = 2, align: int = LINE
+) -> int:
     """The bytes of one rank's segment of a NodeWindow of these buckets (no MPI needed)."""
-    return _offsets(counts, dtypes)[1]
+    return _offsets(counts, dtypes, generations, align)[1]
 
 
 def resident_bytes(nbytes: int) -> int:
@@ -176,30 +211,72 @@ def resident_bytes(nbytes: int) -> int:
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-class NodeWindow:
-    """A counter and two buffers per bucket for every rank of comm (all on one node), made
-    together (every rank makes the same window at the same point; seconds and step: the
-    deadline and what a RankTimeoutError names if a rank does not come)."""
+def _close(fds: list) -> None:
+    for fd in fds:
+        os.close(fd)
 
-    def __init__(self, comm, counts: list[int], dtypes: list[np.dtype], seconds, step: str):
+
+class NodeWindow:
+    """A counter and `generations` buffers per bucket for every rank of comm (all on one node),
+    made together (every rank makes the same window at the same point; seconds and step: the
+    deadline and what a RankTimeoutError names if a rank does not come). align: PAGE keeps
+    every rank's files open and its buffers on whole pages, for stitched() views."""
+
+    def __init__(
+        self,
+        comm,
+        counts: list[int],
+        dtypes: list[np.dtype],
+        seconds,
+        step: str,
+        generations: int = 2,
+        align: int = LINE,
+    ):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.counts, self.dtypes = counts, [np.dtype(d) for d in dtypes]
+        self.generations = generations
         n = len(counts)
-        self._offsets, self.nbytes = _offsets(counts, self.dtypes)
-        maps = share(comm, self.nbytes, seconds, step)
+        self._offsets, self.nbytes = _offsets(counts, self.dtypes, generations, align)
+        self._fds: list = [] if align % PAGE == 0 else None
+        maps = share(comm, self.nbytes, seconds, step, fds=self._fds)
         if maps is None:
             raise OSError(f"{step}: the ranks could not map each other's shared memory")
+        if self._fds:
+            weakref.finalize(self, _close, self._fds)
         segments = [np.frombuffer(m, np.uint8, self.nbytes) for m in maps]
         self._segments = segments
         self.counters = [s[: n * 8].view(np.int64).reshape(1, n) for s in segments]
         at = _aligned(n * 8)  # a byte per rank (up to LINE ranks): sleeping on these counters
         self._sleepers = [s[at : at + LINE] for s in segments]
+        # per rank, two calls' words (call % 2): whether the rank still held, at that call,
+        # the results it was given two calls before (shared_exchange.py)
+        self.holds = [s[at + LINE : at + 2 * LINE].view(np.int64) for s in segments]
         self.written = [0] * n  # calls that wrote each bucket on this rank
         self._views: dict = {}  # (rank, k, parity) -> buffer(): made once, not per call
+        self._stitched: dict = {}  # (k, generation) -> window_views.stitched reservation
+
+    def stitched(self, k: int, generation: int):
+        """The reservation (window_views.stitched) whose pages are, part by part
+        (page_part), every rank's buffer of bucket k of that generation: the whole bucket
+        once each rank has written its part. Made once; arrays made from it hold it."""
+        found = self._stitched.get((k, generation))
+        if found is None:
+            size = self.dtypes[k].itemsize
+            pieces = []
+            for q in range(self.size):
+                part = self.page_part(q, k)
+                offset = self._offsets[generation][k] + part.start * size
+                pieces.append((self._fds[q], offset, (part.stop - part.start) * size))
+            found = self._stitched[(k, generation)] = stitched(pieces)
+        return found
+
+    def page_part(self, rank: int, k: int) -> slice:
+        """The elements of bucket k that `rank` sums in place: contiguous, split on pages."""
+        return self._split(rank, k, PAGE)
 
     def buffer(self, rank: int, k: int, parity: int) -> np.ndarray:
-        """Rank `rank`'s buffer of bucket k for calls of this parity (a 1-D array, the same
-        view object every time)."""
+        """Rank `rank`'s buffer of bucket k for calls of this generation (parity: call %
+        generations; a 1-D array, the same view object every time)."""
         found = self._views.get((rank, k, parity))
         if found is None:
             at = self._offsets[parity][k]
@@ -210,10 +287,14 @@ class NodeWindow:
 
     def part(self, rank: int, k: int) -> slice:
         """The elements of bucket k that `rank` sums: contiguous, split on cache lines."""
-        per_line = max(1, LINE // self.dtypes[k].itemsize)
-        lines = -(-self.counts[k] // per_line)
-        start = min(self.counts[k], lines * rank // self.size * per_line)
-        stop = min(self.counts[k], lines * (rank + 1) // self.size * per_line)
+        return self._split(rank, k, LINE)
+
+    def _split(self, rank: int, k: int, unit: int) -> slice:
+        """Rank `rank`'s 1/N of bucket k's elements, in whole units of `unit` bytes."""
+        per_unit = max(1, unit // self.dtypes[k].itemsize)
+        units = -(-self.counts[k] // per_unit)
+        start = min(self.counts[k], units * rank // self.size * per_unit)
+        stop = min(self.counts[k], units * (rank + 1) // self.size * per_unit)
         return slice(start, stop)
 
     def mark(self, which: int, k: int, value: int) -> None:

@@ -34,6 +34,7 @@ from backplan.ir.types import np_dtype
 
 from .half_sum import sent_in_16_bits
 from .half_wire import summed_dtype
+from .window_views import summed_in_place
 
 # what the checked mode's counting allocator never sees
 NOT_COUNTED = ("batch", "workspace", "MPI buffers", "node window")
@@ -64,12 +65,16 @@ class RankPeak:
     between: RankPhase  # what stays allocated between two calls
     not_counted: tuple[str, ...] = NOT_COUNTED  # categories the checked mode never sees
     first_call: RankPeak | None = None  # the loop's first call, where it differs
+    # the loop's second call, where it differs: the plan's workspace still keeps the big
+    # output buffers the first call's gradients were written into (from the second call on
+    # they are written into the node's window) while the plan runs
+    second_call: RankPeak | None = None
 
     @property
     def most_bytes(self) -> int:
         """The most bytes one rank holds in any call of the loop (its first included)."""
-        first = self.first_call.peak_bytes if self.first_call is not None else 0
-        return max(self.peak_bytes, first)
+        calls = (self.first_call, self.second_call)
+        return max(self.peak_bytes, *(c.peak_bytes for c in calls if c is not None))
 
     @property
     def peak_phase(self) -> RankPhase:
@@ -103,13 +108,16 @@ class RankPeak:
         text = (
             f"{head}, while {phase.name} ({parts}). Other phases: "
             f"{others}; held between calls {self.between.nbytes:,} B. Counted as the loop "
-            "holds it from its second call on: the caller's arrays, every compiled plan's "
+            f"holds it from its {'third' if self.second_call else 'second'} call on: the "
+            "caller's arrays, every compiled plan's "
             "arena, the exchange's buffers and the results the loop still binds"
         )
         if any(p.held.get("node window") for p in self.phases):
             text += (
                 ", and this rank's segment of the node's shared window the gradients are "
-                "summed in (each buffer twice, for alternate calls; float32 for 16-bit sums), "
+                "summed in (each buffer three times, used in turn by successive calls; float32 "
+                "for 16-bit sums; the buckets summed in place there hold the results the loop "
+                "binds), "
                 "made in the step's first call that exchanges and freed when the step is "
                 "collected."
             )
@@ -119,6 +127,13 @@ class RankPeak:
                 if any("MPI buffers" in p.held for p in self.phases)
                 else ". Not counted: what the MPI library allocates for a collective in flight "
                 "(its algorithm's; MPICH's default on 2 ranks: about half of each bucket)."
+            )
+        if self.second_call is not None:
+            second = self.second_call.peak_phase
+            text += (
+                f" The second call holds {second.nbytes:,} B at most, while {second.name}: the "
+                f"plan's workspace still keeps the output buffers of {REUSE_BYTES:,} B or more "
+                "the first call's gradients were written into."
             )
         if self.first_call is not None:
             first = self.first_call.peak_phase
@@ -187,9 +202,12 @@ def _wire_dtype(dtype: str, size: int) -> np.dtype:
 def bucket_bytes(layout, in_plan: dict, size: int = 0, node: bool = False) -> tuple[int, int, int]:
     """(bytes of the buckets the driver writes the gradients into, bytes of the buffers packed
     after the call, bytes of the 16-bit copies unpacked from float32 sums) on `size` ranks;
-    node: summed in the node's window (16-bit buckets summed into float32 buffers there)."""
+    node: summed in the node's window (16-bit buckets summed into float32 buffers there; the
+    buckets summed in place there, window_views.summed_in_place, in no buffer of their own)."""
     inside = sum(b.nbytes for b in layout.buckets if b.index in in_plan)
     after = [b for b in layout.buckets if b.index not in in_plan]
+    if node:
+        after = [b for b in after if not summed_in_place(b.dtype, b.nbytes, size)]
     wire = {
         b.index: summed_dtype(np_dtype(b.dtype)) if node else _wire_dtype(b.dtype, size)
         for b in after
@@ -219,13 +237,18 @@ def loss_bytes(layout) -> int:
 
 
 def allreduce_peak(*facts, into_window: tuple = ()) -> RankPeak:
-    """allreduce_call's figures (its arguments, into_window apart) from the loop's second call
-    on, with its first call's. into_window: the gradient leaves the plan writes straight into
-    the node's window from the second call on (shared_exchange.WindowOutputs): no output
-    buffers of the plan's then."""
+    """allreduce_call's figures (its arguments, into_window apart) from the loop's third call
+    on, with its first call's and, where it differs, its second's. into_window: the gradient
+    leaves the plan writes straight into the node's window from the second call on
+    (shared_exchange.WindowOutputs): no output buffers of the plan's then (in the second, its
+    workspace still keeps the first call's big ones while it runs)."""
     steady = allreduce_call(*facts, into_window=into_window)
     first = allreduce_call(*facts, first=True)
-    return RankPeak(steady.phases, steady.between, steady.not_counted, first)
+    kept = sum(leaf.nbytes for leaf in into_window if leaf.nbytes >= REUSE_BYTES)
+    second = None
+    if kept:
+        second = allreduce_call(*facts, into_window=into_window, workspace_kept=kept)
+    return RankPeak(steady.phases, steady.between, steady.not_counted, first, second)
 
 
 def allreduce_call(
@@ -240,6 +263,7 @@ def allreduce_call(
     window: int = 0,
     into_window: tuple = (),
     first: bool = False,
+    workspace_kept: int = 0,
 ) -> RankPeak:
     """The step that allreduces buckets (data_parallel, with or without an unsharded update).
     The loop keeps the returned gradients (views of the buckets) and loss without an optimizer,
@@ -248,7 +272,8 @@ def allreduce_call(
     until the bucket completes; counted as if every bucket were in flight at once after the
     plan (the most it holds: on a busy machine none completes before the step waits). window:
     this rank's segment of the node's shared window (shared_exchange.py), held from the first
-    call on."""
+    call on. workspace_kept: output buffers of the call before that the plan's workspace
+    keeps while the plan runs (the loop's second call: RankPeak.second_call)."""
     inside, packed, copies = bucket_bytes(layout, in_plan, size, node=bool(window))
     in_flight = (inside + packed) if mpi_copies else 0
     loss = loss_bytes(layout)
@@ -275,7 +300,7 @@ def allreduce_call(
             **caller,
             **(arenas | ({"node_window": 0} if first else {})),  # made after the plan, once
             exchange_buffers=inside,
-            plan_outputs=plan_out,
+            plan_outputs=plan_out + workspace_kept,
             workspace=plan.workspace,
         )
     ]

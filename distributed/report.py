@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from backplan.ir.types import np_dtype
 
-from . import shared_exchange
+from . import shared_exchange, window_views
 from .buckets import Bucket, ring_bytes_sent
 from .half_sum import sent_in_16_bits
 from .half_wire import summed_bytes
@@ -190,17 +190,23 @@ class DataParallelReport:
                 "collected): the compiled plan writes each bucket's gradients straight into "
                 "this rank's buffer in it (from its second call, where each gradient has an "
                 "output buffer of its own; else they are copied there when the call returns; "
-                "16-bit buckets as their 16 bits), then every rank sums the whole bucket "
-                "straight from every rank's buffer, in rank order (16-bit values widened to "
-                "float32 as they are added, rounded once when unpacked), averaging as it goes, "
-                "once every rank has written it; on "
-                f"{shared_exchange.SPLIT_RANKS} ranks or more a bucket of "
-                f"{shared_exchange.SPLIT_BYTES:,} B or more is summed in parts instead (each "
-                "rank sums 1/N of it and copies the others' summed parts); no MPI message, in "
-                "bucket order "
+                "16-bit buckets as their 16 bits). A float32 or float64 bucket of "
+                f"{window_views.IN_PLACE_BYTES:,} B or more is summed in place: once every "
+                "rank has written it, each rank sums its 1/N of it (whole pages) from every "
+                "rank's buffer, in rank order, averaging as it goes, into its own buffer, and "
+                "the gradients it returns are views of one range that maps every rank's "
+                "summed part end to end (no copy; the buffers are used in turn by three calls, "
+                "and a rank still holding results when theirs come round again makes the step "
+                "take a new window). Other buckets every rank sums whole from every rank's "
+                "buffer into its own (16-bit values widened to float32 as they are added, "
+                "rounded once when unpacked); on "
+                f"{shared_exchange.SPLIT_RANKS} ranks or more a 16-bit bucket of "
+                f"{shared_exchange.SPLIT_BYTES:,} B or more in parts (each rank sums 1/N of it "
+                "and copies the others' summed parts); no MPI message, in bucket order "
                 "before the step returns. Each rank reads about "
                 f"{self.bytes_sent_per_step:,} B of the others' buffers per step (N-1 times "
-                f"the bytes, 2 (N-1)/N summed in parts, N={self.size}); across nodes (or "
+                f"the bytes, 2 (N-1)/N summed in place or in parts, N={self.size}); across "
+                "nodes (or "
                 "BACKPLAN_DP_REDUCTION=mpi) "
                 "one non-blocking allreduce (MPI_Iallreduce) per bucket, started inside the "
                 "compiled call, sums them instead."
@@ -308,7 +314,8 @@ class DataParallelReport:
         if self.shared and not self.sharded:
             text = (
                 "Overlap: none; the plan runs as one compiled call, and each rank sums every "
-                "bucket (or its part of one summed in parts) when the call returns (on one core "
+                "bucket (or its part of one summed in place or in parts) when the call returns "
+                "(on one core "
                 "per rank that is "
                 "work of the core that computes, which no overlap could hide)."
             )
