@@ -219,13 +219,15 @@ def make_runner(
     backend = backend or current_backend()
     if backend == "reference":
         return ReferenceRunner(plan)
+    from backplan.codegen.build.cache_signing import user_stacklevel
     from backplan.codegen.render.opaque import Unsupported
 
     try:
         return CompiledRunner(lowered, background, arenas)
     except Unsupported as exc:
-        warnings.warn(
-            f"graph @{plan.graph.name} runs on the reference interpreter: {exc}", stacklevel=3
+        warnings.warn(  # at the user's call, not at backplan's line that made the runner
+            f"graph @{plan.graph.name} runs on the reference interpreter: {exc}",
+            stacklevel=user_stacklevel(),
         )
         return ReferenceRunner(plan, why=str(exc))
 

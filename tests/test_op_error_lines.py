@@ -73,3 +73,24 @@ def test_a_traced_shape_error_names_the_file_as_every_other_error_does():
     message = str(caught.value)
     assert message.startswith("reshape(f32[10]): cannot reshape (10,) into (3, 3) at ")
     assert "test_op_error_lines.py:" in message and __file__ not in message
+
+
+@pytest.mark.numba
+def test_a_plan_falling_back_to_the_interpreter_warns_at_the_users_call_naming_the_op_line():
+    """An integer matmul has no compiled form: the warning named backplan's own line
+    (runtime/program.py) and no op line, so a user could not tell which product did it."""
+    ints = np.ones((2, 4), np.int64), np.ones((4, 3), np.int64)
+
+    def product(x, w):
+        return x @ w  # the op's line
+
+    op_line = inspect.getsourcelines(product)[1] + 1
+    with pytest.warns(UserWarning, match="runs on the reference interpreter") as caught:
+        out = bp.compile(product)(*ints)  # the call's line
+    call_line = inspect.currentframe().f_lineno - 1
+    np.testing.assert_array_equal(out.numpy(), np.full((2, 3), 4))
+    warning = next(w for w in caught if "reference interpreter" in str(w.message))
+    assert (warning.filename, warning.lineno) == (__file__, call_line)
+    assert f"integer matmul (matmul i64[2,3] at test_op_error_lines.py:{op_line}" in str(
+        warning.message
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import os
 import pkgutil
 import sys
 
@@ -345,7 +346,21 @@ def unsupported_reason(lowered) -> str | None:
         if op == "const":
             continue
         if op not in table:
-            return f"no compiled form for {op}"
+            return f"no compiled form for {op}{_where(lowered, op, dtype)}"
         if op == "matmul" and dtype not in ("f32", "f64"):
-            return "integer matmul"  # 16-bit float matmuls are widened to float32 (ir/widen.py)
+            # 16-bit float matmuls are widened to float32 (ir/widen.py)
+            return f"integer matmul{_where(lowered, op, dtype)}"
     return None
+
+
+def _where(lowered, op: str, dtype: str) -> str:
+    """' (matmul i64[2,3] at model.py:7)': the op's result and the user's line, so a warning
+    about the whole plan says which line made it run on the interpreter."""
+    for kernel in lowered.kernels:
+        for node in kernel.all_nodes:
+            if node.op == op and node.dtype == dtype and node.loc is not None:
+                text = getattr(
+                    node.loc, "text", None
+                )  # file name and the functions it went through
+                return f" ({op} {node.type} at {text or os.path.basename(node.loc_text)})"
+    return ""
