@@ -47,13 +47,14 @@ def _runners(q, k, v, g, scale: float, tile: int) -> dict:
         gemm(width, True, False, ds, fq, fdk)
 
     kernels = attention_kernels
+    work = kernels.slot_workspace(q, k, v, tile)  # as a plan's arena holds it
     return {
         "attention forward": lambda: kernels.attention_forward(
-            width, q, k, v, out, scale, False, tile
+            width, q, k, v, out, scale, False, tile, work
         ),
         "GEMMs of forward": gemm_forward,
         "attention backward": lambda: kernels.attention_backward(
-            width, q, k, v, g, dq, dk, dv, scale, False, tile
+            width, q, k, v, g, dq, dk, dv, scale, False, tile, work
         ),
         "GEMMs of backward": gemm_backward,
     }

@@ -16,6 +16,7 @@ from backplan.codegen.build.loop_optimisation import (
     InterleavedLoopCompiler,
     SmallLoopCompiler,
 )
+from backplan.ir import kernel_workspace
 
 FASTMATH = set({"reassoc", "contract", "nsz", "afn"})
 JIT_OPTIONS = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
@@ -65,6 +66,9 @@ def threads() -> int:
     """Threads a parallel kernel would run on now: numba.set_num_threads (the harness's
     --threads, a user's own choice) lowers it below NUMBA_NUM_THREADS."""
     return numba.get_num_threads()
+
+
+kernel_workspace.count_threads_with(threads)  # attention's workspace slots (one a thread)
 
 
 def parallel_pays(elements: int) -> bool:

@@ -204,6 +204,7 @@ def plan_layout(
     roots: Roots | None = None,
     written: list[int] | None = None,
     read: dict | None = None,
+    pinned: dict | None = None,
 ) -> BufferLayout:
     """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
     storage may be reused after their last read (the consuming backward variant only).
@@ -213,7 +214,8 @@ def plan_layout(
     graph. written: the step each buffer is written at, where the caller listed the buffers
     kernel by kernel (the lowering does): else a map of every node's step is made for them
     (~11,000 nodes a row of a 10,000-node memory frontier, for ~5,500 buffers). read: each
-    value read -> its latest step, where the caller walked the kernels (lifetimes)."""
+    value read -> its latest step, where the caller walked the kernels (lifetimes). pinned: a
+    symbolic plan's attention slot ceilings, shared by its sizes (ir/kernel_workspace.py)."""
     steps = steps if steps is not None else list(range(len(kernels)))
     roots = Roots() if roots is None else roots
     kernel_of, step_of = {}, {}  # every node's kernel and step: in-place candidates ask them
@@ -258,7 +260,7 @@ def plan_layout(
     if EPILOGUE_OVER_PRODUCT:
         requests = _epilogues_over_products(requests, kernels, last, steps)
     requests = _reuse_saved(requests, private_saved, last, layout)
-    workspaces = _workspace_requests(kernels, steps)
+    workspaces = _workspace_requests(kernels, steps, pinned)
     assignment = assign_memory(requests + [r for r, _ in workspaces], shared=True)
     for (_arena, dtype), size in assignment.arena_sizes.items():
         layout.scratch_elements[dtype] = size
@@ -272,16 +274,16 @@ def plan_layout(
 _request = tuple.__new__  # BufferRequest(*fields), as memory_plan's _placement makes Placements
 
 
-def _workspace_requests(kernels: list[Kernel], steps: list[int]) -> list[tuple]:
+def _workspace_requests(kernels: list[Kernel], steps: list[int], pinned=None) -> list[tuple]:
     """(a buffer of the arena, the elements the kernel reads of it) for each kernel that works
     in one (ir/kernel_workspace.py), live at its step alone: it shares bytes with buffers whose
     lives end before or start after it. At least one item, as an empty buffer: a size of a
     symbolic plan with an empty batch keeps the structure of the others."""
     found = []
-    for kernel, step in zip(kernels, steps, strict=True):
+    for index, (kernel, step) in enumerate(zip(kernels, steps, strict=True)):
         if kernel.kind != "op":
             continue
-        elements = workspace_elements(kernel)
+        elements = workspace_elements(kernel, pinned, (len(kernels), index))
         if elements is not None:
             node = kernel.nodes[0]
             nbytes = max(elements, 1) * DTYPES[node.dtype].itemsize

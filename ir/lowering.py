@@ -195,7 +195,10 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     private = [graph.inputs[i] for i in private_saved]
     pinned = None if plan.shared is None else plan.shared.setdefault(("row_local",), {})
     local = row_local_values(graph, kernels, runs, needed, pinned)
-    layout = plan_layout(graph, kernels, buffers, private, steps, local, roots, written, read)
+    slots = None if plan.shared is None else plan.shared.setdefault(("attention_slots",), {})
+    layout = plan_layout(
+        graph, kernels, buffers, private, steps, local, roots, written, read, slots
+    )
     lowered = LoweredPlan(
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
     )

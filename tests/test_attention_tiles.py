@@ -43,8 +43,9 @@ def inputs(rng, heads, t, s, d, dv, dtype):
 def run_kernels(width, q, k, v, g, scale, causal, tile):
     out, dq, dk, dv = (np.empty(x.shape, q.dtype) for x in (g, q, k, v))
     q, k, v, g = read_only(q, k, v, g)
-    attention.attention_forward(width, q, k, v, out, scale, causal, tile)
-    attention.attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile)
+    work = attention.slot_workspace(q, k, v, tile)
+    attention.attention_forward(width, q, k, v, out, scale, causal, tile, work)
+    attention.attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile, work)
     return out, (dq, dk, dv)
 
 
@@ -140,8 +141,9 @@ rng = np.random.default_rng(3)
 q, k, v, g = (rng.standard_normal((1, 2, 9, 3)).astype(np.float32) for _ in range(4))
 out, dq, dk, dv = (np.empty_like(q) for _ in range(4))
 for tile in (4, 9):
-    attention.attention_forward(vector_width(), q, k, v, out, 0.5, True, tile)
-    attention.attention_backward(vector_width(), q, k, v, g, dq, dk, dv, 0.5, True, tile)
+    work = attention.slot_workspace(q, k, v, tile)
+    attention.attention_forward(vector_width(), q, k, v, out, 0.5, True, tile, work)
+    attention.attention_backward(vector_width(), q, k, v, g, dq, dk, dv, 0.5, True, tile, work)
     print(tile, sorted(set(calls)), float(np.abs(out).sum()), float(np.abs(dk).sum()))
     calls.clear()
 """
@@ -160,12 +162,17 @@ def test_keys_beyond_the_tile_take_the_tiled_path_and_one_tile_does_not(tmp_path
 
 
 def test_parallel_kernels_take_the_key_tiles_too():
-    """The (batch, head)-parallel variants call the same head kernels with the tile."""
+    """The (batch, head)-parallel variants call the same head kernels with the tile, each
+    slot of the workspace (a thread's) holding its pairs' tiles."""
     q, k, v, g = inputs(np.random.default_rng(12), 3, 21, 40, 3, 2, np.float32)
     q, k, v, g = read_only(*(np.concatenate([x, x[:, ::-1]]) for x in (q, k, v, g)))  # 2 batch
     out, dq, dk, dv = (np.empty(x.shape, np.float32) for x in (g, q, k, v))
-    attention.attention_forward_par(vector_width(), q, k, v, out, 0.7, True, 16)
-    attention.attention_backward_par(vector_width(), q, k, v, g, dq, dk, dv, 0.7, True, 16)
+    work = attention.slot_workspace(q, k, v, 16, slots=2)
+    per = work.shape[0] // 2
+    attention.attention_forward_par(vector_width(), q, k, v, out, 0.7, True, 16, work, per)
+    attention.attention_backward_par(
+        vector_width(), q, k, v, g, dq, dk, dv, 0.7, True, 16, work, per
+    )
     for b in range(2):
         one = [x[b : b + 1] for x in (q, k, v, g)]
         want_out, want_grads = expected(*one, 0.7, True)

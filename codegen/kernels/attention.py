@@ -16,11 +16,16 @@ Under the causal mask a block of rows first..first+R-1 sees keys 0..first+R-1 on
 products and softmax rows stop there (K, V, dK, dV cut to those rows), so a long causal
 sequence does about half the work of an unmasked one instead of all of it.
 
-Keys beyond `tile` (KEYS from the plan) run key-tiled, so no workspace outgrows (R, tile):
+Keys beyond `tile` (KEYS from the plan) run key-tiled, so no tile outgrows (R, tile):
 the forward keeps each row's running max and sum (online softmax) and rescales its output
 rows when the max grows, then divides once; the backward makes two sweeps over the key tiles,
 the first for each row's max, sum and rowsum(P * dP) (products Q K^T and G V^T), the second for
 the gradients as above: seven products where the untiled backward runs five.
+
+Every tile and row statistic is a slice of `work`, the plan's workspace for the kernel (a
+slice of its scratch arena, sized by ir/kernel_workspace.py, carved here in its order): the
+kernels allocate nothing. The parallel variants run the pairs on the workspace's slots, each
+slot's pairs on one thread in that slot's `per` elements.
 """
 
 import math
@@ -28,7 +33,7 @@ import math
 import numpy as np
 
 from backplan.codegen.build.library_progress import announce_compiles
-from backplan.codegen.flags import FASTMATH, threads
+from backplan.codegen.flags import FASTMATH
 from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.blas import gemm_rows, rows_contiguous
 from backplan.codegen.kernels.by_address import by_address
@@ -41,6 +46,15 @@ from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.choices import chosen
 from backplan.codegen.render.opaque import OpEmitter, emits
 from backplan.ir.graph import Value
+from backplan.ir.kernel_workspace import (
+    ALIGN,
+    KEYS,
+    ROWS,
+    attention_dims,
+    attention_elements,
+    attention_slot_elements,
+    attention_slots,
+)
 
 _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 # Helpers only the kernels below call: no CPython or C wrapper to compile. They are not inlined
@@ -49,8 +63,6 @@ _opts = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy", "nogil": T
 # again in every caller above it (both directions cold, one core: 11.2 -> 6.0 CPU s). Small
 # leaves stay linked.
 _helper = {**_opts, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
-ROWS = 128  # query rows per block: a (128, S) f32 workspace stays in L2 for S up to ~2k
-KEYS = 1024  # keys per tile where a sequence has more: a (128, 1024) f32 workspace is 512 KiB
 
 
 @by_address(arrays=(7,), read_only=(4, 5), **_helper)  # one variant for every operand layout
@@ -132,20 +144,23 @@ def _exp_online(s, peak, total, factor):
 
 
 @njit(**_helper)  # a leaf: linked, cheaper than a lookup on load
-def _stats(length, dtype):
-    """Per-row running max, running sum, a second running sum and the tile's factor."""
-    peak = np.empty(length, dtype)
-    return peak, np.empty(length, dtype), np.empty(length, dtype), np.empty(length, dtype)
+def _take(work, at, count):
+    """The workspace's next piece of `count` elements from `at`, and where the one after it
+    starts (rounded up to ALIGN elements, as ir/kernel_workspace.py sizes the pieces)."""
+    return work[at : at + count], at + (count + ALIGN - 1) // ALIGN * ALIGN
 
 
 @by_address(**_helper)
-def _forward_tiled(width, q, k, v, out, scale, causal, tile):
+def _forward_tiled(width, q, k, v, out, scale, causal, tile, work):
     """_head_forward over key tiles: out rows accumulate P_t V_t, rescaled as the max grows."""
     length, keys = q.shape[0], k.shape[0]
     most = min(ROWS, length)
-    s_flat = np.empty(most * tile, q.dtype)
-    acc = np.empty((most, v.shape[1]), q.dtype)
-    peak, total, _, factor = _stats(most, q.dtype)
+    s_flat, at = _take(work, 0, most * tile)
+    acc_flat, at = _take(work, at, most * v.shape[1])
+    acc = acc_flat.reshape((most, v.shape[1]))
+    peak, at = _take(work, at, most)
+    total, at = _take(work, at, most)
+    factor, at = _take(work, at, most)
     for first in range(0, length, ROWS):
         rows = min(ROWS, length - first)
         seen = _seen(first, rows, keys, causal)
@@ -173,15 +188,15 @@ def _scale_rows(a, factor):
 
 
 @by_address(**_helper)
-def _head_forward(width, q, k, v, out, scale, causal, tile):
+def _head_forward(width, q, k, v, out, scale, causal, tile, work):
     length, keys = q.shape[0], k.shape[0]
     if keys == 0:
         out[:] = 0  # softmax over no keys is empty; its product with v is zero
         return
     if keys > tile:
-        _forward_tiled(width, q, k, v, out, scale, causal, tile)
+        _forward_tiled(width, q, k, v, out, scale, causal, tile, work)
         return
-    p_flat = np.empty(min(ROWS, length) * keys, q.dtype)
+    p_flat = work[: min(ROWS, length) * keys]
     for first in range(0, length, ROWS):
         rows = min(ROWS, length - first)
         seen = _seen(first, rows, keys, causal)
@@ -245,15 +260,19 @@ def _tile_gradients(width, q, k, v, g, dq, dk, dv, first, seen, tile, work, stat
 
 
 @by_address(**_helper)
-def _backward_tiled(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
+def _backward_tiled(width, q, k, v, g, dq, dk, dv, scale, causal, tile, work):
     """_head_backward over key tiles: two sweeps per block of rows (_row_sums, then
     _tile_gradients); dk and dv start at zero."""
     length, keys = q.shape[0], k.shape[0]
     most = min(ROWS, length)
-    s_flat, dp_flat = np.empty(most * tile, q.dtype), np.empty(most * tile, q.dtype)
-    typed = np.empty(1, q.dtype)  # the scale in q's dtype: f32 math stays f32
+    s_flat, at = _take(work, 0, most * tile)
+    dp_flat, at = _take(work, at, most * tile)
+    typed, at = _take(work, at, 2)  # the scale in q's dtype: f32 math stays f32
     typed[0] = scale
-    peak, total, dot, factor = _stats(most, q.dtype)
+    peak, at = _take(work, at, most)
+    total, at = _take(work, at, most)
+    dot, at = _take(work, at, most)
+    factor, at = _take(work, at, most)
     for first in range(0, length, ROWS):
         rows = min(ROWS, length - first)
         seen = _seen(first, rows, keys, causal)
@@ -266,7 +285,7 @@ def _backward_tiled(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
 
 
 @by_address(**_helper)
-def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
+def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile, work):
     length, keys = q.shape[0], k.shape[0]
     dk[:] = 0
     dv[:] = 0
@@ -274,11 +293,11 @@ def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
         dq[:] = 0
         return
     if keys > tile:
-        _backward_tiled(width, q, k, v, g, dq, dk, dv, scale, causal, tile)
+        _backward_tiled(width, q, k, v, g, dq, dk, dv, scale, causal, tile, work)
         return
-    p_flat = np.empty(min(ROWS, length) * keys, q.dtype)
-    ds_flat = np.empty(min(ROWS, length) * keys, q.dtype)
-    typed = np.empty(2, q.dtype)  # scale and each row's dot in q's dtype: f32 math stays f32
+    p_flat, at = _take(work, 0, min(ROWS, length) * keys)
+    ds_flat, at = _take(work, at, min(ROWS, length) * keys)
+    typed, at = _take(work, at, 2)  # scale and each row's dot in q's dtype: f32 math stays f32
     typed[0] = scale
     for first in range(0, length, ROWS):
         rows = min(ROWS, length - first)
@@ -301,47 +320,68 @@ def _head_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
 
 
 @njit(**_opts)
-def attention_forward(width, q, k, v, out, scale, causal, tile):
-    """out[b, h] = softmax(scale * q[b, h] @ k[b, h]^T) @ v[b, h], one pair after another."""
+def attention_forward(width, q, k, v, out, scale, causal, tile, work):
+    """out[b, h] = softmax(scale * q[b, h] @ k[b, h]^T) @ v[b, h], one pair after another,
+    each in the workspace's first slot."""
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
-            _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal, tile)
+            _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal, tile, work)
+
+
+@njit(**_helper)  # a leaf: linked, cheaper than a lookup on load
+def _slots(work, per, pairs):
+    """Slots of `per` elements the workspace holds, at most one a pair (1 where a pair needs
+    none: the kernels return before reading it)."""
+    if per == 0:
+        return 1
+    return max(1, min(pairs, work.shape[0] // per))
 
 
 @njit(parallel=True, **_opts)
-def attention_forward_par(width, q, k, v, out, scale, causal, tile):
-    if threads_now() < 2:  # one free core: serial, no pool thread (kernels/threads_now.py)
-        attention_forward(width, q, k, v, out, scale, causal, tile)
-        return
+def attention_forward_par(width, q, k, v, out, scale, causal, tile, work, per):
+    """attention_forward with each slot's share of the pairs on a thread of its own."""
     heads = q.shape[1]
-    for pair in prange(q.shape[0] * heads):
-        b, h = pair // heads, pair % heads
-        _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal, tile)
+    pairs = q.shape[0] * heads
+    slots = _slots(work, per, pairs)
+    if threads_now() < 2 or slots < 2:  # one free core: serial, no pool thread
+        attention_forward(width, q, k, v, out, scale, causal, tile, work)
+        return
+    for slot in prange(slots):
+        own = work[slot * per : (slot + 1) * per]
+        for pair in range(slot * pairs // slots, (slot + 1) * pairs // slots):
+            b, h = pair // heads, pair % heads
+            _head_forward(width, q[b, h], k[b, h], v[b, h], out[b, h], scale, causal, tile, own)
 
 
 @njit(**_opts)
-def attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
-    """dq, dk, dv of sum(attention(q, k, v) * g), per (batch, head) pair."""
+def attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile, work):
+    """dq, dk, dv of sum(attention(q, k, v) * g), per (batch, head) pair, each in the
+    workspace's first slot."""
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
             _head_backward(
                 width, q[b, h], k[b, h], v[b, h], g[b, h], dq[b, h], dk[b, h], dv[b, h],
-                scale, causal, tile,
+                scale, causal, tile, work,
             )  # fmt: skip
 
 
 @njit(parallel=True, **_opts)
-def attention_backward_par(width, q, k, v, g, dq, dk, dv, scale, causal, tile):
-    if threads_now() < 2:
-        attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile)
-        return
+def attention_backward_par(width, q, k, v, g, dq, dk, dv, scale, causal, tile, work, per):
+    """attention_backward with each slot's share of the pairs on a thread of its own."""
     heads = q.shape[1]
-    for pair in prange(q.shape[0] * heads):
-        b, h = pair // heads, pair % heads
-        _head_backward(
-            width, q[b, h], k[b, h], v[b, h], g[b, h], dq[b, h], dk[b, h], dv[b, h],
-            scale, causal, tile,
-        )  # fmt: skip
+    pairs = q.shape[0] * heads
+    slots = _slots(work, per, pairs)
+    if threads_now() < 2 or slots < 2:
+        attention_backward(width, q, k, v, g, dq, dk, dv, scale, causal, tile, work)
+        return
+    for slot in prange(slots):
+        own = work[slot * per : (slot + 1) * per]
+        for pair in range(slot * pairs // slots, (slot + 1) * pairs // slots):
+            b, h = pair // heads, pair % heads
+            _head_backward(
+                width, q[b, h], k[b, h], v[b, h], g[b, h], dq[b, h], dk[b, h], dv[b, h],
+                scale, causal, tile, own,
+            )  # fmt: skip
 
 
 # Cold compile seconds of each (first use per installation, version, dtype and layout; the
@@ -355,6 +395,14 @@ announce_compiles(
         attention_backward_par: 5.0,
     }
 )
+
+
+def slot_workspace(q, k, v, tile: int = KEYS, slots: int = 1) -> np.ndarray:
+    """A workspace for calling the kernels directly on 4-D q, k, v (the plan passes a slice
+    of its arena instead): `slots` slots, each enough for forward and backward."""
+    length, keys, values = q.shape[2], k.shape[2], v.shape[3]
+    per = max(attention_slot_elements(length, keys, values, g, tile) for g in (False, True))
+    return np.empty(slots * per, q.dtype)
 
 
 __all__ = [
@@ -397,37 +445,36 @@ def _written(node: Value, buffer: str, shape: tuple) -> str:
     return f"{buffer}.reshape({_heads_shape(shape[:-2], shape[-2:])!r})"
 
 
-def _dims(node: Value) -> tuple[int, int, int, int]:
-    """(batch * heads pairs, query length, key length, features) in either layout."""
-    q, k = node.inputs[0].shape, node.inputs[1].shape
-    if _tokens_first(node):
-        return q[0] * q[2], q[1], k[1], q[3]
-    return math.prod(q[:-2]), q[-2], k[-2], q[-1]
-
-
-def _variant(fn: str, node: Value) -> tuple[str, int]:
-    """The kernel (parallel over (batch, head) pairs when that pays) and its GEMM width:
-    the own GEMM's in parallel (single-threaded, lock-free), else as chosen per shape,
+def _variant(fn: str, node: Value, parallel: bool | None = None) -> tuple[str, int]:
+    """The kernel (parallel over (batch, head) pairs where the plan gave its workspace more
+    than one slot, ir/kernel_workspace.py; None: where a plan lowered now would) and its GEMM
+    width: the own GEMM's in parallel (single-threaded, lock-free), else as chosen per shape,
     0 meaning BLAS."""
-    pairs, t, s, d = _dims(node)
-    parallel = threads() > 1 and pairs > 1 and pairs * t * s * max(d, 1) >= (1 << 16)
+    if parallel is None:
+        parallel = attention_slots(node) > 1
     if parallel:
         return f"{fn}_par", vector_width()
-    own = use_own_gemm(min(t, 128), s, d, True, node.dtype)
+    _, t, s, d, _ = attention_dims(node)
+    own = use_own_gemm(min(t, ROWS), s, d, True, node.dtype)
     return fn, vector_width() if own else 0
 
 
-def _scale_and_mask(node: Value) -> str:
-    """The kernels' last arguments: scale, causal and the key tile."""
-    return f"{node.attrs['scale']!r}, {node.attrs['causal']}, {KEYS}"
+def _call(ctx: OpEmitter, node: Value, fn: str, arrays: str) -> str:
+    """The kernel's call: its arrays, scale, mask, key tile and workspace (and a slot's
+    elements for the parallel variant)."""
+    per = attention_elements(node)
+    parallel = per > 0 and ctx.workspace_elements(node) > per
+    fn, width = chosen("attention", lambda: _variant(fn, node, parallel))
+    tail = f", {per}" if fn.endswith("_par") else ""
+    scale, causal = node.attrs["scale"], node.attrs["causal"]
+    return f"{fn}({width}, {arrays}, {scale!r}, {causal}, {KEYS}, {ctx.workspace(node)}{tail})"
 
 
 @emits("attention")
 def emit_attention(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     q, k, v = (f"as_read_only({_heads(ctx, node, x)})" for x in node.inputs)
     out4 = _written(node, out, node.shape)
-    fn, width = chosen("attention", lambda: _variant("attention_forward", node))
-    return [f"{fn}({width}, {q}, {k}, {v}, {out4}, {_scale_and_mask(node)})"]
+    return [_call(ctx, node, "attention_forward", f"{q}, {k}, {v}, {out4}")]
 
 
 @emits("attention_grad")
@@ -437,5 +484,5 @@ def emit_attention_grad(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     for x in node.inputs[:3]:
         parts.append(_written(node, f"{out}[{offset}:{offset + x.type.size}]", x.shape))
         offset += x.type.size
-    fn, width = chosen("attention", lambda: _variant("attention_backward", node))
-    return [f"{fn}({width}, {q}, {k}, {v}, {g}, {', '.join(parts)}, {_scale_and_mask(node)})"]
+    arrays = f"{q}, {k}, {v}, {g}, {', '.join(parts)}"
+    return [_call(ctx, node, "attention_backward", arrays)]

@@ -369,6 +369,7 @@ class _Emitter:
             self.placer.place,
             lambda lines, scalars, bases: self._call(lines, scalars, bases, False, False),
             lambda node: workspace_expression(node, layout),
+            lambda node: layout.workspaces[node][1],
         )
 
     def define(self, name: str, line: str) -> None:

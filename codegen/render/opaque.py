@@ -59,7 +59,14 @@ def size_one_index(before: tuple, after: tuple) -> str | None:
 
 class OpEmitter:
     def __init__(
-        self, names: dict, literal_of, contiguous: set, place=None, kernel_call=None, workspace=None
+        self,
+        names: dict,
+        literal_of,
+        contiguous: set,
+        place=None,
+        kernel_call=None,
+        workspace=None,
+        workspace_elements=None,
     ):
         self.names = names
         self.literal_of = literal_of
@@ -68,6 +75,7 @@ class OpEmitter:
         self.kernel_call = kernel_call  # (lines, scalars, bases) -> call of a shared kernel
         # node -> the arena slice its kernel works in (ir/kernel_workspace.py)
         self.workspace = workspace
+        self.workspace_elements = workspace_elements  # node -> that slice's length
         # A strided view reshaped twice (attention's heads moved back beside the features, then
         # flattened for a bias sum and for a GEMM, or the same transpose recomputed) is copied
         # once: _view_chain of the view -> the variable holding the copy.
