@@ -20,7 +20,7 @@ output rows). Allocated per pair on every call, they were 15 allocations a call 
 threads, each in its own slot of the workspace: the thread count is read when the plan is
 lowered (`thread_count`, Numba's, installed by codegen/flags.py) and so fixed for the plan.
 
->>> from backplan.ir.kernel_workspace import conv_workspace_elements
+>>> from backplan.ir.kernel_workspace import attention_slot_elements, conv_workspace_elements
 >>> conv_workspace_elements(batch=2, out_hw=(4, 4), out_channels=8, group_taps=9, groups=1)
 616
 >>> attention_slot_elements(length=256, keys=256, values=32, grad=True)  # P, dS, the scale
