@@ -158,7 +158,7 @@ def _masked(q, k, v):
     """An additive mask keeps the unfused form: softmax and both products in the plan."""
     t, s = q.shape[-2], k.shape[-2]
     mask = bp.tensor(np.triu(np.full((t, s), -1e9, np.float32), 1))
-    scores = q @ k.swapaxes(-1, -2) * (1.0 / np.sqrt(q.shape[-1])) + mask
+    scores = q @ k.swapaxes(-1, -2) * float(1.0 / np.sqrt(q.shape[-1])) + mask
     return bp.sum((bp.softmax(scores, axis=-1) @ v) ** 2)
 
 
