@@ -189,3 +189,49 @@ def test_a_grouping_knows_its_loops_from_what_each_reads():
         walked = [k for k, kernel in enumerate(journal.kernels) if kernel.kind == "loop"]
         assert journal.loops == walked and walked
     assert journals >= 3
+
+
+def _walked_needed(graph, kernels, home) -> set:
+    """The values needing a buffer, every input of every kernel asked, each value's kernel
+    looked up: outputs, what a loop or alias reads from another kernel that is no literal,
+    every operand of any other kernel; then those a literal or alias kernel holds left out."""
+    from backplan.ir.fusion import alias_base
+
+    needed = {alias_base(o) for o in graph.outputs} | set(graph.outputs)
+    for k, kernel in enumerate(kernels):
+        for node in kernel.computed:
+            for value in node.inputs:
+                source = alias_base(value)
+                owner = home.get(source)
+                if kernel.kind in ("loop", "alias") and (
+                    owner == k
+                    or source in kernel.recomputed
+                    or (owner is not None and kernels[owner].kind == "literal")
+                ):
+                    continue
+                needed.add(source)
+    return {v for v in needed if v in home and kernels[home[v]].kind not in ("literal", "alias")}
+
+
+def literal_operand(ws, x):
+    """A GEMM of a literal (bp.ones): its operand is a literal kernel's value, and so is the
+    gradient's (the transpose of it a GEMM reads)."""
+    for w in ws:
+        x = bp.tanh(x @ w)
+    return bp.sum(x @ bp.ones((16, 16), dtype=np.float32))
+
+
+@pytest.mark.parametrize("fn", [chain, viewed, biased, literal_operand])
+def test_the_values_needing_a_buffer_are_the_walks(fn):
+    """materialized leaves out the values of literal and alias kernels by set operations:
+    the same values as the walk looking up each one's kernel (aliases and literals among
+    the kernels, so leaving them in fails)."""
+    from backplan.ir.fusion import Bases, group_kernels, materialized
+
+    _, rows = _rows(fn)
+    for graph in [rows[0].plan.graph.shares_prefix_of, *(p.plan.graph for p in rows)]:
+        homes: list = []
+        kernels = group_kernels(graph, None, Bases(), homes=homes)
+        found = materialized(graph, kernels, Bases(), homes[0])
+        assert found == _walked_needed(graph, kernels, homes[0])
+    assert any(k.kind in ("alias", "literal") for k in kernels)
