@@ -129,9 +129,15 @@ def test_readers_of_the_values_asked_are_those_of_every_value(fn, aliases):
     aliased = [k.nodes[0] for k in kernels if k.kind in ("alias", "literal")]
     assert any(Bases()[a] is not a for a in aliased) == aliases  # loops reading aliases
     values = list(every)
+    # each node read as its home kernel's, the loops' recomputed values as theirs: the same
+    loops = [k for k, kernel in enumerate(kernels) if kernel.kind == "loop"]
+    assert any(kernels[k].recomputed for k in loops)
+    assert _readers(kernels, homes[0], graph.outputs, Bases(), None, graph.nodes, loops) == every
     for wanted in (set(values), set(values[::3]), set(values[1::2])):
         asked = _readers(kernels, homes[0], graph.outputs, Bases(), wanted)
         assert asked == {v: r for v, r in every.items() if v in wanted}
+        by_node = _readers(kernels, homes[0], graph.outputs, Bases(), wanted, graph.nodes, loops)
+        assert by_node == asked
 
 
 def test_value_dtypes_answer_has_half_and_the_float64_question():
