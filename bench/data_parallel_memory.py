@@ -9,7 +9,8 @@ Run under mpiexec with glibc told to map every block and return it when freed:
 
 Steps: "plain" (`loss, grads = step(params, x, y)`), "train" (adam, unsharded) and "zero"
 (adam, ZeRO-1). The model is the bench mlp's layers at --width (2048: 23 MB of float32
-parameters, so a call of the adam step grows by about 90 MB). The calls measured run what
+parameters; the adam step's update writes its new parameters and state into the outputs its
+workspace kept from the call before the loop's, so a call grows by kilobytes, as explain says). The calls measured run what
 the step runs by default: on one node the sums in the node's shared window (the plan writing
 into it), with BACKPLAN_DP_REDUCTION=mpi or across nodes the compiled driver starting the
 allreduces (waited for first); with BACKPLAN_CHECK_MEMORY=1 the same on the node's window (on

@@ -350,6 +350,9 @@ def allreduce_call(
         **arenas,
         exchange_buffers=inside if update is not None else 0,
         plan_outputs=reused,
+        # the update's workspace keeps its big outputs of the call before the loop's (which
+        # the loop let go) to write the next call's into: no new ones then
+        update_outputs=sum(update.reused) if update is not None and not first else 0,
     )
     mine = ("batch", "workspace", "node window")
     if first:  # the caller's own parameters and state; from call 2 the update's outputs
@@ -436,7 +439,13 @@ def sharded_peak(
     common = {k: n for k, n in steady[0].held.items() if k not in ("plan outputs", "workspace")}
     between = RankPhase(
         "between calls",
-        common | {"plan outputs": plan.reused_beside(into_window), "update outputs": kept_ranges},
+        common
+        | {
+            "plan outputs": plan.reused_beside(into_window),
+            # the update's big outputs of the call before the loop's (its ranges and state),
+            # kept by its workspace to write the next call's into
+            "update outputs": max(kept_ranges, sum(update.reused)),
+        },
     )
     first = RankPeak(phases(True), between, ("parameters", "optimizer state", *NOT_COUNTED))
     return RankPeak(steady, between, first_call=first)
