@@ -18,8 +18,9 @@ from .walk import regions_in_order
 __all__ = ["backward", "regions_in_order"]
 
 
-# Leaf .grad is read, added to and written back; two graphs sharing a leaf must not interleave.
-_leaf_grads = threading.Lock()
+# Leaf .grad is read, added to and written back; two graphs sharing a leaf must not interleave
+# (a joint step's hand-over, runtime/joint_step.py, takes it too).
+leaf_grads_lock = threading.Lock()
 
 
 def backward(root: Region, index: int, gradient: np.ndarray, mode: BackwardMode, loc) -> None:
@@ -64,7 +65,7 @@ def _backward_locked(order, root, index, gradient, mode, loc) -> None:
         raise
     if mode is BackwardMode.CONSUME:
         _mark_freed(order, FreedBy(loc, root, index))
-    with _leaf_grads:
+    with leaf_grads_lock:
         for leaf, grad in leaf_grads.values():
             leaf._accumulate_grad(grad)
 
@@ -86,30 +87,13 @@ def _backward_one(region: Region, index: int, gradient, mode, loc) -> None:
         _to_leaves(region.input_edges, grads)
 
 
-def backward_ready(region: Region, index: int, loc) -> bool:
-    """backward() from the default seed on a region whose gradients its forward already
-    computed (runtime/joint_step.py JointRegion): _backward_one without the seed, the
-    cotangent or the backward plan. False, changing nothing, when they are not ready."""
-    with region.lock:
-        if region.freed_by is not None:
-            raise freed_error([region], region, index, location_text(loc))
-        taken = region.take_gradients(loc, index)  # freed by this backward() if taken
-        if taken is None:
-            return False
-        leaves, grads = taken
-        with _leaf_grads:  # the leaves are tensors: one call adds a whole step's gradients
-            if leaves:
-                leaves[0]._add_plan_grads(leaves, grads)
-        return True
-
-
 def _to_leaves(edges, grads) -> None:
     leaf_grads: dict[int, tuple[object, np.ndarray]] = {}
     for edge, grad in zip(edges, grads, strict=True):
         leaf = edge.leaf  # a leaf passed twice sums first
         held = leaf_grads.get(id(leaf))
         leaf_grads[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
-    with _leaf_grads:
+    with leaf_grads_lock:
         for leaf, grad in leaf_grads.values():
             leaf._accumulate_grad(grad)
 

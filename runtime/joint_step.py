@@ -28,8 +28,11 @@ from backplan.ir.plans import RegionPlans
 from backplan.ir.types import is_float
 
 from .backend import current_backend, runner_for
+from .engine import leaf_grads_lock
+from .freed import freed_error
+from .memory import track as _track
 from .program import RegionProgram
-from .region import FreedBy, LeafEdges, Region
+from .region import FreedBy, LeafEdges, Region, _RLock, location_text
 
 CALLS_TO_LEARN = 2  # split calls backward()ed from the default seed before the joint plan runs
 JOINT_FROM_CALL = CALLS_TO_LEARN + 1  # the first call that runs the joint plan (explain says so)
@@ -37,6 +40,8 @@ JOINT_FROM_CALL = CALLS_TO_LEARN + 1  # the first call that runs the joint plan 
 # the joint plan would be one more plan to compile.
 MAX_STEP_FLOPS = 16_000_000
 CONSUME = BackwardMode.CONSUME
+NO_COPIES = frozenset()
+_new_freed_by = object.__new__
 
 
 def joint_step_for(graph, plans: RegionPlans, options: PipelineOptions, background):
@@ -139,12 +144,24 @@ class JointRegion(Region):
     (its table says not held): the gradients and its inputs wait instead, and live_saved_bytes
     counts them."""
 
-    def __init__(self, program, args, grads, edges, loc, step: JointStep, copies=frozenset()):
-        Region.__init__(self, program, [], edges, loc, copies)  # once a step: no super()
+    ready = True  # until backward() takes the gradients or frees the region
+    freed_by = None
+    backward_calls = 0
+
+    def __init__(self, program, args, grads, edges, loc, step: JointStep, copies=NO_COPIES):
+        # Region.__init__'s fields, set here (once a step; freed_by, backward_calls and ready
+        # start as the class's): nothing is saved, so _saved starts empty
+        self.program = program
+        self.copies = copies
+        self.name = program.name
+        self._made_at = loc
+        self._edges = edges
+        self._saved = {}
+        self.lock = _RLock()
         self._args = args
         self._grads = grads
-        self.ready = True
         self._step = step
+        _track(self)
 
     def run_backward(self, cotangents: dict, mode: BackwardMode) -> list:
         grads = self._grads
@@ -161,35 +178,41 @@ class JointRegion(Region):
             self._saved = dict(enumerate(self._recomputed_saved()))
         return super().run_backward(cotangents, mode)
 
-    def take_gradients(self, loc, index: int):
-        """(leaves, gradients), once per leaf, a leaf passed twice summed, when every input is
-        a leaf (engine.backward_ready), the region freed by the backward() at loc; None,
-        keeping them, otherwise. One call: this runs once per training step."""
-        grads = self._grads
-        if grads is None:
-            return None
-        leaves = self._edges
-        if type(leaves) is not LeafEdges:  # Edge objects: made by a read, or some not a leaf
-            leaves = [edge.leaf for edge in leaves]
-            if any(leaf is None for leaf in leaves):
-                return None
-        # a leaf passed twice: its gradients sum. Tensors hash by identity (object.__hash__:
-        # equal hashes are one object, so == never runs): half the cost of a set of ids
-        if len({*leaves}) != len(leaves):
-            by_leaf: dict = {}
-            for leaf, grad in zip(leaves, grads, strict=True):
-                held = by_leaf.get(id(leaf))
-                by_leaf[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
-            leaves = [leaf for leaf, _ in by_leaf.values()]
-            grads = [grad for _, grad in by_leaf.values()]
-        step = self._step  # step.fits(True), inline
-        step._expecting = False
-        step.seen += 1
-        self._grads = self._args = None  # mark_freed's, inline: nothing was saved
-        self.ready = False
-        self.backward_calls += 1
-        self.freed_by = FreedBy(loc, self, index, own=True)
-        return leaves, grads
+    def hand_over(self, loc, index: int) -> bool:
+        """backward() at loc from the default seed of output `index`: the gradients the joint
+        plan computed go to the leaves (once per leaf, a leaf passed twice summed) and the
+        region is freed by that backward(); True. False, changing nothing, when they are not
+        here or some input is not a leaf (backward() runs the engine then). One call, once
+        per training step: the checks, the hand-over and the freeing are all here."""
+        with self.lock:  # two threads' backward() of one loss: one takes them, one raises
+            if self.freed_by is not None:
+                raise freed_error([self], self, index, location_text(loc))
+            grads = self._grads
+            if grads is None:
+                return False
+            leaves = self._edges
+            if type(leaves) is not LeafEdges:  # Edge objects: made by a read, or not a leaf
+                leaves = [edge.leaf for edge in leaves]
+                if any(leaf is None for leaf in leaves):
+                    return False
+            # a leaf passed twice: its gradients sum. Tensors hash by identity (object.__hash__:
+            # equal hashes are one object, so == never runs): half the cost of a set of ids
+            if len({*leaves}) != len(leaves):
+                leaves, grads = _summed_per_leaf(leaves, grads)
+            step = self._step  # step.fits(True), inline
+            step._expecting = False
+            step.seen += 1
+            self._grads = self._args = None  # mark_freed's, inline: nothing was saved
+            self.ready = False
+            self.backward_calls += 1
+            # FreedBy(loc, self, index, own=True), its fields set here: one output, the root
+            by = self.freed_by = _new_freed_by(FreedBy)
+            by._where, by._root_name, by._root_output = loc, self.name, None
+            by._root_made, by.root_ref, by.failed = self._made_at, None, False
+            with leaf_grads_lock:  # the leaves are tensors: one call adds a step's gradients
+                if leaves:
+                    leaves[0]._add_plan_grads(leaves, grads)
+        return True
 
     def held_arrays(self) -> list:
         """While its gradients wait for backward(), what the region holds for it is those
@@ -225,3 +248,12 @@ class JointRegion(Region):
     def __repr__(self) -> str:
         waiting = " (gradients computed with the forward, one joint plan)" if self._grads else ""
         return super().__repr__()[:-1] + waiting + ">"
+
+
+def _summed_per_leaf(leaves: list, grads: list) -> tuple[list, list]:
+    """(leaves, gradients) with each leaf once, the gradients of a leaf passed twice summed."""
+    by_leaf: dict = {}
+    for leaf, grad in zip(leaves, grads, strict=True):
+        held = by_leaf.get(id(leaf))
+        by_leaf[id(leaf)] = (leaf, grad if held is None else held[1] + grad)
+    return [leaf for leaf, _ in by_leaf.values()], [grad for _, grad in by_leaf.values()]

@@ -40,7 +40,7 @@ class Edge:
 class LeafEdges(list):
     """The leaf tensors of a call whose differentiated inputs are all leaves, standing for
     their edges: a Region makes the Edge objects on the first read of input_edges. A compiled
-    step that runs as one joint plan hands its gradients to these leaves (take_gradients) and
+    step that runs as one joint plan hands its gradients to these leaves (hand_over) and
     never reads them, so its calls make no Edge at all. Holding a leaf is what its Edge would
     hold, so nothing lives longer."""
 
@@ -258,13 +258,12 @@ class Region:
             program.joint_step.observe(cotangents, mode)
         return program.run_backward(args, mode, release)
 
-    ready = False  # whether take_gradients() has them (a JointRegion's, until backward)
+    ready = False  # whether hand_over() has them (a JointRegion's, until backward)
 
-    def take_gradients(self, loc, index: int) -> tuple[list, list] | None:
-        """(leaves, gradients) its forward computed, for backward() at loc from the default
-        seed of output index when every input is a leaf, the region then freed by it
-        (runtime/joint_step.py); a plain region has none."""
-        return None
+    def hand_over(self, loc, index: int) -> bool:
+        """backward() at loc from the default seed of output index, when the forward computed
+        the gradients (runtime/joint_step.py JointRegion): a plain region has none."""
+        return False
 
     def mark_freed(self, by: FreedBy) -> None:
         self._saved.clear()

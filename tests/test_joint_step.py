@@ -1,6 +1,7 @@
 """A small compiled loss that backward() follows runs as one joint plan after a few calls
 (runtime/joint_step.py); whatever backward() then does, the gradients are the two plans'."""
 
+import sys
 import threading
 
 import numpy as np
@@ -202,6 +203,41 @@ def test_two_threads_training_apart_each_get_their_own_gradients():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_two_threads_backward_of_one_joint_loss_hand_the_gradients_over_once():
+    """Both threads call backward() on one joint call's loss at once, the switch interval at
+    its smallest: one hands the gradients over, the other raises GraphFreedError naming the
+    first one's line, and every gradient is one step's (not two, not none)."""
+    step, p = bp.compile(loss), params()
+    learned(step, p).backward()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(60):
+            bp.zero_grad(p)
+            out = step(p, X)
+            assert isinstance(out.grad_fn, JointRegion)
+            start, outcomes = threading.Barrier(2), []
+
+            def run(out=out, start=start, outcomes=outcomes):
+                start.wait()
+                try:
+                    out.backward()
+                    outcomes.append("handed")
+                except bp.GraphFreedError as exc:
+                    outcomes.append(str(exc))
+
+            threads = [threading.Thread(target=run) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sorted(outcomes)[-1] == "handed" and outcomes.count("handed") == 1, outcomes
+            assert "the backward() at test_joint_step.py:" in sorted(outcomes)[0]
+            check(p)
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_parameters_the_function_captures_get_their_gradients():

@@ -65,8 +65,10 @@ def _public_name(name: str) -> str | None:
 
 
 USER, LIBRARY, OUTSIDE = 0, 1, 2
-_code_facts: dict = {}  # id(code) -> (USER | LIBRARY | OUTSIDE, public name or None, code)
-_locs: dict = {}  # (api, id(code), offset, ...) -> (SourceLoc, codes): repeated lines share one
+# id(code) -> (USER | LIBRARY | OUTSIDE, public name or None, code, token): the entry holds
+# the code, so its id names no other code while the entry lives
+_code_facts: dict = {}
+_locs: dict = {}  # (api, token, offset, ...) -> (SourceLoc, codes): repeated lines share one
 MAX_CACHED = 20_000
 
 
@@ -81,7 +83,7 @@ def _facts(frame) -> tuple:
             kind = LIBRARY
         else:
             kind = OUTSIDE if _is_outside_user_code(code.co_filename) else USER
-        facts = _code_facts[id(code)] = (kind, _public_name(code.co_name), code)
+        facts = _code_facts[id(code)] = (kind, _public_name(code.co_name), code, object())
     return facts
 
 
@@ -94,6 +96,10 @@ class _Given(threading.local):
 
 
 _given = _Given()
+# at_location blocks open now, in any thread: while there are none, user_frame_loc does not ask
+# the thread's own (a threading.local read cost ~500 instructions, twice a compiled step)
+_given_open = 0
+_given_count_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -101,12 +107,17 @@ def at_location(loc: SourceLoc | None):
     """Ops called inside record `loc` as their user line: code translated from another
     framework (an imported PyTorch module) names the line of the model it came from, not the
     translator's own frames."""
+    global _given_open
     outer = _given.loc
     _given.loc = loc
+    with _given_count_lock:
+        _given_open += 1
     try:
         yield
     finally:
         _given.loc = outer
+        with _given_count_lock:
+            _given_open -= 1
 
 
 def user_frame_loc(skip: int = 0, api: str | None = None) -> SourceLoc | None:
@@ -118,42 +129,46 @@ def user_frame_loc(skip: int = 0, api: str | None = None) -> SourceLoc | None:
     caller's first, are backplan's own by construction (a fast path's fixed chain of calls),
     passed over in one step: each frame walked costs a frame object and ~0.1 us. api: the
     public function those skipped frames stand for (Tensor.backward names itself)."""
-    given = _given.loc
-    if given is not None:
-        return given
+    if _given_open:
+        given = _given.loc
+        if given is not None:
+            return given
     frame = _getframe(1 + skip)
-    known = _code_facts.get
-    code = frame.f_code
-    facts = known(id(code)) or _facts(frame)
+    try:  # a subscript, not .get: a method call costs a compiled step ~1,000 instructions
+        facts = _code_facts[id(frame.f_code)]
+    except KeyError:
+        facts = _facts(frame)
     while facts[0] == LIBRARY:
         if facts[1] is not None:
             api = facts[1]
         frame = frame.f_back
         if frame is None:
             return None
-        code = frame.f_code
-        facts = known(id(code)) or _facts(frame)
-    # ids: a code object hashes by its whole content. The instruction offset, not the line:
-    # f_lineno decodes the code's line table on every read (a long module's loop paid
-    # microseconds), and an offset falls on one line. An id in a kept key cannot name another
-    # code object: _locs holds the codes of its keys, _code_facts those of its own. Each f_back
+        facts = _code_facts.get(id(frame.f_code)) or _facts(frame)
+    # a code's token, not its id or itself: a code object hashes by its whole content, and
+    # an id is a new int compared by value; a token hashes and compares by identity. The
+    # instruction offset, not the line: f_lineno decodes the code's line table on every read
+    # (a long module's loop paid microseconds), and an offset falls on one line. Each f_back
     # makes a frame object (Python 3.11 creates them on demand): none past the last one kept.
-    first, key, depth = frame, [api, id(code), frame.f_lasti], 1
+    first, key, depth = frame, [api, facts[3], frame.f_lasti], 1
     while depth < MAX_USER_FRAMES:
         frame = frame.f_back
         if frame is None:
             break
-        code_id = id(frame.f_code)
-        if (known(code_id) or _facts(frame))[0] != USER:
+        try:
+            facts = _code_facts[id(frame.f_code)]
+        except KeyError:
+            facts = _facts(frame)
+        if facts[0] != USER:
             break
-        key.append(code_id)
+        key.append(facts[3])
         key.append(frame.f_lasti)
         depth += 1
     key = tuple(key)
-    cached = _locs.get(key)
-    if cached is not None:
-        return cached[0]
-    return _new_loc(key, depth, first, api)
+    try:
+        return _locs[key][0]
+    except KeyError:
+        return _new_loc(key, depth, first, api)
 
 
 def _new_loc(key: tuple, depth: int, frame, api: str | None) -> SourceLoc:

@@ -337,7 +337,7 @@ class Tensor(TensorMethods):
             and not retain_graph
             and not create_graph
             and self._donated is None
-            and _engine.backward_ready(grad_fn, self._out_index, where)
+            and grad_fn.hand_over(where, self._out_index)
         ):
             return  # the forward ran one joint plan: its gradients went to the leaves
         self._check_live()
