@@ -95,19 +95,26 @@ def assert_ranks_ok(result, ranks: int = 2) -> None:
 
 # ---- several tests' scripts in one mpiexec launch ------------------------------------------------
 # Each `mpiexec -n 2` costs ~1.3 CPU s before a script runs (two interpreters importing backplan,
-# NumPy and mpi4py, MPI's start). Scripts that leave no state a later one would see (no module
-# patched, no environment changed, the reference backend) run one after another in one launch,
-# each in its own namespace, its output in a file per rank; each test reads its own script's
-# outputs, so a failure names that test and shows that script's traceback on each rank.
+# NumPy and mpi4py, MPI's start). Scripts on the reference backend that leave no state a later
+# one would see run one after another in one launch, each in its own namespace, its output in a
+# file per rank; each test reads its own script's outputs, so a failure names that test and shows
+# that script's traceback on each rank. What a script changes in the environment and in
+# backplan's modules' globals (a function or constant patched) is put back after it; a class's
+# attributes are not.
 
 ONE_LAUNCH_RUNNER = """
 import contextlib, faulthandler, gc, os, sys, traceback
 from mpi4py import MPI
+import backplan.distributed  # its modules' globals are saved before the first script
+
+def module_globals():
+    return {m: dict(vars(module)) for m, module in list(sys.modules.items())
+            if m.startswith("backplan") and module is not None}
 
 for name in sys.argv[2:]:
     with open(f"{name}.rank{MPI.COMM_WORLD.rank}.out", "w", buffering=1) as out:
         faulthandler.dump_traceback_later(float(sys.argv[1]), exit=True, file=out)
-        saved = dict(os.environ)
+        saved, patched = dict(os.environ), module_globals()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
                 with open(f"{name}.py") as source:
@@ -120,6 +127,9 @@ for name in sys.argv[2:]:
                 print("script passed")
             os.environ.clear()
             os.environ.update(saved)
+            for m, names in patched.items():
+                module = vars(sys.modules[m])
+                module.update((k, v) for k, v in names.items() if module.get(k) is not v)
             gc.collect()  # what the script made is let go, as at its process's end
             MPI.COMM_WORLD.Barrier()  # a rank that hangs in the script: the timeout names it
         faulthandler.cancel_dump_traceback_later()
@@ -723,17 +733,8 @@ def test_16_bit_parameters_broadcast_sum_and_shard(launched):
 
 
 @needs_mpi
-def test_16_bit_buckets_travel_in_16_bits_on_two_ranks_with_the_float32_sums_bits(tmp_path):
-    """bfloat16 and float16 gradients were widened to float32 for the allreduce (twice the
-    bytes on the wire). On two ranks each element is combined once, so an MPI operation adding
-    in float32, halving when averaging and rounding once sends 16 bits and gives the float32
-    path's bits: checked against that path (forced here), averaged and summed; a mean over
-    unequal rows (scaled before the sum) keeps float32 on the wire; explain counts the bytes
-    sent. The operations alone: NaN, infinities, float16 overflow (a mean stays finite),
-    subnormals."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         import ml_dtypes
         from mpi4py import MPI
         from backplan.distributed import exchange
@@ -784,9 +785,17 @@ def test_16_bit_buckets_travel_in_16_bits_on_two_ranks_with_the_float32_sums_bit
                     assert same.all(), (half, average, buffer, want)
         print(f"rank {rank} ok")
         """,
-        reduction="mpi",  # the compiled driver starts MPI's allreduces
-    )
-    assert_ranks_ok(result)
+    reduction="mpi",  # the compiled driver starts MPI's allreduces
+)
+def test_16_bit_buckets_travel_in_16_bits_on_two_ranks_with_the_float32_sums_bits(launched):
+    """bfloat16 and float16 gradients were widened to float32 for the allreduce (twice the
+    bytes on the wire). On two ranks each element is combined once, so an MPI operation adding
+    in float32, halving when averaging and rounding once sends 16 bits and gives the float32
+    path's bits: checked against that path (forced here), averaged and summed; a mean over
+    unequal rows (scaled before the sum) keeps float32 on the wire; explain counts the bytes
+    sent. The operations alone: NaN, infinities, float16 overflow (a mean stays finite),
+    subnormals."""
+    assert_ranks_ok(launched())
 
 
 def test_float16_widening_and_rounding_match_numpy_to_the_bit():
@@ -1012,14 +1021,8 @@ def test_explain_says_when_each_node_sum_runs_as_the_step_runs_it(tmp_path):
 
 
 @needs_mpi
-def test_a_marked_counter_wakes_a_sleeping_rank_and_makes_no_system_call_otherwise(tmp_path):
-    """node_window's waits sleep on the other rank's counter (futex); mark() wakes them only
-    when a rank raised its byte in the marker's sleepers' line. Rank 0 sleeps on bucket 0's
-    counter with a 30 s limit: rank 1's mark half a second later wakes it (a missed wake-up
-    would keep it 30 s), with one wake-up call; marks while nobody sleeps make none."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         import time
         from backplan.distributed import futex, node_window
         from backplan.distributed.node_window import READY, NodeWindow
@@ -1049,8 +1052,13 @@ def test_a_marked_counter_wakes_a_sleeping_rank_and_makes_no_system_call_otherwi
         assert len(woken) == (1 if rank == 1 else 0), woken
         print(f"rank {rank} ok")
         """,
-    )
-    assert_ranks_ok(result)
+)
+def test_a_marked_counter_wakes_a_sleeping_rank_and_makes_no_system_call_otherwise(launched):
+    """node_window's waits sleep on the other rank's counter (futex); mark() wakes them only
+    when a rank raised its byte in the marker's sleepers' line. Rank 0 sleeps on bucket 0's
+    counter with a 30 s limit: rank 1's mark half a second later wakes it (a missed wake-up
+    would keep it 30 s), with one wake-up call; marks while nobody sleeps make none."""
+    assert_ranks_ok(launched())
 
 
 @needs_mpi
@@ -1498,13 +1506,8 @@ def test_16_bit_buckets_are_written_into_the_window_in_16_bits_and_summed_wideni
 
 
 @needs_mpi
-def test_ranks_summing_in_the_window_and_by_mpi_raise_instead_of_hanging(tmp_path):
-    """A rank asking for MPI's allreduce (BACKPLAN_DP_REDUCTION=mpi) beside one summing in
-    the node's window would wait for buckets the other never sends: the agreement names the
-    setting on every rank before anything moves."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         import os
         os.environ["BACKPLAN_DP_REDUCTION"] = ("shared", "mpi")[rank]
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
@@ -1518,8 +1521,12 @@ def test_ranks_summing_in_the_window_and_by_mpi_raise_instead_of_hanging(tmp_pat
             raise AssertionError("ranks summing two ways went unnoticed")
         print(f"rank {rank} ok")
         """,
-    )
-    assert_ranks_ok(result)
+)
+def test_ranks_summing_in_the_window_and_by_mpi_raise_instead_of_hanging(launched):
+    """A rank asking for MPI's allreduce (BACKPLAN_DP_REDUCTION=mpi) beside one summing in
+    the node's window would wait for buckets the other never sends: the agreement names the
+    setting on every rank before anything moves."""
+    assert_ranks_ok(launched())
 
 
 @needs_mpi
@@ -1608,13 +1615,8 @@ def test_a_rank_killed_while_the_others_wait_to_share_memory_leaves_no_file(tmp_
 
 
 @needs_mpi
-def test_ranks_that_cannot_map_each_others_memory_sum_by_mpi_alike(tmp_path):
-    """The node probe (shared_exchange.reduction) asks whether every rank maps every other's
-    shared memory, not just whether MPI calls them one node: where rank 1 cannot make its
-    segment (as on another machine), both ranks sum by MPI, with the same bits as the window."""
-    result = run_script(
-        tmp_path,
-        """
+@in_one_launch(
+    """
         from backplan.distributed import node_window
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=rank))
         xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
@@ -1632,8 +1634,12 @@ def test_ranks_that_cannot_map_each_others_memory_sum_by_mpi_alike(tmp_path):
             assert (want[n].numpy() == got[n].numpy()).all(), n
         print(f"rank {rank} ok")
         """,
-    )
-    assert_ranks_ok(result)
+)
+def test_ranks_that_cannot_map_each_others_memory_sum_by_mpi_alike(launched):
+    """The node probe (shared_exchange.reduction) asks whether every rank maps every other's
+    shared memory, not just whether MPI calls them one node: where rank 1 cannot make its
+    segment (as on another machine), both ranks sum by MPI, with the same bits as the window."""
+    assert_ranks_ok(launched())
 
 
 # the end of the scripts below: a rank that raises RankTimeoutError says so and ends
