@@ -130,8 +130,9 @@ class JointStep:
         if not self._split_idle:  # the joint plan takes over: the two plans' arenas go
             program.release_idle()
             self._split_idle = True
-        runner = self._runners.get(current_backend())  # made once per backend, then looked up
-        if runner is None:
+        try:  # made once per backend, then looked up (a subscript: .get is a method call)
+            runner = self._runners[current_backend()]
+        except KeyError:
             runner = runner_for(self.plan(), self._runners, self.background)
         results = runner(list(args))
         return results[:1], JointRegion(program, args, results[1:], edges, loc, self, copies)
@@ -211,7 +212,7 @@ class JointRegion(Region):
             by._root_made, by.root_ref, by.failed = self._made_at, None, False
             with leaf_grads_lock:  # the leaves are tensors: one call adds a step's gradients
                 if leaves:
-                    leaves[0]._add_plan_grads(leaves, grads)
+                    leaves[0]._add_joint_grads(leaves, grads)
         return True
 
     def held_arrays(self) -> list:

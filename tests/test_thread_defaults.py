@@ -31,3 +31,27 @@ def test_the_defaults_are_class_attributes_not_set_per_thread():
     assert _in_new_thread(lambda: dict(vars(grad_mode._state))) == {}
     assert _in_new_thread(lambda: dict(vars(backend._this_thread))) == {}
     assert type(grad_mode._state).enabled is True and type(backend._this_thread).name is None
+
+
+def test_blocks_open_in_one_thread_are_counted_and_closed_even_when_they_raise():
+    """is_grad_enabled, current_backend and current_trace skip the thread-local read while no
+    thread has a block open (a module count): a block open in one thread makes that thread
+    read its own, the others still read the defaults, and a block left by an exception is
+    closed in the count."""
+    from backplan.tracer import trace as trace_module
+    from backplan.tracer.trace import Trace, current_trace, tracing
+
+    assert current_trace() is None
+    trace = Trace("t")
+    with tracing(trace):
+        assert current_trace() is trace and trace_module._tracing_open == 1
+        assert _in_new_thread(current_trace) is None
+    assert current_trace() is None and trace_module._tracing_open == 0
+    for block in (grad_mode.no_grad, lambda: backend_in_this_thread("reference")):
+        try:
+            with block():
+                raise KeyError("inside")
+        except KeyError:
+            pass
+    assert grad_mode._blocks_open == 0 and backend._thread_choices == 0
+    assert is_grad_enabled() and current_backend() == _in_new_thread(current_backend)

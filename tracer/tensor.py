@@ -323,6 +323,19 @@ class Tensor(TensorMethods):
                     continue
             leaf._add_plan_grad(array)
 
+    @staticmethod
+    def _add_joint_grads(leaves: list, arrays: list) -> None:
+        """_add_plan_grads for the gradients a joint step's plan computed with its forward
+        (runtime/joint_step.py): each array is the plan's own, or its frozen view, or a view
+        of a read-only input (no input of a joint step is donated), so a first gradient is
+        wrapped as it is, with no view or flags test (as value_and_grad wraps the same
+        plan's outputs)."""
+        for leaf, array in zip(leaves, arrays, strict=True):
+            if leaf.grad is None:
+                leaf.grad = _fresh(array)
+            else:
+                leaf._accumulate_grad(array)
+
     def backward(self, gradient=None, retain_graph: bool = False, create_graph: bool = False):
         """Run the backward plans from this tensor and add gradients into leaf .grad.
         Without retain_graph, every region reached frees its saved buffers as it goes."""

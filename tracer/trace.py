@@ -54,18 +54,34 @@ def _stack() -> list[Trace]:
     return _state.stack
 
 
+# tracing() blocks open now, in any thread: while there are none no thread is tracing, and
+# current_trace does not read the thread's stack (a threading.local getattr: ~500
+# instructions, and a raised and caught AttributeError in a thread that never traced)
+_tracing_open = 0
+_tracing_lock = threading.Lock()
+
+
 def current_trace() -> Trace | None:
+    if not _tracing_open:
+        return None
     stack = getattr(_state, "stack", None)  # every compiled call asks: no list made here
     return stack[-1] if stack else None
 
 
 @contextmanager
 def tracing(trace: Trace):
+    global _tracing_open
+    with _tracing_lock:
+        _tracing_open += 1
     stack = _stack()
     stack.append(trace)
-    host_random.enter(lambda: bool(_stack()))
     try:
-        yield trace
+        host_random.enter(lambda: bool(_stack()))
+        try:
+            yield trace
+        finally:
+            host_random.leave()
+            stack.pop()
     finally:
-        host_random.leave()
-        stack.pop()
+        with _tracing_lock:
+            _tracing_open -= 1
