@@ -4,8 +4,15 @@ is still in cache, instead of a separate loop reading the whole result back late
 
 A lowering step over fusion's kernels. A kernel whose op is `epilogue` in the registry (a 2-D
 matmul) absorbs the next kernel that runs code when that kernel is a loop over the same shape
-with no reductions, reads the matmul's result only element for element (its row i needs row i
-of the result only) and reads nothing computed after the matmul but views. The merged kernel
+whose reductions, if any, run down the columns, reads the matmul's result only element for
+element (its row i needs row i of the result only) and reads nothing computed after the matmul
+but views. A column sum is the bias gradient of a layer the backward recomputes (x @ w + b,
+tanh, its derivative and the sum fused into one gradient loop): it accumulates row by row into
+its output, and the recomputed layer runs as the forward's did, not as a bare GEMM whose result
+a loop reads back. A reduction along each row (a softmax's, a layer norm's) stays with the row
+kernel it starts (ir/lowering.py row_runs); a sum of everything (a loss) stays apart too: taken,
+it moved the planner's smallest peak of docs/explain.md's training step from 704,596 to 720,980
+B, and nothing recomputed needs it. The merged kernel
 is one schedule step, so nothing the epilogue writes shares storage with anything the GEMM
 reads; buffers are those of the unfused plan (`materialized` ran before). Codegen runs the
 epilogue inside backplan's own GEMM and, where the plan calls BLAS for that shape, as the loop
@@ -19,6 +26,7 @@ from .layout import Roots
 from .registry import get_op
 
 FREE_KINDS = ("literal", "alias", "view")  # kernels that emit no code of their own
+ACROSS_ROWS = ((0,),)  # reductions an epilogue takes: down the columns
 
 
 def absorb_epilogues(
@@ -73,7 +81,7 @@ def _next_running(kernels: list[Kernel], index: int) -> int | None:
 def _absorbs(gemm: Kernel, loop: Kernel, roots: Roots) -> bool:
     # the loop asked first: about half the GEMMs of a deep plan's gradient part run right
     # before another op, and the kernels are at hand where the GEMM's node may not be
-    if loop.kind != "loop" or loop.reductions:
+    if loop.kind != "loop" or any(r.attrs["axes"] not in ACROSS_ROWS for r in loop.reductions):
         return False
     if gemm.kind != "op" or gemm.epilogue is not None:
         return False

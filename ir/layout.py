@@ -324,6 +324,8 @@ def _epilogues_over_products(requests, kernels, last, steps) -> list:
                 continue
             new = requests[k]
             if (new.dtype, new.nbytes, new.first_step) == (old.dtype, old.nbytes, old.first_step):
+                if _read_after(kernel.epilogue, value, product):
+                    continue
                 requests[k] = BufferRequest(  # new._replace(reuse=..., in_step=True), directly
                     new.key,
                     new.nbytes,
@@ -336,6 +338,19 @@ def _epilogues_over_products(requests, kernels, last, steps) -> list:
                 )
                 break
     return requests
+
+
+def _read_after(loop: Kernel, value: Value, product: Value) -> bool:
+    """Whether the loop reads the product after it computes value. Each element's nodes are
+    computed and stored in order, so value written over the product would be read back in
+    its place (a loss's sum of the product fused with the gradient's seed, a `full` computed
+    first and stored)."""
+    seen = False
+    for node in loop.computed:
+        if seen and any(v is product or storage_root(v) is product for v in node.inputs):
+            return True
+        seen = seen or node is value
+    return not seen
 
 
 def _step_sharing(steps: list[int]):

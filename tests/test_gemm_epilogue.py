@@ -73,20 +73,23 @@ def test_plan_absorbs_bias_and_activation_into_the_gemm(own_gemm):
     arrays = [bp.tensor(a) for a in layer_arrays(rng, 9, 7, 33, np.float32)]
     loss = layer_loss(bp.relu)
     plan = bp.value_and_grad(loss, argnums=(0, 1, 2)).trace(*arrays).plan
-    (kernel,) = fused_kernels(plan)
+    fused = fused_kernels(plan)
+    # the layer's; the backward's dh product takes the bias gradient (a column sum)
+    (kernel,) = [k for k in fused if not k.epilogue.reductions]
     assert kernel.nodes[0].op == "matmul"
     assert [n.op for n in kernel.epilogue.nodes][:2] == ["add", "relu"]
     lowered = lower(plan, ())
     unfused = [k for k in group_kernels(plan.graph) if k.kind in RUN_KINDS]
-    assert lowered.kernel_count == len(unfused) - 1  # the bias + relu loop is gone
+    assert lowered.kernel_count == len(unfused) - len(fused)  # the loops taken are gone
     source = generate(lowered)
     calls = [k for k in source.loop_kernels if "own_gemm(" in k.source]
-    assert len(calls) == 1
-    assert "relu" not in calls[0].source  # the registry's template, not a name, is inlined
-    assert re.search(r"t\d+ = \(w\d+\[i0, i1\] \+ w\d+\[i1\]\)", calls[0].source)
+    assert len(calls) == len(fused)
+    bias_add = r"t\d+ = \(w\d+\[i0, i1\] \+ w\d+\[i1\]\)"
+    (layer,) = [k for k in calls if re.search(bias_add, k.source)]
+    assert "relu" not in layer.source  # the registry's template, not a name, is inlined
     statements = re.findall(r"^    (k_\w+|own_gemm_at|gemm_at_f32)\(", source.source, re.M)
-    assert statements[0] == calls[0].name  # the first product and its loop: one call
-    assert calls[0].name not in statements[1:]
+    assert statements[0] == layer.name  # the first product and its loop: one call
+    assert layer.name not in statements[1:]
     with use_backend("numba"):
         text = str(bp.value_and_grad(loss, argnums=(0, 1, 2)).explain(*arrays))
     assert re.search(r"k0 \(matmul \+ epilogue\): f0 matmul, f1 add, f2 relu", text)
@@ -231,12 +234,15 @@ def test_forced_avx2_tile_runs_the_epilogue(own_gemm):
             assert_blocked_close(g, r, dtype, 3 * 127 + 33 + 7)
 
 
-def test_a_loop_reading_the_product_transposed_or_reducing_it_stays_apart():
+def test_a_loop_reading_the_product_transposed_or_summing_rows_or_all_of_it_stays_apart():
+    """Column sums run in the epilogue (test_epilogue_column_sums.py); a sum along each row
+    starts a row kernel (a softmax's, a layer norm's) and stays with it, as does a loss."""
     rng = np.random.default_rng(7)
     x = bp.tensor(rng.standard_normal((6, 6)).astype(np.float32))
     w = bp.tensor(rng.standard_normal((6, 6)).astype(np.float32))
     for fn in (
         lambda x, w: (x @ w) * bp.transpose(x @ w),  # row i needs column i
+        lambda x, w: bp.sum(bp.exp(x @ w), axis=1),  # a reduction along each row
         lambda x, w: bp.sum(bp.exp(x @ w)),  # a reduction over every row
     ):
         plan = bp.compile(fn).trace(x, w).program.plans.forward

@@ -535,17 +535,19 @@ class _Emitter:
                 self.buffer(value)
         emitter = self._loop_emitter(loop, stored, "s0_n", rows=True, unrounded=frozenset([node]))
         views, stage, _ = emitter.emit()
+        partials = emitter.row_partials  # serial: column sums straight into their outputs
         out = self.placer.place(node)
         self.gemms[node] = epilogue_gemm(node)
         lines, scalars, bases = gemm_epilogue_lines(
             vector_width(),
             operands,
             out,
-            views,
+            views + partials.before,
             stage,
             tuple(i.dtype == "f16" for i in node.inputs),
             reads_16_bits(node),
         )
+        lines += partials.after
         scalars.update(emitter.size_arguments(), **emitter.scalars)
         bases.update(emitter.bases)
         body.append(self._call(lines, scalars, bases, False, gemm=True))

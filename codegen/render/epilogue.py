@@ -5,9 +5,13 @@ The block is the GEMM's own row block (ROW_BLOCK rows), so splitting the call co
 packing: the rows are still in cache when the epilogue (bias add, activation, ...) reads them,
 and each C element is computed exactly as the whole GEMM computes it. The epilogue's lines are
 a row stage of the loop emitter (codegen/render/loops.py), for row i0, views made before the loop.
+A reduction down the columns (a recomputed layer's bias gradient) is set to its start before the
+first block and takes each row as it comes (the emitter's serial RowPartials), so the caller
+passes its `before` lines with the views and puts its `after` lines behind.
 
+    <views; column sums = 0>
     mat_c[block rows] = op(mat_a)[block rows] @ op(mat_b)
-    for i0 in block rows: <epilogue for row i0>
+    for i0 in block rows: <epilogue for row i0, adding its row into the column sums>
 
 16-bit operands are the exception: the GEMM packs (and widens) B for each call, and a call per
 row block packed it once per block (80 rows on Zen 5) where the whole product packs it once.
