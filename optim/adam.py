@@ -18,7 +18,7 @@ from backplan.tracer import ops
 from backplan.tracer.pytree import flatten
 
 from .base import Optimizer, with_master
-from .hyper import leaf_scalar, learning_rate, new_count
+from .hyper import leaf_scalar, learning_rate, lr_text, new_count
 from .tree import check_hyper, check_state, tree_map_n
 
 
@@ -82,7 +82,7 @@ def _adam(name, lr, b1, b2, eps, weight_decay, decoupled: bool) -> Optimizer:
         updates = tree_map_n(update, mu, nu, params)
         return updates, {"count": count + 1, "mu": mu, "nu": nu}
 
-    return Optimizer(f"{name}({lr!r})", init_fn, transform, elementwise=True)
+    return Optimizer(f"{name}({lr_text(lr)})", init_fn, transform, elementwise=True)
 
 
 def _check_eps_fits(name: str, eps: float, params) -> None:

@@ -19,6 +19,12 @@ def learning_rate(lr, count):
     return lr(count) if callable(lr) else lr
 
 
+def lr_text(lr) -> str:
+    """The rate as an optimizer's name shows it: a schedule by its name (cosine_decay(0.01,
+    20)), not the function's repr with its address, which errors quoted."""
+    return getattr(lr, "__name__", repr(lr)) if callable(lr) else repr(lr)
+
+
 def leaf_scalar(value, leaf):
     """A hyperparameter ready to meet `leaf`: Python numbers stay weak; tensors (a schedule's
     float64 value, a traced float) take the leaf's dtype."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from backplan.tracer import ops
 
 from .base import Optimizer, with_master
-from .hyper import leaf_scalar, learning_rate, new_count
+from .hyper import leaf_scalar, learning_rate, lr_text, new_count
 from .tree import check_hyper, check_state, tree_map_n
 
 
@@ -58,5 +58,5 @@ def sgd(
         updates = tree_map_n(lambda d: -(d * leaf_scalar(rate, d)), d)
         return updates, new_state
 
-    name = f"sgd({lr!r}" + (f", momentum={momentum}" if momentum else "") + ")"
+    name = f"sgd({lr_text(lr)}" + (f", momentum={momentum}" if momentum else "") + ")"
     return with_master(Optimizer(name, init_fn, transform, elementwise=True), master_dtype)

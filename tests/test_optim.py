@@ -414,3 +414,14 @@ def test_a_learning_rate_that_is_not_a_number_is_refused_naming_it(lr):
         bp.optim.sgd(lr)
     with pytest.raises(TypeError, match=r"bp\.optim\.adam: eps must be a number"):
         bp.optim.adam(0.1, eps=lr)
+
+
+def test_an_optimizer_with_a_schedule_is_named_by_the_schedule_in_errors():
+    """Errors quote an optimizer's name; with a schedule it read
+    'adamw(<function cosine_decay.<locals>.schedule at 0x7f...>)'."""
+    schedule = bp.optim.cosine_decay(1e-2, 20)
+    assert bp.optim.adamw(schedule).name == "adamw(cosine_decay(0.01, 20))"
+    assert bp.optim.sgd(schedule, momentum=0.9).name == "sgd(cosine_decay(0.01, 20), momentum=0.9)"
+    assert bp.optim.adam(1e-3).name == "adam(0.001)"
+    with pytest.raises(ValueError, match=r"bp.optim.chain: adam\(cosine_decay\(0.01, 20\)\) has"):
+        bp.optim.chain(bp.optim.adam(schedule, master_dtype=bp.float32))
