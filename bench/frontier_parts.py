@@ -41,7 +41,7 @@ PARTS = (
     ("row-local values", "lowering", "row_local_values", 2),
     ("layout", "lowering", "plan_layout", 2),
     ("lifetimes", "layout", "lifetimes", 3),
-    ("placement", "layout", "assign_memory", 3),
+    ("placement", "layout", "element_offsets", 3),
     ("donation", "lowering", "donation_pairs", 2),
     ("compiled buffers", "peak_module", "compiled_buffers", 1),
     ("a row's saved column (fused values)", "budget_module", "fused_held_bytes", 0),

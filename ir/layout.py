@@ -20,7 +20,7 @@ from operator import le
 from .fusion import Kernel, index_map, internal_shape, is_alias
 from .graph import Graph, Value
 from .kernel_workspace import WorkspaceOf, workspace_elements
-from .memory_plan import BufferRequest, assign_memory
+from .memory_plan import BufferRequest, element_offsets
 from .registry import REGISTRY, get_op
 from .types import DTYPES
 
@@ -261,13 +261,12 @@ def plan_layout(
         requests = _epilogues_over_products(requests, kernels, last, steps)
     requests = _reuse_saved(requests, private_saved, last, layout)
     workspaces = _workspace_requests(kernels, steps, pinned)
-    assignment = assign_memory(requests + [r for r, _ in workspaces], shared=True)
-    for (_arena, dtype), size in assignment.arena_sizes.items():
+    offsets, sizes, _ = element_offsets(requests + [r for r, _ in workspaces], shared=True)
+    for (_arena, dtype), size in sizes.items():
         layout.scratch_elements[dtype] = size
-    placements = assignment.placements
-    layout.scratch_offsets = {r.key: placements[r.key].offset for r in requests}
+    layout.scratch_offsets = {r.key: offsets[r.key] for r in requests}
     for r, elements in workspaces:
-        layout.workspaces[r.key.node] = (placements[r.key].offset, elements)
+        layout.workspaces[r.key.node] = (offsets[r.key], elements)
     return layout
 
 

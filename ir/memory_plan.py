@@ -90,8 +90,28 @@ def assign_memory(
     >>> plan.placements["y"].offset, plan.arena_sizes
     (0, {('scratch', 'f32'): 64})
     """
-    _check(requests, alignment_bytes)
     by_key = {r.key: r for r in requests}
+    offsets, sizes, in_place = element_offsets(requests, alignment_bytes, shared, by_key)
+    placements = {  # Placement(...) without its constructor's call
+        key: _placement(Placement, (r.arena, r.dtype, offset, r.nbytes))
+        for key, offset in offsets.items()
+        for r in (by_key[key],)
+    }
+    return MemoryAssignment(placements, sizes, in_place, shared)
+
+
+def element_offsets(
+    requests: list[BufferRequest],
+    alignment_bytes: int = 64,
+    shared: bool = False,
+    by_key: dict | None = None,
+) -> tuple[dict, dict, dict]:
+    """(key -> offset in elements of its dtype, arena sizes, in_place) of assign_memory's
+    placement, without a Placement made for each buffer: a lowering reads the offsets alone
+    (ir/layout.py), ~5,500 a row of a 10,000-node memory frontier. by_key: each request by
+    its key, where the caller made it."""
+    _check(requests, alignment_bytes)
+    by_key = {r.key: r for r in requests} if by_key is None else by_key
     in_place = _resolve_in_place(requests, by_key)
     chains = _chains(requests, in_place, by_key)
     by_arena: dict[tuple, list[list[BufferRequest]]] = {}
@@ -101,7 +121,7 @@ def assign_memory(
         for chain in chains:
             group = (chain[0].arena,) if shared else (chain[0].arena, chain[0].dtype)
             by_arena.setdefault(group, []).append(chain)
-    placements, sizes = {}, {}
+    placed, sizes = {}, {}
     for chains in by_arena.values():
         offsets, end = _place_best_fit(chains, alignment_bytes)
         if _worth_other_orders(chains, end):
@@ -109,14 +129,13 @@ def assign_memory(
         itemsizes: dict[str, int] = {}  # of this arena's dtypes, each looked up once
         for chain, offset in zip(chains, offsets, strict=True):
             for r in chain:
-                key, nbytes, dtype, _, _, arena, _, _ = r  # its fields, unpacked at once
+                key, _, dtype, _, _, arena, _, _ = r  # its fields, unpacked at once
                 itemsize = itemsizes.get(dtype)
                 if itemsize is None:
                     itemsize = itemsizes[dtype] = DTYPES[dtype].itemsize
                     sizes[(arena, dtype)] = -(-end // itemsize)
-                # Placement(...) without its constructor's call: ~5,500 a row of a frontier
-                placements[key] = _placement(Placement, (arena, dtype, offset // itemsize, nbytes))
-    return MemoryAssignment(placements, sizes, in_place, shared)
+                placed[key] = offset // itemsize
+    return placed, sizes, in_place
 
 
 def lower_bound_bytes(requests: list[BufferRequest]) -> dict:
