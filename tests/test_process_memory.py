@@ -40,6 +40,22 @@ def test_a_window_counts_what_stays_resident_once_however_nested():
     assert process_memory.code_bytes() - before == grown
 
 
+def test_a_users_own_njit_compile_is_not_counted_as_backplans_code():
+    """process_bytes and explain's "Numba compiled N" counted every numba:compile event of the
+    process: a user's @njit data loader compiled beside a model added its compile (and, when
+    first, LLVM's start-up, ~20 MB) to what backplan was said to hold for compiled code."""
+    import numba
+
+    @numba.njit
+    def users_own(a):
+        return (a * 3.0).sum()
+
+    before_bytes, (loads, compiles) = process_memory.code_bytes(), process_memory.counts()
+    assert users_own(np.ones(5)) == 15.0
+    assert process_memory.counts() == (loads, compiles)
+    assert process_memory.code_bytes() == before_bytes
+
+
 COUNTS = """
 import numpy as np
 import backplan as bp

@@ -6,7 +6,8 @@ running compiled code needs: the pages of LLVM's own code that linking touches, 
 code and the Numba objects of every kernel loaded, and after a compile what the compiler left
 resident (freed to malloc but not returned, or kept by Numba). None of it is a step's, and none
 of it goes when a step ends. Each load (SignedCacheOnDemand.load_overload) and each compile
-(Numba's "numba:compile" event) is one window: the resident bytes when the first open window
+(Numba's "numba:compile" event of a backplan function; a user's own @njit is not backplan's
+code) is one window: the resident bytes when the first open window
 starts and when the last one ends, their growth added up. Windows of two threads at once make
 one. The step's own buffers are never allocated inside a window (a kernel loads before it runs),
 but another thread's allocations meanwhile are counted too: the figure is the process's, read
@@ -76,11 +77,31 @@ def loading():
 
 
 class _Compiles(event.Listener):
+    """Compiles of backplan's own functions (library kernels, generated loops and drivers) and
+    what Numba compiles inside them; a user's own @njit function compiled beside them is not
+    backplan's code, so neither its memory nor its count is added."""
+
+    def __init__(self) -> None:
+        self._open = threading.local()  # per thread: whether each compile begun counts
+
     def on_start(self, event_) -> None:
-        _enter("compiles")
+        stack = self._open.__dict__.setdefault("stack", [])
+        ours = _backplans(event_.data.get("dispatcher")) or any(stack)
+        stack.append(ours)
+        if ours:
+            _enter("compiles" if _backplans(event_.data.get("dispatcher")) else None)
 
     def on_end(self, event_) -> None:
-        _leave()
+        stack = self._open.__dict__.get("stack")
+        if stack and stack.pop():
+            _leave()
+
+
+def _backplans(dispatcher) -> bool:
+    """Whether a Numba dispatcher compiles backplan's code: its package, or a module it
+    generated (backplan_kernel_*, a plan's bp_* driver)."""
+    module = getattr(getattr(dispatcher, "py_func", None), "__module__", None) or ""
+    return module.startswith(("backplan", "bp_"))
 
 
 event.register("numba:compile", _Compiles())
