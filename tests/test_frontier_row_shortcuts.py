@@ -241,3 +241,26 @@ def test_the_values_needing_a_buffer_are_the_walks(fn):
         found = materialized(graph, kernels, Bases(), homes[0])
         assert found == _walked_needed(graph, kernels, homes[0])
     assert any(k.kind in ("alias", "literal") for k in kernels)
+
+
+def unused_last(ws, x):
+    """The last weight is never read: its gradient is a literal (zeros), an output."""
+    for w in ws[:-1]:
+        x = bp.tanh(x @ w)
+    return bp.sum(x * x)
+
+
+@pytest.mark.parametrize("fn, literal", [(chain, False), (unused_last, True)])
+def test_literal_outputs_are_the_outputs_whose_base_a_literal_kernel_holds(fn, literal):
+    """literal_outputs walks the kernels only where an output's base is a `full` node: the
+    outputs whose alias base is a literal kernel's node, as the walk of every kernel finds."""
+    from backplan.ir.fusion import alias_base
+    from backplan.ir.lowering import literal_nodes, literal_outputs
+
+    ws, x = arrays()
+    lowered = lower(bp.value_and_grad(fn).trace(ws, x).planner.build().plan)
+    literals = literal_nodes(lowered.kernels)
+    outputs = lowered.plan.graph.outputs
+    walked = {i: alias_base(o) for i, o in enumerate(outputs) if alias_base(o) in literals}
+    assert literal_outputs(lowered) == walked
+    assert bool(walked) == literal
