@@ -114,7 +114,12 @@ def run(args) -> int:
         return prebuild(args)
     directory = cache_dir()
     files = cache_files(directory)
-    entries = sum(1 for f in files if os.path.dirname(f) == directory and f.endswith(".py"))
+    sources = [os.path.basename(f) for f in files if os.path.dirname(f) == directory]
+    sources = [name for name in sources if name.endswith(".py")]
+    # a plan's module (bp_*) and a loop kernel shared by plans (k_*) are both .py files: the
+    # count said "14 compiled plans" for 4 plans and their 10 loops
+    kernels = sum(1 for name in sources if name.startswith("k_"))
+    entries = f"{len(sources) - kernels} compiled plans, {kernels} shared loop kernels"
     nbytes = sum(os.path.getsize(f) for f in files)
     if args.action == "info":
         print(f"kernel cache: {directory}")
@@ -122,7 +127,7 @@ def run(args) -> int:
         print(f"  set by: {origin}")
         library = len(library_files())
         plan_files = len(files) - library
-        print(f"  entries: {entries} compiled plans ({plan_files} files)")
+        print(f"  entries: {entries} ({plan_files} files)")
         print(f"  library: {library} files of compiled library functions in {library_folder()}")
         prebuilt = len(library_files(prebuilt_folder())) if os.path.isdir(prebuilt_folder()) else 0
         print(f"  prebuilt library: {prebuilt} files in {prebuilt_folder()} (kept by clear)")
@@ -130,6 +135,6 @@ def run(args) -> int:
         return 0
     for path in files:
         os.unlink(path)
-    summary = f"{entries} compiled plans ({len(files)} files, {_size_text(nbytes)})"
+    summary = f"{entries} ({len(files)} files, {_size_text(nbytes)})"
     print(f"removed {summary} from {directory}")
     return 0

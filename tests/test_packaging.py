@@ -91,6 +91,7 @@ def test_cache_info_and_clear_touch_only_backplan_files(tmp_path):
     (cache / "__pycache__").mkdir(parents=True)
     (cache / "bp_abc.py").write_text("x = 1\n")
     (cache / "bp_abc.json").write_text("{}")
+    (cache / "k_def.py").write_text("y = 2\n")  # a loop kernel plans share: not a plan
     (cache / "__pycache__" / "bp_abc.run-1.py311.nbi").write_bytes(b"0" * 100)
     (cache / "notes.txt").write_text("mine")
     # the library's own folder apart too: the suite shares one, which `clear` would empty
@@ -98,10 +99,13 @@ def test_cache_info_and_clear_touch_only_backplan_files(tmp_path):
     info = _cli("cache", "info", env=env)
     assert info.returncode == 0, info.stderr
     assert str(cache) in info.stdout
-    assert "entries: 1 compiled plans (3 files)" in info.stdout
-    assert "size: 108 B" in info.stdout
+    assert "entries: 1 compiled plans, 1 shared loop kernels (4 files)" in info.stdout
+    assert "size: 114 B" in info.stdout
     cleared = _cli("cache", "clear", env=env)
-    assert cleared.returncode == 0 and "removed 1 compiled plans" in cleared.stdout
+    assert (
+        cleared.returncode == 0
+        and "removed 1 compiled plans, 1 shared loop kernels" in cleared.stdout
+    )
     assert sorted(os.listdir(cache)) == ["__pycache__", "notes.txt"]
     assert os.listdir(cache / "__pycache__") == []
 
