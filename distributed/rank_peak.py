@@ -104,7 +104,8 @@ class RankPeak:
         others = "; ".join(f"{p.name} {p.nbytes:,}" for p in self.phases if p is not phase)
         head = f"Per-rank peak: {self.most_bytes:,} B"
         if self.most_bytes != self.peak_bytes:  # the first call holds the most
-            head += f" in the first call (below); from the second call on {self.peak_bytes:,} B"
+            later = "third" if self.second_call is not None else "second"
+            head += f" in the first call (below); from the {later} call on {self.peak_bytes:,} B"
         text = (
             f"{head}, while {phase.name} ({parts}). Other phases: "
             f"{others}; held between calls {self.between.nbytes:,} B. Counted as the loop "

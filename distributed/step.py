@@ -12,7 +12,7 @@ from backplan.codegen.run.memory_check import checking
 from backplan.runtime import is_grad_enabled
 from backplan.runtime.backend import current_backend
 from backplan.tracer.fastpath import call_key, guard_for, positions_of
-from backplan.tracer.functional import GradFunction, ValueAndGradFunction
+from backplan.tracer.functional import GradFunction, ValueAndGradFunction, joint_reader
 from backplan.tracer.pytree import flatten, unflatten
 from backplan.tracer.tensor import Tensor
 
@@ -112,7 +112,8 @@ class DataParallelStep:
         self._accumulator = Accumulator(accumulate)
         self._layouts: dict = {}
         self._segments: dict = {}  # id(joint trace) -> (joint trace, segments)
-        self._inputs: dict = {}  # call key -> (joint trace, positions of its tensors)
+        # call key -> (joint trace, positions of its inputs among the leaves, their reader)
+        self._inputs: dict = {}
         self._called: set = set()  # call keys this step ran: wait_for_driver traces no other
         self._asked: dict = {}  # id(joint trace) -> (it, its plan): the plan's driver asked for
         self._out_of_step: str | None = None  # failure.py: why this rank cannot call again
@@ -487,19 +488,23 @@ class DataParallelStep:
         first call of a signature without binding it again (as value_and_grad's fast path).
         arrays=False: the joint trace alone."""
         hit = self._inputs.get(key) if key is not None else None
-        if hit is None:
-            bound, entry = self.fn.lookup(args, kwargs)
-            tensors = [bound.call.leaves[p] for p in bound.call.tensor_positions]
-            positions = positions_of(tensors, leaves) if key is not None else None
-            if positions is not None:
-                self._inputs[key] = (entry, positions)
-        else:
-            entry, positions = hit
+        if hit is not None:
+            entry, positions, read = hit
             if not arrays:
                 return entry
-            tensors = [leaves[i] for i in positions]
+            picked = [leaves[i] for i in positions]
+            data = read(picked, current_backend() == "reference")
+            return entry, data + [t._data for t in entry.captured]
+        bound, entry = self.fn.lookup(args, kwargs)
+        call = bound.call
+        if key is not None:  # tensors, NumPy arrays and floats: read as value_and_grad's
+            positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
+            if positions is not None:
+                read = joint_reader(entry, [leaves[i] for i in positions])
+                self._inputs[key] = (entry, positions, read)
         if not arrays:
             return entry
+        tensors = [call.leaves[p] for p in call.tensor_positions]
         return entry, [t._data for t in tensors] + [t._data for t in entry.captured]
 
     def _segments_of(self, entry, layout: Layout):

@@ -329,10 +329,10 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
 
 def _owned_where_kept(entry: JointTrace, call, arrays: list) -> list:
     """The first call's arrays with each NumPy argument bind_call wrapped as a view copied
-    where the fast path's reader copies it (_joint_reader): the same buffers as later calls."""
+    where the fast path's reader copies it (joint_reader): the same buffers as later calls."""
     positions = call.tensor_positions
     sources = [call.sources[p] for p in positions]
-    read = _joint_reader(entry, sources)
+    read = joint_reader(entry, sources)
     owned = read(sources, current_backend() == "reference")
     return [
         owned[k] if p in call.borrowed else array
@@ -340,7 +340,7 @@ def _owned_where_kept(entry: JointTrace, call, arrays: list) -> list:
     ] + arrays[len(positions) :]
 
 
-def _joint_reader(entry: JointTrace, leaves: list):
+def joint_reader(entry: JointTrace, leaves: list):
     """arrays_reader for a joint plan's inputs passed as `leaves` (in the plan's order): a
     NumPy array copied only where an output reads it (and, on the reference interpreter, where
     it is not in C order), else borrowed."""
@@ -358,7 +358,7 @@ def _fast_joint(entry, args, call, diff_paths, nums, has_aux, single, leaves):
     positions = positions_of([call.sources[p] for p in call.tensor_positions], leaves)
     if positions is None:
         return None
-    read = _joint_reader(entry, [leaves[i] for i in positions])
+    read = joint_reader(entry, [leaves[i] for i in positions])
     pick = None if positions == list(range(len(leaves))) else itemgetter(*positions)
     captured, runners = entry.captured, entry._runners
     build_results = _results_builder(entry, args, nums, has_aux, single)
