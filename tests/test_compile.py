@@ -363,3 +363,15 @@ def test_an_int_argument_to_differentiate_is_named_as_the_argument_with_the_call
     said = str(info.value)
     assert "argument 0 of a differentiated function is an int64 tensor (the call at " in said
     assert f"test_compile.py:{info.tb.tb_lineno})" in said and "<leaf>" not in said
+
+
+@pytest.mark.parametrize("api", ["value_and_grad", "grad"])
+def test_a_compile_option_given_to_value_and_grad_says_where_it_belongs(api):
+    """bp.value_and_grad(loss, dynamic=...) raised Python's own "unexpected keyword argument
+    'dynamic'"; the error now shows the call that takes it."""
+    with pytest.raises(TypeError, match=rf"bp.{api}\(bp.compile\(loss, dynamic=\.\.\.\)\)"):
+        getattr(bp, api)(lambda x: x.sum(), dynamic={"x": {0: "n"}})
+    with pytest.raises(TypeError, match="they are bp.compile options"):
+        getattr(bp, api)(lambda x: x.sum(), donate_argnums=(0,), remat=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nonsense'"):
+        getattr(bp, api)(lambda x: x.sum(), nonsense=1)

@@ -24,6 +24,7 @@ from backplan.runtime.backend import current_backend, runner_for
 
 from .budget import BudgetPlanner, checked_budget, inlined_budget_refusal
 from .compile import CompiledFunction, checked_saved_dtypes, trace_function
+from .compile import compile as compile_function
 from .dynamic import sizes_planned_apart, symbolic_key
 from .errors import TracingError
 from .fastpath import positions_of
@@ -274,6 +275,7 @@ def value_and_grad(
     max_peak_bytes: int | None = None,
     saved_dtype=None,
     allow_saved_dtype=None,
+    **compile_only: Any,
 ) -> ValueAndGradFunction:
     """Return a function computing (fn(*args), gradients of fn w.r.t. args[argnums]).
     Gradients have the structure of those arguments. With has_aux, fn returns (loss, aux) and
@@ -292,6 +294,7 @@ def value_and_grad(
     >>> g.numpy().tolist()
     [12.0]
     """
+    _refuse_compile_options("value_and_grad", compile_only)
     return ValueAndGradFunction(
         fn,
         argnums,
@@ -426,8 +429,10 @@ def grad(
     max_peak_bytes: int | None = None,
     saved_dtype=None,
     allow_saved_dtype=None,
+    **compile_only: Any,
 ) -> GradFunction:
     """Like value_and_grad, returning only the gradients (and aux with has_aux)."""
+    _refuse_compile_options("grad", compile_only)
     return GradFunction(
         fn,
         argnums,
@@ -436,6 +441,23 @@ def grad(
         max_peak_bytes,
         saved_dtype,
         allow_saved_dtype,
+    )
+
+
+def _refuse_compile_options(api: str, options: dict) -> None:
+    """dynamic=, static_argnums=, donate_argnums=, remat= ... belong to the function being
+    differentiated: Python's own "unexpected keyword argument 'dynamic'" did not say where."""
+    if not options:
+        return
+    known = set(inspect.signature(compile_function).parameters) - {"fn"}
+    theirs = sorted(name for name in options if name in known)
+    if not theirs:
+        raise TypeError(f"bp.{api}() got an unexpected keyword argument {sorted(options)[0]!r}")
+    given = ", ".join(f"{name}=..." for name in theirs)
+    what = "it is a bp.compile option" if len(theirs) == 1 else "they are bp.compile options"
+    raise TypeError(
+        f"bp.{api}() takes no {', '.join(theirs)}: {what} of the function it differentiates: "
+        f"bp.{api}(bp.compile(loss, {given}))"
     )
 
 
