@@ -36,7 +36,7 @@ import numpy as np
 
 from . import futex
 from .deadline import SHARE_TAG, swap
-from .window_views import PAGE, stitched
+from .window_views import PAGE, holders, stitched
 from .world import mpi_module
 
 LINE = 64  # bytes: counters and buffers start on their own cache lines
@@ -269,6 +269,11 @@ class NodeWindow:
                 pieces.append((self._fds[q], offset, (part.stop - part.start) * size))
             found = self._stitched[(k, generation)] = stitched(pieces)
         return found
+
+    def held(self, k: int, generation: int) -> bool:
+        """Whether an array made from bucket k's stitched view of that generation is alive."""
+        found = self._stitched.get((k, generation))
+        return found is not None and holders(found, kept=2)  # (the dict's, found's)
 
     def page_part(self, rank: int, k: int) -> slice:
         """The elements of bucket k that `rank` sums in place: contiguous, split on pages."""

@@ -56,7 +56,7 @@ from .node_window import (
 )
 from .rank_peak import counted
 from .rows import scale_by_weight
-from .window_views import PAGE, holders, summed_in_place
+from .window_views import PAGE, summed_in_place
 
 REDUCTION_VARIABLE = "BACKPLAN_DP_REDUCTION"  # "shared" or "mpi"; unset: shared on one node
 _nodes: dict = {}  # id(comm) -> (comm, whether its ranks map each other's shared memory)
@@ -210,10 +210,7 @@ def publish_holds(window: NodeWindow, call: int) -> None:
     held = 0
     if call > 2:
         generation = (call - 2) % window.generations
-        for k in window.in_place:
-            found = window._stitched.get((k, generation))
-            if found is not None and holders(found, kept=2):  # (the dict's, found's)
-                held = 1
+        held = int(any(window.held(k, generation) for k in window.in_place))
     window.holds[window.rank][call % 2] = held
 
 
