@@ -1,0 +1,50 @@
+"""bench.data_parallel_passes: the processes a pass runs, the lines it keeps, and the package
+copy it lays out (imported in a fresh process as backplan, subpackages included)."""
+
+import os
+import subprocess
+import sys
+
+from backplan.bench.data_parallel_passes import kept_lines, lay_out_package, pass_commands
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_pass_runs_one_rank_then_each_site_on_two_ranks_then_ddp():
+    found = pass_commands("mlp", 8, 5, ["/a", "/b"], ddp=True, zero=True, python="py")
+    labels = [label for label, _, _ in found]
+    assert labels == ["1 rank", "2 ranks (/a)", "2 ranks (/b)", "DDP 2 ranks"]
+    one, a, b, ddp = (argv for _, argv, _ in found)
+    assert one[:3] == ["taskset", "-c", "0"] and "--zero" not in one
+    assert a[:5] == ["mpiexec", "-n", "2", "-bind-to", "core"] and a[-1] == "--zero"
+    assert "backplan.bench.data_parallel_torch" in ddp and "--zero" not in ddp
+    envs = [env for _, _, env in found]
+    assert all(env["NUMBA_NUM_THREADS"] == "1" for env in envs)
+    assert envs[1]["PYTHONPATH"].split(os.pathsep)[0] == "/a"
+    assert envs[2]["PYTHONPATH"].split(os.pathsep)[0] == "/b"
+    assert "PYTHONPATH" not in envs[0] and "PYTHONPATH" not in envs[3]
+
+
+def test_without_sites_two_ranks_run_this_installation():
+    found = pass_commands("transformer", 5, 3, [], python="py")
+    assert [label for label, _, _ in found] == ["1 rank", "2 ranks"]
+    assert found[1][1][-6:] == ["--model", "transformer", "--rounds", "5", "--repeats", "3"]
+
+
+def test_only_the_quoted_lines_are_kept():
+    output = "compiling...\nstep 1.0 ms\nCPU per call: 2\nnoise\nZeRO-1 parts 3\n"
+    assert kept_lines(output) == ["step 1.0 ms", "CPU per call: 2", "ZeRO-1 parts 3"]
+
+
+def test_the_package_copy_imports_as_backplan_with_its_subpackages(tmp_path):
+    dest = lay_out_package("HEAD", str(tmp_path / "copy"), ROOT)
+    assert sorted(os.listdir(dest)) == ["backplan"]
+    done = subprocess.run(
+        [sys.executable, "-c", "import backplan.ir, backplan.bench; print(backplan.ir.__file__)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": dest},
+        cwd=str(tmp_path),
+        check=True,
+    )
+    assert done.stdout.strip().startswith(os.path.join(dest, "backplan", "ir"))
