@@ -152,6 +152,7 @@ def with_plan_times(step, params, batch, records: list):
     Exchange.finish = cpu_of("finish", Exchange.finish)
     if step.reduction(bpd.init()) == "shared":  # the plan runs as the step's fn, then sums
         from backplan.distributed.shared_exchange import (
+            PartsSummed,
             SharedExchange,
             SharedRequest,
             WindowOutputs,
@@ -163,6 +164,7 @@ def with_plan_times(step, params, batch, records: list):
         DataParallelStep._agree_start = cpu_of("agreement", DataParallelStep._agree_start)
         DataParallelStep._finish_agreement = cpu_of("agreement", DataParallelStep._finish_agreement)
         SharedRequest.Wait = cpu_of("bucket waits", SharedRequest.Wait)
+        PartsSummed.Wait = cpu_of("bucket waits", PartsSummed.Wait)  # the parts' meeting
         SharedExchange._start = cpu_of("pack", SharedExchange._start)
         SharedRequest._sum = cpu_of("node sums", SharedRequest._sum)
 

@@ -20,10 +20,7 @@ from .world import World, mpi_module
 
 class Exchange:
     """start_ready(step, array_of) starts every bucket whose leaves are all written by `step`;
-    progress() lets MPI move started buckets along; finish() waits and unpacks (waits_first:
-    waits for every bucket before it unpacks any)."""
-
-    waits_first = False
+    progress() lets MPI move started buckets along; finish() waits and unpacks."""
 
     def __init__(self, world: World, layout: Layout, average: bool, timeout=None):
         self.world = world
@@ -103,14 +100,16 @@ class Exchange:
             what = f"the allreduce of bucket {bucket.index}"
             wait_or_raise(request, self.timeout, what, arrivals)
 
+    def _readable(self, arrivals) -> None:
+        """Wait for what must happen before the sums are read (nothing: a completed request's
+        bucket is summed)."""
+
     def finish(self) -> list[Tensor]:
         """Wait for each bucket in order and unpack it; unpacking bucket k overlaps the transfer
         of the buckets after it. Returns the loss and gradients in leaf order."""
         results: list = [None] * self.layout.n_leaves
         arrivals = Arrivals(self.world.comm) if self.arrivals else None
-        if self.waits_first:  # every bucket complete before any is unpacked
-            for bucket, _, request in self.started:
-                self._wait(bucket, request, arrivals)
+        loss = None  # the loss's place, copied once every bucket can be read (_readable)
         for bucket, buffer, request in self.started:
             self._wait(bucket, request, arrivals)
             if self.average and self.weight is None and bucket.index not in self.averaged:
@@ -122,10 +121,15 @@ class Exchange:
                 if part.dtype != dtype:  # a 16-bit bucket, rounded once
                     part = counted(part.astype(dtype), f"bucket {bucket.index}")
                     part.flags.writeable = False
-                elif index == 0:  # the loss: its own array, so that a loop keeping it
-                    part = counted(part.copy(), "loss")  # does not keep the bucket alive
-                    part.flags.writeable = False
+                elif index == 0:
+                    loss = part
+                    continue
                 results[index] = Tensor._from_array(part)
+        self._readable(arrivals)
+        if loss is not None:  # its own array, so that a loop keeping it does not keep the bucket
+            loss = counted(loss.copy(), "loss")
+            loss.flags.writeable = False
+            results[0] = Tensor._from_array(loss)
         if arrivals is not None:
             arrivals.settle(self.timeout)
         check_ranks(self.world, results[0]._data, self.failure, self.layout.name)

@@ -259,6 +259,17 @@ class WindowOutputs:
         return into
 
 
+class PartsSummed(CounterRequest):
+    """Every rank's counter `index` (a bucket's parts) at `call`: every part summed in place
+    up to that bucket's (SharedExchange.finish)."""
+
+    def __init__(self, window: NodeWindow, index: int, call: int):
+        self.window, self.index, self.call = window, index, call
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name, so deadline.py waits on either
+        return self.window.all_at(READY, self.index, self.call)
+
+
 class SharedRequest(CounterRequest):
     """One bucket's sum over the node, tested and waited for like an mpi4py request: Test()
     completes once every rank has written the bucket (and, for a bucket summed in parts, once
@@ -277,7 +288,7 @@ class SharedRequest(CounterRequest):
         self.parity = call % window.generations
         self.parts_index: int | None = None  # set for a bucket summed in parts (or in place)
         self.in_place = False  # each rank sums its page_part into its own buffer; out: stitched
-        self.deferred = False  # in place, its parts' meeting is a later bucket's (finish)
+        self.deferred = False  # in place, its parts' meeting is the step's (finish)
         self.summed = False  # this rank's sum (of its part, or of the whole bucket) is done
         self.complete = False
 
@@ -390,12 +401,20 @@ class SharedExchange(Exchange):
             request.Test()
 
     def finish(self):
-        """Exchange.finish, with the buckets summed in place meeting once after the last of
-        their parts: a rank marks each part it summed in bucket order, so every rank's mark of
-        the last says every earlier part is summed too (one wait for the slower rank, not one
-        a bucket); nothing is unpacked before then (waits_first: the loss is copied out)."""
-        in_place = [request for _, _, request in self.started if request.in_place]
-        for request in in_place[:-1]:
+        """Exchange.finish, with the buckets summed in place meeting once, after their views
+        are made (no reads) and before anything reads them (the loss's copy, the caller): a
+        rank marks each part it summed in bucket order, so every rank's mark of the last says
+        every earlier part is summed too (one wait for the slower rank, not one a bucket, with
+        the unpacking's Python done meanwhile)."""
+        in_place = [(bucket, request) for bucket, _, request in self.started if request.in_place]
+        for _, request in in_place:
             request.deferred = True
-        self.waits_first = bool(in_place)
+        self.meeting = None
+        if in_place:
+            bucket, last = in_place[-1]
+            self.meeting = bucket, PartsSummed(last.window, last.parts_index, last.call)
         return super().finish()
+
+    def _readable(self, arrivals) -> None:
+        if self.meeting is not None:
+            self._wait(*self.meeting, arrivals)
