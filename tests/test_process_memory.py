@@ -56,6 +56,29 @@ def test_a_users_own_njit_compile_is_not_counted_as_backplans_code():
     assert process_memory.code_bytes() == before_bytes
 
 
+@pytest.mark.parametrize(
+    "module, ours",
+    [
+        ("backplan.codegen.kernels.blas", True),  # the library's kernels
+        ("backplan_kernel_k_2abae379fdd36d2893dc", True),  # a generated loop kernel
+        ("backplan_kernel_batch", True),
+        ("backplan_kernels_0123abcd", True),  # a plan's driver module
+        ("bp_data_loader", False),  # a user's own modules, whatever their names begin with
+        ("backplanner", False),
+        ("__main__", False),
+    ],
+)
+def test_backplans_code_is_told_by_its_module_not_by_a_name_prefix(module, ours):
+    """A user's module named bp_*.py (or backplanner.py) is not backplan's code: its @njit
+    compiles were counted in process_bytes and explain's "Numba compiled N"."""
+
+    def fn():
+        return None
+
+    fn.__module__ = module
+    assert process_memory._backplans(type("Dispatcher", (), {"py_func": fn})()) is ours
+
+
 COUNTS = """
 import numpy as np
 import backplan as bp

@@ -99,9 +99,10 @@ class _Compiles(event.Listener):
 
 def _backplans(dispatcher) -> bool:
     """Whether a Numba dispatcher compiles backplan's code: its package, or a module it
-    generated (backplan_kernel_*, a plan's bp_* driver)."""
+    generated (backplan_kernel_* loops, a plan's backplan_kernels_* driver). A bare prefix
+    took a user's bp_*.py or backplanner.py for backplan's."""
     module = getattr(getattr(dispatcher, "py_func", None), "__module__", None) or ""
-    return module.startswith(("backplan", "bp_"))
+    return module == "backplan" or module.startswith(("backplan.", "backplan_kernel"))
 
 
 event.register("numba:compile", _Compiles())
