@@ -48,3 +48,13 @@ def test_the_package_copy_imports_as_backplan_with_its_subpackages(tmp_path):
         check=True,
     )
     assert done.stdout.strip().startswith(os.path.join(dest, "backplan", "ir"))
+
+
+def test_the_zero_ab_flips_its_order_every_round_and_prints_the_cpu_ratio():
+    from backplan.bench.data_parallel_zero import rank_line, round_order
+
+    assert round_order(["plain", "zero"], 0) == ["plain", "zero"]
+    assert round_order(["plain", "zero"], 1) == ["zero", "plain"]
+    line = rank_line(1, {"plain": (4.0, 20.0), "zero": (3.0, 18.0)})
+    assert line.startswith("rank 1: plain cpu 4.000 wall 20.000  zero cpu 3.000")
+    assert line.endswith("zero/plain cpu 0.750")
