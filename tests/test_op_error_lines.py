@@ -94,3 +94,20 @@ def test_a_plan_falling_back_to_the_interpreter_warns_at_the_users_call_naming_t
     assert f"integer matmul (matmul i64[2,3] at test_op_error_lines.py:{op_line}" in str(
         warning.message
     )
+
+
+def test_a_fallback_reason_names_the_op_and_its_type_without_a_source_line():
+    """A node with no user line (made by a pass, not traced from user code) still names its op
+    and type in the interpreter warning's reason: it said only 'integer matmul'."""
+    from backplan.codegen.render.opaque import unsupported_reason
+    from backplan.ir.lowering import lower
+
+    def product(x, w):
+        return x @ w
+
+    ints = np.ones((2, 4), np.int64), np.ones((4, 3), np.int64)
+    lowered = lower(bp.compile(product).trace(*ints).program.plans.forward)
+    for kernel in lowered.kernels:
+        for node in kernel.all_nodes:
+            node.loc = None
+    assert unsupported_reason(lowered) == "integer matmul (matmul i64[2,3])"

@@ -363,12 +363,14 @@ def unsupported_reason(lowered) -> str | None:
 
 def _where(lowered, op: str, dtype: str) -> str:
     """' (matmul i64[2,3] at model.py:7)': the op's result and the user's line, so a warning
-    about the whole plan says which line made it run on the interpreter."""
+    about the whole plan says which line made it run on the interpreter; a node with no line
+    (made by a pass) still names its op and type."""
+    found = None
     for kernel in lowered.kernels:
         for node in kernel.all_nodes:
-            if node.op == op and node.dtype == dtype and node.loc is not None:
-                text = getattr(
-                    node.loc, "text", None
-                )  # file name and the functions it went through
-                return f" ({op} {node.type} at {text or os.path.basename(node.loc_text)})"
-    return ""
+            if node.op == op and node.dtype == dtype:
+                if node.loc is not None:
+                    text = getattr(node.loc, "text", None)  # file and the functions it went through
+                    return f" ({op} {node.type} at {text or os.path.basename(node.loc_text)})"
+                found = found or node
+    return "" if found is None else f" ({op} {found.type})"
