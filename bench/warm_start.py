@@ -6,6 +6,12 @@ model's first `bp.value_and_grad(bp.compile(loss))` call against that warm folde
 medians (and ranges) of `import backplan` and of the first call, wall and CPU seconds apart, with
 the CPU and the load average around the runs: on a shared machine wall time moves with the load,
 CPU time much less. The first call includes one step; the second call's time is that step alone.
+
+--against-path DIR: the same first call of another installation, a package copy (DIR/backplan,
+as `python -m backplan.bench.data_parallel_passes --copy REV DIR` lays one out), each side with
+its own warm folder filled the same way, fresh processes of the two sides alternated
+(`--runs` rounds): both sides' process CPU s of the first call (its step included), their
+medians and the ratio. Pin the command (`taskset -c 0`) to pin every child.
 """
 
 from __future__ import annotations
@@ -35,16 +41,47 @@ step(*args)
 w4, c4 = time.perf_counter(), time.process_time()
 print(json.dumps({"import": w1 - w0, "import_cpu": c1 - c0,
                   "first_call": w3 - w2, "first_call_cpu": c3 - c2,
-                  "second_call": w4 - w3, "second_call_cpu": c4 - c3}))
+                  "second_call": w4 - w3, "second_call_cpu": c4 - c3,
+                  "where": bp.__file__}))
 """
 
 PARTS = ("import", "import_cpu", "first_call", "first_call_cpu", "second_call", "second_call_cpu")
 
 
-def start_once(model: str, cache: str, **variables: str) -> dict:
-    """One fresh interpreter (-I: no user site, no PYTHON* variables) against `cache`."""
+def start_once(model: str, cache: str, path: str | None = None, **variables: str) -> dict:
+    """One fresh interpreter (-I: no user site, no PYTHON* variables) against `cache`; path:
+    a package copy's folder, put first on its sys.path (-I ignores PYTHONPATH)."""
     env = {**os.environ, "BACKPLAN_CACHE_DIR": cache, "BACKPLAN_QUIET": "1", **variables}
-    return child_result([sys.executable, "-I", "-c", CHILD, model], env, 900, "warm-start child")
+    source = CHILD if path is None else f"import sys; sys.path.insert(0, {path!r})\n" + CHILD
+    return child_result([sys.executable, "-I", "-c", source, model], env, 900, "warm-start child")
+
+
+def measure_against(model: str, rounds: int, path: str, caches: dict) -> dict:
+    """{"this"/"other": [first-call process CPU s per round]}: each side's folder (caches[side])
+    filled by one default-mode process of that side, then one fresh process a side per round,
+    the order flipped every round."""
+    paths = {"this": None, "other": path}
+    for side in ("this", "other"):
+        start_once(model, caches[side], paths[side])
+    found: dict = {"this": [], "other": []}
+    for r in range(rounds):
+        for side in ("this", "other") if r % 2 == 0 else ("other", "this"):
+            sample = start_once(model, caches[side], paths[side])
+            found[side].append(sample["first_call_cpu"])
+            found[f"{side}_where"] = sample["where"]
+    return found
+
+
+def against_text(model: str, found: dict) -> str:
+    this, other = statistics.median(found["this"]), statistics.median(found["other"])
+    lower = sum(t < o for t, o in zip(found["this"], found["other"], strict=True))
+    return (
+        f"{model}: first call, process CPU s, fresh warm processes alternated: other "
+        f"{other:.4f} ({', '.join(f'{s:.4f}' for s in found['other'])}), this {this:.4f} "
+        f"({', '.join(f'{s:.4f}' for s in found['this'])}): {this / other:.3f}x, this lower in "
+        f"{lower} of {len(found['this'])} rounds; CPU {cpu_name()}; other imported from "
+        f"{found['other_where']}, this from {found['this_where']}"
+    )
 
 
 def measure(model: str, runs: int, cache: str, fill: str = "default") -> dict:
@@ -115,7 +152,15 @@ def main(argv=None) -> int:
         "harness's default before 2026-11-29, to compare with rows recorded then)",
     )
     parser.add_argument("--json", action="store_true", help="print the row as JSON")
+    parser.add_argument("--against-path", help="a package copy's folder: an A/B of first calls")
     args = parser.parse_args(argv)
+    if args.against_path:
+        with tempfile.TemporaryDirectory() as this, tempfile.TemporaryDirectory() as other:
+            found = measure_against(
+                args.model, args.runs, args.against_path, {"this": this, "other": other}
+            )
+        print(against_text(args.model, found))
+        return 0
     folder = args.cache_dir or tempfile.mkdtemp(prefix="bp-warm-start-")
     try:
         row = measure(args.model, args.runs, folder, args.fill)
