@@ -47,6 +47,7 @@ from backplan.tracer.conv import arange, argmax, argmin, avg_pool2d, clip, conv2
 from backplan.tracer.dlpack import from_dlpack
 from backplan.tracer.errors import DonatedError
 from backplan.tracer.explain import explain
+from backplan.tracer.float64_promotion import Float64PromotionWarning
 from backplan.tracer.graph_view import explain_graph
 from backplan.tracer.max_batch import max_batch
 from backplan.tracer.ops import *  # noqa: F403  (every op users call; tracer/ops.py lists them)
@@ -106,6 +107,7 @@ __all__ = [
     "DtypeError",
     "ExecutionError",
     "ExportError",
+    "Float64PromotionWarning",
     "GraphFreedError",
     "MemoryBudgetError",
     "ParseError",

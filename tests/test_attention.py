@@ -317,7 +317,7 @@ def multi_head(x, w, wo, heads, causal, hand):
     if hand:
         scores = (q @ k.swapaxes(-1, -2)) * 0.5
         if causal:
-            scores = scores + np.triu(np.full((length, length), -np.inf), 1)
+            scores = scores + np.triu(np.full((length, length), -np.inf, scores.dtype), 1)
         out = bp.softmax(scores, axis=-1) @ v
     else:
         out = bp.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.5)

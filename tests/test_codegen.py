@@ -146,7 +146,7 @@ def block_loss(p, x):
         return t.reshape(batch, seq, heads, d // heads).transpose(0, 2, 1, 3)
 
     q, k, v = split(q), split(k), split(v)
-    att = bp.softmax((q @ k.swapaxes(-1, -2)) * (1.0 / np.sqrt(d // heads)), axis=-1)
+    att = bp.softmax((q @ k.swapaxes(-1, -2)) * float(1.0 / np.sqrt(d // heads)), axis=-1)
     y = (att @ v).transpose(0, 2, 1, 3).reshape(batch, seq, d)
     x = x + y @ p["w_o"]
     h = bp.gelu(bp.layer_norm(x, p["ln2_g"], p["ln2_b"]) @ p["w_1"], approximate="tanh")

@@ -178,6 +178,7 @@ def test_grad_of_grad_matches_analytic_second_derivative():
     assert t.shape == second.shape
 
 
+@pytest.mark.filterwarnings("ignore::backplan.Float64PromotionWarning")  # float64 meant here
 def test_type_promotion_follows_numpy_2():
     a32 = bp.tensor(np.ones(2, np.float32))
     i64 = bp.tensor(np.array([1, 2]))

@@ -97,6 +97,7 @@ def page_id(page: Path) -> str:
 RUNNABLE = [page for page in PAGES if python_blocks(page)]
 
 
+@pytest.mark.filterwarnings("ignore::backplan.Float64PromotionWarning")  # float64 meant here
 @pytest.mark.parametrize("page", RUNNABLE, ids=page_id)
 def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

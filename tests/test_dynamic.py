@@ -328,6 +328,7 @@ def test_explain_gives_the_bytes_as_formulas_of_the_symbol_or_says_why_not():
     assert "full at test_dynamic.py:" in text
 
 
+@pytest.mark.filterwarnings("ignore::backplan.Float64PromotionWarning")  # float64 meant here
 def test_the_peak_formula_explain_prints_gives_the_peak_it_reports_at_every_size():
     """Fitted at 32, 64 and 96 rows, the numba peak is a formula there, but below some size
     another step holds the peak (here with float64 batches): explain must not print a formula

@@ -151,6 +151,7 @@ def both_backends(call) -> dict:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+@pytest.mark.filterwarnings("ignore::backplan.Float64PromotionWarning")  # float64 meant here
 @given(graph=graphs(), seed=st.integers(0, 2**16))
 def test_random_registry_graphs_compiled_equal_the_reference_interpreter(graph, seed):
     rng = np.random.default_rng(seed)

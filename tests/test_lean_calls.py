@@ -120,6 +120,7 @@ def _check(result, params, x):
         np.testing.assert_allclose(grads[k].numpy(), want_grads[k], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore::backplan.Float64PromotionWarning")  # float64 meant here
 @pytest.mark.parametrize("backend", ["numba", "reference"])
 def test_a_new_shape_or_dtype_after_lean_calls_retraces_and_says_why(backend):
     step = bp.value_and_grad(bp.compile(_loss))

@@ -268,6 +268,7 @@ def test_a_static_dataclass_field_is_structure_not_a_leaf():
     assert not np.allclose(new.w.numpy(), w)
 
 
+@pytest.mark.filterwarnings("ignore::backplan.Float64PromotionWarning")  # float64 meant here
 def test_static_fields_are_refused_where_they_would_be_silently_lost():
     with pytest.raises(bp.BackplanError, match=r"static field .act of Layer holds a list"):
         bp.tree.flatten(Layer(1, 2, ["tanh"]))

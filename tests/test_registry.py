@@ -450,6 +450,7 @@ SECOND_CASES = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore::backplan.Float64PromotionWarning")  # float64 meant here
 @pytest.mark.parametrize("sample", SECOND_CASES)
 def test_second_derivative_matches_finite_differences_of_the_gradient(sample):
     """h(x) = <grad f(x), D> with f(x) = <op(x), C>; bp.grad(h) against differences of h, which
@@ -552,6 +553,7 @@ def expected_dtype(x, y, numpy_dtype):
     return numpy_dtype
 
 
+@pytest.mark.filterwarnings("ignore::backplan.Float64PromotionWarning")  # float64 meant here
 @pytest.mark.parametrize("op,a,b,swap", PROMOTION_CASES)
 def test_binary_ops_promote_like_numpy2(op, a, b, swap):
     x, y = PROMOTION_TENSORS[a], PROMOTION_OTHERS[b]
