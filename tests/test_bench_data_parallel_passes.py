@@ -1,11 +1,15 @@
 """bench.data_parallel_passes: the processes a pass runs, the lines it keeps, and the package
-copy it lays out (imported in a fresh process as backplan, subpackages included)."""
+copy it lays out (backplan/ with every subpackage folder inside it, as installed); and
+bench.data_parallel_zero's round order and ratio."""
 
 import os
-import subprocess
-import sys
 
-from backplan.bench.data_parallel_passes import kept_lines, lay_out_package, pass_commands
+from backplan.bench.data_parallel_passes import (
+    SUBPACKAGES,
+    kept_lines,
+    lay_out_package,
+    pass_commands,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,18 +40,14 @@ def test_only_the_quoted_lines_are_kept():
     assert kept_lines(output) == ["step 1.0 ms", "CPU per call: 2", "ZeRO-1 parts 3"]
 
 
-def test_the_package_copy_imports_as_backplan_with_its_subpackages(tmp_path):
+def test_the_package_copy_is_laid_out_as_installed(tmp_path):
     dest = lay_out_package("HEAD", str(tmp_path / "copy"), ROOT)
-    assert sorted(os.listdir(dest)) == ["backplan"]
-    done = subprocess.run(
-        [sys.executable, "-c", "import backplan.ir, backplan.bench; print(backplan.ir.__file__)"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": dest},
-        cwd=str(tmp_path),
-        check=True,
-    )
-    assert done.stdout.strip().startswith(os.path.join(dest, "backplan", "ir"))
+    assert sorted(os.listdir(dest)) == ["backplan"]  # nothing else left beside the package
+    package = os.path.join(dest, "backplan")
+    for name in SUBPACKAGES:  # each subpackage folder inside the package, as installed
+        assert os.path.isfile(os.path.join(package, name, "__init__.py")), name
+    assert os.path.isfile(os.path.join(package, "bench", "data_parallel.py"))
+    assert os.path.isfile(os.path.join(package, "__init__.py"))
 
 
 def test_the_zero_ab_flips_its_order_every_round_and_prints_the_cpu_ratio():
@@ -58,3 +58,12 @@ def test_the_zero_ab_flips_its_order_every_round_and_prints_the_cpu_ratio():
     line = rank_line(1, {"plain": (4.0, 20.0), "zero": (3.0, 18.0)})
     assert line.startswith("rank 1: plain cpu 4.000 wall 20.000  zero cpu 3.000")
     assert line.endswith("zero/plain cpu 0.750")
+
+
+def test_the_copy_moves_every_top_level_folder_the_installation_maps():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    mapped = {d for name, d in dirs.items() if name.count(".") == 1 and "/" not in d}
+    assert mapped == set(SUBPACKAGES)
