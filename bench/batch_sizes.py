@@ -11,6 +11,10 @@ compile is counted where it happens, or with `--driver default` as a user's proc
 first call Python-run, the direct driver from the second: the direct drivers built at each size
 are counted, and the second call's thread CPU given). Each first call's thread CPU time is given
 too: on a shared box the wall clock of a 50 ms call is mostly other processes' time.
+
+--against-path DIR: declared dynamic axes only, this installation against a package copy (as
+`python -m backplan.bench.data_parallel_passes --copy REV DIR` lays one out), each with its own
+warm folder, fresh processes alternated: a row a side (`--driver default` as a user's process).
 """
 
 from __future__ import annotations
@@ -99,14 +103,21 @@ def loss_of(spec):
     return loss, {name: {axis: "batch"} for name, axis in AXES[spec.kind].items()}
 
 
-def run_child(model: str, mode: str, sizes: list[int], cache: str, driver: str = "inline") -> dict:
+def run_child(
+    model: str, mode: str, sizes: list[int], cache: str, driver: str = "inline", path=None
+) -> dict:
+    """path: a package copy's folder, first on the child's PYTHONPATH (started outside any
+    checkout, so `import backplan` finds the copy, not the folder it was started in)."""
     env = {**os.environ, "BACKPLAN_CACHE_DIR": cache, "BACKPLAN_QUIET": "1"}
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([path, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("BACKPLAN_DRIVER", None)
     if driver == "inline":
         env["BACKPLAN_DRIVER"] = "inline"
     env.pop("BACKPLAN_BACKEND", None)
     command = [sys.executable, "-c", CHILD, model, mode, json.dumps(sizes)]
-    return child_result(command, env, 1800, f"{model} {mode} child")
+    cwd = tempfile.gettempdir() if path is not None else None
+    return child_result(command, env, 1800, f"{model} {mode} child", cwd=cwd)
 
 
 def measure(model: str, rounds: int, driver: str = "inline", new_sizes=None) -> list[dict]:
@@ -134,6 +145,39 @@ def measure(model: str, rounds: int, driver: str = "inline", new_sizes=None) -> 
     finally:
         shutil.rmtree(warm, ignore_errors=True)
     return [_row(model, mode, runs) for mode, runs in samples.items()]
+
+
+def measure_against(
+    model: str, rounds: int, path: str, driver: str = "default", new_sizes=None
+) -> list[dict]:
+    """Declared dynamic batch axes, this installation against a package copy (path): each
+    side's warm folder filled at B by its own process, then per round one fresh process a side
+    (the order flipped every round), each in a copy of its side's folder; one row a side."""
+    from .models import MODELS
+
+    batch = MODELS[model].config["batch"]
+    sizes = [batch, *(new_sizes or (batch + max(1, batch // 2), 2 * batch + 1))]
+    paths = {"this": None, "other": path}
+    warm = {side: tempfile.mkdtemp(prefix="bp-batch-sizes-") for side in paths}
+    samples: dict[str, list] = {side: [] for side in paths}
+    try:
+        for side in paths:
+            run_child(model, "dynamic", sizes[:1], warm[side], driver, paths[side])
+        for r in range(rounds):
+            for side in ("this", "other") if r % 2 == 0 else ("other", "this"):
+                copy = tempfile.mkdtemp(prefix="bp-batch-sizes-")
+                shutil.rmtree(copy)
+                shutil.copytree(warm[side], copy)
+                try:
+                    samples[side].append(
+                        run_child(model, "dynamic", sizes, copy, driver, paths[side])
+                    )
+                finally:
+                    shutil.rmtree(copy, ignore_errors=True)
+    finally:
+        for folder in warm.values():
+            shutil.rmtree(folder, ignore_errors=True)
+    return [_row(model, f"dynamic, {side}", samples[side]) for side in ("other", "this")]
 
 
 def _row(model: str, mode: str, runs: list[dict]) -> dict:
@@ -179,7 +223,7 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
     ]
     for row in rows:
         first, second, third = row["calls"]
-        mode = "dynamic" if row["mode"] == "dynamic" else "dynamic=False"
+        mode = "dynamic=False" if row["mode"] == "fixed" else row["mode"]
         lines.append(
             f"| {row['model']} (B={first['size']}, then {second['size']}, {third['size']}) "
             f"| {mode} | {first['seconds']:.2f} | {_ms(second)} | {_compiles(second)} | "
@@ -231,6 +275,10 @@ def main(argv=None) -> int:
         help="the two new sizes after each model's B, e.g. 10,12 (default B + B/2, 2B + 1)",
     )
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--against-path",
+        help="a package copy's folder: its dynamic rows against this installation's, alternated",
+    )
     args = parser.parse_args(argv)
     new_sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else None
     if new_sizes is not None and (len(new_sizes) != 2 or min(new_sizes) < 1):
@@ -238,7 +286,11 @@ def main(argv=None) -> int:
     rows = [
         row
         for model in args.models.split(",")
-        for row in measure(model, args.rounds, args.driver, new_sizes)
+        for row in (
+            measure_against(model, args.rounds, args.against_path, args.driver, new_sizes)
+            if args.against_path
+            else measure(model, args.rounds, args.driver, new_sizes)
+        )
     ]
     if args.json:
         with open(args.json, "w") as f:
