@@ -9,10 +9,10 @@ a shared box's speed hits all of them; the load and time are printed before each
         --site /path/before --site /path/after
 
 --site DIR runs the two ranks with DIR first on PYTHONPATH (a package copy, as
-`python -m backplan.bench.data_parallel_passes --copy REV DIR` lays one out from a revision of
-this repository); without --site, this installation. The one-rank and DDP processes use this
-installation. Processes start outside any checkout, so `python -m` imports the installation
-asked for, not the folder it was started in.
+`python -m backplan.bench.data_parallel_passes --copy REV DIR`, run inside a checkout, lays one
+out from a revision of it); without --site, this installation. The one-rank and DDP processes
+use this installation. Processes start outside any checkout, so `python -m` imports the
+installation asked for, not the folder it was started in.
 """
 
 from __future__ import annotations
@@ -106,7 +106,12 @@ def main(argv=None) -> int:
     parser.add_argument("--site", action="append", default=[], help="a package copy's folder")
     parser.add_argument("--ddp", action="store_true", help="also PyTorch DDP on 2 ranks")
     parser.add_argument("--zero", action="store_true", help="also adam, unsharded and ZeRO-1")
-    parser.add_argument("--copy", nargs=2, metavar=("REV", "DIR"), help="lay out a package copy")
+    parser.add_argument(
+        "--copy",
+        nargs=2,
+        metavar=("REV", "DIR"),
+        help="lay out REV of the checkout here as a package copy in DIR",
+    )
     args = parser.parse_args(argv)
     if args.copy:
         print(lay_out_package(args.copy[0], args.copy[1]))
