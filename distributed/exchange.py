@@ -93,11 +93,13 @@ class Exchange:
         if self.started:
             self.mpi.Request.Testall([request for _, _, request in self.started])
 
-    def _wait(self, bucket, request, arrivals) -> None:
+    def _wait(self, bucket, request, arrivals, what: str | None = None) -> None:
+        """Wait for request (bucket's), within the step's timeout; what: the deadline's name
+        for it (the allreduce of the bucket by default)."""
         if self.timeout is None:
             request.Wait()
         else:
-            what = f"the allreduce of bucket {bucket.index}"
+            what = what or f"the allreduce of bucket {bucket.index}"
             wait_or_raise(request, self.timeout, what, arrivals)
 
     def _readable(self, arrivals) -> None:

@@ -417,4 +417,6 @@ class SharedExchange(Exchange):
 
     def _readable(self, arrivals) -> None:
         if self.meeting is not None:
-            self._wait(*self.meeting, arrivals)
+            bucket, request = self.meeting
+            what = f"the node's sums in place (every rank's parts of buckets up to {bucket.index})"
+            self._wait(bucket, request, arrivals, what)

@@ -2628,18 +2628,20 @@ def test_a_rank_stopped_mid_step_times_out_the_others_in_the_exchange(tmp_path):
 
 
 @needs_mpi
-def test_a_rank_stopped_in_its_part_of_a_sum_is_not_blamed_on_the_others(tmp_path):
-    """3 ranks on one node, every bucket summed in parts: rank 2 stops (SIGSTOP) after summing
-    its part, before marking it. Ranks 0 and 1 wait on the window's counters (no MPI call
-    there) and time out; each says every rank reached the exchange, and neither names the
-    other, which did (their arrival messages are moved along while they wait: without that
-    a rank named a healthy one in 2 of 3 runs)."""
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_rank_stopped_in_its_part_of_a_sum_is_not_blamed_on_the_others(tmp_path, in_place):
+    """3 ranks on one node, every bucket summed in parts (or in place): rank 2 stops (SIGSTOP)
+    after summing its part, before marking it. Ranks 0 and 1 wait on the window's counters (no
+    MPI call there) and time out; each says every rank reached the exchange, and neither names
+    the other, which did (their arrival messages are moved along while they wait: without that
+    a rank named a healthy one in 2 of 3 runs); in place, the error names the sums' meeting."""
     result = run_script(
         tmp_path,
         """
         import os, signal
-        from backplan.distributed import shared_exchange
+        from backplan.distributed import shared_exchange, window_views
         shared_exchange.SPLIT_BYTES = 64
+        window_views.IN_PLACE_BYTES = 64 if os.environ["IN_PLACE"] == "1" else 1 << 40
         params = bpd.broadcast(init_mlp([8, 16, 4], seed=0))
         xs, ys = bpd.shard(x, rank, size), bpd.shard(y, rank, size)
         bpd.data_parallel(vg)(params, xs, ys)  # compiled before the deadline counts
@@ -2660,11 +2662,17 @@ def test_a_rank_stopped_in_its_part_of_a_sum_is_not_blamed_on_the_others(tmp_pat
         """,
         ranks=3,
         timeout=120,
+        env={"IN_PLACE": "1" if in_place else "0"},
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "finished" not in output, output
+    waited = (
+        "the node's sums in place (every rank's parts of buckets up to 0)"
+        if in_place
+        else "the allreduce of bucket 0"
+    )
     for r in (0, 1):
-        said = f"rank {r} raised RankTimeoutError: the allreduce of bucket 0 did not complete "
+        said = f"rank {r} raised RankTimeoutError: {waited} did not complete "
         assert said in output, output
     assert output.count("every rank reached it: one stopped during the transfer") == 2, output
     assert "never reached it" not in output, output
