@@ -151,3 +151,25 @@ def test_cached_library_code_is_stale_once_a_codegen_file_changes(tmp_path, monk
     assert edited(21) == 42
     assert sum(edited.stats.cache_hits.values()) == 0
     assert sum(edited.stats.cache_misses.values()) == 1
+
+
+def test_files_of_one_folder_failing_one_check_warn_once(tmp_path, monkeypatch):
+    """A regenerated key fails every cached file the same way: one CacheWarning for the folder,
+    every file still removed; BACKPLAN_VERBOSE=1 names each file."""
+    monkeypatch.delenv("BACKPLAN_VERBOSE", raising=False)
+    paths = [tmp_path / f"k{i}.nbc" for i in range(3)]
+    for path in paths:
+        path.write_bytes(b"x")
+    with pytest.warns(cache_signing.CacheWarning) as quiet:
+        for path in paths:
+            cache_signing.discard(str(path), "does not carry this user's signature")
+    assert len(quiet) == 1 and "failing the same check" in str(quiet[0].message)
+    assert not any(path.exists() for path in paths)
+    monkeypatch.setenv("BACKPLAN_VERBOSE", "1")
+    loud = tmp_path / "verbose"
+    loud.mkdir()
+    with pytest.warns(cache_signing.CacheWarning) as each:
+        for i in range(3):
+            (loud / f"k{i}.nbc").write_bytes(b"x")
+            cache_signing.discard(str(loud / f"k{i}.nbc"), "is truncated")
+    assert [f"k{i}.nbc" in str(w.message) for i, w in enumerate(each)] == [True] * 3

@@ -21,6 +21,7 @@ import pickle
 import stat
 import sys
 import tempfile
+import threading
 import warnings
 
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, IndexDataCacheFile
@@ -135,18 +136,37 @@ def verified(name: str, data: bytes) -> tuple[bytes | None, str]:
     return payload, ""
 
 
+# (folder, reason) pairs a CacheWarning has named in this process: a regenerated key or a
+# damaged folder fails every file the same way, and one line says so (42 lines did before)
+_WARNED: set[tuple[str, str]] = set()
+_WARNED_LOCK = threading.Lock()
+
+
 def discard(path: str, why: str, kind: str = "kernel cache file") -> None:
     """Remove a cache file that failed its check, saying so (kind names what the file held): it
-    is never run, and not left for every later process to read and reject again."""
+    is never run, and not left for every later process to read and reject again. The first
+    file of a folder failing a check warns; later ones only under BACKPLAN_VERBOSE=1."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    key = (os.path.dirname(path), why)
+    with _WARNED_LOCK:
+        first = key not in _WARNED
+        _WARNED.add(key)
+    if not first and not _verbose():
+        return
+    more = "; other files of this folder failing the same check are removed without a warning "
+    more += "(BACKPLAN_VERBOSE=1 names each)" if first else ""
     warnings.warn(
-        f"{kind} {path} {why}; removed it, compiling again",
+        f"{kind} {path} {why}; removed it, compiling again{more if first else ''}",
         CacheWarning,
         stacklevel=user_stacklevel(),
     )
+
+
+def _verbose() -> bool:
+    return os.environ.get("BACKPLAN_VERBOSE", "") not in ("", "0")
 
 
 # Modules a cache warning passes through on its way out: Numba loading a cache file, imports
