@@ -64,6 +64,11 @@ def library_files(top: str | None = None) -> list[str]:
     return found
 
 
+def _count(number: int, noun: str) -> str:
+    """'1 compiled plan', '4 compiled plans': the line a user reads says what it counts."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def _size_text(nbytes: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
@@ -119,7 +124,8 @@ def run(args) -> int:
     # a plan's module (bp_*) and a loop kernel shared by plans (k_*) are both .py files: the
     # count said "14 compiled plans" for 4 plans and their 10 loops
     kernels = sum(1 for name in sources if name.startswith("k_"))
-    entries = f"{len(sources) - kernels} compiled plans, {kernels} shared loop kernels"
+    plans = _count(len(sources) - kernels, "compiled plan")
+    entries = f"{plans}, {_count(kernels, 'shared loop kernel')}"
     nbytes = sum(os.path.getsize(f) for f in files)
     if args.action == "info":
         print(f"kernel cache: {directory}")

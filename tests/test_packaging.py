@@ -99,12 +99,12 @@ def test_cache_info_and_clear_touch_only_backplan_files(tmp_path):
     info = _cli("cache", "info", env=env)
     assert info.returncode == 0, info.stderr
     assert str(cache) in info.stdout
-    assert "entries: 1 compiled plans, 1 shared loop kernels (4 files)" in info.stdout
+    assert "entries: 1 compiled plan, 1 shared loop kernel (4 files)" in info.stdout
     assert "size: 114 B" in info.stdout
     cleared = _cli("cache", "clear", env=env)
     assert (
         cleared.returncode == 0
-        and "removed 1 compiled plans, 1 shared loop kernels" in cleared.stdout
+        and "removed 1 compiled plan, 1 shared loop kernel" in cleared.stdout
     )
     assert sorted(os.listdir(cache)) == ["__pycache__", "notes.txt"]
     assert os.listdir(cache / "__pycache__") == []
