@@ -13,6 +13,7 @@ from backplan.codegen.jit import njit, prange
 from backplan.codegen.kernels.row_math import maxnum, one_like, row_exp, zero_like
 from backplan.codegen.kernels.scalar_functions import fast_exp
 from backplan.codegen.kernels.threads_now import threads_now
+from backplan.codegen.kernels.views import transposed
 from backplan.codegen.render.opaque import HOLES, OpEmitter, emits
 from backplan.codegen.render.scalar import NP_TYPE, literal
 from backplan.ir.graph import Value
@@ -186,6 +187,7 @@ __all__ = [
     "softmax_rows",
     "softmax_rows_par",
     "softmax_strided",
+    "transposed",  # views.transposed: every driver's transposes, found here (render/emit.py)
 ]
 
 
@@ -221,7 +223,7 @@ def emit_logsumexp(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     if list(axes) != list(range(axes[0], axes[-1] + 1)):
         kept = [a for a in range(len(x.shape)) if a not in axes]
         perm = ", ".join(str(a) for a in kept + list(axes))
-        source = f"np.ascontiguousarray({source}.transpose({perm}))"
+        source = f"np.ascontiguousarray(transposed({source}, {perm}))"
         pre, n, post = (
             math.prod(x.shape[a] for a in kept),
             math.prod(x.shape[a] for a in axes),

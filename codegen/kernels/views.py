@@ -12,6 +12,7 @@ directly, a few instructions each. Nothing is checked: the code generator comput
 and sizes from the plan's memory layout. A contiguous view is typed C-contiguous, so the loops
 over it vectorise as they do over any C array."""
 
+import functools
 import math
 
 import numpy as np
@@ -365,6 +366,56 @@ def _read_only_type(typingctx, array):
 @overload(as_read_only, inline="always")
 def _as_read_only_compiled(array):
     return lambda array: _read_only_type(array)
+
+
+def transposed(array, *axes):
+    """array.transpose(*axes): how a generated driver writes a transposed view (a transpose
+    node, attention's "bthd" layout, a row kernel's axes). Compiled, Numba's own transpose with
+    axes checks them at run time through a helper whose error message formats the shapes:
+    compiling it took ~3 CPU s the first time in each process (a function of one transpose:
+    3.6 CPU s cold against 0.4 without it), and every call allocated four small arrays
+    (NUMBA_NRT_STATS: 5 allocations a call against 1). Here the axes are literals, so the
+    shape and strides are permuted as it compiles: nothing is checked (the code generator wrote
+    the axes from the IR) and nothing allocated. The result's type is Numba's (layout "A")."""
+    return array.transpose(axes)
+
+
+@overload(transposed, prefer_literal=True)
+def _transposed_compiled(array, *axes):
+    perm = tuple(getattr(axis, "literal_value", None) for axis in axes)
+    if not isinstance(array, types.Array) or sorted(perm, key=str) != list(range(array.ndim)):
+        return None
+    permute = _permutation(perm)
+    return lambda array, *axes: permute(array)
+
+
+@functools.cache
+def _permutation(perm: tuple[int, ...]):
+    """The intrinsic viewing an array with its axes in the order perm (literal, checked)."""
+
+    @intrinsic
+    def permuted(typingctx, array):
+        result = array.copy(layout="A") if array.ndim > 1 else array
+
+        def codegen(context, builder, signature, args):
+            source = make_array(array)(context, builder, args[0])
+            shape = cgutils.unpack_tuple(builder, source.shape)
+            strides = cgutils.unpack_tuple(builder, source.strides)
+            view = make_array(result)(context, builder)
+            populate_array(
+                view,
+                data=source.data,
+                shape=[shape[p] for p in perm],
+                strides=[strides[p] for p in perm],
+                itemsize=source.itemsize,
+                meminfo=source.meminfo,
+                parent=source.parent,
+            )
+            return impl_ret_borrowed(context, builder, result, view._getvalue())
+
+        return result(array), codegen
+
+    return permuted
 
 
 __all__ = [

@@ -165,7 +165,7 @@ class OpEmitter:
             if not node.shape:
                 return [f"{name} = {src}"]
             perm = ", ".join(str(p) for p in node.attrs["perm"])
-            return [f"{name} = {src}.transpose({perm})"]  # a tuple argument compiles 10x slower
+            return [f"{name} = transposed({src}, {perm})"]  # codegen/kernels/views.py
         slices = ", ".join(
             f"{a}:{'' if b < 0 else b}:{c}"
             for a, b, c in zip(
