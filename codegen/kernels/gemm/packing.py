@@ -100,6 +100,13 @@ def _plan(nodes, workspaces=None) -> PackingPlan:
     helpers = apart = 0
     with pinned(None):  # asked while a plan renders: not one of its pinned choices
         for node in nodes:
+            if node.op in ("attention", "attention_grad"):
+                ranges, slots = _attention_ranges(node)
+                first |= _pages(ranges)
+                if slots > 1:  # the parallel variant: each slot's pairs on one thread
+                    shared |= _pages(ranges)
+                    helpers = max(helpers, slots - 1)
+                continue
             if node.op != "matmul" or 0 in node.shape or 0 in node.inputs[0].shape[-1:]:
                 continue
             if own_gemm_chosen(OpEmitter, node):
@@ -130,6 +137,24 @@ def _plan(nodes, workspaces=None) -> PackingPlan:
                 shared |= pages
                 helpers = max(helpers, slots - 1)
     return PackingPlan(frozenset(first), frozenset(shared), helpers, apart)
+
+
+def _attention_ranges(node) -> tuple[list[tuple[int, int]], int]:
+    """A bound of what an attention kernel's products (codegen/kernels/attention.py: a block
+    of at most ROWS query rows against at most KEYS keys, features either side) write in a
+    kept buffer, as if on backplan's GEMM and packed whole at either tile width (it runs BLAS
+    where rows are contiguous and BLAS was chosen, the 256-bit tile where they are not), and
+    the threads running its pairs."""
+    from backplan.ir.kernel_workspace import KEYS, ROWS, attention_dims, attention_slots
+
+    _, t, s, d, dv = attention_dims(node)
+    if not (t and s and d):
+        return [], 1
+    rows, keys, features = min(t, ROWS), min(s, KEYS), max(d, dv)
+    m, n, k = max(rows, keys), max(keys, features), max(rows, keys, features)
+    size = 8 if node.dtype == "f64" else 4
+    ranges = _whole(m, n, k, size, vector_width()) + _whole(m, n, k, size, 256)
+    return ranges, attention_slots(node)
 
 
 def _batch(node) -> int:
