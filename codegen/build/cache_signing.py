@@ -137,7 +137,7 @@ def verified(name: str, data: bytes) -> tuple[bytes | None, str]:
 
 
 # (folder, reason) pairs a CacheWarning has named in this process: a regenerated key or a
-# damaged folder fails every file the same way, and one line says so (42 lines did before)
+# damaged folder fails every file the same way, and one line says so
 _WARNED: set[tuple[str, str]] = set()
 _WARNED_LOCK = threading.Lock()
 
@@ -157,15 +157,16 @@ def discard(path: str, why: str, kind: str = "kernel cache file") -> None:
     if not first and not _verbose():
         return
     more = "; other files of this folder failing the same check are removed without a warning "
-    more += "(BACKPLAN_VERBOSE=1 names each)" if first else ""
     warnings.warn(
-        f"{kind} {path} {why}; removed it, compiling again{more if first else ''}",
+        f"{kind} {path} {why}; removed it, compiling again"
+        + (more + "(BACKPLAN_VERBOSE=1 names each)" if first else ""),
         CacheWarning,
         stacklevel=user_stacklevel(),
     )
 
 
 def _verbose() -> bool:
+    """BACKPLAN_VERBOSE=1 (compile_notice.verbose's setting; that module imports this one)."""
     return os.environ.get("BACKPLAN_VERBOSE", "") not in ("", "0")
 
 
