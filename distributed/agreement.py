@@ -28,7 +28,24 @@ def describe(tree, prefix: str = "") -> list[tuple[str, tuple, str]]:
 
 
 def leaf_text(shape: tuple, dtype: str) -> str:
-    return f"{dtype}{list(shape)}"
+    return f"{dtype}[{', '.join(str(n) for n in shape)}]"
+
+
+def describe_batch(args: tuple, kwargs: dict, argnums) -> list[tuple[str, tuple, str]]:
+    """(path, shape, dtype) per leaf of the arguments not differentiated, "rows" in place of
+    their first axis (ranks may hold different numbers of rows): a batch argument of another
+    dtype changes the loss's dtype, and is named as itself rather than as the loss."""
+    nums = {argnums} if isinstance(argnums, int) else set(argnums)
+    named = [(f"argument {i}", a) for i, a in enumerate(args) if i not in nums]
+    named += [(f"{name}=", value) for name, value in kwargs.items()]
+    found = []
+    for prefix, value in named:
+        leaves, _, paths = flatten(value, paths=True, prefix=prefix)
+        for path, leaf in zip(paths, leaves, strict=True):
+            array = leaf_array(leaf)
+            shape = ("rows", *array.shape[1:]) if array.shape else ()
+            found.append((path, shape, str(array.dtype)))
+    return found
 
 
 def first_difference(descriptions: list[list], what: str) -> str | None:

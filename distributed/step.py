@@ -18,7 +18,13 @@ from backplan.tracer.tensor import Tensor
 
 from .accumulation import Accumulator
 from .agreement import check_replicas as verify_replicas
-from .agreement import fingerprint, leaf_array, require_same_trees, settings_difference
+from .agreement import (
+    describe_batch,
+    fingerprint,
+    leaf_array,
+    require_same_trees,
+    settings_difference,
+)
 from .buckets import DEFAULT_BUCKET_BYTES
 from .deadline import roll_call, wait_or_raise
 from .errors import RankFailedError, RankMismatchError, RankOutOfStepError
@@ -57,6 +63,10 @@ FAILED, DIVERGED_KIND = 1, 2  # the agreement's fifth number: this call failed; 
 OUTSIDE, KIND = 5, 6  # the agreement's sixth number (buckets started after the call); the kind
 SETTINGS_FIX = (
     "every rank must call a step made with the same shard_optimizer, average and accumulate"
+)
+BATCH_FIX = (
+    "every rank must pass the arguments not differentiated (the batch) with the same "
+    "structure, dtypes and shapes beyond the first axis (the rows, which may differ)"
 )
 MISMATCH_FIX = (
     "every rank must differentiate parameters of the same structure, shapes and dtypes "
@@ -689,6 +699,8 @@ class DataParallelStep:
             when = DIVERGED if highest[4] == DIVERGED_KIND else BEFORE_AGREEMENT
             raise_for_others(world, None, _bare_name(self.fn), when)
         if highest[:2] != mine[:2]:
+            batch = describe_batch(args, kwargs, self.fn.argnums)
+            require_same_trees(world.comm, batch, "", BATCH_FIX)
             require_same_trees(world.comm, layout.description(), "", MISMATCH_FIX)
             raise RankMismatchError(
                 f"ranks split the gradients into buckets differently (this rank, {world.rank}: "

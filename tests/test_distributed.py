@@ -1757,9 +1757,9 @@ def test_one_rank_without_mpiexec_is_the_plain_step(tmp_path):
 @needs_mpi
 @in_one_launch(
     """
-        def expect_mismatch(params, *pieces):
+        def expect_mismatch(params, *pieces, xs=bpd.shard(x, rank, size)):
             try:
-                bpd.data_parallel(vg)(params, bpd.shard(x, rank, size), bpd.shard(y, rank, size))
+                bpd.data_parallel(vg)(params, xs, bpd.shard(y, rank, size))
             except bpd.RankMismatchError as error:
                 for piece in pieces:
                     assert piece in str(error), (piece, str(error))
@@ -1774,6 +1774,14 @@ def test_one_rank_without_mpiexec_is_the_plain_step(tmp_path):
         if rank == 1:
             params["z"] = bp.tensor(np.zeros(3, np.float32), requires_grad=True)  # unused
         expect_mismatch(params, "rank 1 has grad['z'], which rank 0 lacks")
+        # a batch of another dtype changes the loss's dtype: named as the argument, not the loss
+        xs = bpd.shard(x, rank, size).astype(np.float64 if rank else np.float32)
+        expect_mismatch(
+            init_mlp([8, 16, 4]),
+            "rank 1's argument 1 is float64[rows, 8] but rank 0's is float32[rows, 8]",
+            "the arguments not differentiated (the batch)",
+            xs=xs,
+        )
         try:
             bpd.broadcast(init_mlp([8, 16 - rank, 4]))
         except bpd.RankMismatchError as error:
