@@ -78,5 +78,9 @@ def parallel_pays(elements: int) -> bool:
 
 
 def flags_text() -> str:
-    """What the generated code depends on besides the IR, for cache keys."""
-    return f"{sorted(FASTMATH)}{PARALLEL_MIN_ELEMENTS}:{threads() > 1}"
+    """What the generated code depends on besides the IR, for cache keys. The thread count
+    itself, not only whether there is more than one: attention's workspace has a slot per
+    thread, so plans lowered at 2 and at 4 threads place their buffers differently, and under
+    one key two such processes sharing a cache folder rewrote each other's file and compiled it
+    again on every start."""
+    return f"{sorted(FASTMATH)}{PARALLEL_MIN_ELEMENTS}:{threads()}"

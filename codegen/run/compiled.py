@@ -28,6 +28,7 @@ from backplan.codegen.build import (
 )
 from backplan.codegen.flags import flags_text
 from backplan.codegen.jit import is_cached, load_cached, start_parallel_runtime
+from backplan.codegen.kernels.gemm import choice as gemm_choice
 from backplan.codegen.render.emit import generate
 from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
@@ -71,20 +72,25 @@ def canonical_text(plan: Plan) -> str:
     return f"{text}\n# constants {consts}"
 
 
+def _key_flags() -> str:
+    """What a plan's code depends on beside its IR (codegen/build/cache.py key_parts' flags)."""
+    return flags_text() + loop_calls.key_text() + gemm_choice.key_text()
+
+
 def rendering(lowered: LoweredPlan) -> tuple:
     """(the plan's rendering, its cache key's parts, whether it was recorded by an earlier
     process). A fixed-size plan's key needs no rendering, and a rendering recorded under it
     (codegen/build/plan_facts.py) whose files check is used as it is; a size-generic driver's
     key is the hash of its rendered code."""
     if lowered.plan.shared is None:
-        parts = cache.key_parts(canonical_text(lowered.plan), flags_text() + loop_calls.key_text())
+        parts = cache.key_parts(canonical_text(lowered.plan), _key_flags())
         key = cache.entry_key(parts)
         if lowered.rendered is not None:  # rendered already (explain): its facts may be kept
             return lowered.rendered, parts, plan_facts.recorded(key)
         found = plan_facts.read(key, lowered)
         return (found, parts, True) if found is not None else (generate(lowered), parts, False)
     generated = generate(lowered)
-    parts = cache.key_parts(code_text(generated.source), flags_text() + loop_calls.key_text())
+    parts = cache.key_parts(code_text(generated.source), _key_flags())
     return generated, parts, False
 
 

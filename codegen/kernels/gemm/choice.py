@@ -88,6 +88,13 @@ def blas_threads() -> int:
     return cpus or 1
 
 
+def key_text() -> str:
+    """What the GEMM choices read of the process, for plan cache keys: the choice forced and
+    BLAS's threads (one: the own GEMM may run; more: BLAS, or the own GEMM split among them).
+    Processes pinned to different CPU counts render different calls for one plan."""
+    return f"|gemm:{forced_choice()}:{blas_threads()}"
+
+
 @functools.cache
 def small_products_own() -> bool:
     """Whether the target CPU (NUMBA_CPU_NAME, else the host) is one where the own GEMM was
