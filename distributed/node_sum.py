@@ -10,7 +10,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .half_sum import BFLOAT16, CHUNK, FLOAT16, _widen_bfloat16, _widen_float16
+from .half_sum import (
+    BFLOAT16,
+    CHUNK,
+    FLOAT16,
+    _round_bfloat16,
+    _round_float16,
+    _widen_bfloat16,
+    _widen_float16,
+)
 
 CHUNK_IN_PLACE = 1 << 14  # elements summed at once in scratch by sum_in_place (L2-sized)
 PLAIN, TIMES, DIVIDED = 0, 1, 2  # what is done to each sum: nothing, * factor, / factor
@@ -114,6 +122,26 @@ def sum_widened_into(
             how if last else PLAIN,
             factor if last else np.float32(1.0),
         )
+
+
+def sum_widened_in_place(
+    buffers: list[np.ndarray], rank: int, half: str, average: bool, weights=None
+) -> None:
+    """buffers[rank] (16-bit bit patterns, uint16) = sum_widened_into's float32 sum of buffers
+    rounded to the 16-bit dtype (half: "bf16" or "f16"), written over that rank's own buffer:
+    in chunks summed in float32 scratch, each rounded into its place once every rank's chunk
+    is read. The bits of sum_widened_into followed by astype(half), as when summed whole."""
+    out = buffers[rank]
+    if out.size == 0:  # a rank with no page of a small bucket
+        return
+    words = np.empty(min(out.size, CHUNK_IN_PLACE), np.uint32)
+    scratch = words.view(np.float32)
+    rounding = _round_bfloat16 if half == "bf16" else _round_float16
+    for start in range(0, out.size, words.size):
+        stop = min(out.size, start + words.size)
+        sums = scratch[: stop - start]
+        sum_widened_into([b[start:stop] for b in buffers], sums, half, average, weights)
+        rounding(words[: stop - start], out[start:stop])
 
 
 def _averaging(size: int, average: bool, dtype: np.dtype) -> tuple[int, object]:

@@ -88,9 +88,14 @@ class RankPeak:
     def counted_bytes(self) -> int:
         """The peak as the checked mode counts it: everything but the caller's own arrays
         (the batch; the parameters too where no update allocated them) and the kernels'
-        workspace (allocated inside them)."""
-        held = self.peak_phase.held
-        return self.peak_bytes - sum(held.get(c, 0) for c in self.not_counted)
+        workspace (allocated inside them), at the phase holding the most of it. That need not
+        be the peak's phase: a first call's plan runs before the node window exists (not
+        counted either), and with every bucket summed in place no later phase holds its
+        outputs."""
+        return max(
+            phase.nbytes - sum(phase.held.get(c, 0) for c in self.not_counted)
+            for phase in self.phases
+        )
 
     @property
     def growth_bytes(self) -> int:
@@ -117,7 +122,8 @@ class RankPeak:
             text += (
                 ", and this rank's segment of the node's shared window the gradients are "
                 "summed in (each buffer three times, used in turn by successive calls; float32 "
-                "for 16-bit sums; the buckets summed in place there hold the results the loop "
+                "for the sums of 16-bit buckets summed whole; the buckets summed in place there "
+                "hold the results the loop "
                 "binds), "
                 "made in the step's first call that exchanges and freed when the step is "
                 "collected."
@@ -203,8 +209,9 @@ def _wire_dtype(dtype: str, size: int) -> np.dtype:
 def bucket_bytes(layout, in_plan: dict, size: int = 0, node: bool = False) -> tuple[int, int, int]:
     """(bytes of the buckets the driver writes the gradients into, bytes of the buffers packed
     after the call, bytes of the 16-bit copies unpacked from float32 sums) on `size` ranks;
-    node: summed in the node's window (16-bit buckets summed into float32 buffers there; the
-    buckets summed in place there, window_views.summed_in_place, in no buffer of their own)."""
+    node: summed in the node's window (small 16-bit buckets summed into float32 buffers there;
+    the buckets summed in place there, window_views.summed_in_place, in no buffer of their
+    own, 16-bit ones rounded there)."""
     inside = sum(b.nbytes for b in layout.buckets if b.index in in_plan)
     after = [b for b in layout.buckets if b.index not in in_plan]
     if node:
@@ -224,6 +231,8 @@ def rounded_buckets(layout, in_plan: dict, size: int, node: bool) -> tuple[int, 
     """(bytes of the float32 sums of the buckets unpacked as 16-bit copies, which nothing
     returned holds once unpacked; whether the loss is such a copy, not an array of its own)."""
     after = [b for b in layout.buckets if b.index not in in_plan]
+    if node:  # summed in place: rounded into the window, no float32 sums
+        after = [b for b in after if not summed_in_place(b.dtype, b.nbytes, size)]
     sums, loss = 0, False
     for b in after:
         wire = summed_dtype(np_dtype(b.dtype)) if node else _wire_dtype(b.dtype, size)

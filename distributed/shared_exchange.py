@@ -5,8 +5,11 @@ nothing, when ranks scaled by their rows) folded in. An allreduce through MPI's 
 cells copies each bucket in and out of them and adds on the way; here each element is read
 once from each rank and written once.
 
-A float32 or float64 bucket of window_views.IN_PLACE_BYTES or more is summed in place: each
-rank sums its pages of it (NodeWindow.page_part) from every rank's buffer into its own buffer,
+A bucket of window_views.IN_PLACE_BYTES or more is summed in place: each rank sums its pages
+of it (NodeWindow.page_part) from every rank's buffer into its own buffer (a bfloat16 or
+float16 bucket widened to float32 as it is added and rounded once into its 16 bits there:
+node_sum.sum_widened_in_place, the bits of summing it whole, with no float32 buffer and no
+16-bit copies unpacked from one),
 and the whole sum is read through a stitched view (window_views.py) that maps every rank's
 summed pages end to end: each rank reads (N-1)/N of the bucket to sum and as much to read the
 results, and writes 1/N of it instead of all of it (the bench mlp on 2 ranks: the sums 0.41 ->
@@ -44,7 +47,7 @@ from .exchange import Exchange
 from .half_wire import as_bits, summed_bytes, summed_dtype
 from .in_plan import bucket_slots
 from .node_agreement import agreement_window
-from .node_sum import sum_in_place, sum_into, sum_widened_into
+from .node_sum import sum_in_place, sum_into, sum_widened_in_place, sum_widened_into
 from .node_window import (
     LINE,
     READY,
@@ -110,7 +113,7 @@ def _buckets(layout, size: int, accumulated: bool = False) -> tuple[list[int], l
     summed = [summed_dtype(np_dtype(b.dtype)) for b in layout.buckets]
     parts = [parts_of(n, d, s, size) for n, d, s in zip(counts, dtypes, summed, strict=True)]
     for i, b in enumerate(layout.buckets):  # summed in place: no buffer, a counter only
-        if summed_in_place(b.dtype, b.nbytes, size):
+        if summed_in_place(b.dtype, b.nbytes, size, accumulated):
             parts[i] = 0
     return counts + parts, dtypes + summed
 
@@ -185,7 +188,11 @@ def _window(exchange, k: int) -> NodeWindow:
         generations=GENERATIONS,
         align=PAGE,
     )
-    window.in_place = [b.index for b in layout.buckets if summed_in_place(b.dtype, b.nbytes, size)]
+    window.in_place = [
+        b.index
+        for b in layout.buckets
+        if summed_in_place(b.dtype, b.nbytes, size, exchange.accumulated)
+    ]
     window.published = 0  # the last call publish_holds spoke for
     return window
 
@@ -325,7 +332,11 @@ class SharedRequest(CounterRequest):
         buffers = [w.buffer(q, k, self.parity) for q in range(w.size)]
         if self.in_place:  # this rank's part, into its own buffer: the others read it there
             mine = w.page_part(w.rank, k)
-            sum_in_place([b[mine] for b in buffers], w.rank, self.average)
+            parts = [b[mine] for b in buffers]
+            if self.half is not None:  # widened, summed in float32, rounded once into 16 bits
+                sum_widened_in_place(parts, w.rank, self.half, self.average, self.weights)
+            else:
+                sum_in_place(parts, w.rank, self.average)
             return
         out = self.out
         if self.parts_index is not None:  # this rank's part only
@@ -382,7 +393,8 @@ class SharedExchange(Exchange):
         window.mark(READY, k, call)
         if k in window.in_place:  # the whole sum read through every rank's buffers
             reserved = window.stitched(k, call % window.generations)
-            out = np.frombuffer(reserved, mine.dtype, mine.size)  # holds reserved (holders)
+            dtype = np_dtype(bucket.dtype) if bits else mine.dtype  # 16-bit: rounded there
+            out = np.frombuffer(reserved, dtype, mine.size)  # holds reserved (holders)
         else:
             out = counted(np.empty(mine.size, np.float32 if bits else mine.dtype), f"bucket {k}")
         average = self.average and self.weight is None

@@ -68,13 +68,17 @@ def holders(reserved: mmap.mmap, kept: int = 1) -> int:
     return sys.getrefcount(reserved) - 2 - kept  # (this call's argument and getrefcount's)
 
 
-IN_PLACE_BYTES = 1 << 16  # a float32/float64 bucket from which it is summed in place
-IN_PLACE_DTYPES = ("f32", "f64")  # buckets whose window buffers hold what is summed
+IN_PLACE_BYTES = 1 << 16  # a bucket from which it is summed in place
+IN_PLACE_DTYPES = ("f32", "f64", "bf16", "f16")  # buckets whose window buffers hold their dtype
 
 
-def summed_in_place(dtype: str, nbytes: int, size: int) -> bool:
+def summed_in_place(dtype: str, nbytes: int, size: int, accumulated: bool = False) -> bool:
     """Whether a bucket (IR dtype, bytes) is summed in place on `size` ranks of one node:
     each rank sums its page_part of every rank's buffer into its own buffer, and reads the
-    whole sum through a stitched view (shared_exchange.py). 16-bit buckets are summed into
-    float32 buffers of their own; small ones whole by every rank (one meeting, not two)."""
+    whole sum through a stitched view (shared_exchange.py). A 16-bit bucket's part is summed
+    widened to float32 and rounded once into its 16 bits there; accumulated (its window
+    buffers hold float32 sums, data_parallel(accumulate=k)) it is summed into a float32
+    buffer of its own. Small buckets are summed whole by every rank (one meeting, not two)."""
+    if accumulated and dtype in ("bf16", "f16"):
+        return False
     return size >= 2 and dtype in IN_PLACE_DTYPES and nbytes >= IN_PLACE_BYTES and available()

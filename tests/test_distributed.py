@@ -1502,7 +1502,10 @@ def test_16_bit_buckets_are_written_into_the_window_in_16_bits_and_summed_wideni
                 copied.append(sum(not inside(array_of(leaf)) for leaf in bucket.leaves))
             return original(self, bucket, array_of)
         SharedExchange._start = counting
-        for half in (ml_dtypes.bfloat16, np.float16):
+        from backplan.distributed import window_views
+        for in_place, half in [(p, h) for p in (False, True) for h in (ml_dtypes.bfloat16, np.float16)]:
+            # in place: each rank sums its pages widened and rounds them into its own buffer
+            window_views.IN_PLACE_BYTES = 64 if in_place else 1 << 16
             params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
                                     for k, v in init_mlp([8, 15, 4], seed=5).items()})
             for average in (True, False):
@@ -1521,7 +1524,7 @@ def test_16_bit_buckets_are_written_into_the_window_in_16_bits_and_summed_wideni
                     assert inside and not any(inside), inside  # calls 2, 3: by the plan
                     for (l1, g1), (l2, g2) in zip(shared, mpi):
                         assert l1 == l2, (half, average, rows, l1, l2)
-                        same_bits(g1, g2, (half, average, rows))
+                        same_bits(g1, g2, (in_place, half, average, rows))
                         assert all(g.dtype == half for g in g1.values())
             os.environ["BACKPLAN_DP_REDUCTION"] = "shared"
             step = bpd.data_parallel(vg, bucket_bytes=300)
@@ -1533,7 +1536,11 @@ def test_16_bit_buckets_are_written_into_the_window_in_16_bits_and_summed_wideni
                     peaks.append(m.peak)
             peak = step.explain(params, xs, ys).rank_peak
             assert peaks == [peak.first_call.counted_bytes] + [peak.counted_bytes] * 2, (
-                half, peaks, peak.first_call.counted_bytes, peak.counted_bytes)
+                in_place, half, peaks, peak.first_call.counted_bytes, peak.counted_bytes)
+            window = next(iter(step.windows.values()))
+            assert bool(window.in_place) == in_place, window.in_place
+            if in_place:  # the gradients returned: 16-bit views of the window, no copies
+                assert all(not g.numpy().flags.owndata for g in grads.values())
         print(f"rank {rank} ok")
         """
         ),
