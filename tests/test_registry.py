@@ -402,14 +402,33 @@ def test_layer_norm_saves_x_not_the_normalised_copy():
 # ---- ties, kinks and NaN: the behaviour the docs promise --------------------------------------
 
 
-def test_maximum_and_minimum_send_tied_gradients_to_the_first_operand():
-    for fn in (bp.maximum, bp.minimum):
-        x = bp.tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
-        y = bp.tensor(np.array([1.0, 0.0, 5.0]), requires_grad=True)
-        fn(x, y).sum().backward()
-        first = [1.0, 1.0, 0.0] if fn is bp.maximum else [1.0, 0.0, 1.0]
-        np.testing.assert_array_equal(x.grad.numpy(), first)
-        np.testing.assert_array_equal(y.grad.numpy(), 1 - np.array(first))
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_maximum_and_minimum_split_tied_gradients_evenly(compiled):
+    """As torch.maximum / jax.numpy.maximum (and their minimum): the operand selected gets the
+    gradient, a tie gives each half (before: all of it to x), including against a scalar
+    (maximum(x, 0.0) at 0: 0.5, as both). NaN in x: neither, as JAX."""
+    x = np.array([1.0, 2.0, 3.0, np.nan], np.float32)
+    y = np.array([1.0, 0.0, 5.0, 1.0], np.float32)
+    for fn, first in ((bp.maximum, [0.5, 1.0, 0.0, 0.0]), (bp.minimum, [0.5, 0.0, 1.0, 0.0])):
+
+        def loss(a, b, fn=fn):
+            return fn(a, b).sum() * 2.0
+
+        grads = bp.grad(bp.compile(loss) if compiled else loss, argnums=(0, 1))
+        gx, gy = grads(bp.tensor(x), bp.tensor(y))
+        np.testing.assert_array_equal(gx.numpy(), 2 * np.array(first))
+        np.testing.assert_array_equal(gy.numpy(), [1.0, 2 - 2 * first[1], 2 - 2 * first[2], 0.0])
+    at_zero = bp.grad(lambda a: bp.maximum(a, 0.0).sum())(bp.tensor(np.zeros(2, np.float32)))
+    np.testing.assert_array_equal(at_zero.numpy(), [0.5, 0.5])
+
+
+def test_clip_keeps_the_whole_gradient_on_its_bounds():
+    """bp.clip (torch.clamp's gradient): 1 inside and on either bound, 0 outside, NaN kept."""
+    x = bp.tensor(np.array([-2.0, -1.0, 0.0, 1.0, 2.0, np.nan], np.float32), requires_grad=True)
+    y = bp.clip(x, -1.0, 1.0)
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    assert np.isnan(y.numpy()[-1])
 
 
 def test_max_reduction_shares_the_gradient_between_ties():

@@ -22,10 +22,11 @@ from .ops import (
     astype,
     concatenate,
     full,
-    maximum,
-    minimum,
+    greater,
+    less,
     reshape,
     stack,
+    where,
 )
 from .ops import max as _max
 from .ops import mean as _mean
@@ -160,10 +161,10 @@ def clip(x, lo=None, hi=None) -> Tensor:
     if lo is None and hi is None:
         raise ValueError("bp.clip: give lo, hi or both")
     x = as_tensor(x)
-    if lo is not None:
-        x = maximum(x, lo)
+    if lo is not None:  # where, not maximum: maximum splits a tie's gradient
+        x = where(less(x, lo), lo, x)
     if hi is not None:
-        x = minimum(x, hi)
+        x = where(greater(x, hi), hi, x)
     return x
 
 

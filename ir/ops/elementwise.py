@@ -96,14 +96,24 @@ def _pow_vjp(ctx, g):
     return [gx, gy]
 
 
-def _select_vjp(pick_first):
+def _select_vjp(greater):
+    """maximum (greater) or minimum: the gradient goes to the operand selected, and ties split
+    it evenly, as torch.maximum and jax.numpy.maximum do (a tie is a kink: either one-sided
+    derivative is as right, the mean is the symmetric choice). Where x is NaN neither side
+    gets it, as in JAX."""
+
     def vjp(ctx, g):
         b = ctx.b
         x, y = ctx.input(0), ctx.input(1)
-        first = b.ge(x, y) if pick_first else b.le(x, y)
         zero = b.scalar(0, g.dtype)
-        gx = b.sum_to(b.where(first, g, zero), ctx.in_type(0).shape) if ctx.needs[0] else None
-        gy = b.sum_to(b.where(first, zero, g), ctx.in_type(1).shape) if ctx.needs[1] else None
+        share = b.where(b.eq(x, y), b.mul(g, b.scalar(0.5, g.dtype)), zero)
+        gx = gy = None
+        if ctx.needs[0]:
+            wins = b.gt(x, y) if greater else b.lt(x, y)
+            gx = b.sum_to(b.where(wins, g, share), ctx.in_type(0).shape)
+        if ctx.needs[1]:
+            wins = b.lt(x, y) if greater else b.gt(x, y)
+            gy = b.sum_to(b.where(wins, g, share), ctx.in_type(1).shape)
         return [gx, gy]
 
     return vjp
@@ -125,14 +135,14 @@ _binary(
     np.maximum,
     "({0} if ({0} >= {1} or {0} != {0}) else {1})",
     _select_vjp(True),
-    doc="ties send the gradient to x",
+    doc="ties split the gradient evenly between x and y (as torch and JAX)",
 )
 _binary(
     "minimum",
     np.minimum,
     "({0} if ({0} <= {1} or {0} != {0}) else {1})",
     _select_vjp(False),
-    doc="ties send the gradient to x",
+    doc="ties split the gradient evenly between x and y (as torch and JAX)",
 )
 for _name, _ref, _symbol in [
     ("lt", np.less, "<"),
