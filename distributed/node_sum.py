@@ -134,6 +134,13 @@ def sum_widened_in_place(
     out = buffers[rank]
     if out.size == 0:  # a rank with no page of a small bucket
         return
+    if len(buffers) == 2:
+        how, factor = _averaging(2, average, np.dtype(np.float32))
+        one = np.float32(1.0)
+        wa, wb = (one, one) if weights is None else (np.float32(w) for w in weights)
+        kind = BFLOAT16 if half == "bf16" else FLOAT16
+        _sum_two_widened(*buffers, out, kind, weights is not None, wa, wb, how, factor)
+        return
     words = np.empty(min(out.size, CHUNK_IN_PLACE), np.uint32)
     scratch = words.view(np.float32)
     rounding = _round_bfloat16 if half == "bf16" else _round_float16
@@ -142,6 +149,51 @@ def sum_widened_in_place(
         sums = scratch[: stop - start]
         sum_widened_into([b[start:stop] for b in buffers], sums, half, average, weights)
         rounding(words[: stop - start], out[start:stop])
+
+
+@njit(nogil=True, cache=True)
+def _sum_two_widened(a, b, out, kind, weighted, wa, wb, how, factor):
+    """out (bit patterns; may be a or b) = a + b widened to float32 (each times its weight
+    when weighted, 0 for a weight of 0), then * or / factor (how), rounded to the 16-bit
+    dtype: _add_widened's bits for two ranks, rounded once, in branch-free loops over L1
+    chunks that vectorize (the general loop took ~5x as long)."""
+    words_a = np.empty(CHUNK, np.uint32)
+    words_b = np.empty(CHUNK, np.uint32)
+    x, y = words_a.view(np.float32), words_b.view(np.float32)
+    for start in range(0, out.size, CHUNK):
+        m = min(CHUNK, out.size - start)
+        if kind == BFLOAT16:
+            _widen_bfloat16(a[start : start + m], words_a[:m])
+            _widen_bfloat16(b[start : start + m], words_b[:m])
+        else:
+            _widen_float16(a[start : start + m], words_a[:m])
+            _widen_float16(b[start : start + m], words_b[:m])
+        if weighted:
+            _scale(x[:m], wa)
+            _scale(y[:m], wb)
+        if how == TIMES:
+            for j in range(m):
+                x[j] = (x[j] + y[j]) * factor
+        elif how == DIVIDED:
+            for j in range(m):
+                x[j] = (x[j] + y[j]) / factor
+        else:
+            for j in range(m):
+                x[j] = x[j] + y[j]
+        if kind == BFLOAT16:
+            _round_bfloat16(words_a[:m], out[start : start + m])
+        else:
+            _round_float16(words_a[:m], out[start : start + m])
+
+
+@njit(nogil=True, cache=True)
+def _scale(values, weight):
+    """values * weight, or 0 for a weight of 0 (rows.scale_by_weight's fill)."""
+    if weight == 0:
+        values[:] = np.float32(0.0)
+    else:
+        for j in range(values.size):
+            values[j] = values[j] * weight
 
 
 def _averaging(size: int, average: bool, dtype: np.dtype) -> tuple[int, object]:

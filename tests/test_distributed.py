@@ -865,8 +865,12 @@ def test_the_node_sum_of_16_bit_buckets_widens_as_it_adds_to_the_float32_sums_bi
     rank's weight (rows.scale_by_weight, 0 for a rank of 0 rows), adding them in rank order and
     averaging (rows.average_in_place), on 2 to 4 ranks, every 16-bit pattern (NaN, infinities,
     subnormals) at random; where two ranks both hold a NaN only NaN-ness is compared (which
-    payload an addition of two NaNs keeps is the compiled loop's operand order)."""
-    from backplan.distributed.node_sum import sum_widened_into
+    payload an addition of two NaNs keeps is the compiled loop's operand order). Summed in
+    place (sum_widened_in_place: a rank's part of a big bucket), that sum rounded once to the
+    16-bit dtype, written over the rank's own buffer only (a NaN's payload is the rounding's:
+    ml_dtypes makes every NaN its canonical one, the window's rounding keeps the payload, as
+    the 16-bit MPI operation does)."""
+    from backplan.distributed.node_sum import sum_widened_in_place, sum_widened_into
     from backplan.distributed.rows import average_in_place, scale_by_weight
     from backplan.ir.types import np_dtype
 
@@ -895,6 +899,15 @@ def test_the_node_sum_of_16_bit_buckets_widens_as_it_adds_to_the_float32_sums_bi
                 assert same.all(), (size, n, weights, average, got[~same][:4], want[~same][:4])
                 several = sum(np.isnan(w) for w in wide) > 1  # NaN + NaN: payload unspecified
                 assert (got.view(np.uint32) == want.view(np.uint32))[~several].all()
+                with np.errstate(all="ignore"):
+                    rounded = want.astype(dtype).view(np.uint16)  # rounded once, as unpacked
+                for rank in range(size):  # summed in place (two ranks: its own loops)
+                    mine = [b.copy() for b in bits]
+                    sum_widened_in_place(mine, rank, half, average, weights)
+                    nan = np.isnan(rounded.view(dtype))  # NaN-ness only: payloads unspecified
+                    assert (np.isnan(mine[rank].view(dtype)) == nan).all(), (size, n, rank)
+                    assert (mine[rank] == rounded)[~nan].all(), (size, n, rank, weights)
+                    assert all((m == bits[q]).all() for q, m in enumerate(mine) if q != rank)
 
 
 @needs_mpi
@@ -1503,7 +1516,8 @@ def test_16_bit_buckets_are_written_into_the_window_in_16_bits_and_summed_wideni
             return original(self, bucket, array_of)
         SharedExchange._start = counting
         from backplan.distributed import window_views
-        for in_place, half in [(p, h) for p in (False, True) for h in (ml_dtypes.bfloat16, np.float16)]:
+        halves = (ml_dtypes.bfloat16, np.float16)
+        for in_place, half in [(p, h) for p in (False, True) for h in halves]:
             # in place: each rank sums its pages widened and rounds them into its own buffer
             window_views.IN_PLACE_BYTES = 64 if in_place else 1 << 16
             params = bpd.broadcast({k: bp.tensor(v.numpy().astype(half), requires_grad=True)
