@@ -13,6 +13,7 @@ Views and aliases have no storage: reading them extends the life of what they vi
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from operator import le
@@ -20,7 +21,7 @@ from operator import le
 from .fusion import Kernel, index_map, internal_shape, is_alias
 from .graph import Graph, Value
 from .kernel_workspace import WorkspaceOf, workspace_elements
-from .memory_plan import BufferRequest, element_offsets
+from .memory_plan import BufferRequest, MemoryPlanError, element_offsets, swept_arena_sizes
 from .registry import REGISTRY, get_op
 from .types import DTYPES
 
@@ -30,6 +31,9 @@ from .types import DTYPES
 IN_PLACE = False
 # A GEMM's epilogue may write its result over the GEMM's product (_epilogues_over_products).
 EPILOGUE_OVER_PRODUCT = True
+
+
+_PLACED_LATER = ("scratch_offsets", "workspaces")
 
 
 def reads_its_input(value: Value) -> bool:
@@ -88,6 +92,13 @@ class BufferLayout:
     # kernel node -> (element offset in its dtype's arena, elements) of the workspace the
     # kernel is passed (ir/kernel_workspace.py), held at the kernel's step only
     workspaces: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        """scratch_offsets and workspaces of a layout whose arena was sized from its requests
+        alone (plan_layout): placed when first read (_placed)."""
+        if name in _PLACED_LATER:
+            return _placed(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def reserved_bytes(self, value: Value) -> int:
         """The bytes a buffer of the plan holds for value (one item for an empty one)."""
@@ -261,13 +272,49 @@ def plan_layout(
         requests = _epilogues_over_products(requests, kernels, last, steps)
     requests = _reuse_saved(requests, private_saved, last, layout)
     workspaces = _workspace_requests(kernels, steps, pinned)
-    offsets, sizes, _ = element_offsets(requests + [r for r, _ in workspaces], shared=True)
+    everything = requests + [r for r, _ in workspaces]
+    sizes = swept_arena_sizes(everything)
+    if sizes is None:
+        offsets, sizes, _ = element_offsets(everything, shared=True)
+        _place(layout, requests, workspaces, offsets)
+    else:  # the offsets when something reads them (_placed)
+        del layout.scratch_offsets, layout.workspaces
+        layout._pending = (requests, workspaces, everything, sizes)
     for (_arena, dtype), size in sizes.items():
         layout.scratch_elements[dtype] = size
-    layout.scratch_offsets = {r.key: offsets[r.key] for r in requests}
-    for r, elements in workspaces:
-        layout.workspaces[r.key.node] = (offsets[r.key], elements)
     return layout
+
+
+def _place(layout: BufferLayout, requests: list, workspaces: list, offsets: dict) -> None:
+    layout.scratch_offsets = {r.key: offsets[r.key] for r in requests}
+    layout.workspaces = {r.key.node: (offsets[r.key], n) for r, n in workspaces}
+
+
+def _placed(layout: BufferLayout, name: str):
+    """A layout's offsets, placed on first read where plan_layout took its arena's size from
+    the requests alone (swept_arena_sizes): a memory frontier reads each row's size and never
+    its offsets. The placement must end where that size says, or the peak printed for the
+    plan would not be the arena it runs with: a mismatch raises, naming both."""
+    with _placing:
+        pending = layout.__dict__.get("_pending")
+        if name not in layout.__dict__ and pending is not None:
+            requests, workspaces, everything, sizes = pending
+            offsets, placed, _ = element_offsets(everything, shared=True)
+            if list(placed.items()) != list(sizes.items()):
+                raise MemoryPlanError(
+                    f"the arena of {len(everything):,} buffers was sized {sizes} from their "
+                    f"lifetimes, but placing them needs {placed}"
+                )
+            _place(layout, requests, workspaces, offsets)
+            del layout._pending
+    found = layout.__dict__.get(name, _MISSING)
+    if found is _MISSING:
+        raise AttributeError(f"{type(layout).__name__!r} object has no attribute {name!r}")
+    return found
+
+
+_MISSING = object()
+_placing = threading.Lock()  # two threads reading a pending layout place it once
 
 
 _request = tuple.__new__  # BufferRequest(*fields), as memory_plan's _placement makes Placements

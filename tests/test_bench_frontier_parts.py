@@ -17,12 +17,14 @@ def test_each_row_pass_is_timed_once_per_row_and_put_back():
     assert rows >= 2 and 0 < trace and 0 < total
     lowered = found["lowering"][1]
     assert lowered >= rows - 1  # the default plan was lowered by the trace already
-    for label in ("fusion grouping", "layout", "placement", "a row's saved column (fused values)"):
+    sized = "arena sized from the lifetimes"
+    for label in ("fusion grouping", "layout", sized, "a row's saved column (fused values)"):
         assert found[label][1] == lowered, label
+    assert found["placement (where that cannot size it)"][1] <= lowered
     assert found["lowering"][0] <= found["a row's peak"][0]
     assert {label: _current(w, a) for label, w, a, _ in frontier_parts.PARTS} == before
     nodes, plans = found[frontier_parts.NODES]
     assert plans == lowered and nodes >= plans * 6 * 4  # each plan: >= 4 nodes a layer
     text = frontier_parts.parts_text(trace, total, rows, found)
-    assert f"({rows} rows;" in text and "      placement:" in text
+    assert f"({rows} rows;" in text and "      placement (where" in text
     assert f"{nodes:,} nodes lowered" in text and "us a node" in text
