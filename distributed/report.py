@@ -85,10 +85,11 @@ class DataParallelReport:
     def summed_in_window(self) -> None:
         """The buckets are summed in the node's shared memory (shared_exchange.py): each rank
         reads every other rank's whole bucket, or its share of a bucket summed in parts and the
-        others' summed parts (shared_exchange.bytes_read), in the dtype it is summed in."""
+        others' summed parts (shared_exchange.bytes_read), in the dtype the window holds."""
         self.shared = True
         for i, (row, bucket) in enumerate(zip(self.buckets, self.layout.buckets, strict=True)):
-            self.buckets[i] = replace(row, bytes_sent=bytes_read(bucket, self.size))
+            sent = bytes_read(bucket, self.size, self.accumulate > 1)
+            self.buckets[i] = replace(row, bytes_sent=sent)
         self.bytes_sent_per_step = sum(b.bytes_sent for b in self.buckets)
 
     def _row(self, bucket: Bucket) -> BucketRow:

@@ -44,7 +44,7 @@ import numpy as np
 from backplan.ir.types import np_dtype
 
 from .exchange import Exchange
-from .half_wire import as_bits, summed_bytes, summed_dtype
+from .half_wire import as_bits, summed_dtype
 from .in_plan import bucket_slots
 from .node_agreement import agreement_window
 from .node_sum import sum_in_place, sum_into, sum_widened_in_place, sum_widened_into
@@ -129,18 +129,21 @@ def parts_of(count: int, dtype: np.dtype, summed: np.dtype, size: int) -> int:
     return min(count, -(-lines // size) * per_line)
 
 
-def bytes_read(bucket, size: int) -> int:
-    """What one rank reads of the other ranks' window buffers to sum `bucket` on `size` ranks:
-    every other rank's whole bucket, or, summed in parts, its share of theirs and their
-    summed parts (2 (N-1)/N of the bucket; in the dtype it is summed in, as explain says)."""
+def bytes_read(bucket, size: int, accumulated: bool = False) -> int:
+    """What one rank reads of the other ranks' window buffers to sum `bucket` on `size` ranks,
+    in the dtype the window holds it in (a 16-bit bucket's 16 bits; float32 sums when the step
+    accumulates): every other rank's whole bucket; summed in place, its share of theirs and
+    then their summed pages (2 (N-1)/N of the bucket); summed in parts, its share of theirs
+    and their summed parts, which are float32 for a 16-bit bucket."""
     dtype = np_dtype(bucket.dtype)
-    whole = summed_bytes(bucket.nbytes, dtype)
     count = bucket.nbytes // dtype.itemsize
-    if summed_in_place(bucket.dtype, bucket.nbytes, size):  # summing, then reading the sum
-        return 2 * (size - 1) * whole // size
-    if parts_of(count, _window_dtype(bucket.dtype, False), summed_dtype(dtype), size):
-        return 2 * (size - 1) * whole // size
-    return (size - 1) * whole
+    held = count * _window_dtype(bucket.dtype, accumulated).itemsize
+    if summed_in_place(bucket.dtype, bucket.nbytes, size, accumulated):  # summing, then reading
+        return 2 * (size - 1) * held // size
+    summed = summed_dtype(dtype)
+    if parts_of(count, _window_dtype(bucket.dtype, accumulated), summed, size):
+        return (size - 1) * held // size + (size - 1) * count * summed.itemsize // size
+    return (size - 1) * held
 
 
 def _window_dtype(dtype: str, accumulated: bool) -> np.dtype:

@@ -1548,9 +1548,12 @@ def test_16_bit_buckets_are_written_into_the_window_in_16_bits_and_summed_wideni
                     m.restart_peak()
                     loss, grads = step(params, xs, ys)  # held, as a loop holds them
                     peaks.append(m.peak)
-            peak = step.explain(params, xs, ys).rank_peak
+            report = step.explain(params, xs, ys)
+            peak = report.rank_peak
             assert peaks == [peak.first_call.counted_bytes] + [peak.counted_bytes] * 2, (
                 in_place, half, peaks, peak.first_call.counted_bytes, peak.counted_bytes)
+            for row, bucket in zip(report.buckets, step.layout((params, xs, ys)).buckets):
+                assert row.bytes_sent == bucket.nbytes, (row, bucket)  # the other's 16 bits
             window = next(iter(step.windows.values()))
             assert bool(window.in_place) == in_place, window.in_place
             if in_place:  # the gradients returned: 16-bit views of the window, no copies
