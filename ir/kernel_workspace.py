@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
 ATTENTION_OPS = ("attention", "attention_grad")
+WORKSPACE_OPS = frozenset(CONV_OPS + ATTENTION_OPS)  # the op kernels workspace_elements sizes
 ROWS = 128  # query rows per block: a (128, S) f32 tile stays in L2 for S up to ~2k
 KEYS = 1024  # keys per tile where a sequence has more: a (128, 1024) f32 tile is 512 KiB
 ALIGN = 16  # elements each piece of an attention slot is rounded up to (64 bytes of f32)

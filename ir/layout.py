@@ -20,7 +20,7 @@ from operator import le
 
 from .fusion import Kernel, index_map, internal_shape, is_alias
 from .graph import Graph, Value
-from .kernel_workspace import WorkspaceOf, workspace_elements
+from .kernel_workspace import WORKSPACE_OPS, WorkspaceOf, workspace_elements
 from .memory_plan import BufferRequest, MemoryPlanError, element_offsets, swept_arena_sizes
 from .registry import REGISTRY, get_op
 from .types import DTYPES
@@ -216,6 +216,7 @@ def plan_layout(
     written: list[int] | None = None,
     read: dict | None = None,
     pinned: dict | None = None,
+    ops: tuple | None = None,
 ) -> BufferLayout:
     """buffers: values that need storage, in kernel order. private_saved: saved inputs whose
     storage may be reused after their last read (the consuming backward variant only).
@@ -226,7 +227,9 @@ def plan_layout(
     kernel by kernel (the lowering does): else a map of every node's step is made for them
     (~11,000 nodes a row of a 10,000-node memory frontier, for ~5,500 buffers). read: each
     value read -> its latest step, where the caller walked the kernels (lifetimes). pinned: a
-    symbolic plan's attention slot ceilings, shared by its sizes (ir/kernel_workspace.py)."""
+    symbolic plan's attention slot ceilings, shared by its sizes (ir/kernel_workspace.py).
+    ops: the (op, dtype) of every op kernel, where the caller noted them (LoweredPlan.op_kinds):
+    a plan with no op that works in a workspace is not walked for workspaces."""
     steps = steps if steps is not None else list(range(len(kernels)))
     roots = Roots() if roots is None else roots
     kernel_of, step_of = {}, {}  # every node's kernel and step: in-place candidates ask them
@@ -271,7 +274,9 @@ def plan_layout(
     if EPILOGUE_OVER_PRODUCT:
         requests = _epilogues_over_products(requests, kernels, last, steps)
     requests = _reuse_saved(requests, private_saved, last, layout)
-    workspaces = _workspace_requests(kernels, steps, pinned)
+    workspaces = []
+    if ops is None or any(op in WORKSPACE_OPS for op, _ in ops):
+        workspaces = _workspace_requests(kernels, steps, pinned)
     everything = requests + [r for r, _ in workspaces]
     sizes = swept_arena_sizes(everything)
     if sizes is None:

@@ -197,7 +197,7 @@ def _lower(plan: Plan, private_saved: tuple[int, ...]) -> LoweredPlan:
     local = row_local_values(graph, kernels, runs, needed, pinned)
     slots = None if plan.shared is None else plan.shared.setdefault(("attention_slots",), {})
     layout = plan_layout(
-        graph, kernels, buffers, private, steps, local, roots, written, read, slots
+        graph, kernels, buffers, private, steps, local, roots, written, read, slots, op_kinds
     )
     lowered = LoweredPlan(
         plan, private_saved, kernels, runs, steps, needed, buffers, layout, origin, interpreted
