@@ -4,6 +4,9 @@ target: within 1.3x (BENCHMARKS.md, 36), and no slower with 2 threads than with 
 
     python -m backplan.bench.ln_gelu_fused --threads 1 --rounds 9 [--shape 4096,1024]
 
+--against-path DIR: this installation against a package copy of another revision, in fresh
+processes alternated (bench/ln_gelu_against.py), each side's tanh error beside its times.
+
 The step is the bench model's (bench/models/ln_gelu.py): y = gelu(layer_norm(x) * g + b) + x,
 loss = sum(y * upstream), gradients of x, g and b, float32. The hand-fused kernel does the
 whole step in one sweep over the rows, each row's forward and backward while it is in L1
@@ -141,8 +144,23 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--shape", default="4096,1024", help="rows,cols")
     parser.add_argument("--seconds", type=float, default=0.5, help="timed per peer and round")
+    parser.add_argument("--against-path", help="a package copy's folder: an A/B of both steps")
+    parser.add_argument("--processes", type=int, default=3, help="a side, with --against-path")
     args = parser.parse_args(argv)
     rows, cols = (int(n) for n in args.shape.split(","))
+    if args.against_path:
+        from .ln_gelu_against import against, against_text
+
+        found = against(
+            args.against_path, args.threads, args.processes, args.rounds, args.seconds, (rows, cols)
+        )
+        print(f"python -m backplan.bench.ln_gelu_fused {' '.join(argv or sys.argv[1:])}")
+        print(
+            f"CPU {cpu_name()}, affinity {current_affinity()}, {args.threads} thread(s); load "
+            f"{load_average()}"
+        )
+        print(against_text(found))
+        return 0
     settings = pin_process(args.threads)
     settings |= apply_threads(args.threads)
     rng = np.random.default_rng(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import assert_close_but_for_16_bit_roundings
 
 import backplan as bp
 from backplan.codegen.run.memory_check import checked_memory, measure
@@ -59,7 +60,11 @@ def test_bfloat16_saved_copies_under_compile_peak_below_full_precision():
     with use_backend("reference"):
         xr = bp.tensor(x, requires_grad=True)
         loss(xr).backward()
-    np.testing.assert_allclose(narrow_grad, xr.grad.numpy(), rtol=1e-5, atol=1e-7)
+    # NumPy's tanh and the compiled one may leave an activation one float32 ulp apart, which
+    # then rounds to the other bfloat16 (tests/helpers.py)
+    assert_close_but_for_16_bit_roundings(
+        narrow_grad, xr.grad.numpy(), "bfloat16", rtol=1e-5, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("gemm", ["own", "blas"])

@@ -16,6 +16,8 @@ DTYPES = {"f32": np.float32, "f64": np.float64}
 # Largest error allowed, in ulp of the correctly rounded result (measured maxima are in the
 # functions' docstrings; the bounds leave a little room).
 MAX_ULP = {"exp": 1.5, "log": 1.5, "tanh": 2.0, "sigmoid": 3.0, "erf": 1.5}
+# float32 tanh: one expm1 path, 2.42 ulp measured over every float32 (XLA's is 4.6 ulp)
+MAX_ULP_F32 = {**MAX_ULP, "tanh": 2.5}
 LONG_DOUBLE_IS_WIDER = np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant
 _kernels = {}
 
@@ -119,7 +121,7 @@ def test_float32_within_bound_of_correctly_rounded(op):
     x = sweep_inputs(op, "f32", np.random.default_rng(0))
     errors = ulp_errors(apply(op, "f32", x), exact_values(op, "f32", x), "f32")
     worst = int(np.argmax(errors))
-    assert errors[worst] <= MAX_ULP[op], f"{op}_f32({x[worst]!r}): {errors[worst]:.2f} ulp"
+    assert errors[worst] <= MAX_ULP_F32[op], f"{op}_f32({x[worst]!r}): {errors[worst]:.2f} ulp"
 
 
 @pytest.mark.skipif(not LONG_DOUBLE_IS_WIDER, reason="long double is no wider than float64 here")

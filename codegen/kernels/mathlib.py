@@ -79,8 +79,10 @@ _EXP_F64 = _f64(
     0.0013888888943715742, 0.00019841269506164452, 2.4801493001644112e-05,
     2.7557586546455044e-06, 2.76302857566468e-07, 2.500006915093202e-08,
 )  # fmt: skip
-# tanh(x) = x + x**3 * P(x**2) on |x| < 0.7.
-_TANH_F32 = _f32(-0.33333325, 0.13332984, -0.053920954, 0.021571057, -0.007883303, 0.0018956618)
+# expm1(r) = r + r**2 * P(r) on |r| <= ln2/2 (tanh_f32).
+_EXPM1_F32 = _f32(
+    0.5, 0.16666666, 0.041666362, 0.00833339, 0.001394062, 0.00019845876,
+)  # fmt: skip
 _TANH_F64 = _f64(
     -0.3333333333333332, 0.13333333333331243, -0.053968253967067524, 0.021869488502169805,
     -0.008863234954138287, 0.0035921217472208115, -0.0014557877677260189,
@@ -138,9 +140,11 @@ _EXP_MIN_F64, _EXP_MAX_F64 = _f64(-746.0, 710.0)
 # Above these, 2**n from the exp reduction is a normal number (used where exp <= 1 suffices).
 _EXP_NORMAL_MIN_F32 = np.float32(-87.0)
 _EXP_NORMAL_MIN_F64 = np.float64(-708.0)
-# tanh switches from its polynomial to the exp form at |x| = 0.7.
-_TANH_SWITCH_F32 = np.float32(0.7)
+# tanh switches from its polynomial to the exp form at |x| = 0.7 (float64); float32 clamps
+# |x| at 9.1, beyond which tanh rounds to 1, so expm1(2|x|) stays finite.
 _TANH_SWITCH_F64 = np.float64(0.7)
+_TANH_CLAMP_F32 = np.float32(9.1)
+_TWO_LOG2E_F32 = np.float32(2 * 1.4426950408889634)
 
 _MIN_NORMAL_F32, _TWO_POW_23_F32 = _f32(np.finfo(np.float32).tiny, 2.0**23)
 _MIN_NORMAL_F64, _TWO_POW_54_F64 = _f64(np.finfo(np.float64).tiny, 2.0**54)
@@ -281,23 +285,38 @@ def _exp_nonpositive_f64(y):
 
 @_scalar_function
 def tanh_f32(x):
-    """tanh(x) in float32; max error 1.29 ulp (every float32 input).
+    """tanh(x) in float32; max error 2.42 ulp (every float32 input), at |x| near 0.0078.
 
-    |x| < 0.7: x + x**3 * P(x**2). Otherwise 1 - 2e / (1 + e) with e = exp(-2|x|), which
-    cannot cancel there because tanh > 0.6. Both halves are computed and one is selected.
-    tanh(+-inf) = +-1, tanh(+-0) = +-0, subnormals pass through, NaN gives NaN: it fails the
-    comparison, so the polynomial half, which carries it, is the one selected (a quiet NaN
-    comes back bit for bit). A select of its own for NaN, which kernels built without nnan
-    keep, cost the ln_gelu GELU loop 4-6% of its time (1.054-1.12x -> 1.008-1.066x the same
-    loop under fastmath=True, thread CPU, one Zen 5 core).
+    With E = expm1(2|x|): tanh|x| = E / (E + 2), one path for every x. E is exp's reduction
+    2|x| = n ln2 + r with an expm1 polynomial for r (|r| <= ln2/2) and E = 2**n * expm1(r) +
+    (2**n - 1), which cannot cancel for 2|x| >= 0 (both terms >= 0 for n >= 1, E = expm1(r)
+    at n = 0), so small x keep their relative accuracy without a polynomial of their own; most
+    of the error is the rounding of E + 2 there. |x| is clamped at 9.1 (tanh rounds to 1
+    beyond 9.01). tanh(+-inf) = +-1, tanh(+-0) = +-0, subnormals pass through (E / 2), NaN
+    gives NaN: the clamp's comparison fails and keeps it, and the arithmetic carries it.
+
+    Generated loops are instruction-bound on it (per element every operation runs, and each
+    constant a 256-bit loop cannot keep in its 16 registers is loaded again): the earlier
+    tanh_f32 (a degree-5 polynomial in x**2 below |x| = 0.7 and 1 - 2e / (1 + e), e =
+    exp(-2|x|), above, both evaluated and one selected; 1.29 ulp) took 74 instructions per
+    8 elements; this one takes 50. A loop of tanh(x + b) over 256 x 128 float32, thread CPU,
+    one Zen 4 core: 30.0 -> 21.6 us compiled for AVX2, 15.7 -> 10.6 us for AVX-512. XLA's
+    float32 tanh (Eigen's rational function, our tanh_rational_f32) is off by up to 4.6 ulp
+    by the same count.
+
+    The policy (docs/ops.md, "How accurate float32 functions are"): at most 2.5 ulp
+    (tests/test_mathlib.py), and every compiled form of a float32 tanh (loops run by address
+    or inlined in a driver, GEMM epilogues, 16-bit saved copies' sources) is this function bit
+    for bit (tests/test_tanh_paths.py).
     """
     magnitude = abs(x)
-    z = x * x
-    small = magnitude * z * _horner(z, _TANH_F32) + magnitude
-    e = _exp_nonpositive_f32(-_TWO_F32 * magnitude)
-    large = _ONE_F32 - _TWO_F32 * e / (_ONE_F32 + e)
-    # NaN fails the comparison and takes `small`, which carries it: no select of its own
-    return math.copysign(large if magnitude >= _TANH_SWITCH_F32 else small, x)
+    m = _TANH_CLAMP_F32 if magnitude > _TANH_CLAMP_F32 else magnitude  # NaN fails, stays
+    n, k = _round_f32(m * _TWO_LOG2E_F32)
+    r = (m + m) - n * _LN2_HI_F32
+    r = r - n * _LN2_LO_F32
+    scale = _pow2_f32(k)
+    e = scale * (r * r * _horner(r, _EXPM1_F32) + r) + (scale - _ONE_F32)
+    return math.copysign(e / (e + _TWO_F32), x)
 
 
 # tanh(x) = x * P(x**2) / Q(x**2) on |x| <= 7.9053 (Eigen's float tanh); beyond, +-1.
@@ -314,18 +333,19 @@ _TANH_RATIONAL_TINY = np.float32(2.0**-12)  # below, tanh(x) rounds to x (x**3 /
 
 @_scalar_function
 def tanh_rational_f32(x):
-    """tanh(x) in float32 for results stored in 16 bits; max relative error 2.95e-7 (2.5
-    float32 ulp; bfloat16's half ulp is 2e-3, float16's 4.9e-4), measured on every float32.
+    """tanh(x) in float32 for results stored in 16 bits; max relative error 2.95e-7 (4.6
+    float32 ulp of the result; bfloat16's half ulp is 2e-3, float16's 4.9e-4), measured on
+    every float32.
 
     One rational function of the clamped x (degree 13 over degree 6, one division), where
-    tanh_f32 evaluates exp, a division and a polynomial and selects one: a bfloat16 ln_gelu
-    loop (forward and backward fused) took 1.09-1.10x the float32 loop's thread CPU time with
-    tanh_f32, 0.72-0.74x with this (4096 x 1024, one Zen 4 core, 15 interleaved rounds); the
-    bf16 ln_gelu step 0.82x -> 0.76x the float32 step's process CPU time. Loops
-    call it only where the IR rounds tanh's result to 16 bits (codegen/render/loops.py), so
-    a float32 result keeps tanh_f32's 1.29 ulp. Beyond the clamp +-1; below 2**-12 x itself
-    (p / q = 0.99999987 at 0 took the smallest normal bfloat16 below float32's normal range,
-    where VCVTNEPS2BF16 stores zero); NaN gives NaN.
+    tanh_f32 evaluates an exp and a division: a bfloat16 ln_gelu loop (forward and backward
+    fused) took 1.09-1.10x the float32 loop's thread CPU time with tanh_f32 (then a
+    polynomial and the exp form, both evaluated), 0.72-0.74x with this (4096 x 1024, one Zen 4
+    core, 15 interleaved rounds); the bf16 ln_gelu step 0.82x -> 0.76x the float32 step's
+    process CPU time. Loops call it only where the IR rounds tanh's result to 16 bits
+    (codegen/render/loops.py), so a float32 result keeps tanh_f32's 2.42 ulp. Beyond the clamp
+    +-1; below 2**-12 x itself (p / q = 0.99999987 at 0 took the smallest normal bfloat16
+    below float32's normal range, where VCVTNEPS2BF16 stores zero); NaN gives NaN.
     """
     clamped = min(max(x, -_TANH_RATIONAL_CLAMP), _TANH_RATIONAL_CLAMP)
     z = clamped * clamped
@@ -336,7 +356,9 @@ def tanh_rational_f32(x):
 
 @_scalar_function
 def tanh_f64(x):
-    """tanh(x) in float64; max error 1.29 ulp (12M inputs). Method, special values as tanh_f32."""
+    """tanh(x) in float64; max error 1.29 ulp (12M inputs). |x| < 0.7: x + x**3 * P(x**2);
+    otherwise 1 - 2e / (1 + e), e = exp(-2|x|); both evaluated, one selected (NaN fails the
+    comparison and takes the polynomial, which carries it). Special values as tanh_f32."""
     magnitude = abs(x)
     z = x * x
     small = magnitude * z * _horner(z, _TANH_F64) + magnitude
@@ -460,7 +482,7 @@ COST_NOTES = {
     ("exp", "f64"): "~25 vector ops, as exp_f32 with a degree-9 polynomial; 0.4 ns",
     ("log", "f32"): "~30 vector ops: bit-trick exponent split, degree-7 polynomial; 0.35 ns",
     ("log", "f64"): "~30 vector ops and one division, degree-6 polynomial; 0.55 ns",
-    ("tanh", "f32"): "exp + one division + degree-5 polynomial, both evaluated; 0.25 ns",
+    ("tanh", "f32"): "expm1 (degree-7 polynomial) + one division, one path; ~0.17 ns",
     ("tanh", "f64"): "exp + one division + degree-12 polynomial, both evaluated; 0.8 ns",
     ("sigmoid", "f32"): "exp + one division; 0.2 ns",
     ("sigmoid", "f64"): "exp + one division; 0.5 ns",
