@@ -26,6 +26,7 @@ _WHERE = {
     "active_isa": "backplan.codegen.kernels.gemm:active_isa",
     "mathlib": "backplan.codegen.kernels.mathlib",
     "tanh_f32": "backplan.codegen.kernels.mathlib:tanh_f32",
+    "tanh_rational_f32": "backplan.codegen.kernels.mathlib:tanh_rational_f32",  # tanh_ulps.py
     "softmax_rows": "backplan.codegen.kernels.rows:softmax_rows",
     "attention_kernels": "backplan.codegen.kernels.attention",  # attention_rates.py
     "attention_variant": "backplan.codegen.kernels.attention:_variant",  # its GEMM path
