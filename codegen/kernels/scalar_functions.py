@@ -62,7 +62,7 @@ def gelu_tanh_sigmoid_f32(x):
     """gelu_tanh_f32 as x * sigmoid(2 * inner) (0.5 * (1 + tanh(u)) = sigmoid(2u)), for a
     float32 result a loop only rounds into 16 bits (codegen/render/loops.py): no 1 + tanh
     cancellation for negative x, where tanh's absolute error becomes the result's relative
-    one, and one exp and one division as tanh_f32."""
+    one; it costs what tanh_f32 costs (one exp-like reduction and one division)."""
     inner = np.float32(2 * GELU_K) * (x + np.float32(GELU_C) * x * x * x)
     return x * sigmoid_f32(inner)
 
