@@ -38,12 +38,14 @@ import backplan as bp
 import backplan.distributed as bpd
 from backplan.bench.measure import interleaved_medians
 from backplan.bench.models import BACKPLAN_KINDS, MODELS
+from backplan.ir.types import np_dtype
 
 
-def model_step(name: str, rank: int, size: int, strong: bool):
-    """(value_and_grad of the model's loss, params, batch) for this rank."""
+def model_step(name: str, rank: int, size: int, strong: bool, dtype: str = "f32"):
+    """(value_and_grad of the model's loss, params, batch) for this rank; dtype: the floats'
+    ("bf16", "f16": 16-bit parameters, gradients and buckets)."""
     spec = MODELS[name]
-    data = spec.make_inputs(spec.config, seed=0).cast(np.float32)
+    data = spec.make_inputs(spec.config, seed=0).cast(np_dtype(dtype))
     base = BACKPLAN_KINDS[spec.kind][0]
     loss = (lambda p, *b: base(p, *b, **spec.static)) if spec.static else base
     params = {k: bp.tensor(v, requires_grad=True) for k, v in data.params.items()}
@@ -419,9 +421,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--zero", action="store_true", help="also time adam steps, unsharded and ZeRO-1"
     )
+    parser.add_argument(
+        "--dtype", choices=("f32", "bf16", "f16"), default="f32", help="the model's floats"
+    )
     args = parser.parse_args(argv)
     rank, size = bpd.init()
-    vg, params, batch = model_step(args.model, rank, size, args.strong)
+    vg, params, batch = model_step(args.model, rank, size, args.strong, args.dtype)
     step = bpd.data_parallel(vg, bucket_bytes=args.bucket_bytes, split_plan=args.split_plan)
     after = bpd.data_parallel(vg, bucket_bytes=args.bucket_bytes, overlap=False)
     for _ in range(5):
