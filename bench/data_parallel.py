@@ -38,14 +38,15 @@ import backplan as bp
 import backplan.distributed as bpd
 from backplan.bench.measure import interleaved_medians
 from backplan.bench.models import BACKPLAN_KINDS, MODELS
-from backplan.ir.types import np_dtype
+
+FLOATS = {"f32": bp.float32, "bf16": bp.bfloat16, "f16": bp.float16}  # --dtype
 
 
 def model_step(name: str, rank: int, size: int, strong: bool, dtype: str = "f32"):
     """(value_and_grad of the model's loss, params, batch) for this rank; dtype: the floats'
     ("bf16", "f16": 16-bit parameters, gradients and buckets)."""
     spec = MODELS[name]
-    data = spec.make_inputs(spec.config, seed=0).cast(np_dtype(dtype))
+    data = spec.make_inputs(spec.config, seed=0).cast(FLOATS[dtype])
     base = BACKPLAN_KINDS[spec.kind][0]
     loss = (lambda p, *b: base(p, *b, **spec.static)) if spec.static else base
     params = {k: bp.tensor(v, requires_grad=True) for k, v in data.params.items()}
