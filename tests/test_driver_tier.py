@@ -223,3 +223,19 @@ def test_a_next_process_starts_on_the_driver_the_last_one_built(tmp_path):
 
     assert run() == {"tier": "python", "built": True, "now": "compiled"}
     assert run() == {"tier": "compiled", "built": True, "now": "compiled"}
+
+
+def test_a_plan_without_scratch_gives_its_driver_argument_types(monkeypatch):
+    """A plan with no scratch arena (w * x summed) has an empty tuple of scratch views: the
+    types a driver build compiles for raised TypeError (a list + a tuple), so under
+    BACKPLAN_DRIVER=reference such a plan warned 'could not start the driver build' and never
+    left the reference interpreter; bench.memory's load_driver raised too."""
+    monkeypatch.setenv("BACKPLAN_DRIVER", "python")  # no build started by the call itself
+    w = np.ones((2, 3), np.float32)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with use_backend("numba"):
+        step = bp.value_and_grad(bp.compile(lambda w, x: (w * x).sum()))
+        step(w, x)
+        plan = compiled_plan(step, w, x)
+        types = plan.call_types([w, x])
+    assert len(types) == 2 + len(plan._constants) + len(plan.layout.outputs)  # noqa: SLF001

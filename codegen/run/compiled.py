@@ -744,7 +744,9 @@ class CompiledPlan:
         arrays = self._driver_arrays(args)
         workspace = self._workspaces.checkout()
         try:
-            arrays += self._constants + workspace.scratch + workspace.output_arrays()
+            # a plan without scratch has () there: a list + a tuple raised TypeError, so
+            # BACKPLAN_DRIVER=reference never built such a plan's driver
+            arrays += [*self._constants, *workspace.scratch, *workspace.output_arrays()]
             return driver_tier.argument_types(arrays + list(self._lifted))
         finally:
             self._workspaces.checkin(workspace)
