@@ -320,8 +320,10 @@ def run_joint(entry: JointTrace, args, call, diff_paths, nums, has_aux: bool, si
         arrays = [t._data for t in tensors]
         if getattr(call, "borrowed", None):  # views of the caller's arrays (bind_call)
             arrays = _owned_where_kept(entry, call, arrays)
-        arrays = entry.runner()(arrays)
-        results = [Tensor._from_array(a) for a in arrays]
+        # the plan's own buffers (an output reading a caller's array got a copy above), as
+        # _fast_joint's later calls wrap them: a first call copied each view (attention's
+        # gradients, views of one output), so it held more than explain's peak counts
+        results = list(map(Tensor._fresh, entry.runner()(arrays)))
     n_aux = entry.n_aux
     value, aux, grads = results[0], results[1 : 1 + n_aux], results[1 + n_aux :]
     grads = _grads_like(args, nums, diff_paths, grads, single=single)
