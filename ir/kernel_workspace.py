@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
 ATTENTION_OPS = ("attention", "attention_grad")
-WORKSPACE_OPS = frozenset(CONV_OPS + ATTENTION_OPS)  # the op kernels workspace_elements sizes
+WORKSPACE_OPS = frozenset(CONV_OPS + ATTENTION_OPS)  # the only op kernels given a workspace
 ROWS = 128  # query rows per block: a (128, S) f32 tile stays in L2 for S up to ~2k
 KEYS = 1024  # keys per tile where a sequence has more: a (128, 1024) f32 tile is 512 KiB
 ALIGN = 16  # elements each piece of an attention slot is rounded up to (64 bytes of f32)
@@ -68,13 +68,11 @@ def workspace_elements(kernel, pinned: dict | None = None, key=None) -> int | No
     few scalars). 0 for an empty batch, which returns before it reads the workspace.
     pinned, key: a symbolic plan's attention slot ceilings, shared by its sizes (one driver
     runs them all, parallel or not as its first size was), and this kernel's key there."""
-    if kernel.kind != "op":
-        return None
+    if kernel.kind != "op" or kernel.nodes[0].op not in WORKSPACE_OPS:
+        return None  # the one list of ops that take one (ir/layout.py asks it of a plan's ops)
     node = kernel.nodes[0]
     if node.op in ATTENTION_OPS:
         return attention_slots(node, pinned, key) * attention_elements(node)
-    if node.op not in CONV_OPS:
-        return None
     grad_of_weights = node.op == "conv2d_weight_grad"
     weights = node.type.shape if grad_of_weights else node.inputs[1].type.shape
     gout = node.type.shape if node.op == "conv2d" else node.inputs[int(grad_of_weights)].type.shape
