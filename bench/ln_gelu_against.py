@@ -8,7 +8,11 @@ float32 ulps against float64's tanh, over every 64th float32 in [0, 10] (tanh is
 10 it rounds to 1). A revision's tanh that is cheaper and less accurate moves both of its
 steps; the B/A ratio of the backplan steps is the A/B.
 
-    python -m backplan.bench.ln_gelu_fused --against-path DIR --processes 3 --rounds 5
+    python -m backplan.bench.ln_gelu_fused --against-path DIR --processes 3 --rounds 5 \\
+        [--clock cpu]
+
+--clock cpu times each call by the process's CPU time (all its threads'): on a box other
+processes share, the reading that means anything; the default is the wall clock.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .child import child_result
 # Runs in a fresh process started outside any checkout, so `import backplan` finds the side's
 # package: the installation's, or DIR's when it is first on PYTHONPATH.
 CHILD = r"""
-import json, sys
+import json, statistics, sys, time
 import numba
 import numpy as np
 from backplan.bench import ln_gelu_fused as lg
@@ -34,7 +38,7 @@ from backplan.bench.measure import interleaved_medians
 from backplan.bench.threads import apply_threads
 from backplan.bench.internals import tanh_f32
 
-threads, rounds, seconds, rows, cols = json.loads(sys.argv[1])
+threads, rounds, seconds, rows, cols, clock = json.loads(sys.argv[1])
 pin_process(threads)
 apply_threads(threads)
 rng = np.random.default_rng(0)
@@ -48,7 +52,24 @@ steps = {
     "backplan": lg.backplan_step(params, upstream),
     "hand": lg.hand_fused(params, upstream, threads),
 }
-medians = interleaved_medians(steps, rounds, seconds) if rounds else {}
+
+
+def cpu_ms(step):  # the process's CPU ms a call, over calls lasting `seconds` of CPU time
+    calls, began = 0, time.process_time()
+    while time.process_time() - began < seconds or calls < 3:
+        step()
+        calls += 1
+    return (time.process_time() - began) * 1e3 / calls
+
+
+if clock == "cpu":
+    samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            samples[name].append(cpu_ms(step))
+    medians = {name: statistics.median(v) for name, v in samples.items()} if rounds else {}
+else:
+    medians = interleaved_medians(steps, rounds, seconds) if rounds else {}
 
 @numba.njit
 def loop(xs, out):
@@ -67,8 +88,11 @@ print(json.dumps({**medians, "tanh_ulp": float(ulps.max()), "where": lg.__file__
 """
 
 
-def against(path: str, threads: int, processes: int, rounds: int, seconds: float, shape) -> dict:
-    """{"this"/"other": [each process's {"backplan", "hand", "tanh_ulp", "where"}]}."""
+def against(
+    path: str, threads: int, processes: int, rounds: int, seconds: float, shape, clock="wall"
+) -> dict:
+    """{"this"/"other": [each process's {"backplan", "hand", "tanh_ulp", "where"}]}; clock
+    "cpu": each step's process CPU time a call (all its threads'), "wall": the wall clock."""
     sides = {"this": dict(os.environ), "other": dict(os.environ)}
     sides["other"]["PYTHONPATH"] = os.pathsep.join(
         [path, *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -79,11 +103,12 @@ def against(path: str, threads: int, processes: int, rounds: int, seconds: float
         for side, env in sides.items():
             env.update(BACKPLAN_CACHE_DIR=folders[side], BACKPLAN_QUIET="1")
             env.pop("BACKPLAN_BACKEND", None)
-            _run(env, [threads, 0, seconds, *shape], f"ln_gelu warm-up ({side})")
+            _run(env, [threads, 0, seconds, *shape, clock], f"ln_gelu warm-up ({side})")
         for r in range(processes):
             for side in ("this", "other") if r % 2 == 0 else ("other", "this"):
                 what = f"ln_gelu process {r} ({side})"
-                found[side].append(_run(sides[side], [threads, rounds, seconds, *shape], what))
+                settings = [threads, rounds, seconds, *shape, clock]
+                found[side].append(_run(sides[side], settings, what))
     finally:
         for folder in folders.values():
             shutil.rmtree(folder, ignore_errors=True)

@@ -146,13 +146,20 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=0.5, help="timed per peer and round")
     parser.add_argument("--against-path", help="a package copy's folder: an A/B of both steps")
     parser.add_argument("--processes", type=int, default=3, help="a side, with --against-path")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="--against-path")
     args = parser.parse_args(argv)
     rows, cols = (int(n) for n in args.shape.split(","))
     if args.against_path:
         from .ln_gelu_against import against, against_text
 
         found = against(
-            args.against_path, args.threads, args.processes, args.rounds, args.seconds, (rows, cols)
+            args.against_path,
+            args.threads,
+            args.processes,
+            args.rounds,
+            args.seconds,
+            (rows, cols),
+            args.clock,
         )
         print(f"python -m backplan.bench.ln_gelu_fused {' '.join(argv or sys.argv[1:])}")
         print(
