@@ -151,61 +151,58 @@ def sum_widened_in_place(
 ) -> None:
     """buffers[rank] (16-bit bit patterns, uint16) = sum_widened_into's float32 sum of buffers
     rounded to the 16-bit dtype (half: "bf16" or "f16"), written over that rank's own buffer:
-    in chunks summed in float32 scratch, each rounded into its place once every rank's chunk
-    is read. The bits of sum_widened_into followed by astype(half), as when summed whole."""
+    chunk by chunk, every rank's chunk widened and added in float32 before the sum is rounded
+    into its place. The bits of sum_widened_into followed by astype(half), as when summed whole
+    (a NaN's payload aside: this rounding keeps it, ml_dtypes' astype makes it canonical)."""
     out = buffers[rank]
     if out.size == 0:  # a rank with no page of a small bucket
         return
-    if len(buffers) == 2:
-        how, factor = _averaging(2, average, np.dtype(np.float32))
-        one = np.float32(1.0)
-        wa, wb = (one, one) if weights is None else (np.float32(w) for w in weights)
-        kind = BFLOAT16 if half == "bf16" else FLOAT16
-        _sum_two_widened(*buffers, out, kind, weights is not None, wa, wb, how, factor)
-        return
-    words = np.empty(min(out.size, CHUNK_IN_PLACE), np.uint32)
-    scratch = words.view(np.float32)
-    rounding = _round_bfloat16 if half == "bf16" else _round_float16
-    for start in range(0, out.size, words.size):
-        stop = min(out.size, start + words.size)
-        sums = scratch[: stop - start]
-        sum_widened_into([b[start:stop] for b in buffers], sums, half, average, weights)
-        rounding(words[: stop - start], out[start:stop])
+    how, factor = _averaging(len(buffers), average, np.dtype(np.float32))
+    scale = np.ones(len(buffers), np.float32) if weights is None else np.float32(weights)
+    kind = BFLOAT16 if half == "bf16" else FLOAT16
+    _sum_widened_rounded(tuple(buffers), out, kind, weights is not None, scale, how, factor)
 
 
 @njit(nogil=True, cache=True)
-def _sum_two_widened(a, b, out, kind, weighted, wa, wb, how, factor):
-    """out (bit patterns; may be a or b) = a + b widened to float32 (each times its weight
-    when weighted, 0 for a weight of 0), then * or / factor (how), rounded to the 16-bit
-    dtype: _add_widened's bits for two ranks, rounded once, in branch-free loops over L1
-    chunks that vectorize (the general loop took ~5x as long)."""
-    words_a = np.empty(CHUNK, np.uint32)
-    words_b = np.empty(CHUNK, np.uint32)
-    x, y = words_a.view(np.float32), words_b.view(np.float32)
+def _sum_widened_rounded(buffers, out, kind, weighted, weights, how, factor):
+    """out (bit patterns; may be one of buffers) = the buffers (a tuple, one per rank) widened
+    to float32, each times its weight when weighted, added in rank order, the last addition
+    then * or / factor (how), rounded to the 16-bit dtype: _add_widened's bits rounded once,
+    in branch-free loops over L1 chunks (the per-element tests ran ~5x slower)."""
+    words_x = np.empty(CHUNK, np.uint32)
+    words_y = np.empty(CHUNK, np.uint32)
+    x, y = words_x.view(np.float32), words_y.view(np.float32)
+    last = len(buffers) - 1
     for start in range(0, out.size, CHUNK):
         m = min(CHUNK, out.size - start)
-        if kind == BFLOAT16:
-            _widen_bfloat16(a[start : start + m], words_a[:m])
-            _widen_bfloat16(b[start : start + m], words_b[:m])
-        else:
-            _widen_float16(a[start : start + m], words_a[:m])
-            _widen_float16(b[start : start + m], words_b[:m])
+        _widen(kind, buffers[0][start : start + m], words_x[:m])
         if weighted:
-            _scale(x[:m], wa)
-            _scale(y[:m], wb)
-        if how == TIMES:
-            for j in range(m):
-                x[j] = (x[j] + y[j]) * factor
-        elif how == DIVIDED:
-            for j in range(m):
-                x[j] = (x[j] + y[j]) / factor
-        else:
-            for j in range(m):
-                x[j] = x[j] + y[j]
+            _scale(x[:m], weights[0])
+        for q in range(1, last + 1):
+            _widen(kind, buffers[q][start : start + m], words_y[:m])
+            if weighted:
+                _scale(y[:m], weights[q])
+            if q == last and how == TIMES:
+                for j in range(m):
+                    x[j] = (x[j] + y[j]) * factor
+            elif q == last and how == DIVIDED:
+                for j in range(m):
+                    x[j] = (x[j] + y[j]) / factor
+            else:
+                for j in range(m):
+                    x[j] = x[j] + y[j]
         if kind == BFLOAT16:
-            _round_bfloat16(words_a[:m], out[start : start + m])
+            _round_bfloat16(words_x[:m], out[start : start + m])
         else:
-            _round_float16(words_a[:m], out[start : start + m])
+            _round_float16(words_x[:m], out[start : start + m])
+
+
+@njit(nogil=True, cache=True)
+def _widen(kind, halves, words):
+    if kind == BFLOAT16:
+        _widen_bfloat16(halves, words)
+    else:
+        _widen_float16(halves, words)
 
 
 def _averaging(size: int, average: bool, dtype: np.dtype) -> tuple[int, object]:
