@@ -181,7 +181,10 @@ def _next_batch(schedule, current: Outcome, drop, locked, step_bytes, objective)
     """The best candidates, best first, until they hold step_bytes: held values live at the
     peak (every kept held value when lowering held bytes), ranked by bytes per added FLOP,
     those that would lengthen a recomputed segment after those that would not, earlier
-    forward values first (they are recomputed late in the backward, when less is live)."""
+    forward values first (they are recomputed late in the backward, when less is live).
+    A value's bytes are those recomputing it frees (held_nbytes): a held view (a layer norm's
+    output reshaped for its matmul) keeps the buffer it views; ranked by its own zero bytes
+    it came last, behind every matmul."""
     pool = current.live_held if objective == "peak" else schedule.held
     scored = []
     for i in pool:
@@ -189,13 +192,13 @@ def _next_batch(schedule, current: Outcome, drop, locked, step_bytes, objective)
             continue
         flops, touches = schedule.chain_cost(i, drop, current.recomputed)
         touches = touches or i in current.read_by_copies
-        ratio = schedule.nbytes[i] / (flops + 1)
+        ratio = schedule.held_nbytes[i] / (flops + 1)
         scored.append(((-_rounded(ratio), touches, schedule.position[i]), i))
     scored.sort()
     batch, total = [], 0
     for _, i in scored:
         batch.append(i)
-        total += schedule.nbytes[i]
+        total += schedule.held_nbytes[i]
         if step_bytes is not None and total >= step_bytes:
             break
     return batch
