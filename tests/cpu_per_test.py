@@ -11,6 +11,12 @@ wall seconds too: on an idle box a test whose wall time exceeds its CPU (own + c
 core idle for the difference (a sleep, a timeout waited out, a lock), the part of the suite's
 wall time no CPU cut shortens; the report lists the largest such waits.
 
+Each row also keeps the seconds Numba spent compiling in the test's own process, per function
+(`compiled`: the function's own thread CPU, the compiles it set off inside it not counted; a
+plan's generated driver is `<driver>.run`, a loop kernel `<loop>.<form>`), and the report
+lists the functions whose compiles cost the run the most: where a fresh clone's suite spends its
+CPU on compiling, and on which kernels (children's compiles are in children_s, not named).
+
 `python tests/cpu_per_test.py before.json after.json` prints the files' CPU side by side.
 """
 
@@ -21,6 +27,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 
 import pytest
@@ -33,6 +40,77 @@ def _cpu() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
+def compiled_name(dispatcher) -> str:
+    """What a compile is reported as: the function's module and name; the modules backplan
+    generates (one per plan's driver, one per loop kernel, named by hashes) by their kind."""
+    function = getattr(dispatcher, "py_func", None)
+    module = getattr(function, "__module__", None) or "?"
+    name = getattr(function, "__qualname__", None) or "?"
+    if module.startswith("backplan_kernels_"):
+        return f"<driver>.{name}"
+    if module.startswith("backplan_kernel_"):
+        return f"<loop>.{name}"
+    return f"{module}.{name}"
+
+
+class CompileTimes:
+    """Numba's compile events ("numba:compile", one per function and signature compiled, a
+    driver's around its loops'), each function's own thread CPU seconds added up by name until
+    taken: the compiles a test set off in this process."""
+
+    def __init__(self):
+        self._seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()  # this thread's open compiles: [start, nested seconds]
+
+    def on_start(self, event) -> None:
+        self._open().append([time.thread_time(), 0.0])
+
+    def on_end(self, event) -> None:
+        opened = self._open()
+        if not opened:
+            return  # started before this listener was: never raise inside Numba's compile
+        start, nested = opened.pop()
+        spent = time.thread_time() - start
+        if opened:
+            opened[-1][1] += spent
+        name = compiled_name((event.data or {}).get("dispatcher"))
+        with self._lock:
+            self._seconds[name] = self._seconds.get(name, 0.0) + spent - nested
+
+    def _open(self) -> list:
+        if not hasattr(self._local, "open"):
+            self._local.open = []
+        return self._local.open
+
+    def take(self) -> dict[str, float]:
+        """The seconds by function since the last take, largest first (rounded)."""
+        with self._lock:
+            taken, self._seconds = self._seconds, {}
+        rounded = ((name, round(s, 3)) for name, s in taken.items())
+        return dict(sorted(((n, s) for n, s in rounded if s > 0), key=lambda kv: -kv[1]))
+
+
+def listen(times: CompileTimes):
+    """times hears every compile in this process from now on (Numba's event API); the
+    listener, for numba.core.event.unregister, or None without Numba."""
+    try:
+        from numba.core import event
+    except ImportError:
+        return None
+
+    class Listener(event.Listener):
+        def on_start(self, e):
+            times.on_start(e)
+
+        def on_end(self, e):
+            times.on_end(e)
+
+    listener = Listener()
+    event.register("numba:compile", listener)
+    return listener
+
+
 class CpuPerTest:
     """The plugin object: one per process of the run."""
 
@@ -40,11 +118,14 @@ class CpuPerTest:
         self.path = path
         self.worker = worker
         self._rows = open(f"{path}.{worker or 'main'}.jsonl", "a")
+        self._compiles = CompileTimes()
+        listen(self._compiles)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item):
         own0, kids0 = _cpu()
         wall0 = time.perf_counter()
+        self._compiles.take()  # what compiled between tests (collection, fixtures' teardown)
         yield
         wall1 = time.perf_counter()
         own1, kids1 = _cpu()
@@ -55,6 +136,7 @@ class CpuPerTest:
             "children_s": round(kids1 - kids0, 3),
             "wall_s": round(wall1 - wall0, 3),
             "worker": self.worker or "main",
+            "compiled": self._compiles.take(),
         }
         self._rows.write(json.dumps(row) + "\n")
         self._rows.flush()
@@ -98,8 +180,19 @@ def _summary(path: str) -> dict:
         total["cpu_s"] = round(total["self_s"] + total["children_s"], 2)
         total["self_s"] = round(total["self_s"], 2)
         total["children_s"] = round(total["children_s"], 2)
+    compiled: dict[str, list] = {}  # function -> [seconds, tests compiling it]
+    for row in rows:
+        for name, seconds in row.get("compiled", {}).items():
+            total = compiled.setdefault(name, [0.0, 0])
+            total[0] += seconds
+            total[1] += 1
     return {
         "tests_cpu_s": round(sum(t["cpu_s"] for t in files.values()), 1),
+        "compiled_s": round(sum(s for s, _ in compiled.values()), 1),
+        "compiled": {
+            name: {"seconds": round(s, 2), "tests": n}
+            for name, (s, n) in sorted(compiled.items(), key=lambda kv: -kv[1][0])
+        },
         "processes": processes,
         "files": dict(sorted(files.items(), key=lambda kv: -kv[1]["cpu_s"])),
         "tests": sorted(rows, key=lambda r: -(r["self_s"] + r["children_s"])),
@@ -125,6 +218,13 @@ def _report(summary: dict, top: int = 15) -> str:
             f"  {row['self_s'] + row['children_s']:8.1f}"
             f"  ({row['self_s']:.1f} + {row['children_s']:.1f})  {row['test']}"
         )
+    if summary.get("compiled"):
+        lines.append(
+            f"Numba compiling in the tests' own processes: {summary['compiled_s']:.1f} CPU s; "
+            "the largest functions (own CPU s, tests compiling them):"
+        )
+        for name, c in list(summary["compiled"].items())[:top]:
+            lines.append(f"  {c['seconds']:8.1f}  {c['tests']:4d}  {name}")
     waits = sorted(summary["tests"], key=lambda r: -_waited(r))[:top]
     if waits and _waited(waits[0]) > 0:
         lines.append("largest waits (wall - CPU s: a core idle there on an idle box; wall):")
