@@ -42,12 +42,16 @@ def _layer(x, w):
 
 
 @pytest.mark.parametrize("gemm", ["own", "blas"])
-@pytest.mark.parametrize("driver", ["python", "inline"])
+@pytest.mark.parametrize("driver", ["python", "inline", None])
 def test_every_compiled_form_of_a_float32_tanh_is_tanh_f32(gemm, driver, monkeypatch):
-    """First and second calls (the second runs the direct driver where the first ran Python),
-    40 rows (a loop of 1,280 elements: the small-call form) and 160 (5,120: the full one)."""
+    """First and second calls (by default the second runs the direct driver where the first
+    ran Python), 40 rows (a loop of 1,280 elements: the small-call form) and 160 (5,120: the
+    full one)."""
     monkeypatch.setenv("BACKPLAN_GEMM", gemm)
-    monkeypatch.setenv("BACKPLAN_DRIVER", driver)
+    if driver is None:
+        monkeypatch.delenv("BACKPLAN_DRIVER", raising=False)
+    else:
+        monkeypatch.setenv("BACKPLAN_DRIVER", driver)
     x, w = _operands()
     for rows in (40, 160):
         want = _tanh_f32_of(x[:rows] @ w)
