@@ -251,3 +251,20 @@ def test_a_16_bit_dropout_zeroes_the_rate_asked_with_the_float32_mask(dtype):
     as_tensor = bp.dropout(bp.ones((1000, 1000), dtype=dtype), bp.tensor(np.float32(0.1)), key)
     assert as_tensor.dtype == dtype
     np.testing.assert_array_equal(as_tensor.numpy() != 0, bp.dropout(ones32, 0.1, key).numpy() != 0)
+
+
+def test_bad_random_arguments_name_the_users_line():
+    """As every op's errors do: the rate, the seed, the key and the count refused name the line
+    that passed them (they named none)."""
+    x = bp.tensor(np.ones((4, 5), np.float32))
+    calls = [
+        lambda: bp.dropout(x, 1.5, bp.random.key(0)),
+        lambda: bp.random.key(1.5),
+        lambda: bp.dropout(x, 0.5, bp.tensor(np.ones(3))),
+        lambda: bp.random.split(bp.random.key(0), 0),
+        lambda: bp.random.bernoulli(bp.random.key(0), 2.0, (2,)),
+    ]
+    for call in calls:
+        with pytest.raises((ValueError, TypeError)) as raised:
+            call()
+        assert "test_random.py:" in str(raised.value), raised.value

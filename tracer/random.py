@@ -18,18 +18,27 @@ from backplan.ir.types import dtype_name, is_float, is_half
 
 from .dispatch import apply
 from .ops import as_tensor, astype, full, less, minimum, mul, sub, where
+from .source import loc_text, user_frame_loc
 from .tensor import Tensor
 
 MASK32 = 0xFFFFFFFF
 BELOW_ONE = {"bf16": 1.0 - 2.0**-8, "f16": 1.0 - 2.0**-11}  # the largest value below 1
 
 
+def _at_line(message: str) -> str:
+    """The message with the user's line, as the ops' errors carry it (tracer/source.py)."""
+    loc = user_frame_loc()
+    return message if loc is None else f"{message} at {loc_text(loc)}"
+
+
 def key(seed: int) -> Tensor:
     """A key from an integer seed: the seed's high and low 32-bit words (as jax.random.PRNGKey)."""
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
         raise TypeError(
-            f"bp.random.key: seed must be a Python int, got {type(seed).__name__}; inside a "
-            "compiled function, take the key itself as an argument instead of a seed"
+            _at_line(
+                f"bp.random.key: seed must be a Python int, got {type(seed).__name__}; inside a "
+                "compiled function, take the key itself as an argument instead of a seed"
+            )
         )
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     return Tensor(np.array([seed >> 32, seed & MASK32], np.int64))
@@ -39,8 +48,10 @@ def _key(k) -> Tensor:
     k = as_tensor(k)
     if k._ir_dtype != "i64" or k.shape != (2,):
         raise DtypeError(
-            f"expected a key (an int64 tensor of shape (2,)), got {k.dtype} {k.shape}; make one "
-            "with bp.random.key(seed) and new ones with bp.random.split(key)"
+            _at_line(
+                f"expected a key (an int64 tensor of shape (2,)), got {k.dtype} {k.shape}; make "
+                "one with bp.random.key(seed) and new ones with bp.random.split(key)"
+            )
         )
     return k
 
@@ -48,7 +59,7 @@ def _key(k) -> Tensor:
 def split(k, num: int = 2) -> tuple[Tensor, ...]:
     """`num` independent keys derived from k; never reuse k itself after splitting it."""
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise ValueError(f"bp.random.split: num must be a positive int, got {num!r}")
+        raise ValueError(_at_line(f"bp.random.split: num must be a positive int, got {num!r}"))
     keys = apply("random_split", [_key(k)], count=num)
     return tuple(keys[i] for i in range(num))
 
@@ -56,7 +67,9 @@ def split(k, num: int = 2) -> tuple[Tensor, ...]:
 def _float_dtype(dtype, what: str) -> str:
     name = dtype_name(dtype)
     if not is_float(name):
-        raise TypeError(f"bp.random.{what}: dtype must be float32 or float64, got {dtype}")
+        raise TypeError(
+            _at_line(f"bp.random.{what}: dtype must be float32 or float64, got {dtype}")
+        )
     return name
 
 
@@ -93,7 +106,7 @@ def bernoulli(k, p=0.5, shape=None) -> Tensor:
     if shape is None:
         shape = () if isinstance(p, int | float) else as_tensor(p).shape
     if isinstance(p, int | float) and not 0 <= p <= 1:
-        raise ValueError(f"bp.random.bernoulli: p must lie in [0, 1], got {p}")
+        raise ValueError(_at_line(f"bp.random.bernoulli: p must lie in [0, 1], got {p}"))
     # a traced Python float (weak) draws as the float itself would: the same numbers per key
     strong_f64 = isinstance(p, Tensor) and p._ir_dtype == "f64" and not p._weak
     dtype = "f64" if strong_f64 else "f32"
@@ -114,7 +127,7 @@ def dropout(x, rate, k) -> Tensor:
     """
     x = as_tensor(x)
     if not is_float(x._ir_dtype):
-        raise TypeError(f"bp.dropout: x must be a float tensor, got {x.dtype}")
+        raise TypeError(_at_line(f"bp.dropout: x must be a float tensor, got {x.dtype}"))
     draw = _draw_dtype(x._ir_dtype)  # 16-bit x: a float32 draw; bf16's would drop 0.4% more
     if isinstance(rate, Tensor):
         keep = sub(1.0, astype(rate, draw))
@@ -122,8 +135,10 @@ def dropout(x, rate, k) -> Tensor:
         return where(less(u, keep), astype(x / keep, x._ir_dtype), full((), 0, x._ir_dtype))
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < 1:
         raise ValueError(
-            f"bp.dropout: rate must be a number in [0, 1), got {rate!r} (rate is the fraction "
-            "of elements zeroed; 1 would zero everything)"
+            _at_line(
+                f"bp.dropout: rate must be a number in [0, 1), got {rate!r} (rate is the "
+                "fraction of elements zeroed; 1 would zero everything)"
+            )
         )
     if rate == 0:
         return x
