@@ -5,6 +5,7 @@ randomness while tracing is refused."""
 
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -268,3 +269,19 @@ def test_bad_random_arguments_name_the_users_line():
         with pytest.raises((ValueError, TypeError)) as raised:
             call()
         assert "test_random.py:" in str(raised.value), raised.value
+
+
+def test_a_bad_key_names_the_function_given_it():
+    """The key's refusal names the call that was passed it, not only 'expected a key': dropout
+    and bernoulli check theirs before drawing through uniform, so uniform is not blamed."""
+    x, bad = bp.tensor(np.ones((4, 5), np.float32)), bp.tensor(np.ones(3))
+    calls = {
+        "bp.dropout": lambda: bp.dropout(x, 0.5, bad),
+        "bp.random.bernoulli": lambda: bp.random.bernoulli(bad, 0.5, (2,)),
+        "bp.random.uniform": lambda: bp.random.uniform(bad, (2,)),
+        "bp.random.normal": lambda: bp.random.normal(bad, (2,)),
+        "bp.random.split": lambda: bp.random.split(bad),
+    }
+    for name, call in calls.items():
+        with pytest.raises(bp.DtypeError, match=rf"^{re.escape(name)}: expected a key"):
+            call()

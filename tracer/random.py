@@ -44,13 +44,15 @@ def key(seed: int) -> Tensor:
     return Tensor(np.array([seed >> 32, seed & MASK32], np.int64))
 
 
-def _key(k) -> Tensor:
+def _key(k, what: str) -> Tensor:
+    """k as a key, or an error naming the function given it (what) and the user's line."""
     k = as_tensor(k)
     if k._ir_dtype != "i64" or k.shape != (2,):
         raise DtypeError(
             _at_line(
-                f"expected a key (an int64 tensor of shape (2,)), got {k.dtype} {k.shape}; make "
-                "one with bp.random.key(seed) and new ones with bp.random.split(key)"
+                f"{what}: expected a key (an int64 tensor of shape (2,)), got {k.dtype} "
+                f"{k.shape}; make one with bp.random.key(seed) and new ones with "
+                "bp.random.split(key)"
             )
         )
     return k
@@ -60,7 +62,7 @@ def split(k, num: int = 2) -> tuple[Tensor, ...]:
     """`num` independent keys derived from k; never reuse k itself after splitting it."""
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise ValueError(_at_line(f"bp.random.split: num must be a positive int, got {num!r}"))
-    keys = apply("random_split", [_key(k)], count=num)
+    keys = apply("random_split", [_key(k, "bp.random.split")], count=num)
     return tuple(keys[i] for i in range(num))
 
 
@@ -82,7 +84,12 @@ def uniform(k, shape=(), dtype="float32", low=0.0, high=1.0) -> Tensor:
     and float16 values are the float32 draw rounded to nearest, those that would round up to
     1.0 taking the largest value below 1 instead, so [0, 1) holds (as in JAX and PyTorch)."""
     dtype = _float_dtype(dtype, "uniform")
-    u = apply("random_uniform", [_key(k)], shape=_shape(shape), dtype=_draw_dtype(dtype))
+    u = apply(
+        "random_uniform",
+        [_key(k, "bp.random.uniform")],
+        shape=_shape(shape),
+        dtype=_draw_dtype(dtype),
+    )
     if is_half(dtype):
         u = minimum(astype(u, dtype), full((), BELOW_ONE[dtype], dtype))
     if isinstance(low, int | float) and isinstance(high, int | float) and (low, high) == (0, 1):
@@ -97,7 +104,10 @@ def _draw_dtype(dtype: str) -> str:
 def normal(k, shape=(), dtype="float32") -> Tensor:
     """Standard normal floats (Box-Muller on threefry words, computed in float64)."""
     return apply(
-        "random_normal", [_key(k)], shape=_shape(shape), dtype=_float_dtype(dtype, "normal")
+        "random_normal",
+        [_key(k, "bp.random.normal")],
+        shape=_shape(shape),
+        dtype=_float_dtype(dtype, "normal"),
     )
 
 
@@ -110,7 +120,7 @@ def bernoulli(k, p=0.5, shape=None) -> Tensor:
     # a traced Python float (weak) draws as the float itself would: the same numbers per key
     strong_f64 = isinstance(p, Tensor) and p._ir_dtype == "f64" and not p._weak
     dtype = "f64" if strong_f64 else "f32"
-    return less(uniform(k, shape, dtype), p)
+    return less(uniform(_key(k, "bp.random.bernoulli"), shape, dtype), p)
 
 
 def dropout(x, rate, k) -> Tensor:
@@ -128,6 +138,7 @@ def dropout(x, rate, k) -> Tensor:
     x = as_tensor(x)
     if not is_float(x._ir_dtype):
         raise TypeError(_at_line(f"bp.dropout: x must be a float tensor, got {x.dtype}"))
+    k = _key(k, "bp.dropout")  # checked here, not by uniform: the error names bp.dropout
     draw = _draw_dtype(x._ir_dtype)  # 16-bit x: a float32 draw; bf16's would drop 0.4% more
     if isinstance(rate, Tensor):
         keep = sub(1.0, astype(rate, draw))
