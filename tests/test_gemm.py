@@ -100,6 +100,33 @@ def test_b_read_in_place_and_packed_agree(width):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_a_large_b_read_in_place_is_read_row_by_row_first_and_matches(width):
+    """A B of LARGE_B_BYTES or more under one row block is read in place after a pass over
+    its rows (driver.touch_rows): the product is unchanged, over two k blocks, with strided
+    rows, and NaN and inf in B reach only their columns."""
+    from backplan.codegen.kernels.gemm.driver import KC, LARGE_B_BYTES, MC
+
+    rng = np.random.default_rng(5)
+    for dtype in (np.float32, np.float64):
+        n = 130
+        k = LARGE_B_BYTES // (n * np.dtype(dtype).itemsize) + KC // 2  # over one k block
+        wide = rng.standard_normal((k, n + 6)).astype(dtype)
+        b = wide[:, 3 : 3 + n]  # rows strided, unit columns: read in place
+        assert b.nbytes >= LARGE_B_BYTES
+        a = rng.standard_normal((MC, k)).astype(dtype)
+        c = np.full((MC, n), np.nan, dtype)
+        own.gemm(width, False, False, 1.0, a, b, 0.0, c)
+        _check(c, a, b, False, False, dtype)
+        b_bad = b.copy()
+        b_bad[7, 5], b_bad[k - 1, n - 1] = np.nan, np.inf
+        own.gemm(width, False, False, 1.0, a, b_bad, 0.0, c)
+        bad = np.zeros(n, bool)
+        bad[[5, n - 1]] = True
+        assert np.isnan(c[:, 5]).all() and not np.isfinite(c[:, n - 1]).any()
+        _check(c[:, ~bad], a, b_bad[:, ~bad], False, False, dtype)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_a_read_in_place_stays_inside_its_view(width):
     """A with unit-stride rows is read where it lies (driver.py), its last partial panel
     packed: views cut from a NaN-filled array (row stride wider than the view, rows reversed),

@@ -63,6 +63,23 @@ def test_shared_gemm_equals_the_single_thread_gemm_and_numpy(dtype):
                 np.testing.assert_allclose(shared, expected, rtol=tolerance, atol=tolerance)
 
 
+def test_a_product_with_a_large_b_read_in_place_is_shared_out_by_columns():
+    """Row chunks each read all of a B read in place: one of LARGE_B_BYTES or more (the mlp's
+    784 x 512 weight) is cut by columns instead, a small one still by rows; either way the
+    shared GEMM equals the single-thread GEMM."""
+    from backplan.codegen.kernels.gemm.driver import LARGE_B_BYTES
+    from backplan.codegen.kernels.gemm.team import _split
+
+    rng = np.random.default_rng(6)
+    for k, by_rows in ((LARGE_B_BYTES // (4 * 300) + 1, False), (64, True)):
+        a, b = _operands(rng, np.float32, 100, k, 300, False, False)
+        c0 = np.zeros((100, 300), np.float32)
+        assert bool(_split(2, WIDTH, False, b, c0)[0]) == by_rows
+        shared, alone = _both(a, b, False, False, 1.0, 0.0, c0)
+        np.testing.assert_array_equal(shared, alone)
+        np.testing.assert_allclose(shared, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+
+
 def test_shared_gemm_reads_strided_views_and_writes_a_strided_c():
     """Operands and C as column slices of bigger arrays (row strides wider than the rows)."""
     rng = np.random.default_rng(4)

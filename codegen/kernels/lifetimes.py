@@ -1,4 +1,5 @@
-"""keep_alive: hold arrays until a point of compiled code after their addresses were taken.
+"""keep_alive: hold arrays until a point of compiled code after their addresses were taken;
+keep_value: a value computed although nothing reads it.
 
 Numba releases an array after the last statement that names it. Code that passes an array's
 address (`.ctypes.data`) to a function taking integers names the array for the last time when
@@ -7,6 +8,7 @@ callee read it. A call of keep_alive((a, b, c)) after the call names them again;
 nothing.
 """
 
+from llvmlite import ir
 from numba import types
 from numba.core.extending import intrinsic
 
@@ -25,7 +27,28 @@ def keep_alive(typingctx, arrays):
     return types.none(arrays), codegen
 
 
+@intrinsic
+def keep_value(typingctx, value):
+    """Nothing, at run time, but the float `value` (and the reads it sums) is computed: an
+    empty asm statement takes its bits. For reads made for their effect on the caches
+    (gemm/driver.touch_rows), which the optimiser would otherwise drop."""
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x,) = args
+        bits = ir.IntType(64 if isinstance(x.type, ir.DoubleType) else 32)
+        use = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [bits]), "", "r", side_effect=True)
+        builder.call(use, [builder.bitcast(x, bits)])
+        return context.get_dummy_value()
+
+    return types.none(value), codegen
+
+
 if AS_PYTHON:
 
     def keep_alive(arrays):  # noqa: F811 - Python keeps its references itself
+        return None
+
+    def keep_value(value):  # noqa: F811
         return None

@@ -18,6 +18,10 @@ B is packed when C has more rows than one row block: read in place, rows of a B 
 Packed, on an Intel AVX-512 core, 7-9 interleaved rounds: mlp dW 0.72 -> 0.94 of OpenBLAS, tf
 fwd (1024 rows) 0.76 -> 0.91. With one row block B is read in place: packing it costs more
 than it saves (128x256x256 1.41 in place against 1.26 packed; 32x128x128 0.81 against 0.45).
+A B of LARGE_B_BYTES or more read in place is first read row by row (touch_rows), so that it
+comes into the caches as contiguous rows, not as panels 2-4 KiB apart a miss at a time: the
+mlp's step, its two forward products 1,177 / 734 -> 994-1,007 / 640-654 us (cycle counter per
+call, one Zen 4 core, load 20).
 The 256-bit tile reads B in place only up to IN_PLACE_ROWS_256 rows of C: its 16-column panel
 read in place ran at 85-105 GFLOP/s depending on where the operands lay (emulated AVX2 on a
 Zen 4 core, thread CPU, six allocations each: 128x512x512 86.0-100.5 in place against
@@ -58,6 +62,7 @@ from backplan.codegen.kernels.gemm.kernel import (
     micro_kernel_512_a_rows_c_columns,
 )
 from backplan.codegen.kernels.gemm.pack import pack_a, pack_b
+from backplan.codegen.kernels.lifetimes import keep_value
 
 IN_PLACE_ROWS_256 = 64  # rows of C up to which the 256-bit tile reads B in place (see above)
 # Elements; from this machine's cache sizes (blocking.py): 256, 128, 2048 on Zen 4. Compiled in
@@ -122,6 +127,41 @@ def four_row_start(width, mr, mc, a_in_place):
     if width != 256 or not a_in_place or mr != 6 or left not in (2, 4) or mc < tiled:
         return mc
     return mc - tiled
+
+
+# A B of this many bytes or more (a quarter of a 1 MiB L2) is taken not to be in L2 when a
+# product starts: read in place, its blocks are first read row by row (touch_rows), and
+# gemm/team.py shares such a product out by columns, not rows that each read all of B
+LARGE_B_BYTES = 256 << 10
+_LINE = 64  # bytes
+
+
+@njit(cache=True, nogil=True)
+def touch_rows(b, p0, kc, j0, nc):
+    """One element of each cache line of B[p0:p0+kc, j0:j0+nc], read row after row, summed
+    (the caller keeps the sum, and with it the reads: lifetimes.keep_value). The panels read
+    in place take 128 bytes of each row, rows 2-4 KiB apart: a page every row or two, which
+    the hardware prefetchers do not follow, so a B that was not in cache arrived one miss at
+    a time (the mlp's 784 x 512 weight in its step: 1,177 us for its forward product, 951
+    after a sequential read of it that took 59; thread CPU, one Zen 4 core). Read row by
+    row, each row is one contiguous stream the prefetchers follow. Every element, summed as
+    a vector loop, took longer (1,255 us): the GEMM's symbols are compiled without LLVM's
+    loop vectoriser, so that sum ran as a scalar chain."""
+    step = max(1, _LINE // b.itemsize)
+    t0 = t1 = t2 = t3 = 0.0  # four sums: one chain of adds took 3-4 cycles a line from L2
+    end = j0 + nc
+    for p in range(p0, p0 + kc):
+        j = j0
+        while j + 3 * step < end:
+            t0 += b[p, j]
+            t1 += b[p, j + step]
+            t2 += b[p, j + 2 * step]
+            t3 += b[p, j + 3 * step]
+            j += 4 * step
+        while j < end:
+            t0 += b[p, j]
+            j += step
+    return t0 + t1 + t2 + t3
 
 
 @njit(cache=True, nogil=True)
@@ -192,6 +232,7 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
         and (width != 256 or m <= IN_PLACE_ROWS_256)
         and b.strides[1] == size and b.strides[0] % size == 0
     )  # fmt: skip
+    touch = in_place and k * n * size >= LARGE_B_BYTES
     # A with unit-stride rows is read where it lies (its full mr-row panels; see the module
     # docstring); 16-bit A is packed (packing widens it)
     a_in_place = a.itemsize == size and a.strides[1] == size and a.strides[0] % size == 0
@@ -211,10 +252,13 @@ def gemm_blocked(width, trans_a, trans_b, alpha, a, b, beta, c, work, kc_max, mc
             beta_p = beta if pc == 0 else 1.0
             if not in_place:
                 pack_b(width, b, trans_b, pc, kc, jc, nc, nr, b_pack)
-            elif nc % nr:
-                last = nc - nc % nr  # the edge panel, zero padded, at its panel's place
-                edge = b_pack[(last // nr) * kc * nr :]
-                pack_b(width, b, trans_b, pc, kc, jc + last, nc % nr, nr, edge)
+            else:
+                if touch:  # B's block row by row, before its panels
+                    keep_value(touch_rows(b, pc, kc, jc, nc))
+                if nc % nr:
+                    last = nc - nc % nr  # the edge panel, zero padded, at its panel's place
+                    edge = b_pack[(last // nr) * kc * nr :]
+                    pack_b(width, b, trans_b, pc, kc, jc + last, nc % nr, nr, edge)
             for ic in range(0, m, mc_max):
                 mc = min(mc_max, m - ic)
                 fours = four_row_start(width, mr, mc, a_in_place)

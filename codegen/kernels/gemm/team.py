@@ -10,9 +10,13 @@ late finds fewer chunks or none, so the product never waits for a thread that is
 only for chunks already claimed. Every chunk is one call of the single-core GEMM (symbols.py)
 with scratch buffers of its own thread.
 
-The chunks: with B read in place by the single-core GEMM (not transposed, unit column stride),
-row blocks of C of at most MC rows, each packing only its own rows of A; else column blocks
-(each packing its columns of B and all of A) unless C has many more rows than columns.
+The chunks: with B read in place by the single-core GEMM (not transposed, unit column stride)
+and smaller than driver.LARGE_B_BYTES, row blocks of C of at most MC rows, each packing only its
+own rows of A; else column blocks (each packing its columns of B and all of A) unless C has
+many more rows than columns. Row chunks of a larger B each read all of it from beyond L2: the
+mlp's 128 x 784 @ 784 x 512 shared in four 32-row chunks never ran above one core's rate
+(bench.gemm --threads 2, 7 rounds: at most 111 GFLOP/s, torch 156); the same chunks one after
+another on one core took 1,073 us against 1,008 for four 128-column chunks (thread CPU).
 
 The control block is memory owned here, published to compiled code as the symbol
 `backplan_gemm_team` (so cached machine code names no address). The helpers are Python
@@ -47,7 +51,7 @@ from backplan.codegen.kernels.atomics import (
     spin_pause,
 )
 from backplan.codegen.kernels.gemm.api import gemm
-from backplan.codegen.kernels.gemm.driver import MC, tile_shape
+from backplan.codegen.kernels.gemm.driver import LARGE_B_BYTES, MC, tile_shape
 from backplan.codegen.kernels.gemm.scratch import vector_at
 from backplan.codegen.kernels.gemm.symbols import call_gemm_at, gemm_address
 from backplan.codegen.kernels.lifetimes import keep_alive
@@ -196,7 +200,8 @@ def _split(parts, width, trans_b, b, c):
     mr, nr = tile_shape(width, c.itemsize)
     pieces = parts * CHUNKS_PER_THREAD
     in_place = not trans_b and b.itemsize == c.itemsize and b.strides[1] == b.itemsize
-    if m >= 2 * mr and (in_place or m >= n or n < 2 * nr):
+    shared_b = in_place and b.shape[0] * b.shape[1] * b.itemsize < LARGE_B_BYTES
+    if m >= 2 * mr and (shared_b or m >= n or n < 2 * nr):
         step = _round_up((m + pieces - 1) // pieces, mr)
         if in_place:
             step = min(step, MC)  # MC rows or fewer: the chunk reads B in place
