@@ -9,14 +9,14 @@ and reads VmHWM. Their difference is the memory the step newly held at its peak.
 equal the predicted peak (ir/peak.py) less the arrays passed in and the constants (both
 resident before the step): nothing of the step is allocated before it runs (arenas are mapped
 on construction but touched by the step). The GEMM's packing buffers (codegen/kernels/gemm/
-scratch.py: ~4.3 MiB per concurrent GEMM, allocated by a process's first GEMMs and kept) are
-counted from their table and shown apart, allocated and written: a buffer is allocated whole
-and written only as far as the products packed into it reach (the bench attention's two
-threads allocated 8.9 MB of them and wrote a fraction), so "not predicted" takes the pages the
-step wrote (their mappings' Rss in /proc/self/smaps, gained over the step). What remains is not
-predicted: memory libraries touch on a process's first calls of their code (OpenBLAS's
-per-thread packing buffers for these shapes, Numba's thread pool) and page rounding (conv2d's
-im2col columns are a buffer of the arena, ir/kernel_workspace.py). A second fresh process is
+scratch.py: ~4.3 MiB per concurrent GEMM, mapped by a process's first GEMMs and kept) are in
+the prediction (its `packing`: the pages the step's products write, codegen/kernels/gemm/
+packing.py) and shown apart too, mapped and written (their mappings' Rss in /proc/self/smaps,
+gained over the step): a buffer is mapped whole and written only as far as the products packed
+into it reach. What remains is not predicted: memory libraries touch on a process's first
+calls of their code (OpenBLAS's per-thread packing buffers for these shapes, Numba's thread
+pool) and page rounding (conv2d's im2col columns are a buffer of the arena,
+ir/kernel_workspace.py). A second fresh process is
 primed first with one step of the same model at 1/4 of the batch, so what libraries touch once
 per process is resident before the measured step: the excess left there is what the step
 itself allocates beyond the prediction.
@@ -145,12 +145,12 @@ def _load(step, args: list) -> tuple:
 def _gemm_packing_bytes() -> int:
     from backplan.bench.internals import gemm_scratch
 
-    return int((gemm_scratch._table[:, 1] != 0).sum()) * gemm_scratch.BUFFER_BYTES
+    return int((gemm_scratch._table[:, 1] != 0).sum()) * gemm_scratch.MAPPED_BYTES
 
 
 def _gemm_packing_resident() -> int:
     """Resident bytes of the mappings holding the GEMM's packing buffers (/proc/self/smaps
-    Rss; under MALLOC_MMAP_THRESHOLD_=0 each buffer is a mapping of its own)."""
+    Rss; each buffer is a mapping of its own)."""
     from backplan.bench.internals import gemm_scratch
 
     addresses = [int(a) for a in gemm_scratch._table[:, 1] if a]
@@ -259,8 +259,7 @@ def retried_children(runs: list, module: str = "backplan.bench.memory") -> list[
 
 
 def _rest(found: dict) -> str:
-    packing = found.get("gemm_packing_written", found["gemm_packing"])
-    rest = found["measured_growth"] - found["expected_growth"] - packing
+    rest = found["measured_growth"] - found["expected_growth"]  # packing: in the prediction
     return f"{rest:+,} ({100 * rest / max(found['expected_growth'], 1):+.1f}%)"
 
 
@@ -275,15 +274,15 @@ def row(found: dict) -> str:
 
 
 def _packing(found: dict) -> str:
-    """GEMM packing buffers allocated over the step / their pages it wrote."""
+    """GEMM packing buffers mapped over the step / their pages it wrote."""
     return f"{found['gemm_packing']:,} / {found.get('gemm_packing_written', 0):,}"
 
 
 HEADER = (
     "| {what} | step | scale | predicted peak | arrays passed in | predicted growth | measured "
-    "growth (VmHWM - VmRSS), fresh process | GEMM packing buffers allocated / written | not "
-    "predicted (beside the packing written) | measured growth, primed process | GEMM packing "
-    "buffers allocated / written | not predicted |\n|" + " --- |" * 12
+    "growth (VmHWM - VmRSS), fresh process | GEMM packing buffers mapped / written | not "
+    "predicted (the packing written is in the prediction) | measured growth, primed process | "
+    "GEMM packing buffers mapped / written | not predicted |\n|" + " --- |" * 12
 )
 
 

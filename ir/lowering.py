@@ -80,6 +80,9 @@ class LoweredPlan:
     # every op (codegen/render/opaque.py unsupported_reason) walks no kernel again; None:
     # not noted (a lowered plan made otherwise), the kernels are read
     op_kinds: tuple | None = None
+    # the packing pages its products write in the GEMM's kept buffers (codegen/kernels/gemm/
+    # packing.py planned_packing), noted when first asked
+    packing: dict = field(default_factory=dict)
 
     @property
     def kernel_count(self) -> int:

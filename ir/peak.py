@@ -4,7 +4,9 @@ step, for the executor that runs it, before anything runs.
 A step is a sequence of plan calls (a forward, then a backward; or one joint plan). Categories:
 inputs (the caller's arrays), donated (inputs whose buffers outputs are written into),
 constants, scratch (compiled arenas, kept across calls: a library kernel's workspace, conv2d's
-im2col columns, is a buffer of its plan's arena, ir/kernel_workspace.py), copies (a compiled
+im2col columns, is a buffer of its plan's arena, ir/kernel_workspace.py), packing (the pages
+of backplan's GEMM packing buffers the step's products write, kept by the process:
+ir/gemm_packing.py), copies (a compiled
 call's C-order copy of each argument passed in another layout,
 ir/argument_layout.py, and a NumPy argument the call copies for itself alone: held while that
 call runs), temporaries (reference interpreter only),
@@ -32,6 +34,7 @@ import numbers
 from dataclasses import dataclass, field, replace
 
 from .argument_layout import stored_bytes
+from .gemm_packing import packing_bytes
 from .liveness import INPUT_STEP, Plan
 from .lowering import lower, runs_code
 from .plan_buffers import compiled_buffers
@@ -45,6 +48,7 @@ CATEGORIES = (
     "donated",
     "constants",
     "scratch",
+    "packing",
     "copies",
     "temporaries",
     "outputs",
@@ -314,6 +318,7 @@ def predicted_peak_bytes(calls: list[PlanCall], backend: str = "numba", kept: in
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes
+        held["packing"] = max(held["packing"], packing_bytes(low))
         seed = _cotangent_bytes(call) + copy_bytes(low) + _copied_in(call)
         during = sum(held.values()) + seed + _kept_during(call.label, kept)
         peak = max(peak, during)
@@ -363,6 +368,9 @@ def _compiled_report(calls: list[PlanCall]) -> PeakReport:
         for b in buffers:
             if b.category not in ("constants", "scratch"):
                 held[b.category] += b.nbytes  # allocated on entry, held to the step's end
+        # the GEMM's kept packing buffers: written by the call's products, kept (a step's
+        # plans share them: the most any call so far writes)
+        held["packing"] = max(held["packing"], packing_bytes(low))
         seed = _cotangent_bytes(call)  # backward()'s seed: made before it, freed after it
         held["gradients"] += seed
         copies = copy_bytes(low) + _copied_in(call)  # made on entry, freed when it returns

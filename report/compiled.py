@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from backplan.codegen.build import kernel_cache
 from backplan.codegen.build.progress import driver_seconds, estimate, fresh_twins
-from backplan.codegen.kernels.gemm.packing import packing_bytes
+from backplan.codegen.kernels.gemm.packing import planned_packing
 from backplan.codegen.render.emit import generate
 from backplan.codegen.render.opaque import unsupported_reason
 from backplan.codegen.run.compiled import output_buffers, returning_outputs
@@ -40,9 +40,11 @@ class CompiledPlanFacts:
     compile_seconds: float = 0.0  # predicted compile time: every loop kernel and the driver
     driver_seconds: float = 0.0  # of which the driver's (in the background by default)
     donated: tuple = ()  # (output index, donated input (index, or name), bytes): in place
-    # pages of backplan's GEMM packing panels its products can touch, kept by the process
-    # beyond the plan's buffers (codegen/kernels/gemm/packing.py)
+    # pages of backplan's GEMM packing buffers its products write, kept by the process and
+    # counted in the peak (codegen/kernels/gemm/packing.py): all of them, and (the calling
+    # thread's, each helper's, helpers) where a product is shared between threads
     packing_bytes: int = 0
+    packing_threads: tuple = (0, 0, 0)
     # one generation of its large outputs, kept between calls to write the next call's into
     # (codegen/run/workspace.py): resident beside the results a loop holds
     reused_output_bytes: int = 0
@@ -69,6 +71,7 @@ def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> C
     kernels = generated.loop_kernels
     in_place = donated_outputs(lowered)
     buffers = output_buffers(generated)
+    packing = planned_packing(lowered)
     reused = reused_output_bytes(buffers, returning_outputs(plan.graph, buffers, lowered.donations))
     cached = kernel_cache.cached_digests(kernels)
     return CompiledPlanFacts(
@@ -82,7 +85,8 @@ def plan_facts(label: str, plan: Plan, private_saved: tuple[int, ...] = ()) -> C
         compile_seconds=estimate(kernels, False, generated.driver_statements).seconds,
         driver_seconds=driver_seconds(generated.driver_statements, fresh_twins(kernels)),
         donated=tuple(in_place),
-        packing_bytes=packing_bytes(generated.gemms, lowered.plan.graph.nodes),
+        packing_bytes=packing.nbytes,
+        packing_threads=(*packing.per_thread, packing.helpers),
         reused_output_bytes=reused,
     )
 

@@ -296,16 +296,24 @@ def compiled_paragraph(report) -> str:
 
 
 def packing_note(report) -> str:
-    """What backplan's GEMM keeps beside the peak: its packing panels, per thread, for the
-    process (report.packing_bytes); '' where no product runs on it."""
+    """What backplan's GEMM keeps, in the peak: the pages its products write in the packing
+    buffers each thread keeps for the process (report.packing_bytes), and how they depend on
+    the threads; '' where no product runs on it."""
     packing = report.packing_bytes
     if not packing:
         return ""
+    first, each, helpers = report.packing_threads
+    threads = (
+        f"on {helpers + 1} threads: {format_bytes(first)} the calling thread's + {helpers} x "
+        f"{format_bytes(each)} its helper threads'"
+        if helpers
+        else "on one thread: no product is shared between threads"
+    )
     return (
-        f"Beyond the peak, backplan's GEMM packs its operands into panels each thread keeps for "
-        f"the process's life: up to {format_bytes(packing)} for these products (the pages they "
-        "can touch, every operand counted as packed; `report.packing_bytes`), held from the "
-        "first GEMM on and shared by every compiled function."
+        f"The peak counts {format_bytes(packing)} of packing buffers (`packing`): the pages "
+        f"backplan's GEMM writes packing these products' operands, in buffers each thread keeps "
+        f"for the process's life, shared by every compiled function ({threads}; the figure "
+        "follows the threads a product is shared between, numba.set_num_threads)."
     )
 
 

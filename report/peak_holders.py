@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from backplan.ir.lowering import lower
 from backplan.ir.peak import PeakReport, PlanCall
+from backplan.ir.plan_buffers import PlannedBuffer
 from backplan.ir.printer import format_loc
 from backplan.ir.strided_copies import is_strided_copy
 from backplan.ir.types import DTYPES
 
 from .memory import peak_step_words
 from .wording import format_bytes
+
+PACKING_WORDS = "backplan's GEMM packing buffers (the pages its products write)"
 
 
 def peak_holders(report: PeakReport, calls: list[PlanCall], count: int = 3) -> str:
@@ -40,6 +43,9 @@ def _largest_compiled(report: PeakReport, calls: list[PlanCall], count: int) -> 
     if len(sharing) > 1:  # one arena, the largest plan's size (ir/peak.py shares_arena)
         largest = max(sharing, key=lambda lb: lb[1].nbytes)
         held = [lb for lb in held if lb not in sharing or lb is largest]
+    packing = report.peak_step.held.get("packing", 0)
+    if packing:  # the GEMM's kept buffers: no plan's buffer, but held at the peak
+        held.append(("", PlannedBuffer("packing", PACKING_WORDS, "packing", packing)))
     held = [(label, b) for label, b in held if b.nbytes >= least]
     held.sort(key=lambda lb: -lb[1].nbytes)
     words = []

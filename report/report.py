@@ -198,15 +198,30 @@ class ExplainReport:
 
     @property
     def packing_bytes(self) -> int | None:
-        """Bytes of backplan's GEMM packing panels the step's products can make resident: the
-        buffers each thread running the GEMM keeps for the process's life (malloc'ed once,
-        shared by every compiled function), at most the pages its products pack into, as if
-        every operand were packed (codegen/kernels/gemm/packing.py). Beyond `peak_bytes`,
-        which the memory planner meets and which BLAS products, packing in OpenBLAS's own
-        buffers, do not add to either; None unless the backend is numba."""
+        """Bytes of backplan's GEMM packing buffers the step's products write: buffers each
+        thread running the GEMM keeps for the process's life (one mapping each, shared by every
+        compiled function; only written pages resident), the pages the blocked GEMM's rules
+        write for these shapes (codegen/kernels/gemm/packing.py; 16-bit, mixed, strided and
+        convolution products as if packed whole). Counted in `peak_bytes` (category
+        `packing`), which the memory planner, budgets and the checked mode count too; a
+        product shared between threads adds its pages once per helper thread, so the figure
+        depends on the threads (`packing_threads`). BLAS products, packing in OpenBLAS's own
+        buffers, add nothing; None unless the backend is numba."""
         if self.compiled is None:
             return None
         return max((f.packing_bytes for f in self.compiled if f.compiled), default=0)
+
+    @property
+    def packing_threads(self) -> tuple[int, int, int] | None:
+        """(the calling thread's packing bytes, each helper thread's, helper threads) of the
+        plan with the most packing (packing_bytes = first + helpers x each); None unless the
+        backend is numba."""
+        if self.compiled is None:
+            return None
+        facts = [f for f in self.compiled if f.compiled]
+        if not facts:
+            return (0, 0, 0)
+        return max(facts, key=lambda f: f.packing_bytes).packing_threads
 
     @property
     def process_bytes(self) -> int | None:

@@ -11,7 +11,9 @@ import io
 import re
 from pathlib import Path
 
+import numba
 import numpy as np
+import pytest
 
 import backplan as bp
 from backplan.runtime.backend import use_backend
@@ -42,11 +44,22 @@ def python_blocks_between(page: str, start: str, end: str) -> list[tuple[int, st
     return blocks
 
 
+@pytest.fixture
+def one_thread(monkeypatch):
+    """The figures are one thread's: BLAS's threads decide whether a product is shared out on
+    backplan's GEMM, whose packing pages the peak counts (codegen/kernels/gemm/packing.py)."""
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(previous)
+
+
 def flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_the_readme_budget_example_prints_what_its_text_shows(tmp_path, monkeypatch):
+def test_the_readme_budget_example_prints_what_its_text_shows(tmp_path, monkeypatch, one_thread):
     """README's explain and budget blocks, run on numba as written (nothing runs the model:
     explain, memory_frontier and a refusal plan only); the refusal printed is the one shown
     (its '...' elides whole sentences)."""
@@ -86,7 +99,7 @@ def explain_page_arrays():
     return deep, xb
 
 
-def test_the_explain_page_budget_figures_are_numbas():
+def test_the_explain_page_budget_figures_are_numbas(one_thread):
     page = "docs/explain.md"
     source = (ROOT / page).read_text()
     assert "for i in range(6)}\nxb = rng.standard_normal((256, 64))" in source  # as recreated

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_memory_budget_step import BATCH, DEPTH, OPT, batch, parameters, train_step
+from test_memory_budget_step import DEPTH, OPT, WIDTH, batch, parameters, train_step
 
 import backplan as bp
 from backplan.bench.memory_audit import readme_step
@@ -46,20 +46,32 @@ def test_a_saved_bytes_budget_on_a_training_step_lists_what_it_keeps():
     assert "as saved_bytes_budget=" in str(report)
 
 
+def tall_arguments(rows: int = 1024):
+    """arguments() at `rows` rows: a GEMM reading a bfloat16 saved buffer packs it whole (a
+    float32 one it reads in place), up to 32 KiB of packing pages here, which the 128-row
+    batch's bfloat16 buffers (8 KiB saved each) did not make up for."""
+    params = parameters()
+    rng = np.random.default_rng(0)
+    x = bp.tensor(rng.standard_normal((rows, WIDTH)).astype(np.float32))
+    return params, OPT.init(params), x, bp.tensor(rng.standard_normal((rows, 2)).astype(np.float32))
+
+
 @pytest.mark.parametrize("option", ["saved_dtype", "allow_saved_dtype"])
 def test_a_training_step_keeping_bfloat16_lists_bfloat16_saved_buffers(option):
-    default = train_step().explain(*arguments())
+    default = train_step().explain(*tall_arguments())
     options = {option: bp.bfloat16}
     if option == "allow_saved_dtype":
         options["max_peak_bytes"] = default.peak_bytes - 1  # full precision does not fit
-    report = train_step(**options).explain(*arguments())
+    report = train_step(**options).explain(*tall_arguments())
     ((_, inner),) = report.inner
     computed = [b for b in inner.saved_buffers if not b.is_region_input]
     # the loss's last product minus y, which the compiled plan computes in the loop reading
     # it for the gradient (never stored), stays float32 (ir/pipeline.py narrowed_for_peak)
     wide = [b for b in computed if b.dtype != np.dtype(bp.bfloat16)]
-    assert [b.shape for b in wide] == [(BATCH, 2)] and len(computed) == DEPTH + 1
-    assert "1 of the 5 values the gradient part reads stay in full precision" in str(report)
+    assert [b.shape for b in wide] == [(1024, 2)] and len(computed) == DEPTH + 1
+    assert "1 of the 5 values the gradient part reads stay in full precision" in " ".join(
+        str(report).split()
+    )
     assert held(report) == held(default) // 2 + wide[0].nbytes // 2
 
 

@@ -163,8 +163,8 @@ def test_a_donated_training_step_holds_what_its_plan_predicts(backend):
 def test_a_buffer_the_prediction_lacks_is_named(backend):
     graph, arrays, wrt = batch_graph(sample_batches("f32")[0], "f32")
     compiled = CompiledPlan(lower(build_joint_plan(graph, wrt)))
-    predicted, keys = compiled._checked
-    compiled._checked = ([b for b in predicted if b.key != "output 0"], keys)
+    predicted, keys, packing = compiled._checked
+    compiled._checked = ([b for b in predicted if b.key != "output 0"], keys, packing)
     with pytest.raises(MemoryCheckError, match=r"output 0 \(\d+ B\) was allocated but is not"):
         compiled(list(arrays))
 

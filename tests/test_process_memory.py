@@ -161,8 +161,8 @@ def test_a_fresh_first_step_under_a_budget_grows_by_the_step_and_what_it_loads()
     """A fresh process (the disk cache warm, glibc mapping every block apart and returning it:
     README's way to check) runs the first step of an adam step at bp.max_batch's batch for 24 MB:
     its peak resident memory grows by the predicted peak less the arrays passed in, plus what
-    the process measured it loaded, within 5% + 8 MiB (and the GEMM's packing pages, beside
-    the peak). Measured on a 2-vCPU Zen 4 (4226 rows): growth 30.9 MB = 17.3 predicted + 9.9
+    the process measured it loaded, within 5% + 8 MiB (the GEMM's packing pages are in the
+    peak). Measured on a 2-vCPU Zen 4 (4226 rows): growth 30.9 MB = 17.3 predicted + 9.9
     loaded + 3.6; without what it loaded, 13.5 MB over the prediction, beyond the bound."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="0", MALLOC_TRIM_THRESHOLD_="0")
     code = textwrap.dedent(CHILD)
@@ -179,5 +179,5 @@ def test_a_fresh_first_step_under_a_budget_grows_by_the_step_and_what_it_loads()
     assert held_before == 0 and not shown_before  # explain runs nothing: nothing loaded yet
     assert held > 0 and shown  # the call loaded its kernels: measured, and said
     slack = 0.05 * predicted + 8 * MIB
-    assert growth <= predicted + held + packing + slack, (growth, predicted, held, packing)
+    assert growth <= predicted + held + slack, (growth, predicted, held, packing)
     assert growth >= predicted + held - slack, (growth, predicted, held)

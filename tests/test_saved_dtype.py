@@ -143,8 +143,11 @@ def test_compiled_joint_plan_stores_and_reads_back_the_bfloat16_copies():
     from backplan.runtime.backend import use_backend
 
     rng = np.random.default_rng(3)
-    params = [rng.standard_normal((16, 16)).astype(np.float32) * 0.5 for _ in range(3)]
-    x = rng.standard_normal((32, 16)).astype(np.float32)
+    # 64 wide, 1,024 rows: narrower, a 16-wide step's bfloat16 copies saved less than the GEMM
+    # reading them packs (a whole 32-column panel, codegen/kernels/gemm/packing.py), so its
+    # plan kept full precision
+    params = [rng.standard_normal((64, 64)).astype(np.float32) * 0.2 for _ in range(3)]
+    x = rng.standard_normal((1024, 64)).astype(np.float32)
     grads = {}
     for backend in ("reference", "numba"):
         with use_backend(backend):
@@ -152,7 +155,7 @@ def test_compiled_joint_plan_stores_and_reads_back_the_bfloat16_copies():
                 step = bp.value_and_grad(_layers, saved_dtype=dtype)
                 grads[backend, dtype] = [g.numpy() for g in step(params, x)[1]]
     entry = step.lookup((params, x), {}, count_hit=False)[1]
-    assert lower(entry.plan).layout.scratch_elements.get("bf16", 0) >= 2 * 32 * 16
+    assert lower(entry.plan).layout.scratch_elements.get("bf16", 0) >= 2 * 1024 * 64
     for got, want in zip(grads["numba", bp.bfloat16], grads["reference", bp.bfloat16], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert not np.allclose(grads["numba", bp.bfloat16][0], grads["numba", None][0], atol=1e-6)
@@ -246,10 +249,13 @@ def test_allowing_bfloat16_never_refuses_a_saved_budget_full_precision_meets():
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def _half_arguments(dtype, layers: int = 2):
+def _half_arguments(dtype, layers: int = 3):
+    """Layers 64 wide over 1,024 rows: where 16-bit saved copies lower the compiled peak, the
+    GEMM's packing pages for the products reading them counted (a 16-wide step's packed more
+    than they saved)."""
     rng = np.random.default_rng(11)
-    params = [(rng.standard_normal((16, 16)) * 0.5).astype(dtype) for _ in range(layers)]
-    return params, rng.standard_normal((32, 16)).astype(dtype)
+    params = [(rng.standard_normal((64, 64)) * 0.2).astype(dtype) for _ in range(layers)]
+    return params, rng.standard_normal((1024, 64)).astype(dtype)
 
 
 @pytest.mark.parametrize("asked", [bp.bfloat16, bp.float16])
@@ -299,9 +305,9 @@ def test_float32_saved_copies_of_a_float64_step_peak_no_higher_than_full_precisi
     from backplan.ir.lowering import lower
 
     rng = np.random.default_rng(11)
-    shapes = [(16, 32), (32, 32), (32, 32), (32, 4)]
-    params = [rng.standard_normal(shape) * 0.3 for shape in shapes]
-    x = rng.standard_normal((64, 16))
+    shapes = [(16, 64), (64, 64), (64, 64), (64, 4)]  # where the copies lower the peak, the
+    params = [rng.standard_normal(shape) * 0.2 for shape in shapes]  # GEMMs' packing counted
+    x = rng.standard_normal((1024, 16))
     arenas, peaks, grads = {}, {}, {}
     for dtype in (None, bp.float32):
         step = bp.value_and_grad(_four_layers, saved_dtype=dtype)
@@ -312,14 +318,14 @@ def test_float32_saved_copies_of_a_float64_step_peak_no_higher_than_full_precisi
             want = [g.numpy() for g in step(params, x)[1]]
         for got, ref in zip(grads[dtype], want, strict=True):
             np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-14)
-    assert arenas[bp.float32].scratch_elements.get("f32", 0) >= 3 * 64 * 32  # copies kept
+    assert arenas[bp.float32].scratch_elements.get("f32", 0) >= 3 * 1024 * 64  # copies kept
     assert arenas[bp.float32].scratch_bytes <= arenas[None].scratch_bytes
     assert peaks[bp.float32] <= peaks[None]
     assert not np.allclose(grads[bp.float32][0], grads[None][0], rtol=0, atol=1e-12)
 
 
 def test_a_saved_dtype_plan_runs_narrowed_where_it_peaks_below_full_precision():
-    """This 2-layer step's value_and_grad plans peak lower with either 16-bit dtype (the GEMMs
+    """This 3-layer step's value_and_grad plans peak lower with either 16-bit dtype (the GEMMs
     read the copies as they are), and so do bp.compile's forward and backward() since they
     share one scratch arena (runtime/program.py): both keep their saved buffers narrow. While
     the forward's arena was held through backward(), the float32 activations leaving the saved

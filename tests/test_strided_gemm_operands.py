@@ -71,13 +71,17 @@ def _run(f, w, x):
 
 def _checked(loss, w, x):
     """(value, gradient) on numba in the checked mode, every call's count against explain's,
-    and explain's allocated peak of the first call."""
+    and explain's allocated peak of the first call, its GEMM packing pages apart."""
     with use_backend("numba"), checked_memory():
         f = bp.value_and_grad(loss)
         report = bp.explain(f, w, x)
         counted = counted_calls(lambda: f(w, x), CALLS)
         assert counted == printed_calls(report, CALLS)
-        return _run(f, w, x), report.peak_on_call(1).allocated_peak_bytes
+        peak = report.peak_on_call(1)
+        # less backplan's GEMM packing pages: a strided operand runs on it, where a C-order
+        # one may run on BLAS (codegen/kernels/gemm/packing.py)
+        packing = peak.peak_step.held.get("packing", 0)
+        return _run(f, w, x), peak.allocated_peak_bytes - packing
 
 
 def _close(got, want, dtype):
@@ -95,6 +99,7 @@ def test_a_strided_weight_is_read_in_place_by_the_gemm(name):
         want = _run(bp.value_and_grad(loss), w, x)
     _close(got, want, w.dtype)
     # the same step with the weight in C order holds what this one holds: no operand copy
+    # (the packing apart: the strided step's products run on backplan's GEMM)
     _, c_order_peak = _checked(loss, np.ascontiguousarray(w), x)
     assert peak == c_order_peak
 

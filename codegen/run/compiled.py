@@ -29,11 +29,20 @@ from backplan.codegen.build import (
 from backplan.codegen.flags import flags_text
 from backplan.codegen.jit import is_cached, load_cached, start_parallel_runtime
 from backplan.codegen.kernels.gemm import choice as gemm_choice
+from backplan.codegen.kernels.gemm.packing import planned_packing
 from backplan.codegen.render.emit import generate
 from backplan.codegen.render.lift import code_text
 from backplan.codegen.render.loops import internal_shape
-from backplan.codegen.run import compile_garbage
-from backplan.codegen.run.memory_check import ALLOCATOR, checking, compare, refuse_uncounted
+from backplan.codegen.run import compile_garbage, packing_check
+from backplan.codegen.run.memory_check import (
+    ALLOCATOR,
+    PACKING,
+    check_packing,
+    checking,
+    compare,
+    packing_buffer,
+    refuse_uncounted,
+)
 from backplan.codegen.run.workspace import (
     ArenaPool,
     WorkspacePool,
@@ -356,6 +365,7 @@ class CompiledPlan:
             self._checked = (
                 compiled_buffers(lowered),
                 ["scratch"] if generated.scratch else [],
+                planned_packing(lowered),
             )
         self.generate_seconds = time.perf_counter() - start
         self.first_call_seconds = None
@@ -477,17 +487,27 @@ class CompiledPlan:
     def _checked_call(self, args: list, donate, into=None) -> list:
         """A call that counts every buffer it holds and compares them with the prediction.
         into: output buffers the caller passed (call_own_into), not the call's to hold."""
-        predicted, scratch_keys = self._checked
+        predicted, scratch_keys, packing = self._checked
         predicted = self._shared_arena(predicted) + self._predicted_copies(args)
         if into:
             theirs = {f"output {j}" for j in into}
             predicted = [b for b in predicted if b.key not in theirs]
+        if packing.nbytes:
+            predicted = [*predicted, packing_buffer(packing)]
+        reading = packing_check.available() and self.driver_tier != "reference"
+        if reading:
+            before = packing_check.kept_slots()
+            dropped = packing_check.drop()
         with ALLOCATOR.measuring() as measured:
+            if packing.nbytes:  # the GEMM's kept buffers, written by the call's products
+                ALLOCATOR.hold_kept(PACKING, packing.nbytes)
             for name, array in self.plan.graph.constants.items():
                 ALLOCATOR.use(array, f"const {name}")
             outputs = self._general_call(args, donate, scratch_keys, into)
             for i in self._literal_outputs:
                 ALLOCATOR.use(outputs[i], f"literal {i}")
+        if reading:
+            check_packing(self.plan.graph.name, packing, packing_check.written(dropped, before))
         compare(self.plan.graph.name, predicted, measured.at_peak, self._why_fresh())
         return outputs
 

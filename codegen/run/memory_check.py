@@ -72,6 +72,16 @@ class Measurement:
             for held_name, held_bytes in self.held.values():
                 self.at_peak[held_name] = self.at_peak.get(held_name, 0) + held_bytes
 
+    def _grow(self, token: int, name: str, nbytes: int) -> None:
+        """A buffer the process keeps, counted at the most bytes any call asked of it."""
+        held = self.held.get(token)
+        if held is not None and held[1] >= nbytes:
+            return
+        if held is not None:
+            self.live -= held[1]
+            del self.held[token]
+        self._add(token, name, nbytes)
+
     def restart_peak(self) -> None:
         """Measure a new peak from what is held now: one measurement open across calls keeps
         the buffers earlier calls left alive (arenas of plans not run since) in `live`."""
@@ -102,6 +112,7 @@ class CountingAllocator:
         self._token_of: dict[int, int] = {}  # id(array) -> token, while the array lives
         self._open: list[Measurement] = []
         self._local = threading.local()
+        self._kept_tokens: dict[str, int] = {}
 
     def empty(self, shape, dtype, name: str) -> np.ndarray:
         array = np.empty(shape, dtype)
@@ -124,6 +135,15 @@ class CountingAllocator:
                 del self._token_of[array_id]
             for measurement in self._open:
                 measurement._remove(token)
+
+    def hold_kept(self, name: str, nbytes: int) -> None:
+        """Count, in this thread's open measurements, `nbytes` of memory the process keeps for
+        every compiled call under `name` (backplan's GEMM packing buffers: the plans of a step
+        share them, so a measurement holds the most any of its calls counts, never freed)."""
+        with self._lock:
+            token = self._kept_tokens.setdefault(name, next(self._tokens))
+            for measurement in getattr(self._local, "open", ()):
+                measurement._grow(token, name, int(nbytes))
 
     @contextlib.contextmanager
     def measuring(self):
@@ -169,6 +189,38 @@ def refuse_uncounted(plan_name: str, source: str) -> None:
             f"@{plan_name}: the compiled driver allocates arrays no plan places or counts "
             f"(BACKPLAN_CHECK_MEMORY=1): {'; '.join(allocating)}. A copy the driver needs must "
             "be a node the memory planner places (ir/strided_copies.py)"
+        )
+
+
+PACKING = "packing"  # the key and name of the GEMM's kept packing buffers in a measurement
+
+
+def packing_buffer(packing):
+    """The PlannedBuffer a checked call compares its packing with (a PackingPlan's bytes)."""
+    from backplan.ir.plan_buffers import PlannedBuffer
+
+    first, shared = packing.per_thread
+    threads = f", {first:,} B the calling thread's + {packing.helpers} x {shared:,} B"
+    return PlannedBuffer(
+        PACKING,
+        "backplan's GEMM packing buffers (kept by the process"
+        + (threads if packing.helpers else "")
+        + ")",
+        "packing",
+        packing.nbytes,
+    )
+
+
+def check_packing(plan_name: str, packing, pages: dict) -> None:
+    """Raise unless the pages the call's GEMMs wrote in the kept buffers (slot -> page
+    indices, codegen/run/packing_check.py) are ones `packing` (a PackingPlan) counts."""
+    from backplan.codegen.run.packing_check import problems
+
+    found = problems(packing, pages)
+    if found:
+        raise MemoryCheckError(
+            f"@{plan_name}: backplan's GEMM packing buffers differ from the plan's count "
+            f"({packing.nbytes:,} B, codegen/kernels/gemm/packing.py): " + "; ".join(found)
         )
 
 

@@ -11,6 +11,12 @@ by keep_alive until the kernel has read it: its address was its last use, and Nu
 before the kernel ran (a fresh process mapping every block, MALLOC_MMAP_THRESHOLD_=0, crashed
 on a 300 x 512 @ 512 x 10 product; otherwise the kernel read freed memory).
 
+Its B panel (or B's columns), last rows and tile live in a buffer of the GEMM's kept slots
+(scratch.py), at the places the blocked GEMM packs A, packs B and keeps its tile (float32,
+512-bit layout: NARROW_B_OFFSET, NARROW_TILE_OFFSET), so that the pages it writes are the ones
+the plan counts (packing.py) and a call allocates nothing; a part that outgrows its place, or
+a call finding every slot taken, allocates as before.
+
 Sums run in k order, one FMA per step, as the blocked GEMM's. Measured on one pinned Zen 5 core
 (thread CPU, 7 rounds, 128 x 10 x 512): 12.5-13.3 us against OpenBLAS's 19.2-20.2.
 
@@ -30,14 +36,23 @@ from numba import types
 from numba.core.extending import intrinsic
 
 from backplan.codegen.jit import AS_PYTHON, njit
+from backplan.codegen.kernels.gemm import scratch
+from backplan.codegen.kernels.gemm.driver import KC, MC, NC
+from backplan.codegen.kernels.gemm.kernel import TILES
 from backplan.codegen.kernels.gemm.kernel import _emit_kernel as emit_kernel  # kernel.py's tile
 from backplan.codegen.kernels.gemm.row_dots import row_dots
+from backplan.codegen.kernels.gemm.symbols import _free_slot
 from backplan.codegen.kernels.lifetimes import keep_alive
 
 NARROW_LANES = 16  # one 512-bit f32 vector: C's columns padded to it
 NARROW_COLUMNS = NARROW_LANES  # the widest C this GEMM computes
 NARROW_ROWS = 8  # rows of C per micro-kernel call (8 measured ahead of 4, 12 and 16)
 ROW_DOT_COLUMNS = 12  # C up to this wide: row dot products (gemm/row_dots.py) instead
+_LANES, _MR, _NV = TILES[512]["f32"]
+# Byte offsets of the blocked GEMM's B part and tile in a kept buffer (float32, 512-bit tile:
+# symbols._kept_workspace), where the narrow GEMM keeps its last rows and its tile.
+NARROW_B_OFFSET = -(-MC // _MR) * _MR * KC * 4
+NARROW_TILE_OFFSET = NARROW_B_OFFSET + -(-NC // (_LANES * _NV)) * _LANES * _NV * KC * 4
 
 
 @intrinsic
@@ -63,6 +78,15 @@ def narrow_kernel(typingctx, kc, a_addr, lda, b_addr, c_addr):
 
 
 @njit(cache=True, nogil=True)
+def _kept_or_new(base, offset, stop, length):
+    """length float32 elements at base + offset of a kept buffer where they end by stop, else
+    a new array (base 0: no kept buffer)."""
+    if base != 0 and offset + length * 4 <= stop:
+        return scratch.vector_at(base + offset, length, np.float32(0))
+    return np.empty(length, np.float32)
+
+
+@njit(cache=True, nogil=True)
 def narrow_gemm_at(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out_offset):
     """out[out_offset:] as (m, n) = A @ op(B): A the (m, k) rows at a[a_offset:], B the (k, n)
     (or, transposed, (n, k)) matrix at b[b_offset:], all C-contiguous float32; n <= 16. The
@@ -70,24 +94,42 @@ def narrow_gemm_at(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out
     never transposed here."""
     if trans_a or n > NARROW_COLUMNS:
         raise ValueError("narrow_gemm_at: A transposed or C wider than 16 columns")
+    op_a = a[a_offset : a_offset + m * k].reshape((m, k))
+    if n <= ROW_DOT_COLUMNS and trans_b:  # B's columns are the rows of the (n, k) matrix there
+        row_dots(
+            op_a, b[b_offset : b_offset + n * k].reshape((n, k)), out_matrix(out, out_offset, m, n)
+        )
+        return
+    slot = _free_slot()
+    base = scratch.buffer_of(slot) if slot >= 0 else 0
     if n <= ROW_DOT_COLUMNS:  # C's elements as dot products of A's rows and B's columns
-        op_a = a[a_offset : a_offset + m * k].reshape((m, k))
-        c = out[out_offset : out_offset + m * n].reshape((m, n))
-        if trans_b:  # B's columns are the rows of the (n, k) matrix there
-            row_dots(op_a, b[b_offset : b_offset + n * k].reshape((n, k)), c)
-            return
-        columns = np.empty((n, k), np.float32)
+        columns = _kept_or_new(base, 0, NARROW_B_OFFSET, n * k).reshape((n, k))
         for p in range(k):
             for j in range(n):
                 columns[j, p] = b[b_offset + p * n + j]
-        row_dots(op_a, columns, c)
-        return
-    panel = np.zeros(max(k, 1) * NARROW_LANES, np.float32)
+        row_dots(op_a, columns, out_matrix(out, out_offset, m, n))
+        keep_alive((columns,))
+    else:
+        _narrow_panels(m, n, k, trans_b, a, a_offset, b, b_offset, out, out_offset, base)
+    if slot >= 0:
+        scratch.give_back(slot)
+
+
+@njit(cache=True, nogil=True)
+def out_matrix(out, out_offset, m, n):
+    return out[out_offset : out_offset + m * n].reshape((m, n))
+
+
+@njit(cache=True, nogil=True)
+def _narrow_panels(m, n, k, trans_b, a, a_offset, b, b_offset, out, out_offset, base):
+    """The 8 x 16 micro-kernel over A's rows, B in a zero-padded k x 16 panel (n > 12)."""
+    panel = _kept_or_new(base, 0, NARROW_B_OFFSET, max(k, 1) * NARROW_LANES)
+    panel[:] = 0
     for p in range(k):
         for j in range(n):
             at = b_offset + (j * k + p if trans_b else p * n + j)
             panel[p * NARROW_LANES + j] = b[at]
-    tile = np.empty(NARROW_ROWS * NARROW_LANES, np.float32)
+    tile = _kept_or_new(base, NARROW_TILE_OFFSET, scratch.MAPPED_BYTES, NARROW_ROWS * NARROW_LANES)
     full = m - m % NARROW_ROWS
     for i in range(0, m, NARROW_ROWS):
         rows = min(NARROW_ROWS, m - i)
@@ -95,7 +137,8 @@ def narrow_gemm_at(trans_a, trans_b, m, n, k, a, a_offset, b, b_offset, out, out
             a_addr = a.ctypes.data + (a_offset + i * k) * 4
             narrow_kernel(k, a_addr, k, panel.ctypes.data, tile.ctypes.data)
         else:
-            edge = np.zeros(NARROW_ROWS * max(k, 1), np.float32)
+            edge = _kept_or_new(base, NARROW_B_OFFSET, NARROW_TILE_OFFSET, NARROW_ROWS * max(k, 1))
+            edge[:] = 0
             for r in range(rows):
                 for p in range(k):
                     edge[r * k + p] = a[a_offset + (i + r) * k + p]

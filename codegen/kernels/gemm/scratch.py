@@ -7,11 +7,19 @@ compare-and-swap, allocates that slot's buffer once (libc malloc, kept for the l
 process), and frees the slot when it returns. Concurrent calls never share a slot; when all are
 taken, the call allocates as before. At most SLOTS buffers are ever kept.
 
+Each buffer is a mapping of its own (anonymous mmap, page-aligned): only the pages a GEMM
+writes become resident, so the pages a step's products pack into are the ones its plan counts
+(packing.py, category `packing` of the peak), and the checked mode can read them back
+(mincore, codegen/run/packing_check.py). malloc served a buffer from its heap once glibc's
+mmap threshold had grown past its size, whose pages other arrays had made resident before.
+
 The table is memory owned here and published to compiled code as the symbol
 `backplan_gemm_scratch_slots`, so the cached machine code of the GEMM names no address.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 from llvmlite import binding, ir
@@ -23,7 +31,8 @@ from backplan.codegen.kernels.gemm.driver import KC, MC, NC
 from backplan.codegen.kernels.gemm.kernel import TILES
 
 SLOTS = 64
-ALIGN = 64  # bytes: a cache line, and one AVX-512 vector
+PAGE = 4096
+ALIGN = PAGE  # bytes: every buffer starts a page (a mapping of its own)
 # The largest workspace (driver.workspace_sizes) of any tile and dtype: one buffer fits any call.
 # Written out in Python: calling the jitted workspace_sizes here would compile it at import.
 BUFFER_BYTES = max(
@@ -32,6 +41,11 @@ BUFFER_BYTES = max(
     for dtype, (lanes, mr, nv) in tiles.items()
     for size in [4 if dtype == "f32" else 8]
 )
+MAPPED_BYTES = -(-BUFFER_BYTES // PAGE) * PAGE  # each buffer's mapping, whole pages
+# mmap's flags where the platform has anonymous mappings; elsewhere malloc (_MAPS False)
+_MAPS = hasattr(mmap, "MAP_ANONYMOUS")
+_PROT = mmap.PROT_READ | mmap.PROT_WRITE if _MAPS else 0
+_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if _MAPS else 0
 SYMBOL = "backplan_gemm_scratch_slots"
 _SEQ_CST = "seq_cst"
 
@@ -77,10 +91,9 @@ def give_back(typingctx, slot):
 
 @intrinsic
 def buffer_of(typingctx, slot):
-    """The 64-byte aligned address of a taken slot's buffer (BUFFER_BYTES), allocated on first
-    use and never freed; 0 when malloc fails (nothing is kept then, the next call tries again).
-    Aligned as NumPy's and Numba's own arrays are: malloc's large blocks start 16 bytes into
-    a page, and a vector load of a panel would then straddle two cache lines."""
+    """The page-aligned address of a taken slot's buffer (BUFFER_BYTES), mapped on first use
+    and never unmapped; 0 when the mapping fails (nothing is kept then, the next call tries
+    again). A mapping of its own, not malloc's: see the module docstring."""
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
@@ -88,21 +101,43 @@ def buffer_of(typingctx, slot):
         address = builder.load(pointer)
         result = cgutils.alloca_once_value(builder, address)
         with builder.if_then(builder.icmp_unsigned("==", address, ir.Constant(i64, 0))):
-            malloc = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.IntType(8).as_pointer(), [i64]), "malloc"
-            )
-            size = ir.Constant(i64, BUFFER_BYTES + ALIGN)
-            fresh = builder.ptrtoint(builder.call(malloc, [size]), i64)
+            fresh = _mapped(builder, i64)
             builder.store(fresh, pointer)
             builder.store(fresh, result)
-        raw = builder.load(result)
-        aligned = builder.and_(
-            builder.add(raw, ir.Constant(i64, ALIGN - 1)), ir.Constant(i64, -ALIGN)
-        )
-        is_null = builder.icmp_unsigned("==", raw, ir.Constant(i64, 0))
-        return builder.select(is_null, raw, aligned)
+        return builder.load(result)
 
     return types.intp(types.intp), codegen
+
+
+def _mapped(builder, i64):
+    """A fresh mapping of MAPPED_BYTES (mmap; malloc'ed and aligned where the platform has no
+    anonymous mappings) as an integer, 0 on failure."""
+    pointer = ir.IntType(8).as_pointer()
+    size = ir.Constant(i64, MAPPED_BYTES)
+    zero = ir.Constant(i64, 0)
+    if _MAPS:
+        i32 = ir.IntType(32)
+        mmap_fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(pointer, [pointer, i64, i32, i32, i32, i64]), "mmap"
+        )
+        raw = builder.ptrtoint(
+            builder.call(
+                mmap_fn,
+                [
+                    ir.Constant(pointer, None), size, ir.Constant(i32, _PROT),
+                    ir.Constant(i32, _FLAGS), ir.Constant(i32, -1), zero,
+                ],
+            ),
+            i64,
+        )  # fmt: skip
+        failed = builder.icmp_signed("==", raw, ir.Constant(i64, -1))  # MAP_FAILED
+        return builder.select(failed, zero, raw)
+    malloc = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(pointer, [i64]), "malloc"
+    )
+    raw = builder.ptrtoint(builder.call(malloc, [ir.Constant(i64, MAPPED_BYTES + ALIGN)]), i64)
+    aligned = builder.and_(builder.add(raw, ir.Constant(i64, ALIGN - 1)), ir.Constant(i64, -ALIGN))
+    return builder.select(builder.icmp_unsigned("==", raw, zero), zero, aligned)
 
 
 @intrinsic
@@ -138,3 +173,8 @@ def slots_in_use() -> int:
 def buffers_kept() -> int:
     """Slots whose buffer has been allocated: for tests."""
     return int(np.count_nonzero(_table[:, 1]))
+
+
+def kept_buffers() -> list[tuple[int, int]]:
+    """(slot, page-aligned address) of every buffer mapped so far."""
+    return [(slot, int(address)) for slot, address in enumerate(_table[:, 1]) if address]
