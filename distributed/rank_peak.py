@@ -160,7 +160,7 @@ class PlanFacts:
     """Bytes of one compiled plan's call at its peak kernel (ir.peak.PeakReport)."""
 
     inputs: int  # the caller's arrays it reads
-    kept: int  # scratch arena and constants, held for the plan's life
+    kept: int  # scratch arena, constants and GEMM packing pages, held for the plan's life
     outputs: int  # output buffers (outputs, gradients, saved) it allocates per call
     workspace: int  # the most a kernel allocates inside itself
     # outputs of at least REUSE_BYTES: the plan's workspace keeps them after the call, to reuse
@@ -176,7 +176,8 @@ class PlanFacts:
         kinds = ("outputs", "gradients", "saved")
         return cls(
             inputs=held.get("inputs", 0) + held.get("donated", 0),
-            kept=held.get("scratch", 0) + held.get("constants", 0),
+            # the GEMM's packing pages, like the arena, are kept for the plan's life
+            kept=held.get("scratch", 0) + held.get("constants", 0) + held.get("packing", 0),
             outputs=sum(held.get(c, 0) for c in kinds),
             workspace=max(s.held.get("workspace", 0) for s in peak.steps),
             reused=tuple(
