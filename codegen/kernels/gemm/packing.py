@@ -74,7 +74,7 @@ def planned_packing(lowered) -> PackingPlan:
     threads, must count the same bytes."""
     memo = lowered.packing
     if not memo:
-        memo[0] = _plan(lowered.plan.graph.nodes)
+        memo[0] = _plan(lowered.plan.graph.nodes, lowered.layout.workspaces)
     return memo[0]
 
 
@@ -85,7 +85,7 @@ def planned_packing_bytes(lowered) -> int:
 gemm_packing.register(planned_packing_bytes)
 
 
-def _plan(nodes) -> PackingPlan:
+def _plan(nodes, workspaces=None) -> PackingPlan:
     from backplan.codegen.render.choices import pinned
     from backplan.codegen.render.opaque import (
         OpEmitter,
@@ -121,6 +121,14 @@ def _plan(nodes) -> PackingPlan:
         for m, n, k, dtype in _own_conv_products(nodes):
             size = 8 if dtype == "f64" else 4
             first |= _pages(_whole(m, n, k, size, vector_width()))
+        for products, size, slots in _own_attention_products(nodes, workspaces or {}):
+            pages = _pages(
+                [r for m, n, k in products for r in _whole(m, n, k, size, vector_width())]
+            )
+            first |= pages
+            if slots > 1:  # one thread a slot, each packing in a buffer of its own
+                shared |= pages
+                helpers = max(helpers, slots - 1)
     return PackingPlan(frozenset(first), frozenset(shared), helpers, apart)
 
 
@@ -355,6 +363,34 @@ def _own_conv_products(nodes) -> list:
             nt = node.op == "conv2d_weight_grad"
             if conv_gemm_width(m, n, k, node.dtype, trans_b=nt) > ROW_DOTS and m and n and k:
                 found.append((m, n, k, node.dtype))
+    return found
+
+
+def _own_attention_products(nodes, workspaces: dict) -> list:
+    """(the (m, n, k) of its products both ways round, item size, slots) of each fused
+    attention kernel on backplan's GEMM (codegen/kernels/attention.py: per block of at most
+    ROWS query rows and KEYS keys; BLAS where its variant's width is 0), counted as packed
+    whole (a bound); its slots (ir/kernel_workspace.py) are the threads running its pairs."""
+    from backplan.codegen.kernels.attention import _variant  # attention imports the GEMM
+    from backplan.ir.kernel_workspace import KEYS, ROWS, attention_dims, attention_elements
+
+    found = []
+    for node in nodes:
+        if node.op not in ("attention", "attention_grad") or node not in workspaces:
+            continue
+        per = attention_elements(node)
+        if not per:
+            continue  # no rows or no keys: the kernel runs no product
+        slots = max(1, workspaces[node][1] // per)
+        if not _variant(node.op, node, slots > 1)[1]:
+            continue
+        _, t, s, d, dv = attention_dims(node)
+        rows, keys = min(ROWS, t), min(s, KEYS)
+        products = [(rows, keys, d), (rows, dv, keys)]
+        if node.op == "attention_grad":
+            products += [(rows, keys, dv), (keys, dv, rows), (rows, d, keys), (keys, d, rows)]
+        products += [(n, m, k) for m, n, k in products]
+        found.append((products, 8 if node.dtype == "f64" else 4, slots))
     return found
 
 
