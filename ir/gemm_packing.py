@@ -15,11 +15,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 _count: list[Callable | None] = [None]
+_in_place: list[Callable | None] = [None]
 
 
-def register(count: Callable) -> None:
-    """count(lowered plan) -> the bytes of packing panels its products can make resident."""
+def register(count: Callable, in_place: Callable | None = None) -> None:
+    """count(lowered plan) -> the bytes of packing panels its products can make resident;
+    in_place(node, operands) -> see in_place_packing_bytes."""
     _count[0] = count
+    _in_place[0] = in_place
+
+
+def in_place_packing_bytes(node, operands) -> int:
+    """The bytes of packing pages a 2-D matmul writes reading its operands where they live
+    (operands: (transposed?, element strides) each, ir/strided_copies.operand_strides)
+    beyond those it writes on C-contiguous copies of them; 0 where no code generator
+    registered a count (the operands are then read in place)."""
+    count = _in_place[0]
+    return 0 if count is None else count(node, operands)
 
 
 def packing_bytes(lowered) -> int:

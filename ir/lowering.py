@@ -285,7 +285,9 @@ def _prepared(
         plan.shared, plan.copied = shared, copied
     plan, origin = read_in_place(plan, origin, sources)  # F-order arguments: no copy
     later = None if sources is None else {}
-    graph, origin = copy_strided_reshapes(plan.graph, origin, later, earlier, found)
+    # a symbolic plan's sizes copy or read in place the operands its first lowered size did
+    pins = None if plan.shared is None else plan.shared.setdefault(("strided_in_place",), {})
+    graph, origin = copy_strided_reshapes(plan.graph, origin, later, earlier, found, pins)
     if later:  # a node copy_strided_reshapes made -> the node of `interpreted` it computes
         sources.update((v, sources.get(s, s)) for v, s in later.items())
     if graph is not plan.graph:  # each copy a buffer the plan places (ir/strided_copies.py)

@@ -29,6 +29,7 @@ import functools
 import math
 
 from .fusion import internal_shape
+from .gemm_packing import in_place_packing_bytes
 from .graph import Graph, Value, shared_prefix
 from .layout import Roots, reads_its_input, storage_root
 from .reference_storage import c_strides
@@ -49,24 +50,25 @@ def copies_needed(graph: Graph) -> list[Value]:
 _RESHAPE, _LOGSUMEXP = "reshape", "logsumexp"
 
 
-def _needed(graph: Graph, earlier: tuple | None = None) -> dict[Value, object]:
+def _needed(graph: Graph, earlier: tuple | None = None, pins=None) -> dict[Value, object]:
     """node -> how it reads a copy: _RESHAPE (its input, copied), _LOGSUMEXP (its input
     transposed so the reduced axes come last, copied), or {operand index: the batch shape a
     GEMM operand is broadcast to first, or None}. Strides are worked out for views only: any
     other node's buffer is C-contiguous (what `_strides` falls back to for an input it was
-    not given), and most plans hold few views among thousands of nodes. earlier: see
+    not given), and most plans hold few views among thousands of nodes. earlier, pins: see
     copy_strided_reshapes."""
     strides = _Strides()
     needed: dict[Value, object] = {}
     roots = Roots()  # storage roots of the operands asked (_literal), each worked out once
     nodes = graph.nodes
+    start = 0
     if earlier is not None:
-        shared = shared_prefix(earlier[0], nodes)
+        start = shared_prefix(earlier[0], nodes)
         if earlier[1]:
-            after = set(earlier[0][shared:])
+            after = set(earlier[0][start:])
             needed.update((n, how) for n, how in earlier[1].items() if n not in after)
-        nodes = nodes[shared:]
-    for node in nodes:
+        nodes = nodes[start:]
+    for position, node in enumerate(nodes, start):
         if node.op in _VIEWS:
             # only a reshape can need a copy; other views' strides are worked out when read
             if node.op == "reshape" and not is_half(node.dtype) and strides[node] is None:
@@ -74,7 +76,8 @@ def _needed(graph: Graph, earlier: tuple | None = None) -> dict[Value, object]:
         elif node.op == "logsumexp" and _scattered_axes(node) and not is_half(node.dtype):
             needed[node] = _LOGSUMEXP
         elif _own_kernel(node.op):
-            operands = _operand_copies(node, strides, roots)
+            pin = None if pins is None else (pins, position)
+            operands = _operand_copies(node, strides, roots, pin)
             if operands:
                 needed[node] = operands
     return needed
@@ -91,14 +94,14 @@ def _own_kernel(op: str) -> bool:
     return spec.scalar is None and not spec.loop_tail and spec.fusion != "view" and not spec.alias
 
 
-def _operand_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple | None]:
+def _operand_copies(node: Value, strides: dict, roots=None, pin=None) -> dict[int, tuple | None]:
     """The operands of an op compiled as a call of its own that its emitter would copy in the
     driver: a literal (np.full there) or a strided view where it reads a C-contiguous array.
     A GEMM's have rules of their own; concatenate and pad_slice, and attention in its
     token-first layout or with two leading axes, read strided views as they are (attention
     not a literal: the gradient of a sum of its output, which the emitter would np.full)."""
     if node.op == "matmul":
-        return _matmul_copies(node, strides, roots)
+        return _matmul_copies(node, strides, roots, pin)
     attention = node.op in ("attention", "attention_grad")
     strided_ok = node.op in ("concatenate", "pad_slice") or (
         attention and (node.attrs.get("layout", "bhtd") == "bthd" or len(node.inputs[0].shape) == 4)
@@ -120,6 +123,7 @@ def copy_strided_reshapes(
     sources: dict | None = None,
     earlier: tuple | None = None,
     found: list | None = None,
+    pins: dict | None = None,
 ) -> tuple[Graph, dict[Value, Value] | None]:
     """(graph with an explicit copy wherever compiled code would read one: before each
     reshape of a strided view, each GEMM operand that is strided where it lives or broadcast
@@ -129,8 +133,10 @@ def copy_strided_reshapes(
     of graph it computes (a copy: its reader). earlier: (nodes, what `_needed` found for
     them) of a graph whose first nodes may be this one's (a memory plan's row before,
     ir/grouping_resume.py): a node's copies follow from the nodes it reads alone, so only
-    the nodes after the shared ones are asked. found, if given, gets (graph.nodes, needed)."""
-    needed = _needed(graph, earlier)
+    the nodes after the shared ones are asked. found, if given, gets (graph.nodes, needed).
+    pins: a symbolic plan's sizes' dict of whether each 2-D product (by position) copies its
+    strided operands (_copies_cheaper), decided once for all of them."""
+    needed = _needed(graph, earlier, pins)
     if found is not None:
         found.append((graph.nodes, needed))
     if not needed:
@@ -194,21 +200,22 @@ class _Rewrite:
         return _add(self.new, value)
 
 
-def _matmul_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple | None]:
+def _matmul_copies(node: Value, strides: dict, roots=None, pin=None) -> dict[int, tuple | None]:
     """The operands codegen's GEMM (codegen/kernels/matmul.py) reads only after a copy: one
     that is not C-contiguous where it lives once a transpose of its last two axes is taken as
     a flag, or (batched) whose batch is broadcast to the product's other than by a leading 1.
     index -> the batch shape to broadcast it to first (None: copied as it is)."""
     batch = tuple(node.shape[:-2])
     found: dict[int, tuple | None] = {}
+    strided: list[int] = []  # a 2-D product's operands strided where they live
     for i, value in enumerate(node.inputs):
         source = value.inputs[0] if _absorbed(value) else value
         if _literal(source, roots):
             found[i] = None
             continue
         if not batch:  # a 2-D product (most of a deep plan's): only its layout matters
-            if not _contiguous_where_it_lives(source, strides) and not _strided_gemm_dtypes(node):
-                found[i] = None
+            if not _contiguous_where_it_lives(source, strides):
+                strided.append(i)
             continue
         padded = (1,) * (len(batch) - len(source.shape[:-2])) + tuple(source.shape[:-2])
         count = math.prod(padded)
@@ -216,7 +223,27 @@ def _matmul_copies(node: Value, strides: dict, roots=None) -> dict[int, tuple | 
             found[i] = batch
         elif not _contiguous_where_it_lives(source, strides):
             found[i] = None
+    if strided and (not _strided_gemm_dtypes(node) or _copies_cheaper(node, strided, strides, pin)):
+        found.update((i, None) for i in strided)
     return found
+
+
+def _copies_cheaper(node: Value, indices: list, strides: dict, pin=None) -> bool:
+    """Whether a 2-D product's strided operands (`indices`) are copied rather than read where
+    they live: when the copies take no more bytes than the packing pages its GEMM would write
+    reading them there beyond those it writes on the copies (ir/gemm_packing.py; a 5 x 8
+    operand: 160 B copied against 12 KiB of pages, kept by the process). pin: (a symbolic
+    plan's dict, the node's position): its sizes decide as the first one did, so that they
+    keep one graph and one driver."""
+    if pin is not None and pin[1] in pin[0]:
+        return pin[0][pin[1]]
+    copied = sum(math.prod(node.inputs[i].shape) for i in indices) * (
+        8 if node.dtype == "f64" else 4
+    )
+    cheaper = copied <= in_place_packing_bytes(node, operand_strides(node, strides))
+    if pin is not None:
+        pin[0][pin[1]] = cheaper
+    return cheaper
 
 
 def reads_strided_operand(node: Value) -> bool:
@@ -233,6 +260,21 @@ def reads_strided_operand(node: Value) -> bool:
         if not _literal(source) and not _contiguous_where_it_lives(source, strides):
             return True
     return False
+
+
+def operand_strides(node: Value, strides: dict | None = None) -> list[tuple[bool, tuple]]:
+    """(transposed?, element strides of the matrix it reads) of each operand of a 2-D
+    matmul, as codegen's strided GEMM entry is given them (codegen/kernels/matmul.py
+    _strided_matmul: the array under a transpose of its last two axes, taken as a flag).
+    strides: a `_Strides` to share (copy_strided_reshapes's)."""
+    strides = _Strides() if strides is None else strides
+    found = []
+    for value in node.inputs:
+        flag = _absorbed(value)
+        source = value.inputs[0] if flag else value
+        known = strides[source] if source.op in _VIEWS else None
+        found.append((flag, tuple(known or c_strides(internal_shape(source.shape)))))
+    return found
 
 
 def _strided_gemm_dtypes(node: Value) -> bool:

@@ -11,9 +11,11 @@ where B's does and its tile where the tile does). Per product, the byte ranges i
 follow the blocked GEMM's rules (driver.gemm_blocked): A read in place but for a last panel of
 fewer than mr rows, B in place under one row block but for a last panel of fewer than nr
 columns, a narrow or NT product computed as its transpose (symbols.py), a 16-bit (or float32
-beside float64) operand widened while packing, so packed whole; strided operands and
-convolutions' products are counted as if both operands were packed whole (a bound), and so is a
-product with an epilogue over more than MC rows (run MC rows at a time, B in place). A thread's
+beside float64) operand widened while packing, so packed whole; an operand read strided where
+it lives (ir/strided_copies.py) in place where its rows have unit stride, else packed whole, as
+the driver does. Convolutions' products are counted as if both operands were packed whole (a
+bound), and so is a product with an epilogue over more than MC rows (run MC rows at a time, B
+in place). A size of a symbolic plan runs the GEMMs its first size chose (_gemm_choices). A thread's
 buffer holds the pages of every range written into it; the calling thread's takes every
 product's, a helper's (a product shared out, gemm/team.py) only those of shared products: the
 plan counts the first once and the second once per helper. So the figure depends on the threads
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 from backplan.codegen.flags import threads
 from backplan.codegen.kernels.gemm import isa
-from backplan.codegen.kernels.gemm.choice import ROW_DOTS, conv_gemm_width
+from backplan.codegen.kernels.gemm.choice import ROW_DOTS, conv_gemm_width, use_own_gemm
 from backplan.codegen.kernels.gemm.dot_kernel import DOT_MR, DOT_NR
 from backplan.codegen.kernels.gemm.driver import KC, MC, NC
 from backplan.codegen.kernels.gemm.isa import vector_width
@@ -38,6 +40,7 @@ from backplan.codegen.kernels.gemm.kernel import TILES
 from backplan.codegen.kernels.gemm.narrow import NARROW_LANES, NARROW_ROWS, ROW_DOT_COLUMNS
 from backplan.codegen.kernels.gemm.scratch import MAPPED_BYTES, PAGE
 from backplan.ir import gemm_packing
+from backplan.ir.strided_copies import operand_strides
 
 _HALF = ("bf16", "f16")
 
@@ -68,13 +71,14 @@ class PackingPlan:
 def planned_packing(lowered) -> PackingPlan:
     """The PackingPlan of a lowered plan, each matmul's GEMM chosen as its emitter chooses it
     (own_gemm_chosen: the shape, the CPU, BLAS's threads, 16-bit or strided operands; the
-    narrow GEMM: narrow_gemm_chosen). Kept on the plan as first worked out (the memory
-    planner asks it for every plan it weighs): Numba's thread count is per thread, and
-    explain, the planner and the compiled plan's checked mode, which may ask from different
-    threads, must count the same bytes."""
+    narrow GEMM: narrow_gemm_chosen; for a size of a symbolic plan, as its first size chose
+    them: _gemm_choices). Kept on the plan as first worked out (the memory planner asks it
+    for every plan it weighs): Numba's thread count is per thread, and explain, the planner
+    and the compiled plan's checked mode, which may ask from different threads, must count
+    the same bytes."""
     memo = lowered.packing
     if not memo:
-        memo[0] = _plan(lowered.plan.graph.nodes, lowered.layout.workspaces)
+        memo[0] = _plan(lowered.plan.graph.nodes, lowered.layout.workspaces, _gemm_choices(lowered))
     return memo[0]
 
 
@@ -82,10 +86,51 @@ def planned_packing_bytes(lowered) -> int:
     return planned_packing(lowered).nbytes
 
 
-gemm_packing.register(planned_packing_bytes)
+def in_place_packing_bytes(node, operands) -> int:
+    """gemm_packing.in_place_packing_bytes: pages the product writes reading its operands
+    where they live (one thread, run whole), less those it writes on C-contiguous copies
+    (none where its shape runs on BLAS; the GEMM chosen by shape alone, gemm/choice.py)."""
+    m, n = node.shape
+    k = node.inputs[0].shape[-1]
+    if not (m and n and k):
+        return 0
+    (ta, a_strides), (tb, b_strides) = operands
+    size, width = (8 if node.dtype == "f64" else 4), vector_width()
+    unit = (a_strides[-1] == 1, b_strides[-1] == 1)
+    in_place = _pages(_blocked_ranges(m, n, k, ta, tb, size, width, nt=size == 4, unit=unit))
+    copied = set()
+    if use_own_gemm(m, n, k, tb, node.dtype, trans_a=ta):
+        copied = _pages(_blocked_ranges(m, n, k, ta, tb, size, width, nt=size == 4))
+    return max(0, len(in_place) - len(copied)) * PAGE
 
 
-def _plan(nodes, workspaces=None) -> PackingPlan:
+gemm_packing.register(planned_packing_bytes, in_place_packing_bytes)
+
+
+def _gemm_choices(lowered) -> list | None:
+    """For a size of a symbolic plan (ir/symbolic.py): (own GEMM?, its parts, narrow GEMM?)
+    of each matmul, in graph order, as the plan's first size chose them, which its driver
+    replays at every size (codegen/render/choices.py: a product of 7 rows runs the GEMM the
+    first size's 5 rows chose, and writes its pages); kept in the sizes' shared dict. None
+    for any other plan (chosen for its own shapes)."""
+    shared = lowered.plan.shared
+    if shared is None:
+        return None
+    key = ("gemm_packing", lowered.private_saved)
+    found = shared.get(key)
+    if found is None:
+        from backplan.ir.lowering import lower
+
+        first = shared.get("first")
+        plan = first() if first is not None else None
+        source = lowered if plan is None else lower(plan, lowered.private_saved)
+        found = shared.setdefault(key, _free_choices(source.plan.graph.nodes))
+    matmuls = sum(1 for node in lowered.plan.graph.nodes if node.op == "matmul")
+    return found if len(found) == matmuls else None
+
+
+def _free_choices(nodes) -> list[tuple[bool, int, bool]]:
+    """(own GEMM?, parts, narrow GEMM?) of each matmul of `nodes`, chosen for its shape."""
     from backplan.codegen.render.choices import pinned
     from backplan.codegen.render.opaque import (
         OpEmitter,
@@ -93,42 +138,57 @@ def _plan(nodes, workspaces=None) -> PackingPlan:
         own_gemm_chosen,
         own_gemm_parts,
     )
+
+    found = []
+    with pinned(None):  # asked while a plan renders: not one of its pinned choices
+        for node in nodes:
+            if node.op != "matmul":
+                continue
+            own = own_gemm_chosen(OpEmitter, node)
+            narrow = not own and len(node.inputs[0].shape) == 2
+            narrow = narrow and narrow_gemm_chosen(OpEmitter, node)
+            found.append((own, own_gemm_parts(node) if own else 1, narrow))
+    return found
+
+
+def _plan(nodes, workspaces=None, choices=None) -> PackingPlan:
     from backplan.ir.strided_copies import reads_strided_operand
 
     first: set[int] = set()
     shared: set[int] = set()
     helpers = apart = 0
-    with pinned(None):  # asked while a plan renders: not one of its pinned choices
-        for node in nodes:
-            if node.op != "matmul" or 0 in node.shape or 0 in node.inputs[0].shape[-1:]:
-                continue
-            if own_gemm_chosen(OpEmitter, node):
-                ranges = _own_ranges(node, reads_strided_operand(node))
-                parts = own_gemm_parts(node)
-                if len(node.shape) > 2 and parts > 1:
-                    parts = min(threads(), _batch(node))
-                first |= _pages(ranges)  # also what the product writes run whole
-                chunked = _chunk_ranges(node, ranges, parts) if parts > 1 else None
-                if chunked is not None:  # each chunk (gemm/team.py) in any thread's buffer
-                    chunks = _pages(chunked)
-                    first |= chunks
-                    shared |= chunks
-                    helpers = max(helpers, parts - 1)
-            elif len(node.inputs[0].shape) == 2 and narrow_gemm_chosen(OpEmitter, node):
-                ranges, outside = _narrow_ranges(node)
-                first |= _pages(ranges)
-                apart = max(apart, outside)
-        for m, n, k, dtype in _own_conv_products(nodes):
-            size = 8 if dtype == "f64" else 4
-            first |= _pages(_whole(m, n, k, size, vector_width()))
-        for products, size, slots in _own_attention_products(nodes, workspaces or {}):
-            pages = _pages(
-                [r for m, n, k in products for r in _whole(m, n, k, size, vector_width())]
-            )
-            first |= pages
-            if slots > 1:  # one thread a slot, each packing in a buffer of its own
-                shared |= pages
-                helpers = max(helpers, slots - 1)
+    choices = iter(_free_choices(nodes) if choices is None else choices)
+    for node in nodes:
+        if node.op != "matmul":
+            continue
+        own, parts, narrow = next(choices)
+        if 0 in node.shape or 0 in node.inputs[0].shape[-1:]:
+            continue
+        if own:
+            strided = reads_strided_operand(node)
+            ranges = _own_ranges(node, strided)
+            if len(node.shape) > 2 and parts > 1:
+                parts = min(threads(), _batch(node))
+            first |= _pages(ranges)  # also what the product writes run whole
+            chunked = _chunk_ranges(node, ranges, parts) if parts > 1 else None
+            if chunked is not None:  # each chunk (gemm/team.py) in any thread's buffer
+                chunks = _pages(chunked)
+                first |= chunks
+                shared |= chunks
+                helpers = max(helpers, parts - 1)
+        elif narrow:
+            ranges, outside = _narrow_ranges(node)
+            first |= _pages(ranges)
+            apart = max(apart, outside)
+    for m, n, k, dtype in _own_conv_products(nodes):
+        size = 8 if dtype == "f64" else 4
+        first |= _pages(_whole(m, n, k, size, vector_width()))
+    for products, size, slots in _own_attention_products(nodes, workspaces or {}):
+        pages = _pages([r for m, n, k in products for r in _whole(m, n, k, size, vector_width())])
+        first |= pages
+        if slots > 1:  # one thread a slot, each packing in a buffer of its own
+            shared |= pages
+            helpers = max(helpers, slots - 1)
     return PackingPlan(frozenset(first), frozenset(shared), helpers, apart)
 
 
@@ -152,8 +212,10 @@ def _own_ranges(node, strided: bool, shape=None) -> list[tuple[int, int]]:
     if kinds[0] == kinds[1] == "bf16" and isa.bf16_gemm_path() == "dot":
         return _dot_ranges(m, n, k)
     size = 8 if node.dtype == "f64" else 4
-    if strided:  # read where it lies, any strides: both as if packed whole, either way round
-        return _whole(m, n, k, size, width) + _whole(n, m, k, size, width)
+    if strided:  # read where it lies (matmul.own_gemm_strided_at): rows of unit stride or not
+        (_, a_strides), (_, b_strides) = operand_strides(node)
+        unit = (a_strides[-1] == 1, b_strides[-1] == 1)
+        return _blocked_ranges(m, n, k, ta, tb, size, width, nt=size == 4, unit=unit)
     if kinds[0] == kinds[1]:  # one GEMM entry of that dtype (16-bit ones widen both)
         wide = kinds[0] in _HALF
         return _blocked_ranges(m, n, k, ta, tb, size, width, (wide, wide), not wide)
@@ -179,7 +241,11 @@ def _chunk_ranges(node, whole: list, parts: int) -> list[tuple[int, int]] | None
     from backplan.codegen.render.opaque import OpEmitter
     from backplan.ir.strided_copies import reads_strided_operand
 
-    if len(node.shape) != 2 or not FUTEX_AVAILABLE or reads_strided_operand(node):
+    if reads_strided_operand(node):  # chunks of other shapes: both packed whole, a bound
+        m, n = node.shape
+        k, size, width = node.inputs[0].shape[-1], 8 if node.dtype == "f64" else 4, vector_width()
+        return whole + _whole(m, n, k, size, width) + _whole(n, m, k, size, width)
+    if len(node.shape) != 2 or not FUTEX_AVAILABLE:
         return whole
     m, n = node.shape
     tb = OpEmitter.absorbs(node.inputs[1])
@@ -202,26 +268,29 @@ def _chunk_ranges(node, whole: list, parts: int) -> list[tuple[int, int]] | None
 
 
 def _blocked_ranges(
-    m, n, k, ta, tb, size, width, wide=(False, False), nt=True, swappable=True
+    m, n, k, ta, tb, size, width, wide=(False, False), nt=True, swappable=True, unit=(True, True)
 ) -> list[tuple[int, int]]:
-    """driver.gemm_blocked's writes for a product on C-contiguous operands, after
-    symbols._gemm_at_addresses's transposes (swappable: A and B of one dtype; nt: all three
-    float32). wide: whether A, B are widened while packing (packed whole, never in place)."""
+    """driver.gemm_blocked's writes for a product after symbols._gemm_at_addresses's
+    transposes (swappable: A and B of one dtype; nt: all three float32). wide: whether A, B
+    are widened while packing; unit: whether the matrices A and B are read from have rows of
+    unit stride (a strided view's may not): either way not read in place, so packed whole."""
     mr, nr = _tile(width, size)
+    c_rows = True  # C row-major; computed as its transpose, every tile through the edge tile
     if swappable and ta and not tb and n < nr <= m:  # a narrow C of A.T @ B: C.T = B.T @ A
-        m, n = n, m
-    elif nt and size == 4 and _transpose_nt(width, ta, tb, m, n, k, nr):  # C.T = B @ A.T
-        m, n, tb = n, m, True
+        m, n, wide, unit, c_rows = n, m, wide[::-1], unit[::-1], n == 1
+    elif nt and size == 4 and unit[1] and _transpose_nt(width, ta, tb, m, n, k, nr):
+        m, n, tb, unit = n, m, True, unit[::-1]  # C.T = B @ A.T
+    packed = (wide[0] or not unit[0], wide[1] or not unit[1])
     b_off, t_off = _offsets(width, size)
     kc = min(k, KC)
     rows = _blocks(m, MC)
-    if wide[0]:
+    if packed[0]:
         packed_rows = any(mc % mr for mc in rows)
         ranges = [(0, _up(min(m, MC), mr) * kc * size)]
     else:
         packed_rows = any(_packs_rows(width, mr, mc) for mc in rows)
         ranges = [(0, mr * kc * size)] if packed_rows else []
-    in_place = m <= MC and not tb and not wide[1] and (width != 256 or m <= 64)
+    in_place = m <= MC and not tb and not packed[1] and (width != 256 or m <= 64)
     cols = _blocks(n, NC)
     if not in_place:
         ranges.append((b_off, b_off + _up(min(n, NC), nr) * kc * size))
@@ -230,7 +299,7 @@ def _blocked_ranges(
             if nc % nr:
                 last = nc - nc % nr
                 ranges.append((b_off + last * kc * size, b_off + (last + nr) * kc * size))
-    if packed_rows or any(nc % nr for nc in cols):
+    if packed_rows or not c_rows or any(nc % nr for nc in cols):
         ranges.append((t_off, t_off + mr * nr * size))
     return ranges
 
