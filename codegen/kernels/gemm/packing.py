@@ -11,16 +11,16 @@ where B's does and its tile where the tile does). Per product, the byte ranges i
 follow the blocked GEMM's rules (driver.gemm_blocked): A read in place but for a last panel of
 fewer than mr rows, B in place under one row block but for a last panel of fewer than nr
 columns, a narrow or NT product computed as its transpose (symbols.py), a 16-bit (or float32
-beside float64) operand widened while packing, so packed whole; an operand read strided where
-it lives (ir/strided_copies.py) in place where its rows have unit stride, else packed whole, as
-the driver does. Convolutions' products are counted as if both operands were packed whole (a
-bound), and so is a product with an epilogue over more than MC rows (run MC rows at a time, B
-in place). A size of a symbolic plan runs the GEMMs its first size chose (_gemm_choices). A thread's
-buffer holds the pages of every range written into it; the calling thread's takes every
-product's, a helper's (a product shared out, gemm/team.py) only those of shared products: the
-plan counts the first once and the second once per helper. So the figure depends on the threads
-a product is shared between (codegen/flags.threads(), when the plan is made), and explain says
-so.
+beside float64) operand widened while packing, so packed whole; an operand read strided where it
+lives (ir/strided_copies.py) in place where its rows have unit stride, else packed whole, as the
+driver does; a convolution's product as a matmul of its C-contiguous workspace slices (at the
+tile width conv_gemm_width chose). A product with an epilogue over more than MC rows (run MC
+rows at a time, B in place) is counted as run whole (B packed: a bound). A size of a symbolic
+plan runs the GEMMs its first size chose (_gemm_choices). A thread's buffer holds the pages of
+every range written into it; the calling thread's takes every product's, a helper's (a product
+shared out, gemm/team.py) only those of shared products: the plan counts the first once and the
+second once per helper. So the figure depends on the threads a product is shared between
+(codegen/flags.threads(), when the plan is made), and explain says so.
 
 >>> bounds(64, 512, 300, 4, (8, 32), (256, 128, 2048))  # 64 x 256 and 256 x 512 floats
 (65536, 524288, 4096)
@@ -180,11 +180,11 @@ def _plan(nodes, workspaces=None, choices=None) -> PackingPlan:
             ranges, outside = _narrow_ranges(node)
             first |= _pages(ranges)
             apart = max(apart, outside)
-    for m, n, k, dtype in _own_conv_products(nodes):
-        size = 8 if dtype == "f64" else 4
-        first |= _pages(_whole(m, n, k, size, vector_width()))
+    for m, n, k, ta, tb, size, width in _own_conv_products(nodes):
+        first |= _pages(_blocked_ranges(m, n, k, ta, tb, size, width))
     for products, size, slots in _own_attention_products(nodes, workspaces or {}):
-        pages = _pages([r for m, n, k in products for r in _whole(m, n, k, size, vector_width())])
+        width = vector_width()
+        pages = _pages([r for p in products for r in _blocked_ranges(*p, size, width)])
         first |= pages
         if slots > 1:  # one thread a slot, each packing in a buffer of its own
             shared |= pages
@@ -422,26 +422,29 @@ def _pages(ranges) -> set[int]:
 
 
 def _own_conv_products(nodes) -> list:
-    """(m, n, k, dtype) of each convolution's product that runs on backplan's GEMM."""
+    """(m, n, k, trans_a, trans_b, item size, tile width) of each convolution's product that
+    runs on backplan's GEMM (codegen/kernels/conv.py _product: C-contiguous slices of its
+    workspace, the weights' matrix first; the input gradient's transposed, the weight
+    gradient's columns transposed), which packs as a matmul of those operands."""
     from backplan.codegen.kernels.conv import _product_shape  # conv imports the GEMM
 
     found = []
     for node in nodes:
         if node.op in ("conv2d", "conv2d_input_grad", "conv2d_weight_grad"):
             m, n, k = _product_shape(node, node.op)
-            nt = node.op == "conv2d_weight_grad"
-            if conv_gemm_width(m, n, k, node.dtype, trans_b=nt) > ROW_DOTS and m and n and k:
-                found.append((m, n, k, node.dtype))
+            ta, tb = node.op == "conv2d_input_grad", node.op == "conv2d_weight_grad"
+            width = conv_gemm_width(m, n, k, node.dtype, trans_b=tb)
+            if width > ROW_DOTS and m and n and k:
+                found.append((m, n, k, ta, tb, 8 if node.dtype == "f64" else 4, width))
     return found
 
 
 def _own_attention_products(nodes, workspaces: dict) -> list:
-    """(the (m, n, k) of its products both ways round, item size, slots) of each fused
-    attention kernel on backplan's GEMM (codegen/kernels/attention.py: per block of at most
-    ROWS query rows and KEYS keys; BLAS where its variant's width is 0), counted as packed
-    whole (a bound); its slots (ir/kernel_workspace.py) are the threads running its pairs."""
+    """(its products' (m, n, k, trans_a, trans_b), item size, slots) of each fused attention
+    kernel on backplan's GEMM (BLAS where its variant's width is 0); its slots (ir/
+    kernel_workspace.py) are the threads running its pairs."""
     from backplan.codegen.kernels.attention import _variant  # attention imports the GEMM
-    from backplan.ir.kernel_workspace import KEYS, ROWS, attention_dims, attention_elements
+    from backplan.ir.kernel_workspace import attention_elements
 
     found = []
     for node in nodes:
@@ -453,14 +456,36 @@ def _own_attention_products(nodes, workspaces: dict) -> list:
         slots = max(1, workspaces[node][1] // per)
         if not _variant(node.op, node, slots > 1)[1]:
             continue
-        _, t, s, d, dv = attention_dims(node)
-        rows, keys = min(ROWS, t), min(s, KEYS)
-        products = [(rows, keys, d), (rows, dv, keys)]
-        if node.op == "attention_grad":
-            products += [(rows, keys, dv), (keys, dv, rows), (rows, d, keys), (keys, d, rows)]
-        products += [(n, m, k) for m, n, k in products]
-        found.append((products, 8 if node.dtype == "f64" else 4, slots))
+        found.append((attention_products(node), 8 if node.dtype == "f64" else 4, slots))
     return found
+
+
+def attention_products(node) -> set[tuple[int, int, int, bool, bool]]:
+    """(m, n, k, trans_a, trans_b) of every product an attention kernel runs on one (batch,
+    head) pair (codegen/kernels/attention.py): per block of at most ROWS query rows, against
+    the keys it sees (all, or under the causal mask those up to its last row), at most KEYS
+    of them a tile past KEYS; forward P = Q K^T and P V, backward also dP = G V^T,
+    dV += P^T G, dQ = dS K and dK += dS^T Q. Operands with rows of unit stride (C-contiguous
+    workspace blocks, rows of q, k, v, g and their gradients)."""
+    from backplan.ir.kernel_workspace import KEYS, ROWS, attention_dims
+
+    _, length, keys, d, dv = attention_dims(node)
+    grad, causal = node.op == "attention_grad", bool(node.attrs.get("causal"))
+    found = set()
+    for first in range(0, length, ROWS):
+        rows = min(ROWS, length - first)
+        seen = min(first + rows, keys) if causal else keys
+        tiles = [min(KEYS, seen - s) for s in range(0, seen, KEYS)] if keys > KEYS else [seen]
+        for cols in set(tiles):
+            found |= {(rows, cols, d, False, True), (rows, dv, cols, False, False)}
+            if grad:
+                found |= {
+                    (rows, cols, dv, False, True),
+                    (cols, dv, rows, True, False),
+                    (rows, d, cols, False, False),
+                    (cols, d, rows, True, False),
+                }
+    return {p for p in found if p[0] and p[1] and p[2]}
 
 
 def bounds(m: int, n: int, k: int, size: int, tile: tuple, blocks: tuple) -> tuple:
