@@ -10,7 +10,9 @@ mode refuses a driver that still allocates (codegen/render/driver_allocations.py
 
 A 2-D float32 / float64 GEMM reads an operand that is strided where it lives in place
 (reads_strided_operand): backplan's GEMM takes any strides; only a literal operand, a 16-bit
-one and a batched product's operands are copied.
+one, a batched product's operands, and operands whose copies take no more bytes than the
+packing pages reading them in place would add (_copies_cheaper: small ones, whose pages are
+mostly padding, and ones the GEMM would pack whole anyway, kept by the process) are copied.
 
 Codegen's rule is mirrored (codegen/render/placement.py): every buffer is C-contiguous, a
 transpose, slice or broadcast derives its strides from its input's, and a reshape of a
