@@ -34,7 +34,7 @@ from backplan.codegen.flags import threads
 from backplan.codegen.kernels.gemm import isa
 from backplan.codegen.kernels.gemm.choice import ROW_DOTS, conv_gemm_width, use_own_gemm
 from backplan.codegen.kernels.gemm.dot_kernel import DOT_MR, DOT_NR
-from backplan.codegen.kernels.gemm.driver import KC, MC, NC
+from backplan.codegen.kernels.gemm.driver import KC, LARGE_B_BYTES, MC, NC
 from backplan.codegen.kernels.gemm.isa import vector_width
 from backplan.codegen.kernels.gemm.kernel import TILES
 from backplan.codegen.kernels.gemm.narrow import NARROW_LANES, NARROW_ROWS, ROW_DOT_COLUMNS
@@ -233,7 +233,8 @@ def _narrower(kind: str, result: str) -> bool:
 
 def _chunk_ranges(node, whole: list, parts: int) -> list[tuple[int, int]] | None:
     """The ranges the chunks of a product shared between `parts` threads write (team._split:
-    rows of C, at most MC of them where B is read in place, or columns of C); `whole` where
+    rows of C, at most MC of them where B is read in place, unless B is LARGE_B_BYTES or more:
+    columns of C then, as where B is packed); `whole` where
     the chunks are not modelled (strided operands; no futexes: blocks of gemm/parallel.py),
     a bound; None where the product is too small to cut (it runs whole, no helper)."""
     from backplan.codegen.kernels.atomics import FUTEX_AVAILABLE
@@ -252,8 +253,9 @@ def _chunk_ranges(node, whole: list, parts: int) -> list[tuple[int, int]] | None
     size = 8 if node.dtype == "f64" else 4
     mr, nr = _tile(vector_width(), size)
     b_in_place = not tb and node.inputs[1].dtype == node.dtype
+    shared_b = b_in_place and node.inputs[0].shape[-1] * n * size < LARGE_B_BYTES
     pieces = parts * CHUNKS_PER_THREAD
-    if m >= 2 * mr and (b_in_place or m >= n or n < 2 * nr):
+    if m >= 2 * mr and (shared_b or m >= n or n < 2 * nr):
         step = _up(-(-m // pieces), mr)
         step = min(step, MC) if b_in_place else step
         shapes = {(step, n)} | ({(m % step, n)} if m % step else set())
