@@ -14,6 +14,7 @@ import pytest
 
 import backplan as bp
 from backplan.codegen.kernels import attention
+from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.kernels.gemm import vector_width
 from backplan.codegen.render.emit import generate
 from backplan.codegen.run.memory_check import checked_memory, measure
@@ -99,6 +100,9 @@ def test_the_kernels_allocate_nothing_but_their_arguments_boxes(tile):
     rng = np.random.default_rng(3)
     q, k, v, g = (rng.standard_normal((2, 3, 9, 5)).astype(np.float32) for _ in range(4))
     out, dq, dk, dv = (np.empty_like(q) for _ in range(4))
+    # read-only, as a plan passes them: a writable variant would be one more compile, and
+    # test_conv_variants checks that no compiled attention variant takes writable inputs
+    q, k, v, g = (as_read_only(x) for x in (q, k, v, g))
     one = attention.slot_workspace(q, k, v, tile)
     two = attention.slot_workspace(q, k, v, tile, slots=2)
     per = one.shape[0]
