@@ -14,8 +14,8 @@ import pytest
 
 import backplan as bp
 from backplan.codegen.kernels import attention
-from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.kernels.gemm import vector_width
+from backplan.codegen.kernels.views import as_read_only
 from backplan.codegen.render.emit import generate
 from backplan.codegen.run.memory_check import checked_memory, measure
 from backplan.ir.kernel_workspace import attention_slot_elements
