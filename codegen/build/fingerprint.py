@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import warnings
 
 CODEGEN_VERSION = "1"
 # The code generator's top folder: every room under it is part of the fingerprint.
@@ -50,6 +51,58 @@ LOWERING_FILES = (
 )
 
 
+def _fingerprinted_paths() -> list[str]:
+    here = CODEGEN_ROOT
+    paths = [
+        os.path.join(folder, name)
+        for folder, _, files in os.walk(here)
+        for name in files
+        if name.endswith(".py")
+        and os.path.relpath(os.path.join(folder, name), here) not in NOT_FINGERPRINTED
+    ]
+    ir_root = os.path.join(os.path.dirname(here), "ir")
+    return sorted(paths) + [os.path.join(ir_root, name) for name in LOWERING_FILES]
+
+
+def _stamps() -> tuple:
+    """Each fingerprinted file's modification time and size (a stat each: under 1 ms)."""
+    stamps = []
+    for path in _fingerprinted_paths():
+        try:
+            info = os.stat(path)
+        except OSError:
+            stamps.append((path, None))
+            continue
+        stamps.append((path, info.st_mtime_ns, info.st_size))
+    return tuple(stamps)
+
+
+# The files as this process imported them (with the package, `import backplan` imports this
+# module). The code a process compiles is the code it imported, but a fingerprint reads the files:
+# after an upgrade or a checkout under a running process, the files' fingerprint would label
+# the process's older code, and every later process would load that older code from the
+# shared cache as the new version's (seen: a changed float32 tanh served stale from the cache).
+_IMPORTED_STAMPS = _stamps()
+
+
+@functools.cache
+def _stale_process_salt() -> bytes:
+    """b"" while the files are those this process imported; else a salt of this process's own,
+    so its kernels are neither read from nor written to any other process's cache entries."""
+    if _stamps() == _IMPORTED_STAMPS:
+        return b""
+    from backplan.codegen.build.cache_signing import CacheWarning
+
+    warnings.warn(
+        "backplan's files changed on disk after this process imported them (an upgrade or a "
+        "checkout): it compiles what it imported without reading or writing the shared kernel "
+        "cache; restart the process to use the cache again",
+        CacheWarning,
+        stacklevel=2,
+    )
+    return os.urandom(16)
+
+
 @functools.cache
 def codegen_fingerprint() -> str:
     """Numba's cache of a generated kernel keys on the kernel's own source and does not notice
@@ -71,6 +124,7 @@ def codegen_fingerprint() -> str:
         with open(os.path.join(ir_root, name), "rb") as f:
             digest.update(b"ir/" + name.encode() + f.read())
     digest.update(_gemm_blocking().encode())
+    digest.update(_stale_process_salt())
     return digest.hexdigest()[:16]
 
 
@@ -126,4 +180,5 @@ def kernel_fingerprint(gemm: bool = False) -> str:
             digest.update(name.encode() + f.read())
     if gemm:
         digest.update(_gemm_blocking().encode())
+    digest.update(_stale_process_salt())
     return digest.hexdigest()[:16]
