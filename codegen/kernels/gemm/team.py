@@ -13,10 +13,13 @@ with scratch buffers of its own thread.
 The chunks: with B read in place by the single-core GEMM (not transposed, unit column stride)
 and smaller than driver.LARGE_B_BYTES, row blocks of C of at most MC rows, each packing only its
 own rows of A; else column blocks (each packing its columns of B and all of A) unless C has
-many more rows than columns. Row chunks of a larger B each read all of it from beyond L2: the
-mlp's 128 x 784 @ 784 x 512 shared in four 32-row chunks never ran above one core's rate
-(bench.gemm --threads 2, 7 rounds: at most 111 GFLOP/s, torch 156); the same chunks one after
-another on one core took 1,073 us against 1,008 for four 128-column chunks (thread CPU).
+many more rows than columns. Row chunks of a larger B each read all of it from beyond L2 (and
+read it row by row first, driver.touch_rows): the mlp's 128 x 784 @ 784 x 512 as four 32-row
+chunks one after another on one core took 1,073 us against 1,008 for four 128-column chunks
+(thread CPU); shared by two threads with B warm, either cut ran at 190-222 GFLOP/s.
+On a loaded machine the scheduler wakes a helper on the caller's CPU (the two then take turns
+on it: 110 GFLOP/s, where the same product with the helper and the caller pinned to different
+CPUs ran 216-222); a quiet machine has an idle CPU to wake it on.
 
 The control block is memory owned here, published to compiled code as the symbol
 `backplan_gemm_team` (so cached machine code names no address). The helpers are Python
