@@ -51,7 +51,7 @@ LOWERING_FILES = (
 )
 
 
-def _fingerprinted_paths() -> list[str]:
+def _codegen_paths() -> list[str]:
     here = CODEGEN_ROOT
     paths = [
         os.path.join(folder, name)
@@ -60,8 +60,12 @@ def _fingerprinted_paths() -> list[str]:
         if name.endswith(".py")
         and os.path.relpath(os.path.join(folder, name), here) not in NOT_FINGERPRINTED
     ]
-    ir_root = os.path.join(os.path.dirname(here), "ir")
-    return sorted(paths) + [os.path.join(ir_root, name) for name in LOWERING_FILES]
+    return sorted(paths)
+
+
+def _fingerprinted_paths() -> list[str]:
+    ir_root = os.path.join(os.path.dirname(CODEGEN_ROOT), "ir")
+    return _codegen_paths() + [os.path.join(ir_root, name) for name in LOWERING_FILES]
 
 
 def _stamps() -> tuple:
@@ -109,14 +113,7 @@ def codegen_fingerprint() -> str:
     edits to the library code it inlines, so the key covers those files too."""
     here = CODEGEN_ROOT
     digest = hashlib.sha256(CODEGEN_VERSION.encode())
-    paths = [
-        os.path.join(folder, name)
-        for folder, _, files in os.walk(here)
-        for name in files
-        if name.endswith(".py")
-        and os.path.relpath(os.path.join(folder, name), here) not in NOT_FINGERPRINTED
-    ]
-    for path in sorted(paths):
+    for path in _codegen_paths():
         with open(path, "rb") as f:
             digest.update(os.path.relpath(path, here).encode() + f.read())
     ir_root = os.path.join(os.path.dirname(here), "ir")
