@@ -430,7 +430,7 @@ def _heads(ctx: OpEmitter, node: Value, value: Value) -> str:
     is when there are exactly two leading axes, or in the "bthd" layout (a transposed view of
     the (B, T, H, D) value); otherwise a contiguous reshape."""
     if _tokens_first(node):
-        return f"transposed({ctx.array(value, contiguous=False)}, 0, 2, 1, 3)"
+        return f'transposed({ctx.array(value, contiguous=False)}, "0,2,1,3")'
     lead = value.shape[:-2]
     if len(lead) == 2:
         return ctx.array(value, contiguous=False)
@@ -441,7 +441,7 @@ def _written(node: Value, buffer: str, shape: tuple) -> str:
     """The 4-D (batch, heads, length, features) view the kernel writes of a contiguous buffer
     holding a value of this shape (the node's layout)."""
     if _tokens_first(node):
-        return f"transposed({buffer}.reshape({tuple(shape)!r}), 0, 2, 1, 3)"
+        return f'transposed({buffer}.reshape({tuple(shape)!r}), "0,2,1,3")'
     return f"{buffer}.reshape({_heads_shape(shape[:-2], shape[-2:])!r})"
 
 

@@ -222,8 +222,8 @@ def emit_logsumexp(ctx: OpEmitter, node: Value, out: str) -> list[str]:
     source = ctx.array(x)
     if list(axes) != list(range(axes[0], axes[-1] + 1)):
         kept = [a for a in range(len(x.shape)) if a not in axes]
-        perm = ", ".join(str(a) for a in kept + list(axes))
-        source = f"np.ascontiguousarray(transposed({source}, {perm}))"
+        perm = ",".join(str(a) for a in kept + list(axes))
+        source = f'np.ascontiguousarray(transposed({source}, "{perm}"))'
         pre, n, post = (
             math.prod(x.shape[a] for a in kept),
             math.prod(x.shape[a] for a in axes),

@@ -376,13 +376,25 @@ def transposed(array, *axes):
     3.6 CPU s cold against 0.4 without it), and every call allocated four small arrays
     (NUMBA_NRT_STATS: 5 allocations a call against 1). Here the axes are literals, so the
     shape and strides are permuted as it compiles: nothing is checked (the code generator wrote
-    the axes from the IR) and nothing allocated. The result's type is Numba's (layout "A")."""
-    return array.transpose(axes)
+    the axes from the IR) and nothing allocated. The result's type is Numba's (layout "A").
+    Drivers write the axes as one string ("0,2,1,3"): a size-generic driver reads every number
+    of its text at run time (codegen/render/lift.py), and these must be known as it compiles."""
+    return array.transpose(_axes(axes))
+
+
+def _axes(axes: tuple) -> tuple:
+    """The axes as ints, from ints or from one string of them ("0,2,1,3")."""
+    if len(axes) == 1 and isinstance(axes[0], str):
+        return tuple(int(axis) for axis in axes[0].split(","))
+    return axes
 
 
 @overload(transposed, prefer_literal=True)
 def _transposed_compiled(array, *axes):
-    perm = tuple(getattr(axis, "literal_value", None) for axis in axes)
+    if len(axes) == 1 and isinstance(axes[0], types.StringLiteral):
+        perm = _axes((axes[0].literal_value,))
+    else:
+        perm = tuple(getattr(axis, "literal_value", None) for axis in axes)
     if not isinstance(array, types.Array) or sorted(perm, key=str) != list(range(array.ndim)):
         return None
     permute = _permutation(perm)

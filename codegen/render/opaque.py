@@ -164,8 +164,8 @@ class OpEmitter:
         if node.op == "transpose":
             if not node.shape:
                 return [f"{name} = {src}"]
-            perm = ", ".join(str(p) for p in node.attrs["perm"])
-            return [f"{name} = transposed({src}, {perm})"]  # codegen/kernels/views.py
+            perm = ",".join(str(p) for p in node.attrs["perm"])
+            return [f'{name} = transposed({src}, "{perm}")']  # codegen/kernels/views.py
         slices = ", ".join(
             f"{a}:{'' if b < 0 else b}:{c}"
             for a, b, c in zip(
