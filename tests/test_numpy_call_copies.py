@@ -19,7 +19,9 @@ from backplan.codegen.run.memory_check import checked_memory
 from backplan.runtime.backend import use_backend
 
 CALLS = 3
-SLACK = 65_536  # Python's own objects during a call; a missed copy of x is 524,288
+# Python's own objects during a call (on numba up to ~73 KB when a call overlaps the driver's
+# background build, which allocates in the same process); a missed copy of x is 524,288
+SLACK = 131_072
 
 
 @pytest.fixture(params=["numba", "reference"])
